@@ -1,0 +1,42 @@
+# Switchyard: `make run` starts the three services, `make test` runs the tests.
+# Both set up the virtual environment on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SY     := $(VENV)/bin/switchyard
+STAMP  := $(VENV)/.installed
+INDEX  ?= data/index
+
+.PHONY: install run test proto index lint bench clean
+
+install: $(STAMP)
+
+# requirements.lock pins every package CI installs (torch pinned to the CPU
+# build; an open range would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+proto: $(STAMP)
+	$(PY) tools/gen_proto.py
+
+$(INDEX)/index.faiss: | $(STAMP)
+	$(SY) index --out $(INDEX)
+
+index: $(INDEX)/index.faiss
+
+run: $(STAMP) $(INDEX)/index.faiss
+	$(SY) up
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP) $(INDEX)/index.faiss
+	$(SY) bench compare
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

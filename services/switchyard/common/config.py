@@ -1,0 +1,353 @@
+"""Typed configuration: one class per concern under one aggregate.
+
+Files (in ``SWITCHYARD_CONFIG_DIR``, default ``config/``):
+
+- ``queue.json``: queue groups, double-buffer flush, model gateway.
+- ``scheduler_config.json``: dispatcher scheduling and compute score.
+- ``memory_policy.toml``: memory tiers (hbm, dram, oss) and scans.
+- ``switchyard.json``: ports, addresses, engine choice and engine parameters.
+
+File names and keys of the first three come from the field reports quoted in
+the design notes. Every field has a default and a range check; a bad file raises
+:class:`ConfigError` naming the file, the key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from switchyard.common import envs
+
+
+class ConfigError(Exception):
+    """A config file is missing, unparsable or holds a value out of range."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- queue.json
+
+
+class QueueConfig(_Strict):
+    capacity: int = Field(ge=1, le=1_000_000, description="Most items waiting; a full queue rejects.")
+    workers: int = Field(ge=1, le=1024, description="Items processed concurrently.")
+    timeout_ms: int = Field(ge=1, le=3_600_000, description="Longest wait in the queue before DEADLINE_EXCEEDED.")
+
+
+class QueueGroups(_Strict):
+    orchestration: QueueConfig = QueueConfig(capacity=2048, workers=16, timeout_ms=3000)
+    retrieval: QueueConfig = QueueConfig(capacity=1024, workers=8, timeout_ms=2000)
+    inference: QueueConfig = QueueConfig(capacity=512, workers=4, timeout_ms=30000)
+
+
+class FlushConfig(_Strict):
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Flush when the active buffer holds this many.")
+    flush_interval_ms: float = Field(20, gt=0, le=10_000, description="Flush a non-empty buffer this often.")
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ModelGatewayConfig(_Strict):
+    base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
+    api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the variable holding the API key.")
+    default_model: str = "claude-sonnet-4-5"
+    fallback_model: str = "gpt-4o-mini"
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if not _ENV_NAME.match(value):
+            raise ValueError("expected an environment variable name such as TAOTOKEN_API_KEY")
+        return value
+
+
+class QueueFile(_Strict):
+    queues: QueueGroups = QueueGroups()
+    flush: FlushConfig = FlushConfig()
+    model_gateway: ModelGatewayConfig = ModelGatewayConfig()
+
+
+# --------------------------------------------------------------------------- scheduler_config.json
+
+
+class ComputeScoreWeights(_Strict):
+    cuda_util: float = Field(0.2, ge=0, le=1)
+    bandwidth_util: float = Field(0.2, ge=0, le=1)
+    tensor_util: float = Field(0.6, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> "ComputeScoreWeights":
+        total = self.cuda_util + self.bandwidth_util + self.tensor_util
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"weights must sum to 1.0, got {self.cuda_util} + {self.bandwidth_util} + {self.tensor_util} = {total:g}"
+            )
+        return self
+
+
+class PriorityBoost(_Strict):
+    core: float = Field(10, gt=0)
+    normal: float = Field(5, gt=0)
+    batch: float = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PriorityBoost":
+        if not self.core >= self.normal >= self.batch:
+            raise ValueError(f"expected core >= normal >= batch, got {self.core}, {self.normal}, {self.batch}")
+        return self
+
+
+class SchedulerFile(_Strict):
+    time_slice_ms: float = Field(20, gt=0, le=10_000, description="Decode steps run this long between re-evaluations.")
+    compute_score_weights: ComputeScoreWeights = ComputeScoreWeights()
+    low_load_threshold: float = Field(30, ge=0, le=100)
+    high_load_threshold: float = Field(80, ge=0, le=100)
+    max_running_agents: int = Field(10, ge=1, le=100_000)
+    priority_boost: PriorityBoost = PriorityBoost()
+    preemption_enabled: bool = True
+    preemption_grace_ms: float = Field(50, ge=0, le=60_000)
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> "SchedulerFile":
+        if self.low_load_threshold >= self.high_load_threshold:
+            raise ValueError(
+                f"low_load_threshold ({self.low_load_threshold}) must be below "
+                f"high_load_threshold ({self.high_load_threshold})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- memory_policy.toml
+
+
+class HbmTier(_Strict):
+    capacity_ratio: float = Field(0.85, gt=0, le=1)
+    evict_threshold: float = Field(1.0e6, ge=0)
+    emergency_evict_ratio: float = Field(0.9, gt=0, le=1)
+    defrag_trigger_score: float = Field(30, ge=0, le=100)
+
+
+class DramTier(_Strict):
+    backend: Literal["redis"] = "redis"
+    host: str = "127.0.0.1"
+    port: int = Field(6379, ge=1, le=65535)
+    db: int = Field(0, ge=0, le=15)
+    promote_threshold: float = Field(1.0e6, ge=0)
+    demote_threshold: float = Field(1.0e3, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "DramTier":
+        if self.demote_threshold >= self.promote_threshold:
+            raise ValueError(
+                f"demote_threshold ({self.demote_threshold}) must be below promote_threshold ({self.promote_threshold})"
+            )
+        return self
+
+
+class OssTier(_Strict):
+    path: str = "./cold_data"
+    archive_interval_sec: float = Field(3600, gt=0)
+
+
+class ScanConfig(_Strict):
+    hbm_scan_interval_sec: float = Field(300, gt=0)
+    dram_scan_interval_sec: float = Field(3600, gt=0)
+
+
+class MemoryPolicyFile(_Strict):
+    hbm: HbmTier = HbmTier()
+    dram: DramTier = DramTier()
+    oss: OssTier = OssTier()
+    scan: ScanConfig = ScanConfig()
+
+
+# --------------------------------------------------------------------------- switchyard.json
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="In-flight streams get this long to finish.")
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=4096, le=1 << 30)
+
+
+def _port(default: int) -> Any:
+    return Field(default, ge=0, le=65535, description="0 picks a free port.")
+
+
+class OrchestratorConfig(_Strict):
+    port: int = _port(50051)
+    metrics_port: int = _port(9101)
+    retrieval_addr: str = "127.0.0.1:50052"
+    dispatcher_addr: str = "127.0.0.1:50053"
+    default_task_type: str = "rag_answer"
+    default_max_tokens: int = Field(128, ge=1, le=32768)
+    cpu_pool_threads: int = Field(4, ge=1, le=256, description="Threads for CPU-bound DAG steps.")
+    task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
+
+
+class RetrievalConfig(_Strict):
+    port: int = _port(50052)
+    metrics_port: int = _port(9102)
+    index_dir: str = "data/index"
+    top_k: int = Field(4, ge=1, le=1000)
+    max_top_k: int = Field(50, ge=1, le=10_000)
+    chunk_chars: int = Field(1200, ge=100, le=100_000)
+    chunk_overlap_chars: int = Field(150, ge=0)
+    embed_batch_size: int = Field(32, ge=1, le=4096)
+    embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _overlap(self) -> "RetrievalConfig":
+        if self.chunk_overlap_chars >= self.chunk_chars:
+            raise ValueError(
+                f"chunk_overlap_chars ({self.chunk_overlap_chars}) must be below chunk_chars ({self.chunk_chars})"
+            )
+        if self.top_k > self.max_top_k:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed max_top_k ({self.max_top_k})")
+        return self
+
+
+class DispatcherConfig(_Strict):
+    port: int = _port(50053)
+    metrics_port: int = _port(9103)
+    engine: Literal["sim", "openai", "torch"] = "sim"
+
+
+class SimEngineConfig(_Strict):
+    """Latency model of the ``sim`` engine, in milliseconds (see engines/sim.py for sources)."""
+
+    model: str = "sim-7b"
+    prefill_overhead_ms: float = Field(5.0, ge=0)
+    prefill_per_token_ms: float = Field(0.025, ge=0)
+    decode_base_ms: float = Field(4.2, ge=0)
+    decode_per_seq_ms: float = Field(0.15, ge=0)
+    kv_bytes_per_token: int = Field(524_288, ge=0)
+
+
+class ServiceFile(_Strict):
+    server: ServerConfig = ServerConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    retrieval: RetrievalConfig = RetrievalConfig()
+    dispatcher: DispatcherConfig = DispatcherConfig()
+    sim: SimEngineConfig = SimEngineConfig()
+
+
+# --------------------------------------------------------------------------- aggregate
+
+
+class SwitchyardConfig(_Strict):
+    """Everything a service reads at start-up. Build it with :func:`load_config`."""
+
+    queue: QueueFile = QueueFile()
+    scheduler: SchedulerFile = SchedulerFile()
+    memory: MemoryPolicyFile = MemoryPolicyFile()
+    service: ServiceFile = ServiceFile()
+    config_dir: str = "config"
+
+    def with_overrides(self, **sections: Any) -> "SwitchyardConfig":
+        """A copy with dotted keys replaced, e.g. ``{"queue.flush.max_batch_size": 1}``.
+
+        Raises:
+            ConfigError: a replaced value fails validation.
+        """
+        data = self.model_dump()
+        for dotted, value in sections.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                node = node[key]
+            node[leaf] = value
+        try:
+            return SwitchyardConfig.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_describe("overrides", exc)) from None
+
+
+FILES: dict[str, tuple[str, type[BaseModel]]] = {
+    "queue": ("queue.json", QueueFile),
+    "scheduler": ("scheduler_config.json", SchedulerFile),
+    "memory": ("memory_policy.toml", MemoryPolicyFile),
+    "service": ("switchyard.json", ServiceFile),
+}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _describe(path: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        value = err.get("input")
+        expected = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            expected = "no such key (a typo?)"
+        elif err["type"] == "missing":
+            value = "(missing)"
+        lines.append(f"{path}: key '{key}' has value {value!r}; expected: {expected}")
+    return "\n".join(lines)
+
+
+def load_file(path: Path, model: type[M]) -> M:
+    """Parse and validate one config file (JSON or TOML by extension).
+
+    A missing file yields the model's defaults.
+
+    Raises:
+        ConfigError: the file is unparsable or a value is invalid; the message
+            names the file, the key, the value and what was expected.
+    """
+    if not path.exists():
+        return model()
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper()}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level has value {raw!r}; expected: an object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(str(path), exc)) from None
+
+
+def load_config(config_dir: str | Path | None = None) -> SwitchyardConfig:
+    """Load and validate every config file, then apply environment overrides.
+
+    Args:
+        config_dir: folder of the files; default ``SWITCHYARD_CONFIG_DIR`` or ``config``.
+
+    Raises:
+        ConfigError: see :func:`load_file`; also when the folder does not exist.
+    """
+    folder = Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: config folder not found; expected a folder holding queue.json and friends")
+    parts = {name: load_file(folder / filename, model) for name, (filename, model) in FILES.items()}
+    config = SwitchyardConfig(config_dir=str(folder), **parts)
+    overrides: dict[str, Any] = {}
+    if (engine := envs.SWITCHYARD_ENGINE.get()) is not None:
+        overrides["service.dispatcher.engine"] = engine
+    if (index_dir := envs.SWITCHYARD_INDEX_DIR.get()) is not None:
+        overrides["service.retrieval.index_dir"] = index_dir
+    if (addr := envs.SWITCHYARD_RETRIEVAL_ADDR.get()) is not None:
+        overrides["service.orchestrator.retrieval_addr"] = addr
+    if (addr := envs.SWITCHYARD_DISPATCHER_ADDR.get()) is not None:
+        overrides["service.orchestrator.dispatcher_addr"] = addr
+    return config.with_overrides(**overrides) if overrides else config

@@ -1,0 +1,90 @@
+"""Every environment variable Switchyard reads, with its parser and default.
+
+Service code reads settings through this module only; it never calls
+``os.environ`` itself. The OpenTelemetry SDK reads the standard ``OTEL_*``
+variables and httpx the proxy variables (``HTTP_PROXY``, ``HTTPS_PROXY``,
+``NO_PROXY``) under their standard names; they are listed here so that one
+file names everything the process looks at.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One declared variable: its name, parser, default and meaning."""
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r}: {exc}") from None
+
+
+def _engine(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("sim", "openai", "torch"):
+        raise ValueError("expected one of 'sim', 'openai', 'torch'")
+    return value
+
+
+def _optional(raw: str) -> str | None:
+    return raw or None
+
+
+SWITCHYARD_CONFIG_DIR = EnvVar("SWITCHYARD_CONFIG_DIR", str, "config", "Folder holding the config files.")
+SWITCHYARD_ENGINE = EnvVar[str | None](
+    "SWITCHYARD_ENGINE", _engine, None, "Inference engine (sim, openai, torch); overrides dispatcher.engine."
+)
+SWITCHYARD_INDEX_DIR = EnvVar[str | None](
+    "SWITCHYARD_INDEX_DIR", _optional, None, "Vector index folder; overrides retrieval.index_dir."
+)
+SWITCHYARD_RETRIEVAL_ADDR = EnvVar[str | None](
+    "SWITCHYARD_RETRIEVAL_ADDR", _optional, None, "host:port of retrieval; overrides orchestrator.retrieval_addr."
+)
+SWITCHYARD_DISPATCHER_ADDR = EnvVar[str | None](
+    "SWITCHYARD_DISPATCHER_ADDR", _optional, None, "host:port of the dispatcher; overrides orchestrator.dispatcher_addr."
+)
+SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
+
+# Read by libraries under their standard names (listed, not parsed, here).
+STANDARD_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_SERVICE_NAME",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_SDK_DISABLED",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+)
+
+
+def read_secret(name: str) -> str | None:
+    """The raw value of the variable ``name`` (an API key), or None when unset.
+
+    The name comes from config (``model_gateway.api_key_env``), so it cannot be
+    declared above. Callers must never log or echo the value.
+    """
+    return os.environ.get(name)
+
+
+def read_standard(name: str) -> str | None:
+    """The value of one of :data:`STANDARD_VARIABLES` (either case), or None."""
+    if name not in STANDARD_VARIABLES:
+        raise KeyError(f"{name} is not a declared standard variable")
+    return os.environ.get(name) or os.environ.get(name.lower())

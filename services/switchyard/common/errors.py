@@ -1,0 +1,70 @@
+"""Mapping from Switchyard's exceptions to gRPC status codes.
+
+Errors leave a servicer through ``await context.abort(code, details)``; the
+details always name what failed (queue, field, service, model) and the fix.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from switchyard.common.queues import QueueFullError, QueueTimeoutError
+
+
+class SwitchyardError(Exception):
+    """An error that carries its gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(SwitchyardError):
+    """A request field is missing or out of range; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, expected: str, value: object = None) -> None:
+        shown = "" if value is None else f" (got {value!r})"
+        super().__init__(f"{field}: expected {expected}{shown}")
+        self.field = field
+
+
+class ServiceUnavailable(SwitchyardError):
+    """A downstream service did not answer."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, service: str, address: str, detail: str = "") -> None:
+        tail = f": {detail}" if detail else ""
+        super().__init__(f"{service} service unavailable at {address}{tail}; is it running (switchyard up)?")
+
+
+# gRPC codes that mean the server failed, not the caller; after
+# opentelemetry-instrumentation-grpc's rule for span status.
+SERVER_FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The (code, details) a servicer should abort with for ``exc``."""
+    if isinstance(exc, SwitchyardError):
+        return exc.code, str(exc)
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, QueueTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

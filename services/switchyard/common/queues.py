@@ -1,0 +1,186 @@
+"""A bounded work queue with a fixed pool of asyncio workers.
+
+Each of Switchyard's queue groups (orchestration, retrieval, inference; see
+``config/queue.json``) is one :class:`WorkQueue`: at most ``capacity`` items
+wait, ``workers`` run at once, and an item that waits longer than
+``timeout_ms`` fails instead of running late. A full queue rejects at once; it
+never drops an item silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Generic, TypeVar
+
+from switchyard.common.config import QueueConfig
+from switchyard.common.metrics import QUEUE_BUSY_WORKERS, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+
+T = TypeVar("T")
+
+
+class QueueFullError(Exception):
+    """The queue holds ``capacity`` items. Maps to RESOURCE_EXHAUSTED."""
+
+    def __init__(self, queue: str, capacity: int) -> None:
+        super().__init__(f"{queue} queue full: {capacity} items waiting (queues.{queue}.capacity); retry later")
+        self.queue = queue
+
+
+class QueueTimeoutError(Exception):
+    """An item waited longer than ``timeout_ms``. Maps to DEADLINE_EXCEEDED."""
+
+    def __init__(self, queue: str, waited_s: float, timeout_ms: int) -> None:
+        super().__init__(
+            f"waited {waited_s * 1000:.0f} ms in the {queue} queue without a free worker "
+            f"(queues.{queue}.timeout_ms = {timeout_ms})"
+        )
+        self.queue = queue
+
+
+@dataclass(eq=False)
+class _Job(Generic[T]):
+    fn: Callable[[], Awaitable[T]]
+    enqueued_at: float
+    started: asyncio.Future[float]
+    done: asyncio.Future[T]
+    abandoned: bool = False
+    task: asyncio.Task[T] | None = field(default=None, repr=False)
+
+
+class WorkQueue:
+    """Bounded FIFO of coroutine factories served by ``workers`` tasks.
+
+    Args:
+        name: queue name used in errors and the ``queue`` metric label.
+        config: capacity, workers and timeout_ms.
+    """
+
+    def __init__(self, name: str, config: QueueConfig) -> None:
+        self.name = name
+        self.config = config
+        self._items: asyncio.Queue[_Job] = asyncio.Queue(maxsize=config.capacity)
+        self._workers: list[asyncio.Task[None]] = []
+        self._busy = 0
+
+    @property
+    def depth(self) -> int:
+        """Items waiting (not yet taken by a worker)."""
+        return self._items.qsize()
+
+    @property
+    def busy(self) -> int:
+        """Workers running an item now."""
+        return self._busy
+
+    def start(self) -> None:
+        """Start the worker tasks on the running loop (idempotent)."""
+        if not self._workers:
+            self._workers = [
+                asyncio.create_task(self._work(), name=f"{self.name}-worker-{i}") for i in range(self.config.workers)
+            ]
+
+    async def stop(self) -> None:
+        """Cancel the workers; items still waiting fail with CancelledError."""
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        while not self._items.empty():
+            job = self._items.get_nowait()
+            for fut in (job.started, job.done):
+                if not fut.done():
+                    fut.cancel()
+
+    def submit(self, fn: Callable[[], Awaitable[T]]) -> "Ticket[T]":
+        """Enqueue ``fn`` without waiting; returns a ticket to await.
+
+        Raises:
+            QueueFullError: ``capacity`` items already wait.
+        """
+        loop = asyncio.get_running_loop()
+        job: _Job[T] = _Job(fn, time.monotonic(), loop.create_future(), loop.create_future())
+        position = self._items.qsize()
+        try:
+            self._items.put_nowait(job)
+        except asyncio.QueueFull:
+            QUEUE_REJECTED.labels(self.name, "full").inc()
+            raise QueueFullError(self.name, self.config.capacity) from None
+        QUEUE_DEPTH.labels(self.name).set(self._items.qsize())
+        return Ticket(self, job, position)
+
+    async def run(self, fn: Callable[[], Awaitable[T]]) -> tuple[T, float]:
+        """Enqueue ``fn``, wait for a worker to run it, and return (result, queue wait in s).
+
+        Raises:
+            QueueFullError: the queue is full.
+            QueueTimeoutError: no worker took it within ``timeout_ms``.
+            Exception: whatever ``fn`` raised.
+        """
+        return await self.submit(fn).result()
+
+    async def _work(self) -> None:
+        while True:
+            job = await self._items.get()
+            QUEUE_DEPTH.labels(self.name).set(self._items.qsize())
+            if job.abandoned or job.started.done():
+                continue
+            wait = time.monotonic() - job.enqueued_at
+            QUEUE_WAIT.labels(self.name).observe(wait)
+            job.started.set_result(wait)
+            self._busy += 1
+            QUEUE_BUSY_WORKERS.labels(self.name).set(self._busy)
+            try:
+                job.task = asyncio.ensure_future(job.fn())
+                result = await asyncio.shield(job.task)
+            except asyncio.CancelledError:
+                if job.task is not None and not job.task.done():
+                    job.task.cancel()  # the worker itself is being stopped
+                    if not job.done.done():
+                        job.done.cancel()
+                    raise
+                if not job.done.done():
+                    job.done.cancel()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                if not job.done.done():
+                    job.done.set_exception(exc)
+            else:
+                if not job.done.done():
+                    job.done.set_result(result)
+            finally:
+                self._busy -= 1
+                QUEUE_BUSY_WORKERS.labels(self.name).set(self._busy)
+
+
+class Ticket(Generic[T]):
+    """A submitted item: its queue position at submit time, and its result."""
+
+    def __init__(self, queue: WorkQueue, job: _Job[T], position: int) -> None:
+        self.queue = queue
+        self.position = position
+        self._job = job
+
+    async def result(self) -> tuple[T, float]:
+        """Wait for the item to start (at most timeout_ms) and finish.
+
+        Returns (result, seconds waited in the queue). Cancelling the caller
+        cancels the item's coroutine.
+        """
+        job, queue = self._job, self.queue
+        timeout = queue.config.timeout_ms / 1000
+        try:
+            wait = await asyncio.wait_for(asyncio.shield(job.started), timeout)
+        except asyncio.TimeoutError:
+            job.abandoned = True
+            QUEUE_REJECTED.labels(queue.name, "timeout").inc()
+            raise QueueTimeoutError(queue.name, time.monotonic() - job.enqueued_at, queue.config.timeout_ms) from None
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
+        try:
+            return await asyncio.shield(job.done), wait
+        except asyncio.CancelledError:
+            if job.task is not None and not job.task.done():
+                job.task.cancel()
+            raise

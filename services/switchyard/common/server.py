@@ -1,0 +1,133 @@
+"""Server bootstrap shared by the three services.
+
+grpc.aio on uvloop with health checking, reflection and message-size limits.
+SIGTERM or SIGINT flips every service to NOT_SERVING, lets in-flight streams
+finish within ``server.shutdown_grace_s``, stops the service's background
+tasks and returns, so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from switchyard.common.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What a Switchyard service gives the bootstrap."""
+
+    name: str
+    """Short name: orchestrator, retrieval or dispatcher."""
+    grpc_service_names: Sequence[str]
+    """Full names of the gRPC services it serves, e.g. ``agent.AgentService``."""
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add the servicers to ``server``."""
+
+    async def start(self) -> None:
+        """Start background tasks (queue workers, schedulers). Called before serving."""
+
+    async def stop(self) -> None:
+        """Stop background tasks. Called after the server drained."""
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 1),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+@dataclass
+class RunningServer:
+    """A started server: its bound port and health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    services: tuple[Service, ...]
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING, drain in-flight RPCs for up to ``grace`` s, then stop the services."""
+        names = ", ".join(s.name for s in self.services)
+        log.info("%s: health NOT_SERVING, draining for up to %.1f s", names, grace)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        log.info("%s: gRPC server stopped", names)
+        for service in reversed(self.services):
+            await service.stop()
+            log.info("%s: background tasks stopped", service.name)
+
+
+async def start_server(
+    services: Sequence[Service],
+    host: str,
+    port: int,
+    config: ServerConfig,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> RunningServer:
+    """Start ``services`` on one grpc.aio server bound to ``host:port`` (0 = any free port).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server(options=server_options(config), interceptors=list(interceptors))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    for service in services:
+        service.register(server)
+        names.extend(service.grpc_service_names)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
+    for service in services:
+        await service.start()
+    await server.start()
+    for service in services:
+        for name in service.grpc_service_names:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s listening on %s:%d", ", ".join(s.name for s in services), host, bound)
+    return RunningServer(server, bound, health_servicer, tuple(services))
+
+
+@contextlib.asynccontextmanager
+async def running(
+    services: Sequence[Service], config: ServerConfig, host: str = "127.0.0.1", port: int = 0, grace: float = 1.0
+) -> AsyncIterator[RunningServer]:
+    """Serve ``services`` for the body of an ``async with`` (tests, embedded use)."""
+    srv = await start_server(services, host, port, config)
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace)
+
+
+async def serve_until_signal(srv: RunningServer, grace: float) -> None:
+    """Block until SIGTERM or SIGINT, then stop ``srv`` gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("signal received, shutting down")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await srv.stop(grace)
