@@ -199,6 +199,23 @@ class OrchestratorConfig(_Strict):
     default_max_tokens: int = Field(128, ge=1, le=32768)
     cpu_pool_threads: int = Field(4, ge=1, le=256, description="Threads for CPU-bound DAG steps.")
     task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
+    max_prompt_tokens: int = Field(8192, ge=16, le=1_000_000, description="Longest rendered prompt accepted.")
+    inference_mode: Literal["split", "inline"] = Field(
+        "split",
+        description="split: CPU steps hold an orchestration worker only while they run; inline: one worker "
+        "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
+    )
+    react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
+
+
+class ReactConfig(_Strict):
+    """The react_loop workflow and its tool calls."""
+
+    max_steps: int = Field(4, ge=1, le=64, description="Think -> tool -> observe rounds before a forced answer.")
+    tool_attempts: int = Field(3, ge=1, le=20, description="Tries per tool call (tenacity stop_after_attempt).")
+    tool_backoff_initial_ms: float = Field(50, ge=0, le=60_000, description="First retry delay; doubles per try.")
+    tool_backoff_max_ms: float = Field(1000, ge=0, le=600_000)
+    tool_timeout_ms: float = Field(2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call.")
 
 
 class RetrievalConfig(_Strict):
