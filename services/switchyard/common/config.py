@@ -50,7 +50,42 @@ class QueueGroups(_Strict):
 
 class FlushConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, le=4096, description="Flush when the active buffer holds this many.")
-    flush_interval_ms: float = Field(20, gt=0, le=10_000, description="Flush a non-empty buffer this often.")
+    flush_interval_ms: float | Literal["auto"] = Field(
+        20,
+        description='Flush a non-empty buffer this often; "auto" adapts the window to the arrival rate and '
+        "the engine's batch time within p95_budget_ms (dispatcher/adaptive_flush.py).",
+    )
+    p95_budget_ms: float = Field(
+        1000, gt=0, le=600_000, description='"auto" only: P95 budget for buffer wait + batch service time.'
+    )
+    min_interval_ms: float = Field(1, gt=0, le=10_000, description='"auto" only: shortest window.')
+    max_interval_ms: float = Field(100, gt=0, le=10_000, description='"auto" only: longest window.')
+
+    @field_validator("flush_interval_ms", mode="before")
+    @classmethod
+    def _interval(cls, value: Any) -> float | str:
+        if value == "auto":
+            return value
+        try:
+            ms = float(value)
+        except (TypeError, ValueError):
+            ms = float("nan")
+        if not 0 < ms <= 10_000:  # also rejects NaN
+            raise ValueError('milliseconds in (0, 10000] or "auto"')
+        return ms
+
+    @model_validator(mode="after")
+    def _window(self) -> "FlushConfig":
+        if self.min_interval_ms > self.max_interval_ms:
+            raise ValueError(
+                f"min_interval_ms ({self.min_interval_ms}) must not exceed max_interval_ms ({self.max_interval_ms})"
+            )
+        return self
+
+    @property
+    def adaptive(self) -> bool:
+        """True when ``flush_interval_ms`` is ``"auto"``."""
+        return self.flush_interval_ms == "auto"
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
