@@ -157,6 +157,29 @@ class SchedulerFile(_Strict):
     priority_boost: PriorityBoost = PriorityBoost()
     preemption_enabled: bool = True
     preemption_grace_ms: float = Field(50, ge=0, le=60_000)
+    policy: Literal["priority", "fifo"] = Field(
+        "priority", description="priority: classes, aging, admission by compute score, preemption; fifo: arrival order."
+    )
+    aging_max_wait_ms: float = Field(
+        5000,
+        gt=0,
+        le=3_600_000,
+        description="Aging: once a waiting task has waited this long more than newer work, no newer arrival "
+        "(of any class) is ordered ahead of it, so batch work never starves.",
+    )
+    expected_score_initial: float = Field(
+        10, ge=0, le=100, description="Compute score a task type is expected to add before any of it has finished."
+    )
+    expected_score_ema_alpha: float = Field(
+        0.2, gt=0, le=1, description="Weight of the latest finished task in the expected-score moving average."
+    )
+    tool_wait_ttl_s: float = Field(
+        30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long."
+    )
+    score_sample_interval_ms: float = Field(
+        100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often."
+    )
+    nvml_device_index: int = Field(0, ge=0, le=63, description="GPU whose utilisation feeds the compute score.")
 
     @model_validator(mode="after")
     def _thresholds(self) -> "SchedulerFile":
