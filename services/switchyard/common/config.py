@@ -51,7 +51,7 @@ class QueueGroups(_Strict):
 class FlushConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, le=4096, description="Flush when the active buffer holds this many.")
     flush_interval_ms: float | Literal["auto"] = Field(
-        20,
+        20.0,
         description='Flush a non-empty buffer this often; "auto" adapts the window to the arrival rate and '
         "the engine's batch time within p95_budget_ms (dispatcher/adaptive_flush.py).",
     )
@@ -94,8 +94,36 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class ModelGatewayConfig(_Strict):
     base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
     api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the variable holding the API key.")
-    default_model: str = "claude-sonnet-4-5"
-    fallback_model: str = "gpt-4o-mini"
+    default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model used when a request names none.")
+    fallback_model: str = Field(
+        "gpt-4o-mini", description="Tried when the primary model fails before its first token; empty disables fallback."
+    )
+    model_map: dict[str, str] = Field(
+        default_factory=dict, description="Client-facing model name -> upstream model id; unmapped names pass through."
+    )
+    api_key_required: bool = Field(
+        True, description="Refuse to call upstream without a key; false for local servers that take none (vLLM, Ollama)."
+    )
+    forward_priority: bool = Field(
+        False, description="Send the priority class as the request's 'priority' field (vLLM priority scheduling)."
+    )
+    priority_values: dict[Literal["core", "normal", "batch"], int] = Field(
+        default_factory=lambda: {"core": 0, "normal": 1, "batch": 2},
+        description="Value sent as 'priority' per class; vLLM serves lower values first.",
+    )
+    include_usage: bool = Field(
+        True, description="Ask for token usage in streams (stream_options.include_usage)."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, le=600, description="TCP/TLS connect timeout, seconds.")
+    read_timeout_s: float = Field(60.0, gt=0, le=3600, description="Longest silence between bytes from upstream, seconds.")
+    write_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest time to send the request body, seconds.")
+    pool_timeout_s: float = Field(5.0, gt=0, le=600, description="Longest wait for a pooled connection, seconds.")
+    total_timeout_s: float = Field(300.0, gt=0, le=86_400, description="Longest time for one whole completion, seconds.")
+    max_connections: int = Field(64, ge=1, le=10_000, description="Connections in the HTTP pool.")
+    max_keepalive_connections: int = Field(32, ge=0, le=10_000, description="Idle connections kept open.")
+    max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity).")
+    retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait; doubles per retry, with jitter.")
+    retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
 
     @field_validator("base_url")
     @classmethod

@@ -1,0 +1,154 @@
+"""Adaptive flush window: driven by synthetic arrival streams and service times (no clocks, no sleeps)."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from switchyard.common.config import ConfigError, FlushConfig, SwitchyardConfig
+from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
+
+pytestmark = pytest.mark.no_gpu
+
+
+def make_controller(**overrides) -> AdaptiveFlush:
+    fields = {
+        "max_batch_size": 32,
+        "flush_interval_ms": "auto",
+        "p95_budget_ms": 1000,
+        "min_interval_ms": 1,
+        "max_interval_ms": 100,
+    }
+    fields.update(overrides)
+    return AdaptiveFlush(FlushConfig(**fields))
+
+
+def feed_steady(ctl: AdaptiveFlush, rate_per_s: float, seconds: float, start: float = 0.0) -> float:
+    """Arrivals every 1/rate seconds from ``start``; returns the time of the last one."""
+    step = 1.0 / rate_per_s
+    t = start
+    for i in range(int(rate_per_s * seconds)):
+        t = start + i * step
+        ctl.on_arrival(t)
+    return t
+
+
+def test_no_arrivals_gives_the_shortest_window():
+    ctl = make_controller()
+    assert ctl.arrival_rate(now=5.0) == 0.0
+    assert ctl.window(now=5.0) == pytest.approx(0.001)
+
+
+def test_high_rate_waits_just_long_enough_to_fill_a_batch():
+    ctl = make_controller()
+    now = feed_steady(ctl, rate_per_s=1000, seconds=1.0)
+    assert ctl.arrival_rate(now) == pytest.approx(1000, rel=0.01)
+    assert ctl.window(now) == pytest.approx(32 / 1000, rel=0.02)
+
+
+def test_low_rate_is_capped_by_max_interval():
+    ctl = make_controller()
+    now = feed_steady(ctl, rate_per_s=10, seconds=1.0)
+    assert ctl.window(now) == pytest.approx(0.100)
+
+
+def test_p95_budget_caps_the_window():
+    ctl = make_controller(p95_budget_ms=1000)
+    now = feed_steady(ctl, rate_per_s=10, seconds=1.0)
+    for _ in range(20):
+        ctl.on_batch_done(0.95)
+    assert ctl.service_p95() == pytest.approx(0.95)
+    assert ctl.window(now) == pytest.approx(0.05)
+
+
+def test_service_beyond_budget_falls_back_to_the_shortest_window():
+    ctl = make_controller(p95_budget_ms=500)
+    now = feed_steady(ctl, rate_per_s=200, seconds=1.0)
+    ctl.on_batch_done(0.8)
+    assert ctl.window(now) == pytest.approx(0.001)
+
+
+def test_p95_ignores_a_rare_slow_batch():
+    ctl = make_controller(p95_budget_ms=1000)
+    for _ in range(59):
+        ctl.on_batch_done(0.2)
+    ctl.on_batch_done(5.0)
+    assert ctl.service_p95() == pytest.approx(0.2)
+
+
+def test_window_shrinks_as_the_rate_rises():
+    windows = []
+    for rate in (50, 200, 800, 3200):
+        ctl = make_controller()
+        now = feed_steady(ctl, rate_per_s=rate, seconds=1.0)
+        windows.append(ctl.window(now))
+    assert windows == sorted(windows, reverse=True)
+    assert windows[0] > windows[-1]
+
+
+def test_requests_already_buffered_shorten_the_fill_time():
+    ctl = make_controller()
+    now = feed_steady(ctl, rate_per_s=1000, seconds=1.0)
+    empty = ctl.window(now)
+    ctl.on_arrival(now, buffered=24)
+    assert ctl.window(now) < empty
+    ctl.on_flush(24)
+    assert ctl.window(now) == pytest.approx(empty, rel=0.05)
+
+
+def test_a_burst_is_forgotten_after_the_rate_window():
+    ctl = make_controller()
+    now = feed_steady(ctl, rate_per_s=2000, seconds=0.5)
+    assert ctl.window(now) < 0.02
+    later = now + 5.0
+    assert ctl.arrival_rate(later) == 0.0
+    assert ctl.window(later) == pytest.approx(0.001)
+
+
+def test_poisson_arrivals_track_the_mean_rate():
+    rng = random.Random(7)
+    ctl = make_controller()
+    t = 0.0
+    for _ in range(3000):
+        t += rng.expovariate(500)
+        ctl.on_arrival(t)
+    assert ctl.arrival_rate(t) == pytest.approx(500, rel=0.2)
+    assert ctl.window(t) == pytest.approx(32 / 500, rel=0.25)
+
+
+@given(
+    gaps=st.lists(st.floats(min_value=0.0, max_value=0.5), min_size=0, max_size=200),
+    services=st.lists(st.floats(min_value=0.0, max_value=3.0), max_size=30),
+    batch=st.integers(min_value=1, max_value=256),
+)
+def test_window_always_within_bounds(gaps, services, batch):
+    ctl = make_controller(max_batch_size=batch, min_interval_ms=2, max_interval_ms=50)
+    t = 0.0
+    for gap in gaps:
+        t += gap
+        ctl.on_arrival(t)
+    for s in services:
+        ctl.on_batch_done(s)
+    assert 0.002 <= ctl.window(t) <= 0.050
+
+
+def test_controller_is_the_interval_callable():
+    ctl = make_controller()
+    assert ctl() == pytest.approx(0.001)
+
+
+def test_bad_service_time_is_rejected():
+    ctl = make_controller()
+    with pytest.raises(ValueError, match="service_s"):
+        ctl.on_batch_done(-1.0)
+
+
+def test_config_accepts_auto_and_rejects_other_words():
+    cfg = SwitchyardConfig().with_overrides(**{"queue.flush.flush_interval_ms": "auto"})
+    assert cfg.queue.flush.adaptive
+    assert not SwitchyardConfig().queue.flush.adaptive
+    with pytest.raises(ConfigError, match=r"flush_interval_ms.*'often'.*\"auto\""):
+        SwitchyardConfig().with_overrides(**{"queue.flush.flush_interval_ms": "often"})
+    with pytest.raises(ConfigError, match="min_interval_ms"):
+        SwitchyardConfig().with_overrides(**{"queue.flush.min_interval_ms": 200, "queue.flush.max_interval_ms": 100})
