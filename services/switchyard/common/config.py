@@ -139,6 +139,20 @@ class ModelGatewayConfig(_Strict):
             raise ValueError("expected an environment variable name such as TAOTOKEN_API_KEY")
         return value
 
+    @model_validator(mode="after")
+    def _gateway_pairs(self) -> "ModelGatewayConfig":
+        if self.max_keepalive_connections > self.max_connections:
+            raise ValueError(
+                f"max_keepalive_connections ({self.max_keepalive_connections}) must not exceed "
+                f"max_connections ({self.max_connections})"
+            )
+        if self.retry_backoff_max_s < self.retry_backoff_initial_s:
+            raise ValueError(
+                f"retry_backoff_max_s ({self.retry_backoff_max_s}) must not be below "
+                f"retry_backoff_initial_s ({self.retry_backoff_initial_s})"
+            )
+        return self
+
 
 class QueueFile(_Strict):
     queues: QueueGroups = QueueGroups()
