@@ -1,0 +1,91 @@
+"""The two engine interfaces the dispatcher drives.
+
+- :class:`StepEngine`: engines that run the model one iteration at a time over
+  a batch (``sim`` now, ``torch`` later). The engine loop does iteration-level
+  batching with them: sequences join and leave the running set at step
+  boundaries, and the scheduling policy can preempt between steps.
+- :class:`StreamEngine`: engines that do not step (the ``openai`` upstream).
+  Each request is one streamed call; the engine loop fans requests out as
+  concurrent tasks bounded by ``queues.inference.workers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Union, runtime_checkable
+
+from switchyard.dispatcher.sequence import Sequence, ToolCall
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """An engine stepped by the engine loop, one batched iteration per call."""
+
+    model: str
+    """Model id reported in GenerateDone.model."""
+
+    busy_seconds: float
+    """Cumulative seconds the engine spent in prefill and decode (for the busy ratio)."""
+
+    async def prefill(self, seqs: list[Sequence]) -> None:
+        """Compute the uncomputed prefix of each sequence and append its next token.
+
+        The prefix is the prompt on first admission, or prompt plus every token
+        already generated after a preemption (``seq.num_computed_tokens == 0``
+        with output present); the engine adds the recomputed part to
+        ``seq.recomputed_tokens``. Afterwards ``seq.num_computed_tokens`` is
+        ``seq.num_tokens - 1``. A sequence that reaches its end (stop,
+        ``max_tokens`` or a tool call) is finished with ``seq.finish``.
+        """
+
+    async def decode(self, seqs: list[Sequence]) -> None:
+        """One decode step: append exactly one token to each sequence.
+
+        Every sequence must have been prefilled and not be finished.
+        Finishing works as in :meth:`prefill`.
+        """
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's KV/prefix state (finished, cancelled or preempted). Idempotent."""
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        """Bytes of KV/prefix state the engine holds for ``seq`` now (0 when released)."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Last item of a :meth:`StreamEngine.generate` stream: counts reported upstream.
+
+    ``finish_reason`` is the upstream's (stop, length, tool_calls); None means
+    the engine loop decides from what was streamed.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+
+
+StreamItem = Union[str, ToolCall, Usage]
+"""What a stream engine yields: token texts, tool calls, and finally one Usage."""
+
+
+@runtime_checkable
+class StreamEngine(Protocol):
+    """An engine that streams a whole completion per request (no stepping)."""
+
+    model: str
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
+        """Stream ``seq``'s completion: token texts and tool calls, then one :class:`Usage`.
+
+        Retries and fallback before the first item are the engine's own
+        business; tokens already yielded are never repeated.
+
+        Raises:
+            SwitchyardError (or a subclass): carries the gRPC status and a
+                message naming the cause; the Generate stream ends with it.
+        """
+        yield ""  # pragma: no cover - protocol body
+
+    async def aclose(self) -> None:
+        """Close connections (called once by the dispatcher's stop)."""

@@ -1,0 +1,282 @@
+"""One Generate request inside the dispatcher, and what the scheduler decides each step.
+
+A :class:`Sequence` is created by the service when a Generate arrives, passes
+through the inference queue and the double buffer, is admitted (and maybe
+preempted and resumed) by the scheduling policy, and is stepped by the engine.
+The engine writes generated tokens into it; every token and tool call is pushed
+to the sequence's outbox, which the Generate handler streams to its caller.
+
+Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
+prefix whose KV state is held by the engine. After any step it equals
+``prompt_tokens + len(output_tokens) - 1`` (the newest token's KV is computed by
+the next step). Preemption drops the KV state (``num_computed_tokens = 0``);
+the next prefill recomputes the whole prefix, prompt and already streamed
+tokens alike, and counts that work in ``recomputed_tokens``. The streamed
+tokens are kept, so a resumed sequence never repeats or loses a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from switchyard.api import agent_pb2
+
+PRIORITY_NAMES: dict[int, str] = {agent_pb2.CORE: "core", agent_pb2.NORMAL: "normal", agent_pb2.BATCH: "batch"}
+"""Priority class value -> label used in metrics and logs."""
+
+FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
+"""finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
+
+_WORD_PIECE = re.compile(r"\s*\S+|\s+$")
+
+
+def word_pieces(text: str) -> list[str]:
+    """Split ``text`` into word-ish tokens, each keeping its leading whitespace.
+
+    ``"".join(word_pieces(t)) == t``. The sim engine and the dispatcher's own
+    prompt count (when the caller sent ``prompt_tokens = 0``) use it as their
+    tokenizer; it gives about 0.75 of a BPE token count for English text.
+    """
+    return _WORD_PIECE.findall(text)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message: role is system, user, assistant or tool."""
+
+    role: str
+    content: str
+    tool_call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool offered to the model (OpenAI function-calling shape)."""
+
+    name: str
+    description: str = ""
+    parameters_json: str = "{}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call emitted by the model: ``arguments_json`` is a JSON object string."""
+
+    call_id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class StreamToken:
+    """Outbox item: one completion token. ``index`` is its 0-based position."""
+
+    text: str
+    index: int
+
+
+@dataclass(frozen=True)
+class StreamToolCall:
+    """Outbox item: one tool call."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class StreamDone:
+    """Outbox item: the sequence finished with ``finish_reason``; nothing follows."""
+
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """Outbox item: the sequence failed; ``error`` is raised to the caller; nothing follows."""
+
+    error: BaseException
+
+
+OutboxItem = Union[StreamToken, StreamToolCall, StreamDone, StreamError]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One Generate request: its input, scheduling state, generated output and accounting.
+
+    Identity is the object (``eq=False``), so sequences can sit in sets and dicts.
+    Times are ``time.monotonic()`` seconds; ``None`` until the event happens.
+    """
+
+    request_id: str
+    prompt: str = ""
+    messages: list[Message] = field(default_factory=list)
+    tools: list[Tool] = field(default_factory=list)
+    prompt_tokens: int = 0
+    max_tokens: int = 128
+    model: str = ""
+    agent_id: str = ""
+    task_type: str = ""
+    priority: int = agent_pb2.NORMAL
+    """agent_pb2.Priority value (CORE, NORMAL, BATCH); PRIORITY_UNSPECIFIED becomes NORMAL."""
+    resume: bool = False
+    """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    """When the Generate call arrived."""
+
+    # --- generated output
+    output_tokens: list[str] = field(default_factory=list)
+    """Every generated token text, streamed or not (tool-call arguments are not streamed as text)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    # --- engine / scheduler state
+    num_computed_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    admitted_at: float | None = None
+    """When the policy last admitted it into the running set."""
+    preempted_at: float | None = None
+
+    # --- flush and timing info
+    enqueued_at: float | None = None
+    """When it left the inference queue for the double buffer."""
+    flushed_at: float | None = None
+    batch_size: int = 0
+    flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
+    queue_wait_s: float = 0.0
+    """Wait in the inference queue and the double buffer, until the engine first saw it."""
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    # --- accounting
+    compute_score_used: float = 0.0
+    """Compute score x seconds of engine time while running (see the scheduling policy)."""
+    memory_peak_bytes: int = 0
+    usage_prompt_tokens: int | None = None
+    """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""
+    usage_completion_tokens: int | None = None
+
+    cancelled: bool = False
+    span_context: Any = None
+    """opentelemetry SpanContext of the request span, linked from its batch span."""
+    outbox: asyncio.Queue[OutboxItem] = field(default_factory=asyncio.Queue, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITY_NAMES:
+            self.priority = agent_pb2.NORMAL
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def priority_name(self) -> str:
+        """core, normal or batch."""
+        return PRIORITY_NAMES[self.priority]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the prefix a full recompute covers."""
+        return self.prompt_tokens + len(self.output_tokens)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next prefill must compute (0 before the first token is known)."""
+        return max(0, self.num_tokens - self.num_computed_tokens - (1 if self.output_tokens else 0))
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still generate before finish_reason ``length``."""
+        return max(0, self.max_tokens - len(self.output_tokens))
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_prefill(self) -> bool:
+        """True before its first token and after a preemption dropped its KV state."""
+        return self.num_computed_tokens == 0
+
+    def completion_tokens(self) -> int:
+        return self.usage_completion_tokens if self.usage_completion_tokens is not None else len(self.output_tokens)
+
+    def usage_prompt(self) -> int:
+        return self.usage_prompt_tokens if self.usage_prompt_tokens is not None else self.prompt_tokens
+
+    # ------------------------------------------------------------------ written by engines
+
+    def append_token(self, text: str, *, visible: bool = True) -> None:
+        """Record one generated token and, when ``visible``, stream it.
+
+        Invisible tokens (tool-call arguments being generated) count in usage
+        and in the KV prefix but are not sent as text chunks.
+        """
+        now = time.monotonic()
+        index = len(self.output_tokens)
+        self.output_tokens.append(text)
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        if visible:
+            self.outbox.put_nowait(StreamToken(text, index))
+
+    def add_tool_call(self, call: ToolCall) -> None:
+        """Record and stream one tool call."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.tool_calls.append(call)
+        self.outbox.put_nowait(StreamToolCall(call))
+
+    def finish(self, reason: str) -> None:
+        """Mark it finished (stop, length, tool_calls, cancelled) and close its stream. Idempotent."""
+        if self.finish_reason is not None:
+            return
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {reason!r}")
+        self.finish_reason = reason
+        self.outbox.put_nowait(StreamDone(reason))
+
+    def fail(self, error: BaseException) -> None:
+        """End its stream with ``error`` (raised to the Generate caller). Idempotent with finish."""
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = "error"
+        self.outbox.put_nowait(StreamError(error))
+
+    # ------------------------------------------------------------------ written by the engine loop
+
+    def mark_preempted(self, now: float | None = None) -> None:
+        """The policy took its slot: KV state is dropped, tokens already streamed are kept."""
+        self.preemptions += 1
+        self.num_computed_tokens = 0
+        self.preempted_at = time.monotonic() if now is None else now
+
+    def observe_kv_bytes(self, nbytes: int) -> None:
+        """Track the peak KV/prefix-state bytes held for this sequence."""
+        if nbytes > self.memory_peak_bytes:
+            self.memory_peak_bytes = nbytes
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduling policy decided at one step boundary.
+
+    ``admitted``: sequences newly taken into the running set (they need a
+    prefill: first one, or a recompute after preemption). ``preempted``:
+    running sequences whose slot was taken; the engine loop drops their KV
+    state (``engine.release``) and they wait again. ``running``: the whole
+    running set after this decision, admitted included, in step order.
+    """
+
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    running: list[Sequence] = field(default_factory=list)
