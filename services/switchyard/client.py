@@ -1,0 +1,131 @@
+"""``switchyard run "question"``: stream one task's events.
+
+Human-readable by default (stage timings, the answer as it streams, a summary
+with usage, TTFT, queue waits and sources); ``--json`` prints one JSON object
+per event (protobuf JSON mapping) for machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import ConfigError, load_config
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+class HumanPrinter:
+    """Prints events for a person; remembers whether the cursor sits after streamed tokens."""
+
+    def __init__(self, out=sys.stdout) -> None:
+        self.out = out
+        self.in_text = False
+
+    def _line(self, text: str) -> None:
+        if self.in_text:
+            self.out.write("\n")
+            self.in_text = False
+        self.out.write(text + "\n")
+
+    def __call__(self, event: agent_pb2.TaskEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "accepted":
+            a = event.accepted
+            trace = f"  trace {a.trace_id}" if a.trace_id else ""
+            self._line(f"accepted  task {a.task_id}  queue position {a.queue_position}{trace}")
+        elif kind == "stage":
+            s = event.stage
+            self._line(f"  stage {s.name:<16} {_ms(s.duration_s):>10}   (at {_ms(s.start_s)})")
+        elif kind == "token":
+            if not self.in_text:
+                self.out.write("\n")
+            self.out.write(event.token.text)
+            self.in_text = True
+        elif kind == "tool_call":
+            c = event.tool_call
+            self._line(f"  tool call   {c.name}({c.arguments_json})")
+        elif kind == "tool_result":
+            r = event.tool_result
+            first = r.content.splitlines()[0] if r.content else ""
+            flag = " ERROR" if r.is_error else ""
+            self._line(f"  tool result {r.name}{flag} after {r.attempts} attempt(s): {first[:100]}")
+        elif kind == "final":
+            f = event.final
+            t = f.timings
+            self._line("")
+            waits = ", ".join(f"{q} {_ms(w)}" for q, w in sorted(t.queue_wait_s.items())) or "none"
+            self._line(
+                f"final: {f.usage.prompt_tokens} prompt + {f.usage.completion_tokens} completion tokens; "
+                f"TTFT {_ms(t.ttft_s)}, total {_ms(t.total_s)}; model {f.model or '-'}"
+            )
+            self._line(f"queue waits: {waits}")
+            self._line(f"compute score used {f.compute_score_used:.3f}, memory peak {f.memory_peak_bytes} bytes")
+            for i, p in enumerate(f.passages, 1):
+                self._line(f"  [{i}] {p.title}  ({p.source})  score {p.score:.3f}")
+            if f.trace_id:
+                self._line(f"trace id: {f.trace_id}")
+        self.out.flush()
+
+
+async def run_task(address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None) -> None:
+    """Call RunTask at ``address`` and pass each event to ``on_event``.
+
+    Raises:
+        grpc.aio.AioRpcError: the task failed; its code and details say why.
+    """
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        async for event in stub.RunTask(request, timeout=timeout):
+            on_event(event)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="switchyard run", description=__doc__)
+    parser.add_argument("question", nargs="+", help="the question or instruction (the task's payload)")
+    parser.add_argument("--addr", help="orchestrator host:port (default: from config, 127.0.0.1:50051)")
+    parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--task-type", default="", help="rag_answer (default), chat or react_loop")
+    parser.add_argument("--priority", default="NORMAL", choices=["CORE", "NORMAL", "BATCH"])
+    parser.add_argument("--max-tokens", type=int, default=0)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--task-id", default="")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per event")
+    args = parser.parse_args(argv)
+    address = args.addr
+    if address is None:
+        try:
+            config = load_config(args.config_dir)
+        except (ConfigError, ValueError) as exc:
+            print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
+            return 2
+        address = f"{config.service.server.host}:{config.service.orchestrator.port}"
+    request = agent_pb2.RunTaskRequest(
+        task_id=args.task_id,
+        payload=" ".join(args.question),
+        task_type=args.task_type,
+        priority=agent_pb2.Priority.Value(args.priority),
+        max_tokens=args.max_tokens,
+        model=args.model,
+    )
+    if args.json:
+        def on_event(event: agent_pb2.TaskEvent) -> None:
+            print(json_format.MessageToJson(event, indent=None), flush=True)
+    else:
+        on_event = HumanPrinter()
+    try:
+        asyncio.run(run_task(address, request, on_event, args.timeout))
+    except grpc.aio.AioRpcError as err:
+        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,92 @@
+"""gRPC clients of the orchestrator's two downstream services.
+
+A downstream failure is re-raised with the service's name and address, so a
+caller of RunTask learns which service is down, not just "UNAVAILABLE".
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.errors import ServiceUnavailable, SwitchyardError
+from switchyard.common.server import server_options
+from switchyard.common.config import ServerConfig
+
+
+def open_channel(address: str, config: ServerConfig) -> grpc.aio.Channel:
+    """An insecure aio channel with the tracing client interceptors when tracing is on."""
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+    try:
+        from switchyard.common import telemetry
+
+        interceptors = telemetry.client_interceptors()
+    except (ImportError, AttributeError):
+        pass
+    options = [opt for opt in server_options(config) if "message_length" in opt[0]]
+    return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
+
+
+def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
+    if err.code() == grpc.StatusCode.UNAVAILABLE:
+        return ServiceUnavailable(service, address, err.details() or "")
+    return SwitchyardError(f"{service} ({address}): {err.details() or err.code().name}", err.code())
+
+
+class RetrievalClient:
+    """RetrievalService.Retrieve over one channel."""
+
+    def __init__(self, address: str, config: ServerConfig, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = open_channel(address, config)
+        self._stub = agent_pb2_grpc.RetrievalServiceStub(self._channel)
+
+    async def retrieve(self, query: str, top_k: int = 0) -> agent_pb2.RetrieveResponse:
+        """Passages for ``query``.
+
+        Raises:
+            ServiceUnavailable: retrieval is down.
+            SwitchyardError: retrieval answered with an error (its code kept).
+        """
+        try:
+            return await self._stub.Retrieve(
+                agent_pb2.RetrieveRequest(query=query, top_k=top_k), timeout=self.timeout_s, wait_for_ready=False
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _downstream_error("retrieval", self.address, err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class InferenceClient:
+    """InferenceService.Generate over one channel."""
+
+    def __init__(self, address: str, config: ServerConfig) -> None:
+        self.address = address
+        self._channel = open_channel(address, config)
+        self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
+
+    async def generate(
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None
+    ) -> AsyncIterator[agent_pb2.GenerateChunk]:
+        """Stream the chunks of one generation.
+
+        Raises:
+            ServiceUnavailable: the dispatcher is down.
+            SwitchyardError: the dispatcher answered with an error (its code kept).
+        """
+        call = self._stub.Generate(request, timeout=timeout_s)
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as err:
+            raise _downstream_error("dispatcher", self.address, err) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()

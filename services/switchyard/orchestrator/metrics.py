@@ -1,0 +1,25 @@
+"""Orchestrator metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Agent tasks run from tens of milliseconds to tens of seconds.
+TASK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+TASKS = Counter("switchyard_tasks_total", "Tasks finished, by task type and gRPC status code.", ["task_type", "code"])
+TASK_DURATION = Histogram(
+    "switchyard_task_duration_seconds", "RunTask accepted -> final event.", ["task_type"], buckets=TASK_BUCKETS
+)
+TASK_TTFT = Histogram(
+    "switchyard_task_ttft_seconds", "RunTask accepted -> first token sent to the caller.", ["task_type"],
+    buckets=TASK_BUCKETS,
+)
+STAGE_DURATION = Histogram(
+    "switchyard_stage_duration_seconds", "Duration of one DAG step.", ["stage"], buckets=STAGE_BUCKETS
+)
+AGENTS_CONCURRENT = Gauge(
+    "switchyard_agent_concurrent_count", "Tasks accepted and not yet finished (the HPA's agent_concurrent_count)."
+)
+TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])

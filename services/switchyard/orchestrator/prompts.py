@@ -1,0 +1,69 @@
+"""Prompt rendering with Jinja2's sandbox.
+
+Templates live in ``templates/`` beside this module. User text is passed as
+template *data* and is never compiled as a template, so a payload such as
+``{{ 7 * 7 }}`` reaches the model literally; the sandbox additionally stops
+templates from reaching unsafe attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+from jinja2 import FileSystemLoader, StrictUndefined
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt as chat messages, plus the same text joined for engines that take one string."""
+
+    system: str
+    user: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.system}\n\n{self.user}"
+
+    def messages(self) -> list[tuple[str, str]]:
+        """(role, content) pairs in order."""
+        return [("system", self.system), ("user", self.user)]
+
+
+@lru_cache(maxsize=1)
+def _env() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(
+        loader=FileSystemLoader(TEMPLATE_DIR),
+        undefined=StrictUndefined,
+        autoescape=False,  # prompts are plain text, not HTML
+        keep_trailing_newline=False,
+        trim_blocks=True,
+    )
+
+
+def render(
+    workflow: str,
+    question: str,
+    passages: Sequence[Any] = (),
+    tools: Sequence[Any] = (),
+) -> RenderedPrompt:
+    """Render the system and user messages of ``workflow`` (rag_answer, chat, react_loop).
+
+    Args:
+        workflow: template prefix in ``templates/``.
+        question: the user's payload (data, never template code).
+        passages: objects with ``title`` and ``text`` (retrieval results).
+        tools: objects with ``name`` and ``description``.
+
+    Raises:
+        jinja2.TemplateNotFound: no template for ``workflow``.
+    """
+    env = _env()
+    system = env.get_template(f"{workflow}.system.j2").render(passages=list(passages), tools=list(tools))
+    user = env.get_template("question.user.j2").render(question=question)
+    return RenderedPrompt(system.strip(), user.strip())

@@ -1,0 +1,210 @@
+"""The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus).
+
+Every task runs its workflow's DAG (see workflows.py). CPU steps wait for a
+worker of the bounded orchestration queue (``queues.orchestration`` in
+queue.json) and run in a thread pool; retrieval and inference steps hold no
+orchestration worker while they wait on the other services. With
+``orchestrator.inference_mode = "inline"`` a task instead holds one worker for
+its whole DAG: the one-mixed-queue baseline that the benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import SwitchyardError, status_for
+from switchyard.common.queues import WorkQueue
+from switchyard.orchestrator import workflows
+from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
+from switchyard.orchestrator.dag import run_dag
+from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
+from switchyard.orchestrator.tasks import TaskTable
+
+log = logging.getLogger(__name__)
+_END = object()
+
+
+def _trace_id() -> str:
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
+    """AgentService servicer plus its queue, CPU pool and downstream clients.
+
+    Args:
+        config: the loaded configuration; ``service.orchestrator`` gives the
+            downstream addresses and ``queue.queues.orchestration`` the queue.
+    """
+
+    name = "orchestrator"
+    grpc_service_names = ("agent.AgentService",)
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        self.config = config
+        self.tasks = TaskTable(config.service.orchestrator.task_table_size)
+        self._background: set[asyncio.Task[None]] = set()
+        self._deps: workflows.Deps | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def register(self, server: grpc.aio.Server) -> None:
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        orch = cfg.service.orchestrator
+        queue = WorkQueue("orchestration", cfg.queue.queues.orchestration)
+        queue.start()
+        retrieval_timeout = cfg.queue.queues.retrieval.timeout_ms / 1000 + 5.0
+        self._deps = workflows.Deps(
+            config=cfg,
+            queue=queue,
+            pool=ThreadPoolExecutor(orch.cpu_pool_threads, thread_name_prefix="orchestration-cpu"),
+            retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
+        )
+        log.info(
+            "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
+            orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
+        )
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.config.service.server.shutdown_grace_s)
+        for task in self._background:
+            task.cancel()
+        deps, self._deps = self._deps, None
+        if deps is not None:
+            await deps.queue.stop()
+            await deps.retrieval.close()
+            await deps.inference.close()
+            deps.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ running a task
+
+    def _new_run(self, spec: workflows.TaskSpec, emit, context: grpc.aio.ServicerContext | None) -> workflows.TaskRun:
+        assert self._deps is not None, "start() not called"
+        remaining = context.time_remaining() if context is not None else None
+        return workflows.TaskRun(
+            spec=spec,
+            deps=self._deps,
+            emit=emit,
+            deadline_s=None if remaining is None else time.monotonic() + remaining,
+            inline=self.config.service.orchestrator.inference_mode == "inline",
+            trace_id=_trace_id(),
+        )
+
+    async def _execute(self, run: workflows.TaskRun) -> agent_pb2.FinalEvent:
+        """Run the task's DAG; returns the final event (also emitted)."""
+        steps = workflows.build(run.spec.workflow)
+        AGENTS_CONCURRENT.inc()
+        code = grpc.StatusCode.OK
+        try:
+            if run.inline:
+                ticket = run.deps.queue.submit(lambda: run_dag(steps, run))
+                run.accept(ticket.position)
+                _, wait = await ticket.result()
+                run.timings.queue_wait_s["orchestration"] = wait
+                run.final.timings.queue_wait_s["orchestration"] = wait
+            else:
+                await run_dag(steps, run)
+            assert run.final is not None
+            run.emit(agent_pb2.TaskEvent(final=run.final))
+            TASK_DURATION.labels(run.spec.workflow).observe(run.final.timings.total_s)
+            if run.token_index:
+                TASK_TTFT.labels(run.spec.workflow).observe(run.final.timings.ttft_s)
+            return run.final
+        except BaseException as exc:
+            code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0]
+            raise
+        finally:
+            AGENTS_CONCURRENT.dec()
+            TASKS.labels(run.spec.workflow, code.name).inc()
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def RunTask(
+        self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.TaskEvent]:
+        try:
+            spec = workflows.validate(request, self.config)
+        except SwitchyardError as exc:
+            await context.abort(exc.code, str(exc))
+        events: asyncio.Queue = asyncio.Queue()
+        run = self._new_run(spec, events.put_nowait, context)
+        task = asyncio.create_task(self._execute(run), name=f"task-{spec.task_id}")
+        task.add_done_callback(lambda _: events.put_nowait(_END))
+        try:
+            while (event := await events.get()) is not _END:
+                yield event
+            exc = task.exception()
+        finally:
+            if not task.done():
+                task.cancel()
+        if exc is not None:
+            code, details = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("task %s failed", spec.task_id, exc_info=exc)
+            await context.abort(code, details)
+
+    async def SubmitTask(
+        self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb2.Accepted:
+        try:
+            spec = workflows.validate(request, self.config)
+            record = self.tasks.create(spec.task_id)
+        except SwitchyardError as exc:
+            await context.abort(exc.code, str(exc))
+        accepted: asyncio.Future[agent_pb2.Accepted] = asyncio.get_running_loop().create_future()
+
+        def emit(event: agent_pb2.TaskEvent) -> None:
+            kind = event.WhichOneof("event")
+            if kind == "accepted" and not accepted.done():
+                accepted.set_result(event.accepted)
+            elif kind == "stage":
+                record.state = agent_pb2.RUNNING
+                record.timings.stage_s[event.stage.name] = event.stage.duration_s
+
+        run = self._new_run(spec, emit, None)
+
+        async def background() -> None:
+            try:
+                record.result = await self._execute(run)
+                record.state = agent_pb2.SUCCEEDED
+            except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
+                code, details = status_for(exc)
+                record.state, record.error = agent_pb2.FAILED, f"{code.name}: {details}"
+                if not accepted.done():
+                    accepted.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        task = asyncio.create_task(background(), name=f"submitted-{spec.task_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            return await accepted
+        except SwitchyardError as exc:
+            await context.abort(exc.code, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*status_for(exc))
+
+    async def GetTaskStatus(
+        self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb2.TaskStatus:
+        if not request.task_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+        try:
+            return self.tasks.get(request.task_id).to_status()
+        except SwitchyardError as exc:
+            await context.abort(exc.code, str(exc))

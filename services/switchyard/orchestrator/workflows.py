@@ -1,0 +1,334 @@
+"""Workflows: the DAG of steps each task_type runs, and the per-task state.
+
+- ``rag_answer`` (default): plan -> retrieve -> render_prompt -> count_tokens -> infer -> finalize
+- ``chat``: plan -> render_prompt -> count_tokens -> infer -> finalize
+- ``react_loop``: plan -> render_prompt -> count_tokens -> react (think -> tool call -> observe,
+  up to ``orchestrator.react.max_steps``) -> finalize
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from opentelemetry import trace
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import InvalidArgument
+from switchyard.common.queues import WorkQueue
+from switchyard.orchestrator import prompts
+from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
+from switchyard.orchestrator.dag import Step
+from switchyard.orchestrator.metrics import STAGE_DURATION, TOOL_CALLS
+from switchyard.orchestrator.tokens import count_messages
+from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
+
+tracer = trace.get_tracer(__name__)
+
+WORKFLOWS = ("rag_answer", "chat", "react_loop")
+MAX_TASK_ID_CHARS = 128
+MAX_PAYLOAD_CHARS = 200_000
+
+
+@dataclass
+class Deps:
+    """What every task of one orchestrator shares."""
+
+    config: SwitchyardConfig
+    queue: WorkQueue
+    pool: Executor
+    retrieval: RetrievalClient
+    inference: InferenceClient
+
+
+@dataclass
+class TaskSpec:
+    """A validated RunTaskRequest."""
+
+    task_id: str
+    payload: str
+    workflow: str
+    priority: int
+    max_tokens: int
+    model: str
+    agent_id: str
+
+
+def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig) -> TaskSpec:
+    """Check a request and fill defaults.
+
+    Raises:
+        InvalidArgument: naming the field and what was expected.
+    """
+    orch = config.service.orchestrator
+    if not request.payload.strip():
+        raise InvalidArgument("payload", "a non-empty string (the question or instruction)")
+    if len(request.payload) > MAX_PAYLOAD_CHARS:
+        raise InvalidArgument("payload", f"at most {MAX_PAYLOAD_CHARS} characters", f"{len(request.payload)} chars")
+    if len(request.task_id) > MAX_TASK_ID_CHARS:
+        raise InvalidArgument("task_id", f"at most {MAX_TASK_ID_CHARS} characters")
+    workflow = request.task_type or orch.default_task_type
+    if workflow not in WORKFLOWS:
+        raise InvalidArgument("task_type", f"one of {', '.join(WORKFLOWS)} (empty = {orch.default_task_type})", workflow)
+    if request.priority not in agent_pb2.Priority.values():
+        raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
+    limit = 32768
+    if not 0 <= request.max_tokens <= limit:
+        raise InvalidArgument("max_tokens", f"0 (the default, {orch.default_max_tokens}) to {limit}", request.max_tokens)
+    return TaskSpec(
+        task_id=request.task_id or f"task-{uuid.uuid4().hex[:16]}",
+        payload=request.payload,
+        workflow=workflow,
+        priority=request.priority or agent_pb2.NORMAL,
+        max_tokens=request.max_tokens or orch.default_max_tokens,
+        model=request.model,
+        agent_id=request.agent_id,
+    )
+
+
+@dataclass
+class TaskRun:
+    """The state of one task while its DAG runs. Events go to ``emit`` in order."""
+
+    spec: TaskSpec
+    deps: Deps
+    emit: Callable[[agent_pb2.TaskEvent], None]
+    deadline_s: float | None = None
+    t0: float = field(default_factory=time.monotonic)
+    inline: bool = False
+    accepted_sent: bool = False
+    passages: list[agent_pb2.Passage] = field(default_factory=list)
+    prompt: prompts.RenderedPrompt | None = None
+    prompt_tokens: int = 0
+    messages: list[agent_pb2.ChatMessage] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)
+    token_index: int = 0
+    usage: agent_pb2.TokenUsage = field(default_factory=agent_pb2.TokenUsage)
+    timings: agent_pb2.Timings = field(default_factory=agent_pb2.Timings)
+    compute_score_used: float = 0.0
+    memory_peak_bytes: int = 0
+    model: str = ""
+    trace_id: str = ""
+    generations: int = 0
+    final: agent_pb2.FinalEvent | None = None
+
+    # ------------------------------------------------------------------ events and accounting
+
+    def accept(self, position: int) -> None:
+        if not self.accepted_sent:
+            self.accepted_sent = True
+            self.emit(
+                agent_pb2.TaskEvent(
+                    accepted=agent_pb2.Accepted(
+                        task_id=self.spec.task_id, queue_position=position, trace_id=self.trace_id
+                    )
+                )
+            )
+
+    def add_wait(self, queue: str, seconds: float) -> None:
+        self.timings.queue_wait_s[queue] = self.timings.queue_wait_s.get(queue, 0.0) + seconds
+
+    def stage_done(self, name: str, start: float, end: float, **attributes: str) -> None:
+        self.timings.stage_s[name] = self.timings.stage_s.get(name, 0.0) + (end - start)
+        STAGE_DURATION.labels(name).observe(end - start)
+        self.emit(
+            agent_pb2.TaskEvent(
+                stage=agent_pb2.StageEvent(
+                    name=name,
+                    start_s=start - self.t0,
+                    end_s=end - self.t0,
+                    duration_s=end - start,
+                    attributes=attributes,
+                )
+            )
+        )
+
+    async def run_cpu(self, fn: Callable[[], Any]) -> Any:
+        """Run CPU work in the pool; in split mode it first waits for an orchestration worker."""
+        loop = asyncio.get_running_loop()
+        if self.inline:
+            return await loop.run_in_executor(self.deps.pool, fn)
+        queue = self.deps.queue
+        ticket = queue.submit(lambda: loop.run_in_executor(self.deps.pool, fn))
+        self.accept(ticket.position)
+        enqueued = time.time_ns()
+        result, wait = await ticket.result()
+        tracer.start_span("orchestration.queue_wait", start_time=enqueued).end(end_time=enqueued + int(wait * 1e9))
+        self.add_wait(queue.name, wait)
+        return result
+
+    def remaining(self) -> float | None:
+        return None if self.deadline_s is None else max(0.001, self.deadline_s - time.monotonic())
+
+    # ------------------------------------------------------------------ inference
+
+    async def generate(self, tools: list[Tool] = (), resume: bool = False) -> tuple[str, list[agent_pb2.ToolCall]]:
+        """One Generate call on the dispatcher, streaming tokens to the caller.
+
+        Returns the text and the tool calls of this turn.
+        """
+        spec = self.spec
+        request = agent_pb2.GenerateRequest(
+            request_id=f"{spec.task_id}:{self.generations}",
+            prompt=self.prompt.text if self.prompt and not self.messages else "",
+            messages=self.messages,
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=spec.max_tokens,
+            model=spec.model,
+            priority=spec.priority,
+            task_type=spec.workflow,
+            agent_id=spec.agent_id or spec.task_id,
+            tools=[agent_pb2.ToolSpec(name=t.name, description=t.description, parameters_json=t.parameters_json)
+                   for t in tools],
+            resume=resume,
+        )
+        self.generations += 1
+        text: list[str] = []
+        calls: list[agent_pb2.ToolCall] = []
+        async for chunk in self.deps.inference.generate(request, self.remaining()):
+            kind = chunk.WhichOneof("chunk")
+            if kind == "token":
+                if self.token_index == 0:
+                    self.timings.ttft_s = time.monotonic() - self.t0
+                text.append(chunk.token.text)
+                self.emit(agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=chunk.token.text, index=self.token_index)))
+                self.token_index += 1
+            elif kind == "tool_call":
+                calls.append(chunk.tool_call)
+            elif kind == "done":
+                done = chunk.done
+                self.usage.prompt_tokens += done.usage.prompt_tokens
+                self.usage.completion_tokens += done.usage.completion_tokens
+                self.usage.total_tokens += done.usage.total_tokens
+                self.add_wait("inference", done.queue_wait_s)
+                self.compute_score_used += done.compute_score_used
+                self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
+                self.model = done.model or self.model
+        return "".join(text), calls
+
+
+# ---------------------------------------------------------------------- steps
+
+
+def _plan(run: TaskRun) -> None:
+    """Resolve defaults the later steps read; a CPU step so the task enters the orchestration queue."""
+    run.model = run.spec.model or run.deps.config.service.dispatcher.engine
+
+
+async def _retrieve(run: TaskRun) -> None:
+    response = await run.deps.retrieval.retrieve(run.spec.payload)
+    run.passages = list(response.passages)
+    run.add_wait("retrieval", response.queue_wait_s)
+
+
+def _tools(run: TaskRun) -> list[Tool]:
+    if run.spec.workflow != "react_loop":
+        return []
+
+    async def search(query: str, top_k: int) -> list[agent_pb2.Passage]:
+        response = await run.deps.retrieval.retrieve(query, top_k)
+        run.add_wait("retrieval", response.queue_wait_s)
+        return list(response.passages)
+
+    return [search_docs_tool(search), CALCULATOR]
+
+
+def _render_prompt(run: TaskRun) -> None:
+    run.prompt = prompts.render(run.spec.workflow, run.spec.payload, run.passages, _tools(run))
+    if run.spec.workflow == "react_loop":
+        run.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in run.prompt.messages()]
+
+
+def _count_tokens(run: TaskRun) -> None:
+    assert run.prompt is not None
+    run.prompt_tokens = count_messages(run.prompt.messages())
+    limit = run.deps.config.service.orchestrator.max_prompt_tokens
+    if run.prompt_tokens > limit:
+        raise InvalidArgument(
+            "payload", f"a prompt of at most {limit} tokens (orchestrator.max_prompt_tokens)",
+            f"{run.prompt_tokens} tokens",
+        )
+
+
+async def _infer(run: TaskRun) -> None:
+    text, _ = await run.generate()
+    run.output = [text]
+
+
+async def _react(run: TaskRun) -> None:
+    """think -> tool call -> observe, up to max_steps; then one last answer without tools."""
+    policy = run.deps.config.service.orchestrator.react
+    tools = {t.name: t for t in _tools(run)}
+    for step in range(policy.max_steps):
+        start = time.monotonic()
+        with tracer.start_as_current_span("infer", attributes={"switchyard.react.step": step}):
+            text, calls = await run.generate(list(tools.values()), resume=step > 0)
+        run.stage_done("infer", start, time.monotonic(), step=str(step))
+        if not calls:
+            run.output = [text]
+            return
+        run.messages.append(agent_pb2.ChatMessage(role="assistant", content=text))
+        for call in calls:
+            await _observe(run, tools, call, policy)
+    start = time.monotonic()
+    with tracer.start_as_current_span("infer", attributes={"switchyard.react.step": policy.max_steps}):
+        text, _ = await run.generate([], resume=True)
+    run.stage_done("infer", start, time.monotonic(), step=str(policy.max_steps))
+    run.output = [text]
+
+
+async def _observe(run: TaskRun, tools: dict[str, Tool], call: agent_pb2.ToolCall, policy: Any) -> None:
+    run.emit(agent_pb2.TaskEvent(tool_call=agent_pb2.ToolCallEvent(
+        call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)))
+    start = time.monotonic()
+    with tracer.start_as_current_span(f"tool {call.name}", attributes={"gen_ai.tool.name": call.name}) as span:
+        tool = tools.get(call.name)
+        if tool is None:
+            content, is_error, attempts = f"unknown tool {call.name!r}; available: {', '.join(tools)}", True, 0
+        else:
+            outcome = await call_tool(tool, call.arguments_json, policy)
+            content, is_error, attempts = outcome.content, outcome.is_error, outcome.attempts
+        span.set_attribute("switchyard.tool.attempts", attempts)
+        span.set_attribute("switchyard.tool.is_error", is_error)
+    TOOL_CALLS.labels(call.name, "error" if is_error else "ok").inc()
+    run.stage_done(f"tool:{call.name}", start, time.monotonic())
+    run.emit(agent_pb2.TaskEvent(tool_result=agent_pb2.ToolResultEvent(
+        call_id=call.call_id, name=call.name, content=content, is_error=is_error, attempts=attempts)))
+    run.messages.append(agent_pb2.ChatMessage(role="tool", content=content, tool_call_id=call.call_id, name=call.name))
+
+
+def _finalize(run: TaskRun) -> None:
+    run.timings.total_s = time.monotonic() - run.t0
+    run.final = agent_pb2.FinalEvent(
+        task_id=run.spec.task_id,
+        output="".join(run.output),
+        usage=run.usage,
+        timings=run.timings,
+        compute_score_used=run.compute_score_used,
+        memory_peak_bytes=run.memory_peak_bytes,
+        trace_id=run.trace_id,
+        model=run.model,
+        passages=run.passages,
+    )
+
+
+def build(workflow: str) -> list[Step]:
+    """The steps of ``workflow`` (one of :data:`WORKFLOWS`)."""
+    head = [Step("plan", _plan, cpu=True)]
+    if workflow == "rag_answer":
+        head.append(Step("retrieve", _retrieve, after=("plan",)))
+    prompt_after = head[-1].name
+    middle = [
+        Step("render_prompt", _render_prompt, after=(prompt_after,), cpu=True),
+        Step("count_tokens", _count_tokens, after=("render_prompt",), cpu=True),
+    ]
+    if workflow == "react_loop":
+        tail = [Step("react", _react, after=("count_tokens",)), Step("finalize", _finalize, after=("react",), cpu=True)]
+    else:
+        tail = [Step("infer", _infer, after=("count_tokens",)), Step("finalize", _finalize, after=("infer",), cpu=True)]
+    return head + middle + tail

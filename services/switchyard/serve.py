@@ -1,0 +1,94 @@
+"""``switchyard serve NAME``: run one service in this process until SIGTERM/SIGINT.
+
+NAME is orchestrator, retrieval or dispatcher (gRPC services), or sim-openai
+(the OpenAI-compatible test server, which takes its own options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+import uvloop
+
+from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.logs import setup_logging
+from switchyard.common.server import Service, serve_until_signal, start_server
+
+log = logging.getLogger(__name__)
+
+SERVICES: dict[str, str] = {
+    "orchestrator": "switchyard.orchestrator.service:OrchestratorService",
+    "retrieval": "switchyard.retrieval.service:RetrievalService",
+    "dispatcher": "switchyard.dispatcher.service:DispatcherService",
+}
+
+
+def make_service(name: str, config: SwitchyardConfig) -> Service:
+    """Construct the service called ``name`` (a key of :data:`SERVICES`)."""
+    module, _, cls = SERVICES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(config)
+
+
+def _section(config: SwitchyardConfig, name: str):
+    return getattr(config.service, name)
+
+
+async def serve(name: str, config: SwitchyardConfig) -> None:
+    """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop."""
+    from switchyard.common import process_metrics, telemetry
+
+    shutdown_tracing = telemetry.setup_tracing(name)
+    section = _section(config, name)
+    try:
+        service = make_service(name, config)
+        srv = await start_server(
+            [service], config.service.server.host, section.port, config.service.server,
+            interceptors=telemetry.server_interceptors(),
+        )
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name)
+        lag_monitor = process_metrics.start_loop_lag_monitor()
+        log.info("%s ready on %s:%d (metrics on port %d)", name, config.service.server.host, srv.port, metrics_port)
+        try:
+            await serve_until_signal(srv, config.service.server.shutdown_grace_s)
+        finally:
+            lag_monitor.cancel()
+    finally:
+        shutdown_tracing()
+        log.info("%s: tracing flushed; exiting", name)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "sim-openai":
+        from switchyard.gateway import sim_openai
+
+        return int(sim_openai.main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="switchyard serve", description=__doc__)
+    parser.add_argument("name", choices=[*SERVICES, "sim-openai"])
+    parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port (0 = any free port)")
+    args = parser.parse_args(argv)
+    setup_logging(args.name)
+    try:
+        config = load_config(args.config_dir)
+        overrides = {}
+        if args.port is not None:
+            overrides[f"service.{args.name}.port"] = args.port
+        if args.metrics_port is not None:
+            overrides[f"service.{args.name}.metrics_port"] = args.metrics_port
+        if overrides:
+            config = config.with_overrides(**overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"switchyard serve {args.name}: bad configuration:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        uvloop.run(serve(args.name, config))
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # start-up failures: missing index, port in use, ...
+        log.error("%s failed to start: %s", args.name, exc)
+        return 1
+    return 0

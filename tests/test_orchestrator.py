@@ -1,0 +1,234 @@
+"""The orchestrator against small deterministic downstream servers (real gRPC on port 0).
+
+The real retrieval and dispatcher are exercised in test_integration.py and
+test_e2e.py; here the downstreams are fixed so each orchestrator behaviour can
+be checked on its own: event order, validation, queue limits, the task table,
+the react_loop tool loop and downstream failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import grpc
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import load_config
+from switchyard.common.server import running
+from switchyard.orchestrator.service import OrchestratorService
+from switchyard.orchestrator.tools import ToolArgumentError, calculate
+
+
+class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.InferenceServiceServicer):
+    """Retrieval returns one passage; Generate echoes words, or calls tools when offered."""
+
+    name = "downstream"
+    grpc_service_names = ("agent.RetrievalService", "agent.InferenceService")
+
+    def __init__(self) -> None:
+        self.requests: list[agent_pb2.GenerateRequest] = []
+        self.gate: asyncio.Event | None = None
+
+    def register(self, server):
+        agent_pb2_grpc.add_RetrievalServiceServicer_to_server(self, server)
+        agent_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    async def Retrieve(self, request, context):
+        return agent_pb2.RetrieveResponse(
+            passages=[agent_pb2.Passage(text="The with statement wraps a block.", score=0.9, source="t:with", title="with")],
+            queue_wait_s=0.001,
+        )
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        done_tools = {m.name for m in request.messages if m.role == "tool"}
+        offered = [t.name for t in request.tools]
+        if "search_docs" in offered and "search_docs" not in done_tools:
+            yield agent_pb2.GenerateChunk(tool_call=agent_pb2.ToolCall(
+                call_id="c1", name="search_docs", arguments_json=json.dumps({"query": "with statement"})))
+        elif "calculator" in offered and "calculator" not in done_tools:
+            yield agent_pb2.GenerateChunk(tool_call=agent_pb2.ToolCall(
+                call_id="c2", name="calculator", arguments_json=json.dumps({"expression": "12*(3+4)"})))
+        else:
+            for i, word in enumerate(["The", " answer", "."]):
+                yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=word, index=i))
+        yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
+            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=3, total_tokens=13),
+            queue_wait_s=0.002, compute_score_used=0.5, memory_peak_bytes=1000, model="fake"))
+
+
+@contextlib.asynccontextmanager
+async def stack(**overrides):
+    base = load_config("config")
+    down = Downstream()
+    async with running([down], base.service.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = base.with_overrides(**{
+            "service.orchestrator.retrieval_addr": addr,
+            "service.orchestrator.dispatcher_addr": addr,
+            **overrides,
+        })
+        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}")
+            try:
+                yield agent_pb2_grpc.AgentServiceStub(channel), down
+            finally:
+                await channel.close()
+
+
+async def collect(stub, **fields):
+    return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields))]
+
+
+async def test_rag_answer_streams_accepted_stages_tokens_final():
+    async with stack() as (stub, down):
+        events = await collect(stub, task_id="bench-001", payload="summarize this doc")
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "accepted" and kinds[-1] == "final"
+    stages = [e.stage.name for e in events if e.HasField("stage")]
+    assert stages == ["plan", "retrieve", "render_prompt", "count_tokens", "infer", "finalize"]
+    assert "".join(e.token.text for e in events if e.HasField("token")) == "The answer."
+    final = events[-1].final
+    assert final.task_id == "bench-001" and final.output == "The answer."
+    assert final.usage.completion_tokens == 3 and final.compute_score_used == 0.5
+    assert set(final.timings.queue_wait_s) == {"orchestration", "retrieval", "inference"}
+    assert 0 < final.timings.ttft_s <= final.timings.total_s
+    assert final.passages[0].title == "with"
+    sent = down.requests[0]
+    assert "<context>" in sent.prompt and "The with statement wraps a block." in sent.prompt
+    assert sent.prompt_tokens > 0 and sent.priority == agent_pb2.NORMAL
+
+
+async def test_user_text_is_data_not_template_code():
+    async with stack() as (stub, down):
+        await collect(stub, payload="{{ 7 * 7 }} {% for x in range(3) %}x{% endfor %}", task_type="chat")
+    prompt = down.requests[0].prompt
+    assert "{{ 7 * 7 }}" in prompt and "49" not in prompt
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"payload": "   "}, "payload"),
+        ({"payload": "q", "task_type": "nope"}, "task_type"),
+        ({"payload": "q", "max_tokens": -1}, "max_tokens"),
+        ({"payload": "q", "priority": 9}, "priority"),
+    ],
+)
+async def test_bad_request_names_field(fields, field):
+    async with stack() as (stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field)
+
+
+async def test_prompt_over_budget_is_rejected_naming_payload():
+    async with stack(**{"service.orchestrator.max_prompt_tokens": 20}) as (stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="word " * 50, task_type="chat")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_prompt_tokens" in err.value.details()
+
+
+async def test_full_orchestration_queue_rejects_naming_queue():
+    overrides = {
+        "queue.queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 3000},
+        "service.orchestrator.inference_mode": "inline",
+    }
+    async with stack(**overrides) as (stub, down):
+        down.gate = asyncio.Event()
+        first = asyncio.create_task(collect(stub, payload="one", task_type="chat"))
+        while not down.requests:  # the first task holds the only worker, inside Generate
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(collect(stub, payload="two", task_type="chat"))
+        await asyncio.sleep(0.1)  # the second waits in the queue (capacity 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="three", task_type="chat")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "orchestration queue full" in err.value.details()
+        down.gate.set()
+        assert (await first)[-1].HasField("final") and (await second)[-1].HasField("final")
+
+
+async def test_wait_past_timeout_gives_deadline_exceeded_naming_queue():
+    overrides = {
+        "queue.queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 50},
+        "service.orchestrator.inference_mode": "inline",
+    }
+    async with stack(**overrides) as (stub, down):
+        down.gate = asyncio.Event()
+        first = asyncio.create_task(collect(stub, payload="one", task_type="chat"))
+        while not down.requests:
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="two", task_type="chat")
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "orchestration queue" in err.value.details()
+        down.gate.set()
+        await first
+
+
+async def test_submit_then_poll_status():
+    async with stack() as (stub, _):
+        accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="async-1", payload="hello"))
+        assert accepted.task_id == "async-1" and accepted.queue_position >= 0
+        for _ in range(200):
+            status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="async-1"))
+            if status.state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED):
+                break
+            await asyncio.sleep(0.02)
+        assert status.state == agent_pb2.SUCCEEDED, status.error
+        assert status.result.output == "The answer."
+        assert status.compute_score_used == 0.5 and status.memory_peak_bytes == 1000
+        assert status.timings.total_s > 0
+        with pytest.raises(grpc.aio.AioRpcError) as dup:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="async-1", payload="again"))
+        assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="nope"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in missing.value.details()
+
+
+async def test_react_loop_calls_both_tools_and_streams_them():
+    async with stack() as (stub, down):
+        events = await collect(stub, payload="What does with do, and what is 12*(3+4)?", task_type="react_loop")
+    calls = [e.tool_call.name for e in events if e.HasField("tool_call")]
+    results = {e.tool_result.name: e.tool_result for e in events if e.HasField("tool_result")}
+    assert calls == ["search_docs", "calculator"]
+    assert "with statement" in results["search_docs"].content
+    assert results["calculator"].content == "12*(3+4) = 84" and not results["calculator"].is_error
+    assert [r.resume for r in down.requests] == [False, True, True]
+    assert all(r.agent_id == down.requests[0].agent_id for r in down.requests)
+    assert events[-1].final.output == "The answer."
+    assert events[-1].final.compute_score_used == pytest.approx(1.5)
+
+
+async def test_dispatcher_down_is_unavailable_naming_service():
+    base = load_config("config")
+    async with running([OrchestratorService(base.with_overrides(**{
+        "service.orchestrator.dispatcher_addr": "127.0.0.1:1",
+    }))], base.service.server) as orch:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(agent_pb2_grpc.AgentServiceStub(channel), payload="q", task_type="chat")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "dispatcher service unavailable at 127.0.0.1:1" in err.value.details()
+
+
+def test_calculator_is_safe_arithmetic():
+    assert calculate("12*(3+4)") == 84 and calculate("2**10") == 1024
+    for bad in ("__import__('os')", "9**99999", "1/0", "a+1", "[1]*9"):
+        with pytest.raises(ToolArgumentError):
+            calculate(bad)
