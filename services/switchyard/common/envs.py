@@ -64,6 +64,8 @@ SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python
 # Read by libraries under their standard names (listed, not parsed, here).
 STANDARD_VARIABLES = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_TRACES_EXPORTER",
     "OTEL_SERVICE_NAME",
     "OTEL_TRACES_SAMPLER",
     "OTEL_TRACES_SAMPLER_ARG",

@@ -21,3 +21,23 @@ QUEUE_REJECTED = Counter(
     "switchyard_queue_rejected_total", "Items rejected by a queue, by reason (full, timeout).", ["queue", "reason"]
 )
 QUEUE_BUSY_WORKERS = Gauge("switchyard_queue_busy_workers", "Workers of a queue running an item.", ["queue"])
+
+# Bucket sets for the latencies services record beside their code. TTFT runs
+# from milliseconds (sim engine, short prompts) to tens of seconds (long
+# prompts on a loaded remote model); inter-token latency from sub-millisecond
+# (batched decode) to about a second (stalled stream).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 30, 60)
+INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+# Stage and task durations: a millisecond to a couple of minutes.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Event-loop lag: healthy loops oversleep by well under a millisecond; a loop
+# blocked by CPU work (JSON, templates, token counting) shows tens to hundreds.
+LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+EVENT_LOOP_LAG = Histogram(
+    "switchyard_event_loop_lag_seconds",
+    "How much later than asked the event loop woke a fixed-interval sleeper (time the loop was blocked).",
+    buckets=LOOP_LAG_BUCKETS,
+)

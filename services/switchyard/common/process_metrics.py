@@ -1,0 +1,221 @@
+"""Per-process metrics every service exposes: the metrics HTTP endpoint,
+container CPU throttling from cgroup ``cpu.stat`` and event-loop lag.
+
+A service calls, once at start-up::
+
+    start_metrics_server(config.metrics_port, "retrieval", host=config.server.host)
+    start_loop_lag_monitor(0.1)   # inside the running event loop
+
+CPU throttling is read from the cgroup's ``cpu.stat`` at scrape time, so the
+numbers are the kernel's own counters and cost nothing between scrapes.
+Layouts (Linux kernel documentation, Documentation/admin-guide/cgroup-v2.rst
+"cpu.stat" and Documentation/scheduler/sched-bwc.rst for v1):
+
+- cgroup v2, ``/sys/fs/cgroup/cpu.stat``: ``nr_periods``, ``nr_throttled``,
+  ``throttled_usec`` (microseconds).
+- cgroup v1, ``/sys/fs/cgroup/cpu,cpuacct/cpu.stat`` or
+  ``/sys/fs/cgroup/cpu/cpu.stat``: ``nr_periods``, ``nr_throttled``,
+  ``throttled_time`` (nanoseconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from switchyard import __version__
+from switchyard.common.metrics import EVENT_LOOP_LAG
+
+log = logging.getLogger(__name__)
+
+CGROUP_V2_CPU_STAT = Path("/sys/fs/cgroup/cpu.stat")
+CGROUP_V1_CPU_STATS = (Path("/sys/fs/cgroup/cpu,cpuacct/cpu.stat"), Path("/sys/fs/cgroup/cpu/cpu.stat"))
+
+SERVICE_INFO = Info("switchyard_service", "Which Switchyard service this process serves, and its version.")
+
+
+def parse_cpu_stat(text: str) -> dict[str, int]:
+    """Parse ``cpu.stat`` text (``key value`` per line) into ``{key: int}``.
+
+    Lines that are not two fields with an integer value are skipped.
+    """
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            try:
+                stats[parts[0]] = int(parts[1])
+            except ValueError:
+                continue
+    return stats
+
+
+def throttling_from_stats(stats: dict[str, int]) -> tuple[int, int, float] | None:
+    """``(periods, throttled_periods, throttled_seconds)`` from parsed ``cpu.stat``.
+
+    Recognises v2 (``throttled_usec``) and v1 (``throttled_time``, ns). Returns
+    None when the file has no CPU bandwidth counters (cpu controller not enabled).
+    """
+    if "nr_periods" not in stats or "nr_throttled" not in stats:
+        return None
+    if "throttled_usec" in stats:
+        seconds = stats["throttled_usec"] / 1e6
+    elif "throttled_time" in stats:
+        seconds = stats["throttled_time"] / 1e9
+    else:
+        return None
+    return stats["nr_periods"], stats["nr_throttled"], seconds
+
+
+def find_cpu_stat() -> Path | None:
+    """The cgroup ``cpu.stat`` of this process's container: v2 first, then v1; None if absent."""
+    for path in (CGROUP_V2_CPU_STAT, *CGROUP_V1_CPU_STATS):
+        if path.is_file():
+            return path
+    return None
+
+
+class CgroupCpuThrottlingCollector(Collector):
+    """Prometheus collector reading cgroup CPU throttling at scrape time.
+
+    Series (counters, so Prometheus names end in ``_total``):
+
+    - ``switchyard_cpu_periods_total``: CFS enforcement periods elapsed.
+    - ``switchyard_cpu_throttled_periods_total``: periods in which the cgroup hit its quota.
+    - ``switchyard_cpu_throttled_seconds_total``: time the cgroup's threads were held back.
+
+    Args:
+        path: the ``cpu.stat`` file; None finds it with :func:`find_cpu_stat`
+            on each scrape. A missing or unreadable file yields no series.
+    """
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self._path = Path(path) if path is not None else None
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return []  # values come from a file that may appear later; no fixed description
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        path = self._path or find_cpu_stat()
+        if path is None:
+            return
+        try:
+            parsed = throttling_from_stats(parse_cpu_stat(path.read_text()))
+        except OSError as exc:
+            log.debug("cannot read %s: %s", path, exc)
+            return
+        if parsed is None:
+            return
+        periods, throttled, seconds = parsed
+        yield CounterMetricFamily(
+            "switchyard_cpu_periods", "CPU bandwidth enforcement periods elapsed (cgroup cpu.stat nr_periods).",
+            value=periods,
+        )
+        yield CounterMetricFamily(
+            "switchyard_cpu_throttled_periods",
+            "Periods in which the container used its whole CPU quota and was throttled (cgroup cpu.stat nr_throttled).",
+            value=throttled,
+        )
+        yield CounterMetricFamily(
+            "switchyard_cpu_throttled_seconds",
+            "Time the container's threads were throttled (cgroup cpu.stat throttled_usec / throttled_time).",
+            value=seconds,
+        )
+
+
+_lock = threading.Lock()
+_process_collectors_registered = False
+_servers: list = []
+
+
+def register_process_collectors(registry: CollectorRegistry = REGISTRY) -> None:
+    """Register the cgroup CPU throttling collector on ``registry`` (once per process for the default)."""
+    global _process_collectors_registered
+    with _lock:
+        if registry is REGISTRY:
+            if _process_collectors_registered:
+                return
+            _process_collectors_registered = True
+        registry.register(CgroupCpuThrottlingCollector())
+
+
+def start_metrics_server(port: int, service: str, host: str = "127.0.0.1") -> int:
+    """Serve Prometheus metrics of this process at ``http://host:port/metrics``.
+
+    Registers the per-process collectors (CPU throttling) and sets
+    ``switchyard_service_info{service=..., version=...}``. The HTTP server runs
+    in a daemon thread (prometheus_client's ``start_http_server``).
+
+    Args:
+        port: TCP port; 0 picks a free one (tests).
+        service: orchestrator, retrieval or dispatcher.
+        host: bind address, ``127.0.0.1`` locally, ``0.0.0.0`` in a container.
+
+    Returns:
+        The bound port.
+
+    Raises:
+        OSError: the port is in use (the message names host and port).
+    """
+    register_process_collectors()
+    SERVICE_INFO.info({"service": service, "version": __version__})
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as exc:
+        raise OSError(exc.errno, f"metrics port {host}:{port} for {service}: {exc.strerror}") from exc
+    _servers.append(server)
+    bound = int(server.server_port)
+    log.info("%s metrics on http://%s:%d/metrics", service, host, bound)
+    return bound
+
+
+def stop_metrics_servers() -> None:
+    """Shut down every metrics HTTP server this process started (tests, clean exit)."""
+    while _servers:
+        server = _servers.pop()
+        server.shutdown()
+        server.server_close()
+
+
+async def _measure_loop_lag(interval_s: float, histogram: Histogram) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(interval_s)
+        histogram.observe(max(0.0, loop.time() - asked - interval_s))
+
+
+def start_loop_lag_monitor(interval_s: float = 0.1, histogram: Histogram = EVENT_LOOP_LAG) -> asyncio.Task[None]:
+    """Start a task on the running loop that measures event-loop lag.
+
+    Every ``interval_s`` seconds it sleeps ``interval_s`` and records in
+    ``histogram`` (default ``switchyard_event_loop_lag_seconds``) how much
+    later than asked it woke: the time something held the loop. Cancel the
+    returned task to stop it.
+
+    Raises:
+        ValueError: ``interval_s`` is not in (0, 60].
+        RuntimeError: no running event loop.
+    """
+    if not 0 < interval_s <= 60:
+        raise ValueError(f"interval_s: expected a number of seconds in (0, 60] (got {interval_s!r})")
+    return asyncio.get_running_loop().create_task(_measure_loop_lag(interval_s, histogram), name="loop-lag-monitor")
+
+
+__all__ = [
+    "CgroupCpuThrottlingCollector",
+    "find_cpu_stat",
+    "parse_cpu_stat",
+    "register_process_collectors",
+    "start_loop_lag_monitor",
+    "start_metrics_server",
+    "stop_metrics_servers",
+    "throttling_from_stats",
+]

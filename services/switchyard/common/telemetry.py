@@ -1,0 +1,292 @@
+"""Tracing set-up shared by the three services: OpenTelemetry, OTLP over gRPC.
+
+Configured only from the standard ``OTEL_*`` environment variables (see
+:mod:`switchyard.common.envs`):
+
+- ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``):
+  where the OTLP gRPC exporter sends spans, e.g. ``http://127.0.0.1:4317``
+  (Jaeger all-in-one). Unset means tracing is off.
+- ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``: tracing off.
+- ``OTEL_SERVICE_NAME``: the resource ``service.name`` (default: the service's
+  own name: orchestrator, retrieval, dispatcher).
+- ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: read by the SDK
+  (default ``parentbased_always_on``).
+
+Tracing off installs nothing: no tracer provider (``trace.get_tracer`` hands
+out the API's no-op tracer), no interceptors, no exporter thread.
+
+Trace context crosses gRPC as W3C ``traceparent`` metadata through
+opentelemetry-instrumentation-grpc's aio interceptors, so a traceparent sent
+by a client becomes the parent of the task's server span. Span status follows
+the instrumentation's server rule on both sides: only server-fault codes
+(:data:`~switchyard.common.errors.SERVER_FAULT_CODES`) mark a span as an error;
+a caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...) is
+recorded as ``rpc.grpc.status_code`` only. The stock client interceptors
+mark every non-OK code and the stock server interceptor leaves an uncaught
+exception (sent as UNKNOWN) unmarked; the subclasses below fix both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import _aio_client, _aio_server
+from opentelemetry.instrumentation.grpc import filters as grpc_filters
+from opentelemetry.instrumentation.grpc.version import __version__ as _instrumentation_version
+from opentelemetry.trace import Status, StatusCode
+
+from switchyard import __version__
+from switchyard.common.envs import read_standard
+from switchyard.common.errors import SERVER_FAULT_CODES
+
+log = logging.getLogger(__name__)
+
+# Attribute names from the OpenTelemetry semantic conventions (rpc.*).
+RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+_INSTRUMENTATION_NAME = "opentelemetry.instrumentation.grpc"
+_SCHEMA_URL = "https://opentelemetry.io/schemas/1.11.0"
+
+_lock = threading.Lock()
+_provider: Any = None  # the SDK TracerProvider once setup_tracing turned tracing on
+_shutdown: Callable[[], None] | None = None
+
+
+def _noop() -> None:
+    return None
+
+
+def tracing_configured() -> bool:
+    """Whether the environment asks for tracing: an OTLP endpoint is set and the SDK is not disabled."""
+    if (read_standard("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
+        return False
+    if (read_standard("OTEL_TRACES_EXPORTER") or "otlp").strip().lower() == "none":
+        return False
+    return bool(read_standard("OTEL_EXPORTER_OTLP_ENDPOINT") or read_standard("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def tracing_enabled() -> bool:
+    """Whether :func:`setup_tracing` turned tracing on in this process."""
+    return _provider is not None
+
+
+def setup_tracing(service_name: str) -> Callable[[], None]:
+    """Turn tracing on for this process when the environment asks for it.
+
+    Installs a global SDK ``TracerProvider`` with resource ``service.name``
+    (``OTEL_SERVICE_NAME`` or ``service_name``), ``service.namespace=switchyard``
+    and ``service.version``; the sampler from ``OTEL_TRACES_SAMPLER``; and a
+    ``BatchSpanProcessor`` feeding the OTLP gRPC span exporter (endpoint,
+    headers, TLS and timeout from ``OTEL_EXPORTER_OTLP_*``).
+
+    Calling it again in the same process returns the first call's shutdown.
+
+    Args:
+        service_name: orchestrator, retrieval or dispatcher.
+
+    Returns:
+        ``shutdown()``: flushes pending spans and stops the exporter; safe to
+        call more than once. A no-op when tracing is off.
+    """
+    global _provider, _shutdown
+    with _lock:
+        if _shutdown is not None:
+            return _shutdown
+        if not tracing_configured():
+            log.debug("tracing off: no OTEL_EXPORTER_OTLP_ENDPOINT, or OTEL_SDK_DISABLED=true")
+            return _noop
+        # Imported here so that a process with tracing off never loads the SDK or exporter.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_NAMESPACE, SERVICE_VERSION, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        name = read_standard("OTEL_SERVICE_NAME") or service_name
+        resource = Resource.create({SERVICE_NAME: name, SERVICE_NAMESPACE: "switchyard", SERVICE_VERSION: __version__})
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+        _provider = provider
+        endpoint = read_standard("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or read_standard("OTEL_EXPORTER_OTLP_ENDPOINT")
+        log.info("tracing on: service.name=%s, OTLP gRPC to %s, sampler %s", name, endpoint, provider.sampler)
+
+        done = threading.Event()
+
+        def shutdown() -> None:
+            if done.is_set():
+                return
+            done.set()
+            provider.shutdown()  # flushes the batch processor, then closes the exporter
+            log.info("tracing: spans flushed, exporter closed")
+
+        _shutdown = shutdown
+        return shutdown
+
+
+def current_trace_id() -> str:
+    """The current span's trace id as 32 lowercase hex characters, or "" when there is none.
+
+    This is the id to search for in Jaeger; the orchestrator puts it on the
+    final event.
+    """
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return ""
+    return trace.format_trace_id(context.trace_id)
+
+
+def _traced_rpcs() -> Callable[[Any], bool]:
+    """Filter: every RPC except health checks and reflection (probes and grpcurl would flood traces)."""
+    return grpc_filters.negate(
+        grpc_filters.any_of(
+            grpc_filters.service_prefix("grpc.health."),
+            grpc_filters.service_prefix("grpc.reflection."),
+        )
+    )
+
+
+def _tracer(tracer_provider: Any) -> trace.Tracer:
+    return trace.get_tracer(_INSTRUMENTATION_NAME, _instrumentation_version, tracer_provider, schema_url=_SCHEMA_URL)
+
+
+# --------------------------------------------------------------------------- span status
+
+
+def _record_code(span: trace.Span, code: grpc.StatusCode, details: str | None) -> None:
+    """Record ``code`` on ``span``; mark the span ERROR only for a server-fault code."""
+    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+    if code in SERVER_FAULT_CODES:
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
+
+
+class _ServerFaultStatus(_aio_client._BaseAioClientInterceptor):
+    """Client-side status rule: only server-fault codes mark the span ERROR."""
+
+    @staticmethod
+    def add_error_details_to_span(span: trace.Span, exc: BaseException) -> None:
+        if isinstance(exc, grpc.RpcError):
+            _record_code(span, exc.code(), exc.details())
+            if exc.code() in SERVER_FAULT_CODES:
+                span.record_exception(exc)
+            return
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        span.record_exception(exc)
+
+    async def _wrap_unary_response(self, continuation: Callable[[], Awaitable[Any]], span: trace.Span) -> Any:
+        try:
+            call = await continuation()
+            code = await call.code()
+            details = await call.details()
+        except grpc.aio.AioRpcError as exc:
+            self.add_error_details_to_span(span, exc)
+            span.end()
+            raise
+        _record_code(span, code, details)
+        self._call_response_hook(span, details)
+        span.end()
+        return call
+
+
+class _UnaryUnaryClient(_ServerFaultStatus, _aio_client.UnaryUnaryAioClientInterceptor):
+    pass
+
+
+class _UnaryStreamClient(_ServerFaultStatus, _aio_client.UnaryStreamAioClientInterceptor):
+    pass
+
+
+class _StreamUnaryClient(_ServerFaultStatus, _aio_client.StreamUnaryAioClientInterceptor):
+    pass
+
+
+class _StreamStreamClient(_ServerFaultStatus, _aio_client.StreamStreamAioClientInterceptor):
+    pass
+
+
+def _mark_uncaught(exc: BaseException) -> None:
+    """An exception that escapes a servicer (not ``context.abort``) reaches the caller as UNKNOWN."""
+    if isinstance(exc, grpc.aio.AbortError):
+        return  # the context wrapper already recorded the aborted code
+    _record_code(trace.get_current_span(), grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
+
+
+class _Server(_aio_server.OpenTelemetryAioServerInterceptor):
+    """The stock aio server interceptor, plus: an uncaught exception marks the span ERROR (UNKNOWN)."""
+
+    def _intercept_aio_server_unary(self, behavior: Callable[..., Awaitable[Any]], handler_call_details: Any) -> Any:
+        async def marked(request: Any, context: Any) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                _mark_uncaught(exc)
+                raise
+
+        return super()._intercept_aio_server_unary(marked, handler_call_details)
+
+    def _intercept_aio_server_stream(self, behavior: Callable[..., AsyncIterator[Any]], handler_call_details: Any) -> Any:
+        async def marked(request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception as exc:
+                _mark_uncaught(exc)
+                raise
+
+        return super()._intercept_aio_server_stream(marked, handler_call_details)
+
+
+# --------------------------------------------------------------------------- interceptors and channels
+
+
+def server_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors for ``grpc.aio.server(interceptors=...)``: one SERVER span per RPC.
+
+    The span is the child of the ``traceparent`` in the request metadata, and
+    the current span while the servicer runs, so spans the servicer starts
+    nest under it. Health and reflection RPCs are not traced.
+
+    Args:
+        tracer_provider: a provider to use (tests); None means the global
+            one, and an empty list when :func:`setup_tracing` left tracing off.
+    """
+    if tracer_provider is None and not tracing_enabled():
+        return []
+    return [_Server(_tracer(tracer_provider), filter_=_traced_rpcs())]
+
+
+def client_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for ``grpc.aio.insecure_channel(interceptors=...)``: one CLIENT span per RPC.
+
+    Each call injects the current context as W3C ``traceparent`` metadata. An
+    empty list when tracing is off (and no ``tracer_provider`` is given).
+    """
+    if tracer_provider is None and not tracing_enabled():
+        return []
+    tracer, filter_ = _tracer(tracer_provider), _traced_rpcs()
+    return [cls(tracer, filter_=filter_) for cls in (_UnaryUnaryClient, _UnaryStreamClient, _StreamUnaryClient, _StreamStreamClient)]
+
+
+def traced_channel(
+    target: str, options: Sequence[tuple[str, Any]] | None = None, tracer_provider: Any = None
+) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel to ``target`` (``host:port``) that propagates trace context.
+
+    Identical to ``grpc.aio.insecure_channel(target, options)`` when tracing is off.
+    """
+    return grpc.aio.insecure_channel(
+        target, options=list(options or ()), interceptors=client_interceptors(tracer_provider) or None
+    )
+
+
+__all__ = [
+    "client_interceptors",
+    "current_trace_id",
+    "server_interceptors",
+    "setup_tracing",
+    "traced_channel",
+    "tracing_configured",
+    "tracing_enabled",
+]

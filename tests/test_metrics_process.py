@@ -1,0 +1,162 @@
+"""Per-process metrics: cgroup v1/v2 CPU throttling, event-loop lag, the metrics endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from switchyard.common import process_metrics
+from switchyard.common.process_metrics import (
+    CgroupCpuThrottlingCollector,
+    start_loop_lag_monitor,
+    start_metrics_server,
+    stop_metrics_servers,
+)
+
+pytestmark = pytest.mark.no_gpu
+
+# cgroup v2 cpu.stat with a CPU limit set (cpu.max), as the kernel writes it.
+V2_THROTTLED = """usage_usec 86741923
+user_usec 60125117
+system_usec 26616806
+core_sched.force_idle_usec 0
+nr_periods 13478
+nr_throttled 2215
+throttled_usec 187360234
+nr_bursts 0
+burst_usec 0
+"""
+# cgroup v1 cpu,cpuacct/cpu.stat: throttled_time in nanoseconds.
+V1_THROTTLED = """nr_periods 5321
+nr_throttled 412
+throttled_time 30512345678
+nr_bursts 0
+burst_time 0
+"""
+# cgroup v2 without the cpu controller: usage only, no bandwidth counters.
+V2_NO_CPU_CONTROLLER = """usage_usec 1000
+user_usec 600
+system_usec 400
+"""
+
+
+def _scrape(collector: CgroupCpuThrottlingCollector) -> dict[str, float]:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (V2_THROTTLED, (13478, 2215, 187.360234)),
+        (V1_THROTTLED, (5321, 412, 30.512345678)),
+    ],
+    ids=["cgroup-v2", "cgroup-v1"],
+)
+def test_cpu_throttling_read_from_cpu_stat(tmp_path, content, expected):
+    path = tmp_path / "cpu.stat"
+    path.write_text(content)
+    samples = _scrape(CgroupCpuThrottlingCollector(path))
+    periods, throttled, seconds = expected
+    assert samples["switchyard_cpu_periods_total"] == periods
+    assert samples["switchyard_cpu_throttled_periods_total"] == throttled
+    assert samples["switchyard_cpu_throttled_seconds_total"] == pytest.approx(seconds)
+
+
+def test_cpu_stat_read_at_scrape_time(tmp_path):
+    path = tmp_path / "cpu.stat"
+    path.write_text(V1_THROTTLED)
+    collector = CgroupCpuThrottlingCollector(path)
+    assert _scrape(collector)["switchyard_cpu_throttled_periods_total"] == 412
+    path.write_text(V1_THROTTLED.replace("nr_throttled 412", "nr_throttled 413"))
+    assert _scrape(collector)["switchyard_cpu_throttled_periods_total"] == 413
+
+
+@pytest.mark.parametrize("content", [V2_NO_CPU_CONTROLLER, "", "garbage line here\n"])
+def test_no_bandwidth_counters_means_no_series(tmp_path, content):
+    path = tmp_path / "cpu.stat"
+    path.write_text(content)
+    assert _scrape(CgroupCpuThrottlingCollector(path)) == {}
+
+
+def test_missing_cpu_stat_means_no_series(tmp_path):
+    assert _scrape(CgroupCpuThrottlingCollector(tmp_path / "absent" / "cpu.stat")) == {}
+
+
+def _histogram() -> tuple[Histogram, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return Histogram("test_loop_lag_seconds", "lag", buckets=(0.001, 0.01, 0.1, 1), registry=registry), registry
+
+
+def _samples(registry: CollectorRegistry, name: str) -> dict[str, float]:
+    return {
+        s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else ""): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if s.name.startswith(name)
+    }
+
+
+async def test_loop_lag_monitor_records_the_time_the_loop_was_blocked():
+    histogram, registry = _histogram()
+    task = start_loop_lag_monitor(0.01, histogram)
+    try:
+        await asyncio.sleep(0)  # the monitor starts its first 10 ms sleep
+        time.sleep(0.06)  # hold the loop: the monitor wakes at least 50 ms late
+        await asyncio.sleep(0.03)  # let it wake and record, then take a few more samples
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    samples = _samples(registry, "test_loop_lag_seconds")
+    assert samples["test_loop_lag_seconds_count"] >= 1
+    assert samples["test_loop_lag_seconds_sum"] >= 0.05
+    # at least one observation above 10 ms: the blocked interval
+    assert samples["test_loop_lag_seconds_bucket{le=0.01}"] < samples["test_loop_lag_seconds_count"]
+
+
+@pytest.mark.parametrize("interval", [0, -1, 61])
+async def test_loop_lag_interval_must_be_in_range(interval):
+    with pytest.raises(ValueError, match="interval_s"):
+        start_loop_lag_monitor(interval)
+
+
+def test_loop_lag_monitor_needs_a_running_loop():
+    with pytest.raises(RuntimeError):
+        start_loop_lag_monitor(0.1)
+
+
+def test_metrics_server_serves_process_metrics_on_a_free_port(tmp_path, monkeypatch):
+    cpu_stat = tmp_path / "cpu.stat"
+    cpu_stat.write_text(V2_THROTTLED)
+    monkeypatch.setattr(process_metrics, "find_cpu_stat", lambda: cpu_stat)
+    try:
+        port = start_metrics_server(0, "retrieval")
+        assert port > 0
+        start_metrics_server(0, "retrieval")  # a second server in one process registers nothing twice
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        stop_metrics_servers()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    [info] = families["switchyard_service_info"].samples
+    assert info.labels["service"] == "retrieval"
+    assert families["switchyard_cpu_throttled_periods"].samples[0].value == 2215
+    assert "switchyard_event_loop_lag_seconds" in families
+    assert "switchyard_queue_wait_seconds" in families
+
+
+def test_metrics_port_in_use_names_the_port():
+    try:
+        port = start_metrics_server(0, "dispatcher")
+        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port} for dispatcher"):
+            start_metrics_server(port, "dispatcher")
+    finally:
+        stop_metrics_servers()

@@ -1,0 +1,283 @@
+"""Tracing set-up: OTLP export, W3C propagation over gRPC aio, span status, tracing off."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from switchyard.common import telemetry
+from switchyard.common.errors import SERVER_FAULT_CODES
+from otlp_receiver import OtlpReceiver
+
+pytestmark = pytest.mark.no_gpu
+
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_SERVICE_NAME",
+    "OTEL_TRACES_SAMPLER",
+)
+
+
+@pytest.fixture
+def clean_otel_env(monkeypatch):
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+
+
+# --------------------------------------------------------------------------- set-up and export
+
+_CHILD = """
+from opentelemetry import trace
+from switchyard.common.telemetry import current_trace_id, setup_tracing, tracing_enabled
+shutdown = setup_tracing("retrieval")
+assert tracing_enabled()
+with trace.get_tracer("t").start_as_current_span("retrieval.search") as span:
+    span.set_attribute("retrieval.top_k", 4)
+    print(current_trace_id())
+shutdown()
+shutdown()  # a second call is harmless
+"""
+
+
+def _child_env(receiver: OtlpReceiver, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.upper() not in OTEL_VARS}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, **extra)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("extra", "service"), [({}, "retrieval"), ({"OTEL_SERVICE_NAME": "retrieval-eu1"}, "retrieval-eu1")]
+)
+def test_setup_tracing_exports_over_otlp_grpc_and_flushes_on_shutdown(extra, service):
+    with OtlpReceiver() as receiver:
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD], env=_child_env(receiver, **extra), capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        trace_id = out.stdout.strip()
+        assert len(trace_id) == 32 and int(trace_id, 16)
+        # shutdown() flushed before the process exited: the span is already here.
+        [span] = receiver.spans
+    assert span.name == "retrieval.search"
+    assert span.service == service
+    assert span.resource["service.namespace"] == "switchyard"
+    assert span.trace_id == trace_id
+    assert span.attributes["retrieval.top_k"] == 4
+
+
+def test_sampler_comes_from_the_environment():
+    with OtlpReceiver() as receiver:
+        env = _child_env(receiver, OTEL_TRACES_SAMPLER="always_off")
+        out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert receiver.spans == []
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_SDK_DISABLED": "true"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": "none"},
+    ],
+)
+def test_tracing_off_installs_nothing(clean_otel_env, env):
+    for name, value in env.items():
+        clean_otel_env.setenv(name, value)
+    assert not telemetry.tracing_configured()
+    shutdown = telemetry.setup_tracing("orchestrator")
+    shutdown()
+    assert not telemetry.tracing_enabled()
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+    assert telemetry.server_interceptors() == []
+    assert telemetry.client_interceptors() == []
+    with trace.get_tracer(__name__).start_as_current_span("plan") as span:
+        assert not span.is_recording()
+        assert telemetry.current_trace_id() == ""
+
+
+def test_endpoint_turns_tracing_on(clean_otel_env):
+    clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4317")
+    assert telemetry.tracing_configured()
+
+
+# --------------------------------------------------------------------------- propagation and status over real gRPC
+
+SERVICE = "test.Echo"
+
+
+def _handler(provider: TracerProvider) -> grpc.GenericRpcHandler:
+    """Unary and server-streaming echo: b"OK" answers the current trace id; a status
+    code's name aborts with that code; b"raise" raises (sent as UNKNOWN)."""
+    tracer = provider.get_tracer(__name__)
+
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        text = request.decode()
+        with tracer.start_as_current_span("inner.stage"):
+            pass
+        if text == "raise":
+            raise RuntimeError("bug in the servicer")
+        if text != "OK":
+            await context.abort(grpc.StatusCode[text], f"aborted with {text}")
+        return telemetry.current_trace_id().encode()
+
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await answer(request, context)
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):
+        yield b"first"
+        yield await answer(request, context)
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        },
+    )
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+@pytest.fixture
+async def echo_server(spans):
+    provider, _ = spans
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(provider))
+    server.add_generic_rpc_handlers((_handler(provider),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def _named(exporter: InMemorySpanExporter, name: str, kind: SpanKind):
+    return [s for s in exporter.get_finished_spans() if s.name == name and s.kind == kind]
+
+
+async def test_traceparent_sent_by_client_becomes_the_parent(echo_server, spans):
+    _, exporter = spans
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with grpc.aio.insecure_channel(echo_server) as channel:  # a plain client, no OpenTelemetry
+        call = channel.unary_unary(f"/{SERVICE}/Unary")
+        reply = await call(b"OK", metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),))
+    assert reply.decode() == trace_id  # the servicer sees the caller's trace as current
+    [server_span] = _named(exporter, f"/{SERVICE}/Unary", SpanKind.SERVER)
+    assert trace.format_trace_id(server_span.context.trace_id) == trace_id
+    assert trace.format_span_id(server_span.parent.span_id) == parent_id
+    [inner] = _named(exporter, "inner.stage", SpanKind.INTERNAL)
+    assert inner.parent.span_id == server_span.context.span_id
+
+
+async def test_client_interceptors_propagate_the_current_context(echo_server, spans):
+    provider, exporter = spans
+    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+        with provider.get_tracer(__name__).start_as_current_span("task") as root:
+            unary = await channel.unary_unary(f"/{SERVICE}/Unary")(b"OK")
+            streamed = [m async for m in channel.unary_stream(f"/{SERVICE}/Stream")(b"OK")]
+    root_trace = trace.format_trace_id(root.get_span_context().trace_id)
+    assert unary.decode() == root_trace and streamed[-1].decode() == root_trace
+    for method in ("Unary", "Stream"):
+        [client] = _named(exporter, f"/{SERVICE}/{method}", SpanKind.CLIENT)
+        [server] = _named(exporter, f"/{SERVICE}/{method}", SpanKind.SERVER)
+        assert client.parent.span_id == root.get_span_context().span_id
+        assert server.parent.span_id == client.context.span_id
+        assert server.context.trace_id == root.get_span_context().trace_id
+
+
+async def test_concurrent_calls_never_share_a_span(echo_server, spans):
+    provider, exporter = spans
+    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/Unary")
+        tracer = provider.get_tracer(__name__)
+
+        async def one(i: int) -> None:
+            with tracer.start_as_current_span(f"task-{i}"):
+                await call(b"OK")
+
+        await asyncio.gather(*(one(i) for i in range(8)))
+    servers = _named(exporter, f"/{SERVICE}/Unary", SpanKind.SERVER)
+    clients = {s.context.span_id: s for s in _named(exporter, f"/{SERVICE}/Unary", SpanKind.CLIENT)}
+    assert len(servers) == 8 and len({s.context.span_id for s in servers}) == 8
+    roots = {s.context.span_id: s.name for s in exporter.get_finished_spans() if s.name.startswith("task-")}
+    parents_of_clients = {clients[s.parent.span_id].parent.span_id for s in servers}
+    assert parents_of_clients == set(roots)  # each task's call hangs under that task
+
+
+CODES = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
+
+
+@pytest.mark.parametrize("method", ["Unary", "Stream"])
+async def test_only_server_fault_codes_mark_spans_as_errors(echo_server, spans, method):
+    provider, exporter = spans
+    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+        for code in CODES:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                if method == "Unary":
+                    await channel.unary_unary(f"/{SERVICE}/Unary")(code.name.encode())
+                else:
+                    [m async for m in channel.unary_stream(f"/{SERVICE}/Stream")(code.name.encode())]
+            assert err.value.code() == code
+    for kind in (SpanKind.SERVER, SpanKind.CLIENT):
+        finished = _named(exporter, f"/{SERVICE}/{method}", kind)
+        assert len(finished) == len(CODES)
+        for code, span in zip(CODES, finished):
+            assert span.attributes["rpc.grpc.status_code"] == code.value[0], (kind, code)
+            expected = StatusCode.ERROR if code in SERVER_FAULT_CODES else StatusCode.UNSET
+            assert span.status.status_code == expected, (kind, code, span.status)
+
+
+@pytest.mark.parametrize("method", ["Unary", "Stream"])
+async def test_uncaught_exception_is_an_unknown_error_on_both_sides(echo_server, spans, method):
+    provider, exporter = spans
+    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            if method == "Unary":
+                await channel.unary_unary(f"/{SERVICE}/Unary")(b"raise")
+            else:
+                [m async for m in channel.unary_stream(f"/{SERVICE}/Stream")(b"raise")]
+    assert err.value.code() == grpc.StatusCode.UNKNOWN
+    for kind in (SpanKind.SERVER, SpanKind.CLIENT):
+        [span] = _named(exporter, f"/{SERVICE}/{method}", kind)
+        assert span.status.status_code == StatusCode.ERROR
+        assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNKNOWN.value[0]
+
+
+async def test_health_checks_are_not_traced(spans):
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    provider, exporter = spans
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(provider))
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with telemetry.traced_channel(f"127.0.0.1:{port}", tracer_provider=provider) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(None)
+    assert exporter.get_finished_spans() == ()
