@@ -69,7 +69,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._deps = workflows.Deps(
             config=cfg,
             queue=queue,
-            pool=ThreadPoolExecutor(orch.cpu_pool_threads, thread_name_prefix="orchestration-cpu"),
+            pool=ThreadPoolExecutor(orch.cpu_pool_threads, thread_name_prefix="orchestration-cpu")
+            if orch.cpu_pool_threads
+            else None,
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
             inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
         )
@@ -88,7 +90,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             await deps.queue.stop()
             await deps.retrieval.close()
             await deps.inference.close()
-            deps.pool.shutdown(wait=False, cancel_futures=True)
+            if deps.pool is not None:
+                deps.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ running a task
 

@@ -41,7 +41,8 @@ class Deps:
 
     config: SwitchyardConfig
     queue: WorkQueue
-    pool: Executor
+    pool: Executor | None
+    """None: CPU steps run on the event loop (orchestrator.cpu_pool_threads = 0)."""
     retrieval: RetrievalClient
     inference: InferenceClient
 
@@ -151,10 +152,15 @@ class TaskRun:
     async def run_cpu(self, fn: Callable[[], Any]) -> Any:
         """Run CPU work in the pool; in split mode it first waits for an orchestration worker."""
         loop = asyncio.get_running_loop()
+        pool = self.deps.pool
+
+        async def execute() -> Any:
+            return fn() if pool is None else await loop.run_in_executor(pool, fn)
+
         if self.inline:
-            return await loop.run_in_executor(self.deps.pool, fn)
+            return await execute()
         queue = self.deps.queue
-        ticket = queue.submit(lambda: loop.run_in_executor(self.deps.pool, fn))
+        ticket = queue.submit(execute)
         self.accept(ticket.position)
         enqueued = time.time_ns()
         result, wait = await ticket.result()
