@@ -1,0 +1,179 @@
+"""``switchyard bench``: load-test RunTask, compare scheduler settings, or run the scheduling benchmark.
+
+Subcommands:
+
+- ``run`` (the default): the load generator; options mirror ghz's (``-n``, ``-c``,
+  ``--rps``, ``--duration``, ``-d``/``--data``, ``-D``/``--data-file``,
+  ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
+- ``compare``: scenarios A-D on one request set (see :mod:`switchyard.bench.compare`).
+- ``sched``: the scheduling benchmark (``switchyard.bench.sched_bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+_GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """A Go/ghz duration (``"10s"``, ``"1m30s"``, ``"500ms"``) or plain seconds -> seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if isinstance(text, (int, float)):
+        return float(text)
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _GO_DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 10s, 1m30s or 500ms, got {text!r}")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def _procs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 1, got {text!r}")
+    return value
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """The options ``run`` and ``compare`` share (ghz's names). Defaults None: see :func:`resolve_plan`."""
+    parser.add_argument("--config", help="ghz JSON config file (ghz/reference.json); flags override its keys")
+    parser.add_argument("-n", "--total", type=int, help="calls to make (ghz default 200)")
+    parser.add_argument("-c", "--concurrency", type=int, help="concurrent calls (ghz default 50)")
+    parser.add_argument("--rps", type=float, help="call starts per second, 0 = unpaced")
+    parser.add_argument("-z", "--duration", type=parse_duration, help="run this long instead of -n (e.g. 30s)")
+    parser.add_argument("-t", "--timeout", type=parse_duration, help="deadline per call (default 20s)")
+    parser.add_argument("-d", "--data", help="call data as JSON: an object or an array used round-robin")
+    parser.add_argument("-D", "--data-file", help="call data JSON file (ghz/data/mixed.json)")
+    parser.add_argument("--procs", type=_procs, default="auto", help="client processes: auto or N")
+
+
+def resolve_plan(args: argparse.Namespace, host: str | None):
+    """Merge a ghz config file, flags and ghz's defaults into a LoadPlan (flags win).
+
+    Raises:
+        SystemExit(2) via argparse-style message: unreadable config or call data.
+    """
+    from switchyard.bench.calldata import CallDataError, load_calldata_file, parse_calldata
+    from switchyard.bench.loadgen import LoadPlan, with_procs
+
+    cfg: dict[str, Any] = {}
+    base = Path.cwd()
+    if args.config:
+        path = Path(args.config)
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"switchyard bench: --config {path}: {exc}") from None
+        base = path.parent
+
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        return flag if flag is not None else cfg.get(key, default)
+
+    try:
+        if args.data is not None:
+            items = parse_calldata(args.data, "--data")
+        elif args.data_file is not None:
+            items = load_calldata_file(args.data_file)
+        elif "data" in cfg:
+            items = parse_calldata(cfg["data"], f"{args.config}: data")
+        elif "data-file" in cfg:
+            data_path = Path(cfg["data-file"])
+            if not data_path.exists() and (base / data_path).exists():
+                data_path = base / data_path
+            items = load_calldata_file(data_path)
+        else:
+            items = parse_calldata({"task_id": "bench-{{.RequestNumber}}", "payload": "summarize this doc"})
+    except (CallDataError, OSError) as exc:
+        raise SystemExit(f"switchyard bench: {exc}") from None
+    try:
+        plan = LoadPlan(
+            host=host or cfg.get("host", "127.0.0.1:50051"),
+            calldata=items,
+            total=int(pick(args.total, "total", 200)),
+            concurrency=int(pick(args.concurrency, "concurrency", 50)),
+            rps=float(pick(args.rps, "rps", 0)),
+            duration_s=parse_duration(pick(args.duration, "duration", 0)),
+            timeout_s=parse_duration(pick(args.timeout, "timeout", 20)),
+        )
+        return with_procs(plan, args.procs)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"switchyard bench: {exc}") from None
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="switchyard bench run",
+        description="Load-test agent.AgentService.RunTask (server streaming); writes ghz's JSON report.",
+    )
+    add_load_options(parser)
+    parser.add_argument("--host", help="orchestrator host:port (default 127.0.0.1:50051 or the config's host)")
+    parser.add_argument("-o", "--output", help="write the JSON report here")
+    parser.add_argument("--name", default="", help="report name (ghz --name)")
+    args = parser.parse_args(argv)
+    plan = resolve_plan(args, args.host)
+
+    from switchyard.bench.loadgen import run_load
+    from switchyard.bench.report import build_report, summary_text
+
+    try:
+        load = run_load(plan)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"switchyard bench: {exc}", file=sys.stderr)
+        return 1
+    report = build_report(load, plan, name=args.name)
+    print(summary_text(report))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"\nreport written to {args.output}")
+    return 0 if load.results else 1
+
+
+def _compare(argv: list[str]) -> int:
+    from switchyard.bench import compare
+
+    return compare.main(argv)
+
+
+def _sched(argv: list[str]) -> int:
+    from switchyard.bench import sched_bench  # the scheduling benchmark's own module
+
+    return int(sched_bench.main(argv) or 0)
+
+
+SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched}
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
+    if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(
+            "usage: switchyard bench [run|compare|sched] [OPTIONS]\n\n"
+            "  run      load-test RunTask, ghz JSON report (default)\n"
+            "  compare  scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
+            "  sched    scheduling benchmark\n\n"
+            "Run `switchyard bench SUBCOMMAND --help` for its options."
+        )
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    return _run(argv)

@@ -1,0 +1,190 @@
+"""The load generator against a real grpc.aio AgentService on port 0; its report against ghz's schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import jsonschema
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.bench import cli
+from switchyard.bench.calldata import CallDataError, parse_calldata, request_for
+from switchyard.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
+from switchyard.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
+from switchyard.bench.report import build_report, histogram, latency_distribution, summary_text
+from switchyard.common.config import ServerConfig
+from switchyard.common.server import running
+
+pytestmark = pytest.mark.no_gpu
+
+TOKENS = 5
+MIX = [
+    {"task_id": "t-{{.RequestNumber}}", "payload": "what is a with statement", "task_type": "rag_answer",
+     "priority": "CORE"},
+    {"task_id": "t-{{.RequestNumber}}", "payload": "hello", "task_type": "chat", "priority": "NORMAL"},
+    {"task_id": "t-{{.RequestNumber}}", "payload": "fail", "task_type": "react_loop", "priority": "BATCH"},
+]
+
+
+class StreamingAgent(agent_pb2_grpc.AgentServiceServicer):
+    """Streams accepted, one stage, TOKENS tokens and a final; payload "fail" ends in RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        self.seen: list[agent_pb2.RunTaskRequest] = []
+
+    async def RunTask(self, request, context):
+        self.seen.append(request)
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id=request.task_id, queue_position=0))
+        await asyncio.sleep(0.001)
+        yield agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="render_prompt", duration_s=0.001))
+        if request.payload == "fail":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "inference queue saturated")
+        for i in range(TOKENS):
+            yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"w{i} ", index=i))
+        timings = agent_pb2.Timings(queue_wait_s={"orchestration": 0.002, "inference": 0.004}, ttft_s=0.003)
+        yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id=request.task_id, timings=timings))
+
+
+class AgentOnly:
+    name = "fake-orchestrator"
+    grpc_service_names = ("agent.AgentService",)
+
+    def __init__(self) -> None:
+        self.servicer = StreamingAgent()
+
+    def register(self, server) -> None:
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def agent_server():
+    service = AgentOnly()
+    async with running([service], ServerConfig()) as srv:
+        yield f"127.0.0.1:{srv.port}", service.servicer
+
+
+def _validate(report: dict) -> None:
+    jsonschema.Draft202012Validator.check_schema(SWITCHYARD_REPORT_SCHEMA)
+    jsonschema.Draft202012Validator(GHZ_REPORT_SCHEMA).validate(report)
+    jsonschema.Draft202012Validator(SWITCHYARD_REPORT_SCHEMA).validate(report)
+
+
+async def test_report_has_ghz_fields_and_units(agent_server):
+    host, servicer = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX), total=30, concurrency=4, rps=0)
+    load = await run_part(plan)
+    report = build_report(load, plan, name="unit")
+    _validate(report)
+
+    assert report["count"] == 30 and len(report["details"]) == 30
+    assert [r.task_id for r in servicer.seen[:3]] == ["t-0", "t-1", "t-2"]
+    assert report["statusCodeDistribution"] == {"OK": 20, "ResourceExhausted": 10}
+    assert report["errorDistribution"] == {
+        "rpc error: code = ResourceExhausted desc = inference queue saturated": 10
+    }
+    # durations are integer nanoseconds; total matches the wall time
+    assert isinstance(report["total"], int) and report["total"] == round(load.wall_s * 1e9)
+    assert 0 < report["fastest"] <= report["slowest"]
+    assert report["rps"] == pytest.approx(30 / load.wall_s)
+    assert [d["percentage"] for d in report["latencyDistribution"]] == [10, 25, 50, 75, 90, 95, 99]
+    assert sum(b["count"] for b in report["histogram"]) == 20
+
+    sy = report["switchyard"]
+    assert sy["tokens"] == 20 * TOKENS
+    assert set(sy["byPriority"]) == {"CORE", "NORMAL", "BATCH"}
+    assert sy["byPriority"]["BATCH"]["errors"] == 10 and sy["byPriority"]["BATCH"]["ttftDistribution"] is None
+    assert set(sy["byTaskType"]) == {"rag_answer", "chat", "react_loop"}
+    assert sy["queueWait"]["inference"]["average"] == 4_000_000
+    assert sy["ttftDistribution"][0]["latency"] <= report["latencyDistribution"][-1]["latency"]
+    assert "Latency distribution:" in summary_text(report)
+
+
+async def test_paced_run_with_duration_ends_by_timeout(agent_server):
+    host, _ = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX[:2]), total=1, concurrency=2, rps=50, duration_s=0.2)
+    load = await run_part(plan)
+    assert load.end_reason == "timeout"
+    assert 1 <= len(load.results) <= 11  # at most rps x duration + the call at t=0
+    _validate(build_report(load, plan))
+
+
+async def test_several_client_processes_split_the_calls(agent_server):
+    host, servicer = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX[:2]), total=12, concurrency=4, procs=2)
+    load = await asyncio.to_thread(run_load, plan)
+    assert load.procs == 2
+    assert [r.number for r in load.results] == list(range(12))
+    assert sorted(r.task_id for r in servicer.seen) == sorted(f"t-{i}" for i in range(12))
+    assert load.cpu_s > 0 and load.cpu_saturation > 0
+    _validate(build_report(load, plan))
+
+
+async def test_cli_run_writes_a_valid_report(agent_server, tmp_path):
+    host, _ = agent_server
+    data_file = tmp_path / "data.json"
+    data_file.write_text(json.dumps(MIX[:2]))
+    out = tmp_path / "report.json"
+    argv = ["run", "--host", host, "-n", "6", "-c", "2", "-D", str(data_file), "-o", str(out), "--procs", "1"]
+    # the CLI runs its own event loop: give it a thread so this loop keeps serving
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    report = json.loads(out.read_text())
+    _validate(report)
+    assert report["count"] == 6 and report["options"]["call"] == "agent.AgentService.RunTask"
+
+
+def test_percentiles_follow_ghz_nearest_rank():
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    dist = latency_distribution(values)
+    assert [d["latency"] for d in dist] == [ms * 1_000_000 for ms in (10, 25, 50, 75, 90, 95, 99)]
+    assert latency_distribution([]) is None
+
+
+def test_histogram_has_eleven_marks_from_fastest_to_slowest():
+    values = sorted([0.010, 0.011, 0.012, 0.020, 0.030])
+    buckets = histogram(values)
+    assert len(buckets) == 11
+    assert buckets[0]["mark"] == 0.010 and buckets[-1]["mark"] == 0.030
+    assert sum(b["count"] for b in buckets) == 5
+    assert sum(b["frequency"] for b in buckets) == pytest.approx(1.0)
+
+
+def test_calldata_round_robin_templates_and_errors():
+    items = parse_calldata(json.dumps(MIX))
+    assert request_for(items, 4).task_id == "t-4" and request_for(items, 4).task_type == "chat"
+    assert request_for(items, 0).priority == agent_pb2.CORE
+    with pytest.raises(CallDataError, match="not an agent.RunTaskRequest"):
+        parse_calldata({"task_id": "x", "prompt": "typo"})
+    with pytest.raises(CallDataError, match="non-empty array"):
+        parse_calldata([])
+    with pytest.raises(CallDataError, match="not valid JSON"):
+        parse_calldata("{task_id:")
+
+
+def test_go_code_names_match_ghz():
+    assert go_code_name(grpc.StatusCode.OK) == "OK"
+    assert go_code_name(grpc.StatusCode.DEADLINE_EXCEEDED) == "DeadlineExceeded"
+    assert go_code_name(grpc.StatusCode.CANCELLED) == "Canceled"
+
+
+def test_auto_procs_grows_with_rps_but_not_past_the_cores():
+    items = parse_calldata({"payload": "x", "max_tokens": 128})
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=50), cpu_count=16) == 1
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=2000), cpu_count=16) == 14
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=2000), cpu_count=2) == 2
+
+
+def test_bad_plans_and_durations_are_rejected():
+    with pytest.raises(ValueError, match="cannot be smaller than concurrency"):
+        LoadPlan("h:1", [{}], total=5, concurrency=10)
+    assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("500ms") == 0.5
+    with pytest.raises(Exception, match="expected a duration"):
+        cli.parse_duration("ten seconds")
