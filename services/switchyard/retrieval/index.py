@@ -1,0 +1,199 @@
+"""The vector index on disk: FAISS inner-product search over normalized vectors.
+
+An index folder holds three files:
+
+- ``index.faiss``: a ``faiss.IndexFlatIP`` (exact search); with L2-normalized
+  vectors the inner product is the cosine similarity.
+- ``passages.jsonl``: one JSON object per vector, in index order:
+  ``{"text": ..., "title": ..., "source": ...}``.
+- ``manifest.json``: model name, dims, passage count and chunking settings,
+  written last, so a folder with a manifest is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import faiss
+import grpc
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from switchyard.common.errors import SwitchyardError
+
+INDEX_FILE = "index.faiss"
+PASSAGES_FILE = "passages.jsonl"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class IndexNotFoundError(SwitchyardError):
+    """No complete index in the folder (FAILED_PRECONDITION at start-up)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, folder: Path, missing: Sequence[str]) -> None:
+        super().__init__(
+            f"no vector index in {folder} (missing {', '.join(missing)}); "
+            "run `switchyard index` to build it (or set SWITCHYARD_INDEX_DIR / retrieval.index_dir)"
+        )
+
+
+class IndexMismatchError(SwitchyardError):
+    """The index on disk does not fit the embedding model or is inconsistent."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One chunk of a document: its text, the document's title and where it came from."""
+
+    text: str
+    title: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A search result: the passage and its cosine similarity (-1..1)."""
+
+    passage: Passage
+    score: float
+
+
+class Manifest(BaseModel):
+    """What an index folder holds; ``manifest.json``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, protected_namespaces=())
+
+    format_version: int = FORMAT_VERSION
+    model: str = Field(description="Embedding model id, e.g. sentence-transformers/all-MiniLM-L6-v2.")
+    dims: int = Field(ge=1, description="Vector width.")
+    count: int = Field(ge=0, description="Passages (= vectors) in the index.")
+    metric: str = "cosine"
+    chunk_chars: int = Field(0, ge=0, description="retrieval.chunk_chars used to build it (0 = unknown).")
+    chunk_overlap_chars: int = Field(0, ge=0)
+    documents: int = Field(0, ge=0, description="Source documents the passages came from.")
+    created_at: str = ""
+
+
+class VectorIndex:
+    """Passages with their vectors, searchable by cosine similarity.
+
+    Args:
+        manifest: what the index holds.
+        passages: one per vector, in index order.
+        index: a FAISS inner-product index of ``manifest.dims`` with ``len(passages)`` vectors.
+
+    Raises:
+        IndexMismatchError: counts or dims disagree.
+    """
+
+    def __init__(self, manifest: Manifest, passages: list[Passage], index: faiss.Index) -> None:
+        if index.ntotal != len(passages) or manifest.count != len(passages):
+            raise IndexMismatchError(
+                f"index holds {index.ntotal} vectors, {len(passages)} passages and a manifest count "
+                f"of {manifest.count}; rebuild it with `switchyard index`"
+            )
+        if index.d != manifest.dims:
+            raise IndexMismatchError(f"index vectors have {index.d} dims, manifest says {manifest.dims}")
+        self.manifest = manifest
+        self.passages = passages
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    @classmethod
+    def build(cls, vectors: np.ndarray, passages: list[Passage], manifest: Manifest) -> "VectorIndex":
+        """Build an exact inner-product index from (n, dims) float32 normalized ``vectors``."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(passages):
+            raise IndexMismatchError(f"expected ({len(passages)}, dims) vectors, got shape {vectors.shape}")
+        index = faiss.IndexFlatIP(vectors.shape[1])
+        if len(vectors):
+            index.add(vectors)
+        return cls(manifest, passages, index)
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
+        """The ``k`` passages most similar to each query, best first.
+
+        Args:
+            queries: (dims,) or (n, dims) float32, L2-normalized.
+            k: results per query; fewer come back when the index is smaller.
+
+        Returns:
+            n lists of up to ``k`` hits.
+        """
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if queries.shape[1] != self.manifest.dims:
+            raise IndexMismatchError(f"query vectors have {queries.shape[1]} dims, index has {self.manifest.dims}")
+        k = min(k, len(self.passages))
+        if k <= 0:
+            return [[] for _ in range(len(queries))]
+        scores, ids = self.index.search(queries, k)
+        return [
+            [Hit(self.passages[i], float(s)) for s, i in zip(row_scores, row_ids) if i >= 0]
+            for row_scores, row_ids in zip(scores, ids)
+        ]
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the three files into ``folder`` (created if needed); the manifest goes last.
+
+        Each file is written to a temporary name and renamed, so a reader never
+        sees a half-written file.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / INDEX_FILE, lambda p: faiss.write_index(self.index, str(p)))
+        _write_atomic(
+            out / PASSAGES_FILE,
+            lambda p: p.write_text(
+                "".join(json.dumps(asdict(x), ensure_ascii=False) + "\n" for x in self.passages), encoding="utf-8"
+            ),
+        )
+        manifest = self.manifest
+        if not manifest.created_at:
+            manifest = manifest.model_copy(update={"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+            self.manifest = manifest
+        _write_atomic(out / MANIFEST_FILE, lambda p: p.write_text(manifest.model_dump_json(indent=2), encoding="utf-8"))
+        return out
+
+
+def _write_atomic(path: Path, write) -> None:  # noqa: ANN001 - write(Path) -> None
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_index(folder: str | Path) -> VectorIndex:
+    """Read an index folder written by :meth:`VectorIndex.save`.
+
+    Raises:
+        IndexNotFoundError: the folder or one of its files is missing.
+        IndexMismatchError: the files disagree with each other.
+    """
+    root = Path(folder)
+    missing = [name for name in (MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE) if not (root / name).is_file()]
+    if missing:
+        raise IndexNotFoundError(root, missing)
+    try:
+        manifest = Manifest.model_validate_json((root / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise IndexMismatchError(f"{root / MANIFEST_FILE}: not a valid manifest: {exc}") from None
+    with (root / PASSAGES_FILE).open(encoding="utf-8") as fh:
+        passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
+    index = faiss.read_index(str(root / INDEX_FILE))
+    return VectorIndex(manifest, passages, index)

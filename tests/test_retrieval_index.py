@@ -1,0 +1,68 @@
+"""The vector index: save/load round trip, cosine search, clear errors for a missing or broken index."""
+
+import json
+
+import numpy as np
+import pytest
+
+from switchyard.retrieval.index import (
+    IndexMismatchError,
+    IndexNotFoundError,
+    Manifest,
+    Passage,
+    VectorIndex,
+    load_index,
+)
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _index(n: int = 20, dims: int = 8) -> tuple[VectorIndex, np.ndarray]:
+    vectors = _unit(np.random.default_rng(7).normal(size=(n, dims)))
+    passages = [Passage(f"text {i} — ünïcode", f"title {i}", f"src:{i}") for i in range(n)]
+    return VectorIndex.build(vectors, passages, Manifest(model="m", dims=dims, count=n, documents=3)), vectors
+
+
+def test_save_load_round_trip(tmp_path):
+    index, vectors = _index()
+    index.save(tmp_path / "idx")
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == ["index.faiss", "manifest.json", "passages.jsonl"]
+    loaded = load_index(tmp_path / "idx")
+    assert loaded.passages == index.passages
+    assert loaded.manifest == index.manifest
+    assert loaded.manifest.created_at
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert (manifest["model"], manifest["dims"], manifest["count"]) == ("m", 8, 20)
+    for before, after in zip(index.search(vectors[:3], 5), loaded.search(vectors[:3], 5)):
+        assert before == after
+
+
+def test_search_returns_cosine_scores_best_first():
+    index, vectors = _index()
+    hits = index.search(vectors[4], 3)[0]
+    assert hits[0].passage.source == "src:4"
+    assert hits[0].score == pytest.approx(1.0, abs=1e-5)
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    expected = float(vectors[4] @ vectors[int(hits[1].passage.source.split(":")[1])])
+    assert hits[1].score == pytest.approx(expected, abs=1e-5)
+    assert len(index.search(vectors[0], 100)[0]) == 20  # k above the count: every passage once
+
+
+def test_missing_index_names_the_folder_and_the_fix(tmp_path):
+    with pytest.raises(IndexNotFoundError) as err:
+        load_index(tmp_path / "absent")
+    message = str(err.value)
+    assert str(tmp_path / "absent") in message and "switchyard index" in message
+
+
+def test_inconsistent_files_are_rejected(tmp_path):
+    index, _ = _index()
+    index.save(tmp_path)
+    with (tmp_path / "passages.jsonl").open("a") as fh:
+        fh.write(json.dumps({"text": "extra", "title": "t", "source": "s"}) + "\n")
+    with pytest.raises(IndexMismatchError, match="rebuild"):
+        load_index(tmp_path)
+    with pytest.raises(IndexMismatchError, match="dims"):
+        index.search(np.zeros(5, dtype=np.float32), 1)
