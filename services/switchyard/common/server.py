@@ -19,7 +19,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from switchyard.common import telemetry
 from switchyard.common.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -87,9 +86,7 @@ async def start_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    # Tracing first (outermost), so its span covers the other interceptors; [] when tracing is off.
-    chain = [*telemetry.server_interceptors(), *interceptors]
-    server = grpc.aio.server(options=server_options(config), interceptors=chain)
+    server = grpc.aio.server(options=server_options(config), interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
