@@ -346,6 +346,21 @@ class DispatcherConfig(_Strict):
     port: int = _port(50053)
     metrics_port: int = _port(9103)
     engine: Literal["sim", "openai", "torch"] = "sim"
+    default_max_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0."
+    )
+    max_tokens_limit: int = Field(
+        8192, ge=1, le=1_000_000, description="Largest max_tokens a Generate may ask for (more: INVALID_ARGUMENT)."
+    )
+
+    @model_validator(mode="after")
+    def _max_tokens(self) -> "DispatcherConfig":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must not exceed "
+                f"max_tokens_limit ({self.max_tokens_limit})"
+            )
+        return self
 
 
 class SimEngineConfig(_Strict):

@@ -189,8 +189,9 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens the next prefill must compute (0 before the first token is known)."""
-        return max(0, self.num_tokens - self.num_computed_tokens - (1 if self.output_tokens else 0))
+        """Tokens whose KV the next step must compute: the prompt (first prefill),
+        the whole prefix (recompute after preemption) or the newest token (decode)."""
+        return max(0, self.num_tokens - self.num_computed_tokens)
 
     @property
     def remaining_tokens(self) -> int:
