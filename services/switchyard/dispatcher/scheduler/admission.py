@@ -1,0 +1,96 @@
+"""Admission by running count and compute score, with expected scores learned per task type.
+
+Rule (``scheduler_config.json``, DESIGN.md): a waiting task is admitted while
+
+    running < max_running_agents  and  score + expected_score(task_type) < high_load_threshold
+
+where ``score`` is the current compute score (0-100) plus the expected scores
+of the tasks already admitted in the same decision (the sampled score cannot
+see them yet). One exception keeps the engine from idling forever: when nothing
+runs, the head of the queue is admitted whatever the score says (the score is
+then other processes' load, which waiting does not lower).
+
+The expected score of a task type is an exponential moving average of the
+score finished tasks of that type actually used per second of running
+(``compute_score_used / running seconds``: their share of the compute score),
+starting from ``expected_score_initial``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from switchyard.common.config import SchedulerFile
+from switchyard.dispatcher.scheduler import metrics
+
+MAX_RUNNING = "max_running"
+"""Refusal reason: ``max_running_agents`` sequences already run."""
+COMPUTE_SCORE = "compute_score"
+"""Refusal reason: score + expected score would reach ``high_load_threshold``."""
+
+
+class ExpectedScores:
+    """Per-task-type expected compute score (0-100 scale), learned by an EMA.
+
+    Args:
+        initial: value before any task of a type finished (``expected_score_initial``).
+        alpha: weight of the newest observation, in (0, 1] (``expected_score_ema_alpha``).
+    """
+
+    def __init__(self, initial: float, alpha: float) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"expected_score_ema_alpha: expected a value in (0, 1], got {alpha}")
+        self.initial = initial
+        self.alpha = alpha
+        self._values: dict[str, float] = {}
+
+    def get(self, task_type: str) -> float:
+        """Expected score of ``task_type`` ('' is a type of its own)."""
+        return self._values.get(task_type, self.initial)
+
+    def learn(self, task_type: str, observed: float) -> float:
+        """Fold one finished task's observed score into the average; returns the new value."""
+        value = self.get(task_type) + self.alpha * (observed - self.get(task_type))
+        self._values[task_type] = value
+        metrics.EXPECTED_SCORE.labels(task_type or "unknown").set(value)
+        return value
+
+    def snapshot(self) -> dict[str, float]:
+        """Learned values by task type (types never seen are absent)."""
+        return dict(self._values)
+
+
+class Admission:
+    """Decides whether the next waiting task may start, and counts refusals by reason.
+
+    Args:
+        config: ``scheduler_config.json`` (max_running_agents,
+            high_load_threshold, expected_score_initial, expected_score_ema_alpha).
+    """
+
+    def __init__(self, config: SchedulerFile) -> None:
+        self.max_running = config.max_running_agents
+        self.high_load_threshold = config.high_load_threshold
+        self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
+        self.refusals: Counter[str] = Counter()
+        """Refusals so far, by reason (:data:`MAX_RUNNING`, :data:`COMPUTE_SCORE`)."""
+
+    def check(self, task_type: str, num_running: int, projected_score: float) -> str | None:
+        """None when a task of ``task_type`` may start now, else the refusal reason.
+
+        Args:
+            task_type: the waiting task's type (selects its expected score).
+            num_running: sequences running now, including those admitted in this decision.
+            projected_score: compute score (0-100) plus the expected scores of
+                the tasks admitted earlier in this decision.
+        """
+        if num_running >= self.max_running:
+            return MAX_RUNNING
+        if num_running > 0 and projected_score + self.expected.get(task_type) >= self.high_load_threshold:
+            return COMPUTE_SCORE
+        return None
+
+    def refuse(self, reason: str) -> None:
+        """Count one decision that left work waiting for ``reason``."""
+        self.refusals[reason] += 1
+        metrics.ADMISSIONS_REFUSED.labels(reason).inc()

@@ -1,0 +1,128 @@
+"""Agents waiting on a tool: no running slot, prefix state kept warm for a TTL.
+
+A ``react_loop`` agent alternates thinking on the GPU with tool calls that
+leave the GPU idle (under 30 % of a 7B agent's task time is GPU time, per the
+field report in DESIGN.md). While it waits on a tool it holds no running slot;
+its prefix state (KV cache) stays in engine memory for ``tool_wait_ttl_s`` so
+that its next step, which repeats that prefix, skips recomputing it. After the
+TTL the state is released and the next step recomputes the prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from switchyard.dispatcher.scheduler import metrics
+from switchyard.dispatcher.sequence import Sequence
+
+COLD_PREFIX_MEMORY = 10_000
+"""Agents whose released prefix length is remembered, to count recomputed tokens on a cold resume."""
+
+
+@dataclass
+class ParkedAgent:
+    """One agent waiting on a tool: its last sequence, since when, and the bytes held."""
+
+    seq: Sequence
+    since: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """How a resuming agent's prefix state was found.
+
+    ``warm``: the state was still held; ``prefix_tokens``: the prefix it
+    covers (warm) or that must be recomputed (cold, 0 when unknown);
+    ``parked``: the agent's parked sequence (warm only), still holding the
+    state: the caller releases it once the new sequence has taken over.
+    """
+
+    warm: bool
+    prefix_tokens: int
+    parked: Sequence | None = None
+
+
+class ParkedAgents:
+    """The parked agents, by ``agent_id``.
+
+    Args:
+        ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
+        release: drops a sequence's prefix state in the engine (``engine.release``).
+        kv_bytes: bytes the engine holds for a sequence (``engine.kv_bytes``).
+    """
+
+    def __init__(self, ttl_s: float, release: Callable[[Sequence], None], kv_bytes: Callable[[Sequence], int]) -> None:
+        self.ttl_s = ttl_s
+        self._release = release
+        self._kv_bytes = kv_bytes
+        self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
+        self._cold: OrderedDict[str, int] = OrderedDict()
+
+    def park(self, seq: Sequence, now: float) -> None:
+        """Keep ``seq``'s prefix state warm; an older parked step of the same agent is released."""
+        old = self._parked.pop(seq.agent_id, None)
+        if old is not None and old.seq is not seq:
+            self._release(old.seq)
+        self._cold.pop(seq.agent_id, None)
+        self._parked[seq.agent_id] = ParkedAgent(seq, now, int(self._kv_bytes(seq)))
+        self._publish()
+
+    def take(self, agent_id: str, now: float) -> Resumed:
+        """The agent is back: hand over (warm) or report lost (cold) its prefix state.
+
+        A warm agent leaves the parked set; its old sequence keeps the state
+        until the caller releases it (when the new sequence starts running).
+        """
+        entry = self._parked.pop(agent_id, None)
+        if entry is not None and now - entry.since > self.ttl_s:
+            self._expire(agent_id, entry)
+            entry = None
+        if entry is None:
+            self._publish()
+            return Resumed(False, self._cold.pop(agent_id, 0))
+        self._publish()
+        return Resumed(True, entry.seq.num_computed_tokens, entry.seq)
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Release every agent parked longer than the TTL; returns their sequences."""
+        expired = [(agent, entry) for agent, entry in self._parked.items() if now - entry.since > self.ttl_s]
+        for agent, entry in expired:
+            del self._parked[agent]
+            self._expire(agent, entry)
+        if expired:
+            self._publish()
+        return [entry.seq for _, entry in expired]
+
+    def drop(self, seq: Sequence) -> bool:
+        """Release ``seq`` if it is parked (its agent went away); True when it was."""
+        entry = self._parked.get(seq.agent_id)
+        if entry is None or entry.seq is not seq:
+            return False
+        del self._parked[seq.agent_id]
+        self._release(seq)
+        self._publish()
+        return True
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Parked sequences, oldest first."""
+        return [entry.seq for entry in self._parked.values()]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of prefix state held for parked agents."""
+        return sum(entry.kv_bytes for entry in self._parked.values())
+
+    def _expire(self, agent_id: str, entry: ParkedAgent) -> None:
+        self._release(entry.seq)
+        metrics.TOOL_WAIT_EXPIRED.inc()
+        self._cold[agent_id] = entry.seq.num_computed_tokens
+        while len(self._cold) > COLD_PREFIX_MEMORY:
+            self._cold.popitem(last=False)
+
+    def _publish(self) -> None:
+        metrics.PARKED_AGENTS.set(len(self._parked))
+        metrics.PARKED_KV_BYTES.set(self.kv_bytes)

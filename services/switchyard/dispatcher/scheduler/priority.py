@@ -1,0 +1,104 @@
+"""The priority policy: classes weighted by priority_boost, aging, admission by score, preemption.
+
+Order of the waiting set. Each waiting sequence gets a *virtual arrival*::
+
+    virtual_arrival = arrival - aging_max_wait * (boost[class] - boost_min) / (boost_max - boost_min)
+
+and the waiting set is served by virtual arrival, oldest first. With the
+default boosts (core 10, normal 5, batch 1) and ``aging_max_wait_ms`` 5000,
+core work is ordered as if it had arrived 5 s earlier than it did, normal work
+2.2 s earlier, batch work as it arrived. This is linear aging, the same
+ordering as ``boost + wait * rate`` with one rate for every class:
+
+- work arriving together is served core, then normal, then batch;
+- within a class, by arrival (FIFO);
+- aging bound: once a task has waited ``aging_max_wait_ms``, no work that
+  arrives later, of any class, is ordered ahead of it; so batch work never
+  starves: it waits at most ``aging_max_wait_ms`` plus the time to drain what
+  was already ahead of it.
+
+The key is fixed while a sequence waits and comes from its original
+``arrival``: a preempted sequence goes back to its original place and never
+loses it to newer work of its class. A react_loop agent back from a tool
+(``resume``) is put at the head of its class: ahead of every waiting
+non-resumed sequence of its class (and, resumed agents among themselves, in
+the order they came back).
+
+Admission (:mod:`.admission`) takes from the head while ``running <
+max_running_agents`` and ``score + expected < high_load_threshold``.
+
+Preemption (``preemption_enabled``): a core sequence still waiting after the
+admission pass, which has waited at least ``preemption_grace_ms`` since its
+arrival, takes the slot of the lowest-priority running sequence (batch before
+normal; within a class the one latest in the waiting order), which must be of
+a lower class than core; core never preempts core. The victim keeps the
+tokens it streamed and waits again at its original place; the engine loop
+drops its KV state, and its next prefill recomputes the prefix (counted in
+``recomputed_tokens``). Sequences admitted in the same decision are not
+preempted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from switchyard.common.config import SchedulerFile
+from switchyard.dispatcher.scheduler.base import class_rank
+from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
+from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.sequence import SchedulerOutput, Sequence
+
+_RESUMED, _NEW = 0.0, 1.0
+
+
+class PriorityScheduler(SchedulerCore):
+    """Priority classes with aging, admission by compute score, and preemption for core work.
+
+    Args: see :class:`~switchyard.dispatcher.scheduler.core.SchedulerCore`.
+    """
+
+    name = "priority"
+
+    def __init__(self, config: SchedulerFile, engine: Any = None, monitor: ComputeScoreMonitor | None = None) -> None:
+        super().__init__(config, engine, monitor)
+        boost = config.priority_boost
+        values = (boost.core, boost.normal, boost.batch)
+        low, high = min(values), max(values)
+        aging_s = config.aging_max_wait_ms / 1000.0
+        self.head_start_s: tuple[float, ...] = tuple(
+            aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values
+        )
+        """Seconds each class (core, normal, batch) is ordered ahead of its arrival."""
+        self.grace_s = config.preemption_grace_ms / 1000.0
+
+    def virtual_arrival(self, seq: Sequence) -> float:
+        """``seq.arrival`` minus its class's head start (seconds, monotonic clock)."""
+        return seq.arrival - self.head_start_s[class_rank(seq)]
+
+    def _order_key(self, seq: Sequence, now: float) -> tuple[float, ...]:
+        virtual = self.virtual_arrival(seq)
+        if not seq.resume:
+            return (virtual, _NEW)
+        rank = class_rank(seq)
+        class_heads = [key[0] for key, queued in self._waiting if class_rank(queued) == rank and key[1] == _NEW]
+        return (min([virtual, *class_heads]), _RESUMED)
+
+    def _preempt(self, now: float, out: SchedulerOutput) -> None:
+        if not self.config.preemption_enabled:
+            return
+        due = [seq for _, seq in self._waiting if class_rank(seq) == 0 and now - seq.arrival >= self.grace_s]
+        for seq in due:
+            victim = self._victim(out)
+            if victim is None:
+                return
+            self._preempt_one(victim, now, out)
+            self._remove_waiting(seq)
+            self._start(seq, now, out)
+
+    def _victim(self, out: SchedulerOutput) -> Sequence | None:
+        """Lowest-priority running sequence below core, not admitted in this decision."""
+        fresh = set(out.admitted)
+        candidates = [seq for seq in self._running if class_rank(seq) > 0 and seq not in fresh]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda seq: (class_rank(seq), self.virtual_arrival(seq), seq.arrival))

@@ -1,0 +1,516 @@
+"""Scheduler tests: stepped by hand with a fake clock and a fake NVML; no GPU."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import ConfigError, SwitchyardConfig
+from switchyard.dispatcher.scheduler import (
+    ComputeScoreMonitor,
+    FifoScheduler,
+    PriorityScheduler,
+    Scheduler,
+    make_scheduler,
+    should_park,
+)
+from switchyard.dispatcher.scheduler.admission import COMPUTE_SCORE, MAX_RUNNING
+from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
+from switchyard.dispatcher.sequence import Sequence, StreamDone, StreamToken
+
+pytestmark = pytest.mark.no_gpu
+
+CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
+
+
+# --------------------------------------------------------------------------- builders
+
+
+class FakeNvml:
+    """Stand-in for the pynvml module: utilisation set by the test, errors on demand."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpu: float = 0.0, memory: float = 0.0) -> None:
+        self.gpu, self.memory = gpu, memory
+        self.fail_init = False
+        self.fail_read = False
+        self.reads = 0
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"gpu{index}"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> SimpleNamespace:
+        self.reads += 1
+        if self.fail_read:
+            raise self.NVMLError("GPU is lost")
+        return SimpleNamespace(gpu=self.gpu, memory=self.memory)
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+
+class FakeEngine:
+    """Step-engine bookkeeping only: busy time, KV bytes (100 per computed token), releases."""
+
+    def __init__(self) -> None:
+        self.busy_seconds = 0.0
+        self.released: list[Sequence] = []
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        return 100 * seq.num_computed_tokens
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq)
+
+
+def make_scheduler(
+    *, nvml: Any = None, engine: Any = None, **overrides: Any
+) -> PriorityScheduler | FifoScheduler:
+    """A scheduler from the default config with ``scheduler.<key>`` overrides and a fake NVML."""
+    config = SwitchyardConfig().with_overrides(
+        **{"scheduler.score_sample_interval_ms": 1, **{f"scheduler.{k}": v for k, v in overrides.items()}}
+    )
+    engine = engine if engine is not None else FakeEngine()
+    monitor = ComputeScoreMonitor(
+        config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=nvml if nvml is not None else FakeNvml()
+    )
+    return make_scheduler_from(config, engine, monitor)
+
+
+def make_scheduler_from(config: SwitchyardConfig, engine: Any, monitor: ComputeScoreMonitor) -> Any:
+    from switchyard.dispatcher.scheduler import make_scheduler as factory
+
+    return factory(config, engine, monitor=monitor)
+
+
+_ids = iter(range(1_000_000))
+
+
+def make_requests(
+    n: int,
+    priority: int = NORMAL,
+    arrival: float = 0.0,
+    spacing: float = 0.0,
+    task_type: str = "chat",
+    prompt_tokens: int = 16,
+    max_tokens: int = 8,
+    **fields: Any,
+) -> list[Sequence]:
+    """``n`` sequences of one class, arriving ``spacing`` seconds apart from ``arrival``."""
+    return [
+        Sequence(
+            request_id=f"r{next(_ids)}",
+            prompt="How does the with statement work?",
+            priority=priority,
+            task_type=task_type,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            arrival=arrival + i * spacing,
+            **fields,
+        )
+        for i in range(n)
+    ]
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def ids(seqs: list[Sequence]) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+# --------------------------------------------------------------------------- factory and config
+
+
+def test_factory_picks_the_policy_from_config() -> None:
+    assert isinstance(make_scheduler(), PriorityScheduler)
+    fifo = make_scheduler(policy="fifo")
+    assert isinstance(fifo, FifoScheduler) and isinstance(fifo, Scheduler)
+    from switchyard.dispatcher.scheduler import make_scheduler as factory
+
+    with pytest.raises(ValueError, match="expected one of"):
+        factory(SwitchyardConfig(), policy="lottery")
+
+
+def test_bad_scheduler_config_names_key_and_expectation() -> None:
+    with pytest.raises(ConfigError, match="policy"):
+        SwitchyardConfig().with_overrides(**{"scheduler.policy": "lottery"})
+    with pytest.raises(ConfigError, match="aging_max_wait_ms"):
+        SwitchyardConfig().with_overrides(**{"scheduler.aging_max_wait_ms": 0})
+
+
+# --------------------------------------------------------------------------- priority classes and aging
+
+
+def test_classes_are_admitted_core_then_normal_then_batch() -> None:
+    sched = make_scheduler(max_running_agents=4)
+    batch = make_requests(2, BATCH)
+    normal = make_requests(2, NORMAL)
+    core = make_requests(2, CORE)
+    sched.add(batch + normal + core, now=0.0)
+    assert ids(sched.waiting) == ids(core + normal + batch)
+
+    out = sched.schedule(now=0.0)
+    assert ids(out.admitted) == ids(core + normal)
+    assert ids(sched.waiting) == ids(batch)
+    assert ids(out.running) == ids(core + normal)
+
+
+def test_unset_priority_counts_as_normal_and_class_keeps_fifo() -> None:
+    sched = make_scheduler(max_running_agents=1)
+    unset = make_requests(1, agent_pb2.PRIORITY_UNSPECIFIED, arrival=0.0)
+    normal = make_requests(3, NORMAL, arrival=0.001, spacing=0.001)
+    batch = make_requests(1, BATCH, arrival=-1.0)
+    sched.add(batch + normal[::-1] + unset, now=0.01)
+    assert ids(sched.waiting) == ids(unset + normal + batch)
+
+
+def test_aging_bounds_how_long_batch_work_waits() -> None:
+    """A batch task that has waited aging_max_wait_ms is passed by no later arrival."""
+    sched = make_scheduler(max_running_agents=1, aging_max_wait_ms=1000, preemption_enabled=False)
+    [blocker] = make_requests(1, NORMAL, arrival=0.0)
+    sched.add([blocker], now=0.0)
+    sched.schedule(now=0.0)
+    [batch] = make_requests(1, BATCH, arrival=0.0)
+    sched.add([batch], now=0.0)
+    # core work keeps arriving faster than it is served: every 0.1 s, one finishes every 0.2 s
+    admitted: list[Sequence] = []
+    running = [blocker]
+    t = 0.0
+    for step in range(1, 60):
+        t = step * 0.1
+        sched.add(make_requests(1, CORE, arrival=t), now=t)
+        if step % 2 == 0:
+            sched.finish(running.pop(0), now=t)
+        out = sched.schedule(now=t)
+        admitted += out.admitted
+        running += out.admitted
+        if batch in out.admitted:
+            break
+    assert batch in admitted, "batch task starved"
+    cores_before = [s for s in admitted if s is not batch]
+    assert all(s.arrival <= batch.arrival + 1.0 for s in cores_before)
+    assert any(s.priority == CORE for s in sched.waiting), "core work was still waiting, yet batch got in"
+
+
+def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
+    sched = make_scheduler(max_running_agents=1, aging_max_wait_ms=3_600_000, preemption_enabled=False)
+    [batch] = make_requests(1, BATCH, arrival=0.0)
+    core = make_requests(5, CORE, arrival=10.0, spacing=10.0)
+    sched.add([batch, *core], now=50.0)
+    assert sched.waiting[-1] is batch
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_admission_stops_at_max_running_agents() -> None:
+    sched = make_scheduler(max_running_agents=2)
+    before = metric("switchyard_admissions_refused_total", reason=MAX_RUNNING)
+    seqs = make_requests(3)
+    sched.add(seqs, now=0.0)
+    out = sched.schedule(now=0.0)
+    assert ids(out.admitted) == ids(seqs[:2]) and ids(sched.waiting) == ids(seqs[2:])
+    assert sched.admission.refusals[MAX_RUNNING] == 1
+    assert metric("switchyard_admissions_refused_total", reason=MAX_RUNNING) == before + 1
+
+    sched.finish(seqs[0], now=0.5)
+    assert ids(sched.schedule(now=0.5).admitted) == ids(seqs[2:])
+
+
+def test_admission_stops_at_high_load_threshold() -> None:
+    nvml = FakeNvml(gpu=20, memory=10)  # score 0.2*20 + 0.2*10 + 0 = 6
+    sched = make_scheduler(nvml=nvml, expected_score_initial=10, high_load_threshold=80)
+    first = make_requests(1)
+    sched.add(first, now=0.0)
+    assert sched.schedule(now=0.0).admitted == first
+
+    nvml.gpu, nvml.memory = 90, 50  # 0.2*90 + 0.2*50 + 0.6*72 = 71.2; + 10 expected >= 80
+    waiting = make_requests(1)
+    sched.add(waiting, now=0.1)
+    out = sched.schedule(now=0.1)
+    assert sched.score == pytest.approx(71.2)
+    assert out.admitted == [] and sched.waiting == waiting
+    assert sched.admission.refusals == {COMPUTE_SCORE: 1}
+
+    nvml.gpu, nvml.memory = 50, 20  # 10 + 4 + 24 = 38
+    more = make_requests(4)
+    sched.add(more, now=0.2)
+    out = sched.schedule(now=0.2)
+    # 38 + 10 per admitted task: 48, 58, 68, 78 < 80 then 88
+    assert ids(out.admitted) == ids(waiting + more[:3])
+    assert sched.admission.refusals[COMPUTE_SCORE] == 2
+
+
+def test_idle_engine_admits_its_head_whatever_the_score() -> None:
+    sched = make_scheduler(nvml=FakeNvml(gpu=100, memory=100))
+    seqs = make_requests(2)
+    sched.add(seqs, now=0.0)
+    assert sched.schedule(now=0.0).admitted == seqs[:1]
+
+
+def test_expected_score_is_learned_from_finished_tasks() -> None:
+    nvml = FakeNvml(gpu=50, memory=20)  # score 38
+    sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5)
+    [seq] = make_requests(1, task_type="rag_answer")
+    sched.add([seq], now=0.0)
+    sched.schedule(now=0.0)
+    sched.schedule(now=1.0)  # one second alone at score 38
+    sched.finish(seq, now=2.0)  # another second
+    assert seq.compute_score_used == pytest.approx(76.0)
+    assert sched.admission.expected.get("rag_answer") == pytest.approx(10 + 0.5 * (38 - 10))
+    assert sched.admission.expected.get("chat") == 10
+
+
+def test_compute_score_used_is_the_share_of_the_score() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=FakeNvml(gpu=50, memory=20), engine=engine)  # score 38
+    a, b = make_requests(2)
+    sched.add([a, b], now=0.0)
+    sched.schedule(now=0.0)
+    a.num_computed_tokens, b.num_computed_tokens = 30, 10
+    sched.schedule(now=2.0)
+    sched.finish(a, now=2.0)
+    assert a.compute_score_used == pytest.approx(38.0) and b.compute_score_used == pytest.approx(38.0)
+    assert a.memory_peak_bytes == 3000 and b.memory_peak_bytes == 1000
+
+
+# --------------------------------------------------------------------------- compute score and NVML
+
+
+def test_compute_score_formula_with_tensor_estimate() -> None:
+    weights = SwitchyardConfig().scheduler.compute_score_weights
+    assert tensor_estimate(50) == 40 and tensor_estimate(30) == 0
+    assert weighted_score(UtilSample(50, 20, 40, "nvml"), weights) == pytest.approx(0.2 * 50 + 0.2 * 20 + 0.6 * 40)
+
+
+def test_nvml_read_error_falls_back_to_busy_ratio_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml(gpu=60, memory=40)
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=nvml, engine=engine)
+    sched.add(make_requests(2), now=0.0)
+    sched.schedule(now=0.0)
+    assert sched.monitor.gpu_available is True and metric("switchyard_gpu_available") == 1
+    assert metric("switchyard_gpu_utilization_ratio") == pytest.approx(0.6)
+
+    nvml.fail_read = True
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 5):
+            engine.busy_seconds += 0.5  # busy half of each second
+            sched.schedule(now=float(step))
+    assert sched.monitor.gpu_available is False and metric("switchyard_gpu_available") == 0
+    assert sched.monitor.sample.source == "busy_ratio"
+    # busy ratio 0.5 stands in for GPU utilisation: 0.2*50 + 0.6*(0.8*50)
+    assert sched.score == pytest.approx(34.0)
+    assert metric("switchyard_compute_score") == pytest.approx(34.0)
+    fallbacks = [r for r in caplog.records if "falls back to the engine busy ratio" in r.getMessage()]
+    assert len(fallbacks) == 1 and "GPU is lost" in fallbacks[0].getMessage()
+    assert nvml.reads == 2, "NVML is not read again after an error"
+
+
+def test_nvml_init_error_and_missing_nvml_never_raise() -> None:
+    nvml = FakeNvml()
+    nvml.fail_init = True
+    sched = make_scheduler(nvml=nvml)
+    sched.add(make_requests(1), now=0.0)
+    assert len(sched.schedule(now=0.0).admitted) == 1
+    assert sched.monitor.gpu_available is False
+
+    no_gpu = ComputeScoreMonitor(SwitchyardConfig().scheduler, nvml=False)
+    assert no_gpu.read(0.0) == 0.0 and no_gpu.gpu_available is False
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+def _apply(out: Any, engine: Any, now: float) -> None:
+    """What the engine loop does with a decision: drop preempted KV state."""
+    for seq in out.preempted:
+        seq.mark_preempted(now)
+        engine.release(seq)
+
+
+def _streamed(seq: Sequence) -> list[StreamToken]:
+    items = []
+    while not seq.outbox.empty():
+        items.append(seq.outbox.get_nowait())
+    assert isinstance(items[-1], StreamDone)
+    return [item for item in items if isinstance(item, StreamToken)]
+
+
+async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_tokens() -> None:
+    sim = pytest.importorskip("switchyard.dispatcher.engines.sim")
+    engine = sim.SimEngine(SwitchyardConfig())
+    sched = make_scheduler(engine=engine, max_running_agents=1, preemption_grace_ms=50)
+    [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
+    sched.add([batch], now=0.0)
+    out = sched.schedule(now=0.0)
+    await engine.prefill(out.admitted)
+    for _ in range(4):
+        await engine.decode([batch])
+    streamed_before = len(batch.output_tokens)
+    assert streamed_before == 5
+
+    [core] = make_requests(1, CORE, arrival=0.10, max_tokens=3)
+    sched.add([core], now=0.10)
+    out = sched.schedule(now=0.12)  # waited 20 ms < grace
+    assert out.preempted == [] and out.admitted == []
+    before = metric("switchyard_preemptions_total", priority_class="batch")
+    out = sched.schedule(now=0.16)  # waited 60 ms >= grace
+    assert out.preempted == [batch] and out.admitted == [core] and out.running == [core]
+    assert metric("switchyard_preemptions_total", priority_class="batch") == before + 1
+    _apply(out, engine, 0.16)
+    assert sched.waiting == [batch]
+
+    await engine.prefill([core])
+    while not core.is_finished:
+        await engine.decode([core])
+    sched.finish(core, now=0.2)
+    resumes = metric("switchyard_resumes_total", kind="preempted")
+    out = sched.schedule(now=0.2)
+    assert out.admitted == [batch]
+    assert metric("switchyard_resumes_total", kind="preempted") == resumes + 1
+    await engine.prefill([batch])
+    while not batch.is_finished:
+        await engine.decode([batch])
+    sched.finish(batch, now=0.3)
+
+    tokens = _streamed(batch)
+    assert [t.index for t in tokens] == list(range(12)), "a token was lost or repeated"
+    assert "".join(t.text for t in tokens) == "".join(batch.output_tokens)
+    assert batch.preemptions == 1
+    # vLLM convention: the newest token's KV state is computed by the next step
+    assert batch.recomputed_tokens == batch.prompt_tokens + streamed_before - 1
+
+
+def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, max_running_agents=1, preemption_grace_ms=0)
+    [old] = make_requests(1, BATCH, arrival=0.0)
+    sched.add([old], now=0.0)
+    sched.schedule(now=0.0)
+    newer = make_requests(2, BATCH, arrival=0.5, spacing=0.1)
+    sched.add(newer, now=0.7)
+    [core] = make_requests(1, CORE, arrival=1.0)
+    sched.add([core], now=1.0)
+    out = sched.schedule(now=1.0)
+    assert out.preempted == [old]
+    assert ids(sched.waiting) == ids([old, *newer])
+
+
+def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core() -> None:
+    sched = make_scheduler(max_running_agents=3, preemption_grace_ms=0)
+    core_running = make_requests(1, CORE, arrival=0.0)
+    normal = make_requests(1, NORMAL, arrival=0.0)
+    batch = make_requests(1, BATCH, arrival=0.0)
+    sched.add(core_running + normal + batch, now=0.0)
+    sched.schedule(now=0.0)
+    waiting_core = make_requests(3, CORE, arrival=1.0)
+    sched.add(waiting_core, now=1.0)
+    out = sched.schedule(now=1.0)
+    assert out.preempted == batch + normal
+    assert ids(out.admitted) == ids(waiting_core[:2])
+    assert sched.waiting[0] is waiting_core[2]
+    assert sched.schedule(now=2.0).preempted == []
+
+
+def test_no_preemption_when_disabled_or_under_fifo() -> None:
+    for sched in (make_scheduler(max_running_agents=1, preemption_enabled=False), make_scheduler(policy="fifo", max_running_agents=1)):
+        sched.add(make_requests(1, BATCH, arrival=0.0), now=0.0)
+        sched.schedule(now=0.0)
+        sched.add(make_requests(1, CORE, arrival=0.0), now=0.0)
+        assert sched.schedule(now=10.0).preempted == []
+
+
+def test_fifo_ignores_classes() -> None:
+    sched = make_scheduler(policy="fifo", max_running_agents=2, nvml=FakeNvml(gpu=100, memory=100))
+    batch = make_requests(1, BATCH, arrival=0.0)
+    core = make_requests(2, CORE, arrival=1.0)
+    sched.add(core + batch, now=1.0)
+    assert ids(sched.schedule(now=1.0).admitted) == ids(batch + core[:1])
+
+
+# --------------------------------------------------------------------------- tool-waiting agents
+
+
+def _react(agent_id: str, arrival: float, *, resume: bool = False, prompt_tokens: int = 40) -> Sequence:
+    [seq] = make_requests(
+        1, NORMAL, arrival=arrival, task_type="react_loop", prompt_tokens=prompt_tokens, agent_id=agent_id, resume=resume
+    )
+    return seq
+
+
+def test_agent_waiting_on_a_tool_holds_no_slot_and_resumes_ahead_of_new_work() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, max_running_agents=1, tool_wait_ttl_s=5)
+    think = _react("agent-1", arrival=0.0)
+    sched.add([think], now=0.0)
+    sched.schedule(now=0.0)
+    think.num_computed_tokens = 50  # prompt 40 + 10 generated tool-call tokens
+    think.finish("tool_calls")
+    assert should_park(think)
+    sched.park(think, now=0.5)
+    assert sched.running == [] and sched.parked == [think]
+    assert sched.parked_kv_bytes == 5000 and metric("switchyard_parked_kv_bytes") == 5000
+    assert engine.released == []
+
+    new_work = make_requests(2, NORMAL, arrival=0.6, spacing=0.1)
+    sched.add(new_work, now=0.8)
+    observe = _react("agent-1", arrival=1.0, resume=True, prompt_tokens=70)
+    sched.add([observe], now=1.0)
+    assert sched.waiting[0] is observe
+    assert engine.released == [], "the prefix state is kept until the resumed step runs"
+    out = sched.schedule(now=1.0)
+    assert out.admitted == [observe]
+    assert observe.num_computed_tokens == 50 and observe.num_uncomputed_tokens == 20
+    assert observe.recomputed_tokens == 0
+    assert engine.released == [think] and sched.parked == [] and sched.parked_kv_bytes == 0
+
+
+def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, tool_wait_ttl_s=2)
+    think = _react("agent-2", arrival=0.0)
+    sched.add([think], now=0.0)
+    sched.schedule(now=0.0)
+    think.num_computed_tokens = 50
+    think.finish("tool_calls")
+    sched.park(think, now=1.0)
+    sched.schedule(now=2.9)
+    assert sched.parked == [think]
+    expired = metric("switchyard_tool_wait_expired_total")
+    sched.schedule(now=3.1)
+    assert sched.parked == [] and sched.parked_kv_bytes == 0 and engine.released == [think]
+    assert metric("switchyard_tool_wait_expired_total") == expired + 1
+
+    observe = _react("agent-2", arrival=4.0, resume=True, prompt_tokens=70)
+    sched.add([observe], now=4.0)
+    assert observe.num_computed_tokens == 0 and observe.recomputed_tokens == 50
+
+
+def test_finished_or_cancelled_work_leaves_every_set() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, max_running_agents=1)
+    a, b = make_requests(2)
+    sched.add([a, b], now=0.0)
+    sched.schedule(now=0.0)
+    sched.finish(b, now=0.1)  # cancelled while waiting
+    sched.finish(a, now=0.2)
+    sched.finish(a, now=0.3)  # idempotent
+    parked = _react("agent-3", arrival=0.0)
+    sched.park(parked, now=0.4)
+    sched.finish(parked, now=0.5)  # the agent went away
+    assert (sched.waiting, sched.running, sched.parked) == ([], [], [])
+    assert engine.released == [parked]
