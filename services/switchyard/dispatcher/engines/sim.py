@@ -1,0 +1,340 @@
+"""The ``sim`` engine: a latency model with deterministic, extractive text.
+
+No GPU and no weights. Time passes with ``asyncio.sleep`` (no CPU is burnt),
+so many simulated sequences share one event loop the way they share one GPU.
+
+Latency model (parameters in ``switchyard.json`` ``sim``), in the manner of
+public inference simulators (Vidur, LLMServingSim), for a 7B fp16 model on one
+H100 SXM:
+
+- Weights: 7e9 parameters x 2 bytes = 14 GB.
+- Decode is memory-bound: every step streams the weights once, so a step costs
+  about weight bytes / HBM bandwidth = 14 GB / 3.35 TB/s = 4.2 ms
+  (``decode_base_ms``), plus a small per-sequence term for reading each
+  sequence's KV cache and sampling (``decode_per_seq_ms`` = 0.15 ms). Batching
+  decode is therefore nearly free: 32 sequences cost 4.2 + 32 x 0.15 = 9 ms
+  per step instead of 32 x 4.35 ms.
+- Prefill is compute-bound: about 2 x parameters = 14 GFLOP per token; at
+  roughly 60 % of the H100's 989 TFLOP/s dense bf16 peak that is
+  14e9 / 5.9e14 = 0.024 ms per token (``prefill_per_token_ms`` = 0.025), plus a
+  fixed launch/scheduling overhead (``prefill_overhead_ms`` = 5 ms).
+  TTFT alone = prefill_overhead_ms + prompt tokens x prefill_per_token_ms.
+- KV cache: 2 (K and V) x 32 layers x 4096 hidden x 2 bytes = 512 KiB per
+  token (``kv_bytes_per_token`` = 524288), Llama-2-7B's shape.
+
+Text: the orchestrator renders retrieved passages inside ``<context>`` ...
+``</context>`` (each passage starts with a line ``[n] Title``) and the question
+inside ``<question>`` ... ``</question>``. The sim answers extractively: it
+picks the context sentences with the highest word overlap with the question
+(ties broken by passage, then sentence order) and emits them with citations
+like ``[1]``. With no context it emits a short answer derived from the
+question. With tools offered it emits tool calls in the OpenAI
+function-calling shape (see :func:`plan_reply`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from switchyard.common.config import SimEngineConfig, SwitchyardConfig
+from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
+
+tracer = trace.get_tracer(__name__)
+
+MAX_ANSWER_SENTENCES = 3
+"""Context sentences an extractive answer quotes at most."""
+
+_STOPWORDS = frozenset(
+    "a an and are as at be by can do does from how i in is it its me of on or so that the this to was what "
+    "when where which who why will you your".split()
+)
+_WORD = re.compile(r"[a-z0-9_]+")
+_PASSAGE_HEAD = re.compile(r"^\[(\d+)\]\s*(.*)$")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_ARITHMETIC = re.compile(r"[\d(][\d\s.+\-*/%()]*[\d)]")
+_HAS_OPERATOR = re.compile(r"[\d)]\s*(\*\*|[+\-*/%])\s*[\d(]")
+
+
+# --------------------------------------------------------------------------- latency model
+
+
+def prefill_seconds(params: SimEngineConfig, tokens: int) -> float:
+    """Seconds one prefill of ``tokens`` prompt tokens (summed over the batch) takes.
+
+    ``prefill_overhead_ms + tokens x prefill_per_token_ms``, in seconds.
+    """
+    return (params.prefill_overhead_ms + tokens * params.prefill_per_token_ms) / 1000
+
+
+def decode_seconds(params: SimEngineConfig, batch_size: int) -> float:
+    """Seconds one decode step over ``batch_size`` sequences takes.
+
+    ``decode_base_ms + decode_per_seq_ms x batch_size``, in seconds.
+    """
+    return (params.decode_base_ms + params.decode_per_seq_ms * batch_size) / 1000
+
+
+# --------------------------------------------------------------------------- text
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One ``[n] Title`` block of a rendered context."""
+
+    number: int
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class SimReply:
+    """What the sim answers to one turn.
+
+    ``tokens`` are the completion's word pieces; for a tool-call turn they are
+    the pieces of the calls' argument JSON (counted in usage, not streamed as
+    text) and ``tool_calls`` is non-empty. ``finish_reason`` is stop or
+    tool_calls.
+    """
+
+    tokens: list[str]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    @property
+    def text(self) -> str:
+        return "" if self.tool_calls else "".join(self.tokens)
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in _WORD.findall(text.lower()) if w not in _STOPWORDS and len(w) > 1}
+
+
+def _between(text: str, tag: str) -> str | None:
+    match = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+    return match.group(1).strip() if match else None
+
+
+def parse_passages(context: str) -> list[Passage]:
+    """Split a rendered context into passages at ``[n] Title`` lines.
+
+    Text before the first header, or a context with no header at all, becomes
+    passage 1 with an empty title.
+    """
+    passages: list[Passage] = []
+    number, title, body = 1, "", []
+    seen_head = False
+    for line in context.splitlines():
+        head = _PASSAGE_HEAD.match(line.strip())
+        if head:
+            if seen_head or any(part.strip() for part in body):
+                passages.append(Passage(number, title, " ".join(body).strip()))
+            number, title, body, seen_head = int(head.group(1)), head.group(2).strip(), [], True
+        else:
+            body.append(line.strip())
+    if seen_head or any(part.strip() for part in body):
+        passages.append(Passage(number, title, " ".join(body).strip()))
+    return [p for p in passages if p.text or p.title]
+
+
+def extractive_answer(question: str, passages: list[Passage]) -> str:
+    """The sentences of ``passages`` sharing most words with ``question``, cited.
+
+    At most :data:`MAX_ANSWER_SENTENCES`, ranked by overlap (ties: passage
+    order, then sentence order), each followed by `` [n]``. With no passage or
+    no overlapping sentence: a short answer built from the question's words.
+    """
+    asked = _words(question)
+    scored: list[tuple[int, int, int, str, int]] = []
+    for p_index, passage in enumerate(passages):
+        for s_index, sentence in enumerate(_SENTENCE_END.split(passage.text)):
+            sentence = sentence.strip()
+            overlap = len(asked & _words(sentence)) if sentence else 0
+            if overlap:
+                scored.append((-overlap, p_index, s_index, sentence, passage.number))
+    scored.sort(key=lambda item: item[:3])
+    picked = scored[:MAX_ANSWER_SENTENCES]
+    if not picked:
+        topic = " ".join(w for w in _WORD.findall(question.lower()) if w not in _STOPWORDS) or "your question"
+        return f"No retrieved passage covers this, so only a short answer is possible about: {topic}."
+    return " ".join(f"{sentence} [{number}]" for _, _, _, sentence, number in picked)
+
+
+def find_arithmetic(text: str) -> str | None:
+    """The longest arithmetic expression in ``text`` (digits and + - * / ( ) . % **), or None."""
+    found = [m.group(0).strip() for m in _ARITHMETIC.finditer(text) if _HAS_OPERATOR.search(m.group(0))]
+    return max(found, key=len) if found else None
+
+
+def _question_and_context(prompt: str, messages: list[Message]) -> tuple[str, str]:
+    if messages:
+        users = [m.content for m in messages if m.role == "user"]
+        texts = [m.content for m in messages if m.role in ("system", "user")]
+        last_user = users[-1] if users else ""
+        question = _between(last_user, "question") or last_user
+        contexts = [c for c in (_between(t, "context") for t in texts) if c]
+        context = "\n".join(contexts)
+        if question == last_user and "<context>" in question:
+            question = re.sub(r"<context>.*?</context>", "", question, flags=re.S).strip()
+        return question, context
+    question = _between(prompt, "question")
+    context = _between(prompt, "context") or ""
+    if question is None:
+        question = re.sub(r"<context>.*?</context>", "", prompt, flags=re.S).strip()
+    return question, context
+
+
+def _tool_call(name: str, arguments: dict[str, str], seed: str) -> ToolCall:
+    arguments_json = json.dumps(arguments, ensure_ascii=False)
+    digest = hashlib.sha256(f"{seed}|{name}|{arguments_json}".encode()).hexdigest()[:16]
+    return ToolCall(call_id=f"call_{digest}", name=name, arguments_json=arguments_json)
+
+
+def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimReply:
+    """The sim's deterministic reply to one turn.
+
+    Tool policy, when ``tools`` is non-empty:
+
+    1. no tool result in ``messages`` yet and ``search_docs`` offered ->
+       call ``search_docs`` with ``{"query": question}``;
+    2. else the question holds an arithmetic expression, ``calculator`` is
+       offered and no calculator result is present -> call ``calculator`` with
+       ``{"expression": ...}``;
+    3. else answer from the tool results (finish_reason stop).
+
+    Without tools: an extractive answer from the ``<context>`` passages.
+    """
+    question, context = _question_and_context(prompt, messages)
+    results = [m for m in messages if m.role == "tool"]
+    offered = {t.name for t in tools}
+    seed = f"{question}|{len(results)}"
+    call: ToolCall | None = None
+    if tools:
+        expression = find_arithmetic(question)
+        if not results and "search_docs" in offered:
+            call = _tool_call("search_docs", {"query": question}, seed)
+        elif expression and "calculator" in offered and not any(m.name == "calculator" for m in results):
+            call = _tool_call("calculator", {"expression": expression}, seed)
+    if call is not None:
+        return SimReply(tokens=word_pieces(call.arguments_json), tool_calls=[call], finish_reason="tool_calls")
+    lead = ""
+    passages = parse_passages(context) if context else []
+    for result in results:
+        if result.name == "calculator":
+            expression = find_arithmetic(question) or "the expression"
+            lead += f"{expression} = {result.content.strip()}. "
+        else:
+            found = parse_passages(result.content)
+            offset = len(passages)
+            passages += [Passage(offset + i + 1, p.title, p.text) for i, p in enumerate(found)]
+    answer = lead + extractive_answer(question, passages) if passages or not lead else lead.strip()
+    return SimReply(tokens=word_pieces(answer))
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class SimEngine:
+    """A :class:`~switchyard.dispatcher.engines.base.StepEngine` driven by the latency model.
+
+    Args:
+        config: the whole config; reads ``service.sim``.
+    """
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        self.params = config.service.sim
+        self.model = self.params.model
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self._replies: dict[Sequence, SimReply] = {}
+
+    def reply_for(self, seq: Sequence) -> SimReply:
+        """The planned reply of ``seq`` (planned once, kept until :meth:`release`)."""
+        reply = self._replies.get(seq)
+        if reply is None:
+            reply = self._replies[seq] = plan_reply(seq.prompt, seq.messages, seq.tools)
+        return reply
+
+    async def prefill(self, seqs: list[Sequence]) -> None:
+        """Compute each sequence's uncomputed prefix, then append its next token.
+
+        Costs ``prefill_seconds(sum of uncomputed tokens)``: one overhead per
+        batched prefill. A sequence with output already (resumed after
+        preemption) recomputes prompt plus output, counted in
+        ``seq.recomputed_tokens``.
+        """
+        seqs = [s for s in seqs if not s.is_finished]
+        if not seqs:
+            return
+        tokens = sum(s.num_uncomputed_tokens for s in seqs)
+        with tracer.start_as_current_span("engine.prefill") as span:
+            span.set_attribute("switchyard.batch_size", len(seqs))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._run(prefill_seconds(self.params, tokens))
+        for seq in seqs:
+            if seq.output_tokens:
+                seq.recomputed_tokens += seq.num_tokens - 1
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit_next(seq)
+
+    async def decode(self, seqs: list[Sequence]) -> None:
+        """One decode step: one token for each sequence; costs ``decode_seconds(len(seqs))``."""
+        seqs = [s for s in seqs if not s.is_finished]
+        if not seqs:
+            return
+        with tracer.start_as_current_span("engine.decode") as span:
+            span.set_attribute("switchyard.batch_size", len(seqs))
+            await self._run(decode_seconds(self.params, len(seqs)))
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit_next(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget ``seq``'s KV state (its reply plan stays until it finishes)."""
+        if seq.is_finished:
+            self._replies.pop(seq, None)
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        """``num_computed_tokens x kv_bytes_per_token``."""
+        return seq.num_computed_tokens * self.params.kv_bytes_per_token
+
+    async def _run(self, seconds: float) -> None:
+        self.steps += 1
+        self.busy_seconds += seconds
+        await asyncio.sleep(seconds)
+
+    def _emit_next(self, seq: Sequence) -> None:
+        """Append the reply's next token; finish at its end or at max_tokens."""
+        if seq.is_finished:
+            return
+        reply = self.reply_for(seq)
+        index = len(seq.output_tokens)
+        if index < len(reply.tokens):
+            seq.append_token(reply.tokens[index], visible=not reply.tool_calls)
+        if len(seq.output_tokens) >= len(reply.tokens):
+            for call in reply.tool_calls:
+                seq.add_tool_call(call)
+            seq.finish(reply.finish_reason)
+            self._replies.pop(seq, None)
+        elif len(seq.output_tokens) >= seq.max_tokens:
+            seq.finish("length")
+            self._replies.pop(seq, None)
+        seq.observe_kv_bytes(self.kv_bytes(seq))
+
+
+__all__ = [
+    "SimEngine",
+    "SimReply",
+    "Passage",
+    "decode_seconds",
+    "prefill_seconds",
+    "plan_reply",
+    "parse_passages",
+    "extractive_answer",
+    "find_arithmetic",
+]

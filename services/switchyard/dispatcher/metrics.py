@@ -1,0 +1,42 @@
+"""Prometheus metrics of the dispatcher: batching, engine, latency and per-task use.
+
+Names follow Prometheus conventions (``switchyard_`` prefix, base units:
+seconds, bytes, ratios 0-1). Queue depth and wait of the inference queue use
+the shared ``switchyard_queue_*`` metrics with ``queue="inference"``. The
+per-task ``switchyard_task_compute_score_used`` and
+``switchyard_task_memory_peak_bytes`` histograms, and the per-class running,
+waiting and preemption metrics, are recorded by the scheduler, which does the
+accounting (``switchyard.dispatcher.scheduler.metrics``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# TTFT: ~5 ms (sim engine, idle) to ~30 s (long prompts on a loaded remote model).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 30)
+# Inter-token latency: sub-millisecond (batched decode) to seconds (stalled stream).
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+
+BATCH_SIZE = Histogram(
+    "switchyard_batch_size", "Requests per batch flushed from the double buffer.", buckets=_BATCH_BUCKETS
+)
+FLUSHES = Counter(
+    "switchyard_flushes_total", "Double-buffer flushes, by reason (size, interval, drain).", ["reason"]
+)
+ENGINE_BUSY_RATIO = Gauge(
+    "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
+)
+TTFT = Histogram(
+    "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced.", buckets=_TTFT_BUCKETS
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "switchyard_inter_token_latency_seconds", "Time between consecutive tokens of one sequence.",
+    buckets=_ITL_BUCKETS,
+)
+RUNNING_SEQUENCES = Gauge("switchyard_running_sequences", "Sequences in the engine's running set.")
+WAITING_SEQUENCES = Gauge(
+    "switchyard_waiting_sequences", "Sequences flushed to the scheduler and waiting for admission."
+)

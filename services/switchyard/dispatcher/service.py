@@ -1,0 +1,295 @@
+"""The dispatcher service: ``agent.InferenceService.Generate`` over the inference pipeline.
+
+Path of one Generate call::
+
+    validate -> inference queue (a place, waiting at most the caller's deadline)
+             -> double buffer (flush on size | interval)
+             -> engine loop (scheduling policy, engine steps)
+             -> the sequence's outbox -> GenerateChunk stream
+
+The stream carries token chunks (text, index), tool-call chunks, then one
+``done`` chunk with usage, queue wait, TTFT, compute score, memory peak, the
+flush that carried the request, the model, preemptions and finish_reason.
+Errors end the stream with a gRPC status (see :mod:`switchyard.common.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
+from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
+from switchyard.dispatcher.double_buffer import BufferClosedError, DoubleBuffer
+from switchyard.dispatcher.engine_loop import EngineLoop, SchedulingPolicy, make_policy
+from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
+from switchyard.dispatcher.inference_queue import InferenceQueue, InferenceQueueTimeout
+from switchyard.dispatcher.sequence import (
+    Message,
+    Sequence,
+    StreamDone,
+    StreamError,
+    StreamToken,
+    StreamToolCall,
+    Tool,
+    word_pieces,
+)
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) -> Sequence:
+    """Validate a GenerateRequest and build its :class:`Sequence`.
+
+    ``max_tokens`` 0 means ``dispatcher.default_max_tokens``; ``prompt_tokens``
+    0 means counted here (word pieces of the prompt or messages); an empty
+    ``request_id`` gets a random one.
+
+    Raises:
+        InvalidArgument: naming ``prompt``, ``max_tokens``, ``prompt_tokens``,
+            ``priority``, ``messages[i].role`` or ``tools[i].parameters_json``.
+    """
+    limits = config.service.dispatcher
+    if not request.prompt.strip() and not request.messages:
+        raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
+    if request.max_tokens < 0 or request.max_tokens > limits.max_tokens_limit:
+        raise InvalidArgument(
+            "max_tokens",
+            f"0 (default {limits.default_max_tokens}) to {limits.max_tokens_limit} (dispatcher.max_tokens_limit)",
+            request.max_tokens,
+        )
+    if request.prompt_tokens < 0:
+        raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
+    if request.priority not in agent_pb2.Priority.values():
+        raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
+    messages = []
+    for i, m in enumerate(request.messages):
+        if m.role not in _ROLES:
+            raise InvalidArgument(f"messages[{i}].role", f"one of {', '.join(_ROLES)}", m.role)
+        messages.append(Message(m.role, m.content, m.tool_call_id, m.name))
+    tools = []
+    for i, t in enumerate(request.tools):
+        if not t.name:
+            raise InvalidArgument(f"tools[{i}].name", "a non-empty tool name", t.name)
+        try:
+            schema = json.loads(t.parameters_json) if t.parameters_json else {}
+        except json.JSONDecodeError:
+            schema = None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"tools[{i}].parameters_json", "a JSON Schema object", t.parameters_json[:80])
+        tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
+    prompt_tokens = request.prompt_tokens
+    if prompt_tokens == 0:
+        text = request.prompt if not messages else "\n".join(m.content for m in messages)
+        prompt_tokens = max(1, len(word_pieces(text)))
+    return Sequence(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt=request.prompt,
+        messages=messages,
+        tools=tools,
+        prompt_tokens=prompt_tokens,
+        max_tokens=request.max_tokens or limits.default_max_tokens,
+        model=request.model,
+        agent_id=request.agent_id,
+        task_type=request.task_type,
+        priority=request.priority,
+        resume=request.resume,
+    )
+
+
+def done_chunk(seq: Sequence, model: str) -> agent_pb2.GenerateChunk:
+    """The closing chunk of ``seq``'s stream (usage, timings in seconds, accounting)."""
+    prompt, completion = seq.usage_prompt(), seq.completion_tokens()
+    ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at is not None else 0.0
+    return agent_pb2.GenerateChunk(
+        done=agent_pb2.GenerateDone(
+            usage=agent_pb2.TokenUsage(
+                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            ),
+            queue_wait_s=seq.queue_wait_s,
+            ttft_s=ttft,
+            compute_score_used=seq.compute_score_used,
+            memory_peak_bytes=seq.memory_peak_bytes,
+            batch_size=seq.batch_size,
+            flush_reason=seq.flush_reason,
+            model=model,
+            preemptions=seq.preemptions,
+            finish_reason=seq.finish_reason or "",
+        )
+    )
+
+
+class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
+    """Serves ``agent.InferenceService``; implements :class:`switchyard.common.server.Service`.
+
+    Args:
+        config: the whole config.
+        engine: an engine to use instead of :func:`make_engine` (tests, benchmarks).
+        policy: a scheduling policy instead of :func:`make_policy` (e.g. the FIFO
+            baseline in a benchmark).
+
+    Raises:
+        EngineUnavailable: the configured engine is not installed.
+    """
+
+    name = "dispatcher"
+    grpc_service_names = ("agent.InferenceService",)
+
+    def __init__(
+        self,
+        config: SwitchyardConfig,
+        engine: StepEngine | StreamEngine | None = None,
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine if engine is not None else make_engine(config)
+        self.stepping = isinstance(self.engine, StepEngine)
+        if self.stepping and policy is None:
+            policy = make_policy(config, self.engine)
+        self.policy = policy
+        flush = config.queue.flush
+        self.adaptive: AdaptiveFlush | None = AdaptiveFlush(flush) if flush.adaptive else None
+        interval = self.adaptive if self.adaptive is not None else float(flush.flush_interval_ms) / 1000
+        self.queue = InferenceQueue(config.queue.queues.inference)
+        self.buffer: DoubleBuffer[Sequence] = DoubleBuffer(flush.max_batch_size, interval)
+        self.loop: EngineLoop | None = None
+
+    # ------------------------------------------------------------------ Service protocol
+
+    def register(self, server: grpc.aio.Server) -> None:
+        agent_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        """Start the engine loop (intake and step tasks)."""
+        self.loop = EngineLoop(
+            self.config, self.engine, self.policy, self.queue, self.buffer,
+            on_batch_done=self.adaptive.on_batch_done if self.adaptive is not None else None,
+        )
+        self.loop.start()
+        log.info(
+            "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model,
+            getattr(self.policy, "name", "stream workers"),
+        )
+
+    async def stop(self) -> None:
+        """Drain: flush what is buffered, run in-flight sequences to their end, close the engine.
+
+        Waits up to ``server.shutdown_grace_s``; whatever is still running after
+        that is cancelled.
+        """
+        if self.loop is None:
+            return
+        try:
+            await asyncio.wait_for(self.loop.drain(), self.config.service.server.shutdown_grace_s)
+        except TimeoutError:
+            log.warning("dispatcher: drain exceeded the grace period; cancelling what still runs")
+            await self.loop.stop()
+        aclose = getattr(self.engine, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self.loop = None
+
+    # ------------------------------------------------------------------ RPC
+
+    async def Generate(
+        self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.GenerateChunk]:
+        """Stream one completion. See the module docstring for the chunks and errors."""
+        with tracer.start_as_current_span("dispatcher.generate") as span:
+            seq: Sequence | None = None
+            try:
+                seq = to_sequence(request, self.config)
+                span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
+                span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
+                span.set_attribute("switchyard.priority", seq.priority_name)
+                seq.span_context = span.get_span_context()
+                wall_arrival_ns = time.time_ns()
+                await self._admit(seq, context.time_remaining())
+                async for chunk in self._chunks(seq):
+                    yield chunk
+                self._record_queue_wait(seq, wall_arrival_ns)
+                span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
+                span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
+            except SwitchyardError as exc:
+                code, details = status_for(exc)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                await context.abort(code, details)
+            finally:
+                if seq is not None and not seq.is_finished and self.loop is not None:
+                    self.loop.cancel(seq)  # the caller went away: free its slot
+                if seq is not None:
+                    self.queue.leave(seq)
+
+    async def _admit(self, seq: Sequence, deadline_s: float | None) -> None:
+        if self.loop is None:
+            raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
+        await self.queue.enter(seq, deadline_s)
+        seq.enqueued_at = time.monotonic()
+        if self.adaptive is not None:
+            self.adaptive.on_arrival(seq.enqueued_at, self.buffer.active_size + 1)
+        try:
+            await self.buffer.put(seq)
+        except BufferClosedError:
+            self.queue.leave(seq)
+            raise SwitchyardError("dispatcher is shutting down; retry on another replica", grpc.StatusCode.UNAVAILABLE)
+
+    async def _chunks(self, seq: Sequence) -> AsyncIterator[agent_pb2.GenerateChunk]:
+        """Turn ``seq``'s outbox into chunks; enforce the inference-queue timeout until it reaches the engine."""
+        model = self.engine.model if self.stepping else (seq.model or self.engine.model)
+        while True:
+            if self.queue.holds(seq):
+                left = seq.arrival + self.queue.timeout_s - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(seq.outbox.get(), max(0.0, left))
+                except TimeoutError:
+                    if not self.queue.holds(seq):
+                        continue
+                    waited = time.monotonic() - seq.arrival
+                    assert self.loop is not None
+                    self.loop.cancel(seq)
+                    raise InferenceQueueTimeout(waited, self.queue.config.timeout_ms) from None
+            else:
+                item = await seq.outbox.get()
+            if isinstance(item, StreamToken):
+                yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index))
+            elif isinstance(item, StreamToolCall):
+                call = item.call
+                yield agent_pb2.GenerateChunk(
+                    tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
+                )
+            elif isinstance(item, StreamDone):
+                if not self.stepping:
+                    model = seq.model or self.engine.model
+                yield done_chunk(seq, model)
+                return
+            elif isinstance(item, StreamError):
+                error = item.error
+                if isinstance(error, SwitchyardError):
+                    raise error
+                raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
+
+    def _record_queue_wait(self, seq: Sequence, wall_arrival_ns: int) -> None:
+        """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
+        end_ns = wall_arrival_ns + int(seq.queue_wait_s * 1e9)
+        qspan = tracer.start_span(
+            "dispatcher.queue_wait",
+            start_time=wall_arrival_ns,
+            attributes={
+                "switchyard.queue": "inference",
+                "switchyard.batch_size": seq.batch_size,
+                "switchyard.flush_reason": seq.flush_reason,
+            },
+        )
+        qspan.end(end_time=end_ns)
