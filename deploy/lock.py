@@ -13,9 +13,14 @@ the closure to its version in requirements.lock.
 Run it with the project's virtual environment (the one built from
 requirements.lock): package metadata comes from there.
 
-Errors: a package in a closure that requirements.lock does not pin, or a pin
-that does not satisfy a dependent's specifier, stops the script with the
-package, who needs it and the specifier.
+Errors (LockError): a package in a closure that requirements.lock does not
+pin, a pin that does not satisfy a dependent's specifier, or a pinned package
+missing from this environment stops the script, naming the package, who needs
+it and the specifier.
+
+The CUDA build of torch (dispatcher) declares nvidia-* dependencies that the
+CPU build installed here does not; they are exact pins in torch's own
+metadata, so the dispatcher image resolves them at install time.
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ def closure(image: Image, pins: dict[str, tuple[str, str]]) -> dict[str, str]:
     """``{name as written in the lock: version}`` for every package the image needs.
 
     Raises:
-        LockError: a needed package is not pinned, or its pin breaks a specifier.
+        LockError: a needed package is not pinned, its pin breaks a specifier,
+            or it is not installed in this environment.
     """
     env = _environment(image.python)
     needed: dict[str, str] = {}
@@ -124,7 +130,14 @@ def closure(image: Image, pins: dict[str, tuple[str, str]]) -> dict[str, str]:
         if state in seen:
             continue
         seen.add(state)
-        for spec in metadata.requires(req.name) or []:
+        try:
+            requires = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:
+            raise LockError(
+                f"{name}=={version} is pinned but not installed here, so its dependencies are unknown; "
+                "install requirements.lock into this environment first"
+            ) from None
+        for spec in requires:
             child = Requirement(spec)
             if child.marker is not None and not any(
                 child.marker.evaluate({**env, "extra": extra}) for extra in ("", *req.extras)

@@ -25,11 +25,12 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY deploy/requirements/dispatcher.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt \
- && pip check
+RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
 COPY services /src/services
-RUN pip install --no-cache-dir --no-deps /src
+# pip check: every installed package, switchyard included, has its dependencies.
+RUN pip install --no-cache-dir --no-deps /src \
+ && pip check
 # The container config: config/ with the values a container needs (deploy/k8s_config.py).
 COPY config /src/config
 COPY deploy/k8s_config.py /src/deploy/k8s_config.py

@@ -17,11 +17,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY deploy/requirements/retrieval.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir --no-deps --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt \
- && pip check
+RUN pip install --no-cache-dir --no-deps --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
 COPY services /src/services
-RUN pip install --no-cache-dir --no-deps /src
+# pip check: every installed package, switchyard included, has its dependencies.
+RUN pip install --no-cache-dir --no-deps /src \
+ && pip check
 # The container config: config/ with the values a container needs (deploy/k8s_config.py).
 COPY config /src/config
 COPY deploy/k8s_config.py /src/deploy/k8s_config.py
