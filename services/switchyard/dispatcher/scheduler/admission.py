@@ -10,10 +10,11 @@ see them yet). One exception keeps the engine from idling forever: when nothing
 runs, the head of the queue is admitted whatever the score says (the score is
 then other processes' load, which waiting does not lower).
 
-The expected score of a task type is an exponential moving average of the
-score finished tasks of that type actually used per second of running
-(``compute_score_used / running seconds``: their share of the compute score),
-starting from ``expected_score_initial``.
+The expected score of a task type is an exponential moving average, over
+finished tasks of that type, of the score each added by running: the average
+score while it ran minus the score when it was admitted, split among the tasks
+admitted with it (:meth:`.accounting.Accounting.marginal_score`), starting
+from ``expected_score_initial``.
 """
 
 from __future__ import annotations

@@ -109,6 +109,8 @@ class SchedulerCore:
             self._start(seq, now, out)
             projected += self.admission.expected.get(seq.task_type)
         self._preempt(now, out)
+        for seq in out.admitted:
+            self.accounting.start(seq, now, score, len(out.admitted))
         out.running = list(self._running)
         self._publish()
         return out
@@ -169,7 +171,6 @@ class SchedulerCore:
     def _start(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
         seq.admitted_at = now
         self._running.append(seq)
-        self.accounting.start(seq, now)
         if seq in self._preempted:
             self._preempted.discard(seq)
             metrics.RESUMES.labels("preempted").inc()
@@ -207,7 +208,7 @@ class SchedulerCore:
             self._release(parked)
 
     def _learn(self, seq: Sequence) -> None:
-        observed = self.accounting.observed_score(seq)
+        observed = self.accounting.marginal_score(seq)
         if observed is not None:
             self.admission.expected.learn(seq.task_type, observed)
         metrics.TASK_COMPUTE_SCORE_USED.observe(seq.compute_score_used)

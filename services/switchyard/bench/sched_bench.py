@@ -1,0 +1,374 @@
+"""Scheduling benchmark: the priority scheduler against plain FIFO under 2x overload.
+
+``python -m switchyard.bench.sched_bench`` (or ``switchyard bench sched``).
+
+In-process and on a simulated clock, so it is deterministic and takes seconds:
+the dispatcher's scheduling policies (:mod:`switchyard.dispatcher.scheduler`)
+drive a step engine whose step times come from the ``sim`` engine's latency
+model (:func:`switchyard.dispatcher.engines.sim.prefill_seconds` and
+:func:`~switchyard.dispatcher.engines.sim.decode_seconds`, parameters from
+``switchyard.json`` ``sim``); instead of sleeping, a step advances the clock.
+The step loop does what the dispatcher's engine loop does: at each boundary
+(``time_slice_ms`` of decode steps, or earlier when a sequence finishes) it
+hands arrived work to the policy, applies its decision (preempted sequences
+lose their KV state; sequences that need one get a batched prefill), then
+decodes the running set one token per sequence per step.
+
+Method:
+
+1. Capacity: a closed-loop FIFO run of ``--calibration`` tasks all arriving at
+   once; capacity = tasks / makespan.
+2. Load: Poisson arrivals at ``--overload`` x capacity for ``--seconds``, the
+   classes mixed ``--mix`` (core/normal/batch percent); prompt and output
+   lengths uniform in ``--prompt-tokens`` and ``--output-tokens``. The same
+   arrivals (seeded) go to every policy.
+3. Each policy runs until every task finished (or ``--drain-limit`` x the
+   load window passed). Printed per policy: TTFT (arrival -> first token)
+   percentiles by class, batch completions (within the load window and in
+   all) with completion-time (arrival -> last token) percentiles, preemptions
+   and recomputed prefix tokens.
+
+The compute score comes from the engine busy ratio (no NVML on a simulated
+clock), as in the dispatcher on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import ConfigError, SimEngineConfig, SwitchyardConfig, load_config
+from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
+from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.sequence import Sequence
+
+CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile ``p`` (0-100) of ``values``; 0.0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * p // 100))  # ceil(n * p / 100)
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of the trace: class, arrival (s), prompt and output lengths (tokens)."""
+
+    request_id: str
+    priority_class: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+
+    def build(self) -> Sequence:
+        """A fresh :class:`Sequence` for one run (``max_tokens`` = its output length)."""
+        return Sequence(
+            request_id=self.request_id,
+            priority=dict(CLASSES)[self.priority_class],
+            task_type="chat",
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=self.output_tokens,
+            arrival=self.arrival,
+        )
+
+
+def make_trace(
+    rate: float, seconds: float, mix: tuple[float, float, float], prompt: tuple[int, int], output: tuple[int, int],
+    seed: int,
+) -> list[TaskSpec]:
+    """Poisson arrivals at ``rate`` tasks/s for ``seconds``; classes drawn by ``mix`` weights."""
+    rng = random.Random(seed)
+    specs: list[TaskSpec] = []
+    t = rng.expovariate(rate)
+    while t < seconds:
+        name = rng.choices([c for c, _ in CLASSES], weights=mix)[0]
+        specs.append(TaskSpec(f"t{len(specs)}", name, t, rng.randint(*prompt), rng.randint(*output)))
+        t += rng.expovariate(rate)
+    return specs
+
+
+# --------------------------------------------------------------------------- simulated engine and loop
+
+
+class VirtualSimEngine:
+    """The sim engine's latency model on a simulated clock (a StepEngine without the sleeping).
+
+    Args:
+        params: ``switchyard.json`` ``sim`` section.
+    """
+
+    def __init__(self, params: SimEngineConfig) -> None:
+        self.params = params
+        self.model = params.model
+        self.busy_seconds = 0.0
+
+    def prefill(self, seqs: list[Sequence], now: float) -> float:
+        """Batched prefill of each sequence's uncomputed prefix, then its next token; returns the new time."""
+        cost = prefill_seconds(self.params, sum(s.num_uncomputed_tokens for s in seqs))
+        for seq in seqs:
+            if seq.output_tokens:  # recompute after preemption
+                seq.recomputed_tokens += seq.num_uncomputed_tokens
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit(seq)
+        self.busy_seconds += cost
+        return now + cost
+
+    def decode(self, seqs: list[Sequence], now: float) -> float:
+        """One decode step: a token for each sequence; returns the new time."""
+        cost = decode_seconds(self.params, len(seqs))
+        for seq in seqs:
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit(seq)
+        self.busy_seconds += cost
+        return now + cost
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is held beyond ``num_computed_tokens``."""
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        return seq.num_computed_tokens * self.params.kv_bytes_per_token
+
+    @staticmethod
+    def _emit(seq: Sequence) -> None:
+        seq.output_tokens.append(f" w{len(seq.output_tokens)}")
+        if len(seq.output_tokens) >= seq.max_tokens:
+            seq.finish("length")
+
+
+@dataclass
+class RunResult:
+    """Per-task timings of one policy's run, on the simulated clock (seconds)."""
+
+    policy: str
+    first_token: dict[str, float] = field(default_factory=dict)
+    done: dict[str, float] = field(default_factory=dict)
+    makespan: float = 0.0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+
+
+def simulate(policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float) -> RunResult:
+    """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes."""
+    engine = VirtualSimEngine(config.service.sim)
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
+    sched = make_scheduler(config, engine, policy=policy, monitor=monitor)
+    seqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
+    result = RunResult(policy)
+    slice_s = config.scheduler.time_slice_ms / 1000
+    t, i = 0.0, 0
+
+    def settle(running: list[Sequence]) -> bool:
+        ended = False
+        for seq in running:
+            if seq.output_tokens and seq.request_id not in result.first_token:
+                result.first_token[seq.request_id] = t
+            if seq.is_finished and seq.request_id not in result.done:
+                result.done[seq.request_id] = t
+                sched.finish(seq, t)
+                ended = True
+        return ended
+
+    while (i < len(seqs) or sched.num_waiting or sched.num_running) and t < limit_s:
+        arrived = []
+        while i < len(seqs) and seqs[i].arrival <= t:
+            arrived.append(seqs[i])
+            i += 1
+        if arrived:
+            sched.add(arrived, t)
+        if not sched.num_waiting and not sched.num_running:
+            t = seqs[i].arrival
+            continue
+        out = sched.schedule(t)
+        for seq in out.preempted:
+            seq.mark_preempted(t)
+            engine.release(seq)
+        running = out.running
+        needs = [s for s in running if s.needs_prefill]
+        if needs:
+            t = engine.prefill(needs, t)
+            if settle(needs):
+                continue
+        boundary = t + slice_s
+        while running and t < boundary:
+            t = engine.decode(running, t)
+            if settle(running):
+                break
+    result.makespan = t
+    result.preemptions = sum(s.preemptions for s in seqs)
+    result.recomputed_tokens = sum(s.recomputed_tokens for s in seqs)
+    close = getattr(sched, "close", None)
+    if callable(close):
+        close()
+    return result
+
+
+def calibrate(config: SwitchyardConfig, n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int) -> float:
+    """Tasks per second the engine completes under FIFO with ``n`` tasks queued at once."""
+    rng = random.Random(seed + 1)
+    specs = [TaskSpec(f"c{k}", "normal", 0.0, rng.randint(*prompt), rng.randint(*output)) for k in range(n)]
+    run = simulate("fifo", specs, config, limit_s=float("inf"))
+    return n / run.makespan
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(run: RunResult, specs: list[TaskSpec], window_s: float) -> dict[str, Any]:
+    """TTFT and completion figures by class for one run (seconds)."""
+    out: dict[str, Any] = {"policy": run.policy, "makespan_s": round(run.makespan, 3),
+                           "preemptions": run.preemptions, "recomputed_tokens": run.recomputed_tokens}
+    for name, _ in CLASSES:
+        mine = [s for s in specs if s.priority_class == name]
+        ttft = [run.first_token[s.request_id] - s.arrival for s in mine if s.request_id in run.first_token]
+        done = [run.done[s.request_id] - s.arrival for s in mine if s.request_id in run.done]
+        in_window = sum(1 for s in mine if run.done.get(s.request_id, float("inf")) <= window_s)
+        out[name] = {
+            "tasks": len(mine),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_p99_s": percentile(ttft, 99),
+            "completed_in_window": in_window, "completed": len(done),
+            "completion_p50_s": percentile(done, 50), "completion_p95_s": percentile(done, 95),
+            "completion_p99_s": percentile(done, 99),
+        }
+    return out
+
+
+def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The printed report: a header and one block per class with a column per policy."""
+    lines = [
+        "switchyard scheduling benchmark: sim latency model, simulated clock",
+        f"capacity (FIFO, {header['calibration_tasks']} tasks queued at once): {header['capacity_rps']:.1f} tasks/s; "
+        f"offered {header['offered_rps']:.1f} tasks/s ({header['overload']:g}x) for {header['seconds']:g} s: "
+        f"{header['tasks']} tasks (core {header['by_class']['core']}, normal {header['by_class']['normal']}, "
+        f"batch {header['by_class']['batch']})",
+        f"scheduler: max_running_agents {header['max_running_agents']}, time_slice_ms {header['time_slice_ms']:g}, "
+        f"preemption_grace_ms {header['preemption_grace_ms']:g}, aging_max_wait_ms {header['aging_max_wait_ms']:g}; "
+        "compute score from the engine busy ratio",
+        "",
+    ]
+    names = [r["policy"] for r in rows]
+    width = 20
+
+    def line(label: str, values: list[str]) -> str:
+        return f"  {label:<36}" + "".join(v.rjust(width) for v in values)
+
+    lines.append(line("", names))
+    for cls, _ in CLASSES:
+        lines.append(f"{cls}")
+        lines.append(line("TTFT p50 / p95 / p99 (s)", [
+            f"{r[cls]['ttft_p50_s']:.2f}/{r[cls]['ttft_p95_s']:.2f}/{r[cls]['ttft_p99_s']:.2f}" for r in rows]))
+        lines.append(line(f"completed in the {header['seconds']:g} s window", [
+            f"{r[cls]['completed_in_window']}/{r[cls]['tasks']}" for r in rows]))
+        lines.append(line("completed in all", [f"{r[cls]['completed']}/{r[cls]['tasks']}" for r in rows]))
+        lines.append(line("completion time p50 / p95 / p99 (s)", [
+            f"{r[cls]['completion_p50_s']:.1f}/{r[cls]['completion_p95_s']:.1f}/{r[cls]['completion_p99_s']:.1f}"
+            for r in rows]))
+    lines.append("all")
+    lines.append(line("makespan (s)", [f"{r['makespan_s']:.1f}" for r in rows]))
+    lines.append(line("preemptions", [str(r["preemptions"]) for r in rows]))
+    lines.append(line("recomputed prefix tokens", [str(r["recomputed_tokens"]) for r in rows]))
+    core = {r["policy"]: r["core"]["ttft_p95_s"] for r in rows}
+    if core.get("priority") and core.get("fifo"):
+        lines += ["", f"core P95 TTFT: priority {core['priority']:.3f} s vs fifo {core['fifo']:.3f} s "
+                  f"({core['fifo'] / core['priority']:.0f}x lower)"]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _pair(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    values = (int(low), int(high or low))
+    if not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return values
+
+
+def _mix(text: str) -> tuple[float, float, float]:
+    parts = text.split("/")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 0 or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected CORE/NORMAL/BATCH percentages such as 20/50/30, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchyard bench sched",
+        description="Priority scheduler vs FIFO under overload, on the sim latency model and a simulated clock.",
+    )
+    parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--overload", type=_positive, default=2.0, help="offered load / capacity (default 2)")
+    parser.add_argument("--seconds", type=_positive, default=20.0, help="load window, simulated seconds (default 20)")
+    parser.add_argument("--mix", type=_mix, default=(20.0, 50.0, 30.0), help="core/normal/batch percent (default 20/50/30)")
+    parser.add_argument("--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)")
+    parser.add_argument("--output-tokens", type=_pair, default=(32, 160), help="output length range (default 32-160)")
+    parser.add_argument("--calibration", type=int, default=200, help="tasks in the capacity run (default 200)")
+    parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its report; returns the exit status (2: bad config)."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
+    except ConfigError as exc:
+        print(f"switchyard bench sched: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    # Every run's monitor would log that NVML is not used; the header says it once.
+    logging.getLogger("switchyard.dispatcher.scheduler.compute_score").setLevel(logging.ERROR)
+    capacity = calibrate(config, args.calibration, args.prompt_tokens, args.output_tokens, args.seed)
+    rate = args.overload * capacity
+    specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
+    limit = args.seconds * args.drain_limit
+    rows = [summarize(simulate(policy, specs, config, limit), specs, args.seconds) for policy in ("priority", "fifo")]
+    sched = config.scheduler
+    header = {
+        "calibration_tasks": args.calibration, "capacity_rps": capacity, "offered_rps": rate,
+        "overload": args.overload, "seconds": args.seconds, "tasks": len(specs),
+        "by_class": {name: sum(1 for s in specs if s.priority_class == name) for name, _ in CLASSES},
+        "max_running_agents": sched.max_running_agents, "time_slice_ms": sched.time_slice_ms,
+        "preemption_grace_ms": sched.preemption_grace_ms, "aging_max_wait_ms": sched.aging_max_wait_ms,
+        "mix": list(args.mix), "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
+        "seed": args.seed,
+    }
+    if args.json:
+        print(json.dumps({"header": header, "policies": rows}, indent=2))
+    else:
+        print(render(header, rows))
+        print(f"\n(ran in {time.perf_counter() - started:.1f} s of wall time)")
+    return 0
+
+
+__all__ = ["RunResult", "TaskSpec", "VirtualSimEngine", "main", "make_trace", "simulate", "summarize"]
+
+if __name__ == "__main__":
+    sys.exit(main())
