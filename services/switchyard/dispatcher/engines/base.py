@@ -57,12 +57,15 @@ class Usage:
     """Last item of a :meth:`StreamEngine.generate` stream: counts reported upstream.
 
     ``finish_reason`` is the upstream's (stop, length, tool_calls); None means
-    the engine loop decides from what was streamed.
+    the engine loop decides from what was streamed. ``model`` is the upstream
+    model id that served the request (the fallback model when one was used);
+    empty means ``engine.model``.
     """
 
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str | None = None
+    model: str = ""
 
 
 StreamItem = Union[str, ToolCall, Usage]

@@ -1,0 +1,141 @@
+"""The ``openai`` engine: any OpenAI-compatible upstream (vLLM, SGLang, TGI, Ollama, LiteLLM, hosted APIs).
+
+A :class:`~switchyard.dispatcher.engines.base.StreamEngine`: each sequence is
+one streamed ``/v1/chat/completions`` call made by
+:class:`switchyard.gateway.client.GatewayClient`, which owns the HTTP pool,
+retries, fallback and the error table. This module only translates a
+:class:`~switchyard.dispatcher.sequence.Sequence` into an OpenAI request and
+the gateway's events into the engine protocol's items. The engine loop fans a
+flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from opentelemetry.trace import Tracer
+
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import InvalidArgument
+from switchyard.dispatcher.engines.base import StreamItem, Usage
+from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+
+# Upstream finish reasons the Sequence does not know, mapped to ones it does.
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
+
+
+def _tool_spec(index: int, tool: Tool) -> dict[str, Any]:
+    try:
+        parameters = json.loads(tool.parameters_json or "{}")
+    except json.JSONDecodeError:
+        raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json) from None
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json)
+    function: dict[str, Any] = {"name": tool.name, "parameters": parameters}
+    if tool.description:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def chat_messages(prompt: str, messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI chat messages for a sequence: ``messages`` if any, else one user turn holding ``prompt``.
+
+    OpenAI-compatible servers require each ``tool`` message to answer a
+    ``tool_calls`` entry of the assistant turn before it. Sequences carry tool
+    results (call id and name) but not the assistant's calls, so the calls are
+    restated on that assistant turn from the results (arguments ``{}``).
+    """
+    if not messages:
+        return [{"role": "user", "content": prompt}]
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id
+            if message.name:
+                item["name"] = message.name
+            owner = _assistant_before(out)
+            if owner is None:
+                owner = {"role": "assistant", "content": ""}
+                out.append(owner)
+            calls = owner.setdefault("tool_calls", [])
+            if all(call["id"] != message.tool_call_id for call in calls):
+                calls.append({"id": message.tool_call_id, "type": "function",
+                              "function": {"name": message.name, "arguments": "{}"}})
+        elif message.name:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
+    for item in reversed(out):
+        if item["role"] == "assistant":
+            return item
+        if item["role"] != "tool":
+            return None
+    return None
+
+
+def chat_request(seq: Sequence) -> ChatRequest:
+    """The gateway request for ``seq``: messages, tools, max_tokens, model and priority class.
+
+    Raises:
+        InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
+    """
+    return ChatRequest(
+        messages=chat_messages(seq.prompt, seq.messages),
+        model=seq.model,
+        max_tokens=seq.max_tokens or None,
+        tools=[_tool_spec(i, tool) for i, tool in enumerate(seq.tools)],
+        priority_class=seq.priority_name,
+        request_id=seq.request_id,
+    )
+
+
+class OpenAIEngine:
+    """StreamEngine over ``model_gateway`` (queue.json).
+
+    Args:
+        config: the whole config; reads ``queue.model_gateway``.
+        tracer: tracer for the gateway spans (default: global).
+    """
+
+    def __init__(self, config: SwitchyardConfig, *, tracer: Tracer | None = None) -> None:
+        self.config = config.queue.model_gateway
+        self.model = self.config.default_model
+        self.client = GatewayClient(self.config, tracer=tracer)
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
+        """Stream ``seq``'s completion: token texts, ToolCalls, then one Usage.
+
+        Raises:
+            InvalidArgument: bad tool schema in ``seq``.
+            switchyard.gateway.errors.GatewayError: the error-table row of the
+                upstream failure (gRPC status on ``.code``). Retries and the
+                fallback model happen inside, before the first item only.
+        """
+        request = chat_request(seq)
+        streamed = 0
+        async for event in self.client.stream_chat(request):
+            if isinstance(event, Token):
+                streamed += 1
+                yield event.text
+            elif isinstance(event, ToolCallOut):
+                yield ToolCall(event.call_id, event.name, event.arguments_json)
+            elif isinstance(event, Finished):
+                usage = event.usage
+                finish = _FINISH.get(event.finish_reason or "", "stop") if event.finish_reason else None
+                yield Usage(
+                    prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else seq.prompt_tokens,
+                    completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
+                    finish_reason=finish,
+                    model=event.model,
+                )
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool."""
+        await self.client.aclose()

@@ -1,0 +1,20 @@
+"""The unified model gateway: one base URL, one API key, a model map, a fallback model.
+
+Modules:
+
+- :mod:`.client`: :class:`GatewayClient`, chat completions (streaming SSE and
+  non-streaming) over a pooled ``httpx.AsyncClient`` with retries before the
+  first token and fallback to ``model_gateway.fallback_model``.
+- :mod:`.errors`: the error table (upstream status, transport failure, broken
+  stream) as :class:`switchyard.common.errors.SwitchyardError` subclasses.
+- :mod:`.events`, :mod:`.sse`, :mod:`.decode`: SSE framing and OpenAI chunk decoding (token
+  deltas, tool-call deltas assembled, usage).
+- :mod:`.keys`, :mod:`.redact`, :mod:`.proxy`, :mod:`.models`: API key checks
+  and redaction, proxy variables, model map and nearest-id lookup.
+- :mod:`.sim_openai`: ``switchyard serve sim-openai``, an OpenAI-compatible
+  server with failure injection; :mod:`.doctor`: ``switchyard doctor``.
+"""
+
+from switchyard.gateway.events import ChatRequest, Completion, Finished, Token, ToolCallOut, Usage
+
+__all__ = ["ChatRequest", "Completion", "Finished", "Token", "ToolCallOut", "Usage"]

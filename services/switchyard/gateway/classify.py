@@ -1,0 +1,126 @@
+"""Map upstream HTTP statuses and httpx transport failures to the gateway's errors.
+
+Every message passes through :func:`switchyard.gateway.redact.redact` so an
+upstream that echoes the key cannot leak it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Mapping
+
+import httpx
+
+from switchyard.gateway.errors import (
+    BadUpstreamRequest,
+    EndpointNotFound,
+    GatewayError,
+    ProxyUnavailable,
+    StreamBroken,
+    UpstreamAuthError,
+    UpstreamRateLimited,
+    UpstreamServerError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    snippet,
+)
+from switchyard.gateway.keys import ApiKey
+from switchyard.gateway.proxy import ProxyRoute
+from switchyard.gateway.redact import redact
+
+_EXPIRED = re.compile(r"(?i)expired")
+_MODEL_WORDS = re.compile(r"(?i)model[_ ]not[_ ]found|\bmodel\b.*(does not exist|not found|unknown|no such)|unknown model")
+
+
+def upstream_message(body: str) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the body itself."""
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return body.strip()
+    if isinstance(payload, dict):
+        err = payload.get("error", payload.get("detail", payload))
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("code") or err)
+        return str(err)
+    return body.strip()
+
+
+def is_model_not_found(status: int, body: str) -> bool:
+    """True for a 404 (or 400, as some servers answer) whose body says the model is unknown."""
+    return status in (400, 404) and bool(_MODEL_WORDS.search(body))
+
+
+def error_for_status(
+    status: int, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey
+) -> GatewayError:
+    """The error for a non-2xx answer, other than an unknown model (see :func:`is_model_not_found`)."""
+    said = redact(upstream_message(body), key.value)
+    quoted = snippet(said)
+    if status in (401, 403):
+        challenge = headers.get("www-authenticate", "")
+        if _EXPIRED.search(said) or _EXPIRED.search(challenge):
+            return UpstreamAuthError(
+                f"upstream {status}: the OAuth token has expired (upstream said {quoted}); re-authenticate "
+                f"to get a fresh token, or use an API key in {key.env}"
+            )
+        what = "rejected the key" if status == 401 else "refused access with the key"
+        return UpstreamAuthError(
+            f"upstream {status}: {url} {what} from {key.describe()} (upstream said {quoted}); check that "
+            f"{key.env} holds a valid key for this base URL and model {model!r}"
+        )
+    if status == 404:
+        return EndpointNotFound(
+            f"upstream 404 for {url} (upstream said {quoted}); model_gateway.base_url must be the "
+            "OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1"
+        )
+    if status == 429:
+        retry_after = headers.get("retry-after")
+        wait = f"; it asked to retry after {retry_after}s" if retry_after else ""
+        return UpstreamRateLimited(
+            f"upstream 429 rate limit for model {model!r} (upstream said {quoted}){wait}; lower concurrency "
+            "(queues.inference.workers) or raise the key's quota"
+        )
+    if status in (400, 413, 422):
+        return BadUpstreamRequest(f"upstream {status} rejected the request for model {model!r}: {quoted}")
+    if status >= 500:
+        return UpstreamServerError(
+            f"upstream {status} from {url} for model {model!r} (upstream said {quoted}); the model server "
+            "failed, retry later or check its logs"
+        )
+    return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
+
+
+def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | None, key: ApiKey) -> GatewayError:
+    """The error for an httpx failure (no HTTP status): proxy, connect, timeout, cut connection."""
+    detail = redact(f"{type(exc).__name__}: {exc}".rstrip(": "), key.value)
+    if isinstance(exc, httpx.ProxyError) or (
+        proxy is not None and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+    ):
+        where = f"{proxy.variable}={proxy.address}" if proxy else "the configured proxy"
+        return ProxyUnavailable(
+            f"local proxy failed: {where} did not answer ({detail}) while calling {url}; start the proxy, fix "
+            f"{proxy.variable if proxy else 'the proxy variable'}, or add the host to NO_PROXY"
+        )
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamUnavailable(
+            f"model gateway upstream unavailable at {url} ({detail}); start the model server "
+            "(e.g. `switchyard serve sim-openai`) or fix model_gateway.base_url"
+        )
+    if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)):
+        return UpstreamTimeout(
+            f"upstream at {url} timed out ({type(exc).__name__}); raise model_gateway."
+            f"{_timeout_key(exc)} or check the model server's load"
+        )
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return StreamBroken(f"connection to {url} closed mid-response ({detail}); the upstream or a proxy cut it")
+    return UpstreamUnavailable(f"request to {url} failed ({detail})")
+
+
+def _timeout_key(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.WriteTimeout):
+        return "write_timeout_s"
+    if isinstance(exc, httpx.PoolTimeout):
+        return "pool_timeout_s (or max_connections)"
+    return "read_timeout_s"

@@ -1,0 +1,429 @@
+"""GatewayClient: chat completions against one OpenAI-compatible base URL.
+
+- One pooled ``httpx.AsyncClient`` (``model_gateway.max_connections``), explicit
+  connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
+  ``trust_env`` is on, so HTTP_PROXY, HTTPS_PROXY and NO_PROXY are honoured.
+- Retries (tenacity, exponential backoff with jitter) and fallback to
+  ``model_gateway.fallback_model`` happen only before the first streamed item:
+  once a token or tool call has been handed to the caller, a failure is raised
+  as is, so no token is ever repeated.
+- The key is read from ``model_gateway.api_key_env`` on every call and never
+  appears in a log, span, message or metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+import httpx
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from switchyard.common.config import ModelGatewayConfig
+from switchyard.common.errors import SERVER_FAULT_CODES
+from switchyard.gateway import models as model_names
+from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
+from switchyard.gateway.decode import StreamDecoder, parse_completion
+from switchyard.gateway.errors import (
+    EndpointNotFound,
+    GatewayError,
+    ModelNotFound,
+    StreamProtocolError,
+    UpstreamTimeout,
+    snippet,
+)
+from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
+from switchyard.gateway.metrics import GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_RETRIES, GATEWAY_TTFT
+from switchyard.gateway.proxy import proxy_for
+from switchyard.gateway.redact import redact
+from switchyard.gateway.sse import iter_data
+from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Call:
+    """Per-call state shared by the attempts: key, bearer token, deadline, span."""
+
+    key: ApiKey
+    token: str | None
+    deadline: float
+    span: Span
+    request_id: str
+
+
+@dataclass
+class _OpenStream:
+    """A 200 SSE response read up to its first event(s)."""
+
+    response: httpx.Response
+    data: AsyncIterator[str]
+    decoder: StreamDecoder
+    first: list[StreamEvent]
+    ended: bool
+
+
+class GatewayClient:
+    """Chat completions through ``model_gateway``; see the module docstring for the rules.
+
+    Args:
+        config: the ``model_gateway`` section of queue.json.
+        tracer: OpenTelemetry tracer for the ``gateway.chat_completions`` spans (default: global).
+        transport: httpx transport override (tests of the pool); default is httpx's own.
+    """
+
+    def __init__(
+        self,
+        config: ModelGatewayConfig,
+        *,
+        tracer: Tracer | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self._tracer = tracer or trace.get_tracer(__name__)
+        self._http = httpx.AsyncClient(
+            base_url=config.base_url + "/",
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.read_timeout_s,
+                write=config.write_timeout_s,
+                pool=config.pool_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=config.max_keepalive_connections,
+            ),
+            trust_env=True,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ public calls
+
+    def url(self, path: str) -> str:
+        """Full URL of ``path`` under the base URL, e.g. ``url("models")``."""
+        return f"{self.config.base_url}/{path}"
+
+    def models_for(self, requested: str) -> list[str]:
+        """Upstream ids to try for client-facing ``requested``: the mapped primary, then the fallback."""
+        cfg = self.config
+        primary = model_names.resolve(requested, cfg.model_map, cfg.default_model)
+        chain = [primary]
+        if cfg.fallback_model:
+            fallback = model_names.resolve(cfg.fallback_model, cfg.model_map, cfg.default_model)
+            if fallback != primary:
+                chain.append(fallback)
+        return chain
+
+    async def list_models(self) -> list[str]:
+        """Model ids from ``GET /v1/models``.
+
+        Raises:
+            GatewayError: transport failure, non-2xx answer, or a body without ``data[].id``.
+        """
+        key = load_api_key(self.config.api_key_env)
+        token = require_usable(key, required=self.config.api_key_required)
+        url = self.url("models")
+        try:
+            response = await self._http.get("models", headers=self._headers(token, stream=False))
+        except httpx.HTTPError as exc:
+            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=key) from None
+        if response.status_code >= 400:
+            raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key)
+        try:
+            return [str(item["id"]) for item in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise StreamProtocolError(
+                f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
+                f"received {snippet(redact(response.text, key.value))}"
+            ) from None
+
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
+        """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
+
+        Raises:
+            GatewayError: any row of the error table. Before the first item the
+                primary was retried and the fallback tried; after it, nothing was.
+        """
+        call = self._begin(request, stream=True)
+        started = time.monotonic()
+        outcome = "ok"
+        model = ""
+        sent = 0
+        try:
+            opened, model = await self._with_fallback(call, request, lambda m: self._open_stream(call, request, m))
+            GATEWAY_TTFT.labels(model).observe(time.monotonic() - started)
+            try:
+                for event in opened.first:
+                    sent += not isinstance(event, Finished)
+                    yield event
+                if not opened.ended:
+                    async for data in opened.data:
+                        self._check_deadline(call, model)
+                        for event in opened.decoder.feed(data):
+                            sent += not isinstance(event, Finished)
+                            yield event
+                    for event in opened.decoder.end():
+                        yield event
+                call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
+            except httpx.HTTPError as exc:
+                url = self.url("chat/completions")
+                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key).after_tokens(sent) from None
+            except GatewayError as exc:
+                raise exc.after_tokens(sent)
+            finally:
+                await opened.response.aclose()
+        except GatewayError as exc:
+            outcome = exc.code.name
+            self._fail_span(call.span, exc)
+            raise
+        finally:
+            call.span.set_attribute("switchyard.gateway.items_streamed", sent)
+            call.span.end()
+            GATEWAY_REQUESTS.labels(model or self.models_for(request.model)[0], outcome).inc()
+
+    async def complete(self, request: ChatRequest) -> Completion:
+        """One non-streamed completion, with the same retries and fallback as :meth:`stream_chat`.
+
+        Raises:
+            GatewayError: any row of the error table.
+        """
+        call = self._begin(request, stream=False)
+        outcome, model = "ok", ""
+        try:
+            completion, model = await self._with_fallback(call, request, lambda m: self._complete_once(call, request, m))
+            call.span.set_attribute("gen_ai.response.model", completion.model)
+            return completion
+        except GatewayError as exc:
+            outcome = exc.code.name
+            self._fail_span(call.span, exc)
+            raise
+        finally:
+            call.span.end()
+            GATEWAY_REQUESTS.labels(model or self.models_for(request.model)[0], outcome).inc()
+
+    # ------------------------------------------------------------------ attempts
+
+    def _begin(self, request: ChatRequest, *, stream: bool) -> _Call:
+        span = self._tracer.start_span(
+            "gateway.chat_completions",
+            kind=trace.SpanKind.CLIENT,
+            attributes={
+                "gen_ai.request.model": self.models_for(request.model)[0],
+                "server.address": self.config.base_url,
+                "switchyard.gateway.stream": stream,
+                "switchyard.request_id": request.request_id,
+            },
+        )
+        key = load_api_key(self.config.api_key_env)
+        try:
+            token = require_usable(key, required=self.config.api_key_required)
+        except GatewayError as exc:
+            self._fail_span(span, exc)
+            span.end()
+            GATEWAY_REQUESTS.labels(self.models_for(request.model)[0], exc.code.name).inc()
+            raise
+        deadline = asyncio.get_running_loop().time() + self.config.total_timeout_s
+        return _Call(key, token, deadline, span, request.request_id)
+
+    async def _with_fallback(
+        self, call: _Call, request: ChatRequest, once: Callable[[str], Awaitable[T]]
+    ) -> tuple[T, str]:
+        chain = self.models_for(request.model)
+        primary_error: GatewayError | None = None
+        for position, model in enumerate(chain):
+            try:
+                async with asyncio.timeout_at(call.deadline):
+                    result = await self._retrying(model, once)
+            except TimeoutError:
+                error: GatewayError = self._deadline_error(model)
+            except GatewayError as exc:
+                error = exc
+            else:
+                if primary_error is not None:
+                    GATEWAY_FALLBACKS.labels(chain[0], model).inc()
+                    call.span.set_attribute("switchyard.gateway.fallback_model", model)
+                    log.warning("served by fallback model %r after: %s", model, primary_error)
+                return result, model
+            if primary_error is None:
+                primary_error = error
+            else:
+                primary_error.with_note(f"fallback model {model!r} failed too: {error}")
+            if not error.fallback_ok or position == len(chain) - 1:
+                raise primary_error
+            log.warning("model %r failed before its first token (%s); trying fallback model %r", model, error,
+                        chain[position + 1])
+        raise AssertionError("unreachable: the model chain is never empty")
+
+    async def _retrying(self, model: str, once: Callable[[str], Awaitable[T]]) -> T:
+        cfg = self.config
+
+        def before_sleep(state: RetryCallState) -> None:
+            GATEWAY_RETRIES.labels(model).inc()
+            exc = state.outcome.exception() if state.outcome else None
+            log.info("retrying model %r (attempt %d failed: %s)", model, state.attempt_number, exc)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(cfg.max_retries + 1),
+            wait=wait_exponential_jitter(
+                multiplier=cfg.retry_backoff_initial_s, max=cfg.retry_backoff_max_s, jitter=cfg.retry_backoff_initial_s
+            ),
+            retry=retry_if_exception(lambda exc: isinstance(exc, GatewayError) and exc.retryable),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+        async def attempt() -> T:
+            return await once(model)
+
+        return await retrying(attempt)
+
+    def _body(self, request: ChatRequest, model: str, *, stream: bool) -> dict[str, Any]:
+        cfg = self.config
+        body: dict[str, Any] = {"model": model, "messages": request.messages, "stream": stream}
+        if request.max_tokens:
+            body["max_tokens"] = request.max_tokens
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.tools:
+            body["tools"] = request.tools
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice
+        if stream and cfg.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        if cfg.forward_priority and request.priority_class in cfg.priority_values:
+            body["priority"] = cfg.priority_values[request.priority_class]  # type: ignore[index]
+        return body
+
+    @staticmethod
+    def _headers(token: str | None, *, stream: bool) -> dict[str, str]:
+        headers = {"accept": "text/event-stream" if stream else "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        return headers
+
+    async def _send(self, call: _Call, request: ChatRequest, model: str, *, stream: bool) -> httpx.Response:
+        """POST chat/completions; a non-2xx answer is read and raised as its error."""
+        url = self.url("chat/completions")
+        http_request = self._http.build_request(
+            "POST", "chat/completions", json=self._body(request, model, stream=stream),
+            headers=self._headers(call.token, stream=stream),
+        )
+        try:
+            response = await self._http.send(http_request, stream=True)
+        except httpx.HTTPError as exc:
+            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+        if response.status_code < 400:
+            return response
+        try:
+            text = (await response.aread()).decode("utf-8", "replace")
+        except httpx.HTTPError:
+            text = ""
+        finally:
+            await response.aclose()
+        raise await self._status_error(response, text, model, call.key)
+
+    async def _status_error(self, response: httpx.Response, text: str, model: str, key: ApiKey) -> GatewayError:
+        url = self.url("chat/completions")
+        status = response.status_code
+        if status in (400, 404):
+            said_model = is_model_not_found(status, text)
+            if said_model or status == 404:
+                known = await self._known_models()
+                if said_model or (known is not None and model not in known):
+                    detail = snippet(redact(upstream_message(text), key.value))
+                    return ModelNotFound(model, model_names.nearest(model, known or []), detail)
+                if status == 404:
+                    return EndpointNotFound(
+                        f"upstream 404 for {url} although model {model!r} is listed; "
+                        "model_gateway.base_url must be the OpenAI-compatible root ending in /v1"
+                    )
+        return error_for_status(status, text, response.headers, url=url, model=model, key=key)
+
+    async def _known_models(self) -> list[str] | None:
+        try:
+            return await self.list_models()
+        except GatewayError as exc:
+            log.info("could not list models for a 404: %s", exc)
+            return None
+
+    async def _open_stream(self, call: _Call, request: ChatRequest, model: str) -> _OpenStream:
+        response = await self._send(call, request, model, stream=True)
+        url = self.url("chat/completions")
+        try:
+            content_type = response.headers.get("content-type", "")
+            if "text/event-stream" not in content_type:
+                text = (await response.aread()).decode("utf-8", "replace")
+                raise StreamProtocolError(
+                    f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
+                    f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
+                )
+            decoder = StreamDecoder(model)
+            data = iter_data(response.aiter_lines())
+            first: list[StreamEvent] = []
+            async for payload in data:
+                first.extend(decoder.feed(payload))
+                if first:
+                    return _OpenStream(response, data, decoder, first, ended=False)
+            return _OpenStream(response, data, decoder, decoder.end(), ended=True)
+        except httpx.HTTPError as exc:
+            await response.aclose()
+            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+        except BaseException:
+            await response.aclose()
+            raise
+
+    async def _complete_once(self, call: _Call, request: ChatRequest, model: str) -> Completion:
+        response = await self._send(call, request, model, stream=False)
+        url = self.url("chat/completions")
+        try:
+            text = (await response.aread()).decode("utf-8", "replace")
+        except httpx.HTTPError as exc:
+            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+        finally:
+            await response.aclose()
+        if "text/event-stream" in response.headers.get("content-type", ""):
+            raise StreamProtocolError(
+                f"asked {url} for one JSON response (stream=false) but it answered text/event-stream: "
+                f"received {snippet(redact(text, call.key.value))}; the server or a proxy forces streaming"
+            )
+        return parse_completion(text, model)
+
+    # ------------------------------------------------------------------ deadlines and spans
+
+    def _deadline_error(self, model: str) -> UpstreamTimeout:
+        err = UpstreamTimeout(
+            f"model {model!r} did not complete within model_gateway.total_timeout_s="
+            f"{self.config.total_timeout_s:g}s at {self.config.base_url}"
+        )
+        err.code = grpc.StatusCode.DEADLINE_EXCEEDED
+        err.retryable = False
+        return err
+
+    def _check_deadline(self, call: _Call, model: str) -> None:
+        if asyncio.get_running_loop().time() > call.deadline:
+            raise self._deadline_error(model)
+
+    @staticmethod
+    def _fail_span(span: Span, exc: GatewayError) -> None:
+        span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+        span.add_event("exception", {"exception.type": type(exc).__name__, "exception.message": str(exc)})
+        if exc.code in SERVER_FAULT_CODES:
+            span.set_status(Status(StatusCode.ERROR, str(exc)))

@@ -1,0 +1,192 @@
+"""``switchyard doctor``: check the model gateway's three-piece set-up and print a fix for each failure.
+
+Checks, in order: proxy variables (each set proxy accepts a TCP connection);
+the API key (present, non-empty, no whitespace); the base URL (``GET /models``
+answers, and accepts the key); the model ids (default, fallback and every
+``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
+nearest listed id is suggested). ``--probe`` also streams a one-token completion
+to check that the upstream honours ``stream`` and ends with ``[DONE]``.
+Exit code 0 when every check passes, 1 otherwise, 2 on a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+import httpx
+
+from switchyard.common.config import ConfigError, ModelGatewayConfig, load_config
+from switchyard.gateway import models as model_names
+from switchyard.gateway.classify import upstream_message
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import GatewayError, snippet
+from switchyard.gateway.events import ChatRequest
+from switchyard.gateway.keys import ApiKey, load_api_key
+from switchyard.gateway.proxy import ProxyRoute, configured_proxies, proxy_for
+from switchyard.gateway.redact import redact
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: what was checked, whether it passed, what was seen, and the fix."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+async def _proxy_answers(route: ProxyRoute, timeout_s: float) -> Check:
+    host, port = route.host_port()
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as exc:
+        reason = type(exc).__name__ if isinstance(exc, asyncio.TimeoutError) else (exc.strerror or str(exc))
+        return Check(
+            f"proxy {route.variable}", False, f"{route.variable}={route.address} does not answer ({reason})",
+            f"start the proxy at {route.address}, correct {route.variable}, unset it (unset {route.variable} "
+            f"{route.variable.lower()}), or add the model host to NO_PROXY",
+        )
+    writer.close()
+    return Check(f"proxy {route.variable}", True, f"{route.variable}={route.address} accepts connections")
+
+
+def _key_check(key: ApiKey, required: bool) -> Check:
+    problem = key.problem()
+    if problem is None:
+        return Check("api key", True, f"{key.describe()} is set")
+    if not key.present and not required:
+        return Check("api key", True, f"{key.env} not set; allowed because model_gateway.api_key_required is false")
+    return Check("api key", False, key.describe(), problem)
+
+
+async def _list_models(cfg: ModelGatewayConfig, key: ApiKey, timeout_s: float) -> tuple[Check, list[str] | None]:
+    url = f"{cfg.base_url}/models"
+    headers = {"accept": "application/json"}
+    if key.present and not key.has_whitespace:
+        headers["authorization"] = f"Bearer {key.value}"
+    route = proxy_for(url)
+    via = f" via {route.variable}={route.address}" if route else ""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=True) as http:
+            response = await http.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        fix = (
+            "start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct "
+            "model_gateway.base_url in queue.json"
+        )
+        if route:
+            fix = (
+                f"the request went through {route.variable}={route.address}: start that proxy or add the host "
+                f"to NO_PROXY; else {fix}"
+            )
+        return Check("base url", False, f"{url}{via} does not answer ({type(exc).__name__}: {exc})", fix), None
+    said = snippet(redact(upstream_message(response.text), key.value))
+    if response.status_code in (401, 403):
+        return Check(
+            "base url", False, f"{url} answers but refuses the key: {response.status_code} {said}",
+            f"check that {key.env} holds a valid key for this server; re-authenticate if it is an OAuth token",
+        ), None
+    if response.status_code == 404:
+        return Check(
+            "base url", False, f"{url} answers 404",
+            "model_gateway.base_url must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
+        ), None
+    if response.status_code >= 400:
+        return Check("base url", False, f"{url} answers {response.status_code}: {said}",
+                     "check the model server's logs"), None
+    try:
+        ids = [str(item["id"]) for item in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        return Check("base url", False, f"{url} answers, but not with OpenAI's model list: {said}",
+                     "point model_gateway.base_url at an OpenAI-compatible /v1 root"), None
+    return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids
+
+
+def _model_checks(cfg: ModelGatewayConfig, known: list[str], extra: Iterable[str]) -> list[Check]:
+    wanted: dict[str, str] = {}
+    wanted[model_names.resolve(cfg.default_model, cfg.model_map, cfg.default_model)] = "default_model"
+    if cfg.fallback_model:
+        wanted.setdefault(model_names.resolve(cfg.fallback_model, cfg.model_map, cfg.default_model), "fallback_model")
+    for name, target in cfg.model_map.items():
+        wanted.setdefault(target, f"model_map[{name!r}]")
+    for name in extra:
+        wanted.setdefault(model_names.resolve(name, cfg.model_map, cfg.default_model), f"--model {name}")
+    checks = []
+    for model, source in wanted.items():
+        if model in known:
+            checks.append(Check(f"model {model}", True, f"{source}: listed by /models"))
+            continue
+        near = model_names.nearest(model, known)
+        fix = f"use {near!r} (in the request, {source} or model_gateway.model_map)" if near else (
+            f"pick one of: {', '.join(known[:10]) or '(none listed)'}")
+        checks.append(Check(f"model {model}", False, f"{source}: {model!r} is not listed by /models", fix))
+    return checks
+
+
+async def _probe(cfg: ModelGatewayConfig) -> Check:
+    try:
+        async with GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0})) as client:
+            request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1)
+            items = [event async for event in client.stream_chat(request)]
+    except GatewayError as exc:
+        return Check("stream probe", False, f"{exc.code.name}: {exc}", "see the message above")
+    return Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s) and [DONE]")
+
+
+async def run_checks(
+    cfg: ModelGatewayConfig, *, models: Iterable[str] = (), probe: bool = False, timeout_s: float = 5.0
+) -> list[Check]:
+    """Every check of the set-up, in report order (see the module docstring)."""
+    checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
+    key = load_api_key(cfg.api_key_env)
+    key_check = _key_check(key, cfg.api_key_required)
+    checks.append(key_check)
+    url_check, known = await _list_models(cfg, key, timeout_s)
+    checks.append(url_check)
+    if known is not None:
+        checks.extend(_model_checks(cfg, known, models))
+        if probe and key_check.ok:
+            checks.append(await _probe(cfg))
+    return checks
+
+
+def format_report(cfg: ModelGatewayConfig, checks: list[Check]) -> str:
+    """The text ``switchyard doctor`` prints: the set-up, one line per check, a fix under each failure."""
+    lines = [
+        f"model gateway: base_url {cfg.base_url}, key from {cfg.api_key_env}, "
+        f"default_model {cfg.default_model}, fallback_model {cfg.fallback_model or '(none)'}",
+    ]
+    width = max((len(c.name) for c in checks), default=0)
+    for check in checks:
+        lines.append(f"{'ok  ' if check.ok else 'FAIL'}  {check.name.ljust(width)}  {check.detail}")
+        if not check.ok and check.fix:
+            lines.append(f"      {' ' * width}  fix: {check.fix}")
+    failed = sum(not c.ok for c in checks)
+    lines.append("all checks passed" if not failed else f"{failed} check(s) failed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``switchyard doctor``: 0 all good, 1 a check failed, 2 the config is invalid."""
+    parser = argparse.ArgumentParser(prog="switchyard doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--base-url", help="check this base URL instead of model_gateway.base_url")
+    parser.add_argument("--model", action="append", default=[], help="also check this model id (repeatable)")
+    parser.add_argument("--probe", action="store_true", help="also stream a one-token completion")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default 5)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config_dir).queue.model_gateway
+        if args.base_url:
+            cfg = ModelGatewayConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url})
+    except (ConfigError, ValueError) as exc:
+        print(f"switchyard doctor: {exc}", file=sys.stderr)
+        return 2
+    checks = asyncio.run(run_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
+    print(format_report(cfg, checks))
+    return 0 if all(c.ok for c in checks) else 1

@@ -1,0 +1,139 @@
+"""The gateway's rows of the error table, as SwitchyardError subclasses with their gRPC status.
+
+Each error says what was received and what to do. Two flags steer the client:
+``retryable`` (tenacity retries the same model, before the first token only)
+and ``fallback_ok`` (the fallback model may succeed where the primary failed).
+Auth and proxy failures do neither: the same key and proxy serve every model.
+
+Source of the table: DESIGN.md "Errors users meet". The quoted phrases
+("reading choices", "unexpected end of JSON input", "local proxy failed") are
+the messages other gateways print for the same causes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from switchyard.common.errors import SwitchyardError
+
+SNIPPET_CHARS = 200
+
+
+def snippet(text: str | bytes, limit: int = SNIPPET_CHARS) -> str:
+    """``text`` shortened to ``limit`` characters for an error message, as a repr."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+class GatewayError(SwitchyardError):
+    """An upstream call failed; the message names the cause and the fix."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = False
+    fallback_ok = True
+    tokens_sent = 0
+
+    def after_tokens(self, count: int) -> "GatewayError":
+        """Mark that ``count`` items were already streamed: no retry, no fallback, message says so."""
+        if count and not self.tokens_sent:
+            self.tokens_sent = count
+            self.retryable = False
+            self.fallback_ok = False
+            self.args = (
+                f"{self.args[0]} (after {count} streamed item(s); not retried and no fallback, "
+                "so no token is repeated)",
+            )
+        return self
+
+    def with_note(self, note: str) -> "GatewayError":
+        """Append ``note`` (e.g. what the fallback model did) to the message."""
+        self.args = (f"{self.args[0]}; {note}",)
+        return self
+
+
+class UpstreamAuthError(GatewayError):
+    """401/403, a missing key, a key with whitespace, or an expired OAuth token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    fallback_ok = False
+
+
+class ModelNotFound(GatewayError):
+    """The upstream does not know the model id (404)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, model: str, nearest: str | None, detail: str = "") -> None:
+        hint = (
+            f"did you mean {nearest!r}? set it in the request or in model_gateway.model_map"
+            if nearest
+            else "list the ids with GET /v1/models (switchyard doctor does) and use one of them"
+        )
+        tail = f" (upstream said {detail})" if detail else ""
+        super().__init__(f"model {model!r} not found upstream{tail}; {hint}")
+        self.model = model
+        self.nearest = nearest
+
+
+class EndpointNotFound(GatewayError):
+    """404 on a path: the base URL is likely wrong (missing or doubled /v1)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    fallback_ok = False
+
+
+class BadUpstreamRequest(GatewayError):
+    """400/413/422: the upstream refused the request body; names the field when it says which."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UpstreamRateLimited(GatewayError):
+    """429: the upstream is rate limiting this key or model."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class UpstreamServerError(GatewayError):
+    """5xx from the upstream."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class UpstreamUnavailable(GatewayError):
+    """The base URL did not answer (refused, DNS, TLS, connect timeout)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+    fallback_ok = False
+
+
+class ProxyUnavailable(GatewayError):
+    """The proxy named by HTTP_PROXY/HTTPS_PROXY did not answer ("local proxy failed")."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+    fallback_ok = False
+
+
+class UpstreamTimeout(GatewayError):
+    """The upstream went silent longer than read_timeout_s (UNAVAILABLE) or total_timeout_s (DEADLINE_EXCEEDED)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class StreamBroken(GatewayError):
+    """The SSE stream was cut, or ended without ``data: [DONE]``."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class StreamProtocolError(GatewayError):
+    """A chunk is not JSON, has no ``choices``, or the stream flag was not honoured."""
+
+    code = grpc.StatusCode.INTERNAL

@@ -1,0 +1,76 @@
+"""Requests to and events from an OpenAI-compatible upstream, independent of the dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One ``/v1/chat/completions`` call.
+
+    ``messages`` and ``tools`` are in OpenAI's JSON shape (``{"role", "content"}``;
+    ``{"type": "function", "function": {"name", "description", "parameters"}}``).
+    ``model`` is the client-facing name (mapped through ``model_gateway.model_map``);
+    empty means ``model_gateway.default_model``. ``priority_class`` (core, normal,
+    batch) is sent as the body's ``priority`` field, valued by
+    ``model_gateway.priority_values``, only when ``model_gateway.forward_priority`` is on.
+    """
+
+    messages: list[dict[str, Any]]
+    model: str = ""
+    max_tokens: int | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = None
+    priority_class: str | None = None
+    temperature: float | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts reported by the upstream (0 when it reported none)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of completion text, as streamed by the upstream."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallOut:
+    """A complete tool call, assembled from its deltas; ``arguments_json`` as sent upstream."""
+
+    call_id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last event of a stream: why it stopped, usage (if reported) and the upstream model id."""
+
+    finish_reason: str | None
+    usage: Usage | None
+    model: str
+
+
+StreamEvent = Union[Token, ToolCallOut, Finished]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A non-streamed completion."""
+
+    text: str
+    tool_calls: list[ToolCallOut]
+    finish_reason: str | None
+    usage: Usage | None
+    model: str

@@ -1,0 +1,91 @@
+"""Failure injection for ``switchyard serve sim-openai``.
+
+A fault spec is comma-separated ``key=value`` items and bare flags, e.g.
+``status=503,fail_first=2`` or ``cut_after=3``. It reaches the server three ways
+(first match wins): the request header ``x-sim-fault``; a model-name suffix
+``MODEL#SPEC`` (so a gRPC caller can pick a fault through ``model``); the
+server's ``--fault [MODEL=]SPEC`` flags (per model, or for all models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+FAULT_HEADER = "x-sim-fault"
+MODEL_SUFFIX = "#"
+
+_FLAGS = ("no_done", "mismatch", "expired", "echo_key", "no_choices")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What goes wrong with one request.
+
+    - ``status``: answer with this HTTP status and an OpenAI-style error body.
+    - ``fail_first``: with ``status``, fail only the first N requests for the model, then serve.
+    - ``cut_after``: close the connection after N streamed items, with no ``[DONE]``.
+    - ``no_done``: end the stream cleanly but without ``data: [DONE]``.
+    - ``malformed_after``: send a chunk that is not JSON after N streamed items.
+    - ``no_choices``: send chunks without a ``choices`` list.
+    - ``slow_ms``: extra delay before each streamed item, milliseconds.
+    - ``mismatch``: answer JSON when a stream was asked, SSE when JSON was asked.
+    - ``expired``: answer 401 saying the OAuth token expired.
+    - ``echo_key``: on 401, echo the presented bearer token in the body (as some proxies do).
+    """
+
+    status: int | None = None
+    fail_first: int = 0
+    cut_after: int | None = None
+    no_done: bool = False
+    malformed_after: int | None = None
+    no_choices: bool = False
+    slow_ms: float = 0.0
+    mismatch: bool = False
+    expired: bool = False
+    echo_key: bool = False
+
+
+_INTS = {"status", "fail_first", "cut_after", "malformed_after"}
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse ``"status=503,fail_first=1"``-style specs.
+
+    Raises:
+        ValueError: an unknown key or a value that is not a number, naming both.
+    """
+    known = {f.name for f in fields(Fault)}
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if key not in known:
+            raise ValueError(f"fault {item!r}: unknown key {key!r}; expected one of {sorted(known)}")
+        if key in _FLAGS:
+            values[key] = raw.strip().lower() not in ("0", "false", "no") if sep else True
+            continue
+        if not sep:
+            raise ValueError(f"fault {item!r}: expected {key}=<number>")
+        try:
+            values[key] = int(raw) if key in _INTS else float(raw)
+        except ValueError:
+            raise ValueError(f"fault {item!r}: expected {key}=<number>, got {raw!r}") from None
+    return Fault(**values)  # type: ignore[arg-type]
+
+
+def split_model(model: str) -> tuple[str, Fault | None]:
+    """``"gpt-4o-mini#cut_after=2"`` -> ``("gpt-4o-mini", Fault(cut_after=2))``; no suffix -> ``(model, None)``."""
+    base, sep, spec = model.partition(MODEL_SUFFIX)
+    return (base, parse_fault(spec)) if sep else (model, None)
+
+
+def parse_flag(value: str) -> tuple[str, Fault]:
+    """A ``--fault`` flag -> (model or ``*``, fault).
+
+    ``gpt-4o-mini=status=503`` applies to that model (the part before the first
+    ``=`` is not a fault key); ``status=503`` applies to every model.
+    """
+    head, sep, rest = value.partition("=")
+    if sep and head not in {f.name for f in fields(Fault)}:
+        return head, parse_fault(rest)
+    return "*", parse_fault(value)

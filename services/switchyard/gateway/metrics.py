@@ -1,0 +1,25 @@
+"""Prometheus metrics of the model gateway. Labels carry model ids and status names, never keys."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+GATEWAY_REQUESTS = Counter(
+    "switchyard_gateway_requests_total",
+    "Chat completions sent upstream, by upstream model and outcome (ok or the gRPC status name).",
+    ["model", "outcome"],
+)
+GATEWAY_RETRIES = Counter(
+    "switchyard_gateway_retries_total", "Retries of an upstream call before its first token.", ["model"]
+)
+GATEWAY_FALLBACKS = Counter(
+    "switchyard_gateway_fallbacks_total",
+    "Requests served by the fallback model after the primary failed before its first token.",
+    ["model", "fallback_model"],
+)
+GATEWAY_TTFT = Histogram(
+    "switchyard_gateway_upstream_ttft_seconds",
+    "Upstream call sent -> first streamed item, including retries and fallback.",
+    ["model"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

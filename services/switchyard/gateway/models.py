@@ -1,0 +1,34 @@
+"""Model names: the client-facing map, and the nearest known id for a NOT_FOUND message."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Iterable, Mapping
+
+_PUNCT = re.compile(r"[._:/\s]+")
+
+
+def resolve(name: str, model_map: Mapping[str, str], default: str) -> str:
+    """The upstream id for client-facing ``name`` (empty -> ``default``), through ``model_map``."""
+    name = name or default
+    return model_map.get(name, name)
+
+
+def _normal(model_id: str) -> str:
+    return _PUNCT.sub("-", model_id.lower())
+
+
+def nearest(model: str, known: Iterable[str]) -> str | None:
+    """The known id closest to ``model`` (difflib ratio >= 0.6 after folding case and . _ : / to -).
+
+    ``nearest("claude-sonnet-4.5", ["claude-sonnet-4-5", "gpt-4o-mini"]) == "claude-sonnet-4-5"``.
+    """
+    ids = [k for k in known if k and k != model]
+    if not ids:
+        return None
+    folded = {_normal(k): k for k in ids}
+    if (exact := folded.get(_normal(model))) is not None:
+        return exact
+    match = difflib.get_close_matches(_normal(model), list(folded), n=1, cutoff=0.6)
+    return folded[match[0]] if match else None

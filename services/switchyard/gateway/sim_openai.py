@@ -1,0 +1,397 @@
+"""``switchyard serve sim-openai``: an OpenAI-compatible server driven by the sim engine.
+
+Endpoints: ``GET /v1/models`` and ``POST /v1/chat/completions`` (streaming SSE
+and JSON, usage, tool calls in OpenAI's function-calling shape). Replies come
+from the sim engine's deterministic planner
+(:func:`switchyard.dispatcher.engines.sim.plan_reply`) and, unless
+``--no-latency``, take the sim latency model's time (prefill, then one decode
+step per token sized by the streams in flight). Failures are injected per
+request (see :mod:`switchyard.gateway.faults`), so gateways, this project's
+included, can be tested against every upstream failure with no model.
+
+Run: ``switchyard serve sim-openai [--port 8400] [--api-key-env VAR] [--fault SPEC]``
+or ``python -m switchyard.gateway.sim_openai``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from switchyard.common import envs
+from switchyard.common.config import SimEngineConfig
+from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
+from switchyard.dispatcher.sequence import Message, Tool, word_pieces
+from switchyard.gateway.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
+from switchyard.gateway.sse import DONE, encode
+
+DEFAULT_PORT = 8400
+DEFAULT_MODELS = ("claude-sonnet-4-5", "gpt-4o-mini", "sim-7b")
+
+
+class _CutStream(Exception):
+    """Raised inside a streaming body to drop the connection mid-response."""
+
+
+@dataclass
+class SimOpenAIOptions:
+    """How the server behaves.
+
+    ``api_key``: when set, requests must carry ``Authorization: Bearer <api_key>``.
+    ``faults``: model id (or ``*``) -> fault applied to its requests.
+    ``latency``: sleep per the sim latency model (``sim`` parameters).
+    """
+
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    api_key: str | None = None
+    faults: dict[str, Fault] = field(default_factory=dict)
+    latency: bool = True
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+
+
+@dataclass
+class SimOpenAIState:
+    """What the server saw: request bodies (in arrival order) and per-model request counts."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    active_streams: int = 0
+
+
+def _error(status: int, message: str, code: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": code, **extra}}, status_code=status
+    )
+
+
+def _status_error(status: int, model: str) -> JSONResponse:
+    kinds = {
+        400: ("bad request (injected)", "invalid_request_error"),
+        401: ("invalid API key (injected)", "invalid_api_key"),
+        404: (f"The model `{model}` does not exist (injected)", "model_not_found"),
+        429: ("Rate limit reached (injected)", "rate_limit_exceeded"),
+    }
+    message, code = kinds.get(status, (f"upstream failure {status} (injected)", "server_error"))
+    return JSONResponse({"error": {"message": message, "type": "sim_fault", "code": code}}, status_code=status)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[Message]:
+    out = []
+    for item in raw:
+        content = item.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        out.append(Message(str(item.get("role", "user")), str(content), str(item.get("tool_call_id") or ""),
+                           str(item.get("name") or "")))
+    return out
+
+
+def _tools(raw: list[dict[str, Any]]) -> list[Tool]:
+    tools = []
+    for item in raw or []:
+        fn = item.get("function") or {}
+        tools.append(Tool(str(fn.get("name", "")), str(fn.get("description", "")),
+                          json.dumps(fn.get("parameters") or {})))
+    return tools
+
+
+class SimOpenAI:
+    """The ASGI application and its state; build with :func:`make_app`."""
+
+    def __init__(self, options: SimOpenAIOptions) -> None:
+        self.options = options
+        self.state = SimOpenAIState()
+        self.app = _CutConnections(Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _auth_error(self, request: Request, fault: Fault | None) -> Response | None:
+        if fault is not None and fault.expired:
+            return JSONResponse(
+                {"error": {"message": "OAuth access token expired; sign in again", "type": "authentication_error",
+                           "code": "token_expired"}},
+                status_code=401,
+                headers={"www-authenticate": 'Bearer error="invalid_token", error_description="token expired"'},
+            )
+        if self.options.api_key is None:
+            return None
+        presented = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if presented == self.options.api_key:
+            return None
+        shown = f": {presented}" if fault is not None and fault.echo_key else ""
+        return JSONResponse(
+            {"error": {"message": f"Incorrect API key provided{shown}", "type": "invalid_request_error",
+                       "code": "invalid_api_key"}},
+            status_code=401,
+        )
+
+    def _fault_for(self, request: Request, model: str, suffix: Fault | None) -> Fault | None:
+        if header := request.headers.get(FAULT_HEADER):
+            return parse_fault(header)
+        if suffix is not None:
+            return suffix
+        return self.options.faults.get(model) or self.options.faults.get("*")
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the configured model ids."""
+        if (denied := self._auth_error(request, None)) is not None:
+            return denied
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard-sim"} for m in self.options.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions`` with faults applied first."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "request body is not JSON", "invalid_json")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
+        model, suffix = split_model(str(body.get("model") or ""))
+        try:
+            fault = self._fault_for(request, model, suffix)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_fault", param=FAULT_HEADER)
+        if (denied := self._auth_error(request, fault)) is not None:
+            return denied
+        self.state.requests.append(body)
+        count = self.state.counts[model] = self.state.counts.get(model, 0) + 1
+        if model not in self.options.models:
+            return _error(404, f"The model `{model}` does not exist or you do not have access to it.",
+                          "model_not_found")
+        if fault is not None and fault.status and (not fault.fail_first or count <= fault.fail_first):
+            return _status_error(fault.status, model)
+        fault = fault or Fault()
+        messages = _messages(body["messages"])
+        reply = plan_reply("", messages, _tools(body.get("tools") or []))
+        prompt_tokens = sum(len(word_pieces(m.content)) for m in messages)
+        stream = bool(body.get("stream"))
+        if stream != fault.mismatch:
+            return StreamingResponse(
+                self._stream(body, model, reply, prompt_tokens, fault), media_type="text/event-stream"
+            )
+        return JSONResponse(await self._completion(body, model, reply, prompt_tokens))
+
+    # ------------------------------------------------------------------ bodies
+
+    def _limit(self, body: dict[str, Any], tokens: list[str], finish: str) -> tuple[list[str], str]:
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if isinstance(max_tokens, int) and max_tokens > 0 and len(tokens) > max_tokens and finish == "stop":
+            return tokens[:max_tokens], "length"
+        return tokens, finish
+
+    async def _completion(self, body: dict[str, Any], model: str, reply: Any, prompt_tokens: int) -> dict[str, Any]:
+        tokens, finish = self._limit(body, reply.tokens, reply.finish_reason)
+        if self.options.latency:
+            await self._sleep(prefill_seconds(self.options.sim, prompt_tokens))
+            await self._sleep(len(tokens) * decode_seconds(self.options.sim, 1))
+        message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_calls else "".join(tokens)}
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in reply.tool_calls
+            ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                      "total_tokens": prompt_tokens + len(tokens)},
+        }
+
+    def _deltas(self, reply: Any, tokens: list[str]) -> Iterator[dict[str, Any]]:
+        if not reply.tool_calls:
+            for text in tokens:
+                yield {"content": text}
+            return
+        for index, call in enumerate(reply.tool_calls):
+            yield {"tool_calls": [{"index": index, "id": call.call_id, "type": "function",
+                                   "function": {"name": call.name, "arguments": ""}}]}
+            for piece in word_pieces(call.arguments_json):
+                yield {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+
+    async def _stream(
+        self, body: dict[str, Any], model: str, reply: Any, prompt_tokens: int, fault: Fault
+    ) -> AsyncIterator[bytes]:
+        chunk_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        tokens, finish = self._limit(body, reply.tokens, reply.finish_reason)
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                       "model": model}
+            payload["choices"] = [] if fault.no_choices else [
+                {"index": 0, "delta": delta, "finish_reason": finish_reason}]
+            return encode(payload)
+
+        self.state.active_streams += 1
+        try:
+            if self.options.latency:
+                await self._sleep(prefill_seconds(self.options.sim, prompt_tokens))
+            yield chunk({"role": "assistant", "content": ""})
+            for sent, delta in enumerate(self._deltas(reply, tokens)):
+                if fault.cut_after is not None and sent >= fault.cut_after:
+                    raise _CutStream(f"cut after {sent} items (injected)")
+                if fault.malformed_after is not None and sent >= fault.malformed_after:
+                    yield b'data: {"id": "' + chunk_id.encode() + b'", "choices": [{"delta": {"content": "tru\n\n'
+                    return
+                step = decode_seconds(self.options.sim, self.state.active_streams) if self.options.latency else 0
+                await self._sleep(step + fault.slow_ms / 1000)
+                yield chunk(delta)
+            if fault.cut_after is not None:
+                raise _CutStream("cut before finish (injected)")
+            yield chunk({}, finish)
+            if body.get("stream_options", {}).get("include_usage"):
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                         "total_tokens": prompt_tokens + len(tokens)}
+                yield encode({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                              "choices": [], "usage": usage})
+            if not fault.no_done:
+                yield encode(DONE)
+        finally:
+            self.state.active_streams -= 1
+
+
+class _CutConnections:
+    """ASGI wrapper: a streaming body that raises :class:`_CutStream` ends without its final chunk.
+
+    The server then closes the connection mid-response (uvicorn logs one line,
+    "ASGI callable returned without completing response"), which is what a
+    client sees when an upstream or proxy dies mid-stream.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except _CutStream:
+            return
+
+
+def make_app(options: SimOpenAIOptions | None = None) -> SimOpenAI:
+    """The sim-openai application (``.app`` is the ASGI app, ``.state`` what it saw)."""
+    return SimOpenAI(options or SimOpenAIOptions())
+
+
+# --------------------------------------------------------------------------- running it
+
+
+@dataclass
+class RunningSimOpenAI:
+    """A sim-openai server running in a background thread."""
+
+    sim: SimOpenAI
+    port: int
+    host: str = "127.0.0.1"
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port/v1``: what ``model_gateway.base_url`` should hold."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def state(self) -> SimOpenAIState:
+        return self.sim.state
+
+
+@contextlib.contextmanager
+def run_in_thread(
+    options: SimOpenAIOptions | None = None, host: str = "127.0.0.1", port: int = 0
+) -> Iterator[RunningSimOpenAI]:
+    """Serve in a daemon thread with its own event loop (port 0 picks a free port); stop on exit.
+
+    Works from sync and async tests alike. Raises RuntimeError when the
+    server does not start within 10 s.
+    """
+    sim = make_app(options)
+    server = uvicorn.Server(uvicorn.Config(sim.app, host=host, port=port, log_level="warning", lifespan="off",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, name="sim-openai", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"sim-openai did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningSimOpenAI(sim, bound, host)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchyard serve sim-openai",
+        description="OpenAI-compatible server driven by the sim engine, with failure injection.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %(default)s (queue.json base_url)")
+    parser.add_argument("--model", action="append", dest="models", metavar="ID",
+                        help=f"model id served (repeatable; default {', '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--api-key-env", metavar="VAR",
+                        help="require 'Authorization: Bearer <value of VAR>' (default: no key check)")
+    parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
+                        help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
+                             "(keys: status fail_first cut_after no_done malformed_after no_choices slow_ms mismatch "
+                             f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
+    parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
+    parser.add_argument("--config-dir", help="read the sim latency parameters from this config folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``switchyard serve sim-openai``; returns the exit code (2 on bad flags)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        faults = dict(parse_flag(flag) for flag in args.fault)
+    except ValueError as exc:
+        parser.error(f"--fault: {exc}")
+    api_key = None
+    if args.api_key_env:
+        api_key = envs.read_secret(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
+    sim = SimEngineConfig()
+    if args.config_dir:
+        from switchyard.common.config import load_config
+
+        sim = load_config(args.config_dir).service.sim
+    options = SimOpenAIOptions(
+        models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim
+    )
+    print(f"sim-openai listening on http://{args.host}:{args.port}/v1 (models: {', '.join(options.models)})",
+          flush=True)
+    uvicorn.run(make_app(options).app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""``switchyard doctor`` output for good and bad set-ups, against a real sim-openai server."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from gateway_fixtures import TEST_KEY, clean_proxy_env, start_sim  # noqa: F401
+
+from switchyard.cli import main as cli_main
+from switchyard.gateway import doctor
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "config")
+KEY_ENV = "TAOTOKEN_API_KEY"  # config/queue.json model_gateway.api_key_env
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def keyed_sim(clean_proxy_env, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(api_key=TEST_KEY) as server:
+        yield server
+
+
+def run_doctor(capsys, *argv: str) -> tuple[int, str]:
+    code = doctor.main(["--config-dir", CONFIG, "--timeout", "3", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_good_setup_passes_every_check(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--probe")
+    assert code == 0, out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert f"{KEY_ENV} (length {len(TEST_KEY)}, no whitespace) is set" in out
+    assert "model claude-sonnet-4-5" in out and "stream probe" in out
+    assert TEST_KEY not in out
+
+
+def test_cli_routes_to_doctor(keyed_sim, capsys):
+    assert cli_main(["doctor", "--config-dir", CONFIG, "--base-url", keyed_sim.base_url]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+
+
+def test_key_with_trailing_newline_fails_with_fix(keyed_sim, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY + "\n")
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url)
+    assert code == 1
+    assert f"FAIL  api key" in out and "trailing '\\n'" in out and "fix: " in out and "tr -d" in out
+    assert TEST_KEY not in out
+
+
+def test_missing_key_fails_with_fix(keyed_sim, monkeypatch, capsys):
+    monkeypatch.delenv(KEY_ENV)
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url)
+    assert code == 1 and f"{KEY_ENV} is not set; export {KEY_ENV}=<your key>" in out
+    assert "refuses the key: 401" in out
+
+
+def test_unknown_model_suggests_nearest(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--model", "claude-sonnet-4.5")
+    assert code == 1
+    assert "FAIL  model claude-sonnet-4.5" in out and "fix: use 'claude-sonnet-4-5'" in out
+
+
+def test_dead_base_url_fails_with_fix(clean_proxy_env, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{closed_port()}/v1")
+    assert code == 1 and "does not answer" in out and "switchyard serve sim-openai" in out
+
+
+def test_wrong_path_fails_naming_v1(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url.removesuffix("/v1"))
+    assert code == 1 and "answers 404" in out and "ending in /v1" in out
+
+
+def test_dead_proxy_fails_with_fix(keyed_sim, monkeypatch, capsys):
+    proxy = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("HTTP_PROXY", proxy)
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url)
+    assert code == 1
+    assert f"FAIL  proxy HTTP_PROXY  HTTP_PROXY={proxy} does not answer" in out
+    assert "NO_PROXY" in out and f"via HTTP_PROXY={proxy}" in out
+
+
+def test_bad_config_exits_2(tmp_path, capsys):
+    (tmp_path / "queue.json").write_text('{"model_gateway": {"base_url": "ftp://x"}}')
+    assert doctor.main(["--config-dir", str(tmp_path)]) == 2
+    assert "model_gateway.base_url" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""GatewayClient against a real sim-openai server: streaming and JSON answers, tool calls, model map, priority."""
+
+from __future__ import annotations
+
+import json
+
+from gateway_fixtures import clean_proxy_env, gateway_config, sim_openai  # noqa: F401
+
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+
+QUESTION = (
+    "<context>[1] Lists\nPython lists are mutable sequences. Tuples are immutable sequences.</context>"
+    "<question>Are lists mutable?</question>"
+)
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {"name": "search_docs", "description": "search the docs",
+                 "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}},
+}
+
+
+def ask(text: str = QUESTION, **fields) -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": text}], **fields)
+
+
+async def collect(client: GatewayClient, request: ChatRequest) -> list:
+    return [event async for event in client.stream_chat(request)]
+
+
+async def test_streaming_answer_has_tokens_then_usage(sim_openai):
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        events = await collect(client, ask())
+    tokens = [e.text for e in events if isinstance(e, Token)]
+    assert "".join(tokens) == "Python lists are mutable sequences. [1]"
+    assert len(tokens) > 1
+    final = events[-1]
+    assert isinstance(final, Finished) and final.finish_reason == "stop" and final.model == "claude-sonnet-4-5"
+    assert final.usage is not None and final.usage.completion_tokens == len(tokens)
+    body = sim_openai.state.requests[-1]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+async def test_non_streaming_answer(sim_openai):
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        completion = await client.complete(ask(max_tokens=3))
+    assert completion.text == "Python lists are"
+    assert completion.finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 3
+    assert sim_openai.state.requests[-1]["stream"] is False
+
+
+async def test_streamed_tool_call_is_assembled_from_deltas(sim_openai):
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        events = await collect(client, ask("what is a list", tools=[SEARCH_TOOL]))
+        completion = await client.complete(ask("what is a list", tools=[SEARCH_TOOL]))
+    calls = [e for e in events if isinstance(e, ToolCallOut)]
+    assert len(calls) == 1 and calls[0].name == "search_docs"
+    assert json.loads(calls[0].arguments_json) == {"query": "what is a list"}
+    assert calls[0].call_id.startswith("call_")
+    assert events[-1].finish_reason == "tool_calls"
+    assert not any(isinstance(e, Token) for e in events)
+    assert completion.tool_calls == calls
+    assert sim_openai.state.requests[-1]["tools"] == [SEARCH_TOOL]
+
+
+async def test_model_map_and_priority_forwarding(sim_openai):
+    cfg = gateway_config(sim_openai.base_url, model_map={"fast": "gpt-4o-mini"}, forward_priority=True,
+                         priority_values={"core": 0, "normal": 1, "batch": 7})
+    async with GatewayClient(cfg) as client:
+        events = await collect(client, ask(model="fast", priority_class="batch"))
+    assert events[-1].model == "gpt-4o-mini"
+    body = sim_openai.state.requests[-1]
+    assert body["model"] == "gpt-4o-mini" and body["priority"] == 7
+
+
+async def test_priority_not_sent_unless_enabled_and_default_model_used(sim_openai):
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        await collect(client, ask(priority_class="core"))
+    body = sim_openai.state.requests[-1]
+    assert "priority" not in body and body["model"] == "claude-sonnet-4-5"
+
+
+async def test_list_models(sim_openai):
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        assert await client.list_models() == ["claude-sonnet-4-5", "gpt-4o-mini", "sim-7b"]
+
+
+async def test_concurrent_streams_share_the_pool(sim_openai):
+    import asyncio
+
+    async with GatewayClient(gateway_config(sim_openai.base_url, max_connections=2,
+                                            max_keepalive_connections=2)) as client:
+        results = await asyncio.gather(*(collect(client, ask()) for _ in range(6)))
+    texts = {"".join(e.text for e in events if isinstance(e, Token)) for events in results}
+    assert texts == {"Python lists are mutable sequences. [1]"}

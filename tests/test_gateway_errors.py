@@ -1,0 +1,194 @@
+"""Every gateway row of DESIGN.md's error table, against a real local HTTP server speaking SSE."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+from gateway_fixtures import TEST_KEY, clean_proxy_env, gateway_config, sim_openai, start_sim  # noqa: F401
+
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.events import ChatRequest, Token
+from switchyard.gateway.faults import Fault
+
+KEY_ENV = "SWITCHYARD_TEST_API_KEY"
+
+
+def ask(model: str = "", **fields) -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": "hello there"}], model=model, **fields)
+
+
+async def stream_error(cfg, request: ChatRequest | None = None) -> GatewayError:
+    async with GatewayClient(cfg) as client:
+        with pytest.raises(GatewayError) as caught:
+            async for _ in client.stream_chat(request or ask()):
+                pass
+    return caught.value
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- keys
+
+
+async def test_missing_key_is_unauthenticated_and_names_the_variable(sim_openai, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    err = await stream_error(gateway_config(sim_openai.base_url, api_key_required=True))
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED
+    assert KEY_ENV in str(err) and "not set" in str(err)
+    assert sim_openai.state.requests == []
+
+
+async def test_key_with_trailing_newline_is_unauthenticated_with_length_never_the_key(sim_openai, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY + "\n")
+    err = await stream_error(gateway_config(sim_openai.base_url, api_key_required=True))
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED
+    message = str(err)
+    assert KEY_ENV in message and f"length {len(TEST_KEY) + 1}" in message and "trailing '\\n'" in message
+    assert TEST_KEY not in message and TEST_KEY[:12] not in message
+
+
+async def test_upstream_401_names_variable_length_and_whitespace_never_the_key(monkeypatch, clean_proxy_env):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(api_key="the-right-key", faults={"*": Fault(echo_key=True)}) as server:
+        err = await stream_error(gateway_config(server.base_url, api_key_required=True))
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED
+    message = str(err)
+    assert "401" in message and KEY_ENV in message
+    assert f"length {len(TEST_KEY)}, no whitespace" in message
+    assert TEST_KEY not in message and "[redacted]" in message  # the server echoed it; redacted
+
+
+async def test_expired_oauth_token_says_reauthenticate_or_use_api_key(clean_proxy_env):
+    with start_sim(faults={"*": Fault(expired=True)}) as server:
+        err = await stream_error(gateway_config(server.base_url))
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "expired" in str(err) and "re-authenticate" in str(err) and "API key" in str(err)
+
+
+# --------------------------------------------------------------------------- models
+
+
+async def test_unknown_model_is_not_found_with_nearest_id(sim_openai):
+    err = await stream_error(gateway_config(sim_openai.base_url, fallback_model=""), ask("claude-sonnet-4.5"))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert "'claude-sonnet-4.5'" in str(err) and "did you mean 'claude-sonnet-4-5'" in str(err)
+
+
+async def test_unknown_model_with_unknown_fallback_reports_both(sim_openai):
+    cfg = gateway_config(sim_openai.base_url, fallback_model="gpt-4o-mini-x")
+    err = await stream_error(cfg, ask("claude-sonnet-4.5"))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert "claude-sonnet-4-5" in str(err) and "fallback model 'gpt-4o-mini-x' failed too" in str(err)
+
+
+async def test_wrong_base_url_path_is_not_found_naming_v1(sim_openai):
+    err = await stream_error(gateway_config(sim_openai.base_url.removesuffix("/v1")))
+    assert err.code == grpc.StatusCode.NOT_FOUND and "/v1" in str(err)
+
+
+# --------------------------------------------------------------------------- transport
+
+
+async def test_dead_proxy_is_unavailable_naming_variable_and_address(sim_openai, monkeypatch):
+    proxy = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("HTTP_PROXY", proxy)
+    err = await stream_error(gateway_config(sim_openai.base_url, max_retries=1))
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert "local proxy failed" in str(err) and f"HTTP_PROXY={proxy}" in str(err) and "NO_PROXY" in str(err)
+    assert sim_openai.state.requests == []
+
+
+async def test_no_proxy_bypasses_the_dead_proxy(sim_openai, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
+        events = [e async for e in client.stream_chat(ask())]
+    assert any(isinstance(e, Token) for e in events)
+
+
+async def test_upstream_down_is_unavailable_naming_address(clean_proxy_env):
+    base = f"http://127.0.0.1:{closed_port()}/v1"
+    err = await stream_error(gateway_config(base, max_retries=1))
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert base in str(err) and "switchyard serve sim-openai" in str(err)
+
+
+async def test_total_timeout_is_deadline_exceeded(clean_proxy_env):
+    with start_sim(faults={"*": Fault(slow_ms=3000)}) as server:
+        err = await stream_error(gateway_config(server.base_url, total_timeout_s=0.2, fallback_model=""))
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "total_timeout_s" in str(err)
+
+
+# --------------------------------------------------------------------------- broken streams
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "says"),
+    [
+        (Fault(cut_after=0), grpc.StatusCode.UNAVAILABLE, "closed mid-response"),
+        (Fault(no_done=True), grpc.StatusCode.UNAVAILABLE, "without 'data: [DONE]'"),
+        (Fault(malformed_after=0), grpc.StatusCode.INTERNAL, "not JSON"),
+        (Fault(no_choices=True), grpc.StatusCode.INTERNAL, "reading choices"),
+        (Fault(mismatch=True), grpc.StatusCode.INTERNAL, "stream=true) but it answered application/json"),
+    ],
+    ids=["truncated", "no-done", "malformed-chunk", "no-choices", "flag-mismatch"],
+)
+async def test_broken_stream_names_what_was_received(clean_proxy_env, fault, code, says):
+    with start_sim(faults={"*": fault}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model="", max_retries=0))
+    assert err.code == code
+    assert says in str(err)
+
+
+async def test_malformed_chunk_message_quotes_the_chunk(clean_proxy_env):
+    with start_sim(faults={"*": Fault(malformed_after=0)}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model=""))
+    assert '"content": "tru' in str(err)
+
+
+async def test_non_streaming_call_answered_with_sse_is_a_flag_mismatch(clean_proxy_env):
+    with start_sim(faults={"*": Fault(mismatch=True)}) as server:
+        async with GatewayClient(gateway_config(server.base_url, fallback_model="")) as client:
+            with pytest.raises(GatewayError) as caught:
+                await client.complete(ask())
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+    assert "stream=false) but it answered text/event-stream" in str(caught.value) and "data: " in str(caught.value)
+
+
+# --------------------------------------------------------------------------- statuses and retries
+
+
+async def test_rate_limit_is_resource_exhausted(clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=429)}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model="", max_retries=1))
+        assert server.state.counts["claude-sonnet-4-5"] == 2
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "429" in str(err)
+
+
+async def test_bad_request_is_invalid_argument(clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=400)}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model=""))
+        assert server.state.counts["claude-sonnet-4-5"] == 1  # not retried
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "bad request" in str(err)
+
+
+async def test_server_error_is_retried_with_backoff_then_served(clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=503, fail_first=2)}) as server:
+        async with GatewayClient(gateway_config(server.base_url, max_retries=2, fallback_model="")) as client:
+            events = [e async for e in client.stream_chat(ask())]
+        assert server.state.counts["claude-sonnet-4-5"] == 3
+    assert any(isinstance(e, Token) for e in events)
+
+
+async def test_server_error_after_retries_is_unavailable(clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=503)}) as server:
+        err = await stream_error(gateway_config(server.base_url, max_retries=2, fallback_model=""))
+        assert server.state.counts["claude-sonnet-4-5"] == 3
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "503" in str(err)

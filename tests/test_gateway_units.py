@@ -1,0 +1,104 @@
+"""Pure pieces of the gateway: SSE framing, chunk decoding, fault specs, nearest model id, proxy routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gateway_fixtures import clean_proxy_env  # noqa: F401
+
+from switchyard.gateway.decode import StreamDecoder, parse_completion
+from switchyard.gateway.errors import StreamBroken, StreamProtocolError
+from switchyard.gateway.events import Finished, Token, ToolCallOut, Usage
+from switchyard.gateway.faults import Fault, parse_fault, parse_flag, split_model
+from switchyard.gateway.models import nearest, resolve
+from switchyard.gateway.proxy import ProxyRoute, proxy_for
+from switchyard.gateway.sse import iter_data
+
+
+async def lines(*items: str):
+    for item in items:
+        yield item
+
+
+async def test_sse_joins_data_lines_and_skips_comments():
+    got = [d async for d in iter_data(lines(": keep-alive", "", "event: x", "data: a", "data: b", "", "data:[DONE]"))]
+    assert got == ["a\nb", "[DONE]"]
+
+
+def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+    return json.dumps({"model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+
+
+def test_decoder_assembles_tool_call_deltas_and_reads_usage():
+    decoder = StreamDecoder("m")
+    events = []
+    for data in [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "calc", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"expression":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "1+1"}'}}]}),
+        chunk({}, "tool_calls"),
+        json.dumps({"model": "m", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
+        "[DONE]",
+    ]:
+        events += decoder.feed(data)
+    events += decoder.end()
+    assert events == [ToolCallOut("call_1", "calc", '{"expression": "1+1"}'),
+                      Finished("tool_calls", Usage(3, 4, 7), "m")]
+
+
+def test_decoder_errors_name_what_was_received():
+    decoder = StreamDecoder("m")
+    assert decoder.feed(chunk({"content": "hi"})) == [Token("hi")]
+    with pytest.raises(StreamBroken, match="without 'data: \\[DONE\\]' after 1 chunk"):
+        decoder.end()
+    with pytest.raises(StreamProtocolError, match="reading choices.*'\\{\"id\": 1\\}'"):
+        StreamDecoder("m").feed('{"id": 1}')
+    with pytest.raises(StreamProtocolError, match="not JSON"):
+        StreamDecoder("m").feed('{"choices": [')
+    with pytest.raises(StreamBroken, match="error inside the stream: 'overloaded'"):
+        StreamDecoder("m").feed('{"error": {"message": "overloaded"}}')
+
+
+def test_parse_completion_reads_text_tool_calls_and_usage():
+    body = {"model": "m", "choices": [{"message": {"content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    completion = parse_completion(json.dumps(body), "x")
+    assert completion.tool_calls == [ToolCallOut("c", "f", "{}")] and completion.usage == Usage(1, 2, 3)
+    with pytest.raises(StreamProtocolError, match="choices"):
+        parse_completion('{"object": "error"}', "x")
+
+
+def test_fault_specs():
+    assert parse_fault("status=503, fail_first=2") == Fault(status=503, fail_first=2)
+    assert parse_fault("cut_after=3,mismatch") == Fault(cut_after=3, mismatch=True)
+    assert split_model("gpt-4o-mini#slow_ms=5") == ("gpt-4o-mini", Fault(slow_ms=5.0))
+    assert split_model("gpt-4o-mini") == ("gpt-4o-mini", None)
+    assert parse_flag("gpt-4o-mini=status=500") == ("gpt-4o-mini", Fault(status=500))
+    assert parse_flag("status=500") == ("*", Fault(status=500))
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        parse_fault("bogus=1")
+    with pytest.raises(ValueError, match="expected status=<number>"):
+        parse_fault("status=abc")
+
+
+def test_nearest_model_and_model_map():
+    known = ["claude-sonnet-4-5", "gpt-4o-mini", "sim-7b"]
+    assert nearest("claude-sonnet-4.5", known) == "claude-sonnet-4-5"
+    assert nearest("gpt-4o-mni", known) == "gpt-4o-mini"
+    assert nearest("llama-3-70b", known) is None
+    assert resolve("", {"d": "x"}, "d") == "x" and resolve("fast", {}, "d") == "fast"
+
+
+def test_proxy_for_honours_no_proxy(clean_proxy_env, monkeypatch):
+    assert proxy_for("http://127.0.0.1:8400/v1") is None
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:3128")
+    monkeypatch.setenv("HTTPS_PROXY", "proxy.corp:8080")
+    assert proxy_for("http://127.0.0.1:8400/v1") == ProxyRoute("HTTP_PROXY", "http://127.0.0.1:3128")
+    assert proxy_for("https://api.example.com/v1").host_port() == ("proxy.corp", 8080)
+    monkeypatch.setenv("NO_PROXY", "localhost,.example.com,10.0.0.0/8")
+    assert proxy_for("https://api.example.com/v1") is None
+    assert proxy_for("http://10.1.2.3/v1") is None
+    assert proxy_for("http://127.0.0.1/v1") is not None
