@@ -48,7 +48,7 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
             [service], config.service.server.host, section.port, config.service.server,
             interceptors=telemetry.server_interceptors(),
         )
-        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name)
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.service.server.host)
         lag_monitor = process_metrics.start_loop_lag_monitor()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.service.server.host, srv.port, metrics_port)
         try:
