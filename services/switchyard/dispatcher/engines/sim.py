@@ -47,6 +47,16 @@ from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, wo
 
 tracer = trace.get_tracer(__name__)
 
+
+def request_links(seqs: list[Sequence]) -> list[trace.Link]:
+    """Links from an engine step's span to the request span of each sequence it serves.
+
+    A step serves sequences of several tasks, so its span has no single parent;
+    the links tie it to each task's trace. Empty with tracing off.
+    """
+    return [trace.Link(s.span_context) for s in seqs if s.span_context is not None and s.span_context.is_valid]
+
+
 MAX_ANSWER_SENTENCES = 3
 """Context sentences an extractive answer quotes at most."""
 
@@ -272,7 +282,7 @@ class SimEngine:
         if not seqs:
             return
         tokens = sum(s.num_uncomputed_tokens for s in seqs)
-        with tracer.start_as_current_span("engine.prefill") as span:
+        with tracer.start_as_current_span("engine.prefill", links=request_links(seqs)) as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._run(prefill_seconds(self.params, tokens))
@@ -287,7 +297,7 @@ class SimEngine:
         seqs = [s for s in seqs if not s.is_finished]
         if not seqs:
             return
-        with tracer.start_as_current_span("engine.decode") as span:
+        with tracer.start_as_current_span("engine.decode", links=request_links(seqs)) as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             await self._run(decode_seconds(self.params, len(seqs)))
         for seq in seqs:

@@ -1,0 +1,283 @@
+"""One task, three processes, one trace: spans exported over OTLP/gRPC to an in-process
+receiver, linked parent to child across process boundaries; metrics scraped after it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from otlp_receiver import OtlpReceiver, ReceivedSpan
+from switchyard.api import agent_pb2, agent_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
+
+SERVICES = ("orchestrator", "retrieval", "dispatcher")
+SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
+DOCS = {
+    "with.md": "# The with statement\n\nThe with statement wraps a block with methods of a context manager: "
+    "__enter__ runs before the block and __exit__ after it, even when the block raises.\n",
+    "for.md": "# The for statement\n\nThe for statement iterates over the elements of a sequence or other "
+    "iterable object, running its suite once per item; break leaves the loop early.\n",
+    "calc.md": "# Arithmetic\n\nPython evaluates 12*(3+4) as 84: parentheses first, then multiplication.\n",
+}
+
+
+class Stack:
+    """``switchyard up --free-ports`` with tracing to ``receiver``; output collected on a thread."""
+
+    def __init__(self, index_dir: Path, receiver: OtlpReceiver) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
+        env.update(
+            SWITCHYARD_INDEX_DIR=str(index_dir),
+            PYTHONUNBUFFERED="1",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_BSP_SCHEDULE_DELAY="100",  # export every 100 ms instead of 5 s
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("Try: switchyard run"):
+                self.ready.set()
+
+    def _line(self, name: str) -> re.Match[str]:
+        for line in self.lines:
+            if m := re.match(rf"\s+{name}\s+(\S+:\d+)\s+metrics (\S+)", line):
+                return m
+        raise AssertionError(f"{name} endpoints not printed:\n{''.join(self.lines)}")
+
+    def address(self, name: str) -> str:
+        return self._line(name).group(1)
+
+    def metrics_url(self, name: str) -> str:
+        return self._line(name).group(2)
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        if not self.ready.wait(timeout):
+            self.stop()
+            raise AssertionError("switchyard up did not become healthy:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def small_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from switchyard.common.config import load_config
+    from switchyard.retrieval.indexer import build_index
+
+    docs = tmp_path_factory.mktemp("docs")
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    out = tmp_path_factory.mktemp("small-index")
+    build_index([str(docs)], out, load_config(Path(__file__).resolve().parents[1] / "config"), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(small_index, receiver):
+    s = Stack(small_index, receiver)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+# --------------------------------------------------------------------------- helpers
+
+TRACE_ID, CALLER_SPAN_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
+async def run_task(stack: Stack, request: agent_pb2.RunTaskRequest) -> list[agent_pb2.TaskEvent]:
+    traceparent = f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"
+    async with grpc.aio.insecure_channel(stack.address("orchestrator")) as channel:
+        call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(
+            request, timeout=120, metadata=(("traceparent", traceparent),)
+        )
+        return [event async for event in call]
+
+
+def one(spans: list[ReceivedSpan], name: str, service: str, kind: int | None = None) -> ReceivedSpan:
+    found = [s for s in spans if s.name == name and s.service == service and (kind is None or s.kind == kind)]
+    assert len(found) == 1, f"expected one {service}:{name}, got {len(found)}: {sorted((s.service, s.name) for s in spans)}"
+    return found[0]
+
+
+def ancestors(span: ReceivedSpan, spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+    """``span``'s parent, grandparent, ... within ``spans`` (stops at a parent not received)."""
+    by_id = {s.span_id: s for s in spans}
+    chain, parent = [], by_id.get(span.parent_span_id)
+    while parent is not None:
+        chain.append(parent)
+        parent = by_id.get(parent.parent_span_id)
+    return chain
+
+
+def assert_under(child: ReceivedSpan, parent: ReceivedSpan, spans: list[ReceivedSpan]) -> None:
+    names = [f"{s.service}:{s.name}" for s in ancestors(child, spans)]
+    assert parent in ancestors(child, spans), f"{child.service}:{child.name} is not under {parent.service}:{parent.name}; ancestors {names}"
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def _task_complete(spans: list[ReceivedSpan]) -> bool:
+    names = {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID}
+    return {
+        ("orchestrator", "/agent.AgentService/RunTask"),
+        ("retrieval", "retrieval.search"),
+        ("dispatcher", "/agent.InferenceService/Generate"),
+        ("orchestrator", "finalize"),
+    } <= names and any(s.name == "dispatcher.batch" for s in spans) and any(s.name == "engine.decode" for s in spans)
+
+
+async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
+    events = await run_task(stack, agent_pb2.RunTaskRequest(task_id="trace-001", payload="How does the with statement work?"))
+    final = events[-1].final
+    assert events[-1].HasField("final") and final.task_id == "trace-001"
+    assert final.trace_id == TRACE_ID  # the caller's traceparent is the task's trace
+    assert events[0].accepted.trace_id == TRACE_ID
+
+    spans = receiver.wait_for(_task_complete, timeout_s=60)
+    task = [s for s in spans if s.trace_id == TRACE_ID]
+    assert {s.service for s in task} == set(SERVICES)
+
+    # The orchestrator's server span is the child of the caller's span.
+    run = one(task, "/agent.AgentService/RunTask", "orchestrator", SERVER)
+    assert run.parent_span_id == CALLER_SPAN_ID
+
+    # A span per orchestrator stage, all under the RunTask span.
+    for stage in ("orchestration.queue_wait", "plan", "retrieve", "render_prompt", "count_tokens", "infer"):
+        spans_named = [s for s in task if s.name == stage and s.service == "orchestrator"]
+        assert spans_named, f"no orchestrator span {stage}"
+        for span in spans_named:
+            assert_under(span, run, task)
+
+    # orchestrator retrieve -> gRPC client span -> retrieval server span (another process) -> its stages
+    retrieve = one(task, "retrieve", "orchestrator")
+    retrieve_client = one(task, "/agent.RetrievalService/Retrieve", "orchestrator", CLIENT)
+    assert_under(retrieve_client, retrieve, task)
+    retrieval_server = one(task, "/agent.RetrievalService/Retrieve", "retrieval", SERVER)
+    assert retrieval_server.parent_span_id == retrieve_client.span_id
+    for stage in ("retrieval.queue_wait", "retrieval.embed", "retrieval.search"):
+        assert_under(one(task, stage, "retrieval"), retrieval_server, task)
+
+    # orchestrator infer -> gRPC client span -> dispatcher server span -> its stages
+    infer = one(task, "infer", "orchestrator")
+    generate_client = one(task, "/agent.InferenceService/Generate", "orchestrator", CLIENT)
+    assert_under(generate_client, infer, task)
+    generate_server = one(task, "/agent.InferenceService/Generate", "dispatcher", SERVER)
+    assert generate_server.parent_span_id == generate_client.span_id
+    request_span = one(task, "dispatcher.generate", "dispatcher")
+    assert_under(request_span, generate_server, task)
+    queue_wait = one(task, "dispatcher.queue_wait", "dispatcher")
+    assert_under(queue_wait, generate_server, task)
+    assert request_span.attributes["gen_ai.usage.input_tokens"] > 0
+    assert request_span.attributes["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
+
+    # The batch that carried the request links to the request's span, and says why it flushed.
+    batches = [s for s in spans if s.name == "dispatcher.batch" and (TRACE_ID, request_span.span_id) in s.links]
+    assert len(batches) == 1, "exactly one batch carries the request"
+    batch = batches[0]
+    assert batch.service == "dispatcher"
+    assert batch.attributes["switchyard.batch_size"] == len(batch.links) >= 1
+    assert batch.attributes["switchyard.flush_reason"] in ("size", "interval", "drain", "adaptive")
+
+    # Engine steps serve sequences of several tasks: each step's span links to the requests it served.
+    engine = [s for s in spans if s.name in ("engine.prefill", "engine.decode") and (TRACE_ID, request_span.span_id) in s.links]
+    assert {s.name for s in engine} == {"engine.prefill", "engine.decode"}
+    decode_steps = [s for s in engine if s.name == "engine.decode"]
+    assert len(decode_steps) >= final.usage.completion_tokens - 1  # the first token comes from prefill
+
+    # Nothing in a successful task is marked as an error.
+    assert not [f"{s.service}:{s.name}" for s in task if s.is_error]
+
+
+async def test_metrics_endpoints_show_queue_batch_and_ttft_after_a_task(stack):
+    await run_task(stack, agent_pb2.RunTaskRequest(payload="What does the for statement do?"))
+    orchestrator = scrape(stack.metrics_url("orchestrator"))
+    retrieval = scrape(stack.metrics_url("retrieval"))
+    dispatcher = scrape(stack.metrics_url("dispatcher"))
+
+    for name, samples in (("orchestrator", orchestrator), ("retrieval", retrieval), ("dispatcher", dispatcher)):
+        assert total(samples, "switchyard_service_info", service=name) == 1
+        assert total(samples, "switchyard_event_loop_lag_seconds_count") > 0, name
+
+    assert total(orchestrator, "switchyard_queue_wait_seconds_count", queue="orchestration") > 0
+    assert total(orchestrator, "switchyard_task_ttft_seconds_count") > 0
+    assert total(retrieval, "switchyard_queue_wait_seconds_count", queue="retrieval") > 0
+    assert total(retrieval, "switchyard_embed_batch_size_count") > 0
+    assert total(dispatcher, "switchyard_queue_wait_seconds_count", queue="inference") > 0
+    assert total(dispatcher, "switchyard_batch_size_count") > 0 and total(dispatcher, "switchyard_batch_size_sum") > 0
+    assert total(dispatcher, "switchyard_flushes_total") > 0
+    assert total(dispatcher, "switchyard_ttft_seconds_count") > 0 and total(dispatcher, "switchyard_ttft_seconds_sum") > 0
+    assert total(dispatcher, "switchyard_inter_token_latency_seconds_count") > 0
+
+
+async def test_tool_calls_get_spans_under_the_task(stack, receiver):
+    trace_id = "1f2e3d4c5b6a79880a1b2c3d4e5f6071"
+    request = agent_pb2.RunTaskRequest(payload="What does the with statement do, and what is 12*(3+4)?",
+                                       task_type="react_loop")
+    async with grpc.aio.insecure_channel(stack.address("orchestrator")) as channel:
+        call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(
+            request, timeout=120, metadata=(("traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01"),)
+        )
+        events = [event async for event in call]
+    called = {e.tool_call.name for e in events if e.HasField("tool_call")}
+    assert called, "the react_loop task called no tool"
+    expected = {f"tool {name}" for name in called}
+    wanted = expected | {"/agent.AgentService/RunTask"}  # the server span ends last
+    spans = receiver.wait_for(lambda got: wanted <= {s.name for s in got if s.trace_id == trace_id}, timeout_s=60)
+    task = [s for s in spans if s.trace_id == trace_id]
+    run = one(task, "/agent.AgentService/RunTask", "orchestrator", SERVER)
+    for name in expected:
+        for span in (s for s in task if s.name == name):
+            assert_under(span, run, task)
+            assert span.attributes["gen_ai.tool.name"] == name.removeprefix("tool ")
