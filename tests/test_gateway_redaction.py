@@ -96,3 +96,17 @@ def test_api_key_description_shows_length_and_whitespace_only(value, described):
     key = ApiKey("K", value)
     assert key.describe() == f"K ({described})"
     assert repr(key) == f"ApiKey(env='K', {described})"
+
+
+def test_log_redaction_installs_once_per_key():
+    from switchyard.gateway.redact import install_log_redaction
+
+    root = logging.getLogger()
+    handler = logging.NullHandler()
+    root.addHandler(handler)
+    try:
+        install_log_redaction(TEST_KEY)
+        install_log_redaction(TEST_KEY)
+        assert sum(isinstance(f, RedactingFilter) for f in handler.filters) == 1
+    finally:
+        root.removeHandler(handler)

@@ -112,3 +112,37 @@ async def test_a_batch_fans_out_concurrently(sim_openai):
     finally:
         await engine.aclose()
     assert all("".join(r[:-1]) == "Python lists are mutable sequences. [1]" for r in results)
+
+
+# --------------------------------------------------------------------------- through the dispatcher
+
+
+async def generate_over_grpc(base_url: str, request: agent_pb2.GenerateRequest, **gateway: object) -> list:
+    from switchyard.api import agent_pb2_grpc
+    from switchyard.common.server import running
+    from switchyard.dispatcher.service import DispatcherService
+
+    engine = engine_for(base_url, **gateway)
+    cfg = load_config("config")
+    async with running([DispatcherService(cfg, engine=engine)], cfg.service.server) as server:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            return [chunk async for chunk in stub.Generate(request)]
+
+
+async def test_dispatcher_generate_streams_from_the_upstream(sim_openai):
+    chunks = await generate_over_grpc(sim_openai.base_url, agent_pb2.GenerateRequest(
+        request_id="g1", prompt=PROMPT, max_tokens=32, priority=agent_pb2.BATCH))
+    tokens = [c.token.text for c in chunks if c.WhichOneof("chunk") == "token"]
+    done = chunks[-1].done
+    assert "".join(tokens) == "Python lists are mutable sequences. [1]"
+    assert done.usage.completion_tokens == len(tokens) and done.finish_reason == "stop"
+    assert sim_openai.state.requests[-1]["max_tokens"] == 32
+
+
+async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
+    with start_sim(faults={"*": Fault(expired=True)}) as server:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(request_id="g2", prompt="hi"))
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "re-authenticate" in caught.value.details()

@@ -9,6 +9,7 @@ Modules:
   stream) as :class:`switchyard.common.errors.SwitchyardError` subclasses.
 - :mod:`.events`, :mod:`.sse`, :mod:`.decode`: SSE framing and OpenAI chunk decoding (token
   deltas, tool-call deltas assembled, usage).
+- :mod:`.resilience`: retries (tenacity) and fallback, before the first token only.
 - :mod:`.keys`, :mod:`.redact`, :mod:`.proxy`, :mod:`.models`: API key checks
   and redaction, proxy variables, model map and nearest-id lookup.
 - :mod:`.sim_openai`: ``switchyard serve sim-openai``, an OpenAI-compatible

@@ -23,7 +23,6 @@ import grpc
 import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from switchyard.common.config import ModelGatewayConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
@@ -39,9 +38,10 @@ from switchyard.gateway.errors import (
     snippet,
 )
 from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
-from switchyard.gateway.metrics import GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_RETRIES, GATEWAY_TTFT
+from switchyard.gateway.metrics import GATEWAY_REQUESTS, GATEWAY_TTFT
 from switchyard.gateway.proxy import proxy_for
 from switchyard.gateway.redact import redact
+from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_data
 from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent
 
@@ -246,54 +246,12 @@ class GatewayClient:
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[str], Awaitable[T]]
     ) -> tuple[T, str]:
-        chain = self.models_for(request.model)
-        primary_error: GatewayError | None = None
-        for position, model in enumerate(chain):
-            try:
-                async with asyncio.timeout_at(call.deadline):
-                    result = await self._retrying(model, once)
-            except TimeoutError:
-                error: GatewayError = self._deadline_error(model)
-            except GatewayError as exc:
-                error = exc
-            else:
-                if primary_error is not None:
-                    GATEWAY_FALLBACKS.labels(chain[0], model).inc()
-                    call.span.set_attribute("switchyard.gateway.fallback_model", model)
-                    log.warning("served by fallback model %r after: %s", model, primary_error)
-                return result, model
-            if primary_error is None:
-                primary_error = error
-            else:
-                primary_error.with_note(f"fallback model {model!r} failed too: {error}")
-            if not error.fallback_ok or position == len(chain) - 1:
-                raise primary_error
-            log.warning("model %r failed before its first token (%s); trying fallback model %r", model, error,
-                        chain[position + 1])
-        raise AssertionError("unreachable: the model chain is never empty")
-
-    async def _retrying(self, model: str, once: Callable[[str], Awaitable[T]]) -> T:
-        cfg = self.config
-
-        def before_sleep(state: RetryCallState) -> None:
-            GATEWAY_RETRIES.labels(model).inc()
-            exc = state.outcome.exception() if state.outcome else None
-            log.info("retrying model %r (attempt %d failed: %s)", model, state.attempt_number, exc)
-
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(cfg.max_retries + 1),
-            wait=wait_exponential_jitter(
-                multiplier=cfg.retry_backoff_initial_s, max=cfg.retry_backoff_max_s, jitter=cfg.retry_backoff_initial_s
-            ),
-            retry=retry_if_exception(lambda exc: isinstance(exc, GatewayError) and exc.retryable),
-            before_sleep=before_sleep,
-            reraise=True,
+        result, model = await with_fallback(
+            self.models_for(request.model), once, self.config, deadline=call.deadline, on_deadline=self._deadline_error
         )
-
-        async def attempt() -> T:
-            return await once(model)
-
-        return await retrying(attempt)
+        if model != self.models_for(request.model)[0]:
+            call.span.set_attribute("switchyard.gateway.fallback_model", model)
+        return result, model
 
     def _body(self, request: ChatRequest, model: str, *, stream: bool) -> dict[str, Any]:
         cfg = self.config

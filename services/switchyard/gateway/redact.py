@@ -56,8 +56,12 @@ class RedactingFilter(logging.Filter):
 
 
 def install_log_redaction(*secrets: str | None) -> RedactingFilter:
-    """Add a :class:`RedactingFilter` to every handler of the root logger; returns it."""
+    """Add a :class:`RedactingFilter` to every handler of the root logger; returns it.
+
+    Idempotent: a handler that already holds a filter for the same secrets is left alone.
+    """
     flt = RedactingFilter(*secrets)
     for handler in logging.getLogger().handlers:
-        handler.addFilter(flt)
+        if not any(isinstance(f, RedactingFilter) and f.secrets == flt.secrets for f in handler.filters):
+            handler.addFilter(flt)
     return flt

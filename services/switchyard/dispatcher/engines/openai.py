@@ -16,12 +16,14 @@ from typing import Any, AsyncIterator
 
 from opentelemetry.trace import Tracer
 
+from switchyard.common import envs
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamItem, Usage
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+from switchyard.gateway.redact import install_log_redaction
 
 # Upstream finish reasons the Sequence does not know, mapped to ones it does.
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
@@ -108,6 +110,9 @@ class OpenAIEngine:
         self.config = config.queue.model_gateway
         self.model = self.config.default_model
         self.client = GatewayClient(self.config, tracer=tracer)
+        # Defence in depth: messages are redacted where they are built; this
+        # also scrubs the key from any log line that reaches a root handler.
+        install_log_redaction(envs.read_secret(self.config.api_key_env))
 
     async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
         """Stream ``seq``'s completion: token texts, ToolCalls, then one Usage.

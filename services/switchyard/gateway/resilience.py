@@ -1,0 +1,99 @@
+"""Retries and fallback, both only before the first streamed item.
+
+- :func:`with_retries`: tenacity, exponential backoff with jitter
+  (``wait = initial x 2^(attempt-1) + uniform(0, initial)``, capped at
+  ``backoff_max_s``; the Google Cloud retry strategy tenacity implements),
+  retrying only errors marked ``retryable``.
+- :func:`with_fallback`: each model of the chain in turn (primary, then
+  fallback) while the error is marked ``fallback_ok``; the primary's error is
+  the one raised, with what the fallback did appended.
+
+A call that already streamed an item marks its error ``after_tokens`` (neither
+flag set) and so is never retried nor sent to the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from switchyard.common.config import ModelGatewayConfig
+from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.metrics import GATEWAY_FALLBACKS, GATEWAY_RETRIES
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def with_retries(model: str, once: Callable[[str], Awaitable[T]], config: ModelGatewayConfig) -> T:
+    """``await once(model)``, retried up to ``config.max_retries`` times on retryable GatewayErrors.
+
+    Raises:
+        GatewayError: the last attempt's error, or the first non-retryable one.
+    """
+
+    def before_sleep(state: RetryCallState) -> None:
+        GATEWAY_RETRIES.labels(model).inc()
+        exc = state.outcome.exception() if state.outcome else None
+        log.info("retrying model %r (attempt %d failed: %s)", model, state.attempt_number, exc)
+
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(config.max_retries + 1),
+        wait=wait_exponential_jitter(
+            multiplier=config.retry_backoff_initial_s, max=config.retry_backoff_max_s,
+            jitter=config.retry_backoff_initial_s,
+        ),
+        retry=retry_if_exception(lambda exc: isinstance(exc, GatewayError) and exc.retryable),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+
+    async def attempt() -> T:
+        return await once(model)
+
+    return await retrying(attempt)
+
+
+async def with_fallback(
+    chain: Sequence[str],
+    once: Callable[[str], Awaitable[T]],
+    config: ModelGatewayConfig,
+    *,
+    deadline: float,
+    on_deadline: Callable[[str], GatewayError],
+) -> tuple[T, str]:
+    """Try each model of ``chain`` (with retries) until one succeeds; returns (result, model).
+
+    ``deadline`` is an event-loop time bounding all attempts; when it passes,
+    ``on_deadline(model)`` is the error.
+
+    Raises:
+        GatewayError: the primary's error (with the fallback's appended) when
+            no model succeeded or the error does not allow a fallback.
+    """
+    primary_error: GatewayError | None = None
+    for position, model in enumerate(chain):
+        try:
+            async with asyncio.timeout_at(deadline):
+                result = await with_retries(model, once, config)
+        except TimeoutError:
+            error = on_deadline(model)
+        except GatewayError as exc:
+            error = exc
+        else:
+            if primary_error is not None:
+                GATEWAY_FALLBACKS.labels(chain[0], model).inc()
+                log.warning("served by fallback model %r after: %s", model, primary_error)
+            return result, model
+        if primary_error is None:
+            primary_error = error
+        else:
+            primary_error.with_note(f"fallback model {model!r} failed too: {error}")
+        if not error.fallback_ok or position == len(chain) - 1:
+            raise primary_error
+        log.warning("model %r failed before its first token (%s); trying fallback model %r", model, error,
+                    chain[position + 1])
+    raise ValueError("chain: expected at least one model")
