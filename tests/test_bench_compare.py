@@ -1,0 +1,52 @@
+"""`switchyard bench compare` smoke run: every scenario completes against the real in-process stack.
+
+Tiny load (a few chat calls per scenario, client in a thread); no performance assertions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from switchyard.bench import compare
+from switchyard.bench.ghz_schema import SWITCHYARD_REPORT_SCHEMA
+
+pytest.importorskip("switchyard.dispatcher.service", reason="the dispatcher service is not in this tree yet")
+
+pytestmark = pytest.mark.no_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "results"
+    argv = [
+        "-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
+        "--retrieval", "off", "--client", "thread", "--out", str(out),
+    ]
+    assert compare.main(argv) == 0
+
+    summary = json.loads((out / "compare.json").read_text())
+    rows = {row["scenario"]: row for row in summary["scenarios"]}
+    assert list(rows) == [s.key for s in compare.SCENARIOS]
+    for key, row in rows.items():
+        assert row["count"] == 4 and row["errors"] == 0, (key, row)
+        assert row["engine_busy_ratio"] is not None, f"{key}: engine busy time not found on the dispatcher"
+        assert set(row["latency_s"]) == {"p50", "p95", "p99"} and set(row["ttft_s"]) == {"p50", "p95"}
+        report = json.loads((out / f"scenario-{key}.json").read_text())
+        jsonschema.Draft202012Validator(SWITCHYARD_REPORT_SCHEMA).validate(report)
+    assert rows["A"]["overrides"]["service.orchestrator.inference_mode"] == "inline"
+    assert rows["D"]["overrides"]["queue.flush.flush_interval_ms"] == "auto"
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| scenario |" in (out / "compare.md").read_text()
+    assert "| D B, adaptive flush" in capsys.readouterr().out
+
+
+def test_unknown_scenario_is_refused():
+    with pytest.raises(ValueError, match="expected a comma list of A, B, C10, C20, C50, D"):
+        compare.pick_scenarios("A,Z")
+    assert [s.key for s in compare.pick_scenarios("d,a")] == ["A", "D"]
