@@ -27,6 +27,9 @@ from switchyard.dispatcher.sequence import Sequence
 
 QUEUE_NAME = "inference"
 
+REPLY_MARGIN_S = 0.05
+"""Part of the caller's deadline kept for sending RESOURCE_EXHAUSTED before the caller gives up."""
+
 
 class InferenceQueueSaturated(SwitchyardError):
     """No place freed up within the caller's deadline (RESOURCE_EXHAUSTED)."""
@@ -79,7 +82,7 @@ class InferenceQueue:
         return self.config.timeout_ms / 1000
 
     async def enter(self, seq: Sequence, deadline_s: float | None) -> None:
-        """Take a place for ``seq``, waiting at most ``min(deadline_s, timeout_ms)``.
+        """Take a place for ``seq``, waiting at most ``min(deadline_s - REPLY_MARGIN_S, timeout_ms)``.
 
         Args:
             deadline_s: seconds the caller has left (``context.time_remaining()``),
@@ -88,7 +91,9 @@ class InferenceQueue:
         Raises:
             InferenceQueueSaturated: no place within the wait.
         """
-        wait = self.timeout_s if deadline_s is None else max(0.0, min(deadline_s, self.timeout_s))
+        wait = self.timeout_s
+        if deadline_s is not None:  # leave time for the status to reach the caller before its deadline
+            wait = max(0.0, min(deadline_s - REPLY_MARGIN_S, self.timeout_s))
         if len(self._holders) < self.config.capacity and not self._waiters:
             self._take(seq)
             return

@@ -1,0 +1,212 @@
+"""The dispatcher over a real gRPC server on 127.0.0.1:0 with the sim engine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.server import RunningServer, start_server
+from switchyard.dispatcher.engine_loop import FifoPolicy
+from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.service import DispatcherService
+
+pytestmark = pytest.mark.no_gpu
+
+PROMPT = """<context>
+[1] The with statement
+The with statement is used to wrap the execution of a block with methods defined by a context manager.
+</context>
+<question>How does the with statement work?</question>"""
+
+FAST = {
+    "service.sim.prefill_overhead_ms": 0.5,
+    "service.sim.prefill_per_token_ms": 0.001,
+    "service.sim.decode_base_ms": 0.5,
+    "service.sim.decode_per_seq_ms": 0.01,
+    "queue.flush.flush_interval_ms": 2,
+}
+SLOW_DECODE = {**FAST, "service.sim.decode_base_ms": 20.0}
+
+
+def make_config(**overrides: object) -> SwitchyardConfig:
+    return SwitchyardConfig().with_overrides(**{**FAST, **overrides})
+
+
+def fifo_service(config: SwitchyardConfig, max_running: int) -> DispatcherService:
+    engine = SimEngine(config)
+    return DispatcherService(config, engine=engine, policy=FifoPolicy(max_running, engine))
+
+
+class Harness:
+    def __init__(self, service: DispatcherService, srv: RunningServer, channel: grpc.aio.Channel) -> None:
+        self.service, self.srv, self.channel = service, srv, channel
+        self.stub = agent_pb2_grpc.InferenceServiceStub(channel)
+
+    async def generate(self, **fields: object) -> list[agent_pb2.GenerateChunk]:
+        fields.setdefault("prompt", PROMPT)
+        timeout = fields.pop("timeout", 30.0)
+        return [c async for c in self.stub.Generate(agent_pb2.GenerateRequest(**fields), timeout=timeout)]
+
+
+async def serve(service: DispatcherService) -> AsyncIterator[Harness]:
+    srv = await start_server([service], "127.0.0.1", 0, service.config.service.server)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        yield Harness(service, srv, channel)
+    finally:
+        await channel.close()
+        await srv.stop(1.0)
+
+
+@pytest.fixture
+async def dispatcher() -> AsyncIterator[Harness]:
+    async for harness in serve(DispatcherService(make_config())):
+        yield harness
+
+
+async def wait_until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+async def test_generate_streams_tokens_then_done_with_usage(dispatcher: Harness) -> None:
+    chunks = await dispatcher.generate(request_id="r1", max_tokens=64, task_type="rag_answer")
+    tokens = [c.token for c in chunks if c.HasField("token")]
+    assert tokens and [t.index for t in tokens] == list(range(len(tokens)))
+    text = "".join(t.text for t in tokens)
+    assert text.startswith("The with statement is used to wrap the execution of a block") and "[1]" in text
+    assert chunks[-1].HasField("done") and sum(c.HasField("done") for c in chunks) == 1
+    done = chunks[-1].done
+    assert done.usage.completion_tokens == len(tokens)
+    assert done.usage.prompt_tokens > 0
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    assert done.finish_reason == "stop"
+    assert done.model == "sim-7b"
+    assert done.batch_size >= 1
+    assert done.flush_reason in (agent_pb2.SIZE, agent_pb2.INTERVAL)
+    assert done.ttft_s > 0 and done.queue_wait_s >= 0
+    assert done.memory_peak_bytes > 0
+
+
+async def test_concurrent_requests_share_batches_and_each_gets_its_own_stream(dispatcher: Harness) -> None:
+    results = await asyncio.gather(*(dispatcher.generate(request_id=f"c{i}", max_tokens=5 + i) for i in range(12)))
+    for i, chunks in enumerate(results):
+        done = chunks[-1].done
+        assert done.usage.completion_tokens == 5 + i
+        assert done.finish_reason == "length"
+    assert dispatcher.service.buffer.items_flushed == 12
+
+
+async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None:
+    chunks = await dispatcher.generate(
+        prompt="", messages=[agent_pb2.ChatMessage(role="user", content="<question>what is with?</question>")],
+        tools=[agent_pb2.ToolSpec(name="search_docs", parameters_json='{"type": "object"}')],
+    )
+    calls = [c.tool_call for c in chunks if c.HasField("tool_call")]
+    assert [c.name for c in calls] == ["search_docs"]
+    assert calls[0].arguments_json == '{"query": "what is with?"}'
+    assert chunks[-1].done.finish_reason == "tool_calls"
+    assert not [c for c in chunks if c.HasField("token")]
+
+
+# --------------------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "   "}, "prompt"),
+        ({"messages": [agent_pb2.ChatMessage(role="robot", content="hi")]}, "messages[0].role"),
+        ({"tools": [agent_pb2.ToolSpec(name="x", parameters_json="[1")]}, "tools[0].parameters_json"),
+    ],
+)
+async def test_bad_requests_are_invalid_argument_naming_the_field(
+    dispatcher: Harness, fields: dict[str, object], field: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dispatcher.generate(**fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(field)
+
+
+# --------------------------------------------------------------------------- the inference queue
+
+
+async def test_saturated_inference_queue_is_resource_exhausted() -> None:
+    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.capacity": 1, "queue.flush.max_batch_size": 1})
+    async for h in serve(fifo_service(config, max_running=1)):
+        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=200))
+        await running.read()  # first token: it reached the engine and left the queue
+        waiting = asyncio.create_task(h.generate(max_tokens=5))
+        await wait_until(lambda: h.service.queue.depth == 1, "the second request holds the only place")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generate(max_tokens=5, timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "inference queue saturated (capacity 1" in (err.value.details() or "")
+        running.cancel()
+        assert (await waiting)[-1].done.finish_reason == "length"
+
+
+async def test_request_that_waits_past_timeout_ms_is_deadline_exceeded() -> None:
+    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.timeout_ms": 100})
+    async for h in serve(fifo_service(config, max_running=1)):
+        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=200))
+        await running.read()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generate(max_tokens=5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "inference queue" in (err.value.details() or "")
+        running.cancel()
+        await wait_until(lambda: h.service.queue.depth == 0 and h.service.policy.num_waiting == 0, "queue empties")
+
+
+async def test_client_cancellation_frees_the_running_slot() -> None:
+    config = make_config(**SLOW_DECODE)
+    async for h in serve(fifo_service(config, max_running=1)):
+        call = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
+        await call.read()
+        assert h.service.policy.num_running == 1
+        call.cancel()
+        await wait_until(lambda: h.service.policy.num_running == 0, "the slot is freed")
+        chunks = await h.generate(max_tokens=3)  # the freed slot serves the next request
+        assert chunks[-1].done.usage.completion_tokens == 3
+
+
+# --------------------------------------------------------------------------- graceful stop
+
+
+async def test_graceful_stop_lets_an_in_flight_stream_complete() -> None:
+    config = make_config(**{**FAST, "service.sim.decode_base_ms": 5.0})
+    service = DispatcherService(config)
+    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    stopping: asyncio.Task[None] | None = None
+    try:
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        call = stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=30), timeout=30)
+        chunks = [await call.read()]
+        stopping = asyncio.create_task(srv.stop(10.0))
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+        assert chunks[-1].done.finish_reason == "stop"
+        tokens = [c for c in chunks if c.HasField("token")]
+        assert chunks[-1].done.usage.completion_tokens == len(tokens) > 1
+    finally:
+        await channel.close()
+        if stopping is None:
+            await srv.stop(1.0)
+        else:
+            await stopping
