@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.process_metrics import find_cpu_stat
 
 pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
 
@@ -259,6 +260,38 @@ async def test_metrics_endpoints_show_queue_batch_and_ttft_after_a_task(stack):
     assert total(dispatcher, "switchyard_flushes_total") > 0
     assert total(dispatcher, "switchyard_ttft_seconds_count") > 0 and total(dispatcher, "switchyard_ttft_seconds_sum") > 0
     assert total(dispatcher, "switchyard_inter_token_latency_seconds_count") > 0
+
+
+# DESIGN.md "Metrics": every service's endpoint carries the process metrics; each service the
+# metrics of its own work. Metric family names, as prometheus_client's parser reports them
+# (counters without "_total"); a labelled family with no series yet still counts as present.
+DESIGN_METRICS = {
+    "orchestrator": (
+        "switchyard_queue_depth", "switchyard_queue_wait_seconds", "switchyard_task_ttft_seconds",
+        "switchyard_agent_concurrent_count",
+    ),
+    "retrieval": ("switchyard_queue_depth", "switchyard_queue_wait_seconds"),
+    "dispatcher": (
+        "switchyard_queue_depth", "switchyard_queue_wait_seconds", "switchyard_batch_size", "switchyard_flushes",
+        "switchyard_engine_busy_ratio", "switchyard_gpu_utilization_ratio", "switchyard_compute_score",
+        "switchyard_running_agents", "switchyard_waiting_agents", "switchyard_preemptions", "switchyard_ttft_seconds",
+        "switchyard_inter_token_latency_seconds", "switchyard_task_compute_score_used",
+        "switchyard_task_memory_peak_bytes",
+    ),
+}
+PROCESS_METRICS = ("switchyard_event_loop_lag_seconds", "switchyard_service_info")
+CPU_THROTTLING = ("switchyard_cpu_periods", "switchyard_cpu_throttled_periods", "switchyard_cpu_throttled_seconds")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_metrics_endpoint_carries_the_design_metrics(stack, service):
+    with urllib.request.urlopen(stack.metrics_url(service), timeout=10) as response:
+        families = {f.name for f in text_string_to_metric_families(response.read().decode())}
+    expected = (*PROCESS_METRICS, *DESIGN_METRICS[service])
+    if find_cpu_stat() is not None:  # the container's CPU throttling, where the cgroup file exists
+        expected += CPU_THROTTLING
+    missing = [name for name in expected if name not in families]
+    assert not missing, f"{service} metrics endpoint lacks {missing}"
 
 
 async def test_tool_calls_get_spans_under_the_task(stack, receiver):
