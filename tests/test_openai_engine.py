@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -146,3 +147,63 @@ async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
             await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(request_id="g2", prompt="hi"))
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "re-authenticate" in caught.value.details()
+
+
+# --------------------------------------------------------------------------- RunTask end to end
+
+
+async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=None, **gateway: object) -> list:
+    from switchyard.api import agent_pb2_grpc
+    from switchyard.common.server import running
+    from switchyard.dispatcher.service import DispatcherService
+    from switchyard.orchestrator.service import OrchestratorService
+
+    cfg = load_config("config")
+    server = cfg.service.server
+    async with contextlib.AsyncExitStack() as stack:
+        disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=engine_for(base_url, **gateway))],
+                                                       server))
+        overrides = {"service.orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
+        if index_dir is not None:
+            from switchyard.retrieval.service import RetrievalService
+
+            cfg = cfg.with_overrides(**{"service.retrieval.index_dir": str(index_dir)})
+            retrieval = await stack.enter_async_context(running([RetrievalService(cfg)], server))
+            overrides["service.orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
+        orch = await stack.enter_async_context(running([OrchestratorService(cfg.with_overrides(**overrides))], server))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as channel:
+            return [e async for e in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request)]
+
+
+async def test_run_task_chat_on_the_openai_engine(sim_openai):
+    events = await run_task(sim_openai.base_url, agent_pb2.RunTaskRequest(
+        task_id="e2e-1", payload="summarize this doc", task_type="chat", priority=agent_pb2.CORE),
+        forward_priority=True)
+    tokens = [e.token for e in events if e.HasField("token")]
+    final = events[-1].final
+    assert tokens and final.output == "".join(t.text for t in tokens)
+    assert final.usage.completion_tokens == len(tokens)
+    body = sim_openai.state.requests[-1]
+    assert body["model"] == "claude-sonnet-4-5" and body["priority"] == 0 and body["stream"] is True
+
+
+async def test_run_task_upstream_failure_reaches_the_caller_as_its_status(clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=404)}) as server:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await run_task(server.base_url, agent_pb2.RunTaskRequest(
+                payload="hi", task_type="chat", model="claude-sonnet-4.5"), fallback_model="")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "claude-sonnet-4-5" in caught.value.details()
+
+
+@pytest.mark.slow
+async def test_run_task_react_loop_tool_calls_through_the_openai_engine(sim_openai, pydoc_index_dir):
+    question = "What does the with statement do, and what is 12*(3+4)?"
+    events = await run_task(sim_openai.base_url, agent_pb2.RunTaskRequest(payload=question, task_type="react_loop"),
+                            index_dir=pydoc_index_dir)
+    calls = [e.tool_call.name for e in events if e.HasField("tool_call")]
+    results = {e.tool_result.name: e.tool_result for e in events if e.HasField("tool_result")}
+    assert set(calls) >= {"search_docs", "calculator"} and "= 84" in results["calculator"].content
+    assert "84" in events[-1].final.output
+    tool_turns = [m for body in sim_openai.state.requests for m in body["messages"] if m["role"] == "tool"]
+    assert tool_turns and all(m["tool_call_id"] for m in tool_turns)
