@@ -102,3 +102,36 @@ def test_proxy_for_honours_no_proxy(clean_proxy_env, monkeypatch):
     assert proxy_for("https://api.example.com/v1") is None
     assert proxy_for("http://10.1.2.3/v1") is None
     assert proxy_for("http://127.0.0.1/v1") is not None
+
+
+def test_all_proxy_is_used_when_no_scheme_variable_is_set(clean_proxy_env, monkeypatch):
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:3129")
+    assert proxy_for("https://api.example.com/v1") == ProxyRoute("ALL_PROXY", "http://127.0.0.1:3129")
+
+
+def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
+    from switchyard.gateway import sim_openai
+
+    with pytest.raises(SystemExit) as caught:
+        sim_openai.main(["--fault", "status=abc"])
+    assert caught.value.code == 2 and "expected status=<number>" in capsys.readouterr().err
+    monkeypatch.delenv("SIM_KEY_UNSET", raising=False)
+    with pytest.raises(SystemExit):
+        sim_openai.main(["--api-key-env", "SIM_KEY_UNSET"])
+    assert "SIM_KEY_UNSET" in capsys.readouterr().err
+
+
+async def test_sim_openai_fault_header_and_bad_requests(clean_proxy_env):
+    import httpx
+
+    from gateway_fixtures import start_sim
+
+    with start_sim() as server:
+        async with httpx.AsyncClient(base_url=server.base_url + "/") as http:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+            injected = await http.post("chat/completions", json=body, headers={"x-sim-fault": "status=502"})
+            bad_fault = await http.post("chat/completions", json=body, headers={"x-sim-fault": "nope"})
+            no_messages = await http.post("chat/completions", json={"model": "gpt-4o-mini"})
+    assert injected.status_code == 502 and injected.json()["error"]["code"] == "server_error"
+    assert bad_fault.status_code == 400 and "unknown key 'nope'" in bad_fault.json()["error"]["message"]
+    assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"

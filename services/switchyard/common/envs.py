@@ -3,7 +3,7 @@
 Service code reads settings through this module only; it never calls
 ``os.environ`` itself. The OpenTelemetry SDK reads the standard ``OTEL_*``
 variables and httpx the proxy variables (``HTTP_PROXY``, ``HTTPS_PROXY``,
-``NO_PROXY``) under their standard names; they are listed here so that one
+``ALL_PROXY``, ``NO_PROXY``) under their standard names; they are listed here so that one
 file names everything the process looks at.
 """
 
@@ -73,6 +73,7 @@ STANDARD_VARIABLES = (
     "HTTP_PROXY",
     "HTTPS_PROXY",
     "NO_PROXY",
+    "ALL_PROXY",
 )
 
 

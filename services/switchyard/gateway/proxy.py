@@ -1,9 +1,10 @@
 """Which proxy variable applies to a URL, so failures can name it.
 
-httpx itself honours HTTP_PROXY, HTTPS_PROXY and NO_PROXY (``trust_env``); this
-module reads the same variables through :mod:`switchyard.common.envs` with the
-same rules (curl's NO_PROXY semantics, as httpx applies them) only to say which
-one a failed request went through.
+httpx itself honours HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY
+(``trust_env``); this module reads the same variables through
+:mod:`switchyard.common.envs` with the same rules (curl's NO_PROXY
+semantics, as httpx applies them) only to say which one a failed request
+went through.
 """
 
 from __future__ import annotations
@@ -47,20 +48,24 @@ def _bypassed(host: str, no_proxy: str) -> bool:
 
 
 def proxy_for(url: str) -> ProxyRoute | None:
-    """The proxy a request to ``url`` goes through, or None (no variable set, or NO_PROXY matches)."""
+    """The proxy a request to ``url`` goes through, or None (no variable set, or NO_PROXY matches).
+
+    HTTP_PROXY for http URLs, HTTPS_PROXY for https ones, else ALL_PROXY, as httpx picks them.
+    """
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     if _bypassed(host, envs.read_standard("NO_PROXY") or ""):
         return None
-    variable = "HTTPS_PROXY" if parts.scheme == "https" else "HTTP_PROXY"
-    address = envs.read_standard(variable)
-    return ProxyRoute(variable, address) if address else None
+    for variable in ("HTTPS_PROXY" if parts.scheme == "https" else "HTTP_PROXY", "ALL_PROXY"):
+        if address := envs.read_standard(variable):
+            return ProxyRoute(variable, address)
+    return None
 
 
 def configured_proxies() -> list[ProxyRoute]:
     """Every proxy variable that is set (for ``switchyard doctor``)."""
     routes = []
-    for variable in ("HTTP_PROXY", "HTTPS_PROXY"):
+    for variable in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         if address := envs.read_standard(variable):
             routes.append(ProxyRoute(variable, address))
     return routes
