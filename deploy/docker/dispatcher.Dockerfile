@@ -7,15 +7,16 @@
 #   docker build -f deploy/docker/dispatcher.Dockerfile -t switchyard-dispatcher .
 #
 # Python is Ubuntu 24.04's python3 (3.12); deploy/requirements/dispatcher.txt is
-# derived for 3.12. The CUDA wheels of torch bring their nvidia-* libraries as
-# exact pins of their own, so this install resolves dependencies (then checks them)
-# where the CPU images install with --no-deps.
+# derived for 3.12. The Linux x86_64 wheel of torch 2.13.0 is the CUDA 13.0 build:
+# it brings the CUDA runtime, cuDNN and NCCL as pip packages pinned exactly in its
+# own metadata, so this install resolves dependencies (then checks them) where the
+# CPU images install with --no-deps. The base image's CUDA 13.0 matches it: the
+# container runtime refuses to start it on a driver too old for CUDA 13 (R580+).
 #
 # Base images are pinned by exact tag. For a release, pin the digest too:
-#   FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04@sha256:<digest>   (docker buildx imagetools inspect <tag>)
+#   FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04@sha256:<digest>   (docker buildx imagetools inspect <tag>)
 
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS build
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04 AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 DEBIAN_FRONTEND=noninteractive
 # The release's python3 is pinned by the base image tag (Ubuntu 24.04).
 # hadolint ignore=DL3008
@@ -25,7 +26,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY deploy/requirements/dispatcher.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt
+RUN pip install --no-cache-dir --requirement /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 # pip check: every installed package, switchyard included, has its dependencies.
@@ -36,7 +37,7 @@ COPY config /src/config
 COPY deploy/k8s_config.py /src/deploy/k8s_config.py
 RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
 
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -28,9 +28,11 @@ COPY config /src/config
 COPY deploy/k8s_config.py /src/deploy/k8s_config.py
 RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
 # The default index (documentation text shipped with Python), embedded offline
-# with the packaged model, using the same config the service reads.
+# with the packaged model, using the same config the service reads; made
+# readable for the runtime user (the index files are written owner-only).
 ENV SWITCHYARD_CONFIG_DIR=/etc/switchyard HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-RUN switchyard index --out /opt/switchyard/index
+RUN switchyard index --out /opt/switchyard/index \
+ && chmod -R a+rX /opt/switchyard/index
 
 FROM python:3.11.13-slim-bookworm
 RUN groupadd --system --gid 10001 switchyard \
