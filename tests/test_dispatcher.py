@@ -210,3 +210,41 @@ async def test_graceful_stop_lets_an_in_flight_stream_complete() -> None:
             await srv.stop(1.0)
         else:
             await stopping
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.dispatcher import engine_loop, service
+    from switchyard.dispatcher.engines import sim
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for module in (engine_loop, service, sim):
+        monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
+    try:
+        async for h in serve(DispatcherService(make_config(**{"queue.flush.flush_interval_ms": 50}))):
+            results = await asyncio.gather(*(h.generate(request_id=f"s{i}", max_tokens=4) for i in range(3)))
+        spans = exporter.get_finished_spans()
+        requests = [s for s in spans if s.name == "dispatcher.generate"]
+        assert len(requests) == 3
+        for span, chunks in zip(sorted(requests, key=lambda s: s.start_time), results):
+            assert span.attributes["gen_ai.request.model"] == "sim-7b"
+            assert span.attributes["gen_ai.usage.input_tokens"] == chunks[-1].done.usage.prompt_tokens
+            assert span.attributes["gen_ai.usage.output_tokens"] == 4
+        waits = [s for s in spans if s.name == "dispatcher.queue_wait"]
+        assert {w.parent.span_id for w in waits} == {r.context.span_id for r in requests}
+        batches = [s for s in spans if s.name == "dispatcher.batch"]
+        linked = {link.context.span_id for b in batches for link in b.links}
+        assert linked == {r.context.span_id for r in requests}
+        assert sum(b.attributes["switchyard.batch_size"] for b in batches) == 3
+        assert {b.attributes["switchyard.flush_reason"] for b in batches} <= {"size", "interval"}
+        assert any(s.name == "engine.prefill" for s in spans) and any(s.name == "engine.decode" for s in spans)
+    finally:
+        provider.shutdown()

@@ -453,6 +453,8 @@ class EngineLoop:
                         seq.usage_prompt_tokens = item.prompt_tokens
                         seq.usage_completion_tokens = item.completion_tokens
                         finish = item.finish_reason
+                        if item.model:
+                            seq.model = item.model  # the upstream model that answered (fallback included)
                 if not seq.is_finished:
                     seq.finish(finish or ("tool_calls" if seq.tool_calls else "stop"))
         except asyncio.CancelledError:

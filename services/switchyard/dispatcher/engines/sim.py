@@ -236,8 +236,10 @@ def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimRe
     passages = parse_passages(context) if context else []
     for result in results:
         if result.name == "calculator":
-            expression = find_arithmetic(question) or "the expression"
-            lead += f"{expression} = {result.content.strip()}. "
+            value = result.content.strip().rstrip(".")
+            if "=" not in value:  # a bare value: restate the expression
+                value = f"{find_arithmetic(question) or 'the expression'} = {value}"
+            lead += f"{value}. "
         else:
             found = parse_passages(result.content)
             offset = len(passages)
