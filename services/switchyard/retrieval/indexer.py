@@ -22,7 +22,7 @@ from tqdm import tqdm
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.chunking import chunk_document, embedding_text
 from switchyard.retrieval.documents import path_documents, pydoc_documents
-from switchyard.retrieval.embedder import Embedder, load_embedder
+from switchyard.retrieval.embedder import Embedder, load_embedder, set_threads
 from switchyard.retrieval.index import Manifest, Passage, VectorIndex
 
 ENCODE_SLICE = 64
@@ -80,6 +80,7 @@ def build_index(
             texts.append(embedding_text(passage, doc.heading or doc.title))
     if not passages:
         raise ValueError(f"nothing to index in {', '.join(map(str, paths))}: no non-empty text files found")
+    set_threads(settings.embed_threads)
     embedder = embedder or load_embedder()
     vectors = embed_passages(embedder, texts, settings.embed_batch_size, progress)
     manifest = Manifest(

@@ -24,7 +24,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, status_for
 from switchyard.common.queues import QueueTimeoutError, WorkQueue
-from switchyard.retrieval.embedder import Embedder, MicroBatcher, load_embedder
+from switchyard.retrieval.embedder import Embedder, MicroBatcher, load_embedder, set_threads
 from switchyard.retrieval.index import IndexMismatchError, VectorIndex, load_index
 from switchyard.retrieval.metrics import EMBED_SECONDS, INDEX_PASSAGES, REQUESTS, SEARCH_SECONDS
 
@@ -87,6 +87,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             IndexMismatchError: the index was built with another model or width.
         """
         index = await asyncio.to_thread(load_index, self.settings.index_dir)
+        set_threads(self.settings.embed_threads)
         embedder = self._embedder or await asyncio.to_thread(load_embedder)
         if index.manifest.model != embedder.name or index.manifest.dims != embedder.dims:
             raise IndexMismatchError(
@@ -94,6 +95,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
                 f"({index.manifest.dims} dims) but the service embeds with {embedder.name} "
                 f"({embedder.dims} dims); rebuild it with `switchyard index`"
             )
+        await asyncio.to_thread(embedder.encode, ["warm-up"])  # the first forward pass is slow
         self._index, self._embedder = index, embedder
         INDEX_PASSAGES.set(len(index))
         self._batcher = MicroBatcher(embedder, self.settings.embed_batch_size, self.settings.embed_batch_wait_ms)
