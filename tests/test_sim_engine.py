@@ -88,6 +88,15 @@ async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
     assert engine.kv_bytes(seqs[0]) == seqs[0].num_computed_tokens * config.service.sim.kv_bytes_per_token
 
 
+def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from switchyard.dispatcher import engines
+
+    monkeypatch.setitem(engines._ENGINES, "torch", ("switchyard.dispatcher.engines.not_there", "TorchEngine"))
+    with pytest.raises(engines.EngineUnavailable, match="torch engine not installed") as err:
+        make_engine(SwitchyardConfig().with_overrides(**{"service.dispatcher.engine": "torch"}))
+    assert "SWITCHYARD_ENGINE" in str(err.value)
+
+
 def test_factory_builds_the_sim_engine_by_default() -> None:
     engine = make_engine(SwitchyardConfig())
     assert isinstance(engine, SimEngine)

@@ -307,7 +307,8 @@ class SimEngine:
             self._emit_next(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Forget ``seq``'s KV state (its reply plan stays until it finishes)."""
+        """Drop ``seq``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes."""
+        seq.num_computed_tokens = 0
         if seq.is_finished:
             self._replies.pop(seq, None)
 
