@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import faiss
 import grpc
@@ -167,7 +167,8 @@ class VectorIndex:
         return out
 
 
-def _write_atomic(path: Path, write) -> None:  # noqa: ANN001 - write(Path) -> None
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
