@@ -248,3 +248,23 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
         assert any(s.name == "engine.prefill" for s in spans) and any(s.name == "engine.decode" for s in spans)
     finally:
         provider.shutdown()
+
+
+async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {
+        "batches": sample("switchyard_batch_size_count"),
+        "flushes": sum(sample("switchyard_flushes_total", reason=r) for r in ("size", "interval", "drain")),
+        "ttft": sample("switchyard_ttft_seconds_count"),
+        "itl": sample("switchyard_inter_token_latency_seconds_count"),
+    }
+    await asyncio.gather(*(dispatcher.generate(request_id=f"m{i}", max_tokens=3) for i in range(4)))
+    flushes = sum(sample("switchyard_flushes_total", reason=r) for r in ("size", "interval", "drain"))
+    assert flushes - before["flushes"] == sample("switchyard_batch_size_count") - before["batches"] >= 1
+    assert sample("switchyard_ttft_seconds_count") - before["ttft"] == 4
+    assert sample("switchyard_inter_token_latency_seconds_count") - before["itl"] == 4 * 2
+    assert sample("switchyard_running_sequences") == 0

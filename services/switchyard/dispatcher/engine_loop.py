@@ -327,7 +327,10 @@ class EngineLoop:
                 if self._intake_done:
                     return
                 self._wake.clear()
-                await self._wake.wait()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), BUSY_WINDOW_S)
+                except TimeoutError:
+                    self._update_busy()  # idle: let the busy ratio fall
                 continue
             self._wake.clear()
             now = time.monotonic()
