@@ -232,3 +232,50 @@ def test_calculator_is_safe_arithmetic():
     for bad in ("__import__('os')", "9**99999", "1/0", "a+1", "[1]*9"):
         with pytest.raises(ToolArgumentError):
             calculate(bad)
+
+
+async def test_tool_call_retries_with_backoff_then_succeeds():
+    from switchyard.common.config import ReactConfig
+    from switchyard.orchestrator.tools import Tool, call_tool
+
+    attempts = []
+
+    async def flaky(args):
+        attempts.append(args)
+        if len(attempts) < 3:
+            raise ConnectionError("upstream hiccup")
+        return "ok"
+
+    tool = Tool("flaky", "fails twice", {"type": "object"}, flaky)
+    policy = ReactConfig(tool_attempts=3, tool_backoff_initial_ms=1, tool_backoff_max_ms=2, tool_timeout_ms=500)
+    outcome = await call_tool(tool, '{"x": 1}', policy)
+    assert (outcome.content, outcome.is_error, outcome.attempts) == ("ok", False, 3)
+    assert attempts == [{"x": 1}] * 3
+
+
+async def test_tool_call_times_out_per_attempt_and_reports_error():
+    from switchyard.common.config import ReactConfig
+    from switchyard.orchestrator.tools import Tool, call_tool
+
+    calls = 0
+
+    async def hangs(args):
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(10)
+
+    policy = ReactConfig(tool_attempts=2, tool_backoff_initial_ms=1, tool_backoff_max_ms=1, tool_timeout_ms=20)
+    outcome = await call_tool(Tool("slow", "", {}, hangs), "{}", policy)
+    assert outcome.is_error and "timed out after 20 ms" in outcome.content
+    assert calls == 2 and outcome.attempts == 2
+
+
+async def test_bad_tool_arguments_are_not_retried():
+    from switchyard.common.config import ReactConfig
+    from switchyard.orchestrator.tools import CALCULATOR, call_tool
+
+    policy = ReactConfig(tool_attempts=5, tool_backoff_initial_ms=1, tool_timeout_ms=100)
+    outcome = await call_tool(CALCULATOR, '{"expression": "import os"}', policy)
+    assert outcome.is_error and outcome.attempts == 1 and "expression" in outcome.content
+    outcome = await call_tool(CALCULATOR, "not json", policy)
+    assert outcome.is_error and "expected a JSON object" in outcome.content
