@@ -8,7 +8,9 @@ Configured only from the standard ``OTEL_*`` environment variables (see
   (Jaeger all-in-one). Unset means tracing is off.
 - ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``: tracing off.
 - ``OTEL_SERVICE_NAME``: the resource ``service.name`` (default: the service's
-  own name: orchestrator, retrieval, dispatcher).
+  own name: orchestrator, retrieval, dispatcher). Leave it unset for
+  ``switchyard up``, which passes its environment to all three processes.
+  Other resource attributes come from ``OTEL_RESOURCE_ATTRIBUTES``.
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: read by the SDK
   (default ``parentbased_always_on``).
 
