@@ -268,3 +268,51 @@ async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) ->
     assert sample("switchyard_ttft_seconds_count") - before["ttft"] == 4
     assert sample("switchyard_inter_token_latency_seconds_count") - before["itl"] == 4 * 2
     assert sample("switchyard_running_sequences") == 0
+
+
+# --------------------------------------------------------------------------- stream engines
+
+
+class EchoStreamEngine:
+    """A StreamEngine that streams the prompt's words back, counting concurrent streams."""
+
+    model = "echo-1"
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.peak = 0
+        self.closed = False
+
+    async def generate(self, seq):  # type: ignore[no-untyped-def]
+        from switchyard.dispatcher.engines.base import Usage
+
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            words = seq.prompt.split()[: seq.max_tokens]
+            for word in words:
+                await asyncio.sleep(0.002)
+                yield word + " "
+            yield Usage(prompt_tokens=len(seq.prompt.split()), completion_tokens=len(words), model="echo-1-fallback")
+        finally:
+            self.active -= 1
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_stream_engine_requests_fan_out_bounded_by_inference_workers() -> None:
+    config = make_config(**{"queue.queues.inference.workers": 2})
+    engine = EchoStreamEngine()
+    service = DispatcherService(config, engine=engine)
+    async for h in serve(service):
+        results = await asyncio.gather(
+            *(h.generate(request_id=f"e{i}", prompt="one two three four five", max_tokens=4) for i in range(6))
+        )
+    for chunks in results:
+        assert "".join(c.token.text for c in chunks if c.HasField("token")) == "one two three four "
+        done = chunks[-1].done
+        assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 4
+        assert done.finish_reason == "stop" and done.model == "echo-1-fallback"
+    assert engine.peak == 2
+    assert engine.closed
