@@ -152,3 +152,15 @@ def test_config_accepts_auto_and_rejects_other_words():
         SwitchyardConfig().with_overrides(**{"queue.flush.flush_interval_ms": "often"})
     with pytest.raises(ConfigError, match="min_interval_ms"):
         SwitchyardConfig().with_overrides(**{"queue.flush.min_interval_ms": 200, "queue.flush.max_interval_ms": 100})
+
+
+def test_engine_step_caps_the_window_at_low_rates():
+    ctl = AdaptiveFlush(
+        FlushConfig(max_batch_size=32, flush_interval_ms="auto", max_interval_ms=100), engine_step_s=0.020
+    )
+    now = feed_steady(ctl, rate_per_s=10, seconds=1.0)
+    assert ctl.window(now) == pytest.approx(0.020)
+    fast = feed_steady(ctl, rate_per_s=4000, seconds=0.5, start=now + 2)
+    assert ctl.window(fast) == pytest.approx(32 / 4000, rel=0.05)
+    with pytest.raises(ValueError, match="engine_step_s"):
+        AdaptiveFlush(FlushConfig(), engine_step_s=0)

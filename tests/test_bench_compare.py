@@ -50,3 +50,12 @@ def test_unknown_scenario_is_refused():
     with pytest.raises(ValueError, match="expected a comma list of A, B, C10, C20, C50, D"):
         compare.pick_scenarios("A,Z")
     assert [s.key for s in compare.pick_scenarios("d,a")] == ["A", "D"]
+
+
+def test_settings_parse_as_json_or_text():
+    assert compare.parse_settings(["scheduler.policy=fifo", "queue.flush.max_batch_size=16"]) == {
+        "scheduler.policy": "fifo",
+        "queue.flush.max_batch_size": 16,
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        compare.parse_settings(["policy"])

@@ -298,6 +298,24 @@ def machine_description() -> str:
 # --------------------------------------------------------------------------- command
 
 
+def parse_settings(settings: list[str]) -> dict[str, Any]:
+    """``["scheduler.policy=fifo", "queue.flush.max_batch_size=16"]`` -> overrides; values parse as JSON, else text.
+
+    Raises:
+        ValueError: an item without ``=``.
+    """
+    overrides: dict[str, Any] = {}
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set: expected KEY=VALUE such as scheduler.policy=fifo, got {item!r}")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
 async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConfig) -> list[dict[str, Any]]:
     scenarios = pick_scenarios(args.scenarios)
     needs_retrieval = {
@@ -320,6 +338,7 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
         "engine": base.service.dispatcher.engine,
         "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"} | {"calldata_items": len(plan.calldata)},
         "retrieval": needs_retrieval,
+        "settings": parse_settings(args.settings),
     }
     print()
     print(table(rows))
@@ -346,6 +365,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--engine", choices=["sim", "openai", "torch"], help="override dispatcher.engine")
     parser.add_argument("--retrieval", choices=["auto", "on", "off"], default="auto",
                         help="start retrieval (auto: when the call data has rag_answer or react_loop tasks)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every scenario, e.g. --set scheduler.policy=fifo (JSON values)")
     parser.add_argument("--client", choices=["process", "thread"], default="process",
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
     args = parser.parse_args(argv)
@@ -361,8 +382,13 @@ def main(argv: list[str]) -> int:
         base = load_config(args.config_dir)
         if args.engine:
             base = base.with_overrides(**{"service.dispatcher.engine": args.engine})
+        if args.settings:
+            base = base.with_overrides(**parse_settings(args.settings))
     except (ConfigError, ValueError) as exc:
         print(f"switchyard bench compare: {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"switchyard bench compare: --set: no config section {exc}", file=sys.stderr)
         return 2
     plan = resolve_plan(args, "127.0.0.1:0")
     logging.basicConfig(level=logging.WARNING)

@@ -14,7 +14,12 @@ Rule (all times in seconds)::
 
     fill   = (max_batch_size - buffered) / lam   # time until a full batch at this rate
     budget = p95_budget - s_p95                  # queueing delay the P95 budget leaves
-    window = clamp(min(fill, budget), min_interval, max_interval)
+    window = clamp(min(fill, step, budget), min_interval, max_interval)
+
+``step`` is the engine's admission step, when known: an engine with
+iteration-level batching takes new sequences only at step (time-slice)
+boundaries, so a window longer than one step adds latency without adding
+sequences to the step they join.
 
 Decode is memory-bound, so a step costs about the same for one sequence as for
 ``max_batch_size`` (see docs/benchmarks.md); the batch the engine can absorb in
@@ -46,16 +51,27 @@ class AdaptiveFlush:
         rate_window_s: arrivals older than this (seconds) no longer count
             toward the arrival rate.
         service_samples: how many recent batch service times the P95 uses.
+        engine_step_s: the engine's admission step in seconds (the scheduler's
+            ``time_slice_ms`` / 1000); None = no such cap.
 
     Raises:
-        ValueError: ``rate_window_s`` or ``service_samples`` not positive.
+        ValueError: ``rate_window_s``, ``service_samples`` or ``engine_step_s`` not positive.
     """
 
-    def __init__(self, config: FlushConfig, rate_window_s: float = 1.0, service_samples: int = 64) -> None:
+    def __init__(
+        self,
+        config: FlushConfig,
+        rate_window_s: float = 1.0,
+        service_samples: int = 64,
+        engine_step_s: float | None = None,
+    ) -> None:
         if rate_window_s <= 0:
             raise ValueError(f"rate_window_s must be > 0, got {rate_window_s}")
         if service_samples < 1:
             raise ValueError(f"service_samples must be >= 1, got {service_samples}")
+        if engine_step_s is not None and engine_step_s <= 0:
+            raise ValueError(f"engine_step_s must be > 0, got {engine_step_s}")
+        self.engine_step_s = engine_step_s
         self.max_batch_size = config.max_batch_size
         self.p95_budget_s = config.p95_budget_ms / 1000
         self.min_interval_s = config.min_interval_ms / 1000
@@ -120,7 +136,7 @@ class AdaptiveFlush:
             target = self.min_interval_s
         else:
             fill = max(self.max_batch_size - self._buffered, 1) / lam
-            target = min(fill, budget)
+            target = min(fill, budget, self.engine_step_s or math.inf)
         self.last_window_s = min(max(target, self.min_interval_s), self.max_interval_s)
         return self.last_window_s
 

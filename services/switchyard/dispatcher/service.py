@@ -160,7 +160,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             policy = make_policy(config, self.engine)
         self.policy = policy
         flush = config.queue.flush
-        self.adaptive: AdaptiveFlush | None = AdaptiveFlush(flush) if flush.adaptive else None
+        self.adaptive: AdaptiveFlush | None = (
+            AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
+        )
         interval = self.adaptive if self.adaptive is not None else float(flush.flush_interval_ms) / 1000
         self.queue = InferenceQueue(config.queue.queues.inference)
         self.buffer: DoubleBuffer[Sequence] = DoubleBuffer(flush.max_batch_size, interval)
