@@ -316,3 +316,12 @@ async def test_stream_engine_requests_fan_out_bounded_by_inference_workers() -> 
         assert done.finish_reason == "stop" and done.model == "echo-1-fallback"
     assert engine.peak == 2
     assert engine.closed
+
+
+async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
+    service = DispatcherService(make_config(**{"queue.flush.flush_interval_ms": "auto"}))
+    assert service.adaptive is not None
+    async for h in serve(service):
+        results = await asyncio.gather(*(h.generate(request_id=f"a{i}", max_tokens=3) for i in range(5)))
+    assert all(chunks[-1].done.usage.completion_tokens == 3 for chunks in results)
+    assert service.adaptive.service_p95() > 0  # batch service times were reported

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import itertools
 import logging
 import time
 from collections import deque
@@ -220,7 +221,8 @@ class EngineLoop:
         self._tasks: list[asyncio.Task[None]] = []
         self._streams: dict[Sequence, asyncio.Task[None]] = {}
         self._live: set[Sequence] = set()
-        self._batch_left: dict[int, list[Any]] = {}  # id(batch) -> [members left, flushed_at]
+        self._batch_left: dict[int, list[Any]] = {}  # batch number -> [members left, flushed_at]
+        self._batch_numbers = itertools.count()
         self._batch_of: dict[Sequence, int] = {}
         self._busy_mark = (time.monotonic(), self._busy_seconds())
         self.steps = 0
@@ -303,7 +305,7 @@ class EngineLoop:
                 if not seq.is_finished:
                     live.append(seq)
             if live:
-                key = id(live)
+                key = next(self._batch_numbers)
                 self._batch_left[key] = [len(live), now]
                 for seq in live:
                     self._batch_of[seq] = key
