@@ -39,7 +39,8 @@ def word_pieces(text: str) -> list[str]:
 
     ``"".join(word_pieces(t)) == t``. The sim engine and the dispatcher's own
     prompt count (when the caller sent ``prompt_tokens = 0``) use it as their
-    tokenizer; it gives about 0.75 of a BPE token count for English text.
+    tokenizer. For English text it yields about 0.75 pieces per BPE token
+    (OpenAI's rule of thumb: one token is about 0.75 of a word).
     """
     return _WORD_PIECE.findall(text)
 
@@ -204,8 +205,12 @@ class Sequence:
 
     @property
     def needs_prefill(self) -> bool:
-        """True before its first token and after a preemption dropped its KV state."""
-        return self.num_computed_tokens == 0
+        """True before its first token and after a preemption dropped its KV state.
+
+        Before the first token ``num_computed_tokens`` may already be > 0: a
+        react_loop agent resuming with its prefix state warm prefills only the rest.
+        """
+        return self.num_computed_tokens == 0 or not self.output_tokens
 
     def completion_tokens(self) -> int:
         return self.usage_completion_tokens if self.usage_completion_tokens is not None else len(self.output_tokens)
