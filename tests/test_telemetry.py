@@ -16,7 +16,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from switchyard.common import telemetry
-from switchyard.common.errors import SERVER_FAULT_CODES
+from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, ServiceUnavailable, SwitchyardError
+from switchyard.common.queues import QueueFullError, QueueTimeoutError
 from otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.no_gpu
@@ -155,7 +156,7 @@ def _handler(provider: TracerProvider) -> grpc.GenericRpcHandler:
 @pytest.fixture
 def spans():
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = telemetry.make_tracer_provider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     yield provider, exporter
     provider.shutdown()
@@ -281,3 +282,47 @@ async def test_health_checks_are_not_traced(spans):
     finally:
         await server.stop(None)
     assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "error"),
+    [
+        (InvalidArgument("payload", "a non-empty question", ""), "INVALID_ARGUMENT", False),
+        (QueueFullError("inference", 512), "RESOURCE_EXHAUSTED", False),
+        (SwitchyardError("model gpt-5 not found", grpc.StatusCode.NOT_FOUND), "NOT_FOUND", False),
+        (QueueTimeoutError("retrieval", 2.0, 2000), "DEADLINE_EXCEEDED", True),
+        (ServiceUnavailable("retrieval", "127.0.0.1:50052"), "UNAVAILABLE", True),
+        (RuntimeError("bug"), "INTERNAL", True),
+    ],
+)
+def test_stage_spans_follow_the_server_fault_rule(spans, exc, code, error):
+    provider, exporter = spans
+    with pytest.raises(type(exc)):
+        with provider.get_tracer(__name__).start_as_current_span("infer"):
+            raise exc
+    [span] = exporter.get_finished_spans()
+    assert span.attributes["switchyard.status_code"] == code
+    assert span.status.status_code == (StatusCode.ERROR if error else StatusCode.UNSET)
+    assert [e.name for e in span.events] == ["exception"]  # recorded either way
+
+
+async def test_stage_span_as_decorator_of_a_coroutine(spans):
+    provider, exporter = spans
+
+    @provider.get_tracer(__name__).start_as_current_span("plan")
+    async def plan() -> str:
+        await asyncio.sleep(0)
+        return telemetry.current_trace_id()
+
+    trace_id = await plan()
+    [span] = exporter.get_finished_spans()
+    assert span.name == "plan" and trace.format_trace_id(span.context.trace_id) == trace_id
+
+
+def test_setting_no_status_on_exception_is_kept(spans):
+    provider, exporter = spans
+    with pytest.raises(RuntimeError):
+        with provider.get_tracer(__name__).start_as_current_span("plan", set_status_on_exception=False):
+            raise RuntimeError("bug")
+    [span] = exporter.get_finished_spans()
+    assert span.status.status_code == StatusCode.UNSET

@@ -25,25 +25,31 @@ the instrumentation's server rule on both sides: only server-fault codes
 a caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...) is
 recorded as ``rpc.grpc.status_code`` only. The stock client interceptors
 mark every non-OK code and the stock server interceptor leaves an uncaught
-exception (sent as UNKNOWN) unmarked; the subclasses below fix both.
+exception (sent as UNKNOWN) unmarked; the subclasses below fix both. Stage
+spans follow the same rule: an exception escaping
+``tracer.start_as_current_span(...)`` marks ERROR only when it maps to a
+server-fault code (:func:`make_tracer_provider`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import _aio_client, _aio_server
 from opentelemetry.instrumentation.grpc import filters as grpc_filters
 from opentelemetry.instrumentation.grpc.version import __version__ as _instrumentation_version
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util._decorator import _agnosticcontextmanager
 
 from switchyard import __version__
 from switchyard.common.envs import read_standard
-from switchyard.common.errors import SERVER_FAULT_CODES
+from switchyard.common.errors import SERVER_FAULT_CODES, status_for
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +84,7 @@ def tracing_enabled() -> bool:
 def setup_tracing(service_name: str) -> Callable[[], None]:
     """Turn tracing on for this process when the environment asks for it.
 
-    Installs a global SDK ``TracerProvider`` with resource ``service.name``
+    Installs a global SDK tracer provider (:func:`make_tracer_provider`) with resource ``service.name``
     (``OTEL_SERVICE_NAME`` or ``service_name``), ``service.namespace=switchyard``
     and ``service.version``; the sampler from ``OTEL_TRACES_SAMPLER``; and a
     ``BatchSpanProcessor`` feeding the OTLP gRPC span exporter (endpoint,
@@ -100,15 +106,14 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
         if not tracing_configured():
             log.debug("tracing off: no OTEL_EXPORTER_OTLP_ENDPOINT, or OTEL_SDK_DISABLED=true")
             return _noop
-        # Imported here so that a process with tracing off never loads the SDK or exporter.
+        # Imported here so that a process with tracing off never loads the exporter (grpc, protobuf).
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_NAMESPACE, SERVICE_VERSION, Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_NAMESPACE, SERVICE_VERSION
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         name = read_standard("OTEL_SERVICE_NAME") or service_name
         resource = Resource.create({SERVICE_NAME: name, SERVICE_NAMESPACE: "switchyard", SERVICE_VERSION: __version__})
-        provider = TracerProvider(resource=resource)
+        provider = make_tracer_provider(resource)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         _provider = provider
@@ -126,6 +131,79 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
 
         _shutdown = shutdown
         return shutdown
+
+
+class _ServerFaultRuleTracer(trace.Tracer):
+    """An SDK tracer whose ``start_as_current_span`` applies :func:`record_exception_status`.
+
+    The SDK marks a span ERROR for any exception escaping its ``with`` block;
+    this one records the exception as usual but sets ERROR only when the
+    exception maps (:func:`~switchyard.common.errors.status_for`) to a
+    server-fault code, so a queue saturated for this caller or a bad field
+    does not paint the trace red.
+    """
+
+    def __init__(self, inner: trace.Tracer) -> None:
+        self._inner = inner
+
+    def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:
+        return self._inner.start_span(*args, **kwargs)
+
+    @_agnosticcontextmanager
+    def start_as_current_span(
+        self,
+        name: str,
+        context: Any = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
+    ) -> Iterator[trace.Span]:
+        with self._inner.start_as_current_span(
+            name, context, kind, attributes, links or (), start_time, record_exception, False, end_on_exit
+        ) as span:
+            try:
+                yield span
+            except Exception as exc:
+                if set_status_on_exception and span.is_recording():
+                    record_exception_status(span, exc)
+                raise
+
+
+class _ServerFaultRuleTracerProvider(TracerProvider):
+    def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
+        return _ServerFaultRuleTracer(super().get_tracer(*args, **kwargs))
+
+
+def make_tracer_provider(resource: Resource | None = None) -> TracerProvider:
+    """An SDK ``TracerProvider`` whose tracers follow the server-fault rule for span status.
+
+    Sampler from ``OTEL_TRACES_SAMPLER``; add span processors to it. Spans
+    started with ``start_as_current_span`` are marked ERROR by an escaping
+    exception only if it maps to a server-fault gRPC code (see
+    :func:`record_exception_status`). :func:`setup_tracing` installs one;
+    tests build their own around an in-memory exporter.
+    """
+    return _ServerFaultRuleTracerProvider(resource=resource or Resource.create({}))
+
+
+def record_exception_status(span: trace.Span, exc: BaseException) -> None:
+    """Status of a span that ``exc`` escaped: ERROR only for a server fault.
+
+    The gRPC code is :func:`~switchyard.common.errors.status_for` ``(exc)``;
+    it is recorded as ``switchyard.status_code`` (its name) either way.
+    Codes in :data:`~switchyard.common.errors.SERVER_FAULT_CODES` (UNKNOWN,
+    DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS) set
+    status ERROR; the caller's faults (INVALID_ARGUMENT, NOT_FOUND,
+    RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...) leave it unset.
+    """
+    code, _details = status_for(exc)
+    span.set_attribute("switchyard.status_code", code.name)
+    if code in SERVER_FAULT_CODES:
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def current_trace_id() -> str:
@@ -286,6 +364,8 @@ def traced_channel(
 __all__ = [
     "client_interceptors",
     "current_trace_id",
+    "make_tracer_provider",
+    "record_exception_status",
     "server_interceptors",
     "setup_tracing",
     "traced_channel",
