@@ -485,7 +485,7 @@ def test_agent_waiting_on_a_tool_holds_no_slot_and_resumes_ahead_of_new_work() -
     assert engine.released == [], "the prefix state is kept until the resumed step runs"
     out = sched.schedule(now=1.0)
     assert out.admitted == [observe]
-    assert observe.num_computed_tokens == 50 and observe.num_uncomputed_tokens == 20
+    assert observe.num_computed_tokens == 50 and observe.num_uncomputed_tokens == 20 and observe.needs_prefill
     assert observe.recomputed_tokens == 0
     assert engine.released == [think] and sched.parked == [] and sched.parked_kv_bytes == 0
 
