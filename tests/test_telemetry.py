@@ -144,11 +144,17 @@ def _handler(provider: TracerProvider) -> grpc.GenericRpcHandler:
         yield b"first"
         yield await answer(request, context)
 
+    async def abort_in_stage(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        with tracer.start_as_current_span("abort.stage"):  # as a servicer does: abort inside its span
+            await context.abort(grpc.StatusCode[request.decode()], "aborted inside a stage")
+        return b""
+
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "Unary": grpc.unary_unary_rpc_method_handler(unary),
             "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Abort": grpc.unary_unary_rpc_method_handler(abort_in_stage),
         },
     )
 
@@ -317,6 +323,19 @@ async def test_stage_span_as_decorator_of_a_coroutine(spans):
     trace_id = await plan()
     [span] = exporter.get_finished_spans()
     assert span.name == "plan" and trace.format_trace_id(span.context.trace_id) == trace_id
+
+
+async def test_abort_inside_a_stage_span_leaves_the_status_to_the_rpc_span(echo_server, spans):
+    provider, exporter = spans
+    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await channel.unary_unary(f"/{SERVICE}/Abort")(b"RESOURCE_EXHAUSTED")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await channel.unary_unary(f"/{SERVICE}/Abort")(b"INTERNAL")
+    stages = _named(exporter, "abort.stage", SpanKind.INTERNAL)
+    assert [s.status.status_code for s in stages] == [StatusCode.UNSET, StatusCode.UNSET]
+    servers = _named(exporter, f"/{SERVICE}/Abort", SpanKind.SERVER)
+    assert [s.status.status_code for s in servers] == [StatusCode.UNSET, StatusCode.ERROR]
 
 
 def test_setting_no_status_on_exception_is_kept(spans):

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if isinstance(trace.get_tracer_provider(), TracerProvider):
         raise SystemExit("an SDK tracer provider is installed; run this without OTEL_* set-up")
-    provider = TracerProvider()
+    provider = telemetry.make_tracer_provider()
     provider.add_span_processor(BatchSpanProcessor(_Drop()))
     try:
         best = uvloop.run(_grpc_bench(provider, args.calls, args.rounds))

@@ -198,8 +198,12 @@ def record_exception_status(span: trace.Span, exc: BaseException) -> None:
     Codes in :data:`~switchyard.common.errors.SERVER_FAULT_CODES` (UNKNOWN,
     DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS) set
     status ERROR; the caller's faults (INVALID_ARGUMENT, NOT_FOUND,
-    RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...) leave it unset.
+    RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...) leave it unset. A
+    ``context.abort`` (``grpc.aio.AbortError``) carries no code; the RPC's
+    server span records the aborted code, so the stage span is left alone.
     """
+    if isinstance(exc, grpc.aio.AbortError):
+        return
     code, _details = status_for(exc)
     span.set_attribute("switchyard.status_code", code.name)
     if code in SERVER_FAULT_CODES:
