@@ -24,7 +24,6 @@ kept; the CPU variants run interleaved rounds and the best round is kept.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time
