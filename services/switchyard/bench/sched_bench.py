@@ -23,7 +23,9 @@ Method:
    lengths uniform in ``--prompt-tokens`` and ``--output-tokens``. The same
    arrivals (seeded) go to every policy.
 3. Each policy runs until every task finished (or ``--drain-limit`` x the
-   load window passed). Printed per policy: TTFT (arrival -> first token)
+   load window passed): the priority scheduler as configured, the same with
+   aging switched off (``no-aging``: what the aging bound buys batch work),
+   and FIFO. Printed per policy: TTFT (arrival -> first token)
    percentiles by class, batch completions (within the load window and in
    all) with completion-time (arrival -> last token) percentiles, preemptions
    and recomputed prefix tokens.
@@ -50,6 +52,16 @@ from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.sequence import Sequence
 
 CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
+
+NO_AGING_MS = 3_600_000
+"""Longest ``aging_max_wait_ms`` allowed: with it, aging never acts within a run."""
+
+VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("priority", "priority", {}),
+    ("no-aging", "priority", {"scheduler.aging_max_wait_ms": NO_AGING_MS}),
+    ("fifo", "fifo", {}),
+)
+"""Columns of the report: (label, policy, config overrides)."""
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -161,13 +173,18 @@ class RunResult:
     recomputed_tokens: int = 0
 
 
-def simulate(policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float) -> RunResult:
-    """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes."""
+def simulate(
+    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None = None
+) -> RunResult:
+    """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes.
+
+    ``label`` names the run in the report (default: ``policy``).
+    """
     engine = VirtualSimEngine(config.service.sim)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, policy=policy, monitor=monitor)
     seqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
-    result = RunResult(policy)
+    result = RunResult(label or policy)
     slice_s = config.scheduler.time_slice_ms / 1000
     t, i = 0.0, 0
 
@@ -280,10 +297,11 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines.append(line("makespan (s)", [f"{r['makespan_s']:.1f}" for r in rows]))
     lines.append(line("preemptions", [str(r["preemptions"]) for r in rows]))
     lines.append(line("recomputed prefix tokens", [str(r["recomputed_tokens"]) for r in rows]))
-    core = {r["policy"]: r["core"]["ttft_p95_s"] for r in rows}
-    if core.get("priority") and core.get("fifo"):
-        lines += ["", f"core P95 TTFT: priority {core['priority']:.3f} s vs fifo {core['fifo']:.3f} s "
-                  f"({core['fifo'] / core['priority']:.0f}x lower)"]
+    lines.append("")
+    lines.append("core P95 TTFT: " + ", ".join(f"{r['policy']} {r['core']['ttft_p95_s']:.3f} s" for r in rows))
+    lines.append("batch completed (in window / in all), P95 completion: " + ", ".join(
+        f"{r['policy']} {r['batch']['completed_in_window']}/{r['batch']['completed']} of {r['batch']['tasks']}, "
+        f"{r['batch']['completion_p95_s']:.1f} s" for r in rows))
     return "\n".join(lines)
 
 
@@ -349,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.overload * capacity
     specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
     limit = args.seconds * args.drain_limit
-    rows = [summarize(simulate(policy, specs, config, limit), specs, args.seconds) for policy in ("priority", "fifo")]
+    rows = [
+        summarize(simulate(policy, specs, config.with_overrides(**overrides), limit, label), specs, args.seconds)
+        for label, policy, overrides in VARIANTS
+    ]
     sched = config.scheduler
     header = {
         "calibration_tasks": args.calibration, "capacity_rps": capacity, "offered_rps": rate,
