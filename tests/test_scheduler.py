@@ -17,9 +17,9 @@ from switchyard.dispatcher.scheduler import (
     FifoScheduler,
     PriorityScheduler,
     Scheduler,
-    make_scheduler,
     should_park,
 )
+from switchyard.dispatcher.scheduler import make_scheduler as build_scheduler
 from switchyard.dispatcher.scheduler.admission import COMPUTE_SCORE, MAX_RUNNING
 from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
 from switchyard.dispatcher.sequence import Sequence, StreamDone, StreamToken
@@ -86,13 +86,7 @@ def make_scheduler(
     monitor = ComputeScoreMonitor(
         config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=nvml if nvml is not None else FakeNvml()
     )
-    return make_scheduler_from(config, engine, monitor)
-
-
-def make_scheduler_from(config: SwitchyardConfig, engine: Any, monitor: ComputeScoreMonitor) -> Any:
-    from switchyard.dispatcher.scheduler import make_scheduler as factory
-
-    return factory(config, engine, monitor=monitor)
+    return build_scheduler(config, engine, monitor=monitor)  # type: ignore[return-value]
 
 
 _ids = iter(range(1_000_000))
@@ -139,10 +133,8 @@ def test_factory_picks_the_policy_from_config() -> None:
     assert isinstance(make_scheduler(), PriorityScheduler)
     fifo = make_scheduler(policy="fifo")
     assert isinstance(fifo, FifoScheduler) and isinstance(fifo, Scheduler)
-    from switchyard.dispatcher.scheduler import make_scheduler as factory
-
     with pytest.raises(ValueError, match="expected one of"):
-        factory(SwitchyardConfig(), policy="lottery")
+        build_scheduler(SwitchyardConfig(), policy="lottery")
 
 
 def test_bad_scheduler_config_names_key_and_expectation() -> None:
@@ -438,7 +430,9 @@ def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core
 
 
 def test_no_preemption_when_disabled_or_under_fifo() -> None:
-    for sched in (make_scheduler(max_running_agents=1, preemption_enabled=False), make_scheduler(policy="fifo", max_running_agents=1)):
+    disabled = make_scheduler(max_running_agents=1, preemption_enabled=False)
+    fifo = make_scheduler(policy="fifo", max_running_agents=1)
+    for sched in (disabled, fifo):
         sched.add(make_requests(1, BATCH, arrival=0.0), now=0.0)
         sched.schedule(now=0.0)
         sched.add(make_requests(1, CORE, arrival=0.0), now=0.0)
@@ -458,7 +452,8 @@ def test_fifo_ignores_classes() -> None:
 
 def _react(agent_id: str, arrival: float, *, resume: bool = False, prompt_tokens: int = 40) -> Sequence:
     [seq] = make_requests(
-        1, NORMAL, arrival=arrival, task_type="react_loop", prompt_tokens=prompt_tokens, agent_id=agent_id, resume=resume
+        1, NORMAL, arrival=arrival, task_type="react_loop", prompt_tokens=prompt_tokens,
+        agent_id=agent_id, resume=resume,
     )
     return seq
 

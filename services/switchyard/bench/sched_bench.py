@@ -342,8 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--overload", type=_positive, default=2.0, help="offered load / capacity (default 2)")
     parser.add_argument("--seconds", type=_positive, default=20.0, help="load window, simulated seconds (default 20)")
-    parser.add_argument("--mix", type=_mix, default=(20.0, 50.0, 30.0), help="core/normal/batch percent (default 20/50/30)")
-    parser.add_argument("--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)")
+    parser.add_argument(
+        "--mix", type=_mix, default=(20.0, 50.0, 30.0), help="core/normal/batch percent (default 20/50/30)"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)"
+    )
     parser.add_argument("--output-tokens", type=_pair, default=(32, 160), help="output length range (default 32-160)")
     parser.add_argument("--calibration", type=int, default=200, help="tasks in the capacity run (default 200)")
     parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")

@@ -11,7 +11,9 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 RUNNING_AGENTS = Gauge(
-    "switchyard_running_agents", "Sequences holding a running slot on the engine, by priority class.", ["priority_class"]
+    "switchyard_running_agents",
+    "Sequences holding a running slot on the engine, by priority class.",
+    ["priority_class"],
 )
 WAITING_AGENTS = Gauge(
     "switchyard_waiting_agents", "Sequences waiting for admission, by priority class.", ["priority_class"]
@@ -46,7 +48,8 @@ COMPUTE_SCORE = Gauge(
 )
 GPU_UTILIZATION = Gauge("switchyard_gpu_utilization_ratio", "NVML GPU utilisation (share of time a kernel ran), 0-1.")
 GPU_MEMORY_UTILIZATION = Gauge(
-    "switchyard_gpu_memory_utilization_ratio", "NVML memory utilisation (share of time memory was read or written), 0-1."
+    "switchyard_gpu_memory_utilization_ratio",
+    "NVML memory utilisation (share of time memory was read or written), 0-1.",
 )
 GPU_AVAILABLE = Gauge(
     "switchyard_gpu_available",
