@@ -159,6 +159,9 @@ def test_classes_are_admitted_core_then_normal_then_batch() -> None:
     assert ids(out.admitted) == ids(core + normal)
     assert ids(sched.waiting) == ids(batch)
     assert ids(out.running) == ids(core + normal)
+    running = {c: metric("switchyard_running_agents", priority_class=c) for c in ("core", "normal", "batch")}
+    waiting = {c: metric("switchyard_waiting_agents", priority_class=c) for c in ("core", "normal", "batch")}
+    assert running == {"core": 2, "normal": 2, "batch": 0} and waiting == {"core": 0, "normal": 0, "batch": 2}
 
 
 def test_unset_priority_counts_as_normal_and_class_keeps_fifo() -> None:

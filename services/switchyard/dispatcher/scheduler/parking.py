@@ -6,6 +6,10 @@ field report in DESIGN.md). While it waits on a tool it holds no running slot;
 its prefix state (KV cache) stays in engine memory for ``tool_wait_ttl_s`` so
 that its next step, which repeats that prefix, skips recomputing it. After the
 TTL the state is released and the next step recomputes the prefix.
+
+Expiry is checked at every scheduling decision, before admission, so expired
+state is always gone before new work is admitted; on an idle engine it is
+released at the next decision.
 """
 
 from __future__ import annotations
