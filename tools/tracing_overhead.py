@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(trace.get_tracer_provider(), TracerProvider):
         raise SystemExit("an SDK tracer provider is installed; run this without OTEL_* set-up")
     provider = telemetry.make_tracer_provider()
-    provider.add_span_processor(BatchSpanProcessor(_Drop(), max_queue_size=1 << 16)  # never drop: dropping is cheaper than exporting)
+    provider.add_span_processor(BatchSpanProcessor(_Drop(), max_queue_size=1 << 16))  # never drop: dropping is cheaper
     try:
         best = uvloop.run(_grpc_bench(provider, args.calls, args.rounds))
         _print(f"grpc: RunTask-like stream over 2 RPCs, 10 spans, median of {args.rounds * args.calls} alternating calls", best)
