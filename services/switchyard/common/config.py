@@ -326,8 +326,12 @@ class RetrievalConfig(_Strict):
     index_dir: str = "data/index"
     top_k: int = Field(4, ge=1, le=1000)
     max_top_k: int = Field(50, ge=1, le=10_000)
-    chunk_chars: int = Field(1200, ge=100, le=100_000)
-    chunk_overlap_chars: int = Field(150, ge=0)
+    chunk_chars: int = Field(
+        900, ge=100, le=100_000,
+        description="Most characters in one indexed passage. all-MiniLM-L6-v2 embeds at most 256 word pieces; "
+        "measured on the pydoc topics, 16 % of passages run past that at 900 chars, 63 % at 1200.",
+    )
+    chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before it.")
     embed_batch_size: int = Field(32, ge=1, le=4096)
     embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
     embed_threads: int = Field(
