@@ -250,6 +250,50 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
         provider.shutdown()
 
 
+async def test_request_trace_shows_its_prefill_and_decode_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.dispatcher import service
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(service, "tracer", provider.get_tracer(service.__name__))
+    try:
+        async for h in serve(DispatcherService(make_config())):
+            await h.generate(request_id="phases", max_tokens=5)
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        request, prefill, decode = spans["dispatcher.generate"], spans["inference.prefill"], spans["inference.decode"]
+        assert prefill.parent.span_id == decode.parent.span_id == request.context.span_id
+        assert request.start_time <= prefill.start_time <= prefill.end_time <= decode.start_time <= decode.end_time
+        assert decode.attributes["gen_ai.usage.output_tokens"] == 5
+    finally:
+        provider.shutdown()
+
+
+def test_preemption_is_an_event_on_the_request_span() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.dispatcher.sequence import Sequence
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("dispatcher.generate") as span:
+        seq = Sequence("p1", prompt="x", span=span)
+        seq.output_tokens.extend(["a", "b"])
+        seq.mark_preempted()
+    (finished,) = exporter.get_finished_spans()
+    (event,) = finished.events
+    assert event.name == "preempted"
+    assert event.attributes["switchyard.preemptions"] == 1 and event.attributes["switchyard.tokens_streamed"] == 2
+    provider.shutdown()
+
+
 async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) -> None:
     from prometheus_client import REGISTRY
 

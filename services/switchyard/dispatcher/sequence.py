@@ -143,6 +143,8 @@ class Sequence:
     admitted_at: float | None = None
     """When the policy last admitted it into the running set."""
     preempted_at: float | None = None
+    span: Any = field(default=None, repr=False, compare=False)
+    """The request's ``dispatcher.generate`` span: preemptions are recorded on it as events."""
 
     # --- flush and timing info
     enqueued_at: float | None = None
@@ -265,6 +267,11 @@ class Sequence:
         self.preemptions += 1
         self.num_computed_tokens = 0
         self.preempted_at = time.monotonic() if now is None else now
+        if self.span is not None:
+            self.span.add_event(
+                "preempted",
+                {"switchyard.preemptions": self.preemptions, "switchyard.tokens_streamed": len(self.output_tokens)},
+            )
 
     def observe_kv_bytes(self, nbytes: int) -> None:
         """Track the peak KV/prefix-state bytes held for this sequence."""

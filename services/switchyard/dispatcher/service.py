@@ -217,11 +217,13 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
                 span.set_attribute("switchyard.priority", seq.priority_name)
                 seq.span_context = span.get_span_context()
+                seq.span = span
                 wall_arrival_ns = time.time_ns()
                 await self._admit(seq, context.time_remaining())
                 async for chunk in self._chunks(seq):
                     yield chunk
                 self._record_queue_wait(seq, wall_arrival_ns)
+                self._record_engine_phases(seq, wall_arrival_ns)
                 span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
                 span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
             except SwitchyardError as exc:
@@ -281,6 +283,33 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 if isinstance(error, SwitchyardError):
                     raise error
                 raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
+
+    def _record_engine_phases(self, seq: Sequence, wall_arrival_ns: int) -> None:
+        """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.
+
+        The engine's step spans (``engine.prefill``/``engine.decode``) serve a whole batch and live
+        in traces of their own; these two show in the task's trace where its engine time went.
+        """
+        if seq.first_token_at is None:
+            return
+
+        def wall(t: float) -> int:
+            return wall_arrival_ns + int((t - seq.arrival) * 1e9)
+
+        admitted = seq.arrival + seq.queue_wait_s
+        common = {"switchyard.batch_size": seq.batch_size, "switchyard.preemptions": seq.preemptions}
+        tracer.start_span(
+            "inference.prefill", start_time=wall(admitted),
+            attributes={**common, "gen_ai.usage.input_tokens": seq.prompt_tokens},
+        ).end(end_time=wall(seq.first_token_at))
+        tracer.start_span(
+            "inference.decode", start_time=wall(seq.first_token_at),
+            attributes={
+                **common,
+                "gen_ai.usage.output_tokens": seq.completion_tokens(),
+                "switchyard.recomputed_tokens": seq.recomputed_tokens,
+            },
+        ).end(end_time=wall(seq.last_token_at or seq.first_token_at))
 
     def _record_queue_wait(self, seq: Sequence, wall_arrival_ns: int) -> None:
         """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
