@@ -23,7 +23,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError, status_for
 from switchyard.common.queues import WorkQueue
-from switchyard.orchestrator import workflows
+from switchyard.orchestrator import tokens, workflows
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
@@ -75,6 +75,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
             inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
         )
+        await asyncio.to_thread(tokens.encoding)  # load the BPE ranks now, not in the first task's count_tokens
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
