@@ -383,12 +383,50 @@ class SimEngineConfig(_Strict):
     kv_bytes_per_token: int = Field(524_288, ge=0)
 
 
+class TorchEngineConfig(_Strict):
+    """The ``torch`` engine: an in-process decoder-only transformer (see dispatcher/engines/torch_model.py).
+
+    The defaults are a small model that runs on a CPU; docs/engines.md lists a
+    GPU preset (the shape of TinyLlama-1.1B).
+    """
+
+    model: str = Field("torch-tiny", min_length=1, description="Model id reported in GenerateDone.model.")
+    device: str = Field("auto", min_length=1, description='"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N".')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on cuda, float32 on cpu."
+    )
+    n_layers: int = Field(4, ge=1, le=256, description="Transformer blocks.")
+    d_model: int = Field(256, ge=8, le=65_536, description="Hidden size; a multiple of n_heads.")
+    n_heads: int = Field(8, ge=1, le=1024, description="Attention heads; d_model / n_heads is the head size (even, for rotary).")
+    d_ff: int = Field(1024, ge=8, le=262_144, description="Hidden size of the SwiGLU MLP.")
+    vocab_size: int = Field(
+        8192, ge=258, le=100_256,
+        description="Model vocabulary: cl100k_base's first vocab_size - 1 merge ranks, plus one end-of-text id.",
+    )
+    max_seq_len: int = Field(8192, ge=16, le=1_048_576, description="Most tokens (prompt + output) one sequence holds.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the dummy weights and of sampling.")
+    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; > 0: seeded sampling per sequence.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-text id (benchmarks, as vLLM's ignore_eos).")
+    kv_block_tokens: int = Field(16, ge=1, le=4096, description="The KV cache of a sequence grows by this many tokens.")
+    threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads; 0 = torch's default.")
+    checkpoint: str = Field("", description="Path of a checkpoint saved by this engine; empty: dummy random weights.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TorchEngineConfig":
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be n_heads ({self.n_heads}) x an even head size"
+            )
+        return self
+
+
 class ServiceFile(_Strict):
     server: ServerConfig = ServerConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     dispatcher: DispatcherConfig = DispatcherConfig()
     sim: SimEngineConfig = SimEngineConfig()
+    torch: TorchEngineConfig = TorchEngineConfig()
 
 
 # --------------------------------------------------------------------------- aggregate
