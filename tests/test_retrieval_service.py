@@ -160,3 +160,14 @@ def test_index_command_indexes_given_files(tmp_path, capsys):
     assert "indexed 2 passages from 2 documents (384 dims" in summary and str(out) in summary
     assert index_main([str(tmp_path / "absent"), "--out", str(out), "--config-dir", str(CONFIG_DIR)]) == 2
     assert "absent" in capsys.readouterr().err
+
+
+def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys):
+    from switchyard.retrieval.bench import main as bench_main
+
+    argv = ["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir), "--queries", "8", "--batch-sizes", "1,4"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "embed_batch_size=1 " in out and "8 forward passes" in out
+    assert "embed_batch_size=4 " in out
