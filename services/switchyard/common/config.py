@@ -391,13 +391,17 @@ class TorchEngineConfig(_Strict):
     """
 
     model: str = Field("torch-tiny", min_length=1, description="Model id reported in GenerateDone.model.")
-    device: str = Field("auto", min_length=1, description='"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N".')
+    device: str = Field(
+        "auto", min_length=1, description='"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N".'
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on cuda, float32 on cpu."
     )
     n_layers: int = Field(4, ge=1, le=256, description="Transformer blocks.")
     d_model: int = Field(256, ge=8, le=65_536, description="Hidden size; a multiple of n_heads.")
-    n_heads: int = Field(8, ge=1, le=1024, description="Attention heads; d_model / n_heads is the head size (even, for rotary).")
+    n_heads: int = Field(
+        8, ge=1, le=1024, description="Attention heads; d_model / n_heads is the head size (even, for rotary)."
+    )
     d_ff: int = Field(1024, ge=8, le=262_144, description="Hidden size of the SwiGLU MLP.")
     vocab_size: int = Field(
         8192, ge=258, le=100_256,
@@ -406,7 +410,9 @@ class TorchEngineConfig(_Strict):
     max_seq_len: int = Field(8192, ge=16, le=1_048_576, description="Most tokens (prompt + output) one sequence holds.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the dummy weights and of sampling.")
     temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; > 0: seeded sampling per sequence.")
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-text id (benchmarks, as vLLM's ignore_eos).")
+    ignore_eos: bool = Field(
+        False, description="Keep generating past the end-of-text id (benchmarks, as vLLM's ignore_eos)."
+    )
     kv_block_tokens: int = Field(16, ge=1, le=4096, description="The KV cache of a sequence grows by this many tokens.")
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads; 0 = torch's default.")
     checkpoint: str = Field("", description="Path of a checkpoint saved by this engine; empty: dummy random weights.")

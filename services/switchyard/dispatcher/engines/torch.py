@@ -1,0 +1,389 @@
+"""The ``torch`` engine: a real transformer stepped in-process with batched forward passes.
+
+A :class:`~switchyard.dispatcher.engines.base.StepEngine` over
+:class:`~switchyard.dispatcher.engines.torch_model.DecoderLM` (config section
+``torch`` in ``switchyard.json``). Dummy random weights from a fixed seed by
+default, as inference servers do for benchmarking, or a local checkpoint.
+
+- **prefill**: one batched forward over the uncomputed prefix of every
+  admitted sequence (padded, with an attention mask): the prompt on first
+  admission, prompt plus every generated token after a preemption (counted in
+  ``seq.recomputed_tokens``). It appends each sequence's next token.
+- **decode**: ONE batched forward step for all running sequences, one new
+  token each, over their per-sequence KV caches.
+- **release**: drops the sequence's KV cache (``kv_bytes`` becomes 0). Its
+  token ids stay until it finishes, so a preempted sequence recomputes exactly
+  the same prefix and continues where it stopped: no token lost or repeated.
+- Forward passes run off the event loop (``asyncio.to_thread``); their wall
+  time (after ``torch.cuda.synchronize`` on CUDA) is ``busy_seconds``.
+
+Prompt: the request's ``prompt``, or its messages rendered one per line as
+``role: content`` followed by ``assistant:`` (tools offered are listed first
+as ``tools: name, ...``). Token counts are the engine's tokenizer's:
+``seq.prompt_tokens`` is set to the rendered prompt's length at first prefill,
+so usage and ``num_computed_tokens`` are in the model's own tokens.
+
+Sampling: greedy (``temperature`` 0) or, with ``temperature`` > 0, sampled
+from a generator seeded by (``seed``, request_id, position), so a sequence's
+tokens do not depend on its batch neighbours or on preemption. End-of-text
+finishes with ``stop`` unless ``ignore_eos``.
+
+Tool calls: random weights cannot call tools. When a request offers tools,
+the reply (tool calls, or the answer after tool results) is decided by the
+sim engine's deterministic policy (:func:`switchyard.dispatcher.engines.sim.plan_reply`)
+and the engine force-decodes its tokens: every token still goes through the
+model's forward passes and KV cache, only the choice of the next id is
+taken from the plan instead of the logits. Without tools, text is the model's own.
+
+Limits: a sequence holds at most ``max_seq_len`` tokens. A prompt of
+``max_seq_len`` tokens or more fails the sequence with INVALID_ARGUMENT naming
+``prompt_tokens`` and the limit; reaching the limit while generating finishes
+with ``length``. A react_loop agent's warm prefix handed over by the scheduler
+is not shared across sequences here (no prefix cache): the new sequence
+computes its whole prompt and the warm part is counted as recomputed.
+
+Benchmark: ``python -m switchyard.dispatcher.engines.torch --batch 1,8,32``
+prints prefill time, decode step time and decode tokens/s per batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import hashlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from switchyard.common.config import SwitchyardConfig, TorchEngineConfig, load_config
+from switchyard.common.errors import InvalidArgument
+from switchyard.dispatcher.engines.sim import plan_reply, request_links, tracer
+from switchyard.dispatcher.engines.torch_model import (
+    DecoderLM,
+    ExtendInput,
+    KVCache,
+    Tokenizer,
+    build_model,
+)
+from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
+
+
+def render_prompt(prompt: str, messages: list[Message], tools: list[Tool]) -> str:
+    """The text the model reads (see the module docstring for the layout)."""
+    if not messages:
+        head = f"tools: {', '.join(t.name for t in tools)}\n" if tools else ""
+        return head + prompt
+    lines = [f"tools: {', '.join(t.name for t in tools)}"] if tools else []
+    lines += [f"{m.role}: {m.content}" for m in messages]
+    lines.append("assistant:")
+    return "\n".join(lines)
+
+
+@dataclass
+class ForcedReply:
+    """A reply decided by the sim's tool policy, force-decoded through the model."""
+
+    ids: list[int]
+    visible: bool
+    tool_calls: list[ToolCall]
+    finish_reason: str
+
+
+@dataclass
+class SeqState:
+    """What the engine keeps for a sequence until it finishes (survives preemption).
+
+    ``ids`` are the prompt's model ids followed by every generated id; the
+    KV cache (kept apart, dropped by ``release``) covers a prefix of them.
+    """
+
+    ids: list[int]
+    prompt_len: int
+    text: codecs.IncrementalDecoder
+    forced: ForcedReply | None = None
+
+
+class TorchEngine:
+    """A :class:`~switchyard.dispatcher.engines.base.StepEngine` running :class:`DecoderLM`.
+
+    Args:
+        config: the whole config; reads ``service.torch``.
+
+    Raises:
+        ValueError: a bad checkpoint (see :func:`build_model`).
+    """
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        self.params: TorchEngineConfig = config.service.torch
+        if self.params.threads:
+            torch.set_num_threads(self.params.threads)
+        self.model_net: DecoderLM = build_model(self.params)
+        self.device = self.model_net.embed.weight.device
+        self.tokenizer = Tokenizer(self.params.vocab_size)
+        self.model = self.params.model
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self._states: dict[Sequence, SeqState] = {}
+        self._caches: dict[Sequence, KVCache] = {}
+
+    # ------------------------------------------------------------------ StepEngine
+
+    async def prefill(self, seqs: list[Sequence]) -> None:
+        """Compute each sequence's uncomputed prefix in one padded forward, then append its next token.
+
+        A sequence whose prompt does not fit ``max_seq_len`` fails with
+        :class:`InvalidArgument` (``prompt_tokens``); the others go on.
+        """
+        ready = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            state = self._state(seq)
+            if state is None:
+                continue
+            if seq not in self._caches:
+                if seq.output_tokens:  # preempted: prompt and generated tokens again, all but the newest
+                    seq.recomputed_tokens += len(state.ids) - 1
+                elif seq.num_computed_tokens > 0:  # a warm prefix this engine does not hold
+                    seq.recomputed_tokens += min(seq.num_computed_tokens, state.prompt_len)
+                self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
+            ready.append(seq)
+        if not ready:
+            return
+        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
+        with tracer.start_as_current_span("engine.prefill", links=request_links(ready)) as span:
+            span.set_attribute("switchyard.batch_size", len(ready))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._step(ready)
+
+    async def decode(self, seqs: list[Sequence]) -> None:
+        """One batched forward step: one new token for each running sequence."""
+        ready = [s for s in seqs if not s.is_finished and s in self._states]
+        for seq in ready:
+            if seq not in self._caches:  # not prefilled (should not happen): compute its prefix now
+                self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
+        if not ready:
+            return
+        with tracer.start_as_current_span("engine.decode", links=request_links(ready)) as span:
+            span.set_attribute("switchyard.batch_size", len(ready))
+            await self._step(ready)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s KV cache; its token ids go too once it has finished. Idempotent."""
+        self._caches.pop(seq, None)
+        seq.num_computed_tokens = 0
+        if seq.is_finished:
+            self._states.pop(seq, None)
+
+    def kv_bytes(self, seq: Sequence) -> int:
+        """Bytes of the KV cache tensor held for ``seq`` (allocated blocks), 0 when released."""
+        cache = self._caches.get(seq)
+        return cache.nbytes if cache is not None else 0
+
+    # ------------------------------------------------------------------ internals
+
+    def _state(self, seq: Sequence) -> SeqState | None:
+        """The sequence's state, created (prompt tokenized, length checked) on first sight; None if it failed."""
+        state = self._states.get(seq)
+        if state is not None:
+            return state
+        ids = self.tokenizer.encode(render_prompt(seq.prompt, seq.messages, seq.tools)) or [self.tokenizer.eos_id]
+        limit = self.params.max_seq_len
+        if len(ids) >= limit:
+            seq.fail(InvalidArgument(
+                "prompt_tokens",
+                f"at most {limit - 1} (torch.max_seq_len {limit}, less room for one generated token)",
+                len(ids),
+            ))
+            return None
+        seq.prompt_tokens = len(ids)
+        state = SeqState(ids=ids, prompt_len=len(ids), text=Tokenizer.stream_decoder())
+        if seq.tools:
+            reply = plan_reply(seq.prompt, seq.messages, seq.tools)
+            state.forced = ForcedReply(
+                ids=self.tokenizer.encode("".join(reply.tokens)),
+                visible=not reply.tool_calls,
+                tool_calls=list(reply.tool_calls),
+                finish_reason=reply.finish_reason,
+            )
+        # Tokens generated before a restart of this engine are not known here: start from the prompt.
+        self._states[seq] = state
+        return state
+
+    async def _step(self, seqs: list[Sequence]) -> None:
+        batch = [ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in seqs]
+        keys = [self._sampling_key(s) for s in seqs]
+        next_ids, seconds = await asyncio.to_thread(self._forward, batch, keys)
+        self.steps += 1
+        self.busy_seconds += seconds
+        for seq, token_id in zip(seqs, next_ids):
+            if not seq.is_finished:
+                self._emit(seq, token_id)
+
+    def _sampling_key(self, seq: Sequence) -> int | None:
+        """Seed of the next token's draw (None: greedy)."""
+        if self.params.temperature <= 0:
+            return None
+        position = len(self._states[seq].ids)
+        digest = hashlib.blake2b(f"{self.params.seed}|{seq.request_id}|{position}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") & (2**63 - 1)
+
+    def _forward(self, batch: list[ExtendInput], keys: list[int | None]) -> tuple[list[int], float]:
+        """Worker thread: one batched forward and the next id of each sequence; returns (ids, busy seconds)."""
+        start = time.monotonic()
+        with torch.inference_mode():
+            logits = self.model_net.extend(batch)
+            if self.params.ignore_eos:
+                logits[:, self.tokenizer.eos_id] = float("-inf")
+            if self.params.temperature <= 0:
+                chosen = logits.argmax(dim=-1).tolist()
+            else:
+                probs = torch.softmax(logits / self.params.temperature, dim=-1).cpu()
+                chosen = []
+                for row, key in zip(probs, keys):
+                    generator = torch.Generator().manual_seed(key)
+                    chosen.append(int(torch.multinomial(row, 1, generator=generator)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return chosen, time.monotonic() - start
+
+    def _emit(self, seq: Sequence, sampled: int) -> None:
+        """Append the next token (sampled, or the forced reply's), then finish if it ends the sequence."""
+        state = self._states[seq]
+        cache = self._caches.get(seq)
+        if cache is not None:
+            seq.num_computed_tokens = cache.length
+        forced = state.forced
+        generated = len(state.ids) - state.prompt_len
+        if forced is not None:
+            if generated >= len(forced.ids):
+                self._finish_forced(seq, forced)
+                return
+            token_id, visible = forced.ids[generated], forced.visible
+        else:
+            token_id, visible = sampled, True
+            if token_id == self.tokenizer.eos_id:
+                seq.finish("stop")
+                return
+        state.ids.append(token_id)
+        seq.append_token(state.text.decode(self.tokenizer.piece(token_id)), visible=visible)
+        if forced is not None and generated + 1 >= len(forced.ids):
+            self._finish_forced(seq, forced)
+        elif len(seq.output_tokens) >= seq.max_tokens or len(state.ids) >= self.params.max_seq_len:
+            seq.finish("length")
+        seq.observe_kv_bytes(self.kv_bytes(seq))
+
+    @staticmethod
+    def _finish_forced(seq: Sequence, forced: ForcedReply) -> None:
+        for call in forced.tool_calls:
+            seq.add_tool_call(call)
+        seq.finish(forced.finish_reason)
+
+
+# --------------------------------------------------------------------------- benchmark
+
+GPU_PRESET = {"n_layers": 22, "d_model": 2048, "n_heads": 32, "d_ff": 5632, "vocab_size": 32000, "max_seq_len": 4096}
+"""TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, MLP 5632, vocab 32000), for a GPU."""
+
+_BENCH_TEXT = (
+    "Switchyard splits agent work by resource: orchestration and retrieval on CPU queues, "
+    "inference on a batching scheduler in front of the GPU. "
+)
+
+
+def _bench_sequences(engine: TorchEngine, batch: int, prompt_tokens: int, steps: int, tag: str) -> list[Sequence]:
+    ids = engine.tokenizer.encode(_BENCH_TEXT * (prompt_tokens // 8 + 1))[:prompt_tokens]
+    text = engine.tokenizer.decode(ids)
+    return [Sequence(request_id=f"{tag}-{i}", prompt=text, max_tokens=steps + 2) for i in range(batch)]
+
+
+async def _bench(engine: TorchEngine, batches: list[int], prompt_tokens: int, steps: int) -> list[tuple]:
+    rows = []
+    warm = _bench_sequences(engine, 1, prompt_tokens, 2, "warmup")
+    await engine.prefill(warm)
+    await engine.decode(warm)
+    for seq in warm:
+        seq.finish("cancelled")
+        engine.release(seq)
+    for batch in batches:
+        seqs = _bench_sequences(engine, batch, prompt_tokens, steps, f"b{batch}")
+        before = engine.busy_seconds
+        await engine.prefill(seqs)
+        prefill_s = engine.busy_seconds - before
+        step_s = []
+        for _ in range(steps):
+            before = engine.busy_seconds
+            await engine.decode(seqs)
+            step_s.append(engine.busy_seconds - before)
+        kv = sum(engine.kv_bytes(s) for s in seqs)
+        for seq in seqs:
+            seq.finish("cancelled")
+            engine.release(seq)
+        median = statistics.median(step_s)
+        rows.append((batch, prefill_s, median, batch / median, kv))
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """``python -m switchyard.dispatcher.engines.torch``: decode step time and tokens/s per batch size."""
+    parser = argparse.ArgumentParser(prog="python -m switchyard.dispatcher.engines.torch", description=main.__doc__)
+    parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length per sequence (default 128)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size (default 32)")
+    parser.add_argument("--preset", choices=("config", "gpu"), default="config",
+                        help="config: the torch section as configured; gpu: TinyLlama-1.1B's shape")
+    parser.add_argument("--device", help="override torch.device (auto, cpu, cuda)")
+    parser.add_argument("--dtype", help="override torch.dtype (auto, float32, bfloat16, float16)")
+    parser.add_argument("--config-dir", help="config folder (default SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--save-checkpoint", metavar="PATH", help="write the model's weights to PATH and exit")
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
+    if not batches or min(batches) < 1 or args.steps < 1 or args.prompt_tokens < 1:
+        parser.error("--batch, --steps and --prompt-tokens: expected positive integers")
+
+    config = load_config(args.config_dir)
+    overrides: dict[str, object] = {"service.torch.ignore_eos": True}
+    if args.preset == "gpu":
+        overrides.update({f"service.torch.{key}": value for key, value in GPU_PRESET.items()})
+    if args.device:
+        overrides["service.torch.device"] = args.device
+    if args.dtype:
+        overrides["service.torch.dtype"] = args.dtype
+    config = config.with_overrides(**overrides)
+    limit = config.service.torch.max_seq_len
+    if args.prompt_tokens + args.steps + 2 >= limit:
+        parser.error(f"--prompt-tokens + --steps must stay below torch.max_seq_len ({limit})")
+
+    engine = TorchEngine(config)
+    p = engine.params
+    if args.save_checkpoint:
+        from switchyard.dispatcher.engines.torch_model import save_checkpoint
+
+        save_checkpoint(engine.model_net, args.save_checkpoint)
+        print(f"wrote {args.save_checkpoint}")
+        return 0
+    params = sum(t.numel() for t in engine.model_net.parameters())
+    print(
+        f"model {p.n_layers} layers x d_model {p.d_model}, {p.n_heads} heads, d_ff {p.d_ff}, vocab {p.vocab_size} "
+        f"({params / 1e6:.1f} M parameters) on {engine.device} {engine.model_net.embed.weight.dtype}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+    )
+    print(f"prompt {args.prompt_tokens} tokens, {args.steps} decode steps per batch size (median step shown)")
+    print(f"{'batch':>5} {'prefill_s':>10} {'decode_step_ms':>15} {'decode_tok_s':>13} {'kv_mib':>8}")
+    for batch, prefill_s, step_s, tok_s, kv in asyncio.run(_bench(engine, batches, args.prompt_tokens, args.steps)):
+        print(f"{batch:>5} {prefill_s:>10.4f} {step_s * 1000:>15.2f} {tok_s:>13.1f} {kv / 2**20:>8.1f}")
+    return 0
+
+
+__all__ = ["TorchEngine", "render_prompt", "GPU_PRESET", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,261 @@
+"""The torch engine on the CPU with a tiny model: KV cache, batching, preemption, limits, and over gRPC."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+pytest.importorskip("torch")
+
+from switchyard.api import agent_pb2, agent_pb2_grpc  # noqa: E402
+from switchyard.common.config import SwitchyardConfig  # noqa: E402
+from switchyard.common.errors import InvalidArgument  # noqa: E402
+from switchyard.common.server import running  # noqa: E402
+from switchyard.dispatcher.engines import make_engine  # noqa: E402
+from switchyard.dispatcher.engines.sim import plan_reply  # noqa: E402
+from switchyard.dispatcher.engines.torch import TorchEngine  # noqa: E402
+from switchyard.dispatcher.engines.torch_model import Tokenizer, save_checkpoint  # noqa: E402
+from switchyard.dispatcher.sequence import Sequence, StreamError, Tool  # noqa: E402
+from switchyard.dispatcher.service import DispatcherService  # noqa: E402
+
+pytestmark = pytest.mark.no_gpu
+
+TINY = {
+    "n_layers": 2,
+    "d_model": 64,
+    "n_heads": 4,
+    "d_ff": 128,
+    "vocab_size": 1024,
+    "max_seq_len": 256,
+    "device": "cpu",
+    "dtype": "float32",
+    "ignore_eos": True,
+    "kv_block_tokens": 4,
+}
+
+PROMPTS = [
+    "How does the with statement work?",
+    "Summarize this doc: queues split by resource type keep the GPU batch full while CPU stages run elsewhere.",
+    "hi",
+    "Explain preemption and recompute in an iteration-level batching scheduler, in one paragraph, with care.",
+]
+
+
+def tiny_config(**fields: object) -> SwitchyardConfig:
+    return SwitchyardConfig().with_overrides(**{f"service.torch.{k}": v for k, v in {**TINY, **fields}.items()})
+
+
+def make(**fields: object) -> TorchEngine:
+    return TorchEngine(tiny_config(**fields))
+
+
+def seqs_for(prompts: list[str], max_tokens: int = 8, tag: str = "r") -> list[Sequence]:
+    return [Sequence(request_id=f"{tag}{i}", prompt=p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
+
+
+async def run_to_end(engine: TorchEngine, seqs: list[Sequence]) -> None:
+    await engine.prefill(seqs)
+    while live := [s for s in seqs if not s.is_finished]:
+        await engine.decode(live)
+
+
+async def alone(prompt: str, max_tokens: int, request_id: str = "r0", **fields: object) -> list[str]:
+    engine = make(**fields)
+    seq = Sequence(request_id=request_id, prompt=prompt, max_tokens=max_tokens)
+    await run_to_end(engine, [seq])
+    return seq.output_tokens
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_truncated_cl100k_is_lossless_and_in_vocab():
+    tok = Tokenizer(1024)
+    text = "Größe: 42 × π ≈ 131.9 — naïve café ✓ 漢字"
+    ids = tok.encode(text)
+    assert all(0 <= i < 1023 for i in ids)
+    assert tok.decode(ids) == text
+    assert len(ids) > len(Tokenizer(100_000).encode(text))  # fewer merges, more tokens
+
+
+# --------------------------------------------------------------------------- KV cache and batching
+
+
+async def test_batched_decode_gives_the_same_tokens_as_one_by_one():
+    engine = make()
+    seqs = seqs_for(PROMPTS, max_tokens=10)
+    await run_to_end(engine, seqs)
+    for i, (prompt, seq) in enumerate(zip(PROMPTS, seqs)):
+        assert seq.finish_reason == "length"
+        assert seq.output_tokens == await alone(prompt, 10)
+
+
+async def test_a_sequence_joining_at_a_step_boundary_does_not_disturb_the_running_ones():
+    engine = make()
+    first, late = seqs_for(PROMPTS[:2], max_tokens=9)
+    await engine.prefill([first])
+    for _ in range(3):
+        await engine.decode([first])
+    await engine.prefill([late])  # iteration-level batching: joins the running set here
+    while live := [s for s in (first, late) if not s.is_finished]:
+        await engine.decode(live)
+    assert first.output_tokens == await alone(PROMPTS[0], 9)
+    assert late.output_tokens == await alone(PROMPTS[1], 9)
+
+
+async def test_num_computed_tokens_follows_the_contract():
+    engine = make()
+    (seq,) = seqs_for(PROMPTS[:1], max_tokens=5)
+    await engine.prefill([seq])
+    assert seq.prompt_tokens == len(engine.tokenizer.encode(PROMPTS[0]))
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    await engine.decode([seq])
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+
+
+async def test_same_seed_same_tokens_and_another_seed_other_tokens():
+    assert await alone(PROMPTS[1], 12, seed=7) == await alone(PROMPTS[1], 12, seed=7)
+    assert await alone(PROMPTS[1], 12, seed=7) != await alone(PROMPTS[1], 12, seed=8)
+
+
+async def test_seeded_sampling_is_deterministic_and_independent_of_the_batch():
+    sampled = {"temperature": 1.0, "seed": 3}
+    engine = make(**sampled)
+    seqs = seqs_for(PROMPTS, max_tokens=8)
+    await run_to_end(engine, seqs)
+    for i, (prompt, seq) in enumerate(zip(PROMPTS, seqs)):
+        assert seq.output_tokens == await alone(prompt, 8, request_id=f"r{i}", **sampled)
+
+
+async def test_kv_bytes_grow_with_tokens_and_release_frees_them():
+    engine = make()
+    (seq,) = seqs_for(PROMPTS[:1], max_tokens=40)
+    assert engine.kv_bytes(seq) == 0
+    await engine.prefill([seq])
+    after_prefill = engine.kv_bytes(seq)
+    # 2 layers x (K, V) x 64 hidden x 4 bytes per token, whole 4-token blocks.
+    per_token = 2 * 2 * 64 * 4
+    assert after_prefill == -(-seq.num_computed_tokens // 4) * 4 * per_token
+    seen = [after_prefill]
+    for _ in range(20):
+        await engine.decode([seq])
+        seen.append(engine.kv_bytes(seq))
+    assert seen == sorted(seen) and seen[-1] > after_prefill
+    assert seq.memory_peak_bytes == seen[-1]
+    engine.release(seq)
+    assert engine.kv_bytes(seq) == 0 and seq.num_computed_tokens == 0
+
+
+# --------------------------------------------------------------------------- preemption
+
+
+async def test_preempted_sequence_recomputes_and_continues_without_loss_or_repeat():
+    engine = make()
+    seq, other = seqs_for(PROMPTS[1:3], max_tokens=14)
+    await engine.prefill([seq, other])
+    for _ in range(4):
+        await engine.decode([seq, other])
+    streamed = list(seq.output_tokens)
+    seq.mark_preempted()
+    engine.release(seq)
+    assert engine.kv_bytes(seq) == 0
+    for _ in range(2):  # the other one keeps running while it waits
+        await engine.decode([other])
+    await engine.prefill([seq])  # resumed: recompute prompt + streamed tokens
+    assert seq.recomputed_tokens == seq.prompt_tokens + len(streamed) - 1
+    while live := [s for s in (seq, other) if not s.is_finished]:
+        await engine.decode(live)
+    assert seq.output_tokens[: len(streamed)] == streamed
+    assert len(seq.output_tokens) == 14 and seq.finish_reason == "length"
+    assert seq.output_tokens == await alone(PROMPTS[1], 14)
+    indexes = []
+    while not seq.outbox.empty():
+        item = seq.outbox.get_nowait()
+        if hasattr(item, "index"):
+            indexes.append(item.index)
+    assert indexes == list(range(14))
+
+
+# --------------------------------------------------------------------------- limits
+
+
+async def test_reaching_max_seq_len_finishes_with_length():
+    engine = make(max_seq_len=48)
+    (seq,) = seqs_for(PROMPTS[3:4], max_tokens=500)
+    await run_to_end(engine, [seq])
+    assert seq.finish_reason == "length"
+    assert seq.prompt_tokens + len(seq.output_tokens) == 48
+
+
+async def test_prompt_longer_than_max_seq_len_fails_naming_prompt_tokens_and_the_limit():
+    engine = make(max_seq_len=32)
+    long, short = seqs_for([PROMPTS[3] * 3, PROMPTS[2]], max_tokens=4)
+    await engine.prefill([long, short])
+    assert long.finish_reason == "error" and len(short.output_tokens) == 1
+    item = long.outbox.get_nowait()
+    assert isinstance(item, StreamError) and isinstance(item.error, InvalidArgument)
+    assert item.error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_tokens" in str(item.error) and "31" in str(item.error)
+    engine.release(long)
+    assert engine.kv_bytes(long) == 0
+
+
+# --------------------------------------------------------------------------- tools, weights, factory
+
+
+async def test_tools_follow_the_sim_policy_through_the_model():
+    tools = [Tool("search_docs"), Tool("calculator")]
+    engine = make()
+    seq = Sequence(request_id="t", prompt="What is 17 * 3?", tools=tools, max_tokens=200)
+    await run_to_end(engine, [seq])
+    plan = plan_reply(seq.prompt, [], tools)
+    assert seq.finish_reason == "tool_calls"
+    assert seq.tool_calls == plan.tool_calls
+    assert "".join(seq.output_tokens) == "".join(plan.tokens)
+
+
+async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
+    engine = make(seed=5)
+    path = tmp_path / "tiny.pt"
+    save_checkpoint(engine.model_net, path)
+    assert await alone(PROMPTS[0], 8, checkpoint=str(path)) == await alone(PROMPTS[0], 8, seed=5)
+    with pytest.raises(ValueError, match="d_model 64 \\(config 128\\)"):
+        make(checkpoint=str(path), d_model=128)
+
+
+def test_make_engine_builds_the_torch_engine():
+    config = tiny_config().with_overrides(**{"service.dispatcher.engine": "torch"})
+    engine = make_engine(config)
+    assert isinstance(engine, TorchEngine) and engine.model == "torch-tiny"
+
+
+# --------------------------------------------------------------------------- over gRPC
+
+
+async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
+    config = tiny_config().with_overrides(
+        **{"service.dispatcher.engine": "torch", "queue.flush.flush_interval_ms": 2}
+    )
+    service = DispatcherService(config)
+    assert isinstance(service.engine, TorchEngine)
+    async with running([service], config.service.server) as srv:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            request = agent_pb2.GenerateRequest(request_id="g1", prompt=PROMPTS[0], max_tokens=6)
+            chunks = [c async for c in stub.Generate(request, timeout=30)]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                too_long = agent_pb2.GenerateRequest(request_id="g2", prompt="word " * 400, max_tokens=4)
+                _ = [c async for c in stub.Generate(too_long, timeout=30)]
+        finally:
+            await channel.close()
+    tokens = [c.token for c in chunks if c.HasField("token")]
+    done = chunks[-1].done
+    assert [t.index for t in tokens] == list(range(6))
+    assert "".join(t.text for t in tokens) == "".join(await alone(PROMPTS[0], 6, request_id="g1"))
+    assert done.finish_reason == "length" and done.model == "torch-tiny"
+    assert done.usage.completion_tokens == 6
+    assert done.usage.prompt_tokens == len(Tokenizer(1024).encode(PROMPTS[0]))
+    assert done.memory_peak_bytes > 0
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_tokens" in err.value.details() and "255" in err.value.details()
