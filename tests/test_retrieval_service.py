@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -10,7 +11,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import CONFIG_DIR
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import load_config
 from switchyard.common.server import running
@@ -20,6 +20,8 @@ from switchyard.retrieval.indexer import main as index_main
 from switchyard.retrieval.service import RetrievalService
 
 pytestmark = pytest.mark.slow  # loads the embedding model and the index
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
 
 def _config(index_dir, **overrides):
@@ -101,7 +103,16 @@ async def test_full_queue_is_resource_exhausted_naming_the_retrieval_queue(pydoc
         assert reply.passages
 
 
-async def test_queue_timeout_is_deadline_exceeded_naming_the_retrieval_queue(pydoc_index_dir):
+def _span_exporter(monkeypatch) -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(service_module, "tracer", provider.get_tracer("test"))
+    return provider, exporter
+
+
+async def test_queue_timeout_is_deadline_exceeded_naming_the_retrieval_queue(pydoc_index_dir, monkeypatch):
+    provider, exporter = _span_exporter(monkeypatch)
     config = _config(pydoc_index_dir, **{"queue.queues.retrieval": {"capacity": 8, "workers": 1, "timeout_ms": 50}})
     async with _serve(config) as (service, stub):
         release = asyncio.Event()
@@ -113,6 +124,9 @@ async def test_queue_timeout_is_deadline_exceeded_naming_the_retrieval_queue(pyd
             release.set()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "retrieval queue" in err.value.details() and "timeout_ms = 50" in err.value.details()
+    wait_span, = [s for s in exporter.get_finished_spans() if s.name == "retrieval.queue_wait"]
+    provider.shutdown()
+    assert not wait_span.status.is_ok and "timeout_ms = 50" in wait_span.status.description
 
 
 async def test_concurrent_calls_each_get_their_own_answer(pydoc_index_dir):
@@ -127,10 +141,7 @@ async def test_concurrent_calls_each_get_their_own_answer(pydoc_index_dir):
 
 
 async def test_stages_are_spans_with_the_queue_wait_timed_explicitly(pydoc_index_dir, monkeypatch):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(service_module, "tracer", provider.get_tracer("test"))
+    provider, exporter = _span_exporter(monkeypatch)
     async with _serve(_config(pydoc_index_dir)) as (_, stub):
         await stub.Retrieve(agent_pb2.RetrieveRequest(query="with"))
     spans = {s.name: s for s in exporter.get_finished_spans()}
