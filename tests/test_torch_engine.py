@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -15,7 +17,7 @@ from switchyard.dispatcher.engines import make_engine  # noqa: E402
 from switchyard.dispatcher.engines.sim import plan_reply  # noqa: E402
 from switchyard.dispatcher.engines.torch import TorchEngine  # noqa: E402
 from switchyard.dispatcher.engines.torch_model import Tokenizer, save_checkpoint  # noqa: E402
-from switchyard.dispatcher.sequence import Sequence, StreamError, Tool  # noqa: E402
+from switchyard.dispatcher.sequence import Message, Sequence, StreamError, Tool  # noqa: E402
 from switchyard.dispatcher.service import DispatcherService  # noqa: E402
 
 pytestmark = pytest.mark.no_gpu
@@ -214,6 +216,36 @@ async def test_tools_follow_the_sim_policy_through_the_model():
     assert "".join(seq.output_tokens) == "".join(plan.tokens)
 
 
+async def test_after_a_tool_result_the_answer_streams_as_text():
+    tools = [Tool("search_docs")]
+    messages = [
+        Message("user", "<question>How does the with statement work?</question>"),
+        Message(
+            "tool", "[1] The with statement\nThe with statement wraps a block in a context manager.", "c1", "search_docs"
+        ),
+    ]
+    engine = make()
+    seq = Sequence(request_id="a", messages=messages, tools=tools, max_tokens=200)
+    await run_to_end(engine, [seq])
+    plan = plan_reply("", messages, tools)
+    assert seq.finish_reason == "stop" and not seq.tool_calls
+    streamed = []
+    while not seq.outbox.empty():
+        item = seq.outbox.get_nowait()
+        if hasattr(item, "text"):
+            streamed.append(item.text)
+    assert "".join(streamed) == plan.text
+
+
+async def test_a_warm_prefix_from_the_scheduler_is_recomputed_and_counted():
+    engine = make()
+    (seq,) = seqs_for(PROMPTS[1:2], max_tokens=3)
+    seq.num_computed_tokens = 5  # the scheduler handed over a warm prefix this engine does not hold
+    await engine.prefill([seq])
+    assert seq.recomputed_tokens == 5
+    assert seq.num_computed_tokens == seq.prompt_tokens
+
+
 async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
     engine = make(seed=5)
     path = tmp_path / "tiny.pt"
@@ -242,10 +274,14 @@ async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
         try:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
-            request = agent_pb2.GenerateRequest(request_id="g1", prompt=PROMPTS[0], max_tokens=6)
-            chunks = [c async for c in stub.Generate(request, timeout=30)]
+
+            async def generate(request_id: str, prompt: str) -> list[agent_pb2.GenerateChunk]:
+                request = agent_pb2.GenerateRequest(request_id=request_id, prompt=prompt, max_tokens=6)
+                return [c async for c in stub.Generate(request, timeout=30)]
+
+            chunks, *others = await asyncio.gather(*(generate(f"g{i + 1}", p) for i, p in enumerate(PROMPTS[:3])))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                too_long = agent_pb2.GenerateRequest(request_id="g2", prompt="word " * 400, max_tokens=4)
+                too_long = agent_pb2.GenerateRequest(request_id="long", prompt="word " * 400, max_tokens=4)
                 _ = [c async for c in stub.Generate(too_long, timeout=30)]
         finally:
             await channel.close()
@@ -257,5 +293,8 @@ async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
     assert done.usage.completion_tokens == 6
     assert done.usage.prompt_tokens == len(Tokenizer(1024).encode(PROMPTS[0]))
     assert done.memory_peak_bytes > 0
+    for i, other in enumerate(others, start=1):  # batched with g1 through the engine loop
+        texts = [c.token.text for c in other if c.HasField("token")]
+        assert texts == await alone(PROMPTS[i], 6, request_id=f"g{i + 1}")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_tokens" in err.value.details() and "255" in err.value.details()
