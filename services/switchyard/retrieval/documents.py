@@ -31,7 +31,8 @@ def pydoc_documents() -> list[Document]:
 
     docs = []
     for name in sorted(topics):
-        text = topics[name]
+        # Drop reST heading underlines ("*****"): noise in passages and answers.
+        text = "\n".join(line for line in topics[name].splitlines() if not _RST_UNDERLINE.match(line))
         first = next((line.strip() for line in text.splitlines() if line.strip()), name)
         docs.append(Document(text=text, title=name, source=f"pydoc_data.topics:{name}", heading=first))
     return docs
