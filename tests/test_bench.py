@@ -188,3 +188,18 @@ def test_bad_plans_and_durations_are_rejected():
     assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("500ms") == 0.5
     with pytest.raises(Exception, match="expected a duration"):
         cli.parse_duration("ten seconds")
+
+
+def test_reference_ghz_config_resolves_to_the_reference_plan(monkeypatch):
+    import argparse
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    parser = argparse.ArgumentParser()
+    cli.add_load_options(parser)
+    plan = cli.resolve_plan(parser.parse_args(["--config", "ghz/reference.json", "--procs", "1"]), None)
+    assert (plan.host, plan.total, plan.concurrency, plan.rps, plan.timeout_s) == ("127.0.0.1:50051", 5000, 64, 200, 30)
+    assert {item["task_type"] for item in plan.calldata} == {"rag_answer", "chat", "react_loop"}
+    assert {item["priority"] for item in plan.calldata} == {"CORE", "NORMAL", "BATCH"}
+    smoke = cli.resolve_plan(parser.parse_args(["--config", "ghz/smoke.json", "-n", "10"]), "127.0.0.1:1")
+    assert (smoke.total, smoke.host) == (10, "127.0.0.1:1") and smoke.procs >= 1
