@@ -105,6 +105,15 @@ async def test_a_sequence_joining_at_a_step_boundary_does_not_disturb_the_runnin
     assert late.output_tokens == await alone(PROMPTS[1], 9)
 
 
+async def test_chunked_prefill_gives_the_same_tokens_as_one_forward():
+    assert await alone(PROMPTS[3], 6, prefill_chunk_tokens=5) == await alone(PROMPTS[3], 6)
+    engine = make(prefill_chunk_tokens=5)
+    seqs = seqs_for(PROMPTS, max_tokens=6)
+    await run_to_end(engine, seqs)
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_tokens == await alone(prompt, 6)
+
+
 async def test_num_computed_tokens_follows_the_contract():
     engine = make()
     (seq,) = seqs_for(PROMPTS[:1], max_tokens=5)
@@ -218,11 +227,10 @@ async def test_tools_follow_the_sim_policy_through_the_model():
 
 async def test_after_a_tool_result_the_answer_streams_as_text():
     tools = [Tool("search_docs")]
+    result = "[1] The with statement\nThe with statement wraps a block in a context manager."
     messages = [
         Message("user", "<question>How does the with statement work?</question>"),
-        Message(
-            "tool", "[1] The with statement\nThe with statement wraps a block in a context manager.", "c1", "search_docs"
-        ),
+        Message("tool", result, tool_call_id="c1", name="search_docs"),
     ]
     engine = make()
     seq = Sequence(request_id="a", messages=messages, tools=tools, max_tokens=200)

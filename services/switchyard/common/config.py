@@ -414,6 +414,11 @@ class TorchEngineConfig(_Strict):
         False, description="Keep generating past the end-of-text id (benchmarks, as vLLM's ignore_eos)."
     )
     kv_block_tokens: int = Field(16, ge=1, le=4096, description="The KV cache of a sequence grows by this many tokens.")
+    prefill_chunk_tokens: int = Field(
+        512, ge=1, le=1_048_576,
+        description="Prefill computes at most this many tokens of a sequence per forward (chunked prefill), "
+        "which bounds the attention activations of long prompts.",
+    )
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads; 0 = torch's default.")
     checkpoint: str = Field("", description="Path of a checkpoint saved by this engine; empty: dummy random weights.")
 

@@ -5,8 +5,9 @@ A :class:`~switchyard.dispatcher.engines.base.StepEngine` over
 ``torch`` in ``switchyard.json``). Dummy random weights from a fixed seed by
 default, as inference servers do for benchmarking, or a local checkpoint.
 
-- **prefill**: one batched forward over the uncomputed prefix of every
-  admitted sequence (padded, with an attention mask): the prompt on first
+- **prefill**: batched forwards over the uncomputed prefix of every
+  admitted sequence (padded, with an attention mask; in chunks of at most
+  ``prefill_chunk_tokens`` per sequence): the prompt on first
   admission, prompt plus every generated token after a preemption (counted in
   ``seq.recomputed_tokens``). It appends each sequence's next token.
 - **decode**: ONE batched forward step for all running sequences, one new
@@ -68,6 +69,7 @@ from switchyard.dispatcher.engines.torch_model import (
     KVCache,
     Tokenizer,
     build_model,
+    extend_in_chunks,
 )
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
 
@@ -133,7 +135,7 @@ class TorchEngine:
     # ------------------------------------------------------------------ StepEngine
 
     async def prefill(self, seqs: list[Sequence]) -> None:
-        """Compute each sequence's uncomputed prefix in one padded forward, then append its next token.
+        """Compute each sequence's uncomputed prefix (padded batch, chunked), then append its next token.
 
         A sequence whose prompt does not fit ``max_seq_len`` fails with
         :class:`InvalidArgument` (``prompt_tokens``); the others go on.
@@ -236,7 +238,7 @@ class TorchEngine:
         """Worker thread: one batched forward and the next id of each sequence; returns (ids, busy seconds)."""
         start = time.monotonic()
         with torch.inference_mode():
-            logits = self.model_net.extend(batch)
+            logits = extend_in_chunks(self.model_net, batch, self.params.prefill_chunk_tokens)
             if self.params.ignore_eos:
                 logits[:, self.tokenizer.eos_id] = float("-inf")
             if self.params.temperature <= 0:

@@ -17,7 +17,7 @@
   ``[n_layers, 2, n_heads, capacity, head_dim]`` grown in blocks of
   ``kv_block_tokens`` (like vLLM's 16-token blocks).
 - :meth:`DecoderLM.extend`: the one batched forward pass both prefill and
-  decode use. Each sequence brings its cache (``past`` tokens) and its new
+  decode use (prefill in chunks, :func:`extend_in_chunks`). Each sequence brings its cache (``past`` tokens) and its new
   token ids; the batch is padded, an attention mask keeps each query to its
   own sequence's keys at positions <= its own, and the new keys/values are
   written back into each cache. Decode is ``extend`` with one new token per
@@ -298,6 +298,33 @@ class DecoderLM(nn.Module):
         return logits
 
 
+def extend_in_chunks(model: DecoderLM, batch: list[ExtendInput], chunk_tokens: int) -> torch.Tensor:
+    """:meth:`DecoderLM.extend` in rounds of at most ``chunk_tokens`` new ids per sequence (chunked prefill).
+
+    Round ``r`` feeds every sequence that still has ids its next chunk, so a
+    long prompt never builds a ``[prompt, prompt]`` attention mask at once and
+    short prompts are done after the first round. Results equal one
+    unchunked ``extend`` (the cache carries the earlier chunks).
+
+    Returns:
+        ``[B, vocab_size]`` float32 logits of each sequence's last new id.
+    """
+    if max(len(item.new_ids) for item in batch) <= chunk_tokens:
+        return model.extend(batch)
+    logits: list[torch.Tensor | None] = [None] * len(batch)
+    offsets = [0] * len(batch)
+    while pending := [i for i, item in enumerate(batch) if offsets[i] < len(item.new_ids)]:
+        chunks = [
+            ExtendInput(batch[i].cache, batch[i].new_ids[offsets[i] : offsets[i] + chunk_tokens]) for i in pending
+        ]
+        out = model.extend(chunks)
+        for row, (i, chunk) in enumerate(zip(pending, chunks)):
+            offsets[i] += len(chunk.new_ids)
+            if offsets[i] == len(batch[i].new_ids):
+                logits[i] = out[row]
+    return torch.stack([row for row in logits if row is not None])
+
+
 # --------------------------------------------------------------------------- building and checkpoints
 
 
@@ -359,6 +386,7 @@ __all__ = [
     "KVCache",
     "DecoderLM",
     "ExtendInput",
+    "extend_in_chunks",
     "build_model",
     "save_checkpoint",
     "resolve_device",
