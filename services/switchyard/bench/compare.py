@@ -59,6 +59,8 @@ class Scenario:
     overrides: dict[str, Any]
 
 
+_SPLIT = "service.orchestrator.inference_mode"
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "A",
@@ -66,10 +68,11 @@ SCENARIOS: tuple[Scenario, ...] = (
         {"queue.flush.max_batch_size": 1, "service.orchestrator.inference_mode": "inline"},
     ),
     Scenario("B", "split queues + double buffer (20 ms)", {"service.orchestrator.inference_mode": "split"}),
-    Scenario("C10", "B, flush 10 ms", {"service.orchestrator.inference_mode": "split", "queue.flush.flush_interval_ms": 10}),
-    Scenario("C20", "B, flush 20 ms", {"service.orchestrator.inference_mode": "split", "queue.flush.flush_interval_ms": 20}),
-    Scenario("C50", "B, flush 50 ms", {"service.orchestrator.inference_mode": "split", "queue.flush.flush_interval_ms": 50}),
-    Scenario("D", "B, adaptive flush (auto)", {"service.orchestrator.inference_mode": "split", "queue.flush.flush_interval_ms": "auto"}),
+    *(
+        Scenario(f"C{ms}", f"B, flush {ms} ms", {_SPLIT: "split", "queue.flush.flush_interval_ms": ms})
+        for ms in (10, 20, 50)
+    ),
+    Scenario("D", "B, adaptive flush (auto)", {_SPLIT: "split", "queue.flush.flush_interval_ms": "auto"}),
 )
 
 
@@ -85,7 +88,9 @@ def pick_scenarios(keys: str) -> list[Scenario]:
     known = {s.key: s for s in SCENARIOS}
     unknown = [k for k in wanted if k not in known]
     if unknown or not wanted:
-        raise ValueError(f"--scenarios: unknown {unknown or keys!r}; expected a comma list of {', '.join(known)} or all")
+        raise ValueError(
+            f"--scenarios: unknown {unknown or keys!r}; expected a comma list of {', '.join(known)} or all"
+        )
     return [s for s in SCENARIOS if s.key in wanted]
 
 
@@ -167,8 +172,9 @@ def _metric_snapshot() -> dict[str, float]:
     return {key: REGISTRY.get_sample_value(name, labels) or 0.0 for key, (name, labels) in names.items()}
 
 
-def summarize(scenario: Scenario, load: LoadResult, busy_s: float | None, gpu_util: float | None,
-              metrics: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    scenario: Scenario, load: LoadResult, busy_s: float | None, gpu_util: float | None, metrics: dict[str, float]
+) -> dict[str, Any]:
     """One scenario's row: units are seconds, ratios 0-1, calls/s and tokens/s."""
     ok = [r for r in load.results if not r.error]
     lat = [r.latency_s for r in ok]
@@ -286,7 +292,9 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], reports: dict[str, dict
     summary = out / "compare.json"
     summary.write_text(json.dumps({"meta": meta, "scenarios": rows}, indent=2), encoding="utf-8")
     markdown = out / "compare.md"
-    markdown.write_text(f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n{table(rows)}\n", encoding="utf-8")
+    markdown.write_text(
+        f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n{table(rows)}\n", encoding="utf-8"
+    )
     png = plot_comparison(rows, out / "compare.png")
     return [summary, markdown, png, *paths]
 
@@ -327,9 +335,8 @@ def parse_settings(settings: list[str]) -> dict[str, Any]:
 
 async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConfig) -> list[dict[str, Any]]:
     scenarios = pick_scenarios(args.scenarios)
-    needs_retrieval = {
-        "on": True, "off": False, "auto": any(item.get("task_type", "") in RETRIEVING_WORKFLOWS for item in plan.calldata)
-    }[args.retrieval]
+    retrieving = any(item.get("task_type", "") in RETRIEVING_WORKFLOWS for item in plan.calldata)
+    needs_retrieval = {"on": True, "off": False, "auto": retrieving}[args.retrieval]
     rows: list[dict[str, Any]] = []
     reports: dict[str, dict[str, Any]] = {}
     async with shared_retrieval(base, needs_retrieval) as retrieval_addr:
@@ -345,7 +352,8 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
         "command": "switchyard bench compare " + " ".join(args.argv),
         "machine": machine_description(),
         "engine": base.service.dispatcher.engine,
-        "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"} | {"calldata_items": len(plan.calldata)},
+        "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"}
+        | {"calldata_items": len(plan.calldata)},
         "retrieval": needs_retrieval,
         "settings": parse_settings(args.settings),
     }

@@ -70,7 +70,9 @@ class LoadPlan:
         if self.duration_s <= 0 and self.total < self.concurrency:
             raise ValueError(f"total ({self.total}) cannot be smaller than concurrency ({self.concurrency})")
         if self.rps < 0 or self.duration_s < 0 or self.timeout_s <= 0:
-            raise ValueError(f"rps, duration must be >= 0 and timeout > 0; got {self.rps}, {self.duration_s}, {self.timeout_s}")
+            raise ValueError(
+                f"rps and duration must be >= 0 and timeout > 0; got {self.rps}, {self.duration_s}, {self.timeout_s}"
+            )
         if self.procs < 1:
             raise ValueError(f"procs must be >= 1, got {self.procs}")
 
