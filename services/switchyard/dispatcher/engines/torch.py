@@ -212,7 +212,6 @@ class TorchEngine:
                 tool_calls=list(reply.tool_calls),
                 finish_reason=reply.finish_reason,
             )
-        # Tokens generated before a restart of this engine are not known here: start from the prompt.
         self._states[seq] = state
         return state
 
