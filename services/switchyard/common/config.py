@@ -297,9 +297,12 @@ class OrchestratorConfig(_Strict):
     dispatcher_addr: str = "127.0.0.1:50053"
     default_task_type: str = "rag_answer"
     default_max_tokens: int = Field(128, ge=1, le=32768)
-    cpu_pool_threads: int = Field(
-        4, ge=0, le=256, description="Threads for CPU-bound DAG steps; 0 runs them on the event loop."
+    cpu_executor: Literal["process", "thread", "loop"] = Field(
+        "process",
+        description="Where CPU-bound DAG steps (render_prompt, count_tokens) run: a process pool, a thread "
+        "pool, or the event loop itself. See the README's architecture section for the measured trade-off.",
     )
+    cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor.")
     task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
     max_prompt_tokens: int = Field(8192, ge=16, le=1_000_000, description="Longest rendered prompt accepted.")
     inference_mode: Literal["split", "inline"] = Field(

@@ -25,14 +25,15 @@ class StepContext(Protocol):
 
     def stage_done(self, name: str, start: float, end: float) -> None: ...
 
-    async def run_cpu(self, fn: Callable[[], Any]) -> Any: ...
+    async def run_cpu(self, job: Any) -> None: ...
 
 
 @dataclass(frozen=True)
 class Step:
     """One node of a workflow.
 
-    ``fn`` takes the task run; for ``cpu`` steps it is synchronous, otherwise a coroutine function.
+    ``fn`` takes the task run; for ``cpu`` steps it returns the step's CPU job, otherwise it is a
+    coroutine function.
     """
 
     name: str
@@ -47,7 +48,7 @@ async def run_step(step: Step, run: StepContext) -> None:
     with tracer.start_as_current_span(step.name, attributes={"switchyard.stage": step.name, **step.attributes}):
         start = time.monotonic()
         if step.cpu:
-            await run.run_cpu(lambda: step.fn(run))
+            await run.run_cpu(step.fn(run))
         else:
             result: Awaitable[None] = step.fn(run)
             await result

@@ -11,12 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from jinja2 import FileSystemLoader, StrictUndefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+
+class Snippet(NamedTuple):
+    """A titled text handed to a template: a retrieved passage (title, text) or a tool (name, description)."""
+
+    title: str
+    text: str
+
+    @property
+    def name(self) -> str:
+        return self.title
+
+    @property
+    def description(self) -> str:
+        return self.text
 
 
 @dataclass(frozen=True)

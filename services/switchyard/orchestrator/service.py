@@ -2,7 +2,7 @@
 
 Every task runs its workflow's DAG (see workflows.py). CPU steps wait for a
 worker of the bounded orchestration queue (``queues.orchestration`` in
-queue.json) and run in a thread pool; retrieval and inference steps hold no
+queue.json) and run in the CPU executor (a process pool by default); retrieval and inference steps hold no
 orchestration worker while they wait on the other services. With
 ``orchestrator.inference_mode = "inline"`` a task instead holds one worker for
 its whole DAG: the one-mixed-queue baseline that the benchmark compares against.
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
@@ -23,7 +24,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError, status_for
 from switchyard.common.queues import WorkQueue
-from switchyard.orchestrator import tokens, workflows
+from switchyard.orchestrator import prompts, tokens, workflows
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
@@ -36,6 +37,31 @@ _END = object()
 def _trace_id() -> str:
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def _warm_cpu_worker() -> None:
+    """Load the tokenizer's BPE ranks and the templates before the first task needs them."""
+    tokens.encoding()
+    prompts.render("chat", "warm-up")
+
+
+async def _cpu_executor(kind: str, workers: int) -> Executor | None:
+    """The executor for CPU-bound steps (``orchestrator.cpu_executor``), warmed up.
+
+    Processes start with ``spawn``: forking a process that already runs gRPC's
+    threads is unsafe.
+    """
+    executor: Executor | None
+    if kind == "loop":
+        _warm_cpu_worker()
+        return None
+    if kind == "thread":
+        executor = ThreadPoolExecutor(workers, thread_name_prefix="orchestration-cpu")
+    else:
+        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(loop.run_in_executor(executor, _warm_cpu_worker) for _ in range(workers)))
+    return executor
 
 
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
@@ -69,13 +95,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._deps = workflows.Deps(
             config=cfg,
             queue=queue,
-            pool=ThreadPoolExecutor(orch.cpu_pool_threads, thread_name_prefix="orchestration-cpu")
-            if orch.cpu_pool_threads
-            else None,
+            executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
             inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
         )
-        await asyncio.to_thread(tokens.encoding)  # load the BPE ranks now, not in the first task's count_tokens
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
@@ -91,8 +114,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             await deps.queue.stop()
             await deps.retrieval.close()
             await deps.inference.close()
-            if deps.pool is not None:
-                deps.pool.shutdown(wait=False, cancel_futures=True)
+            if deps.executor is not None:
+                deps.executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ running a task
 

@@ -41,8 +41,8 @@ class Deps:
 
     config: SwitchyardConfig
     queue: WorkQueue
-    pool: Executor | None
-    """None: CPU steps run on the event loop (orchestrator.cpu_pool_threads = 0)."""
+    executor: Executor | None
+    """Runs CPU jobs; None runs them on the event loop (orchestrator.cpu_executor = "loop")."""
     retrieval: RetrievalClient
     inference: InferenceClient
 
@@ -149,16 +149,22 @@ class TaskRun:
             )
         )
 
-    async def run_cpu(self, fn: Callable[[], Any]) -> Any:
-        """Run CPU work in the pool; in split mode it first waits for an orchestration worker."""
+    async def run_cpu(self, job: "CpuJob") -> None:
+        """Run a CPU step: wait for an orchestration worker (split mode), run ``job.fn`` in the
+        CPU executor, then ``job.apply`` its result here on the loop."""
         loop = asyncio.get_running_loop()
-        pool = self.deps.pool
+        executor = self.deps.executor
 
         async def execute() -> Any:
-            return fn() if pool is None else await loop.run_in_executor(pool, fn)
+            if job.fn is None:
+                return None
+            if executor is None:
+                return job.fn(*job.args)
+            return await loop.run_in_executor(executor, job.fn, *job.args)
 
         if self.inline:
-            return await execute()
+            job.apply(await execute())
+            return
         queue = self.deps.queue
         ticket = queue.submit(execute)
         self.accept(ticket.position)
@@ -166,7 +172,7 @@ class TaskRun:
         result, wait = await ticket.result()
         tracer.start_span("orchestration.queue_wait", start_time=enqueued).end(end_time=enqueued + int(wait * 1e9))
         self.add_wait(queue.name, wait)
-        return result
+        job.apply(result)
 
     def remaining(self) -> float | None:
         return None if self.deadline_s is None else max(0.001, self.deadline_s - time.monotonic())
@@ -221,9 +227,28 @@ class TaskRun:
 # ---------------------------------------------------------------------- steps
 
 
-def _plan(run: TaskRun) -> None:
-    """Resolve defaults the later steps read; a CPU step so the task enters the orchestration queue."""
-    run.model = run.spec.model or run.deps.config.service.dispatcher.engine
+@dataclass(frozen=True)
+class CpuJob:
+    """The CPU work of a step.
+
+    ``fn(*args)`` runs in the CPU executor (so it must be a module-level function
+    with picklable arguments: the executor may be a process pool); ``apply(result)``
+    then runs on the event loop and updates the task. ``fn=None`` is bookkeeping
+    too small to ship anywhere: only ``apply`` runs, inside an orchestration worker.
+    """
+
+    fn: Callable[..., Any] | None
+    args: tuple = ()
+    apply: Callable[[Any], None] = lambda _result: None
+
+
+def _plan(run: TaskRun) -> CpuJob:
+    """Resolve defaults the later steps read; the task enters the orchestration queue here."""
+
+    def apply(_: None) -> None:
+        run.model = run.spec.model or run.deps.config.service.dispatcher.engine
+
+    return CpuJob(None, apply=apply)
 
 
 async def _retrieve(run: TaskRun) -> None:
@@ -244,21 +269,30 @@ def _tools(run: TaskRun) -> list[Tool]:
     return [search_docs_tool(search), CALCULATOR]
 
 
-def _render_prompt(run: TaskRun) -> None:
-    run.prompt = prompts.render(run.spec.workflow, run.spec.payload, run.passages, _tools(run))
-    if run.spec.workflow == "react_loop":
-        run.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in run.prompt.messages()]
+def _render_prompt(run: TaskRun) -> CpuJob:
+    passages = [prompts.Snippet(p.title, p.text) for p in run.passages]
+    tools = [prompts.Snippet(t.name, t.description) for t in _tools(run)]
+
+    def apply(prompt: prompts.RenderedPrompt) -> None:
+        run.prompt = prompt
+        if run.spec.workflow == "react_loop":
+            run.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
+
+    return CpuJob(prompts.render, (run.spec.workflow, run.spec.payload, passages, tools), apply)
 
 
-def _count_tokens(run: TaskRun) -> None:
+def _count_tokens(run: TaskRun) -> CpuJob:
     assert run.prompt is not None
-    run.prompt_tokens = count_messages(run.prompt.messages())
     limit = run.deps.config.service.orchestrator.max_prompt_tokens
-    if run.prompt_tokens > limit:
-        raise InvalidArgument(
-            "payload", f"a prompt of at most {limit} tokens (orchestrator.max_prompt_tokens)",
-            f"{run.prompt_tokens} tokens",
-        )
+
+    def apply(count: int) -> None:
+        run.prompt_tokens = count
+        if count > limit:
+            raise InvalidArgument(
+                "payload", f"a prompt of at most {limit} tokens (orchestrator.max_prompt_tokens)", f"{count} tokens"
+            )
+
+    return CpuJob(count_messages, (run.prompt.messages(),), apply)
 
 
 async def _infer(run: TaskRun) -> None:
@@ -308,19 +342,22 @@ async def _observe(run: TaskRun, tools: dict[str, Tool], call: agent_pb2.ToolCal
     run.messages.append(agent_pb2.ChatMessage(role="tool", content=content, tool_call_id=call.call_id, name=call.name))
 
 
-def _finalize(run: TaskRun) -> None:
-    run.timings.total_s = time.monotonic() - run.t0
-    run.final = agent_pb2.FinalEvent(
-        task_id=run.spec.task_id,
-        output="".join(run.output),
-        usage=run.usage,
-        timings=run.timings,
-        compute_score_used=run.compute_score_used,
-        memory_peak_bytes=run.memory_peak_bytes,
-        trace_id=run.trace_id,
-        model=run.model,
-        passages=run.passages,
-    )
+def _finalize(run: TaskRun) -> CpuJob:
+    def apply(_: None) -> None:
+        run.timings.total_s = time.monotonic() - run.t0
+        run.final = agent_pb2.FinalEvent(
+            task_id=run.spec.task_id,
+            output="".join(run.output),
+            usage=run.usage,
+            timings=run.timings,
+            compute_score_used=run.compute_score_used,
+            memory_peak_bytes=run.memory_peak_bytes,
+            trace_id=run.trace_id,
+            model=run.model,
+            passages=run.passages,
+        )
+
+    return CpuJob(None, apply=apply)
 
 
 def build(workflow: str) -> list[Step]:
