@@ -321,7 +321,7 @@ def test_nvml_read_error_falls_back_to_busy_ratio_and_says_so_once(caplog: pytes
     # busy ratio 0.5 stands in for GPU utilisation: 0.2*50 + 0.6*(0.8*50)
     assert sched.score == pytest.approx(34.0)
     assert metric("switchyard_compute_score") == pytest.approx(34.0)
-    fallbacks = [r for r in caplog.records if "falls back to the engine busy ratio" in r.getMessage()]
+    fallbacks = [r for r in caplog.records if "the compute score comes from the engine: its busy ratio" in r.getMessage()]
     assert len(fallbacks) == 1 and "GPU is lost" in fallbacks[0].getMessage()
     assert nvml.reads == 2, "NVML is not read again after an error"
 

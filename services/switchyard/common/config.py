@@ -384,6 +384,12 @@ class SimEngineConfig(_Strict):
     decode_base_ms: float = Field(4.2, ge=0)
     decode_per_seq_ms: float = Field(0.15, ge=0)
     kv_bytes_per_token: int = Field(524_288, ge=0)
+    params_billion: float = Field(
+        7.0, gt=0, le=10_000, description="Model parameters (billions): 2 x params FLOPs per token for tensor activity."
+    )
+    peak_tflops: float = Field(989.0, gt=0, description="Dense BF16 tensor peak of the modelled GPU (H100 SXM).")
+    hbm_tb_per_s: float = Field(3.35, gt=0, description="HBM bandwidth of the modelled GPU, TB/s (H100 SXM).")
+    bytes_per_param: float = Field(2.0, gt=0, description="Weight bytes per parameter (2 = fp16/bf16).")
 
 
 class TorchEngineConfig(_Strict):

@@ -90,6 +90,22 @@ def decode_seconds(params: SimEngineConfig, batch_size: int) -> float:
     return (params.decode_base_ms + params.decode_per_seq_ms * batch_size) / 1000
 
 
+def step_activity(params: SimEngineConfig, seconds: float, flops: float, hbm_bytes: float) -> tuple[float, float]:
+    """Modelled (memory-busy seconds, tensor-busy seconds) of one step lasting ``seconds``.
+
+    Memory-busy time is the time needed to move ``hbm_bytes`` at the HBM
+    bandwidth; tensor-busy time is ``flops`` at the tensor peak. Both are capped
+    by the step's length. Over a window they give the GPU's memory (bandwidth)
+    and tensor utilisation, the two NVML/DCGM readings the compute score
+    weighs, as a roofline model predicts them (Williams et al., "Roofline",
+    CACM 2009): a decode step streams every weight once and barely uses the
+    tensor cores; a prefill is the opposite.
+    """
+    memory = hbm_bytes / (params.hbm_tb_per_s * 1e12)
+    tensor = flops / (params.peak_tflops * 1e12)
+    return min(seconds, memory), min(seconds, tensor)
+
+
 # --------------------------------------------------------------------------- text
 
 
@@ -262,6 +278,10 @@ class SimEngine:
         self.params = config.service.sim
         self.model = self.params.model
         self.busy_seconds = 0.0
+        self.memory_busy_seconds = 0.0
+        """Modelled seconds the HBM was busy (see :func:`step_activity`)."""
+        self.tensor_busy_seconds = 0.0
+        """Modelled seconds the tensor cores were busy."""
         self.steps = 0
         self._replies: dict[Sequence, SimReply] = {}
 
@@ -287,7 +307,7 @@ class SimEngine:
         with tracer.start_as_current_span("engine.prefill", links=request_links(seqs)) as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._run(prefill_seconds(self.params, tokens))
+            await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
         for seq in seqs:
             if seq.output_tokens:
                 seq.recomputed_tokens += seq.num_tokens - 1
@@ -301,7 +321,9 @@ class SimEngine:
             return
         with tracer.start_as_current_span("engine.decode", links=request_links(seqs)) as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
-            await self._run(decode_seconds(self.params, len(seqs)))
+            await self._run(
+                decode_seconds(self.params, len(seqs)), tokens=len(seqs), kv_tokens=sum(s.num_tokens for s in seqs)
+            )
         for seq in seqs:
             seq.num_computed_tokens = seq.num_tokens
             self._emit_next(seq)
@@ -316,9 +338,16 @@ class SimEngine:
         """``num_computed_tokens x kv_bytes_per_token``."""
         return seq.num_computed_tokens * self.params.kv_bytes_per_token
 
-    async def _run(self, seconds: float) -> None:
+    async def _run(self, seconds: float, tokens: int, kv_tokens: int) -> None:
+        """Spend ``seconds`` on a step that computes ``tokens`` and reads the KV of ``kv_tokens``."""
+        p = self.params
+        flops = 2 * p.params_billion * 1e9 * tokens
+        hbm_bytes = p.params_billion * 1e9 * p.bytes_per_param + kv_tokens * p.kv_bytes_per_token
+        memory, tensor = step_activity(p, seconds, flops, hbm_bytes)
         self.steps += 1
         self.busy_seconds += seconds
+        self.memory_busy_seconds += memory
+        self.tensor_busy_seconds += tensor
         await asyncio.sleep(seconds)
 
     def _emit_next(self, seq: Sequence) -> None:

@@ -11,16 +11,20 @@ scale as ``low_load_threshold`` and ``high_load_threshold``.
   ``nvmlDeviceGetUtilizationRates().gpu``.
 - ``bandwidth_util``: NVML memory utilisation (percent of the period device
   memory was read or written), ``nvmlDeviceGetUtilizationRates().memory``.
-- ``tensor_util``: tensor-core activity is not readable through NVML (only
-  through DCGM profiling), so it is estimated as DESIGN.md says:
+- ``tensor_util``: tensor-core activity, read through NVML's GPU Performance
+  Monitoring (GPM) metric ``NVML_GPM_METRIC_ANY_TENSOR_UTIL`` on GPUs that
+  support it (Hopper and newer); elsewhere it is not readable through NVML
+  (only through DCGM profiling), so it is estimated as DESIGN.md says:
   ``0.8 * cuda_util`` when ``cuda_util > 30``, else 0.
 
 Without a GPU or without NVML (no driver, no pynvml, or any NVML error), the
-engine's busy ratio stands in for ``cuda_util``: both measure the share of
-wall time the device (or the engine) was running work. Memory bandwidth is then
-not observable and counts 0; the tensor estimate applies unchanged. The
-monitor says so once in the log and sets ``switchyard_gpu_available`` to 0. An
-NVML error never propagates: the monitor switches to the fallback for good.
+engine stands in for the GPU. An engine that models its own activity (the
+``sim`` engine: ``memory_busy_seconds`` and ``tensor_busy_seconds`` beside
+``busy_seconds``, from a roofline model of the GPU it simulates) gives all
+three readings; any other engine gives only its busy ratio for ``cuda_util``,
+bandwidth then counts 0 and the tensor estimate applies. The monitor says so
+once in the log and sets ``switchyard_gpu_available`` to 0. An NVML error never
+propagates: the monitor switches to the fallback for good.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class NvmlReader:
         self.device_index = device_index
         self._nvml = nvml
         self._handle: Any = None
+        self._gpm: list[Any] | bool | None = None
+        """GPM state: None untried, False unsupported, else the two sample buffers."""
 
     def _error_types(self) -> tuple[type[BaseException], ...]:
         nvml_error = getattr(self._nvml, "NVMLError", None)
@@ -128,10 +134,51 @@ class NvmlReader:
         except self._error_types() as exc:
             raise NvmlUnavailable(f"NVML utilisation read for GPU {self.device_index} failed: {exc}") from None
 
+    def read_tensor(self) -> float | None:
+        """Tensor-core utilisation (percent) since the previous call, through NVML GPM; None when unknown.
+
+        None on the first call (GPM needs two samples), on GPUs without GPM
+        support, and after any GPM error (GPM is then not tried again; the
+        caller estimates tensor activity instead).
+        """
+        if self._handle is None or self._gpm is False:
+            return None
+        nvml = self._nvml
+        try:
+            if self._gpm is None:
+                if not nvml.nvmlGpmQueryDeviceSupport(self._handle).isSupportedDevice:
+                    self._gpm = False
+                    return None
+                self._gpm = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
+                nvml.nvmlGpmSampleGet(self._handle, self._gpm[0])
+                return None
+            previous, current = self._gpm
+            nvml.nvmlGpmSampleGet(self._handle, current)
+            request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = 1
+            request.sample1 = previous
+            request.sample2 = current
+            request.metrics[0].metricId = nvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+            nvml.nvmlGpmMetricsGet(request)
+            self._gpm = [current, previous]
+            return float(request.metrics[0].value)
+        except (*self._error_types(), TypeError) as exc:
+            log.info("NVML GPM tensor utilisation not readable (%s); estimating it from GPU utilisation", exc)
+            self._gpm = False
+            return None
+
     def close(self) -> None:
         """Shut NVML down if it was initialised; never raises."""
         if self._handle is None:
             return
+        if isinstance(self._gpm, list):
+            for sample in self._gpm:
+                try:
+                    self._nvml.nvmlGpmSampleFree(sample)
+                except Exception:  # noqa: BLE001 - shutting down
+                    pass
+        self._gpm = None
         self._handle = None
         try:
             self._nvml.nvmlShutdown()
@@ -139,29 +186,40 @@ class NvmlReader:
             pass
 
 
-class BusyRatio:
-    """Share of wall time an engine was busy (0-1) between two readings.
+class EngineActivity:
+    """Utilisation the engine reports of itself (percent, 0-100) between two readings.
 
-    Args:
-        busy_seconds: returns the engine's cumulative busy seconds
-            (``StepEngine.busy_seconds``).
+    Reads the cumulative ``busy_seconds`` and, when the engine models them,
+    ``memory_busy_seconds`` and ``tensor_busy_seconds``.
     """
 
-    def __init__(self, busy_seconds: Callable[[], float]) -> None:
-        self._busy_seconds = busy_seconds
-        self._last: tuple[float, float] | None = None
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.modelled = hasattr(engine, "memory_busy_seconds") and hasattr(engine, "tensor_busy_seconds")
+        self._last: tuple[float, float, float, float] | None = None
 
-    def read(self, now: float) -> float:
-        """Busy ratio since the previous call (0 on the first call)."""
-        busy = float(self._busy_seconds())
-        if self._last is None:
-            self._last = (now, busy)
-            return 0.0
-        last_now, last_busy = self._last
-        if now <= last_now:
-            return 0.0
-        self._last = (now, busy)
-        return min(1.0, max(0.0, (busy - last_busy) / (now - last_now)))
+    def _totals(self) -> tuple[float, float, float]:
+        e = self._engine
+        return (
+            float(getattr(e, "busy_seconds", 0.0) or 0.0),
+            float(getattr(e, "memory_busy_seconds", 0.0) or 0.0),
+            float(getattr(e, "tensor_busy_seconds", 0.0) or 0.0),
+        )
+
+    def read(self, now: float) -> UtilSample:
+        """The sample since the previous call (all zero on the first call)."""
+        busy, memory, tensor = self._totals()
+        last, self._last = self._last, (now, busy, memory, tensor)
+        if last is None or now <= last[0]:
+            return UtilSample(0.0, 0.0, 0.0, "engine_model" if self.modelled else "busy_ratio")
+        span = now - last[0]
+
+        def pct(delta: float) -> float:
+            return min(100.0, max(0.0, 100.0 * delta / span))
+
+        if self.modelled:
+            return UtilSample(pct(busy - last[1]), pct(memory - last[2]), pct(tensor - last[3]), "engine_model")
+        return sample_from(pct(busy - last[1]), 0.0, "busy_ratio")
 
 
 class ComputeScoreMonitor:
@@ -174,7 +232,8 @@ class ComputeScoreMonitor:
     Args:
         config: ``scheduler_config.json`` (weights, sample interval, device index).
         busy_seconds: the engine's cumulative busy seconds, for the fallback;
-            None counts the engine as idle.
+            None counts the engine as idle. Ignored when ``engine`` is given.
+        engine: the engine itself, for the fallback (see :class:`EngineActivity`).
         nvml: the pynvml module or a stand-in (tests); None imports pynvml;
             ``False`` skips NVML (no GPU expected).
     """
@@ -184,13 +243,16 @@ class ComputeScoreMonitor:
         config: SchedulerFile,
         busy_seconds: Callable[[], float] | None = None,
         nvml: ModuleType | Any | None = None,
+        engine: Any = None,
     ) -> None:
         self.weights = config.compute_score_weights
         self.sample_interval_s = config.score_sample_interval_ms / 1000.0
         self._reader: NvmlReader | None = (
             None if nvml is False else NvmlReader(config.nvml_device_index, nvml)
         )
-        self._busy = BusyRatio(busy_seconds or (lambda: 0.0))
+        if engine is None:
+            engine = _BusyOnly(busy_seconds or (lambda: 0.0))
+        self._activity = EngineActivity(engine)
         self._next_read = float("-inf")
         self.gpu_available: bool | None = None
         """True once NVML answered, False once the fallback is in use, None before the first read."""
@@ -202,14 +264,14 @@ class ComputeScoreMonitor:
         if now < self._next_read:
             return self.score
         self._next_read = now + self.sample_interval_s
-        busy = self._busy.read(now)  # keep the busy window aligned even while NVML answers
+        fallback = self._activity.read(now)  # keep the window aligned even while NVML answers
         sample = self._read_nvml()
         if sample is None:
-            sample = sample_from(busy * 100.0, 0.0, "busy_ratio")
+            sample = fallback
         self.sample = sample
         self.score = weighted_score(sample, self.weights)
         metrics.COMPUTE_SCORE.set(self.score)
-        if sample.source == "nvml":
+        if sample.source.startswith("nvml"):
             metrics.GPU_UTILIZATION.set(sample.cuda_util / 100.0)
             metrics.GPU_MEMORY_UTILIZATION.set(sample.bandwidth_util / 100.0)
         return self.score
@@ -229,16 +291,32 @@ class ComputeScoreMonitor:
             self.gpu_available = True
             metrics.GPU_AVAILABLE.set(1)
             log.info("compute score from NVML utilisation of GPU %d", self._reader.device_index)
-        return sample_from(gpu, memory, "nvml")
+        tensor = self._reader.read_tensor()
+        if tensor is None:
+            return sample_from(gpu, memory, "nvml")
+        return UtilSample(min(100.0, max(0.0, gpu)), min(100.0, max(0.0, memory)),
+                          min(100.0, max(0.0, tensor)), "nvml_gpm")
 
     def _fall_back(self, reason: str) -> None:
         if self.gpu_available is False:
             return
         self.gpu_available = False
         metrics.GPU_AVAILABLE.set(0)
-        log.warning("GPU utilisation not readable (%s); compute score falls back to the engine busy ratio", reason)
+        source = "its modelled utilisation" if self._activity.modelled else "its busy ratio"
+        log.warning("GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
 
     def close(self) -> None:
         """Release NVML; never raises."""
         if self._reader is not None:
             self._reader.close()
+
+
+class _BusyOnly:
+    """An engine stand-in that reports only cumulative busy seconds."""
+
+    def __init__(self, busy_seconds: Callable[[], float]) -> None:
+        self._busy_seconds = busy_seconds
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._busy_seconds()

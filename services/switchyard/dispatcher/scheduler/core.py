@@ -32,7 +32,7 @@ class SchedulerCore:
             ``release(seq)`` are used when present (a stream engine has none:
             the score then counts the engine idle and memory as 0).
         monitor: compute-score source; default a :class:`ComputeScoreMonitor`
-            reading NVML, falling back to ``engine.busy_seconds``.
+            reading NVML, falling back to the engine's own activity.
     """
 
     name = "base"
@@ -40,7 +40,7 @@ class SchedulerCore:
     def __init__(self, config: SchedulerFile, engine: Any = None, monitor: ComputeScoreMonitor | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.monitor = monitor or ComputeScoreMonitor(config, busy_seconds=self._busy_seconds)
+        self.monitor = monitor or ComputeScoreMonitor(config, engine=engine)
         self.admission = Admission(config)
         self.accounting = Accounting(self._kv_bytes)
         self.parking = ParkedAgents(config.tool_wait_ttl_s, self._release, self._kv_bytes)
@@ -213,9 +213,6 @@ class SchedulerCore:
             self.admission.expected.learn(seq.task_type, observed)
         metrics.TASK_COMPUTE_SCORE_USED.observe(seq.compute_score_used)
         metrics.TASK_MEMORY_PEAK_BYTES.observe(seq.memory_peak_bytes)
-
-    def _busy_seconds(self) -> float:
-        return float(getattr(self.engine, "busy_seconds", 0.0) or 0.0)
 
     def _kv_bytes(self, seq: Sequence) -> int:
         kv_bytes = getattr(self.engine, "kv_bytes", None)
