@@ -75,6 +75,17 @@ def test_tool_results_restate_the_assistant_tool_calls():
     assert messages[2] == {"role": "tool", "content": "result", "tool_call_id": "call_1", "name": "search_docs"}
 
 
+def test_assistant_tool_calls_go_upstream_with_their_arguments():
+    call = ToolCall("call_7", "calculator", '{"expression": "2+2"}')
+    messages = chat_messages("", [
+        Message("user", "q"), Message("assistant", "", tool_calls=(call,)),
+        Message("tool", "2+2 = 4", tool_call_id="call_7", name="calculator"),
+    ])
+    assert messages[1]["tool_calls"] == [{"id": "call_7", "type": "function",
+                                          "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}]
+    assert messages[2]["tool_call_id"] == "call_7"
+
+
 async def test_priority_class_forwarded_when_enabled(sim_openai):
     seq = Sequence("r3", prompt="hi", priority=agent_pb2.CORE)
     await run(engine_for(sim_openai.base_url, forward_priority=True), seq)

@@ -210,6 +210,9 @@ async def test_react_loop_calls_both_tools_and_streams_them():
     assert "with statement" in results["search_docs"].content
     assert results["calculator"].content == "12*(3+4) = 84" and not results["calculator"].is_error
     assert [r.resume for r in down.requests] == [False, True, True]
+    assistant, tool = down.requests[1].messages[-2:]
+    assert assistant.role == "assistant" and [c.name for c in assistant.tool_calls] == ["search_docs"]
+    assert tool.role == "tool" and tool.tool_call_id == assistant.tool_calls[0].call_id
     assert all(r.agent_id == down.requests[0].agent_id for r in down.requests)
     assert events[-1].final.output == "The answer."
     assert events[-1].final.compute_score_used == pytest.approx(1.5)

@@ -53,6 +53,8 @@ class Message:
     content: str
     tool_call_id: str = ""
     name: str = ""
+    tool_calls: tuple["ToolCall", ...] = ()
+    """Assistant messages: the tool calls the model made in that turn."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from switchyard.dispatcher.sequence import (
     StreamToken,
     StreamToolCall,
     Tool,
+    ToolCall,
     word_pieces,
 )
 
@@ -78,7 +79,8 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
     for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"one of {', '.join(_ROLES)}", m.role)
-        messages.append(Message(m.role, m.content, m.tool_call_id, m.name))
+        calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in m.tool_calls)
+        messages.append(Message(m.role, m.content, m.tool_call_id, m.name, calls))
     tools = []
     for i, t in enumerate(request.tools):
         if not t.name:

@@ -312,7 +312,7 @@ async def _react(run: TaskRun) -> None:
         if not calls:
             run.output = [text]
             return
-        run.messages.append(agent_pb2.ChatMessage(role="assistant", content=text))
+        run.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
         for call in calls:
             await _observe(run, tools, call, policy)
     start = time.monotonic()

@@ -46,15 +46,20 @@ def chat_messages(prompt: str, messages: list[Message]) -> list[dict[str, Any]]:
     """OpenAI chat messages for a sequence: ``messages`` if any, else one user turn holding ``prompt``.
 
     OpenAI-compatible servers require each ``tool`` message to answer a
-    ``tool_calls`` entry of the assistant turn before it. Sequences carry tool
-    results (call id and name) but not the assistant's calls, so the calls are
-    restated on that assistant turn from the results (arguments ``{}``).
+    ``tool_calls`` entry of the assistant turn before it. Assistant messages
+    carry their calls; a tool result whose call is missing (an older client)
+    gets its call restated on that assistant turn (arguments ``{}``).
     """
     if not messages:
         return [{"role": "user", "content": prompt}]
     out: list[dict[str, Any]] = []
     for message in messages:
         item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in message.tool_calls
+            ]
         if message.role == "tool":
             item["tool_call_id"] = message.tool_call_id
             if message.name:
