@@ -200,8 +200,20 @@ def summarize(
         "queue_wait_s": {q: {"mean": sum(w) / len(w), "p95": percentile(w, 95)} for q, w in sorted(waits.items())},
         "latency_s": {f"p{p}": percentile(lat, p) for p in (50, 95, 99)},
         "ttft_s": {f"p{p}": percentile(ttft, p) for p in (50, 95)},
+        "by_priority": _by_priority(ok),
         "client_cpu_saturation": load.cpu_saturation,
     }
+
+
+def _by_priority(ok: list[Any]) -> dict[str, dict[str, float | None]]:
+    """P95 latency and TTFT (seconds) per priority class: what the scheduler trades between classes."""
+    out: dict[str, dict[str, float | None]] = {}
+    for cls in sorted({r.priority for r in ok}):
+        rows = [r for r in ok if r.priority == cls]
+        ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
+        out[cls] = {"count": len(rows), "latency_p95": percentile([r.latency_s for r in rows], 95),
+                    "ttft_p95": percentile(ttft, 95) if ttft else None}
+    return out
 
 
 async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPlan, retrieval_addr: str,
@@ -238,8 +250,12 @@ def _per_busy_second(row: dict[str, Any]) -> float | None:
 
 TABLE_HEADER = (
     "| scenario | engine busy | GPU util | batch | orch wait P95 | infer wait P95 | P50 | P95 | P99 "
-    "| TTFT P50 | TTFT P95 | rps | tokens/s | tokens per busy s | errors |"
+    "| TTFT P50 | TTFT P95 | core P95 | core TTFT P95 | batch P95 | rps | tokens/s | tokens per busy s | errors |"
 )
+
+
+def _class(row: dict[str, Any], cls: str, key: str) -> float | None:
+    return row.get("by_priority", {}).get(cls, {}).get(key)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -262,6 +278,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                     _fmt(r["latency_s"]["p99"], 1000, 0),
                     _fmt(r["ttft_s"]["p50"], 1000, 0),
                     _fmt(r["ttft_s"]["p95"], 1000, 0),
+                    _fmt(_class(r, "CORE", "latency_p95"), 1000, 0),
+                    _fmt(_class(r, "CORE", "ttft_p95"), 1000, 0),
+                    _fmt(_class(r, "BATCH", "latency_p95"), 1000, 0),
                     f"{r['rps']:.1f}",
                     f"{r['tokens_per_s']:.0f}",
                     _fmt(_per_busy_second(r), 1, 0),
