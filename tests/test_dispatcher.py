@@ -11,7 +11,7 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
-from switchyard.dispatcher.engine_loop import FifoPolicy
+from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.service import DispatcherService
 
@@ -39,7 +39,8 @@ def make_config(**overrides: object) -> SwitchyardConfig:
 
 def fifo_service(config: SwitchyardConfig, max_running: int) -> DispatcherService:
     engine = SimEngine(config)
-    return DispatcherService(config, engine=engine, policy=FifoPolicy(max_running, engine))
+    config = config.with_overrides(**{"scheduler.max_running_agents": max_running})
+    return DispatcherService(config, engine=engine, policy=make_scheduler(config, engine, policy="fifo"))
 
 
 class Harness:

@@ -13,20 +13,16 @@ Two tasks run while the dispatcher serves:
   re-evaluates admission and preemption; admitted sequences are prefilled and
   join the running set, which then decodes one token per sequence per step.
 
-It also holds the interface to a scheduling policy (:class:`SchedulingPolicy`)
-and a plain FIFO policy (:class:`FifoPolicy`), used when the scheduler package
-is absent.
+It also holds the interface the loop needs of a scheduling policy
+(:class:`SchedulingPolicy`); the policies live in :mod:`switchyard.dispatcher.scheduler`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import itertools
 import logging
 import time
-from collections import deque
 from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 from opentelemetry import trace
@@ -36,6 +32,7 @@ from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.base import StepEngine, StreamEngine, Usage
 from switchyard.dispatcher.inference_queue import InferenceQueue, InferenceQueueTimeout
+from switchyard.dispatcher.scheduler import make_scheduler, should_park
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, ToolCall
 
 log = logging.getLogger(__name__)
@@ -85,97 +82,20 @@ class SchedulingPolicy(Protocol):
     def num_waiting(self) -> int: ...
 
 
-class FifoPolicy:
-    """Plain first-come first-served admission, bounded by ``max_running``.
-
-    No priority classes, no compute score, no preemption: waiting sequences are
-    admitted in arrival order while fewer than ``max_running`` run. Each
-    running sequence is charged an equal share of the engine's busy time at a
-    score of 100 (a fully busy engine), as ``compute_score_used``.
-
-    Args:
-        max_running: most sequences running at once
-            (``scheduler_config.json`` ``max_running_agents``); >= 1.
-        engine: optional; its ``busy_seconds`` drives the charge.
-    """
-
-    name = "fifo"
-
-    def __init__(self, max_running: int, engine: Any = None) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running: expected >= 1, got {max_running}")
-        self.max_running = max_running
-        self.engine = engine
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._busy_seen = self._busy()
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    def add(self, seqs: list[Sequence], now: float) -> None:
-        self._waiting.extend(seqs)
-
-    def schedule(self, now: float) -> SchedulerOutput:
-        self._charge()
-        admitted: list[Sequence] = []
-        while self._waiting and len(self._running) < self.max_running:
-            seq = self._waiting.popleft()
-            seq.admitted_at = now
-            self._running.append(seq)
-            admitted.append(seq)
-        return SchedulerOutput(admitted=admitted, preempted=[], running=list(self._running))
-
-    def finish(self, seq: Sequence, now: float) -> None:
-        if seq in self._running:
-            self._charge()
-            self._running.remove(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
-
-    def _busy(self) -> float:
-        return float(getattr(self.engine, "busy_seconds", 0.0))
-
-    def _charge(self) -> None:
-        busy = self._busy()
-        delta, self._busy_seen = busy - self._busy_seen, busy
-        if delta > 0 and self._running:
-            share = 100.0 * delta / len(self._running)
-            for seq in self._running:
-                seq.compute_score_used += share
-
-
-SCHEDULER_MODULE = "switchyard.dispatcher.scheduler"
-
-
 def make_policy(config: SwitchyardConfig, engine: object, name: str | None = None) -> SchedulingPolicy:
-    """The scheduling policy the dispatcher runs.
+    """The scheduling policy the dispatcher runs: ``make_scheduler(config, engine, policy=name)``.
 
-    Uses ``switchyard.dispatcher.scheduler.make_scheduler(config, engine,
-    policy=name)`` (``name`` None: ``scheduler_config.json`` ``policy``); while
-    that package is not installed, :class:`FifoPolicy`.
+    ``name`` None means ``scheduler_config.json`` ``policy``.
 
     Raises:
         ValueError: unknown ``name``.
     """
-    if importlib.util.find_spec(SCHEDULER_MODULE) is None:
-        if name not in (None, "fifo", "priority"):
-            raise ValueError(f"scheduling policy: expected 'fifo' or 'priority', got {name!r}")
-        return FifoPolicy(config.scheduler.max_running_agents, engine)
-    module = importlib.import_module(SCHEDULER_MODULE)
-    return module.make_scheduler(config, engine, policy=name)
+    return make_scheduler(config, engine, policy=name)
 
 
 def _park_rule(policy: object) -> Callable[[Sequence], bool] | None:
     """The scheduler's ``should_park`` when ``policy`` can park sequences, else None."""
-    if not hasattr(policy, "park") or importlib.util.find_spec(SCHEDULER_MODULE) is None:
-        return None
-    return importlib.import_module(SCHEDULER_MODULE).should_park
+    return should_park if hasattr(policy, "park") else None
 
 
 # --------------------------------------------------------------------------- the loop
