@@ -92,3 +92,30 @@ def test_engine_env_overrides_config(monkeypatch):
     monkeypatch.setenv("SWITCHYARD_ENGINE", "tpu")
     with pytest.raises(ValueError, match="SWITCHYARD_ENGINE='tpu'.*expected one of"):
         load_config(ROOT / "config")
+
+
+def test_missing_file_is_an_error_naming_it(config_dir):
+    (config_dir / "switchyard.json").unlink()
+    with pytest.raises(ConfigError, match=r"switchyard.json: file not found"):
+        load_config(config_dir)
+
+
+def test_every_bad_file_is_reported_at_once(config_dir):
+    (config_dir / "memory_policy.toml").write_text("[hbm\n")
+    path = config_dir / "switchyard.json"
+    data = json.loads(path.read_text())
+    data["orchestrator"]["port"] = 70000
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        load_config(config_dir)
+    assert "memory_policy.toml: not valid TOML" in str(err.value)
+    assert "switchyard.json: key 'orchestrator.port' has value 70000" in str(err.value)
+
+
+def test_a_string_is_not_taken_for_a_number(config_dir):
+    path = config_dir / "queue.json"
+    data = json.loads(path.read_text())
+    data["queues"]["retrieval"]["workers"] = "8"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"queues.retrieval.workers' has value '8'; expected: Input should be a valid integer"):
+        load_config(config_dir)

@@ -81,9 +81,9 @@ async def test_unknown_model_is_not_found_with_nearest_id(sim_openai):
     assert "'claude-sonnet-4.5'" in str(err) and "did you mean 'claude-sonnet-4-5'" in str(err)
 
 
-async def test_unknown_model_with_unknown_fallback_reports_both(sim_openai):
-    cfg = gateway_config(sim_openai.base_url, fallback_model="gpt-4o-mini-x")
-    err = await stream_error(cfg, ask("claude-sonnet-4.5"))
+async def test_unknown_default_model_with_unknown_fallback_reports_both(sim_openai):
+    cfg = gateway_config(sim_openai.base_url, default_model="claude-sonnet-4.5", fallback_model="gpt-4o-mini-x")
+    err = await stream_error(cfg, ask())  # no model named: the configured default, then the fallback
     assert err.code == grpc.StatusCode.NOT_FOUND
     assert "claude-sonnet-4-5" in str(err) and "fallback model 'gpt-4o-mini-x' failed too" in str(err)
 

@@ -69,3 +69,14 @@ async def test_fault_by_model_suffix_reaches_the_server(clean_proxy_env):
             events = [e async for e in client.stream_chat(
                 ChatRequest(messages=[{"role": "user", "content": "hello there"}], model=f"{PRIMARY}#status=502"))]
     assert events[-1].model == FALLBACK
+
+
+async def test_no_fallback_when_the_client_named_an_unknown_model(clean_proxy_env):
+    with start_sim() as server:
+        async with GatewayClient(gateway_config(server.base_url, max_retries=1)) as client:
+            request = ChatRequest(messages=[{"role": "user", "content": "hi"}], model="claude-sonnet-4.5")
+            with pytest.raises(GatewayError) as caught:
+                [e async for e in client.stream_chat(request)]
+        assert server.state.counts.get(FALLBACK, 0) == 0
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert "'claude-sonnet-4.5'" in str(caught.value) and "'claude-sonnet-4-5'" in str(caught.value)

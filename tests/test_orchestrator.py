@@ -216,6 +216,7 @@ async def test_react_loop_calls_both_tools_and_streams_them():
     assert all(r.agent_id == down.requests[0].agent_id for r in down.requests)
     assert events[-1].final.output == "The answer."
     assert events[-1].final.compute_score_used == pytest.approx(1.5)
+    assert [p.title for p in events[-1].final.passages] == ["with"]  # what search_docs returned
 
 
 async def test_dispatcher_down_is_unavailable_naming_service():

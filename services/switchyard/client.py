@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import grpc
@@ -100,6 +101,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event")
     args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error(f"--timeout: expected seconds > 0, got {args.timeout}")
     address = args.addr
     if address is None:
         try:
@@ -128,4 +131,8 @@ def main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return 0

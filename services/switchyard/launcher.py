@@ -61,17 +61,24 @@ def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_
     cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port)]
     if config_dir:
         cmd += ["--config-dir", config_dir]
-    return subprocess.Popen(cmd, env=env)
+    # Its own process group: a terminal's Ctrl-C reaches only this launcher, which
+    # then stops the services in order (see _stop) instead of all at once.
+    return subprocess.Popen(cmd, env=env, process_group=0)
 
 
 def _stop(children: list[Child], grace: float) -> None:
-    for child in reversed(children):
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5
-    for child in children:
+    """SIGTERM the services front to back, each after the one before it exited.
+
+    The orchestrator drains first while retrieval and the dispatcher still
+    serve the tasks it is finishing; then they drain what is left.
+    """
+    order = sorted(children, key=lambda c: ORDER.index(c.name), reverse=True)
+    for child in order:
+        if child.proc.poll() is not None:
+            continue
+        child.proc.send_signal(signal.SIGTERM)
         try:
-            child.proc.wait(max(0.1, deadline - time.monotonic()))
+            child.proc.wait(grace + 5)
         except subprocess.TimeoutExpired:
             print(f"switchyard up: {child.name} did not stop within {grace + 5:.0f} s; killing it", file=sys.stderr)
             child.proc.kill()

@@ -30,7 +30,8 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "8" is not silently taken for 8; a value must have the type the key expects.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 # --------------------------------------------------------------------------- queue.json
@@ -507,14 +508,15 @@ def _describe(path: str, exc: ValidationError) -> str:
 def load_file(path: Path, model: type[M]) -> M:
     """Parse and validate one config file (JSON or TOML by extension).
 
-    A missing file yields the model's defaults.
-
     Raises:
         ConfigError: the file is unparsable or a value is invalid; the message
             names the file, the key, the value and what was expected.
     """
-    if not path.exists():
-        return model()
+    if not path.is_file():
+        raise ConfigError(
+            f"{path}: file not found; expected it beside the other config files "
+            "(the repository's config/ folder has every file with its default values)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
         raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
@@ -540,7 +542,15 @@ def load_config(config_dir: str | Path | None = None) -> SwitchyardConfig:
     folder = Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
     if not folder.is_dir():
         raise ConfigError(f"{folder}: config folder not found; expected a folder holding queue.json and friends")
-    parts = {name: load_file(folder / filename, model) for name, (filename, model) in FILES.items()}
+    parts: dict[str, BaseModel] = {}
+    problems: list[str] = []
+    for name, (filename, model) in FILES.items():  # report every bad file at once, not the first only
+        try:
+            parts[name] = load_file(folder / filename, model)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
     config = SwitchyardConfig(config_dir=str(folder), **parts)
     overrides: dict[str, Any] = {}
     if (engine := envs.SWITCHYARD_ENGINE.get()) is not None:

@@ -246,10 +246,23 @@ class GatewayClient:
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[str], Awaitable[T]]
     ) -> tuple[T, str]:
+        chain = self.models_for(request.model)
+
+        async def attempt(model: str) -> T:
+            try:
+                return await once(model)
+            except ModelNotFound as exc:
+                # A model the client named and the upstream does not know is the client's
+                # mistake: answer NOT_FOUND with the nearest id rather than quietly serve
+                # another model. The configured default failing still falls back.
+                if request.model and model == chain[0]:
+                    exc.fallback_ok = False
+                raise
+
         result, model = await with_fallback(
-            self.models_for(request.model), once, self.config, deadline=call.deadline, on_deadline=self._deadline_error
+            chain, attempt, self.config, deadline=call.deadline, on_deadline=self._deadline_error
         )
-        if model != self.models_for(request.model)[0]:
+        if model != chain[0]:
             call.span.set_attribute("switchyard.gateway.fallback_model", model)
         return result, model
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import AsyncIterator
@@ -39,6 +40,11 @@ def _trace_id() -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
+def _init_cpu_worker() -> None:
+    """A CPU worker process leaves SIGINT to its parent, which stops it through the executor."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _warm_cpu_worker() -> None:
     """Load the tokenizer's BPE ranks and the templates before the first task needs them."""
     tokens.encoding()
@@ -58,7 +64,9 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     if kind == "thread":
         executor = ThreadPoolExecutor(workers, thread_name_prefix="orchestration-cpu")
     else:
-        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        executor = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_cpu_worker
+        )
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(executor, _warm_cpu_worker) for _ in range(workers)))
     return executor
@@ -114,8 +122,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             await deps.queue.stop()
             await deps.retrieval.close()
             await deps.inference.close()
-            if deps.executor is not None:
-                deps.executor.shutdown(wait=False, cancel_futures=True)
+            if deps.executor is not None:  # wait, so worker processes and their semaphores are reaped
+                await asyncio.to_thread(deps.executor.shutdown, wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ running a task
 

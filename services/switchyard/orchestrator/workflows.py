@@ -264,6 +264,7 @@ def _tools(run: TaskRun) -> list[Tool]:
     async def search(query: str, top_k: int) -> list[agent_pb2.Passage]:
         response = await run.deps.retrieval.retrieve(query, top_k)
         run.add_wait("retrieval", response.queue_wait_s)
+        run.passages.extend(response.passages)  # the final event lists what the answer could cite
         return list(response.passages)
 
     return [search_docs_tool(search), CALCULATOR]
