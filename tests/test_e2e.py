@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
 from google.protobuf import json_format
 
+from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -22,46 +21,10 @@ pytestmark = pytest.mark.slow
 GHZ_JSON = '{"task_id":"bench-001","payload":"summarize this doc"}'
 
 
-class Up:
-    """A running `switchyard up --free-ports` whose output is collected on a thread."""
-
-    def __init__(self, index_dir) -> None:
-        env = dict(os.environ, SWITCHYARD_INDEX_DIR=str(index_dir), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Try: switchyard run"):
-                self.ready.set()
-
-    def address(self, name: str) -> str:
-        for line in self.lines:
-            if m := re.match(rf"\s+{name}\s+(\S+:\d+)", line):
-                return m.group(1)
-        raise AssertionError(f"{name} endpoint not printed:\n{''.join(self.lines)}")
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        if not self.ready.wait(timeout):
-            self.stop()
-            raise AssertionError("switchyard up did not become healthy:\n" + "".join(self.lines))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
-
-
 @pytest.fixture(scope="module")
 def up(pydoc_index_dir):
     """One stack for the module; the SIGTERM test, last, stops it."""
-    stack = Up(pydoc_index_dir)
+    stack = UpStack(pydoc_index_dir)
     stack.wait_ready()
     yield stack
     stack.stop()

@@ -3,12 +3,6 @@ receiver, linked parent to child across process boundaries; metrics scraped afte
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +12,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from otlp_receiver import OtlpReceiver, ReceivedSpan
+from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.process_metrics import find_cpu_stat
 
@@ -32,59 +27,6 @@ DOCS = {
     "iterable object, running its suite once per item; break leaves the loop early.\n",
     "calc.md": "# Arithmetic\n\nPython evaluates 12*(3+4) as 84: parentheses first, then multiplication.\n",
 }
-
-
-class Stack:
-    """``switchyard up --free-ports`` with tracing to ``receiver``; output collected on a thread."""
-
-    def __init__(self, index_dir: Path, receiver: OtlpReceiver) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
-        env.update(
-            SWITCHYARD_INDEX_DIR=str(index_dir),
-            PYTHONUNBUFFERED="1",
-            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-            OTEL_BSP_SCHEDULE_DELAY="100",  # export every 100 ms instead of 5 s
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Try: switchyard run"):
-                self.ready.set()
-
-    def _line(self, name: str) -> re.Match[str]:
-        for line in self.lines:
-            if m := re.match(rf"\s+{name}\s+(\S+:\d+)\s+metrics (\S+)", line):
-                return m
-        raise AssertionError(f"{name} endpoints not printed:\n{''.join(self.lines)}")
-
-    def address(self, name: str) -> str:
-        return self._line(name).group(1)
-
-    def metrics_url(self, name: str) -> str:
-        return self._line(name).group(2)
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        if not self.ready.wait(timeout):
-            self.stop()
-            raise AssertionError("switchyard up did not become healthy:\n" + "".join(self.lines))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +50,10 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def stack(small_index, receiver):
-    s = Stack(small_index, receiver)
+    s = UpStack(small_index, env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",  # export every 100 ms instead of 5 s
+    })
     try:
         s.wait_ready()
         yield s
@@ -121,7 +66,7 @@ def stack(small_index, receiver):
 TRACE_ID, CALLER_SPAN_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
 
-async def run_task(stack: Stack, request: agent_pb2.RunTaskRequest) -> list[agent_pb2.TaskEvent]:
+async def run_task(stack: UpStack, request: agent_pb2.RunTaskRequest) -> list[agent_pb2.TaskEvent]:
     traceparent = f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"
     async with grpc.aio.insecure_channel(stack.address("orchestrator")) as channel:
         call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(
