@@ -50,14 +50,14 @@ async def test_key_never_in_logs_spans_errors_or_metrics(clean_proxy_env, monkey
 
     with start_sim(api_key=TEST_KEY) as good:
         await run(good.base_url, TEST_KEY)  # success
-        await run(good.base_url, TEST_KEY, "claude-sonnet-4.5")  # 404 + /models lookup with the key
+        await run(good.base_url, TEST_KEY, "claude-sonnet-4.5")  # 404 + /models lookup with the key: NOT_FOUND
         await run(good.base_url, TEST_KEY + "\n")  # whitespace
     with start_sim(api_key="another-key", faults={"*": Fault(echo_key=True)}) as echoing:
         await run(echoing.base_url, TEST_KEY)  # 401 whose body echoes the key
     with start_sim(faults={"*": Fault(status=503)}) as failing:
         await run(failing.base_url, TEST_KEY)  # retried, then fallback, then error
 
-    assert len(messages) == 3 and len(exporter.get_finished_spans()) == 5
+    assert len(messages) == 4 and len(exporter.get_finished_spans()) == 5
     assert any(REDACTED in m for m in messages)  # the echoed key was redacted
     haystacks = {
         "logs": caplog.text,
