@@ -212,7 +212,7 @@ def _print(title: str, best: dict[str, float]) -> None:
 
 
 async def _grpc_bench(provider: TracerProvider, calls: int, rounds: int) -> dict[str, float]:
-    plain = _Stack(trace.get_tracer("switchyard.bench"), None)  # API tracer, no SDK: tracing off
+    plain = _Stack(telemetry.get_tracer("switchyard.bench"), None)  # the services' stage tracer, no provider: tracing off
     traced = _Stack(provider.get_tracer("switchyard.bench"), provider)
     run_plain, run_traced = await plain.start(), await traced.start()
     variants = {
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         best = uvloop.run(_grpc_bench(provider, args.calls, args.rounds))
         _print(f"grpc: RunTask-like stream over 2 RPCs, 10 spans, median of {args.rounds * args.calls} alternating calls", best)
         off_grpc = best["off"] / best["none"] - 1
-        off_tracer, on_tracer = trace.get_tracer("switchyard.bench"), provider.get_tracer("switchyard.bench")
+        off_tracer, on_tracer = telemetry.get_tracer("switchyard.bench"), provider.get_tracer("switchyard.bench")
         cpu = _best_sync(
             {
                 "none": lambda: cpu_work(_no_span),

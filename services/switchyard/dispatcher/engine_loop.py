@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 from opentelemetry import trace
 
+from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
@@ -36,7 +37,7 @@ from switchyard.dispatcher.scheduler import make_scheduler, should_park
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, ToolCall
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 BUSY_WINDOW_S = 1.0
 """The engine busy ratio is measured over windows of at least this many seconds."""

@@ -23,9 +23,9 @@ import uuid
 from typing import AsyncIterator
 
 import grpc
-from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -46,7 +46,7 @@ from switchyard.dispatcher.sequence import (
 )
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 _ROLES = ("system", "user", "assistant", "tool")
 

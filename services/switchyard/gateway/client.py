@@ -24,6 +24,7 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
+from switchyard.common import telemetry
 from switchyard.common.config import ModelGatewayConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
@@ -88,7 +89,7 @@ class GatewayClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
-        self._tracer = tracer or trace.get_tracer(__name__)
+        self._tracer = tracer or telemetry.get_tracer(__name__)
         self._http = httpx.AsyncClient(
             base_url=config.base_url + "/",
             timeout=httpx.Timeout(

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from graphlib import TopologicalSorter
 from typing import Any, Awaitable, Callable, Protocol
 
-from opentelemetry import trace
+from switchyard.common import telemetry
 
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 
 class StepContext(Protocol):

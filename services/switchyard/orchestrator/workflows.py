@@ -15,9 +15,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from opentelemetry import trace
-
 from switchyard.api import agent_pb2
+from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.queues import WorkQueue
@@ -28,7 +27,7 @@ from switchyard.orchestrator.metrics import STAGE_DURATION, TOOL_CALLS
 from switchyard.orchestrator.tokens import count_messages
 from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
 
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 WORKFLOWS = ("rag_answer", "chat", "react_loop")
 MAX_TASK_ID_CHARS = 128

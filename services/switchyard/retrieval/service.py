@@ -21,6 +21,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, status_for
 from switchyard.common.queues import QueueTimeoutError, WorkQueue
@@ -29,7 +30,7 @@ from switchyard.retrieval.index import IndexMismatchError, VectorIndex, load_ind
 from switchyard.retrieval.metrics import EMBED_SECONDS, INDEX_PASSAGES, REQUESTS, SEARCH_SECONDS
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 QUEUE_NAME = "retrieval"
 

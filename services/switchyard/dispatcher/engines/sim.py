@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from switchyard.common import telemetry
 from switchyard.common.config import SimEngineConfig, SwitchyardConfig
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
 
-tracer = trace.get_tracer(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 
 def request_links(seqs: list[Sequence]) -> list[trace.Link]:
