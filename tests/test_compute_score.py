@@ -125,3 +125,15 @@ async def test_sim_prefill_is_compute_bound():
     assert engine.busy_seconds == pytest.approx(prefill_seconds(config.service.sim, 16000))
     assert m.sample.tensor_util > 50  # ~0.025 ms per token is ~57 % of the H100's dense BF16 peak
     assert m.sample.bandwidth_util < m.sample.tensor_util
+
+
+async def test_busy_ratio_only_when_configured():
+    config = SwitchyardConfig().with_overrides(**{
+        "scheduler.score_sample_interval_ms": 1, "scheduler.score_without_nvml": "busy_ratio"})
+    engine = SimEngine(config)
+    m = ComputeScoreMonitor(config.scheduler, nvml=False, engine=engine)
+    m.read(0.0)
+    await engine.decode(_decoding(2, context=10))
+    m.read(engine.busy_seconds)
+    assert m.sample.source == "busy_ratio" and m.sample.cuda_util == pytest.approx(100)
+    assert m.sample.bandwidth_util == 0 and m.sample.tensor_util == pytest.approx(80)  # DESIGN.md's estimate

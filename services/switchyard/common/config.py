@@ -223,6 +223,11 @@ class SchedulerFile(_Strict):
         100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often."
     )
     nvml_device_index: int = Field(0, ge=0, le=63, description="GPU whose utilisation feeds the compute score.")
+    score_without_nvml: Literal["engine_model", "busy_ratio"] = Field(
+        "engine_model",
+        description="Without NVML: the engine's modelled GPU, memory and tensor activity where it has them "
+        "(the sim engine), or only its busy ratio as GPU utilisation.",
+    )
 
     @model_validator(mode="after")
     def _thresholds(self) -> "SchedulerFile":

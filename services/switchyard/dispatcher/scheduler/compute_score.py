@@ -21,7 +21,8 @@ Without a GPU or without NVML (no driver, no pynvml, or any NVML error), the
 engine stands in for the GPU. An engine that models its own activity (the
 ``sim`` engine: ``memory_busy_seconds`` and ``tensor_busy_seconds`` beside
 ``busy_seconds``, from a roofline model of the GPU it simulates) gives all
-three readings; any other engine gives only its busy ratio for ``cuda_util``,
+three readings (``score_without_nvml: engine_model``, the default; ``busy_ratio``
+uses the busy ratio alone); any other engine gives only its busy ratio for ``cuda_util``,
 bandwidth then counts 0 and the tensor estimate applies. The monitor says so
 once in the log and sets ``switchyard_gpu_available`` to 0. An NVML error never
 propagates: the monitor switches to the fallback for good.
@@ -193,9 +194,11 @@ class EngineActivity:
     ``memory_busy_seconds`` and ``tensor_busy_seconds``.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, use_model: bool = True) -> None:
         self._engine = engine
-        self.modelled = hasattr(engine, "memory_busy_seconds") and hasattr(engine, "tensor_busy_seconds")
+        self.modelled = (
+            use_model and hasattr(engine, "memory_busy_seconds") and hasattr(engine, "tensor_busy_seconds")
+        )
         self._last: tuple[float, float, float, float] | None = None
 
     def _totals(self) -> tuple[float, float, float]:
@@ -252,7 +255,7 @@ class ComputeScoreMonitor:
         )
         if engine is None:
             engine = _BusyOnly(busy_seconds or (lambda: 0.0))
-        self._activity = EngineActivity(engine)
+        self._activity = EngineActivity(engine, use_model=config.score_without_nvml == "engine_model")
         self._next_read = float("-inf")
         self.gpu_available: bool | None = None
         """True once NVML answered, False once the fallback is in use, None before the first read."""
