@@ -218,3 +218,18 @@ async def test_run_task_react_loop_tool_calls_through_the_openai_engine(sim_open
     assert "84" in events[-1].final.output
     tool_turns = [m for body in sim_openai.state.requests for m in body["messages"] if m["role"] == "tool"]
     assert tool_turns and all(m["tool_call_id"] for m in tool_turns)
+
+
+def test_unusable_key_stops_the_engine_at_start_naming_the_variable(monkeypatch):
+    from switchyard.gateway.errors import GatewayError
+
+    monkeypatch.setenv("SWITCHYARD_TEST_START_KEY", "sk-test-0123456789\n")
+    with pytest.raises(GatewayError) as caught:
+        engine_for("http://127.0.0.1:9/v1", api_key_env="SWITCHYARD_TEST_START_KEY", api_key_required=True)
+    message = str(caught.value)
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "SWITCHYARD_TEST_START_KEY" in message and "whitespace" in message
+    assert "sk-test-0123456789" not in message
+    monkeypatch.delenv("SWITCHYARD_TEST_START_KEY")
+    with pytest.raises(GatewayError, match="SWITCHYARD_TEST_START_KEY"):
+        engine_for("http://127.0.0.1:9/v1", api_key_env="SWITCHYARD_TEST_START_KEY", api_key_required=True)

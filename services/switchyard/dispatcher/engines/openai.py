@@ -23,6 +23,7 @@ from switchyard.dispatcher.engines.base import StreamItem, Usage
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
 
 # Upstream finish reasons the Sequence does not know, mapped to ones it does.
@@ -114,6 +115,9 @@ class OpenAIEngine:
     def __init__(self, config: SwitchyardConfig, *, tracer: Tracer | None = None) -> None:
         self.config = config.queue.model_gateway
         self.model = self.config.default_model
+        # Fail at start-up, not on the first task: a missing key, or one with
+        # whitespace (a pasted trailing newline), is a set-up error.
+        require_usable(load_api_key(self.config.api_key_env), required=self.config.api_key_required)
         self.client = GatewayClient(self.config, tracer=tracer)
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
