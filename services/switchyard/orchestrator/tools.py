@@ -96,10 +96,20 @@ def calculate(expression: str) -> float | int:
     return walk(tree)
 
 
+def _required_text(args: dict[str, Any], name: str) -> str:
+    """The non-empty string argument ``name``.
+
+    Raises:
+        ToolArgumentError: missing, not a string, or blank.
+    """
+    value = args.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ToolArgumentError(f"{name}: expected a non-empty string")
+    return value
+
+
 async def _calculator(args: dict[str, Any]) -> str:
-    expression = args.get("expression")
-    if not isinstance(expression, str) or not expression.strip():
-        raise ToolArgumentError("expression: expected a non-empty string")
+    expression = _required_text(args, "expression")
     value = calculate(expression)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -122,10 +132,7 @@ def search_docs_tool(search: Callable[[str, int], Awaitable[list[Any]]], top_k: 
     """The ``search_docs`` tool bound to a retrieval function ``search(query, top_k) -> passages``."""
 
     async def _search(args: dict[str, Any]) -> str:
-        query = args.get("query")
-        if not isinstance(query, str) or not query.strip():
-            raise ToolArgumentError("query: expected a non-empty string")
-        passages = await search(query, top_k)
+        passages = await search(_required_text(args, "query"), top_k)
         if not passages:
             return "no passages found"
         return "\n\n".join(f"[{i}] {p.title} ({p.source})\n{p.text}" for i, p in enumerate(passages, 1))

@@ -300,25 +300,28 @@ async def _infer(run: TaskRun) -> None:
     run.output = [text]
 
 
+async def _think(run: TaskRun, step: int, tools: list[Tool]) -> tuple[str, list[agent_pb2.ToolCall]]:
+    """One react_loop inference round, as an ``infer`` stage; rounds after the first resume warm."""
+    start = time.monotonic()
+    with tracer.start_as_current_span("infer", attributes={"switchyard.react.step": step}):
+        text, calls = await run.generate(tools, resume=step > 0)
+    run.stage_done("infer", start, time.monotonic(), step=str(step))
+    return text, calls
+
+
 async def _react(run: TaskRun) -> None:
     """think -> tool call -> observe, up to max_steps; then one last answer without tools."""
     policy = run.deps.config.service.orchestrator.react
     tools = {t.name: t for t in _tools(run)}
     for step in range(policy.max_steps):
-        start = time.monotonic()
-        with tracer.start_as_current_span("infer", attributes={"switchyard.react.step": step}):
-            text, calls = await run.generate(list(tools.values()), resume=step > 0)
-        run.stage_done("infer", start, time.monotonic(), step=str(step))
+        text, calls = await _think(run, step, list(tools.values()))
         if not calls:
             run.output = [text]
             return
         run.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
         for call in calls:
             await _observe(run, tools, call, policy)
-    start = time.monotonic()
-    with tracer.start_as_current_span("infer", attributes={"switchyard.react.step": policy.max_steps}):
-        text, _ = await run.generate([], resume=True)
-    run.stage_done("infer", start, time.monotonic(), step=str(policy.max_steps))
+    text, _ = await _think(run, policy.max_steps, [])
     run.output = [text]
 
 
