@@ -33,7 +33,8 @@ def clean_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def start_sim(faults: dict[str, Fault] | None = None, api_key: str | None = None, **options: Any):
     """Context manager: a sim-openai server with these faults/key (see SimOpenAIOptions)."""
-    return run_in_thread(SimOpenAIOptions(faults=faults or {}, api_key=api_key, latency=False, **options))
+    options.setdefault("latency", False)
+    return run_in_thread(SimOpenAIOptions(faults=faults or {}, api_key=api_key, **options))
 
 
 @pytest.fixture

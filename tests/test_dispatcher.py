@@ -11,8 +11,6 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
-from switchyard.dispatcher.scheduler import make_scheduler
-from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.service import DispatcherService
 
 pytestmark = pytest.mark.no_gpu
@@ -37,10 +35,18 @@ def make_config(**overrides: object) -> SwitchyardConfig:
     return SwitchyardConfig().with_overrides(**{**FAST, **overrides})
 
 
-def fifo_service(config: SwitchyardConfig, max_running: int) -> DispatcherService:
-    engine = SimEngine(config)
-    config = config.with_overrides(**{"scheduler.max_running_agents": max_running})
-    return DispatcherService(config, engine=engine, policy=make_scheduler(config, engine, policy="fifo"))
+def kv_room_for(tokens: int, config: SwitchyardConfig | None = None) -> dict[str, object]:
+    """Overrides that size the sim GPU so that its HBM budget holds the KV of ``tokens`` tokens."""
+    sim = (config or SwitchyardConfig()).service.sim
+    ratio = SwitchyardConfig().memory.hbm.capacity_ratio
+    weights = sim.params_billion * 1e9 * sim.bytes_per_param
+    return {"service.sim.hbm_gb": (weights + tokens * sim.kv_bytes_per_token + 1) / ratio / 1e9}
+
+
+def one_at_a_time(config: SwitchyardConfig) -> DispatcherService:
+    """A FIFO dispatcher whose GPU holds one sequence of up to 600 tokens (prompt + max_tokens)."""
+    config = config.with_overrides(**kv_room_for(600, config))
+    return DispatcherService(config, policy="fifo")
 
 
 class Harness:
@@ -95,18 +101,21 @@ async def test_generate_streams_tokens_then_done_with_usage(dispatcher: Harness)
     assert done.finish_reason == "stop"
     assert done.model == "sim-7b"
     assert done.batch_size >= 1
-    assert done.flush_reason in (agent_pb2.SIZE, agent_pb2.INTERVAL)
+    assert done.flush_reason == agent_pb2.IDLE  # an idle engine takes a request at once
     assert done.ttft_s > 0 and done.queue_wait_s >= 0
     assert done.memory_peak_bytes > 0
 
 
 async def test_concurrent_requests_share_batches_and_each_gets_its_own_stream(dispatcher: Harness) -> None:
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value("switchyard_batch_size_sum") or 0.0
     results = await asyncio.gather(*(dispatcher.generate(request_id=f"c{i}", max_tokens=5 + i) for i in range(12)))
     for i, chunks in enumerate(results):
         done = chunks[-1].done
         assert done.usage.completion_tokens == 5 + i
         assert done.finish_reason == "length"
-    assert dispatcher.service.buffer.items_flushed == 12
+    assert (REGISTRY.get_sample_value("switchyard_batch_size_sum") or 0.0) - before == 12  # each flushed once
 
 
 async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None:
@@ -146,43 +155,58 @@ async def test_bad_requests_are_invalid_argument_naming_the_field(
 # --------------------------------------------------------------------------- the inference queue
 
 
-async def test_saturated_inference_queue_is_resource_exhausted() -> None:
-    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.capacity": 1, "queue.flush.max_batch_size": 1})
-    async for h in serve(fifo_service(config, max_running=1)):
-        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=200))
-        await running.read()  # first token: it reached the engine and left the queue
-        waiting = asyncio.create_task(h.generate(max_tokens=5))
-        await wait_until(lambda: h.service.queue.depth == 1, "the second request holds the only place")
+async def test_full_inference_queue_refuses_at_once_naming_queue_and_capacity() -> None:
+    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.capacity": 1})
+    async for h in serve(one_at_a_time(config)):
+        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
+        await running.read()  # first token: it was admitted and left the queue
+        waiting = asyncio.create_task(h.generate(max_tokens=100))  # its KV does not fit beside it: waits
+        await wait_until(lambda: h.service.scheduler.num_queued == 1, "the second request holds the only place")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await h.generate(max_tokens=5, timeout=0.3)
+            await h.generate(max_tokens=5, timeout=10)
+        assert loop.time() - started < 5  # refused, not left to wait for the deadline
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "inference queue saturated (capacity 1" in (err.value.details() or "")
+        assert "inference queue full: 1 items waiting (queues.inference.capacity)" in (err.value.details() or "")
         running.cancel()
-        assert (await waiting)[-1].done.finish_reason == "length"
+        assert (await waiting)[-1].done.finish_reason == "stop"
 
 
-async def test_request_that_waits_past_timeout_ms_is_deadline_exceeded() -> None:
+async def test_request_that_waits_past_timeout_ms_is_deadline_exceeded_by_the_scheduler() -> None:
     config = make_config(**{**SLOW_DECODE, "queue.queues.inference.timeout_ms": 100})
-    async for h in serve(fifo_service(config, max_running=1)):
-        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=200))
+    async for h in serve(one_at_a_time(config)):
+        running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
         await running.read()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await h.generate(max_tokens=5)
+            await h.generate(max_tokens=100)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "inference queue" in (err.value.details() or "")
+        assert "in the inference queue for admission to the engine" in (err.value.details() or "")
+        assert "queues.inference.timeout_ms = 100" in (err.value.details() or "")
         running.cancel()
-        await wait_until(lambda: h.service.queue.depth == 0 and h.service.policy.num_waiting == 0, "queue empties")
+        await wait_until(lambda: h.service.scheduler.num_queued == 0 and h.service.scheduler.num_waiting == 0,
+                         "queue empties")
+
+
+async def test_request_larger_than_the_hbm_budget_is_invalid_argument() -> None:
+    async for h in serve(one_at_a_time(make_config())):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await h.generate(max_tokens=4000)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert details.startswith("max_tokens") and "HBM budget" in details
 
 
 async def test_client_cancellation_frees_the_running_slot() -> None:
     config = make_config(**SLOW_DECODE)
-    async for h in serve(fifo_service(config, max_running=1)):
+    async for h in serve(one_at_a_time(config)):
         call = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
         await call.read()
-        assert h.service.policy.num_running == 1
+        assert h.service.scheduler.num_running == 1
         call.cancel()
-        await wait_until(lambda: h.service.policy.num_running == 0, "the slot is freed")
-        chunks = await h.generate(max_tokens=3)  # the freed slot serves the next request
+        await wait_until(lambda: h.service.scheduler.num_running == 0, "the slot is freed")
+        assert h.service.scheduler.capacity.reserved_bytes == 0  # type: ignore[attr-defined]
+        chunks = await h.generate(max_tokens=3)  # the freed KV serves the next request
         assert chunks[-1].done.usage.completion_tokens == 3
 
 
@@ -221,13 +245,14 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from switchyard.dispatcher import engine_loop, service
+    from switchyard.dispatcher import service
     from switchyard.dispatcher.engines import sim
+    from switchyard.dispatcher.scheduler import core
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    for module in (engine_loop, service, sim):
+    for module in (core, service, sim):
         monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
     try:
         async for h in serve(DispatcherService(make_config(**{"queue.flush.flush_interval_ms": 50}))):
@@ -245,7 +270,7 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
         linked = {link.context.span_id for b in batches for link in b.links}
         assert linked == {r.context.span_id for r in requests}
         assert sum(b.attributes["switchyard.batch_size"] for b in batches) == 3
-        assert {b.attributes["switchyard.flush_reason"] for b in batches} <= {"size", "interval"}
+        assert {b.attributes["switchyard.flush_reason"] for b in batches} <= {"idle", "step", "size", "interval"}
         assert any(s.name == "engine.prefill" for s in spans) and any(s.name == "engine.decode" for s in spans)
     finally:
         provider.shutdown()
@@ -298,17 +323,19 @@ def test_preemption_is_an_event_on_the_request_span() -> None:
 async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) -> None:
     from prometheus_client import REGISTRY
 
+    from switchyard.dispatcher.double_buffer import FLUSH_REASON_LABELS as REASONS
+
     def sample(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
     before = {
         "batches": sample("switchyard_batch_size_count"),
-        "flushes": sum(sample("switchyard_flushes_total", reason=r) for r in ("size", "interval", "drain")),
+        "flushes": sum(sample("switchyard_flushes_total", reason=r) for r in REASONS),
         "ttft": sample("switchyard_ttft_seconds_count"),
         "itl": sample("switchyard_inter_token_latency_seconds_count"),
     }
     await asyncio.gather(*(dispatcher.generate(request_id=f"m{i}", max_tokens=3) for i in range(4)))
-    flushes = sum(sample("switchyard_flushes_total", reason=r) for r in ("size", "interval", "drain"))
+    flushes = sum(sample("switchyard_flushes_total", reason=r) for r in REASONS)
     assert flushes - before["flushes"] == sample("switchyard_batch_size_count") - before["batches"] >= 1
     assert sample("switchyard_ttft_seconds_count") - before["ttft"] == 4
     assert sample("switchyard_inter_token_latency_seconds_count") - before["itl"] == 4 * 2
@@ -346,20 +373,23 @@ class EchoStreamEngine:
         self.closed = True
 
 
-async def test_stream_engine_requests_fan_out_bounded_by_inference_workers() -> None:
-    config = make_config(**{"queue.queues.inference.workers": 2})
+async def test_stream_engine_fans_out_past_inference_workers_up_to_the_concurrency_limit() -> None:
+    # workers counts batches in prefill, not streams: 2 workers still give the upstream 3 streams,
+    # and the adaptive limit (held at 3 here) is what bounds the streams in flight.
+    limit = {"min_limit": 3, "initial_limit": 3, "max_limit": 3}
+    config = make_config(**{"queue.queues.inference.workers": 2, "queue.model_gateway.concurrency": limit})
     engine = EchoStreamEngine()
     service = DispatcherService(config, engine=engine)
     async for h in serve(service):
         results = await asyncio.gather(
-            *(h.generate(request_id=f"e{i}", prompt="one two three four five", max_tokens=4) for i in range(6))
+            *(h.generate(request_id=f"e{i}", prompt="one two three four five", max_tokens=4) for i in range(8))
         )
     for chunks in results:
         assert "".join(c.token.text for c in chunks if c.HasField("token")) == "one two three four "
         done = chunks[-1].done
         assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 4
         assert done.finish_reason == "stop" and done.model == "echo-1-fallback"
-    assert engine.peak == 2
+    assert engine.peak == 3
     assert engine.closed
 
 

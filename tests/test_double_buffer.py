@@ -1,147 +1,175 @@
-"""The double buffer: flush by size, by interval and on drain; nothing lost, duplicated or reordered."""
+"""The double buffer and the scheduler intake built on it: swaps, the idle fast path, exactly-once delivery."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.dispatcher.double_buffer import BufferClosedError, DoubleBuffer, FlushReason
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import QueueFullError
+from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
+from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.scheduler import make_scheduler
+from switchyard.dispatcher.scheduler.core import DispatcherClosed
+from switchyard.dispatcher.sequence import Sequence
 
 pytestmark = pytest.mark.no_gpu
 
-GUARD_S = 5.0  # only guards against a hang; no test asserts on time
+_PRIORITY = {"core": agent_pb2.CORE, "normal": agent_pb2.NORMAL, "batch": agent_pb2.BATCH}
 
 
-async def test_flushes_by_size() -> None:
-    buf: DoubleBuffer[int] = DoubleBuffer(4, flush_interval_s=60.0)
-    for i in range(4):
-        await buf.put(i)
-    batch, reason = await asyncio.wait_for(buf.next_batch(), GUARD_S)
-    assert batch == [0, 1, 2, 3]
-    assert reason is FlushReason.SIZE
-    assert buf.flushes == {FlushReason.SIZE: 1}
+def test_put_reports_full_and_swap_hands_over_in_put_order() -> None:
+    buf: DoubleBuffer[int] = DoubleBuffer(3, flush_interval_s=0.02)
+    assert buf.deadline() is None
+    assert buf.put(1, now=10.0) is False
+    assert buf.deadline() == pytest.approx(10.02)  # the first item fixes the deadline
+    assert buf.put(2, now=10.01) is False
+    assert buf.put(3, now=10.015) is True  # full: the owner swaps (SIZE)
+    assert buf.swap() == [1, 2, 3]
+    assert buf.active_size == 0 and buf.deadline() is None
+    buf.put(4, now=11.0)
+    assert buf.swap() == [4]
 
 
-async def test_flushes_by_interval_with_a_partial_buffer() -> None:
-    buf: DoubleBuffer[str] = DoubleBuffer(100, flush_interval_s=0.01)
-    for item in "abc":
-        await buf.put(item)
-    batch, reason = await asyncio.wait_for(buf.next_batch(), GUARD_S)
-    assert batch == ["a", "b", "c"]
-    assert reason is FlushReason.INTERVAL
-    assert buf.pending == 0
-
-
-async def test_close_drains_then_ends() -> None:
-    buf: DoubleBuffer[int] = DoubleBuffer(10, flush_interval_s=60.0)
-    await buf.put(1)
-    await buf.put(2)
-    buf.close()
-    assert await buf.next_batch() == ([1, 2], FlushReason.DRAIN)
-    assert await buf.next_batch() is None
-    with pytest.raises(BufferClosedError):
-        await buf.put(3)
-
-
-async def test_full_buffers_push_back_instead_of_dropping() -> None:
-    buf: DoubleBuffer[int] = DoubleBuffer(2, flush_interval_s=60.0)
-    for i in range(4):  # 0,1 swapped out; 2,3 fill the active list
-        await buf.put(i)
-    blocked = asyncio.create_task(buf.put(4))
-    await asyncio.sleep(0)
-    assert not blocked.done()  # both lists full: the producer waits
-    assert await buf.next_batch() == ([0, 1], FlushReason.SIZE)
-    await asyncio.wait_for(blocked, GUARD_S)
-    assert await buf.next_batch() == ([2, 3], FlushReason.SIZE)
-    buf.close()
-    assert await buf.next_batch() == ([4], FlushReason.DRAIN)
-
-
-async def test_flush_interval_is_read_from_a_callable() -> None:
-    interval = {"s": 60.0}
-    buf: DoubleBuffer[int] = DoubleBuffer(100, flush_interval_s=lambda: interval["s"])
-    await buf.put(1)
-    waiter = asyncio.create_task(buf.next_batch())
-    await asyncio.sleep(0.02)
-    assert not waiter.done()  # 60 s window: still filling
+def test_interval_is_read_when_the_first_item_arrives() -> None:
+    interval = {"s": 0.05}
+    buf: DoubleBuffer[int] = DoubleBuffer(10, flush_interval_s=lambda: interval["s"])
+    buf.put(1, now=0.0)
+    assert buf.deadline() == pytest.approx(0.05)
+    buf.swap()
     interval["s"] = 0.001
-    await buf.put(2)  # wakes the consumer, which reads the new interval
-    assert await asyncio.wait_for(waiter, GUARD_S) == ([1, 2], FlushReason.INTERVAL)
+    buf.put(2, now=1.0)
+    assert buf.deadline() == pytest.approx(1.001)
 
 
-def test_rejects_bad_arguments() -> None:
+def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="max_batch_size"):
         DoubleBuffer(0, 0.01)
     with pytest.raises(ValueError, match="flush_interval_s"):
         DoubleBuffer(1, 0.0)
 
 
+# --------------------------------------------------------------------------- the scheduler's intake
+
+
+def scheduler(**overrides: object):  # type: ignore[no-untyped-def]
+    config = SwitchyardConfig().with_overrides(**{"scheduler.max_running_agents": 1000, **overrides})
+    return make_scheduler(config, SimEngine(config))
+
+
+def seq(name: str, priority: str = "normal", arrival: float = 0.0) -> Sequence:
+    return Sequence(name, prompt="p", prompt_tokens=10, max_tokens=10, priority=_PRIORITY[priority], arrival=arrival)
+
+
+def test_idle_engine_takes_a_request_at_once() -> None:
+    s = scheduler()
+    s.add_request(seq("a"), now=1.0)
+    out = s.schedule(now=1.0)  # the loop's very next turn, no interval waited
+    assert [q.request_id for q in out.admitted] == ["a"]
+    assert out.admitted[0].flush_reason == FlushReason.IDLE
+    assert out.admitted[0].queue_wait_s == pytest.approx(1.0)  # arrival 0.0 in this synthetic clock
+
+
+def test_arrivals_during_a_step_join_the_next_step_together() -> None:
+    s = scheduler()
+    s.add_request(seq("first"), now=0.0)
+    s.schedule(now=0.0)  # running now: the engine is busy stepping
+    for i in range(5):  # arrive during the step: they fill the active buffer, nothing else moves
+        s.add_request(seq(f"b{i}", arrival=0.001 * i), now=0.001 * i)
+    assert s.intake.active_size == 5 and s.waiting == []
+    out = s.schedule(now=0.01)  # the step boundary
+    assert [q.request_id for q in out.admitted] == [f"b{i}" for i in range(5)]
+    assert {q.flush_reason for q in out.admitted} == {FlushReason.STEP}
+    assert {q.batch_size for q in out.admitted} == {5}
+
+
+def test_a_full_buffer_swaps_at_max_batch_size_mid_step() -> None:
+    s = scheduler(**{"queue.flush.max_batch_size": 4})
+    s.add_request(seq("first"), now=0.0)
+    s.schedule(now=0.0)
+    for i in range(4):
+        s.add_request(seq(f"b{i}"), now=0.001)
+    assert s.intake.active_size == 0 and len(s.waiting) == 4
+    assert {q.flush_reason for q in s.waiting} == {FlushReason.SIZE}
+
+
+async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
+    s = scheduler(**{"queue.flush.flush_interval_ms": 5})
+    s.add_request(seq("first"), now=0.0)
+    s.schedule(now=0.0)
+    import time
+
+    s.add_request(seq("late", arrival=time.monotonic()), now=time.monotonic())
+    await asyncio.sleep(0.03)  # a long step: the interval timer swaps the buffer meanwhile
+    assert [q.request_id for q in s.waiting] == ["late"]
+    assert s.waiting[0].flush_reason == FlushReason.INTERVAL
+
+
+def test_full_queue_refuses_at_once_and_closed_dispatcher_refuses_too() -> None:
+    s = scheduler(**{"queue.queues.inference.capacity": 2})
+    s.add_request(seq("a"), now=0.0)
+    s.add_request(seq("b"), now=0.0)
+    with pytest.raises(QueueFullError, match=r"inference queue full: 2 items waiting \(queues.inference.capacity\)"):
+        s.add_request(seq("c"), now=0.0)
+    assert s.num_queued == 2
+    s.schedule(now=0.0)  # both admitted: their places are free again
+    assert s.num_queued == 0
+    s.add_request(seq("d"), now=0.0)
+    s.close()
+    with pytest.raises(DispatcherClosed):
+        s.add_request(seq("e"), now=0.0)
+    assert s.schedule(now=0.0).admitted[0].flush_reason == FlushReason.DRAIN
+
+
+def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> None:
+    s = scheduler()
+    s.add_request(seq("first"), now=0.0)
+    s.schedule(now=0.0)
+    gone = seq("gone")
+    s.add_request(gone, now=0.0)
+    s.add_request(seq("stays"), now=0.0)
+    s.abort(gone, now=0.0)
+    assert gone.state == "finished" and s.num_queued == 1
+    assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
+
+
 # --------------------------------------------------------------------------- property-based
 
-_submitter = st.lists(
-    st.tuples(st.sampled_from(["core", "normal", "batch"]), st.sampled_from([0.0, 0.0, 0.0005, 0.002])),
-    min_size=0,
-    max_size=12,
+_arrivals = st.lists(
+    st.tuples(st.sampled_from(["core", "normal", "batch"]), st.booleans()),  # (class, step boundary after it)
+    min_size=1,
+    max_size=60,
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    submitters=st.lists(_submitter, min_size=1, max_size=8),
-    max_batch_size=st.integers(1, 6),
-    interval_ms=st.sampled_from([0.5, 1.0, 3.0]),
-    consumer_delay_ms=st.sampled_from([0.0, 1.0]),
-    seed=st.integers(0, 1000),
-)
-def test_concurrent_submitters_get_exactly_once_in_order_within_priority(
-    submitters: list[list[tuple[str, float]]],
-    max_batch_size: int,
-    interval_ms: float,
-    consumer_delay_ms: float,
-    seed: int,
+@settings(max_examples=60, deadline=None)
+@given(arrivals=_arrivals, max_batch_size=st.integers(1, 8), policy=st.sampled_from(["fifo", "priority"]))
+def test_every_request_is_admitted_exactly_once_in_order_within_its_class(
+    arrivals: list[tuple[str, bool]], max_batch_size: int, policy: str
 ) -> None:
-    async def scenario() -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
-        buf: DoubleBuffer[tuple[int, int, str]] = DoubleBuffer(max_batch_size, interval_ms / 1000)
-        accepted: list[tuple[int, int, str]] = []  # in the order put() accepted them
-        rng = random.Random(seed)
-
-        async def submit(who: int, items: list[tuple[str, float]]) -> None:
-            await asyncio.sleep(rng.random() * 0.001)
-            for n, (priority, pause) in enumerate(items):
-                item = (who, n, priority)
-                await buf.put(item)
-                accepted.append(item)  # no await between the append inside put() and here
-                if pause:
-                    await asyncio.sleep(pause)
-
-        async def consume() -> list[tuple[int, int, str]]:
-            got: list[tuple[int, int, str]] = []
-            while (flushed := await buf.next_batch()) is not None:
-                batch, reason = flushed
-                assert 1 <= len(batch) <= max_batch_size
-                assert reason is not FlushReason.SIZE or len(batch) == max_batch_size
-                got.extend(batch)
-                if consumer_delay_ms:
-                    await asyncio.sleep(consumer_delay_ms / 1000)
-            return got
-
-        consumer = asyncio.create_task(consume())
-        await asyncio.wait_for(asyncio.gather(*(submit(i, items) for i, items in enumerate(submitters))), 30)
-        buf.close()
-        return accepted, await asyncio.wait_for(consumer, 30)
-
-    accepted, delivered = asyncio.run(scenario())
-    # exactly once
-    assert sorted(delivered) == sorted(accepted)
-    assert len(set(delivered)) == len(delivered) == sum(len(s) for s in submitters)
-    # in order within each priority class
-    for priority in ("core", "normal", "batch"):
-        assert [x for x in delivered if x[2] == priority] == [x for x in accepted if x[2] == priority]
-    # and each submitter's own items in submission order
-    for who in {x[0] for x in delivered}:
-        numbers = [x[1] for x in delivered if x[0] == who]
-        assert numbers == sorted(numbers), who
+    config = SwitchyardConfig().with_overrides(
+        **{"scheduler.max_running_agents": 3, "queue.flush.max_batch_size": max_batch_size,
+           "scheduler.preemption_enabled": False, "scheduler.policy": policy}
+    )
+    s = make_scheduler(config, SimEngine(config))
+    accepted: list[Sequence] = []
+    admitted: list[Sequence] = []
+    now = 0.0
+    for n, (cls, boundary) in enumerate(arrivals):
+        now += 0.001
+        item = seq(f"r{n}", cls, arrival=now)
+        s.add_request(item, now)
+        accepted.append(item)
+        if boundary:
+            admitted += s.schedule(now).admitted
+    while s.num_waiting:
+        now += 0.001
+        admitted += s.schedule(now).admitted
+    assert len(admitted) == len(set(map(id, admitted))) == len(accepted)  # exactly once
+    for cls in _PRIORITY:
+        assert [q for q in admitted if q.priority_name == cls] == [q for q in accepted if q.priority_name == cls]
+    assert s.num_queued == 0

@@ -89,8 +89,8 @@ async def test_list_models(sim_openai):
 async def test_concurrent_streams_share_the_pool(sim_openai):
     import asyncio
 
-    async with GatewayClient(gateway_config(sim_openai.base_url, max_connections=2,
-                                            max_keepalive_connections=2)) as client:
+    async with GatewayClient(gateway_config(sim_openai.base_url, max_connections=2, max_keepalive_connections=2,
+                                            concurrency={"max_limit": 2, "initial_limit": 2})) as client:
         results = await asyncio.gather(*(collect(client, ask()) for _ in range(6)))
     texts = {"".join(e.text for e in events if isinstance(e, Token)) for events in results}
     assert texts == {"Python lists are mutable sequences. [1]"}

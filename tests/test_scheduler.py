@@ -20,7 +20,8 @@ from switchyard.dispatcher.scheduler import (
     should_park,
 )
 from switchyard.dispatcher.scheduler import make_scheduler as build_scheduler
-from switchyard.dispatcher.scheduler.admission import COMPUTE_SCORE, MAX_RUNNING
+from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, KvBudget, MemoryInfo
 from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
 from switchyard.dispatcher.sequence import Sequence, StreamDone, StreamToken
 
@@ -75,10 +76,32 @@ class FakeEngine:
         self.released.append(seq)
 
 
+class Slots:
+    """A capacity of ``n`` running sequences: stands in for a KV budget that holds ``n`` requests."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.used = n, 0
+
+    def refusal(self, seq: Sequence) -> str | None:
+        return None if self.used < self.n else KV_MEMORY
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        return None
+
+    def take(self, seq: Sequence) -> None:
+        self.used += 1
+
+    def give(self, seq: Sequence) -> None:
+        self.used -= 1
+
+
 def make_scheduler(
-    *, nvml: Any = None, engine: Any = None, **overrides: Any
+    *, nvml: Any = None, engine: Any = None, running: int | None = None, **overrides: Any
 ) -> PriorityScheduler | FifoScheduler:
-    """A scheduler from the default config with ``scheduler.<key>`` overrides and a fake NVML."""
+    """A scheduler from the default config with ``scheduler.<key>`` overrides and a fake NVML.
+
+    ``running``: the engine holds this many sequences (a :class:`Slots` capacity); default: its own memory.
+    """
     config = SwitchyardConfig().with_overrides(
         **{"scheduler.score_sample_interval_ms": 1, **{f"scheduler.{k}": v for k, v in overrides.items()}}
     )
@@ -86,7 +109,8 @@ def make_scheduler(
     monitor = ComputeScoreMonitor(
         config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=nvml if nvml is not None else FakeNvml()
     )
-    return build_scheduler(config, engine, monitor=monitor)  # type: ignore[return-value]
+    capacity = Slots(running) if running is not None else None
+    return build_scheduler(config, engine, monitor=monitor, capacity=capacity)  # type: ignore[return-value]
 
 
 _ids = iter(range(1_000_000))
@@ -148,7 +172,7 @@ def test_bad_scheduler_config_names_key_and_expectation() -> None:
 
 
 def test_classes_are_admitted_core_then_normal_then_batch() -> None:
-    sched = make_scheduler(max_running_agents=4)
+    sched = make_scheduler(running=4)
     batch = make_requests(2, BATCH)
     normal = make_requests(2, NORMAL)
     core = make_requests(2, CORE)
@@ -165,7 +189,7 @@ def test_classes_are_admitted_core_then_normal_then_batch() -> None:
 
 
 def test_unset_priority_counts_as_normal_and_class_keeps_fifo() -> None:
-    sched = make_scheduler(max_running_agents=1)
+    sched = make_scheduler(running=1)
     unset = make_requests(1, agent_pb2.PRIORITY_UNSPECIFIED, arrival=0.0)
     normal = make_requests(3, NORMAL, arrival=0.001, spacing=0.001)
     batch = make_requests(1, BATCH, arrival=-1.0)
@@ -175,7 +199,7 @@ def test_unset_priority_counts_as_normal_and_class_keeps_fifo() -> None:
 
 def test_aging_bounds_how_long_batch_work_waits() -> None:
     """A batch task that has waited aging_max_wait_ms is passed by no later arrival."""
-    sched = make_scheduler(max_running_agents=1, aging_max_wait_ms=1000, preemption_enabled=False)
+    sched = make_scheduler(running=1, aging_max_wait_ms=1000, preemption_enabled=False)
     [blocker] = make_requests(1, NORMAL, arrival=0.0)
     sched.add([blocker], now=0.0)
     sched.schedule(now=0.0)
@@ -202,7 +226,7 @@ def test_aging_bounds_how_long_batch_work_waits() -> None:
 
 
 def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
-    sched = make_scheduler(max_running_agents=1, aging_max_wait_ms=3_600_000, preemption_enabled=False)
+    sched = make_scheduler(running=1, aging_max_wait_ms=3_600_000, preemption_enabled=False)
     [batch] = make_requests(1, BATCH, arrival=0.0)
     core = make_requests(5, CORE, arrival=10.0, spacing=10.0)
     sched.add([batch, *core], now=50.0)
@@ -212,18 +236,61 @@ def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
 # --------------------------------------------------------------------------- admission
 
 
-def test_admission_stops_at_max_running_agents() -> None:
-    sched = make_scheduler(max_running_agents=2)
-    before = metric("switchyard_admissions_refused_total", reason=MAX_RUNNING)
+def test_admission_stops_when_the_engine_is_full() -> None:
+    sched = make_scheduler(running=2)
+    before = metric("switchyard_admissions_refused_total", reason=KV_MEMORY)
     seqs = make_requests(3)
     sched.add(seqs, now=0.0)
     out = sched.schedule(now=0.0)
     assert ids(out.admitted) == ids(seqs[:2]) and ids(sched.waiting) == ids(seqs[2:])
-    assert sched.admission.refusals[MAX_RUNNING] == 1
-    assert metric("switchyard_admissions_refused_total", reason=MAX_RUNNING) == before + 1
+    assert sched.admission.refusals[KV_MEMORY] == 1
+    assert metric("switchyard_admissions_refused_total", reason=KV_MEMORY) == before + 1
 
     sched.finish(seqs[0], now=0.5)
     assert ids(sched.schedule(now=0.5).admitted) == ids(seqs[2:])
+
+
+def test_max_running_agents_is_the_admission_wave_not_a_cap_on_the_running_set() -> None:
+    sched = make_scheduler(max_running_agents=10, expected_score_initial=0)
+    seqs = make_requests(25)
+    sched.add(seqs, now=0.0)
+    waves = [len(sched.schedule(now=0.001 * i).admitted) for i in range(4)]
+    assert waves == [10, 10, 5, 0]
+    assert sched.num_running == 25  # the field's 10 never caps the GPU at ten sequences
+    assert sched.admission.refusals[ADMISSION_WAVE] == 2
+
+
+def test_kv_budget_admits_what_fits_the_hbm_budget_and_counts_parked_state() -> None:
+    from switchyard.common.config import HbmTier
+
+    info = MemoryInfo(device_bytes=10_000, weight_bytes=500, kv_bytes_per_token=10)
+    parked = {"bytes": 0}
+    budget = KvBudget(HbmTier(capacity_ratio=0.85), info, lambda: parked["bytes"])
+    assert budget.budget_bytes == 8000  # 0.85 x 10000 - 500
+    [a, b, c] = make_requests(3, prompt_tokens=200, max_tokens=100)  # 300 tokens = 3000 bytes each
+    assert budget.need(a) == 3000
+    budget.take(a)
+    budget.take(b)
+    assert budget.refusal(c) == KV_MEMORY  # 6000 used, 2000 free
+    budget.give(a)
+    assert budget.refusal(c) is None
+    parked["bytes"] = 2500
+    assert budget.refusal(c) == KV_MEMORY  # parked agents' KV counts too
+    [huge] = make_requests(1, prompt_tokens=700, max_tokens=200)
+    assert "HBM budget" in (budget.never_fits(huge) or "")
+    with pytest.raises(ValueError, match="capacity_ratio"):
+        KvBudget(HbmTier(capacity_ratio=0.04), info)
+
+
+def test_sim_engine_budget_is_the_modelled_h100() -> None:
+    engine = SimEngine(SwitchyardConfig())
+    sched = build_scheduler(SwitchyardConfig(), engine)
+    budget = sched.capacity
+    assert isinstance(budget, KvBudget)
+    assert budget.budget_bytes == int(0.85 * 80e9) - int(14e9)  # capacity_ratio x 80 GB - 7B fp16 weights
+    # The field's reference request (458 prompt + 128 max tokens) fits about 180 times.
+    [seq] = make_requests(1, prompt_tokens=458, max_tokens=128)
+    assert budget.budget_bytes // budget.need(seq) > 150
 
 
 def test_admission_stops_at_high_load_threshold() -> None:
@@ -341,13 +408,6 @@ def test_nvml_init_error_and_missing_nvml_never_raise() -> None:
 # --------------------------------------------------------------------------- preemption
 
 
-def _apply(out: Any, engine: Any, now: float) -> None:
-    """What the engine loop does with a decision: drop preempted KV state."""
-    for seq in out.preempted:
-        seq.mark_preempted(now)
-        engine.release(seq)
-
-
 def _streamed(seq: Sequence) -> list[StreamToken]:
     items = []
     while not seq.outbox.empty():
@@ -358,7 +418,7 @@ def _streamed(seq: Sequence) -> list[StreamToken]:
 
 async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_tokens() -> None:
     engine = SimEngine(SwitchyardConfig())
-    sched = make_scheduler(engine=engine, max_running_agents=1, preemption_grace_ms=50)
+    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=50)
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
     sched.add([batch], now=0.0)
     out = sched.schedule(now=0.0)
@@ -376,7 +436,7 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     out = sched.schedule(now=0.16)  # waited 60 ms >= grace
     assert out.preempted == [batch] and out.admitted == [core] and out.running == [core]
     assert metric("switchyard_preemptions_total", priority_class="batch") == before + 1
-    _apply(out, engine, 0.16)
+    assert batch.preemptions == 1 and batch.num_computed_tokens == 0  # the scheduler dropped its KV
     assert sched.waiting == [batch]
 
     await engine.prefill([core])
@@ -403,7 +463,7 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
 
 def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> None:
     engine = FakeEngine()
-    sched = make_scheduler(engine=engine, max_running_agents=1, preemption_grace_ms=0)
+    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=0)
     [old] = make_requests(1, BATCH, arrival=0.0)
     sched.add([old], now=0.0)
     sched.schedule(now=0.0)
@@ -417,7 +477,7 @@ def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> No
 
 
 def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core() -> None:
-    sched = make_scheduler(max_running_agents=3, preemption_grace_ms=0)
+    sched = make_scheduler(running=3, preemption_grace_ms=0)
     core_running = make_requests(1, CORE, arrival=0.0)
     normal = make_requests(1, NORMAL, arrival=0.0)
     batch = make_requests(1, BATCH, arrival=0.0)
@@ -433,8 +493,8 @@ def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core
 
 
 def test_no_preemption_when_disabled_or_under_fifo() -> None:
-    disabled = make_scheduler(max_running_agents=1, preemption_enabled=False)
-    fifo = make_scheduler(policy="fifo", max_running_agents=1)
+    disabled = make_scheduler(running=1, preemption_enabled=False)
+    fifo = make_scheduler(policy="fifo", running=1)
     for sched in (disabled, fifo):
         sched.add(make_requests(1, BATCH, arrival=0.0), now=0.0)
         sched.schedule(now=0.0)
@@ -443,7 +503,7 @@ def test_no_preemption_when_disabled_or_under_fifo() -> None:
 
 
 def test_fifo_ignores_classes() -> None:
-    sched = make_scheduler(policy="fifo", max_running_agents=2, nvml=FakeNvml(gpu=100, memory=100))
+    sched = make_scheduler(policy="fifo", running=2, nvml=FakeNvml(gpu=100, memory=100))
     batch = make_requests(1, BATCH, arrival=0.0)
     core = make_requests(2, CORE, arrival=1.0)
     sched.add(core + batch, now=1.0)
@@ -463,7 +523,7 @@ def _react(agent_id: str, arrival: float, *, resume: bool = False, prompt_tokens
 
 def test_agent_waiting_on_a_tool_holds_no_slot_and_resumes_ahead_of_new_work() -> None:
     engine = FakeEngine()
-    sched = make_scheduler(engine=engine, max_running_agents=1, tool_wait_ttl_s=5)
+    sched = make_scheduler(engine=engine, running=1, tool_wait_ttl_s=5)
     think = _react("agent-1", arrival=0.0)
     sched.add([think], now=0.0)
     sched.schedule(now=0.0)
@@ -511,7 +571,7 @@ def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
 
 def test_finished_or_cancelled_work_leaves_every_set() -> None:
     engine = FakeEngine()
-    sched = make_scheduler(engine=engine, max_running_agents=1)
+    sched = make_scheduler(engine=engine, running=1)
     a, b = make_requests(2)
     sched.add([a, b], now=0.0)
     sched.schedule(now=0.0)
@@ -519,7 +579,11 @@ def test_finished_or_cancelled_work_leaves_every_set() -> None:
     sched.finish(a, now=0.2)
     sched.finish(a, now=0.3)  # idempotent
     parked = _react("agent-3", arrival=0.0)
-    sched.park(parked, now=0.4)
+    sched.add([parked], now=0.3)
+    sched.schedule(now=0.3)
+    parked.finish("tool_calls")
+    sched.finish(parked, now=0.4)  # parked: its agent waits on a tool
+    assert sched.parked == [parked]
     sched.finish(parked, now=0.5)  # the agent went away
     assert (sched.waiting, sched.running, sched.parked) == ([], [], [])
-    assert engine.released == [parked]
+    assert engine.released == [a, parked]  # KV released once each, by the scheduler

@@ -15,6 +15,7 @@ from otlp_receiver import OtlpReceiver, ReceivedSpan
 from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.process_metrics import find_cpu_stat
+from switchyard.dispatcher.double_buffer import FLUSH_REASON_LABELS
 
 pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
 
@@ -174,7 +175,7 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
     batch = batches[0]
     assert batch.service == "dispatcher"
     assert batch.attributes["switchyard.batch_size"] == len(batch.links) >= 1
-    assert batch.attributes["switchyard.flush_reason"] in ("size", "interval", "drain", "adaptive")
+    assert batch.attributes["switchyard.flush_reason"] in FLUSH_REASON_LABELS
 
     # Engine steps serve sequences of several tasks: each step's span links to the requests it served.
     engine = [s for s in spans if s.name in ("engine.prefill", "engine.decode") and (TRACE_ID, request_span.span_id) in s.links]

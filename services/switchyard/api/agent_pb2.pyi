@@ -28,6 +28,8 @@ class FlushReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SIZE: _ClassVar[FlushReason]
     INTERVAL: _ClassVar[FlushReason]
     DRAIN: _ClassVar[FlushReason]
+    IDLE: _ClassVar[FlushReason]
+    STEP: _ClassVar[FlushReason]
 PRIORITY_UNSPECIFIED: Priority
 CORE: Priority
 NORMAL: Priority
@@ -41,6 +43,8 @@ FLUSH_REASON_UNSPECIFIED: FlushReason
 SIZE: FlushReason
 INTERVAL: FlushReason
 DRAIN: FlushReason
+IDLE: FlushReason
+STEP: FlushReason
 
 class TokenUsage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

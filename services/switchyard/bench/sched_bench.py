@@ -49,6 +49,7 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import ConfigError, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Sequence
 
 CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
@@ -154,6 +155,11 @@ class VirtualSimEngine:
     def kv_bytes(self, seq: Sequence) -> int:
         return seq.num_computed_tokens * self.params.kv_bytes_per_token
 
+    def memory_info(self) -> MemoryInfo:
+        """The modelled GPU, as :meth:`switchyard.dispatcher.engines.sim.SimEngine.memory_info`."""
+        p = self.params
+        return MemoryInfo(int(p.hbm_gb * 1e9), int(p.params_billion * 1e9 * p.bytes_per_param), p.kv_bytes_per_token)
+
     @staticmethod
     def _emit(seq: Sequence) -> None:
         seq.output_tokens.append(f" w{len(seq.output_tokens)}")
@@ -181,6 +187,9 @@ def simulate(
     ``label`` names the run in the report (default: ``policy``).
     """
     engine = VirtualSimEngine(config.service.sim)
+    # Every task of the trace is accepted (the benchmark measures scheduling, not refusal).
+    config = config.with_overrides(**{"queue.queues.inference.capacity": 1_000_000,
+                                      "queue.queues.inference.timeout_ms": 3_600_000})
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, policy=policy, monitor=monitor)
     seqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
@@ -209,10 +218,7 @@ def simulate(
         if not sched.num_waiting and not sched.num_running:
             t = seqs[i].arrival
             continue
-        out = sched.schedule(t)
-        for seq in out.preempted:
-            seq.mark_preempted(t)
-            engine.release(seq)
+        out = sched.schedule(t)  # preempted sequences have lost their KV already
         running = out.running
         needs = [s for s in running if s.needs_prefill]
         if needs:
@@ -227,9 +233,7 @@ def simulate(
     result.makespan = t
     result.preemptions = sum(s.preemptions for s in seqs)
     result.recomputed_tokens = sum(s.recomputed_tokens for s in seqs)
-    close = getattr(sched, "close", None)
-    if callable(close):
-        close()
+    sched.shutdown()
     return result
 
 

@@ -92,6 +92,28 @@ class FlushConfig(_Strict):
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class AdaptiveConcurrencyConfig(_Strict):
+    """Adaptive limit on streams in flight to the upstream (switchyard.dispatcher.adaptive_limit)."""
+
+    min_limit: int = Field(1, ge=1, le=100_000, description="Floor of the limit, streams.")
+    max_limit: int = Field(1024, ge=1, le=100_000, description="Ceiling of the limit, streams.")
+    initial_limit: int = Field(32, ge=1, le=100_000, description="Limit at start-up, streams.")
+    tolerance: float = Field(
+        2.0, ge=1, le=100, description="TTFT may rise to this multiple of its baseline before the limit shrinks."
+    )
+    smoothing: float = Field(0.2, gt=0, le=1, description="Weight of each new target in the limit (0-1].")
+    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="The limit is multiplied by this on a 429 or 503.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AdaptiveConcurrencyConfig":
+        if not self.min_limit <= self.initial_limit <= self.max_limit:
+            raise ValueError(
+                f"expected min_limit <= initial_limit <= max_limit, got {self.min_limit}, "
+                f"{self.initial_limit}, {self.max_limit}"
+            )
+        return self
+
+
 class ModelGatewayConfig(_Strict):
     base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
     api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the variable holding the API key.")
@@ -120,11 +142,15 @@ class ModelGatewayConfig(_Strict):
     write_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest time to send the request body, seconds.")
     pool_timeout_s: float = Field(5.0, gt=0, le=600, description="Longest wait for a pooled connection, seconds.")
     total_timeout_s: float = Field(300.0, gt=0, le=86_400, description="Longest time for one whole completion, seconds.")
-    max_connections: int = Field(64, ge=1, le=10_000, description="Connections in the HTTP pool.")
-    max_keepalive_connections: int = Field(32, ge=0, le=10_000, description="Idle connections kept open.")
+    max_connections: int = Field(1024, ge=1, le=10_000, description="Connections in the HTTP pool.")
+    max_keepalive_connections: int = Field(1024, ge=0, le=10_000, description="Idle connections kept open.")
     max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity).")
     retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait; doubles per retry, with jitter.")
     retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
+    concurrency: AdaptiveConcurrencyConfig = Field(
+        default_factory=AdaptiveConcurrencyConfig,
+        description="Adaptive limit on streams in flight to the upstream (TTFT gradient, backoff on 429/503).",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -146,6 +172,11 @@ class ModelGatewayConfig(_Strict):
             raise ValueError(
                 f"max_keepalive_connections ({self.max_keepalive_connections}) must not exceed "
                 f"max_connections ({self.max_connections})"
+            )
+        if self.concurrency.max_limit > self.max_connections:
+            raise ValueError(
+                f"concurrency.max_limit ({self.concurrency.max_limit}) must not exceed max_connections "
+                f"({self.max_connections}): every stream the limit allows needs a pooled connection"
             )
         if self.retry_backoff_max_s < self.retry_backoff_initial_s:
             raise ValueError(
@@ -396,6 +427,7 @@ class SimEngineConfig(_Strict):
     peak_tflops: float = Field(989.0, gt=0, description="Dense BF16 tensor peak of the modelled GPU (H100 SXM).")
     hbm_tb_per_s: float = Field(3.35, gt=0, description="HBM bandwidth of the modelled GPU, TB/s (H100 SXM).")
     bytes_per_param: float = Field(2.0, gt=0, description="Weight bytes per parameter (2 = fp16/bf16).")
+    hbm_gb: float = Field(80.0, gt=0, description="Device memory of the modelled GPU, GB (H100 SXM: 80).")
 
 
 class TorchEngineConfig(_Strict):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import grpc
 
-from switchyard.common.queues import QueueFullError, QueueTimeoutError
-
 
 class SwitchyardError(Exception):
     """An error that carries its gRPC status code."""
@@ -43,6 +41,29 @@ class ServiceUnavailable(SwitchyardError):
         super().__init__(f"{service} service unavailable at {address}{tail}; is it running (switchyard up)?")
 
 
+class QueueFullError(SwitchyardError):
+    """A queue holds ``capacity`` items: refused at once (RESOURCE_EXHAUSTED), never dropped."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, queue: str, capacity: int) -> None:
+        super().__init__(f"{queue} queue full: {capacity} items waiting (queues.{queue}.capacity); retry later")
+        self.queue = queue
+
+
+class QueueTimeoutError(SwitchyardError):
+    """An item waited longer than the queue's ``timeout_ms`` (DEADLINE_EXCEEDED)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, queue: str, waited_s: float, timeout_ms: int, waiting_for: str = "a free worker") -> None:
+        super().__init__(
+            f"waited {waited_s * 1000:.0f} ms in the {queue} queue for {waiting_for} "
+            f"(queues.{queue}.timeout_ms = {timeout_ms})"
+        )
+        self.queue = queue
+
+
 # gRPC codes that mean the server failed, not the caller; after
 # opentelemetry-instrumentation-grpc's rule for span status.
 SERVER_FAULT_CODES = frozenset(
@@ -61,10 +82,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, details) a servicer should abort with for ``exc``."""
     if isinstance(exc, SwitchyardError):
         return exc.code, str(exc)
-    if isinstance(exc, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, QueueTimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or exc.code().name
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

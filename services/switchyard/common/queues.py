@@ -15,28 +15,10 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
 from switchyard.common.config import QueueConfig
+from switchyard.common.errors import QueueFullError, QueueTimeoutError
 from switchyard.common.metrics import QUEUE_BUSY_WORKERS, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
 
 T = TypeVar("T")
-
-
-class QueueFullError(Exception):
-    """The queue holds ``capacity`` items. Maps to RESOURCE_EXHAUSTED."""
-
-    def __init__(self, queue: str, capacity: int) -> None:
-        super().__init__(f"{queue} queue full: {capacity} items waiting (queues.{queue}.capacity); retry later")
-        self.queue = queue
-
-
-class QueueTimeoutError(Exception):
-    """An item waited longer than ``timeout_ms``. Maps to DEADLINE_EXCEEDED."""
-
-    def __init__(self, queue: str, waited_s: float, timeout_ms: int) -> None:
-        super().__init__(
-            f"waited {waited_s * 1000:.0f} ms in the {queue} queue without a free worker "
-            f"(queues.{queue}.timeout_ms = {timeout_ms})"
-        )
-        self.queue = queue
 
 
 @dataclass(eq=False)

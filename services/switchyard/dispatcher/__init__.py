@@ -1,17 +1,17 @@
-"""The dispatcher: inference queue, double-buffered batching, scheduling and the engine.
+"""The dispatcher: one request queue owned by the scheduler, double-buffered intake, the engine.
 
 Modules, in the order a Generate request meets them:
 
 - :mod:`.service`: ``agent.InferenceService`` (``DispatcherService``): validation,
   the Generate stream.
-- :mod:`.inference_queue`: the bounded inference queue (places held until the
-  engine takes the request).
-- :mod:`.double_buffer`: two swapped lists, flushed by size, interval or drain;
-  :mod:`.adaptive_flush` can drive the interval.
-- :mod:`.engine_loop`: flushed batches -> scheduling policy -> engine steps
-  (iteration-level batching), or stream workers for stream engines.
-- :mod:`.scheduler`: priority classes, admission by compute score, preemption,
-  reclaiming the slots of agents waiting on tools.
+- :mod:`.scheduler`: the one request queue (double buffer -> waiting ->
+  running -> parked), refusal when full, expiry, KV release, priority classes,
+  admission by compute score and KV memory, preemption.
+- :mod:`.double_buffer`: the scheduler's intake, swapped at step boundaries;
+  :mod:`.adaptive_flush` can drive its interval bound.
+- :mod:`.engine_loop`: the step loop (prefill, decode, hand finished sequences
+  back); :mod:`.stream_loop`: the same for upstream engines, bounded by
+  :mod:`.adaptive_limit`.
 - :mod:`.engines`: ``sim`` (latency model), ``openai`` (upstream gateway),
   ``torch``; :func:`switchyard.dispatcher.engines.make_engine` picks one.
 - :mod:`.sequence`: one request's state, shared by all of the above.

@@ -1,31 +1,32 @@
-"""The double buffer between the inference queue and the scheduler.
+"""The double buffer: the scheduler's intake, filled while the engine works.
 
-Two lists. Producers append to the active one. When it holds
-``max_batch_size`` items (flush reason SIZE), or when it is non-empty and
-``flush_interval`` has passed since its first item arrived (INTERVAL), the two
-lists swap under an :class:`asyncio.Lock` held only for the swap: the full list
-is handed to the consumer and the other, empty one starts filling. Closing the
-buffer flushes what remains (DRAIN).
+Two lists. Arrivals append to the active one while the engine runs a step (or
+an upstream streams the current batch). At the step boundary the scheduler
+swaps them: the whole active list joins the waiting set for the next step, and
+the other list, now empty, starts filling. Intake therefore overlaps with the
+model's work, and every arrival of one step joins the next one together.
 
-One consumer (the engine loop's intake) awaits :meth:`DoubleBuffer.next_batch`.
-While the consumer has not yet taken the previous full list, producers may keep
-filling the active one up to ``max_batch_size``; past that, :meth:`put` waits
-(back-pressure to the bounded inference queue; nothing is dropped). Items leave
-in exactly the order they were put, so nothing is lost, duplicated or
-reordered, within a priority class or across them.
+When the buffer is swapped, and why (:class:`FlushReason`):
 
-Under steady arrivals the INTERVAL rule flushes once per ``flush_interval``;
-the interval is read through a callable on every wait and after every put, so
-an adaptive-flush controller can change it while the buffer runs (the field reports suggest
-trying 10, 20 and 50 ms and comparing P95 latency and utilisation).
+- ``IDLE``: the engine had nothing to do, so the first arrival is taken at
+  once; nothing waits for an interval while the engine idles;
+- ``STEP``: a step boundary (the batch that formed during the step);
+- ``SIZE``: the active list reached ``max_batch_size`` mid-step;
+- ``INTERVAL``: the first item has waited ``flush_interval_ms`` (the upper
+  bound of the wait for a swap; ``"auto"`` computes it from arrivals);
+- ``DRAIN``: the dispatcher is shutting down.
+
+The buffer itself is plain bookkeeping: it runs on the event loop thread, so a
+swap is atomic without a lock. Its owner
+(:class:`switchyard.dispatcher.scheduler.core.SchedulerCore`) decides when to
+swap and arms the interval timer from :meth:`DoubleBuffer.deadline`. Items
+leave in exactly the order they were put: nothing is lost, duplicated or
+reordered by a swap.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import time
-from collections import Counter
 from typing import Callable, Generic, TypeVar
 
 from switchyard.api import agent_pb2
@@ -39,26 +40,28 @@ class FlushReason(enum.IntEnum):
     SIZE = agent_pb2.SIZE
     INTERVAL = agent_pb2.INTERVAL
     DRAIN = agent_pb2.DRAIN
+    IDLE = agent_pb2.IDLE
+    STEP = agent_pb2.STEP
 
     @property
     def label(self) -> str:
-        """Lower-case name for metric labels: size, interval, drain."""
+        """Lower-case name for metric labels: size, interval, drain, idle, step."""
         return self.name.lower()
 
 
-class BufferClosedError(Exception):
-    """:meth:`DoubleBuffer.put` after :meth:`DoubleBuffer.close`."""
+FLUSH_REASON_LABELS: tuple[str, ...] = tuple(reason.label for reason in FlushReason)
+"""Every value the ``reason`` label of ``switchyard_flushes_total`` takes."""
 
 
 class DoubleBuffer(Generic[T]):
-    """Batches items by size or time with two swapped lists.
+    """Two swapped lists: the active one fills, the swapped-out one is handed over.
 
     Args:
-        max_batch_size: flush when the active list holds this many (``queue.json``
-            ``flush.max_batch_size``); >= 1.
-        flush_interval_s: seconds a non-empty active list may wait before it is
-            flushed (``flush.flush_interval_ms`` / 1000): a number, or a
-            callable returning the current value (read on every wait).
+        max_batch_size: :meth:`put` reports the list full at this many items
+            (``queue.json`` ``flush.max_batch_size``); >= 1.
+        flush_interval_s: the longest an item waits for a swap, seconds
+            (``flush.flush_interval_ms`` / 1000): a number, or a callable
+            returning the value in force (read when the first item arrives).
 
     Raises:
         ValueError: max_batch_size < 1 or a fixed interval <= 0.
@@ -75,129 +78,54 @@ class DoubleBuffer(Generic[T]):
             fixed = float(flush_interval_s)
             self._interval = lambda: fixed
         self.max_batch_size = max_batch_size
-        self._buffers: tuple[list[T], list[T]] = ([], [])
+        self._lists: tuple[list[T], list[T]] = ([], [])
         self._active = 0
-        self._full: list[T] | None = None  # the swapped-out list, until the consumer takes it
-        self._full_reason = FlushReason.SIZE
-        self._first_at: float | None = None  # when the active list got its first item
-        self._swap_lock = asyncio.Lock()
-        self._changed = asyncio.Event()  # wakes the consumer
-        self._taken = asyncio.Event()  # the swapped-out list was taken
-        self._taken.set()
-        self._closed = False
-        self.flushes: Counter[FlushReason] = Counter()
-        """Flushes so far, by reason."""
-        self.items_flushed = 0
-
-    # ------------------------------------------------------------------ state
+        self._first_at: float | None = None
+        self._deadline: float | None = None
+        self.closed = False
+        """Set by :meth:`close`; the owner refuses new items from then on."""
 
     @property
     def active_size(self) -> int:
         """Items in the active (filling) list."""
-        return len(self._buffers[self._active])
+        return len(self._lists[self._active])
 
-    @property
-    def pending(self) -> int:
-        """Items not yet taken by the consumer (active plus swapped-out list)."""
-        return self.active_size + (len(self._full) if self._full is not None else 0)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    def __len__(self) -> int:
+        return self.active_size
 
     def flush_interval_s(self) -> float:
         """The interval in force now, in seconds."""
         return self._interval()
 
-    # ------------------------------------------------------------------ producers
+    def deadline(self) -> float | None:
+        """When the oldest buffered item has waited the flush interval (``now`` clock); None when empty."""
+        return self._deadline
 
-    async def put(self, item: T) -> None:
-        """Append ``item`` to the active list; flush by SIZE when it is full.
+    def put(self, item: T, now: float) -> bool:
+        """Append ``item`` to the active list; True when the list is now full (swap it: SIZE).
 
-        Waits while the active list is full and the consumer has not taken the
-        previous batch.
-
-        Raises:
-            BufferClosedError: the buffer was closed.
+        ``now`` is the caller's clock (``time.monotonic()``); the first item of
+        a list fixes its :meth:`deadline`.
         """
-        while True:
-            if self._closed:
-                raise BufferClosedError("double buffer closed; the dispatcher is stopping")
-            if self.active_size < self.max_batch_size:
-                break
-            await self._taken.wait()
-            await self._swap(FlushReason.SIZE)
-        active = self._buffers[self._active]
+        active = self._lists[self._active]
         active.append(item)
         if len(active) == 1:
-            self._first_at = time.monotonic()
-        self._changed.set()  # the consumer re-reads the interval (it may depend on arrivals)
-        if len(active) >= self.max_batch_size and self._taken.is_set():
-            await self._swap(FlushReason.SIZE)
+            self._first_at = now
+            self._deadline = now + self._interval()
+        return len(active) >= self.max_batch_size
+
+    def swap(self) -> list[T]:
+        """Hand over the active list (put order) and start filling the other one.
+
+        The returned list is the buffer's own: read it before the next swap,
+        which reuses it.
+        """
+        full = self._lists[self._active]
+        self._active ^= 1
+        self._lists[self._active].clear()
+        self._first_at = self._deadline = None
+        return full
 
     def close(self) -> None:
-        """Refuse new items; the consumer gets what remains as a DRAIN batch, then None."""
-        self._closed = True
-        self._changed.set()
-
-    # ------------------------------------------------------------------ consumer
-
-    async def next_batch(self) -> tuple[list[T], FlushReason] | None:
-        """Wait for the next flushed batch: (items in put order, reason).
-
-        Returns None once the buffer is closed and empty.
-        """
-        while True:
-            if self._full is not None:
-                batch, reason = list(self._full), self._full_reason
-                self._full.clear()
-                self._full = None
-                self._taken.set()
-                if self.active_size >= self.max_batch_size:
-                    await self._swap(FlushReason.SIZE)  # let waiting producers go on
-                return batch, reason
-            if self._closed:
-                if self.active_size:
-                    await self._swap(FlushReason.DRAIN)
-                    continue
-                return None
-            timeout: float | None = None
-            if self._first_at is not None and self.active_size:
-                timeout = self._first_at + self._interval() - time.monotonic()
-                if timeout <= 0:
-                    await self._swap(FlushReason.INTERVAL)
-                    continue
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
-
-    def __aiter__(self) -> "DoubleBuffer[T]":
-        return self
-
-    async def __anext__(self) -> tuple[list[T], FlushReason]:
-        batch = await self.next_batch()
-        if batch is None:
-            raise StopAsyncIteration
-        return batch
-
-    # ------------------------------------------------------------------ swap
-
-    async def _swap(self, reason: FlushReason) -> bool:
-        """Swap the lists if the active one is non-empty (full, for SIZE) and the other was taken."""
-        async with self._swap_lock:
-            active = self._buffers[self._active]
-            if self._full is not None or not active:
-                return False
-            if reason is FlushReason.SIZE and len(active) < self.max_batch_size:
-                return False
-            self._full = self._buffers[self._active]
-            self._full_reason = reason
-            self._active ^= 1
-            self._first_at = None
-            self._taken.clear()
-        self.flushes[reason] += 1
-        self.items_flushed += len(self._full)
-        self._changed.set()
-        return True
+        """Mark the buffer closed; what it holds is still handed over by :meth:`swap` (DRAIN)."""
+        self.closed = True

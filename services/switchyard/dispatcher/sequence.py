@@ -1,8 +1,8 @@
 """One Generate request inside the dispatcher, and what the scheduler decides each step.
 
-A :class:`Sequence` is created by the service when a Generate arrives, passes
-through the inference queue and the double buffer, is admitted (and maybe
-preempted and resumed) by the scheduling policy, and is stepped by the engine.
+A :class:`Sequence` is created by the service when a Generate arrives, handed to
+the scheduler (its double buffer, then its waiting set), admitted (and maybe
+preempted and resumed) by the scheduling policy, and stepped by the engine.
 The engine writes generated tokens into it; every token and tool call is pushed
 to the sequence's outbox, which the Generate handler streams to its caller.
 
@@ -139,6 +139,15 @@ class Sequence:
     finish_reason: str | None = None
 
     # --- engine / scheduler state
+    state: str = "new"
+    """Where the scheduler holds it: new, buffered, waiting, running, parked or finished
+    (:data:`switchyard.dispatcher.scheduler.core.STATES`); written by the scheduler only."""
+    reached_engine: bool = False
+    """Admitted at least once: it left the inference queue (its queue wait is over)."""
+    kv_reserved_bytes: int = 0
+    """KV bytes reserved in the HBM budget while it runs (0 when not running)."""
+    batch_id: int = -1
+    """Number of the flush that brought it to the scheduler."""
     num_computed_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
@@ -150,12 +159,12 @@ class Sequence:
 
     # --- flush and timing info
     enqueued_at: float | None = None
-    """When it left the inference queue for the double buffer."""
+    """When the scheduler accepted it into the double buffer."""
     flushed_at: float | None = None
     batch_size: int = 0
     flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
     queue_wait_s: float = 0.0
-    """Wait in the inference queue and the double buffer, until the engine first saw it."""
+    """Wait in the inference queue (double buffer and waiting set), until its first admission."""
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -287,11 +296,14 @@ class SchedulerOutput:
 
     ``admitted``: sequences newly taken into the running set (they need a
     prefill: first one, or a recompute after preemption). ``preempted``:
-    running sequences whose slot was taken; the engine loop drops their KV
+    running sequences whose slot was taken; the scheduler has dropped their KV
     state (``engine.release``) and they wait again. ``running``: the whole
     running set after this decision, admitted included, in step order.
+    ``expired``: requests that waited past ``queues.inference.timeout_ms``
+    before their first admission; they have failed with DEADLINE_EXCEEDED.
     """
 
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)

@@ -1,16 +1,18 @@
-"""The dispatcher service: ``agent.InferenceService.Generate`` over the inference pipeline.
+"""The dispatcher service: ``agent.InferenceService.Generate`` over the scheduler.
 
 Path of one Generate call::
 
-    validate -> inference queue (a place, waiting at most the caller's deadline)
-             -> double buffer (flush on size | interval)
-             -> engine loop (scheduling policy, engine steps)
+    validate -> scheduler.add_request (double buffer; refused at once when full)
+             -> waiting set -> running set (admitted by compute score and KV memory,
+                or the upstream's adaptive limit) -> engine steps
              -> the sequence's outbox -> GenerateChunk stream
 
 The stream carries token chunks (text, index), tool-call chunks, then one
 ``done`` chunk with usage, queue wait, TTFT, compute score, memory peak, the
 flush that carried the request, the model, preemptions and finish_reason.
 Errors end the stream with a gRPC status (see :mod:`switchyard.common.errors`).
+The scheduler alone expires waiting requests and releases KV; when the caller
+goes away, the handler aborts its request there.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
-from switchyard.dispatcher.double_buffer import BufferClosedError, DoubleBuffer
-from switchyard.dispatcher.engine_loop import EngineLoop, SchedulingPolicy, make_policy
+from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
+from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
 from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
-from switchyard.dispatcher.inference_queue import InferenceQueue, InferenceQueueTimeout
+from switchyard.dispatcher.scheduler import make_scheduler
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.sequence import (
     Message,
     Sequence,
@@ -139,8 +144,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
     Args:
         config: the whole config.
         engine: an engine to use instead of :func:`make_engine` (tests, benchmarks).
-        policy: a scheduling policy instead of :func:`make_policy` (e.g. the FIFO
-            baseline in a benchmark).
+        policy: a scheduling policy name (``priority``, ``fifo``) instead of
+            ``scheduler_config.json`` ``policy``.
 
     Raises:
         EngineUnavailable: the configured engine is not installed.
@@ -153,22 +158,26 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         self,
         config: SwitchyardConfig,
         engine: StepEngine | StreamEngine | None = None,
-        policy: SchedulingPolicy | None = None,
+        policy: str | None = None,
     ) -> None:
         self.config = config
         self.engine = engine if engine is not None else make_engine(config)
         self.stepping = isinstance(self.engine, StepEngine)
-        if self.stepping and policy is None:
-            policy = make_policy(config, self.engine)
-        self.policy = policy
         flush = config.queue.flush
         self.adaptive: AdaptiveFlush | None = (
             AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
         )
-        interval = self.adaptive if self.adaptive is not None else float(flush.flush_interval_ms) / 1000
-        self.queue = InferenceQueue(config.queue.queues.inference)
-        self.buffer: DoubleBuffer[Sequence] = DoubleBuffer(flush.max_batch_size, interval)
-        self.loop: EngineLoop | None = None
+        self.limit: AdaptiveConcurrencyLimit | None = None
+        capacity = None
+        if not self.stepping:
+            self.limit = AdaptiveConcurrencyLimit(config.queue.model_gateway.concurrency)
+            capacity = ConcurrencyCapacity(self.limit)
+        self.scheduler: SchedulerCore = make_scheduler(
+            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive
+        )
+        if self.adaptive is not None:
+            self.scheduler.on_batch_done = self.adaptive.on_batch_done
+        self.loop: LoopBase | None = None
 
     # ------------------------------------------------------------------ Service protocol
 
@@ -176,19 +185,19 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         agent_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
-        """Start the engine loop (intake and step tasks)."""
-        self.loop = EngineLoop(
-            self.config, self.engine, self.policy, self.queue, self.buffer,
-            on_batch_done=self.adaptive.on_batch_done if self.adaptive is not None else None,
-        )
+        """Start the engine loop."""
+        if self.stepping:
+            self.loop = StepLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
+        else:
+            assert self.limit is not None
+            self.loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
         self.loop.start()
         log.info(
-            "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model,
-            getattr(self.policy, "name", "stream workers"),
+            "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
 
     async def stop(self) -> None:
-        """Drain: flush what is buffered, run in-flight sequences to their end, close the engine.
+        """Drain: refuse new requests, run accepted ones to their end, close the engine.
 
         Waits up to ``server.shutdown_grace_s``; whatever is still running after
         that is cancelled.
@@ -213,6 +222,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         """Stream one completion. See the module docstring for the chunks and errors."""
         with tracer.start_as_current_span("dispatcher.generate") as span:
             seq: Sequence | None = None
+            loop = self.loop
             try:
                 seq = to_sequence(request, self.config)
                 span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
@@ -221,7 +231,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 seq.span_context = span.get_span_context()
                 seq.span = span
                 wall_arrival_ns = time.time_ns()
-                await self._admit(seq, context.time_remaining())
+                if loop is None:
+                    raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
+                if self.adaptive is not None:
+                    self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
+                loop.submit(seq)
                 async for chunk in self._chunks(seq):
                     yield chunk
                 self._record_queue_wait(seq, wall_arrival_ns)
@@ -233,41 +247,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
                 await context.abort(code, details)
             finally:
-                if seq is not None and not seq.is_finished and self.loop is not None:
-                    self.loop.cancel(seq)  # the caller went away: free its slot
-                if seq is not None:
-                    self.queue.leave(seq)
-
-    async def _admit(self, seq: Sequence, deadline_s: float | None) -> None:
-        if self.loop is None:
-            raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
-        await self.queue.enter(seq, deadline_s)
-        seq.enqueued_at = time.monotonic()
-        if self.adaptive is not None:
-            self.adaptive.on_arrival(seq.enqueued_at, self.buffer.active_size + 1)
-        try:
-            await self.buffer.put(seq)
-        except BufferClosedError:
-            self.queue.leave(seq)
-            raise SwitchyardError("dispatcher is shutting down; retry on another replica", grpc.StatusCode.UNAVAILABLE)
+                if seq is not None and not seq.is_finished and loop is not None:
+                    loop.abort(seq)  # the caller went away: free its place and KV
 
     async def _chunks(self, seq: Sequence) -> AsyncIterator[agent_pb2.GenerateChunk]:
-        """Turn ``seq``'s outbox into chunks; enforce the inference-queue timeout until it reaches the engine."""
+        """Turn ``seq``'s outbox into chunks until its done chunk or its error."""
         model = self.engine.model if self.stepping else (seq.model or self.engine.model)
         while True:
-            if self.queue.holds(seq):
-                left = seq.arrival + self.queue.timeout_s - time.monotonic()
-                try:
-                    item = await asyncio.wait_for(seq.outbox.get(), max(0.0, left))
-                except TimeoutError:
-                    if not self.queue.holds(seq):
-                        continue
-                    waited = time.monotonic() - seq.arrival
-                    assert self.loop is not None
-                    self.loop.cancel(seq)
-                    raise InferenceQueueTimeout(waited, self.queue.config.timeout_ms) from None
-            else:
-                item = await seq.outbox.get()
+            item = await seq.outbox.get()
             if isinstance(item, StreamToken):
                 yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index))
             elif isinstance(item, StreamToolCall):

@@ -105,6 +105,8 @@ class GatewayClient:
             trust_env=True,
             transport=transport,
         )
+        self.on_status: Callable[[int], None] | None = None
+        """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -302,6 +304,8 @@ class GatewayClient:
             response = await self._http.send(http_request, stream=True)
         except httpx.HTTPError as exc:
             raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+        if self.on_status is not None:
+            self.on_status(response.status_code)
         if response.status_code < 400:
             return response
         try:

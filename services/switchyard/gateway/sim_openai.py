@@ -60,6 +60,9 @@ class SimOpenAIOptions:
     faults: dict[str, Fault] = field(default_factory=dict)
     latency: bool = True
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    max_streams: int | None = None
+    """Answer 429 (``Retry-After: 0``) to a streaming request while this many streams are open, as a
+    rate-limited hosted API does; None: no limit."""
 
 
 @dataclass
@@ -69,6 +72,11 @@ class SimOpenAIState:
     requests: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     active_streams: int = 0
+    open_streams: int = 0
+    """Streaming requests accepted and not yet finished (counted from acceptance, before the body starts)."""
+    peak_open_streams: int = 0
+    rejected_overload: int = 0
+    """Requests answered 429 because ``max_streams`` streams were open."""
 
 
 def _error(status: int, message: str, code: str, **extra: Any) -> JSONResponse:
@@ -189,6 +197,16 @@ class SimOpenAI:
         prompt_tokens = sum(len(word_pieces(m.content)) for m in messages)
         stream = bool(body.get("stream"))
         if stream != fault.mismatch:
+            limit = self.options.max_streams
+            if limit is not None and self.state.open_streams >= limit:
+                self.state.rejected_overload += 1
+                return JSONResponse(
+                    {"error": {"message": f"Rate limit reached: {limit} concurrent streams", "type": "rate_limit_error",
+                               "code": "rate_limit_exceeded"}},
+                    status_code=429, headers={"retry-after": "0"},
+                )
+            self.state.open_streams += 1
+            self.state.peak_open_streams = max(self.state.peak_open_streams, self.state.open_streams)
             return StreamingResponse(
                 self._stream(body, model, reply, prompt_tokens, fault), media_type="text/event-stream"
             )
@@ -272,6 +290,7 @@ class SimOpenAI:
                 yield encode(DONE)
         finally:
             self.state.active_streams -= 1
+            self.state.open_streams -= 1
 
 
 class _CutConnections:

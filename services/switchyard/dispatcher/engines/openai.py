@@ -12,7 +12,7 @@ flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from opentelemetry.trace import Tracer
 
@@ -122,6 +122,15 @@ class OpenAIEngine:
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
         install_log_redaction(envs.read_secret(self.config.api_key_env))
+
+    @property
+    def on_upstream_status(self) -> Callable[[int], None] | None:
+        """Called with the HTTP status of every upstream answer, retries included."""
+        return self.client.on_status
+
+    @on_upstream_status.setter
+    def on_upstream_status(self, hook: Callable[[int], None] | None) -> None:
+        self.client.on_status = hook
 
     async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
         """Stream ``seq``'s completion: token texts, ToolCalls, then one Usage.

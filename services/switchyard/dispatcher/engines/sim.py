@@ -44,6 +44,7 @@ from opentelemetry import trace
 
 from switchyard.common import telemetry
 from switchyard.common.config import SimEngineConfig, SwitchyardConfig
+from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
 
 tracer = telemetry.get_tracer(__name__)
@@ -338,6 +339,15 @@ class SimEngine:
     def kv_bytes(self, seq: Sequence) -> int:
         """``num_computed_tokens x kv_bytes_per_token``."""
         return seq.num_computed_tokens * self.params.kv_bytes_per_token
+
+    def memory_info(self) -> MemoryInfo:
+        """The modelled GPU: ``hbm_gb`` of device memory (80 GB H100), weights ``params x bytes_per_param``."""
+        p = self.params
+        return MemoryInfo(
+            device_bytes=int(p.hbm_gb * 1e9),
+            weight_bytes=int(p.params_billion * 1e9 * p.bytes_per_param),
+            kv_bytes_per_token=p.kv_bytes_per_token,
+        )
 
     async def _run(self, seconds: float, tokens: int, kv_tokens: int) -> None:
         """Spend ``seconds`` on a step that computes ``tokens`` and reads the KV of ``kv_tokens``."""

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import codecs
 import hashlib
 import statistics
@@ -71,6 +72,7 @@ from switchyard.dispatcher.engines.torch_model import (
     build_model,
     extend_in_chunks,
 )
+from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
 
 
@@ -107,6 +109,24 @@ class SeqState:
     prompt_len: int
     text: codecs.IncrementalDecoder
     forced: ForcedReply | None = None
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device``: NVML's figure for a CUDA device (CUDA's own when NVML is absent),
+    the machine's physical memory for the CPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - no NVML: CUDA knows the total as well
+            return int(torch.cuda.mem_get_info(index)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class TorchEngine:
@@ -185,6 +205,16 @@ class TorchEngine:
         """Bytes of the KV cache tensor held for ``seq`` (allocated blocks), 0 when released."""
         cache = self._caches.get(seq)
         return cache.nbytes if cache is not None else 0
+
+    def memory_info(self) -> MemoryInfo:
+        """Device memory (NVML's total on a GPU, physical RAM on a CPU), weight bytes and KV bytes per token.
+
+        KV bytes per token: ``n_layers x 2 (K and V) x d_model x element size``.
+        """
+        weights = sum(p.numel() * p.element_size() for p in self.model_net.parameters())
+        element = self.model_net.embed.weight.element_size()
+        per_token = self.params.n_layers * 2 * self.params.d_model * element
+        return MemoryInfo(device_memory_bytes(self.device), weights, per_token)
 
     # ------------------------------------------------------------------ internals
 

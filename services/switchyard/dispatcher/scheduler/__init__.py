@@ -9,10 +9,11 @@ score, preemption; :mod:`.priority`) and :class:`FifoScheduler` (arrival order;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from switchyard.common.config import SchedulerFile, SwitchyardConfig
 from switchyard.dispatcher.scheduler.base import Scheduler, SchedulerOutput, should_park
+from switchyard.dispatcher.scheduler.capacity import Capacity
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.scheduler.fifo import FifoScheduler
@@ -39,21 +40,25 @@ def make_scheduler(
     *,
     policy: str | None = None,
     monitor: ComputeScoreMonitor | None = None,
-) -> Scheduler:
+    capacity: Capacity | None = None,
+    flush_interval_s: float | Callable[[], float] | None = None,
+) -> SchedulerCore:
     """The scheduling policy named by ``policy`` (default: ``config.scheduler.policy``).
 
     Args:
-        config: the whole config, or just its ``scheduler`` section.
-        engine: the step engine (``busy_seconds``, ``kv_bytes``, ``release``
-            are used when present).
+        config: the whole config, or just its ``scheduler`` section (the rest default).
+        engine: the engine (``busy_seconds``, ``kv_bytes``, ``release``,
+            ``memory_info`` are used when present).
         policy: ``"priority"`` or ``"fifo"``; overrides the config.
         monitor: compute-score source (tests pass one built on a fake NVML).
+        capacity: the running set's limit (default: the engine's KV budget).
+        flush_interval_s: the double buffer's interval (default: ``flush.flush_interval_ms``).
 
     Raises:
         ValueError: unknown ``policy``.
     """
-    scheduler_config = config.scheduler if isinstance(config, SwitchyardConfig) else config
-    name = policy or scheduler_config.policy
+    whole = config if isinstance(config, SwitchyardConfig) else SwitchyardConfig(scheduler=config)
+    name = policy or whole.scheduler.policy
     if name not in POLICIES:
         raise ValueError(f"scheduler policy: expected one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](scheduler_config, engine, monitor)
+    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s)

@@ -1,14 +1,21 @@
-"""Admission by running count and compute score, with expected scores learned per task type.
+"""Admission by compute score, with expected scores learned per task type.
 
-Rule (``scheduler_config.json``, DESIGN.md): a waiting task is admitted while
+Rule (``scheduler_config.json``, docs/architecture.md): a waiting task is admitted while
 
-    running < max_running_agents  and  score + expected_score(task_type) < high_load_threshold
+    score + expected_score(task_type) < high_load_threshold
+    and  admitted in this decision < max_running_agents
 
 where ``score`` is the current compute score (0-100) plus the expected scores
 of the tasks already admitted in the same decision (the sampled score cannot
 see them yet). One exception keeps the engine from idling forever: when nothing
 runs, the head of the queue is admitted whatever the score says (the score is
 then other processes' load, which waiting does not lower).
+
+``max_running_agents`` (the field's value 10) is the admission wave: the most
+sequences one decision admits. It does not bound the running set; memory and
+the score do (:mod:`.capacity`). A wave bounds the prefill that running
+decodes wait behind at one step boundary, so a burst of arrivals joins the
+running set over a few steps.
 
 The expected score of a task type is an exponential moving average, over
 finished tasks of that type, of the score each added by running: the average
@@ -24,8 +31,8 @@ from collections import Counter
 from switchyard.common.config import SchedulerFile
 from switchyard.dispatcher.scheduler import metrics
 
-MAX_RUNNING = "max_running"
-"""Refusal reason: ``max_running_agents`` sequences already run."""
+ADMISSION_WAVE = "admission_wave"
+"""Refusal reason: ``max_running_agents`` sequences were admitted in this decision already."""
 COMPUTE_SCORE = "compute_score"
 """Refusal reason: score + expected score would reach ``high_load_threshold``."""
 
@@ -74,9 +81,9 @@ class Admission:
         self.high_load_threshold = config.high_load_threshold
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
         self.refusals: Counter[str] = Counter()
-        """Refusals so far, by reason (:data:`MAX_RUNNING`, :data:`COMPUTE_SCORE`)."""
+        """Refusals so far, by reason (:data:`ADMISSION_WAVE`, :data:`COMPUTE_SCORE`, and the capacity's)."""
 
-    def check(self, task_type: str, num_running: int, projected_score: float) -> str | None:
+    def check(self, task_type: str, num_running: int, projected_score: float, wave: int = 0) -> str | None:
         """None when a task of ``task_type`` may start now, else the refusal reason.
 
         Args:
@@ -84,9 +91,10 @@ class Admission:
             num_running: sequences running now, including those admitted in this decision.
             projected_score: compute score (0-100) plus the expected scores of
                 the tasks admitted earlier in this decision.
+            wave: tasks admitted earlier in this decision.
         """
-        if num_running >= self.max_running:
-            return MAX_RUNNING
+        if wave >= self.max_running:
+            return ADMISSION_WAVE
         if num_running > 0 and projected_score + self.expected.get(task_type) >= self.high_load_threshold:
             return COMPUTE_SCORE
         return None

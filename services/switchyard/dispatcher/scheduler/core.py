@@ -1,62 +1,153 @@
-"""Bookkeeping shared by every policy: waiting, running and parked sets, accounting, metrics.
+"""The dispatcher's one request queue: intake, waiting, running and parked, owned here.
+
+Shape after vLLM's scheduler (``add_request`` / ``schedule`` /
+``finish_requests``) and Triton's dynamic batcher, which alone owns the queue
+bound, the queue timeout, priorities and the batching delay. Every request the
+dispatcher holds is in exactly one place, recorded in ``seq.state``:
+
+``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
+policy) -> ``running`` (the engine's running set) -> ``finished``; a running
+sequence may go back to ``waiting`` (preempted) or to ``parked`` (a react_loop
+agent waiting on a tool, its KV kept warm).
+
+This class is the only place that
+
+- refuses a request when the queue is full (RESOURCE_EXHAUSTED at once, naming
+  the queue and its capacity; :meth:`SchedulerCore.add_request`);
+- expires requests that waited ``queues.inference.timeout_ms`` before their
+  first admission (DEADLINE_EXCEEDED naming the queue; :meth:`SchedulerCore.schedule`);
+- releases KV state (``engine.release``): on finish, preemption, parking
+  expiry and agent hand-over.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set
 (:meth:`SchedulerCore._order_key`), whether the head may start
 (:meth:`SchedulerCore._refusal`), and what to preempt
 (:meth:`SchedulerCore._preempt`).
+
+Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
+by the compute score and by KV memory within the HBM budget (step engines), or
+by the upstream's adaptive concurrency limit (stream engines); never by a fixed
+count. ``max_running_agents`` (the field's 10) is the admission wave: the most
+sequences admitted in one scheduling decision, so that a burst joins the
+running set over a few steps instead of stalling every running decode behind
+one huge prefill. ``queues.inference.capacity`` bounds the requests that wait
+(buffered or waiting, never admitted yet).
+
+All times are ``time.monotonic()`` seconds, passed in as ``now``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
-from typing import Any
+import math
+import time
+from typing import Any, Callable
 
-from switchyard.common.config import SchedulerFile
+import grpc
+
+from opentelemetry import trace
+
+from switchyard.common import telemetry
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import InvalidArgument, QueueFullError, QueueTimeoutError, SwitchyardError
+from switchyard.common.metrics import QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+from switchyard.dispatcher import metrics as dispatcher_metrics
+from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
-from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name
+from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, should_park
+from switchyard.dispatcher.scheduler.capacity import Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgents
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence
+
+QUEUE_NAME = "inference"
+tracer = telemetry.get_tracer(__name__)
+
+STATES = ("new", "buffered", "waiting", "running", "parked", "finished")
+"""Values of ``Sequence.state``."""
+
+
+class DispatcherClosed(SwitchyardError):
+    """The dispatcher is draining for shutdown (UNAVAILABLE): retry on another replica."""
+
+    def __init__(self) -> None:
+        super().__init__("dispatcher is shutting down; retry on another replica", grpc.StatusCode.UNAVAILABLE)
 
 
 class SchedulerCore:
     """Implements :class:`~switchyard.dispatcher.scheduler.base.Scheduler` but the policy hooks.
 
     Args:
-        config: ``scheduler_config.json``.
-        engine: the step engine; its ``busy_seconds``, ``kv_bytes(seq)`` and
-            ``release(seq)`` are used when present (a stream engine has none:
-            the score then counts the engine idle and memory as 0).
+        config: the whole config (``scheduler``, ``queue.queues.inference``,
+            ``queue.flush``, ``memory.hbm``).
+        engine: the engine; a step engine's ``kv_bytes``, ``release``,
+            ``memory_info`` and ``busy_seconds`` are used when present.
         monitor: compute-score source; default a :class:`ComputeScoreMonitor`
             reading NVML, falling back to the engine's own activity.
+        capacity: the running set's limit; default :class:`KvBudget` from the
+            engine's memory facts (:class:`Unbounded` when it has none).
+        flush_interval_s: the double buffer's interval (seconds, or a callable
+            such as :class:`~switchyard.dispatcher.adaptive_flush.AdaptiveFlush`);
+            default ``flush.flush_interval_ms``.
     """
 
     name = "base"
 
-    def __init__(self, config: SchedulerFile, engine: Any = None, monitor: ComputeScoreMonitor | None = None) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: SwitchyardConfig,
+        engine: Any = None,
+        monitor: ComputeScoreMonitor | None = None,
+        capacity: Capacity | None = None,
+        flush_interval_s: float | Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config.scheduler
+        self.queue_config = config.queue.queues.inference
         self.engine = engine
-        self.monitor = monitor or ComputeScoreMonitor(config, engine=engine)
-        self.admission = Admission(config)
+        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
+        self.admission = Admission(self.config)
         self.accounting = Accounting(self._kv_bytes)
-        self.parking = ParkedAgents(config.tool_wait_ttl_s, self._release, self._kv_bytes)
+        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes)
+        if capacity is None:
+            info = memory_info(engine)
+            capacity = KvBudget(config.memory.hbm, info, lambda: self.parking.kv_bytes) if info else Unbounded()
+        self.capacity = capacity
+        flush = config.queue.flush
+        if flush_interval_s is None:
+            flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
+        self.intake: DoubleBuffer[Sequence] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
+        self.on_arrival: Callable[[], None] = lambda: None
+        """Called after every accepted request (the engine loop decides whether to wake)."""
+        self.on_batch_done: Callable[[float], None] | None = None
+        """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self._waiting: list[tuple[tuple[float, ...], Sequence]] = []
         self._running: list[Sequence] = []
-        self._preempted: set[Sequence] = set()
         self._handover: dict[Sequence, Sequence] = {}
         """Waiting resumed sequence -> its agent's parked sequence, whose prefix state it takes at admission."""
         self._counter = itertools.count()
+        self._batches: dict[int, list[float]] = {}  # flush number -> [members not yet ended, flushed_at]
+        self._batch_numbers = itertools.count()
+        self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
+        self._next_expiry = math.inf
+        self._interval_timer: asyncio.TimerHandle | None = None
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
+        self.preemption_enabled = self.config.preemption_enabled
+        """Off for stream engines: an upstream stream cannot be paused."""
+        for reason in FlushReason:  # counters with a known label set start at 0
+            dispatcher_metrics.FLUSHES.labels(reason.label)
+        QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
 
     # ------------------------------------------------------------------ views
 
     @property
     def waiting(self) -> list[Sequence]:
+        """Waiting sequences, in the order they will be admitted (buffered ones not included)."""
         return [seq for _, seq in self._waiting]
 
     @property
@@ -77,36 +168,112 @@ class SchedulerCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Sequences waiting for admission, buffered ones included."""
+        return len(self._waiting) + self.intake.active_size
 
-    # ------------------------------------------------------------------ engine loop calls
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and never admitted (the inference queue's depth)."""
+        return self._queued
 
-    def add(self, seqs: list[Sequence], now: float) -> None:
-        for seq in seqs:
-            if seq.resume and seq.agent_id:
-                self._resume_prefix(seq, now)
-            self._enqueue(seq, now)
+    @property
+    def has_work(self) -> bool:
+        """Anything buffered, waiting or running."""
+        return bool(self._running or self._waiting or self.intake.active_size)
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, seq: Sequence, now: float) -> None:
+        """Accept ``seq`` into the double buffer, or refuse it at once.
+
+        Raises:
+            DispatcherClosed: the dispatcher is draining (UNAVAILABLE).
+            QueueFullError: ``queues.inference.capacity`` requests already wait (RESOURCE_EXHAUSTED).
+            InvalidArgument: ``seq`` could never fit the engine (its KV exceeds the HBM budget).
+        """
+        if self.intake.closed:
+            raise DispatcherClosed()
+        if self._queued >= self.queue_config.capacity:
+            QUEUE_REJECTED.labels(QUEUE_NAME, "full").inc()
+            raise QueueFullError(QUEUE_NAME, self.queue_config.capacity)
+        why = self.capacity.never_fits(seq)
+        if why is not None:
+            raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", seq.max_tokens)
+        seq.enqueued_at = now
+        seq.state = "buffered"
+        self._queued += 1
+        self._next_expiry = min(self._next_expiry, seq.arrival + self._timeout_s)
+        QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
+        if self.intake.put(seq, now):
+            self.flush(FlushReason.SIZE, now)
+        elif self.intake.active_size == 1:
+            self._arm_interval()
+        self.on_arrival()
+
+    def flush(self, reason: FlushReason, now: float) -> int:
+        """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
+        if self._interval_timer is not None:
+            self._interval_timer.cancel()
+            self._interval_timer = None
+        if not self.intake.active_size:
+            return 0
+        batch = self.intake.swap()
+        number = next(self._batch_numbers)
+        self._batches[number] = [float(len(batch)), now]
+        size = len(batch)
+        dispatcher_metrics.BATCH_SIZE.observe(size)
+        dispatcher_metrics.FLUSHES.labels(reason.label).inc()
+        links = [trace.Link(s.span_context) for s in batch if s.span_context is not None]
+        # One span per flush, linked to every member's request span (a batch has no single parent).
+        with tracer.start_as_current_span(
+            "dispatcher.batch", links=links,
+            attributes={"switchyard.batch_size": size, "switchyard.flush_reason": reason.label},
+        ):
+            for seq in batch:
+                seq.flushed_at = now
+                seq.batch_size = size
+                seq.flush_reason = int(reason)
+                seq.batch_id = number
+                if seq.resume and seq.agent_id:
+                    self._resume_prefix(seq, now)
+                self._enqueue(seq, now)
         self._publish()
+        return size
 
-    def resume(self, seq: Sequence, now: float) -> None:
-        seq.resume = True
-        self.add([seq], now)
+    def close(self) -> None:
+        """Refuse new requests (draining); what is buffered is flushed at the next decision (DRAIN)."""
+        self.intake.close()
+        self.on_arrival()
+
+    # ------------------------------------------------------------------ decisions
 
     def schedule(self, now: float) -> SchedulerOutput:
+        """Flush the intake, expire, admit and preempt; returns the decision and the running set after it.
+
+        Preempted sequences have already lost their KV state (``engine.release``)
+        when this returns; expired ones have failed with :class:`QueueTimeoutError`.
+        """
+        if self.intake.active_size:
+            reason = FlushReason.DRAIN if self.intake.closed else FlushReason.STEP if self._running else FlushReason.IDLE
+            self.flush(reason, now)
+        out = SchedulerOutput()
+        if now >= self._next_expiry:
+            self._expire(now, out)
         score = self.monitor.read(now)
         self.score = score
         self.accounting.charge(self._running, score, now)
         self.parking.expire(now)
-        out = SchedulerOutput()
         projected = score
+        wave = 0
         while self._waiting:
             seq = self._waiting[0][1]
-            reason = self._refusal(seq, projected)
+            reason = self._refusal(seq, projected, wave)
             if reason is not None:
                 self.admission.refuse(reason)
                 break
             self._waiting.pop(0)
             self._start(seq, now, out)
+            wave += 1
             projected += self.admission.expected.get(seq.task_type)
         self._preempt(now, out)
         for seq in out.admitted:
@@ -116,30 +283,65 @@ class SchedulerCore:
         return out
 
     def finish(self, seq: Sequence, now: float) -> None:
-        if seq in self._running:
+        """``seq`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
+
+        A react_loop agent's step that ended in a tool call is parked instead
+        (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
+        warm; anything else has its KV released.
+        """
+        state = seq.state
+        if state == "parked":  # the agent went away while waiting on its tool
+            self.parking.drop(seq)
+            return
+        if state in ("finished", "new"):
+            return
+        if state == "running":
             self._stop(seq, now)
             self._learn(seq)
-        elif not self._remove_waiting(seq):
-            self.parking.drop(seq)
-        self._preempted.discard(seq)
+        elif state == "waiting":
+            self._remove_waiting(seq)
+        elif state == "buffered":
+            self._remove_buffered(seq)
+        if not seq.reached_engine:
+            self._leave_queue(seq)
         self._end_handover(seq)
         self.accounting.forget(seq)
+        self._batch_member_done(seq, now)
+        if state == "running" and should_park(seq):
+            seq.state = "parked"
+            self.parking.park(seq, now)
+        else:
+            seq.state = "finished"
+            if state == "running":
+                self._release(seq)
         self._publish()
+
+    def abort(self, seq: Sequence, now: float) -> None:
+        """The caller went away: end ``seq`` (``cancelled``) and free its place and KV. Idempotent."""
+        seq.cancelled = True
+        seq.finish("cancelled")
+        self.finish(seq, now)
 
     def park(self, seq: Sequence, now: float) -> None:
-        if seq in self._running:
-            self._stop(seq, now)
-            self._learn(seq)
-        else:
-            self._remove_waiting(seq)
-        self._preempted.discard(seq)
-        self._end_handover(seq)
-        self.accounting.forget(seq)
-        self.parking.park(seq, now)
-        self._publish()
+        """Compatibility with the Scheduler protocol: ``finish`` parks whatever should be parked."""
+        self.finish(seq, now)
 
-    def close(self) -> None:
+    def resume(self, seq: Sequence, now: float) -> None:
+        """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
+        seq.resume = True
+        self.add_request(seq, now)
+        self.flush(FlushReason.STEP, now)
+
+    def add(self, seqs: list[Sequence], now: float) -> None:
+        """Accept ``seqs`` and flush them into the waiting set at once (tests and the scheduling benchmark)."""
+        for seq in seqs:
+            self.add_request(seq, now)
+        self.flush(FlushReason.STEP, now)
+
+    def shutdown(self) -> None:
         """Release NVML. The engine loop calls it once at shutdown."""
+        if self._interval_timer is not None:
+            self._interval_timer.cancel()
         self.monitor.close()
 
     # ------------------------------------------------------------------ policy hooks
@@ -148,16 +350,27 @@ class SchedulerCore:
         """Sort key of ``seq`` in the waiting set (smallest first), fixed while it waits."""
         raise NotImplementedError
 
-    def _refusal(self, seq: Sequence, projected_score: float) -> str | None:
-        """None when the head ``seq`` may start now, else the refusal reason."""
-        return self.admission.check(seq.task_type, len(self._running), projected_score)
+    def _refusal(self, seq: Sequence, projected_score: float, wave: int) -> str | None:
+        """None when the head ``seq`` may start now, else the refusal reason.
+
+        ``wave``: sequences admitted earlier in this decision.
+        """
+        reason = self.admission.check(seq.task_type, len(self._running), projected_score, wave)
+        if reason is not None:
+            return reason
+        return None if self._make_room(seq) else self.capacity.refusal(seq)
 
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         """Preempt running work for waiting work, after the admission pass (default: never)."""
 
     # ------------------------------------------------------------------ helpers for policies
 
+    @property
+    def _timeout_s(self) -> float:
+        return self.queue_config.timeout_ms / 1000
+
     def _enqueue(self, seq: Sequence, now: float) -> None:
+        seq.state = "waiting"
         key = (*self._order_key(seq, now), float(next(self._counter)))
         bisect.insort(self._waiting, (key, seq), key=lambda entry: entry[0])
 
@@ -168,11 +381,31 @@ class SchedulerCore:
                 return True
         return False
 
+    def _remove_buffered(self, seq: Sequence) -> None:
+        # The active list is the buffer's own; removing a cancelled member keeps "exactly once" true.
+        active = self.intake._lists[self.intake._active]  # noqa: SLF001 - the scheduler owns its buffer
+        if seq in active:
+            active.remove(seq)
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Release parked agents' KV, oldest first, until ``seq`` fits; True when it fits."""
+        if self.capacity.refusal(seq) is None:
+            return True
+        while self.parking.sequences and self.capacity.refusal(seq) is not None:
+            self.parking.evict_oldest()
+        return self.capacity.refusal(seq) is None
+
     def _start(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
         seq.admitted_at = now
+        seq.state = "running"
         self._running.append(seq)
-        if seq in self._preempted:
-            self._preempted.discard(seq)
+        self.capacity.take(seq)
+        if not seq.reached_engine:
+            seq.reached_engine = True
+            seq.queue_wait_s = now - seq.arrival
+            QUEUE_WAIT.labels(QUEUE_NAME).observe(max(0.0, seq.queue_wait_s))
+            self._leave_queue(seq)
+        else:  # a sequence that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
         self._end_handover(seq)
         out.admitted.append(seq)
@@ -180,14 +413,74 @@ class SchedulerCore:
     def _stop(self, seq: Sequence, now: float) -> None:
         self.accounting.stop(seq, self.score, len(self._running), now)
         self._running.remove(seq)
+        self.capacity.give(seq)
 
     def _preempt_one(self, victim: Sequence, now: float, out: SchedulerOutput) -> None:
-        """Take ``victim``'s slot: it waits again at its original place (its key comes from its arrival)."""
+        """Take ``victim``'s slot: its KV is dropped and it waits again at its original place."""
         self._stop(victim, now)
-        self._preempted.add(victim)
+        victim.mark_preempted(now)
+        self._release(victim)
         self._enqueue(victim, now)
         metrics.PREEMPTIONS.labels(class_name(victim)).inc()
         out.preempted.append(victim)
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
+        deadline = self._timeout_s
+        keep: list[tuple[tuple[float, ...], Sequence]] = []
+        nxt = math.inf
+        for entry in self._waiting:
+            seq = entry[1]
+            if seq.reached_engine:
+                keep.append(entry)
+            elif now - seq.arrival > deadline:
+                QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
+                seq.fail(QueueTimeoutError(QUEUE_NAME, now - seq.arrival, self.queue_config.timeout_ms,
+                                           "admission to the engine"))
+                seq.state = "finished"
+                self._leave_queue(seq)
+                self._end_handover(seq)
+                self._batch_member_done(seq, now)
+                out.expired.append(seq)
+            else:
+                keep.append(entry)
+                nxt = min(nxt, seq.arrival + deadline)
+        self._waiting = keep
+        self._next_expiry = nxt
+
+    def _leave_queue(self, seq: Sequence) -> None:
+        self._queued -= 1
+        QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
+
+    def _batch_member_done(self, seq: Sequence, now: float) -> None:
+        entry = self._batches.get(seq.batch_id)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._batches[seq.batch_id]
+            if self.on_batch_done is not None:
+                self.on_batch_done(max(0.0, now - entry[1]))
+
+    def _arm_interval(self) -> None:
+        """Flush by INTERVAL when the first buffered item has waited ``flush_interval_ms``."""
+        deadline = self.intake.deadline()
+        if deadline is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (tests, the scheduling benchmark)
+            return
+        if self._interval_timer is not None:
+            self._interval_timer.cancel()
+        # monotonic and the loop's clock agree on CPython's default and uvloop loops
+        self._interval_timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._on_interval)
+
+    def _on_interval(self) -> None:
+        self._interval_timer = None
+        if self.intake.active_size:
+            self.flush(FlushReason.INTERVAL, time.monotonic())
+            self.on_arrival()
 
     def _resume_prefix(self, seq: Sequence, now: float) -> None:
         found = self.parking.take(seq.agent_id, now)
@@ -205,6 +498,7 @@ class SchedulerCore:
         """``seq`` started (its prefix state is now its own) or left: release its agent's parked step."""
         parked = self._handover.pop(seq, None)
         if parked is not None:
+            parked.state = "finished"
             self._release(parked)
 
     def _learn(self, seq: Sequence) -> None:
@@ -224,6 +518,14 @@ class SchedulerCore:
             release(seq)
 
     def _publish(self) -> None:
+        running = dict.fromkeys(CLASS_ORDER, 0)
+        waiting = dict.fromkeys(CLASS_ORDER, 0)
+        for s in self._running:
+            running[class_name(s)] += 1
+        for _, s in self._waiting:
+            waiting[class_name(s)] += 1
         for name in CLASS_ORDER:
-            metrics.RUNNING_AGENTS.labels(name).set(sum(1 for s in self._running if class_name(s) == name))
-            metrics.WAITING_AGENTS.labels(name).set(sum(1 for _, s in self._waiting if class_name(s) == name))
+            metrics.RUNNING_AGENTS.labels(name).set(running[name])
+            metrics.WAITING_AGENTS.labels(name).set(waiting[name])
+        dispatcher_metrics.RUNNING_SEQUENCES.set(len(self._running))
+        dispatcher_metrics.WAITING_SEQUENCES.set(self.num_waiting)

@@ -1,16 +1,17 @@
-"""The FIFO policy: arrival order, bounded by max_running_agents; the baseline.
+"""The FIFO policy: arrival order, no priority classes, no preemption; the baseline.
 
-No priority classes, no compute score, no preemption: waiting sequences start
-in arrival order while fewer than ``max_running_agents`` run. This is the
-scheduling most serving gateways start with; the scheduler benchmark compares
-the priority policy against it. Tool-waiting react_loop agents are still
-parked (no slot held, prefix kept warm for ``tool_wait_ttl_s``), but a
-resuming agent queues by its arrival like any other work.
+Waiting sequences start in arrival order while they fit the engine (KV memory
+or the upstream's limit, see :mod:`.capacity`) and the admission wave allows.
+No compute-score admission and no preemption. This is the scheduling most
+serving gateways start with; the scheduler benchmark compares the priority
+policy against it. Tool-waiting react_loop agents are still parked (no slot
+held, prefix kept warm for ``tool_wait_ttl_s``), but a resuming agent queues
+by its arrival like any other work.
 """
 
 from __future__ import annotations
 
-from switchyard.dispatcher.scheduler.admission import MAX_RUNNING
+from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.sequence import Sequence
 
@@ -26,5 +27,7 @@ class FifoScheduler(SchedulerCore):
     def _order_key(self, seq: Sequence, now: float) -> tuple[float, ...]:
         return (seq.arrival,)
 
-    def _refusal(self, seq: Sequence, projected_score: float) -> str | None:
-        return MAX_RUNNING if len(self._running) >= self.config.max_running_agents else None
+    def _refusal(self, seq: Sequence, projected_score: float, wave: int) -> str | None:
+        if wave >= self.config.max_running_agents:
+            return ADMISSION_WAVE
+        return None if self._make_room(seq) else self.capacity.refusal(seq)

@@ -25,9 +25,13 @@ PARKED_KV_BYTES = Gauge("switchyard_parked_kv_bytes", "Bytes of prefix state kep
 ADMISSIONS_REFUSED = Counter(
     "switchyard_admissions_refused_total",
     "Scheduling decisions that left work waiting, by the reason the head of the queue was refused "
-    "(max_running: max_running_agents reached; compute_score: score + expected score >= high_load_threshold).",
+    "(admission_wave: max_running_agents admitted in this decision; compute_score: score + expected score "
+    ">= high_load_threshold; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
+    "upstream's adaptive concurrency limit is reached).",
     ["reason"],
 )
+for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
+    ADMISSIONS_REFUSED.labels(_reason)
 PREEMPTIONS = Counter(
     "switchyard_preemptions_total", "Running sequences preempted for waiting core work, by the victim's class.",
     ["priority_class"],
@@ -40,6 +44,10 @@ RESUMES = Counter(
 )
 TOOL_WAIT_EXPIRED = Counter(
     "switchyard_tool_wait_expired_total", "Parked agents whose prefix state was released when tool_wait_ttl_s ran out."
+)
+PARKED_EVICTED = Counter(
+    "switchyard_parked_evicted_total",
+    "Parked agents whose prefix state was released early to make room in the HBM budget for running work.",
 )
 COMPUTE_SCORE = Gauge(
     "switchyard_compute_score",

@@ -100,6 +100,19 @@ class ParkedAgents:
             self._publish()
         return [entry.seq for _, entry in expired]
 
+    def evict_oldest(self) -> Sequence | None:
+        """Release the longest-parked agent's state to make room for running work; returns its sequence.
+
+        Its next step recomputes the prefix (a cold resume), as after the TTL.
+        """
+        if not self._parked:
+            return None
+        agent, entry = next(iter(self._parked.items()))
+        del self._parked[agent]
+        self._expire(agent, entry, evicted=True)
+        self._publish()
+        return entry.seq
+
     def drop(self, seq: Sequence) -> bool:
         """Release ``seq`` if it is parked (its agent went away); True when it was."""
         entry = self._parked.get(seq.agent_id)
@@ -107,6 +120,7 @@ class ParkedAgents:
             return False
         del self._parked[seq.agent_id]
         self._release(seq)
+        seq.state = "finished"
         self._publish()
         return True
 
@@ -120,9 +134,13 @@ class ParkedAgents:
         """Bytes of prefix state held for parked agents."""
         return sum(entry.kv_bytes for entry in self._parked.values())
 
-    def _expire(self, agent_id: str, entry: ParkedAgent) -> None:
+    def _expire(self, agent_id: str, entry: ParkedAgent, evicted: bool = False) -> None:
         self._release(entry.seq)
-        metrics.TOOL_WAIT_EXPIRED.inc()
+        entry.seq.state = "finished"
+        if evicted:
+            metrics.PARKED_EVICTED.inc()
+        else:
+            metrics.TOOL_WAIT_EXPIRED.inc()
         self._cold[agent_id] = entry.seq.num_computed_tokens
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)

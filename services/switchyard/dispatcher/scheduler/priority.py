@@ -24,15 +24,17 @@ loses it to newer work of its class. A react_loop agent back from a tool
 non-resumed sequence of its class (and, resumed agents among themselves, in
 the order they came back).
 
-Admission (:mod:`.admission`) takes from the head while ``running <
-max_running_agents`` and ``score + expected < high_load_threshold``.
+Admission (:mod:`.admission`, :mod:`.capacity`) takes from the head while
+``score + expected < high_load_threshold``, the head's KV fits the HBM budget
+(or the upstream's concurrency limit allows) and fewer than
+``max_running_agents`` were admitted in this decision.
 
 Preemption (``preemption_enabled``): a core sequence still waiting after the
 admission pass, which has waited at least ``preemption_grace_ms`` since its
 arrival, takes the slot of the lowest-priority running sequence (batch before
 normal; within a class the one latest in the waiting order), which must be of
 a lower class than core; core never preempts core. The victim keeps the
-tokens it streamed and waits again at its original place; the engine loop
+tokens it streamed and waits again at its original place; the scheduler
 drops its KV state, and its next prefill recomputes the prefix (counted in
 ``recomputed_tokens``). Sequences admitted in the same decision are not
 preempted.
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from switchyard.common.config import SchedulerFile
+from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
@@ -59,17 +61,18 @@ class PriorityScheduler(SchedulerCore):
 
     name = "priority"
 
-    def __init__(self, config: SchedulerFile, engine: Any = None, monitor: ComputeScoreMonitor | None = None) -> None:
-        super().__init__(config, engine, monitor)
-        boost = config.priority_boost
+    def __init__(self, config: SwitchyardConfig, engine: Any = None, monitor: ComputeScoreMonitor | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(config, engine, monitor, **kwargs)
+        boost = self.config.priority_boost
         values = (boost.core, boost.normal, boost.batch)
         low, high = min(values), max(values)
-        aging_s = config.aging_max_wait_ms / 1000.0
+        aging_s = self.config.aging_max_wait_ms / 1000.0
         self.head_start_s: tuple[float, ...] = tuple(
             aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values
         )
         """Seconds each class (core, normal, batch) is ordered ahead of its arrival."""
-        self.grace_s = config.preemption_grace_ms / 1000.0
+        self.grace_s = self.config.preemption_grace_ms / 1000.0
 
     def virtual_arrival(self, seq: Sequence) -> float:
         """``seq.arrival`` minus its class's head start (seconds, monotonic clock)."""
@@ -84,20 +87,42 @@ class PriorityScheduler(SchedulerCore):
         return (min([virtual, *class_heads]), _RESUMED)
 
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
-        if not self.config.preemption_enabled:
+        if not self.preemption_enabled:
             return
         due = [seq for _, seq in self._waiting if class_rank(seq) == 0 and now - seq.arrival >= self.grace_s]
         for seq in due:
-            victim = self._victim(out)
-            if victim is None:
+            victims = self._victims_for(seq, out)
+            if victims is None:
                 return
-            self._preempt_one(victim, now, out)
+            for victim in victims:
+                self._preempt_one(victim, now, out)
             self._remove_waiting(seq)
             self._start(seq, now, out)
 
-    def _victim(self, out: SchedulerOutput) -> Sequence | None:
-        """Lowest-priority running sequence below core, not admitted in this decision."""
-        fresh = set(out.admitted)
+    def _victims_for(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence] | None:
+        """The fewest lowest-priority running sequences whose slots and KV let ``seq`` start; None if none do.
+
+        At least one victim (its slot in the compute score), more while ``seq``'s
+        KV reservation does not fit what they free.
+        """
+        chosen: list[Sequence] = []
+        freed = 0
+        need = getattr(self.capacity, "need", None)
+        shortfall = 0
+        if need is not None:
+            shortfall = need(seq) - self.capacity.free_bytes  # type: ignore[attr-defined]
+        while True:
+            victim = self._victim(out, chosen)
+            if victim is None:
+                return None
+            chosen.append(victim)
+            freed += victim.kv_reserved_bytes
+            if freed >= shortfall:
+                return chosen
+
+    def _victim(self, out: SchedulerOutput, exclude: list[Sequence] = ()) -> Sequence | None:  # type: ignore[assignment]
+        """Lowest-priority running sequence below core, not admitted in this decision nor in ``exclude``."""
+        fresh = set(out.admitted) | set(exclude)
         candidates = [seq for seq in self._running if class_rank(seq) > 0 and seq not in fresh]
         if not candidates:
             return None

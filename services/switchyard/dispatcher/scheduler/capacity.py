@@ -1,0 +1,172 @@
+"""What the engine can hold: the running set's limit, read from the hardware.
+
+A scheduler admits a waiting sequence only when its capacity says it fits.
+There are two kinds, one per engine kind:
+
+- :class:`KvBudget` (step engines): the KV cache of the running sequences must
+  fit the HBM budget, ``memory_policy.toml [hbm] capacity_ratio`` x device
+  memory - weight bytes. Each running sequence reserves the KV of its whole
+  possible length, ``(prompt_tokens + max_tokens) x bytes per token``, at
+  admission, so a running sequence never runs out of memory mid-decode and is
+  never preempted for memory. That is the reservation rule of Hugging Face
+  TGI's router (``max_batch_total_tokens``: prompt plus ``max_new_tokens`` of
+  every request in the batch must fit). KV held for parked agents (waiting on
+  a tool) counts against the same budget; the scheduler releases the oldest
+  parked state first when a waiting sequence needs the room.
+- :class:`ConcurrencyCapacity` (stream engines): the number of streams in
+  flight to the upstream must stay under an adaptive concurrency limit
+  (:mod:`switchyard.dispatcher.adaptive_limit`).
+
+Device memory comes from the engine (:meth:`memory_info`): NVML's total on a
+GPU, the modelled 80 GB H100 for the sim engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from switchyard.common.config import HbmTier
+from switchyard.dispatcher.sequence import Sequence
+
+KV_MEMORY = "kv_memory"
+"""Refusal reason: the sequence's KV reservation does not fit the HBM budget."""
+UPSTREAM_CONCURRENCY = "upstream_concurrency"
+"""Refusal reason: the upstream's adaptive concurrency limit is reached."""
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory facts of a step engine, in bytes.
+
+    ``device_bytes``: total memory of the device the KV cache lives on;
+    ``weight_bytes``: what the model's weights take of it;
+    ``kv_bytes_per_token``: KV cache bytes one token of one sequence needs.
+    """
+
+    device_bytes: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
+def memory_info(engine: Any) -> MemoryInfo | None:
+    """The engine's :class:`MemoryInfo`, or None when it has none (a stream engine)."""
+    read = getattr(engine, "memory_info", None)
+    return read() if callable(read) else None
+
+
+class Capacity(Protocol):
+    """A limit on the running set. The scheduler calls it on the event loop only."""
+
+    def refusal(self, seq: Sequence) -> str | None:
+        """None when ``seq`` fits now, else the refusal reason (a metric label)."""
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why ``seq`` could not run even on an empty engine, or None."""
+
+    def take(self, seq: Sequence) -> None:
+        """``seq`` entered the running set."""
+
+    def give(self, seq: Sequence) -> None:
+        """``seq`` left the running set. Idempotent."""
+
+
+class KvBudget:
+    """Admission by KV memory within the HBM budget.
+
+    Args:
+        hbm: ``memory_policy.toml`` ``[hbm]`` (``capacity_ratio``).
+        info: the engine's memory facts.
+        held_elsewhere: bytes held outside the running set that count against
+            the budget (the parked agents' KV), read at every check.
+
+    Raises:
+        ValueError: the weights alone exceed ``capacity_ratio`` x device memory.
+    """
+
+    def __init__(self, hbm: HbmTier, info: MemoryInfo, held_elsewhere: Any = lambda: 0) -> None:
+        self.info = info
+        self.budget_bytes = int(hbm.capacity_ratio * info.device_bytes) - info.weight_bytes
+        if self.budget_bytes <= 0:
+            raise ValueError(
+                f"memory_policy.toml [hbm] capacity_ratio {hbm.capacity_ratio} x device memory "
+                f"{info.device_bytes / 2**30:.1f} GiB leaves no room beside {info.weight_bytes / 2**30:.1f} GiB "
+                "of weights; raise capacity_ratio or use a device with more memory"
+            )
+        self.reserved_bytes = 0
+        """Bytes reserved by the running set."""
+        self._held_elsewhere = held_elsewhere
+
+    def need(self, seq: Sequence) -> int:
+        """Bytes ``seq`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
+        return (seq.prompt_tokens + seq.max_tokens) * self.info.kv_bytes_per_token
+
+    @property
+    def free_bytes(self) -> int:
+        """Budget left for new admissions, after the running set and the parked agents."""
+        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere())
+
+    def refusal(self, seq: Sequence) -> str | None:
+        return None if self.need(seq) <= self.free_bytes else KV_MEMORY
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        need = self.need(seq)
+        if need <= self.budget_bytes:
+            return None
+        return (
+            f"prompt_tokens + max_tokens = {seq.prompt_tokens + seq.max_tokens} tokens need "
+            f"{need / 2**30:.2f} GiB of KV cache; the HBM budget is {self.budget_bytes / 2**30:.2f} GiB "
+            "(memory_policy.toml [hbm] capacity_ratio x device memory - weights)"
+        )
+
+    def take(self, seq: Sequence) -> None:
+        if not seq.kv_reserved_bytes:
+            seq.kv_reserved_bytes = self.need(seq)
+            self.reserved_bytes += seq.kv_reserved_bytes
+
+    def give(self, seq: Sequence) -> None:
+        self.reserved_bytes -= seq.kv_reserved_bytes
+        seq.kv_reserved_bytes = 0
+
+
+class Unbounded:
+    """No memory limit known (an engine that reports none): compute score alone bounds admission."""
+
+    def refusal(self, seq: Sequence) -> str | None:
+        return None
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        return None
+
+    def take(self, seq: Sequence) -> None:
+        pass
+
+    def give(self, seq: Sequence) -> None:
+        pass
+
+
+class ConcurrencyCapacity:
+    """Admission by an adaptive limit on streams in flight.
+
+    Args:
+        limit: an object with a ``limit`` attribute (the current limit, >= 1),
+            e.g. :class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`.
+    """
+
+    def __init__(self, limit: Any) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def refusal(self, seq: Sequence) -> str | None:
+        return None if self.in_flight < int(self.limit.limit) else UPSTREAM_CONCURRENCY
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        return None
+
+    def take(self, seq: Sequence) -> None:
+        self.in_flight += 1
+        self.limit.in_flight = self.in_flight
+
+    def give(self, seq: Sequence) -> None:
+        self.in_flight -= 1
+        self.limit.in_flight = self.in_flight

@@ -1,0 +1,162 @@
+"""The stream loop: the scheduler's decisions applied to an upstream (stream) engine.
+
+An upstream (vLLM, SGLang, TGI, a hosted API) does its own batching; what the
+dispatcher controls is how much it sends. Each admitted sequence is one
+streamed call. The running set is bounded by an adaptive concurrency limit
+(:mod:`switchyard.dispatcher.adaptive_limit`), driven by the upstream's TTFT and
+its 429/503 answers, not by a fixed count.
+
+Double buffering works as for a step engine: while the upstream streams the
+current batches, arrivals fill the active buffer; when the upstream can take
+more (a stream ended, or a batch got its first tokens), the buffer is swapped
+and the whole buffer is admitted at once, as far as the limit allows. An idle
+upstream takes a request at once.
+
+``queues.inference.workers`` (the field's 4) counts flushed batches in
+prefill at once: batches sent whose members have not all produced a first
+token (or ended). It bounds the prefill burst sent ahead of the upstream's
+first answers, not the streams in flight: a batch that is decoding no longer
+counts, so a server that batches hundreds of sequences is given hundreds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from switchyard.common.config import SwitchyardConfig
+from switchyard.dispatcher import metrics
+from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, UPSTREAM_IN_FLIGHT, AdaptiveConcurrencyLimit
+from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
+from switchyard.dispatcher.engines.base import StreamEngine, Usage
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.sequence import Sequence, ToolCall
+
+
+class StreamLoop(LoopBase):
+    """Drives a :class:`StreamEngine` (see the module docstring).
+
+    Args:
+        config: the whole config (``queues.inference.workers``, ``scheduler.time_slice_ms``).
+        engine: the stream engine; its ``on_upstream_status`` hook, when it has
+            one, is set to feed 429/503 answers to the limit.
+        scheduler: a scheduler built with ``ConcurrencyCapacity(limit)``.
+        limit: the adaptive concurrency limit behind the scheduler's capacity.
+    """
+
+    def __init__(
+        self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore,
+        limit: AdaptiveConcurrencyLimit,
+    ) -> None:
+        super().__init__(config, engine, scheduler)
+        if not isinstance(scheduler.capacity, ConcurrencyCapacity):
+            raise ValueError("scheduler: a stream engine's scheduler needs a ConcurrencyCapacity")
+        scheduler.preemption_enabled = False  # an upstream stream cannot be paused
+        self.capacity = scheduler.capacity
+        self.limit = limit
+        self.max_prefilling = config.queue.queues.inference.workers
+        self.time_slice_s = config.scheduler.time_slice_ms / 1000
+        self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
+        self._waves = itertools.count()
+        self._tasks: dict[Sequence, asyncio.Task[None]] = {}
+        if hasattr(engine, "on_upstream_status"):
+            engine.on_upstream_status = self._on_status  # type: ignore[attr-defined]
+
+    def abort(self, seq: Sequence) -> None:
+        task = self._tasks.get(seq)
+        if task is not None:
+            task.cancel()
+        super().abort(seq)
+
+    def _can_take(self) -> bool:
+        return len(self._prefilling) < self.max_prefilling and self.capacity.in_flight < int(self.limit.limit)
+
+    def _on_arrival(self) -> None:
+        if self._closing or self._can_take():
+            self._wake.set()
+
+    def _on_status(self, status: int) -> None:
+        if status in OVERLOAD_STATUSES:
+            self.limit.on_overload(time.monotonic())
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        last = 0.0
+        while True:
+            if not scheduler.has_work:
+                if self._closing:
+                    return
+                await self._wait(BUSY_WINDOW_S)
+                continue
+            now = time.monotonic()
+            if self._can_take() or now - last >= self.time_slice_s:
+                last = now
+                out = scheduler.schedule(now)
+                if out.admitted:
+                    wave = next(self._waves)
+                    self._prefilling[wave] = len(out.admitted)
+                    for seq in out.admitted:
+                        self._tasks[seq] = asyncio.create_task(self._stream(seq, wave), name=f"stream-{seq.request_id}")
+                UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
+            await self._wait(self.time_slice_s)
+
+    def _prefilled(self, wave: int) -> None:
+        left = self._prefilling.get(wave)
+        if left is None:
+            return
+        if left <= 1:
+            del self._prefilling[wave]
+            self._wake.set()
+        else:
+            self._prefilling[wave] = left - 1
+
+    async def _stream(self, seq: Sequence, wave: int) -> None:
+        engine = self.engine
+        sent = time.monotonic()
+        first = True
+        try:
+            finish: str | None = None
+            async for item in engine.generate(seq):
+                if seq.is_finished:
+                    break
+                now = time.monotonic()
+                if first and isinstance(item, (str, ToolCall)):
+                    first = False
+                    self.limit.on_sample(now - sent)
+                    self._prefilled(wave)
+                if isinstance(item, str):
+                    last = seq.last_token_at
+                    seq.append_token(item)
+                    if last is None:
+                        metrics.TTFT.observe(now - seq.arrival)
+                    else:
+                        metrics.INTER_TOKEN_LATENCY.observe(now - last)
+                elif isinstance(item, ToolCall):
+                    seq.add_tool_call(item)
+                elif isinstance(item, Usage):
+                    seq.usage_prompt_tokens = item.prompt_tokens
+                    seq.usage_completion_tokens = item.completion_tokens
+                    finish = item.finish_reason
+                    if item.model:
+                        seq.model = item.model  # the upstream model that answered (fallback included)
+            if not seq.is_finished:
+                seq.finish(finish or ("tool_calls" if seq.tool_calls else "stop"))
+        except asyncio.CancelledError:
+            seq.finish("cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
+            seq.fail(exc)
+        finally:
+            if first:
+                self._prefilled(wave)
+            self._tasks.pop(seq, None)
+            self.scheduler.finish(seq, time.monotonic())
+            UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
+            self._wake.set()
+
+    def _cancel_all(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        super()._cancel_all()
