@@ -141,6 +141,23 @@ async def test_cli_run_writes_a_valid_report(agent_server, tmp_path):
     assert report["count"] == 6 and report["options"]["call"] == "agent.AgentService.RunTask"
 
 
+async def test_cli_run_takes_ghz_output_format_flags(agent_server, tmp_path, capsys):
+    host, _ = agent_server
+    out = tmp_path / "out.json"
+    # as ghz users type it: -O json -o out.json writes compact JSON there, nothing else
+    argv = ["run", "--host", host, "-n", "4", "-c", "2", "-O", "json", "-o", str(out), "--procs", "1"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    text = out.read_text()
+    assert "\n  " not in text  # compact
+    _validate(json.loads(text))
+    capsys.readouterr()
+    argv = ["run", "--host", host, "-n", "2", "-c", "1", "-O", "pretty", "--procs", "1"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    _validate(json.loads(capsys.readouterr().out))  # pretty JSON alone on stdout
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-O", "csv"])
+
+
 def test_percentiles_follow_ghz_nearest_rank():
     values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
     dist = latency_distribution(values)

@@ -126,7 +126,10 @@ def _run(argv: list[str]) -> int:
     )
     add_load_options(parser)
     parser.add_argument("--host", help="orchestrator host:port (default 127.0.0.1:50051 or the config's host)")
-    parser.add_argument("-o", "--output", help="write the JSON report here")
+    parser.add_argument("-o", "--output", help="write the report here (ghz -o); without -O: the JSON report")
+    parser.add_argument("-O", "--format", choices=["summary", "json", "pretty"],
+                        help="report format as ghz names them: summary (text), json, pretty (indented JSON); "
+                        "written to -o, or to stdout")
     parser.add_argument("--name", default="", help="report name (ghz --name)")
     args = parser.parse_args(argv)
     plan = resolve_plan(args, args.host)
@@ -140,11 +143,23 @@ def _run(argv: list[str]) -> int:
         print(f"switchyard bench: {exc}", file=sys.stderr)
         return 1
     report = build_report(load, plan, name=args.name)
-    print(summary_text(report))
+    rendered = {
+        "summary": summary_text(report),
+        "json": json.dumps(report, separators=(",", ":")),
+        "pretty": json.dumps(report, indent=2),
+    }
+    if args.format is None:  # the summary on stdout, and the JSON report where -o says
+        print(rendered["summary"])
+        text = rendered["pretty"]
+    else:
+        text = rendered[args.format]
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"\nreport written to {args.output}")
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        if args.format is None:
+            print(f"\nreport written to {args.output}")
+    elif args.format is not None:
+        print(text)
     return 0 if load.results else 1
 
 

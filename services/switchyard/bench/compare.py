@@ -233,6 +233,8 @@ async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPla
     delta = {k: after[k] - before[k] for k in after}
     busy = None if busy0 is None or busy1 is None else busy1 - busy0
     row = summarize(scenario, load, busy, gpu.mean(), delta)
+    row["decode_bound_tokens_per_s"] = decode_bound_tokens_per_s(config)
+    row["roofline_efficiency"] = roofline_efficiency(row)
     return row, build_report(load, run_plan, name=f"switchyard bench compare {scenario.key}")
 
 
@@ -248,9 +250,28 @@ def _per_busy_second(row: dict[str, Any]) -> float | None:
     return row["tokens_per_s"] / busy if busy else None
 
 
+def decode_bound_tokens_per_s(config: SwitchyardConfig) -> float | None:
+    """The sim model's decode bound, tokens per second: ``batch / decode_seconds(batch)`` as the batch grows,
+    i.e. ``1000 / decode_per_seq_ms``; None for other engines (no model of their bound)."""
+    if config.service.dispatcher.engine != "sim" or config.service.sim.decode_per_seq_ms <= 0:
+        return None
+    return 1000.0 / config.service.sim.decode_per_seq_ms
+
+
+def roofline_efficiency(row: dict[str, Any]) -> float | None:
+    """Tokens per busy second / the engine model's decode bound (a model-bandwidth-utilisation figure, 0-1).
+
+    The busy ratio says the engine was working (nvidia-smi's GPU-Util); this says how much of what the
+    hardware could produce that work yielded.
+    """
+    per_busy, bound = _per_busy_second(row), row.get("decode_bound_tokens_per_s")
+    return per_busy / bound if per_busy is not None and bound else None
+
+
 TABLE_HEADER = (
     "| scenario | engine busy | GPU util | batch | orch wait P95 | infer wait P95 | P50 | P95 | P99 "
-    "| TTFT P50 | TTFT P95 | core P95 | core TTFT P95 | batch P95 | rps | tokens/s | tokens per busy s | errors |"
+    "| TTFT P50 | TTFT P95 | core P95 | core TTFT P95 | batch P95 | rps | tokens/s | tokens per busy s "
+    "| roofline eff. | errors |"
 )
 
 
@@ -284,6 +305,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                     f"{r['rps']:.1f}",
                     f"{r['tokens_per_s']:.0f}",
                     _fmt(_per_busy_second(r), 1, 0),
+                    _fmt(roofline_efficiency(r), 1, 2),
                     str(r["errors"]),
                 ]
             )
@@ -292,7 +314,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines.append("")
     lines.append(
         "Times in ms; waits and TTFT as the tasks' final events report them; batch = mean requests per flush; "
-        "tokens per busy s = tokens/s / engine busy ratio (tokens per second of engine time)."
+        "tokens per busy s = tokens/s / engine busy ratio (tokens per second of engine time); "
+        "roofline eff. = tokens per busy s / the sim model's decode bound (1000 / decode_per_seq_ms tokens/s)."
     )
     return "\n".join(lines)
 
