@@ -2,9 +2,10 @@
 
 Scenarios (the field's A/B practice, in one run):
 
-- **A** baseline: one mixed queue and no batching. ``max_batch_size`` 1 and
-  ``orchestrator.inference_mode = "inline"``: an orchestration worker holds a
-  task for its whole DAG, inference included.
+- **A** baseline: one mixed queue and no batching, what a naive gateway does.
+  ``orchestrator.inference_mode = "inline"`` (an orchestration worker holds a
+  task for its whole DAG, inference included), ``max_batch_size`` 1, and the
+  engine runs one sequence at a time (:class:`OneAtATime`).
 - **B** split queues + double buffer: the shipped config (flush 20 ms).
 - **C10 / C20 / C50**: B with ``flush_interval_ms`` 10, 20, 50 (C20 repeats B
   and so shows the run-to-run noise).
@@ -52,11 +53,34 @@ RETRIEVING_WORKFLOWS = {"", "rag_answer", "react_loop"}
 
 @dataclass(frozen=True)
 class Scenario:
-    """One column of the comparison: a key, a label and config overrides (dotted keys)."""
+    """One column of the comparison: a key, a label and config overrides (dotted keys).
+
+    ``batching``: False runs the engine one sequence at a time (the no-batching baseline).
+    """
 
     key: str
     label: str
     overrides: dict[str, Any]
+    batching: bool = True
+
+
+class OneAtATime:
+    """A scheduler capacity of one running sequence: the engine without batching (scenario A)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+
+    def refusal(self, seq: Any) -> str | None:
+        return None if self.running == 0 else "kv_memory"
+
+    def never_fits(self, seq: Any) -> str | None:
+        return None
+
+    def take(self, seq: Any) -> None:
+        self.running += 1
+
+    def give(self, seq: Any) -> None:
+        self.running -= 1
 
 
 _SPLIT = "service.orchestrator.inference_mode"
@@ -66,6 +90,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "A",
         "baseline: one mixed queue, no batching",
         {"queue.flush.max_batch_size": 1, "service.orchestrator.inference_mode": "inline"},
+        batching=False,
     ),
     Scenario("B", "split queues + double buffer (20 ms)", {"service.orchestrator.inference_mode": "split"}),
     *(
@@ -110,12 +135,17 @@ def _make_service(name: str, config: SwitchyardConfig) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def stack(config: SwitchyardConfig, retrieval_addr: str) -> AsyncIterator[Stack]:
-    """A fresh dispatcher and orchestrator on ports 0, the orchestrator wired to both back ends."""
+async def stack(config: SwitchyardConfig, retrieval_addr: str, batching: bool = True) -> AsyncIterator[Stack]:
+    """A fresh dispatcher and orchestrator on ports 0, the orchestrator wired to both back ends.
+
+    ``batching`` False: the dispatcher's engine runs one sequence at a time.
+    """
     server_cfg = config.service.server
     started: list[RunningServer] = []
     try:
         dispatcher = _make_service("dispatcher", config)
+        if not batching:
+            dispatcher.scheduler.capacity = OneAtATime()
         d = await start_server([dispatcher], "127.0.0.1", 0, server_cfg)
         started.append(d)
         wired = config.with_overrides(
@@ -221,7 +251,7 @@ async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPla
     """Start a stack with the scenario's overrides, warm it up, run the plan; returns (row, ghz report)."""
     config = base.with_overrides(**scenario.overrides)
     in_process = client == "thread"
-    async with stack(config, retrieval_addr) as st:
+    async with stack(config, retrieval_addr, scenario.batching) as st:
         run_plan = replace(plan, host=st.host, procs=1 if in_process else plan.procs)
         if warmup:
             warm = replace(run_plan, total=warmup, concurrency=min(warmup, 4), rps=0, duration_s=0, procs=1)
@@ -233,7 +263,7 @@ async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPla
     delta = {k: after[k] - before[k] for k in after}
     busy = None if busy0 is None or busy1 is None else busy1 - busy0
     row = summarize(scenario, load, busy, gpu.mean(), delta)
-    row["decode_bound_tokens_per_s"] = decode_bound_tokens_per_s(config)
+    row["decode_bound_tokens_per_s"] = decode_bound_tokens_per_s(config, plan.concurrency)
     row["roofline_efficiency"] = roofline_efficiency(row)
     return row, build_report(load, run_plan, name=f"switchyard bench compare {scenario.key}")
 
@@ -250,12 +280,17 @@ def _per_busy_second(row: dict[str, Any]) -> float | None:
     return row["tokens_per_s"] / busy if busy else None
 
 
-def decode_bound_tokens_per_s(config: SwitchyardConfig) -> float | None:
-    """The sim model's decode bound, tokens per second: ``batch / decode_seconds(batch)`` as the batch grows,
-    i.e. ``1000 / decode_per_seq_ms``; None for other engines (no model of their bound)."""
-    if config.service.dispatcher.engine != "sim" or config.service.sim.decode_per_seq_ms <= 0:
+def decode_bound_tokens_per_s(config: SwitchyardConfig, largest_batch: int) -> float | None:
+    """The sim model's decode bound at its largest batch, tokens per second: ``B / decode_seconds(B)``.
+
+    ``largest_batch``: the most sequences the run can have running at once (its
+    concurrency). None for other engines (no model of their bound).
+    """
+    if config.service.dispatcher.engine != "sim" or largest_batch < 1:
         return None
-    return 1000.0 / config.service.sim.decode_per_seq_ms
+    from switchyard.dispatcher.engines.sim import decode_seconds
+
+    return largest_batch / decode_seconds(config.service.sim, largest_batch)
 
 
 def roofline_efficiency(row: dict[str, Any]) -> float | None:
@@ -315,7 +350,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines.append(
         "Times in ms; waits and TTFT as the tasks' final events report them; batch = mean requests per flush; "
         "tokens per busy s = tokens/s / engine busy ratio (tokens per second of engine time); "
-        "roofline eff. = tokens per busy s / the sim model's decode bound (1000 / decode_per_seq_ms tokens/s)."
+        "roofline eff. = tokens per busy s / the sim model's decode bound at the run's largest batch "
+        "(its concurrency C: C / decode_seconds(C))."
     )
     return "\n".join(lines)
 

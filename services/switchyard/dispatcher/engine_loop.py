@@ -5,7 +5,10 @@ owns every request, and the engine owns the model. Each turn:
 
 1. ``scheduler.schedule(now)`` swaps the double buffer (what arrived during
    the last step joins now), expires, admits and preempts;
-2. the admitted sequences are prefilled, together;
+2. the admitted sequences join the running set in one mixed step (their
+   prefill rides along with one decode token of every running sequence:
+   chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
+   prefilled alone when nothing else runs;
 3. the running set decodes, one token per sequence per step, until the time
    slice ends, a sequence finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
@@ -177,17 +180,23 @@ class StepLoop(LoopBase):
                 await self._wait(self.time_slice_s)
                 continue
             prefill = [s for s in running if s.needs_prefill]
-            if prefill:
+            decode = [s for s in running if not s.needs_prefill]
+            if prefill and decode:
+                # Newcomers join the running set in one mixed step: the decodes do not wait for them.
+                await self._step(lambda seqs: engine.step(prefill, decode), running)
+                if self._reap(running):
+                    continue
+            elif prefill:
                 await self._step(engine.prefill, prefill)
                 if self._reap(prefill):
                     continue
             slice_end = time.monotonic() + self.time_slice_s
-            while True:
+            while not scheduler.intake.active_size and time.monotonic() < slice_end:
                 decode = [s for s in running if not s.is_finished and not s.needs_prefill]
                 if not decode:
                     break
                 await self._step(engine.decode, decode)
-                if self._reap(decode) or scheduler.intake.active_size or time.monotonic() >= slice_end:
+                if self._reap(decode):
                     break
 
     async def _step(self, fn: Callable[[list[Sequence]], Awaitable[None]], seqs: list[Sequence]) -> None:

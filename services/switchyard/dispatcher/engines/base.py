@@ -45,6 +45,14 @@ class StepEngine(Protocol):
         Finishing works as in :meth:`prefill`.
         """
 
+    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+        """One mixed iteration: prefill ``prefill`` and decode one token of each of ``decode`` together.
+
+        What :meth:`prefill` and :meth:`decode` do to their sequences, in one
+        forward pass (chunked-prefill scheduling: vLLM V1, Sarathi-Serve), so
+        that sequences joining the batch do not stall those already decoding.
+        """
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's KV/prefix state (finished, cancelled or preempted). Idempotent."""
 

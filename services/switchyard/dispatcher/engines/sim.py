@@ -92,6 +92,17 @@ def decode_seconds(params: SimEngineConfig, batch_size: int) -> float:
     return (params.decode_base_ms + params.decode_per_seq_ms * batch_size) / 1000
 
 
+def mixed_step_seconds(params: SimEngineConfig, prefill_tokens: int, batch_size: int) -> float:
+    """Seconds one mixed step takes: ``batch_size`` sequences, ``prefill_tokens`` of them new prompt tokens.
+
+    ``decode_base_ms + decode_per_seq_ms x batch_size + prefill_tokens x prefill_per_token_ms``:
+    one weight read serves the whole batch (no separate prefill launch), and the
+    prompt tokens add their compute.
+    """
+    return (params.decode_base_ms + params.decode_per_seq_ms * batch_size
+            + prefill_tokens * params.prefill_per_token_ms) / 1000
+
+
 def step_activity(params: SimEngineConfig, seconds: float, flops: float, hbm_bytes: float) -> tuple[float, float]:
     """Modelled (memory-busy seconds, tensor-busy seconds) of one step lasting ``seconds``.
 
@@ -330,6 +341,37 @@ class SimEngine:
             seq.num_computed_tokens = seq.num_tokens
             self._emit_next(seq)
 
+    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+        """One mixed step: the uncomputed prefix of each ``prefill`` sequence and one token of each ``decode`` one.
+
+        Costs :func:`mixed_step_seconds`: the prefill tokens ride along with the
+        decode step's weight read (chunked-prefill scheduling, as vLLM V1 and
+        Sarathi-Serve do), so no separate prefill launch stalls the running set.
+        """
+        prefill = [s for s in prefill if not s.is_finished]
+        decode = [s for s in decode if not s.is_finished]
+        if not prefill:
+            await self.decode(decode)
+            return
+        tokens = sum(s.num_uncomputed_tokens for s in prefill)
+        batch = prefill + decode
+        with tracer.start_as_current_span("engine.step", links=request_links(batch)) as span:
+            span.set_attribute("switchyard.batch_size", len(batch))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._run(
+                mixed_step_seconds(self.params, tokens, len(batch)),
+                tokens=tokens + len(decode),
+                kv_tokens=tokens + sum(s.num_tokens for s in decode),
+            )
+        for seq in prefill:
+            if seq.output_tokens:
+                seq.recomputed_tokens += seq.num_tokens - 1
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit_next(seq)
+        for seq in decode:
+            seq.num_computed_tokens = seq.num_tokens
+            self._emit_next(seq)
+
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes."""
         seq.num_computed_tokens = 0
@@ -385,6 +427,7 @@ __all__ = [
     "SimReply",
     "Passage",
     "decode_seconds",
+    "mixed_step_seconds",
     "prefill_seconds",
     "plan_reply",
     "parse_passages",

@@ -160,6 +160,36 @@ class TorchEngine:
         A sequence whose prompt does not fit ``max_seq_len`` fails with
         :class:`InvalidArgument` (``prompt_tokens``); the others go on.
         """
+        ready = self._ready_for_prefill(seqs)
+        if not ready:
+            return
+        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
+        with tracer.start_as_current_span("engine.prefill", links=request_links(ready)) as span:
+            span.set_attribute("switchyard.batch_size", len(ready))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._step(ready)
+
+    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+        """One forward pass over a mixed batch: the prefixes of ``prefill`` and one token of each of ``decode``.
+
+        The prefill rows ride along with the decode rows in one batched
+        ``extend`` (chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve,
+        Agrawal et al., OSDI 2024), so running sequences keep decoding while new
+        ones join.
+        """
+        ready = self._ready_for_prefill(prefill)
+        running = [s for s in decode if not s.is_finished and s in self._caches]
+        batch = ready + running
+        if not batch:
+            return
+        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
+        with tracer.start_as_current_span("engine.step", links=request_links(batch)) as span:
+            span.set_attribute("switchyard.batch_size", len(batch))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._step(batch)
+
+    def _ready_for_prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The members of ``seqs`` that can be prefilled, each with a KV cache of its own."""
         ready = []
         for seq in seqs:
             if seq.is_finished:
@@ -174,13 +204,7 @@ class TorchEngine:
                     seq.recomputed_tokens += min(seq.num_computed_tokens, state.prompt_len)
                 self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
             ready.append(seq)
-        if not ready:
-            return
-        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
-        with tracer.start_as_current_span("engine.prefill", links=request_links(ready)) as span:
-            span.set_attribute("switchyard.batch_size", len(ready))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._step(ready)
+        return ready
 
     async def decode(self, seqs: list[Sequence]) -> None:
         """One batched forward step: one new token for each running sequence."""
