@@ -7,6 +7,8 @@ Subcommands:
   ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
 - ``compare``: scenarios A-D on one request set (see :mod:`switchyard.bench.compare`).
 - ``sched``: the scheduling benchmark (``switchyard.bench.sched_bench``).
+- ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
+  (:mod:`switchyard.bench.isolation`).
 """
 
 from __future__ import annotations
@@ -175,7 +177,13 @@ def _sched(argv: list[str]) -> int:
     return int(sched_bench.main(argv) or 0)
 
 
-SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched}
+def _isolation(argv: list[str]) -> int:
+    from switchyard.bench import isolation
+
+    return isolation.main(argv)
+
+
+SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation}
 
 
 def main(argv: list[str]) -> int:
@@ -185,7 +193,8 @@ def main(argv: list[str]) -> int:
             "usage: switchyard bench [run|compare|sched] [OPTIONS]\n\n"
             "  run      load-test RunTask, ghz JSON report (default)\n"
             "  compare  scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
-            "  sched    scheduling benchmark\n\n"
+            "  sched    scheduling benchmark\n"
+            "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n\n"
             "Run `switchyard bench SUBCOMMAND --help` for its options."
         )
         return 0

@@ -264,6 +264,8 @@ async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPla
     busy = None if busy0 is None or busy1 is None else busy1 - busy0
     row = summarize(scenario, load, busy, gpu.mean(), delta)
     row["decode_bound_tokens_per_s"] = decode_bound_tokens_per_s(config, plan.concurrency)
+    limiter = getattr(st.dispatcher, "limit", None)
+    row["upstream_concurrency_limit"] = None if limiter is None else round(limiter.limit, 1)
     row["roofline_efficiency"] = roofline_efficiency(row)
     return row, build_report(load, run_plan, name=f"switchyard bench compare {scenario.key}")
 

@@ -8,7 +8,8 @@ owns every request, and the engine owns the model. Each turn:
 2. the admitted sequences join the running set in one mixed step (their
    prefill rides along with one decode token of every running sequence:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
-   prefilled alone when nothing else runs;
+   prefilled alone when nothing else runs or a core request is among them (its
+   first token then waits for no decode);
 3. the running set decodes, one token per sequence per step, until the time
    slice ends, a sequence finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
@@ -30,6 +31,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
@@ -181,6 +183,13 @@ class StepLoop(LoopBase):
                 continue
             prefill = [s for s in running if s.needs_prefill]
             decode = [s for s in running if not s.needs_prefill]
+            core = [s for s in prefill if s.priority == agent_pb2.CORE] if decode else []
+            if core:
+                # Core work is prefilled on its own: its first token waits for no decode and no other newcomer.
+                await self._step(engine.prefill, core)
+                if self._reap(core):
+                    continue
+                prefill = [s for s in prefill if s.priority != agent_pb2.CORE]
             if prefill and decode:
                 # Newcomers join the running set in one mixed step: the decodes do not wait for them.
                 await self._step(lambda seqs: engine.step(prefill, decode), running)
