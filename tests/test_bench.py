@@ -145,8 +145,10 @@ async def test_cli_run_takes_ghz_output_format_flags(agent_server, tmp_path, cap
     host, _ = agent_server
     out = tmp_path / "out.json"
     # as ghz users type it: -O json -o out.json writes compact JSON there, nothing else
-    argv = ["run", "--host", host, "-n", "4", "-c", "2", "-O", "json", "-o", str(out), "--procs", "1"]
+    png = tmp_path / "run.png"
+    argv = ["run", "--host", host, "-n", "4", "-c", "2", "-O", "json", "-o", str(out), "--procs", "1", "--plot", str(png)]
     assert await asyncio.to_thread(cli.main, argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency, TTFT and throughput panels
     text = out.read_text()
     assert "\n  " not in text  # compact
     _validate(json.loads(text))

@@ -133,6 +133,8 @@ def _run(argv: list[str]) -> int:
                         help="report format as ghz names them: summary (text), json, pretty (indented JSON); "
                         "written to -o, or to stdout")
     parser.add_argument("--name", default="", help="report name (ghz --name)")
+    parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
+                        "throughput over time")
     args = parser.parse_args(argv)
     plan = resolve_plan(args, args.host)
 
@@ -162,6 +164,14 @@ def _run(argv: list[str]) -> int:
             print(f"\nreport written to {args.output}")
     elif args.format is not None:
         print(text)
+    if args.plot:
+        from switchyard.bench.plot import plot_run
+
+        title = (f"switchyard bench run {' '.join(argv)}\n{report['count']} calls, {report['rps']:.1f} rps, "
+                 f"concurrency {plan.concurrency}, offered {plan.rps:g} rps")
+        plot_run(load, Path(args.plot), title)
+        if args.format is None:
+            print(f"plot written to {args.plot}")
     return 0 if load.results else 1
 
 

@@ -375,7 +375,7 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], reports: dict[str, dict
     markdown.write_text(
         f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n{table(rows)}\n", encoding="utf-8"
     )
-    png = plot_comparison(rows, out / "compare.png")
+    png = plot_comparison(rows, out / "compare.png", subtitle=f"{meta['command']}\n{meta['machine']}")
     return [summary, markdown, png, *paths]
 
 
