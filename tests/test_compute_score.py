@@ -70,7 +70,7 @@ def test_gpm_tensor_activity_replaces_the_estimate_once_two_samples_exist():
     nvml = FakeGpmNvml(gpu=90, memory=70, tensor=12)
     m = monitor(nvml)
     first = m.read(0.0)
-    assert m.sample.source == "nvml"  # one GPM sample so far: the DESIGN.md estimate, 0.8 x 90
+    assert m.sample.source == "nvml"  # one GPM sample so far: the field report's estimate, 0.8 x 90
     assert first == pytest.approx(0.2 * 90 + 0.2 * 70 + 0.6 * 72)
     second = m.read(1.0)
     assert m.sample.source == "nvml_gpm" and m.sample.tensor_util == 12
@@ -136,4 +136,4 @@ async def test_busy_ratio_only_when_configured():
     await engine.decode(_decoding(2, context=10))
     m.read(engine.busy_seconds)
     assert m.sample.source == "busy_ratio" and m.sample.cuda_util == pytest.approx(100)
-    assert m.sample.bandwidth_util == 0 and m.sample.tensor_util == pytest.approx(80)  # DESIGN.md's estimate
+    assert m.sample.bandwidth_util == 0 and m.sample.tensor_util == pytest.approx(80)  # the field report's estimate

@@ -1,4 +1,4 @@
-"""Config files load with DESIGN.md's values; bad files fail with file, key, value and expectation."""
+"""Config files load with the documented values; bad files fail with file, key, value and expectation."""
 
 import json
 import shutil

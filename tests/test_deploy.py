@@ -1,4 +1,4 @@
-"""Deploy files: Dockerfiles lint clean, manifests validate, and hold DESIGN.md's numbers.
+"""Deploy files: Dockerfiles lint clean, manifests validate, and hold docs/architecture.md's numbers.
 
 No Docker engine or cluster is needed: hadolint checks the Dockerfiles,
 kubernetes-validate checks every manifest against the pinned Kubernetes schema,

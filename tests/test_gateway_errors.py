@@ -1,4 +1,4 @@
-"""Every gateway row of DESIGN.md's error table, against a real local HTTP server speaking SSE."""
+"""Every gateway row of the error table (docs/architecture.md), against a real local HTTP server speaking SSE."""
 
 from __future__ import annotations
 

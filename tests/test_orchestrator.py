@@ -134,12 +134,36 @@ async def test_bad_request_names_field(fields, field):
     assert err.value.details().startswith(field)
 
 
-async def test_prompt_over_budget_is_rejected_naming_payload():
-    async with stack(**{"service.orchestrator.max_prompt_tokens": 20}) as (stub, _):
+async def test_prompt_over_the_context_window_is_rejected_naming_payload():
+    async with stack(**{"service.limits.context_window_tokens": {"sim-7b": 100}}) as (stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(stub, payload="word " * 50, task_type="chat")
+            await collect(stub, payload="word " * 80, task_type="chat", max_tokens=50)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "max_prompt_tokens" in err.value.details()
+    details = err.value.details()
+    assert details.startswith("payload") and "context window of sim-7b is 100 tokens" in details
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "bound"),
+    [
+        # the dispatcher allows 8192: the orchestrator used to accept up to 32768 and fail three stages later
+        ({"max_tokens": 10000}, "max_tokens", "limits.max_tokens 8192"),
+        ({"max_tokens": 30000}, "max_tokens", "limits.max_tokens 8192"),
+        ({"max_tokens": 4096}, "max_tokens", "context window of sim-7b: 4096"),
+        ({"metadata": {f"k{i}": "v" for i in range(20000)}}, "metadata", "at most 64 entries"),
+        ({"metadata": {"k": "v" * 20000}}, "metadata", "at most 16384 bytes"),
+        ({"agent_id": "a" * 300}, "agent_id", "at most 256 characters"),
+        ({"model": "m" * 300}, "model", "at most 256 characters"),
+    ],
+)
+async def test_limits_are_checked_before_accepted(fields, field, bound):
+    async with stack() as (stub, _):
+        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", **fields))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                raise AssertionError("an event was sent: the task was accepted")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field) and bound in err.value.details()
 
 
 async def test_full_orchestration_queue_rejects_naming_queue():

@@ -59,7 +59,7 @@ class FakeNvml:
         return SimpleNamespace(gpu=self.gpu, memory=self.memory)
 
     def nvmlShutdown(self) -> None:
-        pass
+        self.shutdowns = getattr(self, "shutdowns", 0) + 1
 
 
 class FakeEngine:
@@ -587,3 +587,16 @@ def test_finished_or_cancelled_work_leaves_every_set() -> None:
     sched.finish(parked, now=0.5)  # the agent went away
     assert (sched.waiting, sched.running, sched.parked) == ([], [], [])
     assert engine.released == [a, parked]  # KV released once each, by the scheduler
+
+
+async def test_nvml_is_shut_down_when_the_dispatcher_drains() -> None:
+    from switchyard.dispatcher.engine_loop import StepLoop
+
+    nvml = FakeNvml(gpu=10)
+    engine = SimEngine(SwitchyardConfig())
+    sched = make_scheduler(nvml=nvml, engine=engine)
+    sched.schedule(now=0.0)  # the first decision opens NVML
+    loop = StepLoop(SwitchyardConfig(), engine, sched)
+    loop.start()
+    await loop.drain()
+    assert getattr(nvml, "shutdowns", 0) == 1

@@ -208,7 +208,7 @@ async def test_metrics_endpoints_show_queue_batch_and_ttft_after_a_task(stack):
     assert total(dispatcher, "switchyard_inter_token_latency_seconds_count") > 0
 
 
-# DESIGN.md "Metrics": every service's endpoint carries the process metrics; each service the
+# docs/architecture.md: every service's endpoint carries the process metrics; each service the
 # metrics of its own work. Metric family names, as prometheus_client's parser reports them
 # (counters without "_total"); a labelled family with no series yet still counts as present.
 DESIGN_METRICS = {

@@ -341,7 +341,6 @@ class OrchestratorConfig(_Strict):
     )
     cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor.")
     task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
-    max_prompt_tokens: int = Field(8192, ge=16, le=1_000_000, description="Longest rendered prompt accepted.")
     inference_mode: Literal["split", "inline"] = Field(
         "split",
         description="split: CPU steps hold an orchestration worker only while they run; inline: one worker "
@@ -398,18 +397,6 @@ class DispatcherConfig(_Strict):
     default_max_tokens: int = Field(
         256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0."
     )
-    max_tokens_limit: int = Field(
-        8192, ge=1, le=1_000_000, description="Largest max_tokens a Generate may ask for (more: INVALID_ARGUMENT)."
-    )
-
-    @model_validator(mode="after")
-    def _max_tokens(self) -> "DispatcherConfig":
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(
-                f"default_max_tokens ({self.default_max_tokens}) must not exceed "
-                f"max_tokens_limit ({self.max_tokens_limit})"
-            )
-        return self
 
 
 class SimEngineConfig(_Strict):
@@ -478,16 +465,68 @@ class TorchEngineConfig(_Strict):
         return self
 
 
+class RequestLimitsConfig(_Strict):
+    """What one request may ask for: the one source of limits, checked by the orchestrator before
+    ``accepted`` and again by the dispatcher for callers that reach it directly."""
+
+    max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
+    context_window_tokens: dict[str, int] = Field(
+        default_factory=lambda: {"sim-7b": 4096, "torch-tiny": 8192, "claude-sonnet-4-5": 200_000, "gpt-4o-mini": 128_000},
+        description="Context window per model id, tokens: prompt + max_tokens must fit.",
+    )
+    default_context_window_tokens: int = Field(
+        8192, ge=16, le=10_000_000, description="Context window of a model missing from context_window_tokens, tokens."
+    )
+    max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest payload, characters.")
+    max_task_id_chars: int = Field(128, ge=1, le=4096, description="Longest task_id, characters.")
+    max_id_chars: int = Field(256, ge=1, le=4096, description="Longest agent_id, model or request_id, characters.")
+    max_metadata_entries: int = Field(64, ge=0, le=100_000, description="Most metadata entries per task.")
+    max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8).")
+    max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate.")
+    max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate.")
+
+    @field_validator("context_window_tokens")
+    @classmethod
+    def _windows(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = {model: tokens for model, tokens in value.items() if tokens < 16}
+        if bad:
+            raise ValueError(f"expected windows of at least 16 tokens, got {bad}")
+        return value
+
+    def context_window(self, model: str) -> int:
+        """Context window of ``model`` in tokens (the default for models not listed)."""
+        return self.context_window_tokens.get(model, self.default_context_window_tokens)
+
+
 class ServiceFile(_Strict):
     server: ServerConfig = ServerConfig()
+    limits: RequestLimitsConfig = RequestLimitsConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     dispatcher: DispatcherConfig = DispatcherConfig()
     sim: SimEngineConfig = SimEngineConfig()
     torch: TorchEngineConfig = TorchEngineConfig()
 
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> "ServiceFile":
+        for name, value in (("orchestrator.default_max_tokens", self.orchestrator.default_max_tokens),
+                            ("dispatcher.default_max_tokens", self.dispatcher.default_max_tokens)):
+            if value > self.limits.max_tokens:
+                raise ValueError(f"{name} ({value}) must not exceed limits.max_tokens ({self.limits.max_tokens})")
+        return self
+
 
 # --------------------------------------------------------------------------- aggregate
+
+
+def engine_default_model(config: "SwitchyardConfig") -> str:
+    """The model id the configured engine serves when a request names none."""
+    engine = config.service.dispatcher.engine
+    if engine == "sim":
+        return config.service.sim.model
+    if engine == "torch":
+        return config.service.torch.model
+    return config.queue.model_gateway.default_model
 
 
 class SwitchyardConfig(_Strict):

@@ -28,7 +28,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry
-from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config import SwitchyardConfig, engine_default_model
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -63,23 +63,36 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
     0 means counted here (word pieces of the prompt or messages); an empty
     ``request_id`` gets a random one.
 
+    Limits come from ``limits`` (the orchestrator checks the same ones before a
+    task is accepted; this check serves callers that reach the dispatcher directly).
+
     Raises:
-        InvalidArgument: naming ``prompt``, ``max_tokens``, ``prompt_tokens``,
-            ``priority``, ``messages[i].role`` or ``tools[i].parameters_json``.
+        InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
+            max_tokens exceed the model's context window), ``prompt_tokens``,
+            ``priority``, ``request_id``, ``agent_id``, ``model``, ``messages``,
+            ``tools``, ``messages[i].role`` or ``tools[i].parameters_json``.
     """
-    limits = config.service.dispatcher
+    defaults, limits = config.service.dispatcher, config.service.limits
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
-    if request.max_tokens < 0 or request.max_tokens > limits.max_tokens_limit:
+    if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
         raise InvalidArgument(
-            "max_tokens",
-            f"0 (default {limits.default_max_tokens}) to {limits.max_tokens_limit} (dispatcher.max_tokens_limit)",
+            "max_tokens", f"0 (default {defaults.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens)",
             request.max_tokens,
         )
     if request.prompt_tokens < 0:
         raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
     if request.priority not in agent_pb2.Priority.values():
         raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
+    for name in ("request_id", "agent_id", "model"):
+        if len(getattr(request, name)) > limits.max_id_chars:
+            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
+                                  f"{len(getattr(request, name))} chars")
+    if len(request.messages) > limits.max_messages:
+        raise InvalidArgument("messages", f"at most {limits.max_messages} messages (limits.max_messages)",
+                              f"{len(request.messages)} messages")
+    if len(request.tools) > limits.max_tools:
+        raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
     messages = []
     for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
@@ -101,13 +114,23 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
     if prompt_tokens == 0:
         text = request.prompt if not messages else "\n".join(m.content for m in messages)
         prompt_tokens = max(1, len(word_pieces(text)))
+    max_tokens = request.max_tokens or defaults.default_max_tokens
+    model = request.model or engine_default_model(config)
+    window = limits.context_window(model)
+    if prompt_tokens + max_tokens > window:
+        raise InvalidArgument(
+            "max_tokens",
+            f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
+            f"(limits.context_window_tokens); the prompt is {prompt_tokens} tokens",
+            max_tokens,
+        )
     return Sequence(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt=request.prompt,
         messages=messages,
         tools=tools,
         prompt_tokens=prompt_tokens,
-        max_tokens=request.max_tokens or limits.default_max_tokens,
+        max_tokens=max_tokens,
         model=request.model,
         agent_id=request.agent_id,
         task_type=request.task_type,

@@ -5,7 +5,7 @@ Each error says what was received and what to do. Two flags steer the client:
 and ``fallback_ok`` (the fallback model may succeed where the primary failed).
 Auth and proxy failures do neither: the same key and proxy serve every model.
 
-Source of the table: DESIGN.md "Errors users meet". The quoted phrases
+Source of the table: docs/architecture.md "Errors users meet". The quoted phrases
 ("reading choices", "unexpected end of JSON input", "local proxy failed") are
 the messages other gateways print for the same causes.
 """

@@ -1,8 +1,9 @@
 """Run a task's DAG of steps with graphlib, each step in its resource's queue.
 
 A step is either CPU work (``cpu=True``: a plain function run by an
-orchestration-queue worker in the CPU thread pool, so it never stalls the
-event loop that serves streams) or a call to another service (an async
+orchestration-queue worker in the CPU executor, a process pool by default
+(``orchestrator.cpu_executor``), so it never stalls the event loop that serves
+streams) or a call to another service (an async
 function that waits on the network, holding no orchestration worker).
 Independent steps run concurrently; a failing step cancels the rest.
 """

@@ -53,7 +53,8 @@ async def _run_mode(executor: str, dispatcher: str, args: argparse.Namespace) ->
     cfg = load_config(args.config_dir).with_overrides(**{
         "service.orchestrator.dispatcher_addr": dispatcher,
         "service.orchestrator.cpu_executor": executor,
-        "service.orchestrator.max_prompt_tokens": 100_000,
+        "service.limits.default_context_window_tokens": 200_000,
+        "service.limits.context_window_tokens": {},
     })
     words = " ".join(f"word{i % 97} and {{{{ braces }}}} text" for i in range(args.words // 4))
     data = [{"payload": f"{i} {words}", "task_type": "chat", "max_tokens": 8} for i in range(16)]

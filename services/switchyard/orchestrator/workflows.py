@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry
-from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config import SwitchyardConfig, engine_default_model
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
@@ -30,8 +30,6 @@ from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_do
 tracer = telemetry.get_tracer(__name__)
 
 WORKFLOWS = ("rag_answer", "chat", "react_loop")
-MAX_TASK_ID_CHARS = 128
-MAX_PAYLOAD_CHARS = 200_000
 
 
 @dataclass
@@ -65,21 +63,35 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig) -> Tas
     Raises:
         InvalidArgument: naming the field and what was expected.
     """
-    orch = config.service.orchestrator
+    orch, limits = config.service.orchestrator, config.service.limits
     if not request.payload.strip():
         raise InvalidArgument("payload", "a non-empty string (the question or instruction)")
-    if len(request.payload) > MAX_PAYLOAD_CHARS:
-        raise InvalidArgument("payload", f"at most {MAX_PAYLOAD_CHARS} characters", f"{len(request.payload)} chars")
-    if len(request.task_id) > MAX_TASK_ID_CHARS:
-        raise InvalidArgument("task_id", f"at most {MAX_TASK_ID_CHARS} characters")
+    if len(request.payload) > limits.max_payload_chars:
+        raise InvalidArgument("payload", f"at most {limits.max_payload_chars} characters (limits.max_payload_chars)",
+                              f"{len(request.payload)} chars")
+    if len(request.task_id) > limits.max_task_id_chars:
+        raise InvalidArgument("task_id", f"at most {limits.max_task_id_chars} characters (limits.max_task_id_chars)",
+                              f"{len(request.task_id)} chars")
+    for name in ("agent_id", "model"):
+        if len(getattr(request, name)) > limits.max_id_chars:
+            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
+                                  f"{len(getattr(request, name))} chars")
     workflow = request.task_type or orch.default_task_type
     if workflow not in WORKFLOWS:
         raise InvalidArgument("task_type", f"one of {', '.join(WORKFLOWS)} (empty = {orch.default_task_type})", workflow)
     if request.priority not in agent_pb2.Priority.values():
         raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
-    limit = 32768
+    model = request.model or engine_default_model(config)
+    window = limits.context_window(model)
+    limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
     if not 0 <= request.max_tokens <= limit:
-        raise InvalidArgument("max_tokens", f"0 (the default, {orch.default_max_tokens}) to {limit}", request.max_tokens)
+        raise InvalidArgument(
+            "max_tokens",
+            f"0 (the default, {orch.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
+            f"context window of {model}: {window} tokens, prompt included)",
+            request.max_tokens,
+        )
+    check_metadata(request.metadata, limits)
     return TaskSpec(
         task_id=request.task_id or f"task-{uuid.uuid4().hex[:16]}",
         payload=request.payload,
@@ -89,6 +101,21 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig) -> Tas
         model=request.model,
         agent_id=request.agent_id,
     )
+
+
+def check_metadata(metadata: Any, limits: Any) -> None:
+    """Bound the ``metadata`` map: entries and bytes (UTF-8 keys plus values).
+
+    Raises:
+        InvalidArgument: naming ``metadata`` and the bound it broke.
+    """
+    if len(metadata) > limits.max_metadata_entries:
+        raise InvalidArgument("metadata", f"at most {limits.max_metadata_entries} entries (limits.max_metadata_entries)",
+                              f"{len(metadata)} entries")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+    if size > limits.max_metadata_bytes:
+        raise InvalidArgument("metadata", f"at most {limits.max_metadata_bytes} bytes of keys and values "
+                              "(limits.max_metadata_bytes)", f"{size} bytes")
 
 
 @dataclass
@@ -283,13 +310,19 @@ def _render_prompt(run: TaskRun) -> CpuJob:
 
 def _count_tokens(run: TaskRun) -> CpuJob:
     assert run.prompt is not None
-    limit = run.deps.config.service.orchestrator.max_prompt_tokens
+    config = run.deps.config
+    model = run.spec.model or engine_default_model(config)
+    window = config.service.limits.context_window(model)
+    budget = window - run.spec.max_tokens
 
     def apply(count: int) -> None:
         run.prompt_tokens = count
-        if count > limit:
+        if count > budget:
             raise InvalidArgument(
-                "payload", f"a prompt of at most {limit} tokens (orchestrator.max_prompt_tokens)", f"{count} tokens"
+                "payload",
+                f"a prompt of at most {budget} tokens: the context window of {model} is {window} tokens "
+                f"(limits.context_window_tokens) and max_tokens takes {run.spec.max_tokens}",
+                f"{count} tokens",
             )
 
     return CpuJob(count_messages, (run.prompt.messages(),), apply)

@@ -1,12 +1,12 @@
 """The two engine interfaces the dispatcher drives.
 
 - :class:`StepEngine`: engines that run the model one iteration at a time over
-  a batch (``sim`` now, ``torch`` later). The engine loop does iteration-level
+  a batch (``sim`` and ``torch``). The step loop does iteration-level
   batching with them: sequences join and leave the running set at step
   boundaries, and the scheduling policy can preempt between steps.
 - :class:`StreamEngine`: engines that do not step (the ``openai`` upstream).
-  Each request is one streamed call; the engine loop fans requests out as
-  concurrent tasks bounded by ``queues.inference.workers``.
+  Each request is one streamed call; the stream loop fans requests out as
+  concurrent tasks bounded by an adaptive concurrency limit.
 """
 
 from __future__ import annotations

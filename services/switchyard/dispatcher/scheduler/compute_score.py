@@ -1,6 +1,6 @@
 """The compute score: how loaded the GPU is, 0-100, for admission.
 
-Rule (``scheduler_config.json``, from the field reports quoted in DESIGN.md)::
+Rule (``scheduler_config.json``, from the field reports in docs/architecture.md)::
 
     score = w_cuda * cuda_util + w_bandwidth * bandwidth_util + w_tensor * tensor_util
 
@@ -14,7 +14,7 @@ scale as ``low_load_threshold`` and ``high_load_threshold``.
 - ``tensor_util``: tensor-core activity, read through NVML's GPU Performance
   Monitoring (GPM) metric ``NVML_GPM_METRIC_ANY_TENSOR_UTIL`` on GPUs that
   support it (Hopper and newer); elsewhere it is not readable through NVML
-  (only through DCGM profiling), so it is estimated as DESIGN.md says:
+  (only through DCGM profiling), so it is estimated by the field report's rule (docs/architecture.md):
   ``0.8 * cuda_util`` when ``cuda_util > 30``, else 0.
 
 Without a GPU or without NVML (no driver, no pynvml, or any NVML error), the
@@ -41,7 +41,7 @@ from switchyard.dispatcher.scheduler import metrics
 log = logging.getLogger(__name__)
 
 TENSOR_ESTIMATE_FACTOR = 0.8
-"""tensor_util = 0.8 x cuda_util above :data:`TENSOR_ESTIMATE_MIN_UTIL` (DESIGN.md)."""
+"""tensor_util = 0.8 x cuda_util above :data:`TENSOR_ESTIMATE_MIN_UTIL` (docs/architecture.md)."""
 TENSOR_ESTIMATE_MIN_UTIL = 30.0
 
 
@@ -63,7 +63,7 @@ class UtilSample:
 
 
 def tensor_estimate(cuda_util: float) -> float:
-    """Estimated tensor-core activity (percent) from GPU utilisation (percent), per DESIGN.md."""
+    """Estimated tensor-core activity (percent) from GPU utilisation (percent), per the field report's rule (docs/architecture.md)."""
     return TENSOR_ESTIMATE_FACTOR * cuda_util if cuda_util > TENSOR_ESTIMATE_MIN_UTIL else 0.0
 
 

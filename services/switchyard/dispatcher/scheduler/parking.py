@@ -2,7 +2,7 @@
 
 A ``react_loop`` agent alternates thinking on the GPU with tool calls that
 leave the GPU idle (under 30 % of a 7B agent's task time is GPU time, per the
-field report in DESIGN.md). While it waits on a tool it holds no running slot;
+field report in docs/architecture.md). While it waits on a tool it holds no running slot;
 its prefix state (KV cache) stays in engine memory for ``tool_wait_ttl_s`` so
 that its next step, which repeats that prefix, skips recomputing it. After the
 TTL the state is released and the next step recomputes the prefix.
