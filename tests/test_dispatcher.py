@@ -140,6 +140,7 @@ async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"max_tokens": 4090}, "max_tokens"),  # prompt + max_tokens past sim-7b's 4096-token context window
         ({"agent_id": "a" * 300}, "agent_id"),
+        ({"prompt_tokens": 2**31 - 1, "max_tokens": 8}, "prompt_tokens"),  # the bad field is named, not max_tokens
         ({"tools": [agent_pb2.ToolSpec(name=f"t{i}") for i in range(200)]}, "tools"),
         ({"prompt": "   "}, "prompt"),
         ({"messages": [agent_pb2.ChatMessage(role="robot", content="hi")]}, "messages[0].role"),

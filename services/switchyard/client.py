@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 
 import grpc
@@ -17,6 +18,21 @@ from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
+_INT32_MAX = 2**31 - 1
+
+
+def _max_tokens(text: str) -> int:
+    """argparse type of ``--max-tokens``: a whole number from 0 to the proto field's int32 range."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens from 0 to {_INT32_MAX}, got {text!r}")
+    return value
 
 
 def _ms(seconds: float) -> str:
@@ -95,7 +111,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--task-type", default="", help="rag_answer (default), chat or react_loop")
     parser.add_argument("--priority", default="NORMAL", choices=["CORE", "NORMAL", "BATCH"])
-    parser.add_argument("--max-tokens", type=int, default=0)
+    parser.add_argument("--max-tokens", type=_max_tokens, default=0,
+                        help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
     parser.add_argument("--model", default="")
     parser.add_argument("--task-id", default="")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
@@ -104,6 +121,8 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0:
         parser.error(f"--timeout: expected seconds > 0, got {args.timeout}")
     address = args.addr
+    if address is not None and not _HOST_PORT.match(address):
+        parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")
     if address is None:
         try:
             config = load_config(args.config_dir)

@@ -200,10 +200,10 @@ def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched] [OPTIONS]\n\n"
-            "  run      load-test RunTask, ghz JSON report (default)\n"
-            "  compare  scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
-            "  sched    scheduling benchmark\n"
+            "usage: switchyard bench [run|compare|sched|isolation] [OPTIONS]\n\n"
+            "  run        load-test RunTask, ghz JSON report (default)\n"
+            "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
+            "  sched      scheduling benchmark\n"
             "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n\n"
             "Run `switchyard bench SUBCOMMAND --help` for its options."
         )

@@ -117,6 +117,11 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
     max_tokens = request.max_tokens or defaults.default_max_tokens
     model = request.model or engine_default_model(config)
     window = limits.context_window(model)
+    if prompt_tokens >= window:
+        raise InvalidArgument(
+            "prompt_tokens", f"fewer than the context window of {model}, {window} tokens (limits.context_window_tokens)",
+            prompt_tokens,
+        )
     if prompt_tokens + max_tokens > window:
         raise InvalidArgument(
             "max_tokens",
