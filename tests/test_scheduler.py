@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from switchyard.api import agent_pb2
+from switchyard.bench.compare import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import (
@@ -76,31 +77,13 @@ class FakeEngine:
         self.released.append(seq)
 
 
-class Slots:
-    """A capacity of ``n`` running sequences: stands in for a KV budget that holds ``n`` requests."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.used = n, 0
-
-    def refusal(self, seq: Sequence) -> str | None:
-        return None if self.used < self.n else KV_MEMORY
-
-    def never_fits(self, seq: Sequence) -> str | None:
-        return None
-
-    def take(self, seq: Sequence) -> None:
-        self.used += 1
-
-    def give(self, seq: Sequence) -> None:
-        self.used -= 1
-
-
 def make_scheduler(
     *, nvml: Any = None, engine: Any = None, running: int | None = None, **overrides: Any
 ) -> PriorityScheduler | FifoScheduler:
     """A scheduler from the default config with ``scheduler.<key>`` overrides and a fake NVML.
 
-    ``running``: the engine holds this many sequences (a :class:`Slots` capacity); default: its own memory.
+    ``running``: the engine holds this many sequences (a fixed-slots capacity, standing in for a KV budget
+    that holds that many requests); default: the engine's own memory.
     """
     config = SwitchyardConfig().with_overrides(
         **{"scheduler.score_sample_interval_ms": 1, **{f"scheduler.{k}": v for k, v in overrides.items()}}
@@ -109,7 +92,7 @@ def make_scheduler(
     monitor = ComputeScoreMonitor(
         config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=nvml if nvml is not None else FakeNvml()
     )
-    capacity = Slots(running) if running is not None else None
+    capacity = FixedSlots(running) if running is not None else None
     return build_scheduler(config, engine, monitor=monitor, capacity=capacity)  # type: ignore[return-value]
 
 

@@ -161,13 +161,7 @@ class TorchEngine:
         :class:`InvalidArgument` (``prompt_tokens``); the others go on.
         """
         ready = self._ready_for_prefill(seqs)
-        if not ready:
-            return
-        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
-        with tracer.start_as_current_span("engine.prefill", links=request_links(ready)) as span:
-            span.set_attribute("switchyard.batch_size", len(ready))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._step(ready)
+        await self._traced_step("engine.prefill", ready, ready)
 
     async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
         """One forward pass over a mixed batch: the prefixes of ``prefill`` and one token of each of ``decode``.
@@ -179,11 +173,14 @@ class TorchEngine:
         """
         ready = self._ready_for_prefill(prefill)
         running = [s for s in decode if not s.is_finished and s in self._caches]
-        batch = ready + running
+        await self._traced_step("engine.step", ready + running, ready)
+
+    async def _traced_step(self, name: str, batch: list[Sequence], prefilling: list[Sequence]) -> None:
+        """One forward pass over ``batch`` in a span ``name`` linked to its requests; ``prefilling`` are its newcomers."""
         if not batch:
             return
-        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
-        with tracer.start_as_current_span("engine.step", links=request_links(batch)) as span:
+        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in prefilling)
+        with tracer.start_as_current_span(name, links=request_links(batch)) as span:
             span.set_attribute("switchyard.batch_size", len(batch))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._step(batch)
