@@ -415,6 +415,10 @@ class SimEngineConfig(_Strict):
     hbm_tb_per_s: float = Field(3.35, gt=0, description="HBM bandwidth of the modelled GPU, TB/s (H100 SXM).")
     bytes_per_param: float = Field(2.0, gt=0, description="Weight bytes per parameter (2 = fp16/bf16).")
     hbm_gb: float = Field(80.0, gt=0, description="Device memory of the modelled GPU, GB (H100 SXM: 80).")
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV of prompt blocks already computed (vLLM's automatic prefix caching)."
+    )
+    prefix_block_tokens: int = Field(16, ge=1, le=4096, description="Tokens per cached prompt block.")
 
 
 class TorchEngineConfig(_Strict):

@@ -40,3 +40,13 @@ RUNNING_SEQUENCES = Gauge("switchyard_running_sequences", "Sequences in the engi
 WAITING_SEQUENCES = Gauge(
     "switchyard_waiting_sequences", "Sequences flushed to the scheduler and waiting for admission."
 )
+PREFIX_CACHE_BLOCKS = Counter(
+    "switchyard_prefix_cache_blocks_total",
+    "Prompt blocks looked up in the engine's prefix cache, by result (hit: its KV was reused; miss: computed).",
+    ["result"],
+)
+for _result in ("hit", "miss"):
+    PREFIX_CACHE_BLOCKS.labels(_result)
+PREFIX_CACHE_BYTES = Gauge(
+    "switchyard_prefix_cache_bytes", "Device memory held by cached prompt blocks (evicted when running work needs it)."
+)

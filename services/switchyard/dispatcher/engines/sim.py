@@ -44,6 +44,8 @@ from opentelemetry import trace
 
 from switchyard.common import telemetry
 from switchyard.common.config import SimEngineConfig, SwitchyardConfig
+from switchyard.dispatcher import metrics
+from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
 
@@ -280,6 +282,17 @@ def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimRe
 # --------------------------------------------------------------------------- engine
 
 
+def prompt_pieces(seq: Sequence) -> list[str]:
+    """The prompt as the sim's tokens (word pieces), messages marked by role: what prefix caching hashes."""
+    if not seq.messages:
+        return word_pieces(seq.prompt)
+    pieces: list[str] = []
+    for message in seq.messages:
+        pieces.append(f"<{message.role}>")
+        pieces.extend(word_pieces(message.content))
+    return pieces
+
+
 class SimEngine:
     """A :class:`~switchyard.dispatcher.engines.base.StepEngine` driven by the latency model.
 
@@ -297,6 +310,12 @@ class SimEngine:
         """Modelled seconds the tensor cores were busy."""
         self.steps = 0
         self._replies: dict[Sequence, SimReply] = {}
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(self.params.prefix_block_tokens, self.params.prefix_block_tokens * self.params.kv_bytes_per_token)
+            if self.params.prefix_caching else None
+        )
+        """Automatic prefix caching (``sim.prefix_caching``); None when off."""
+        self._prompt_keys: dict[Sequence, list[int]] = {}
 
     def reply_for(self, seq: Sequence) -> SimReply:
         """The planned reply of ``seq`` (planned once, kept until :meth:`release`)."""
@@ -309,23 +328,64 @@ class SimEngine:
         """Compute each sequence's uncomputed prefix, then append its next token.
 
         Costs ``prefill_seconds(sum of uncomputed tokens)``: one overhead per
-        batched prefill. A sequence with output already (resumed after
+        batched prefill. Prompt blocks found in the prefix cache are not
+        computed again. A sequence with output already (resumed after
         preemption) recomputes prompt plus output, counted in
         ``seq.recomputed_tokens``.
         """
         seqs = [s for s in seqs if not s.is_finished]
         if not seqs:
             return
+        self._reuse_cached_prefixes(seqs)
         tokens = sum(s.num_uncomputed_tokens for s in seqs)
         with tracer.start_as_current_span("engine.prefill", links=request_links(seqs)) as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
+        self._prefilled(seqs)
+
+    def _reuse_cached_prefixes(self, seqs: list[Sequence]) -> None:
+        """Fresh sequences start from the prompt blocks already in the prefix cache."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for seq in seqs:
+            if seq.output_tokens or seq.num_computed_tokens or seq in self._prompt_keys:
+                continue
+            pieces = prompt_pieces(seq)
+            keys = cache.keys(pieces)
+            self._prompt_keys[seq] = keys
+            hit_pieces = cache.match(keys) * cache.block_tokens
+            if hit_pieces:
+                # the cache counts the sim's own word pieces; the prompt's length is the caller's count
+                cached = seq.prompt_tokens * hit_pieces // max(1, len(pieces))
+                seq.num_computed_tokens = max(0, min(cached, seq.prompt_tokens - 1))
+            metrics.PREFIX_CACHE_BLOCKS.labels("hit").inc(hit_pieces // cache.block_tokens)
+            metrics.PREFIX_CACHE_BLOCKS.labels("miss").inc(len(keys) - hit_pieces // cache.block_tokens)
+
+    def _prefilled(self, seqs: list[Sequence]) -> None:
+        """After a prefill: prefixes computed, prompt blocks cached, next token out."""
         for seq in seqs:
             if seq.output_tokens:
                 seq.recomputed_tokens += seq.num_tokens - 1
             seq.num_computed_tokens = seq.num_tokens
+            keys = self._prompt_keys.pop(seq, None)
+            if keys and self.prefix_cache is not None:
+                self.prefix_cache.insert(keys)
+                metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
             self._emit_next(seq)
+
+    def prefix_cache_bytes(self) -> int:
+        """Device memory the prefix cache holds (evictable: see :meth:`evict_prefix_cache`)."""
+        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+
+    def evict_prefix_cache(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` of cached prompt blocks, least recently used first; returns bytes freed."""
+        if self.prefix_cache is None:
+            return 0
+        freed = self.prefix_cache.evict(nbytes)
+        metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
+        return freed
 
     async def decode(self, seqs: list[Sequence]) -> None:
         """One decode step: one token for each sequence; costs ``decode_seconds(len(seqs))``."""
@@ -353,6 +413,7 @@ class SimEngine:
         if not prefill:
             await self.decode(decode)
             return
+        self._reuse_cached_prefixes(prefill)
         tokens = sum(s.num_uncomputed_tokens for s in prefill)
         batch = prefill + decode
         with tracer.start_as_current_span("engine.step", links=request_links(batch)) as span:
@@ -363,18 +424,18 @@ class SimEngine:
                 tokens=tokens + len(decode),
                 kv_tokens=tokens + sum(s.num_tokens for s in decode),
             )
-        for seq in prefill:
-            if seq.output_tokens:
-                seq.recomputed_tokens += seq.num_tokens - 1
-            seq.num_computed_tokens = seq.num_tokens
-            self._emit_next(seq)
+        self._prefilled(prefill)
         for seq in decode:
             seq.num_computed_tokens = seq.num_tokens
             self._emit_next(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes."""
+        """Drop ``seq``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes.
+
+        Its prompt blocks stay in the prefix cache (they are shared, and evicted by need).
+        """
         seq.num_computed_tokens = 0
+        self._prompt_keys.pop(seq, None)
         if seq.is_finished:
             self._replies.pop(seq, None)
 

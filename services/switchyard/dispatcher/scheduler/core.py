@@ -115,7 +115,7 @@ class SchedulerCore:
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes)
         if capacity is None:
             info = memory_info(engine)
-            capacity = KvBudget(config.memory.hbm, info, lambda: self.parking.kv_bytes) if info else Unbounded()
+            capacity = KvBudget(config.memory.hbm, info, self._held_outside_running) if info else Unbounded()
         self.capacity = capacity
         flush = config.queue.flush
         if flush_interval_s is None:
@@ -387,10 +387,20 @@ class SchedulerCore:
         if seq in active:
             active.remove(seq)
 
+    def _held_outside_running(self) -> int:
+        """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
+        cached = getattr(self.engine, "prefix_cache_bytes", None)
+        return self.parking.kv_bytes + (int(cached()) if callable(cached) else 0)
+
     def _make_room(self, seq: Sequence) -> bool:
-        """Release parked agents' KV, oldest first, until ``seq`` fits; True when it fits."""
+        """Free KV until ``seq`` fits: the prefix cache first (least recently used blocks), then parked
+        agents, oldest first. True when it fits."""
         if self.capacity.refusal(seq) is None:
             return True
+        evict = getattr(self.engine, "evict_prefix_cache", None)
+        need = getattr(self.capacity, "need", None)
+        if callable(evict) and callable(need):
+            evict(need(seq) - self.capacity.free_bytes)  # type: ignore[attr-defined]
         while self.parking.sequences and self.capacity.refusal(seq) is not None:
             self.parking.evict_oldest()
         return self.capacity.refusal(seq) is None
