@@ -210,6 +210,11 @@ async def test_client_cancellation_frees_the_running_slot() -> None:
         call.cancel()
         await wait_until(lambda: h.service.scheduler.num_running == 0, "the slot is freed")
         assert h.service.scheduler.capacity.reserved_bytes == 0  # type: ignore[attr-defined]
+        from prometheus_client import REGISTRY
+
+        # the gauges return to 0 when the work ends, however it ends (no later request needed)
+        assert REGISTRY.get_sample_value("switchyard_running_sequences") == 0
+        assert REGISTRY.get_sample_value("switchyard_running_agents", {"priority_class": "normal"}) == 0
         chunks = await h.generate(max_tokens=3)  # the freed KV serves the next request
         assert chunks[-1].done.usage.completion_tokens == 3
 

@@ -7,7 +7,28 @@ service; these are the ones every queue and server uses.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+OTHER = "other"
+"""Label value for anything outside a metric's bounded set."""
+
+TASK_TYPES: tuple[str, ...] = ("rag_answer", "chat", "react_loop")
+"""The workflows (task types) a task may name; the only task_type label values besides ``unknown`` and ``other``."""
+
+
+def bounded(value: str, allowed: "Iterable[str]", empty: str = "unknown") -> str:
+    """``value`` when it is one of ``allowed``, ``empty`` when it is empty, else :data:`OTHER`.
+
+    Every label value that comes from a request (a model, a tool or task type a
+    client or a model named) goes through this, so a metric's series stay a
+    bounded set whatever callers send.
+    """
+    if not value:
+        return empty
+    return value if value in allowed else OTHER
+
 
 # Queue waits span sub-millisecond (idle) to the queue timeouts (seconds).
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -124,6 +124,9 @@ class GatewayClient:
         """Full URL of ``path`` under the base URL, e.g. ``url("models")``."""
         return f"{self.config.base_url}/{path}"
 
+    def _label(self, model: str) -> str:
+        return model_names.model_label(model, self.config)
+
     def models_for(self, requested: str) -> list[str]:
         """Upstream ids to try for client-facing ``requested``: the mapped primary, then the fallback."""
         cfg = self.config
@@ -172,7 +175,7 @@ class GatewayClient:
         sent = 0
         try:
             opened, model = await self._with_fallback(call, request, lambda m: self._open_stream(call, request, m))
-            GATEWAY_TTFT.labels(model).observe(time.monotonic() - started)
+            GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
@@ -200,7 +203,7 @@ class GatewayClient:
         finally:
             call.span.set_attribute("switchyard.gateway.items_streamed", sent)
             call.span.end()
-            GATEWAY_REQUESTS.labels(model or self.models_for(request.model)[0], outcome).inc()
+            GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
 
     async def complete(self, request: ChatRequest) -> Completion:
         """One non-streamed completion, with the same retries and fallback as :meth:`stream_chat`.
@@ -220,7 +223,7 @@ class GatewayClient:
             raise
         finally:
             call.span.end()
-            GATEWAY_REQUESTS.labels(model or self.models_for(request.model)[0], outcome).inc()
+            GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
 
     # ------------------------------------------------------------------ attempts
 
@@ -241,7 +244,7 @@ class GatewayClient:
         except GatewayError as exc:
             self._fail_span(span, exc)
             span.end()
-            GATEWAY_REQUESTS.labels(self.models_for(request.model)[0], exc.code.name).inc()
+            GATEWAY_REQUESTS.labels(self._label(self.models_for(request.model)[0]), exc.code.name).inc()
             raise
         deadline = asyncio.get_running_loop().time() + self.config.total_timeout_s
         return _Call(key, token, deadline, span, request.request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 _PUNCT = re.compile(r"[._:/\s]+")
 
@@ -32,3 +32,14 @@ def nearest(model: str, known: Iterable[str]) -> str | None:
         return exact
     match = difflib.get_close_matches(_normal(model), list(folded), n=1, cutoff=0.6)
     return folded[match[0]] if match else None
+
+
+def model_label(model: str, config: Any) -> str:
+    """``model`` as a metric label: one of the configured ids (default, fallback, ``model_map``), else ``other``.
+
+    A client may name any model; metrics keep a bounded set of series.
+    """
+    from switchyard.common.metrics import bounded
+
+    known = {config.default_model, config.fallback_model, *config.model_map, *config.model_map.values()}
+    return bounded(model, known)

@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from switchyard.common.config import ModelGatewayConfig
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import GATEWAY_FALLBACKS, GATEWAY_RETRIES
+from switchyard.gateway.models import model_label
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,7 +37,7 @@ async def with_retries(model: str, once: Callable[[str], Awaitable[T]], config: 
     """
 
     def before_sleep(state: RetryCallState) -> None:
-        GATEWAY_RETRIES.labels(model).inc()
+        GATEWAY_RETRIES.labels(model_label(model, config)).inc()
         exc = state.outcome.exception() if state.outcome else None
         log.info("retrying model %r (attempt %d failed: %s)", model, state.attempt_number, exc)
 
@@ -85,7 +86,7 @@ async def with_fallback(
             error = exc
         else:
             if primary_error is not None:
-                GATEWAY_FALLBACKS.labels(chain[0], model).inc()
+                GATEWAY_FALLBACKS.labels(model_label(chain[0], config), model_label(model, config)).inc()
                 log.warning("served by fallback model %r after: %s", model, primary_error)
             return result, model
         if primary_error is None:

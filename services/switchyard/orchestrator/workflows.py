@@ -19,6 +19,7 @@ from switchyard.api import agent_pb2
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig, engine_default_model
 from switchyard.common.errors import InvalidArgument
+from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
@@ -29,7 +30,7 @@ from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_do
 
 tracer = telemetry.get_tracer(__name__)
 
-WORKFLOWS = ("rag_answer", "chat", "react_loop")
+WORKFLOWS = TASK_TYPES
 
 
 @dataclass
@@ -160,9 +161,11 @@ class TaskRun:
     def add_wait(self, queue: str, seconds: float) -> None:
         self.timings.queue_wait_s[queue] = self.timings.queue_wait_s.get(queue, 0.0) + seconds
 
-    def stage_done(self, name: str, start: float, end: float, **attributes: str) -> None:
+    def stage_done(self, name: str, start: float, end: float, metric_stage: str = "", **attributes: str) -> None:
+        """Record a finished stage: its timing, its stage event and ``switchyard_stage_duration_seconds``
+        (labelled ``metric_stage`` when given: a bounded stand-in for a name a model chose)."""
         self.timings.stage_s[name] = self.timings.stage_s.get(name, 0.0) + (end - start)
-        STAGE_DURATION.labels(name).observe(end - start)
+        STAGE_DURATION.labels(metric_stage or name).observe(end - start)
         self.emit(
             agent_pb2.TaskEvent(
                 stage=agent_pb2.StageEvent(
@@ -371,8 +374,9 @@ async def _observe(run: TaskRun, tools: dict[str, Tool], call: agent_pb2.ToolCal
             content, is_error, attempts = outcome.content, outcome.is_error, outcome.attempts
         span.set_attribute("switchyard.tool.attempts", attempts)
         span.set_attribute("switchyard.tool.is_error", is_error)
-    TOOL_CALLS.labels(call.name, "error" if is_error else "ok").inc()
-    run.stage_done(f"tool:{call.name}", start, time.monotonic())
+    tool_label = bounded(call.name, tools)  # a model may invent tool names: labels stay a bounded set
+    TOOL_CALLS.labels(tool_label, "error" if is_error else "ok").inc()
+    run.stage_done(f"tool:{call.name}", start, time.monotonic(), metric_stage=f"tool:{tool_label}")
     run.emit(agent_pb2.TaskEvent(tool_result=agent_pb2.ToolResultEvent(
         call_id=call.call_id, name=call.name, content=content, is_error=is_error, attempts=attempts)))
     run.messages.append(agent_pb2.ChatMessage(role="tool", content=content, tool_call_id=call.call_id, name=call.name))

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 
 from switchyard.common.config import SchedulerFile
+from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.scheduler import metrics
 
 ADMISSION_WAVE = "admission_wave"
@@ -53,14 +54,19 @@ class ExpectedScores:
         self._values: dict[str, float] = {}
 
     def get(self, task_type: str) -> float:
-        """Expected score of ``task_type`` ('' is a type of its own)."""
-        return self._values.get(task_type, self.initial)
+        """Expected score of ``task_type`` (unset is ``unknown``; a type outside the workflows is ``other``)."""
+        return self._values.get(bounded(task_type, TASK_TYPES), self.initial)
 
     def learn(self, task_type: str, observed: float) -> float:
-        """Fold one finished task's observed score into the average; returns the new value."""
+        """Fold one finished task's observed score into the average; returns the new value.
+
+        Types are the bounded set of :data:`switchyard.common.metrics.TASK_TYPES` plus
+        ``unknown`` and ``other``, so neither this table nor the gauge grows with what callers send.
+        """
+        key = bounded(task_type, TASK_TYPES)
         value = self.get(task_type) + self.alpha * (observed - self.get(task_type))
-        self._values[task_type] = value
-        metrics.EXPECTED_SCORE.labels(task_type or "unknown").set(value)
+        self._values[key] = value
+        metrics.EXPECTED_SCORE.labels(key).set(value)
         return value
 
     def snapshot(self) -> dict[str, float]:

@@ -142,6 +142,8 @@ class SchedulerCore:
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
+        for reason in ("full", "timeout"):
+            QUEUE_REJECTED.labels(QUEUE_NAME, reason)
 
     # ------------------------------------------------------------------ views
 

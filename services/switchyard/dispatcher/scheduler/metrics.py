@@ -78,3 +78,8 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
     "Per-task peak KV/prefix-state bytes.",
     buckets=tuple(float(1 << s) for s in range(20, 37, 2)),  # 1 MiB .. 64 GiB
 )
+
+for _class in ("core", "normal", "batch"):  # counters with a known label set start at 0
+    PREEMPTIONS.labels(_class)
+for _kind in ("preempted", "tool_warm", "tool_cold"):
+    RESUMES.labels(_kind)

@@ -1,0 +1,75 @@
+"""Label values come from bounded sets, whatever callers and models send; known counters start at 0."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import ModelGatewayConfig, SwitchyardConfig
+from switchyard.common.metrics import OTHER, bounded
+from switchyard.common.server import start_server
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.gateway.models import model_label
+
+pytestmark = pytest.mark.no_gpu
+
+
+def label_values(metric: str, label: str) -> set[str]:
+    return {
+        sample.labels[label]
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name.startswith(metric) and label in sample.labels
+    }
+
+
+def test_bounded_keeps_known_values_and_folds_the_rest() -> None:
+    assert bounded("chat", ("chat",)) == "chat"
+    assert bounded("", ("chat",)) == "unknown"
+    assert bounded(f"tool_{uuid.uuid4().hex}", ("search_docs",)) == OTHER
+
+
+def test_gateway_model_labels_are_the_configured_models_or_other() -> None:
+    config = ModelGatewayConfig(model_map={"sonnet": "claude-sonnet-4-5"})
+    assert model_label("claude-sonnet-4-5", config) == "claude-sonnet-4-5"
+    assert model_label("gpt-4o-mini", config) == "gpt-4o-mini"  # the fallback
+    assert model_label("made-up-model-" + uuid.uuid4().hex, config) == OTHER
+
+
+async def test_adversarial_task_types_and_models_add_no_series() -> None:
+    fast = {"service.sim.prefill_overhead_ms": 0.1, "service.sim.decode_base_ms": 0.1,
+            "service.limits.default_context_window_tokens": 4096}
+    config = SwitchyardConfig().with_overrides(**fast)
+    service = DispatcherService(config)
+    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+
+            async def one(i: int) -> None:
+                request = agent_pb2.GenerateRequest(prompt="<question>what is a list?</question>", max_tokens=3,
+                                                    task_type=f"type-{uuid.uuid4().hex}", model=f"model-{i}")
+                [c async for c in stub.Generate(request, timeout=30)]
+
+            await asyncio.gather(*(one(i) for i in range(30)))
+    finally:
+        await srv.stop(1.0)
+    assert label_values("switchyard_expected_compute_score", "task_type") <= {
+        "rag_answer", "chat", "react_loop", "unknown", "other"}
+
+
+def test_counters_with_a_known_label_set_start_at_zero() -> None:
+    SwitchyardConfig()  # the metrics modules are imported with the dispatcher
+    import switchyard.dispatcher.scheduler.core  # noqa: F401
+
+    for cls in ("core", "normal", "batch"):
+        assert REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": cls}) is not None
+    for kind in ("preempted", "tool_warm", "tool_cold"):
+        assert REGISTRY.get_sample_value("switchyard_resumes_total", {"kind": kind}) is not None
+    for reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
+        assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": reason}) is not None
