@@ -53,8 +53,14 @@ def test_decoder_errors_name_what_was_received():
     assert decoder.feed(chunk({"content": "hi"})) == [Token("hi")]
     with pytest.raises(StreamBroken, match="without 'data: \\[DONE\\]' after 1 chunk"):
         decoder.end()
+    no_choice = StreamDecoder("m")
+    assert no_choice.feed('{"id": 1}') == [] and no_choice.feed("[DONE]") == []
     with pytest.raises(StreamProtocolError, match="reading choices.*'\\{\"id\": 1\\}'"):
-        StreamDecoder("m").feed('{"id": 1}')
+        no_choice.end()  # chunks came, but none carried a choice
+    with pytest.raises(StreamProtocolError, match="'choices' that is not a list"):
+        StreamDecoder("m").feed('{"choices": "x"}')
+    with pytest.raises(StreamProtocolError, match="non-integer index"):
+        StreamDecoder("m").feed(chunk({"tool_calls": [{"index": "first", "id": "a"}]}))
     with pytest.raises(StreamProtocolError, match="not JSON"):
         StreamDecoder("m").feed('{"choices": [')
     with pytest.raises(StreamBroken, match="error inside the stream: 'overloaded'"):
@@ -135,3 +141,27 @@ async def test_sim_openai_fault_header_and_bad_requests(clean_proxy_env):
     assert injected.status_code == 502 and injected.json()["error"]["code"] == "server_error"
     assert bad_fault.status_code == 400 and "unknown key 'nope'" in bad_fault.json()["error"]["message"]
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
+
+
+def _shapes() -> list[dict]:
+    import pathlib
+
+    return json.loads((pathlib.Path(__file__).parent / "data" / "stream_shapes.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", _shapes(), ids=lambda case: case["name"])
+def test_stream_shapes_seen_in_the_wild_decode(case):
+    decoder = StreamDecoder("m")
+    events = []
+    for data in case["data"]:
+        events += decoder.feed(data)
+    events += decoder.end()
+    text = "".join(e.text for e in events if isinstance(e, Token))
+    assert text == case["text"]
+    text.encode("utf-8")  # what protobuf will do with it
+    calls = [[c.call_id, c.name, c.arguments_json] for c in events if isinstance(c, ToolCallOut)]
+    assert calls == case["tool_calls"]
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.finish_reason == case["finish_reason"]
+    if "usage" in case:
+        assert finished.usage == Usage(*case["usage"])

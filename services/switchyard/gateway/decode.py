@@ -6,17 +6,45 @@ text or ``tool_calls`` deltas (``index``, then ``id``/``function.name`` once and
 ``function.arguments`` in pieces), ``choices[].finish_reason`` once, an optional
 last chunk with ``choices: []`` and ``usage`` (``stream_options.include_usage``),
 then ``data: [DONE]``.
+
+Shapes seen in the wild that are decoded too (each is a test case):
+
+- chunks with ``choices: []`` or no ``choices`` at all and no usage (Azure's
+  ``prompt_filter_results`` preamble): no events; a stream none of whose chunks
+  carries a choice is still an error ("reading choices");
+- tool calls whose ``index`` repeats with a new ``id`` (Ollama sends every call
+  as index 0), or whose ``index`` is missing: a new id starts a new call;
+- ``function.arguments`` as a JSON string in pieces, or whole as a JSON object;
+- a character outside the BMP sent as a JSON surrogate pair split across two
+  chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
+  a lone half becomes U+FFFD rather than failing the stream.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.gateway.errors import StreamBroken, StreamProtocolError, snippet
 from switchyard.gateway.sse import DONE
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def fix_surrogates(text: str) -> str:
+    """``text`` with surrogate pairs joined into their characters and lone halves replaced by U+FFFD.
+
+    JSON may escape a character outside the BMP as two ``\\uXXXX`` halves; a
+    decoder that meets them in different chunks holds lone halves, which UTF-8
+    (and so protobuf) cannot encode.
+    """
+    if not _SURROGATE.search(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 @dataclass
@@ -27,31 +55,63 @@ class _PartialCall:
 
 
 class ToolCallAssembler:
-    """Collects tool-call deltas by ``index`` into complete calls."""
+    """Collects tool-call deltas into complete calls, in the order they started.
+
+    A delta belongs to the call at its ``index``, unless it carries an ``id``
+    other than that call's: then it starts a new call (Ollama repeats index 0
+    for every call). Without an ``index`` it belongs to the call with its
+    ``id``, else to the latest call.
+    """
 
     def __init__(self) -> None:
-        self._calls: dict[int, _PartialCall] = {}
+        self._calls: list[_PartialCall] = []
+        self._by_index: dict[int, _PartialCall] = {}
 
     def add(self, delta: dict[str, Any]) -> None:
         """Merge one ``tool_calls[]`` delta. Raises StreamProtocolError when it is not an object."""
         if not isinstance(delta, dict):
             raise StreamProtocolError(f"tool_calls delta is not an object: received {snippet(json.dumps(delta))}")
-        index = delta.get("index", len(self._calls))
-        call = self._calls.setdefault(int(index), _PartialCall())
-        call.call_id = delta.get("id") or call.call_id
+        call_id = str(delta.get("id") or "")
+        index = _index(delta)
+        if index is not None:
+            call = self._by_index.get(index)
+        elif call_id:
+            call = next((c for c in self._calls if c.call_id == call_id), None)
+        else:
+            call = self._calls[-1] if self._calls else None
+        if call is None or (call_id and call.call_id and call_id != call.call_id):
+            call = _PartialCall()
+            self._calls.append(call)
+            if index is not None:
+                self._by_index[index] = call
+        call.call_id = call_id or call.call_id
         fn = delta.get("function") or {}
         call.name = fn.get("name") or call.name
-        if fn.get("arguments"):
-            call.arguments.append(str(fn["arguments"]))
+        arguments = fn.get("arguments")
+        if isinstance(arguments, (dict, list)):  # some servers send the arguments as a JSON object
+            call.arguments.append(json.dumps(arguments))
+        elif arguments:
+            call.arguments.append(str(arguments))
 
     def drain(self) -> list[ToolCallOut]:
-        """The calls gathered so far, in index order; the assembler is empty afterwards."""
+        """The calls gathered so far, in the order they started; the assembler is empty afterwards."""
         out = [
-            ToolCallOut(c.call_id or f"call_{i}", c.name, "".join(c.arguments) or "{}")
-            for i, c in sorted(self._calls.items())
+            ToolCallOut(c.call_id or f"call_{i}", fix_surrogates(c.name), fix_surrogates("".join(c.arguments)) or "{}")
+            for i, c in enumerate(self._calls)
         ]
         self._calls.clear()
+        self._by_index.clear()
         return out
+
+
+def _index(delta: dict[str, Any]) -> int | None:
+    raw = delta.get("index")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise StreamProtocolError(f"tool_calls delta has a non-integer index: received {snippet(json.dumps(delta))}")
 
 
 def _usage(raw: Any) -> Usage | None:
@@ -96,6 +156,8 @@ class StreamDecoder:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.last = ""
+        self.choices_seen = 0
+        self._carry = ""  # a high surrogate waiting for its low half
         self._calls = ToolCallAssembler()
 
     def feed(self, data: str) -> list[StreamEvent]:
@@ -116,16 +178,27 @@ class StreamDecoder:
         self.model = chunk.get("model") or self.model
         self.usage = _usage(chunk.get("usage")) or self.usage
         choices = chunk.get("choices")
-        if not isinstance(choices, list) or (not choices and "usage" not in chunk):
+        if choices is None:
+            choices = []  # a preamble (prompt_filter_results) or usage-only chunk
+        if not isinstance(choices, list):
             raise StreamProtocolError(
-                f"error reading choices: stream chunk {self.chunks} has no 'choices' list: received {snippet(data)}"
+                f"error reading choices: stream chunk {self.chunks} has 'choices' that is not a list: "
+                f"received {snippet(data)}"
             )
         events: list[StreamEvent] = []
         for choice in choices[:1]:
+            if not isinstance(choice, dict):
+                raise StreamProtocolError(
+                    f"error reading choices: stream chunk {self.chunks} has a choice that is not an object: "
+                    f"received {snippet(data)}"
+                )
+            self.choices_seen += 1
             delta = choice.get("delta") or {}
             text = delta.get("content")
             if isinstance(text, str) and text:
-                events.append(Token(text))
+                text = self._whole_characters(text)
+                if text:
+                    events.append(Token(text))
             for call in delta.get("tool_calls") or []:
                 self._calls.add(call)
             if choice.get("finish_reason"):
@@ -133,11 +206,20 @@ class StreamDecoder:
                 events.extend(self._calls.drain())
         return events
 
+    def _whole_characters(self, text: str) -> str:
+        """``text`` after any high surrogate held from the last chunk, holding back a trailing one."""
+        text = self._carry + text
+        self._carry = ""
+        if "\ud800" <= text[-1] <= "\udbff":
+            self._carry, text = text[-1], text[:-1]
+        return fix_surrogates(text)
+
     def end(self) -> list[StreamEvent]:
         """Events due when the body ended.
 
         Raises:
             StreamBroken: ``[DONE]`` never came.
+            StreamProtocolError: chunks came but none carried a choice ("reading choices").
         """
         if not self.done:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
@@ -145,7 +227,14 @@ class StreamDecoder:
                 f"stream ended without 'data: [DONE]' after {self.chunks} chunk(s){last}; "
                 "the upstream or a proxy between cut the response"
             )
-        return [*self._calls.drain(), Finished(self.finish_reason, self.usage, self.model)]
+        if self.chunks and not self.choices_seen:
+            raise StreamProtocolError(
+                f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice: "
+                f"last received {snippet(self.last)}"
+            )
+        tail: list[StreamEvent] = [Token(fix_surrogates(self._carry))] if self._carry else []
+        self._carry = ""
+        return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model)]
 
 
 def parse_completion(text: str, model: str) -> Completion:
