@@ -147,6 +147,9 @@ class ModelGatewayConfig(_Strict):
     max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity).")
     retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait; doubles per retry, with jitter.")
     retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
+    retry_after_max_s: float = Field(
+        30.0, ge=0, le=3600, description="Longest wait honoured from an upstream's Retry-After, seconds."
+    )
     concurrency: AdaptiveConcurrencyConfig = Field(
         default_factory=AdaptiveConcurrencyConfig,
         description="Adaptive limit on streams in flight to the upstream (TTFT gradient, backoff on 429/503).",

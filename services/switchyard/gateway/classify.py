@@ -6,8 +6,10 @@ upstream that echoes the key cannot leak it.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import re
+import time
 from typing import Mapping
 
 import httpx
@@ -52,6 +54,35 @@ def is_model_not_found(status: int, body: str) -> bool:
     return status in (400, 404) and bool(_MODEL_WORDS.search(body))
 
 
+def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds the upstream asked to wait, from ``retry-after-ms`` or ``Retry-After``; None when it did not say.
+
+    ``Retry-After`` is delta-seconds or an HTTP-date (RFC 9110, section 10.2.3);
+    ``retry-after-ms`` (milliseconds) is what OpenAI and Azure OpenAI send
+    beside it. ``now`` is the wall clock (``time.time()``) for an HTTP-date.
+    """
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms:
+        try:
+            return max(0.0, float(raw_ms) / 1000)
+        except ValueError:
+            pass
+    raw = (headers.get("retry-after") or "").strip()
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
 def error_for_status(
     status: int, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey
 ) -> GatewayError:
@@ -75,20 +106,24 @@ def error_for_status(
             f"upstream 404 for {url} (upstream said {quoted}); model_gateway.base_url must be the "
             "OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1"
         )
+    retry_after = retry_after_s(headers)
     if status == 429:
-        retry_after = headers.get("retry-after")
-        wait = f"; it asked to retry after {retry_after}s" if retry_after else ""
-        return UpstreamRateLimited(
-            f"upstream 429 rate limit for model {model!r} (upstream said {quoted}){wait}; lower concurrency "
-            "(queues.inference.workers) or raise the key's quota"
+        wait = f"; it asked to retry after {retry_after:g} s" if retry_after is not None else ""
+        error: GatewayError = UpstreamRateLimited(
+            f"upstream 429 rate limit for model {model!r} (upstream said {quoted}){wait}; the dispatcher's "
+            "adaptive concurrency limit backs off; raise the key's quota or lower model_gateway.concurrency.max_limit"
         )
+        error.retry_after_s = retry_after
+        return error
     if status in (400, 413, 422):
         return BadUpstreamRequest(f"upstream {status} rejected the request for model {model!r}: {quoted}")
     if status >= 500:
-        return UpstreamServerError(
+        error = UpstreamServerError(
             f"upstream {status} from {url} for model {model!r} (upstream said {quoted}); the model server "
             "failed, retry later or check its logs"
         )
+        error.retry_after_s = retry_after if status == 503 else None
+        return error
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
 
 

@@ -33,6 +33,8 @@ class GatewayError(SwitchyardError):
     retryable = False
     fallback_ok = True
     tokens_sent = 0
+    retry_after_s: float | None = None
+    """Seconds the upstream asked to wait before a retry (Retry-After), when it said."""
 
     def after_tokens(self, count: int) -> "GatewayError":
         """Mark that ``count`` items were already streamed: no retry, no fallback, message says so."""
@@ -84,9 +86,14 @@ class EndpointNotFound(GatewayError):
 
 
 class BadUpstreamRequest(GatewayError):
-    """400/413/422: the upstream refused the request body; names the field when it says which."""
+    """400/413/422: the upstream refused the request body; names the field when it says which.
+
+    The request's own fault (too long for the context window, a bad field): another
+    model would refuse it too, or worse accept it silently, so it never falls back.
+    """
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    fallback_ok = False
 
 
 class UpstreamRateLimited(GatewayError):

@@ -3,7 +3,10 @@
 - :func:`with_retries`: tenacity, exponential backoff with jitter
   (``wait = initial x 2^(attempt-1) + uniform(0, initial)``, capped at
   ``backoff_max_s``; the Google Cloud retry strategy tenacity implements),
-  retrying only errors marked ``retryable``.
+  retrying only errors marked ``retryable``. When the upstream said how long
+  to wait (``Retry-After`` / ``retry-after-ms`` on a 429 or 503), the wait is
+  at least that, capped by ``retry_after_max_s``; a wait that would outlast the
+  call's deadline is not taken: the upstream's error is raised at once.
 - :func:`with_fallback`: each model of the chain in turn (primary, then
   fallback) while the error is marked ``fallback_ok``; the primary's error is
   the one raised, with what the fallback did appended.
@@ -29,12 +32,35 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def with_retries(model: str, once: Callable[[str], Awaitable[T]], config: ModelGatewayConfig) -> T:
+async def with_retries(
+    model: str, once: Callable[[str], Awaitable[T]], config: ModelGatewayConfig, deadline: float | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
     """``await once(model)``, retried up to ``config.max_retries`` times on retryable GatewayErrors.
 
+    ``deadline``: event-loop time after which no retry is started; ``sleep``: how
+    to wait between attempts (tests record the waits).
+
     Raises:
-        GatewayError: the last attempt's error, or the first non-retryable one.
+        GatewayError: the last attempt's error, or the first non-retryable one,
+            or the one whose Retry-After would outlast the deadline.
     """
+    backoff = wait_exponential_jitter(
+        multiplier=config.retry_backoff_initial_s, max=config.retry_backoff_max_s,
+        jitter=config.retry_backoff_initial_s,
+    )
+
+    def wait(state: RetryCallState) -> float:
+        seconds = backoff(state)
+        exc = state.outcome.exception() if state.outcome else None
+        asked = getattr(exc, "retry_after_s", None)
+        if asked is not None:
+            seconds = max(seconds, min(asked, config.retry_after_max_s))
+        if deadline is not None and isinstance(exc, GatewayError):
+            left = deadline - asyncio.get_running_loop().time()
+            if seconds >= left:
+                raise exc.with_note(f"not retried: the wait ({seconds:.2f} s) would outlast the call's deadline")
+        return seconds
 
     def before_sleep(state: RetryCallState) -> None:
         GATEWAY_RETRIES.labels(model_label(model, config)).inc()
@@ -43,13 +69,11 @@ async def with_retries(model: str, once: Callable[[str], Awaitable[T]], config: 
 
     retrying = AsyncRetrying(
         stop=stop_after_attempt(config.max_retries + 1),
-        wait=wait_exponential_jitter(
-            multiplier=config.retry_backoff_initial_s, max=config.retry_backoff_max_s,
-            jitter=config.retry_backoff_initial_s,
-        ),
+        wait=wait,
         retry=retry_if_exception(lambda exc: isinstance(exc, GatewayError) and exc.retryable),
         before_sleep=before_sleep,
         reraise=True,
+        sleep=sleep,
     )
 
     async def attempt() -> T:
@@ -79,7 +103,7 @@ async def with_fallback(
     for position, model in enumerate(chain):
         try:
             async with asyncio.timeout_at(deadline):
-                result = await with_retries(model, once, config)
+                result = await with_retries(model, once, config, deadline)
         except TimeoutError:
             error = on_deadline(model)
         except GatewayError as exc:
