@@ -583,3 +583,25 @@ async def test_nvml_is_shut_down_when_the_dispatcher_drains() -> None:
     loop.start()
     await loop.drain()
     assert getattr(nvml, "shutdowns", 0) == 1
+
+
+async def test_compute_score_is_refreshed_while_the_engine_idles() -> None:
+    import asyncio
+
+    from switchyard.dispatcher.engine_loop import StepLoop
+
+    nvml = FakeNvml(gpu=90, memory=90)
+    config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 10})
+    engine = SimEngine(config)
+    sched = make_scheduler(nvml=nvml, engine=engine, score_sample_interval_ms=10)
+    sched.schedule(now=0.0)
+    busy = metric("switchyard_compute_score")
+    loop = StepLoop(config, engine, sched)
+    loop.start()
+    nvml.gpu = nvml.memory = 0  # the GPU went idle; nothing is scheduled
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if metric("switchyard_compute_score") < busy:
+            break
+    await loop.drain()
+    assert metric("switchyard_compute_score") < busy  # the gauge followed without any request

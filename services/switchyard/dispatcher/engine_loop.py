@@ -157,6 +157,7 @@ class StepLoop(LoopBase):
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self.steps = 0
         self._idle = True
+        self._idle_tick_s = min(BUSY_WINDOW_S, config.scheduler.score_sample_interval_ms / 1000)
 
     def _on_arrival(self) -> None:
         if self._idle or self._closing:  # a busy loop swaps the buffer at its next step boundary
@@ -169,8 +170,9 @@ class StepLoop(LoopBase):
                 if self._closing:
                     return
                 self._idle = True
-                await self._wait(BUSY_WINDOW_S)
+                await self._wait(self._idle_tick_s)
                 self._update_busy()  # idle: let the busy ratio fall
+                scheduler.refresh_score(time.monotonic())  # and the compute score with it
                 continue
             self._idle = False
             now = time.monotonic()

@@ -284,6 +284,12 @@ class SchedulerCore:
         self._publish()
         return out
 
+    def refresh_score(self, now: float) -> float:
+        """Re-read the compute score (and publish it) while nothing is scheduled: an idle engine's score
+        falls, and autoscalers must not read a stale load. Returns the score (0-100)."""
+        self.score = self.monitor.read(now)
+        return self.score
+
     def finish(self, seq: Sequence, now: float) -> None:
         """``seq`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
 
