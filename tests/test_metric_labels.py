@@ -73,3 +73,21 @@ def test_counters_with_a_known_label_set_start_at_zero() -> None:
         assert REGISTRY.get_sample_value("switchyard_resumes_total", {"kind": kind}) is not None
     for reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
         assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": reason}) is not None
+
+
+def test_metric_names_follow_prometheus_conventions() -> None:
+    # every service's metrics, as promtool check metrics would read them
+    import switchyard.dispatcher.adaptive_limit  # noqa: F401
+    import switchyard.dispatcher.metrics  # noqa: F401
+    import switchyard.gateway.metrics  # noqa: F401
+    import switchyard.orchestrator.metrics  # noqa: F401
+    import switchyard.retrieval.service  # noqa: F401
+
+    reserved = ("_count", "_sum", "_bucket", "_total", "_created")
+    for family in REGISTRY.collect():
+        if not family.name.startswith("switchyard_"):
+            continue
+        if family.type == "gauge":
+            assert not family.name.endswith(reserved), f"{family.name}: a gauge may not use a reserved suffix"
+        if family.type in ("gauge", "counter", "histogram"):
+            assert family.documentation, f"{family.name}: no help text"

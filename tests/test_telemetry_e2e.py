@@ -214,7 +214,7 @@ async def test_metrics_endpoints_show_queue_batch_and_ttft_after_a_task(stack):
 DESIGN_METRICS = {
     "orchestrator": (
         "switchyard_queue_depth", "switchyard_queue_wait_seconds", "switchyard_task_ttft_seconds",
-        "switchyard_agent_concurrent_count",
+        "switchyard_agents_concurrent",
     ),
     "retrieval": ("switchyard_queue_depth", "switchyard_queue_wait_seconds"),
     "dispatcher": (

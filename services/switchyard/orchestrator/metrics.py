@@ -20,6 +20,8 @@ STAGE_DURATION = Histogram(
     "switchyard_stage_duration_seconds", "Duration of one DAG step.", ["stage"], buckets=STAGE_BUCKETS
 )
 AGENTS_CONCURRENT = Gauge(
-    "switchyard_agent_concurrent_count", "Tasks accepted and not yet finished (the HPA's agent_concurrent_count)."
+    "switchyard_agents_concurrent",
+    "Tasks accepted and not yet finished (served to the HPA as agent_concurrent_count by prometheus-adapter; "
+    "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries)."
 )
 TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])
