@@ -177,11 +177,17 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
     assert batch.attributes["switchyard.batch_size"] == len(batch.links) >= 1
     assert batch.attributes["switchyard.flush_reason"] in FLUSH_REASON_LABELS
 
-    # Engine steps serve sequences of several tasks: each step's span links to the requests it served.
-    engine = [s for s in spans if s.name in ("engine.prefill", "engine.decode") and (TRACE_ID, request_span.span_id) in s.links]
-    assert {s.name for s in engine} == {"engine.prefill", "engine.decode"}
+    # Engine turns serve sequences of several tasks: each turn's span links to the requests it served,
+    # and the engine's steps are its children, never traces of their own.
+    turns = [s for s in spans if s.name == "dispatcher.step" and (TRACE_ID, request_span.span_id) in s.links]
+    assert turns and all(not t.parent_span_id for t in turns)  # roots, tied to tasks by links
+    turn_ids = {t.span_id for t in turns}
+    engine = [s for s in spans if s.name.startswith("engine.") and s.parent_span_id in turn_ids]
+    names = {s.name for s in engine}
+    assert "engine.decode" in names and names & {"engine.prefill", "engine.step"}
     decode_steps = [s for s in engine if s.name == "engine.decode"]
     assert len(decode_steps) >= final.usage.completion_tokens - 1  # the first token comes from prefill
+    assert not [s for s in spans if s.name.startswith("engine.") and not s.parent_span_id]
 
     # Nothing in a successful task is marked as an error.
     assert not [f"{s.service}:{s.name}" for s in task if s.is_error]

@@ -126,6 +126,17 @@ class DoubleBuffer(Generic[T]):
         self._first_at = self._deadline = None
         return full
 
+    def remove(self, item: T) -> bool:
+        """Take ``item`` out of the active list (its request was cancelled); True when it was there."""
+        active = self._lists[self._active]
+        try:
+            active.remove(item)
+        except ValueError:
+            return False
+        if not active:
+            self._first_at = self._deadline = None
+        return True
+
     def close(self) -> None:
         """Mark the buffer closed; what it holds is still handed over by :meth:`swap` (DRAIN)."""
         self.closed = True

@@ -31,15 +31,19 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from opentelemetry import context as otel_context
+
 from switchyard.api import agent_pb2
+from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.sequence import Sequence, request_links
 
 log = logging.getLogger(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 BUSY_WINDOW_S = 1.0
 """The engine busy ratio is measured over windows of at least this many seconds."""
@@ -164,7 +168,7 @@ class StepLoop(LoopBase):
             self._wake.set()
 
     async def _run(self) -> None:
-        scheduler, engine = self.scheduler, self.engine
+        scheduler = self.scheduler
         while True:
             if not scheduler.has_work:
                 if self._closing:
@@ -183,32 +187,42 @@ class StepLoop(LoopBase):
                 self._idle = True
                 await self._wait(self.time_slice_s)
                 continue
-            prefill = [s for s in running if s.needs_prefill]
-            decode = [s for s in running if not s.needs_prefill]
-            core = [s for s in prefill if s.priority == agent_pb2.CORE] if decode else []
-            if core:
-                # Core work is prefilled on its own: its first token waits for no decode and no other newcomer.
-                await self._step(engine.prefill, core)
-                if self._reap(core):
-                    continue
-                prefill = [s for s in prefill if s.priority != agent_pb2.CORE]
-            if prefill and decode:
-                # Newcomers join the running set in one mixed step: the decodes do not wait for them.
-                await self._step(lambda seqs: engine.step(prefill, decode), running)
-                if self._reap(running):
-                    continue
-            elif prefill:
-                await self._step(engine.prefill, prefill)
-                if self._reap(prefill):
-                    continue
-            slice_end = time.monotonic() + self.time_slice_s
-            while not scheduler.intake.active_size and time.monotonic() < slice_end:
-                decode = [s for s in running if not s.is_finished and not s.needs_prefill]
-                if not decode:
-                    break
-                await self._step(engine.decode, decode)
-                if self._reap(decode):
-                    break
+            # One span per turn, linked to the requests it serves; the engine's steps are its children.
+            with tracer.start_as_current_span(
+                "dispatcher.step", context=otel_context.Context(), links=request_links(running),
+                attributes={"switchyard.batch_size": len(running), "switchyard.admitted": len(out.admitted)},
+            ):
+                await self._turn(running)
+
+    async def _turn(self, running: list[Sequence]) -> None:
+        """Prefill the newcomers among ``running``, then decode until the slice ends or the running set changes."""
+        engine, scheduler = self.engine, self.scheduler
+        prefill = [s for s in running if s.needs_prefill]
+        decode = [s for s in running if not s.needs_prefill]
+        core = [s for s in prefill if s.priority == agent_pb2.CORE] if decode else []
+        if core:
+            # Core work is prefilled on its own: its first token waits for no decode and no other newcomer.
+            await self._step(engine.prefill, core)
+            if self._reap(core):
+                return
+            prefill = [s for s in prefill if s.priority != agent_pb2.CORE]
+        if prefill and decode:
+            # Newcomers join the running set in one mixed step: the decodes do not wait for them.
+            await self._step(lambda seqs: engine.step(prefill, decode), running)
+            if self._reap(running):
+                return
+        elif prefill:
+            await self._step(engine.prefill, prefill)
+            if self._reap(prefill):
+                return
+        slice_end = time.monotonic() + self.time_slice_s
+        while not scheduler.intake.active_size and time.monotonic() < slice_end:
+            decode = [s for s in running if not s.is_finished and not s.needs_prefill]
+            if not decode:
+                break
+            await self._step(engine.decode, decode)
+            if self._reap(decode):
+                break
 
     async def _step(self, fn: Callable[[list[Sequence]], Awaitable[None]], seqs: list[Sequence]) -> None:
         engine = self.engine

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from opentelemetry import trace
+
 from switchyard.api import agent_pb2
 
 PRIORITY_NAMES: dict[int, str] = {agent_pb2.CORE: "core", agent_pb2.NORMAL: "normal", agent_pb2.BATCH: "batch"}
@@ -307,3 +309,12 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)
     expired: list[Sequence] = field(default_factory=list)
+
+
+def request_links(seqs: "list[Sequence]") -> list[trace.Link]:
+    """Links from a span that serves several requests (a flushed batch, an engine turn) to each request's span.
+
+    Such a span has no single parent; the links tie it to each task's trace.
+    Empty with tracing off.
+    """
+    return [trace.Link(s.span_context) for s in seqs if s.span_context is not None and s.span_context.is_valid]

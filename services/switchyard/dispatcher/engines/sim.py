@@ -40,8 +40,6 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from opentelemetry import trace
-
 from switchyard.common import telemetry
 from switchyard.common.config import SimEngineConfig, SwitchyardConfig
 from switchyard.dispatcher import metrics
@@ -50,15 +48,6 @@ from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
 
 tracer = telemetry.get_tracer(__name__)
-
-
-def request_links(seqs: list[Sequence]) -> list[trace.Link]:
-    """Links from an engine step's span to the request span of each sequence it serves.
-
-    A step serves sequences of several tasks, so its span has no single parent;
-    the links tie it to each task's trace. Empty with tracing off.
-    """
-    return [trace.Link(s.span_context) for s in seqs if s.span_context is not None and s.span_context.is_valid]
 
 
 MAX_ANSWER_SENTENCES = 3
@@ -338,7 +327,7 @@ class SimEngine:
             return
         self._reuse_cached_prefixes(seqs)
         tokens = sum(s.num_uncomputed_tokens for s in seqs)
-        with tracer.start_as_current_span("engine.prefill", links=request_links(seqs)) as span:
+        with tracer.start_as_current_span("engine.prefill") as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
@@ -392,7 +381,7 @@ class SimEngine:
         seqs = [s for s in seqs if not s.is_finished]
         if not seqs:
             return
-        with tracer.start_as_current_span("engine.decode", links=request_links(seqs)) as span:
+        with tracer.start_as_current_span("engine.decode") as span:
             span.set_attribute("switchyard.batch_size", len(seqs))
             await self._run(
                 decode_seconds(self.params, len(seqs)), tokens=len(seqs), kv_tokens=sum(s.num_tokens for s in seqs)
@@ -416,7 +405,7 @@ class SimEngine:
         self._reuse_cached_prefixes(prefill)
         tokens = sum(s.num_uncomputed_tokens for s in prefill)
         batch = prefill + decode
-        with tracer.start_as_current_span("engine.step", links=request_links(batch)) as span:
+        with tracer.start_as_current_span("engine.step") as span:
             span.set_attribute("switchyard.batch_size", len(batch))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._run(

@@ -63,7 +63,7 @@ import torch
 
 from switchyard.common.config import SwitchyardConfig, TorchEngineConfig, load_config
 from switchyard.common.errors import InvalidArgument
-from switchyard.dispatcher.engines.sim import plan_reply, request_links, tracer
+from switchyard.dispatcher.engines.sim import plan_reply, tracer
 from switchyard.dispatcher.engines.torch_model import (
     DecoderLM,
     ExtendInput,
@@ -176,11 +176,12 @@ class TorchEngine:
         await self._traced_step("engine.step", ready + running, ready)
 
     async def _traced_step(self, name: str, batch: list[Sequence], prefilling: list[Sequence]) -> None:
-        """One forward pass over ``batch`` in a span ``name`` linked to its requests; ``prefilling`` are its newcomers."""
+        """One forward pass over ``batch`` in a span ``name`` (a child of the step loop's turn span, which
+        links the requests); ``prefilling`` are its newcomers."""
         if not batch:
             return
         tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in prefilling)
-        with tracer.start_as_current_span(name, links=request_links(batch)) as span:
+        with tracer.start_as_current_span(name) as span:
             span.set_attribute("switchyard.batch_size", len(batch))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._step(batch)
@@ -211,7 +212,7 @@ class TorchEngine:
                 self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
         if not ready:
             return
-        with tracer.start_as_current_span("engine.decode", links=request_links(ready)) as span:
+        with tracer.start_as_current_span("engine.decode") as span:
             span.set_attribute("switchyard.batch_size", len(ready))
             await self._step(ready)
 

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import grpc
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
 
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
@@ -63,7 +63,7 @@ from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, should
 from switchyard.dispatcher.scheduler.capacity import Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgents
-from switchyard.dispatcher.sequence import SchedulerOutput, Sequence
+from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, request_links
 
 QUEUE_NAME = "inference"
 tracer = telemetry.get_tracer(__name__)
@@ -225,10 +225,10 @@ class SchedulerCore:
         size = len(batch)
         dispatcher_metrics.BATCH_SIZE.observe(size)
         dispatcher_metrics.FLUSHES.labels(reason.label).inc()
-        links = [trace.Link(s.span_context) for s in batch if s.span_context is not None]
-        # One span per flush, linked to every member's request span (a batch has no single parent).
+        # One root span per flush, linked to every member's request span (a batch has no single parent),
+        # whichever request's handler happened to trigger the flush.
         with tracer.start_as_current_span(
-            "dispatcher.batch", links=links,
+            "dispatcher.batch", context=otel_context.Context(), links=request_links(batch),
             attributes={"switchyard.batch_size": size, "switchyard.flush_reason": reason.label},
         ):
             for seq in batch:
@@ -390,10 +390,7 @@ class SchedulerCore:
         return False
 
     def _remove_buffered(self, seq: Sequence) -> None:
-        # The active list is the buffer's own; removing a cancelled member keeps "exactly once" true.
-        active = self.intake._lists[self.intake._active]  # noqa: SLF001 - the scheduler owns its buffer
-        if seq in active:
-            active.remove(seq)
+        self.intake.remove(seq)
 
     def _held_outside_running(self) -> int:
         """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
