@@ -133,6 +133,15 @@ async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None
 # --------------------------------------------------------------------------- bad requests
 
 
+async def test_a_model_the_engine_does_not_serve_is_not_found(dispatcher: Harness) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dispatcher.generate(model="gpt-4o-mini", prompt_tokens=100000, max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "serves 'sim-7b'" in (err.value.details() or "")
+    chunks = await dispatcher.generate(model="sim-7b", max_tokens=3)  # its own name is fine
+    assert chunks[-1].done.model == "sim-7b"
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
@@ -141,6 +150,12 @@ async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None
         ({"max_tokens": 4090}, "max_tokens"),  # prompt + max_tokens past sim-7b's 4096-token context window
         ({"agent_id": "a" * 300}, "agent_id"),
         ({"prompt_tokens": 2**31 - 1, "max_tokens": 8}, "prompt_tokens"),  # the bad field is named, not max_tokens
+        # nested past the JSON parser's recursion limit: INVALID_ARGUMENT, not UNKNOWN from a RecursionError
+        ({"tools": [agent_pb2.ToolSpec(name="t", parameters_json='{"a":' * 1100 + "1" + "}" * 1100)]},
+         "tools[0].parameters_json"),
+        ({"prompt": "x " * 1000, "prompt_tokens": 1}, "prompt_tokens"),  # a count the text cannot have
+        ({"prompt": "x" * 1_000_001}, "prompt"),
+        ({"task_type": "t" * 300}, "task_type"),
         ({"tools": [agent_pb2.ToolSpec(name=f"t{i}") for i in range(200)]}, "tools"),
         ({"prompt": "   "}, "prompt"),
         ({"messages": [agent_pb2.ChatMessage(role="robot", content="hi")]}, "messages[0].role"),

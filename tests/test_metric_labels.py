@@ -53,7 +53,7 @@ async def test_adversarial_task_types_and_models_add_no_series() -> None:
 
             async def one(i: int) -> None:
                 request = agent_pb2.GenerateRequest(prompt="<question>what is a list?</question>", max_tokens=3,
-                                                    task_type=f"type-{uuid.uuid4().hex}", model=f"model-{i}")
+                                                    task_type=f"type-{uuid.uuid4().hex[:8]}")
                 [c async for c in stub.Generate(request, timeout=30)]
 
             await asyncio.gather(*(one(i) for i in range(30)))

@@ -605,3 +605,32 @@ async def test_compute_score_is_refreshed_while_the_engine_idles() -> None:
             break
     await loop.drain()
     assert metric("switchyard_compute_score") < busy  # the gauge followed without any request
+
+
+async def test_parked_agents_give_their_kv_back_when_the_ttl_runs_out_on_an_idle_engine() -> None:
+    import asyncio
+
+    from switchyard.dispatcher.engine_loop import StepLoop
+
+    config = SwitchyardConfig().with_overrides(**{"scheduler.tool_wait_ttl_s": 0.05,
+                                                  "scheduler.score_sample_interval_ms": 10})
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, tool_wait_ttl_s=0.05, score_sample_interval_ms=10)
+    import time as _time
+
+    now = _time.monotonic()
+    think = _react("agent-idle", arrival=now)
+    sched.add([think], now=now)
+    sched.schedule(now=now)
+    think.num_computed_tokens = 50
+    think.finish("tool_calls")
+    sched.finish(think, now=now)
+    assert sched.parked == [think]
+    loop = StepLoop(config, engine, sched)
+    loop.start()  # no request arrives from here on
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if not sched.parked:
+            break
+    await loop.drain()
+    assert sched.parked == [] and engine.released == [think]

@@ -484,7 +484,11 @@ class RequestLimitsConfig(_Strict):
     default_context_window_tokens: int = Field(
         8192, ge=16, le=10_000_000, description="Context window of a model missing from context_window_tokens, tokens."
     )
-    max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest payload, characters.")
+    max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest task payload, characters.")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, le=100_000_000,
+        description="Longest prompt a Generate may carry (prompt plus message contents), characters.",
+    )
     max_task_id_chars: int = Field(128, ge=1, le=4096, description="Longest task_id, characters.")
     max_id_chars: int = Field(256, ge=1, le=4096, description="Longest agent_id, model or request_id, characters.")
     max_metadata_entries: int = Field(64, ge=0, le=100_000, description="Most metadata entries per task.")

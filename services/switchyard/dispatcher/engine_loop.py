@@ -176,7 +176,7 @@ class StepLoop(LoopBase):
                 self._idle = True
                 await self._wait(self._idle_tick_s)
                 self._update_busy()  # idle: let the busy ratio fall
-                scheduler.refresh_score(time.monotonic())  # and the compute score with it
+                scheduler.on_idle(time.monotonic())  # the compute score and parked agents' TTLs move on
                 continue
             self._idle = False
             now = time.monotonic()

@@ -18,7 +18,6 @@ goes away, the handler aborts its request there.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -27,7 +26,7 @@ from typing import AsyncIterator
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common import telemetry
+from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, engine_default_model
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -56,21 +55,33 @@ tracer = telemetry.get_tracer(__name__)
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) -> Sequence:
+MAX_CHARS_PER_TOKEN = 128
+"""No tokenizer packs more characters into one token than this: a caller's ``prompt_tokens`` below
+``characters / MAX_CHARS_PER_TOKEN`` is refused rather than trusted (KV accounting relies on it)."""
+
+COUNT_IN_THREAD_BYTES = 256 * 1024
+"""Requests larger than this are validated and counted off the event loop."""
+
+
+def to_sequence(
+    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None
+) -> Sequence:
     """Validate a GenerateRequest and build its :class:`Sequence`.
 
     ``max_tokens`` 0 means ``dispatcher.default_max_tokens``; ``prompt_tokens``
     0 means counted here (word pieces of the prompt or messages); an empty
-    ``request_id`` gets a random one.
-
-    Limits come from ``limits`` (the orchestrator checks the same ones before a
-    task is accepted; this check serves callers that reach the dispatcher directly).
+    ``request_id`` gets a random one. ``served_model``: the one model a step
+    engine serves (a request naming another is NOT_FOUND); None for an upstream
+    engine, whose gateway resolves the name. Limits come from ``limits`` (the
+    orchestrator checks the same ones before a task is accepted; this check
+    serves callers that reach the dispatcher directly).
 
     Raises:
         InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
             max_tokens exceed the model's context window), ``prompt_tokens``,
-            ``priority``, ``request_id``, ``agent_id``, ``model``, ``messages``,
-            ``tools``, ``messages[i].role`` or ``tools[i].parameters_json``.
+            ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
+            ``messages``, ``tools``, ``messages[i].role`` or ``tools[i].parameters_json``.
+        SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
     defaults, limits = config.service.dispatcher, config.service.limits
     if not request.prompt.strip() and not request.messages:
@@ -84,15 +95,25 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
         raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
     if request.priority not in agent_pb2.Priority.values():
         raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
-    for name in ("request_id", "agent_id", "model"):
+    for name in ("request_id", "agent_id", "model", "task_type"):
         if len(getattr(request, name)) > limits.max_id_chars:
             raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
                                   f"{len(getattr(request, name))} chars")
+    if served_model is not None and request.model and request.model != served_model:
+        raise SwitchyardError(
+            f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "
+            "(leave model empty for it)", grpc.StatusCode.NOT_FOUND,
+        )
     if len(request.messages) > limits.max_messages:
         raise InvalidArgument("messages", f"at most {limits.max_messages} messages (limits.max_messages)",
                               f"{len(request.messages)} messages")
     if len(request.tools) > limits.max_tools:
         raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    if chars > limits.max_prompt_chars:
+        field = "prompt" if request.prompt else "messages"
+        raise InvalidArgument(field, f"at most {limits.max_prompt_chars} characters of prompt (limits.max_prompt_chars)",
+                              f"{chars} chars")
     messages = []
     for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
@@ -104,8 +125,8 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
         if not t.name:
             raise InvalidArgument(f"tools[{i}].name", "a non-empty tool name", t.name)
         try:
-            schema = json.loads(t.parameters_json) if t.parameters_json else {}
-        except json.JSONDecodeError:
+            schema = untrusted.loads(t.parameters_json) if t.parameters_json else {}
+        except ValueError:
             schema = None
         if not isinstance(schema, dict):
             raise InvalidArgument(f"tools[{i}].parameters_json", "a JSON Schema object", t.parameters_json[:80])
@@ -114,8 +135,14 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
     if prompt_tokens == 0:
         text = request.prompt if not messages else "\n".join(m.content for m in messages)
         prompt_tokens = max(1, len(word_pieces(text)))
+    elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
+        raise InvalidArgument(
+            "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "
+            f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
+            prompt_tokens,
+        )
     max_tokens = request.max_tokens or defaults.default_max_tokens
-    model = request.model or engine_default_model(config)
+    model = served_model or request.model or engine_default_model(config)
     window = limits.context_window(model)
     if prompt_tokens >= window:
         raise InvalidArgument(
@@ -123,10 +150,12 @@ def to_sequence(request: agent_pb2.GenerateRequest, config: SwitchyardConfig) ->
             prompt_tokens,
         )
     if prompt_tokens + max_tokens > window:
+        default = " (0 asks for dispatcher.default_max_tokens)" if not request.max_tokens else ""
         raise InvalidArgument(
             "max_tokens",
             f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
-            f"(limits.context_window_tokens); the prompt is {prompt_tokens} tokens",
+            f"(limits.context_window_tokens); the prompt is {prompt_tokens} tokens, so at most "
+            f"{window - prompt_tokens}{default}",
             max_tokens,
         )
     return Sequence(
@@ -252,7 +281,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             seq: Sequence | None = None
             loop = self.loop
             try:
-                seq = to_sequence(request, self.config)
+                served = self.engine.model if self.stepping else None
+                if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
+                    seq = await asyncio.to_thread(to_sequence, request, self.config, served)
+                else:
+                    seq = to_sequence(request, self.config, served)
                 span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
                 span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
                 span.set_attribute("switchyard.priority", seq.priority_name)

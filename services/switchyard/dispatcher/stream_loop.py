@@ -89,7 +89,7 @@ class StreamLoop(LoopBase):
                 if self._closing:
                     return
                 await self._wait(BUSY_WINDOW_S)
-                scheduler.refresh_score(time.monotonic())  # an idle upstream's score must not go stale
+                scheduler.on_idle(time.monotonic())  # an idle upstream's score must not go stale
                 continue
             now = time.monotonic()
             if self._can_take() or now - last >= self.time_slice_s:

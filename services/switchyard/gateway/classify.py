@@ -7,13 +7,13 @@ upstream that echoes the key cannot leak it.
 from __future__ import annotations
 
 import email.utils
-import json
 import re
 import time
 from typing import Mapping
 
 import httpx
 
+from switchyard.common import untrusted
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
     EndpointNotFound,
@@ -38,8 +38,8 @@ _MODEL_WORDS = re.compile(r"(?i)model[_ ]not[_ ]found|\bmodel\b.*(does not exist
 def upstream_message(body: str) -> str:
     """The ``error.message`` of an OpenAI-style error body, else the body itself."""
     try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, ValueError):
+        payload = untrusted.loads(body)
+    except ValueError:
         return body.strip()
     if isinstance(payload, dict):
         err = payload.get("error", payload.get("detail", payload))

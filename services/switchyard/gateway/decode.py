@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from switchyard.common import untrusted
 from switchyard.gateway.errors import StreamBroken, StreamProtocolError, snippet
 from switchyard.gateway.sse import DONE
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
@@ -124,13 +125,15 @@ def _usage(raw: Any) -> Usage | None:
 
 def _loads(data: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(data)
+        value = untrusted.loads(data)
     except json.JSONDecodeError as exc:
         raise StreamProtocolError(
             f"upstream sent a {what} that is not JSON ({exc.msg} at char {exc.pos}; other gateways report "
             f"'unexpected end of JSON input'): received {snippet(data)}; the server at base_url does not "
             "speak OpenAI's format, or a proxy rewrote the response"
         ) from None
+    except ValueError as exc:
+        raise StreamProtocolError(f"upstream sent a {what} that cannot be read ({exc}): received {snippet(data)}") from None
     if not isinstance(value, dict):
         raise StreamProtocolError(f"upstream sent a {what} that is not a JSON object: received {snippet(data)}")
     return value

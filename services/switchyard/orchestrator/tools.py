@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable
 
 from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_attempt, wait_exponential
 
+from switchyard.common import untrusted
 from switchyard.common.config import ReactConfig
 
 
@@ -163,7 +164,7 @@ async def call_tool(tool: Tool, arguments_json: str, policy: ReactConfig) -> Too
     the number of attempts made. Never raises for tool failures.
     """
     try:
-        args = json.loads(arguments_json or "{}")
+        args = untrusted.loads(arguments_json or "{}")
         if not isinstance(args, dict):
             raise ValueError("not an object")
     except ValueError as exc:

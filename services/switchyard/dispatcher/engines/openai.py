@@ -11,12 +11,11 @@ flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Callable
 
 from opentelemetry.trace import Tracer
 
-from switchyard.common import envs
+from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamItem, Usage
@@ -32,8 +31,8 @@ _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "func
 
 def _tool_spec(index: int, tool: Tool) -> dict[str, Any]:
     try:
-        parameters = json.loads(tool.parameters_json or "{}")
-    except json.JSONDecodeError:
+        parameters = untrusted.loads(tool.parameters_json or "{}")
+    except ValueError:
         raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json) from None
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json)

@@ -284,11 +284,12 @@ class SchedulerCore:
         self._publish()
         return out
 
-    def refresh_score(self, now: float) -> float:
-        """Re-read the compute score (and publish it) while nothing is scheduled: an idle engine's score
-        falls, and autoscalers must not read a stale load. Returns the score (0-100)."""
+    def on_idle(self, now: float) -> None:
+        """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
+        engine's score falls, and autoscalers must not read a stale load) and parked agents whose
+        ``tool_wait_ttl_s`` ran out give their KV back."""
         self.score = self.monitor.read(now)
-        return self.score
+        self.parking.expire(now)
 
     def finish(self, seq: Sequence, now: float) -> None:
         """``seq`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
