@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
 from prometheus_client import REGISTRY
@@ -14,6 +13,7 @@ from switchyard.common.config import AdaptiveConcurrencyConfig, ConfigError, Swi
 from switchyard.common.server import start_server
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.service import DispatcherService
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.no_gpu
 
@@ -82,7 +82,7 @@ async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concu
         service = DispatcherService(config)
         srv = await start_server([service], "127.0.0.1", 0, config.service.server)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel:
                 stub = agent_pb2_grpc.InferenceServiceStub(channel)
 
                 async def one(i: int) -> agent_pb2.GenerateChunk:

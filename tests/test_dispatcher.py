@@ -12,6 +12,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
 from switchyard.dispatcher.service import DispatcherService
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.no_gpu
 
@@ -62,7 +63,7 @@ class Harness:
 
 async def serve(service: DispatcherService) -> AsyncIterator[Harness]:
     srv = await start_server([service], "127.0.0.1", 0, service.config.service.server)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    channel = open_channel(f"127.0.0.1:{srv.port}")
     try:
         yield Harness(service, srv, channel)
     finally:
@@ -241,7 +242,7 @@ async def test_graceful_stop_lets_an_in_flight_stream_complete() -> None:
     config = make_config(**{**FAST, "service.sim.decode_base_ms": 5.0})
     service = DispatcherService(config)
     srv = await start_server([service], "127.0.0.1", 0, config.service.server)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    channel = open_channel(f"127.0.0.1:{srv.port}")
     stopping: asyncio.Task[None] | None = None
     try:
         stub = agent_pb2_grpc.InferenceServiceStub(channel)

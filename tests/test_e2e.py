@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 from google.protobuf import json_format
 
+from proxy_fixtures import NO_PROXY_VARIABLES, start_refusing_proxy
 from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +24,23 @@ GHZ_JSON = '{"task_id":"bench-001","payload":"summarize this doc"}'
 
 
 @pytest.fixture(scope="module")
-def up(pydoc_index_dir):
-    """One stack for the module; the SIGTERM test, last, stops it."""
+def proxy():
+    """Every proxy variable, here and in the stack, points at a proxy that answers 503 (as a
+    corporate proxy would for internal addresses): internal traffic must not go through it."""
+    proxy = start_refusing_proxy()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in proxy.environment().items():
+            patch.setenv(name, value)
+        for name in NO_PROXY_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield proxy
+    proxy.shutdown()
+    proxy.server_close()
+
+
+@pytest.fixture(scope="module")
+def up(pydoc_index_dir, proxy):
+    """One stack for the module, started under the refusing proxy; the SIGTERM test, last, stops it."""
     stack = UpStack(pydoc_index_dir)
     stack.wait_ready()
     yield stack
@@ -34,7 +51,7 @@ async def test_ghz_json_streams_through_three_processes(up):
     pids = [int(m.group(1)) for line in up.lines if (m := re.search(r"\(pid (\d+)\)", line))]
     assert len(set(pids)) == 3 and up.proc.pid not in pids
     request = json_format.Parse(GHZ_JSON, agent_pb2.RunTaskRequest())
-    async with grpc.aio.insecure_channel(up.address("orchestrator")) as channel:
+    async with open_channel(up.address("orchestrator")) as channel:
         events = [e async for e in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request, timeout=60)]
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and events[0].accepted.task_id == "bench-001"
@@ -58,10 +75,23 @@ def test_cli_run_prints_stages_and_answer(up):
     assert "final:" in out.stdout and "(pydoc_data.topics:with)" in out.stdout
 
 
+def test_bench_client_then_no_internal_call_went_through_the_proxy(up, proxy):
+    """`switchyard up` became healthy, RunTask and `switchyard run` streamed (tests above), and
+    the bench client runs: all with every proxy variable set, none through the proxy."""
+    out = subprocess.run(
+        [sys.executable, "-m", "switchyard.cli", "bench", "run", "-d", GHZ_JSON, "-n", "4", "-c", "2", "--procs", "1",
+         "-O", "json", "--host", up.address("orchestrator")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["statusCodeDistribution"] == {"OK": 4}, out.stdout[-2000:]
+    assert proxy.requests == [], proxy.requests
+
+
 async def test_sigterm_drains_in_flight_stream_then_exits_zero(up):
     request = agent_pb2.RunTaskRequest(payload="Explain the with statement in detail.", task_type="chat",
                                        max_tokens=300)
-    async with grpc.aio.insecure_channel(up.address("orchestrator")) as channel:
+    async with open_channel(up.address("orchestrator")) as channel:
         call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(request, timeout=60)
         events = []
         async for event in call:

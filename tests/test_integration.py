@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import grpc
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -13,6 +12,7 @@ from switchyard.common.server import running
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.retrieval.service import RetrievalService
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ async def three_services(index_dir, **overrides):
             "service.orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
         })
         async with running([OrchestratorService(cfg)], server) as orch:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as channel:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
                 yield agent_pb2_grpc.AgentServiceStub(channel)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -15,6 +14,7 @@ from switchyard.common.metrics import OTHER, bounded
 from switchyard.common.server import start_server
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.gateway.models import model_label
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.no_gpu
 
@@ -48,7 +48,7 @@ async def test_adversarial_task_types_and_models_add_no_series() -> None:
     service = DispatcherService(config)
     srv = await start_server([service], "127.0.0.1", 0, config.service.server)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
 
             async def one(i: int) -> None:

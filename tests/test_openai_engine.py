@@ -17,6 +17,7 @@ from switchyard.dispatcher.engines import StreamEngine, Usage, make_engine
 from switchyard.dispatcher.engines.openai import OpenAIEngine, chat_messages
 from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
 from switchyard.gateway.faults import Fault
+from switchyard.common.channels import open_channel
 
 PROMPT = "<context>[1] Lists\nPython lists are mutable sequences.</context><question>Are lists mutable?</question>"
 
@@ -137,7 +138,7 @@ async def generate_over_grpc(base_url: str, request: agent_pb2.GenerateRequest, 
     engine = engine_for(base_url, **gateway)
     cfg = load_config("config")
     async with running([DispatcherService(cfg, engine=engine)], cfg.service.server) as server:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with open_channel(f"127.0.0.1:{server.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
             return [chunk async for chunk in stub.Generate(request)]
 
@@ -182,7 +183,7 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
             retrieval = await stack.enter_async_context(running([RetrievalService(cfg)], server))
             overrides["service.orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
         orch = await stack.enter_async_context(running([OrchestratorService(cfg.with_overrides(**overrides))], server))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as channel:
+        async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             return [e async for e in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request)]
 
 

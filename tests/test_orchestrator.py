@@ -20,6 +20,7 @@ from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
+from switchyard.common.channels import open_channel
 
 
 class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.InferenceServiceServicer):
@@ -80,7 +81,7 @@ async def stack(**overrides):
             **overrides,
         })
         async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}")
+            channel = open_channel(f"127.0.0.1:{orch.port}")
             try:
                 yield agent_pb2_grpc.AgentServiceStub(channel), down
             finally:
@@ -248,7 +249,7 @@ async def test_dispatcher_down_is_unavailable_naming_service():
     async with running([OrchestratorService(base.with_overrides(**{
         "service.orchestrator.dispatcher_addr": "127.0.0.1:1",
     }))], base.service.server) as orch:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{orch.port}") as channel:
+        async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(agent_pb2_grpc.AgentServiceStub(channel), payload="q", task_type="chat")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -18,6 +18,7 @@ from switchyard.retrieval import service as service_module
 from switchyard.retrieval.index import IndexNotFoundError
 from switchyard.retrieval.indexer import main as index_main
 from switchyard.retrieval.service import RetrievalService
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.slow  # loads the embedding model and the index
 
@@ -32,7 +33,7 @@ def _config(index_dir, **overrides):
 async def _serve(config) -> AsyncIterator[tuple[RetrievalService, agent_pb2_grpc.RetrievalServiceStub]]:
     service = RetrievalService(config)
     async with running([service], config.service.server) as srv:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        channel = open_channel(f"127.0.0.1:{srv.port}")
         try:
             yield service, agent_pb2_grpc.RetrievalServiceStub(channel)
         finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -12,13 +11,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
+from switchyard.common.channels import open_channel, open_sync_channel
 
 
 async def test_health_and_reflection_describe_run_task():
     cfg = load_config("config")
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
         address = f"127.0.0.1:{srv.port}"
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="agent.AgentService"))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -29,7 +29,7 @@ async def test_health_and_reflection_describe_run_task():
 
 
 def _describe_run_task(address: str):
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         assert "agent.AgentService" in set(db.get_services())
         return DescriptorPool(db).FindServiceByName("agent.AgentService").methods_by_name["RunTask"]
@@ -38,7 +38,7 @@ async def test_graceful_stop_flips_health_to_not_serving():
     cfg = load_config("config")
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
         await srv.health.enter_graceful_shutdown()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="agent.AgentService"))
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING

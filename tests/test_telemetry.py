@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from switchyard.common import telemetry
+from switchyard.common.channels import open_channel
 from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, ServiceUnavailable, SwitchyardError
 from switchyard.common.queues import QueueFullError, QueueTimeoutError
 from otlp_receiver import OtlpReceiver
@@ -188,7 +189,7 @@ def _named(exporter: InMemorySpanExporter, name: str, kind: SpanKind):
 async def test_traceparent_sent_by_client_becomes_the_parent(echo_server, spans):
     _, exporter = spans
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    async with grpc.aio.insecure_channel(echo_server) as channel:  # a plain client, no OpenTelemetry
+    async with open_channel(echo_server) as channel:  # a plain client, no OpenTelemetry
         call = channel.unary_unary(f"/{SERVICE}/Unary")
         reply = await call(b"OK", metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),))
     assert reply.decode() == trace_id  # the servicer sees the caller's trace as current
@@ -201,7 +202,7 @@ async def test_traceparent_sent_by_client_becomes_the_parent(echo_server, spans)
 
 async def test_client_interceptors_propagate_the_current_context(echo_server, spans):
     provider, exporter = spans
-    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+    async with open_channel(echo_server, tracer_provider=provider) as channel:
         with provider.get_tracer(__name__).start_as_current_span("task") as root:
             unary = await channel.unary_unary(f"/{SERVICE}/Unary")(b"OK")
             streamed = [m async for m in channel.unary_stream(f"/{SERVICE}/Stream")(b"OK")]
@@ -217,7 +218,7 @@ async def test_client_interceptors_propagate_the_current_context(echo_server, sp
 
 async def test_concurrent_calls_never_share_a_span(echo_server, spans):
     provider, exporter = spans
-    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+    async with open_channel(echo_server, tracer_provider=provider) as channel:
         call = channel.unary_unary(f"/{SERVICE}/Unary")
         tracer = provider.get_tracer(__name__)
 
@@ -240,7 +241,7 @@ CODES = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
 @pytest.mark.parametrize("method", ["Unary", "Stream"])
 async def test_only_server_fault_codes_mark_spans_as_errors(echo_server, spans, method):
     provider, exporter = spans
-    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+    async with open_channel(echo_server, tracer_provider=provider) as channel:
         for code in CODES:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 if method == "Unary":
@@ -260,7 +261,7 @@ async def test_only_server_fault_codes_mark_spans_as_errors(echo_server, spans, 
 @pytest.mark.parametrize("method", ["Unary", "Stream"])
 async def test_uncaught_exception_is_an_unknown_error_on_both_sides(echo_server, spans, method):
     provider, exporter = spans
-    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+    async with open_channel(echo_server, tracer_provider=provider) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             if method == "Unary":
                 await channel.unary_unary(f"/{SERVICE}/Unary")(b"raise")
@@ -282,7 +283,7 @@ async def test_health_checks_are_not_traced(spans):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with telemetry.traced_channel(f"127.0.0.1:{port}", tracer_provider=provider) as channel:
+        async with open_channel(f"127.0.0.1:{port}", tracer_provider=provider) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -327,7 +328,7 @@ async def test_stage_span_as_decorator_of_a_coroutine(spans):
 
 async def test_abort_inside_a_stage_span_leaves_the_status_to_the_rpc_span(echo_server, spans):
     provider, exporter = spans
-    async with telemetry.traced_channel(echo_server, tracer_provider=provider) as channel:
+    async with open_channel(echo_server, tracer_provider=provider) as channel:
         with pytest.raises(grpc.aio.AioRpcError):
             await channel.unary_unary(f"/{SERVICE}/Abort")(b"RESOURCE_EXHAUSTED")
         with pytest.raises(grpc.aio.AioRpcError):

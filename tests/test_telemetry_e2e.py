@@ -6,7 +6,6 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,6 +15,7 @@ from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.process_metrics import find_cpu_stat
 from switchyard.dispatcher.double_buffer import FLUSH_REASON_LABELS
+from switchyard.common.channels import open_channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
 
@@ -69,7 +69,7 @@ TRACE_ID, CALLER_SPAN_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331
 
 async def run_task(stack: UpStack, request: agent_pb2.RunTaskRequest) -> list[agent_pb2.TaskEvent]:
     traceparent = f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"
-    async with grpc.aio.insecure_channel(stack.address("orchestrator")) as channel:
+    async with open_channel(stack.address("orchestrator")) as channel:
         call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(
             request, timeout=120, metadata=(("traceparent", traceparent),)
         )
@@ -250,7 +250,7 @@ async def test_tool_calls_get_spans_under_the_task(stack, receiver):
     trace_id = "1f2e3d4c5b6a79880a1b2c3d4e5f6071"
     request = agent_pb2.RunTaskRequest(payload="What does the with statement do, and what is 12*(3+4)?",
                                        task_type="react_loop")
-    async with grpc.aio.insecure_channel(stack.address("orchestrator")) as channel:
+    async with open_channel(stack.address("orchestrator")) as channel:
         call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(
             request, timeout=120, metadata=(("traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01"),)
         )

@@ -19,6 +19,7 @@ from switchyard.dispatcher.engines.torch import TorchEngine  # noqa: E402
 from switchyard.dispatcher.engines.torch_model import Tokenizer, save_checkpoint  # noqa: E402
 from switchyard.dispatcher.sequence import Message, Sequence, StreamError, Tool  # noqa: E402
 from switchyard.dispatcher.service import DispatcherService  # noqa: E402
+from switchyard.common.channels import open_channel
 
 pytestmark = pytest.mark.no_gpu
 
@@ -279,7 +280,7 @@ async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
     service = DispatcherService(config)
     assert isinstance(service.engine, TorchEngine)
     async with running([service], config.service.server) as srv:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        channel = open_channel(f"127.0.0.1:{srv.port}")
         try:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
 

@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from switchyard.common import telemetry
+from switchyard.common.channels import open_channel
 
 REQUEST = json.dumps({"task_id": "bench-001", "payload": "summarize this doc", "metadata": {"user": "u1"}}).encode()
 PASSAGE = "The event loop runs one callback at a time; a callback that blocks it stalls every task. "
@@ -152,8 +153,7 @@ class _Stack:
         self.channels: list[grpc.aio.Channel] = []
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = telemetry.traced_channel(address, tracer_provider=self.provider) if self.provider else (
-            grpc.aio.insecure_channel(address))
+        channel = open_channel(address, tracer_provider=self.provider)
         self.channels.append(channel)
         return channel
 

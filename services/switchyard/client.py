@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
+from switchyard.common.channels import open_channel
 
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
@@ -98,7 +99,7 @@ async def run_task(address: str, request: agent_pb2.RunTaskRequest, on_event, ti
     Raises:
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         async for event in stub.RunTask(request, timeout=timeout):
             on_event(event)

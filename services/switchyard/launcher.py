@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.common.config import ConfigError, load_config
+from switchyard.common.channels import open_sync_channel
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
 GRPC_NAMES = {
@@ -47,7 +48,7 @@ def free_port(host: str) -> int:
 
 def healthy(address: str, service: str, timeout: float = 1.0) -> bool:
     """True when ``service`` at ``address`` answers its health check with SERVING."""
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout

@@ -22,12 +22,12 @@ import json
 import sys
 from typing import Any
 
-import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.bench.report import percentile
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import start_server
+from switchyard.common.channels import open_channel
 
 PROMPT = (
     "<context>\n[1] The with statement\nThe with statement is used to wrap the execution of a block with "
@@ -52,7 +52,7 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
     service = DispatcherService(config)
     srv = await start_server([service], "127.0.0.1", 0, config.service.server)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
             await _ttft(stub, agent_pb2.CORE, 4)  # warm-up
             idle_waits, unloaded = [], []

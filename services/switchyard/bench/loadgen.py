@@ -30,6 +30,7 @@ import grpc
 
 from switchyard.api import agent_pb2_grpc
 from switchyard.bench.calldata import priority_name, request_for
+from switchyard.common.channels import open_channel
 
 # One client process receives roughly this many stream messages per second on a
 # fully used core (grpc.aio + protobuf decode). Measured: 14,200 token events/s at
@@ -169,7 +170,7 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
     concurrency = plan.concurrency // parts + (1 if part < plan.concurrency % parts else 0)
     numbers = range(part, plan.total, parts)
     results: list[CallResult] = []
-    async with grpc.aio.insecure_channel(plan.host) as channel:
+    async with open_channel(plan.host) as channel:
         await asyncio.wait_for(channel.channel_ready(), timeout=10)
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         if barrier is not None:

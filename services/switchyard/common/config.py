@@ -323,7 +323,17 @@ class MemoryPolicyFile(_Strict):
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="In-flight streams get this long to finish.")
-    max_message_bytes: int = Field(16 * 1024 * 1024, ge=4096, le=1 << 30)
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=4096, le=1 << 30, description="Largest gRPC message, bytes, sent or received."
+    )
+    keepalive_time_s: float = Field(
+        20.0, ge=10, le=7200,
+        description="Seconds between keepalive pings on a quiet connection, by clients and servers alike; "
+        "at least 10 s, the interval servers accept (gRFC A8).",
+    )
+    keepalive_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Seconds a ping may go unanswered before its connection is closed as dead."
+    )
 
 
 def _port(default: int) -> Any:

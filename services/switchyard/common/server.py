@@ -48,6 +48,12 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         # Off: a second process on the same port must fail loudly, not share it.
         ("grpc.so_reuseport", 0),
+        # Keepalive: the server pings quiet clients too, so the streams of a client
+        # that died without closing its connection end within keepalive_time_s +
+        # keepalive_timeout_s (their handlers see CANCELLED), and accepts client
+        # pings every 10 s (common/channels.py pings no more often).
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]

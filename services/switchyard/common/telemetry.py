@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import grpc
 from opentelemetry import trace
@@ -286,7 +286,7 @@ def server_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ServerInte
 
 
 def client_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors for ``grpc.aio.insecure_channel(interceptors=...)``: one CLIENT span per RPC.
+    """Client interceptors: one CLIENT span per RPC (:func:`switchyard.common.channels.open_channel` adds them).
 
     Each call injects the current context as W3C ``traceparent`` metadata. An
     empty list when tracing is off (and no ``tracer_provider`` is given).
@@ -296,18 +296,6 @@ def client_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ClientInte
     return _grpc_tracing.client_interceptors(tracer_provider)
 
 
-def traced_channel(
-    target: str, options: Sequence[tuple[str, Any]] | None = None, tracer_provider: Any = None
-) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``target`` (``host:port``) that propagates trace context.
-
-    Identical to ``grpc.aio.insecure_channel(target, options)`` when tracing is off.
-    """
-    return grpc.aio.insecure_channel(
-        target, options=list(options or ()), interceptors=client_interceptors(tracer_provider) or None
-    )
-
-
 __all__ = [
     "client_interceptors",
     "current_trace_id",
@@ -315,7 +303,6 @@ __all__ = [
     "record_exception_status",
     "server_interceptors",
     "setup_tracing",
-    "traced_channel",
     "tracing_configured",
     "tracing_enabled",
 ]

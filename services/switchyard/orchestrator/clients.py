@@ -1,32 +1,22 @@
 """gRPC clients of the orchestrator's two downstream services.
 
+Channels come from :func:`switchyard.common.channels.open_channel`: no HTTP
+proxy, keepalive, and each call bounded by the task's deadline.
+
 A downstream failure is re-raised with the service's name and address, so a
 caller of RunTask learns which service is down, not just "UNAVAILABLE".
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ServiceUnavailable, SwitchyardError
-from switchyard.common.server import server_options
+from switchyard.common.channels import open_channel
 from switchyard.common.config import ServerConfig
-
-
-def open_channel(address: str, config: ServerConfig) -> grpc.aio.Channel:
-    """An insecure aio channel with the tracing client interceptors when tracing is on."""
-    interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
-    try:
-        from switchyard.common import telemetry
-
-        interceptors = telemetry.client_interceptors()
-    except (ImportError, AttributeError):
-        pass
-    options = [opt for opt in server_options(config) if "message_length" in opt[0]]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:

@@ -1,0 +1,150 @@
+"""The one place Switchyard opens gRPC channels to its own services.
+
+Every channel between Switchyard's services comes from here: the
+orchestrator's clients of retrieval and the dispatcher, the launcher's health
+checks, ``switchyard run``, the bench client and the tests. Each carries:
+
+- **No HTTP proxy.** grpc core routes a channel through ``http_proxy`` /
+  ``https_proxy`` / ``grpc_proxy`` unless ``grpc.enable_http_proxy`` is 0; a
+  corporate or developer proxy then sits between two pods of the same stack
+  (and a multi-address target is sent as one ``CONNECT`` it cannot serve).
+  Internal traffic never uses a proxy. Only the upstream model client honours
+  the proxy variables (:mod:`switchyard.gateway.proxy`).
+- **Keepalive** (``service.server.keepalive_time_s`` / ``keepalive_timeout_s``):
+  a ping on a quiet connection, which is closed, failing its calls UNAVAILABLE,
+  when the peer does not answer in time. A dead peer is found in seconds, not
+  at the next TCP retransmission timeout. Servers accept pings every 10 s
+  (``grpc.http2.min_ping_interval_without_data_ms`` in
+  :func:`switchyard.common.server.server_options`); clients ping no more often,
+  so no server answers GOAWAY "too_many_pings" (gRFC A8, client-side keepalive).
+- **Message limits**: ``service.server.max_message_bytes`` both ways, as the servers.
+- **round_robin**: a target that resolves to several addresses (``dns:///`` of a
+  Kubernetes headless Service, ``ipv4:127.0.0.1:5001,127.0.0.1:5002``) spreads
+  calls over all of them instead of pinning every call to the first.
+- **Deadline propagation**: a call started inside :func:`deadline_scope` gets at
+  most the scope's remaining time as its timeout, so every downstream hop of a
+  task ends when the task's own deadline does.
+- **Tracing**: the client span interceptors when tracing is on
+  (:func:`switchyard.common.telemetry.client_interceptors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import time
+from typing import Any, Iterator
+
+import grpc
+
+from switchyard.common.config import ServerConfig
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("switchyard_deadline", default=None)
+
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+"""gRPC service config selecting the round_robin policy (gRFC A24 ``loadBalancingConfig``)."""
+
+
+def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]:
+    """The options every internal channel is opened with (see the module docstring)."""
+    config = config or ServerConfig()
+    return [
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.service_config", ROUND_ROBIN),
+    ]
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+@contextlib.contextmanager
+def deadline_scope(deadline: float | None) -> Iterator[None]:
+    """Calls started in this block (in this task's context) end by ``deadline``.
+
+    Args:
+        deadline: a ``time.monotonic()`` instant, or None for no bound. A scope
+            inside another keeps the earlier of the two deadlines.
+    """
+    outer = _DEADLINE.get()
+    if deadline is None or (outer is not None and outer <= deadline):
+        yield
+        return
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def remaining_s() -> float | None:
+    """Seconds left before the current :func:`deadline_scope`'s deadline (>= 0), or None outside one."""
+    deadline = _DEADLINE.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def bounded_timeout(timeout_s: float | None) -> float | None:
+    """``timeout_s`` cut to the current scope's remaining time (None: no bound from either)."""
+    left = remaining_s()
+    if left is None:
+        return timeout_s
+    return left if timeout_s is None else min(timeout_s, left)
+
+
+def _bounded(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    timeout = bounded_timeout(details.timeout)
+    if timeout == details.timeout:
+        return details
+    return grpc.aio.ClientCallDetails(
+        details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
+    )
+
+
+class _DeadlinePropagation(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Gives each call at most the remaining time of the :func:`deadline_scope` it starts in."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+        return await continuation(_bounded(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+        return await continuation(_bounded(client_call_details), request)
+
+
+# ---------------------------------------------------------------------------- channels
+
+
+def open_channel(target: str, config: ServerConfig | None = None, *, tracer_provider: Any = None) -> grpc.aio.Channel:
+    """An asyncio channel to one of Switchyard's services.
+
+    Args:
+        target: ``host:port``, or any gRPC target (``dns:///name:port``,
+            ``ipv4:a:p,b:p``).
+        config: ``service.server`` (message limits, keepalive); defaults when None.
+        tracer_provider: trace with this provider (tests); None: the global
+            one, and no tracing interceptor when tracing is off.
+    """
+    from switchyard.common import telemetry  # telemetry imports config; keep this module light
+
+    interceptors: list[Any] = [_DeadlinePropagation(), *telemetry.client_interceptors(tracer_provider)]
+    return grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
+
+
+def open_sync_channel(target: str, config: ServerConfig | None = None) -> grpc.Channel:
+    """A blocking channel with the same options (health checks from synchronous code)."""
+    return grpc.insecure_channel(target, options=channel_options(config))
+
+
+__all__ = [
+    "bounded_timeout",
+    "channel_options",
+    "deadline_scope",
+    "open_channel",
+    "open_sync_channel",
+    "remaining_s",
+]

@@ -1,0 +1,120 @@
+"""common/channels.py: internal channels ignore proxies, spread over addresses, and carry deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proxy_fixtures import refusing_proxy  # noqa: F401 - fixture
+from switchyard.common.channels import (
+    bounded_timeout,
+    channel_options,
+    deadline_scope,
+    open_channel,
+    open_sync_channel,
+    remaining_s,
+)
+from switchyard.common.config import ServerConfig
+from switchyard.launcher import healthy
+
+SLOW = "/test.Slow/Sleep"
+
+
+async def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", status)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+
+    async def sleep(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await asyncio.sleep(float(request.decode()))
+        return b"slept"
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Slow", {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def test_internal_channels_never_use_the_http_proxy(refusing_proxy):
+    server, port = await _health_server(health_pb2.HealthCheckResponse.SERVING)
+    try:
+        # A plain channel honours the proxy variables: the proxy sees CONNECT and answers 503.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert any(line.startswith(f"CONNECT 127.0.0.1:{port}") for line in refusing_proxy.requests)
+        refusing_proxy.requests.clear()
+
+        async with open_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        def sync_check() -> int:  # blocking: off the loop that serves it
+            with open_sync_channel(f"127.0.0.1:{port}") as channel:
+                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+        assert await asyncio.to_thread(sync_check) == health_pb2.HealthCheckResponse.SERVING
+        assert await asyncio.to_thread(healthy, f"127.0.0.1:{port}", "", 10)  # the launcher's health check
+        assert refusing_proxy.requests == []
+    finally:
+        await server.stop(None)
+
+
+async def test_multi_address_target_reaches_every_address(refusing_proxy):
+    """``ipv4:a,b`` is spread over both servers (round_robin), and is never sent to the proxy as one CONNECT."""
+    a, port_a = await _health_server(health_pb2.HealthCheckResponse.SERVING)
+    b, port_b = await _health_server(health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        async with open_channel(f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await channel.channel_ready()
+            statuses = [(await stub.Check(health_pb2.HealthCheckRequest(), timeout=10, wait_for_ready=True)).status
+                        for _ in range(20)]
+        assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert refusing_proxy.requests == []
+    finally:
+        await a.stop(None)
+        await b.stop(None)
+
+
+async def test_deadline_scope_bounds_every_call_started_in_it():
+    server, port = await _health_server(health_pb2.HealthCheckResponse.SERVING)
+    try:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
+            sleep = channel.unary_unary(SLOW)
+            assert await sleep(b"0", timeout=30) == b"slept"
+            with deadline_scope(time.monotonic() + 0.3):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await sleep(b"5", timeout=30)  # asks for 30 s, the scope leaves 0.3 s
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await sleep(b"0", timeout=30) == b"slept"  # outside the scope: no bound
+    finally:
+        await server.stop(None)
+
+
+def test_deadline_scopes_nest_to_the_earlier_deadline():
+    assert remaining_s() is None and bounded_timeout(5.0) == 5.0 and bounded_timeout(None) is None
+    now = time.monotonic()
+    with deadline_scope(now + 10):
+        with deadline_scope(now + 100):  # later: the outer deadline stays
+            assert 9 < remaining_s() <= 10
+        with deadline_scope(now + 1):
+            assert remaining_s() <= 1 and bounded_timeout(5.0) <= 1 and bounded_timeout(None) <= 1
+        assert bounded_timeout(0.5) == 0.5
+    assert remaining_s() is None
+
+
+def test_channel_options_disable_the_proxy_and_ping_no_faster_than_servers_accept():
+    options = dict(channel_options(ServerConfig()))
+    assert options["grpc.enable_http_proxy"] == 0
+    assert options["grpc.keepalive_time_ms"] >= 10_000  # servers' min_ping_interval_without_data_ms
+    assert options["grpc.max_receive_message_length"] == ServerConfig().max_message_bytes
+    with pytest.raises(ValueError, match="keepalive_time_s"):
+        ServerConfig(keepalive_time_s=1)
