@@ -88,6 +88,15 @@ def read_secret(name: str) -> str | None:
 
 def read_standard(name: str) -> str | None:
     """The value of one of :data:`STANDARD_VARIABLES` (either case), or None."""
+    found = read_standard_named(name)
+    return found[1] if found else None
+
+
+def read_standard_named(name: str) -> tuple[str, str] | None:
+    """(the spelling that is set, its value) for one of :data:`STANDARD_VARIABLES`; upper case first."""
     if name not in STANDARD_VARIABLES:
         raise KeyError(f"{name} is not a declared standard variable")
-    return os.environ.get(name) or os.environ.get(name.lower())
+    for spelling in (name, name.lower()):
+        if value := os.environ.get(spelling):
+            return spelling, value
+    return None

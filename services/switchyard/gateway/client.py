@@ -2,7 +2,9 @@
 
 - One pooled ``httpx.AsyncClient`` (``model_gateway.max_connections``), explicit
   connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
-  ``trust_env`` is on, so HTTP_PROXY, HTTPS_PROXY and NO_PROXY are honoured.
+  HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
+  :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
+  skipped, never fatal).
 - Retries (tenacity, exponential backoff with jitter) and fallback to
   ``model_gateway.fallback_model`` happen only before the first streamed item:
   once a token or tool call has been handed to the caller, a failure is raised
@@ -40,7 +42,7 @@ from switchyard.gateway.errors import (
 )
 from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
 from switchyard.gateway.metrics import GATEWAY_REQUESTS, GATEWAY_TTFT
-from switchyard.gateway.proxy import proxy_for
+from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_data
@@ -102,8 +104,8 @@ class GatewayClient:
                 max_connections=config.max_connections,
                 max_keepalive_connections=config.max_keepalive_connections,
             ),
-            trust_env=True,
             transport=transport,
+            **client_settings(config.base_url),
         )
         self.on_status: Callable[[int], None] | None = None
         """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""

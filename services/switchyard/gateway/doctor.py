@@ -1,6 +1,7 @@
 """``switchyard doctor``: check the model gateway's three-piece set-up and print a fix for each failure.
 
-Checks, in order: proxy variables (each set proxy accepts a TCP connection);
+Checks, in order: proxy variables (each set proxy accepts a TCP connection;
+every NO_PROXY entry parses);
 the API key (present, non-empty, no whitespace); the base URL (``GET /models``
 answers, and accepts the key); the model ids (default, fallback and every
 ``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
@@ -26,7 +27,7 @@ from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError, snippet
 from switchyard.gateway.events import ChatRequest
 from switchyard.gateway.keys import ApiKey, load_api_key
-from switchyard.gateway.proxy import ProxyRoute, configured_proxies, proxy_for
+from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
 from switchyard.gateway.redact import redact
 
 
@@ -55,6 +56,20 @@ async def _proxy_answers(route: ProxyRoute, timeout_s: float) -> Check:
     return Check(f"proxy {route.variable}", True, f"{route.variable}={route.address} accepts connections")
 
 
+def no_proxy_check() -> Check | None:
+    """A failed check naming the NO_PROXY entries that cannot be parsed (they are skipped), or None."""
+    parsed = no_proxy()
+    if not parsed.invalid:
+        return None
+    return Check(
+        parsed.variable, False,
+        f"{len(parsed.invalid)} entr{'y' if len(parsed.invalid) == 1 else 'ies'} skipped, cannot be parsed: "
+        + ", ".join(repr(e) for e in parsed.invalid),
+        "write each entry as a host name (example.com, .example.com), an IP address (10.0.0.1, ::1, "
+        "[::1]:8080) or a CIDR block (10.0.0.0/8, fd00::/8)",
+    )
+
+
 def _key_check(key: ApiKey, required: bool) -> Check:
     problem = key.problem()
     if problem is None:
@@ -72,7 +87,7 @@ async def _list_models(cfg: ModelGatewayConfig, key: ApiKey, timeout_s: float) -
     route = proxy_for(url)
     via = f" via {route.variable}={route.address}" if route else ""
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, trust_env=True) as http:
+        async with httpx.AsyncClient(timeout=timeout_s, **client_settings(url)) as http:
             response = await http.get(url, headers=headers)
     except httpx.HTTPError as exc:
         fix = (
@@ -143,6 +158,8 @@ async def run_checks(
 ) -> list[Check]:
     """Every check of the set-up, in report order (see the module docstring)."""
     checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
+    if skipped := no_proxy_check():
+        checks.append(skipped)
     key = load_api_key(cfg.api_key_env)
     key_check = _key_check(key, cfg.api_key_required)
     checks.append(key_check)
