@@ -34,8 +34,14 @@ async def _health_server(status: health_pb2.HealthCheckResponse.ServingStatus) -
         await asyncio.sleep(float(request.decode()))
         return b"slept"
 
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Slow", {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)})])
+    async def sleep_stream(request: bytes, context: grpc.aio.ServicerContext):
+        await asyncio.sleep(float(request.decode()))
+        yield b"slept"
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Slow", {
+        "Sleep": grpc.unary_unary_rpc_method_handler(sleep),
+        "SleepStream": grpc.unary_stream_rpc_method_handler(sleep_stream),
+    })])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -90,10 +96,14 @@ async def test_deadline_scope_bounds_every_call_started_in_it():
         async with open_channel(f"127.0.0.1:{port}") as channel:
             sleep = channel.unary_unary(SLOW)
             assert await sleep(b"0", timeout=30) == b"slept"
+            stream = channel.unary_stream(SLOW + "Stream")
             with deadline_scope(time.monotonic() + 0.3):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await sleep(b"5", timeout=30)  # asks for 30 s, the scope leaves 0.3 s
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [m async for m in stream(b"5", timeout=30)]  # server streaming too
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert await sleep(b"0", timeout=30) == b"slept"  # outside the scope: no bound
     finally:
         await server.stop(None)

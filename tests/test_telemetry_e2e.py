@@ -118,9 +118,9 @@ def total(samples: dict, name: str, **labels: str) -> float:
 def _task_complete(spans: list[ReceivedSpan]) -> bool:
     names = {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID}
     return {
-        ("orchestrator", "/agent.AgentService/RunTask"),
+        ("orchestrator", "agent.AgentService/RunTask"),
         ("retrieval", "retrieval.search"),
-        ("dispatcher", "/agent.InferenceService/Generate"),
+        ("dispatcher", "agent.InferenceService/Generate"),
         ("orchestrator", "finalize"),
     } <= names and any(s.name == "dispatcher.batch" for s in spans) and any(s.name == "engine.decode" for s in spans)
 
@@ -137,7 +137,7 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
     assert {s.service for s in task} == set(SERVICES)
 
     # The orchestrator's server span is the child of the caller's span.
-    run = one(task, "/agent.AgentService/RunTask", "orchestrator", SERVER)
+    run = one(task, "agent.AgentService/RunTask", "orchestrator", SERVER)
     assert run.parent_span_id == CALLER_SPAN_ID
 
     # A span per orchestrator stage, all under the RunTask span.
@@ -149,18 +149,18 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
 
     # orchestrator retrieve -> gRPC client span -> retrieval server span (another process) -> its stages
     retrieve = one(task, "retrieve", "orchestrator")
-    retrieve_client = one(task, "/agent.RetrievalService/Retrieve", "orchestrator", CLIENT)
+    retrieve_client = one(task, "agent.RetrievalService/Retrieve", "orchestrator", CLIENT)
     assert_under(retrieve_client, retrieve, task)
-    retrieval_server = one(task, "/agent.RetrievalService/Retrieve", "retrieval", SERVER)
+    retrieval_server = one(task, "agent.RetrievalService/Retrieve", "retrieval", SERVER)
     assert retrieval_server.parent_span_id == retrieve_client.span_id
     for stage in ("retrieval.queue_wait", "retrieval.embed", "retrieval.search"):
         assert_under(one(task, stage, "retrieval"), retrieval_server, task)
 
     # orchestrator infer -> gRPC client span -> dispatcher server span -> its stages
     infer = one(task, "infer", "orchestrator")
-    generate_client = one(task, "/agent.InferenceService/Generate", "orchestrator", CLIENT)
+    generate_client = one(task, "agent.InferenceService/Generate", "orchestrator", CLIENT)
     assert_under(generate_client, infer, task)
-    generate_server = one(task, "/agent.InferenceService/Generate", "dispatcher", SERVER)
+    generate_server = one(task, "agent.InferenceService/Generate", "dispatcher", SERVER)
     assert generate_server.parent_span_id == generate_client.span_id
     request_span = one(task, "dispatcher.generate", "dispatcher")
     assert_under(request_span, generate_server, task)
@@ -258,10 +258,10 @@ async def test_tool_calls_get_spans_under_the_task(stack, receiver):
     called = {e.tool_call.name for e in events if e.HasField("tool_call")}
     assert called, "the react_loop task called no tool"
     expected = {f"tool {name}" for name in called}
-    wanted = expected | {"/agent.AgentService/RunTask"}  # the server span ends last
+    wanted = expected | {"agent.AgentService/RunTask"}  # the server span ends last
     spans = receiver.wait_for(lambda got: wanted <= {s.name for s in got if s.trace_id == trace_id}, timeout_s=60)
     task = [s for s in spans if s.trace_id == trace_id]
-    run = one(task, "/agent.AgentService/RunTask", "orchestrator", SERVER)
+    run = one(task, "agent.AgentService/RunTask", "orchestrator", SERVER)
     for name in expected:
         for span in (s for s in task if s.name == name):
             assert_under(span, run, task)

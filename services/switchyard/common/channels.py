@@ -106,11 +106,17 @@ def _bounded(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     )
 
 
-class _DeadlinePropagation(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Gives each call at most the remaining time of the :func:`deadline_scope` it starts in."""
+# grpc.aio files an interceptor under the first call kind it subclasses (an if/elif
+# chain), so each kind gets its own class.
+class _DeadlineUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    """Gives each unary call at most the remaining time of the :func:`deadline_scope` it starts in."""
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
         return await continuation(_bounded(client_call_details), request)
+
+
+class _DeadlineUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    """The same for server-streaming calls."""
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
         return await continuation(_bounded(client_call_details), request)
@@ -131,7 +137,9 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
     """
     from switchyard.common import telemetry  # telemetry imports config; keep this module light
 
-    interceptors: list[Any] = [_DeadlinePropagation(), *telemetry.client_interceptors(tracer_provider)]
+    interceptors: list[Any] = [
+        _DeadlineUnaryUnary(), _DeadlineUnaryStream(), *telemetry.client_interceptors(tracer_provider, target)
+    ]
     return grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
 
 

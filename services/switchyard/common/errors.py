@@ -65,7 +65,7 @@ class QueueTimeoutError(SwitchyardError):
 
 
 # gRPC codes that mean the server failed, not the caller; after
-# opentelemetry-instrumentation-grpc's rule for span status.
+# the OpenTelemetry semantic conventions for gRPC server spans (span status).
 SERVER_FAULT_CODES = frozenset(
     {
         grpc.StatusCode.UNKNOWN,

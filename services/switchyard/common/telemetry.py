@@ -17,18 +17,16 @@ Configured only from the standard ``OTEL_*`` environment variables (see
 Tracing off installs nothing: no tracer provider (``trace.get_tracer`` hands
 out the API's no-op tracer), no interceptors, no exporter thread.
 
-Trace context crosses gRPC as W3C ``traceparent`` metadata through
-opentelemetry-instrumentation-grpc's aio interceptors, so a traceparent sent
-by a client becomes the parent of the task's server span. Span status follows
-the instrumentation's server rule on both sides: only server-fault codes
-(:data:`~switchyard.common.errors.SERVER_FAULT_CODES`) mark a span as an error;
-a caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...) is
-recorded as ``rpc.grpc.status_code`` only. The stock client interceptors
-mark every non-OK code and the stock server interceptor leaves an uncaught
-exception (sent as UNKNOWN) unmarked; the subclasses in ``_grpc_tracing`` fix both. Stage
-spans follow the same rule: an exception escaping
-``tracer.start_as_current_span(...)`` marks ERROR only when it maps to a
-server-fault code (:func:`make_tracer_provider`).
+Trace context crosses gRPC as W3C ``traceparent`` metadata through the
+interceptors of :mod:`switchyard.common.grpc_tracing` (public OpenTelemetry
+and grpc.aio APIs only), so a traceparent sent by a client becomes the parent
+of the task's server span. RPC span status follows the semantic conventions:
+a client span is an error for every non-OK code, a server span only for a
+server-fault code (:data:`~switchyard.common.errors.SERVER_FAULT_CODES`); a
+caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...) is
+recorded as ``rpc.grpc.status_code`` only on the server. Stage spans follow
+the server rule: an exception escaping ``tracer.start_as_current_span(...)``
+marks ERROR only when it maps to a server-fault code (:func:`make_tracer_provider`).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
 from switchyard import __version__
-from switchyard.common import _grpc_tracing
+from switchyard.common import grpc_tracing
 from switchyard.common.envs import read_standard
 from switchyard.common.errors import SERVER_FAULT_CODES, status_for
 
@@ -124,6 +122,21 @@ def tracing_enabled() -> bool:
     return _provider is not None
 
 
+def _install(provider: TracerProvider) -> None:
+    global _provider
+    trace.set_tracer_provider(provider)
+    _provider = provider
+
+
+def install_provider(provider: TracerProvider) -> None:
+    """Turn tracing on in this process with ``provider`` (built by :func:`make_tracer_provider`, with
+    its own span processors) instead of the OTLP exporter: for embedding Switchyard's services in a
+    process that exports spans its own way, and for tests that run a whole stack in one process.
+    The global tracer provider can be set once per process."""
+    with _lock:
+        _install(provider)
+
+
 def setup_tracing(service_name: str) -> Callable[[], None]:
     """Turn tracing on for this process when the environment asks for it.
 
@@ -142,7 +155,7 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
         ``shutdown()``: flushes pending spans and stops the exporter; safe to
         call more than once. A no-op when tracing is off.
     """
-    global _provider, _shutdown
+    global _shutdown
     with _lock:
         if _shutdown is not None:
             return _shutdown
@@ -158,8 +171,7 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
         resource = Resource.create({SERVICE_NAME: name, SERVICE_NAMESPACE: "switchyard", SERVICE_VERSION: __version__})
         provider = make_tracer_provider(resource)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(provider)
-        _provider = provider
+        _install(provider)
         endpoint = read_standard("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or read_standard("OTEL_EXPORTER_OTLP_ENDPOINT")
         log.info("tracing on: service.name=%s, OTLP gRPC to %s, sampler %s", name, endpoint, provider.sampler)
 
@@ -266,7 +278,7 @@ def current_trace_id() -> str:
 
 
 # --------------------------------------------------------------------------- interceptors and channels
-# Factories here; the interceptor classes that apply the server-fault rule live in _grpc_tracing.
+# Factories here; the interceptors live in grpc_tracing.
 
 
 def server_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ServerInterceptor]:
@@ -282,10 +294,10 @@ def server_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ServerInte
     """
     if tracer_provider is None and not tracing_enabled():
         return []
-    return [_grpc_tracing.server_interceptor(tracer_provider)]
+    return [grpc_tracing.server_interceptor(tracer_provider)]
 
 
-def client_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ClientInterceptor]:
+def client_interceptors(tracer_provider: Any = None, target: str = "") -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors: one CLIENT span per RPC (:func:`switchyard.common.channels.open_channel` adds them).
 
     Each call injects the current context as W3C ``traceparent`` metadata. An
@@ -293,7 +305,7 @@ def client_interceptors(tracer_provider: Any = None) -> list[grpc.aio.ClientInte
     """
     if tracer_provider is None and not tracing_enabled():
         return []
-    return _grpc_tracing.client_interceptors(tracer_provider)
+    return grpc_tracing.client_interceptors(tracer_provider, target)
 
 
 __all__ = [
@@ -302,6 +314,7 @@ __all__ = [
     "make_tracer_provider",
     "record_exception_status",
     "server_interceptors",
+    "install_provider",
     "setup_tracing",
     "tracing_configured",
     "tracing_enabled",

@@ -24,6 +24,8 @@ import uuid
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
@@ -277,39 +279,47 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream one completion. See the module docstring for the chunks and errors."""
-        with tracer.start_as_current_span("dispatcher.generate") as span:
-            seq: Sequence | None = None
-            loop = self.loop
-            try:
-                served = self.engine.model if self.stepping else None
-                if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-                    seq = await asyncio.to_thread(to_sequence, request, self.config, served)
-                else:
-                    seq = to_sequence(request, self.config, served)
-                span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
-                span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
-                span.set_attribute("switchyard.priority", seq.priority_name)
-                seq.span_context = span.get_span_context()
-                seq.span = span
-                wall_arrival_ns = time.time_ns()
-                if loop is None:
-                    raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
-                if self.adaptive is not None:
-                    self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
-                loop.submit(seq)
-                async for chunk in self._chunks(seq):
-                    yield chunk
-                self._record_queue_wait(seq, wall_arrival_ns)
-                self._record_engine_phases(seq, wall_arrival_ns)
-                span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
-                span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
-            except SwitchyardError as exc:
-                code, details = status_for(exc)
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                await context.abort(code, details)
-            finally:
-                if seq is not None and not seq.is_finished and loop is not None:
-                    loop.abort(seq)  # the caller went away: free its place and KV
+        # Started, not made current: a span attached across this generator's yields would be
+        # detached by whichever task closes a cancelled stream (see common/grpc_tracing.py).
+        span = tracer.start_span("dispatcher.generate")
+        parent = trace.set_span_in_context(span)
+        seq: Sequence | None = None
+        loop = self.loop
+        try:
+            served = self.engine.model if self.stepping else None
+            if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
+                seq = await asyncio.to_thread(to_sequence, request, self.config, served)
+            else:
+                seq = to_sequence(request, self.config, served)
+            span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
+            span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
+            span.set_attribute("switchyard.priority", seq.priority_name)
+            seq.span_context = span.get_span_context()
+            seq.span = span
+            wall_arrival_ns = time.time_ns()
+            if loop is None:
+                raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
+            if self.adaptive is not None:
+                self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
+            loop.submit(seq)
+            async for chunk in self._chunks(seq):
+                yield chunk
+            self._record_queue_wait(seq, wall_arrival_ns, parent)
+            self._record_engine_phases(seq, wall_arrival_ns, parent)
+            span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
+            span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
+        except SwitchyardError as exc:
+            code, details = status_for(exc)
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            await context.abort(code, details)
+        except Exception as exc:
+            span.record_exception(exc)
+            telemetry.record_exception_status(span, exc)
+            raise
+        finally:
+            if seq is not None and not seq.is_finished and loop is not None:
+                loop.abort(seq)  # the caller went away: free its place and KV
+            span.end()
 
     async def _chunks(self, seq: Sequence) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Turn ``seq``'s outbox into chunks until its done chunk or its error."""
@@ -334,7 +344,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                     raise error
                 raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
 
-    def _record_engine_phases(self, seq: Sequence, wall_arrival_ns: int) -> None:
+    def _record_engine_phases(self, seq: Sequence, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.
 
         The engine's step spans (``engine.prefill``/``engine.decode``) serve a whole batch and live
@@ -349,11 +359,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         admitted = seq.arrival + seq.queue_wait_s
         common = {"switchyard.batch_size": seq.batch_size, "switchyard.preemptions": seq.preemptions}
         tracer.start_span(
-            "inference.prefill", start_time=wall(admitted),
+            "inference.prefill", parent, start_time=wall(admitted),
             attributes={**common, "gen_ai.usage.input_tokens": seq.prompt_tokens},
         ).end(end_time=wall(seq.first_token_at))
         tracer.start_span(
-            "inference.decode", start_time=wall(seq.first_token_at),
+            "inference.decode", parent, start_time=wall(seq.first_token_at),
             attributes={
                 **common,
                 "gen_ai.usage.output_tokens": seq.completion_tokens(),
@@ -361,11 +371,12 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             },
         ).end(end_time=wall(seq.last_token_at or seq.first_token_at))
 
-    def _record_queue_wait(self, seq: Sequence, wall_arrival_ns: int) -> None:
+    def _record_queue_wait(self, seq: Sequence, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
         end_ns = wall_arrival_ns + int(seq.queue_wait_s * 1e9)
         qspan = tracer.start_span(
             "dispatcher.queue_wait",
+            parent,
             start_time=wall_arrival_ns,
             attributes={
                 "switchyard.queue": "inference",
