@@ -32,6 +32,8 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
     def __init__(self) -> None:
         self.requests: list[agent_pb2.GenerateRequest] = []
         self.gate: asyncio.Event | None = None
+        self.cancelled: list[str] = []  # request ids whose Generate was cancelled by the orchestrator
+        self.deadlines: list[float | None] = []  # time_remaining() each Generate saw on arrival
 
     def register(self, server):
         agent_pb2_grpc.add_RetrievalServiceServicer_to_server(self, server)
@@ -51,8 +53,13 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        self.deadlines.append(context.time_remaining())
         if self.gate is not None:
-            await self.gate.wait()
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(request.request_id)
+                raise
         done_tools = {m.name for m in request.messages if m.role == "tool"}
         offered = [t.name for t in request.tools]
         if "search_docs" in offered and "search_docs" not in done_tools:
@@ -308,3 +315,83 @@ async def test_bad_tool_arguments_are_not_retried():
     assert outcome.is_error and outcome.attempts == 1 and "expression" in outcome.content
     outcome = await call_tool(CALCULATOR, "not json", policy)
     assert outcome.is_error and "expected a JSON object" in outcome.content
+
+
+# --------------------------------------------------------------------------- task lifetime
+
+LIMITS = {"chat": 0.5, "rag_answer": 180.0, "react_loop": 600.0}
+
+
+def _count(metric, **labels) -> float:
+    return metric.labels(**labels)._value.get()
+
+
+async def _until(condition, seconds: float = 30.0) -> None:
+    """Poll ``condition`` (behaviour, not speed: the bound is far past the time it should take)."""
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everything():
+    """A client that drops its RunTask without cancelling (grpcio does not cancel a collected aio call)
+    no longer holds a slot until generation ends: the task's time limit ends it and its downstream call."""
+    import gc
+
+    from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASKS
+
+    async with stack(**{"service.orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
+        down.gate = asyncio.Event()  # generation never ends on its own
+        before = _count(TASKS, task_type="chat", code="DEADLINE_EXCEEDED")
+        concurrent = AGENTS_CONCURRENT._value.get()
+        call = stub.RunTask(agent_pb2.RunTaskRequest(task_id="dropped", payload="hi", task_type="chat"))
+        assert (await call.read()).HasField("accepted")
+        await _until(lambda: down.requests)
+        del call
+        gc.collect()
+        await _until(lambda: down.cancelled)
+        await _until(lambda: _count(TASKS, task_type="chat", code="DEADLINE_EXCEEDED") == before + 1)
+        assert AGENTS_CONCURRENT._value.get() == concurrent
+        assert down.cancelled == ["dropped:0"]
+        assert 0 < down.deadlines[0] <= LIMITS["chat"]  # the task's deadline reached the dispatcher call
+
+
+async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit():
+    async with stack(**{"service.orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
+        down.gate = asyncio.Event()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, task_id="slow", payload="hi", task_type="chat")
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "task slow ran out of time" in err.value.details()
+        assert "orchestrator.task_time_limit_s.chat = 0.5" in err.value.details()
+        accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="bg", payload="hi", task_type="chat"))
+        assert accepted.task_id == "bg"
+        status = None
+        for _ in range(500):
+            status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="bg"))
+            if status.state == agent_pb2.FAILED:
+                break
+            await asyncio.sleep(0.02)
+        assert status.state == agent_pb2.FAILED and "DEADLINE_EXCEEDED" in status.error
+        assert down.cancelled == ["slow:0", "bg:0"]
+
+
+async def test_the_callers_earlier_deadline_bounds_every_downstream_call():
+    async with stack() as (stub, down):
+        events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"), timeout=20)]
+    assert events[-1].HasField("final")
+    assert 0 < down.deadlines[0] <= 20  # not the 120 s chat limit: the caller's 20 s
+
+
+def test_time_limits_name_every_task_type():
+    from switchyard.common.config import ConfigError
+
+    base = load_config("config")
+    with pytest.raises(ConfigError, match="no time limit for task type"):
+        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {"chat": 5}})
+    with pytest.raises(ConfigError, match="unknown task type"):
+        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {**LIMITS, "summarise": 5}})
+    with pytest.raises(ConfigError, match=r"\(0, 86400\]"):
+        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {**LIMITS, "chat": 0}})

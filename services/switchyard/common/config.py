@@ -354,6 +354,25 @@ class OrchestratorConfig(_Strict):
     )
     cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor.")
     task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
+    task_time_limit_s: dict[str, float] = Field(
+        default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
+        description="Longest a task of each type may run, seconds, from arrival to its final event; past it "
+        "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
+        "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
+    )
+
+    @field_validator("task_time_limit_s")
+    @classmethod
+    def _every_task_type_limited(cls, limits: dict[str, float]) -> dict[str, float]:
+        from switchyard.common.metrics import TASK_TYPES
+
+        if unknown := sorted(set(limits) - set(TASK_TYPES)):
+            raise ValueError(f"unknown task type(s) {', '.join(unknown)}; expected keys among {', '.join(TASK_TYPES)}")
+        if missing := [t for t in TASK_TYPES if t not in limits]:
+            raise ValueError(f"no time limit for task type(s) {', '.join(missing)}: give each a number of seconds")
+        if bad := {t: v for t, v in limits.items() if not 0 < v <= 86_400}:
+            raise ValueError(f"time limits must be in (0, 86400] seconds, got {bad}")
+        return limits
     inference_mode: Literal["split", "inline"] = Field(
         "split",
         description="split: CPU steps hold an orchestration worker only while they run; inline: one worker "

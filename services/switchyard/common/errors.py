@@ -41,6 +41,17 @@ class ServiceUnavailable(SwitchyardError):
         super().__init__(f"{service} service unavailable at {address}{tail}; is it running (switchyard up)?")
 
 
+class TaskDeadlineExceeded(SwitchyardError):
+    """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, task_id: str, limit_s: float, source: str) -> None:
+        super().__init__(f"task {task_id} ran out of time after {limit_s:.3g} s ({source}); "
+                         "every step it started was cancelled")
+        self.task_id = task_id
+
+
 class QueueFullError(SwitchyardError):
     """A queue holds ``capacity`` items: refused at once (RESOURCE_EXHAUSTED), never dropped."""
 

@@ -22,8 +22,9 @@ import grpc
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import SwitchyardError, status_for
+from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts, tokens, workflows
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
@@ -128,31 +129,57 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     # ------------------------------------------------------------------ running a task
 
     def _new_run(self, spec: workflows.TaskSpec, emit, context: grpc.aio.ServicerContext | None) -> workflows.TaskRun:
+        """The task's run state. Its deadline is its type's time limit or the caller's gRPC deadline,
+        whichever comes first (the orchestrator owns a task's lifetime)."""
         assert self._deps is not None, "start() not called"
+        now = time.monotonic()
+        limit = self.config.service.orchestrator.task_time_limit_s[spec.workflow]
+        deadline, source = now + limit, f"orchestrator.task_time_limit_s.{spec.workflow} = {limit:g}"
         remaining = context.time_remaining() if context is not None else None
+        if remaining is not None and now + remaining < deadline:
+            deadline, source = now + remaining, "the caller's gRPC deadline"
         return workflows.TaskRun(
             spec=spec,
             deps=self._deps,
             emit=emit,
-            deadline_s=None if remaining is None else time.monotonic() + remaining,
+            deadline_s=deadline,
+            deadline_source=source,
             inline=self.config.service.orchestrator.inference_mode == "inline",
             trace_id=_trace_id(),
         )
 
+    async def _run_until_deadline(self, run: workflows.TaskRun) -> None:
+        """The task's DAG inside its deadline: every downstream call it starts gets at most the time
+        left (channels.deadline_scope), and the DAG is cancelled when none is left.
+
+        Raises:
+            TaskDeadlineExceeded: the deadline passed first.
+        """
+        steps = workflows.build(run.spec.workflow)
+        assert run.deadline_s is not None
+        with deadline_scope(run.deadline_s):
+            limit = asyncio.timeout(run.deadline_s - time.monotonic())
+            try:
+                async with limit:
+                    if run.inline:
+                        ticket = run.deps.queue.submit(lambda: run_dag(steps, run))
+                        run.accept(ticket.position)
+                        _, wait = await ticket.result()
+                        run.timings.queue_wait_s["orchestration"] = wait
+                        run.final.timings.queue_wait_s["orchestration"] = wait
+                    else:
+                        await run_dag(steps, run)
+            except TimeoutError:
+                if not limit.expired():
+                    raise  # a step's own timeout, reported by that step
+                raise TaskDeadlineExceeded(run.spec.task_id, time.monotonic() - run.t0, run.deadline_source) from None
+
     async def _execute(self, run: workflows.TaskRun) -> agent_pb2.FinalEvent:
         """Run the task's DAG; returns the final event (also emitted)."""
-        steps = workflows.build(run.spec.workflow)
         AGENTS_CONCURRENT.inc()
         code = grpc.StatusCode.OK
         try:
-            if run.inline:
-                ticket = run.deps.queue.submit(lambda: run_dag(steps, run))
-                run.accept(ticket.position)
-                _, wait = await ticket.result()
-                run.timings.queue_wait_s["orchestration"] = wait
-                run.final.timings.queue_wait_s["orchestration"] = wait
-            else:
-                await run_dag(steps, run)
+            await self._run_until_deadline(run)
             assert run.final is not None
             run.emit(agent_pb2.TaskEvent(final=run.final))
             TASK_DURATION.labels(run.spec.workflow).observe(run.final.timings.total_s)

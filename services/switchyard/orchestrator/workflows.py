@@ -127,6 +127,9 @@ class TaskRun:
     deps: Deps
     emit: Callable[[agent_pb2.TaskEvent], None]
     deadline_s: float | None = None
+    """``time.monotonic()`` instant by which the task must end."""
+    deadline_source: str = ""
+    """What set the deadline (a config key or the caller), for the error message."""
     t0: float = field(default_factory=time.monotonic)
     inline: bool = False
     accepted_sent: bool = False
