@@ -126,6 +126,15 @@ async def test_total_timeout_is_deadline_exceeded(clean_proxy_env):
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "total_timeout_s" in str(err)
 
 
+async def test_the_callers_deadline_bounds_the_upstream_call(clean_proxy_env):
+    """The dispatcher passes its caller's remaining time on (ChatRequest.timeout_s): the upstream call
+    ends by then even when model_gateway.total_timeout_s would allow more."""
+    with start_sim(faults={"*": Fault(slow_ms=3000)}) as server:
+        request = ChatRequest(messages=[{"role": "user", "content": "hi"}], timeout_s=0.2)
+        err = await stream_error(gateway_config(server.base_url, total_timeout_s=60, fallback_model=""), request)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "the caller's deadline (0.2s left)" in str(err)
+
+
 # --------------------------------------------------------------------------- broken streams
 
 

@@ -133,6 +133,8 @@ class Sequence:
 
     arrival: float = field(default_factory=time.monotonic)
     """When the Generate call arrived."""
+    deadline: float | None = None
+    """The caller's gRPC deadline, if it set one; an upstream engine's call must end by then."""
 
     # --- generated output
     output_tokens: list[str] = field(default_factory=list)

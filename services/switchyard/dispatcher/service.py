@@ -296,6 +296,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             span.set_attribute("switchyard.priority", seq.priority_name)
             seq.span_context = span.get_span_context()
             seq.span = span
+            if (remaining := context.time_remaining()) is not None:
+                seq.deadline = time.monotonic() + remaining
             wall_arrival_ns = time.time_ns()
             if loop is None:
                 raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)

@@ -61,6 +61,8 @@ class _Call:
     deadline: float
     span: Span
     request_id: str
+    budget: str = ""
+    """What set ``deadline``, for the error message."""
 
 
 @dataclass
@@ -248,8 +250,11 @@ class GatewayClient:
             span.end()
             GATEWAY_REQUESTS.labels(self._label(self.models_for(request.model)[0]), exc.code.name).inc()
             raise
-        deadline = asyncio.get_running_loop().time() + self.config.total_timeout_s
-        return _Call(key, token, deadline, span, request.request_id)
+        budget_s, budget = self.config.total_timeout_s, f"model_gateway.total_timeout_s={self.config.total_timeout_s:g}s"
+        if request.timeout_s is not None and request.timeout_s < budget_s:
+            budget_s, budget = request.timeout_s, f"the caller's deadline ({request.timeout_s:.3g}s left)"
+        deadline = asyncio.get_running_loop().time() + budget_s
+        return _Call(key, token, deadline, span, request.request_id, budget)
 
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[str], Awaitable[T]]
@@ -268,7 +273,8 @@ class GatewayClient:
                 raise
 
         result, model = await with_fallback(
-            chain, attempt, self.config, deadline=call.deadline, on_deadline=self._deadline_error
+            chain, attempt, self.config, deadline=call.deadline,
+            on_deadline=lambda model: self._deadline_error(model, call),
         )
         if model != chain[0]:
             call.span.set_attribute("switchyard.gateway.fallback_model", model)
@@ -389,18 +395,15 @@ class GatewayClient:
 
     # ------------------------------------------------------------------ deadlines and spans
 
-    def _deadline_error(self, model: str) -> UpstreamTimeout:
-        err = UpstreamTimeout(
-            f"model {model!r} did not complete within model_gateway.total_timeout_s="
-            f"{self.config.total_timeout_s:g}s at {self.config.base_url}"
-        )
+    def _deadline_error(self, model: str, call: _Call) -> UpstreamTimeout:
+        err = UpstreamTimeout(f"model {model!r} did not complete within {call.budget} at {self.config.base_url}")
         err.code = grpc.StatusCode.DEADLINE_EXCEEDED
         err.retryable = False
         return err
 
     def _check_deadline(self, call: _Call, model: str) -> None:
         if asyncio.get_running_loop().time() > call.deadline:
-            raise self._deadline_error(model)
+            raise self._deadline_error(model, call)
 
     @staticmethod
     def _fail_span(span: Span, exc: GatewayError) -> None:

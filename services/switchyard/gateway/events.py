@@ -26,6 +26,9 @@ class ChatRequest:
     priority_class: str | None = None
     temperature: float | None = None
     request_id: str = ""
+    timeout_s: float | None = None
+    """Seconds the caller has left (its gRPC deadline, passed on by the dispatcher): the completion,
+    retries and fallback included, must end within this and ``model_gateway.total_timeout_s``."""
 
 
 @dataclass(frozen=True)

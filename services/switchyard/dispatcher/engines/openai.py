@@ -11,6 +11,8 @@ flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, AsyncIterator, Callable
 
 from opentelemetry.trace import Tracer
@@ -100,6 +102,7 @@ def chat_request(seq: Sequence) -> ChatRequest:
         tools=[_tool_spec(i, tool) for i, tool in enumerate(seq.tools)],
         priority_class=seq.priority_name,
         request_id=seq.request_id,
+        timeout_s=None if seq.deadline is None else max(0.0, seq.deadline - time.monotonic()),
     )
 
 
