@@ -234,3 +234,37 @@ def test_unusable_key_stops_the_engine_at_start_naming_the_variable(monkeypatch)
     monkeypatch.delenv("SWITCHYARD_TEST_START_KEY")
     with pytest.raises(GatewayError, match="SWITCHYARD_TEST_START_KEY"):
         engine_for("http://127.0.0.1:9/v1", api_key_env="SWITCHYARD_TEST_START_KEY", api_key_required=True)
+
+
+@pytest.mark.parametrize(("fault", "says"), [
+    (Fault(no_done=True), "without 'data: [DONE]'"),
+    (Fault(cut_after=2), "closed mid-response"),
+])
+async def test_an_upstream_failure_names_the_upstream_not_the_dispatcher(clean_proxy_env, fault, says):
+    """UNAVAILABLE relayed by a healthy dispatcher names the upstream model as the hop that failed,
+    never "dispatcher service unavailable ... is it running"."""
+    with start_sim(faults={"*": fault}) as server:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await run_task(server.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                           max_retries=0, fallback_model="")
+    details = caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert details.startswith("upstream model (via dispatcher at 127.0.0.1:") and says in details, details
+    assert "is it running" not in details
+    origin = dict(caught.value.trailing_metadata())["switchyard-error-origin"]
+    assert origin == "upstream model"
+
+
+async def test_a_dead_proxy_is_named_as_the_proxy(clean_proxy_env, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with start_sim() as server:
+        monkeypatch.setenv("HTTP_PROXY", dead)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await run_task(server.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                           max_retries=0, fallback_model="")
+    assert caught.value.details().startswith("proxy (via dispatcher at 127.0.0.1:")
+    assert f"HTTP_PROXY={dead}" in caught.value.details()

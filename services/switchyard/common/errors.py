@@ -1,7 +1,15 @@
-"""Mapping from Switchyard's exceptions to gRPC status codes.
+"""Mapping from Switchyard's exceptions to gRPC status codes, and the hop that failed.
 
-Errors leave a servicer through ``await context.abort(code, details)``; the
-details always name what failed (queue, field, service, model) and the fix.
+Errors leave a servicer through :func:`abort`: ``context.abort(code, details)``
+with the hop that produced the error in the trailing metadata
+(:data:`ORIGIN_KEY`). The details always name what failed (queue, field,
+service, model) and the fix.
+
+Which hop failed: an error that carries :data:`ORIGIN_KEY` was answered by a
+Switchyard service (its own, or one it relays from the upstream model or a
+proxy); an error without it was never answered, so the transport to that
+service failed (:class:`ServiceUnavailable`: "is it running?"). An upstream
+stream cut or a dead proxy is therefore never blamed on a healthy dispatcher.
 """
 
 from __future__ import annotations
@@ -9,10 +17,17 @@ from __future__ import annotations
 import grpc
 
 
+ORIGIN_KEY = "switchyard-error-origin"
+"""Trailing-metadata key: the hop that produced an error (orchestrator, retrieval, dispatcher,
+upstream model, proxy)."""
+
+
 class SwitchyardError(Exception):
-    """An error that carries its gRPC status code."""
+    """An error that carries its gRPC status code, and the hop it came from when not the raiser's."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    origin: str = ""
+    """The hop that failed, when it is not the service that raises this (e.g. ``upstream model``)."""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
@@ -87,6 +102,14 @@ SERVER_FAULT_CODES = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: str) -> None:
+    """End the RPC with ``exc``'s status, naming its hop (``exc.origin``, else ``service``) in the
+    trailing metadata under :data:`ORIGIN_KEY`. Always raises (``grpc.aio.AbortError``)."""
+    code, details = status_for(exc)
+    origin = getattr(exc, "origin", "") or service
+    await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin),))
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -30,7 +30,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, engine_default_model
-from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
+from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
@@ -311,9 +311,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
             span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
         except SwitchyardError as exc:
-            code, details = status_for(exc)
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            await context.abort(code, details)
+            span.set_attribute("rpc.grpc.status_code", status_for(exc)[0].value[0])
+            await abort(context, exc, "dispatcher")
         except Exception as exc:
             span.record_exception(exc)
             telemetry.record_exception_status(span, exc)

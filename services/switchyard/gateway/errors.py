@@ -30,6 +30,7 @@ class GatewayError(SwitchyardError):
     """An upstream call failed; the message names the cause and the fix."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    origin = "upstream model"
     retryable = False
     fallback_ok = True
     tokens_sent = 0
@@ -122,6 +123,7 @@ class ProxyUnavailable(GatewayError):
     """The proxy named by HTTP_PROXY/HTTPS_PROXY did not answer ("local proxy failed")."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    origin = "proxy"
     retryable = True
     fallback_ok = False
 

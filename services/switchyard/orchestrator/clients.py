@@ -14,15 +14,29 @@ from typing import AsyncIterator
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.errors import ServiceUnavailable, SwitchyardError
+from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ServerConfig
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
-    if err.code() == grpc.StatusCode.UNAVAILABLE:
-        return ServiceUnavailable(service, address, err.details() or "")
-    return SwitchyardError(f"{service} ({address}): {err.details() or err.code().name}", err.code())
+    """The error to raise for a failed call to ``service``, naming the hop that failed.
+
+    An answer from the service carries its origin (:data:`ORIGIN_KEY`): the service itself, or the
+    upstream model or proxy it relays. Without one, nothing answered: the service is unreachable.
+    """
+    origin = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "")
+    details = err.details() or err.code().name
+    if not origin:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            return ServiceUnavailable(service, address, details)
+        error = SwitchyardError(f"{service} ({address}): {details}", err.code())
+    elif origin == service:
+        error = SwitchyardError(f"{service} ({address}): {details}", err.code())
+    else:
+        error = SwitchyardError(f"{origin} (via {service} at {address}): {details}", err.code())
+    error.origin = origin or service
+    return error
 
 
 class RetrievalClient:

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, status_for
+from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts, tokens, workflows
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
@@ -201,7 +201,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         try:
             spec = workflows.validate(request, self.config)
         except SwitchyardError as exc:
-            await context.abort(exc.code, str(exc))
+            await abort(context, exc, self.name)
         events: asyncio.Queue = asyncio.Queue()
         run = self._new_run(spec, events.put_nowait, context)
         task = asyncio.create_task(self._execute(run), name=f"task-{spec.task_id}")
@@ -214,10 +214,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             if not task.done():
                 task.cancel()
         if exc is not None:
-            code, details = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
+            if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
                 log.exception("task %s failed", spec.task_id, exc_info=exc)
-            await context.abort(code, details)
+            await abort(context, exc, self.name)
 
     async def SubmitTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext

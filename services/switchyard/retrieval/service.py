@@ -23,7 +23,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, status_for
+from switchyard.common.errors import InvalidArgument, SERVER_FAULT_CODES, abort, status_for
 from switchyard.common.queues import QueueTimeoutError, WorkQueue
 from switchyard.retrieval.embedder import Embedder, MicroBatcher, load_embedder, set_threads
 from switchyard.retrieval.index import IndexMismatchError, VectorIndex, load_index
@@ -211,6 +211,6 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             REQUESTS.labels(code.name).inc()
             if code in SERVER_FAULT_CODES and code is not grpc.StatusCode.DEADLINE_EXCEEDED:
                 log.exception("Retrieve failed")
-            await context.abort(code, details)
+            await abort(context, exc, "retrieval")
         REQUESTS.labels("OK").inc()
         return response
