@@ -97,29 +97,42 @@ def bounded_timeout(timeout_s: float | None) -> float | None:
     return left if timeout_s is None else min(timeout_s, left)
 
 
-def _bounded(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    timeout = bounded_timeout(details.timeout)
-    if timeout == details.timeout:
-        return details
-    return grpc.aio.ClientCallDetails(
-        details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
-    )
+class _BoundedCall:
+    """A multi-callable whose calls get at most the current scope's remaining time as timeout."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __call__(self, request: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._inner(request, timeout=bounded_timeout(timeout), **kwargs)
 
 
-# grpc.aio files an interceptor under the first call kind it subclasses (an if/elif
-# chain), so each kind gets its own class.
-class _DeadlineUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    """Gives each unary call at most the remaining time of the :func:`deadline_scope` it starts in."""
+class _DeadlineChannel:
+    """A ``grpc.aio.Channel`` whose unary and server-streaming calls honour :func:`deadline_scope`.
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
-        return await continuation(_bounded(client_call_details), request)
+    A wrapper rather than a client interceptor: grpc.aio runs every intercepted call
+    through an extra task, a cost each call of the request path would pay.
+    """
 
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
 
-class _DeadlineUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    """The same for server-streaming calls."""
+    def unary_unary(self, *args: Any, **kwargs: Any) -> _BoundedCall:
+        return _BoundedCall(self._channel.unary_unary(*args, **kwargs))
 
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
-        return await continuation(_bounded(client_call_details), request)
+    def unary_stream(self, *args: Any, **kwargs: Any) -> _BoundedCall:
+        return _BoundedCall(self._channel.unary_stream(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:  # close, channel_ready, get_state, stream_* ...
+        return getattr(self._channel, name)
+
+    async def __aenter__(self) -> "_DeadlineChannel":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
 
 
 # ---------------------------------------------------------------------------- channels
@@ -137,10 +150,9 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
     """
     from switchyard.common import telemetry  # telemetry imports config; keep this module light
 
-    interceptors: list[Any] = [
-        _DeadlineUnaryUnary(), _DeadlineUnaryStream(), *telemetry.client_interceptors(tracer_provider, target)
-    ]
-    return grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
+    interceptors = telemetry.client_interceptors(tracer_provider, target) or None
+    channel = grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
+    return _DeadlineChannel(channel)  # type: ignore[return-value]  # a Channel in every use
 
 
 def open_sync_channel(target: str, config: ServerConfig | None = None) -> grpc.Channel:
