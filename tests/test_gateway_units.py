@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from gateway_fixtures import clean_proxy_env  # noqa: F401
 
@@ -16,14 +17,20 @@ from switchyard.gateway.proxy import ProxyRoute, proxy_for
 from switchyard.gateway.sse import iter_data
 
 
-async def lines(*items: str):
-    for item in items:
-        yield item
+def sse_response(body: str) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=body.encode())
 
 
-async def test_sse_joins_data_lines_and_skips_comments():
-    got = [d async for d in iter_data(lines(": keep-alive", "", "event: x", "data: a", "data: b", "", "data:[DONE]"))]
-    assert got == ["a\nb", "[DONE]"]
+@pytest.mark.parametrize(("body", "expected"), [
+    (": keep-alive\n\nevent: x\ndata: a\ndata: b\n\ndata:[DONE]\n\n", ["a\nb", "[DONE]"]),  # comments, multi-line
+    ("data: a\n\ndata: [DONE]", ["a"]),  # an event cut before its empty line is not dispatched (WHATWG)
+    ("data: one\r\n\r\ndata: two\r\rdata: three\n\n", ["one", "two", "three"]),  # CRLF, CR, LF line ends
+    ("retry: 3000\nid: 7\n\nevent: ping\n\ndata:\n\ndata: x\n\n", ["x"]),  # events without data skipped
+    ("data:  two spaces\n\ndata:no space\n\n", [" two spaces", "no space"]),  # one leading space removed
+    ("event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n", ['{"error": {"message": "overloaded"}}']),
+])
+async def test_sse_follows_the_whatwg_event_stream_format(body, expected):
+    assert [d async for d in iter_data(sse_response(body))] == expected
 
 
 def chunk(delta: dict, finish: str | None = None, **extra) -> str:

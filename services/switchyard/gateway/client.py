@@ -363,7 +363,7 @@ class GatewayClient:
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
                 )
             decoder = StreamDecoder(model)
-            data = iter_data(response.aiter_lines())
+            data = iter_data(response)
             first: list[StreamEvent] = []
             async for payload in data:
                 first.extend(decoder.feed(payload))

@@ -1,8 +1,11 @@
-"""Server-sent events framing (the subset OpenAI-compatible servers use).
+"""Server-sent events: reading an upstream's stream, writing sim-openai's.
 
-Per the WHATWG HTML "server-sent events" section: lines ``field: value``; an
-empty line ends an event; ``data`` lines of one event are joined with ``\\n``;
-lines starting with ``:`` are comments (keep-alives).
+Reading uses httpx-sse, which parses the WHATWG HTML "server-sent events"
+event-stream format in full: ``field: value`` lines, CR/LF/CRLF line ends, an
+empty line ending each event, multi-line ``data`` joined with ``\n``, empty
+``data:``, comment lines (``:`` keep-alives), ``event:``, ``id:`` and ``retry:``.
+A completion stream is read once, so ``id`` and ``retry`` (reconnection) have
+no use here; events of any type are passed on by their data.
 """
 
 from __future__ import annotations
@@ -10,30 +13,26 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
+import httpx
+from httpx_sse import EventSource
+
 DONE = "[DONE]"
 
 
-async def iter_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Yield the ``data`` payload of each event read from ``lines`` (one text line per item).
+async def iter_data(response: httpx.Response) -> AsyncIterator[str]:
+    """Yield the ``data`` of each event of ``response`` (``text/event-stream``).
 
-    Events without data (comments, bare ``event:``/``id:``/``retry:``) are skipped.
-    A final event not followed by an empty line is still yielded.
+    Events without data (a bare ``event:``, ``id:`` or ``retry:``) are skipped.
+    As the format says, an event cut off before its empty line is not dispatched:
+    a stream whose ``data: [DONE]`` has no empty line after it ended early.
+
+    Raises:
+        httpx_sse.SSEError: the response is not ``text/event-stream``.
+        httpx.HTTPError: the connection failed while reading.
     """
-    data: list[str] = []
-    async for raw in lines:
-        line = raw.rstrip("\r\n")
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-            continue
-        if line.startswith(":"):
-            continue
-        field, _, value = line.partition(":")
-        if field == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
-    if data:
-        yield "\n".join(data)
+    async for event in EventSource(response).aiter_sse():
+        if event.data:
+            yield event.data
 
 
 def encode(payload: dict[str, Any] | str) -> bytes:
