@@ -750,4 +750,7 @@ def load_config(config_dir: str | Path | None = None) -> SwitchyardConfig:
         overrides["service.orchestrator.retrieval_addr"] = addr
     if (addr := envs.SWITCHYARD_DISPATCHER_ADDR.get()) is not None:
         overrides["service.orchestrator.dispatcher_addr"] = addr
+    if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
+        host, _, port = addr.rpartition(":")
+        overrides["memory.dram.host"], overrides["memory.dram.port"] = host, int(port)
     return config.with_overrides(**overrides) if overrides else config

@@ -25,9 +25,11 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts, tokens, workflows
+from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
@@ -106,6 +108,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._submitted: dict[str, _Submitted] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._deps: workflows.Deps | None = None
+        self._dram: DramClient | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,11 +129,20 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
             inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
+            memory=await self._agent_memory(),
         )
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
         )
+
+    async def _agent_memory(self) -> AgentMemory | None:
+        """Agent memory in the DRAM tier's Redis; an unreachable Redis is logged and retried, never fatal."""
+        if not self.config.memory.agent_memory.enabled:
+            return None
+        self._dram = DramClient(self.config.memory.dram)
+        await self._dram.start()
+        return AgentMemory(self._dram, self.config.memory.agent_memory)
 
     async def stop(self) -> None:
         if self._background:
@@ -147,6 +159,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             await deps.inference.close()
             if deps.executor is not None:  # wait, so worker processes and their semaphores are reaped
                 await asyncio.to_thread(deps.executor.shutdown, wait=True, cancel_futures=True)
+        if self._dram is not None:
+            await self._dram.close()
+            self._dram = None
 
     # ------------------------------------------------------------------ running a task
 
@@ -177,7 +192,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         Raises:
             TaskDeadlineExceeded: the deadline passed first.
         """
-        steps = workflows.build(run.spec.workflow)
+        steps = workflows.build(run.spec.workflow, memory=workflows.uses_memory(run.spec, run.deps))
         assert run.deadline_s is not None
         with deadline_scope(run.deadline_s):
             limit = asyncio.timeout(run.deadline_s - time.monotonic())
