@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 
-import grpc
 import pytest
 from prometheus_client import REGISTRY
 from redis_fixtures import RedisOutage, redis_db, redis_server, start_redis  # noqa: F401

@@ -68,7 +68,7 @@ async def test_agent_memory_carries_across_tasks_in_the_embedded_redis(up):
 
     host, _, port = up.redis_address().rpartition(":")
     finals = []
-    async with grpc.aio.insecure_channel(up.address("orchestrator")) as channel:
+    async with open_channel(up.address("orchestrator")) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         for payload in ("My name is Ada.", "What is my name?"):
             request = agent_pb2.RunTaskRequest(payload=payload, agent_id="e2e-agent", task_type="chat")

@@ -15,12 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 from redis_fixtures import free_port, redis_db, redis_server  # noqa: F401
 from test_orchestrator import Downstream
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.launcher import healthy
@@ -98,7 +98,7 @@ async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, 
         address = f"127.0.0.1:{downstream.port}"
         first = Orchestrator(config_dir, address)
         try:
-            async with grpc.aio.insecure_channel(await first.ready()) as channel:
+            async with open_channel(await first.ready()) as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
                 done = [f"done-{i}" for i in range(5)]
                 for task_id in done:
@@ -117,7 +117,7 @@ async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, 
 
         second = Orchestrator(config_dir, address)
         try:
-            async with grpc.aio.insecure_channel(await second.ready()) as channel:
+            async with open_channel(await second.ready()) as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
                 statuses = {}
                 for task_id in done + running_ids:
