@@ -44,18 +44,19 @@ OUT_DIR = ROOT / "deploy" / "requirements"
 
 @dataclass(frozen=True)
 class Image:
-    """One service image: the pyproject extras it installs and its Python (major.minor)."""
+    """One service image: the pyproject extras it installs and its Python (major.minor.micro: markers
+    such as redis-py's ``python_full_version < '3.11.3'`` compare the micro version)."""
 
     extras: tuple[str, ...]
     python: str
 
 
-# Python versions match the base images in deploy/docker/: python:3.11-slim for the
-# CPU services, the CUDA image's Ubuntu 24.04 system Python 3.12 for the dispatcher.
+# Python versions match the base images in deploy/docker/: python:3.11.13-slim for the
+# CPU services, the CUDA image's Ubuntu 24.04 system Python 3.12 (3.12.3) for the dispatcher.
 IMAGES: dict[str, Image] = {
-    "orchestrator": Image(extras=(), python="3.11"),
-    "retrieval": Image(extras=("retrieval",), python="3.11"),
-    "dispatcher": Image(extras=("dispatcher", "torch"), python="3.12"),
+    "orchestrator": Image(extras=(), python="3.11.13"),
+    "retrieval": Image(extras=("retrieval",), python="3.11.13"),
+    "dispatcher": Image(extras=("dispatcher", "torch"), python="3.12.3"),
 }
 
 
@@ -92,8 +93,8 @@ def top_level(image: Image, pyproject: Path = PYPROJECT) -> list[Requirement]:
 def _environment(python: str) -> dict[str, str]:
     """PEP 508 marker environment of a Linux x86_64 CPython image."""
     return {
-        "python_version": python,
-        "python_full_version": f"{python}.0",
+        "python_version": ".".join(python.split(".")[:2]),
+        "python_full_version": python,
         "implementation_name": "cpython",
         "platform_python_implementation": "CPython",
         "os_name": "posix",

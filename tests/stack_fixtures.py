@@ -48,6 +48,13 @@ class UpStack:
     def metrics_url(self, name: str) -> str:
         return self._line(name).group(2)
 
+    def redis_address(self) -> str:
+        """host:port of the embedded DRAM-tier Redis that ``switchyard up`` started."""
+        for line in self.lines:
+            if m := re.match(r"\s+redis\s+(\S+:\d+)\s+DRAM tier, embedded", line):
+                return m.group(1)
+        raise AssertionError(f"no embedded Redis printed:\n{''.join(self.lines)}")
+
     def wait_ready(self, timeout: float = 240) -> None:
         if not self.ready.wait(timeout):
             self.stop()

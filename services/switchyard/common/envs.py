@@ -59,6 +59,18 @@ SWITCHYARD_RETRIEVAL_ADDR = EnvVar[str | None](
 SWITCHYARD_DISPATCHER_ADDR = EnvVar[str | None](
     "SWITCHYARD_DISPATCHER_ADDR", _optional, None, "host:port of the dispatcher; overrides orchestrator.dispatcher_addr."
 )
+def _host_port(raw: str) -> str:
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected host:port, e.g. 127.0.0.1:6379")
+    return raw.strip()
+
+
+SWITCHYARD_DRAM_ADDR = EnvVar[str | None](
+    "SWITCHYARD_DRAM_ADDR", _host_port, None,
+    "host:port of the DRAM tier's Redis; overrides memory_policy.toml [dram] host/port (switchyard up sets it "
+    "for the Redis it starts).",
+)
 SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
 
 # Read by libraries under their standard names (listed, not parsed, here).

@@ -25,3 +25,11 @@ AGENTS_CONCURRENT = Gauge(
     "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries)."
 )
 TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])
+AGENT_MEMORY_RECALLS = Counter(
+    "switchyard_agent_memory_recalls_total",
+    "Tasks with an agent_id by what their memory gave: hit (messages recalled), miss (none, or the DRAM tier was "
+    "down), dropped (recalled but left out: the prompt would not fit the context window with it).",
+    ["outcome"],
+)
+for _outcome in ("hit", "miss", "dropped"):
+    AGENT_MEMORY_RECALLS.labels(_outcome)

@@ -36,18 +36,23 @@ class Snippet(NamedTuple):
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """A prompt as chat messages, plus the same text joined for engines that take one string."""
+    """A prompt as chat messages, plus the same text joined for engines that take one string.
+
+    ``history`` holds (role, content) pairs recalled from the agent's memory; they sit between the
+    system message and the question.
+    """
 
     system: str
     user: str
+    history: tuple[tuple[str, str], ...] = ()
 
     @property
     def text(self) -> str:
-        return f"{self.system}\n\n{self.user}"
+        return "\n\n".join([self.system, *(content for _, content in self.history), self.user])
 
     def messages(self) -> list[tuple[str, str]]:
         """(role, content) pairs in order."""
-        return [("system", self.system), ("user", self.user)]
+        return [("system", self.system), *self.history, ("user", self.user)]
 
 
 @lru_cache(maxsize=1)
@@ -66,6 +71,7 @@ def render(
     question: str,
     passages: Sequence[Any] = (),
     tools: Sequence[Any] = (),
+    history: Sequence[tuple[str, str]] = (),
 ) -> RenderedPrompt:
     """Render the system and user messages of ``workflow`` (rag_answer, chat, react_loop).
 
@@ -74,6 +80,7 @@ def render(
         question: the user's payload (data, never template code).
         passages: objects with ``title`` and ``text`` (retrieval results).
         tools: objects with ``name`` and ``description``.
+        history: (role, content) pairs from the agent's memory, oldest first (data, never template code).
 
     Raises:
         jinja2.TemplateNotFound: no template for ``workflow``.
@@ -81,4 +88,4 @@ def render(
     env = _env()
     system = env.get_template(f"{workflow}.system.j2").render(passages=list(passages), tools=list(tools))
     user = env.get_template("question.user.j2").render(question=question)
-    return RenderedPrompt(system.strip(), user.strip())
+    return RenderedPrompt(system.strip(), user.strip(), tuple((str(r), str(c)) for r, c in history))

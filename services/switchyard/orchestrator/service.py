@@ -20,17 +20,20 @@ from typing import AsyncIterator
 
 import grpc
 from opentelemetry import trace
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts, tokens, workflows
+from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
-from switchyard.orchestrator.tasks import TaskTable
+from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -73,12 +76,27 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
+class _Submitted:
+    """A SubmitTask task running in this process: its live state and timings, fresher than the store's."""
+
+    def __init__(self) -> None:
+        self.state = agent_pb2.QUEUED
+        self.timings = agent_pb2.Timings()
+        self.final: agent_pb2.TaskStatus | None = None
+        """Set when the task finished but the store could not record it: answered from here instead."""
+
+    def to_status(self, task_id: str) -> agent_pb2.TaskStatus:
+        if self.final is not None:
+            return self.final
+        return agent_pb2.TaskStatus(task_id=task_id, state=self.state, timings=self.timings)
+
+
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
-    """AgentService servicer plus its queue, CPU pool and downstream clients.
+    """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
         config: the loaded configuration; ``service.orchestrator`` gives the
-            downstream addresses and ``queue.queues.orchestration`` the queue.
+            downstream addresses and the task store, ``queue.queues.orchestration`` the queue.
     """
 
     name = "orchestrator"
@@ -86,9 +104,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.config = config
-        self.tasks = TaskTable(config.service.orchestrator.task_table_size)
+        self.tasks: TaskStore = make_task_store(config)
+        self._submitted: dict[str, _Submitted] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._deps: workflows.Deps | None = None
+        self._dram: DramClient | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -98,6 +118,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     async def start(self) -> None:
         cfg = self.config
         orch = cfg.service.orchestrator
+        await self.tasks.open()
+        log.info("orchestrator: task store %s (instance %s)", self.tasks.name, self.tasks.owner)
         queue = WorkQueue("orchestration", cfg.queue.queues.orchestration)
         queue.start()
         retrieval_timeout = cfg.queue.queues.retrieval.timeout_ms / 1000 + 5.0
@@ -107,17 +129,29 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
             inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
+            memory=await self._agent_memory(),
         )
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
         )
 
+    async def _agent_memory(self) -> AgentMemory | None:
+        """Agent memory in the DRAM tier's Redis; an unreachable Redis is logged and retried, never fatal."""
+        if not self.config.memory.agent_memory.enabled:
+            return None
+        self._dram = DramClient(self.config.memory.dram)
+        await self._dram.start()
+        return AgentMemory(self._dram, self.config.memory.agent_memory)
+
     async def stop(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.service.server.shutdown_grace_s)
         for task in self._background:
             task.cancel()
+        if self._background:  # each records its task as FAILED before the store closes
+            await asyncio.wait(self._background, timeout=5.0)
+        await self.tasks.close()
         deps, self._deps = self._deps, None
         if deps is not None:
             await deps.queue.stop()
@@ -125,6 +159,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             await deps.inference.close()
             if deps.executor is not None:  # wait, so worker processes and their semaphores are reaped
                 await asyncio.to_thread(deps.executor.shutdown, wait=True, cancel_futures=True)
+        if self._dram is not None:
+            await self._dram.close()
+            self._dram = None
 
     # ------------------------------------------------------------------ running a task
 
@@ -155,7 +192,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         Raises:
             TaskDeadlineExceeded: the deadline passed first.
         """
-        steps = workflows.build(run.spec.workflow)
+        steps = workflows.build(run.spec.workflow, memory=workflows.uses_memory(run.spec, run.deps))
         assert run.deadline_s is not None
         with deadline_scope(run.deadline_s):
             limit = asyncio.timeout(run.deadline_s - time.monotonic())
@@ -221,34 +258,71 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     async def SubmitTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.Accepted:
+        """Record the task in the task store, then run it in the background; returns once it is queued.
+
+        The same task_id with the same request answers the task already recorded (idempotent, any
+        orchestrator sharing the store); with a different request it is ALREADY_EXISTS naming task_id.
+        A task refused before it was queued (queue full, bad prompt) is not recorded.
+        """
         try:
             spec = workflows.validate(request, self.config)
-            record = self.tasks.create(spec.task_id)
+            limit = self.config.service.orchestrator.task_table_size
+            if len(self._submitted) >= limit:
+                raise SwitchyardError(
+                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.task_table_size); "
+                    "poll GetTaskStatus and retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            fields = {**vars(spec), "metadata": dict(request.metadata)}
+            if not request.task_id:
+                fields.pop("task_id")
+            trace_id = _trace_id()
+            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id)
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
+        if not created:
+            if record.fingerprint != fingerprint(fields):
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"task_id: {spec.task_id!r} already exists with a different request; resubmit the identical "
+                    "request to get that task, or use a new task_id",
+                )
+            return agent_pb2.Accepted(task_id=record.task_id, queue_position=0, trace_id=record.trace_id)
+        live = self._submitted[spec.task_id] = _Submitted()
         accepted: asyncio.Future[agent_pb2.Accepted] = asyncio.get_running_loop().create_future()
+        running: list[asyncio.Task[None]] = []
 
         def emit(event: agent_pb2.TaskEvent) -> None:
             kind = event.WhichOneof("event")
             if kind == "accepted" and not accepted.done():
                 accepted.set_result(event.accepted)
             elif kind == "stage":
-                record.state = agent_pb2.RUNNING
-                record.timings.stage_s[event.stage.name] = event.stage.duration_s
+                if live.state == agent_pb2.QUEUED:
+                    live.state = agent_pb2.RUNNING
+                    running.append(asyncio.create_task(self._record_running(spec.task_id)))
+                live.timings.stage_s[event.stage.name] = event.stage.duration_s
 
         run = self._new_run(spec, emit, None)
 
         async def background() -> None:
             try:
-                record.result = await self._execute(run)
-                record.state = agent_pb2.SUCCEEDED
+                final = await self._execute(run)
+                state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
             except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
-                code, details = status_for(exc)
-                record.state, record.error = agent_pb2.FAILED, f"{code.name}: {details}"
-                if not accepted.done():
+                if not accepted.done():  # refused before it was queued: the caller gets the error, no record
                     accepted.set_exception(exc)
+                    await self._forget(spec.task_id)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    return
                 if isinstance(exc, asyncio.CancelledError):
-                    raise
+                    state, error = agent_pb2.FAILED, "CANCELLED: the orchestrator stopped before the task finished"
+                else:
+                    code, details = status_for(exc)
+                    state, error = agent_pb2.FAILED, f"{code.name}: {details}"
+                result = b""
+                live.timings.total_s = time.monotonic() - run.t0
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            await self._record_finish(spec.task_id, live, state, result, error)
 
         task = asyncio.create_task(background(), name=f"submitted-{spec.task_id}")
         self._background.add(task)
@@ -260,12 +334,64 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         except Exception as exc:  # noqa: BLE001
             await context.abort(*status_for(exc))
 
+    async def _record_running(self, task_id: str) -> None:
+        try:
+            await self.tasks.mark_running(task_id)
+        except SwitchyardError as exc:  # GetTaskStatus answers this process's live state meanwhile
+            log.warning("task %s: could not record RUNNING: %s", task_id, exc)
+
+    async def _forget(self, task_id: str) -> None:
+        self._submitted.pop(task_id, None)
+        try:
+            await self.tasks.delete(task_id)
+        except SwitchyardError as exc:
+            log.warning("task %s: refused before it was queued, but its record stays: %s", task_id, exc)
+
+    async def _record_finish(self, task_id: str, live: _Submitted, state: int, result: bytes, error: str) -> None:
+        """Write the outcome; while the store refuses (tenacity: 5 tries, backoff to 2 s), keep answering
+        it from this process."""
+        status = agent_pb2.TaskStatus(task_id=task_id, state=state, error=error, timings=live.timings)
+        if result:
+            status.result.ParseFromString(result)
+            status.compute_score_used = status.result.compute_score_used
+            status.memory_peak_bytes = status.result.memory_peak_bytes
+            status.timings.CopyFrom(status.result.timings)
+        live.final = status
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.1, max=2.0),
+                retry=retry_if_exception_type(TaskStoreUnavailable), reraise=True,
+            ):
+                with attempt:
+                    await self.tasks.finish(task_id, state, result=result, error=error,
+                                            timings=live.timings.SerializeToString())
+        except SwitchyardError as exc:
+            log.error("task %s: %s, but the task store did not record it: %s; only this orchestrator "
+                      "answers it until it stops", task_id, agent_pb2.TaskState.Name(state), exc)
+            return
+        self._submitted.pop(task_id, None)
+
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.TaskStatus:
+        """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task.
+
+        A task that was queued or running on an orchestrator that has since died is FAILED, naming it.
+        """
         if not request.task_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+        live = self._submitted.get(request.task_id)
+        if live is not None:
+            return live.to_status(request.task_id)
         try:
-            return self.tasks.get(request.task_id).to_status()
+            record = await self.tasks.get(request.task_id)
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
+        if record is None:
+            retention = self.config.service.orchestrator.task_store.retention_sec
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"task_id: no task {request.task_id!r} (never submitted, or finished more than {retention:g} s ago: "
+                "orchestrator.task_store.retention_sec)",
+            )
+        return record.to_status()

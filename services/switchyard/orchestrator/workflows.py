@@ -4,6 +4,10 @@
 - ``chat``: plan -> render_prompt -> count_tokens -> infer -> finalize
 - ``react_loop``: plan -> render_prompt -> count_tokens -> react (think -> tool call -> observe,
   up to ``orchestrator.react.max_steps``) -> finalize
+
+A task with an ``agent_id`` (and ``[agent_memory] enabled``) also runs ``recall``
+(its agent's memory, beside plan, before render_prompt) and ``remember`` (its
+question, tool results and answer, before finalize): see agent_memory.py.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from switchyard.api import agent_pb2
@@ -22,9 +26,10 @@ from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
+from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import Step
-from switchyard.orchestrator.metrics import STAGE_DURATION, TOOL_CALLS
+from switchyard.orchestrator.metrics import AGENT_MEMORY_RECALLS, STAGE_DURATION, TOOL_CALLS
 from switchyard.orchestrator.tokens import count_messages
 from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
 
@@ -43,6 +48,8 @@ class Deps:
     """Runs CPU jobs; None runs them on the event loop (orchestrator.cpu_executor = "loop")."""
     retrieval: RetrievalClient
     inference: InferenceClient
+    memory: AgentMemory | None = None
+    """Agent memory in the DRAM tier; None: tasks run without memory."""
 
 
 @dataclass
@@ -134,6 +141,7 @@ class TaskRun:
     inline: bool = False
     accepted_sent: bool = False
     passages: list[agent_pb2.Passage] = field(default_factory=list)
+    history: list[MemoryMessage] = field(default_factory=list)
     prompt: prompts.RenderedPrompt | None = None
     prompt_tokens: int = 0
     messages: list[agent_pb2.ChatMessage] = field(default_factory=list)
@@ -302,26 +310,49 @@ def _tools(run: TaskRun) -> list[Tool]:
     return [search_docs_tool(search), CALCULATOR]
 
 
+async def _recall(run: TaskRun) -> None:
+    """The agent's memory from earlier tasks (none when the DRAM tier is down)."""
+    assert run.deps.memory is not None
+    run.history = await run.deps.memory.recall(run.spec.agent_id)
+    AGENT_MEMORY_RECALLS.labels("hit" if run.history else "miss").inc()
+
+
+def _set_prompt(run: TaskRun, prompt: prompts.RenderedPrompt) -> None:
+    run.prompt = prompt
+    if run.spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
+        run.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
+    else:
+        run.messages = []
+
+
 def _render_prompt(run: TaskRun) -> CpuJob:
     passages = [prompts.Snippet(p.title, p.text) for p in run.passages]
     tools = [prompts.Snippet(t.name, t.description) for t in _tools(run)]
+    history = [m.as_prompt() for m in run.history]
+    return CpuJob(prompts.render, (run.spec.workflow, run.spec.payload, passages, tools, history),
+                  lambda prompt: _set_prompt(run, prompt))
 
-    def apply(prompt: prompts.RenderedPrompt) -> None:
-        run.prompt = prompt
-        if run.spec.workflow == "react_loop":
-            run.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
 
-    return CpuJob(prompts.render, (run.spec.workflow, run.spec.payload, passages, tools), apply)
+def count_prompt(messages: list[tuple[str, str]], history: int) -> tuple[int, int]:
+    """Tokens of the prompt ``messages``, with and without its ``history`` messages (those after the system one)."""
+    full = count_messages(messages)
+    return full, (count_messages([messages[0], *messages[1 + history:]]) if history else full)
 
 
 def _count_tokens(run: TaskRun) -> CpuJob:
     assert run.prompt is not None
+    prompt = run.prompt
     config = run.deps.config
     model = run.spec.model or engine_default_model(config)
     window = config.service.limits.context_window(model)
     budget = window - run.spec.max_tokens
 
-    def apply(count: int) -> None:
+    def apply(counts: tuple[int, int]) -> None:
+        count, without_history = counts
+        if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
+            AGENT_MEMORY_RECALLS.labels("dropped").inc()
+            _set_prompt(run, replace(prompt, history=()))
+            count = without_history
         run.prompt_tokens = count
         if count > budget:
             raise InvalidArgument(
@@ -331,7 +362,7 @@ def _count_tokens(run: TaskRun) -> CpuJob:
                 f"{count} tokens",
             )
 
-    return CpuJob(count_messages, (run.prompt.messages(),), apply)
+    return CpuJob(count_prompt, (prompt.messages(), len(prompt.history)), apply)
 
 
 async def _infer(run: TaskRun) -> None:
@@ -385,6 +416,16 @@ async def _observe(run: TaskRun, tools: dict[str, Tool], call: agent_pb2.ToolCal
     run.messages.append(agent_pb2.ChatMessage(role="tool", content=content, tool_call_id=call.call_id, name=call.name))
 
 
+async def _remember(run: TaskRun) -> None:
+    """Add this task's question, tool results and answer to the agent's memory."""
+    assert run.deps.memory is not None
+    task_id = run.spec.task_id
+    messages = [MemoryMessage("user", run.spec.payload, task_id=task_id)]
+    messages += [MemoryMessage("tool", m.content, name=m.name, task_id=task_id) for m in run.messages if m.role == "tool"]
+    messages.append(MemoryMessage("assistant", "".join(run.output), task_id=task_id))
+    await run.deps.memory.record(run.spec.agent_id, messages)
+
+
 def _finalize(run: TaskRun) -> CpuJob:
     def apply(_: None) -> None:
         run.timings.total_s = time.monotonic() - run.t0
@@ -403,18 +444,27 @@ def _finalize(run: TaskRun) -> CpuJob:
     return CpuJob(None, apply=apply)
 
 
-def build(workflow: str) -> list[Step]:
-    """The steps of ``workflow`` (one of :data:`WORKFLOWS`)."""
+def build(workflow: str, memory: bool = False) -> list[Step]:
+    """The steps of ``workflow`` (one of :data:`WORKFLOWS`); ``memory`` adds recall and remember."""
     head = [Step("plan", _plan, cpu=True)]
     if workflow == "rag_answer":
         head.append(Step("retrieve", _retrieve, after=("plan",)))
-    prompt_after = head[-1].name
+    prompt_after: tuple[str, ...] = (head[-1].name,)
+    if memory:
+        head.append(Step("recall", _recall))
+        prompt_after += ("recall",)
     middle = [
-        Step("render_prompt", _render_prompt, after=(prompt_after,), cpu=True),
+        Step("render_prompt", _render_prompt, after=prompt_after, cpu=True),
         Step("count_tokens", _count_tokens, after=("render_prompt",), cpu=True),
     ]
-    if workflow == "react_loop":
-        tail = [Step("react", _react, after=("count_tokens",)), Step("finalize", _finalize, after=("react",), cpu=True)]
-    else:
-        tail = [Step("infer", _infer, after=("count_tokens",)), Step("finalize", _finalize, after=("infer",), cpu=True)]
+    answer = "react" if workflow == "react_loop" else "infer"
+    tail = [Step(answer, _react if answer == "react" else _infer, after=("count_tokens",))]
+    if memory:
+        tail.append(Step("remember", _remember, after=(answer,)))
+    tail.append(Step("finalize", _finalize, after=(tail[-1].name,), cpu=True))
     return head + middle + tail
+
+
+def uses_memory(spec: TaskSpec, deps: Deps) -> bool:
+    """Whether a task recalls and records agent memory: it has an agent_id and memory is on."""
+    return bool(spec.agent_id) and deps.memory is not None and deps.memory.config.enabled

@@ -1,0 +1,291 @@
+"""What every task store does: records, idempotent create, leases and orphans.
+
+A record is written when SubmitTask accepts a task, again when it starts
+running and when it finishes. Each orchestrator holds a **lease** (renewed every
+``lease_sec / 3``); a record names the orchestrator that owns it. A task whose
+owner's lease ran out (the process was killed, or its host died) while the task
+was QUEUED or RUNNING is an **orphan**: the next reader, or the owner-less sweep
+run every ``lease_sec``, marks it FAILED with the reason. An owner on the same
+host and in the same PID namespace whose process no longer exists is known
+dead at once, without waiting for its lease (a restart after ``kill -9``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import TaskStoreConfig
+from switchyard.common.errors import SwitchyardError
+
+log = logging.getLogger(__name__)
+
+UNFINISHED = (agent_pb2.QUEUED, agent_pb2.RUNNING)
+FINISHED = (agent_pb2.SUCCEEDED, agent_pb2.FAILED)
+
+STORE_OPS = ("create", "get", "update", "delete")
+STORE_DURATION = Histogram(
+    "switchyard_task_store_duration_seconds", "Time of one task-store operation, by operation.", ["operation"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+TASKS_ORPHANED = Counter(
+    "switchyard_tasks_orphaned_total",
+    "Unfinished tasks reported FAILED because the orchestrator that ran them stopped (its lease ran out).",
+)
+for _op in STORE_OPS:
+    STORE_DURATION.labels(_op)
+
+
+class TaskStoreUnavailable(SwitchyardError):
+    """The task store cannot be read or written (UNAVAILABLE, naming the store)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, store: str, detail: object) -> None:
+        super().__init__(f"task store unavailable ({store}): {detail}; SubmitTask and GetTaskStatus need it")
+
+
+def fingerprint(fields: dict[str, object]) -> str:
+    """SHA-256 (hex) of a request's validated fields: equal for the same request, whatever field order."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def host_id() -> str:
+    """This host and PID namespace: owners with the same host_id share process ids."""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return f"{socket.gethostname()}/{pidns}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class TaskRecord:
+    """One task as stored. ``result`` is a serialized FinalEvent, ``timings`` a serialized Timings."""
+
+    task_id: str
+    fingerprint: str
+    state: int
+    owner: str
+    trace_id: str = ""
+    error: str = ""
+    result: bytes = b""
+    timings: bytes = b""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    def to_status(self) -> agent_pb2.TaskStatus:
+        """GetTaskStatus's answer: state, result, error, compute_score_used, memory_peak_bytes, timings."""
+        status = agent_pb2.TaskStatus(task_id=self.task_id, state=self.state, error=self.error)
+        if self.timings:
+            status.timings.ParseFromString(self.timings)
+        if self.result:
+            status.result.ParseFromString(self.result)
+            status.compute_score_used = status.result.compute_score_used
+            status.memory_peak_bytes = status.result.memory_peak_bytes
+            status.timings.CopyFrom(status.result.timings)
+        return status
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An orchestrator's lease: valid until ``expires_at`` (wall-clock seconds), held by ``pid`` on ``host``."""
+
+    expires_at: float
+    host: str
+    pid: int
+
+
+class TaskStore(ABC):
+    """Durable task records shared by SubmitTask and GetTaskStatus.
+
+    Args:
+        config: ``orchestrator.task_store``.
+        name: how errors name the store, e.g. ``sqlite data/tasks.sqlite3``.
+
+    Every method may raise :class:`TaskStoreUnavailable` when the store cannot be reached.
+    """
+
+    def __init__(self, config: TaskStoreConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.host = host_id()
+        self._maintenance: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ backend
+
+    @abstractmethod
+    async def _open(self) -> None: ...
+
+    @abstractmethod
+    async def _close(self) -> None: ...
+
+    @abstractmethod
+    async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
+        """Insert ``record`` unless a live record with its task_id exists; returns (the stored record, created).
+        A finished record past its retention counts as absent."""
+
+    @abstractmethod
+    async def _get(self, task_id: str) -> TaskRecord | None:
+        """The record, or None when absent or finished past its retention."""
+
+    @abstractmethod
+    async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
+        """Set ``state`` and ``fields`` if the record is unfinished and owned by ``owner``. Returns whether it was."""
+
+    @abstractmethod
+    async def _delete(self, task_id: str, owner: str) -> None:
+        """Remove an unfinished record owned by ``owner`` (a task refused before it was accepted)."""
+
+    @abstractmethod
+    async def _renew(self, lease: Lease) -> None:
+        """Write this orchestrator's lease."""
+
+    @abstractmethod
+    async def _release(self) -> None:
+        """Drop this orchestrator's lease (a clean stop)."""
+
+    @abstractmethod
+    async def _lease(self, owner: str) -> Lease | None:
+        """The lease of ``owner``, or None when it has none."""
+
+    @abstractmethod
+    async def _unfinished(self, limit: int) -> list[TaskRecord]:
+        """Up to ``limit`` unfinished records of owners other than this one."""
+
+    @abstractmethod
+    async def _purge(self, now: float) -> int:
+        """Delete finished records past retention and beyond max_finished_tasks (oldest first); returns how many."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        """Open the store, take a lease, fail the orphans left by dead orchestrators, start maintenance."""
+        await self._open()
+        await self._renew(self._new_lease())
+        await self.sweep()
+        self._maintenance = asyncio.create_task(self._maintain(), name="task-store-maintenance")
+
+    async def close(self) -> None:
+        """Stop maintenance and release the lease (the caller has finished or failed its own tasks)."""
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+            self._maintenance = None
+        with contextlib.suppress(TaskStoreUnavailable):
+            await self._release()
+        await self._close()
+
+    def _new_lease(self) -> Lease:
+        return Lease(time.time() + self.config.lease_sec, self.host, os.getpid())
+
+    async def _maintain(self) -> None:
+        interval = self.config.lease_sec / 3
+        last_sweep = last_purge = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._renew(self._new_lease())
+                now = time.monotonic()
+                if now - last_sweep >= self.config.lease_sec:
+                    last_sweep = now
+                    await self.sweep()
+                if now - last_purge >= min(60.0, self.config.retention_sec):
+                    last_purge = now
+                    await self._purge(time.time())
+            except TaskStoreUnavailable as exc:
+                log.warning("task store: maintenance failed, retrying in %.1f s: %s", interval, exc)
+
+    # ------------------------------------------------------------------ operations
+
+    async def create(self, task_id: str, fp: str, trace_id: str) -> tuple[TaskRecord, bool]:
+        """Record a QUEUED task owned by this orchestrator, or return the live record under ``task_id``.
+
+        Returns:
+            (record, created): ``created`` is False when ``task_id`` was already taken (compare
+            ``record.fingerprint`` with ``fp`` to tell a resubmission from a conflict).
+        """
+        with STORE_DURATION.labels("create").time():
+            return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id))
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        """The record of ``task_id`` (None when unknown or past retention); an orphan is failed first."""
+        with STORE_DURATION.labels("get").time():
+            record = await self._get(task_id)
+        if record is not None and not record.finished and record.owner != self.owner:
+            if await self._fail_if_orphan(record):
+                record = await self._get(task_id)
+        return record
+
+    async def mark_running(self, task_id: str) -> None:
+        with STORE_DURATION.labels("update").time():
+            await self._update(task_id, self.owner, agent_pb2.RUNNING)
+
+    async def finish(self, task_id: str, state: int, result: bytes = b"", error: str = "", timings: bytes = b"") -> bool:
+        """Record SUCCEEDED (with ``result``) or FAILED (with ``error``); False when the record was not ours."""
+        with STORE_DURATION.labels("update").time():
+            return await self._update(task_id, self.owner, state, result=result, error=error, timings=timings,
+                                      finished_at=time.time())
+
+    async def delete(self, task_id: str) -> None:
+        with STORE_DURATION.labels("delete").time():
+            await self._delete(task_id, self.owner)
+
+    async def sweep(self, limit: int = 1000) -> int:
+        """Fail up to ``limit`` orphans; returns how many were failed."""
+        failed = 0
+        for record in await self._unfinished(limit):
+            failed += await self._fail_if_orphan(record)
+        return failed
+
+    async def _owner_dead(self, owner: str) -> bool:
+        lease = await self._lease(owner)
+        if lease is None or lease.expires_at < time.time():
+            return True
+        return lease.host == self.host and lease.pid != os.getpid() and not pid_alive(lease.pid)
+
+    async def _fail_if_orphan(self, record: TaskRecord) -> bool:
+        if not await self._owner_dead(record.owner):
+            return False
+        state = agent_pb2.TaskState.Name(record.state)
+        reason = (
+            f"UNAVAILABLE: orchestrator {record.owner} stopped while the task was {state} (its lease ran out; "
+            f"orchestrator.task_store.lease_sec = {self.config.lease_sec:g}) and recorded no result; "
+            "resubmit it under a new task_id"
+        )
+        updated = await self._update(record.task_id, record.owner, agent_pb2.FAILED, error=reason,
+                                     finished_at=time.time())
+        if updated:
+            TASKS_ORPHANED.inc()
+            log.warning("task %s: %s", record.task_id, reason)
+        return updated

@@ -1,0 +1,190 @@
+"""The task store in Redis (``task_store.backend = "redis"``): one store for every orchestrator replica.
+
+It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
+``[dram] key_prefix``:
+
+- ``task:{task_id}``: a hash (fingerprint, state, owner, trace_id, error, result,
+  timings, created_at, updated_at, finished_at); a finished task's hash expires
+  ``retention_sec`` after it finished;
+- ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
+- ``tasks:finished``: a sorted set of finished task_ids by finish time (the
+  ``max_finished_tasks`` bound);
+- ``orchestrator:{owner}``: an orchestrator's lease, expiring with it.
+
+Create and update are Lua scripts, so a check and its write are one atomic step
+even with several replicas. For tasks to survive a restart of Redis itself, that
+Redis must persist (``appendonly yes``); the embedded Redis of ``switchyard up``
+does not, as it is a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Awaitable, TypeVar
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import DramTier, TaskStoreConfig
+from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
+
+T = TypeVar("T")
+
+_CREATE = """
+local existing = redis.call('HGETALL', KEYS[1])
+if #existing > 0 then return existing end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('SADD', KEYS[2], ARGV[1])
+return {}
+"""
+
+_UPDATE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+local finished = redis.call('HGET', KEYS[1], 'finished_at')
+if finished and finished ~= '' then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_at', ARGV[4])
+if #ARGV > 5 then redis.call('HSET', KEYS[1], unpack(ARGV, 6)) end
+if ARGV[3] == '3' or ARGV[3] == '4' then
+  redis.call('HSET', KEYS[1], 'finished_at', ARGV[4])
+  redis.call('SREM', KEYS[2], ARGV[1])
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+end
+return 1
+"""
+
+_DELETE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+local finished = redis.call('HGET', KEYS[1], 'finished_at')
+if finished and finished ~= '' then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+_FIELDS = ("fingerprint", "state", "owner", "trace_id", "error", "result", "timings",
+           "created_at", "updated_at", "finished_at")
+
+
+def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
+    raw = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2]))
+    values = {k.decode(): v for k, v in raw.items()}
+    finished_at = values.get("finished_at", b"")
+    return TaskRecord(
+        task_id=task_id,
+        fingerprint=values["fingerprint"].decode(),
+        state=int(values["state"]),
+        owner=values["owner"].decode(),
+        trace_id=values.get("trace_id", b"").decode(),
+        error=values.get("error", b"").decode(),
+        result=values.get("result", b""),
+        timings=values.get("timings", b""),
+        created_at=float(values["created_at"]),
+        updated_at=float(values["updated_at"]),
+        finished_at=float(finished_at) if finished_at else None,
+    )
+
+
+class RedisTaskStore(TaskStore):
+    """Task records in Redis, shared by orchestrator replicas (see the module docstring)."""
+
+    def __init__(self, config: TaskStoreConfig, dram: DramTier) -> None:
+        super().__init__(config, f"redis {dram.host}:{dram.port} db {dram.db}")
+        self.prefix = dram.key_prefix
+        self.redis = aioredis.Redis(
+            host=dram.host, port=dram.port, db=dram.db,
+            socket_connect_timeout=dram.connect_timeout_sec, socket_timeout=max(dram.op_timeout_sec, 1.0),
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._create_script = self.redis.register_script(_CREATE)
+        self._update_script = self.redis.register_script(_UPDATE)
+        self._delete_script = self.redis.register_script(_DELETE)
+        self._unfinished_key = f"{self.prefix}tasks:unfinished"
+        self._finished_key = f"{self.prefix}tasks:finished"
+
+    def _task_key(self, task_id: str) -> str:
+        return f"{self.prefix}task:{task_id}"
+
+    def _lease_key(self, owner: str) -> str:
+        return f"{self.prefix}orchestrator:{owner}"
+
+    async def _do(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except (RedisError, OSError) as exc:
+            raise TaskStoreUnavailable(self.name, exc) from exc
+
+    async def _open(self) -> None:
+        await self._do(self.redis.ping())
+
+    async def _close(self) -> None:
+        await self.redis.aclose()
+
+    async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
+        fields: list[Any] = []
+        for name in _FIELDS:
+            value = getattr(record, name)
+            fields += [name, "" if value is None else value]
+        existing = await self._do(self._create_script(
+            keys=[self._task_key(record.task_id), self._unfinished_key], args=[record.task_id, *fields]))
+        if not existing:
+            return record, True
+        return _record(record.task_id, existing), False
+
+    async def _get(self, task_id: str) -> TaskRecord | None:
+        raw = await self._do(self.redis.hgetall(self._task_key(task_id)))
+        return _record(task_id, raw) if raw else None
+
+    async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
+        fields.pop("finished_at", None)  # the script stamps it when the state is final
+        flat: list[Any] = []
+        for name, value in fields.items():
+            flat += [name, value]
+        retention_ms = int(self.config.retention_sec * 1000)
+        done = await self._do(self._update_script(
+            keys=[self._task_key(task_id), self._unfinished_key, self._finished_key],
+            args=[task_id, owner, state, repr(time.time()), retention_ms, *flat]))
+        return bool(done)
+
+    async def _delete(self, task_id: str, owner: str) -> None:
+        await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key], args=[task_id, owner]))
+
+    async def _renew(self, lease: Lease) -> None:
+        value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})
+        await self._do(self.redis.set(self._lease_key(self.owner), value, px=int(self.config.lease_sec * 1000)))
+
+    async def _release(self) -> None:
+        await self._do(self.redis.delete(self._lease_key(self.owner)))
+
+    async def _lease(self, owner: str) -> Lease | None:
+        raw = await self._do(self.redis.get(self._lease_key(owner)))
+        if raw is None:
+            return None
+        value = json.loads(raw)
+        return Lease(float(value["expires_at"]), str(value["host"]), int(value["pid"]))
+
+    async def _unfinished(self, limit: int) -> list[TaskRecord]:
+        _, ids = await self._do(self.redis.sscan(self._unfinished_key, 0, count=limit))
+        records = []
+        for raw_id in ids[:limit]:
+            task_id = raw_id.decode()
+            record = await self._get(task_id)
+            if record is None:  # its hash is gone: nothing left to report
+                await self._do(self.redis.srem(self._unfinished_key, task_id))
+            elif record.owner != self.owner and record.state in (agent_pb2.QUEUED, agent_pb2.RUNNING):
+                records.append(record)
+        return records
+
+    async def _purge(self, now: float) -> int:
+        removed = await self._do(self.redis.zremrangebyscore(self._finished_key, "-inf", now - self.config.retention_sec))
+        excess = await self._do(self.redis.zcard(self._finished_key)) - self.config.max_finished_tasks
+        if excess > 0:
+            oldest = await self._do(self.redis.zpopmin(self._finished_key, excess))
+            if oldest:
+                await self._do(self.redis.delete(*(self._task_key(m.decode()) for m, _ in oldest)))
+            removed += len(oldest)
+        return int(removed)

@@ -1,0 +1,180 @@
+"""The task store in a SQLite file (the default): stdlib sqlite3 on one thread of its own.
+
+WAL mode: readers never block the writer, and a commit is one append to the
+write-ahead log. With ``synchronous = NORMAL`` a committed transaction survives
+the death of the process (``kill -9``), which is what a crashed orchestrator
+needs; ``FULL`` also survives a power loss, at one fsync per commit (SQLite's
+documentation, "Write-Ahead Logging" and "PRAGMA synchronous"). Every statement
+runs on the store's single thread, off the event loop. Several processes on one
+host may share the file (``busy_timeout`` waits out the others' writes); hosts
+must not share it over a network file system, where SQLite's locks are unsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from switchyard.common.config import TaskStoreConfig
+from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id     TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    state       INTEGER NOT NULL,
+    owner       TEXT NOT NULL,
+    trace_id    TEXT NOT NULL DEFAULT '',
+    error       TEXT NOT NULL DEFAULT '',
+    result      BLOB NOT NULL DEFAULT x'',
+    timings     BLOB NOT NULL DEFAULT x'',
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    finished_at REAL
+);
+CREATE INDEX IF NOT EXISTS tasks_unfinished ON tasks (owner) WHERE finished_at IS NULL;
+CREATE INDEX IF NOT EXISTS tasks_finished ON tasks (finished_at) WHERE finished_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS leases (
+    owner      TEXT PRIMARY KEY,
+    expires_at REAL NOT NULL,
+    host       TEXT NOT NULL,
+    pid        INTEGER NOT NULL
+);
+"""
+COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "error", "result", "timings",
+           "created_at", "updated_at", "finished_at")
+UPDATABLE = frozenset({"error", "result", "timings", "finished_at"})
+
+
+def _record(row: tuple[Any, ...]) -> TaskRecord:
+    values = dict(zip(COLUMNS, row))
+    values["result"], values["timings"] = bytes(values["result"]), bytes(values["timings"])
+    return TaskRecord(**values)
+
+
+class SqliteTaskStore(TaskStore):
+    """Task records in ``task_store.sqlite_path`` (see the module docstring)."""
+
+    def __init__(self, config: TaskStoreConfig) -> None:
+        super().__init__(config, f"sqlite {config.sqlite_path}")
+        self.path = Path(config.sqlite_path)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="task-store")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            assert self._db is not None, "task store not open"
+            return fn(self._db)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+        except sqlite3.Error as exc:
+            raise TaskStoreUnavailable(self.name, exc) from exc
+
+    async def _open(self) -> None:
+        def connect() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute(f"PRAGMA synchronous = {self.config.sqlite_synchronous}")
+            db.executescript(SCHEMA)
+            self._db = db
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, connect)
+        except (sqlite3.Error, OSError) as exc:
+            raise TaskStoreUnavailable(self.name, exc) from exc
+
+    async def _close(self) -> None:
+        def close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await asyncio.get_running_loop().run_in_executor(self._thread, close)
+        self._thread.shutdown(wait=True)
+
+    async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
+        expired_before = record.created_at - self.config.retention_sec
+        values = [getattr(record, c) for c in COLUMNS]
+
+        def create(db: sqlite3.Connection) -> tuple[TaskRecord, bool]:
+            # Insert, or take over a finished record past its retention that the purge has not removed yet.
+            cursor = db.execute(
+                f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
+                "ON CONFLICT (task_id) DO UPDATE SET "
+                + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
+                + " WHERE tasks.finished_at IS NOT NULL AND tasks.finished_at < ?",
+                [*values, expired_before],
+            )
+            if cursor.rowcount == 1:
+                return record, True
+            row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ?", (record.task_id,)).fetchone()
+            return _record(row), False
+
+        return await self._run(create)
+
+    async def _get(self, task_id: str) -> TaskRecord | None:
+        expired_before = time.time() - self.config.retention_sec
+
+        def get(db: sqlite3.Connection) -> TaskRecord | None:
+            row = db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ? AND (finished_at IS NULL OR finished_at >= ?)",
+                (task_id, expired_before),
+            ).fetchone()
+            return None if row is None else _record(row)
+
+        return await self._run(get)
+
+    async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
+        unknown = set(fields) - UPDATABLE
+        assert not unknown, f"not updatable: {unknown}"
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        sql = (f"UPDATE tasks SET state = ?, updated_at = ?{', ' if fields else ''}{assignments} "
+               "WHERE task_id = ? AND owner = ? AND finished_at IS NULL")
+        params = [state, time.time(), *fields.values(), task_id, owner]
+        return await self._run(lambda db: db.execute(sql, params).rowcount == 1)
+
+    async def _delete(self, task_id: str, owner: str) -> None:
+        await self._run(lambda db: db.execute(
+            "DELETE FROM tasks WHERE task_id = ? AND owner = ? AND finished_at IS NULL", (task_id, owner)))
+
+    async def _renew(self, lease: Lease) -> None:
+        await self._run(lambda db: db.execute(
+            "INSERT INTO leases (owner, expires_at, host, pid) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at",
+            (self.owner, lease.expires_at, lease.host, lease.pid)))
+
+    async def _release(self) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM leases WHERE owner = ?", (self.owner,)))
+
+    async def _lease(self, owner: str) -> Lease | None:
+        row = await self._run(lambda db: db.execute(
+            "SELECT expires_at, host, pid FROM leases WHERE owner = ?", (owner,)).fetchone())
+        return None if row is None else Lease(*row)
+
+    async def _unfinished(self, limit: int) -> list[TaskRecord]:
+        rows = await self._run(lambda db: db.execute(
+            f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE finished_at IS NULL AND owner != ? LIMIT ?",
+            (self.owner, limit)).fetchall())
+        return [_record(row) for row in rows]
+
+    async def _purge(self, now: float) -> int:
+        def purge(db: sqlite3.Connection) -> int:
+            removed = db.execute("DELETE FROM tasks WHERE finished_at IS NOT NULL AND finished_at < ?",
+                                 (now - self.config.retention_sec,)).rowcount
+            removed += db.execute(
+                "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks WHERE finished_at IS NOT NULL "
+                "ORDER BY finished_at DESC LIMIT -1 OFFSET ?)", (self.config.max_finished_tasks,)).rowcount
+            db.execute("DELETE FROM leases WHERE expires_at < ? AND owner NOT IN "
+                       "(SELECT DISTINCT owner FROM tasks WHERE finished_at IS NULL)", (now,))
+            return removed
+
+        return await self._run(purge)
+

@@ -1,0 +1,112 @@
+"""The task stores (SQLite file, real Redis): idempotent create, owner-checked updates, orphans, retention."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis_fixtures import redis_db, redis_server  # noqa: F401
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import TaskStoreConfig
+from switchyard.orchestrator.taskstore import fingerprint
+from switchyard.orchestrator.taskstore.redis_store import RedisTaskStore
+from switchyard.orchestrator.taskstore.sqlite_store import SqliteTaskStore
+
+pytestmark = pytest.mark.no_gpu
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_store(request, tmp_path):
+    """Factory of opened stores on one shared backend (each call: a new orchestrator instance)."""
+
+    async def make(**config):
+        cfg = TaskStoreConfig(sqlite_path=str(tmp_path / "tasks.sqlite3"), **config)
+        if request.param == "sqlite":
+            store = SqliteTaskStore(cfg)
+        else:
+            store = RedisTaskStore(cfg, request.getfixturevalue("redis_db").dram_config)
+        await store.open()
+        return store
+
+    return make
+
+
+async def test_create_is_idempotent_and_reports_the_existing_record(make_store):
+    store = await make_store()
+    fp = fingerprint({"payload": "hi"})
+    record, created = await store.create("t-1", fp, "trace")
+    assert created and record.state == agent_pb2.QUEUED
+    again, created_again = await store.create("t-1", fingerprint({"payload": "other"}), "")
+    assert not created_again and again.fingerprint == fp and again.trace_id == "trace"
+    await store.close()
+
+
+async def test_a_finished_task_keeps_its_result_and_cannot_be_rewritten(make_store):
+    store = await make_store()
+    await store.create("t-2", "fp", "")
+    await store.mark_running("t-2")
+    assert (await store.get("t-2")).state == agent_pb2.RUNNING
+    final = agent_pb2.FinalEvent(task_id="t-2", output="done", compute_score_used=2.5, memory_peak_bytes=4096)
+    assert await store.finish("t-2", agent_pb2.SUCCEEDED, result=final.SerializeToString())
+    assert not await store.finish("t-2", agent_pb2.FAILED, error="late")  # a finished record is final
+    status = (await store.get("t-2")).to_status()
+    assert status.state == agent_pb2.SUCCEEDED and status.result.output == "done"
+    assert status.compute_score_used == 2.5 and status.memory_peak_bytes == 4096
+    await store.close()
+
+
+async def test_only_the_owner_updates_and_a_refused_task_is_deleted(make_store):
+    a, b = await make_store(), await make_store()
+    await a.create("t-3", "fp", "")
+    assert not await b.finish("t-3", agent_pb2.SUCCEEDED)
+    await b.delete("t-3")
+    assert await a.get("t-3") is not None
+    await a.delete("t-3")
+    assert await a.get("t-3") is None
+    await a.close()
+    await b.close()
+
+
+async def test_a_task_whose_orchestrator_lost_its_lease_is_failed_with_the_reason(make_store):
+    a = await make_store()
+    await a.create("t-4", "fp", "")
+    await a.mark_running("t-4")
+    b = await make_store()
+    assert (await b.get("t-4")).state == agent_pb2.RUNNING  # a's lease is live: not an orphan
+    a._maintenance.cancel()
+    await a._release()  # a dies: its lease is gone
+    record = await b.get("t-4")
+    assert record.state == agent_pb2.FAILED
+    assert f"orchestrator {a.owner} stopped while the task was RUNNING" in record.error
+    assert record.error.startswith("UNAVAILABLE: ") and "resubmit it under a new task_id" in record.error
+    await b.close()
+
+
+async def test_sweep_fails_orphans_without_a_reader(make_store):
+    a = await make_store()
+    for i in range(3):
+        await a.create(f"o-{i}", "fp", "")
+    a._maintenance.cancel()
+    await a._release()
+    b = await make_store()  # open() sweeps
+    states = {(await b.get(f"o-{i}")).state for i in range(3)}
+    assert states == {agent_pb2.FAILED}
+    await b.close()
+
+
+async def test_finished_tasks_are_purged_past_retention_and_beyond_the_cap(make_store):
+    store = await make_store(retention_sec=3600, max_finished_tasks=2)
+    for i in range(4):
+        await store.create(f"p-{i}", "fp", "")
+        await store.finish(f"p-{i}", agent_pb2.SUCCEEDED)
+    await store._purge(time.time())
+    kept = [i for i in range(4) if await store.get(f"p-{i}") is not None]
+    assert kept == [2, 3]  # the newest max_finished_tasks
+    if isinstance(store, RedisTaskStore):  # Redis expires a finished record itself
+        ttl_ms = await store.redis.pttl(store._task_key("p-3"))
+        assert 3_590_000 < ttl_ms <= 3_600_000
+    else:
+        await store._purge(time.time() + 3601)
+        assert await store.get("p-3") is None
+    await store.close()
