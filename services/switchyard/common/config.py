@@ -92,6 +92,23 @@ class FlushConfig(_Strict):
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class CooldownConfig(_Strict):
+    """Circuit breaker per upstream model (LiteLLM's "cooldowns"): a model that keeps failing is
+    skipped, its requests going to the fallback model, until the cooldown has passed."""
+
+    enabled: bool = Field(True, description="Skip a failing model for cooldown_s after `failures` failures in a row.")
+    failures: int = Field(
+        5, ge=1, le=1000,
+        description="Upstream failures in a row (5xx, 429, timeouts, cut connections; never the request's own "
+        "fault) that open the circuit; purgatory's default threshold.",
+    )
+    cooldown_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Seconds a model is skipped once open; then one trial request closes it again on success "
+        "(half-open). purgatory's default TTL.",
+    )
+
+
 class AdaptiveConcurrencyConfig(_Strict):
     """Adaptive limit on streams in flight to the upstream (switchyard.dispatcher.adaptive_limit)."""
 
@@ -149,6 +166,9 @@ class ModelGatewayConfig(_Strict):
     retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
     retry_after_max_s: float = Field(
         30.0, ge=0, le=3600, description="Longest wait honoured from an upstream's Retry-After, seconds."
+    )
+    cooldown: CooldownConfig = Field(
+        default_factory=CooldownConfig, description="Circuit breaker per upstream model (cooldown after failures)."
     )
     concurrency: AdaptiveConcurrencyConfig = Field(
         default_factory=AdaptiveConcurrencyConfig,

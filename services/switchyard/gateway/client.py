@@ -5,6 +5,9 @@
   HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
   :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
   skipped, never fatal).
+- A circuit breaker per upstream model (:mod:`switchyard.gateway.cooldown`):
+  a model failing ``cooldown.failures`` times in a row is skipped for
+  ``cooldown.cooldown_s``, its requests going straight to the fallback.
 - Retries (tenacity, exponential backoff with jitter) and fallback to
   ``model_gateway.fallback_model`` happen only before the first streamed item:
   once a token or tool call has been handed to the caller, a failure is raised
@@ -30,6 +33,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import ModelGatewayConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
+from switchyard.gateway.cooldown import Cooldowns
 from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
 from switchyard.gateway.decode import StreamDecoder, parse_completion
 from switchyard.gateway.errors import (
@@ -109,6 +113,7 @@ class GatewayClient:
             transport=transport,
             **client_settings(config.base_url),
         )
+        self._cooldowns = Cooldowns(config)
         self.on_status: Callable[[int], None] | None = None
         """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
 
@@ -263,7 +268,7 @@ class GatewayClient:
 
         async def attempt(model: str) -> T:
             try:
-                return await once(model)
+                return await self._cooldowns.call(model, lambda: once(model))
             except ModelNotFound as exc:
                 # A model the client named and the upstream does not know is the client's
                 # mistake: answer NOT_FOUND with the nearest id rather than quietly serve

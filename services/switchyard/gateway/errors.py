@@ -146,3 +146,11 @@ class StreamProtocolError(GatewayError):
     """A chunk is not JSON, has no ``choices``, or the stream flag was not honoured."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class ModelCoolingDown(GatewayError):
+    """The model's circuit is open after repeated upstream failures: skipped until its cooldown passes."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = False
+    fallback_ok = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 GATEWAY_REQUESTS = Counter(
     "switchyard_gateway_requests_total",
@@ -22,4 +22,12 @@ GATEWAY_TTFT = Histogram(
     "Upstream call sent -> first streamed item, including retries and fallback.",
     ["model"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+GATEWAY_CIRCUIT_OPEN = Gauge(
+    "switchyard_gateway_circuit_open",
+    "1 while the upstream model's circuit is open (cooling down after repeated failures), else 0.",
+    ["model"],
+)
+GATEWAY_COOLDOWNS = Counter(
+    "switchyard_gateway_cooldowns_total", "Times an upstream model's circuit opened (a cooldown began).", ["model"]
 )

@@ -34,6 +34,11 @@ def nearest(model: str, known: Iterable[str]) -> str | None:
     return folded[match[0]] if match else None
 
 
+def configured_models(config: Any) -> set[str]:
+    """The upstream model ids ``model_gateway`` names: default, fallback and every ``model_map`` target."""
+    return {m for m in (config.default_model, config.fallback_model, *config.model_map.values()) if m}
+
+
 def model_label(model: str, config: Any) -> str:
     """``model`` as a metric label: one of the configured ids (default, fallback, ``model_map``), else ``other``.
 
