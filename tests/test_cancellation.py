@@ -73,7 +73,8 @@ async def main():
     async def one(i, stub):
         async with gate:
             request = agent_pb2.RunTaskRequest(task_id=f"c{i}", payload="Explain the with statement.",
-                                               task_type="chat", max_tokens=400)
+                                               task_type="chat", max_tokens=400,
+                                               metadata={"user": f"u{i}", "secret": "not recorded"})
             with tracer.start_as_current_span(f"client-{i}") as root:
                 call = stub.RunTask(request, timeout=60)
                 async for event in call:
@@ -105,6 +106,8 @@ async def main():
         "agents_concurrent": AGENTS_CONCURRENT._value.get(),
         "run_task_codes": sorted({s.attributes.get("rpc.grpc.status_code") for s in spans
                                   if s.name == "agent.AgentService/RunTask" and s.kind.name == "SERVER"}),
+        "metadata_attributes": sorted({k for s in spans if s.name == "agent.AgentService/RunTask"
+                                       and s.kind.name == "SERVER" for k in s.attributes if "metadata" in k}),
         "generate_server_spans": len(generate),
         "generate_codes": sorted({s.attributes.get("rpc.grpc.status_code") for s in generate}),
         "generate_client_spans": sum(s.name == "agent.InferenceService/Generate" and s.kind.name == "CLIENT"
@@ -126,3 +129,4 @@ def test_300_cancelled_tasks_leave_no_context_error_no_open_span_and_nothing_hel
     assert report["run_task_codes"] == [1], report  # CANCELLED, for all 300
     assert report["generate_server_spans"] == 300 and report["generate_client_spans"] == 300, report
     assert report["generate_codes"] == [1], report
+    assert report["metadata_attributes"] == ["switchyard.metadata.user"], report  # the allow-list only

@@ -417,6 +417,11 @@ class OrchestratorConfig(_Strict):
         description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running); more are refused "
         "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",
     )
+    metadata_span_keys: list[str] = Field(
+        default_factory=lambda: ["user", "session_id", "tenant"],
+        description="RunTask/SubmitTask metadata keys recorded on the task's span as switchyard.metadata.<key> "
+        "(values cut to 256 characters); other keys are accepted within limits.max_metadata_* and not used.",
+    )
     task_time_limit_s: dict[str, float] = Field(
         default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
         description="Longest a task of each type may run, seconds, from arrival to its final event; past it "

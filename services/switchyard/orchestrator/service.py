@@ -16,7 +16,7 @@ import multiprocessing
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 import grpc
 from opentelemetry import trace
@@ -185,6 +185,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             trace_id=_trace_id(),
         )
 
+    def _record_metadata(self, metadata: Mapping[str, str]) -> None:
+        """The allow-listed metadata (``orchestrator.metadata_span_keys``) as attributes of the RPC's span."""
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        for key in self.config.service.orchestrator.metadata_span_keys:
+            if key in metadata:
+                span.set_attribute(f"switchyard.metadata.{key}", metadata[key][:256])
+
     async def _run_until_deadline(self, run: workflows.TaskRun) -> None:
         """The task's DAG inside its deadline: every downstream call it starts gets at most the time
         left (channels.deadline_scope), and the DAG is cancelled when none is left.
@@ -239,6 +248,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             spec = workflows.validate(request, self.config)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
+        self._record_metadata(request.metadata)
         events: asyncio.Queue = asyncio.Queue()
         run = self._new_run(spec, events.put_nowait, context)
         task = asyncio.create_task(self._execute(run), name=f"task-{spec.task_id}")
@@ -264,6 +274,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         orchestrator sharing the store); with a different request it is ALREADY_EXISTS naming task_id.
         A task refused before it was queued (queue full, bad prompt) is not recorded.
         """
+        self._record_metadata(request.metadata)
         try:
             spec = workflows.validate(request, self.config)
             limit = self.config.service.orchestrator.task_table_size
