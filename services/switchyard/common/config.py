@@ -385,6 +385,12 @@ class ServerConfig(_Strict):
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4096, le=1 << 30, description="Largest gRPC message, bytes, sent or received."
     )
+    max_pending_rpcs: int = Field(
+        100_000, ge=1000, le=10_000_000,
+        description="Calls received but not yet handed to a servicer before grpc core refuses more "
+        "(its defaults, 1,000/3,000, cancel a burst's calls at random, unseen). Overload is refused by the "
+        "queues, by name.",
+    )
     keepalive_time_s: float = Field(
         20.0, ge=10, le=7200,
         description="Seconds between keepalive pings on a quiet connection, by clients and servers alike; "
