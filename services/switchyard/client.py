@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
+from switchyard.common import envs
 from switchyard.common.channels import open_channel
 
 
@@ -93,15 +94,18 @@ class HumanPrinter:
         self.out.flush()
 
 
-async def run_task(address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None) -> None:
-    """Call RunTask at ``address`` and pass each event to ``on_event``.
+async def run_task(
+    address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None, token: str | None = None
+) -> None:
+    """Call RunTask at ``address`` and pass each event to ``on_event``; ``token`` is sent as a bearer token.
 
     Raises:
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with open_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        async for event in stub.RunTask(request, timeout=timeout):
+        async for event in stub.RunTask(request, timeout=timeout, metadata=metadata):
             on_event(event)
 
 
@@ -118,6 +122,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task-id", default="")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event")
+    parser.add_argument("--token-env", default="SWITCHYARD_AUTH_TOKEN",
+                        help="variable holding the bearer token to send, when the orchestrator requires one "
+                             "(default SWITCHYARD_AUTH_TOKEN; never given on the command line)")
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error(f"--timeout: expected seconds > 0, got {args.timeout}")
@@ -145,7 +152,7 @@ def main(argv: list[str]) -> int:
     else:
         on_event = HumanPrinter()
     try:
-        asyncio.run(run_task(address, request, on_event, args.timeout))
+        asyncio.run(run_task(address, request, on_event, args.timeout, envs.read_secret(args.token_env)))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -405,6 +405,24 @@ def _port(default: int) -> Any:
     return Field(default, ge=0, le=65535, description="0 picks a free port.")
 
 
+class AuthConfig(_Strict):
+    """Bearer-token authentication of AgentService calls (common/auth.py). Off by default (``make run``)."""
+
+    enabled: bool = Field(False, description="Require 'authorization: Bearer <token>' on AgentService calls.")
+    tokens_file: str = Field(
+        "", description="File of tokens, one per line, each optionally followed by the methods it may call."
+    )
+    tokens_env: str = Field(
+        "SWITCHYARD_AUTH_TOKENS", description="Name of a variable holding comma-separated tokens (a Secret in Kubernetes)."
+    )
+    exempt_methods: list[str] = Field(
+        default_factory=lambda: ["grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
+                                 "grpc.health.v1.Health/List"],
+        description="Methods callable without a token (service/method): probes by default. Add "
+        "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo for grpcurl without a token.",
+    )
+
+
 class OrchestratorConfig(_Strict):
     port: int = _port(50051)
     metrics_port: int = _port(9101)
@@ -455,6 +473,7 @@ class OrchestratorConfig(_Strict):
         "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
 
 
 class TaskStoreConfig(_Strict):

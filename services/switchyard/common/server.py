@@ -42,6 +42,12 @@ class Service(Protocol):
         """Stop background tasks. Called after the server drained."""
 
 
+def edge_interceptors(service: object) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors a service asks for on its own server (the orchestrator: authentication)."""
+    provide = getattr(service, "server_interceptors", None)
+    return list(provide()) if provide is not None else []
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -100,7 +106,8 @@ async def start_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server(options=server_options(config), interceptors=list(interceptors))
+    own = [i for service in services for i in edge_interceptors(service)]  # after tracing: refusals are traced
+    server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, *own])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.auth import BearerAuthInterceptor
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
@@ -111,6 +112,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._dram: DramClient | None = None
 
     # ------------------------------------------------------------------ lifecycle
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """Bearer-token authentication when ``orchestrator.auth.enabled`` (see common/auth.py).
+
+        Raises:
+            AuthConfigError: auth is on and no token can be read.
+        """
+        auth = self.config.service.orchestrator.auth
+        return [BearerAuthInterceptor(auth)] if auth.enabled else []
 
     def register(self, server: grpc.aio.Server) -> None:
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)

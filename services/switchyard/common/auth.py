@@ -1,0 +1,163 @@
+"""Bearer-token authentication at the edge (the orchestrator's AgentService).
+
+A caller sends gRPC metadata ``authorization: Bearer <token>``. Tokens come
+from a file (``auth.tokens_file``, one per line) and/or an environment
+variable (``auth.tokens_env``, comma-separated), read once at start-up. A line
+may restrict its token to some methods: ``<token> agent.AgentService/GetTaskStatus
+agent.AgentService/SubmitTask`` (``agent.AgentService/*`` for a whole service);
+a token alone may call every method.
+
+- no ``authorization``, or not ``Bearer <token>``: UNAUTHENTICATED;
+- a token that is not known: UNAUTHENTICATED;
+- a known token not allowed the method: PERMISSION_DENIED.
+
+Tokens are compared with :func:`hmac.compare_digest` against every known token
+(no early exit), so the time taken does not reveal how much of a guess was
+right. A token never appears in a log line, span, metric or error message.
+Methods in ``auth.exempt_methods`` (health checks by default, so probes need no
+token) skip the check. ``switchyard_auth_failures_total{reason}`` counts refusals.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import grpc
+from prometheus_client import Counter
+
+from switchyard.common import envs
+from switchyard.common.config import AuthConfig
+from switchyard.common.errors import ORIGIN_KEY
+
+log = logging.getLogger(__name__)
+
+AUTH_FAILURES = Counter(
+    "switchyard_auth_failures_total",
+    "Calls refused at the edge, by reason: missing (no authorization metadata), malformed (not 'Bearer "
+    "<token>'), unknown_token, forbidden (the token may not call the method).",
+    ["reason"],
+)
+REASONS = ("missing", "malformed", "unknown_token", "forbidden")
+for _reason in REASONS:
+    AUTH_FAILURES.labels(_reason)
+
+
+class AuthConfigError(ValueError):
+    """The token sources cannot be read or hold no token (names the file or variable, never a token)."""
+
+
+@dataclass(frozen=True)
+class _Token:
+    secret: bytes
+    methods: tuple[str, ...]  # empty: every method
+
+    def allows(self, method: str) -> bool:
+        if not self.methods:
+            return True
+        name = method.lstrip("/")
+        service = name.partition("/")[0]
+        return any(m == name or m == f"{service}/*" for m in self.methods)
+
+
+def _parse(lines: list[str], source: str) -> list[_Token]:
+    tokens = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        bad = [m for m in fields[1:] if m.count("/") != 1 or m.startswith("/")]
+        if bad:
+            raise AuthConfigError(f"{source} line {number}: expected '<token> [service/method ...]', "
+                                  f"methods as agent.AgentService/RunTask or agent.AgentService/*")
+        tokens.append(_Token(fields[0].encode(), tuple(fields[1:])))
+    return tokens
+
+
+def load_tokens(config: AuthConfig) -> list[_Token]:
+    """The known tokens, from ``tokens_file`` and ``tokens_env``.
+
+    Raises:
+        AuthConfigError: the file cannot be read, a line is malformed, or no token is configured.
+    """
+    tokens: list[_Token] = []
+    if config.tokens_file:
+        try:
+            text = Path(config.tokens_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise AuthConfigError(f"auth.tokens_file {config.tokens_file}: {exc.strerror or exc}") from None
+        tokens += _parse(text.splitlines(), f"auth.tokens_file {config.tokens_file}")
+    if config.tokens_env and (value := envs.read_secret(config.tokens_env)):
+        tokens += _parse(value.split(","), f"the variable {config.tokens_env}")
+    if not tokens:
+        raise AuthConfigError(
+            f"auth is enabled but no token is configured: put tokens in auth.tokens_file ({config.tokens_file or 'unset'})"
+            f" or in the variable {config.tokens_env or '(auth.tokens_env unset)'}"
+        )
+    return tokens
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a known bearer token (see the module docstring).
+
+    Args:
+        config: ``service.orchestrator.auth``.
+
+    Raises:
+        AuthConfigError: see :func:`load_tokens`.
+    """
+
+    def __init__(self, config: AuthConfig) -> None:
+        self._tokens = load_tokens(config)
+        self._exempt = frozenset(config.exempt_methods)
+        log.info("auth: bearer tokens required (%d known); exempt: %s", len(self._tokens),
+                 ", ".join(sorted(self._exempt)) or "none")
+
+    def _check(self, method: str, metadata: Any) -> tuple[str, grpc.StatusCode, str] | None:
+        values = [v for k, v in (metadata or ()) if k == "authorization"]
+        if not values:
+            return ("missing", grpc.StatusCode.UNAUTHENTICATED,
+                    "missing 'authorization' metadata: send 'authorization: Bearer <token>'")
+        scheme, _, presented = str(values[0]).partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
+                    "'authorization' metadata must be 'Bearer <token>'")
+        secret = presented.strip().encode()
+        match = None
+        for token in self._tokens:  # every comparison runs: no early exit
+            if hmac.compare_digest(token.secret, secret) and match is None:
+                match = token
+        if match is None:
+            return "unknown_token", grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid"
+        if not match.allows(method):
+            return ("forbidden", grpc.StatusCode.PERMISSION_DENIED,
+                    f"the bearer token may not call {method.lstrip('/')}")
+        return None
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.lstrip("/") in self._exempt:
+            return handler
+        refused = self._check(method, handler_call_details.invocation_metadata)
+        if refused is None:
+            return handler
+        reason, code, details = refused
+        AUTH_FAILURES.labels(reason).inc()
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, "orchestrator"),))
+
+        if handler.unary_stream:
+            async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await refuse(request, context)
+                yield  # pragma: no cover - abort raised above
+
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
