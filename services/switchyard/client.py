@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.config import ConfigError, load_config
+from switchyard.common.config import ConfigError, ServerConfig, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
 
@@ -95,15 +95,17 @@ class HumanPrinter:
 
 
 async def run_task(
-    address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None, token: str | None = None
+    address: str, request: agent_pb2.RunTaskRequest, on_event, timeout: float | None, token: str | None = None,
+    server: ServerConfig | None = None,
 ) -> None:
-    """Call RunTask at ``address`` and pass each event to ``on_event``; ``token`` is sent as a bearer token.
+    """Call RunTask at ``address`` and pass each event to ``on_event``; ``token`` is sent as a bearer
+    token, and ``server.tls`` (when on) secures the channel.
 
     Raises:
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with open_channel(address) as channel:
+    async with open_channel(address, server) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         async for event in stub.RunTask(request, timeout=timeout, metadata=metadata):
             on_event(event)
@@ -131,12 +133,12 @@ def main(argv: list[str]) -> int:
     address = args.addr
     if address is not None and not _HOST_PORT.match(address):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")
+    try:
+        config = load_config(args.config_dir)  # the address, and TLS when service.server.tls is on
+    except (ConfigError, ValueError) as exc:
+        print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
+        return 2
     if address is None:
-        try:
-            config = load_config(args.config_dir)
-        except (ConfigError, ValueError) as exc:
-            print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
-            return 2
         address = f"{config.service.server.host}:{config.service.orchestrator.port}"
     request = agent_pb2.RunTaskRequest(
         task_id=args.task_id,
@@ -152,7 +154,8 @@ def main(argv: list[str]) -> int:
     else:
         on_event = HumanPrinter()
     try:
-        asyncio.run(run_task(address, request, on_event, args.timeout, envs.read_secret(args.token_env)))
+        asyncio.run(run_task(address, request, on_event, args.timeout, envs.read_secret(args.token_env),
+                             config.service.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

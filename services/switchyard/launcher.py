@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.common.channels import open_sync_channel
-from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
@@ -51,9 +51,10 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def healthy(address: str, service: str, timeout: float = 1.0) -> bool:
-    """True when ``service`` at ``address`` answers its health check with SERVING."""
-    with open_sync_channel(address) as channel:
+def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConfig | None = None) -> bool:
+    """True when ``service`` at ``address`` answers its health check with SERVING (over TLS when
+    ``config.tls`` says so)."""
+    with open_sync_channel(address, config) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -153,7 +154,7 @@ def main(argv: list[str]) -> int:
                 children.append(Child(name, port, metrics_port, _spawn(name, port, metrics_port, env, args.config_dir)))
             deadline = time.monotonic() + args.ready_timeout
             for child in children[-len(group):]:
-                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.name]):
+                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.name], config=config.service.server):
                     if stopping:
                         return 0
                     if child.proc.poll() is not None:

@@ -24,6 +24,8 @@ checks, ``switchyard run``, the bench client and the tests. Each carries:
 - **Deadline propagation**: a call started inside :func:`deadline_scope` gets at
   most the scope's remaining time as its timeout, so every downstream hop of a
   task ends when the task's own deadline does.
+- **TLS** when ``service.server.tls.enabled``: the peer checked against
+  ``ca_file``; under mTLS this service's certificate presented too.
 - **Tracing**: the client span interceptors when tracing is on
   (:func:`switchyard.common.telemetry.client_interceptors`).
 """
@@ -58,6 +60,7 @@ def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.service_config", ROUND_ROBIN),
+        *([("grpc.ssl_target_name_override", config.tls.server_name)] if config.tls.server_name else []),
     ]
 
 
@@ -151,13 +154,30 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
     from switchyard.common import telemetry  # telemetry imports config; keep this module light
 
     interceptors = telemetry.client_interceptors(tracer_provider, target) or None
-    channel = grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
+    credentials = _credentials(config)
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
+    else:
+        channel = grpc.aio.secure_channel(target, credentials, options=channel_options(config), interceptors=interceptors)
     return _DeadlineChannel(channel)  # type: ignore[return-value]  # a Channel in every use
 
 
 def open_sync_channel(target: str, config: ServerConfig | None = None) -> grpc.Channel:
-    """A blocking channel with the same options (health checks from synchronous code)."""
-    return grpc.insecure_channel(target, options=channel_options(config))
+    """A blocking channel with the same options and TLS (health checks from synchronous code)."""
+    credentials = _credentials(config)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=channel_options(config))
+    return grpc.secure_channel(target, credentials, options=channel_options(config))
+
+
+def _credentials(config: ServerConfig | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials from ``server.tls`` (a client certificate under mTLS), or None for plain text."""
+    if config is None or not config.tls.enabled:
+        return None
+    cert, key, ca = config.tls.read()
+    if config.tls.require_client_auth:
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.ssl_channel_credentials(root_certificates=ca)
 
 
 __all__ = [

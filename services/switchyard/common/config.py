@@ -379,12 +379,56 @@ class MemoryPolicyFile(_Strict):
 # --------------------------------------------------------------------------- switchyard.json
 
 
+class TlsConfig(_Strict):
+    """TLS on every hop between Switchyard's services (and for their clients), from PEM files.
+
+    Off by default (``make run``). One setting for all three services: each server
+    presents ``cert_file``/``key_file``; every channel checks the peer against
+    ``ca_file``. With ``require_client_auth`` (mTLS) servers demand a client
+    certificate signed by ``ca_file`` and channels present ``cert_file``/``key_file``.
+    """
+
+    enabled: bool = Field(False, description="Serve and connect over TLS.")
+    cert_file: str = Field("", description="PEM certificate chain this service presents.")
+    key_file: str = Field("", description="PEM private key of cert_file.")
+    ca_file: str = Field("", description="PEM CA bundle that signs the peers' certificates.")
+    require_client_auth: bool = Field(False, description="mTLS: servers require client certificates from ca_file.")
+    server_name: str = Field(
+        "", description="Name to check in the server's certificate instead of the target host (e.g. when "
+        "connecting by IP address); empty: the target's host.",
+    )
+
+    @model_validator(mode="after")
+    def _files_when_enabled(self) -> "TlsConfig":
+        if self.enabled:
+            missing = [n for n in ("cert_file", "key_file", "ca_file") if not getattr(self, n)]
+            if missing:
+                raise ValueError(f"tls.enabled needs {', '.join(missing)} (PEM files)")
+        return self
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate chain, private key, CA bundle) as bytes.
+
+        Raises:
+            ConfigError: a file cannot be read (naming the key and the path).
+        """
+        out = []
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            try:
+                out.append(Path(path).read_bytes())
+            except OSError as exc:
+                raise ConfigError(f"tls.{name} {path}: {exc.strerror or exc}") from None
+        return out[0], out[1], out[2]
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="In-flight streams get this long to finish.")
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4096, le=1 << 30, description="Largest gRPC message, bytes, sent or received."
     )
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS (and optional mTLS) on every hop.")
     max_pending_rpcs: int = Field(
         100_000, ge=1000, le=10_000_000,
         description="Calls received but not yet handed to a servicer before grpc core refuses more "

@@ -94,6 +94,19 @@ class RunningServer:
             log.info("%s: background tasks stopped", service.name)
 
 
+def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> int:
+    """Bind ``address``: TLS with ``server.tls`` on (client certificates required under mTLS), else plain."""
+    tls = config.tls
+    if not tls.enabled:
+        return server.add_insecure_port(address)
+    cert, key, ca = tls.read()
+    credentials = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca if tls.require_client_auth else None,
+        require_client_auth=tls.require_client_auth,
+    )
+    return server.add_secure_port(address, credentials)
+
+
 async def start_server(
     services: Sequence[Service],
     host: str,
@@ -115,7 +128,7 @@ async def start_server(
         service.register(server)
         names.extend(service.grpc_service_names)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = _add_port(server, f"{host}:{port}", config)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
     for service in services:
