@@ -13,6 +13,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.bench import cli
 from switchyard.bench.calldata import CallDataError, parse_calldata, request_for
 from switchyard.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
+from test_tls import pki  # noqa: F401 - fixture
 from switchyard.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
 from switchyard.bench.report import build_report, histogram, latency_distribution, summary_text
 from switchyard.common.config import ServerConfig
@@ -34,9 +35,11 @@ class StreamingAgent(agent_pb2_grpc.AgentServiceServicer):
 
     def __init__(self) -> None:
         self.seen: list[agent_pb2.RunTaskRequest] = []
+        self.metadata: list[dict[str, str]] = []
 
     async def RunTask(self, request, context):
         self.seen.append(request)
+        self.metadata.append({k: v for k, v in context.invocation_metadata() or ()})
         yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id=request.task_id, queue_position=0))
         await asyncio.sleep(0.001)
         yield agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="render_prompt", duration_s=0.001))
@@ -222,3 +225,31 @@ def test_reference_ghz_config_resolves_to_the_reference_plan(monkeypatch):
     assert {item["priority"] for item in plan.calldata} == {"CORE", "NORMAL", "BATCH"}
     smoke = cli.resolve_plan(parser.parse_args(["--config", "ghz/smoke.json", "-n", "10"]), "127.0.0.1:1")
     assert (smoke.total, smoke.host) == (10, "127.0.0.1:1") and smoke.procs >= 1
+
+
+async def test_a_ghz_command_line_runs_unchanged_over_tls_with_metadata(pki, tmp_path):
+    """ghz's own flags: --proto, --call, --cacert, --cname, -m, and the target as the last argument."""
+    from test_tls import tls
+
+    service = AgentOnly()
+    async with running([service], tls(pki)) as srv:
+        out = tmp_path / "report.json"
+        argv = ["run", "--proto", "proto/agent.proto", "--call", "agent.AgentService.RunTask",
+                "--cacert", str(pki / "ca.pem"), "--cname", "localhost", "-m", '{"Authorization": "Bearer t-1"}',
+                "-d", '{"payload": "hello", "task_type": "chat"}', "-n", "4", "-c", "2", "--procs", "1",
+                "-O", "json", "-o", str(out), f"127.0.0.1:{srv.port}"]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+    report = json.loads(out.read_text())
+    assert report["count"] == 4 and report["statusCodeDistribution"] == {"OK": 4}
+    assert all(m.get("authorization") == "Bearer t-1" for m in service.servicer.metadata)
+
+
+def test_ghz_connection_flags_are_checked():
+    for argv, says in [
+        (["run", "--call", "agent.AgentService.SubmitTask"], "only agent.AgentService.RunTask"),
+        (["run", "--cert", "c.pem", "--key", "k.pem"], "give --cacert too"),
+        (["run", "-m", "[1]"], "JSON object of strings"),
+        (["run", "--insecure", "--cacert", "ca.pem"], "choose plain text or TLS"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            cli.main(argv)

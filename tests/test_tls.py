@@ -67,8 +67,19 @@ async def test_mtls_refuses_a_client_without_a_certificate(pki):
 
 
 def test_tls_config_names_what_is_missing(tmp_path):
-    with pytest.raises(ValueError, match="tls.enabled needs cert_file, key_file, ca_file"):
+    with pytest.raises(ValueError, match="tls.enabled needs ca_file"):
         TlsConfig(enabled=True)
+    with pytest.raises(ValueError, match="give cert_file and key_file together"):
+        TlsConfig(enabled=True, ca_file="ca.pem", cert_file="c.pem")
+    with pytest.raises(ValueError, match="require_client_auth needs cert_file and key_file"):
+        TlsConfig(enabled=True, ca_file="ca.pem", require_client_auth=True)
     config = TlsConfig(enabled=True, cert_file=str(tmp_path / "nope.pem"), key_file="k", ca_file="c")
     with pytest.raises(ConfigError, match=r"tls.cert_file .*nope.pem"):
         config.read()
+
+
+async def test_a_server_without_its_certificate_says_so(pki):
+    config = ServerConfig(tls=TlsConfig(enabled=True, ca_file=str(pki / "ca.pem")))
+    with pytest.raises(ConfigError, match="a server needs cert_file and key_file"):
+        async with running([Downstream()], config):
+            pass

@@ -66,6 +66,47 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-d", "--data", help="call data as JSON: an object or an array used round-robin")
     parser.add_argument("-D", "--data-file", help="call data JSON file (ghz/data/mixed.json)")
     parser.add_argument("--procs", type=_procs, default="auto", help="client processes: auto or N")
+    # ghz's connection flags, so a ghz command line runs unchanged.
+    parser.add_argument("-m", "--metadata", help="gRPC metadata as a JSON object of strings (ghz -m), "
+                        "e.g. '{\"authorization\": \"Bearer ...\"}'")
+    parser.add_argument("--insecure", action="store_true", help="plain text, no TLS (the default; ghz --insecure)")
+    parser.add_argument("--cacert", help="PEM CA bundle: connect over TLS and check the server (ghz --cacert)")
+    parser.add_argument("--cert", help="PEM client certificate for mTLS (ghz --cert), with --key")
+    parser.add_argument("--key", help="PEM private key of --cert (ghz --key)")
+    parser.add_argument("--cname", help="server name to check in its certificate (ghz --cname)")
+    parser.add_argument("--proto", help="accepted for ghz compatibility; the contract is built in")
+    parser.add_argument("--call", help="accepted for ghz compatibility: only agent.AgentService.RunTask")
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """ghz ``-m``: a JSON object (text or, from a config file, already parsed) of string values."""
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--metadata: expected a JSON object, {exc}") from None
+    if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+        raise ValueError("--metadata: expected a JSON object of strings, e.g. '{\"authorization\": \"Bearer t\"}'")
+    return {str(k).lower(): v for k, v in parsed.items()}
+
+
+def _tls(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, str]:
+    """TLS settings from ghz's flags (or config keys); empty for plain text."""
+    def pick(name: str) -> str:
+        return getattr(args, name, None) or cfg.get(name) or ""
+
+    if getattr(args, "call", None) and args.call.replace("/", ".") != "agent.AgentService.RunTask":
+        raise ValueError(f"--call: only agent.AgentService.RunTask is served, got {args.call!r}")
+    if not pick("cacert"):
+        if pick("cert") or pick("key"):
+            raise ValueError("--cert/--key: give --cacert too (the CA that signs the server's certificate)")
+        return {}
+    if getattr(args, "insecure", False):
+        raise ValueError("--insecure and --cacert: choose plain text or TLS")
+    if bool(pick("cert")) != bool(pick("key")):
+        raise ValueError("--cert and --key: give both for mTLS")
+    return {"ca_file": pick("cacert"), "cert_file": pick("cert"), "key_file": pick("key"), "server_name": pick("cname")}
 
 
 def resolve_plan(args: argparse.Namespace, host: str | None):
@@ -115,6 +156,8 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
             rps=float(pick(args.rps, "rps", 0)),
             duration_s=parse_duration(pick(args.duration, "duration", 0)),
             timeout_s=parse_duration(pick(args.timeout, "timeout", 20)),
+            metadata=_metadata(pick(args.metadata, "metadata", None)),
+            tls=_tls(args, cfg),
         )
         return with_procs(plan, args.procs)
     except (ValueError, argparse.ArgumentTypeError) as exc:
@@ -128,6 +171,7 @@ def _run(argv: list[str]) -> int:
     )
     add_load_options(parser)
     parser.add_argument("--host", help="orchestrator host:port (default 127.0.0.1:50051 or the config's host)")
+    parser.add_argument("target", nargs="?", help="orchestrator host:port, as ghz takes it (same as --host)")
     parser.add_argument("-o", "--output", help="write the report here (ghz -o); without -O: the JSON report")
     parser.add_argument("-O", "--format", choices=["summary", "json", "pretty"],
                         help="report format as ghz names them: summary (text), json, pretty (indented JSON); "
@@ -136,7 +180,7 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
     args = parser.parse_args(argv)
-    plan = resolve_plan(args, args.host)
+    plan = resolve_plan(args, args.host or args.target)
 
     from switchyard.bench.loadgen import run_load
     from switchyard.bench.report import build_report, summary_text

@@ -31,6 +31,7 @@ import grpc
 from switchyard.api import agent_pb2_grpc
 from switchyard.bench.calldata import priority_name, request_for
 from switchyard.common.channels import open_channel
+from switchyard.common.config import ServerConfig, TlsConfig
 
 # One client process receives roughly this many stream messages per second on a
 # fully used core (grpc.aio + protobuf decode). Measured: 14,200 token events/s at
@@ -62,6 +63,21 @@ class LoadPlan:
     duration_s: float = 0.0
     timeout_s: float = 20.0
     procs: int = 1
+    metadata: dict[str, str] = field(default_factory=dict)
+    """gRPC metadata sent with every call (ghz ``-m``), e.g. ``authorization``."""
+    tls: dict[str, str] = field(default_factory=dict)
+    """Empty: plain text (ghz ``--insecure``). Else ``ca_file`` (ghz ``--cacert``), optional
+    ``cert_file``/``key_file`` for mTLS (``--cert``/``--key``), ``server_name`` (``--cname``)."""
+
+    def server_config(self) -> ServerConfig | None:
+        """The channel settings for :func:`switchyard.common.channels.open_channel` (TLS when asked)."""
+        if not self.tls:
+            return None
+        return ServerConfig(tls=TlsConfig(
+            enabled=True, ca_file=self.tls["ca_file"], cert_file=self.tls.get("cert_file", ""),
+            key_file=self.tls.get("key_file", ""), require_client_auth=bool(self.tls.get("cert_file")),
+            server_name=self.tls.get("server_name", ""),
+        ))
 
     def __post_init__(self) -> None:
         if self.total < 1 and self.duration_s <= 0:
@@ -145,7 +161,7 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
     )
     t0 = time.perf_counter()
     try:
-        async for event in stub.RunTask(request, timeout=plan.timeout_s):
+        async for event in stub.RunTask(request, timeout=plan.timeout_s, metadata=tuple(plan.metadata.items()) or None):
             kind = event.WhichOneof("event")
             if kind == "token":
                 if result.ttft_s is None:
@@ -170,7 +186,7 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
     concurrency = plan.concurrency // parts + (1 if part < plan.concurrency % parts else 0)
     numbers = range(part, plan.total, parts)
     results: list[CallResult] = []
-    async with open_channel(plan.host) as channel:
+    async with open_channel(plan.host, plan.server_config()) as channel:
         await asyncio.wait_for(channel.channel_ready(), timeout=10)
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         if barrier is not None:

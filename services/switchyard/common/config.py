@@ -400,25 +400,33 @@ class TlsConfig(_Strict):
 
     @model_validator(mode="after")
     def _files_when_enabled(self) -> "TlsConfig":
-        if self.enabled:
-            missing = [n for n in ("cert_file", "key_file", "ca_file") if not getattr(self, n)]
-            if missing:
-                raise ValueError(f"tls.enabled needs {', '.join(missing)} (PEM files)")
+        if not self.enabled:
+            return self
+        if not self.ca_file:
+            raise ValueError("tls.enabled needs ca_file (PEM CA bundle that signs the peers' certificates)")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("tls: give cert_file and key_file together")
+        if self.require_client_auth and not self.cert_file:
+            raise ValueError("tls.require_client_auth needs cert_file and key_file (the certificate to present)")
         return self
 
-    def read(self) -> tuple[bytes, bytes, bytes]:
-        """(certificate chain, private key, CA bundle) as bytes.
+    def read(self) -> tuple[bytes | None, bytes | None, bytes]:
+        """(certificate chain or None, private key or None, CA bundle) as bytes.
 
         Raises:
             ConfigError: a file cannot be read (naming the key and the path).
         """
-        out = []
+        out: list[bytes | None] = []
         for name in ("cert_file", "key_file", "ca_file"):
             path = getattr(self, name)
+            if not path:
+                out.append(None)
+                continue
             try:
                 out.append(Path(path).read_bytes())
             except OSError as exc:
                 raise ConfigError(f"tls.{name} {path}: {exc.strerror or exc}") from None
+        assert out[2] is not None
         return out[0], out[1], out[2]
 
 

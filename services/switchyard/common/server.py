@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from switchyard.common.config import ServerConfig
+from switchyard.common.config import ConfigError, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> in
     if not tls.enabled:
         return server.add_insecure_port(address)
     cert, key, ca = tls.read()
+    if cert is None or key is None:
+        raise ConfigError("service.server.tls: a server needs cert_file and key_file (the certificate it presents)")
     credentials = grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca if tls.require_client_auth else None,
         require_client_auth=tls.require_client_auth,
