@@ -99,8 +99,8 @@ class CooldownConfig(_Strict):
     enabled: bool = Field(True, description="Skip a failing model for cooldown_s after `failures` failures in a row.")
     failures: int = Field(
         5, ge=1, le=1000,
-        description="Upstream failures in a row (5xx, 429, timeouts, cut connections; never the request's own "
-        "fault) that open the circuit; purgatory's default threshold.",
+        description="Upstream failures in a row (5xx, timeouts, cut connections; never a 429 or the request's "
+        "own fault) that open the circuit; purgatory's default threshold.",
     )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,

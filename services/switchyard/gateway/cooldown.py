@@ -8,8 +8,8 @@ timeouts and retries first. After the cooldown one trial request is let through
 (*half-open*); its success closes the circuit, its failure opens it again.
 
 Only upstream faults count: UNAVAILABLE (5xx, connection refused, stream cut
-before the first token), DEADLINE_EXCEEDED (timeouts), RESOURCE_EXHAUSTED (429)
-and INTERNAL. A request's own fault (400, 404 for a named model, 413, 422),
+before the first token), DEADLINE_EXCEEDED (timeouts) and INTERNAL. A rate limit
+(429), a request's own fault (400, 404 for a named model, 413, 422),
 authentication, and a dead local proxy (not the model's doing) never open a circuit.
 """
 
@@ -31,12 +31,10 @@ from switchyard.gateway.metrics import GATEWAY_CIRCUIT_OPEN, GATEWAY_COOLDOWNS
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-UPSTREAM_FAULTS = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.INTERNAL,
-})
+UPSTREAM_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
+"""What counts against a model. Not RESOURCE_EXHAUSTED (429): "slow down" is answered by Retry-After and
+the dispatcher's adaptive concurrency limit; opening the circuit on it would refuse all the traffic the
+upstream can still take."""
 
 
 def _not_the_models_fault(exc: BaseException) -> bool:
