@@ -88,6 +88,7 @@ async def stack(**overrides):
             "service.orchestrator.retrieval_addr": addr,
             "service.orchestrator.dispatcher_addr": addr,
             "service.orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
+            "service.orchestrator.cpu_executor": "loop",  # a spawn pool costs seconds; one test below uses it
             **overrides,
         })
         async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
@@ -103,8 +104,9 @@ async def collect(stub, **fields):
     return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields))]
 
 
-async def test_rag_answer_streams_accepted_stages_tokens_final():
-    async with stack() as (stub, down):
+@pytest.mark.parametrize("executor", ["loop", "process"])
+async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
+    async with stack(**{"service.orchestrator.cpu_executor": executor}) as (stub, down):
         events = await collect(stub, task_id="bench-001", payload="summarize this doc")
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and kinds[-1] == "final"
