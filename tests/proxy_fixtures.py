@@ -7,6 +7,7 @@ It stands in for the corporate or developer proxy that ``http_proxy`` /
 
 from __future__ import annotations
 
+import contextlib
 import socketserver
 import threading
 from typing import Iterator
@@ -52,14 +53,24 @@ def start_refusing_proxy() -> RefusingProxy:
     return proxy
 
 
-@pytest.fixture
-def refusing_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[RefusingProxy]:
-    """Every proxy variable of this process points at a :class:`RefusingProxy`; no NO_PROXY."""
+@contextlib.contextmanager
+def proxied_environment() -> Iterator[RefusingProxy]:
+    """Every proxy variable of this process (and its children) points at a :class:`RefusingProxy`;
+    no NO_PROXY. Restored, and the proxy stopped, on exit."""
     proxy = start_refusing_proxy()
-    for name, value in proxy.environment().items():
-        monkeypatch.setenv(name, value)
-    for name in NO_PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    yield proxy
-    proxy.shutdown()
-    proxy.server_close()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in proxy.environment().items():
+                patch.setenv(name, value)
+            for name in NO_PROXY_VARIABLES:
+                patch.delenv(name, raising=False)
+            yield proxy
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+@pytest.fixture
+def refusing_proxy() -> Iterator[RefusingProxy]:
+    with proxied_environment() as proxy:
+        yield proxy

@@ -13,7 +13,7 @@ import time
 import pytest
 from google.protobuf import json_format
 
-from proxy_fixtures import NO_PROXY_VARIABLES, start_refusing_proxy
+from proxy_fixtures import proxied_environment
 from stack_fixtures import UpStack
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -27,15 +27,8 @@ GHZ_JSON = '{"task_id":"bench-001","payload":"summarize this doc"}'
 def proxy():
     """Every proxy variable, here and in the stack, points at a proxy that answers 503 (as a
     corporate proxy would for internal addresses): internal traffic must not go through it."""
-    proxy = start_refusing_proxy()
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in proxy.environment().items():
-            patch.setenv(name, value)
-        for name in NO_PROXY_VARIABLES:
-            patch.delenv(name, raising=False)
+    with proxied_environment() as proxy:
         yield proxy
-    proxy.shutdown()
-    proxy.server_close()
 
 
 @pytest.fixture(scope="module")
