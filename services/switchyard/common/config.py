@@ -297,10 +297,35 @@ class SchedulerFile(_Strict):
 
 
 class HbmTier(_Strict):
-    capacity_ratio: float = Field(0.85, gt=0, le=1)
-    evict_threshold: float = Field(1.0e6, ge=0)
-    emergency_evict_ratio: float = Field(0.9, gt=0, le=1)
-    defrag_trigger_score: float = Field(30, ge=0, le=100)
+    """``[hbm]``: the device tier holding KV state (docs/architecture.md, "Memory tiers")."""
+
+    capacity_ratio: float = Field(
+        0.85, gt=0, le=1,
+        description="KV budget = capacity_ratio x device memory - weights; admission that would pass it evicts "
+        "the lowest-value state first (value below evict_threshold), else refuses (an OOM avoided).",
+    )
+    evict_threshold: float = Field(
+        1.0e6, ge=0,
+        description="State valued below this may be evicted from HBM to make room; above it only at "
+        "emergency_evict_ratio.",
+    )
+    emergency_evict_ratio: float = Field(
+        0.9, gt=0, le=1,
+        description="Device memory in use / total at or above which the HBM scan evicts, whatever the value, "
+        "until usage is below it again.",
+    )
+    defrag_trigger_score: float = Field(
+        30, ge=0, le=100, description="Defragment (compact the KV block table) only while the compute score is below this."
+    )
+
+    @model_validator(mode="after")
+    def _ratios(self) -> "HbmTier":
+        if self.emergency_evict_ratio < self.capacity_ratio:
+            raise ValueError(
+                f"emergency_evict_ratio ({self.emergency_evict_ratio}) must be at least capacity_ratio "
+                f"({self.capacity_ratio})"
+            )
+        return self
 
 
 class DramTier(_Strict):
@@ -326,8 +351,30 @@ class DramTier(_Strict):
         2.0, gt=0, le=3600,
         description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, seconds.",
     )
-    promote_threshold: float = Field(1.0e6, ge=0)
-    demote_threshold: float = Field(1.0e3, ge=0)
+    promote_threshold: float = Field(
+        1.0e6, ge=0, description="Value at or above which a DRAM entry is kept hot (its TTL renewed at every scan)."
+    )
+    demote_threshold: float = Field(
+        1.0e3, ge=0, description="Value below which the DRAM scan demotes an entry to the cold tier."
+    )
+    enabled: bool = Field(
+        True, description="Swap KV state to Redis when cheaper than recomputing it; false: always recompute."
+    )
+    transfer_gb_per_s: float = Field(
+        50.0, gt=0, le=10_000,
+        description="Host<->device bandwidth for KV swaps, GB/s. 50: pinned-memory copies over PCIe 5.0 x16 "
+        "(64 GB/s raw per direction, PCI-SIG), the H100 SXM's host link; PCIe 4.0 x16 ~25; Grace Hopper NVLink-C2C 450 per direction.",
+    )
+    transfer_latency_ms: float = Field(
+        0.5, ge=0, le=10_000, description="Fixed cost of one swap (copy launch plus a Redis round trip), ms."
+    )
+    ttl_sec: float = Field(3600, gt=0, le=30 * 86400, description="Redis TTL of a swapped-out entry, seconds.")
+    timeout_ms: float = Field(
+        200, gt=0, le=60_000, description="Redis connect/read timeout, ms; past it the swap is abandoned (recompute)."
+    )
+    retry_after_sec: float = Field(
+        5, ge=0, le=3600, description="After a Redis error, recompute without trying Redis for this long."
+    )
 
     @model_validator(mode="after")
     def _order(self) -> "DramTier":
@@ -344,8 +391,20 @@ class OssTier(_Strict):
 
 
 class ScanConfig(_Strict):
-    hbm_scan_interval_sec: float = Field(300, gt=0)
-    dram_scan_interval_sec: float = Field(3600, gt=0)
+    hbm_scan_interval_sec: float = Field(
+        300, gt=0, description="Seconds between HBM scans (emergency eviction, fragmentation, defragmentation)."
+    )
+    dram_scan_interval_sec: float = Field(
+        3600, gt=0, description="Seconds between DRAM scans (values of Redis entries: renew or demote)."
+    )
+
+
+class ValueScoreConfig(_Strict):
+    """``[value]``: the value score of held KV state (dispatcher/tiers/value.py)."""
+
+    recency_half_life_sec: float = Field(
+        300, gt=0, le=30 * 86400, description="Idle seconds that halve a state's value (its tool-wait TTL excepted)."
+    )
 
 
 class AgentMemoryConfig(_Strict):
@@ -374,6 +433,7 @@ class MemoryPolicyFile(_Strict):
     agent_memory: AgentMemoryConfig = AgentMemoryConfig()
     oss: OssTier = OssTier()
     scan: ScanConfig = ScanConfig()
+    value: ValueScoreConfig = ValueScoreConfig()
 
 
 # --------------------------------------------------------------------------- switchyard.json

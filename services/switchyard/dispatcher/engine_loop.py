@@ -4,7 +4,9 @@ It computes nothing about queues: the scheduler (:mod:`switchyard.dispatcher.sch
 owns every request, and the engine owns the model. Each turn:
 
 1. ``scheduler.schedule(now)`` swaps the double buffer (what arrived during
-   the last step joins now), expires, admits and preempts;
+   the last step joins now), expires, admits and preempts; admitted
+   sequences whose KV state waits in the DRAM tier get it back first
+   (``out.restore``; a miss means the prefill recomputes it);
 2. the admitted sequences join the running set in one mixed step (their
    prefill rides along with one decode token of every running sequence:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
@@ -18,6 +20,10 @@ owns every request, and the engine owns the model. Each turn:
 An idle engine takes a request at once: an arrival wakes the loop, and the
 buffer is swapped with reason ``idle``. Finished sequences are handed back to
 the scheduler (``finish``), which releases their KV or parks their agent.
+A step that fails with a real out-of-memory error (CUDA's
+``OutOfMemoryError``, or ``MemoryError``) is counted and handed to
+``scheduler.on_oom``, which preempts its sequences and evicts: the process
+and the tasks go on.
 
 :class:`LoopBase` holds what the step loop and the stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the busy
@@ -47,6 +53,12 @@ tracer = telemetry.get_tracer(__name__)
 
 BUSY_WINDOW_S = 1.0
 """The engine busy ratio is measured over windows of at least this many seconds."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A real device allocation failure: ``torch.cuda.OutOfMemoryError`` (matched by name, so torch need
+    not be imported) or ``MemoryError``."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
 class LoopBase:
@@ -97,6 +109,7 @@ class LoopBase:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self.scheduler.shutdown()
+        await self.scheduler.tiers.aclose()
 
     async def stop(self) -> None:
         """Cancel at once: every sequence still held ends ``cancelled``."""
@@ -107,6 +120,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         self._cancel_all()
         self.scheduler.shutdown()
+        await self.scheduler.tiers.aclose()
 
     @property
     def busy_ratio(self) -> float:
@@ -181,6 +195,7 @@ class StepLoop(LoopBase):
             self._idle = False
             now = time.monotonic()
             out = scheduler.schedule(now)
+            await self._move_tiers(out.restore)
             running = [s for s in out.running if not s.is_finished]
             if not running:
                 # Work waits but none fits now: re-evaluate when something changes, or after a slice.
@@ -193,6 +208,19 @@ class StepLoop(LoopBase):
                 attributes={"switchyard.batch_size": len(running), "switchyard.admitted": len(out.admitted)},
             ):
                 await self._turn(running)
+
+    def start(self) -> None:
+        super().start()
+        self.scheduler.tiers.start_scans()
+
+    async def _move_tiers(self, restore: list[Sequence]) -> None:
+        """Bring the DRAM copies of ``restore`` back; sleep the modelled transfer time (sim engine)."""
+        tiers = self.scheduler.tiers
+        for seq in restore:
+            await tiers.restore(seq)
+        owed = tiers.take_owed_seconds()
+        if owed > 0:
+            await asyncio.sleep(owed)
 
     async def _turn(self, running: list[Sequence]) -> None:
         """Prefill the newcomers among ``running``, then decode until the slice ends or the running set changes."""
@@ -230,9 +258,12 @@ class StepLoop(LoopBase):
         try:
             await fn(seqs)
         except Exception as exc:  # noqa: BLE001 - every member of the step gets the error
-            log.exception("engine step failed for %d sequences", len(seqs))
-            for seq in seqs:
-                seq.fail(exc)
+            if is_out_of_memory(exc):
+                self.scheduler.on_oom(seqs, time.monotonic(), exc)
+            else:
+                log.exception("engine step failed for %d sequences", len(seqs))
+                for seq in seqs:
+                    seq.fail(exc)
         self.steps += 1
         for seq, (first, last, count) in zip(seqs, before):
             if first is None and seq.first_token_at is not None:
@@ -243,11 +274,14 @@ class StepLoop(LoopBase):
         self._update_busy()
 
     def _reap(self, seqs: list[Sequence]) -> bool:
-        """Hand the finished members of ``seqs`` back to the scheduler; True when any ended."""
+        """Hand the finished members of ``seqs`` back to the scheduler; True when any ended or left the
+        running set (preempted after an out-of-memory step)."""
         now = time.monotonic()
         ended = False
         for seq in seqs:
             if seq.is_finished and seq.state == "running":
                 self.scheduler.finish(seq, now)
+                ended = True
+            elif seq.state != "running":
                 ended = True
         return ended

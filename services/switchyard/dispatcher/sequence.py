@@ -155,6 +155,17 @@ class Sequence:
     num_computed_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    restored_tokens: int = 0
+    """Prefix tokens whose KV state came back from a lower memory tier instead of being recomputed."""
+    swap_key: str = ""
+    """Key of its KV state's copy in the DRAM tier (swapped out at preemption, or its agent's parked
+    prefix to resume from); "" when none. The scheduler restores it at admission."""
+    swap_tokens: int = 0
+    """Prefix tokens that copy covers."""
+    kv_hits: int = 0
+    """Times its KV state was reused from a tier (the value score's frequency)."""
+    oom_retries: int = 0
+    """Engine steps of it that failed with a real out-of-memory error (retried once, then failed)."""
     admitted_at: float | None = None
     """When the policy last admitted it into the running set."""
     preempted_at: float | None = None
@@ -305,12 +316,15 @@ class SchedulerOutput:
     running set after this decision, admitted included, in step order.
     ``expired``: requests that waited past ``queues.inference.timeout_ms``
     before their first admission; they have failed with DEADLINE_EXCEEDED.
+    ``restore``: admitted sequences whose KV state has a copy in the DRAM tier
+    (``swap_key``): the step loop brings it back before their next step.
     """
 
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)
     expired: list[Sequence] = field(default_factory=list)
+    restore: list[Sequence] = field(default_factory=list)
 
 
 def request_links(seqs: "list[Sequence]") -> list[trace.Link]:

@@ -39,6 +39,7 @@ from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.stream_loop import StreamLoop
+from switchyard.dispatcher.tiers import MemoryTiers, RedisStore
 from switchyard.dispatcher.sequence import (
     Message,
     Sequence,
@@ -231,8 +232,12 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         if not self.stepping:
             self.limit = AdaptiveConcurrencyLimit(config.queue.model_gateway.concurrency)
             capacity = ConcurrencyCapacity(self.limit)
+        # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
+        dram = config.memory.dram
+        store = RedisStore(dram) if self.stepping and dram.enabled and hasattr(self.engine, "export_kv") else None
+        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store)
         self.scheduler: SchedulerCore = make_scheduler(
-            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive
+            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers
         )
         if self.adaptive is not None:
             self.scheduler.on_batch_done = self.adaptive.on_batch_done

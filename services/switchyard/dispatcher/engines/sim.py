@@ -38,6 +38,7 @@ import asyncio
 import hashlib
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 
 from switchyard.common import telemetry
@@ -108,6 +109,29 @@ def step_activity(params: SimEngineConfig, seconds: float, flops: float, hbm_byt
     memory = hbm_bytes / (params.hbm_tb_per_s * 1e12)
     tensor = flops / (params.peak_tflops * 1e12)
     return min(seconds, memory), min(seconds, tensor)
+
+
+_KV_RECORD = struct.Struct("<4sQQ")
+
+
+def export_modelled_kv(seq: Sequence, kv_bytes_per_token: int) -> bytes | None:
+    """A modelled engine's KV record: magic, prefix tokens, bytes they stand for; None when none are held."""
+    if seq.num_computed_tokens <= 0:
+        return None
+    return _KV_RECORD.pack(b"SYKV", seq.num_computed_tokens, seq.num_computed_tokens * kv_bytes_per_token)
+
+
+def import_modelled_kv(seq: Sequence, payload: bytes, tokens: int) -> int:
+    """Restore up to ``tokens`` prefix tokens from an :func:`export_modelled_kv` record (at most all but the
+    newest token of ``seq``, whose KV its next step computes); returns tokens restored (0: bad record)."""
+    if len(payload) != _KV_RECORD.size:
+        return 0
+    magic, held, _ = _KV_RECORD.unpack(payload)
+    if magic != b"SYKV":
+        return 0
+    restored = max(0, min(tokens, held, seq.num_tokens - 1))
+    seq.num_computed_tokens = restored
+    return restored
 
 
 # --------------------------------------------------------------------------- text
@@ -431,6 +455,23 @@ class SimEngine:
     def kv_bytes(self, seq: Sequence) -> int:
         """``num_computed_tokens x kv_bytes_per_token``."""
         return seq.num_computed_tokens * self.params.kv_bytes_per_token
+
+    models_transfers = True
+    """The KV state is modelled: a swap moves a small record, and its transfer time is modelled
+    (``[dram] transfer_gb_per_s``) by the step loop."""
+
+    def export_kv(self, seq: Sequence) -> bytes | None:
+        """``seq``'s KV state for the DRAM tier: a record of the tokens and bytes it stands for (the
+        sim holds no tensors); None when it holds none."""
+        return export_modelled_kv(seq, self.params.kv_bytes_per_token)
+
+    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
+        """Take back ``tokens`` prefix tokens of KV state from :meth:`export_kv`'s record; returns tokens restored."""
+        return import_modelled_kv(seq, payload, tokens)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Seconds a prefill of ``tokens`` tokens costs (:func:`prefill_seconds`)."""
+        return prefill_seconds(self.params, tokens)
 
     def memory_info(self) -> MemoryInfo:
         """The modelled GPU: ``hbm_gb`` of device memory (80 GB H100), weights ``params x bytes_per_param``."""

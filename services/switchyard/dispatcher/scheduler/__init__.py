@@ -42,6 +42,7 @@ def make_scheduler(
     monitor: ComputeScoreMonitor | None = None,
     capacity: Capacity | None = None,
     flush_interval_s: float | Callable[[], float] | None = None,
+    tiers: Any = None,
 ) -> SchedulerCore:
     """The scheduling policy named by ``policy`` (default: ``config.scheduler.policy``).
 
@@ -53,6 +54,8 @@ def make_scheduler(
         monitor: compute-score source (tests pass one built on a fake NVML).
         capacity: the running set's limit (default: the engine's KV budget).
         flush_interval_s: the double buffer's interval (default: ``flush.flush_interval_ms``).
+        tiers: the memory tiers (:class:`switchyard.dispatcher.tiers.MemoryTiers`); default
+            one without a DRAM store (evicted KV is recomputed).
 
     Raises:
         ValueError: unknown ``policy``.
@@ -61,4 +64,4 @@ def make_scheduler(
     name = policy or whole.scheduler.policy
     if name not in POLICIES:
         raise ValueError(f"scheduler policy: expected one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s)
+    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s, tiers=tiers)

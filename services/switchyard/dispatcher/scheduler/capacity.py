@@ -18,7 +18,10 @@ There are two kinds, one per engine kind:
   (:mod:`switchyard.dispatcher.adaptive_limit`).
 
 Device memory comes from the engine (:meth:`memory_info`): NVML's total on a
-GPU, the modelled 80 GB H100 for the sim engine.
+GPU, the modelled 80 GB H100 for the sim engine. Memory *in use*
+(:meth:`KvBudget.usage_ratio`, read by the HBM scan against
+``emergency_evict_ratio``) is the engine's ``device_used_bytes()`` where it
+has one (NVML's ``used`` on a GPU), else the modelled weights plus KV held.
 """
 
 from __future__ import annotations
@@ -79,13 +82,17 @@ class KvBudget:
         info: the engine's memory facts.
         held_elsewhere: bytes held outside the running set that count against
             the budget (the parked agents' KV), read at every check.
+        device_used: reads device memory in use, bytes (None: not readable,
+            the modelled usage applies).
 
     Raises:
         ValueError: the weights alone exceed ``capacity_ratio`` x device memory.
     """
 
-    def __init__(self, hbm: HbmTier, info: MemoryInfo, held_elsewhere: Any = lambda: 0) -> None:
+    def __init__(self, hbm: HbmTier, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
+                 device_used: Any = None) -> None:
         self.info = info
+        self._device_used = device_used
         self.budget_bytes = int(hbm.capacity_ratio * info.device_bytes) - info.weight_bytes
         if self.budget_bytes <= 0:
             raise ValueError(
@@ -105,6 +112,19 @@ class KvBudget:
     def free_bytes(self) -> int:
         """Budget left for new admissions, after the running set and the parked agents."""
         return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere())
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes held in HBM: the running set's reservations plus what is held beside it."""
+        return self.reserved_bytes + int(self._held_elsewhere())
+
+    def usage_ratio(self) -> float:
+        """Device memory in use / device memory (0-1): read from the device where possible, else
+        weights + :attr:`held_bytes`."""
+        used = self._device_used() if callable(self._device_used) else None
+        if used is None:
+            used = self.info.weight_bytes + self.held_bytes
+        return used / self.info.device_bytes if self.info.device_bytes else 0.0
 
     def refusal(self, seq: Sequence) -> str | None:
         return None if self.need(seq) <= self.free_bytes else KV_MEMORY

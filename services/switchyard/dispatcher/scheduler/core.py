@@ -17,7 +17,13 @@ This class is the only place that
 - expires requests that waited ``queues.inference.timeout_ms`` before their
   first admission (DEADLINE_EXCEEDED naming the queue; :meth:`SchedulerCore.schedule`);
 - releases KV state (``engine.release``): on finish, preemption, parking
-  expiry and agent hand-over.
+  expiry and agent hand-over;
+- moves KV state between memory tiers (:mod:`switchyard.dispatcher.tiers`):
+  a preempted sequence or an evicted parked agent goes to the DRAM tier when
+  swapping is cheaper than recomputing, and comes back at admission
+  (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
+  hbm_scan_interval_sec``) evicts at ``emergency_evict_ratio`` and
+  defragments while the compute score is below ``defrag_trigger_score``.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set
@@ -42,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import math
 import time
 from typing import Any, Callable
@@ -60,13 +67,19 @@ from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
 from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, should_park
-from switchyard.dispatcher.scheduler.capacity import Capacity, KvBudget, Unbounded, memory_info
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
-from switchyard.dispatcher.scheduler.parking import ParkedAgents
+from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, request_links
+from switchyard.dispatcher.tiers import MemoryTiers, agent_key, seq_key
+from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 QUEUE_NAME = "inference"
+log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
+
+FRAGMENTATION_INTERVAL_S = 1.0
+"""The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
 
 STATES = ("new", "buffered", "waiting", "running", "parked", "finished")
 """Values of ``Sequence.state``."""
@@ -94,6 +107,8 @@ class SchedulerCore:
         flush_interval_s: the double buffer's interval (seconds, or a callable
             such as :class:`~switchyard.dispatcher.adaptive_flush.AdaptiveFlush`);
             default ``flush.flush_interval_ms``.
+        tiers: the memory tiers (swap to DRAM); default one without a DRAM
+            store: evicted state is recomputed.
     """
 
     name = "base"
@@ -105,17 +120,21 @@ class SchedulerCore:
         monitor: ComputeScoreMonitor | None = None,
         capacity: Capacity | None = None,
         flush_interval_s: float | Callable[[], float] | None = None,
+        tiers: MemoryTiers | None = None,
     ) -> None:
         self.config = config.scheduler
+        self.memory = config.memory
+        self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
         self.queue_config = config.queue.queues.inference
         self.engine = engine
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
         self.admission = Admission(self.config)
         self.accounting = Accounting(self._kv_bytes)
-        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes)
+        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked)
         if capacity is None:
             info = memory_info(engine)
-            capacity = KvBudget(config.memory.hbm, info, self._held_outside_running) if info else Unbounded()
+            capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
+                                 getattr(engine, "device_used_bytes", None)) if info else Unbounded())
         self.capacity = capacity
         flush = config.queue.flush
         if flush_interval_s is None:
@@ -139,6 +158,9 @@ class SchedulerCore:
         """Compute score (0-100) read at the last decision."""
         self.preemption_enabled = self.config.preemption_enabled
         """Off for stream engines: an upstream stream cannot be paused."""
+        self._next_hbm_scan = 0.0
+        self._next_fragmentation = 0.0
+        self._kv_refused: Sequence | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
@@ -200,6 +222,7 @@ class SchedulerCore:
             raise QueueFullError(QUEUE_NAME, self.queue_config.capacity)
         why = self.capacity.never_fits(seq)
         if why is not None:
+            tier_metrics.OOM_AVOIDED.inc()
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", seq.max_tokens)
         seq.enqueued_at = now
         seq.state = "buffered"
@@ -265,6 +288,11 @@ class SchedulerCore:
         self.score = score
         self.accounting.charge(self._running, score, now)
         self.parking.expire(now)
+        if now >= self._next_hbm_scan:
+            self.hbm_scan(now, out)
+        if now >= self._next_fragmentation:  # O(running): read about once a second, not every decision
+            self._next_fragmentation = now + FRAGMENTATION_INTERVAL_S
+            tier_metrics.FRAGMENTATION.set(self.fragmentation_ratio())
         projected = score
         wave = 0
         while self._waiting:
@@ -272,6 +300,9 @@ class SchedulerCore:
             reason = self._refusal(seq, projected, wave)
             if reason is not None:
                 self.admission.refuse(reason)
+                if reason == KV_MEMORY and self._kv_refused is not seq:
+                    self._kv_refused = seq  # admitting it would overrun the HBM budget: an OOM avoided
+                    tier_metrics.OOM_AVOIDED.inc()
                 break
             self._waiting.pop(0)
             self._start(seq, now, out)
@@ -290,6 +321,70 @@ class SchedulerCore:
         ``tool_wait_ttl_s`` ran out give their KV back."""
         self.score = self.monitor.read(now)
         self.parking.expire(now)
+        if now >= self._next_hbm_scan:
+            self.hbm_scan(now, SchedulerOutput())
+
+    def hbm_scan(self, now: float, out: SchedulerOutput) -> None:
+        """The periodic HBM scan (``[scan] hbm_scan_interval_sec``), also run after a real OOM.
+
+        - Device memory in use at or above ``emergency_evict_ratio`` (NVML's
+          reading on a GPU, the modelled usage otherwise): evict, whatever the
+          value, lowest value first, until below it: parked agents' state (to
+          DRAM where cheaper), then the prefix cache, then running sequences
+          (preempted; their KV to DRAM where cheaper; core last).
+        - Compute score below ``defrag_trigger_score``: compact the engine's KV
+          block table (``engine.compact_kv``) while the GPU has time for it.
+        """
+        self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_sec
+        tier_metrics.SCANS.labels("hbm").inc()
+        usage = getattr(self.capacity, "usage_ratio", None)
+        limit = self.memory.hbm.emergency_evict_ratio
+        if callable(usage) and usage() >= limit:
+            log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting lowest-value KV state", usage(), limit)
+            while self.parking.sequences and usage() >= limit:
+                self.parking.evict_lowest(lambda entry: self._parked_value(entry, now))
+            evict = getattr(self.engine, "evict_prefix_cache", None)
+            per_block = getattr(getattr(self.capacity, "info", None), "device_bytes", 0) * (usage() - limit)
+            if callable(evict) and usage() >= limit:
+                evict(int(per_block) + 1)
+            while usage() >= limit:
+                victim = self._lowest_value_running(now, out)
+                if victim is None:
+                    break
+                self._preempt_one(victim, now, out)
+        compact = getattr(self.engine, "compact_kv", None)
+        if callable(compact) and self.score < self.memory.hbm.defrag_trigger_score:
+            freed = int(compact())
+            tier_metrics.DEFRAGMENTATIONS.inc()
+            tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
+
+    def on_oom(self, seqs: list[Sequence], now: float, error: BaseException) -> list[Sequence]:
+        """An engine step over ``seqs`` failed with a real out-of-memory error: keep the process and the tasks.
+
+        Each running member is preempted (its KV dropped; it waits again and
+        recomputes) and the HBM scan runs at once. A sequence whose step fails
+        this way a second time fails with RESOURCE_EXHAUSTED. Returns the
+        sequences failed.
+        """
+        tier_metrics.OOM.inc()
+        log.warning("engine step of %d sequences ran out of device memory (%s); preempting them and evicting",
+                    len(seqs), error)
+        out = SchedulerOutput()
+        failed = []
+        for seq in seqs:
+            if seq.state != "running" or seq.is_finished:
+                continue
+            seq.oom_retries += 1
+            if seq.oom_retries > 1:
+                seq.fail(SwitchyardError(
+                    f"device memory ran out twice in this request's engine steps ({error}); the HBM budget "
+                    "(memory_policy.toml [hbm] capacity_ratio) is larger than what the device has free",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED))
+                failed.append(seq)
+                continue
+            self._preempt_one(seq, now, out)
+        self.hbm_scan(now, out)
+        return failed
 
     def finish(self, seq: Sequence, now: float) -> None:
         """``seq`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
@@ -316,6 +411,13 @@ class SchedulerCore:
         self._end_handover(seq)
         self.accounting.forget(seq)
         self._batch_member_done(seq, now)
+        if seq.swap_key:  # a DRAM copy it will not come back for
+            self.tiers.discard(seq.swap_key)
+            seq.swap_key, seq.swap_tokens = "", 0
+        if seq.recomputed_tokens:
+            tier_metrics.RECOMPUTED_TOKENS.inc(seq.recomputed_tokens)
+        if seq.restored_tokens:
+            tier_metrics.RESTORED_TOKENS.inc(seq.restored_tokens)
         if state == "running" and should_park(seq):
             seq.state = "parked"
             self.parking.park(seq, now)
@@ -400,16 +502,59 @@ class SchedulerCore:
 
     def _make_room(self, seq: Sequence) -> bool:
         """Free KV until ``seq`` fits: the prefix cache first (least recently used blocks), then parked
-        agents, oldest first. True when it fits."""
+        agents' state valued below ``[hbm] evict_threshold``, lowest value first (to DRAM where a swap
+        is cheaper). True when it fits."""
         if self.capacity.refusal(seq) is None:
             return True
         evict = getattr(self.engine, "evict_prefix_cache", None)
         need = getattr(self.capacity, "need", None)
         if callable(evict) and callable(need):
             evict(need(seq) - self.capacity.free_bytes)  # type: ignore[attr-defined]
+        now = time.monotonic() if seq.enqueued_at is None else max(seq.enqueued_at, seq.arrival)
         while self.parking.sequences and self.capacity.refusal(seq) is not None:
-            self.parking.evict_oldest()
+            if self.parking.evict_lowest(lambda entry: self._parked_value(entry, now),
+                                         below=self.memory.hbm.evict_threshold) is None:
+                break
         return self.capacity.refusal(seq) is None
+
+    def _parked_value(self, entry: ParkedAgent, now: float) -> float:
+        """Value score of a parked agent's state; its recency holds while its tool-wait TTL runs."""
+        seq = entry.seq
+        idle = max(0.0, now - entry.since)
+        return self.tiers.score(seq, tokens=seq.num_computed_tokens, nbytes=entry.kv_bytes, idle_s=idle,
+                                pinned=idle <= self.parking.ttl_s)
+
+    def _lowest_value_running(self, now: float, out: SchedulerOutput) -> Sequence | None:
+        """The running sequence whose state is worth least, not admitted in this decision; None if none."""
+        fresh = set(out.admitted)
+        candidates = [s for s in self._running if s not in fresh]
+        if not candidates:
+            return None
+
+        def value(seq: Sequence) -> float:
+            idle = now - (seq.last_token_at or seq.admitted_at or now)
+            return self.tiers.score(seq, tokens=seq.num_computed_tokens, nbytes=self._kv_bytes(seq), idle_s=idle)
+
+        return min(candidates, key=value)
+
+    def _swap_out(self, seq: Sequence, key: str) -> bool:
+        """Copy ``seq``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it."""
+        tokens = seq.num_computed_tokens
+        if not self.tiers.worth_swapping(tokens, self._kv_bytes(seq)):
+            return False
+        if not self.tiers.swap_out(seq, key, tokens):
+            return False
+        seq.swap_key, seq.swap_tokens = key, tokens
+        return True
+
+    def _demote_parked(self, parked: Sequence) -> bool:
+        """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key)."""
+        tokens = parked.num_computed_tokens
+        if self.tiers.worth_swapping(tokens, self._kv_bytes(parked)) and self.tiers.swap_out(
+                parked, agent_key(parked.agent_id), tokens):
+            return True
+        tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next step recomputes
+        return False
 
     def _start(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
         seq.admitted_at = now
@@ -425,6 +570,8 @@ class SchedulerCore:
             metrics.RESUMES.labels("preempted").inc()
         self._end_handover(seq)
         out.admitted.append(seq)
+        if seq.swap_key:
+            out.restore.append(seq)
 
     def _stop(self, seq: Sequence, now: float) -> None:
         self.accounting.stop(seq, self.score, len(self._running), now)
@@ -432,8 +579,11 @@ class SchedulerCore:
         self.capacity.give(seq)
 
     def _preempt_one(self, victim: Sequence, now: float, out: SchedulerOutput) -> None:
-        """Take ``victim``'s slot: its KV is dropped and it waits again at its original place."""
+        """Take ``victim``'s slot: its KV goes to DRAM (when cheaper than recomputing it) or is dropped,
+        and it waits again at its original place."""
         self._stop(victim, now)
+        if not self._swap_out(victim, seq_key(victim)):
+            tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
         self._enqueue(victim, now)
@@ -505,8 +655,16 @@ class SchedulerCore:
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             seq.num_computed_tokens = max(0, min(found.prefix_tokens, seq.prompt_tokens - 1))
+            seq.kv_hits += 1
+            tier_metrics.TIER_HITS.labels("hbm").inc()
             metrics.RESUMES.labels("tool_warm").inc()
+        elif found.in_dram and found.prefix_tokens:
+            # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
+            seq.swap_key, seq.swap_tokens = agent_key(seq.agent_id), found.prefix_tokens
+            tier_metrics.TIER_MISSES.labels("hbm").inc()
+            metrics.RESUMES.labels("tool_restored").inc()
         else:
+            tier_metrics.TIER_MISSES.labels("hbm").inc()
             seq.recomputed_tokens += min(found.prefix_tokens, seq.prompt_tokens)
             metrics.RESUMES.labels("tool_cold").inc()
 
@@ -545,3 +703,23 @@ class SchedulerCore:
             metrics.WAITING_AGENTS.labels(name).set(waiting[name])
         dispatcher_metrics.RUNNING_SEQUENCES.set(len(self._running))
         dispatcher_metrics.WAITING_SEQUENCES.set(self.num_waiting)
+        if isinstance(self.capacity, KvBudget):
+            tier_metrics.TIER_BYTES.labels("hbm").set(self.capacity.held_bytes)
+
+    def fragmentation_ratio(self) -> float:
+        """Share of the KV block pool's allocated bytes holding no token state, 0-1.
+
+        Allocated: each running sequence's reservation (or the engine's
+        allocation, when larger), parked agents' state and the prefix cache.
+        Live: tokens whose KV is computed x KV bytes per token, plus the parked
+        and cached state. The waste PagedAttention measures in existing systems
+        (reserved slots and internal fragmentation; Kwon et al., SOSP 2023,
+        section 2.3 and Fig. 2: 20-38 % of KV memory held token state there).
+        """
+        per_token = self.capacity.info.kv_bytes_per_token if isinstance(self.capacity, KvBudget) else 0
+        held = self._held_outside_running()
+        allocated, live = held, held
+        for seq in self._running:
+            allocated += max(seq.kv_reserved_bytes, self._kv_bytes(seq))
+            live += seq.num_computed_tokens * per_token
+        return max(0.0, 1.0 - live / allocated) if allocated else 0.0

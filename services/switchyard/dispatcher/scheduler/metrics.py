@@ -38,8 +38,9 @@ PREEMPTIONS = Counter(
 )
 RESUMES = Counter(
     "switchyard_resumes_total",
-    "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_cold "
-    "(a react_loop agent back from a tool call with its prefix state warm, or after its TTL ran out).",
+    "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_restored / "
+    "tool_cold (a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM "
+    "tier, or lost).",
     ["kind"],
 )
 TOOL_WAIT_EXPIRED = Counter(
@@ -81,5 +82,5 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
 
 for _class in ("core", "normal", "batch"):  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
-for _kind in ("preempted", "tool_warm", "tool_cold"):
+for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
     RESUMES.labels(_kind)

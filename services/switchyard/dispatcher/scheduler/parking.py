@@ -4,8 +4,11 @@ A ``react_loop`` agent alternates thinking on the GPU with tool calls that
 leave the GPU idle (under 30 % of a 7B agent's task time is GPU time, per the
 field report in docs/architecture.md). While it waits on a tool it holds no running slot;
 its prefix state (KV cache) stays in engine memory for ``tool_wait_ttl_s`` so
-that its next step, which repeats that prefix, skips recomputing it. After the
-TTL the state is released and the next step recomputes the prefix.
+that its next step, which repeats that prefix, skips recomputing it (the
+tool-call TTL of Continuum, Li et al. 2025). When the TTL runs out, or the HBM
+budget needs the room (lowest value first, :mod:`switchyard.dispatcher.tiers.value`),
+the state leaves HBM: to the DRAM tier when a swap is cheaper than recomputing
+it (``demote``), else it is dropped and the next step recomputes the prefix.
 
 Expiry is checked at every scheduling decision, before admission, so expired
 state is always gone before new work is admitted; on an idle engine it is
@@ -22,7 +25,7 @@ from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.sequence import Sequence
 
 COLD_PREFIX_MEMORY = 10_000
-"""Agents whose released prefix length is remembered, to count recomputed tokens on a cold resume."""
+"""Agents whose released prefix (length, and whether DRAM holds it) is remembered for their resume."""
 
 
 @dataclass
@@ -38,15 +41,17 @@ class ParkedAgent:
 class Resumed:
     """How a resuming agent's prefix state was found.
 
-    ``warm``: the state was still held; ``prefix_tokens``: the prefix it
-    covers (warm) or that must be recomputed (cold, 0 when unknown);
-    ``parked``: the agent's parked sequence (warm only), still holding the
-    state: the caller releases it once the new sequence has taken over.
+    ``warm``: the state was still held in HBM; ``prefix_tokens``: the prefix
+    it covers (warm, or in DRAM) or that must be recomputed (cold, 0 when
+    unknown); ``parked``: the agent's parked sequence (warm only), still
+    holding the state: the caller releases it once the new sequence has taken
+    over; ``in_dram``: not warm, but a copy went to the DRAM tier.
     """
 
     warm: bool
     prefix_tokens: int
     parked: Sequence | None = None
+    in_dram: bool = False
 
 
 class ParkedAgents:
@@ -56,14 +61,18 @@ class ParkedAgents:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
         release: drops a sequence's prefix state in the engine (``engine.release``).
         kv_bytes: bytes the engine holds for a sequence (``engine.kv_bytes``).
+        demote: called with a sequence whose state leaves HBM, before it is
+            released; True when it copied the state to the DRAM tier.
     """
 
-    def __init__(self, ttl_s: float, release: Callable[[Sequence], None], kv_bytes: Callable[[Sequence], int]) -> None:
+    def __init__(self, ttl_s: float, release: Callable[[Sequence], None], kv_bytes: Callable[[Sequence], int],
+                 demote: Callable[[Sequence], bool] = lambda seq: False) -> None:
         self.ttl_s = ttl_s
         self._release = release
         self._kv_bytes = kv_bytes
+        self._demote = demote
         self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
-        self._cold: OrderedDict[str, int] = OrderedDict()
+        self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
 
     def park(self, seq: Sequence, now: float) -> None:
         """Keep ``seq``'s prefix state warm; an older parked step of the same agent is released."""
@@ -86,7 +95,8 @@ class ParkedAgents:
             entry = None
         if entry is None:
             self._publish()
-            return Resumed(False, self._cold.pop(agent_id, 0))
+            tokens, in_dram = self._cold.pop(agent_id, (0, False))
+            return Resumed(False, tokens, in_dram=in_dram)
         self._publish()
         return Resumed(True, entry.seq.num_computed_tokens, entry.seq)
 
@@ -100,18 +110,27 @@ class ParkedAgents:
             self._publish()
         return [entry.seq for _, entry in expired]
 
-    def evict_oldest(self) -> Sequence | None:
-        """Release the longest-parked agent's state to make room for running work; returns its sequence.
+    def evict_lowest(self, value: Callable[[ParkedAgent], float], below: float = float("inf")) -> Sequence | None:
+        """Move the lowest-valued parked agent's state out of HBM to make room; returns its sequence.
 
-        Its next step recomputes the prefix (a cold resume), as after the TTL.
+        Only an agent valued below ``below`` is taken (None when there is none).
+        Its next step restores the prefix from DRAM, or recomputes it.
         """
-        if not self._parked:
+        scored = [(value(entry), agent) for agent, entry in self._parked.items()]
+        if not scored:
             return None
-        agent, entry = next(iter(self._parked.items()))
-        del self._parked[agent]
+        lowest, agent = min(scored, key=lambda item: item[0])
+        if lowest >= below:
+            return None
+        entry = self._parked.pop(agent)
         self._expire(agent, entry, evicted=True)
         self._publish()
         return entry.seq
+
+    @property
+    def entries(self) -> list[ParkedAgent]:
+        """Parked agents, oldest first."""
+        return list(self._parked.values())
 
     def drop(self, seq: Sequence) -> bool:
         """Release ``seq`` if it is parked (its agent went away); True when it was."""
@@ -135,13 +154,15 @@ class ParkedAgents:
         return sum(entry.kv_bytes for entry in self._parked.values())
 
     def _expire(self, agent_id: str, entry: ParkedAgent, evicted: bool = False) -> None:
+        tokens = entry.seq.num_computed_tokens
+        in_dram = self._demote(entry.seq)
         self._release(entry.seq)
         entry.seq.state = "finished"
         if evicted:
             metrics.PARKED_EVICTED.inc()
         else:
             metrics.TOOL_WAIT_EXPIRED.inc()
-        self._cold[agent_id] = entry.seq.num_computed_tokens
+        self._cold[agent_id] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
 

@@ -1,0 +1,241 @@
+"""Memory tiers of the dispatcher: KV state in HBM, swapped to DRAM (Redis) and back.
+
+The scheduler (:class:`~switchyard.dispatcher.scheduler.core.SchedulerCore`)
+stays the one owner of requests and KV: it decides *when* state leaves HBM
+(preemption, a parked agent's eviction or tool-wait TTL, the emergency scan)
+and writes where a sequence's copy lives on the sequence itself
+(``seq.swap_key``, ``seq.swap_tokens``). This package does the moving and the
+pricing:
+
+- :class:`MemoryTiers` chooses swap or recompute: a swap costs the transfer
+  out and back, ``2 x (bytes / [dram] transfer_gb_per_s + transfer_latency_ms)``;
+  a recompute costs the engine's prefill of the same tokens
+  (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
+  offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
+- :mod:`.dram`: the Redis store (redis-py's asyncio client); an outage is a miss.
+- :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
+- :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
+
+An engine takes part through three optional methods: ``export_kv(seq) ->
+bytes | None`` (its KV state as bytes, before release), ``import_kv(seq,
+payload, tokens) -> int`` (tokens restored) and ``recompute_seconds(tokens)``.
+An engine whose ``models_transfers`` is true (the sim) has no real bytes to
+move: the modelled transfer time is owed and the step loop sleeps it
+(:meth:`MemoryTiers.take_owed_seconds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from switchyard.common.config import MemoryPolicyFile, PriorityBoost
+from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.tiers import metrics
+from switchyard.dispatcher.tiers.dram import KEY_PREFIX, RedisStore
+from switchyard.dispatcher.tiers.value import ValueScore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryTiers", "RedisStore", "ValueScore", "seq_key", "agent_key"]
+
+
+def seq_key(seq: Sequence) -> str:
+    """DRAM key of a preempted sequence's KV state."""
+    return f"{KEY_PREFIX}seq:{seq.request_id}"
+
+
+def agent_key(agent_id: str) -> str:
+    """DRAM key of a parked agent's prefix state."""
+    return f"{KEY_PREFIX}agent:{agent_id}"
+
+
+class MemoryTiers:
+    """Swap-or-recompute decisions and the moves between HBM and DRAM.
+
+    Args:
+        memory: ``memory_policy.toml``.
+        boost: ``scheduler_config.json`` ``priority_boost`` (the value score's priority weights).
+        engine: the step engine (``export_kv``, ``import_kv``, ``recompute_seconds``, ``kv_bytes``).
+        store: the DRAM store; None: no DRAM tier (every eviction recomputes).
+    """
+
+    def __init__(self, memory: MemoryPolicyFile, boost: PriorityBoost, engine: Any,
+                 store: RedisStore | None = None) -> None:
+        self.config = memory
+        self.engine = engine
+        self.store = store
+        self.value = ValueScore(memory.value, boost)
+        self._writes: dict[str, asyncio.Task[bool]] = {}
+        self._owed_s = 0.0
+        self._scan_task: asyncio.Task[None] | None = None
+        self.models_transfers = bool(getattr(engine, "models_transfers", False))
+
+    # ------------------------------------------------------------------ pricing
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Engine seconds to recompute ``tokens`` prefix tokens (0 when the engine cannot say)."""
+        fn = getattr(self.engine, "recompute_seconds", None)
+        return float(fn(tokens)) if callable(fn) and tokens > 0 else 0.0
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """One-way seconds to move ``nbytes`` between HBM and DRAM: bytes / bandwidth + fixed latency."""
+        dram = self.config.dram
+        return nbytes / (dram.transfer_gb_per_s * 1e9) + dram.transfer_latency_ms / 1000
+
+    def can_swap(self) -> bool:
+        """A DRAM tier is configured, reachable (not within an outage's retry window) and the engine can export."""
+        if self.store is None or not self.config.dram.enabled or not self.store.available():
+            return False
+        if not callable(getattr(self.engine, "export_kv", None)):
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop: nothing could write to Redis
+            return False
+        return True
+
+    def worth_swapping(self, tokens: int, nbytes: int) -> bool:
+        """True when swapping out and back is cheaper than recomputing ``tokens`` (and a swap is possible)."""
+        if tokens <= 0 or not self.can_swap():
+            return False
+        return 2 * self.transfer_seconds(nbytes) < self.recompute_seconds(tokens)
+
+    def score(self, seq: Sequence, *, tokens: int, nbytes: int, idle_s: float, pinned: bool = False) -> float:
+        """The value score of ``seq``'s state (see :mod:`.value`)."""
+        return self.value.score(priority_class=seq.priority_name, hits=seq.kv_hits,
+                                reuse_seconds=self.recompute_seconds(tokens), nbytes=nbytes, idle_s=idle_s,
+                                pinned=pinned)
+
+    # ------------------------------------------------------------------ moves
+
+    def swap_out(self, seq: Sequence, key: str, tokens: int) -> bool:
+        """Copy ``seq``'s KV state (``tokens`` prefix tokens) to DRAM under ``key``, before the caller releases it.
+
+        The engine's bytes are taken now; the Redis write runs in the background
+        (a restore of ``key`` waits for it). Returns False when nothing could be
+        exported (the caller then recomputes).
+        """
+        nbytes = int(getattr(self.engine, "kv_bytes")(seq))
+        payload = self.engine.export_kv(seq)
+        if payload is None:
+            return False
+        old = self._writes.pop(key, None)
+        if old is not None:
+            old.cancel()
+        cost_us = self.recompute_seconds(tokens) * 1e6
+        assert self.store is not None
+        self._writes[key] = asyncio.get_running_loop().create_task(self.store.put(
+            key, payload, tokens=tokens, nbytes=nbytes, priority=seq.priority_name, hits=seq.kv_hits,
+            cost_us=cost_us))
+        if self.models_transfers:
+            self._owed_s += self.transfer_seconds(nbytes)
+        metrics.TIER_EVICTIONS.labels("hbm").inc()
+        metrics.TIER_DEMOTIONS.labels("hbm").inc()
+        return True
+
+    async def restore(self, seq: Sequence) -> int:
+        """Bring ``seq``'s DRAM copy (``seq.swap_key``) back into the engine; returns tokens restored.
+
+        0 on a miss (evicted, expired, Redis down): the engine then recomputes
+        the prefix. Either way ``seq.swap_key`` is cleared.
+        """
+        key, tokens = seq.swap_key, seq.swap_tokens
+        seq.swap_key, seq.swap_tokens = "", 0
+        if not key or self.store is None:
+            return 0
+        write = self._writes.pop(key, None)
+        written = await write if write is not None else True
+        entry = await self.store.get(key) if written else None
+        if entry is None:
+            metrics.TIER_MISSES.labels("dram").inc()
+            if not seq.output_tokens:  # a resumed agent's prefix: its prefill recomputes it
+                seq.recomputed_tokens += min(tokens, seq.prompt_tokens)
+            return 0
+        metrics.TIER_HITS.labels("dram").inc()
+        if seq.is_finished or seq.state != "running":  # it left while the copy was read
+            self.discard(key)
+            return 0
+        restored = int(self.engine.import_kv(seq, entry.payload, min(tokens, entry.tokens)))
+        self.discard(key)
+        if restored <= 0:
+            return 0
+        if self.models_transfers:
+            self._owed_s += self.transfer_seconds(entry.nbytes)
+        seq.restored_tokens += restored
+        seq.kv_hits += 1
+        metrics.TIER_PROMOTIONS.labels("dram").inc()
+        return restored
+
+    def discard(self, key: str) -> None:
+        """Drop the DRAM copy under ``key`` (its sequence ended or took it back); runs in the background."""
+        if self.store is None or not key:
+            return
+        write = self._writes.pop(key, None)
+        if write is not None:
+            write.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.create_task(self.store.delete(key))
+
+    def take_owed_seconds(self) -> float:
+        """Modelled transfer seconds accumulated since the last call (sim engine only; else 0)."""
+        owed, self._owed_s = self._owed_s, 0.0
+        return owed
+
+    # ------------------------------------------------------------------ scans
+
+    async def scan_dram(self) -> tuple[int, int]:
+        """One DRAM scan: entries at or above ``promote_threshold`` stay hot (TTL renewed), entries
+        below ``demote_threshold`` are demoted out of DRAM (dropped: no cold tier is written yet).
+        Returns (kept hot, demoted)."""
+        if self.store is None or not self.store.available():
+            return 0, 0
+        dram = self.config.dram
+        hot = demoted = 0
+        now = time.time()
+        async for entry in self.store.scan():
+            value = self.value.score(priority_class=entry.priority, hits=entry.hits,
+                                     reuse_seconds=entry.cost_us / 1e6, nbytes=entry.nbytes,
+                                     idle_s=now - entry.stored_at)
+            if value >= dram.promote_threshold:
+                await self.store.touch(entry.key)
+                hot += 1
+            elif value < dram.demote_threshold:
+                await self.store.delete(entry.key)
+                metrics.TIER_DEMOTIONS.labels("dram").inc()
+                metrics.TIER_EVICTIONS.labels("dram").inc()
+                demoted += 1
+        metrics.SCANS.labels("dram").inc()
+        return hot, demoted
+
+    def start_scans(self) -> None:
+        """Run :meth:`scan_dram` every ``[scan] dram_scan_interval_sec`` on the running loop (idempotent)."""
+        if self.store is None or self._scan_task is not None:
+            return
+
+        async def every() -> None:
+            while True:
+                await asyncio.sleep(self.config.scan.dram_scan_interval_sec)
+                try:
+                    await self.scan_dram()
+                except Exception:  # noqa: BLE001 - a scan must never end the loop
+                    log.exception("DRAM tier scan failed")
+
+        self._scan_task = asyncio.get_running_loop().create_task(every(), name="dram-scan")
+
+    async def aclose(self) -> None:
+        """Stop the scans, let pending writes end, close the Redis client."""
+        if self._scan_task is not None:
+            self._scan_task.cancel()
+            await asyncio.gather(self._scan_task, return_exceptions=True)
+            self._scan_task = None
+        if self._writes:
+            await asyncio.gather(*self._writes.values(), return_exceptions=True)
+            self._writes.clear()
+        if self.store is not None:
+            await self.store.aclose()
