@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from switchyard.api import agent_pb2, agent_pb2_grpc  # noqa: E402
 from switchyard.common.config import SwitchyardConfig  # noqa: E402
@@ -186,6 +186,58 @@ async def test_preempted_sequence_recomputes_and_continues_without_loss_or_repea
         if hasattr(item, "index"):
             indexes.append(item.index)
     assert indexes == list(range(14))
+
+
+async def test_swapped_out_kv_tensors_come_back_and_the_sequence_continues_as_if_never_preempted():
+    engine = make()
+    seq, other = seqs_for(PROMPTS[1:3], max_tokens=14, tag="swap")
+    await engine.prefill([seq, other])
+    for _ in range(4):
+        await engine.decode([seq, other])
+    held = seq.num_computed_tokens
+    kv_before = engine._caches[seq].data[:, :, :, :held].clone()
+    payload = engine.export_kv(seq)  # what the DRAM tier stores: real tensor bytes and the token ids
+    assert payload is not None and len(payload) > kv_before.numel() * kv_before.element_size()
+    seq.mark_preempted()
+    engine.release(seq)
+    await engine.decode([other])
+    assert engine.import_kv(seq, payload, held) == held
+    assert torch.equal(engine._caches[seq].data[:, :, :, :held], kv_before)
+    assert not seq.needs_prefill  # straight back to decoding
+    while live := [s for s in (seq, other) if not s.is_finished]:
+        await engine.decode(live)
+    assert seq.recomputed_tokens == 0
+    assert seq.output_tokens == await alone(PROMPTS[1], 14)
+
+
+async def test_an_agents_next_step_takes_back_only_the_prefix_it_shares_with_the_copy():
+    engine = make()
+    (first,) = seqs_for(PROMPTS[3:4], max_tokens=4, tag="agent")
+    await run_to_end(engine, [first])
+    payload = engine.export_kv(first)
+    assert payload is not None
+    (follow,) = seqs_for([PROMPTS[3] + " And then?"], max_tokens=4, tag="agent-next")
+    (unrelated,) = seqs_for(["Something else entirely."], max_tokens=4, tag="agent-other")
+    restored = engine.import_kv(follow, payload, 10_000)
+    assert 0 < restored < follow.prompt_tokens and follow.needs_prefill  # the shared prompt prefix only
+    assert engine.import_kv(unrelated, payload, 10_000) == 0
+    assert engine.import_kv(unrelated, b"not a tensor file", 10_000) == 0
+    await run_to_end(engine, [follow])
+    assert follow.output_tokens == await alone(PROMPTS[3] + " And then?", 4)
+
+
+def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
+    engine = make()
+    (seq,) = seqs_for(PROMPTS[:1], tag="compact")
+    state = engine._state(seq)
+    cache = engine.model_net.new_cache(engine.params.kv_block_tokens)
+    cache.reserve(64)
+    cache.length = 5
+    engine._caches[seq] = cache
+    assert state is not None and cache.data.shape[3] == 64
+    per_token = cache.nbytes // 64
+    assert engine.compact_kv() == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
+    assert cache.data.shape[3] == 8 and engine.compact_kv() == 0
 
 
 # --------------------------------------------------------------------------- limits

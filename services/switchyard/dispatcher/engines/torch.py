@@ -36,6 +36,15 @@ and the engine force-decodes its tokens: every token still goes through the
 model's forward passes and KV cache, only the choice of the next id is
 taken from the plan instead of the logits. Without tools, text is the model's own.
 
+Memory tiers: ``export_kv`` copies a sequence's KV tensor (its valid tokens)
+and token ids to host bytes for the DRAM tier; ``import_kv`` puts them back
+into a new cache, for as many leading tokens as the sequence's own ids share
+with the copy (a preempted sequence: all; a react_loop agent's next step: the
+prefix it repeats). ``recompute_seconds`` is the measured prefill time per
+token; ``compact_kv`` shrinks every cache tensor to its valid blocks and, on
+CUDA, hands the allocator's free cached segments back (``empty_cache``);
+``device_used_bytes`` is NVML's used memory on a GPU.
+
 Limits: a sequence holds at most ``max_seq_len`` tokens. A prompt of
 ``max_seq_len`` tokens or more fails the sequence with INVALID_ARGUMENT naming
 ``prompt_tokens`` and the limit; reaching the limit while generating finishes
@@ -51,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import codecs
 import hashlib
@@ -151,6 +161,8 @@ class TorchEngine:
         self.steps = 0
         self._states: dict[Sequence, SeqState] = {}
         self._caches: dict[Sequence, KVCache] = {}
+        self._prefill_s_per_token = 0.0
+        """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
 
     # ------------------------------------------------------------------ StepEngine
 
@@ -181,10 +193,15 @@ class TorchEngine:
         if not batch:
             return
         tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in prefilling)
+        before = self.busy_seconds
         with tracer.start_as_current_span(name) as span:
             span.set_attribute("switchyard.batch_size", len(batch))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._step(batch)
+        if tokens >= 16:  # long enough that the per-token cost dominates the step
+            measured = (self.busy_seconds - before) / tokens
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = measured if not old else 0.8 * old + 0.2 * measured
 
     def _ready_for_prefill(self, seqs: list[Sequence]) -> list[Sequence]:
         """The members of ``seqs`` that can be prefilled, each with a KV cache of its own."""
@@ -227,6 +244,71 @@ class TorchEngine:
         """Bytes of the KV cache tensor held for ``seq`` (allocated blocks), 0 when released."""
         cache = self._caches.get(seq)
         return cache.nbytes if cache is not None else 0
+
+    def export_kv(self, seq: Sequence) -> bytes | None:
+        """``seq``'s KV state as bytes (valid tokens' keys and values, on the host, and their token ids);
+        None when it holds none."""
+        cache = self._caches.get(seq)
+        state = self._states.get(seq)
+        if cache is None or state is None or cache.length == 0:
+            return None
+        buffer = io.BytesIO()
+        torch.save({"ids": state.ids[: cache.length], "kv": cache.data[:, :, :, : cache.length].to("cpu")}, buffer)
+        return buffer.getvalue()
+
+    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
+        """Restore up to ``tokens`` leading tokens of KV from :meth:`export_kv`'s bytes, as many as ``seq``'s
+        ids share with the copy (all but its newest token at most); returns tokens restored."""
+        state = self._state(seq)
+        if state is None:
+            return 0
+        try:
+            saved = torch.load(io.BytesIO(payload), map_location=self.device, weights_only=True)
+            ids, kv = list(saved["ids"]), saved["kv"]
+        except Exception:  # noqa: BLE001 - a corrupt or foreign entry is a miss
+            return 0
+        limit = min(tokens, len(ids), len(state.ids) - 1, kv.shape[3])
+        shared = 0
+        while shared < limit and ids[shared] == state.ids[shared]:
+            shared += 1
+        if shared <= 0:
+            return 0
+        cache = self.model_net.new_cache(self.params.kv_block_tokens)
+        if tuple(kv.shape[:3]) + (kv.shape[4],) != cache.shape:
+            return 0
+        cache.reserve(shared)
+        cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(cache.data.dtype)
+        cache.length = shared
+        self._caches[seq] = cache
+        seq.num_computed_tokens = shared
+        return shared
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Measured prefill seconds for ``tokens`` tokens (0 before the first prefill was measured)."""
+        return tokens * self._prefill_s_per_token
+
+    def compact_kv(self) -> int:
+        """Shrink every cache tensor to its valid tokens' blocks; returns device bytes freed (CUDA also
+        returns the caching allocator's free segments to the driver)."""
+        freed = 0
+        for cache in self._caches.values():
+            blocks = -(-cache.length // cache.block_tokens)
+            keep = blocks * cache.block_tokens
+            if keep < cache.data.shape[3]:
+                before = cache.nbytes
+                cache.data = cache.data[:, :, :, :keep].clone()
+                freed += before - cache.nbytes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def device_used_bytes(self) -> int | None:
+        """Device memory in use: NVML's (or CUDA's) reading on a GPU; None on the CPU (modelled instead)."""
+        if self.device.type != "cuda":
+            return None
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
+        return int(total - free)
 
     def memory_info(self) -> MemoryInfo:
         """Device memory (NVML's total on a GPU, physical RAM on a CPU), weight bytes and KV bytes per token.
