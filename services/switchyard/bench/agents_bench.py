@@ -112,6 +112,7 @@ class Outcome:
     fragmentation: list[float] = field(default_factory=list)
     steps: int = 0
     makespan: float = 0.0
+    swap_seconds: float = 0.0
 
 
 def _sample(name: str, **labels: str) -> float:
@@ -218,7 +219,9 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig, redis: 
         out = sched.schedule(t)
         for seq in out.restore:
             await tiers.restore(seq)
-        t += tiers.take_owed_seconds()
+        owed = tiers.take_owed_seconds()
+        result.swap_seconds += owed
+        t += owed
         running = out.running
         result.steps += 1
         if result.steps % 20 == 0:
@@ -282,6 +285,7 @@ def summarize(args: argparse.Namespace, config: SwitchyardConfig, result: Outcom
                 "capacity_ratio": config.memory.hbm.capacity_ratio},
         "dram": dram,
         "makespan_s": round(result.makespan, 3),
+        "swap_seconds": round(result.swap_seconds, 3),
         "engine_busy_ratio": round(busy / result.makespan, 4) if result.makespan else 0.0,
         "roofline_efficiency": round(counters["generated_tokens"] / busy / bound, 4) if busy else 0.0,
         "fragmentation_ratio": {"mean": round(sum(frag) / len(frag), 4), "max": round(max(frag), 4)},
@@ -317,7 +321,8 @@ def render(report: dict[str, Any]) -> str:
         f"HBM: {hbm['device_gb']:g} GB device, KV budget {hbm['budget_bytes'] / 1e9:.1f} GB "
         f"(capacity_ratio {hbm['capacity_ratio']:g}); DRAM tier: {report['dram']}",
         "",
-        f"  engine busy ratio                 {report['engine_busy_ratio']:.3f}",
+        f"  engine busy ratio                 {report['engine_busy_ratio']:.3f} "
+        f"(makespan {report['makespan_s']:.1f} s, of which swap transfers {report['swap_seconds']:.1f} s)",
         f"  roofline efficiency               {report['roofline_efficiency']:.3f}",
         f"  KV fragmentation (mean / max)     {report['fragmentation_ratio']['mean']:.3f} / "
         f"{report['fragmentation_ratio']['max']:.3f}",
