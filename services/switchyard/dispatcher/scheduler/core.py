@@ -160,6 +160,7 @@ class SchedulerCore:
         """Off for stream engines: an upstream stream cannot be paused."""
         self._next_hbm_scan = 0.0
         self._next_fragmentation = 0.0
+        self._now = 0.0  # the time of the decision in progress (value scores' recency)
         self._kv_refused: Sequence | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
@@ -284,6 +285,7 @@ class SchedulerCore:
         out = SchedulerOutput()
         if now >= self._next_expiry:
             self._expire(now, out)
+        self._now = now
         score = self.monitor.read(now)
         self.score = score
         self.accounting.charge(self._running, score, now)
@@ -319,6 +321,7 @@ class SchedulerCore:
         """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
         engine's score falls, and autoscalers must not read a stale load) and parked agents whose
         ``tool_wait_ttl_s`` ran out give their KV back."""
+        self._now = now
         self.score = self.monitor.read(now)
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
@@ -327,11 +330,13 @@ class SchedulerCore:
     def hbm_scan(self, now: float, out: SchedulerOutput) -> None:
         """The periodic HBM scan (``[scan] hbm_scan_interval_sec``), also run after a real OOM.
 
-        - Device memory in use at or above ``emergency_evict_ratio`` (NVML's
-          reading on a GPU, the modelled usage otherwise): evict, whatever the
-          value, lowest value first, until below it: parked agents' state (to
-          DRAM where cheaper), then the prefix cache, then running sequences
-          (preempted; their KV to DRAM where cheaper; core last).
+        - Device memory in use at or above ``emergency_evict_ratio`` (the
+          device's reading on a GPU, the modelled usage otherwise): evict,
+          whatever the value, until the bytes freed cover the excess: parked
+          agents' state, lowest value first (to DRAM where cheaper), then the
+          prefix cache, then running sequences, lowest value first (preempted;
+          their KV to DRAM where cheaper). The excess is counted in bytes freed,
+          not re-read, because a caching allocator keeps freed memory reserved.
         - Compute score below ``defrag_trigger_score``: compact the engine's KV
           block table (``engine.compact_kv``) while the GPU has time for it.
         """
@@ -339,18 +344,24 @@ class SchedulerCore:
         tier_metrics.SCANS.labels("hbm").inc()
         usage = getattr(self.capacity, "usage_ratio", None)
         limit = self.memory.hbm.emergency_evict_ratio
-        if callable(usage) and usage() >= limit:
-            log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting lowest-value KV state", usage(), limit)
-            while self.parking.sequences and usage() >= limit:
+        if callable(usage) and (ratio := usage()) >= limit:
+            budget: KvBudget = self.capacity  # type: ignore[assignment]
+            excess = int((ratio - limit) * budget.info.device_bytes) + 1
+            log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting %d bytes of the lowest-value KV state",
+                        ratio, limit, excess)
+            freed = 0
+            while freed < excess and self.parking.sequences:
+                held = budget.held_bytes
                 self.parking.evict_lowest(lambda entry: self._parked_value(entry, now))
+                freed += held - budget.held_bytes
             evict = getattr(self.engine, "evict_prefix_cache", None)
-            per_block = getattr(getattr(self.capacity, "info", None), "device_bytes", 0) * (usage() - limit)
-            if callable(evict) and usage() >= limit:
-                evict(int(per_block) + 1)
-            while usage() >= limit:
+            if callable(evict) and freed < excess:
+                freed += int(evict(excess - freed))
+            while freed < excess:
                 victim = self._lowest_value_running(now, out)
                 if victim is None:
                     break
+                freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
         compact = getattr(self.engine, "compact_kv", None)
         if callable(compact) and self.score < self.memory.hbm.defrag_trigger_score:
@@ -510,7 +521,7 @@ class SchedulerCore:
         need = getattr(self.capacity, "need", None)
         if callable(evict) and callable(need):
             evict(need(seq) - self.capacity.free_bytes)  # type: ignore[attr-defined]
-        now = time.monotonic() if seq.enqueued_at is None else max(seq.enqueued_at, seq.arrival)
+        now = self._now
         while self.parking.sequences and self.capacity.refusal(seq) is not None:
             if self.parking.evict_lowest(lambda entry: self._parked_value(entry, now),
                                          below=self.memory.hbm.evict_threshold) is None:
