@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -21,7 +22,8 @@ from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.common.server import start_server
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, StreamDone, StreamToken
 from switchyard.dispatcher.service import DispatcherService
-from switchyard.dispatcher.tiers import MemoryTiers, RedisStore, agent_key, seq_key
+from switchyard.dispatcher.engines.sim import export_modelled_kv
+from switchyard.dispatcher.tiers import ColdStore, MemoryTiers, RedisStore, agent_key, seq_key
 from switchyard.dispatcher.tiers.embedded import embedded_redis
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
 
@@ -152,7 +154,7 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     # the copy is in Redis, as a hash with its metadata and a TTL
     await sched.tiers._writes[seq_key(batch)]
     assert int(await client.hget(seq_key(batch), "tokens")) == held
-    assert 0 < await client.ttl(seq_key(batch)) <= 3600
+    assert 0 < await client.ttl(seq_key(batch)) <= 7200
 
     hits = metric("switchyard_tier_hits_total", tier="dram")
     out = sched.schedule(now=0.4)
@@ -238,23 +240,48 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
     await sched.tiers.aclose()
 
 
-async def test_dram_scan_keeps_valuable_entries_and_demotes_stale_ones(redis_server: Any) -> None:
+async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_cold_folder(
+        redis_server: Any, tmp_path: Path) -> None:
     client = redis_server()
     config = SwitchyardConfig()
     store = RedisStore(config.memory.dram, client=client)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, SimEngine(config), store)
+    cold = ColdStore(str(tmp_path / "cold"))
+    engine = SimEngine(config)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
+    source = request("x", prompt_tokens=1000)
+    source.num_computed_tokens = 1000
+    record = export_modelled_kv(source, 524_288)
+    assert record is not None
     common = dict(tokens=1000, nbytes=1000 * 524_288, cost_us=30_000.0)
-    await store.put("switchyard:kv:seq:hot", b"x", priority="core", hits=5, **common)
-    await store.put("switchyard:kv:seq:stale", b"x", priority="batch", hits=0, **common)
-    await client.hset("switchyard:kv:seq:stale", "stored_at", 0)  # idle since 1970
+    for name, priority, hits in (("hot", "core", 5), ("young", "batch", 0), ("stale", "batch", 0)):
+        await store.put(f"switchyard:kv:seq:{name}", record, priority=priority, hits=hits, **common)
+    now = float(await client.hget("switchyard:kv:seq:stale", "stored_at"))
+    await client.hset("switchyard:kv:seq:stale", "stored_at", now - 3 * 3600)  # idle three hours
+    await client.hset("switchyard:kv:seq:young", "stored_at", now - 1800)  # worth little, but not yet archive_interval_sec old
     demotions = metric("switchyard_tier_demotions_total", tier="dram")
-    hot, demoted = await tiers.scan_dram()
-    assert (hot, demoted) == (1, 1)
-    assert await client.exists("switchyard:kv:seq:hot") and not await client.exists("switchyard:kv:seq:stale")
+    hot, moved = await tiers.scan_dram(now)
+    assert (hot, moved) == (1, 1)
+    assert await client.exists("switchyard:kv:seq:hot") and await client.exists("switchyard:kv:seq:young")
+    assert not await client.exists("switchyard:kv:seq:stale")
+    assert (tmp_path / "cold" / "seq" / "stale.kv").is_file()
     assert metric("switchyard_tier_demotions_total", tier="dram") == demotions + 1
-    assert store.nbytes == 1000 * 524_288 and metric("switchyard_tier_bytes", tier="dram") == store.nbytes
-    await client.delete("switchyard:kv:seq:hot")
+    assert cold.nbytes == 1000 * 524_288 and metric("switchyard_tier_bytes", tier="cold") == cold.nbytes
+
+    # on access it comes back up, from the cold folder, to HBM
+    seq = request("stale", prompt_tokens=1000)
+    seq.state, seq.swap_key, seq.swap_tokens = "running", "switchyard:kv:seq:stale", 1000
+    hits = metric("switchyard_tier_hits_total", tier="cold")
+    assert await tiers.restore(seq) == 999  # all but the newest token, whose KV its next step computes
+    assert metric("switchyard_tier_hits_total", tier="cold") == hits + 1
+    assert not (tmp_path / "cold" / "seq" / "stale.kv").exists() and cold.nbytes == 0
+    for name in ("hot", "young"):
+        await client.delete(f"switchyard:kv:seq:{name}")
     await tiers.aclose()
+
+
+def test_a_cold_path_fsspec_cannot_open_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"\[oss\] path 'nosuchproto://bucket/x'"):
+        ColdStore("nosuchproto://bucket/x")
 
 
 # --------------------------------------------------------------------------- HBM: admission, emergency, OOM

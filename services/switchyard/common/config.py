@@ -368,7 +368,11 @@ class DramTier(_Strict):
     transfer_latency_ms: float = Field(
         0.5, ge=0, le=10_000, description="Fixed cost of one swap (copy launch plus a Redis round trip), ms."
     )
-    ttl_sec: float = Field(3600, gt=0, le=30 * 86400, description="Redis TTL of a swapped-out entry, seconds.")
+    ttl_sec: float = Field(
+        7200, gt=0, le=30 * 86400,
+        description="Redis TTL of a swapped-out entry, seconds; longer than [oss] archive_interval_sec, so that "
+        "the DRAM scan archives an entry before it expires.",
+    )
     timeout_ms: float = Field(
         200, gt=0, le=60_000, description="Redis connect/read timeout, ms; past it the swap is abandoned (recompute)."
     )
@@ -386,8 +390,15 @@ class DramTier(_Strict):
 
 
 class OssTier(_Strict):
-    path: str = "./cold_data"
-    archive_interval_sec: float = Field(3600, gt=0)
+    """``[oss]``: the cold tier, files through fsspec."""
+
+    path: str = Field(
+        "./cold_data", min_length=1,
+        description="fsspec URL of the cold tier: a local folder (default), s3://bucket/prefix, gs://...",
+    )
+    archive_interval_sec: float = Field(
+        3600, gt=0, description="A DRAM entry valued below demote_threshold is archived once it has sat this long."
+    )
 
 
 class ScanConfig(_Strict):

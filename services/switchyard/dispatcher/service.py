@@ -39,7 +39,7 @@ from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.stream_loop import StreamLoop
-from switchyard.dispatcher.tiers import MemoryTiers, RedisStore
+from switchyard.dispatcher.tiers import ColdStore, MemoryTiers, RedisStore
 from switchyard.dispatcher.sequence import (
     Message,
     Sequence,
@@ -209,6 +209,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
 
     Raises:
         EngineUnavailable: the configured engine is not installed.
+        ValueError: ``memory_policy.toml [oss] path`` names a store fsspec cannot open.
     """
 
     name = "dispatcher"
@@ -235,7 +236,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
         store = RedisStore(dram) if self.stepping and dram.enabled and hasattr(self.engine, "export_kv") else None
-        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store)
+        cold = ColdStore(config.memory.oss.path) if store is not None else None  # what DRAM archives ([oss])
+        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
             config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers
         )

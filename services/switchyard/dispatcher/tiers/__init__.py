@@ -13,6 +13,10 @@ pricing:
   (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
   offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
 - :mod:`.dram`: the Redis store (redis-py's asyncio client); an outage is a miss.
+- :mod:`.cold`: the cold tier, files through fsspec at ``[oss] path``: the
+  DRAM scan archives there what is worth little (below ``demote_threshold``)
+  and has sat in DRAM for ``archive_interval_sec``; a restore that misses in
+  DRAM looks there and promotes what it finds back to HBM.
 - :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
 - :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
 
@@ -34,12 +38,13 @@ from typing import Any
 from switchyard.common.config import MemoryPolicyFile, PriorityBoost
 from switchyard.dispatcher.sequence import Sequence
 from switchyard.dispatcher.tiers import metrics
+from switchyard.dispatcher.tiers.cold import ColdStore
 from switchyard.dispatcher.tiers.dram import KEY_PREFIX, RedisStore
 from switchyard.dispatcher.tiers.value import ValueScore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryTiers", "RedisStore", "ValueScore", "seq_key", "agent_key"]
+__all__ = ["ColdStore", "MemoryTiers", "RedisStore", "ValueScore", "seq_key", "agent_key"]
 
 
 def seq_key(seq: Sequence) -> str:
@@ -60,13 +65,15 @@ class MemoryTiers:
         boost: ``scheduler_config.json`` ``priority_boost`` (the value score's priority weights).
         engine: the step engine (``export_kv``, ``import_kv``, ``recompute_seconds``, ``kv_bytes``).
         store: the DRAM store; None: no DRAM tier (every eviction recomputes).
+        cold: the cold store; None: what the DRAM scan demotes is dropped.
     """
 
     def __init__(self, memory: MemoryPolicyFile, boost: PriorityBoost, engine: Any,
-                 store: RedisStore | None = None) -> None:
+                 store: RedisStore | None = None, cold: ColdStore | None = None) -> None:
         self.config = memory
         self.engine = engine
         self.store = store
+        self.cold = cold
         self.value = ValueScore(memory.value, boost)
         self._writes: dict[str, asyncio.Task[bool]] = {}
         self._owed_s = 0.0
@@ -149,12 +156,19 @@ class MemoryTiers:
         write = self._writes.pop(key, None)
         written = await write if write is not None else True
         entry = await self.store.get(key) if written else None
+        tier = "dram"
         if entry is None:
             metrics.TIER_MISSES.labels("dram").inc()
+            if written and self.cold is not None:  # archived by the DRAM scan: promote it back on access
+                entry = await self.cold.take(key)
+                tier = "cold"
+                if entry is None:
+                    metrics.TIER_MISSES.labels("cold").inc()
+        if entry is None:
             if not seq.output_tokens:  # a resumed agent's prefix: its prefill recomputes it
                 seq.recomputed_tokens += min(tokens, seq.prompt_tokens)
             return 0
-        metrics.TIER_HITS.labels("dram").inc()
+        metrics.TIER_HITS.labels(tier).inc()
         if seq.is_finished or seq.state != "running":  # it left while the copy was read
             self.discard(key)
             return 0
@@ -166,7 +180,7 @@ class MemoryTiers:
             self._owed_s += self.transfer_seconds(entry.nbytes)
         seq.restored_tokens += restored
         seq.kv_hits += 1
-        metrics.TIER_PROMOTIONS.labels("dram").inc()
+        metrics.TIER_PROMOTIONS.labels(tier).inc()
         return restored
 
     def discard(self, key: str) -> None:
@@ -189,29 +203,36 @@ class MemoryTiers:
 
     # ------------------------------------------------------------------ scans
 
-    async def scan_dram(self) -> tuple[int, int]:
-        """One DRAM scan: entries at or above ``promote_threshold`` stay hot (TTL renewed), entries
-        below ``demote_threshold`` are demoted out of DRAM (dropped: no cold tier is written yet).
-        Returns (kept hot, demoted)."""
+    async def scan_dram(self, now: float | None = None) -> tuple[int, int]:
+        """One DRAM scan (``now``: Unix seconds, default the clock's).
+
+        Entries valued at or above ``promote_threshold`` stay hot (TTL
+        renewed). Entries valued below ``demote_threshold`` that have sat in
+        DRAM for ``[oss] archive_interval_sec`` leave it: archived to the cold
+        tier (dropped when there is none, or when the archive fails). Returns
+        (kept hot, moved out).
+        """
         if self.store is None or not self.store.available():
             return 0, 0
-        dram = self.config.dram
-        hot = demoted = 0
-        now = time.time()
+        dram, archive_after = self.config.dram, self.config.oss.archive_interval_sec
+        hot = moved = 0
+        now = time.time() if now is None else now
         async for entry in self.store.scan():
+            age = now - entry.stored_at
             value = self.value.score(priority_class=entry.priority, hits=entry.hits,
-                                     reuse_seconds=entry.cost_us / 1e6, nbytes=entry.nbytes,
-                                     idle_s=now - entry.stored_at)
+                                     reuse_seconds=entry.cost_us / 1e6, nbytes=entry.nbytes, idle_s=age)
             if value >= dram.promote_threshold:
                 await self.store.touch(entry.key)
                 hot += 1
-            elif value < dram.demote_threshold:
+            elif value < dram.demote_threshold and age >= archive_after:
+                whole = await self.store.get(entry.key) if self.cold is not None else None
+                if whole is not None and self.cold is not None and await self.cold.put(whole):
+                    metrics.TIER_DEMOTIONS.labels("dram").inc()
                 await self.store.delete(entry.key)
-                metrics.TIER_DEMOTIONS.labels("dram").inc()
                 metrics.TIER_EVICTIONS.labels("dram").inc()
-                demoted += 1
+                moved += 1
         metrics.SCANS.labels("dram").inc()
-        return hot, demoted
+        return hot, moved
 
     def start_scans(self) -> None:
         """Run :meth:`scan_dram` every ``[scan] dram_scan_interval_sec`` on the running loop (idempotent)."""

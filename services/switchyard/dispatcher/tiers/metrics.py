@@ -34,7 +34,8 @@ TIER_DEMOTIONS = Counter(
 )
 TIER_ERRORS = Counter(
     "switchyard_tier_errors_total",
-    "Tier operations that failed (dram: Redis unreachable or timed out); the KV state is recomputed instead.",
+    "Tier operations that failed (dram: Redis unreachable or timed out; cold: the fsspec store failed); "
+    "the KV state is recomputed instead.",
     ["tier", "operation"],
 )
 OOM_AVOIDED = Counter(
@@ -75,3 +76,5 @@ for _tier in TIERS:
         _family.labels(_tier)
 for _op in OPERATIONS:
     TIER_ERRORS.labels("dram", _op)
+for _op in ("put", "get"):
+    TIER_ERRORS.labels("cold", _op)
