@@ -331,6 +331,30 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
     assert metric("switchyard_parked_evicted_total") == evicted + 3 - len(sched.parked)
 
 
+async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_work_into_dram(
+        redis_server: Any) -> None:
+    class Gpu(SimEngine):
+        other_process = 0
+
+        def device_used_bytes(self) -> int:
+            return self.other_process + 14 * 10**9 + sched.capacity.held_bytes
+
+    engine = Gpu(SwitchyardConfig())
+    client = redis_server()
+    sched = build(engine, RedisStore(SwitchyardConfig().memory.dram, client=client))
+    core, batch = request("em-core", CORE, prompt_tokens=3000), request("em-batch", BATCH, prompt_tokens=3000)
+    sched.add([core, batch], now=0.0)
+    sched.schedule(now=0.0)
+    await engine.prefill([core, batch])
+    engine.other_process = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 10**9  # 1 GB past 0.9
+    out = SchedulerOutput()
+    sched.hbm_scan(now=1.0, out=out)
+    assert out.preempted == [batch] and sched.running == [core]  # batch state is worth least
+    assert batch.swap_key == seq_key(batch) and batch.swap_tokens == batch.prompt_tokens
+    await sched.tiers.aclose()
+    await client.delete(seq_key(batch))
+
+
 async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> None:
     class OutOfMemoryError(RuntimeError):
         """Stand-in for torch.cuda.OutOfMemoryError (no GPU here); matched by name."""

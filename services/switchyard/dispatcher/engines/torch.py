@@ -43,7 +43,8 @@ with the copy (a preempted sequence: all; a react_loop agent's next step: the
 prefix it repeats). ``recompute_seconds`` is the measured prefill time per
 token; ``compact_kv`` shrinks every cache tensor to its valid blocks and, on
 CUDA, hands the allocator's free cached segments back (``empty_cache``);
-``device_used_bytes`` is NVML's used memory on a GPU.
+``device_used_bytes`` is NVML's used memory on a GPU (what the HBM scan holds
+against ``emergency_evict_ratio``).
 
 Limits: a sequence holds at most ``max_seq_len`` tokens. A prompt of
 ``max_seq_len`` tokens or more fails the sequence with INVALID_ARGUMENT naming
@@ -303,12 +304,22 @@ class TorchEngine:
         return freed
 
     def device_used_bytes(self) -> int | None:
-        """Device memory in use: NVML's (or CUDA's) reading on a GPU; None on the CPU (modelled instead)."""
+        """Device memory in use, every process's: NVML's ``used`` on a GPU (CUDA's free/total reading when
+        NVML is absent); None on the CPU (the scheduler models usage instead)."""
         if self.device.type != "cuda":
             return None
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        free, total = torch.cuda.mem_get_info(index)
-        return int(total - free)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - no NVML: CUDA knows it as well
+            free, total = torch.cuda.mem_get_info(index)
+            return int(total - free)
 
     def memory_info(self) -> MemoryInfo:
         """Device memory (NVML's total on a GPU, physical RAM on a CPU), weight bytes and KV bytes per token.
