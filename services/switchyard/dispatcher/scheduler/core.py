@@ -372,8 +372,9 @@ class SchedulerCore:
     def on_oom(self, seqs: list[Sequence], now: float, error: BaseException) -> list[Sequence]:
         """An engine step over ``seqs`` failed with a real out-of-memory error: keep the process and the tasks.
 
-        Each running member is preempted (its KV dropped; it waits again and
-        recomputes) and the HBM scan runs at once. A sequence whose step fails
+        Each running member is preempted (its KV dropped, not swapped: a failed
+        step may have left it half written; it waits again and recomputes) and
+        the HBM scan runs at once. A sequence whose step fails
         this way a second time fails with RESOURCE_EXHAUSTED. Returns the
         sequences failed.
         """
@@ -393,7 +394,7 @@ class SchedulerCore:
                     grpc.StatusCode.RESOURCE_EXHAUSTED))
                 failed.append(seq)
                 continue
-            self._preempt_one(seq, now, out)
+            self._preempt_one(seq, now, out, swap=False)
         self.hbm_scan(now, out)
         return failed
 
@@ -589,11 +590,11 @@ class SchedulerCore:
         self._running.remove(seq)
         self.capacity.give(seq)
 
-    def _preempt_one(self, victim: Sequence, now: float, out: SchedulerOutput) -> None:
-        """Take ``victim``'s slot: its KV goes to DRAM (when cheaper than recomputing it) or is dropped,
-        and it waits again at its original place."""
+    def _preempt_one(self, victim: Sequence, now: float, out: SchedulerOutput, swap: bool = True) -> None:
+        """Take ``victim``'s slot: its KV goes to DRAM (when ``swap`` and cheaper than recomputing it) or
+        is dropped, and it waits again at its original place."""
         self._stop(victim, now)
-        if not self._swap_out(victim, seq_key(victim)):
+        if not (swap and self._swap_out(victim, seq_key(victim))):
             tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
