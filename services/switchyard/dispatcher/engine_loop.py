@@ -216,8 +216,8 @@ class StepLoop(LoopBase):
     async def _move_tiers(self, restore: list[Sequence]) -> None:
         """Bring the DRAM copies of ``restore`` back; sleep the modelled transfer time (sim engine)."""
         tiers = self.scheduler.tiers
-        for seq in restore:
-            await tiers.restore(seq)
+        if restore:
+            await asyncio.gather(*(tiers.restore(seq) for seq in restore))
         owed = tiers.take_owed_seconds()
         if owed > 0:
             await asyncio.sleep(owed)

@@ -154,7 +154,7 @@ class MemoryTiers:
         if not key or self.store is None:
             return 0
         write = self._writes.pop(key, None)
-        written = await write if write is not None else True
+        written = await write if write is not None else self.store.available()
         entry = await self.store.get(key) if written else None
         tier = "dram"
         if entry is None:
