@@ -31,6 +31,20 @@ def test_sched_bench_json_favours_core_and_completes_batch(capsys: pytest.Captur
     assert runs["fifo"]["preemptions"] == 0
 
 
+def test_sched_bench_swaps_preempted_kv_through_redis_instead_of_recomputing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert sched_bench.main([*SMALL, "--overload", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = {run["policy"]: run for run in report["policies"]}
+    assert report["header"]["dram"].startswith("embedded redis-server")
+    assert runs["priority"]["preemptions"] > 0 and runs["priority"]["restored_tokens"] > 0
+    assert runs["priority"]["recomputed_tokens"] == 0
+    assert sched_bench.main([*SMALL, "--overload", "3", "--json", "--dram", "off"]) == 0
+    runs = {run["policy"]: run for run in json.loads(capsys.readouterr().out)["policies"]}
+    assert runs["priority"]["preemptions"] > 0 and runs["priority"]["recomputed_tokens"] > 0
+    assert runs["priority"]["restored_tokens"] == 0
+
+
 def test_sched_bench_rejects_a_bad_mix() -> None:
     with pytest.raises(SystemExit):
         sched_bench.main(["--mix", "20/80"])

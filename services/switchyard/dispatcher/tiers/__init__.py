@@ -35,14 +35,16 @@ import logging
 import time
 from typing import Any
 
+from switchyard.common import telemetry
 from switchyard.common.config import MemoryPolicyFile, PriorityBoost
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.sequence import Sequence, request_links
 from switchyard.dispatcher.tiers import metrics
 from switchyard.dispatcher.tiers.cold import ColdStore
 from switchyard.dispatcher.tiers.dram import KEY_PREFIX, RedisStore
 from switchyard.dispatcher.tiers.value import ValueScore
 
 log = logging.getLogger(__name__)
+tracer = telemetry.get_tracer(__name__)
 
 __all__ = ["ColdStore", "MemoryTiers", "RedisStore", "ValueScore", "seq_key", "agent_key"]
 
@@ -147,8 +149,15 @@ class MemoryTiers:
         """Bring ``seq``'s DRAM copy (``seq.swap_key``) back into the engine; returns tokens restored.
 
         0 on a miss (evicted, expired, Redis down): the engine then recomputes
-        the prefix. Either way ``seq.swap_key`` is cleared.
+        the prefix. Either way ``seq.swap_key`` is cleared. Traced as a
+        ``dispatcher.kv_restore`` span linked to the request.
         """
+        with tracer.start_as_current_span("dispatcher.kv_restore", links=request_links([seq])) as span:
+            restored = await self._restore(seq)
+            span.set_attribute("switchyard.restored_tokens", restored)
+            return restored
+
+    async def _restore(self, seq: Sequence) -> int:
         key, tokens = seq.swap_key, seq.swap_tokens
         seq.swap_key, seq.swap_tokens = "", 0
         if not key or self.store is None:
