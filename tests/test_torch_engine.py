@@ -226,6 +226,40 @@ async def test_an_agents_next_step_takes_back_only_the_prefix_it_shares_with_the
     assert follow.output_tokens == await alone(PROMPTS[3] + " And then?", 4)
 
 
+async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_the_scheduler():
+    from switchyard.dispatcher.scheduler import make_scheduler
+
+    engine = make()
+    sched = make_scheduler(tiny_config(), engine)
+    question = Message("user", "<question>what does the with statement do?</question>")
+    tools = [Tool("search_docs", "", '{"type": "object"}')]
+    think = Sequence(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
+                     task_type="react_loop", max_tokens=64)
+    sched.add([think], now=0.0)
+    sched.schedule(now=0.0)
+    await run_to_end(engine, [think])
+    assert think.finish_reason == "tool_calls"
+    sched.finish(think, now=0.1)
+    assert sched.parked == [think] and engine.kv_bytes(think) > 0
+    call = think.tool_calls[0]
+    follow = [question, Message("assistant", "", tool_calls=(call,)),
+              Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
+    back = Sequence(request_id="t-back", messages=follow, tools=tools, agent_id="t-agent", task_type="react_loop",
+                    max_tokens=64, arrival=0.2)
+    sched.resume(back, now=0.2)
+    out = sched.schedule(now=0.2)
+    assert out.admitted == [back]
+    shared = back.num_computed_tokens
+    assert 0 < shared < back.prompt_tokens  # the rendered conversation so far, taken from the parked step
+    assert engine.kv_bytes(think) == 0  # the parked step's cache was released once the new step took over
+    await run_to_end(engine, [back])
+    assert back.recomputed_tokens == 0 and back.finish_reason == "stop"
+    fresh = make()
+    again = Sequence(request_id="t-fresh", messages=follow, tools=tools, max_tokens=64)
+    await run_to_end(fresh, [again])
+    assert back.output_tokens == again.output_tokens  # the shared prefix changes nothing in the answer
+
+
 def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     engine = make()
     (seq,) = seqs_for(PROMPTS[:1], tag="compact")

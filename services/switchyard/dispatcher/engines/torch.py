@@ -50,8 +50,8 @@ Limits: a sequence holds at most ``max_seq_len`` tokens. A prompt of
 ``max_seq_len`` tokens or more fails the sequence with INVALID_ARGUMENT naming
 ``prompt_tokens`` and the limit; reaching the limit while generating finishes
 with ``length``. A react_loop agent's warm prefix handed over by the scheduler
-is not shared across sequences here (no prefix cache): the new sequence
-computes its whole prompt and the warm part is counted as recomputed.
+is copied into the new sequence's cache for the leading token ids the two
+share (``share_prefix``); the rest of its prompt is prefilled.
 
 Benchmark: ``python -m switchyard.dispatcher.engines.torch --batch 1,8,32``
 prints prefill time, decode step time and decode tokens/s per batch size.
@@ -268,17 +268,29 @@ class TorchEngine:
             ids, kv = list(saved["ids"]), saved["kv"]
         except Exception:  # noqa: BLE001 - a corrupt or foreign entry is a miss
             return 0
-        limit = min(tokens, len(ids), len(state.ids) - 1, kv.shape[3])
+        return self._adopt(seq, ids, kv, min(tokens, kv.shape[3]))
+
+    def share_prefix(self, source: Sequence, target: Sequence) -> int:
+        """``target`` starts from ``source``'s KV (still held) for the leading ids they share: a react_loop
+        agent's next step taking over its parked step's warm prefix. Returns tokens shared (a copy)."""
+        cache, held = self._caches.get(source), self._states.get(source)
+        if cache is None or held is None or self._state(target) is None:
+            return 0
+        return self._adopt(target, held.ids, cache.data, cache.length)
+
+    def _adopt(self, seq: Sequence, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
+        """Give ``seq`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
+        ``ids`` (all but its newest token at most); returns that count."""
+        state = self._states[seq]
+        limit = min(tokens, len(ids), len(state.ids) - 1)
         shared = 0
         while shared < limit and ids[shared] == state.ids[shared]:
             shared += 1
-        if shared <= 0:
-            return 0
         cache = self.model_net.new_cache(self.params.kv_block_tokens)
-        if tuple(kv.shape[:3]) + (kv.shape[4],) != cache.shape:
+        if shared <= 0 or tuple(kv.shape[:3]) + (kv.shape[4],) != cache.shape:
             return 0
         cache.reserve(shared)
-        cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(cache.data.dtype)
+        cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(device=cache.data.device, dtype=cache.data.dtype)
         cache.length = shared
         self._caches[seq] = cache
         seq.num_computed_tokens = shared

@@ -580,6 +580,12 @@ class SchedulerCore:
             self._leave_queue(seq)
         else:  # a sequence that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
+        parked = self._handover.get(seq)
+        share = getattr(self.engine, "share_prefix", None)
+        if parked is not None and callable(share):  # an engine whose sequences hold their own caches
+            shared = int(share(parked, seq))
+            if shared:  # else the engine recomputes the prefix, and counts it
+                seq.num_computed_tokens = shared
         self._end_handover(seq)
         out.admitted.append(seq)
         if seq.swap_key:
