@@ -9,10 +9,12 @@ to the sequence's outbox, which the Generate handler streams to its caller.
 Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
 prefix whose KV state is held by the engine. After any step it equals
 ``prompt_tokens + len(output_tokens) - 1`` (the newest token's KV is computed by
-the next step). Preemption drops the KV state (``num_computed_tokens = 0``);
-the next prefill recomputes the whole prefix, prompt and already streamed
-tokens alike, and counts that work in ``recomputed_tokens``. The streamed
-tokens are kept, so a resumed sequence never repeats or loses a token.
+the next step). Preemption drops the KV state (``num_computed_tokens = 0``):
+either a copy waits in the DRAM tier (``swap_key``) and comes back before the
+next step (counted in ``restored_tokens``), or the next prefill recomputes the
+whole prefix, prompt and already streamed tokens alike, and counts that work
+in ``recomputed_tokens``. The streamed tokens are kept, so a resumed sequence
+never repeats or loses a token.
 """
 
 from __future__ import annotations

@@ -35,9 +35,10 @@ arrival, takes the slot of the lowest-priority running sequence (batch before
 normal; within a class the one latest in the waiting order), which must be of
 a lower class than core; core never preempts core. The victim keeps the
 tokens it streamed and waits again at its original place; the scheduler
-drops its KV state, and its next prefill recomputes the prefix (counted in
-``recomputed_tokens``). Sequences admitted in the same decision are not
-preempted.
+moves its KV state to the DRAM tier when a swap is cheaper than recomputing it
+(restored at re-admission, counted in ``restored_tokens``), else drops it and
+its next prefill recomputes the prefix (counted in ``recomputed_tokens``).
+Sequences admitted in the same decision are not preempted.
 """
 
 from __future__ import annotations
