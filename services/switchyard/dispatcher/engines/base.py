@@ -7,6 +7,15 @@
 - :class:`StreamEngine`: engines that do not step (the ``openai`` upstream).
   Each request is one streamed call; the stream loop fans requests out as
   concurrent tasks bounded by an adaptive concurrency limit.
+
+A step engine takes part in the memory tiers (:mod:`switchyard.dispatcher.tiers`)
+through optional methods, each used when present: ``memory_info()`` (device,
+weight and per-token KV bytes: the HBM budget), ``device_used_bytes()`` (memory
+in use, or None), ``export_kv(seq) -> bytes | None`` and ``import_kv(seq,
+payload, tokens) -> int`` (swap to and from DRAM), ``recompute_seconds(tokens)``
+(the prefill a swap saves), ``share_prefix(source, target) -> int`` (a warm
+resume between sequences that hold their own caches), ``compact_kv() -> int``
+(defragmentation, bytes freed) and ``evict_prefix_cache(nbytes) -> int``.
 """
 
 from __future__ import annotations
