@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import random
 import sys
 import time
@@ -49,7 +48,16 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
-from switchyard.bench.sched_bench import CLASSES, VirtualSimEngine, _dram_arg, _dram_tier, _mix, _pair, percentile
+from switchyard.bench.sched_bench import (
+    CLASSES,
+    VirtualSimEngine,
+    _dram_arg,
+    _dram_tier,
+    _mix,
+    _pair,
+    percentile,
+    quiet_score_log,
+)
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
@@ -445,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"switchyard bench agents: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger("switchyard.dispatcher.scheduler.compute_score").setLevel(logging.ERROR)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(quiet_score_log())
         redis, dram = _dram_tier(args.dram, stack)
         result, counters = asyncio.run(run_agents(args, config, redis))
     report = summarize(args, config, result, counters, dram)

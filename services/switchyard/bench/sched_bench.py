@@ -53,7 +53,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import ConfigError, SimEngineConfig, SwitchyardConfig, load_config
@@ -410,6 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def quiet_score_log() -> Iterator[None]:
+    """Every run's compute-score monitor would log that NVML is not used (the header says it once):
+    raise that logger to ERROR for the benchmark, then put its level back."""
+    logger = logging.getLogger("switchyard.dispatcher.scheduler.compute_score")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _dram_tier(choice: str, stack: contextlib.ExitStack) -> tuple[Any, str]:
     """(a factory of redis.asyncio clients or None, a description) for ``--dram``."""
     if choice == "off":
@@ -444,13 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"switchyard bench sched: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    # Every run's monitor would log that NVML is not used; the header says it once.
-    logging.getLogger("switchyard.dispatcher.scheduler.compute_score").setLevel(logging.ERROR)
-    capacity = calibrate(config, args.calibration, args.prompt_tokens, args.output_tokens, args.seed)
-    rate = args.overload * capacity
-    specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
-    limit = args.seconds * args.drain_limit
     with contextlib.ExitStack() as stack:
+        stack.enter_context(quiet_score_log())
+        capacity = calibrate(config, args.calibration, args.prompt_tokens, args.output_tokens, args.seed)
+        rate = args.overload * capacity
+        specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
+        limit = args.seconds * args.drain_limit
         redis, dram = _dram_tier(args.dram, stack)
         rows = [
             summarize(simulate(policy, specs, config.with_overrides(**overrides), limit, label, redis), specs,
