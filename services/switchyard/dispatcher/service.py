@@ -30,6 +30,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, engine_default_model
+from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -39,7 +40,7 @@ from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.stream_loop import StreamLoop
-from switchyard.dispatcher.tiers import ColdStore, MemoryTiers, RedisStore
+from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.sequence import (
     Message,
     Sequence,
@@ -235,8 +236,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             capacity = ConcurrencyCapacity(self.limit)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
-        store = RedisStore(dram) if self.stepping and dram.enabled and hasattr(self.engine, "export_kv") else None
-        cold = ColdStore(config.memory.oss.path) if store is not None else None  # what DRAM archives ([oss])
+        store = (KvStore(DramClient(dram), dram.kv_ttl_sec)
+                 if self.stepping and dram.kv_swap and hasattr(self.engine, "export_kv") else None)
+        cold = ColdStore(config.memory.oss.path, dram.key_prefix) if store is not None else None  # [oss]
         self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
             config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers

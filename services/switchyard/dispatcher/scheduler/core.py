@@ -71,7 +71,7 @@ from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudg
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
 from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, request_links
-from switchyard.dispatcher.tiers import MemoryTiers, agent_key, seq_key
+from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 QUEUE_NAME = "inference"
@@ -563,7 +563,7 @@ class SchedulerCore:
         """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key)."""
         tokens = parked.num_computed_tokens
         if self.tiers.worth_swapping(tokens, self._kv_bytes(parked)) and self.tiers.swap_out(
-                parked, agent_key(parked.agent_id), tokens):
+                parked, self.tiers.agent_key(parked.agent_id), tokens):
             return True
         tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next step recomputes
         return False
@@ -600,7 +600,7 @@ class SchedulerCore:
         """Take ``victim``'s slot: its KV goes to DRAM (when ``swap`` and cheaper than recomputing it) or
         is dropped, and it waits again at its original place."""
         self._stop(victim, now)
-        if not (swap and self._swap_out(victim, seq_key(victim))):
+        if not (swap and self._swap_out(victim, self.tiers.seq_key(victim))):
             tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
@@ -678,7 +678,7 @@ class SchedulerCore:
             metrics.RESUMES.labels("tool_warm").inc()
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
-            seq.swap_key, seq.swap_tokens = agent_key(seq.agent_id), found.prefix_tokens
+            seq.swap_key, seq.swap_tokens = self.tiers.agent_key(seq.agent_id), found.prefix_tokens
             tier_metrics.TIER_MISSES.labels("hbm").inc()
             metrics.RESUMES.labels("tool_restored").inc()
         else:

@@ -12,7 +12,8 @@ pricing:
   a recompute costs the engine's prefill of the same tokens
   (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
   offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
-- :mod:`.dram`: the Redis store (redis-py's asyncio client); an outage is a miss.
+- :mod:`.dram`: KV entries in the DRAM tier's Redis (:mod:`switchyard.common.dram`,
+  redis-py's asyncio client); an outage is a miss.
 - :mod:`.cold`: the cold tier, files through fsspec at ``[oss] path``: the
   DRAM scan archives there what is worth little (below ``demote_threshold``)
   and has sat in DRAM for ``archive_interval_sec``; a restore that misses in
@@ -40,23 +41,13 @@ from switchyard.common.config import MemoryPolicyFile, PriorityBoost
 from switchyard.dispatcher.sequence import Sequence, request_links
 from switchyard.dispatcher.tiers import metrics
 from switchyard.dispatcher.tiers.cold import ColdStore
-from switchyard.dispatcher.tiers.dram import KEY_PREFIX, RedisStore
+from switchyard.dispatcher.tiers.dram import KvStore
 from switchyard.dispatcher.tiers.value import ValueScore
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
 
-__all__ = ["ColdStore", "MemoryTiers", "RedisStore", "ValueScore", "seq_key", "agent_key"]
-
-
-def seq_key(seq: Sequence) -> str:
-    """DRAM key of a preempted sequence's KV state."""
-    return f"{KEY_PREFIX}seq:{seq.request_id}"
-
-
-def agent_key(agent_id: str) -> str:
-    """DRAM key of a parked agent's prefix state."""
-    return f"{KEY_PREFIX}agent:{agent_id}"
+__all__ = ["ColdStore", "KvStore", "MemoryTiers", "ValueScore"]
 
 
 class MemoryTiers:
@@ -71,7 +62,7 @@ class MemoryTiers:
     """
 
     def __init__(self, memory: MemoryPolicyFile, boost: PriorityBoost, engine: Any,
-                 store: RedisStore | None = None, cold: ColdStore | None = None) -> None:
+                 store: KvStore | None = None, cold: ColdStore | None = None) -> None:
         self.config = memory
         self.engine = engine
         self.store = store
@@ -81,6 +72,14 @@ class MemoryTiers:
         self._owed_s = 0.0
         self._scan_task: asyncio.Task[None] | None = None
         self.models_transfers = bool(getattr(engine, "models_transfers", False))
+
+    def seq_key(self, seq: Sequence) -> str:
+        """DRAM key of a preempted sequence's KV state ("" without a DRAM tier)."""
+        return self.store.key("seq", seq.request_id) if self.store is not None else ""
+
+    def agent_key(self, agent_id: str) -> str:
+        """DRAM key of a parked agent's prefix state ("" without a DRAM tier)."""
+        return self.store.key("agent", agent_id) if self.store is not None else ""
 
     # ------------------------------------------------------------------ pricing
 
@@ -96,7 +95,7 @@ class MemoryTiers:
 
     def can_swap(self) -> bool:
         """A DRAM tier is configured, reachable (not within an outage's retry window) and the engine can export."""
-        if self.store is None or not self.config.dram.enabled or not self.store.available():
+        if self.store is None or not self.config.dram.kv_swap or not self.store.available():
             return False
         if not callable(getattr(self.engine, "export_kv", None)):
             return False

@@ -9,7 +9,7 @@ DRAM entry's fields but the payload) followed by the payload bytes.
 
 File I/O runs in a worker thread (``asyncio.to_thread``), so a slow object
 store never stalls the event loop. Like the DRAM tier, a failure is a logged,
-counted miss (``switchyard_tier_errors_total{tier="cold"}``), never a failed task.
+counted miss (``switchyard_cold_tier_errors_total``), never a failed task.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from switchyard.dispatcher.tiers import metrics
-from switchyard.dispatcher.tiers.dram import KEY_PREFIX, Entry
+from switchyard.dispatcher.tiers.dram import Entry
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,13 @@ class ColdStore:
 
     Args:
         path: ``[oss] path`` (a folder or an fsspec URL).
+        key_prefix: ``[dram] key_prefix``, left out of file names.
 
     Raises:
         ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, key_prefix: str = "switchyard:") -> None:
         import fsspec
 
         try:
@@ -44,11 +45,12 @@ class ColdStore:
         except (ImportError, ValueError) as exc:
             raise ValueError(f"memory_policy.toml [oss] path {path!r}: {exc}") from None
         self.path = path
+        self.key_prefix = key_prefix + "kv:"
         self.nbytes = 0
         """Device bytes of the entries this process archived and has not taken back."""
 
     def _file(self, key: str) -> str:
-        kind, _, ident = key.removeprefix(KEY_PREFIX).partition(":")
+        kind, _, ident = key.removeprefix(self.key_prefix).partition(":")
         return f"{self.root.rstrip('/')}/{kind}/{quote(ident, safe='')}.kv"
 
     async def put(self, entry: Entry) -> bool:
@@ -105,6 +107,6 @@ class ColdStore:
         return entry
 
     def _failed(self, operation: str, exc: BaseException) -> None:
-        metrics.TIER_ERRORS.labels("cold", operation).inc()
+        metrics.COLD_ERRORS.labels(operation).inc()
         log.warning("cold tier at %s failed on %s (%s: %s); the KV state will be recomputed",
                     self.path, operation, type(exc).__name__, exc)

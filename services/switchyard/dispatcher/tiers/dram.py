@@ -1,34 +1,31 @@
-"""The DRAM tier: KV state as bytes in Redis, through redis-py's asyncio client.
+"""KV state in the DRAM tier: entries in the Redis of :class:`switchyard.common.dram.DramClient`.
 
-One Redis hash per entry, under ``switchyard:kv:<kind>:<id>`` (kind ``seq``:
-a preempted sequence's KV, by request id; ``agent``: a parked agent's prefix,
-by agent id). Fields: ``payload`` (the engine's bytes), ``tokens``,
-``nbytes`` (device bytes the state takes in HBM), ``priority`` (class name),
-``hits``, ``cost_us`` (prefill microseconds it saves) and ``stored_at`` (Unix
-seconds). Every entry has a TTL (``[dram] ttl_sec``).
+One Redis hash per entry, under ``{key_prefix}kv:<kind>:<id>`` (kind ``seq``: a
+preempted sequence's KV, by request id; ``agent``: a parked agent's prefix, by
+agent id). Fields: ``payload`` (the engine's bytes), ``tokens``, ``nbytes``
+(device bytes the state takes in HBM), ``priority`` (class name), ``hits``,
+``cost_us`` (prefill microseconds it saves) and ``stored_at`` (Unix seconds).
+Every entry has a TTL (``[dram] kv_ttl_sec``).
 
-A Redis outage never fails a task: every operation that raises (connection
-refused, timeout, an error reply) is logged once per outage with what it means
-("KV state will be recomputed"), counted in ``switchyard_tier_errors_total``,
-and reported as a miss; for ``[dram] retry_after_sec`` afterwards the tier
-reports itself unavailable, so the scheduler recomputes without waiting on
-Redis timeouts.
+Outages are the client's business (one WARNING per outage,
+``switchyard_dram_up``, ``switchyard_dram_outages_total``,
+``switchyard_dram_degraded_operations_total``): here a failed operation is a
+miss, and :meth:`KvStore.available` tells the scheduler not to swap while
+Redis is down (until ``[dram] retry_interval_sec`` has passed, when the next
+swap is the client's probe).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from switchyard.common.config import DramTier
+from switchyard.common.dram import DramClient
 from switchyard.dispatcher.tiers import metrics
 
-log = logging.getLogger(__name__)
-
-KEY_PREFIX = "switchyard:kv:"
 META_FIELDS = ("tokens", "nbytes", "priority", "hits", "cost_us", "stored_at")
+_FAILED = object()
 
 
 @dataclass(frozen=True)
@@ -62,134 +59,108 @@ def _entry(key: str, fields: dict[bytes, bytes]) -> Entry:
     )
 
 
-class RedisStore:
-    """KV entries in one Redis database.
+class KvStore:
+    """KV entries in the DRAM tier.
 
     Args:
-        config: ``memory_policy.toml`` ``[dram]`` (host, port, db, ttl_sec, timeout_ms, retry_after_sec).
-        client: a ``redis.asyncio.Redis`` to use instead of one built from ``config`` (tests).
+        dram: the service's DRAM client (address, key prefix, timeouts, outage handling).
+        ttl_sec: TTL of an entry (``[dram] kv_ttl_sec``).
     """
 
-    def __init__(self, config: DramTier, client: Any = None) -> None:
-        self.config = config
-        self._client = client
-        self._down_until = 0.0
-        self._down = False
+    def __init__(self, dram: DramClient, ttl_sec: float) -> None:
+        self.dram = dram
+        self.ttl_sec = int(ttl_sec)
         self.nbytes = 0
         """Device bytes of the entries this process wrote and has not seen go (the tier's size)."""
         self._sizes: dict[str, int] = {}
+        self._retry_at = 0.0
 
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.config.port}/{self.config.db}"
+    def key(self, kind: str, ident: str) -> str:
+        """``{key_prefix}kv:{kind}:{ident}``."""
+        return self.dram.key("kv", kind, ident)
 
-    def available(self, now: float | None = None) -> bool:
-        """False within ``retry_after_sec`` of the last failure."""
-        return (time.monotonic() if now is None else now) >= self._down_until
-
-    def client(self) -> Any:
-        """The asyncio client, created on first use (no connection is made until a command)."""
-        if self._client is None:
-            import redis.asyncio as aioredis
-
-            timeout = self.config.timeout_ms / 1000
-            self._client = aioredis.Redis(
-                host=self.config.host, port=self.config.port, db=self.config.db,
-                socket_timeout=timeout, socket_connect_timeout=timeout,
-            )
-        return self._client
+    def available(self) -> bool:
+        """False while Redis is down, until ``retry_interval_sec`` after the last failed operation."""
+        return self.dram.up or time.monotonic() >= self._retry_at
 
     async def put(self, key: str, payload: bytes, *, tokens: int, nbytes: int, priority: str, hits: int,
                   cost_us: float) -> bool:
-        """Store one entry with its TTL; False (logged, counted) when Redis failed."""
+        """Store one entry with its TTL; False when Redis failed (a miss later)."""
         mapping = {"payload": payload, "tokens": tokens, "nbytes": nbytes, "priority": priority, "hits": hits,
                    "cost_us": cost_us, "stored_at": time.time()}
-        try:
-            async with self.client().pipeline(transaction=False) as pipe:
+
+        async def write(redis: Any) -> bool:
+            async with redis.pipeline(transaction=False) as pipe:
                 pipe.hset(key, mapping=mapping)
-                pipe.expire(key, int(self.config.ttl_sec))
+                pipe.expire(key, self.ttl_sec)
                 await pipe.execute()
-        except Exception as exc:  # noqa: BLE001 - any Redis failure degrades to recompute
-            self._failed("put", exc)
+            return True
+
+        if not await self._call(write, "KV swap-out"):
             return False
-        self._ok()
         self._account(key, nbytes)
         return True
 
     async def get(self, key: str) -> Entry | None:
         """The whole entry, or None when absent or Redis failed."""
-        try:
-            fields = await self.client().hgetall(key)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("get", exc)
-            return None
-        self._ok()
+        fields = await self._call(lambda redis: redis.hgetall(key), "KV restore")
         if not fields:
-            self._account(key, 0)
+            if fields is not None:
+                self._account(key, 0)
             return None
         return _entry(key, fields)
 
     async def delete(self, key: str) -> None:
-        """Remove one entry (errors are logged and counted, never raised)."""
+        """Remove one entry (a failure only leaves it to its TTL)."""
         self._account(key, 0)
-        try:
-            await self.client().delete(key)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("delete", exc)
-            return
-        self._ok()
+        await self._call(lambda redis: redis.delete(key), "KV delete")
 
     async def touch(self, key: str) -> None:
         """Renew an entry's TTL."""
-        try:
-            await self.client().expire(key, int(self.config.ttl_sec))
-        except Exception as exc:  # noqa: BLE001
-            self._failed("scan", exc)
+        await self._call(lambda redis: redis.expire(key, self.ttl_sec), "KV TTL renewal")
 
     async def scan(self) -> AsyncIterator[Entry]:
-        """Every entry under :data:`KEY_PREFIX`, metadata only (no payload)."""
-        try:
-            client = self.client()
-            seen: set[str] = set()
-            async for raw in client.scan_iter(match=KEY_PREFIX + "*", count=500):
+        """Every KV entry, metadata only (no payload); stops early when Redis fails."""
+
+        async def one_page(redis: Any, cursor: int) -> Any:
+            cursor, keys = await redis.scan(cursor, match=self.dram.key("kv", "*"), count=500)
+            rows = []
+            for raw in keys:
+                rows.append((raw, await redis.hmget(raw, list(META_FIELDS))))
+            return cursor, rows
+
+        cursor, seen, complete = 0, set(), False
+        while True:
+            page = await self._call(lambda redis: one_page(redis, cursor), "KV scan")
+            if page is None:
+                break
+            cursor, rows = page
+            for raw, values in rows:
                 key = raw.decode() if isinstance(raw, bytes) else str(raw)
-                values = await client.hmget(key, list(META_FIELDS))
                 if values[0] is None:
                     continue
                 seen.add(key)
                 yield _entry(key, {name.encode(): value for name, value in zip(META_FIELDS, values) if value})
-        except Exception as exc:  # noqa: BLE001
-            self._failed("scan", exc)
-            return
-        self._ok()
-        for gone in [k for k in self._sizes if k not in seen]:  # expired by TTL or removed elsewhere
-            self._account(gone, 0)
+            if cursor == 0:
+                complete = True
+                break
+        if complete:
+            for gone in [k for k in self._sizes if k not in seen]:  # expired by TTL or removed elsewhere
+                self._account(gone, 0)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            try:
-                await self._client.aclose()
-            except Exception:  # noqa: BLE001 - closing a dead connection
-                pass
+        await self.dram.close()
+
+    async def _call(self, fn: Any, op: str) -> Any:
+        """``fn(redis)`` through the client; None when it failed (and no swap is tried for a while)."""
+        result = await self.dram.call(fn, _FAILED, op)
+        if result is _FAILED:
+            self._retry_at = time.monotonic() + self.dram.config.retry_interval_sec
+            return None
+        return result
 
     def _account(self, key: str, nbytes: int) -> None:
         self.nbytes += nbytes - self._sizes.pop(key, 0)
         if nbytes:
             self._sizes[key] = nbytes
         metrics.TIER_BYTES.labels("dram").set(self.nbytes)
-
-    def _failed(self, operation: str, exc: BaseException) -> None:
-        metrics.TIER_ERRORS.labels("dram", operation).inc()
-        self._down_until = time.monotonic() + self.config.retry_after_sec
-        if not self._down:
-            self._down = True
-            log.warning(
-                "DRAM tier: Redis at %s failed on %s (%s: %s); KV state is recomputed instead of swapped "
-                "until Redis answers again (next try in %g s)",
-                self.address, operation, type(exc).__name__, exc, self.config.retry_after_sec,
-            )
-
-    def _ok(self) -> None:
-        if self._down:
-            self._down = False
-            log.info("DRAM tier: Redis at %s answers again; swapping resumes", self.address)

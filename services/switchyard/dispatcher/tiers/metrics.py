@@ -1,8 +1,10 @@
 """Prometheus metrics of the memory tiers.
 
 Label ``tier`` is one of :data:`TIERS` (hbm: device memory; dram: host memory
-through Redis; cold: the object-store tier); ``operation`` one of
-:data:`OPERATIONS`. Every counter with a known label set starts at 0.
+through Redis; cold: the object-store tier). Every counter with a known label
+set starts at 0. The DRAM tier's availability is :mod:`switchyard.common.dram`'s
+(``switchyard_dram_up``, ``switchyard_dram_outages_total``,
+``switchyard_dram_degraded_operations_total``).
 
 Vocabulary: a *hit* is a lookup of reusable KV state that found it in that
 tier, a *miss* one that did not; an *eviction* removes state from a tier (it
@@ -15,7 +17,6 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 TIERS = ("hbm", "dram", "cold")
-OPERATIONS = ("put", "get", "delete", "scan")
 
 TIER_BYTES = Gauge(
     "switchyard_tier_bytes",
@@ -32,11 +33,11 @@ TIER_PROMOTIONS = Counter(
 TIER_DEMOTIONS = Counter(
     "switchyard_tier_demotions_total", "KV state moved from this tier to the tier below it.", ["tier"]
 )
-TIER_ERRORS = Counter(
-    "switchyard_tier_errors_total",
-    "Tier operations that failed (dram: Redis unreachable or timed out; cold: the fsspec store failed); "
-    "the KV state is recomputed instead.",
-    ["tier", "operation"],
+COLD_ERRORS = Counter(
+    "switchyard_cold_tier_errors_total",
+    "Cold-tier operations (put: archive, get: take back) that failed in the fsspec store; the KV state is "
+    "recomputed instead. DRAM-tier failures are switchyard_dram_degraded_operations_total.",
+    ["operation"],
 )
 OOM_AVOIDED = Counter(
     "switchyard_kv_oom_avoided_total",
@@ -74,7 +75,5 @@ for _tier in TIERS:
     TIER_BYTES.labels(_tier).set(0)
     for _family in (TIER_HITS, TIER_MISSES, TIER_EVICTIONS, TIER_PROMOTIONS, TIER_DEMOTIONS, SCANS):
         _family.labels(_tier)
-for _op in OPERATIONS:
-    TIER_ERRORS.labels("dram", _op)
 for _op in ("put", "get"):
-    TIER_ERRORS.labels("cold", _op)
+    COLD_ERRORS.labels(_op)
