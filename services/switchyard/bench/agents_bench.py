@@ -340,7 +340,7 @@ def render(report: dict[str, Any]) -> str:
         f"  OOM (real allocation failures)    {report['oom']}",
         f"  OOM avoided (admission refused)   {report['oom_avoided']}",
         f"  tasks failed                      {sum(report['tasks_failed'].values())}",
-        f"  tasks completed                   " + ", ".join(f"{k} {v}" for k, v in report["tasks_completed"].items()),
+        "  tasks completed                   " + ", ".join(f"{k} {v}" for k, v in report["tasks_completed"].items()),
         f"  preemptions                       {report['preemptions']}",
         "  tier            evictions  demotions  promotions       hits     misses",
     ]
