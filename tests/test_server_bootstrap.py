@@ -15,13 +15,16 @@ from switchyard.common.channels import open_channel, open_sync_channel
 
 
 async def test_health_and_reflection_describe_run_task():
-    cfg = load_config("config")
+    cfg = load_config("config").with_overrides(**{  # nothing listens on port 1: no downstream service is up
+        "service.orchestrator.retrieval_addr": "127.0.0.1:1", "service.orchestrator.dispatcher_addr": "127.0.0.1:1"})
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
         address = f"127.0.0.1:{srv.port}"
         async with open_channel(address) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="agent.AgentService"))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = health_pb2_grpc.HealthStub(channel)
+            alive = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+            assert alive.status == health_pb2.HealthCheckResponse.SERVING  # liveness: the server answers
+            ready = await stub.Check(health_pb2.HealthCheckRequest(service="agent.AgentService"))
+            assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING  # readiness: no dispatcher
         method = await asyncio.to_thread(_describe_run_task, address)  # the reflection client is synchronous
         assert method.input_type.full_name == "agent.RunTaskRequest"
         assert method.server_streaming

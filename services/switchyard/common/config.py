@@ -526,6 +526,16 @@ class OrchestratorConfig(_Strict):
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
+    health_check_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="Seconds between checks of the dispatcher's and retrieval's gRPC health; the "
+        "orchestrator's own health (readiness) follows them (orchestrator/readiness.py).",
+    )
+    health_check_timeout_s: float = Field(
+        1.0, gt=0, le=30,
+        description="Seconds one downstream health Check may take before that replica counts as not ready "
+        "(a stopped process answers nothing).",
+    )
 
 
 class TaskStoreConfig(_Strict):

@@ -48,6 +48,13 @@ def edge_interceptors(service: object) -> list[grpc.aio.ServerInterceptor]:
     return list(provide()) if provide is not None else []
 
 
+class HealthOwner(Protocol):
+    """A service that sets its own health statuses (readiness that follows its dependencies)."""
+
+    async def watch_health(self, health: health.aio.HealthServicer) -> None:
+        """Called once the server serves, instead of setting ``grpc_service_names`` SERVING."""
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -137,6 +144,10 @@ async def start_server(
         await service.start()
     await server.start()
     for service in services:
+        watch = getattr(service, "watch_health", None)
+        if watch is not None:  # a HealthOwner
+            await watch(health_servicer)
+            continue
         for name in service.grpc_service_names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s:%d", ", ".join(s.name for s in services), host, bound)

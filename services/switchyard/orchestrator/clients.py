@@ -62,6 +62,11 @@ class RetrievalClient:
         except grpc.aio.AioRpcError as err:
             raise _downstream_error("retrieval", self.address, err) from None
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel calls take (readiness checks health over it too)."""
+        return self._channel
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -91,6 +96,11 @@ class InferenceClient:
             raise _downstream_error("dispatcher", self.address, err) from None
         finally:
             call.cancel()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel calls take (readiness checks health over it too)."""
+        return self._channel
 
     async def close(self) -> None:
         await self._channel.close()
