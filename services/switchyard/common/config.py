@@ -451,6 +451,17 @@ class ServerConfig(_Strict):
     keepalive_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Seconds a ping may go unanswered before its connection is closed as dead."
     )
+    max_connection_age_s: float = Field(
+        30.0, ge=1, le=86_400,
+        description="A server sends GOAWAY to a connection this old (gRPC adds +/-10 % jitter): its client "
+        "re-resolves the target and reconnects, so replicas added by the autoscaler get calls within this "
+        "time (gRFC A9).",
+    )
+    max_connection_age_grace_s: float = Field(
+        120.0, ge=0, le=86_400,
+        description="Calls still running on a connection sent GOAWAY for its age get this long to finish "
+        "before it is closed; longer than any generation stream should run.",
+    )
 
 
 def _port(default: int) -> Any:

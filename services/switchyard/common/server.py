@@ -56,6 +56,7 @@ class HealthOwner(Protocol):
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """grpc.aio server options from ``service.server``: message limits, keepalive, connection age."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -77,6 +78,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
         # ...and past 30 s of waiting (seconds here); a waiting call is bounded by its caller's deadline.
         ("grpc.server_max_unrequested_time_in_server", 3600),
+        # Connection age (gRFC A9): after max_connection_age_s a connection gets
+        # GOAWAY, so its client re-resolves (dns:/// of a headless Service) and
+        # round_robin finds the pods added since; running calls keep the grace.
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
     ]
 
 
