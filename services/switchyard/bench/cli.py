@@ -9,6 +9,8 @@ Subcommands:
 - ``sched``: the scheduling benchmark (``switchyard.bench.sched_bench``).
 - ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
   (:mod:`switchyard.bench.isolation`).
+- ``route``: agent routing over many dispatcher replicas, simulated
+  (:mod:`switchyard.bench.route`).
 """
 
 from __future__ import annotations
@@ -237,18 +239,25 @@ def _isolation(argv: list[str]) -> int:
     return isolation.main(argv)
 
 
-SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation}
+def _route(argv: list[str]) -> int:
+    from switchyard.bench import route
+
+    return route.main(argv)
+
+
+SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "route": _route}
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|route] [OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
-            "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n\n"
+            "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n"
+            "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n\n"
             "Run `switchyard bench SUBCOMMAND --help` for its options."
         )
         return 0
