@@ -95,3 +95,29 @@ def test_simulation_is_deterministic_and_checks_its_parameters():
     assert a.summary(5) == b.summary(5)
     with pytest.raises(ValueError, match="replicas"):
         route.simulate("affinity", route.RouteParams(replicas=1))
+
+
+def test_replica_targets_parse():
+    from switchyard.orchestrator.replicas import _dns_host_port, static_addresses
+
+    assert static_addresses("ipv4:127.0.0.1:5001,127.0.0.1:5002") == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    assert static_addresses("dispatcher:50053") == ["dispatcher:50053"]
+    assert static_addresses("dns:///dispatcher:50053") is None
+    assert _dns_host_port("dns:///dispatcher.prod.svc.cluster.local:50053") == ("dispatcher.prod.svc.cluster.local", 50053)
+    assert _dns_host_port("dns://10.96.0.10:53/dispatcher:50053") == ("dispatcher", 50053)
+    with pytest.raises(ValueError, match="dns:///NAME:PORT"):
+        _dns_host_port("dns:///dispatcher")
+
+
+async def test_dns_target_resolves_to_replicas():
+    from switchyard.common.config import ServerConfig
+    from switchyard.orchestrator.replicas import ReplicaSet
+
+    replicas = ReplicaSet("dns:///localhost:50999", ServerConfig(), idle_s=60, resolve_interval_s=10, balance=1.2)
+    try:
+        await replicas.refresh()
+        assert "127.0.0.1:50999" in replicas.channels or "[::1]:50999" in replicas.channels
+        address, _ = replicas.pick("agent-1")
+        assert replicas.pick("agent-1")[0] == address
+    finally:
+        await replicas.close()

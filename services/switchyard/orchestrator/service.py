@@ -140,7 +140,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             queue=queue,
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
-            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server, orch.affinity),
             memory=await self._agent_memory(),
         )
         log.info(
