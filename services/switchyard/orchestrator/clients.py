@@ -17,6 +17,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig
+from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
 
 
@@ -73,13 +74,13 @@ class RetrievalClient:
 
 
 class InferenceClient:
-    """InferenceService.Generate over one channel (round_robin over the target's addresses), or, for a call
-    with an affinity key and a target of several replicas, over the agent's replica's own channel.
+    """InferenceService.Generate over one channel, or, for a target of several replicas, over each
+    replica's own channel: an agent's replica for a call with an affinity key, the next in turn otherwise.
 
     Args:
         address: the dispatcher target (``host:port``, ``ipv4:a,b``, ``dns:///name:port``).
         config: ``service.server`` (channel options).
-        affinity: ``orchestrator.affinity``; None or disabled: round_robin for every call.
+        affinity: ``orchestrator.affinity``; disabled: every call takes the next replica in turn.
     """
 
     MAX_ATTEMPTS = 3
@@ -91,16 +92,21 @@ class InferenceClient:
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
         addresses = static_addresses(address)
         self.replicas: ReplicaSet | None = None
-        if affinity is not None and affinity.enabled and (addresses is None or len(addresses) > 1):
+        affinity = affinity or AffinityConfig()
+        self._affinity = affinity.enabled
+        if addresses is None or len(addresses) > 1:
             self.replicas = ReplicaSet(address, config, affinity.idle_s, affinity.resolve_interval_s, affinity.balance)
 
     async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, agent_pb2_grpc.InferenceServiceStub]:
-        if self.replicas is not None and affinity_key:
+        if self.replicas is not None:
             await self.replicas.refresh()
             try:
-                address, channel = self.replicas.pick(affinity_key, tried)
+                if affinity_key and self._affinity:
+                    address, channel = self.replicas.pick(affinity_key, tried)
+                else:
+                    address, channel = self.replicas.rotate(tried)
                 return address, agent_pb2_grpc.InferenceServiceStub(channel)
-            except LookupError:  # none known yet, or every replica tried: round_robin decides
+            except LookupError:  # none known yet, or every replica tried: the channel's round_robin decides
                 pass
         return self.address, self._stub
 
@@ -132,6 +138,7 @@ class InferenceClient:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt + 1 < self.MAX_ATTEMPTS:
                     tried.add(address)
+                    DISPATCHER_RETRIES.inc()
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE and received:
                     raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "

@@ -9,6 +9,9 @@ and agents are placed on replicas by :class:`~switchyard.orchestrator.affinity.B
 so an agent's calls reach the replica that holds its warm state (KV of earlier
 turns, parked while it waits on a tool). Agents idle for ``idle_s`` are
 forgotten; a replica that leaves the DNS answer moves only its own agents.
+Calls with no agent take the replicas in turn. Either way the caller knows
+which replica a call went to, so an error can name it, and replicas whose
+connection failed are skipped until it recovers.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class ReplicaSet:
         self._static = static_addresses(target)
         self._resolved_at = float("-inf")
         self._resolving: asyncio.Task[None] | None = None
+        self._turn = -1
         if self._static is not None:
             self._update(self._static)
 
@@ -114,15 +118,40 @@ class ReplicaSet:
         while self._retired and now - self._retired[0][0] >= RETIRE_AFTER_S:
             await self._retired.pop(0)[1].close()
 
+    def down(self) -> frozenset[str]:
+        """Replicas whose channel is in TRANSIENT_FAILURE (the connection failed; gRPC retries it at most
+        every 2 s): calls avoid them until it recovers."""
+        failed = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        return frozenset(a for a, channel in self.channels.items() if channel.get_state(True) == failed)
+
+    def _avoid(self, exclude: frozenset[str]) -> frozenset[str]:
+        avoid = exclude | self.down()
+        return exclude if avoid >= set(self.channels) else avoid  # all down: let the call say so
+
     def pick(self, agent: str, exclude: frozenset[str] = frozenset()) -> tuple[str, grpc.aio.Channel]:
-        """The replica (address, channel) for ``agent``'s next call.
+        """The replica (address, channel) for ``agent``'s next call; an agent whose replica is down or in
+        ``exclude`` is placed anew.
 
         Raises:
             LookupError: no replica known, or all excluded.
         """
         now = time.monotonic()
         self.ring.expire(now, self.idle_s)
-        address = self.ring.assign(agent, now, exclude)
+        address = self.ring.assign(agent, now, self._avoid(exclude))
+        return address, self.channels[address]
+
+    def rotate(self, exclude: frozenset[str] = frozenset()) -> tuple[str, grpc.aio.Channel]:
+        """The next replica in turn (a call with no agent), skipping those down or in ``exclude``.
+
+        Raises:
+            LookupError: no replica known, or all excluded.
+        """
+        avoid = self._avoid(exclude)
+        addresses = [a for a in sorted(self.channels) if a not in avoid]
+        if not addresses:
+            raise LookupError("no dispatcher replica to call")
+        self._turn = (self._turn + 1) % len(addresses)
+        address = addresses[self._turn]
         return address, self.channels[address]
 
     async def close(self) -> None:
