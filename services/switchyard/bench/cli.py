@@ -11,6 +11,8 @@ Subcommands:
   (:mod:`switchyard.bench.isolation`).
 - ``route``: agent routing over many dispatcher replicas, simulated
   (:mod:`switchyard.bench.route`).
+- ``fault``: SIGKILL one of several local dispatchers under load and account
+  for every call (:mod:`switchyard.bench.fault`).
 """
 
 from __future__ import annotations
@@ -245,19 +247,28 @@ def _route(argv: list[str]) -> int:
     return route.main(argv)
 
 
-SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "route": _route}
+def _fault(argv: list[str]) -> int:
+    from switchyard.bench import fault
+
+    return fault.main(argv)
+
+
+SUBCOMMANDS = {
+    "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "route": _route, "fault": _fault,
+}
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation|route] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|route|fault] [OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
             "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n"
-            "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n\n"
+            "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
+            "  fault      kill -9 one of several local dispatchers under load; account for every call\n\n"
             "Run `switchyard bench SUBCOMMAND --help` for its options."
         )
         return 0
