@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import running, start_server
@@ -115,20 +116,33 @@ async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving(
                 assert await check(channel, "agent.AgentService") == NOT_SERVING
 
 
-async def test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_ready():
-    """SIGSTOP: the connection stays open but nothing answers, the case the issue measured."""
+async def dispatcher_process() -> tuple[subprocess.Popen, int]:
+    """``switchyard serve dispatcher`` in its own process, once it serves: (process, port)."""
     port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "switchyard.cli", "serve", "dispatcher", "--port", str(port),
          "--metrics-port", str(metrics_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    for _ in range(1200):  # start-up: imports and the engine (a hang guard of 120 s)
+        if await asyncio.to_thread(healthy, f"127.0.0.1:{port}", "agent.InferenceService"):
+            return proc, port
+        assert proc.poll() is None, "the dispatcher exited during start-up"
+        await asyncio.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the dispatcher process did not become healthy")
+
+
+def end(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    proc.wait(60)
+
+
+async def test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_ready():
+    """SIGSTOP: the connection stays open but nothing answers, the case the issue measured."""
+    proc, port = await dispatcher_process()
     try:
-        for _ in range(600):  # start-up: imports and the engine, up to 60 s
-            if await asyncio.to_thread(healthy, f"127.0.0.1:{port}", "agent.InferenceService"):
-                break
-            assert proc.poll() is None, "the dispatcher exited during start-up"
-            await asyncio.sleep(0.1)
         async with orchestrator(orchestrator_config(f"127.0.0.1:{port}")) as channel:
             watch = HealthWatch(channel, "agent.AgentService")
             await watch.until(SERVING)
@@ -139,9 +153,43 @@ async def test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_re
             await watch.until(SERVING)
             watch.call.cancel()
     finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        proc.wait(60)
+        end(proc)
+
+
+async def test_tasks_avoid_a_stopped_replica_while_another_serves():
+    """Two replicas, one SIGSTOPped: the orchestrator stays SERVING, marks that replica unhealthy, and tasks
+    (with agents, whichever replica the ring gave them) all complete on the other one."""
+    proc, port = await dispatcher_process()
+    dispatcher_cfg = SwitchyardConfig()
+    try:
+        async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.service.server) as live:
+            stopped_address = f"127.0.0.1:{port}"
+            target = f"ipv4:{stopped_address},127.0.0.1:{live.port}"
+            cfg = orchestrator_config(target)
+            async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+                replicas = orch.services[0]._deps.inference.replicas
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(600):  # the next health round marks it (a hang guard of 60 s)
+                    if stopped_address in replicas.unhealthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert replicas.unhealthy == {stopped_address}
+                async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                    assert await check(channel, "agent.AgentService") == SERVING
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    for i in range(8):
+                        request = agent_pb2.RunTaskRequest(task_id=f"t{i}", agent_id=f"agent-{i}", payload="hi",
+                                                           task_type="chat", max_tokens=4)
+                        events = [e async for e in stub.RunTask(request, timeout=30)]
+                        assert events[-1].final.output
+                proc.send_signal(signal.SIGCONT)
+                for _ in range(600):
+                    if not replicas.unhealthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not replicas.unhealthy
+    finally:
+        end(proc)
 
 
 def test_address_count_of_targets():

@@ -24,7 +24,9 @@ Service's endpoints without restarting them.
 round asks up to one Check per known address (3 for a name that resolves to an
 unknown number), and one SERVING answer is enough: one ready replica serves.
 A stopped process (SIGSTOP) answers nothing and counts as not ready after the
-timeout; a closed port fails at once.
+timeout; a closed port fails at once. Where the dispatcher client knows the
+replicas one by one (:class:`~switchyard.orchestrator.replicas.ReplicaSet`),
+each is checked on its own channel, and calls avoid those that do not answer.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.common.metrics import TASK_TYPES
+from switchyard.orchestrator.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ class Readiness:
         default_workflow: str,
         interval_s: float,
         timeout_s: float,
+        replica_sets: Mapping[str, ReplicaSet] | None = None,
     ) -> None:
         self._set = set_status
         self._channels = channels
@@ -121,6 +125,25 @@ class Readiness:
         """Last result per downstream service (False before the first round)."""
         self._published: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
+        self._replica_sets = dict(replica_sets or {})
+
+    async def _check_service(self, name: str) -> bool:
+        """One service's readiness. With its replicas known (a :class:`ReplicaSet`), each replica is checked
+        on its own channel, and those that do not answer SERVING are marked unhealthy there, so calls avoid
+        a replica that stopped answering (SIGSTOP) while its connection still looks open."""
+        channel, target = self._channels[name]
+        replicas = self._replica_sets.get(name)
+        if replicas is not None:
+            await replicas.refresh()  # a dns:/// target is resolved even while no task calls it
+        if replicas is None or not replicas.channels:
+            return await check(channel, HEALTH_NAMES[name], self.timeout_s, address_count(target))
+        addresses = list(replicas.channels.items())
+        results = await asyncio.gather(*(check(ch, HEALTH_NAMES[name], self.timeout_s, 1) for _, ch in addresses))
+        unhealthy = frozenset(address for (address, _), ok in zip(addresses, results) if not ok)
+        if unhealthy != replicas.unhealthy:
+            log.warning("readiness: %s replicas not answering: %s", name, ", ".join(sorted(unhealthy)) or "none")
+        replicas.unhealthy = unhealthy
+        return any(results)
 
     def statuses(self) -> dict[str, int]:
         """Health service name -> SERVING / NOT_SERVING under the current :attr:`ready`."""
@@ -134,10 +157,7 @@ class Readiness:
     async def check_once(self) -> dict[str, int]:
         """Check every downstream service once (concurrently) and publish the statuses that changed."""
         names = list(self._channels)
-        results = await asyncio.gather(*(
-            check(channel, HEALTH_NAMES[name], self.timeout_s, address_count(target))
-            for name, (channel, target) in ((n, self._channels[n]) for n in names)
-        ))
+        results = await asyncio.gather(*(self._check_service(name) for name in names))
         for name, ok in zip(names, results):
             if ok != self.ready[name]:
                 target = self._channels[name][1]

@@ -80,6 +80,8 @@ class ReplicaSet:
         self._resolved_at = float("-inf")
         self._resolving: asyncio.Task[None] | None = None
         self._turn = -1
+        self.unhealthy: frozenset[str] = frozenset()
+        """Replicas whose last health check did not answer SERVING (set by orchestrator/readiness.py)."""
         if self._static is not None:
             self._update(self._static)
 
@@ -125,7 +127,7 @@ class ReplicaSet:
         return frozenset(a for a, channel in self.channels.items() if channel.get_state(True) == failed)
 
     def _avoid(self, exclude: frozenset[str]) -> frozenset[str]:
-        avoid = exclude | self.down()
+        avoid = exclude | self.down() | (self.unhealthy & set(self.channels))
         return exclude if avoid >= set(self.channels) else avoid  # all down: let the call say so
 
     def pick(self, agent: str, exclude: frozenset[str] = frozenset()) -> tuple[str, grpc.aio.Channel]:

@@ -169,6 +169,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             orch.default_task_type,
             orch.health_check_interval_s,
             orch.health_check_timeout_s,
+            {"dispatcher": self._deps.inference.replicas} if self._deps.inference.replicas is not None else None,
         )
         await self.readiness.start()
 
