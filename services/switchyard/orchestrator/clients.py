@@ -116,9 +116,9 @@ class InferenceClient:
         """Stream the chunks of one generation.
 
         ``affinity_key`` (an agent id) sends the call to the replica that agent is placed on
-        (see :mod:`switchyard.orchestrator.replicas`). A call that fails UNAVAILABLE before its
-        first chunk did nothing the caller saw: it is tried again on another replica, up to
-        :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
+        (see :mod:`switchyard.orchestrator.replicas`). A call that fails UNAVAILABLE from the
+        replica itself (unreachable, or draining) before its first chunk did nothing the caller
+        saw: it is tried again on another replica, up to :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
         sent on): its error names the replica and how many chunks it had streamed.
 
         Raises:
@@ -136,11 +136,15 @@ class InferenceClient:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE and received == 0 and attempt + 1 < self.MAX_ATTEMPTS:
+                # No origin: nothing answered (the replica is gone); origin dispatcher: it refused (draining).
+                # An error relayed from the upstream model is not the replica's: another would meet it too.
+                replica_fault = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "") in ("", "dispatcher")
+                unavailable = err.code() == grpc.StatusCode.UNAVAILABLE and replica_fault
+                if unavailable and received == 0 and attempt + 1 < self.MAX_ATTEMPTS:
                     tried.add(address)
                     DISPATCHER_RETRIES.inc()
                     continue
-                if err.code() == grpc.StatusCode.UNAVAILABLE and received:
+                if unavailable and received:
                     raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "
                                              f"{err.details() or ''}") from None
                 raise _downstream_error("dispatcher", address, err) from None
