@@ -283,15 +283,22 @@ class ComputeScoreMonitor:
         return self.read(time.monotonic())
 
     def publish_at_scrape(self) -> None:
-        """Make ``switchyard_compute_score`` call :meth:`scrape` whenever it is collected.
+        """Make ``switchyard_compute_score`` re-sample this monitor (:meth:`scrape`) whenever it is collected.
 
-        The gauge is process-wide: the monitor published last is the one scraped
-        (one dispatcher per process in production). :meth:`close` detaches it.
+        The gauge is process-wide and shows the monitor that read or was published
+        last (one dispatcher per process in production): re-sampled at scrape
+        time while it is published, its last score once :meth:`close` detached it.
+        Monitors never published (schedulers stepped on a simulated clock) are
+        shown as they read, never re-sampled on the wall clock.
         """
-        metrics.COMPUTE_SCORE.set_function(self.scrape)
+        global _latest
         self._published = True
+        _latest = self
+        metrics.COMPUTE_SCORE.set_function(_collect)
 
     def _read(self, now: float) -> float:
+        global _latest
+        _latest = self
         if now < self._next_read:
             return self.score
         self._next_read = now + self.sample_interval_s
@@ -337,13 +344,21 @@ class ComputeScoreMonitor:
         log.warning("GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
 
     def close(self) -> None:
-        """Release NVML and, when published, leave the gauge at the last score; never raises."""
-        if self._published:
-            last = self.score
-            metrics.COMPUTE_SCORE.set_function(lambda: last)
-            self._published = False
+        """Release NVML and stop re-sampling at scrape time (the gauge keeps the last score); never raises."""
+        self._published = False
         if self._reader is not None:
             self._reader.close()
+
+
+_latest: ComputeScoreMonitor | None = None
+"""The monitor ``switchyard_compute_score`` shows once one was published (see publish_at_scrape)."""
+
+
+def _collect() -> float:
+    monitor = _latest
+    if monitor is None:
+        return 0.0
+    return monitor.scrape() if monitor._published else monitor.score
 
 
 class _BusyOnly:
