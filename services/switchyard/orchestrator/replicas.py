@@ -12,6 +12,11 @@ forgotten; a replica that leaves the DNS answer moves only its own agents.
 Calls with no agent take the replicas in turn. Either way the caller knows
 which replica a call went to, so an error can name it, and replicas whose
 connection failed are skipped until it recovers.
+
+With TLS on (``server.tls``), a replica's channel connects to its address,
+an IP for a ``dns:`` target: the dispatchers' certificate must name the
+Service (set ``tls.server_name`` to it, which every channel then checks) or
+carry the pods' addresses.
 """
 
 from __future__ import annotations
