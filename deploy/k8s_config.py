@@ -35,8 +35,9 @@ INDEX_DIR = "/opt/switchyard/index"
 OVERRIDES: dict[str, dict[str, object]] = {
     "switchyard.json": {
         "server.host": "0.0.0.0",
-        "orchestrator.retrieval_addr": "retrieval:50052",
-        "orchestrator.dispatcher_addr": "dispatcher:50053",
+        # dns:/// of the headless Services: round_robin over every ready pod.
+        "orchestrator.retrieval_addr": "dns:///retrieval:50052",
+        "orchestrator.dispatcher_addr": "dns:///dispatcher:50053",
         # replicas (HPA: 3 to 30) share one task store: Redis (redis.yaml), reached by SWITCHYARD_DRAM_ADDR
         "orchestrator.task_store.backend": "redis",
         "retrieval.index_dir": INDEX_DIR,

@@ -14,15 +14,15 @@ from pathlib import Path
 class UpStack:
     """``switchyard up --free-ports`` on ``index_dir``; output collected on a thread.
 
-    ``env`` adds variables; the caller's ``OTEL_*`` variables are dropped so that
+    ``env`` adds variables, ``args`` options of ``switchyard up``; the caller's ``OTEL_*`` variables are dropped so that
     only a test that asks for tracing gets it.
     """
 
-    def __init__(self, index_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, index_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         full = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
         full.update(SWITCHYARD_INDEX_DIR=str(index_dir), PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports"],
+            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
         )
         self.lines: list[str] = []

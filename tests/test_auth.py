@@ -91,9 +91,15 @@ async def test_health_checks_need_no_token(tokens):
     from switchyard.common.server import running
     from switchyard.orchestrator.service import OrchestratorService
 
-    cfg = load_config("config").with_overrides(**tokens, **{"service.orchestrator.cpu_executor": "loop"})
+    cfg = load_config("config").with_overrides(**tokens, **{
+        "service.orchestrator.cpu_executor": "loop",
+        # nothing listens on port 1: the named service answers NOT_SERVING (readiness), but it answers
+        "service.orchestrator.retrieval_addr": "127.0.0.1:1", "service.orchestrator.dispatcher_addr": "127.0.0.1:1",
+    })
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="agent.AgentService"))
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = health_pb2_grpc.HealthStub(channel)
+            alive = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+            ready = await stub.Check(health_pb2.HealthCheckRequest(service="agent.AgentService"))
+    assert alive.status == health_pb2.HealthCheckResponse.SERVING
+    assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -137,3 +137,27 @@ async def test_busy_ratio_only_when_configured():
     m.read(engine.busy_seconds)
     assert m.sample.source == "busy_ratio" and m.sample.cuda_util == pytest.approx(100)
     assert m.sample.bandwidth_util == 0 and m.sample.tensor_util == pytest.approx(80)  # the field report's estimate
+
+
+def test_gauge_is_read_at_scrape_time_not_when_the_scheduler_last_ran():
+    """No scheduler runs here: each collection of the gauge samples NVML itself."""
+    from prometheus_client import REGISTRY
+
+    nvml = FakeGpmNvml(gpu=90, memory=70, tensor=0, supported=False)
+    m = monitor(nvml)
+    m.publish_at_scrape()
+    try:
+        busy = REGISTRY.get_sample_value("switchyard_compute_score")
+        assert busy == pytest.approx(0.2 * 90 + 0.2 * 70 + 0.6 * 72)
+        nvml.gpu, nvml.memory = 0, 0  # the GPU goes idle; nothing calls read()
+        m._next_read = float("-inf")  # as if score_sample_interval_ms had passed since the last scrape
+        assert REGISTRY.get_sample_value("switchyard_compute_score") == 0
+        nvml.gpu = 50
+        # within one sample interval a scrape gets the cached sample, not a new NVML read
+        m._next_read = float("inf")
+        assert REGISTRY.get_sample_value("switchyard_compute_score") == 0
+    finally:
+        m.close()
+    nvml.gpu = 100
+    m._next_read = float("-inf")
+    assert REGISTRY.get_sample_value("switchyard_compute_score") == 0, "a closed monitor is no longer read"

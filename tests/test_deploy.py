@@ -104,9 +104,7 @@ def render(folder: Path) -> list[dict]:
     for label in kust.get("labels", []):
         for obj in objs:
             obj["metadata"].setdefault("labels", {}).update(label["pairs"])
-    tags = {image["name"]: f"{image['name']}:{image['newTag']}" for image in kust.get("images", [])}
-    for _, container in _containers(objs):
-        container["image"] = tags.get(container["image"], container["image"])
+    _set_images(objs, kust.get("images", []))
     _apply_patches(objs, folder, kust.get("patches", []))
     for entry in kust.get("components", []):
         component = folder / entry
@@ -116,6 +114,30 @@ def render(folder: Path) -> list[dict]:
             objs += _docs(component / resource)
         _apply_patches(objs, component, ckust.get("patches", []))
     return objs
+
+
+def _image_name(image: str) -> str:
+    """``registry:5000/name:tag@sha256:...`` -> ``registry:5000/name`` (what kustomize's images match)."""
+    image = image.split("@", 1)[0]
+    head, sep, tail = image.rpartition(":")
+    return head if sep and "/" not in tail else image
+
+
+def _set_images(objs: list[dict], images: list[dict]) -> None:
+    """kustomize's ``images``: newName, then newTag or digest (a digest replaces the tag)."""
+    by_name = {image["name"]: image for image in images}
+    for _, container in _containers(objs):
+        image = by_name.get(_image_name(container["image"]))
+        if image is None:
+            continue
+        name = image.get("newName", image["name"])
+        old_tag = container["image"].split("@", 1)[0][len(_image_name(container["image"])):]
+        if "digest" in image:
+            container["image"] = f"{name}@{image['digest']}"
+        elif "newTag" in image:
+            container["image"] = f"{name}:{image['newTag']}"
+        else:
+            container["image"] = f"{name}{old_tag}"
 
 
 def _containers(objs: list[dict]):
@@ -311,13 +333,17 @@ def test_manifest_file_validates(path):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/tracing"])
+OVERLAYS = ["base", "overlays/tracing", "overlays/release"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_rendered_kustomization_validates(k8s_tree, overlay):
     objs = render(k8s_tree / overlay)
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     assert {obj["kind"] for obj in objs} >= {
-        "Deployment", "Service", "ServiceAccount", "ConfigMap", "HorizontalPodAutoscaler"
+        "Deployment", "Service", "ServiceAccount", "ConfigMap", "HorizontalPodAutoscaler", "NetworkPolicy",
+        "PodDisruptionBudget",
     }
 
 
@@ -384,8 +410,14 @@ def test_service_pod_is_hardened_probed_and_scraped(base, name):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "emptyDir" in volumes[mounts["/tmp"]]
     assert volumes[mounts["/etc/switchyard"]]["configMap"]["name"] == "switchyard-config"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": grpc_port}, probe
+    # readiness (and start-up) ask the named service, which follows the service's dependencies;
+    # liveness asks the server's overall status ("" by default), which does not
+    named = {"orchestrator": "agent.AgentService", "retrieval": "agent.RetrievalService",
+             "dispatcher": "agent.InferenceService"}[name]
+    assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": named}
+    assert container["livenessProbe"]["grpc"] == {"port": grpc_port}
+    if "startupProbe" in container:
+        assert container["startupProbe"]["grpc"] == {"port": grpc_port, "service": named}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": grpc_port, "metrics": metrics_port}
     annotations = template["metadata"]["annotations"]
@@ -400,8 +432,11 @@ def test_service_pod_is_hardened_probed_and_scraped(base, name):
 def test_orchestrator_reaches_services_by_name(base):
     env = _env(_container(base, "orchestrator"))
     for variable, name in (("SWITCHYARD_RETRIEVAL_ADDR", "retrieval"), ("SWITCHYARD_DISPATCHER_ADDR", "dispatcher")):
-        host, _, port = env[variable].partition(":")
+        # dns:/// of a headless Service: the channel sees every ready pod and round-robins calls over them
+        assert env[variable].startswith("dns:///"), env[variable]
+        host, _, port = env[variable].removeprefix("dns:///").partition(":")
         assert host == name
+        assert _get(base, "Service", name)["spec"]["clusterIP"] == "None"
         assert int(port) in {p["port"] for p in _get(base, "Service", name)["spec"]["ports"]}
         # the image's own config (used without these variables) agrees
         assert k8s_config.OVERRIDES["switchyard.json"][f"orchestrator.{name}_addr"] == env[variable]
@@ -444,7 +479,7 @@ def test_tracing_component_exports_to_jaeger(base, traced):
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-@pytest.mark.parametrize("overlay", ["base", "overlays/tracing"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_python_render_matches_kubectl_kustomize(k8s_tree, overlay):
     result = subprocess.run(
         ["kubectl", "kustomize", str(k8s_tree / overlay)], capture_output=True, text=True, timeout=60
@@ -516,3 +551,153 @@ def test_compose_jaeger_has_otlp_on(traced):
     assert {4317, 16686} <= published
     in_cluster = _container(traced, "jaeger")
     assert jaeger["image"] == in_cluster["image"], "one Jaeger version locally and in the cluster"
+
+
+# --------------------------------------------------------------------------- scale-out hygiene
+# NetworkPolicy semantics, evaluated here for the subset the manifests use:
+# podSelector / namespaceSelector (matchLabels, matchExpressions In) and
+# ipBlock peers, ports by number or container-port name.
+
+APP_NAMESPACE = "switchyard"
+MONITORING = "monitoring"
+
+
+def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    if selector is None:
+        return True
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", f"only In is evaluated here, got {expr['operator']}"
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+class Endpoint:
+    """A pod (labels, namespace, named container ports) or an address outside the cluster (ip)."""
+
+    def __init__(self, labels=None, namespace=APP_NAMESPACE, ports=None, ip=None):
+        self.labels, self.namespace, self.ports, self.ip = labels or {}, namespace, ports or {}, ip
+
+
+def _peer_matches(peer: dict, other: Endpoint, policy_namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return other.ip is not None  # every block here is 0.0.0.0/0
+    if other.ip is not None:
+        return False
+    if "namespaceSelector" in peer:
+        ns_labels = {"kubernetes.io/metadata.name": other.namespace}
+        if not _selects(peer["namespaceSelector"], ns_labels):
+            return False
+    elif other.namespace != policy_namespace:
+        return False
+    return _selects(peer.get("podSelector"), other.labels)
+
+
+def _port_matches(rule_ports: list[dict] | None, port: int, dest: Endpoint) -> bool:
+    if not rule_ports:
+        return True
+    return any(p["port"] == port or dest.ports.get(p["port"]) == port for p in rule_ports)
+
+
+def _allowed_one_way(policies: list[dict], pod: Endpoint, other: Endpoint, port: int, direction: str,
+                     dest: Endpoint) -> bool:
+    """Whether ``pod``'s policies let traffic in ``direction`` (Ingress/Egress) with ``other`` on ``port``."""
+    relevant = [p for p in policies if other is not None and pod.ip is None
+                and _selects(p["spec"]["podSelector"], pod.labels) and direction in p["spec"]["policyTypes"]]
+    if pod.ip is not None or not relevant:
+        return True  # not isolated in this direction
+    key, peers_key = direction.lower(), "from" if direction == "Ingress" else "to"
+    for policy in relevant:
+        for rule in policy["spec"].get(key, []):
+            peers = rule.get(peers_key)
+            if (not peers or any(_peer_matches(peer, other, APP_NAMESPACE) for peer in peers)) \
+                    and _port_matches(rule.get("ports"), port, dest):
+                return True
+    return False
+
+
+def allowed(policies: list[dict], src: Endpoint, dst: Endpoint, port: int) -> bool:
+    """Traffic src -> dst:port passes src's egress and dst's ingress policies."""
+    return (_allowed_one_way(policies, src, dst, port, "Egress", dst)
+            and _allowed_one_way(policies, dst, src, port, "Ingress", dst))
+
+
+def _pods(objs: list[dict]) -> dict[str, Endpoint]:
+    pods = {}
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            template = obj["spec"]["template"]
+            ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            pods[obj["metadata"]["name"]] = Endpoint(template["metadata"]["labels"], ports=ports)
+    return pods
+
+
+def test_network_policies_allow_only_the_call_graph(traced):
+    policies = [obj for obj in traced if obj["kind"] == "NetworkPolicy"]
+    pods = _pods(traced)
+    orch, retrieval, disp, jaeger = pods["orchestrator"], pods["retrieval"], pods["dispatcher"], pods["jaeger"]
+    client = Endpoint({"app": "some-client"}, namespace="apps")
+    prometheus = Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace=MONITORING)
+    redis = pods["redis"]
+    dns = Endpoint({"k8s-app": "kube-dns"}, namespace="kube-system")
+    internet = Endpoint(ip="203.0.113.7")
+    expected = [
+        (client, orch, 50051, True),  # clients -> orchestrator
+        (internet, orch, 50051, True),
+        (client, disp, 50053, False), (client, retrieval, 50052, False),
+        (orch, retrieval, 50052, True), (orch, disp, 50053, True),  # orchestrator -> retrieval, dispatcher
+        (retrieval, disp, 50053, False), (disp, retrieval, 50052, False),
+        (disp, internet, 443, True), (disp, redis, 6379, True),  # dispatcher -> upstream model, Redis
+        (orch, redis, 6379, True),  # the task store and agent memory
+        (retrieval, redis, 6379, False), (client, redis, 6379, False),
+        (orch, internet, 443, False), (retrieval, internet, 443, False),
+        (orch, dns, 53, True), (retrieval, dns, 53, True), (disp, dns, 53, True),
+        (orch, jaeger, 4317, True), (disp, jaeger, 4317, True),  # the tracing component's path
+    ]
+    for name, (port, metrics) in PORTS.items():  # metrics only from the monitoring namespace
+        expected += [(prometheus, pods[name], metrics, True), (client, pods[name], metrics, False),
+                     (Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace="apps"), pods[name], metrics, False),
+                     (prometheus, pods[name], port, name == "orchestrator")]
+    wrong = [(s.labels or s.ip, d.labels.get("app"), port, want) for s, d, port, want in expected
+             if allowed(policies, s, d, port) != want]
+    assert not wrong, f"(source, destination, port, expected) the policies get wrong: {wrong}"
+    for name in SERVICES:  # each Switchyard pod is isolated both ways
+        types = set()
+        for p in policies:
+            if _selects(p["spec"]["podSelector"], pods[name].labels):
+                types |= set(p["spec"]["policyTypes"])
+        assert types == {"Ingress", "Egress"}, name
+
+
+def test_every_service_has_a_disruption_budget(base):
+    for name in SERVICES:
+        pdb = _get(base, "PodDisruptionBudget", name)["spec"]
+        assert pdb["maxUnavailable"] == 1
+        assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow", "a not-ready pod must not block a drain"
+        labels = _get(base, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert _selects(pdb["selector"], labels)
+
+
+def test_release_overlay_pins_every_image_by_digest(k8s_tree):
+    release = render(k8s_tree / "overlays" / "release")
+    images = {obj["metadata"]["name"]: container["image"] for obj, container in _containers(release)}
+    assert set(images) == set(SERVICES)
+    for name, image in images.items():
+        assert re.fullmatch(rf"[\w.-]+(:\d+)?/switchyard-{name}@sha256:[0-9a-f]{{64}}", image), image
+
+
+def test_service_monitor_scrapes_every_metrics_port(base):
+    (monitor,) = _docs(K8S / "monitoring" / "servicemonitor.yaml")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    assert monitor["metadata"]["namespace"] == MONITORING, "the namespace the NetworkPolicies admit to metrics"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    selected = [obj for obj in base if obj["kind"] == "Service" and _selects(spec["selector"], obj["metadata"]["labels"])]
+    assert {obj["metadata"]["name"] for obj in selected} == set(SERVICES)
+    for service in selected:
+        ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+        assert ports["metrics"] == PORTS[service["metadata"]["name"]][1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -15,13 +16,16 @@ from switchyard.common.channels import open_channel, open_sync_channel
 
 
 async def test_health_and_reflection_describe_run_task():
-    cfg = load_config("config")
+    cfg = load_config("config").with_overrides(**{  # nothing listens on port 1: no downstream service is up
+        "service.orchestrator.retrieval_addr": "127.0.0.1:1", "service.orchestrator.dispatcher_addr": "127.0.0.1:1"})
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
         address = f"127.0.0.1:{srv.port}"
         async with open_channel(address) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="agent.AgentService"))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = health_pb2_grpc.HealthStub(channel)
+            alive = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+            assert alive.status == health_pb2.HealthCheckResponse.SERVING  # liveness: the server answers
+            ready = await stub.Check(health_pb2.HealthCheckRequest(service="agent.AgentService"))
+            assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING  # readiness: no dispatcher
         method = await asyncio.to_thread(_describe_run_task, address)  # the reflection client is synchronous
         assert method.input_type.full_name == "agent.RunTaskRequest"
         assert method.server_streaming
@@ -42,3 +46,44 @@ async def test_graceful_stop_flips_health_to_not_serving():
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="agent.AgentService"))
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_connection_age_makes_clients_reconnect():
+    """After max_connection_age_s the server sends GOAWAY: the client's next call opens a new connection
+    (and re-resolves its target, which is how dns:/// of a headless Service finds new pods)."""
+    from switchyard.common.config import ServerConfig
+    from switchyard.common.server import start_server
+
+    peers: list[str] = []
+
+    class Echo:
+        name = "echo"
+        grpc_service_names = ("test.Echo",)
+
+        def register(self, server):
+            async def peer(request: bytes, context) -> bytes:
+                peers.append(context.peer())
+                return b""
+
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+                "test.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(peer)})])
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+    config = ServerConfig(max_connection_age_s=1, max_connection_age_grace_s=0)
+    srv = await start_server([Echo()], "127.0.0.1", 0, config)
+    try:
+        async with open_channel(f"127.0.0.1:{srv.port}", config) as channel:
+            call = channel.unary_unary("/test.Echo/Peer")
+            await call(b"", timeout=10)
+            await call(b"", timeout=10)
+            assert peers[0] == peers[1], "one connection while it is young"
+            await asyncio.sleep(2.5)  # past the age, jitter (+10 %) and the GOAWAY round trip
+            await call(b"", timeout=10)
+            assert peers[2] != peers[0], "the aged connection was replaced"
+    finally:
+        await srv.stop(0)

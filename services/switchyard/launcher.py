@@ -7,7 +7,14 @@ redis-server binary the services run without the tier (degraded, logged).
 Retrieval and the dispatcher start next, then the orchestrator (pointed at
 them); each is waited on until its gRPC health check says SERVING. Ctrl-C or
 SIGTERM stops all of them (each drains its in-flight streams; Redis last) and
-exits 0. If one dies on its own, the others are stopped and the exit status is 1.
+exits 0. If one dies on its own, the others are stopped and the exit status is
+1; with ``--dispatchers N`` (N > 1) the stack keeps running while at least one
+dispatcher lives, as a deployment with replicas would.
+
+``--dispatchers N`` starts N dispatcher processes; the orchestrator reaches
+them through one ``ipv4:host:a,host:b,...`` target and spreads calls over them
+(agent affinity, else in turn). Without ``--free-ports`` they listen on the
+configured dispatcher port and metrics port plus 0, 1, ... N-1.
 """
 
 from __future__ import annotations
@@ -39,9 +46,15 @@ GRPC_NAMES = {
 @dataclass
 class Child:
     name: str
+    """Its name in the output: the service, or dispatcher-2, dispatcher-3, ... for extra replicas."""
     port: int
     metrics_port: int
     proc: subprocess.Popen
+    kind: str = ""
+    """The service it runs (orchestrator, retrieval or dispatcher); defaults to ``name``."""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or self.name
 
 
 def free_port(host: str) -> int:
@@ -79,7 +92,7 @@ def _stop(children: list[Child], grace: float) -> None:
     The orchestrator drains first while retrieval and the dispatcher still
     serve the tasks it is finishing; then they drain what is left.
     """
-    order = sorted(children, key=lambda c: ORDER.index(c.name), reverse=True)
+    order = sorted(children, key=lambda c: ORDER.index(c.kind), reverse=True)
     for child in order:
         if child.proc.poll() is not None:
             continue
@@ -114,17 +127,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the configured ones")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for health (default 180)")
+    parser.add_argument("--dispatchers", type=int, default=1, metavar="N",
+                        help="dispatcher processes; the orchestrator round-robins calls over them (default 1)")
     args = parser.parse_args(argv)
+    if not 1 <= args.dispatchers <= 64:
+        parser.error(f"--dispatchers: expected 1 to 64, got {args.dispatchers}")
     try:
         config = load_config(args.config_dir)
     except (ConfigError, ValueError) as exc:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)
         return 2
     host = config.service.server.host
-    ports = {}
-    for name in ORDER:
-        section = getattr(config.service, name)
-        ports[name] = (free_port(host), free_port(host)) if args.free_ports else (section.port, section.metrics_port)
+    # (name, kind, port, metrics port), in start order
+    plan: list[tuple[str, str, int, int]] = []
+    for kind in ORDER:
+        section = getattr(config.service, kind)
+        for i in range(args.dispatchers if kind == "dispatcher" else 1):
+            name = kind if i == 0 else f"{kind}-{i + 1}"
+            ports = (free_port(host), free_port(host)) if args.free_ports else (section.port + i, section.metrics_port + i)
+            plan.append((name, kind, *ports))
+    dispatchers = [f"{host}:{port}" for _, kind, port, _ in plan if kind == "dispatcher"]
 
     stopping = False
 
@@ -136,8 +158,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     env = dict(os.environ)
-    env["SWITCHYARD_RETRIEVAL_ADDR"] = f"{host}:{ports['retrieval'][0]}"
-    env["SWITCHYARD_DISPATCHER_ADDR"] = f"{host}:{ports['dispatcher'][0]}"
+    (retrieval_port,) = [port for _, kind, port, _ in plan if kind == "retrieval"]
+    env["SWITCHYARD_RETRIEVAL_ADDR"] = f"{host}:{retrieval_port}"
+    # Several dispatchers: one multi-address target; the orchestrator spreads calls over its replicas.
+    env["SWITCHYARD_DISPATCHER_ADDR"] = dispatchers[0] if len(dispatchers) == 1 else "ipv4:" + ",".join(dispatchers)
     try:
         redis = _start_redis(config, args.free_ports)
     except EmbeddedRedisError as exc:
@@ -149,12 +173,13 @@ def main(argv: list[str]) -> int:
     grace = config.service.server.shutdown_grace_s
     try:
         for group in (ORDER[:2], ORDER[2:]):
-            for name in group:
-                port, metrics_port = ports[name]
-                children.append(Child(name, port, metrics_port, _spawn(name, port, metrics_port, env, args.config_dir)))
+            started = [(n, k, p, m) for n, k, p, m in plan if k in group]
+            for name, kind, port, metrics_port in started:
+                children.append(Child(name, port, metrics_port, _spawn(kind, port, metrics_port, env, args.config_dir),
+                                      kind))
             deadline = time.monotonic() + args.ready_timeout
-            for child in children[-len(group):]:
-                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.name], config=config.service.server):
+            for child in children[-len(started):]:
+                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.service.server):
                     if stopping:
                         return 0
                     if child.proc.poll() is not None:
@@ -176,16 +201,25 @@ def main(argv: list[str]) -> int:
             dram = config.memory.dram
             lines.append(f"  {'redis':<13} {dram.host}:{dram.port} DRAM tier, "
                          f"{'external' if not dram.embedded else 'none (degraded)'}")
-        orch_port = ports["orchestrator"][0]
+        (orch_port,) = [port for _, kind, port, _ in plan if kind == "orchestrator"]
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
+        reported: set[str] = set()
         while not stopping:
             for child in children:
-                if child.proc.poll() is not None:
-                    print(f"switchyard up: {child.name} exited with status {child.proc.returncode}; "
-                          "stopping the others", file=sys.stderr)
-                    return 1
+                if child.proc.poll() is None or child.name in reported:
+                    continue
+                replicas_left = [c for c in children if c.kind == child.kind and c.proc.poll() is None]
+                if child.kind == "dispatcher" and replicas_left:
+                    reported.add(child.name)
+                    print(f"switchyard up: {child.name} ({host}:{child.port}) exited with status "
+                          f"{child.proc.returncode}; {len(replicas_left)} dispatcher(s) still serve", file=sys.stderr,
+                          flush=True)
+                    continue
+                print(f"switchyard up: {child.name} exited with status {child.proc.returncode}; "
+                      "stopping the others", file=sys.stderr)
+                return 1
             time.sleep(0.2)
         return 0
     finally:

@@ -10,6 +10,10 @@ Subcommands:
 - ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
   (:mod:`switchyard.bench.isolation`).
 - ``agents``: the field's agent load test, memory tiers acting (:mod:`switchyard.bench.agents_bench`).
+- ``route``: agent routing over many dispatcher replicas, simulated
+  (:mod:`switchyard.bench.route`).
+- ``fault``: SIGKILL one of several local dispatchers under load and account
+  for every call (:mod:`switchyard.bench.fault`).
 """
 
 from __future__ import annotations
@@ -244,19 +248,36 @@ def _agents(argv: list[str]) -> int:
     return agents_bench.main(argv)
 
 
-SUBCOMMANDS = {"run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents}
+def _route(argv: list[str]) -> int:
+    from switchyard.bench import route
+
+    return route.main(argv)
+
+
+def _fault(argv: list[str]) -> int:
+    from switchyard.bench import fault
+
+    return fault.main(argv)
+
+
+SUBCOMMANDS = {
+    "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents,
+    "route": _route, "fault": _fault,
+}
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation|agents] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault] [OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
             "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n"
-            "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n\n"
+            "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n"
+            "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
+            "  fault      kill -9 one of several local dispatchers under load; account for every call\n\n"
             "Run `switchyard bench SUBCOMMAND --help` for its options."
         )
         return 0

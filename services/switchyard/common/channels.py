@@ -48,6 +48,10 @@ ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 """gRPC service config selecting the round_robin policy (gRFC A24 ``loadBalancingConfig``)."""
 
 
+MAX_RECONNECT_BACKOFF_MS = 2000
+"""Longest wait between reconnection attempts to one address (gRPC's default is 120 s)."""
+
+
 def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]:
     """The options every internal channel is opened with (see the module docstring)."""
     config = config or ServerConfig()
@@ -61,6 +65,10 @@ def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.service_config", ROUND_ROBIN),
         *([("grpc.ssl_target_name_override", config.tls.server_name)] if config.tls.server_name else []),
+        # A replica that went away is retried at most this far apart, so one
+        # that comes back (or a new pod behind the same address) gets calls
+        # within 2 s, not after gRPC's default backoff of up to 120 s.
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

@@ -517,6 +517,17 @@ class ServerConfig(_Strict):
     keepalive_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Seconds a ping may go unanswered before its connection is closed as dead."
     )
+    max_connection_age_s: float = Field(
+        30.0, ge=1, le=86_400,
+        description="A server sends GOAWAY to a connection this old (gRPC adds +/-10 % jitter): its client "
+        "re-resolves the target and reconnects, so replicas added by the autoscaler get calls within this "
+        "time (gRFC A9).",
+    )
+    max_connection_age_grace_s: float = Field(
+        120.0, ge=0, le=86_400,
+        description="Calls still running on a connection sent GOAWAY for its age get this long to finish "
+        "before it is closed; longer than any generation stream should run.",
+    )
 
 
 def _port(default: int) -> Any:
@@ -592,6 +603,17 @@ class OrchestratorConfig(_Strict):
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
+    affinity: "AffinityConfig" = Field(default_factory=lambda: AffinityConfig())
+    health_check_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="Seconds between checks of the dispatcher's and retrieval's gRPC health; the "
+        "orchestrator's own health (readiness) follows them (orchestrator/readiness.py).",
+    )
+    health_check_timeout_s: float = Field(
+        1.0, gt=0, le=30,
+        description="Seconds one downstream health Check may take before that replica counts as not ready "
+        "(a stopped process answers nothing).",
+    )
 
 
 class TaskStoreConfig(_Strict):
@@ -619,6 +641,28 @@ class TaskStoreConfig(_Strict):
         10, gt=0, le=3600,
         description="An orchestrator renews its lease every lease_sec / 3; a task whose orchestrator's lease ran out "
         "while it was unfinished is reported FAILED with the reason.",
+    )
+
+
+class AffinityConfig(_Strict):
+    """Agent affinity of the orchestrator's dispatcher calls (orchestrator/affinity.py, replicas.py)."""
+
+    enabled: bool = Field(
+        True, description="With several dispatcher replicas, send an agent's calls to the replica holding its "
+        "warm state (consistent hashing with bounded loads); off: round_robin per call.",
+    )
+    balance: float = Field(
+        1.2, gt=1, le=10,
+        description="Load bound: no replica holds more than this times the mean number of active agents "
+        "(Mirrokni, Thorup, Zadimoghaddam 2018).",
+    )
+    idle_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="An agent with no call for this long stops counting on its replica (its state there is "
+        "likely released: scheduler tool_wait_ttl_s is 30 s).",
+    )
+    resolve_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="Seconds between DNS resolutions of a dns:/// dispatcher target."
     )
 
 

@@ -48,7 +48,15 @@ def edge_interceptors(service: object) -> list[grpc.aio.ServerInterceptor]:
     return list(provide()) if provide is not None else []
 
 
+class HealthOwner(Protocol):
+    """A service that sets its own health statuses (readiness that follows its dependencies)."""
+
+    async def watch_health(self, health: health.aio.HealthServicer) -> None:
+        """Called once the server serves, instead of setting ``grpc_service_names`` SERVING."""
+
+
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """grpc.aio server options from ``service.server``: message limits, keepalive, connection age."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -70,6 +78,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
         # ...and past 30 s of waiting (seconds here); a waiting call is bounded by its caller's deadline.
         ("grpc.server_max_unrequested_time_in_server", 3600),
+        # Connection age (gRFC A9): after max_connection_age_s a connection gets
+        # GOAWAY, so its client re-resolves (dns:/// of a headless Service) and
+        # round_robin finds the pods added since; running calls keep the grace.
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
     ]
 
 
@@ -137,6 +150,10 @@ async def start_server(
         await service.start()
     await server.start()
     for service in services:
+        watch = getattr(service, "watch_health", None)
+        if watch is not None:  # a HealthOwner
+            await watch(health_servicer)
+            continue
         for name in service.grpc_service_names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s:%d", ", ".join(s.name for s in services), host, bound)

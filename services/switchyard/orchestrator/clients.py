@@ -16,7 +16,9 @@ import grpc
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
-from switchyard.common.config import ServerConfig
+from switchyard.common.config import AffinityConfig, ServerConfig
+from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
+from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
@@ -62,35 +64,99 @@ class RetrievalClient:
         except grpc.aio.AioRpcError as err:
             raise _downstream_error("retrieval", self.address, err) from None
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel calls take (readiness checks health over it too)."""
+        return self._channel
+
     async def close(self) -> None:
         await self._channel.close()
 
 
 class InferenceClient:
-    """InferenceService.Generate over one channel."""
+    """InferenceService.Generate over one channel, or, for a target of several replicas, over each
+    replica's own channel: an agent's replica for a call with an affinity key, the next in turn otherwise.
 
-    def __init__(self, address: str, config: ServerConfig) -> None:
+    Args:
+        address: the dispatcher target (``host:port``, ``ipv4:a,b``, ``dns:///name:port``).
+        config: ``service.server`` (channel options).
+        affinity: ``orchestrator.affinity``; disabled: every call takes the next replica in turn.
+    """
+
+    MAX_ATTEMPTS = 3
+    """Tries of one call that fails UNAVAILABLE before its first chunk, each on another replica."""
+
+    def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None) -> None:
         self.address = address
         self._channel = open_channel(address, config)
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
+        addresses = static_addresses(address)
+        self.replicas: ReplicaSet | None = None
+        affinity = affinity or AffinityConfig()
+        self._affinity = affinity.enabled
+        if addresses is None or len(addresses) > 1:
+            self.replicas = ReplicaSet(address, config, affinity.idle_s, affinity.resolve_interval_s, affinity.balance)
+
+    async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, agent_pb2_grpc.InferenceServiceStub]:
+        if self.replicas is not None:
+            await self.replicas.refresh()
+            try:
+                if affinity_key and self._affinity:
+                    address, channel = self.replicas.pick(affinity_key, tried)
+                else:
+                    address, channel = self.replicas.rotate(tried)
+                return address, agent_pb2_grpc.InferenceServiceStub(channel)
+            except LookupError:  # none known yet, or every replica tried: the channel's round_robin decides
+                pass
+        return self.address, self._stub
 
     async def generate(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, affinity_key: str | None = None
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream the chunks of one generation.
 
+        ``affinity_key`` (an agent id) sends the call to the replica that agent is placed on
+        (see :mod:`switchyard.orchestrator.replicas`). A call that fails UNAVAILABLE from the
+        replica itself (unreachable, or draining) before its first chunk did nothing the caller
+        saw: it is tried again on another replica, up to :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
+        sent on): its error names the replica and how many chunks it had streamed.
+
         Raises:
-            ServiceUnavailable: the dispatcher is down.
+            ServiceUnavailable: the dispatcher (or the replica) is down, naming its address.
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
-        call = self._stub.Generate(request, timeout=timeout_s)
-        try:
-            async for chunk in call:
-                yield chunk
-        except grpc.aio.AioRpcError as err:
-            raise _downstream_error("dispatcher", self.address, err) from None
-        finally:
-            call.cancel()
+        tried: set[str] = set()
+        for attempt in range(self.MAX_ATTEMPTS):
+            address, stub = await self._route(affinity_key, frozenset(tried))
+            call = stub.Generate(request, timeout=timeout_s)
+            received = 0
+            try:
+                async for chunk in call:
+                    received += 1
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as err:
+                # No origin: nothing answered (the replica is gone); origin dispatcher: it refused (draining).
+                # An error relayed from the upstream model is not the replica's: another would meet it too.
+                replica_fault = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "") in ("", "dispatcher")
+                unavailable = err.code() == grpc.StatusCode.UNAVAILABLE and replica_fault
+                if unavailable and received == 0 and attempt + 1 < self.MAX_ATTEMPTS:
+                    tried.add(address)
+                    DISPATCHER_RETRIES.inc()
+                    continue
+                if unavailable and received:
+                    raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "
+                                             f"{err.details() or ''}") from None
+                raise _downstream_error("dispatcher", address, err) from None
+            finally:
+                call.cancel()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel calls take (readiness checks health over it too)."""
+        return self._channel
 
     async def close(self) -> None:
+        if self.replicas is not None:
+            await self.replicas.close()
         await self._channel.close()

@@ -33,3 +33,7 @@ AGENT_MEMORY_RECALLS = Counter(
 )
 for _outcome in ("hit", "miss", "dropped"):
     AGENT_MEMORY_RECALLS.labels(_outcome)
+DISPATCHER_RETRIES = Counter(
+    "switchyard_dispatcher_retries_total",
+    "Dispatcher calls tried again on another replica after failing UNAVAILABLE before their first chunk.",
+)

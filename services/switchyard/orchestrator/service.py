@@ -34,6 +34,7 @@ from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
+from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._background: set[asyncio.Task[None]] = set()
         self._deps: workflows.Deps | None = None
         self._dram: DramClient | None = None
+        self.readiness: Readiness | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,7 +140,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             queue=queue,
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
-            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server, orch.affinity),
             memory=await self._agent_memory(),
         )
         log.info(
@@ -154,7 +156,26 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         await self._dram.start()
         return AgentMemory(self._dram, self.config.memory.agent_memory)
 
+    async def watch_health(self, health) -> None:
+        """Readiness follows the downstream services' health (see readiness.py); liveness ("") does not."""
+        assert self._deps is not None, "start() not called"
+        orch = self.config.service.orchestrator
+        self.readiness = Readiness(
+            health.set,
+            {
+                "dispatcher": (self._deps.inference.channel, orch.dispatcher_addr),
+                "retrieval": (self._deps.retrieval.channel, orch.retrieval_addr),
+            },
+            orch.default_task_type,
+            orch.health_check_interval_s,
+            orch.health_check_timeout_s,
+            {"dispatcher": self._deps.inference.replicas} if self._deps.inference.replicas is not None else None,
+        )
+        await self.readiness.start()
+
     async def stop(self) -> None:
+        if self.readiness is not None:
+            await self.readiness.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.service.server.shutdown_grace_s)
         for task in self._background:

@@ -242,7 +242,10 @@ class TaskRun:
         self.generations += 1
         text: list[str] = []
         calls: list[agent_pb2.ToolCall] = []
-        async for chunk in self.deps.inference.generate(request, self.remaining()):
+        # Affinity: an agent's calls go to the dispatcher replica holding its warm state; a react_loop
+        # task without an agent id is an agent of its own (its steps share the KV of one conversation).
+        affinity_key = spec.agent_id or (spec.task_id if spec.workflow == "react_loop" else None)
+        async for chunk in self.deps.inference.generate(request, self.remaining(), affinity_key):
             kind = chunk.WhichOneof("chunk")
             if kind == "token":
                 if self.token_index == 0:

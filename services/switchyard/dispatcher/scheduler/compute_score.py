@@ -26,11 +26,18 @@ uses the busy ratio alone); any other engine gives only its busy ratio for ``cud
 bandwidth then counts 0 and the tensor estimate applies. The monitor says so
 once in the log and sets ``switchyard_gpu_available`` to 0. An NVML error never
 propagates: the monitor switches to the fallback for good.
+
+The gauge ``switchyard_compute_score`` is read at scrape time
+(:meth:`ComputeScoreMonitor.publish_at_scrape`): each scrape re-samples (at
+most every ``score_sample_interval_ms``), so an autoscaler reading it sees the
+load of the last sample interval, not the load of the scheduler's last decision.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -261,9 +268,37 @@ class ComputeScoreMonitor:
         """True once NVML answered, False once the fallback is in use, None before the first read."""
         self.sample = UtilSample(0.0, 0.0, 0.0, "none")
         self.score = 0.0
+        # The scheduler reads on the event loop, a Prometheus scrape on the metrics
+        # server's thread: one sample window at a time.
+        self._lock = threading.Lock()
+        self._published = False
 
     def read(self, now: float) -> float:
         """The compute score (0-100) at ``now``; re-samples at most every sample interval."""
+        with self._lock:
+            return self._read(now)
+
+    def scrape(self) -> float:
+        """The compute score now (:meth:`read` at ``time.monotonic()``): the gauge's value at scrape time."""
+        return self.read(time.monotonic())
+
+    def publish_at_scrape(self) -> None:
+        """Make ``switchyard_compute_score`` re-sample this monitor (:meth:`scrape`) whenever it is collected.
+
+        The gauge is process-wide and shows the monitor that read or was published
+        last (one dispatcher per process in production): re-sampled at scrape
+        time while it is published, its last score once :meth:`close` detached it.
+        Monitors never published (schedulers stepped on a simulated clock) are
+        shown as they read, never re-sampled on the wall clock.
+        """
+        global _latest
+        self._published = True
+        _latest = self
+        metrics.COMPUTE_SCORE.set_function(_collect)
+
+    def _read(self, now: float) -> float:
+        global _latest
+        _latest = self
         if now < self._next_read:
             return self.score
         self._next_read = now + self.sample_interval_s
@@ -309,9 +344,21 @@ class ComputeScoreMonitor:
         log.warning("GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
 
     def close(self) -> None:
-        """Release NVML; never raises."""
+        """Release NVML and stop re-sampling at scrape time (the gauge keeps the last score); never raises."""
+        self._published = False
         if self._reader is not None:
             self._reader.close()
+
+
+_latest: ComputeScoreMonitor | None = None
+"""The monitor ``switchyard_compute_score`` shows once one was published (see publish_at_scrape)."""
+
+
+def _collect() -> float:
+    monitor = _latest
+    if monitor is None:
+        return 0.0
+    return monitor.scrape() if monitor._published else monitor.score
 
 
 class _BusyOnly:

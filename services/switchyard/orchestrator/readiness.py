@@ -1,0 +1,203 @@
+"""The orchestrator's readiness: SERVING only while the services a task needs answer.
+
+A background task checks the gRPC health (``grpc.health.v1``) of the dispatcher
+and of retrieval every ``orchestrator.health_check_interval_s``, over the same
+channels the tasks use, and sets the orchestrator's own health statuses:
+
+============================  ==========================================================
+health service name           SERVING while
+============================  ==========================================================
+``workflow.chat``             a dispatcher is ready
+``workflow.rag_answer``       a dispatcher and a retrieval replica are ready
+``workflow.react_loop``       a dispatcher and a retrieval replica are ready (search_docs)
+``agent.AgentService``        the default workflow (``orchestrator.default_task_type``) is
+============================  ==========================================================
+
+The readiness probe checks ``agent.AgentService``; the liveness probe checks
+the server's overall status (``""``), which stays SERVING whatever the
+downstream services do, so a dispatcher outage takes orchestrators out of the
+Service's endpoints without restarting them.
+
+"Ready" means one health ``Check`` answered SERVING within
+``orchestrator.health_check_timeout_s``. A target with several addresses
+(``ipv4:a,b``, ``dns:///`` of a headless Service) is balanced per call, so a
+round asks up to one Check per known address (3 for a name that resolves to an
+unknown number), and one SERVING answer is enough: one ready replica serves.
+A stopped process (SIGSTOP) answers nothing and counts as not ready after the
+timeout; a closed port fails at once. Where the dispatcher client knows the
+replicas one by one (:class:`~switchyard.orchestrator.replicas.ReplicaSet`),
+each is checked on its own channel, and calls avoid those that do not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from switchyard.common.metrics import TASK_TYPES
+from switchyard.orchestrator.replicas import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+NEEDS: Mapping[str, tuple[str, ...]] = {
+    "chat": ("dispatcher",),
+    "rag_answer": ("dispatcher", "retrieval"),
+    "react_loop": ("dispatcher", "retrieval"),
+}
+"""The downstream services each workflow calls (see workflows.build)."""
+assert set(NEEDS) == set(TASK_TYPES)
+
+HEALTH_NAMES = {"dispatcher": "agent.InferenceService", "retrieval": "agent.RetrievalService"}
+"""The health service name each downstream sets SERVING when it is ready."""
+
+UNKNOWN_FAN_OUT = 3
+"""Checks per round for a target whose address count is not known from its text (``dns:///``)."""
+
+
+def workflow_health_name(workflow: str) -> str:
+    """The health service name of one workflow, e.g. ``workflow.chat``."""
+    return f"workflow.{workflow}"
+
+
+def address_count(target: str) -> int:
+    """Addresses a gRPC target names: 2 for ``ipv4:127.0.0.1:1,127.0.0.1:2``; :data:`UNKNOWN_FAN_OUT` for a
+    name resolved by DNS (``dns:///dispatcher:50053``, a headless Service); 1 for ``host:port``."""
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("ipv4", "ipv6", "unix"):
+        return max(1, len([a for a in rest.split(",") if a]))
+    if target.startswith("dns:"):
+        return UNKNOWN_FAN_OUT
+    return 1
+
+
+async def check(channel: grpc.aio.Channel, service: str, timeout_s: float, attempts: int) -> bool:
+    """True when one of up to ``attempts`` health Checks of ``service`` answers SERVING.
+
+    Each Check waits at most ``timeout_s`` seconds; a failed or NOT_SERVING
+    answer moves on to the next attempt (the channel's round_robin sends it to
+    the next address). Never raises.
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    for _ in range(attempts):
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            continue
+        if reply.status == SERVING:
+            return True
+    return False
+
+
+class Readiness:
+    """Sets the orchestrator's health statuses from its downstream services' health.
+
+    Args:
+        set_status: ``HealthServicer.set`` (a coroutine function of name and status).
+        channels: ``{"dispatcher": (channel, target), "retrieval": (channel, target)}``,
+            the channels the tasks use and the targets they were opened with.
+        default_workflow: the workflow whose status ``agent.AgentService`` takes.
+        interval_s: seconds between rounds of checks.
+        timeout_s: seconds one health Check may take.
+    """
+
+    def __init__(
+        self,
+        set_status: Callable[[str, int], object],
+        channels: Mapping[str, tuple[grpc.aio.Channel, str]],
+        default_workflow: str,
+        interval_s: float,
+        timeout_s: float,
+        replica_sets: Mapping[str, ReplicaSet] | None = None,
+    ) -> None:
+        self._set = set_status
+        self._channels = channels
+        self._default = default_workflow
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.ready: dict[str, bool] = {name: False for name in channels}
+        """Last result per downstream service (False before the first round)."""
+        self._published: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._replica_sets = dict(replica_sets or {})
+
+    async def _check_service(self, name: str) -> bool:
+        """One service's readiness. With its replicas known (a :class:`ReplicaSet`), each replica is checked
+        on its own channel, and those that do not answer SERVING are marked unhealthy there, so calls avoid
+        a replica that stopped answering (SIGSTOP) while its connection still looks open."""
+        channel, target = self._channels[name]
+        replicas = self._replica_sets.get(name)
+        if replicas is not None:
+            await replicas.refresh()  # a dns:/// target is resolved even while no task calls it
+        if replicas is None or not replicas.channels:
+            return await check(channel, HEALTH_NAMES[name], self.timeout_s, address_count(target))
+        addresses = list(replicas.channels.items())
+        results = await asyncio.gather(*(check(ch, HEALTH_NAMES[name], self.timeout_s, 1) for _, ch in addresses))
+        unhealthy = frozenset(address for (address, _), ok in zip(addresses, results) if not ok)
+        if unhealthy != replicas.unhealthy:
+            log.warning("readiness: %s replicas not answering: %s", name, ", ".join(sorted(unhealthy)) or "none")
+        replicas.unhealthy = unhealthy
+        return any(results)
+
+    def statuses(self) -> dict[str, int]:
+        """Health service name -> SERVING / NOT_SERVING under the current :attr:`ready`."""
+        out = {
+            workflow_health_name(w): SERVING if all(self.ready.get(s, False) for s in needs) else NOT_SERVING
+            for w, needs in NEEDS.items()
+        }
+        out["agent.AgentService"] = out[workflow_health_name(self._default)]
+        return out
+
+    async def check_once(self) -> dict[str, int]:
+        """Check every downstream service once (concurrently) and publish the statuses that changed."""
+        names = list(self._channels)
+        results = await asyncio.gather(*(self._check_service(name) for name in names))
+        for name, ok in zip(names, results):
+            if ok != self.ready[name]:
+                target = self._channels[name][1]
+                if ok:
+                    log.info("readiness: %s at %s is ready", name, target)
+                else:
+                    log.warning("readiness: no ready %s at %s", name, target)
+            self.ready[name] = ok
+        statuses = self.statuses()
+        for name, status in statuses.items():
+            if self._published.get(name) != status:
+                await self._set(name, status)  # type: ignore[misc]
+                self._published[name] = status
+        return statuses
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug here must not end readiness for good
+                log.exception("readiness: check failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def start(self) -> None:
+        """Publish NOT_SERVING for every name, run the first round, then keep checking in the background."""
+        for name in self.statuses():
+            await self._set(name, NOT_SERVING)  # type: ignore[misc]
+            self._published[name] = NOT_SERVING
+        await self.check_once()
+        self._task = asyncio.create_task(self._run_after_first(), name="orchestrator-readiness")
+
+    async def _run_after_first(self) -> None:
+        await asyncio.sleep(self.interval_s)
+        await self._run()
+
+    async def stop(self) -> None:
+        """Stop checking (statuses stay as they are: the server's drain sets NOT_SERVING)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -1,0 +1,130 @@
+"""The orchestrator routes an agent's calls to one dispatcher replica, and survives that replica going away.
+
+Three real sim dispatchers on 127.0.0.1:0 behind one ``ipv4:`` target; each
+records which agents' Generate calls it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.server import RunningServer, running, start_server
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator.service import OrchestratorService
+
+pytestmark = pytest.mark.no_gpu
+
+FAST = {
+    "service.sim.prefill_overhead_ms": 0.5,
+    "service.sim.prefill_per_token_ms": 0.001,
+    "service.sim.decode_base_ms": 0.5,
+    "service.sim.decode_per_seq_ms": 0.01,
+    "queue.flush.flush_interval_ms": 2,
+}
+
+
+class Recording(DispatcherService):
+    """A sim dispatcher that records (its label, agent_id) of every Generate call it receives."""
+
+    def __init__(self, config: SwitchyardConfig, label: str, served: list[tuple[str, str]],
+                 started: asyncio.Event | None = None) -> None:
+        super().__init__(config)
+        self.label, self.served, self.started = label, served, started
+
+    async def Generate(self, request, context):
+        self.served.append((self.label, request.agent_id))
+        async for chunk in super().Generate(request, context):
+            if self.started is not None and chunk.HasField("token"):
+                self.started.set()
+            yield chunk
+
+
+@contextlib.asynccontextmanager
+async def fleet(n: int = 3, **overrides: object) -> AsyncIterator[tuple[list[RunningServer], list, object]]:
+    dispatcher_cfg = SwitchyardConfig().with_overrides(**{**FAST, **overrides})
+    served: list[tuple[str, str]] = []
+    started = asyncio.Event()
+    servers = [await start_server([Recording(dispatcher_cfg, f"d{i}", served, started)], "127.0.0.1", 0,
+                                  dispatcher_cfg.service.server) for i in range(n)]
+    target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    cfg = SwitchyardConfig().with_overrides(**{
+        "service.orchestrator.dispatcher_addr": target,
+        "service.orchestrator.retrieval_addr": "127.0.0.1:1",
+        "service.orchestrator.default_task_type": "chat",
+        "service.orchestrator.cpu_executor": "loop",
+    })
+    try:
+        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                yield servers, served, (agent_pb2_grpc.AgentServiceStub(channel), started)
+    finally:
+        for srv in servers:
+            await srv.stop(0)
+
+
+async def chat(stub, agent: str, i: int, max_tokens: int = 4) -> agent_pb2.FinalEvent:
+    request = agent_pb2.RunTaskRequest(task_id=f"{agent}-{i}", agent_id=agent, payload="say hello",
+                                       task_type="chat", max_tokens=max_tokens)
+    events = [e async for e in stub.RunTask(request, timeout=60)]
+    return events[-1].final
+
+
+def replicas_by_agent(served: list[tuple[str, str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = defaultdict(set)
+    for label, agent in served:
+        out[agent].add(label)
+    return out
+
+
+async def test_each_agent_stays_on_one_replica_and_agents_spread():
+    async with fleet() as (_, served, (stub, _started)):
+        agents = [f"agent-{i}" for i in range(24)]
+        for round_ in range(3):
+            await asyncio.gather(*(chat(stub, agent, round_) for agent in agents))
+    by_agent = replicas_by_agent(served)
+    assert set(by_agent) == set(agents)
+    assert all(len(labels) == 1 for labels in by_agent.values()), by_agent
+    used = {label for labels in by_agent.values() for label in labels}
+    assert used == {"d0", "d1", "d2"}  # 24 agents, load bound 1.2: no replica may take more than 9
+
+
+async def test_a_replica_going_away_moves_only_its_agents_and_no_call_fails():
+    async with fleet() as (servers, served, (stub, _started)):
+        agents = [f"agent-{i}" for i in range(12)]
+        await asyncio.gather(*(chat(stub, agent, 0) for agent in agents))
+        home = {agent: labels.pop() for agent, labels in replicas_by_agent(served).items()}
+        victim = home["agent-0"]
+        await servers[int(victim[1])].stop(0)
+        served.clear()
+        finals = await asyncio.gather(*(chat(stub, agent, 1) for agent in agents))  # retried before any token
+        assert all(f.output for f in finals)
+        after = replicas_by_agent(served)
+        for agent in agents:
+            labels = after[agent] - {victim}
+            assert len(labels) == 1
+            if home[agent] != victim:
+                assert labels == {home[agent]}, f"{agent} moved although its replica stayed"
+            else:
+                assert labels != {victim}
+
+
+async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
+    async with fleet(1, **{"service.sim.decode_base_ms": 50.0}) as (servers, _served, (stub, started)):
+        # one replica in an ipv4: list of one: the call goes to it; kill it once it has streamed a token
+        task = asyncio.create_task(chat(stub, "agent-x", 0, max_tokens=200))
+        await asyncio.wait_for(started.wait(), 60)
+        await servers[0].stop(0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await task
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"127.0.0.1:{servers[0].port}" in err.value.details()
+    assert "stream cut after" in err.value.details(), err.value.details()

@@ -1,0 +1,198 @@
+"""Readiness that tells the truth: the orchestrator's named health follows its downstream services.
+
+Real servers on 127.0.0.1: a sim dispatcher in this process (stopped and
+started again) and one in its own process (SIGSTOP, SIGCONT); the
+orchestrator's health is observed through the standard ``Health.Watch`` stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from typing import AsyncIterator
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.server import running, start_server
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.launcher import free_port, healthy
+from switchyard.orchestrator.readiness import address_count
+from switchyard.orchestrator.service import OrchestratorService
+
+pytestmark = pytest.mark.no_gpu
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+NOTHING_THERE = "127.0.0.1:1"  # a closed port: retrieval is down in these tests
+
+
+def orchestrator_config(dispatcher_addr: str, **overrides: object) -> SwitchyardConfig:
+    return SwitchyardConfig().with_overrides(**{
+        "service.orchestrator.dispatcher_addr": dispatcher_addr,
+        "service.orchestrator.retrieval_addr": NOTHING_THERE,
+        "service.orchestrator.default_task_type": "chat",
+        "service.orchestrator.cpu_executor": "loop",
+        "service.orchestrator.health_check_interval_s": 0.1,
+        "service.orchestrator.health_check_timeout_s": 0.5,
+        **overrides,
+    })
+
+
+class HealthWatch:
+    """``Health.Watch`` of one service name on the orchestrator: each status as it changes."""
+
+    def __init__(self, channel, service: str) -> None:
+        self.call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+
+    async def until(self, status: int) -> None:
+        """Read updates until ``status`` arrives (a hang guard of 60 s, not a speed requirement)."""
+
+        async def read() -> None:
+            async for reply in self.call:
+                if reply.status == status:
+                    return
+            raise AssertionError("the Watch stream ended")
+
+        await asyncio.wait_for(read(), 60)
+
+
+async def check(channel, service: str) -> int:
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+@contextlib.asynccontextmanager
+async def orchestrator(cfg: SwitchyardConfig) -> AsyncIterator:
+    async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+        async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+            yield channel
+
+
+async def test_not_serving_while_the_dispatcher_is_stopped_serving_once_it_is_back():
+    dispatcher_cfg = SwitchyardConfig()
+    first = await start_server([DispatcherService(dispatcher_cfg)], "127.0.0.1", 0, dispatcher_cfg.service.server)
+    port = first.port
+    second = None
+    try:
+        async with orchestrator(orchestrator_config(f"127.0.0.1:{port}")) as channel:
+            watch = HealthWatch(channel, "agent.AgentService")
+            await watch.until(SERVING)
+            # chat needs only the dispatcher; rag_answer and react_loop need retrieval too, which is down
+            assert await check(channel, "workflow.chat") == SERVING
+            assert await check(channel, "workflow.rag_answer") == NOT_SERVING
+            assert await check(channel, "workflow.react_loop") == NOT_SERVING
+
+            await first.stop(0)
+            await watch.until(NOT_SERVING)
+            assert await check(channel, "workflow.chat") == NOT_SERVING
+            assert await check(channel, "") == SERVING, "liveness does not depend on the dispatcher"
+
+            second = await start_server([DispatcherService(dispatcher_cfg)], "127.0.0.1", port,
+                                        dispatcher_cfg.service.server)
+            await watch.until(SERVING)
+            watch.call.cancel()
+    finally:
+        if second is not None:
+            await second.stop(0)
+
+
+async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving():
+    dispatcher_cfg = SwitchyardConfig()
+    async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.service.server) as disp:
+        cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"service.orchestrator.default_task_type": "rag_answer"})
+        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+            readiness = orch.services[0].readiness
+            await readiness.check_once()
+            assert readiness.ready == {"dispatcher": True, "retrieval": False}
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                assert await check(channel, "workflow.chat") == SERVING
+                assert await check(channel, "agent.AgentService") == NOT_SERVING
+
+
+async def dispatcher_process() -> tuple[subprocess.Popen, int]:
+    """``switchyard serve dispatcher`` in its own process, once it serves: (process, port)."""
+    port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "switchyard.cli", "serve", "dispatcher", "--port", str(port),
+         "--metrics-port", str(metrics_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    for _ in range(1200):  # start-up: imports and the engine (a hang guard of 120 s)
+        if await asyncio.to_thread(healthy, f"127.0.0.1:{port}", "agent.InferenceService"):
+            return proc, port
+        assert proc.poll() is None, "the dispatcher exited during start-up"
+        await asyncio.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the dispatcher process did not become healthy")
+
+
+def end(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    proc.wait(60)
+
+
+async def test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_ready():
+    """SIGSTOP: the connection stays open but nothing answers, the case the issue measured."""
+    proc, port = await dispatcher_process()
+    try:
+        async with orchestrator(orchestrator_config(f"127.0.0.1:{port}")) as channel:
+            watch = HealthWatch(channel, "agent.AgentService")
+            await watch.until(SERVING)
+            proc.send_signal(signal.SIGSTOP)
+            await watch.until(NOT_SERVING)
+            assert await check(channel, "") == SERVING
+            proc.send_signal(signal.SIGCONT)
+            await watch.until(SERVING)
+            watch.call.cancel()
+    finally:
+        end(proc)
+
+
+async def test_tasks_avoid_a_stopped_replica_while_another_serves():
+    """Two replicas, one SIGSTOPped: the orchestrator stays SERVING, marks that replica unhealthy, and tasks
+    (with agents, whichever replica the ring gave them) all complete on the other one."""
+    proc, port = await dispatcher_process()
+    dispatcher_cfg = SwitchyardConfig()
+    try:
+        async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.service.server) as live:
+            stopped_address = f"127.0.0.1:{port}"
+            target = f"ipv4:{stopped_address},127.0.0.1:{live.port}"
+            cfg = orchestrator_config(target)
+            async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+                replicas = orch.services[0]._deps.inference.replicas
+                proc.send_signal(signal.SIGSTOP)
+                for _ in range(600):  # the next health round marks it (a hang guard of 60 s)
+                    if stopped_address in replicas.unhealthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert replicas.unhealthy == {stopped_address}
+                async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                    assert await check(channel, "agent.AgentService") == SERVING
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    for i in range(8):
+                        request = agent_pb2.RunTaskRequest(task_id=f"t{i}", agent_id=f"agent-{i}", payload="hi",
+                                                           task_type="chat", max_tokens=4)
+                        events = [e async for e in stub.RunTask(request, timeout=30)]
+                        assert events[-1].final.output
+                proc.send_signal(signal.SIGCONT)
+                for _ in range(600):
+                    if not replicas.unhealthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not replicas.unhealthy
+    finally:
+        end(proc)
+
+
+def test_address_count_of_targets():
+    assert address_count("127.0.0.1:50053") == 1
+    assert address_count("ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003") == 3
+    assert address_count("dns:///dispatcher.default.svc.cluster.local:50053") == 3
