@@ -17,6 +17,7 @@ import grpc
 from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, ServerConfig, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--addr", help="orchestrator host:port (default: from config, 127.0.0.1:50051)")
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--task-type", default="", help="rag_answer (default), chat or react_loop")
-    parser.add_argument("--priority", default="NORMAL", choices=["CORE", "NORMAL", "BATCH"])
+    parser.add_argument("--priority", default="NORMAL", choices=[c.name for c in PriorityClass])
     parser.add_argument("--max-tokens", type=_max_tokens, default=0,
                         help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
     parser.add_argument("--model", default="")
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
         task_id=args.task_id,
         payload=" ".join(args.question),
         task_type=args.task_type,
-        priority=agent_pb2.Priority.Value(args.priority),
+        priority=PriorityClass[args.priority].proto,
         max_tokens=args.max_tokens,
         model=args.model,
     )

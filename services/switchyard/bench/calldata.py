@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from switchyard.api import agent_pb2
+from switchyard.common.priority import PriorityClass
 
 REQUEST_NUMBER = "{{.RequestNumber}}"
 
@@ -66,9 +67,7 @@ def request_for(items: list[dict[str, Any]], number: int) -> agent_pb2.RunTaskRe
 
 def priority_name(request: agent_pb2.RunTaskRequest) -> str:
     """Priority class as reported: CORE, NORMAL or BATCH (unset counts as NORMAL)."""
-    if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
-        return "NORMAL"
-    return agent_pb2.Priority.Name(request.priority)
+    return PriorityClass.from_proto(request.priority).name
 
 
 def _expand(value: Any, number: int) -> Any:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from switchyard.api import agent_pb2
+from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, DramTier, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.engines.sim import decode_seconds, export_modelled_kv, import_modelled_kv, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
@@ -66,7 +67,7 @@ from switchyard.common.dram import DramClient
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 
-CLASSES = (("core", agent_pb2.CORE), ("normal", agent_pb2.NORMAL), ("batch", agent_pb2.BATCH))
+CLASSES = tuple((c.label, c.proto) for c in PriorityClass)
 
 NO_AGING_MS = 3_600_000
 """Longest ``aging_max_wait_ms`` allowed: with it, aging never acts within a run."""

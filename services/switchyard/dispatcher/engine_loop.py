@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable
 from opentelemetry import context as otel_context
 
 from switchyard.api import agent_pb2
+from switchyard.common.priority import PriorityClass
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
@@ -227,13 +228,13 @@ class StepLoop(LoopBase):
         engine, scheduler = self.engine, self.scheduler
         prefill = [s for s in running if s.needs_prefill]
         decode = [s for s in running if not s.needs_prefill]
-        core = [s for s in prefill if s.priority == agent_pb2.CORE] if decode else []
+        core = [s for s in prefill if s.priority_class is PriorityClass.CORE] if decode else []
         if core:
             # Core work is prefilled on its own: its first token waits for no decode and no other newcomer.
             await self._step(engine.prefill, core)
             if self._reap(core):
                 return
-            prefill = [s for s in prefill if s.priority != agent_pb2.CORE]
+            prefill = [s for s in prefill if s.priority_class is not PriorityClass.CORE]
         if prefill and decode:
             # Newcomers join the running set in one mixed step: the decodes do not wait for them.
             await self._step(lambda seqs: engine.step(prefill, decode), running)

@@ -28,9 +28,7 @@ from typing import Any, Union
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
-
-PRIORITY_NAMES: dict[int, str] = {agent_pb2.CORE: "core", agent_pb2.NORMAL: "normal", agent_pb2.BATCH: "batch"}
-"""Priority class value -> label used in metrics and logs."""
+from switchyard.common.priority import PriorityClass
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
 """finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
@@ -199,15 +197,19 @@ class Sequence:
     outbox: asyncio.Queue[OutboxItem] = field(default_factory=asyncio.Queue, repr=False)
 
     def __post_init__(self) -> None:
-        if self.priority not in PRIORITY_NAMES:
-            self.priority = agent_pb2.NORMAL
+        self.priority = PriorityClass.from_proto(self.priority).proto
 
     # ------------------------------------------------------------------ derived
 
     @property
+    def priority_class(self) -> PriorityClass:
+        """The request's priority class (its ``priority`` converted once, in :mod:`switchyard.common.priority`)."""
+        return PriorityClass.from_proto(self.priority)
+
+    @property
     def priority_name(self) -> str:
         """core, normal or batch."""
-        return PRIORITY_NAMES[self.priority]
+        return self.priority_class.label
 
     @property
     def num_output_tokens(self) -> int:

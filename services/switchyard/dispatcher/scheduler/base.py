@@ -27,27 +27,25 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from switchyard.api import agent_pb2
-from switchyard.dispatcher.sequence import PRIORITY_NAMES, SchedulerOutput, Sequence
+from switchyard.common.priority import LABELS
+from switchyard.dispatcher.sequence import SchedulerOutput, Sequence
 
 __all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "Scheduler", "SchedulerOutput", "class_rank", "should_park"]
 
-CLASS_ORDER: tuple[str, ...] = ("core", "normal", "batch")
-"""Priority classes, most important first (proto ``Priority``: CORE, NORMAL, BATCH)."""
+CLASS_ORDER: tuple[str, ...] = LABELS
+"""Priority class labels, most important first (:class:`switchyard.common.priority.PriorityClass`)."""
 
 REACT_TASK_TYPE = "react_loop"
 """The task type whose agents alternate GPU thinking and tool waits."""
 
-_RANK = {agent_pb2.CORE: 0, agent_pb2.NORMAL: 1, agent_pb2.BATCH: 2}
-
-
 def class_rank(seq: Sequence) -> int:
     """0 for core, 1 for normal, 2 for batch (unset priority counts as normal)."""
-    return _RANK.get(seq.priority, 1)
+    return int(seq.priority_class)
 
 
 def class_name(seq: Sequence) -> str:
     """core, normal or batch."""
-    return PRIORITY_NAMES.get(seq.priority, "normal")
+    return seq.priority_class.label
 
 
 def should_park(seq: Sequence) -> bool:

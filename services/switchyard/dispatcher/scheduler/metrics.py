@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from switchyard.common.priority import LABELS
+
 RUNNING_AGENTS = Gauge(
     "switchyard_running_agents",
     "Sequences holding a running slot on the engine, by priority class.",
@@ -80,7 +82,7 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
     buckets=tuple(float(1 << s) for s in range(20, 37, 2)),  # 1 MiB .. 64 GiB
 )
 
-for _class in ("core", "normal", "batch"):  # counters with a known label set start at 0
+for _class in LABELS:  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
 for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
     RESUMES.labels(_kind)

@@ -1,0 +1,43 @@
+"""Priority classes: the one type for CORE / NORMAL / BATCH, and its one conversion from the proto.
+
+Values are ranks (0 is the most important), so sorting by class sorts by
+importance. ``label`` is the lower-case name used in metrics, logs, config keys
+(``scheduler_config.json`` ``priority_boost``) and span attributes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from switchyard.api import agent_pb2
+
+
+class PriorityClass(enum.IntEnum):
+    """CORE (latency-critical), NORMAL, BATCH (throughput work); the value is the rank."""
+
+    CORE = 0
+    NORMAL = 1
+    BATCH = 2
+
+    @classmethod
+    def from_proto(cls, value: int) -> "PriorityClass":
+        """``agent.Priority`` -> class; PRIORITY_UNSPECIFIED (and any unknown number) is NORMAL."""
+        return _FROM_PROTO.get(value, cls.NORMAL)
+
+    @property
+    def label(self) -> str:
+        """core, normal or batch."""
+        return self.name.lower()
+
+    @property
+    def proto(self) -> int:
+        """The ``agent.Priority`` value of this class."""
+        return _TO_PROTO[self]
+
+
+_FROM_PROTO = {agent_pb2.CORE: PriorityClass.CORE, agent_pb2.NORMAL: PriorityClass.NORMAL,
+               agent_pb2.BATCH: PriorityClass.BATCH}
+_TO_PROTO = {cls: value for value, cls in _FROM_PROTO.items()}
+
+LABELS: tuple[str, ...] = tuple(c.label for c in PriorityClass)
+"""Every class's label, most important first: the bounded label set of per-class metrics."""
