@@ -31,7 +31,7 @@ def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: switchyard COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `switchyard COMMAND --help` for a command's options."]
+    lines += ["", "Run 'switchyard COMMAND --help' for a command's options."]
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, ServerConfig, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
+from switchyard.common.cli_text import parser_for
 
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
@@ -113,7 +114,7 @@ async def run_task(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="switchyard run", description=__doc__)
+    parser = parser_for("switchyard run", __doc__)
     parser.add_argument("question", nargs="+", help="the question or instruction (the task's payload)")
     parser.add_argument("--addr", help="orchestrator host:port (default: from config, 127.0.0.1:50051)")
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.common.channels import open_sync_channel
+from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 
@@ -123,7 +124,7 @@ def _start_redis(config: SwitchyardConfig, free_ports: bool) -> EmbeddedRedis | 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="switchyard up", description=__doc__)
+    parser = parser_for("switchyard up", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the configured ones")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for health (default 180)")

@@ -16,6 +16,7 @@ import uvloop
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.common.logs import setup_logging
 from switchyard.common.server import Service, serve_until_signal, start_server
+from switchyard.common.cli_text import parser_for
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
         from switchyard.gateway import sim_openai
 
         return int(sim_openai.main(argv[1:]) or 0)
-    parser = argparse.ArgumentParser(prog="switchyard serve", description=__doc__)
+    parser = parser_for("switchyard serve", __doc__)
     parser.add_argument("name", choices=[*SERVICES, "sim-openai"])
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")

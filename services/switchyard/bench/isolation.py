@@ -28,6 +28,7 @@ from switchyard.bench.report import percentile
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import start_server
 from switchyard.common.channels import open_channel
+from switchyard.common.cli_text import parser_for
 
 PROMPT = (
     "<context>\n[1] The with statement\nThe with statement is used to wrap the execution of a block with "
@@ -89,7 +90,7 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """``switchyard bench isolation [--samples N] [--batch N] [--json]``."""
-    parser = argparse.ArgumentParser(prog="switchyard bench isolation", description=__doc__.split("\n\n")[0])
+    parser = parser_for("switchyard bench isolation", __doc__)
     parser.add_argument("--samples", type=int, default=50, help="core requests per measurement (default 50)")
     parser.add_argument("--batch", type=int, default=30, help="BATCH requests running in the background (default 30)")
     parser.add_argument("--config-dir", help="config folder (default $SWITCHYARD_CONFIG_DIR or config/)")

@@ -18,6 +18,7 @@ import time
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.index import IndexNotFoundError
 from switchyard.retrieval.service import RetrievalService
+from switchyard.common.cli_text import parser_for
 
 QUESTIONS = (
     "How does the with statement work?",
@@ -60,7 +61,7 @@ async def run_once(config: SwitchyardConfig, queries: int) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     """Entry point; prints one line per setting. Exit 0, or 2 on bad config or a missing index."""
-    parser = argparse.ArgumentParser(prog="python -m switchyard.retrieval.bench", description=__doc__)
+    parser = parser_for("python -m switchyard.retrieval.bench", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--index-dir", help="index folder (default: retrieval.index_dir)")
     parser.add_argument("--queries", type=int, default=96, help="concurrent Retrieve calls per run (default 96)")
