@@ -92,3 +92,25 @@ def test_bad_config_exits_2(tmp_path, capsys):
     (tmp_path / "queue.json").write_text('{"model_gateway": {"base_url": "ftp://x"}}')
     assert doctor.main(["--config-dir", str(tmp_path)]) == 2
     assert "model_gateway.base_url" in capsys.readouterr().err
+
+
+def test_probe_skipped_for_a_bad_key_is_reported_with_the_reason(keyed_sim, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY + " ")
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--probe")
+    assert code == 1
+    assert "skip  stream probe" in out and "skipped: the api key check failed" in out
+    assert out.rstrip().endswith("check(s) failed, 1 skipped")
+
+
+def test_probe_skipped_when_the_server_does_not_answer(clean_proxy_env, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{closed_port()}/v1", "--probe")
+    assert code == 1 and "skipped: the base url check failed" in out
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        doctor.main(["--help"])
+    out = capsys.readouterr().out
+    assert "switchyard doctor: check the model gateway" in out and "GET /models" in out
+    assert "``" not in out and "`" not in out

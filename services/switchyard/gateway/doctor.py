@@ -29,16 +29,22 @@ from switchyard.gateway.events import ChatRequest
 from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
 from switchyard.gateway.redact import redact
+from switchyard.common.cli_text import parser_for
 
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the report: what was checked, whether it passed, what was seen, and the fix."""
+    """One line of the report: what was checked, whether it passed, what was seen, and the fix.
+
+    ``skipped``: the check was asked for but not run (``detail`` says why); it neither
+    passes nor fails on its own, the check that stopped it does.
+    """
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    skipped: bool = False
 
 
 async def _proxy_answers(route: ProxyRoute, timeout_s: float) -> Check:
@@ -167,9 +173,18 @@ async def run_checks(
     checks.append(url_check)
     if known is not None:
         checks.extend(_model_checks(cfg, known, models))
-        if probe and key_check.ok:
+    if probe:
+        if not key_check.ok:
+            checks.append(_skipped_probe("the api key check failed; fix the key first"))
+        elif known is None:
+            checks.append(_skipped_probe("the base url check failed; the server must answer GET /models first"))
+        else:
             checks.append(await _probe(cfg))
     return checks
+
+
+def _skipped_probe(why: str) -> Check:
+    return Check("stream probe", True, f"skipped: {why}", skipped=True)
 
 
 def format_report(cfg: ModelGatewayConfig, checks: list[Check]) -> str:
@@ -180,17 +195,20 @@ def format_report(cfg: ModelGatewayConfig, checks: list[Check]) -> str:
     ]
     width = max((len(c.name) for c in checks), default=0)
     for check in checks:
-        lines.append(f"{'ok  ' if check.ok else 'FAIL'}  {check.name.ljust(width)}  {check.detail}")
+        mark = "skip" if check.skipped else "ok  " if check.ok else "FAIL"
+        lines.append(f"{mark}  {check.name.ljust(width)}  {check.detail}")
         if not check.ok and check.fix:
             lines.append(f"      {' ' * width}  fix: {check.fix}")
     failed = sum(not c.ok for c in checks)
-    lines.append("all checks passed" if not failed else f"{failed} check(s) failed")
+    skipped = sum(c.skipped for c in checks)
+    summary = "all checks passed" if not failed else f"{failed} check(s) failed"
+    lines.append(summary + (f", {skipped} skipped" if skipped else ""))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``switchyard doctor``: 0 all good, 1 a check failed, 2 the config is invalid."""
-    parser = argparse.ArgumentParser(prog="switchyard doctor", description=__doc__.split("\n\n")[0])
+    parser = parser_for("switchyard doctor", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--base-url", help="check this base URL instead of model_gateway.base_url")
     parser.add_argument("--model", action="append", default=[], help="also check this model id (repeatable)")
