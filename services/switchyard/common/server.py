@@ -86,6 +86,25 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1.Health with ``List`` as well as ``Check`` and ``Watch``.
+
+    ``List`` (added to health.proto in 2024; grpcio-health-checking answers it
+    UNIMPLEMENTED) returns a snapshot of every registered service's status,
+    the server as a whole under the empty name included.
+    """
+
+    async def List(  # noqa: N802 - gRPC method name
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        # _server_status is the parent's table of service -> status (what Check reads).
+        statuses = {
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()
+        }
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 @dataclass
 class RunningServer:
     """A started server: its bound port and health servicer."""
@@ -136,7 +155,7 @@ async def start_server(
     """
     own = [i for service in services for i in edge_interceptors(service)]  # after tracing: refusals are traced
     server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, *own])
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     for service in services:
