@@ -94,3 +94,21 @@ async def test_concurrent_streams_share_the_pool(sim_openai):
         results = await asyncio.gather(*(collect(client, ask()) for _ in range(6)))
     texts = {"".join(e.text for e in events if isinstance(e, Token)) for events in results}
     assert texts == {"Python lists are mutable sequences. [1]"}
+
+
+async def test_sim_openai_answers_model_lookups_and_unknown_paths_in_openai_error_shape(sim_openai):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=sim_openai.base_url, trust_env=False) as http:
+        found = await http.get("/models/gpt-4o-mini")
+        assert found.status_code == 200 and found.json()["id"] == "gpt-4o-mini"
+        missing = await http.get("/models/claude-sonnet-4.5")
+        assert missing.status_code == 404 and missing.headers["content-type"] == "application/json"
+        assert missing.json() == {"error": {"message": "The model 'claude-sonnet-4.5' does not exist",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}}
+        unknown = await http.get("/embeddings")
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["message"] == "Invalid URL (GET /v1/embeddings)"
+        wrong_method = await http.get("/chat/completions")
+        assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"

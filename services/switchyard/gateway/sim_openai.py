@@ -1,7 +1,9 @@
 """``switchyard serve sim-openai``: an OpenAI-compatible server driven by the sim engine.
 
-Endpoints: ``GET /v1/models`` and ``POST /v1/chat/completions`` (streaming SSE
-and JSON, usage, tool calls in OpenAI's function-calling shape). Replies come
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}`` and ``POST
+/v1/chat/completions`` (streaming SSE and JSON, usage, tool calls in OpenAI's
+function-calling shape). Errors, unknown paths and methods included, come in
+OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``). Replies come
 from the sim engine's deterministic planner
 (:func:`switchyard.dispatcher.engines.sim.plan_reply`) and, unless
 ``--no-latency``, take the sim latency model's time (prefill, then one decode
@@ -27,6 +29,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -81,7 +84,20 @@ class SimOpenAIState:
 
 def _error(status: int, message: str, code: str, **extra: Any) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "code": code, **extra}}, status_code=status
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code, **extra}},
+        status_code=status,
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's routing errors (404 unknown path, 405 wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"Invalid URL ({request.method} {request.url.path})" if status == 404 else (
+        f"Method {request.method} not allowed on {request.url.path}" if status == 405 else str(exc))
+    headers = getattr(exc, "headers", None)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+        status_code=status, headers=headers,
     )
 
 
@@ -122,10 +138,14 @@ class SimOpenAI:
     def __init__(self, options: SimOpenAIOptions) -> None:
         self.options = options
         self.state = SimOpenAIState()
-        self.app = _CutConnections(Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ]))
+        self.app = _CutConnections(Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
+        ))
 
     # ------------------------------------------------------------------ helpers
 
@@ -168,6 +188,15 @@ class SimOpenAI:
             return denied
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard-sim"} for m in self.options.models]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: one model object, or OpenAI's 404 ``model_not_found``."""
+        if (denied := self._auth_error(request, None)) is not None:
+            return denied
+        model = request.path_params["model"]
+        if model not in self.options.models:
+            return _error(404, f"The model '{model}' does not exist", "model_not_found", param="model")
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "switchyard-sim"})
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions`` with faults applied first."""
