@@ -66,3 +66,47 @@ def test_inconsistent_files_are_rejected(tmp_path):
         load_index(tmp_path)
     with pytest.raises(IndexMismatchError, match="dims"):
         index.search(np.zeros(5, dtype=np.float32), 1)
+
+
+# --------------------------------------------------------------------------- BM25 and hybrid search
+
+from switchyard.retrieval.lexical import LexicalIndex, fuse  # noqa: E402
+
+TEXTS = [
+    "The with statement wraps a block in a context manager's enter and exit.",
+    "str.removeprefix returns the string without the given prefix.",
+    "Lists are mutable sequences; tuples are immutable.",
+    "__slots__ deny the creation of __dict__ for instances.",
+]
+
+
+def test_bm25_finds_exact_terms_and_stems():
+    lexical = LexicalIndex.build(TEXTS)
+    assert lexical.search("removeprefix", 4)[0][0] == 1
+    assert lexical.search("what do __slots__ do", 4)[0][0] == 3
+    assert [i for i, _ in lexical.search("mutability of tuples", 4)][:1] == [2]  # tuples ~ tuple, stemmed
+    assert lexical.search("zeppelin", 4) == []  # no shared term: nothing, not zero-score filler
+
+
+def test_reciprocal_rank_fusion_matches_hand_computed_order():
+    # a: 1/(1+1) + 1/(1+3) = 0.75; b: 1/(1+2) + 1/(1+1) = 0.833; c: 1/(1+3) = 0.25; d: 1/(1+2) = 0.333
+    assert fuse([["a", "b", "c"], ["b", "d", "a"]], 4, 1) == ["b", "a", "d", "c"]
+    assert fuse([["a", "b"], ["b", "a"]], 1, 60) == ["a"]  # a tie keeps the first ranking's order
+
+
+def test_hybrid_search_fuses_rankings_and_round_trips_with_bm25(tmp_path):
+    index, vectors = _index(n=4)
+    passages = [Passage(t, f"t{i}", f"s:{i}") for i, t in enumerate(TEXTS)]
+    index = VectorIndex(index.manifest.model_copy(update={"count": 4}), passages, index.index,
+                        LexicalIndex.build(TEXTS))
+    index.save(tmp_path / "idx")
+    loaded = load_index(tmp_path / "idx")
+    assert loaded.manifest.lexical == "bm25" and loaded.lexical is not None
+    query = vectors[0]  # nearest by vectors: passage 0; by words: passage 1
+    by_vectors = [h.passage.title for h in loaded.search(query, 4)[0]]
+    hits = loaded.hybrid_search("removeprefix", query, 2, 4, 1)
+    assert by_vectors[0] == "t0" and {h.passage.title for h in hits} == {"t0", "t1"}
+    assert all(h.score == pytest.approx(float(vectors[int(h.passage.title[1:])] @ query), abs=1e-5) for h in hits)
+    (tmp_path / "idx" / "bm25" / "params.index.json").unlink()
+    with pytest.raises(IndexMismatchError, match="BM25 index but .*bm25 is missing"):
+        load_index(tmp_path / "idx")

@@ -691,6 +691,20 @@ class RetrievalConfig(_Strict):
     chunk_overlap_tokens: int = Field(
         32, ge=0, description="Word pieces a passage repeats from the end of the one before it (cut at a word)."
     )
+    hybrid: bool = Field(
+        True,
+        description="Also index the passages for BM25 and fuse its ranking with the vectors' (reciprocal rank "
+        "fusion). `switchyard bench retrieval` shows what it adds on the labelled questions.",
+    )
+    rrf_k: float = Field(
+        10, gt=0, le=10_000,
+        description="Reciprocal rank fusion constant: a passage at rank r of a ranking scores 1 / (rrf_k + r). "
+        "Cormack et al. (SIGIR 2009) use 60 for fusing long TREC runs; on the labelled questions 10, which "
+        "weighs the top of each 50-passage list more, scores best (docs/benchmarks.md has the sweep).",
+    )
+    hybrid_candidates: int = Field(
+        50, ge=1, le=10_000, description="Passages taken from each ranking before fusing (at least top_k is used)."
+    )
     embed_batch_size: int = Field(32, ge=1, le=4096)
     embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
     embed_threads: int = Field(

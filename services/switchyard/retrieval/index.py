@@ -6,8 +6,13 @@ An index folder holds three files:
   vectors the inner product is the cosine similarity.
 - ``passages.jsonl``: one JSON object per vector, in index order:
   ``{"text": ..., "title": ..., "source": ...}``.
+- ``bm25/``: the BM25 index of the same passages (:mod:`switchyard.retrieval.lexical`),
+  when the manifest's ``lexical`` is ``"bm25"``;
 - ``manifest.json``: model name, dims, passage count and chunking settings,
   written last, so a folder with a manifest is complete.
+
+:meth:`VectorIndex.hybrid_search` fuses the vector ranking with the BM25
+ranking (reciprocal rank fusion); :meth:`VectorIndex.search` is vectors only.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from switchyard.common.errors import SwitchyardError
+from switchyard.retrieval.lexical import LexicalIndex, fuse
 
 INDEX_FILE = "index.faiss"
 PASSAGES_FILE = "passages.jsonl"
@@ -83,6 +89,7 @@ class Manifest(BaseModel):
     window_tokens: int = Field(0, ge=0, description="The embedding model's input window in word pieces.")
     longest_tokens: int = Field(0, ge=0, description="Word pieces of the longest embedded passage, specials included.")
     truncated: int = Field(0, ge=0, description="Passages longer than the window (tails not embedded).")
+    lexical: str = Field("", description='"bm25" when the folder holds a BM25 index of the passages, else "".')
     documents: int = Field(0, ge=0, description="Source documents the passages came from.")
     created_at: str = ""
 
@@ -99,7 +106,9 @@ class VectorIndex:
         IndexMismatchError: counts or dims disagree.
     """
 
-    def __init__(self, manifest: Manifest, passages: list[Passage], index: faiss.Index) -> None:
+    def __init__(
+        self, manifest: Manifest, passages: list[Passage], index: faiss.Index, lexical: "LexicalIndex | None" = None
+    ) -> None:
         if index.ntotal != len(passages) or manifest.count != len(passages):
             raise IndexMismatchError(
                 f"index holds {index.ntotal} vectors, {len(passages)} passages and a manifest count "
@@ -107,9 +116,12 @@ class VectorIndex:
             )
         if index.d != manifest.dims:
             raise IndexMismatchError(f"index vectors have {index.d} dims, manifest says {manifest.dims}")
+        if lexical is not None and len(lexical) != len(passages):
+            raise IndexMismatchError(f"BM25 index holds {len(lexical)} passages, the vector index {len(passages)}")
         self.manifest = manifest
         self.passages = passages
         self.index = index
+        self.lexical = lexical
 
     def __len__(self) -> int:
         return len(self.passages)
@@ -147,11 +159,43 @@ class VectorIndex:
             for row_scores, row_ids in zip(scores, ids)
         ]
 
+    def hybrid_search(self, query: str, vector: np.ndarray, k: int, candidates: int, rrf_k: float) -> list[Hit]:
+        """The ``k`` best passages for one question by vectors and BM25 together, best first.
+
+        Each ranking contributes its top ``candidates`` passages; they are merged by
+        reciprocal rank fusion (:func:`switchyard.retrieval.lexical.fuse`). Without a
+        BM25 index this is :meth:`search`. Every hit's score is its cosine similarity.
+
+        Args:
+            query: the question's text (for BM25).
+            vector: its (dims,) float32 L2-normalized embedding.
+            k: results wanted; fewer come back when the index is smaller.
+            candidates: passages taken from each ranking, >= k.
+            rrf_k: the fusion constant (``retrieval.rrf_k``).
+        """
+        if self.lexical is None:
+            return self.search(vector, k)[0]
+        query_vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+        if query_vector.shape[0] != self.manifest.dims:
+            raise IndexMismatchError(f"query vectors have {query_vector.shape[0]} dims, index has {self.manifest.dims}")
+        n = min(max(candidates, k), len(self.passages))
+        if n <= 0:
+            return []
+        scores, ids = self.index.search(query_vector.reshape(1, -1), n)
+        cosine = {int(i): float(s) for s, i in zip(scores[0], ids[0]) if i >= 0}
+        lexical_ids = [i for i, _ in self.lexical.search(query, n)]
+        hits = []
+        for i in fuse([list(cosine), lexical_ids], k, rrf_k):
+            score = cosine[i] if i in cosine else float(self.index.reconstruct(i) @ query_vector)
+            hits.append(Hit(self.passages[i], score))
+        return hits
+
     def save(self, folder: str | Path) -> Path:
-        """Write the three files into ``folder`` (created if needed); the manifest goes last.
+        """Write the index files (and ``bm25/`` when there is a BM25 index) into ``folder``; the manifest goes last.
 
         Each file is written to a temporary name and renamed, so a reader never
-        sees a half-written file.
+        sees a half-written file; a stale ``bm25/`` left by an earlier build is
+        ignored unless the new manifest lists it.
         """
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
@@ -162,10 +206,12 @@ class VectorIndex:
                 "".join(json.dumps(asdict(x), ensure_ascii=False) + "\n" for x in self.passages), encoding="utf-8"
             ),
         )
-        manifest = self.manifest
+        if self.lexical is not None:
+            self.lexical.save(out)
+        manifest = self.manifest.model_copy(update={"lexical": "bm25" if self.lexical is not None else ""})
         if not manifest.created_at:
             manifest = manifest.model_copy(update={"created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-            self.manifest = manifest
+        self.manifest = manifest
         _write_atomic(out / MANIFEST_FILE, lambda p: p.write_text(manifest.model_dump_json(indent=2), encoding="utf-8"))
         return out
 
@@ -200,4 +246,10 @@ def load_index(folder: str | Path) -> VectorIndex:
     with (root / PASSAGES_FILE).open(encoding="utf-8") as fh:
         passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
     index = faiss.read_index(str(root / INDEX_FILE))
-    return VectorIndex(manifest, passages, index)
+    lexical = None
+    if manifest.lexical == "bm25":
+        lexical = LexicalIndex.load(root, len(passages))
+        if lexical is None:
+            raise IndexMismatchError(f"{root}: the manifest lists a BM25 index but {root / 'bm25'} is missing; "
+                                     "rebuild it with `switchyard index`")
+    return VectorIndex(manifest, passages, index, lexical)

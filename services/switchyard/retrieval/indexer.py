@@ -5,8 +5,9 @@ otherwise the given text, Markdown or rst files and folders. Documents are
 chunked by the embedding model's own tokenizer (``retrieval.chunk_tokens``,
 ``retrieval.chunk_overlap_tokens``) so that no passage exceeds the model's
 window, embedded with all-MiniLM-L6-v2 and saved as a FAISS index (see
-:mod:`switchyard.retrieval.index`) in ``retrieval.index_dir`` unless ``--out``
-says otherwise. The summary line says how many passages were made and how many
+:mod:`switchyard.retrieval.index`), with a BM25 index of the same passages when
+``retrieval.hybrid`` is on, in ``retrieval.index_dir`` unless ``--out`` says
+otherwise. The summary line says how many passages were made and how many
 were truncated (0 unless the window is smaller than ``chunk_tokens``).
 
 Progress: a bar on a terminal; otherwise (a log file, a pipe) a plain line
@@ -29,6 +30,7 @@ from switchyard.retrieval.chunking import Chunked, Document, chunk_for_model
 from switchyard.retrieval.documents import path_documents, pydoc_documents
 from switchyard.retrieval.embedder import Embedder, load_embedder, set_threads
 from switchyard.retrieval.index import Manifest, VectorIndex
+from switchyard.retrieval.lexical import LexicalIndex
 
 ENCODE_SLICE = 64
 """Passages per encode call (one progress step)."""
@@ -150,6 +152,8 @@ def build_index(
         documents=len(docs),
     )
     index = VectorIndex.build(vectors, chunked.passages, manifest)
+    if settings.hybrid:
+        index.lexical = LexicalIndex.build(chunked.texts)
     index.save(out_dir)
     return index.manifest
 
@@ -183,6 +187,8 @@ def main(argv: list[str]) -> int:
         f"indexed {manifest.count} passages from {manifest.documents} documents "
         f"({manifest.dims} dims, {manifest.model}) into {out} in {elapsed:.1f} s"
     )
+    if manifest.lexical:
+        print(f"lexical index: {manifest.lexical} over the same passages (retrieval.hybrid)")
     print(
         f"passages truncated: {manifest.truncated} (window {manifest.window_tokens} word pieces, "
         f"longest passage {manifest.longest_tokens}, chunk_tokens {manifest.chunk_tokens}, "

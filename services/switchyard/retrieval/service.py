@@ -3,7 +3,11 @@
 A Retrieve call is validated, then waits in the retrieval queue
 (``queues.retrieval`` in queue.json: capacity, workers, timeout_ms). A worker
 embeds the query through the micro-batcher (concurrent queries share one
-forward pass) and searches the index on a worker thread. The response carries
+forward pass) and searches the index on a worker thread: by vectors and, with
+``retrieval.hybrid``, by BM25 too, the two rankings fused
+(:meth:`VectorIndex.hybrid_search`). Passages come best first by that ranking;
+each one's score is its cosine similarity to the query, so with hybrid search
+the scores need not descend. The response carries
 the passages with cosine scores and the time spent in each stage; each stage
 is also an OpenTelemetry span (``retrieval.queue_wait``, ``retrieval.embed``,
 ``retrieval.search``) and a Prometheus histogram.
@@ -90,6 +94,11 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
         index = await asyncio.to_thread(load_index, self.settings.index_dir)
         set_threads(self.settings.embed_threads)
         embedder = self._embedder or await asyncio.to_thread(load_embedder)
+        if self.settings.hybrid and index.lexical is None:
+            raise IndexMismatchError(
+                f"index in {self.settings.index_dir} has no BM25 part but retrieval.hybrid is on; rebuild it with "
+                "`switchyard index` (or set retrieval.hybrid to false)"
+            )
         if index.manifest.model != embedder.name or index.manifest.dims != embedder.dims:
             raise IndexMismatchError(
                 f"index in {self.settings.index_dir} was built with {index.manifest.model} "
@@ -179,7 +188,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             EMBED_SECONDS.observe(embed_s)
             with tracer.start_as_current_span("retrieval.search") as span:
                 started = time.monotonic()
-                hits = (await asyncio.to_thread(self.index.search, vector, k))[0]
+                hits = await asyncio.to_thread(self._search, query, vector, k)
                 search_s = time.monotonic() - started
                 span.set_attribute("retrieval.top_k", k)
                 span.set_attribute("retrieval.passages", len(hits))
@@ -191,6 +200,11 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             for h in hits
         ]
         return _Result(passages, embed_s, search_s)
+
+    def _search(self, query: str, vector, k: int) -> list:
+        if self.settings.hybrid:
+            return self.index.hybrid_search(query, vector, k, self.settings.hybrid_candidates, self.settings.rrf_k)
+        return self.index.search(vector, k)[0]
 
     async def Retrieve(  # noqa: N802 - gRPC method name
         self, request: agent_pb2.RetrieveRequest, context: grpc.aio.ServicerContext
