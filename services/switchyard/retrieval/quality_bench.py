@@ -1,0 +1,250 @@
+"""``switchyard bench retrieval``: answer quality and single-query time of retrieval.
+
+Scores the labelled query set (:mod:`switchyard.retrieval.quality`) against
+the CPython documentation topics, chunked two ways and embedded with
+all-MiniLM-L6-v2:
+
+- ``chars 900/100``: the character chunking the index used before (900
+  characters, 100 overlap), whose longer passages run past the model's window
+  and are truncated;
+- ``tokens N/M``: passages sized by the model's own tokenizer
+  (``retrieval.chunk_tokens`` / ``chunk_overlap_tokens``, or ``--chunk-tokens``).
+
+Each is searched by vectors alone with FAISS's exact ``IndexFlatIP`` (what the
+service uses); the token chunking also hybrid, vectors and BM25 fused
+(``retrieval.hybrid``, what the service does by default), and with an
+approximate HNSW index (``IndexHNSWFlat``, M=32, efSearch 64) to show whether
+approximate search pays at this corpus size.
+Printed per row: passages, passages truncated, recall@1, recall@5, MRR@10,
+nDCG@10, recall@5 on the "tail" questions (answered only past the old
+passages' first 256 word pieces), search time per query, and the P95 of
+embed + search per query. Queries are embedded one at a time, as a lone
+Retrieve call is; the query embedding is the same for every row, so it is
+timed once. With ``--index-dir`` it scores a built index instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from switchyard.common.config import ConfigError, load_config
+from switchyard.retrieval.chunking import Document, chunk_document, chunk_for_model, embedding_text, token_length
+from switchyard.retrieval.quality import LabelledQuery, Scores, load_queries, score
+
+DEPTH = 20
+"""Passages retrieved per question: 10 documents are scored, answers repeated in several passages count once."""
+HNSW_M, HNSW_EF_SEARCH = 32, 64
+OLD_CHUNK = (900, 100)
+"""The character chunking of the index before token-aware chunking (chunk_chars, chunk_overlap_chars)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One chunking x index x search measurement (times in seconds); ``index`` is e.g. "flat hybrid"."""
+
+    name: str
+    index: str
+    passages: int
+    truncated: int
+    scores: Scores
+    tail: Scores
+    search_s: list[float]
+    retrieval_s: list[float]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+
+
+def embed_queries(embedder, queries: Sequence[LabelledQuery]) -> tuple[np.ndarray, list[float]]:
+    """Embed each question alone; returns (n, dims) vectors and seconds per question."""
+    embedder.encode(["warm-up"], batch_size=1)
+    vectors, seconds = [], []
+    for q in queries:
+        started = time.perf_counter()
+        vectors.append(embedder.encode([q.query], batch_size=1)[0])
+        seconds.append(time.perf_counter() - started)
+    return np.stack(vectors), seconds
+
+
+def measure(name: str, kind: str, search, size: int, truncated: int, queries: Sequence[LabelledQuery],
+            vectors: np.ndarray, embed_s: Sequence[float]) -> Row:
+    """Call ``search(question, vector) -> passages`` for each question alone, and score the results."""
+    search(queries[0].query, vectors[0])  # warm-up
+    hits, search_s = [], []
+    for query, vector in zip(queries, vectors):
+        started = time.perf_counter()
+        found = search(query.query, vector)
+        search_s.append(time.perf_counter() - started)
+        hits.append(found)
+    tail = [i for i, q in enumerate(queries) if q.tail]
+    return Row(
+        name, kind, size, truncated, score(queries, hits),
+        score([queries[i] for i in tail], [hits[i] for i in tail]),
+        search_s, [e + s for e, s in zip(embed_s, search_s)],
+    )
+
+
+def searcher(index, hybrid: bool, rrf_k: float, candidates: int):
+    """``search(question, vector) -> passages`` over ``index``: vectors only, or hybrid (vectors + BM25)."""
+    if hybrid:
+        return lambda query, vector: [h.passage for h in index.hybrid_search(query, vector, DEPTH, candidates, rrf_k)]
+    return lambda query, vector: [h.passage for h in index.search(vector, DEPTH)[0]]
+
+
+def _build(vectors: np.ndarray, passages, kind: str):
+    import faiss
+
+    from switchyard.retrieval.index import Manifest, VectorIndex
+
+    manifest = Manifest(model="bench", dims=vectors.shape[1], count=len(passages))
+    if kind == "flat":
+        return VectorIndex.build(vectors, passages, manifest)
+    hnsw = faiss.IndexHNSWFlat(vectors.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    hnsw.hnsw.efSearch = HNSW_EF_SEARCH
+    hnsw.add(np.ascontiguousarray(vectors, dtype=np.float32))
+    return VectorIndex(manifest, passages, hnsw)
+
+
+def chunk_chars(docs: Sequence[Document], embedder, chars: int, overlap: int):
+    """The old character chunking; returns passages, embedded texts and how many exceed the window."""
+    length = token_length(embedder.tokenizer)
+    special = embedder.tokenizer.num_special_tokens_to_add(pair=False)
+    passages, texts = [], []
+    for doc in docs:
+        for passage in chunk_document(doc, chars, overlap):
+            passages.append(passage)
+            texts.append(embedding_text(passage, doc.heading or doc.title))
+    truncated = sum(length(t) + special > embedder.window for t in texts)
+    return passages, texts, truncated
+
+
+def run(args: argparse.Namespace):
+    """Measure every row the arguments ask for (progress on stderr); returns rows, questions, embed seconds."""
+    from switchyard.retrieval.documents import pydoc_documents
+    from switchyard.retrieval.embedder import load_embedder, set_threads
+    from switchyard.retrieval.index import load_index
+    from switchyard.retrieval.indexer import embed_passages
+    from switchyard.retrieval.lexical import LexicalIndex
+
+    config = load_config(args.config_dir)
+    settings = config.service.retrieval
+    rrf_k, candidates = settings.rrf_k, settings.hybrid_candidates
+    queries = load_queries(args.queries)
+    set_threads(settings.embed_threads)
+    embedder = load_embedder()
+    vectors, embed_s = embed_queries(embedder, queries)
+    rows: list[Row] = []
+    if args.index_dir:
+        index = load_index(args.index_dir)
+        modes = [("flat vectors", False)] + ([("flat hybrid", True)] if index.lexical is not None else [])
+        for kind, hybrid in modes:
+            rows.append(measure("built index", kind, searcher(index, hybrid, rrf_k, candidates),
+                                len(index), index.manifest.truncated, queries, vectors, embed_s))
+        return rows, queries, embed_s
+    docs = pydoc_documents()
+    variants = []
+    if not args.no_baseline:
+        passages, texts, truncated = chunk_chars(docs, embedder, *OLD_CHUNK)
+        variants.append((f"chars {OLD_CHUNK[0]}/{OLD_CHUNK[1]} (old)", passages, texts, truncated, False))
+    sizes = args.chunk_tokens or [settings.chunk_tokens]
+    for size in sizes:
+        overlap = min(settings.chunk_overlap_tokens, size // 2 - 1)
+        chunked = chunk_for_model(docs, embedder.tokenizer, embedder.window, size, overlap)
+        variants.append((f"tokens {size}/{overlap}", chunked.passages, chunked.texts, chunked.truncated,
+                         size == sizes[0]))
+    for name, passages, texts, truncated, full in variants:
+        started = time.monotonic()
+        passage_vectors = embed_passages(embedder, texts, settings.embed_batch_size, progress=False)
+        print(f"{name}: embedded {len(texts)} passages in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        kinds = ["flat"] + (["hnsw"] if full and not args.no_hnsw else [])
+        lexical = LexicalIndex.build(texts) if name.startswith("tokens") else None
+        for kind in kinds:
+            index = _build(passage_vectors, passages, kind)
+            index.lexical = lexical
+            modes = [False] + ([True] if lexical is not None else [])
+            for hybrid in modes:
+                label = f"{kind} {'hybrid' if hybrid else 'vectors'}"
+                rows.append(measure(name, label, searcher(index, hybrid, rrf_k, candidates), len(passages),
+                                    truncated, queries, vectors, embed_s))
+    return rows, queries, embed_s
+
+
+def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: Sequence[float]) -> str:
+    """The table ``switchyard bench retrieval`` prints (times in milliseconds)."""
+    tail = sum(q.tail for q in queries)
+    lines = [
+        f"retrieval quality: {len(queries)} labelled questions ({tail} tail) over CPython's documentation topics "
+        f"(Python {platform.python_version()}), all-MiniLM-L6-v2, top {DEPTH} passages per question",
+        f"query embedding, one query at a time: p50 {_pct(embed_s, 50) * 1e3:.1f} ms, "
+        f"p95 {_pct(embed_s, 95) * 1e3:.1f} ms",
+        "",
+        f"{'chunking':<24}{'search':<14}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
+        f"{'nDCG@10':>9}{'tail R@5':>9}{'search p50/p95 ms':>19}{'retrieval p95 ms':>17}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.name:<24}{r.index:<14}{r.passages:>9}{r.truncated:>10}{r.scores.recall_at_1:>7.3f}"
+            f"{r.scores.recall_at_5:>7.3f}{r.scores.mrr_at_10:>8.3f}{r.scores.ndcg_at_10:>9.3f}"
+            f"{r.tail.recall_at_5:>9.3f}"
+            f"{f'{_pct(r.search_s, 50) * 1e3:.3f}/{_pct(r.search_s, 95) * 1e3:.3f}':>19}"
+            f"{_pct(r.retrieval_s, 95) * 1e3:>17.2f}"
+        )
+    old = next((r for r in rows if r.name.endswith("(old)")), None)
+    lines.append("")
+    for new in [r for r in rows if r.name.startswith("tokens") and r.index.startswith("flat")][:2] if old else []:
+        lines += [(
+            f"{new.name} {new.index} vs {old.name} {old.index}: "
+            f"recall@5 {new.scores.recall_at_5 - old.scores.recall_at_5:+.3f}, "
+            f"MRR@10 {new.scores.mrr_at_10 - old.scores.mrr_at_10:+.3f}, "
+            f"nDCG@10 {new.scores.ndcg_at_10 - old.scores.ndcg_at_10:+.3f}, "
+            f"tail recall@5 {new.tail.recall_at_5 - old.tail.recall_at_5:+.3f}; "
+            f"truncated passages {old.truncated} -> {new.truncated}"
+        )]
+    return "\n".join(lines)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 16 for s in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated word-piece counts >= 16, e.g. 128,256; got {text!r}")
+    return sizes
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``switchyard bench retrieval``: 0, or 2 on a bad config, query set or index."""
+    parser = argparse.ArgumentParser(
+        prog="switchyard bench retrieval",
+        description="Retrieval quality (recall@1, recall@5, MRR@10, nDCG@10 on the labelled CPython-docs "
+        "questions) and time per query: the old character chunking against token-aware chunking, and exact "
+        "(flat) against approximate (HNSW) FAISS search.",
+    )
+    parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--queries", metavar="FILE", help="labelled query set, JSON lines (default: the shipped set)")
+    parser.add_argument("--chunk-tokens", type=_sizes, metavar="N[,N...]",
+                        help="token chunk sizes to compare (default: retrieval.chunk_tokens)")
+    parser.add_argument("--index-dir", metavar="DIR", help="score this built index only (no chunking, no embedding)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the old character chunking")
+    parser.add_argument("--no-hnsw", action="store_true", help="skip the approximate index")
+    args = parser.parse_args(argv)
+    from switchyard.retrieval.index import IndexMismatchError, IndexNotFoundError
+
+    try:
+        rows, queries, embed_s = run(args)
+    except (ConfigError, ValueError, OSError, IndexNotFoundError, IndexMismatchError) as exc:
+        print(f"switchyard bench retrieval: {exc}", file=sys.stderr)
+        return 2
+    if args.index_dir:
+        print(f"built index: {args.index_dir}")
+    print(report(rows, queries, embed_s))
+    return 0
