@@ -92,7 +92,7 @@ async def test_connection_age_makes_clients_reconnect():
 async def test_health_list_reports_every_service_and_follows_shutdown():
     cfg = load_config("config")
     async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             listed = (await stub.List(health_pb2.HealthListRequest())).statuses
             assert {name: s.status for name, s in listed.items()} == {
