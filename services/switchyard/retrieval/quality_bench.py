@@ -169,10 +169,13 @@ def run(args: argparse.Namespace):
         for kind in kinds:
             index = _build(passage_vectors, passages, kind)
             index.lexical = lexical
-            modes = [False] + ([True] if lexical is not None else [])
-            for hybrid in modes:
-                label = f"{kind} {'hybrid' if hybrid else 'vectors'}"
-                rows.append(measure(name, label, searcher(index, hybrid, rrf_k, candidates), len(passages),
+            rows.append(measure(name, f"{kind} vectors", searcher(index, False, rrf_k, candidates), len(passages),
+                                truncated, queries, vectors, embed_s))
+            if lexical is None:
+                continue
+            for fusion_k in (args.rrf_k or [rrf_k]) if kind == "flat" else [rrf_k]:
+                label = f"{kind} hybrid" + (f" k={fusion_k:g}" if args.rrf_k else "")
+                rows.append(measure(name, label, searcher(index, True, fusion_k, candidates), len(passages),
                                     truncated, queries, vectors, embed_s))
     return rows, queries, embed_s
 
@@ -186,12 +189,12 @@ def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: Sequence[
         f"query embedding, one query at a time: p50 {_pct(embed_s, 50) * 1e3:.1f} ms, "
         f"p95 {_pct(embed_s, 95) * 1e3:.1f} ms",
         "",
-        f"{'chunking':<24}{'search':<14}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
+        f"{'chunking':<24}{'search':<18}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
         f"{'nDCG@10':>9}{'tail R@5':>9}{'search p50/p95 ms':>19}{'retrieval p95 ms':>17}",
     ]
     for r in rows:
         lines.append(
-            f"{r.name:<24}{r.index:<14}{r.passages:>9}{r.truncated:>10}{r.scores.recall_at_1:>7.3f}"
+            f"{r.name:<24}{r.index:<18}{r.passages:>9}{r.truncated:>10}{r.scores.recall_at_1:>7.3f}"
             f"{r.scores.recall_at_5:>7.3f}{r.scores.mrr_at_10:>8.3f}{r.scores.ndcg_at_10:>9.3f}"
             f"{r.tail.recall_at_5:>9.3f}"
             f"{f'{_pct(r.search_s, 50) * 1e3:.3f}/{_pct(r.search_s, 95) * 1e3:.3f}':>19}"
@@ -221,6 +224,16 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, e.g. 10,60; got {text!r}")
+    return values
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench retrieval``: 0, or 2 on a bad config, query set or index."""
     parser = argparse.ArgumentParser(
@@ -233,6 +246,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queries", metavar="FILE", help="labelled query set, JSON lines (default: the shipped set)")
     parser.add_argument("--chunk-tokens", type=_sizes, metavar="N[,N...]",
                         help="token chunk sizes to compare (default: retrieval.chunk_tokens)")
+    parser.add_argument("--rrf-k", type=_floats, metavar="K[,K...]",
+                        help="fusion constants to compare for hybrid search (default: retrieval.rrf_k)")
     parser.add_argument("--index-dir", metavar="DIR", help="score this built index only (no chunking, no embedding)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the old character chunking")
     parser.add_argument("--no-hnsw", action="store_true", help="skip the approximate index")
