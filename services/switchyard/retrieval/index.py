@@ -159,7 +159,15 @@ class VectorIndex:
             for row_scores, row_ids in zip(scores, ids)
         ]
 
-    def hybrid_search(self, query: str, vector: np.ndarray, k: int, candidates: int, rrf_k: float) -> list[Hit]:
+    def hybrid_search(
+        self,
+        query: str,
+        vector: np.ndarray,
+        k: int,
+        candidates: int,
+        rrf_k: float,
+        lexical_ids: Sequence[int] | None = None,
+    ) -> list[Hit]:
         """The ``k`` best passages for one question by vectors and BM25 together, best first.
 
         Each ranking contributes its top ``candidates`` passages; they are merged by
@@ -172,6 +180,8 @@ class VectorIndex:
             k: results wanted; fewer come back when the index is smaller.
             candidates: passages taken from each ranking, >= k.
             rrf_k: the fusion constant (``retrieval.rrf_k``).
+            lexical_ids: the BM25 ranking if already computed (:meth:`lexical_search`, which
+                needs no vector and so can run while the question is embedded).
         """
         if self.lexical is None:
             return self.search(vector, k)[0]
@@ -183,12 +193,19 @@ class VectorIndex:
             return []
         scores, ids = self.index.search(query_vector.reshape(1, -1), n)
         cosine = {int(i): float(s) for s, i in zip(scores[0], ids[0]) if i >= 0}
-        lexical_ids = [i for i, _ in self.lexical.search(query, n)]
+        if lexical_ids is None:
+            lexical_ids = self.lexical_search(query, k, candidates)
         hits = []
         for i in fuse([list(cosine), lexical_ids], k, rrf_k):
             score = cosine[i] if i in cosine else float(self.index.reconstruct(i) @ query_vector)
             hits.append(Hit(self.passages[i], score))
         return hits
+
+    def lexical_search(self, query: str, k: int, candidates: int) -> list[int]:
+        """Passage ids ranked by BM25 for ``query`` (the BM25 half of :meth:`hybrid_search`); [] without BM25."""
+        if self.lexical is None:
+            return []
+        return [i for i, _ in self.lexical.search(query, min(max(candidates, k), len(self.passages)))]
 
     def save(self, folder: str | Path) -> Path:
         """Write the index files (and ``bm25/`` when there is a BM25 index) into ``folder``; the manifest goes last.

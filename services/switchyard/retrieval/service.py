@@ -4,7 +4,8 @@ A Retrieve call is validated, then waits in the retrieval queue
 (``queues.retrieval`` in queue.json: capacity, workers, timeout_ms). A worker
 embeds the query through the micro-batcher (concurrent queries share one
 forward pass) and searches the index on a worker thread: by vectors and, with
-``retrieval.hybrid``, by BM25 too, the two rankings fused
+``retrieval.hybrid``, by BM25 too (run while the question is embedded, so it
+adds only the fusion to a call's time), the two rankings fused
 (:meth:`VectorIndex.hybrid_search`). Passages come best first by that ranking;
 each one's score is its cosine similarity to the query, so with hybrid search
 the scores need not descend. The response carries
@@ -180,15 +181,25 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
         self._queue_wait_span(parent, enqueued_ns, time.time_ns())
         token = otel_context.attach(parent)
         try:
+            lexical = None
+            if self.settings.hybrid:  # BM25 needs no vector: it runs while the question is embedded
+                lexical = asyncio.ensure_future(asyncio.to_thread(
+                    self.index.lexical_search, query, k, self.settings.hybrid_candidates))
             with tracer.start_as_current_span("retrieval.embed") as span:
                 started = time.monotonic()
-                vector = await self.batcher.embed(query)
+                try:
+                    vector = await self.batcher.embed(query)
+                except BaseException:
+                    if lexical is not None:
+                        lexical.cancel()
+                    raise
                 embed_s = time.monotonic() - started
                 span.set_attribute("retrieval.query_chars", len(query))
             EMBED_SECONDS.observe(embed_s)
             with tracer.start_as_current_span("retrieval.search") as span:
                 started = time.monotonic()
-                hits = await asyncio.to_thread(self._search, query, vector, k)
+                lexical_ids = await lexical if lexical is not None else None
+                hits = await asyncio.to_thread(self._search, query, vector, k, lexical_ids)
                 search_s = time.monotonic() - started
                 span.set_attribute("retrieval.top_k", k)
                 span.set_attribute("retrieval.passages", len(hits))
@@ -201,9 +212,11 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
         ]
         return _Result(passages, embed_s, search_s)
 
-    def _search(self, query: str, vector, k: int) -> list:
+    def _search(self, query: str, vector, k: int, lexical_ids: list[int] | None) -> list:
         if self.settings.hybrid:
-            return self.index.hybrid_search(query, vector, k, self.settings.hybrid_candidates, self.settings.rrf_k)
+            return self.index.hybrid_search(
+                query, vector, k, self.settings.hybrid_candidates, self.settings.rrf_k, lexical_ids
+            )
         return self.index.search(vector, k)[0]
 
     async def Retrieve(  # noqa: N802 - gRPC method name
