@@ -19,7 +19,6 @@ configured dispatcher port and metrics port plus 0, 1, ... N-1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket

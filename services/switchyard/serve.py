@@ -6,7 +6,6 @@ NAME is orchestrator, retrieval or dispatcher (gRPC services), or sim-openai
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import sys

@@ -16,7 +16,6 @@ The same prompt is used throughout, so the two TTFTs differ only by the load.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys

@@ -12,7 +12,6 @@ Exit code 0 when every check passes, 1 otherwise, 2 on a bad config.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from dataclasses import dataclass

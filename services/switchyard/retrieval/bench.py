@@ -9,7 +9,6 @@ Needs a built index (``switchyard index``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
