@@ -353,17 +353,31 @@ async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) ->
     def sample(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
+    def per_class(name: str) -> dict[str, float]:
+        return {c: sample(name, priority_class=c) for c in ("core", "normal", "batch")}
+
     before = {
         "batches": sample("switchyard_batch_size_count"),
         "flushes": sum(sample("switchyard_flushes_total", reason=r) for r in REASONS),
-        "ttft": sample("switchyard_ttft_seconds_count"),
-        "itl": sample("switchyard_inter_token_latency_seconds_count"),
+        "ttft": per_class("switchyard_ttft_seconds_count"),
+        "itl": per_class("switchyard_inter_token_latency_seconds_count"),
+        "tokens": sample("switchyard_generated_tokens_total"),
+        "busy": sample("switchyard_engine_busy_seconds_total"),
     }
-    await asyncio.gather(*(dispatcher.generate(request_id=f"m{i}", max_tokens=3) for i in range(4)))
+    await asyncio.gather(
+        *(dispatcher.generate(request_id=f"m{i}", max_tokens=3, priority=agent_pb2.CORE) for i in range(2)),
+        *(dispatcher.generate(request_id=f"b{i}", max_tokens=3, priority=agent_pb2.BATCH) for i in range(2)),
+    )
     flushes = sum(sample("switchyard_flushes_total", reason=r) for r in REASONS)
     assert flushes - before["flushes"] == sample("switchyard_batch_size_count") - before["batches"] >= 1
-    assert sample("switchyard_ttft_seconds_count") - before["ttft"] == 4
-    assert sample("switchyard_inter_token_latency_seconds_count") - before["itl"] == 4 * 2
+    ttft, itl = per_class("switchyard_ttft_seconds_count"), per_class("switchyard_inter_token_latency_seconds_count")
+    # Each latency lands in its own priority class: 2 core and 2 batch sequences of 3 tokens.
+    assert {c: ttft[c] - before["ttft"][c] for c in ttft} == {"core": 2, "normal": 0, "batch": 2}
+    assert {c: itl[c] - before["itl"][c] for c in itl} == {"core": 4, "normal": 0, "batch": 4}
+    assert sample("switchyard_generated_tokens_total") - before["tokens"] == 4 * 3
+    assert sample("switchyard_engine_busy_seconds_total") > before["busy"]
+    # The sim engine's roofline: batch / decode step time at flush.max_batch_size.
+    assert sample("switchyard_engine_decode_bound_tokens_per_second") > 0
     assert sample("switchyard_running_sequences") == 0
 
 

@@ -42,6 +42,16 @@ QUEUE_REJECTED = Counter(
     "switchyard_queue_rejected_total", "Items rejected by a queue, by reason (full, timeout).", ["queue", "reason"]
 )
 QUEUE_BUSY_WORKERS = Gauge("switchyard_queue_busy_workers", "Workers of a queue running an item.", ["queue"])
+QUEUE_CAPACITY = Gauge(
+    "switchyard_queue_capacity",
+    "Items a queue holds before it refuses (queue.json queues.<name>.capacity); depth / capacity is its saturation.",
+    ["queue"],
+)
+SERVING = Gauge(
+    "switchyard_serving",
+    "1 while the service's gRPC health check answers SERVING (ready), 0 while it drains; by service name.",
+    ["service"],
+)
 
 # Bucket sets for the latencies services record beside their code. TTFT runs
 # from milliseconds (sim engine, short prompts) to tens of seconds (long

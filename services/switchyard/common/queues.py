@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 from switchyard.common.config import QueueConfig
 from switchyard.common.errors import QueueFullError, QueueTimeoutError
-from switchyard.common.metrics import QUEUE_BUSY_WORKERS, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+from switchyard.common.metrics import QUEUE_BUSY_WORKERS, QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
 
 T = TypeVar("T")
 
@@ -45,6 +45,7 @@ class WorkQueue:
         self._items: asyncio.Queue[_Job] = asyncio.Queue(maxsize=config.capacity)
         self._workers: list[asyncio.Task[None]] = []
         self._busy = 0
+        QUEUE_CAPACITY.labels(name).set(config.capacity)
 
     @property
     def depth(self) -> int:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from switchyard.common.config import ConfigError, ServerConfig
+from switchyard.common.metrics import SERVING
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class RunningServer:
         """NOT_SERVING, drain in-flight RPCs for up to ``grace`` s, then stop the services."""
         names = ", ".join(s.name for s in self.services)
         log.info("%s: health NOT_SERVING, draining for up to %.1f s", names, grace)
+        for service in self.services:
+            SERVING.labels(service.name).set(0)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         log.info("%s: gRPC server stopped", names)
@@ -175,6 +178,7 @@ async def start_server(
             continue
         for name in service.grpc_service_names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        SERVING.labels(service.name).set(1)
     log.info("%s listening on %s:%d", ", ".join(s.name for s in services), host, bound)
     return RunningServer(server, bound, health_servicer, tuple(services))
 

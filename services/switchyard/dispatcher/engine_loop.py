@@ -79,7 +79,10 @@ class LoopBase:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._busy_mark = (time.monotonic(), self._busy_seconds())
+        self._busy_counted = self._busy_mark[1]
         scheduler.on_arrival = self._on_arrival
+        bound = getattr(engine, "decode_bound_tokens_per_s", None)
+        metrics.DECODE_BOUND.set(bound(config.queue.flush.max_batch_size) if callable(bound) else 0.0)
 
     # ------------------------------------------------------------------ service calls
 
@@ -155,6 +158,10 @@ class LoopBase:
         return float(getattr(self.engine, "busy_seconds", 0.0))
 
     def _update_busy(self) -> None:
+        busy = self._busy_seconds()
+        if busy > self._busy_counted:
+            metrics.ENGINE_BUSY_SECONDS.inc(busy - self._busy_counted)
+            self._busy_counted = busy
         since, _ = self._busy_mark
         now = time.monotonic()
         if now - since >= BUSY_WINDOW_S:
@@ -266,12 +273,15 @@ class StepLoop(LoopBase):
                 for seq in seqs:
                     seq.fail(exc)
         self.steps += 1
+        produced = 0
         for seq, (first, last, count) in zip(seqs, before):
+            produced += max(0, len(seq.output_tokens) - count)
             if first is None and seq.first_token_at is not None:
-                metrics.TTFT.observe(seq.first_token_at - seq.arrival)
+                metrics.TTFT.labels(seq.priority_name).observe(seq.first_token_at - seq.arrival)
             elif last is not None and len(seq.output_tokens) > count and seq.last_token_at is not None:
-                metrics.INTER_TOKEN_LATENCY.observe(seq.last_token_at - last)
+                metrics.INTER_TOKEN_LATENCY.labels(seq.priority_name).observe(seq.last_token_at - last)
             seq.observe_kv_bytes(engine.kv_bytes(seq))
+        metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()
 
     def _reap(self, seqs: list[Sequence]) -> bool:

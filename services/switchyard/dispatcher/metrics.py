@@ -29,12 +29,25 @@ FLUSHES = Counter(
 ENGINE_BUSY_RATIO = Gauge(
     "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
 )
+PRIORITY_CLASSES = ("core", "normal", "batch")
+"""The priority classes: the only ``priority_class`` label values."""
 TTFT = Histogram(
-    "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced.", buckets=_TTFT_BUCKETS
+    "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced, by priority class.",
+    ["priority_class"], buckets=_TTFT_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
-    "switchyard_inter_token_latency_seconds", "Time between consecutive tokens of one sequence.",
-    buckets=_ITL_BUCKETS,
+    "switchyard_inter_token_latency_seconds", "Time between consecutive tokens of one sequence, by priority class.",
+    ["priority_class"], buckets=_ITL_BUCKETS,
+)
+ENGINE_BUSY_SECONDS = Counter(
+    "switchyard_engine_busy_seconds", "Seconds the engine spent in prefill or decode (the busy ratio's numerator)."
+)
+GENERATED_TOKENS = Counter("switchyard_generated_tokens", "Output tokens the engine produced.")
+DECODE_BOUND = Gauge(
+    "switchyard_engine_decode_bound_tokens_per_second",
+    "The engine model's decode bound at flush.max_batch_size sequences, tokens per second (the roofline: "
+    "batch / decode step time); 0 where the engine has no model of its bound (torch, openai). "
+    "rate(generated_tokens) / rate(busy_seconds) / this is the roofline efficiency.",
 )
 RUNNING_SEQUENCES = Gauge("switchyard_running_sequences", "Sequences in the engine's running set.")
 WAITING_SEQUENCES = Gauge(
@@ -50,3 +63,6 @@ for _result in ("hit", "miss"):
 PREFIX_CACHE_BYTES = Gauge(
     "switchyard_prefix_cache_bytes", "Device memory held by cached prompt blocks (evicted when running work needs it)."
 )
+for _class in PRIORITY_CLASSES:  # every class's latency series exist (at 0) before its first request
+    TTFT.labels(_class)
+    INTER_TOKEN_LATENCY.labels(_class)

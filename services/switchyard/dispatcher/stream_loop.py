@@ -130,10 +130,11 @@ class StreamLoop(LoopBase):
                 if isinstance(item, str):
                     last = seq.last_token_at
                     seq.append_token(item)
+                    metrics.GENERATED_TOKENS.inc()
                     if last is None:
-                        metrics.TTFT.observe(now - seq.arrival)
+                        metrics.TTFT.labels(seq.priority_name).observe(now - seq.arrival)
                     else:
-                        metrics.INTER_TOKEN_LATENCY.observe(now - last)
+                        metrics.INTER_TOKEN_LATENCY.labels(seq.priority_name).observe(now - last)
                 elif isinstance(item, ToolCall):
                     seq.add_tool_call(item)
                 elif isinstance(item, Usage):

@@ -452,6 +452,15 @@ class SimEngine:
         if seq.is_finished:
             self._replies.pop(seq, None)
 
+    def decode_bound_tokens_per_s(self, batch_size: int) -> float:
+        """The model's decode bound at ``batch_size`` sequences: ``batch_size / decode_seconds(batch_size)``, tokens/s.
+
+        The roofline of this simulated GPU (decode is memory-bound: one weight
+        read per step serves the whole batch); the dispatcher exports it as
+        ``switchyard_engine_decode_bound_tokens_per_second``.
+        """
+        return batch_size / decode_seconds(self.params, batch_size)
+
     def kv_bytes(self, seq: Sequence) -> int:
         """``num_computed_tokens x kv_bytes_per_token``."""
         return seq.num_computed_tokens * self.params.kv_bytes_per_token

@@ -60,7 +60,7 @@ from opentelemetry import context as otel_context
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, QueueFullError, QueueTimeoutError, SwitchyardError
-from switchyard.common.metrics import QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
 from switchyard.dispatcher import metrics as dispatcher_metrics
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
@@ -165,6 +165,7 @@ class SchedulerCore:
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
+        QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
         for reason in ("full", "timeout"):
             QUEUE_REJECTED.labels(QUEUE_NAME, reason)
 

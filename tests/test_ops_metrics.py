@@ -1,0 +1,33 @@
+"""The metrics operators' rules read: readiness per service and each queue's capacity."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from switchyard.common.config import QueueConfig, SwitchyardConfig
+from switchyard.common.queues import WorkQueue
+from switchyard.common.server import start_server
+from switchyard.dispatcher.service import DispatcherService
+
+pytestmark = pytest.mark.no_gpu
+
+
+def value(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_serving_is_1_while_health_says_serving_and_0_once_draining() -> None:
+    config = SwitchyardConfig()
+    service = DispatcherService(config)
+    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    try:
+        assert value("switchyard_serving", service="dispatcher") == 1
+    finally:
+        await srv.stop(0.1)
+    assert value("switchyard_serving", service="dispatcher") == 0
+
+
+def test_queue_capacity_is_exported_for_saturation() -> None:
+    WorkQueue("orchestration", QueueConfig(capacity=7, workers=1, timeout_ms=100))
+    assert value("switchyard_queue_capacity", queue="orchestration") == 7
