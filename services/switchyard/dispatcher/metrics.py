@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from switchyard.common.metrics import TTFT_BUCKETS
+
 # Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# TTFT: ~5 ms (sim engine, idle) to ~30 s (long prompts on a loaded remote model).
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 30)
+# TTFT: ~5 ms (sim engine, idle) to ~60 s (long prompts on a loaded remote model); the SLO's
+# threshold (switchyard.json slo.ttft.threshold_s) must be one of these bounds.
+_TTFT_BUCKETS = TTFT_BUCKETS
 # Inter-token latency: sub-millisecond (batched decode) to seconds (stalled stream).
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
