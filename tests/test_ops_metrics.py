@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -28,6 +30,10 @@ async def test_serving_is_1_while_health_says_serving_and_0_once_draining() -> N
     assert value("switchyard_serving", service="dispatcher") == 0
 
 
-def test_queue_capacity_is_exported_for_saturation() -> None:
-    WorkQueue("orchestration", QueueConfig(capacity=7, workers=1, timeout_ms=100))
-    assert value("switchyard_queue_capacity", queue="orchestration") == 7
+def test_queue_capacity_is_exported_and_its_series_exist_before_the_first_item() -> None:
+    name = f"q{uuid.uuid4().hex[:8]}"  # a queue no other test made
+    WorkQueue(name, QueueConfig(capacity=7, workers=1, timeout_ms=100))
+    assert value("switchyard_queue_capacity", queue=name) == 7
+    # A series born with its first item would hide that item from rate(): it must start at 0.
+    assert value("switchyard_queue_wait_seconds_count", queue=name) == 0
+    assert value("switchyard_queue_rejected_total", queue=name, reason="full") == 0

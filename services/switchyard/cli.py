@@ -9,6 +9,7 @@ their own arguments; this module only routes to them:
 - ``index [PATHS]``: build the vector index (switchyard.retrieval.indexer)
 - ``doctor``: check the model gateway set-up (switchyard.gateway.doctor)
 - ``bench``: load generator and A/B comparison (switchyard.bench.cli)
+- ``top``: live terminal view of a running stack from its /metrics (switchyard.top)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("switchyard.retrieval.indexer", "build the vector index (default: CPython's documentation topics)"),
     "doctor": ("switchyard.gateway.doctor", "check base URL, API key, model id and proxies of the model gateway"),
     "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format) or compare scheduler settings"),
+    "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
 }
 
 

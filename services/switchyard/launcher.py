@@ -15,21 +15,31 @@ dispatcher lives, as a deployment with replicas would.
 them through one ``ipv4:host:a,host:b,...`` target and spreads calls over them
 (agent affinity, else in turn). Without ``--free-ports`` they listen on the
 configured dispatcher port and metrics port plus 0, 1, ... N-1.
+
+Once all are healthy it writes their endpoints to the up file
+(:func:`up_file`), which ``switchyard top`` reads, and removes it on exit::
+
+    {"pid": 4242, "services": {"orchestrator": {"address": "127.0.0.1:50051",
+     "metrics_url": "http://127.0.0.1:9101/metrics", "pid": 4243}, ...}}
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.common import envs
 from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
@@ -62,6 +72,39 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def up_file() -> Path:
+    """The launcher's endpoints file: ``$SWITCHYARD_UP_FILE``, else ``<temp dir>/switchyard-<uid>/up.json``."""
+    configured = envs.SWITCHYARD_UP_FILE.get()
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
+
+
+def _write_up_file(path: Path, host: str, children: list[Child]) -> None:
+    services = {
+        c.name: {"address": f"{host}:{c.port}", "metrics_url": f"http://{host}:{c.metrics_port}/metrics",
+                 "pid": c.proc.pid}
+        for c in children
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "services": services}, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:  # the stack runs without it; only `switchyard top` needs it
+        print(f"switchyard up: cannot write {path}: {exc}; pass addresses to switchyard top as flags",
+              file=sys.stderr)
+
+
+def _remove_up_file(path: Path) -> None:
+    """Remove ``path`` if this launcher wrote it (another `switchyard up` may have replaced it)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConfig | None = None) -> bool:
@@ -171,6 +214,7 @@ def main(argv: list[str]) -> int:
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
     children: list[Child] = []
     grace = config.service.server.shutdown_grace_s
+    endpoints_file = up_file()
     try:
         for group in (ORDER[:2], ORDER[2:]):
             started = [(n, k, p, m) for n, k, p, m in plan if k in group]
@@ -205,6 +249,7 @@ def main(argv: list[str]) -> int:
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
+        _write_up_file(endpoints_file, host, children)
         reported: set[str] = set()
         while not stopping:
             for child in children:
@@ -224,6 +269,7 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         print("switchyard up: stopping", flush=True)
+        _remove_up_file(endpoints_file)
         _stop(children, grace)
         if redis is not None:
             redis.stop()

@@ -72,6 +72,11 @@ SWITCHYARD_DRAM_ADDR = EnvVar[str | None](
     "for the Redis it starts).",
 )
 SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
+SWITCHYARD_UP_FILE = EnvVar[str | None](
+    "SWITCHYARD_UP_FILE", _optional, None,
+    "Where `switchyard up` writes its endpoints and `switchyard top` reads them "
+    "(JSON; default <temp dir>/switchyard-<uid>/up.json).",
+)
 
 # Read by libraries under their standard names (listed, not parsed, here).
 STANDARD_VARIABLES = (

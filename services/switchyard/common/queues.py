@@ -46,6 +46,9 @@ class WorkQueue:
         self._workers: list[asyncio.Task[None]] = []
         self._busy = 0
         QUEUE_CAPACITY.labels(name).set(config.capacity)
+        QUEUE_WAIT.labels(name)  # the wait histogram exists (at 0) before the first item: rate() sees it grow
+        for reason in ("full", "timeout"):
+            QUEUE_REJECTED.labels(name, reason)
 
     @property
     def depth(self) -> int:

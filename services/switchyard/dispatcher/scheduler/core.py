@@ -166,6 +166,7 @@ class SchedulerCore:
             dispatcher_metrics.FLUSHES.labels(reason.label)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
         QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
+        QUEUE_WAIT.labels(QUEUE_NAME)
         for reason in ("full", "timeout"):
             QUEUE_REJECTED.labels(QUEUE_NAME, reason)
 

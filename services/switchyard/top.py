@@ -1,0 +1,410 @@
+"""``switchyard top``: a live terminal view of a running stack, read from its ``/metrics``.
+
+    switchyard top                                   # the stack `switchyard up` started (its up file)
+    switchyard top --dispatcher 10.0.0.7:9103 ...    # any endpoints, as host:port or URLs
+    switchyard top --once --json                     # one snapshot for scripts
+
+Every ``--interval`` seconds (default 1) it scrapes the three services'
+Prometheus endpoints and shows, per queue, depth, capacity and wait; batch
+size and flushes by reason; engine busy ratio, roofline efficiency and compute
+score; running and waiting sequences, preemptions and TTFT P50/P95 per priority
+class; and memory-tier bytes where the dispatcher exports them. Rates and
+quantiles cover the last interval (the difference of two scrapes); the first
+frame, and ``--once``, cover everything since each process started. It draws
+plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
+pipe; Ctrl-C ends it.
+
+Endpoints come from flags, else from the up file that ``switchyard up`` writes
+(``switchyard.launcher.up_file``), else from the configured metrics ports.
+
+Exit status: 0; 1 when ``--once`` could not reach a service (the JSON still
+says which and why); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+SERVICES = ("orchestrator", "retrieval", "dispatcher")
+CLASSES = ("core", "normal", "batch")
+QUEUES = ("orchestration", "retrieval", "inference")
+
+Key = tuple[str, tuple[tuple[str, str], ...]]
+"""A sample: its name and its sorted labels."""
+
+
+# --------------------------------------------------------------------------- scraping
+
+
+@dataclass
+class Scrape:
+    """One service's endpoint read once: its samples, or why it could not be read."""
+
+    service: str
+    url: str
+    samples: dict[Key, float] = field(default_factory=dict)
+    error: str | None = None
+    at: float = 0.0
+    """``time.monotonic()`` of the read."""
+
+
+def parse(text: str) -> dict[Key, float]:
+    """Prometheus text exposition -> ``{(sample name, sorted labels): value}``.
+
+    Raises:
+        ValueError: the text is not the Prometheus text format.
+    """
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(service: str, url: str, timeout: float = 0.8) -> Scrape:
+    """Read ``url`` once; a failure is kept in ``error`` (never raised)."""
+    now = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return Scrape(service, url, parse(response.read().decode()), at=now)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return Scrape(service, url, error=f"{type(exc).__name__}: {reason}", at=now)
+
+
+def scrape_all(endpoints: dict[str, str], pool: ThreadPoolExecutor) -> dict[str, Scrape]:
+    """Read every endpoint at once (one thread each)."""
+    futures = {name: pool.submit(scrape, name, url) for name, url in endpoints.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def metrics_url(value: str) -> str:
+    """``host:port`` or a URL -> the ``/metrics`` URL.
+
+    Raises:
+        ValueError: neither (no port).
+    """
+    if "://" in value:
+        return value if urllib.parse.urlparse(value).path not in ("", "/") else value.rstrip("/") + "/metrics"
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected host:port or a URL (got {value!r})")
+    return f"http://{host}:{port}/metrics"
+
+
+def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
+    """The metrics URL of each service, and where they came from (flags, up file or config).
+
+    Raises:
+        ValueError: a flag is not host:port or a URL (the message names the flag).
+    """
+    flagged = {}
+    for name in SERVICES:
+        raw = getattr(args, name)
+        if raw:
+            try:
+                flagged[name] = metrics_url(raw)
+            except ValueError as exc:
+                raise ValueError(f"--{name}: {exc}") from None
+    from switchyard.launcher import up_file
+
+    path = Path(args.up_file) if args.up_file else up_file()
+    found: dict[str, str] = {}
+    source = "flags"
+    if len(flagged) < len(SERVICES):
+        try:
+            recorded = json.loads(path.read_text())["services"]
+            found = {name: recorded[name]["metrics_url"] for name in SERVICES if name in recorded}
+            source = f"up file {path}"
+        except (OSError, ValueError, KeyError, TypeError):
+            from switchyard.common.config import load_config
+
+            config = load_config(args.config_dir)
+            host = config.service.server.host
+            found = {name: f"http://{host}:{getattr(config.service, name).metrics_port}/metrics" for name in SERVICES}
+            source = f"config ({path} not found)"
+    return {**found, **flagged}, source
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q``-quantile of a histogram, as PromQL's ``histogram_quantile`` computes it.
+
+    ``buckets``: ``(upper bound, cumulative count)`` pairs, any order, ``+Inf``
+    included. Linear interpolation inside the bucket that holds the rank; a rank
+    in the ``+Inf`` bucket gives the largest finite bound (Prometheus,
+    promql/quantile.go ``bucketQuantile``). None when there are no observations.
+    """
+    ordered = sorted(buckets)
+    if len(ordered) < 2 or not math.isinf(ordered[-1][0]) or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    previous_bound, previous_count = 0.0, 0.0
+    for index, (bound, count) in enumerate(ordered):
+        if count >= rank:
+            if math.isinf(bound):
+                return ordered[-2][0]
+            if index == 0 and bound <= 0:
+                return bound
+            in_bucket = count - previous_count
+            if in_bucket <= 0:
+                return bound
+            return previous_bound + (bound - previous_bound) * (rank - previous_count) / in_bucket
+        previous_bound, previous_count = bound, count
+    return ordered[-2][0]
+
+
+class Window:
+    """Values over the window between two scrapes of one service (``previous`` None: since start)."""
+
+    def __init__(self, current: Scrape, previous: Scrape | None) -> None:
+        self.current = current
+        self.previous = previous if previous is not None and not previous.error else None
+
+    def gauge(self, name: str, **labels: str) -> float | None:
+        return self.current.samples.get((name, tuple(sorted(labels.items()))))
+
+    def _matching(self, samples: dict[Key, float], name: str, labels: dict[str, str]) -> dict[Key, float]:
+        return {k: v for k, v in samples.items()
+                if k[0] == name and all(dict(k[1]).get(lk) == lv for lk, lv in labels.items())}
+
+    def increase(self, name: str, **labels: str) -> float | None:
+        """Sum over matching series of their increase in the window (a reset counts from 0)."""
+        now = self._matching(self.current.samples, name, labels)
+        if not now:
+            return None
+        before = self._matching(self.previous.samples, name, labels) if self.previous else {}
+        total = 0.0
+        for key, value in now.items():
+            old = before.get(key, 0.0)
+            total += value - old if value >= old else value
+        return total
+
+    def quantile(self, q: float, name: str, **labels: str) -> float | None:
+        """``q``-quantile of histogram ``name`` over the window (bucket increases summed across series)."""
+        per_bound: dict[float, float] = {}
+        now = self._matching(self.current.samples, f"{name}_bucket", labels)
+        before = self._matching(self.previous.samples, f"{name}_bucket", labels) if self.previous else {}
+        for key, value in now.items():
+            bound = float(dict(key[1])["le"])
+            old = before.get(key, 0.0)
+            per_bound[bound] = per_bound.get(bound, 0.0) + (value - old if value >= old else value)
+        return histogram_quantile(q, list(per_bound.items()))
+
+    def label_values(self, name: str, label: str) -> list[str]:
+        return sorted({dict(k[1])[label] for k in self.current.samples if k[0] == name and label in dict(k[1])})
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = None) -> dict[str, Any]:
+    """What ``top`` shows, as JSON-ready data (seconds, bytes, ratios 0-1; None where unknown).
+
+    Keys: ``window_s`` (None: since each process started), ``services`` (url,
+    up, error), ``queues`` (per queue: depth, capacity, saturation, wait_p50_s,
+    wait_p95_s, rejected), ``batch`` (mean_size, p95_size, flushes by reason),
+    ``engine`` (busy_ratio, roofline_efficiency, compute_score,
+    gpu_utilization_ratio), ``classes`` (per priority class: running, waiting,
+    preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
+    ``tiers`` (bytes per tier gauge, once the dispatcher exports any).
+    """
+    prev = previous or {}
+    windows = {name: Window(s, prev.get(name)) for name, s in current.items() if not s.error}
+    gaps = [s.at - prev[n].at for n, s in current.items() if n in prev and not s.error and not prev[n].error]
+    out: dict[str, Any] = {
+        "window_s": round(min(gaps), 3) if gaps and previous else None,
+        "services": {n: {"url": s.url, "up": s.error is None, "error": s.error} for n, s in current.items()},
+    }
+    queues: dict[str, Any] = {}
+    for w in windows.values():
+        for queue in w.label_values("switchyard_queue_depth", "queue"):
+            depth, capacity = w.gauge("switchyard_queue_depth", queue=queue), w.gauge("switchyard_queue_capacity", queue=queue)
+            queues[queue] = {
+                "depth": depth, "capacity": capacity, "saturation": _ratio(depth, capacity),
+                "wait_p50_s": w.quantile(0.5, "switchyard_queue_wait_seconds", queue=queue),
+                "wait_p95_s": w.quantile(0.95, "switchyard_queue_wait_seconds", queue=queue),
+                "rejected": {r: w.increase("switchyard_queue_rejected_total", queue=queue, reason=r) or 0.0
+                             for r in ("full", "timeout")},
+            }
+    out["queues"] = {q: queues[q] for q in sorted(queues, key=lambda q: (QUEUES + (q,)).index(q))}
+    d = windows.get("dispatcher")
+    if d is not None:
+        tokens, busy = d.increase("switchyard_generated_tokens_total"), d.increase("switchyard_engine_busy_seconds_total")
+        bound = d.gauge("switchyard_engine_decode_bound_tokens_per_second")
+        per_busy = _ratio(tokens, busy)
+        out["batch"] = {
+            "mean_size": _ratio(d.increase("switchyard_batch_size_sum"), d.increase("switchyard_batch_size_count")),
+            "p95_size": d.quantile(0.95, "switchyard_batch_size"),
+            "flushes": {r: d.increase("switchyard_flushes_total", reason=r) or 0.0
+                        for r in d.label_values("switchyard_flushes_total", "reason")},
+        }
+        out["engine"] = {
+            "busy_ratio": d.gauge("switchyard_engine_busy_ratio"),
+            "roofline_efficiency": per_busy / bound if per_busy is not None and bound else None,
+            "compute_score": d.gauge("switchyard_compute_score"),
+            "gpu_utilization_ratio": d.gauge("switchyard_gpu_utilization_ratio"),
+        }
+        out["classes"] = {
+            c: {
+                "running": d.gauge("switchyard_running_agents", priority_class=c),
+                "waiting": d.gauge("switchyard_waiting_agents", priority_class=c),
+                "preemptions": d.increase("switchyard_preemptions_total", priority_class=c),
+                "ttft_p50_s": d.quantile(0.5, "switchyard_ttft_seconds", priority_class=c),
+                "ttft_p95_s": d.quantile(0.95, "switchyard_ttft_seconds", priority_class=c),
+                "ttft_count": d.increase("switchyard_ttft_seconds_count", priority_class=c),
+            }
+            for c in CLASSES
+        }
+        # Memory tiers: any dispatcher gauge named switchyard_*tier*_bytes, by its labels.
+        out["tiers"] = {
+            name + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else ""): value
+            for (name, labels), value in sorted(d.current.samples.items())
+            if "tier" in name and name.endswith("_bytes")
+        }
+    o = windows.get("orchestrator")
+    out["tasks_in_flight"] = o.gauge("switchyard_agents_concurrent") if o is not None else None
+    return out
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _s(value: float | None) -> str:
+    """Seconds, in the unit that reads best."""
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _n(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{100 * value:.0f} %"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "-"
+
+
+def render(snap: dict[str, Any], source: str) -> Any:
+    """The snapshot as rich renderables (one group)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    window = "since start" if snap["window_s"] is None else f"last {snap['window_s']:.1f} s"
+    status = "  ".join(
+        f"[green]{n}[/]" if s["up"] else f"[red]{n} down[/] ({s['error']})" for n, s in snap["services"].items()
+    )
+    head = Text.from_markup(f"[bold]switchyard top[/]  {status}  [dim]{window}; endpoints from {source}[/]")
+    parts: list[Any] = [head]
+
+    queues = Table(title="queues", title_justify="left", expand=False)
+    for col in ("queue", "depth", "capacity", "saturation", "wait P50", "wait P95", "rejected full", "rejected timeout"):
+        queues.add_column(col, justify="left" if col == "queue" else "right")
+    for name, q in snap["queues"].items():
+        queues.add_row(name, _n(q["depth"]), _n(q["capacity"]), _pct(q["saturation"]), _s(q["wait_p50_s"]),
+                       _s(q["wait_p95_s"]), _n(q["rejected"]["full"]), _n(q["rejected"]["timeout"]))
+    parts.append(queues)
+
+    if "engine" in snap:
+        e, b = snap["engine"], snap["batch"]
+        flushes = ", ".join(f"{r} {_n(v)}" for r, v in b["flushes"].items()) or "-"
+        parts.append(Text(
+            f"engine  busy {_pct(e['busy_ratio'])}   roofline efficiency {_pct(e['roofline_efficiency'])}   "
+            f"compute score {_n(e['compute_score'], 1)}   GPU util {_pct(e['gpu_utilization_ratio'])}\n"
+            f"batch   mean {_n(b['mean_size'], 1)}   P95 {_n(b['p95_size'], 1)}   flushes: {flushes}\n"
+            f"tasks in flight {_n(snap['tasks_in_flight'])}"
+        ))
+        work = Table(title="priority classes", title_justify="left")
+        for col in ("class", "running", "waiting", "preemptions", "TTFT P50", "TTFT P95", "first tokens"):
+            work.add_column(col, justify="left" if col == "class" else "right")
+        for c, v in snap["classes"].items():
+            work.add_row(c, _n(v["running"]), _n(v["waiting"]), _n(v["preemptions"]), _s(v["ttft_p50_s"]),
+                         _s(v["ttft_p95_s"]), _n(v["ttft_count"]))
+        parts.append(work)
+        if snap["tiers"]:
+            tiers = Table(title="memory tiers", title_justify="left")
+            tiers.add_column("series")
+            tiers.add_column("bytes", justify="right")
+            for name, value in snap["tiers"].items():
+                tiers.add_row(name, _bytes(value))
+            parts.append(tiers)
+    return Group(*parts)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="switchyard top", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in SERVICES:
+        parser.add_argument(f"--{name}", metavar="ADDR", help=f"{name} metrics endpoint: host:port or URL")
+    parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: $SWITCHYARD_UP_FILE "
+                        "or <temp dir>/switchyard-<uid>/up.json)")
+    parser.add_argument("--config-dir", help="config folder for the fallback ports (default: $SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
+    args = parser.parse_args(argv)
+    if args.json and not args.once:
+        parser.error("--json: expected together with --once (a live view is not JSON)")
+    if not 0.1 <= args.interval <= 60:
+        parser.error(f"--interval: expected seconds in [0.1, 60] (got {args.interval})")
+    try:
+        endpoints, source = endpoints_from(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    with ThreadPoolExecutor(max_workers=len(SERVICES)) as pool:
+        if args.once:
+            snap = snapshot(scrape_all(endpoints, pool))
+            if args.json:
+                print(json.dumps(snap, indent=2))
+            else:
+                from rich.console import Console
+
+                Console().print(render(snap, source))
+            return 0 if all(s["up"] for s in snap["services"].values()) else 1
+
+        from rich.live import Live
+
+        previous = None
+        current = scrape_all(endpoints, pool)
+        try:
+            with Live(render(snapshot(current), source), auto_refresh=False) as live:
+                while True:
+                    time.sleep(max(0.0, args.interval - (time.monotonic() - current[SERVICES[0]].at)))
+                    previous, current = current, scrape_all(endpoints, pool)
+                    live.update(render(snapshot(current, previous), source), refresh=True)
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
