@@ -381,6 +381,13 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    if not args.json:
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            print("switchyard top: the live view needs rich: pip install 'switchyard[top]' "
+                  "(or use --once --json)", file=sys.stderr)
+            return 2
     with ThreadPoolExecutor(max_workers=len(SERVICES)) as pool:
         if args.once:
             snap = snapshot(scrape_all(endpoints, pool))
