@@ -245,6 +245,7 @@ def test_promtool_accepts_each_services_scrape(stack: UpStack, loaded: Prometheu
 
 def _top(*args: str, up_file: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SWITCHYARD_UP_FILE": str(up_file)}
+    env["COLUMNS"] = "160"
     return subprocess.run([sys.executable, "-m", "switchyard.cli", "top", *args],
                           capture_output=True, text=True, env=env, timeout=60)
 
@@ -278,3 +279,11 @@ def test_top_once_json_takes_addresses_as_flags_and_names_a_service_it_cannot_re
     assert snap["services"]["orchestrator"]["url"] == f"http://{dead}/metrics"
     assert "Connection refused" in snap["services"]["orchestrator"]["error"]
     assert snap["services"]["dispatcher"]["up"] and snap["classes"]["batch"]["ttft_count"] == TASKS_PER_CLASS
+
+
+def test_top_live_view_refreshes_from_the_stack_and_ends_after_its_frames(stack: UpStack, loaded: Prometheus) -> None:
+    # Not a terminal here, so rich prints the last frame once: a window between two scrapes.
+    out = _top("--frames", "2", "--interval", "0.2", up_file=stack.up_file)
+    assert out.returncode == 0, out.stderr
+    assert "switchyard top" in out.stdout and "priority classes" in out.stdout and "inference" in out.stdout
+    assert "since start" not in out.stdout and " s; endpoints from up file" in out.stdout, out.stdout

@@ -371,9 +371,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
+    parser.add_argument("--frames", type=int, default=0, help="stop after this many refreshes (default 0: until Ctrl-C)")
     args = parser.parse_args(argv)
     if args.json and not args.once:
         parser.error("--json: expected together with --once (a live view is not JSON)")
+    if args.frames < 0:
+        parser.error(f"--frames: expected a count >= 0 (got {args.frames})")
     if not 0.1 <= args.interval <= 60:
         parser.error(f"--interval: expected seconds in [0.1, 60] (got {args.interval})")
     try:
@@ -401,16 +404,18 @@ def main(argv: list[str]) -> int:
 
         from rich.live import Live
 
-        previous = None
         current = scrape_all(endpoints, pool)
+        frames = 0
         try:
             with Live(render(snapshot(current), source), auto_refresh=False) as live:
-                while True:
+                while not args.frames or frames < args.frames:
                     time.sleep(max(0.0, args.interval - (time.monotonic() - current[SERVICES[0]].at)))
                     previous, current = current, scrape_all(endpoints, pool)
                     live.update(render(snapshot(current, previous), source), refresh=True)
+                    frames += 1
         except KeyboardInterrupt:
-            return 0
+            pass
+        return 0
 
 
 if __name__ == "__main__":
