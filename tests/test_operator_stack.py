@@ -245,7 +245,7 @@ def test_promtool_accepts_each_services_scrape(stack: UpStack, loaded: Prometheu
 
 def _top(*args: str, up_file: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SWITCHYARD_UP_FILE": str(up_file)}
-    env["COLUMNS"] = "160"
+    env["COLUMNS"] = "300"  # one line per header, whatever the temp path
     return subprocess.run([sys.executable, "-m", "switchyard.cli", "top", *args],
                           capture_output=True, text=True, env=env, timeout=60)
 
