@@ -54,22 +54,10 @@ dashboard = _load("deploy_grafana_dashboard", REPO / "deploy" / "grafana" / "das
 
 
 @pytest.fixture(scope="module")
-def small_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from switchyard.common.config import load_config
-    from switchyard.retrieval.indexer import build_index
-
-    docs = tmp_path_factory.mktemp("docs")
-    (docs / "with.md").write_text("# The with statement\n\nThe with statement wraps a block with the methods "
-                                  "of a context manager: __enter__ before it, __exit__ after it.\n")
-    out = tmp_path_factory.mktemp("small-index")
-    build_index([str(docs)], out, load_config(REPO / "config"), progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def stack(small_index: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(pydoc_index_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`switchyard up --free-ports` on the session's index (test_e2e builds the same one)."""
     up_file = tmp_path_factory.mktemp("up") / "up.json"
-    s = UpStack(small_index, env={"SWITCHYARD_UP_FILE": str(up_file)})
+    s = UpStack(pydoc_index_dir, env={"SWITCHYARD_UP_FILE": str(up_file)})
     s.up_file = up_file  # type: ignore[attr-defined]
     try:
         s.wait_ready()
