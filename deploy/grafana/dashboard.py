@@ -8,6 +8,9 @@ Prometheus data source that scrapes the three services. Rows: engine, queues,
 latency, work, tasks, services, memory. Template variables: ``datasource``,
 ``namespace`` and ``instance`` (both multi-select, "All" = every value).
 
+The memory row holds the device memory kept outside running work and the
+DRAM tier (Redis) the orchestrators use.
+
 Panels over per-instance series (gauges, counters) honour both ``namespace``
 and ``instance``. The quantile panels read the recording rules of
 ``deploy/prometheus/switchyard-rules.yaml`` (bucket rates summed per namespace,
@@ -187,6 +190,15 @@ def rows() -> list[tuple[str, list]]:
                  (f"sum by (instance) (switchyard_parked_kv_bytes{{{SEL}}})", "parked agents {{instance}}")]),
         _series("Parked agents", "react_loop agents waiting on a tool with their prefix state kept warm.", "short",
                 [(f"sum by (instance) (switchyard_parked_agents{{{SEL}}})", "{{instance}}")]),
+        _series("DRAM tier (Redis)", "1 while the DRAM tier's Redis answers each orchestrator (agent memory, the "
+                "redis task store); outages and operations that went on without the tier, per second.", "short",
+                [(f"switchyard_dram_up{{{SEL}}}", "up {{instance}}"),
+                 (f"sum by (instance) (rate(switchyard_dram_outages_total{{{SEL}}}[{RATE}]))", "outages/s {{instance}}"),
+                 (f"sum by (instance) (rate(switchyard_dram_degraded_operations_total{{{SEL}}}[{RATE}]))",
+                  "degraded ops/s {{instance}}")]),
+        _series("Agent memory recalls by outcome", "Tasks with an agent_id by what their memory gave: hit, miss "
+                "(none, or the DRAM tier was down), dropped (left out to fit the context window), per second.", "ops",
+                [(f"sum by (outcome) (rate(switchyard_agent_memory_recalls_total{{{SEL}}}[{RATE}]))", "{{outcome}}")]),
     ]
     return [("Engine", engine), ("Queues", queues), ("Latency", latency), ("Work", work),
             ("Tasks", tasks), ("Services", services), ("Memory", memory)]

@@ -8,7 +8,8 @@ Every ``--interval`` seconds (default 1) it scrapes the three services'
 Prometheus endpoints and shows, per queue, depth, capacity and wait; batch
 size and flushes by reason; engine busy ratio, roofline efficiency and compute
 score; running and waiting sequences, preemptions and TTFT P50/P95 per priority
-class; and memory-tier bytes where the dispatcher exports them. Rates and
+class; the DRAM tier's state (up, outages, degraded operations) and
+memory-tier bytes where the services export them. Rates and
 quantiles cover the last interval (the difference of two scrapes); the first
 frame, and ``--once``, cover everything since each process started. It draws
 plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
@@ -222,7 +223,9 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     ``engine`` (busy_ratio, roofline_efficiency, compute_score,
     gpu_utilization_ratio), ``classes`` (per priority class: running, waiting,
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
-    ``tiers`` (bytes per tier gauge, once the dispatcher exports any).
+    ``tiers`` (bytes per tier gauge, once the dispatcher exports any),
+    ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
+    outages, degraded_operations; None without an orchestrator scrape).
     """
     prev = previous or {}
     windows = {name: Window(s, prev.get(name)) for name, s in current.items() if not s.error}
@@ -279,6 +282,11 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
         }
     o = windows.get("orchestrator")
     out["tasks_in_flight"] = o.gauge("switchyard_agents_concurrent") if o is not None else None
+    out["dram"] = None if o is None or o.gauge("switchyard_dram_up") is None else {
+        "up": o.gauge("switchyard_dram_up") == 1,
+        "outages": o.increase("switchyard_dram_outages_total"),
+        "degraded_operations": o.increase("switchyard_dram_degraded_operations_total"),
+    }
     return out
 
 
@@ -310,6 +318,14 @@ def _bytes(value: float | None) -> str:
     return "-"
 
 
+def _dram_line(dram: dict[str, Any] | None) -> str:
+    if dram is None:
+        return ""
+    state = "up" if dram["up"] else "DOWN"
+    return (f"   DRAM tier {state}, outages {_n(dram['outages'])}, "
+            f"degraded operations {_n(dram['degraded_operations'])}")
+
+
 def render(snap: dict[str, Any], source: str) -> Any:
     """The snapshot as rich renderables (one group)."""
     from rich.console import Group
@@ -338,7 +354,7 @@ def render(snap: dict[str, Any], source: str) -> Any:
             f"engine  busy {_pct(e['busy_ratio'])}   roofline efficiency {_pct(e['roofline_efficiency'])}   "
             f"compute score {_n(e['compute_score'], 1)}   GPU util {_pct(e['gpu_utilization_ratio'])}\n"
             f"batch   mean {_n(b['mean_size'], 1)}   P95 {_n(b['p95_size'], 1)}   flushes: {flushes}\n"
-            f"tasks in flight {_n(snap['tasks_in_flight'])}"
+            f"tasks in flight {_n(snap['tasks_in_flight'])}" + _dram_line(snap["dram"])
         ))
         work = Table(title="priority classes", title_justify="left")
         for col in ("class", "running", "waiting", "preemptions", "TTFT P50", "TTFT P95", "first tokens"):
