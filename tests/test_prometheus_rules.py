@@ -33,7 +33,8 @@ rules = _load_generator()
 
 def test_rule_file_is_generated_from_the_current_config() -> None:
     expected = rules.render(load_config(REPO / "config").service.slo.ttft)
-    assert RULES.read_text() == expected, "deploy/prometheus/switchyard-rules.yaml is stale: run python deploy/prometheus/rules.py"
+    assert RULES.read_text() == expected, (
+        "deploy/prometheus/switchyard-rules.yaml is stale: run python deploy/prometheus/rules.py")
 
 
 def test_burn_thresholds_follow_the_configured_objective() -> None:

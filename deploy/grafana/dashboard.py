@@ -176,7 +176,7 @@ def rows() -> list[tuple[str, list]]:
                   "{{service}} {{instance}}")], width=8),
         _series("Event-loop lag P99", "How much later than asked each service's event loop woke: time it was "
                 "blocked by CPU work.", "s",
-                [(f"histogram_quantile(0.99, sum by (service, le) ("
+                [("histogram_quantile(0.99, sum by (service, le) ("
                   + _per_service(f"rate(switchyard_event_loop_lag_seconds_bucket{{{SEL}}}[{RATE}])") + "))",
                   "{{service}}")], width=8),
         _series("Ready replicas", "Replicas whose gRPC health check answers SERVING, per service; "

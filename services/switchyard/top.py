@@ -237,7 +237,8 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     queues: dict[str, Any] = {}
     for w in windows.values():
         for queue in w.label_values("switchyard_queue_depth", "queue"):
-            depth, capacity = w.gauge("switchyard_queue_depth", queue=queue), w.gauge("switchyard_queue_capacity", queue=queue)
+            depth = w.gauge("switchyard_queue_depth", queue=queue)
+            capacity = w.gauge("switchyard_queue_capacity", queue=queue)
             queues[queue] = {
                 "depth": depth, "capacity": capacity, "saturation": _ratio(depth, capacity),
                 "wait_p50_s": w.quantile(0.5, "switchyard_queue_wait_seconds", queue=queue),
@@ -383,7 +384,8 @@ def main(argv: list[str]) -> int:
         parser.add_argument(f"--{name}", metavar="ADDR", help=f"{name} metrics endpoint: host:port or URL")
     parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: $SWITCHYARD_UP_FILE "
                         "or <temp dir>/switchyard-<uid>/up.json)")
-    parser.add_argument("--config-dir", help="config folder for the fallback ports (default: $SWITCHYARD_CONFIG_DIR or config/)")
+    parser.add_argument("--config-dir",
+                        help="config folder for the fallback ports (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
