@@ -139,7 +139,7 @@ def slo_alerts(slo: Any) -> list[dict[str, Any]]:
 
 
 def other_alerts() -> list[dict[str, Any]]:
-    """Saturation, a stuck autoscaling signal, a failing upstream and no ready dispatcher."""
+    """Saturation, a stuck autoscaling signal, an upstream circuit left open or failing, no ready dispatcher."""
     return [
         {
             "alert": "SwitchyardQueueSaturated",
@@ -196,8 +196,21 @@ def other_alerts() -> list[dict[str, Any]]:
             },
         },
         {
-            # No circuit breaker exists, so no metric says a circuit is open. The closest
-            # signal is the gateway's own failure ratio toward one upstream model.
+            "alert": "SwitchyardUpstreamCircuitOpen",
+            "expr": "max by (namespace, instance, model) (avg_over_time(switchyard_gateway_circuit_open[10m])) >= 0.9",
+            "for": "1m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "The circuit of upstream model {{ $labels.model }} has been left open on {{ $labels.instance }}",
+                "description": (
+                    "The gateway's circuit breaker (model_gateway.cooldown) has kept {{ $labels.model }} open "
+                    "{{ $value | humanizePercentage }} of the last 10 minutes: each trial after cooldown_s failed "
+                    "again, so its requests go to the fallback model or fail. `switchyard doctor` checks the "
+                    "base URL, key, model id and proxies."
+                ),
+            },
+        },
+        {
             "alert": "SwitchyardUpstreamFailing",
             "expr": (
                 'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!="ok"}[5m]))\n'
@@ -206,15 +219,13 @@ def other_alerts() -> list[dict[str, Any]]:
                 "> 0.5"
             ),
             "for": "10m",
-            "labels": {"severity": "page"},
+            "labels": {"severity": "warning"},
             "annotations": {
                 "summary": "Upstream model {{ $labels.model }} fails most calls from {{ $labels.instance }}",
                 "description": (
                     "{{ $value | humanizePercentage }} of chat completions sent to {{ $labels.model }} have "
-                    "failed for 10 minutes (the upstream is, in effect, a circuit left open). The gateway has "
-                    "no circuit breaker and exports no circuit state; this reads "
-                    "switchyard_gateway_requests_total by outcome. `switchyard doctor` checks the base URL, "
-                    "key, model id and proxies."
+                    "failed for 10 minutes without its circuit staying open (failures interleaved with "
+                    "successes, or model_gateway.cooldown disabled); switchyard_gateway_requests_total by outcome."
                 ),
             },
         },
