@@ -251,6 +251,7 @@ def test_top_once_json_reads_the_stack_the_launcher_started(stack: UpStack, load
     assert snap["batch"]["mean_size"] >= 1 and sum(snap["batch"]["flushes"].values()) >= 1
     assert 0 < snap["engine"]["roofline_efficiency"] <= 1
     assert snap["dram"] == {"up": True, "outages": 0, "degraded_operations": 0}  # `switchyard up` starts its Redis
+    assert {f"switchyard_tier_bytes{{tier={t}}}" for t in ("hbm", "dram", "cold")} <= set(snap["tiers"])
     # top's quantile is PromQL's: the same buckets give Prometheus' own histogram_quantile.
     promql = loaded.query('histogram_quantile(0.95, sum by (le) (switchyard_ttft_seconds_bucket{priority_class="core"}))')
     assert snap["classes"]["core"]["ttft_p95_s"] == pytest.approx(float(promql[0]["value"][1]), rel=1e-9)

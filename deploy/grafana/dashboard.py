@@ -8,8 +8,8 @@ Prometheus data source that scrapes the three services. Rows: engine, queues,
 latency, work, tasks, services, memory. Template variables: ``datasource``,
 ``namespace`` and ``instance`` (both multi-select, "All" = every value).
 
-The memory row holds the device memory kept outside running work and the
-DRAM tier (Redis) the orchestrators use.
+The memory row holds the memory tiers (bytes and traffic per tier), the device
+memory kept outside running work and the DRAM tier (Redis) the orchestrators use.
 
 Panels over per-instance series (gauges, counters) honour both ``namespace``
 and ``instance``. The quantile panels read the recording rules of
@@ -184,6 +184,15 @@ def rows() -> list[tuple[str, list]]:
                 [(f"sum by (service) (switchyard_serving{{{SEL}}})", "{{service}}")], width=8),
     ]
     memory = [
+        _series("Bytes per memory tier", "KV state held in each tier (hbm, dram, cold), per dispatcher.", "bytes",
+                [(f"sum by (tier) (switchyard_tier_bytes{{{SEL}}})", "{{tier}}")]),
+        _series("Memory-tier traffic", "Per second, per tier: lookups that found KV state (hits) or not (misses), "
+                "evictions, promotions and demotions; KV allocations a tier move saved (OOMs avoided) and OOMs.",
+                "ops",
+                [(f"sum by (tier) (rate(switchyard_tier_{kind}_total{{{SEL}}}[{RATE}]))", f"{{{{tier}}}} {kind}")
+                 for kind in ("hits", "misses", "evictions", "promotions", "demotions")]
+                + [(f"sum(rate(switchyard_kv_oom_avoided_total{{{SEL}}}[{RATE}]))", "OOMs avoided"),
+                   (f"sum(rate(switchyard_kv_oom_total{{{SEL}}}[{RATE}]))", "OOMs")]),
         _series("Device memory held outside running work", "Prefix-cache blocks and the prefix state of agents "
                 "parked on a tool call (both evicted first when running work needs room).", "bytes",
                 [(f"sum by (instance) (switchyard_prefix_cache_bytes{{{SEL}}})", "prefix cache {{instance}}"),

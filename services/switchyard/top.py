@@ -9,7 +9,7 @@ Prometheus endpoints and shows, per queue, depth, capacity and wait; batch
 size and flushes by reason; engine busy ratio, roofline efficiency and compute
 score; running and waiting sequences, preemptions and TTFT P50/P95 per priority
 class; the DRAM tier's state (up, outages, degraded operations) and
-memory-tier bytes where the services export them. Rates and
+the bytes held in each memory tier. Rates and
 quantiles cover the last interval (the difference of two scrapes); the first
 frame, and ``--once``, cover everything since each process started. It draws
 plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
