@@ -14,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from switchyard.common.metrics import TTFT_BUCKETS
+from switchyard.common.priority import LABELS as PRIORITY_LABELS
 
 # Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -32,7 +33,7 @@ FLUSHES = Counter(
 ENGINE_BUSY_RATIO = Gauge(
     "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
 )
-PRIORITY_CLASSES = ("core", "normal", "batch")
+PRIORITY_CLASSES = PRIORITY_LABELS
 """The priority classes: the only ``priority_class`` label values."""
 TTFT = Histogram(
     "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced, by priority class.",
