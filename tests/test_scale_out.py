@@ -23,7 +23,8 @@ DISPATCHERS = ("dispatcher", "dispatcher-2", "dispatcher-3")
 def served(stack: UpStack, name: str) -> float:
     """Generate calls that got a first token on one dispatcher (its switchyard_ttft_seconds_count)."""
     text = urllib.request.urlopen(stack.metrics_url(name), timeout=10).read().decode()
-    return float(re.search(r"^switchyard_ttft_seconds_count (\S+)$", text, flags=re.M).group(1))
+    # Summed over priority classes (the histogram is labelled by priority_class).
+    return sum(float(v) for v in re.findall(r"^switchyard_ttft_seconds_count\{[^}]*\} (\S+)$", text, flags=re.M))
 
 
 def pid(stack: UpStack, name: str) -> int:
