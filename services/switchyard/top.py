@@ -38,6 +38,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from switchyard.common.cli_text import parser_for
+
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
 CLASSES = ("core", "normal", "batch")
 QUEUES = ("orchestration", "retrieval", "inference")
@@ -378,8 +380,7 @@ def render(snap: dict[str, Any], source: str) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="switchyard top", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_for("switchyard top", __doc__)
     for name in SERVICES:
         parser.add_argument(f"--{name}", metavar="ADDR", help=f"{name} metrics endpoint: host:port or URL")
     parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: $SWITCHYARD_UP_FILE "
