@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
+from switchyard.launcher import UpProcess
 
-class UpStack:
-    """``switchyard up --free-ports`` on ``index_dir``; output collected on a thread.
 
-    ``env`` adds variables, ``args`` options of ``switchyard up``; the caller's ``OTEL_*`` variables are dropped so that
-    only a test that asks for tracing gets it.
-    """
+class UpStack(UpProcess):
+    """``switchyard up --free-ports`` on ``index_dir`` (see :class:`switchyard.launcher.UpProcess`),
+    with lookups by service name for tests."""
 
     def __init__(self, index_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        full = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
-        full.update(SWITCHYARD_INDEX_DIR=str(index_dir), PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Try: switchyard run"):
-                self.ready.set()
+        super().__init__(str(index_dir), env, args)
 
     def _line(self, name: str) -> re.Match[str]:
         for line in self.lines:
@@ -60,11 +39,3 @@ class UpStack:
             self.stop()
             raise AssertionError("switchyard up did not become healthy:\n" + "".join(self.lines))
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()

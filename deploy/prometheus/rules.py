@@ -293,15 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from switchyard.common.config import load_config
 
+    from switchyard.common.generated import write_or_check
+
     text = render(load_config(args.config_dir).service.slo.ttft)
-    if args.check:
-        if not OUT.is_file() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python deploy/prometheus/rules.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(OUT, text, check=args.check, root=ROOT, command="python deploy/prometheus/rules.py")
 
 
 if __name__ == "__main__":

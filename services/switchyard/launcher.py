@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,3 +275,54 @@ def main(argv: list[str]) -> int:
         _stop(children, grace)
         if redis is not None:
             redis.stop()
+
+
+class UpProcess:
+    """``switchyard up --free-ports`` as a child process, its output read on a thread (benchmarks, tests).
+
+    Args:
+        index_dir: the retrieval index (``SWITCHYARD_INDEX_DIR``); None: the config's.
+        env: variables to add; the caller's ``OTEL_*`` variables are dropped, so tracing is on only
+            when ``env`` asks for it.
+        args: options of ``switchyard up`` (e.g. ``("--dispatchers", "3")``).
+    """
+
+    def __init__(self, index_dir: str | None = None, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+        full = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
+        full["PYTHONUNBUFFERED"] = "1"
+        if index_dir:
+            full["SWITCHYARD_INDEX_DIR"] = str(index_dir)
+        full.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        """Set once every service answered its health check ("Try: switchyard run" printed)."""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("Try: switchyard run"):
+                self.ready.set()
+
+    def endpoints(self) -> dict[str, tuple[str, str, int]]:
+        """Service name -> (address, metrics URL, pid), as printed (``dispatcher-1`` ... with --dispatchers)."""
+        out = {}
+        for line in self.lines:
+            if m := re.match(r"\s+(\S+)\s+(\S+:\d+)\s+metrics (\S+) \(pid (\d+)\)", line):
+                out[m.group(1)] = (m.group(2), m.group(3), int(m.group(4)))
+        return out
+
+    def stop(self) -> int:
+        """SIGTERM (the stack drains), then wait; killed after 60 s. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

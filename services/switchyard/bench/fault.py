@@ -29,9 +29,7 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -42,6 +40,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
+from switchyard.launcher import UpProcess
 
 
 @dataclass
@@ -207,45 +206,6 @@ async def run_fault(orchestrator: str, dispatchers: dict[str, tuple[str, str, in
     return report
 
 
-class _Stack:
-    """``switchyard up --free-ports --dispatchers N`` with its output read on a thread."""
-
-    def __init__(self, dispatchers: int, index_dir: str | None) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        if index_dir:
-            env["SWITCHYARD_INDEX_DIR"] = index_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", "--dispatchers", str(dispatchers)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("Try: switchyard run"):
-                self.ready.set()
-
-    def endpoints(self) -> dict[str, tuple[str, str, int]]:
-        out = {}
-        for line in self.lines:
-            if m := re.match(r"\s+(\S+)\s+(\S+:\d+)\s+metrics (\S+) \(pid (\d+)\)", line):
-                out[m.group(1)] = (m.group(2), m.group(3), int(m.group(4)))
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench fault``."""
     parser = argparse.ArgumentParser(prog="switchyard bench fault", description=__doc__,
@@ -263,7 +223,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--dispatchers: expected at least 2 (one is killed), got {args.dispatchers}")
     if not 0 < args.kill_at < args.duration:
         parser.error(f"--kill-at: expected between 0 and --duration ({args.duration}), got {args.kill_at}")
-    stack = _Stack(args.dispatchers, args.index_dir)
+    stack = UpProcess(args.index_dir, args=("--dispatchers", str(args.dispatchers)))
     try:
         if not stack.ready.wait(300):
             print("switchyard bench fault: the stack did not become healthy:\n" + "".join(stack.lines), file=sys.stderr)
