@@ -366,7 +366,8 @@ async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everythin
         await _until(lambda: _count(TASKS, task_type="chat", code="DEADLINE_EXCEEDED") == before + 1)
         assert AGENTS_CONCURRENT._value.get() == concurrent
         assert down.cancelled == ["dropped:0"]
-        assert 0 < down.deadlines[0] <= LIMITS["chat"]  # the task's deadline reached the dispatcher call
+        # the task's deadline reached the dispatcher call (grpc-timeout's encoding rounds up a little)
+        assert 0 < down.deadlines[0] <= LIMITS["chat"] + 0.1
 
 
 async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit():
