@@ -44,6 +44,7 @@ from switchyard.bench.gpu import GpuSampler
 from switchyard.bench.loadgen import LoadPlan, LoadResult, run_load
 from switchyard.bench.report import build_report, percentile
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.errors import SwitchyardError
 from switchyard.common.server import RunningServer, start_server
 
 log = logging.getLogger(__name__)
@@ -498,7 +499,7 @@ def main(argv: list[str]) -> int:
 
     try:
         rows = uvloop.run(compare(args, plan, base))
-    except (RuntimeError, OSError, ConfigError) as exc:
+    except (RuntimeError, OSError, ConfigError, SwitchyardError) as exc:  # e.g. no index: the message says the fix
         print(f"switchyard bench compare: {exc}", file=sys.stderr)
         return 1
     return 0 if rows and all(r["count"] for r in rows) else 1
