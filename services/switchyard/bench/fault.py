@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -100,9 +100,10 @@ class FaultReport:
 
 
 def _metric(url: str, name: str) -> float:
+    """The sample ``name`` summed over all its label sets (e.g. every priority class of a histogram's count)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)
-    return float(match.group(1)) if match else 0.0
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
 
 
 async def _worker(stub: Any, wid: int, t0: float, stop_at: float, max_tokens: int, calls: list[Call]) -> None:
