@@ -215,21 +215,19 @@ def rows() -> list[tuple[str, list]]:
             ("Tasks", tasks), ("Services", services), ("Memory", memory)]
 
 
+def _multi_variable(name: str, query: str) -> dash.QueryVariable:
+    """A multi-select query variable over label values, "All" selected by default."""
+    return (
+        dash.QueryVariable(name).label(name).datasource(DATASOURCE).query(query)
+        .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(models.VariableSort.ALPHABETICAL_ASC)
+        .multi(True).include_all(True).all_value(".*")
+        .current(models.VariableOption(selected=True, text="All", value="$__all"))
+    )
+
+
 def _variables() -> list:
-    ns = (
-        dash.QueryVariable("namespace").label("namespace").datasource(DATASOURCE)
-        .query("label_values(switchyard_service_info, namespace)")
-        .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(models.VariableSort.ALPHABETICAL_ASC)
-        .multi(True).include_all(True).all_value(".*")
-        .current(models.VariableOption(selected=True, text="All", value="$__all"))
-    )
-    inst = (
-        dash.QueryVariable("instance").label("instance").datasource(DATASOURCE)
-        .query('label_values(switchyard_service_info{namespace=~"$namespace"}, instance)')
-        .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(models.VariableSort.ALPHABETICAL_ASC)
-        .multi(True).include_all(True).all_value(".*")
-        .current(models.VariableOption(selected=True, text="All", value="$__all"))
-    )
+    ns = _multi_variable("namespace", "label_values(switchyard_service_info, namespace)")
+    inst = _multi_variable("instance", 'label_values(switchyard_service_info{namespace=~"$namespace"}, instance)')
     source = dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
     return [source, ns, inst]
 
