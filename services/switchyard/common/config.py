@@ -707,6 +707,11 @@ class RetrievalConfig(_Strict):
     )
     embed_batch_size: int = Field(32, ge=1, le=4096)
     embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
+    query_cache_size: int = Field(
+        4096, ge=0, le=10_000_000,
+        description="Recent query vectors kept in an LRU cache, entries (1.5 KiB each at 384 dims); a question "
+        "asked again skips the embedding model. 0 turns the cache off.",
+    )
     embed_threads: int = Field(
         0, ge=0, le=256,
         description="Torch intra-op threads for the embedding model; 0 = torch's default (one per visible core). "

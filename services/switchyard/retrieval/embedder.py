@@ -11,6 +11,10 @@ passages with the model's own tokenizer (:attr:`Embedder.tokenizer`,
 :class:`MicroBatcher` collects concurrent queries for up to
 ``retrieval.embed_batch_wait_ms`` or ``retrieval.embed_batch_size`` queries and
 encodes them in one forward pass on a worker thread, never on the event loop.
+A question asked again is answered from an LRU cache of recent query vectors
+(``retrieval.query_cache_size``), and the same question asked by concurrent
+callers is encoded once: agents repeat their searches, and a forward pass
+costs milliseconds of CPU that the rest of the stack needs.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+from cachetools import LRUCache
 
-from switchyard.retrieval.metrics import EMBED_BATCH_SIZE, EMBED_FORWARD_SECONDS
+from switchyard.retrieval.metrics import EMBED_BATCH_SIZE, EMBED_FORWARD_SECONDS, QUERY_CACHE
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -120,28 +125,39 @@ class _Query:
 
 
 class MicroBatcher:
-    """Shares one forward pass among concurrent queries.
+    """Shares one forward pass among concurrent queries, and remembers recent ones.
 
     A batch opens when a query arrives and closes after ``max_wait_ms`` or when
     it holds ``max_batch_size`` queries, whichever comes first; while one batch
-    is encoded the next one fills. Each query has its own future; if a forward
-    pass fails, every query of that batch gets the exception (Ray Serve's
-    batching rule). Batches run one at a time on a single worker thread.
+    is encoded the next one fills. If a forward pass fails, every query of that
+    batch gets the exception (Ray Serve's batching rule). Batches run one at a
+    time on a single worker thread.
+
+    Identical texts are encoded once: a text already waiting or being encoded
+    is joined rather than queued again, and a text encoded recently is
+    answered from an LRU cache of ``cache_size`` vectors (read-only arrays)
+    without a forward pass. The index's passages never change while the
+    service runs, so a cached vector stays right.
 
     Args:
         embedder: the model to run.
         max_batch_size: most queries per forward pass (``retrieval.embed_batch_size``).
         max_wait_ms: longest a batch stays open (``retrieval.embed_batch_wait_ms``).
+        cache_size: query vectors kept (``retrieval.query_cache_size``); 0 turns the cache off.
     """
 
-    def __init__(self, embedder: Embedder, max_batch_size: int, max_wait_ms: float) -> None:
+    def __init__(self, embedder: Embedder, max_batch_size: int, max_wait_ms: float, cache_size: int = 0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.embedder = embedder
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
+        self._cache: LRUCache[str, np.ndarray] | None = LRUCache(cache_size) if cache_size else None
+        self._inflight: dict[str, asyncio.Future[np.ndarray]] = {}
         self._pending: asyncio.Queue[_Query] | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -166,6 +182,7 @@ class MicroBatcher:
                 query = self._pending.get_nowait()
                 if not query.future.done():
                     query.future.cancel()
+        self._inflight.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -173,22 +190,36 @@ class MicroBatcher:
     def submit(self, text: str) -> asyncio.Future[np.ndarray]:
         """Queue ``text`` for the next batch; the future yields its (dims,) float32 vector.
 
+        The future is shared by every caller of the same text until it is
+        encoded: await it through :func:`asyncio.shield` (as :meth:`embed`
+        does) so that one caller giving up does not cancel it for the others.
+
         Raises:
             RuntimeError: :meth:`start` was not called.
         """
         if self._pending is None:
             raise RuntimeError("MicroBatcher.start() must be called before submit()")
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._pending.put_nowait(_Query(text, future))
+        future = self._inflight.get(text)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._inflight[text] = future
+            future.add_done_callback(lambda _: self._inflight.pop(text, None))
+            self._pending.put_nowait(_Query(text, future))
         return future
 
     async def embed(self, text: str) -> np.ndarray:
-        """Embed one query, sharing a forward pass with concurrent callers.
+        """Embed one query: from the cache, or sharing a forward pass with concurrent callers.
 
         Returns:
-            float32 array of shape (dims,), L2-normalized.
+            float32 array of shape (dims,), L2-normalized, read-only.
         """
-        return await self.submit(text)
+        if self._cache is not None:
+            vector = self._cache.get(text)
+            if vector is not None:
+                QUERY_CACHE.labels("hit").inc()
+                return vector
+            QUERY_CACHE.labels("miss").inc()
+        return await asyncio.shield(self.submit(text))
 
     async def _collect(self) -> list[_Query]:
         assert self._pending is not None
@@ -205,7 +236,7 @@ class MicroBatcher:
                 batch.append(await asyncio.wait_for(self._pending.get(), left))
             except TimeoutError:
                 break
-        return [q for q in batch if not q.future.done()]  # skip callers that gave up
+        return [q for q in batch if not q.future.done()]  # skip queries that stop() cancelled
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -233,5 +264,8 @@ class MicroBatcher:
             EMBED_BATCH_SIZE.observe(len(batch))
             self.batch_sizes = self.batch_sizes[-999:] + [len(batch)]
             for q, vector in zip(batch, vectors):
+                vector.setflags(write=False)  # shared by every caller of the text, and by the cache
+                if self._cache is not None:
+                    self._cache[q.text] = vector
                 if not q.future.done():
                     q.future.set_result(vector)

@@ -28,6 +28,13 @@ EMBED_BATCH_SIZE = Histogram(
     "Queries encoded together in one forward pass.",
     buckets=BATCH_BUCKETS,
 )
+QUERY_CACHE = Counter(
+    "switchyard_retrieval_query_cache_total",
+    "Query vectors asked of the cache (retrieval.query_cache_size), by result: hit or miss.",
+    ["result"],
+)
+for _result in ("hit", "miss"):
+    QUERY_CACHE.labels(_result)
 SEARCH_SECONDS = Histogram(
     "switchyard_retrieval_search_seconds",
     "Per request: vector search over the index.",

@@ -109,7 +109,9 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
         await asyncio.to_thread(embedder.encode, ["warm-up"])  # the first forward pass is slow
         self._index, self._embedder = index, embedder
         INDEX_PASSAGES.set(len(index))
-        self._batcher = MicroBatcher(embedder, self.settings.embed_batch_size, self.settings.embed_batch_wait_ms)
+        self._batcher = MicroBatcher(
+            embedder, self.settings.embed_batch_size, self.settings.embed_batch_wait_ms, self.settings.query_cache_size
+        )
         self._batcher.start()
         self.queue.start()
         log.info(
