@@ -9,7 +9,7 @@ import pytest
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine, decode_seconds, prefill_seconds
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 pytestmark = pytest.mark.no_gpu
 
@@ -87,14 +87,14 @@ def test_gpu_without_gpm_keeps_the_estimate():
     assert m.sample.source == "nvml" and m.sample.tensor_util == pytest.approx(40)
 
 
-def _decoding(n: int, context: int) -> list[Sequence]:
-    seqs = []
+def _decoding(n: int, context: int) -> list[Request]:
+    reqs = []
     for i in range(n):
-        seq = Sequence(f"d{i}", prompt="x", prompt_tokens=context, max_tokens=10_000)
-        seq.output_tokens.append("x")
-        seq.num_computed_tokens = context
-        seqs.append(seq)
-    return seqs
+        req = Request(f"d{i}", prompt="x", prompt_tokens=context, max_tokens=10_000)
+        req.output_tokens.append("x")
+        req.num_computed_tokens = context
+        reqs.append(req)
+    return reqs
 
 
 async def test_sim_decode_is_memory_bound_so_the_score_leaves_room_to_admit():
@@ -102,9 +102,9 @@ async def test_sim_decode_is_memory_bound_so_the_score_leaves_room_to_admit():
     engine = SimEngine(config)
     m = monitor(False, engine)
     m.read(0.0)
-    seqs = _decoding(10, context=1000)
+    reqs = _decoding(10, context=1000)
     for _ in range(5):
-        await engine.decode(seqs)
+        await engine.decode(reqs)
     m.read(engine.busy_seconds)  # a window exactly as long as the engine was busy
     sample = m.sample
     assert sample.source == "engine_model" and sample.cuda_util == pytest.approx(100)
@@ -119,8 +119,8 @@ async def test_sim_prefill_is_compute_bound():
     engine = SimEngine(config)
     m = monitor(False, engine)
     m.read(0.0)
-    seqs = [Sequence(f"p{i}", prompt="x", prompt_tokens=4000, max_tokens=4) for i in range(4)]
-    await engine.prefill(seqs)
+    reqs = [Request(f"p{i}", prompt="x", prompt_tokens=4000, max_tokens=4) for i in range(4)]
+    await engine.prefill(reqs)
     m.read(engine.busy_seconds)
     assert engine.busy_seconds == pytest.approx(prefill_seconds(config.service.sim, 16000))
     assert m.sample.tensor_util > 50  # ~0.025 ms per token is ~57 % of the H100's dense BF16 peak

@@ -45,7 +45,7 @@ def kv_room_for(tokens: int, config: SwitchyardConfig | None = None) -> dict[str
 
 
 def one_at_a_time(config: SwitchyardConfig) -> DispatcherService:
-    """A FIFO dispatcher whose GPU holds one sequence of up to 600 tokens (prompt + max_tokens)."""
+    """A FIFO dispatcher whose GPU holds one request of up to 600 tokens (prompt + max_tokens)."""
     config = config.with_overrides(**kv_room_for(600, config))
     return DispatcherService(config, policy="fifo")
 
@@ -329,15 +329,15 @@ def test_preemption_is_an_event_on_the_request_span() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from switchyard.dispatcher.sequence import Sequence
+    from switchyard.dispatcher.request import Request
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with provider.get_tracer("t").start_as_current_span("dispatcher.generate") as span:
-        seq = Sequence("p1", prompt="x", span=span)
-        seq.output_tokens.extend(["a", "b"])
-        seq.mark_preempted()
+        req = Request("p1", prompt="x", span=span)
+        req.output_tokens.extend(["a", "b"])
+        req.mark_preempted()
     (finished,) = exporter.get_finished_spans()
     (event,) = finished.events
     assert event.name == "preempted"
@@ -371,7 +371,7 @@ async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) ->
     flushes = sum(sample("switchyard_flushes_total", reason=r) for r in REASONS)
     assert flushes - before["flushes"] == sample("switchyard_batch_size_count") - before["batches"] >= 1
     ttft, itl = per_class("switchyard_ttft_seconds_count"), per_class("switchyard_inter_token_latency_seconds_count")
-    # Each latency lands in its own priority class: 2 core and 2 batch sequences of 3 tokens.
+    # Each latency lands in its own priority class: 2 core and 2 batch requests of 3 tokens.
     assert {c: ttft[c] - before["ttft"][c] for c in ttft} == {"core": 2, "normal": 0, "batch": 2}
     assert {c: itl[c] - before["itl"][c] for c in itl} == {"core": 4, "normal": 0, "batch": 4}
     assert sample("switchyard_generated_tokens_total") - before["tokens"] == 4 * 3
@@ -394,17 +394,17 @@ class EchoStreamEngine:
         self.peak = 0
         self.closed = False
 
-    async def generate(self, seq):  # type: ignore[no-untyped-def]
+    async def generate(self, req):  # type: ignore[no-untyped-def]
         from switchyard.dispatcher.engines.base import Usage
 
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
-            words = seq.prompt.split()[: seq.max_tokens]
+            words = req.prompt.split()[: req.max_tokens]
             for word in words:
                 await asyncio.sleep(0.002)
                 yield word + " "
-            yield Usage(prompt_tokens=len(seq.prompt.split()), completion_tokens=len(words), model="echo-1-fallback")
+            yield Usage(prompt_tokens=len(req.prompt.split()), completion_tokens=len(words), model="echo-1-fallback")
         finally:
             self.active -= 1
 

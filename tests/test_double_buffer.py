@@ -15,7 +15,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.core import DispatcherClosed
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 pytestmark = pytest.mark.no_gpu
 
@@ -61,13 +61,13 @@ def scheduler(**overrides: object):  # type: ignore[no-untyped-def]
     return make_scheduler(config, SimEngine(config))
 
 
-def seq(name: str, priority: str = "normal", arrival: float = 0.0) -> Sequence:
-    return Sequence(name, prompt="p", prompt_tokens=10, max_tokens=10, priority=_PRIORITY[priority], arrival=arrival)
+def req(name: str, priority: str = "normal", arrival: float = 0.0) -> Request:
+    return Request(name, prompt="p", prompt_tokens=10, max_tokens=10, priority=_PRIORITY[priority], arrival=arrival)
 
 
 def test_idle_engine_takes_a_request_at_once() -> None:
     s = scheduler()
-    s.add_request(seq("a"), now=1.0)
+    s.add_request(req("a"), now=1.0)
     out = s.schedule(now=1.0)  # the loop's very next turn, no interval waited
     assert [q.request_id for q in out.admitted] == ["a"]
     assert out.admitted[0].flush_reason == FlushReason.IDLE
@@ -76,10 +76,10 @@ def test_idle_engine_takes_a_request_at_once() -> None:
 
 def test_arrivals_during_a_step_join_the_next_step_together() -> None:
     s = scheduler()
-    s.add_request(seq("first"), now=0.0)
+    s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)  # running now: the engine is busy stepping
     for i in range(5):  # arrive during the step: they fill the active buffer, nothing else moves
-        s.add_request(seq(f"b{i}", arrival=0.001 * i), now=0.001 * i)
+        s.add_request(req(f"b{i}", arrival=0.001 * i), now=0.001 * i)
     assert s.intake.active_size == 5 and s.waiting == []
     out = s.schedule(now=0.01)  # the step boundary
     assert [q.request_id for q in out.admitted] == [f"b{i}" for i in range(5)]
@@ -89,21 +89,21 @@ def test_arrivals_during_a_step_join_the_next_step_together() -> None:
 
 def test_a_full_buffer_swaps_at_max_batch_size_mid_step() -> None:
     s = scheduler(**{"queue.flush.max_batch_size": 4})
-    s.add_request(seq("first"), now=0.0)
+    s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)
     for i in range(4):
-        s.add_request(seq(f"b{i}"), now=0.001)
+        s.add_request(req(f"b{i}"), now=0.001)
     assert s.intake.active_size == 0 and len(s.waiting) == 4
     assert {q.flush_reason for q in s.waiting} == {FlushReason.SIZE}
 
 
 async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
     s = scheduler(**{"queue.flush.flush_interval_ms": 5})
-    s.add_request(seq("first"), now=0.0)
+    s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)
     import time
 
-    s.add_request(seq("late", arrival=time.monotonic()), now=time.monotonic())
+    s.add_request(req("late", arrival=time.monotonic()), now=time.monotonic())
     await asyncio.sleep(0.03)  # a long step: the interval timer swaps the buffer meanwhile
     assert [q.request_id for q in s.waiting] == ["late"]
     assert s.waiting[0].flush_reason == FlushReason.INTERVAL
@@ -111,27 +111,27 @@ async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
 
 def test_full_queue_refuses_at_once_and_closed_dispatcher_refuses_too() -> None:
     s = scheduler(**{"queue.queues.inference.capacity": 2})
-    s.add_request(seq("a"), now=0.0)
-    s.add_request(seq("b"), now=0.0)
+    s.add_request(req("a"), now=0.0)
+    s.add_request(req("b"), now=0.0)
     with pytest.raises(QueueFullError, match=r"inference queue full: 2 items waiting \(queues.inference.capacity\)"):
-        s.add_request(seq("c"), now=0.0)
+        s.add_request(req("c"), now=0.0)
     assert s.num_queued == 2
     s.schedule(now=0.0)  # both admitted: their places are free again
     assert s.num_queued == 0
-    s.add_request(seq("d"), now=0.0)
+    s.add_request(req("d"), now=0.0)
     s.close()
     with pytest.raises(DispatcherClosed):
-        s.add_request(seq("e"), now=0.0)
+        s.add_request(req("e"), now=0.0)
     assert s.schedule(now=0.0).admitted[0].flush_reason == FlushReason.DRAIN
 
 
 def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> None:
     s = scheduler()
-    s.add_request(seq("first"), now=0.0)
+    s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)
-    gone = seq("gone")
+    gone = req("gone")
     s.add_request(gone, now=0.0)
-    s.add_request(seq("stays"), now=0.0)
+    s.add_request(req("stays"), now=0.0)
     s.abort(gone, now=0.0)
     assert gone.state == "finished" and s.num_queued == 1
     assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
@@ -156,12 +156,12 @@ def test_every_request_is_admitted_exactly_once_in_order_within_its_class(
            "scheduler.preemption_enabled": False, "scheduler.policy": policy}
     )
     s = make_scheduler(config, SimEngine(config))
-    accepted: list[Sequence] = []
-    admitted: list[Sequence] = []
+    accepted: list[Request] = []
+    admitted: list[Request] = []
     now = 0.0
     for n, (cls, boundary) in enumerate(arrivals):
         now += 0.001
-        item = seq(f"r{n}", cls, arrival=now)
+        item = req(f"r{n}", cls, arrival=now)
         s.add_request(item, now)
         accepted.append(item)
         if boundary:

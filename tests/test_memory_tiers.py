@@ -21,7 +21,8 @@ from switchyard.common.server import start_server
 from switchyard.dispatcher.engine_loop import StepLoop
 from switchyard.dispatcher.engines.sim import SimEngine, export_modelled_kv
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
-from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, StreamDone, StreamToken
+from switchyard.dispatcher.output import StreamDone, StreamToken
+from switchyard.dispatcher.request import Request, SchedulerOutput
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
@@ -61,23 +62,21 @@ def build(engine: Any, store: KvStore | None, *, running: int | None = None, **o
 
 
 def request(rid: str, priority: int = NORMAL, *, arrival: float = 0.0, prompt_tokens: int = 800,
-            max_tokens: int = 12, task_type: str = "chat", **fields: Any) -> Sequence:
-    return Sequence(request_id=rid, prompt="How does the with statement work?", priority=priority,
+            max_tokens: int = 12, task_type: str = "chat", **fields: Any) -> Request:
+    return Request(request_id=rid, prompt="How does the with statement work?", priority=priority,
                     task_type=task_type, prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=arrival,
                     **fields)
 
 
-async def run_to_end(engine: SimEngine, seq: Sequence) -> None:
-    if seq.needs_prefill:
-        await engine.prefill([seq])
-    while not seq.is_finished:
-        await engine.decode([seq])
+async def run_to_end(engine: SimEngine, req: Request) -> None:
+    if req.needs_prefill:
+        await engine.prefill([req])
+    while not req.is_finished:
+        await engine.decode([req])
 
 
-def streamed(seq: Sequence) -> list[StreamToken]:
-    items = []
-    while not seq.outbox.empty():
-        items.append(seq.outbox.get_nowait())
+def streamed(req: Request) -> list[StreamToken]:
+    items = req.output.drain()
     assert isinstance(items[-1], StreamDone)
     return [item for item in items if isinstance(item, StreamToken)]
 
@@ -144,14 +143,14 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     sched.add([core], now=0.1)
     restored_before = metric("switchyard_kv_restored_tokens_total")
     out = sched.schedule(now=0.2)
-    assert out.preempted == [batch] and batch.swap_key == sched.tiers.seq_key(batch) and batch.swap_tokens == held
+    assert out.preempted == [batch] and batch.swap_key == sched.tiers.request_key(batch) and batch.swap_tokens == held
     assert batch.num_computed_tokens == 0  # gone from HBM
     await run_to_end(engine, core)
     sched.finish(core, now=0.3)
     # the copy is in Redis, as a hash with its metadata and a TTL
-    await sched.tiers._writes[sched.tiers.seq_key(batch)]
-    assert int(await client.hget(sched.tiers.seq_key(batch), "tokens")) == held
-    assert 0 < await client.ttl(sched.tiers.seq_key(batch)) <= 7200
+    await sched.tiers._writes[sched.tiers.request_key(batch)]
+    assert int(await client.hget(sched.tiers.request_key(batch), "tokens")) == held
+    assert 0 < await client.ttl(sched.tiers.request_key(batch)) <= 7200
 
     hits = metric("switchyard_tier_hits_total", tier="dram")
     out = sched.schedule(now=0.4)
@@ -167,7 +166,7 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     assert metric("switchyard_tier_hits_total", tier="dram") == hits + 1
     assert metric("switchyard_kv_restored_tokens_total") == restored_before + held
     await asyncio.sleep(0.05)  # the background delete of the restored copy
-    assert not await client.exists(sched.tiers.seq_key(batch))
+    assert not await client.exists(sched.tiers.request_key(batch))
     await sched.tiers.aclose()
 
 
@@ -264,10 +263,10 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
     assert cold.nbytes == 1000 * 524_288 and metric("switchyard_tier_bytes", tier="cold") == cold.nbytes
 
     # on access it comes back up, from the cold folder, to HBM
-    seq = request("stale", prompt_tokens=1000)
-    seq.state, seq.swap_key, seq.swap_tokens = "running", store.key("seq", "stale"), 1000
+    req = request("stale", prompt_tokens=1000)
+    req.state, req.swap_key, req.swap_tokens = "running", store.key("seq", "stale"), 1000
     hits = metric("switchyard_tier_hits_total", tier="cold")
-    assert await tiers.restore(seq) == 999  # all but the newest token, whose KV its next step computes
+    assert await tiers.restore(req) == 999  # all but the newest token, whose KV its next step computes
     assert metric("switchyard_tier_hits_total", tier="cold") == hits + 1
     assert not (tmp_path / "cold" / "seq" / "stale.kv").exists() and cold.nbytes == 0
     for name in ("hot", "young"):
@@ -311,11 +310,11 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
     sched = build(engine, None, **{"scheduler.tool_wait_ttl_s": 3600.0})
     agents = []
     for i in range(3):
-        seq = request(f"emerg-{i}", CORE, agent_id=f"agent-e{i}", task_type="react_loop", prompt_tokens=4000)
-        seq.num_computed_tokens = 4000
-        seq.kv_hits = 5  # valuable: above evict_threshold, so admission alone would never evict it
-        sched.parking.park(seq, now=0.0)
-        agents.append(seq)
+        req = request(f"emerg-{i}", CORE, agent_id=f"agent-e{i}", task_type="react_loop", prompt_tokens=4000)
+        req.num_computed_tokens = 4000
+        req.kv_hits = 5  # valuable: above evict_threshold, so admission alone would never evict it
+        sched.parking.park(req, now=0.0)
+        agents.append(req)
     scans = metric("switchyard_tier_scans_total", tier="hbm")
     evicted = metric("switchyard_parked_evicted_total")
     sched.on_idle(now=0.0)  # usage far below 0.9: nothing moves
@@ -346,9 +345,9 @@ async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_w
     out = SchedulerOutput()
     sched.hbm_scan(now=1.0, out=out)
     assert out.preempted == [batch] and sched.running == [core]  # batch state is worth least
-    assert batch.swap_key == sched.tiers.seq_key(batch) and batch.swap_tokens == batch.prompt_tokens
+    assert batch.swap_key == sched.tiers.request_key(batch) and batch.swap_tokens == batch.prompt_tokens
     await sched.tiers.aclose()
-    await client.delete(sched.tiers.seq_key(batch))
+    await client.delete(sched.tiers.request_key(batch))
 
 
 async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> None:
@@ -358,7 +357,7 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
     class FlakyGpu(SimEngine):
         failures = 1
 
-        async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+        async def step(self, prefill: list[Request], decode: list[Request]) -> None:
             if self.failures:
                 self.failures -= 1
                 raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -387,8 +386,8 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
     assert [t.index for t in streamed(first)] == list(range(len(first.output_tokens))), "a token was lost or repeated"
 
 
-async def wait_done(seq: Sequence) -> None:
-    while not seq.is_finished:
+async def wait_done(req: Request) -> None:
+    while not req.is_finished:
         await asyncio.sleep(0.005)
 
 
@@ -398,12 +397,12 @@ async def wait_done(seq: Sequence) -> None:
 def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
     engine = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.prefix_caching": False}))
     sched = build(engine, None, **{"service.sim.prefix_caching": False})
-    seq = request("frag", prompt_tokens=300, max_tokens=100)
-    sched.add([seq], now=0.0)
+    req = request("frag", prompt_tokens=300, max_tokens=100)
+    sched.add([req], now=0.0)
     sched.schedule(now=0.0)
-    assert seq.kv_reserved_bytes == 400 * engine.params.kv_bytes_per_token
+    assert req.kv_reserved_bytes == 400 * engine.params.kv_bytes_per_token
     assert sched.fragmentation_ratio() == 1.0  # reserved, nothing computed yet
-    seq.num_computed_tokens = 300
+    req.num_computed_tokens = 300
     assert sched.fragmentation_ratio() == pytest.approx(0.25)  # 100 of 400 reserved tokens hold nothing
     sched.schedule(now=2.0)
     assert metric("switchyard_kv_fragmentation_ratio") == pytest.approx(0.25)

@@ -10,7 +10,7 @@ import pytest
 from gateway_fixtures import TEST_KEY, clean_proxy_env, start_sim  # noqa: F401
 
 from proxy_fixtures import start_refusing_proxy
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 from switchyard.gateway import doctor
 from switchyard.gateway.proxy import parse_no_proxy, proxy_for
 from test_openai_engine import PROMPT, engine_for, run
@@ -71,7 +71,7 @@ async def test_openai_engine_starts_and_goes_direct_with_ipv6_no_proxy(clean_pro
             monkeypatch.setenv("HTTP_PROXY", proxy.url)
             monkeypatch.setenv("NO_PROXY", f"{IPV6_ENTRIES},[::1,127.0.0.1")
             assert proxy_for(sim.base_url) is None
-            items = await run(engine_for(sim.base_url), Sequence("r1", prompt=PROMPT, prompt_tokens=11))
+            items = await run(engine_for(sim.base_url), Request("r1", prompt=PROMPT, prompt_tokens=11))
             assert "".join(str(i) for i in items[:-1]) == "Python lists are mutable sequences. [1]"
             assert proxy.requests == []
 
@@ -80,7 +80,7 @@ async def test_openai_engine_starts_and_goes_direct_with_ipv6_no_proxy(clean_pro
             assert route is not None and route.variable == "HTTP_PROXY"
             with pytest.raises(Exception, match="503"):  # the proxy's answer
                 await run(engine_for(sim.base_url, max_retries=0, fallback_model=""),
-                          Sequence("r2", prompt=PROMPT, prompt_tokens=11))
+                          Request("r2", prompt=PROMPT, prompt_tokens=11))
             assert proxy.requests and proxy.requests[0].startswith("POST http://127.0.0.1")
     finally:
         proxy.shutdown()

@@ -1,4 +1,4 @@
-"""The ``openai`` StreamEngine: Sequence in, token texts / ToolCalls / Usage out, against sim-openai."""
+"""The ``openai`` StreamEngine: Request in, token texts / ToolCalls / Usage out, against sim-openai."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from switchyard.common.config import load_config
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.dispatcher.engines import StreamEngine, Usage, make_engine
 from switchyard.dispatcher.engines.openai import OpenAIEngine, chat_messages
-from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.faults import Fault
 from switchyard.common.channels import open_channel
 
@@ -32,9 +32,9 @@ def engine_for(base_url: str, **gateway: object) -> OpenAIEngine:
     return engine
 
 
-async def run(engine: OpenAIEngine, seq: Sequence) -> list:
+async def run(engine: OpenAIEngine, req: Request) -> list:
     try:
-        return [item async for item in engine.generate(seq)]
+        return [item async for item in engine.generate(req)]
     finally:
         await engine.aclose()
 
@@ -46,7 +46,7 @@ async def test_factory_builds_a_stream_engine(sim_openai):
 
 
 async def test_generate_streams_token_texts_then_usage(sim_openai):
-    items = await run(engine_for(sim_openai.base_url), Sequence("r1", prompt=PROMPT, prompt_tokens=11))
+    items = await run(engine_for(sim_openai.base_url), Request("r1", prompt=PROMPT, prompt_tokens=11))
     texts, usage = items[:-1], items[-1]
     assert "".join(texts) == "Python lists are mutable sequences. [1]"
     assert isinstance(usage, Usage) and usage.finish_reason == "stop" and usage.model == "claude-sonnet-4-5"
@@ -56,8 +56,8 @@ async def test_generate_streams_token_texts_then_usage(sim_openai):
 
 async def test_tools_in_and_tool_calls_out(sim_openai):
     tool = Tool("search_docs", "search", json.dumps({"type": "object", "properties": {"query": {"type": "string"}}}))
-    seq = Sequence("r2", messages=[Message("user", "what is a list")], tools=[tool], max_tokens=64)
-    items = await run(engine_for(sim_openai.base_url), seq)
+    req = Request("r2", messages=[Message("user", "what is a list")], tools=[tool], max_tokens=64)
+    items = await run(engine_for(sim_openai.base_url), req)
     assert isinstance(items[0], ToolCall) and items[0].name == "search_docs"
     assert json.loads(items[0].arguments_json) == {"query": "what is a list"}
     assert items[-1].finish_reason == "tool_calls"
@@ -88,40 +88,40 @@ def test_assistant_tool_calls_go_upstream_with_their_arguments():
 
 
 async def test_priority_class_forwarded_when_enabled(sim_openai):
-    seq = Sequence("r3", prompt="hi", priority=agent_pb2.CORE)
-    await run(engine_for(sim_openai.base_url, forward_priority=True), seq)
+    req = Request("r3", prompt="hi", priority=agent_pb2.CORE)
+    await run(engine_for(sim_openai.base_url, forward_priority=True), req)
     assert sim_openai.state.requests[-1]["priority"] == 0
 
 
 async def test_bad_tool_schema_is_invalid_argument(sim_openai):
-    seq = Sequence("r4", prompt="hi", tools=[Tool("t", "", "not json")])
+    req = Request("r4", prompt="hi", tools=[Tool("t", "", "not json")])
     with pytest.raises(InvalidArgument) as caught:
-        await run(engine_for(sim_openai.base_url), seq)
+        await run(engine_for(sim_openai.base_url), req)
     assert "tools[0].parameters_json" in str(caught.value)
 
 
 async def test_upstream_failure_raises_switchyard_error_with_status(clean_proxy_env):
     with start_sim(faults={"*": Fault(status=503)}) as server:
         with pytest.raises(SwitchyardError) as caught:
-            await run(engine_for(server.base_url, max_retries=0), Sequence("r5", prompt="hi"))
+            await run(engine_for(server.base_url, max_retries=0), Request("r5", prompt="hi"))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_fallback_model_reported_in_usage(clean_proxy_env):
     with start_sim(faults={"claude-sonnet-4-5": Fault(cut_after=0)}) as server:
-        items = await run(engine_for(server.base_url, max_retries=0), Sequence("r6", prompt="hi"))
+        items = await run(engine_for(server.base_url, max_retries=0), Request("r6", prompt="hi"))
     assert items[-1].model == "gpt-4o-mini"
 
 
 async def test_a_batch_fans_out_concurrently(sim_openai):
     engine = engine_for(sim_openai.base_url)
-    seqs = [Sequence(f"b{i}", prompt=PROMPT) for i in range(8)]
+    reqs = [Request(f"b{i}", prompt=PROMPT) for i in range(8)]
 
-    async def one(seq: Sequence) -> list:
-        return [item async for item in engine.generate(seq)]
+    async def one(req: Request) -> list:
+        return [item async for item in engine.generate(req)]
 
     try:
-        results = await asyncio.gather(*(one(s) for s in seqs))
+        results = await asyncio.gather(*(one(s) for s in reqs))
     finally:
         await engine.aclose()
     assert all("".join(r[:-1]) == "Python lists are mutable sequences. [1]" for r in results)

@@ -10,7 +10,7 @@ from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 pytestmark = pytest.mark.no_gpu
 
@@ -38,26 +38,26 @@ def test_eviction_drops_least_recently_used_blocks_first() -> None:
     assert cache.match(old) == 1 and cache.match(new) == 0
 
 
-def _seq(name: str, question: str) -> Sequence:
+def _req(name: str, question: str) -> Request:
     prompt = f"{SYSTEM} <question>{question}</question>"
-    return Sequence(name, prompt=prompt, prompt_tokens=70, max_tokens=4)
+    return Request(name, prompt=prompt, prompt_tokens=70, max_tokens=4)
 
 
 async def test_sim_engine_skips_the_cached_opening_of_a_repeated_prompt() -> None:
     engine = SimEngine(SwitchyardConfig())
     hits = REGISTRY.get_sample_value("switchyard_prefix_cache_blocks_total", {"result": "hit"}) or 0.0
-    first = _seq("a", "what is a list?")
+    first = _req("a", "what is a list?")
     await engine.prefill([first])
     cold = engine.busy_seconds
-    second = _seq("b", "what is a dict?")
+    second = _req("b", "what is a dict?")
     await engine.prefill([second])
     warm = engine.busy_seconds - cold
     assert warm < cold  # the 64 shared tokens were not computed again
     assert (REGISTRY.get_sample_value("switchyard_prefix_cache_blocks_total", {"result": "hit"}) or 0) - hits == 4
     assert engine.prefix_cache_bytes() > 0
     off = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.prefix_caching": False}))
-    await off.prefill([_seq("c", "what is a list?")])
-    await off.prefill([_seq("d", "what is a dict?")])
+    await off.prefill([_req("c", "what is a list?")])
+    await off.prefill([_req("d", "what is a dict?")])
     assert off.prefix_cache_bytes() == 0 and off.busy_seconds == pytest.approx(2 * cold)
 
 
@@ -69,12 +69,12 @@ async def test_cached_blocks_count_against_the_hbm_budget_and_make_room_for_runn
     config = SwitchyardConfig().with_overrides(**{"service.sim.hbm_gb": hbm_gb, "scheduler.expected_score_initial": 0})
     engine = SimEngine(config)
     sched = make_scheduler(config, engine)
-    warmup = Sequence("w", prompt=" ".join(f"t{i}" for i in range(320)), prompt_tokens=320, max_tokens=4)
+    warmup = Request("w", prompt=" ".join(f"t{i}" for i in range(320)), prompt_tokens=320, max_tokens=4)
     await engine.prefill([warmup])  # 20 blocks of 16 tokens now cached: 320 tokens of the 400
     assert engine.prefix_cache_bytes() == 320 * sim.kv_bytes_per_token
-    big = Sequence("big", prompt="something else entirely", prompt_tokens=200, max_tokens=100)
+    big = Request("big", prompt="something else entirely", prompt_tokens=200, max_tokens=100)
     assert sched.capacity.refusal(big) == KV_MEMORY  # 300 tokens do not fit beside the cache
     sched.add([big], now=0.0)
     out = sched.schedule(now=0.0)
-    assert out.admitted == [big]  # the cache gave back what the running sequence needed
+    assert out.admitted == [big]  # the cache gave back what the running request needed
     assert engine.prefix_cache_bytes() <= 100 * sim.kv_bytes_per_token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import LABELS, PriorityClass
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 
 def test_conversion_from_the_proto_and_back():
@@ -17,8 +17,8 @@ def test_conversion_from_the_proto_and_back():
     assert sorted([PriorityClass.BATCH, PriorityClass.CORE, PriorityClass.NORMAL]) == list(PriorityClass)  # by rank
 
 
-def test_a_sequence_carries_its_class():
-    assert Sequence("r", priority=agent_pb2.PRIORITY_UNSPECIFIED).priority_class is PriorityClass.NORMAL
-    assert Sequence("r", priority=42).priority == agent_pb2.NORMAL
-    seq = Sequence("r", priority=agent_pb2.CORE)
-    assert seq.priority_class is PriorityClass.CORE and seq.priority_name == "core"
+def test_a_request_carries_its_class():
+    assert Request("r", priority=agent_pb2.PRIORITY_UNSPECIFIED).priority_class is PriorityClass.NORMAL
+    assert Request("r", priority=42).priority == agent_pb2.NORMAL
+    req = Request("r", priority=agent_pb2.CORE)
+    assert req.priority_class is PriorityClass.CORE and req.priority_name == "core"

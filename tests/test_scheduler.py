@@ -24,7 +24,8 @@ from switchyard.dispatcher.scheduler import make_scheduler as build_scheduler
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, KvBudget, MemoryInfo
 from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
-from switchyard.dispatcher.sequence import Sequence, StreamDone, StreamToken
+from switchyard.dispatcher.output import StreamDone, StreamToken
+from switchyard.dispatcher.request import Request
 
 pytestmark = pytest.mark.no_gpu
 
@@ -68,13 +69,13 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.busy_seconds = 0.0
-        self.released: list[Sequence] = []
+        self.released: list[Request] = []
 
-    def kv_bytes(self, seq: Sequence) -> int:
-        return 100 * seq.num_computed_tokens
+    def kv_bytes(self, req: Request) -> int:
+        return 100 * req.num_computed_tokens
 
-    def release(self, seq: Sequence) -> None:
-        self.released.append(seq)
+    def release(self, req: Request) -> None:
+        self.released.append(req)
 
 
 def make_scheduler(
@@ -82,7 +83,7 @@ def make_scheduler(
 ) -> PriorityScheduler | FifoScheduler:
     """A scheduler from the default config with ``scheduler.<key>`` overrides and a fake NVML.
 
-    ``running``: the engine holds this many sequences (a fixed-slots capacity, standing in for a KV budget
+    ``running``: the engine holds this many requests (a fixed-slots capacity, standing in for a KV budget
     that holds that many requests); default: the engine's own memory.
     """
     config = SwitchyardConfig().with_overrides(
@@ -108,10 +109,10 @@ def make_requests(
     prompt_tokens: int = 16,
     max_tokens: int = 8,
     **fields: Any,
-) -> list[Sequence]:
-    """``n`` sequences of one class, arriving ``spacing`` seconds apart from ``arrival``."""
+) -> list[Request]:
+    """``n`` requests of one class, arriving ``spacing`` seconds apart from ``arrival``."""
     return [
-        Sequence(
+        Request(
             request_id=f"r{next(_ids)}",
             prompt="How does the with statement work?",
             priority=priority,
@@ -129,8 +130,8 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def ids(seqs: list[Sequence]) -> list[str]:
-    return [s.request_id for s in seqs]
+def ids(reqs: list[Request]) -> list[str]:
+    return [s.request_id for s in reqs]
 
 
 # --------------------------------------------------------------------------- factory and config
@@ -189,7 +190,7 @@ def test_aging_bounds_how_long_batch_work_waits() -> None:
     [batch] = make_requests(1, BATCH, arrival=0.0)
     sched.add([batch], now=0.0)
     # core work keeps arriving faster than it is served: every 0.1 s, one finishes every 0.2 s
-    admitted: list[Sequence] = []
+    admitted: list[Request] = []
     running = [blocker]
     t = 0.0
     for step in range(1, 60):
@@ -222,24 +223,24 @@ def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
 def test_admission_stops_when_the_engine_is_full() -> None:
     sched = make_scheduler(running=2)
     before = metric("switchyard_admissions_refused_total", reason=KV_MEMORY)
-    seqs = make_requests(3)
-    sched.add(seqs, now=0.0)
+    reqs = make_requests(3)
+    sched.add(reqs, now=0.0)
     out = sched.schedule(now=0.0)
-    assert ids(out.admitted) == ids(seqs[:2]) and ids(sched.waiting) == ids(seqs[2:])
+    assert ids(out.admitted) == ids(reqs[:2]) and ids(sched.waiting) == ids(reqs[2:])
     assert sched.admission.refusals[KV_MEMORY] == 1
     assert metric("switchyard_admissions_refused_total", reason=KV_MEMORY) == before + 1
 
-    sched.finish(seqs[0], now=0.5)
-    assert ids(sched.schedule(now=0.5).admitted) == ids(seqs[2:])
+    sched.finish(reqs[0], now=0.5)
+    assert ids(sched.schedule(now=0.5).admitted) == ids(reqs[2:])
 
 
 def test_max_running_agents_is_the_admission_wave_not_a_cap_on_the_running_set() -> None:
     sched = make_scheduler(max_running_agents=10, expected_score_initial=0)
-    seqs = make_requests(25)
-    sched.add(seqs, now=0.0)
+    reqs = make_requests(25)
+    sched.add(reqs, now=0.0)
     waves = [len(sched.schedule(now=0.001 * i).admitted) for i in range(4)]
     assert waves == [10, 10, 5, 0]
-    assert sched.num_running == 25  # the field's 10 never caps the GPU at ten sequences
+    assert sched.num_running == 25  # the field's 10 never caps the GPU at ten requests
     assert sched.admission.refusals[ADMISSION_WAVE] == 2
 
 
@@ -272,8 +273,8 @@ def test_sim_engine_budget_is_the_modelled_h100() -> None:
     assert isinstance(budget, KvBudget)
     assert budget.budget_bytes == int(0.85 * 80e9) - int(14e9)  # capacity_ratio x 80 GB - 7B fp16 weights
     # The field's reference request (458 prompt + 128 max tokens) fits about 180 times.
-    [seq] = make_requests(1, prompt_tokens=458, max_tokens=128)
-    assert budget.budget_bytes // budget.need(seq) > 150
+    [req] = make_requests(1, prompt_tokens=458, max_tokens=128)
+    assert budget.budget_bytes // budget.need(req) > 150
 
 
 def test_admission_stops_at_high_load_threshold() -> None:
@@ -302,21 +303,21 @@ def test_admission_stops_at_high_load_threshold() -> None:
 
 def test_idle_engine_admits_its_head_whatever_the_score() -> None:
     sched = make_scheduler(nvml=FakeNvml(gpu=100, memory=100))
-    seqs = make_requests(2)
-    sched.add(seqs, now=0.0)
-    assert sched.schedule(now=0.0).admitted == seqs[:1]
+    reqs = make_requests(2)
+    sched.add(reqs, now=0.0)
+    assert sched.schedule(now=0.0).admitted == reqs[:1]
 
 
 def test_expected_score_is_learned_from_finished_tasks() -> None:
     nvml = FakeNvml(gpu=20, memory=10)  # score 6 when the task is admitted
     sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5, high_load_threshold=95)
-    [seq] = make_requests(1, task_type="rag_answer")
-    sched.add([seq], now=0.0)
+    [req] = make_requests(1, task_type="rag_answer")
+    sched.add([req], now=0.0)
     sched.schedule(now=0.0)
     nvml.gpu, nvml.memory = 50, 20  # score 38 while it runs
     sched.schedule(now=1.0)  # one second alone at score 38
-    sched.finish(seq, now=2.0)  # another second
-    assert seq.compute_score_used == pytest.approx(76.0)
+    sched.finish(req, now=2.0)  # another second
+    assert req.compute_score_used == pytest.approx(76.0)
     # it raised the score from 6 to 38: expected 10 -> 10 + 0.5 * (32 - 10)
     assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0)
     assert sched.admission.expected.get("chat") == 10
@@ -325,8 +326,8 @@ def test_expected_score_is_learned_from_finished_tasks() -> None:
     pair = make_requests(2, task_type="rag_answer")
     sched.add(pair, now=2.0)
     assert sched.schedule(now=2.0).admitted == pair
-    for seq in pair:
-        sched.finish(seq, now=3.0)
+    for req in pair:
+        sched.finish(req, now=3.0)
     assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0 * 0.5 * 0.5)
 
 
@@ -391,10 +392,8 @@ def test_nvml_init_error_and_missing_nvml_never_raise() -> None:
 # --------------------------------------------------------------------------- preemption
 
 
-def _streamed(seq: Sequence) -> list[StreamToken]:
-    items = []
-    while not seq.outbox.empty():
-        items.append(seq.outbox.get_nowait())
+def _streamed(req: Request) -> list[StreamToken]:
+    items = req.output.drain()
     assert isinstance(items[-1], StreamDone)
     return [item for item in items if isinstance(item, StreamToken)]
 
@@ -496,12 +495,12 @@ def test_fifo_ignores_classes() -> None:
 # --------------------------------------------------------------------------- tool-waiting agents
 
 
-def _react(agent_id: str, arrival: float, *, resume: bool = False, prompt_tokens: int = 40) -> Sequence:
-    [seq] = make_requests(
+def _react(agent_id: str, arrival: float, *, resume: bool = False, prompt_tokens: int = 40) -> Request:
+    [req] = make_requests(
         1, NORMAL, arrival=arrival, task_type="react_loop", prompt_tokens=prompt_tokens,
         agent_id=agent_id, resume=resume,
     )
-    return seq
+    return req
 
 
 def test_agent_waiting_on_a_tool_holds_no_slot_and_resumes_ahead_of_new_work() -> None:

@@ -18,7 +18,8 @@ from switchyard.dispatcher.engines.sim import (
     plan_reply,
     prefill_seconds,
 )
-from switchyard.dispatcher.sequence import Message, Sequence, StreamDone, StreamToken, StreamToolCall, Tool
+from switchyard.dispatcher.output import StreamDone, StreamToken, StreamToolCall
+from switchyard.dispatcher.request import Message, Request, Tool
 
 pytestmark = pytest.mark.no_gpu
 
@@ -46,16 +47,13 @@ def fast_config(**overrides: object) -> SwitchyardConfig:
     return SwitchyardConfig().with_overrides(**{**base, **overrides})
 
 
-def drain(seq: Sequence) -> list[object]:
-    items = []
-    while not seq.outbox.empty():
-        items.append(seq.outbox.get_nowait())
-    return items
+def drain(req: Request) -> list[object]:
+    return req.output.drain()
 
 
-async def run_to_end(engine: SimEngine, seqs: list[Sequence]) -> None:
-    await engine.prefill(seqs)
-    while live := [s for s in seqs if not s.is_finished]:
+async def run_to_end(engine: SimEngine, reqs: list[Request]) -> None:
+    await engine.prefill(reqs)
+    while live := [s for s in reqs if not s.is_finished]:
         await engine.decode(live)
 
 
@@ -77,15 +75,15 @@ def test_latency_model_defaults_match_the_documented_7b_h100_numbers() -> None:
 async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
     config = fast_config()
     engine = SimEngine(config)
-    seqs = [Sequence(f"r{i}", prompt=CONTEXT_PROMPT, prompt_tokens=100 + i, max_tokens=3) for i in range(4)]
-    await engine.prefill(seqs)
-    expected = prefill_seconds(config.service.sim, sum(s.prompt_tokens for s in seqs))
+    reqs = [Request(f"r{i}", prompt=CONTEXT_PROMPT, prompt_tokens=100 + i, max_tokens=3) for i in range(4)]
+    await engine.prefill(reqs)
+    expected = prefill_seconds(config.service.sim, sum(s.prompt_tokens for s in reqs))
     assert engine.busy_seconds == pytest.approx(expected)
-    await engine.decode(seqs)
+    await engine.decode(reqs)
     expected += decode_seconds(config.service.sim, 4)
     assert engine.busy_seconds == pytest.approx(expected)
-    assert all(s.num_computed_tokens == s.num_tokens - 1 for s in seqs)
-    assert engine.kv_bytes(seqs[0]) == seqs[0].num_computed_tokens * config.service.sim.kv_bytes_per_token
+    assert all(s.num_computed_tokens == s.num_tokens - 1 for s in reqs)
+    assert engine.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.service.sim.kv_bytes_per_token
 
 
 def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,13 +192,13 @@ def test_calculator_is_called_first_when_search_is_not_offered() -> None:
 
 async def test_a_tool_call_turn_streams_the_call_not_its_argument_text() -> None:
     engine = SimEngine(fast_config())
-    seq = Sequence("t", messages=[Message("user", "what is with?")], tools=TOOLS, prompt_tokens=5, max_tokens=64)
-    await run_to_end(engine, [seq])
-    items = drain(seq)
+    req = Request("t", messages=[Message("user", "what is with?")], tools=TOOLS, prompt_tokens=5, max_tokens=64)
+    await run_to_end(engine, [req])
+    items = drain(req)
     assert not [i for i in items if isinstance(i, StreamToken)]
     assert isinstance(items[-2], StreamToolCall) and items[-2].call.name == "search_docs"
     assert items[-1] == StreamDone("tool_calls")
-    assert seq.completion_tokens() == len(items[-2].call.arguments_json.split(" ")) > 0
+    assert req.completion_tokens() == len(items[-2].call.arguments_json.split(" ")) > 0
 
 
 # --------------------------------------------------------------------------- engine behaviour
@@ -208,32 +206,32 @@ async def test_a_tool_call_turn_streams_the_call_not_its_argument_text() -> None
 
 async def test_generation_stops_at_max_tokens() -> None:
     engine = SimEngine(fast_config())
-    seq = Sequence("m", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=4)
-    await run_to_end(engine, [seq])
-    assert seq.finish_reason == "length"
-    assert len(seq.output_tokens) == 4
-    tokens = [i for i in drain(seq) if isinstance(i, StreamToken)]
+    req = Request("m", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=4)
+    await run_to_end(engine, [req])
+    assert req.finish_reason == "length"
+    assert len(req.output_tokens) == 4
+    tokens = [i for i in drain(req) if isinstance(i, StreamToken)]
     assert [t.index for t in tokens] == [0, 1, 2, 3]
 
 
 async def test_preempted_sequence_resumes_without_losing_or_repeating_tokens() -> None:
     engine = SimEngine(fast_config())
-    straight = Sequence("a", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=12)
+    straight = Request("a", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=12)
     await run_to_end(engine, [straight])
 
-    seq = Sequence("b", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=12)
-    await engine.prefill([seq])
-    await engine.decode([seq])
-    await engine.decode([seq])  # 3 tokens streamed
-    seq.mark_preempted()
-    engine.release(seq)
-    assert engine.kv_bytes(seq) == 0 and seq.needs_prefill
-    await engine.prefill([seq])  # prompt + the 3 tokens computed, then the 4th token
-    assert seq.recomputed_tokens == 60 + 2  # the 3rd token's KV had not been computed before
-    while not seq.is_finished:
-        await engine.decode([seq])
-    assert seq.output_tokens == straight.output_tokens
-    tokens = [i for i in drain(seq) if isinstance(i, StreamToken)]
+    req = Request("b", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=12)
+    await engine.prefill([req])
+    await engine.decode([req])
+    await engine.decode([req])  # 3 tokens streamed
+    req.mark_preempted()
+    engine.release(req)
+    assert engine.kv_bytes(req) == 0 and req.needs_prefill
+    await engine.prefill([req])  # prompt + the 3 tokens computed, then the 4th token
+    assert req.recomputed_tokens == 60 + 2  # the 3rd token's KV had not been computed before
+    while not req.is_finished:
+        await engine.decode([req])
+    assert req.output_tokens == straight.output_tokens
+    tokens = [i for i in drain(req) if isinstance(i, StreamToken)]
     assert [t.index for t in tokens] == list(range(len(straight.output_tokens)))
-    assert seq.preemptions == 1
-    assert seq.memory_peak_bytes == (60 + 11) * engine.params.kv_bytes_per_token
+    assert req.preemptions == 1
+    assert req.memory_peak_bytes == (60 + 11) * engine.params.kv_bytes_per_token

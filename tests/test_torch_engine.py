@@ -17,7 +17,8 @@ from switchyard.dispatcher.engines import make_engine  # noqa: E402
 from switchyard.dispatcher.engines.sim import plan_reply  # noqa: E402
 from switchyard.dispatcher.engines.torch import TorchEngine  # noqa: E402
 from switchyard.dispatcher.engines.torch_model import Tokenizer, save_checkpoint  # noqa: E402
-from switchyard.dispatcher.sequence import Message, Sequence, StreamError, Tool  # noqa: E402
+from switchyard.dispatcher.output import StreamError, StreamToken  # noqa: E402
+from switchyard.dispatcher.request import Message, Request, Tool  # noqa: E402
 from switchyard.dispatcher.service import DispatcherService  # noqa: E402
 from switchyard.common.channels import open_channel
 
@@ -52,21 +53,21 @@ def make(**fields: object) -> TorchEngine:
     return TorchEngine(tiny_config(**fields))
 
 
-def seqs_for(prompts: list[str], max_tokens: int = 8, tag: str = "r") -> list[Sequence]:
-    return [Sequence(request_id=f"{tag}{i}", prompt=p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
+def reqs_for(prompts: list[str], max_tokens: int = 8, tag: str = "r") -> list[Request]:
+    return [Request(request_id=f"{tag}{i}", prompt=p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
 
 
-async def run_to_end(engine: TorchEngine, seqs: list[Sequence]) -> None:
-    await engine.prefill(seqs)
-    while live := [s for s in seqs if not s.is_finished]:
+async def run_to_end(engine: TorchEngine, reqs: list[Request]) -> None:
+    await engine.prefill(reqs)
+    while live := [s for s in reqs if not s.is_finished]:
         await engine.decode(live)
 
 
 async def alone(prompt: str, max_tokens: int, request_id: str = "r0", **fields: object) -> list[str]:
     engine = make(**fields)
-    seq = Sequence(request_id=request_id, prompt=prompt, max_tokens=max_tokens)
-    await run_to_end(engine, [seq])
-    return seq.output_tokens
+    req = Request(request_id=request_id, prompt=prompt, max_tokens=max_tokens)
+    await run_to_end(engine, [req])
+    return req.output_tokens
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -86,16 +87,16 @@ def test_truncated_cl100k_is_lossless_and_in_vocab():
 
 async def test_batched_decode_gives_the_same_tokens_as_one_by_one():
     engine = make()
-    seqs = seqs_for(PROMPTS, max_tokens=10)
-    await run_to_end(engine, seqs)
-    for i, (prompt, seq) in enumerate(zip(PROMPTS, seqs)):
-        assert seq.finish_reason == "length"
-        assert seq.output_tokens == await alone(prompt, 10)
+    reqs = reqs_for(PROMPTS, max_tokens=10)
+    await run_to_end(engine, reqs)
+    for i, (prompt, req) in enumerate(zip(PROMPTS, reqs)):
+        assert req.finish_reason == "length"
+        assert req.output_tokens == await alone(prompt, 10)
 
 
 async def test_a_sequence_joining_at_a_step_boundary_does_not_disturb_the_running_ones():
     engine = make()
-    first, late = seqs_for(PROMPTS[:2], max_tokens=9)
+    first, late = reqs_for(PROMPTS[:2], max_tokens=9)
     await engine.prefill([first])
     for _ in range(3):
         await engine.decode([first])
@@ -109,20 +110,20 @@ async def test_a_sequence_joining_at_a_step_boundary_does_not_disturb_the_runnin
 async def test_chunked_prefill_gives_the_same_tokens_as_one_forward():
     assert await alone(PROMPTS[3], 6, prefill_chunk_tokens=5) == await alone(PROMPTS[3], 6)
     engine = make(prefill_chunk_tokens=5)
-    seqs = seqs_for(PROMPTS, max_tokens=6)
-    await run_to_end(engine, seqs)
-    for prompt, seq in zip(PROMPTS, seqs):
-        assert seq.output_tokens == await alone(prompt, 6)
+    reqs = reqs_for(PROMPTS, max_tokens=6)
+    await run_to_end(engine, reqs)
+    for prompt, req in zip(PROMPTS, reqs):
+        assert req.output_tokens == await alone(prompt, 6)
 
 
 async def test_num_computed_tokens_follows_the_contract():
     engine = make()
-    (seq,) = seqs_for(PROMPTS[:1], max_tokens=5)
-    await engine.prefill([seq])
-    assert seq.prompt_tokens == len(engine.tokenizer.encode(PROMPTS[0]))
-    assert seq.num_computed_tokens == seq.num_tokens - 1
-    await engine.decode([seq])
-    assert seq.num_computed_tokens == seq.num_tokens - 1
+    (req,) = reqs_for(PROMPTS[:1], max_tokens=5)
+    await engine.prefill([req])
+    assert req.prompt_tokens == len(engine.tokenizer.encode(PROMPTS[0]))
+    assert req.num_computed_tokens == req.num_tokens - 1
+    await engine.decode([req])
+    assert req.num_computed_tokens == req.num_tokens - 1
 
 
 async def test_same_seed_same_tokens_and_another_seed_other_tokens():
@@ -133,29 +134,29 @@ async def test_same_seed_same_tokens_and_another_seed_other_tokens():
 async def test_seeded_sampling_is_deterministic_and_independent_of_the_batch():
     sampled = {"temperature": 1.0, "seed": 3}
     engine = make(**sampled)
-    seqs = seqs_for(PROMPTS, max_tokens=8)
-    await run_to_end(engine, seqs)
-    for i, (prompt, seq) in enumerate(zip(PROMPTS, seqs)):
-        assert seq.output_tokens == await alone(prompt, 8, request_id=f"r{i}", **sampled)
+    reqs = reqs_for(PROMPTS, max_tokens=8)
+    await run_to_end(engine, reqs)
+    for i, (prompt, req) in enumerate(zip(PROMPTS, reqs)):
+        assert req.output_tokens == await alone(prompt, 8, request_id=f"r{i}", **sampled)
 
 
 async def test_kv_bytes_grow_with_tokens_and_release_frees_them():
     engine = make()
-    (seq,) = seqs_for(PROMPTS[:1], max_tokens=40)
-    assert engine.kv_bytes(seq) == 0
-    await engine.prefill([seq])
-    after_prefill = engine.kv_bytes(seq)
+    (req,) = reqs_for(PROMPTS[:1], max_tokens=40)
+    assert engine.kv_bytes(req) == 0
+    await engine.prefill([req])
+    after_prefill = engine.kv_bytes(req)
     # 2 layers x (K, V) x 64 hidden x 4 bytes per token, whole 4-token blocks.
     per_token = 2 * 2 * 64 * 4
-    assert after_prefill == -(-seq.num_computed_tokens // 4) * 4 * per_token
+    assert after_prefill == -(-req.num_computed_tokens // 4) * 4 * per_token
     seen = [after_prefill]
     for _ in range(20):
-        await engine.decode([seq])
-        seen.append(engine.kv_bytes(seq))
+        await engine.decode([req])
+        seen.append(engine.kv_bytes(req))
     assert seen == sorted(seen) and seen[-1] > after_prefill
-    assert seq.memory_peak_bytes == seen[-1]
-    engine.release(seq)
-    assert engine.kv_bytes(seq) == 0 and seq.num_computed_tokens == 0
+    assert req.memory_peak_bytes == seen[-1]
+    engine.release(req)
+    assert engine.kv_bytes(req) == 0 and req.num_computed_tokens == 0
 
 
 # --------------------------------------------------------------------------- preemption
@@ -163,61 +164,57 @@ async def test_kv_bytes_grow_with_tokens_and_release_frees_them():
 
 async def test_preempted_sequence_recomputes_and_continues_without_loss_or_repeat():
     engine = make()
-    seq, other = seqs_for(PROMPTS[1:3], max_tokens=14)
-    await engine.prefill([seq, other])
+    req, other = reqs_for(PROMPTS[1:3], max_tokens=14)
+    await engine.prefill([req, other])
     for _ in range(4):
-        await engine.decode([seq, other])
-    streamed = list(seq.output_tokens)
-    seq.mark_preempted()
-    engine.release(seq)
-    assert engine.kv_bytes(seq) == 0
+        await engine.decode([req, other])
+    streamed = list(req.output_tokens)
+    req.mark_preempted()
+    engine.release(req)
+    assert engine.kv_bytes(req) == 0
     for _ in range(2):  # the other one keeps running while it waits
         await engine.decode([other])
-    await engine.prefill([seq])  # resumed: recompute prompt + streamed tokens
-    assert seq.recomputed_tokens == seq.prompt_tokens + len(streamed) - 1
-    while live := [s for s in (seq, other) if not s.is_finished]:
+    await engine.prefill([req])  # resumed: recompute prompt + streamed tokens
+    assert req.recomputed_tokens == req.prompt_tokens + len(streamed) - 1
+    while live := [s for s in (req, other) if not s.is_finished]:
         await engine.decode(live)
-    assert seq.output_tokens[: len(streamed)] == streamed
-    assert len(seq.output_tokens) == 14 and seq.finish_reason == "length"
-    assert seq.output_tokens == await alone(PROMPTS[1], 14)
-    indexes = []
-    while not seq.outbox.empty():
-        item = seq.outbox.get_nowait()
-        if hasattr(item, "index"):
-            indexes.append(item.index)
+    assert req.output_tokens[: len(streamed)] == streamed
+    assert len(req.output_tokens) == 14 and req.finish_reason == "length"
+    assert req.output_tokens == await alone(PROMPTS[1], 14)
+    indexes = [item.index for item in req.output.drain() if isinstance(item, StreamToken)]
     assert indexes == list(range(14))
 
 
 async def test_swapped_out_kv_tensors_come_back_and_the_sequence_continues_as_if_never_preempted():
     engine = make()
-    seq, other = seqs_for(PROMPTS[1:3], max_tokens=14, tag="swap")
-    await engine.prefill([seq, other])
+    req, other = reqs_for(PROMPTS[1:3], max_tokens=14, tag="swap")
+    await engine.prefill([req, other])
     for _ in range(4):
-        await engine.decode([seq, other])
-    held = seq.num_computed_tokens
-    kv_before = engine._caches[seq].data[:, :, :, :held].clone()
-    payload = engine.export_kv(seq)  # what the DRAM tier stores: real tensor bytes and the token ids
+        await engine.decode([req, other])
+    held = req.num_computed_tokens
+    kv_before = engine._caches[req].data[:, :, :, :held].clone()
+    payload = engine.export_kv(req)  # what the DRAM tier stores: real tensor bytes and the token ids
     assert payload is not None and len(payload) > kv_before.numel() * kv_before.element_size()
-    seq.mark_preempted()
-    engine.release(seq)
+    req.mark_preempted()
+    engine.release(req)
     await engine.decode([other])
-    assert engine.import_kv(seq, payload, held) == held
-    assert torch.equal(engine._caches[seq].data[:, :, :, :held], kv_before)
-    assert not seq.needs_prefill  # straight back to decoding
-    while live := [s for s in (seq, other) if not s.is_finished]:
+    assert engine.import_kv(req, payload, held) == held
+    assert torch.equal(engine._caches[req].data[:, :, :, :held], kv_before)
+    assert not req.needs_prefill  # straight back to decoding
+    while live := [s for s in (req, other) if not s.is_finished]:
         await engine.decode(live)
-    assert seq.recomputed_tokens == 0
-    assert seq.output_tokens == await alone(PROMPTS[1], 14)
+    assert req.recomputed_tokens == 0
+    assert req.output_tokens == await alone(PROMPTS[1], 14)
 
 
 async def test_an_agents_next_step_takes_back_only_the_prefix_it_shares_with_the_copy():
     engine = make()
-    (first,) = seqs_for(PROMPTS[3:4], max_tokens=4, tag="agent")
+    (first,) = reqs_for(PROMPTS[3:4], max_tokens=4, tag="agent")
     await run_to_end(engine, [first])
     payload = engine.export_kv(first)
     assert payload is not None
-    (follow,) = seqs_for([PROMPTS[3] + " And then?"], max_tokens=4, tag="agent-next")
-    (unrelated,) = seqs_for(["Something else entirely."], max_tokens=4, tag="agent-other")
+    (follow,) = reqs_for([PROMPTS[3] + " And then?"], max_tokens=4, tag="agent-next")
+    (unrelated,) = reqs_for(["Something else entirely."], max_tokens=4, tag="agent-other")
     restored = engine.import_kv(follow, payload, 10_000)
     assert 0 < restored < follow.prompt_tokens and follow.needs_prefill  # the shared prompt prefix only
     assert engine.import_kv(unrelated, payload, 10_000) == 0
@@ -233,7 +230,7 @@ async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_th
     sched = make_scheduler(tiny_config(), engine)
     question = Message("user", "<question>what does the with statement do?</question>")
     tools = [Tool("search_docs", "", '{"type": "object"}')]
-    think = Sequence(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
+    think = Request(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
                      task_type="react_loop", max_tokens=64)
     sched.add([think], now=0.0)
     sched.schedule(now=0.0)
@@ -244,7 +241,7 @@ async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_th
     call = think.tool_calls[0]
     follow = [question, Message("assistant", "", tool_calls=(call,)),
               Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
-    back = Sequence(request_id="t-back", messages=follow, tools=tools, agent_id="t-agent", task_type="react_loop",
+    back = Request(request_id="t-back", messages=follow, tools=tools, agent_id="t-agent", task_type="react_loop",
                     max_tokens=64, arrival=0.2)
     sched.resume(back, now=0.2)
     out = sched.schedule(now=0.2)
@@ -255,19 +252,19 @@ async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_th
     await run_to_end(engine, [back])
     assert back.recomputed_tokens == 0 and back.finish_reason == "stop"
     fresh = make()
-    again = Sequence(request_id="t-fresh", messages=follow, tools=tools, max_tokens=64)
+    again = Request(request_id="t-fresh", messages=follow, tools=tools, max_tokens=64)
     await run_to_end(fresh, [again])
     assert back.output_tokens == again.output_tokens  # the shared prefix changes nothing in the answer
 
 
 def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     engine = make()
-    (seq,) = seqs_for(PROMPTS[:1], tag="compact")
-    state = engine._state(seq)
+    (req,) = reqs_for(PROMPTS[:1], tag="compact")
+    state = engine._state(req)
     cache = engine.model_net.new_cache(engine.params.kv_block_tokens)
     cache.reserve(64)
     cache.length = 5
-    engine._caches[seq] = cache
+    engine._caches[req] = cache
     assert state is not None and cache.data.shape[3] == 64
     per_token = cache.nbytes // 64
     assert engine.compact_kv() == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
@@ -279,18 +276,18 @@ def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
 
 async def test_reaching_max_seq_len_finishes_with_length():
     engine = make(max_seq_len=48)
-    (seq,) = seqs_for(PROMPTS[3:4], max_tokens=500)
-    await run_to_end(engine, [seq])
-    assert seq.finish_reason == "length"
-    assert seq.prompt_tokens + len(seq.output_tokens) == 48
+    (req,) = reqs_for(PROMPTS[3:4], max_tokens=500)
+    await run_to_end(engine, [req])
+    assert req.finish_reason == "length"
+    assert req.prompt_tokens + len(req.output_tokens) == 48
 
 
 async def test_prompt_longer_than_max_seq_len_fails_naming_prompt_tokens_and_the_limit():
     engine = make(max_seq_len=32)
-    long, short = seqs_for([PROMPTS[3] * 3, PROMPTS[2]], max_tokens=4)
+    long, short = reqs_for([PROMPTS[3] * 3, PROMPTS[2]], max_tokens=4)
     await engine.prefill([long, short])
     assert long.finish_reason == "error" and len(short.output_tokens) == 1
-    item = long.outbox.get_nowait()
+    item = long.output.drain()[0]
     assert isinstance(item, StreamError) and isinstance(item.error, InvalidArgument)
     assert item.error.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_tokens" in str(item.error) and "31" in str(item.error)
@@ -304,12 +301,12 @@ async def test_prompt_longer_than_max_seq_len_fails_naming_prompt_tokens_and_the
 async def test_tools_follow_the_sim_policy_through_the_model():
     tools = [Tool("search_docs"), Tool("calculator")]
     engine = make()
-    seq = Sequence(request_id="t", prompt="What is 17 * 3?", tools=tools, max_tokens=200)
-    await run_to_end(engine, [seq])
-    plan = plan_reply(seq.prompt, [], tools)
-    assert seq.finish_reason == "tool_calls"
-    assert seq.tool_calls == plan.tool_calls
-    assert "".join(seq.output_tokens) == "".join(plan.tokens)
+    req = Request(request_id="t", prompt="What is 17 * 3?", tools=tools, max_tokens=200)
+    await run_to_end(engine, [req])
+    plan = plan_reply(req.prompt, [], tools)
+    assert req.finish_reason == "tool_calls"
+    assert req.tool_calls == plan.tool_calls
+    assert "".join(req.output_tokens) == "".join(plan.tokens)
 
 
 async def test_after_a_tool_result_the_answer_streams_as_text():
@@ -320,25 +317,21 @@ async def test_after_a_tool_result_the_answer_streams_as_text():
         Message("tool", result, tool_call_id="c1", name="search_docs"),
     ]
     engine = make()
-    seq = Sequence(request_id="a", messages=messages, tools=tools, max_tokens=200)
-    await run_to_end(engine, [seq])
+    req = Request(request_id="a", messages=messages, tools=tools, max_tokens=200)
+    await run_to_end(engine, [req])
     plan = plan_reply("", messages, tools)
-    assert seq.finish_reason == "stop" and not seq.tool_calls
-    streamed = []
-    while not seq.outbox.empty():
-        item = seq.outbox.get_nowait()
-        if hasattr(item, "text"):
-            streamed.append(item.text)
+    assert req.finish_reason == "stop" and not req.tool_calls
+    streamed = [item.text for item in req.output.drain() if isinstance(item, StreamToken)]
     assert "".join(streamed) == plan.text
 
 
 async def test_a_warm_prefix_from_the_scheduler_is_recomputed_and_counted():
     engine = make()
-    (seq,) = seqs_for(PROMPTS[1:2], max_tokens=3)
-    seq.num_computed_tokens = 5  # the scheduler handed over a warm prefix this engine does not hold
-    await engine.prefill([seq])
-    assert seq.recomputed_tokens == 5
-    assert seq.num_computed_tokens == seq.prompt_tokens
+    (req,) = reqs_for(PROMPTS[1:2], max_tokens=3)
+    req.num_computed_tokens = 5  # the scheduler handed over a warm prefix this engine does not hold
+    await engine.prefill([req])
+    assert req.recomputed_tokens == 5
+    assert req.num_computed_tokens == req.prompt_tokens
 
 
 async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):

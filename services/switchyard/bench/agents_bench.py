@@ -62,7 +62,7 @@ from switchyard.bench.sched_bench import (
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers.metrics import TIERS
 
@@ -75,22 +75,22 @@ class AgentSimEngine(VirtualSimEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.plans: dict[Sequence, tuple[int, str]] = {}
-        """Sequence -> (tokens it generates, finish_reason): the engine's reply plan, as the sim's."""
+        self.plans: dict[Request, tuple[int, str]] = {}
+        """Request -> (tokens it generates, finish_reason): the engine's reply plan, as the sim's."""
         self.generated = 0
         self.largest_batch = 0
 
-    def decode(self, seqs: list[Sequence], now: float) -> float:
-        self.largest_batch = max(self.largest_batch, len(seqs))
-        return super().decode(seqs, now)
+    def decode(self, reqs: list[Request], now: float) -> float:
+        self.largest_batch = max(self.largest_batch, len(reqs))
+        return super().decode(reqs, now)
 
-    def _emit(self, seq: Sequence) -> None:  # type: ignore[override]
-        length, reason = self.plans.get(seq, (seq.max_tokens, "length"))
-        seq.output_tokens.append(f" w{len(seq.output_tokens)}")
+    def _emit(self, req: Request) -> None:  # type: ignore[override]
+        length, reason = self.plans.get(req, (req.max_tokens, "length"))
+        req.output_tokens.append(f" w{len(req.output_tokens)}")
         self.generated += 1
-        if len(seq.output_tokens) >= min(length, seq.max_tokens):
-            seq.finish(reason if len(seq.output_tokens) >= length else "length")
-            self.plans.pop(seq, None)
+        if len(req.output_tokens) >= min(length, req.max_tokens):
+            req.finish(reason if len(req.output_tokens) >= length else "length")
+            self.plans.pop(req, None)
 
 
 @dataclass
@@ -159,8 +159,8 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
     for agent in agents:
         agent.next_at = agent.rng.uniform(*args.think)
         _new_task(agent, args, agent.next_at)
-    in_flight: dict[Sequence, Agent] = {}
-    seen_first: set[Sequence] = set()
+    in_flight: dict[Request, Agent] = {}
+    seen_first: set[Request] = set()
     result = Outcome()
     before = _counters()
     slice_s = config.scheduler.time_slice_ms / 1000
@@ -174,41 +174,41 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
                 agent.step += 1
                 last = agent.calls_left == 0
                 length = agent.rng.randint(*(args.answer_tokens if last else args.call_tokens))
-                seq = Sequence(
+                req = Request(
                     request_id=f"{agent.agent_id}-{agent.tasks}-{agent.step}", agent_id=agent.agent_id,
                     task_type=REACT_TASK_TYPE, priority=dict(CLASSES)[agent.priority_class],
                     prompt_tokens=agent.context_tokens, max_tokens=MAX_TOKENS, arrival=agent.next_at,
                 )
-                engine.plans[seq] = (min(length, MAX_TOKENS), "stop" if last else "tool_calls")
-                in_flight[seq] = agent
+                engine.plans[req] = (min(length, MAX_TOKENS), "stop" if last else "tool_calls")
+                in_flight[req] = agent
                 if agent.resume:
-                    sched.resume(seq, t)
+                    sched.resume(req, t)
                 else:
-                    sched.add([seq], t)
+                    sched.add([req], t)
 
-    def settle(running: list[Sequence]) -> bool:
+    def settle(running: list[Request]) -> bool:
         ended = False
-        for seq in running:
-            agent = in_flight.get(seq)
+        for req in running:
+            agent = in_flight.get(req)
             if agent is None:
                 continue
-            if seq.output_tokens and seq not in seen_first:
-                seen_first.add(seq)
-                result.ttft[agent.priority_class].append(t - seq.arrival)
-            if not seq.is_finished:
+            if req.output_tokens and req not in seen_first:
+                seen_first.add(req)
+                result.ttft[agent.priority_class].append(t - req.arrival)
+            if not req.is_finished:
                 continue
             ended = True
-            del in_flight[seq]
-            seen_first.discard(seq)
+            del in_flight[req]
+            seen_first.discard(req)
             agent.busy = False
-            sched.finish(seq, t)
-            if seq.finish_reason == "tool_calls":
+            sched.finish(req, t)
+            if req.finish_reason == "tool_calls":
                 agent.calls_left -= 1
-                agent.context_tokens += len(seq.output_tokens) + agent.rng.randint(*args.result_tokens)
+                agent.context_tokens += len(req.output_tokens) + agent.rng.randint(*args.result_tokens)
                 agent.next_at = t + agent.rng.uniform(*args.think)
                 agent.resume = True
             else:
-                if seq.finish_reason in ("stop", "length"):
+                if req.finish_reason in ("stop", "length"):
                     result.completion[agent.priority_class].append(t - agent.task_started)
                 else:
                     result.failed[agent.priority_class] = result.failed.get(agent.priority_class, 0) + 1
@@ -228,8 +228,8 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             sched.on_idle(t)
             continue
         out = sched.schedule(t)
-        for seq in out.restore:
-            await tiers.restore(seq)
+        for req in out.restore:
+            await tiers.restore(req)
         owed = tiers.take_owed_seconds()
         result.swap_seconds += owed
         t += owed
@@ -253,7 +253,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             if t >= next_arrival():
                 break
     result.makespan = t
-    for seq, agent in list(in_flight.items()):  # past the drain limit
+    for req, agent in list(in_flight.items()):  # past the drain limit
         result.failed[agent.priority_class] = result.failed.get(agent.priority_class, 0) + 1
     after = _counters()
     sched.shutdown()

@@ -76,16 +76,16 @@ class FixedSlots:
         self.n = n
         self.running = 0
 
-    def refusal(self, seq: Any) -> str | None:
+    def refusal(self, req: Any) -> str | None:
         return None if self.running < self.n else "kv_memory"
 
-    def never_fits(self, seq: Any) -> str | None:
+    def never_fits(self, req: Any) -> str | None:
         return None
 
-    def take(self, seq: Any) -> None:
+    def take(self, req: Any) -> None:
         self.running += 1
 
-    def give(self, seq: Any) -> None:
+    def give(self, req: Any) -> None:
         self.running -= 1
 
 

@@ -9,10 +9,10 @@ model (:func:`switchyard.dispatcher.engines.sim.prefill_seconds` and
 :func:`~switchyard.dispatcher.engines.sim.decode_seconds`, parameters from
 ``switchyard.json`` ``sim``); instead of sleeping, a step advances the clock.
 The step loop does what the dispatcher's engine loop does: at each boundary
-(``time_slice_ms`` of decode steps, or earlier when a sequence finishes) it
-hands arrived work to the policy, applies its decision (preempted sequences
-lose their KV state; sequences that need one get a batched prefill), then
-decodes the running set one token per sequence per step.
+(``time_slice_ms`` of decode steps, or earlier when a request finishes) it
+hands arrived work to the policy, applies its decision (preempted requests
+lose their KV state; requests that need one get a batched prefill), then
+decodes the running set one token per request per step.
 
 Method:
 
@@ -33,7 +33,7 @@ Method:
 The compute score comes from the engine busy ratio (no NVML on a simulated
 clock), as in the dispatcher on a machine without a GPU.
 
-Memory tiers: a preempted sequence's KV state goes to the DRAM tier when the
+Memory tiers: a preempted request's KV state goes to the DRAM tier when the
 swap (out and back at ``[dram] transfer_gb_per_s``) is cheaper than its
 prefill, and comes back at re-admission; the modelled transfer time is added
 to the simulated clock. The DRAM tier is a real Redis (``--dram``: an embedded
@@ -62,7 +62,7 @@ from switchyard.common.config import ConfigError, DramTier, SimEngineConfig, Swi
 from switchyard.dispatcher.engines.sim import decode_seconds, export_modelled_kv, import_modelled_kv, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 from switchyard.common.dram import DramClient
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
@@ -102,9 +102,9 @@ class TaskSpec:
     prompt_tokens: int
     output_tokens: int
 
-    def build(self) -> Sequence:
-        """A fresh :class:`Sequence` for one run (``max_tokens`` = its output length)."""
-        return Sequence(
+    def build(self) -> Request:
+        """A fresh :class:`Request` for one run (``max_tokens`` = its output length)."""
+        return Request(
             request_id=self.request_id,
             priority=dict(CLASSES)[self.priority_class],
             task_type="chat",
@@ -144,43 +144,43 @@ class VirtualSimEngine:
         self.model = params.model
         self.busy_seconds = 0.0
 
-    def prefill(self, seqs: list[Sequence], now: float) -> float:
-        """Batched prefill of each sequence's uncomputed prefix, then its next token; returns the new time."""
-        cost = prefill_seconds(self.params, sum(s.num_uncomputed_tokens for s in seqs))
-        for seq in seqs:
-            if seq.output_tokens:  # recompute after preemption
-                seq.recomputed_tokens += seq.num_uncomputed_tokens
-            seq.num_computed_tokens = seq.num_tokens
-            self._emit(seq)
+    def prefill(self, reqs: list[Request], now: float) -> float:
+        """Batched prefill of each request's uncomputed prefix, then its next token; returns the new time."""
+        cost = prefill_seconds(self.params, sum(s.num_uncomputed_tokens for s in reqs))
+        for req in reqs:
+            if req.output_tokens:  # recompute after preemption
+                req.recomputed_tokens += req.num_uncomputed_tokens
+            req.num_computed_tokens = req.num_tokens
+            self._emit(req)
         self.busy_seconds += cost
         return now + cost
 
-    def decode(self, seqs: list[Sequence], now: float) -> float:
-        """One decode step: a token for each sequence; returns the new time."""
-        cost = decode_seconds(self.params, len(seqs))
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens
-            self._emit(seq)
+    def decode(self, reqs: list[Request], now: float) -> float:
+        """One decode step: a token for each request; returns the new time."""
+        cost = decode_seconds(self.params, len(reqs))
+        for req in reqs:
+            req.num_computed_tokens = req.num_tokens
+            self._emit(req)
         self.busy_seconds += cost
         return now + cost
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, req: Request) -> None:
         """Nothing is held beyond ``num_computed_tokens``."""
 
     models_transfers = True
 
-    def export_kv(self, seq: Sequence) -> bytes | None:
+    def export_kv(self, req: Request) -> bytes | None:
         """As :meth:`switchyard.dispatcher.engines.sim.SimEngine.export_kv`."""
-        return export_modelled_kv(seq, self.params.kv_bytes_per_token)
+        return export_modelled_kv(req, self.params.kv_bytes_per_token)
 
-    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
-        return import_modelled_kv(seq, payload, tokens)
+    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
+        return import_modelled_kv(req, payload, tokens)
 
     def recompute_seconds(self, tokens: int) -> float:
         return prefill_seconds(self.params, tokens)
 
-    def kv_bytes(self, seq: Sequence) -> int:
-        return seq.num_computed_tokens * self.params.kv_bytes_per_token
+    def kv_bytes(self, req: Request) -> int:
+        return req.num_computed_tokens * self.params.kv_bytes_per_token
 
     def memory_info(self) -> MemoryInfo:
         """The modelled GPU, as :meth:`switchyard.dispatcher.engines.sim.SimEngine.memory_info`."""
@@ -188,10 +188,10 @@ class VirtualSimEngine:
         return MemoryInfo(int(p.hbm_gb * 1e9), int(p.params_billion * 1e9 * p.bytes_per_param), p.kv_bytes_per_token)
 
     @staticmethod
-    def _emit(seq: Sequence) -> None:
-        seq.output_tokens.append(f" w{len(seq.output_tokens)}")
-        if len(seq.output_tokens) >= seq.max_tokens:
-            seq.finish("length")
+    def _emit(req: Request) -> None:
+        req.output_tokens.append(f" w{len(req.output_tokens)}")
+        if len(req.output_tokens) >= req.max_tokens:
+            req.finish("length")
 
 
 @dataclass
@@ -237,35 +237,35 @@ async def _simulate(
                                       "queue.queues.inference.timeout_ms": 3_600_000})
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, policy=policy, monitor=monitor, tiers=tiers)
-    seqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
+    reqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
     result = RunResult(label or policy)
     slice_s = config.scheduler.time_slice_ms / 1000
     t, i = 0.0, 0
 
-    def settle(running: list[Sequence]) -> bool:
+    def settle(running: list[Request]) -> bool:
         ended = False
-        for seq in running:
-            if seq.output_tokens and seq.request_id not in result.first_token:
-                result.first_token[seq.request_id] = t
-            if seq.is_finished and seq.request_id not in result.done:
-                result.done[seq.request_id] = t
-                sched.finish(seq, t)
+        for req in running:
+            if req.output_tokens and req.request_id not in result.first_token:
+                result.first_token[req.request_id] = t
+            if req.is_finished and req.request_id not in result.done:
+                result.done[req.request_id] = t
+                sched.finish(req, t)
                 ended = True
         return ended
 
-    while (i < len(seqs) or sched.num_waiting or sched.num_running) and t < limit_s:
+    while (i < len(reqs) or sched.num_waiting or sched.num_running) and t < limit_s:
         arrived = []
-        while i < len(seqs) and seqs[i].arrival <= t:
-            arrived.append(seqs[i])
+        while i < len(reqs) and reqs[i].arrival <= t:
+            arrived.append(reqs[i])
             i += 1
         if arrived:
             sched.add(arrived, t)
         if not sched.num_waiting and not sched.num_running:
-            t = seqs[i].arrival
+            t = reqs[i].arrival
             continue
-        out = sched.schedule(t)  # preempted sequences have lost their KV already (or swapped it out)
-        for seq in out.restore:
-            await tiers.restore(seq)
+        out = sched.schedule(t)  # preempted requests have lost their KV already (or swapped it out)
+        for req in out.restore:
+            await tiers.restore(req)
         owed = tiers.take_owed_seconds()
         result.swap_seconds += owed
         t += owed
@@ -281,9 +281,9 @@ async def _simulate(
             if settle(running):
                 break
     result.makespan = t
-    result.preemptions = sum(s.preemptions for s in seqs)
-    result.recomputed_tokens = sum(s.recomputed_tokens for s in seqs)
-    result.restored_tokens = sum(s.restored_tokens for s in seqs)
+    result.preemptions = sum(s.preemptions for s in reqs)
+    result.recomputed_tokens = sum(s.recomputed_tokens for s in reqs)
+    result.restored_tokens = sum(s.restored_tokens for s in reqs)
     sched.shutdown()
     await tiers.aclose()
     return result

@@ -17,11 +17,11 @@ Rule (all times in seconds)::
     window = clamp(min(fill, step, budget), min_interval, max_interval)
 
 ``step`` is the engine's admission step, when known: an engine with
-iteration-level batching takes new sequences only at step (time-slice)
+iteration-level batching takes new requests only at step (time-slice)
 boundaries, so a window longer than one step adds latency without adding
-sequences to the step they join.
+requests to the step they join.
 
-Decode is memory-bound, so a step costs about the same for one sequence as for
+Decode is memory-bound, so a step costs about the same for one request as for
 ``max_batch_size`` (see docs/benchmarks.md); the batch the engine can absorb in
 one step is therefore the full ``max_batch_size``, and waiting for it raises
 useful work per step. Waiting longer than ``fill`` buys nothing (the size

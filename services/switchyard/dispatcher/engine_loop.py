@@ -5,24 +5,24 @@ owns every request, and the engine owns the model. Each turn:
 
 1. ``scheduler.schedule(now)`` swaps the double buffer (what arrived during
    the last step joins now), expires, admits and preempts; admitted
-   sequences whose KV state waits in the DRAM tier get it back first
+   requests whose KV state waits in the DRAM tier get it back first
    (``out.restore``; a miss means the prefill recomputes it);
-2. the admitted sequences join the running set in one mixed step (their
-   prefill rides along with one decode token of every running sequence:
+2. the admitted requests join the running set in one mixed step (their
+   prefill rides along with one decode token of every running request:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
    prefilled alone when nothing else runs or a core request is among them (its
    first token then waits for no decode);
-3. the running set decodes, one token per sequence per step, until the time
-   slice ends, a sequence finishes, or new requests wait in the buffer (then
+3. the running set decodes, one token per request per step, until the time
+   slice ends, a request finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
    Orca).
 
 An idle engine takes a request at once: an arrival wakes the loop, and the
-buffer is swapped with reason ``idle``. Finished sequences are handed back to
+buffer is swapped with reason ``idle``. Finished requests are handed back to
 the scheduler (``finish``), which releases their KV or parks their agent.
 A step that fails with a real out-of-memory error (CUDA's
 ``OutOfMemoryError``, or ``MemoryError``) is counted and handed to
-``scheduler.on_oom``, which preempts its sequences and evicts: the process
+``scheduler.on_oom``, which preempts its requests and evicts: the process
 and the tasks go on.
 
 :class:`LoopBase` holds what the step loop and the stream loop
@@ -47,7 +47,7 @@ from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.sequence import Sequence, request_links
+from switchyard.dispatcher.request import Request, request_links
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
@@ -86,18 +86,18 @@ class LoopBase:
 
     # ------------------------------------------------------------------ service calls
 
-    def submit(self, seq: Sequence) -> None:
-        """Hand ``seq`` to the scheduler; its outbox then carries its stream.
+    def submit(self, req: Request) -> None:
+        """Hand ``req`` to the scheduler; its output stream then carries what it generates.
 
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see
                 :meth:`SchedulerCore.add_request`.
         """
-        self.scheduler.add_request(seq, time.monotonic())
+        self.scheduler.add_request(req, time.monotonic())
 
-    def abort(self, seq: Sequence) -> None:
-        """The caller went away: end ``seq`` now and free its place and KV. Idempotent."""
-        self.scheduler.abort(seq, time.monotonic())
+    def abort(self, req: Request) -> None:
+        """The caller went away: end ``req`` now and free its place and KV. Idempotent."""
+        self.scheduler.abort(req, time.monotonic())
         self._wake.set()
 
     def start(self) -> None:
@@ -116,7 +116,7 @@ class LoopBase:
         await self.scheduler.tiers.aclose()
 
     async def stop(self) -> None:
-        """Cancel at once: every sequence still held ends ``cancelled``."""
+        """Cancel at once: every request still held ends ``cancelled``."""
         self._closing = True
         self.scheduler.close()
         if self._task is not None:
@@ -144,8 +144,8 @@ class LoopBase:
     def _cancel_all(self) -> None:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.scheduler.abort(seq, now)
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(req, now)
 
     async def _wait(self, timeout: float | None) -> None:
         self._wake.clear()
@@ -221,16 +221,16 @@ class StepLoop(LoopBase):
         super().start()
         self.scheduler.tiers.start_scans()
 
-    async def _move_tiers(self, restore: list[Sequence]) -> None:
+    async def _move_tiers(self, restore: list[Request]) -> None:
         """Bring the DRAM copies of ``restore`` back; sleep the modelled transfer time (sim engine)."""
         tiers = self.scheduler.tiers
         if restore:
-            await asyncio.gather(*(tiers.restore(seq) for seq in restore))
+            await asyncio.gather(*(tiers.restore(req) for req in restore))
         owed = tiers.take_owed_seconds()
         if owed > 0:
             await asyncio.sleep(owed)
 
-    async def _turn(self, running: list[Sequence]) -> None:
+    async def _turn(self, running: list[Request]) -> None:
         """Prefill the newcomers among ``running``, then decode until the slice ends or the running set changes."""
         engine, scheduler = self.engine, self.scheduler
         prefill = [s for s in running if s.needs_prefill]
@@ -244,7 +244,7 @@ class StepLoop(LoopBase):
             prefill = [s for s in prefill if s.priority_class is not PriorityClass.CORE]
         if prefill and decode:
             # Newcomers join the running set in one mixed step: the decodes do not wait for them.
-            await self._step(lambda seqs: engine.step(prefill, decode), running)
+            await self._step(lambda reqs: engine.step(prefill, decode), running)
             if self._reap(running):
                 return
         elif prefill:
@@ -260,39 +260,39 @@ class StepLoop(LoopBase):
             if self._reap(decode):
                 break
 
-    async def _step(self, fn: Callable[[list[Sequence]], Awaitable[None]], seqs: list[Sequence]) -> None:
+    async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request]) -> None:
         engine = self.engine
-        before = [(s.first_token_at, s.last_token_at, len(s.output_tokens)) for s in seqs]
+        before = [(s.first_token_at, s.last_token_at, len(s.output_tokens)) for s in reqs]
         try:
-            await fn(seqs)
+            await fn(reqs)
         except Exception as exc:  # noqa: BLE001 - every member of the step gets the error
             if is_out_of_memory(exc):
-                self.scheduler.on_oom(seqs, time.monotonic(), exc)
+                self.scheduler.on_oom(reqs, time.monotonic(), exc)
             else:
-                log.exception("engine step failed for %d sequences", len(seqs))
-                for seq in seqs:
-                    seq.fail(exc)
+                log.exception("engine step failed for %d requests", len(reqs))
+                for req in reqs:
+                    req.fail(exc)
         self.steps += 1
         produced = 0
-        for seq, (first, last, count) in zip(seqs, before):
-            produced += max(0, len(seq.output_tokens) - count)
-            if first is None and seq.first_token_at is not None:
-                metrics.TTFT.labels(seq.priority_name).observe(seq.first_token_at - seq.arrival)
-            elif last is not None and len(seq.output_tokens) > count and seq.last_token_at is not None:
-                metrics.INTER_TOKEN_LATENCY.labels(seq.priority_name).observe(seq.last_token_at - last)
-            seq.observe_kv_bytes(engine.kv_bytes(seq))
+        for req, (first, last, count) in zip(reqs, before):
+            produced += max(0, len(req.output_tokens) - count)
+            if first is None and req.first_token_at is not None:
+                metrics.TTFT.labels(req.priority_name).observe(req.first_token_at - req.arrival)
+            elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
+                metrics.INTER_TOKEN_LATENCY.labels(req.priority_name).observe(req.last_token_at - last)
+            req.observe_kv_bytes(engine.kv_bytes(req))
         metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()
 
-    def _reap(self, seqs: list[Sequence]) -> bool:
-        """Hand the finished members of ``seqs`` back to the scheduler; True when any ended or left the
+    def _reap(self, reqs: list[Request]) -> bool:
+        """Hand the finished members of ``reqs`` back to the scheduler; True when any ended or left the
         running set (preempted after an out-of-memory step)."""
         now = time.monotonic()
         ended = False
-        for seq in seqs:
-            if seq.is_finished and seq.state == "running":
-                self.scheduler.finish(seq, now)
+        for req in reqs:
+            if req.is_finished and req.state == "running":
+                self.scheduler.finish(req, now)
                 ended = True
-            elif seq.state != "running":
+            elif req.state != "running":
                 ended = True
         return ended

@@ -5,7 +5,7 @@ Path of one Generate call::
     validate -> scheduler.add_request (double buffer; refused at once when full)
              -> waiting set -> running set (admitted by compute score and KV memory,
                 or the upstream's adaptive limit) -> engine steps
-             -> the sequence's outbox -> GenerateChunk stream
+             -> the request's output stream -> GenerateChunk stream
 
 The stream carries token chunks (text, index), tool-call chunks, then one
 ``done`` chunk with usage, queue wait, TTFT, compute score, memory peak, the
@@ -41,17 +41,8 @@ from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
-from switchyard.dispatcher.sequence import (
-    Message,
-    Sequence,
-    StreamDone,
-    StreamError,
-    StreamToken,
-    StreamToolCall,
-    Tool,
-    ToolCall,
-    word_pieces,
-)
+from switchyard.dispatcher.output import StreamDone, StreamError, StreamToken, StreamToolCall
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
@@ -67,10 +58,10 @@ COUNT_IN_THREAD_BYTES = 256 * 1024
 """Requests larger than this are validated and counted off the event loop."""
 
 
-def to_sequence(
+def to_request(
     request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None
-) -> Sequence:
-    """Validate a GenerateRequest and build its :class:`Sequence`.
+) -> Request:
+    """Validate a GenerateRequest and build its :class:`Request`.
 
     ``max_tokens`` 0 means ``dispatcher.default_max_tokens``; ``prompt_tokens``
     0 means counted here (word pieces of the prompt or messages); an empty
@@ -162,7 +153,7 @@ def to_sequence(
             f"{window - prompt_tokens}{default}",
             max_tokens,
         )
-    return Sequence(
+    return Request(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt=request.prompt,
         messages=messages,
@@ -177,24 +168,24 @@ def to_sequence(
     )
 
 
-def done_chunk(seq: Sequence, model: str) -> agent_pb2.GenerateChunk:
-    """The closing chunk of ``seq``'s stream (usage, timings in seconds, accounting)."""
-    prompt, completion = seq.usage_prompt(), seq.completion_tokens()
-    ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at is not None else 0.0
+def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
+    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting)."""
+    prompt, completion = req.usage_prompt(), req.completion_tokens()
+    ttft = (req.first_token_at - req.arrival) if req.first_token_at is not None else 0.0
     return agent_pb2.GenerateChunk(
         done=agent_pb2.GenerateDone(
             usage=agent_pb2.TokenUsage(
                 prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
             ),
-            queue_wait_s=seq.queue_wait_s,
+            queue_wait_s=req.queue_wait_s,
             ttft_s=ttft,
-            compute_score_used=seq.compute_score_used,
-            memory_peak_bytes=seq.memory_peak_bytes,
-            batch_size=seq.batch_size,
-            flush_reason=seq.flush_reason,
+            compute_score_used=req.compute_score_used,
+            memory_peak_bytes=req.memory_peak_bytes,
+            batch_size=req.batch_size,
+            flush_reason=req.flush_reason,
             model=model,
-            preemptions=seq.preemptions,
-            finish_reason=seq.finish_reason or "",
+            preemptions=req.preemptions,
+            finish_reason=req.finish_reason or "",
         )
     )
 
@@ -293,33 +284,33 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         # detached by whichever task closes a cancelled stream (see common/grpc_tracing.py).
         span = tracer.start_span("dispatcher.generate")
         parent = trace.set_span_in_context(span)
-        seq: Sequence | None = None
+        req: Request | None = None
         loop = self.loop
         try:
             served = self.engine.model if self.stepping else None
             if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-                seq = await asyncio.to_thread(to_sequence, request, self.config, served)
+                req = await asyncio.to_thread(to_request, request, self.config, served)
             else:
-                seq = to_sequence(request, self.config, served)
+                req = to_request(request, self.config, served)
             span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
-            span.set_attribute("gen_ai.usage.input_tokens", seq.prompt_tokens)
-            span.set_attribute("switchyard.priority", seq.priority_name)
-            seq.span_context = span.get_span_context()
-            seq.span = span
+            span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
+            span.set_attribute("switchyard.priority", req.priority_name)
+            req.span_context = span.get_span_context()
+            req.span = span
             if (remaining := context.time_remaining()) is not None:
-                seq.deadline = time.monotonic() + remaining
+                req.deadline = time.monotonic() + remaining
             wall_arrival_ns = time.time_ns()
             if loop is None:
                 raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
             if self.adaptive is not None:
                 self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
-            loop.submit(seq)
-            async for chunk in self._chunks(seq):
+            loop.submit(req)
+            async for chunk in self._chunks(req):
                 yield chunk
-            self._record_queue_wait(seq, wall_arrival_ns, parent)
-            self._record_engine_phases(seq, wall_arrival_ns, parent)
-            span.set_attribute("gen_ai.usage.output_tokens", seq.completion_tokens())
-            span.set_attribute("gen_ai.response.finish_reasons", [seq.finish_reason or ""])
+            self._record_queue_wait(req, wall_arrival_ns, parent)
+            self._record_engine_phases(req, wall_arrival_ns, parent)
+            span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
+            span.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
         except SwitchyardError as exc:
             span.set_attribute("rpc.grpc.status_code", status_for(exc)[0].value[0])
             await abort(context, exc, "dispatcher")
@@ -328,15 +319,16 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
             telemetry.record_exception_status(span, exc)
             raise
         finally:
-            if seq is not None and not seq.is_finished and loop is not None:
-                loop.abort(seq)  # the caller went away: free its place and KV
+            if req is not None and not req.is_finished and loop is not None:
+                loop.abort(req)  # the caller went away: free its place and KV
             span.end()
 
-    async def _chunks(self, seq: Sequence) -> AsyncIterator[agent_pb2.GenerateChunk]:
-        """Turn ``seq``'s outbox into chunks until its done chunk or its error."""
-        model = self.engine.model if self.stepping else (seq.model or self.engine.model)
+    async def _chunks(self, req: Request) -> AsyncIterator[agent_pb2.GenerateChunk]:
+        """Turn ``req``'s output stream into chunks until its done chunk or its error."""
+        model = self.engine.model if self.stepping else (req.model or self.engine.model)
+        output = req.output
         while True:
-            item = await seq.outbox.get()
+            item = await output.get()
             if isinstance(item, StreamToken):
                 yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index))
             elif isinstance(item, StreamToolCall):
@@ -346,8 +338,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 )
             elif isinstance(item, StreamDone):
                 if not self.stepping:
-                    model = seq.model or self.engine.model
-                yield done_chunk(seq, model)
+                    model = req.model or self.engine.model
+                yield done_chunk(req, model)
                 return
             elif isinstance(item, StreamError):
                 error = item.error
@@ -355,44 +347,44 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                     raise error
                 raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
 
-    def _record_engine_phases(self, seq: Sequence, wall_arrival_ns: int, parent: otel_context.Context) -> None:
+    def _record_engine_phases(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.
 
         The engine's step spans (``engine.prefill``/``engine.decode``) serve a whole batch and live
         in traces of their own; these two show in the task's trace where its engine time went.
         """
-        if seq.first_token_at is None:
+        if req.first_token_at is None:
             return
 
         def wall(t: float) -> int:
-            return wall_arrival_ns + int((t - seq.arrival) * 1e9)
+            return wall_arrival_ns + int((t - req.arrival) * 1e9)
 
-        admitted = seq.arrival + seq.queue_wait_s
-        common = {"switchyard.batch_size": seq.batch_size, "switchyard.preemptions": seq.preemptions}
+        admitted = req.arrival + req.queue_wait_s
+        common = {"switchyard.batch_size": req.batch_size, "switchyard.preemptions": req.preemptions}
         tracer.start_span(
             "inference.prefill", parent, start_time=wall(admitted),
-            attributes={**common, "gen_ai.usage.input_tokens": seq.prompt_tokens},
-        ).end(end_time=wall(seq.first_token_at))
+            attributes={**common, "gen_ai.usage.input_tokens": req.prompt_tokens},
+        ).end(end_time=wall(req.first_token_at))
         tracer.start_span(
-            "inference.decode", parent, start_time=wall(seq.first_token_at),
+            "inference.decode", parent, start_time=wall(req.first_token_at),
             attributes={
                 **common,
-                "gen_ai.usage.output_tokens": seq.completion_tokens(),
-                "switchyard.recomputed_tokens": seq.recomputed_tokens,
+                "gen_ai.usage.output_tokens": req.completion_tokens(),
+                "switchyard.recomputed_tokens": req.recomputed_tokens,
             },
-        ).end(end_time=wall(seq.last_token_at or seq.first_token_at))
+        ).end(end_time=wall(req.last_token_at or req.first_token_at))
 
-    def _record_queue_wait(self, seq: Sequence, wall_arrival_ns: int, parent: otel_context.Context) -> None:
+    def _record_queue_wait(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
-        end_ns = wall_arrival_ns + int(seq.queue_wait_s * 1e9)
+        end_ns = wall_arrival_ns + int(req.queue_wait_s * 1e9)
         qspan = tracer.start_span(
             "dispatcher.queue_wait",
             parent,
             start_time=wall_arrival_ns,
             attributes={
                 "switchyard.queue": "inference",
-                "switchyard.batch_size": seq.batch_size,
-                "switchyard.flush_reason": seq.flush_reason,
+                "switchyard.batch_size": req.batch_size,
+                "switchyard.flush_reason": req.flush_reason,
             },
         )
         qspan.end(end_time=end_ns)

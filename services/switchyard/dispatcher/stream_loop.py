@@ -1,7 +1,7 @@
 """The stream loop: the scheduler's decisions applied to an upstream (stream) engine.
 
 An upstream (vLLM, SGLang, TGI, a hosted API) does its own batching; what the
-dispatcher controls is how much it sends. Each admitted sequence is one
+dispatcher controls is how much it sends. Each admitted request is one
 streamed call. The running set is bounded by an adaptive concurrency limit
 (:mod:`switchyard.dispatcher.adaptive_limit`), driven by the upstream's TTFT and
 its 429/503 answers, not by a fixed count.
@@ -16,7 +16,7 @@ upstream takes a request at once.
 prefill at once: batches sent whose members have not all produced a first
 token (or ended). It bounds the prefill burst sent ahead of the upstream's
 first answers, not the streams in flight: a batch that is decoding no longer
-counts, so a server that batches hundreds of sequences is given hundreds.
+counts, so a server that batches hundreds of requests is given hundreds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
 from switchyard.dispatcher.engines.base import StreamEngine, Usage
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.sequence import Sequence, ToolCall
+from switchyard.dispatcher.request import Request, ToolCall
 
 
 class StreamLoop(LoopBase):
@@ -60,15 +60,15 @@ class StreamLoop(LoopBase):
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
-        self._tasks: dict[Sequence, asyncio.Task[None]] = {}
+        self._tasks: dict[Request, asyncio.Task[None]] = {}
         if hasattr(engine, "on_upstream_status"):
             engine.on_upstream_status = self._on_status  # type: ignore[attr-defined]
 
-    def abort(self, seq: Sequence) -> None:
-        task = self._tasks.get(seq)
+    def abort(self, req: Request) -> None:
+        task = self._tasks.get(req)
         if task is not None:
             task.cancel()
-        super().abort(seq)
+        super().abort(req)
 
     def _can_take(self) -> bool:
         return len(self._prefilling) < self.max_prefilling and self.capacity.in_flight < int(self.limit.limit)
@@ -98,8 +98,8 @@ class StreamLoop(LoopBase):
                 if out.admitted:
                     wave = next(self._waves)
                     self._prefilling[wave] = len(out.admitted)
-                    for seq in out.admitted:
-                        self._tasks[seq] = asyncio.create_task(self._stream(seq, wave), name=f"stream-{seq.request_id}")
+                    for req in out.admitted:
+                        self._tasks[req] = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
                 UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
             await self._wait(self.time_slice_s)
 
@@ -113,14 +113,14 @@ class StreamLoop(LoopBase):
         else:
             self._prefilling[wave] = left - 1
 
-    async def _stream(self, seq: Sequence, wave: int) -> None:
+    async def _stream(self, req: Request, wave: int) -> None:
         engine = self.engine
         sent = time.monotonic()
         first = True
         try:
             finish: str | None = None
-            async for item in engine.generate(seq):
-                if seq.is_finished:
+            async for item in engine.generate(req):
+                if req.is_finished:
                     break
                 now = time.monotonic()
                 if first and isinstance(item, (str, ToolCall)):
@@ -128,33 +128,33 @@ class StreamLoop(LoopBase):
                     self.limit.on_sample(now - sent)
                     self._prefilled(wave)
                 if isinstance(item, str):
-                    last = seq.last_token_at
-                    seq.append_token(item)
+                    last = req.last_token_at
+                    req.append_token(item)
                     metrics.GENERATED_TOKENS.inc()
                     if last is None:
-                        metrics.TTFT.labels(seq.priority_name).observe(now - seq.arrival)
+                        metrics.TTFT.labels(req.priority_name).observe(now - req.arrival)
                     else:
-                        metrics.INTER_TOKEN_LATENCY.labels(seq.priority_name).observe(now - last)
+                        metrics.INTER_TOKEN_LATENCY.labels(req.priority_name).observe(now - last)
                 elif isinstance(item, ToolCall):
-                    seq.add_tool_call(item)
+                    req.add_tool_call(item)
                 elif isinstance(item, Usage):
-                    seq.usage_prompt_tokens = item.prompt_tokens
-                    seq.usage_completion_tokens = item.completion_tokens
+                    req.usage_prompt_tokens = item.prompt_tokens
+                    req.usage_completion_tokens = item.completion_tokens
                     finish = item.finish_reason
                     if item.model:
-                        seq.model = item.model  # the upstream model that answered (fallback included)
-            if not seq.is_finished:
-                seq.finish(finish or ("tool_calls" if seq.tool_calls else "stop"))
+                        req.model = item.model  # the upstream model that answered (fallback included)
+            if not req.is_finished:
+                req.finish(finish or ("tool_calls" if req.tool_calls else "stop"))
         except asyncio.CancelledError:
-            seq.finish("cancelled")
+            req.finish("cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            seq.fail(exc)
+            req.fail(exc)
         finally:
             if first:
                 self._prefilled(wave)
-            self._tasks.pop(seq, None)
-            self.scheduler.finish(seq, time.monotonic())
+            self._tasks.pop(req, None)
+            self.scheduler.finish(req, time.monotonic())
             UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
             self._wake.set()
 

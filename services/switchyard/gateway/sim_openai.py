@@ -37,7 +37,7 @@ from starlette.routing import Route
 from switchyard.common import envs
 from switchyard.common.config import SimEngineConfig
 from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
-from switchyard.dispatcher.sequence import Message, Tool, word_pieces
+from switchyard.dispatcher.request import Message, Tool, word_pieces
 from switchyard.gateway.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.sse import DONE, encode
 

@@ -2,7 +2,7 @@
 
 - :class:`StepEngine`: engines that run the model one iteration at a time over
   a batch (``sim`` and ``torch``). The step loop does iteration-level
-  batching with them: sequences join and leave the running set at step
+  batching with them: requests join and leave the running set at step
   boundaries, and the scheduling policy can preempt between steps.
 - :class:`StreamEngine`: engines that do not step (the ``openai`` upstream).
   Each request is one streamed call; the stream loop fans requests out as
@@ -11,10 +11,10 @@
 A step engine takes part in the memory tiers (:mod:`switchyard.dispatcher.tiers`)
 through optional methods, each used when present: ``memory_info()`` (device,
 weight and per-token KV bytes: the HBM budget), ``device_used_bytes()`` (memory
-in use, or None), ``export_kv(seq) -> bytes | None`` and ``import_kv(seq,
+in use, or None), ``export_kv(req) -> bytes | None`` and ``import_kv(req,
 payload, tokens) -> int`` (swap to and from DRAM), ``recompute_seconds(tokens)``
 (the prefill a swap saves), ``share_prefix(source, target) -> int`` (a warm
-resume between sequences that hold their own caches), ``compact_kv() -> int``
+resume between requests that hold their own caches), ``compact_kv() -> int``
 (defragmentation, bytes freed) and ``evict_prefix_cache(nbytes) -> int``.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Union, runtime_checkable
 
-from switchyard.dispatcher.sequence import Sequence, ToolCall
+from switchyard.dispatcher.request import Request, ToolCall
 
 
 @runtime_checkable
@@ -36,37 +36,37 @@ class StepEngine(Protocol):
     busy_seconds: float
     """Cumulative seconds the engine spent in prefill and decode (for the busy ratio)."""
 
-    async def prefill(self, seqs: list[Sequence]) -> None:
-        """Compute the uncomputed prefix of each sequence and append its next token.
+    async def prefill(self, reqs: list[Request]) -> None:
+        """Compute the uncomputed prefix of each request and append its next token.
 
         The prefix is the prompt on first admission, or prompt plus every token
-        already generated after a preemption (``seq.num_computed_tokens == 0``
+        already generated after a preemption (``req.num_computed_tokens == 0``
         with output present); the engine adds the recomputed part to
-        ``seq.recomputed_tokens``. Afterwards ``seq.num_computed_tokens`` is
-        ``seq.num_tokens - 1``. A sequence that reaches its end (stop,
-        ``max_tokens`` or a tool call) is finished with ``seq.finish``.
+        ``req.recomputed_tokens``. Afterwards ``req.num_computed_tokens`` is
+        ``req.num_tokens - 1``. A request that reaches its end (stop,
+        ``max_tokens`` or a tool call) is finished with ``req.finish``.
         """
 
-    async def decode(self, seqs: list[Sequence]) -> None:
-        """One decode step: append exactly one token to each sequence.
+    async def decode(self, reqs: list[Request]) -> None:
+        """One decode step: append exactly one token to each request.
 
-        Every sequence must have been prefilled and not be finished.
+        Every request must have been prefilled and not be finished.
         Finishing works as in :meth:`prefill`.
         """
 
-    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
         """One mixed iteration: prefill ``prefill`` and decode one token of each of ``decode`` together.
 
-        What :meth:`prefill` and :meth:`decode` do to their sequences, in one
+        What :meth:`prefill` and :meth:`decode` do to their requests, in one
         forward pass (chunked-prefill scheduling: vLLM V1, Sarathi-Serve), so
-        that sequences joining the batch do not stall those already decoding.
+        that requests joining the batch do not stall those already decoding.
         """
 
-    def release(self, seq: Sequence) -> None:
-        """Drop the sequence's KV/prefix state (finished, cancelled or preempted). Idempotent."""
+    def release(self, req: Request) -> None:
+        """Drop the request's KV/prefix state (finished, cancelled or preempted). Idempotent."""
 
-    def kv_bytes(self, seq: Sequence) -> int:
-        """Bytes of KV/prefix state the engine holds for ``seq`` now (0 when released)."""
+    def kv_bytes(self, req: Request) -> int:
+        """Bytes of KV/prefix state the engine holds for ``req`` now (0 when released)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ class StreamEngine(Protocol):
 
     model: str
 
-    async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
-        """Stream ``seq``'s completion: token texts and tool calls, then one :class:`Usage`.
+    async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
+        """Stream ``req``'s completion: token texts and tool calls, then one :class:`Usage`.
 
         Retries and fallback before the first item are the engine's own
         business; tokens already yielded are never repeated.

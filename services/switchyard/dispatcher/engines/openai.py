@@ -1,10 +1,10 @@
 """The ``openai`` engine: any OpenAI-compatible upstream (vLLM, SGLang, TGI, Ollama, LiteLLM, hosted APIs).
 
-A :class:`~switchyard.dispatcher.engines.base.StreamEngine`: each sequence is
+A :class:`~switchyard.dispatcher.engines.base.StreamEngine`: each request is
 one streamed ``/v1/chat/completions`` call made by
 :class:`switchyard.gateway.client.GatewayClient`, which owns the HTTP pool,
 retries, fallback and the error table. This module only translates a
-:class:`~switchyard.dispatcher.sequence.Sequence` into an OpenAI request and
+:class:`~switchyard.dispatcher.request.Request` into an OpenAI request and
 the gateway's events into the engine protocol's items. The engine loop fans a
 flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
 """
@@ -21,13 +21,13 @@ from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamItem, Usage
-from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
 
-# Upstream finish reasons the Sequence does not know, mapped to ones it does.
+# Upstream finish reasons the Request does not know, mapped to ones it does.
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
 
 
@@ -45,7 +45,7 @@ def _tool_spec(index: int, tool: Tool) -> dict[str, Any]:
 
 
 def chat_messages(prompt: str, messages: list[Message]) -> list[dict[str, Any]]:
-    """OpenAI chat messages for a sequence: ``messages`` if any, else one user turn holding ``prompt``.
+    """OpenAI chat messages for a request: ``messages`` if any, else one user turn holding ``prompt``.
 
     OpenAI-compatible servers require each ``tool`` message to answer a
     ``tool_calls`` entry of the assistant turn before it. Assistant messages
@@ -89,20 +89,20 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def chat_request(seq: Sequence) -> ChatRequest:
-    """The gateway request for ``seq``: messages, tools, max_tokens, model and priority class.
+def chat_request(req: Request) -> ChatRequest:
+    """The gateway request for ``req``: messages, tools, max_tokens, model and priority class.
 
     Raises:
         InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
     """
     return ChatRequest(
-        messages=chat_messages(seq.prompt, seq.messages),
-        model=seq.model,
-        max_tokens=seq.max_tokens or None,
-        tools=[_tool_spec(i, tool) for i, tool in enumerate(seq.tools)],
-        priority_class=seq.priority_name,
-        request_id=seq.request_id,
-        timeout_s=None if seq.deadline is None else max(0.0, seq.deadline - time.monotonic()),
+        messages=chat_messages(req.prompt, req.messages),
+        model=req.model,
+        max_tokens=req.max_tokens or None,
+        tools=[_tool_spec(i, tool) for i, tool in enumerate(req.tools)],
+        priority_class=req.priority_name,
+        request_id=req.request_id,
+        timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
     )
 
 
@@ -134,16 +134,16 @@ class OpenAIEngine:
     def on_upstream_status(self, hook: Callable[[int], None] | None) -> None:
         self.client.on_status = hook
 
-    async def generate(self, seq: Sequence) -> AsyncIterator[StreamItem]:
-        """Stream ``seq``'s completion: token texts, ToolCalls, then one Usage.
+    async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
+        """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.
 
         Raises:
-            InvalidArgument: bad tool schema in ``seq``.
+            InvalidArgument: bad tool schema in ``req``.
             switchyard.gateway.errors.GatewayError: the error-table row of the
                 upstream failure (gRPC status on ``.code``). Retries and the
                 fallback model happen inside, before the first item only.
         """
-        request = chat_request(seq)
+        request = chat_request(req)
         streamed = 0
         async for event in self.client.stream_chat(request):
             if isinstance(event, Token):
@@ -155,7 +155,7 @@ class OpenAIEngine:
                 usage = event.usage
                 finish = _FINISH.get(event.finish_reason or "", "stop") if event.finish_reason else None
                 yield Usage(
-                    prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else seq.prompt_tokens,
+                    prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
                     finish_reason=finish,
                     model=event.model,

@@ -46,7 +46,7 @@ from switchyard.common.config import SimEngineConfig, SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
-from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
 
 tracer = telemetry.get_tracer(__name__)
 
@@ -114,23 +114,23 @@ def step_activity(params: SimEngineConfig, seconds: float, flops: float, hbm_byt
 _KV_RECORD = struct.Struct("<4sQQ")
 
 
-def export_modelled_kv(seq: Sequence, kv_bytes_per_token: int) -> bytes | None:
+def export_modelled_kv(req: Request, kv_bytes_per_token: int) -> bytes | None:
     """A modelled engine's KV record: magic, prefix tokens, bytes they stand for; None when none are held."""
-    if seq.num_computed_tokens <= 0:
+    if req.num_computed_tokens <= 0:
         return None
-    return _KV_RECORD.pack(b"SYKV", seq.num_computed_tokens, seq.num_computed_tokens * kv_bytes_per_token)
+    return _KV_RECORD.pack(b"SYKV", req.num_computed_tokens, req.num_computed_tokens * kv_bytes_per_token)
 
 
-def import_modelled_kv(seq: Sequence, payload: bytes, tokens: int) -> int:
+def import_modelled_kv(req: Request, payload: bytes, tokens: int) -> int:
     """Restore up to ``tokens`` prefix tokens from an :func:`export_modelled_kv` record (at most all but the
-    newest token of ``seq``, whose KV its next step computes); returns tokens restored (0: bad record)."""
+    newest token of ``req``, whose KV its next step computes); returns tokens restored (0: bad record)."""
     if len(payload) != _KV_RECORD.size:
         return 0
     magic, held, _ = _KV_RECORD.unpack(payload)
     if magic != b"SYKV":
         return 0
-    restored = max(0, min(tokens, held, seq.num_tokens - 1))
-    seq.num_computed_tokens = restored
+    restored = max(0, min(tokens, held, req.num_tokens - 1))
+    req.num_computed_tokens = restored
     return restored
 
 
@@ -295,12 +295,12 @@ def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimRe
 # --------------------------------------------------------------------------- engine
 
 
-def prompt_pieces(seq: Sequence) -> list[str]:
+def prompt_pieces(req: Request) -> list[str]:
     """The prompt as the sim's tokens (word pieces), messages marked by role: what prefix caching hashes."""
-    if not seq.messages:
-        return word_pieces(seq.prompt)
+    if not req.messages:
+        return word_pieces(req.prompt)
     pieces: list[str] = []
-    for message in seq.messages:
+    for message in req.messages:
         pieces.append(f"<{message.role}>")
         pieces.extend(word_pieces(message.content))
     return pieces
@@ -322,71 +322,71 @@ class SimEngine:
         self.tensor_busy_seconds = 0.0
         """Modelled seconds the tensor cores were busy."""
         self.steps = 0
-        self._replies: dict[Sequence, SimReply] = {}
+        self._replies: dict[Request, SimReply] = {}
         self.prefix_cache: PrefixCache | None = (
             PrefixCache(self.params.prefix_block_tokens, self.params.prefix_block_tokens * self.params.kv_bytes_per_token)
             if self.params.prefix_caching else None
         )
         """Automatic prefix caching (``sim.prefix_caching``); None when off."""
-        self._prompt_keys: dict[Sequence, list[int]] = {}
+        self._prompt_keys: dict[Request, list[int]] = {}
 
-    def reply_for(self, seq: Sequence) -> SimReply:
-        """The planned reply of ``seq`` (planned once, kept until :meth:`release`)."""
-        reply = self._replies.get(seq)
+    def reply_for(self, req: Request) -> SimReply:
+        """The planned reply of ``req`` (planned once, kept until :meth:`release`)."""
+        reply = self._replies.get(req)
         if reply is None:
-            reply = self._replies[seq] = plan_reply(seq.prompt, seq.messages, seq.tools)
+            reply = self._replies[req] = plan_reply(req.prompt, req.messages, req.tools)
         return reply
 
-    async def prefill(self, seqs: list[Sequence]) -> None:
+    async def prefill(self, reqs: list[Request]) -> None:
         """Compute each sequence's uncomputed prefix, then append its next token.
 
         Costs ``prefill_seconds(sum of uncomputed tokens)``: one overhead per
         batched prefill. Prompt blocks found in the prefix cache are not
         computed again. A sequence with output already (resumed after
         preemption) recomputes prompt plus output, counted in
-        ``seq.recomputed_tokens``.
+        ``req.recomputed_tokens``.
         """
-        seqs = [s for s in seqs if not s.is_finished]
-        if not seqs:
+        reqs = [s for s in reqs if not s.is_finished]
+        if not reqs:
             return
-        self._reuse_cached_prefixes(seqs)
-        tokens = sum(s.num_uncomputed_tokens for s in seqs)
+        self._reuse_cached_prefixes(reqs)
+        tokens = sum(s.num_uncomputed_tokens for s in reqs)
         with tracer.start_as_current_span("engine.prefill") as span:
-            span.set_attribute("switchyard.batch_size", len(seqs))
+            span.set_attribute("switchyard.batch_size", len(reqs))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
-        self._prefilled(seqs)
+        self._prefilled(reqs)
 
-    def _reuse_cached_prefixes(self, seqs: list[Sequence]) -> None:
+    def _reuse_cached_prefixes(self, reqs: list[Request]) -> None:
         """Fresh sequences start from the prompt blocks already in the prefix cache."""
         cache = self.prefix_cache
         if cache is None:
             return
-        for seq in seqs:
-            if seq.output_tokens or seq.num_computed_tokens or seq in self._prompt_keys:
+        for req in reqs:
+            if req.output_tokens or req.num_computed_tokens or req in self._prompt_keys:
                 continue
-            pieces = prompt_pieces(seq)
+            pieces = prompt_pieces(req)
             keys = cache.keys(pieces)
-            self._prompt_keys[seq] = keys
+            self._prompt_keys[req] = keys
             hit_pieces = cache.match(keys) * cache.block_tokens
             if hit_pieces:
                 # the cache counts the sim's own word pieces; the prompt's length is the caller's count
-                cached = seq.prompt_tokens * hit_pieces // max(1, len(pieces))
-                seq.num_computed_tokens = max(0, min(cached, seq.prompt_tokens - 1))
+                cached = req.prompt_tokens * hit_pieces // max(1, len(pieces))
+                req.num_computed_tokens = max(0, min(cached, req.prompt_tokens - 1))
             metrics.PREFIX_CACHE_BLOCKS.labels("hit").inc(hit_pieces // cache.block_tokens)
             metrics.PREFIX_CACHE_BLOCKS.labels("miss").inc(len(keys) - hit_pieces // cache.block_tokens)
 
-    def _prefilled(self, seqs: list[Sequence]) -> None:
+    def _prefilled(self, reqs: list[Request]) -> None:
         """After a prefill: prefixes computed, prompt blocks cached, next token out."""
-        for seq in seqs:
-            if seq.output_tokens:
-                seq.recomputed_tokens += seq.num_tokens - 1
-            seq.num_computed_tokens = seq.num_tokens
-            keys = self._prompt_keys.pop(seq, None)
+        for req in reqs:
+            if req.output_tokens:
+                req.recomputed_tokens += req.num_tokens - 1
+            req.num_computed_tokens = req.num_tokens
+            keys = self._prompt_keys.pop(req, None)
             if keys and self.prefix_cache is not None:
                 self.prefix_cache.insert(keys)
                 metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
-            self._emit_next(seq)
+            self._emit_next(req)
 
     def prefix_cache_bytes(self) -> int:
         """Device memory the prefix cache holds (evictable: see :meth:`evict_prefix_cache`)."""
@@ -400,21 +400,21 @@ class SimEngine:
         metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
         return freed
 
-    async def decode(self, seqs: list[Sequence]) -> None:
-        """One decode step: one token for each sequence; costs ``decode_seconds(len(seqs))``."""
-        seqs = [s for s in seqs if not s.is_finished]
-        if not seqs:
+    async def decode(self, reqs: list[Request]) -> None:
+        """One decode step: one token for each sequence; costs ``decode_seconds(len(reqs))``."""
+        reqs = [s for s in reqs if not s.is_finished]
+        if not reqs:
             return
         with tracer.start_as_current_span("engine.decode") as span:
-            span.set_attribute("switchyard.batch_size", len(seqs))
+            span.set_attribute("switchyard.batch_size", len(reqs))
             await self._run(
-                decode_seconds(self.params, len(seqs)), tokens=len(seqs), kv_tokens=sum(s.num_tokens for s in seqs)
+                decode_seconds(self.params, len(reqs)), tokens=len(reqs), kv_tokens=sum(s.num_tokens for s in reqs)
             )
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens
-            self._emit_next(seq)
+        for req in reqs:
+            req.num_computed_tokens = req.num_tokens
+            self._emit_next(req)
 
-    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
         """One mixed step: the uncomputed prefix of each ``prefill`` sequence and one token of each ``decode`` one.
 
         Costs :func:`mixed_step_seconds`: the prefill tokens ride along with the
@@ -438,19 +438,19 @@ class SimEngine:
                 kv_tokens=tokens + sum(s.num_tokens for s in decode),
             )
         self._prefilled(prefill)
-        for seq in decode:
-            seq.num_computed_tokens = seq.num_tokens
-            self._emit_next(seq)
+        for req in decode:
+            req.num_computed_tokens = req.num_tokens
+            self._emit_next(req)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes.
+    def release(self, req: Request) -> None:
+        """Drop ``req``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes.
 
         Its prompt blocks stay in the prefix cache (they are shared, and evicted by need).
         """
-        seq.num_computed_tokens = 0
-        self._prompt_keys.pop(seq, None)
-        if seq.is_finished:
-            self._replies.pop(seq, None)
+        req.num_computed_tokens = 0
+        self._prompt_keys.pop(req, None)
+        if req.is_finished:
+            self._replies.pop(req, None)
 
     def decode_bound_tokens_per_s(self, batch_size: int) -> float:
         """The model's decode bound at ``batch_size`` sequences: ``batch_size / decode_seconds(batch_size)``, tokens/s.
@@ -461,22 +461,22 @@ class SimEngine:
         """
         return batch_size / decode_seconds(self.params, batch_size)
 
-    def kv_bytes(self, seq: Sequence) -> int:
+    def kv_bytes(self, req: Request) -> int:
         """``num_computed_tokens x kv_bytes_per_token``."""
-        return seq.num_computed_tokens * self.params.kv_bytes_per_token
+        return req.num_computed_tokens * self.params.kv_bytes_per_token
 
     models_transfers = True
     """The KV state is modelled: a swap moves a small record, and its transfer time is modelled
     (``[dram] transfer_gb_per_s``) by the step loop."""
 
-    def export_kv(self, seq: Sequence) -> bytes | None:
-        """``seq``'s KV state for the DRAM tier: a record of the tokens and bytes it stands for (the
+    def export_kv(self, req: Request) -> bytes | None:
+        """``req``'s KV state for the DRAM tier: a record of the tokens and bytes it stands for (the
         sim holds no tensors); None when it holds none."""
-        return export_modelled_kv(seq, self.params.kv_bytes_per_token)
+        return export_modelled_kv(req, self.params.kv_bytes_per_token)
 
-    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
+    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
         """Take back ``tokens`` prefix tokens of KV state from :meth:`export_kv`'s record; returns tokens restored."""
-        return import_modelled_kv(seq, payload, tokens)
+        return import_modelled_kv(req, payload, tokens)
 
     def recompute_seconds(self, tokens: int) -> float:
         """Seconds a prefill of ``tokens`` tokens costs (:func:`prefill_seconds`)."""
@@ -503,23 +503,23 @@ class SimEngine:
         self.tensor_busy_seconds += tensor
         await asyncio.sleep(seconds)
 
-    def _emit_next(self, seq: Sequence) -> None:
+    def _emit_next(self, req: Request) -> None:
         """Append the reply's next token; finish at its end or at max_tokens."""
-        if seq.is_finished:
+        if req.is_finished:
             return
-        reply = self.reply_for(seq)
-        index = len(seq.output_tokens)
+        reply = self.reply_for(req)
+        index = len(req.output_tokens)
         if index < len(reply.tokens):
-            seq.append_token(reply.tokens[index], visible=not reply.tool_calls)
-        if len(seq.output_tokens) >= len(reply.tokens):
+            req.append_token(reply.tokens[index], visible=not reply.tool_calls)
+        if len(req.output_tokens) >= len(reply.tokens):
             for call in reply.tool_calls:
-                seq.add_tool_call(call)
-            seq.finish(reply.finish_reason)
-            self._replies.pop(seq, None)
-        elif len(seq.output_tokens) >= seq.max_tokens:
-            seq.finish("length")
-            self._replies.pop(seq, None)
-        seq.observe_kv_bytes(self.kv_bytes(seq))
+                req.add_tool_call(call)
+            req.finish(reply.finish_reason)
+            self._replies.pop(req, None)
+        elif len(req.output_tokens) >= req.max_tokens:
+            req.finish("length")
+            self._replies.pop(req, None)
+        req.observe_kv_bytes(self.kv_bytes(req))
 
 
 __all__ = [

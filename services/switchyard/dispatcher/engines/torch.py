@@ -9,7 +9,7 @@ default, as inference servers do for benchmarking, or a local checkpoint.
   admitted sequence (padded, with an attention mask; in chunks of at most
   ``prefill_chunk_tokens`` per sequence): the prompt on first
   admission, prompt plus every generated token after a preemption (counted in
-  ``seq.recomputed_tokens``). It appends each sequence's next token.
+  ``req.recomputed_tokens``). It appends each sequence's next token.
 - **decode**: ONE batched forward step for all running sequences, one new
   token each, over their per-sequence KV caches.
 - **release**: drops the sequence's KV cache (``kv_bytes`` becomes 0). Its
@@ -21,7 +21,7 @@ default, as inference servers do for benchmarking, or a local checkpoint.
 Prompt: the request's ``prompt``, or its messages rendered one per line as
 ``role: content`` followed by ``assistant:`` (tools offered are listed first
 as ``tools: name, ...``). Token counts are the engine's tokenizer's:
-``seq.prompt_tokens`` is set to the rendered prompt's length at first prefill,
+``req.prompt_tokens`` is set to the rendered prompt's length at first prefill,
 so usage and ``num_computed_tokens`` are in the model's own tokens.
 
 Sampling: greedy (``temperature`` 0) or, with ``temperature`` > 0, sampled
@@ -84,7 +84,7 @@ from switchyard.dispatcher.engines.torch_model import (
     extend_in_chunks,
 )
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
-from switchyard.dispatcher.sequence import Message, Sequence, Tool, ToolCall
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 
 
 def render_prompt(prompt: str, messages: list[Message], tools: list[Tool]) -> str:
@@ -160,23 +160,23 @@ class TorchEngine:
         self.model = self.params.model
         self.busy_seconds = 0.0
         self.steps = 0
-        self._states: dict[Sequence, SeqState] = {}
-        self._caches: dict[Sequence, KVCache] = {}
+        self._states: dict[Request, SeqState] = {}
+        self._caches: dict[Request, KVCache] = {}
         self._prefill_s_per_token = 0.0
         """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
 
     # ------------------------------------------------------------------ StepEngine
 
-    async def prefill(self, seqs: list[Sequence]) -> None:
+    async def prefill(self, reqs: list[Request]) -> None:
         """Compute each sequence's uncomputed prefix (padded batch, chunked), then append its next token.
 
         A sequence whose prompt does not fit ``max_seq_len`` fails with
         :class:`InvalidArgument` (``prompt_tokens``); the others go on.
         """
-        ready = self._ready_for_prefill(seqs)
+        ready = self._ready_for_prefill(reqs)
         await self._traced_step("engine.prefill", ready, ready)
 
-    async def step(self, prefill: list[Sequence], decode: list[Sequence]) -> None:
+    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
         """One forward pass over a mixed batch: the prefixes of ``prefill`` and one token of each of ``decode``.
 
         The prefill rows ride along with the decode rows in one batched
@@ -188,7 +188,7 @@ class TorchEngine:
         running = [s for s in decode if not s.is_finished and s in self._caches]
         await self._traced_step("engine.step", ready + running, ready)
 
-    async def _traced_step(self, name: str, batch: list[Sequence], prefilling: list[Sequence]) -> None:
+    async def _traced_step(self, name: str, batch: list[Request], prefilling: list[Request]) -> None:
         """One forward pass over ``batch`` in a span ``name`` (a child of the step loop's turn span, which
         links the requests); ``prefilling`` are its newcomers."""
         if not batch:
@@ -204,63 +204,63 @@ class TorchEngine:
             old = self._prefill_s_per_token
             self._prefill_s_per_token = measured if not old else 0.8 * old + 0.2 * measured
 
-    def _ready_for_prefill(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The members of ``seqs`` that can be prefilled, each with a KV cache of its own."""
+    def _ready_for_prefill(self, reqs: list[Request]) -> list[Request]:
+        """The members of ``reqs`` that can be prefilled, each with a KV cache of its own."""
         ready = []
-        for seq in seqs:
-            if seq.is_finished:
+        for req in reqs:
+            if req.is_finished:
                 continue
-            state = self._state(seq)
+            state = self._state(req)
             if state is None:
                 continue
-            if seq not in self._caches:
-                if seq.output_tokens:  # preempted: prompt and generated tokens again, all but the newest
-                    seq.recomputed_tokens += len(state.ids) - 1
-                elif seq.num_computed_tokens > 0:  # a warm prefix this engine does not hold
-                    seq.recomputed_tokens += min(seq.num_computed_tokens, state.prompt_len)
-                self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
-            ready.append(seq)
+            if req not in self._caches:
+                if req.output_tokens:  # preempted: prompt and generated tokens again, all but the newest
+                    req.recomputed_tokens += len(state.ids) - 1
+                elif req.num_computed_tokens > 0:  # a warm prefix this engine does not hold
+                    req.recomputed_tokens += min(req.num_computed_tokens, state.prompt_len)
+                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
+            ready.append(req)
         return ready
 
-    async def decode(self, seqs: list[Sequence]) -> None:
+    async def decode(self, reqs: list[Request]) -> None:
         """One batched forward step: one new token for each running sequence."""
-        ready = [s for s in seqs if not s.is_finished and s in self._states]
-        for seq in ready:
-            if seq not in self._caches:  # not prefilled (should not happen): compute its prefix now
-                self._caches[seq] = self.model_net.new_cache(self.params.kv_block_tokens)
+        ready = [s for s in reqs if not s.is_finished and s in self._states]
+        for req in ready:
+            if req not in self._caches:  # not prefilled (should not happen): compute its prefix now
+                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
         if not ready:
             return
         with tracer.start_as_current_span("engine.decode") as span:
             span.set_attribute("switchyard.batch_size", len(ready))
             await self._step(ready)
 
-    def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV cache; its token ids go too once it has finished. Idempotent."""
-        self._caches.pop(seq, None)
-        seq.num_computed_tokens = 0
-        if seq.is_finished:
-            self._states.pop(seq, None)
+    def release(self, req: Request) -> None:
+        """Drop ``req``'s KV cache; its token ids go too once it has finished. Idempotent."""
+        self._caches.pop(req, None)
+        req.num_computed_tokens = 0
+        if req.is_finished:
+            self._states.pop(req, None)
 
-    def kv_bytes(self, seq: Sequence) -> int:
-        """Bytes of the KV cache tensor held for ``seq`` (allocated blocks), 0 when released."""
-        cache = self._caches.get(seq)
+    def kv_bytes(self, req: Request) -> int:
+        """Bytes of the KV cache tensor held for ``req`` (allocated blocks), 0 when released."""
+        cache = self._caches.get(req)
         return cache.nbytes if cache is not None else 0
 
-    def export_kv(self, seq: Sequence) -> bytes | None:
-        """``seq``'s KV state as bytes (valid tokens' keys and values, on the host, and their token ids);
+    def export_kv(self, req: Request) -> bytes | None:
+        """``req``'s KV state as bytes (valid tokens' keys and values, on the host, and their token ids);
         None when it holds none."""
-        cache = self._caches.get(seq)
-        state = self._states.get(seq)
+        cache = self._caches.get(req)
+        state = self._states.get(req)
         if cache is None or state is None or cache.length == 0:
             return None
         buffer = io.BytesIO()
         torch.save({"ids": state.ids[: cache.length], "kv": cache.data[:, :, :, : cache.length].to("cpu")}, buffer)
         return buffer.getvalue()
 
-    def import_kv(self, seq: Sequence, payload: bytes, tokens: int) -> int:
-        """Restore up to ``tokens`` leading tokens of KV from :meth:`export_kv`'s bytes, as many as ``seq``'s
+    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
+        """Restore up to ``tokens`` leading tokens of KV from :meth:`export_kv`'s bytes, as many as ``req``'s
         ids share with the copy (all but its newest token at most); returns tokens restored."""
-        state = self._state(seq)
+        state = self._state(req)
         if state is None:
             return 0
         try:
@@ -268,9 +268,9 @@ class TorchEngine:
             ids, kv = list(saved["ids"]), saved["kv"]
         except Exception:  # noqa: BLE001 - a corrupt or foreign entry is a miss
             return 0
-        return self._adopt(seq, ids, kv, min(tokens, kv.shape[3]))
+        return self._adopt(req, ids, kv, min(tokens, kv.shape[3]))
 
-    def share_prefix(self, source: Sequence, target: Sequence) -> int:
+    def share_prefix(self, source: Request, target: Request) -> int:
         """``target`` starts from ``source``'s KV (still held) for the leading ids they share: a react_loop
         agent's next step taking over its parked step's warm prefix. Returns tokens shared (a copy)."""
         cache, held = self._caches.get(source), self._states.get(source)
@@ -278,10 +278,10 @@ class TorchEngine:
             return 0
         return self._adopt(target, held.ids, cache.data, cache.length)
 
-    def _adopt(self, seq: Sequence, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
-        """Give ``seq`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
+    def _adopt(self, req: Request, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
+        """Give ``req`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
         ``ids`` (all but its newest token at most); returns that count."""
-        state = self._states[seq]
+        state = self._states[req]
         limit = min(tokens, len(ids), len(state.ids) - 1)
         shared = 0
         while shared < limit and ids[shared] == state.ids[shared]:
@@ -292,8 +292,8 @@ class TorchEngine:
         cache.reserve(shared)
         cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(device=cache.data.device, dtype=cache.data.dtype)
         cache.length = shared
-        self._caches[seq] = cache
-        seq.num_computed_tokens = shared
+        self._caches[req] = cache
+        req.num_computed_tokens = shared
         return shared
 
     def recompute_seconds(self, tokens: int) -> float:
@@ -345,49 +345,49 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _state(self, seq: Sequence) -> SeqState | None:
+    def _state(self, req: Request) -> SeqState | None:
         """The sequence's state, created (prompt tokenized, length checked) on first sight; None if it failed."""
-        state = self._states.get(seq)
+        state = self._states.get(req)
         if state is not None:
             return state
-        ids = self.tokenizer.encode(render_prompt(seq.prompt, seq.messages, seq.tools)) or [self.tokenizer.eos_id]
+        ids = self.tokenizer.encode(render_prompt(req.prompt, req.messages, req.tools)) or [self.tokenizer.eos_id]
         limit = self.params.max_seq_len
         if len(ids) >= limit:
-            seq.fail(InvalidArgument(
+            req.fail(InvalidArgument(
                 "prompt_tokens",
                 f"at most {limit - 1} (torch.max_seq_len {limit}, less room for one generated token)",
                 len(ids),
             ))
             return None
-        seq.prompt_tokens = len(ids)
+        req.prompt_tokens = len(ids)
         state = SeqState(ids=ids, prompt_len=len(ids), text=Tokenizer.stream_decoder())
-        if seq.tools:
-            reply = plan_reply(seq.prompt, seq.messages, seq.tools)
+        if req.tools:
+            reply = plan_reply(req.prompt, req.messages, req.tools)
             state.forced = ForcedReply(
                 ids=self.tokenizer.encode("".join(reply.tokens)),
                 visible=not reply.tool_calls,
                 tool_calls=list(reply.tool_calls),
                 finish_reason=reply.finish_reason,
             )
-        self._states[seq] = state
+        self._states[req] = state
         return state
 
-    async def _step(self, seqs: list[Sequence]) -> None:
-        batch = [ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in seqs]
-        keys = [self._sampling_key(s) for s in seqs]
+    async def _step(self, reqs: list[Request]) -> None:
+        batch = [ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in reqs]
+        keys = [self._sampling_key(s) for s in reqs]
         next_ids, seconds = await asyncio.to_thread(self._forward, batch, keys)
         self.steps += 1
         self.busy_seconds += seconds
-        for seq, token_id in zip(seqs, next_ids):
-            if not seq.is_finished:
-                self._emit(seq, token_id)
+        for req, token_id in zip(reqs, next_ids):
+            if not req.is_finished:
+                self._emit(req, token_id)
 
-    def _sampling_key(self, seq: Sequence) -> int | None:
+    def _sampling_key(self, req: Request) -> int | None:
         """Seed of the next token's draw (None: greedy)."""
         if self.params.temperature <= 0:
             return None
-        position = len(self._states[seq].ids)
-        digest = hashlib.blake2b(f"{self.params.seed}|{seq.request_id}|{position}".encode(), digest_size=8).digest()
+        position = len(self._states[req].ids)
+        digest = hashlib.blake2b(f"{self.params.seed}|{req.request_id}|{position}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") & (2**63 - 1)
 
     def _forward(self, batch: list[ExtendInput], keys: list[int | None]) -> tuple[list[int], float]:
@@ -409,37 +409,37 @@ class TorchEngine:
             torch.cuda.synchronize(self.device)
         return chosen, time.monotonic() - start
 
-    def _emit(self, seq: Sequence, sampled: int) -> None:
+    def _emit(self, req: Request, sampled: int) -> None:
         """Append the next token (sampled, or the forced reply's), then finish if it ends the sequence."""
-        state = self._states[seq]
-        cache = self._caches.get(seq)
+        state = self._states[req]
+        cache = self._caches.get(req)
         if cache is not None:
-            seq.num_computed_tokens = cache.length
+            req.num_computed_tokens = cache.length
         forced = state.forced
         generated = len(state.ids) - state.prompt_len
         if forced is not None:
             if generated >= len(forced.ids):
-                self._finish_forced(seq, forced)
+                self._finish_forced(req, forced)
                 return
             token_id, visible = forced.ids[generated], forced.visible
         else:
             token_id, visible = sampled, True
             if token_id == self.tokenizer.eos_id:
-                seq.finish("stop")
+                req.finish("stop")
                 return
         state.ids.append(token_id)
-        seq.append_token(state.text.decode(self.tokenizer.piece(token_id)), visible=visible)
+        req.append_token(state.text.decode(self.tokenizer.piece(token_id)), visible=visible)
         if forced is not None and generated + 1 >= len(forced.ids):
-            self._finish_forced(seq, forced)
-        elif len(seq.output_tokens) >= seq.max_tokens or len(state.ids) >= self.params.max_seq_len:
-            seq.finish("length")
-        seq.observe_kv_bytes(self.kv_bytes(seq))
+            self._finish_forced(req, forced)
+        elif len(req.output_tokens) >= req.max_tokens or len(state.ids) >= self.params.max_seq_len:
+            req.finish("length")
+        req.observe_kv_bytes(self.kv_bytes(req))
 
     @staticmethod
-    def _finish_forced(seq: Sequence, forced: ForcedReply) -> None:
+    def _finish_forced(req: Request, forced: ForcedReply) -> None:
         for call in forced.tool_calls:
-            seq.add_tool_call(call)
-        seq.finish(forced.finish_reason)
+            req.add_tool_call(call)
+        req.finish(forced.finish_reason)
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -453,34 +453,34 @@ _BENCH_TEXT = (
 )
 
 
-def _bench_sequences(engine: TorchEngine, batch: int, prompt_tokens: int, steps: int, tag: str) -> list[Sequence]:
+def _bench_requests(engine: TorchEngine, batch: int, prompt_tokens: int, steps: int, tag: str) -> list[Request]:
     ids = engine.tokenizer.encode(_BENCH_TEXT * (prompt_tokens // 8 + 1))[:prompt_tokens]
     text = engine.tokenizer.decode(ids)
-    return [Sequence(request_id=f"{tag}-{i}", prompt=text, max_tokens=steps + 2) for i in range(batch)]
+    return [Request(request_id=f"{tag}-{i}", prompt=text, max_tokens=steps + 2) for i in range(batch)]
 
 
 async def _bench(engine: TorchEngine, batches: list[int], prompt_tokens: int, steps: int) -> list[tuple]:
     rows = []
-    warm = _bench_sequences(engine, 1, prompt_tokens, 2, "warmup")
+    warm = _bench_requests(engine, 1, prompt_tokens, 2, "warmup")
     await engine.prefill(warm)
     await engine.decode(warm)
-    for seq in warm:
-        seq.finish("cancelled")
-        engine.release(seq)
+    for req in warm:
+        req.finish("cancelled")
+        engine.release(req)
     for batch in batches:
-        seqs = _bench_sequences(engine, batch, prompt_tokens, steps, f"b{batch}")
+        reqs = _bench_requests(engine, batch, prompt_tokens, steps, f"b{batch}")
         before = engine.busy_seconds
-        await engine.prefill(seqs)
+        await engine.prefill(reqs)
         prefill_s = engine.busy_seconds - before
         step_s = []
         for _ in range(steps):
             before = engine.busy_seconds
-            await engine.decode(seqs)
+            await engine.decode(reqs)
             step_s.append(engine.busy_seconds - before)
-        kv = sum(engine.kv_bytes(s) for s in seqs)
-        for seq in seqs:
-            seq.finish("cancelled")
-            engine.release(seq)
+        kv = sum(engine.kv_bytes(s) for s in reqs)
+        for req in reqs:
+            req.finish("cancelled")
+            engine.release(req)
         median = statistics.median(step_s)
         rows.append((batch, prefill_s, median, batch / median, kv))
     return rows

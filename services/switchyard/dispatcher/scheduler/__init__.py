@@ -1,4 +1,4 @@
-"""GPU-aware scheduling of the dispatcher: which sequences run at each time slice.
+"""GPU-aware scheduling of the dispatcher: which requests run at each time slice.
 
 Public factory: :func:`make_scheduler`. Interface: :class:`Scheduler` (see
 :mod:`.base` for the call order the engine loop follows). Policies:

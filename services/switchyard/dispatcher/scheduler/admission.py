@@ -12,7 +12,7 @@ runs, the head of the queue is admitted whatever the score says (the score is
 then other processes' load, which waiting does not lower).
 
 ``max_running_agents`` (the field's value 10) is the admission wave: the most
-sequences one decision admits. It does not bound the running set; memory and
+requests one decision admits. It does not bound the running set; memory and
 the score do (:mod:`.capacity`). A wave bounds the prefill that running
 decodes wait behind at one step boundary, so a burst of arrivals joins the
 running set over a few steps.
@@ -33,7 +33,7 @@ from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.scheduler import metrics
 
 ADMISSION_WAVE = "admission_wave"
-"""Refusal reason: ``max_running_agents`` sequences were admitted in this decision already."""
+"""Refusal reason: ``max_running_agents`` requests were admitted in this decision already."""
 COMPUTE_SCORE = "compute_score"
 """Refusal reason: score + expected score would reach ``high_load_threshold``."""
 
@@ -94,7 +94,7 @@ class Admission:
 
         Args:
             task_type: the waiting task's type (selects its expected score).
-            num_running: sequences running now, including those admitted in this decision.
+            num_running: requests running now, including those admitted in this decision.
             projected_score: compute score (0-100) plus the expected scores of
                 the tasks admitted earlier in this decision.
             wave: tasks admitted earlier in this decision.

@@ -1,18 +1,18 @@
 """What the engine can hold: the running set's limit, read from the hardware.
 
-A scheduler admits a waiting sequence only when its capacity says it fits.
+A scheduler admits a waiting request only when its capacity says it fits.
 There are two kinds, one per engine kind:
 
-- :class:`KvBudget` (step engines): the KV cache of the running sequences must
+- :class:`KvBudget` (step engines): the KV cache of the running requests must
   fit the HBM budget, ``memory_policy.toml [hbm] capacity_ratio`` x device
-  memory - weight bytes. Each running sequence reserves the KV of its whole
+  memory - weight bytes. Each running request reserves the KV of its whole
   possible length, ``(prompt_tokens + max_tokens) x bytes per token``, at
-  admission, so a running sequence never runs out of memory mid-decode and is
+  admission, so a running request never runs out of memory mid-decode and is
   never preempted for memory. That is the reservation rule of Hugging Face
   TGI's router (``max_batch_total_tokens``: prompt plus ``max_new_tokens`` of
   every request in the batch must fit). KV held for parked agents (waiting on
   a tool) counts against the same budget; the scheduler releases the oldest
-  parked state first when a waiting sequence needs the room.
+  parked state first when a waiting request needs the room.
 - :class:`ConcurrencyCapacity` (stream engines): the number of streams in
   flight to the upstream must stay under an adaptive concurrency limit
   (:mod:`switchyard.dispatcher.adaptive_limit`).
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from switchyard.common.config import HbmTier
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 KV_MEMORY = "kv_memory"
-"""Refusal reason: the sequence's KV reservation does not fit the HBM budget."""
+"""Refusal reason: the request's KV reservation does not fit the HBM budget."""
 UPSTREAM_CONCURRENCY = "upstream_concurrency"
 """Refusal reason: the upstream's adaptive concurrency limit is reached."""
 
@@ -44,7 +44,7 @@ class MemoryInfo:
 
     ``device_bytes``: total memory of the device the KV cache lives on;
     ``weight_bytes``: what the model's weights take of it;
-    ``kv_bytes_per_token``: KV cache bytes one token of one sequence needs.
+    ``kv_bytes_per_token``: KV cache bytes one token of one request needs.
     """
 
     device_bytes: int
@@ -61,17 +61,17 @@ def memory_info(engine: Any) -> MemoryInfo | None:
 class Capacity(Protocol):
     """A limit on the running set. The scheduler calls it on the event loop only."""
 
-    def refusal(self, seq: Sequence) -> str | None:
-        """None when ``seq`` fits now, else the refusal reason (a metric label)."""
+    def refusal(self, req: Request) -> str | None:
+        """None when ``req`` fits now, else the refusal reason (a metric label)."""
 
-    def never_fits(self, seq: Sequence) -> str | None:
-        """Why ``seq`` could not run even on an empty engine, or None."""
+    def never_fits(self, req: Request) -> str | None:
+        """Why ``req`` could not run even on an empty engine, or None."""
 
-    def take(self, seq: Sequence) -> None:
-        """``seq`` entered the running set."""
+    def take(self, req: Request) -> None:
+        """``req`` entered the running set."""
 
-    def give(self, seq: Sequence) -> None:
-        """``seq`` left the running set. Idempotent."""
+    def give(self, req: Request) -> None:
+        """``req`` left the running set. Idempotent."""
 
 
 class KvBudget:
@@ -104,9 +104,9 @@ class KvBudget:
         """Bytes reserved by the running set."""
         self._held_elsewhere = held_elsewhere
 
-    def need(self, seq: Sequence) -> int:
-        """Bytes ``seq`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
-        return (seq.prompt_tokens + seq.max_tokens) * self.info.kv_bytes_per_token
+    def need(self, req: Request) -> int:
+        """Bytes ``req`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
+        return (req.prompt_tokens + req.max_tokens) * self.info.kv_bytes_per_token
 
     @property
     def free_bytes(self) -> int:
@@ -126,42 +126,42 @@ class KvBudget:
             used = self.info.weight_bytes + self.held_bytes
         return used / self.info.device_bytes if self.info.device_bytes else 0.0
 
-    def refusal(self, seq: Sequence) -> str | None:
-        return None if self.need(seq) <= self.free_bytes else KV_MEMORY
+    def refusal(self, req: Request) -> str | None:
+        return None if self.need(req) <= self.free_bytes else KV_MEMORY
 
-    def never_fits(self, seq: Sequence) -> str | None:
-        need = self.need(seq)
+    def never_fits(self, req: Request) -> str | None:
+        need = self.need(req)
         if need <= self.budget_bytes:
             return None
         return (
-            f"prompt_tokens + max_tokens = {seq.prompt_tokens + seq.max_tokens} tokens need "
+            f"prompt_tokens + max_tokens = {req.prompt_tokens + req.max_tokens} tokens need "
             f"{need / 2**30:.2f} GiB of KV cache; the HBM budget is {self.budget_bytes / 2**30:.2f} GiB "
             "(memory_policy.toml [hbm] capacity_ratio x device memory - weights)"
         )
 
-    def take(self, seq: Sequence) -> None:
-        if not seq.kv_reserved_bytes:
-            seq.kv_reserved_bytes = self.need(seq)
-            self.reserved_bytes += seq.kv_reserved_bytes
+    def take(self, req: Request) -> None:
+        if not req.kv_reserved_bytes:
+            req.kv_reserved_bytes = self.need(req)
+            self.reserved_bytes += req.kv_reserved_bytes
 
-    def give(self, seq: Sequence) -> None:
-        self.reserved_bytes -= seq.kv_reserved_bytes
-        seq.kv_reserved_bytes = 0
+    def give(self, req: Request) -> None:
+        self.reserved_bytes -= req.kv_reserved_bytes
+        req.kv_reserved_bytes = 0
 
 
 class Unbounded:
     """No memory limit known (an engine that reports none): compute score alone bounds admission."""
 
-    def refusal(self, seq: Sequence) -> str | None:
+    def refusal(self, req: Request) -> str | None:
         return None
 
-    def never_fits(self, seq: Sequence) -> str | None:
+    def never_fits(self, req: Request) -> str | None:
         return None
 
-    def take(self, seq: Sequence) -> None:
+    def take(self, req: Request) -> None:
         pass
 
-    def give(self, seq: Sequence) -> None:
+    def give(self, req: Request) -> None:
         pass
 
 
@@ -177,16 +177,16 @@ class ConcurrencyCapacity:
         self.limit = limit
         self.in_flight = 0
 
-    def refusal(self, seq: Sequence) -> str | None:
+    def refusal(self, req: Request) -> str | None:
         return None if self.in_flight < int(self.limit.limit) else UPSTREAM_CONCURRENCY
 
-    def never_fits(self, seq: Sequence) -> str | None:
+    def never_fits(self, req: Request) -> str | None:
         return None
 
-    def take(self, seq: Sequence) -> None:
+    def take(self, req: Request) -> None:
         self.in_flight += 1
         self.limit.in_flight = self.in_flight
 
-    def give(self, seq: Sequence) -> None:
+    def give(self, req: Request) -> None:
         self.in_flight -= 1
         self.limit.in_flight = self.in_flight

@@ -3,11 +3,11 @@
 Shape after vLLM's scheduler (``add_request`` / ``schedule`` /
 ``finish_requests``) and Triton's dynamic batcher, which alone owns the queue
 bound, the queue timeout, priorities and the batching delay. Every request the
-dispatcher holds is in exactly one place, recorded in ``seq.state``:
+dispatcher holds is in exactly one place, recorded in ``req.state``:
 
 ``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
 policy) -> ``running`` (the engine's running set) -> ``finished``; a running
-sequence may go back to ``waiting`` (preempted) or to ``parked`` (a react_loop
+request may go back to ``waiting`` (preempted) or to ``parked`` (a react_loop
 agent waiting on a tool, its KV kept warm).
 
 This class is the only place that
@@ -19,7 +19,7 @@ This class is the only place that
 - releases KV state (``engine.release``): on finish, preemption, parking
   expiry and agent hand-over;
 - moves KV state between memory tiers (:mod:`switchyard.dispatcher.tiers`):
-  a preempted sequence or an evicted parked agent goes to the DRAM tier when
+  a preempted request or an evicted parked agent goes to the DRAM tier when
   swapping is cheaper than recomputing, and comes back at admission
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
   hbm_scan_interval_sec``) evicts at ``emergency_evict_ratio`` and
@@ -35,7 +35,7 @@ Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
 by the compute score and by KV memory within the HBM budget (step engines), or
 by the upstream's adaptive concurrency limit (stream engines); never by a fixed
 count. ``max_running_agents`` (the field's 10) is the admission wave: the most
-sequences admitted in one scheduling decision, so that a burst joins the
+requests admitted in one scheduling decision, so that a burst joins the
 running set over a few steps instead of stalling every running decode behind
 one huge prefill. ``queues.inference.capacity`` bounds the requests that wait
 (buffered or waiting, never admitted yet).
@@ -70,7 +70,7 @@ from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, should
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
-from switchyard.dispatcher.sequence import SchedulerOutput, Sequence, request_links
+from switchyard.dispatcher.request import Request, SchedulerOutput, request_links
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
@@ -82,7 +82,7 @@ FRAGMENTATION_INTERVAL_S = 1.0
 """The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
 
 STATES = ("new", "buffered", "waiting", "running", "parked", "finished")
-"""Values of ``Sequence.state``."""
+"""Values of ``Request.state``."""
 
 
 class DispatcherClosed(SwitchyardError):
@@ -139,15 +139,15 @@ class SchedulerCore:
         flush = config.queue.flush
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
-        self.intake: DoubleBuffer[Sequence] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
+        self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
         self.on_arrival: Callable[[], None] = lambda: None
         """Called after every accepted request (the engine loop decides whether to wake)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
-        self._waiting: list[tuple[tuple[float, ...], Sequence]] = []
-        self._running: list[Sequence] = []
-        self._handover: dict[Sequence, Sequence] = {}
-        """Waiting resumed sequence -> its agent's parked sequence, whose prefix state it takes at admission."""
+        self._waiting: list[tuple[tuple[float, ...], Request]] = []
+        self._running: list[Request] = []
+        self._handover: dict[Request, Request] = {}
+        """Waiting resumed request -> its agent's parked request, whose prefix state it takes at admission."""
         self._counter = itertools.count()
         self._batches: dict[int, list[float]] = {}  # flush number -> [members not yet ended, flushed_at]
         self._batch_numbers = itertools.count()
@@ -161,7 +161,7 @@ class SchedulerCore:
         self._next_hbm_scan = 0.0
         self._next_fragmentation = 0.0
         self._now = 0.0  # the time of the decision in progress (value scores' recency)
-        self._kv_refused: Sequence | None = None  # the head last refused for KV memory (counted once)
+        self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
@@ -173,17 +173,17 @@ class SchedulerCore:
     # ------------------------------------------------------------------ views
 
     @property
-    def waiting(self) -> list[Sequence]:
-        """Waiting sequences, in the order they will be admitted (buffered ones not included)."""
-        return [seq for _, seq in self._waiting]
+    def waiting(self) -> list[Request]:
+        """Waiting requests, in the order they will be admitted (buffered ones not included)."""
+        return [req for _, req in self._waiting]
 
     @property
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[Request]:
         return list(self._running)
 
     @property
-    def parked(self) -> list[Sequence]:
-        return self.parking.sequences
+    def parked(self) -> list[Request]:
+        return self.parking.requests
 
     @property
     def parked_kv_bytes(self) -> int:
@@ -195,7 +195,7 @@ class SchedulerCore:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting for admission, buffered ones included."""
+        """Requests waiting for admission, buffered ones included."""
         return len(self._waiting) + self.intake.active_size
 
     @property
@@ -210,29 +210,29 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ intake
 
-    def add_request(self, seq: Sequence, now: float) -> None:
-        """Accept ``seq`` into the double buffer, or refuse it at once.
+    def add_request(self, req: Request, now: float) -> None:
+        """Accept ``req`` into the double buffer, or refuse it at once.
 
         Raises:
             DispatcherClosed: the dispatcher is draining (UNAVAILABLE).
             QueueFullError: ``queues.inference.capacity`` requests already wait (RESOURCE_EXHAUSTED).
-            InvalidArgument: ``seq`` could never fit the engine (its KV exceeds the HBM budget).
+            InvalidArgument: ``req`` could never fit the engine (its KV exceeds the HBM budget).
         """
         if self.intake.closed:
             raise DispatcherClosed()
         if self._queued >= self.queue_config.capacity:
             QUEUE_REJECTED.labels(QUEUE_NAME, "full").inc()
             raise QueueFullError(QUEUE_NAME, self.queue_config.capacity)
-        why = self.capacity.never_fits(seq)
+        why = self.capacity.never_fits(req)
         if why is not None:
             tier_metrics.OOM_AVOIDED.inc()
-            raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", seq.max_tokens)
-        seq.enqueued_at = now
-        seq.state = "buffered"
+            raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
+        req.enqueued_at = now
+        req.state = "buffered"
         self._queued += 1
-        self._next_expiry = min(self._next_expiry, seq.arrival + self._timeout_s)
+        self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
         QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
-        if self.intake.put(seq, now):
+        if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
         elif self.intake.active_size == 1:
             self._arm_interval()
@@ -257,14 +257,14 @@ class SchedulerCore:
             "dispatcher.batch", context=otel_context.Context(), links=request_links(batch),
             attributes={"switchyard.batch_size": size, "switchyard.flush_reason": reason.label},
         ):
-            for seq in batch:
-                seq.flushed_at = now
-                seq.batch_size = size
-                seq.flush_reason = int(reason)
-                seq.batch_id = number
-                if seq.resume and seq.agent_id:
-                    self._resume_prefix(seq, now)
-                self._enqueue(seq, now)
+            for req in batch:
+                req.flushed_at = now
+                req.batch_size = size
+                req.flush_reason = int(reason)
+                req.batch_id = number
+                if req.resume and req.agent_id:
+                    self._resume_prefix(req, now)
+                self._enqueue(req, now)
         self._publish()
         return size
 
@@ -278,7 +278,7 @@ class SchedulerCore:
     def schedule(self, now: float) -> SchedulerOutput:
         """Flush the intake, expire, admit and preempt; returns the decision and the running set after it.
 
-        Preempted sequences have already lost their KV state (``engine.release``)
+        Preempted requests have already lost their KV state (``engine.release``)
         when this returns; expired ones have failed with :class:`QueueTimeoutError`.
         """
         if self.intake.active_size:
@@ -300,21 +300,21 @@ class SchedulerCore:
         projected = score
         wave = 0
         while self._waiting:
-            seq = self._waiting[0][1]
-            reason = self._refusal(seq, projected, wave)
+            req = self._waiting[0][1]
+            reason = self._refusal(req, projected, wave)
             if reason is not None:
                 self.admission.refuse(reason)
-                if reason == KV_MEMORY and self._kv_refused is not seq:
-                    self._kv_refused = seq  # admitting it would overrun the HBM budget: an OOM avoided
+                if reason == KV_MEMORY and self._kv_refused is not req:
+                    self._kv_refused = req  # admitting it would overrun the HBM budget: an OOM avoided
                     tier_metrics.OOM_AVOIDED.inc()
                 break
             self._waiting.pop(0)
-            self._start(seq, now, out)
+            self._start(req, now, out)
             wave += 1
-            projected += self.admission.expected.get(seq.task_type)
+            projected += self.admission.expected.get(req.task_type)
         self._preempt(now, out)
-        for seq in out.admitted:
-            self.accounting.start(seq, now, score, len(out.admitted))
+        for req in out.admitted:
+            self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
         self._publish()
         return out
@@ -336,7 +336,7 @@ class SchedulerCore:
           device's reading on a GPU, the modelled usage otherwise): evict,
           whatever the value, until the bytes freed cover the excess: parked
           agents' state, lowest value first (to DRAM where cheaper), then the
-          prefix cache, then running sequences, lowest value first (preempted;
+          prefix cache, then running requests, lowest value first (preempted;
           their KV to DRAM where cheaper). The excess is counted in bytes freed,
           not re-read, because a caching allocator keeps freed memory reserved.
         - Compute score below ``defrag_trigger_score``: compact the engine's KV
@@ -352,7 +352,7 @@ class SchedulerCore:
             log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting %d bytes of the lowest-value KV state",
                         ratio, limit, excess)
             freed = 0
-            while freed < excess and self.parking.sequences:
+            while freed < excess and self.parking.requests:
                 held = budget.held_bytes
                 self.parking.evict_lowest(lambda entry: self._parked_value(entry, now))
                 freed += held - budget.held_bytes
@@ -371,96 +371,96 @@ class SchedulerCore:
             tier_metrics.DEFRAGMENTATIONS.inc()
             tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
 
-    def on_oom(self, seqs: list[Sequence], now: float, error: BaseException) -> list[Sequence]:
-        """An engine step over ``seqs`` failed with a real out-of-memory error: keep the process and the tasks.
+    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> list[Request]:
+        """An engine step over ``reqs`` failed with a real out-of-memory error: keep the process and the tasks.
 
         Each running member is preempted (its KV dropped, not swapped: a failed
         step may have left it half written; it waits again and recomputes) and
-        the HBM scan runs at once. A sequence whose step fails
+        the HBM scan runs at once. A request whose step fails
         this way a second time fails with RESOURCE_EXHAUSTED. Returns the
-        sequences failed.
+        requests failed.
         """
         tier_metrics.OOM.inc()
-        log.warning("engine step of %d sequences ran out of device memory (%s); preempting them and evicting",
-                    len(seqs), error)
+        log.warning("engine step of %d requests ran out of device memory (%s); preempting them and evicting",
+                    len(reqs), error)
         out = SchedulerOutput()
         failed = []
-        for seq in seqs:
-            if seq.state != "running" or seq.is_finished:
+        for req in reqs:
+            if req.state != "running" or req.is_finished:
                 continue
-            seq.oom_retries += 1
-            if seq.oom_retries > 1:
-                seq.fail(SwitchyardError(
+            req.oom_retries += 1
+            if req.oom_retries > 1:
+                req.fail(SwitchyardError(
                     f"device memory ran out twice in this request's engine steps ({error}); the HBM budget "
                     "(memory_policy.toml [hbm] capacity_ratio) is larger than what the device has free",
                     grpc.StatusCode.RESOURCE_EXHAUSTED))
-                failed.append(seq)
+                failed.append(req)
                 continue
-            self._preempt_one(seq, now, out, swap=False)
+            self._preempt_one(req, now, out, swap=False)
         self.hbm_scan(now, out)
         return failed
 
-    def finish(self, seq: Sequence, now: float) -> None:
-        """``seq`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
+    def finish(self, req: Request, now: float) -> None:
+        """``req`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
 
         A react_loop agent's step that ended in a tool call is parked instead
         (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
         warm; anything else has its KV released.
         """
-        state = seq.state
+        state = req.state
         if state == "parked":  # the agent went away while waiting on its tool
-            self.parking.drop(seq)
+            self.parking.drop(req)
             return
         if state in ("finished", "new"):
             return
         if state == "running":
-            self._stop(seq, now)
-            self._learn(seq)
+            self._stop(req, now)
+            self._learn(req)
         elif state == "waiting":
-            self._remove_waiting(seq)
+            self._remove_waiting(req)
         elif state == "buffered":
-            self._remove_buffered(seq)
-        if not seq.reached_engine:
-            self._leave_queue(seq)
-        self._end_handover(seq)
-        self.accounting.forget(seq)
-        self._batch_member_done(seq, now)
-        if seq.swap_key:  # a DRAM copy it will not come back for
-            self.tiers.discard(seq.swap_key)
-            seq.swap_key, seq.swap_tokens = "", 0
-        if seq.recomputed_tokens:
-            tier_metrics.RECOMPUTED_TOKENS.inc(seq.recomputed_tokens)
-        if seq.restored_tokens:
-            tier_metrics.RESTORED_TOKENS.inc(seq.restored_tokens)
-        if state == "running" and should_park(seq):
-            seq.state = "parked"
-            self.parking.park(seq, now)
+            self._remove_buffered(req)
+        if not req.reached_engine:
+            self._leave_queue(req)
+        self._end_handover(req)
+        self.accounting.forget(req)
+        self._batch_member_done(req, now)
+        if req.swap_key:  # a DRAM copy it will not come back for
+            self.tiers.discard(req.swap_key)
+            req.swap_key, req.swap_tokens = "", 0
+        if req.recomputed_tokens:
+            tier_metrics.RECOMPUTED_TOKENS.inc(req.recomputed_tokens)
+        if req.restored_tokens:
+            tier_metrics.RESTORED_TOKENS.inc(req.restored_tokens)
+        if state == "running" and should_park(req):
+            req.state = "parked"
+            self.parking.park(req, now)
         else:
-            seq.state = "finished"
+            req.state = "finished"
             if state == "running":
-                self._release(seq)
+                self._release(req)
         self._publish()
 
-    def abort(self, seq: Sequence, now: float) -> None:
-        """The caller went away: end ``seq`` (``cancelled``) and free its place and KV. Idempotent."""
-        seq.cancelled = True
-        seq.finish("cancelled")
-        self.finish(seq, now)
+    def abort(self, req: Request, now: float) -> None:
+        """The caller went away: end ``req`` (``cancelled``) and free its place and KV. Idempotent."""
+        req.cancelled = True
+        req.finish("cancelled")
+        self.finish(req, now)
 
-    def park(self, seq: Sequence, now: float) -> None:
+    def park(self, req: Request, now: float) -> None:
         """Compatibility with the Scheduler protocol: ``finish`` parks whatever should be parked."""
-        self.finish(seq, now)
+        self.finish(req, now)
 
-    def resume(self, seq: Sequence, now: float) -> None:
+    def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
-        seq.resume = True
-        self.add_request(seq, now)
+        req.resume = True
+        self.add_request(req, now)
         self.flush(FlushReason.STEP, now)
 
-    def add(self, seqs: list[Sequence], now: float) -> None:
-        """Accept ``seqs`` and flush them into the waiting set at once (tests and the scheduling benchmark)."""
-        for seq in seqs:
-            self.add_request(seq, now)
+    def add(self, reqs: list[Request], now: float) -> None:
+        """Accept ``reqs`` and flush them into the waiting set at once (tests and the scheduling benchmark)."""
+        for req in reqs:
+            self.add_request(req, now)
         self.flush(FlushReason.STEP, now)
 
     def shutdown(self) -> None:
@@ -471,19 +471,19 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ policy hooks
 
-    def _order_key(self, seq: Sequence, now: float) -> tuple[float, ...]:
-        """Sort key of ``seq`` in the waiting set (smallest first), fixed while it waits."""
+    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
+        """Sort key of ``req`` in the waiting set (smallest first), fixed while it waits."""
         raise NotImplementedError
 
-    def _refusal(self, seq: Sequence, projected_score: float, wave: int) -> str | None:
-        """None when the head ``seq`` may start now, else the refusal reason.
+    def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+        """None when the head ``req`` may start now, else the refusal reason.
 
-        ``wave``: sequences admitted earlier in this decision.
+        ``wave``: requests admitted earlier in this decision.
         """
-        reason = self.admission.check(seq.task_type, len(self._running), projected_score, wave)
+        reason = self.admission.check(req.task_type, len(self._running), projected_score, wave)
         if reason is not None:
             return reason
-        return None if self._make_room(seq) else self.capacity.refusal(seq)
+        return None if self._make_room(req) else self.capacity.refusal(req)
 
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         """Preempt running work for waiting work, after the admission pass (default: never)."""
@@ -494,74 +494,74 @@ class SchedulerCore:
     def _timeout_s(self) -> float:
         return self.queue_config.timeout_ms / 1000
 
-    def _enqueue(self, seq: Sequence, now: float) -> None:
-        seq.state = "waiting"
-        key = (*self._order_key(seq, now), float(next(self._counter)))
-        bisect.insort(self._waiting, (key, seq), key=lambda entry: entry[0])
+    def _enqueue(self, req: Request, now: float) -> None:
+        req.state = "waiting"
+        key = (*self._order_key(req, now), float(next(self._counter)))
+        bisect.insort(self._waiting, (key, req), key=lambda entry: entry[0])
 
-    def _remove_waiting(self, seq: Sequence) -> bool:
+    def _remove_waiting(self, req: Request) -> bool:
         for i, (_, queued) in enumerate(self._waiting):
-            if queued is seq:
+            if queued is req:
                 del self._waiting[i]
                 return True
         return False
 
-    def _remove_buffered(self, seq: Sequence) -> None:
-        self.intake.remove(seq)
+    def _remove_buffered(self, req: Request) -> None:
+        self.intake.remove(req)
 
     def _held_outside_running(self) -> int:
         """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
         cached = getattr(self.engine, "prefix_cache_bytes", None)
         return self.parking.kv_bytes + (int(cached()) if callable(cached) else 0)
 
-    def _make_room(self, seq: Sequence) -> bool:
-        """Free KV until ``seq`` fits: the prefix cache first (least recently used blocks), then parked
+    def _make_room(self, req: Request) -> bool:
+        """Free KV until ``req`` fits: the prefix cache first (least recently used blocks), then parked
         agents' state valued below ``[hbm] evict_threshold``, lowest value first (to DRAM where a swap
         is cheaper). True when it fits."""
-        if self.capacity.refusal(seq) is None:
+        if self.capacity.refusal(req) is None:
             return True
         evict = getattr(self.engine, "evict_prefix_cache", None)
         need = getattr(self.capacity, "need", None)
         if callable(evict) and callable(need):
-            evict(need(seq) - self.capacity.free_bytes)  # type: ignore[attr-defined]
+            evict(need(req) - self.capacity.free_bytes)  # type: ignore[attr-defined]
         now = self._now
-        while self.parking.sequences and self.capacity.refusal(seq) is not None:
+        while self.parking.requests and self.capacity.refusal(req) is not None:
             if self.parking.evict_lowest(lambda entry: self._parked_value(entry, now),
                                          below=self.memory.hbm.evict_threshold) is None:
                 break
-        return self.capacity.refusal(seq) is None
+        return self.capacity.refusal(req) is None
 
     def _parked_value(self, entry: ParkedAgent, now: float) -> float:
         """Value score of a parked agent's state; its recency holds while its tool-wait TTL runs."""
-        seq = entry.seq
+        req = entry.req
         idle = max(0.0, now - entry.since)
-        return self.tiers.score(seq, tokens=seq.num_computed_tokens, nbytes=entry.kv_bytes, idle_s=idle,
+        return self.tiers.score(req, tokens=req.num_computed_tokens, nbytes=entry.kv_bytes, idle_s=idle,
                                 pinned=idle <= self.parking.ttl_s)
 
-    def _lowest_value_running(self, now: float, out: SchedulerOutput) -> Sequence | None:
-        """The running sequence whose state is worth least, not admitted in this decision; None if none."""
+    def _lowest_value_running(self, now: float, out: SchedulerOutput) -> Request | None:
+        """The running request whose state is worth least, not admitted in this decision; None if none."""
         fresh = set(out.admitted)
         candidates = [s for s in self._running if s not in fresh]
         if not candidates:
             return None
 
-        def value(seq: Sequence) -> float:
-            idle = now - (seq.last_token_at or seq.admitted_at or now)
-            return self.tiers.score(seq, tokens=seq.num_computed_tokens, nbytes=self._kv_bytes(seq), idle_s=idle)
+        def value(req: Request) -> float:
+            idle = now - (req.last_token_at or req.admitted_at or now)
+            return self.tiers.score(req, tokens=req.num_computed_tokens, nbytes=self._kv_bytes(req), idle_s=idle)
 
         return min(candidates, key=value)
 
-    def _swap_out(self, seq: Sequence, key: str) -> bool:
-        """Copy ``seq``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it."""
-        tokens = seq.num_computed_tokens
-        if not self.tiers.worth_swapping(tokens, self._kv_bytes(seq)):
+    def _swap_out(self, req: Request, key: str) -> bool:
+        """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it."""
+        tokens = req.num_computed_tokens
+        if not self.tiers.worth_swapping(tokens, self._kv_bytes(req)):
             return False
-        if not self.tiers.swap_out(seq, key, tokens):
+        if not self.tiers.swap_out(req, key, tokens):
             return False
-        seq.swap_key, seq.swap_tokens = key, tokens
+        req.swap_key, req.swap_tokens = key, tokens
         return True
 
-    def _demote_parked(self, parked: Sequence) -> bool:
+    def _demote_parked(self, parked: Request) -> bool:
         """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key)."""
         tokens = parked.num_computed_tokens
         if self.tiers.worth_swapping(tokens, self._kv_bytes(parked)) and self.tiers.swap_out(
@@ -570,39 +570,39 @@ class SchedulerCore:
         tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next step recomputes
         return False
 
-    def _start(self, seq: Sequence, now: float, out: SchedulerOutput) -> None:
-        seq.admitted_at = now
-        seq.state = "running"
-        self._running.append(seq)
-        self.capacity.take(seq)
-        if not seq.reached_engine:
-            seq.reached_engine = True
-            seq.queue_wait_s = now - seq.arrival
-            QUEUE_WAIT.labels(QUEUE_NAME).observe(max(0.0, seq.queue_wait_s))
-            self._leave_queue(seq)
-        else:  # a sequence that reached the engine waits again only after a preemption
+    def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        req.admitted_at = now
+        req.state = "running"
+        self._running.append(req)
+        self.capacity.take(req)
+        if not req.reached_engine:
+            req.reached_engine = True
+            req.queue_wait_s = now - req.arrival
+            QUEUE_WAIT.labels(QUEUE_NAME).observe(max(0.0, req.queue_wait_s))
+            self._leave_queue(req)
+        else:  # a request that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
-        parked = self._handover.get(seq)
+        parked = self._handover.get(req)
         share = getattr(self.engine, "share_prefix", None)
-        if parked is not None and callable(share):  # an engine whose sequences hold their own caches
-            shared = int(share(parked, seq))
+        if parked is not None and callable(share):  # an engine whose requests hold their own caches
+            shared = int(share(parked, req))
             if shared:  # else the engine recomputes the prefix, and counts it
-                seq.num_computed_tokens = shared
-        self._end_handover(seq)
-        out.admitted.append(seq)
-        if seq.swap_key:
-            out.restore.append(seq)
+                req.num_computed_tokens = shared
+        self._end_handover(req)
+        out.admitted.append(req)
+        if req.swap_key:
+            out.restore.append(req)
 
-    def _stop(self, seq: Sequence, now: float) -> None:
-        self.accounting.stop(seq, self.score, len(self._running), now)
-        self._running.remove(seq)
-        self.capacity.give(seq)
+    def _stop(self, req: Request, now: float) -> None:
+        self.accounting.stop(req, self.score, len(self._running), now)
+        self._running.remove(req)
+        self.capacity.give(req)
 
-    def _preempt_one(self, victim: Sequence, now: float, out: SchedulerOutput, swap: bool = True) -> None:
+    def _preempt_one(self, victim: Request, now: float, out: SchedulerOutput, swap: bool = True) -> None:
         """Take ``victim``'s slot: its KV goes to DRAM (when ``swap`` and cheaper than recomputing it) or
         is dropped, and it waits again at its original place."""
         self._stop(victim, now)
-        if not (swap and self._swap_out(victim, self.tiers.seq_key(victim))):
+        if not (swap and self._swap_out(victim, self.tiers.request_key(victim))):
             tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
@@ -613,38 +613,38 @@ class SchedulerCore:
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
         deadline = self._timeout_s
-        keep: list[tuple[tuple[float, ...], Sequence]] = []
+        keep: list[tuple[tuple[float, ...], Request]] = []
         nxt = math.inf
         for entry in self._waiting:
-            seq = entry[1]
-            if seq.reached_engine:
+            req = entry[1]
+            if req.reached_engine:
                 keep.append(entry)
-            elif now - seq.arrival > deadline:
+            elif now - req.arrival > deadline:
                 QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
-                seq.fail(QueueTimeoutError(QUEUE_NAME, now - seq.arrival, self.queue_config.timeout_ms,
+                req.fail(QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
                                            "admission to the engine"))
-                seq.state = "finished"
-                self._leave_queue(seq)
-                self._end_handover(seq)
-                self._batch_member_done(seq, now)
-                out.expired.append(seq)
+                req.state = "finished"
+                self._leave_queue(req)
+                self._end_handover(req)
+                self._batch_member_done(req, now)
+                out.expired.append(req)
             else:
                 keep.append(entry)
-                nxt = min(nxt, seq.arrival + deadline)
+                nxt = min(nxt, req.arrival + deadline)
         self._waiting = keep
         self._next_expiry = nxt
 
-    def _leave_queue(self, seq: Sequence) -> None:
+    def _leave_queue(self, req: Request) -> None:
         self._queued -= 1
         QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
 
-    def _batch_member_done(self, seq: Sequence, now: float) -> None:
-        entry = self._batches.get(seq.batch_id)
+    def _batch_member_done(self, req: Request, now: float) -> None:
+        entry = self._batches.get(req.batch_id)
         if entry is None:
             return
         entry[0] -= 1
         if entry[0] <= 0:
-            del self._batches[seq.batch_id]
+            del self._batches[req.batch_id]
             if self.on_batch_done is not None:
                 self.on_batch_done(max(0.0, now - entry[1]))
 
@@ -668,48 +668,48 @@ class SchedulerCore:
             self.flush(FlushReason.INTERVAL, time.monotonic())
             self.on_arrival()
 
-    def _resume_prefix(self, seq: Sequence, now: float) -> None:
-        found = self.parking.take(seq.agent_id, now)
+    def _resume_prefix(self, req: Request, now: float) -> None:
+        found = self.parking.take(req.agent_id, now)
         if found.parked is not None:
-            self._handover[seq] = found.parked
+            self._handover[req] = found.parked
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
-            seq.num_computed_tokens = max(0, min(found.prefix_tokens, seq.prompt_tokens - 1))
-            seq.kv_hits += 1
+            req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
+            req.kv_hits += 1
             tier_metrics.TIER_HITS.labels("hbm").inc()
             metrics.RESUMES.labels("tool_warm").inc()
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
-            seq.swap_key, seq.swap_tokens = self.tiers.agent_key(seq.agent_id), found.prefix_tokens
+            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_id), found.prefix_tokens
             tier_metrics.TIER_MISSES.labels("hbm").inc()
             metrics.RESUMES.labels("tool_restored").inc()
         else:
             tier_metrics.TIER_MISSES.labels("hbm").inc()
-            seq.recomputed_tokens += min(found.prefix_tokens, seq.prompt_tokens)
+            req.recomputed_tokens += min(found.prefix_tokens, req.prompt_tokens)
             metrics.RESUMES.labels("tool_cold").inc()
 
-    def _end_handover(self, seq: Sequence) -> None:
-        """``seq`` started (its prefix state is now its own) or left: release its agent's parked step."""
-        parked = self._handover.pop(seq, None)
+    def _end_handover(self, req: Request) -> None:
+        """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
+        parked = self._handover.pop(req, None)
         if parked is not None:
             parked.state = "finished"
             self._release(parked)
 
-    def _learn(self, seq: Sequence) -> None:
-        observed = self.accounting.marginal_score(seq)
+    def _learn(self, req: Request) -> None:
+        observed = self.accounting.marginal_score(req)
         if observed is not None:
-            self.admission.expected.learn(seq.task_type, observed)
-        metrics.TASK_COMPUTE_SCORE_USED.observe(seq.compute_score_used)
-        metrics.TASK_MEMORY_PEAK_BYTES.observe(seq.memory_peak_bytes)
+            self.admission.expected.learn(req.task_type, observed)
+        metrics.TASK_COMPUTE_SCORE_USED.observe(req.compute_score_used)
+        metrics.TASK_MEMORY_PEAK_BYTES.observe(req.memory_peak_bytes)
 
-    def _kv_bytes(self, seq: Sequence) -> int:
+    def _kv_bytes(self, req: Request) -> int:
         kv_bytes = getattr(self.engine, "kv_bytes", None)
-        return int(kv_bytes(seq)) if callable(kv_bytes) else 0
+        return int(kv_bytes(req)) if callable(kv_bytes) else 0
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, req: Request) -> None:
         release = getattr(self.engine, "release", None)
         if callable(release):
-            release(seq)
+            release(req)
 
     def _publish(self) -> None:
         running = dict.fromkeys(CLASS_ORDER, 0)
@@ -729,7 +729,7 @@ class SchedulerCore:
     def fragmentation_ratio(self) -> float:
         """Share of the KV block pool's allocated bytes holding no token state, 0-1.
 
-        Allocated: each running sequence's reservation (or the engine's
+        Allocated: each running request's reservation (or the engine's
         allocation, when larger), parked agents' state and the prefix cache.
         Live: tokens whose KV is computed x KV bytes per token, plus the parked
         and cached state. The waste PagedAttention measures in existing systems
@@ -739,7 +739,7 @@ class SchedulerCore:
         per_token = self.capacity.info.kv_bytes_per_token if isinstance(self.capacity, KvBudget) else 0
         held = self._held_outside_running()
         allocated, live = held, held
-        for seq in self._running:
-            allocated += max(seq.kv_reserved_bytes, self._kv_bytes(seq))
-            live += seq.num_computed_tokens * per_token
+        for req in self._running:
+            allocated += max(req.kv_reserved_bytes, self._kv_bytes(req))
+            live += req.num_computed_tokens * per_token
         return max(0.0, 1.0 - live / allocated) if allocated else 0.0

@@ -1,6 +1,6 @@
 """The FIFO policy: arrival order, no priority classes, no preemption; the baseline.
 
-Waiting sequences start in arrival order while they fit the engine (KV memory
+Waiting requests start in arrival order while they fit the engine (KV memory
 or the upstream's limit, see :mod:`.capacity`) and the admission wave allows.
 No compute-score admission and no preemption. This is the scheduling most
 serving gateways start with; the scheduler benchmark compares the priority
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 
 class FifoScheduler(SchedulerCore):
@@ -24,10 +24,10 @@ class FifoScheduler(SchedulerCore):
 
     name = "fifo"
 
-    def _order_key(self, seq: Sequence, now: float) -> tuple[float, ...]:
-        return (seq.arrival,)
+    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
+        return (req.arrival,)
 
-    def _refusal(self, seq: Sequence, projected_score: float, wave: int) -> str | None:
+    def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         if wave >= self.config.max_running_agents:
             return ADMISSION_WAVE
-        return None if self._make_room(seq) else self.capacity.refusal(seq)
+        return None if self._make_room(req) else self.capacity.refusal(req)

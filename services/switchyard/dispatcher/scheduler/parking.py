@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from switchyard.dispatcher.scheduler import metrics
-from switchyard.dispatcher.sequence import Sequence
+from switchyard.dispatcher.request import Request
 
 COLD_PREFIX_MEMORY = 10_000
 """Agents whose released prefix (length, and whether DRAM holds it) is remembered for their resume."""
@@ -30,9 +30,9 @@ COLD_PREFIX_MEMORY = 10_000
 
 @dataclass
 class ParkedAgent:
-    """One agent waiting on a tool: its last sequence, since when, and the bytes held."""
+    """One agent waiting on a tool: its last request, since when, and the bytes held."""
 
-    seq: Sequence
+    req: Request
     since: float
     kv_bytes: int
 
@@ -43,14 +43,14 @@ class Resumed:
 
     ``warm``: the state was still held in HBM; ``prefix_tokens``: the prefix
     it covers (warm, or in DRAM) or that must be recomputed (cold, 0 when
-    unknown); ``parked``: the agent's parked sequence (warm only), still
-    holding the state: the caller releases it once the new sequence has taken
+    unknown); ``parked``: the agent's parked request (warm only), still
+    holding the state: the caller releases it once the new request has taken
     over; ``in_dram``: not warm, but a copy went to the DRAM tier.
     """
 
     warm: bool
     prefix_tokens: int
-    parked: Sequence | None = None
+    parked: Request | None = None
     in_dram: bool = False
 
 
@@ -59,14 +59,14 @@ class ParkedAgents:
 
     Args:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
-        release: drops a sequence's prefix state in the engine (``engine.release``).
-        kv_bytes: bytes the engine holds for a sequence (``engine.kv_bytes``).
-        demote: called with a sequence whose state leaves HBM, before it is
+        release: drops a request's prefix state in the engine (``engine.release``).
+        kv_bytes: bytes the engine holds for a request (``engine.kv_bytes``).
+        demote: called with a request whose state leaves HBM, before it is
             released; True when it copied the state to the DRAM tier.
     """
 
-    def __init__(self, ttl_s: float, release: Callable[[Sequence], None], kv_bytes: Callable[[Sequence], int],
-                 demote: Callable[[Sequence], bool] = lambda seq: False) -> None:
+    def __init__(self, ttl_s: float, release: Callable[[Request], None], kv_bytes: Callable[[Request], int],
+                 demote: Callable[[Request], bool] = lambda req: False) -> None:
         self.ttl_s = ttl_s
         self._release = release
         self._kv_bytes = kv_bytes
@@ -74,20 +74,20 @@ class ParkedAgents:
         self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
         self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
 
-    def park(self, seq: Sequence, now: float) -> None:
-        """Keep ``seq``'s prefix state warm; an older parked step of the same agent is released."""
-        old = self._parked.pop(seq.agent_id, None)
-        if old is not None and old.seq is not seq:
-            self._release(old.seq)
-        self._cold.pop(seq.agent_id, None)
-        self._parked[seq.agent_id] = ParkedAgent(seq, now, int(self._kv_bytes(seq)))
+    def park(self, req: Request, now: float) -> None:
+        """Keep ``req``'s prefix state warm; an older parked step of the same agent is released."""
+        old = self._parked.pop(req.agent_id, None)
+        if old is not None and old.req is not req:
+            self._release(old.req)
+        self._cold.pop(req.agent_id, None)
+        self._parked[req.agent_id] = ParkedAgent(req, now, int(self._kv_bytes(req)))
         self._publish()
 
     def take(self, agent_id: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
 
-        A warm agent leaves the parked set; its old sequence keeps the state
-        until the caller releases it (when the new sequence starts running).
+        A warm agent leaves the parked set; its old request keeps the state
+        until the caller releases it (when the new request starts running).
         """
         entry = self._parked.pop(agent_id, None)
         if entry is not None and now - entry.since > self.ttl_s:
@@ -98,20 +98,20 @@ class ParkedAgents:
             tokens, in_dram = self._cold.pop(agent_id, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
         self._publish()
-        return Resumed(True, entry.seq.num_computed_tokens, entry.seq)
+        return Resumed(True, entry.req.num_computed_tokens, entry.req)
 
-    def expire(self, now: float) -> list[Sequence]:
-        """Release every agent parked longer than the TTL; returns their sequences."""
+    def expire(self, now: float) -> list[Request]:
+        """Release every agent parked longer than the TTL; returns their requests."""
         expired = [(agent, entry) for agent, entry in self._parked.items() if now - entry.since > self.ttl_s]
         for agent, entry in expired:
             del self._parked[agent]
             self._expire(agent, entry)
         if expired:
             self._publish()
-        return [entry.seq for _, entry in expired]
+        return [entry.req for _, entry in expired]
 
-    def evict_lowest(self, value: Callable[[ParkedAgent], float], below: float = float("inf")) -> Sequence | None:
-        """Move the lowest-valued parked agent's state out of HBM to make room; returns its sequence.
+    def evict_lowest(self, value: Callable[[ParkedAgent], float], below: float = float("inf")) -> Request | None:
+        """Move the lowest-valued parked agent's state out of HBM to make room; returns its request.
 
         Only an agent valued below ``below`` is taken (None when there is none).
         Its next step restores the prefix from DRAM, or recomputes it.
@@ -125,28 +125,28 @@ class ParkedAgents:
         entry = self._parked.pop(agent)
         self._expire(agent, entry, evicted=True)
         self._publish()
-        return entry.seq
+        return entry.req
 
     @property
     def entries(self) -> list[ParkedAgent]:
         """Parked agents, oldest first."""
         return list(self._parked.values())
 
-    def drop(self, seq: Sequence) -> bool:
-        """Release ``seq`` if it is parked (its agent went away); True when it was."""
-        entry = self._parked.get(seq.agent_id)
-        if entry is None or entry.seq is not seq:
+    def drop(self, req: Request) -> bool:
+        """Release ``req`` if it is parked (its agent went away); True when it was."""
+        entry = self._parked.get(req.agent_id)
+        if entry is None or entry.req is not req:
             return False
-        del self._parked[seq.agent_id]
-        self._release(seq)
-        seq.state = "finished"
+        del self._parked[req.agent_id]
+        self._release(req)
+        req.state = "finished"
         self._publish()
         return True
 
     @property
-    def sequences(self) -> list[Sequence]:
-        """Parked sequences, oldest first."""
-        return [entry.seq for entry in self._parked.values()]
+    def requests(self) -> list[Request]:
+        """Parked requests, oldest first."""
+        return [entry.req for entry in self._parked.values()]
 
     @property
     def kv_bytes(self) -> int:
@@ -154,10 +154,10 @@ class ParkedAgents:
         return sum(entry.kv_bytes for entry in self._parked.values())
 
     def _expire(self, agent_id: str, entry: ParkedAgent, evicted: bool = False) -> None:
-        tokens = entry.seq.num_computed_tokens
-        in_dram = self._demote(entry.seq)
-        self._release(entry.seq)
-        entry.seq.state = "finished"
+        tokens = entry.req.num_computed_tokens
+        in_dram = self._demote(entry.req)
+        self._release(entry.req)
+        entry.req.state = "finished"
         if evicted:
             metrics.PARKED_EVICTED.inc()
         else:

@@ -3,8 +3,8 @@
 The scheduler (:class:`~switchyard.dispatcher.scheduler.core.SchedulerCore`)
 stays the one owner of requests and KV: it decides *when* state leaves HBM
 (preemption, a parked agent's eviction or tool-wait TTL, the emergency scan)
-and writes where a sequence's copy lives on the sequence itself
-(``seq.swap_key``, ``seq.swap_tokens``). This package does the moving and the
+and writes where a request's copy lives on the request itself
+(``req.swap_key``, ``req.swap_tokens``). This package does the moving and the
 pricing:
 
 - :class:`MemoryTiers` chooses swap or recompute: a swap costs the transfer
@@ -21,8 +21,8 @@ pricing:
 - :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
 - :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
 
-An engine takes part through three optional methods: ``export_kv(seq) ->
-bytes | None`` (its KV state as bytes, before release), ``import_kv(seq,
+An engine takes part through three optional methods: ``export_kv(req) ->
+bytes | None`` (its KV state as bytes, before release), ``import_kv(req,
 payload, tokens) -> int`` (tokens restored) and ``recompute_seconds(tokens)``.
 An engine whose ``models_transfers`` is true (the sim) has no real bytes to
 move: the modelled transfer time is owed and the step loop sleeps it
@@ -38,7 +38,7 @@ from typing import Any
 
 from switchyard.common import telemetry
 from switchyard.common.config import MemoryPolicyFile, PriorityBoost
-from switchyard.dispatcher.sequence import Sequence, request_links
+from switchyard.dispatcher.request import Request, request_links
 from switchyard.dispatcher.tiers import metrics
 from switchyard.dispatcher.tiers.cold import ColdStore
 from switchyard.dispatcher.tiers.dram import KvStore
@@ -73,9 +73,9 @@ class MemoryTiers:
         self._scan_task: asyncio.Task[None] | None = None
         self.models_transfers = bool(getattr(engine, "models_transfers", False))
 
-    def seq_key(self, seq: Sequence) -> str:
-        """DRAM key of a preempted sequence's KV state ("" without a DRAM tier)."""
-        return self.store.key("seq", seq.request_id) if self.store is not None else ""
+    def request_key(self, req: Request) -> str:
+        """DRAM key of a preempted request's KV state ("" without a DRAM tier)."""
+        return self.store.key("seq", req.request_id) if self.store is not None else ""
 
     def agent_key(self, agent_id: str) -> str:
         """DRAM key of a parked agent's prefix state ("" without a DRAM tier)."""
@@ -111,23 +111,23 @@ class MemoryTiers:
             return False
         return 2 * self.transfer_seconds(nbytes) < self.recompute_seconds(tokens)
 
-    def score(self, seq: Sequence, *, tokens: int, nbytes: int, idle_s: float, pinned: bool = False) -> float:
-        """The value score of ``seq``'s state (see :mod:`.value`)."""
-        return self.value.score(priority_class=seq.priority_name, hits=seq.kv_hits,
+    def score(self, req: Request, *, tokens: int, nbytes: int, idle_s: float, pinned: bool = False) -> float:
+        """The value score of ``req``'s state (see :mod:`.value`)."""
+        return self.value.score(priority_class=req.priority_name, hits=req.kv_hits,
                                 reuse_seconds=self.recompute_seconds(tokens), nbytes=nbytes, idle_s=idle_s,
                                 pinned=pinned)
 
     # ------------------------------------------------------------------ moves
 
-    def swap_out(self, seq: Sequence, key: str, tokens: int) -> bool:
-        """Copy ``seq``'s KV state (``tokens`` prefix tokens) to DRAM under ``key``, before the caller releases it.
+    def swap_out(self, req: Request, key: str, tokens: int) -> bool:
+        """Copy ``req``'s KV state (``tokens`` prefix tokens) to DRAM under ``key``, before the caller releases it.
 
         The engine's bytes are taken now; the Redis write runs in the background
         (a restore of ``key`` waits for it). Returns False when nothing could be
         exported (the caller then recomputes).
         """
-        nbytes = int(getattr(self.engine, "kv_bytes")(seq))
-        payload = self.engine.export_kv(seq)
+        nbytes = int(getattr(self.engine, "kv_bytes")(req))
+        payload = self.engine.export_kv(req)
         if payload is None:
             return False
         old = self._writes.pop(key, None)
@@ -136,7 +136,7 @@ class MemoryTiers:
         cost_us = self.recompute_seconds(tokens) * 1e6
         assert self.store is not None
         self._writes[key] = asyncio.get_running_loop().create_task(self.store.put(
-            key, payload, tokens=tokens, nbytes=nbytes, priority=seq.priority_name, hits=seq.kv_hits,
+            key, payload, tokens=tokens, nbytes=nbytes, priority=req.priority_name, hits=req.kv_hits,
             cost_us=cost_us))
         if self.models_transfers:
             self._owed_s += self.transfer_seconds(nbytes)
@@ -144,21 +144,21 @@ class MemoryTiers:
         metrics.TIER_DEMOTIONS.labels("hbm").inc()
         return True
 
-    async def restore(self, seq: Sequence) -> int:
-        """Bring ``seq``'s DRAM copy (``seq.swap_key``) back into the engine; returns tokens restored.
+    async def restore(self, req: Request) -> int:
+        """Bring ``req``'s DRAM copy (``req.swap_key``) back into the engine; returns tokens restored.
 
         0 on a miss (evicted, expired, Redis down): the engine then recomputes
-        the prefix. Either way ``seq.swap_key`` is cleared. Traced as a
+        the prefix. Either way ``req.swap_key`` is cleared. Traced as a
         ``dispatcher.kv_restore`` span linked to the request.
         """
-        with tracer.start_as_current_span("dispatcher.kv_restore", links=request_links([seq])) as span:
-            restored = await self._restore(seq)
+        with tracer.start_as_current_span("dispatcher.kv_restore", links=request_links([req])) as span:
+            restored = await self._restore(req)
             span.set_attribute("switchyard.restored_tokens", restored)
             return restored
 
-    async def _restore(self, seq: Sequence) -> int:
-        key, tokens = seq.swap_key, seq.swap_tokens
-        seq.swap_key, seq.swap_tokens = "", 0
+    async def _restore(self, req: Request) -> int:
+        key, tokens = req.swap_key, req.swap_tokens
+        req.swap_key, req.swap_tokens = "", 0
         if not key or self.store is None:
             return 0
         write = self._writes.pop(key, None)
@@ -173,26 +173,26 @@ class MemoryTiers:
                 if entry is None:
                     metrics.TIER_MISSES.labels("cold").inc()
         if entry is None:
-            if not seq.output_tokens:  # a resumed agent's prefix: its prefill recomputes it
-                seq.recomputed_tokens += min(tokens, seq.prompt_tokens)
+            if not req.output_tokens:  # a resumed agent's prefix: its prefill recomputes it
+                req.recomputed_tokens += min(tokens, req.prompt_tokens)
             return 0
         metrics.TIER_HITS.labels(tier).inc()
-        if seq.is_finished or seq.state != "running":  # it left while the copy was read
+        if req.is_finished or req.state != "running":  # it left while the copy was read
             self.discard(key)
             return 0
-        restored = int(self.engine.import_kv(seq, entry.payload, min(tokens, entry.tokens)))
+        restored = int(self.engine.import_kv(req, entry.payload, min(tokens, entry.tokens)))
         self.discard(key)
         if restored <= 0:
             return 0
         if self.models_transfers:
             self._owed_s += self.transfer_seconds(entry.nbytes)
-        seq.restored_tokens += restored
-        seq.kv_hits += 1
+        req.restored_tokens += restored
+        req.kv_hits += 1
         metrics.TIER_PROMOTIONS.labels(tier).inc()
         return restored
 
     def discard(self, key: str) -> None:
-        """Drop the DRAM copy under ``key`` (its sequence ended or took it back); runs in the background."""
+        """Drop the DRAM copy under ``key`` (its request ended or took it back); runs in the background."""
         if self.store is None or not key:
             return
         write = self._writes.pop(key, None)

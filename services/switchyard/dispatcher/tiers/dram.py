@@ -1,7 +1,7 @@
 """KV state in the DRAM tier: entries in the Redis of :class:`switchyard.common.dram.DramClient`.
 
 One Redis hash per entry, under ``{key_prefix}kv:<kind>:<id>`` (kind ``seq``: a
-preempted sequence's KV, by request id; ``agent``: a parked agent's prefix, by
+preempted request's KV, by request id; ``agent``: a parked agent's prefix, by
 agent id). Fields: ``payload`` (the engine's bytes), ``tokens``, ``nbytes``
 (device bytes the state takes in HBM), ``priority`` (class name), ``hits``,
 ``cost_us`` (prefill microseconds it saves) and ``stored_at`` (Unix seconds).

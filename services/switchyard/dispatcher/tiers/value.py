@@ -1,6 +1,6 @@
 """The value score of held KV state: which state to evict first, and where it goes.
 
-Every piece of KV state the dispatcher holds (a running sequence's cache, a
+Every piece of KV state the dispatcher holds (a running request's cache, a
 parked agent's prefix, a swapped-out copy in Redis) gets one number::
 
     value = priority_weight x (1 + hits) x reuse_cost_us / size_gib x recency

@@ -1,10 +1,12 @@
-"""One Generate request inside the dispatcher, and what the scheduler decides each step.
+"""The state of one Generate request inside the dispatcher, and what the scheduler decides each step.
 
-A :class:`Sequence` is created by the service when a Generate arrives, handed to
+A :class:`Request` is created by the service when a Generate arrives, handed to
 the scheduler (its double buffer, then its waiting set), admitted (and maybe
 preempted and resumed) by the scheduling policy, and stepped by the engine.
-The engine writes generated tokens into it; every token and tool call is pushed
-to the sequence's outbox, which the Generate handler streams to its caller.
+The engine writes generated tokens into it; every visible token, tool call and
+the request's end also go to its :class:`~switchyard.dispatcher.output.OutputStream`
+(``request.output``), which the Generate handler streams to its caller. The
+scheduler and the engines see request state only; the handler reads the stream.
 
 Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
 prefix whose KV state is held by the engine. After any step it equals
@@ -13,22 +15,22 @@ the next step). Preemption drops the KV state (``num_computed_tokens = 0``):
 either a copy waits in the DRAM tier (``swap_key``) and comes back before the
 next step (counted in ``restored_tokens``), or the next prefill recomputes the
 whole prefix, prompt and already streamed tokens alike, and counts that work
-in ``recomputed_tokens``. The streamed tokens are kept, so a resumed sequence
+in ``recomputed_tokens``. The streamed tokens are kept, so a resumed request
 never repeats or loses a token.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
+from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
 """finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
@@ -77,43 +79,15 @@ class ToolCall:
     arguments_json: str
 
 
-@dataclass(frozen=True)
-class StreamToken:
-    """Outbox item: one completion token. ``index`` is its 0-based position."""
-
-    text: str
-    index: int
-
-
-@dataclass(frozen=True)
-class StreamToolCall:
-    """Outbox item: one tool call."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class StreamDone:
-    """Outbox item: the sequence finished with ``finish_reason``; nothing follows."""
-
-    finish_reason: str
-
-
-@dataclass(frozen=True)
-class StreamError:
-    """Outbox item: the sequence failed; ``error`` is raised to the caller; nothing follows."""
-
-    error: BaseException
-
-
-OutboxItem = Union[StreamToken, StreamToolCall, StreamDone, StreamError]
-
-
 @dataclass(eq=False)
-class Sequence:
+class Request:
     """One Generate request: its input, scheduling state, generated output and accounting.
 
-    Identity is the object (``eq=False``), so sequences can sit in sets and dicts.
+    It owns its :class:`~switchyard.dispatcher.output.OutputStream` (``output``):
+    :meth:`append_token`, :meth:`add_tool_call`, :meth:`finish` and :meth:`fail`
+    record on the request and push to the stream in one call, so what the
+    caller receives always agrees with the request's state.
+    Identity is the object (``eq=False``), so requests can sit in sets and dicts.
     Times are ``time.monotonic()`` seconds; ``None`` until the event happens.
     """
 
@@ -194,7 +168,8 @@ class Sequence:
     cancelled: bool = False
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""
-    outbox: asyncio.Queue[OutboxItem] = field(default_factory=asyncio.Queue, repr=False)
+    output: OutputStream = field(default_factory=OutputStream, repr=False)
+    """Where its tokens, tool calls and end go to the Generate handler (written only through the methods below)."""
 
     def __post_init__(self) -> None:
         self.priority = PriorityClass.from_proto(self.priority).proto
@@ -265,30 +240,34 @@ class Sequence:
             self.first_token_at = now
         self.last_token_at = now
         if visible:
-            self.outbox.put_nowait(StreamToken(text, index))
+            self.output.token(text, index)
 
     def add_tool_call(self, call: ToolCall) -> None:
         """Record and stream one tool call."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.tool_calls.append(call)
-        self.outbox.put_nowait(StreamToolCall(call))
+        self.output.tool_call(call)
 
     def finish(self, reason: str) -> None:
-        """Mark it finished (stop, length, tool_calls, cancelled) and close its stream. Idempotent."""
+        """Mark it finished (stop, length, tool_calls, cancelled) and close its stream. Idempotent.
+
+        Raises:
+            ValueError: ``reason`` is not one of :data:`FINISH_REASONS`.
+        """
         if self.finish_reason is not None:
             return
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {reason!r}")
         self.finish_reason = reason
-        self.outbox.put_nowait(StreamDone(reason))
+        self.output.done(reason)
 
     def fail(self, error: BaseException) -> None:
         """End its stream with ``error`` (raised to the Generate caller). Idempotent with finish."""
         if self.finish_reason is not None:
             return
         self.finish_reason = "error"
-        self.outbox.put_nowait(StreamError(error))
+        self.output.error(error)
 
     # ------------------------------------------------------------------ written by the engine loop
 
@@ -304,7 +283,7 @@ class Sequence:
             )
 
     def observe_kv_bytes(self, nbytes: int) -> None:
-        """Track the peak KV/prefix-state bytes held for this sequence."""
+        """Track the peak KV/prefix-state bytes held for this request."""
         if nbytes > self.memory_peak_bytes:
             self.memory_peak_bytes = nbytes
 
@@ -313,28 +292,28 @@ class Sequence:
 class SchedulerOutput:
     """What the scheduling policy decided at one step boundary.
 
-    ``admitted``: sequences newly taken into the running set (they need a
+    ``admitted``: requests newly taken into the running set (they need a
     prefill: first one, or a recompute after preemption). ``preempted``:
-    running sequences whose slot was taken; the scheduler has dropped their KV
+    running requests whose slot was taken; the scheduler has dropped their KV
     state (``engine.release``) and they wait again. ``running``: the whole
     running set after this decision, admitted included, in step order.
     ``expired``: requests that waited past ``queues.inference.timeout_ms``
     before their first admission; they have failed with DEADLINE_EXCEEDED.
-    ``restore``: admitted sequences whose KV state has a copy in the DRAM tier
+    ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
     """
 
-    admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    running: list[Sequence] = field(default_factory=list)
-    expired: list[Sequence] = field(default_factory=list)
-    restore: list[Sequence] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)
+    restore: list[Request] = field(default_factory=list)
 
 
-def request_links(seqs: "list[Sequence]") -> list[trace.Link]:
+def request_links(reqs: "list[Request]") -> list[trace.Link]:
     """Links from a span that serves several requests (a flushed batch, an engine turn) to each request's span.
 
     Such a span has no single parent; the links tie it to each task's trace.
     Empty with tracing off.
     """
-    return [trace.Link(s.span_context) for s in seqs if s.span_context is not None and s.span_context.is_valid]
+    return [trace.Link(s.span_context) for s in reqs if s.span_context is not None and s.span_context.is_valid]
