@@ -509,6 +509,12 @@ class ServerConfig(_Strict):
         "(its defaults, 1,000/3,000, cancel a burst's calls at random, unseen). Overload is refused by the "
         "queues, by name.",
     )
+    max_unrequested_time_s: int = Field(
+        3600, ge=1, le=86_400,
+        description="Seconds a call received but not yet handed to a servicer may wait before grpc core cancels "
+        "it with a bare CANCELLED (grpc.server_max_unrequested_time_in_server; grpc's default, 30 s, cancels a "
+        "burst's tail unseen). A waiting call is bounded by its caller's deadline and the queues' timeouts.",
+    )
     keepalive_time_s: float = Field(
         20.0, ge=10, le=7200,
         description="Seconds between keepalive pings on a quiet connection, by clients and servers alike; "

@@ -77,8 +77,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # itself, by name: the queues' capacities answer RESOURCE_EXHAUSTED.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
-        # ...and past 30 s of waiting (seconds here); a waiting call is bounded by its caller's deadline.
-        ("grpc.server_max_unrequested_time_in_server", 3600),
+        # ...and any that waited 30 s: server.max_unrequested_time_s instead (an hour by default); a
+        # waiting call is bounded by its caller's deadline.
+        ("grpc.server_max_unrequested_time_in_server", config.max_unrequested_time_s),
         # Connection age (gRFC A9): after max_connection_age_s a connection gets
         # GOAWAY, so its client re-resolves (dns:/// of a headless Service) and
         # round_robin finds the pods added since; running calls keep the grace.
