@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import subprocess
 import sys
 import time
+from typing import AsyncIterator
 
 import grpc
 import pytest
@@ -24,12 +26,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _SERVER = r"""
-import asyncio, sys, grpc, uvloop
+import asyncio, sys, time, grpc, uvloop
 from switchyard.common.config import ServerConfig
 from switchyard.common.server import server_options
 
 async def main():
-    options = server_options(ServerConfig()) if sys.argv[1] == "switchyard" else []
+    # argv: grpc-defaults, or switchyard [server.max_unrequested_time_s]
+    overrides = {"max_unrequested_time_s": int(sys.argv[2])} if len(sys.argv) > 2 else {}
+    options = server_options(ServerConfig(**overrides)) if sys.argv[1] == "switchyard" else []
     server = grpc.aio.server(options=options)
 
     async def stream(request, context):
@@ -37,8 +41,15 @@ async def main():
             await asyncio.sleep(0.01)
             yield b"x"
 
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "t.Burst", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    async def block(request, context):
+        print("busy", flush=True)
+        time.sleep(float(request))  # holds the event loop: no other call is handed to a servicer meanwhile
+        return b"x"
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Burst", {
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        "Block": grpc.unary_unary_rpc_method_handler(block),
+    })])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -48,26 +59,31 @@ uvloop.run(main())
 """
 
 
-async def _burst(options: str, calls: int) -> collections.Counter:
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, options], stdout=subprocess.PIPE, text=True)
+@contextlib.asynccontextmanager
+async def _server(*argv: str) -> AsyncIterator[tuple[subprocess.Popen, grpc.aio.Channel]]:
+    """The server above in its own process (``argv``: see its main), and a channel to it."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, *argv], stdout=subprocess.PIPE, text=True)
     try:
         port = int(await asyncio.to_thread(proc.stdout.readline))
-        codes: collections.Counter = collections.Counter()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
-            stream = channel.unary_stream("/t.Burst/Stream")
-
-            async def one() -> None:
-                try:
-                    [m async for m in stream(b"", timeout=120)]
-                    codes["OK"] += 1
-                except grpc.aio.AioRpcError as err:
-                    codes[err.code().name] += 1
-
-            await asyncio.gather(*(one() for _ in range(calls)))
-        return codes
+            yield proc, channel
     finally:
         proc.kill()
         proc.wait()
+
+
+async def _stream_code(channel: grpc.aio.Channel) -> str:
+    """One Stream call read to its end: "OK" or the status code's name."""
+    try:
+        [m async for m in channel.unary_stream("/t.Burst/Stream")(b"", timeout=120)]
+        return "OK"
+    except grpc.aio.AioRpcError as err:
+        return err.code().name
+
+
+async def _burst(options: str, calls: int) -> collections.Counter:
+    async with _server(options) as (_, channel):
+        return collections.Counter(await asyncio.gather(*(_stream_code(channel) for _ in range(calls))))
 
 
 async def test_a_5000_call_burst_reaches_the_servicer_every_time():
@@ -80,65 +96,26 @@ async def test_grpc_defaults_cancel_part_of_the_same_burst():
     assert codes["CANCELLED"] > 0 and codes["OK"] + codes["CANCELLED"] == 5000, codes
 
 
-# The server's one event loop is held by a handler that blocks it, so the calls that arrive meanwhile are not
-# handed to a servicer: grpc core holds them unrequested, and cancels those that waited past
-# server.max_unrequested_time_s once the loop asks for the next call.
-_BUSY_SERVER = r"""
-import asyncio, sys, time, grpc
-from switchyard.common.config import ServerConfig
-from switchyard.common.server import server_options
-
-async def main():
-    config = ServerConfig(**({"max_unrequested_time_s": int(sys.argv[1])} if sys.argv[1] != "default" else {}))
-    server = grpc.aio.server(options=server_options(config))
-
-    async def call(request, context):
-        if request == b"block":
-            print("busy", flush=True)
-            time.sleep(float(sys.argv[2]))  # blocks the event loop: no other call is picked up meanwhile
-        return b"x"
-
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "t.Busy", {"Call": grpc.unary_unary_rpc_method_handler(call)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    await server.wait_for_termination()
-
-asyncio.run(main())
-"""
+# A Block call holds the server's one event loop, so the calls that arrive meanwhile are not handed to a
+# servicer: grpc core holds them unrequested, and cancels those that waited past server.max_unrequested_time_s
+# once the loop asks for the next call.
 
 
 async def _unrequested(limit: str, busy_s: float, calls: int) -> tuple[collections.Counter, float]:
-    """Codes of ``calls`` calls sent while the server's loop is busy for ``busy_s``, and the shortest
+    """Codes of ``calls`` Stream calls sent while the server's loop is busy for ``busy_s``, and the shortest
     time one of them took to end CANCELLED (inf when none did)."""
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY_SERVER, limit, str(busy_s)], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(await asyncio.to_thread(proc.stdout.readline))
-        codes: collections.Counter = collections.Counter()
-        cancelled_after = math.inf
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as channel:
-            call = channel.unary_unary("/t.Busy/Call")
+    async with _server("switchyard", *([limit] if limit != "default" else [])) as (proc, channel):
+        blocker = channel.unary_unary("/t.Burst/Block")(str(busy_s).encode(), timeout=120)  # sent at once
+        assert await asyncio.to_thread(proc.stdout.readline) == "busy\n"
 
-            async def one(request: bytes) -> str:
-                nonlocal cancelled_after
-                sent = time.monotonic()
-                try:
-                    await call(request, timeout=120)
-                    return "OK"
-                except grpc.aio.AioRpcError as err:
-                    if err.code() == grpc.StatusCode.CANCELLED:
-                        cancelled_after = min(cancelled_after, time.monotonic() - sent)
-                    return err.code().name
+        async def timed() -> tuple[str, float]:
+            sent = time.monotonic()
+            return await _stream_code(channel), time.monotonic() - sent
 
-            blocker = asyncio.create_task(one(b"block"))
-            assert await asyncio.to_thread(proc.stdout.readline) == "busy\n"
-            codes.update(await asyncio.gather(*(one(b"") for _ in range(calls))))
-            assert await blocker == "OK"
-        return codes, cancelled_after
-    finally:
-        proc.kill()
-        proc.wait()
+        ended = await asyncio.gather(*(timed() for _ in range(calls)))
+        assert await blocker == b"x"
+    return (collections.Counter(code for code, _ in ended),
+            min((took for code, took in ended if code == "CANCELLED"), default=math.inf))
 
 
 async def test_calls_left_unrequested_past_the_configured_time_are_cancelled():
