@@ -48,8 +48,9 @@ k8s_config = _load_script("k8s_config")
 
 # --------------------------------------------------------------------------- kustomize, rendered in Python
 # Supports the subset the files here use: resources, labels (pairs, metadata
-# only), configMapGenerator (files), images (newTag), components with JSON 6902
-# "add" patches selected by kind and an equality labelSelector.
+# only), configMapGenerator (files; behavior merge), images (newTag), components
+# with JSON 6902 "add" and "replace" patches selected by kind, name and an
+# equality labelSelector.
 
 
 def _docs(path: Path) -> list[dict]:
@@ -59,6 +60,8 @@ def _docs(path: Path) -> list[dict]:
 def _matches(obj: dict, target: dict) -> bool:
     if "kind" in target and obj["kind"] != target["kind"]:
         return False
+    if "name" in target and obj["metadata"]["name"] != target["name"]:
+        return False
     labels = obj["metadata"].get("labels", {})
     for term in filter(None, target.get("labelSelector", "").split(",")):
         key, _, value = term.partition("=")
@@ -67,13 +70,18 @@ def _matches(obj: dict, target: dict) -> bool:
     return True
 
 
-def _add(doc: dict, path: str, value) -> None:
+def _add(doc: dict, path: str, value, replace: bool = False) -> None:
     *parents, leaf = [part.replace("~1", "/").replace("~0", "~") for part in path.lstrip("/").split("/")]
     node = doc
     for part in parents:
         node = node[int(part)] if isinstance(node, list) else node[part]
+    if replace:  # the value must be there to be replaced
+        node[int(leaf) if isinstance(node, list) else leaf]  # noqa: B018 - raises when absent
     if isinstance(node, list):
-        node.append(value) if leaf == "-" else node.insert(int(leaf), value)
+        if replace:
+            node[int(leaf)] = value
+        else:
+            node.append(value) if leaf == "-" else node.insert(int(leaf), value)
     else:
         node[leaf] = value
 
@@ -85,8 +93,18 @@ def _apply_patches(objs: list[dict], folder: Path, patches: list[dict]) -> None:
         assert targets, f"{folder}: patch {patch['path']} selects nothing"
         for obj in targets:
             for op in ops:
-                assert op["op"] == "add", f"{patch['path']}: only 'add' is rendered here, got {op['op']!r}"
-                _add(obj, op["path"], copy.deepcopy(op["value"]))
+                assert op["op"] in ("add", "replace"), f"{patch['path']}: only 'add' and 'replace' are rendered here"
+                _add(obj, op["path"], copy.deepcopy(op["value"]), replace=op["op"] == "replace")
+
+
+def _generate(objs: list[dict], folder: Path, generators: list[dict]) -> None:
+    """configMapGenerator: a new ConfigMap, or with ``behavior: merge`` files replacing keys of an existing one."""
+    for gen in generators:
+        data = {Path(f).name: (folder / f).read_text(encoding="utf-8") for f in gen["files"]}
+        if gen.get("behavior", "create") == "merge":
+            _get(objs, "ConfigMap", gen["name"])["data"].update(data)
+        else:
+            objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
 
 
 def render(folder: Path) -> list[dict]:
@@ -98,9 +116,7 @@ def render(folder: Path) -> list[dict]:
     for entry in kust.get("resources", []):
         path = folder / entry
         objs += render(path) if path.is_dir() else _docs(path)
-    for gen in kust.get("configMapGenerator", []):
-        data = {Path(f).name: (folder / f).read_text(encoding="utf-8") for f in gen["files"]}
-        objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    _generate(objs, folder, kust.get("configMapGenerator", []))
     for label in kust.get("labels", []):
         for obj in objs:
             obj["metadata"].setdefault("labels", {}).update(label["pairs"])
@@ -112,6 +128,7 @@ def render(folder: Path) -> list[dict]:
         assert ckust["kind"] == "Component"
         for resource in ckust.get("resources", []):
             objs += _docs(component / resource)
+        _generate(objs, component, ckust.get("configMapGenerator", []))
         _apply_patches(objs, component, ckust.get("patches", []))
     return objs
 
@@ -168,6 +185,7 @@ def k8s_tree(tmp_path_factory) -> Path:
     tree = tmp_path_factory.mktemp("deploy") / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("config"))
     k8s_config.write(tree / "base" / "config")
+    k8s_config.write_tls_auth(tree / "components" / "tls-auth" / "config")
     return tree
 
 
@@ -179,6 +197,11 @@ def base(k8s_tree) -> list[dict]:
 @pytest.fixture(scope="module")
 def traced(k8s_tree) -> list[dict]:
     return render(k8s_tree / "overlays" / "tracing")
+
+
+@pytest.fixture(scope="module")
+def secured(k8s_tree) -> list[dict]:
+    return render(k8s_tree / "overlays" / "tls-auth")
 
 
 # --------------------------------------------------------------------------- Dockerfiles
@@ -333,7 +356,7 @@ def test_manifest_file_validates(path):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-OVERLAYS = ["base", "overlays/tracing", "overlays/release"]
+OVERLAYS = ["base", "overlays/tracing", "overlays/release", "overlays/tls-auth"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -499,6 +522,76 @@ def test_python_render_matches_kubectl_kustomize(k8s_tree, overlay):
     key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
     ours = sorted(render(k8s_tree / overlay), key=key)
     assert sorted(yaml.safe_load_all(text), key=key) == ours
+
+
+# --------------------------------------------------------------------------- TLS and authentication
+
+
+def _pod_config(objs: list[dict], folder: Path):
+    """The config the pods of ``objs`` read: their ConfigMap's files, loaded."""
+    for filename, text in _get(objs, "ConfigMap", "switchyard-config")["data"].items():
+        (folder / filename).write_text(text, encoding="utf-8")
+    return load_config(folder)
+
+
+def _secret_file(pod: dict, path: str) -> tuple[str, str]:
+    """(Secret, key) that the file ``path`` of the pod's first container comes from."""
+    folder, _, filename = path.rpartition("/")
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    assert secret["defaultMode"] == 0o440, "keys and tokens: no read for other users"
+    keys = {item["path"]: item["key"] for item in secret.get("items", [])}
+    return secret["secretName"], keys.get(filename, filename) if keys else filename
+
+
+def test_tls_auth_overlay_turns_on_mtls_and_tokens_from_secrets(base, secured, tmp_path):
+    config = _pod_config(secured, tmp_path)
+    tls, auth = config.service.server.tls, config.service.orchestrator.auth
+    assert tls.enabled and tls.require_client_auth  # mTLS between the services
+    assert auth.enabled and auth.tokens_file
+    for name in SERVICES:
+        pod = _get(secured, "Deployment", name)["spec"]["template"]["spec"]
+        assert [_secret_file(pod, path) for path in (tls.cert_file, tls.key_file, tls.ca_file)] == [
+            ("switchyard-tls", "tls.crt"), ("switchyard-tls", "tls.key"), ("switchyard-tls", "ca.crt")]
+        secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        if name == "orchestrator":
+            assert _secret_file(pod, auth.tokens_file) == ("switchyard-auth", "tokens")
+            assert secrets == {"switchyard-tls", "switchyard-auth"}
+        else:
+            assert secrets == {"switchyard-tls"}, "tokens only where they are checked"
+    # the rest of the config is the base's, which keeps both off (make run's defaults)
+    ours, theirs = (_get(objs, "ConfigMap", "switchyard-config")["data"] for objs in (secured, base))
+    assert {f: t for f, t in ours.items() if f != "switchyard.json"} == {
+        f: t for f, t in theirs.items() if f != "switchyard.json"}
+    plain = json.loads(theirs["switchyard.json"])
+    assert "tls" not in plain["server"] and "auth" not in plain["orchestrator"]
+    secure = json.loads(ours["switchyard.json"])
+    for dotted in k8s_config.TLS_AUTH_OVERRIDES:
+        section, key = dotted.split(".")
+        secure[section].pop(key)
+    assert secure == plain
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_tls_auth_overlay_probes_the_plain_text_health_port(base, secured, name, tmp_path):
+    health_port = getattr(_pod_config(secured, tmp_path).service, name).health_port
+    grpc_port, metrics_port = PORTS[name]
+    assert health_port not in (None, 0, grpc_port, metrics_port)
+    container, plain = _container(secured, name), _container(base, name)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "grpc": grpc_port, "metrics": metrics_port, "health": health_port}
+    probes = [probe for probe in ("startupProbe", "readinessProbe", "livenessProbe") if probe in plain]
+    assert {"readinessProbe", "livenessProbe"} <= set(probes)
+    for probe in probes:  # the same questions (named service, or ""), asked on the health port
+        assert container[probe]["grpc"] == {**plain[probe]["grpc"], "port": health_port}, probe
+    # only kubelet (from the node) asks it: no Service port, no NetworkPolicy lets another pod in
+    assert health_port not in {p["port"] for p in _get(secured, "Service", name)["spec"]["ports"]}
+    policies = [obj for obj in secured if obj["kind"] == "NetworkPolicy"]
+    pods = _pods(secured)
+    for source in (Endpoint({"app": "some-client"}, namespace="apps"), *(pods[n] for n in SERVICES if n != name)):
+        assert not allowed(policies, source, pods[name], health_port)
 
 
 # --------------------------------------------------------------------------- node, monitoring, compose

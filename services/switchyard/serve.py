@@ -46,7 +46,7 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
         service = make_service(name, config)
         srv = await start_server(
             [service], config.service.server.host, section.port, config.service.server,
-            interceptors=telemetry.server_interceptors(),
+            interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
         metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.service.server.host)
         lag_monitor = process_metrics.start_loop_lag_monitor()

@@ -509,6 +509,12 @@ class ServerConfig(_Strict):
         "(its defaults, 1,000/3,000, cancel a burst's calls at random, unseen). Overload is refused by the "
         "queues, by name.",
     )
+    max_unrequested_time_s: int = Field(
+        3600, ge=1, le=86_400,
+        description="Seconds a call received but not yet handed to a servicer may wait before grpc core cancels "
+        "it with a bare CANCELLED (grpc.server_max_unrequested_time_in_server; grpc's default, 30 s, cancels a "
+        "burst's tail unseen). A waiting call is bounded by its caller's deadline and the queues' timeouts.",
+    )
     keepalive_time_s: float = Field(
         20.0, ge=10, le=7200,
         description="Seconds between keepalive pings on a quiet connection, by clients and servers alike; "
@@ -534,6 +540,14 @@ def _port(default: int) -> Any:
     return Field(default, ge=0, le=65535, description="0 picks a free port.")
 
 
+def _health_port() -> Any:
+    return Field(
+        None, ge=0, le=65535,
+        description="Plain-text port serving only grpc.health.v1 (no application service, no reflection), for "
+        "probes that cannot speak TLS (kubelet's grpc probes) while server.tls is on; null: off; 0: a free port.",
+    )
+
+
 class AuthConfig(_Strict):
     """Bearer-token authentication of AgentService calls (common/auth.py). Off by default (``make run``)."""
 
@@ -555,6 +569,7 @@ class AuthConfig(_Strict):
 class OrchestratorConfig(_Strict):
     port: int = _port(50051)
     metrics_port: int = _port(9101)
+    health_port: int | None = _health_port()
     retrieval_addr: str = "127.0.0.1:50052"
     dispatcher_addr: str = "127.0.0.1:50053"
     default_task_type: str = "rag_answer"
@@ -679,6 +694,7 @@ class ReactConfig(_Strict):
 class RetrievalConfig(_Strict):
     port: int = _port(50052)
     metrics_port: int = _port(9102)
+    health_port: int | None = _health_port()
     index_dir: str = "data/index"
     top_k: int = Field(4, ge=1, le=1000)
     max_top_k: int = Field(50, ge=1, le=10_000)
@@ -733,6 +749,7 @@ class RetrievalConfig(_Strict):
 class DispatcherConfig(_Strict):
     port: int = _port(50053)
     metrics_port: int = _port(9103)
+    health_port: int | None = _health_port()
     engine: Literal["sim", "openai", "torch"] = "sim"
     default_max_tokens: int = Field(
         256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0."

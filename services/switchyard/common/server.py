@@ -1,6 +1,9 @@
 """Server bootstrap shared by the three services.
 
 grpc.aio on uvloop with health checking, reflection and message-size limits.
+Optionally a second, plain-text port serves the same health statuses and
+nothing else (``<service>.health_port``): kubelet's grpc probes cannot speak
+TLS, so with ``server.tls`` on they are pointed there.
 SIGTERM or SIGINT flips every service to NOT_SERVING, lets in-flight streams
 finish within ``server.shutdown_grace_s``, stops the service's background
 tasks and returns, so the process exits 0.
@@ -77,8 +80,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # itself, by name: the queues' capacities answer RESOURCE_EXHAUSTED.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
-        # ...and past 30 s of waiting (seconds here); a waiting call is bounded by its caller's deadline.
-        ("grpc.server_max_unrequested_time_in_server", 3600),
+        # ...and any that waited 30 s: server.max_unrequested_time_s instead (an hour by default); a
+        # waiting call is bounded by its caller's deadline.
+        ("grpc.server_max_unrequested_time_in_server", config.max_unrequested_time_s),
         # Connection age (gRFC A9): after max_connection_age_s a connection gets
         # GOAWAY, so its client re-resolves (dns:/// of a headless Service) and
         # round_robin finds the pods added since; running calls keep the grace.
@@ -106,14 +110,22 @@ class HealthServicer(health.aio.HealthServicer):
         return health_pb2.HealthListResponse(statuses=statuses)
 
 
+# The health-only port answers probes: requests are a service name, and a probe
+# needs no more than a few calls at once (past the limit: RESOURCE_EXHAUSTED).
+HEALTH_SERVER_OPTIONS = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)]
+HEALTH_SERVER_MAX_CALLS = 64
+
+
 @dataclass
 class RunningServer:
-    """A started server: its bound port and health servicer."""
+    """A started server: its bound port and health servicer (and the health-only port, when asked for)."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     services: tuple[Service, ...]
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING, drain in-flight RPCs for up to ``grace`` s, then stop the services."""
@@ -123,6 +135,8 @@ class RunningServer:
             SERVING.labels(service.name).set(0)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:  # answered NOT_SERVING to probes while the calls drained
+            await self.health_server.stop(None)
         log.info("%s: gRPC server stopped", names)
         for service in reversed(self.services):
             await service.stop()
@@ -144,17 +158,41 @@ def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> in
     return server.add_secure_port(address, credentials)
 
 
+def _health_only_server(health_servicer: health.aio.HealthServicer, address: str) -> tuple[grpc.aio.Server, int]:
+    """A plain-text server bound to ``address`` serving ``health_servicer`` (the main server's statuses) only.
+
+    No application service, no reflection, no interceptors: a probe sees what
+    the main port's Health/Check would answer, and nothing else is reachable.
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server(options=HEALTH_SERVER_OPTIONS, maximum_concurrent_rpcs=HEALTH_SERVER_MAX_CALLS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise RuntimeError(f"could not bind the health port {address}: is another process using it?")
+    return server, bound
+
+
 async def start_server(
     services: Sequence[Service],
     host: str,
     port: int,
     config: ServerConfig,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    health_port: int | None = None,
 ) -> RunningServer:
     """Start ``services`` on one grpc.aio server bound to ``host:port`` (0 = any free port).
 
+    With ``health_port`` (0 = any free port), ``host:health_port`` also serves
+    the same health statuses in plain text, and nothing else.
+
     Raises:
-        RuntimeError: the port could not be bound.
+        RuntimeError: a port could not be bound.
     """
     own = [i for service in services for i in edge_interceptors(service)]  # after tracing: refusals are traced
     server = grpc.aio.server(options=server_options(config), interceptors=[*interceptors, *own])
@@ -168,9 +206,14 @@ async def start_server(
     bound = _add_port(server, f"{host}:{port}", config)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
+    health_server, health_bound = (
+        _health_only_server(health_servicer, f"{host}:{health_port}") if health_port is not None else (None, None)
+    )
     for service in services:
         await service.start()
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for service in services:
         watch = getattr(service, "watch_health", None)
         if watch is not None:  # a HealthOwner
@@ -179,16 +222,18 @@ async def start_server(
         for name in service.grpc_service_names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         SERVING.labels(service.name).set(1)
-    log.info("%s listening on %s:%d", ", ".join(s.name for s in services), host, bound)
-    return RunningServer(server, bound, health_servicer, tuple(services))
+    log.info("%s listening on %s:%d%s", ", ".join(s.name for s in services), host, bound,
+             f" (health only, plain text, on port {health_bound})" if health_server is not None else "")
+    return RunningServer(server, bound, health_servicer, tuple(services), health_server, health_bound)
 
 
 @contextlib.asynccontextmanager
 async def running(
-    services: Sequence[Service], config: ServerConfig, host: str = "127.0.0.1", port: int = 0, grace: float = 1.0
+    services: Sequence[Service], config: ServerConfig, host: str = "127.0.0.1", port: int = 0, grace: float = 1.0,
+    health_port: int | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Serve ``services`` for the body of an ``async with`` (tests, embedded use)."""
-    srv = await start_server(services, host, port, config)
+    srv = await start_server(services, host, port, config, health_port=health_port)
     try:
         yield srv
     finally:
