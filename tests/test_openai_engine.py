@@ -18,6 +18,7 @@ from switchyard.dispatcher.engines.openai import OpenAIEngine, chat_messages
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.faults import Fault
 from switchyard.common.channels import open_channel
+from token_events import token_count
 
 PROMPT = "<context>[1] Lists\nPython lists are mutable sequences.</context><question>Are lists mutable?</question>"
 
@@ -146,10 +147,10 @@ async def generate_over_grpc(base_url: str, request: agent_pb2.GenerateRequest, 
 async def test_dispatcher_generate_streams_from_the_upstream(sim_openai):
     chunks = await generate_over_grpc(sim_openai.base_url, agent_pb2.GenerateRequest(
         request_id="g1", prompt=PROMPT, max_tokens=32, priority=agent_pb2.BATCH))
-    tokens = [c.token.text for c in chunks if c.WhichOneof("chunk") == "token"]
+    tokens = [c.token for c in chunks if c.WhichOneof("chunk") == "token"]
     done = chunks[-1].done
-    assert "".join(tokens) == "Python lists are mutable sequences. [1]"
-    assert done.usage.completion_tokens == len(tokens) and done.finish_reason == "stop"
+    assert "".join(t.text for t in tokens) == "Python lists are mutable sequences. [1]"
+    assert done.usage.completion_tokens == token_count(tokens) and done.finish_reason == "stop"
     assert sim_openai.state.requests[-1]["max_tokens"] == 32
 
 
@@ -194,7 +195,7 @@ async def test_run_task_chat_on_the_openai_engine(sim_openai):
     tokens = [e.token for e in events if e.HasField("token")]
     final = events[-1].final
     assert tokens and final.output == "".join(t.text for t in tokens)
-    assert final.usage.completion_tokens == len(tokens)
+    assert final.usage.completion_tokens == token_count(tokens)
     body = sim_openai.state.requests[-1]
     assert body["model"] == "claude-sonnet-4-5" and body["priority"] == 0 and body["stream"] is True
 

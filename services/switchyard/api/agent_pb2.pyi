@@ -141,12 +141,14 @@ class StageEvent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("text", "index")
+    __slots__ = ("text", "index", "count")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+    count: int
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ToolCallEvent(_message.Message):
     __slots__ = ("call_id", "name", "arguments_json")

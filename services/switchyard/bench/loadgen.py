@@ -166,7 +166,7 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
             if kind == "token":
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - t0
-                result.tokens += 1
+                result.tokens += max(1, event.token.count)  # an event may carry several tokens
             elif kind == "final":
                 result.queue_wait_s = dict(event.final.timings.queue_wait_s)
     except grpc.aio.AioRpcError as exc:

@@ -9,12 +9,17 @@ the same way: its engine-core ``Request`` holds state, and a per-request
 ``RequestOutputCollector`` carries outputs to the ``generate`` caller.
 
 A stream carries, in order: :class:`StreamToken` and :class:`StreamToolCall`
-items, then exactly one :class:`StreamDone` or :class:`StreamError`.
+items, then exactly one :class:`StreamDone` or :class:`StreamError`. Tokens
+that are waiting together when the reader comes back are read as one
+:class:`StreamToken` (vLLM's collector merges delta outputs the same way): a
+handler that falls behind the engine catches up with one message, not one per
+token, and a reader that keeps up sees every token alone, with no added wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -24,10 +29,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StreamToken:
-    """Output item: one completion token. ``index`` is its 0-based position."""
+    """Output item: ``count`` completion tokens (their texts joined); ``index`` is the first one's 0-based position."""
 
     text: str
     index: int
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,38 +64,63 @@ class OutputStream:
     """One request's items on their way to its Generate handler: an unbounded FIFO, one writer, one reader.
 
     Writes never block (the engine loop must not wait on a slow caller); the
-    reader awaits :meth:`get`. Made without an event loop; the first
-    :meth:`get` binds it to the running one.
+    reader awaits :meth:`get`, which merges the tokens waiting together. Used
+    from the event loop's thread only.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_ready")
 
     def __init__(self) -> None:
-        self._items: asyncio.Queue[OutputItem] = asyncio.Queue()
+        self._items: deque[OutputItem] = deque()
+        self._ready: asyncio.Future[None] | None = None
+
+    def _push(self, item: OutputItem) -> None:
+        self._items.append(item)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
 
     def token(self, text: str, index: int) -> None:
         """Push one completion token (``index``: its 0-based position in the completion)."""
-        self._items.put_nowait(StreamToken(text, index))
+        self._push(StreamToken(text, index))
 
     def tool_call(self, call: ToolCall) -> None:
         """Push one tool call."""
-        self._items.put_nowait(StreamToolCall(call))
+        self._push(StreamToolCall(call))
 
     def done(self, finish_reason: str) -> None:
         """Close the stream: the request finished with ``finish_reason``."""
-        self._items.put_nowait(StreamDone(finish_reason))
+        self._push(StreamDone(finish_reason))
 
     def error(self, error: BaseException) -> None:
         """Close the stream: the request failed with ``error``."""
-        self._items.put_nowait(StreamError(error))
+        self._push(StreamError(error))
 
     async def get(self) -> OutputItem:
-        """The next item, waiting until there is one."""
-        return await self._items.get()
+        """The next item, waiting until there is one.
+
+        Consecutive tokens already waiting come as one :class:`StreamToken`
+        (texts joined, ``count`` tokens, ``index`` of the first); other items
+        come one at a time, in order.
+        """
+        while not self._items:
+            self._ready = asyncio.get_running_loop().create_future()
+            try:
+                await self._ready
+            finally:
+                self._ready = None
+        item = self._items.popleft()
+        if not isinstance(item, StreamToken) or not self._items or not isinstance(self._items[0], StreamToken):
+            return item
+        texts, count = [item.text], item.count
+        while self._items and isinstance(self._items[0], StreamToken):
+            following = self._items.popleft()
+            assert isinstance(following, StreamToken)
+            texts.append(following.text)
+            count += following.count
+        return StreamToken("".join(texts), item.index, count)
 
     def drain(self) -> list[OutputItem]:
-        """Every item pushed and not yet read, oldest first, without waiting (empty when none)."""
-        items: list[OutputItem] = []
-        while not self._items.empty():
-            items.append(self._items.get_nowait())
+        """Every item pushed and not yet read, oldest first, one per push, without waiting (empty when none)."""
+        items = list(self._items)
+        self._items.clear()
         return items

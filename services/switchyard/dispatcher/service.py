@@ -330,7 +330,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         while True:
             item = await output.get()
             if isinstance(item, StreamToken):
-                yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index))
+                yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index, count=item.count))
             elif isinstance(item, StreamToolCall):
                 call = item.call
                 yield agent_pb2.GenerateChunk(

@@ -250,9 +250,11 @@ class TaskRun:
             if kind == "token":
                 if self.token_index == 0:
                     self.timings.ttft_s = time.monotonic() - self.t0
+                count = max(1, chunk.token.count)  # several tokens when the dispatcher's stream caught up
                 text.append(chunk.token.text)
-                self.emit(agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=chunk.token.text, index=self.token_index)))
-                self.token_index += 1
+                self.emit(agent_pb2.TaskEvent(
+                    token=agent_pb2.TokenEvent(text=chunk.token.text, index=self.token_index, count=count)))
+                self.token_index += count
             elif kind == "tool_call":
                 calls.append(chunk.tool_call)
             elif kind == "done":
