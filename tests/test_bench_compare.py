@@ -1,6 +1,7 @@
-"""`switchyard bench compare` smoke run: every scenario completes against the real in-process stack.
+"""`switchyard bench compare` smoke runs: every scenario completes against a real stack.
 
 Tiny load (a few chat calls per scenario, client in a thread); no performance assertions.
+Every scenario runs in-process (quick to start); A and B also as separate processes, the default.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
     out = tmp_path / "results"
     argv = [
         "-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
-        "--retrieval", "off", "--client", "thread", "--out", str(out),
+        "--retrieval", "off", "--client", "thread", "--stack", "in-process", "--out", str(out),
     ]
     assert compare.main(argv) == 0
 
@@ -44,6 +45,24 @@ def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| scenario |" in (out / "compare.md").read_text()
     assert "| D B, adaptive flush" in capsys.readouterr().out
+
+
+def test_compare_runs_each_service_in_its_own_process_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "results"
+    argv = ["-D", "ghz/data/mixed.json", "-n", "6", "-c", "2", "--rps", "0", "--warmup", "1",
+            "--scenarios", "A,B", "--client", "thread", "--out", str(out)]
+    assert compare.main(argv) == 0
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["meta"]["stack"] == "processes" and summary["meta"]["retrieval"] is True
+    for row in summary["scenarios"]:
+        assert row["stack"] == "processes"
+        assert row["count"] == 6 and row["errors"] == 0, row
+        # the dispatcher's figures crossed the process boundary through its /metrics
+        assert row["engine_busy_ratio"] is not None and row["engine_busy_ratio"] > 0, row
+        assert row["batch_size_mean"] is not None and row["batch_size_mean"] >= 1, row
+    baseline = summary["scenarios"][0]
+    assert baseline["scenario"] == "A" and baseline["batch_size_mean"] == 1.0  # one request per flush
 
 
 def test_unknown_scenario_is_refused():

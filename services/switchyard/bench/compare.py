@@ -11,12 +11,16 @@ Scenarios (the field's A/B practice, in one run):
   and so shows the run-to-run noise).
 - **D** adaptive flush: B with ``flush_interval_ms = "auto"``.
 
-Each scenario gets a freshly started orchestrator and dispatcher, in this
-process on ports 0 (``common.server.start_server``), configured through
-``SwitchyardConfig.with_overrides``. Retrieval, which no scenario changes, is
-started once and shared. The load runs in a separate client process (see
-:mod:`switchyard.bench.loadgen`) so it does not compete with the stack's event
-loop. Per scenario: engine busy ratio (engine busy seconds / wall), NVML GPU
+Each scenario gets a freshly started orchestrator and dispatcher on ports 0,
+configured through ``SwitchyardConfig.with_overrides``. With ``--stack
+processes`` (the default) each service is a process of its own, as
+``switchyard up`` and a deployment run them (:mod:`switchyard.bench.stack_process`),
+and the dispatcher's figures are read from its metrics; ``--stack in-process``
+runs all three on this process's event loop (quicker to start, for smoke runs;
+one interpreter lock then serialises the services' CPU work). Retrieval, which
+no scenario changes, is started once and shared. The load runs in a separate
+client process (see :mod:`switchyard.bench.loadgen`) so it does not compete
+with the stack. Per scenario: engine busy ratio (engine busy seconds / wall), NVML GPU
 utilisation when a GPU is present, queue waits per queue (from the tasks' final
 events), batch sizes (``switchyard_batch_size``), P50/P95/P99, TTFT, rps and
 tokens/s. Output: a table on stdout, ``compare.json``, ``compare.md``,
@@ -40,8 +44,10 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY
 
+from switchyard.bench import stack_process
 from switchyard.bench.gpu import GpuSampler
 from switchyard.bench.loadgen import LoadPlan, LoadResult, run_load
+from switchyard.bench.stack_process import FixedSlots
 from switchyard.bench.report import build_report, percentile
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.common.errors import SwitchyardError
@@ -63,30 +69,6 @@ class Scenario:
     label: str
     overrides: dict[str, Any]
     batching: bool = True
-
-
-class FixedSlots:
-    """A scheduler capacity of ``n`` running sequences, for baselines only (scenario A: ``n`` = 1, no batching).
-
-    The product's capacity comes from the hardware (``scheduler.capacity``); a fixed count is what
-    the baseline is measured against.
-    """
-
-    def __init__(self, n: int = 1) -> None:
-        self.n = n
-        self.running = 0
-
-    def refusal(self, req: Any) -> str | None:
-        return None if self.running < self.n else "kv_memory"
-
-    def never_fits(self, req: Any) -> str | None:
-        return None
-
-    def take(self, req: Any) -> None:
-        self.running += 1
-
-    def give(self, req: Any) -> None:
-        self.running -= 1
 
 
 _SPLIT = "service.orchestrator.inference_mode"
@@ -130,8 +112,15 @@ def pick_scenarios(keys: str) -> list[Scenario]:
 
 @dataclass
 class Stack:
+    """A scenario's running stack: the orchestrator's address and where the dispatcher's figures come from.
+
+    In-process: ``dispatcher`` is the DispatcherService object. Processes: ``dispatcher_metrics``
+    is its Prometheus URL.
+    """
+
     host: str
-    dispatcher: Any
+    dispatcher: Any = None
+    dispatcher_metrics: str | None = None
 
 
 def _make_service(name: str, config: SwitchyardConfig) -> Any:
@@ -140,12 +129,32 @@ def _make_service(name: str, config: SwitchyardConfig) -> Any:
     return make_service(name, config)
 
 
+def _wired(config: SwitchyardConfig, dispatcher_addr: str, retrieval_addr: str) -> SwitchyardConfig:
+    return config.with_overrides(
+        **{"service.orchestrator.dispatcher_addr": dispatcher_addr, "service.orchestrator.retrieval_addr": retrieval_addr}
+    )
+
+
 @contextlib.asynccontextmanager
-async def stack(config: SwitchyardConfig, retrieval_addr: str, batching: bool = True) -> AsyncIterator[Stack]:
+async def stack(config: SwitchyardConfig, retrieval_addr: str, batching: bool = True,
+                processes: bool = True) -> AsyncIterator[Stack]:
     """A fresh dispatcher and orchestrator on ports 0, the orchestrator wired to both back ends.
 
-    ``batching`` False: the dispatcher's engine runs one sequence at a time.
+    ``batching`` False: the dispatcher's engine runs one request at a time. ``processes``: each
+    service in its own process (else both on this event loop).
     """
+    if processes:
+        children: list[stack_process.ServiceProcess] = []
+        try:
+            d = await stack_process.start("dispatcher", config, fixed_slots=0 if batching else 1)
+            children.append(d)
+            o = await stack_process.start("orchestrator", _wired(config, d.address, retrieval_addr))
+            children.append(o)
+            yield Stack(o.address, dispatcher_metrics=d.metrics_url)
+        finally:
+            for child in reversed(children):
+                await child.stop()
+        return
     server_cfg = config.service.server
     started: list[RunningServer] = []
     try:
@@ -154,25 +163,29 @@ async def stack(config: SwitchyardConfig, retrieval_addr: str, batching: bool = 
             dispatcher.scheduler.capacity = FixedSlots(1)
         d = await start_server([dispatcher], "127.0.0.1", 0, server_cfg)
         started.append(d)
-        wired = config.with_overrides(
-            **{
-                "service.orchestrator.dispatcher_addr": f"127.0.0.1:{d.port}",
-                "service.orchestrator.retrieval_addr": retrieval_addr,
-            }
+        o = await start_server(
+            [_make_service("orchestrator", _wired(config, f"127.0.0.1:{d.port}", retrieval_addr))],
+            "127.0.0.1", 0, server_cfg,
         )
-        o = await start_server([_make_service("orchestrator", wired)], "127.0.0.1", 0, server_cfg)
         started.append(o)
-        yield Stack(f"127.0.0.1:{o.port}", dispatcher)
+        yield Stack(f"127.0.0.1:{o.port}", dispatcher=dispatcher)
     finally:
         for srv in reversed(started):
             await srv.stop(1.0)
 
 
 @contextlib.asynccontextmanager
-async def shared_retrieval(config: SwitchyardConfig, needed: bool) -> AsyncIterator[str]:
+async def shared_retrieval(config: SwitchyardConfig, needed: bool, processes: bool = True) -> AsyncIterator[str]:
     """Start retrieval once when the call data needs it; yields its address (a dead one when not needed)."""
     if not needed:
         yield "127.0.0.1:1"
+        return
+    if processes:
+        child = await stack_process.start("retrieval", config)
+        try:
+            yield child.address
+        finally:
+            await child.stop()
         return
     srv = await start_server([_make_service("retrieval", config)], "127.0.0.1", 0, config.service.server)
     try:
@@ -198,14 +211,33 @@ def engine_busy_seconds(dispatcher: Any) -> float | None:
     return None
 
 
-def _metric_snapshot() -> dict[str, float]:
+def _metric_snapshot(st: Stack) -> dict[str, float | None]:
+    """The dispatcher's cumulative figures now: batch sizes, flushes by reason, engine busy seconds, upstream limit."""
+    if st.dispatcher_metrics is not None:
+        samples = stack_process.scrape(st.dispatcher_metrics)
+        flushes = stack_process.scrape_labelled(st.dispatcher_metrics, "switchyard_flushes_total")
+        limit = samples.get("switchyard_upstream_concurrency_limit")
+        return {
+            "batch_sum": samples.get("switchyard_batch_size_sum", 0.0),
+            "batch_count": samples.get("switchyard_batch_size_count", 0.0),
+            "flush_size": flushes.get((("reason", "size"),), 0.0),
+            "flush_interval": flushes.get((("reason", "interval"),), 0.0),
+            "busy": samples.get("switchyard_engine_busy_seconds_total"),
+            "upstream_limit": limit or None,
+        }
     names = {
         "batch_sum": ("switchyard_batch_size_sum", {}),
         "batch_count": ("switchyard_batch_size_count", {}),
         "flush_size": ("switchyard_flushes_total", {"reason": "size"}),
         "flush_interval": ("switchyard_flushes_total", {"reason": "interval"}),
     }
-    return {key: REGISTRY.get_sample_value(name, labels) or 0.0 for key, (name, labels) in names.items()}
+    snapshot: dict[str, float | None] = {
+        key: REGISTRY.get_sample_value(name, labels) or 0.0 for key, (name, labels) in names.items()
+    }
+    limiter = getattr(st.dispatcher, "limit", None)
+    snapshot["busy"] = engine_busy_seconds(st.dispatcher)
+    snapshot["upstream_limit"] = None if limiter is None else limiter.limit
+    return snapshot
 
 
 def summarize(
@@ -253,25 +285,26 @@ def _by_priority(ok: list[Any]) -> dict[str, dict[str, float | None]]:
 
 
 async def run_scenario(scenario: Scenario, base: SwitchyardConfig, plan: LoadPlan, retrieval_addr: str,
-                       warmup: int, client: str) -> tuple[dict[str, Any], dict[str, Any]]:
+                       warmup: int, client: str, processes: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start a stack with the scenario's overrides, warm it up, run the plan; returns (row, ghz report)."""
     config = base.with_overrides(**scenario.overrides)
     in_process = client == "thread"
-    async with stack(config, retrieval_addr, scenario.batching) as st:
+    async with stack(config, retrieval_addr, scenario.batching, processes) as st:
         run_plan = replace(plan, host=st.host, procs=1 if in_process else plan.procs)
         if warmup:
             warm = replace(run_plan, total=warmup, concurrency=min(warmup, 4), rps=0, duration_s=0, procs=1)
             await asyncio.to_thread(run_load, warm, True)
-        before, busy0 = _metric_snapshot(), engine_busy_seconds(st.dispatcher)
+        before = await asyncio.to_thread(_metric_snapshot, st)
         with GpuSampler() as gpu:
             load = await asyncio.to_thread(run_load, run_plan, in_process)
-        after, busy1 = _metric_snapshot(), engine_busy_seconds(st.dispatcher)
-    delta = {k: after[k] - before[k] for k in after}
-    busy = None if busy0 is None or busy1 is None else busy1 - busy0
+        after = await asyncio.to_thread(_metric_snapshot, st)
+    delta = {k: after[k] - before[k] for k in ("batch_sum", "batch_count", "flush_size", "flush_interval")}
+    busy = None if before["busy"] is None or after["busy"] is None else after["busy"] - before["busy"]
     row = summarize(scenario, load, busy, gpu.mean(), delta)
+    row["stack"] = "processes" if processes else "in-process"
     row["decode_bound_tokens_per_s"] = decode_bound_tokens_per_s(config, plan.concurrency)
-    limiter = getattr(st.dispatcher, "limit", None)
-    row["upstream_concurrency_limit"] = None if limiter is None else round(limiter.limit, 1)
+    limit = after["upstream_limit"]
+    row["upstream_concurrency_limit"] = None if limit is None else round(limit, 1)
     row["roofline_efficiency"] = roofline_efficiency(row)
     return row, build_report(load, run_plan, name=f"switchyard bench compare {scenario.key}")
 
@@ -425,11 +458,12 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
     needs_retrieval = {"on": True, "off": False, "auto": retrieving}[args.retrieval]
     rows: list[dict[str, Any]] = []
     reports: dict[str, dict[str, Any]] = {}
-    async with shared_retrieval(base, needs_retrieval) as retrieval_addr:
+    processes = args.stack == "processes"
+    async with shared_retrieval(base, needs_retrieval, processes) as retrieval_addr:
         for scenario in scenarios:
             t0 = time.monotonic()
             print(f"[{scenario.key}] {scenario.label} ...", flush=True)
-            row, report = await run_scenario(scenario, base, plan, retrieval_addr, args.warmup, args.client)
+            row, report = await run_scenario(scenario, base, plan, retrieval_addr, args.warmup, args.client, processes)
             rows.append(row)
             reports[scenario.key] = report
             print(f"[{scenario.key}] done in {time.monotonic() - t0:.1f} s: {row['count']} calls, "
@@ -441,6 +475,7 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
         "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"}
         | {"calldata_items": len(plan.calldata)},
         "retrieval": needs_retrieval,
+        "stack": args.stack,
         "settings": parse_settings(args.settings),
     }
     print()
@@ -458,7 +493,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="switchyard bench compare",
         description="Run scenarios A (baseline), B (split + double buffer), C10/C20/C50 (fixed flush) and "
-        "D (adaptive flush) on the same request set against fresh in-process stacks.",
+        "D (adaptive flush) on the same request set, each against a fresh stack.",
     )
     add_load_options(parser)
     parser.add_argument("--scenarios", default="all", help="comma list of A,B,C10,C20,C50,D (default all)")
@@ -470,6 +505,9 @@ def main(argv: list[str]) -> int:
                         help="start retrieval (auto: when the call data has rag_answer or react_loop tasks)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every scenario, e.g. --set scheduler.policy=fifo (JSON values)")
+    parser.add_argument("--stack", choices=["processes", "in-process"], default="processes",
+                        help="each service in its own process, as deployed (default), or all three on this "
+                        "process's event loop (quicker to start)")
     parser.add_argument("--client", choices=["process", "thread"], default="process",
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
     args = parser.parse_args(argv)
