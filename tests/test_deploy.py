@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from switchyard.common.config import load_config
+from switchyard.common.config import FILES, load_config
 
 pytestmark = pytest.mark.no_gpu
 
@@ -43,7 +43,9 @@ def _load_script(name: str):
 
 
 lock = _load_script("lock")
-k8s_config = _load_script("k8s_config")
+
+# Where the retrieval image's build step writes the default index.
+INDEX_DIR = "/opt/switchyard/index"
 
 
 # --------------------------------------------------------------------------- kustomize, rendered in Python
@@ -164,10 +166,12 @@ def _env(container: dict) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def k8s_tree(tmp_path_factory) -> Path:
-    """A copy of deploy/k8s/ with the generated ConfigMap folder, as `kubectl apply -k` needs it."""
+    """A copy of deploy/k8s/ with config/ copied into the ConfigMap folder, as `make k8s-config` does."""
     tree = tmp_path_factory.mktemp("deploy") / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("config"))
-    k8s_config.write(tree / "base" / "config")
+    (tree / "base" / "config").mkdir()
+    for filename in FILES:
+        shutil.copy(ROOT / "config" / filename, tree / "base" / "config" / filename)
     return tree
 
 
@@ -225,8 +229,9 @@ def test_dockerfile_is_multi_stage_pinned_non_root(service):
 
 def test_retrieval_image_builds_the_default_index():
     text = (DEPLOY / "docker" / "retrieval.Dockerfile").read_text(encoding="utf-8")
-    assert f"switchyard index --out {k8s_config.INDEX_DIR}" in text
-    assert f"COPY --from=build {k8s_config.INDEX_DIR} {k8s_config.INDEX_DIR}" in text
+    assert f"switchyard index --out {INDEX_DIR}" in text
+    assert f"COPY --from=build {INDEX_DIR} {INDEX_DIR}" in text
+    assert _image_env("retrieval")["SWITCHYARD_INDEX_DIR"] == INDEX_DIR
 
 
 def test_dockerignore_sends_only_what_images_copy():
@@ -280,32 +285,36 @@ def test_lock_error_names_missing_package():
 # --------------------------------------------------------------------------- container config
 
 
-def test_container_config_changes_only_the_overrides(tmp_path):
-    k8s_config.write(tmp_path)
-    for filename in k8s_config.FILES:
-        ours = (tmp_path / filename).read_text(encoding="utf-8")
-        theirs = (k8s_config.SOURCE / filename).read_text(encoding="utf-8")
-        if filename not in k8s_config.OVERRIDES:
-            assert ours == theirs
-            continue
-        expected = k8s_config.apply_overrides(json.loads(theirs), k8s_config.OVERRIDES[filename], filename)
-        assert json.loads(ours) == expected
+def _image_env(service: str) -> dict[str, str]:
+    """The ENV of the image's last stage (``NAME=value`` pairs, continued lines joined)."""
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text(encoding="utf-8")
+    final = text[text.rindex("\nFROM "):].replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV\s+(.+)$", final, flags=re.M):
+        env.update(pair.split("=", 1) for pair in line.split())
+    return env
 
 
-def test_container_config_names_a_missing_key():
-    with pytest.raises(KeyError, match="server.port"):
-        k8s_config.apply_overrides({"server": {"host": "x"}}, {"server.port": 1}, "switchyard.json")
-
-
-def test_container_config_loads_and_listens_on_all_interfaces(tmp_path):
-    k8s_config.write(tmp_path)
-    cfg = load_config(tmp_path)
-    assert cfg.service.server.host == "0.0.0.0"
-    assert cfg.service.retrieval.index_dir == k8s_config.INDEX_DIR
-    local = load_config(ROOT / "config")
-    for name in SERVICES:
-        ours, theirs = getattr(cfg.service, name), getattr(local.service, name)
-        assert (ours.port, ours.metrics_port) == (theirs.port, theirs.metrics_port) == PORTS[name]
+@pytest.mark.parametrize("name", SERVICES)
+def test_container_reads_the_shipped_config_with_its_variables(base, monkeypatch, name):
+    """No rewritten config files: the image's ENV and the manifest's env on top of config/ unchanged."""
+    env = {**_image_env(name), **_env(_container(base, name))}
+    assert env["SWITCHYARD_CONFIG_DIR"] == "/etc/switchyard" and env["SWITCHYARD_HOST"] == "0.0.0.0"
+    for variable, value in env.items():
+        if variable.startswith("SWITCHYARD_") and variable != "SWITCHYARD_CONFIG_DIR" and value is not None:
+            monkeypatch.setenv(variable, value)
+    cfg = load_config(ROOT / "config", service=name)
+    assert cfg.server.host == "0.0.0.0"
+    section = getattr(cfg, name)
+    assert (section.port, section.metrics_port) == PORTS[name]
+    if name == "retrieval":
+        assert cfg.retrieval.index_dir == INDEX_DIR
+    if name == "orchestrator":
+        assert cfg.orchestrator.retrieval_addr == "dns:///retrieval:50052"
+        assert cfg.orchestrator.dispatcher_addr == "dns:///dispatcher:50053"
+        assert cfg.orchestrator.task_store.backend == "redis"
+    if name in ("orchestrator", "dispatcher"):
+        assert (cfg.memory.dram.host, cfg.memory.dram.port) == ("redis", 6379)
 
 
 # --------------------------------------------------------------------------- manifests
@@ -438,15 +447,13 @@ def test_orchestrator_reaches_services_by_name(base):
         assert host == name
         assert _get(base, "Service", name)["spec"]["clusterIP"] == "None"
         assert int(port) in {p["port"] for p in _get(base, "Service", name)["spec"]["ports"]}
-        # the image's own config (used without these variables) agrees
-        assert k8s_config.OVERRIDES["switchyard.json"][f"orchestrator.{name}_addr"] == env[variable]
 
 
-def test_orchestrator_replicas_share_a_persistent_redis_task_store(base, tmp_path):
-    host, _, port = _env(_container(base, "orchestrator"))["SWITCHYARD_DRAM_ADDR"].partition(":")
+def test_orchestrator_replicas_share_a_persistent_redis_task_store(base):
+    env = _env(_container(base, "orchestrator"))
+    host, _, port = env["SWITCHYARD_DRAM_ADDR"].partition(":")
     assert host == "redis" and int(port) in {p["port"] for p in _get(base, "Service", "redis")["spec"]["ports"]}
-    k8s_config.write(tmp_path)
-    assert load_config(tmp_path).service.orchestrator.task_store.backend == "redis"
+    assert env["SWITCHYARD_TASK_STORE"] == "redis"
     redis = _get(base, "StatefulSet", "redis")["spec"]
     (container,) = redis["template"]["spec"]["containers"]
     args = container["args"]
@@ -457,11 +464,11 @@ def test_orchestrator_replicas_share_a_persistent_redis_task_store(base, tmp_pat
     assert container["resources"]["requests"] == container["resources"]["limits"]
 
 
-def test_config_map_holds_the_container_config(base):
+def test_config_map_holds_the_shipped_config(base):
     data = _get(base, "ConfigMap", "switchyard-config")["data"]
-    assert set(data) == set(k8s_config.FILES)
+    assert set(data) == set(FILES)
     for filename, text in data.items():
-        assert text == k8s_config.render(filename)
+        assert text == (ROOT / "config" / filename).read_text(encoding="utf-8")
 
 
 def test_tracing_component_exports_to_jaeger(base, traced):

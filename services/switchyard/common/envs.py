@@ -71,6 +71,23 @@ SWITCHYARD_DRAM_ADDR = EnvVar[str | None](
     "host:port of the DRAM tier's Redis; overrides memory_policy.toml [dram] host/port (switchyard up sets it "
     "for the Redis it starts).",
 )
+SWITCHYARD_HOST = EnvVar[str | None](
+    "SWITCHYARD_HOST", _optional, None,
+    "Interface every service listens on (0.0.0.0 in a container); overrides server.host.",
+)
+
+
+def _task_store(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("sqlite", "redis"):
+        raise ValueError("expected one of 'sqlite', 'redis'")
+    return value
+
+
+SWITCHYARD_TASK_STORE = EnvVar[str | None](
+    "SWITCHYARD_TASK_STORE", _task_store, None,
+    "Task store of the orchestrator (sqlite, redis: shared by replicas); overrides orchestrator.task_store.backend.",
+)
 SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
 SWITCHYARD_UP_FILE = EnvVar[str | None](
     "SWITCHYARD_UP_FILE", _optional, None,
