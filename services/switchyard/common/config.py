@@ -1142,9 +1142,10 @@ class _Unread:
 
 
 def _get(config: BaseModel, dotted: str) -> Any:
+    """The section at ``dotted`` (a key of :data:`SECTIONS`), or its :class:`_Unread` stand-in."""
     node: Any = config
     for part in dotted.split("."):
-        node = object.__getattribute__(node, part) if not isinstance(node, _Unread) else node
+        node = getattr(node, part)
     return node
 
 
