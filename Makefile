@@ -8,7 +8,7 @@ SY     := $(VENV)/bin/switchyard
 STAMP  := $(VENV)/.installed
 INDEX  ?= data/index
 
-.PHONY: install run test proto index lint bench clean
+.PHONY: install run test proto index lint bench clean k8s-config
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ test: $(STAMP)
 
 bench: $(STAMP) $(INDEX)/index.faiss
 	$(SY) bench compare
+
+# The ConfigMap of deploy/k8s/base carries the shipped config/ unchanged (kustomize reads
+# generator files only from inside the kustomization's folder); run before `kubectl apply -k`.
+k8s-config:
+	mkdir -p deploy/k8s/base/config
+	cp config/queue.json config/scheduler_config.json config/memory_policy.toml config/switchyard.json \
+		deploy/k8s/base/config/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

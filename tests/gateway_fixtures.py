@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from switchyard.common.config import ModelGatewayConfig
+from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.faults import Fault
 from switchyard.gateway.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread
 
@@ -44,7 +44,7 @@ def sim_openai(clean_proxy_env: None) -> Iterator[RunningSimOpenAI]:
         yield server
 
 
-def gateway_config(base_url: str, **overrides: Any) -> ModelGatewayConfig:
+def gateway_config(base_url: str, **overrides: Any) -> UpstreamConfig:
     """``model_gateway`` for tests: no key required, fast retries, then ``overrides``."""
     values: dict[str, Any] = {
         "base_url": base_url,
@@ -56,4 +56,4 @@ def gateway_config(base_url: str, **overrides: Any) -> ModelGatewayConfig:
         "total_timeout_s": 30.0,
     }
     values.update(overrides)
-    return ModelGatewayConfig(**values)
+    return UpstreamConfig(**values)

@@ -24,7 +24,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from switchyard.common.config import DramTier
+from switchyard.common.config import DramTierConfig
 from switchyard.common.embedded_redis import EmbeddedRedis, redis_server_binary
 
 
@@ -59,8 +59,8 @@ class RedisDb:
     db: int
 
     @property
-    def dram_config(self) -> DramTier:
-        return DramTier(embedded=False, host=self.host, port=self.port, db=self.db)
+    def dram_config(self) -> DramTierConfig:
+        return DramTierConfig(embedded=False, host=self.host, port=self.port, db=self.db)
 
     @property
     def overrides(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from switchyard.common.config import ConfigError, FlushConfig, SwitchyardConfig
+from switchyard.common.config import ConfigError, BatchingConfig, SwitchyardConfig
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 
 pytestmark = pytest.mark.no_gpu
@@ -21,7 +21,7 @@ def make_controller(**overrides) -> AdaptiveFlush:
         "max_interval_ms": 100,
     }
     fields.update(overrides)
-    return AdaptiveFlush(FlushConfig(**fields))
+    return AdaptiveFlush(BatchingConfig(**fields))
 
 
 def feed_steady(ctl: AdaptiveFlush, rate_per_s: float, seconds: float, start: float = 0.0) -> float:
@@ -145,22 +145,22 @@ def test_bad_service_time_is_rejected():
 
 
 def test_config_accepts_auto_and_rejects_other_words():
-    cfg = SwitchyardConfig().with_overrides(**{"queue.flush.flush_interval_ms": "auto"})
-    assert cfg.queue.flush.adaptive
-    assert not SwitchyardConfig().queue.flush.adaptive
+    cfg = SwitchyardConfig().with_overrides(**{"batching.flush_interval_ms": "auto"})
+    assert cfg.batching.adaptive
+    assert not SwitchyardConfig().batching.adaptive
     with pytest.raises(ConfigError, match=r"flush_interval_ms.*'often'.*\"auto\""):
-        SwitchyardConfig().with_overrides(**{"queue.flush.flush_interval_ms": "often"})
+        SwitchyardConfig().with_overrides(**{"batching.flush_interval_ms": "often"})
     with pytest.raises(ConfigError, match="min_interval_ms"):
-        SwitchyardConfig().with_overrides(**{"queue.flush.min_interval_ms": 200, "queue.flush.max_interval_ms": 100})
+        SwitchyardConfig().with_overrides(**{"batching.min_interval_ms": 200, "batching.max_interval_ms": 100})
 
 
 def test_engine_step_caps_the_window_at_low_rates():
     ctl = AdaptiveFlush(
-        FlushConfig(max_batch_size=32, flush_interval_ms="auto", max_interval_ms=100), engine_step_s=0.020
+        BatchingConfig(max_batch_size=32, flush_interval_ms="auto", max_interval_ms=100), engine_step_s=0.020
     )
     now = feed_steady(ctl, rate_per_s=10, seconds=1.0)
     assert ctl.window(now) == pytest.approx(0.020)
     fast = feed_steady(ctl, rate_per_s=4000, seconds=0.5, start=now + 2)
     assert ctl.window(fast) == pytest.approx(32 / 4000, rel=0.05)
     with pytest.raises(ValueError, match="engine_step_s"):
-        AdaptiveFlush(FlushConfig(), engine_step_s=0)
+        AdaptiveFlush(BatchingConfig(), engine_step_s=0)

@@ -63,24 +63,24 @@ def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> N
 
 def test_bounds_are_checked_and_the_pool_must_hold_the_ceiling() -> None:
     with pytest.raises(ConfigError, match="initial_limit"):
-        SwitchyardConfig().with_overrides(**{"queue.model_gateway.concurrency": {"initial_limit": 0}})
+        SwitchyardConfig().with_overrides(**{"upstream.concurrency": {"initial_limit": 0}})
     with pytest.raises(ConfigError, match="max_connections"):
-        SwitchyardConfig().with_overrides(**{"queue.model_gateway.max_connections": 8})
+        SwitchyardConfig().with_overrides(**{"upstream.max_connections": 8})
 
 
 async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concurrency(clean_proxy_env) -> None:
     with start_sim(max_streams=4, latency=True) as upstream:
         config = load_config("config").with_overrides(**{
-            "service.dispatcher.engine": "openai",
-            "queue.model_gateway.base_url": upstream.base_url,
-            "queue.model_gateway.api_key_required": False,
-            "queue.model_gateway.max_retries": 8,
-            "queue.model_gateway.retry_backoff_initial_s": 0.01,
-            "queue.model_gateway.retry_backoff_max_s": 0.05,
-            "queue.model_gateway.concurrency": {"initial_limit": 32, "min_limit": 1, "max_limit": 64},
+            "dispatcher.engine": "openai",
+            "upstream.base_url": upstream.base_url,
+            "upstream.api_key_required": False,
+            "upstream.max_retries": 8,
+            "upstream.retry_backoff_initial_s": 0.01,
+            "upstream.retry_backoff_max_s": 0.05,
+            "upstream.concurrency": {"initial_limit": 32, "min_limit": 1, "max_limit": 64},
         })
         service = DispatcherService(config)
-        srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+        srv = await start_server([service], "127.0.0.1", 0, config.server)
         try:
             async with open_channel(f"127.0.0.1:{srv.port}") as channel:
                 stub = agent_pb2_grpc.InferenceServiceStub(channel)

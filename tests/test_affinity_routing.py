@@ -24,11 +24,11 @@ from switchyard.orchestrator.service import OrchestratorService
 pytestmark = pytest.mark.no_gpu
 
 FAST = {
-    "service.sim.prefill_overhead_ms": 0.5,
-    "service.sim.prefill_per_token_ms": 0.001,
-    "service.sim.decode_base_ms": 0.5,
-    "service.sim.decode_per_seq_ms": 0.01,
-    "queue.flush.flush_interval_ms": 2,
+    "sim.prefill_overhead_ms": 0.5,
+    "sim.prefill_per_token_ms": 0.001,
+    "sim.decode_base_ms": 0.5,
+    "sim.decode_per_seq_ms": 0.01,
+    "batching.flush_interval_ms": 2,
 }
 
 
@@ -54,16 +54,16 @@ async def fleet(n: int = 3, **overrides: object) -> AsyncIterator[tuple[list[Run
     served: list[tuple[str, str]] = []
     started = asyncio.Event()
     servers = [await start_server([Recording(dispatcher_cfg, f"d{i}", served, started)], "127.0.0.1", 0,
-                                  dispatcher_cfg.service.server) for i in range(n)]
+                                  dispatcher_cfg.server) for i in range(n)]
     target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
     cfg = SwitchyardConfig().with_overrides(**{
-        "service.orchestrator.dispatcher_addr": target,
-        "service.orchestrator.retrieval_addr": "127.0.0.1:1",
-        "service.orchestrator.default_task_type": "chat",
-        "service.orchestrator.cpu_executor": "loop",
+        "orchestrator.dispatcher_addr": target,
+        "orchestrator.retrieval_addr": "127.0.0.1:1",
+        "orchestrator.default_task_type": "chat",
+        "orchestrator.cpu_executor": "loop",
     })
     try:
-        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+        async with running([OrchestratorService(cfg)], cfg.server) as orch:
             async with open_channel(f"127.0.0.1:{orch.port}") as channel:
                 yield servers, served, (agent_pb2_grpc.AgentServiceStub(channel), started)
     finally:
@@ -118,7 +118,7 @@ async def test_a_replica_going_away_moves_only_its_agents_and_no_call_fails():
 
 
 async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
-    async with fleet(1, **{"service.sim.decode_base_ms": 50.0}) as (servers, _served, (stub, started)):
+    async with fleet(1, **{"sim.decode_base_ms": 50.0}) as (servers, _served, (stub, started)):
         # one replica in an ipv4: list of one: the call goes to it; kill it once it has streamed a token
         task = asyncio.create_task(chat(stub, "agent-x", 0, max_tokens=200))
         await asyncio.wait_for(started.wait(), 60)

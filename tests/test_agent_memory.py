@@ -64,7 +64,7 @@ async def test_memory_is_trimmed_cut_and_bounded_in_the_prompt(redis_db):
 
 async def test_memory_that_would_overflow_the_context_window_is_left_out(redis_db):
     overrides = {f"memory.{k}": v for k, v in _dram(redis_db).items()}
-    overrides.update({"service.limits.context_window_tokens": {"sim-7b": 400}})
+    overrides.update({"limits.context_window_tokens": {"sim-7b": 400}})
     async with stack(**overrides) as (stub, down):
         await collect(stub, payload="word " * 200, task_type="chat", agent_id="big", max_tokens=100)
         events = await collect(stub, payload="word " * 200, task_type="chat", agent_id="big", max_tokens=100)
@@ -78,7 +78,7 @@ async def test_a_redis_outage_degrades_logs_once_and_tasks_still_succeed(caplog)
     outage = RedisOutage(server)
     try:
         overrides = {"memory.dram.embedded": False, "memory.dram.host": server.host, "memory.dram.port": server.port,
-                     "memory.dram.retry_interval_sec": 3600}
+                     "memory.dram.retry_interval_s": 3600}
         async with stack(**overrides) as (stub, down):
             await collect(stub, payload="remember me", task_type="chat", agent_id="o")
             outages, degraded = _metric("switchyard_dram_outages_total"), _metric("switchyard_dram_degraded_operations_total")
@@ -101,15 +101,15 @@ async def test_the_tier_comes_back_after_an_outage(caplog):
     server = start_redis()
     outage = RedisOutage(server)
     try:
-        from switchyard.common.config import DramTier
+        from switchyard.common.config import DramTierConfig
 
-        client = DramClient(DramTier(embedded=False, host=server.host, port=server.port, retry_interval_sec=0.01))
+        client = DramClient(DramTierConfig(embedded=False, host=server.host, port=server.port, retry_interval_s=0.01))
         assert await client.call(lambda r: r.set("k", "v"), False)
         outage.begin()
         assert await client.call(lambda r: r.get("k"), "fallback") == "fallback" and not client.up
         outage.end()
         caplog.set_level(logging.WARNING, logger="switchyard.common.dram")
-        for _ in range(100):  # the next try after retry_interval_sec reaches the restarted server
+        for _ in range(100):  # the next try after retry_interval_s reaches the restarted server
             if await client.call(lambda r: r.ping(), False):
                 break
             await asyncio.sleep(0.02)

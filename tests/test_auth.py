@@ -20,7 +20,7 @@ def tokens(tmp_path, monkeypatch):
     path = tmp_path / "tokens"
     path.write_text(f"# tokens\n{TOKEN}\n{READER} agent.AgentService/GetTaskStatus\n")
     monkeypatch.setenv("SWITCHYARD_TEST_TOKENS", "tok-from-env-1,tok-from-env-2")
-    return {"service.orchestrator.auth": {"enabled": True, "tokens_file": str(path),
+    return {"orchestrator.auth": {"enabled": True, "tokens_file": str(path),
                                           "tokens_env": "SWITCHYARD_TEST_TOKENS"}}
 
 
@@ -92,11 +92,11 @@ async def test_health_checks_need_no_token(tokens):
     from switchyard.orchestrator.service import OrchestratorService
 
     cfg = load_config("config").with_overrides(**tokens, **{
-        "service.orchestrator.cpu_executor": "loop",
+        "orchestrator.cpu_executor": "loop",
         # nothing listens on port 1: the named service answers NOT_SERVING (readiness), but it answers
-        "service.orchestrator.retrieval_addr": "127.0.0.1:1", "service.orchestrator.dispatcher_addr": "127.0.0.1:1",
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1",
     })
-    async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
+    async with running([OrchestratorService(cfg)], cfg.server) as srv:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             alive = await stub.Check(health_pb2.HealthCheckRequest(service=""))

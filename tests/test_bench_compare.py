@@ -40,8 +40,8 @@ def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
         assert set(row["latency_s"]) == {"p50", "p95", "p99"} and set(row["ttft_s"]) == {"p50", "p95"}
         report = json.loads((out / f"scenario-{key}.json").read_text())
         jsonschema.Draft202012Validator(SWITCHYARD_REPORT_SCHEMA).validate(report)
-    assert rows["A"]["overrides"]["service.orchestrator.inference_mode"] == "inline"
-    assert rows["D"]["overrides"]["queue.flush.flush_interval_ms"] == "auto"
+    assert rows["A"]["overrides"]["orchestrator.inference_mode"] == "inline"
+    assert rows["D"]["overrides"]["batching.flush_interval_ms"] == "auto"
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| scenario |" in (out / "compare.md").read_text()
     assert "| D B, adaptive flush" in capsys.readouterr().out
@@ -72,9 +72,9 @@ def test_unknown_scenario_is_refused():
 
 
 def test_settings_parse_as_json_or_text():
-    assert compare.parse_settings(["scheduler.policy=fifo", "queue.flush.max_batch_size=16"]) == {
+    assert compare.parse_settings(["scheduler.policy=fifo", "batching.max_batch_size=16"]) == {
         "scheduler.policy": "fifo",
-        "queue.flush.max_batch_size": 16,
+        "batching.max_batch_size": 16,
     }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         compare.parse_settings(["policy"])

@@ -59,12 +59,12 @@ async def main():
     telemetry.install_provider(provider)
     logging.getLogger().addHandler(ContextErrors())
 
-    cfg = load_config("config").with_overrides(**{"service.dispatcher.engine": "sim"})
+    cfg = load_config("config").with_overrides(**{"dispatcher.engine": "sim"})
     dispatcher = DispatcherService(cfg)
-    disp = await start_server([dispatcher], "127.0.0.1", 0, cfg.service.server, telemetry.server_interceptors())
-    cfg = cfg.with_overrides(**{"service.orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
-                                "service.orchestrator.cpu_executor": "loop"})
-    orch = await start_server([OrchestratorService(cfg)], "127.0.0.1", 0, cfg.service.server,
+    disp = await start_server([dispatcher], "127.0.0.1", 0, cfg.server, telemetry.server_interceptors())
+    cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
+                                "orchestrator.cpu_executor": "loop"})
+    orch = await start_server([OrchestratorService(cfg)], "127.0.0.1", 0, cfg.server,
                               telemetry.server_interceptors())
     cancelled_at = {}
     tracer = provider.get_tracer("test")

@@ -111,7 +111,7 @@ async def test_sim_decode_is_memory_bound_so_the_score_leaves_room_to_admit():
     assert 70 < sample.bandwidth_util <= 100  # weights and KV stream from HBM every step
     assert sample.tensor_util < 5  # 2 x 7e9 x 10 FLOPs per 5.7 ms step: ~2.5 % of the tensor peak
     assert m.score < config.scheduler.high_load_threshold - 20
-    assert engine.busy_seconds == pytest.approx(5 * decode_seconds(config.service.sim, 10))
+    assert engine.busy_seconds == pytest.approx(5 * decode_seconds(config.sim, 10))
 
 
 async def test_sim_prefill_is_compute_bound():
@@ -122,7 +122,7 @@ async def test_sim_prefill_is_compute_bound():
     reqs = [Request(f"p{i}", prompt="x", prompt_tokens=4000, max_tokens=4) for i in range(4)]
     await engine.prefill(reqs)
     m.read(engine.busy_seconds)
-    assert engine.busy_seconds == pytest.approx(prefill_seconds(config.service.sim, 16000))
+    assert engine.busy_seconds == pytest.approx(prefill_seconds(config.sim, 16000))
     assert m.sample.tensor_util > 50  # ~0.025 ms per token is ~57 % of the H100's dense BF16 peak
     assert m.sample.bandwidth_util < m.sample.tensor_util
 

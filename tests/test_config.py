@@ -20,13 +20,13 @@ def config_dir(tmp_path):
 
 def test_shipped_config_has_design_values():
     cfg = load_config(ROOT / "config")
-    q = cfg.queue.queues
+    q = cfg.queues
     assert (q.orchestration.capacity, q.orchestration.workers, q.orchestration.timeout_ms) == (2048, 16, 3000)
     assert (q.retrieval.capacity, q.retrieval.workers, q.retrieval.timeout_ms) == (1024, 8, 2000)
     assert (q.inference.capacity, q.inference.workers, q.inference.timeout_ms) == (512, 4, 30000)
-    assert cfg.queue.flush.max_batch_size == 32 and cfg.queue.flush.flush_interval_ms == 20
-    assert cfg.queue.model_gateway.default_model == "claude-sonnet-4-5"
-    assert cfg.queue.model_gateway.fallback_model == "gpt-4o-mini"
+    assert cfg.batching.max_batch_size == 32 and cfg.batching.flush_interval_ms == 20
+    assert cfg.upstream.default_model == "claude-sonnet-4-5"
+    assert cfg.upstream.fallback_model == "gpt-4o-mini"
     s = cfg.scheduler
     assert s.time_slice_ms == 20 and s.max_running_agents == 10
     assert (s.compute_score_weights.cuda_util, s.compute_score_weights.tensor_util) == (0.2, 0.6)
@@ -36,7 +36,7 @@ def test_shipped_config_has_design_values():
     m = cfg.memory
     assert m.hbm.capacity_ratio == 0.85 and m.hbm.emergency_evict_ratio == 0.9
     assert m.dram.backend == "redis" and m.dram.port == 6379
-    assert m.oss.archive_interval_sec == 3600 and m.scan.hbm_scan_interval_sec == 300
+    assert m.oss.archive_interval_s == 3600 and m.scan.hbm_scan_interval_s == 300
 
 
 def test_bad_value_names_file_key_value_and_expectation(config_dir):
@@ -88,7 +88,7 @@ def test_weights_must_sum_to_one(config_dir):
 
 def test_engine_env_overrides_config(monkeypatch):
     monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
-    assert load_config(ROOT / "config").service.dispatcher.engine == "openai"
+    assert load_config(ROOT / "config").dispatcher.engine == "openai"
     monkeypatch.setenv("SWITCHYARD_ENGINE", "tpu")
     with pytest.raises(ValueError, match="SWITCHYARD_ENGINE='tpu'.*expected one of"):
         load_config(ROOT / "config")
@@ -119,3 +119,181 @@ def test_a_string_is_not_taken_for_a_number(config_dir):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"queues.retrieval.workers' has value '8'; expected: Input should be a valid integer"):
         load_config(config_dir)
+
+
+# --------------------------------------------------------------------------- one class per concern
+
+
+def _models(model, seen=None):
+    """``model`` and every config class reachable from its fields."""
+    from pydantic import BaseModel
+
+    seen = seen if seen is not None else {}
+    seen[model.__name__] = model
+    for field in model.model_fields.values():
+        args = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        for arg in args:
+            if isinstance(arg, type) and issubclass(arg, BaseModel) and arg.__name__ not in seen:
+                _models(arg, seen)
+    return seen
+
+
+def test_every_field_has_a_description_and_a_duration_unit_suffix_of_ms_or_s():
+    from switchyard.common.config import SwitchyardConfig
+
+    models = _models(SwitchyardConfig)
+    assert not [name for name in models if name.endswith("File")], "classes are named after concerns, not files"
+    undocumented, sec = [], []
+    for name, model in models.items():
+        for field_name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                undocumented.append(f"{name}.{field_name}")
+            if field_name.endswith(("_sec", "_secs", "_seconds", "_millis")):
+                sec.append(f"{name}.{field_name}")
+    assert not undocumented, f"fields without a description: {undocumented}"
+    assert not sec, f"durations end in _ms or _s: {sec}"
+
+
+def _write(config_dir, filename, edit):
+    path = config_dir / filename
+    if path.suffix == ".toml":
+        path.write_text(edit(path.read_text()))
+        return
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _break_every_section_but(config_dir, service):
+    """Put a bad value in every section ``service`` does not read."""
+    from switchyard.common.config import SECTIONS, sections_read_by
+
+    read = set(sections_read_by(service, "sim" if service == "dispatcher" else None))
+    for name, section in SECTIONS.items():
+        if name in read:
+            continue
+        path = config_dir / section.file
+        if path.suffix == ".toml":
+            text = path.read_text()
+            table = section.keys[0]
+            path.write_text(text.replace(f"[{table}]\n", f"[{table}]\nbogus_key = 1\n", 1))
+            continue
+        data = json.loads(path.read_text())
+        node = data
+        for key in section.keys:
+            node = node.setdefault(key, {})
+        node["bogus_key"] = 1
+        path.write_text(json.dumps(data))
+    return read
+
+
+@pytest.mark.parametrize("service", ["orchestrator", "retrieval", "dispatcher"])
+def test_a_service_validates_only_the_sections_it_reads(config_dir, service):
+    read = _break_every_section_but(config_dir, service)
+    cfg = load_config(config_dir, service=service)  # the bad sections are not its own
+    assert cfg.server.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="bogus_key"):
+        load_config(config_dir)  # every section: tools and doctor see them all
+    others = {"orchestrator", "retrieval", "dispatcher"} - {service}
+    for other in others:
+        with pytest.raises(ConfigError, match="bogus_key.*no such key"):
+            load_config(config_dir, service=other)
+    assert "server" in read
+
+
+def test_a_section_the_service_does_not_read_is_an_error_to_use(config_dir):
+    cfg = load_config(config_dir, service="orchestrator")
+    with pytest.raises(ConfigError, match=r"dispatcher \(switchyard.json dispatcher\) is not among the sections "
+                                          r"the orchestrator reads"):
+        _ = cfg.dispatcher.engine
+    with pytest.raises(ConfigError, match=r"queues.retrieval \(queue.json queues.retrieval\)"):
+        _ = cfg.queues.retrieval.timeout_ms
+    assert cfg.queues.orchestration.workers == 16
+    with pytest.raises(ConfigError, match="scheduler is not among the sections the orchestrator reads"):
+        cfg.with_overrides(**{"scheduler.policy": "fifo"})
+    assert cfg.with_overrides(**{"orchestrator.retrieval_timeout_ms": 500}).orchestrator.retrieval_timeout_ms == 500
+
+
+def test_the_dispatcher_reads_only_its_engines_section(config_dir, monkeypatch):
+    _write(config_dir, "switchyard.json", lambda d: d["torch"].update(n_layers=0))
+    assert load_config(config_dir, service="dispatcher").sim.model == "sim-7b"  # sim: torch is not read
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "torch")
+    with pytest.raises(ConfigError, match=r"switchyard.json: key 'torch.n_layers' has value 0"):
+        load_config(config_dir, service="dispatcher")
+
+
+def test_a_bad_shared_section_stops_every_service_that_reads_it(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: d["server"].update(shutdown_grace_s=-1))
+    for service in ("orchestrator", "retrieval", "dispatcher"):
+        with pytest.raises(ConfigError, match=r"switchyard.json: key 'server.shutdown_grace_s' has value -1"):
+            load_config(config_dir, service=service)
+
+
+def test_a_table_name_typo_is_reported_to_every_reader_of_the_file(config_dir):
+    _write(config_dir, "queue.json", lambda d: d.update(flsh={}))
+    with pytest.raises(ConfigError, match=r"queue.json: key 'flsh'.*no such key"):
+        load_config(config_dir, service="retrieval")
+
+
+def test_default_max_tokens_is_checked_against_limits_where_both_are_read(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: d["dispatcher"].update(default_max_tokens=9000))
+    with pytest.raises(ConfigError, match=r"key 'dispatcher.default_max_tokens' has value 9000; expected: at most "
+                                          r"limits.max_tokens \(8192\)"):
+        load_config(config_dir, service="dispatcher")
+    assert load_config(config_dir, service="orchestrator").limits.max_tokens == 8192
+
+
+def test_former_sec_keys_load_with_the_same_meaning_and_a_warning(config_dir, caplog):
+    old = (config_dir / "memory_policy.toml").read_text().replace("kv_ttl_s =", "kv_ttl_sec =").replace(
+        "ttl_s = 3600", "ttl_sec = 1800")
+    (config_dir / "memory_policy.toml").write_text(old)
+    _write(config_dir, "switchyard.json", lambda d: d["orchestrator"]["task_store"].update(
+        lease_sec=d["orchestrator"]["task_store"].pop("lease_s")))
+    with caplog.at_level("WARNING", logger="switchyard.common.config"):
+        cfg = load_config(config_dir)
+    assert cfg.memory.dram.kv_ttl_s == 7200 and cfg.memory.agent_memory.ttl_s == 1800
+    assert cfg.orchestrator.task_store.lease_s == 10
+    text = caplog.text
+    assert "memory_policy.toml: key 'dram.kv_ttl_sec' is the former name of 'kv_ttl_s'" in text
+    assert "switchyard.json: key 'orchestrator.task_store.lease_sec' is the former name of 'lease_s'" in text
+
+
+def test_former_and_new_key_together_is_an_error(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: d["orchestrator"]["task_store"].update(lease_sec=5))
+    with pytest.raises(ConfigError, match=r"key 'orchestrator.task_store.lease_sec' is the former name of "
+                                          r"'lease_s': give one of them, not both"):
+        load_config(config_dir, service="orchestrator")
+
+
+def test_container_variables_override_host_and_task_store(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_HOST", "0.0.0.0")
+    monkeypatch.setenv("SWITCHYARD_TASK_STORE", "redis")
+    cfg = load_config(ROOT / "config", service="orchestrator")
+    assert cfg.server.host == "0.0.0.0" and cfg.orchestrator.task_store.backend == "redis"
+    monkeypatch.setenv("SWITCHYARD_TASK_STORE", "postgres")
+    with pytest.raises(ValueError, match="SWITCHYARD_TASK_STORE='postgres'.*expected one of 'sqlite', 'redis'"):
+        load_config(ROOT / "config", service="orchestrator")
+
+
+def test_tls_auth_and_health_port_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_TLS_DIR", "/etc/switchyard-tls/")
+    monkeypatch.setenv("SWITCHYARD_TLS_CLIENT_AUTH", "true")
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS_FILE", "/etc/switchyard-auth/tokens")
+    monkeypatch.setenv("SWITCHYARD_HEALTH_PORT", "50061")
+    config = load_config(ROOT / "config", service="orchestrator")
+    tls = config.server.tls
+    assert (tls.enabled, tls.require_client_auth) == (True, True)
+    assert (tls.cert_file, tls.key_file, tls.ca_file) == (
+        "/etc/switchyard-tls/tls.crt", "/etc/switchyard-tls/tls.key", "/etc/switchyard-tls/ca.crt")
+    assert config.orchestrator.auth.enabled and config.orchestrator.auth.tokens_file == "/etc/switchyard-auth/tokens"
+    assert config.orchestrator.health_port == 50061
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("SWITCHYARD_TLS_CLIENT_AUTH", "yes", "expected true or false"),
+    ("SWITCHYARD_HEALTH_PORT", "70000", "expected a TCP port"),
+])
+def test_a_malformed_tls_or_health_variable_names_itself(monkeypatch, variable, value, expected):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}={value!r}: {expected}"):
+        load_config(ROOT / "config", service="dispatcher")

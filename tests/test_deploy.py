@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from switchyard.common.config import load_config
+from switchyard.common.config import FILES, load_config
 
 pytestmark = pytest.mark.no_gpu
 
@@ -43,7 +43,9 @@ def _load_script(name: str):
 
 
 lock = _load_script("lock")
-k8s_config = _load_script("k8s_config")
+
+# Where the retrieval image's build step writes the default index.
+INDEX_DIR = "/opt/switchyard/index"
 
 
 # --------------------------------------------------------------------------- kustomize, rendered in Python
@@ -181,11 +183,12 @@ def _env(container: dict) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def k8s_tree(tmp_path_factory) -> Path:
-    """A copy of deploy/k8s/ with the generated ConfigMap folder, as `kubectl apply -k` needs it."""
+    """A copy of deploy/k8s/ with config/ copied into the ConfigMap folder, as `make k8s-config` does."""
     tree = tmp_path_factory.mktemp("deploy") / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("config"))
-    k8s_config.write(tree / "base" / "config")
-    k8s_config.write_tls_auth(tree / "components" / "tls-auth" / "config")
+    (tree / "base" / "config").mkdir()
+    for filename in FILES:
+        shutil.copy(ROOT / "config" / filename, tree / "base" / "config" / filename)
     return tree
 
 
@@ -248,8 +251,9 @@ def test_dockerfile_is_multi_stage_pinned_non_root(service):
 
 def test_retrieval_image_builds_the_default_index():
     text = (DEPLOY / "docker" / "retrieval.Dockerfile").read_text(encoding="utf-8")
-    assert f"switchyard index --out {k8s_config.INDEX_DIR}" in text
-    assert f"COPY --from=build {k8s_config.INDEX_DIR} {k8s_config.INDEX_DIR}" in text
+    assert f"switchyard index --out {INDEX_DIR}" in text
+    assert f"COPY --from=build {INDEX_DIR} {INDEX_DIR}" in text
+    assert _image_env("retrieval")["SWITCHYARD_INDEX_DIR"] == INDEX_DIR
 
 
 def test_dockerignore_sends_only_what_images_copy():
@@ -303,32 +307,36 @@ def test_lock_error_names_missing_package():
 # --------------------------------------------------------------------------- container config
 
 
-def test_container_config_changes_only_the_overrides(tmp_path):
-    k8s_config.write(tmp_path)
-    for filename in k8s_config.FILES:
-        ours = (tmp_path / filename).read_text(encoding="utf-8")
-        theirs = (k8s_config.SOURCE / filename).read_text(encoding="utf-8")
-        if filename not in k8s_config.OVERRIDES:
-            assert ours == theirs
-            continue
-        expected = k8s_config.apply_overrides(json.loads(theirs), k8s_config.OVERRIDES[filename], filename)
-        assert json.loads(ours) == expected
+def _image_env(service: str) -> dict[str, str]:
+    """The ENV of the image's last stage (``NAME=value`` pairs, continued lines joined)."""
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text(encoding="utf-8")
+    final = text[text.rindex("\nFROM "):].replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV\s+(.+)$", final, flags=re.M):
+        env.update(pair.split("=", 1) for pair in line.split())
+    return env
 
 
-def test_container_config_names_a_missing_key():
-    with pytest.raises(KeyError, match="server.port"):
-        k8s_config.apply_overrides({"server": {"host": "x"}}, {"server.port": 1}, "switchyard.json")
-
-
-def test_container_config_loads_and_listens_on_all_interfaces(tmp_path):
-    k8s_config.write(tmp_path)
-    cfg = load_config(tmp_path)
-    assert cfg.service.server.host == "0.0.0.0"
-    assert cfg.service.retrieval.index_dir == k8s_config.INDEX_DIR
-    local = load_config(ROOT / "config")
-    for name in SERVICES:
-        ours, theirs = getattr(cfg.service, name), getattr(local.service, name)
-        assert (ours.port, ours.metrics_port) == (theirs.port, theirs.metrics_port) == PORTS[name]
+@pytest.mark.parametrize("name", SERVICES)
+def test_container_reads_the_shipped_config_with_its_variables(base, monkeypatch, name):
+    """No rewritten config files: the image's ENV and the manifest's env on top of config/ unchanged."""
+    env = {**_image_env(name), **_env(_container(base, name))}
+    assert env["SWITCHYARD_CONFIG_DIR"] == "/etc/switchyard" and env["SWITCHYARD_HOST"] == "0.0.0.0"
+    for variable, value in env.items():
+        if variable.startswith("SWITCHYARD_") and variable != "SWITCHYARD_CONFIG_DIR" and value is not None:
+            monkeypatch.setenv(variable, value)
+    cfg = load_config(ROOT / "config", service=name)
+    assert cfg.server.host == "0.0.0.0"
+    section = getattr(cfg, name)
+    assert (section.port, section.metrics_port) == PORTS[name]
+    if name == "retrieval":
+        assert cfg.retrieval.index_dir == INDEX_DIR
+    if name == "orchestrator":
+        assert cfg.orchestrator.retrieval_addr == "dns:///retrieval:50052"
+        assert cfg.orchestrator.dispatcher_addr == "dns:///dispatcher:50053"
+        assert cfg.orchestrator.task_store.backend == "redis"
+    if name in ("orchestrator", "dispatcher"):
+        assert (cfg.memory.dram.host, cfg.memory.dram.port) == ("redis", 6379)
 
 
 # --------------------------------------------------------------------------- manifests
@@ -461,15 +469,13 @@ def test_orchestrator_reaches_services_by_name(base):
         assert host == name
         assert _get(base, "Service", name)["spec"]["clusterIP"] == "None"
         assert int(port) in {p["port"] for p in _get(base, "Service", name)["spec"]["ports"]}
-        # the image's own config (used without these variables) agrees
-        assert k8s_config.OVERRIDES["switchyard.json"][f"orchestrator.{name}_addr"] == env[variable]
 
 
-def test_orchestrator_replicas_share_a_persistent_redis_task_store(base, tmp_path):
-    host, _, port = _env(_container(base, "orchestrator"))["SWITCHYARD_DRAM_ADDR"].partition(":")
+def test_orchestrator_replicas_share_a_persistent_redis_task_store(base):
+    env = _env(_container(base, "orchestrator"))
+    host, _, port = env["SWITCHYARD_DRAM_ADDR"].partition(":")
     assert host == "redis" and int(port) in {p["port"] for p in _get(base, "Service", "redis")["spec"]["ports"]}
-    k8s_config.write(tmp_path)
-    assert load_config(tmp_path).service.orchestrator.task_store.backend == "redis"
+    assert env["SWITCHYARD_TASK_STORE"] == "redis"
     redis = _get(base, "StatefulSet", "redis")["spec"]
     (container,) = redis["template"]["spec"]["containers"]
     args = container["args"]
@@ -480,11 +486,11 @@ def test_orchestrator_replicas_share_a_persistent_redis_task_store(base, tmp_pat
     assert container["resources"]["requests"] == container["resources"]["limits"]
 
 
-def test_config_map_holds_the_container_config(base):
+def test_config_map_holds_the_shipped_config(base):
     data = _get(base, "ConfigMap", "switchyard-config")["data"]
-    assert set(data) == set(k8s_config.FILES)
+    assert set(data) == set(FILES)
     for filename, text in data.items():
-        assert text == k8s_config.render(filename)
+        assert text == (ROOT / "config" / filename).read_text(encoding="utf-8")
 
 
 def test_tracing_component_exports_to_jaeger(base, traced):
@@ -527,11 +533,16 @@ def test_python_render_matches_kubectl_kustomize(k8s_tree, overlay):
 # --------------------------------------------------------------------------- TLS and authentication
 
 
-def _pod_config(objs: list[dict], folder: Path):
-    """The config the pods of ``objs`` read: their ConfigMap's files, loaded."""
+def _pod_config(objs: list[dict], name: str, folder: Path, monkeypatch):
+    """The config service ``name``'s pods of ``objs`` read: their ConfigMap's files, the image's ENV and the
+    container's env on top."""
     for filename, text in _get(objs, "ConfigMap", "switchyard-config")["data"].items():
         (folder / filename).write_text(text, encoding="utf-8")
-    return load_config(folder)
+    with monkeypatch.context() as patched:
+        for variable, value in {**_image_env(name), **_env(_container(objs, name))}.items():
+            if variable.startswith("SWITCHYARD_") and variable != "SWITCHYARD_CONFIG_DIR" and value is not None:
+                patched.setenv(variable, value)
+        return load_config(folder, service=name)
 
 
 def _secret_file(pod: dict, path: str) -> tuple[str, str]:
@@ -546,37 +557,35 @@ def _secret_file(pod: dict, path: str) -> tuple[str, str]:
     return secret["secretName"], keys.get(filename, filename) if keys else filename
 
 
-def test_tls_auth_overlay_turns_on_mtls_and_tokens_from_secrets(base, secured, tmp_path):
-    config = _pod_config(secured, tmp_path)
-    tls, auth = config.service.server.tls, config.service.orchestrator.auth
-    assert tls.enabled and tls.require_client_auth  # mTLS between the services
-    assert auth.enabled and auth.tokens_file
+def test_tls_auth_overlay_turns_on_mtls_and_tokens_from_secrets(base, secured, tmp_path, monkeypatch):
     for name in SERVICES:
+        config = _pod_config(secured, name, tmp_path, monkeypatch)
+        tls = config.server.tls
+        assert tls.enabled and tls.require_client_auth, name  # mTLS between the services
         pod = _get(secured, "Deployment", name)["spec"]["template"]["spec"]
         assert [_secret_file(pod, path) for path in (tls.cert_file, tls.key_file, tls.ca_file)] == [
             ("switchyard-tls", "tls.crt"), ("switchyard-tls", "tls.key"), ("switchyard-tls", "ca.crt")]
         secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
         if name == "orchestrator":
-            assert _secret_file(pod, auth.tokens_file) == ("switchyard-auth", "tokens")
+            auth = config.orchestrator.auth
+            assert auth.enabled and _secret_file(pod, auth.tokens_file) == ("switchyard-auth", "tokens")
+            assert tls.server_name == "dispatcher"  # pods are reached by IP address
             assert secrets == {"switchyard-tls", "switchyard-auth"}
         else:
             assert secrets == {"switchyard-tls"}, "tokens only where they are checked"
-    # the rest of the config is the base's, which keeps both off (make run's defaults)
+        # without the overlay the same pod keeps both off (make run's defaults)
+        plain = _pod_config(base, name, tmp_path, monkeypatch)
+        assert not plain.server.tls.enabled
+        if name == "orchestrator":
+            assert not plain.orchestrator.auth.enabled
+    # the ConfigMap is the base's: the settings come from the patches' variables
     ours, theirs = (_get(objs, "ConfigMap", "switchyard-config")["data"] for objs in (secured, base))
-    assert {f: t for f, t in ours.items() if f != "switchyard.json"} == {
-        f: t for f, t in theirs.items() if f != "switchyard.json"}
-    plain = json.loads(theirs["switchyard.json"])
-    assert "tls" not in plain["server"] and "auth" not in plain["orchestrator"]
-    secure = json.loads(ours["switchyard.json"])
-    for dotted in k8s_config.TLS_AUTH_OVERRIDES:
-        section, key = dotted.split(".")
-        secure[section].pop(key)
-    assert secure == plain
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("name", SERVICES)
-def test_tls_auth_overlay_probes_the_plain_text_health_port(base, secured, name, tmp_path):
-    health_port = getattr(_pod_config(secured, tmp_path).service, name).health_port
+def test_tls_auth_overlay_probes_the_plain_text_health_port(base, secured, name, tmp_path, monkeypatch):
+    health_port = getattr(_pod_config(secured, name, tmp_path, monkeypatch), name).health_port
     grpc_port, metrics_port = PORTS[name]
     assert health_port not in (None, 0, grpc_port, metrics_port)
     container, plain = _container(secured, name), _container(base, name)

@@ -24,13 +24,13 @@ The with statement is used to wrap the execution of a block with methods defined
 <question>How does the with statement work?</question>"""
 
 FAST = {
-    "service.sim.prefill_overhead_ms": 0.5,
-    "service.sim.prefill_per_token_ms": 0.001,
-    "service.sim.decode_base_ms": 0.5,
-    "service.sim.decode_per_seq_ms": 0.01,
-    "queue.flush.flush_interval_ms": 2,
+    "sim.prefill_overhead_ms": 0.5,
+    "sim.prefill_per_token_ms": 0.001,
+    "sim.decode_base_ms": 0.5,
+    "sim.decode_per_seq_ms": 0.01,
+    "batching.flush_interval_ms": 2,
 }
-SLOW_DECODE = {**FAST, "service.sim.decode_base_ms": 20.0}
+SLOW_DECODE = {**FAST, "sim.decode_base_ms": 20.0}
 
 
 def make_config(**overrides: object) -> SwitchyardConfig:
@@ -39,10 +39,10 @@ def make_config(**overrides: object) -> SwitchyardConfig:
 
 def kv_room_for(tokens: int, config: SwitchyardConfig | None = None) -> dict[str, object]:
     """Overrides that size the sim GPU so that its HBM budget holds the KV of ``tokens`` tokens."""
-    sim = (config or SwitchyardConfig()).service.sim
+    sim = (config or SwitchyardConfig()).sim
     ratio = SwitchyardConfig().memory.hbm.capacity_ratio
     weights = sim.params_billion * 1e9 * sim.bytes_per_param
-    return {"service.sim.hbm_gb": (weights + tokens * sim.kv_bytes_per_token + 1) / ratio / 1e9}
+    return {"sim.hbm_gb": (weights + tokens * sim.kv_bytes_per_token + 1) / ratio / 1e9}
 
 
 def one_at_a_time(config: SwitchyardConfig) -> DispatcherService:
@@ -63,7 +63,7 @@ class Harness:
 
 
 async def serve(service: DispatcherService) -> AsyncIterator[Harness]:
-    srv = await start_server([service], "127.0.0.1", 0, service.config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
     channel = open_channel(f"127.0.0.1:{srv.port}")
     try:
         yield Harness(service, srv, channel)
@@ -177,7 +177,7 @@ async def test_bad_requests_are_invalid_argument_naming_the_field(
 
 
 async def test_full_inference_queue_refuses_at_once_naming_queue_and_capacity() -> None:
-    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.capacity": 1})
+    config = make_config(**{**SLOW_DECODE, "queues.inference.capacity": 1})
     async for h in serve(one_at_a_time(config)):
         running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
         await running.read()  # first token: it was admitted and left the queue
@@ -195,7 +195,7 @@ async def test_full_inference_queue_refuses_at_once_naming_queue_and_capacity() 
 
 
 async def test_request_that_waits_past_timeout_ms_is_deadline_exceeded_by_the_scheduler() -> None:
-    config = make_config(**{**SLOW_DECODE, "queue.queues.inference.timeout_ms": 100})
+    config = make_config(**{**SLOW_DECODE, "queues.inference.timeout_ms": 100})
     async for h in serve(one_at_a_time(config)):
         running = h.stub.Generate(agent_pb2.GenerateRequest(prompt=PROMPT, max_tokens=500))
         await running.read()
@@ -240,9 +240,9 @@ async def test_client_cancellation_frees_the_running_slot() -> None:
 
 
 async def test_graceful_stop_lets_an_in_flight_stream_complete() -> None:
-    config = make_config(**{**FAST, "service.sim.decode_base_ms": 5.0})
+    config = make_config(**{**FAST, "sim.decode_base_ms": 5.0})
     service = DispatcherService(config)
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
     channel = open_channel(f"127.0.0.1:{srv.port}")
     stopping: asyncio.Task[None] | None = None
     try:
@@ -281,7 +281,7 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
     for module in (core, service, sim):
         monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
     try:
-        async for h in serve(DispatcherService(make_config(**{"queue.flush.flush_interval_ms": 50}))):
+        async for h in serve(DispatcherService(make_config(**{"batching.flush_interval_ms": 50}))):
             results = await asyncio.gather(*(h.generate(request_id=f"s{i}", max_tokens=4) for i in range(3)))
         spans = exporter.get_finished_spans()
         requests = [s for s in spans if s.name == "dispatcher.generate"]
@@ -417,7 +417,7 @@ async def test_stream_engine_fans_out_past_inference_workers_up_to_the_concurren
     # workers counts batches in prefill, not streams: 2 workers still give the upstream 3 streams,
     # and the adaptive limit (held at 3 here) is what bounds the streams in flight.
     limit = {"min_limit": 3, "initial_limit": 3, "max_limit": 3}
-    config = make_config(**{"queue.queues.inference.workers": 2, "queue.model_gateway.concurrency": limit})
+    config = make_config(**{"queues.inference.workers": 2, "upstream.concurrency": limit})
     engine = EchoStreamEngine()
     service = DispatcherService(config, engine=engine)
     async for h in serve(service):
@@ -434,7 +434,7 @@ async def test_stream_engine_fans_out_past_inference_workers_up_to_the_concurren
 
 
 async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
-    service = DispatcherService(make_config(**{"queue.flush.flush_interval_ms": "auto"}))
+    service = DispatcherService(make_config(**{"batching.flush_interval_ms": "auto"}))
     assert service.adaptive is not None
     async for h in serve(service):
         results = await asyncio.gather(*(h.generate(request_id=f"a{i}", max_tokens=3) for i in range(5)))

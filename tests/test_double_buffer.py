@@ -88,7 +88,7 @@ def test_arrivals_during_a_step_join_the_next_step_together() -> None:
 
 
 def test_a_full_buffer_swaps_at_max_batch_size_mid_step() -> None:
-    s = scheduler(**{"queue.flush.max_batch_size": 4})
+    s = scheduler(**{"batching.max_batch_size": 4})
     s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)
     for i in range(4):
@@ -98,7 +98,7 @@ def test_a_full_buffer_swaps_at_max_batch_size_mid_step() -> None:
 
 
 async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
-    s = scheduler(**{"queue.flush.flush_interval_ms": 5})
+    s = scheduler(**{"batching.flush_interval_ms": 5})
     s.add_request(req("first"), now=0.0)
     s.schedule(now=0.0)
     import time
@@ -110,7 +110,7 @@ async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
 
 
 def test_full_queue_refuses_at_once_and_closed_dispatcher_refuses_too() -> None:
-    s = scheduler(**{"queue.queues.inference.capacity": 2})
+    s = scheduler(**{"queues.inference.capacity": 2})
     s.add_request(req("a"), now=0.0)
     s.add_request(req("b"), now=0.0)
     with pytest.raises(QueueFullError, match=r"inference queue full: 2 items waiting \(queues.inference.capacity\)"):
@@ -152,7 +152,7 @@ def test_every_request_is_admitted_exactly_once_in_order_within_its_class(
     arrivals: list[tuple[str, bool]], max_batch_size: int, policy: str
 ) -> None:
     config = SwitchyardConfig().with_overrides(
-        **{"scheduler.max_running_agents": 3, "queue.flush.max_batch_size": max_batch_size,
+        **{"scheduler.max_running_agents": 3, "batching.max_batch_size": max_batch_size,
            "scheduler.preemption_enabled": False, "scheduler.policy": policy}
     )
     s = make_scheduler(config, SimEngine(config))

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.slow
 
 @contextlib.asynccontextmanager
 async def three_services(index_dir, **overrides):
-    cfg = load_config("config").with_overrides(**{"service.retrieval.index_dir": str(index_dir), **overrides})
-    server = cfg.service.server
+    cfg = load_config("config").with_overrides(**{"retrieval.index_dir": str(index_dir), **overrides})
+    server = cfg.server
     async with running([RetrievalService(cfg)], server) as retrieval, running([DispatcherService(cfg)], server) as disp:
         cfg = cfg.with_overrides(**{
-            "service.orchestrator.retrieval_addr": f"127.0.0.1:{retrieval.port}",
-            "service.orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
+            "orchestrator.retrieval_addr": f"127.0.0.1:{retrieval.port}",
+            "orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
         })
         async with running([OrchestratorService(cfg)], server) as orch:
             async with open_channel(f"127.0.0.1:{orch.port}") as channel:

@@ -34,7 +34,7 @@ CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 
 def kv_store(db: RedisDb) -> KvStore:
     """A KV store on the test Redis (a client of its own, for this test's event loop)."""
-    return KvStore(DramClient(db.dram_config), SwitchyardConfig().memory.dram.kv_ttl_sec)
+    return KvStore(DramClient(db.dram_config), SwitchyardConfig().memory.dram.kv_ttl_s)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -85,7 +85,7 @@ def streamed(req: Request) -> list[StreamToken]:
 
 
 def test_value_score_orders_by_priority_frequency_recency_and_cost_per_byte() -> None:
-    value = ValueScore(ValueScoreConfig(recency_half_life_sec=300), PriorityBoost())
+    value = ValueScore(ValueScoreConfig(recency_half_life_s=300), PriorityBoost())
     base = dict(priority_class="normal", hits=0, reuse_seconds=0.030, nbytes=GIB // 2, idle_s=0.0)
     v = value.score(**base)
     assert v == pytest.approx(5 * 1 * 30_000 / 0.5)  # the docstring's scale: 3e5
@@ -226,7 +226,7 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
         assert await sched.tiers.restore(batch) == 0  # the write failed: a miss
     assert metric("switchyard_dram_degraded_operations_total") == degraded + 1
     assert "DRAM tier unavailable" in caplog.text and "KV swap degrade to recompute" in caplog.text
-    assert not store.available()  # no more waiting on a dead Redis for retry_interval_sec
+    assert not store.available()  # no more waiting on a dead Redis for retry_interval_s
     await run_to_end(engine, batch)  # the task goes on: its prefix is recomputed
     assert batch.finish_reason == "length" and batch.recomputed_tokens >= batch.prompt_tokens
     assert [t.index for t in streamed(batch)] == list(range(12))
@@ -252,7 +252,7 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
         await store.put(store.key("seq", name), record, priority=priority, hits=hits, **common)
     now = float(await client.hget(store.key("seq", "stale"), "stored_at"))
     await client.hset(store.key("seq", "stale"), "stored_at", now - 3 * 3600)  # idle three hours
-    await client.hset(store.key("seq", "young"), "stored_at", now - 1800)  # worth little, but not yet archive_interval_sec old
+    await client.hset(store.key("seq", "young"), "stored_at", now - 1800)  # worth little, but not yet archive_interval_s old
     demotions = metric("switchyard_tier_demotions_total", tier="dram")
     hot, moved = await tiers.scan_dram(now)
     assert (hot, moved) == (1, 1)
@@ -283,8 +283,8 @@ def test_a_cold_path_fsspec_cannot_open_is_a_clear_error() -> None:
 
 
 def test_admission_refusal_for_kv_memory_counts_one_oom_avoided_per_request() -> None:
-    engine = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.hbm_gb": 20.0}))
-    sched = build(engine, None, **{"service.sim.hbm_gb": 20.0})
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.hbm_gb": 20.0}))
+    sched = build(engine, None, **{"sim.hbm_gb": 20.0})
     budget = sched.capacity.budget_bytes  # 0.85 x 20 GB - 14 GB of weights = 3 GB
     per_token = engine.params.kv_bytes_per_token
     big = [request(f"oom-{i}", prompt_tokens=budget // per_token // 2, max_tokens=1) for i in range(3)]
@@ -395,8 +395,8 @@ async def wait_done(req: Request) -> None:
 
 
 def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
-    engine = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.prefix_caching": False}))
-    sched = build(engine, None, **{"service.sim.prefix_caching": False})
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
+    sched = build(engine, None, **{"sim.prefix_caching": False})
     req = request("frag", prompt_tokens=300, max_tokens=100)
     sched.add([req], now=0.0)
     sched.schedule(now=0.0)
@@ -427,7 +427,7 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     assert engine.compactions == 1
     assert metric("switchyard_kv_defragmentations_total") == runs + 1
     assert metric("switchyard_kv_defrag_freed_bytes_total") == freed + 4096
-    # scans follow hbm_scan_interval_sec (300 s): none at 100 s, one at 301 s
+    # scans follow hbm_scan_interval_s (300 s): none at 100 s, one at 301 s
     sched.on_idle(now=100.0)
     assert engine.compactions == 1
     sched.on_idle(now=301.0)
@@ -444,8 +444,8 @@ async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_
     })
     service = DispatcherService(config)
     client = redis_db.client()
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
-    channel = open_channel(f"127.0.0.1:{srv.port}", config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}", config.server)
     try:
         stub = agent_pb2_grpc.InferenceServiceStub(channel)
         question = agent_pb2.ChatMessage(role="user", content="<question>what does the with statement do?</question>")

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.config import ModelGatewayConfig, SwitchyardConfig
+from switchyard.common.config import UpstreamConfig, SwitchyardConfig
 from switchyard.common.metrics import OTHER, bounded
 from switchyard.common.server import start_server
 from switchyard.dispatcher.service import DispatcherService
@@ -35,18 +35,18 @@ def test_bounded_keeps_known_values_and_folds_the_rest() -> None:
 
 
 def test_gateway_model_labels_are_the_configured_models_or_other() -> None:
-    config = ModelGatewayConfig(model_map={"sonnet": "claude-sonnet-4-5"})
+    config = UpstreamConfig(model_map={"sonnet": "claude-sonnet-4-5"})
     assert model_label("claude-sonnet-4-5", config) == "claude-sonnet-4-5"
     assert model_label("gpt-4o-mini", config) == "gpt-4o-mini"  # the fallback
     assert model_label("made-up-model-" + uuid.uuid4().hex, config) == OTHER
 
 
 async def test_adversarial_task_types_and_models_add_no_series() -> None:
-    fast = {"service.sim.prefill_overhead_ms": 0.1, "service.sim.decode_base_ms": 0.1,
-            "service.limits.default_context_window_tokens": 4096}
+    fast = {"sim.prefill_overhead_ms": 0.1, "sim.decode_base_ms": 0.1,
+            "limits.default_context_window_tokens": 4096}
     config = SwitchyardConfig().with_overrides(**fast)
     service = DispatcherService(config)
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
     try:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)

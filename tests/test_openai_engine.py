@@ -24,10 +24,10 @@ PROMPT = "<context>[1] Lists\nPython lists are mutable sequences.</context><ques
 
 
 def engine_for(base_url: str, **gateway: object) -> OpenAIEngine:
-    overrides = {"service.dispatcher.engine": "openai", "queue.model_gateway.base_url": base_url,
-                 "queue.model_gateway.api_key_required": False,
-                 "queue.model_gateway.retry_backoff_initial_s": 0.01, "queue.model_gateway.retry_backoff_max_s": 0.02}
-    overrides.update({f"queue.model_gateway.{k}": v for k, v in gateway.items()})
+    overrides = {"dispatcher.engine": "openai", "upstream.base_url": base_url,
+                 "upstream.api_key_required": False,
+                 "upstream.retry_backoff_initial_s": 0.01, "upstream.retry_backoff_max_s": 0.02}
+    overrides.update({f"upstream.{k}": v for k, v in gateway.items()})
     engine = make_engine(load_config("config").with_overrides(**overrides))
     assert isinstance(engine, OpenAIEngine)
     return engine
@@ -138,7 +138,7 @@ async def generate_over_grpc(base_url: str, request: agent_pb2.GenerateRequest, 
 
     engine = engine_for(base_url, **gateway)
     cfg = load_config("config")
-    async with running([DispatcherService(cfg, engine=engine)], cfg.service.server) as server:
+    async with running([DispatcherService(cfg, engine=engine)], cfg.server) as server:
         async with open_channel(f"127.0.0.1:{server.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
             return [chunk async for chunk in stub.Generate(request)]
@@ -172,17 +172,17 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
     from switchyard.orchestrator.service import OrchestratorService
 
     cfg = load_config("config")
-    server = cfg.service.server
+    server = cfg.server
     async with contextlib.AsyncExitStack() as stack:
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=engine_for(base_url, **gateway))],
                                                        server))
-        overrides = {"service.orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
+        overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
         if index_dir is not None:
             from switchyard.retrieval.service import RetrievalService
 
-            cfg = cfg.with_overrides(**{"service.retrieval.index_dir": str(index_dir)})
+            cfg = cfg.with_overrides(**{"retrieval.index_dir": str(index_dir)})
             retrieval = await stack.enter_async_context(running([RetrievalService(cfg)], server))
-            overrides["service.orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
+            overrides["orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
         orch = await stack.enter_async_context(running([OrchestratorService(cfg.with_overrides(**overrides))], server))
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             return [e async for e in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request)]

@@ -22,7 +22,7 @@ def value(name: str, **labels: str) -> float | None:
 async def test_serving_is_1_while_health_says_serving_and_0_once_draining() -> None:
     config = SwitchyardConfig()
     service = DispatcherService(config)
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
     try:
         assert value("switchyard_serving", service="dispatcher") == 1
     finally:

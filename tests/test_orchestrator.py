@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.config import load_config
+from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
@@ -35,6 +35,8 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
         self.gate: asyncio.Event | None = None
         self.cancelled: list[str] = []  # request ids whose Generate was cancelled by the orchestrator
         self.deadlines: list[float | None] = []  # time_remaining() each Generate saw on arrival
+        self.model = "sim-7b"  # what DescribeModel says the engine serves to a request naming no model
+        self.described = 0
 
     def register(self, server):
         agent_pb2_grpc.add_RetrievalServiceServicer_to_server(self, server)
@@ -51,6 +53,10 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
             passages=[agent_pb2.Passage(text="The with statement wraps a block.", score=0.9, source="t:with", title="with")],
             queue_wait_s=0.001,
         )
+
+    async def DescribeModel(self, request, context):
+        self.described += 1
+        return agent_pb2.ModelInfo(model=self.model, engine="sim")
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -79,19 +85,19 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
 
 @contextlib.asynccontextmanager
 async def stack(**overrides):
-    base = load_config("config")
+    base = load_config("config", service="orchestrator")  # its own sections only, as `switchyard serve` loads them
     down = Downstream()
-    async with running([down], base.service.server) as downstream:
+    async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
         store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
         cfg = base.with_overrides(**{
-            "service.orchestrator.retrieval_addr": addr,
-            "service.orchestrator.dispatcher_addr": addr,
-            "service.orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
-            "service.orchestrator.cpu_executor": "loop",  # a spawn pool costs seconds; one test below uses it
+            "orchestrator.retrieval_addr": addr,
+            "orchestrator.dispatcher_addr": addr,
+            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
+            "orchestrator.cpu_executor": "loop",  # a spawn pool costs seconds; one test below uses it
             **overrides,
         })
-        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+        async with running([OrchestratorService(cfg)], cfg.server) as orch:
             channel = open_channel(f"127.0.0.1:{orch.port}")
             try:
                 yield agent_pb2_grpc.AgentServiceStub(channel), down
@@ -106,7 +112,7 @@ async def collect(stub, **fields):
 
 @pytest.mark.parametrize("executor", ["loop", "process"])
 async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
-    async with stack(**{"service.orchestrator.cpu_executor": executor}) as (stub, down):
+    async with stack(**{"orchestrator.cpu_executor": executor}) as (stub, down):
         events = await collect(stub, task_id="bench-001", payload="summarize this doc")
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and kinds[-1] == "final"
@@ -149,7 +155,7 @@ async def test_bad_request_names_field(fields, field):
 
 
 async def test_prompt_over_the_context_window_is_rejected_naming_payload():
-    async with stack(**{"service.limits.context_window_tokens": {"sim-7b": 100}}) as (stub, _):
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": 100}}) as (stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, payload="word " * 80, task_type="chat", max_tokens=50)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -180,10 +186,27 @@ async def test_limits_are_checked_before_accepted(fields, field, bound):
     assert err.value.details().startswith(field) and bound in err.value.details()
 
 
+async def test_the_window_of_a_request_naming_no_model_is_the_dispatchers_models():
+    """The orchestrator holds no dispatcher settings: the model comes from DescribeModel, asked once."""
+    async with stack(**{"limits.context_window_tokens": {"big-model": 100_000, "small-model": 64}}) as (stub, down):
+        down.model = "small-model"
+        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", max_tokens=100))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                raise AssertionError("an event was sent: the task was accepted")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context window of small-model: 64" in err.value.details()
+        events = await collect(stub, payload="what is a list?", task_type="chat", max_tokens=8, model="big-model")
+        assert events[-1].HasField("final")
+        assert down.described == 1  # kept after the first answer
+        with pytest.raises(ConfigError, match="not among the sections the orchestrator reads"):
+            _ = load_config("config", service="orchestrator").dispatcher.engine
+
+
 async def test_full_orchestration_queue_rejects_naming_queue():
     overrides = {
-        "queue.queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 3000},
-        "service.orchestrator.inference_mode": "inline",
+        "queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 3000},
+        "orchestrator.inference_mode": "inline",
     }
     async with stack(**overrides) as (stub, down):
         down.gate = asyncio.Event()
@@ -202,8 +225,8 @@ async def test_full_orchestration_queue_rejects_naming_queue():
 
 async def test_wait_past_timeout_gives_deadline_exceeded_naming_queue():
     overrides = {
-        "queue.queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 50},
-        "service.orchestrator.inference_mode": "inline",
+        "queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 50},
+        "orchestrator.inference_mode": "inline",
     }
     async with stack(**overrides) as (stub, down):
         down.gate = asyncio.Event()
@@ -265,8 +288,8 @@ async def test_react_loop_calls_both_tools_and_streams_them():
 async def test_dispatcher_down_is_unavailable_naming_service():
     base = load_config("config")
     async with running([OrchestratorService(base.with_overrides(**{
-        "service.orchestrator.dispatcher_addr": "127.0.0.1:1",
-    }))], base.service.server) as orch:
+        "orchestrator.dispatcher_addr": "127.0.0.1:1",
+    }))], base.server) as orch:
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(agent_pb2_grpc.AgentServiceStub(channel), payload="q", task_type="chat")
@@ -353,7 +376,7 @@ async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everythin
 
     from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASKS
 
-    async with stack(**{"service.orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
+    async with stack(**{"orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
         down.gate = asyncio.Event()  # generation never ends on its own
         before = _count(TASKS, task_type="chat", code="DEADLINE_EXCEEDED")
         concurrent = AGENTS_CONCURRENT._value.get()
@@ -371,7 +394,7 @@ async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everythin
 
 
 async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit():
-    async with stack(**{"service.orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
+    async with stack(**{"orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
         down.gate = asyncio.Event()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, task_id="slow", payload="hi", task_type="chat")
@@ -403,8 +426,8 @@ def test_time_limits_name_every_task_type():
 
     base = load_config("config")
     with pytest.raises(ConfigError, match="no time limit for task type"):
-        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {"chat": 5}})
+        base.with_overrides(**{"orchestrator.task_time_limit_s": {"chat": 5}})
     with pytest.raises(ConfigError, match="unknown task type"):
-        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {**LIMITS, "summarise": 5}})
+        base.with_overrides(**{"orchestrator.task_time_limit_s": {**LIMITS, "summarise": 5}})
     with pytest.raises(ConfigError, match=r"\(0, 86400\]"):
-        base.with_overrides(**{"service.orchestrator.task_time_limit_s": {**LIMITS, "chat": 0}})
+        base.with_overrides(**{"orchestrator.task_time_limit_s": {**LIMITS, "chat": 0}})

@@ -55,7 +55,7 @@ async def test_sim_engine_skips_the_cached_opening_of_a_repeated_prompt() -> Non
     assert warm < cold  # the 64 shared tokens were not computed again
     assert (REGISTRY.get_sample_value("switchyard_prefix_cache_blocks_total", {"result": "hit"}) or 0) - hits == 4
     assert engine.prefix_cache_bytes() > 0
-    off = SimEngine(SwitchyardConfig().with_overrides(**{"service.sim.prefix_caching": False}))
+    off = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
     await off.prefill([_req("c", "what is a list?")])
     await off.prefill([_req("d", "what is a dict?")])
     assert off.prefix_cache_bytes() == 0 and off.busy_seconds == pytest.approx(2 * cold)
@@ -63,10 +63,10 @@ async def test_sim_engine_skips_the_cached_opening_of_a_repeated_prompt() -> Non
 
 async def test_cached_blocks_count_against_the_hbm_budget_and_make_room_for_running_work() -> None:
     # A GPU whose budget holds 400 tokens of KV beside the weights.
-    sim = SwitchyardConfig().service.sim
+    sim = SwitchyardConfig().sim
     weights = sim.params_billion * 1e9 * sim.bytes_per_param
     hbm_gb = (weights + 400 * sim.kv_bytes_per_token + 1) / 0.85 / 1e9
-    config = SwitchyardConfig().with_overrides(**{"service.sim.hbm_gb": hbm_gb, "scheduler.expected_score_initial": 0})
+    config = SwitchyardConfig().with_overrides(**{"sim.hbm_gb": hbm_gb, "scheduler.expected_score_initial": 0})
     engine = SimEngine(config)
     sched = make_scheduler(config, engine)
     warmup = Request("w", prompt=" ".join(f"t{i}" for i in range(320)), prompt_tokens=320, max_tokens=4)

@@ -32,7 +32,7 @@ rules = _load_generator()
 
 
 def test_rule_file_is_generated_from_the_current_config() -> None:
-    expected = rules.render(load_config(REPO / "config").service.slo.ttft)
+    expected = rules.render(load_config(REPO / "config").slo.ttft)
     assert RULES.read_text() == expected, (
         "deploy/prometheus/switchyard-rules.yaml is stale: run python deploy/prometheus/rules.py")
 
@@ -46,7 +46,7 @@ def test_burn_thresholds_follow_the_configured_objective() -> None:
 
 def test_an_slo_threshold_that_is_no_bucket_bound_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"slo\.ttft\.threshold_s.*0\.3.*bucket bounds"):
-        SwitchyardConfig().with_overrides(**{"service.slo.ttft.threshold_s": 0.3})
+        SwitchyardConfig().with_overrides(**{"slo.ttft.threshold_s": 0.3})
 
 
 def test_promtool_check_rules_accepts_the_rule_file() -> None:

@@ -36,12 +36,12 @@ NOTHING_THERE = "127.0.0.1:1"  # a closed port: retrieval is down in these tests
 
 def orchestrator_config(dispatcher_addr: str, **overrides: object) -> SwitchyardConfig:
     return SwitchyardConfig().with_overrides(**{
-        "service.orchestrator.dispatcher_addr": dispatcher_addr,
-        "service.orchestrator.retrieval_addr": NOTHING_THERE,
-        "service.orchestrator.default_task_type": "chat",
-        "service.orchestrator.cpu_executor": "loop",
-        "service.orchestrator.health_check_interval_s": 0.1,
-        "service.orchestrator.health_check_timeout_s": 0.5,
+        "orchestrator.dispatcher_addr": dispatcher_addr,
+        "orchestrator.retrieval_addr": NOTHING_THERE,
+        "orchestrator.default_task_type": "chat",
+        "orchestrator.cpu_executor": "loop",
+        "orchestrator.health_check_interval_s": 0.1,
+        "orchestrator.health_check_timeout_s": 0.5,
         **overrides,
     })
 
@@ -70,14 +70,14 @@ async def check(channel, service: str) -> int:
 
 @contextlib.asynccontextmanager
 async def orchestrator(cfg: SwitchyardConfig) -> AsyncIterator:
-    async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+    async with running([OrchestratorService(cfg)], cfg.server) as orch:
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             yield channel
 
 
 async def test_not_serving_while_the_dispatcher_is_stopped_serving_once_it_is_back():
     dispatcher_cfg = SwitchyardConfig()
-    first = await start_server([DispatcherService(dispatcher_cfg)], "127.0.0.1", 0, dispatcher_cfg.service.server)
+    first = await start_server([DispatcherService(dispatcher_cfg)], "127.0.0.1", 0, dispatcher_cfg.server)
     port = first.port
     second = None
     try:
@@ -95,7 +95,7 @@ async def test_not_serving_while_the_dispatcher_is_stopped_serving_once_it_is_ba
             assert await check(channel, "") == SERVING, "liveness does not depend on the dispatcher"
 
             second = await start_server([DispatcherService(dispatcher_cfg)], "127.0.0.1", port,
-                                        dispatcher_cfg.service.server)
+                                        dispatcher_cfg.server)
             await watch.until(SERVING)
             watch.call.cancel()
     finally:
@@ -105,9 +105,9 @@ async def test_not_serving_while_the_dispatcher_is_stopped_serving_once_it_is_ba
 
 async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving():
     dispatcher_cfg = SwitchyardConfig()
-    async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.service.server) as disp:
-        cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"service.orchestrator.default_task_type": "rag_answer"})
-        async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+    async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.server) as disp:
+        cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"orchestrator.default_task_type": "rag_answer"})
+        async with running([OrchestratorService(cfg)], cfg.server) as orch:
             readiness = orch.services[0].readiness
             await readiness.check_once()
             assert readiness.ready == {"dispatcher": True, "retrieval": False}
@@ -162,11 +162,11 @@ async def test_tasks_avoid_a_stopped_replica_while_another_serves():
     proc, port = await dispatcher_process()
     dispatcher_cfg = SwitchyardConfig()
     try:
-        async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.service.server) as live:
+        async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.server) as live:
             stopped_address = f"127.0.0.1:{port}"
             target = f"ipv4:{stopped_address},127.0.0.1:{live.port}"
             cfg = orchestrator_config(target)
-            async with running([OrchestratorService(cfg)], cfg.service.server) as orch:
+            async with running([OrchestratorService(cfg)], cfg.server) as orch:
                 replicas = orch.services[0]._deps.inference.replicas
                 proc.send_signal(signal.SIGSTOP)
                 for _ in range(600):  # the next health round marks it (a hang guard of 60 s)

@@ -29,13 +29,13 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
 
 def _config(index_dir, **overrides):
-    return load_config(CONFIG_DIR).with_overrides(**{"service.retrieval.index_dir": str(index_dir), **overrides})
+    return load_config(CONFIG_DIR).with_overrides(**{"retrieval.index_dir": str(index_dir), **overrides})
 
 
 @contextlib.asynccontextmanager
 async def _serve(config) -> AsyncIterator[tuple[RetrievalService, agent_pb2_grpc.RetrievalServiceStub]]:
     service = RetrievalService(config)
-    async with running([service], config.service.server) as srv:
+    async with running([service], config.server) as srv:
         channel = open_channel(f"127.0.0.1:{srv.port}")
         try:
             yield service, agent_pb2_grpc.RetrievalServiceStub(channel)
@@ -55,7 +55,7 @@ async def _hold_workers(service: RetrievalService, release: asyncio.Event, extra
 
 @pytest.mark.parametrize("hybrid", [True, False])
 async def test_with_statement_question_retrieves_the_with_topic(pydoc_index_dir, hybrid):
-    async with _serve(_config(pydoc_index_dir, **{"service.retrieval.hybrid": hybrid})) as (_, stub):
+    async with _serve(_config(pydoc_index_dir, **{"retrieval.hybrid": hybrid})) as (_, stub):
         reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="How does the with statement work?", top_k=5))
     titles = [p.title for p in reply.passages]
     print("top titles:", titles, "embed_s", reply.embed_s, "search_s", reply.search_s)
@@ -72,7 +72,7 @@ async def test_with_statement_question_retrieves_the_with_topic(pydoc_index_dir,
 
 
 async def test_top_k_zero_means_the_configured_default(pydoc_index_dir):
-    async with _serve(_config(pydoc_index_dir, **{"service.retrieval.top_k": 3})) as (_, stub):
+    async with _serve(_config(pydoc_index_dir, **{"retrieval.top_k": 3})) as (_, stub):
         reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="What does yield do?"))
     assert len(reply.passages) == 3
 
@@ -95,7 +95,7 @@ async def test_bad_request_is_invalid_argument_naming_the_field(pydoc_index_dir,
 
 
 async def test_full_queue_is_resource_exhausted_naming_the_retrieval_queue(pydoc_index_dir):
-    config = _config(pydoc_index_dir, **{"queue.queues.retrieval": {"capacity": 1, "workers": 1, "timeout_ms": 5000}})
+    config = _config(pydoc_index_dir, **{"queues.retrieval": {"capacity": 1, "workers": 1, "timeout_ms": 5000}})
     async with _serve(config) as (service, stub):
         release = asyncio.Event()
         await _hold_workers(service, release, extra=1)  # the worker busy, the one slot taken
@@ -120,7 +120,7 @@ def _span_exporter(monkeypatch) -> tuple[TracerProvider, InMemorySpanExporter]:
 
 async def test_queue_timeout_is_deadline_exceeded_naming_the_retrieval_queue(pydoc_index_dir, monkeypatch):
     provider, exporter = _span_exporter(monkeypatch)
-    config = _config(pydoc_index_dir, **{"queue.queues.retrieval": {"capacity": 8, "workers": 1, "timeout_ms": 50}})
+    config = _config(pydoc_index_dir, **{"queues.retrieval": {"capacity": 8, "workers": 1, "timeout_ms": 50}})
     async with _serve(config) as (service, stub):
         release = asyncio.Event()
         await _hold_workers(service, release)
@@ -252,6 +252,6 @@ async def test_hybrid_on_with_an_index_without_bm25_fails_start_naming_the_fix(p
     service = RetrievalService(_config(copy))
     with pytest.raises(IndexMismatchError, match="no BM25 part but retrieval.hybrid is on"):
         await service.start()
-    service = RetrievalService(_config(copy, **{"service.retrieval.hybrid": False}))
+    service = RetrievalService(_config(copy, **{"retrieval.hybrid": False}))
     await service.start()
     await service.stop()

@@ -245,11 +245,11 @@ def test_max_running_agents_is_the_admission_wave_not_a_cap_on_the_running_set()
 
 
 def test_kv_budget_admits_what_fits_the_hbm_budget_and_counts_parked_state() -> None:
-    from switchyard.common.config import HbmTier
+    from switchyard.common.config import HbmTierConfig
 
     info = MemoryInfo(device_bytes=10_000, weight_bytes=500, kv_bytes_per_token=10)
     parked = {"bytes": 0}
-    budget = KvBudget(HbmTier(capacity_ratio=0.85), info, lambda: parked["bytes"])
+    budget = KvBudget(HbmTierConfig(capacity_ratio=0.85), info, lambda: parked["bytes"])
     assert budget.budget_bytes == 8000  # 0.85 x 10000 - 500
     [a, b, c] = make_requests(3, prompt_tokens=200, max_tokens=100)  # 300 tokens = 3000 bytes each
     assert budget.need(a) == 3000
@@ -263,7 +263,7 @@ def test_kv_budget_admits_what_fits_the_hbm_budget_and_counts_parked_state() -> 
     [huge] = make_requests(1, prompt_tokens=700, max_tokens=200)
     assert "HBM budget" in (budget.never_fits(huge) or "")
     with pytest.raises(ValueError, match="capacity_ratio"):
-        KvBudget(HbmTier(capacity_ratio=0.04), info)
+        KvBudget(HbmTierConfig(capacity_ratio=0.04), info)
 
 
 def test_sim_engine_budget_is_the_modelled_h100() -> None:

@@ -17,8 +17,8 @@ from switchyard.common.channels import open_channel, open_sync_channel
 
 async def test_health_and_reflection_describe_run_task():
     cfg = load_config("config").with_overrides(**{  # nothing listens on port 1: no downstream service is up
-        "service.orchestrator.retrieval_addr": "127.0.0.1:1", "service.orchestrator.dispatcher_addr": "127.0.0.1:1"})
-    async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
+    async with running([OrchestratorService(cfg)], cfg.server) as srv:
         address = f"127.0.0.1:{srv.port}"
         async with open_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -40,7 +40,7 @@ def _describe_run_task(address: str):
 
 async def test_graceful_stop_flips_health_to_not_serving():
     cfg = load_config("config")
-    async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
+    async with running([OrchestratorService(cfg)], cfg.server) as srv:
         await srv.health.enter_graceful_shutdown()
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
@@ -91,7 +91,7 @@ async def test_connection_age_makes_clients_reconnect():
 
 async def test_health_list_reports_every_service_and_follows_shutdown():
     cfg = load_config("config")
-    async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
+    async with running([OrchestratorService(cfg)], cfg.server) as srv:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             listed = (await stub.List(health_pb2.HealthListRequest())).statuses

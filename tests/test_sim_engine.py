@@ -39,10 +39,10 @@ TOOLS = [Tool("search_docs"), Tool("calculator")]
 def fast_config(**overrides: object) -> SwitchyardConfig:
     """Small latencies so engine tests take milliseconds."""
     base = {
-        "service.sim.prefill_overhead_ms": 0.2,
-        "service.sim.prefill_per_token_ms": 0.001,
-        "service.sim.decode_base_ms": 0.1,
-        "service.sim.decode_per_seq_ms": 0.01,
+        "sim.prefill_overhead_ms": 0.2,
+        "sim.prefill_per_token_ms": 0.001,
+        "sim.decode_base_ms": 0.1,
+        "sim.decode_per_seq_ms": 0.01,
     }
     return SwitchyardConfig().with_overrides(**{**base, **overrides})
 
@@ -61,7 +61,7 @@ async def run_to_end(engine: SimEngine, reqs: list[Request]) -> None:
 
 
 def test_latency_model_defaults_match_the_documented_7b_h100_numbers() -> None:
-    params = SwitchyardConfig().service.sim
+    params = SwitchyardConfig().sim
     # TTFT alone = 5 ms + 1000 tokens x 0.025 ms
     assert prefill_seconds(params, 1000) == pytest.approx(0.030)
     # one step of 32 sequences = 4.2 ms + 32 x 0.15 ms: batching decode is nearly free
@@ -77,13 +77,13 @@ async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
     engine = SimEngine(config)
     reqs = [Request(f"r{i}", prompt=CONTEXT_PROMPT, prompt_tokens=100 + i, max_tokens=3) for i in range(4)]
     await engine.prefill(reqs)
-    expected = prefill_seconds(config.service.sim, sum(s.prompt_tokens for s in reqs))
+    expected = prefill_seconds(config.sim, sum(s.prompt_tokens for s in reqs))
     assert engine.busy_seconds == pytest.approx(expected)
     await engine.decode(reqs)
-    expected += decode_seconds(config.service.sim, 4)
+    expected += decode_seconds(config.sim, 4)
     assert engine.busy_seconds == pytest.approx(expected)
     assert all(s.num_computed_tokens == s.num_tokens - 1 for s in reqs)
-    assert engine.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.service.sim.kv_bytes_per_token
+    assert engine.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.sim.kv_bytes_per_token
 
 
 def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +91,7 @@ def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.Monke
 
     monkeypatch.setitem(engines._ENGINES, "torch", ("switchyard.dispatcher.engines.not_there", "TorchEngine"))
     with pytest.raises(engines.EngineUnavailable, match="torch engine not installed") as err:
-        make_engine(SwitchyardConfig().with_overrides(**{"service.dispatcher.engine": "torch"}))
+        make_engine(SwitchyardConfig().with_overrides(**{"dispatcher.engine": "torch"}))
     assert "SWITCHYARD_ENGINE" in str(err.value)
 
 

@@ -94,7 +94,7 @@ async def test_tasks_accepted_before_kill_9_are_answered_after_restart(backend, 
         dram = {"host": db.host, "port": db.port}
     config_dir = _config_dir(tmp_path, backend, dram)
     down = Downstream()
-    async with running([down], load_config(config_dir).service.server) as downstream:
+    async with running([down], load_config(config_dir).server) as downstream:
         address = f"127.0.0.1:{downstream.port}"
         first = Orchestrator(config_dir, address)
         try:

@@ -96,7 +96,7 @@ async def test_sweep_fails_orphans_without_a_reader(make_store):
 
 
 async def test_finished_tasks_are_purged_past_retention_and_beyond_the_cap(make_store):
-    store = await make_store(retention_sec=3600, max_finished_tasks=2)
+    store = await make_store(retention_s=3600, max_finished_tasks=2)
     for i in range(4):
         await store.create(f"p-{i}", "fp", "")
         await store.finish(f"p-{i}", agent_pb2.SUCCEEDED)

@@ -157,7 +157,7 @@ async def test_the_health_port_follows_the_service_statuses(pki):
 async def test_the_health_port_is_off_by_default(pki):
     async with running([Downstream()], tls(pki)) as srv:
         assert srv.health_port is None and srv.health_server is None
-    service = SwitchyardConfig().service
+    service = SwitchyardConfig()
     assert [getattr(service, name).health_port for name in ("orchestrator", "retrieval", "dispatcher")] == [None] * 3
 
 
@@ -169,8 +169,8 @@ async def test_a_health_port_in_use_is_a_named_error(pki):
 
 
 def test_health_port_config_names_the_field():
-    with pytest.raises(ConfigError, match=r"service.dispatcher.health_port.*less than or equal to 65535"):
-        SwitchyardConfig().with_overrides(**{"service.dispatcher.health_port": 70_000})
+    with pytest.raises(ConfigError, match=r"dispatcher.health_port.*less than or equal to 65535"):
+        SwitchyardConfig().with_overrides(**{"dispatcher.health_port": 70_000})
 
 
 @pytest.mark.slow

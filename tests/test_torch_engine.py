@@ -47,7 +47,7 @@ PROMPTS = [
 
 
 def tiny_config(**fields: object) -> SwitchyardConfig:
-    return SwitchyardConfig().with_overrides(**{f"service.torch.{k}": v for k, v in {**TINY, **fields}.items()})
+    return SwitchyardConfig().with_overrides(**{f"torch.{k}": v for k, v in {**TINY, **fields}.items()})
 
 
 def make(**fields: object) -> TorchEngine:
@@ -345,7 +345,7 @@ async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
 
 
 def test_make_engine_builds_the_torch_engine():
-    config = tiny_config().with_overrides(**{"service.dispatcher.engine": "torch"})
+    config = tiny_config().with_overrides(**{"dispatcher.engine": "torch"})
     engine = make_engine(config)
     assert isinstance(engine, TorchEngine) and engine.model == "torch-tiny"
 
@@ -355,11 +355,11 @@ def test_make_engine_builds_the_torch_engine():
 
 async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
     config = tiny_config().with_overrides(
-        **{"service.dispatcher.engine": "torch", "queue.flush.flush_interval_ms": 2}
+        **{"dispatcher.engine": "torch", "batching.flush_interval_ms": 2}
     )
     service = DispatcherService(config)
     assert isinstance(service.engine, TorchEngine)
-    async with running([service], config.service.server) as srv:
+    async with running([service], config.server) as srv:
         channel = open_channel(f"127.0.0.1:{srv.port}")
         try:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)

@@ -28,9 +28,9 @@ from typing import Any
 CHAT = {"task_id": "overhead-{{.RequestNumber}}", "payload": "summarize this doc", "task_type": "chat",
         "max_tokens": 8}
 ZERO_COST = {
-    "service.sim.prefill_overhead_ms": 0.0, "service.sim.prefill_per_token_ms": 0.0,
-    "service.sim.decode_base_ms": 0.0, "service.sim.decode_per_seq_ms": 0.0,
-    "service.orchestrator.cpu_executor": "loop",
+    "sim.prefill_overhead_ms": 0.0, "sim.prefill_per_token_ms": 0.0,
+    "sim.decode_base_ms": 0.0, "sim.decode_per_seq_ms": 0.0,
+    "orchestrator.cpu_executor": "loop",
 }
 
 
@@ -96,11 +96,11 @@ def _serve_stack(ports: Any, tracing: bool) -> None:
     async def main() -> None:
         config = load_config(None).with_overrides(**ZERO_COST)
         interceptors = telemetry.server_interceptors() if tracing else ()
-        d = await start_server([make_service("dispatcher", config)], "127.0.0.1", 0, config.service.server,
+        d = await start_server([make_service("dispatcher", config)], "127.0.0.1", 0, config.server,
                                interceptors=interceptors)
-        wired = config.with_overrides(**{"service.orchestrator.dispatcher_addr": f"127.0.0.1:{d.port}",
-                                         "service.orchestrator.retrieval_addr": "127.0.0.1:1"})
-        o = await start_server([make_service("orchestrator", wired)], "127.0.0.1", 0, config.service.server,
+        wired = config.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{d.port}",
+                                         "orchestrator.retrieval_addr": "127.0.0.1:1"})
+        o = await start_server([make_service("orchestrator", wired)], "127.0.0.1", 0, config.server,
                                interceptors=interceptors)
         ports.put(o.port)
         await asyncio.Event().wait()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from switchyard.api import agent_pb2
-from switchyard.common.config import DramTier, TaskStoreConfig
+from switchyard.common.config import DramTierConfig, TaskStoreConfig
 from switchyard.common.embedded_redis import EmbeddedRedis
 from switchyard.orchestrator.taskstore.base import TaskStore
 from switchyard.orchestrator.taskstore.redis_store import RedisTaskStore
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ("sqlite NORMAL", SqliteTaskStore(TaskStoreConfig(sqlite_path=str(Path(folder) / "n.sqlite3")))),
             ("sqlite FULL", SqliteTaskStore(TaskStoreConfig(sqlite_path=str(Path(folder) / "f.sqlite3"),
                                                             sqlite_synchronous="FULL"))),
-            ("redis (embedded)", RedisTaskStore(TaskStoreConfig(), DramTier(embedded=False, port=redis.port))),
+            ("redis (embedded)", RedisTaskStore(TaskStoreConfig(), DramTierConfig(embedded=False, port=redis.port))),
         ]
         for name, store in stores:
             rate, times = asyncio.run(run(store, args.tasks, args.concurrency))

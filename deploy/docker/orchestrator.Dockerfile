@@ -20,21 +20,19 @@ COPY services /src/services
 # pip check: every installed package, switchyard included, has its dependencies.
 RUN pip install --no-cache-dir --no-deps /src \
  && pip check
-# The container config: config/ with the values a container needs (deploy/k8s_config.py).
-COPY config /src/config
-COPY deploy/k8s_config.py /src/deploy/k8s_config.py
-RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
 
 FROM python:3.11.13-slim-bookworm
 RUN groupadd --system --gid 10001 switchyard \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin switchyard \
  && install -d -o 10001 -g 10001 /app
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /etc/switchyard /etc/switchyard
+# The shipped config/, unchanged; what a container needs differently comes from SWITCHYARD_* variables.
+COPY config /etc/switchyard
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    SWITCHYARD_CONFIG_DIR=/etc/switchyard
+    SWITCHYARD_CONFIG_DIR=/etc/switchyard \
+    SWITCHYARD_HOST=0.0.0.0
 WORKDIR /app
 USER 10001:10001
 # gRPC, Prometheus metrics

@@ -23,10 +23,8 @@ COPY services /src/services
 # pip check: every installed package, switchyard included, has its dependencies.
 RUN pip install --no-cache-dir --no-deps /src \
  && pip check
-# The container config: config/ with the values a container needs (deploy/k8s_config.py).
-COPY config /src/config
-COPY deploy/k8s_config.py /src/deploy/k8s_config.py
-RUN python /src/deploy/k8s_config.py --source /src/config --out /etc/switchyard
+# The shipped config/, unchanged: the index is built with the chunk sizes the service reads.
+COPY config /etc/switchyard
 # The default index (documentation text shipped with Python), embedded offline
 # with the packaged model, using the same config the service reads; made
 # readable for the runtime user (the index files are written owner-only).
@@ -40,12 +38,15 @@ RUN groupadd --system --gid 10001 switchyard \
  && install -d -o 10001 -g 10001 /app
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/switchyard/index /opt/switchyard/index
-COPY --from=build /etc/switchyard /etc/switchyard
+# The shipped config/, unchanged; what a container needs differently comes from SWITCHYARD_* variables.
+COPY config /etc/switchyard
 # Caches go to /tmp (an emptyDir in Kubernetes: the root filesystem is read-only).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     SWITCHYARD_CONFIG_DIR=/etc/switchyard \
+    SWITCHYARD_HOST=0.0.0.0 \
+    SWITCHYARD_INDEX_DIR=/opt/switchyard/index \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_HOME=/tmp/huggingface \

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from switchyard.common.generated import write_or_check
 
-    text = render(load_config(args.config_dir).service.slo.ttft)
+    text = render(load_config(args.config_dir).slo.ttft)
     return write_or_check(OUT, text, check=args.check, root=ROOT, command="python deploy/prometheus/rules.py")
 
 

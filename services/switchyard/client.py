@@ -136,12 +136,12 @@ def main(argv: list[str]) -> int:
     if address is not None and not _HOST_PORT.match(address):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")
     try:
-        config = load_config(args.config_dir)  # the address, and TLS when service.server.tls is on
+        config = load_config(args.config_dir)  # the address, and TLS when server.tls is on
     except (ConfigError, ValueError) as exc:
         print(f"switchyard run: bad configuration:\n{exc}", file=sys.stderr)
         return 2
     if address is None:
-        address = f"{config.service.server.host}:{config.service.orchestrator.port}"
+        address = f"{config.server.host}:{config.orchestrator.port}"
     request = agent_pb2.RunTaskRequest(
         task_id=args.task_id,
         payload=" ".join(args.question),
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
         on_event = HumanPrinter()
     try:
         asyncio.run(run_task(address, request, on_event, args.timeout, envs.read_secret(args.token_env),
-                             config.service.server))
+                             config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

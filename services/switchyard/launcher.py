@@ -178,15 +178,15 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.dispatchers <= 64:
         parser.error(f"--dispatchers: expected 1 to 64, got {args.dispatchers}")
     try:
-        config = load_config(args.config_dir)
+        config = load_config(args.config_dir, service=ORDER)  # the sections the three read
     except (ConfigError, ValueError) as exc:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)
         return 2
-    host = config.service.server.host
+    host = config.server.host
     # (name, kind, port, metrics port), in start order
     plan: list[tuple[str, str, int, int]] = []
     for kind in ORDER:
-        section = getattr(config.service, kind)
+        section = getattr(config, kind)
         for i in range(args.dispatchers if kind == "dispatcher" else 1):
             name = kind if i == 0 else f"{kind}-{i + 1}"
             ports = (free_port(host), free_port(host)) if args.free_ports else (section.port + i, section.metrics_port + i)
@@ -215,7 +215,7 @@ def main(argv: list[str]) -> int:
     if redis is not None:
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
     children: list[Child] = []
-    grace = config.service.server.shutdown_grace_s
+    grace = config.server.shutdown_grace_s
     endpoints_file = up_file()
     try:
         for group in (ORDER[:2], ORDER[2:]):
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
                                       kind))
             deadline = time.monotonic() + args.ready_timeout
             for child in children[-len(started):]:
-                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.service.server):
+                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server):
                     if stopping:
                         return 0
                     if child.proc.poll() is not None:

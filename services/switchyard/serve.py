@@ -33,7 +33,7 @@ def make_service(name: str, config: SwitchyardConfig) -> Service:
 
 
 def _section(config: SwitchyardConfig, name: str):
-    return getattr(config.service, name)
+    return getattr(config, name)
 
 
 async def serve(name: str, config: SwitchyardConfig) -> None:
@@ -45,14 +45,14 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
     try:
         service = make_service(name, config)
         srv = await start_server(
-            [service], config.service.server.host, section.port, config.service.server,
+            [service], config.server.host, section.port, config.server,
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
-        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.service.server.host)
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host)
         lag_monitor = process_metrics.start_loop_lag_monitor()
-        log.info("%s ready on %s:%d (metrics on port %d)", name, config.service.server.host, srv.port, metrics_port)
+        log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
         try:
-            await serve_until_signal(srv, config.service.server.shutdown_grace_s)
+            await serve_until_signal(srv, config.server.shutdown_grace_s)
         finally:
             lag_monitor.cancel()
     finally:
@@ -73,12 +73,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.name)
     try:
-        config = load_config(args.config_dir)
+        config = load_config(args.config_dir, service=args.name)  # only the sections it reads
         overrides = {}
         if args.port is not None:
-            overrides[f"service.{args.name}.port"] = args.port
+            overrides[f"{args.name}.port"] = args.port
         if args.metrics_port is not None:
-            overrides[f"service.{args.name}.metrics_port"] = args.metrics_port
+            overrides[f"{args.name}.metrics_port"] = args.metrics_port
         if overrides:
             config = config.with_overrides(**overrides)
     except (ConfigError, ValueError) as exc:

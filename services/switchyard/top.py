@@ -135,8 +135,8 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             from switchyard.common.config import load_config
 
             config = load_config(args.config_dir)
-            host = config.service.server.host
-            found = {name: f"http://{host}:{getattr(config.service, name).metrics_port}/metrics" for name in SERVICES}
+            host = config.server.host
+            found = {name: f"http://{host}:{getattr(config, name).metrics_port}/metrics" for name in SERVICES}
             source = f"config ({path} not found)"
     return {**found, **flagged}, source
 

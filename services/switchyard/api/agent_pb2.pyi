@@ -361,3 +361,15 @@ class GenerateDone(_message.Message):
     preemptions: int
     finish_reason: str
     def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class DescribeModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "engine")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    engine: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...

@@ -273,12 +273,23 @@ class InferenceServiceStub:
                 request_serializer=agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=agent__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.DescribeModel = channel.unary_unary(
+                '/agent.InferenceService/DescribeModel',
+                request_serializer=agent__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=agent__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +302,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=agent__pb2.GenerateRequest.FromString,
                     response_serializer=agent__pb2.GenerateChunk.SerializeToString,
+            ),
+            'DescribeModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeModel,
+                    request_deserializer=agent__pb2.DescribeModelRequest.FromString,
+                    response_serializer=agent__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +336,33 @@ class InferenceService:
             '/agent.InferenceService/Generate',
             agent__pb2.GenerateRequest.SerializeToString,
             agent__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agent.InferenceService/DescribeModel',
+            agent__pb2.DescribeModelRequest.SerializeToString,
+            agent__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

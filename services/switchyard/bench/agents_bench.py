@@ -47,7 +47,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
-from switchyard.common.config import ConfigError, DramTier, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard.bench.sched_bench import (
     CLASSES,
     VirtualSimEngine,
@@ -146,10 +146,10 @@ def _counters() -> dict[str, float]:
 
 
 async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
-                     dram: DramTier | None) -> tuple[Outcome, dict[str, Any]]:
+                     dram: DramTierConfig | None) -> tuple[Outcome, dict[str, Any]]:
     """Run the load (``dram``: the DRAM tier's Redis, None for none); returns what was measured and the
     counters' increase."""
-    engine = AgentSimEngine(config.service.sim)
+    engine = AgentSimEngine(config.sim)
     store = kv_store(dram)
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
@@ -280,7 +280,7 @@ def _new_task(agent: Agent, args: argparse.Namespace, at: float) -> None:
 def summarize(args: argparse.Namespace, config: SwitchyardConfig, result: Outcome, counters: dict[str, Any],
               dram: str) -> dict[str, Any]:
     """The JSON report."""
-    params = config.service.sim
+    params = config.sim
     busy = counters["busy_seconds"]
     batch = max(1, counters["largest_batch"])
     bound = batch / decode_seconds(params, batch)
@@ -448,10 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
-        overrides: dict[str, Any] = {"queue.queues.inference.capacity": 1_000_000,
-                                     "queue.queues.inference.timeout_ms": 3_600_000}
+        overrides: dict[str, Any] = {"queues.inference.capacity": 1_000_000,
+                                     "queues.inference.timeout_ms": 3_600_000}
         if args.hbm_gb:
-            overrides["service.sim.hbm_gb"] = args.hbm_gb
+            overrides["sim.hbm_gb"] = args.hbm_gb
         config = config.with_overrides(**overrides)
     except ConfigError as exc:
         print(f"switchyard bench agents: {exc}", file=sys.stderr)

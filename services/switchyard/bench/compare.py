@@ -71,21 +71,21 @@ class Scenario:
     batching: bool = True
 
 
-_SPLIT = "service.orchestrator.inference_mode"
+_SPLIT = "orchestrator.inference_mode"
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "A",
         "baseline: one mixed queue, no batching",
-        {"queue.flush.max_batch_size": 1, "service.orchestrator.inference_mode": "inline"},
+        {"batching.max_batch_size": 1, "orchestrator.inference_mode": "inline"},
         batching=False,
     ),
-    Scenario("B", "split queues + double buffer (20 ms)", {"service.orchestrator.inference_mode": "split"}),
+    Scenario("B", "split queues + double buffer (20 ms)", {"orchestrator.inference_mode": "split"}),
     *(
-        Scenario(f"C{ms}", f"B, flush {ms} ms", {_SPLIT: "split", "queue.flush.flush_interval_ms": ms})
+        Scenario(f"C{ms}", f"B, flush {ms} ms", {_SPLIT: "split", "batching.flush_interval_ms": ms})
         for ms in (10, 20, 50)
     ),
-    Scenario("D", "B, adaptive flush (auto)", {_SPLIT: "split", "queue.flush.flush_interval_ms": "auto"}),
+    Scenario("D", "B, adaptive flush (auto)", {_SPLIT: "split", "batching.flush_interval_ms": "auto"}),
 )
 
 
@@ -131,7 +131,7 @@ def _make_service(name: str, config: SwitchyardConfig) -> Any:
 
 def _wired(config: SwitchyardConfig, dispatcher_addr: str, retrieval_addr: str) -> SwitchyardConfig:
     return config.with_overrides(
-        **{"service.orchestrator.dispatcher_addr": dispatcher_addr, "service.orchestrator.retrieval_addr": retrieval_addr}
+        **{"orchestrator.dispatcher_addr": dispatcher_addr, "orchestrator.retrieval_addr": retrieval_addr}
     )
 
 
@@ -155,7 +155,7 @@ async def stack(config: SwitchyardConfig, retrieval_addr: str, batching: bool = 
             for child in reversed(children):
                 await child.stop()
         return
-    server_cfg = config.service.server
+    server_cfg = config.server
     started: list[RunningServer] = []
     try:
         dispatcher = _make_service("dispatcher", config)
@@ -187,7 +187,7 @@ async def shared_retrieval(config: SwitchyardConfig, needed: bool, processes: bo
         finally:
             await child.stop()
         return
-    srv = await start_server([_make_service("retrieval", config)], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([_make_service("retrieval", config)], "127.0.0.1", 0, config.server)
     try:
         yield f"127.0.0.1:{srv.port}"
     finally:
@@ -327,11 +327,11 @@ def decode_bound_tokens_per_s(config: SwitchyardConfig, largest_batch: int) -> f
     ``largest_batch``: the most sequences the run can have running at once (its
     concurrency). None for other engines (no model of their bound).
     """
-    if config.service.dispatcher.engine != "sim" or largest_batch < 1:
+    if config.dispatcher.engine != "sim" or largest_batch < 1:
         return None
     from switchyard.dispatcher.engines.sim import decode_seconds
 
-    return largest_batch / decode_seconds(config.service.sim, largest_batch)
+    return largest_batch / decode_seconds(config.sim, largest_batch)
 
 
 def roofline_efficiency(row: dict[str, Any]) -> float | None:
@@ -435,7 +435,7 @@ def machine_description() -> str:
 
 
 def parse_settings(settings: list[str]) -> dict[str, Any]:
-    """``["scheduler.policy=fifo", "queue.flush.max_batch_size=16"]`` -> overrides; values parse as JSON, else text.
+    """``["scheduler.policy=fifo", "batching.max_batch_size=16"]`` -> overrides; values parse as JSON, else text.
 
     Raises:
         ValueError: an item without ``=``.
@@ -471,7 +471,7 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
     meta = {
         "command": "switchyard bench compare " + " ".join(args.argv),
         "machine": machine_description(),
-        "engine": base.service.dispatcher.engine,
+        "engine": base.dispatcher.engine,
         "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"}
         | {"calldata_items": len(plan.calldata)},
         "retrieval": needs_retrieval,
@@ -522,7 +522,7 @@ def main(argv: list[str]) -> int:
         pick_scenarios(args.scenarios)
         base = load_config(args.config_dir)
         if args.engine:
-            base = base.with_overrides(**{"service.dispatcher.engine": args.engine})
+            base = base.with_overrides(**{"dispatcher.engine": args.engine})
         if args.settings:
             base = base.with_overrides(**parse_settings(args.settings))
     except (ConfigError, ValueError) as exc:

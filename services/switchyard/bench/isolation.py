@@ -50,7 +50,7 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
     from switchyard.dispatcher.service import DispatcherService
 
     service = DispatcherService(config)
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
     try:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)

@@ -218,7 +218,7 @@ def simulate(policy_name: str, params: RouteParams, config: SwitchyardConfig | N
     """Run one policy over the whole workload; deterministic for a given ``params.seed``."""
     params.check()
     config = config or SwitchyardConfig()
-    sim = config.service.sim
+    sim = config.sim
     hbm_budget = sim.hbm_gb * 1e9 * config.memory.hbm.capacity_ratio - sim.params_billion * 1e9 * sim.bytes_per_param
     hbm_tokens = max(0.0, hbm_budget / sim.kv_bytes_per_token)
     replicas = [f"dispatcher-{i}" for i in range(params.replicas)]

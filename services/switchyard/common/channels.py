@@ -10,21 +10,21 @@ checks, ``switchyard run``, the bench client and the tests. Each carries:
   (and a multi-address target is sent as one ``CONNECT`` it cannot serve).
   Internal traffic never uses a proxy. Only the upstream model client honours
   the proxy variables (:mod:`switchyard.gateway.proxy`).
-- **Keepalive** (``service.server.keepalive_time_s`` / ``keepalive_timeout_s``):
+- **Keepalive** (``server.keepalive_time_s`` / ``keepalive_timeout_s``):
   a ping on a quiet connection, which is closed, failing its calls UNAVAILABLE,
   when the peer does not answer in time. A dead peer is found in seconds, not
   at the next TCP retransmission timeout. Servers accept pings every 10 s
   (``grpc.http2.min_ping_interval_without_data_ms`` in
   :func:`switchyard.common.server.server_options`); clients ping no more often,
   so no server answers GOAWAY "too_many_pings" (gRFC A8, client-side keepalive).
-- **Message limits**: ``service.server.max_message_bytes`` both ways, as the servers.
+- **Message limits**: ``server.max_message_bytes`` both ways, as the servers.
 - **round_robin**: a target that resolves to several addresses (``dns:///`` of a
   Kubernetes headless Service, ``ipv4:127.0.0.1:5001,127.0.0.1:5002``) spreads
   calls over all of them instead of pinning every call to the first.
 - **Deadline propagation**: a call started inside :func:`deadline_scope` gets at
   most the scope's remaining time as its timeout, so every downstream hop of a
   task ends when the task's own deadline does.
-- **TLS** when ``service.server.tls.enabled``: the peer checked against
+- **TLS** when ``server.tls.enabled``: the peer checked against
   ``ca_file``; under mTLS this service's certificate presented too.
 - **Tracing**: the client span interceptors when tracing is on
   (:func:`switchyard.common.telemetry.client_interceptors`).
@@ -155,7 +155,7 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
     Args:
         target: ``host:port``, or any gRPC target (``dns:///name:port``,
             ``ipv4:a:p,b:p``).
-        config: ``service.server`` (message limits, keepalive); defaults when None.
+        config: ``server`` (message limits, keepalive); defaults when None.
         tracer_provider: trace with this provider (tests); None: the global
             one, and no tracing interceptor when tracing is off.
     """

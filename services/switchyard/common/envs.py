@@ -71,6 +71,57 @@ SWITCHYARD_DRAM_ADDR = EnvVar[str | None](
     "host:port of the DRAM tier's Redis; overrides memory_policy.toml [dram] host/port (switchyard up sets it "
     "for the Redis it starts).",
 )
+SWITCHYARD_HOST = EnvVar[str | None](
+    "SWITCHYARD_HOST", _optional, None,
+    "Interface every service listens on (0.0.0.0 in a container); overrides server.host.",
+)
+
+
+def _task_store(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("sqlite", "redis"):
+        raise ValueError("expected one of 'sqlite', 'redis'")
+    return value
+
+
+SWITCHYARD_TASK_STORE = EnvVar[str | None](
+    "SWITCHYARD_TASK_STORE", _task_store, None,
+    "Task store of the orchestrator (sqlite, redis: shared by replicas); overrides orchestrator.task_store.backend.",
+)
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("true", "false", "1", "0"):
+        raise ValueError("expected true or false")
+    return value in ("true", "1")
+
+
+def _port_number(raw: str) -> int:
+    if not raw.strip().isdigit() or not 0 <= int(raw) < 65536:
+        raise ValueError("expected a TCP port, 0 to 65535")
+    return int(raw)
+
+
+SWITCHYARD_TLS_DIR = EnvVar[str | None](
+    "SWITCHYARD_TLS_DIR", _optional, None,
+    "Folder of tls.crt, tls.key and ca.crt (a kubernetes.io/tls Secret mounted as files): turns server.tls on "
+    "with those files.",
+)
+SWITCHYARD_TLS_CLIENT_AUTH = EnvVar[bool | None](
+    "SWITCHYARD_TLS_CLIENT_AUTH", _flag, None, "mTLS on (true) or off (false); overrides server.tls.require_client_auth."
+)
+SWITCHYARD_TLS_SERVER_NAME = EnvVar[str | None](
+    "SWITCHYARD_TLS_SERVER_NAME", _optional, None,
+    "Name checked in the peers' certificates when connecting by IP address; overrides server.tls.server_name.",
+)
+SWITCHYARD_AUTH_TOKENS_FILE = EnvVar[str | None](
+    "SWITCHYARD_AUTH_TOKENS_FILE", _optional, None,
+    "File of bearer tokens (a Secret mounted as a file): turns orchestrator.auth on with that tokens_file.",
+)
+SWITCHYARD_HEALTH_PORT = EnvVar[int | None](
+    "SWITCHYARD_HEALTH_PORT", _port_number, None,
+    "Plain-text health-only port of the service this process serves; overrides its health_port.",
+)
 SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
 SWITCHYARD_UP_FILE = EnvVar[str | None](
     "SWITCHYARD_UP_FILE", _optional, None,

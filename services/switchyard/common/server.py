@@ -60,7 +60,7 @@ class HealthOwner(Protocol):
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """grpc.aio server options from ``service.server``: message limits, keepalive, connection age."""
+    """grpc.aio server options from ``server``: message limits, keepalive, connection age."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -150,7 +150,7 @@ def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> in
         return server.add_insecure_port(address)
     cert, key, ca = tls.read()
     if cert is None or key is None:
-        raise ConfigError("service.server.tls: a server needs cert_file and key_file (the certificate it presents)")
+        raise ConfigError("server.tls: a server needs cert_file and key_file (the certificate it presents)")
     credentials = grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca if tls.require_client_auth else None,
         require_client_auth=tls.require_client_auth,

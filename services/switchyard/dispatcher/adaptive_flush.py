@@ -39,7 +39,7 @@ import math
 import time
 from collections import deque
 
-from switchyard.common.config import FlushConfig
+from switchyard.common.config import BatchingConfig
 
 
 class AdaptiveFlush:
@@ -60,7 +60,7 @@ class AdaptiveFlush:
 
     def __init__(
         self,
-        config: FlushConfig,
+        config: BatchingConfig,
         rate_window_s: float = 1.0,
         service_samples: int = 64,
         engine_step_s: float | None = None,

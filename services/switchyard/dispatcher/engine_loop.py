@@ -82,7 +82,7 @@ class LoopBase:
         self._busy_counted = self._busy_mark[1]
         scheduler.on_arrival = self._on_arrival
         bound = getattr(engine, "decode_bound_tokens_per_s", None)
-        metrics.DECODE_BOUND.set(bound(config.queue.flush.max_batch_size) if callable(bound) else 0.0)
+        metrics.DECODE_BOUND.set(bound(config.batching.max_batch_size) if callable(bound) else 0.0)
 
     # ------------------------------------------------------------------ service calls
 

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
-from switchyard.common.config import SwitchyardConfig, engine_default_model
+from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -78,7 +78,7 @@ def to_request(
             ``messages``, ``tools``, ``messages[i].role`` or ``tools[i].parameters_json``.
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
-    defaults, limits = config.service.dispatcher, config.service.limits
+    defaults, limits = config.dispatcher, config.limits
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
@@ -137,7 +137,7 @@ def to_request(
             prompt_tokens,
         )
     max_tokens = request.max_tokens or defaults.default_max_tokens
-    model = served_model or request.model or engine_default_model(config)
+    model = served_model or request.model or default_model(config)
     window = limits.context_window(model)
     if prompt_tokens >= window:
         raise InvalidArgument(
@@ -216,18 +216,18 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         self.config = config
         self.engine = engine if engine is not None else make_engine(config)
         self.stepping = isinstance(self.engine, StepEngine)
-        flush = config.queue.flush
+        flush = config.batching
         self.adaptive: AdaptiveFlush | None = (
             AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
         )
         self.limit: AdaptiveConcurrencyLimit | None = None
         capacity = None
         if not self.stepping:
-            self.limit = AdaptiveConcurrencyLimit(config.queue.model_gateway.concurrency)
+            self.limit = AdaptiveConcurrencyLimit(config.upstream.concurrency)
             capacity = ConcurrencyCapacity(self.limit)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
-        store = (KvStore(DramClient(dram), dram.kv_ttl_sec)
+        store = (KvStore(DramClient(dram), dram.kv_ttl_s)
                  if self.stepping and dram.kv_swap and hasattr(self.engine, "export_kv") else None)
         cold = ColdStore(config.memory.oss.path, dram.key_prefix) if store is not None else None  # [oss]
         self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
@@ -265,7 +265,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         if self.loop is None:
             return
         try:
-            await asyncio.wait_for(self.loop.drain(), self.config.service.server.shutdown_grace_s)
+            await asyncio.wait_for(self.loop.drain(), self.config.server.shutdown_grace_s)
         except TimeoutError:
             log.warning("dispatcher: drain exceeded the grace period; cancelling what still runs")
             await self.loop.stop()
@@ -275,6 +275,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         self.loop = None
 
     # ------------------------------------------------------------------ RPC
+
+    async def DescribeModel(
+        self, request: agent_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb2.ModelInfo:
+        """The model served to a request that names none, and the engine: callers check a request's
+        prompt + max_tokens against that model's context window before sending it."""
+        served = self.engine.model if self.stepping else default_model(self.config)
+        return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine)
 
     async def Generate(
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext

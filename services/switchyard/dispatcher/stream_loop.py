@@ -56,7 +56,7 @@ class StreamLoop(LoopBase):
         scheduler.preemption_enabled = False  # an upstream stream cannot be paused
         self.capacity = scheduler.capacity
         self.limit = limit
-        self.max_prefilling = config.queue.queues.inference.workers
+        self.max_prefilling = config.queues.inference.workers
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()

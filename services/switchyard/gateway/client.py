@@ -30,7 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from switchyard.common import telemetry
-from switchyard.common.config import ModelGatewayConfig
+from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
 from switchyard.gateway.cooldown import Cooldowns
@@ -91,7 +91,7 @@ class GatewayClient:
 
     def __init__(
         self,
-        config: ModelGatewayConfig,
+        config: UpstreamConfig,
         *,
         tracer: Tracer | None = None,
         transport: httpx.AsyncBaseTransport | None = None,

@@ -23,7 +23,7 @@ import grpc
 from purgatory import AsyncCircuitBreakerFactory
 from purgatory.domain.model import OpenedState
 
-from switchyard.common.config import ModelGatewayConfig
+from switchyard.common.config import UpstreamConfig
 from switchyard.gateway import models as model_names
 from switchyard.gateway.errors import GatewayError, ModelCoolingDown
 from switchyard.gateway.metrics import GATEWAY_CIRCUIT_OPEN, GATEWAY_COOLDOWNS
@@ -51,7 +51,7 @@ class Cooldowns:
         config: ``model_gateway``; ``cooldown`` gives the threshold and cooldown.
     """
 
-    def __init__(self, config: ModelGatewayConfig) -> None:
+    def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._breakers = AsyncCircuitBreakerFactory(
             default_threshold=config.cooldown.failures,

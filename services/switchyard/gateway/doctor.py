@@ -19,7 +19,7 @@ from typing import Iterable
 
 import httpx
 
-from switchyard.common.config import ConfigError, ModelGatewayConfig, load_config
+from switchyard.common.config import ConfigError, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
 from switchyard.gateway.client import GatewayClient
@@ -84,7 +84,7 @@ def _key_check(key: ApiKey, required: bool) -> Check:
     return Check("api key", False, key.describe(), problem)
 
 
-async def _list_models(cfg: ModelGatewayConfig, key: ApiKey, timeout_s: float) -> tuple[Check, list[str] | None]:
+async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float) -> tuple[Check, list[str] | None]:
     url = f"{cfg.base_url}/models"
     headers = {"accept": "application/json"}
     if key.present and not key.has_whitespace:
@@ -127,7 +127,7 @@ async def _list_models(cfg: ModelGatewayConfig, key: ApiKey, timeout_s: float) -
     return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids
 
 
-def _model_checks(cfg: ModelGatewayConfig, known: list[str], extra: Iterable[str]) -> list[Check]:
+def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -> list[Check]:
     wanted: dict[str, str] = {}
     wanted[model_names.resolve(cfg.default_model, cfg.model_map, cfg.default_model)] = "default_model"
     if cfg.fallback_model:
@@ -148,7 +148,7 @@ def _model_checks(cfg: ModelGatewayConfig, known: list[str], extra: Iterable[str
     return checks
 
 
-async def _probe(cfg: ModelGatewayConfig) -> Check:
+async def _probe(cfg: UpstreamConfig) -> Check:
     try:
         async with GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0})) as client:
             request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1)
@@ -159,7 +159,7 @@ async def _probe(cfg: ModelGatewayConfig) -> Check:
 
 
 async def run_checks(
-    cfg: ModelGatewayConfig, *, models: Iterable[str] = (), probe: bool = False, timeout_s: float = 5.0
+    cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = False, timeout_s: float = 5.0
 ) -> list[Check]:
     """Every check of the set-up, in report order (see the module docstring)."""
     checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
@@ -186,7 +186,7 @@ def _skipped_probe(why: str) -> Check:
     return Check("stream probe", True, f"skipped: {why}", skipped=True)
 
 
-def format_report(cfg: ModelGatewayConfig, checks: list[Check]) -> str:
+def format_report(cfg: UpstreamConfig, checks: list[Check]) -> str:
     """The text ``switchyard doctor`` prints: the set-up, one line per check, a fix under each failure."""
     lines = [
         f"model gateway: base_url {cfg.base_url}, key from {cfg.api_key_env}, "
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default 5)")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config_dir).queue.model_gateway
+        cfg = load_config(args.config_dir).upstream
         if args.base_url:
-            cfg = ModelGatewayConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url})
+            cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url})
     except (ConfigError, ValueError) as exc:
         print(f"switchyard doctor: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from switchyard.common.config import ModelGatewayConfig
+from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import GATEWAY_FALLBACKS, GATEWAY_RETRIES
 from switchyard.gateway.models import model_label
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 async def with_retries(
-    model: str, once: Callable[[str], Awaitable[T]], config: ModelGatewayConfig, deadline: float | None = None,
+    model: str, once: Callable[[str], Awaitable[T]], config: UpstreamConfig, deadline: float | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """``await once(model)``, retried up to ``config.max_retries`` times on retryable GatewayErrors.
@@ -85,7 +85,7 @@ async def with_retries(
 async def with_fallback(
     chain: Sequence[str],
     once: Callable[[str], Awaitable[T]],
-    config: ModelGatewayConfig,
+    config: UpstreamConfig,
     *,
     deadline: float,
     on_deadline: Callable[[str], GatewayError],

@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_dir:
         from switchyard.common.config import load_config
 
-        sim = load_config(args.config_dir).service.sim
+        sim = load_config(args.config_dir).sim
     options = SimOpenAIOptions(
         models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim
     )

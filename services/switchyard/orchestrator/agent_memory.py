@@ -6,7 +6,7 @@ list of JSON messages ``{"role", "content", "name", "task_id"}``, oldest first:
 - role ``user``: a task's payload; ``assistant``: its answer; ``tool``: a tool
   result it observed (``name`` is the tool).
 - At most ``[agent_memory] max_entries`` messages (LTRIM drops the oldest), each
-  cut to ``max_entry_chars``; the list expires ``ttl_sec`` after the agent's
+  cut to ``max_entry_chars``; the list expires ``ttl_s`` after the agent's
   last task (EXPIRE is renewed on every write).
 
 A task with an ``agent_id`` recalls the newest messages that fit in
@@ -91,7 +91,7 @@ class AgentMemory:
             async with redis.pipeline(transaction=True) as pipe:
                 pipe.rpush(key, *encoded)
                 pipe.ltrim(key, -self.config.max_entries, -1)
-                pipe.pexpire(key, max(1, int(self.config.ttl_sec * 1000)))
+                pipe.pexpire(key, max(1, int(self.config.ttl_s * 1000)))
                 await pipe.execute()
             return True
 

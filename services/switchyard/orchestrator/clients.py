@@ -79,7 +79,7 @@ class InferenceClient:
 
     Args:
         address: the dispatcher target (``host:port``, ``ipv4:a,b``, ``dns:///name:port``).
-        config: ``service.server`` (channel options).
+        config: ``server`` (channel options).
         affinity: ``orchestrator.affinity``; disabled: every call takes the next replica in turn.
     """
 
@@ -90,6 +90,7 @@ class InferenceClient:
         self.address = address
         self._channel = open_channel(address, config)
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
+        self._default_model: str | None = None
         addresses = static_addresses(address)
         self.replicas: ReplicaSet | None = None
         affinity = affinity or AffinityConfig()
@@ -150,6 +151,27 @@ class InferenceClient:
                 raise _downstream_error("dispatcher", address, err) from None
             finally:
                 call.cancel()
+
+    async def default_model(self, timeout_s: float = 5.0) -> str:
+        """The model the dispatcher serves to a request that names none (asked once, then kept).
+
+        Raises:
+            ServiceUnavailable: the dispatcher is down, naming its address.
+            SwitchyardError: the dispatcher answered with an error (its code kept).
+        """
+        if self._default_model is None:
+            address, stub = await self._route(None, frozenset())
+            try:
+                info = await stub.DescribeModel(agent_pb2.DescribeModelRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as err:
+                raise _downstream_error("dispatcher", address, err) from None
+            self._default_model = info.model
+        return self._default_model
+
+    @property
+    def known_default_model(self) -> str:
+        """:meth:`default_model` once it has been asked, else ""."""
+        return self._default_model or ""
 
     @property
     def channel(self) -> grpc.aio.Channel:

@@ -51,14 +51,14 @@ async def _probe(lags: list[float], stop: asyncio.Event, interval: float = 0.001
 
 async def _run_mode(executor: str, dispatcher: str, args: argparse.Namespace) -> dict[str, float]:
     cfg = load_config(args.config_dir).with_overrides(**{
-        "service.orchestrator.dispatcher_addr": dispatcher,
-        "service.orchestrator.cpu_executor": executor,
-        "service.limits.default_context_window_tokens": 200_000,
-        "service.limits.context_window_tokens": {},
+        "orchestrator.dispatcher_addr": dispatcher,
+        "orchestrator.cpu_executor": executor,
+        "limits.default_context_window_tokens": 200_000,
+        "limits.context_window_tokens": {},
     })
     words = " ".join(f"word{i % 97} and {{{{ braces }}}} text" for i in range(args.words // 4))
     data = [{"payload": f"{i} {words}", "task_type": "chat", "max_tokens": 8} for i in range(16)]
-    async with running([OrchestratorService(cfg)], cfg.service.server) as srv:
+    async with running([OrchestratorService(cfg)], cfg.server) as srv:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as data_file:
             json.dump(data, data_file)
             data_file.flush()
@@ -110,7 +110,7 @@ async def _main(args: argparse.Namespace) -> None:
             if proc.poll() is not None:
                 raise SystemExit("dispatcher failed to start")
             await asyncio.sleep(0.2)
-        workers = load_config(args.config_dir).service.orchestrator.cpu_workers
+        workers = load_config(args.config_dir).orchestrator.cpu_workers
         rows = []
         for label, executor in (("event loop", "loop"), (f"{workers} threads", "thread"),
                                 (f"{workers} processes", "process")):

@@ -67,8 +67,8 @@ class ReplicaSet:
     """Per-replica channels and the affinity ring for one dispatcher target.
 
     Args:
-        target: the dispatcher target (``service.orchestrator.dispatcher_addr``).
-        config: ``service.server``, for the channels.
+        target: the dispatcher target (``orchestrator.dispatcher_addr``).
+        config: ``server``, for the channels.
         idle_s: an agent not seen for this long is forgotten (its replica's load drops).
         resolve_interval_s: seconds between DNS resolutions of a ``dns:`` target.
         balance: the affinity ring's load bound.

@@ -97,8 +97,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
-        config: the loaded configuration; ``service.orchestrator`` gives the
-            downstream addresses and the task store, ``queue.queues.orchestration`` the queue.
+        config: the loaded configuration; ``orchestrator`` gives the
+            downstream addresses and the task store, ``queues.orchestration`` the queue.
     """
 
     name = "orchestrator"
@@ -121,7 +121,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         Raises:
             AuthConfigError: auth is on and no token can be read.
         """
-        auth = self.config.service.orchestrator.auth
+        auth = self.config.orchestrator.auth
         return [BearerAuthInterceptor(auth)] if auth.enabled else []
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -129,18 +129,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
 
     async def start(self) -> None:
         cfg = self.config
-        orch = cfg.service.orchestrator
+        orch = cfg.orchestrator
         await self.tasks.open()
         log.info("orchestrator: task store %s (instance %s)", self.tasks.name, self.tasks.owner)
-        queue = WorkQueue("orchestration", cfg.queue.queues.orchestration)
+        queue = WorkQueue("orchestration", cfg.queues.orchestration)
         queue.start()
-        retrieval_timeout = cfg.queue.queues.retrieval.timeout_ms / 1000 + 5.0
         self._deps = workflows.Deps(
             config=cfg,
             queue=queue,
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
-            retrieval=RetrievalClient(orch.retrieval_addr, cfg.service.server, retrieval_timeout),
-            inference=InferenceClient(orch.dispatcher_addr, cfg.service.server, orch.affinity),
+            retrieval=RetrievalClient(orch.retrieval_addr, cfg.server, orch.retrieval_timeout_ms / 1000),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity),
             memory=await self._agent_memory(),
         )
         log.info(
@@ -159,7 +158,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     async def watch_health(self, health) -> None:
         """Readiness follows the downstream services' health (see readiness.py); liveness ("") does not."""
         assert self._deps is not None, "start() not called"
-        orch = self.config.service.orchestrator
+        orch = self.config.orchestrator
         self.readiness = Readiness(
             health.set,
             {
@@ -177,7 +176,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         if self.readiness is not None:
             await self.readiness.stop()
         if self._background:
-            await asyncio.wait(self._background, timeout=self.config.service.server.shutdown_grace_s)
+            await asyncio.wait(self._background, timeout=self.config.server.shutdown_grace_s)
         for task in self._background:
             task.cancel()
         if self._background:  # each records its task as FAILED before the store closes
@@ -201,7 +200,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         whichever comes first (the orchestrator owns a task's lifetime)."""
         assert self._deps is not None, "start() not called"
         now = time.monotonic()
-        limit = self.config.service.orchestrator.task_time_limit_s[spec.workflow]
+        limit = self.config.orchestrator.task_time_limit_s[spec.workflow]
         deadline, source = now + limit, f"orchestrator.task_time_limit_s.{spec.workflow} = {limit:g}"
         remaining = context.time_remaining() if context is not None else None
         if remaining is not None and now + remaining < deadline:
@@ -212,7 +211,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             emit=emit,
             deadline_s=deadline,
             deadline_source=source,
-            inline=self.config.service.orchestrator.inference_mode == "inline",
+            inline=self.config.orchestrator.inference_mode == "inline",
             trace_id=_trace_id(),
         )
 
@@ -221,7 +220,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         span = trace.get_current_span()
         if not span.is_recording():
             return
-        for key in self.config.service.orchestrator.metadata_span_keys:
+        for key in self.config.orchestrator.metadata_span_keys:
             if key in metadata:
                 span.set_attribute(f"switchyard.metadata.{key}", metadata[key][:256])
 
@@ -270,13 +269,20 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             AGENTS_CONCURRENT.dec()
             TASKS.labels(run.spec.workflow, code.name).inc()
 
+    async def _default_model(self, request: agent_pb2.RunTaskRequest) -> str:
+        """The model a request naming none is served: the dispatcher says (asked once)."""
+        if request.model:
+            return ""
+        assert self._deps is not None, "start() not called"
+        return await self._deps.inference.default_model()
+
     # ------------------------------------------------------------------ RPCs
 
     async def RunTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.TaskEvent]:
         try:
-            spec = workflows.validate(request, self.config)
+            spec = workflows.validate(request, self.config, await self._default_model(request))
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
@@ -307,8 +313,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         """
         self._record_metadata(request.metadata)
         try:
-            spec = workflows.validate(request, self.config)
-            limit = self.config.service.orchestrator.task_table_size
+            spec = workflows.validate(request, self.config, await self._default_model(request))
+            limit = self.config.orchestrator.task_table_size
             if len(self._submitted) >= limit:
                 raise SwitchyardError(
                     f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.task_table_size); "
@@ -430,10 +436,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
         if record is None:
-            retention = self.config.service.orchestrator.task_store.retention_sec
+            retention = self.config.orchestrator.task_store.retention_s
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"task_id: no task {request.task_id!r} (never submitted, or finished more than {retention:g} s ago: "
-                "orchestrator.task_store.retention_sec)",
+                "orchestrator.task_store.retention_s)",
             )
         return record.to_status()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry
-from switchyard.common.config import SwitchyardConfig, engine_default_model
+from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.common.queues import WorkQueue
@@ -65,13 +65,13 @@ class TaskSpec:
     agent_id: str
 
 
-def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig) -> TaskSpec:
-    """Check a request and fill defaults.
+def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str) -> TaskSpec:
+    """Check a request and fill defaults; ``default_model`` is the dispatcher's, for a request naming none.
 
     Raises:
         InvalidArgument: naming the field and what was expected.
     """
-    orch, limits = config.service.orchestrator, config.service.limits
+    orch, limits = config.orchestrator, config.limits
     if not request.payload.strip():
         raise InvalidArgument("payload", "a non-empty string (the question or instruction)")
     if len(request.payload) > limits.max_payload_chars:
@@ -89,7 +89,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig) -> Tas
         raise InvalidArgument("task_type", f"one of {', '.join(WORKFLOWS)} (empty = {orch.default_task_type})", workflow)
     if request.priority not in agent_pb2.Priority.values():
         raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
-    model = request.model or engine_default_model(config)
+    model = request.model or default_model
     window = limits.context_window(model)
     limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
     if not 0 <= request.max_tokens <= limit:
@@ -291,7 +291,7 @@ def _plan(run: TaskRun) -> CpuJob:
     """Resolve defaults the later steps read; the task enters the orchestration queue here."""
 
     def apply(_: None) -> None:
-        run.model = run.spec.model or run.deps.config.service.dispatcher.engine
+        run.model = run.spec.model or run.deps.inference.known_default_model
 
     return CpuJob(None, apply=apply)
 
@@ -348,8 +348,8 @@ def _count_tokens(run: TaskRun) -> CpuJob:
     assert run.prompt is not None
     prompt = run.prompt
     config = run.deps.config
-    model = run.spec.model or engine_default_model(config)
-    window = config.service.limits.context_window(model)
+    model = run.spec.model or run.deps.inference.known_default_model
+    window = config.limits.context_window(model)
     budget = window - run.spec.max_tokens
 
     def apply(counts: tuple[int, int]) -> None:
@@ -386,7 +386,7 @@ async def _think(run: TaskRun, step: int, tools: list[Tool]) -> tuple[str, list[
 
 async def _react(run: TaskRun) -> None:
     """think -> tool call -> observe, up to max_steps; then one last answer without tools."""
-    policy = run.deps.config.service.orchestrator.react
+    policy = run.deps.config.orchestrator.react
     tools = {t.name: t for t in _tools(run)}
     for step in range(policy.max_steps):
         text, calls = await _think(run, step, list(tools.values()))

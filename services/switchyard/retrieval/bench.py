@@ -71,18 +71,18 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(args.config_dir)
         if args.index_dir:
-            config = config.with_overrides(**{"service.retrieval.index_dir": args.index_dir})
+            config = config.with_overrides(**{"retrieval.index_dir": args.index_dir})
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     except (ConfigError, ValueError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
-    workers = config.queue.queues.retrieval.workers
+    workers = config.queues.retrieval.workers
     print(f"{args.queries} concurrent Retrieve calls, {workers} retrieval queue workers")
     for size in sizes:
         overrides = {
-            "service.retrieval.embed_batch_size": size,
+            "retrieval.embed_batch_size": size,
             # no queue timeouts while measuring throughput
-            "queue.queues.retrieval": {"capacity": max(args.queries, 1), "workers": workers, "timeout_ms": 3_600_000},
+            "queues.retrieval": {"capacity": max(args.queries, 1), "workers": workers, "timeout_ms": 3_600_000},
         }
         try:
             result = asyncio.run(run_once(config.with_overrides(**overrides), args.queries))

@@ -96,7 +96,7 @@ def chunk_corpus(docs: Sequence[Document], embedder: Embedder, config: Switchyar
     Raises:
         ValueError: ``chunk_tokens`` is above the model's window (names the key, the value and the window).
     """
-    settings = config.service.retrieval
+    settings = config.retrieval
     if settings.chunk_tokens > embedder.window:
         raise ValueError(
             f"retrieval.chunk_tokens={settings.chunk_tokens} is above the window of {embedder.name} "
@@ -119,7 +119,7 @@ def build_index(
     Args:
         paths: files or folders to index; empty = CPython's documentation topics.
         out_dir: index folder (created; existing index files are replaced).
-        config: chunk sizes and embed batch size come from ``service.retrieval``.
+        config: chunk sizes and embed batch size come from ``retrieval``.
         progress: report embedding progress on ``stream`` (a bar on a terminal, else plain lines).
         embedder: the model to use; default :func:`load_embedder`.
         stream: where progress goes (default ``sys.stderr``).
@@ -132,7 +132,7 @@ def build_index(
         FileNotFoundError: a path does not exist.
         ValueError: the paths hold no text to index, or ``retrieval.chunk_tokens`` exceeds the model's window.
     """
-    settings = config.service.retrieval
+    settings = config.retrieval
     docs = path_documents(paths) if paths else pydoc_documents()
     set_threads(settings.embed_threads)
     embedder = embedder or load_embedder()
@@ -171,11 +171,11 @@ def main(argv: list[str]) -> int:
                         help="no progress report (by default: a bar on a terminal, plain lines otherwise)")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config_dir)
+        config = load_config(args.config_dir, service="retrieval")
     except ConfigError as exc:
         print(f"switchyard index: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or config.service.retrieval.index_dir)
+    out = Path(args.out or config.retrieval.index_dir)
     started = time.monotonic()
     try:
         manifest = build_index(args.paths, out, config, progress=not args.no_progress)

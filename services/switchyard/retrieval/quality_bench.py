@@ -150,7 +150,7 @@ def run(args: argparse.Namespace):
     from switchyard.retrieval.lexical import LexicalIndex
 
     config = load_config(args.config_dir)
-    settings = config.service.retrieval
+    settings = config.retrieval
     rrf_k, candidates = settings.rrf_k, settings.hybrid_candidates
     queries = load_queries(args.queries)
     set_threads(settings.embed_threads)

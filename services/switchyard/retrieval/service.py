@@ -51,8 +51,8 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
     """Serves ``agent.RetrievalService`` (the common.server.Service protocol).
 
     Args:
-        config: ``service.retrieval`` (index_dir, top_k, max_top_k, embed batching)
-            and ``queue.queues.retrieval``.
+        config: ``retrieval`` (index_dir, top_k, max_top_k, embed batching)
+            and ``queues.retrieval``.
         embedder: the embedding model; default: all-MiniLM-L6-v2 loaded at :meth:`start`.
     """
 
@@ -61,8 +61,8 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
 
     def __init__(self, config: SwitchyardConfig, embedder: Embedder | None = None) -> None:
         self.config = config
-        self.settings = config.service.retrieval
-        self.queue = WorkQueue(QUEUE_NAME, config.queue.queues.retrieval)
+        self.settings = config.retrieval
+        self.queue = WorkQueue(QUEUE_NAME, config.queues.retrieval)
         self._embedder = embedder
         self._batcher: MicroBatcher | None = None
         self._index: VectorIndex | None = None

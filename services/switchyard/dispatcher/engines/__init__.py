@@ -1,6 +1,6 @@
 """Inference engines and the factory that picks one from config.
 
-``service.dispatcher.engine`` (or ``SWITCHYARD_ENGINE``) chooses:
+``dispatcher.engine`` (or ``SWITCHYARD_ENGINE``) chooses:
 
 - ``sim``: :class:`switchyard.dispatcher.engines.sim.SimEngine`, a latency
   model with deterministic text; no GPU, no weights (the default).
@@ -34,7 +34,7 @@ class EngineUnavailable(SwitchyardError):
 
 
 def make_engine(config: SwitchyardConfig) -> StepEngine | StreamEngine:
-    """Build the engine named by ``config.service.dispatcher.engine``.
+    """Build the engine named by ``config.dispatcher.engine``.
 
     Each engine class takes the whole :class:`SwitchyardConfig`.
 
@@ -43,7 +43,7 @@ def make_engine(config: SwitchyardConfig) -> StepEngine | StreamEngine:
             torch) is not installed; the message names the engine and the
             extra to install.
     """
-    name = config.service.dispatcher.engine
+    name = config.dispatcher.engine
     module_name, class_name = _ENGINES[name]
     try:
         module = importlib.import_module(module_name)
@@ -51,6 +51,6 @@ def make_engine(config: SwitchyardConfig) -> StepEngine | StreamEngine:
         raise EngineUnavailable(
             f"{name} engine not installed (missing module {exc.name!r}); "
             f"install the extra (pip install 'switchyard[{name if name == 'torch' else 'dispatcher'}]') "
-            f"or set service.dispatcher.engine / SWITCHYARD_ENGINE to 'sim'"
+            f"or set dispatcher.engine / SWITCHYARD_ENGINE to 'sim'"
         ) from None
     return getattr(module, class_name)(config)

@@ -110,12 +110,12 @@ class OpenAIEngine:
     """StreamEngine over ``model_gateway`` (queue.json).
 
     Args:
-        config: the whole config; reads ``queue.model_gateway``.
+        config: the whole config; reads ``upstream``.
         tracer: tracer for the gateway spans (default: global).
     """
 
     def __init__(self, config: SwitchyardConfig, *, tracer: Tracer | None = None) -> None:
-        self.config = config.queue.model_gateway
+        self.config = config.upstream
         self.model = self.config.default_model
         # Fail at start-up, not on the first task: a missing key, or one with
         # whitespace (a pasted trailing newline), is a set-up error.

@@ -310,11 +310,11 @@ class SimEngine:
     """A :class:`~switchyard.dispatcher.engines.base.StepEngine` driven by the latency model.
 
     Args:
-        config: the whole config; reads ``service.sim``.
+        config: the whole config; reads ``sim``.
     """
 
     def __init__(self, config: SwitchyardConfig) -> None:
-        self.params = config.service.sim
+        self.params = config.sim
         self.model = self.params.model
         self.busy_seconds = 0.0
         self.memory_busy_seconds = 0.0

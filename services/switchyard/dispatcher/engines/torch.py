@@ -144,14 +144,14 @@ class TorchEngine:
     """A :class:`~switchyard.dispatcher.engines.base.StepEngine` running :class:`DecoderLM`.
 
     Args:
-        config: the whole config; reads ``service.torch``.
+        config: the whole config; reads ``torch``.
 
     Raises:
         ValueError: a bad checkpoint (see :func:`build_model`).
     """
 
     def __init__(self, config: SwitchyardConfig) -> None:
-        self.params: TorchEngineConfig = config.service.torch
+        self.params: TorchEngineConfig = config.torch
         if self.params.threads:
             torch.set_num_threads(self.params.threads)
         self.model_net: DecoderLM = build_model(self.params)
@@ -507,15 +507,15 @@ def main(argv: list[str]) -> int:
         parser.error("--batch, --steps and --prompt-tokens: expected positive integers")
 
     config = load_config(args.config_dir)
-    overrides: dict[str, object] = {"service.torch.ignore_eos": True}
+    overrides: dict[str, object] = {"torch.ignore_eos": True}
     if args.preset == "gpu":
-        overrides.update({f"service.torch.{key}": value for key, value in GPU_PRESET.items()})
+        overrides.update({f"torch.{key}": value for key, value in GPU_PRESET.items()})
     if args.device:
-        overrides["service.torch.device"] = args.device
+        overrides["torch.device"] = args.device
     if args.dtype:
-        overrides["service.torch.dtype"] = args.dtype
+        overrides["torch.dtype"] = args.dtype
     config = config.with_overrides(**overrides)
-    limit = config.service.torch.max_seq_len
+    limit = config.torch.max_seq_len
     if args.prompt_tokens + args.steps + 2 >= limit:
         parser.error(f"--prompt-tokens + --steps must stay below torch.max_seq_len ({limit})")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from switchyard.common.config import SchedulerFile, SwitchyardConfig
+from switchyard.common.config import SchedulerConfig, SwitchyardConfig
 from switchyard.dispatcher.scheduler.base import Scheduler, SchedulerOutput, should_park
 from switchyard.dispatcher.scheduler.capacity import Capacity
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
@@ -35,7 +35,7 @@ POLICIES: dict[str, type[SchedulerCore]] = {"priority": PriorityScheduler, "fifo
 
 
 def make_scheduler(
-    config: SwitchyardConfig | SchedulerFile,
+    config: SwitchyardConfig | SchedulerConfig,
     engine: Any = None,
     *,
     policy: str | None = None,

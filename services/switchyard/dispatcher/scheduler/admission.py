@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from switchyard.common.config import SchedulerFile
+from switchyard.common.config import SchedulerConfig
 from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.scheduler import metrics
 
@@ -82,7 +82,7 @@ class Admission:
             high_load_threshold, expected_score_initial, expected_score_ema_alpha).
     """
 
-    def __init__(self, config: SchedulerFile) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self.max_running = config.max_running_agents
         self.high_load_threshold = config.high_load_threshold
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)

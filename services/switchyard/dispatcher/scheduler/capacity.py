@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from switchyard.common.config import HbmTier
+from switchyard.common.config import HbmTierConfig
 from switchyard.dispatcher.request import Request
 
 KV_MEMORY = "kv_memory"
@@ -89,7 +89,7 @@ class KvBudget:
         ValueError: the weights alone exceed ``capacity_ratio`` x device memory.
     """
 
-    def __init__(self, hbm: HbmTier, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
+    def __init__(self, hbm: HbmTierConfig, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
                  device_used: Any = None) -> None:
         self.info = info
         self._device_used = device_used

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from switchyard.common.config import ComputeScoreWeights, SchedulerFile
+from switchyard.common.config import ComputeScoreWeights, SchedulerConfig
 from switchyard.dispatcher.scheduler import metrics
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class ComputeScoreMonitor:
 
     def __init__(
         self,
-        config: SchedulerFile,
+        config: SchedulerConfig,
         busy_seconds: Callable[[], float] | None = None,
         nvml: ModuleType | Any | None = None,
         engine: Any = None,

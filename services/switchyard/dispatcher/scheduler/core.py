@@ -22,7 +22,7 @@ This class is the only place that
   a preempted request or an evicted parked agent goes to the DRAM tier when
   swapping is cheaper than recomputing, and comes back at admission
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
-  hbm_scan_interval_sec``) evicts at ``emergency_evict_ratio`` and
+  hbm_scan_interval_s``) evicts at ``emergency_evict_ratio`` and
   defragments while the compute score is below ``defrag_trigger_score``.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
@@ -96,8 +96,8 @@ class SchedulerCore:
     """Implements :class:`~switchyard.dispatcher.scheduler.base.Scheduler` but the policy hooks.
 
     Args:
-        config: the whole config (``scheduler``, ``queue.queues.inference``,
-            ``queue.flush``, ``memory.hbm``).
+        config: the whole config (``scheduler``, ``queues.inference``,
+            ``batching``, ``memory.hbm``).
         engine: the engine; a step engine's ``kv_bytes``, ``release``,
             ``memory_info`` and ``busy_seconds`` are used when present.
         monitor: compute-score source; default a :class:`ComputeScoreMonitor`
@@ -125,7 +125,7 @@ class SchedulerCore:
         self.config = config.scheduler
         self.memory = config.memory
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
-        self.queue_config = config.queue.queues.inference
+        self.queue_config = config.queues.inference
         self.engine = engine
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
         self.admission = Admission(self.config)
@@ -136,7 +136,7 @@ class SchedulerCore:
             capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
                                  getattr(engine, "device_used_bytes", None)) if info else Unbounded())
         self.capacity = capacity
-        flush = config.queue.flush
+        flush = config.batching
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
@@ -330,7 +330,7 @@ class SchedulerCore:
             self.hbm_scan(now, SchedulerOutput())
 
     def hbm_scan(self, now: float, out: SchedulerOutput) -> None:
-        """The periodic HBM scan (``[scan] hbm_scan_interval_sec``), also run after a real OOM.
+        """The periodic HBM scan (``[scan] hbm_scan_interval_s``), also run after a real OOM.
 
         - Device memory in use at or above ``emergency_evict_ratio`` (the
           device's reading on a GPU, the modelled usage otherwise): evict,
@@ -342,7 +342,7 @@ class SchedulerCore:
         - Compute score below ``defrag_trigger_score``: compact the engine's KV
           block table (``engine.compact_kv``) while the GPU has time for it.
         """
-        self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_sec
+        self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
         tier_metrics.SCANS.labels("hbm").inc()
         usage = getattr(self.capacity, "usage_ratio", None)
         limit = self.memory.hbm.emergency_evict_ratio

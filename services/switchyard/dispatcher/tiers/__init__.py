@@ -16,7 +16,7 @@ pricing:
   redis-py's asyncio client); an outage is a miss.
 - :mod:`.cold`: the cold tier, files through fsspec at ``[oss] path``: the
   DRAM scan archives there what is worth little (below ``demote_threshold``)
-  and has sat in DRAM for ``archive_interval_sec``; a restore that misses in
+  and has sat in DRAM for ``archive_interval_s``; a restore that misses in
   DRAM looks there and promotes what it finds back to HBM.
 - :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
 - :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from switchyard.common import telemetry
-from switchyard.common.config import MemoryPolicyFile, PriorityBoost
+from switchyard.common.config import MemoryTiersConfig, PriorityBoost
 from switchyard.dispatcher.request import Request, request_links
 from switchyard.dispatcher.tiers import metrics
 from switchyard.dispatcher.tiers.cold import ColdStore
@@ -61,7 +61,7 @@ class MemoryTiers:
         cold: the cold store; None: what the DRAM scan demotes is dropped.
     """
 
-    def __init__(self, memory: MemoryPolicyFile, boost: PriorityBoost, engine: Any,
+    def __init__(self, memory: MemoryTiersConfig, boost: PriorityBoost, engine: Any,
                  store: KvStore | None = None, cold: ColdStore | None = None) -> None:
         self.config = memory
         self.engine = engine
@@ -216,13 +216,13 @@ class MemoryTiers:
 
         Entries valued at or above ``promote_threshold`` stay hot (TTL
         renewed). Entries valued below ``demote_threshold`` that have sat in
-        DRAM for ``[oss] archive_interval_sec`` leave it: archived to the cold
+        DRAM for ``[oss] archive_interval_s`` leave it: archived to the cold
         tier (dropped when there is none, or when the archive fails). Returns
         (kept hot, moved out).
         """
         if self.store is None or not self.store.available():
             return 0, 0
-        dram, archive_after = self.config.dram, self.config.oss.archive_interval_sec
+        dram, archive_after = self.config.dram, self.config.oss.archive_interval_s
         hot = moved = 0
         now = time.time() if now is None else now
         async for entry in self.store.scan():
@@ -243,13 +243,13 @@ class MemoryTiers:
         return hot, moved
 
     def start_scans(self) -> None:
-        """Run :meth:`scan_dram` every ``[scan] dram_scan_interval_sec`` on the running loop (idempotent)."""
+        """Run :meth:`scan_dram` every ``[scan] dram_scan_interval_s`` on the running loop (idempotent)."""
         if self.store is None or self._scan_task is not None:
             return
 
         async def every() -> None:
             while True:
-                await asyncio.sleep(self.config.scan.dram_scan_interval_sec)
+                await asyncio.sleep(self.config.scan.dram_scan_interval_s)
                 try:
                     await self.scan_dram()
                 except Exception:  # noqa: BLE001 - a scan must never end the loop

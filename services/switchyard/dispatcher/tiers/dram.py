@@ -5,13 +5,13 @@ preempted request's KV, by request id; ``agent``: a parked agent's prefix, by
 agent id). Fields: ``payload`` (the engine's bytes), ``tokens``, ``nbytes``
 (device bytes the state takes in HBM), ``priority`` (class name), ``hits``,
 ``cost_us`` (prefill microseconds it saves) and ``stored_at`` (Unix seconds).
-Every entry has a TTL (``[dram] kv_ttl_sec``).
+Every entry has a TTL (``[dram] kv_ttl_s``).
 
 Outages are the client's business (one WARNING per outage,
 ``switchyard_dram_up``, ``switchyard_dram_outages_total``,
 ``switchyard_dram_degraded_operations_total``): here a failed operation is a
 miss, and :meth:`KvStore.available` tells the scheduler not to swap while
-Redis is down (until ``[dram] retry_interval_sec`` has passed, when the next
+Redis is down (until ``[dram] retry_interval_s`` has passed, when the next
 swap is the client's probe).
 """
 
@@ -64,12 +64,12 @@ class KvStore:
 
     Args:
         dram: the service's DRAM client (address, key prefix, timeouts, outage handling).
-        ttl_sec: TTL of an entry (``[dram] kv_ttl_sec``).
+        ttl_s: TTL of an entry (``[dram] kv_ttl_s``).
     """
 
-    def __init__(self, dram: DramClient, ttl_sec: float) -> None:
+    def __init__(self, dram: DramClient, ttl_s: float) -> None:
         self.dram = dram
-        self.ttl_sec = int(ttl_sec)
+        self.ttl_s = int(ttl_s)
         self.nbytes = 0
         """Device bytes of the entries this process wrote and has not seen go (the tier's size)."""
         self._sizes: dict[str, int] = {}
@@ -80,7 +80,7 @@ class KvStore:
         return self.dram.key("kv", kind, ident)
 
     def available(self) -> bool:
-        """False while Redis is down, until ``retry_interval_sec`` after the last failed operation."""
+        """False while Redis is down, until ``retry_interval_s`` after the last failed operation."""
         return self.dram.up or time.monotonic() >= self._retry_at
 
     async def put(self, key: str, payload: bytes, *, tokens: int, nbytes: int, priority: str, hits: int,
@@ -92,7 +92,7 @@ class KvStore:
         async def write(redis: Any) -> bool:
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.hset(key, mapping=mapping)
-                pipe.expire(key, self.ttl_sec)
+                pipe.expire(key, self.ttl_s)
                 await pipe.execute()
             return True
 
@@ -117,7 +117,7 @@ class KvStore:
 
     async def touch(self, key: str) -> None:
         """Renew an entry's TTL."""
-        await self._call(lambda redis: redis.expire(key, self.ttl_sec), "KV TTL renewal")
+        await self._call(lambda redis: redis.expire(key, self.ttl_s), "KV TTL renewal")
 
     async def scan(self) -> AsyncIterator[Entry]:
         """Every KV entry, metadata only (no payload); stops early when Redis fails."""
@@ -155,7 +155,7 @@ class KvStore:
         """``fn(redis)`` through the client; None when it failed (and no swap is tried for a while)."""
         result = await self.dram.call(fn, _FAILED, op)
         if result is _FAILED:
-            self._retry_at = time.monotonic() + self.dram.config.retry_interval_sec
+            self._retry_at = time.monotonic() + self.dram.config.retry_interval_s
             return None
         return result
 

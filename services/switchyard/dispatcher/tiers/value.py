@@ -17,7 +17,7 @@ parked agent's prefix, a swapped-out copy in Redis) gets one number::
 - ``1 + hits``: frequency, the times the state was reused from a tier; with
   recency it is what ARC balances (Megiddo and Modha, FAST 2003), the policy
   vLLM's KV offloading connector offers besides LRU.
-- ``recency``: ``0.5 ** (idle_s / recency_half_life_sec)``, LRU's signal as a
+- ``recency``: ``0.5 ** (idle_s / recency_half_life_s)``, LRU's signal as a
   decay; it stays 1 while a parked agent's tool-wait TTL runs, because an agent
   waiting on a tool is expected back: Continuum pins a tool-calling agent's KV
   for a TTL sized to the tool call (Li et al., "Continuum: Efficient and Robust
@@ -76,6 +76,6 @@ class ValueScore:
             idle_s: seconds since it was last used.
             pinned: a parked agent within its tool-wait TTL (recency stays 1).
         """
-        recency = 1.0 if pinned else 0.5 ** (max(0.0, idle_s) / self.config.recency_half_life_sec)
+        recency = 1.0 if pinned else 0.5 ** (max(0.0, idle_s) / self.config.recency_half_life_s)
         size_gib = max(1, nbytes) / GIB
         return self.weight(priority_class) * (1 + max(0, hits)) * max(0.0, reuse_seconds) * 1e6 / size_gib * recency

@@ -17,8 +17,8 @@ from switchyard.orchestrator.taskstore.base import (
 
 
 def make_task_store(config: SwitchyardConfig) -> TaskStore:
-    """The store ``config.service.orchestrator.task_store`` names (not yet opened)."""
-    store = config.service.orchestrator.task_store
+    """The store ``config.orchestrator.task_store`` names (not yet opened)."""
+    store = config.orchestrator.task_store
     if store.backend == "redis":
         from switchyard.orchestrator.taskstore.redis_store import RedisTaskStore
 

@@ -2,10 +2,10 @@
 
 A record is written when SubmitTask accepts a task, again when it starts
 running and when it finishes. Each orchestrator holds a **lease** (renewed every
-``lease_sec / 3``); a record names the orchestrator that owns it. A task whose
+``lease_s / 3``); a record names the orchestrator that owns it. A task whose
 owner's lease ran out (the process was killed, or its host died) while the task
 was QUEUED or RUNNING is an **orphan**: the next reader, or the owner-less sweep
-run every ``lease_sec``, marks it FAILED with the reason. An owner on the same
+run every ``lease_s``, marks it FAILED with the reason. An owner on the same
 host and in the same PID namespace whose process no longer exists is known
 dead at once, without waiting for its lease (a restart after ``kill -9``).
 """
@@ -207,20 +207,20 @@ class TaskStore(ABC):
         await self._close()
 
     def _new_lease(self) -> Lease:
-        return Lease(time.time() + self.config.lease_sec, self.host, os.getpid())
+        return Lease(time.time() + self.config.lease_s, self.host, os.getpid())
 
     async def _maintain(self) -> None:
-        interval = self.config.lease_sec / 3
+        interval = self.config.lease_s / 3
         last_sweep = last_purge = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             try:
                 await self._renew(self._new_lease())
                 now = time.monotonic()
-                if now - last_sweep >= self.config.lease_sec:
+                if now - last_sweep >= self.config.lease_s:
                     last_sweep = now
                     await self.sweep()
-                if now - last_purge >= min(60.0, self.config.retention_sec):
+                if now - last_purge >= min(60.0, self.config.retention_s):
                     last_purge = now
                     await self._purge(time.time())
             except TaskStoreUnavailable as exc:
@@ -280,7 +280,7 @@ class TaskStore(ABC):
         state = agent_pb2.TaskState.Name(record.state)
         reason = (
             f"UNAVAILABLE: orchestrator {record.owner} stopped while the task was {state} (its lease ran out; "
-            f"orchestrator.task_store.lease_sec = {self.config.lease_sec:g}) and recorded no result; "
+            f"orchestrator.task_store.lease_s = {self.config.lease_s:g}) and recorded no result; "
             "resubmit it under a new task_id"
         )
         updated = await self._update(record.task_id, record.owner, agent_pb2.FAILED, error=reason,

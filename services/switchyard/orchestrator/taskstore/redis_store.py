@@ -5,7 +5,7 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 
 - ``task:{task_id}``: a hash (fingerprint, state, owner, trace_id, error, result,
   timings, created_at, updated_at, finished_at); a finished task's hash expires
-  ``retention_sec`` after it finished;
+  ``retention_s`` after it finished;
 - ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
 - ``tasks:finished``: a sorted set of finished task_ids by finish time (the
   ``max_finished_tasks`` bound);
@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from switchyard.api import agent_pb2
-from switchyard.common.config import DramTier, TaskStoreConfig
+from switchyard.common.config import DramTierConfig, TaskStoreConfig
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
@@ -92,12 +92,12 @@ def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
 class RedisTaskStore(TaskStore):
     """Task records in Redis, shared by orchestrator replicas (see the module docstring)."""
 
-    def __init__(self, config: TaskStoreConfig, dram: DramTier) -> None:
+    def __init__(self, config: TaskStoreConfig, dram: DramTierConfig) -> None:
         super().__init__(config, f"redis {dram.host}:{dram.port} db {dram.db}")
         self.prefix = dram.key_prefix
         self.redis = aioredis.Redis(
             host=dram.host, port=dram.port, db=dram.db,
-            socket_connect_timeout=dram.connect_timeout_sec, socket_timeout=max(dram.op_timeout_sec, 1.0),
+            socket_connect_timeout=dram.connect_timeout_s, socket_timeout=max(dram.op_timeout_s, 1.0),
             retry=Retry(NoBackoff(), 1),
         )
         self._create_script = self.redis.register_script(_CREATE)
@@ -144,7 +144,7 @@ class RedisTaskStore(TaskStore):
         flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        retention_ms = int(self.config.retention_sec * 1000)
+        retention_ms = int(self.config.retention_s * 1000)
         done = await self._do(self._update_script(
             keys=[self._task_key(task_id), self._unfinished_key, self._finished_key],
             args=[task_id, owner, state, repr(time.time()), retention_ms, *flat]))
@@ -155,7 +155,7 @@ class RedisTaskStore(TaskStore):
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})
-        await self._do(self.redis.set(self._lease_key(self.owner), value, px=int(self.config.lease_sec * 1000)))
+        await self._do(self.redis.set(self._lease_key(self.owner), value, px=int(self.config.lease_s * 1000)))
 
     async def _release(self) -> None:
         await self._do(self.redis.delete(self._lease_key(self.owner)))
@@ -180,7 +180,7 @@ class RedisTaskStore(TaskStore):
         return records
 
     async def _purge(self, now: float) -> int:
-        removed = await self._do(self.redis.zremrangebyscore(self._finished_key, "-inf", now - self.config.retention_sec))
+        removed = await self._do(self.redis.zremrangebyscore(self._finished_key, "-inf", now - self.config.retention_s))
         excess = await self._do(self.redis.zcard(self._finished_key)) - self.config.max_finished_tasks
         if excess > 0:
             oldest = await self._do(self.redis.zpopmin(self._finished_key, excess))

@@ -101,7 +101,7 @@ class SqliteTaskStore(TaskStore):
         self._thread.shutdown(wait=True)
 
     async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
-        expired_before = record.created_at - self.config.retention_sec
+        expired_before = record.created_at - self.config.retention_s
         values = [getattr(record, c) for c in COLUMNS]
 
         def create(db: sqlite3.Connection) -> tuple[TaskRecord, bool]:
@@ -121,7 +121,7 @@ class SqliteTaskStore(TaskStore):
         return await self._run(create)
 
     async def _get(self, task_id: str) -> TaskRecord | None:
-        expired_before = time.time() - self.config.retention_sec
+        expired_before = time.time() - self.config.retention_s
 
         def get(db: sqlite3.Connection) -> TaskRecord | None:
             row = db.execute(
@@ -168,7 +168,7 @@ class SqliteTaskStore(TaskStore):
     async def _purge(self, now: float) -> int:
         def purge(db: sqlite3.Connection) -> int:
             removed = db.execute("DELETE FROM tasks WHERE finished_at IS NOT NULL AND finished_at < ?",
-                                 (now - self.config.retention_sec,)).rowcount
+                                 (now - self.config.retention_s,)).rowcount
             removed += db.execute(
                 "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks WHERE finished_at IS NOT NULL "
                 "ORDER BY finished_at DESC LIMIT -1 OFFSET ?)", (self.config.max_finished_tasks,)).rowcount
