@@ -826,9 +826,12 @@ class RetrievalConfig(_Strict):
         "asked again skips the embedding model. 0 turns the cache off.",
     )
     embed_threads: int = Field(
-        0, ge=0, le=256,
-        description="Torch intra-op threads for the embedding model, threads; 0 = torch's default (one per visible core). "
-        "Set it to the container's CPU limit when cores are not pinned.",
+        1, ge=0, le=256,
+        description="Torch intra-op threads for query embedding in the service, threads; 0 = torch's default (one "
+        "per visible core). 1 suits a host whose cores the services share: OpenMP threads that wait for a busy "
+        "core multiply a lone query's time (P95 26.8 ms with 1 thread against 515 ms with 2 on a loaded 2-core "
+        "host, docs/benchmarks.md). A retrieval pod with whole cores of its own may set its core count. "
+        "switchyard index always uses every core.",
     )
 
     @model_validator(mode="after")

