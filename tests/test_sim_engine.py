@@ -86,6 +86,12 @@ async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
     assert engine.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.sim.kv_bytes_per_token
 
 
+def test_a_zero_cost_engine_has_no_decode_bound() -> None:
+    zero = SwitchyardConfig().with_overrides(**{"service.sim.decode_base_ms": 0.0, "service.sim.decode_per_seq_ms": 0.0})
+    assert SimEngine(zero).decode_bound_tokens_per_s(32) == 0.0
+    assert SimEngine(SwitchyardConfig()).decode_bound_tokens_per_s(32) == pytest.approx(32 / 0.009)
+
+
 def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     from switchyard.dispatcher import engines
 

@@ -457,9 +457,11 @@ class SimEngine:
 
         The roofline of this simulated GPU (decode is memory-bound: one weight
         read per step serves the whole batch); the dispatcher exports it as
-        ``switchyard_engine_decode_bound_tokens_per_second``.
+        ``switchyard_engine_decode_bound_tokens_per_second``. A zero-cost engine (every latency
+        parameter 0, as the pipeline-overhead benchmark runs it) has no bound: 0.
         """
-        return batch_size / decode_seconds(self.params, batch_size)
+        seconds = decode_seconds(self.params, batch_size)
+        return batch_size / seconds if seconds > 0 else 0.0
 
     def kv_bytes(self, req: Request) -> int:
         """``num_computed_tokens x kv_bytes_per_token``."""
