@@ -50,7 +50,7 @@ async def test_ghz_json_streams_through_three_processes(up):
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and events[0].accepted.task_id == "bench-001"
     stages = {e.stage.name for e in events if e.HasField("stage")}
-    assert {"retrieve", "render_prompt", "count_tokens", "infer"} <= stages
+    assert {"retrieve", "render_prompt", "infer"} <= stages
     assert kinds.count("token") >= 1
     final = events[-1].final
     assert kinds[-1] == "final" and final.task_id == "bench-001"
@@ -87,7 +87,7 @@ def test_cli_run_prints_stages_and_answer(up):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    for stage in ("retrieve", "render_prompt", "count_tokens", "infer"):
+    for stage in ("retrieve", "render_prompt", "infer"):
         assert f"stage {stage}" in out.stdout
     assert "final:" in out.stdout and "(pydoc_data.topics:with)" in out.stdout
 

@@ -5,16 +5,19 @@ Usage: python tools/pipeline_overhead.py [--seconds 10] [--concurrency 64] [--tr
 Both servers run in a child process of their own and are driven, one after the
 other, by the same client (``switchyard.bench.loadgen``, in another process):
 
-- **bare floor**: an ``agent.AgentService.RunTask`` servicer on grpc.aio and
-  uvloop that streams the events a chat task with ``max_tokens`` 8 streams
-  (accepted, stages, 8 tokens, final: 15 messages) and does nothing else;
 - **stack**: the orchestrator and the dispatcher (a zero-cost sim engine:
   every latency parameter 0) in one process, the way ``switchyard bench
-  compare`` runs them, serving ``task_type: chat``, ``max_tokens`` 8.
+  compare`` runs them, serving ``task_type: chat``, ``max_tokens`` 8;
+- **bare floor**: an ``agent.AgentService.RunTask`` servicer on grpc.aio and
+  uvloop that streams the events the stack streamed for one such task
+  (accepted, stages, 8 tokens, final), as they were, and does nothing else.
 
 It prints both rates in calls per second and their ratio (stack / floor): the
-share of the floor the pipeline keeps. ``--tracing on`` installs an SDK tracer
-provider with 10 % ratio sampling and an exporter that drops spans.
+share of the floor the pipeline keeps. ``--tracing on`` turns tracing on in the
+stack as ``switchyard serve`` does (an SDK tracer provider, the RPC span
+interceptors on both servers and every channel) with the sampler
+``parentbased_traceidratio`` at 0.1 (``OTEL_TRACES_SAMPLER``, unless the
+environment sets another) and a batch processor whose exporter drops the spans.
 """
 
 from __future__ import annotations
@@ -34,24 +37,24 @@ ZERO_COST = {
 }
 
 
-def _install_tracing(sampled: bool) -> None:
-    if not sampled:
-        return
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
+def _install_tracing() -> None:
+    """Tracing on in this process, as setup_tracing would turn it on, but exporting nowhere."""
+    os.environ.setdefault("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    os.environ.setdefault("OTEL_TRACES_SAMPLER_ARG", "0.1")
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from switchyard.common import telemetry
 
     class Drop(SpanExporter):
         def export(self, spans: Any) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.1)))
+    provider = telemetry.make_tracer_provider()
     provider.add_span_processor(BatchSpanProcessor(Drop()))
-    trace.set_tracer_provider(provider)
+    telemetry.install_provider(provider)
 
 
-def _serve_bare(ports: Any) -> None:
+def _serve_bare(ports: Any, events: list[bytes]) -> None:
     import asyncio
 
     import grpc
@@ -59,15 +62,11 @@ def _serve_bare(ports: Any) -> None:
 
     from switchyard.api import agent_pb2, agent_pb2_grpc
 
-    events = [agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))]
-    events += [agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name=n)) for n in ("plan", "render_prompt", "count_tokens",
-                                                                                  "infer", "finalize")]
-    events += [agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f" w{i}", index=i)) for i in range(8)]
-    events.append(agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(output="done")))
+    messages = [agent_pb2.TaskEvent.FromString(e) for e in events]
 
     class Bare(agent_pb2_grpc.AgentServiceServicer):
         async def RunTask(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
-            for event in events:
+            for event in messages:
                 yield event
 
     async def main() -> None:
@@ -91,11 +90,12 @@ def _serve_stack(ports: Any, tracing: bool) -> None:
     from switchyard.common.server import start_server
     from switchyard.serve import make_service
 
-    _install_tracing(tracing)
+    if tracing:
+        _install_tracing()
 
     async def main() -> None:
         config = load_config(None).with_overrides(**ZERO_COST)
-        interceptors = telemetry.server_interceptors() if tracing else ()
+        interceptors = telemetry.server_interceptors()
         d = await start_server([make_service("dispatcher", config)], "127.0.0.1", 0, config.server,
                                interceptors=interceptors)
         wired = config.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{d.port}",
@@ -108,7 +108,25 @@ def _serve_stack(ports: Any, tracing: bool) -> None:
     uvloop.run(main())
 
 
-def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> float:
+def _one_call(port: int) -> list[bytes]:
+    """The events of one chat task, serialized."""
+    import asyncio
+
+    import grpc
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+
+    async def call() -> list[bytes]:
+        request = agent_pb2.RunTaskRequest(payload=CHAT["payload"], task_type="chat", max_tokens=CHAT["max_tokens"])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = agent_pb2_grpc.AgentServiceStub(channel).RunTask(request, timeout=30)
+            return [event.SerializeToString() async for event in stream]
+
+    return asyncio.run(call())
+
+
+def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> tuple[float, list[bytes]]:
+    """Calls per second of the server ``target(ports, *args)`` starts, and one call's events."""
     from switchyard.bench.calldata import parse_calldata
     from switchyard.bench.loadgen import LoadPlan, run_load
 
@@ -118,6 +136,7 @@ def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> float:
     server.start()
     try:
         port = ports.get(timeout=60)
+        events = _one_call(port)
         items = parse_calldata(CHAT)
         warm = LoadPlan(host=f"127.0.0.1:{port}", calldata=items, total=200, concurrency=concurrency)
         run_load(warm, in_process=False)
@@ -126,7 +145,7 @@ def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> float:
         errors = sum(1 for r in load.results if r.error)
         if errors:
             print(f"  {errors} calls failed, e.g. {next(r.error for r in load.results if r.error)}", file=sys.stderr)
-        return sum(1 for r in load.results if not r.error) / load.wall_s
+        return sum(1 for r in load.results if not r.error) / load.wall_s, events
     finally:
         server.kill()
         server.join()
@@ -137,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent calls (default 64)")
     parser.add_argument("--tracing", choices=["off", "on"], default="off",
-                        help="on: SDK provider, 10 %% ratio sampling, spans dropped (default off)")
+                        help="on: tracing as switchyard serve runs it, 10 %% ratio sampling, spans dropped (default off)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
-    floor = _rate(_serve_bare, (), args.seconds, args.concurrency)
-    print(f"bare grpc.aio floor: {floor:8.1f} calls/s (15 messages per call)")
-    stack = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
+    stack, events = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
+    floor, _ = _rate(_serve_bare, (events,), args.seconds, args.concurrency)
+    print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
     print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine)")
     print(f"pipeline / floor:    {stack / floor:8.2f}")
     return 0

@@ -1,6 +1,6 @@
 """Switchyard: an agent-serving gateway split by resource type.
 
-Three gRPC services: the orchestrator (CPU: DAG steps, prompt rendering, token
+Three gRPC services: the orchestrator (CPU: workflows, prompt rendering, token
 counting, tool calls), retrieval (embeddings and vector search) and the
 dispatcher (inference queue, double-buffered batching, GPU scheduling).
 """

@@ -96,6 +96,19 @@ class WorkQueue:
         QUEUE_DEPTH.labels(self.name).set(self._items.qsize())
         return Ticket(self, job, position)
 
+    def place(self) -> int:
+        """The place an item submitted now would take (the items waiting ahead of it), without
+        submitting one: for work that joins the queue later but is admitted now.
+
+        Raises:
+            QueueFullError: ``capacity`` items already wait (counted as a ``full`` rejection).
+        """
+        waiting = self._items.qsize()
+        if waiting >= self.config.capacity:
+            QUEUE_REJECTED.labels(self.name, "full").inc()
+            raise QueueFullError(self.name, self.config.capacity)
+        return waiting
+
     async def run(self, fn: Callable[[], Awaitable[T]]) -> tuple[T, float]:
         """Enqueue ``fn``, wait for a worker to run it, and return (result, queue wait in s).
 

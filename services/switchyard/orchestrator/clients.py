@@ -9,7 +9,7 @@ caller of RunTask learns which service is down, not just "UNAVAILABLE".
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
 
@@ -19,6 +19,10 @@ from switchyard.common.channels import open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
+
+if TYPE_CHECKING:
+    from switchyard.orchestrator.tools import Tool
+    from switchyard.orchestrator.validation import TaskSpec
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
@@ -112,20 +116,51 @@ class InferenceClient:
         return self.address, self._stub
 
     async def generate(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, affinity_key: str | None = None
+        self,
+        spec: TaskSpec,
+        turn: int,
+        *,
+        prompt: str = "",
+        messages: Sequence[agent_pb2.ChatMessage] = (),
+        prompt_tokens: int = 0,
+        tools: Sequence[Tool] = (),
+        resume: bool = False,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
-        """Stream the chunks of one generation.
+        """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
-        ``affinity_key`` (an agent id) sends the call to the replica that agent is placed on
-        (see :mod:`switchyard.orchestrator.replicas`). A call that fails UNAVAILABLE from the
-        replica itself (unreachable, or draining) before its first chunk did nothing the caller
-        saw: it is tried again on another replica, up to :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
+        The request carries the task's id (``request_id`` ``{task_id}:{turn}``), priority, type,
+        ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
+        ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
+        that follows a tool call. ``timeout_s`` bounds the call (the task's time left).
+
+        The call goes to the replica holding the agent's warm state (see
+        :mod:`switchyard.orchestrator.replicas`): the agent is ``spec.agent_id``, or for a
+        ``react_loop`` without one the task itself (its turns share the KV of one conversation).
+        A call that fails UNAVAILABLE from the replica itself (unreachable, or draining) before its
+        first chunk did nothing the caller saw: it is tried again on another replica, up to
+        :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
         sent on): its error names the replica and how many chunks it had streamed.
 
         Raises:
             ServiceUnavailable: the dispatcher (or the replica) is down, naming its address.
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
+        request = agent_pb2.GenerateRequest(
+            request_id=f"{spec.task_id}:{turn}",
+            prompt=prompt,
+            messages=messages,
+            prompt_tokens=prompt_tokens,
+            max_tokens=spec.max_tokens,
+            model=spec.model,
+            priority=spec.priority,
+            task_type=spec.workflow,
+            agent_id=spec.agent_id or spec.task_id,
+            tools=[agent_pb2.ToolSpec(name=t.name, description=t.description, parameters_json=t.parameters_json)
+                   for t in tools],
+            resume=resume,
+        )
+        affinity_key = spec.agent_id or (spec.task_id if spec.workflow == "react_loop" else None)
         tried: set[str] = set()
         for attempt in range(self.MAX_ATTEMPTS):
             address, stub = await self._route(affinity_key, frozenset(tried))

@@ -17,7 +17,7 @@ TASK_TTFT = Histogram(
     buckets=TASK_BUCKETS,
 )
 STAGE_DURATION = Histogram(
-    "switchyard_stage_duration_seconds", "Duration of one DAG step.", ["stage"], buckets=STAGE_BUCKETS
+    "switchyard_stage_duration_seconds", "Duration of one stage of a task's workflow.", ["stage"], buckets=STAGE_BUCKETS
 )
 AGENTS_CONCURRENT = Gauge(
     "switchyard_agents_concurrent",

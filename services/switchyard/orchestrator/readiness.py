@@ -51,7 +51,7 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
     "rag_answer": ("dispatcher", "retrieval"),
     "react_loop": ("dispatcher", "retrieval"),
 }
-"""The downstream services each workflow calls (see workflows.build)."""
+"""The downstream services each workflow calls (see workflows.py)."""
 assert set(NEEDS) == set(TASK_TYPES)
 
 HEALTH_NAMES = {"dispatcher": "agent.InferenceService", "retrieval": "agent.RetrievalService"}

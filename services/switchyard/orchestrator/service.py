@@ -1,11 +1,14 @@
 """The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus).
 
-Every task runs its workflow's DAG (see workflows.py). CPU steps wait for a
+A request is validated (validation.py), takes its place and is ``accepted``,
+then runs its workflow (workflows.py) inside its deadline; the final event
+follows. The task's CPU work (rendering and counting its prompt) waits for a
 worker of the bounded orchestration queue (``queues.orchestration`` in
-queue.json) and run in the CPU executor (a process pool by default); retrieval and inference steps hold no
+queue.json) and runs in the CPU executor (``orchestrator.cpu_executor``: a
+process pool by default); calls to retrieval and the dispatcher hold no
 orchestration worker while they wait on the other services. With
 ``orchestrator.inference_mode = "inline"`` a task instead holds one worker for
-its whole DAG: the one-mixed-queue baseline that the benchmark compares against.
+its whole workflow: the one-mixed-queue baseline that the benchmark compares against.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
-from switchyard.orchestrator import prompts, tokens, workflows
+from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
-from switchyard.orchestrator.dag import run_dag
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
 from switchyard.orchestrator.readiness import Readiness
+from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
+from switchyard.orchestrator.validation import TaskSpec, validate
+from switchyard.orchestrator.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -97,8 +102,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
-        config: the loaded configuration; ``orchestrator`` gives the
-            downstream addresses and the task store, ``queues.orchestration`` the queue.
+        config: the loaded configuration; ``service.orchestrator`` gives the
+            downstream addresses and the task store, ``queue.queues.orchestration`` the queue.
     """
 
     name = "orchestrator"
@@ -109,7 +114,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self.tasks: TaskStore = make_task_store(config)
         self._submitted: dict[str, _Submitted] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._deps: workflows.Deps | None = None
+        self._deps: Deps | None = None
         self._dram: DramClient | None = None
         self.readiness: Readiness | None = None
 
@@ -134,7 +139,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         log.info("orchestrator: task store %s (instance %s)", self.tasks.name, self.tasks.owner)
         queue = WorkQueue("orchestration", cfg.queues.orchestration)
         queue.start()
-        self._deps = workflows.Deps(
+        self._deps = Deps(
             config=cfg,
             queue=queue,
             executor=await _cpu_executor(orch.cpu_executor, orch.cpu_workers),
@@ -195,25 +200,19 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
 
     # ------------------------------------------------------------------ running a task
 
-    def _new_run(self, spec: workflows.TaskSpec, emit, context: grpc.aio.ServicerContext | None) -> workflows.TaskRun:
-        """The task's run state. Its deadline is its type's time limit or the caller's gRPC deadline,
+    def _new_task(self, spec: TaskSpec, emit, context: grpc.aio.ServicerContext | None) -> Task:
+        """The task's state. Its deadline is its type's time limit or the caller's gRPC deadline,
         whichever comes first (the orchestrator owns a task's lifetime)."""
         assert self._deps is not None, "start() not called"
+        orch = self.config.orchestrator
         now = time.monotonic()
-        limit = self.config.orchestrator.task_time_limit_s[spec.workflow]
+        limit = orch.task_time_limit_s[spec.workflow]
         deadline, source = now + limit, f"orchestrator.task_time_limit_s.{spec.workflow} = {limit:g}"
         remaining = context.time_remaining() if context is not None else None
         if remaining is not None and now + remaining < deadline:
             deadline, source = now + remaining, "the caller's gRPC deadline"
-        return workflows.TaskRun(
-            spec=spec,
-            deps=self._deps,
-            emit=emit,
-            deadline_s=deadline,
-            deadline_source=source,
-            inline=self.config.orchestrator.inference_mode == "inline",
-            trace_id=_trace_id(),
-        )
+        return Task(spec=spec, deps=self._deps, emit=emit, deadline_s=deadline, deadline_source=source,
+                    inline=orch.inference_mode == "inline", trace_id=_trace_id(), t0=now)
 
     def _record_metadata(self, metadata: Mapping[str, str]) -> None:
         """The allow-listed metadata (``orchestrator.metadata_span_keys``) as attributes of the RPC's span."""
@@ -224,50 +223,57 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             if key in metadata:
                 span.set_attribute(f"switchyard.metadata.{key}", metadata[key][:256])
 
-    async def _run_until_deadline(self, run: workflows.TaskRun) -> None:
-        """The task's DAG inside its deadline: every downstream call it starts gets at most the time
-        left (channels.deadline_scope), and the DAG is cancelled when none is left.
+    async def _run(self, task: Task) -> None:
+        """Send ``accepted`` and run the task's workflow inside its deadline: every downstream call it
+        starts gets at most the time left (channels.deadline_scope), and the workflow is cancelled when
+        none is left.
+
+        ``accepted`` carries the task's place in the orchestration queue: the items waiting there
+        now. Inline, the whole workflow is the queue's item, and the task waits for a worker first.
 
         Raises:
+            QueueFullError: the orchestration queue is full (before ``accepted``).
+            QueueTimeoutError: inline, no worker took the task within the queue's timeout.
             TaskDeadlineExceeded: the deadline passed first.
+            Exception: what the workflow raised.
         """
-        steps = workflows.build(run.spec.workflow, memory=workflows.uses_memory(run.spec, run.deps))
-        assert run.deadline_s is not None
-        with deadline_scope(run.deadline_s):
-            limit = asyncio.timeout(run.deadline_s - time.monotonic())
+        workflow, queue = WORKFLOWS[task.spec.workflow], task.deps.queue
+        with deadline_scope(task.deadline_s):
+            limit = asyncio.timeout(task.deadline_s - time.monotonic())
             try:
                 async with limit:
-                    if run.inline:
-                        ticket = run.deps.queue.submit(lambda: run_dag(steps, run))
-                        run.accept(ticket.position)
+                    if task.inline:
+                        ticket = queue.submit(lambda: workflow(task))
+                        task.accept(ticket.position)
                         _, wait = await ticket.result()
-                        run.timings.queue_wait_s["orchestration"] = wait
-                        run.final.timings.queue_wait_s["orchestration"] = wait
+                        task.add_wait(queue.name, wait)
                     else:
-                        await run_dag(steps, run)
+                        task.accept(queue.place())
+                        await workflow(task)
             except TimeoutError:
                 if not limit.expired():
-                    raise  # a step's own timeout, reported by that step
-                raise TaskDeadlineExceeded(run.spec.task_id, time.monotonic() - run.t0, run.deadline_source) from None
+                    raise  # a stage's own timeout, reported by that stage
+                raise TaskDeadlineExceeded(task.spec.task_id, time.monotonic() - task.t0, task.deadline_source) from None
 
-    async def _execute(self, run: workflows.TaskRun) -> agent_pb2.FinalEvent:
-        """Run the task's DAG; returns the final event (also emitted)."""
+    async def _execute(self, task: Task) -> agent_pb2.FinalEvent:
+        """Run the task; returns the final event (also emitted)."""
         AGENTS_CONCURRENT.inc()
         code = grpc.StatusCode.OK
+        workflow = task.spec.workflow
         try:
-            await self._run_until_deadline(run)
-            assert run.final is not None
-            run.emit(agent_pb2.TaskEvent(final=run.final))
-            TASK_DURATION.labels(run.spec.workflow).observe(run.final.timings.total_s)
-            if run.token_index:
-                TASK_TTFT.labels(run.spec.workflow).observe(run.final.timings.ttft_s)
-            return run.final
+            await self._run(task)
+            final = task.final_event()
+            task.emit(agent_pb2.TaskEvent(final=final))
+            TASK_DURATION.labels(workflow).observe(final.timings.total_s)
+            if task.token_index:
+                TASK_TTFT.labels(workflow).observe(final.timings.ttft_s)
+            return final
         except BaseException as exc:
             code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0]
             raise
         finally:
             AGENTS_CONCURRENT.dec()
-            TASKS.labels(run.spec.workflow, code.name).inc()
+            TASKS.labels(workflow, code.name).inc()
 
     async def _default_model(self, request: agent_pb2.RunTaskRequest) -> str:
         """The model a request naming none is served: the dispatcher says (asked once)."""
@@ -282,13 +288,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.TaskEvent]:
         try:
-            spec = workflows.validate(request, self.config, await self._default_model(request))
+            spec = validate(request, self.config, await self._default_model(request))
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
         events: asyncio.Queue = asyncio.Queue()
-        run = self._new_run(spec, events.put_nowait, context)
-        task = asyncio.create_task(self._execute(run), name=f"task-{spec.task_id}")
+        task = asyncio.create_task(self._execute(self._new_task(spec, events.put_nowait, context)),
+                                   name=f"task-{spec.task_id}")
         task.add_done_callback(lambda _: events.put_nowait(_END))
         try:
             while (event := await events.get()) is not _END:
@@ -313,7 +319,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         """
         self._record_metadata(request.metadata)
         try:
-            spec = workflows.validate(request, self.config, await self._default_model(request))
+            spec = validate(request, self.config, await self._default_model(request))
             limit = self.config.orchestrator.task_table_size
             if len(self._submitted) >= limit:
                 raise SwitchyardError(
@@ -348,11 +354,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
                     running.append(asyncio.create_task(self._record_running(spec.task_id)))
                 live.timings.stage_s[event.stage.name] = event.stage.duration_s
 
-        run = self._new_run(spec, emit, None)
+        task = self._new_task(spec, emit, None)
 
         async def background() -> None:
             try:
-                final = await self._execute(run)
+                final = await self._execute(task)
                 state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
             except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
                 if not accepted.done():  # refused before it was queued: the caller gets the error, no record
@@ -367,14 +373,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
                     code, details = status_for(exc)
                     state, error = agent_pb2.FAILED, f"{code.name}: {details}"
                 result = b""
-                live.timings.total_s = time.monotonic() - run.t0
+                live.timings.total_s = time.monotonic() - task.t0
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
             await self._record_finish(spec.task_id, live, state, result, error)
 
-        task = asyncio.create_task(background(), name=f"submitted-{spec.task_id}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        runner = asyncio.create_task(background(), name=f"submitted-{spec.task_id}")
+        self._background.add(runner)
+        runner.add_done_callback(self._background.discard)
         try:
             return await accepted
         except SwitchyardError as exc:

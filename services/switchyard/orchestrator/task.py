@@ -1,0 +1,260 @@
+"""One task's state while its workflow runs: its events, its stages and its CPU work.
+
+A workflow (workflows.py) reads and writes a :class:`Task`; everything that
+leaves the task goes through it:
+
+- events to the caller, in order, through ``emit`` (``accepted`` once, then
+  ``stage``, ``token``, ``tool_call``, ``tool_result``; the final event is
+  built by :meth:`Task.final_event` once the workflow returns);
+- each stage through :meth:`Task.stage`: its span, its stage event, its timing
+  and ``switchyard_stage_duration_seconds``;
+- CPU work through :meth:`Task.cpu`: one trip through the orchestration queue
+  into the CPU executor;
+- generation through :meth:`Task.generate`, which streams tokens on as they
+  arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+
+from opentelemetry import trace
+
+from switchyard.api import agent_pb2
+from switchyard.common import telemetry
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.queues import WorkQueue
+from switchyard.orchestrator import prompts
+from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
+from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
+from switchyard.orchestrator.metrics import STAGE_DURATION
+from switchyard.orchestrator.tools import Tool
+from switchyard.orchestrator.validation import TaskSpec
+
+tracer = telemetry.get_tracer(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Deps:
+    """What every task of one orchestrator shares."""
+
+    config: SwitchyardConfig
+    queue: WorkQueue
+    """The orchestration queue: CPU work waits here for a worker (``queues.orchestration``)."""
+    executor: Executor | None
+    """Runs CPU jobs; None runs them on the event loop (orchestrator.cpu_executor = "loop")."""
+    retrieval: RetrievalClient
+    inference: InferenceClient
+    memory: AgentMemory | None = None
+    """Agent memory in the DRAM tier; None: tasks run without memory."""
+
+
+@dataclass(eq=False)
+class Task:
+    """The state of one task while its workflow runs. Events go to ``emit`` in order.
+
+    Times are ``time.monotonic()`` seconds; ``t0`` is the task's arrival.
+    """
+
+    spec: TaskSpec
+    deps: Deps
+    emit: Callable[[agent_pb2.TaskEvent], None]
+    deadline_s: float
+    """``time.monotonic()`` instant by which the task must end."""
+    deadline_source: str
+    """What set the deadline (a config key or the caller), for the error message."""
+    inline: bool = False
+    """The whole workflow runs inside one orchestration worker (``orchestrator.inference_mode = inline``)."""
+    trace_id: str = ""
+    t0: float = field(default_factory=time.monotonic)
+    accepted_sent: bool = False
+    passages: list[agent_pb2.Passage] = field(default_factory=list)
+    """What the answer could cite: retrieved passages and what ``search_docs`` returned."""
+    history: list[MemoryMessage] = field(default_factory=list)
+    """The agent's recalled memory, oldest first."""
+    prompt: prompts.RenderedPrompt | None = None
+    prompt_tokens: int = 0
+    messages: list[agent_pb2.ChatMessage] = field(default_factory=list)
+    """The conversation sent to the dispatcher; empty: the prompt goes as one text."""
+    output: str = ""
+    token_index: int = 0
+    usage: agent_pb2.TokenUsage = field(default_factory=agent_pb2.TokenUsage)
+    timings: agent_pb2.Timings = field(default_factory=agent_pb2.Timings)
+    compute_score_used: float = 0.0
+    memory_peak_bytes: int = 0
+    model: str = ""
+    """The model that answered, from the dispatcher's done chunk."""
+    generations: int = 0
+
+    @property
+    def uses_memory(self) -> bool:
+        """Whether the task recalls and records agent memory: it has an agent_id and memory is on."""
+        memory = self.deps.memory
+        return bool(self.spec.agent_id) and memory is not None and memory.config.enabled
+
+    # ------------------------------------------------------------------ events and accounting
+
+    def accept(self, position: int) -> None:
+        """Send ``accepted`` (once) with the task's place in the orchestration queue."""
+        if not self.accepted_sent:
+            self.accepted_sent = True
+            self.emit(agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(
+                task_id=self.spec.task_id, queue_position=position, trace_id=self.trace_id)))
+
+    def add_wait(self, queue: str, seconds: float) -> None:
+        """Add ``seconds`` waited in ``queue`` (orchestration, retrieval, inference) to the task's timings."""
+        waits = self.timings.queue_wait_s
+        waits[queue] = waits.get(queue, 0.0) + seconds
+
+    def remaining(self) -> float:
+        """Seconds left before the task's deadline (at least 1 ms, so a call started now fails by itself)."""
+        return max(0.001, self.deadline_s - time.monotonic())
+
+    def stage(self, name: str, *, metric_stage: str = "", span_name: str = "", **attributes: str) -> "Stage":
+        """``async with task.stage("retrieve") as span:`` runs the block as one stage of the task.
+
+        The block runs inside the stage's span, named ``span_name`` or ``name``, with
+        ``switchyard.stage`` = ``name`` and each of ``attributes`` as ``switchyard.<key>``; ``span``
+        is that span (the invalid span while tracing is off). When the block ends without an
+        exception, the stage's seconds are added to ``timings.stage_s[name]``, observed in
+        ``switchyard_stage_duration_seconds{stage}`` (``metric_stage`` when given: a bounded stand-in
+        for a name a model chose) and sent as a stage event carrying ``attributes``. An exception
+        passes through, recorded on the span only.
+        """
+        return Stage(self, name, metric_stage or name, span_name or name, attributes)
+
+    async def cpu(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the CPU executor: one trip through the orchestration queue.
+
+        ``fn`` must be a module-level function with picklable arguments and result (the executor may
+        be a process pool). The task waits for an orchestration worker first, unless it already holds
+        one (inline mode); the wait is added to ``timings.queue_wait_s["orchestration"]`` and traced
+        as ``orchestration.queue_wait``.
+
+        Raises:
+            QueueFullError: ``queues.orchestration.capacity`` tasks already wait (RESOURCE_EXHAUSTED).
+            QueueTimeoutError: no worker took it within ``queues.orchestration.timeout_ms``
+                (DEADLINE_EXCEEDED).
+            Exception: whatever ``fn`` raised.
+        """
+        executor = self.deps.executor
+        if self.inline:
+            return fn(*args) if executor is None else await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        async def execute() -> T:
+            if executor is None:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        queue = self.deps.queue
+        enqueued = time.time_ns()
+        result, wait = await queue.submit(execute).result()
+        tracer.start_span("orchestration.queue_wait", start_time=enqueued).end(end_time=enqueued + int(wait * 1e9))
+        self.add_wait(queue.name, wait)
+        return result
+
+    # ------------------------------------------------------------------ inference
+
+    async def generate(self, tools: Sequence[Tool] = (), resume: bool = False) -> tuple[str, list[agent_pb2.ToolCall]]:
+        """One Generate call on the dispatcher, its tokens sent on to the caller as they arrive.
+
+        Sends the prompt as text, or ``messages`` when the task has them; ``tools`` are offered to the
+        model; ``resume`` marks a react_loop turn after a tool call (its prefix may be warm).
+
+        Returns:
+            The text and the tool calls of this turn.
+
+        Raises:
+            ServiceUnavailable, SwitchyardError: see :meth:`InferenceClient.generate`.
+        """
+        turn, self.generations = self.generations, self.generations + 1
+        text: list[str] = []
+        calls: list[agent_pb2.ToolCall] = []
+        emit, TaskEvent, TokenEvent = self.emit, agent_pb2.TaskEvent, agent_pb2.TokenEvent
+        stream = self.deps.inference.generate(
+            self.spec, turn,
+            prompt=self.prompt.text if self.prompt is not None and not self.messages else "",
+            messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
+            timeout_s=self.remaining(),
+        )
+        async for chunk in stream:
+            kind = chunk.WhichOneof("chunk")
+            if kind == "token":
+                if self.token_index == 0:
+                    self.timings.ttft_s = time.monotonic() - self.t0
+                token = chunk.token.text
+                count = max(1, chunk.token.count)  # several tokens when the dispatcher's stream caught up
+                text.append(token)
+                emit(TaskEvent(token=TokenEvent(text=token, index=self.token_index, count=count)))
+                self.token_index += count
+            elif kind == "tool_call":
+                calls.append(chunk.tool_call)
+            elif kind == "done":
+                done = chunk.done
+                self.usage.prompt_tokens += done.usage.prompt_tokens
+                self.usage.completion_tokens += done.usage.completion_tokens
+                self.usage.total_tokens += done.usage.total_tokens
+                self.add_wait("inference", done.queue_wait_s)
+                self.compute_score_used += done.compute_score_used
+                self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
+                self.model = done.model or self.model
+        return "".join(text), calls
+
+    # ------------------------------------------------------------------ the end
+
+    def final_event(self) -> agent_pb2.FinalEvent:
+        """The task's final event: output, usage, timings (``total_s`` now), compute score, KV peak,
+        trace id, model and the passages it could cite."""
+        self.timings.total_s = time.monotonic() - self.t0
+        return agent_pb2.FinalEvent(
+            task_id=self.spec.task_id,
+            output=self.output,
+            usage=self.usage,
+            timings=self.timings,
+            compute_score_used=self.compute_score_used,
+            memory_peak_bytes=self.memory_peak_bytes,
+            trace_id=self.trace_id,
+            model=self.model or self.spec.model or self.deps.inference.known_default_model,
+            passages=self.passages,
+        )
+
+
+class Stage:
+    """One stage of a task (see :meth:`Task.stage`)."""
+
+    __slots__ = ("_task", "_name", "_metric", "_span_name", "_attributes", "_span", "_start")
+
+    def __init__(self, task: Task, name: str, metric: str, span_name: str, attributes: dict[str, str]) -> None:
+        self._task = task
+        self._name = name
+        self._metric = metric
+        self._span_name = span_name
+        self._attributes = attributes
+        self._span: Any = None
+        self._start = 0.0
+
+    async def __aenter__(self) -> trace.Span:
+        span_attributes = {"switchyard.stage": self._name}
+        for key, value in self._attributes.items():
+            span_attributes[f"switchyard.{key}"] = value
+        self._span = tracer.start_as_current_span(self._span_name, attributes=span_attributes)
+        span = self._span.__enter__()
+        self._start = time.monotonic()
+        return span
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is None:
+            task, start, end = self._task, self._start, time.monotonic()
+            duration = end - start
+            stages = task.timings.stage_s
+            stages[self._name] = stages.get(self._name, 0.0) + duration
+            STAGE_DURATION.labels(self._metric).observe(duration)
+            task.emit(agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(
+                name=self._name, start_s=start - task.t0, end_s=end - task.t0, duration_s=duration,
+                attributes=self._attributes)))
+        return bool(self._span.__exit__(exc_type, exc, tb))

@@ -1,0 +1,98 @@
+"""RunTask and SubmitTask requests checked at the edge, before ``accepted``.
+
+Every bound comes from ``limits`` in switchyard.json (see docs/architecture.md,
+"Where each limit lives"); a bad field is ``INVALID_ARGUMENT`` naming it and
+the bound it broke.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import InvalidArgument
+from switchyard.common.metrics import TASK_TYPES
+
+
+@dataclass
+class TaskSpec:
+    """A validated RunTaskRequest, defaults filled in.
+
+    ``model`` is the caller's (empty: the dispatcher's own model); ``max_tokens`` is never 0.
+    """
+
+    task_id: str
+    payload: str
+    workflow: str
+    priority: int
+    max_tokens: int
+    model: str
+    agent_id: str
+
+
+def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str) -> TaskSpec:
+    """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
+    for a request naming none.
+
+    Raises:
+        InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
+            task_type, priority, max_tokens, metadata).
+    """
+    orch, limits = config.orchestrator, config.limits
+    if not request.payload.strip():
+        raise InvalidArgument("payload", "a non-empty string (the question or instruction)")
+    if len(request.payload) > limits.max_payload_chars:
+        raise InvalidArgument("payload", f"at most {limits.max_payload_chars} characters (limits.max_payload_chars)",
+                              f"{len(request.payload)} chars")
+    if len(request.task_id) > limits.max_task_id_chars:
+        raise InvalidArgument("task_id", f"at most {limits.max_task_id_chars} characters (limits.max_task_id_chars)",
+                              f"{len(request.task_id)} chars")
+    for name in ("agent_id", "model"):
+        if len(getattr(request, name)) > limits.max_id_chars:
+            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
+                                  f"{len(getattr(request, name))} chars")
+    workflow = request.task_type or orch.default_task_type
+    if workflow not in TASK_TYPES:
+        raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
+    if request.priority not in agent_pb2.Priority.values():
+        raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
+    model = request.model or default_model
+    window = limits.context_window(model)
+    limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
+    if not 0 <= request.max_tokens <= limit:
+        raise InvalidArgument(
+            "max_tokens",
+            f"0 (the default, {orch.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
+            f"context window of {model}: {window} tokens, prompt included)",
+            request.max_tokens,
+        )
+    check_metadata(request.metadata, limits)
+    return TaskSpec(
+        task_id=request.task_id or f"task-{uuid.uuid4().hex[:16]}",
+        payload=request.payload,
+        workflow=workflow,
+        priority=request.priority or agent_pb2.NORMAL,
+        max_tokens=request.max_tokens or orch.default_max_tokens,
+        model=request.model,
+        agent_id=request.agent_id,
+    )
+
+
+def check_metadata(metadata: Any, limits: Any) -> None:
+    """Bound the ``metadata`` map: entries and bytes (UTF-8 keys plus values).
+
+    Raises:
+        InvalidArgument: naming ``metadata`` and the bound it broke.
+    """
+    if not metadata:
+        return
+    if len(metadata) > limits.max_metadata_entries:
+        raise InvalidArgument("metadata", f"at most {limits.max_metadata_entries} entries (limits.max_metadata_entries)",
+                              f"{len(metadata)} entries")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+    if size > limits.max_metadata_bytes:
+        raise InvalidArgument("metadata", f"at most {limits.max_metadata_bytes} bytes of keys and values "
+                              "(limits.max_metadata_bytes)", f"{size} bytes")
