@@ -13,7 +13,9 @@ other, by the same client (``switchyard.bench.loadgen``, in another process):
   (accepted, stages, 8 tokens, final), as they were, and does nothing else.
 
 It prints both rates in calls per second and their ratio (stack / floor): the
-share of the floor the pipeline keeps. ``--tracing on`` turns tracing on in the
+share of the floor the pipeline keeps. Where ``/proc`` exists it also prints
+each server's CPU time per call, a figure that other processes sharing the
+cores disturb less than the rates do. ``--tracing on`` turns tracing on in the
 stack as ``switchyard serve`` does (an SDK tracer provider, the RPC span
 interceptors on both servers and every channel) with the sampler
 ``parentbased_traceidratio`` at 0.1 (``OTEL_TRACES_SAMPLER``, unless the
@@ -125,8 +127,19 @@ def _one_call(port: int) -> list[bytes]:
     return asyncio.run(call())
 
 
-def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> tuple[float, list[bytes]]:
-    """Calls per second of the server ``target(ports, *args)`` starts, and one call's events."""
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far; None without ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> tuple[float, float | None, list[bytes]]:
+    """Calls per second of the server ``target(ports, *args)`` starts, its CPU seconds per call
+    (None without ``/proc``), and one call's events."""
     from switchyard.bench.calldata import parse_calldata
     from switchyard.bench.loadgen import LoadPlan, run_load
 
@@ -141,11 +154,15 @@ def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> tuple[f
         warm = LoadPlan(host=f"127.0.0.1:{port}", calldata=items, total=200, concurrency=concurrency)
         run_load(warm, in_process=False)
         plan = LoadPlan(host=f"127.0.0.1:{port}", calldata=items, duration_s=seconds, concurrency=concurrency)
+        cpu_before = _cpu_seconds(server.pid)
         load = run_load(plan, in_process=False)
+        cpu_after = _cpu_seconds(server.pid)
         errors = sum(1 for r in load.results if r.error)
         if errors:
             print(f"  {errors} calls failed, e.g. {next(r.error for r in load.results if r.error)}", file=sys.stderr)
-        return sum(1 for r in load.results if not r.error) / load.wall_s, events
+        served = sum(1 for r in load.results if not r.error)
+        cpu = None if cpu_before is None or cpu_after is None or not served else (cpu_after - cpu_before) / served
+        return served / load.wall_s, cpu, events
     finally:
         server.kill()
         server.join()
@@ -159,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="on: tracing as switchyard serve runs it, 10 %% ratio sampling, spans dropped (default off)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
-    stack, events = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
-    floor, _ = _rate(_serve_bare, (events,), args.seconds, args.concurrency)
+    stack, stack_cpu, events = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
+    floor, floor_cpu, _ = _rate(_serve_bare, (events,), args.seconds, args.concurrency)
     print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
     print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine)")
     print(f"pipeline / floor:    {stack / floor:8.2f}")
+    if stack_cpu and floor_cpu:
+        print(f"server CPU per call: floor {floor_cpu * 1e6:.0f} us, stack {stack_cpu * 1e6:.0f} us "
+              f"(floor / stack {floor_cpu / stack_cpu:.2f})")
     return 0
 
 

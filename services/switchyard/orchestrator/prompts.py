@@ -63,7 +63,13 @@ def _env() -> ImmutableSandboxedEnvironment:
         autoescape=False,  # prompts are plain text, not HTML
         keep_trailing_newline=False,
         trim_blocks=True,
+        auto_reload=False,  # the templates ship with the code: no stat of their files per render
     )
+
+
+@lru_cache(maxsize=None)
+def _template(name: str) -> Any:
+    return _env().get_template(name)
 
 
 def render(
@@ -85,7 +91,6 @@ def render(
     Raises:
         jinja2.TemplateNotFound: no template for ``workflow``.
     """
-    env = _env()
-    system = env.get_template(f"{workflow}.system.j2").render(passages=list(passages), tools=list(tools))
-    user = env.get_template("question.user.j2").render(question=question)
+    system = _template(f"{workflow}.system.j2").render(passages=list(passages), tools=list(tools))
+    user = _template("question.user.j2").render(question=question)
     return RenderedPrompt(system.strip(), user.strip(), tuple((str(r), str(c)) for r, c in history))

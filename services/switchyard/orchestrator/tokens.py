@@ -24,9 +24,15 @@ def count_tokens(text: str) -> int:
     return len(encoding().encode_ordinary(text))
 
 
+@lru_cache(maxsize=16)
+def _role_tokens(role: str) -> int:
+    return count_tokens(role)
+
+
 def count_messages(messages: list[tuple[str, str]]) -> int:
     """Tokens of a chat prompt: content tokens plus 3 per message and 3 for the reply priming.
 
     Source: OpenAI's cookbook "How to count tokens with tiktoken" (gpt-3.5/4 chat format).
     """
-    return sum(3 + count_tokens(role) + count_tokens(content) for role, content in messages) + 3
+    encode = encoding().encode_ordinary
+    return sum(3 + _role_tokens(role) + len(encode(content)) for role, content in messages) + 3
