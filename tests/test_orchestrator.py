@@ -97,7 +97,8 @@ async def stack(**overrides):
             "orchestrator.cpu_executor": "loop",  # a spawn pool costs seconds; one test below uses it
             **overrides,
         })
-        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+        down.orchestrator = OrchestratorService(cfg)
+        async with running([down.orchestrator], cfg.server) as orch:
             channel = open_channel(f"127.0.0.1:{orch.port}")
             try:
                 yield agent_pb2_grpc.AgentServiceStub(channel), down
@@ -128,6 +129,37 @@ async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
     sent = down.requests[0]
     assert "<context>" in sent.prompt and "The with statement wraps a block." in sent.prompt
     assert sent.prompt_tokens > 0 and sent.priority == agent_pb2.NORMAL
+
+
+async def test_accepted_needs_no_queue_trip_and_a_task_takes_one():
+    """accepted goes out while the orchestration queue's only worker is busy; the task's CPU work
+    (render and count) is then its one trip through that queue."""
+    from prometheus_client import REGISTRY
+
+    def trips() -> float:
+        return REGISTRY.get_sample_value("switchyard_queue_wait_seconds_count", {"queue": "orchestration"}) or 0.0
+
+    async with stack(**{"queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 30000}}) as (stub, down):
+        queue, release = down.orchestrator._deps.queue, asyncio.Event()
+        blocker = queue.submit(release.wait)
+        await _until(lambda: queue.busy == 1)
+        before = trips()
+        for task_type in ("chat", "rag_answer", "react_loop"):
+            call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is 12*(3+4)?", task_type=task_type))
+            first = await call.read()
+            assert first.HasField("accepted") and first.accepted.queue_position == 0
+            release.set()
+            events = [first]
+            while (event := await call.read()) is not grpc.aio.EOF:
+                events.append(event)
+            assert events[-1].HasField("final")
+            assert "orchestration" in events[-1].final.timings.queue_wait_s
+            release.clear()
+            blocker = queue.submit(release.wait)
+            await _until(lambda: queue.busy == 1)
+        release.set()
+        await blocker.result()
+    assert trips() - before == 3 + 3  # one per task, and the three blockers
 
 
 async def test_user_text_is_data_not_template_code():

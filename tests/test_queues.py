@@ -30,9 +30,12 @@ async def test_full_queue_rejects_naming_queue():
     try:
         blocker = asyncio.create_task(q.run(release.wait))
         await asyncio.sleep(0.01)  # the worker holds the blocker
+        assert q.place() == 0
         waiting = [q.submit(release.wait) for _ in range(2)]
         with pytest.raises(QueueFullError, match="retrieval queue full"):
             q.submit(release.wait)
+        with pytest.raises(QueueFullError, match="retrieval queue full"):
+            q.place()  # admission to a full queue is refused the same way
         release.set()
         await blocker
         for ticket in waiting:  # the two accepted items still run: nothing dropped

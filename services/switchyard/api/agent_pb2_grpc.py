@@ -55,7 +55,7 @@ class AgentServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RunTask(self, request, context):
-        """Runs one task and streams its events: accepted, a stage per DAG step,
+        """Runs one task and streams its events: accepted, a stage per workflow stage,
         tokens, tool calls and results, then final. Errors end the stream with a
         gRPC status.
         """

@@ -4,7 +4,7 @@ Scenarios (the field's A/B practice, in one run):
 
 - **A** baseline: one mixed queue and no batching, what a naive gateway does.
   ``orchestrator.inference_mode = "inline"`` (an orchestration worker holds a
-  task for its whole DAG, inference included), ``max_batch_size`` 1, and the
+  task for its whole workflow, inference included), ``max_batch_size`` 1, and the
   engine runs one sequence at a time (:class:`FixedSlots`).
 - **B** split queues + double buffer: the shipped config (flush 20 ms).
 - **C10 / C20 / C50**: B with ``flush_interval_ms`` 10, 20, 50 (C20 repeats B

@@ -5,7 +5,7 @@
 Starts a dispatcher (sim engine) as a separate process and an orchestrator in
 this process, drives it with ``switchyard bench run`` from a third process, and
 runs the same set of ``chat`` tasks with large payloads
-(so render_prompt and count_tokens cost real CPU) twice, against a
+(so rendering and counting the prompt cost real CPU) twice, against a
 dispatcher whose sim engine costs almost nothing (``--real-engine`` keeps the
 7B latency model, where the engine is the bottleneck instead),: with
 ``orchestrator.cpu_executor`` = loop, thread and process. A probe task sleeps 1 ms in a loop on the orchestrator's
