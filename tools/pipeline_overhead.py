@@ -13,7 +13,14 @@ other, by the same client (``switchyard.bench.loadgen``, in another process):
   (accepted, stages, 8 tokens, final), as they were, and does nothing else.
 
 It prints both rates in calls per second and their ratio (stack / floor): the
-share of the floor the pipeline keeps. Where ``/proc`` exists it also prints
+share of the floor the pipeline keeps. A third server shows what the stack's
+gRPC traffic alone allows, with no Switchyard code on the path:
+
+- **bare relay**: in one process, a RunTask servicer that streams the same
+  events, taking the tokens from a Generate call to a bare
+  ``agent.InferenceService`` servicer there (as many token chunks, then a done
+  chunk); its ratio to the floor is the ceiling of the stack's.
+ Where ``/proc`` exists it also prints
 each server's CPU time per call, a figure that other processes sharing the
 cores disturb less than the rates do. ``--tracing on`` turns tracing on in the
 stack as ``switchyard serve`` does (an SDK tracer provider, the RPC span
@@ -110,6 +117,49 @@ def _serve_stack(ports: Any, tracing: bool) -> None:
     uvloop.run(main())
 
 
+def _serve_relay(ports: Any, events: list[bytes]) -> None:
+    import asyncio
+
+    import grpc
+    import uvloop
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+
+    messages = [agent_pb2.TaskEvent.FromString(e) for e in events]
+    chunks = [agent_pb2.GenerateChunk(token=m.token) for m in messages if m.HasField("token")]
+    chunks.append(agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(model="relay")))
+
+    class Engine(agent_pb2_grpc.InferenceServiceServicer):
+        async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+            for chunk in chunks:
+                yield chunk
+
+    async def main() -> None:
+        engine = grpc.aio.server()
+        agent_pb2_grpc.add_InferenceServiceServicer_to_server(Engine(), engine)
+        engine_port = engine.add_insecure_port("127.0.0.1:0")
+        await engine.start()
+        stub = agent_pb2_grpc.InferenceServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}"))
+
+        class Relay(agent_pb2_grpc.AgentServiceServicer):
+            async def RunTask(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+                stream = stub.Generate(agent_pb2.GenerateRequest(request_id=request.task_id, prompt=request.payload,
+                                                                 max_tokens=request.max_tokens), timeout=30)
+                for message in messages:
+                    if message.HasField("token") or message.HasField("final"):  # a token: a chunk read first
+                        await stream.read()
+                    yield message
+
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(Relay(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
 def _one_call(port: int) -> list[bytes]:
     """The events of one chat task, serialized."""
     import asyncio
@@ -178,12 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
     stack, stack_cpu, events = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
     floor, floor_cpu, _ = _rate(_serve_bare, (events,), args.seconds, args.concurrency)
+    relay, relay_cpu, _ = _rate(_serve_relay, (events,), args.seconds, args.concurrency)
     print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
+    print(f"bare relay:          {relay:8.1f} calls/s (the same messages through a bare Generate stream)")
     print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine)")
-    print(f"pipeline / floor:    {stack / floor:8.2f}")
-    if stack_cpu and floor_cpu:
-        print(f"server CPU per call: floor {floor_cpu * 1e6:.0f} us, stack {stack_cpu * 1e6:.0f} us "
-              f"(floor / stack {floor_cpu / stack_cpu:.2f})")
+    print(f"pipeline / floor:    {stack / floor:8.2f} (bare relay / floor {relay / floor:.2f}: the ceiling)")
+    if stack_cpu and floor_cpu and relay_cpu:
+        print(f"server CPU per call: floor {floor_cpu * 1e6:.0f} us, bare relay {relay_cpu * 1e6:.0f} us, "
+              f"stack {stack_cpu * 1e6:.0f} us (floor / stack {floor_cpu / stack_cpu:.2f}, "
+              f"floor / bare relay {floor_cpu / relay_cpu:.2f})")
     return 0
 
 
