@@ -139,7 +139,8 @@ async def test_accepted_needs_no_queue_trip_and_a_task_takes_one():
     def trips() -> float:
         return REGISTRY.get_sample_value("switchyard_queue_wait_seconds_count", {"queue": "orchestration"}) or 0.0
 
-    async with stack(**{"queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 30000}}) as (stub, down):
+    one_worker = {"queues.orchestration": {"capacity": 8, "workers": 1, "timeout_ms": 30000}}
+    async with stack(**one_worker) as (stub, down):
         queue, release = down.orchestrator._deps.queue, asyncio.Event()
         blocker = queue.submit(release.wait)
         await _until(lambda: queue.busy == 1)

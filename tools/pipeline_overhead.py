@@ -1,9 +1,11 @@
 """Pipeline overhead: RunTask through the stack against a bare grpc.aio server streaming the same messages.
 
-Usage: python tools/pipeline_overhead.py [--seconds 10] [--concurrency 64] [--tracing off|on]
+Usage: python tools/pipeline_overhead.py [--seconds 10] [--rounds 5] [--concurrency 64] [--tracing off|on]
 
-Both servers run in a child process of their own and are driven, one after the
-other, by the same client (``switchyard.bench.loadgen``, in another process):
+Each server runs in a child process of its own; the same client
+(``switchyard.bench.loadgen``, in another process) drives them in turn, in
+``--rounds`` windows each, so that other work on the machine weighs on all of
+them alike:
 
 - **stack**: the orchestrator and the dispatcher (a zero-cost sim engine:
   every latency parameter 0) in one process, the way ``switchyard bench
@@ -20,9 +22,10 @@ gRPC traffic alone allows, with no Switchyard code on the path:
   events, taking the tokens from a Generate call to a bare
   ``agent.InferenceService`` servicer there (as many token chunks, then a done
   chunk); its ratio to the floor is the ceiling of the stack's.
- Where ``/proc`` exists it also prints
-each server's CPU time per call, a figure that other processes sharing the
-cores disturb less than the rates do. ``--tracing on`` turns tracing on in the
+
+Where ``/proc`` exists it also prints each server's CPU time per call, a
+figure that other processes sharing the cores disturb less than the rates do.
+``--tracing on`` turns tracing on in the
 stack as ``switchyard serve`` does (an SDK tracer provider, the RPC span
 interceptors on both servers and every channel) with the sampler
 ``parentbased_traceidratio`` at 0.1 (``OTEL_TRACES_SAMPLER``, unless the
@@ -187,48 +190,80 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rate(target: Any, args: tuple, seconds: float, concurrency: int) -> tuple[float, float | None, list[bytes]]:
-    """Calls per second of the server ``target(ports, *args)`` starts, its CPU seconds per call
-    (None without ``/proc``), and one call's events."""
-    from switchyard.bench.calldata import parse_calldata
-    from switchyard.bench.loadgen import LoadPlan, run_load
+class _Server:
+    """A server of this benchmark in a child process: its port, one call's events, its load so far."""
 
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    server = ctx.Process(target=target, args=(ports, *args), daemon=True)
-    server.start()
-    try:
-        port = ports.get(timeout=60)
-        events = _one_call(port)
-        items = parse_calldata(CHAT)
-        warm = LoadPlan(host=f"127.0.0.1:{port}", calldata=items, total=200, concurrency=concurrency)
-        run_load(warm, in_process=False)
-        plan = LoadPlan(host=f"127.0.0.1:{port}", calldata=items, duration_s=seconds, concurrency=concurrency)
-        cpu_before = _cpu_seconds(server.pid)
-        load = run_load(plan, in_process=False)
-        cpu_after = _cpu_seconds(server.pid)
-        errors = sum(1 for r in load.results if r.error)
+    def __init__(self, target: Any, args: tuple) -> None:
+        ctx = mp.get_context("spawn")
+        ports = ctx.Queue()
+        self.process = ctx.Process(target=target, args=(ports, *args), daemon=True)
+        self.process.start()
+        self.port = ports.get(timeout=60)
+        self.events = _one_call(self.port)
+        self.served = 0
+        self.wall_s = 0.0
+        self.cpu_s: float | None = 0.0
+
+    def drive(self, seconds: float, concurrency: int, warm: bool = False) -> None:
+        """Drive it for ``seconds`` (``warm``: 200 calls, not counted)."""
+        from switchyard.bench.calldata import parse_calldata
+        from switchyard.bench.loadgen import LoadPlan, run_load
+
+        host, items = f"127.0.0.1:{self.port}", parse_calldata(CHAT)
+        if warm:
+            run_load(LoadPlan(host=host, calldata=items, total=200, concurrency=concurrency), in_process=False)
+            return
+        before = _cpu_seconds(self.process.pid)
+        load = run_load(LoadPlan(host=host, calldata=items, duration_s=seconds, concurrency=concurrency),
+                        in_process=False)
+        after = _cpu_seconds(self.process.pid)
+        errors = [r.error for r in load.results if r.error]
         if errors:
-            print(f"  {errors} calls failed, e.g. {next(r.error for r in load.results if r.error)}", file=sys.stderr)
-        served = sum(1 for r in load.results if not r.error)
-        cpu = None if cpu_before is None or cpu_after is None or not served else (cpu_after - cpu_before) / served
-        return served / load.wall_s, cpu, events
-    finally:
-        server.kill()
-        server.join()
+            print(f"  {len(errors)} calls failed, e.g. {errors[0]}", file=sys.stderr)
+        self.served += len(load.results) - len(errors)
+        self.wall_s += load.wall_s
+        self.cpu_s = None if self.cpu_s is None or before is None or after is None else self.cpu_s + after - before
+
+    @property
+    def rate(self) -> float:
+        """Calls per second served."""
+        return self.served / self.wall_s
+
+    @property
+    def cpu_per_call_s(self) -> float | None:
+        """The server's CPU seconds per call served; None without ``/proc``."""
+        return None if self.cpu_s is None or not self.served else self.cpu_s / self.served
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per server (default 10)")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent calls (default 64)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="the seconds of each server split into this many windows, taken in turn (default 5)")
     parser.add_argument("--tracing", choices=["off", "on"], default="off",
-                        help="on: tracing as switchyard serve runs it, 10 %% ratio sampling, spans dropped (default off)")
+                        help="on: tracing as switchyard serve runs it, 10 %% ratio sampling, spans dropped "
+                        "(default off)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
-    stack, stack_cpu, events = _rate(_serve_stack, (args.tracing == "on",), args.seconds, args.concurrency)
-    floor, floor_cpu, _ = _rate(_serve_bare, (events,), args.seconds, args.concurrency)
-    relay, relay_cpu, _ = _rate(_serve_relay, (events,), args.seconds, args.concurrency)
+    servers: list[_Server] = []
+    try:
+        servers.append(_Server(_serve_stack, (args.tracing == "on",)))
+        events = servers[0].events
+        servers += [_Server(_serve_bare, (events,)), _Server(_serve_relay, (events,))]
+        for server in servers:
+            server.drive(0, args.concurrency, warm=True)
+        for _ in range(args.rounds):  # interleaved: a change in the machine's load meets all three alike
+            for server in servers:
+                server.drive(args.seconds / args.rounds, args.concurrency)
+    finally:
+        for server in servers:
+            server.stop()
+    (stack, stack_cpu), (floor, floor_cpu), (relay, relay_cpu) = ((s.rate, s.cpu_per_call_s) for s in servers)
     print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
     print(f"bare relay:          {relay:8.1f} calls/s (the same messages through a bare Generate stream)")
     print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine)")

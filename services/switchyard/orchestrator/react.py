@@ -58,7 +58,8 @@ async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall,
     task.emit(agent_pb2.TaskEvent(tool_call=agent_pb2.ToolCallEvent(
         call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)))
     tool_label = bounded(call.name, tools)  # a model may invent tool names: labels stay a bounded set
-    async with task.stage(f"tool:{call.name}", metric_stage=f"tool:{tool_label}", span_name=f"tool {tool_label}") as span:
+    stage = task.stage(f"tool:{call.name}", metric_stage=f"tool:{tool_label}", span_name=f"tool {tool_label}")
+    async with stage as span:
         span.set_attribute("gen_ai.tool.name", call.name)
         tool = tools.get(call.name)
         if tool is None:

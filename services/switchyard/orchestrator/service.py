@@ -253,7 +253,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             except TimeoutError:
                 if not limit.expired():
                     raise  # a stage's own timeout, reported by that stage
-                raise TaskDeadlineExceeded(task.spec.task_id, time.monotonic() - task.t0, task.deadline_source) from None
+                elapsed = time.monotonic() - task.t0
+                raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from None
 
     async def _execute(self, task: Task) -> agent_pb2.FinalEvent:
         """Run the task; returns the final event (also emitted)."""

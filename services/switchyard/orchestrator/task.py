@@ -143,14 +143,14 @@ class Task:
             Exception: whatever ``fn`` raised.
         """
         executor = self.deps.executor
-        if self.inline:
-            return fn(*args) if executor is None else await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
         async def execute() -> T:
             if executor is None:
                 return fn(*args)
             return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
+        if self.inline:  # the task holds its worker already
+            return await execute()
         queue = self.deps.queue
         enqueued = time.time_ns()
         result, wait = await queue.submit(execute).result()
