@@ -288,6 +288,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     async def RunTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.TaskEvent]:
+        """Run one task and stream its events: accepted, then stage, token, tool_call and tool_result
+        events as they happen, then final.
+
+        The stream ends with an error status instead: INVALID_ARGUMENT naming the field (before
+        accepted; ``payload`` after it when the prompt overflows the context window),
+        RESOURCE_EXHAUSTED naming the orchestration queue (before accepted), DEADLINE_EXCEEDED naming
+        the task's time limit or a queue's timeout, UNAVAILABLE naming a downstream service that did
+        not answer, or the status a downstream service answered, its hop named.
+        """
         try:
             spec = validate(request, self.config, await self._default_model(request))
         except SwitchyardError as exc:

@@ -16,6 +16,8 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
 
+_PRIORITIES = frozenset(agent_pb2.Priority.values())
+
 
 @dataclass
 class TaskSpec:
@@ -57,7 +59,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     workflow = request.task_type or orch.default_task_type
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
-    if request.priority not in agent_pb2.Priority.values():
+    if request.priority not in _PRIORITIES:
         raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
     model = request.model or default_model
     window = limits.context_window(model)
