@@ -87,7 +87,7 @@ async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
 
 
 def test_a_zero_cost_engine_has_no_decode_bound() -> None:
-    zero = SwitchyardConfig().with_overrides(**{"service.sim.decode_base_ms": 0.0, "service.sim.decode_per_seq_ms": 0.0})
+    zero = SwitchyardConfig().with_overrides(**{"sim.decode_base_ms": 0.0, "sim.decode_per_seq_ms": 0.0})
     assert SimEngine(zero).decode_bound_tokens_per_s(32) == 0.0
     assert SimEngine(SwitchyardConfig()).decode_bound_tokens_per_s(32) == pytest.approx(32 / 0.009)
 

@@ -102,8 +102,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
-        config: the loaded configuration; ``service.orchestrator`` gives the
-            downstream addresses and the task store, ``queue.queues.orchestration`` the queue.
+        config: the loaded configuration; ``orchestrator`` gives the
+            downstream addresses and the task store, ``queues.orchestration`` the queue.
     """
 
     name = "orchestrator"
