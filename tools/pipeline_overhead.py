@@ -69,10 +69,21 @@ def _install_tracing() -> None:
     telemetry.install_provider(provider)
 
 
+async def _start(add_servicer: Any, servicer: Any) -> tuple[Any, int]:
+    """A bare grpc.aio server on 127.0.0.1 serving ``servicer`` (added by ``add_servicer``), started,
+    and its port."""
+    import grpc
+
+    server = grpc.aio.server()
+    add_servicer(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def _serve_bare(ports: Any, events: list[bytes]) -> None:
     import asyncio
 
-    import grpc
     import uvloop
 
     from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -85,10 +96,7 @@ def _serve_bare(ports: Any, events: list[bytes]) -> None:
                 yield event
 
     async def main() -> None:
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(Bare(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        _server, port = await _start(agent_pb2_grpc.add_AgentServiceServicer_to_server, Bare())
         ports.put(port)
         await asyncio.Event().wait()
 
@@ -141,10 +149,7 @@ def _serve_relay(ports: Any, events: list[bytes]) -> None:
                 yield chunk
 
     async def main() -> None:
-        engine = grpc.aio.server()
-        agent_pb2_grpc.add_InferenceServiceServicer_to_server(Engine(), engine)
-        engine_port = engine.add_insecure_port("127.0.0.1:0")
-        await engine.start()
+        _engine, engine_port = await _start(agent_pb2_grpc.add_InferenceServiceServicer_to_server, Engine())
         stub = agent_pb2_grpc.InferenceServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}"))
 
         class Relay(agent_pb2_grpc.AgentServiceServicer):
@@ -152,14 +157,11 @@ def _serve_relay(ports: Any, events: list[bytes]) -> None:
                 stream = stub.Generate(agent_pb2.GenerateRequest(request_id=request.task_id, prompt=request.payload,
                                                                  max_tokens=request.max_tokens), timeout=30)
                 for message in messages:
-                    if message.HasField("token") or message.HasField("final"):  # a token: a chunk read first
+                    if message.HasField("token") or message.HasField("final"):  # its chunk, or the done chunk
                         await stream.read()
                     yield message
 
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(Relay(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        _server, port = await _start(agent_pb2_grpc.add_AgentServiceServicer_to_server, Relay())
         ports.put(port)
         await asyncio.Event().wait()
 
