@@ -47,11 +47,12 @@ def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
     assert "| D B, adaptive flush" in capsys.readouterr().out
 
 
-def test_compare_runs_each_service_in_its_own_process_by_default(tmp_path, monkeypatch):
+def test_compare_runs_each_service_in_its_own_process_by_default(tmp_path, monkeypatch, pydoc_index_dir):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "results"
     argv = ["-D", "ghz/data/mixed.json", "-n", "6", "-c", "2", "--rps", "0", "--warmup", "1",
-            "--scenarios", "A,B", "--client", "thread", "--out", str(out)]
+            "--scenarios", "A,B", "--client", "thread", "--set", f"retrieval.index_dir={pydoc_index_dir}",
+            "--out", str(out)]
     assert compare.main(argv) == 0
     summary = json.loads((out / "compare.json").read_text())
     assert summary["meta"]["stack"] == "processes" and summary["meta"]["retrieval"] is True
