@@ -67,3 +67,36 @@ def test_drain_returns_each_push_unmerged():
     stream.token("b", 1)
     assert stream.drain() == [StreamToken("a", 0), StreamToken("b", 1)]
     assert stream.drain() == []
+
+
+async def test_a_task_event_stream_merges_waiting_token_events_and_ends_after_the_last():
+    from switchyard.api import agent_pb2
+    from switchyard.orchestrator.events import event_stream
+
+    events = event_stream()
+    stage = agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="retrieve"))
+    events.put(stage)
+    for i, text in enumerate(["The ", "answer", "."]):
+        events.put(agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=text, index=i)))
+    final = agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id="t1", output="The answer."))
+    events.put(final)
+    events.close()
+    got = []
+    while (event := await events.get()) is not None:
+        got.append(event)
+    assert got == [
+        stage,
+        agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text="The answer.", index=0, count=3)),
+        final,
+    ]
+    assert await events.get() is None  # stays ended
+
+
+async def test_a_closed_stream_wakes_a_waiting_reader():
+    from switchyard.orchestrator.events import event_stream
+
+    events = event_stream()
+    reader = asyncio.create_task(events.get())
+    await asyncio.sleep(0)
+    events.close()
+    assert await reader is None

@@ -18,10 +18,10 @@ token, and a reader that keeps up sees every token alone, with no added wait.
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
+
+from switchyard.common.coalescing import CoalescingQueue
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.request import ToolCall
@@ -60,40 +60,43 @@ class StreamError:
 OutputItem = Union[StreamToken, StreamToolCall, StreamDone, StreamError]
 
 
+def _merge_tokens(run: list[OutputItem]) -> OutputItem:
+    first = run[0]
+    assert isinstance(first, StreamToken)
+    return StreamToken("".join(t.text for t in run), first.index, sum(t.count for t in run))  # type: ignore[union-attr]
+
+
 class OutputStream:
     """One request's items on their way to its Generate handler: an unbounded FIFO, one writer, one reader.
 
     Writes never block (the engine loop must not wait on a slow caller); the
-    reader awaits :meth:`get`, which merges the tokens waiting together. Used
-    from the event loop's thread only.
+    reader awaits :meth:`get`, which merges the tokens waiting together
+    (:class:`~switchyard.common.coalescing.CoalescingQueue`). Used from the
+    event loop's thread only.
     """
 
-    __slots__ = ("_items", "_ready")
+    __slots__ = ("_items",)
 
     def __init__(self) -> None:
-        self._items: deque[OutputItem] = deque()
-        self._ready: asyncio.Future[None] | None = None
-
-    def _push(self, item: OutputItem) -> None:
-        self._items.append(item)
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_result(None)
+        self._items: CoalescingQueue[OutputItem] = CoalescingQueue(
+            lambda item: isinstance(item, StreamToken), _merge_tokens
+        )
 
     def token(self, text: str, index: int) -> None:
         """Push one completion token (``index``: its 0-based position in the completion)."""
-        self._push(StreamToken(text, index))
+        self._items.put(StreamToken(text, index))
 
     def tool_call(self, call: ToolCall) -> None:
         """Push one tool call."""
-        self._push(StreamToolCall(call))
+        self._items.put(StreamToolCall(call))
 
     def done(self, finish_reason: str) -> None:
         """Close the stream: the request finished with ``finish_reason``."""
-        self._push(StreamDone(finish_reason))
+        self._items.put(StreamDone(finish_reason))
 
     def error(self, error: BaseException) -> None:
         """Close the stream: the request failed with ``error``."""
-        self._push(StreamError(error))
+        self._items.put(StreamError(error))
 
     async def get(self) -> OutputItem:
         """The next item, waiting until there is one.
@@ -102,25 +105,10 @@ class OutputStream:
         (texts joined, ``count`` tokens, ``index`` of the first); other items
         come one at a time, in order.
         """
-        while not self._items:
-            self._ready = asyncio.get_running_loop().create_future()
-            try:
-                await self._ready
-            finally:
-                self._ready = None
-        item = self._items.popleft()
-        if not isinstance(item, StreamToken) or not self._items or not isinstance(self._items[0], StreamToken):
-            return item
-        texts, count = [item.text], item.count
-        while self._items and isinstance(self._items[0], StreamToken):
-            following = self._items.popleft()
-            assert isinstance(following, StreamToken)
-            texts.append(following.text)
-            count += following.count
-        return StreamToken("".join(texts), item.index, count)
+        item = await self._items.get()
+        assert item is not None  # never closed: the stream ends with StreamDone or StreamError
+        return item
 
     def drain(self) -> list[OutputItem]:
         """Every item pushed and not yet read, oldest first, one per push, without waiting (empty when none)."""
-        items = list(self._items)
-        self._items.clear()
-        return items
+        return self._items.drain()

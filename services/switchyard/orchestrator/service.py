@@ -35,6 +35,7 @@ from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
+from switchyard.orchestrator.events import event_stream
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.task import Deps, Task
@@ -43,7 +44,6 @@ from switchyard.orchestrator.validation import TaskSpec, validate
 from switchyard.orchestrator.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
-_END = object()
 
 
 def _trace_id() -> str:
@@ -302,12 +302,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
-        events: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self._execute(self._new_task(spec, events.put_nowait, context)),
+        events = event_stream()
+        task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
                                    name=f"task-{spec.task_id}")
-        task.add_done_callback(lambda _: events.put_nowait(_END))
+        task.add_done_callback(lambda _: events.close())
         try:
-            while (event := await events.get()) is not _END:
+            while (event := await events.get()) is not None:
                 yield event
             exc = task.exception()
         finally:
