@@ -113,7 +113,8 @@ async def collect(stub, **fields):
 
 @pytest.mark.parametrize("executor", ["loop", "process"])
 async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
-    async with stack(**{"orchestrator.cpu_executor": executor}) as (stub, down):
+    # cpu_inline_max_chars 0: even this short prompt goes through the pool when the pool is tested
+    async with stack(**{"orchestrator.cpu_executor": executor, "orchestrator.cpu_inline_max_chars": 0}) as (stub, down):
         events = await collect(stub, task_id="bench-001", payload="summarize this doc")
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and kinds[-1] == "final"
@@ -464,3 +465,28 @@ def test_time_limits_name_every_task_type():
         base.with_overrides(**{"orchestrator.task_time_limit_s": {**LIMITS, "summarise": 5}})
     with pytest.raises(ConfigError, match=r"\(0, 86400\]"):
         base.with_overrides(**{"orchestrator.task_time_limit_s": {**LIMITS, "chat": 0}})
+
+
+async def test_cpu_work_on_short_text_runs_on_the_loop_and_long_text_in_the_pool():
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.queues import WorkQueue
+    from switchyard.orchestrator.task import Deps, Task
+    from switchyard.orchestrator.validation import TaskSpec
+
+    config = SwitchyardConfig().with_overrides(**{"orchestrator.cpu_inline_max_chars": 1000})
+    queue = WorkQueue("orchestration", config.queues.orchestration)
+    queue.start()
+    pool = ProcessPoolExecutor(1)
+    try:
+        deps = Deps(config=config, queue=queue, executor=pool, retrieval=None, inference=None)  # type: ignore[arg-type]
+        spec = TaskSpec(task_id="t", payload="hi", workflow="chat", priority=0, max_tokens=8, model="", agent_id="")
+        task = Task(spec, deps, emit=lambda _: None, deadline_s=float("inf"), deadline_source="test")
+        assert await task.cpu(os.getpid, size_chars=1000) == os.getpid()  # at the bound: the loop
+        assert await task.cpu(os.getpid, size_chars=1001) != os.getpid()  # past it: a pool process
+        assert await task.cpu(os.getpid) != os.getpid()  # size unknown: the executor
+    finally:
+        pool.shutdown()
+        await queue.stop()

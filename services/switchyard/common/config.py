@@ -659,10 +659,18 @@ class OrchestratorConfig(_Strict):
     )
     cpu_executor: Literal["process", "thread", "loop"] = Field(
         "process",
-        description="Where CPU-bound DAG steps (render_prompt, count_tokens) run, a name: a process pool, a thread "
-        "pool, or the event loop itself. See the README's architecture section for the measured trade-off.",
+        description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip) runs, a name: a "
+        "process pool, a thread pool, or the event loop itself. See the README's architecture section for the "
+        "measured trade-off.",
     )
     cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor, workers.")
+    cpu_inline_max_chars: int = Field(
+        16_000, ge=0, le=100_000_000,
+        description="CPU work on at most this many characters of text (question, passages, tools, history) runs on the "
+        "event loop whatever cpu_executor says, characters: a process-pool trip (pickling, a pipe, a context "
+        "switch) costs more than rendering and counting a short prompt (0.2 ms for 4,000 characters), and the "
+        "event-loop lag it would save shows only past about 18,000 (docs/benchmarks.md). 0: always the executor.",
+    )
     task_table_size: int = Field(
         10_000, ge=1,
         description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running), tasks; more are refused "

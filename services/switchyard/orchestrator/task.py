@@ -128,13 +128,15 @@ class Task:
         """
         return Stage(self, name, metric_stage or name, span_name or name, attributes)
 
-    async def cpu(self, fn: Callable[..., T], *args: Any) -> T:
+    async def cpu(self, fn: Callable[..., T], *args: Any, size_chars: int | None = None) -> T:
         """Run ``fn(*args)`` in the CPU executor: one trip through the orchestration queue.
 
         ``fn`` must be a module-level function with picklable arguments and result (the executor may
         be a process pool). The task waits for an orchestration worker first, unless it already holds
         one (inline mode); the wait is added to ``timings.queue_wait_s["orchestration"]`` and traced
-        as ``orchestration.queue_wait``.
+        as ``orchestration.queue_wait``. ``size_chars``: the characters of text ``fn`` works on; at
+        most ``orchestrator.cpu_inline_max_chars`` runs it on the event loop, where a pool trip
+        would cost more than the work.
 
         Raises:
             QueueFullError: ``queues.orchestration.capacity`` tasks already wait (RESOURCE_EXHAUSTED).
@@ -143,6 +145,8 @@ class Task:
             Exception: whatever ``fn`` raised.
         """
         executor = self.deps.executor
+        if size_chars is not None and size_chars <= self.deps.config.orchestrator.cpu_inline_max_chars:
+            executor = None
 
         async def execute() -> T:
             if executor is None:

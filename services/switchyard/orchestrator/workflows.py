@@ -121,12 +121,13 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
     """
     spec, limits = task.spec, task.deps.config.limits
     async with task.stage("render_prompt"):
+        passages = [prompts.Snippet(p.title, p.text) for p in task.passages]
+        tool_texts = [prompts.Snippet(t.name, t.description) for t in tools]
+        history = [m.as_prompt() for m in task.history]
+        size = len(spec.payload) + sum(len(p.text) + len(p.title) for p in passages) \
+            + sum(len(t.text) + len(t.title) for t in tool_texts) + sum(len(r) + len(c) for r, c in history)
         prompt, count, without_history = await task.cpu(
-            render_and_count, spec.workflow, spec.payload,
-            [prompts.Snippet(p.title, p.text) for p in task.passages],
-            [prompts.Snippet(t.name, t.description) for t in tools],
-            [m.as_prompt() for m in task.history],
-        )
+            render_and_count, spec.workflow, spec.payload, passages, tool_texts, history, size_chars=size)
         model = spec.model or task.deps.inference.known_default_model
         window = limits.context_window(model)
         budget = window - spec.max_tokens
