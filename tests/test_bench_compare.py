@@ -79,3 +79,19 @@ def test_settings_parse_as_json_or_text():
     }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         compare.parse_settings(["policy"])
+
+
+async def test_a_stack_process_stops_when_its_parent_goes(tmp_path):
+    import asyncio
+
+    from switchyard.bench import stack_process
+    from switchyard.common.config import SwitchyardConfig
+
+    child = await stack_process.start("dispatcher", SwitchyardConfig())
+    try:
+        assert child.proc.returncode is None
+        child.proc.stdin.close()  # what the parent's death does to the pipe
+        assert await asyncio.wait_for(child.proc.wait(), 60) == 0  # a graceful stop
+    finally:
+        await child.stop()
+    assert not child.config_file.exists()

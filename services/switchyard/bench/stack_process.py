@@ -11,7 +11,7 @@ no config files.
 Child: ``python -m switchyard.bench.stack_process NAME CONFIG_JSON [--fixed-slots N]``
 serves NAME on 127.0.0.1 port 0, prints one JSON line ``{"port": P,
 "metrics_port": M}`` on stdout once it serves, logs to stderr, and stops
-gracefully on SIGTERM. ``--fixed-slots N`` gives the dispatcher's scheduler a
+gracefully on SIGTERM, or when its stdin (a pipe from the parent) closes. ``--fixed-slots N`` gives the dispatcher's scheduler a
 capacity of N running requests: the no-batching baseline (:class:`FixedSlots`),
 never a product setting.
 
@@ -113,7 +113,9 @@ async def start(name: str, config: SwitchyardConfig, fixed_slots: int = 0) -> Se
     argv = [sys.executable, "-m", "switchyard.bench.stack_process", name, str(config_file)]
     if fixed_slots:
         argv += ["--fixed-slots", str(fixed_slots)]
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    # stdin is a pipe the child watches: if this process dies without stopping it, the pipe
+    # closes and the child stops itself rather than serving on as an orphan.
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
@@ -153,6 +155,23 @@ def scrape_labelled(url: str, name: str) -> dict[tuple[tuple[str, str], ...], fl
 # --------------------------------------------------------------------------- child side
 
 
+def _stop_when_parent_goes(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGTERM this process once stdin (a pipe from the parent) closes: the parent is gone.
+
+    The signal is sent from the event loop, so it lands after :func:`serve_until_signal` has
+    installed its handler (a graceful stop), however early the pipe closes.
+    """
+    import os
+    import threading
+
+    def watch() -> None:
+        while sys.stdin.buffer.read(65536):
+            pass
+        loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 async def _serve(name: str, config: SwitchyardConfig, fixed_slots: int) -> None:
     from switchyard.common import process_metrics
     from switchyard.common.server import serve_until_signal, start_server
@@ -164,6 +183,7 @@ async def _serve(name: str, config: SwitchyardConfig, fixed_slots: int) -> None:
     srv = await start_server([service], "127.0.0.1", 0, config.server)
     metrics_port = process_metrics.start_metrics_server(0, name, "127.0.0.1")
     print(json.dumps({"port": srv.port, "metrics_port": metrics_port}), flush=True)
+    _stop_when_parent_goes(asyncio.get_running_loop())
     await serve_until_signal(srv, config.server.shutdown_grace_s)
 
 
