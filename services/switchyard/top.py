@@ -76,12 +76,33 @@ def parse(text: str) -> dict[Key, float]:
     }
 
 
+def read(url: str, timeout: float = 10.0) -> dict[Key, float]:
+    """Read the Prometheus endpoint ``url`` once and :func:`parse` it.
+
+    Raises:
+        OSError: it could not be read (refused, timed out).
+        ValueError: it did not answer the Prometheus text format.
+    """
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return parse(response.read().decode())
+
+
+def matching(samples: dict[Key, float], name: str, **labels: str) -> dict[Key, float]:
+    """The samples called ``name`` whose labels include ``labels``."""
+    return {k: v for k, v in samples.items()
+            if k[0] == name and all(dict(k[1]).get(lk) == lv for lk, lv in labels.items())}
+
+
+def total(samples: dict[Key, float], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels`` (0 when none)."""
+    return sum(matching(samples, name, **labels).values())
+
+
 def scrape(service: str, url: str, timeout: float = 0.8) -> Scrape:
     """Read ``url`` once; a failure is kept in ``error`` (never raised)."""
     now = time.monotonic()
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return Scrape(service, url, parse(response.read().decode()), at=now)
+        return Scrape(service, url, read(url, timeout), at=now)
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         return Scrape(service, url, error=f"{type(exc).__name__}: {reason}", at=now)
@@ -181,16 +202,12 @@ class Window:
     def gauge(self, name: str, **labels: str) -> float | None:
         return self.current.samples.get((name, tuple(sorted(labels.items()))))
 
-    def _matching(self, samples: dict[Key, float], name: str, labels: dict[str, str]) -> dict[Key, float]:
-        return {k: v for k, v in samples.items()
-                if k[0] == name and all(dict(k[1]).get(lk) == lv for lk, lv in labels.items())}
-
     def increase(self, name: str, **labels: str) -> float | None:
         """Sum over matching series of their increase in the window (a reset counts from 0)."""
-        now = self._matching(self.current.samples, name, labels)
+        now = matching(self.current.samples, name, **labels)
         if not now:
             return None
-        before = self._matching(self.previous.samples, name, labels) if self.previous else {}
+        before = matching(self.previous.samples, name, **labels) if self.previous else {}
         total = 0.0
         for key, value in now.items():
             old = before.get(key, 0.0)
@@ -200,8 +217,8 @@ class Window:
     def quantile(self, q: float, name: str, **labels: str) -> float | None:
         """``q``-quantile of histogram ``name`` over the window (bucket increases summed across series)."""
         per_bound: dict[float, float] = {}
-        now = self._matching(self.current.samples, f"{name}_bucket", labels)
-        before = self._matching(self.previous.samples, f"{name}_bucket", labels) if self.previous else {}
+        now = matching(self.current.samples, f"{name}_bucket", **labels)
+        before = matching(self.previous.samples, f"{name}_bucket", **labels) if self.previous else {}
         for key, value in now.items():
             bound = float(dict(key[1])["le"])
             old = before.get(key, 0.0)

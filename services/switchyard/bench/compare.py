@@ -52,6 +52,8 @@ from switchyard.bench.report import build_report, percentile
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.common.errors import SwitchyardError
 from switchyard.common.server import RunningServer, start_server
+from switchyard.top import matching, total
+from switchyard.top import read as read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -214,16 +216,15 @@ def engine_busy_seconds(dispatcher: Any) -> float | None:
 def _metric_snapshot(st: Stack) -> dict[str, float | None]:
     """The dispatcher's cumulative figures now: batch sizes, flushes by reason, engine busy seconds, upstream limit."""
     if st.dispatcher_metrics is not None:
-        samples = stack_process.scrape(st.dispatcher_metrics)
-        flushes = stack_process.scrape_labelled(st.dispatcher_metrics, "switchyard_flushes_total")
-        limit = samples.get("switchyard_upstream_concurrency_limit")
+        samples = read_metrics(st.dispatcher_metrics)
+        busy = matching(samples, "switchyard_engine_busy_seconds_total")
         return {
-            "batch_sum": samples.get("switchyard_batch_size_sum", 0.0),
-            "batch_count": samples.get("switchyard_batch_size_count", 0.0),
-            "flush_size": flushes.get((("reason", "size"),), 0.0),
-            "flush_interval": flushes.get((("reason", "interval"),), 0.0),
-            "busy": samples.get("switchyard_engine_busy_seconds_total"),
-            "upstream_limit": limit or None,
+            "batch_sum": total(samples, "switchyard_batch_size_sum"),
+            "batch_count": total(samples, "switchyard_batch_size_count"),
+            "flush_size": total(samples, "switchyard_flushes_total", reason="size"),
+            "flush_interval": total(samples, "switchyard_flushes_total", reason="interval"),
+            "busy": sum(busy.values()) if busy else None,
+            "upstream_limit": total(samples, "switchyard_upstream_concurrency_limit") or None,
         }
     names = {
         "batch_sum": ("switchyard_batch_size_sum", {}),

@@ -30,17 +30,17 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.launcher import UpProcess
+from switchyard.top import read as read_metrics
+from switchyard.top import total
 
 
 @dataclass
@@ -101,9 +101,7 @@ class FaultReport:
 
 def _metric(url: str, name: str) -> float:
     """The sample ``name`` summed over all its label sets (e.g. every priority class of a histogram's count)."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == name)
+    return total(read_metrics(url), name)
 
 
 async def _worker(stub: Any, wid: int, t0: float, stop_at: float, max_tokens: int, calls: list[Call]) -> None:

@@ -15,9 +15,9 @@ gracefully on SIGTERM, or when its stdin (a pipe from the parent) closes. ``--fi
 capacity of N running requests: the no-batching baseline (:class:`FixedSlots`),
 never a product setting.
 
-Parent: :func:`start` and :meth:`ServiceProcess.stop`; :func:`scrape` reads a
-child's Prometheus metrics, which is how the parent measures engine busy time
-and batch sizes across the process boundary.
+Parent: :func:`start` and :meth:`ServiceProcess.stop`; the parent measures
+engine busy time and batch sizes across the process boundary by reading the
+child's Prometheus metrics (:func:`switchyard.top.read`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,9 @@ import json
 import signal
 import sys
 import tempfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.common.config import SwitchyardConfig
 
@@ -129,27 +126,6 @@ async def start(name: str, config: SwitchyardConfig, fixed_slots: int = 0) -> Se
         config_file.unlink(missing_ok=True)
         raise RuntimeError(f"bench stack: {name} did not start (exit status {proc.returncode}); its log is above")
     return ServiceProcess(name, proc, int(ready["port"]), int(ready["metrics_port"]), config_file)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample at ``url`` (Prometheus text), summed over label sets by sample name."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples
-
-
-def scrape_labelled(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """The samples called ``name`` at ``url``, keyed by their sorted label pairs."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 # --------------------------------------------------------------------------- child side
