@@ -58,6 +58,8 @@ from switchyard.bench.sched_bench import (
     kv_store,
     percentile,
     quiet_score_log,
+    run_slice,
+    schedule_turn,
 )
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
@@ -186,7 +188,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
                 else:
                     sched.add([req], t)
 
-    def settle(running: list[Request]) -> bool:
+    def settle(running: list[Request], t: float) -> bool:
         ended = False
         for req in running:
             agent = in_flight.get(req)
@@ -227,31 +229,15 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             t = max(t, min(pending))
             sched.on_idle(t)
             continue
-        out = sched.schedule(t)
-        for req in out.restore:
-            await tiers.restore(req)
-        owed = tiers.take_owed_seconds()
+        t, running, owed = await schedule_turn(sched, tiers, t)
         result.swap_seconds += owed
-        t += owed
-        running = out.running
         result.steps += 1
         if result.steps % 20 == 0:
             result.fragmentation.append(sched.fragmentation_ratio())
         if not running:
             t += slice_s
             continue
-        needs = [s for s in running if s.needs_prefill]
-        if needs:
-            t = engine.prefill(needs, t)
-            if settle(needs):
-                continue
-        boundary = t + slice_s
-        while running and t < boundary:
-            t = engine.decode([s for s in running if not s.is_finished], t)
-            if settle(running):
-                break
-            if t >= next_arrival():
-                break
+        t = run_slice(engine, running, t, slice_s, settle, interrupt=lambda now: now >= next_arrival())
     result.makespan = t
     for req, agent in list(in_flight.items()):  # past the drain limit
         result.failed[agent.priority_class] = result.failed.get(agent.priority_class, 0) + 1

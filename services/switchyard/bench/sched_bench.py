@@ -54,7 +54,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
@@ -225,6 +225,42 @@ def kv_store(dram: DramTierConfig | None) -> KvStore | None:
     return KvStore(DramClient(dram), dram.kv_ttl_s) if dram is not None else None
 
 
+async def schedule_turn(sched: Any, tiers: MemoryTiers, t: float) -> tuple[float, list[Request], float]:
+    """The start of one turn of the dispatcher's step loop on the simulated clock (``bench sched``, ``bench agents``).
+
+    Schedules and restores swapped-out state, whose transfer time is owed to the clock. Returns
+    (the clock after the transfers, the running set, the swap seconds owed).
+    """
+    out = sched.schedule(t)  # preempted requests have lost their KV already (or swapped it out)
+    for req in out.restore:
+        await tiers.restore(req)
+    owed = tiers.take_owed_seconds()
+    return t + owed, out.running, owed
+
+
+def run_slice(
+    engine: "VirtualSimEngine", running: list[Request], t: float, slice_s: float,
+    settle: Callable[[list[Request], float], bool], interrupt: Callable[[float], bool] = lambda t: False,
+) -> float:
+    """The rest of the turn: prefill the newcomers, then decode ``running`` until the time slice ends.
+
+    ``settle(requests, t)`` records what a step produced and returns True when a request
+    finished, which ends the turn; ``interrupt(t)`` ends it early too (an arrival is due).
+    Returns the clock after the turn.
+    """
+    needs = [s for s in running if s.needs_prefill]
+    if needs:
+        t = engine.prefill(needs, t)
+        if settle(needs, t):
+            return t
+    boundary = t + slice_s
+    while running and t < boundary:
+        t = engine.decode([s for s in running if not s.is_finished], t)
+        if settle(running, t) or interrupt(t):
+            break
+    return t
+
+
 async def _simulate(
     policy: str, specs: list[TaskSpec], config: SwitchyardConfig, limit_s: float, label: str | None,
     dram: DramTierConfig | None,
@@ -242,7 +278,7 @@ async def _simulate(
     slice_s = config.scheduler.time_slice_ms / 1000
     t, i = 0.0, 0
 
-    def settle(running: list[Request]) -> bool:
+    def settle(running: list[Request], t: float) -> bool:
         ended = False
         for req in running:
             if req.output_tokens and req.request_id not in result.first_token:
@@ -263,23 +299,9 @@ async def _simulate(
         if not sched.num_waiting and not sched.num_running:
             t = reqs[i].arrival
             continue
-        out = sched.schedule(t)  # preempted requests have lost their KV already (or swapped it out)
-        for req in out.restore:
-            await tiers.restore(req)
-        owed = tiers.take_owed_seconds()
+        t, running, owed = await schedule_turn(sched, tiers, t)
         result.swap_seconds += owed
-        t += owed
-        running = out.running
-        needs = [s for s in running if s.needs_prefill]
-        if needs:
-            t = engine.prefill(needs, t)
-            if settle(needs):
-                continue
-        boundary = t + slice_s
-        while running and t < boundary:
-            t = engine.decode(running, t)
-            if settle(running):
-                break
+        t = run_slice(engine, running, t, slice_s, settle)
     result.makespan = t
     result.preemptions = sum(s.preemptions for s in reqs)
     result.recomputed_tokens = sum(s.recomputed_tokens for s in reqs)
