@@ -20,16 +20,10 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, running, start_server
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.service import OrchestratorService
+from fast_sim import FAST
 
 pytestmark = pytest.mark.no_gpu
 
-FAST = {
-    "sim.prefill_overhead_ms": 0.5,
-    "sim.prefill_per_token_ms": 0.001,
-    "sim.decode_base_ms": 0.5,
-    "sim.decode_per_seq_ms": 0.01,
-    "batching.flush_interval_ms": 2,
-}
 
 
 class Recording(DispatcherService):

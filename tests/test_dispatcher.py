@@ -13,6 +13,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.common.channels import open_channel
+from fast_sim import FAST
 from token_events import positions_follow_on, token_count
 
 pytestmark = pytest.mark.no_gpu
@@ -23,13 +24,6 @@ The with statement is used to wrap the execution of a block with methods defined
 </context>
 <question>How does the with statement work?</question>"""
 
-FAST = {
-    "sim.prefill_overhead_ms": 0.5,
-    "sim.prefill_per_token_ms": 0.001,
-    "sim.decode_base_ms": 0.5,
-    "sim.decode_per_seq_ms": 0.01,
-    "batching.flush_interval_ms": 2,
-}
 SLOW_DECODE = {**FAST, "sim.decode_base_ms": 20.0}
 
 
