@@ -157,7 +157,11 @@ def chunk_chars(docs: Sequence[Document], embedder, chars: int, overlap: int):
 
 
 def run(args: argparse.Namespace):
-    """Measure every row the arguments ask for (progress on stderr); returns rows, questions, embed seconds."""
+    """Measure every row the arguments ask for (progress on stderr).
+
+    Returns rows, questions, and per embedding setting ("service", and "old" with the baseline) its
+    torch threads and seconds per question.
+    """
     from switchyard.retrieval.documents import pydoc_documents
     from switchyard.retrieval.embedder import load_embedder, set_threads
     from switchyard.retrieval.index import load_index
@@ -171,7 +175,7 @@ def run(args: argparse.Namespace):
     embedder = load_embedder()
     if args.index_dir or args.no_baseline:
         vectors, (embed_s,) = embed_queries(embedder, queries, (settings.embed_threads,))
-        old_embed_s = embed_s
+        old_embed_s = embed_s  # no old row to charge
     else:  # the old row as the service ran before: its chunking, and torch's default threads
         vectors, (embed_s, old_embed_s) = embed_queries(embedder, queries, (settings.embed_threads, OLD_EMBED_THREADS))
     set_threads(0)  # passages are embedded in batches: every core
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace):
         for kind, hybrid in modes:
             rows.append(measure("built index", kind, searcher(index, hybrid, rrf_k, candidates),
                                 len(index), index.manifest.truncated, queries, vectors, embed_s))
-        return rows, queries, {"service": embed_s}
+        return rows, queries, {"service": (settings.embed_threads, embed_s)}
     docs = pydoc_documents()
     variants = []
     if not args.no_baseline:
@@ -212,23 +216,23 @@ def run(args: argparse.Namespace):
                 label = f"{kind} hybrid" + (f" k={fusion_k:g}" if args.rrf_k else "")
                 rows.append(measure(name, label, searcher(index, True, fusion_k, candidates), len(passages),
                                     truncated, queries, vectors, embed_s))
-    embed = {"service": embed_s}
+    embed = {"service": (settings.embed_threads, embed_s)}
     if not args.no_baseline:
-        embed["old"] = old_embed_s
+        embed["old"] = (OLD_EMBED_THREADS, old_embed_s)
     return rows, queries, embed
 
 
-def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: dict[str, Sequence[float]],
-           threads: dict[str, int] | None = None) -> str:
+def report(rows: list[Row], queries: Sequence[LabelledQuery],
+           embed_s: dict[str, tuple[int, Sequence[float]]]) -> str:
     """The table ``switchyard bench retrieval`` prints (times in milliseconds)."""
     tail = sum(q.tail for q in queries)
     lines = [
         f"retrieval quality: {len(queries)} labelled questions ({tail} tail) over CPython's documentation topics "
         f"(Python {platform.python_version()}), all-MiniLM-L6-v2, top {DEPTH} passages per question",
         *(
-            f"query embedding, one query at a time, {_threads_label(who, (threads or {}).get(who))}: "
+            f"query embedding, one query at a time, {_threads_label(who, count)}: "
             f"p50 {_pct(seconds, 50) * 1e3:.1f} ms, p95 {_pct(seconds, 95) * 1e3:.1f} ms"
-            for who, seconds in embed_s.items()
+            for who, (count, seconds) in embed_s.items()
         ),
         "",
         f"{'chunking':<24}{'search':<18}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
@@ -256,10 +260,8 @@ def report(rows: list[Row], queries: Sequence[LabelledQuery], embed_s: dict[str,
     return "\n".join(lines)
 
 
-def _threads_label(who: str, count: int | None) -> str:
+def _threads_label(who: str, count: int) -> str:
     where = "as the service runs it now" if who == "service" else "as the old row's service ran it"
-    if count is None:
-        return where
     return f"{where} ({'torch default' if count == 0 else count} thread{'s' if count != 1 else ''})"
 
 
@@ -310,6 +312,5 @@ def main(argv: list[str]) -> int:
         return 2
     if args.index_dir:
         print(f"built index: {args.index_dir}")
-    threads = {"service": load_config(args.config_dir).retrieval.embed_threads, "old": OLD_EMBED_THREADS}
-    print(report(rows, queries, embed_s, threads))
+    print(report(rows, queries, embed_s))
     return 0
