@@ -24,18 +24,18 @@ $(STAMP): pyproject.toml requirements.lock
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py
 
-$(INDEX)/index.faiss: | $(STAMP)
+$(INDEX)/query_encoder.onnx: | $(STAMP)
 	$(SY) index --out $(INDEX)
 
-index: $(INDEX)/index.faiss
+index: $(INDEX)/query_encoder.onnx
 
-run: $(STAMP) $(INDEX)/index.faiss
+run: $(STAMP) $(INDEX)/query_encoder.onnx
 	$(SY) up
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench: $(STAMP) $(INDEX)/index.faiss
+bench: $(STAMP) $(INDEX)/query_encoder.onnx
 	$(SY) bench compare
 
 # The ConfigMap of deploy/k8s/base carries the shipped config/ unchanged (kustomize reads

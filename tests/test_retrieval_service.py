@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
+import numpy as np
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -254,4 +255,36 @@ async def test_hybrid_on_with_an_index_without_bm25_fails_start_naming_the_fix(p
         await service.start()
     service = RetrievalService(_config(copy, **{"retrieval.hybrid": False}))
     await service.start()
+    await service.stop()
+
+
+def test_the_exported_query_encoder_gives_the_models_vectors(pydoc_index_dir):
+    """ONNX Runtime on the index's export = sentence-transformers, alone and in padded batches of mixed lengths."""
+    from switchyard.retrieval.embedder import OnnxEmbedder, load_embedder
+    from switchyard.retrieval.quality import load_queries
+
+    texts = [q.query for q in load_queries(None)] + ["", "x", "word " * 400]  # empty, one piece, past the window
+    model, encoder = load_embedder(), OnnxEmbedder(pydoc_index_dir, threads=1)
+    expected = model.encode(texts, batch_size=32)
+    for batch_size in (1, 32):
+        got = encoder.encode(texts, batch_size=batch_size)
+        assert got.shape == expected.shape == (len(texts), 384) and got.dtype == expected.dtype
+        assert float(np.max(1 - np.sum(got * expected, axis=1))) < 1e-5  # cosine distance
+    assert encoder.name == model.name and encoder.window == model.window
+
+
+async def test_an_index_without_the_exported_encoder_fails_start_naming_the_fix(pydoc_index_dir, tmp_path):
+    service = RetrievalService(_config(pydoc_index_dir))
+    await service.start()
+    assert type(service.batcher.embedder).__name__ == "OnnxEmbedder"  # the shipped retrieval.embed_backend
+    await service.stop()
+    copy = tmp_path / "index"
+    shutil.copytree(pydoc_index_dir, copy)
+    (copy / "query_encoder.onnx").unlink()
+    service = RetrievalService(_config(copy))
+    with pytest.raises(IndexMismatchError, match=r"query_encoder.onnx not found.*`switchyard index`.*\"torch\""):
+        await service.start()
+    service = RetrievalService(_config(copy, **{"retrieval.embed_backend": "torch"}))
+    await service.start()
+    assert type(service.batcher.embedder).__name__ == "Embedder"
     await service.stop()

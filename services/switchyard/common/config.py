@@ -833,9 +833,16 @@ class RetrievalConfig(_Strict):
         description="Recent query vectors kept in an LRU cache, entries (1.5 KiB each at 384 dims); a question "
         "asked again skips the embedding model. 0 turns the cache off.",
     )
+    embed_backend: Literal["onnxruntime", "torch"] = Field(
+        "onnxruntime",
+        description="What runs the embedding model on the service's queries: onnxruntime (the encoder `switchyard "
+        "index` exports into the index folder; no torch in the service, a lone question about twice as fast on "
+        "one thread, the same vectors) or torch (sentence-transformers, as the indexer).",
+    )
     embed_threads: int = Field(
         1, ge=0, le=256,
-        description="Torch intra-op threads for query embedding in the service, threads; 0 = torch's default (one "
+        description="Intra-op threads for query embedding in the service (ONNX Runtime's or torch's), threads; "
+        "0 = the runtime's default (one "
         "per visible core). 1 suits a host whose cores the services share: OpenMP threads that wait for a busy "
         "core multiply a lone query's time (P95 26.8 ms with 1 thread against 515 ms with 2 on a loaded 2-core "
         "host, docs/benchmarks.md). A retrieval pod with whole cores of its own may set its core count. "

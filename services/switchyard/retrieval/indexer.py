@@ -28,7 +28,7 @@ from tqdm import tqdm
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.chunking import Chunked, Document, chunk_for_model
 from switchyard.retrieval.documents import path_documents, pydoc_documents
-from switchyard.retrieval.embedder import Embedder, load_embedder, set_threads
+from switchyard.retrieval.embedder import ONNX_FILE, Embedder, export_onnx, load_embedder, set_threads
 from switchyard.retrieval.index import Manifest, VectorIndex
 from switchyard.retrieval.lexical import LexicalIndex
 
@@ -155,6 +155,7 @@ def build_index(
     if settings.hybrid:
         index.lexical = LexicalIndex.build(chunked.texts)
     index.save(out_dir)
+    export_onnx(embedder, out_dir)  # the service's query encoder (retrieval.embed_backend "onnxruntime")
     return index.manifest
 
 
@@ -194,4 +195,5 @@ def main(argv: list[str]) -> int:
         f"longest passage {manifest.longest_tokens}, chunk_tokens {manifest.chunk_tokens}, "
         f"overlap {manifest.chunk_overlap_tokens})"
     )
+    print(f"query encoder: {ONNX_FILE} (ONNX Runtime, retrieval.embed_backend) beside the index")
     return 0

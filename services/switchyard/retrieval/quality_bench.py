@@ -20,9 +20,10 @@ nDCG@10, recall@5 on the "tail" questions (answered only past the old
 passages' first 256 word pieces), search time per query (BM25 included), and
 the P95 of a question's retrieval time: embedding, then search, with BM25
 run during the embedding as the service runs it. Queries are embedded one at a time, as a lone
-Retrieve call is, twice, taking turns: with ``retrieval.embed_threads`` torch
-threads (as the service runs now) for the token rows, and with torch's default
-(as the service ran before) for the old character row. With ``--index-dir`` it scores a built index instead.
+Retrieve call is, twice, taking turns: as the service runs it now (``retrieval.embed_backend``,
+by default the exported encoder on ONNX Runtime, on ``retrieval.embed_threads``) for the token rows,
+and through torch on torch's default threads (as the service ran before) for the old character row.
+With ``--index-dir`` it scores a built index instead.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -46,7 +49,7 @@ HNSW_M, HNSW_EF_SEARCH = 32, 64
 OLD_CHUNK = (900, 100)
 """The character chunking of the index before token-aware chunking (chunk_chars, chunk_overlap_chars)."""
 OLD_EMBED_THREADS = 0
-"""Torch threads of query embedding before ``retrieval.embed_threads`` shipped as 1: torch's default."""
+"""How the service embedded questions before ``retrieval.embed_threads`` and ``embed_backend``: torch, default threads."""
 
 
 @dataclass(frozen=True)
@@ -67,23 +70,49 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
-def embed_queries(embedder, queries: Sequence[LabelledQuery], threads: Sequence[int] = (0,),
-                  ) -> tuple[np.ndarray, list[list[float]]]:
-    """Embed each question alone, once per torch thread count in ``threads`` (0 = torch's default).
+@dataclass(frozen=True)
+class QueryPath:
+    """One way of embedding a lone question: ``label`` for the report, ``encode(text) -> (dims,) vector``."""
 
-    The counts take turns question by question, so a noisy machine weighs on each alike.
-    Returns (n, dims) vectors (from the first count) and, per count, seconds per question.
-    """
+    label: str
+    encode: Callable[[str], np.ndarray]
+
+
+def torch_path(embedder, threads: int) -> QueryPath:
+    """Embedding through sentence-transformers on ``threads`` torch threads (0 = torch's default)."""
     from switchyard.retrieval.embedder import set_threads
 
-    embedder.encode(["warm-up"], batch_size=1)
+    def encode(text: str) -> np.ndarray:
+        set_threads(threads)
+        return embedder.encode([text], batch_size=1)[0]
+
+    return QueryPath(f"torch, {_threads(threads, 'torch')}", encode)
+
+
+def onnx_path(encoder, threads: int) -> QueryPath:
+    """Embedding through the exported encoder on ONNX Runtime (what the service runs by default)."""
+    return QueryPath(f"onnxruntime, {_threads(threads, 'onnxruntime')}",
+                     lambda text: encoder.encode([text], batch_size=1)[0])
+
+
+def _threads(count: int, runtime: str) -> str:
+    return f"{runtime}'s default threads" if count == 0 else f"{count} thread{'s' if count != 1 else ''}"
+
+
+def embed_queries(paths: Sequence[QueryPath], queries: Sequence[LabelledQuery]) -> tuple[np.ndarray, list[list[float]]]:
+    """Embed each question alone through each of ``paths``.
+
+    The paths take turns question by question, so a noisy machine weighs on each alike.
+    Returns (n, dims) vectors (from the first path) and, per path, seconds per question.
+    """
+    for path in paths:
+        path.encode("warm-up")
     vectors: list[np.ndarray] = []
-    seconds: list[list[float]] = [[] for _ in threads]
+    seconds: list[list[float]] = [[] for _ in paths]
     for q in queries:
-        for i, count in enumerate(threads):
-            set_threads(count)
+        for i, path in enumerate(paths):
             started = time.perf_counter()
-            vector = embedder.encode([q.query], batch_size=1)[0]
+            vector = path.encode(q.query)
             seconds[i].append(time.perf_counter() - started)
             if i == 0:
                 vectors.append(vector)
@@ -173,11 +202,14 @@ def run(args: argparse.Namespace):
     rrf_k, candidates = settings.rrf_k, settings.hybrid_candidates
     queries = load_queries(args.queries)
     embedder = load_embedder()
-    if args.index_dir or args.no_baseline:
-        vectors, (embed_s,) = embed_queries(embedder, queries, (settings.embed_threads,))
-        old_embed_s = embed_s  # no old row to charge
-    else:  # the old row as the service ran before: its chunking, and torch's default threads
-        vectors, (embed_s, old_embed_s) = embed_queries(embedder, queries, (settings.embed_threads, OLD_EMBED_THREADS))
+    with tempfile.TemporaryDirectory(prefix="switchyard-encoder-") as scratch:
+        service_path = _service_path(embedder, settings, args.index_dir or scratch)
+        if args.index_dir or args.no_baseline:
+            vectors, (embed_s,) = embed_queries([service_path], queries)
+            old_embed_s = embed_s  # no old row to charge
+        else:  # the old row as the service ran before: its chunking, torch on torch's default threads
+            old_path = torch_path(embedder, OLD_EMBED_THREADS)
+            vectors, (embed_s, old_embed_s) = embed_queries([service_path, old_path], queries)
     set_threads(0)  # passages are embedded in batches: every core
     rows: list[Row] = []
     if args.index_dir:
@@ -186,7 +218,7 @@ def run(args: argparse.Namespace):
         for kind, hybrid in modes:
             rows.append(measure("built index", kind, searcher(index, hybrid, rrf_k, candidates),
                                 len(index), index.manifest.truncated, queries, vectors, embed_s))
-        return rows, queries, {"service": (settings.embed_threads, embed_s)}
+        return rows, queries, {"service": (service_path.label, embed_s)}
     docs = pydoc_documents()
     variants = []
     if not args.no_baseline:
@@ -216,23 +248,38 @@ def run(args: argparse.Namespace):
                 label = f"{kind} hybrid" + (f" k={fusion_k:g}" if args.rrf_k else "")
                 rows.append(measure(name, label, searcher(index, True, fusion_k, candidates), len(passages),
                                     truncated, queries, vectors, embed_s))
-    embed = {"service": (settings.embed_threads, embed_s)}
+    embed = {"service": (service_path.label, embed_s)}
     if not args.no_baseline:
-        embed["old"] = (OLD_EMBED_THREADS, old_embed_s)
+        embed["old"] = (old_path.label, old_embed_s)
     return rows, queries, embed
 
 
+def _service_path(embedder, settings, folder: str) -> QueryPath:
+    """The service's query path (``retrieval.embed_backend``, ``embed_threads``); exports the encoder if missing."""
+    from switchyard.retrieval.embedder import ONNX_FILE, OnnxEmbedder, export_onnx
+
+    if settings.embed_backend == "torch":
+        return torch_path(embedder, settings.embed_threads)
+    if not (Path(folder) / ONNX_FILE).is_file():
+        export_onnx(embedder, folder)
+    return onnx_path(OnnxEmbedder(folder, embedder.name, embedder.window, settings.embed_threads), settings.embed_threads)
+
+
+_WHO = {"service": "as the service runs it now", "old": "as the old row's service ran it"}
+
+
 def report(rows: list[Row], queries: Sequence[LabelledQuery],
-           embed_s: dict[str, tuple[int, Sequence[float]]]) -> str:
+           embed_s: dict[str, tuple[str, Sequence[float]]]) -> str:
     """The table ``switchyard bench retrieval`` prints (times in milliseconds)."""
     tail = sum(q.tail for q in queries)
     lines = [
         f"retrieval quality: {len(queries)} labelled questions ({tail} tail) over CPython's documentation topics "
         f"(Python {platform.python_version()}), all-MiniLM-L6-v2, top {DEPTH} passages per question",
         *(
-            f"query embedding, one query at a time, {_threads_label(who, count)}: "
-            f"p50 {_pct(seconds, 50) * 1e3:.1f} ms, p95 {_pct(seconds, 95) * 1e3:.1f} ms"
-            for who, (count, seconds) in embed_s.items()
+            f"query embedding, one query at a time, "
+            f"{_WHO[who]} "
+            f"({label}): p50 {_pct(seconds, 50) * 1e3:.1f} ms, p95 {_pct(seconds, 95) * 1e3:.1f} ms"
+            for who, (label, seconds) in embed_s.items()
         ),
         "",
         f"{'chunking':<24}{'search':<18}{'passages':>9}{'truncated':>10}{'R@1':>7}{'R@5':>7}{'MRR@10':>8}"
@@ -258,11 +305,6 @@ def report(rows: list[Row], queries: Sequence[LabelledQuery],
             f"truncated passages {old.truncated} -> {new.truncated}"
         )]
     return "\n".join(lines)
-
-
-def _threads_label(who: str, count: int) -> str:
-    where = "as the service runs it now" if who == "service" else "as the old row's service ran it"
-    return f"{where} ({'torch default' if count == 0 else count} thread{'s' if count != 1 else ''})"
 
 
 def _sizes(text: str) -> list[int]:

@@ -30,7 +30,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SERVER_FAULT_CODES, abort, status_for
 from switchyard.common.queues import QueueTimeoutError, WorkQueue
-from switchyard.retrieval.embedder import Embedder, MicroBatcher, load_embedder, set_threads
+from switchyard.retrieval.embedder import MicroBatcher, OnnxEmbedder, QueryEncoder, load_query_encoder
 from switchyard.retrieval.index import IndexMismatchError, VectorIndex, load_index
 from switchyard.retrieval.metrics import EMBED_SECONDS, INDEX_PASSAGES, REQUESTS, SEARCH_SECONDS
 
@@ -59,7 +59,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
     name = "retrieval"
     grpc_service_names = ("agent.RetrievalService",)
 
-    def __init__(self, config: SwitchyardConfig, embedder: Embedder | None = None) -> None:
+    def __init__(self, config: SwitchyardConfig, embedder: QueryEncoder | None = None) -> None:
         self.config = config
         self.settings = config.retrieval
         self.queue = WorkQueue(QUEUE_NAME, config.queues.retrieval)
@@ -93,8 +93,12 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             IndexMismatchError: the index was built with another model or width.
         """
         index = await asyncio.to_thread(load_index, self.settings.index_dir)
-        set_threads(self.settings.embed_threads)
-        embedder = self._embedder or await asyncio.to_thread(load_embedder)
+        try:
+            embedder = self._embedder or await asyncio.to_thread(
+                load_query_encoder, self.settings.index_dir, self.settings.embed_backend, self.settings.embed_threads
+            )
+        except FileNotFoundError as exc:  # an index built before the query encoder was exported with it
+            raise IndexMismatchError(str(exc)) from exc
         if self.settings.hybrid and index.lexical is None:
             raise IndexMismatchError(
                 f"index in {self.settings.index_dir} has no BM25 part but retrieval.hybrid is on; rebuild it with "
@@ -115,8 +119,9 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
         self._batcher.start()
         self.queue.start()
         log.info(
-            "retrieval: %d passages from %s (%s, %d dims)",
+            "retrieval: %d passages from %s (%s, %d dims, queries on %s)",
             len(index), self.settings.index_dir, index.manifest.model, index.manifest.dims,
+            "onnxruntime" if isinstance(embedder, OnnxEmbedder) else "torch",
         )
 
     async def stop(self) -> None:
