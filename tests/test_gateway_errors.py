@@ -201,3 +201,23 @@ async def test_server_error_after_retries_is_unavailable(clean_proxy_env):
         err = await stream_error(gateway_config(server.base_url, max_retries=2, fallback_model=""))
         assert server.state.counts["claude-sonnet-4-5"] == 3
     assert err.code == grpc.StatusCode.UNAVAILABLE and "503" in str(err)
+
+
+# --------------------------------------------------------------------------- transports
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_both_http_transports_stream_and_fail_by_the_same_table(clean_proxy_env, transport):
+    """model_gateway.http_transport: the answer, a cut stream and a dead upstream read the same on either."""
+    with start_sim() as server:
+        async with GatewayClient(gateway_config(server.base_url, http_transport=transport)) as client:
+            events = [e async for e in client.stream_chat(ask())]
+            assert type(client._http).__name__ == ("HttpxAiohttpClient" if transport == "aiohttp" else "AsyncClient")
+    assert [e for e in events if isinstance(e, Token)] and events[-1].finish_reason == "stop"
+    with start_sim(faults={"*": Fault(cut_after=2)}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model="", max_retries=0,
+                                                http_transport=transport))
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err)
+    base = f"http://127.0.0.1:{closed_port()}/v1"
+    err = await stream_error(gateway_config(base, max_retries=0, http_transport=transport))
+    assert err.code == grpc.StatusCode.UNAVAILABLE and base in str(err)

@@ -141,7 +141,9 @@ def _stop_when_parent_goes(loop: asyncio.AbstractEventLoop) -> None:
     import threading
 
     def watch() -> None:
-        while sys.stdin.buffer.read(65536):
+        # os.read on the descriptor, not sys.stdin's buffered reader: a daemon thread blocked in the
+        # reader holds its lock, and the interpreter aborts at exit when it cannot take it.
+        while os.read(sys.stdin.fileno(), 65536):
             pass
         loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
 

@@ -1,7 +1,9 @@
 """GatewayClient: chat completions against one OpenAI-compatible base URL.
 
-- One pooled ``httpx.AsyncClient`` (``model_gateway.max_connections``), explicit
+- One pooled httpx client (``model_gateway.max_connections``), explicit
   connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
+  Its transport is aiohttp's pool by default (``model_gateway.http_transport``;
+  httpx-aiohttp maps aiohttp's errors to httpx's, so the error table is the same).
   HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
   :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
   skipped, never fatal).
@@ -26,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 import httpx
+from httpx_aiohttp import HttpxAiohttpClient
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
@@ -86,7 +89,7 @@ class GatewayClient:
     Args:
         config: the ``model_gateway`` section of queue.json.
         tracer: OpenTelemetry tracer for the ``gateway.chat_completions`` spans (default: global).
-        transport: httpx transport override (tests of the pool); default is httpx's own.
+        transport: httpx transport override (tests of the pool); default: ``http_transport``'s.
     """
 
     def __init__(
@@ -98,7 +101,8 @@ class GatewayClient:
     ) -> None:
         self.config = config
         self._tracer = tracer or telemetry.get_tracer(__name__)
-        self._http = httpx.AsyncClient(
+        client_class = HttpxAiohttpClient if config.http_transport == "aiohttp" else httpx.AsyncClient
+        self._http = client_class(
             base_url=config.base_url + "/",
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s,
