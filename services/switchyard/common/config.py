@@ -345,6 +345,13 @@ class SchedulerConfig(_Strict):
         description="Compute score source without NVML, a name: the engine's modelled GPU, memory and tensor activity where it has them "
         "(the sim engine), or only its busy ratio as GPU utilisation.",
     )
+    core_preemption: Literal["layer", "step"] = Field(
+        "layer",
+        description="Where core work may interrupt a running step engine's step, a name. layer: a core request arriving while "
+        "a step runs is admitted at once when it fits without preempting anything, and prefilled at the step's next layer "
+        "boundary (it waits one layer, not the rest of the step; the batch step in flight lasts longer by that prefill, "
+        "which the running requests' inter-token latency shows); step: only at step boundaries, as vLLM and Orca schedule.",
+    )
 
     @model_validator(mode="after")
     def _thresholds(self) -> "SchedulerConfig":
@@ -911,6 +918,11 @@ class SimEngineConfig(_Strict):
         True, description="Reuse the KV of prompt blocks already computed (vLLM's automatic prefix caching)."
     )
     prefix_block_tokens: int = Field(16, ge=1, le=4096, description="Tokens per cached prompt block, tokens.")
+    layers: int = Field(
+        32, ge=1, le=1024,
+        description="Transformer layers of the modelled model, layers (Llama-2-7B: 32): a step in flight can be "
+        "interrupted for a core prefill at each layer boundary, every step time / layers seconds.",
+    )
 
 
 class TorchEngineConfig(_Strict):
