@@ -35,6 +35,19 @@ def test_put_reports_full_and_swap_hands_over_in_put_order() -> None:
     assert buf.swap() == [4]
 
 
+def test_take_hands_over_the_wanted_items_and_keeps_the_rest_in_order() -> None:
+    buf: DoubleBuffer[int] = DoubleBuffer(10, flush_interval_s=0.02)
+    for i in range(6):
+        buf.put(i, now=10.0 + i)
+    assert buf.take(lambda i: i % 3 == 1) == [1, 4]
+    assert buf.deadline() == pytest.approx(10.02)  # still the first item's
+    assert buf.take(lambda i: i > 100) == []
+    assert buf.swap() == [0, 2, 3, 5]
+    buf.put(7, now=20.0)
+    assert buf.take(lambda i: True) == [7]
+    assert buf.active_size == 0 and buf.deadline() is None
+
+
 def test_interval_is_read_when_the_first_item_arrives() -> None:
     interval = {"s": 0.05}
     buf: DoubleBuffer[int] = DoubleBuffer(10, flush_interval_s=lambda: interval["s"])

@@ -492,6 +492,88 @@ def test_fifo_ignores_classes() -> None:
     assert ids(sched.schedule(now=1.0).admitted) == ids(batch + core[:1])
 
 
+# --------------------------------------------------------------------------- core work admitted mid-step
+
+
+def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_boundary() -> None:
+    from switchyard.dispatcher.double_buffer import FlushReason
+
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, running=3)
+    [running] = make_requests(1, BATCH, arrival=0.0)
+    sched.add([running], now=0.0)
+    sched.schedule(now=0.0)
+    [late_batch] = make_requests(1, BATCH, arrival=0.01)
+    [core] = make_requests(1, CORE, arrival=0.02)
+    calls: list[str] = []
+    sched.on_core_arrival = lambda: calls.append("core")
+    flushes = metric("switchyard_flushes_total", reason="preempt")
+    sched.add_request(late_batch, now=0.01)
+    sched.add_request(core, now=0.02)
+    assert calls == ["core"]  # only the core arrival is announced as such
+
+    assert sched.admit_core(now=0.03) == [core]
+    assert sched.running == [running, core] and core.state == "running"
+    assert core.flush_reason == FlushReason.PREEMPT and core.admitted_at == 0.03
+    assert metric("switchyard_flushes_total", reason="preempt") == flushes + 1
+    assert sched.intake.active_size == 1 and late_batch.state == "buffered"  # it joins at the step boundary
+    assert engine.released == []  # nothing preempted
+    assert sched.admit_core(now=0.04) == []  # nothing more to take
+
+    out = sched.schedule(now=0.05)
+    assert out.admitted == [late_batch] and late_batch.flush_reason == FlushReason.STEP
+    assert sched.running == [running, core, late_batch]
+
+
+def test_admit_core_preempts_nothing_a_core_request_that_does_not_fit_waits_for_the_boundary() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=0)
+    [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
+    sched.add([batch], now=0.0)
+    sched.schedule(now=0.0)
+    preempted = metric("switchyard_preemptions_total", priority_class="batch")
+    [core] = make_requests(1, CORE, arrival=0.1)
+    sched.add_request(core, now=0.1)
+
+    assert sched.admit_core(now=0.1) == []
+    assert sched.running == [batch] and sched.waiting == [core] and core.state == "waiting"
+    assert engine.released == [] and batch.preemptions == 0
+    assert metric("switchyard_preemptions_total", priority_class="batch") == preempted
+
+    out = sched.schedule(now=0.2)  # the step boundary: the policy preempts for it
+    assert out.preempted == [batch] and out.admitted == [core]
+    assert sched.waiting == [batch]  # the victim waits again: nothing is lost
+
+
+def test_admit_core_keeps_the_policy_order_and_its_kv_budget() -> None:
+    per_token = SwitchyardConfig().sim.kv_bytes_per_token
+    for policy, admitted in (("fifo", 0), ("priority", 1)):
+        engine = FakeEngine()
+        info = MemoryInfo(device_bytes=10_000 * per_token, weight_bytes=0, kv_bytes_per_token=per_token)
+        capacity = KvBudget(SwitchyardConfig().memory.hbm.model_copy(update={"capacity_ratio": 0.05}), info)
+        config = SwitchyardConfig().with_overrides(**{"scheduler.policy": policy})
+        sched = build_scheduler(config, engine, capacity=capacity)  # a budget of 500 tokens of KV
+        [first] = make_requests(1, BATCH, arrival=0.0, prompt_tokens=100, max_tokens=200)
+        sched.add([first], now=0.0)
+        sched.schedule(now=0.0)
+        [big] = make_requests(1, BATCH, arrival=0.1, prompt_tokens=100, max_tokens=200)
+        sched.add([big], now=0.1)
+        sched.schedule(now=0.1)
+        assert sched.waiting == [big]  # 300 tokens do not fit beside 300
+        [core] = make_requests(1, CORE, arrival=0.2, prompt_tokens=50, max_tokens=50)
+        sched.add_request(core, now=0.2)
+        # fifo: the batch request waits ahead of it; priority: core work comes first, and 100 tokens fit
+        assert len(sched.admit_core(now=0.2)) == admitted, policy
+        assert (core.state == "running") == bool(admitted)
+        assert capacity.reserved_bytes == (300 + 100 * admitted) * per_token
+        [huge] = make_requests(1, CORE, arrival=0.3, prompt_tokens=100, max_tokens=100)
+        sched.add_request(huge, now=0.3)
+        # fifo: still behind the batch request; priority: 200 tokens do not fit beside 400, and nothing is
+        # evicted or preempted mid-step
+        assert sched.admit_core(now=0.3) == []
+        assert huge.state == "waiting" and engine.released == []
+
+
 # --------------------------------------------------------------------------- tool-waiting agents
 
 

@@ -30,6 +30,7 @@ class FlushReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAIN: _ClassVar[FlushReason]
     IDLE: _ClassVar[FlushReason]
     STEP: _ClassVar[FlushReason]
+    PREEMPT: _ClassVar[FlushReason]
 PRIORITY_UNSPECIFIED: Priority
 CORE: Priority
 NORMAL: Priority
@@ -45,6 +46,7 @@ INTERVAL: FlushReason
 DRAIN: FlushReason
 IDLE: FlushReason
 STEP: FlushReason
+PREEMPT: FlushReason
 
 class TokenUsage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

@@ -14,14 +14,19 @@ When the buffer is swapped, and why (:class:`FlushReason`):
 - ``SIZE``: the active list reached ``max_batch_size`` mid-step;
 - ``INTERVAL``: the first item has waited ``flush_interval_ms`` (the upper
   bound of the wait for a swap; ``"auto"`` computes it from arrivals);
-- ``DRAIN``: the dispatcher is shutting down.
+- ``DRAIN``: the dispatcher is shutting down;
+- ``PREEMPT``: mid-step, only the core requests leave the active list, to be
+  prefilled at the running step's next layer boundary
+  (``scheduler.core_preemption`` ``layer``); the rest stays for the step
+  boundary.
 
 The buffer itself is plain bookkeeping: it runs on the event loop thread, so a
 swap is atomic without a lock. Its owner
 (:class:`switchyard.dispatcher.scheduler.core.SchedulerCore`) decides when to
 swap and arms the interval timer from :meth:`DoubleBuffer.deadline`. Items
 leave in exactly the order they were put: nothing is lost, duplicated or
-reordered by a swap.
+reordered by a swap (nor by :meth:`DoubleBuffer.take`, which keeps the order
+of what it takes and of what it leaves).
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ class FlushReason(enum.IntEnum):
     DRAIN = agent_pb2.DRAIN
     IDLE = agent_pb2.IDLE
     STEP = agent_pb2.STEP
+    PREEMPT = agent_pb2.PREEMPT
 
     @property
     def label(self) -> str:
-        """Lower-case name for metric labels: size, interval, drain, idle, step."""
+        """Lower-case name for metric labels: size, interval, drain, idle, step, preempt."""
         return self.name.lower()
 
 
@@ -125,6 +131,20 @@ class DoubleBuffer(Generic[T]):
         self._lists[self._active].clear()
         self._first_at = self._deadline = None
         return full
+
+    def take(self, wanted: Callable[[T], bool]) -> list[T]:
+        """Hand over the items of the active list for which ``wanted`` is true (put order); the others stay,
+        in their order, and the list's :meth:`deadline` stays that of its first item."""
+        active = self._lists[self._active]
+        taken: list[T] = []
+        kept: list[T] = []
+        for item in active:
+            (taken if wanted(item) else kept).append(item)
+        if taken:
+            active[:] = kept
+            if not active:
+                self._first_at = self._deadline = None
+        return taken
 
     def remove(self, item: T) -> bool:
         """Take ``item`` out of the active list (its request was cancelled); True when it was there."""

@@ -28,7 +28,7 @@ BATCH_SIZE = Histogram(
     "switchyard_batch_size", "Requests per batch flushed from the double buffer.", buckets=_BATCH_BUCKETS
 )
 FLUSHES = Counter(
-    "switchyard_flushes_total", "Double-buffer flushes, by reason (size, interval, drain).", ["reason"]
+    "switchyard_flushes_total", "Double-buffer flushes, by reason (size, interval, drain, idle, step, preempt).", ["reason"]
 )
 ENGINE_BUSY_RATIO = Gauge(
     "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."

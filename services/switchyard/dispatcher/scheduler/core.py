@@ -28,7 +28,7 @@ This class is the only place that
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set
 (:meth:`SchedulerCore._order_key`), whether the head may start
-(:meth:`SchedulerCore._refusal`), and what to preempt
+(:meth:`SchedulerCore._admission_refusal`, memory aside), and what to preempt
 (:meth:`SchedulerCore._preempt`).
 
 Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
@@ -61,6 +61,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, QueueFullError, QueueTimeoutError, SwitchyardError
 from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher import metrics as dispatcher_metrics
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
@@ -142,6 +143,9 @@ class SchedulerCore:
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
         self.on_arrival: Callable[[], None] = lambda: None
         """Called after every accepted request (the engine loop decides whether to wake)."""
+        self.on_core_arrival: Callable[[], None] = lambda: None
+        """Called after ``on_arrival`` when the accepted request is core work (the step loop may then take it
+        mid-step: :meth:`admit_core`)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self._waiting: list[tuple[tuple[float, ...], Request]] = []
@@ -237,6 +241,8 @@ class SchedulerCore:
         elif self.intake.active_size == 1:
             self._arm_interval()
         self.on_arrival()
+        if req.priority_class is PriorityClass.CORE:
+            self.on_core_arrival()
 
     def flush(self, reason: FlushReason, now: float) -> int:
         """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
@@ -245,7 +251,10 @@ class SchedulerCore:
             self._interval_timer = None
         if not self.intake.active_size:
             return 0
-        batch = self.intake.swap()
+        return self._hand_over(self.intake.swap(), reason, now)
+
+    def _hand_over(self, batch: list[Request], reason: FlushReason, now: float) -> int:
+        """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
         number = next(self._batch_numbers)
         self._batches[number] = [float(len(batch)), now]
         size = len(batch)
@@ -318,6 +327,53 @@ class SchedulerCore:
         out.running = list(self._running)
         self._publish()
         return out
+
+    def admit_core(self, now: float) -> list[Request]:
+        """Admit core work while the engine runs a step, preempting nothing: the layer-boundary path.
+
+        The step loop calls it when a core request arrives during a step
+        (``scheduler.core_preemption`` ``layer``). The buffered core requests
+        leave the double buffer (flush reason ``preempt``; the rest stays for
+        the step boundary) and join the waiting set in the policy's order. Then,
+        from the head of that order and while the head is a core request, each
+        is admitted as :meth:`schedule` admits (the policy's admission rule; its
+        KV reserved in the budget; it joins the running set) but only if it fits
+        as things are: nothing is evicted or preempted for it, and one whose KV
+        waits in the DRAM tier waits for the step boundary (restores happen
+        between steps). Whatever is not admitted waits, in its place, for the
+        next :meth:`schedule`, which may evict or preempt for it. Admitting a
+        core request behind waiting work of another class would break the
+        policy's order, so none is (with ``fifo``, only a core request that is
+        the oldest waiting work is admitted here).
+
+        Returns:
+            the requests admitted, in admission order; each needs its prefill
+            (the step loop asks the engine for it at a layer boundary). Empty
+            when none fits.
+        """
+        out = SchedulerOutput()
+        taken = self.intake.take(lambda req: req.priority_class is PriorityClass.CORE)
+        if taken:
+            self._hand_over(taken, FlushReason.PREEMPT, now)
+        if now >= self._next_expiry:
+            self._expire(now, out)
+        self._now = now
+        projected = self.score
+        while self._waiting:
+            req = self._waiting[0][1]
+            if req.priority_class is not PriorityClass.CORE or req.swap_key:
+                break
+            if (self._admission_refusal(req, projected, len(out.admitted)) is not None
+                    or self.capacity.refusal(req) is not None):
+                break
+            self._waiting.pop(0)
+            self._start(req, now, out)
+            projected += self.admission.expected.get(req.task_type)
+        for req in out.admitted:
+            self.accounting.start(req, now, self.score, len(out.admitted))
+        if out.admitted or out.expired:
+            self._publish()
+        return out.admitted
 
     def on_idle(self, now: float) -> None:
         """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
@@ -476,14 +532,22 @@ class SchedulerCore:
         raise NotImplementedError
 
     def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
-        """None when the head ``req`` may start now, else the refusal reason.
+        """None when the head ``req`` may start now, else the refusal reason: the policy's admission rule,
+        then KV memory (evicting what :meth:`_make_room` may to make it fit).
 
         ``wave``: requests admitted earlier in this decision.
         """
-        reason = self.admission.check(req.task_type, len(self._running), projected_score, wave)
+        reason = self._admission_refusal(req, projected_score, wave)
         if reason is not None:
             return reason
         return None if self._make_room(req) else self.capacity.refusal(req)
+
+    def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+        """The policy's admission rule alone (memory aside): None when ``req`` may start, else the reason.
+
+        Default: the compute score and the admission wave (:class:`.admission.Admission`).
+        """
+        return self.admission.check(req.task_type, len(self._running), projected_score, wave)
 
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         """Preempt running work for waiting work, after the admission pass (default: never)."""

@@ -27,7 +27,5 @@ class FifoScheduler(SchedulerCore):
     def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
         return (req.arrival,)
 
-    def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
-        if wave >= self.config.max_running_agents:
-            return ADMISSION_WAVE
-        return None if self._make_room(req) else self.capacity.refusal(req)
+    def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+        return ADMISSION_WAVE if wave >= self.config.max_running_agents else None
