@@ -241,3 +241,49 @@ async def test_preempted_sequence_resumes_without_losing_or_repeating_tokens() -
     assert [t.index for t in tokens] == list(range(len(straight.output_tokens)))
     assert req.preemptions == 1
     assert req.memory_peak_bytes == (60 + 11) * engine.params.kv_bytes_per_token
+
+
+# --------------------------------------------------------------------------- prefill between layers
+
+
+async def test_a_prefill_between_layers_gets_its_first_token_before_the_step_in_flight_ends() -> None:
+    import asyncio
+
+    from switchyard.dispatcher.engines.base import LayerPreemptible
+
+    config = fast_config(**{"sim.decode_base_ms": 200.0, "sim.layers": 32, "sim.prefix_caching": False})
+    engine = SimEngine(config)
+    assert isinstance(engine, LayerPreemptible)
+    batch = [Request(f"b{i}", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=8) for i in range(3)]
+    await engine.prefill(batch)
+    busy = engine.busy_seconds
+    step = asyncio.create_task(engine.decode(batch))
+    await asyncio.sleep(0)  # the step is in flight
+    core = Request("core", prompt=CONTEXT_PROMPT, prompt_tokens=40, max_tokens=8)
+    assert await engine.prefill_between_layers([core]) is True
+    assert len(core.output_tokens) == 1 and not core.needs_prefill
+    assert not step.done() and all(len(s.output_tokens) == 1 for s in batch)  # the batch's tokens wait
+    await step
+    assert all(len(s.output_tokens) == 2 for s in batch)
+    assert core.first_token_at is not None and core.first_token_at < min(s.last_token_at for s in batch)
+    # busy time: the step and the prefill, each as modelled
+    assert engine.busy_seconds == pytest.approx(busy + decode_seconds(config.sim, 3) + prefill_seconds(config.sim, 40))
+    # the core request then decodes with the batch
+    await engine.decode([*batch, core])
+    assert core.output_tokens == plan_reply(CONTEXT_PROMPT, [], []).tokens[:2]
+
+
+async def test_no_prefill_between_layers_without_a_step_in_flight_or_a_layer_boundary() -> None:
+    import asyncio
+
+    engine = SimEngine(fast_config())
+    core = Request("core", prompt=CONTEXT_PROMPT, prompt_tokens=40, max_tokens=4)
+    assert await engine.prefill_between_layers([core]) is False  # nothing runs
+    one_layer = SimEngine(fast_config(**{"sim.decode_base_ms": 50.0, "sim.layers": 1}))
+    [batch] = [Request("b", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=4)]
+    await one_layer.prefill([batch])
+    step = asyncio.create_task(one_layer.decode([batch]))
+    await asyncio.sleep(0)
+    assert await one_layer.prefill_between_layers([core]) is False  # one layer: no boundary inside a step
+    await step
+    assert core.output_tokens == [] and core.num_computed_tokens == 0  # untouched: a newcomer of the next step

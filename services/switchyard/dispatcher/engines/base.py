@@ -16,6 +16,11 @@ payload, tokens) -> int`` (swap to and from DRAM), ``recompute_seconds(tokens)``
 (the prefill a swap saves), ``share_prefix(source, target) -> int`` (a warm
 resume between requests that hold their own caches), ``compact_kv() -> int``
 (defragmentation, bytes freed) and ``evict_prefix_cache(nbytes) -> int``.
+
+A step engine may also let core work in between the layers of the step it is
+running (:class:`LayerPreemptible`, ``prefill_between_layers``); the step loop
+uses it when present and ``scheduler.core_preemption`` is ``layer``. Engines
+without it keep the step boundary as the only point where work joins.
 """
 
 from __future__ import annotations
@@ -67,6 +72,38 @@ class StepEngine(Protocol):
 
     def kv_bytes(self, req: Request) -> int:
         """Bytes of KV/prefix state the engine holds for ``req`` now (0 when released)."""
+
+
+@runtime_checkable
+class LayerPreemptible(Protocol):
+    """A step engine that can run a prefill at a layer boundary of the step in flight (optional capability).
+
+    A step is a loop over the model's layers launched layer by layer by the
+    host, so the host can stop launching the batch's layers at a boundary, run
+    another request's whole prefill, and resume the batch from the next layer;
+    the batch's partial state (hidden states, the KV written by the layers
+    done) stays as it is. This is REEF's preemption of best-effort DNN
+    inference for real-time work at kernel granularity (Han et al., OSDI 2022,
+    "Microsecond-scale Preemption for Concurrent GPU-accelerated DNN
+    Inferences"), at layer granularity; iteration-level schedulers (Orca, vLLM)
+    only let work join between steps. The engine still runs one thing at a
+    time: the prefill runs in the pause, the batch step lasts longer by it.
+    """
+
+    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
+        """Prefill ``reqs`` at the next layer boundary of the step in flight; True once they have their first token.
+
+        What :meth:`StepEngine.prefill` does to ``reqs`` (their next token
+        appended, finishing as there), run inside the pause. False, with
+        nothing computed for ``reqs``, when no step is in flight, or when the
+        step ends before it reaches another layer boundary: the caller then
+        prefills them as ordinary newcomers at the next step boundary.
+        ``reqs`` must not be members of the step in flight.
+
+        Raises:
+            whatever :meth:`StepEngine.prefill` raises for ``reqs`` (the step in
+            flight goes on).
+        """
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ H100 SXM:
   TTFT alone = prefill_overhead_ms + prompt tokens x prefill_per_token_ms.
 - KV cache: 2 (K and V) x 32 layers x 4096 hidden x 2 bytes = 512 KiB per
   token (``kv_bytes_per_token`` = 524288), Llama-2-7B's shape.
+- Layers: a step runs the model's ``layers`` (32) one after another, each
+  taking step time / ``layers``. A prefill asked for while a step runs
+  (:meth:`SimEngine.prefill_between_layers`) waits for the layer in progress
+  to end, takes its own modelled prefill time there, and the step then goes
+  on from the next layer (see
+  :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`).
 
 Text: the orchestrator renders retrieved passages inside ``<context>`` ...
 ``</context>`` (each passage starts with a line ``[n] Title``) and the question
@@ -37,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -295,6 +302,26 @@ def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimRe
 # --------------------------------------------------------------------------- engine
 
 
+@dataclass
+class _StepInFlight:
+    """A modelled step being slept through, and the prefills waiting for one of its layer boundaries."""
+
+    start: float
+    """The event loop's clock when the step began, seconds."""
+    seconds: float
+    """Its modelled length, seconds."""
+    paused: float = 0.0
+    """Seconds spent so far in prefills between its layers (the step's own progress excludes them)."""
+    pending: list[tuple[list[Request], "asyncio.Future[bool]"]] = field(default_factory=list)
+    wake: "asyncio.Future[bool] | None" = None
+    """Set while the step sleeps: resolved True to wake it for a pending prefill, False at its end."""
+
+
+def _resolve(future: "asyncio.Future[bool]", value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 def prompt_pieces(req: Request) -> list[str]:
     """The prompt as the sim's tokens (word pieces), messages marked by role: what prefix caching hashes."""
     if not req.messages:
@@ -329,6 +356,7 @@ class SimEngine:
         )
         """Automatic prefix caching (``sim.prefix_caching``); None when off."""
         self._prompt_keys: dict[Request, list[int]] = {}
+        self._flight: _StepInFlight | None = None
 
     def reply_for(self, req: Request) -> SimReply:
         """The planned reply of ``req`` (planned once, kept until :meth:`release`)."""
@@ -493,8 +521,101 @@ class SimEngine:
             kv_bytes_per_token=p.kv_bytes_per_token,
         )
 
+    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
+        """Prefill ``reqs`` at the next layer boundary of the step in flight; True once each has its first token.
+
+        The step's layers each last its modelled time / ``sim.layers``; the
+        layer in progress ends, then ``reqs`` take ``prefill_seconds`` of their
+        uncomputed tokens (prompt blocks in the prefix cache are not computed
+        again, as in :meth:`prefill`; busy, memory and tensor time counted),
+        and the step resumes from the next layer, its end later by that much.
+        Prefills asked for before the same boundary run there together. False,
+        with nothing computed, when no step is in flight or it is in its last
+        layer (see :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`).
+        """
+        flight = self._flight
+        reqs = [s for s in reqs if not s.is_finished]
+        if flight is None or not reqs:
+            return False
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        flight.pending.append((reqs, future))
+        if flight.wake is not None:
+            _resolve(flight.wake, True)
+        return await future
+
     async def _run(self, seconds: float, tokens: int, kv_tokens: int) -> None:
-        """Spend ``seconds`` on a step that computes ``tokens`` and reads the KV of ``kv_tokens``."""
+        """Spend ``seconds`` on a step that computes ``tokens`` and reads the KV of ``kv_tokens``.
+
+        One timer for the whole step, not one per layer: the sleep is woken
+        only when a prefill asks for a layer boundary (:meth:`prefill_between_layers`).
+        """
+        self._account(seconds, tokens, kv_tokens)
+        if seconds <= 0 or self.params.layers < 2 or self._flight is not None:
+            await asyncio.sleep(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        flight = self._flight = _StepInFlight(loop.time(), seconds)
+        try:
+            while True:
+                if flight.pending:
+                    await self._between_layers(flight)
+                elif not await self._sleep_until(flight, flight.start + flight.paused + flight.seconds):
+                    return
+        finally:
+            self._flight = None
+            for _, future in flight.pending:  # asked for too late: the step ended first
+                _resolve(future, False)
+
+    async def _sleep_until(self, flight: _StepInFlight, deadline: float) -> bool:
+        """Sleep until ``deadline`` (the loop's clock); True when woken earlier for a pending prefill."""
+        loop = asyncio.get_running_loop()
+        wake = flight.wake = loop.create_future()
+        timer = loop.call_at(deadline, _resolve, wake, False)
+        try:
+            return await wake
+        finally:
+            timer.cancel()
+            flight.wake = None
+
+    async def _between_layers(self, flight: _StepInFlight) -> None:
+        """Run the pending prefills at the step's next layer boundary (none left: the step ends first)."""
+        loop = asyncio.get_running_loop()
+        layers = self.params.layers
+        layer_s = flight.seconds / layers
+        boundary = math.floor((loop.time() - flight.start - flight.paused) / layer_s) + 1
+        if boundary >= layers:  # in its last layer: no boundary before the step's end
+            jobs, flight.pending = flight.pending, []
+            for _, future in jobs:
+                _resolve(future, False)
+            return
+        await asyncio.sleep(max(0.0, flight.start + flight.paused + boundary * layer_s - loop.time()))
+        jobs, flight.pending = flight.pending, []
+        reqs = [s for job, _ in jobs for s in job if not s.is_finished]
+        paused_at = loop.time()
+        try:
+            if reqs:
+                self._reuse_cached_prefixes(reqs)
+                tokens = sum(s.num_uncomputed_tokens for s in reqs)
+                seconds = prefill_seconds(self.params, tokens)
+                self._account(seconds, tokens, tokens)
+                with tracer.start_as_current_span("engine.prefill_between_layers") as span:
+                    span.set_attribute("switchyard.batch_size", len(reqs))
+                    span.set_attribute("switchyard.prefill_tokens", tokens)
+                    span.set_attribute("switchyard.layer", boundary)
+                    await asyncio.sleep(seconds)
+                self._prefilled(reqs)
+        except BaseException:
+            for _, future in jobs:
+                future.cancel()
+            raise
+        finally:
+            flight.paused += loop.time() - paused_at
+        for _, future in jobs:
+            _resolve(future, True)
+
+    def _account(self, seconds: float, tokens: int, kv_tokens: int) -> None:
+        """Count one step of ``seconds`` computing ``tokens`` and reading the KV of ``kv_tokens``: busy,
+        memory-busy and tensor-busy seconds (:func:`step_activity`)."""
         p = self.params
         flops = 2 * p.params_billion * 1e9 * tokens
         hbm_bytes = p.params_billion * 1e9 * p.bytes_per_param + kv_tokens * p.kv_bytes_per_token
@@ -503,7 +624,6 @@ class SimEngine:
         self.busy_seconds += seconds
         self.memory_busy_seconds += memory
         self.tensor_busy_seconds += tensor
-        await asyncio.sleep(seconds)
 
     def _emit_next(self, req: Request) -> None:
         """Append the reply's next token; finish at its end or at max_tokens."""
