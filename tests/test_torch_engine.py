@@ -344,6 +344,61 @@ async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
         make(checkpoint=str(path), d_model=128)
 
 
+# --------------------------------------------------------------------------- prefill between layers
+
+
+async def _with_core_between_layers(engine: TorchEngine, batch: list[Request], core: list[Request]) -> bool:
+    """One decode step of ``batch`` held after its first layer until ``core`` waits in the slot, then run."""
+    import threading
+
+    entered, go = threading.Event(), threading.Event()
+
+    def gate(module, args, output):  # noqa: ANN001, ANN202 - a torch forward hook
+        if not go.is_set():
+            entered.set()
+            go.wait(30)
+
+    handle = engine.model_net.blocks[0].register_forward_hook(gate)
+    try:
+        step = asyncio.create_task(engine.decode(batch))
+        assert await asyncio.to_thread(entered.wait, 30)  # the worker is between layers 0 and 1
+        nested = asyncio.create_task(engine.prefill_between_layers(core))
+        await asyncio.sleep(0)  # it reached the slot (nothing awaited before)
+        go.set()
+        await step
+        return await nested
+    finally:
+        go.set()
+        handle.remove()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_a_core_prefill_between_layers_leaves_every_token_as_without_it(temperature):
+    engine = make(n_layers=3, temperature=temperature, prefill_chunk_tokens=8)
+    batch = reqs_for(PROMPTS[:3], max_tokens=7, tag="b")
+    core = [Request(request_id="core", prompt=PROMPTS[3], max_tokens=7)]
+    await engine.prefill(batch)
+    busy = engine.busy_seconds
+    assert await _with_core_between_layers(engine, batch, core) is True
+    assert engine.busy_seconds > busy
+    assert len(core[0].output_tokens) == 1 and all(len(s.output_tokens) == 2 for s in batch)
+    assert core[0].first_token_at <= min(s.last_token_at for s in batch)  # out before the step's tokens
+    everyone = [*batch, *core]
+    while live := [s for s in everyone if not s.is_finished]:
+        await engine.decode(live)  # the core request decodes with the batch from the next step
+    for req, prompt in zip(everyone, [*PROMPTS[:3], PROMPTS[3]]):
+        assert req.output_tokens == await alone(prompt, 7, request_id=req.request_id, n_layers=3,
+                                                temperature=temperature, prefill_chunk_tokens=8)
+        assert req.num_computed_tokens == engine._caches[req].length
+
+
+async def test_no_prefill_between_layers_without_a_forward_in_flight():
+    engine = make()
+    core = Request(request_id="core", prompt=PROMPTS[0], max_tokens=4)
+    assert await engine.prefill_between_layers([core]) is False
+    assert core.output_tokens == [] and engine.kv_bytes(core) == 0
+
+
 def test_make_engine_builds_the_torch_engine():
     config = tiny_config().with_overrides(**{"dispatcher.engine": "torch"})
     engine = make_engine(config)

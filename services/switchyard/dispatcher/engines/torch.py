@@ -17,6 +17,13 @@ default, as inference servers do for benchmarking, or a local checkpoint.
   the same prefix and continues where it stopped: no token lost or repeated.
 - Forward passes run off the event loop (``asyncio.to_thread``); their wall
   time (after ``torch.cuda.synchronize`` on CUDA) is ``busy_seconds``.
+- **prefill_between_layers**: while a forward runs, another batch's prefill
+  (core work) is put in a slot that the worker thread checks between two
+  layers (:meth:`DecoderLM.extend`'s ``between_layers``); the worker runs that
+  prefill's whole forward there, on the same thread (the engine never runs
+  two forwards at once), hands the next ids to the event loop, which appends
+  the tokens, and resumes the batch from the next layer. The batch's state is
+  local to its forward, so its tokens are the same as without the pause.
 
 Prompt: the request's ``prompt``, or its messages rendered one per line as
 ``role: content`` followed by ``assistant:`` (tools offered are listed first
@@ -67,6 +74,7 @@ import codecs
 import hashlib
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -122,6 +130,33 @@ class SeqState:
     forced: ForcedReply | None = None
 
 
+@dataclass
+class NestedPrefill:
+    """A prefill waiting in the slot for a layer boundary of the forward in flight.
+
+    ``batch`` and ``keys`` are built on the event loop; the worker thread runs
+    them and schedules :meth:`TorchEngine._deliver` on ``loop``, which appends
+    the tokens of ``reqs`` and resolves ``future`` (True; False when the
+    forward ended before another boundary).
+    """
+
+    reqs: list[Request]
+    batch: list[ExtendInput]
+    keys: list[int | None]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[bool]
+
+
+def _settle(future: asyncio.Future[bool], value: bool | BaseException) -> None:
+    """Resolve ``future`` (on its loop) with ``value``, or fail it with the exception; a no-op once done."""
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """Total memory of ``device``: NVML's figure for a CUDA device (CUDA's own when NVML is absent),
     the machine's physical memory for the CPU."""
@@ -164,6 +199,9 @@ class TorchEngine:
         self._caches: dict[Request, KVCache] = {}
         self._prefill_s_per_token = 0.0
         """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
+        self._slot_lock = threading.Lock()
+        self._in_flight = False  # a forward runs on the worker thread (under _slot_lock)
+        self._slot: list[NestedPrefill] = []  # prefills for its next layer boundary (under _slot_lock)
 
     # ------------------------------------------------------------------ StepEngine
 
@@ -199,8 +237,12 @@ class TorchEngine:
             span.set_attribute("switchyard.batch_size", len(batch))
             span.set_attribute("switchyard.prefill_tokens", tokens)
             await self._step(batch)
+        self._measured_prefill(tokens, self.busy_seconds - before)
+
+    def _measured_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold a forward that prefilled ``tokens`` tokens in ``seconds`` into the per-token estimate."""
         if tokens >= 16:  # long enough that the per-token cost dominates the step
-            measured = (self.busy_seconds - before) / tokens
+            measured = seconds / tokens
             old = self._prefill_s_per_token
             self._prefill_s_per_token = measured if not old else 0.8 * old + 0.2 * measured
 
@@ -233,6 +275,45 @@ class TorchEngine:
         with tracer.start_as_current_span("engine.decode") as span:
             span.set_attribute("switchyard.batch_size", len(ready))
             await self._step(ready)
+
+    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
+        """Prefill ``reqs`` at the next layer boundary of the forward in flight; True once each has its first token.
+
+        The worker thread running the forward takes them from the slot at its
+        next boundary, runs their forward (chunked as :meth:`prefill`), and the
+        event loop appends their tokens before the forward in flight returns.
+        Their seconds count in ``busy_seconds`` on their own (the forward's
+        own time excludes them). False, with nothing computed, when no forward
+        runs or it ends before another boundary (see
+        :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A
+        sequence whose prompt does not fit ``max_seq_len`` fails as in
+        :meth:`prefill`.
+
+        Raises:
+            what the prefill's forward raises (the forward in flight goes on).
+        """
+        with self._slot_lock:
+            if not self._in_flight:
+                return False
+        ready = self._ready_for_prefill(reqs)
+        if not ready:
+            return False
+        loop = asyncio.get_running_loop()
+        nested = NestedPrefill(
+            reqs=ready,
+            batch=[ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in ready],
+            keys=[self._sampling_key(s) for s in ready],
+            loop=loop,
+            future=loop.create_future(),
+        )
+        with self._slot_lock:
+            if not self._in_flight:
+                return False
+            self._slot.append(nested)
+        with tracer.start_as_current_span("engine.prefill_between_layers") as span:
+            span.set_attribute("switchyard.batch_size", len(ready))
+            span.set_attribute("switchyard.prefill_tokens", sum(len(item.new_ids) for item in nested.batch))
+            return await nested.future
 
     def release(self, req: Request) -> None:
         """Drop ``req``'s KV cache; its token ids go too once it has finished. Idempotent."""
@@ -391,23 +472,88 @@ class TorchEngine:
         return int.from_bytes(digest, "big") & (2**63 - 1)
 
     def _forward(self, batch: list[ExtendInput], keys: list[int | None]) -> tuple[list[int], float]:
-        """Worker thread: one batched forward and the next id of each sequence; returns (ids, busy seconds)."""
-        start = time.monotonic()
-        with torch.inference_mode():
-            logits = extend_in_chunks(self.model_net, batch, self.params.prefill_chunk_tokens)
-            if self.params.ignore_eos:
-                logits[:, self.tokenizer.eos_id] = float("-inf")
-            if self.params.temperature <= 0:
-                chosen = logits.argmax(dim=-1).tolist()
-            else:
-                probs = torch.softmax(logits / self.params.temperature, dim=-1).cpu()
-                chosen = []
-                for row, key in zip(probs, keys):
-                    generator = torch.Generator().manual_seed(key)
-                    chosen.append(int(torch.multinomial(row, 1, generator=generator)))
+        """Worker thread: one batched forward and the next id of each sequence; returns (ids, busy seconds).
+
+        Between its layers it runs the prefills waiting in the slot
+        (:meth:`_run_slot`); their time is not in the seconds returned.
+        """
+        nested_s = 0.0
+
+        def between_layers(layer: int) -> None:
+            nonlocal nested_s
+            if self._slot:  # a racy peek, locked in _run_slot: a prefill put now is seen at the next boundary
+                nested_s += self._run_slot()
+
+        with self._slot_lock:
+            self._in_flight = True
+        try:
+            start = time.monotonic()
+            with torch.inference_mode():
+                logits = extend_in_chunks(self.model_net, batch, self.params.prefill_chunk_tokens, between_layers)
+                chosen = self._choose(logits, keys)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return chosen, time.monotonic() - start - nested_s
+        finally:
+            with self._slot_lock:
+                self._in_flight = False
+                late, self._slot = self._slot, []
+            for nested in late:  # the forward ended before another boundary
+                nested.loop.call_soon_threadsafe(_settle, nested.future, False)
+
+    def _run_slot(self) -> float:
+        """Worker thread, at a layer boundary: run the prefills in the slot as one forward, hand their ids to
+        the event loop (:meth:`_deliver`); returns the seconds they took."""
+        with self._slot_lock:
+            pending, self._slot = self._slot, []
+        if not pending:
+            return 0.0
+        loop = pending[0].loop
+        batch = [item for nested in pending for item in nested.batch]
+        keys = [key for nested in pending for key in nested.keys]
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return chosen, time.monotonic() - start
+            torch.cuda.synchronize(self.device)  # the batch's layers launched so far are not the prefill's time
+        start = time.monotonic()
+        try:
+            with torch.inference_mode():
+                chosen = self._choose(extend_in_chunks(self.model_net, batch, self.params.prefill_chunk_tokens), keys)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - the prefills fail, the forward in flight goes on
+            for nested in pending:
+                nested.loop.call_soon_threadsafe(_settle, nested.future, exc)
+            return time.monotonic() - start
+        seconds = time.monotonic() - start
+        loop.call_soon_threadsafe(self._deliver, pending, chosen, seconds)
+        return seconds
+
+    def _deliver(self, pending: list[NestedPrefill], chosen: list[int], seconds: float) -> None:
+        """Event loop: append the first tokens of prefills run between layers, count their time, resolve them.
+
+        Scheduled before the forward in flight returns, so the tokens are out before that step's."""
+        self.steps += 1
+        self.busy_seconds += seconds
+        self._measured_prefill(sum(len(item.new_ids) for nested in pending for item in nested.batch), seconds)
+        ids = iter(chosen)
+        for nested in pending:
+            for req in nested.reqs:
+                token_id = next(ids)
+                if not req.is_finished:
+                    self._emit(req, token_id)
+            _settle(nested.future, True)
+
+    def _choose(self, logits: torch.Tensor, keys: list[int | None]) -> list[int]:
+        """The next id of each row of ``logits``: greedy, or drawn with each row's seeded generator."""
+        if self.params.ignore_eos:
+            logits[:, self.tokenizer.eos_id] = float("-inf")
+        if self.params.temperature <= 0:
+            return logits.argmax(dim=-1).tolist()
+        probs = torch.softmax(logits / self.params.temperature, dim=-1).cpu()
+        chosen = []
+        for row, key in zip(probs, keys):
+            generator = torch.Generator().manual_seed(key)
+            chosen.append(int(torch.multinomial(row, 1, generator=generator)))
+        return chosen
 
     def _emit(self, req: Request, sampled: int) -> None:
         """Append the next token (sampled, or the forced reply's), then finish if it ends the sequence."""
@@ -540,7 +686,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["TorchEngine", "render_prompt", "GPU_PRESET", "main"]
+__all__ = ["TorchEngine", "NestedPrefill", "render_prompt", "GPU_PRESET", "main"]
 
 
 if __name__ == "__main__":

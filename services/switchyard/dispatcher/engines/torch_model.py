@@ -21,7 +21,10 @@
   token ids; the batch is padded, an attention mask keeps each query to its
   own sequence's keys at positions <= its own, and the new keys/values are
   written back into each cache. Decode is ``extend`` with one new token per
-  sequence.
+  sequence. The layers are launched one by one from the host; a
+  ``between_layers`` callback runs at each boundary, on the calling thread,
+  where another batch's whole ``extend`` may run (a core prefill preempting a
+  decode step: ``TorchEngine.prefill_between_layers``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import codecs
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import tiktoken
 import torch
@@ -234,7 +238,8 @@ class DecoderLM(nn.Module):
         return KVCache(len(self.blocks), self.n_heads, self.head_dim, block_tokens, p.dtype, p.device)
 
     @torch.inference_mode()
-    def extend(self, batch: list[ExtendInput]) -> torch.Tensor:
+    def extend(self, batch: list[ExtendInput],
+               between_layers: Callable[[int], None] | None = None) -> torch.Tensor:
         """Append each sequence's ``new_ids`` to its cache; logits of its last new token.
 
         Sequence ``i`` has ``p_i = cache.length`` tokens cached and ``n_i``
@@ -243,6 +248,14 @@ class DecoderLM(nn.Module):
         ``max p_i + n_i``; padded keys are masked out, padded queries attend to
         key 0 only (their output is discarded), so a sequence's result does not
         depend on what else is in the batch.
+
+        ``between_layers(layer)``, when given, is called on this thread after
+        every layer but the last, with the index of the layer to run next. It
+        may run other forwards there: ``extend`` is reentrant (every tensor of
+        a call is its own, local to it, and the model's weights and rotary
+        tables are only read), so a nested call over other sequences leaves
+        this batch's hidden states and padded keys/values as they were; this
+        batch's caches are written only after its last layer.
 
         Returns:
             ``[B, vocab_size]`` float32 logits, row ``i`` for sequence ``i``.
@@ -286,8 +299,11 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
         x = self.embed(ids)
+        last_layer = len(self.blocks) - 1
         for layer, block in enumerate(self.blocks):
             x = block(x, kv[layer], batch_index, query_index, positions, cos, sin, mask)
+            if between_layers is not None and layer < last_layer:
+                between_layers(layer + 1)
         last = x[torch.arange(b, device=device), torch.tensor(news, device=device) - 1]
         logits = self.lm_head(self.norm(last)).float()
 
@@ -298,26 +314,28 @@ class DecoderLM(nn.Module):
         return logits
 
 
-def extend_in_chunks(model: DecoderLM, batch: list[ExtendInput], chunk_tokens: int) -> torch.Tensor:
+def extend_in_chunks(model: DecoderLM, batch: list[ExtendInput], chunk_tokens: int,
+                     between_layers: Callable[[int], None] | None = None) -> torch.Tensor:
     """:meth:`DecoderLM.extend` in rounds of at most ``chunk_tokens`` new ids per sequence (chunked prefill).
 
     Round ``r`` feeds every sequence that still has ids its next chunk, so a
     long prompt never builds a ``[prompt, prompt]`` attention mask at once and
     short prompts are done after the first round. Results equal one
     unchunked ``extend`` (the cache carries the earlier chunks).
+    ``between_layers`` is passed to every round's ``extend``.
 
     Returns:
         ``[B, vocab_size]`` float32 logits of each sequence's last new id.
     """
     if max(len(item.new_ids) for item in batch) <= chunk_tokens:
-        return model.extend(batch)
+        return model.extend(batch, between_layers)
     logits: list[torch.Tensor | None] = [None] * len(batch)
     offsets = [0] * len(batch)
     while pending := [i for i, item in enumerate(batch) if offsets[i] < len(item.new_ids)]:
         chunks = [
             ExtendInput(batch[i].cache, batch[i].new_ids[offsets[i] : offsets[i] + chunk_tokens]) for i in pending
         ]
-        out = model.extend(chunks)
+        out = model.extend(chunks, between_layers)
         for row, (i, chunk) in enumerate(zip(pending, chunks)):
             offsets[i] += len(chunk.new_ids)
             if offsets[i] == len(batch[i].new_ids):
