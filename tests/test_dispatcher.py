@@ -376,6 +376,100 @@ async def test_batching_and_latency_metrics_are_recorded(dispatcher: Harness) ->
     assert sample("switchyard_running_sequences") == 0
 
 
+# --------------------------------------------------------------------------- core work in a step in flight
+
+LONG_STEP = {**FAST, "sim.decode_base_ms": 200.0}
+"""A decode step of 200 ms (6.25 ms a layer): what happens during a step is unambiguous."""
+
+
+class StepsOnly:
+    """A step engine without the layer-boundary capability: the sim's steps and memory, nothing else."""
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        from switchyard.dispatcher.engines.sim import SimEngine
+
+        self.sim = SimEngine(config)
+        self.model = self.sim.model
+        self.prefill, self.decode, self.step = self.sim.prefill, self.sim.decode, self.sim.step
+        self.release, self.kv_bytes, self.memory_info = self.sim.release, self.sim.kv_bytes, self.sim.memory_info
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.sim.busy_seconds
+
+
+async def core_during_a_step(
+    service: DispatcherService, batch_tokens: int = 4, core_tokens: int = 2,
+) -> tuple[list[tuple[str, int]], list[agent_pb2.GenerateChunk], list[agent_pb2.GenerateChunk]]:
+    """A BATCH request decodes; right after its first token (its first decode step is then in flight) a CORE
+    request arrives. Returns the token events as the client received them, ``(who, position)`` of each
+    token, and the chunks of the core and of the batch request."""
+    events: list[tuple[str, int]] = []
+
+    async def stream(who: str, **fields: object) -> list[agent_pb2.GenerateChunk]:
+        chunks = []
+        request = agent_pb2.GenerateRequest(prompt=PROMPT, request_id=who, **fields)  # type: ignore[arg-type]
+        async for chunk in h.stub.Generate(request, timeout=30):
+            chunks.append(chunk)
+            if chunk.HasField("token"):
+                events.extend((who, chunk.token.index + i) for i in range(max(1, chunk.token.count)))
+        return chunks
+
+    async for h in serve(service):
+        batch = asyncio.create_task(stream("batch", max_tokens=batch_tokens, priority=agent_pb2.BATCH))
+        await wait_until(lambda: events, "the batch request's first token")
+        core = await stream("core", max_tokens=core_tokens, priority=agent_pb2.CORE)
+        batch_chunks = await batch
+    return events, core, batch_chunks
+
+
+def every_token(chunks: list[agent_pb2.GenerateChunk], expected: int) -> bool:
+    tokens = [c.token for c in chunks if c.HasField("token")]
+    return positions_follow_on(tokens) and token_count(tokens) == expected == chunks[-1].done.usage.completion_tokens
+
+
+@pytest.mark.parametrize("mode", ["layer", "step"])
+async def test_a_core_request_arriving_mid_step_gets_its_first_token_before_that_steps_tokens(mode: str) -> None:
+    service = DispatcherService(make_config(**LONG_STEP, **{"scheduler.core_preemption": mode}))
+    events, core, batch = await core_during_a_step(service)
+    core_first, batch_second = events.index(("core", 0)), events.index(("batch", 1))
+    if mode == "layer":
+        # prefilled at the step's next layer boundary: out before the batch's token of that step
+        assert core_first < batch_second
+        assert core[-1].done.flush_reason == agent_pb2.PREEMPT
+    else:
+        assert core_first > batch_second  # at the step boundary, as iteration-level batching does
+    assert every_token(batch, 4) and every_token(core, 2)
+    assert batch[-1].done.preemptions == 0 and core[-1].done.finish_reason == "length"
+
+
+async def test_a_core_request_that_does_not_fit_mid_step_waits_for_the_step_boundary() -> None:
+    config = make_config(**LONG_STEP)
+    async for h in serve(DispatcherService(config)):  # the prompt's length, as the dispatcher counts it
+        counted = (await h.generate(max_tokens=1))[-1].done.usage.prompt_tokens
+    # Room for the batch request (prompt + 3) or the core one (prompt + 2), not both.
+    service = DispatcherService(make_config(**LONG_STEP, **kv_room_for(2 * counted + 4)))
+    events, core, batch = await core_during_a_step(service, batch_tokens=3, core_tokens=2)
+    # Not admitted mid-step (it does not fit, and nothing is preempted there); at the step boundary the
+    # policy preempts the batch request for it (grace 50 ms), which then resumes.
+    assert core[-1].done.flush_reason == agent_pb2.PREEMPT  # taken from the buffer mid-step, then refused
+    assert events.index(("core", 0)) > events.index(("batch", 1))
+    assert batch[-1].done.preemptions == 1
+    assert every_token(batch, 3) and every_token(core, 2)
+
+
+async def test_an_engine_without_the_capability_keeps_the_step_boundary() -> None:
+    from switchyard.dispatcher.engines.base import LayerPreemptible, StepEngine
+
+    engine = StepsOnly(make_config(**LONG_STEP))
+    assert isinstance(engine, StepEngine) and not isinstance(engine, LayerPreemptible)
+    service = DispatcherService(make_config(**LONG_STEP), engine=engine)
+    assert service.scheduler.config.core_preemption == "layer"
+    events, core, batch = await core_during_a_step(service)
+    assert events.index(("core", 0)) > events.index(("batch", 1))
+    assert every_token(batch, 4) and every_token(core, 2)
+
+
 # --------------------------------------------------------------------------- stream engines
 
 

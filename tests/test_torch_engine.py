@@ -442,3 +442,37 @@ async def test_dispatcher_with_the_torch_engine_streams_tokens_then_done():
         assert text == "".join(await alone(PROMPTS[i], 6, request_id=f"g{i + 1}"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_tokens" in err.value.details() and "255" in err.value.details()
+
+
+@pytest.mark.parametrize("mode", ["layer", "step"])
+async def test_core_requests_arriving_mid_step_over_grpc_get_the_same_tokens_either_way(mode):
+    config = tiny_config(n_layers=3).with_overrides(
+        **{"dispatcher.engine": "torch", "batching.flush_interval_ms": 2, "scheduler.core_preemption": mode}
+    )
+    service = DispatcherService(config)
+    async with running([service], config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            first = asyncio.Event()
+
+            async def generate(request_id: str, prompt: str, priority: int, max_tokens: int) -> str:
+                request = agent_pb2.GenerateRequest(request_id=request_id, prompt=prompt, priority=priority,
+                                                    max_tokens=max_tokens)
+                text = ""
+                async for chunk in stub.Generate(request, timeout=60):
+                    if chunk.HasField("token"):
+                        text += chunk.token.text
+                        first.set()
+                return text
+
+            batch = [asyncio.create_task(generate(f"b{i}", p, agent_pb2.BATCH, 16)) for i, p in enumerate(PROMPTS[:3])]
+            await first.wait()  # the batch decodes: the core requests arrive while its steps run
+            core = await asyncio.gather(*(generate(f"c{i}", PROMPTS[3 - i], agent_pb2.CORE, 4) for i in range(2)))
+            texts = await asyncio.gather(*batch)
+        finally:
+            await channel.close()
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert texts[i] == "".join(await alone(prompt, 16, request_id=f"b{i}", n_layers=3))
+    for i in range(2):
+        assert core[i] == "".join(await alone(PROMPTS[3 - i], 4, request_id=f"c{i}", n_layers=3))

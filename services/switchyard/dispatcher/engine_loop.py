@@ -15,7 +15,23 @@ owns every request, and the engine owns the model. Each turn:
 3. the running set decodes, one token per request per step, until the time
    slice ends, a request finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
-   Orca).
+   Orca), or core work joined during the step (below).
+
+Core work does not wait for the step boundary (``scheduler.core_preemption``
+``layer``, with an engine that has the capability,
+:class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A core request
+arriving while a step runs (one that prefills no core request itself) starts
+one small task: the scheduler admits the core work that fits without
+preempting anything (``scheduler.admit_core``), and the engine prefills it at
+the next layer boundary of the step in flight (``prefill_between_layers``),
+as REEF preempts best-effort DNN inference for real-time work (Han et al.,
+OSDI 2022). The core request waits for one layer (step time / layers) instead
+of the rest of the step; the step in flight lasts longer by the core prefill,
+which is what its requests pay for the class (their inter-token latency).
+Its TTFT is recorded as the step's are, and the turn's decode loop ends at
+that step's boundary, so the core requests decode with the running set from
+the next step. When the step ends before reaching another layer boundary, the
+core requests are newcomers of the next turn, prefilled alone first as above.
 
 An idle engine takes a request at once: an arrival wakes the loop, and the
 buffer is swapped with reason ``idle``. Finished requests are handed back to
@@ -45,7 +61,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.base import StepEngine
+from switchyard.dispatcher.engines.base import LayerPreemptible, StepEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, request_links
 
@@ -112,6 +128,7 @@ class LoopBase:
         self._wake.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._end_helpers(cancel=False)
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -122,6 +139,7 @@ class LoopBase:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._end_helpers(cancel=True)
         self._cancel_all()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
@@ -137,6 +155,9 @@ class LoopBase:
 
     async def _run(self) -> None:
         raise NotImplementedError
+
+    async def _end_helpers(self, cancel: bool) -> None:
+        """The loop task has ended: end (``cancel``) or wait for the tasks a subclass started beside it."""
 
     def _on_arrival(self) -> None:
         self._wake.set()
@@ -173,7 +194,7 @@ class StepLoop(LoopBase):
     """Drives a :class:`StepEngine` from the scheduler's decisions (see the module docstring).
 
     Args:
-        config: the whole config (``scheduler.time_slice_ms``).
+        config: the whole config (``scheduler.time_slice_ms``, ``scheduler.core_preemption``).
         engine: the step engine.
         scheduler: the scheduler built for this engine.
     """
@@ -184,10 +205,50 @@ class StepLoop(LoopBase):
         self.steps = 0
         self._idle = True
         self._idle_tick_s = min(BUSY_WINDOW_S, config.scheduler.score_sample_interval_ms / 1000)
+        self.layer_preemption = config.scheduler.core_preemption == "layer" and isinstance(engine, LayerPreemptible)
+        """Core work may join a step in flight at a layer boundary (see the module docstring)."""
+        self._preemptible = False  # a step that core work may interrupt is in flight
+        self._joined = False  # core work joined the running set during this turn: end it at the step boundary
+        self._preempt_task: asyncio.Task[None] | None = None
+        if self.layer_preemption:
+            scheduler.on_core_arrival = self._on_core_arrival
 
     def _on_arrival(self) -> None:
         if self._idle or self._closing:  # a busy loop swaps the buffer at its next step boundary
             self._wake.set()
+
+    def _on_core_arrival(self) -> None:
+        if self._preemptible and self._preempt_task is None and not self._closing:
+            self._preempt_task = asyncio.create_task(self._preempt_step(), name="dispatcher-core-preemption")
+
+    async def _preempt_step(self) -> None:
+        """Prefill core work at a layer boundary of the step in flight, while some fits and a step allows it."""
+        engine: Any = self.engine
+        try:
+            while self._preemptible and not self._closing:
+                admitted = self.scheduler.admit_core(time.monotonic())
+                if not admitted:
+                    return
+                self._joined = True  # the running set changed: the turn ends at this step's boundary
+                before = self._before(admitted)
+                with tracer.start_as_current_span(
+                    "dispatcher.layer_preemption", context=otel_context.Context(), links=request_links(admitted),
+                    attributes={"switchyard.admitted": len(admitted)},
+                ):
+                    prefilled = await self._call(engine.prefill_between_layers, admitted)
+                if prefilled is not False:  # True, or it failed: what it did is recorded as a step's
+                    self.steps += 1
+                    self._record(admitted, before)
+                self._reap(admitted)
+        finally:
+            self._preempt_task = None
+
+    async def _end_helpers(self, cancel: bool) -> None:
+        task = self._preempt_task
+        if task is not None:
+            if cancel:
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
         scheduler = self.scheduler
@@ -203,6 +264,7 @@ class StepLoop(LoopBase):
             self._idle = False
             now = time.monotonic()
             out = scheduler.schedule(now)
+            self._joined = False
             await self._move_tiers(out.restore)
             running = [s for s in out.running if not s.is_finished]
             if not running:
@@ -237,34 +299,49 @@ class StepLoop(LoopBase):
         decode = [s for s in running if not s.needs_prefill]
         core = [s for s in prefill if s.priority_class is PriorityClass.CORE] if decode else []
         if core:
-            # Core work is prefilled on its own: its first token waits for no decode and no other newcomer.
+            # Core work is prefilled on its own: its first token waits for no decode and no other newcomer
+            # (nor for a later core arrival: this step is not preempted).
             await self._step(engine.prefill, core)
             if self._reap(core):
                 return
             prefill = [s for s in prefill if s.priority_class is not PriorityClass.CORE]
         if prefill and decode:
             # Newcomers join the running set in one mixed step: the decodes do not wait for them.
-            await self._step(lambda reqs: engine.step(prefill, decode), running)
+            await self._step(lambda reqs: engine.step(prefill, decode), running, preemptible=True)
             if self._reap(running):
                 return
         elif prefill:
-            await self._step(engine.prefill, prefill)
+            preemptible = not any(s.priority_class is PriorityClass.CORE for s in prefill)
+            await self._step(engine.prefill, prefill, preemptible=preemptible)
             if self._reap(prefill):
                 return
         slice_end = time.monotonic() + self.time_slice_s
-        while not scheduler.intake.active_size and time.monotonic() < slice_end:
+        while not scheduler.intake.active_size and not self._joined and time.monotonic() < slice_end:
             decode = [s for s in running if not s.is_finished and not s.needs_prefill]
             if not decode:
                 break
-            await self._step(engine.decode, decode)
+            await self._step(engine.decode, decode, preemptible=True)
             if self._reap(decode):
                 break
 
-    async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request]) -> None:
-        engine = self.engine
-        before = [(s.first_token_at, s.last_token_at, len(s.output_tokens)) for s in reqs]
+    async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request],
+                    preemptible: bool = False) -> None:
+        """One engine step over ``reqs``: run it, record what it produced. ``preemptible``: core work may
+        join it at a layer boundary while it runs."""
+        before = self._before(reqs)
+        self._preemptible = preemptible and self.layer_preemption
         try:
-            await fn(reqs)
+            await self._call(fn, reqs)
+        finally:
+            self._preemptible = False
+        self.steps += 1
+        self._record(reqs, before)
+
+    async def _call(self, fn: Callable[[list[Request]], Awaitable[Any]], reqs: list[Request]) -> Any:
+        """``fn(reqs)``'s result; None when it failed: an out-of-memory error is handed to the scheduler,
+        any other fails every member of ``reqs``."""
+        try:
+            return await fn(reqs)
         except Exception as exc:  # noqa: BLE001 - every member of the step gets the error
             if is_out_of_memory(exc):
                 self.scheduler.on_oom(reqs, time.monotonic(), exc)
@@ -272,7 +349,16 @@ class StepLoop(LoopBase):
                 log.exception("engine step failed for %d requests", len(reqs))
                 for req in reqs:
                     req.fail(exc)
-        self.steps += 1
+            return None
+
+    @staticmethod
+    def _before(reqs: list[Request]) -> list[tuple[float | None, float | None, int]]:
+        return [(s.first_token_at, s.last_token_at, len(s.output_tokens)) for s in reqs]
+
+    def _record(self, reqs: list[Request], before: list[tuple[float | None, float | None, int]]) -> None:
+        """Metrics of a step over ``reqs`` (``before``: each one's token times and count before it): TTFT or
+        inter-token latency by priority class, tokens produced, KV peaks, busy time."""
+        engine = self.engine
         produced = 0
         for req, (first, last, count) in zip(reqs, before):
             produced += max(0, len(req.output_tokens) - count)
