@@ -1,7 +1,7 @@
 """``switchyard bench isolation``: what background load costs a core task, and what an idle dispatcher costs.
 
-Two figures the dispatcher's design promises, measured on a real dispatcher
-(gRPC on 127.0.0.1, the configured engine, in this process):
+Three figures, measured on a real dispatcher (gRPC on 127.0.0.1, the
+configured engine, in this process):
 
 - **idle wait**: the inference-queue wait (``GenerateDone.queue_wait_s``) of a
   lone request on an idle dispatcher: an idle engine must take it at once,
@@ -9,7 +9,13 @@ Two figures the dispatcher's design promises, measured on a real dispatcher
 - **core TTFT under load**: the TTFT of CORE requests, one at a time, first on
   an idle dispatcher, then while ``--batch`` BATCH requests run (long
   one after another, each worker keeping one running slot busy). Reported as
-  P50/P95 and the loaded/unloaded ratio.
+  P50/P95 and the loaded/unloaded ratio;
+- **what it costs the batch work**: the BATCH requests' inter-token latency,
+  as their streams receive the tokens (a gap of an event carrying ``count``
+  tokens is split evenly among them), P50/P95 over the last half of the
+  warm-up, before any core request, and while the core requests run: a core
+  prefill that preempts a step in flight (``scheduler.core_preemption``
+  ``layer``), or that runs between two steps, lengthens that step's gap.
 
 The same prompt is used throughout, so the two TTFTs differ only by the load.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -46,7 +53,7 @@ async def _ttft(stub: Any, priority: int, max_tokens: int) -> agent_pb2.Generate
 
 
 async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
-    """Run both measurements; returns the figures in seconds."""
+    """Run the measurements; returns the figures in seconds."""
     from switchyard.dispatcher.service import DispatcherService
 
     service = DispatcherService(config)
@@ -62,18 +69,23 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
                 unloaded.append(done.ttft_s)
                 await asyncio.sleep(0.01)
             stop = asyncio.Event()
+            gaps: list[tuple[float, float]] = []  # (received at, seconds per token) of the batch streams
 
             async def keep_busy() -> None:  # one BATCH request after another: one running slot kept full
                 while not stop.is_set():
-                    await _ttft(stub, agent_pb2.BATCH, 256)
+                    await _batch_stream(stub, gaps)
 
             background = [asyncio.create_task(keep_busy()) for _ in range(batch)]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
+            quiet_from = time.monotonic()
+            await asyncio.sleep(0.25)
+            loaded_from = time.monotonic()
             loaded, running = [], []
             for _ in range(samples):
                 running.append(service.scheduler.num_running)
                 loaded.append((await _ttft(stub, agent_pb2.CORE, 4)).ttft_s)
                 await asyncio.sleep(0.01)
+            loaded_until = time.monotonic()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
     finally:
@@ -82,9 +94,30 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
         "idle_queue_wait_s": {"p50": percentile(idle_waits, 50), "p95": percentile(idle_waits, 95)},
         "core_ttft_unloaded_s": {"p50": percentile(unloaded, 50), "p95": percentile(unloaded, 95)},
         "core_ttft_loaded_s": {"p50": percentile(loaded, 50), "p95": percentile(loaded, 95)},
+        "batch_itl_quiet_s": _p50_p95([g for at, g in gaps if quiet_from <= at < loaded_from]),
+        "batch_itl_loaded_s": _p50_p95([g for at, g in gaps if loaded_from <= at < loaded_until]),
         "batch_running": sum(running) / len(running),
         "p95_ratio": percentile(loaded, 95) / percentile(unloaded, 95),
+        "core_preemption": config.scheduler.core_preemption,
     }
+
+
+def _p50_p95(values: list[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+async def _batch_stream(stub: Any, gaps: list[tuple[float, float]]) -> None:
+    """One BATCH request of 256 tokens; appends each token's gap after the previous one, as received."""
+    request = agent_pb2.GenerateRequest(prompt=PROMPT, priority=agent_pb2.BATCH, max_tokens=256)
+    last = None
+    async for chunk in stub.Generate(request, timeout=60):
+        if not chunk.HasField("token"):
+            continue
+        now = time.monotonic()
+        count = max(1, chunk.token.count)
+        if last is not None:
+            gaps.extend([(now, (now - last) / count)] * count)
+        last = now
 
 
 def main(argv: list[str]) -> int:
@@ -115,5 +148,9 @@ def main(argv: list[str]) -> int:
           f"P95 {ms['core_ttft_unloaded_s']['p95']:.1f} ms")
     print(f"core TTFT, {figures['batch_running']:.0f} batch running:   P50 {ms['core_ttft_loaded_s']['p50']:.1f} ms, "
           f"P95 {ms['core_ttft_loaded_s']['p95']:.1f} ms")
-    print(f"loaded / unloaded P95: {figures['p95_ratio']:.2f}x")
+    print(f"loaded / unloaded P95: {figures['p95_ratio']:.2f}x (scheduler.core_preemption "
+          f"{figures['core_preemption']})")
+    print(f"batch inter-token latency, before any core request: P50 {ms['batch_itl_quiet_s']['p50']:.1f} ms, "
+          f"P95 {ms['batch_itl_quiet_s']['p95']:.1f} ms; beside the core requests: "
+          f"P50 {ms['batch_itl_loaded_s']['p50']:.1f} ms, P95 {ms['batch_itl_loaded_s']['p95']:.1f} ms")
     return 0
