@@ -243,6 +243,16 @@ def test_default_max_tokens_is_checked_against_limits_where_both_are_read(config
     assert load_config(config_dir, service="orchestrator").limits.max_tokens == 8192
 
 
+def test_configs_from_before_layer_preemption_load_with_it_on(config_dir):
+    _write(config_dir, "scheduler_config.json", lambda d: d.pop("core_preemption"))
+    _write(config_dir, "switchyard.json", lambda d: d["sim"].pop("layers"))
+    cfg = load_config(config_dir)
+    assert cfg.scheduler.core_preemption == "layer" and cfg.sim.layers == 32
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(core_preemption="kernel"))
+    with pytest.raises(ConfigError, match="core_preemption"):
+        load_config(config_dir)
+
+
 def test_former_sec_keys_load_with_the_same_meaning_and_a_warning(config_dir, caplog):
     old = (config_dir / "memory_policy.toml").read_text().replace("kv_ttl_s =", "kv_ttl_sec =").replace(
         "ttl_s = 3600", "ttl_sec = 1800")
