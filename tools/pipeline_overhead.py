@@ -1,15 +1,17 @@
 """Pipeline overhead: RunTask through the stack against a bare grpc.aio server streaming the same messages.
 
 Usage: python tools/pipeline_overhead.py [--seconds 10] [--rounds 5] [--concurrency 64] [--tracing off|on]
+       [--stack processes|one-process]
 
-Each server runs in a child process of its own; the same client
+Each server runs in child processes of its own; the same client
 (``switchyard.bench.loadgen``, in another process) drives them in turn, in
 ``--rounds`` windows each, so that other work on the machine weighs on all of
 them alike:
 
 - **stack**: the orchestrator and the dispatcher (a zero-cost sim engine:
-  every latency parameter 0) in one process, the way ``switchyard bench
-  compare`` runs them, serving ``task_type: chat``, ``max_tokens`` 8;
+  every latency parameter 0), each in its own process as deployed and as
+  ``switchyard bench compare`` runs them (``--stack one-process``: both in
+  one), serving ``task_type: chat``, ``max_tokens`` 8;
 - **bare floor**: an ``agent.AgentService.RunTask`` servicer on grpc.aio and
   uvloop that streams the events the stack streamed for a typical such task
   (accepted, stages, token events, final; of 32 tasks run at once, one with
@@ -21,12 +23,13 @@ It prints both rates in calls per second and their ratio (stack / floor): the
 share of the floor the pipeline keeps. A third server shows what the stack's
 gRPC traffic alone allows, with no Switchyard code on the path:
 
-- **bare relay**: in one process, a RunTask servicer that streams the same
-  events, taking the tokens from a Generate call to a bare
-  ``agent.InferenceService`` servicer there (as many token chunks, then a done
-  chunk); its ratio to the floor is the ceiling of the stack's.
+- **bare relay**: a RunTask servicer that streams the same events, taking
+  the tokens from a Generate call to a bare ``agent.InferenceService``
+  servicer (as many token chunks, then a done chunk), the two in processes of
+  their own as the stack's are; its ratio to the floor is the ceiling of the
+  stack's.
 
-Where ``/proc`` exists it also prints each server's CPU time per call, a
+Where ``/proc`` exists it also prints each server's CPU time per call (all its processes), a
 figure that other processes sharing the cores disturb less than the rates do.
 ``--tracing on`` turns tracing on in the
 stack as ``switchyard serve`` does (an SDK tracer provider, the RPC span
@@ -103,7 +106,9 @@ def _serve_bare(ports: Any, events: list[bytes]) -> None:
     uvloop.run(main())
 
 
-def _serve_stack(ports: Any, tracing: bool) -> None:
+def _serve_stack(ports: Any, tracing: bool, names: tuple[str, ...], dispatcher_port: int = 0) -> None:
+    """Serve the services ``names`` ("dispatcher", "orchestrator" or both) in this process; put the
+    port of the last one. The orchestrator calls the dispatcher here, or at ``dispatcher_port``."""
     import asyncio
 
     import uvloop
@@ -119,19 +124,26 @@ def _serve_stack(ports: Any, tracing: bool) -> None:
     async def main() -> None:
         config = load_config(None).with_overrides(**ZERO_COST)
         interceptors = telemetry.server_interceptors()
-        d = await start_server([make_service("dispatcher", config)], "127.0.0.1", 0, config.server,
-                               interceptors=interceptors)
-        wired = config.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{d.port}",
-                                         "orchestrator.retrieval_addr": "127.0.0.1:1"})
-        o = await start_server([make_service("orchestrator", wired)], "127.0.0.1", 0, config.server,
-                               interceptors=interceptors)
-        ports.put(o.port)
+        port = dispatcher_port
+        if "dispatcher" in names:
+            d = await start_server([make_service("dispatcher", config)], "127.0.0.1", 0, config.server,
+                                   interceptors=interceptors)
+            port = d.port
+        if "orchestrator" in names:
+            wired = config.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{port}",
+                                             "orchestrator.retrieval_addr": "127.0.0.1:1"})
+            o = await start_server([make_service("orchestrator", wired)], "127.0.0.1", 0, config.server,
+                                   interceptors=interceptors)
+            port = o.port
+        ports.put(port)
         await asyncio.Event().wait()
 
     uvloop.run(main())
 
 
-def _serve_relay(ports: Any, events: list[bytes]) -> None:
+def _serve_relay(ports: Any, events: list[bytes], names: tuple[str, ...], engine_port: int = 0) -> None:
+    """The bare relay's servers ``names`` ("engine", "relay" or both) in this process; put the port of
+    the last one. The relay calls the engine here, or at ``engine_port``."""
     import asyncio
 
     import grpc
@@ -149,7 +161,12 @@ def _serve_relay(ports: Any, events: list[bytes]) -> None:
                 yield chunk
 
     async def main() -> None:
-        _engine, engine_port = await _start(agent_pb2_grpc.add_InferenceServiceServicer_to_server, Engine())
+        nonlocal engine_port
+        if "engine" in names:
+            _engine, engine_port = await _start(agent_pb2_grpc.add_InferenceServiceServicer_to_server, Engine())
+            if "relay" not in names:
+                ports.put(engine_port)
+                await asyncio.Event().wait()
         stub = agent_pb2_grpc.InferenceServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}"))
 
         class Relay(agent_pb2_grpc.AgentServiceServicer):
@@ -203,14 +220,24 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 class _Server:
-    """A server of this benchmark in a child process: its port, one call's events, its load so far."""
+    """A server of this benchmark in child processes: its port, one call's events, its load so far.
 
-    def __init__(self, target: Any, args: tuple) -> None:
+    ``parts`` are (target, args) of its processes, started in order; each part after the first is
+    given the port of the one before as its last argument, and the last part's port is the server's.
+    """
+
+    def __init__(self, *parts: tuple[Any, tuple]) -> None:
         ctx = mp.get_context("spawn")
-        ports = ctx.Queue()
-        self.process = ctx.Process(target=target, args=(ports, *args), daemon=True)
-        self.process.start()
-        self.port = ports.get(timeout=60)
+        self.processes: list[Any] = []
+        port: int | None = None
+        for target, args in parts:
+            ports = ctx.Queue()
+            process = ctx.Process(target=target, args=(ports, *args, *(() if port is None else (port,))), daemon=True)
+            process.start()
+            self.processes.append(process)
+            port = ports.get(timeout=60)
+        assert port is not None
+        self.port = port
         self.events = _typical_call(self.port)
         self.served = 0
         self.wall_s = 0.0
@@ -225,16 +252,20 @@ class _Server:
         if warm:
             run_load(LoadPlan(host=host, calldata=items, total=200, concurrency=concurrency), in_process=False)
             return
-        before = _cpu_seconds(self.process.pid)
+        before = self._cpu_seconds()
         load = run_load(LoadPlan(host=host, calldata=items, duration_s=seconds, concurrency=concurrency),
                         in_process=False)
-        after = _cpu_seconds(self.process.pid)
+        after = self._cpu_seconds()
         errors = [r.error for r in load.results if r.error]
         if errors:
             print(f"  {len(errors)} calls failed, e.g. {errors[0]}", file=sys.stderr)
         self.served += len(load.results) - len(errors)
         self.wall_s += load.wall_s
         self.cpu_s = None if self.cpu_s is None or before is None or after is None else self.cpu_s + after - before
+
+    def _cpu_seconds(self) -> float | None:
+        seconds = [_cpu_seconds(process.pid) for process in self.processes]
+        return None if None in seconds else sum(seconds)  # type: ignore[arg-type]
 
     @property
     def rate(self) -> float:
@@ -247,8 +278,9 @@ class _Server:
         return None if self.cpu_s is None or not self.served else self.cpu_s / self.served
 
     def stop(self) -> None:
-        self.process.kill()
-        self.process.join()
+        for process in self.processes:
+            process.kill()
+            process.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,13 +292,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracing", choices=["off", "on"], default="off",
                         help="on: tracing as switchyard serve runs it, 10 %% ratio sampling, spans dropped "
                         "(default off)")
+    parser.add_argument("--stack", choices=["processes", "one-process"], default="processes",
+                        help="processes: the dispatcher and the orchestrator each in its own process, as deployed "
+                        "and as switchyard bench compare runs them (and the bare relay's two servers likewise); "
+                        "one-process: both in one (default processes)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
+    tracing = args.tracing == "on"
     servers: list[_Server] = []
     try:
-        servers.append(_Server(_serve_stack, (args.tracing == "on",)))
+        if args.stack == "processes":
+            servers.append(_Server((_serve_stack, (tracing, ("dispatcher",))), (_serve_stack, (tracing, ("orchestrator",)))))
+        else:
+            servers.append(_Server((_serve_stack, (tracing, ("dispatcher", "orchestrator")))))
         events = servers[0].events
-        servers += [_Server(_serve_bare, (events,)), _Server(_serve_relay, (events,))]
+        servers.append(_Server((_serve_bare, (events,))))
+        if args.stack == "processes":
+            servers.append(_Server((_serve_relay, (events, ("engine",))), (_serve_relay, (events, ("relay",)))))
+        else:
+            servers.append(_Server((_serve_relay, (events, ("engine", "relay")))))
         for server in servers:
             server.drive(0, args.concurrency, warm=True)
         for _ in range(args.rounds):  # interleaved: a change in the machine's load meets all three alike
@@ -278,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     (stack, stack_cpu), (floor, floor_cpu), (relay, relay_cpu) = ((s.rate, s.cpu_per_call_s) for s in servers)
     print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
     print(f"bare relay:          {relay:8.1f} calls/s (the same messages through a bare Generate stream)")
-    print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine)")
+    print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine, "
+          f"{'a process per service' if args.stack == 'processes' else 'one process'})")
     print(f"pipeline / floor:    {stack / floor:8.2f} (bare relay / floor {relay / floor:.2f}: the ceiling)")
     if stack_cpu and floor_cpu and relay_cpu:
         print(f"server CPU per call: floor {floor_cpu * 1e6:.0f} us, bare relay {relay_cpu * 1e6:.0f} us, "
