@@ -363,9 +363,9 @@ class StepLoop(LoopBase):
         for req, (first, last, count) in zip(reqs, before):
             produced += max(0, len(req.output_tokens) - count)
             if first is None and req.first_token_at is not None:
-                metrics.TTFT.labels(req.priority_name).observe(req.first_token_at - req.arrival)
+                metrics.TTFT_BY_CLASS[req.priority_name].observe(req.first_token_at - req.arrival)
             elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
-                metrics.INTER_TOKEN_LATENCY.labels(req.priority_name).observe(req.last_token_at - last)
+                metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(req.last_token_at - last)
             req.observe_kv_bytes(engine.kv_bytes(req))
         metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()

@@ -67,6 +67,7 @@ for _result in ("hit", "miss"):
 PREFIX_CACHE_BYTES = Gauge(
     "switchyard_prefix_cache_bytes", "Device memory held by cached prompt blocks (evicted when running work needs it)."
 )
-for _class in PRIORITY_CLASSES:  # every class's latency series exist (at 0) before its first request
-    TTFT.labels(_class)
-    INTER_TOKEN_LATENCY.labels(_class)
+# Every class's latency series exist (at 0) before its first request, bound once: the step loop
+# observes inter-token latency per token, and a labels() lookup costs more than the observation.
+TTFT_BY_CLASS = {_class: TTFT.labels(_class) for _class in PRIORITY_CLASSES}
+INTER_TOKEN_LATENCY_BY_CLASS = {_class: INTER_TOKEN_LATENCY.labels(_class) for _class in PRIORITY_CLASSES}

@@ -132,9 +132,9 @@ class StreamLoop(LoopBase):
                     req.append_token(item)
                     metrics.GENERATED_TOKENS.inc()
                     if last is None:
-                        metrics.TTFT.labels(req.priority_name).observe(now - req.arrival)
+                        metrics.TTFT_BY_CLASS[req.priority_name].observe(now - req.arrival)
                     else:
-                        metrics.INTER_TOKEN_LATENCY.labels(req.priority_name).observe(now - last)
+                        metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(now - last)
                 elif isinstance(item, ToolCall):
                     req.add_tool_call(item)
                 elif isinstance(item, Usage):

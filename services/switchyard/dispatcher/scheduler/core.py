@@ -168,9 +168,10 @@ class SchedulerCore:
         self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
-        QUEUE_DEPTH.labels(QUEUE_NAME).set(0)
+        self._depth_gauge = QUEUE_DEPTH.labels(QUEUE_NAME)  # bound once: set on every arrival and departure
+        self._depth_gauge.set(0)
         QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
-        QUEUE_WAIT.labels(QUEUE_NAME)
+        self._wait_histogram = QUEUE_WAIT.labels(QUEUE_NAME)
         for reason in ("full", "timeout"):
             QUEUE_REJECTED.labels(QUEUE_NAME, reason)
 
@@ -235,7 +236,7 @@ class SchedulerCore:
         req.state = "buffered"
         self._queued += 1
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
-        QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
+        self._depth_gauge.set(self._queued)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
         elif self.intake.active_size == 1:
@@ -642,7 +643,7 @@ class SchedulerCore:
         if not req.reached_engine:
             req.reached_engine = True
             req.queue_wait_s = now - req.arrival
-            QUEUE_WAIT.labels(QUEUE_NAME).observe(max(0.0, req.queue_wait_s))
+            self._wait_histogram.observe(max(0.0, req.queue_wait_s))
             self._leave_queue(req)
         else:  # a request that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
@@ -700,7 +701,7 @@ class SchedulerCore:
 
     def _leave_queue(self, req: Request) -> None:
         self._queued -= 1
-        QUEUE_DEPTH.labels(QUEUE_NAME).set(self._queued)
+        self._depth_gauge.set(self._queued)
 
     def _batch_member_done(self, req: Request, now: float) -> None:
         entry = self._batches.get(req.batch_id)
