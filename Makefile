@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml requirements.lock
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py
 
+# An index built before the query encoder was exported beside it gets the encoder alone:
+# its passages (perhaps the user's own files) are left as they are.
 $(INDEX)/query_encoder.onnx: | $(STAMP)
-	$(SY) index --out $(INDEX)
+	if [ -f $(INDEX)/index.faiss ]; then $(SY) index --encoder-only --out $(INDEX); else $(SY) index --out $(INDEX); fi
 
 index: $(INDEX)/query_encoder.onnx
 

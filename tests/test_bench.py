@@ -253,3 +253,25 @@ def test_ghz_connection_flags_are_checked():
     ]:
         with pytest.raises(SystemExit, match=says):
             cli.main(argv)
+
+
+def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
+    from switchyard.bench.cli import main as bench_main
+
+    assert bench_main(["retreival"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'retreival' (did you mean 'retrieval'?)" in err and "host:port" in err
+
+
+def test_an_unreachable_target_is_named(capsys, monkeypatch):
+    import socket
+
+    from switchyard.bench import loadgen
+    from switchyard.bench.cli import main as bench_main
+
+    monkeypatch.setattr(loadgen, "CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert bench_main([f"127.0.0.1:{port}", "-n", "2", "-c", "1", "--procs", "1"]) == 1
+    assert f"cannot reach the orchestrator at 127.0.0.1:{port} within 0.5 s" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 
 import grpc
@@ -212,7 +214,8 @@ async def test_both_http_transports_stream_and_fail_by_the_same_table(clean_prox
     with start_sim() as server:
         async with GatewayClient(gateway_config(server.base_url, http_transport=transport)) as client:
             events = [e async for e in client.stream_chat(ask())]
-            assert type(client._http).__name__ == ("HttpxAiohttpClient" if transport == "aiohttp" else "AsyncClient")
+            assert type(client._http._transport).__name__ == (
+                "UpstreamTransport" if transport == "aiohttp" else "AsyncHTTPTransport")
     assert [e for e in events if isinstance(e, Token)] and events[-1].finish_reason == "stop"
     with start_sim(faults={"*": Fault(cut_after=2)}) as server:
         err = await stream_error(gateway_config(server.base_url, fallback_model="", max_retries=0,
@@ -221,3 +224,47 @@ async def test_both_http_transports_stream_and_fail_by_the_same_table(clean_prox
     base = f"http://127.0.0.1:{closed_port()}/v1"
     err = await stream_error(gateway_config(base, max_retries=0, http_transport=transport))
     assert err.code == grpc.StatusCode.UNAVAILABLE and base in str(err)
+
+
+SSE_ANSWER = (
+    b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+    b'data: {"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@contextlib.asynccontextmanager
+async def raw_upstream(head: bytes, body: bytes = b""):
+    """A TCP server on 127.0.0.1 that answers every request with ``head`` then ``body``, and closes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_a_header_line_of_12000_bytes_is_served_on_both_transports(clean_proxy_env, transport):
+    """aiohttp refuses header lines over 8,190 bytes by default; httpx (h11) takes them, so the gateway must too."""
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-big: " + b"a" * 12_000
+            + b"\r\nconnection: close\r\n\r\n")
+    async with raw_upstream(head, SSE_ANSWER) as base:
+        async with GatewayClient(gateway_config(base, http_transport=transport, fallback_model="")) as client:
+            events = [e async for e in client.stream_chat(ask())]
+    assert [e.text for e in events if isinstance(e, Token)] == ["hi"]
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_a_bad_status_line_is_unavailable_and_retried_on_both_transports(clean_proxy_env, transport):
+    """What aiohttp's parser refuses (ClientResponseError) reads as httpx's RemoteProtocolError: a broken
+    connection, retried, not an INTERNAL engine failure."""
+    async with raw_upstream(b"HELLO THIS IS NOT HTTP\r\n\r\n") as base:
+        err = await stream_error(gateway_config(base, http_transport=transport, fallback_model="", max_retries=1))
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err) and base in str(err)

@@ -282,9 +282,27 @@ async def test_an_index_without_the_exported_encoder_fails_start_naming_the_fix(
     shutil.copytree(pydoc_index_dir, copy)
     (copy / "query_encoder.onnx").unlink()
     service = RetrievalService(_config(copy))
-    with pytest.raises(IndexMismatchError, match=r"query_encoder.onnx not found.*`switchyard index`.*\"torch\""):
+    with pytest.raises(IndexMismatchError, match=r"query_encoder.onnx not found.*`switchyard index --encoder-only "
+                       r"--out .*`.*\"torch\""):
         await service.start()
     service = RetrievalService(_config(copy, **{"retrieval.embed_backend": "torch"}))
     await service.start()
     assert type(service.batcher.embedder).__name__ == "Embedder"
     await service.stop()
+
+
+async def test_encoder_only_adds_the_encoder_to_an_older_index_and_a_broken_one_is_named(pydoc_index_dir, tmp_path):
+    """`switchyard index --encoder-only` (what `make run` does for an index built before the export) leaves the
+    passages as they are; a truncated export fails start naming the file and the command."""
+    copy = tmp_path / "index"
+    shutil.copytree(pydoc_index_dir, copy)
+    (copy / "query_encoder.onnx").unlink()
+    passages = (copy / "passages.jsonl").read_bytes()
+    assert index_main(["--encoder-only", "--out", str(copy), "--config-dir", str(CONFIG_DIR)]) == 0
+    assert (copy / "query_encoder.onnx").stat().st_size > 1_000_000 and (copy / "passages.jsonl").read_bytes() == passages
+    assert index_main(["--encoder-only", "--out", str(tmp_path / "absent"), "--config-dir", str(CONFIG_DIR)]) == 2
+    encoder = (copy / "query_encoder.onnx").read_bytes()
+    (copy / "query_encoder.onnx").write_bytes(encoder[: len(encoder) // 3])
+    service = RetrievalService(_config(copy))
+    with pytest.raises(IndexMismatchError, match=r"query_encoder.onnx could not be loaded.*--encoder-only"):
+        await service.start()

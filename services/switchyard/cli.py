@@ -22,9 +22,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("switchyard.launcher", "start orchestrator, retrieval and dispatcher as separate processes"),
     "serve": ("switchyard.serve", "start one service: orchestrator | retrieval | dispatcher | sim-openai"),
     "run": ("switchyard.client", "stream one task's events"),
-    "index": ("switchyard.retrieval.indexer", "build the vector index (default: CPython's documentation topics)"),
+    "index": ("switchyard.retrieval.indexer",
+              "build the vector index (default: CPython's documentation topics) and export the query encoder"),
     "doctor": ("switchyard.gateway.doctor", "check base URL, API key, model id and proxies of the model gateway"),
-    "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format) or compare scheduler settings"),
+    "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
+              "compare, sched, isolation, agents, route, fault, retrieval"),
     "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
 }
 

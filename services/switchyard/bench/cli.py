@@ -21,6 +21,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
@@ -292,4 +293,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv and argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
+    if argv and not argv[0].startswith("-") and ":" not in argv[0]:
+        # a target is host:port; a bare word is a mistyped subcommand
+        near = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
+        print(f"switchyard bench: unknown subcommand {argv[0]!r}"
+              + (f" (did you mean {near[0]!r}?)" if near else "")
+              + f"; expected one of {', '.join(SUBCOMMANDS)}, or a target host:port", file=sys.stderr)
+        return 2
     return _run(argv)

@@ -126,6 +126,10 @@ class LoadResult:
         return self.cpu_s / (self.wall_s * self.procs) if self.wall_s > 0 else 0.0
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""How long a load run waits for the target to accept a connection, seconds."""
+
+
 def go_code_name(code: grpc.StatusCode) -> str:
     """gRPC status as Go's ``codes.Code.String()`` spells it (what ghz reports): OK, ResourceExhausted, ..."""
     if code == grpc.StatusCode.OK:
@@ -187,7 +191,13 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
     numbers = range(part, plan.total, parts)
     results: list[CallResult] = []
     async with open_channel(plan.host, plan.server_config()) as channel:
-        await asyncio.wait_for(channel.channel_ready(), timeout=10)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"cannot reach the orchestrator at {plan.host} within {CONNECT_TIMEOUT_S:g} s: start it "
+                "(`switchyard up`) or pass its host:port"
+            ) from None
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         if barrier is not None:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait)

@@ -210,7 +210,7 @@ class UpstreamConfig(_Strict):
         description="What carries the HTTP requests under httpx's client API: aiohttp's connection pool and C "
         "parser (httpx-aiohttp, the transport the OpenAI Python SDK offers for concurrency), or httpx's own "
         "(httpcore). httpcore checks every pooled connection for each request it places; at a hundred concurrent "
-        "streams the dispatcher served 1.5-1.6x the streams on aiohttp (docs/benchmarks.md). "
+        "streams the dispatcher served 1.4-1.6x the streams on aiohttp (docs/benchmarks.md). "
         "Requests through a proxy (HTTPS_PROXY...) always use httpx's own.",
     )
     max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity), retries.")

@@ -126,7 +126,8 @@ class DramClient:
             log.warning(
                 "DRAM tier unavailable: Redis at %s (db %d) failed %s: %s. Work goes on without it (agent memory "
                 "and KV swap degrade to recompute); retrying every %.1f s (memory_policy.toml [dram])",
-                self.address, self.config.db, op, exc or type(exc).__name__, self.config.retry_interval_s,
+                self.address, self.config.db, op, str(exc).rstrip(".") or type(exc).__name__,
+                self.config.retry_interval_s,
             )
 
     def _mark_up(self) -> None:

@@ -2,8 +2,9 @@
 
 - One pooled httpx client (``model_gateway.max_connections``), explicit
   connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
-  Its transport is aiohttp's pool by default (``model_gateway.http_transport``;
-  httpx-aiohttp maps aiohttp's errors to httpx's, so the error table is the same).
+  Its transport is aiohttp's pool by default (``model_gateway.http_transport``,
+  :mod:`switchyard.gateway.transport`: every aiohttp error arrives as an httpx
+  one, so the error table is the same); proxied requests use httpx's own.
   HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
   :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
   skipped, never fatal).
@@ -28,7 +29,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 import httpx
-from httpx_aiohttp import HttpxAiohttpClient
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
@@ -53,6 +53,7 @@ from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_data
+from switchyard.gateway.transport import UpstreamTransport
 from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,14 @@ class GatewayClient:
     ) -> None:
         self.config = config
         self._tracer = tracer or telemetry.get_tracer(__name__)
-        client_class = HttpxAiohttpClient if config.http_transport == "aiohttp" else httpx.AsyncClient
-        self._http = client_class(
+        limits = httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_keepalive_connections,
+        )
+        settings = client_settings(config.base_url)
+        if transport is None and config.http_transport == "aiohttp":
+            transport = UpstreamTransport(verify=settings["verify"], limits=limits)
+        self._http = httpx.AsyncClient(
             base_url=config.base_url + "/",
             timeout=httpx.Timeout(
                 connect=config.connect_timeout_s,
@@ -110,12 +117,9 @@ class GatewayClient:
                 write=config.write_timeout_s,
                 pool=config.pool_timeout_s,
             ),
-            limits=httpx.Limits(
-                max_connections=config.max_connections,
-                max_keepalive_connections=config.max_keepalive_connections,
-            ),
-            transport=transport,
-            **client_settings(config.base_url),
+            limits=limits,
+            transport=transport,  # proxied URLs get httpx's own proxy transport (mounted from settings["proxy"])
+            **settings,
         )
         self._cooldowns = Cooldowns(config)
         self.on_status: Callable[[int], None] | None = None

@@ -191,7 +191,8 @@ class OnnxEmbedder:
         threads: ONNX Runtime intra-op threads (``retrieval.embed_threads``); 0 = one per core.
 
     Raises:
-        FileNotFoundError: the folder lacks the exported model (the message says to run ``switchyard index``).
+        FileNotFoundError: the folder lacks the exported model (the message says how to export it).
+        ValueError: the exported model is not a model ONNX Runtime can load (a truncated file).
         ImportError: ``onnxruntime`` is not installed.
     """
 
@@ -204,14 +205,20 @@ class OnnxEmbedder:
         for path in (onnx_path, tokenizer_path):
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"{path} not found: the index in {folder} has no exported query encoder; rebuild it with "
-                    "`switchyard index` (or set retrieval.embed_backend to \"torch\")"
+                    f"{path} not found: the index in {folder} has no exported query encoder; add it with "
+                    f"`switchyard index --encoder-only --out {folder}` (or set retrieval.embed_backend to \"torch\")"
                 )
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-wait on shared cores
-        self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own types (Fail, InvalidProtobuf...) for a bad file
+            raise ValueError(
+                f"{onnx_path} could not be loaded ({type(exc).__name__}: {exc}); export it again with "
+                f"`switchyard index --encoder-only --out {folder}`"
+            ) from exc
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.tokenizer.enable_truncation(window)
         self.tokenizer.enable_padding()
@@ -256,7 +263,7 @@ def load_query_encoder(index_dir: str | Path, backend: str, threads: int) -> Que
 
     Raises:
         FileNotFoundError: "onnxruntime" and the index has no exported encoder.
-        ValueError: an unknown backend.
+        ValueError: the exported encoder does not load, or ``backend`` is unknown.
     """
     if backend == "onnxruntime":
         return OnnxEmbedder(index_dir, threads=threads)

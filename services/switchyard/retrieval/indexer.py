@@ -170,6 +170,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", metavar="DIR", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress report (by default: a bar on a terminal, plain lines otherwise)")
+    parser.add_argument("--encoder-only", action="store_true",
+                        help="only export the query encoder into the index already in --out (an index built "
+                        "before the export existed), leaving its passages as they are")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config_dir, service="retrieval")
@@ -178,6 +181,8 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(args.out or config.retrieval.index_dir)
     started = time.monotonic()
+    if args.encoder_only:
+        return _export_encoder_only(out, args.paths, started)
     try:
         manifest = build_index(args.paths, out, config, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as exc:
@@ -196,4 +201,28 @@ def main(argv: list[str]) -> int:
         f"overlap {manifest.chunk_overlap_tokens})"
     )
     print(f"query encoder: {ONNX_FILE} (ONNX Runtime, retrieval.embed_backend) beside the index")
+    return 0
+
+
+def _export_encoder_only(out: Path, paths: list[str], started: float) -> int:
+    """``switchyard index --encoder-only``: the query encoder into the index in ``out``; 0, or 2 on bad input."""
+    from switchyard.retrieval.index import IndexMismatchError, IndexNotFoundError, load_index
+
+    if paths:
+        print("switchyard index: --encoder-only takes no PATHS: it leaves the index's passages as they are",
+              file=sys.stderr)
+        return 2
+    try:
+        manifest = load_index(out).manifest
+    except (IndexNotFoundError, IndexMismatchError) as exc:
+        print(f"switchyard index: {exc}", file=sys.stderr)
+        return 2
+    embedder = load_embedder()
+    if manifest.model != embedder.name:
+        print(f"switchyard index: the index in {out} was built with {manifest.model}, not {embedder.name}; "
+              "rebuild it with `switchyard index`", file=sys.stderr)
+        return 2
+    export_onnx(embedder, out)
+    print(f"query encoder: {ONNX_FILE} exported into {out} in {time.monotonic() - started:.1f} s "
+          f"({manifest.count} passages left as they are)")
     return 0

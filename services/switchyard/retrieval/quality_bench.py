@@ -203,7 +203,7 @@ def run(args: argparse.Namespace):
     queries = load_queries(args.queries)
     embedder = load_embedder()
     with tempfile.TemporaryDirectory(prefix="switchyard-encoder-") as scratch:
-        service_path = _service_path(embedder, settings, args.index_dir or scratch)
+        service_path = _service_path(embedder, settings, args.index_dir, scratch)
         if args.index_dir or args.no_baseline:
             vectors, (embed_s,) = embed_queries([service_path], queries)
             old_embed_s = embed_s  # no old row to charge
@@ -254,13 +254,19 @@ def run(args: argparse.Namespace):
     return rows, queries, embed
 
 
-def _service_path(embedder, settings, folder: str) -> QueryPath:
-    """The service's query path (``retrieval.embed_backend``, ``embed_threads``); exports the encoder if missing."""
+def _service_path(embedder, settings, index_dir: str | None, scratch: str) -> QueryPath:
+    """The service's query path (``retrieval.embed_backend``, ``embed_threads``): the encoder exported
+    beside ``index_dir``, or one exported into ``scratch`` (the index folder is never written)."""
     from switchyard.retrieval.embedder import ONNX_FILE, OnnxEmbedder, export_onnx
 
     if settings.embed_backend == "torch":
         return torch_path(embedder, settings.embed_threads)
-    if not (Path(folder) / ONNX_FILE).is_file():
+    folder = index_dir
+    if folder is None or not (Path(folder) / ONNX_FILE).is_file():
+        if folder is not None:
+            print(f"{folder} has no {ONNX_FILE}: timing an encoder exported into a temporary folder "
+                  f"(`switchyard index --encoder-only --out {folder}` adds it to the index)", file=sys.stderr)
+        folder = scratch
         export_onnx(embedder, folder)
     return onnx_path(OnnxEmbedder(folder, embedder.name, embedder.window, settings.embed_threads), settings.embed_threads)
 

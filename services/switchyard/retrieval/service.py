@@ -97,7 +97,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             embedder = self._embedder or await asyncio.to_thread(
                 load_query_encoder, self.settings.index_dir, self.settings.embed_backend, self.settings.embed_threads
             )
-        except FileNotFoundError as exc:  # an index built before the query encoder was exported with it
+        except (FileNotFoundError, ValueError) as exc:  # no query encoder beside the index, or a broken one
             raise IndexMismatchError(str(exc)) from exc
         if self.settings.hybrid and index.lexical is None:
             raise IndexMismatchError(

@@ -1,0 +1,85 @@
+"""aiohttp under httpx's client API: the upstream pool of ``model_gateway.http_transport`` "aiohttp".
+
+httpx-aiohttp's :class:`~httpx_aiohttp.AiohttpTransport` carries httpx
+requests over an aiohttp ``ClientSession``: aiohttp's connection pool and C
+HTTP parser cost the dispatcher less CPU per stream than httpcore's pool,
+which checks every pooled connection for each request it places
+(docs/benchmarks.md). Two things are added here so that the gateway behaves
+as it does on httpx's own transport:
+
+- **Every aiohttp failure is an httpx error.** httpx-aiohttp maps connection,
+  timeout and payload errors; the rest (``ClientResponseError`` for a bad
+  status line or an over-long header, any other ``aiohttp.ClientError``)
+  would escape the gateway's error table as INTERNAL. They become
+  ``httpx.RemoteProtocolError`` (what httpcore raises for the same input), so
+  they are retried, fall back and read "closed mid-response" as before.
+- **Headers as long as httpx accepts.** aiohttp refuses a header line over
+  8,190 bytes; h11 (httpx) takes up to 16 KiB per event. Large
+  Content-Security-Policy or cookie headers from a proxy must not fail a call
+  that httpx would serve: the limit here is :data:`MAX_HEADER_BYTES`.
+
+Requests through a proxy do not come here: the client mounts httpx's own
+transport for proxied URLs (:func:`switchyard.gateway.proxy.client_settings`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Iterator
+
+import aiohttp
+import httpx
+from httpx_aiohttp import AiohttpTransport
+
+MAX_HEADER_BYTES = 65_536
+"""Longest status or header line accepted, bytes (aiohttp's default is 8,190)."""
+
+
+@contextlib.contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except aiohttp.ClientError as exc:  # what httpx-aiohttp left unmapped
+        raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _as_httpx_errors():
+            async for chunk in self._inner:
+                yield chunk
+
+    async def aclose(self) -> None:
+        with _as_httpx_errors():
+            await self._inner.aclose()
+
+
+class UpstreamTransport(AiohttpTransport):
+    """:class:`AiohttpTransport` whose every failure is an httpx error, with httpx's header allowance.
+
+    Args:
+        verify: TLS verification, as httpx takes it (an ``ssl.SSLContext`` here).
+        limits: pool size (``max_connections``) and idle keep-alive (``keepalive_expiry``).
+    """
+
+    def __init__(self, *, verify: object, limits: httpx.Limits) -> None:
+        super().__init__(verify=verify, limits=limits, trust_env=False, client=self._session)  # type: ignore[arg-type]
+
+    def _session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self.limits.max_connections or 0,
+            keepalive_timeout=self.limits.keepalive_expiry,
+            ssl=self.ssl_context,
+        )
+        return aiohttp.ClientSession(
+            connector=connector, max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        with _as_httpx_errors():
+            response = await super().handle_async_request(request)
+        response.stream = _Body(response.stream)  # type: ignore[arg-type]
+        return response
