@@ -90,7 +90,7 @@ class HumanPrinter:
             self._line(f"queue waits: {waits}")
             self._line(f"compute score used {f.compute_score_used:.3f}, memory peak {f.memory_peak_bytes} bytes")
             for i, p in enumerate(f.passages, 1):
-                self._line(f"  [{i}] {p.title}  ({p.source})  score {p.score:.3f}")
+                self._line(f"  [{i}] {p.title}  ({p.source})  cosine {p.score:.3f}")  # in the ranking's order
             if f.trace_id:
                 self._line(f"trace id: {f.trace_id}")
         self.out.flush()
