@@ -301,6 +301,13 @@ async def test_encoder_only_adds_the_encoder_to_an_older_index_and_a_broken_one_
     assert index_main(["--encoder-only", "--out", str(copy), "--config-dir", str(CONFIG_DIR)]) == 0
     assert (copy / "query_encoder.onnx").stat().st_size > 1_000_000 and (copy / "passages.jsonl").read_bytes() == passages
     assert index_main(["--encoder-only", "--out", str(tmp_path / "absent"), "--config-dir", str(CONFIG_DIR)]) == 2
+    import onnx
+
+    exported = onnx.load(str(copy / "query_encoder.onnx"))
+    del exported.metadata_props[:]  # an export that does not say which model it is
+    onnx.save(exported, str(copy / "query_encoder.onnx"))
+    with pytest.raises(IndexMismatchError, match=r"does not say which model it is.*--encoder-only"):
+        await RetrievalService(_config(copy)).start()
     encoder = (copy / "query_encoder.onnx").read_bytes()
     (copy / "query_encoder.onnx").write_bytes(encoder[: len(encoder) // 3])
     service = RetrievalService(_config(copy))

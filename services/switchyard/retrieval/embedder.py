@@ -56,6 +56,8 @@ ONNX_FILE = "query_encoder.onnx"
 TOKENIZER_FILE = "query_tokenizer.json"
 """The model's Hugging Face fast tokenizer, saved beside :data:`ONNX_FILE`."""
 ONNX_OPSET = 17
+MODEL_KEY, WINDOW_KEY = "switchyard.model", "switchyard.window_tokens"
+"""Metadata :func:`export_onnx` records in the ONNX file: the model's id and its window in word pieces."""
 
 
 class QueryEncoder(Protocol):
@@ -122,7 +124,9 @@ def export_onnx(embedder: Embedder, folder: str | Path) -> Path:
     Only the transformer is exported; :class:`OnnxEmbedder` applies the mean
     pooling and L2 normalization of the model's sentence-transformers
     pipeline, so the pipeline must be exactly Transformer -> mean Pooling ->
-    Normalize (all-MiniLM-L6-v2's). Batch and sequence axes are dynamic.
+    Normalize (all-MiniLM-L6-v2's). Batch and sequence axes are dynamic; the
+    model's id and window are recorded in the file's metadata
+    (:data:`MODEL_KEY`, :data:`WINDOW_KEY`), which :class:`OnnxEmbedder` reads.
     Files are written under temporary names and renamed, so a reader never
     sees half a model.
 
@@ -133,6 +137,7 @@ def export_onnx(embedder: Embedder, folder: str | Path) -> Path:
         ValueError: the model's pipeline is not Transformer -> mean Pooling -> Normalize.
         ImportError: the ``onnx`` package (which ``torch.onnx.export`` writes with) is missing.
     """
+    import onnx
     import torch
 
     modules = list(embedder.model)
@@ -173,6 +178,9 @@ def export_onnx(embedder: Embedder, folder: str | Path) -> Path:
             input_names=list(inputs), output_names=["last_hidden_state"], dynamic_axes=axes,
             opset_version=ONNX_OPSET, dynamo=False,
         )
+    exported = onnx.load(str(onnx_path) + ".tmp")
+    onnx.helper.set_model_props(exported, {MODEL_KEY: embedder.name, WINDOW_KEY: str(embedder.window)})
+    onnx.save(exported, str(onnx_path) + ".tmp")
     embedder.model.tokenizer.backend_tokenizer.save(str(tokenizer_path) + ".tmp")
     os.replace(str(tokenizer_path) + ".tmp", tokenizer_path)
     os.replace(str(onnx_path) + ".tmp", onnx_path)
@@ -184,19 +192,22 @@ class OnnxEmbedder:
 
     Thread-safe like :class:`Embedder` (calls are serialized). Loads no torch.
 
+    Its ``name`` (checked against the index manifest) and ``window`` (most
+    word pieces embedded, special tokens included; longer input is truncated)
+    are the ones :func:`export_onnx` recorded in the file.
+
     Args:
         folder: an index folder holding :data:`ONNX_FILE` and :data:`TOKENIZER_FILE`.
-        name: model id, checked against the index manifest.
-        window: most word pieces embedded, special tokens included (longer input is truncated).
         threads: ONNX Runtime intra-op threads (``retrieval.embed_threads``); 0 = one per core.
 
     Raises:
         FileNotFoundError: the folder lacks the exported model (the message says how to export it).
-        ValueError: the exported model is not a model ONNX Runtime can load (a truncated file).
+        ValueError: the exported model is not a model ONNX Runtime can load (a truncated file), or it
+            lacks the metadata :func:`export_onnx` records.
         ImportError: ``onnxruntime`` is not installed.
     """
 
-    def __init__(self, folder: str | Path, name: str = MODEL_NAME, window: int = 256, threads: int = 1) -> None:
+    def __init__(self, folder: str | Path, threads: int = 1) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -219,11 +230,17 @@ class OnnxEmbedder:
                 f"{onnx_path} could not be loaded ({type(exc).__name__}: {exc}); export it again with "
                 f"`switchyard index --encoder-only --out {folder}`"
             ) from exc
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if MODEL_KEY not in meta or not meta.get(WINDOW_KEY, "").isdigit():
+            raise ValueError(
+                f"{onnx_path} does not say which model it is ({MODEL_KEY}, {WINDOW_KEY}); export it again with "
+                f"`switchyard index --encoder-only --out {folder}`"
+            )
+        self.name = meta[MODEL_KEY]
+        self.window = int(meta[WINDOW_KEY])
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        self.tokenizer.enable_truncation(window)
+        self.tokenizer.enable_truncation(self.window)
         self.tokenizer.enable_padding()
-        self.name = name
-        self.window = window
         self.dims = int(self.session.get_outputs()[0].shape[-1])
         self._lock = threading.Lock()
 

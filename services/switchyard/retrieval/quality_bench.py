@@ -268,7 +268,7 @@ def _service_path(embedder, settings, index_dir: str | None, scratch: str) -> Qu
                   f"(`switchyard index --encoder-only --out {folder}` adds it to the index)", file=sys.stderr)
         folder = scratch
         export_onnx(embedder, folder)
-    return onnx_path(OnnxEmbedder(folder, embedder.name, embedder.window, settings.embed_threads), settings.embed_threads)
+    return onnx_path(OnnxEmbedder(folder, settings.embed_threads), settings.embed_threads)
 
 
 _WHO = {"service": "as the service runs it now", "old": "as the old row's service ran it"}
