@@ -224,6 +224,7 @@ async def test_both_http_transports_stream_and_fail_by_the_same_table(clean_prox
     base = f"http://127.0.0.1:{closed_port()}/v1"
     err = await stream_error(gateway_config(base, max_retries=0, http_transport=transport))
     assert err.code == grpc.StatusCode.UNAVAILABLE and base in str(err)
+    assert "(ConnectError: " in str(err)  # refused, not timed out (httpx-aiohttp alone says ConnectTimeout)
 
 
 SSE_ANSWER = (

@@ -129,11 +129,7 @@ def error_for_status(
 
 def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | None, key: ApiKey) -> GatewayError:
     """The error for an httpx failure (no HTTP status): proxy, connect, timeout, cut connection."""
-    # Under the aiohttp transport the httpx error wraps aiohttp's, which names what happened
-    # (ServerDisconnectedError rather than the ConnectTimeout it is mapped to).
-    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) and type(exc.__cause__).__module__.startswith(
-        "aiohttp") else exc
-    detail = redact(f"{type(cause).__name__}: {cause}".rstrip(": "), key.value)
+    detail = redact(f"{type(exc).__name__}: {exc}".rstrip(": "), key.value)
     if isinstance(exc, httpx.ProxyError) or (
         proxy is not None and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
     ):

@@ -7,8 +7,9 @@ which checks every pooled connection for each request it places
 (docs/benchmarks.md). Two things are added here so that the gateway behaves
 as it does on httpx's own transport:
 
-- **Every aiohttp failure is an httpx error.** httpx-aiohttp maps connection,
-  timeout and payload errors; the rest (``ClientResponseError`` for a bad
+- **Every aiohttp failure is an httpx error naming aiohttp's.** httpx-aiohttp
+  maps connection, timeout and payload errors (their messages are given
+  aiohttp's type here, which the mapped httpx type may misname); the rest (``ClientResponseError`` for a bad
   status line or an over-long header, any other ``aiohttp.ClientError``)
   would escape the gateway's error table as INTERNAL. They become
   ``httpx.RemoteProtocolError`` (what httpcore raises for the same input), so
@@ -41,6 +42,14 @@ def _as_httpx_errors() -> Iterator[None]:
         yield
     except aiohttp.ClientError as exc:  # what httpx-aiohttp left unmapped
         raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+    except httpx.TransportError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, aiohttp.ClientError):
+            raise
+        # httpx-aiohttp's mapping keeps aiohttp's message, not its type, which names what happened; and
+        # it maps a refused connection (ClientConnectorError) to ConnectTimeout, as httpcore does not
+        kind = httpx.ConnectError if isinstance(cause, aiohttp.ClientConnectorError) else type(exc)
+        raise kind(f"{type(cause).__name__}: {cause}") from cause  # httpx attaches the request
 
 
 class _Body(httpx.AsyncByteStream):
