@@ -1,7 +1,7 @@
 """The orchestrator routes an agent's calls to one dispatcher replica, and survives that replica going away.
 
 Three real sim dispatchers on 127.0.0.1:0 behind one ``ipv4:`` target; each
-records which agents' Generate calls it served.
+records which agents' requests it served.
 """
 
 from __future__ import annotations
@@ -27,19 +27,22 @@ pytestmark = pytest.mark.no_gpu
 
 
 class Recording(DispatcherService):
-    """A sim dispatcher that records (its label, agent_id) of every Generate call it receives."""
+    """A sim dispatcher that records (its label, agent_id) of every request it receives."""
 
     def __init__(self, config: SwitchyardConfig, label: str, served: list[tuple[str, str]],
                  started: asyncio.Event | None = None) -> None:
         super().__init__(config)
         self.label, self.served, self.started = label, served, started
 
-    async def Generate(self, request, context):
+    async def open_request(self, request, timeout_s, span):
         self.served.append((self.label, request.agent_id))
-        async for chunk in super().Generate(request, context):
-            if self.started is not None and chunk.HasField("token"):
-                self.started.set()
-            yield chunk
+        return await super().open_request(request, timeout_s, span)
+
+    def chunk(self, req, item):
+        chunk = super().chunk(req, item)
+        if self.started is not None and chunk.HasField("token"):
+            self.started.set()
+        return chunk
 
 
 @contextlib.asynccontextmanager

@@ -22,10 +22,13 @@ from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
 from switchyard.common.channels import open_channel
+from stream_adapter import GenerateStreamFromGenerate
 
 
-class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.InferenceServiceServicer):
-    """Retrieval returns one passage; Generate echoes words, or calls tools when offered."""
+class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServicer,
+                 agent_pb2_grpc.InferenceServiceServicer):
+    """Retrieval returns one passage; Generate echoes words, or calls tools when offered (served to the
+    orchestrator over GenerateStream)."""
 
     name = "downstream"
     grpc_service_names = ("agent.RetrievalService", "agent.InferenceService")
@@ -33,8 +36,8 @@ class Downstream(agent_pb2_grpc.RetrievalServiceServicer, agent_pb2_grpc.Inferen
     def __init__(self) -> None:
         self.requests: list[agent_pb2.GenerateRequest] = []
         self.gate: asyncio.Event | None = None
-        self.cancelled: list[str] = []  # request ids whose Generate was cancelled by the orchestrator
-        self.deadlines: list[float | None] = []  # time_remaining() each Generate saw on arrival
+        self.cancelled: list[str] = []  # request ids the orchestrator cancelled
+        self.deadlines: list[float | None] = []  # time_remaining() each request had on arrival
         self.model = "sim-7b"  # what DescribeModel says the engine serves to a request naming no model
         self.described = 0
 

@@ -273,6 +273,11 @@ class InferenceServiceStub:
                 request_serializer=agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=agent__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/agent.InferenceService/GenerateStream',
+                request_serializer=agent__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=agent__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.DescribeModel = channel.unary_unary(
                 '/agent.InferenceService/DescribeModel',
                 request_serializer=agent__pb2.DescribeModelRequest.SerializeToString,
@@ -284,6 +289,12 @@ class InferenceServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -302,6 +313,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=agent__pb2.GenerateRequest.FromString,
                     response_serializer=agent__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=agent__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=agent__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'DescribeModel': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeModel,
@@ -336,6 +352,33 @@ class InferenceService:
             '/agent.InferenceService/Generate',
             agent__pb2.GenerateRequest.SerializeToString,
             agent__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/agent.InferenceService/GenerateStream',
+            agent__pb2.GenerateStreamRequest.SerializeToString,
+            agent__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,10 @@ class CoalescingQueue(Generic[T]):
             run.append(self._items.popleft())
         return self._merge(run)
 
+    def __len__(self) -> int:
+        """Items put and not yet read."""
+        return len(self._items)
+
     def drain(self) -> list[T]:
         """Every item put and not yet read, oldest first, one per put, without waiting."""
         items = list(self._items)

@@ -46,6 +46,14 @@ class Service(Protocol):
         """Stop background tasks. Called after the server drained."""
 
 
+async def begin_drain(service: object) -> None:
+    """Tell a service that asks for it (``begin_drain``) that the server starts draining: it
+    refuses new work and ends its long-lived streams once their work is done."""
+    hook = getattr(service, "begin_drain", None)
+    if hook is not None:
+        await hook()
+
+
 def edge_interceptors(service: object) -> list[grpc.aio.ServerInterceptor]:
     """Interceptors a service asks for on its own server (the orchestrator: authentication)."""
     provide = getattr(service, "server_interceptors", None)
@@ -134,6 +142,8 @@ class RunningServer:
         for service in self.services:
             SERVING.labels(service.name).set(0)
         await self.health.enter_graceful_shutdown()
+        for service in self.services:
+            await begin_drain(service)
         await self.server.stop(grace)
         if self.health_server is not None:  # answered NOT_SERVING to probes while the calls drained
             await self.health_server.stop(None)

@@ -19,7 +19,7 @@ token, and a reader that keeps up sees every token alone, with no added wait.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 from switchyard.common.coalescing import CoalescingQueue
 
@@ -66,37 +66,70 @@ def _merge_tokens(run: list[OutputItem]) -> OutputItem:
     return StreamToken("".join(t.text for t in run), first.index, sum(t.count for t in run))  # type: ignore[union-attr]
 
 
-class OutputStream:
-    """One request's items on their way to its Generate handler: an unbounded FIFO, one writer, one reader.
+def _is_token(item: OutputItem) -> bool:
+    return isinstance(item, StreamToken)
 
-    Writes never block (the engine loop must not wait on a slow caller); the
-    reader awaits :meth:`get`, which merges the tokens waiting together
-    (:class:`~switchyard.common.coalescing.CoalescingQueue`). Used from the
-    event loop's thread only.
+
+def coalesce(items: list[OutputItem]) -> list[OutputItem]:
+    """``items`` with every run of consecutive tokens merged into one :class:`StreamToken`."""
+    if len(items) < 2:
+        return items
+    out: list[OutputItem] = []
+    run: list[OutputItem] = []
+    for item in items:
+        if isinstance(item, StreamToken):
+            run.append(item)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else _merge_tokens(run))
+            run = []
+        out.append(item)
+    if run:
+        out.append(run[0] if len(run) == 1 else _merge_tokens(run))
+    return out
+
+
+class OutputStream:
+    """One request's items on their way to its caller: an unbounded FIFO, one writer, one reader.
+
+    Writes never block (the engine loop must not wait on a slow caller). A
+    Generate handler awaits :meth:`get`, which merges the tokens waiting
+    together (:class:`~switchyard.common.coalescing.CoalescingQueue`); a
+    GenerateStream session (:mod:`switchyard.dispatcher.generate_stream`) sets
+    :attr:`listener`, called after every push, and takes the items with
+    :meth:`drain`. Used from the event loop's thread only.
     """
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "listener")
 
     def __init__(self) -> None:
-        self._items: CoalescingQueue[OutputItem] = CoalescingQueue(
-            lambda item: isinstance(item, StreamToken), _merge_tokens
-        )
+        self._items: CoalescingQueue[OutputItem] = CoalescingQueue(_is_token, _merge_tokens)
+        self.listener: Callable[[], None] | None = None
+
+    def _put(self, item: OutputItem) -> None:
+        self._items.put(item)
+        if self.listener is not None:
+            self.listener()
 
     def token(self, text: str, index: int) -> None:
         """Push one completion token (``index``: its 0-based position in the completion)."""
-        self._items.put(StreamToken(text, index))
+        self._put(StreamToken(text, index))
 
     def tool_call(self, call: ToolCall) -> None:
         """Push one tool call."""
-        self._items.put(StreamToolCall(call))
+        self._put(StreamToolCall(call))
 
     def done(self, finish_reason: str) -> None:
         """Close the stream: the request finished with ``finish_reason``."""
-        self._items.put(StreamDone(finish_reason))
+        self._put(StreamDone(finish_reason))
 
     def error(self, error: BaseException) -> None:
         """Close the stream: the request failed with ``error``."""
-        self._items.put(StreamError(error))
+        self._put(StreamError(error))
+
+    def pending(self) -> bool:
+        """Whether items were pushed and not yet read."""
+        return bool(self._items)
 
     async def get(self) -> OutputItem:
         """The next item, waiting until there is one.

@@ -41,7 +41,8 @@ from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
-from switchyard.dispatcher.output import StreamDone, StreamError, StreamToken, StreamToolCall
+from switchyard.dispatcher.generate_stream import GenerateSession
+from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         if self.adaptive is not None:
             self.scheduler.on_batch_done = self.adaptive.on_batch_done
         self.loop: LoopBase | None = None
+        self.draining = False
+        self._sessions: set[GenerateSession] = set()
 
     # ------------------------------------------------------------------ Service protocol
 
@@ -255,6 +258,13 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
+
+    async def begin_drain(self) -> None:
+        """SIGTERM: new requests are refused UNAVAILABLE from now on; each GenerateStream ends once
+        the requests it carries are done (the server then stops without waiting out its grace)."""
+        self.draining = True
+        for session in self._sessions:
+            session.drain()
 
     async def stop(self) -> None:
         """Drain: refuse new requests, run accepted ones to their end, close the engine.
@@ -291,34 +301,17 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         # Started, not made current: a span attached across this generator's yields would be
         # detached by whichever task closes a cancelled stream (see common/grpc_tracing.py).
         span = tracer.start_span("dispatcher.generate")
-        parent = trace.set_span_in_context(span)
         req: Request | None = None
         loop = self.loop
         try:
-            served = self.engine.model if self.stepping else None
-            if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-                req = await asyncio.to_thread(to_request, request, self.config, served)
-            else:
-                req = to_request(request, self.config, served)
-            span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
-            span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
-            span.set_attribute("switchyard.priority", req.priority_name)
-            req.span_context = span.get_span_context()
-            req.span = span
-            if (remaining := context.time_remaining()) is not None:
-                req.deadline = time.monotonic() + remaining
-            wall_arrival_ns = time.time_ns()
-            if loop is None:
-                raise SwitchyardError("dispatcher is not started", grpc.StatusCode.UNAVAILABLE)
-            if self.adaptive is not None:
-                self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
-            loop.submit(req)
-            async for chunk in self._chunks(req):
+            req = await self.open_request(request, context.time_remaining(), span)
+            output = req.output
+            while True:
+                chunk = self.chunk(req, await output.get())
                 yield chunk
-            self._record_queue_wait(req, wall_arrival_ns, parent)
-            self._record_engine_phases(req, wall_arrival_ns, parent)
-            span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
-            span.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
+                if chunk.HasField("done"):
+                    break
+            self.record_done(req, span)
         except SwitchyardError as exc:
             span.set_attribute("rpc.grpc.status_code", status_for(exc)[0].value[0])
             await abort(context, exc, "dispatcher")
@@ -331,29 +324,85 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
                 loop.abort(req)  # the caller went away: free its place and KV
             span.end()
 
-    async def _chunks(self, req: Request) -> AsyncIterator[agent_pb2.GenerateChunk]:
-        """Turn ``req``'s output stream into chunks until its done chunk or its error."""
-        model = self.engine.model if self.stepping else (req.model or self.engine.model)
-        output = req.output
-        while True:
-            item = await output.get()
-            if isinstance(item, StreamToken):
-                yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index, count=item.count))
-            elif isinstance(item, StreamToolCall):
-                call = item.call
-                yield agent_pb2.GenerateChunk(
-                    tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
-                )
-            elif isinstance(item, StreamDone):
-                if not self.stepping:
-                    model = req.model or self.engine.model
-                yield done_chunk(req, model)
-                return
-            elif isinstance(item, StreamError):
-                error = item.error
-                if isinstance(error, SwitchyardError):
-                    raise error
-                raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Many requests over one stream (the orchestrator's hop); see :mod:`switchyard.dispatcher.generate_stream`."""
+        session = GenerateSession(self, context)
+        self._sessions.add(session)
+        try:
+            await session.run(request_iterator)
+        finally:
+            self._sessions.discard(session)
+
+    # ------------------------------------------------------------------ one request, for both RPCs
+
+    async def open_request(
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, span: trace.Span
+    ) -> Request:
+        """Validate ``request`` (:func:`to_request`) and hand it to the engine loop.
+
+        Args:
+            timeout_s: the caller's time left, seconds (None: no deadline); the
+                scheduler and an upstream engine bound the request by it.
+            span: the request's ``dispatcher.generate`` span; the engine's spans link to it.
+
+        Raises:
+            SwitchyardError: the request is invalid (INVALID_ARGUMENT, NOT_FOUND), the
+                dispatcher is not started or draining (UNAVAILABLE), or the queue is full
+                (RESOURCE_EXHAUSTED).
+        """
+        served = self.engine.model if self.stepping else None
+        if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
+            req = await asyncio.to_thread(to_request, request, self.config, served)
+        else:
+            req = to_request(request, self.config, served)
+        span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
+        span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
+        span.set_attribute("switchyard.priority", req.priority_name)
+        req.span_context = span.get_span_context()
+        req.span = span
+        if timeout_s is not None:
+            req.deadline = time.monotonic() + timeout_s
+        loop = self.loop
+        if loop is None or self.draining:
+            raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)
+        if self.adaptive is not None:
+            self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
+        loop.submit(req)
+        return req
+
+    def chunk(self, req: Request, item: OutputItem) -> agent_pb2.GenerateChunk:
+        """The chunk that carries one item of ``req``'s output stream.
+
+        Raises:
+            SwitchyardError: the item is the request's error (an engine's own error becomes INTERNAL).
+        """
+        if isinstance(item, StreamToken):
+            return agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index, count=item.count))
+        if isinstance(item, StreamToolCall):
+            call = item.call
+            return agent_pb2.GenerateChunk(
+                tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
+            )
+        if isinstance(item, StreamDone):
+            model = self.engine.model if self.stepping else (req.model or self.engine.model)
+            return done_chunk(req, model)
+        error = item.error
+        if isinstance(error, SwitchyardError):
+            raise error
+        raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
+
+    def record_done(self, req: Request, span: trace.Span) -> None:
+        """Close ``req``'s tracing after its done chunk: its queue wait and engine phases as spans
+        under ``span``, its output tokens and finish reason on it."""
+        if span.is_recording():
+            parent = trace.set_span_in_context(span)
+            wall_arrival_ns = time.time_ns() - int((time.monotonic() - req.arrival) * 1e9)
+            self._record_queue_wait(req, wall_arrival_ns, parent)
+            self._record_engine_phases(req, wall_arrival_ns, parent)
+            span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
+            span.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
 
     def _record_engine_phases(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.

@@ -9,6 +9,7 @@ caller of RunTask learns which service is down, not just "UNAVAILABLE".
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
@@ -17,6 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig
+from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
 
@@ -32,15 +34,19 @@ def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> 
     upstream model or proxy it relays. Without one, nothing answered: the service is unreachable.
     """
     origin = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "")
-    details = err.details() or err.code().name
+    return _hop_error(service, address, err.code(), err.details() or err.code().name, origin)
+
+
+def _hop_error(service: str, address: str, code: grpc.StatusCode, details: str, origin: str) -> SwitchyardError:
+    """:func:`_downstream_error` from a status's parts (``origin`` "": nothing answered)."""
     if not origin:
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAVAILABLE:
             return ServiceUnavailable(service, address, details)
-        error = SwitchyardError(f"{service} ({address}): {details}", err.code())
+        error = SwitchyardError(f"{service} ({address}): {details}", code)
     elif origin == service:
-        error = SwitchyardError(f"{service} ({address}): {details}", err.code())
+        error = SwitchyardError(f"{service} ({address}): {details}", code)
     else:
-        error = SwitchyardError(f"{origin} (via {service} at {address}): {details}", err.code())
+        error = SwitchyardError(f"{origin} (via {service} at {address}): {details}", code)
     error.origin = origin or service
     return error
 
@@ -78,8 +84,11 @@ class RetrievalClient:
 
 
 class InferenceClient:
-    """InferenceService.Generate over one channel, or, for a target of several replicas, over each
+    """Generation on the dispatcher over one channel, or, for a target of several replicas, over each
     replica's own channel: an agent's replica for a call with an affinity key, the next in turn otherwise.
+
+    Requests travel over one ``GenerateStream`` per channel
+    (:class:`~switchyard.orchestrator.generate_stream.GenerateStreamClient`), not a Generate call each.
 
     Args:
         address: the dispatcher target (``host:port``, ``ipv4:a,b``, ``dns:///name:port``).
@@ -94,6 +103,8 @@ class InferenceClient:
         self.address = address
         self._channel = open_channel(address, config)
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
+        self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}
+        self._closing: set[asyncio.Future[None]] = set()
         self._default_model: str | None = None
         addresses = static_addresses(address)
         self.replicas: ReplicaSet | None = None
@@ -102,18 +113,27 @@ class InferenceClient:
         if addresses is None or len(addresses) > 1:
             self.replicas = ReplicaSet(address, config, affinity.idle_s, affinity.resolve_interval_s, affinity.balance)
 
-    async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, agent_pb2_grpc.InferenceServiceStub]:
+    async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, grpc.aio.Channel]:
         if self.replicas is not None:
             await self.replicas.refresh()
             try:
                 if affinity_key and self._affinity:
-                    address, channel = self.replicas.pick(affinity_key, tried)
-                else:
-                    address, channel = self.replicas.rotate(tried)
-                return address, agent_pb2_grpc.InferenceServiceStub(channel)
+                    return self.replicas.pick(affinity_key, tried)
+                return self.replicas.rotate(tried)
             except LookupError:  # none known yet, or every replica tried: the channel's round_robin decides
                 pass
-        return self.address, self._stub
+        return self.address, self._channel
+
+    def _streams_for(self, channel: grpc.aio.Channel) -> GenerateStreamClient:
+        streams = self._streams.get(channel)
+        if streams is None:
+            if self.replicas is not None:  # forget the streams of channels the replica set has let go
+                live = {self._channel, *self.replicas.channels.values()}
+                for gone in [c for c in self._streams if c not in live]:
+                    self._closing.add(asyncio.ensure_future(self._streams.pop(gone).close()))
+                    self._closing = {t for t in self._closing if not t.done()}
+            streams = self._streams[channel] = GenerateStreamClient(channel)
+        return streams
 
     async def generate(
         self,
@@ -163,29 +183,29 @@ class InferenceClient:
         affinity_key = spec.agent_id or (spec.task_id if spec.workflow == "react_loop" else None)
         tried: set[str] = set()
         for attempt in range(self.MAX_ATTEMPTS):
-            address, stub = await self._route(affinity_key, frozenset(tried))
-            call = stub.Generate(request, timeout=timeout_s)
+            address, channel = await self._route(affinity_key, frozenset(tried))
             received = 0
+            chunks = self._streams_for(channel).generate(request, timeout_s)
             try:
-                async for chunk in call:
+                async for chunk in chunks:
                     received += 1
                     yield chunk
                 return
-            except grpc.aio.AioRpcError as err:
+            except RequestFailed as err:
                 # No origin: nothing answered (the replica is gone); origin dispatcher: it refused (draining).
                 # An error relayed from the upstream model is not the replica's: another would meet it too.
-                replica_fault = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "") in ("", "dispatcher")
-                unavailable = err.code() == grpc.StatusCode.UNAVAILABLE and replica_fault
+                replica_fault = err.origin in ("", "dispatcher")
+                unavailable = err.code == grpc.StatusCode.UNAVAILABLE and replica_fault
                 if unavailable and received == 0 and attempt + 1 < self.MAX_ATTEMPTS:
                     tried.add(address)
                     DISPATCHER_RETRIES.inc()
                     continue
                 if unavailable and received:
                     raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "
-                                             f"{err.details() or ''}") from None
-                raise _downstream_error("dispatcher", address, err) from None
+                                             f"{err.details}") from None
+                raise _hop_error("dispatcher", address, err.code, err.details, err.origin) from None
             finally:
-                call.cancel()
+                await chunks.aclose()  # a request given up on is cancelled on the stream now
 
     async def default_model(self, timeout_s: float = 5.0) -> str:
         """The model the dispatcher serves to a request that names none (asked once, then kept).
@@ -195,7 +215,8 @@ class InferenceClient:
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
         if self._default_model is None:
-            address, stub = await self._route(None, frozenset())
+            address, channel = await self._route(None, frozenset())
+            stub = self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)
             try:
                 info = await stub.DescribeModel(agent_pb2.DescribeModelRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as err:
@@ -214,6 +235,8 @@ class InferenceClient:
         return self._channel
 
     async def close(self) -> None:
+        await asyncio.gather(*(streams.close() for streams in self._streams.values()), *self._closing)
+        self._streams.clear()
         if self.replicas is not None:
             await self.replicas.close()
         await self._channel.close()
