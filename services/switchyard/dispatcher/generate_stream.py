@@ -79,7 +79,7 @@ class GenerateSession:
         self._failed: list[agent_pb2.StreamedChunk] = []  # refused starts, sent with the next message
         self._wake: asyncio.Future[None] | None = None
         self._reading = True
-        self._draining = False
+        self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
 
     # ------------------------------------------------------------------ the handler's task: writing
 
@@ -186,7 +186,8 @@ class GenerateSession:
             self._running[request_id] = running
             req = await self._service.open_request(request, start.timeout_s or None, span)
         except SwitchyardError as exc:
-            self._running.pop(request_id, None)
+            if self._running.get(request_id) is running:  # not the request already running under this id
+                del self._running[request_id]
             span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
             span.end()
             self._failed.append(_error_chunk(request_id, exc))
