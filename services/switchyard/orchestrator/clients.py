@@ -102,6 +102,7 @@ class InferenceClient:
     def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None) -> None:
         self.address = address
         self._channel = open_channel(address, config)
+        self._max_message_bytes = config.max_message_bytes
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
         self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}
         self._closing: set[asyncio.Future[None]] = set()
@@ -132,7 +133,7 @@ class InferenceClient:
                 for gone in [c for c in self._streams if c not in live]:
                     self._closing.add(asyncio.ensure_future(self._streams.pop(gone).close()))
                     self._closing = {t for t in self._closing if not t.done()}
-            streams = self._streams[channel] = GenerateStreamClient(channel)
+            streams = self._streams[channel] = GenerateStreamClient(channel, self._max_message_bytes)
         return streams
 
     async def generate(

@@ -7,7 +7,9 @@ sides) was most of what the stack added to its caller's RunTask stream. A
 channel and carries every request over it (the protocol:
 :mod:`switchyard.dispatcher.generate_stream`):
 
-- a writer task sends the starts and cancels waiting, all in one message;
+- a writer task sends the starts and cancels waiting, in one message when they fit
+  in the dispatcher's ``server.max_message_bytes`` (a message past it would end the
+  stream, and every request on it);
 - a reader task hands each request its chunks as they come, in order;
 - a request's deadline (the task's time left) is kept here, and sent along so
   that the dispatcher's scheduler and upstream engines see it too; at the
@@ -42,6 +44,12 @@ from switchyard.common.errors import ORIGIN_KEY
 
 STREAM_MAX_AGE_S = 1.0
 """Seconds a stream takes new requests before the next one is opened (see the module docstring)."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""A message's size limit when none is given: gRPC's default for what a server receives, bytes."""
+
+_FIELD_OVERHEAD_BYTES = 6
+"""What a repeated field adds to an entry's own size in a message: its tag (1 byte) and length (up to 5)."""
 
 _CLEAN = contextvars.Context()  # the streams' tasks run outside any task's deadline scope and span
 
@@ -109,13 +117,16 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class _Stream:
     """One GenerateStream call: its writer and reader tasks and the requests it carries."""
 
-    def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub) -> None:
+    def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub, max_message_bytes: int) -> None:
         self.opened_at = time.monotonic()
         self.requests: dict[str, _Request] = {}
+        self.cancelled: set[str] = set()  # ids cancelled here: the dispatcher may still send chunks for them
         self.retired = False  # takes no new requests; half-closed once the last one ended
         self.broken = False
-        self._starts: list[agent_pb2.StreamedGenerate] = []
-        self._cancels: list[str] = []
+        self._max_message_bytes = max_message_bytes
+        self._starts: deque[tuple[agent_pb2.StreamedGenerate, int]] = deque()  # not sent yet; with their sizes
+        self._cancels: deque[str] = deque()
+        self._sending = False  # a write is in flight, or one failed: the call's INTERNAL status is then ours
         self._wake: asyncio.Future[None] | None = None
         self._call = stub.GenerateStream()
         loop = asyncio.get_running_loop()
@@ -123,15 +134,32 @@ class _Stream:
         self._reader = loop.create_task(self._read(), name="generate-stream-reader", context=_CLEAN.copy())
 
     def start(self, start: agent_pb2.StreamedGenerate) -> _Request:
-        request = self.requests[start.request.request_id] = _Request()
-        self._starts.append(start)
+        """Queue ``start`` for the writer; its request's items come through the returned :class:`_Request`.
+
+        A start larger than a message may be (``max_message_bytes``) is not sent: its request fails at
+        once, RESOURCE_EXHAUSTED, as a Generate call whose request is too large fails alone.
+        """
+        request = _Request()
+        size = start.ByteSize() + _FIELD_OVERHEAD_BYTES
+        if size > self._max_message_bytes:
+            request.finished = True
+            request.put(RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"Sent message larger than max ({size} vs. {self._max_message_bytes})", ""))
+            return request
+        self.requests[start.request.request_id] = request
+        self._starts.append((start, size))
         self._notify()
         return request
 
     def cancel(self, request_id: str) -> None:
-        """The caller gave up on ``request_id``: forget it, and tell the dispatcher unless the stream is gone."""
+        """The caller gave up on ``request_id``: forget it, and tell the dispatcher unless the stream is
+        gone or its start was not sent yet (then it is not sent at all)."""
         self.requests.pop(request_id, None)
-        if not self.broken:
+        self.cancelled.add(request_id)
+        queued = next((q for q in self._starts if q[0].request.request_id == request_id), None)
+        if queued is not None:
+            self._starts.remove(queued)
+        elif not self.broken:
             self._cancels.append(request_id)
         self._notify()
 
@@ -157,11 +185,30 @@ class _Stream:
                     finally:
                         self._wake = None
                     continue
-                message = agent_pb2.GenerateStreamRequest(start=self._starts, cancel=self._cancels)
-                self._starts, self._cancels = [], []
+                message = self._take()
+                self._sending = True
                 await call.write(message)
+                self._sending = False
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             return  # the call ended: the reader fails what the stream carried with its status
+
+    def _take(self) -> agent_pb2.GenerateStreamRequest:
+        """The next message: the cancels and starts waiting, oldest first, as many as fit in
+        ``max_message_bytes`` (at least one; a message past the limit would end the whole stream)."""
+        message = agent_pb2.GenerateStreamRequest()
+        room = self._max_message_bytes
+        cancels, starts = self._cancels, self._starts
+        while cancels:
+            size = len(cancels[0].encode()) + _FIELD_OVERHEAD_BYTES
+            if size > room and (message.cancel or message.start):
+                return message
+            message.cancel.append(cancels.popleft())
+            room -= size
+        while starts and (starts[0][1] <= room or not (message.cancel or message.start)):
+            start, size = starts.popleft()
+            message.start.append(start)
+            room -= size
+        return message
 
     async def _read(self) -> None:
         call = self._call
@@ -192,8 +239,14 @@ class _Stream:
                 if self.retired and not self.requests:
                     self._notify()  # the writer half-closes
         except grpc.aio.AioRpcError as err:
-            origin = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "")
-            failure = RequestFailed(err.code(), err.details() or err.code().name, origin)
+            if err.code() == grpc.StatusCode.INTERNAL and self._sending:
+                # grpc fails a call INTERNAL ("Internal error from Core") when a write meets a stream
+                # the dispatcher already ended (a drain) or a connection already gone: nothing answered
+                failure = RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                        f"the stream ended while requests were sent on it ({err.details()})", "")
+            else:
+                origin = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "")
+                failure = RequestFailed(err.code(), err.details() or err.code().name, origin)
         except asyncio.CancelledError:
             failure = RequestFailed(grpc.StatusCode.CANCELLED, "the orchestrator closed the stream", "")
         self.broken = True
@@ -218,22 +271,31 @@ class GenerateStreamClient:
 
     Args:
         channel: a channel to one dispatcher (or a target its round_robin spreads).
+        max_message_bytes: the largest message the dispatcher takes (``server.max_message_bytes``),
+            bytes: the starts waiting are sent in messages within it, and a start larger than it
+            fails alone, RESOURCE_EXHAUSTED, as its Generate call would.
     """
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self._max_message_bytes = max_message_bytes
         self._stub = agent_pb2_grpc.InferenceServiceStub(channel)
         self._stream: _Stream | None = None
         self._retired: set[_Stream] = set()
 
     def _stream_for(self, request_id: str) -> _Stream:
+        """The stream to start ``request_id`` on: the current one, or a new one when it is broken, past
+        :data:`STREAM_MAX_AGE_S`, or knows the id already. An id running there would be refused; one
+        cancelled there may still have chunks on the way (the dispatcher sends until it reads the cancel),
+        which the new request would take for its own, and the dispatcher reads a message's starts before
+        its cancels."""
         stream = self._stream
         if (stream is None or stream.broken or stream.retired or request_id in stream.requests
-                or time.monotonic() - stream.opened_at > STREAM_MAX_AGE_S):
+                or request_id in stream.cancelled or time.monotonic() - stream.opened_at > STREAM_MAX_AGE_S):
             self._retired = {s for s in self._retired if not s.done}
             if stream is not None:
                 stream.retire()  # it ends when its last request does; held here until then
                 self._retired.add(stream)
-            stream = self._stream = _Stream(self._stub)
+            stream = self._stream = _Stream(self._stub, self._max_message_bytes)
         return stream
 
     async def generate(
