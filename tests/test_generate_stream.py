@@ -1,0 +1,552 @@
+"""GenerateStream, the orchestrator's hop to the dispatcher: many requests over one bidirectional stream.
+
+Real sim dispatchers on 127.0.0.1:0. The dispatcher's side is driven by hand
+(:class:`RawStream`: starts and cancels written as the caller chooses, what
+comes back collected per request); the orchestrator's side through
+:class:`GenerateStreamClient` and :class:`InferenceClient`. Each request's
+chunks are compared with what Generate streams for the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import SwitchyardError
+from switchyard.common.server import RunningServer, start_server
+from switchyard.dispatcher.service import COUNT_IN_THREAD_BYTES, DispatcherService
+from switchyard.orchestrator import generate_stream
+from switchyard.orchestrator.clients import InferenceClient
+from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
+from switchyard.orchestrator.validation import TaskSpec
+from fast_sim import FAST
+from token_events import positions_follow_on, token_count
+
+pytestmark = pytest.mark.no_gpu
+
+PROMPT = ("<context>\n[1] The with statement\nThe with statement works " + " ".join(f"step{i}" for i in range(600))
+          + ".\n</context>\n<question>How does the with statement work?</question>")
+"""The sim answers it with ~600 tokens: a request runs to its max_tokens (finish_reason length)."""
+
+SLOW = {"sim.decode_base_ms": 20.0}  # a step every ~20 ms: requests stay running while the test acts
+MEDIUM = {"sim.decode_base_ms": 10.0}  # for requests the test lets run to their end
+HANG_BOUND_S = 10.0  # what "did not wait out the grace (30 s)" means below: a bound on a hang, not a speed
+
+
+def make_config(**overrides: object) -> SwitchyardConfig:
+    return SwitchyardConfig().with_overrides(**{**FAST, **overrides})
+
+
+@contextlib.asynccontextmanager
+async def dispatcher(**overrides: object) -> AsyncIterator[tuple[DispatcherService, RunningServer, grpc.aio.Channel]]:
+    """A sim dispatcher served on 127.0.0.1:0, and a channel to it."""
+    service = DispatcherService(make_config(**overrides))
+    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}")
+    try:
+        yield service, srv, channel
+    finally:
+        await channel.close()
+        await srv.stop(1.0)
+
+
+def held(service: DispatcherService) -> int:
+    """Requests the dispatcher's scheduler still holds (running, waiting or queued)."""
+    s = service.scheduler
+    return s.num_running + s.num_waiting + s.num_queued
+
+
+async def wait_until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(2000):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+def start(request_id: str, timeout_s: float = 0.0, **fields: object) -> agent_pb2.StreamedGenerate:
+    fields.setdefault("prompt", PROMPT)
+    return agent_pb2.StreamedGenerate(
+        request=agent_pb2.GenerateRequest(request_id=request_id, **fields), timeout_s=timeout_s)
+
+
+class RawStream:
+    """One GenerateStream call driven by hand; what comes back is collected per request id."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = agent_pb2_grpc.InferenceServiceStub(channel).GenerateStream()
+        self.chunks: dict[str, list[agent_pb2.GenerateChunk]] = defaultdict(list)
+        self.errors: dict[str, list[agent_pb2.StreamedError]] = defaultdict(list)
+        self.messages = 0  # GenerateStreamResponse messages received
+        self._changed = asyncio.Event()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while (message := await self.call.read()) is not grpc.aio.EOF:
+            self.messages += 1
+            for streamed in message.chunks:
+                if streamed.HasField("error"):
+                    self.errors[streamed.request_id].append(streamed.error)
+                else:
+                    self.chunks[streamed.request_id].append(streamed.chunk)
+            self._changed.set()
+        self._changed.set()
+
+    async def send(self, *starts: agent_pb2.StreamedGenerate, cancel: tuple[str, ...] = ()) -> None:
+        await self.call.write(agent_pb2.GenerateStreamRequest(start=starts, cancel=cancel))
+
+    def done(self, request_id: str) -> bool:
+        """Whether ``request_id``'s done chunk came."""
+        chunks = self.chunks.get(request_id, [])
+        return bool(chunks and chunks[-1].HasField("done"))
+
+    def ended(self, request_id: str) -> bool:
+        """Whether ``request_id``'s done chunk or an error for it came."""
+        return self.done(request_id) or bool(self.errors.get(request_id))
+
+    async def until(self, predicate, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+        async def wait() -> None:
+            while not predicate():
+                if self.reader.done():
+                    self.reader.result()
+                    raise AssertionError(f"the stream ended before: {what}")
+                self._changed.clear()
+                await self._changed.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+    async def close(self) -> grpc.StatusCode:
+        """Half-close, read to the end; the call's status."""
+        await self.call.done_writing()
+        await self.reader
+        return await self.call.code()
+
+
+def summary(chunks: list[agent_pb2.GenerateChunk]) -> tuple:
+    """What a request's chunks say, however its tokens were grouped into chunks."""
+    tokens = [c.token for c in chunks if c.HasField("token")]
+    assert positions_follow_on(tokens)
+    kinds = [c.WhichOneof("chunk") for c in chunks]
+    assert kinds.count("done") == 1 and kinds[-1] == "done"
+    done = chunks[-1].done
+    calls = [(c.tool_call.name, c.tool_call.arguments_json) for c in chunks if c.HasField("tool_call")]
+    assert calls or done.usage.completion_tokens == token_count(tokens)  # a tool call's tokens are not sent as text
+    return ("".join(t.text for t in tokens), token_count(tokens), calls, done.usage.prompt_tokens,
+            done.usage.completion_tokens, done.usage.total_tokens, done.finish_reason, done.model)
+
+
+# --------------------------------------------------------------------------- the dispatcher's side
+
+
+async def test_many_requests_on_one_stream_get_what_generate_streams() -> None:
+    requests = [start(f"r{i}", max_tokens=3 + 7 * i) for i in range(8)]
+    requests.append(start("chat", prompt="", messages=[agent_pb2.ChatMessage(role="user", content="hello there")],
+                          max_tokens=12))
+    requests.append(start("tools", prompt="", tools=[agent_pb2.ToolSpec(name="search_docs",
+                                                                         parameters_json='{"type": "object"}')],
+                          messages=[agent_pb2.ChatMessage(role="user", content="<question>what is with?</question>")]))
+    async with dispatcher() as (service, _srv, channel):
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        expected = {s.request.request_id: summary([c async for c in stub.Generate(s.request, timeout=30)])
+                    for s in requests}
+        stream = RawStream(channel)
+        await stream.send(*requests[:5])  # several starts in one message, and one a message
+        for s in requests[5:]:
+            await stream.send(s)
+        await stream.until(lambda: all(stream.ended(s.request.request_id) for s in requests), "every request ends")
+        assert await stream.close() == grpc.StatusCode.OK
+        assert not stream.errors
+        assert {rid: summary(chunks) for rid, chunks in stream.chunks.items()} == expected
+        assert expected["r7"][4] == 52 and expected["r7"][6] == "length"
+        assert expected["tools"][2] == [("search_docs", '{"query": "what is with?"}')]
+        assert expected["tools"][6] == "tool_calls"
+        assert held(service) == 0 and not service._sessions
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        (start("bad", max_tokens=10**6), "max_tokens"),
+        (start("bad", prompt=""), "prompt"),
+        (start("", max_tokens=4), "request_id"),
+        (start("bad", messages=[agent_pb2.ChatMessage(role="robot", content="hi")]), "messages[0].role"),
+        (start("a", max_tokens=4), "request_id"),  # "a" is running on this stream
+    ],
+    ids=["max_tokens", "empty-prompt", "empty-request_id", "role", "running-request_id"],
+)
+async def test_a_bad_request_is_invalid_argument_naming_the_field_and_the_others_go_on(
+    bad: agent_pb2.StreamedGenerate, field: str
+) -> None:
+    async with dispatcher(**MEDIUM) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=20))
+        await stream.until(lambda: stream.chunks["a"], "a streams")
+        await stream.send(bad, start("b", max_tokens=10))
+        bad_id = bad.request.request_id
+        await stream.until(lambda: stream.errors.get(bad_id), "the bad request is refused")
+        [error] = stream.errors[bad_id]
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert error.details.startswith(field), error.details
+        assert error.origin == "dispatcher"
+        await stream.until(lambda: stream.done("a") and stream.done("b"), "a and b end")
+        assert await stream.close() == grpc.StatusCode.OK
+        # the refusal named "a" too when "a" was the running id: "a" itself ran to its end regardless
+        assert summary(stream.chunks["a"])[4] == 20 and summary(stream.chunks["b"])[4] == 10
+        assert list(stream.errors) == [bad_id]
+        assert held(service) == 0
+
+
+async def test_a_cancelled_request_is_freed_and_gets_nothing_more() -> None:
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("long", max_tokens=500), start("short", max_tokens=15))
+        await stream.until(lambda: stream.chunks["long"], "long streams")
+        assert service.scheduler.num_running == 2
+        await stream.send(cancel=("long",))
+        await wait_until(lambda: service.scheduler.num_running == 1, "long is freed")
+        await stream.send(start("after", max_tokens=5))  # read after the cancel: its chunks come after
+        await stream.until(lambda: stream.chunks["after"], "after streams")  # whatever was sent before it
+        got = len(stream.chunks["long"])
+        await stream.until(lambda: stream.ended("short") and stream.ended("after"), "short and after end")
+        assert len(stream.chunks["long"]) == got and not stream.ended("long") and "long" not in stream.errors
+        assert summary(stream.chunks["short"])[4] == 15
+        await stream.send(cancel=("long", "never-started"))  # cancelling what is not running: nothing happens
+        assert await stream.close() == grpc.StatusCode.OK
+        assert held(service) == 0 and service.scheduler.capacity.reserved_bytes == 0  # type: ignore[attr-defined]
+
+
+async def test_a_cancel_in_the_message_of_its_start_frees_it_large_or_small() -> None:
+    large = start("large", max_tokens=300, tools=[agent_pb2.ToolSpec(name="t", description="d" * COUNT_IN_THREAD_BYTES)])
+    assert large.request.ByteSize() > COUNT_IN_THREAD_BYTES  # validated and counted in a thread
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(large, start("small", max_tokens=300), start("kept", max_tokens=6), cancel=("large", "small"))
+        await stream.send(start("large2", max_tokens=300))
+        await stream.send(cancel=("large2",))  # arrives while large2 may still be counted in its thread
+        await stream.until(lambda: stream.ended("kept"), "kept ends")
+        await wait_until(lambda: held(service) == 0, "the cancelled requests are freed")
+        assert summary(stream.chunks["kept"])[4] == 6
+        assert not stream.errors
+        assert await stream.close() == grpc.StatusCode.OK
+        for rid in ("large", "small", "large2"):
+            assert not stream.ended(rid)
+
+
+async def test_cancelling_the_call_frees_every_request_it_carried() -> None:
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(*(start(f"r{i}", max_tokens=400) for i in range(5)))
+        await stream.until(lambda: all(stream.chunks[f"r{i}"] for i in range(5)), "all stream")
+        assert service.scheduler.num_running == 5
+        await stream.send(start("large", max_tokens=400, tools=[
+            agent_pb2.ToolSpec(name="t", description="d" * COUNT_IN_THREAD_BYTES)]))  # counted in a thread...
+        stream.call.cancel()  # ...while the call goes away
+        await wait_until(lambda: held(service) == 0 and not service._sessions, "everything is freed")
+        assert service.scheduler.capacity.reserved_bytes == 0  # type: ignore[attr-defined]
+
+
+async def test_concurrent_requests_come_one_message_per_engine_step() -> None:
+    n, max_tokens = 16, 24
+    async with dispatcher(**{"sim.decode_base_ms": 2.0}) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(*(start(f"r{i}", max_tokens=max_tokens) for i in range(n)))
+        await stream.until(lambda: all(stream.ended(f"r{i}") for i in range(n)), "all end")
+        assert await stream.close() == grpc.StatusCode.OK
+        chunks = sum(len(c) for c in stream.chunks.values())
+        assert all(summary(stream.chunks[f"r{i}"])[4] == max_tokens for i in range(n))
+        # a step advances every request of its batch, and its tokens leave together: one message a step,
+        # holding a chunk for each request (the scheduler admits the 16 in a few groups, so ~40 messages)
+        assert chunks >= n * 2 and stream.messages * 4 <= chunks, (stream.messages, chunks)
+
+
+async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_stream() -> None:
+    async with dispatcher(**MEDIUM) as (service, srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=30), start("b", max_tokens=20))
+        await stream.until(lambda: stream.chunks["a"] and stream.chunks["b"], "both stream")
+        await service.begin_drain()
+        await stream.send(start("late", max_tokens=5))
+        await stream.until(lambda: stream.ended("late"), "late is refused")
+        [error] = stream.errors["late"]
+        assert (error.code, error.origin) == (grpc.StatusCode.UNAVAILABLE.value[0], "dispatcher")
+        await asyncio.wait_for(stream.reader, 30)  # the dispatcher ends the stream: the caller never half-closed
+        assert await stream.call.code() == grpc.StatusCode.OK
+        assert summary(stream.chunks["a"])[4] == 30 and summary(stream.chunks["b"])[4] == 20
+        started = time.monotonic()
+        await srv.stop(30.0)
+        assert time.monotonic() - started < HANG_BOUND_S
+
+
+async def test_server_stop_drains_open_streams_without_waiting_out_the_grace() -> None:
+    async with dispatcher(**MEDIUM) as (service, srv, channel):
+        busy, idle = RawStream(channel), RawStream(channel)
+        await busy.send(start("a", max_tokens=25))
+        await busy.until(lambda: busy.chunks["a"], "a streams")
+        await idle.send(start("quick", max_tokens=2))
+        await idle.until(lambda: idle.ended("quick"), "quick ends")  # idle now: open, carrying nothing
+        started = time.monotonic()
+        await srv.stop(30.0)
+        assert time.monotonic() - started < HANG_BOUND_S
+        assert summary(busy.chunks["a"])[4] == 25
+        for stream in (busy, idle):
+            await stream.reader
+            assert await stream.call.code() == grpc.StatusCode.OK
+
+
+async def test_a_stream_opened_after_the_drain_began_ends_too() -> None:
+    async with dispatcher(**SLOW) as (service, srv, channel):
+        await service.begin_drain()  # SIGTERM: the server is not stopped yet, a stream may still arrive
+        stream = RawStream(channel)
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the dispatcher may have ended it already
+            await stream.send(start("late", max_tokens=5))
+        # ended by the dispatcher, not left open (OK; or INTERNAL here when the write met the ended stream)
+        ended, _ = await asyncio.wait({stream.reader}, timeout=HANG_BOUND_S)
+        assert ended and stream.call.done()
+        assert not stream.chunks
+        assert all(e.code == grpc.StatusCode.UNAVAILABLE.value[0] for e in stream.errors["late"])
+        client = GenerateStreamClient(channel)  # the orchestrator's side: its request fails, to be retried
+        with pytest.raises(RequestFailed) as err:
+            await asyncio.wait_for(collect(client, request("late2", max_tokens=5)), HANG_BOUND_S)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.origin in ("", "dispatcher")
+        await client.close()
+        started = time.monotonic()
+        await srv.stop(30.0)
+        assert time.monotonic() - started < HANG_BOUND_S
+
+
+# --------------------------------------------------------------------------- the orchestrator's side
+
+
+def spec(task_id: str, max_tokens: int) -> TaskSpec:
+    return TaskSpec(task_id=task_id, payload="p", workflow="chat", priority=0, max_tokens=max_tokens, model="",
+                    agent_id="")
+
+
+async def collect(client: GenerateStreamClient, request: agent_pb2.GenerateRequest,
+                  timeout_s: float | None = 30.0) -> list[agent_pb2.GenerateChunk]:
+    return [c async for c in client.generate(request, timeout_s)]
+
+
+def request(request_id: str, **fields: object) -> agent_pb2.GenerateRequest:
+    fields.setdefault("prompt", PROMPT)
+    return agent_pb2.GenerateRequest(request_id=request_id, **fields)
+
+
+def stream_tasks() -> list[asyncio.Task]:
+    """The orchestrator side's stream tasks still running (a writer and a reader per open stream)."""
+    return [t for t in asyncio.all_tasks()
+            if not t.done() and getattr(t.get_coro(), "__qualname__", "").startswith("_Stream.")]
+
+
+async def test_client_deadline_is_deadline_exceeded_and_the_dispatcher_lets_go() -> None:
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        client = GenerateStreamClient(channel)
+        with pytest.raises(RequestFailed) as err:
+            await collect(client, request("slow", max_tokens=500), timeout_s=0.3)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_until(lambda: held(service) == 0, "the dispatcher lets go")
+        assert summary(await collect(client, request("slow", max_tokens=4)))[4] == 4  # same id, same client
+        await client.close()
+
+
+async def test_inference_client_deadline_is_a_switchyard_error_deadline_exceeded() -> None:
+    async with dispatcher(**SLOW) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        with pytest.raises(SwitchyardError) as err:
+            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=0.3):
+                pass
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"127.0.0.1:{srv.port}" in str(err.value)
+        await wait_until(lambda: held(service) == 0, "the dispatcher lets go")
+        await client.close()
+
+
+async def test_a_dispatcher_stopped_mid_stream_fails_what_it_carried_unavailable() -> None:
+    async with dispatcher(**SLOW) as (service, srv, channel):
+        client = GenerateStreamClient(channel)
+        first = asyncio.Event()
+
+        async def one(i: int) -> None:
+            async for chunk in client.generate(request(f"r{i}", max_tokens=500), 30):
+                first.set()
+
+        tasks = [asyncio.create_task(one(i)) for i in range(4)]
+        await asyncio.wait_for(first.wait(), 30)
+        await srv.stop(0)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            assert isinstance(result, RequestFailed), result
+            assert (result.code, result.origin) == (grpc.StatusCode.UNAVAILABLE, "")
+        await client.close()
+        assert not stream_tasks()
+
+
+async def test_rotation_keeps_every_request_right_and_ends_the_old_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate_stream, "STREAM_MAX_AGE_S", 0.0)  # every request opens a stream
+    async with dispatcher() as (service, _srv, channel):
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        expected = {n: summary([c async for c in stub.Generate(request("x", max_tokens=n), timeout=30)])
+                    for n in (3, 8, 17)}
+        client = GenerateStreamClient(channel)
+        for round_ in range(3):
+            results = await asyncio.gather(*(collect(client, request(f"r{round_}-{i}", max_tokens=(3, 8, 17)[i % 3]))
+                                             for i in range(12)))
+            for i, chunks in enumerate(results):
+                assert summary(chunks) == expected[(3, 8, 17)[i % 3]]
+        # every retired stream half-closed once its last request ended: the dispatcher's sessions end,
+        # and only the newest stream's tasks are left on this side
+        await wait_until(lambda: len(service._sessions) <= 1, "retired streams end")
+        await wait_until(lambda: len(stream_tasks()) <= 2, "retired streams' tasks end")
+        await client.close()
+        assert not stream_tasks()
+        await wait_until(lambda: not service._sessions, "the last stream ends")
+        assert held(service) == 0
+
+
+async def test_a_task_cancelled_mid_generation_cancels_its_request() -> None:
+    async with dispatcher(**SLOW) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        first = asyncio.Event()
+
+        async def run() -> None:
+            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=30):
+                first.set()
+
+        task = asyncio.create_task(run())
+        await asyncio.wait_for(first.wait(), 30)
+        assert service.scheduler.num_running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: held(service) == 0, "the request is freed")
+        chunks = [c async for c in client.generate(spec("t2", 3), 0, prompt=PROMPT, timeout_s=30)]
+        assert chunks[-1].done.usage.completion_tokens == 3  # the stream carries on
+        await client.close()
+
+
+# --------------------------------------------------------------------------- trying to break it
+
+
+async def test_a_request_id_started_again_right_after_its_cancel_gets_only_its_own_chunks() -> None:
+    """A RunTask retried under the same task_id after its first try was cancelled: same request_id."""
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        client = GenerateStreamClient(channel)
+        first = client.generate(request("t:0", max_tokens=500), 30)
+        await first.__anext__()
+        await first.aclose()  # the cancel waits to be written...
+        chunks = await collect(client, request("t:0", max_tokens=6))  # ...beside the new start
+        assert summary(chunks)[4] == 6
+        first = client.generate(request("t:0", max_tokens=500), 30)
+        await first.__anext__()
+        await first.aclose()
+        await asyncio.sleep(0.05)  # the cancel is written; chunks the dispatcher sent before it arrive
+        chunks = await collect(client, request("t:0", max_tokens=6))
+        assert summary(chunks)[4] == 6
+        await wait_until(lambda: held(service) == 0, "the cancelled ones are freed")
+        await client.close()
+
+
+class PeerRecording(DispatcherService):
+    """A sim dispatcher that records the peer (client address and port: its connection) of each GenerateStream."""
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        super().__init__(config)
+        self.peers: list[str] = []
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        self.peers.append(context.peer())
+        await super().GenerateStream(request_iterator, context)
+
+
+async def test_requests_run_across_a_goaway_for_the_connections_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate_stream, "STREAM_MAX_AGE_S", 0.3)  # streams opened before and after the GOAWAY
+    config = make_config(**{**MEDIUM, "server.max_connection_age_s": 1.0, "server.max_connection_age_grace_s": 120.0})
+    service = PeerRecording(config)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}")
+    client = GenerateStreamClient(channel)
+    try:
+        async def one(i: int) -> tuple:
+            await asyncio.sleep(0.1 * i)
+            return summary(await collect(client, request(f"r{i}", max_tokens=40 + i)))
+
+        results = await asyncio.gather(*(one(i) for i in range(16)))  # starts over 1.5 s, each runs 0.4 s+
+        assert [r[4] for r in results] == [40 + i for i in range(16)]
+        assert len(set(service.peers)) >= 2  # the first connection got its GOAWAY while requests ran on it
+        assert held(service) == 0
+    finally:
+        await client.close()
+        await channel.close()
+        await srv.stop(1.0)
+
+
+async def test_a_replica_going_away_under_an_ipv4_target_moves_its_requests() -> None:
+    config = make_config(**MEDIUM)
+    services = [DispatcherService(config) for _ in range(2)]
+    servers = [await start_server([s], "127.0.0.1", 0, config.server) for s in services]
+    target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    client = InferenceClient(target, config.server)
+    try:
+        async def one(i: int, max_tokens: int = 4) -> agent_pb2.GenerateDone:
+            chunks = [c async for c in client.generate(spec(f"t{i}", max_tokens), 0, prompt=PROMPT, timeout_s=30)]
+            return chunks[-1].done
+
+        assert all(d.usage.completion_tokens == 4 for d in await asyncio.gather(*(one(i) for i in range(6))))
+        long = [asyncio.create_task(one(100 + i, 40)) for i in range(4)]  # running on both replicas
+        await wait_until(lambda: all(s.scheduler.num_running for s in services), "both replicas run requests")
+        stopping = asyncio.create_task(servers[0].stop(30.0))  # SIGTERM: drain
+        await asyncio.sleep(0.05)
+        later = await asyncio.gather(*(one(200 + i) for i in range(6)))  # refused there, served by the other
+        assert all(d.usage.completion_tokens == 4 for d in later)
+        assert all(d.usage.completion_tokens == 40 for d in await asyncio.gather(*long))  # drained, not cut
+        started = time.monotonic()
+        await asyncio.wait_for(stopping, HANG_BOUND_S)
+        assert time.monotonic() - started < HANG_BOUND_S
+        assert all(d.usage.completion_tokens == 4 for d in await asyncio.gather(*(one(300 + i) for i in range(6))))
+    finally:
+        await client.close()
+        for srv in servers:
+            await srv.stop(0)
+
+
+async def test_a_request_sent_as_a_draining_dispatcher_ends_the_stream_fails_unavailable_not_internal() -> None:
+    """grpc fails a call INTERNAL when a write meets a stream the server has just ended; the start never
+    reached the dispatcher, so its request must fail UNAVAILABLE with no origin (retried elsewhere)."""
+    async with dispatcher() as (service, _srv, channel):
+        await service.begin_drain()  # each new stream now ends at once: its first write races that end
+        for i in range(8):
+            client = GenerateStreamClient(channel)
+            with pytest.raises(RequestFailed) as err:
+                await asyncio.wait_for(collect(client, request(f"r{i}", max_tokens=2)), HANG_BOUND_S)
+            assert (err.value.code, err.value.origin) == (grpc.StatusCode.UNAVAILABLE, ""), err.value.details
+            await client.close()
+
+
+async def test_starts_waiting_together_are_sent_within_the_message_size_limit() -> None:
+    """Eight 15 kB starts queued together are 120 kB: in one message past a 64 kB limit they would end the
+    stream (every request on it failed INTERNAL) where eight Generate calls each succeed."""
+    async with dispatcher(**{"server.max_message_bytes": 65536}) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        prompt = PROMPT + " pad" * 2500
+        assert 14_000 < len(prompt) < 16_000
+
+        async def one(i: int, prompt: str = prompt) -> int:
+            chunks = [c async for c in client.generate(spec(f"t{i}", 3), 0, prompt=prompt, timeout_s=30)]
+            return chunks[-1].done.usage.completion_tokens
+
+        results = await asyncio.gather(*(one(i) for i in range(8)), one(8, prompt * 5), return_exceptions=True)
+        assert results[:8] == [3] * 8
+        too_large = results[8]
+        # a start larger than the limit fails alone, as its Generate call would, and is not sent
+        assert isinstance(too_large, SwitchyardError) and too_large.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in str(too_large) and f"127.0.0.1:{srv.port}" in str(too_large)
+        await client.close()
+        assert held(service) == 0
