@@ -550,3 +550,56 @@ async def test_starts_waiting_together_are_sent_within_the_message_size_limit() 
         assert "larger than max" in str(too_large) and f"127.0.0.1:{srv.port}" in str(too_large)
         await client.close()
         assert held(service) == 0
+
+
+async def test_replies_are_packed_within_the_message_size_limit() -> None:
+    """96 starts refused in one message owe 96 error chunks at once, about 10 kB: in one reply past a
+    4 kB limit the dispatcher's write would fail the stream, and every request on it, RESOURCE_EXHAUSTED."""
+    n = 96
+    async with dispatcher(**{"server.max_message_bytes": 4096}) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(*(start(f"r{i}", max_tokens=10**6, prompt="hi") for i in range(n)))  # 2.5 kB
+        await stream.send(start("ok", max_tokens=3, prompt="say hi"))
+        await stream.until(lambda: len(stream.errors) == n and stream.done("ok"), "every refusal and the answer")
+        assert {e[0].code for e in stream.errors.values()} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+        assert all("max_tokens" in e[0].details for e in stream.errors.values())
+        assert summary(stream.chunks["ok"])[4] == 3
+        assert stream.messages > 2  # the refusals came in several replies
+        assert await stream.close() == grpc.StatusCode.OK
+        assert held(service) == 0
+
+
+def test_packing_keeps_the_order_and_every_message_under_the_limit() -> None:
+    from switchyard.dispatcher.generate_stream import MESSAGE_OVERHEAD_BYTES, _messages
+
+    chunks = [agent_pb2.StreamedChunk(request_id=f"r{i}", chunk=agent_pb2.GenerateChunk(
+        token=agent_pb2.TokenEvent(text="x" * (i % 50), index=i, count=1))) for i in range(500)]
+    limit = 4096
+    messages = _messages(chunks, limit)
+    assert [c.request_id for m in messages for c in m.chunks] == [f"r{i}" for i in range(500)]
+    assert len(messages) > 1 and all(m.ByteSize() <= limit - MESSAGE_OVERHEAD_BYTES for m in messages)
+    huge = agent_pb2.StreamedChunk(request_id="big", chunk=agent_pb2.GenerateChunk(
+        token=agent_pb2.TokenEvent(text="y" * 10_000)))
+    assert [len(m.chunks) for m in _messages([chunks[0], huge, chunks[1]], limit)] == [1, 1, 1]
+    assert _messages([], limit) == []
+
+
+async def test_an_unexpected_failure_starting_one_request_fails_that_request_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with dispatcher() as (service, _srv, channel):
+        opened = service.open_request
+
+        async def open_request(request, timeout_s, span):  # type: ignore[no-untyped-def]
+            if request.request_id == "broken":
+                raise RuntimeError("boom")
+            return await opened(request, timeout_s, span)
+
+        monkeypatch.setattr(service, "open_request", open_request)
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=3), start("broken", max_tokens=3), start("b", max_tokens=3))
+        await stream.until(lambda: stream.done("a") and stream.done("b") and stream.ended("broken"), "all end")
+        (error,) = stream.errors["broken"]
+        assert error.code == grpc.StatusCode.INTERNAL.value[0] and "RuntimeError: boom" in error.details
+        assert error.origin == "dispatcher"
+        assert await stream.close() == grpc.StatusCode.OK
+        assert held(service) == 0

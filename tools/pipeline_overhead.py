@@ -20,14 +20,16 @@ them alike:
   nothing else.
 
 It prints both rates in calls per second and their ratio (stack / floor): the
-share of the floor the pipeline keeps. A third server shows what the stack's
-gRPC traffic alone allows, with no Switchyard code on the path:
+share of the floor the pipeline keeps. A third server shows what a hop of a
+call per task costs, with no Switchyard code on the path:
 
 - **bare relay**: a RunTask servicer that streams the same events, taking
   the tokens from a Generate call to a bare ``agent.InferenceService``
   servicer (as many token chunks, then a done chunk), the two in processes of
-  their own as the stack's are; its ratio to the floor is the ceiling of the
-  stack's.
+  their own as the stack's are. It was the ceiling of the stack while the
+  orchestrator made a Generate call per task; the stack now carries its
+  requests over one GenerateStream per channel (``docs/architecture.md``),
+  which a call-per-task relay cannot match.
 
 Where ``/proc`` exists it also prints each server's CPU time per call (all its processes), a
 figure that other processes sharing the cores disturb less than the rates do.
@@ -242,6 +244,7 @@ class _Server:
         self.served = 0
         self.wall_s = 0.0
         self.cpu_s: float | None = 0.0
+        self.cpu_by_process: list[float] = [0.0] * len(self.processes)
 
     def drive(self, seconds: float, concurrency: int, warm: bool = False) -> None:
         """Drive it for ``seconds`` (``warm``: 200 calls, not counted)."""
@@ -252,10 +255,11 @@ class _Server:
         if warm:
             run_load(LoadPlan(host=host, calldata=items, total=200, concurrency=concurrency), in_process=False)
             return
-        before = self._cpu_seconds()
+        before, each_before = self._cpu_seconds(), [_cpu_seconds(p.pid) or 0.0 for p in self.processes]
         load = run_load(LoadPlan(host=host, calldata=items, duration_s=seconds, concurrency=concurrency),
                         in_process=False)
-        after = self._cpu_seconds()
+        after, each_after = self._cpu_seconds(), [_cpu_seconds(p.pid) or 0.0 for p in self.processes]
+        self.cpu_by_process = [t + a - b for t, a, b in zip(self.cpu_by_process, each_after, each_before)]
         errors = [r.error for r in load.results if r.error]
         if errors:
             print(f"  {len(errors)} calls failed, e.g. {errors[0]}", file=sys.stderr)
@@ -324,11 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bare relay:          {relay:8.1f} calls/s (the same messages through a bare Generate stream)")
     print(f"stack (tracing {args.tracing}): {stack:8.1f} calls/s (chat, max_tokens 8, zero-cost sim engine, "
           f"{'a process per service' if args.stack == 'processes' else 'one process'})")
-    print(f"pipeline / floor:    {stack / floor:8.2f} (bare relay / floor {relay / floor:.2f}: the ceiling)")
+    print(f"pipeline / floor:    {stack / floor:8.2f} (bare relay / floor {relay / floor:.2f}: a Generate call per task)")
     if stack_cpu and floor_cpu and relay_cpu:
         print(f"server CPU per call: floor {floor_cpu * 1e6:.0f} us, bare relay {relay_cpu * 1e6:.0f} us, "
               f"stack {stack_cpu * 1e6:.0f} us (floor / stack {floor_cpu / stack_cpu:.2f}, "
               f"floor / bare relay {floor_cpu / relay_cpu:.2f})")
+        if args.stack == "processes" and servers[0].served:
+            dispatcher_s, orchestrator_s = servers[0].cpu_by_process
+            print(f"stack CPU per call:  dispatcher {dispatcher_s / servers[0].served * 1e6:.0f} us, "
+                  f"orchestrator {orchestrator_s / servers[0].served * 1e6:.0f} us")
     return 0
 
 

@@ -32,6 +32,7 @@ another replica.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.request import Request
     from switchyard.dispatcher.service import DispatcherService
 
+log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
 
 
@@ -80,6 +82,7 @@ class GenerateSession:
         self._wake: asyncio.Future[None] | None = None
         self._reading = True
         self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
+        self._max_bytes = service.config.server.max_message_bytes
 
     # ------------------------------------------------------------------ the handler's task: writing
 
@@ -99,21 +102,17 @@ class GenerateSession:
                     if reader.done() and reader.exception() is not None:
                         reader.result()  # the caller's side broke: raise; the finally below aborts the rest
                     continue
-                response = self._collect()
-                if response.chunks:
+                for response in _messages(self._collect(), self._max_bytes):
                     await self._context.write(response)
         finally:
             reader.cancel()
             for running in list(self._running.values()):
                 self._end(running, cancelled=True)
 
-    def _collect(self) -> agent_pb2.GenerateStreamResponse:
+    def _collect(self) -> list[agent_pb2.StreamedChunk]:
         """Every ready request's output items (tokens waiting together merged), and refused starts."""
-        response = agent_pb2.GenerateStreamResponse()
-        chunks = response.chunks
-        if self._failed:
-            chunks.extend(self._failed)
-            self._failed = []
+        chunks = self._failed
+        self._failed = []
         ready, self._ready = self._ready, {}
         service = self._service
         for running in ready.values():
@@ -133,7 +132,7 @@ class GenerateSession:
                     service.record_done(req, running.span)
                     self._end(running)
                     break
-        return response
+        return chunks
 
     def _end(self, running: _Running, cancelled: bool = False) -> None:
         """Forget ``running``; when it ends unfinished (cancelled, or the stream ended), abort it."""
@@ -185,7 +184,12 @@ class GenerateSession:
                 raise InvalidArgument("request_id", "an id not already running on this stream", request_id)
             self._running[request_id] = running
             req = await self._service.open_request(request, start.timeout_s or None, span)
-        except SwitchyardError as exc:
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
+            if not isinstance(exc, SwitchyardError):
+                log.exception("dispatcher: starting request %s failed", request_id)
+                span.record_exception(exc)
+                exc = SwitchyardError(f"starting the request failed: {type(exc).__name__}: {exc}",
+                                      grpc.StatusCode.INTERNAL)
             if self._running.get(request_id) is running:  # not the request already running under this id
                 del self._running[request_id]
             span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
@@ -205,6 +209,30 @@ class GenerateSession:
     def _mark_ready(self, running: _Running) -> None:
         self._ready[running.request_id] = running
         self._notify()
+
+
+MESSAGE_OVERHEAD_BYTES = 1024
+"""Room left under ``server.max_message_bytes`` when chunks are packed into one message."""
+
+
+def _messages(chunks: list[agent_pb2.StreamedChunk], max_bytes: int) -> list[agent_pb2.GenerateStreamResponse]:
+    """``chunks`` packed in order into as few messages as fit ``max_bytes`` each (a message larger than the
+    peer's limit would end the stream and every request on it). A chunk that alone exceeds the limit goes
+    in a message of its own, as Generate would send it."""
+    budget = max_bytes - MESSAGE_OVERHEAD_BYTES
+    messages: list[agent_pb2.GenerateStreamResponse] = []
+    batch: list[agent_pb2.StreamedChunk] = []
+    size = 0
+    for chunk in chunks:
+        n = chunk.ByteSize() + 8  # field tag and length prefix
+        if batch and size + n > budget:
+            messages.append(agent_pb2.GenerateStreamResponse(chunks=batch))
+            batch, size = [], 0
+        batch.append(chunk)
+        size += n
+    if batch:
+        messages.append(agent_pb2.GenerateStreamResponse(chunks=batch))
+    return messages
 
 
 def _error_chunk(request_id: str, exc: SwitchyardError) -> agent_pb2.StreamedChunk:
