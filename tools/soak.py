@@ -173,8 +173,10 @@ async def one(stub, kind: str, number: int) -> str:
         return f"error:{err.code().name}"
 
 
-async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter, dict, dict]:
+async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter, dict, dict, dict]:
     outcomes: Counter = Counter()
+    failed_at: list[float] = []  # when tasks that should have succeeded failed (the restart's outage)
+    restart: dict[str, float] = {}
     by_kind: dict[str, Counter] = {k: Counter() for k, _ in KINDS}
     rss: dict[str, dict[str, float]] = {}
     numbers = iter(range(10**9))
@@ -189,6 +191,8 @@ async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter,
             while time.monotonic() < end:
                 kind = random.choices(kinds, weights)[0]
                 outcome = await one(stub, kind, next(numbers))
+                if outcome.startswith("error") and kind != "stream_cut":
+                    failed_at.append(time.monotonic())
                 outcomes[outcome] += 1
                 by_kind[kind][outcome] += 1
 
@@ -197,13 +201,22 @@ async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter,
             await asyncio.sleep(seconds / 5)
             rss["warm"] = stack.rss_mib()
             await asyncio.sleep(max(0.0, start + seconds / 2 - time.monotonic()))
+            restart["killed"] = time.monotonic()
             await asyncio.to_thread(stack.restart_dispatcher)
+            restart["serving"] = time.monotonic()
             restarted = True
 
         await asyncio.gather(chaos(), *(worker() for _ in range(concurrency)))
     rss["end"] = stack.rss_mib()
     assert restarted
-    return outcomes, by_kind, rss
+    near = [t for t in failed_at if restart["killed"] - 1 <= t <= restart["serving"] + 30]
+    outage = {
+        "dispatcher_down_s": round(restart["serving"] - restart["killed"], 2),  # kill -9 -> SERVING again
+        "failed_tasks_near_restart": len(near),
+        "failed_tasks_elsewhere": len(failed_at) - len(near),
+        "last_failure_after_serving_s": round(max(near) - restart["serving"], 2) if near else None,
+    }
+    return outcomes, by_kind, rss, outage
 
 
 def main() -> int:
@@ -216,7 +229,7 @@ def main() -> int:
     stack = Stack(workdir)
     try:
         stack.start()
-        outcomes, by_kind, rss = asyncio.run(load(stack, args.minutes * 60, args.concurrency))
+        outcomes, by_kind, rss, outage = asyncio.run(load(stack, args.minutes * 60, args.concurrency))
         time.sleep(3)
         gauges = stack.gauges()
     finally:
@@ -226,7 +239,7 @@ def main() -> int:
     report = {
         "minutes": args.minutes, "concurrency": args.concurrency, "tasks": sum(outcomes.values()),
         "outcomes": dict(outcomes), "by_kind": {k: dict(v) for k, v in by_kind.items()},
-        "rss_mib": rss, "rss_growth": {k: round(v, 4) for k, v in growth.items()},
+        "restart": outage, "rss_mib": rss, "rss_growth": {k: round(v, 4) for k, v in growth.items()},
         "in_flight_gauges_not_zero": left, "in_flight_gauges_checked": len(gauges),
         "ok": outcomes["unaccounted"] == 0 and all(g < 0.10 for g in growth.values()) and not left,
     }
