@@ -363,3 +363,69 @@ def test_setting_no_status_on_exception_is_kept(spans):
             raise RuntimeError("bug")
     [span] = exporter.get_finished_spans()
     assert span.status.status_code == StatusCode.UNSET
+
+
+# --------------------------------------------------------------------------- children of unsampled spans
+
+
+def _provider(monkeypatch, sampler: str, arg: str | None = None):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    if arg is not None:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    exporter = InMemorySpanExporter()
+    provider = telemetry.make_tracer_provider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_under_a_parentbased_sampler_no_child_of_an_unsampled_span_is_built(monkeypatch):
+    provider, exporter = _provider(monkeypatch, "parentbased_traceidratio", "0")
+    tracer = provider.get_tracer(__name__)
+    with tracer.start_as_current_span("task") as root:  # ratio 0: the root is not sampled
+        assert not root.is_recording()
+        with tracer.start_as_current_span("infer") as stage:
+            assert stage is root  # no span object: the one its sampler would have dropped
+            assert trace.get_current_span() is root
+        child = tracer.start_span("dispatcher.queue_wait")
+        assert not child.is_recording() and child.get_span_context() == root.get_span_context()
+        child.end()
+        # an explicit parent is the caller's choice: the sampler decides it, as before
+        explicit = tracer.start_span("batch", context=trace.set_span_in_context(root))
+        assert not explicit.is_recording() and explicit.get_span_context().span_id != root.get_span_context().span_id
+    assert exporter.get_finished_spans() == ()
+
+
+def test_under_a_parentbased_sampler_children_of_a_sampled_span_are_recorded(monkeypatch):
+    provider, exporter = _provider(monkeypatch, "parentbased_traceidratio", "1")
+    tracer = provider.get_tracer(__name__)
+    with tracer.start_as_current_span("task"):
+        with tracer.start_as_current_span("infer") as stage:
+            assert stage.is_recording()
+        tracer.start_span("dispatcher.queue_wait").end()
+    assert sorted(s.name for s in exporter.get_finished_spans()) == ["dispatcher.queue_wait", "infer", "task"]
+
+
+def test_a_sampler_that_is_not_parentbased_still_decides_every_child(monkeypatch):
+    """always_on samples a child of an unsampled parent: such children are built and recorded."""
+    provider, exporter = _provider(monkeypatch, "always_on")
+    tracer = provider.get_tracer(__name__)
+    unsampled = trace.NonRecordingSpan(trace.SpanContext(0x1234, 0x5678, is_remote=True))
+    with trace.use_span(unsampled):
+        with tracer.start_as_current_span("infer") as stage:
+            assert stage.is_recording()
+    [span] = exporter.get_finished_spans()
+    assert span.name == "infer" and span.parent.span_id == 0x5678
+
+
+def test_only_sampled_requests_are_linked():
+    from switchyard.dispatcher.request import Request, request_links
+
+    def req(sampled: bool | None) -> Request:
+        r = Request(request_id="r", prompt="p", prompt_tokens=1, max_tokens=1)
+        if sampled is not None:
+            flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT)
+            r.span_context = trace.SpanContext(0xABC, 0x10 + int(sampled), False, flags)
+        return r
+
+    links = request_links([req(True), req(False), req(None)])
+    assert [link.context.span_id for link in links] == [0x11]

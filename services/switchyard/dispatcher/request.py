@@ -313,7 +313,7 @@ class SchedulerOutput:
 def request_links(reqs: "list[Request]") -> list[trace.Link]:
     """Links from a span that serves several requests (a flushed batch, an engine turn) to each request's span.
 
-    Such a span has no single parent; the links tie it to each task's trace.
-    Empty with tracing off.
+    Such a span has no single parent; the links tie it to each task's trace. Only sampled requests
+    are linked (an unsampled one's span is never exported). Empty with tracing off.
     """
-    return [trace.Link(s.span_context) for s in reqs if s.span_context is not None and s.span_context.is_valid]
+    return [trace.Link(s.span_context) for s in reqs if s.span_context is not None and s.span_context.trace_flags.sampled]
