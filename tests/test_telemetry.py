@@ -429,3 +429,44 @@ def test_only_sampled_requests_are_linked():
 
     links = request_links([req(True), req(False), req(None)])
     assert [link.context.span_id for link in links] == [0x11]
+
+
+async def test_a_server_stream_runs_in_its_own_task_with_its_own_span_current(spans):
+    """The stream interceptor attaches the RPC's span once and never detaches it: that holds only
+    because grpc.aio runs each RPC in a task (and context) of its own. Checked here, RPC by RPC."""
+    provider, exporter = spans
+    tracer = provider.get_tracer(__name__)
+
+    held: list[asyncio.Task] = []  # kept alive, so no two RPCs' tasks share an id
+
+    async def where(request: bytes, context: grpc.aio.ServicerContext):
+        for _ in range(3):
+            with tracer.start_as_current_span("step"):
+                pass
+            held.append(asyncio.current_task())
+            span = trace.get_current_span().get_span_context().span_id
+            yield f"{id(held[-1])} {span:016x}".encode()
+            await asyncio.sleep(0)
+
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors(provider))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Where": grpc.unary_stream_rpc_method_handler(where)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream(f"/{SERVICE}/Where")
+
+            async def one() -> set[tuple[str, str]]:
+                return {tuple(m.decode().split()) async for m in call(b"")}
+
+            answers = [await one(), await one(), *await asyncio.gather(one(), one(), one())]
+    finally:
+        await server.stop(None)
+    assert all(len(a) == 1 for a in answers)  # one task and one current span through each RPC's steps
+    tasks = {task for a in answers for task, _ in a}
+    assert len(tasks) == 5
+    servers = {f"{s.context.span_id:016x}": s for s in exporter.get_finished_spans() if s.name == f"{SERVICE}/Where"}
+    assert {span for a in answers for _, span in a} == set(servers)
+    steps = [s for s in exporter.get_finished_spans() if s.name == "step"]
+    assert len(steps) == 15 and {f"{s.parent.span_id:016x}" for s in steps} == set(servers)

@@ -23,10 +23,11 @@ attach the span's context inside async generators and detach it when the
 generator is closed. A cancelled stream's generator is closed later by
 asyncio's async-generator finaliser, in another task, so the detach fails
 ("Failed to detach context": ValueError, the token was created in a different
-Context) and the span ends late or never. Here nothing is attached across a
-``yield``: a server stream attaches the span only around each step of the
-servicer, and both sides end their span from the RPC's done callback, which
-grpc runs exactly once whether the RPC finished, failed or was cancelled.
+Context) and the span ends late or never. Here nothing is ever detached across
+a ``yield``: a server stream attaches its span once, in the RPC's own task,
+whose context ends with it, and both sides end their span from the RPC's done
+callback, which grpc runs exactly once whether the RPC finished, failed or was
+cancelled.
 """
 
 from __future__ import annotations
@@ -145,23 +146,17 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             rpc = _ServerRpc(tracer, method, context)
-            responses = behavior_stream(request, context)
+            # grpc.aio runs each RPC in a task of its own, with a context of its own: the span stays
+            # attached there for the servicer's whole run and is never detached, since the context
+            # ends with the task (a detach from asyncio's generator finaliser, in another task, fails).
+            otel_context.attach(rpc.context)
             try:
-                while True:
-                    token = rpc.attach()  # for one step of the servicer, never across our yield
-                    try:
-                        response = await responses.__anext__()
-                    except StopAsyncIteration:
-                        rpc.end()
-                        return
-                    except BaseException as exc:
-                        rpc.end(exc)
-                        raise
-                    finally:
-                        otel_context.detach(token)
+                async for response in behavior_stream(request, context):
                     yield response
-            finally:
-                await responses.aclose()
+            except BaseException as exc:
+                rpc.end(exc)
+                raise
+            rpc.end()
 
         return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
 
