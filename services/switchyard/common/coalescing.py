@@ -30,24 +30,20 @@ class CoalescingQueue(Generic[T]):
 
     def __init__(self, mergeable: Callable[[T], bool], merge: Callable[[list[T]], T]) -> None:
         self._items: deque[T] = deque()
-        self._ready: asyncio.Future[None] | None = None
+        self._ready = Wakeup()
         self._closed = False
         self._mergeable = mergeable
         self._merge = merge
 
-    def _wake(self) -> None:
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_result(None)
-
     def put(self, item: T) -> None:
         """Append ``item``."""
         self._items.append(item)
-        self._wake()
+        self._ready.notify()
 
     def close(self) -> None:
         """Nothing follows: :meth:`get` answers None once the items put are read."""
         self._closed = True
-        self._wake()
+        self._ready.notify()
 
     async def get(self) -> T | None:
         """The next item, waiting until there is one; a run of mergeable items already waiting comes merged.
@@ -57,11 +53,7 @@ class CoalescingQueue(Generic[T]):
         while not self._items:
             if self._closed:
                 return None
-            self._ready = asyncio.get_running_loop().create_future()
-            try:
-                await self._ready
-            finally:
-                self._ready = None
+            await self._ready.wait()
         item = self._items.popleft()
         if not self._items or not self._mergeable(item) or not self._mergeable(self._items[0]):
             return item
@@ -79,3 +71,29 @@ class CoalescingQueue(Generic[T]):
         items = list(self._items)
         self._items.clear()
         return items
+
+
+class Wakeup:
+    """One task sleeping until another, on the same event loop, says something changed.
+
+    :meth:`notify` wakes the task in :meth:`wait`, if one waits; a notify with no one waiting is not
+    kept, so the waiter checks its condition before it waits (a loop: check, wait, check again).
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        """Wake the waiting task, if any."""
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        """Sleep until the next :meth:`notify`."""
+        self._future = asyncio.get_running_loop().create_future()
+        try:
+            await self._future
+        finally:
+            self._future = None

@@ -41,6 +41,7 @@ from opentelemetry import propagate, trace
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
+from switchyard.common.coalescing import Wakeup
 from switchyard.dispatcher.output import coalesce
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class GenerateSession:
         self._running: dict[str, _Running] = {}
         self._ready: dict[str, _Running] = {}  # insertion-ordered: requests first ready are sent first
         self._failed: list[agent_pb2.StreamedChunk] = []  # refused starts, sent with the next message
-        self._wake: asyncio.Future[None] | None = None
+        self._wake = Wakeup()
         self._reading = True
         self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
         self._max_bytes = service.config.server.max_message_bytes
@@ -94,11 +95,7 @@ class GenerateSession:
                 if not self._ready and not self._failed:
                     if not self._running and (not self._reading or self._draining):
                         return
-                    self._wake = asyncio.get_running_loop().create_future()
-                    try:
-                        await self._wake
-                    finally:
-                        self._wake = None
+                    await self._wake.wait()
                     if reader.done() and reader.exception() is not None:
                         reader.result()  # the caller's side broke: raise; the finally below aborts the rest
                     continue
@@ -147,8 +144,7 @@ class GenerateSession:
         running.span.end()
 
     def _notify(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        self._wake.notify()
 
     def drain(self) -> None:
         """The dispatcher drains: refuse new requests, end the stream once its requests are done."""

@@ -40,6 +40,7 @@ import grpc
 from opentelemetry import propagate
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.coalescing import Wakeup
 from switchyard.common.errors import ORIGIN_KEY
 
 STREAM_MAX_AGE_S = 1.0
@@ -127,7 +128,7 @@ class _Stream:
         self._starts: deque[tuple[agent_pb2.StreamedGenerate, int]] = deque()  # not sent yet; with their sizes
         self._cancels: deque[str] = deque()
         self._sending = False  # a write is in flight, or one failed: the call's INTERNAL status is then ours
-        self._wake: asyncio.Future[None] | None = None
+        self._wake = Wakeup()
         self._call = stub.GenerateStream()
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write(), name="generate-stream-writer", context=_CLEAN.copy())
@@ -168,8 +169,7 @@ class _Stream:
         self._notify()
 
     def _notify(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        self._wake.notify()
 
     async def _write(self) -> None:
         call = self._call
@@ -179,11 +179,7 @@ class _Stream:
                     if self.retired and not self.requests:
                         await call.done_writing()
                         return
-                    self._wake = asyncio.get_running_loop().create_future()
-                    try:
-                        await self._wake
-                    finally:
-                        self._wake = None
+                    await self._wake.wait()
                     continue
                 message = self._take()
                 self._sending = True
