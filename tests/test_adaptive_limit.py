@@ -1,57 +1,139 @@
-"""The adaptive upstream concurrency limit: unit rules, and a real fake upstream that answers 429."""
+"""The adaptive upstream concurrency limit: the knee rule driven by synthetic windows, the CORE headroom,
+admission past a held-back head, and a real fake upstream that answers 429."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from typing import Callable
 
 import pytest
 from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Gauge
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.config import AdaptiveConcurrencyConfig, ConfigError, SwitchyardConfig, load_config
-from switchyard.common.server import start_server
-from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
-from switchyard.dispatcher.service import DispatcherService
 from switchyard.common.channels import open_channel
+from switchyard.common.config import AdaptiveConcurrencyConfig, ConfigError, SwitchyardConfig, load_config
+from switchyard.common.priority import PriorityClass
+from switchyard.common.server import start_server
+from switchyard.dispatcher.adaptive_limit import (
+    UPSTREAM_CONCURRENCY,
+    UPSTREAM_CORE_RESERVE,
+    AdaptiveConcurrencyLimit,
+)
+from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler import make_scheduler
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+from switchyard.dispatcher.service import DispatcherService
 
 pytestmark = pytest.mark.no_gpu
 
+CORE, NORMAL, BATCH = PriorityClass.CORE, PriorityClass.NORMAL, PriorityClass.BATCH
+WINDOW_S = 0.5
 
-def test_limit_grows_while_ttft_holds_and_is_used() -> None:
-    limit = AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(initial_limit=8, max_limit=64))
-    for _ in range(200):
-        limit.in_flight = int(limit.limit)  # every stream the limit allows is in use
-        limit.on_sample(0.05)
-    assert limit.limit == 64  # up to the ceiling, never past it
-    assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_limit") == 64
+Server = Callable[[int], tuple[float, float]]
+"""Streams in flight -> (tokens per second, TTFT seconds) of a synthetic upstream."""
 
 
-def test_limit_grows_only_while_more_than_half_of_it_is_used() -> None:
-    limit = AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(initial_limit=8))
-    limit.in_flight = 1
-    for _ in range(100):
-        limit.on_sample(0.05)
-    assert limit.limit == 8
-    limit.in_flight = 8
-    for _ in range(100):
-        limit.on_sample(0.05)
-    assert limit.limit == pytest.approx(16, abs=1.5)  # grew until 8 in flight was no longer more than half
+def knee_server(knee: int, plateau: float = 1000.0, ttft_s: float = 0.01) -> Server:
+    """A continuous-batching server: throughput rises linearly to ``knee`` streams, then stays flat;
+    TTFT is flat up to the knee, then grows with the streams queued inside the server."""
+
+    def serve(streams: int) -> tuple[float, float]:
+        return plateau * min(streams, knee) / knee, ttft_s * max(1.0, streams / knee)
+
+    return serve
 
 
-def test_limit_shrinks_when_ttft_rises_past_tolerance() -> None:
-    limit = AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(initial_limit=100, tolerance=2.0, min_limit=4))
-    limit.in_flight = 100
-    for _ in range(50):
-        limit.on_sample(0.05)  # baseline
-    grown = limit.limit
-    for _ in range(50):
-        limit.on_sample(0.5)  # 10x the baseline: the upstream queues
-    assert limit.limit < grown / 2
+def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows: int, t: float = 0.0,
+          trace: list[tuple[float, int]] | None = None) -> float:
+    """Run ``windows`` windows of ``offered`` BATCH streams against ``server`` through ``limit``.
+
+    Each window: in flight is set to what the limit lets BATCH take (at most ``offered``), the
+    server's TTFT and tokens are reported at its clock. Returns the time after the last window;
+    ``trace`` gets (limit, in flight) after each window.
+    """
+    for _ in range(windows):
+        want = min(offered, limit.lower_class_ceiling)
+        while limit.in_flight < want:
+            limit.acquire(BATCH, t)
+        while limit.in_flight > want:
+            limit.release(BATCH, t)
+        tokens_per_s, ttft = server(limit.in_flight)
+        limit.on_sample(ttft, t + WINDOW_S / 4)
+        limit.on_tokens(int(tokens_per_s * WINDOW_S), t + WINDOW_S / 2)
+        t += WINDOW_S
+        if trace is not None:
+            trace.append((limit.limit, limit.in_flight))
+    return t
+
+
+def make_limit(**fields: float) -> AdaptiveConcurrencyLimit:
+    return AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(**{"window_s": WINDOW_S, **fields}))
+
+
+# --------------------------------------------------------------------------- the knee rule
+
+
+@pytest.mark.parametrize("knee", [4, 12, 24])
+def test_limit_settles_at_the_knee_under_steady_load_and_does_not_run_away(knee: int) -> None:
+    limit = make_limit(initial_limit=4, max_limit=1024)
+    trace: list[tuple[float, int]] = []
+    drive(limit, knee_server(knee), offered=64, windows=400, trace=trace)  # 200 s: several memory_s cycles
+    assert limit.knee is not None and 0.5 * knee <= limit.knee <= 1.5 * knee
+    settled = [value for value, _ in trace[len(trace) // 2:]]
+    assert all(0.5 * knee <= value <= 1.5 * knee + limit.reserve + 2 for value in settled), (min(settled), max(settled))
+    assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_knee") == limit.knee
+
+
+def test_limit_never_grows_with_less_than_half_in_flight() -> None:
+    limit = make_limit(initial_limit=32)
+    t = 0.0
+    for window in range(300):
+        in_flight = max(0, math.ceil(limit.limit / 2) - 1 - window % 4)  # always fewer than half the limit
+        while limit.in_flight < in_flight:
+            limit.acquire(BATCH, t)
+        while limit.in_flight > in_flight:
+            limit.release(BATCH, t)
+        before = limit.limit
+        # throughput that keeps rising and a TTFT that keeps falling: everything a rule could read as "grow"
+        limit.on_sample(0.05 / (1 + window), t + 0.1)
+        limit.on_tokens(100 * (1 + window), t + 0.2)
+        t += WINDOW_S
+        limit.on_tokens(0, t)  # closes the window
+        assert limit.limit <= before, (window, before, limit.limit)
+
+
+def test_the_issue_s_case_four_of_thirty_two_in_flight_does_not_grow_the_limit() -> None:
+    limit = make_limit(initial_limit=32)
+    for _ in range(4):
+        limit.acquire(BATCH, 0.0)
+    limit.on_sample(0.05, 0.1)
+    limit.on_tokens(200, 0.2)
+    limit.on_tokens(0, 0.6)
+    assert limit.limit <= 32  # the old rule took it to 48.7 with one sample
+
+
+def test_limit_probes_up_when_the_server_gets_faster() -> None:
+    limit = make_limit(initial_limit=4, memory_s=10.0)
+    t = drive(limit, knee_server(8), offered=64, windows=100)
+    assert limit.knee is not None and limit.knee <= 12
+    drive(limit, knee_server(24, plateau=3000.0), offered=64, windows=200, t=t)
+    assert limit.knee is not None and 12 <= limit.knee <= 36
+    assert 12 <= limit.limit <= 36 + limit.reserve + 2
+
+
+def test_ttft_above_tolerance_at_the_same_concurrency_shrinks_the_limit() -> None:
+    limit = make_limit(initial_limit=4, tolerance=2.0)
+    t = drive(limit, knee_server(16), offered=64, windows=100)
+    settled = limit.limit
+    slow = knee_server(16, ttft_s=0.1)  # the same server, ten times slower to first token
+    drive(limit, slow, offered=64, windows=2, t=t)
+    assert limit.limit <= settled * 0.75
 
 
 def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> None:
-    limit = AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(initial_limit=32, min_limit=3, backoff_ratio=0.5))
+    limit = make_limit(initial_limit=32, min_limit=3, backoff_ratio=0.5)
     limit.on_sample(0.1)
     limit.on_overload(now=10.0)
     limit.on_overload(now=10.05)  # same burst of 429s: counted once
@@ -61,11 +143,77 @@ def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> N
     assert limit.limit == 3
 
 
+def test_gauges_are_arguments_so_each_endpoint_can_have_its_own() -> None:
+    limit_gauge = Gauge("test_endpoint_limit", "limit", ["endpoint"])
+    knee_gauge = Gauge("test_endpoint_knee", "knee", ["endpoint"])
+    in_flight = Gauge("test_endpoint_in_flight", "in flight", ["endpoint"])
+    a = AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(window_s=WINDOW_S, initial_limit=4), limit_gauge=limit_gauge.labels("a"),
+                                 knee_gauge=knee_gauge.labels("a"), in_flight_gauge=in_flight.labels("a"))
+    drive(a, knee_server(8), offered=64, windows=60)
+    assert REGISTRY.get_sample_value("test_endpoint_knee", {"endpoint": "a"}) == a.knee
+    assert REGISTRY.get_sample_value("test_endpoint_limit", {"endpoint": "a"}) == a.limit
+
+
 def test_bounds_are_checked_and_the_pool_must_hold_the_ceiling() -> None:
     with pytest.raises(ConfigError, match="initial_limit"):
         SwitchyardConfig().with_overrides(**{"upstream.concurrency": {"initial_limit": 0}})
+    with pytest.raises(ConfigError, match="knee_fraction"):
+        SwitchyardConfig().with_overrides(**{"upstream.concurrency": {"knee_fraction": 1.5}})
     with pytest.raises(ConfigError, match="max_connections"):
         SwitchyardConfig().with_overrides(**{"upstream.max_connections": 8})
+
+
+# --------------------------------------------------------------------------- CORE headroom
+
+
+def test_core_reserve_holds_slots_back_from_lower_classes_until_core_uses_them() -> None:
+    limit = make_limit(initial_limit=8, min_limit=8, max_limit=8, core_reserved_slots=2)
+    assert limit.reserve == 2 and limit.lower_class_ceiling == 6
+    for _ in range(6):
+        assert limit.refusal(BATCH) is None
+        limit.acquire(BATCH)
+    assert limit.refusal(BATCH) == UPSTREAM_CORE_RESERVE
+    assert limit.refusal(NORMAL) == UPSTREAM_CORE_RESERVE
+    assert limit.refusal(CORE) is None
+    limit.acquire(CORE)
+    assert limit.refusal(BATCH) == UPSTREAM_CORE_RESERVE  # one held slot left for CORE
+    limit.acquire(CORE)
+    assert limit.refusal(CORE) == UPSTREAM_CONCURRENCY
+    limit.release(CORE)
+    limit.release(CORE)
+    limit.release(BATCH)
+    assert limit.refusal(BATCH) is None
+
+
+@pytest.mark.parametrize("limit_value, reserve", [(1, 0), (3, 0), (4, 1), (8, 2), (100, 2)])
+def test_core_reserve_leaves_lower_classes_at_least_three_quarters_of_the_limit(limit_value: int, reserve: int) -> None:
+    limit = make_limit(initial_limit=limit_value, min_limit=1, max_limit=1024, core_reserved_slots=2)
+    assert limit.reserve == reserve
+    assert limit.lower_class_ceiling >= math.ceil(0.75 * limit_value)
+
+
+def _request(rid: str, priority: int, arrival: float) -> Request:
+    return Request(request_id=rid, prompt="hello", priority=priority, task_type="chat", prompt_tokens=4,
+                   max_tokens=4, arrival=arrival)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "priority"])
+def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(policy: str) -> None:
+    config = SwitchyardConfig().with_overrides(**{"dispatcher.engine": "openai"})
+    limit = make_limit(initial_limit=8, min_limit=8, max_limit=8, core_reserved_slots=2)
+    scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(limit))
+    scheduler.preemption_enabled = False
+    # BATCH that arrived 10 s before (ahead of CORE in either policy's order), then one CORE
+    scheduler.add([_request(f"b{i}", agent_pb2.BATCH, arrival=90 + i * 0.001) for i in range(10)], now=100.0)
+    scheduler.add([_request("c0", agent_pb2.CORE, arrival=100.0)], now=100.0)
+    out = scheduler.schedule(100.0)
+    admitted = [req.request_id for req in out.admitted]
+    assert admitted == [*(f"b{i}" for i in range(6)), "c0"]  # six BATCH fill their share, CORE a held slot
+    assert [req.request_id for req in scheduler.waiting] == [f"b{i}" for i in range(6, 10)]  # in their order
+    assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": "upstream_core_reserve"}) >= 1
+
+
+# --------------------------------------------------------------------------- a real fake upstream
 
 
 async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concurrency(clean_proxy_env) -> None:

@@ -150,12 +150,41 @@ class AdaptiveConcurrencyConfig(_Strict):
 
     min_limit: int = Field(1, ge=1, le=100_000, description="Floor of the limit, streams.")
     max_limit: int = Field(1024, ge=1, le=100_000, description="Ceiling of the limit, streams.")
-    initial_limit: int = Field(32, ge=1, le=100_000, description="Limit at start-up, streams.")
+    initial_limit: int = Field(
+        4, ge=1, le=100_000,
+        description="Limit at start-up, streams; the limit climbs from here, measuring throughput at each level "
+        "on the way up (start low: levels above the knee are found, levels below it only by passing them).",
+    )
     tolerance: float = Field(
         2.0, ge=1, le=100,
-        description="TTFT may rise to this multiple of its baseline before the limit shrinks, a ratio (>= 1).",
+        description="A window's mean TTFT may rise to this multiple of the TTFT measured before at the same "
+        "concurrency before the limit shrinks, a ratio (>= 1).",
     )
-    smoothing: float = Field(0.2, gt=0, le=1, description="Weight of each new target in the limit, a fraction in (0, 1].")
+    smoothing: float = Field(
+        0.5, gt=0, le=1,
+        description="Weight of each new target in the limit once the knee is known, a fraction in (0, 1].",
+    )
+    window_s: float = Field(
+        0.5, gt=0, le=60,
+        description="Length of one throughput measurement (tokens received / seconds, beside the mean streams in "
+        "flight over it), seconds; the limit moves once per window.",
+    )
+    knee_fraction: float = Field(
+        0.9, gt=0, lt=1,
+        description="The knee is the lowest concurrency whose measured throughput reaches this fraction of the "
+        "highest measured (the plateau), a fraction in (0, 1).",
+    )
+    memory_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="How long one concurrency level's throughput and TTFT count after it was last measured, "
+        "seconds; levels above the knee age out and are measured again by probing.",
+    )
+    core_reserved_slots: int = Field(
+        2, ge=0, le=100_000,
+        description="Slots of the limit held back for CORE streams, streams: NORMAL and BATCH wait in the "
+        "dispatcher's queue once in flight reaches limit - (core_reserved_slots - CORE in flight); the limit "
+        "always leaves at least one slot any class may take.",
+    )
     backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429 or 503, a fraction in (0, 1).")
 
     @model_validator(mode="after")

@@ -1,102 +1,320 @@
-"""An adaptive concurrency limit for upstream (stream) engines.
+"""An adaptive concurrency limit for upstream (stream) engines: admission at the knee.
 
-A fixed cap on streams in flight is wrong in both directions: four streams
-starve a vLLM or SGLang server that batches hundreds of sequences, and a large
-fixed value overloads a hosted API until it answers 429. The limit here adapts
-to what the upstream can take, from two signals:
+A continuous-batching model server (vLLM, SGLang, TGI, ``transformers serve``)
+takes every stream it is sent and serves them first come, first served. Past
+its *knee*, the concurrency where more streams stop buying throughput, each
+extra stream only adds queueing inside the server, where the dispatcher's
+priority order cannot reach it: a CORE task then waits behind BATCH work like
+everyone else. So the dispatcher keeps the upstream at its knee, not past it,
+and lower classes wait in the dispatcher's own queue, where CORE goes first.
+Few servers refuse load (429/503) before they slow down, so the limit finds the
+knee from what it measures.
 
-- **latency gradient** (Netflix concurrency-limits' ``Gradient2Limit``, the
-  rule Envoy's adaptive concurrency filter also follows): the TTFT of each
-  stream is a sample; ``short`` is a fast EWMA of the samples, ``long`` a slow
-  one (the no-queueing baseline). While ``short`` stays within
-  ``tolerance x long`` the upstream is not queueing and the limit grows by
-  ``sqrt(limit)`` per sample; when ``short`` rises past it the limit shrinks in
-  proportion::
+**What is measured.** Time is cut into windows of ``window_s``. Per window:
+the mean streams in flight ``c`` (time-weighted), the tokens (content chunks)
+received per second ``X``, and the mean TTFT of the streams that got their
+first token in it. By Little's law ``X / c`` is one stream's token rate, the
+inverse of its inter-token latency, so ``X`` against ``c`` is the inter-token
+latency against streams in flight, and its flat top is the server's throughput
+plateau. Each window updates the *level* ``round(c)``: an EWMA of its ``X`` and
+TTFT, stamped with the time; a level not measured for ``memory_s`` is forgotten
+(the server, or what it is asked, may have changed).
 
-      gradient = clamp(tolerance * long / short, 0.5, 1.0)
-      target   = limit * gradient + sqrt(limit)
-      limit    = (1 - smoothing) * limit + smoothing * target
+**The knee** over the levels remembered: the throughput envelope
+``E(c) = max X(c' <= c)``, the plateau ``P = E(highest level)``, and
+``knee = lowest c with E(c) >= knee_fraction x P`` (exported as
+``switchyard_upstream_concurrency_knee``). The knee is *confirmed* when a level
+at least ``1.25 x knee`` (and one stream more) was measured: throughput past
+the knee was seen not to rise by more than ``1 / knee_fraction``.
 
-  The limit grows only while it is used (more than half of it in flight), as
-  in ``Gradient2Limit``, so an idle period does not leave a limit the upstream
-  never proved it can take.
-- **overload answers** (AIMD's multiplicative decrease): a 429 or 503 from the
-  upstream multiplies the limit by ``backoff_ratio``, at most once per
-  ``long`` TTFT, so one burst of refusals counts once.
+**The rule**, once per window (``limit`` is the current limit, ``reserve`` the
+CORE headroom below):
+
+- *saturated* (the limit is used: mean in flight at least 80 % of what NORMAL
+  and BATCH may fill, and at least half the limit) and the knee not confirmed:
+  probe upwards, before any knee is known by ``sqrt(limit)`` (the growth term
+  of Netflix concurrency-limits' ``Gradient2Limit``), then just far enough for
+  NORMAL and BATCH to fill the level that would confirm the knee (``1.25 x
+  knee``), holding there until it is measured;
+- knee confirmed: ``target = knee + reserve`` and
+  ``limit += smoothing x (target - limit)``, never upwards unless saturated;
+- not saturated (app-limited, fewer in flight than half the limit, a test):
+  the limit never grows;
+- the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
+  (the server got slower at the same load: other tenants, longer prompts):
+  ``limit *= max(0.5, tolerance x remembered / measured)``, the gradient of
+  ``Gradient2Limit`` against a baseline per concurrency level instead of one
+  long EWMA (which follows the loaded TTFT within seconds and lets the limit
+  run away, as TCP Vegas' ``baseRTT`` would without its minimum);
+- a 429 or 503 (AIMD's multiplicative decrease): ``limit *= backoff_ratio``,
+  at most once per remembered TTFT, so one burst of refusals counts once.
+
+Levels above the knee age out after ``memory_s`` while the limit holds at the
+knee; the knee is then no longer confirmed and the next saturated windows probe
+upwards again, as TCP Vegas and BBR probe for bandwidth: a server that got
+faster is found within a few windows, one that got slower by the TTFT brake.
+
+**Reserved headroom for CORE** (the reserved slots of the SGLang Model
+Gateway's priority scheduler, lightseekorg/smg
+``docs/concepts/reliability/priority-scheduling.md``): ``reserve =
+min(core_reserved_slots, limit // 4)`` slots are held back from NORMAL and
+BATCH while CORE does not use them; a CORE stream in flight collapses the hold
+one for one. NORMAL and BATCH may start while ``in_flight < limit - max(0,
+reserve - core_in_flight)``, CORE while ``in_flight < limit``.
 
 Bounds: ``[min_limit, max_limit]`` from ``queue.json``
-``model_gateway.concurrency``; the current limit is exported as
-``switchyard_upstream_concurrency_limit``.
+``model_gateway.concurrency``. The class is self-contained (one instance per
+upstream endpoint): its gauges are arguments, the module's unlabeled ones by
+default.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from prometheus_client import Gauge
 
 from switchyard.common.config import AdaptiveConcurrencyConfig
+from switchyard.common.priority import PriorityClass
 
 UPSTREAM_LIMIT = Gauge(
     "switchyard_upstream_concurrency_limit",
     "Streams the dispatcher may have in flight to the upstream model now (adaptive concurrency limit).",
+)
+UPSTREAM_KNEE = Gauge(
+    "switchyard_upstream_concurrency_knee",
+    "Estimated knee of the upstream, streams: the lowest concurrency measured to reach knee_fraction of the "
+    "throughput plateau (0 until measured).",
 )
 UPSTREAM_IN_FLIGHT = Gauge("switchyard_upstream_in_flight", "Streams in flight to the upstream model.")
 
 OVERLOAD_STATUSES = frozenset({429, 503})
 """HTTP statuses that mean the upstream refuses load (rate limited, overloaded)."""
 
+UPSTREAM_CONCURRENCY = "upstream_concurrency"
+"""Refusal reason: the limit is reached."""
+UPSTREAM_CORE_RESERVE = "upstream_core_reserve"
+"""Refusal reason: only the slots held back for CORE are left (a NORMAL or BATCH stream waits)."""
+
+LEVEL_ALPHA = 0.3
+"""Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
+CONFIRM_RATIO = 1.25
+"""A knee is confirmed once a level this many times higher (and one stream more) was measured."""
+SATURATED_FILL = 0.8
+"""A window is saturated when its mean in flight reaches this fraction of the NORMAL/BATCH ceiling."""
+BRAKE_FLOOR = 0.5
+"""The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
+
+
+@dataclass
+class Level:
+    """What was measured at one concurrency level (streams in flight, rounded)."""
+
+    tokens_per_s: float
+    ttft_s: float | None
+    seen_at: float
+    windows: int = 1
+
 
 class AdaptiveConcurrencyLimit:
-    """The current concurrency limit and the rule that moves it (see the module docstring).
+    """The limit, the knee it is kept at, and the CORE headroom (see the module docstring).
 
     Args:
-        config: ``model_gateway.concurrency`` (min_limit, max_limit,
-            initial_limit, tolerance, smoothing, backoff_ratio).
+        config: ``model_gateway.concurrency``.
+        limit_gauge, knee_gauge, in_flight_gauge: where the limit, the knee
+            estimate and the streams in flight are published (default the
+            module's unlabeled gauges; a pool of endpoints passes labeled children).
+        clock: monotonic seconds, read when a caller passes no ``now``.
 
-    ``limit`` is a float; callers compare ``in_flight < int(limit)``.
+    Interface: :meth:`refusal` (may a stream of this class start now?),
+    :meth:`acquire` / :meth:`release` (a stream started / ended),
+    :meth:`on_sample` (a TTFT), :meth:`on_tokens` (tokens received),
+    :meth:`on_overload` (a 429/503). ``limit`` is a float; ``int(limit)`` streams
+    may be in flight. ``knee`` is the estimate in streams, None until measured.
+    All methods run on one event loop; none blocks.
     """
 
-    SHORT_ALPHA = 0.1
-    """Weight of a new sample in the fast EWMA (about the last 10 samples)."""
-    LONG_ALPHA = 0.01
-    """Weight of a new sample in the slow baseline EWMA (about the last 100 samples)."""
-
-    def __init__(self, config: AdaptiveConcurrencyConfig) -> None:
+    def __init__(self, config: AdaptiveConcurrencyConfig, *, limit_gauge: Any = UPSTREAM_LIMIT,
+                 knee_gauge: Any = UPSTREAM_KNEE, in_flight_gauge: Any = UPSTREAM_IN_FLIGHT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.limit = float(config.initial_limit)
         self.in_flight = 0
-        """Streams in flight now; kept by the caller (the scheduler's capacity)."""
-        self.short_s: float | None = None
-        self.long_s: float | None = None
+        """Streams in flight now (kept by :meth:`acquire` / :meth:`release`)."""
+        self.core_in_flight = 0
+        """CORE streams among them."""
+        self.knee: float | None = None
+        """Estimated knee, streams; None until a window was measured."""
+        self.plateau_tokens_per_s: float | None = None
+        """Highest throughput remembered, tokens per second."""
+        self.levels: dict[int, Level] = {}
+        """Concurrency level (streams) -> what was measured there, for ``memory_s``."""
+        self._clock = clock
+        self._limit_gauge, self._knee_gauge, self._in_flight_gauge = limit_gauge, knee_gauge, in_flight_gauge
         self._last_backoff = -math.inf
-        UPSTREAM_LIMIT.set(self.limit)
+        self._window_start: float | None = None
+        self._last_event = 0.0
+        self._area = 0.0  # integral of in_flight over the window, stream-seconds
+        self._tokens = 0
+        self._ttft_sum = 0.0
+        self._ttft_n = 0
+        limit_gauge.set(self.limit)
+        knee_gauge.set(0)
+        in_flight_gauge.set(0)
 
-    def on_sample(self, ttft_s: float) -> None:
-        """One stream's TTFT in seconds (request sent -> first token)."""
-        if ttft_s <= 0:
-            return
-        if self.short_s is None or self.long_s is None:
-            self.short_s = self.long_s = ttft_s
-            return
-        self.short_s += self.SHORT_ALPHA * (ttft_s - self.short_s)
-        self.long_s += self.LONG_ALPHA * (ttft_s - self.long_s)
-        if self.long_s / self.short_s > 2:  # the baseline drifted above now: let it come down
-            self.long_s *= 0.95
-        gradient = max(0.5, min(1.0, self.config.tolerance * self.long_s / self.short_s))
-        if gradient >= 1.0 and self.in_flight < self.limit / 2:
-            return  # app-limited: do not grow a limit nobody uses
-        target = self.limit * gradient + math.sqrt(self.limit)
-        self._set((1 - self.config.smoothing) * self.limit + self.config.smoothing * target)
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def reserve(self) -> int:
+        """Slots held back for CORE: ``min(core_reserved_slots, int(limit) // 4)``."""
+        return min(self.config.core_reserved_slots, int(self.limit) // 4)
+
+    @property
+    def lower_class_ceiling(self) -> int:
+        """Streams NORMAL and BATCH may fill while no CORE stream is in flight: ``int(limit) - reserve``."""
+        return int(self.limit) - self.reserve
+
+    def refusal(self, priority: PriorityClass) -> str | None:
+        """None when a stream of class ``priority`` may start now, else the refusal reason
+        (:data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`, a metric label)."""
+        limit = int(self.limit)
+        if self.in_flight >= limit:
+            return UPSTREAM_CONCURRENCY
+        if priority is not PriorityClass.CORE:
+            hold = max(0, self.reserve - self.core_in_flight)
+            if self.in_flight >= limit - hold:
+                return UPSTREAM_CORE_RESERVE
+        return None
+
+    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
+        """A stream of class ``priority`` was sent to the upstream at ``now`` (monotonic seconds)."""
+        self._advance(self._clock() if now is None else now)
+        self.in_flight += 1
+        if priority is PriorityClass.CORE:
+            self.core_in_flight += 1
+        self._in_flight_gauge.set(self.in_flight)
+
+    def release(self, priority: PriorityClass, now: float | None = None) -> None:
+        """A stream of class ``priority`` ended at ``now`` (finished, failed or cancelled)."""
+        self._advance(self._clock() if now is None else now)
+        self.in_flight = max(0, self.in_flight - 1)
+        if priority is PriorityClass.CORE:
+            self.core_in_flight = max(0, self.core_in_flight - 1)
+        self._in_flight_gauge.set(self.in_flight)
+
+    # ------------------------------------------------------------------ measurements
+
+    def on_sample(self, ttft_s: float, now: float | None = None) -> None:
+        """One stream's TTFT in seconds (request sent -> first token), at ``now``."""
+        self._advance(self._clock() if now is None else now)
+        if ttft_s > 0:
+            self._ttft_sum += ttft_s
+            self._ttft_n += 1
+
+    def on_tokens(self, count: int, now: float | None = None) -> None:
+        """``count`` tokens (content chunks) arrived from the upstream at ``now``."""
+        self._advance(self._clock() if now is None else now)
+        self._tokens += count
 
     def on_overload(self, now: float) -> None:
         """The upstream refused load (429/503) at ``now`` (monotonic seconds): back off once per TTFT."""
-        window = self.long_s if self.long_s is not None else 0.1
+        ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
+        window = max(ttfts) if ttfts else 0.1
         if now - self._last_backoff < window:
             return
         self._last_backoff = now
         self._set(self.limit * self.config.backoff_ratio)
 
+    # ------------------------------------------------------------------ the rule
+
+    def _advance(self, now: float) -> None:
+        if self._window_start is None:
+            self._window_start = self._last_event = now
+            return
+        if now > self._last_event:
+            self._area += self.in_flight * (now - self._last_event)
+            self._last_event = now
+        if now - self._window_start >= self.config.window_s:
+            self._close_window(now)
+
+    def _close_window(self, now: float) -> None:
+        assert self._window_start is not None
+        span = now - self._window_start
+        mean, tokens = self._area / span, self._tokens
+        ttft = self._ttft_sum / self._ttft_n if self._ttft_n else None
+        self._window_start, self._area, self._tokens, self._ttft_sum, self._ttft_n = now, 0.0, 0, 0.0, 0
+        if mean < 0.5 or tokens == 0:
+            return  # idle: nothing learnt
+        self.observe_window(mean, tokens / span, ttft, now)
+
+    def observe_window(self, mean_in_flight: float, tokens_per_s: float, ttft_s: float | None, now: float) -> None:
+        """Apply one window's measurement (see the module docstring); called by the window clock.
+
+        Args:
+            mean_in_flight: time-weighted mean streams in flight over the window.
+            tokens_per_s: tokens received per second over the window.
+            ttft_s: mean TTFT of the streams whose first token came in the window, seconds (None: none did).
+            now: end of the window, monotonic seconds.
+        """
+        level_key = max(1, round(mean_in_flight))
+        level = self.levels.get(level_key)
+        if level is not None and now - level.seen_at > self.config.memory_s:
+            level = None
+        braked = False
+        if level is None:
+            self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
+        else:
+            if ttft_s is not None and level.ttft_s is not None and ttft_s > self.config.tolerance * level.ttft_s:
+                braked = True
+                self._set(self.limit * max(BRAKE_FLOOR, self.config.tolerance * level.ttft_s / ttft_s))
+            level.tokens_per_s += LEVEL_ALPHA * (tokens_per_s - level.tokens_per_s)
+            if ttft_s is not None:
+                level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + LEVEL_ALPHA * (ttft_s - level.ttft_s)
+            level.seen_at = now
+            level.windows += 1
+        confirmed = self._estimate(now)
+        if braked:
+            return
+        saturated = (mean_in_flight >= SATURATED_FILL * self.lower_class_ceiling
+                     and mean_in_flight >= self.limit / 2 and self.in_flight >= self.limit / 2)
+        if not confirmed:
+            if saturated:
+                self._set(max(self.limit, self._probe_goal()))
+            return
+        assert self.knee is not None
+        target = self.limit + self.config.smoothing * (self.knee + self.reserve - self.limit)
+        if target < self.limit or saturated:
+            self._set(target)
+
+    def _probe_goal(self) -> float:
+        """Where an upward probe takes the limit: ``limit + sqrt(limit)`` before any knee is known, else
+        just far enough that NORMAL and BATCH can fill the level that would confirm the knee."""
+        if self.knee is None:
+            return self.limit + math.sqrt(self.limit)
+        return math.ceil(max(self.knee + 1, CONFIRM_RATIO * self.knee)) + self.reserve
+
+    def _estimate(self, now: float) -> bool:
+        """Forget stale levels, recompute the knee and plateau; True when the knee is confirmed."""
+        for key in [k for k, level in self.levels.items() if now - level.seen_at > self.config.memory_s]:
+            del self.levels[key]
+        if not self.levels:
+            self.knee = self.plateau_tokens_per_s = None
+            self._knee_gauge.set(0)
+            return False
+        keys = sorted(self.levels)
+        envelope, best = [], 0.0
+        for key in keys:
+            best = max(best, self.levels[key].tokens_per_s)
+            envelope.append(best)
+        plateau = envelope[-1]
+        knee = next(key for key, value in zip(keys, envelope) if value >= self.config.knee_fraction * plateau)
+        self.knee, self.plateau_tokens_per_s = float(knee), plateau
+        self._knee_gauge.set(knee)
+        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee)
+
     def _set(self, value: float) -> None:
         self.limit = max(float(self.config.min_limit), min(float(self.config.max_limit), value))
-        UPSTREAM_LIMIT.set(self.limit)
+        self._limit_gauge.set(self.limit)

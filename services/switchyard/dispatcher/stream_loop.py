@@ -3,8 +3,11 @@
 An upstream (vLLM, SGLang, TGI, a hosted API) does its own batching; what the
 dispatcher controls is how much it sends. Each admitted request is one
 streamed call. The running set is bounded by an adaptive concurrency limit
-(:mod:`switchyard.dispatcher.adaptive_limit`), driven by the upstream's TTFT and
-its 429/503 answers, not by a fixed count.
+(:mod:`switchyard.dispatcher.adaptive_limit`) kept at the upstream's knee, found
+from the tokens, TTFTs and 429/503 answers this loop feeds it, not by a fixed
+count; what the limit does not let through waits in the scheduler's queue, in
+the policy's order, CORE first, and CORE may take the slots the limit holds
+back from NORMAL and BATCH.
 
 Double buffering works as for a step engine: while the upstream streams the
 current batches, arrivals fill the active buffer; when the upstream can take
@@ -27,7 +30,7 @@ import time
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
-from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, UPSTREAM_IN_FLIGHT, AdaptiveConcurrencyLimit
+from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
 from switchyard.dispatcher.engines.base import StreamEngine, Usage
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
@@ -100,7 +103,6 @@ class StreamLoop(LoopBase):
                     self._prefilling[wave] = len(out.admitted)
                     for req in out.admitted:
                         self._tasks[req] = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
-                UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
             await self._wait(self.time_slice_s)
 
     def _prefilled(self, wave: int) -> None:
@@ -125,9 +127,10 @@ class StreamLoop(LoopBase):
                 now = time.monotonic()
                 if first and isinstance(item, (str, ToolCall)):
                     first = False
-                    self.limit.on_sample(now - sent)
+                    self.limit.on_sample(now - sent, now)
                     self._prefilled(wave)
                 if isinstance(item, str):
+                    self.limit.on_tokens(1, now)
                     last = req.last_token_at
                     req.append_token(item)
                     metrics.GENERATED_TOKENS.inc()
@@ -155,7 +158,6 @@ class StreamLoop(LoopBase):
                 self._prefilled(wave)
             self._tasks.pop(req, None)
             self.scheduler.finish(req, time.monotonic())
-            UPSTREAM_IN_FLIGHT.set(self.capacity.in_flight)
             self._wake.set()
 
     def _cancel_all(self) -> None:

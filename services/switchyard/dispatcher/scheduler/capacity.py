@@ -15,7 +15,8 @@ There are two kinds, one per engine kind:
   parked state first when a waiting request needs the room.
 - :class:`ConcurrencyCapacity` (stream engines): the number of streams in
   flight to the upstream must stay under an adaptive concurrency limit
-  (:mod:`switchyard.dispatcher.adaptive_limit`).
+  (:mod:`switchyard.dispatcher.adaptive_limit`), kept at the upstream's knee,
+  with a few slots NORMAL and BATCH may not take while CORE does not use them.
 
 Device memory comes from the engine (:meth:`memory_info`): NVML's total on a
 GPU, the modelled 80 GB H100 for the sim engine. Memory *in use*
@@ -30,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from switchyard.common.config import HbmTierConfig
+from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE  # noqa: F401 - reasons
 from switchyard.dispatcher.request import Request
 
 KV_MEMORY = "kv_memory"
 """Refusal reason: the request's KV reservation does not fit the HBM budget."""
-UPSTREAM_CONCURRENCY = "upstream_concurrency"
-"""Refusal reason: the upstream's adaptive concurrency limit is reached."""
 
 
 @dataclass(frozen=True)
@@ -166,27 +166,37 @@ class Unbounded:
 
 
 class ConcurrencyCapacity:
-    """Admission by an adaptive limit on streams in flight.
+    """Admission by an adaptive limit on streams in flight, with slots held back for CORE.
 
     Args:
-        limit: an object with a ``limit`` attribute (the current limit, >= 1),
-            e.g. :class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`.
+        limit: the limit object
+            (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`): its
+            ``refusal(priority)``, ``acquire(priority)`` and ``release(priority)``.
+
+    Refusal reasons: ``upstream_concurrency`` (the limit is reached) and
+    ``upstream_core_reserve`` (only the slots held back for CORE are left; a NORMAL or
+    BATCH request waits while a CORE one may start: :attr:`CLASS_REFUSALS`).
     """
+
+    CLASS_REFUSALS = frozenset({UPSTREAM_CORE_RESERVE})
+    """Refusals that depend on the request's class: a higher class behind the refused head may still start."""
 
     def __init__(self, limit: Any) -> None:
         self.limit = limit
-        self.in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Streams in flight to the upstream."""
+        return self.limit.in_flight
 
     def refusal(self, req: Request) -> str | None:
-        return None if self.in_flight < int(self.limit.limit) else UPSTREAM_CONCURRENCY
+        return self.limit.refusal(req.priority_class)
 
     def never_fits(self, req: Request) -> str | None:
         return None
 
     def take(self, req: Request) -> None:
-        self.in_flight += 1
-        self.limit.in_flight = self.in_flight
+        self.limit.acquire(req.priority_class)
 
     def give(self, req: Request) -> None:
-        self.in_flight -= 1
-        self.limit.in_flight = self.in_flight
+        self.limit.release(req.priority_class)

@@ -312,6 +312,14 @@ class SchedulerCore:
         while self._waiting:
             req = self._waiting[0][1]
             reason = self._refusal(req, projected, wave)
+            if reason is not None and reason in getattr(self.capacity, "CLASS_REFUSALS", ()):
+                core = self._waiting_core_behind(req, projected, wave)
+                if core is not None:  # CORE may take the slots held back from the head's class
+                    self._remove_waiting(core)
+                    self._start(core, now, out)
+                    wave += 1
+                    projected += self.admission.expected.get(core.task_type)
+                    continue
             if reason is not None:
                 self.admission.refuse(reason)
                 if reason == KV_MEMORY and self._kv_refused is not req:
@@ -542,6 +550,21 @@ class SchedulerCore:
         if reason is not None:
             return reason
         return None if self._make_room(req) else self.capacity.refusal(req)
+
+    def _waiting_core_behind(self, head: Request, projected_score: float, wave: int) -> Request | None:
+        """The first waiting CORE request behind ``head`` (refused for its class) when it may start now, else None.
+
+        A capacity may hold slots back for CORE (:class:`.capacity.ConcurrencyCapacity`,
+        ``upstream_core_reserve``): the head of a lower class then waits in its place while the
+        first CORE request in the waiting order takes a held slot. The policy's order stands
+        within CORE, and every other request keeps its place.
+        """
+        if head.priority_class is PriorityClass.CORE:
+            return None
+        for _, req in self._waiting:
+            if req.priority_class is PriorityClass.CORE:
+                return req if self._refusal(req, projected_score, wave) is None else None
+        return None
 
     def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         """The policy's admission rule alone (memory aside): None when ``req`` may start, else the reason.

@@ -29,10 +29,11 @@ ADMISSIONS_REFUSED = Counter(
     "Scheduling decisions that left work waiting, by the reason the head of the queue was refused "
     "(admission_wave: max_running_agents admitted in this decision; compute_score: score + expected score "
     ">= high_load_threshold; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
-    "upstream's adaptive concurrency limit is reached).",
+    "upstream's adaptive concurrency limit is reached; upstream_core_reserve: only the upstream slots held back "
+    "for CORE are left, a NORMAL or BATCH head waits).",
     ["reason"],
 )
-for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency"):
+for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency", "upstream_core_reserve"):
     ADMISSIONS_REFUSED.labels(_reason)
 PREEMPTIONS = Counter(
     "switchyard_preemptions_total", "Running sequences preempted for waiting core work, by the victim's class.",
