@@ -144,12 +144,12 @@ async def test_the_callers_deadline_bounds_the_upstream_call(clean_proxy_env):
     ("fault", "code", "says"),
     [
         (Fault(cut_after=0), grpc.StatusCode.UNAVAILABLE, "closed mid-response"),
-        (Fault(no_done=True), grpc.StatusCode.UNAVAILABLE, "without 'data: [DONE]'"),
+        (Fault(no_finish=True), grpc.StatusCode.UNAVAILABLE, "before any finish_reason and without 'data: [DONE]'"),
         (Fault(malformed_after=0), grpc.StatusCode.INTERNAL, "not JSON"),
         (Fault(no_choices=True), grpc.StatusCode.INTERNAL, "reading choices"),
         (Fault(mismatch=True), grpc.StatusCode.INTERNAL, "stream=true) but it answered application/json"),
     ],
-    ids=["truncated", "no-done", "malformed-chunk", "no-choices", "flag-mismatch"],
+    ids=["truncated", "no-finish-no-done", "malformed-chunk", "no-choices", "flag-mismatch"],
 )
 async def test_broken_stream_names_what_was_received(clean_proxy_env, fault, code, says):
     with start_sim(faults={"*": fault}) as server:

@@ -58,8 +58,9 @@ def test_decoder_assembles_tool_call_deltas_and_reads_usage():
 def test_decoder_errors_name_what_was_received():
     decoder = StreamDecoder("m")
     assert decoder.feed(chunk({"content": "hi"})) == [Token("hi")]
-    with pytest.raises(StreamBroken, match="without 'data: \\[DONE\\]' after 1 chunk"):
-        decoder.end()
+    with pytest.raises(StreamBroken, match="before any finish_reason and without 'data: \\[DONE\\]' \\(no end "
+                                           "marker\\) after 1 chunk"):
+        decoder.end()  # content came, then the body ended with no finish_reason: cut
     no_choice = StreamDecoder("m")
     assert no_choice.feed('{"id": 1}') == [] and no_choice.feed("[DONE]") == []
     with pytest.raises(StreamProtocolError, match="reading choices.*'\\{\"id\": 1\\}'"):
@@ -72,6 +73,20 @@ def test_decoder_errors_name_what_was_received():
         StreamDecoder("m").feed('{"choices": [')
     with pytest.raises(StreamBroken, match="error inside the stream: 'overloaded'"):
         StreamDecoder("m").feed('{"error": {"message": "overloaded"}}')
+
+
+def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
+    """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
+    no_marker = StreamDecoder("m")
+    events = no_marker.feed(chunk({"content": "hi"})) + no_marker.feed(
+        chunk({}, "length", usage={"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}))
+    assert no_marker.ending == "finish_reason"
+    assert events + no_marker.end() == [Token("hi"), Finished("length", Usage(4, 1, 5), "m")]
+    marker_only = StreamDecoder("m")
+    marker_only.feed(chunk({"content": "hi"}))
+    assert marker_only.ending is None
+    marker_only.feed("[DONE]")
+    assert marker_only.ending == "done_marker" and marker_only.end()[-1].finish_reason is None
 
 
 def test_parse_completion_reads_text_tool_calls_and_usage():

@@ -238,7 +238,7 @@ def test_unusable_key_stops_the_engine_at_start_naming_the_variable(monkeypatch)
 
 
 @pytest.mark.parametrize(("fault", "says"), [
-    (Fault(no_done=True), "without 'data: [DONE]'"),
+    (Fault(no_finish=True), "before any finish_reason and without 'data: [DONE]'"),
     (Fault(cut_after=2), "closed mid-response"),
 ])
 async def test_an_upstream_failure_names_the_upstream_not_the_dispatcher(clean_proxy_env, fault, says):

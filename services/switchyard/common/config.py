@@ -213,12 +213,26 @@ class UpstreamConfig(_Strict):
     api_key_required: bool = Field(
         True, description="Refuse to call upstream without a key; false for local servers that take none (vLLM, Ollama)."
     )
+    server: Literal["auto", "vllm", "sglang", "tgi", "llama_cpp", "transformers", "ollama", "openai"] = Field(
+        "auto",
+        description="Which model server base_url is, for its priority field and polarity (switchyard.gateway.servers); "
+        "auto reads it from GET /v1/models (owned_by) and the server header.",
+    )
     forward_priority: bool = Field(
-        False, description="Send the priority class as the request's 'priority' field (vLLM priority scheduling)."
+        False,
+        description="Send the priority class in the server's own priority field (vLLM and SGLang 'priority'); "
+        "nothing for servers without one. A field the server refuses (400/422 naming it) is dropped for the "
+        "endpoint and the request retried without it.",
     )
     priority_values: dict[Literal["core", "normal", "batch"], int] = Field(
         default_factory=lambda: {"core": 0, "normal": 1, "batch": 2},
-        description="Value sent as 'priority' per class, an integer; vLLM serves lower values first.",
+        description="Priority per class, an integer on vLLM's scale (lower is served earlier); mirrored "
+        "(max - value) for a server that serves higher values first (SGLang).",
+    )
+    priority_polarity: Literal["server_default", "lower_first", "higher_first"] = Field(
+        "server_default",
+        description="Which priority values the server serves first: its default (vLLM lower, SGLang higher), or "
+        "as set here (lower_first for SGLang started with --schedule-low-priority-values-first).",
     )
     include_usage: bool = Field(
         True, description="Ask for token usage in streams (stream_options.include_usage)."

@@ -32,7 +32,10 @@ from switchyard.gateway.proxy import ProxyRoute
 from switchyard.gateway.redact import redact
 
 _EXPIRED = re.compile(r"(?i)expired")
-_MODEL_WORDS = re.compile(r"(?i)model[_ ]not[_ ]found|\bmodel\b.*(does not exist|not found|unknown|no such)|unknown model")
+_MODEL_WORDS = re.compile(
+    r"(?i)model[_ ]not[_ ]found|\bmodel\b.*(does not exist|not found|unknown|no such)|unknown model"
+    r"|server is pinned to"  # transformers serve: 400 "Server is pinned to 'X'; requested 'Y'."
+)
 
 
 def upstream_message(body: str) -> str:
@@ -50,8 +53,8 @@ def upstream_message(body: str) -> str:
 
 
 def is_model_not_found(status: int, body: str) -> bool:
-    """True for a 404 (or 400, as some servers answer) whose body says the model is unknown."""
-    return status in (400, 404) and bool(_MODEL_WORDS.search(body))
+    """True for a 404 (or 400/422, as some servers answer) whose body says the model is unknown."""
+    return status in (400, 404, 422) and bool(_MODEL_WORDS.search(body))
 
 
 def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:

@@ -17,6 +17,14 @@
   as is, so no token is ever repeated.
 - The key is read from ``model_gateway.api_key_env`` on every call and never
   appears in a log, span, message or metric.
+- Every chat request carries ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
+  ``X-Request-Id`` headers; with ``forward_priority`` the priority also goes in the
+  server's own field (:mod:`switchyard.gateway.servers`). An optional field the server
+  refuses (400/422 naming it) is dropped for this endpoint, logged once, and the request
+  sent again without it: nothing had streamed yet.
+- A stream is finished by ``data: [DONE]`` or, without it, by a clean end after a
+  ``finish_reason`` (:mod:`switchyard.gateway.decode`); each ending is counted in
+  ``switchyard_upstream_stream_endings_total``.
 """
 
 from __future__ import annotations
@@ -43,12 +51,14 @@ from switchyard.gateway.errors import (
     EndpointNotFound,
     GatewayError,
     ModelNotFound,
+    StreamBroken,
     StreamProtocolError,
     UpstreamTimeout,
     snippet,
 )
 from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
-from switchyard.gateway.metrics import GATEWAY_REQUESTS, GATEWAY_TTFT
+from switchyard.gateway.metrics import GATEWAY_REQUESTS, GATEWAY_TTFT, UPSTREAM_STREAM_ENDINGS
+from switchyard.gateway import servers
 from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
@@ -58,6 +68,26 @@ from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_OPTIONAL_FIELDS = ("priority", "stream_options")
+"""Body fields a request works without: dropped for an endpoint that refuses them."""
+
+
+def _end(decoder: StreamDecoder) -> list[StreamEvent]:
+    """``decoder.end()``, counting the stream's ending (done_marker, finish_reason or cut)."""
+    try:
+        events = decoder.end()
+    except StreamBroken:
+        UPSTREAM_STREAM_ENDINGS.labels("cut").inc()
+        raise
+    UPSTREAM_STREAM_ENDINGS.labels(decoder.ending or "cut").inc()
+    return events
+
+
+def _count_cut(error: GatewayError) -> None:
+    """Count a stream whose connection broke while its body was read."""
+    if isinstance(error, StreamBroken):
+        UPSTREAM_STREAM_ENDINGS.labels("cut").inc()
 
 
 @dataclass
@@ -122,6 +152,10 @@ class GatewayClient:
             **settings,
         )
         self._cooldowns = Cooldowns(config)
+        self._flavour: servers.ServerFlavour | None = (
+            None if config.server == "auto" else servers.FLAVOURS[config.server])
+        self.refused_fields: set[str] = set()
+        """Optional body fields this endpoint refused (400/422 naming them); never sent again."""
         self.on_status: Callable[[int], None] | None = None
         """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
 
@@ -156,7 +190,7 @@ class GatewayClient:
         return chain
 
     async def list_models(self) -> list[str]:
-        """Model ids from ``GET /v1/models``.
+        """Model ids from ``GET /v1/models``; with ``model_gateway.server: auto``, also learns the flavour.
 
         Raises:
             GatewayError: transport failure, non-2xx answer, or a body without ``data[].id``.
@@ -171,12 +205,29 @@ class GatewayClient:
         if response.status_code >= 400:
             raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key)
         try:
-            return [str(item["id"]) for item in response.json()["data"]]
+            body = response.json()
+            ids = [str(item["id"]) for item in body["data"]]
         except (ValueError, KeyError, TypeError):
             raise StreamProtocolError(
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"
             ) from None
+        if self._flavour is None:
+            self._flavour = servers.FLAVOURS[servers.detect(body, response.headers)]
+            log.info("model server at %s detected as %s", self.config.base_url, self._flavour.name)
+        return ids
+
+    async def server_flavour(self) -> servers.ServerFlavour:
+        """The server's flavour: ``model_gateway.server``, or detected from ``GET /v1/models`` once
+        (``unknown`` when that fails or names no known server)."""
+        if self._flavour is None:
+            try:
+                await self.list_models()
+            except GatewayError as exc:
+                log.info("could not list models to detect the server flavour: %s", exc)
+            if self._flavour is None:
+                self._flavour = servers.FLAVOURS["unknown"]
+        return self._flavour
 
     async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
@@ -203,12 +254,15 @@ class GatewayClient:
                         for event in opened.decoder.feed(data):
                             sent += not isinstance(event, Finished)
                             yield event
-                    for event in opened.decoder.end():
+                    for event in _end(opened.decoder):
                         yield event
                 call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
+                call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
             except httpx.HTTPError as exc:
                 url = self.url("chat/completions")
-                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key).after_tokens(sent) from None
+                error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
+                _count_cut(error)
+                raise error.after_tokens(sent) from None
             except GatewayError as exc:
                 raise exc.after_tokens(sent)
             finally:
@@ -293,7 +347,7 @@ class GatewayClient:
             call.span.set_attribute("switchyard.gateway.fallback_model", model)
         return result, model
 
-    def _body(self, request: ChatRequest, model: str, *, stream: bool) -> dict[str, Any]:
+    async def _body(self, request: ChatRequest, model: str, *, stream: bool) -> dict[str, Any]:
         cfg = self.config
         body: dict[str, Any] = {"model": model, "messages": request.messages, "stream": stream}
         if request.max_tokens:
@@ -306,50 +360,82 @@ class GatewayClient:
                 body["tool_choice"] = request.tool_choice
         if stream and cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
-        if cfg.forward_priority and request.priority_class in cfg.priority_values:
-            body["priority"] = cfg.priority_values[request.priority_class]  # type: ignore[index]
+        if cfg.forward_priority and request.priority_class:
+            flavour = await self.server_flavour()
+            value = servers.priority_value(flavour, cfg.priority_values, request.priority_class,
+                                           cfg.priority_polarity)
+            if value is not None and flavour.priority_field:
+                body[flavour.priority_field] = value
+        for name in self.refused_fields:
+            body.pop(name, None)
         return body
 
     @staticmethod
-    def _headers(token: str | None, *, stream: bool) -> dict[str, str]:
+    def _headers(token: str | None, *, stream: bool, request: ChatRequest | None = None) -> dict[str, str]:
         headers = {"accept": "text/event-stream" if stream else "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
+        if request is not None:
+            # The field's convention for tagging model calls (X-Agent-Id, X-Priority), read by
+            # gateways and schedulers in front of the model server; X-Request-Id is what vLLM,
+            # TGI and transformers serve take as the request's id in their logs.
+            headers["x-agent-id"] = request.agent_id or request.request_id
+            headers["x-priority"] = request.priority_class or "normal"
+            if request.request_id:
+                headers["x-request-id"] = request.request_id
         return headers
 
     async def _send(self, call: _Call, request: ChatRequest, model: str, *, stream: bool) -> httpx.Response:
-        """POST chat/completions; a non-2xx answer is read and raised as its error."""
+        """POST chat/completions; a non-2xx answer is read and raised as its error.
+
+        An answer 400/422 refusing an optional field that was sent (``priority``,
+        ``stream_options``) drops that field for this endpoint and sends the request again.
+        """
         url = self.url("chat/completions")
-        http_request = self._http.build_request(
-            "POST", "chat/completions", json=self._body(request, model, stream=stream),
-            headers=self._headers(call.token, stream=stream),
-        )
-        try:
-            response = await self._http.send(http_request, stream=True)
-        except httpx.HTTPError as exc:
-            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
-        if self.on_status is not None:
-            self.on_status(response.status_code)
-        if response.status_code < 400:
-            return response
-        try:
-            text = (await response.aread()).decode("utf-8", "replace")
-        except httpx.HTTPError:
-            text = ""
-        finally:
-            await response.aclose()
-        raise await self._status_error(response, text, model, call.key)
+        while True:
+            body = await self._body(request, model, stream=stream)
+            http_request = self._http.build_request(
+                "POST", "chat/completions", json=body, headers=self._headers(call.token, stream=stream, request=request),
+            )
+            try:
+                response = await self._http.send(http_request, stream=True)
+            except httpx.HTTPError as exc:
+                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+            if self.on_status is not None:
+                self.on_status(response.status_code)
+            if response.status_code < 400:
+                return response
+            try:
+                text = (await response.aread()).decode("utf-8", "replace")
+            except httpx.HTTPError:
+                text = ""
+            finally:
+                await response.aclose()
+            optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
+            refused = servers.refused_field(response.status_code, text, optional)
+            if refused is None:
+                raise await self._status_error(response, text, model, call.key)
+            self.refused_fields.add(refused)
+            log.warning(
+                "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
+                url, refused, response.status_code, snippet(redact(upstream_message(text), call.key.value)),
+                "; set model_gateway.forward_priority to false or name the server in model_gateway.server"
+                if refused == "priority" else "",
+            )
 
     async def _status_error(self, response: httpx.Response, text: str, model: str, key: ApiKey) -> GatewayError:
         url = self.url("chat/completions")
         status = response.status_code
-        if status in (400, 404):
+        if status in (400, 404, 422):
+            # A 400/422 whose message names the model may be a model the server does not serve
+            # (transformers serve: 400 "Server is pinned to ..."): the model list decides.
             said_model = is_model_not_found(status, text)
-            if said_model or status == 404:
+            names_model = bool(model) and model in upstream_message(text)
+            if said_model or names_model or status == 404:
                 known = await self._known_models()
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
-                    return ModelNotFound(model, model_names.nearest(model, known or []), detail)
+                    return ModelNotFound(model, model_names.nearest(model, known or []), detail, served=known)
                 if status == 404:
                     return EndpointNotFound(
                         f"upstream 404 for {url} although model {model!r} is listed; "
@@ -369,7 +455,7 @@ class GatewayClient:
         url = self.url("chat/completions")
         try:
             content_type = response.headers.get("content-type", "")
-            if "text/event-stream" not in content_type:
+            if "text/event-stream" not in content_type.lower():
                 text = (await response.aread()).decode("utf-8", "replace")
                 raise StreamProtocolError(
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
@@ -382,10 +468,12 @@ class GatewayClient:
                 first.extend(decoder.feed(payload))
                 if first:
                     return _OpenStream(response, data, decoder, first, ended=False)
-            return _OpenStream(response, data, decoder, decoder.end(), ended=True)
+            return _OpenStream(response, data, decoder, _end(decoder), ended=True)
         except httpx.HTTPError as exc:
             await response.aclose()
-            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+            error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
+            _count_cut(error)
+            raise error from None
         except BaseException:
             await response.aclose()
             raise
@@ -399,7 +487,7 @@ class GatewayClient:
             raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
         finally:
             await response.aclose()
-        if "text/event-stream" in response.headers.get("content-type", ""):
+        if "text/event-stream" in response.headers.get("content-type", "").lower():
             raise StreamProtocolError(
                 f"asked {url} for one JSON response (stream=false) but it answered text/event-stream: "
                 f"received {snippet(redact(text, call.key.value))}; the server or a proxy forces streaming"

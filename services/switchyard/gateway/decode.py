@@ -7,6 +7,14 @@ text or ``tool_calls`` deltas (``index``, then ``id``/``function.name`` once and
 last chunk with ``choices: []`` and ``usage`` (``stream_options.include_usage``),
 then ``data: [DONE]``.
 
+How a stream ends (:attr:`StreamDecoder.ending`): ``data: [DONE]`` (``done_marker``),
+or, with no marker, a body that ends cleanly after a choice carried its
+``finish_reason`` (``finish_reason``): Hugging Face's ``transformers serve`` sends
+no ``[DONE]``, and the OpenAI Python SDK accepts a stream that simply ends. A body
+that ends before any ``finish_reason`` and without the marker was cut (StreamBroken).
+The streams of vLLM, SGLang, TGI, llama.cpp, Ollama, ``transformers serve`` and the
+OpenAI API are kept byte for byte under ``tests/data/upstream_streams/``.
+
 Shapes seen in the wild that are decoded too (each is a test case):
 
 - chunks with ``choices: []`` or no ``choices`` at all and no usage (Azure's
@@ -15,6 +23,11 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - tool calls whose ``index`` repeats with a new ``id`` (Ollama sends every call
   as index 0), or whose ``index`` is missing: a new id starts a new call;
 - ``function.arguments`` as a JSON string in pieces, or whole as a JSON object;
+- ``content: null`` (llama.cpp's role chunk), ``delta: null``, a role-only first chunk,
+  the last content in the finish chunk (TGI, Ollama), ``usage`` in the finish chunk
+  (``transformers serve``, llama.cpp) or in a usage-only chunk after it, or nowhere;
+  an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
+  requested one: neither is checked;
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -149,7 +162,8 @@ class StreamDecoder:
     """Turns the ``data`` payloads of one stream into :class:`Token`, :class:`ToolCallOut`, :class:`Finished`.
 
     Tool calls are emitted whole, when their choice finishes (or at the end).
-    :meth:`end` checks that ``[DONE]`` arrived and emits :class:`Finished`.
+    :meth:`end` checks that the stream finished (``[DONE]``, or a ``finish_reason``)
+    and emits :class:`Finished`.
     """
 
     def __init__(self, model: str) -> None:
@@ -217,18 +231,27 @@ class StreamDecoder:
             self._carry, text = text[-1], text[:-1]
         return fix_surrogates(text)
 
+    @property
+    def ending(self) -> str | None:
+        """How the stream ended so far: ``done_marker`` (``data: [DONE]`` came), ``finish_reason``
+        (no marker, but a choice finished), or None (neither: a body ending now was cut)."""
+        if self.done:
+            return "done_marker"
+        return "finish_reason" if self.finish_reason else None
+
     def end(self) -> list[StreamEvent]:
-        """Events due when the body ended.
+        """Events due when the body ended cleanly.
 
         Raises:
-            StreamBroken: ``[DONE]`` never came.
+            StreamBroken: the body ended before any choice carried a ``finish_reason`` and
+                without ``data: [DONE]`` (a cut stream).
             StreamProtocolError: chunks came but none carried a choice ("reading choices").
         """
-        if not self.done:
+        if self.ending is None:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
             raise StreamBroken(
-                f"stream ended without 'data: [DONE]' after {self.chunks} chunk(s){last}; "
-                "the upstream or a proxy between cut the response"
+                f"stream ended before any finish_reason and without 'data: [DONE]' (no end marker) after "
+                f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
             )
         if self.chunks and not self.choices_seen:
             raise StreamProtocolError(

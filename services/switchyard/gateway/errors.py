@@ -63,20 +63,31 @@ class UpstreamAuthError(GatewayError):
 
 
 class ModelNotFound(GatewayError):
-    """The upstream does not know the model id (404)."""
+    """The upstream does not serve the model id: a 404, or a 400/422 naming the model while
+    ``GET /v1/models`` does not list it (``transformers serve``: "Server is pinned to ...").
+
+    ``served``: the ids ``/v1/models`` lists (None when it could not be read); the message
+    names up to ten of them.
+    """
 
     code = grpc.StatusCode.NOT_FOUND
 
-    def __init__(self, model: str, nearest: str | None, detail: str = "") -> None:
+    def __init__(self, model: str, nearest: str | None, detail: str = "",
+                 served: list[str] | None = None) -> None:
         hint = (
             f"did you mean {nearest!r}? set it in the request or in model_gateway.model_map"
             if nearest
             else "list the ids with GET /v1/models (switchyard doctor does) and use one of them"
         )
         tail = f" (upstream said {detail})" if detail else ""
-        super().__init__(f"model {model!r} not found upstream{tail}; {hint}")
+        listed = ""
+        if served is not None:
+            shown = ", ".join(repr(m) for m in served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+            listed = f"; the server serves {shown or 'no model'}"
+        super().__init__(f"model {model!r} not found upstream{tail}{listed}; {hint}")
         self.model = model
         self.nearest = nearest
+        self.served = served
 
 
 class EndpointNotFound(GatewayError):
@@ -136,7 +147,8 @@ class UpstreamTimeout(GatewayError):
 
 
 class StreamBroken(GatewayError):
-    """The SSE stream was cut, or ended without ``data: [DONE]``."""
+    """The SSE stream was cut: the connection broke, or the body ended before any ``finish_reason``
+    and without ``data: [DONE]``."""
 
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True

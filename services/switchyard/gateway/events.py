@@ -14,8 +14,10 @@ class ChatRequest:
     ``{"type": "function", "function": {"name", "description", "parameters"}}``).
     ``model`` is the client-facing name (mapped through ``model_gateway.model_map``);
     empty means ``model_gateway.default_model``. ``priority_class`` (core, normal,
-    batch) is sent as the body's ``priority`` field, valued by
-    ``model_gateway.priority_values``, only when ``model_gateway.forward_priority`` is on.
+    batch) and ``agent_id`` go upstream as the ``X-Priority`` and ``X-Agent-Id`` headers of
+    every request (``X-Agent-Id`` falls back to ``request_id`` when the request names no
+    agent), and the priority also in the server's own field when
+    ``model_gateway.forward_priority`` is on (:mod:`switchyard.gateway.servers`).
     """
 
     messages: list[dict[str, Any]]
@@ -24,6 +26,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = None
     priority_class: str | None = None
+    agent_id: str = ""
     temperature: float | None = None
     request_id: str = ""
     timeout_s: float | None = None

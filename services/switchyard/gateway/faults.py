@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 FAULT_HEADER = "x-sim-fault"
 MODEL_SUFFIX = "#"
 
-_FLAGS = ("no_done", "mismatch", "expired", "echo_key", "no_choices")
+_FLAGS = ("no_done", "no_finish", "mismatch", "expired", "echo_key", "no_choices")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,10 @@ class Fault:
     - ``status``: answer with this HTTP status and an OpenAI-style error body.
     - ``fail_first``: with ``status``, fail only the first N requests for the model, then serve.
     - ``cut_after``: close the connection after N streamed items, with no ``[DONE]``.
-    - ``no_done``: end the stream cleanly but without ``data: [DONE]``.
+    - ``no_done``: end the stream cleanly after the finish chunk (and usage chunk) but without
+      ``data: [DONE]``, as ``transformers serve`` does: a finished stream.
+    - ``no_finish``: end the body cleanly after the content, with neither a ``finish_reason`` nor
+      ``data: [DONE]``: a cut stream, though the connection closed in order.
     - ``malformed_after``: send a chunk that is not JSON after N streamed items.
     - ``no_choices``: send chunks without a ``choices`` list.
     - ``slow_ms``: extra delay before each streamed item, milliseconds.
@@ -37,6 +40,7 @@ class Fault:
     fail_first: int = 0
     cut_after: int | None = None
     no_done: bool = False
+    no_finish: bool = False
     malformed_after: int | None = None
     no_choices: bool = False
     slow_ms: float = 0.0

@@ -31,3 +31,16 @@ GATEWAY_CIRCUIT_OPEN = Gauge(
 GATEWAY_COOLDOWNS = Counter(
     "switchyard_gateway_cooldowns_total", "Times an upstream model's circuit opened (a cooldown began).", ["model"]
 )
+
+STREAM_ENDINGS = ("done_marker", "finish_reason", "cut")
+"""How an upstream stream ended: ``data: [DONE]``; a clean end after a ``finish_reason`` with no marker
+(``transformers serve``); or cut (the connection broke, or the body ended before any ``finish_reason``)."""
+UPSTREAM_STREAM_ENDINGS = Counter(
+    "switchyard_upstream_stream_endings_total",
+    "Upstream completion streams by how they ended: done_marker (data: [DONE]), finish_reason (the body ended "
+    "after a choice's finish_reason, without the marker) or cut (connection broken, or ended before any "
+    "finish_reason).",
+    ["ending"],
+)
+for _ending in STREAM_ENDINGS:
+    UPSTREAM_STREAM_ENDINGS.labels(_ending)

@@ -309,6 +309,8 @@ class SimOpenAI:
                 yield chunk(delta)
             if fault.cut_after is not None:
                 raise _CutStream("cut before finish (injected)")
+            if fault.no_finish:
+                return
             yield chunk({}, finish)
             if body.get("stream_options", {}).get("include_usage"):
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
@@ -407,7 +409,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer <value of VAR>' (default: no key check)")
     parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
                         help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
-                             "(keys: status fail_first cut_after no_done malformed_after no_choices slow_ms mismatch "
+                             "(keys: status fail_first cut_after no_done no_finish malformed_after no_choices slow_ms mismatch "
                              f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--config-dir", help="read the sim latency parameters from this config folder")

@@ -26,10 +26,17 @@ async def iter_data(response: httpx.Response) -> AsyncIterator[str]:
     As the format says, an event cut off before its empty line is not dispatched:
     a stream whose ``data: [DONE]`` has no empty line after it ended early.
 
+    The media type is matched case-insensitively, as RFC 9110 section 8.3.1 says
+    (``Text/Event-Stream;charset=UTF-8`` is ``text/event-stream``); httpx-sse compares it
+    as written, so the header is lower-cased first.
+
     Raises:
         httpx_sse.SSEError: the response is not ``text/event-stream``.
         httpx.HTTPError: the connection failed while reading.
     """
+    content_type = response.headers.get("content-type")
+    if content_type is not None and content_type != content_type.lower():
+        response.headers["content-type"] = content_type.lower()
     async for event in EventSource(response).aiter_sse():
         if event.data:
             yield event.data

@@ -90,7 +90,7 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def chat_request(req: Request) -> ChatRequest:
-    """The gateway request for ``req``: messages, tools, max_tokens, model and priority class.
+    """The gateway request for ``req``: messages, tools, max_tokens, model, priority class and agent.
 
     Raises:
         InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
@@ -101,6 +101,7 @@ def chat_request(req: Request) -> ChatRequest:
         max_tokens=req.max_tokens or None,
         tools=[_tool_spec(i, tool) for i, tool in enumerate(req.tools)],
         priority_class=req.priority_name,
+        agent_id=req.agent_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
     )

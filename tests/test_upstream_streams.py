@@ -1,0 +1,193 @@
+"""Streams as the servers users run send them, replayed byte for byte from a real local HTTP server.
+
+Each file under ``tests/data/upstream_streams/`` holds one server's response body exactly as
+that server writes it (its source is named in the file's ``#`` header: vLLM, SGLang, TGI,
+llama.cpp, Ollama, ``transformers serve``, the OpenAI API, and the framings around them:
+CRLF, ``: ping`` comments, ``data:`` without a space, HTTP/1.0 close-delimited bodies, cut
+streams). A TCP server on 127.0.0.1 answers the gateway's real request with the file's
+status line, Content-Type and framing, then the body; the gateway's real client parses it,
+on both HTTP transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
+from prometheus_client import REGISTRY
+
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+from switchyard.gateway.faults import Fault
+from switchyard.gateway.metrics import STREAM_ENDINGS
+
+FIXTURES = pathlib.Path(__file__).parent / "data" / "upstream_streams"
+
+
+@dataclass
+class Recorded:
+    """One fixture: its header fields and the body bytes after the ``---`` line."""
+
+    name: str
+    meta: dict[str, str]
+    body: bytes
+
+
+def load(path: pathlib.Path) -> Recorded:
+    raw = path.read_bytes()
+    head, body = raw.split(b"---\n", 1)
+    meta = {}
+    for line in head.decode().splitlines():
+        key, _, value = line.removeprefix("# ").partition(": ")
+        meta[key] = value
+    return Recorded(path.stem, meta, body)
+
+
+ALL = sorted(FIXTURES.glob("*.sse"))
+
+
+def _events(body: bytes) -> list[bytes]:
+    """The body split after each event's blank line (LF or CRLF), as a server flushes them."""
+    out, start, i = [], 0, 0
+    while i < len(body):
+        for sep in (b"\r\n\r\n", b"\n\n"):
+            if body.startswith(sep, i):
+                i += len(sep)
+                out.append(body[start:i])
+                start = i
+                break
+        else:
+            i += 1
+    if start < len(body):
+        out.append(body[start:])
+    return out
+
+
+@dataclass
+class Replay:
+    """What the replay server saw: each request's header lines (lower-cased names) and JSON body."""
+
+    headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def replay_server(recorded: Recorded):
+    """An HTTP server on 127.0.0.1 answering every request with ``recorded``; yields (base_url, Replay)."""
+    seen = Replay()
+    status = recorded.meta["status"].encode()
+    framing = recorded.meta["framing"]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        except asyncio.IncompleteReadError:
+            writer.close()
+            return
+        lines = head.split("\r\n")[1:]
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+        length = int(headers.get("content-length", "0"))
+        seen.headers.append(headers)
+        seen.bodies.append(json.loads(await reader.readexactly(length)) if length else {})
+        out = [status + b"\r\ncontent-type: " + recorded.meta["content-type"].encode() + b"\r\n"]
+        if framing == "close":
+            writer.write(out[0] + b"\r\n" + recorded.body)
+        else:
+            writer.write(out[0] + b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+            events = _events(recorded.body)
+            last = events.pop() if framing == "chunked-cut" else None
+            for event in events:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            if last is None:
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"%x\r\n%s" % (len(last) + 500, last))  # a chunk announced, never completed
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", seen
+    finally:
+        server.close()
+
+
+def ending_count(ending: str) -> float:
+    return REGISTRY.get_sample_value("switchyard_upstream_stream_endings_total", {"ending": ending}) or 0.0
+
+
+def ask() -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": "hello"}], model="claude-sonnet-4-5",
+                       priority_class="core", agent_id="agent-7", request_id="req-1")
+
+
+def test_the_endings_counter_starts_at_zero_for_every_ending():
+    for ending in STREAM_ENDINGS:
+        assert REGISTRY.get_sample_value("switchyard_upstream_stream_endings_total", {"ending": ending}) is not None
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+async def test_every_recorded_stream_is_read_as_its_server_meant_it(clean_proxy_env, path, transport):
+    recorded = load(path)
+    meta = recorded.meta
+    ending = meta["expect-ending"]
+    before = ending_count(ending)
+    async with replay_server(recorded) as (base, seen):
+        cfg = gateway_config(base, http_transport=transport, fallback_model="", max_retries=0)
+        async with GatewayClient(cfg) as client:
+            if "expect-error" in meta:
+                code, _, says = meta["expect-error"].partition(" ")
+                with pytest.raises(GatewayError) as caught:
+                    async for _ in client.stream_chat(ask()):
+                        pass
+                assert caught.value.code == getattr(grpc.StatusCode, code) and says in str(caught.value)
+                assert ending_count(ending) == before + 1
+                return
+            events = [e async for e in client.stream_chat(ask())]
+    text = "".join(e.text for e in events if isinstance(e, Token))
+    finished = events[-1]
+    assert isinstance(finished, Finished) and sum(isinstance(e, Finished) for e in events) == 1
+    assert text == meta["expect-text"]
+    assert finished.finish_reason == meta["expect-finish"]
+    usage = meta["expect-usage"]
+    if usage == "none":
+        assert finished.usage is None
+    else:
+        assert finished.usage is not None
+        assert [finished.usage.prompt_tokens, finished.usage.completion_tokens,
+                finished.usage.total_tokens] == [int(n) for n in usage.split()]
+    calls = [e for e in events if isinstance(e, ToolCallOut)]
+    if "expect-tool" in meta:
+        name, _, arguments = meta["expect-tool"].partition(" ")
+        assert [(c.name, json.loads(c.arguments_json)) for c in calls] == [(name, json.loads(arguments))]
+    else:
+        assert calls == []
+    assert ending_count(ending) == before + 1
+    assert seen.headers[0]["x-agent-id"] == "agent-7" and seen.headers[0]["x-priority"] == "core"
+
+
+async def test_sim_openai_without_done_is_a_finished_stream_and_without_finish_a_cut_one(clean_proxy_env):
+    """``--fault no_done`` (transformers serve's ending) streams the whole answer; ``no_finish`` (a clean
+    close before any finish_reason) stays UNAVAILABLE, counted as cut."""
+    before = ending_count("finish_reason"), ending_count("cut")
+    with start_sim(faults={"*": Fault(no_done=True)}) as server:
+        async with GatewayClient(gateway_config(server.base_url, fallback_model="")) as client:
+            events = [e async for e in client.stream_chat(ask())]
+    assert [e for e in events if isinstance(e, Token)] and events[-1].finish_reason == "stop"
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens > 0
+    with start_sim(faults={"*": Fault(no_finish=True)}) as server:
+        async with GatewayClient(gateway_config(server.base_url, fallback_model="", max_retries=0)) as client:
+            with pytest.raises(GatewayError) as caught:
+                async for _ in client.stream_chat(ask()):
+                    pass
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE and "no end marker" in str(caught.value)
+    assert (ending_count("finish_reason"), ending_count("cut")) == (before[0] + 1, before[1] + 1)
