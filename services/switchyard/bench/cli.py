@@ -14,6 +14,8 @@ Subcommands:
   (:mod:`switchyard.bench.route`).
 - ``fault``: SIGKILL one of several local dispatchers under load and account
   for every call (:mod:`switchyard.bench.fault`).
+- ``upstream``: one load straight at a model server and through Switchyard, taking turns
+  (:mod:`switchyard.bench.upstream`).
 - ``retrieval``: retrieval answer quality and time per query
   (:mod:`switchyard.retrieval.quality_bench`).
 """
@@ -263,6 +265,12 @@ def _fault(argv: list[str]) -> int:
     return fault.main(argv)
 
 
+def _upstream(argv: list[str]) -> int:
+    from switchyard.bench import upstream
+
+    return upstream.main(argv)
+
+
 def _retrieval(argv: list[str]) -> int:
     from switchyard.retrieval import quality_bench
 
@@ -271,7 +279,7 @@ def _retrieval(argv: list[str]) -> int:
 
 SUBCOMMANDS = {
     "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents,
-    "route": _route, "fault": _fault, "retrieval": _retrieval,
+    "route": _route, "fault": _fault, "upstream": _upstream, "retrieval": _retrieval,
 }
 
 
@@ -279,7 +287,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault|retrieval] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault|upstream|retrieval] [OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
@@ -287,6 +295,7 @@ def main(argv: list[str]) -> int:
             "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n"
             "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
             "  fault      kill -9 one of several local dispatchers under load; account for every call\n"
+            "  upstream   one load straight at a model server and through Switchyard, taking turns; the knee\n"
             "  retrieval  retrieval quality (recall@k, MRR@10, nDCG@10) and time per query\n\n"
             "Run 'switchyard bench SUBCOMMAND --help' for its options."
         )

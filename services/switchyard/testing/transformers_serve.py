@@ -98,10 +98,14 @@ def build_tiny_llama(out_dir: Path, *, vocab_size: int = 2048, hidden_size: int 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
+    # Tokens greedy decoding must never pick: the special tokens (an early end marker) and the
+    # byte-level pieces that are not whole UTF-8 characters alone (a stream of them decodes to
+    # nothing, so a server streams chunks without any text).
+    silent = [i for i in range(bpe.get_vocab_size()) if i < len(specials) or "\ufffd" in bpe.decode([i])]
     with torch.no_grad():
-        # Zero the (tied) rows of the special tokens: their logits are then 0 while the others
-        # are random around 0, so greedy decoding emits text instead of an early end marker.
-        model.get_input_embeddings().weight[: len(specials)] = 0.0
+        # Zero their (tied) rows: their logits are then 0 while the others are random around 0,
+        # so greedy decoding emits text.
+        model.get_input_embeddings().weight[silent] = 0.0
     model.save_pretrained(out_dir)
     # The chat template and generation defaults the server reads.
     (out_dir / "generation_config.json").write_text(json.dumps({
