@@ -244,3 +244,48 @@ async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concu
     assert all(r.HasField("done") for r in results)  # nothing lost: retried, then served
     assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 4
     assert service.limit is not None and service.limit.limit < 32  # it learned the upstream takes less
+
+
+# --------------------------------------------------------------------------- a real continuous-batching server
+
+
+async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_run_away_under_32_streams(
+        transformers_server, clean_proxy_env) -> None:
+    offered = 32
+    config = load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai",
+        "upstream.base_url": transformers_server.base_url,
+        "upstream.api_key_required": False,
+        "upstream.default_model": transformers_server.model,
+        "upstream.fallback_model": "",
+    })
+    service = DispatcherService(config)
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
+    limits: list[float] = []
+    try:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+
+            async def stream(worker: int) -> list[agent_pb2.GenerateChunk]:
+                last = []
+                for i in range(8):  # one call after another: 32 streams offered all along
+                    request = agent_pb2.GenerateRequest(
+                        request_id=f"w{worker}-{i}", prompt="How does the with statement work?", max_tokens=16,
+                        priority=agent_pb2.BATCH)
+                    chunks = [c async for c in stub.Generate(request, timeout=120)]
+                    assert chunks[-1].HasField("done") and any(c.HasField("token") for c in chunks)
+                    assert service.limit is not None
+                    limits.append(service.limit.limit)
+                    last = chunks
+                return last
+
+            await asyncio.gather(*(stream(w) for w in range(offered)))
+    finally:
+        await srv.stop(1.0)
+    limit = service.limit
+    assert limit is not None and limit.knee is not None  # it measured the server
+    # Never far past what is offered (the old rule went to 2-3x), and held near its own knee estimate:
+    # at most the probe above the knee (1.25 x knee) plus the CORE headroom.
+    assert max(limits) <= 1.5 * offered
+    assert limit.limit <= max(limit.knee + 1, 1.25 * limit.knee) + limit.reserve + 1
+    assert limit.knee <= offered
