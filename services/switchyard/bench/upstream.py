@@ -9,9 +9,9 @@ process, the dispatcher on the ``openai`` engine pointed at the server; load as
 the machine's state. Phases, each ``--phase-s`` long (calls that end inside the
 phase count; each phase drains before the next starts):
 
-1. **direct sweep** at 1, 2, 4, 8, 16, 32 streams: the server's *plateau* (the
-   highest calls/s) and its *knee*, the fewest streams whose calls/s reach 90 %
-   of the plateau;
+1. **direct sweep** at 1, 2, 4, 8, 16, 32 streams: the server's *knee*, the
+   fewest streams whose calls/s reach 90 % of the sweep's highest; its
+   *plateau* is the highest calls/s of any direct phase of the run;
 2. **turns**: direct, through, direct, through... at 8 and at 32 streams
    (``--rounds`` rounds): through / direct calls/s at each;
 3. **CORE unloaded**: one CORE task at a time through Switchyard (and the same
@@ -23,7 +23,9 @@ phase count; each phase drains before the next starts):
 
 Figures printed: calls/s and TTFT P50/P95 per class for every phase, the
 dispatcher's adaptive limit and knee estimate over time (read from its
-metrics every 0.5 s), and: the direct knee and plateau; through / direct calls/s
+metrics every 0.5 s), and: the direct knee and plateau, and the server's own
+TTFT P50 at its knee over its TTFT at one stream (what a newcomer meets at
+the knee whatever the dispatcher does); through / direct calls/s
 at 8 and 32 streams; CORE TTFT P95 beside 32 BATCH / CORE unloaded (through
 Switchyard, and directly for reference); BATCH calls/s through Switchyard in
 that phase / the direct plateau; the limit under a steady 32-stream load (the
@@ -357,9 +359,13 @@ def figures(phases: list[Phase]) -> dict[str, Any]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
-    sweep = {p.streams: p.calls_per_s() for p in phases if p.name == "sweep"}
-    plateau = max(sweep.values()) if sweep else None
-    knee = min((n for n, v in sweep.items() if plateau and v >= KNEE_FRACTION * plateau), default=None)
+    sweep_phases = {p.streams: p for p in phases if p.name == "sweep"}
+    sweep = {n: p.calls_per_s() for n, p in sweep_phases.items()}
+    sweep_top = max(sweep.values()) if sweep else None
+    knee = min((n for n, v in sweep.items() if sweep_top and v >= KNEE_FRACTION * sweep_top), default=None)
+    # The plateau: the most calls/s any direct phase reached (the sweep, the turns, the direct BATCH phase
+    # beside CORE), so that a machine that got faster after the sweep does not flatter the ratios against it.
+    plateau = max((p.calls_per_s() for p in phases if p.mode == "direct"), default=None)
 
     def turns(mode: str, n: int) -> float:
         picked = [p for p in phases if p.name == "turns" and p.mode == mode and p.streams == n]
@@ -382,6 +388,10 @@ def figures(phases: list[Phase]) -> dict[str, Any]:
         "direct_calls_per_s": sweep,
         "direct_plateau_calls_per_s": plateau,
         "direct_knee_streams": knee,
+        # what any admission at the knee leaves a newcomer: the server's own TTFT there over its TTFT alone
+        "direct_ttft_p50_at_knee_over_one_stream": ratio(
+            sweep_phases[knee].ttft("BATCH", 50) if knee in sweep_phases else None,
+            sweep_phases[1].ttft("BATCH", 50) if 1 in sweep_phases else None),
         "through_over_direct_8": ratio(turns("through", 8), turns("direct", 8)),
         "through_over_direct_32": ratio(turns("through", 32), turns("direct", 32)),
         "core_ttft_p95_loaded_over_unloaded": ratio(ttft(loaded, "CORE", 95), ttft(unloaded, "CORE", 95)),
@@ -425,7 +435,8 @@ def summary(result: dict[str, Any]) -> str:
         f"upstream {result['base_url']} model {result['model']}",
         "direct sweep calls/s: " + ", ".join(f"{n}: {v:.1f}" for n, v in f["direct_calls_per_s"].items()),
         f"direct plateau {num(f['direct_plateau_calls_per_s'], '.1f')} calls/s; knee (90 % of plateau) "
-        f"{f['direct_knee_streams']} streams",
+        f"{f['direct_knee_streams']} streams; direct TTFT P50 at the knee / at 1 stream "
+        f"{num(f['direct_ttft_p50_at_knee_over_one_stream'])}x",
         f"through / direct calls/s: 8 streams {num(f['through_over_direct_8'])}, 32 streams "
         f"{num(f['through_over_direct_32'])}   (target >= 0.9)",
         f"CORE TTFT P95 beside 32 BATCH / unloaded: through Switchyard {num(f['core_ttft_p95_loaded_over_unloaded'])}x "
