@@ -99,6 +99,8 @@ UPSTREAM_CONCURRENCY = "upstream_concurrency"
 UPSTREAM_CORE_RESERVE = "upstream_core_reserve"
 """Refusal reason: only the slots held back for CORE are left (a NORMAL or BATCH stream waits)."""
 
+SHORT_ALPHA = 0.1
+"""Weight of a new TTFT sample in :attr:`AdaptiveConcurrencyLimit.short_s` (about the last 10)."""
 LEVEL_ALPHA = 0.3
 """Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
 CONFIRM_RATIO = 1.25
@@ -150,6 +152,8 @@ class AdaptiveConcurrencyLimit:
         """Estimated knee, streams; None until a window was measured."""
         self.plateau_tokens_per_s: float | None = None
         """Highest throughput remembered, tokens per second."""
+        self.short_s: float | None = None
+        """Recent TTFT, seconds: a fast EWMA of the samples (about the last 10); None before the first."""
         self.levels: dict[int, Level] = {}
         """Concurrency level (streams) -> what was measured there, for ``memory_s``."""
         self._clock = clock
@@ -213,6 +217,7 @@ class AdaptiveConcurrencyLimit:
         if ttft_s > 0:
             self._ttft_sum += ttft_s
             self._ttft_n += 1
+            self.short_s = ttft_s if self.short_s is None else self.short_s + SHORT_ALPHA * (ttft_s - self.short_s)
 
     def on_tokens(self, count: int, now: float | None = None) -> None:
         """``count`` tokens (content chunks) arrived from the upstream at ``now``."""
