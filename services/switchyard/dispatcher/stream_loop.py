@@ -19,7 +19,9 @@ upstream takes a request at once.
 prefill at once: batches sent whose members have not all produced a first
 token (or ended). It bounds the prefill burst sent ahead of the upstream's
 first answers, not the streams in flight: a batch that is decoding no longer
-counts, so a server that batches hundreds of requests is given hundreds.
+counts, so a server that batches hundreds of requests is given hundreds. A
+CORE request is not held back by that bound: it is admitted on arrival when the
+limit has a slot for it (``scheduler.admit_core``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class StreamLoop(LoopBase):
         self._tasks: dict[Request, asyncio.Task[None]] = {}
         if hasattr(engine, "on_upstream_status"):
             engine.on_upstream_status = self._on_status  # type: ignore[attr-defined]
+        scheduler.on_core_arrival = self._on_core_arrival
 
     def abort(self, req: Request) -> None:
         task = self._tasks.get(req)
@@ -79,6 +82,22 @@ class StreamLoop(LoopBase):
     def _on_arrival(self) -> None:
         if self._closing or self._can_take():
             self._wake.set()
+
+    def _on_core_arrival(self) -> None:
+        """A CORE request arrived while ``workers`` batches are in prefill: it does not wait for one of
+        them to get its first token, it is admitted now if the limit has a slot for it
+        (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
+        if self._closing or len(self._prefilling) < self.max_prefilling:
+            return  # the loop takes it at its next decision (woken by _on_arrival)
+        admitted = self.scheduler.admit_core(time.monotonic())
+        if admitted:
+            self._start_wave(admitted)
+
+    def _start_wave(self, admitted: list[Request]) -> None:
+        wave = next(self._waves)
+        self._prefilling[wave] = len(admitted)
+        for req in admitted:
+            self._tasks[req] = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
 
     def _on_status(self, status: int) -> None:
         if status in OVERLOAD_STATUSES:
@@ -99,10 +118,7 @@ class StreamLoop(LoopBase):
                 last = now
                 out = scheduler.schedule(now)
                 if out.admitted:
-                    wave = next(self._waves)
-                    self._prefilling[wave] = len(out.admitted)
-                    for req in out.admitted:
-                        self._tasks[req] = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
+                    self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
 
     def _prefilled(self, wave: int) -> None:
