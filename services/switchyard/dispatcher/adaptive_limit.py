@@ -24,8 +24,10 @@ TTFT, stamped with the time; a level not measured for ``memory_s`` is forgotten
 ``E(c) = max X(c' <= c)``, the plateau ``P = E(highest level)``, and
 ``knee = lowest c with E(c) >= knee_fraction x P`` (exported as
 ``switchyard_upstream_concurrency_knee``). The knee is *confirmed* when a level
-at least ``1.25 x knee`` (and one stream more) was measured: throughput past
-the knee was seen not to rise by more than ``1 / knee_fraction``.
+at least ``2 x knee`` (and one stream more) was measured: twice the streams
+were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
+only a little higher would confirm a knee that is not one: on a linear curve
+25 % more streams give 25 % more throughput, within a noisy machine's spread).
 
 **The rule**, once per window (``limit`` is the current limit, ``reserve`` the
 CORE headroom below):
@@ -34,10 +36,14 @@ CORE headroom below):
   and BATCH may fill, and at least half the limit) and the knee not confirmed:
   probe upwards, before any knee is known by ``sqrt(limit)`` (the growth term
   of Netflix concurrency-limits' ``Gradient2Limit``), then just far enough for
-  NORMAL and BATCH to fill the level that would confirm the knee (``1.25 x
-  knee``), holding there until it is measured;
+  NORMAL and BATCH to fill the level that would confirm the knee (``2 x
+  knee``, so the limit doubles while throughput keeps rising, as TCP slow
+  start does), holding there until it is measured;
 - knee confirmed: ``target = knee + reserve`` and
   ``limit += smoothing x (target - limit)``, never upwards unless saturated;
+  while a level below the knee is remembered with unmeasured levels between,
+  the target is their midpoint instead (bisection, which the doubling probes
+  need: they find the knee within a factor of two);
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
 - the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
@@ -103,7 +109,7 @@ SHORT_ALPHA = 0.1
 """Weight of a new TTFT sample in :attr:`AdaptiveConcurrencyLimit.short_s` (about the last 10)."""
 LEVEL_ALPHA = 0.3
 """Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
-CONFIRM_RATIO = 1.25
+CONFIRM_RATIO = 2.0
 """A knee is confirmed once a level this many times higher (and one stream more) was measured."""
 SATURATED_FILL = 0.8
 """A window is saturated when its mean in flight reaches this fraction of the NORMAL/BATCH ceiling."""
@@ -290,7 +296,7 @@ class AdaptiveConcurrencyLimit:
                 self._set(max(self.limit, self._probe_goal()))
             return
         assert self.knee is not None
-        target = self.limit + self.config.smoothing * (self.knee + self.reserve - self.limit)
+        target = self.limit + self.config.smoothing * (self._hold_level() + self.reserve - self.limit)
         if target < self.limit or saturated:
             self._set(target)
 
@@ -300,6 +306,17 @@ class AdaptiveConcurrencyLimit:
         if self.knee is None:
             return self.limit + math.sqrt(self.limit)
         return math.ceil(max(self.knee + 1, CONFIRM_RATIO * self.knee)) + self.reserve
+
+    def _hold_level(self) -> int:
+        """The level to hold NORMAL and BATCH at: the knee, or while a level below it is remembered
+        with unmeasured levels between, the midpoint (bisection: the upward probes double, so the
+        knee is first known within a factor of two)."""
+        assert self.knee is not None
+        knee = int(self.knee)
+        below = [key for key in self.levels if key < knee]
+        if below and knee - max(below) >= 2:
+            return (max(below) + knee) // 2
+        return knee
 
     def _estimate(self, now: float) -> bool:
         """Forget stale levels, recompute the knee and plateau; True when the knee is confirmed."""
