@@ -88,6 +88,16 @@ def test_limit_settles_at_the_knee_under_steady_load_and_does_not_run_away(knee:
     assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_knee") == limit.knee
 
 
+@pytest.mark.parametrize("offered", [10, 32])
+def test_a_load_smaller_than_twice_the_knee_holds_the_limit_near_the_knee_not_at_its_probe(offered: int) -> None:
+    limit = make_limit(initial_limit=4)
+    trace: list[tuple[float, int]] = []
+    drive(limit, knee_server(26 if offered == 32 else 8), offered=offered, windows=400, trace=trace)
+    settled = [value for value, _ in trace[len(trace) // 2:]]
+    assert statistics.median(settled) <= offered + limit.reserve  # not parked at a probe the load cannot fill
+    assert max(settled) <= 2 * offered
+
+
 def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     limit = make_limit(initial_limit=32)
     t = 0.0

@@ -420,6 +420,10 @@ def phase_line(p: Phase) -> str:
              if limits and p.mode == "through" else "")
     per_class = " ".join(f"{cls} {p.calls_per_s(cls):.1f}" for cls in classes) if len(classes) > 1 else ""
     errors = f"  errors {p.errors}" if p.errors else ""
+    ok = p.ok()
+    if ok:
+        errors = (f"  {sum(c.tokens for c in ok) / len(ok):.0f} tok/call, latency P50 "
+                  f"{_ms(percentile([c.end - c.start for c in ok], 50)).strip()} ms{errors}")
     return (f"{p.name:<16} {p.mode:<8} {p.streams:>3} streams  {p.calls_per_s():6.1f} calls/s {per_class:<20} "
             f"{ttfts}{limit}{errors}")
 

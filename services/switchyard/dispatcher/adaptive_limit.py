@@ -24,7 +24,9 @@ TTFT, stamped with the time; a level not measured for ``memory_s`` is forgotten
 ``E(c) = max X(c' <= c)``, the plateau ``P = E(highest level)``, and
 ``knee = lowest c with E(c) >= knee_fraction x P`` (exported as
 ``switchyard_upstream_concurrency_knee``). The knee is *confirmed* when a level
-at least ``2 x knee`` (and one stream more) was measured: twice the streams
+at least ``2 x knee`` (and one stream more) was measured, or a level above the
+knee that is as much as the load offers (measured while fewer streams were
+wanted than the limit allowed: no probe can go higher): twice the streams
 were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
 only a little higher would confirm a knee that is not one: on a linear curve
 25 % more streams give 25 % more throughput, within a noisy machine's spread).
@@ -32,7 +34,7 @@ only a little higher would confirm a knee that is not one: on a linear curve
 **The rule**, once per window (``limit`` is the current limit, ``reserve`` the
 CORE headroom below):
 
-- *saturated* (the limit is used: mean in flight at least 80 % of what NORMAL
+- *saturated* (the limit is used: mean in flight at least 90 % of what NORMAL
   and BATCH may fill, and at least half the limit) and the knee not confirmed:
   probe upwards, before any knee is known by ``sqrt(limit)`` (the growth term
   of Netflix concurrency-limits' ``Gradient2Limit``), then just far enough for
@@ -111,7 +113,7 @@ LEVEL_ALPHA = 0.3
 """Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
 CONFIRM_RATIO = 2.0
 """A knee is confirmed once a level this many times higher (and one stream more) was measured."""
-SATURATED_FILL = 0.8
+SATURATED_FILL = 0.9
 """A window is saturated when its mean in flight reaches this fraction of the NORMAL/BATCH ceiling."""
 BRAKE_FLOOR = 0.5
 """The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
@@ -125,6 +127,9 @@ class Level:
     ttft_s: float | None
     seen_at: float
     windows: int = 1
+    demand_limited: bool = False
+    """Measured, since it was last forgotten, while the limit was not what bounded it (fewer streams were
+    wanted than it allowed): the load offers no more than this level."""
 
 
 class AdaptiveConcurrencyLimit:
@@ -275,8 +280,10 @@ class AdaptiveConcurrencyLimit:
         if level is not None and now - level.seen_at > self.config.memory_s:
             level = None
         braked = False
+        saturated = (mean_in_flight >= SATURATED_FILL * self.lower_class_ceiling
+                     and mean_in_flight >= self.limit / 2 and self.in_flight >= self.limit / 2)
         if level is None:
-            self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
+            level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
         else:
             if ttft_s is not None and level.ttft_s is not None and ttft_s > self.config.tolerance * level.ttft_s:
                 braked = True
@@ -286,11 +293,10 @@ class AdaptiveConcurrencyLimit:
                 level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + LEVEL_ALPHA * (ttft_s - level.ttft_s)
             level.seen_at = now
             level.windows += 1
+        level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
         confirmed = self._estimate(now)
         if braked:
             return
-        saturated = (mean_in_flight >= SATURATED_FILL * self.lower_class_ceiling
-                     and mean_in_flight >= self.limit / 2 and self.in_flight >= self.limit / 2)
         if not confirmed:
             if saturated:
                 self._set(max(self.limit, self._probe_goal()))
@@ -335,7 +341,11 @@ class AdaptiveConcurrencyLimit:
         knee = next(key for key, value in zip(keys, envelope) if value >= self.config.knee_fraction * plateau)
         self.knee, self.plateau_tokens_per_s = float(knee), plateau
         self._knee_gauge.set(knee)
-        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee)
+        top = self.levels[keys[-1]]
+        # Confirmed by a level twice as high, or by the highest level the load reaches: when fewer streams
+        # were wanted there than the limit allowed, no probe can measure higher.
+        by_load = top.demand_limited and top.windows >= 2  # measured twice: not a window of a limit change
+        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load
 
     def _set(self, value: float) -> None:
         self.limit = max(float(self.config.min_limit), min(float(self.config.max_limit), value))
