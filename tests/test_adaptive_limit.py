@@ -98,6 +98,14 @@ def test_a_load_smaller_than_twice_the_knee_holds_the_limit_near_the_knee_not_at
     assert max(settled) <= 2 * offered
 
 
+def test_a_lull_of_one_stream_keeps_the_limit_at_the_knee_for_the_next_burst() -> None:
+    limit = make_limit(initial_limit=4)
+    t = drive(limit, knee_server(12), offered=64, windows=100)
+    held = limit.limit
+    drive(limit, knee_server(12), offered=1, windows=20, t=t)  # one CORE task at a time, say
+    assert limit.limit == pytest.approx(held, abs=1.0)  # neither grown nor bisected down by app-limited windows
+
+
 def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     limit = make_limit(initial_limit=32)
     t = 0.0

@@ -43,9 +43,9 @@ CORE headroom below):
   start does), holding there until it is measured;
 - knee confirmed: ``target = knee + reserve`` and
   ``limit += smoothing x (target - limit)``, never upwards unless saturated;
-  while a level below the knee is remembered with unmeasured levels between,
-  the target is their midpoint instead (bisection, which the doubling probes
-  need: they find the knee within a factor of two);
+  while saturated and a level below the knee is remembered with unmeasured
+  levels between, the target is their midpoint instead (bisection, which the
+  doubling probes need: they find the knee within a factor of two);
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
 - the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
@@ -302,7 +302,8 @@ class AdaptiveConcurrencyLimit:
                 self._set(max(self.limit, self._probe_goal()))
             return
         assert self.knee is not None
-        target = self.limit + self.config.smoothing * (self._hold_level() + self.reserve - self.limit)
+        hold = self._hold_level() if saturated else int(self.knee)  # bisect only on what a full limit measures
+        target = self.limit + self.config.smoothing * (hold + self.reserve - self.limit)
         if target < self.limit or saturated:
             self._set(target)
 
