@@ -136,12 +136,18 @@ class CooldownConfig(_Strict):
     failures: int = Field(
         5, ge=1, le=1000,
         description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
-        "own fault) that open the circuit; purgatory's default threshold.",
+        "own fault) that open the circuit.",
     )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
-        description="How long a model is skipped once open, seconds; then one trial request closes it again on success "
-        "(half-open). purgatory's default TTL.",
+        description="How long a model is skipped once open, seconds; then the circuit is half-open and admits "
+        "half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+    )
+    half_open_probes: int = Field(
+        1, ge=1, le=1000,
+        description="Trial requests a half-open circuit admits at once, requests; every other request is refused at "
+        "once until they end. The circuit closes when this many have succeeded and opens again on the first "
+        "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
     )
 
 
