@@ -107,7 +107,7 @@ async def run_task(
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with open_channel(address, server) as channel:
+    async with open_channel(address, server, peer="orchestrator") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         async for event in stub.RunTask(request, timeout=timeout, metadata=metadata):
             on_event(event)

@@ -620,9 +620,10 @@ class ServerConfig(_Strict):
         "time (gRFC A9).",
     )
     max_connection_age_grace_s: float = Field(
-        120.0, ge=0, le=86_400,
+        600.0, ge=0, le=86_400,
         description="Calls still running on a connection sent GOAWAY for its age get this long to finish "
-        "before it is closed; longer than any generation stream should run.",
+        "before it is closed, seconds; at least the longest orchestrator.task_time_limit_s (checked where both "
+        "are read), so no stream of a task within its limit is cut.",
     )
 
 
@@ -1181,7 +1182,22 @@ SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
 _CROSS_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], str | None]], ...] = (
     (("orchestrator", "limits"), lambda s: _within_limit("orchestrator", s)),
     (("dispatcher", "limits"), lambda s: _within_limit("dispatcher", s)),
+    (("server", "orchestrator"), lambda s: _grace_covers_tasks(s)),
 )
+
+
+def _grace_covers_tasks(sections: dict[str, Any]) -> str | None:
+    """A connection sent GOAWAY for its age closes after the grace: a task's streams must fit in it."""
+    grace = sections["server"].max_connection_age_grace_s
+    limits = sections["orchestrator"].task_time_limit_s
+    task_type = max(limits, key=limits.get)
+    if grace < limits[task_type]:
+        return (
+            f"key 'server.max_connection_age_grace_s' has value {grace:g}; expected: at least the longest "
+            f"orchestrator.task_time_limit_s ({task_type}: {limits[task_type]:g} s), or a connection that ages out "
+            "(server.max_connection_age_s) cuts the streams of a task still running within its limit"
+        )
+    return None
 
 
 def _within_limit(service: str, sections: dict[str, Any]) -> str | None:

@@ -57,7 +57,7 @@ class RetrievalClient:
     def __init__(self, address: str, config: ServerConfig, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = open_channel(address, config)
+        self._channel = open_channel(address, config, peer="retrieval")
         self._stub = agent_pb2_grpc.RetrievalServiceStub(self._channel)
 
     async def retrieve(self, query: str, top_k: int = 0) -> agent_pb2.RetrieveResponse:
@@ -101,7 +101,7 @@ class InferenceClient:
 
     def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None) -> None:
         self.address = address
-        self._channel = open_channel(address, config)
+        self._channel = open_channel(address, config, peer="dispatcher")
         self._max_message_bytes = config.max_message_bytes
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
         self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}

@@ -93,7 +93,7 @@ class ReplicaSet:
     def _update(self, addresses: list[str]) -> None:
         now = time.monotonic()
         for address in sorted(set(addresses) - set(self.channels)):
-            self.channels[address] = open_channel(address, self.config)
+            self.channels[address] = open_channel(address, self.config, peer="dispatcher")
             self.ring.add(address)
         for address in sorted(set(self.channels) - set(addresses)):
             moved = self.ring.remove(address)
