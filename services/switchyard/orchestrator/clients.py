@@ -18,6 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig
+from switchyard.common.tasks import settle
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
@@ -131,7 +132,8 @@ class InferenceClient:
             if self.replicas is not None:  # forget the streams of channels the replica set has let go
                 live = {self._channel, *self.replicas.channels.values()}
                 for gone in [c for c in self._streams if c not in live]:
-                    self._closing.add(asyncio.ensure_future(self._streams.pop(gone).close()))
+                    self._closing.add(settle(asyncio.ensure_future(self._streams.pop(gone).close()),
+                                             expected=lambda e: False))
                     self._closing = {t for t in self._closing if not t.done()}
             streams = self._streams[channel] = GenerateStreamClient(channel, self._max_message_bytes)
         return streams
