@@ -50,6 +50,7 @@ from typing import Awaitable, Callable, TypeVar
 import grpc
 
 from switchyard.common.config import UpstreamConfig
+from switchyard.common.metrics import OTHER
 from switchyard.gateway import models as model_names
 from switchyard.gateway.errors import GatewayError, ModelCoolingDown, UpstreamAskedToWait
 from switchyard.gateway.metrics import CIRCUIT_STATES, CIRCUIT_TRANSITIONS, GATEWAY_CIRCUIT_STATE, GATEWAY_CIRCUIT_TRANSITIONS
@@ -104,8 +105,8 @@ class Cooldowns:
         self._clock = clock
         self._circuits: dict[str, _Circuit] = {}
         self._next_call = 0
-        for model in model_names.configured_models(config):
-            label = model_names.model_label(model, config)
+        labels = {model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER}
+        for label in sorted(labels):
             for state in CIRCUIT_STATES:
                 GATEWAY_CIRCUIT_STATE.labels(label, state).set(1 if state == CLOSED else 0)
             for before, after in CIRCUIT_TRANSITIONS:
