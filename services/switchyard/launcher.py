@@ -105,7 +105,8 @@ class Child:
 
 
 def free_port(host: str) -> int:
-    """A port that was free a moment ago (for tests and --free-ports)."""
+    """A port that was free a moment ago (for tests that need a port before a server exists; a service
+    started by the launcher binds port 0 itself instead and reports the port: no race)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
