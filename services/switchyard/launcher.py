@@ -120,11 +120,11 @@ def up_file() -> Path:
     return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
 
 
-def _write_up_file(path: Path, host: str, services: list[Child]) -> None:
+def _write_up_file(path: Path, host: str, running: list[Child]) -> None:
     services = {
         c.name: {"address": f"{host}:{c.port}", "metrics_url": f"http://{host}:{c.metrics_port}/metrics",
                  "pid": c.proc.pid}
-        for c in services
+        for c in running
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -154,6 +154,8 @@ class EmbeddedRedis:
     def _launch(self, ready_timeout: float, pick: bool) -> bool:
         """Start redis-server on :attr:`port`; False when it lost a picked port to another process (try another)."""
         if ping(self.host, self.port):
+            if pick:  # another server took the picked port: pick again
+                return False
             raise EmbeddedRedisError(
                 f"a Redis already answers at {self.address}: set memory_policy.toml [dram] embedded = false to use "
                 "it, or choose another [dram] port"
