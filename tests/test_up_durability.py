@@ -232,3 +232,31 @@ def test_a_data_folder_held_by_a_live_owner_is_refused_and_a_dead_owner_s_server
             second.stop()
     finally:
         _kill_all([stale])
+
+
+@pytest.mark.parametrize("appendfsync", ["always", "everysec"])
+def test_the_embedded_redis_keeps_its_data_across_a_restart_only_with_a_data_folder(
+        tmp_path: Path, appendfsync: str) -> None:
+    import redis
+
+    def write_then_restart(server: EmbeddedRedis) -> bytes | None:
+        server.start()
+        try:
+            with redis.Redis(host=server.host, port=server.port) as client:
+                if server.data_dir is not None:
+                    assert client.config_get("appendfsync") == {"appendfsync": server.appendfsync}
+                    assert client.config_get("appendonly") == {"appendonly": "yes"}
+                client.set("switchyard:probe", b"kept")
+        finally:
+            server.stop()
+        server.start()
+        try:
+            with redis.Redis(host=server.host, port=server.port) as client:
+                return client.get("switchyard:probe")
+        finally:
+            server.stop()
+
+    persistent = EmbeddedRedis("127.0.0.1", 0, data_dir=tmp_path / "redis", appendfsync=appendfsync)  # type: ignore[arg-type]
+    assert write_then_restart(persistent) == b"kept"
+    assert (tmp_path / "redis" / "appendonly.aof").is_file()
+    assert write_then_restart(EmbeddedRedis("127.0.0.1", 0)) is None  # the tests' cache: no data folder
