@@ -203,20 +203,21 @@ async def test_an_archive_that_fails_half_way_leaves_no_file_and_the_dram_copy_s
     store = kv_store(redis_db)
     cold = ColdStore(str(tmp_path / "cold"), PREFIX)
     tiers = tiers_for(engine, store, cold)
-    key = store.key("seq", "stale")
-    await store.put(key, payload_for("stale"), tokens=1000, nbytes=1000 * 524_288, priority="batch", hits=0,
-                    cost_us=30_000.0)
+    key, other = store.key("seq", "stale"), store.key("seq", "stale-2")
+    for k, rid in ((key, "stale"), (other, "stale-2")):
+        await store.put(k, payload_for(rid), tokens=1000, nbytes=1000 * 524_288, priority="batch", hits=0,
+                        cost_us=30_000.0)
     now = float(await client.hget(key, "stored_at")) + 3 * 3600  # three hours idle: worth archiving
     errors = metric("switchyard_cold_tier_errors_total", operation="put")
     with monkeypatch.context() as patch:
-        _fail_writes_after(patch, 2 * MIB)  # half of the 4 MiB blob
+        _fail_writes_after(patch, 2 * MIB)  # half of the first 4 MiB blob
         assert await tiers.scan_dram(now) == (0, 0)
-    assert metric("switchyard_cold_tier_errors_total", operation="put") == errors + 1
+    assert metric("switchyard_cold_tier_errors_total", operation="put") == errors + 1, "one try per scan"
     assert _cold_files(tmp_path / "cold") == [], "nothing under the final name, no temporary name left"
-    assert await client.exists(key), "the DRAM copy is the only copy: it stays"
-    # the next scan, with room on the disk, archives it whole; then it comes back whole from the cold tier
-    assert await tiers.scan_dram(now) == (0, 1)
-    assert _cold_files(tmp_path / "cold") == ["seq/stale.kv"] and not await client.exists(key)
+    assert await client.exists(key) and await client.exists(other), "the DRAM copies are the only copies: they stay"
+    # the next scan, with room on the disk, archives them whole; then one comes back whole from the cold tier
+    assert await tiers.scan_dram(now) == (0, 2)
+    assert _cold_files(tmp_path / "cold") == ["seq/stale-2.kv", "seq/stale.kv"] and not await client.exists(key)
     req = running_request("stale", key)
     assert await tiers.restore(req) == 1000
     assert engine.wrong_payloads() == 0 and len(engine.handed) == 1

@@ -220,13 +220,15 @@ class MemoryTiers:
         renewed). Entries valued below ``demote_threshold`` that have sat in
         DRAM for ``[oss] archive_interval_s`` leave it: archived to the cold
         tier, and deleted from DRAM only once the cold copy is whole (an
-        archive that fails leaves the DRAM copy for the next scan; with no
-        cold tier the entry is dropped). Returns (kept hot, moved out).
+        archive that fails leaves the DRAM copy, and the scan archives
+        nothing more until the next one; with no cold tier the entry is
+        dropped). Returns (kept hot, moved out).
         """
         if self.store is None or not self.store.available():
             return 0, 0
         dram, archive_after = self.config.dram, self.config.oss.archive_interval_s
         hot = moved = 0
+        archiving = self.cold is not None  # off for the rest of the scan after a failed archive (the tier backs off)
         now = time.time() if now is None else now
         async for entry in self.store.scan():
             age = now - entry.stored_at
@@ -237,11 +239,14 @@ class MemoryTiers:
                 hot += 1
             elif value < dram.demote_threshold and age >= archive_after:
                 if self.cold is not None:
+                    if not archiving:
+                        continue
                     whole = await self.store.get(entry.key)  # None: gone, refused (and deleted), or Redis failed
                     if whole is None:
                         continue
                     if not await self.cold.put(whole):
-                        continue  # the DRAM copy stays (until its TTL) and the next scan tries again
+                        archiving = False  # the DRAM copies stay (until their TTL); the next scan tries again
+                        continue
                     metrics.TIER_DEMOTIONS.labels("dram").inc()
                 await self.store.delete(entry.key)  # only now: the cold copy is whole
                 metrics.TIER_EVICTIONS.labels("dram").inc()
