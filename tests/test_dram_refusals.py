@@ -81,3 +81,23 @@ def test_describe_error_keeps_the_server_message_and_drops_a_pipeline_command_s_
     assert text.startswith("ResponseError: OOM command not allowed") and "PAYLOAD" not in text and "HSET" not in text
     assert describe_error(ConnectionError("x" * 500 + "\x00")).endswith("...")
     assert "\x00" not in describe_error(ConnectionError("a\x00b"))
+
+
+async def test_a_write_refused_for_itself_does_not_stop_other_writes(caplog: pytest.LogCaptureFixture) -> None:
+    """WRONGTYPE is about one key, not the server: the write is a miss, logged once, and other writes go on."""
+    server = start_redis()
+    try:
+        client = DramClient(RedisDb(server.host, server.port, 0).dram_config)
+        await client.call(lambda r: r.set("switchyard:wrong", "a string"), None, "setup")
+        with caplog.at_level(logging.DEBUG, logger="switchyard.common.dram"):
+            for _ in range(3):
+                assert await client.call(lambda r: r.rpush("switchyard:wrong", "x"), "missed", "agent memory record",
+                                         grows=True) == "missed"
+            assert client.accepts_writes()
+            assert await client.call(lambda r: r.rpush("switchyard:right", "x"), "missed", "agent memory record",
+                                     grows=True) == 1
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "WRONGTYPE" in warnings[0], warnings
+        await client.close()
+    finally:
+        server.stop()

@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -150,7 +151,7 @@ class DramClient:
             return fallback
         except RedisError as exc:  # a refused command (OOM, read-only, wrong type): the server is up
             self._mark_up()
-            if grows:
+            if grows and _refuses_writes(exc):
                 self._mark_refusing(exc, op)
             else:
                 self._refused(exc, op)
@@ -181,7 +182,8 @@ class DramClient:
             self._refusing_since = None
 
     def _refused(self, exc: BaseException, op: str) -> None:
-        """A read or delete refused: logged once per operation and error code (bounded), then DEBUG."""
+        """One command refused (a read, or a write refused for itself, e.g. WRONGTYPE): logged once per
+        operation and error class (at most 64 pairs remembered), then at DEBUG."""
         text = describe_error(exc)
         code = type(exc).__name__
         first = (op, code) not in self._logged_refusals
@@ -217,6 +219,12 @@ class DramClient:
 
 
 _PIPELINE_MARK = "of pipeline caused error: "
+
+
+def _refuses_writes(exc: BaseException) -> bool:
+    """The server refuses every write for now, not this one command: full (OOM), a read-only replica, or
+    unable to persist (MISCONF)."""
+    return isinstance(exc, (OutOfMemoryError, ReadOnlyError)) or "MISCONF" in str(exc)
 
 
 def describe_error(exc: BaseException, limit: int = 160) -> str:
