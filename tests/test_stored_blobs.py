@@ -156,6 +156,7 @@ async def test_foreign_cut_short_and_damaged_dram_entries_are_misses_never_hande
             req = running_request(rid, store.key("seq", rid))
             assert await tiers.restore(req) == 0 and req.recomputed_tokens == 1000
             assert not await client.exists(store.key("seq", rid)), "a refused entry is deleted"
+    print(f"\nDRAM: {len(planted)} planted, cut-short or damaged entries, {len(engine.handed)} handed to the engine")
     assert engine.handed == [] and engine.wrong_payloads() == 0
     assert metric("switchyard_tier_misses_total", tier="dram") == misses + len(planted)
     assert {r: corrupt("dram", r) - before[r] for r in blob_mod.REASONS} == {
@@ -176,15 +177,16 @@ async def test_foreign_cut_short_and_damaged_dram_entries_are_misses_never_hande
 # --------------------------------------------------------------------------- cold: writes cut short
 
 
-def _fail_writes_after(monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
-    """os.write raises ENOSPC once ``limit`` bytes went out: a disk that fills half-way (the edge: the OS)."""
+def _fail_writes_after(monkeypatch: pytest.MonkeyPatch, limit: int, fault: BaseException) -> None:
+    """os.write raises ``fault`` once ``limit`` bytes went out (the edge: the OS): ENOSPC is a disk that fills
+    half-way; any other exception stands for a serializer or a library raising half-way through the blob."""
     real = os.write
     sent = 0
 
     def write(fd: int, data: Any) -> int:
         nonlocal sent
         if sent >= limit:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise fault
         n = real(fd, data)
         sent += n
         return n
@@ -196,8 +198,10 @@ def _cold_files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.mark.parametrize("fault", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("serializer failed")], ids=["disk-full", "serializer-raised"])
 async def test_an_archive_that_fails_half_way_leaves_no_file_and_the_dram_copy_stays(
-        redis_db: RedisDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_db: RedisDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: BaseException) -> None:
     client = redis_db.client()
     engine = BigKvEngine()
     store = kv_store(redis_db)
@@ -210,7 +214,7 @@ async def test_an_archive_that_fails_half_way_leaves_no_file_and_the_dram_copy_s
     now = float(await client.hget(key, "stored_at")) + 3 * 3600  # three hours idle: worth archiving
     errors = metric("switchyard_cold_tier_errors_total", operation="put")
     with monkeypatch.context() as patch:
-        _fail_writes_after(patch, 2 * MIB)  # half of the first 4 MiB blob
+        _fail_writes_after(patch, 2 * MIB, fault)  # half of the first 4 MiB blob
         assert await tiers.scan_dram(now) == (0, 0)
     assert metric("switchyard_cold_tier_errors_total", operation="put") == errors + 1, "one try per scan"
     assert _cold_files(tmp_path / "cold") == [], "nothing under the final name, no temporary name left"
@@ -321,6 +325,7 @@ async def test_a_foreign_file_in_the_cold_folder_is_a_miss_and_is_removed(redis_
         assert await tiers.restore(req) == 0  # a DRAM miss, then a refused cold file: recomputed
         assert not (folder / "seq" / f"{rid}.kv").exists()
     assert (corrupt("cold", "header"), corrupt("cold", "key")) == (header + 1, key + 1)
+    print(f"\ncold: 2 planted files, {len(engine.handed)} handed to the engine")
     assert await tiers.restore(running_request("real", store.key("seq", "real"))) == 1000
     assert engine.wrong_payloads() == 0 and [rid for rid, _ in engine.handed] == ["real"]
     await tiers.aclose()
