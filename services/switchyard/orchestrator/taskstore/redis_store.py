@@ -30,6 +30,7 @@ from redis.retry import Retry
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import DramTierConfig, TaskStoreConfig
+from switchyard.common.dram import describe_error
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
@@ -115,8 +116,8 @@ class RedisTaskStore(TaskStore):
     async def _do(self, call: Awaitable[T]) -> T:
         try:
             return await call
-        except (RedisError, OSError) as exc:
-            raise TaskStoreUnavailable(self.name, exc) from exc
+        except (RedisError, OSError) as exc:  # the server's message only: a pipeline error quotes its arguments
+            raise TaskStoreUnavailable(self.name, describe_error(exc)) from exc
 
     async def _open(self) -> None:
         await self._do(self.redis.ping())
