@@ -122,8 +122,10 @@ def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConf
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port)]
+def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port),
+           *extra]
     if config_dir:
         cmd += ["--config-dir", config_dir]
     # Its own process group: a terminal's Ctrl-C reaches only this launcher, which
@@ -192,6 +194,8 @@ def main(argv: list[str]) -> int:
             ports = (free_port(host), free_port(host)) if args.free_ports else (section.port + i, section.metrics_port + i)
             plan.append((name, kind, *ports))
     dispatchers = [f"{host}:{port}" for _, kind, port, _ in plan if kind == "dispatcher"]
+    http = config.orchestrator.http
+    http_port = (free_port(host) if args.free_ports else http.port) if http.enabled else None
 
     stopping = False
 
@@ -221,8 +225,9 @@ def main(argv: list[str]) -> int:
         for group in (ORDER[:2], ORDER[2:]):
             started = [(n, k, p, m) for n, k, p, m in plan if k in group]
             for name, kind, port, metrics_port in started:
-                children.append(Child(name, port, metrics_port, _spawn(kind, port, metrics_port, env, args.config_dir),
-                                      kind))
+                extra = ("--http-port", str(http_port)) if kind == "orchestrator" and http_port is not None else ()
+                children.append(Child(name, port, metrics_port,
+                                      _spawn(kind, port, metrics_port, env, args.config_dir, extra), kind))
             deadline = time.monotonic() + args.ready_timeout
             for child in children[-len(started):]:
                 while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server):
@@ -247,6 +252,9 @@ def main(argv: list[str]) -> int:
             dram = config.memory.dram
             lines.append(f"  {'redis':<13} {dram.host}:{dram.port} DRAM tier, "
                          f"{'external' if not dram.embedded else 'none (degraded)'}")
+        if http_port is not None:
+            lines.append(f"  {'http':<13} {'https' if config.server.tls.enabled else 'http'}://{host}:{http_port}"
+                         "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
         (orch_port,) = [port for _, kind, port, _ in plan if kind == "orchestrator"]
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')

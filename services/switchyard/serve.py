@@ -36,6 +36,16 @@ def _section(config: SwitchyardConfig, name: str):
     return getattr(config, name)
 
 
+def _faces(name: str, service: Service, config: SwitchyardConfig) -> list[Service]:
+    """The service, and beside the orchestrator its HTTP face (``orchestrator.http``), started after it and
+    stopped before it."""
+    if name != "orchestrator" or not config.orchestrator.http.enabled:
+        return [service]
+    from switchyard.orchestrator.http_face import HttpFace
+
+    return [service, HttpFace(service, config)]
+
+
 async def serve(name: str, config: SwitchyardConfig) -> None:
     """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop."""
     from switchyard.common import process_metrics, telemetry
@@ -45,7 +55,7 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
     try:
         service = make_service(name, config)
         srv = await start_server(
-            [service], config.server.host, section.port, config.server,
+            _faces(name, service, config), config.server.host, section.port, config.server,
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
         metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host)
@@ -70,6 +80,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (0 = any free port)")
+    parser.add_argument("--http-port", type=int,
+                        help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
     setup_logging(args.name)
     try:
@@ -79,6 +91,10 @@ def main(argv: list[str]) -> int:
             overrides[f"{args.name}.port"] = args.port
         if args.metrics_port is not None:
             overrides[f"{args.name}.metrics_port"] = args.metrics_port
+        if args.http_port is not None:
+            if args.name != "orchestrator":
+                parser.error("--http-port: only the orchestrator has an HTTP face")
+            overrides["orchestrator.http.port"] = args.http_port
         if overrides:
             config = config.with_overrides(**overrides)
     except (ConfigError, ValueError) as exc:
