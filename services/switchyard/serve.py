@@ -46,6 +46,21 @@ def _faces(name: str, service: Service, config: SwitchyardConfig) -> list[Servic
     return [service, HttpFace(service, config)]
 
 
+def _profile_endpoint(service: Service, config: SwitchyardConfig):
+    """``/debug/pprof/profile`` of this process's event loop (common/profiling.py), None with
+    ``server.cpu_profile = off``; behind the service's bearer tokens where it checks them."""
+    import asyncio
+
+    from switchyard.common.profiling import LoopProfiler, ProfileEndpoint
+
+    server = config.server
+    if server.cpu_profile == "off":
+        return None
+    tokens = getattr(service, "bearer_tokens", lambda: None)()
+    return ProfileEndpoint(LoopProfiler(asyncio.get_running_loop()), server.cpu_profile, server.host,
+                           server.cpu_profile_max_s, tokens)
+
+
 async def serve(name: str, config: SwitchyardConfig) -> None:
     """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop."""
     from switchyard.common import process_metrics, telemetry
@@ -58,7 +73,8 @@ async def serve(name: str, config: SwitchyardConfig) -> None:
             _faces(name, service, config), config.server.host, section.port, config.server,
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
-        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host)
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
+                                                            profile=_profile_endpoint(service, config))
         lag_monitor = process_metrics.start_loop_lag_monitor()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
         try:
