@@ -227,3 +227,16 @@ async def test_bearer_tokens_of_the_grpc_edge_guard_the_http_face(tmp_path):
         assert ok.status_code == 200
         assert (await client.get("/api/v1/agent/test-001/status", headers=reader)).status_code == 200
         assert (await client.get("/openapi.json")).status_code == 200  # the document needs no token
+
+
+def test_a_token_event_is_the_same_json_as_every_other_event_gets():
+    import json
+
+    from switchyard.orchestrator.http_face import event_bytes
+    from switchyard.orchestrator.http_models import message_dict
+
+    for token in (agent_pb2.TokenEvent(text=' "quoted" \\ line\nbreak \u00e9', index=7, count=2), agent_pb2.TokenEvent()):
+        text = event_bytes(agent_pb2.TaskEvent(token=token)).decode()
+        kind, data = text.split("\n")[:2]
+        assert kind == "event: token" and text.endswith("\n\n")
+        assert json.loads(data.removeprefix("data: ")) == message_dict(token)
