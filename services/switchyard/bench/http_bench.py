@@ -147,11 +147,17 @@ def sse_call(session: Any) -> Callable[[], Awaitable[str | None]]:
                 if reply.status != 200:
                     await reply.read()
                     return str(reply.status)
-                last = ""
-                async for line in reply.content:
-                    if line.startswith(b"event:"):
-                        last = line[6:].strip().decode()
-                return None if last == "final" else f"ended with {last or 'nothing'}"
+                # Lines split per chunk (a line cut by a chunk's end carried over), not read one await
+                # at a time: the client should cost about what the gRPC client's C-core framing does.
+                name, rest = b"", b""
+                async for chunk in reply.content.iter_any():
+                    lines = (rest + chunk).split(b"\n")
+                    rest = lines.pop()
+                    for line in lines:
+                        if line.startswith(b"event: "):
+                            name = line[7:]
+                name = name.decode()
+                return None if name == "final" else f"ended with {name or 'nothing'}"
         except aiohttp.ClientError as exc:
             return type(exc).__name__
 
