@@ -8,7 +8,8 @@ Three phases, each printing its numbers (``-o FILE`` also writes them as JSON):
   priority class and its ``X-Priority`` header, ``--task-type`` react_loop,
   ``--max-tokens`` 512). Open loop: call *i* starts at ``i / rps`` or as soon as
   a worker is free. Latency P50/P95/P99 (ghz's nearest-rank rule) and errors by
-  status.
+  status. ``grpc-submit`` (not run by default) is the same over gRPC SubmitTask,
+  to tell the HTTP face's cost from the stack's.
 - ``stream``: RunTask to its final event, over HTTP (SSE, ``/api/v1/agent/run``)
   and over gRPC, taking turns (``--rounds`` of ``--stream-seconds`` each, the
   order alternating), each with ``--streams`` calls in flight (closed loop) and
@@ -78,9 +79,14 @@ def field_body() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 async def submit_phase(http: str, rps: float, concurrency: int, duration_s: float, task_type: str,
-                       max_tokens: int) -> Calls:
-    """Open-loop submits (see the module docstring)."""
+                       max_tokens: int, grpc_addr: str = "") -> Calls:
+    """Open-loop submits (see the module docstring); with ``grpc_addr``, gRPC SubmitTask with the same fields
+    (agent and priority in the request, ``x-priority`` in the metadata) instead of HTTP."""
     import aiohttp
+    import grpc
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+    from switchyard.common.channels import open_channel
 
     calls = Calls()
     total = int(rps * duration_s)
@@ -88,7 +94,9 @@ async def submit_phase(http: str, rps: float, concurrency: int, duration_s: floa
     for i in range(total):
         queue.put_nowait(i)
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(http, connector=connector) as session:
+    async with aiohttp.ClientSession(http, connector=connector) as session, \
+            open_channel(grpc_addr or "127.0.0.1:1") as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
         start = time.perf_counter()
 
         async def worker() -> None:
@@ -100,6 +108,18 @@ async def submit_phase(http: str, rps: float, concurrency: int, duration_s: floa
                 body, headers = field_body()
                 body.update(task_type=task_type, max_tokens=max_tokens)
                 t0 = time.perf_counter()
+                if grpc_addr:
+                    request = agent_pb2.RunTaskRequest(
+                        agent_id=body["agent_id"], task_type=task_type, max_tokens=max_tokens,
+                        payload="Continue the agent's task: take its next step.",
+                        priority=agent_pb2.Priority.Value(body["priority"].upper()))
+                    try:
+                        await stub.SubmitTask(request, metadata=(("x-priority", body["priority"]),), timeout=30)
+                    except grpc.aio.AioRpcError as exc:
+                        calls.fail(exc.code().name)
+                        continue
+                    calls.latencies.append(time.perf_counter() - t0)
+                    continue
                 try:
                     async with session.post("/api/v1/agent/submit", json=body, headers=headers) as reply:
                         await reply.read()
@@ -258,13 +278,16 @@ async def _main(args: Any) -> dict[str, Any]:
     http, grpc_addr, metrics = _endpoints(args)
     results: dict[str, Any] = {"http": http, "grpc": grpc_addr}
     phases = args.phases.split(",")
-    if "submit" in phases:
-        calls = await submit_phase(http, args.rps, args.concurrency, args.duration, args.task_type, args.max_tokens)
-        results["submit"] = {"offered_rps": args.rps, "concurrency": args.concurrency, **calls.summary()}
-        s = results["submit"]
-        print(f"submit: {s['ok']} ok, {s['errors']} errors {s['failures'] or ''} in {s['wall_s']:.1f} s "
-              f"({s['per_s']:.1f}/s, offered {args.rps:g}); P50 {s['p50_ms']:.2f} ms, P95 {s['p95_ms']:.2f} ms, "
-              f"P99 {s['p99_ms']:.2f} ms", flush=True)
+    for phase, over in (("submit", ""), ("grpc-submit", grpc_addr)):
+        if phase not in phases:
+            continue
+        calls = await submit_phase(http, args.rps, args.concurrency, args.duration, args.task_type, args.max_tokens,
+                                   over)
+        results[phase] = {"offered_rps": args.rps, "concurrency": args.concurrency, **calls.summary()}
+        s = results[phase]
+        print(f"{'HTTP submit' if phase == 'submit' else 'gRPC SubmitTask'}: {s['ok']} ok, {s['errors']} errors "
+              f"{s['failures'] or ''} in {s['wall_s']:.1f} s ({s['per_s']:.1f}/s, offered {args.rps:g}); "
+              f"P50 {s['p50_ms']:.2f} ms, P95 {s['p95_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms", flush=True)
     if "stream" in phases:
         out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds)
         sse, grpc_ = out["sse"].summary(), out["grpc"].summary()
@@ -304,9 +327,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile-seconds", type=float, default=10.0, help="profile: seconds per turn (default 10)")
     parser.add_argument("-o", "--output", help="also write the numbers as JSON here")
     args = parser.parse_args(argv)
-    unknown = set(args.phases.split(",")) - {"submit", "stream", "profile"}
+    unknown = set(args.phases.split(",")) - {"submit", "grpc-submit", "stream", "profile"}
     if unknown:
-        parser.error(f"--phases: expected submit, stream and/or profile (got {', '.join(sorted(unknown))})")
+        parser.error(f"--phases: expected submit, grpc-submit, stream and/or profile (got {', '.join(sorted(unknown))})")
     if args.rps <= 0 or args.concurrency < 1 or args.streams < 1 or args.rounds < 1 or args.profile_seconds < 1:
         parser.error("--rps, --concurrency, --streams and --rounds must be positive, --profile-seconds at least 1")
     import uvloop
