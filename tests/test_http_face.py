@@ -28,9 +28,13 @@ FIELD_BODY = {"agent_id": "test-001", "priority": "core", "task_type": "react_lo
 
 
 @contextlib.asynccontextmanager
-async def http_stack(**overrides):
-    """(httpx client on the HTTP face, gRPC stub, downstream) of one orchestrator serving both faces."""
+async def http_stack(client_options: dict | None = None, **overrides):
+    """(httpx client on the HTTP face, gRPC stub, downstream) of one orchestrator serving both faces;
+    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client."""
     base = load_config("config", service="orchestrator")
+    if "server.tls" in overrides:
+        base = base.with_overrides(**{"server.tls": overrides.pop("server.tls")})
+    scheme = "https" if base.server.tls.enabled else "http"
     down = Downstream()
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
@@ -43,8 +47,9 @@ async def http_stack(**overrides):
             orch = OrchestratorService(cfg)
             face = HttpFace(orch, cfg, port=0)
             async with running([orch, face], cfg.server) as srv:
-                channel = open_channel(f"127.0.0.1:{srv.port}")
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+                async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{face.port}", timeout=30,
+                                             **(client_options or {})) as client:
                     try:
                         yield client, agent_pb2_grpc.AgentServiceStub(channel), down
                     finally:
@@ -240,3 +245,57 @@ def test_a_token_event_is_the_same_json_as_every_other_event_gets():
         kind, data = text.split("\n")[:2]
         assert kind == "event: token" and text.endswith("\n\n")
         assert json.loads(data.removeprefix("data: ")) == message_dict(token)
+
+
+async def test_a_client_that_leaves_a_stream_cancels_its_task():
+    async with http_stack() as (client, _, down):
+        down.gate = asyncio.Event()  # Generate waits: the task is inside infer when the client leaves
+        async with client.stream("POST", "/api/v1/agent/run", json={**FIELD_BODY, "task_type": "chat"}) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("event: accepted"):
+                    break
+            while not down.requests:
+                await asyncio.sleep(0.01)
+        for _ in range(500):  # the connection is closed: RunTask's task is cancelled, and its Generate with it
+            if down.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert down.cancelled == [down.requests[0].request_id]
+        down.gate.set()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    import trustme
+
+    folder = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.private_key_pem.write_to_path(folder / "key.pem")
+    leaf.cert_chain_pems[0].write_to_path(folder / "cert.pem")
+    ca.cert_pem.write_to_path(folder / "ca.pem")
+    return folder
+
+
+@pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
+async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mtls):
+    import ssl
+
+    files = {"cert_file": str(pki / "cert.pem"), "key_file": str(pki / "key.pem"), "ca_file": str(pki / "ca.pem")}
+    verify = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if mtls:
+        verify.load_cert_chain(str(pki / "cert.pem"), str(pki / "key.pem"))
+    tls = {"enabled": True, "require_client_auth": mtls, **files}
+    async with http_stack({"verify": verify}, **{"server.tls": tls}) as (client, _, _down):
+        reply = await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"})
+        assert reply.status_code == 200 and reply.json()["status"] == "accepted"
+        plain = httpx.AsyncClient(base_url=str(client.base_url).replace("https", "http"), timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            await plain.get("/openapi.json")  # plain text against the TLS port
+        await plain.aclose()
+        if mtls:
+            anonymous = httpx.AsyncClient(base_url=str(client.base_url), timeout=10,
+                                          verify=ssl.create_default_context(cafile=str(pki / "ca.pem")))
+            with pytest.raises(httpx.HTTPError):
+                await anonymous.get("/openapi.json")  # no client certificate
+            await anonymous.aclose()

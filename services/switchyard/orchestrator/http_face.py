@@ -169,7 +169,9 @@ class HttpFace:
             OSError: the port is taken (the message names host and port), or a TLS file cannot be read.
         """
         host = self.config.server.host
-        self._runner = web.AppRunner(self.app(), access_log=None,
+        # handler_cancellation: a client that leaves cancels its handler (aiohttp's default since 3.9 is to
+        # let it run), so RunTask's task is cancelled as a gRPC call's is when its caller goes.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                      shutdown_timeout=self.config.server.shutdown_grace_s)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, self.port, ssl_context=tls_context(self.config.server.tls),
