@@ -27,6 +27,7 @@ names as in agent.proto).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -259,7 +260,10 @@ class HttpFace:
 
     async def submit(self, request: web.Request) -> web.Response:
         async def call() -> web.Response:
-            accepted = await self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items()))
+            # Shielded: a client that leaves mid-submit does not cut the record from its run (the task is
+            # recorded and runs; resubmitting its task_id answers it).
+            accepted = await asyncio.shield(
+                self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items())))
             return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
                                       "task_id": accepted.task_id, "trace_id": accepted.trace_id})
 
