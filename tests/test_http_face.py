@@ -47,6 +47,7 @@ async def http_stack(client_options: dict | None = None, **overrides):
             orch = OrchestratorService(cfg)
             face = HttpFace(orch, cfg, port=0)
             async with running([orch, face], cfg.server) as srv:
+                down.orchestrator_address = f"127.0.0.1:{srv.port}"
                 channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
                 async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{face.port}", timeout=30,
                                              **(client_options or {})) as client:
@@ -299,3 +300,21 @@ async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mt
             with pytest.raises(httpx.HTTPError):
                 await anonymous.get("/openapi.json")  # no client certificate
             await anonymous.aclose()
+
+
+
+async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
+    from switchyard.bench import http_bench
+
+    async with http_stack() as (client, _, down):
+        base = str(client.base_url).rstrip("/")
+        calls = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.5, task_type="chat",
+                                              max_tokens=16)
+        assert len(calls.latencies) == 20 and not calls.failures
+        assert calls.summary()["p95_ms"] == round(1000 * http_bench.nearest_rank(calls.latencies, 95), 3)
+        over_grpc = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.25, task_type="chat",
+                                                  max_tokens=16, grpc_addr=down.orchestrator_address)
+        assert len(over_grpc.latencies) == 10 and not over_grpc.failures
+        streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
+        for kind in ("sse", "grpc"):
+            assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
