@@ -42,6 +42,7 @@ from switchyard import __version__
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, status_for
+from switchyard.common.tasks import settle
 from switchyard.orchestrator.http_models import TaskRequest, describe_error, message_dict, openapi, status_json
 from switchyard.orchestrator.validation import parse_priority
 
@@ -262,8 +263,9 @@ class HttpFace:
         async def call() -> web.Response:
             # Shielded: a client that leaves mid-submit does not cut the record from its run (the task is
             # recorded and runs; resubmitting its task_id answers it).
-            accepted = await asyncio.shield(
+            submit = asyncio.ensure_future(
                 self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items())))
+            accepted = await asyncio.shield(settle(submit))  # settle: a left client's answer is still read
             return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
                                       "task_id": accepted.task_id, "trace_id": accepted.trace_id})
 
