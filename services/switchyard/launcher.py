@@ -86,6 +86,8 @@ class Child:
     """The service it runs (orchestrator, retrieval or dispatcher); defaults to ``name``."""
     port_file: Path | None = None
     """Where it writes the ports it bound (``switchyard serve --port-file``)."""
+    http_port: int | None = None
+    """The orchestrator's HTTP face port it bound (None: no HTTP face)."""
 
     def read_ports(self) -> bool:
         """Take the bound ports from :attr:`port_file`; False while it is not written yet."""
@@ -98,6 +100,7 @@ class Child:
         if bound.get("pid") != self.proc.pid:
             return False
         self.port, self.metrics_port = int(bound["port"]), int(bound["metrics_port"])
+        self.http_port = bound.get("http_port")
         return True
 
     def __post_init__(self) -> None:
@@ -159,9 +162,9 @@ def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConf
 
 
 def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None,
-           port_file: Path) -> subprocess.Popen:
+           port_file: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port),
-           "--port-file", str(port_file)]
+           "--port-file", str(port_file), *extra]
     if config_dir:
         cmd += ["--config-dir", config_dir]
     # Its own process group: a terminal's Ctrl-C reaches only this launcher, which
@@ -242,6 +245,8 @@ def main(argv: list[str]) -> int:
             name = kind if i == 0 else f"{kind}-{i + 1}"
             ports = (0, 0) if args.free_ports else (section.port + i, section.metrics_port + i)
             plan.append((name, kind, *ports))
+    http = config.orchestrator.http
+    http_port = (0 if args.free_ports else http.port) if http.enabled else None
 
     stopping = False
 
@@ -276,7 +281,8 @@ def main(argv: list[str]) -> int:
             started = [(n, k, p, m) for n, k, p, m in plan if k in group]
             for name, kind, port, metrics_port in started:
                 port_file = Path(port_files.name) / f"{name}.json"
-                proc = _spawn(kind, port, metrics_port, env, args.config_dir, port_file)
+                extra = ("--http-port", str(http_port)) if kind == "orchestrator" and http_port is not None else ()
+                proc = _spawn(kind, port, metrics_port, env, args.config_dir, port_file, extra)
                 services.append(Child(name, port, metrics_port, proc, kind, port_file))
             deadline = time.monotonic() + args.ready_timeout
             for child in services[-len(started):]:
@@ -303,7 +309,11 @@ def main(argv: list[str]) -> int:
             dram = config.memory.dram
             lines.append(f"  {'redis':<13} {dram.host}:{dram.port} DRAM tier, "
                          f"{'external' if not dram.embedded else 'none (degraded)'}")
-        (orch_port,) = [c.port for c in services if c.kind == "orchestrator"]
+        (orchestrator,) = [c for c in services if c.kind == "orchestrator"]
+        if orchestrator.http_port is not None:
+            lines.append(f"  {'http':<13} {'https' if config.server.tls.enabled else 'http'}://{host}:{orchestrator.http_port}"
+                         "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
+        orch_port = orchestrator.port
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
