@@ -15,7 +15,9 @@ Tokens are compared with :func:`hmac.compare_digest` against every known token
 (no early exit), so the time taken does not reveal how much of a guess was
 right. A token never appears in a log line, span, metric or error message.
 Methods in ``auth.exempt_methods`` (health checks by default, so probes need no
-token) skip the check. ``switchyard_auth_failures_total{reason}`` counts refusals.
+token) skip the check. A refused call of any kind (unary, server-streaming,
+client-streaming, bidirectional such as reflection's ServerReflectionInfo) is
+answered at once, without waiting for a message from the caller. ``switchyard_auth_failures_total{reason}`` counts refusals.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def load_tokens(config: AuthConfig) -> list[_Token]:
     return tokens
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a known bearer token (see the module docstring).
+class BearerTokens:
+    """The known tokens and the check of one call against them (gRPC metadata or an HTTP header alike).
 
     Args:
         config: ``orchestrator.auth``.
@@ -112,16 +114,29 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, config: AuthConfig) -> None:
         self._tokens = load_tokens(config)
-        self._exempt = frozenset(config.exempt_methods)
-        log.info("auth: bearer tokens required (%d known); exempt: %s", len(self._tokens),
-                 ", ".join(sorted(self._exempt)) or "none")
+        self.exempt = frozenset(config.exempt_methods)
 
-    def _check(self, method: str, metadata: Any) -> tuple[str, grpc.StatusCode, str] | None:
-        values = [v for k, v in (metadata or ()) if k == "authorization"]
-        if not values:
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def check(self, method: str, authorization: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when ``authorization`` (``Bearer <token>``, None when absent) may call ``method``
+        (``agent.AgentService/RunTask``); else the refusal's (code, message), counted in
+        ``switchyard_auth_failures_total``. Exempt methods always pass."""
+        if method.lstrip("/") in self.exempt:
+            return None
+        refused = self._refusal(method, authorization)
+        if refused is None:
+            return None
+        reason, code, details = refused
+        AUTH_FAILURES.labels(reason).inc()
+        return code, details
+
+    def _refusal(self, method: str, authorization: str | None) -> tuple[str, grpc.StatusCode, str] | None:
+        if authorization is None:
             return ("missing", grpc.StatusCode.UNAUTHENTICATED,
                     "missing 'authorization' metadata: send 'authorization: Bearer <token>'")
-        scheme, _, presented = str(values[0]).partition(" ")
+        scheme, _, presented = str(authorization).partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
                     "'authorization' metadata must be 'Bearer <token>'")
@@ -137,27 +152,61 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                     f"the bearer token may not call {method.lstrip('/')}")
         return None
 
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a known bearer token (see the module docstring).
+
+    Args:
+        config: ``orchestrator.auth``, or the :class:`BearerTokens` already loaded from it.
+
+    Raises:
+        AuthConfigError: see :func:`load_tokens`.
+    """
+
+    def __init__(self, config: AuthConfig | BearerTokens) -> None:
+        self.tokens = config if isinstance(config, BearerTokens) else BearerTokens(config)
+        log.info("auth: bearer tokens required (%d known); exempt: %s", len(self.tokens),
+                 ", ".join(sorted(self.tokens.exempt)) or "none")
+
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: grpc.HandlerCallDetails
     ) -> Any:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.lstrip("/") in self._exempt:
+        if handler is None:
             return handler
-        refused = self._check(method, handler_call_details.invocation_metadata)
+        values = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
+        refused = self.tokens.check(handler_call_details.method, str(values[0]) if values else None)
         if refused is None:
             return handler
-        reason, code, details = refused
-        AUTH_FAILURES.labels(reason).inc()
+        code, details = refused
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, "orchestrator"),))
+        return refusing_handler(handler, code, details)
 
-        if handler.unary_stream:
-            async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse(request, context)
-                yield  # pragma: no cover - abort raised above
 
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s own kind that answers ``code`` at once.
+
+    Of the same kind, so that a client-streaming or bidirectional call is answered
+    as soon as it arrives: a unary-request handler put in its place would make grpc
+    wait for the caller's first message, and a caller that sends none (a silent
+    bidirectional client) would hang until its deadline. The request stream is never
+    read.
+    """
+    trailers = ((ORIGIN_KEY, "orchestrator"),)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, details, trailing_metadata=trailers)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, details, trailing_metadata=trailers)
+        yield  # pragma: no cover - abort raised above
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+    behaviour = refuse_stream if kind[1] else refuse
+    return kinds[kind](behaviour, handler.request_deserializer, handler.response_serializer)

