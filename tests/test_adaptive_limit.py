@@ -55,6 +55,7 @@ def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows
     ``trace`` gets (limit, in flight) after each window.
     """
     for _ in range(windows):
+        limit.on_tokens(0, t)  # the window clock ticks here: each window is [t, t + WINDOW_S)
         want = min(offered, limit.lower_class_ceiling)
         while limit.in_flight < want:
             limit.acquire(BATCH, t)
