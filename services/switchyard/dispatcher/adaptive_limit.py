@@ -43,9 +43,10 @@ CORE headroom below):
   start does), holding there until it is measured;
 - knee confirmed: ``target = knee + reserve`` and
   ``limit += smoothing x (target - limit)``, never upwards unless saturated;
-  while saturated and a level below the knee is remembered with unmeasured
-  levels between, the target is their midpoint instead (bisection, which the
-  doubling probes need: they find the knee within a factor of two);
+  the doubling probes find the knee within a factor of two, on the safe side
+  for throughput (the first level measured to reach the fraction is held; a
+  bisection below it, tried, followed one noisy window down on a shared
+  machine);
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
 - the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
@@ -115,6 +116,10 @@ CONFIRM_RATIO = 2.0
 """A knee is confirmed once a level this many times higher (and one stream more) was measured."""
 SATURATED_FILL = 0.9
 """A window is saturated when its mean in flight reaches this fraction of the NORMAL/BATCH ceiling."""
+BRAKE_MIN_WINDOWS = 3
+"""The TTFT brake compares against a level measured in at least this many windows."""
+BRAKE_MIN_SAMPLES = 3
+"""... with a window mean over at least this many TTFTs (one slow first token is not a slower server)."""
 BRAKE_FLOOR = 0.5
 """The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
 
@@ -176,6 +181,7 @@ class AdaptiveConcurrencyLimit:
         self._tokens = 0
         self._ttft_sum = 0.0
         self._ttft_n = 0
+        self._window_ttfts = 0  # TTFT samples in the window being applied
         limit_gauge.set(self.limit)
         knee_gauge.set(0)
         in_flight_gauge.set(0)
@@ -261,6 +267,7 @@ class AdaptiveConcurrencyLimit:
         span = now - self._window_start
         mean, tokens = self._area / span, self._tokens
         ttft = self._ttft_sum / self._ttft_n if self._ttft_n else None
+        self._window_ttfts = self._ttft_n
         self._window_start, self._area, self._tokens, self._ttft_sum, self._ttft_n = now, 0.0, 0, 0.0, 0
         if mean < 0.5 or tokens == 0:
             return  # idle: nothing learnt
@@ -285,7 +292,8 @@ class AdaptiveConcurrencyLimit:
         if level is None:
             level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
         else:
-            if ttft_s is not None and level.ttft_s is not None and ttft_s > self.config.tolerance * level.ttft_s:
+            if (ttft_s is not None and level.ttft_s is not None and level.windows >= BRAKE_MIN_WINDOWS
+                    and self._window_ttfts >= BRAKE_MIN_SAMPLES and ttft_s > self.config.tolerance * level.ttft_s):
                 braked = True
                 self._set(self.limit * max(BRAKE_FLOOR, self.config.tolerance * level.ttft_s / ttft_s))
             level.tokens_per_s += LEVEL_ALPHA * (tokens_per_s - level.tokens_per_s)
@@ -302,8 +310,7 @@ class AdaptiveConcurrencyLimit:
                 self._set(max(self.limit, self._probe_goal()))
             return
         assert self.knee is not None
-        hold = self._hold_level() if saturated else int(self.knee)  # bisect only on what a full limit measures
-        target = self.limit + self.config.smoothing * (hold + self.reserve - self.limit)
+        target = self.limit + self.config.smoothing * (self.knee + self.reserve - self.limit)
         if target < self.limit or saturated:
             self._set(target)
 
@@ -313,17 +320,6 @@ class AdaptiveConcurrencyLimit:
         if self.knee is None:
             return self.limit + math.sqrt(self.limit)
         return math.ceil(max(self.knee + 1, CONFIRM_RATIO * self.knee)) + self.reserve
-
-    def _hold_level(self) -> int:
-        """The level to hold NORMAL and BATCH at: the knee, or while a level below it is remembered
-        with unmeasured levels between, the midpoint (bisection: the upward probes double, so the
-        knee is first known within a factor of two)."""
-        assert self.knee is not None
-        knee = int(self.knee)
-        below = [key for key in self.levels if key < knee]
-        if below and knee - max(below) >= 2:
-            return (max(below) + knee) // 2
-        return knee
 
     def _estimate(self, now: float) -> bool:
         """Forget stale levels, recompute the knee and plateau; True when the knee is confirmed."""
