@@ -44,9 +44,9 @@ CORE headroom below):
 - knee confirmed: ``target = knee + reserve`` and
   ``limit += smoothing x (target - limit)``, never upwards unless saturated;
   the doubling probes find the knee within a factor of two, on the safe side
-  for throughput (the first level measured to reach the fraction is held; a
-  bisection below it, tried, followed one noisy window down on a shared
-  machine);
+  for throughput: the first level measured to reach the fraction is held, and
+  no level below it is searched (a search downwards follows single noisy
+  windows down when other work shares the server's CPU);
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
 - the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
