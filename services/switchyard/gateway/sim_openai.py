@@ -63,6 +63,11 @@ class SimOpenAIOptions:
     faults: dict[str, Fault] = field(default_factory=dict)
     latency: bool = True
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    owned_by: str = "switchyard-sim"
+    """``owned_by`` of every model in ``GET /v1/models`` (``vllm``, ``sglang``... to stand in for a server flavour)."""
+    refuse_fields: frozenset[str] = frozenset()
+    """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
+    answers fields it does not take (``priority``)."""
     max_streams: int | None = None
     """Answer 429 (``Retry-After: 0``) to a streaming request while this many streams are open, as a
     rate-limited hosted API does; None: no limit."""
@@ -73,6 +78,8 @@ class SimOpenAIState:
     """What the server saw: request bodies (in arrival order) and per-model request counts."""
 
     requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Request headers of every ``POST /v1/chat/completions`` (lower-cased names), in arrival order."""
     counts: dict[str, int] = field(default_factory=dict)
     active_streams: int = 0
     open_streams: int = 0
@@ -186,7 +193,7 @@ class SimOpenAI:
         """``GET /v1/models``: the configured model ids."""
         if (denied := self._auth_error(request, None)) is not None:
             return denied
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "switchyard-sim"} for m in self.options.models]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.options.owned_by} for m in self.options.models]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -196,14 +203,18 @@ class SimOpenAI:
         model = request.path_params["model"]
         if model not in self.options.models:
             return _error(404, f"The model '{model}' does not exist", "model_not_found", param="model")
-        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "switchyard-sim"})
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": self.options.owned_by})
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions`` with faults applied first."""
+        self.state.headers.append({k.lower(): v for k, v in request.headers.items()})
         try:
             body = await request.json()
         except ValueError:
             return _error(400, "request body is not JSON", "invalid_json")
+        if isinstance(body, dict) and (unexpected := self.options.refuse_fields & set(body)):
+            self.state.requests.append(body)
+            return JSONResponse({"detail": f"Unexpected fields in the request: {unexpected}"}, status_code=422)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
         model, suffix = split_model(str(body.get("model") or ""))
@@ -412,6 +423,11 @@ def _parser() -> argparse.ArgumentParser:
                              "(keys: status fail_first cut_after no_done no_finish malformed_after no_choices slow_ms mismatch "
                              f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
+    parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
+                        help="owned_by of the listed models, e.g. vllm or sglang to stand in for that server")
+    parser.add_argument("--refuse-field", action="append", default=[], metavar="FIELD",
+                        help="answer 422 'Unexpected fields in the request' to a body with FIELD (repeatable), "
+                             "as transformers serve answers 'priority'")
     parser.add_argument("--config-dir", help="read the sim latency parameters from this config folder")
     return parser
 
@@ -435,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
 
         sim = load_config(args.config_dir).sim
     options = SimOpenAIOptions(
-        models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim
+        models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim,
+        owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field),
     )
     print(f"sim-openai listening on http://{args.host}:{args.port}/v1 (models: {', '.join(options.models)})",
           flush=True)
