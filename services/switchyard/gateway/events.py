@@ -61,11 +61,16 @@ class ToolCallOut:
 
 @dataclass(frozen=True)
 class Finished:
-    """Last event of a stream: why it stopped, usage (if reported) and the upstream model id."""
+    """Last event of a stream: why it stopped, usage (if reported) and the upstream model id.
+
+    ``ending``: how the body ended, ``done_marker`` (``data: [DONE]``) or ``finish_reason`` (a clean
+    end after a choice's finish_reason, no marker); not part of equality.
+    """
 
     finish_reason: str | None
     usage: Usage | None
     model: str
+    ending: str | None = field(default=None, compare=False)
 
 
 StreamEvent = Union[Token, ToolCallOut, Finished]
