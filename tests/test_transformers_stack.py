@@ -70,6 +70,7 @@ def answered(events: list, max_tokens: int) -> list[str]:
     return tokens
 
 
+@pytest.mark.timeout(900)  # the first user of pydoc_index_dir builds it (minutes on a loaded machine)
 async def test_chat_rag_answer_and_react_loop_are_served(clean_proxy_env, transformers_server, pydoc_index_dir):
     """Every stream ends without [DONE]; each task finishes with its tokens and the server's usage."""
     async with stack(transformers_server.base_url, transformers_server.model, pydoc_index_dir) as stub:
@@ -155,3 +156,27 @@ async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env
         await asyncio.sleep(0.05)
     assert done.get("cancel-b:0") == n + 32, server.log_tail()
     assert "cancel-a:0" not in done, done
+
+
+def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server, tmp_path, capsys):
+    """Detected as transformers serve; the stream without [DONE] passes; forward_priority with the server
+    named vllm by mistake is named as a refused field."""
+    import json
+    import shutil
+
+    from switchyard.gateway import doctor
+
+    config = tmp_path / "config"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "config", config)
+    queue = json.loads((config / "queue.json").read_text())
+    queue["model_gateway"].update(base_url=transformers_server.base_url, default_model=transformers_server.model,
+                                  fallback_model="", model_map={}, api_key_required=False)
+    (config / "queue.json").write_text(json.dumps(queue))
+    code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out
+    assert code == 0, out
+    assert "transformers (detected from GET /models)" in out
+    assert "ended after its finish_reason without data: [DONE] (a finished stream)" in out
+    queue["model_gateway"].update(forward_priority=True, server="vllm")
+    (config / "queue.json").write_text(json.dumps(queue))
+    code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out
+    assert code == 1 and "FAIL  request field priority" in out and "Unexpected fields" not in out.split("FAIL")[0]
