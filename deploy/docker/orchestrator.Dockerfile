@@ -36,5 +36,5 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /app
 USER 10001:10001
 # gRPC, Prometheus metrics
-EXPOSE 50051 9101
+EXPOSE 50051 9101 8080
 ENTRYPOINT ["switchyard", "serve", "orchestrator"]

@@ -10,6 +10,7 @@ their own arguments; this module only routes to them:
 - ``doctor``: check the model gateway set-up (switchyard.gateway.doctor)
 - ``bench``: load generator and A/B comparison (switchyard.bench.cli)
 - ``top``: live terminal view of a running stack from its /metrics (switchyard.top)
+- ``profile SERVICE``: CPU profile of a running service (switchyard.cpu_profile)
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
               "compare, sched, isolation, agents, route, fault, retrieval"),
     "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
+    "profile": ("switchyard.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
+                "GC pauses; pprof file with --output"),
 }
 
 

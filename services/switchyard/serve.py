@@ -7,7 +7,9 @@ NAME is orchestrator, retrieval or dispatcher (gRPC services), or sim-openai
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 import sys
 
 import uvloop
@@ -36,21 +38,63 @@ def _section(config: SwitchyardConfig, name: str):
     return getattr(config, name)
 
 
-async def serve(name: str, config: SwitchyardConfig) -> None:
-    """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop."""
+def write_port_file(path: str, port: int, metrics_port: int, http_port: int | None = None) -> None:
+    """Write ``{"pid", "port", "metrics_port", "http_port"}`` to ``path`` (a temporary name, then a rename: a reader never
+    sees half of it). The ports are the ones this process bound, so a caller that asked for port 0 learns them
+    without a race between picking a port and binding it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"pid": os.getpid(), "port": port, "metrics_port": metrics_port, "http_port": http_port}, handle)
+    os.replace(tmp, path)
+
+
+def _faces(name: str, service: Service, config: SwitchyardConfig) -> list[Service]:
+    """The service, and beside the orchestrator its HTTP face (``orchestrator.http``), started after it and
+    stopped before it."""
+    if name != "orchestrator" or not config.orchestrator.http.enabled:
+        return [service]
+    from switchyard.orchestrator.http_face import HttpFace
+
+    return [service, HttpFace(service, config)]
+
+
+def _profile_endpoint(service: Service, config: SwitchyardConfig):
+    """``/debug/pprof/profile`` of this process's event loop (common/profiling.py), None with
+    ``server.cpu_profile = off``; behind the service's bearer tokens where it checks them."""
+    import asyncio
+
+    from switchyard.common.profiling import LoopProfiler, ProfileEndpoint
+
+    server = config.server
+    if server.cpu_profile == "off":
+        return None
+    tokens = getattr(service, "bearer_tokens", lambda: None)()
+    return ProfileEndpoint(LoopProfiler(asyncio.get_running_loop()), server.cpu_profile, server.host,
+                           server.cpu_profile_max_s, tokens)
+
+
+async def serve(name: str, config: SwitchyardConfig, port_file: str | None = None) -> None:
+    """Start ``name`` on its configured port with tracing and metrics; return after a graceful stop.
+
+    With ``port_file``, the bound ports are written there once both are bound (:func:`write_port_file`)."""
     from switchyard.common import process_metrics, telemetry
 
     shutdown_tracing = telemetry.setup_tracing(name)
     section = _section(config, name)
     try:
         service = make_service(name, config)
+        faces = _faces(name, service, config)
         srv = await start_server(
-            [service], config.server.host, section.port, config.server,
+            faces, config.server.host, section.port, config.server,
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
-        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host)
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
+                                                            profile=_profile_endpoint(service, config))
         lag_monitor = process_metrics.start_loop_lag_monitor()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
+        if port_file:
+            http_port = next((face.port for face in faces if face is not service), None)
+            write_port_file(port_file, srv.port, metrics_port, http_port)
         try:
             await serve_until_signal(srv, config.server.shutdown_grace_s)
         finally:
@@ -70,6 +114,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (0 = any free port)")
+    parser.add_argument("--port-file", help="write the bound ports here as JSON once serving (for switchyard up)")
+    parser.add_argument("--http-port", type=int,
+                        help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
     setup_logging(args.name)
     try:
@@ -79,13 +126,17 @@ def main(argv: list[str]) -> int:
             overrides[f"{args.name}.port"] = args.port
         if args.metrics_port is not None:
             overrides[f"{args.name}.metrics_port"] = args.metrics_port
+        if args.http_port is not None:
+            if args.name != "orchestrator":
+                parser.error("--http-port: only the orchestrator has an HTTP face")
+            overrides["orchestrator.http.port"] = args.http_port
         if overrides:
             config = config.with_overrides(**overrides)
     except (ConfigError, ValueError) as exc:
         print(f"switchyard serve {args.name}: bad configuration:\n{exc}", file=sys.stderr)
         return 2
     try:
-        uvloop.run(serve(args.name, config))
+        uvloop.run(serve(args.name, config, args.port_file))
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # start-up failures: missing index, port in use, ...

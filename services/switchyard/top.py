@@ -240,7 +240,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     up, error), ``queues`` (per queue: depth, capacity, saturation, wait_p50_s,
     wait_p95_s, rejected), ``batch`` (mean_size, p95_size, flushes by reason),
     ``engine`` (busy_ratio, roofline_efficiency, compute_score,
-    gpu_utilization_ratio), ``classes`` (per priority class: running, waiting,
+    gpu_utilization_ratio, kv_fragmentation_ratio, kv_oom since start and kv_oom_in_window), ``classes`` (per priority class: running, waiting,
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
     ``tiers`` (bytes per tier gauge, once the dispatcher exports any),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
@@ -282,6 +282,9 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
             "roofline_efficiency": per_busy / bound if per_busy is not None and bound else None,
             "compute_score": d.gauge("switchyard_compute_score"),
             "gpu_utilization_ratio": d.gauge("switchyard_gpu_utilization_ratio"),
+            "kv_fragmentation_ratio": d.gauge("switchyard_kv_fragmentation_ratio"),
+            "kv_oom": d.gauge("switchyard_kv_oom_total"),
+            "kv_oom_in_window": d.increase("switchyard_kv_oom_total"),
         }
         out["classes"] = {
             c: {
@@ -373,6 +376,8 @@ def render(snap: dict[str, Any], source: str) -> Any:
         parts.append(Text(
             f"engine  busy {_pct(e['busy_ratio'])}   roofline efficiency {_pct(e['roofline_efficiency'])}   "
             f"compute score {_n(e['compute_score'], 1)}   GPU util {_pct(e['gpu_utilization_ratio'])}\n"
+            f"KV      fragmentation {_pct(e['kv_fragmentation_ratio'])}   OOM {_n(e['kv_oom'])} "
+            f"(+{_n(e['kv_oom_in_window'])})\n"
             f"batch   mean {_n(b['mean_size'], 1)}   P95 {_n(b['p95_size'], 1)}   flushes: {flushes}\n"
             f"tasks in flight {_n(snap['tasks_in_flight'])}" + _dram_line(snap["dram"])
         ))

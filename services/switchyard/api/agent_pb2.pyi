@@ -215,10 +215,12 @@ class TaskEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage: _Optional[_Union[StageEvent, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallEvent, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEvent, _Mapping]] = ..., final: _Optional[_Union[FinalEvent, _Mapping]] = ...) -> None: ...
 
 class GetTaskStatusRequest(_message.Message):
-    __slots__ = ("task_id",)
+    __slots__ = ("task_id", "agent_id")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     task_id: str
-    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+    agent_id: str
+    def __init__(self, task_id: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("task_id", "state", "result", "error", "compute_score_used", "memory_peak_bytes", "timings")

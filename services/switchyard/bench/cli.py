@@ -16,6 +16,8 @@ Subcommands:
   for every call (:mod:`switchyard.bench.fault`).
 - ``retrieval``: retrieval answer quality and time per query
   (:mod:`switchyard.retrieval.quality_bench`).
+- ``diff``: two ghz-format reports side by side (:mod:`switchyard.bench.diff`).
+- ``http``: the orchestrator's HTTP face under load, SSE vs gRPC RunTask (:mod:`switchyard.bench.http_bench`).
 """
 
 from __future__ import annotations
@@ -263,6 +265,18 @@ def _fault(argv: list[str]) -> int:
     return fault.main(argv)
 
 
+def _diff(argv: list[str]) -> int:
+    from switchyard.bench import diff
+
+    return diff.main(argv)
+
+
+def _http(argv: list[str]) -> int:
+    from switchyard.bench import http_bench
+
+    return http_bench.main(argv)
+
+
 def _retrieval(argv: list[str]) -> int:
     from switchyard.retrieval import quality_bench
 
@@ -271,7 +285,7 @@ def _retrieval(argv: list[str]) -> int:
 
 SUBCOMMANDS = {
     "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents,
-    "route": _route, "fault": _fault, "retrieval": _retrieval,
+    "route": _route, "fault": _fault, "retrieval": _retrieval, "diff": _diff, "http": _http,
 }
 
 
@@ -279,7 +293,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault|retrieval] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault|retrieval|diff|http] [OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
@@ -287,7 +301,9 @@ def main(argv: list[str]) -> int:
             "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n"
             "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
             "  fault      kill -9 one of several local dispatchers under load; account for every call\n"
-            "  retrieval  retrieval quality (recall@k, MRR@10, nDCG@10) and time per query\n\n"
+            "  retrieval  retrieval quality (recall@k, MRR@10, nDCG@10) and time per query\n"
+            "  diff       two ghz-format reports side by side with the change, and a PNG of both latency distributions\n"
+            "  http       the HTTP face: submit at a rate, and RunTask over SSE vs gRPC at the same load\n\n"
             "Run 'switchyard bench SUBCOMMAND --help' for its options."
         )
         return 0

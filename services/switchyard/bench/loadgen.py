@@ -22,6 +22,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -31,6 +32,7 @@ import grpc
 from switchyard.api import agent_pb2_grpc
 from switchyard.bench.calldata import priority_name, request_for
 from switchyard.common.channels import open_channel
+from switchyard.common.children import die_with_parent
 from switchyard.common.config import ServerConfig, TlsConfig
 
 # One client process receives roughly this many stream messages per second on a
@@ -237,7 +239,8 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
 # --------------------------------------------------------------------------- several processes
 
 
-def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any) -> None:
+def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any, parent_pid: int) -> None:
+    die_with_parent(parent_pid, signal.SIGKILL)  # a killed bench leaves no client process behind
     try:
         import uvloop
 
@@ -274,7 +277,7 @@ def run_load(plan: LoadPlan, in_process: bool | None = None) -> LoadResult:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(parts)
     out = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(plan, k, parts, barrier, out), daemon=True) for k in range(parts)]
+    children = [ctx.Process(target=_child, args=(plan, k, parts, barrier, out, os.getpid()), daemon=True) for k in range(parts)]
     for child in children:
         child.start()
     results: list[CallResult] = []

@@ -102,8 +102,8 @@ def load_tokens(config: AuthConfig) -> list[_Token]:
     return tokens
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a known bearer token (see the module docstring).
+class BearerTokens:
+    """The known tokens and the check of one call against them (gRPC metadata or an HTTP header alike).
 
     Args:
         config: ``orchestrator.auth``.
@@ -114,16 +114,29 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, config: AuthConfig) -> None:
         self._tokens = load_tokens(config)
-        self._exempt = frozenset(config.exempt_methods)
-        log.info("auth: bearer tokens required (%d known); exempt: %s", len(self._tokens),
-                 ", ".join(sorted(self._exempt)) or "none")
+        self.exempt = frozenset(config.exempt_methods)
 
-    def _check(self, method: str, metadata: Any) -> tuple[str, grpc.StatusCode, str] | None:
-        values = [v for k, v in (metadata or ()) if k == "authorization"]
-        if not values:
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def check(self, method: str, authorization: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when ``authorization`` (``Bearer <token>``, None when absent) may call ``method``
+        (``agent.AgentService/RunTask``); else the refusal's (code, message), counted in
+        ``switchyard_auth_failures_total``. Exempt methods always pass."""
+        if method.lstrip("/") in self.exempt:
+            return None
+        refused = self._refusal(method, authorization)
+        if refused is None:
+            return None
+        reason, code, details = refused
+        AUTH_FAILURES.labels(reason).inc()
+        return code, details
+
+    def _refusal(self, method: str, authorization: str | None) -> tuple[str, grpc.StatusCode, str] | None:
+        if authorization is None:
             return ("missing", grpc.StatusCode.UNAUTHENTICATED,
                     "missing 'authorization' metadata: send 'authorization: Bearer <token>'")
-        scheme, _, presented = str(values[0]).partition(" ")
+        scheme, _, presented = str(authorization).partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
                     "'authorization' metadata must be 'Bearer <token>'")
@@ -139,18 +152,33 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                     f"the bearer token may not call {method.lstrip('/')}")
         return None
 
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a known bearer token (see the module docstring).
+
+    Args:
+        config: ``orchestrator.auth``, or the :class:`BearerTokens` already loaded from it.
+
+    Raises:
+        AuthConfigError: see :func:`load_tokens`.
+    """
+
+    def __init__(self, config: AuthConfig | BearerTokens) -> None:
+        self.tokens = config if isinstance(config, BearerTokens) else BearerTokens(config)
+        log.info("auth: bearer tokens required (%d known); exempt: %s", len(self.tokens),
+                 ", ".join(sorted(self.tokens.exempt)) or "none")
+
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: grpc.HandlerCallDetails
     ) -> Any:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.lstrip("/") in self._exempt:
+        if handler is None:
             return handler
-        refused = self._check(method, handler_call_details.invocation_metadata)
+        values = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
+        refused = self.tokens.check(handler_call_details.method, str(values[0]) if values else None)
         if refused is None:
             return handler
-        reason, code, details = refused
-        AUTH_FAILURES.labels(reason).inc()
+        code, details = refused
 
         return refusing_handler(handler, code, details)
 

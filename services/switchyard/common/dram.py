@@ -3,12 +3,25 @@
 Whatever a service keeps in the DRAM tier (agent memory, KV/prefix state) can
 be rebuilt: a Redis outage must slow work down (recompute, no memory), never
 fail a task. :meth:`DramClient.call` runs one Redis operation and answers a
-fallback value when Redis is down. Each outage is logged once when it begins
-(a WARNING naming the address and the error) and once when it ends, and
-counted in ``switchyard_dram_outages_total``; while it lasts, calls skip Redis
-at once (``switchyard_dram_degraded_operations_total``) and one call every
-``[dram] retry_interval_s`` tries again, so a dead Redis costs no task a
-timeout more than once per interval.
+fallback value when Redis is down or refuses it. The client is the tier's
+circuit breaker, with two states that open on their own:
+
+- *down* (a connection error or timeout): every call skips Redis at once
+  (``switchyard_dram_degraded_operations_total``) and one call every
+  ``[dram] retry_interval_s`` tries again, so a dead Redis costs no task a
+  timeout more than once per interval.
+- *refusing writes* (the server answered an operation that adds data with an
+  error: ``OOM command not allowed`` at ``maxmemory`` under ``noeviction``,
+  ``READONLY``, ``MISCONF``): operations that add data (``grows=True``) skip
+  Redis, one every ``retry_interval_s`` probes; reads and deletes go on (a
+  delete is what frees a full Redis).
+
+Each state is logged once when it begins (a WARNING naming the address, the
+operation and the server's error) and once when it ends, and counted
+(``switchyard_dram_outages_total``, ``switchyard_dram_write_refusals_total``).
+A log line never holds an operation's arguments: redis-py quotes a failed
+pipeline command with its arguments (payload bytes included) in the error, and
+only the server's own message is kept (:func:`describe_error`).
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -40,6 +54,12 @@ DRAM_OUTAGES = Counter(
 DRAM_DEGRADED = Counter(
     "switchyard_dram_degraded_operations_total",
     "DRAM-tier operations skipped or failed because Redis was down or refused them; the work went on without the tier.",
+)
+
+DRAM_WRITE_REFUSALS = Counter(
+    "switchyard_dram_write_refusals_total",
+    "Times the DRAM tier's Redis began refusing writes (full at maxmemory with noeviction, read-only, cannot "
+    "persist); each run of refusals counted once. Writes skip it meanwhile, one probe every retry_interval_s.",
 )
 
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
@@ -70,11 +90,20 @@ class DramClient:
         self._down_since: float | None = None
         self._next_try = 0.0
         self._probe: asyncio.Lock = asyncio.Lock()
+        self._refusing_since: float | None = None
+        self._next_write_try = 0.0
+        self._write_probe: asyncio.Lock = asyncio.Lock()
+        self._skipped_writes = 0
+        self._logged_refusals: set[tuple[str, str]] = set()
 
     @property
     def up(self) -> bool:
         """False from the first failed call of an outage until a call succeeds again."""
         return self._down_since is None
+
+    def accepts_writes(self) -> bool:
+        """False while Redis refuses operations that add data, until the next probe is due."""
+        return self._refusing_since is None or time.monotonic() >= self._next_write_try
 
     def key(self, *parts: str) -> str:
         """``key_prefix`` + parts joined by ``:``, e.g. ``key("agent", "a1", "memory")``."""
@@ -84,13 +113,16 @@ class DramClient:
         """Ping once so that an outage at start-up is logged at once. Returns whether Redis answered."""
         return await self.call(lambda r: r.ping(), False, "ping") is not False
 
-    async def call(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str = "call") -> T:
+    async def call(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str = "call", *,
+                   grows: bool = False) -> T:
         """``await fn(redis)``, or ``fallback`` when Redis is down or refuses the command.
 
         Args:
             fn: one Redis operation (or a pipeline's ``execute``) on the client it is given.
             fallback: answered instead of raising.
             op: a short name for the log line.
+            grows: the operation adds data (a write that a full Redis refuses): it is skipped while Redis
+                refuses writes, but for one probe every ``retry_interval_s``.
 
         Never raises RedisError, OSError or a timeout: they become ``fallback``.
         """
@@ -99,22 +131,67 @@ class DramClient:
                 DRAM_DEGRADED.inc()
                 return fallback
             async with self._probe:
-                return await self._attempt(fn, fallback, op)
-        return await self._attempt(fn, fallback, op)
+                return await self._attempt(fn, fallback, op, grows)
+        if grows and self._refusing_since is not None:
+            if time.monotonic() < self._next_write_try or self._write_probe.locked():
+                self._skipped_writes += 1
+                DRAM_DEGRADED.inc()
+                return fallback
+            async with self._write_probe:
+                return await self._attempt(fn, fallback, op, grows)
+        return await self._attempt(fn, fallback, op, grows)
 
-    async def _attempt(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str) -> T:
+    async def _attempt(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str,
+                       grows: bool = False) -> T:
         try:
             result = await asyncio.wait_for(fn(self.redis), self.config.op_timeout_s + self.config.connect_timeout_s)
         except _OUTAGE_ERRORS as exc:
             self._mark_down(exc, op)
             DRAM_DEGRADED.inc()
             return fallback
-        except RedisError as exc:  # a refused command (OOM, wrong type): the server is up
-            log.warning("DRAM tier: Redis at %s refused %s: %s; going on without it", self.address, op, exc)
+        except RedisError as exc:  # a refused command (OOM, read-only, wrong type): the server is up
+            self._mark_up()
+            if grows and _refuses_writes(exc):
+                self._mark_refusing(exc, op)
+            else:
+                self._refused(exc, op)
             DRAM_DEGRADED.inc()
             return fallback
         self._mark_up()
+        if grows:
+            self._mark_accepting()
         return result
+
+    def _mark_refusing(self, exc: BaseException, op: str) -> None:
+        now = time.monotonic()
+        self._next_write_try = now + self.config.retry_interval_s
+        if self._refusing_since is None:
+            self._refusing_since = now
+            self._skipped_writes = 0
+            DRAM_WRITE_REFUSALS.inc()
+            log.warning(
+                "DRAM tier refuses writes: Redis at %s refused %s: %s. Work goes on without it (KV swap and agent "
+                "memory writes degrade to recompute); one write retries every %.1f s (memory_policy.toml [dram])",
+                self.address, op, describe_error(exc), self.config.retry_interval_s,
+            )
+
+    def _mark_accepting(self) -> None:
+        if self._refusing_since is not None:
+            log.warning("DRAM tier accepts writes again: Redis at %s, after %.1f s (%d writes skipped meanwhile)",
+                        self.address, time.monotonic() - self._refusing_since, self._skipped_writes)
+            self._refusing_since = None
+
+    def _refused(self, exc: BaseException, op: str) -> None:
+        """One command refused (a read, or a write refused for itself, e.g. WRONGTYPE): logged once per
+        operation and error class (at most 64 pairs remembered), then at DEBUG."""
+        text = describe_error(exc)
+        code = type(exc).__name__
+        first = (op, code) not in self._logged_refusals
+        if first and len(self._logged_refusals) < 64:
+            self._logged_refusals.add((op, code))
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "DRAM tier: Redis at %s refused %s: %s; going on without it%s", self.address, op, text,
+                " (logged once; counted in switchyard_dram_degraded_operations_total)" if first else "")
 
     def _mark_down(self, exc: BaseException, op: str) -> None:
         now = time.monotonic()
@@ -126,7 +203,7 @@ class DramClient:
             log.warning(
                 "DRAM tier unavailable: Redis at %s (db %d) failed %s: %s. Work goes on without it (agent memory "
                 "and KV swap degrade to recompute); retrying every %.1f s (memory_policy.toml [dram])",
-                self.address, self.config.db, op, str(exc).rstrip(".") or type(exc).__name__,
+                self.address, self.config.db, op, describe_error(exc).rstrip("."),
                 self.config.retry_interval_s,
             )
 
@@ -139,3 +216,27 @@ class DramClient:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+_PIPELINE_MARK = "of pipeline caused error: "
+
+
+def _refuses_writes(exc: BaseException) -> bool:
+    """The server refuses every write for now, not this one command: full (OOM), a read-only replica, or
+    unable to persist (MISCONF)."""
+    return isinstance(exc, (OutOfMemoryError, ReadOnlyError)) or "MISCONF" in str(exc)
+
+
+def describe_error(exc: BaseException, limit: int = 160) -> str:
+    """``<exception class>: <message>`` of ``exc`` (redis-py names the server's error code by the class,
+    e.g. OutOfMemoryError for OOM), without the command's arguments, printable ASCII, at most ``limit`` characters.
+
+    redis-py rewrites the error of a failed pipeline command as ``Command # N (<command and its arguments>)
+    of pipeline caused error: (<server message>,)``; only the server message is kept.
+    """
+    text = str(exc)
+    if _PIPELINE_MARK in text:
+        text = text.split(_PIPELINE_MARK, 1)[1].strip().removeprefix("(").removesuffix(")").rstrip(",")
+        text = text.strip("'\"")
+    text = f"{type(exc).__name__}: " + "".join(ch if " " <= ch <= "~" else "?" for ch in text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

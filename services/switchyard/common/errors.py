@@ -104,6 +104,29 @@ SERVER_FAULT_CODES = frozenset(
 )
 
 
+# The HTTP status of each gRPC code, after google.rpc.Code's documented mapping (googleapis,
+# google/rpc/code.proto) and gRPC's "HTTP to gRPC Status Code Mapping" (doc/http-grpc-status-mapping.md).
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+}
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: str) -> None:
     """End the RPC with ``exc``'s status, naming its hop (``exc.origin``, else ``service``) in the
     trailing metadata under :data:`ORIGIN_KEY`. Always raises (``grpc.aio.AbortError``)."""

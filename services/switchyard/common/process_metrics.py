@@ -1,6 +1,10 @@
 """Per-process metrics every service exposes: the metrics HTTP endpoint,
 container CPU throttling from cgroup ``cpu.stat`` and event-loop lag.
 
+The metrics port also serves CPU profiles on demand
+(``/debug/pprof/profile?seconds=N``, common/profiling.py) when the service
+passes a :class:`~switchyard.common.profiling.ProfileEndpoint`.
+
 A service calls, once at start-up::
 
     start_metrics_server(config.metrics_port, "retrieval", host=config.server.host)
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram, Info, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -146,17 +153,46 @@ def register_process_collectors(registry: CollectorRegistry = REGISTRY) -> None:
         registry.register(CgroupCpuThrottlingCollector())
 
 
-def start_metrics_server(port: int, service: str, host: str = "127.0.0.1") -> int:
+class _Silent(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+        """Log nothing (scrapes come every few seconds)."""
+
+
+def _server_class(host: str, port: int) -> tuple[type[WSGIServer], str]:
+    """A thread-per-request WSGI server class for ``host``'s address family (IPv4 or IPv6), and the address
+    to bind; as prometheus_client's ``start_wsgi_server`` does it."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+
+    return Server, sockaddr[0]
+
+
+def _routes(metrics: Callable[..., Any], profile: Callable[..., Any] | None) -> Callable[..., Any]:
+    from switchyard.common.profiling import PATH
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        if profile is not None and environ.get("PATH_INFO") == PATH:
+            return profile(environ, start_response)
+        return metrics(environ, start_response)
+
+    return app
+
+
+def start_metrics_server(port: int, service: str, host: str = "127.0.0.1", profile: Callable[..., Any] | None = None) -> int:
     """Serve Prometheus metrics of this process at ``http://host:port/metrics``.
 
     Registers the per-process collectors (CPU throttling) and sets
     ``switchyard_service_info{service=..., version=...}``. The HTTP server runs
-    in a daemon thread (prometheus_client's ``start_http_server``).
+    in a daemon thread (prometheus_client's WSGI app, a thread per request).
 
     Args:
         port: TCP port; 0 picks a free one (tests).
         service: orchestrator, retrieval or dispatcher.
         host: bind address, ``127.0.0.1`` locally, ``0.0.0.0`` in a container.
+        profile: the WSGI app of ``/debug/pprof/profile`` (common/profiling.py ``ProfileEndpoint``); None: not served.
 
     Returns:
         The bound port.
@@ -167,9 +203,11 @@ def start_metrics_server(port: int, service: str, host: str = "127.0.0.1") -> in
     register_process_collectors()
     SERVICE_INFO.info({"service": service, "version": __version__})
     try:
-        server, _thread = start_http_server(port, addr=host)
+        server_class, address = _server_class(host, port)
+        server = make_server(address, port, _routes(make_wsgi_app(REGISTRY), profile), server_class, handler_class=_Silent)
     except OSError as exc:
         raise OSError(exc.errno, f"metrics port {host}:{port} for {service}: {exc.strerror}") from exc
+    threading.Thread(target=server.serve_forever, name=f"{service}-metrics", daemon=True).start()
     _servers.append(server)
     bound = int(server.server_port)
     log.info("%s metrics on http://%s:%d/metrics", service, host, bound)

@@ -95,4 +95,4 @@ class AgentMemory:
                 await pipe.execute()
             return True
 
-        return await self.dram.call(write, False, "agent memory record")
+        return await self.dram.call(write, False, "agent memory record", grows=True)

@@ -33,7 +33,8 @@ import uvloop
 from switchyard.common import envs
 from switchyard.common.config import load_config
 from switchyard.common.server import running
-from switchyard.launcher import free_port, healthy
+from switchyard.common.children import dying_with_parent
+from switchyard.launcher import healthy
 from switchyard.orchestrator.service import OrchestratorService
 
 
@@ -97,16 +98,18 @@ def _fast_engine_config(source: str | None, target: Path) -> str:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    port = free_port("127.0.0.1")
-    address = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "switchyard.cli", "serve", "dispatcher", "--port", str(port), "--metrics-port", "0"]
     tmp = tempfile.TemporaryDirectory()
+    port_file = Path(tmp.name) / "ports.json"  # the dispatcher binds port 0 itself and reports it here
+    cmd = [sys.executable, "-m", "switchyard.cli", "serve", "dispatcher", "--port", "0", "--metrics-port", "0",
+           "--port-file", str(port_file)]
     config_dir = args.config_dir if args.real_engine else _fast_engine_config(args.config_dir, Path(tmp.name) / "c")
     if config_dir:
         cmd += ["--config-dir", config_dir]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, SWITCHYARD_ENGINE="sim"), stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=dict(os.environ, SWITCHYARD_ENGINE="sim"), stderr=subprocess.DEVNULL,
+                            preexec_fn=dying_with_parent(signal.SIGTERM))
     try:
-        while not healthy(address, "agent.InferenceService"):
+        while not port_file.exists() or not healthy(
+                address := f"127.0.0.1:{json.loads(port_file.read_text())['port']}", "agent.InferenceService"):
             if proc.poll() is not None:
                 raise SystemExit("dispatcher failed to start")
             await asyncio.sleep(0.2)

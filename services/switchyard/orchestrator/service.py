@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -26,7 +27,8 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.auth import BearerAuthInterceptor
+from switchyard.common import children
+from switchyard.common.auth import BearerAuthInterceptor, BearerTokens
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
@@ -41,7 +43,7 @@ from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TA
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
-from switchyard.orchestrator.validation import TaskSpec, validate
+from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, validate
 from switchyard.orchestrator.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
@@ -52,9 +54,15 @@ def _trace_id() -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
-def _init_cpu_worker() -> None:
-    """A CPU worker process leaves SIGINT to its parent, which stops it through the executor."""
+def _init_cpu_worker(parent_pid: int) -> None:
+    """A CPU worker process leaves SIGINT to its parent, which stops it through the executor, and dies with
+    it (SIGKILL when the orchestrator ends, ``kill -9`` included: common/children.py).
+
+    The multiprocessing resource tracker needs nothing of its own: it exits when every holder of its pipe
+    (the orchestrator and these workers) has gone.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children.die_with_parent(parent_pid, signal.SIGKILL)
 
 
 def _warm_cpu_worker() -> None:
@@ -67,7 +75,9 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     """The executor for CPU-bound steps (``orchestrator.cpu_executor``), warmed up.
 
     Processes start with ``spawn``: forking a process that already runs gRPC's
-    threads is unsafe.
+    threads is unsafe. They are started from the event loop's thread (the
+    warm-up below submits one job per worker), which lives as long as the
+    process: the parent-death signal follows the thread that started them.
     """
     executor: Executor | None
     if kind == "loop":
@@ -77,7 +87,8 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
         executor = ThreadPoolExecutor(workers, thread_name_prefix="orchestration-cpu")
     else:
         executor = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_cpu_worker
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_cpu_worker,
+            initargs=(os.getpid(),),
         )
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(executor, _warm_cpu_worker) for _ in range(workers)))
@@ -118,6 +129,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         self._deps: Deps | None = None
         self._dram: DramClient | None = None
         self.readiness: Readiness | None = None
+        self._tokens: BearerTokens | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -127,8 +139,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         Raises:
             AuthConfigError: auth is on and no token can be read.
         """
-        auth = self.config.orchestrator.auth
-        return [BearerAuthInterceptor(auth)] if auth.enabled else []
+        tokens = self.bearer_tokens()
+        return [BearerAuthInterceptor(tokens)] if tokens is not None else []
+
+    def bearer_tokens(self) -> BearerTokens | None:
+        """The edge's tokens (read once, shared by the gRPC and HTTP faces); None with auth off.
+
+        Raises:
+            AuthConfigError: auth is on and no token can be read.
+        """
+        if self._tokens is None and self.config.orchestrator.auth.enabled:
+            self._tokens = BearerTokens(self.config.orchestrator.auth)
+        return self._tokens
 
     def register(self, server: grpc.aio.Server) -> None:
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)
@@ -299,6 +321,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         not answer, or the status a downstream service answered, its hop named.
         """
         try:
+            apply_edge_headers(request, context.invocation_metadata())
             spec = validate(request, self.config, await self._default_model(request))
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
@@ -335,6 +358,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         """
         self._record_metadata(request.metadata)
         try:
+            apply_edge_headers(request, context.invocation_metadata())
             spec = validate(request, self.config, await self._default_model(request))
             limit = self.config.orchestrator.task_table_size
             if len(self._submitted) >= limit:
@@ -345,7 +369,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             if not request.task_id:
                 fields.pop("task_id")
             trace_id = _trace_id()
-            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id)
+            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id)
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
         if not created:
@@ -445,12 +469,28 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.TaskStatus:
-        """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task.
+        """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task: the one
+        named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none).
 
         A task that was queued or running on an orchestrator that has since died is FAILED, naming it.
         """
+        if not request.task_id and not request.agent_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)")
         if not request.task_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+            try:
+                latest = await self.tasks.latest_of_agent(request.agent_id)
+            except SwitchyardError as exc:
+                await context.abort(exc.code, str(exc))
+            if latest is None:
+                retention = self.config.orchestrator.task_store.retention_s
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"agent_id: agent {request.agent_id!r} submitted no task (or none in the last {retention:g} s: "
+                    "orchestrator.task_store.retention_s)",
+                )
+            live = self._submitted.get(latest.task_id)
+            return live.to_status(latest.task_id) if live is not None else latest.to_status()
         live = self._submitted.get(request.task_id)
         if live is not None:
             return live.to_status(request.task_id)

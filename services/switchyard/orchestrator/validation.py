@@ -3,20 +3,56 @@
 Every bound comes from ``limits`` in switchyard.json (see docs/architecture.md,
 "Where each limit lives"); a bad field is ``INVALID_ARGUMENT`` naming it and
 the bound it broke.
+
+The agent and its priority class may also come as headers, as agent harnesses
+tag their model calls: ``X-Agent-Id`` and ``X-Priority`` over HTTP, the gRPC
+metadata keys ``x-agent-id`` and ``x-priority`` (:func:`apply_edge_headers`).
+The request's own field wins where both are given; a header fills a field the
+request left empty (``agent_id``) or unset (``priority``).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
+from switchyard.common.priority import PriorityClass
 
 _PRIORITIES = frozenset(agent_pb2.Priority.values())
+AGENT_ID_HEADER = "x-agent-id"
+PRIORITY_HEADER = "x-priority"
+_PRIORITY_NAMES = {c.label: c.proto for c in PriorityClass}
+
+
+def parse_priority(value: str, field: str) -> int:
+    """``core``, ``normal`` or ``batch`` (any case) -> the ``agent.Priority`` value.
+
+    Raises:
+        InvalidArgument: naming ``field`` when ``value`` is none of the three.
+    """
+    try:
+        return _PRIORITY_NAMES[value.strip().lower()]
+    except KeyError:
+        raise InvalidArgument(field, "core, normal or batch", value) from None
+
+
+def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None) -> None:
+    """Fill ``agent_id`` and ``priority`` from the ``x-agent-id`` and ``x-priority`` headers (gRPC metadata, or
+    HTTP headers, keys lower-case) where the request leaves them empty or unset; the request's own fields win.
+
+    Raises:
+        InvalidArgument: ``x-priority`` is not core, normal or batch (checked only where it is used).
+    """
+    headers = {key: value for key, value in metadata or () if key in (AGENT_ID_HEADER, PRIORITY_HEADER)}
+    if not request.agent_id and headers.get(AGENT_ID_HEADER):
+        request.agent_id = str(headers[AGENT_ID_HEADER])
+    if request.priority == agent_pb2.PRIORITY_UNSPECIFIED and headers.get(PRIORITY_HEADER):
+        request.priority = parse_priority(str(headers[PRIORITY_HEADER]), f"{PRIORITY_HEADER} header")
 
 
 @dataclass

@@ -211,6 +211,9 @@ class OnnxEmbedder:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
+        # ONNX Runtime's builds carry a usage-telemetry client (1DS events to an outside host):
+        # a retrieval service sends nothing anywhere it was not told to.
+        ort.disable_telemetry_events()
         folder = Path(folder)
         onnx_path, tokenizer_path = folder / ONNX_FILE, folder / TOKENIZER_FILE
         for path in (onnx_path, tokenizer_path):

@@ -19,6 +19,8 @@ pricing:
   and has sat in DRAM for ``archive_interval_s``; a restore that misses in
   DRAM looks there and promotes what it finds back to HBM.
 - :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
+- :mod:`.blob`: the sealed form of a stored entry (key, lengths, digest); an
+  entry that does not prove itself is a miss, never handed to the engine.
 - :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
 
 An engine takes part through three optional methods: ``export_kv(req) ->
@@ -217,13 +219,16 @@ class MemoryTiers:
         Entries valued at or above ``promote_threshold`` stay hot (TTL
         renewed). Entries valued below ``demote_threshold`` that have sat in
         DRAM for ``[oss] archive_interval_s`` leave it: archived to the cold
-        tier (dropped when there is none, or when the archive fails). Returns
-        (kept hot, moved out).
+        tier, and deleted from DRAM only once the cold copy is whole (an
+        archive that fails leaves the DRAM copy, and the scan archives
+        nothing more until the next one; with no cold tier the entry is
+        dropped). Returns (kept hot, moved out).
         """
         if self.store is None or not self.store.available():
             return 0, 0
         dram, archive_after = self.config.dram, self.config.oss.archive_interval_s
         hot = moved = 0
+        archiving = self.cold is not None  # off for the rest of the scan after a failed archive (the tier backs off)
         now = time.time() if now is None else now
         async for entry in self.store.scan():
             age = now - entry.stored_at
@@ -233,10 +238,17 @@ class MemoryTiers:
                 await self.store.touch(entry.key)
                 hot += 1
             elif value < dram.demote_threshold and age >= archive_after:
-                whole = await self.store.get(entry.key) if self.cold is not None else None
-                if whole is not None and self.cold is not None and await self.cold.put(whole):
+                if self.cold is not None:
+                    if not archiving:
+                        continue
+                    whole = await self.store.get(entry.key)  # None: gone, refused (and deleted), or Redis failed
+                    if whole is None:
+                        continue
+                    if not await self.cold.put(whole):
+                        archiving = False  # the DRAM copies stay (until their TTL); the next scan tries again
+                        continue
                     metrics.TIER_DEMOTIONS.labels("dram").inc()
-                await self.store.delete(entry.key)
+                await self.store.delete(entry.key)  # only now: the cold copy is whole
                 metrics.TIER_EVICTIONS.labels("dram").inc()
                 moved += 1
         metrics.SCANS.labels("dram").inc()

@@ -2,10 +2,15 @@
 
 One Redis hash per entry, under ``{key_prefix}kv:<kind>:<id>`` (kind ``seq``: a
 preempted request's KV, by request id; ``agent``: a parked agent's prefix, by
-agent id). Fields: ``payload`` (the engine's bytes), ``tokens``, ``nbytes``
+agent id). Fields: ``payload`` (the engine's bytes, sealed by :mod:`.blob` with
+the key, the metadata, the lengths and a digest), ``tokens``, ``nbytes``
 (device bytes the state takes in HBM), ``priority`` (class name), ``hits``,
 ``cost_us`` (prefill microseconds it saves) and ``stored_at`` (Unix seconds).
-Every entry has a TTL (``[dram] kv_ttl_s``).
+The plain fields serve the DRAM scan, which reads no payload; a restore takes
+everything from the sealed blob, and a blob that does not prove itself (cut
+short, planted by another writer, damaged) is a miss, counted in
+``switchyard_tier_corrupt_blobs_total``, and deleted. Every entry has a TTL
+(``[dram] kv_ttl_s``).
 
 Outages are the client's business (one WARNING per outage,
 ``switchyard_dram_up``, ``switchyard_dram_outages_total``,
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from switchyard.common.dram import DramClient
-from switchyard.dispatcher.tiers import metrics
+from switchyard.dispatcher.tiers import blob, metrics
 
 META_FIELDS = ("tokens", "nbytes", "priority", "hits", "cost_us", "stored_at")
 _FAILED = object()
@@ -42,7 +47,7 @@ class Entry:
     payload: bytes = b""
 
 
-def _entry(key: str, fields: dict[bytes, bytes]) -> Entry:
+def _entry(key: str, fields: dict[bytes, bytes], payload: bytes = b"") -> Entry:
     def num(name: str) -> float:
         raw = fields.get(name.encode())
         return float(raw) if raw else 0.0
@@ -55,7 +60,7 @@ def _entry(key: str, fields: dict[bytes, bytes]) -> Entry:
         hits=int(num("hits")),
         cost_us=num("cost_us"),
         stored_at=num("stored_at"),
-        payload=fields.get(b"payload", b""),
+        payload=payload,
     )
 
 
@@ -80,14 +85,16 @@ class KvStore:
         return self.dram.key("kv", kind, ident)
 
     def available(self) -> bool:
-        """False while Redis is down, until ``retry_interval_s`` after the last failed operation."""
-        return self.dram.up or time.monotonic() >= self._retry_at
+        """False while Redis is down, until ``retry_interval_s`` after the last failed operation, and while it
+        refuses writes (full: see :meth:`DramClient.accepts_writes`)."""
+        return self.dram.accepts_writes() and (self.dram.up or time.monotonic() >= self._retry_at)
 
     async def put(self, key: str, payload: bytes, *, tokens: int, nbytes: int, priority: str, hits: int,
                   cost_us: float) -> bool:
-        """Store one entry with its TTL; False when Redis failed (a miss later)."""
-        mapping = {"payload": payload, "tokens": tokens, "nbytes": nbytes, "priority": priority, "hits": hits,
-                   "cost_us": cost_us, "stored_at": time.time()}
+        """Store one entry with its TTL; False when Redis failed or refused it (a miss later)."""
+        meta = {"tokens": tokens, "nbytes": nbytes, "priority": priority, "hits": hits, "cost_us": cost_us,
+                "stored_at": time.time()}
+        mapping = {"payload": await blob.seal_async(key, meta, payload), **meta}
 
         async def write(redis: Any) -> bool:
             async with redis.pipeline(transaction=False) as pipe:
@@ -96,19 +103,25 @@ class KvStore:
                 await pipe.execute()
             return True
 
-        if not await self._call(write, "KV swap-out"):
+        if not await self._call(write, "KV swap-out", grows=True):
             return False
         self._account(key, nbytes)
         return True
 
     async def get(self, key: str) -> Entry | None:
-        """The whole entry, or None when absent or Redis failed."""
-        fields = await self._call(lambda redis: redis.hgetall(key), "KV restore")
+        """The whole entry, or None when absent, when Redis failed, or when its payload does not prove
+        itself (:func:`.blob.check`: counted, logged once per reason, and the entry deleted)."""
+        fields = await self._call(lambda redis: redis.hget(key, "payload"), "KV restore")
         if not fields:
             if fields is not None:
                 self._account(key, 0)
             return None
-        return _entry(key, fields)
+        opened = await blob.check_async("dram", key, fields)
+        if opened is None:
+            await self.delete(key)
+            return None
+        meta = {name.encode(): str(opened.meta[name]).encode() for name in META_FIELDS if name in opened.meta}
+        return _entry(key, meta, payload=opened.payload)
 
     async def delete(self, key: str) -> None:
         """Remove one entry (a failure only leaves it to its TTL)."""
@@ -151,9 +164,9 @@ class KvStore:
     async def aclose(self) -> None:
         await self.dram.close()
 
-    async def _call(self, fn: Any, op: str) -> Any:
+    async def _call(self, fn: Any, op: str, grows: bool = False) -> Any:
         """``fn(redis)`` through the client; None when it failed (and no swap is tried for a while)."""
-        result = await self.dram.call(fn, _FAILED, op)
+        result = await self.dram.call(fn, _FAILED, op, grows=grows)
         if result is _FAILED:
             self._retry_at = time.monotonic() + self.dram.config.retry_interval_s
             return None

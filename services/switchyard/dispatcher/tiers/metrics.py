@@ -39,6 +39,14 @@ COLD_ERRORS = Counter(
     "recomputed instead. DRAM-tier failures are switchyard_dram_degraded_operations_total.",
     ["operation"],
 )
+CORRUPT_REASONS = ("header", "key", "length", "checksum")
+TIER_CORRUPT = Counter(
+    "switchyard_tier_corrupt_blobs_total",
+    "KV entries read from a tier that did not prove themselves and were refused (each also a miss; the tokens "
+    "are recomputed): reason header (no Switchyard header: a foreign value), key (sealed under another key), "
+    "length (cut short or padded), checksum (the digest does not match).",
+    ["tier", "reason"],
+)
 OOM_AVOIDED = Counter(
     "switchyard_kv_oom_avoided_total",
     "Admissions refused because the sequence's KV did not fit the HBM budget even after eviction "
@@ -75,5 +83,8 @@ for _tier in TIERS:
     TIER_BYTES.labels(_tier).set(0)
     for _family in (TIER_HITS, TIER_MISSES, TIER_EVICTIONS, TIER_PROMOTIONS, TIER_DEMOTIONS, SCANS):
         _family.labels(_tier)
+for _tier in ("dram", "cold"):
+    for _reason in CORRUPT_REASONS:
+        TIER_CORRUPT.labels(_tier, _reason)
 for _op in ("put", "get"):
     COLD_ERRORS.labels(_op)

@@ -91,6 +91,8 @@ class TaskRecord:
     state: int
     owner: str
     trace_id: str = ""
+    agent_id: str = ""
+    """The agent that submitted the task (empty: none named); :meth:`TaskStore.latest_of_agent` looks it up."""
     error: str = ""
     result: bytes = b""
     timings: bytes = b""
@@ -157,6 +159,10 @@ class TaskStore(ABC):
     @abstractmethod
     async def _get(self, task_id: str) -> TaskRecord | None:
         """The record, or None when absent or finished past its retention."""
+
+    @abstractmethod
+    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
+        """The record ``agent_id`` created last (by ``created_at``), or None; records past retention count as absent."""
 
     @abstractmethod
     async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
@@ -228,15 +234,30 @@ class TaskStore(ABC):
 
     # ------------------------------------------------------------------ operations
 
-    async def create(self, task_id: str, fp: str, trace_id: str) -> tuple[TaskRecord, bool]:
+    async def create(self, task_id: str, fp: str, trace_id: str, agent_id: str = "") -> tuple[TaskRecord, bool]:
         """Record a QUEUED task owned by this orchestrator, or return the live record under ``task_id``.
+
+        ``agent_id`` (empty: none) makes the task the agent's latest (:meth:`latest_of_agent`).
 
         Returns:
             (record, created): ``created`` is False when ``task_id`` was already taken (compare
             ``record.fingerprint`` with ``fp`` to tell a resubmission from a conflict).
         """
         with STORE_DURATION.labels("create").time():
-            return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id))
+            return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id,
+                                                 agent_id=agent_id))
+
+    async def latest_of_agent(self, agent_id: str) -> TaskRecord | None:
+        """The task ``agent_id`` submitted last (None when it submitted none within retention); an orphan is
+        failed first, as by :meth:`get`. An empty ``agent_id`` names no agent: None."""
+        if not agent_id:
+            return None
+        with STORE_DURATION.labels("get").time():
+            record = await self._latest_of_agent(agent_id)
+        if record is not None and not record.finished and record.owner != self.owner:
+            if await self._fail_if_orphan(record):
+                record = await self._get(record.task_id)
+        return record
 
     async def get(self, task_id: str) -> TaskRecord | None:
         """The record of ``task_id`` (None when unknown or past retention); an orphan is failed first."""

@@ -6,6 +6,8 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 - ``task:{task_id}``: a hash (fingerprint, state, owner, trace_id, error, result,
   timings, created_at, updated_at, finished_at); a finished task's hash expires
   ``retention_s`` after it finished;
+- ``agent:{agent_id}:tasks``: a sorted set of the agent's last task_ids by creation time
+  (:data:`AGENT_TASKS_KEPT` of them; it expires with the agent's newest task);
 - ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
 - ``tasks:finished``: a sorted set of finished task_ids by finish time (the
   ``max_finished_tasks`` bound);
@@ -30,15 +32,26 @@ from redis.retry import Retry
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import DramTierConfig, TaskStoreConfig
+from switchyard.common.dram import describe_error
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
 
+AGENT_TASKS_KEPT = 8
+"""Task ids remembered per agent: the latest answers GET /api/v1/agent/{agent_id}/status; the ones before it
+stand in while the latest's record is gone (refused before it was queued)."""
+
+# KEYS: task hash, unfinished set, the agent's sorted set (or ''); ARGV: task_id, created_at, ttl ms, kept, fields...
 _CREATE = """
 local existing = redis.call('HGETALL', KEYS[1])
 if #existing > 0 then return existing end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('SADD', KEYS[2], ARGV[1])
+if KEYS[3] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[4]) - 1)
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
 return {}
 """
 
@@ -61,12 +74,14 @@ _DELETE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 local finished = redis.call('HGET', KEYS[1], 'finished_at')
 if finished and finished ~= '' then return 0 end
+local agent = redis.call('HGET', KEYS[1], 'agent_id')
+if agent and agent ~= '' then redis.call('ZREM', ARGV[3] .. agent .. ':tasks', ARGV[1]) end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
 
-_FIELDS = ("fingerprint", "state", "owner", "trace_id", "error", "result", "timings",
+_FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "error", "result", "timings",
            "created_at", "updated_at", "finished_at")
 
 
@@ -80,6 +95,7 @@ def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
         state=int(values["state"]),
         owner=values["owner"].decode(),
         trace_id=values.get("trace_id", b"").decode(),
+        agent_id=values.get("agent_id", b"").decode(),
         error=values.get("error", b"").decode(),
         result=values.get("result", b""),
         timings=values.get("timings", b""),
@@ -105,9 +121,13 @@ class RedisTaskStore(TaskStore):
         self._delete_script = self.redis.register_script(_DELETE)
         self._unfinished_key = f"{self.prefix}tasks:unfinished"
         self._finished_key = f"{self.prefix}tasks:finished"
+        self._agent_prefix = f"{self.prefix}agent:"
 
     def _task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
+
+    def _agent_key(self, agent_id: str) -> str:
+        return f"{self._agent_prefix}{agent_id}:tasks"
 
     def _lease_key(self, owner: str) -> str:
         return f"{self.prefix}orchestrator:{owner}"
@@ -115,8 +135,8 @@ class RedisTaskStore(TaskStore):
     async def _do(self, call: Awaitable[T]) -> T:
         try:
             return await call
-        except (RedisError, OSError) as exc:
-            raise TaskStoreUnavailable(self.name, exc) from exc
+        except (RedisError, OSError) as exc:  # the server's message only: a pipeline error quotes its arguments
+            raise TaskStoreUnavailable(self.name, describe_error(exc)) from exc
 
     async def _open(self) -> None:
         await self._do(self.redis.ping())
@@ -129,8 +149,12 @@ class RedisTaskStore(TaskStore):
         for name in _FIELDS:
             value = getattr(record, name)
             fields += [name, "" if value is None else value]
+        # The agent's set outlives its newest task: that task's own time limit is far below a retention.
+        agent_ttl_ms = int(2 * self.config.retention_s * 1000)
+        agent_key = self._agent_key(record.agent_id) if record.agent_id else ""
         existing = await self._do(self._create_script(
-            keys=[self._task_key(record.task_id), self._unfinished_key], args=[record.task_id, *fields]))
+            keys=[self._task_key(record.task_id), self._unfinished_key, agent_key],
+            args=[record.task_id, repr(record.created_at), agent_ttl_ms, AGENT_TASKS_KEPT, *fields]))
         if not existing:
             return record, True
         return _record(record.task_id, existing), False
@@ -138,6 +162,15 @@ class RedisTaskStore(TaskStore):
     async def _get(self, task_id: str) -> TaskRecord | None:
         raw = await self._do(self.redis.hgetall(self._task_key(task_id)))
         return _record(task_id, raw) if raw else None
+
+    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
+        key = self._agent_key(agent_id)
+        for raw_id in await self._do(self.redis.zrevrange(key, 0, AGENT_TASKS_KEPT - 1)):
+            record = await self._get(raw_id.decode())
+            if record is not None:
+                return record
+            await self._do(self.redis.zrem(key, raw_id))  # its record expired or was deleted
+        return None
 
     async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
         fields.pop("finished_at", None)  # the script stamps it when the state is final
@@ -151,7 +184,8 @@ class RedisTaskStore(TaskStore):
         return bool(done)
 
     async def _delete(self, task_id: str, owner: str) -> None:
-        await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key], args=[task_id, owner]))
+        await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key],
+                                           args=[task_id, owner, self._agent_prefix]))
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})

@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     state       INTEGER NOT NULL,
     owner       TEXT NOT NULL,
     trace_id    TEXT NOT NULL DEFAULT '',
+    agent_id    TEXT NOT NULL DEFAULT '',
     error       TEXT NOT NULL DEFAULT '',
     result      BLOB NOT NULL DEFAULT x'',
     timings     BLOB NOT NULL DEFAULT x'',
@@ -47,7 +48,10 @@ CREATE TABLE IF NOT EXISTS leases (
     pid        INTEGER NOT NULL
 );
 """
-COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "error", "result", "timings",
+# A file written before tasks had an agent_id gets the column (ADD COLUMN keeps its rows).
+AGENT_COLUMN = "ALTER TABLE tasks ADD COLUMN agent_id TEXT NOT NULL DEFAULT ''"
+AGENT_INDEX = "CREATE INDEX IF NOT EXISTS tasks_by_agent ON tasks (agent_id, created_at) WHERE agent_id != ''"
+COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "error", "result", "timings",
            "created_at", "updated_at", "finished_at")
 UPDATABLE = frozenset({"error", "result", "timings", "finished_at"})
 
@@ -84,6 +88,9 @@ class SqliteTaskStore(TaskStore):
             db.execute("PRAGMA journal_mode = WAL")
             db.execute(f"PRAGMA synchronous = {self.config.sqlite_synchronous}")
             db.executescript(SCHEMA)
+            if "agent_id" not in {row[1] for row in db.execute("PRAGMA table_info(tasks)")}:
+                db.execute(AGENT_COLUMN)
+            db.execute(AGENT_INDEX)
             self._db = db
 
         try:
@@ -131,6 +138,19 @@ class SqliteTaskStore(TaskStore):
             return None if row is None else _record(row)
 
         return await self._run(get)
+
+    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
+        expired_before = time.time() - self.config.retention_s
+
+        def latest(db: sqlite3.Connection) -> TaskRecord | None:
+            row = db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE agent_id = ? AND (finished_at IS NULL OR finished_at >= ?) "
+                "ORDER BY created_at DESC LIMIT 1",
+                (agent_id, expired_before),
+            ).fetchone()
+            return None if row is None else _record(row)
+
+        return await self._run(latest)
 
     async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
         unknown = set(fields) - UPDATABLE

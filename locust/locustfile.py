@@ -1,0 +1,224 @@
+"""The field's locust load test of the orchestrator's HTTP face, plus a streaming RunTask (SSE) user.
+
+Run from the repository root against a running stack (``make run``)::
+
+    locust -f locust/locustfile.py --headless --users 100 --spawn-rate 10 --run-time 10m \\
+        --host http://localhost:8080 --csv bench-results/locust
+
+Users:
+
+- ``AgentUser``: the field's user class as written: every 0.1-0.5 s it posts
+  ``{"agent_id": "agent-<1..1000>", "priority": "core|normal|batch",
+  "task_type": "react_loop", "max_tokens": 512}`` to ``/api/v1/agent/submit``
+  with the priority also in the ``X-Priority`` header.
+- ``StreamingRunTaskUser``: ``POST /api/v1/agent/run``, the task's events as
+  Server-Sent Events, read to the ``final`` event; a stream that ends with an
+  ``error`` event or without ``final`` is a failure. Besides the request it
+  reports ``SSE TTFT`` (first token) and ``SSE final`` (whole stream) as their
+  own rows of locust's stats. One in :data:`STREAMING_SHARE` of the users by
+  default (``--streaming-weight`` / ``--submit-weight`` change the mix; a class
+  name on the command line runs that class alone).
+
+While the test runs, the three figures the field watches are written every
+``--watch-interval`` seconds (default 5) to ``--watch-csv`` (default
+``locust_watch.csv``), read from the dispatcher's ``/metrics``: engine busy ratio
+and compute score (GPU utilisation too when NVML reports it), KV fragmentation
+ratio and the OOM count, each row with locust's own totals at that moment
+(requests, failures, requests/s, P50/P95 ms). The dispatcher's metrics URL comes
+from ``--switchyard-metrics``, else the up file ``switchyard up`` writes, else
+``http://127.0.0.1:9103/metrics``. ``switchyard top`` shows the same figures live.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import gevent
+from locust import HttpUser, between, events, task
+from prometheus_client.parser import text_string_to_metric_families
+
+PRIORITIES = ("core", "normal", "batch")
+STREAMING_SHARE = 5
+"""One user in this many is a StreamingRunTaskUser by default (weights 4 : 1)."""
+WATCHED = (
+    ("engine_busy_ratio", "switchyard_engine_busy_ratio"),
+    ("compute_score", "switchyard_compute_score"),
+    ("gpu_utilization_ratio", "switchyard_gpu_utilization_ratio"),
+    ("kv_fragmentation_ratio", "switchyard_kv_fragmentation_ratio"),
+    ("kv_oom_total", "switchyard_kv_oom_total"),
+)
+"""CSV column -> dispatcher sample (summed over its label sets)."""
+STATS_COLUMNS = ("requests", "failures", "current_rps", "p50_ms", "p95_ms")
+
+
+class AgentUser(HttpUser):
+    """The field's user: submits react_loop tasks of random agents and priority classes."""
+
+    wait_time = between(0.1, 0.5)
+    weight = STREAMING_SHARE - 1
+
+    @task
+    def submit_agent_task(self) -> None:
+        priority = random.choice(PRIORITIES)
+        self.client.post(
+            "/api/v1/agent/submit",
+            json={"agent_id": f"agent-{random.randint(1, 1000)}", "priority": priority,
+                  "task_type": "react_loop", "max_tokens": 512},
+            headers={"X-Priority": priority},
+        )
+
+
+class StreamingRunTaskUser(HttpUser):
+    """RunTask over HTTP: one SSE stream per task, read to its final event."""
+
+    wait_time = between(0.1, 0.5)
+    weight = 1
+
+    @task
+    def run_agent_task(self) -> None:
+        priority = random.choice(PRIORITIES)
+        agent = f"agent-{random.randint(1, 1000)}"
+        started = time.perf_counter()
+        first_token: float | None = None
+        kind, size, last = "", 0, ""
+        with self.client.post(
+            "/api/v1/agent/run", stream=True, catch_response=True, name="/api/v1/agent/run (SSE)",
+            json={"agent_id": agent, "priority": priority, "task_type": "chat", "max_tokens": 64,
+                  "payload": "How does the with statement work?"},
+            headers={"X-Priority": priority, "Accept": "text/event-stream"},
+        ) as response:
+            if response.status_code != 200:
+                response.failure(f"{response.status_code}: {response.text[:300]}")
+                return
+            for line in response.iter_lines(decode_unicode=True):
+                size += len(line) + 1
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                    if kind == "token" and first_token is None:
+                        first_token = time.perf_counter()
+                elif line.startswith("data:"):
+                    last = line[5:].strip()
+            if kind != "final":
+                response.failure(f"stream ended with {kind or 'no event'}: {last[:300]}")
+                return
+            response.success()
+        done = time.perf_counter()
+        fire = self.environment.events.request.fire
+        if first_token is not None:
+            fire(request_type="SSE", name="SSE TTFT", response_time=(first_token - started) * 1000,
+                 response_length=0, exception=None, context={})
+        fire(request_type="SSE", name="SSE final", response_time=(done - started) * 1000,
+             response_length=size, exception=None, context={})
+
+
+# --------------------------------------------------------------------------- the watched figures
+
+
+@events.init_command_line_parser.add_listener
+def _arguments(parser) -> None:
+    parser.add_argument("--switchyard-metrics", default="", help="the dispatcher's /metrics URL (default: the up "
+                        "file of switchyard up, else http://127.0.0.1:9103/metrics)")
+    parser.add_argument("--watch-csv", default="locust_watch.csv", help="where the watched figures go (CSV)")
+    parser.add_argument("--watch-interval", type=float, default=5.0, help="seconds between rows (default 5)")
+    parser.add_argument("--submit-weight", type=int, default=AgentUser.weight, help="weight of AgentUser")
+    parser.add_argument("--streaming-weight", type=int, default=StreamingRunTaskUser.weight,
+                        help="weight of StreamingRunTaskUser (0: none)")
+
+
+def dispatcher_metrics_url(flag: str) -> str:
+    """``--switchyard-metrics``, else the dispatcher's URL in the up file, else the default port."""
+    if flag:
+        return flag
+    path = Path(os.environ.get("SWITCHYARD_UP_FILE") or Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json")
+    try:
+        return json.loads(path.read_text())["services"]["dispatcher"]["metrics_url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "http://127.0.0.1:9103/metrics"
+
+
+def read_watched(url: str, timeout: float = 3.0) -> dict[str, float | str]:
+    """The watched figures from one scrape of ``url`` (empty values and an ``error`` when it fails)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        return {"error": f"{url}: {exc}"}
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    return {column: sums[name] for column, name in WATCHED if name in sums}
+
+
+class Watch:
+    """Writes a CSV row of the watched figures and locust's totals every ``interval`` seconds."""
+
+    def __init__(self, environment, url: str, path: str, interval: float) -> None:
+        self.environment, self.url, self.interval = environment, url, interval
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", newline="")  # noqa: SIM115 - closed by stop()
+        self.writer = csv.writer(self.file)
+        self.writer.writerow(["timestamp", "elapsed_s", *(c for c, _ in WATCHED), *STATS_COLUMNS, "error"])
+        self.started = time.time()
+        self.greenlet = gevent.spawn(self._loop)
+
+    def row(self) -> None:
+        figures = read_watched(self.url)
+        total = self.environment.stats.total
+        now = time.time()
+        self.writer.writerow([
+            f"{now:.3f}", f"{now - self.started:.1f}", *(figures.get(c, "") for c, _ in WATCHED),
+            total.num_requests, total.num_failures, f"{total.current_rps:.2f}",
+            total.get_response_time_percentile(0.5) or "", total.get_response_time_percentile(0.95) or "",
+            figures.get("error", ""),
+        ])
+        self.file.flush()
+
+    def _loop(self) -> None:
+        while True:
+            self.row()
+            gevent.sleep(self.interval)
+
+    def stop(self) -> None:
+        self.greenlet.kill()
+        self.row()
+        self.file.close()
+
+
+_watch: list[Watch] = []
+
+
+@events.init.add_listener
+def _weights(environment, **_kwargs) -> None:
+    options = environment.parsed_options
+    if options is not None:
+        AgentUser.weight = options.submit_weight
+        StreamingRunTaskUser.weight = options.streaming_weight
+        if options.streaming_weight <= 0:
+            environment.user_classes = [c for c in environment.user_classes if c is not StreamingRunTaskUser]
+            environment.user_classes_by_name.pop("StreamingRunTaskUser", None)
+
+
+@events.test_start.add_listener
+def _start_watch(environment, **_kwargs) -> None:
+    from locust.runners import WorkerRunner
+
+    options = environment.parsed_options
+    if options is None or isinstance(environment.runner, WorkerRunner):  # the master (or a local run) writes it
+        return
+    url = dispatcher_metrics_url(options.switchyard_metrics)
+    _watch.append(Watch(environment, url, options.watch_csv, options.watch_interval))
+
+
+@events.test_stop.add_listener
+def _stop_watch(environment, **_kwargs) -> None:
+    while _watch:
+        _watch.pop().stop()

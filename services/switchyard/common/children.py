@@ -1,0 +1,75 @@
+"""Child processes that die with their parent: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``).
+
+A process started by ``switchyard up`` (redis-server, the three services) or by
+the orchestrator (its CPU-pool workers) asks the kernel to send it a signal
+when its parent ends, however it ends: ``kill -9`` of the parent included,
+which runs no clean-up of its own (prctl(2): "the parent-death signal is sent
+upon subsequent termination of the parent thread"; it is kept across execve).
+
+Two uses:
+
+- :func:`dying_with_parent` returns a ``preexec_fn`` for :class:`subprocess.Popen`
+  (it runs in the child between fork and exec, so it is set before the program
+  starts and cannot be lost);
+- :func:`die_with_parent` is called by a Python child itself (a pool initializer).
+
+Both close the race where the parent dies before the call: the child then
+checks that its parent is still the process that started it, and ends itself
+with the same signal if not. The signal is sent when the *thread* that forked
+the child ends, so start children from the main thread (``subprocess`` and
+``ProcessPoolExecutor`` with the ``spawn`` context both do, when submitted to
+from it). Elsewhere than Linux both are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1
+"""From <linux/prctl.h>."""
+
+_prctl: Callable[..., int] | None = None
+if sys.platform.startswith("linux"):
+    try:  # resolved once here, in the parent: the preexec_fn then only calls it (no dlopen after fork)
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        _prctl.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _prctl = None
+
+SUPPORTED = _prctl is not None
+"""Whether this platform has a parent-death signal."""
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Ask for ``sig`` when the parent ends; if ``parent_pid`` already ended, send it now.
+
+    Args:
+        parent_pid: the pid of the process that started this one (read before the fork or spawn).
+        sig: the signal (SIGTERM: a graceful stop; SIGKILL for a process with nothing to save).
+
+    Returns whether the signal is set (False where unsupported).
+    """
+    if _prctl is None:
+        return False
+    if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent_pid:  # the parent died before the call: re-parented already
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def dying_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process ends; None where unsupported."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        die_with_parent(parent, sig)
+
+    return preexec

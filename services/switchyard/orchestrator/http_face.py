@@ -1,0 +1,319 @@
+"""The orchestrator's HTTP face: AgentService as JSON and Server-Sent Events (aiohttp's server).
+
+    POST /api/v1/agent/submit            SubmitTask     -> {"status":"accepted","queue_position":N,"task_id":...}
+    POST /api/v1/agent/run               RunTask        -> text/event-stream, one event per TaskEvent
+    GET  /api/v1/agent/{agent_id}/status GetTaskStatus  (the agent's latest task)
+    GET  /api/v1/tasks/{task_id}         GetTaskStatus
+    GET  /openapi.json                   the OpenAPI document (generated from http_models.py)
+
+One path per request: each handler calls the servicer's own method
+(:class:`OrchestratorService`) with an :class:`HttpCall` standing for the gRPC
+context, so validation, the orchestration queue, the task store and the error
+messages are the gRPC edge's. Bearer tokens are ``orchestrator.auth``'s (a
+token restricted to methods may call the routes of those methods); TLS is
+``server.tls`` (client certificates required under mTLS).
+
+The headers ``X-Agent-Id`` and ``X-Priority`` fill ``agent_id`` and
+``priority`` where the body leaves them out; the body's own fields win
+(validation.py, :func:`apply_edge_headers`, the same rule as gRPC metadata).
+
+Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
+of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504).
+A stream that fails after its first event ends with an ``error`` event of the
+same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
+tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
+names as in agent.proto).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from typing import Any, Awaitable, Callable, Iterable
+
+import grpc
+from aiohttp import web
+from pydantic import ValidationError
+
+from switchyard import __version__
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig, TlsConfig
+from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, status_for
+from switchyard.common.tasks import settle
+from switchyard.orchestrator.http_models import TaskRequest, describe_error, message_dict, openapi, status_json
+from switchyard.orchestrator.validation import parse_priority
+
+log = logging.getLogger(__name__)
+
+SERVICE = "agent.AgentService"
+ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus"}
+"""The gRPC method each route stands for: what a bearer token restricted to methods must allow."""
+JSON = "application/json"
+
+
+class HttpAbort(Exception):
+    """A call ended with a gRPC status (``HttpCall.abort``): its code, message and the hop that answered."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, origin: str) -> None:
+        super().__init__(details)
+        self.code, self.details, self.origin = code, details, origin
+
+
+class HttpCall:
+    """What the servicer reads of a ``grpc.aio.ServicerContext``, for a call that came over HTTP.
+
+    Args:
+        headers: the request's headers; read as gRPC metadata (keys lower-case).
+    """
+
+    def __init__(self, headers: Iterable[tuple[str, str]]) -> None:
+        self._metadata = tuple((key.lower(), value) for key, value in headers)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        """No caller deadline: the task's own time limit (orchestrator.task_time_limit_s) bounds it."""
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        """Raises :class:`HttpAbort` (as grpc's ``abort`` raises): always."""
+        origin = dict(trailing_metadata or ()).get(ORIGIN_KEY, "orchestrator")
+        raise HttpAbort(code, details, origin)
+
+
+def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator") -> dict[str, Any]:
+    return {"error": {"code": code.name, "message": message, "origin": origin}}
+
+
+def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator") -> web.Response:
+    return web.json_response(error_body(code, message, origin), status=HTTP_STATUS.get(code, 500))
+
+
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
+    """One TaskEvent as an SSE event. Tokens, most of a stream's events, are written directly (the same JSON
+    as :func:`message_dict` gives, at a third of its cost); the rest through ``message_dict``."""
+    kind = event.WhichOneof("event")
+    if kind == "token":
+        token = event.token
+        return (f'event: token\ndata: {{"text":{json.dumps(token.text)},"index":{token.index},'
+                f'"count":{token.count}}}\n\n').encode()
+    return _sse(kind, message_dict(getattr(event, kind)))
+
+
+def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """The server's TLS context from ``server.tls`` (None when off): its certificate, and under mTLS the CA
+    that must sign client certificates.
+
+    Raises:
+        ConfigError-like ``ssl.SSLError``/``OSError``: a file cannot be read (the message names it).
+    """
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+        if tls.require_client_auth:
+            context.load_verify_locations(cafile=tls.ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"server.tls for the HTTP face: {exc}") from exc
+    return context
+
+
+class HttpFace:
+    """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
+    started after it, drained and stopped before it).
+
+    Args:
+        service: the orchestrator's servicer (started).
+        config: ``orchestrator.http`` gives the port, ``server`` the host and TLS.
+        port: overrides ``orchestrator.http.port`` (0: a free port).
+    """
+
+    name = "orchestrator-http"
+    grpc_service_names: tuple[str, ...] = ()
+
+    def __init__(self, service: Any, config: SwitchyardConfig, port: int | None = None) -> None:
+        self.service = service
+        self.config = config
+        self.port = config.orchestrator.http.port if port is None else port
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._openapi = json.dumps(openapi(__version__)).encode()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Nothing on the gRPC server."""
+
+    def app(self) -> web.Application:
+        limits = self.config.limits
+        # Room for the largest payload (UTF-8, up to 4 bytes a character) and metadata, plus the rest of the body.
+        body_max = 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
+        app = web.Application(middlewares=[self._authenticate], client_max_size=body_max)
+        app.router.add_post("/api/v1/agent/submit", self.submit, name="submit")
+        app.router.add_post("/api/v1/agent/run", self.run, name="run")
+        app.router.add_get("/api/v1/agent/{agent_id}/status", self.agent_status, name="status")
+        app.router.add_get("/api/v1/tasks/{task_id}", self.task_status, name="task_status")
+        app.router.add_get("/openapi.json", self.openapi, name="openapi")
+        return app
+
+    async def start(self) -> None:
+        """Bind ``server.host:port`` and serve.
+
+        Raises:
+            OSError: the port is taken (the message names host and port), or a TLS file cannot be read.
+        """
+        host = self.config.server.host
+        # handler_cancellation: a client that leaves cancels its handler (aiohttp's default since 3.9 is to
+        # let it run), so RunTask's task is cancelled as a gRPC call's is when its caller goes.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=self.config.server.shutdown_grace_s)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, self.port, ssl_context=tls_context(self.config.server.tls),
+                                 reuse_port=False)
+        try:
+            await self._site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise OSError(exc.errno, f"HTTP face {host}:{self.port} (orchestrator.http.port): {exc.strerror}") from exc
+        server = self._site._server  # aiohttp keeps the asyncio server here; its socket says the bound port
+        assert server is not None and server.sockets
+        self.port = server.sockets[0].getsockname()[1]
+        scheme = "https" if self.config.server.tls.enabled else "http"
+        log.info("orchestrator: HTTP face on %s://%s:%d (OpenAPI at /openapi.json)", scheme, host, self.port)
+
+    async def begin_drain(self) -> None:
+        """Stop accepting connections; requests in flight go on until :meth:`stop`."""
+        if self._site is not None:
+            await self._site.stop()
+
+    async def stop(self) -> None:
+        """Wait up to ``server.shutdown_grace_s`` for requests in flight, then close."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = self._site = None
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Bearer tokens as on the gRPC edge; the OpenAPI document and unknown paths need none."""
+        tokens = self.service.bearer_tokens()
+        route = request.match_info.route.name
+        if tokens is not None and route in ("submit", "run", "status", "task_status"):
+            method = ROUTE_METHODS["status" if route == "task_status" else route]
+            refused = tokens.check(method, request.headers.get("Authorization"))
+            if refused is not None:
+                code, message = refused
+                return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))
+        return await handler(request)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _task_request(self, request: web.Request) -> agent_pb2.RunTaskRequest:
+        """The body as a RunTaskRequest (JSON types checked here; bounds by the servicer).
+
+        Raises:
+            HttpAbort: INVALID_ARGUMENT naming the field, or ``body`` when it is not a JSON object.
+        """
+        try:
+            data = await request.json()
+        except ValueError:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "body: expected a JSON object (Content-Type: application/json)", "orchestrator") from None
+        if not isinstance(data, dict):
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"body: expected a JSON object (got {type(data).__name__})",
+                            "orchestrator")
+        try:
+            body = TaskRequest.model_validate(data)
+        except ValidationError as exc:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, describe_error(exc), "orchestrator") from None
+        return agent_pb2.RunTaskRequest(
+            task_id=body.task_id,
+            payload=self.config.orchestrator.http.default_payload if body.payload is None else body.payload,
+            agent_id=body.agent_id,
+            priority=parse_priority(body.priority, "priority") if body.priority else agent_pb2.PRIORITY_UNSPECIFIED,
+            task_type=body.task_type,
+            max_tokens=body.max_tokens,
+            model=body.model,
+            metadata=body.metadata,
+        )
+
+    async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a servicer call; its abort (or any error) becomes the JSON error answer."""
+        try:
+            return await make()
+        except HttpAbort as exc:
+            return _error(exc.code, exc.details, exc.origin)
+        except Exception as exc:  # noqa: BLE001 - a servicer fault: INTERNAL, as the gRPC edge answers it
+            code, details = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("HTTP %s failed", make)
+            return _error(code, details, getattr(exc, "origin", "") or "orchestrator")
+
+    async def submit(self, request: web.Request) -> web.Response:
+        async def call() -> web.Response:
+            # Shielded: a client that leaves mid-submit does not cut the record from its run (the task is
+            # recorded and runs; resubmitting its task_id answers it).
+            submit = asyncio.ensure_future(
+                self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items())))
+            accepted = await asyncio.shield(settle(submit))  # settle: a left client's answer is still read
+            return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
+                                      "task_id": accepted.task_id, "trace_id": accepted.trace_id})
+
+        return await self._call(call)
+
+    async def _status(self, request: web.Request, **key: str) -> web.Response:
+        async def call() -> web.Response:
+            status = await self.service.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**key),
+                                                      HttpCall(request.headers.items()))
+            return web.json_response(status_json(status))
+
+        return await self._call(call)
+
+    async def agent_status(self, request: web.Request) -> web.Response:
+        return await self._status(request, agent_id=request.match_info["agent_id"])
+
+    async def task_status(self, request: web.Request) -> web.Response:
+        return await self._status(request, task_id=request.match_info["task_id"])
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type=JSON)
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        """RunTask as Server-Sent Events. An error before the first event (validation, a full queue) is a
+        JSON error answer with its HTTP status; after it, an ``error`` event ends the stream."""
+        try:
+            task = await self._task_request(request)
+        except HttpAbort as exc:
+            return _error(exc.code, exc.details, exc.origin)
+        events = self.service.RunTask(task, HttpCall(request.headers.items()))
+        async with contextlib.aclosing(events):  # a client that leaves cancels the task (RunTask's finally)
+            try:
+                first = await anext(events)
+            except HttpAbort as exc:
+                return _error(exc.code, exc.details, exc.origin)
+            except StopAsyncIteration:  # pragma: no cover - RunTask always sends accepted or aborts
+                return _error(grpc.StatusCode.INTERNAL, "RunTask ended without an event")
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            event: agent_pb2.TaskEvent | None = first
+            try:
+                while event is not None:
+                    await response.write(event_bytes(event))
+                    event = await anext(events, None)
+            except HttpAbort as exc:
+                await response.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
+            except ConnectionResetError:
+                return response
+            await response.write_eof()
+            return response

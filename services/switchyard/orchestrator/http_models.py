@@ -1,0 +1,192 @@
+"""The HTTP face's JSON shapes (pydantic), and the OpenAPI document generated from them.
+
+Bodies and answers of ``orchestrator/http_face.py``. The request body takes an
+agent harness's fields as it sends them (``agent_id``, ``priority`` in lower
+case, ``task_type``, ``max_tokens``) plus RunTaskRequest's own; it is converted
+to a RunTaskRequest and checked by the servicer's own validation, so the
+bounds (``limits`` in switchyard.json) and their messages are the gRPC edge's.
+Here only the JSON types are checked.
+
+Task states use the names agent harnesses read: ``queued``, ``running``,
+``finished`` (SUCCEEDED) and ``failed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
+
+from switchyard.api import agent_pb2
+
+MIB = 1 << 20
+
+STATE_NAMES: dict[int, str] = {
+    agent_pb2.TASK_STATE_UNSPECIFIED: "unspecified",
+    agent_pb2.QUEUED: "queued",
+    agent_pb2.RUNNING: "running",
+    agent_pb2.SUCCEEDED: "finished",
+    agent_pb2.FAILED: "failed",
+}
+"""TaskState -> the lower-case name in HTTP answers."""
+
+INT32_MAX = 2**31 - 1
+
+
+class TaskRequest(BaseModel):
+    """Body of ``POST /api/v1/agent/submit`` and ``POST /api/v1/agent/run`` (a RunTaskRequest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent_id: str = Field("", description="The agent the task belongs to; empty: the X-Agent-Id header, if any.")
+    priority: Literal["core", "normal", "batch"] | None = Field(
+        None, description="Priority class; absent: the X-Priority header, else normal."
+    )
+    task_type: str = Field("", description="Workflow: rag_answer, chat or react_loop; empty: orchestrator.default_task_type.")
+    max_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Completion tokens at most; 0: the default, tokens.")
+    payload: str | None = Field(
+        None, description="The question or instruction; absent: orchestrator.http.default_payload."
+    )
+    task_id: str = Field("", description="The caller's id of the task (idempotent submit); empty: one is generated.")
+    model: str = Field("", description="Model id; empty: the dispatcher's model.")
+    metadata: dict[str, str] = Field(default_factory=dict, description="Free-form key/values (limits.max_metadata_*).")
+
+
+class AcceptedResponse(BaseModel):
+    """Answer of a submit: the task is recorded in the task store and queued."""
+
+    status: Literal["accepted"] = "accepted"
+    queue_position: int = Field(description="Tasks ahead of this one in the orchestration queue, tasks.")
+    task_id: str
+    trace_id: str = Field("", description="W3C trace id (32 hex characters); empty with tracing off.")
+
+
+class TimingsModel(BaseModel):
+    """Wall-clock timings of a task, seconds."""
+
+    queue_wait_s: dict[str, float] = Field(default_factory=dict, description="Wait per queue, seconds.")
+    ttft_s: float = Field(0.0, description="Accepted -> first token, seconds.")
+    total_s: float = Field(0.0, description="Accepted -> final event, seconds.")
+    stage_s: dict[str, float] = Field(default_factory=dict, description="Seconds per workflow stage.")
+
+
+class TaskStatusResponse(BaseModel):
+    """Answer of a status read: TaskStatus with the state's lower-case name and the peak memory in MiB as well."""
+
+    task_id: str
+    state: Literal["unspecified", "queued", "running", "finished", "failed"]
+    compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher.")
+    memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
+    memory_peak_bytes: int = Field(description="The same peak, bytes.")
+    error: str = Field("", description="gRPC status name and message once failed.")
+    timings: TimingsModel
+    result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished.")
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="The gRPC status name, e.g. RESOURCE_EXHAUSTED.")
+    message: str = Field(description="What failed, naming the field, queue or service, and the fix.")
+    origin: str = Field(description="The hop that answered the error: orchestrator, retrieval, dispatcher, upstream model, proxy.")
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer; also the data of the ``error`` event that ends a stream that failed after it began."""
+
+    error: ErrorBody
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A protobuf message as JSON-ready data: field names as in agent.proto, every field present."""
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
+    """TaskStatus -> :class:`TaskStatusResponse` data."""
+    return {
+        "task_id": status.task_id,
+        "state": STATE_NAMES.get(status.state, "unspecified"),
+        "compute_score_used": status.compute_score_used,
+        "memory_peak_mb": status.memory_peak_bytes / MIB,
+        "memory_peak_bytes": status.memory_peak_bytes,
+        "error": status.error,
+        "timings": message_dict(status.timings),
+        "result": message_dict(status.result) if status.HasField("result") else None,
+    }
+
+
+def describe_error(exc: ValidationError) -> str:
+    """Pydantic's errors as ``field: problem (got value)`` lines, the gRPC edge's shape."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        got = f" (got {err['input']!r})" if err["type"] != "missing" and "input" in err else ""
+        parts.append(f"{field}: {err['msg']}{got}")
+    return "; ".join(parts)
+
+
+def openapi(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the HTTP face, its schemas generated from the models above."""
+    models = [TaskRequest, AcceptedResponse, TaskStatusResponse, ErrorResponse]
+    _, defs = models_json_schema([(m, "serialization" if m is not TaskRequest else "validation") for m in models],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = defs.get("$defs", {})
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def json_body(model: type[BaseModel], description: str) -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": ref(model)}}}
+
+    errors = {str(code): json_body(ErrorResponse, meaning) for code, meaning in (
+        (400, "INVALID_ARGUMENT: a field is missing or out of range (the message names it)"),
+        (401, "UNAUTHENTICATED: no or an unknown bearer token"),
+        (403, "PERMISSION_DENIED: the token may not call this"),
+        (429, "RESOURCE_EXHAUSTED: a queue is full (refused at once, nothing queued)"),
+        (503, "UNAVAILABLE: a downstream service or the task store did not answer"),
+        (504, "DEADLINE_EXCEEDED: a queue's timeout or the task's time limit passed"),
+    )}
+    headers = [
+        {"name": "X-Agent-Id", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "The agent, where the body's agent_id is empty (the body wins)."},
+        {"name": "X-Priority", "in": "header", "required": False,
+         "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
+         "description": "The priority class, where the body has none (the body wins)."},
+    ]
+    status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),
+                      "404": json_body(ErrorResponse, "NOT_FOUND: no such task (or past retention)"),
+                      **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Switchyard AgentService over HTTP", "version": version},
+        "paths": {
+            "/api/v1/agent/submit": {"post": {
+                "summary": "SubmitTask: record the task, queue it, answer once it is durable",
+                "parameters": headers,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
+                "responses": {"200": json_body(AcceptedResponse, "Accepted and recorded"),
+                              "409": json_body(ErrorResponse, "ALREADY_EXISTS: task_id taken by another request"),
+                              **errors},
+            }},
+            "/api/v1/agent/run": {"post": {
+                "summary": "RunTask as Server-Sent Events: one event per TaskEvent (accepted, stage, token, "
+                           "tool_call, tool_result), then final, or an error event",
+                "parameters": headers,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
+                "responses": {"200": {"description": "The event stream", "content": {"text/event-stream": {
+                    "schema": {"type": "string"}}}}, **errors},
+            }},
+            "/api/v1/agent/{agent_id}/status": {"get": {
+                "summary": "GetTaskStatus of the task the agent submitted last",
+                "parameters": [{"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": status_answers,
+            }},
+            "/api/v1/tasks/{task_id}": {"get": {
+                "summary": "GetTaskStatus of one task",
+                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": status_answers,
+            }},
+        },
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

@@ -1,0 +1,93 @@
+"""The field's workflows against a real stack (`switchyard up --free-ports`, three processes): the curl submit and
+status commands on the HTTP face, the locustfile headless, and a CPU profile of a served orchestrator."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from stack_fixtures import UpStack
+
+from switchyard.common.profiling import read_pprof, top_functions
+
+pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def up(pydoc_index_dir):
+    stack = UpStack(pydoc_index_dir)
+    stack.wait_ready()
+    yield stack
+    stack.stop()
+
+
+def http_url(up: UpStack) -> str:
+    for line in up.lines:
+        if m := re.match(r"\s+http\s+(http://\S+:\d+)\s", line):
+            return m.group(1)
+    raise AssertionError("no http line printed:\n" + "".join(up.lines))
+
+
+def request(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
+def test_the_fields_curl_submit_and_status_answer_as_the_field_shows(up):
+    base = http_url(up)
+    body = {"agent_id": "test-001", "priority": "core", "task_type": "react_loop", "max_tokens": 128}
+    accepted = request(f"{base}/api/v1/agent/submit", body)
+    assert accepted["status"] == "accepted" and isinstance(accepted["queue_position"], int) and accepted["task_id"]
+    for _ in range(600):
+        status = request(f"{base}/api/v1/agent/test-001/status")
+        if status["state"] in ("finished", "failed"):
+            break
+        time.sleep(0.1)
+    assert status["state"] == "finished", status
+    assert status["task_id"] == accepted["task_id"]
+    assert status["compute_score_used"] > 0 and status["memory_peak_mb"] > 0
+
+
+def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_figures(up, tmp_path):
+    watch = tmp_path / "watch.csv"
+    run = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "locust" / "locustfile.py"), "--headless",
+         "--users", "10", "--spawn-rate", "10", "--run-time", "6s", "--host", http_url(up),
+         "--csv", str(tmp_path / "run"), "--watch-csv", str(watch), "--watch-interval", "1",
+         "--switchyard-metrics", up.metrics_url("dispatcher"), "--only-summary"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr  # locust exits 1 on any failure
+    with open(tmp_path / "run_stats.csv", newline="") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    for name in ("/api/v1/agent/submit", "/api/v1/agent/run (SSE)", "SSE final"):
+        assert int(stats[name]["Request Count"]) > 0, stats.keys()
+        assert int(stats[name]["Failure Count"]) == 0
+    with open(watch, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 4  # one at the start, one a second, one at the end
+    for row in rows:
+        assert row["error"] == ""
+        for column in ("engine_busy_ratio", "compute_score", "kv_fragmentation_ratio", "kv_oom_total"):
+            float(row[column])
+    assert int(rows[-1]["requests"]) > 0 and rows[-1]["failures"] == "0"
+    assert any(float(row["compute_score"]) > 0 or float(row["engine_busy_ratio"]) > 0 for row in rows)
+
+
+def test_a_served_orchestrator_answers_a_cpu_profile_of_its_event_loop(up):
+    url = up.metrics_url("orchestrator").rsplit("/metrics", 1)[0] + "/debug/pprof/profile?seconds=1"
+    with urllib.request.urlopen(url, timeout=60) as reply:
+        profile = read_pprof(reply.read())
+    names = [row.filename for row in top_functions(profile)]
+    assert any("switchyard" in name for name in names)
+    assert profile.duration_nanos >= 0.9e9

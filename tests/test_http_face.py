@@ -1,0 +1,320 @@
+"""The orchestrator's HTTP face against the fixed downstream of test_orchestrator.py: real aiohttp server on
+127.0.0.1 port 0 beside the real gRPC server, real HTTP client (httpx, SSE parsed by httpx-sse)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+
+import grpc
+import httpx
+import jsonschema
+import pytest
+from httpx_sse import aconnect_sse
+from test_orchestrator import Downstream
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import load_config
+from switchyard.common.server import running
+from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.service import OrchestratorService
+
+pytestmark = pytest.mark.no_gpu
+
+FIELD_BODY = {"agent_id": "test-001", "priority": "core", "task_type": "react_loop", "max_tokens": 128}
+"""The body of the field's curl submit command, as written."""
+
+
+@contextlib.asynccontextmanager
+async def http_stack(client_options: dict | None = None, **overrides):
+    """(httpx client on the HTTP face, gRPC stub, downstream) of one orchestrator serving both faces;
+    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client."""
+    base = load_config("config", service="orchestrator")
+    if "server.tls" in overrides:
+        base = base.with_overrides(**{"server.tls": overrides.pop("server.tls")})
+    scheme = "https" if base.server.tls.enabled else "http"
+    down = Downstream()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with tempfile.TemporaryDirectory(prefix="switchyard-tasks-") as store:
+            cfg = base.with_overrides(**{
+                "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+                "orchestrator.task_store.sqlite_path": f"{store}/tasks.sqlite3",
+                "orchestrator.cpu_executor": "loop", **overrides,
+            })
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            async with running([orch, face], cfg.server) as srv:
+                down.orchestrator_address = f"127.0.0.1:{srv.port}"
+                channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+                async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{face.port}", timeout=30,
+                                             **(client_options or {})) as client:
+                    try:
+                        yield client, agent_pb2_grpc.AgentServiceStub(channel), down
+                    finally:
+                        await channel.close()
+
+
+async def finished(client: httpx.AsyncClient, path: str) -> dict:
+    for _ in range(500):
+        reply = await client.get(path)
+        assert reply.status_code == 200, reply.text
+        if reply.json()["state"] in ("finished", "failed"):
+            return reply.json()
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{path} never finished: {reply.json()}")
+
+
+async def test_the_fields_submit_and_status_commands_answer_as_the_field_reads_them():
+    async with http_stack() as (client, stub, down):
+        reply = await client.post("/api/v1/agent/submit", json=FIELD_BODY)
+        assert reply.status_code == 200, reply.text
+        accepted = reply.json()
+        assert accepted["status"] == "accepted" and accepted["queue_position"] >= 0 and accepted["task_id"]
+        status = await finished(client, "/api/v1/agent/test-001/status")
+        assert status["task_id"] == accepted["task_id"] and status["state"] == "finished"
+        # The downstream's GenerateDone, 0.5 per model call, summed over the loop's calls (two tools, then the answer).
+        assert len(down.requests) == 3 and status["compute_score_used"] == 1.5
+        assert status["memory_peak_bytes"] == 1000 and status["memory_peak_mb"] == 1000 / 2**20
+        assert status["result"]["output"] == "The answer." and status["timings"]["total_s"] > 0
+        by_id = (await client.get(f"/api/v1/tasks/{accepted['task_id']}")).json()
+        assert by_id["state"] == "finished" and by_id["result"] == status["result"]
+        # The same task over gRPC: one store, one path.
+        grpc_status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(agent_id="test-001"))
+        assert grpc_status.task_id == accepted["task_id"] and grpc_status.state == agent_pb2.SUCCEEDED
+        request = down.requests[0]
+        assert request.agent_id == "test-001" and request.priority == agent_pb2.CORE
+        assert request.task_type == "react_loop" and request.max_tokens == 128
+
+
+async def test_answers_match_the_generated_openapi_document():
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        assert doc["openapi"].startswith("3.") and "/api/v1/agent/{agent_id}/status" in doc["paths"]
+        schemas = doc["components"]["schemas"]
+
+        def check(instance: dict, name: str) -> None:
+            jsonschema.validate(instance, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+        assert set(schemas["TaskRequest"]["properties"]) >= {"agent_id", "priority", "task_type", "max_tokens"}
+        accepted = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"})).json()
+        check(accepted, "AcceptedResponse")
+        check(await finished(client, f"/api/v1/tasks/{accepted['task_id']}"), "TaskStatusResponse")
+        check((await client.get("/api/v1/tasks/nope")).json(), "ErrorResponse")
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({**FIELD_BODY, "max_tokens": "many"}, "max_tokens"),
+    ({**FIELD_BODY, "priority": "urgent"}, "priority"),
+    ({**FIELD_BODY, "max_tokens": 10**9}, "max_tokens"),  # past limits.max_tokens: the servicer's own check
+    ({**FIELD_BODY, "task_type": "poem"}, "task_type"),
+    ({**FIELD_BODY, "payload": "   "}, "payload"),
+    ({**FIELD_BODY, "colour": "red"}, "colour"),
+    (["not", "an", "object"], "body"),
+])
+async def test_a_bad_body_is_400_naming_the_field(body, field):
+    async with http_stack() as (client, _, down):
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            reply = await client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(field), error
+            assert error["origin"] == "orchestrator"
+        assert (await client.post("/api/v1/agent/submit", content=b"{not json")).status_code == 400
+        assert down.requests == []
+
+
+async def test_unknown_task_and_agent_are_404_and_a_taken_task_id_is_409():
+    async with http_stack() as (client, _, _down):
+        missing = await client.get("/api/v1/tasks/nope")
+        assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+        nobody = await client.get("/api/v1/agent/nobody/status")
+        assert nobody.status_code == 404 and "agent 'nobody'" in nobody.json()["error"]["message"]
+        body = {**FIELD_BODY, "task_id": "http-1", "task_type": "chat"}
+        assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200
+        again = await client.post("/api/v1/agent/submit", json=body)  # idempotent: the same task
+        assert again.status_code == 200 and again.json()["task_id"] == "http-1"
+        taken = await client.post("/api/v1/agent/submit", json={**body, "payload": "another question"})
+        assert taken.status_code == 409 and taken.json()["error"]["code"] == "ALREADY_EXISTS"
+
+
+async def test_a_full_queue_answers_429_at_once_and_queues_nothing():
+    overrides = {"queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 30000},
+                 "orchestrator.inference_mode": "inline"}
+    async with http_stack(**overrides) as (client, _, down):
+        down.gate = asyncio.Event()
+        body = {**FIELD_BODY, "task_type": "chat"}
+        assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # holds the worker
+        while not down.requests:
+            await asyncio.sleep(0.01)
+        assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # waits: capacity 1
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            full = await client.post(path, json=body)
+            assert full.status_code == 429, full.text
+            assert "orchestration queue full" in full.json()["error"]["message"]
+        down.gate.set()
+
+
+async def sse_events(client: httpx.AsyncClient, body: dict, headers: dict | None = None) -> list[tuple[str, dict]]:
+    async with aconnect_sse(client, "POST", "/api/v1/agent/run", json=body, headers=dict(headers or {})) as source:
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        return [(event.event, event.json()) async for event in source.aiter_sse()]
+
+
+async def test_run_streams_one_event_per_task_event_ending_with_final():
+    async with http_stack() as (client, stub, _down):
+        events = await sse_events(client, {**FIELD_BODY, "task_type": "rag_answer", "payload": "What is with?"})
+        kinds = [kind for kind, _ in events]
+        assert kinds[0] == "accepted" and kinds[-1] == "final" and "stage" in kinds
+        assert "".join(data["text"] for kind, data in events if kind == "token") == "The answer."
+        assert events[-1][1]["output"] == "The answer." and events[-1][1]["compute_score_used"] == 0.5
+        grpc_events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
+            payload="What is with?", task_type="rag_answer", agent_id="test-001", priority=agent_pb2.CORE,
+            max_tokens=128))]
+        # One event per TaskEvent, as RunTask streams them (tokens ready together travel in one event, so
+        # their number may differ between two runs; their text may not).
+        assert [k for k in kinds if k != "token"] == [
+            k for e in grpc_events if (k := e.WhichOneof("event")) != "token"]
+        assert sum(data.get("count") or 1 for kind, data in events if kind == "token") == 3
+
+
+async def test_a_stream_that_fails_after_accepted_ends_with_an_error_event():
+    limits = {"chat": 0.3, "rag_answer": 180, "react_loop": 600}
+    async with http_stack(**{"orchestrator.task_time_limit_s": limits}) as (client, _, down):
+        down.gate = asyncio.Event()  # Generate never answers: the task's time limit passes
+        events = await sse_events(client, {**FIELD_BODY, "task_type": "chat"})
+        assert events[0][0] == "accepted" and events[-1][0] == "error"
+        error = events[-1][1]["error"]
+        assert error["code"] == "DEADLINE_EXCEEDED" and "task_time_limit_s.chat" in error["message"]
+        down.gate.set()
+
+
+async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_body_wins():
+    async with http_stack() as (client, stub, down):
+        headers = {"X-Agent-Id": "agent-from-header", "X-Priority": "batch"}
+        await sse_events(client, {"task_type": "chat", "payload": "hi"}, headers)
+        await sse_events(client, {"task_type": "chat", "payload": "hi", "agent_id": "agent-in-body",
+                                  "priority": "core"}, headers)
+        reply = await client.post("/api/v1/agent/submit", json={"task_type": "chat"}, headers=headers)
+        assert reply.status_code == 200
+        await finished(client, "/api/v1/agent/agent-from-header/status")  # the header's agent owns the task
+        metadata = (("x-agent-id", "grpc-agent"), ("x-priority", "CORE"))
+        [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"), metadata=metadata)]
+        [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", agent_id="own",
+                                                                priority=agent_pb2.NORMAL), metadata=metadata)]
+        seen = [(r.agent_id, r.priority) for r in down.requests]
+        assert seen == [("agent-from-header", agent_pb2.BATCH), ("agent-in-body", agent_pb2.CORE),
+                        ("agent-from-header", agent_pb2.BATCH), ("grpc-agent", agent_pb2.CORE),
+                        ("own", agent_pb2.NORMAL)]
+        bad = await client.post("/api/v1/agent/submit", json={"task_type": "chat"}, headers={"X-Priority": "urgent"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("x-priority header")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-priority" in err.value.details()
+
+
+async def test_bearer_tokens_of_the_grpc_edge_guard_the_http_face(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("tok-full-1\ntok-reader-2 agent.AgentService/GetTaskStatus\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(path), "tokens_env": ""}}
+    async with http_stack(**auth) as (client, _, down):
+        body = {**FIELD_BODY, "task_type": "chat"}
+        missing = await client.post("/api/v1/agent/submit", json=body)
+        assert missing.status_code == 401 and "'Authorization' header" in missing.json()["error"]["message"]
+        wrong = await client.post("/api/v1/agent/run", json=body, headers={"Authorization": "Bearer tok-nope"})
+        assert wrong.status_code == 401
+        reader = {"Authorization": "Bearer tok-reader-2"}
+        forbidden = await client.post("/api/v1/agent/submit", json=body, headers=reader)
+        assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "PERMISSION_DENIED"
+        assert down.requests == []
+        ok = await client.post("/api/v1/agent/submit", json=body, headers={"Authorization": "Bearer tok-full-1"})
+        assert ok.status_code == 200
+        assert (await client.get("/api/v1/agent/test-001/status", headers=reader)).status_code == 200
+        assert (await client.get("/openapi.json")).status_code == 200  # the document needs no token
+
+
+def test_a_token_event_is_the_same_json_as_every_other_event_gets():
+    import json
+
+    from switchyard.orchestrator.http_face import event_bytes
+    from switchyard.orchestrator.http_models import message_dict
+
+    for token in (agent_pb2.TokenEvent(text=' "quoted" \\ line\nbreak \u00e9', index=7, count=2), agent_pb2.TokenEvent()):
+        text = event_bytes(agent_pb2.TaskEvent(token=token)).decode()
+        kind, data = text.split("\n")[:2]
+        assert kind == "event: token" and text.endswith("\n\n")
+        assert json.loads(data.removeprefix("data: ")) == message_dict(token)
+
+
+async def test_a_client_that_leaves_a_stream_cancels_its_task():
+    async with http_stack() as (client, _, down):
+        down.gate = asyncio.Event()  # Generate waits: the task is inside infer when the client leaves
+        async with client.stream("POST", "/api/v1/agent/run", json={**FIELD_BODY, "task_type": "chat"}) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("event: accepted"):
+                    break
+            while not down.requests:
+                await asyncio.sleep(0.01)
+        for _ in range(500):  # the connection is closed: RunTask's task is cancelled, and its Generate with it
+            if down.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert down.cancelled == [down.requests[0].request_id]
+        down.gate.set()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    import trustme
+
+    folder = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.private_key_pem.write_to_path(folder / "key.pem")
+    leaf.cert_chain_pems[0].write_to_path(folder / "cert.pem")
+    ca.cert_pem.write_to_path(folder / "ca.pem")
+    return folder
+
+
+@pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
+async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mtls):
+    import ssl
+
+    files = {"cert_file": str(pki / "cert.pem"), "key_file": str(pki / "key.pem"), "ca_file": str(pki / "ca.pem")}
+    verify = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if mtls:
+        verify.load_cert_chain(str(pki / "cert.pem"), str(pki / "key.pem"))
+    tls = {"enabled": True, "require_client_auth": mtls, **files}
+    async with http_stack({"verify": verify}, **{"server.tls": tls}) as (client, _, _down):
+        reply = await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"})
+        assert reply.status_code == 200 and reply.json()["status"] == "accepted"
+        plain = httpx.AsyncClient(base_url=str(client.base_url).replace("https", "http"), timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            await plain.get("/openapi.json")  # plain text against the TLS port
+        await plain.aclose()
+        if mtls:
+            anonymous = httpx.AsyncClient(base_url=str(client.base_url), timeout=10,
+                                          verify=ssl.create_default_context(cafile=str(pki / "ca.pem")))
+            with pytest.raises(httpx.HTTPError):
+                await anonymous.get("/openapi.json")  # no client certificate
+            await anonymous.aclose()
+
+
+
+async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
+    from switchyard.bench import http_bench
+
+    async with http_stack() as (client, _, down):
+        base = str(client.base_url).rstrip("/")
+        calls = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.5, task_type="chat",
+                                              max_tokens=16)
+        assert len(calls.latencies) == 20 and not calls.failures
+        assert calls.summary()["p95_ms"] == round(1000 * http_bench.nearest_rank(calls.latencies, 95), 3)
+        over_grpc = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.25, task_type="chat",
+                                                  max_tokens=16, grpc_addr=down.orchestrator_address)
+        assert len(over_grpc.latencies) == 10 and not over_grpc.failures
+        streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
+        for kind in ("sse", "grpc"):
+            assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)

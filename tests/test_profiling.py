@@ -1,0 +1,151 @@
+"""CPU profiles on demand: /debug/pprof/profile on a real metrics port, read back with a parser compiled
+from pprof's own profile.proto at test time (grpcio-tools' protoc), and `switchyard profile`'s report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import gzip
+import importlib
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from grpc_tools import protoc
+
+from switchyard import cpu_profile
+from switchyard.common import process_metrics
+from switchyard.common.auth import BearerTokens
+from switchyard.common.config import AuthConfig
+from switchyard.common.profiling import GcPauses, LoopProfiler, ProfileEndpoint, top_functions
+
+pytestmark = pytest.mark.no_gpu
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pprof_schema(tmp_path_factory):
+    """profile_pb2 compiled now from proto/profile.proto (github.com/google/pprof), not the committed module."""
+    out = tmp_path_factory.mktemp("pprof")
+    assert protoc.main(["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out}", str(ROOT / "proto" / "profile.proto")]) == 0
+    sys.path.insert(0, str(out))
+    try:
+        yield importlib.import_module("profile_pb2")
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("profile_pb2", None)
+
+
+def render_prompt_like_work(n: int) -> int:
+    """CPU work with a name to find in the profile."""
+    return sum(len(str(i * i)) for i in range(n))
+
+
+async def busy_loop(stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        render_prompt_like_work(20_000)
+        gc.collect(0)  # a collection in the window: its pause is reported
+        await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def profiled_service(host: str = "127.0.0.1", mode: str = "loopback", tokens=None):
+    """A metrics port on 127.0.0.1 serving the profile of this test's loop, which runs busy_loop."""
+    endpoint = ProfileEndpoint(LoopProfiler(asyncio.get_running_loop()), mode, host, 60, tokens)
+    port = process_metrics.start_metrics_server(0, "test", "127.0.0.1", profile=endpoint)
+    stop = asyncio.Event()
+    work = asyncio.create_task(busy_loop(stop))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        await work
+        process_metrics.stop_metrics_servers()
+
+
+def fetch(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=60) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+async def test_a_profile_is_pprof_that_profile_proto_parses_naming_the_busy_function(pprof_schema):
+    assert sys.getprofile() is None and not any(isinstance(c, GcPauses) for c in gc.callbacks)
+    async with profiled_service() as base:
+        status, data = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1")
+        assert status == 200
+        metrics_status, metrics = await asyncio.to_thread(fetch, f"{base}/metrics")
+        assert metrics_status == 200 and b"switchyard_service_info" in metrics  # the same port still serves metrics
+    assert sys.getprofile() is None and not any(isinstance(c, GcPauses) for c in gc.callbacks)  # nothing left running
+    profile = pprof_schema.Profile.FromString(gzip.decompress(data))  # on disk pprof is gzip'd
+    strings = profile.string_table
+    assert strings[0] == "" and [strings[t.type] for t in profile.sample_type] == ["samples", "wall"]
+    assert strings[profile.sample_type[1].unit] == "nanoseconds" and profile.duration_nanos >= 0.9e9
+    location_ids = {loc.id for loc in profile.location}
+    assert profile.sample and all(set(s.location_id) <= location_ids for s in profile.sample)
+    rows = {r.name: r for r in top_functions(profile)}
+    busy = rows["render_prompt_like_work"]
+    assert busy.cum_ns > 0 and busy.filename.endswith("test_profiling.py")
+    assert busy.cum_ns >= rows["<genexpr>"].cum_ns  # the caller's cumulative time holds its callee's
+    notes = dict(strings[i].split("=", 1) for i in profile.comment if "=" in strings[i] and " " not in strings[i])
+    assert int(notes["gc_collections"]) > 0 and int(notes["gc_pause_ns"]) > 0
+
+
+async def test_the_profile_command_prints_top_functions_and_gc_pauses(capsys):
+    async with profiled_service() as base:
+        address = base.removeprefix("http://")
+        code = await asyncio.to_thread(cpu_profile.main, [address, "--seconds", "1", "--top", "40"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "GC pauses:" in out and "collections" in out and "cum%" in out
+    assert "render_prompt_like_work" in out
+
+
+async def test_who_may_profile_loopback_by_default_tokens_elsewhere_never_when_off(tmp_path):
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("tok-ops-1\ntok-agents-2 agent.AgentService/*\n")
+    tokens = BearerTokens(AuthConfig(enabled=True, tokens_file=str(tokens_file), tokens_env=""))
+    url = "/debug/pprof/profile?seconds=0.2"
+    async with profiled_service(host="10.1.2.3") as base:  # listening on a non-loopback address, no tokens
+        status, body = await asyncio.to_thread(fetch, base + url)
+        assert status == 403 and b"server.cpu_profile" in body
+    async with profiled_service(host="0.0.0.0", mode="on") as base:
+        assert (await asyncio.to_thread(fetch, base + url))[0] == 200
+    async with profiled_service(mode="off") as base:
+        assert (await asyncio.to_thread(fetch, base + url))[0] == 404
+    async with profiled_service(host="10.1.2.3", tokens=tokens) as base:
+        assert (await asyncio.to_thread(fetch, base + url))[0] == 401
+        forbidden = await asyncio.to_thread(fetch, base + url, {"Authorization": "Bearer tok-agents-2"})
+        assert forbidden[0] == 403 and b"switchyard.Debug/CpuProfile" in forbidden[1]
+        assert (await asyncio.to_thread(fetch, base + url, {"Authorization": "Bearer tok-ops-1"}))[0] == 200
+
+
+async def test_one_profile_at_a_time_and_seconds_is_checked():
+    async with profiled_service() as base:
+        first = asyncio.create_task(asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1.5"))
+        await asyncio.sleep(0.5)
+        status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1")
+        assert status == 409 and b"already" in body
+        assert (await first)[0] == 200
+        for bad in ("0", "abc", "61"):
+            status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds={bad}")
+            assert status == 400 and b"seconds: expected a number in (0, 60]" in body
+
+
+def test_report_sums_match_the_profile():
+    from switchyard.api import profile_pb2
+    from switchyard.common.profiling import to_pprof
+
+    records = [(["main\x00a.py\x001", "step\x00a.py\x0010"], 0.003), (["main\x00a.py\x001"], 0.001),
+               (["main\x00a.py\x001", "step\x00a.py\x0010", "step\x00a.py\x0010"], 0.002)]
+    data = gzip.compress(to_pprof(records, 0.0, 0.006, ["gc_pause_ns=1500000", "gc_collections=3"]).SerializeToString())
+    rows = {r.name: r for r in top_functions(profile_pb2.Profile.FromString(gzip.decompress(data)))}
+    assert rows["main"].cum_ns == 6_000_000 and rows["main"].flat_ns == 1_000_000
+    assert rows["step"].cum_ns == 5_000_000 and rows["step"].flat_ns == 5_000_000  # recursion counted once
+    text = cpu_profile.report(data, 5)
+    assert "GC pauses: 1.5 ms in 3 collections" in text and text.index("main") < text.index("step")

@@ -1,0 +1,262 @@
+"""Durable means it survives (issue 26, item 2): the embedded Redis of ``switchyard up`` keeps an append-only
+file, and no process outlives the one that started it.
+
+- 20 SubmitTasks accepted with the task store on the embedded Redis are all answered after a clean restart of
+  ``switchyard up`` on the same data folder;
+- ``kill -9`` of the launcher leaves no descendant (redis-server, the services, the orchestrator's CPU-pool
+  workers, the multiprocessing resource tracker), and the next start on the same data folder succeeds;
+- ``kill -9`` of an orchestrator leaves none of its CPU-pool workers or its resource tracker;
+- a service asked for port 0 binds it itself and reports the port it bound (no pick-then-bind race).
+
+Each test kills only processes it started, found as descendants (psutil) of the process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from stack_fixtures import UpStack
+from test_orchestrator import Downstream
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import children
+from switchyard.common.channels import open_channel
+from switchyard.common.config import load_config
+from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
+from switchyard.common.server import running
+from switchyard.launcher import healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.no_gpu,
+              pytest.mark.skipif(not children.SUPPORTED, reason="needs Linux's parent-death signal")]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _survivors(procs: list[psutil.Process], timeout: float = 90) -> list[str]:
+    """Processes of ``procs`` still alive after up to ``timeout`` seconds (a bound on the wait, not a speed)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    out = []
+    for proc in alive:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _kill_all(procs: list[psutil.Process]) -> None:
+    """Clean-up after a failed test: SIGKILL what is left of the processes this test started."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+# --------------------------------------------------------------------------- tasks survive a restart
+
+
+async def _submit(address: str, ids: list[str]) -> None:
+    async with open_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for task_id in ids:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="How does the with statement "
+                                                           "work?", task_type="chat", max_tokens=8), timeout=30)
+
+
+async def _statuses(address: str, ids: list[str]) -> dict[str, int]:
+    import grpc
+
+    found = {}
+    async with open_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for task_id in ids:
+            try:
+                status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id), timeout=30)
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err
+                continue
+            found[task_id] = status.state
+    return found
+
+
+async def test_tasks_submitted_to_the_embedded_redis_are_all_answered_after_a_restart_of_switchyard_up(
+        pydoc_index_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "redis"
+    env = {"SWITCHYARD_TASK_STORE": "redis"}
+    ids = [f"durable-{i}" for i in range(20)]
+    first = UpStack(pydoc_index_dir, env=env, args=("--data-dir", str(data)))
+    try:
+        first.wait_ready()
+        await _submit(first.address("orchestrator"), ids)
+        before = await _statuses(first.address("orchestrator"), ids)
+    finally:
+        assert first.stop() == 0
+    assert len(before) == 20
+    assert (data / "appendonly.aof").stat().st_size > 0 and not (data / "redis.pid").exists()
+
+    second = UpStack(pydoc_index_dir, env=env, args=("--data-dir", str(data)))
+    try:
+        second.wait_ready()
+        after = await _statuses(second.address("orchestrator"), ids)
+    finally:
+        assert second.stop() == 0
+    print(f"\naccepted SubmitTasks answered after a restart: {len(after)}/{len(ids)}")
+    assert sorted(after) == sorted(ids), f"lost: {sorted(set(ids) - set(after))}"
+
+
+# --------------------------------------------------------------------------- nothing outlives its parent
+
+
+async def test_kill_9_of_the_launcher_leaves_no_process_and_the_next_start_succeeds(
+        pydoc_index_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "redis"
+    stack = UpStack(pydoc_index_dir, args=("--data-dir", str(data)))
+    started: list[psutil.Process] = []
+    try:
+        stack.wait_ready()
+        started = _descendants(stack.proc.pid)
+        names = " ".join(" ".join(p.cmdline()) for p in started)
+        assert "redis-server" in names and names.count("switchyard.cli serve") == 3
+        assert "resource_tracker" in names and names.count("multiprocessing.spawn") >= 2  # CPU pool, tracker
+        stack.proc.send_signal(signal.SIGKILL)  # the launcher dies without any clean-up of its own
+        stack.proc.wait()
+        survivors = _survivors(started)
+        print(f"\nprocesses left after kill -9 of the launcher: {len(survivors)} of {len(started)}")
+        assert survivors == []
+    finally:
+        _kill_all(started)
+        stack.stop()
+    again = UpStack(pydoc_index_dir, args=("--data-dir", str(data)))  # same folder: no "already answers" refusal
+    try:
+        again.wait_ready()
+    finally:
+        assert again.stop() == 0
+
+
+def _orchestrator_config(tmp_path: Path) -> Path:
+    folder = tmp_path / "config"
+    shutil.copytree(ROOT / "config", folder)
+    path = folder / "switchyard.json"
+    config = json.loads(path.read_text())
+    config["orchestrator"]["cpu_executor"] = "process"
+    config["orchestrator"]["cpu_workers"] = 2
+    config["orchestrator"]["task_store"]["sqlite_path"] = str(tmp_path / "tasks.sqlite3")
+    path.write_text(json.dumps(config))
+    return folder
+
+
+async def test_kill_9_of_an_orchestrator_leaves_no_cpu_worker_or_resource_tracker(tmp_path: Path) -> None:
+    config_dir = _orchestrator_config(tmp_path)
+    left = []
+    async with running([Downstream()], load_config(config_dir).server) as downstream:
+        address = f"127.0.0.1:{downstream.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(SWITCHYARD_RETRIEVAL_ADDR=address, SWITCHYARD_DISPATCHER_ADDR=address)
+        for attempt in range(3):
+            port_file = tmp_path / f"ports-{attempt}.json"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "switchyard.cli", "serve", "orchestrator", "--config-dir", str(config_dir),
+                 "--port", "0", "--metrics-port", "0", "--port-file", str(port_file)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            started: list[psutil.Process] = []
+            try:
+                while not port_file.exists():  # written once both ports are bound, by the orchestrator itself
+                    assert proc.poll() is None, f"orchestrator exited with {proc.returncode}"
+                    await asyncio.sleep(0.05)
+                bound = json.loads(port_file.read_text())
+                assert bound["pid"] == proc.pid and bound["port"] > 0 and bound["metrics_port"] > 0
+                assert await asyncio.to_thread(healthy, f"127.0.0.1:{bound['port']}", "agent.AgentService")
+                started = _descendants(proc.pid)
+                cmdlines = [" ".join(p.cmdline()) for p in started]
+                assert sum("resource_tracker" in c for c in cmdlines) == 1 and len(started) == 3, cmdlines
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                left += _survivors(started)
+            finally:
+                _kill_all(started)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    print(f"\nprocesses left after 3 x kill -9 of an orchestrator: {len(left)}")
+    assert left == []
+
+
+# --------------------------------------------------------------------------- the embedded Redis's data folder
+
+
+def test_a_data_folder_held_by_a_live_owner_is_refused_and_a_dead_owner_s_server_is_replaced(tmp_path: Path) -> None:
+    data = tmp_path / "redis"
+    first = EmbeddedRedis("127.0.0.1", 0, data_dir=data).start()
+    try:
+        with pytest.raises(EmbeddedRedisError, match=rf"in use by pid {os.getpid()}"):
+            EmbeddedRedis("127.0.0.1", 0, data_dir=data).start()
+    finally:
+        first.stop()
+    # an owner killed with kill -9 whose redis-server lives on (as on a system without the parent-death
+    # signal, or a server of an older version): the next start finds it by its pidfile and replaces it
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from switchyard.common import children, embedded_redis\n"
+            "children._prctl = None  # an owner on a system without the parent-death signal\n"
+            f"server = embedded_redis.EmbeddedRedis('127.0.0.1', 0, data_dir={str(data)!r}).start()\n"
+            "print(server.proc.pid, server.port, flush=True)\n"
+            "time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "services")})
+    assert owner.stdout is not None
+    pid, _port = map(int, owner.stdout.readline().split())
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    stale = psutil.Process(pid)
+    try:
+        assert stale.is_running() and (data / "redis.pid").read_text().strip() == str(pid)
+        second = EmbeddedRedis("127.0.0.1", 0, data_dir=data).start()  # found by its pidfile and replaced
+        try:
+            assert second.replaced_pid == pid and second.proc is not None and second.proc.pid != pid
+            assert _survivors([stale], timeout=30) == []
+        finally:
+            second.stop()
+    finally:
+        _kill_all([stale])
+
+
+@pytest.mark.parametrize("appendfsync", ["always", "everysec"])
+def test_the_embedded_redis_keeps_its_data_across_a_restart_only_with_a_data_folder(
+        tmp_path: Path, appendfsync: str) -> None:
+    import redis
+
+    def write_then_restart(server: EmbeddedRedis) -> bytes | None:
+        server.start()
+        try:
+            with redis.Redis(host=server.host, port=server.port) as client:
+                if server.data_dir is not None:
+                    assert client.config_get("appendfsync") == {"appendfsync": server.appendfsync}
+                    assert client.config_get("appendonly") == {"appendonly": "yes"}
+                client.set("switchyard:probe", b"kept")
+        finally:
+            server.stop()
+        server.start()
+        try:
+            with redis.Redis(host=server.host, port=server.port) as client:
+                return client.get("switchyard:probe")
+        finally:
+            server.stop()
+
+    persistent = EmbeddedRedis("127.0.0.1", 0, data_dir=tmp_path / "redis", appendfsync=appendfsync)  # type: ignore[arg-type]
+    assert write_then_restart(persistent) == b"kept"
+    assert (tmp_path / "redis" / "appendonly.aof").is_file()
+    assert write_then_restart(EmbeddedRedis("127.0.0.1", 0)) is None  # the tests' cache: no data folder
