@@ -32,7 +32,7 @@ def test_shipped_config_has_design_values():
     assert (s.compute_score_weights.cuda_util, s.compute_score_weights.tensor_util) == (0.2, 0.6)
     assert (s.low_load_threshold, s.high_load_threshold) == (30, 80)
     assert (s.priority_boost.core, s.priority_boost.normal, s.priority_boost.batch) == (10, 5, 1)
-    assert s.preemption_enabled and s.preemption_grace_ms == 50
+    assert s.preemption_enabled and s.core_wait_before_preempt_ms == 0
     m = cfg.memory
     assert m.hbm.capacity_ratio == 0.85 and m.hbm.emergency_evict_ratio == 0.9
     assert m.dram.backend == "redis" and m.dram.port == 6379

@@ -15,8 +15,9 @@ operators already have:
 
 Every field has a default, a range check and a description naming its unit;
 durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
-``memory_policy.toml`` and ``orchestrator.task_store`` are still read, with a
-warning to rename them (both names at once is an error).
+``memory_policy.toml`` and ``orchestrator.task_store``, and the keys of
+:data:`RENAMED_KEYS` (renamed to say what the code does with them), are still
+read, with a warning naming the new name (both names at once is an error).
 
 Each service loads only the sections it reads (``load_config(service=...)``,
 :data:`SERVICE_SECTIONS`): a bad value elsewhere does not stop it, and reading
@@ -313,8 +314,11 @@ class SchedulerConfig(_Strict):
     max_running_agents: int = Field(10, ge=1, le=100_000, description="Most requests decoding at once, requests.")
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
-    preemption_grace_ms: float = Field(
-        50, ge=0, le=60_000, description="A preempted request runs on this long before it is paused, milliseconds."
+    core_wait_before_preempt_ms: float = Field(
+        0, ge=0, le=60_000,
+        description="A core request that does not fit waits this long for running work to free room before it preempts "
+        "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
+        "with core_preemption layer). Formerly preemption_grace_ms.",
     )
     policy: Literal["priority", "fifo"] = Field(
         "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
@@ -1275,13 +1279,22 @@ def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
-    """``raw`` with keys under their former ``*_sec`` names moved to the ``*_s`` fields (recursively).
+RENAMED_KEYS: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"preemption_grace_ms": "core_wait_before_preempt_ms"},
+}
+"""Keys renamed to say what the code does with them, by section: former name -> current name (same value and unit).
+The former name still loads, with a warning naming the current one."""
+
+
+def _former_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
+    """``raw`` with keys under their former names moved to the current fields (recursively): ``*_sec`` keys
+    to the ``*_s`` fields, and the keys of :data:`RENAMED_KEYS`.
 
     Raises:
         ConfigError: both names are present.
     """
     out = dict(raw)
+    renamed = RENAMED_KEYS.get(model, {})
     for key, value in raw.items():
         field = model.model_fields.get(key)
         if key.endswith("_sec") and (new := key[:-4] + "_s") in model.model_fields:
@@ -1289,10 +1302,15 @@ def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, not
                 raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
             notes.append(f"{where}{key}' is the former name of '{new}' (same value, seconds); rename it")
             out[new] = out.pop(key)
+        elif field is None and (new := renamed.get(key)) is not None:
+            if new in raw:
+                raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
+            notes.append(f"{where}{key}' is the former name of '{new}' (same value and unit); rename it")
+            out[new] = out.pop(key)
         elif field is not None and isinstance(value, dict):
             annotation = field.annotation
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                out[key] = _old_unit_names(value, annotation, f"{where}{key}.", notes)
+                out[key] = _former_names(value, annotation, f"{where}{key}.", notes)
     return out
 
 
@@ -1369,7 +1387,7 @@ def _read_section(files: _Files, name: str, notes: list[str]) -> BaseModel:
     section = SECTIONS[name]
     path = files.folder / section.file
     prefix = ".".join(section.keys)
-    raw = _old_unit_names(files.table(section), section.model, f"{path}: key '{prefix}." if prefix else f"{path}: key '",
+    raw = _former_names(files.table(section), section.model, f"{path}: key '{prefix}." if prefix else f"{path}: key '",
                           notes)
     try:
         return section.model.model_validate(raw)

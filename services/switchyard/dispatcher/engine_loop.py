@@ -5,8 +5,12 @@ owns every request, and the engine owns the model. Each turn:
 
 1. ``scheduler.schedule(now)`` swaps the double buffer (what arrived during
    the last step joins now), expires, admits and preempts; admitted
-   requests whose KV state waits in the DRAM tier get it back first
-   (``out.restore``; a miss means the prefill recomputes it);
+   requests whose KV state waits in the DRAM tier get it back before their
+   step (``out.restore``; a miss means the prefill recomputes it), after the
+   prefill of the core requests admitted with them: a restore never waits in
+   front of core work, and neither does a preempted victim's copy to DRAM,
+   which runs in the background (its bytes held in the KV budget until it
+   ends);
 2. the admitted requests join the running set in one mixed step (their
    prefill rides along with one decode token of every running request:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
@@ -15,15 +19,19 @@ owns every request, and the engine owns the model. Each turn:
 3. the running set decodes, one token per request per step, until the time
    slice ends, a request finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
-   Orca), or core work joined during the step (below).
+   Orca), or core work joined during the step or waits (below).
+
+After every step the scheduler fails the requests past their own deadline
+(``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
 :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A core request
 arriving while a step runs (one that prefills no core request itself) starts
-one small task: the scheduler admits the core work that fits without
-preempting anything (``scheduler.admit_core``), and the engine prefills it at
-the next layer boundary of the step in flight (``prefill_between_layers``),
+one small task: the scheduler admits the core work, preempting lower-class
+running work for it at once when it does not fit (``scheduler.admit_core``;
+the victims' KV leaves when the step in flight ends), and the engine prefills
+it at the next layer boundary of the step in flight (``prefill_between_layers``),
 as REEF preempts best-effort DNN inference for real-time work (Han et al.,
 OSDI 2022). The core request waits for one layer (step time / layers) instead
 of the rest of the step; the step in flight lasts longer by the core prefill,
@@ -265,26 +273,28 @@ class StepLoop(LoopBase):
             now = time.monotonic()
             out = scheduler.schedule(now)
             self._joined = False
-            await self._move_tiers(out.restore)
             running = [s for s in out.running if not s.is_finished]
             if not running:
-                # Work waits but none fits now: re-evaluate when something changes, or after a slice.
+                await self._move_tiers(out.restore)
+                # Work waits but none fits now: re-evaluate when something changes, after a slice, or at the
+                # earliest deadline of what waits.
                 self._idle = True
-                await self._wait(self.time_slice_s)
+                await self._wait(max(0.0, min(self.time_slice_s, scheduler.next_deadline - time.monotonic())))
                 continue
             # One span per turn, linked to the requests it serves; the engine's steps are its children.
             with tracer.start_as_current_span(
                 "dispatcher.step", context=otel_context.Context(), links=request_links(running),
                 attributes={"switchyard.batch_size": len(running), "switchyard.admitted": len(out.admitted)},
             ):
-                await self._turn(running)
+                await self._turn(running, out.restore)
 
     def start(self) -> None:
         super().start()
         self.scheduler.tiers.start_scans()
 
     async def _move_tiers(self, restore: list[Request]) -> None:
-        """Bring the DRAM copies of ``restore`` back; sleep the modelled transfer time (sim engine)."""
+        """Bring the DRAM copies of ``restore`` back; sleep their modelled transfer time (sim engine). Copies
+        out of HBM owe nothing here: they run in the background."""
         tiers = self.scheduler.tiers
         if restore:
             await asyncio.gather(*(tiers.restore(req) for req in restore))
@@ -292,19 +302,27 @@ class StepLoop(LoopBase):
         if owed > 0:
             await asyncio.sleep(owed)
 
-    async def _turn(self, running: list[Request]) -> None:
-        """Prefill the newcomers among ``running``, then decode until the slice ends or the running set changes."""
+    async def _turn(self, running: list[Request], restore: list[Request]) -> None:
+        """Prefill the newcomers among ``running`` (core ones first, then the DRAM copies of ``restore`` come
+        back), then decode until the slice ends or the running set changes."""
         engine, scheduler = self.engine, self.scheduler
-        prefill = [s for s in running if s.needs_prefill]
-        decode = [s for s in running if not s.needs_prefill]
-        core = [s for s in prefill if s.priority_class is PriorityClass.CORE] if decode else []
+        waits_restore = set(restore)
+        if any(not s.needs_prefill for s in running if s not in waits_restore):
+            core = [s for s in running if s.needs_prefill and s not in waits_restore
+                    and s.priority_class is PriorityClass.CORE]
+        else:
+            core = []
         if core:
-            # Core work is prefilled on its own: its first token waits for no decode and no other newcomer
-            # (nor for a later core arrival: this step is not preempted).
+            # Core work is prefilled on its own: its first token waits for no decode, no other newcomer and
+            # no restore (nor for a later core arrival: this step is not preempted).
             await self._step(engine.prefill, core)
             if self._reap(core):
+                await self._move_tiers(restore)
                 return
-            prefill = [s for s in prefill if s.priority_class is not PriorityClass.CORE]
+        await self._move_tiers(restore)
+        done = set(core)
+        prefill = [s for s in running if s.needs_prefill and s not in done and not s.is_finished]
+        decode = [s for s in running if not s.needs_prefill and s not in done and not s.is_finished]
         if prefill and decode:
             # Newcomers join the running set in one mixed step: the decodes do not wait for them.
             await self._step(lambda reqs: engine.step(prefill, decode), running, preemptible=True)
@@ -316,7 +334,8 @@ class StepLoop(LoopBase):
             if self._reap(prefill):
                 return
         slice_end = time.monotonic() + self.time_slice_s
-        while not scheduler.intake.active_size and not self._joined and time.monotonic() < slice_end:
+        while (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
+               and time.monotonic() < slice_end):
             decode = [s for s in running if not s.is_finished and not s.needs_prefill]
             if not decode:
                 break
@@ -336,6 +355,7 @@ class StepLoop(LoopBase):
             self._preemptible = False
         self.steps += 1
         self._record(reqs, before)
+        self.scheduler.expire_deadlines(time.monotonic())
 
     async def _call(self, fn: Callable[[list[Request]], Awaitable[Any]], reqs: list[Request]) -> Any:
         """``fn(reqs)``'s result; None when it failed: an out-of-memory error is handed to the scheduler,
