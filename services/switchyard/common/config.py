@@ -312,6 +312,14 @@ class SchedulerConfig(_Strict):
         80, ge=0, le=100, description="Compute score above which only core work is admitted, score (0-100)."
     )
     max_running_agents: int = Field(10, ge=1, le=100_000, description="Most requests decoding at once, requests.")
+    max_step_prefill_tokens: int = Field(
+        512, ge=1, le=10_000_000,
+        description="Most prompt tokens one engine step prefills beside the running decodes, tokens: newcomers beyond "
+        "it are prefilled in the next steps of the same turn, a longer prompt split over steps (chunked prefill, on an "
+        "engine that can; else alone in its step). A step's length bounds how long core work waits for its next layer "
+        "boundary and the running requests for their next token (vLLM's max_num_batched_tokens bounds a step the same "
+        "way; 512 is Sarathi-Serve's and vLLM's former chunked-prefill default).",
+    )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
     core_wait_before_preempt_ms: float = Field(

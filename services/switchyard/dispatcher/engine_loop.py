@@ -11,11 +11,17 @@ owns every request, and the engine owns the model. Each turn:
    front of core work, and neither does a preempted victim's copy to DRAM,
    which runs in the background (its bytes held in the KV budget until it
    ends);
-2. the admitted requests join the running set in one mixed step (their
+2. the admitted requests join the running set in mixed steps (their
    prefill rides along with one decode token of every running request:
-   chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
-   prefilled alone when nothing else runs or a core request is among them (its
-   first token then waits for no decode);
+   chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), at most
+   ``scheduler.max_step_prefill_tokens`` prompt tokens per step (a longer
+   prompt split over steps on an engine with chunked prefill,
+   :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`, else alone
+   in its step), or are prefilled alone when nothing else runs or a core
+   request is among them (its first token then waits for no decode). The
+   bound keeps every step short: a step of many long prompts would make core
+   work wait for its next layer boundary (a step's length / layers) and every
+   running request for its next token;
 3. the running set decodes, one token per request per step, until the time
    slice ends, a request finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
@@ -69,7 +75,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.base import LayerPreemptible, StepEngine
+from switchyard.dispatcher.engines.base import ChunkedPrefill, LayerPreemptible, StepEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, request_links
 
@@ -210,12 +216,16 @@ class StepLoop(LoopBase):
     def __init__(self, config: SwitchyardConfig, engine: StepEngine, scheduler: SchedulerCore) -> None:
         super().__init__(config, engine, scheduler)
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
+        self.max_step_prefill_tokens = config.scheduler.max_step_prefill_tokens
+        self.chunked_prefill = isinstance(engine, ChunkedPrefill)
+        """Newcomers' prompts may be split over steps (:class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`)."""
         self.steps = 0
         self._idle = True
         self._idle_tick_s = min(BUSY_WINDOW_S, config.scheduler.score_sample_interval_ms / 1000)
         self.layer_preemption = config.scheduler.core_preemption == "layer" and isinstance(engine, LayerPreemptible)
         """Core work may join a step in flight at a layer boundary (see the module docstring)."""
         self._preemptible = False  # a step that core work may interrupt is in flight
+        self._transferring = False  # the loop sleeps a restore's modelled transfer: the engine computes nothing
         self._joined = False  # core work joined the running set during this turn: end it at the step boundary
         self._preempt_task: asyncio.Task[None] | None = None
         if self.layer_preemption:
@@ -226,14 +236,15 @@ class StepLoop(LoopBase):
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        if self._preemptible and self._preempt_task is None and not self._closing:
+        if ((self._preemptible or self._transferring) and self._preempt_task is None and not self._closing):
             self._preempt_task = asyncio.create_task(self._preempt_step(), name="dispatcher-core-preemption")
 
     async def _preempt_step(self) -> None:
-        """Prefill core work at a layer boundary of the step in flight, while some fits and a step allows it."""
+        """Prefill core work at a layer boundary of the step in flight (or at once while the loop only waits
+        for a restore's transfer), while some is admitted and a step or transfer allows it."""
         engine: Any = self.engine
         try:
-            while self._preemptible and not self._closing:
+            while (self._preemptible or self._transferring) and not self._closing:
                 admitted = self.scheduler.admit_core(time.monotonic())
                 if not admitted:
                     return
@@ -243,7 +254,10 @@ class StepLoop(LoopBase):
                     "dispatcher.layer_preemption", context=otel_context.Context(), links=request_links(admitted),
                     attributes={"switchyard.admitted": len(admitted)},
                 ):
-                    prefilled = await self._call(engine.prefill_between_layers, admitted)
+                    if self._preemptible:
+                        prefilled = await self._call(engine.prefill_between_layers, admitted)
+                    else:  # no step in flight: the copy engine moves the restore, the compute is free
+                        prefilled = await self._call(engine.prefill, admitted)
                 if prefilled is not False:  # True, or it failed: what it did is recorded as a step's
                     self.steps += 1
                     self._record(admitted, before)
@@ -300,7 +314,17 @@ class StepLoop(LoopBase):
             await asyncio.gather(*(tiers.restore(req) for req in restore))
         owed = tiers.take_owed_seconds()
         if owed > 0:
-            await asyncio.sleep(owed)
+            # A transfer leaves the compute idle: core work arriving meanwhile is prefilled at once.
+            self._transferring = self.layer_preemption
+            if self._transferring and self.scheduler.core_pending:
+                self._on_core_arrival()
+            try:
+                await asyncio.sleep(owed)
+            finally:
+                self._transferring = False
+            task = self._preempt_task
+            if task is not None:  # a core prefill still running: the next step waits for the engine
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _turn(self, running: list[Request], restore: list[Request]) -> None:
         """Prefill the newcomers among ``running`` (core ones first, then the DRAM copies of ``restore`` come
@@ -321,27 +345,55 @@ class StepLoop(LoopBase):
                 return
         await self._move_tiers(restore)
         done = set(core)
-        prefill = [s for s in running if s.needs_prefill and s not in done and not s.is_finished]
-        decode = [s for s in running if not s.needs_prefill and s not in done and not s.is_finished]
-        if prefill and decode:
-            # Newcomers join the running set in one mixed step: the decodes do not wait for them.
-            await self._step(lambda reqs: engine.step(prefill, decode), running, preemptible=True)
-            if self._reap(running):
-                return
-        elif prefill:
-            preemptible = not any(s.priority_class is PriorityClass.CORE for s in prefill)
-            await self._step(engine.prefill, prefill, preemptible=preemptible)
-            if self._reap(prefill):
-                return
+        running = [s for s in running if s.state == "running" and not s.is_finished]  # preempted meanwhile: gone
+        prefill = [s for s in running if s.needs_prefill and s not in done]
+        decode = [s for s in running if not s.needs_prefill and s not in done]
+        if prefill and decode and self.chunked_prefill:
+            # Chunked prefill: the newcomers' prompts go in order, at most max_step_prefill_tokens per step,
+            # each step also decoding the running set.
+            pending = prefill
+            while pending:
+                await self._step(lambda reqs, pending=pending: engine.step_chunk(
+                    pending, decode, self.max_step_prefill_tokens), pending + decode, preemptible=True)
+                if self._reap(pending + decode) or self._joined:
+                    return
+                pending = [s for s in pending if s.needs_prefill and s.state == "running" and not s.is_finished]
+            prefill = []
+        for group in self._prefill_groups(prefill):
+            if decode:
+                # Newcomers join the running set in mixed steps: the decodes do not wait for them.
+                await self._step(lambda reqs, group=group: engine.step(group, decode), group + decode,
+                                 preemptible=True)
+                if self._reap(group + decode) or self._joined:
+                    return
+            else:
+                preemptible = not any(s.priority_class is PriorityClass.CORE for s in group)
+                await self._step(engine.prefill, group, preemptible=preemptible)
+                if self._reap(group) or self._joined:
+                    return
         slice_end = time.monotonic() + self.time_slice_s
         while (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
                and time.monotonic() < slice_end):
-            decode = [s for s in running if not s.is_finished and not s.needs_prefill]
+            decode = [s for s in running if not s.is_finished and not s.needs_prefill and s.state == "running"]
             if not decode:
                 break
             await self._step(engine.decode, decode, preemptible=True)
             if self._reap(decode):
                 break
+
+    def _prefill_groups(self, prefill: list[Request]) -> list[list[Request]]:
+        """``prefill`` in admission order, cut into groups of at most ``scheduler.max_step_prefill_tokens``
+        uncomputed tokens each (a longer request alone): one engine step each."""
+        groups: list[list[Request]] = []
+        tokens = self.max_step_prefill_tokens
+        for req in prefill:
+            n = req.num_uncomputed_tokens
+            if not groups or tokens + n > self.max_step_prefill_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(req)
+            tokens += n
+        return groups
 
     async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request],
                     preemptible: bool = False) -> None:
@@ -349,6 +401,8 @@ class StepLoop(LoopBase):
         join it at a layer boundary while it runs."""
         before = self._before(reqs)
         self._preemptible = preemptible and self.layer_preemption
+        if self._preemptible and self.scheduler.core_pending:  # core work came while nothing could take it
+            self._on_core_arrival()
         try:
             await self._call(fn, reqs)
         finally:

@@ -246,6 +246,11 @@ class SchedulerCore:
         return any(req.priority_class is PriorityClass.CORE for _, req in self._waiting)
 
     @property
+    def core_pending(self) -> bool:
+        """A core request is buffered or waits for admission."""
+        return self.core_waiting or any(req.priority_class is PriorityClass.CORE for req in self.intake)
+
+    @property
     def next_deadline(self) -> float:
         """The earliest own deadline among the requests held, monotonic seconds (inf: none); may be earlier
         than the true one (a request that left), never later."""
