@@ -268,6 +268,20 @@ def test_former_sec_keys_load_with_the_same_meaning_and_a_warning(config_dir, ca
     assert "switchyard.json: key 'orchestrator.task_store.lease_sec' is the former name of 'lease_s'" in text
 
 
+def test_a_renamed_key_loads_under_its_former_name_with_a_warning_naming_the_new_one(config_dir, caplog):
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(
+        preemption_grace_ms=d.pop("core_wait_before_preempt_ms") + 50))
+    with caplog.at_level("WARNING", logger="switchyard.common.config"):
+        cfg = load_config(config_dir, service="dispatcher")
+    assert cfg.scheduler.core_wait_before_preempt_ms == 50
+    assert ("scheduler_config.json: key 'preemption_grace_ms' is the former name of 'core_wait_before_preempt_ms'"
+            in caplog.text)
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(core_wait_before_preempt_ms=0))
+    with pytest.raises(ConfigError, match=r"key 'preemption_grace_ms' is the former name of "
+                                          r"'core_wait_before_preempt_ms': give one of them, not both"):
+        load_config(config_dir, service="dispatcher")
+
+
 def test_former_and_new_key_together_is_an_error(config_dir):
     _write(config_dir, "switchyard.json", lambda d: d["orchestrator"]["task_store"].update(lease_sec=5))
     with pytest.raises(ConfigError, match=r"key 'orchestrator.task_store.lease_sec' is the former name of "

@@ -363,6 +363,12 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
                 raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             await super().step(prefill, decode)
 
+        async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
+            if self.failures:  # the mixed step, chunked
+                self.failures -= 1
+                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            await super().step_chunk(prefill, decode, max_prefill_tokens)
+
     config = SwitchyardConfig()
     engine = FlakyGpu(config)
     sched = build(engine, None)
