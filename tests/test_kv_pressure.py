@@ -113,11 +113,10 @@ async def test_parked_core_agents_give_way_to_waiting_normal_work(redis_db: Redi
             req.num_computed_tokens = req.prompt_tokens  # its prefill
         t += 0.01  # a step boundary every 10 ms of simulated time
     assert len(first_token_wait) == len(chats), "runnable work waited behind parked state"
-    # It waited for nothing but the admission wave (max_running_agents per decision) and, with a DRAM tier,
-    # the copies out of HBM; only what the chats needed left HBM.
-    copy_s = sched.tiers.transfer_seconds(5000 * per_token)
+    # The first chats started at once; the rest waited for nothing but admission by compute score and
+    # wave (a few decisions); only what the chats needed left HBM.
     longest = max(first_token_wait.values())
-    assert longest <= 0.05 + (4 * copy_s if dram else 0.0), (longest, copy_s)
+    assert min(first_token_wait.values()) == 0.0 and longest <= 0.05, first_token_wait
     gone = metric("switchyard_parked_evicted_total") - evicted
     assert 1 <= gone <= 4 and len(sched.parked) == 20 - gone
     if dram:
@@ -142,35 +141,33 @@ async def test_core_preempts_mid_step_and_the_victims_kv_leaves_in_the_backgroun
     [victim] = [req for req in batch if req.state == "preempting"]
     assert victim is batch[-1]  # the latest-arrived batch request
     live = (3449 + 100) * per_token
-    assert budget.transit_bytes == live  # held until the step in flight ends
+    assert budget.leaving_bytes == live  # in use until the step in flight ends
+    assert budget.free_bytes >= 0  # core's reservation fits beside it: the victim's unwritten output blocks
 
     out = sched.schedule(now=1.01)  # the step ended
     assert out.preempted == [victim] and victim.swap_key  # swapped: it delays no waiting core work
-    copy_s = sched.tiers.transfer_seconds(live)
-    assert sched.tiers.take_owed_seconds() == 0.0  # nothing sleeps in front of the next step
-    assert budget.transit_bytes == live  # the copy runs in the background
-    sched.schedule(now=1.01 + copy_s)
-    assert budget.transit_bytes == 0
+    assert sched.tiers.take_owed_seconds() == 0.0  # the copy runs in the background, in front of no step
+    assert budget.leaving_bytes == 0 and victim.state == "waiting"
     await sched.tiers.aclose()
 
 
-@pytest.mark.parametrize("computed, swapped", [(3449 + 500, False), (3449 + 10, True)])
-async def test_at_a_step_boundary_a_victim_is_swapped_only_when_its_copy_would_not_delay_core(
-        redis_db: RedisDb, computed: int, swapped: bool) -> None:
-    """The core request needs its reservation now. A victim near the end of its output holds almost all
-    of its reservation in live KV: copying it out would hold that until the copy ends and core would wait,
-    so it is dropped. A victim early in its output leaves room enough beside its live KV: it is swapped."""
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_victims_swap_counts_the_delay_its_copy_puts_on_the_core_request(
+        redis_db: RedisDb, background: bool) -> None:
+    """At a step boundary core preempts at once. On the sim the copy runs in the background: the victim is
+    swapped (74 ms there and back, against 92 ms of prefill). An engine that copies at export puts the
+    copy (37 ms) in front of core's prefill: 111 ms > 92 ms, so the victim is dropped and recomputed."""
     sched = build(redis_db, **{"scheduler.core_preemption": "step"})
-    budget: KvBudget = sched.capacity
-    batch = fill_with_batch(sched, 26, 3449, 512, computed=computed)
+    sched.tiers.models_transfers = background
+    batch = fill_with_batch(sched, 26, 3449, 512, computed=3449 + 10)
     core = request("core", CORE, prompt_tokens=40, max_tokens=64, arrival=1.0)
     sched.add([core], now=1.0)
     out = sched.schedule(now=1.0)
     assert out.admitted == [core] and out.preempted == [batch[-1]]  # at once: no wait before preempting
-    assert bool(batch[-1].swap_key) is swapped
-    assert budget.refusal(core) is None or core.state == "running"
-    assert budget.reserved_bytes + budget.transit_bytes + budget.free_bytes == budget.budget_bytes
-    assert budget.free_bytes >= 0  # core's reservation fits beside what is still being copied
+    assert bool(batch[-1].swap_key) is background
+    tiers, nbytes = sched.tiers, (3449 + 10) * sched.capacity.info.kv_bytes_per_token
+    assert 2 * tiers.transfer_seconds(nbytes) < tiers.recompute_seconds(3459) < 3 * tiers.transfer_seconds(nbytes)
+    assert sched.capacity.free_bytes >= 0
     await sched.tiers.aclose()
 
 

@@ -618,9 +618,9 @@ def test_admit_core_keeps_the_policy_order_and_its_kv_budget() -> None:
         first.num_computed_tokens = 50  # 100 free + 250 unused: it fits at once
         assert sched.admit_core(now=0.3) == [huge]
         assert first.state == "preempting" and engine.released == []
-        assert capacity.reserved_bytes == 300 * per_token and capacity.transit_bytes == 50 * per_token
+        assert capacity.reserved_bytes == 300 * per_token and capacity.leaving_bytes == 50 * per_token
         out = sched.schedule(now=0.4)  # the step ended: its KV is dropped (no DRAM tier), it waits again
-        assert out.preempted == [first] and engine.released == [first] and capacity.transit_bytes == 0
+        assert out.preempted == [first] and engine.released == [first] and capacity.leaving_bytes == 0
         assert ids(sched.waiting) == ids([first, big])
 
 

@@ -103,9 +103,8 @@ class KvBudget:
         self.reserved_bytes = 0
         """Bytes reserved by the running set."""
         self._held_elsewhere = held_elsewhere
-        self._transit: list[tuple[float, int]] = []  # (copy ends at, bytes) of swap-outs still being copied
-        self.transit_bytes = 0
-        """Bytes of KV state being copied out to the DRAM tier in the background: held until each copy ends."""
+        self.leaving_bytes = 0
+        """KV bytes of requests preempted while a step they belong to is in flight: in use until it ends."""
 
     def need(self, req: Request) -> int:
         """Bytes ``req`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
@@ -113,38 +112,22 @@ class KvBudget:
 
     @property
     def free_bytes(self) -> int:
-        """Budget left for new admissions now, after the running set, the parked agents and the copies in transit."""
-        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere()) - self.transit_bytes
+        """Budget left for new admissions now, after the running set, the parked agents and what is leaving."""
+        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere()) - self.leaving_bytes
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes held in HBM: the running set's reservations plus what is held beside it and in transit."""
-        return self.reserved_bytes + int(self._held_elsewhere()) + self.transit_bytes
+        """KV bytes held in HBM: the running set's reservations plus what is held beside it and what is leaving."""
+        return self.reserved_bytes + int(self._held_elsewhere()) + self.leaving_bytes
 
-    def hold_in_transit(self, nbytes: int, until: float) -> None:
-        """``nbytes`` of released KV state stay in HBM until ``until`` (monotonic seconds): a swap-out copying
-        them to DRAM in the background frees its blocks when the copy ends."""
-        if nbytes > 0:
-            self._transit.append((until, nbytes))
-            self.transit_bytes += nbytes
+    def hold(self, nbytes: int) -> None:
+        """``nbytes`` of a request that left the running set stay in use: it belongs to the step in flight
+        (preempted mid-step); :meth:`end_hold` when that step ended and its KV left."""
+        self.leaving_bytes += max(0, nbytes)
 
     def end_hold(self, nbytes: int) -> None:
-        """End one hold of ``nbytes`` placed with no end (``until`` inf): its owner released them."""
-        for i, (until, n) in enumerate(self._transit):
-            if until == float("inf") and n == nbytes:
-                del self._transit[i]
-                self.transit_bytes -= n
-                return
-
-    def settle(self, now: float) -> None:
-        """Free the bytes of every copy in transit that ended by ``now`` (monotonic seconds)."""
-        if self._transit and min(until for until, _ in self._transit) <= now:
-            self._transit = [(until, n) for until, n in self._transit if until > now]
-            self.transit_bytes = sum(n for _, n in self._transit)
-
-    def transit_ends(self) -> float | None:
-        """When the last copy in transit ends (monotonic seconds), None when none is."""
-        return max((until for until, _ in self._transit), default=None)
+        """End one :meth:`hold` of ``nbytes``."""
+        self.leaving_bytes -= max(0, nbytes)
 
     def usage_ratio(self) -> float:
         """Device memory in use / device memory (0-1): read from the device where possible, else

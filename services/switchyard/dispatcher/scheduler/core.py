@@ -30,10 +30,10 @@ This class is the only place that
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
   hbm_scan_interval_s``) evicts at ``emergency_evict_ratio`` and
   defragments while the compute score is below ``defrag_trigger_score``.
-  A swap-out's copy runs in the background; its bytes stay held in the KV
-  budget until it ends (:meth:`~.capacity.KvBudget.hold_in_transit`), and the
-  swap-or-recompute choice counts the delay that puts on waiting higher-class
-  work (:meth:`SchedulerCore._swap_out`).
+  A swap-out's copy runs in the background (the sim engine models no time
+  for it in front of any step), and the swap-or-recompute choice counts the
+  delay a copy would put on waiting higher-class work
+  (:meth:`SchedulerCore._swap_out`).
 
 Runnable work never waits behind parked state: before a waiting request is
 refused for KV memory, parked agents' state leaves HBM for it, lowest value
@@ -341,7 +341,6 @@ class SchedulerCore:
             self.flush(reason, now)
         out = SchedulerOutput()
         self._end_preemptions(now, out)
-        self._settle(now)
         if now >= self._next_expiry:
             self._expire(now, out)
         out.expired.extend(self.expire_deadlines(now))
@@ -410,7 +409,6 @@ class SchedulerCore:
         taken = self.intake.take(lambda req: req.priority_class is PriorityClass.CORE)
         if taken:
             self._hand_over(taken, FlushReason.PREEMPT, now)
-        self._settle(now)
         if now >= self._next_expiry:
             self._expire(now, out)
         self._now = now
@@ -459,7 +457,7 @@ class SchedulerCore:
             victim.state = "preempting"
             if budget:
                 self._leaving[victim] = held
-                self.capacity.hold_in_transit(held, math.inf)  # type: ignore[union-attr]
+                self.capacity.hold(held)  # type: ignore[union-attr]
             else:
                 self._leaving[victim] = 0
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
@@ -521,7 +519,6 @@ class SchedulerCore:
         engine's score falls, and autoscalers must not read a stale load) and parked agents whose
         ``tool_wait_ttl_s`` ran out give their KV back."""
         self._now = now
-        self._settle(now)
         self.score = self.monitor.read(now)
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
@@ -734,8 +731,7 @@ class SchedulerCore:
         agents' state valued below ``[hbm] evict_threshold`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
-        (:meth:`_demote_parked`), else it is dropped. Bytes already being copied out count as coming free
-        (nothing more is evicted for them). True when ``req`` fits now."""
+        (:meth:`_demote_parked`), else it is dropped. True when ``req`` fits now."""
         if self.capacity.refusal(req) is None:
             return True
         if not isinstance(self.capacity, KvBudget):  # parked state holds none of this capacity
@@ -768,29 +764,16 @@ class SchedulerCore:
         return self.capacity.free_bytes if isinstance(self.capacity, KvBudget) else 0
 
     def _shortfall(self, req: Request) -> int:
-        """Bytes that must leave HBM before ``req`` fits, beyond those being copied out (which come free)."""
+        """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
         if not isinstance(self.capacity, KvBudget):
             return 0
-        return self.capacity.need(req) - self.capacity.free_bytes - self.capacity.transit_bytes
+        return self.capacity.need(req) - self.capacity.free_bytes
 
-    def _copy_delays(self, nbytes: int, room: int) -> int:
-        """1 when copying ``nbytes`` of a victim's KV out of HBM would make the core request it is preempted
-        for wait, else 0. ``room``: bytes left over for it without the copies decided so far. An engine
-        that models its transfers copies in the background, holding the bytes in the budget until the copy
-        ends: the core request waits when the room does not cover them. Any other engine copies at
-        export (``export_kv``), in front of the next step: it always waits."""
-        if not self.tiers.models_transfers:
-            return 1
-        return 0 if not isinstance(self.capacity, KvBudget) or room >= nbytes else 1
-
-    def _waits_for_transit(self, req: Request) -> bool:
-        """``req`` does not fit now, but will once the copies out of HBM in transit end."""
-        return (isinstance(self.capacity, KvBudget) and self.capacity.transit_bytes > 0
-                and self.capacity.refusal(req) is not None and self._shortfall(req) <= 0)
-
-    def _settle(self, now: float) -> None:
-        if isinstance(self.capacity, KvBudget):
-            self.capacity.settle(now)
+    def _copy_delays(self) -> int:
+        """1 when copying a victim's KV out of HBM would make the core request it is preempted for wait,
+        else 0. An engine that models its transfers (the sim) copies in the background, beside the steps;
+        any other engine copies at export (``export_kv``), in front of the next step: core waits for it."""
+        return 0 if self.tiers.models_transfers else 1
 
     def _parked_value(self, entry: ParkedAgent, now: float) -> float:
         """Value score of a parked agent's state; its recency holds while its tool-wait TTL runs."""
@@ -816,11 +799,10 @@ class SchedulerCore:
         """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it; True
         when it was copied.
 
-        ``delays``: waiting requests of a higher class than ``req`` that would wait for this copy (they
-        need the bytes it holds until it ends); each adds the copy's one-way transfer time to the swap's
-        cost (:meth:`~switchyard.dispatcher.tiers.MemoryTiers.worth_swapping`), so a victim whose move
-        would delay core work is dropped instead. On an engine that models its transfers the copy runs in
-        the background and its bytes stay held in the KV budget until it ends.
+        ``delays``: waiting requests of a higher class than ``req`` that would wait for this copy
+        (:meth:`_copy_delays`); each adds the copy's one-way transfer time to the swap's cost
+        (:meth:`~switchyard.dispatcher.tiers.MemoryTiers.worth_swapping`), so a victim whose move would
+        delay core work is dropped instead when recomputing it is cheaper than that.
         """
         tokens = req.num_computed_tokens
         nbytes = self._kv_bytes(req)
@@ -830,8 +812,6 @@ class SchedulerCore:
         if not self.tiers.swap_out(req, key, tokens):
             return False
         req.swap_key, req.swap_tokens = key, tokens
-        if self.tiers.models_transfers and isinstance(self.capacity, KvBudget):
-            self.capacity.hold_in_transit(nbytes, now + copy_s)
         return True
 
     def _demote_parked(self, parked: Request) -> bool:
@@ -841,7 +821,7 @@ class SchedulerCore:
         request would wait for the copy: the swap-or-recompute choice counts it.
         """
         head = self._room_for
-        delays = 1 if head is not None and class_rank(head) < class_rank(parked) else 0
+        delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
         key = self.tiers.agent_key(parked.agent_id)
         if self._swap_out(parked, key, self._now, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key

@@ -103,20 +103,11 @@ class PriorityScheduler(SchedulerCore):
             return
         due = [req for _, req in self._waiting if self._may_preempt(req, now)]
         for req in due:
-            if self._waits_for_transit(req):
-                continue  # copies out of HBM in transit free its room within a transfer time: no victim
             victims = self._victims_for(req, out)
             if victims is None:
                 return
-            # Each victim's copy to DRAM would keep its bytes held until the copy ends: count that wait of
-            # the core request on the swap's side, while the room left without the copies does not cover it.
-            room = self._free_bytes() + sum(v.kv_reserved_bytes for v in victims) - self._need(req)
-            for victim in victims:
-                live = self._kv_bytes(victim)
-                if self._preempt_one(victim, now, out, delays=self._copy_delays(live, room)):
-                    room -= live
-            if self._waits_for_transit(req):
-                continue  # a copy judged worth its delay holds the room until it ends: it starts then
+            for victim in victims:  # a copy in front of core's prefill counts against the swap
+                self._preempt_one(victim, now, out, delays=self._copy_delays())
             self._remove_waiting(req)
             self._start(req, now, out)
 

@@ -10,7 +10,7 @@ pricing:
 - :class:`MemoryTiers` chooses swap or recompute: a swap costs the transfer
   out and back, ``2 x (bytes / [dram] transfer_gb_per_s + transfer_latency_ms)``,
   plus the delay its copy puts on waiting higher-class work (the caller says
-  how much: a request that needs the bytes the copy still holds waits for it);
+  how much: a copy at export runs in front of the next step);
   a recompute costs the engine's prefill of the same tokens
   (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
   offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
@@ -30,8 +30,10 @@ An engine whose ``models_transfers`` is true (the sim) has no real bytes to
 move: a restore's modelled transfer time is owed and the step loop sleeps it
 before the restored request's step (:meth:`MemoryTiers.take_owed_seconds`); a
 swap-out's copy runs in the background, beside the steps (a copy engine beside
-the compute), and the scheduler holds its bytes in the HBM budget until it
-ends (:meth:`~switchyard.dispatcher.scheduler.capacity.KvBudget.hold_in_transit`).
+the compute): nothing is owed for it, and the KV budget frees the victim's
+reservation at once. That is an approximation (a block is reusable once its
+copy ends): a request admitted meanwhile writes its prompt's blocks first, and
+the reservation rule keeps each request's unwritten output blocks free.
 """
 
 from __future__ import annotations
@@ -133,8 +135,7 @@ class MemoryTiers:
 
         The engine's bytes are taken now; the Redis write runs in the background
         (a restore of ``key`` waits for it), and so does the modelled copy of an
-        engine that ``models_transfers``: nothing is owed to the step loop for it
-        (the scheduler holds its bytes in HBM for :meth:`transfer_seconds`).
+        engine that ``models_transfers``: nothing is owed to the step loop for it.
         Returns False when nothing could be exported (the caller then recomputes).
         """
         nbytes = int(getattr(self.engine, "kv_bytes")(req))
