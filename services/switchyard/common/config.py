@@ -16,7 +16,7 @@ operators already have:
 Every field has a default, a range check and a description naming its unit;
 durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
 ``memory_policy.toml`` and ``orchestrator.task_store``, and the keys of
-:data:`RENAMED_KEYS` (renamed to say what the code does with them), are still
+``_FORMER_NAMES`` (renamed to say what the code does with them), are still
 read, with a warning naming the new name (both names at once is an error).
 
 Each service loads only the sections it reads (``load_config(service=...)``,
@@ -305,13 +305,14 @@ class SchedulerConfig(_Strict):
     compute_score_weights: ComputeScoreWeights = Field(
         ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
     )
-    low_load_threshold: float = Field(
-        30, ge=0, le=100, description="Compute score below which waiting work is admitted freely, score (0-100)."
-    )
     high_load_threshold: float = Field(
         80, ge=0, le=100, description="Compute score above which only core work is admitted, score (0-100)."
     )
-    max_running_agents: int = Field(10, ge=1, le=100_000, description="Most requests decoding at once, requests.")
+    max_admitted_per_decision: int = Field(
+        10, ge=1, le=100_000,
+        description="Admission wave: most waiting requests admitted in one admission decision, requests "
+        "(not a cap on the running set, which KV memory and the compute score bound).",
+    )
     max_step_prefill_tokens: int = Field(
         512, ge=1, le=10_000_000,
         description="Most prompt tokens one engine step prefills beside the running decodes, tokens: newcomers beyond "
@@ -367,11 +368,6 @@ class SchedulerConfig(_Strict):
 
     @model_validator(mode="after")
     def _thresholds(self) -> "SchedulerConfig":
-        if self.low_load_threshold >= self.high_load_threshold:
-            raise ValueError(
-                f"low_load_threshold ({self.low_load_threshold}) must be below "
-                f"high_load_threshold ({self.high_load_threshold})"
-            )
         return self
 
 
@@ -1287,38 +1283,48 @@ def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-RENAMED_KEYS: dict[type[BaseModel], dict[str, str]] = {
-    SchedulerConfig: {"preemption_grace_ms": "core_wait_before_preempt_ms"},
+# Keys renamed to say what the code does with them: former name -> current name, per section
+# model. A former name still loads, with a warning naming the current one.
+_FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision",
+                      "preemption_grace_ms": "core_wait_before_preempt_ms"},
 }
-"""Keys renamed to say what the code does with them, by section: former name -> current name (same value and unit).
-The former name still loads, with a warning naming the current one."""
+
+# Keys that no code reads any more: key -> what to do. They load with a warning, and are ignored.
+_REMOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"low_load_threshold": "nothing reads it (admission uses high_load_threshold); remove it"},
+}
 
 
-def _former_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
-    """``raw`` with keys under their former names moved to the current fields (recursively): ``*_sec`` keys
-    to the ``*_s`` fields, and the keys of :data:`RENAMED_KEYS`.
+def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
+    """``raw`` with keys under former names moved to their current fields (recursively).
+
+    Former names are the ``*_sec`` spellings of ``*_s`` fields and the renames of
+    ``_FORMER_NAMES``; keys of ``_REMOVED_KEYS`` are dropped. Each adds a note (logged as a
+    warning by the loader).
 
     Raises:
-        ConfigError: both names are present.
+        ConfigError: a former name and its current name are both present.
     """
     out = dict(raw)
-    renamed = RENAMED_KEYS.get(model, {})
+    renames = _FORMER_NAMES.get(model, {})
+    removed = _REMOVED_KEYS.get(model, {})
     for key, value in raw.items():
         field = model.model_fields.get(key)
-        if key.endswith("_sec") and (new := key[:-4] + "_s") in model.model_fields:
+        if key in removed:
+            notes.append(f"{where}{key}' is no longer a setting: {removed[key]}")
+            out.pop(key)
+        elif key in renames or (key.endswith("_sec") and key[:-4] + "_s" in model.model_fields):
+            new = renames.get(key) or key[:-4] + "_s"
             if new in raw:
                 raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
-            notes.append(f"{where}{key}' is the former name of '{new}' (same value, seconds); rename it")
-            out[new] = out.pop(key)
-        elif field is None and (new := renamed.get(key)) is not None:
-            if new in raw:
-                raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
-            notes.append(f"{where}{key}' is the former name of '{new}' (same value and unit); rename it")
+            same = "" if key in renames else " (same value, seconds)"
+            notes.append(f"{where}{key}' is the former name of '{new}'{same}; rename it")
             out[new] = out.pop(key)
         elif field is not None and isinstance(value, dict):
             annotation = field.annotation
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                out[key] = _former_names(value, annotation, f"{where}{key}.", notes)
+                out[key] = _old_unit_names(value, annotation, f"{where}{key}.", notes)
     return out
 
 
@@ -1395,7 +1401,7 @@ def _read_section(files: _Files, name: str, notes: list[str]) -> BaseModel:
     section = SECTIONS[name]
     path = files.folder / section.file
     prefix = ".".join(section.keys)
-    raw = _former_names(files.table(section), section.model, f"{path}: key '{prefix}." if prefix else f"{path}: key '",
+    raw = _old_unit_names(files.table(section), section.model, f"{path}: key '{prefix}." if prefix else f"{path}: key '",
                           notes)
     try:
         return section.model.model_validate(raw)

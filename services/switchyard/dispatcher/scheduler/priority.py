@@ -27,7 +27,7 @@ the order they came back).
 Admission (:mod:`.admission`, :mod:`.capacity`) takes from the head while
 ``score + expected < high_load_threshold``, the head's KV fits the HBM budget
 (or the upstream's concurrency limit allows) and fewer than
-``max_running_agents`` were admitted in this decision.
+``max_admitted_per_decision`` were admitted in this decision.
 
 Preemption (``preemption_enabled``): a core request that does not fit, once it
 has waited ``core_wait_before_preempt_ms`` since its arrival (default 0: at
