@@ -15,8 +15,9 @@ operators already have:
 
 Every field has a default, a range check and a description naming its unit;
 durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
-``memory_policy.toml`` and ``orchestrator.task_store`` are still read, with a
-warning to rename them (both names at once is an error).
+``memory_policy.toml`` and ``orchestrator.task_store``, and the keys of
+``_FORMER_NAMES`` (renamed to say what the code does with them), are still
+read, with a warning naming the new name (both names at once is an error).
 
 Each service loads only the sections it reads (``load_config(service=...)``,
 :data:`SERVICE_SECTIONS`): a bad value elsewhere does not stop it, and reading
@@ -318,10 +319,21 @@ class SchedulerConfig(_Strict):
         description="Admission wave: most waiting requests admitted in one admission decision, requests "
         "(not a cap on the running set, which KV memory and the compute score bound).",
     )
+    max_step_prefill_tokens: int = Field(
+        512, ge=1, le=10_000_000,
+        description="Most prompt tokens one engine step prefills beside the running decodes, tokens: newcomers beyond "
+        "it are prefilled in the next steps of the same turn, a longer prompt split over steps (chunked prefill, on an "
+        "engine that can; else alone in its step). A step's length bounds how long core work waits for its next layer "
+        "boundary and the running requests for their next token (vLLM's max_num_batched_tokens bounds a step the same "
+        "way; 512 is Sarathi-Serve's and vLLM's former chunked-prefill default).",
+    )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
-    preemption_grace_ms: float = Field(
-        50, ge=0, le=60_000, description="A preempted request runs on this long before it is paused, milliseconds."
+    core_wait_before_preempt_ms: float = Field(
+        0, ge=0, le=60_000,
+        description="A core request that does not fit waits this long for running work to free room before it preempts "
+        "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
+        "with core_preemption layer). Formerly preemption_grace_ms.",
     )
     policy: Literal["priority", "fifo"] = Field(
         "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
@@ -1329,7 +1341,8 @@ def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
 # Keys renamed to say what the code does with them: former name -> current name, per section
 # model. A former name still loads, with a warning naming the current one.
 _FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
-    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision"},
+    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision",
+                      "preemption_grace_ms": "core_wait_before_preempt_ms"},
 }
 
 # Keys that no code reads any more: key -> what to do. They load with a warning, and are ignored.
