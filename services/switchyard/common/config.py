@@ -774,7 +774,7 @@ class TaskStoreConfig(_Strict):
 
 
 class AffinityConfig(_Strict):
-    """Agent affinity of the orchestrator's dispatcher calls (orchestrator/affinity.py, replicas.py)."""
+    """Agent affinity of the orchestrator's dispatcher calls (common/affinity.py, orchestrator/replicas.py)."""
 
     enabled: bool = Field(
         True, description="With several dispatcher replicas, send an agent's calls to the replica holding its "
@@ -782,8 +782,9 @@ class AffinityConfig(_Strict):
     )
     balance: float = Field(
         1.2, gt=1, le=10,
-        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents "
-        "(Mirrokni, Thorup, Zadimoghaddam 2018).",
+        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents, "
+        "nor (once its agents have more than one call each) more than this times the mean calls in flight; an "
+        "agent's overflow goes to the next replica on the ring (Mirrokni, Thorup, Zadimoghaddam 2018).",
     )
     idle_s: float = Field(
         60.0, gt=0, le=86_400,

@@ -187,6 +187,9 @@ class InferenceClient:
             address, channel = await self._route(affinity_key, frozenset(tried))
             received = 0
             chunks = self._streams_for(channel).generate(request, timeout_s)
+            replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
+            if replicas is not None:
+                replicas.started(address)  # counts against the replica's bound until the call ends
             try:
                 async for chunk in chunks:
                     received += 1
@@ -206,6 +209,8 @@ class InferenceClient:
                                              f"{err.details}") from None
                 raise _hop_error("dispatcher", address, err.code, err.details, err.origin) from None
             finally:
+                if replicas is not None:
+                    replicas.finished(address)
                 await chunks.aclose()  # a request given up on is cancelled on the stream now
 
     async def default_model(self, timeout_s: float = 5.0) -> str:
