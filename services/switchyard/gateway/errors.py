@@ -154,3 +154,11 @@ class ModelCoolingDown(GatewayError):
     code = grpc.StatusCode.UNAVAILABLE
     retryable = False
     fallback_ok = True
+
+
+class NoEndpointUp(GatewayError):
+    """Every endpoint of ``model_gateway.pool`` is down (or failed this call before its first token)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+    fallback_ok = False
