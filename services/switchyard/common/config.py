@@ -222,7 +222,7 @@ class UpstreamPoolConfig(_Strict):
         "without /v1), a path.",
     )
     balance: float = Field(
-        1.25, gt=1, le=10,
+        1.2, gt=1, le=10,
         description="Bounded-load rule of the affinity scorer, a ratio: an endpoint keeps its agents' calls until it "
         "has more than this times the mean calls in flight, then the overflow goes to the next endpoint on the "
         "ring (switchyard.common.affinity).",

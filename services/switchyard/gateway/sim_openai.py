@@ -32,7 +32,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -538,6 +541,45 @@ def run_in_thread(
         thread.join(timeout=10)
 
 
+@dataclass
+class SpawnedSimOpenAI:
+    """A sim-openai server in its own process (so that it can be killed as a crashed replica is)."""
+
+    process: subprocess.Popen[str]
+    base_url: str
+
+    def kill(self) -> None:
+        """SIGKILL the server (its open streams are cut, its port refuses) and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+def spawn(args: list[str] = (), host: str = "127.0.0.1", timeout_s: float = 30.0) -> SpawnedSimOpenAI:  # type: ignore[assignment]
+    """Start ``switchyard serve sim-openai --port 0 ARGS`` in a child process; returns once it listens.
+
+    Raises:
+        RuntimeError: it exited or printed no address within ``timeout_s`` (its output is in the message).
+    """
+    command = [sys.executable, "-m", "switchyard.gateway.sim_openai", "--host", host, "--port", "0", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    line = ""
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].split()[0]
+            # keep reading its output so that a full pipe never blocks it
+            threading.Thread(target=process.stdout.read, name="sim-openai-output", daemon=True).start()
+            return SpawnedSimOpenAI(process, url)
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise RuntimeError(f"sim-openai did not start ({' '.join(command)}): {line.strip() or 'no output'}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchyard serve sim-openai",
@@ -560,6 +602,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-tokens", type=int, default=SimOpenAIOptions.kv_tokens, metavar="N",
                         help="KV cache size in tokens: prefix cache capacity and kv_cache_usage_perc (%(default)s)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt whole")
+    parser.add_argument("--prefill-per-token-ms", type=float, metavar="MS",
+                        help="prefill cost per uncached prompt token (default: sim.prefill_per_token_ms, 0.025)")
     parser.add_argument("--config-dir", help="read the sim latency parameters from this config folder")
     return parser
 
@@ -582,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.common.config import load_config
 
         sim = load_config(args.config_dir).sim
+    if args.prefill_per_token_ms is not None:
+        if not 0 <= args.prefill_per_token_ms <= 1000:
+            parser.error(f"--prefill-per-token-ms: expected 0 to 1000, got {args.prefill_per_token_ms}")
+        sim = sim.model_copy(update={"prefill_per_token_ms": args.prefill_per_token_ms})
     if args.max_running is not None and args.max_running < 1:
         parser.error(f"--max-running: expected at least 1, got {args.max_running}")
     if args.kv_tokens < 1:
@@ -597,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.bind((args.host, args.port))  # bound here, so that port 0's choice can be printed
     except OSError as exc:
         parser.error(f"--host/--port: cannot listen on {args.host}:{args.port}: {exc}")
+    sock.listen(2048)  # connections made once the address is printed wait in the backlog until uvicorn serves
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
     print(f"sim-openai listening on http://{host}:{port}/v1 (models: {', '.join(options.models)})", flush=True)
