@@ -1509,6 +1509,10 @@ def _env_overrides(held: set[str]) -> dict[str, Any]:
     put("orchestrator", "retrieval_addr", envs.SWITCHYARD_RETRIEVAL_ADDR.get())
     put("orchestrator", "dispatcher_addr", envs.SWITCHYARD_DISPATCHER_ADDR.get())
     put("orchestrator", "task_store.backend", envs.SWITCHYARD_TASK_STORE.get())
+    put("upstream", "base_url", envs.SWITCHYARD_UPSTREAM_BASE_URL.get())
+    put("upstream", "default_model", envs.SWITCHYARD_UPSTREAM_MODEL.get())
+    put("upstream", "fallback_model", envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL.get())
+    put("upstream", "api_key_required", envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED.get())
     if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
         host, _, port = addr.rpartition(":")
         put("memory.dram", "host", host)
