@@ -9,8 +9,10 @@ conversation that grows by one exchange per turn; every agent runs its turns
 one after another, all agents at once.
 
 Phases, taking turns (each with its own agents, so no phase inherits another's
-cached conversations): the picker (``policy: score``), round robin, again each
-``--rounds`` times; then the picker with one replica SIGKILLed half-way.
+cached conversations): a warm-up not counted (round robin, three turns: fresh
+processes, connections, the shared system prompts cached everywhere), then the
+picker (``policy: score``), round robin, again each ``--rounds`` times; then the
+picker with one replica SIGKILLed half-way.
 
 Printed per policy: calls, affinity hit (calls on their agent's home endpoint),
 calls per endpoint max/mean, streams in flight max/mean (sampled every 20 ms),
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -281,6 +284,9 @@ async def _main(params: PoolParams, kill: bool) -> tuple[PhaseResult, PhaseResul
             "--prefill-per-token-ms", str(params.prefill_per_token_ms)]
     replicas = await asyncio.gather(*(asyncio.to_thread(spawn, args) for _ in range(params.replicas)))
     try:
+        # warm-up, not counted: fresh processes and connections, and the groups' system prompts cached on
+        # every replica, so that neither policy's first phase pays for them
+        await run_phase(replicas, "round_robin", dataclasses.replace(params, turns=3), "warm")
         score, rr = PhaseResult("score (picker)"), PhaseResult("round_robin")
         for round_ in range(params.rounds):  # taking turns
             score.merge(await run_phase(replicas, "score", params, f"s{round_}"))
