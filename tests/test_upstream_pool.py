@@ -322,3 +322,17 @@ async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_
                         request_id=f"{agent}-{id(agent)}", prompt=f"{agent} says hi", agent_id=agent, max_tokens=4))]
                     assert chunks[-1].done.finish_reason in ("stop", "length")
     assert sum(len(s.state.requests) for s in servers) == 4
+
+
+def test_upstream_variables_override_model_gateway_and_name_themselves_when_bad(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", "http://127.0.0.1:8000/v1")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "qwen2.5-7b-instruct")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_FALLBACK_MODEL", "none")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_API_KEY_REQUIRED", "false")
+    upstream = load_config("config", service="dispatcher").upstream
+    assert (upstream.base_url, upstream.default_model, upstream.fallback_model, upstream.api_key_required) == (
+        "http://127.0.0.1:8000/v1", "qwen2.5-7b-instruct", "", False)
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="SWITCHYARD_UPSTREAM_BASE_URL='127.0.0.1:8000'.*http://"):
+        load_config("config", service="dispatcher")
