@@ -26,3 +26,24 @@ def pydoc_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     manifest = build_index([], out, load_config(CONFIG_DIR), progress=False)
     print(f"\npydoc index: {manifest.count} passages, {manifest.dims} dims, built in {time.monotonic() - started:.1f} s")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama and its BPE tokenizer, built offline once per test session."""
+    from switchyard.testing.transformers_serve import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def transformers_server(tiny_llama_dir: Path):
+    """A real ``transformers serve --continuous-batching --device cpu`` on 127.0.0.1.
+
+    One server for the session (it takes about 10 s to start); tests must not depend on
+    what other tests sent it before.
+    """
+    from switchyard.testing.transformers_serve import TransformersServer
+
+    with TransformersServer(tiny_llama_dir) as server:
+        yield server

@@ -28,9 +28,9 @@ def test_shipped_config_has_design_values():
     assert cfg.upstream.default_model == "claude-sonnet-4-5"
     assert cfg.upstream.fallback_model == "gpt-4o-mini"
     s = cfg.scheduler
-    assert s.time_slice_ms == 20 and s.max_running_agents == 10
+    assert s.time_slice_ms == 20 and s.max_admitted_per_decision == 10
     assert (s.compute_score_weights.cuda_util, s.compute_score_weights.tensor_util) == (0.2, 0.6)
-    assert (s.low_load_threshold, s.high_load_threshold) == (30, 80)
+    assert s.high_load_threshold == 80
     assert (s.priority_boost.core, s.priority_boost.normal, s.priority_boost.batch) == (10, 5, 1)
     assert s.preemption_enabled and s.preemption_grace_ms == 50
     m = cfg.memory
@@ -63,12 +63,44 @@ def test_unknown_key_is_reported_as_typo(config_dir):
 
 
 def test_cross_field_check_quotes_values(config_dir):
+    path = config_dir / "memory_policy.toml"
+    text = path.read_text()
+    assert "demote_threshold" in text
+    text = "\n".join("demote_threshold = 2.0e6" if line.startswith("demote_threshold") else line
+                     for line in text.splitlines())
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"demote_threshold \(2000000.0\) must be below promote_threshold \(1000000.0\)"):
+        load_config(config_dir)
+
+
+def test_former_key_name_loads_with_a_warning_naming_the_new_one(config_dir, caplog):
     path = config_dir / "scheduler_config.json"
     data = json.loads(path.read_text())
-    data["low_load_threshold"] = 90
+    data["max_running_agents"] = data.pop("max_admitted_per_decision") + 3
     path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"low_load_threshold \(90.0\) must be below high_load_threshold \(80.0\)"):
+    with caplog.at_level("WARNING"):
+        cfg = load_config(config_dir)
+    assert cfg.scheduler.max_admitted_per_decision == 13
+    assert "'max_running_agents' is the former name of 'max_admitted_per_decision'" in caplog.text
+
+
+def test_former_and_current_key_together_is_an_error(config_dir):
+    path = config_dir / "scheduler_config.json"
+    data = json.loads(path.read_text())
+    data["max_running_agents"] = 10
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"former name of 'max_admitted_per_decision': give one of them, not both"):
         load_config(config_dir)
+
+
+def test_removed_key_loads_with_a_warning_and_is_ignored(config_dir, caplog):
+    path = config_dir / "scheduler_config.json"
+    data = json.loads(path.read_text())
+    data["low_load_threshold"] = 30
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        load_config(config_dir)
+    assert "'low_load_threshold' is no longer a setting: nothing reads it" in caplog.text
 
 
 def test_bad_toml_names_file(config_dir):

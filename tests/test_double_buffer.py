@@ -70,7 +70,7 @@ def test_bad_arguments_are_rejected() -> None:
 
 
 def scheduler(**overrides: object):  # type: ignore[no-untyped-def]
-    config = SwitchyardConfig().with_overrides(**{"scheduler.max_running_agents": 1000, **overrides})
+    config = SwitchyardConfig().with_overrides(**{"scheduler.max_admitted_per_decision": 1000, **overrides})
     return make_scheduler(config, SimEngine(config))
 
 
@@ -165,7 +165,7 @@ def test_every_request_is_admitted_exactly_once_in_order_within_its_class(
     arrivals: list[tuple[str, bool]], max_batch_size: int, policy: str
 ) -> None:
     config = SwitchyardConfig().with_overrides(
-        **{"scheduler.max_running_agents": 3, "batching.max_batch_size": max_batch_size,
+        **{"scheduler.max_admitted_per_decision": 3, "batching.max_batch_size": max_batch_size,
            "scheduler.preemption_enabled": False, "scheduler.policy": policy}
     )
     s = make_scheduler(config, SimEngine(config))

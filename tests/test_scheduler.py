@@ -234,8 +234,8 @@ def test_admission_stops_when_the_engine_is_full() -> None:
     assert ids(sched.schedule(now=0.5).admitted) == ids(reqs[2:])
 
 
-def test_max_running_agents_is_the_admission_wave_not_a_cap_on_the_running_set() -> None:
-    sched = make_scheduler(max_running_agents=10, expected_score_initial=0)
+def test_max_admitted_per_decision_is_the_admission_wave_not_a_cap_on_the_running_set() -> None:
+    sched = make_scheduler(max_admitted_per_decision=10, expected_score_initial=0)
     reqs = make_requests(25)
     sched.add(reqs, now=0.0)
     waves = [len(sched.schedule(now=0.001 * i).admitted) for i in range(4)]

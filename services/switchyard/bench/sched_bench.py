@@ -350,7 +350,7 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"offered {header['offered_rps']:.1f} tasks/s ({header['overload']:g}x) for {header['seconds']:g} s: "
         f"{header['tasks']} tasks (core {header['by_class']['core']}, normal {header['by_class']['normal']}, "
         f"batch {header['by_class']['batch']})",
-        f"scheduler: max_running_agents {header['max_running_agents']}, time_slice_ms {header['time_slice_ms']:g}, "
+        f"scheduler: max_admitted_per_decision {header['max_admitted_per_decision']}, time_slice_ms {header['time_slice_ms']:g}, "
         f"preemption_grace_ms {header['preemption_grace_ms']:g}, aging_max_wait_ms {header['aging_max_wait_ms']:g}; "
         "compute score from the engine busy ratio",
         f"DRAM tier: {header['dram']}",
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_tasks": args.calibration, "capacity_rps": capacity, "offered_rps": rate,
         "overload": args.overload, "seconds": args.seconds, "tasks": len(specs),
         "by_class": {name: sum(1 for s in specs if s.priority_class == name) for name, _ in CLASSES},
-        "max_running_agents": sched.max_running_agents, "time_slice_ms": sched.time_slice_ms,
+        "max_admitted_per_decision": sched.max_admitted_per_decision, "time_slice_ms": sched.time_slice_ms,
         "preemption_grace_ms": sched.preemption_grace_ms, "aging_max_wait_ms": sched.aging_max_wait_ms,
         "mix": list(args.mix), "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
         "seed": args.seed, "dram": dram,

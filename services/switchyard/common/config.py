@@ -421,13 +421,14 @@ class SchedulerConfig(_Strict):
     compute_score_weights: ComputeScoreWeights = Field(
         ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
     )
-    low_load_threshold: float = Field(
-        30, ge=0, le=100, description="Compute score below which waiting work is admitted freely, score (0-100)."
-    )
     high_load_threshold: float = Field(
         80, ge=0, le=100, description="Compute score above which only core work is admitted, score (0-100)."
     )
-    max_running_agents: int = Field(10, ge=1, le=100_000, description="Most requests decoding at once, requests.")
+    max_admitted_per_decision: int = Field(
+        10, ge=1, le=100_000,
+        description="Admission wave: most waiting requests admitted in one admission decision, requests "
+        "(not a cap on the running set, which KV memory and the compute score bound).",
+    )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
     preemption_grace_ms: float = Field(
@@ -472,11 +473,6 @@ class SchedulerConfig(_Strict):
 
     @model_validator(mode="after")
     def _thresholds(self) -> "SchedulerConfig":
-        if self.low_load_threshold >= self.high_load_threshold:
-            raise ValueError(
-                f"low_load_threshold ({self.low_load_threshold}) must be below "
-                f"high_load_threshold ({self.high_load_threshold})"
-            )
         return self
 
 
@@ -1393,19 +1389,42 @@ def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+# Keys renamed to say what the code does with them: former name -> current name, per section
+# model. A former name still loads, with a warning naming the current one.
+_FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision"},
+}
+
+# Keys that no code reads any more: key -> what to do. They load with a warning, and are ignored.
+_REMOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"low_load_threshold": "nothing reads it (admission uses high_load_threshold); remove it"},
+}
+
+
 def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
-    """``raw`` with keys under their former ``*_sec`` names moved to the ``*_s`` fields (recursively).
+    """``raw`` with keys under former names moved to their current fields (recursively).
+
+    Former names are the ``*_sec`` spellings of ``*_s`` fields and the renames of
+    ``_FORMER_NAMES``; keys of ``_REMOVED_KEYS`` are dropped. Each adds a note (logged as a
+    warning by the loader).
 
     Raises:
-        ConfigError: both names are present.
+        ConfigError: a former name and its current name are both present.
     """
     out = dict(raw)
+    renames = _FORMER_NAMES.get(model, {})
+    removed = _REMOVED_KEYS.get(model, {})
     for key, value in raw.items():
         field = model.model_fields.get(key)
-        if key.endswith("_sec") and (new := key[:-4] + "_s") in model.model_fields:
+        if key in removed:
+            notes.append(f"{where}{key}' is no longer a setting: {removed[key]}")
+            out.pop(key)
+        elif key in renames or (key.endswith("_sec") and key[:-4] + "_s" in model.model_fields):
+            new = renames.get(key) or key[:-4] + "_s"
             if new in raw:
                 raise ConfigError(f"{where}{key}' is the former name of '{new}': give one of them, not both")
-            notes.append(f"{where}{key}' is the former name of '{new}' (same value, seconds); rename it")
+            same = "" if key in renames else " (same value, seconds)"
+            notes.append(f"{where}{key}' is the former name of '{new}'{same}; rename it")
             out[new] = out.pop(key)
         elif field is not None and isinstance(value, dict):
             annotation = field.annotation

@@ -3,7 +3,7 @@
 Rule (``scheduler_config.json``, docs/architecture.md): a waiting task is admitted while
 
     score + expected_score(task_type) < high_load_threshold
-    and  admitted in this decision < max_running_agents
+    and  admitted in this decision < max_admitted_per_decision
 
 where ``score`` is the current compute score (0-100) plus the expected scores
 of the tasks already admitted in the same decision (the sampled score cannot
@@ -11,7 +11,7 @@ see them yet). One exception keeps the engine from idling forever: when nothing
 runs, the head of the queue is admitted whatever the score says (the score is
 then other processes' load, which waiting does not lower).
 
-``max_running_agents`` (the field's value 10) is the admission wave: the most
+``max_admitted_per_decision`` (the field's value 10) is the admission wave: the most
 requests one decision admits. It does not bound the running set; memory and
 the score do (:mod:`.capacity`). A wave bounds the prefill that running
 decodes wait behind at one step boundary, so a burst of arrivals joins the
@@ -33,7 +33,7 @@ from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.scheduler import metrics
 
 ADMISSION_WAVE = "admission_wave"
-"""Refusal reason: ``max_running_agents`` requests were admitted in this decision already."""
+"""Refusal reason: ``max_admitted_per_decision`` requests were admitted in this decision already."""
 COMPUTE_SCORE = "compute_score"
 """Refusal reason: score + expected score would reach ``high_load_threshold``."""
 
@@ -78,12 +78,12 @@ class Admission:
     """Decides whether the next waiting task may start, and counts refusals by reason.
 
     Args:
-        config: ``scheduler_config.json`` (max_running_agents,
+        config: ``scheduler_config.json`` (max_admitted_per_decision,
             high_load_threshold, expected_score_initial, expected_score_ema_alpha).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.max_running = config.max_running_agents
+        self.max_running = config.max_admitted_per_decision
         self.high_load_threshold = config.high_load_threshold
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
         self.refusals: Counter[str] = Counter()

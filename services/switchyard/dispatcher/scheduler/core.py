@@ -34,7 +34,7 @@ and decides three things only: the order of the waiting set
 Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
 by the compute score and by KV memory within the HBM budget (step engines), or
 by the upstream's adaptive concurrency limit (stream engines); never by a fixed
-count. ``max_running_agents`` (the field's 10) is the admission wave: the most
+count. ``max_admitted_per_decision`` (the field's 10) is the admission wave: the most
 requests admitted in one scheduling decision, so that a burst joins the
 running set over a few steps instead of stalling every running decode behind
 one huge prefill. ``queues.inference.capacity`` bounds the requests that wait

@@ -28,4 +28,4 @@ class FifoScheduler(SchedulerCore):
         return (req.arrival,)
 
     def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
-        return ADMISSION_WAVE if wave >= self.config.max_running_agents else None
+        return ADMISSION_WAVE if wave >= self.config.max_admitted_per_decision else None

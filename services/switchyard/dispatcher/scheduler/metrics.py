@@ -27,7 +27,7 @@ PARKED_KV_BYTES = Gauge("switchyard_parked_kv_bytes", "Bytes of prefix state kep
 ADMISSIONS_REFUSED = Counter(
     "switchyard_admissions_refused_total",
     "Scheduling decisions that left work waiting, by the reason the head of the queue was refused "
-    "(admission_wave: max_running_agents admitted in this decision; compute_score: score + expected score "
+    "(admission_wave: max_admitted_per_decision admitted in this decision; compute_score: score + expected score "
     ">= high_load_threshold; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
     "upstream's adaptive concurrency limit is reached).",
     ["reason"],

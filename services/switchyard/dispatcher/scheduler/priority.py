@@ -27,7 +27,7 @@ the order they came back).
 Admission (:mod:`.admission`, :mod:`.capacity`) takes from the head while
 ``score + expected < high_load_threshold``, the head's KV fits the HBM budget
 (or the upstream's concurrency limit allows) and fewer than
-``max_running_agents`` were admitted in this decision.
+``max_admitted_per_decision`` were admitted in this decision.
 
 Preemption (``preemption_enabled``): a core request still waiting after the
 admission pass, which has waited at least ``preemption_grace_ms`` since its
