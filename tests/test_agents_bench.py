@@ -44,3 +44,44 @@ def test_agents_bench_rejects_bad_arguments() -> None:
     with pytest.raises(SystemExit):
         agents_bench.main(["--dram", "nowhere"])
     assert agents_bench.main(["--agents", "0"]) == 2
+
+
+def _accounted(report: dict) -> None:
+    for name, started in report["tasks_started"].items():
+        ended = (report["tasks_completed"][name] + report["tasks_failed"][name] + report["tasks_unfinished"][name])
+        assert started == ended, f"{name}: {started} started, {ended} accounted for"
+    assert sum(report["tasks_started"].values()) > 0
+
+
+def test_every_started_task_is_accounted_for_and_tasks_under_way_drain(capsys: pytest.CaptureFixture[str]) -> None:
+    assert agents_bench.main([*SMALL, "--dram", "off"]) == 0
+    drained = json.loads(capsys.readouterr().out)
+    _accounted(drained)
+    assert sum(drained["tasks_unfinished"].values()) == 0  # the window closed mid-task for many: they drained
+    assert drained["makespan_s"] > 4
+    assert agents_bench.main([*SMALL, "--dram", "off", "--drain-limit", "1"]) == 0  # cut at the window
+    cut = json.loads(capsys.readouterr().out)
+    _accounted(cut)
+    assert sum(cut["tasks_unfinished"].values()) > 0
+
+
+def test_a_dram_tier_that_keeps_nothing_reports_its_resumes_recomputed_not_restored(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Redis whose maxmemory (1 byte) refuses every KV write: steps sent to DRAM miss there and are
+    recomputed. Before, each counted as "restored from DRAM" and the report printed 100 % restored."""
+    import redis
+
+    from redis_fixtures import start_redis
+
+    server = start_redis()
+    try:
+        redis.Redis(host=server.host, port=server.port).config_set("maxmemory", "1")
+        assert agents_bench.main([*SMALL, "--dram", server.address]) == 0
+    finally:
+        server.stop()
+    report = json.loads(capsys.readouterr().out)
+    _accounted(report)
+    assert report["tiers"]["dram"]["hits"] == 0 and report["tiers"]["hbm"]["misses"] > 0
+    assert report["tool_resumes"]["restored"] == 0 and report["restored_tokens"] == 0
+    assert report["tool_resumes"]["recomputed"] > 0 and report["tool_resumes"]["restored_share"] == 0
+    assert report["restored_token_share"] == 0

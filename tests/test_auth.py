@@ -103,3 +103,77 @@ async def test_health_checks_need_no_token(tokens):
             ready = await stub.Check(health_pb2.HealthCheckRequest(service="agent.AgentService"))
     assert alive.status == health_pb2.HealthCheckResponse.SERVING
     assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# ---------------------------------------------------------------------------- every kind of call
+
+
+async def _echo_server(tokens_file: str):
+    """A real grpc.aio server behind the interceptor: reflection (bidirectional) and one method of each kind."""
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.aio.server(interceptors=[BearerAuthInterceptor(AuthConfig(enabled=True, tokens_file=tokens_file))])
+
+    async def unary(request: bytes, context) -> bytes:
+        return request
+
+    async def server_stream(request: bytes, context):
+        yield request
+
+    async def client_stream(requests, context) -> bytes:
+        return b"".join([r async for r in requests])
+
+    async def bidi(requests, context):
+        async for r in requests:
+            yield r
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
+        "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+    })])
+    reflection.enable_server_reflection(["test.Echo", reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def _silent(channel: grpc.aio.Channel, kind: str, method: str, metadata=None):
+    """Start a call of ``kind`` that never sends a message (streaming requests) and return its status."""
+    if kind == "unary":
+        call = channel.unary_unary(method)(b"x", metadata=metadata, timeout=30)
+    elif kind == "server_stream":
+        call = channel.unary_stream(method)(b"x", metadata=metadata, timeout=30)
+    elif kind == "client_stream":
+        call = channel.stream_unary(method)(metadata=metadata, timeout=30)
+    else:
+        call = channel.stream_stream(method)(metadata=metadata, timeout=30)
+    return await call.code(), await call.details()
+
+
+@pytest.mark.parametrize(("kind", "method"), [
+    ("unary", "/test.Echo/Unary"),
+    ("server_stream", "/test.Echo/ServerStream"),
+    ("client_stream", "/test.Echo/ClientStream"),
+    ("bidi", "/test.Echo/Bidi"),
+    ("bidi", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+], ids=["unary", "server-stream", "client-stream", "bidi", "reflection"])
+async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_from_the_caller(
+        tmp_path, kind, method):
+    """A silent client of a streaming-request method is refused, not left waiting until its deadline (30 s):
+    before, the refusal was a unary handler, which grpc runs only after the first request message."""
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKEN} test.Echo/Unary\n")
+    server, port = await _echo_server(str(path))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            code, details = await _silent(channel, kind, method)
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "missing 'authorization'" in details
+            code, details = await _silent(channel, kind, method, bearer(TOKEN))
+            if method != "/test.Echo/Unary":
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "may not call" in details
+            else:
+                assert code == grpc.StatusCode.OK
+    finally:
+        await server.stop(0)

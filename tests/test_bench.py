@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 import json
 
 import grpc
@@ -45,6 +46,12 @@ class StreamingAgent(agent_pb2_grpc.AgentServiceServicer):
         yield agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="render_prompt", duration_s=0.001))
         if request.payload == "fail":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "inference queue saturated")
+        if request.payload == "late":  # fails after two tokens, each message naming its own task and time
+            for i in range(2):
+                yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"w{i} ", index=i))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"task {request.task_id}-{uuid.uuid4().hex[:12]} ran out of time after "
+                                f"{0.4 + len(self.seen) / 1000:.3f} s (the caller's gRPC deadline)")
         for i in range(TOKENS):
             yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"w{i} ", index=i))
         timings = agent_pb2.Timings(queue_wait_s={"orchestration": 0.002, "inference": 0.004}, ttft_s=0.003)
@@ -275,3 +282,20 @@ def test_an_unreachable_target_is_named(capsys, monkeypatch):
         port = sock.getsockname()[1]
     assert bench_main([f"127.0.0.1:{port}", "-n", "2", "-c", "1", "--procs", "1"]) == 1
     assert f"cannot reach the orchestrator at 127.0.0.1:{port} within 0.5 s" in capsys.readouterr().err
+
+
+async def test_summary_groups_errors_of_one_kind_and_counts_tokens_of_successful_calls_only(agent_server):
+    host, _ = agent_server
+    late = {"task_id": "t-{{.RequestNumber}}", "payload": "late", "task_type": "chat", "priority": "NORMAL"}
+    plan = LoadPlan(host=host, calldata=parse_calldata([MIX[1], late]), total=20, concurrency=4, rps=0)
+    report = build_report(await run_part(plan), plan)
+    _validate(report)
+    sy = report["switchyard"]
+    assert report["statusCodeDistribution"] == {"OK": 10, "DeadlineExceeded": 10}
+    assert sy["tokens"] == 10 * TOKENS and sy["failedCallTokens"] == 10 * 2
+    assert len(report["errorDistribution"]) == 10  # ghz's own map: every message differs
+    assert [(g["kind"], g["count"]) for g in sy["errorGroups"]] == [
+        ("rpc error: code = DeadlineExceeded desc = task # ran out of time after # s (the caller's gRPC deadline)", 10)]
+    text = summary_text(report)
+    assert text.count("ran out of time") == 1 and "[10]\trpc error: code = DeadlineExceeded desc = task # ran" in text
+    assert f"Tokens:\t{10 * TOKENS} " in text and "20 more streamed by calls that then failed" in text

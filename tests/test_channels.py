@@ -128,3 +128,31 @@ def test_channel_options_disable_the_proxy_and_ping_no_faster_than_servers_accep
     assert options["grpc.max_receive_message_length"] == ServerConfig().max_message_bytes
     with pytest.raises(ValueError, match="keepalive_time_s"):
         ServerConfig(keepalive_time_s=1)
+
+
+async def test_goaways_for_the_connections_age_and_the_reconnects_are_counted_per_peer():
+    from switchyard.common.metrics import CHANNEL_DISCONNECTS, CHANNEL_RECONNECTS
+    from switchyard.common.server import server_options
+
+    config = ServerConfig(max_connection_age_s=1, max_connection_age_grace_s=0)
+    server = grpc.aio.server(options=server_options(config))
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    lost = CHANNEL_DISCONNECTS.labels("retrieval")._value.get
+    back = CHANNEL_RECONNECTS.labels("retrieval")._value.get
+    before = (lost(), back())
+    try:
+        async with open_channel(f"127.0.0.1:{port}", config, peer="retrieval") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert (lost(), back()) == before  # the first connection is no reconnect
+            for _ in range(6):  # 3 s: past the age (+10 % jitter) at least twice
+                await asyncio.sleep(0.5)
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert lost() >= before[0] + 1 and back() >= before[1] + 1
+    finally:
+        await server.stop(0)
+    assert CHANNEL_DISCONNECTS.labels("other")._value.get() >= 0  # every peer exported from 0

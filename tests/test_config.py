@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.common.config import ConfigError, load_config
+from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -273,6 +273,20 @@ def test_default_max_tokens_is_checked_against_limits_where_both_are_read(config
                                           r"limits.max_tokens \(8192\)"):
         load_config(config_dir, service="dispatcher")
     assert load_config(config_dir, service="orchestrator").limits.max_tokens == 8192
+
+
+def test_a_connection_age_grace_shorter_than_the_longest_task_is_refused_naming_both_keys(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: d["server"].update(max_connection_age_grace_s=5))
+    with pytest.raises(ConfigError, match=r"key 'server.max_connection_age_grace_s' has value 5; expected: at least "
+                                          r"the longest orchestrator.task_time_limit_s \(react_loop: 600 s\)"):
+        load_config(config_dir, service="orchestrator")
+    with pytest.raises(ConfigError, match="max_connection_age_grace_s"):
+        SwitchyardConfig().with_overrides(**{"orchestrator.task_time_limit_s": {
+            "chat": 120, "rag_answer": 180, "react_loop": 900}})
+    _write(config_dir, "switchyard.json", lambda d: d["server"].update(max_connection_age_grace_s=600))
+    assert load_config(config_dir).server.max_connection_age_grace_s == 600
+    assert SwitchyardConfig().server.max_connection_age_grace_s >= max(
+        SwitchyardConfig().orchestrator.task_time_limit_s.values())
 
 
 def test_configs_from_before_layer_preemption_load_with_it_on(config_dir):

@@ -9,12 +9,26 @@ import pytest
 from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
 
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.cooldown import Cooldowns
+from switchyard.gateway.errors import GatewayError, ModelCoolingDown, UpstreamRateLimited, UpstreamServerError
 from switchyard.gateway.events import ChatRequest, Finished
 from switchyard.gateway.faults import Fault
-from switchyard.gateway.metrics import GATEWAY_CIRCUIT_OPEN, GATEWAY_COOLDOWNS
+from switchyard.gateway.metrics import (
+    CIRCUIT_STATES,
+    CIRCUIT_TRANSITIONS,
+    GATEWAY_CIRCUIT_STATE,
+    GATEWAY_CIRCUIT_TRANSITIONS,
+)
 
 PRIMARY, FALLBACK = "claude-sonnet-4-5", "gpt-4o-mini"
+
+
+def is_open(model: str) -> bool:
+    return GATEWAY_CIRCUIT_STATE.labels(model, "open")._value.get() == 1
+
+
+def transitions(model: str, before: str, after: str) -> float:
+    return GATEWAY_CIRCUIT_TRANSITIONS.labels(model, before, after)._value.get()
 
 
 def ask() -> ChatRequest:
@@ -32,16 +46,16 @@ def cooldown(**values) -> dict:
 
 
 async def test_a_failing_model_is_skipped_for_its_cooldown(clean_proxy_env):
-    opened_before = GATEWAY_COOLDOWNS.labels(PRIMARY)._value.get()
+    opened_before = transitions(PRIMARY, "closed", "open")
     with start_sim(faults={PRIMARY: Fault(status=503)}) as server:
         async with GatewayClient(gateway_config(server.base_url, **cooldown())) as client:
-            assert GATEWAY_CIRCUIT_OPEN.labels(PRIMARY)._value.get() == 0
+            assert not is_open(PRIMARY)
             assert [await served_by(client) for _ in range(2)] == [FALLBACK, FALLBACK]
             assert server.state.counts[PRIMARY] == 2
-            assert GATEWAY_CIRCUIT_OPEN.labels(PRIMARY)._value.get() == 1
+            assert is_open(PRIMARY)
             assert await served_by(client) == FALLBACK
             assert server.state.counts[PRIMARY] == 2  # open: not even tried
-    assert GATEWAY_COOLDOWNS.labels(PRIMARY)._value.get() == opened_before + 1
+    assert transitions(PRIMARY, "closed", "open") == opened_before + 1
 
 
 async def test_without_a_fallback_an_open_circuit_fails_fast_naming_the_cooldown(clean_proxy_env):
@@ -67,15 +81,143 @@ async def test_the_requests_own_faults_and_rate_limits_never_open_the_circuit(cl
                 except GatewayError as exc:
                     assert exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert server.state.counts[PRIMARY] == 4  # tried every time: never skipped
-    assert GATEWAY_CIRCUIT_OPEN.labels(PRIMARY)._value.get() == 0
+    assert not is_open(PRIMARY)
 
 
 async def test_after_the_cooldown_one_success_closes_the_circuit(clean_proxy_env):
     with start_sim(faults={PRIMARY: Fault(status=503, fail_first=2)}) as server:
         async with GatewayClient(gateway_config(server.base_url, **cooldown(cooldown_s=0.2))) as client:
             assert [await served_by(client) for _ in range(2)] == [FALLBACK, FALLBACK]
-            assert GATEWAY_CIRCUIT_OPEN.labels(PRIMARY)._value.get() == 1
+            assert is_open(PRIMARY)
             await asyncio.sleep(0.3)  # past the cooldown: half-open, one trial request
             assert await served_by(client) == PRIMARY
-            assert GATEWAY_CIRCUIT_OPEN.labels(PRIMARY)._value.get() == 0
+            assert not is_open(PRIMARY)
             assert await served_by(client) == PRIMARY
+
+
+# ---------------------------------------------------------------------------- half-open probes
+
+
+class Clock:
+    """Monotonic seconds stepped by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def failure() -> GatewayError:
+    return UpstreamServerError("upstream 503 (test)")
+
+
+async def open_circuit(cooldowns: Cooldowns, model: str) -> None:
+    async def fail() -> None:
+        raise failure()
+
+    for _ in range(cooldowns.config.cooldown.failures):
+        with pytest.raises(UpstreamServerError):
+            await cooldowns.call(model, fail)
+    assert cooldowns.state(model) == "open"
+
+
+def breaker(clock: Clock, **values) -> Cooldowns:
+    return Cooldowns(gateway_config("http://127.0.0.1:1/v1", **cooldown(cooldown_s=10.0, **values)), clock=clock)
+
+
+@pytest.mark.parametrize("probes", [1, 3])
+async def test_half_open_admits_exactly_the_configured_probes_and_refuses_the_rest_at_once(probes) -> None:
+    clock = Clock()
+    cooldowns = breaker(clock, half_open_probes=probes)
+    await open_circuit(cooldowns, PRIMARY)
+    clock.now += 10.5  # past the cooldown
+    release = asyncio.Event()
+    admitted = 0
+
+    async def probe() -> str:
+        nonlocal admitted
+        admitted += 1
+        await release.wait()
+        return "ok"
+
+    calls = [asyncio.ensure_future(cooldowns.call(PRIMARY, probe)) for _ in range(10)]
+    await asyncio.sleep(0)
+    refused = [c for c in calls if c.done()]
+    assert admitted == probes and len(refused) == 10 - probes
+    for call in refused:
+        assert isinstance(call.exception(), ModelCoolingDown)
+        assert "half_open_probes" in str(call.exception())
+    assert cooldowns.state(PRIMARY) == "half_open"
+    assert GATEWAY_CIRCUIT_STATE.labels(PRIMARY, "half_open")._value.get() == 1
+    release.set()
+    assert [await c for c in calls if c not in refused] == ["ok"] * probes
+    assert cooldowns.state(PRIMARY) == "closed"
+
+
+async def test_one_failing_probe_reopens_and_a_late_probe_of_that_period_changes_nothing() -> None:
+    clock = Clock()
+    cooldowns = breaker(clock, half_open_probes=2)
+    await open_circuit(cooldowns, PRIMARY)
+    clock.now += 10.5
+    release = asyncio.Event()
+
+    async def slow_ok() -> str:
+        await release.wait()
+        return "ok"
+
+    async def fail() -> None:
+        raise failure()
+
+    late = asyncio.ensure_future(cooldowns.call(PRIMARY, slow_ok))
+    await asyncio.sleep(0)
+    reopened = transitions(PRIMARY, "half_open", "open")
+    with pytest.raises(UpstreamServerError):
+        await cooldowns.call(PRIMARY, fail)
+    assert cooldowns.state(PRIMARY) == "open" and transitions(PRIMARY, "half_open", "open") == reopened + 1
+    release.set()
+    assert await late == "ok"
+    assert cooldowns.state(PRIMARY) == "open"  # its success belongs to the period that already failed
+    with pytest.raises(ModelCoolingDown, match="skipped for"):
+        await cooldowns.call(PRIMARY, slow_ok)
+
+
+@pytest.mark.parametrize("neutral", [UpstreamRateLimited("429 (test)"), asyncio.CancelledError()],
+                         ids=["rate-limit", "cancelled"])
+async def test_a_probe_that_tells_nothing_frees_its_place_and_neither_closes_nor_opens(neutral) -> None:
+    clock = Clock()
+    cooldowns = breaker(clock, half_open_probes=1)
+    await open_circuit(cooldowns, PRIMARY)
+    clock.now += 10.5
+
+    async def says_nothing() -> None:
+        raise neutral
+
+    with pytest.raises(type(neutral)):
+        await cooldowns.call(PRIMARY, says_nothing)
+    assert cooldowns.state(PRIMARY) == "half_open"  # purgatory closed the circuit here
+
+    async def ok() -> str:
+        return "ok"
+
+    assert await cooldowns.call(PRIMARY, ok) == "ok"  # the place it held is free again
+    assert cooldowns.state(PRIMARY) == "closed"
+
+
+def test_every_state_and_transition_is_exported_from_zero_for_each_configured_model() -> None:
+    Cooldowns(gateway_config("http://127.0.0.1:1/v1", **cooldown()))
+    for model in (PRIMARY, FALLBACK):
+        states = {s: GATEWAY_CIRCUIT_STATE.labels(model, s)._value.get() for s in CIRCUIT_STATES}
+        assert sum(states.values()) == 1
+        for before, after in CIRCUIT_TRANSITIONS:
+            assert transitions(model, before, after) >= 0
+
+
+async def test_half_open_through_the_client_sends_one_probe_the_rest_go_to_the_fallback(clean_proxy_env):
+    with start_sim(faults={PRIMARY: Fault(status=503, fail_first=2, slow_ms=300)}) as server:
+        async with GatewayClient(gateway_config(server.base_url, **cooldown(cooldown_s=0.2))) as client:
+            assert [await served_by(client) for _ in range(2)] == [FALLBACK, FALLBACK]
+            await asyncio.sleep(0.3)  # past the cooldown: half-open
+            served = await asyncio.gather(*(served_by(client) for _ in range(10)))
+        assert served.count(PRIMARY) == 1 and served.count(FALLBACK) == 9
+        assert server.state.counts[PRIMARY] == 3  # two failures, then exactly one probe

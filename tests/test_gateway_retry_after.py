@@ -35,11 +35,11 @@ def _rate_limited(seconds: float) -> GatewayError:
                             url="http://u/v1/chat/completions", model="m", key=ApiKey("K", None))
 
 
-async def test_the_wait_honours_retry_after_capped_by_config() -> None:
+async def test_the_wait_honours_retry_after_within_the_cap() -> None:
     config = gateway_config("http://127.0.0.1:1/v1", max_retries=2, retry_backoff_initial_s=0.01,
                             retry_backoff_max_s=0.02, retry_after_max_s=5)
     waits: list[float] = []
-    attempts = iter([_rate_limited(2), _rate_limited(60)])
+    attempts = iter([_rate_limited(2), _rate_limited(5)])
 
     async def once(model: str) -> str:
         error = next(attempts, None)
@@ -51,7 +51,26 @@ async def test_the_wait_honours_retry_after_capped_by_config() -> None:
         waits.append(seconds)
 
     assert await with_retries("m", once, config, sleep=record) == "ok"
-    assert waits[0] >= 2.0 and waits[1] == pytest.approx(5.0, abs=0.03)  # asked 60 s, capped at 5
+    assert waits[0] >= 2.0 and waits[1] >= 5.0  # never less than asked
+
+
+async def test_a_wait_longer_than_the_cap_is_never_shortened_the_call_fails_naming_model_and_wait() -> None:
+    config = gateway_config("http://127.0.0.1:1/v1", max_retries=3, retry_after_max_s=30)
+    attempts = 0
+
+    async def once(model: str) -> str:
+        nonlocal attempts
+        attempts += 1
+        raise _rate_limited(90)
+
+    async def never(seconds: float) -> None:
+        raise AssertionError(f"slept {seconds} s: retried before the 90 s the upstream asked for")
+
+    with pytest.raises(UpstreamRateLimited) as caught:
+        await with_retries("m", once, config, sleep=never)
+    assert attempts == 1
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "model 'm' asked to wait 90.0 s" in str(caught.value) and "retry_after_max_s (30 s)" in str(caught.value)
 
 
 async def test_a_retry_after_past_the_deadline_fails_at_once_with_the_upstream_error() -> None:
@@ -76,3 +95,72 @@ async def test_request_errors_never_fall_back(clean_proxy_env) -> None:
                     pass
         assert server.state.counts.get("gpt-4o-mini", 0) == 0  # the fallback model was never asked
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+NOTATIONS = {
+    "delta-seconds": Fault(status=429, retry_after=90),
+    "retry-after-ms": Fault(status=429, retry_after_ms=90_000),
+    "http-date": Fault(status=429, retry_after_date=90),
+}
+PRIMARY, FALLBACK = "claude-sonnet-4-5", "gpt-4o-mini"
+
+
+async def _served_by(client: GatewayClient) -> str:
+    events = [e async for e in client.stream_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}]))]
+    return events[-1].model
+
+
+@pytest.mark.parametrize("fault", NOTATIONS.values(), ids=NOTATIONS.keys())
+async def test_a_90s_wait_against_a_30s_cap_goes_to_the_fallback_and_the_model_is_not_asked_again(
+        clean_proxy_env, fault) -> None:
+    with start_sim(faults={PRIMARY: fault}) as server:
+        config = gateway_config(server.base_url, max_retries=3, retry_after_max_s=30)
+        async with GatewayClient(config) as client:
+            assert [await _served_by(client) for _ in range(3)] == [FALLBACK] * 3
+        assert server.state.counts[PRIMARY] == 1  # 0 requests before the 90 s it asked for
+        assert server.state.counts[FALLBACK] == 3
+
+
+@pytest.mark.parametrize("fault", NOTATIONS.values(), ids=NOTATIONS.keys())
+async def test_a_90s_wait_without_a_fallback_fails_before_the_first_token_naming_the_model_and_the_wait(
+        clean_proxy_env, fault) -> None:
+    with start_sim(faults={PRIMARY: fault}) as server:
+        config = gateway_config(server.base_url, max_retries=3, retry_after_max_s=30, fallback_model="")
+        async with GatewayClient(config) as client:
+            errors = []
+            for _ in range(2):
+                with pytest.raises(GatewayError) as caught:
+                    await _served_by(client)
+                errors.append(caught.value)
+        assert server.state.counts[PRIMARY] == 1  # the second call was refused here, not sent
+    first, second = errors
+    assert first.code == second.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"model {PRIMARY!r} asked to wait 8" in str(first) or f"model {PRIMARY!r} asked to wait 9" in str(first)
+    assert "retry_after_max_s (30 s)" in str(first) and "never shortened" in str(first)
+    assert f"upstream model {PRIMARY!r} asked to wait" in str(second) and "s of it left" in str(second)
+    assert first.tokens_sent == second.tokens_sent == 0
+
+
+async def test_a_503_asking_for_longer_than_the_call_has_left_fails_unavailable_at_once(clean_proxy_env) -> None:
+    with start_sim(faults={PRIMARY: Fault(status=503, retry_after=20)}) as server:
+        config = gateway_config(server.base_url, max_retries=3, retry_after_max_s=30, fallback_model="",
+                                cooldown={"enabled": False})
+        async with GatewayClient(config) as client:
+            request = ChatRequest(messages=[{"role": "user", "content": "hi"}], timeout_s=5.0)
+            with pytest.raises(GatewayError) as caught:
+                async for _ in client.stream_chat(request):
+                    pass
+        assert server.state.counts[PRIMARY] == 1
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert f"model {PRIMARY!r} asked to wait 20.0 s" in str(caught.value) and "left before the call's deadline" in str(caught.value)
+
+
+async def test_a_short_wait_is_waited_out_by_later_calls_too(clean_proxy_env) -> None:
+    """A wait within the cap: the next call is held until it has passed, then reaches the model."""
+    with start_sim(faults={PRIMARY: Fault(status=429, retry_after=0.3, fail_first=1)}) as server:
+        config = gateway_config(server.base_url, max_retries=2, retry_after_max_s=30, fallback_model="")
+        async with GatewayClient(config) as client:
+            assert await _served_by(client) == PRIMARY
+        assert server.state.counts[PRIMARY] == 2
+        first, second = server.state.arrivals[PRIMARY]
+        assert second - first >= 0.3

@@ -468,7 +468,7 @@ class PeerRecording(DispatcherService):
 
 async def test_requests_run_across_a_goaway_for_the_connections_age(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(generate_stream, "STREAM_MAX_AGE_S", 0.3)  # streams opened before and after the GOAWAY
-    config = make_config(**{**MEDIUM, "server.max_connection_age_s": 1.0, "server.max_connection_age_grace_s": 120.0})
+    config = make_config(**{**MEDIUM, "server.max_connection_age_s": 1.0, "server.max_connection_age_grace_s": 600.0})
     service = PeerRecording(config)
     srv = await start_server([service], "127.0.0.1", 0, config.server)
     channel = open_channel(f"127.0.0.1:{srv.port}")

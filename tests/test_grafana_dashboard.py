@@ -67,3 +67,16 @@ def test_per_task_figures_are_histograms_never_a_series_per_task() -> None:
     exprs = [e for t, e in dashboard.expressions(MODEL) if t.startswith("Per-task")]
     assert len(exprs) >= 4 and all("_bucket" in e for e in exprs)
     assert not any(re.search(r"task_id|agent_id", e) for _, e in dashboard.expressions(MODEL))
+
+
+def test_no_field_anywhere_in_the_dashboard_is_null() -> None:
+    assert dashboard.nulls(MODEL) == []  # the heatmaps' "options": null was Grafana's known failure
+
+
+def test_every_heatmap_sets_its_options_and_the_generator_refuses_a_null() -> None:
+    heatmaps = [p for p in MODEL["panels"] if p["type"] == "heatmap"]
+    assert len(heatmaps) == 2
+    for panel in heatmaps:
+        assert panel["options"]["calculate"] is False and panel["options"]["yAxis"]["unit"] == panel["fieldConfig"]["defaults"]["unit"]
+    assert dashboard.nulls({"panels": [{"options": None, "targets": [{"expr": "up"}, None]}]}) == [
+        "$.panels[0].options", "$.panels[0].targets[1]"]

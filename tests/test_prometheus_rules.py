@@ -69,3 +69,74 @@ def test_every_alert_has_a_unit_test_that_expects_it_to_fire() -> None:
         if case.get("exp_alerts")
     }
     assert alerts and alerts <= fired, f"alerts without a firing unit test: {sorted(alerts - fired)}"
+
+
+# ---------------------------------------------------------------------------- staleness audit
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800, "y": 31_536_000}
+
+
+def _seconds(duration: str) -> float:
+    """A Prometheus duration ("90m", "1h30m", "15s") in seconds."""
+    import re
+
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)", str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), f"not a duration: {duration!r}"
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _samples(values: str) -> tuple[int, bool]:
+    """(samples, ends stale) of a promtool ``values`` string: ``a+bxN`` and ``axN`` are N+1 samples,
+    ``_xN`` N missing ones, ``_``, ``stale`` and a plain number one each (promtool's expanding notation)."""
+    import re
+
+    tokens = values.split()
+    count = 0
+    for token in tokens:
+        missing = re.fullmatch(r"_x(\d+)", token)
+        series = re.fullmatch(r"[^x]+x(\d+)", token)
+        if missing:
+            count += int(missing.group(1))
+        elif series:
+            count += int(series.group(1)) + 1
+        else:
+            count += 1
+    return count, bool(tokens) and tokens[-1] == "stale"
+
+
+def inputs_ending_early(document: dict) -> list[str]:
+    """Input series of a promtool test file whose samples stop before the test's last evaluation
+    without an explicit ``stale`` marker: such a series silently stays visible for the 5-minute
+    lookback and then vanishes, so the test checks a scrape that stopped, not what it says."""
+    default = _seconds(document.get("evaluation_interval", "1m"))
+    problems = []
+    for number, test in enumerate(document["tests"], 1):
+        interval = _seconds(test["interval"]) if "interval" in test else default
+        evals = [_seconds(c["eval_time"]) for key in ("alert_rule_test", "promql_expr_test")
+                 for c in test.get(key, [])]
+        last_eval = max(evals, default=0.0)
+        for series in test.get("input_series", []):
+            count, stale = _samples(str(series["values"]))
+            ends = (count - 1) * interval
+            if ends < last_eval and not stale:
+                problems.append(f"test {number}: {series['series']} ends at {ends / 60:g}m, before its last "
+                                f"evaluation at {last_eval / 60:g}m, with no stale marker")
+    return problems
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda p: p.name)
+def test_every_alert_tests_input_reaches_its_evaluation_time_or_ends_stale(path) -> None:
+    assert inputs_ending_early(yaml.safe_load(path.read_text())) == []
+
+
+def test_the_audit_finds_a_series_that_stops_early_and_accepts_an_explicit_stale_marker() -> None:
+    def document(values: str, eval_time: str = "30m") -> dict:
+        return {"tests": [{"interval": "1m", "input_series": [{"series": "up", "values": values}],
+                           "alert_rule_test": [{"eval_time": eval_time, "alertname": "X"}]}]}
+
+    assert len(inputs_ending_early(document("1x5"))) == 1  # 0..5m, evaluated at 30m
+    assert len(inputs_ending_early(document("0+1x29"))) == 1  # ends at 29m
+    assert inputs_ending_early(document("0+1x30")) == []
+    assert inputs_ending_early(document("1x5 stale")) == []
+    assert inputs_ending_early(document("1 2 _x28 3")) == []  # 31 samples: 0..30m
+    assert len(inputs_ending_early(document("1x30", eval_time="1h"))) == 1

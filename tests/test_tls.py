@@ -209,3 +209,97 @@ async def test_a_served_dispatcher_answers_probes_on_its_health_port(pki, tmp_pa
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+# --------------------------------------------------------------------------- TLS failures say what they were
+
+
+@pytest.fixture(scope="module")
+def named_pki(pki):
+    """Besides ``pki``: a certificate of the same CA for localhost only (dialling 127.0.0.1 does not match)."""
+    ca = trustme.CA(organization_name="Switchyard test CA")
+    leaf = ca.issue_cert("localhost")
+    folder = pki / "named"
+    folder.mkdir(exist_ok=True)
+    leaf.private_key_pem.write_to_path(folder / "key.pem")
+    leaf.cert_chain_pems[0].write_to_path(folder / "cert.pem")
+    ca.cert_pem.write_to_path(folder / "ca.pem")
+    return folder
+
+
+async def test_a_hostname_mismatch_names_the_dialled_name_the_certificates_names_and_issuer(named_pki):
+    from switchyard.orchestrator.clients import RetrievalClient
+    from switchyard.common.errors import ServiceUnavailable
+
+    config = tls(named_pki)
+    async with running([Downstream()], config) as srv:
+        client = RetrievalClient(f"127.0.0.1:{srv.port}", config, timeout_s=10)
+        try:
+            with pytest.raises(ServiceUnavailable) as caught:
+                await client.retrieve("q")
+        finally:
+            await client.close()
+        message = str(caught.value)
+        assert "dialled name '127.0.0.1'" in message
+        assert "the certificate's names (SANs): DNS:localhost" in message
+        assert "issuer" in message and "Switchyard test CA" in message
+        assert "'127.0.0.1' is not among the certificate's names" in message and "server.tls.server_name" in message
+        # the same server dialled by a name it holds serves
+        named = tls(named_pki, server_name="localhost")
+        assert await check(f"127.0.0.1:{srv.port}", named) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_certificate_from_another_ca_names_its_issuer_and_the_ca_file(pki):
+    from switchyard.common import tls_check
+
+    async with running([Downstream()], tls(pki)) as srv:
+        result = await tls_check.check_certificate(f"127.0.0.1:{srv.port}", tls(pki, ca_file=str(pki / "stranger.pem")).tls)
+    assert not result.ok and not result.unreachable
+    assert "does not verify against server.tls.ca_file" in result.problem and "stranger.pem" in result.problem
+    assert result.names == ["DNS:localhost", "IP:127.0.0.1"] or set(result.names) == {"DNS:localhost", "IP:127.0.0.1"}
+    assert result.issuer
+
+
+def test_the_certificate_file_is_checked_offline_against_the_dialled_names(pki, named_pki):
+    from switchyard.common import tls_check
+
+    assert tls_check.check_certificate_file(tls(pki).tls, "127.0.0.1").ok
+    assert tls_check.check_certificate_file(tls(pki).tls, "localhost").ok
+    wrong_name = tls_check.check_certificate_file(tls(named_pki).tls, "10.0.0.7")
+    assert "'10.0.0.7' is not among the certificate's names" in wrong_name.problem
+    wrong_ca = tls_check.check_certificate_file(tls(pki, ca_file=str(pki / "stranger.pem")).tls, "localhost")
+    assert "did not sign it" in wrong_ca.problem
+    assert tls_check.name_matches("api.example.com", ["DNS:*.example.com"])
+    assert not tls_check.name_matches("a.b.example.com", ["DNS:*.example.com"])
+    assert not tls_check.name_matches("127.0.0.1", ["DNS:127.0.0.1"])  # an IP matches IP names only
+
+
+async def test_a_tls_server_logs_its_certificate_and_the_server_name_channels_check(pki, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="switchyard.common.server"):
+        async with running([Downstream()], tls(pki, server_name="localhost")):
+            pass
+    line = next(r.getMessage() for r in caplog.records if "server.tls on" in r.getMessage())
+    assert "server_name 'localhost' (server.tls.server_name)" in line
+    assert "DNS:localhost" in line and "IP:127.0.0.1" in line and "issuer" in line
+
+
+async def test_doctor_checks_the_certificates_of_the_addresses_it_will_dial(pki, named_pki):
+    from switchyard.gateway import doctor
+
+    async with running([Downstream()], tls(named_pki)) as srv:
+        config = SwitchyardConfig().with_overrides(**{
+            "server.tls": tls(named_pki).tls.model_dump(),
+            "orchestrator.retrieval_addr": f"localhost:{srv.port}",  # a name the certificate holds
+            "orchestrator.dispatcher_addr": f"127.0.0.1:{srv.port}",  # not one of its names
+            "orchestrator.port": free_port("127.0.0.1"),  # nothing answers there yet
+            "server.host": "localhost",
+        })
+        checks = {c.name: c for c in await doctor.certificate_checks(config, timeout_s=3)}
+    assert checks["tls retrieval"].ok and "the certificate fits" in checks["tls retrieval"].detail
+    assert not checks["tls dispatcher"].ok
+    assert "dialled name '127.0.0.1'" in checks["tls dispatcher"].detail
+    assert "DNS:localhost" in checks["tls dispatcher"].detail and "server_name" in checks["tls dispatcher"].fix
+    assert checks["tls orchestrator"].ok and "nothing answers" in checks["tls orchestrator"].detail
+    assert await doctor.certificate_checks(SwitchyardConfig()) == []  # TLS off: nothing to check

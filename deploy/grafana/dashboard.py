@@ -35,6 +35,7 @@ from grafana_foundation_sdk.builders import heatmap, prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as models
+from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from switchyard.common.generated import write_or_check
@@ -87,10 +88,22 @@ def _per_service(expr_of: str) -> str:
 
 
 def _heatmap(title: str, description: str, unit: str, bucket: str) -> heatmap.Panel:
+    """A heatmap of Prometheus buckets, its options set explicitly.
+
+    The SDK's heatmap builder leaves ``options`` None unless an option is set
+    (``unit`` goes to fieldConfig), and serialises it as ``"options": null``,
+    which Grafana's heatmap cannot open (grafana-foundation-sdk's known failure).
+    """
     expr = f"sum by (le) (rate({bucket}{{{SEL}}}[{RATE}]))"
     return (
         heatmap.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
         .span(12).height(8).with_target(_target(expr, "{{le}}", PromQueryFormat.HEATMAP))
+        .calculate(False)  # Prometheus already bucketed the data
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
+        .color(heatmap.HeatmapColorOptions().mode(hm.HeatmapColorMode.SCHEME).scheme("Oranges").fill("dark-orange")
+               .scale(hm.HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(64).reverse(False))
+        .y_axis(heatmap.YAxisConfig().unit(unit).axis_placement(common.AxisPlacement.LEFT))
+        .cell_gap(1).show_value(common.VisibilityMode.AUTO).show_legend().show_tooltip()
     )
 
 
@@ -252,7 +265,21 @@ def build() -> dict:
     for panel in model["panels"]:  # Grafana tells a panel's queries apart by refId: A, B, C...
         for index, target in enumerate(panel.get("targets", [])):
             target["refId"] = chr(ord("A") + index)
+    if found := nulls(model):
+        raise ValueError(f"the dashboard would hold null at {', '.join(found)}: set those fields explicitly "
+                         "(Grafana fails on a null where it expects an object)")
     return model
+
+
+def nulls(node: object, path: str = "$") -> list[str]:
+    """JSON paths (``$.panels[20].options``) of every null in ``node``, a decoded JSON value."""
+    if node is None:
+        return [path]
+    if isinstance(node, dict):
+        return [p for key, value in node.items() for p in nulls(value, f"{path}.{key}")]
+    if isinstance(node, list):
+        return [p for index, value in enumerate(node) for p in nulls(value, f"{path}[{index}]")]
+    return []
 
 
 def render() -> str:

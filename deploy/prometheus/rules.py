@@ -196,8 +196,43 @@ def other_alerts() -> list[dict[str, Any]]:
             },
         },
         {
+            "alert": "SwitchyardAutoscalingSignalAbsent",
+            "expr": (
+                "label_replace(absent_over_time(switchyard_compute_score[10m]), "
+                '"signal", "gpu_compute_score", "", "")\n'
+                "or\n"
+                "label_replace(absent_over_time(switchyard_agents_concurrent[10m]), "
+                '"signal", "agent_concurrent_count", "", "")\n'
+                "or\n"
+                "label_replace(\n"
+                '  count by (namespace) (switchyard_service_info{service="dispatcher"})\n'
+                "  unless on (namespace) count by (namespace) (count_over_time(switchyard_compute_score[10m])),\n"
+                '  "signal", "gpu_compute_score", "", "")\n'
+                "or\n"
+                "label_replace(\n"
+                '  count by (namespace) (switchyard_service_info{service="orchestrator"})\n'
+                "  unless on (namespace) count by (namespace) (count_over_time(switchyard_agents_concurrent[10m])),\n"
+                '  "signal", "agent_concurrent_count", "", "")'
+            ),
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "The autoscaling signal {{ $labels.signal }} is absent{{ with $labels.namespace }} in {{ . }}{{ end }}",
+                "description": (
+                    "No sample of the series behind the HPA's {{ $labels.signal }} (gpu_compute_score: "
+                    "switchyard_compute_score of the dispatchers; agent_concurrent_count: "
+                    "switchyard_agents_concurrent of the orchestrators) for 15 minutes, while the service that "
+                    "exports it is scraped or nothing is: the HPA cannot read its metric and holds the replica "
+                    "count where it is. Check the scrape (ServiceMonitor/PodMonitor) and prometheus-adapter's rules."
+                ),
+            },
+        },
+        {
             "alert": "SwitchyardUpstreamCircuitOpen",
-            "expr": "max by (namespace, instance, model) (avg_over_time(switchyard_gateway_circuit_open[10m])) >= 0.9",
+            "expr": (
+                "max by (namespace, instance, model) "
+                '(avg_over_time(switchyard_gateway_circuit_state{state="open"}[10m])) >= 0.9'
+            ),
             "for": "1m",
             "labels": {"severity": "page"},
             "annotations": {

@@ -21,6 +21,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, ServerConfig, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
+from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
 
 
@@ -107,7 +108,7 @@ async def run_task(
         grpc.aio.AioRpcError: the task failed; its code and details say why.
     """
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    async with open_channel(address, server) as channel:
+    async with open_channel(address, server, peer="orchestrator") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         async for event in stub.RunTask(request, timeout=timeout, metadata=metadata):
             on_event(event)
@@ -160,6 +161,8 @@ def main(argv: list[str]) -> int:
                              config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        if config.server.tls.enabled and looks_like_tls_failure(err.details() or ""):
+            print(asyncio.run(explain(address, config.server.tls)), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

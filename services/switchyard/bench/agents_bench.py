@@ -26,9 +26,14 @@ Reported: engine busy ratio and roofline efficiency (generated tokens per busy
 second / the sim model's decode bound at the largest batch seen), KV
 fragmentation (mean and max of the fragmentation ratio), OOM count (real
 allocation failures, tasks failed for memory) and OOMs avoided, evictions,
-promotions and demotions per tier, restored against recomputed prefix tokens,
-how tool-return resumes found their prefix (warm in HBM, restored from DRAM,
-recomputed), and per-class P95 of step TTFT and task completion time. ``--out``
+promotions and demotions per tier, every task started and how it ended
+(completed, failed, or unfinished at the drain limit: the three add up to the
+started, checked), restored against recomputed prefix tokens, how each
+tool-return step got its prefix in the end (warm in HBM, restored from a tier,
+recomputed: read from the finished step, so a step sent to DRAM whose lookup
+missed counts as recomputed), and per-class P95 of step TTFT and task
+completion time. Tasks under way when the load window closes drain: their next
+steps still arrive. ``--out``
 writes the JSON report and a PNG beside it.
 """
 
@@ -111,6 +116,13 @@ class Agent:
     step: int = 0
     busy: bool = False
     """A step of it is with the dispatcher."""
+    in_task: bool = False
+    """Its current task's first step has arrived and the task has not ended."""
+
+    def has_step_due(self, window_s: float) -> bool:
+        """A step waits to arrive: the next of a task under way (always, so tasks drain), or a new
+        task's first one inside the load window."""
+        return not self.busy and (self.in_task or self.next_at < window_s)
 
 
 @dataclass
@@ -120,6 +132,16 @@ class Outcome:
     ttft: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name, _ in CLASSES})
     completion: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name, _ in CLASSES})
     failed: dict[str, int] = field(default_factory=dict)
+    started: dict[str, int] = field(default_factory=lambda: {name: 0 for name, _ in CLASSES})
+    """Tasks whose first step arrived, by class: each ends completed, failed or unfinished."""
+    unfinished: dict[str, int] = field(default_factory=lambda: {name: 0 for name, _ in CLASSES})
+    """Tasks still under way at the drain limit."""
+    resumes: dict[str, int] = field(default_factory=lambda: {"warm": 0, "restored": 0, "recomputed": 0})
+    """Tool-return steps by how they got their prefix in the end, read from each finished step: kept warm
+    in HBM, restored from a tier (restored_tokens, nothing recomputed), or recomputed (some of it at least:
+    lost, a DRAM miss, or preempted later)."""
+    restored_tokens: int = 0
+    recomputed_tokens: int = 0
     fragmentation: list[float] = field(default_factory=list)
     steps: int = 0
     makespan: float = 0.0
@@ -135,12 +157,8 @@ def _counters() -> dict[str, float]:
     out = {
         "oom": _sample("switchyard_kv_oom_total"),
         "oom_avoided": _sample("switchyard_kv_oom_avoided_total"),
-        "restored_tokens": _sample("switchyard_kv_restored_tokens_total"),
-        "recomputed_tokens": _sample("switchyard_kv_recomputed_tokens_total"),
         "preemptions": sum(_sample("switchyard_preemptions_total", priority_class=c) for c, _ in CLASSES),
     }
-    for kind in ("tool_warm", "tool_restored", "tool_cold"):
-        out[f"resumes_{kind}"] = _sample("switchyard_resumes_total", kind=kind)
     for tier in TIERS:
         for family in ("evictions", "promotions", "demotions", "hits", "misses"):
             out[f"{family}_{tier}"] = _sample(f"switchyard_tier_{family}_total", tier=tier)
@@ -171,7 +189,10 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
 
     def arrive() -> None:
         for agent in agents:
-            if agent.next_at <= t and agent.next_at < args.seconds and not agent.busy:
+            if agent.next_at <= t and agent.has_step_due(args.seconds):
+                if not agent.in_task:
+                    agent.in_task = True
+                    result.started[agent.priority_class] += 1
                 agent.busy = True
                 agent.step += 1
                 last = agent.calls_left == 0
@@ -204,6 +225,11 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             seen_first.discard(req)
             agent.busy = False
             sched.finish(req, t)
+            result.restored_tokens += req.restored_tokens
+            result.recomputed_tokens += req.recomputed_tokens
+            if agent.step > 1:  # a tool-return step
+                kind = "recomputed" if req.recomputed_tokens else "restored" if req.restored_tokens else "warm"
+                result.resumes[kind] += 1
             if req.finish_reason == "tool_calls":
                 agent.calls_left -= 1
                 agent.context_tokens += len(req.output_tokens) + agent.rng.randint(*args.result_tokens)
@@ -214,16 +240,17 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
                     result.completion[agent.priority_class].append(t - agent.task_started)
                 else:
                     result.failed[agent.priority_class] = result.failed.get(agent.priority_class, 0) + 1
+                agent.in_task = False
                 _new_task(agent, args, t + agent.rng.uniform(*args.think))
         return ended
 
     def next_arrival() -> float:
-        return min((a.next_at for a in agents if not a.busy and a.next_at < args.seconds), default=float("inf"))
+        return min((a.next_at for a in agents if a.has_step_due(args.seconds)), default=float("inf"))
 
     while t < limit:
         arrive()
         if not sched.has_work:
-            pending = [a.next_at for a in agents if a.next_at < args.seconds and not a.busy]
+            pending = [a.next_at for a in agents if a.has_step_due(args.seconds)]
             if not pending:
                 break
             t = max(t, min(pending))
@@ -239,8 +266,13 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             continue
         t = run_slice(engine, running, t, slice_s, settle, interrupt=lambda now: now >= next_arrival())
     result.makespan = t
-    for req, agent in list(in_flight.items()):  # past the drain limit
-        result.failed[agent.priority_class] = result.failed.get(agent.priority_class, 0) + 1
+    for agent in agents:  # past the drain limit: a step with the dispatcher or the next one not yet due
+        if agent.in_task:
+            result.unfinished[agent.priority_class] += 1
+    ended = {name: len(result.completion[name]) + result.failed.get(name, 0) + result.unfinished[name]
+             for name, _ in CLASSES}
+    if ended != result.started:
+        raise RuntimeError(f"tasks started {result.started} but completed + failed + unfinished {ended}")
     after = _counters()
     sched.shutdown()
     await tiers.aclose()
@@ -270,9 +302,9 @@ def summarize(args: argparse.Namespace, config: SwitchyardConfig, result: Outcom
     busy = counters["busy_seconds"]
     batch = max(1, counters["largest_batch"])
     bound = batch / decode_seconds(params, batch)
-    resumes = {k: counters[f"resumes_tool_{k}"] for k in ("warm", "restored", "cold")}
+    resumes = result.resumes
     total_resumes = sum(resumes.values())
-    restored, recomputed = counters["restored_tokens"], counters["recomputed_tokens"]
+    restored, recomputed = result.restored_tokens, result.recomputed_tokens
     frag = result.fragmentation or [0.0]
     return {
         "load": {"agents": args.agents, "seconds": args.seconds, "mix": list(args.mix), "think_s": list(args.think),
@@ -288,16 +320,20 @@ def summarize(args: argparse.Namespace, config: SwitchyardConfig, result: Outcom
         "fragmentation_ratio": {"mean": round(sum(frag) / len(frag), 4), "max": round(max(frag), 4)},
         "oom": int(counters["oom"]),
         "oom_avoided": int(counters["oom_avoided"]),
-        "tasks_failed": dict(result.failed),
+        "tasks_started": dict(result.started),
         "tasks_completed": {name: len(v) for name, v in result.completion.items()},
+        "tasks_failed": {name: result.failed.get(name, 0) for name, _ in CLASSES},
+        "tasks_unfinished": dict(result.unfinished),
         "preemptions": int(counters["preemptions"]),
         "tiers": {tier: {family: int(counters[f"{family}_{tier}"])
                          for family in ("evictions", "promotions", "demotions", "hits", "misses")} for tier in TIERS},
         "restored_tokens": int(restored),
         "recomputed_tokens": int(recomputed),
+        "restored_token_share": round(restored / (restored + recomputed), 4) if restored + recomputed else None,
         "tool_resumes": {**{k: int(v) for k, v in resumes.items()},
-                         "restored_share": round((resumes["warm"] + resumes["restored"]) / total_resumes, 4)
-                         if total_resumes else None},
+                         "restored_share": round(resumes["restored"] / (resumes["restored"] + resumes["recomputed"]), 4)
+                         if resumes["restored"] + resumes["recomputed"] else None,
+                         "total": total_resumes},
         "per_class_p95_s": {name: {"ttft": round(percentile(result.ttft[name], 95), 4),
                                    "task_completion": round(percentile(result.completion[name], 95), 3)}
                             for name, _ in CLASSES},
@@ -309,6 +345,11 @@ def render(report: dict[str, Any]) -> str:
     load, hbm = report["load"], report["hbm"]
     resumes = report["tool_resumes"]
     share = resumes["restored_share"]
+    token_share = report["restored_token_share"]
+
+    def per_class(counts: dict[str, int]) -> str:
+        return f"{sum(counts.values())} (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")"
+
     lines = [
         "switchyard agents benchmark: sim latency model, simulated clock",
         f"{load['agents']} react agents for {load['seconds']:g} s; classes {'/'.join(f'{m:g}' for m in load['mix'])} "
@@ -325,8 +366,10 @@ def render(report: dict[str, Any]) -> str:
         f"{report['fragmentation_ratio']['max']:.3f}",
         f"  OOM (real allocation failures)    {report['oom']}",
         f"  OOM avoided (admission refused)   {report['oom_avoided']}",
-        f"  tasks failed                      {sum(report['tasks_failed'].values())}",
-        "  tasks completed                   " + ", ".join(f"{k} {v}" for k, v in report["tasks_completed"].items()),
+        f"  tasks started                     {per_class(report['tasks_started'])}",
+        f"    completed                       {per_class(report['tasks_completed'])}",
+        f"    failed                          {per_class(report['tasks_failed'])}",
+        f"    unfinished at the drain limit   {per_class(report['tasks_unfinished'])}",
         f"  preemptions                       {report['preemptions']}",
         "  tier            evictions  demotions  promotions       hits     misses",
     ]
@@ -334,9 +377,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"    {tier:<12}{row['evictions']:>11}{row['demotions']:>11}{row['promotions']:>12}"
                      f"{row['hits']:>11}{row['misses']:>11}")
     lines += [
-        f"  prefix tokens restored / recomputed  {report['restored_tokens']} / {report['recomputed_tokens']}",
-        f"  tool-return resumes: warm in HBM {resumes['warm']}, restored from DRAM {resumes['restored']}, "
-        f"recomputed {resumes['cold']}: " + (f"{100 * share:.1f} % restored from a tier" if share is not None else "none"),
+        f"  prefix tokens restored / recomputed  {report['restored_tokens']} / {report['recomputed_tokens']}"
+        + (f": {100 * token_share:.1f} % of the prefix tokens that left HBM came back restored"
+           if token_share is not None else ": no prefix left HBM"),
+        f"  tool-return steps: warm in HBM {resumes['warm']}, restored from a tier {resumes['restored']}, "
+        f"recomputed {resumes['recomputed']}"
+        + (f": {100 * share:.1f} % of those that had left HBM were restored" if share is not None else ""),
         "  per-class P95 (s)       step TTFT   task completion",
     ]
     for name, row in report["per_class_p95_s"].items():
@@ -361,8 +407,9 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax_tier.set_title("KV state moved, per tier")
     ax_tier.legend()
     resumes = report["tool_resumes"]
-    ax_resume.bar(["warm (HBM)", "restored (DRAM)", "recomputed"],
-                  [resumes["warm"], resumes["restored"], resumes["cold"]], color=["tab:green", "tab:blue", "tab:red"])
+    ax_resume.bar(["warm (HBM)", "restored (tier)", "recomputed"],
+                  [resumes["warm"], resumes["restored"], resumes["recomputed"]],
+                  color=["tab:green", "tab:blue", "tab:red"])
     ax_resume.set_title("Tool-return resumes")
     classes = list(report["per_class_p95_s"])
     ax_p95.bar([i - 0.2 for i in range(len(classes))], [report["per_class_p95_s"][c]["ttft"] for c in classes], 0.4,

@@ -135,7 +135,7 @@ async def run_fault(orchestrator: str, dispatchers: dict[str, tuple[str, str, in
     retries_before = _metric(orchestrator_metrics, "switchyard_dispatcher_retries_total")
     calls: list[Call] = []
     submitted: list[str] = []
-    async with open_channel(orchestrator) as channel:
+    async with open_channel(orchestrator, peer="orchestrator") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         t0 = time.monotonic()
         stop_at = t0 + duration_s

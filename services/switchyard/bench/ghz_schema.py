@@ -134,6 +134,19 @@ STREAMING_SCHEMA: dict[str, Any] = {
         "ttftAverage": _NS,
         "tokens": {"type": "integer", "minimum": 0},
         "tokensPerSecond": {"type": "number", "minimum": 0},
+        "failedCallTokens": {"type": "integer", "minimum": 0},
+        "errorGroups": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["kind", "count", "example"],
+                "properties": {
+                    "kind": {"type": "string"},
+                    "count": {"type": "integer", "minimum": 1},
+                    "example": {"type": "string"},
+                },
+            },
+        },
         "byPriority": {
             "type": "object",
             "propertyNames": {"enum": ["CORE", "NORMAL", "BATCH"]},

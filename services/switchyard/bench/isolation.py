@@ -59,7 +59,7 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
     service = DispatcherService(config)
     srv = await start_server([service], "127.0.0.1", 0, config.server)
     try:
-        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+        async with open_channel(f"127.0.0.1:{srv.port}", peer="dispatcher") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
             await _ttft(stub, agent_pb2.CORE, 4)  # warm-up
             idle_waits, unloaded = [], []

@@ -190,7 +190,7 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
     concurrency = plan.concurrency // parts + (1 if part < plan.concurrency % parts else 0)
     numbers = range(part, plan.total, parts)
     results: list[CallResult] = []
-    async with open_channel(plan.host, plan.server_config()) as channel:
+    async with open_channel(plan.host, plan.server_config(), peer="orchestrator") as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT_S)
         except TimeoutError:

@@ -7,15 +7,21 @@ calls only, percentiles by ghz's nearest-rank rule, 10 histogram buckets between
 fastest and slowest, ``rps = count / total``. Durations are integer nanoseconds.
 
 Under the extra key ``switchyard``: TTFT distribution (time from the RPC start to
-the first token event), tokens and tokens per second, the same figures per
-priority class and task type, per-queue waits reported by the server in the
-final event, and the client's CPU use (see :mod:`switchyard.bench.loadgen`).
+the first token event), tokens and tokens per second of the successful calls
+(tokens a failed call streamed before it failed are counted apart, as
+``failedCallTokens``), the same figures per priority class and task type,
+per-queue waits reported by the server in the final event, the errors grouped
+by kind (:func:`error_kind`: the message with its ids and numbers taken out, so
+a thousand deadline errors that differ only in task id and elapsed time are one
+line) and the client's CPU use (see :mod:`switchyard.bench.loadgen`).
+ghz's own ``errorDistribution`` keeps every distinct message, as ghz does.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 from collections import Counter
 from typing import Any, Iterable
 
@@ -84,6 +90,31 @@ def percentile(values: list[float], p: int) -> float:
     return ordered[max(di, 0)]
 
 
+_VARIABLE = re.compile(r"\b(?=[\w-]*\d)[\w-]{8,}\b|\d+(?:\.\d+)?")
+"""What differs between two errors of one kind: ids (8+ characters with a digit) and numbers."""
+
+
+def error_kind(message: str) -> str:
+    """``message`` with its ids and numbers replaced by ``#``: errors of one cause read alike.
+
+    ``"task task-aa89e934daf4 ran out of time after 0.405 s"`` -> ``"task # ran out of time after # s"``.
+    """
+    return _VARIABLE.sub("#", message)
+
+
+def error_groups(results: Iterable[CallResult]) -> list[dict[str, Any]]:
+    """``[{"kind", "count", "example"}, ...]`` of the failed calls, most frequent first (ties by kind)."""
+    counts: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for r in results:
+        if r.error:
+            kind = error_kind(r.error)
+            counts[kind] += 1
+            examples.setdefault(kind, r.error)
+    return [{"kind": k, "count": n, "example": examples[k]}
+            for k, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+
+
 def _group(results: list[CallResult]) -> dict[str, Any]:
     ok = [r for r in results if not r.error]
     return {
@@ -100,7 +131,7 @@ def streaming_figures(load: LoadResult) -> dict[str, Any]:
     results = load.results
     ok = [r for r in results if not r.error]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    tokens = sum(r.tokens for r in results)
+    tokens = sum(r.tokens for r in ok)
     by_priority: dict[str, list[CallResult]] = {}
     by_type: dict[str, list[CallResult]] = {}
     waits: dict[str, list[float]] = {}
@@ -114,6 +145,8 @@ def streaming_figures(load: LoadResult) -> dict[str, Any]:
         "ttftAverage": ns(sum(ttfts) / len(ttfts)) if ttfts else 0,
         "tokens": tokens,
         "tokensPerSecond": tokens / load.wall_s if load.wall_s > 0 else 0.0,
+        "failedCallTokens": sum(r.tokens for r in results if r.error),
+        "errorGroups": error_groups(results),
         "byPriority": {k: _group(v) for k, v in sorted(by_priority.items())},
         "byTaskType": {k: _group(v) for k, v in sorted(by_type.items())},
         "queueWait": {
@@ -207,15 +240,19 @@ def summary_text(report: dict[str, Any]) -> str:
     lines += [f"  {d['percentage']}% in {_ms(d['latency'])}" for d in report["latencyDistribution"] or []]
     lines.append("Status code distribution:")
     lines += [f"  [{code}]\t{n} responses" for code, n in report["statusCodeDistribution"].items()]
-    if report["errorDistribution"]:
-        lines.append("Error distribution:")
-        lines += [f"  [{n}]\t{err}" for err, n in report["errorDistribution"].items()]
     sy = report["switchyard"]
+    groups = sy.get("errorGroups", [])
+    if groups:
+        lines.append("Error distribution:")
+        for group in groups:
+            lines.append(f"  [{group['count']}]\t{group['example'] if group['count'] == 1 else group['kind']}")
     lines += ["", "Streaming:"]
     ttft = {d["percentage"]: d["latency"] for d in sy["ttftDistribution"] or []}
     if ttft:
         lines.append(f"  TTFT:\t\tP50 {_ms(ttft[50])}  P95 {_ms(ttft[95])}  P99 {_ms(ttft[99])}")
-    lines.append(f"  Tokens:\t{sy['tokens']}  ({sy['tokensPerSecond']:.1f} tokens/s)")
+    failed_tokens = sy.get("failedCallTokens", 0)
+    lines.append(f"  Tokens:\t{sy['tokens']}  ({sy['tokensPerSecond']:.1f} tokens/s) of successful calls"
+                 + (f"; {failed_tokens} more streamed by calls that then failed" if failed_tokens else ""))
     for prio, g in sy["byPriority"].items():
         dist = {d["percentage"]: d["latency"] for d in g["latencyDistribution"] or []}
         p95 = _ms(dist[95]) if dist else "-"

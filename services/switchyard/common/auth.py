@@ -15,7 +15,9 @@ Tokens are compared with :func:`hmac.compare_digest` against every known token
 (no early exit), so the time taken does not reveal how much of a guess was
 right. A token never appears in a log line, span, metric or error message.
 Methods in ``auth.exempt_methods`` (health checks by default, so probes need no
-token) skip the check. ``switchyard_auth_failures_total{reason}`` counts refusals.
+token) skip the check. A refused call of any kind (unary, server-streaming,
+client-streaming, bidirectional such as reflection's ServerReflectionInfo) is
+answered at once, without waiting for a message from the caller. ``switchyard_auth_failures_total{reason}`` counts refusals.
 """
 
 from __future__ import annotations
@@ -150,14 +152,33 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         reason, code, details = refused
         AUTH_FAILURES.labels(reason).inc()
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, "orchestrator"),))
+        return refusing_handler(handler, code, details)
 
-        if handler.unary_stream:
-            async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse(request, context)
-                yield  # pragma: no cover - abort raised above
 
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s own kind that answers ``code`` at once.
+
+    Of the same kind, so that a client-streaming or bidirectional call is answered
+    as soon as it arrives: a unary-request handler put in its place would make grpc
+    wait for the caller's first message, and a caller that sends none (a silent
+    bidirectional client) would hang until its deadline. The request stream is never
+    read.
+    """
+    trailers = ((ORIGIN_KEY, "orchestrator"),)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, details, trailing_metadata=trailers)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, details, trailing_metadata=trailers)
+        yield  # pragma: no cover - abort raised above
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+    behaviour = refuse_stream if kind[1] else refuse
+    return kinds[kind](behaviour, handler.request_deserializer, handler.response_serializer)

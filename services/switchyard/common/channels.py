@@ -28,19 +28,29 @@ checks, ``switchyard run``, the bench client and the tests. Each carries:
   ``ca_file``; under mTLS this service's certificate presented too.
 - **Tracing**: the client span interceptors when tracing is on
   (:func:`switchyard.common.telemetry.client_interceptors`).
+- **Connection counts**: a channel opened inside an event loop watches its
+  connectivity state; each time its connection leaves READY (a GOAWAY for the
+  server's ``max_connection_age_s`` or a drain, or a broken connection) it
+  counts ``switchyard_grpc_channel_disconnects_total{peer}``, and each time it
+  is READY again ``switchyard_grpc_channel_reconnects_total{peer}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
+import logging
 import time
 from typing import Any, Iterator
 
 import grpc
 
 from switchyard.common.config import ServerConfig
+from switchyard.common.metrics import CHANNEL_DISCONNECTS, CHANNEL_RECONNECTS, PEER_SERVICES, bounded
+
+log = logging.getLogger(__name__)
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("switchyard_deadline", default=None)
 
@@ -120,15 +130,54 @@ class _BoundedCall:
         return self._inner(request, timeout=bounded_timeout(timeout), **kwargs)
 
 
+async def watch_connectivity(channel: grpc.aio.Channel, peer: str, target: str) -> None:
+    """Count ``channel``'s lost connections and reconnections until it shuts down.
+
+    ``wait_for_state_change`` may wake after the state went away from READY and
+    back (a GOAWAY answered by an immediate reconnect): READY seen again after
+    READY counts one disconnect and one reconnect. Never connects by itself.
+    """
+    ready = grpc.ChannelConnectivity.READY
+    state = channel.get_state(try_to_connect=False)
+    was_ready = state == ready
+    while state != grpc.ChannelConnectivity.SHUTDOWN:
+        await channel.wait_for_state_change(state)
+        new = channel.get_state(try_to_connect=False)
+        if state == ready:
+            CHANNEL_DISCONNECTS.labels(peer).inc()
+            log.debug("channel to %s (%s) lost its connection (GOAWAY or broken); now %s", peer, target, new.name)
+            if new == ready:
+                CHANNEL_RECONNECTS.labels(peer).inc()
+        elif new == ready and was_ready:
+            CHANNEL_RECONNECTS.labels(peer).inc()
+        was_ready = was_ready or new == ready
+        state = new
+
+
 class _DeadlineChannel:
     """A ``grpc.aio.Channel`` whose unary and server-streaming calls honour :func:`deadline_scope`.
 
     A wrapper rather than a client interceptor: grpc.aio runs every intercepted call
-    through an extra task, a cost each call of the request path would pay.
+    through an extra task, a cost each call of the request path would pay. Inside an
+    event loop it also runs :func:`watch_connectivity` until it is closed.
     """
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, peer: str = "other", target: str = "") -> None:
         self._channel = channel
+        self._watch: asyncio.Task[None] | None = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._watch = loop.create_task(watch_connectivity(channel, peer, target), name=f"watch channel {target}")
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel (``grpc.aio.Channel.close``) and end its connectivity watch."""
+        await self._channel.close(grace)
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
 
     def unary_unary(self, *args: Any, **kwargs: Any) -> _BoundedCall:
         return _BoundedCall(self._channel.unary_unary(*args, **kwargs))
@@ -143,13 +192,15 @@ class _DeadlineChannel:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._channel.close()
+        await self.close()
 
 
 # ---------------------------------------------------------------------------- channels
 
 
-def open_channel(target: str, config: ServerConfig | None = None, *, tracer_provider: Any = None) -> grpc.aio.Channel:
+def open_channel(
+    target: str, config: ServerConfig | None = None, *, tracer_provider: Any = None, peer: str = "other"
+) -> grpc.aio.Channel:
     """An asyncio channel to one of Switchyard's services.
 
     Args:
@@ -158,6 +209,8 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
         config: ``server`` (message limits, keepalive); defaults when None.
         tracer_provider: trace with this provider (tests); None: the global
             one, and no tracing interceptor when tracing is off.
+        peer: the service at ``target`` (orchestrator, retrieval, dispatcher),
+            the ``peer`` label of the connection counters; else ``other``.
     """
     from switchyard.common import telemetry  # telemetry imports config; keep this module light
 
@@ -167,7 +220,8 @@ def open_channel(target: str, config: ServerConfig | None = None, *, tracer_prov
         channel = grpc.aio.insecure_channel(target, options=channel_options(config), interceptors=interceptors)
     else:
         channel = grpc.aio.secure_channel(target, credentials, options=channel_options(config), interceptors=interceptors)
-    return _DeadlineChannel(channel)  # type: ignore[return-value]  # a Channel in every use
+    label = bounded(peer, PEER_SERVICES)
+    return _DeadlineChannel(channel, label, target)  # type: ignore[return-value]  # a Channel in every use
 
 
 def open_sync_channel(target: str, config: ServerConfig | None = None) -> grpc.Channel:

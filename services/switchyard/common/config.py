@@ -136,12 +136,18 @@ class CooldownConfig(_Strict):
     failures: int = Field(
         5, ge=1, le=1000,
         description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
-        "own fault) that open the circuit; purgatory's default threshold.",
+        "own fault) that open the circuit.",
     )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
-        description="How long a model is skipped once open, seconds; then one trial request closes it again on success "
-        "(half-open). purgatory's default TTL.",
+        description="How long a model is skipped once open, seconds; then the circuit is half-open and admits "
+        "half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+    )
+    half_open_probes: int = Field(
+        1, ge=1, le=1000,
+        description="Trial requests a half-open circuit admits at once, requests; every other request is refused at "
+        "once until they end. The circuit closes when this many have succeeded and opens again on the first "
+        "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
     )
 
 
@@ -727,9 +733,10 @@ class ServerConfig(_Strict):
         "time (gRFC A9).",
     )
     max_connection_age_grace_s: float = Field(
-        120.0, ge=0, le=86_400,
+        600.0, ge=0, le=86_400,
         description="Calls still running on a connection sent GOAWAY for its age get this long to finish "
-        "before it is closed; longer than any generation stream should run.",
+        "before it is closed, seconds; at least the longest orchestrator.task_time_limit_s (checked where both "
+        "are read), so no stream of a task within its limit is cut.",
     )
 
 
@@ -1289,7 +1296,22 @@ SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
 _CROSS_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], str | None]], ...] = (
     (("orchestrator", "limits"), lambda s: _within_limit("orchestrator", s)),
     (("dispatcher", "limits"), lambda s: _within_limit("dispatcher", s)),
+    (("server", "orchestrator"), lambda s: _grace_covers_tasks(s)),
 )
+
+
+def _grace_covers_tasks(sections: dict[str, Any]) -> str | None:
+    """A connection sent GOAWAY for its age closes after the grace: a task's streams must fit in it."""
+    grace = sections["server"].max_connection_age_grace_s
+    limits = sections["orchestrator"].task_time_limit_s
+    task_type = max(limits, key=limits.get)
+    if grace < limits[task_type]:
+        return (
+            f"key 'server.max_connection_age_grace_s' has value {grace:g}; expected: at least the longest "
+            f"orchestrator.task_time_limit_s ({task_type}: {limits[task_type]:g} s), or a connection that ages out "
+            "(server.max_connection_age_s) cuts the streams of a task still running within its limit"
+        )
+    return None
 
 
 def _within_limit(service: str, sections: dict[str, Any]) -> str | None:

@@ -53,6 +53,25 @@ SERVING = Gauge(
     ["service"],
 )
 
+PEER_SERVICES: tuple[str, ...] = ("orchestrator", "retrieval", "dispatcher", OTHER)
+"""The services a channel may dial (the ``peer`` label of the channel counters)."""
+CHANNEL_DISCONNECTS = Counter(
+    "switchyard_grpc_channel_disconnects_total",
+    "Times a gRPC channel's connection to a peer service left READY: a GOAWAY (the server's "
+    "server.max_connection_age_s, or its drain) or a broken connection; grpc's connectivity states do not "
+    "tell the two apart. By peer service.",
+    ["peer"],
+)
+CHANNEL_RECONNECTS = Counter(
+    "switchyard_grpc_channel_reconnects_total",
+    "Times a gRPC channel was READY again after it had lost its connection (the first connection is not "
+    "counted), by peer service.",
+    ["peer"],
+)
+for _peer in PEER_SERVICES:
+    CHANNEL_DISCONNECTS.labels(_peer)
+    CHANNEL_RECONNECTS.labels(_peer)
+
 # Bucket sets for the latencies services record beside their code. TTFT runs
 # from milliseconds (sim engine, short prompts) to tens of seconds (long
 # prompts on a loaded remote model); inter-token latency from sub-millisecond

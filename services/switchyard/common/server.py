@@ -234,6 +234,10 @@ async def start_server(
         SERVING.labels(service.name).set(1)
     log.info("%s listening on %s:%d%s", ", ".join(s.name for s in services), host, bound,
              f" (health only, plain text, on port {health_bound})" if health_server is not None else "")
+    if config.tls.enabled:
+        from switchyard.common.tls_check import describe_tls  # cryptography only where TLS is on
+
+        log.info("%s: %s", ", ".join(s.name for s in services), describe_tls(config.tls))
     return RunningServer(server, bound, health_servicer, tuple(services), health_server, health_bound)
 
 

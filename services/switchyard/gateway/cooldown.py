@@ -1,35 +1,64 @@
-"""Circuit breaker per upstream model: LiteLLM's cooldowns, on purgatory.
+"""Per upstream model: its circuit breaker (LiteLLM's cooldowns) and the waits it asked for.
 
-A model whose calls fail ``model_gateway.cooldown.failures`` times in a row is
-*open* for ``cooldown_s``: its requests are refused at once with
-:class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
+**Circuit breaker.** A model whose calls fail ``model_gateway.cooldown.failures``
+times in a row is *open* for ``cooldown_s``: its requests are refused at once
+with :class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
 allowed), so the fallback model serves them without paying the dead model's
-timeouts and retries first. After the cooldown one trial request is let through
-(*half-open*); its success closes the circuit, its failure opens it again.
+timeouts and retries first. After the cooldown the circuit is *half-open*: it
+admits exactly ``half_open_probes`` calls at once (the probes); every other
+call is refused at once as while open. A probe's failure opens the circuit
+again; once ``half_open_probes`` probes have succeeded it closes. A probe that
+ends without telling (a 429, the request's own fault, a cancelled call) frees
+its place for the next probe and counts neither way.
 
 Only upstream faults count: UNAVAILABLE (5xx, connection refused, stream cut
 before the first token), DEADLINE_EXCEEDED (timeouts) and INTERNAL. A rate limit
 (429), a request's own fault (400, 404 for a named model, 413, 422),
 authentication, and a dead local proxy (not the model's doing) never open a circuit.
+
+**Server-requested waits.** A 429 or 503 whose ``Retry-After`` (or
+``retry-after-ms``) asks for a wait is recorded against the model: until that
+time has passed every call to it is refused locally with
+:class:`~switchyard.gateway.errors.UpstreamAskedToWait` (the upstream's own
+status, retryable after the time left, fallback allowed), so no request reaches
+the model earlier than it allowed. :func:`switchyard.gateway.resilience.with_retries`
+then waits the time left when it is within ``retry_after_max_s`` and the call's
+deadline, or gives up at once (to the fallback model) when it is not; a wait is
+never shortened.
+
+Why not purgatory (the library this module used before): its half-open state
+admits every concurrent call (10, then 8, then 4 calls at once were measured
+against one allowed), counts an excluded error during half-open (a 429, a
+cancelled probe) as a success that closes the circuit, and times the cooldown
+on the wall clock. The state machine here is small and keeps the same rules
+otherwise (threshold and cooldown as LiteLLM's cooldowns and purgatory's
+defaults).
+
+Metrics: ``switchyard_gateway_circuit_state{model, state}`` (1 for the current
+state of closed, open, half_open; 0 for the others) and
+``switchyard_gateway_circuit_transitions_total{model, from_state, to_state}``,
+every legal transition pre-initialised to 0.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
-from purgatory import AsyncCircuitBreakerFactory
-from purgatory.domain.model import OpenedState
 
 from switchyard.common.config import UpstreamConfig
+from switchyard.common.metrics import OTHER
 from switchyard.gateway import models as model_names
-from switchyard.gateway.errors import GatewayError, ModelCoolingDown
-from switchyard.gateway.metrics import GATEWAY_CIRCUIT_OPEN, GATEWAY_COOLDOWNS
+from switchyard.gateway.errors import GatewayError, ModelCoolingDown, UpstreamAskedToWait
+from switchyard.gateway.metrics import CIRCUIT_STATES, CIRCUIT_TRANSITIONS, GATEWAY_CIRCUIT_STATE, GATEWAY_CIRCUIT_TRANSITIONS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+CLOSED, OPEN, HALF_OPEN = CIRCUIT_STATES
 
 UPSTREAM_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
 """What counts against a model. Not RESOURCE_EXHAUSTED (429): "slow down" is answered by Retry-After and
@@ -38,60 +67,172 @@ upstream can still take."""
 
 
 def _not_the_models_fault(exc: BaseException) -> bool:
-    """purgatory's exclude predicate: True for an error that must not count against the model."""
+    """True for an error that must not count against the model (neither failure nor success)."""
     if not isinstance(exc, GatewayError):
         return True  # cancellation, bugs: not an upstream answer
     return exc.code not in UPSTREAM_FAULTS or exc.origin == "proxy" or isinstance(exc, ModelCoolingDown)
 
 
+@dataclass
+class _Circuit:
+    """One model's breaker and recorded wait. Times are ``time.monotonic()`` seconds."""
+
+    state: str = CLOSED
+    failures: int = 0
+    """Upstream faults in a row while closed."""
+    open_until: float = 0.0
+    probes_succeeded: int = 0
+    not_before: float = 0.0
+    """The upstream asked for no request before this time (Retry-After)."""
+    asked_s: float = 0.0
+    """The wait it asked for, seconds, for the message."""
+    asked_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    asked_status: str = ""
+    probes: set[int] = field(default_factory=set)
+    """Ids of the probes in flight in the current half-open period."""
+
+
 class Cooldowns:
-    """One circuit per upstream model id, in this process.
+    """One circuit and one recorded wait per upstream model id, in this process.
 
     Args:
-        config: ``model_gateway``; ``cooldown`` gives the threshold and cooldown.
+        config: ``model_gateway``; ``cooldown`` gives the threshold, cooldown and probes.
+        clock: monotonic seconds (tests step it by hand).
     """
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self._breakers = AsyncCircuitBreakerFactory(
-            default_threshold=config.cooldown.failures,
-            default_ttl=config.cooldown.cooldown_s,
-            exclude=[(BaseException, _not_the_models_fault)],
-        )
-        self._breakers.add_listener(self._on_event)
-        for model in model_names.configured_models(config):
-            GATEWAY_CIRCUIT_OPEN.labels(model_names.model_label(model, config)).set(0)
-            GATEWAY_COOLDOWNS.labels(model_names.model_label(model, config))
+        self._clock = clock
+        self._circuits: dict[str, _Circuit] = {}
+        self._next_call = 0
+        labels = {model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER}
+        for label in sorted(labels):
+            for state in CIRCUIT_STATES:
+                GATEWAY_CIRCUIT_STATE.labels(label, state).set(1 if state == CLOSED else 0)
+            for before, after in CIRCUIT_TRANSITIONS:
+                GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, after)
 
-    def _on_event(self, model: str, event_type: str, event: Any) -> None:
-        if event_type != "state_changed":
-            return
+    def state(self, model: str) -> str:
+        """``closed``, ``open`` or ``half_open``: the circuit's state as of its last call."""
+        return self._circuits[model].state if model in self._circuits else CLOSED
+
+    def _circuit(self, model: str) -> _Circuit:
+        circuit = self._circuits.get(model)
+        if circuit is None:
+            circuit = self._circuits[model] = _Circuit()
+        return circuit
+
+    def _move(self, model: str, circuit: _Circuit, to: str) -> None:
+        before, circuit.state = circuit.state, to
         label = model_names.model_label(model, self.config)
-        opened = event.state == "opened"
-        GATEWAY_CIRCUIT_OPEN.labels(label).set(1 if opened else 0)
-        if opened:
-            GATEWAY_COOLDOWNS.labels(label).inc()
-            log.warning("upstream model %r: circuit open after %d failures in a row; skipped for %g s "
-                        "(model_gateway.cooldown)", model, self.config.cooldown.failures, self.config.cooldown.cooldown_s)
-        elif event.state == "closed":
+        GATEWAY_CIRCUIT_STATE.labels(label, before).set(0)
+        GATEWAY_CIRCUIT_STATE.labels(label, to).set(1)
+        GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, to).inc()
+        cfg = self.config.cooldown
+        if to == OPEN:
+            circuit.open_until = self._clock() + cfg.cooldown_s
+            circuit.probes.clear()
+            circuit.probes_succeeded = 0
+            why = "a probe failed" if before == HALF_OPEN else f"{cfg.failures} failures in a row"
+            log.warning("upstream model %r: circuit open after %s; skipped for %g s (model_gateway.cooldown)",
+                        model, why, cfg.cooldown_s)
+        elif to == HALF_OPEN:
+            log.info("upstream model %r: circuit half-open, admitting %d probe(s)", model, cfg.half_open_probes)
+        else:
+            circuit.failures = 0
+            circuit.probes.clear()
             log.info("upstream model %r: circuit closed, serving again", model)
 
-    async def call(self, model: str, once: Callable[[], Awaitable[T]]) -> T:
-        """``await once()`` unless ``model``'s circuit is open.
+    def _admit(self, model: str, circuit: _Circuit, now: float) -> int | None:
+        """Let one call in, returning its probe id when it is a half-open probe.
 
         Raises:
-            ModelCoolingDown: the circuit is open (UNAVAILABLE, fallback allowed).
+            ModelCoolingDown: open, or half-open with every probe place taken.
+        """
+        cfg = self.config.cooldown
+        if circuit.state == OPEN and now >= circuit.open_until:
+            self._move(model, circuit, HALF_OPEN)
+        if circuit.state == CLOSED:
+            return None
+        if circuit.state == HALF_OPEN and len(circuit.probes) < cfg.half_open_probes:
+            self._next_call += 1
+            circuit.probes.add(self._next_call)
+            return self._next_call
+        if circuit.state == OPEN:
+            left = f"skipped for {circuit.open_until - now:.1f} s more (model_gateway.cooldown.cooldown_s)"
+        else:
+            left = (f"half-open with its {cfg.half_open_probes} probe(s) in flight "
+                    "(model_gateway.cooldown.half_open_probes); refused until they end")
+        raise ModelCoolingDown(
+            f"upstream model {model!r} is cooling down: {cfg.failures} failures in a row at "
+            f"{self.config.base_url}; {left}"
+        )
+
+    def _asked_to_wait(self, model: str, circuit: _Circuit, now: float) -> UpstreamAskedToWait:
+        left = circuit.not_before - now
+        error = UpstreamAskedToWait(
+            f"upstream model {model!r} asked to wait {circuit.asked_s:.1f} s before another request "
+            f"(Retry-After on its {circuit.asked_status}); {left:.1f} s of it left, so the call was not sent"
+        )
+        error.code = circuit.asked_code
+        error.retry_after_s = left
+        return error
+
+    def _record_wait(self, model: str, circuit: _Circuit, exc: GatewayError, now: float) -> None:
+        asked = exc.retry_after_s
+        if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait) or now + asked <= circuit.not_before:
+            return
+        circuit.not_before, circuit.asked_s, circuit.asked_code = now + asked, asked, exc.code
+        circuit.asked_status = "429" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "503"
+        log.info("upstream model %r asked to wait %.1f s (Retry-After): no call to it before then", model, asked)
+
+    async def call(self, model: str, once: Callable[[], Awaitable[T]]) -> T:
+        """``await once()`` unless ``model`` asked for a wait that has not passed or its circuit refuses.
+
+        Raises:
+            UpstreamAskedToWait: the wait the model asked for has not passed (its status, retryable after
+                ``retry_after_s``, fallback allowed).
+            ModelCoolingDown: the circuit is open or half-open with every probe in flight (UNAVAILABLE,
+                fallback allowed).
             GatewayError: whatever ``once`` raised, after counting it.
         """
-        if not self.config.cooldown.enabled:
-            return await once()
-        breaker = await self._breakers.get_breaker(model)
+        circuit = self._circuit(model)
+        now = self._clock()
+        if now < circuit.not_before:
+            raise self._asked_to_wait(model, circuit, now)
+        enabled = self.config.cooldown.enabled
+        probe = self._admit(model, circuit, now) if enabled else None
         try:
-            async with breaker:
-                return await once()
-        except OpenedState as exc:
-            left = max(0.0, exc.opened_at + self.config.cooldown.cooldown_s - time.time())
-            raise ModelCoolingDown(
-                f"upstream model {model!r} is cooling down: {self.config.cooldown.failures} failures in a row "
-                f"at {self.config.base_url}; skipped for {left:.1f} s more (model_gateway.cooldown.cooldown_s)"
-            ) from None
+            result = await once()
+        except BaseException as exc:
+            if isinstance(exc, GatewayError):
+                self._record_wait(model, circuit, exc, self._clock())
+            if enabled:
+                counts = not _not_the_models_fault(exc)
+                self._ended(model, circuit, probe, failed=counts, told=counts)
+            raise
+        if enabled:
+            self._ended(model, circuit, probe, failed=False, told=True)
+        return result
+
+    def _ended(self, model: str, circuit: _Circuit, probe: int | None, *, failed: bool, told: bool) -> None:
+        """Count one call's outcome; ``told``: the outcome says something about the model."""
+        if probe is not None:
+            if probe not in circuit.probes:
+                return  # a probe of an earlier half-open period, already decided
+            circuit.probes.discard(probe)
+            if failed:
+                self._move(model, circuit, OPEN)
+            elif told:
+                circuit.probes_succeeded += 1
+                if circuit.probes_succeeded >= self.config.cooldown.half_open_probes:
+                    self._move(model, circuit, CLOSED)
+            return
+        if circuit.state != CLOSED:
+            return  # admitted while closed, ended after the circuit opened: already counted by others
+        if failed:
+            circuit.failures += 1
+            if circuit.failures >= self.config.cooldown.failures:
+                self._move(model, circuit, OPEN)
+        elif told:
+            circuit.failures = 0

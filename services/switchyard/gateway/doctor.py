@@ -5,7 +5,8 @@ every NO_PROXY entry parses);
 the API key (present, non-empty, no whitespace); the base URL (``GET /models``
 answers, and accepts the key); the model ids (default, fallback and every
 ``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
-nearest listed id is suggested). ``--probe`` also streams a one-token completion
+nearest listed id is suggested); with ``server.tls`` on, the certificates of
+the addresses the stack dials (:func:`certificate_checks`). ``--probe`` also streams a one-token completion
 to check that the upstream honours ``stream`` and ends with ``[DONE]``.
 Exit code 0 when every check passes, 1 otherwise, 2 on a bad config.
 """
@@ -19,7 +20,8 @@ from typing import Iterable
 
 import httpx
 
-from switchyard.common.config import ConfigError, UpstreamConfig, load_config
+from switchyard.common import tls_check
+from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
 from switchyard.gateway.client import GatewayClient
@@ -182,6 +184,45 @@ async def run_checks(
     return checks
 
 
+async def certificate_checks(config: SwitchyardConfig, timeout_s: float = 5.0) -> list[Check]:
+    """With ``server.tls`` on, one check per address the stack dials (the orchestrator at
+    ``server.host``:``orchestrator.port`` for ``switchyard run``, ``orchestrator.retrieval_addr``,
+    ``orchestrator.dispatcher_addr``): the certificate every service presents (``server.tls.cert_file``)
+    must be issued by ``ca_file``, be valid now and hold the name dialled there (``server_name`` or the
+    address's host); where something answers at the address, the certificate it presents is checked the
+    same way, by a TLS handshake. Nothing with TLS off.
+    """
+    tls = config.server.tls
+    if not tls.enabled:
+        return []
+    orch = config.orchestrator
+    targets = (("orchestrator", f"{config.server.host}:{orch.port}"), ("retrieval", orch.retrieval_addr),
+               ("dispatcher", orch.dispatcher_addr))
+    checks = []
+    fix = ("issue the certificate (server.tls.cert_file) for the names dialled, signed by server.tls.ca_file, or "
+           "set server.tls.server_name to a name it holds")
+    for service, address in targets:
+        name = f"tls {service}"
+        try:
+            dialled = tls_check.dialled_name(address, tls)
+        except ValueError as exc:
+            checks.append(Check(name, False, str(exc), "give the address as host:port"))
+            continue
+        offline = tls_check.check_certificate_file(tls, dialled, address)
+        if not offline.ok:
+            checks.append(Check(name, False, offline.describe(), fix))
+            continue
+        live = await tls_check.check_certificate(address, tls, timeout_s)
+        if live.ok:
+            checks.append(Check(name, True, live.describe()))
+        elif live.unreachable:
+            checks.append(Check(name, True, f"{offline.describe()} (nothing answers at {address} yet: the "
+                                            "certificate file was checked)"))
+        else:
+            checks.append(Check(name, False, live.describe(), fix))
+    return checks
+
+
 def _skipped_probe(why: str) -> Check:
     return Check("stream probe", True, f"skipped: {why}", skipped=True)
 
@@ -215,12 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default 5)")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config_dir).upstream
+        full = load_config(args.config_dir)
+        cfg = full.upstream
         if args.base_url:
             cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url})
     except (ConfigError, ValueError) as exc:
         print(f"switchyard doctor: {exc}", file=sys.stderr)
         return 2
     checks = asyncio.run(run_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
+    checks += asyncio.run(certificate_checks(full, args.timeout))
     print(format_report(cfg, checks))
     return 0 if all(c.ok for c in checks) else 1

@@ -162,3 +162,15 @@ class NoEndpointUp(GatewayError):
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True
     fallback_ok = False
+
+
+class UpstreamAskedToWait(ModelCoolingDown):
+    """The model asked (Retry-After on a 429 or 503) for no request before a time that has not come.
+
+    Refused locally with the upstream's own status (RESOURCE_EXHAUSTED after a 429, UNAVAILABLE after a
+    503); ``retry_after_s`` is the time left, so a retry waits it out or, when it is longer than
+    ``model_gateway.retry_after_max_s`` or the call's time left, the fallback model is asked instead.
+    """
+
+    retryable = True
+    fallback_ok = True

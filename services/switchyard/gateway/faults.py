@@ -9,6 +9,7 @@ server's ``--fault [MODEL=]SPEC`` flags (per model, or for all models).
 
 from __future__ import annotations
 
+import email.utils
 from dataclasses import dataclass, fields
 
 FAULT_HEADER = "x-sim-fault"
@@ -31,6 +32,9 @@ class Fault:
     - ``mismatch``: answer JSON when a stream was asked, SSE when JSON was asked.
     - ``expired``: answer 401 saying the OAuth token expired.
     - ``echo_key``: on 401, echo the presented bearer token in the body (as some proxies do).
+    - ``retry_after``: with ``status``, send ``Retry-After: N`` (delta-seconds).
+    - ``retry_after_ms``: with ``status``, send ``retry-after-ms: N`` (milliseconds, as OpenAI does).
+    - ``retry_after_date``: with ``status``, send ``Retry-After`` as the HTTP-date N seconds from now.
     """
 
     status: int | None = None
@@ -43,6 +47,20 @@ class Fault:
     mismatch: bool = False
     expired: bool = False
     echo_key: bool = False
+    retry_after: float | None = None
+    retry_after_ms: float | None = None
+    retry_after_date: float | None = None
+
+    def retry_headers(self, now: float) -> dict[str, str]:
+        """The Retry-After headers of this fault's status answer; ``now`` is ``time.time()``."""
+        headers = {}
+        if self.retry_after is not None:
+            headers["retry-after"] = f"{self.retry_after:g}"
+        if self.retry_after_ms is not None:
+            headers["retry-after-ms"] = f"{self.retry_after_ms:g}"
+        if self.retry_after_date is not None:
+            headers["retry-after"] = email.utils.formatdate(now + self.retry_after_date, usegmt=True)
+        return headers
 
 
 _INTS = {"status", "fail_first", "cut_after", "malformed_after"}

@@ -23,13 +23,20 @@ GATEWAY_TTFT = Histogram(
     ["model"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
-GATEWAY_CIRCUIT_OPEN = Gauge(
-    "switchyard_gateway_circuit_open",
-    "1 while the upstream model's circuit is open (cooling down after repeated failures), else 0.",
-    ["model"],
+CIRCUIT_STATES = ("closed", "open", "half_open")
+"""The states of an upstream model's circuit (gateway/cooldown.py)."""
+CIRCUIT_TRANSITIONS = (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed"))
+"""The moves a circuit makes, (from_state, to_state)."""
+GATEWAY_CIRCUIT_STATE = Gauge(
+    "switchyard_gateway_circuit_state",
+    "1 for the state the upstream model's circuit is in (closed, open: cooling down after repeated failures, "
+    "half_open: admitting its probes), 0 for the others.",
+    ["model", "state"],
 )
-GATEWAY_COOLDOWNS = Counter(
-    "switchyard_gateway_cooldowns_total", "Times an upstream model's circuit opened (a cooldown began).", ["model"]
+GATEWAY_CIRCUIT_TRANSITIONS = Counter(
+    "switchyard_gateway_circuit_transitions_total",
+    "Moves of an upstream model's circuit between states (closed -> open is a cooldown beginning).",
+    ["model", "from_state", "to_state"],
 )
 
 # --------------------------------------------------------------------------- a pool of replicas (gateway/pool.py)

@@ -4,9 +4,13 @@
   (``wait = initial x 2^(attempt-1) + uniform(0, initial)``, capped at
   ``backoff_max_s``; the Google Cloud retry strategy tenacity implements),
   retrying only errors marked ``retryable``. When the upstream said how long
-  to wait (``Retry-After`` / ``retry-after-ms`` on a 429 or 503), the wait is
-  at least that, capped by ``retry_after_max_s``; a wait that would outlast the
-  call's deadline is not taken: the upstream's error is raised at once.
+  to wait (``Retry-After`` delta-seconds or HTTP-date, ``retry-after-ms``, on a
+  429 or 503), the wait is at least that and is never shortened: a wait longer
+  than ``retry_after_max_s``, or than the time left before the call's
+  deadline, is not taken and the upstream's error is raised at once, naming
+  the model and the wait (the fallback model is then asked when one is set).
+  The model's cooldown (:mod:`switchyard.gateway.cooldown`) records the wait,
+  so no other call reaches the model before it has passed either.
 - :func:`with_fallback`: each model of the chain in turn (primary, then
   fallback) while the error is marked ``fallback_ok``; the primary's error is
   the one raised, with what the fallback did appended.
@@ -43,7 +47,9 @@ async def with_retries(
 
     Raises:
         GatewayError: the last attempt's error, or the first non-retryable one,
-            or the one whose Retry-After would outlast the deadline.
+            or the one whose Retry-After is longer than ``retry_after_max_s`` or
+            would outlast the deadline (its status kept: RESOURCE_EXHAUSTED for a
+            429, UNAVAILABLE for a 503).
     """
     backoff = wait_exponential_jitter(
         multiplier=config.retry_backoff_initial_s, max=config.retry_backoff_max_s,
@@ -54,12 +60,23 @@ async def with_retries(
         seconds = backoff(state)
         exc = state.outcome.exception() if state.outcome else None
         asked = getattr(exc, "retry_after_s", None)
-        if asked is not None:
-            seconds = max(seconds, min(asked, config.retry_after_max_s))
+        if asked is not None and isinstance(exc, GatewayError):
+            if asked > config.retry_after_max_s:
+                raise exc.with_note(
+                    f"not retried: model {model!r} asked to wait {asked:.1f} s, longer than "
+                    f"model_gateway.retry_after_max_s ({config.retry_after_max_s:g} s); a requested wait is never "
+                    "shortened"
+                )
+            seconds = max(seconds, asked)
         if deadline is not None and isinstance(exc, GatewayError):
             left = deadline - asyncio.get_running_loop().time()
             if seconds >= left:
-                raise exc.with_note(f"not retried: the wait ({seconds:.2f} s) would outlast the call's deadline")
+                what = f"asked to wait {asked:.1f} s" if asked is not None and asked >= seconds else \
+                    f"would wait {seconds:.2f} s before a retry"
+                raise exc.with_note(
+                    f"not retried: model {model!r} {what}, longer than the {max(left, 0.0):.1f} s left before "
+                    "the call's deadline (it would outlast the call's deadline)"
+                )
         return seconds
 
     def before_sleep(state: RetryCallState) -> None:

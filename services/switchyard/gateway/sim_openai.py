@@ -99,6 +99,8 @@ class SimOpenAIState:
 
     requests: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    arrivals: dict[str, list[float]] = field(default_factory=dict)
+    """Per model, the ``time.monotonic()`` of each chat completion's arrival (to check Retry-After is honoured)."""
     active_streams: int = 0
     open_streams: int = 0
     """Streaming requests accepted and not yet finished (counted from acceptance, before the body starts)."""
@@ -136,7 +138,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def _status_error(status: int, model: str) -> JSONResponse:
+def _status_error(status: int, model: str, headers: dict[str, str] | None = None) -> JSONResponse:
     kinds = {
         400: ("bad request (injected)", "invalid_request_error"),
         401: ("invalid API key (injected)", "invalid_api_key"),
@@ -144,7 +146,8 @@ def _status_error(status: int, model: str) -> JSONResponse:
         429: ("Rate limit reached (injected)", "rate_limit_exceeded"),
     }
     message, code = kinds.get(status, (f"upstream failure {status} (injected)", "server_error"))
-    return JSONResponse({"error": {"message": message, "type": "sim_fault", "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": "sim_fault", "code": code}}, status_code=status,
+                        headers=headers)
 
 
 def _messages(raw: list[dict[str, Any]]) -> list[Message]:
@@ -340,11 +343,12 @@ class SimOpenAI:
             return denied
         self.state.requests.append(body)
         count = self.state.counts[model] = self.state.counts.get(model, 0) + 1
+        self.state.arrivals.setdefault(model, []).append(time.monotonic())
         if model not in self.options.models:
             return _error(404, f"The model `{model}` does not exist or you do not have access to it.",
                           "model_not_found")
         if fault is not None and fault.status and (not fault.fail_first or count <= fault.fail_first):
-            return _status_error(fault.status, model)
+            return _status_error(fault.status, model, fault.retry_headers(time.time()))
         fault = fault or Fault()
         messages = _messages(body["messages"])
         reply = plan_reply("", messages, _tools(body.get("tools") or []))

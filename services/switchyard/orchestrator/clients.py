@@ -17,7 +17,9 @@ import grpc
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import open_channel
-from switchyard.common.config import AffinityConfig, ServerConfig
+from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
+from switchyard.common.tasks import settle
+from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
@@ -51,13 +53,22 @@ def _hop_error(service: str, address: str, code: grpc.StatusCode, details: str, 
     return error
 
 
+async def _tls_named(error: SwitchyardError, address: str, tls: TlsConfig) -> SwitchyardError:
+    """``error`` with what its TLS failure was (the dialled name, the certificate's names and issuer, and
+    why they do not fit) when TLS is on and nothing answered the way a failed handshake reads."""
+    if tls.enabled and isinstance(error, ServiceUnavailable) and looks_like_tls_failure(str(error)):
+        error.args = (f"{error.args[0]}; {await explain(address, tls)}",)
+    return error
+
+
 class RetrievalClient:
     """RetrievalService.Retrieve over one channel."""
 
     def __init__(self, address: str, config: ServerConfig, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = open_channel(address, config)
+        self._tls = config.tls
+        self._channel = open_channel(address, config, peer="retrieval")
         self._stub = agent_pb2_grpc.RetrievalServiceStub(self._channel)
 
     async def retrieve(self, query: str, top_k: int = 0) -> agent_pb2.RetrieveResponse:
@@ -72,7 +83,7 @@ class RetrievalClient:
                 agent_pb2.RetrieveRequest(query=query, top_k=top_k), timeout=self.timeout_s, wait_for_ready=False
             )
         except grpc.aio.AioRpcError as err:
-            raise _downstream_error("retrieval", self.address, err) from None
+            raise await _tls_named(_downstream_error("retrieval", self.address, err), self.address, self._tls) from None
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -101,7 +112,8 @@ class InferenceClient:
 
     def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None) -> None:
         self.address = address
-        self._channel = open_channel(address, config)
+        self._tls = config.tls
+        self._channel = open_channel(address, config, peer="dispatcher")
         self._max_message_bytes = config.max_message_bytes
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
         self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}
@@ -131,7 +143,8 @@ class InferenceClient:
             if self.replicas is not None:  # forget the streams of channels the replica set has let go
                 live = {self._channel, *self.replicas.channels.values()}
                 for gone in [c for c in self._streams if c not in live]:
-                    self._closing.add(asyncio.ensure_future(self._streams.pop(gone).close()))
+                    self._closing.add(settle(asyncio.ensure_future(self._streams.pop(gone).close()),
+                                             expected=lambda e: False))
                     self._closing = {t for t in self._closing if not t.done()}
             streams = self._streams[channel] = GenerateStreamClient(channel, self._max_message_bytes)
         return streams
@@ -207,7 +220,8 @@ class InferenceClient:
                 if unavailable and received:
                     raise ServiceUnavailable("dispatcher", address, f"stream cut after {received} chunk(s): "
                                              f"{err.details}") from None
-                raise _hop_error("dispatcher", address, err.code, err.details, err.origin) from None
+                error = _hop_error("dispatcher", address, err.code, err.details, err.origin)
+                raise await _tls_named(error, address, self._tls) from None
             finally:
                 if replicas is not None:
                     replicas.finished(address)
@@ -226,7 +240,7 @@ class InferenceClient:
             try:
                 info = await stub.DescribeModel(agent_pb2.DescribeModelRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as err:
-                raise _downstream_error("dispatcher", address, err) from None
+                raise await _tls_named(_downstream_error("dispatcher", address, err), address, self._tls) from None
             self._default_model = info.model
         return self._default_model
 

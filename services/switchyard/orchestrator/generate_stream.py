@@ -42,6 +42,7 @@ from opentelemetry import propagate
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.coalescing import Wakeup
 from switchyard.common.errors import ORIGIN_KEY
+from switchyard.common.tasks import settle
 
 STREAM_MAX_AGE_S = 1.0
 """Seconds a stream takes new requests before the next one is opened (see the module docstring)."""
@@ -131,8 +132,11 @@ class _Stream:
         self._wake = Wakeup()
         self._call = stub.GenerateStream()
         loop = asyncio.get_running_loop()
-        self._writer = loop.create_task(self._write(), name="generate-stream-writer", context=_CLEAN.copy())
-        self._reader = loop.create_task(self._read(), name="generate-stream-reader", context=_CLEAN.copy())
+        # A retired stream is let go once its reader ends, its tasks unawaited: settle reads their outcome.
+        self._writer = settle(loop.create_task(self._write(), name="generate-stream-writer", context=_CLEAN.copy()),
+                              expected=lambda e: False)
+        self._reader = settle(loop.create_task(self._read(), name="generate-stream-reader", context=_CLEAN.copy()),
+                              expected=lambda e: False)
 
     def start(self, start: agent_pb2.StreamedGenerate) -> _Request:
         """Queue ``start`` for the writer; its request's items come through the returned :class:`_Request`.

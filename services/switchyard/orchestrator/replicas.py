@@ -35,6 +35,7 @@ import grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ServerConfig
 from switchyard.common.affinity import BoundedLoadRing
+from switchyard.common.tasks import settle
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class ReplicaSet:
     def _update(self, addresses: list[str]) -> None:
         now = time.monotonic()
         for address in sorted(set(addresses) - set(self.channels)):
-            self.channels[address] = open_channel(address, self.config)
+            self.channels[address] = open_channel(address, self.config, peer="dispatcher")
             self.ring.add(address)
         for address in sorted(set(self.channels) - set(addresses)):
             moved = self.ring.remove(address)
@@ -127,7 +128,8 @@ class ReplicaSet:
             if not self.channels:
                 await self._resolve()
             elif self._resolving is None or self._resolving.done():
-                self._resolving = asyncio.create_task(self._resolve(), name="dispatcher-resolve")
+                self._resolving = settle(asyncio.create_task(self._resolve(), name="dispatcher-resolve"),
+                                         expected=lambda e: False)
         while self._retired and now - self._retired[0][0] >= RETIRE_AFTER_S:
             await self._retired.pop(0)[1].close()
 

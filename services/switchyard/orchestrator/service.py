@@ -32,6 +32,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
+from switchyard.common.tasks import settle
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
@@ -306,13 +307,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
                                    name=f"task-{spec.task_id}")
         task.add_done_callback(lambda _: events.close())
+        read = False
         try:
             while (event := await events.get()) is not None:
                 yield event
-            exc = task.exception()
+            exc, read = task.exception(), True
         finally:
             if not task.done():
                 task.cancel()
+            if not read:
+                # The caller is gone (its deadline cancelled this handler), maybe just as the task ended with
+                # an error of its own (the same deadline): that outcome has no reader left, so read it here.
+                settle(task, expected=lambda e: status_for(e)[0] != grpc.StatusCode.INTERNAL)
         if exc is not None:
             if status_for(exc)[0] == grpc.StatusCode.INTERNAL:
                 log.exception("task %s failed", spec.task_id, exc_info=exc)
@@ -361,7 +367,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             elif kind == "stage":
                 if live.state == agent_pb2.QUEUED:
                     live.state = agent_pb2.RUNNING
-                    running.append(asyncio.create_task(self._record_running(spec.task_id)))
+                    running.append(settle(asyncio.create_task(self._record_running(spec.task_id)),
+                                          expected=lambda e: False))
                 live.timings.stage_s[event.stage.name] = event.stage.duration_s
 
         task = self._new_task(spec, emit, None)
