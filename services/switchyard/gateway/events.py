@@ -32,6 +32,9 @@ class ChatRequest:
     timeout_s: float | None = None
     """Seconds the caller has left (its gRPC deadline, passed on by the dispatcher): the completion,
     retries and fallback included, must end within this and ``model_gateway.total_timeout_s``."""
+    affinity_key: str = ""
+    """Whose warm state the call continues (the agent id): with a pool of endpoints, its calls go to one endpoint
+    while its load allows; empty: a hash of the prompt's opening text is the key."""
 
 
 @dataclass(frozen=True)
