@@ -42,6 +42,8 @@ bench: $(STAMP) $(INDEX)/query_encoder.onnx
 
 # The ConfigMap of deploy/k8s/base carries the shipped config/ unchanged (kustomize reads
 # generator files only from inside the kustomization's folder); run before `kubectl apply -k`.
+# deploy/k8s/base/config/ holds config/'s files, committed (kustomize reads the ConfigMap's files
+# only inside the kustomization's folder); after editing config/, refresh them (a test checks).
 k8s-config:
 	mkdir -p deploy/k8s/base/config
 	cp config/queue.json config/scheduler_config.json config/memory_policy.toml config/switchyard.json \

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from switchyard.bench import route
-from switchyard.orchestrator.affinity import BoundedLoadRing
+from switchyard.common.affinity import BoundedLoadRing
 
 pytestmark = pytest.mark.no_gpu
 
@@ -121,3 +121,62 @@ async def test_dns_target_resolves_to_replicas():
         assert replicas.pick("agent-1")[0] == address
     finally:
         await replicas.close()
+
+
+def test_a_hot_key_spills_its_overflow_to_the_next_replica_and_comes_home():
+    replicas = REPLICAS[:3]
+    ring = BoundedLoadRing(replicas, balance=1.25)
+    for i in range(6):
+        ring.assign(f"cold-{i}")
+    home = ring.assign("hot")
+    spill_order = [r for r in ring.walk("hot") if r != home]
+    in_flight = {r: 0 for r in replicas}
+    placed = []
+    for _ in range(30):  # 30 calls of one agent at once
+        replica, at_home = ring.route("hot", in_flight)
+        assert at_home == (replica == home)
+        in_flight[replica] += 1
+        placed.append(replica)
+    assert max(in_flight.values()) / (30 / 3) <= 1.25
+    assert in_flight[home] == max(in_flight.values()), "home keeps as much as the bound allows"
+    assert placed[0] == home
+    first_spill = next(r for r in placed if r != home)
+    assert first_spill == spill_order[0], "the overflow goes to the next replica on the ring"
+    again = BoundedLoadRing(replicas, balance=1.25)  # deterministic: same ring, same calls, same placement
+    for i in range(6):
+        again.assign(f"cold-{i}")
+    again.assign("hot")
+    flights = {r: 0 for r in replicas}
+    replay = []
+    for _ in range(30):
+        replica, _home = again.route("hot", flights)
+        flights[replica] += 1
+        replay.append(replica)
+    assert replay == placed
+    for replica in replicas:  # the load drops: the next call goes home again
+        in_flight[replica] = 0
+    assert ring.route("hot", in_flight) == (home, True)
+    assert ring.placed["hot"] == home, "spilling never moved the agent's home"
+
+
+def test_keys_with_one_call_each_never_spill():
+    ring = BoundedLoadRing(REPLICAS[:3], balance=1.2)
+    agents = [f"agent-{i}" for i in range(24)]
+    homes = {agent: ring.assign(agent) for agent in agents}
+    in_flight = {r: 0 for r in REPLICAS[:3]}
+    for agent in reversed(agents):  # any order of arrival: one call per agent stays home
+        replica, at_home = ring.route(agent, in_flight)
+        assert at_home and replica == homes[agent]
+        in_flight[replica] += 1
+
+
+def test_skewed_simulation_bounds_calls_in_flight():
+    params = route.SkewParams(duration_s=60, warmup_s=10)
+    bounded = route.simulate_skew("in_flight_bound", params)
+    placed = route.simulate_skew("placed_bound", params)
+    assert bounded.in_flight_ratio_mean <= 1.25
+    assert placed.in_flight_ratio_mean > 2.0, "bounding agents placed leaves one agent's calls on one replica"
+    assert bounded.placed_ratio_mean == placed.placed_ratio_mean
+    assert bounded.hit_rate > 0.4 and placed.hit_rate == 1.0
+    with pytest.raises(ValueError, match="hot_share"):
+        route.simulate_skew("in_flight_bound", route.SkewParams(hot_share=1.5))

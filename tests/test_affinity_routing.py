@@ -46,7 +46,8 @@ class Recording(DispatcherService):
 
 
 @contextlib.asynccontextmanager
-async def fleet(n: int = 3, **overrides: object) -> AsyncIterator[tuple[list[RunningServer], list, object]]:
+async def fleet(n: int = 3, orchestrators: list[OrchestratorService] | None = None,
+                **overrides: object) -> AsyncIterator[tuple[list[RunningServer], list, object]]:
     dispatcher_cfg = SwitchyardConfig().with_overrides(**{**FAST, **overrides})
     served: list[tuple[str, str]] = []
     started = asyncio.Event()
@@ -59,8 +60,11 @@ async def fleet(n: int = 3, **overrides: object) -> AsyncIterator[tuple[list[Run
         "orchestrator.default_task_type": "chat",
         "orchestrator.cpu_executor": "loop",
     })
+    orchestrator = OrchestratorService(cfg)
+    if orchestrators is not None:
+        orchestrators.append(orchestrator)
     try:
-        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+        async with running([orchestrator], cfg.server) as orch:
             async with open_channel(f"127.0.0.1:{orch.port}") as channel:
                 yield servers, served, (agent_pb2_grpc.AgentServiceStub(channel), started)
     finally:
@@ -125,3 +129,34 @@ async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"127.0.0.1:{servers[0].port}" in err.value.details()
     assert "stream cut after" in err.value.details(), err.value.details()
+
+
+async def test_a_hot_agent_spills_past_the_in_flight_bound_and_uninvolved_agents_stay_home():
+    # one agent sends 60 % of 30 concurrent calls; each call decodes 32 modelled 10 ms steps, so they overlap
+    orchestrators: list[OrchestratorService] = []
+    async with fleet(orchestrators=orchestrators, **{"sim.decode_base_ms": 10.0}) as (_, served, (stub, _started)):
+        replica_set = orchestrators[0]._deps.inference.replicas
+        snapshots: list[dict[str, int]] = []
+        started = replica_set.started
+
+        def record(address: str) -> None:
+            started(address)
+            snapshots.append(dict(replica_set.in_flight))
+
+        replica_set.started = record  # type: ignore[method-assign]
+        others = [f"agent-{i}" for i in range(12)]
+        await asyncio.gather(*(chat(stub, agent, 0) for agent in others))  # homes placed
+        home = {agent: labels.pop() for agent, labels in replicas_by_agent(served).items()}
+        served.clear()
+        snapshots.clear()
+        calls = [chat(stub, "hot", i, max_tokens=32) for i in range(18)]
+        calls += [chat(stub, agent, 1, max_tokens=32) for agent in others]
+        finals = await asyncio.gather(*calls)
+    assert all(f.output for f in finals)
+    peak = max(snapshots, key=lambda s: sum(s.values()))
+    total = sum(peak.values())
+    assert total >= 15, f"calls did not overlap: {peak}"
+    assert max(peak.values()) / (total / 3) <= 1.25, peak
+    by_agent = replicas_by_agent(served)
+    assert len(by_agent["hot"]) >= 2, "the hot agent's overflow spilled"
+    assert sum(1 for agent in others if by_agent[agent] == {home[agent]}) >= 9, by_agent

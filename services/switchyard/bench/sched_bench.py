@@ -351,7 +351,7 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{header['tasks']} tasks (core {header['by_class']['core']}, normal {header['by_class']['normal']}, "
         f"batch {header['by_class']['batch']})",
         f"scheduler: max_admitted_per_decision {header['max_admitted_per_decision']}, time_slice_ms {header['time_slice_ms']:g}, "
-        f"preemption_grace_ms {header['preemption_grace_ms']:g}, aging_max_wait_ms {header['aging_max_wait_ms']:g}; "
+        f"core_wait_before_preempt_ms {header['core_wait_before_preempt_ms']:g}, aging_max_wait_ms {header['aging_max_wait_ms']:g}; "
         "compute score from the engine busy ratio",
         f"DRAM tier: {header['dram']}",
         "",
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload": args.overload, "seconds": args.seconds, "tasks": len(specs),
         "by_class": {name: sum(1 for s in specs if s.priority_class == name) for name, _ in CLASSES},
         "max_admitted_per_decision": sched.max_admitted_per_decision, "time_slice_ms": sched.time_slice_ms,
-        "preemption_grace_ms": sched.preemption_grace_ms, "aging_max_wait_ms": sched.aging_max_wait_ms,
+        "core_wait_before_preempt_ms": sched.core_wait_before_preempt_ms, "aging_max_wait_ms": sched.aging_max_wait_ms,
         "mix": list(args.mix), "prompt_tokens": list(args.prompt_tokens), "output_tokens": list(args.output_tokens),
         "seed": args.seed, "dram": dram,
     }

@@ -15,8 +15,9 @@ operators already have:
 
 Every field has a default, a range check and a description naming its unit;
 durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
-``memory_policy.toml`` and ``orchestrator.task_store`` are still read, with a
-warning to rename them (both names at once is an error).
+``memory_policy.toml`` and ``orchestrator.task_store``, and the keys of
+``_FORMER_NAMES`` (renamed to say what the code does with them), are still
+read, with a warning naming the new name (both names at once is an error).
 
 Each service loads only the sections it reads (``load_config(service=...)``,
 :data:`SERVICE_SECTIONS`): a bad value elsewhere does not stop it, and reading
@@ -203,6 +204,113 @@ class AdaptiveConcurrencyConfig(_Strict):
         return self
 
 
+class EndpointScorerWeights(_Strict):
+    """Weights of the endpoint picker's scorers (switchyard.gateway.picker); each scorer gives 0-1 per endpoint,
+    the endpoint with the highest weighted sum serves the call. 0 turns a scorer off."""
+
+    prefix_affinity: float = Field(
+        4.0, ge=0, le=100,
+        description="Weight of the affinity scorer, a multiplier: 1 for the endpoint that holds the call's agent "
+        "(or prompt prefix) under the bounded-load rule, 0 for the others.",
+    )
+    queue_depth: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the server's own queue, a multiplier: 1 / (1 + requests waiting), from its /metrics "
+        "(vLLM vllm:num_requests_waiting, SGLang sglang:num_queue_reqs, TGI tgi_queue_size).",
+    )
+    kv_cache_usage: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the server's free KV cache, a multiplier: 1 - KV cache used (a fraction), from its "
+        "/metrics (vLLM vllm:kv_cache_usage_perc, SGLang sglang:token_usage).",
+    )
+    in_flight: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the endpoint's headroom, a multiplier: 1 - streams in flight / its concurrency limit.",
+    )
+    ttft: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the endpoint's measured TTFT, a multiplier: fastest recent TTFT / this endpoint's.",
+    )
+
+
+class UpstreamPoolConfig(_Strict):
+    """Several replicas of one OpenAI-compatible model server behind ``model_gateway`` (switchyard.gateway.pool):
+    ``queue.json`` ``model_gateway.pool``. Empty ``endpoints`` and ``dns_url``: ``base_url`` alone is served."""
+
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the replicas, each an OpenAI-compatible root ending in /v1; replaces base_url.",
+    )
+    dns_url: str = Field(
+        "",
+        description="A base URL whose host name resolves to every replica (a Kubernetes headless Service); each "
+        "address is an endpoint, re-resolved every resolve_interval_s. Empty: not used.",
+    )
+    resolve_interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between DNS resolutions of dns_url.")
+    scrape_interval_s: float = Field(
+        0.5, gt=0, le=600,
+        description="Seconds between reads of each endpoint's /metrics (its queue depth and KV use; a connection "
+        "refused there marks the endpoint down until a read succeeds).",
+    )
+    scrape_timeout_s: float = Field(1.0, gt=0, le=60, description="Longest wait for one /metrics read, seconds.")
+    metrics_path: str = Field(
+        "/metrics", pattern=r"^/", description="Path of the Prometheus metrics under the server's root (the base URL "
+        "without /v1), a path.",
+    )
+    balance: float = Field(
+        1.2, gt=1, le=10,
+        description="Bounded-load rule of the affinity scorer, a ratio: an endpoint keeps its agents' calls until it "
+        "has more than this times the mean calls in flight, then the overflow goes to the next endpoint on the "
+        "ring (switchyard.common.affinity).",
+    )
+    affinity_idle_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="An agent or prompt prefix with no call for this long, seconds, stops counting on its endpoint.",
+    )
+    prefix_chars: int = Field(
+        1024, ge=16, le=1_000_000,
+        description="Characters of the prompt (messages in order) hashed into the affinity key of a call that names "
+        "no agent, characters: calls opening with the same text go to the endpoint that has it cached.",
+    )
+    policy: Literal["score", "round_robin"] = Field(
+        "score",
+        description="How a call picks its endpoint: 'score' (filter, then the weighted scorers, then the best) or "
+        "'round_robin' (each endpoint in turn, as a plain load balancer does; for comparison).",
+    )
+    weights: EndpointScorerWeights = Field(
+        default_factory=EndpointScorerWeights, description="Weights of the endpoint picker's scorers."
+    )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"expected http:// or https:// URLs, got {url!r}")
+        urls = [url.rstrip("/") for url in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"expected distinct URLs, got {value}")
+        return urls
+
+    @field_validator("dns_url")
+    @classmethod
+    def _dns_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL, or empty")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "UpstreamPoolConfig":
+        if self.endpoints and self.dns_url:
+            raise ValueError(f"endpoints ({self.endpoints}) and dns_url ({self.dns_url!r}): set one, not both")
+        return self
+
+    @property
+    def pooled(self) -> bool:
+        """True when several endpoints are (or may be) served: a list of more than one, or a DNS name."""
+        return len(self.endpoints) > 1 or bool(self.dns_url)
+
+
 class UpstreamConfig(_Strict):
     """The OpenAI-compatible model server the ``openai`` engine streams from (switchyard.gateway):
     ``queue.json`` ``model_gateway``."""
@@ -273,8 +381,18 @@ class UpstreamConfig(_Strict):
     )
     concurrency: AdaptiveConcurrencyConfig = Field(
         default_factory=AdaptiveConcurrencyConfig,
-        description="Adaptive limit on streams in flight to the upstream (TTFT gradient, backoff on 429/503).",
+        description="Adaptive limit on streams in flight to the upstream (TTFT gradient, backoff on 429/503); with a "
+        "pool, one such limit per endpoint.",
     )
+    pool: UpstreamPoolConfig = Field(
+        default_factory=UpstreamPoolConfig,
+        description="Several replicas of the model server: their URLs or a DNS name, and how a call picks one.",
+    )
+
+    @property
+    def endpoint_urls(self) -> list[str]:
+        """The base URLs served before any DNS resolution: ``pool.endpoints``, else ``[base_url]``."""
+        return list(self.pool.endpoints) or [self.base_url]
 
     @field_validator("base_url")
     @classmethod
@@ -361,10 +479,21 @@ class SchedulerConfig(_Strict):
         description="Admission wave: most waiting requests admitted in one admission decision, requests "
         "(not a cap on the running set, which KV memory and the compute score bound).",
     )
+    max_step_prefill_tokens: int = Field(
+        512, ge=1, le=10_000_000,
+        description="Most prompt tokens one engine step prefills beside the running decodes, tokens: newcomers beyond "
+        "it are prefilled in the next steps of the same turn, a longer prompt split over steps (chunked prefill, on an "
+        "engine that can; else alone in its step). A step's length bounds how long core work waits for its next layer "
+        "boundary and the running requests for their next token (vLLM's max_num_batched_tokens bounds a step the same "
+        "way; 512 is Sarathi-Serve's and vLLM's former chunked-prefill default).",
+    )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
-    preemption_grace_ms: float = Field(
-        50, ge=0, le=60_000, description="A preempted request runs on this long before it is paused, milliseconds."
+    core_wait_before_preempt_ms: float = Field(
+        0, ge=0, le=60_000,
+        description="A core request that does not fit waits this long for running work to free room before it preempts "
+        "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
+        "with core_preemption layer). Formerly preemption_grace_ms.",
     )
     policy: Literal["priority", "fifo"] = Field(
         "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
@@ -853,7 +982,7 @@ class TaskStoreConfig(_Strict):
 
 
 class AffinityConfig(_Strict):
-    """Agent affinity of the orchestrator's dispatcher calls (orchestrator/affinity.py, replicas.py)."""
+    """Agent affinity of the orchestrator's dispatcher calls (common/affinity.py, orchestrator/replicas.py)."""
 
     enabled: bool = Field(
         True, description="With several dispatcher replicas, send an agent's calls to the replica holding its "
@@ -861,8 +990,9 @@ class AffinityConfig(_Strict):
     )
     balance: float = Field(
         1.2, gt=1, le=10,
-        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents "
-        "(Mirrokni, Thorup, Zadimoghaddam 2018).",
+        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents, "
+        "nor (once its agents have more than one call each) more than this times the mean calls in flight; an "
+        "agent's overflow goes to the next replica on the ring (Mirrokni, Thorup, Zadimoghaddam 2018).",
     )
     idle_s: float = Field(
         60.0, gt=0, le=86_400,
@@ -1372,7 +1502,8 @@ def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
 # Keys renamed to say what the code does with them: former name -> current name, per section
 # model. A former name still loads, with a warning naming the current one.
 _FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
-    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision"},
+    SchedulerConfig: {"max_running_agents": "max_admitted_per_decision",
+                      "preemption_grace_ms": "core_wait_before_preempt_ms"},
 }
 
 # Keys that no code reads any more: key -> what to do. They load with a warning, and are ignored.
@@ -1508,6 +1639,10 @@ def _env_overrides(held: set[str]) -> dict[str, Any]:
     put("orchestrator", "retrieval_addr", envs.SWITCHYARD_RETRIEVAL_ADDR.get())
     put("orchestrator", "dispatcher_addr", envs.SWITCHYARD_DISPATCHER_ADDR.get())
     put("orchestrator", "task_store.backend", envs.SWITCHYARD_TASK_STORE.get())
+    put("upstream", "base_url", envs.SWITCHYARD_UPSTREAM_BASE_URL.get())
+    put("upstream", "default_model", envs.SWITCHYARD_UPSTREAM_MODEL.get())
+    put("upstream", "fallback_model", envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL.get())
+    put("upstream", "api_key_required", envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED.get())
     if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
         host, _, port = addr.rpartition(":")
         put("memory.dram", "host", host)

@@ -77,6 +77,33 @@ SWITCHYARD_HOST = EnvVar[str | None](
 )
 
 
+def _http_url(raw: str) -> str:
+    value = raw.strip()
+    if not value.startswith(("http://", "https://")):
+        raise ValueError("expected an http:// or https:// URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
+    return value
+
+
+def _model_or_none(raw: str) -> str:
+    value = raw.strip()
+    return "" if value.lower() == "none" else value
+
+
+SWITCHYARD_UPSTREAM_BASE_URL = EnvVar[str | None](
+    "SWITCHYARD_UPSTREAM_BASE_URL", _http_url, None,
+    "OpenAI-compatible base URL of the model server; overrides model_gateway.base_url (a model server in the "
+    "dispatcher's pod: http://127.0.0.1:8000/v1).",
+)
+SWITCHYARD_UPSTREAM_MODEL = EnvVar[str | None](
+    "SWITCHYARD_UPSTREAM_MODEL", _optional, None,
+    "Model id the model server serves; overrides model_gateway.default_model.",
+)
+SWITCHYARD_UPSTREAM_FALLBACK_MODEL = EnvVar[str | None](
+    "SWITCHYARD_UPSTREAM_FALLBACK_MODEL", _model_or_none, None,
+    "Fallback model id, or none (no fallback); overrides model_gateway.fallback_model.",
+)
+
+
 def _task_store(raw: str) -> str:
     value = raw.strip().lower()
     if value not in ("sqlite", "redis"):
@@ -94,6 +121,13 @@ def _flag(raw: str) -> bool:
     if value not in ("true", "false", "1", "0"):
         raise ValueError("expected true or false")
     return value in ("true", "1")
+
+
+SWITCHYARD_UPSTREAM_API_KEY_REQUIRED = EnvVar[bool | None](
+    "SWITCHYARD_UPSTREAM_API_KEY_REQUIRED", _flag, None,
+    "Refuse to call the model server without a key (true) or not (false, a server that takes none); overrides "
+    "model_gateway.api_key_required.",
+)
 
 
 def _port_number(raw: str) -> int:

@@ -67,6 +67,18 @@ class TaskDeadlineExceeded(SwitchyardError):
         self.task_id = task_id
 
 
+class RequestDeadlineExceeded(SwitchyardError):
+    """A request passed its own deadline (its caller's ``timeout_s`` or gRPC deadline) in the dispatcher
+    (DEADLINE_EXCEEDED); its place and KV are freed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, request_id: str, timeout_s: float, where: str) -> None:
+        super().__init__(f"request {request_id or '(no id)'} passed its deadline of {timeout_s:.3g} s {where}; "
+                         "its place and KV cache were freed")
+        self.request_id = request_id
+
+
 class QueueFullError(SwitchyardError):
     """A queue holds ``capacity`` items: refused at once (RESOURCE_EXHAUSTED), never dropped."""
 

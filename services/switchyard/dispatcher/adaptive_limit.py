@@ -124,6 +124,27 @@ BRAKE_FLOOR = 0.5
 """The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
 
 
+def core_reserve(limit: float, core_reserved_slots: int) -> int:
+    """Slots of ``limit`` held back for CORE: ``min(core_reserved_slots, int(limit) // 4)``."""
+    return min(core_reserved_slots, int(limit) // 4)
+
+
+def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_flight: int,
+                core_reserved_slots: int) -> str | None:
+    """The admission rule with CORE headroom (see the module docstring): None when a stream of class
+    ``priority`` may start with ``in_flight`` streams (``core_in_flight`` of them CORE) under ``limit``,
+    else :data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`. One endpoint's limit and a pool's
+    sum of them apply it alike."""
+    whole = int(limit)
+    if in_flight >= whole:
+        return UPSTREAM_CONCURRENCY
+    if priority is not PriorityClass.CORE:
+        hold = max(0, core_reserve(limit, core_reserved_slots) - core_in_flight)
+        if in_flight >= whole - hold:
+            return UPSTREAM_CORE_RESERVE
+    return None
+
+
 @dataclass
 class Level:
     """What was measured at one concurrency level (streams in flight, rounded)."""
@@ -191,7 +212,7 @@ class AdaptiveConcurrencyLimit:
     @property
     def reserve(self) -> int:
         """Slots held back for CORE: ``min(core_reserved_slots, int(limit) // 4)``."""
-        return min(self.config.core_reserved_slots, int(self.limit) // 4)
+        return core_reserve(self.limit, self.config.core_reserved_slots)
 
     @property
     def lower_class_ceiling(self) -> int:
@@ -201,14 +222,8 @@ class AdaptiveConcurrencyLimit:
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start now, else the refusal reason
         (:data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`, a metric label)."""
-        limit = int(self.limit)
-        if self.in_flight >= limit:
-            return UPSTREAM_CONCURRENCY
-        if priority is not PriorityClass.CORE:
-            hold = max(0, self.reserve - self.core_in_flight)
-            if self.in_flight >= limit - hold:
-                return UPSTREAM_CORE_RESERVE
-        return None
+        return refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
+                           self.config.core_reserved_slots)
 
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
         """A stream of class ``priority`` was sent to the upstream at ``now`` (monotonic seconds)."""

@@ -32,7 +32,7 @@ of what it takes and of what it leaves).
 from __future__ import annotations
 
 import enum
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar
 
 from switchyard.api import agent_pb2
 
@@ -98,6 +98,10 @@ class DoubleBuffer(Generic[T]):
 
     def __len__(self) -> int:
         return self.active_size
+
+    def __iter__(self) -> Iterator[T]:
+        """The items of the active list, in put order (read them, do not hold on to the iterator)."""
+        return iter(self._lists[self._active])
 
     def flush_interval_s(self) -> float:
         """The interval in force now, in seconds."""

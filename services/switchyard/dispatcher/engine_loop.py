@@ -5,25 +5,39 @@ owns every request, and the engine owns the model. Each turn:
 
 1. ``scheduler.schedule(now)`` swaps the double buffer (what arrived during
    the last step joins now), expires, admits and preempts; admitted
-   requests whose KV state waits in the DRAM tier get it back first
-   (``out.restore``; a miss means the prefill recomputes it);
-2. the admitted requests join the running set in one mixed step (their
+   requests whose KV state waits in the DRAM tier get it back before their
+   step (``out.restore``; a miss means the prefill recomputes it), after the
+   prefill of the core requests admitted with them: a restore never waits in
+   front of core work, and neither does a preempted victim's copy to DRAM,
+   which runs in the background (its bytes held in the KV budget until it
+   ends);
+2. the admitted requests join the running set in mixed steps (their
    prefill rides along with one decode token of every running request:
-   chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), or are
-   prefilled alone when nothing else runs or a core request is among them (its
-   first token then waits for no decode);
+   chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), at most
+   ``scheduler.max_step_prefill_tokens`` prompt tokens per step (a longer
+   prompt split over steps on an engine with chunked prefill,
+   :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`, else alone
+   in its step), or are prefilled alone when nothing else runs or a core
+   request is among them (its first token then waits for no decode). The
+   bound keeps every step short: a step of many long prompts would make core
+   work wait for its next layer boundary (a step's length / layers) and every
+   running request for its next token;
 3. the running set decodes, one token per request per step, until the time
    slice ends, a request finishes, or new requests wait in the buffer (then
    they join at this step boundary: iteration-level batching, as in vLLM and
-   Orca), or core work joined during the step (below).
+   Orca), or core work joined during the step or waits (below).
+
+After every step the scheduler fails the requests past their own deadline
+(``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
 :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A core request
 arriving while a step runs (one that prefills no core request itself) starts
-one small task: the scheduler admits the core work that fits without
-preempting anything (``scheduler.admit_core``), and the engine prefills it at
-the next layer boundary of the step in flight (``prefill_between_layers``),
+one small task: the scheduler admits the core work, preempting lower-class
+running work for it at once when it does not fit (``scheduler.admit_core``;
+the victims' KV leaves when the step in flight ends), and the engine prefills
+it at the next layer boundary of the step in flight (``prefill_between_layers``),
 as REEF preempts best-effort DNN inference for real-time work (Han et al.,
 OSDI 2022). The core request waits for one layer (step time / layers) instead
 of the rest of the step; the step in flight lasts longer by the core prefill,
@@ -61,7 +75,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.base import LayerPreemptible, StepEngine
+from switchyard.dispatcher.engines.base import ChunkedPrefill, LayerPreemptible, StepEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, request_links
 
@@ -202,12 +216,16 @@ class StepLoop(LoopBase):
     def __init__(self, config: SwitchyardConfig, engine: StepEngine, scheduler: SchedulerCore) -> None:
         super().__init__(config, engine, scheduler)
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
+        self.max_step_prefill_tokens = config.scheduler.max_step_prefill_tokens
+        self.chunked_prefill = isinstance(engine, ChunkedPrefill)
+        """Newcomers' prompts may be split over steps (:class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`)."""
         self.steps = 0
         self._idle = True
         self._idle_tick_s = min(BUSY_WINDOW_S, config.scheduler.score_sample_interval_ms / 1000)
         self.layer_preemption = config.scheduler.core_preemption == "layer" and isinstance(engine, LayerPreemptible)
         """Core work may join a step in flight at a layer boundary (see the module docstring)."""
         self._preemptible = False  # a step that core work may interrupt is in flight
+        self._transferring = False  # the loop sleeps a restore's modelled transfer: the engine computes nothing
         self._joined = False  # core work joined the running set during this turn: end it at the step boundary
         self._preempt_task: asyncio.Task[None] | None = None
         if self.layer_preemption:
@@ -218,14 +236,15 @@ class StepLoop(LoopBase):
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        if self._preemptible and self._preempt_task is None and not self._closing:
+        if ((self._preemptible or self._transferring) and self._preempt_task is None and not self._closing):
             self._preempt_task = asyncio.create_task(self._preempt_step(), name="dispatcher-core-preemption")
 
     async def _preempt_step(self) -> None:
-        """Prefill core work at a layer boundary of the step in flight, while some fits and a step allows it."""
+        """Prefill core work at a layer boundary of the step in flight (or at once while the loop only waits
+        for a restore's transfer), while some is admitted and a step or transfer allows it."""
         engine: Any = self.engine
         try:
-            while self._preemptible and not self._closing:
+            while (self._preemptible or self._transferring) and not self._closing:
                 admitted = self.scheduler.admit_core(time.monotonic())
                 if not admitted:
                     return
@@ -235,7 +254,10 @@ class StepLoop(LoopBase):
                     "dispatcher.layer_preemption", context=otel_context.Context(), links=request_links(admitted),
                     attributes={"switchyard.admitted": len(admitted)},
                 ):
-                    prefilled = await self._call(engine.prefill_between_layers, admitted)
+                    if self._preemptible:
+                        prefilled = await self._call(engine.prefill_between_layers, admitted)
+                    else:  # no step in flight: the copy engine moves the restore, the compute is free
+                        prefilled = await self._call(engine.prefill, admitted)
                 if prefilled is not False:  # True, or it failed: what it did is recorded as a step's
                     self.steps += 1
                     self._record(admitted, before)
@@ -265,64 +287,113 @@ class StepLoop(LoopBase):
             now = time.monotonic()
             out = scheduler.schedule(now)
             self._joined = False
-            await self._move_tiers(out.restore)
             running = [s for s in out.running if not s.is_finished]
             if not running:
-                # Work waits but none fits now: re-evaluate when something changes, or after a slice.
+                await self._move_tiers(out.restore)
+                # Work waits but none fits now: re-evaluate when something changes, after a slice, or at the
+                # earliest deadline of what waits.
                 self._idle = True
-                await self._wait(self.time_slice_s)
+                await self._wait(max(0.0, min(self.time_slice_s, scheduler.next_deadline - time.monotonic())))
                 continue
             # One span per turn, linked to the requests it serves; the engine's steps are its children.
             with tracer.start_as_current_span(
                 "dispatcher.step", context=otel_context.Context(), links=request_links(running),
                 attributes={"switchyard.batch_size": len(running), "switchyard.admitted": len(out.admitted)},
             ):
-                await self._turn(running)
+                await self._turn(running, out.restore)
 
     def start(self) -> None:
         super().start()
         self.scheduler.tiers.start_scans()
 
     async def _move_tiers(self, restore: list[Request]) -> None:
-        """Bring the DRAM copies of ``restore`` back; sleep the modelled transfer time (sim engine)."""
+        """Bring the DRAM copies of ``restore`` back; sleep their modelled transfer time (sim engine). Copies
+        out of HBM owe nothing here: they run in the background."""
         tiers = self.scheduler.tiers
         if restore:
             await asyncio.gather(*(tiers.restore(req) for req in restore))
         owed = tiers.take_owed_seconds()
         if owed > 0:
-            await asyncio.sleep(owed)
+            # A transfer leaves the compute idle: core work arriving meanwhile is prefilled at once.
+            self._transferring = self.layer_preemption
+            if self._transferring and self.scheduler.core_pending:
+                self._on_core_arrival()
+            try:
+                await asyncio.sleep(owed)
+            finally:
+                self._transferring = False
+            task = self._preempt_task
+            if task is not None:  # a core prefill still running: the next step waits for the engine
+                await asyncio.gather(task, return_exceptions=True)
 
-    async def _turn(self, running: list[Request]) -> None:
-        """Prefill the newcomers among ``running``, then decode until the slice ends or the running set changes."""
+    async def _turn(self, running: list[Request], restore: list[Request]) -> None:
+        """Prefill the newcomers among ``running`` (core ones first, then the DRAM copies of ``restore`` come
+        back), then decode until the slice ends or the running set changes."""
         engine, scheduler = self.engine, self.scheduler
-        prefill = [s for s in running if s.needs_prefill]
-        decode = [s for s in running if not s.needs_prefill]
-        core = [s for s in prefill if s.priority_class is PriorityClass.CORE] if decode else []
+        waits_restore = set(restore)
+        if any(not s.needs_prefill for s in running if s not in waits_restore):
+            core = [s for s in running if s.needs_prefill and s not in waits_restore
+                    and s.priority_class is PriorityClass.CORE]
+        else:
+            core = []
         if core:
-            # Core work is prefilled on its own: its first token waits for no decode and no other newcomer
-            # (nor for a later core arrival: this step is not preempted).
+            # Core work is prefilled on its own: its first token waits for no decode, no other newcomer and
+            # no restore (nor for a later core arrival: this step is not preempted).
             await self._step(engine.prefill, core)
             if self._reap(core):
+                await self._move_tiers(restore)
                 return
-            prefill = [s for s in prefill if s.priority_class is not PriorityClass.CORE]
-        if prefill and decode:
-            # Newcomers join the running set in one mixed step: the decodes do not wait for them.
-            await self._step(lambda reqs: engine.step(prefill, decode), running, preemptible=True)
-            if self._reap(running):
-                return
-        elif prefill:
-            preemptible = not any(s.priority_class is PriorityClass.CORE for s in prefill)
-            await self._step(engine.prefill, prefill, preemptible=preemptible)
-            if self._reap(prefill):
-                return
+        await self._move_tiers(restore)
+        done = set(core)
+        running = [s for s in running if s.state == "running" and not s.is_finished]  # preempted meanwhile: gone
+        prefill = [s for s in running if s.needs_prefill and s not in done]
+        decode = [s for s in running if not s.needs_prefill and s not in done]
+        if prefill and decode and self.chunked_prefill:
+            # Chunked prefill: the newcomers' prompts go in order, at most max_step_prefill_tokens per step,
+            # each step also decoding the running set.
+            pending = prefill
+            while pending:
+                await self._step(lambda reqs, pending=pending: engine.step_chunk(
+                    pending, decode, self.max_step_prefill_tokens), pending + decode, preemptible=True)
+                if self._reap(pending + decode) or self._joined:
+                    return
+                pending = [s for s in pending if s.needs_prefill and s.state == "running" and not s.is_finished]
+            prefill = []
+        for group in self._prefill_groups(prefill):
+            if decode:
+                # Newcomers join the running set in mixed steps: the decodes do not wait for them.
+                await self._step(lambda reqs, group=group: engine.step(group, decode), group + decode,
+                                 preemptible=True)
+                if self._reap(group + decode) or self._joined:
+                    return
+            else:
+                preemptible = not any(s.priority_class is PriorityClass.CORE for s in group)
+                await self._step(engine.prefill, group, preemptible=preemptible)
+                if self._reap(group) or self._joined:
+                    return
         slice_end = time.monotonic() + self.time_slice_s
-        while not scheduler.intake.active_size and not self._joined and time.monotonic() < slice_end:
-            decode = [s for s in running if not s.is_finished and not s.needs_prefill]
+        while (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
+               and time.monotonic() < slice_end):
+            decode = [s for s in running if not s.is_finished and not s.needs_prefill and s.state == "running"]
             if not decode:
                 break
             await self._step(engine.decode, decode, preemptible=True)
             if self._reap(decode):
                 break
+
+    def _prefill_groups(self, prefill: list[Request]) -> list[list[Request]]:
+        """``prefill`` in admission order, cut into groups of at most ``scheduler.max_step_prefill_tokens``
+        uncomputed tokens each (a longer request alone): one engine step each."""
+        groups: list[list[Request]] = []
+        tokens = self.max_step_prefill_tokens
+        for req in prefill:
+            n = req.num_uncomputed_tokens
+            if not groups or tokens + n > self.max_step_prefill_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(req)
+            tokens += n
+        return groups
 
     async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request],
                     preemptible: bool = False) -> None:
@@ -330,12 +401,15 @@ class StepLoop(LoopBase):
         join it at a layer boundary while it runs."""
         before = self._before(reqs)
         self._preemptible = preemptible and self.layer_preemption
+        if self._preemptible and self.scheduler.core_pending:  # core work came while nothing could take it
+            self._on_core_arrival()
         try:
             await self._call(fn, reqs)
         finally:
             self._preemptible = False
         self.steps += 1
         self._record(reqs, before)
+        self.scheduler.expire_deadlines(time.monotonic())
 
     async def _call(self, fn: Callable[[list[Request]], Awaitable[Any]], reqs: list[Request]) -> Any:
         """``fn(reqs)``'s result; None when it failed: an out-of-memory error is handed to the scheduler,

@@ -224,7 +224,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         self.limit: AdaptiveConcurrencyLimit | None = None
         capacity = None
         if not self.stepping:
-            self.limit = AdaptiveConcurrencyLimit(config.upstream.concurrency)
+            # a pool of upstream endpoints brings its own limit (the sum of one per endpoint)
+            pooled = getattr(self.engine, "concurrency_limit", None)
+            self.limit = pooled if pooled is not None else AdaptiveConcurrencyLimit(config.upstream.concurrency)
             capacity = ConcurrencyCapacity(self.limit)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram

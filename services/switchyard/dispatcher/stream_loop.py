@@ -117,6 +117,10 @@ class StreamLoop(LoopBase):
             if self._can_take() or now - last >= self.time_slice_s:
                 last = now
                 out = scheduler.schedule(now)
+                for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
+                    task = self._tasks.get(req)
+                    if task is not None:
+                        task.cancel()
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)

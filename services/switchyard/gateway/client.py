@@ -1,6 +1,11 @@
-"""GatewayClient: chat completions against one OpenAI-compatible base URL.
+"""GatewayClient: chat completions against an OpenAI-compatible server, one base URL or a pool of replicas.
 
-- One pooled httpx client (``model_gateway.max_connections``), explicit
+- The endpoints (``base_url``, or ``model_gateway.pool``'s list or DNS name) and
+  which one takes each attempt: :mod:`switchyard.gateway.pool` and
+  :mod:`switchyard.gateway.picker` (load- and prefix-aware, with bounded load).
+  An attempt that fails on one endpoint before its first token is made again
+  on another at once, before any retry wait; after a token, nothing is retried.
+- One pooled httpx client per endpoint (``model_gateway.max_connections``), explicit
   connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
   Its transport is aiohttp's pool by default (``model_gateway.http_transport``,
   :mod:`switchyard.gateway.transport`: every aiohttp error arrives as an httpx
@@ -8,7 +13,7 @@
   HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
   :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
   skipped, never fatal).
-- A circuit breaker per upstream model (:mod:`switchyard.gateway.cooldown`):
+- A circuit breaker per upstream model and endpoint (:mod:`switchyard.gateway.cooldown`):
   a model failing ``cooldown.failures`` times in a row is skipped for
   ``cooldown.cooldown_s``, its requests going straight to the fallback.
 - Retries (tenacity, exponential backoff with jitter) and fallback to
@@ -19,9 +24,10 @@
   appears in a log, span, message or metric.
 - Every chat request carries ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
   ``X-Request-Id`` headers; with ``forward_priority`` the priority also goes in the
-  server's own field (:mod:`switchyard.gateway.servers`). An optional field the server
-  refuses (400/422 naming it) is dropped for this endpoint, logged once, and the request
-  sent again without it: nothing had streamed yet.
+  server's own field (:mod:`switchyard.gateway.servers`; the flavour is learnt per
+  endpoint). An optional field an endpoint refuses (400/422 naming it) is dropped for
+  that endpoint, logged once, and the request sent again without it: nothing had
+  streamed yet.
 - A stream is finished by ``data: [DONE]`` or, without it, by a clean end after a
   ``finish_reason`` (:mod:`switchyard.gateway.decode`); each ending is counted in
   ``switchyard_upstream_stream_endings_total``.
@@ -44,27 +50,29 @@ from switchyard.common import telemetry
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
-from switchyard.gateway.cooldown import Cooldowns
 from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
 from switchyard.gateway.decode import StreamDecoder, parse_completion
 from switchyard.gateway.errors import (
     EndpointNotFound,
     GatewayError,
+    ModelCoolingDown,
     ModelNotFound,
+    NoEndpointUp,
     StreamBroken,
     StreamProtocolError,
     UpstreamTimeout,
     snippet,
 )
 from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
-from switchyard.gateway.metrics import GATEWAY_REQUESTS, GATEWAY_TTFT, UPSTREAM_STREAM_ENDINGS
 from switchyard.gateway import servers
+from switchyard.gateway.metrics import ENDPOINT_FAILOVERS, GATEWAY_REQUESTS, GATEWAY_TTFT, UPSTREAM_STREAM_ENDINGS
+from switchyard.gateway.pool import Endpoint, EndpointPool, PoolLimit, prompt_key
 from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_data
 from switchyard.gateway.transport import UpstreamTransport
-from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent
+from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent, Token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,13 +113,14 @@ class _Call:
 
 @dataclass
 class _OpenStream:
-    """A 200 SSE response read up to its first event(s)."""
+    """A 200 SSE response read up to its first event(s), and the endpoint streaming it."""
 
     response: httpx.Response
     data: AsyncIterator[str]
     decoder: StreamDecoder
     first: list[StreamEvent]
     ended: bool
+    endpoint: Endpoint
 
 
 class GatewayClient:
@@ -120,7 +129,7 @@ class GatewayClient:
     Args:
         config: the ``model_gateway`` section of queue.json.
         tracer: OpenTelemetry tracer for the ``gateway.chat_completions`` spans (default: global).
-        transport: httpx transport override (tests of the pool); default: ``http_transport``'s.
+        transport: httpx transport override (tests of the connection pool); default: ``http_transport``'s.
     """
 
     def __init__(
@@ -136,32 +145,47 @@ class GatewayClient:
             max_connections=config.max_connections,
             max_keepalive_connections=config.max_keepalive_connections,
         )
-        settings = client_settings(config.base_url)
-        if transport is None and config.http_transport == "aiohttp":
-            transport = UpstreamTransport(verify=settings["verify"], limits=limits)
-        self._http = httpx.AsyncClient(
-            base_url=config.base_url + "/",
-            timeout=httpx.Timeout(
-                connect=config.connect_timeout_s,
-                read=config.read_timeout_s,
-                write=config.write_timeout_s,
-                pool=config.pool_timeout_s,
-            ),
-            limits=limits,
-            transport=transport,  # proxied URLs get httpx's own proxy transport (mounted from settings["proxy"])
-            **settings,
-        )
-        self._cooldowns = Cooldowns(config)
-        self._flavour: servers.ServerFlavour | None = (
-            None if config.server == "auto" else servers.FLAVOURS[config.server])
-        self.refused_fields: set[str] = set()
-        """Optional body fields this endpoint refused (400/422 naming them); never sent again."""
+
+        def make_http(url: str) -> httpx.AsyncClient:
+            settings = client_settings(url)
+            chosen = transport
+            if chosen is None and config.http_transport == "aiohttp":
+                chosen = UpstreamTransport(verify=settings["verify"], limits=limits)
+            return httpx.AsyncClient(
+                base_url=url + "/",
+                timeout=httpx.Timeout(
+                    connect=config.connect_timeout_s,
+                    read=config.read_timeout_s,
+                    write=config.write_timeout_s,
+                    pool=config.pool_timeout_s,
+                ),
+                limits=limits,
+                transport=chosen,  # proxied URLs get httpx's own proxy transport (mounted from settings["proxy"])
+                **settings,
+            )
+
+        self.pool = EndpointPool(config, make_http)
+        """The endpoints and the picker (one endpoint: ``base_url``)."""
         self.on_status: Callable[[int], None] | None = None
         """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
+        self._flavours: dict[str, servers.ServerFlavour] = {}
+        """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
+        self._refused: dict[str, set[str]] = {}
+        """Optional body fields each endpoint refused (400/422 naming them); never sent to it again."""
+
+    @property
+    def refused_fields(self) -> set[str]:
+        """The optional body fields any endpoint refused."""
+        return set().union(*self._refused.values())
+
+    @property
+    def concurrency_limit(self) -> PoolLimit | None:
+        """The dispatcher's admission limit over a pool (the sum of the endpoints'); None for one endpoint."""
+        return self.pool.limit
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Close every endpoint's connection pool."""
+        await self.pool.aclose()
 
     async def __aenter__(self) -> "GatewayClient":
         return self
@@ -189,17 +213,23 @@ class GatewayClient:
                 chain.append(fallback)
         return chain
 
-    async def list_models(self) -> list[str]:
-        """Model ids from ``GET /v1/models``; with ``model_gateway.server: auto``, also learns the flavour.
+    async def list_models(self, endpoint: Endpoint | None = None) -> list[str]:
+        """Model ids from ``GET /v1/models`` of ``endpoint`` (default: the first endpoint up).
 
         Raises:
             GatewayError: transport failure, non-2xx answer, or a body without ``data[].id``.
         """
         key = load_api_key(self.config.api_key_env)
         token = require_usable(key, required=self.config.api_key_required)
-        url = self.url("models")
+        if endpoint is None:
+            await self.pool.start()
+            known = list(self.pool.endpoints.values())
+            if not known:
+                raise NoEndpointUp(f"no endpoint in the pool yet ({self.config.pool.dns_url} resolved to none)")
+            endpoint = next((e for e in known if e.up), known[0])
+        url = f"{endpoint.url}/models"
         try:
-            response = await self._http.get("models", headers=self._headers(token, stream=False))
+            response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
         except httpx.HTTPError as exc:
             raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=key) from None
         if response.status_code >= 400:
@@ -212,22 +242,30 @@ class GatewayClient:
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"
             ) from None
-        if self._flavour is None:
-            self._flavour = servers.FLAVOURS[servers.detect(body, response.headers)]
-            log.info("model server at %s detected as %s", self.config.base_url, self._flavour.name)
+        if endpoint.name not in self._flavours:
+            name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
+            self._flavours[endpoint.name] = servers.FLAVOURS[name]
+            log.info("model server at %s: %s", endpoint.url, name)
         return ids
 
-    async def server_flavour(self) -> servers.ServerFlavour:
-        """The server's flavour: ``model_gateway.server``, or detected from ``GET /v1/models`` once
-        (``unknown`` when that fails or names no known server)."""
-        if self._flavour is None:
+    async def server_flavour(self, endpoint: Endpoint | None = None) -> servers.ServerFlavour:
+        """``endpoint``'s flavour (default: the first endpoint up): ``model_gateway.server``, or detected from its
+        ``GET /v1/models`` once (``unknown`` when that fails or names no known server)."""
+        if self.config.server != "auto":
+            return servers.FLAVOURS[self.config.server]
+        if endpoint is None:
+            await self.pool.start()
+            known = list(self.pool.endpoints.values())
+            endpoint = next((e for e in known if e.up), known[0] if known else None)
+            if endpoint is None:
+                return servers.FLAVOURS["unknown"]
+        if endpoint.name not in self._flavours:
             try:
-                await self.list_models()
+                await self.list_models(endpoint)
             except GatewayError as exc:
-                log.info("could not list models to detect the server flavour: %s", exc)
-            if self._flavour is None:
-                self._flavour = servers.FLAVOURS["unknown"]
-        return self._flavour
+                log.info("could not list models to detect the server flavour of %s: %s", endpoint.url, exc)
+            self._flavours.setdefault(endpoint.name, servers.FLAVOURS["unknown"])
+        return self._flavours[endpoint.name]
 
     async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
@@ -242,24 +280,29 @@ class GatewayClient:
         model = ""
         sent = 0
         try:
-            opened, model = await self._with_fallback(call, request, lambda m: self._open_stream(call, request, m))
+            opened, model = await self._with_fallback(
+                call, request, lambda e, m: self._open_stream(call, request, e, m), hold=True)
             GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
+                    if isinstance(event, Token):
+                        self.pool.on_tokens(opened.endpoint, 1)
                     yield event
                 if not opened.ended:
                     async for data in opened.data:
                         self._check_deadline(call, model)
                         for event in opened.decoder.feed(data):
                             sent += not isinstance(event, Finished)
+                            if isinstance(event, Token):
+                                self.pool.on_tokens(opened.endpoint, 1)
                             yield event
                     for event in _end(opened.decoder):
                         yield event
                 call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
                 call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
             except httpx.HTTPError as exc:
-                url = self.url("chat/completions")
+                url = f"{opened.endpoint.url}/chat/completions"
                 error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
                 _count_cut(error)
                 raise error.after_tokens(sent) from None
@@ -267,6 +310,7 @@ class GatewayClient:
                 raise exc.after_tokens(sent)
             finally:
                 await opened.response.aclose()
+                self.pool.finished(opened.endpoint)
         except GatewayError as exc:
             outcome = exc.code.name
             self._fail_span(call.span, exc)
@@ -285,7 +329,8 @@ class GatewayClient:
         call = self._begin(request, stream=False)
         outcome, model = "ok", ""
         try:
-            completion, model = await self._with_fallback(call, request, lambda m: self._complete_once(call, request, m))
+            completion, model = await self._with_fallback(
+                call, request, lambda e, m: self._complete_once(call, request, e, m), hold=False)
             call.span.set_attribute("gen_ai.response.model", completion.model)
             return completion
         except GatewayError as exc:
@@ -324,13 +369,18 @@ class GatewayClient:
         return _Call(key, token, deadline, span, request.request_id, budget)
 
     async def _with_fallback(
-        self, call: _Call, request: ChatRequest, once: Callable[[str], Awaitable[T]]
+        self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]], *, hold: bool
     ) -> tuple[T, str]:
+        """``once(endpoint, model)`` over the endpoints, with retries and the fallback model.
+
+        ``hold``: the result keeps its endpoint's stream open (an :class:`_OpenStream`, whose reader calls
+        ``pool.finished``); else the endpoint's call ends with ``once``.
+        """
         chain = self.models_for(request.model)
 
         async def attempt(model: str) -> T:
             try:
-                return await self._cooldowns.call(model, lambda: once(model))
+                return await self._on_endpoints(call, request, model, once, hold=hold)
             except ModelNotFound as exc:
                 # A model the client named and the upstream does not know is the client's
                 # mistake: answer NOT_FOUND with the nearest id rather than quietly serve
@@ -347,7 +397,58 @@ class GatewayClient:
             call.span.set_attribute("switchyard.gateway.fallback_model", model)
         return result, model
 
-    async def _body(self, request: ChatRequest, model: str, *, stream: bool) -> dict[str, Any]:
+    async def _on_endpoints(
+        self, call: _Call, request: ChatRequest, model: str, once: Callable[[Endpoint, str], Awaitable[T]], *,
+        hold: bool,
+    ) -> T:
+        """One attempt of ``model``: on the endpoint the picker gives, and on the next untried one at once when it
+        fails before its first token in a way another replica may not (retryable, or its circuit is open).
+
+        Raises:
+            GatewayError: the first error another endpoint would meet too, or the last endpoint's error.
+            NoEndpointUp: every endpoint is down.
+        """
+        pool = self.pool
+        await pool.start()
+        key = ""
+        if pool.pooled:
+            key = request.affinity_key or prompt_key(request.messages, self.config.pool.prefix_chars)
+        tried: set[str] = set()
+        last: GatewayError | None = None
+        while True:
+            try:
+                endpoint, picked = pool.pick(key, frozenset(tried))
+            except LookupError:
+                if last is not None:
+                    raise last from None
+                raise NoEndpointUp(
+                    f"every endpoint of model_gateway.pool is down ({len(pool.endpoints)}: "
+                    f"{', '.join(sorted(pool.endpoints)) or 'none resolved'}); calls resume when one answers "
+                    "its /metrics again"
+                ) from None
+            if pool.pooled:
+                call.span.set_attribute("switchyard.gateway.endpoint", endpoint.name)
+                call.span.set_attribute("switchyard.gateway.endpoint_pick", picked.reason)
+            try:
+                result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model))
+            except GatewayError as exc:
+                pool.finished(endpoint)
+                if not (exc.retryable or isinstance(exc, ModelCoolingDown)) or not pool.pooled:
+                    raise
+                tried.add(endpoint.name)
+                last = exc
+                if len(tried) < len(pool.endpoints):
+                    ENDPOINT_FAILOVERS.inc()
+                    log.info("endpoint %s failed before the first token (%s); trying another", endpoint.name, exc)
+                continue
+            except BaseException:
+                pool.finished(endpoint)
+                raise
+            if not hold:
+                pool.finished(endpoint)
+            return result
+
+    async def _body(self, request: ChatRequest, endpoint: Endpoint, model: str, *, stream: bool) -> dict[str, Any]:
         cfg = self.config
         body: dict[str, Any] = {"model": model, "messages": request.messages, "stream": stream}
         if request.max_tokens:
@@ -361,12 +462,12 @@ class GatewayClient:
         if stream and cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
         if cfg.forward_priority and request.priority_class:
-            flavour = await self.server_flavour()
+            flavour = await self.server_flavour(endpoint)
             value = servers.priority_value(flavour, cfg.priority_values, request.priority_class,
                                            cfg.priority_polarity)
             if value is not None and flavour.priority_field:
                 body[flavour.priority_field] = value
-        for name in self.refused_fields:
+        for name in self._refused.get(endpoint.name, ()):
             body.pop(name, None)
         return body
 
@@ -385,22 +486,27 @@ class GatewayClient:
                 headers["x-request-id"] = request.request_id
         return headers
 
-    async def _send(self, call: _Call, request: ChatRequest, model: str, *, stream: bool) -> httpx.Response:
-        """POST chat/completions; a non-2xx answer is read and raised as its error.
+    async def _send(
+        self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str, *, stream: bool
+    ) -> httpx.Response:
+        """POST chat/completions to ``endpoint``; a non-2xx answer is read and raised as its error.
 
         An answer 400/422 refusing an optional field that was sent (``priority``,
         ``stream_options``) drops that field for this endpoint and sends the request again.
         """
-        url = self.url("chat/completions")
+        url = f"{endpoint.url}/chat/completions"
         while True:
-            body = await self._body(request, model, stream=stream)
-            http_request = self._http.build_request(
+            body = await self._body(request, endpoint, model, stream=stream)
+            http_request = endpoint.http.build_request(
                 "POST", "chat/completions", json=body, headers=self._headers(call.token, stream=stream, request=request),
             )
             try:
-                response = await self._http.send(http_request, stream=True)
+                response = await endpoint.http.send(http_request, stream=True)
             except httpx.HTTPError as exc:
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
+                    self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
                 raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+            self.pool.on_status(endpoint, response.status_code)
             if self.on_status is not None:
                 self.on_status(response.status_code)
             if response.status_code < 400:
@@ -414,8 +520,8 @@ class GatewayClient:
             optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
             refused = servers.refused_field(response.status_code, text, optional)
             if refused is None:
-                raise await self._status_error(response, text, model, call.key)
-            self.refused_fields.add(refused)
+                raise await self._status_error(response, text, endpoint, model, call.key)
+            self._refused.setdefault(endpoint.name, set()).add(refused)
             log.warning(
                 "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
                 url, refused, response.status_code, snippet(redact(upstream_message(text), call.key.value)),
@@ -423,8 +529,10 @@ class GatewayClient:
                 if refused == "priority" else "",
             )
 
-    async def _status_error(self, response: httpx.Response, text: str, model: str, key: ApiKey) -> GatewayError:
-        url = self.url("chat/completions")
+    async def _status_error(
+        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey
+    ) -> GatewayError:
+        url = f"{endpoint.url}/chat/completions"
         status = response.status_code
         if status in (400, 404, 422):
             # A 400/422 whose message names the model may be a model the server does not serve
@@ -432,7 +540,7 @@ class GatewayClient:
             said_model = is_model_not_found(status, text)
             names_model = bool(model) and model in upstream_message(text)
             if said_model or names_model or status == 404:
-                known = await self._known_models()
+                known = await self._known_models(endpoint)
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail, served=known)
@@ -443,16 +551,17 @@ class GatewayClient:
                     )
         return error_for_status(status, text, response.headers, url=url, model=model, key=key)
 
-    async def _known_models(self) -> list[str] | None:
+    async def _known_models(self, endpoint: Endpoint) -> list[str] | None:
         try:
-            return await self.list_models()
+            return await self.list_models(endpoint)
         except GatewayError as exc:
             log.info("could not list models for a 404: %s", exc)
             return None
 
-    async def _open_stream(self, call: _Call, request: ChatRequest, model: str) -> _OpenStream:
-        response = await self._send(call, request, model, stream=True)
-        url = self.url("chat/completions")
+    async def _open_stream(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
+        sent = time.monotonic()
+        response = await self._send(call, request, endpoint, model, stream=True)
+        url = f"{endpoint.url}/chat/completions"
         try:
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.lower():
@@ -467,8 +576,9 @@ class GatewayClient:
             async for payload in data:
                 first.extend(decoder.feed(payload))
                 if first:
-                    return _OpenStream(response, data, decoder, first, ended=False)
-            return _OpenStream(response, data, decoder, _end(decoder), ended=True)
+                    self.pool.on_first_item(endpoint, time.monotonic() - sent)
+                    return _OpenStream(response, data, decoder, first, False, endpoint)
+            return _OpenStream(response, data, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()
             error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
@@ -478,9 +588,9 @@ class GatewayClient:
             await response.aclose()
             raise
 
-    async def _complete_once(self, call: _Call, request: ChatRequest, model: str) -> Completion:
-        response = await self._send(call, request, model, stream=False)
-        url = self.url("chat/completions")
+    async def _complete_once(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> Completion:
+        response = await self._send(call, request, endpoint, model, stream=False)
+        url = f"{endpoint.url}/chat/completions"
         try:
             text = (await response.aread()).decode("utf-8", "replace")
         except httpx.HTTPError as exc:
@@ -497,7 +607,9 @@ class GatewayClient:
     # ------------------------------------------------------------------ deadlines and spans
 
     def _deadline_error(self, model: str, call: _Call) -> UpstreamTimeout:
-        err = UpstreamTimeout(f"model {model!r} did not complete within {call.budget} at {self.config.base_url}")
+        where = (f"the {len(self.pool.endpoints)} endpoints of model_gateway.pool" if self.pool.pooled
+                 else self.config.base_url)
+        err = UpstreamTimeout(f"model {model!r} did not complete within {call.budget} at {where}")
         err.code = grpc.StatusCode.DEADLINE_EXCEEDED
         err.retryable = False
         return err

@@ -260,7 +260,7 @@ class StreamDecoder:
             )
         tail: list[StreamEvent] = [Token(fix_surrogates(self._carry))] if self._carry else []
         self._carry = ""
-        return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model)]
+        return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model, self.ending)]
 
 
 def parse_completion(text: str, model: str) -> Completion:

@@ -6,13 +6,20 @@ the API key (present, non-empty, no whitespace); the base URL (``GET /models``
 answers, and accepts the key); the model ids (default, fallback and every
 ``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
 nearest listed id is suggested); with ``server.tls`` on, the certificates of
-the addresses the stack dials (:func:`certificate_checks`). ``--probe`` also streams a one-token completion
-to check that the upstream honours ``stream`` and ends with ``[DONE]``.
+the addresses the stack dials (:func:`certificate_checks`); the server's flavour
+(``model_gateway.server``, or what ``/models`` says); then, unless ``--no-probe``, one
+streamed one-token completion of the default model, sent as the engine sends it
+(priority class core, so a forwarded priority field goes too). The probe names what is
+wrong: a missing end marker (the stream ended before any ``finish_reason`` and without
+``data: [DONE]``: cut), a request field the server refused (400/422 naming it; the
+gateway drops it, but what it carried is lost), an unknown model with the ids the server
+serves.
 Exit code 0 when every check passes, 1 otherwise, 2 on a bad config.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from dataclasses import dataclass
@@ -25,8 +32,8 @@ from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConf
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError, snippet
-from switchyard.gateway.events import ChatRequest
+from switchyard.gateway.errors import GatewayError, ModelNotFound, StreamBroken, snippet
+from switchyard.gateway.events import ChatRequest, Finished
 from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
 from switchyard.gateway.redact import redact
@@ -150,18 +157,55 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
     return checks
 
 
-async def _probe(cfg: UpstreamConfig) -> Check:
-    try:
-        async with GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0})) as client:
-            request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1)
+_FIELD_FIXES = {
+    "priority": "set model_gateway.forward_priority to false, or model_gateway.server to this server's flavour "
+                "(transformers, tgi, llama_cpp, ollama, openai send none); only vLLM and SGLang order by priority",
+    "stream_options": "set model_gateway.include_usage to false; token counts then come from the streamed items",
+}
+
+
+async def _probe(cfg: UpstreamConfig) -> list[Check]:
+    """The streamed one-token probe: its own check, the server's flavour and any refused request field."""
+    checks: list[Check] = []
+    async with GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0})) as client:
+        flavour = await client.server_flavour()
+        how = "model_gateway.server" if cfg.server != "auto" else "detected from GET /models"
+        field = f"priority sent as '{flavour.priority_field}'" if flavour.priority_field else "no priority field"
+        checks.append(Check("server", True, f"{flavour.name} ({how}); {field}"
+                                            f"{'' if cfg.forward_priority else ' when forward_priority is on'}"))
+        request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1,
+                              priority_class="core", request_id="switchyard-doctor")
+        try:
             items = [event async for event in client.stream_chat(request)]
-    except GatewayError as exc:
-        return Check("stream probe", False, f"{exc.code.name}: {exc}", "see the message above")
-    return Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s) and [DONE]")
+        except StreamBroken as exc:
+            checks.append(Check(
+                "stream probe", False, f"missing end marker: {exc}",
+                "the stream was cut: look for a proxy or load balancer with a short read timeout or response "
+                "buffering between here and the server, and at the server's logs",
+            ))
+        except ModelNotFound as exc:
+            served = ", ".join(exc.served or []) or "(none listed)"
+            checks.append(Check("stream probe", False, f"unknown model: {exc}",
+                                f"set model_gateway.default_model (or model_map) to one of: {served}"))
+        except GatewayError as exc:
+            checks.append(Check("stream probe", False, f"{exc.code.name}: {exc}", "see the message above"))
+        else:
+            finished = items[-1] if items and isinstance(items[-1], Finished) else None
+            ending = {"done_marker": "ended by data: [DONE]",
+                      "finish_reason": "ended after its finish_reason without data: [DONE] (a finished stream)"}.get(
+                finished.ending if finished else None, "ended")
+            checks.append(Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s), {ending}"))
+        for name in sorted(client.refused_fields):
+            checks.append(Check(
+                f"request field {name}", False,
+                f"the server refused '{name}' (400/422 naming it); the gateway drops it and resends, "
+                "so what it carries is lost", _FIELD_FIXES.get(name, "stop sending it"),
+            ))
+    return checks
 
 
 async def run_checks(
-    cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = False, timeout_s: float = 5.0
+    cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True, timeout_s: float = 5.0
 ) -> list[Check]:
     """Every check of the set-up, in report order (see the module docstring)."""
     checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
@@ -180,7 +224,7 @@ async def run_checks(
         elif known is None:
             checks.append(_skipped_probe("the base url check failed; the server must answer GET /models first"))
         else:
-            checks.append(await _probe(cfg))
+            checks.extend(await _probe(cfg))
     return checks
 
 
@@ -252,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--base-url", help="check this base URL instead of model_gateway.base_url")
     parser.add_argument("--model", action="append", default=[], help="also check this model id (repeatable)")
-    parser.add_argument("--probe", action="store_true", help="also stream a one-token completion")
+    parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream a one-token completion of the default model (default: on; --no-probe skips it)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default 5)")
     args = parser.parse_args(argv)
     try:

@@ -168,6 +168,14 @@ class ModelCoolingDown(GatewayError):
     fallback_ok = True
 
 
+class NoEndpointUp(GatewayError):
+    """Every endpoint of ``model_gateway.pool`` is down (or failed this call before its first token)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+    fallback_ok = False
+
+
 class UpstreamAskedToWait(ModelCoolingDown):
     """The model asked (Retry-After on a 429 or 503) for no request before a time that has not come.
 

@@ -32,6 +32,9 @@ class ChatRequest:
     timeout_s: float | None = None
     """Seconds the caller has left (its gRPC deadline, passed on by the dispatcher): the completion,
     retries and fallback included, must end within this and ``model_gateway.total_timeout_s``."""
+    affinity_key: str = ""
+    """Whose warm state the call continues (the agent id): with a pool of endpoints, its calls go to one endpoint
+    while its load allows; empty: a hash of the prompt's opening text is the key."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,16 @@ class ToolCallOut:
 
 @dataclass(frozen=True)
 class Finished:
-    """Last event of a stream: why it stopped, usage (if reported) and the upstream model id."""
+    """Last event of a stream: why it stopped, usage (if reported) and the upstream model id.
+
+    ``ending``: how the body ended, ``done_marker`` (``data: [DONE]``) or ``finish_reason`` (a clean
+    end after a choice's finish_reason, no marker); not part of equality.
+    """
 
     finish_reason: str | None
     usage: Usage | None
     model: str
+    ending: str | None = field(default=None, compare=False)
 
 
 StreamEvent = Union[Token, ToolCallOut, Finished]

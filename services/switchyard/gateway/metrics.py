@@ -51,3 +51,40 @@ UPSTREAM_STREAM_ENDINGS = Counter(
 )
 for _ending in STREAM_ENDINGS:
     UPSTREAM_STREAM_ENDINGS.labels(_ending)
+# --------------------------------------------------------------------------- a pool of replicas (gateway/pool.py)
+# The endpoint label is one of the pool's endpoints (host:port), a set as large as the pool; an endpoint's
+# series are removed when it leaves the pool (its DNS name stops listing it).
+
+ENDPOINT_UP = Gauge(
+    "switchyard_gateway_endpoint_up",
+    "1 while the upstream endpoint answers (its /metrics read or last call connected), else 0.",
+    ["endpoint"],
+)
+ENDPOINT_IN_FLIGHT = Gauge(
+    "switchyard_gateway_endpoint_in_flight", "Streams in flight to the upstream endpoint.", ["endpoint"]
+)
+ENDPOINT_LIMIT = Gauge(
+    "switchyard_gateway_endpoint_concurrency_limit",
+    "The upstream endpoint's adaptive concurrency limit, streams.",
+    ["endpoint"],
+)
+ENDPOINT_WAITING = Gauge(
+    "switchyard_gateway_endpoint_server_waiting",
+    "Requests waiting in the upstream server's own queue, as its /metrics last said (-1: not exported).",
+    ["endpoint"],
+)
+ENDPOINT_KV_USAGE = Gauge(
+    "switchyard_gateway_endpoint_server_kv_cache_usage_ratio",
+    "The upstream server's KV cache in use, a fraction, as its /metrics last said (-1: not exported).",
+    ["endpoint"],
+)
+ENDPOINT_PICKS = Counter(
+    "switchyard_gateway_endpoint_picks_total",
+    "Attempts placed on an endpoint of the pool, by why: affinity (the key's home), spill (the key's home was past "
+    "its in-flight bound), load (no key, or another endpoint scored higher), round_robin.",
+    ["reason"],
+)
+ENDPOINT_FAILOVERS = Counter(
+    "switchyard_gateway_endpoint_failovers_total",
+    "Calls moved to another endpoint of the pool after one failed before the first token.",
+)

@@ -200,6 +200,9 @@ class InferenceClient:
             address, channel = await self._route(affinity_key, frozenset(tried))
             received = 0
             chunks = self._streams_for(channel).generate(request, timeout_s)
+            replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
+            if replicas is not None:
+                replicas.started(address)  # counts against the replica's bound until the call ends
             try:
                 async for chunk in chunks:
                     received += 1
@@ -220,6 +223,8 @@ class InferenceClient:
                 error = _hop_error("dispatcher", address, err.code, err.details, err.origin)
                 raise await _tls_named(error, address, self._tls) from None
             finally:
+                if replicas is not None:
+                    replicas.finished(address)
                 await chunks.aclose()  # a request given up on is cancelled on the stream now
 
     async def default_model(self, timeout_s: float = 5.0) -> str:

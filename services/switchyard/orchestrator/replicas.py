@@ -5,11 +5,15 @@ A target names one replica (``host:port``), a fixed list
 passes), or a DNS name that resolves to every ready pod of a headless Service
 (``dns:///dispatcher:50053``, re-resolved every ``resolve_interval_s``). Each
 replica gets its own channel from :func:`switchyard.common.channels.open_channel`,
-and agents are placed on replicas by :class:`~switchyard.orchestrator.affinity.BoundedLoadRing`,
+and agents are placed on replicas by :class:`~switchyard.common.affinity.BoundedLoadRing`,
 so an agent's calls reach the replica that holds its warm state (KV of earlier
-turns, parked while it waits on a tool). Agents idle for ``idle_s`` are
-forgotten; a replica that leaves the DNS answer moves only its own agents.
-Calls with no agent take the replicas in turn. Either way the caller knows
+turns, parked while it waits on a tool). The same ring bounds the calls in
+flight: while an agent's replica has more than ``balance`` x the mean calls in
+flight, its overflow goes to the next replica on the ring, and its calls come
+home as the load drops (the caller reports each call's start and end:
+:meth:`ReplicaSet.started`, :meth:`ReplicaSet.finished`). Agents idle for
+``idle_s`` are forgotten; a replica that leaves the DNS answer moves only its
+own agents. Calls with no agent take the replicas in turn. Either way the caller knows
 which replica a call went to, so an error can name it, and replicas whose
 connection failed are skipped until it recovers.
 
@@ -30,8 +34,8 @@ import grpc
 
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ServerConfig
+from switchyard.common.affinity import BoundedLoadRing
 from switchyard.common.tasks import settle
-from switchyard.orchestrator.affinity import BoundedLoadRing
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,8 @@ class ReplicaSet:
         self._resolved_at = float("-inf")
         self._resolving: asyncio.Task[None] | None = None
         self._turn = -1
+        self.in_flight: dict[str, int] = {}
+        """Calls running on each replica (from :meth:`started` to :meth:`finished`), this orchestrator's."""
         self.unhealthy: frozenset[str] = frozenset()
         """Replicas whose last health check did not answer SERVING (set by orchestrator/readiness.py)."""
         if self._static is not None:
@@ -138,16 +144,29 @@ class ReplicaSet:
         return exclude if avoid >= set(self.channels) else avoid  # all down: let the call say so
 
     def pick(self, agent: str, exclude: frozenset[str] = frozenset()) -> tuple[str, grpc.aio.Channel]:
-        """The replica (address, channel) for ``agent``'s next call; an agent whose replica is down or in
-        ``exclude`` is placed anew.
+        """The replica (address, channel) for ``agent``'s next call: its home, or the overflow replica while its
+        home has more than its bound of calls in flight; an agent whose replica is down or in ``exclude`` is
+        placed anew.
 
         Raises:
             LookupError: no replica known, or all excluded.
         """
         now = time.monotonic()
         self.ring.expire(now, self.idle_s)
-        address = self.ring.assign(agent, now, self._avoid(exclude))
+        address, _home = self.ring.route(agent, self.in_flight, now, self._avoid(exclude))
         return address, self.channels[address]
+
+    def started(self, address: str) -> None:
+        """A call to ``address`` (from :meth:`pick` or :meth:`rotate`) is running: it counts on its load."""
+        self.in_flight[address] = self.in_flight.get(address, 0) + 1
+
+    def finished(self, address: str) -> None:
+        """A call :meth:`started` on ``address`` ended (whatever its outcome)."""
+        left = self.in_flight.get(address, 0) - 1
+        if left > 0:
+            self.in_flight[address] = left
+        else:
+            self.in_flight.pop(address, None)
 
     def rotate(self, exclude: frozenset[str] = frozenset()) -> tuple[str, grpc.aio.Channel]:
         """The next replica in turn (a call with no agent), skipping those down or in ``exclude``.

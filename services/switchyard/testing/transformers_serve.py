@@ -134,7 +134,7 @@ class TransformersServer:
 
     def __init__(self, model_dir: Path, *, port: int = 0, kv_blocks: int = 512, block_size: int = 32,
                  max_batch_tokens: int = 256, start_timeout_s: float = 120.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.port = port or free_port()
         self.kv_blocks = kv_blocks
@@ -142,6 +142,8 @@ class TransformersServer:
         self.max_batch_tokens = max_batch_tokens
         self.start_timeout_s = start_timeout_s
         self.extra_args = extra_args
+        self.env = env or {}
+        """Extra environment variables of the server process (e.g. PYTHONPATH to a logging set-up)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
 
@@ -171,7 +173,7 @@ class TransformersServer:
         fd, log = tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")
         self._log_path = Path(log)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", **self.env}
         self.proc = subprocess.Popen(self.command(), stdout=fd, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         os.close(fd)

@@ -106,6 +106,28 @@ class LayerPreemptible(Protocol):
         """
 
 
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """A step engine that can prefill part of a prompt in one step (optional capability).
+
+    vLLM V1's and Sarathi-Serve's chunked prefill (Agrawal et al., OSDI 2024):
+    a long prompt is computed over several steps, each under a token budget,
+    so that no step runs long: the running requests' next token and core work
+    waiting for a layer boundary (:class:`LayerPreemptible`) wait for one short
+    step, not for a whole long prompt.
+    """
+
+    async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
+        """:meth:`StepEngine.step`, computing at most ``max_prefill_tokens`` prompt tokens of ``prefill``.
+
+        ``prefill`` in order: each fresh prompt (no output yet) takes what is
+        left of the budget, its ``num_computed_tokens`` advancing by the part
+        computed; only a request whose prompt is complete gets its next token.
+        A request with output (a recompute after preemption) is computed whole,
+        alone when it exceeds the budget. Every ``decode`` request gets one token.
+        """
+
+
 @dataclass(frozen=True)
 class Usage:
     """Last item of a :meth:`StreamEngine.generate` stream: counts reported upstream.

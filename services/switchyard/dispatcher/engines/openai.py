@@ -104,6 +104,7 @@ def chat_request(req: Request) -> ChatRequest:
         agent_id=req.agent_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
+        affinity_key=req.agent_id,
     )
 
 
@@ -125,6 +126,13 @@ class OpenAIEngine:
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
         install_log_redaction(envs.read_secret(self.config.api_key_env))
+
+    @property
+    def concurrency_limit(self) -> Any:
+        """With a pool of endpoints (``model_gateway.pool``), the dispatcher's admission limit: the sum of the
+        endpoints' adaptive limits (:class:`switchyard.gateway.pool.PoolLimit`); None for one endpoint, whose
+        limit the dispatcher keeps itself."""
+        return self.client.concurrency_limit
 
     @property
     def on_upstream_status(self) -> Callable[[int], None] | None:

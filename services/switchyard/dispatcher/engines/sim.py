@@ -21,6 +21,9 @@ H100 SXM:
   TTFT alone = prefill_overhead_ms + prompt tokens x prefill_per_token_ms.
 - KV cache: 2 (K and V) x 32 layers x 4096 hidden x 2 bytes = 512 KiB per
   token (``kv_bytes_per_token`` = 524288), Llama-2-7B's shape.
+- Chunked prefill (:meth:`SimEngine.step_chunk`): a long prompt may be
+  computed over several mixed steps under a token budget, each step costing
+  the same mixed-step time for the tokens it computes.
 - Layers: a step runs the model's ``layers`` (32) one after another, each
   taking step time / ``layers``. A prefill asked for while a step runs
   (:meth:`SimEngine.prefill_between_layers`) waits for the layer in progress
@@ -466,6 +469,45 @@ class SimEngine:
                 kv_tokens=tokens + sum(s.num_tokens for s in decode),
             )
         self._prefilled(prefill)
+        for req in decode:
+            req.num_computed_tokens = req.num_tokens
+            self._emit_next(req)
+
+    async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
+        """:meth:`step` under a budget of ``max_prefill_tokens`` prompt tokens (chunked prefill, see
+        :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`); costs :func:`mixed_step_seconds` of the
+        tokens computed."""
+        prefill = [s for s in prefill if not s.is_finished]
+        decode = [s for s in decode if not s.is_finished]
+        self._reuse_cached_prefixes(prefill)
+        chunks: list[tuple[Request, int]] = []
+        left = max(1, max_prefill_tokens)
+        for req in prefill:
+            need = req.num_uncomputed_tokens
+            if left <= 0 or (req.output_tokens and chunks and need > left):
+                break
+            n = need if req.output_tokens else min(need, left)
+            chunks.append((req, n))
+            left -= n
+        if not chunks:
+            await self.decode(decode)
+            return
+        tokens = sum(n for _, n in chunks)
+        with tracer.start_as_current_span("engine.step") as span:
+            span.set_attribute("switchyard.batch_size", len(chunks) + len(decode))
+            span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._run(
+                mixed_step_seconds(self.params, tokens, len(chunks) + len(decode)),
+                tokens=tokens + len(decode),
+                kv_tokens=sum(req.num_computed_tokens + n for req, n in chunks) + sum(s.num_tokens for s in decode),
+            )
+        complete = []
+        for req, n in chunks:
+            if n >= req.num_uncomputed_tokens:
+                complete.append(req)
+            elif not req.is_finished:
+                req.num_computed_tokens += n  # part of its prompt: it goes on in the next step
+        self._prefilled(complete)
         for req in decode:
             req.num_computed_tokens = req.num_tokens
             self._emit_next(req)

@@ -103,6 +103,8 @@ class KvBudget:
         self.reserved_bytes = 0
         """Bytes reserved by the running set."""
         self._held_elsewhere = held_elsewhere
+        self.leaving_bytes = 0
+        """KV bytes of requests preempted while a step they belong to is in flight: in use until it ends."""
 
     def need(self, req: Request) -> int:
         """Bytes ``req`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
@@ -110,13 +112,22 @@ class KvBudget:
 
     @property
     def free_bytes(self) -> int:
-        """Budget left for new admissions, after the running set and the parked agents."""
-        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere())
+        """Budget left for new admissions now, after the running set, the parked agents and what is leaving."""
+        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere()) - self.leaving_bytes
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes held in HBM: the running set's reservations plus what is held beside it."""
-        return self.reserved_bytes + int(self._held_elsewhere())
+        """KV bytes held in HBM: the running set's reservations plus what is held beside it and what is leaving."""
+        return self.reserved_bytes + int(self._held_elsewhere()) + self.leaving_bytes
+
+    def hold(self, nbytes: int) -> None:
+        """``nbytes`` of a request that left the running set stay in use: it belongs to the step in flight
+        (preempted mid-step); :meth:`end_hold` when that step ended and its KV left."""
+        self.leaving_bytes += max(0, nbytes)
+
+    def end_hold(self, nbytes: int) -> None:
+        """End one :meth:`hold` of ``nbytes``."""
+        self.leaving_bytes -= max(0, nbytes)
 
     def usage_ratio(self) -> float:
         """Device memory in use / device memory (0-1): read from the device where possible, else

@@ -7,7 +7,9 @@ dispatcher holds is in exactly one place, recorded in ``req.state``:
 
 ``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
 policy) -> ``running`` (the engine's running set) -> ``finished``; a running
-request may go back to ``waiting`` (preempted) or to ``parked`` (a react_loop
+request may go back to ``waiting`` (preempted), to ``preempting`` (preempted
+while a step it belongs to is in flight: out of the running set, its KV
+leaving when that step ends, then ``waiting``) or to ``parked`` (a react_loop
 agent waiting on a tool, its KV kept warm).
 
 This class is the only place that
@@ -16,6 +18,10 @@ This class is the only place that
   the queue and its capacity; :meth:`SchedulerCore.add_request`);
 - expires requests that waited ``queues.inference.timeout_ms`` before their
   first admission (DEADLINE_EXCEEDED naming the queue; :meth:`SchedulerCore.schedule`);
+- enforces every request's own deadline (``req.deadline``, from its caller's
+  ``timeout_s`` or gRPC deadline), waiting or running, on every engine:
+  DEADLINE_EXCEEDED, its place and KV freed (:meth:`SchedulerCore.expire_deadlines`,
+  called at every decision and by the step loop after every step);
 - releases KV state (``engine.release``): on finish, preemption, parking
   expiry and agent hand-over;
 - moves KV state between memory tiers (:mod:`switchyard.dispatcher.tiers`):
@@ -24,12 +30,22 @@ This class is the only place that
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
   hbm_scan_interval_s``) evicts at ``emergency_evict_ratio`` and
   defragments while the compute score is below ``defrag_trigger_score``.
+  A swap-out's copy runs in the background (the sim engine models no time
+  for it in front of any step), and the swap-or-recompute choice counts the
+  delay a copy would put on waiting higher-class work
+  (:meth:`SchedulerCore._swap_out`).
+
+Runnable work never waits behind parked state: before a waiting request is
+refused for KV memory, parked agents' state leaves HBM for it, lowest value
+first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
+parked state is valued higher, so it leaves last, but it leaves.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set
 (:meth:`SchedulerCore._order_key`), whether the head may start
 (:meth:`SchedulerCore._admission_refusal`, memory aside), and what to preempt
-(:meth:`SchedulerCore._preempt`).
+(:meth:`SchedulerCore._preempt` at a decision, :meth:`SchedulerCore._victim_candidates`
+mid-step).
 
 Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
 by the compute score and by KV memory within the HBM budget (step engines), or
@@ -59,7 +75,13 @@ from opentelemetry import context as otel_context
 
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import InvalidArgument, QueueFullError, QueueTimeoutError, SwitchyardError
+from switchyard.common.errors import (
+    InvalidArgument,
+    QueueFullError,
+    QueueTimeoutError,
+    RequestDeadlineExceeded,
+    SwitchyardError,
+)
 from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher import metrics as dispatcher_metrics
@@ -67,7 +89,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
-from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, should_park
+from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, class_rank, should_park
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
@@ -82,7 +104,7 @@ tracer = telemetry.get_tracer(__name__)
 FRAGMENTATION_INTERVAL_S = 1.0
 """The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
 
-STATES = ("new", "buffered", "waiting", "running", "parked", "finished")
+STATES = ("new", "buffered", "waiting", "running", "preempting", "parked", "finished")
 """Values of ``Request.state``."""
 
 
@@ -150,6 +172,10 @@ class SchedulerCore:
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self._waiting: list[tuple[tuple[float, ...], Request]] = []
         self._running: list[Request] = []
+        self._leaving: dict[Request, int] = {}
+        """Preempted while a step they belong to is in flight (``preempting``) -> their live KV bytes, held in
+        the budget until that step ends, when they leave."""
+        self._room_for: Request | None = None  # the waiting head parked state is evicted for (_make_room)
         self._handover: dict[Request, Request] = {}
         """Waiting resumed request -> its agent's parked request, whose prefix state it takes at admission."""
         self._counter = itertools.count()
@@ -157,6 +183,7 @@ class SchedulerCore:
         self._batch_numbers = itertools.count()
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
         self._next_expiry = math.inf
+        self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
         self._interval_timer: asyncio.TimerHandle | None = None
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
@@ -210,8 +237,24 @@ class SchedulerCore:
 
     @property
     def has_work(self) -> bool:
-        """Anything buffered, waiting or running."""
-        return bool(self._running or self._waiting or self.intake.active_size)
+        """Anything buffered, waiting, running or leaving the running set."""
+        return bool(self._running or self._waiting or self._leaving or self.intake.active_size)
+
+    @property
+    def core_waiting(self) -> bool:
+        """A core request waits for admission (the step loop then ends its decode slice at the next step)."""
+        return any(req.priority_class is PriorityClass.CORE for _, req in self._waiting)
+
+    @property
+    def core_pending(self) -> bool:
+        """A core request is buffered or waits for admission."""
+        return self.core_waiting or any(req.priority_class is PriorityClass.CORE for req in self.intake)
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest own deadline among the requests held, monotonic seconds (inf: none); may be earlier
+        than the true one (a request that left), never later."""
+        return self._next_deadline
 
     # ------------------------------------------------------------------ intake
 
@@ -236,6 +279,8 @@ class SchedulerCore:
         req.state = "buffered"
         self._queued += 1
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
+        if req.deadline is not None:
+            self._next_deadline = min(self._next_deadline, req.deadline)
         self._depth_gauge.set(self._queued)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
@@ -295,8 +340,10 @@ class SchedulerCore:
             reason = FlushReason.DRAIN if self.intake.closed else FlushReason.STEP if self._running else FlushReason.IDLE
             self.flush(reason, now)
         out = SchedulerOutput()
+        self._end_preemptions(now, out)
         if now >= self._next_expiry:
             self._expire(now, out)
+        out.expired.extend(self.expire_deadlines(now))
         self._now = now
         score = self.monitor.read(now)
         self.score = score
@@ -338,7 +385,7 @@ class SchedulerCore:
         return out
 
     def admit_core(self, now: float) -> list[Request]:
-        """Admit core work while the engine runs a step, preempting nothing: the layer-boundary path.
+        """Admit core work while the engine runs a step, preempting for it when it must: the layer-boundary path.
 
         The step loop calls it when a core request arrives during a step
         (``scheduler.core_preemption`` ``layer``). The buffered core requests
@@ -346,14 +393,20 @@ class SchedulerCore:
         the step boundary) and join the waiting set in the policy's order. Then,
         from the head of that order and while the head is a core request, each
         is admitted as :meth:`schedule` admits (the policy's admission rule; its
-        KV reserved in the budget; it joins the running set) but only if it fits
-        as things are: nothing is evicted or preempted for it, and one whose KV
-        waits in the DRAM tier waits for the step boundary (restores happen
-        between steps). Whatever is not admitted waits, in its place, for the
-        next :meth:`schedule`, which may evict or preempt for it. Admitting a
-        core request behind waiting work of another class would break the
-        policy's order, so none is (with ``fifo``, only a core request that is
-        the oldest waiting work is admitted here).
+        KV reserved in the budget; it joins the running set). One that does not
+        fit (KV memory, or the admission rule) preempts at once, as it would at
+        the step boundary: the policy's victims (:meth:`_victim_candidates`,
+        the fewest whose room lets it start) leave the running set now
+        (``preempting``); they belong to the step in flight, so their KV stays
+        held in the budget until that step ends, when it leaves in the
+        background (a swap to DRAM) or is dropped (:meth:`schedule` does it
+        first thing). Nothing is evicted for it, and one whose KV waits in the
+        DRAM tier waits for the step boundary (restores happen between steps).
+        Whatever is not admitted waits, in its place, for the next
+        :meth:`schedule`. Admitting a core request behind waiting work of
+        another class would break the policy's order, so none is (with
+        ``fifo``, only a core request that is the oldest waiting work is
+        admitted here, and it preempts nothing).
 
         Returns:
             the requests admitted, in admission order; each needs its prefill
@@ -372,8 +425,8 @@ class SchedulerCore:
             req = self._waiting[0][1]
             if req.priority_class is not PriorityClass.CORE or req.swap_key:
                 break
-            if (self._admission_refusal(req, projected, len(out.admitted)) is not None
-                    or self.capacity.refusal(req) is not None):
+            if ((self._admission_refusal(req, projected, len(out.admitted)) is not None
+                    or self.capacity.refusal(req) is not None) and not self._preempt_mid_step(req, now, out)):
                 break
             self._waiting.pop(0)
             self._start(req, now, out)
@@ -383,6 +436,91 @@ class SchedulerCore:
         if out.admitted or out.expired:
             self._publish()
         return out.admitted
+
+    def _preempt_mid_step(self, req: Request, now: float, out: SchedulerOutput) -> bool:
+        """Make ``req`` fit while a step is in flight by preempting the fewest of the policy's victims; True
+        when it now fits (the victims are ``preempting``), False (nothing changed) when they cannot make it fit.
+
+        Each victim's reservation is freed; its live KV (``engine.kv_bytes``) stays held until the step in
+        flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
+        """
+        candidates = self._victim_candidates(req, out)
+        if not candidates:
+            return False
+        budget = isinstance(self.capacity, KvBudget)
+        need = self._need(req)
+        room = self._free_bytes()
+        chosen: list[Request] = []
+        for victim in candidates:  # at least one: its slot (a capacity that counts no bytes)
+            chosen.append(victim)
+            if budget:
+                room += victim.kv_reserved_bytes - self._kv_bytes(victim)
+            if room >= need:
+                break
+        else:
+            return False
+        for victim in chosen:
+            held = self._kv_bytes(victim)
+            self._stop(victim, now)
+            victim.state = "preempting"
+            if budget:
+                self._leaving[victim] = held
+                self.capacity.hold(held)  # type: ignore[union-attr]
+            else:
+                self._leaving[victim] = 0
+        if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
+            return False
+        return True
+
+    def _end_preemptions(self, now: float, out: SchedulerOutput) -> None:
+        """The step the ``preempting`` requests belonged to has ended: each that finished in it ends (or
+        parks); the others' KV leaves (to DRAM in the background where cheaper, else dropped) and they wait
+        again at their place."""
+        if not self._leaving:
+            return
+        leaving, self._leaving = self._leaving, {}
+        for victim, held in leaving.items():
+            if isinstance(self.capacity, KvBudget):
+                self.capacity.end_hold(held)
+            if victim.is_finished:
+                victim.state = "running"  # finished in its last step: ends as a running request does
+                self._running.append(victim)
+                self.finish(victim, now)
+                continue
+            self._evict_running(victim, now, out)
+
+    def expire_deadlines(self, now: float) -> list[Request]:
+        """Fail every request held here whose own deadline (``req.deadline``) is ``now`` or earlier, wherever
+        it is (buffered, waiting, running, preempting) and on every engine: DEADLINE_EXCEEDED
+        (:class:`~switchyard.common.errors.RequestDeadlineExceeded`), its place and KV freed. The step loop
+        calls it after every step (so a deadline is answered within one step), every decision calls it.
+
+        Returns:
+            the requests failed (O(held) work only when the earliest deadline has passed).
+        """
+        if now < self._next_deadline:
+            return []
+        nxt = math.inf
+
+        def due(req: Request) -> bool:
+            nonlocal nxt
+            if req.deadline is None or req.is_finished:
+                return False
+            if req.deadline <= now:
+                return True
+            nxt = min(nxt, req.deadline)
+            return False
+
+        expired = self.intake.take(due)
+        expired += [req for req in [*self.waiting, *self._running, *self._leaving] if due(req)]
+        self._next_deadline = nxt
+        for req in expired:
+            where = (f"after {len(req.output_tokens)} tokens" if req.output_tokens
+                     else "waiting for admission" if not req.reached_engine else "before its first token")
+            req.fail(RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
+            self.finish(req, now)
+            metrics.DEADLINES_EXCEEDED.labels(class_name(req)).inc()
+        return expired
 
     def on_idle(self, now: float) -> None:
         """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
@@ -481,6 +619,10 @@ class SchedulerCore:
         if state == "running":
             self._stop(req, now)
             self._learn(req)
+        elif state == "preempting":  # out of the running set already; its KV held until now
+            held = self._leaving.pop(req, 0)
+            if isinstance(self.capacity, KvBudget):
+                self.capacity.end_hold(held)
         elif state == "waiting":
             self._remove_waiting(req)
         elif state == "buffered":
@@ -502,7 +644,7 @@ class SchedulerCore:
             self.parking.park(req, now)
         else:
             req.state = "finished"
-            if state == "running":
+            if state in ("running", "preempting"):
                 self._release(req)
         self._publish()
 
@@ -576,6 +718,11 @@ class SchedulerCore:
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         """Preempt running work for waiting work, after the admission pass (default: never)."""
 
+    def _victim_candidates(self, req: Request, out: SchedulerOutput) -> list[Request]:
+        """Running requests the waiting ``req`` may preempt now, first victim first; [] when it may not
+        (default: never). Requests admitted in this decision (``out.admitted``) are never candidates."""
+        return []
+
     # ------------------------------------------------------------------ helpers for policies
 
     @property
@@ -603,21 +750,53 @@ class SchedulerCore:
         return self.parking.kv_bytes + (int(cached()) if callable(cached) else 0)
 
     def _make_room(self, req: Request) -> bool:
-        """Free KV until ``req`` fits: the prefix cache first (least recently used blocks), then parked
-        agents' state valued below ``[hbm] evict_threshold``, lowest value first (to DRAM where a swap
-        is cheaper). True when it fits."""
+        """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
+        agents' state valued below ``[hbm] evict_threshold`` (lowest value first), then the prefix cache
+        (least recently used blocks), then the rest of the parked state, lowest value first whatever its
+        value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
+        (:meth:`_demote_parked`), else it is dropped. True when ``req`` fits now."""
         if self.capacity.refusal(req) is None:
             return True
-        evict = getattr(self.engine, "evict_prefix_cache", None)
-        need = getattr(self.capacity, "need", None)
-        if callable(evict) and callable(need):
-            evict(need(req) - self.capacity.free_bytes)  # type: ignore[attr-defined]
+        if not isinstance(self.capacity, KvBudget):  # parked state holds none of this capacity
+            return False
         now = self._now
-        while self.parking.requests and self.capacity.refusal(req) is not None:
-            if self.parking.evict_lowest(lambda entry: self._parked_value(entry, now),
-                                         below=self.memory.hbm.evict_threshold) is None:
-                break
+
+        def value(entry: ParkedAgent) -> float:
+            return self._parked_value(entry, now)
+
+        self._room_for = req
+        try:
+            below = self.memory.hbm.evict_threshold
+            while self._shortfall(req) > 0 and self.parking.evict_lowest(value, below=below) is not None:
+                pass
+            evict = getattr(self.engine, "evict_prefix_cache", None)
+            if callable(evict) and (short := self._shortfall(req)) > 0:
+                evict(short)
+            while self._shortfall(req) > 0 and self.parking.evict_lowest(value) is not None:
+                pass
+        finally:
+            self._room_for = None
         return self.capacity.refusal(req) is None
+
+    def _need(self, req: Request) -> int:
+        """KV bytes ``req`` reserves while running (0 for a capacity that does not count bytes)."""
+        return self.capacity.need(req) if isinstance(self.capacity, KvBudget) else 0
+
+    def _free_bytes(self) -> int:
+        """KV bytes free for admission now (0 for a capacity that does not count bytes)."""
+        return self.capacity.free_bytes if isinstance(self.capacity, KvBudget) else 0
+
+    def _shortfall(self, req: Request) -> int:
+        """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
+        if not isinstance(self.capacity, KvBudget):
+            return 0
+        return self.capacity.need(req) - self.capacity.free_bytes
+
+    def _copy_delays(self) -> int:
+        """1 when copying a victim's KV out of HBM would make the core request it is preempted for wait,
+        else 0. An engine that models its transfers (the sim) copies in the background, beside the steps;
+        any other engine copies at export (``export_kv``), in front of the next step: core waits for it."""
+        return 0 if self.tiers.models_transfers else 1
 
     def _parked_value(self, entry: ParkedAgent, now: float) -> float:
         """Value score of a parked agent's state; its recency holds while its tool-wait TTL runs."""
@@ -639,10 +818,19 @@ class SchedulerCore:
 
         return min(candidates, key=value)
 
-    def _swap_out(self, req: Request, key: str) -> bool:
-        """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it."""
+    def _swap_out(self, req: Request, key: str, now: float, delays: int = 0) -> bool:
+        """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it; True
+        when it was copied.
+
+        ``delays``: waiting requests of a higher class than ``req`` that would wait for this copy
+        (:meth:`_copy_delays`); each adds the copy's one-way transfer time to the swap's cost
+        (:meth:`~switchyard.dispatcher.tiers.MemoryTiers.worth_swapping`), so a victim whose move would
+        delay core work is dropped instead when recomputing it is cheaper than that.
+        """
         tokens = req.num_computed_tokens
-        if not self.tiers.worth_swapping(tokens, self._kv_bytes(req)):
+        nbytes = self._kv_bytes(req)
+        copy_s = self.tiers.transfer_seconds(nbytes)
+        if not self.tiers.worth_swapping(tokens, nbytes, delays * copy_s):
             return False
         if not self.tiers.swap_out(req, key, tokens):
             return False
@@ -650,10 +838,16 @@ class SchedulerCore:
         return True
 
     def _demote_parked(self, parked: Request) -> bool:
-        """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key)."""
-        tokens = parked.num_computed_tokens
-        if self.tiers.worth_swapping(tokens, self._kv_bytes(parked)) and self.tiers.swap_out(
-                parked, self.tiers.agent_key(parked.agent_id), tokens):
+        """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key).
+
+        When it leaves to make room for a waiting request of a higher class (:meth:`_make_room`), that
+        request would wait for the copy: the swap-or-recompute choice counts it.
+        """
+        head = self._room_for
+        delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
+        key = self.tiers.agent_key(parked.agent_id)
+        if self._swap_out(parked, key, self._now, delays):
+            parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
         tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next step recomputes
         return False
@@ -686,17 +880,26 @@ class SchedulerCore:
         self._running.remove(req)
         self.capacity.give(req)
 
-    def _preempt_one(self, victim: Request, now: float, out: SchedulerOutput, swap: bool = True) -> None:
-        """Take ``victim``'s slot: its KV goes to DRAM (when ``swap`` and cheaper than recomputing it) or
-        is dropped, and it waits again at its original place."""
+    def _preempt_one(self, victim: Request, now: float, out: SchedulerOutput, swap: bool = True,
+                     delays: int = 0) -> bool:
+        """Take ``victim``'s slot: its KV goes to DRAM (when ``swap`` and cheaper than recomputing it,
+        counting the ``delays`` higher-class waiting requests the copy would hold up: :meth:`_swap_out`) or
+        is dropped, and it waits again at its original place. True when it was swapped."""
         self._stop(victim, now)
-        if not (swap and self._swap_out(victim, self.tiers.request_key(victim))):
+        return self._evict_running(victim, now, out, swap, delays)
+
+    def _evict_running(self, victim: Request, now: float, out: SchedulerOutput, swap: bool = True,
+                       delays: int = 0) -> bool:
+        """``victim`` left the running set: its KV leaves HBM (see :meth:`_preempt_one`); True when swapped."""
+        swapped = swap and self._swap_out(victim, self.tiers.request_key(victim), now, delays)
+        if not swapped:
             tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
         self._enqueue(victim, now)
         metrics.PREEMPTIONS.labels(class_name(victim)).inc()
         out.preempted.append(victim)
+        return swapped
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""

@@ -39,6 +39,12 @@ PREEMPTIONS = Counter(
     "switchyard_preemptions_total", "Running sequences preempted for waiting core work, by the victim's class.",
     ["priority_class"],
 )
+DEADLINES_EXCEEDED = Counter(
+    "switchyard_request_deadline_exceeded_total",
+    "Requests failed DEADLINE_EXCEEDED by the scheduler when their own deadline passed (waiting or running), "
+    "by priority class.",
+    ["priority_class"],
+)
 RESUMES = Counter(
     "switchyard_resumes_total",
     "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_restored / "
@@ -85,5 +91,6 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
 
 for _class in LABELS:  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
+    DEADLINES_EXCEEDED.labels(_class)
 for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
     RESUMES.labels(_kind)

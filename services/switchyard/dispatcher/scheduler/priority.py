@@ -29,16 +29,22 @@ Admission (:mod:`.admission`, :mod:`.capacity`) takes from the head while
 (or the upstream's concurrency limit allows) and fewer than
 ``max_admitted_per_decision`` were admitted in this decision.
 
-Preemption (``preemption_enabled``): a core request still waiting after the
-admission pass, which has waited at least ``preemption_grace_ms`` since its
-arrival, takes the slot of the lowest-priority running request (batch before
-normal; within a class the one latest in the waiting order), which must be of
-a lower class than core; core never preempts core. The victim keeps the
-tokens it streamed and waits again at its original place; the scheduler
-moves its KV state to the DRAM tier when a swap is cheaper than recomputing it
-(restored at re-admission, counted in ``restored_tokens``), else drops it and
-its next prefill recomputes the prefix (counted in ``recomputed_tokens``).
-Requests admitted in the same decision are not preempted.
+Preemption (``preemption_enabled``): a core request that does not fit, once it
+has waited ``core_wait_before_preempt_ms`` since its arrival (default 0: at
+once), takes the slot of the lowest-priority running request (batch before
+normal; within a class the one latest in the waiting order), more of them
+while its KV does not fit what they free; a victim must be of a lower class
+than core: core never preempts core. It happens at a decision (after the
+admission pass) or, when the core request arrives while a step runs, at once:
+the victims leave the running set mid-step and the core request is prefilled
+at the step's next layer boundary (:meth:`SchedulerCore.admit_core`). The
+victim keeps the tokens it streamed and waits again at its original place; its
+KV state goes to the DRAM tier in the background when a swap, counting the
+delay the copy puts on the core request waiting for its bytes, is cheaper than
+recomputing it (restored at re-admission, counted in ``restored_tokens``), else
+it is dropped and its next prefill recomputes the prefix (counted in
+``recomputed_tokens``). Requests admitted in the same decision are not
+preempted.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ class PriorityScheduler(SchedulerCore):
             aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values
         )
         """Seconds each class (core, normal, batch) is ordered ahead of its arrival."""
-        self.grace_s = self.config.preemption_grace_ms / 1000.0
+        self.wait_before_preempt_s = self.config.core_wait_before_preempt_ms / 1000.0
+        """Seconds a core request that does not fit waits for room before it preempts."""
 
     def virtual_arrival(self, req: Request) -> float:
         """``req.arrival`` minus its class's head start (seconds, monotonic clock)."""
@@ -87,18 +94,30 @@ class PriorityScheduler(SchedulerCore):
         class_heads = [key[0] for key, queued in self._waiting if class_rank(queued) == rank and key[1] == _NEW]
         return (min([virtual, *class_heads]), _RESUMED)
 
+    def _may_preempt(self, req: Request, now: float) -> bool:
+        return (self.preemption_enabled and class_rank(req) == 0
+                and now - req.arrival >= self.wait_before_preempt_s)
+
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         if not self.preemption_enabled:
             return
-        due = [req for _, req in self._waiting if class_rank(req) == 0 and now - req.arrival >= self.grace_s]
+        due = [req for _, req in self._waiting if self._may_preempt(req, now)]
         for req in due:
             victims = self._victims_for(req, out)
             if victims is None:
                 return
-            for victim in victims:
-                self._preempt_one(victim, now, out)
+            for victim in victims:  # a copy in front of core's prefill counts against the swap
+                self._preempt_one(victim, now, out, delays=self._copy_delays())
             self._remove_waiting(req)
             self._start(req, now, out)
+
+    def _victim_candidates(self, req: Request, out: SchedulerOutput) -> list[Request]:
+        """Lower-class running work, lowest priority first, when ``req`` is core work that may preempt now."""
+        if not self._may_preempt(req, self._now):
+            return []
+        fresh = set(out.admitted)
+        candidates = [r for r in self._running if class_rank(r) > 0 and r not in fresh]
+        return sorted(candidates, key=lambda r: (class_rank(r), self.virtual_arrival(r), r.arrival), reverse=True)
 
     def _victims_for(self, req: Request, out: SchedulerOutput) -> list[Request] | None:
         """The fewest lowest-priority running requests whose slots and KV let ``req`` start; None if none do.
@@ -108,10 +127,7 @@ class PriorityScheduler(SchedulerCore):
         """
         chosen: list[Request] = []
         freed = 0
-        need = getattr(self.capacity, "need", None)
-        shortfall = 0
-        if need is not None:
-            shortfall = need(req) - self.capacity.free_bytes  # type: ignore[attr-defined]
+        shortfall = self._shortfall(req)
         while True:
             victim = self._victim(out, chosen)
             if victim is None:

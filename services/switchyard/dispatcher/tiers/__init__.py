@@ -8,7 +8,9 @@ and writes where a request's copy lives on the request itself
 pricing:
 
 - :class:`MemoryTiers` chooses swap or recompute: a swap costs the transfer
-  out and back, ``2 x (bytes / [dram] transfer_gb_per_s + transfer_latency_ms)``;
+  out and back, ``2 x (bytes / [dram] transfer_gb_per_s + transfer_latency_ms)``,
+  plus the delay its copy puts on waiting higher-class work (the caller says
+  how much: a copy at export runs in front of the next step);
   a recompute costs the engine's prefill of the same tokens
   (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
   offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
@@ -27,8 +29,13 @@ An engine takes part through three optional methods: ``export_kv(req) ->
 bytes | None`` (its KV state as bytes, before release), ``import_kv(req,
 payload, tokens) -> int`` (tokens restored) and ``recompute_seconds(tokens)``.
 An engine whose ``models_transfers`` is true (the sim) has no real bytes to
-move: the modelled transfer time is owed and the step loop sleeps it
-(:meth:`MemoryTiers.take_owed_seconds`).
+move: a restore's modelled transfer time is owed and the step loop sleeps it
+before the restored request's step (:meth:`MemoryTiers.take_owed_seconds`); a
+swap-out's copy runs in the background, beside the steps (a copy engine beside
+the compute): nothing is owed for it, and the KV budget frees the victim's
+reservation at once. That is an approximation (a block is reusable once its
+copy ends): a request admitted meanwhile writes its prompt's blocks first, and
+the reservation rule keeps each request's unwritten output blocks free.
 """
 
 from __future__ import annotations
@@ -107,11 +114,15 @@ class MemoryTiers:
             return False
         return True
 
-    def worth_swapping(self, tokens: int, nbytes: int) -> bool:
-        """True when swapping out and back is cheaper than recomputing ``tokens`` (and a swap is possible)."""
+    def worth_swapping(self, tokens: int, nbytes: int, delay_s: float = 0.0) -> bool:
+        """True when swapping out and back is cheaper than recomputing ``tokens`` (and a swap is possible).
+
+        ``delay_s``: seconds the copy out would make waiting higher-class work wait, summed over the
+        requests it delays (0: none waits for it); counted on the swap's side.
+        """
         if tokens <= 0 or not self.can_swap():
             return False
-        return 2 * self.transfer_seconds(nbytes) < self.recompute_seconds(tokens)
+        return 2 * self.transfer_seconds(nbytes) + max(0.0, delay_s) < self.recompute_seconds(tokens)
 
     def score(self, req: Request, *, tokens: int, nbytes: int, idle_s: float, pinned: bool = False) -> float:
         """The value score of ``req``'s state (see :mod:`.value`)."""
@@ -125,8 +136,9 @@ class MemoryTiers:
         """Copy ``req``'s KV state (``tokens`` prefix tokens) to DRAM under ``key``, before the caller releases it.
 
         The engine's bytes are taken now; the Redis write runs in the background
-        (a restore of ``key`` waits for it). Returns False when nothing could be
-        exported (the caller then recomputes).
+        (a restore of ``key`` waits for it), and so does the modelled copy of an
+        engine that ``models_transfers``: nothing is owed to the step loop for it.
+        Returns False when nothing could be exported (the caller then recomputes).
         """
         nbytes = int(getattr(self.engine, "kv_bytes")(req))
         payload = self.engine.export_kv(req)
@@ -140,8 +152,6 @@ class MemoryTiers:
         self._writes[key] = asyncio.get_running_loop().create_task(self.store.put(
             key, payload, tokens=tokens, nbytes=nbytes, priority=req.priority_name, hits=req.kv_hits,
             cost_us=cost_us))
-        if self.models_transfers:
-            self._owed_s += self.transfer_seconds(nbytes)
         metrics.TIER_EVICTIONS.labels("hbm").inc()
         metrics.TIER_DEMOTIONS.labels("hbm").inc()
         return True

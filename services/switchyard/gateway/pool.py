@@ -1,0 +1,358 @@
+"""The replicas of the model server behind ``model_gateway``: endpoints, their health and load, and the picking.
+
+``model_gateway.pool`` names the replicas: a list of base URLs
+(``pool.endpoints``) or a base URL whose host resolves to all of them
+(``pool.dns_url``, a headless Service; re-resolved every
+``resolve_interval_s``, each address an endpoint). Without either, ``base_url``
+is the one endpoint, and nothing here runs but the bookkeeping.
+
+Per endpoint (:class:`Endpoint`): its own HTTP connection pool, its own circuit
+breaker per model (:class:`switchyard.gateway.cooldown.Cooldowns`), its own
+adaptive concurrency limit
+(:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`, fed that
+endpoint's TTFTs and 429/503 answers), its streams in flight, and what the
+server says of its own load (:mod:`switchyard.gateway.server_load`, read from
+its ``/metrics`` every ``scrape_interval_s``). A read or a call that cannot
+connect marks the endpoint down until a read succeeds. The dispatcher admits
+up to the sum of the endpoints' limits (:class:`PoolLimit`).
+
+Each attempt of a call asks :class:`switchyard.gateway.picker.EndpointPicker`
+for an endpoint; a call that fails there before its first token (a refused
+connection, a 5xx, a 429, an open circuit) is tried on another endpoint at once
+(:meth:`switchyard.gateway.client.GatewayClient`), and only when every endpoint
+failed do the retries with backoff and the fallback model take over. After a
+token, nothing is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from switchyard.common.affinity import hash64
+from switchyard.common.config import UpstreamConfig
+from switchyard.common.priority import PriorityClass
+from switchyard.dispatcher.adaptive_limit import (
+    OVERLOAD_STATUSES,
+    UPSTREAM_LIMIT,
+    AdaptiveConcurrencyLimit,
+    refusal_for,
+)
+from switchyard.gateway.cooldown import Cooldowns
+from switchyard.gateway.metrics import (
+    ENDPOINT_IN_FLIGHT,
+    ENDPOINT_KV_USAGE,
+    ENDPOINT_LIMIT,
+    ENDPOINT_PICKS,
+    ENDPOINT_UP,
+    ENDPOINT_WAITING,
+)
+from switchyard.gateway.picker import REASONS, EndpointPicker, Picked
+from switchyard.gateway.server_load import ServerLoad, parse_server_load
+
+log = logging.getLogger(__name__)
+
+for _reason in REASONS:
+    ENDPOINT_PICKS.labels(_reason)
+
+
+def endpoint_name(url: str) -> str:
+    """The endpoint's label: ``host:port`` of its base URL (the scheme's default port when none is given)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def server_root(url: str) -> str:
+    """The server's root for a base URL: ``http://h:8000/v1`` -> ``http://h:8000``."""
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def prompt_key(messages: list[dict[str, Any]], chars: int) -> str:
+    """The affinity key of a call without an agent: a hash of the first ``chars`` characters of its messages
+    (role and text, in order), so calls opening with the same system prompt and context share a key."""
+    text = []
+    size = 0
+    for message in messages:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        piece = f"<{message.get('role', '')}>{content}"
+        text.append(piece)
+        size += len(piece)
+        if size >= chars:
+            break
+    return f"prefix:{hash64(''.join(text)[:chars]):016x}"
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One replica: its URL, connection pool, breaker, limit, streams in flight and reported load."""
+
+    url: str
+    """Base URL, ending in /v1."""
+    name: str
+    """``host:port``: the metric label and the affinity ring's name for it."""
+    http: httpx.AsyncClient
+    cooldowns: Cooldowns
+    limit: AdaptiveConcurrencyLimit | None
+    """None when the pool is one endpoint: the dispatcher's own limit is then its limit."""
+    in_flight: int = 0
+    up: bool = True
+    load: ServerLoad = field(default_factory=ServerLoad)
+
+    @property
+    def limit_value(self) -> int | None:
+        """Its concurrency limit now, streams (None: unbounded here)."""
+        return None if self.limit is None else int(self.limit.limit)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Its recent TTFT (the limit's fast EWMA), seconds; None before the first sample."""
+        return None if self.limit is None else self.limit.short_s
+
+
+class PoolLimit:
+    """The dispatcher's admission limit over a pool: the sum of its endpoints' adaptive limits (those up; all of
+    them when none is, so that calls reach the gateway and fail naming the endpoints).
+
+    The interface of :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` the dispatcher uses
+    (``limit``, ``in_flight``, ``refusal``, ``acquire``, ``release``, ``on_sample``, ``on_tokens``,
+    ``on_overload``), the CORE headroom applied to the sum (``refusal_for``); samples, tokens and overload
+    answers are taken per endpoint by the gateway, which knows the endpoint, so the dispatcher's are not
+    needed here.
+    """
+
+    def __init__(self, pool: "EndpointPool") -> None:
+        self.pool = pool
+        self.in_flight = 0
+        """Streams in flight over the whole pool; kept by :meth:`acquire` / :meth:`release`."""
+        self.core_in_flight = 0
+        """CORE streams among them."""
+
+    @property
+    def limit(self) -> float:
+        """Streams the dispatcher may have in flight over the pool now."""
+        endpoints = list(self.pool.endpoints.values())
+        up = [e for e in endpoints if e.up] or endpoints
+        total = sum(e.limit_value or 0 for e in up)
+        return float(max(total, self.pool.config.concurrency.min_limit))
+
+    def refusal(self, priority: PriorityClass) -> str | None:
+        """None when a stream of class ``priority`` may start over the pool now, else the reason."""
+        return refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
+                           self.pool.config.concurrency.core_reserved_slots)
+
+    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
+        self.in_flight += 1
+        self.core_in_flight += priority is PriorityClass.CORE
+
+    def release(self, priority: PriorityClass, now: float | None = None) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        if priority is PriorityClass.CORE:
+            self.core_in_flight = max(0, self.core_in_flight - 1)
+
+    def on_sample(self, ttft_s: float, now: float | None = None) -> None:
+        """Not used: each endpoint's limit gets its own TTFTs (see the class docstring)."""
+
+    def on_tokens(self, count: int, now: float | None = None) -> None:
+        """Not used: each endpoint's limit gets its own tokens (see the class docstring)."""
+
+    def on_overload(self, now: float) -> None:
+        """Not used: each endpoint's limit gets its own 429/503 answers (see the class docstring)."""
+
+
+class EndpointPool:
+    """The endpoints of ``model_gateway`` and the picker over them (see the module docstring).
+
+    Args:
+        config: ``model_gateway``.
+        make_http: builds the HTTP client of one endpoint from its base URL.
+    """
+
+    def __init__(self, config: UpstreamConfig, make_http: Callable[[str], httpx.AsyncClient]) -> None:
+        self.config = config
+        self.pooled = config.pool.pooled
+        self._make_http = make_http
+        self.endpoints: dict[str, Endpoint] = {}
+        self.picker = EndpointPicker(config.pool)
+        self.limit: PoolLimit | None = PoolLimit(self) if self.pooled else None
+        """The dispatcher's admission limit when pooled; None for one endpoint (the dispatcher keeps its own)."""
+        self._retired: list[Endpoint] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        if not config.pool.dns_url:
+            self._update(config.endpoint_urls)
+
+    # ------------------------------------------------------------------ membership
+
+    def _update(self, urls: list[str]) -> None:
+        by_name = {endpoint_name(u): u for u in urls}
+        for name in [n for n in self.endpoints if n not in by_name]:
+            gone = self.endpoints.pop(name)
+            self._retired.append(gone)
+            for gauge in (ENDPOINT_UP, ENDPOINT_IN_FLIGHT, ENDPOINT_LIMIT, ENDPOINT_WAITING, ENDPOINT_KV_USAGE):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+            log.info("upstream endpoint %s left the pool (%d left)", gone.url, len(by_name))
+        for name, url in by_name.items():
+            if name in self.endpoints:
+                continue
+            endpoint_config = self.config.model_copy(update={"base_url": url})  # errors and breakers name it
+            limit = AdaptiveConcurrencyLimit(self.config.concurrency) if self.pooled else None
+            self.endpoints[name] = Endpoint(url, name, self._make_http(url), Cooldowns(endpoint_config), limit)
+            if self.pooled:
+                ENDPOINT_UP.labels(name).set(1)
+                ENDPOINT_IN_FLIGHT.labels(name).set(0)
+                ENDPOINT_WAITING.labels(name).set(-1)
+                ENDPOINT_KV_USAGE.labels(name).set(-1)
+                self._publish_limit(self.endpoints[name])
+                log.info("upstream endpoint %s joined the pool", url)
+        self.picker.sync(list(self.endpoints))
+
+    async def _resolve(self) -> None:
+        url = self.config.pool.dns_url
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("resolving %s failed (%s); keeping %d endpoint(s)", url, exc, len(self.endpoints))
+            return
+        urls = []
+        for info in infos:
+            address = info[4][0]
+            netloc = f"[{address}]:{port}" if info[0] == socket.AF_INET6 else f"{address}:{port}"
+            urls.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
+        if urls:
+            self._update(sorted(set(urls)))
+
+    async def start(self) -> None:
+        """Resolve a DNS pool once (waiting for it) and start the background reads; no-op for one endpoint."""
+        if self._started or not self.pooled:
+            return
+        self._started = True
+        if self.config.pool.dns_url:
+            await self._resolve()
+            self._tasks.append(asyncio.create_task(self._resolve_loop(), name="upstream-resolve"))
+        self._tasks.append(asyncio.create_task(self._scrape_loop(), name="upstream-scrape"))
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.pool.resolve_interval_s)
+            await self._resolve()
+
+    # ------------------------------------------------------------------ health and load
+
+    async def scrape(self, endpoint: Endpoint) -> None:
+        """Read ``endpoint``'s ``/metrics`` once: its load, and whether it is up."""
+        url = server_root(endpoint.url) + self.config.pool.metrics_path
+        try:
+            response = await endpoint.http.get(url, timeout=self.config.pool.scrape_timeout_s)
+        except httpx.TransportError as exc:
+            self.mark_down(endpoint, f"/metrics: {type(exc).__name__}: {exc}")
+            return
+        load = ServerLoad()
+        if response.status_code == 200:
+            try:
+                load = parse_server_load(response.text)
+            except ValueError:
+                pass  # not Prometheus text: no figures, still up
+        endpoint.load = load
+        ENDPOINT_WAITING.labels(endpoint.name).set(-1 if load.waiting is None else load.waiting)
+        ENDPOINT_KV_USAGE.labels(endpoint.name).set(-1 if load.kv_cache_usage is None else load.kv_cache_usage)
+        if not endpoint.up:
+            log.info("upstream endpoint %s is up again", endpoint.url)
+        endpoint.up = True
+        ENDPOINT_UP.labels(endpoint.name).set(1)
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())), return_exceptions=True)
+            for gone in [e for e in self._retired if e.in_flight == 0]:
+                self._retired.remove(gone)
+                await gone.http.aclose()
+            await asyncio.sleep(self.config.pool.scrape_interval_s)
+
+    def mark_down(self, endpoint: Endpoint, why: str) -> None:
+        """``endpoint`` could not be reached: no call picks it until a ``/metrics`` read succeeds (pools only)."""
+        if not self.pooled:
+            return
+        if endpoint.up:
+            log.warning("upstream endpoint %s is down (%s); its calls go to the other endpoints", endpoint.url, why)
+        endpoint.up = False
+        ENDPOINT_UP.labels(endpoint.name).set(0)
+
+    # ------------------------------------------------------------------ calls
+
+    def pick(self, key: str, tried: frozenset[str] = frozenset()) -> tuple[Endpoint, Picked]:
+        """The endpoint for one attempt of a call with affinity key ``key``; it counts as in flight until
+        :meth:`finished`.
+
+        Raises:
+            LookupError: every endpoint is down or in ``tried``.
+        """
+        endpoints = list(self.endpoints.values())
+        if len(endpoints) == 1 and not self.pooled:
+            picked = Picked(endpoints[0].name, "load")
+        else:
+            picked = self.picker.pick(endpoints, key, time.monotonic(), tried)
+            ENDPOINT_PICKS.labels(picked.reason).inc()
+        endpoint = self.endpoints[picked.name]
+        endpoint.in_flight += 1
+        if endpoint.limit is not None:
+            endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
+        if self.pooled:
+            ENDPOINT_IN_FLIGHT.labels(endpoint.name).set(endpoint.in_flight)
+        return endpoint, picked
+
+    def finished(self, endpoint: Endpoint) -> None:
+        """A call :meth:`pick` placed on ``endpoint`` ended (whatever its outcome)."""
+        endpoint.in_flight -= 1
+        if endpoint.limit is not None:
+            endpoint.limit.release(PriorityClass.NORMAL)
+        if self.pooled and endpoint.name in self.endpoints:
+            ENDPOINT_IN_FLIGHT.labels(endpoint.name).set(endpoint.in_flight)
+
+    def on_first_item(self, endpoint: Endpoint, ttft_s: float) -> None:
+        """``endpoint`` streamed its first item ``ttft_s`` seconds after the request was sent."""
+        if endpoint.limit is not None:
+            endpoint.limit.on_sample(ttft_s)
+            self._publish_limit(endpoint)
+
+    def on_tokens(self, endpoint: Endpoint, count: int) -> None:
+        """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
+        if endpoint.limit is not None:
+            endpoint.limit.on_tokens(count)
+
+    def on_status(self, endpoint: Endpoint, status: int) -> None:
+        """``endpoint`` answered with HTTP ``status``: a 429/503 backs its limit off."""
+        if endpoint.limit is not None and status in OVERLOAD_STATUSES:
+            endpoint.limit.on_overload(time.monotonic())
+            self._publish_limit(endpoint)
+
+    def _publish_limit(self, endpoint: Endpoint) -> None:
+        if endpoint.limit is None or self.limit is None:
+            return
+        if endpoint.name in self.endpoints:
+            ENDPOINT_LIMIT.labels(endpoint.name).set(endpoint.limit.limit)
+        UPSTREAM_LIMIT.set(self.limit.limit)  # the dispatcher's gauge: the pool's total, not one endpoint's
+
+    async def aclose(self) -> None:
+        """Stop the background reads and close every endpoint's connections."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for endpoint in [*self.endpoints.values(), *self._retired]:
+            await endpoint.http.aclose()

@@ -1,0 +1,190 @@
+"""Memory pressure on the sim's KV budget: parked state gives way to runnable work, core work preempts at
+once, and a victim's KV leaves in the background (or is dropped when moving it would delay core work).
+
+The scheduler is stepped by hand on a simulated clock (``now``); the DRAM tier is a real Redis
+(tests/redis_fixtures.py). Sizes are the sim's: 512 KiB of KV per token, a budget of ~103,000 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.dram import DramClient
+from switchyard.dispatcher.engines.sim import SimEngine, mixed_step_seconds
+from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.scheduler.capacity import KvBudget
+from switchyard.dispatcher.tiers import KvStore, MemoryTiers
+
+pytestmark = pytest.mark.no_gpu
+
+CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
+
+
+class NoGpu:
+    """NVML without a GPU (the edge of the world): utilisation 0."""
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return "gpu0"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
+        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def build(db: RedisDb | None, **overrides: Any) -> Any:
+    config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
+    engine = SimEngine(config)
+    store = KvStore(DramClient(db.dram_config), config.memory.dram.kv_ttl_s) if db is not None else None
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=NoGpu())
+    return make_scheduler(config, engine, monitor=monitor, tiers=tiers)
+
+
+def request(rid: str, priority: int, *, prompt_tokens: int, max_tokens: int, arrival: float = 0.0,
+            **fields: Any) -> Request:
+    return Request(request_id=rid, prompt="How does the with statement work?", priority=priority,
+                   prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=arrival, **fields)
+
+
+def park_core_agents(sched: Any, n: int, tokens: int) -> list[Request]:
+    """``n`` core react agents waiting on a tool, each holding ``tokens`` of KV, reused often (valued above
+    ``[hbm] evict_threshold``)."""
+    agents = []
+    for i in range(n):
+        req = request(f"agent-{i}", CORE, prompt_tokens=tokens, max_tokens=64, task_type="react_loop",
+                      agent_id=f"core-agent-{i}")
+        req.num_computed_tokens = tokens
+        req.kv_hits = 5
+        sched.parking.park(req, now=0.0)
+        agents.append(req)
+    value = sched._parked_value(sched.parking.entries[0], 0.0)
+    assert value > sched.memory.hbm.evict_threshold  # the state admission used to leave alone
+    return agents
+
+
+def fill_with_batch(sched: Any, n: int, prompt_tokens: int, max_tokens: int, computed: int) -> list[Request]:
+    """``n`` running BATCH requests, each with ``computed`` tokens of KV."""
+    batch = [request(f"b{i}", BATCH, prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=0.001 * i)
+             for i in range(n)]
+    sched.add(batch, now=0.0)
+    t = 0.0
+    while sched.waiting and t < 1.0:
+        sched.schedule(now=t)
+        t += 0.01
+    assert sched.running == batch
+    for req in batch:
+        req.num_computed_tokens = computed
+    return batch
+
+
+# --------------------------------------------------------------------------- parked state gives way
+
+
+@pytest.mark.parametrize("dram", [True, False])
+async def test_parked_core_agents_give_way_to_waiting_normal_work(redis_db: RedisDb, dram: bool) -> None:
+    """Parked core agents hold all but ~3,000 tokens of the budget; 20 normal chats arrive."""
+    sched = build(redis_db if dram else None, **{"scheduler.tool_wait_ttl_s": 3600.0})
+    budget: KvBudget = sched.capacity
+    per_token = budget.info.kv_bytes_per_token
+    park_core_agents(sched, 20, tokens=5000)
+    assert budget.free_bytes < 4000 * per_token
+    chats = [request(f"chat-{i}", NORMAL, prompt_tokens=800, max_tokens=200, arrival=1.0) for i in range(20)]
+    sched.add(chats, now=1.0)
+    evicted = metric("switchyard_parked_evicted_total")
+
+    t, first_token_wait = 1.0, {}
+    while len(first_token_wait) < len(chats) and t < 1.0 + sched.memory.scan.hbm_scan_interval_s:
+        out = sched.schedule(now=t)
+        for req in out.admitted:
+            first_token_wait[req.request_id] = t - req.arrival
+            req.num_computed_tokens = req.prompt_tokens  # its prefill
+        t += 0.01  # a step boundary every 10 ms of simulated time
+    assert len(first_token_wait) == len(chats), "runnable work waited behind parked state"
+    # The first chats started at once; the rest waited for nothing but admission by compute score and
+    # wave (a few decisions); only what the chats needed left HBM.
+    longest = max(first_token_wait.values())
+    assert min(first_token_wait.values()) == 0.0 and longest <= 0.05, first_token_wait
+    gone = metric("switchyard_parked_evicted_total") - evicted
+    assert 1 <= gone <= 4 and len(sched.parked) == 20 - gone
+    if dram:
+        assert metric("switchyard_tier_demotions_total", tier="hbm") >= gone  # swapped, not dropped
+    await sched.tiers.aclose()
+
+
+# --------------------------------------------------------------------------- core work under a full KV budget
+
+
+async def test_core_preempts_mid_step_and_the_victims_kv_leaves_in_the_background(redis_db: RedisDb) -> None:
+    """26 BATCH requests of 3,449 + 512 tokens fill the budget; a core chat must preempt to fit."""
+    sched = build(redis_db)
+    budget: KvBudget = sched.capacity
+    per_token = budget.info.kv_bytes_per_token
+    batch = fill_with_batch(sched, 26, 3449, 512, computed=3449 + 100)
+    core = request("core", CORE, prompt_tokens=40, max_tokens=64, arrival=1.0)
+    sched.add_request(core, now=1.0)
+    assert budget.refusal(core) is not None  # no room: it must preempt
+
+    assert sched.admit_core(now=1.0) == [core]  # at once, mid-step
+    [victim] = [req for req in batch if req.state == "preempting"]
+    assert victim is batch[-1]  # the latest-arrived batch request
+    live = (3449 + 100) * per_token
+    assert budget.leaving_bytes == live  # in use until the step in flight ends
+    assert budget.free_bytes >= 0  # core's reservation fits beside it: the victim's unwritten output blocks
+
+    out = sched.schedule(now=1.01)  # the step ended
+    assert out.preempted == [victim] and victim.swap_key  # swapped: it delays no waiting core work
+    assert sched.tiers.take_owed_seconds() == 0.0  # the copy runs in the background, in front of no step
+    assert budget.leaving_bytes == 0 and victim.state == "waiting"
+    await sched.tiers.aclose()
+
+
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_victims_swap_counts_the_delay_its_copy_puts_on_the_core_request(
+        redis_db: RedisDb, background: bool) -> None:
+    """At a step boundary core preempts at once. On the sim the copy runs in the background: the victim is
+    swapped (74 ms there and back, against 92 ms of prefill). An engine that copies at export puts the
+    copy (37 ms) in front of core's prefill: 111 ms > 92 ms, so the victim is dropped and recomputed."""
+    sched = build(redis_db, **{"scheduler.core_preemption": "step"})
+    sched.tiers.models_transfers = background
+    batch = fill_with_batch(sched, 26, 3449, 512, computed=3449 + 10)
+    core = request("core", CORE, prompt_tokens=40, max_tokens=64, arrival=1.0)
+    sched.add([core], now=1.0)
+    out = sched.schedule(now=1.0)
+    assert out.admitted == [core] and out.preempted == [batch[-1]]  # at once: no wait before preempting
+    assert bool(batch[-1].swap_key) is background
+    tiers, nbytes = sched.tiers, (3449 + 10) * sched.capacity.info.kv_bytes_per_token
+    assert 2 * tiers.transfer_seconds(nbytes) < tiers.recompute_seconds(3459) < 3 * tiers.transfer_seconds(nbytes)
+    assert sched.capacity.free_bytes >= 0
+    await sched.tiers.aclose()
+
+
+# --------------------------------------------------------------------------- chunked prefill
+
+
+async def test_a_long_prompt_is_prefilled_over_steps_under_the_token_budget() -> None:
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
+    running = request("running", BATCH, prompt_tokens=10, max_tokens=100)
+    await engine.prefill([running])
+    long = request("long", BATCH, prompt_tokens=1200, max_tokens=5)
+    steps = 0
+    while not long.output_tokens:
+        before = len(running.output_tokens)
+        await engine.step_chunk([long], [running], 512)
+        steps += 1
+        assert len(running.output_tokens) == before + 1  # the running request decodes every step
+        assert long.num_computed_tokens == (min(1200, 512 * steps) if not long.output_tokens else 1200)
+    assert steps == 3 and long.recomputed_tokens == 0
+    assert mixed_step_seconds(engine.params, 512, 2) < mixed_step_seconds(engine.params, 1200, 2)

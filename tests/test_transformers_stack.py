@@ -1,0 +1,182 @@
+"""The whole stack in front of a real continuous-batching model server: stock ``transformers serve``.
+
+Orchestrator, retrieval and dispatcher run as real gRPC servers on 127.0.0.1; the dispatcher's
+``openai`` engine streams from ``transformers serve --continuous-batching --device cpu`` serving a
+tiny random-weight Llama (``switchyard.testing.transformers_serve``). The server ends every stream
+with a finish chunk and no ``data: [DONE]``, refuses unknown body fields (``priority``) with 422
+and answers a model it does not serve with 400 "Server is pinned to ...".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+from gateway_fixtures import clean_proxy_env  # noqa: F401
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import load_config
+from switchyard.dispatcher.engines import make_engine
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.asynccontextmanager
+async def stack(base_url: str, model: str, index_dir: Path | None = None, **gateway: object):
+    """Dispatcher (openai engine on ``base_url``), retrieval (with ``index_dir``) and orchestrator; yields a stub."""
+    from switchyard.common.server import running
+    from switchyard.dispatcher.service import DispatcherService
+    from switchyard.orchestrator.service import OrchestratorService
+    from switchyard.retrieval.service import RetrievalService
+
+    overrides = {"dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": model,
+                 "upstream.fallback_model": "", "upstream.api_key_required": False,
+                 "upstream.retry_backoff_initial_s": 0.01, "upstream.retry_backoff_max_s": 0.02}
+    overrides.update({f"upstream.{k}": v for k, v in gateway.items()})
+    cfg = load_config("config").with_overrides(**overrides)
+    async with contextlib.AsyncExitStack() as stack:
+        disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server))
+        orch_overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
+        if index_dir is not None:
+            rcfg = cfg.with_overrides(**{"retrieval.index_dir": str(index_dir)})
+            retrieval = await stack.enter_async_context(running([RetrievalService(rcfg)], cfg.server))
+            orch_overrides["orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
+        orch = await stack.enter_async_context(
+            running([OrchestratorService(cfg.with_overrides(**orch_overrides))], cfg.server))
+        channel = await stack.enter_async_context(open_channel(f"127.0.0.1:{orch.port}"))
+        yield agent_pb2_grpc.AgentServiceStub(channel)
+
+
+async def run(stub, **fields) -> list:
+    return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields))]
+
+
+# Greedy decoding of the random-weight model: this prompt streams words (" even even ..."); many others
+# stream byte-level pieces that never complete a UTF-8 character, which the server holds back.
+WORDY = "Write a long story."
+
+
+def answered(events: list, max_tokens: int) -> list[str]:
+    """The streamed token texts, after checking the task finished with them and the server's usage."""
+    tokens = [e.token.text for e in events if e.HasField("token")]
+    final = events[-1].final
+    assert final.output == "".join(tokens)
+    assert 0 < final.usage.completion_tokens <= max_tokens
+    return tokens
+
+
+@pytest.mark.timeout(900)  # the first user of pydoc_index_dir builds it (minutes on a loaded machine)
+async def test_chat_rag_answer_and_react_loop_are_served(clean_proxy_env, transformers_server, pydoc_index_dir):
+    """Every stream ends without [DONE]; each task finishes with its tokens and the server's usage."""
+    async with stack(transformers_server.base_url, transformers_server.model, pydoc_index_dir) as stub:
+        for task_type in ("chat", "rag_answer", "react_loop"):
+            events = await run(stub, task_id=f"tf-{task_type}", payload=WORDY, task_type=task_type, max_tokens=12)
+            tokens = answered(events, 12 * 4)  # react_loop may take several turns of 12
+            if task_type == "chat":
+                assert "even" in "".join(tokens)
+
+
+async def test_forward_priority_against_a_server_without_one(clean_proxy_env, transformers_server):
+    """Detected as transformers serve: no priority field is sent; named as vLLM by mistake, the 422
+    "Unexpected fields in the request: {'priority'}" drops the field and the task is still served."""
+    for server in ("auto", "vllm"):
+        async with stack(transformers_server.base_url, transformers_server.model,
+                         forward_priority=True, server=server) as stub:
+            events = await run(stub, payload=WORDY, task_type="chat", max_tokens=4, priority=agent_pb2.CORE)
+            assert answered(events, 4)
+
+
+async def test_a_model_the_server_does_not_serve_is_not_found_naming_what_it_serves(clean_proxy_env,
+                                                                                    transformers_server):
+    async with stack(transformers_server.base_url, transformers_server.model) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await run(stub, payload="hi", task_type="chat", max_tokens=4, model="gpt-4o")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    details = caught.value.details()
+    assert "Server is pinned to" in details and f"the server serves {transformers_server.model!r}" in details
+
+
+async def test_a_core_and_a_batch_task_are_both_served(clean_proxy_env, transformers_server):
+    async with stack(transformers_server.base_url, transformers_server.model) as stub:
+        core, batch = await asyncio.gather(
+            run(stub, task_id="prio-core", payload=WORDY, task_type="chat", max_tokens=8, priority=agent_pb2.CORE),
+            run(stub, task_id="prio-batch", payload=WORDY, task_type="chat", max_tokens=8, priority=agent_pb2.BATCH),
+        )
+    assert answered(core, 8) and answered(batch, 8)
+
+
+@pytest.fixture(scope="module")
+def debug_transformers_server(tiny_llama_dir, tmp_path_factory):
+    """A second stock ``transformers serve`` whose continuous-batching logger is set to DEBUG (by a
+    ``sitecustomize`` on its PYTHONPATH; ``--log-level`` does not reach that logger). It then logs
+    "Request <id> finished: ... decode_len = N" when a request ends by itself (max_tokens, EOS);
+    a request cancelled because its client went away is dropped from the batch without that line
+    (transformers ``continuous_batching/requests.py`` ``RequestStatus`` setter, ``scheduler.py``
+    ``clear_cancelled_requests``). The request id is the X-Request-Id the gateway sends."""
+    import os
+
+    from switchyard.testing.transformers_serve import TransformersServer
+
+    site = tmp_path_factory.mktemp("cb-debug-logging")
+    (site / "sitecustomize.py").write_text(
+        "import logging\nlogging.getLogger('ContinuousBatchingLogger').setLevel(logging.DEBUG)\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    with TransformersServer(tiny_llama_dir, env={"PYTHONPATH": path}) as server:
+        yield server
+
+
+async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env, debug_transformers_server):
+    """Task A (max_tokens N) is cancelled after its first token; task B (N + 32) then runs to its end.
+
+    The server decodes A and B one token per step in the same batch, and A started first: had A kept
+    generating, it would have finished at least 32 steps before B, logging "Request cancel-a:0 finished".
+    When B's finish is logged, A's is absent: the server stopped generating A.
+    """
+    server = debug_transformers_server
+    n = 200
+    async with stack(server.base_url, server.model) as stub:
+        call = stub.RunTask(agent_pb2.RunTaskRequest(task_id="cancel-a", payload=WORDY, task_type="chat",
+                                                     max_tokens=n))
+        async for event in call:
+            if event.HasField("token"):
+                break
+        call.cancel()
+        events = await run(stub, task_id="cancel-b", payload=WORDY, task_type="chat", max_tokens=n + 32)
+    assert events[-1].final.usage.completion_tokens == n + 32
+    finished = re.compile(r"Request (\S+) finished: .*decode_len = (\d+)")
+    for _ in range(200):  # the log line may trail the last chunk by a moment
+        done = {m.group(1): int(m.group(2)) for m in finished.finditer(server.log_tail(200_000))}
+        if "cancel-b:0" in done:
+            break
+        await asyncio.sleep(0.05)
+    assert done.get("cancel-b:0") == n + 32, server.log_tail()
+    assert "cancel-a:0" not in done, done
+
+
+def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server, tmp_path, capsys):
+    """Detected as transformers serve; the stream without [DONE] passes; forward_priority with the server
+    named vllm by mistake is named as a refused field."""
+    import json
+    import shutil
+
+    from switchyard.gateway import doctor
+
+    config = tmp_path / "config"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "config", config)
+    queue = json.loads((config / "queue.json").read_text())
+    queue["model_gateway"].update(base_url=transformers_server.base_url, default_model=transformers_server.model,
+                                  fallback_model="", model_map={}, api_key_required=False)
+    (config / "queue.json").write_text(json.dumps(queue))
+    code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out
+    assert code == 0, out
+    assert "transformers (detected from GET /models)" in out
+    assert "ended after its finish_reason without data: [DONE] (a finished stream)" in out
+    queue["model_gateway"].update(forward_priority=True, server="vllm")
+    (config / "queue.json").write_text(json.dumps(queue))
+    code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out
+    assert code == 1 and "FAIL  request field priority" in out and "Unexpected fields" not in out.split("FAIL")[0]

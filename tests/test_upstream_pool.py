@@ -1,0 +1,338 @@
+"""A pool of upstream replicas: filter -> score -> pick, bounded-load affinity, failover before the first token.
+
+Real sim-openai servers on 127.0.0.1 port 0: in threads where nothing is killed,
+in child processes where one is SIGKILLed as a crashed replica is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import grpc
+import pytest
+
+from switchyard.common.config import UpstreamConfig, load_config
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.events import ChatRequest, Finished, Token
+from switchyard.gateway.faults import Fault
+from switchyard.gateway.picker import EndpointPicker
+from switchyard.gateway.pool import PoolLimit, endpoint_name, prompt_key
+from switchyard.gateway.server_load import ServerLoad, parse_server_load
+from switchyard.gateway.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread, spawn
+
+from gateway_fixtures import clean_proxy_env  # noqa: F401
+
+pytestmark = pytest.mark.no_gpu
+
+
+def pool_config(urls: list[str], **pool: Any) -> UpstreamConfig:
+    return UpstreamConfig.model_validate({
+        "base_url": urls[0], "api_key_env": "SWITCHYARD_TEST_API_KEY", "api_key_required": False,
+        "default_model": "sim-7b", "fallback_model": "", "retry_backoff_initial_s": 0.01,
+        "retry_backoff_max_s": 0.02, "read_timeout_s": 10.0, "total_timeout_s": 30.0,
+        "pool": {"endpoints": urls, "scrape_interval_s": 0.05, **pool},
+    })
+
+
+@contextlib.contextmanager
+def replicas(n: int = 3, **options: Any) -> Iterator[list[RunningSimOpenAI]]:
+    options.setdefault("latency", False)
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(run_in_thread(SimOpenAIOptions(**options))) for _ in range(n)]
+
+
+def ask(agent: str, turn: int = 0, system: str = "You are terse.", **extra: Any) -> ChatRequest:
+    return ChatRequest(messages=[{"role": "system", "content": system},
+                                 {"role": "user", "content": f"{agent} asks question {turn}"}],
+                       model="sim-7b", max_tokens=4, request_id=f"{agent}:{turn}", affinity_key=agent, **extra)
+
+
+async def complete(client: GatewayClient, request: ChatRequest) -> list:
+    return [event async for event in client.stream_chat(request)]
+
+
+def agents_by_server(servers: list[RunningSimOpenAI]) -> dict[str, set[int]]:
+    seen: dict[str, set[int]] = {}
+    for index, server in enumerate(servers):
+        for body in server.state.requests:
+            agent = body["messages"][-1]["content"].split()[0]
+            seen.setdefault(agent, set()).add(index)
+    return seen
+
+
+# --------------------------------------------------------------------------- what servers say of their load
+
+
+def test_server_load_reads_each_servers_names():
+    vllm = ('# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m",engine="0"} 3\n'
+            'vllm:num_requests_waiting{model_name="m",engine="1"} 2\n'
+            'vllm:num_requests_running{model_name="m"} 7\n'
+            'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.5\n'
+            'vllm:kv_cache_usage_perc{model_name="m",engine="1"} 0.7\n')
+    assert parse_server_load(vllm) == ServerLoad(waiting=5.0, running=7.0, kv_cache_usage=pytest.approx(0.6))
+    older_vllm = "vllm:gpu_cache_usage_perc 0.25\nvllm:num_requests_waiting 0\n"
+    assert parse_server_load(older_vllm) == ServerLoad(waiting=0.0, kv_cache_usage=0.25)
+    sglang = 'sglang:num_queue_reqs{model_name="m"} 4\nsglang:num_running_reqs 2\nsglang:token_usage 0.9\n'
+    assert parse_server_load(sglang) == ServerLoad(waiting=4.0, running=2.0, kv_cache_usage=0.9)
+    tgi = "# TYPE tgi_queue_size gauge\ntgi_queue_size 6\ntgi_batch_current_size 12\n"
+    assert parse_server_load(tgi) == ServerLoad(waiting=6.0, running=12.0)
+    llamacpp = "llamacpp:requests_deferred 1\nllamacpp:requests_processing 1\nllamacpp:kv_cache_usage_ratio 1.2\n"
+    assert parse_server_load(llamacpp) == ServerLoad(waiting=1.0, running=1.0, kv_cache_usage=1.0)
+    assert not parse_server_load("process_cpu_seconds_total 1.5\n").known
+    with pytest.raises(ValueError):
+        parse_server_load("this is { not prometheus text\n")
+
+
+async def test_sim_openai_metrics_count_waiting_streams_kv_and_prefix_hits(clean_proxy_env):
+    import httpx
+
+    options = SimOpenAIOptions(latency=True, max_running=1, kv_tokens=1000)
+    with run_in_thread(options) as server:
+        root = server.base_url.removesuffix("/v1")
+        cfg = pool_config([server.base_url])
+        long_system = " ".join(["context"] * 200)
+        async with GatewayClient(cfg) as client, httpx.AsyncClient() as http:
+            await complete(client, ask("a", system=long_system))
+            assert server.state.prefix_hit_tokens == 0
+            await complete(client, ask("a", 1, system=long_system))
+            assert server.state.prefix_hit_tokens >= 180, "the shared opening blocks were cached"
+            slow = ChatRequest(messages=[{"role": "user", "content": "slow " * 50}], model="sim-7b#slow_ms=40",
+                               max_tokens=40)
+            streams = [asyncio.create_task(complete(client, slow)) for _ in range(3)]
+            for _ in range(500):
+                if server.state.waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            load = parse_server_load((await http.get(root + "/metrics")).text)
+            assert load.waiting == 2 and load.running == 1 and 0 < load.kv_cache_usage <= 1
+            await asyncio.gather(*streams)
+            text = (await http.get(root + "/metrics")).text
+    assert "vllm:prefix_cache_hits_total" in text and "vllm:prefix_cache_queries_total" in text
+    assert parse_server_load(text) == ServerLoad(waiting=0.0, running=0.0, kv_cache_usage=0.0)
+
+
+# --------------------------------------------------------------------------- the picker alone
+
+
+@dataclass
+class Replica:
+    """A candidate as the picker reads one (the fields of gateway.pool.Endpoint it scores)."""
+
+    name: str
+    up: bool = True
+    in_flight: int = 0
+    load: ServerLoad = field(default_factory=ServerLoad)
+    limit_value: int | None = 32
+    ttft_s: float | None = None
+
+
+def picker(**config: Any) -> EndpointPicker:
+    cfg = UpstreamConfig.model_validate({"pool": {"endpoints": ["http://a/v1", "http://b/v1"], **config}})
+    return EndpointPicker(cfg.pool)
+
+
+def test_picker_filters_down_tried_and_full_endpoints():
+    pick = picker(weights={"prefix_affinity": 0, "queue_depth": 0, "kv_cache_usage": 0, "in_flight": 1, "ttft": 0})
+    a, b, c = Replica("a"), Replica("b", up=False), Replica("c", in_flight=5, limit_value=5)
+    pick.sync(["a", "b", "c"])
+    assert pick.pick([a, b, c], "", 0.0).name == "a"
+    assert pick.pick([a, b, c], "", 0.0, tried=frozenset({"a"})).name == "c", "a full endpoint beats none"
+    with pytest.raises(LookupError, match="no endpoint up and untried"):
+        pick.pick([a, b, c], "", 0.0, tried=frozenset({"a", "c"}))
+
+
+def test_each_scorer_prefers_what_it_measures():
+    endpoints = [Replica("a"), Replica("b")]
+
+    def only(scorer: str) -> EndpointPicker:
+        weights = {"prefix_affinity": 0, "queue_depth": 0, "kv_cache_usage": 0, "in_flight": 0, "ttft": 0}
+        p = picker(weights={**weights, scorer: 1})
+        p.sync(["a", "b"])
+        return p
+
+    endpoints[0].load = ServerLoad(waiting=4)
+    endpoints[1].load = ServerLoad(waiting=0)
+    assert only("queue_depth").pick(endpoints, "", 0.0).name == "b"
+    endpoints[0].load, endpoints[1].load = ServerLoad(kv_cache_usage=0.2), ServerLoad(kv_cache_usage=0.9)
+    assert only("kv_cache_usage").pick(endpoints, "", 0.0).name == "a"
+    endpoints[0].in_flight, endpoints[1].in_flight = 10, 2
+    assert only("in_flight").pick(endpoints, "", 0.0).name == "b"
+    endpoints[0].ttft_s, endpoints[1].ttft_s = 0.05, 0.4
+    assert only("ttft").pick(endpoints, "", 0.0).name == "a"
+    result = only("ttft").pick(endpoints, "", 0.0)
+    assert result.scores == {"a": 1.0, "b": pytest.approx(0.125)} and result.reason == "load"
+
+
+def test_affinity_keeps_a_key_home_spills_past_the_bound_and_comes_back():
+    pick = picker(balance=1.25)
+    endpoints = [Replica(n) for n in ("a", "b", "c")]
+    pick.sync(["a", "b", "c"])
+    first = pick.pick(endpoints, "agent-1", 0.0)
+    assert first.reason == "affinity"
+    home = next(e for e in endpoints if e.name == first.name)
+    for _ in range(10):  # more calls of the same agent while they all run
+        chosen = pick.pick(endpoints, "agent-1", 0.0)
+        next(e for e in endpoints if e.name == chosen.name).in_flight += 1
+    assert max(e.in_flight for e in endpoints) / (10 / 3) <= 1.25 * 1.2  # within the bound's rounding
+    assert home.in_flight == max(e.in_flight for e in endpoints)
+    assert pick.pick(endpoints, "agent-1", 0.0).reason == "spill"
+    for e in endpoints:
+        e.in_flight = 0
+    assert pick.pick(endpoints, "agent-1", 0.0).name == home.name
+    rr = picker(policy="round_robin")
+    rr.sync(["a", "b", "c"])
+    assert [rr.pick(endpoints, "agent-1", 0.0).name for _ in range(3)] == ["a", "b", "c"]
+
+
+def test_prompt_key_is_the_opening_text():
+    system = [{"role": "system", "content": "x" * 2000}]
+    assert prompt_key(system + [{"role": "user", "content": "one"}], 1024) == \
+        prompt_key(system + [{"role": "user", "content": "two"}], 1024)
+    assert prompt_key([{"role": "user", "content": "one"}], 1024) != prompt_key([{"role": "user", "content": "two"}],
+                                                                                   1024)
+    assert endpoint_name("http://10.0.0.1:8000/v1") == "10.0.0.1:8000" and endpoint_name("https://h/v1") == "h:443"
+
+
+def test_pool_config_refuses_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="endpoints"):
+        UpstreamConfig.model_validate({"pool": {"endpoints": ["10.0.0.1:8000"]}})
+    with pytest.raises(ValueError, match="distinct"):
+        UpstreamConfig.model_validate({"pool": {"endpoints": ["http://a/v1", "http://a/v1/"]}})
+    with pytest.raises(ValueError, match="set one, not both"):
+        UpstreamConfig.model_validate({"pool": {"endpoints": ["http://a/v1"], "dns_url": "http://b/v1"}})
+    single = load_config("config").upstream
+    assert not single.pool.pooled and single.endpoint_urls == [single.base_url]
+
+
+# --------------------------------------------------------------------------- real replicas
+
+
+async def test_agents_spread_over_the_pool_and_each_stays_on_its_replica(clean_proxy_env):
+    with replicas() as servers:
+        async with GatewayClient(pool_config([s.base_url for s in servers])) as client:
+            agents = [f"agent{i}" for i in range(12)]
+            for turn in range(3):
+                results = await asyncio.gather(*(complete(client, ask(a, turn)) for a in agents))
+                assert all(isinstance(r[-1], Finished) for r in results)
+            assert isinstance(client.concurrency_limit, PoolLimit)
+            assert client.concurrency_limit.limit == 3 * client.config.concurrency.initial_limit
+    seen = agents_by_server(servers)
+    assert set(seen) == set(agents)
+    assert all(len(where) == 1 for where in seen.values()), seen
+    per_server = [sum(1 for where in seen.values() if where == {i}) for i in range(3)]
+    assert max(per_server) / (12 / 3) <= 1.25, per_server
+
+
+async def test_calls_without_an_agent_follow_their_prompt_prefix(clean_proxy_env):
+    with replicas() as servers:
+        async with GatewayClient(pool_config([s.base_url for s in servers])) as client:
+            for i in range(6):  # one at a time: the same opening text goes to the same replica
+                request = ask(f"q{i}", system="A long shared system prompt. " * 60)
+                await complete(client, dataclasses.replace(request, affinity_key=""))
+    assert sorted(len(s.state.requests) for s in servers) == [0, 0, 6]
+
+
+async def test_a_failing_replica_is_left_for_another_before_the_first_token(clean_proxy_env):
+    with replicas(2) as healthy, run_in_thread(SimOpenAIOptions(latency=False, faults={"*": Fault(status=503)})) as bad:
+        servers = [bad, *healthy]
+        async with GatewayClient(pool_config([s.base_url for s in servers])) as client:
+            results = await asyncio.gather(*(complete(client, ask(f"agent{i}")) for i in range(12)))
+            assert all(isinstance(r[-1], Finished) for r in results)
+            bad_endpoint = client.pool.endpoints[endpoint_name(bad.base_url)]
+            assert bad_endpoint.limit.limit < client.config.concurrency.initial_limit, "503s backed its limit off"
+    assert bad.state.requests, "some agents were homed on the failing replica"
+    assert sum(len(s.state.requests) for s in healthy) == 12
+
+
+async def test_a_killed_replica_fails_no_call_that_had_not_streamed_a_token(clean_proxy_env):
+    procs = [spawn(["--max-running", "64"]) for _ in range(3)]
+    try:
+        cfg = pool_config([p.base_url for p in procs], scrape_interval_s=5.0)
+        async with GatewayClient(cfg) as client:
+            agents = [f"agent{i}" for i in range(12)]
+            await asyncio.gather(*(complete(client, ask(a)) for a in agents))
+            homes = {a: client.pool.picker.ring.placed[a] for a in agents}
+            victim = procs[0]
+            victim_name = endpoint_name(victim.base_url)
+            on_victim = [a for a in agents if homes[a] == victim_name]
+            assert on_victim
+            # one long stream on the victim, killed once it has streamed a token
+            long = dataclasses.replace(ask(on_victim[0], 1), max_tokens=400, model="sim-7b#slow_ms=20")
+            stream = client.stream_chat(long)
+            first = await anext(stream)
+            while not isinstance(first, Token):
+                first = await anext(stream)
+            victim.kill()
+            with pytest.raises(GatewayError) as cut:
+                async for _ in stream:
+                    pass
+            assert cut.value.code == grpc.StatusCode.UNAVAILABLE and cut.value.tokens_sent >= 1
+            assert "not retried" in str(cut.value)
+            # every other call, the victim's agents included, is served: none had streamed a token
+            results = await asyncio.gather(*(complete(client, ask(a, 2)) for a in agents))
+            assert all(isinstance(r[-1], Finished) for r in results)
+            assert not client.pool.endpoints[victim_name].up
+            assert all(client.pool.picker.ring.placed[a] != victim_name for a in on_victim)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+async def test_a_dns_name_is_an_endpoint_per_address_and_down_ones_are_skipped(clean_proxy_env):
+    with replicas(1) as (server,):
+        url = server.base_url.replace("127.0.0.1", "localhost")
+        cfg = UpstreamConfig.model_validate({**pool_config([server.base_url]).model_dump(),
+                                             "pool": {"dns_url": url, "scrape_interval_s": 0.05}})
+        async with GatewayClient(cfg) as client:
+            results = await asyncio.gather(*(complete(client, ask(f"agent{i}")) for i in range(6)))
+            assert all(isinstance(r[-1], Finished) for r in results)
+            names = set(client.pool.endpoints)
+            assert f"127.0.0.1:{server.port}" in names  # localhost may also give ::1, where nothing listens
+            for name, endpoint in client.pool.endpoints.items():
+                if name.startswith("["):
+                    assert not endpoint.up
+    assert len(server.state.requests) == 6
+
+
+async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_proxy_env):
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+    from switchyard.common.channels import open_channel
+    from switchyard.common.server import running
+    from switchyard.dispatcher.engines import make_engine
+    from switchyard.dispatcher.service import DispatcherService
+
+    with replicas() as servers:
+        urls = [s.base_url for s in servers]
+        cfg = load_config("config").with_overrides(**{
+            "dispatcher.engine": "openai", "upstream.api_key_required": False, "upstream.default_model": "sim-7b",
+            "upstream.fallback_model": "", "upstream.pool.endpoints": urls})
+        service = DispatcherService(cfg, engine=make_engine(cfg))
+        assert isinstance(service.limit, PoolLimit)
+        assert service.limit.limit == 3 * cfg.upstream.concurrency.initial_limit
+        async with running([service], cfg.server) as server:
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                for agent in ("a1", "a2", "a3", "a1"):
+                    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                        request_id=f"{agent}-{id(agent)}", prompt=f"{agent} says hi", agent_id=agent, max_tokens=4))]
+                    assert chunks[-1].done.finish_reason in ("stop", "length")
+    assert sum(len(s.state.requests) for s in servers) == 4
+
+
+def test_upstream_variables_override_model_gateway_and_name_themselves_when_bad(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", "http://127.0.0.1:8000/v1")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "qwen2.5-7b-instruct")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_FALLBACK_MODEL", "none")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_API_KEY_REQUIRED", "false")
+    upstream = load_config("config", service="dispatcher").upstream
+    assert (upstream.base_url, upstream.default_model, upstream.fallback_model, upstream.api_key_required) == (
+        "http://127.0.0.1:8000/v1", "qwen2.5-7b-instruct", "", False)
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="SWITCHYARD_UPSTREAM_BASE_URL='127.0.0.1:8000'.*http://"):
+        load_config("config", service="dispatcher")

@@ -1,0 +1,149 @@
+"""Server flavours: the priority in each server's own field and polarity, refused fields dropped,
+and X-Agent-Id / X-Priority on every upstream request, against sim-openai recording what it got."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
+
+from switchyard.api import agent_pb2
+from switchyard.gateway import servers
+from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.events import ChatRequest, Token
+from switchyard.gateway.faults import Fault
+
+
+def ask(priority: str, agent: str = "agent-1", request_id: str = "r-1") -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": "hello"}], priority_class=priority, agent_id=agent,
+                       request_id=request_id)
+
+
+async def stream(client: GatewayClient, request: ChatRequest) -> list:
+    return [e async for e in client.stream_chat(request)]
+
+
+# --------------------------------------------------------------------------- priority field and polarity
+
+
+@pytest.mark.parametrize(("owned_by", "server", "polarity", "expected"), [
+    ("vllm", "auto", "server_default", {"core": 0, "normal": 1, "batch": 2}),  # vLLM: lower first
+    ("sglang", "auto", "server_default", {"core": 2, "normal": 1, "batch": 0}),  # SGLang: higher first
+    ("sglang", "auto", "lower_first", {"core": 0, "normal": 1, "batch": 2}),  # --schedule-low-priority-values-first
+    ("switchyard-sim", "sglang", "server_default", {"core": 2, "normal": 1, "batch": 0}),  # named, not detected
+    ("switchyard-sim", "auto", "server_default", {"core": 0, "normal": 1, "batch": 2}),  # unknown: vLLM's field
+])
+async def test_the_priority_goes_in_the_servers_field_with_its_polarity(clean_proxy_env, owned_by, server, polarity,
+                                                                         expected):
+    with start_sim(owned_by=owned_by) as sim:
+        cfg = gateway_config(sim.base_url, forward_priority=True, server=server, priority_polarity=polarity)
+        async with GatewayClient(cfg) as client:
+            for cls in expected:
+                await stream(client, ask(cls))
+    assert [body["priority"] for body in sim.state.requests] == list(expected.values())
+
+
+@pytest.mark.parametrize("server", ["tgi", "llama_cpp", "transformers", "ollama", "openai"])
+async def test_servers_without_a_priority_get_no_priority_field(clean_proxy_env, server):
+    with start_sim() as sim:
+        async with GatewayClient(gateway_config(sim.base_url, forward_priority=True, server=server)) as client:
+            await stream(client, ask("core"))
+    assert "priority" not in sim.state.requests[0]
+    assert sim.state.headers[0]["x-priority"] == "core"  # the header still carries it
+
+
+@pytest.mark.parametrize(("body", "headers", "flavour"), [
+    ({"data": [{"id": "m", "owned_by": "vllm"}]}, {}, "vllm"),
+    ({"data": [{"id": "m", "owned_by": "sglang"}]}, {}, "sglang"),
+    ({"data": [{"id": "m", "owned_by": "llamacpp", "meta": {"n_ctx_train": 4096}}]}, {}, "llama_cpp"),
+    ({"data": [{"id": "qwen2.5:7b", "owned_by": "library"}]}, {}, "ollama"),
+    ({"data": [{"id": "gpt-4o-mini", "owned_by": "system"}]}, {}, "openai"),
+    ({"data": [{"id": "/m", "owned_by": "local", "status": {"value": "loaded"}}]}, {"server": "uvicorn"},
+     "transformers"),
+    ({"data": [{"id": "tgi", "owned_by": "meta-llama/Llama-3.1-8B"}]}, {"server": "text-generation-inference"}, "tgi"),
+    ({"data": [{"id": "m", "owned_by": "acme"}]}, {"server": "nginx"}, "unknown"),
+])
+def test_the_flavour_is_read_from_the_model_list_and_the_server_header(body, headers, flavour):
+    assert servers.detect(body, headers) == flavour
+
+
+# --------------------------------------------------------------------------- refused fields
+
+
+async def test_a_refused_field_is_dropped_logged_once_and_the_request_retried_without_it(clean_proxy_env, caplog):
+    """transformers serve answers 422 "Unexpected fields in the request: {'priority'}": the request is sent
+    again without the field (no token had streamed), and later requests never carry it."""
+    caplog.set_level(logging.WARNING, logger="switchyard.gateway.client")
+    with start_sim(refuse_fields=frozenset({"priority"})) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, forward_priority=True, max_retries=0,
+                                                fallback_model="")) as client:
+            first = await stream(client, ask("core"))
+            second = await stream(client, ask("batch"))
+            assert client.refused_fields == {"priority"}
+    assert any(isinstance(e, Token) for e in first) and any(isinstance(e, Token) for e in second)
+    assert ["priority" in body for body in sim.state.requests] == [True, False, False]
+    refusals = [r for r in caplog.records if "refused the request field 'priority'" in r.getMessage()]
+    assert len(refusals) == 1 and "forward_priority" in refusals[0].getMessage()
+
+
+@pytest.mark.parametrize(("status", "message", "field"), [
+    (422, "Unexpected fields in the request: {'priority'}", "priority"),  # transformers serve
+    (400, "Unrecognized request argument supplied: priority", "priority"),  # OpenAI API
+    (422, "Failed to deserialize the JSON body into the target type: unknown field `stream_options`",
+     "stream_options"),  # TGI (serde)
+    (422, '{"detail":[{"type":"extra_forbidden","loc":["body","priority"],"msg":"Extra inputs are not permitted"}]}',
+     "priority"),  # pydantic extra=forbid
+    (400, "This model's maximum context length is 4096 tokens", None),  # not a refused field
+    (500, "Unexpected fields in the request: {'priority'}", None),  # only 400/422
+])
+def test_refused_field_messages_of_each_server(status, message, field):
+    assert servers.refused_field(status, message, ("priority", "stream_options")) == field
+
+
+# --------------------------------------------------------------------------- X-Agent-Id and X-Priority
+
+
+async def test_every_upstream_request_carries_agent_and_priority_headers_through_retries_and_fallback(
+        clean_proxy_env):
+    """Each attempt carries them: retried 503s, the fallback model's call, JSON and streamed calls."""
+    with start_sim(faults={"claude-sonnet-4-5": Fault(status=503), "gpt-4o-mini": Fault(status=503, fail_first=1)}) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, max_retries=1)) as client:
+            await stream(client, ask("batch", agent="agent-42", request_id="req-9"))
+            await client.complete(ask("core", agent="", request_id="req-10"))
+    assert len(sim.state.headers) == 2 + 2 + 1 + 2  # primary twice, fallback twice then once; then the JSON call
+    seen = [(h.get("x-agent-id"), h.get("x-priority"), h.get("x-request-id")) for h in sim.state.headers]
+    assert seen[:4] == [("agent-42", "batch", "req-9")] * 4
+    assert seen[4:] == [("req-10", "core", "req-10")] * 3  # no agent: the request is its own agent
+
+
+@pytest.mark.slow
+async def test_every_upstream_request_of_the_stack_carries_x_agent_id_and_x_priority(clean_proxy_env,
+                                                                                       pydoc_index_dir):
+    """Through orchestrator, retrieval and dispatcher: chat, rag_answer and react_loop tasks of every class;
+    100 % of the upstream requests carry both headers with the task's agent and class."""
+    from test_openai_engine import run_task
+
+    classes = {agent_pb2.CORE: "core", agent_pb2.NORMAL: "normal", agent_pb2.BATCH: "batch"}
+    with start_sim() as sim:
+        expected = []
+        for i, (task_type, priority) in enumerate([("chat", agent_pb2.CORE), ("rag_answer", agent_pb2.BATCH),
+                                                   ("react_loop", agent_pb2.NORMAL)]):
+            before = len(sim.state.headers)
+            await run_task(sim.base_url, agent_pb2.RunTaskRequest(
+                task_id=f"hdr-{i}", agent_id=f"agent-{i}", payload="What does the with statement do?",
+                task_type=task_type, priority=priority), index_dir=pydoc_index_dir)
+            expected += [(f"agent-{i}", classes[priority])] * (len(sim.state.headers) - before)
+    got = [(h.get("x-agent-id"), h.get("x-priority")) for h in sim.state.headers]
+    assert len(got) >= 4 and got == expected
+
+
+async def test_an_unknown_model_is_not_found_naming_the_ids_served(clean_proxy_env):
+    with start_sim(models=["served-a", "served-b"]) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, default_model="served-a", fallback_model="")) as client:
+            with pytest.raises(GatewayError) as caught:
+                await stream(client, ChatRequest(messages=[{"role": "user", "content": "hi"}], model="other-model"))
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert "the server serves 'served-a', 'served-b'" in str(caught.value)
