@@ -36,20 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from switchyard.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 
 PRIORITIES = ("core", "normal", "batch")
 STREAM_BODY = {"payload": "How does the with statement work?", "task_type": "chat", "max_tokens": 64}
-
-
-def nearest_rank(values: list[float], p: float) -> float:
-    """ghz's percentile (bench/report.py rule) of ``values``; 0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    ip = p / 100 * len(ordered)
-    di = int(ip) - (1 if ip == int(ip) else 0)
-    return ordered[max(di, 0)]
 
 
 @dataclass
@@ -68,7 +59,7 @@ class Calls:
         return {
             "ok": done, "errors": sum(self.failures.values()), "failures": dict(self.failures),
             "wall_s": round(self.wall_s, 3), "per_s": round(done / self.wall_s, 2) if self.wall_s else 0.0,
-            **{f"p{p}_ms": round(1000 * nearest_rank(self.latencies, p), 3) for p in (50, 95, 99)},
+            **{f"p{p}_ms": round(1000 * percentile(self.latencies, p), 3) for p in (50, 95, 99)},
         }
 
 

@@ -477,32 +477,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         if not request.task_id and not request.agent_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)")
-        if not request.task_id:
-            try:
-                latest = await self.tasks.latest_of_agent(request.agent_id)
-            except SwitchyardError as exc:
-                await context.abort(exc.code, str(exc))
-            if latest is None:
-                retention = self.config.orchestrator.task_store.retention_s
-                await context.abort(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"agent_id: agent {request.agent_id!r} submitted no task (or none in the last {retention:g} s: "
-                    "orchestrator.task_store.retention_s)",
-                )
-            live = self._submitted.get(latest.task_id)
-            return live.to_status(latest.task_id) if live is not None else latest.to_status()
-        live = self._submitted.get(request.task_id)
-        if live is not None:
-            return live.to_status(request.task_id)
+        retention = self.config.orchestrator.task_store.retention_s
         try:
-            record = await self.tasks.get(request.task_id)
+            record = (await self.tasks.get(request.task_id) if request.task_id
+                      else await self.tasks.latest_of_agent(request.agent_id))
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
         if record is None:
-            retention = self.config.orchestrator.task_store.retention_s
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
+            await context.abort(grpc.StatusCode.NOT_FOUND, (
                 f"task_id: no task {request.task_id!r} (never submitted, or finished more than {retention:g} s ago: "
-                "orchestrator.task_store.retention_s)",
-            )
-        return record.to_status()
+                "orchestrator.task_store.retention_s)" if request.task_id else
+                f"agent_id: agent {request.agent_id!r} submitted no task (or none in the last {retention:g} s: "
+                "orchestrator.task_store.retention_s)"))
+        live = self._submitted.get(record.task_id)
+        return live.to_status(record.task_id) if live is not None else record.to_status()
