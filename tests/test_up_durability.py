@@ -170,7 +170,7 @@ async def test_kill_9_of_an_orchestrator_leaves_no_cpu_worker_or_resource_tracke
             port_file = tmp_path / f"ports-{attempt}.json"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "switchyard.cli", "serve", "orchestrator", "--config-dir", str(config_dir),
-                 "--port", "0", "--metrics-port", "0", "--port-file", str(port_file)],
+                 "--port", "0", "--metrics-port", "0", "--http-port", "0", "--port-file", str(port_file)],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             started: list[psutil.Process] = []
             try:
