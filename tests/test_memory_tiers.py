@@ -493,3 +493,54 @@ async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_
         await channel.close()
         await srv.stop(1.0)
         await client.aclose()
+
+
+async def test_an_agent_spilled_to_another_dispatcher_restores_its_prefix_from_the_shared_dram(
+        redis_db: RedisDb) -> None:
+    """Affinity spills an agent's step to the next replica: that replica finds the copy its home parked in the
+    shared DRAM tier (keyed by agent, not by replica) and restores it instead of recomputing the prefix."""
+    config = SwitchyardConfig().with_overrides(**{**redis_db.overrides, "scheduler.tool_wait_ttl_s": 0.0})
+    home, spill = DispatcherService(config), DispatcherService(config)
+    client = redis_db.client()
+    servers = [await start_server([service], "127.0.0.1", 0, config.server) for service in (home, spill)]
+    channels = [open_channel(f"127.0.0.1:{srv.port}", config.server) for srv in servers]
+    try:
+        home_stub, spill_stub = (agent_pb2_grpc.InferenceServiceStub(channel) for channel in channels)
+        question = agent_pb2.ChatMessage(role="user", content="<question>what does the with statement do?</question>")
+        tools = [agent_pb2.ToolSpec(name="search_docs", parameters_json='{"type": "object"}')]
+        first = [c async for c in home_stub.Generate(agent_pb2.GenerateRequest(
+            request_id="spill-1", agent_id="spill-agent", task_type="react_loop", messages=[question], tools=tools,
+        ), timeout=30)]
+        call = [c.tool_call for c in first if c.HasField("tool_call")][0]
+        key = home.tiers.agent_key("spill-agent")
+        assert key == spill.tiers.agent_key("spill-agent")
+        for _ in range(400):  # the home's idle tick expires the TTL and writes the copy
+            if await client.exists(key):
+                break
+            await asyncio.sleep(0.01)
+        prefix = int(await client.hget(key, "tokens"))
+        assert prefix > 0 and home.scheduler.parked == []
+
+        restored = metric("switchyard_kv_restored_tokens_total")
+        recomputed = metric("switchyard_kv_recomputed_tokens_total")
+        hits = metric("switchyard_tier_hits_total", tier="dram")
+        follow = [
+            question,
+            agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+            agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name="search_docs",
+                                  content="[1] Compound statements\nThe with statement wraps a block."),
+        ]
+        second = [c async for c in spill_stub.Generate(agent_pb2.GenerateRequest(
+            request_id="spill-2", agent_id="spill-agent", task_type="react_loop", messages=follow, tools=tools,
+            resume=True,
+        ), timeout=30)]
+        assert second[-1].done.finish_reason == "stop"
+        assert metric("switchyard_kv_restored_tokens_total") == restored + prefix
+        assert metric("switchyard_kv_recomputed_tokens_total") == recomputed
+        assert metric("switchyard_tier_hits_total", tier="dram") == hits + 1
+    finally:
+        for channel in channels:
+            await channel.close()
+        for srv in servers:
+            await srv.stop(1.0)
+        await client.aclose()

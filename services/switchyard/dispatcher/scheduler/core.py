@@ -978,6 +978,11 @@ class SchedulerCore:
             tier_metrics.TIER_MISSES.labels("hbm").inc()
             req.recomputed_tokens += min(found.prefix_tokens, req.prompt_tokens)
             metrics.RESUMES.labels("tool_cold").inc()
+            if found.parked is None and not found.prefix_tokens and self.tiers.store is not None:
+                # No record here: the agent's last step ran on another replica (affinity spilled it). The
+                # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
+                # under the same key; swap_tokens 0 takes whatever the copy holds (a miss recomputes).
+                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_id), 0
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""

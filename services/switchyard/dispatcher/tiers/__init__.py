@@ -192,7 +192,9 @@ class MemoryTiers:
         if req.is_finished or req.state != "running":  # it left while the copy was read
             self.discard(key)
             return 0
-        restored = int(self.engine.import_kv(req, entry.payload, min(tokens, entry.tokens)))
+        # tokens 0: the copy was found by its agent's key alone (parked by another replica), take all it holds
+        wanted = min(tokens, entry.tokens) if tokens else min(entry.tokens, max(0, req.prompt_tokens - 1))
+        restored = int(self.engine.import_kv(req, entry.payload, wanted))
         self.discard(key)
         if restored <= 0:
             return 0
