@@ -319,3 +319,21 @@ async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
         streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
         for kind in ("sse", "grpc"):
             assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
+
+
+async def test_a_body_past_the_size_limit_is_400_naming_it_and_unknown_paths_and_methods_answer_json():
+    async with http_stack() as (client, _, down):
+        limit = load_config("config", service="orchestrator").limits.max_payload_chars
+        for chars in (5 * limit, 11 * limit):  # past the face's body limit (4 bytes a character and more)
+            for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+                reply = await client.post(path, json={**FIELD_BODY, "payload": "x" * chars})
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith("body: expected at most")
+                assert "limits.max_payload_chars" in error["message"]
+        unknown = await client.get("/api/v1/nothing-here")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "NOT_FOUND"
+        wrong = await client.get("/api/v1/agent/submit")
+        assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
+        assert "POST" in wrong.headers["Allow"]
+        assert down.requests == []

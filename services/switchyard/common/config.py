@@ -647,6 +647,12 @@ class OssTierConfig(_Strict):
         3600, gt=0,
         description="A DRAM entry valued below demote_threshold is archived once it has sat this long, seconds."
     )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments handed to fsspec with path (fsspec.core.url_to_fs) to open the store: for "
+        "s3:// s3fs's, e.g. {client_kwargs = {endpoint_url = \"http://127.0.0.1:9000\"}} for an S3-compatible "
+        "server, anon = true; empty (default): the backend's own defaults (credentials from the environment).",
+    )
 
 
 class ScanConfig(_Strict):

@@ -232,7 +232,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         dram = config.memory.dram
         store = (KvStore(DramClient(dram), dram.kv_ttl_s)
                  if self.stepping and dram.kv_swap and hasattr(self.engine, "export_kv") else None)
-        cold = ColdStore(config.memory.oss.path, dram.key_prefix) if store is not None else None  # [oss]
+        oss = config.memory.oss
+        cold = ColdStore(oss.path, dram.key_prefix, oss.storage_options) if store is not None else None  # [oss]
         self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
             config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers

@@ -152,11 +152,15 @@ class HttpFace:
     def register(self, server: grpc.aio.Server) -> None:
         """Nothing on the gRPC server."""
 
-    def app(self) -> web.Application:
+    @property
+    def body_max_bytes(self) -> int:
+        """The largest request body read, bytes: room for the largest payload (UTF-8, up to 4 bytes a
+        character) and metadata, plus the rest of the body."""
         limits = self.config.limits
-        # Room for the largest payload (UTF-8, up to 4 bytes a character) and metadata, plus the rest of the body.
-        body_max = 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
-        app = web.Application(middlewares=[self._authenticate], client_max_size=body_max)
+        return 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._authenticate], client_max_size=self.body_max_bytes)
         app.router.add_post("/api/v1/agent/submit", self.submit, name="submit")
         app.router.add_post("/api/v1/agent/run", self.run, name="run")
         app.router.add_get("/api/v1/agent/{agent_id}/status", self.agent_status, name="status")
@@ -214,7 +218,15 @@ class HttpFace:
             if refused is not None:
                 code, message = refused
                 return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _error(grpc.StatusCode.NOT_FOUND, f"path: no route {request.path!r} (see /openapi.json)")
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            return web.json_response(error_body(grpc.StatusCode.UNIMPLEMENTED,
+                                                f"method: {request.method} {request.path} expected {allowed}"),
+                                     status=405, headers={"Allow": allowed})
 
     # ------------------------------------------------------------------ handlers
 
@@ -226,6 +238,11 @@ class HttpFace:
         """
         try:
             data = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            limits = self.config.limits
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"body: expected at most {self.body_max_bytes} bytes; payload: at most "
+                            f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator") from None
         except ValueError:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
                             "body: expected a JSON object (Content-Type: application/json)", "orchestrator") from None

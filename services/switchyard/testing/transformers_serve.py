@@ -31,9 +31,6 @@ from pathlib import Path
 
 import httpx
 
-#: The name the server is started with and answers under (``/v1/models``).
-MODEL_NAME = "tiny-llama"
-
 # Llama chat markup kept minimal: the tokenizer is random-weight anyway, the template only
 # has to exist (``/v1/chat/completions`` refuses a tokenizer without one).
 _CHAT_TEMPLATE = (
@@ -227,6 +224,10 @@ class TransformersServer:
         self.stop()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, required=True, help="where to build (or find) the tiny Llama")
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=512, help="paged KV cache blocks (32 tokens each)")
     args = parser.parse_args(argv)
     build_tiny_llama(args.model_dir)
+    # SIGTERM stops the server too (it runs in its own session, so it would outlive this process).
+    signal.signal(signal.SIGTERM, _interrupt)
     with TransformersServer(args.model_dir, port=args.port, kv_blocks=args.kv_blocks) as server:
         print(f"transformers serve ready: base_url {server.base_url}  model {server.model}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

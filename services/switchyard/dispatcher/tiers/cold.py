@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import time
+from typing import Any
 from urllib.parse import quote
 
 from switchyard.dispatcher.tiers import blob, metrics
@@ -119,6 +120,8 @@ class ColdStore:
     Args:
         path: ``[oss] path`` (a folder or an fsspec URL).
         key_prefix: ``[dram] key_prefix``, left out of file names.
+        storage_options: ``[oss] storage_options``, keyword arguments for the fsspec backend (an S3 endpoint URL,
+            credentials).
 
     Opening a local folder removes the temporary names of writers that are gone (:func:`remove_partial_writes`).
 
@@ -126,12 +129,13 @@ class ColdStore:
         ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed.
     """
 
-    def __init__(self, path: str, key_prefix: str = "switchyard:") -> None:
+    def __init__(self, path: str, key_prefix: str = "switchyard:",
+                 storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
         from fsspec.implementations.local import LocalFileSystem
 
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(path)
+            self.fs, self.root = fsspec.core.url_to_fs(path, **(storage_options or {}))
         except (ImportError, ValueError) as exc:
             raise ValueError(f"memory_policy.toml [oss] path {path!r}: {exc}") from None
         self.path = path
