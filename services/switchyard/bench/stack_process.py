@@ -45,6 +45,8 @@ class FixedSlots:
     the baseline is measured against.
     """
 
+    CLASS_REFUSALS: frozenset[str] = frozenset()
+
     def __init__(self, n: int = 1) -> None:
         self.n = n
         self.running = 0

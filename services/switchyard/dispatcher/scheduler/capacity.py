@@ -61,6 +61,9 @@ def memory_info(engine: Any) -> MemoryInfo | None:
 class Capacity(Protocol):
     """A limit on the running set. The scheduler calls it on the event loop only."""
 
+    CLASS_REFUSALS: frozenset[str]
+    """Refusals that depend on the request's class: a higher class behind the refused head may still start."""
+
     def refusal(self, req: Request) -> str | None:
         """None when ``req`` fits now, else the refusal reason (a metric label)."""
 
@@ -88,6 +91,9 @@ class KvBudget:
     Raises:
         ValueError: the weights alone exceed ``capacity_ratio`` x device memory.
     """
+
+    CLASS_REFUSALS: frozenset[str] = frozenset()
+    """No KV refusal depends on the class: a request that does not fit blocks every class behind it."""
 
     def __init__(self, hbm: HbmTierConfig, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
                  device_used: Any = None) -> None:
@@ -162,6 +168,8 @@ class KvBudget:
 
 class Unbounded:
     """No memory limit known (an engine that reports none): compute score alone bounds admission."""
+
+    CLASS_REFUSALS: frozenset[str] = frozenset()
 
     def refusal(self, req: Request) -> str | None:
         return None

@@ -359,7 +359,7 @@ class SchedulerCore:
         while self._waiting:
             req = self._waiting[0][1]
             reason = self._refusal(req, projected, wave)
-            if reason is not None and reason in getattr(self.capacity, "CLASS_REFUSALS", ()):
+            if reason is not None and reason in self.capacity.CLASS_REFUSALS:
                 core = self._waiting_core_behind(req, projected, wave)
                 if core is not None:  # CORE may take the slots held back from the head's class
                     self._remove_waiting(core)
