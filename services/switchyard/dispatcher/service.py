@@ -13,6 +13,12 @@ flush that carried the request, the model, preemptions and finish_reason.
 Errors end the stream with a gRPC status (see :mod:`switchyard.common.errors`).
 The scheduler alone expires waiting requests and releases KV; when the caller
 goes away, the handler aborts its request there.
+
+``ToolWait`` hears from the orchestrator that an agent's tool call started
+(who, which tool, the expected wait, tenant, priority): :meth:`DispatcherService.tool_wait`
+decides what its prefix state does meanwhile (KEEP for now: parked for
+``tool_wait_ttl_s``). A ``prefill_only`` request (a warm-up of a prompt prefix)
+finishes at once, no tokens, on an engine that shares no prefixes.
 """
 
 from __future__ import annotations
