@@ -228,16 +228,18 @@ class Task:
 
     async def prefill(self, prefix: str) -> None:
         """Warm the dispatcher's prefix state with ``prefix`` (a true prefix of the prompt to come): one
-        ``prefill_only`` request, its compute score counted, no tokens expected (any are dropped).
+        ``prefill_only`` request under a ``prefill`` span, its compute score counted, no tokens expected (any
+        are dropped).
         Outcomes are counted in ``switchyard_early_prefills_total``; a failure never fails the task.
         """
         program, workflow = self.deps.program, self.spec.workflow
         budget = Budget(self.remaining(), 0.0, program.remaining_after(workflow, 0, prefill=True))
         try:
-            async for chunk in self.deps.inference.generate(
-                self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True):
-                if chunk.WhichOneof("chunk") == "done":
-                    self.compute_score_used += chunk.done.compute_score_used
+            with tracer.start_as_current_span("prefill", attributes={"switchyard.stage": "prefill"}):
+                async for chunk in self.deps.inference.generate(
+                        self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True):
+                    if chunk.WhichOneof("chunk") == "done":
+                        self.compute_score_used += chunk.done.compute_score_used
         except asyncio.CancelledError:
             EARLY_PREFILLS.labels("cancelled").inc()
             raise
