@@ -16,7 +16,7 @@ operators already have:
 Every field has a default, a range check and a description naming its unit;
 durations end in ``_ms`` or ``_s``. The former ``*_sec`` keys of
 ``memory_policy.toml`` and ``orchestrator.task_store``, and the keys of
-``_FORMER_NAMES`` (renamed to say what the code does with them), are still
+``FORMER_NAMES`` (renamed to say what the code does with them), are still
 read, with a warning naming the new name (both names at once is an error).
 
 Each service loads only the sections it reads (``load_config(service=...)``,
@@ -67,7 +67,7 @@ from switchyard.common.config.orchestrator import (
     ReactConfig,
     TaskStoreConfig,
 )
-from switchyard.common.config.queues import QueueConfig, QueuesConfig
+from switchyard.common.config.queues import InferenceQueueConfig, QueueConfig, QueuesConfig
 from switchyard.common.config.retrieval import RetrievalConfig
 from switchyard.common.config.scheduler import ComputeScoreWeights, PriorityBoost, SchedulerConfig
 from switchyard.common.config.sections import (
@@ -85,7 +85,7 @@ __all__ = [
     "ENGINE_SECTIONS", "FILES", "SECTIONS", "SERVICE_SECTIONS",
     "AdaptiveConcurrencyConfig", "AffinityConfig", "AgentMemoryConfig", "AuthConfig", "BatchingConfig",
     "ComputeScoreWeights", "ConfigError", "CooldownConfig", "DispatcherConfig", "DramTierConfig",
-    "EndpointScorerWeights", "HbmTierConfig", "HttpFaceConfig", "MemoryTiersConfig", "OrchestratorConfig",
+    "EndpointScorerWeights", "HbmTierConfig", "HttpFaceConfig", "InferenceQueueConfig", "MemoryTiersConfig", "OrchestratorConfig",
     "OssTierConfig", "PriorityBoost", "QueueConfig", "QueuesConfig", "ReactConfig", "RequestLimitsConfig",
     "RetrievalConfig", "ScanConfig", "SchedulerConfig", "Section", "ServerConfig", "SimEngineConfig",
     "SloConfig", "SwitchyardConfig", "TaskStoreConfig", "TlsConfig", "TorchEngineConfig", "TtftSloConfig",

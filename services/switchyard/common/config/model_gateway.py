@@ -46,7 +46,7 @@ class AdaptiveConcurrencyConfig(_Strict):
         description="Limit at start-up, streams; the limit climbs from here, measuring throughput at each level "
         "on the way up (start low: levels above the knee are found, levels below it only by passing them).",
     )
-    tolerance: float = Field(
+    ttft_tolerance: float = Field(
         2.0, ge=1, le=100,
         description="A window's mean TTFT may rise to this multiple of the TTFT measured before at the same "
         "concurrency before the limit shrinks, a ratio (>= 1).",

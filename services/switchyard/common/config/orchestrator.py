@@ -63,7 +63,7 @@ class OrchestratorConfig(_Strict):
         "switch) costs more than rendering and counting a short prompt (0.2 ms for 4,000 characters), and the "
         "event-loop lag it would save shows only past about 18,000 (docs/benchmarks.md). 0: always the executor.",
     )
-    task_table_size: int = Field(
+    max_unfinished_submitted_tasks: int = Field(
         10_000, ge=1,
         description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running), tasks; more are refused "
         "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",

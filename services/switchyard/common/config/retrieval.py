@@ -19,7 +19,9 @@ class RetrievalConfig(_Strict):
     index_dir: str = Field(
         "data/index", min_length=1, description="Folder of the vector index, a path (SWITCHYARD_INDEX_DIR)."
     )
-    top_k: int = Field(4, ge=1, le=1000, description="Passages returned when a call asks for 0, passages.")
+    default_top_k: int = Field(
+        4, ge=1, le=1000, description="Passages returned when a call asks for 0, passages."
+    )
     max_top_k: int = Field(50, ge=1, le=10_000, description="Most passages one call may ask for, passages.")
     chunk_tokens: int = Field(
         256, ge=16, le=8192,
@@ -76,6 +78,6 @@ class RetrievalConfig(_Strict):
                 f"chunk_overlap_tokens ({self.chunk_overlap_tokens}) must be below half of chunk_tokens "
                 f"({self.chunk_tokens})"
             )
-        if self.top_k > self.max_top_k:
-            raise ValueError(f"top_k ({self.top_k}) must not exceed max_top_k ({self.max_top_k})")
+        if self.default_top_k > self.max_top_k:
+            raise ValueError(f"default_top_k ({self.default_top_k}) must not exceed max_top_k ({self.max_top_k})")
         return self

@@ -49,8 +49,11 @@ class SchedulerConfig(_Strict):
     compute_score_weights: ComputeScoreWeights = Field(
         ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
     )
-    high_load_threshold: float = Field(
-        80, ge=0, le=100, description="Compute score above which only core work is admitted, score (0-100)."
+    admission_score_limit: float = Field(
+        80, ge=0, le=100,
+        description="Admission stops, for every class, while the compute score plus the head's expected score "
+        "(and those of the requests admitted before it in the same decision) would reach this, score (0-100); with "
+        "nothing running the head is admitted whatever the score.",
     )
     max_admitted_per_decision: int = Field(
         10, ge=1, le=100_000,
@@ -66,12 +69,13 @@ class SchedulerConfig(_Strict):
         "way; 512 is Sarathi-Serve's and vLLM's former chunked-prefill default).",
     )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
-    preemption_enabled: bool = Field(True, description="Core work may preempt running batch work.")
+    preemption_enabled: bool = Field(True, description="Core work that does not fit may preempt running normal and batch "
+                                             "work (batch first); never other core work.")
     core_wait_before_preempt_ms: float = Field(
         0, ge=0, le=60_000,
         description="A core request that does not fit waits this long for running work to free room before it preempts "
         "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
-        "with core_preemption layer). Formerly preemption_grace_ms.",
+        "with core_preemption layer).",
     )
     policy: Literal["priority", "fifo"] = Field(
         "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
@@ -109,7 +113,3 @@ class SchedulerConfig(_Strict):
         "boundary (it waits one layer, not the rest of the step; the batch step in flight lasts longer by that prefill, "
         "which the running requests' inter-token latency shows); step: only at step boundaries, as vLLM and Orca schedule.",
     )
-
-    @model_validator(mode="after")
-    def _thresholds(self) -> "SchedulerConfig":
-        return self

@@ -15,7 +15,7 @@ from switchyard.common.config.memory import (
 )
 from switchyard.common.config.model_gateway import UpstreamConfig
 from switchyard.common.config.orchestrator import OrchestratorConfig
-from switchyard.common.config.queues import QueueConfig
+from switchyard.common.config.queues import InferenceQueueConfig, QueueConfig
 from switchyard.common.config.retrieval import RetrievalConfig
 from switchyard.common.config.scheduler import SchedulerConfig
 from switchyard.common.config.server import ServerConfig
@@ -48,7 +48,7 @@ SECTIONS: dict[str, Section] = {
     "upstream": Section("queue.json", ("model_gateway",), UpstreamConfig),
     "queues.orchestration": Section("queue.json", ("queues", "orchestration"), QueueConfig),
     "queues.retrieval": Section("queue.json", ("queues", "retrieval"), QueueConfig),
-    "queues.inference": Section("queue.json", ("queues", "inference"), QueueConfig),
+    "queues.inference": Section("queue.json", ("queues", "inference"), InferenceQueueConfig),
     "batching": Section("queue.json", ("flush",), BatchingConfig),
     "scheduler": Section("scheduler_config.json", (), SchedulerConfig),
     "memory.hbm": Section("memory_policy.toml", ("hbm",), HbmTierConfig),
