@@ -244,6 +244,11 @@ def test_a_section_the_service_does_not_read_is_an_error_to_use(config_dir):
     with pytest.raises(ConfigError, match=r"queues.retrieval \(queue.json queues.retrieval\)"):
         _ = cfg.queues.retrieval.timeout_ms
     assert cfg.queues.orchestration.workers == 16
+    with pytest.raises(ConfigError, match=r"memory.hbm \(memory_policy.toml hbm\) is not among"):
+        cfg.memory.hbm.model_dump()  # methods and properties too, not only fields
+    with pytest.raises(ConfigError, match="upstream"):
+        _ = cfg.upstream.endpoint_urls
+    assert "not read by the orchestrator" in repr(cfg.dispatcher)
     with pytest.raises(ConfigError, match="scheduler is not among the sections the orchestrator reads"):
         cfg.with_overrides(**{"scheduler.policy": "fifo"})
     assert cfg.with_overrides(**{"orchestrator.retrieval_timeout_ms": 500}).orchestrator.retrieval_timeout_ms == 500
@@ -427,3 +432,17 @@ def test_the_dram_tiers_backend_key_is_removed_and_ignored(config_dir, caplog):
     with caplog.at_level("WARNING", logger="switchyard.common.config"):
         load_config(config_dir)
     assert "memory_policy.toml: key 'dram.backend' is no longer a setting: the DRAM tier is always Redis" in caplog.text
+
+
+def test_the_config_package_reads_attributes_by_name_only():
+    """No getattr/hasattr probes (nor a __getattr__ hook) in the config package: every read names its field."""
+    import ast
+
+    probes = []
+    for path in sorted((ROOT / "services" / "switchyard" / "common" / "config").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id in {"getattr", "hasattr", "setattr"}:
+                probes.append(f"{path.name}:{node.lineno} {node.id}")
+            elif isinstance(node, ast.FunctionDef) and node.name in {"__getattr__", "__getattribute__"}:
+                probes.append(f"{path.name}:{node.lineno} def {node.name}")
+    assert not probes, probes

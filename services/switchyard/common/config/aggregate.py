@@ -65,7 +65,7 @@ class SwitchyardConfig(_Strict):
         for name, replaced in grouped.items():
             current = sections[name]
             if isinstance(current, _Unread):
-                raise ConfigError(f"overrides: {name} is not among the sections the {current.reader} reads")
+                raise ConfigError(f"overrides: {name} is not among the sections the {current._reader} reads")
             data = current.model_dump()
             for dotted, value in replaced.items():
                 if not dotted:
@@ -118,7 +118,7 @@ def _get(config: BaseModel, dotted: str) -> Any:
     """The section at ``dotted`` (a key of :data:`SECTIONS`), or its :class:`_Unread` stand-in."""
     node: Any = config
     for part in dotted.split("."):
-        node = getattr(node, part)
+        node = dict(node)[part]  # a model's fields as (name, value) pairs, values as they are
     return node
 
 

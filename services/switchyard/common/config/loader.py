@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from switchyard.common import envs
 from switchyard.common.config.aggregate import SwitchyardConfig, _assemble
 from switchyard.common.config.base import ConfigError, _describe
-from switchyard.common.config.gating import _Unread
+from switchyard.common.config.gating import unread_section
 from switchyard.common.config.memory import DramTierConfig, HbmTierConfig, OssTierConfig
 from switchyard.common.config.model_gateway import AdaptiveConcurrencyConfig
 from switchyard.common.config.orchestrator import OrchestratorConfig
@@ -235,8 +235,11 @@ def load_config(config_dir: str | Path | None = None, service: str | tuple[str, 
     for note in notes:
         log.warning("%s", note)
     reader = " and ".join(readers)
-    held = {name: sections[name] if name in sections else _Unread(name, reader, f"{SECTIONS[name].file} {SECTIONS[name].where()}")
-            for name in SECTIONS}
+    held = {
+        name: sections[name] if name in sections
+        else unread_section(SECTIONS[name].model, name, reader, f"{SECTIONS[name].file} {SECTIONS[name].where()}")
+        for name in SECTIONS
+    }
     config = _assemble(held, str(folder), str(folder / "switchyard.json"))
     return config.with_overrides(**_env_overrides(set(sections)))
 

@@ -49,8 +49,7 @@ class TlsConfig(_Strict):
             ConfigError: a file cannot be read (naming the key and the path).
         """
         out: list[bytes | None] = []
-        for name in ("cert_file", "key_file", "ca_file"):
-            path = getattr(self, name)
+        for name, path in (("cert_file", self.cert_file), ("key_file", self.key_file), ("ca_file", self.ca_file)):
             if not path:
                 out.append(None)
                 continue
