@@ -161,24 +161,42 @@ def _read_section(files: _Files, name: str, notes: list[str]) -> BaseModel:
         raise ConfigError(_describe(str(path), exc, prefix=prefix)) from None
 
 
+# Variables whose value replaces one key: (variable, section, key inside the section).
+ENV_KEYS: tuple[tuple[envs.EnvVar[Any], str, str], ...] = (
+    (envs.SWITCHYARD_ENGINE, "dispatcher", "engine"),
+    (envs.SWITCHYARD_HOST, "server", "host"),
+    (envs.SWITCHYARD_INDEX_DIR, "retrieval", "index_dir"),
+    (envs.SWITCHYARD_RETRIEVAL_ADDR, "orchestrator", "retrieval_addr"),
+    (envs.SWITCHYARD_DISPATCHER_ADDR, "orchestrator", "dispatcher_addr"),
+    (envs.SWITCHYARD_TASK_STORE, "orchestrator", "task_store.backend"),
+    (envs.SWITCHYARD_UPSTREAM_BASE_URL, "upstream", "base_url"),
+    (envs.SWITCHYARD_UPSTREAM_MODEL, "upstream", "default_model"),
+    (envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL, "upstream", "fallback_model"),
+    (envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED, "upstream", "api_key_required"),
+    (envs.SWITCHYARD_TLS_CLIENT_AUTH, "server", "tls.require_client_auth"),
+    (envs.SWITCHYARD_TLS_SERVER_NAME, "server", "tls.server_name"),
+    *((envs.SWITCHYARD_HEALTH_PORT, name, "health_port") for name in ("orchestrator", "retrieval", "dispatcher")),
+)
+
+# Variables that set several keys from one value (applied by _env_overrides): variable -> (section, key)s.
+ENV_SPREAD: dict[str, tuple[tuple[str, str], ...]] = {
+    envs.SWITCHYARD_DRAM_ADDR.name: (("memory.dram", "host"), ("memory.dram", "port")),
+    envs.SWITCHYARD_TLS_DIR.name: (("server", "tls.enabled"), ("server", "tls.cert_file"), ("server", "tls.key_file"),
+                                   ("server", "tls.ca_file")),
+    envs.SWITCHYARD_AUTH_TOKENS_FILE.name: (("orchestrator", "auth.enabled"), ("orchestrator", "auth.tokens_file")),
+}
+
+
 def _env_overrides(held: set[str]) -> dict[str, Any]:
-    """Values the environment sets, for the sections in ``held``."""
+    """Values the environment sets (:data:`ENV_KEYS`, :data:`ENV_SPREAD`), for the sections in ``held``."""
     out: dict[str, Any] = {}
 
     def put(section: str, key: str, value: Any) -> None:
         if value is not None and section in held:
             out[f"{section}.{key}"] = value
 
-    put("dispatcher", "engine", envs.SWITCHYARD_ENGINE.get())
-    put("server", "host", envs.SWITCHYARD_HOST.get())
-    put("retrieval", "index_dir", envs.SWITCHYARD_INDEX_DIR.get())
-    put("orchestrator", "retrieval_addr", envs.SWITCHYARD_RETRIEVAL_ADDR.get())
-    put("orchestrator", "dispatcher_addr", envs.SWITCHYARD_DISPATCHER_ADDR.get())
-    put("orchestrator", "task_store.backend", envs.SWITCHYARD_TASK_STORE.get())
-    put("upstream", "base_url", envs.SWITCHYARD_UPSTREAM_BASE_URL.get())
-    put("upstream", "default_model", envs.SWITCHYARD_UPSTREAM_MODEL.get())
-    put("upstream", "fallback_model", envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL.get())
-    put("upstream", "api_key_required", envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED.get())
+    for variable, section, key in ENV_KEYS:
+        put(section, key, variable.get())
     if (addr := envs.SWITCHYARD_DRAM_ADDR.get()) is not None:
         host, _, port = addr.rpartition(":")
         put("memory.dram", "host", host)
@@ -189,13 +207,9 @@ def _env_overrides(held: set[str]) -> dict[str, Any]:
         put("server", "tls.cert_file", f"{folder}/tls.crt")
         put("server", "tls.key_file", f"{folder}/tls.key")
         put("server", "tls.ca_file", f"{folder}/ca.crt")
-    put("server", "tls.require_client_auth", envs.SWITCHYARD_TLS_CLIENT_AUTH.get())
-    put("server", "tls.server_name", envs.SWITCHYARD_TLS_SERVER_NAME.get())
     if (tokens_file := envs.SWITCHYARD_AUTH_TOKENS_FILE.get()) is not None:
         put("orchestrator", "auth.enabled", True)
         put("orchestrator", "auth.tokens_file", tokens_file)
-    for name in ("orchestrator", "retrieval", "dispatcher"):
-        put(name, "health_port", envs.SWITCHYARD_HEALTH_PORT.get())
     return out
 
 
