@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from switchyard.bench import route
+from switchyard_harness.bench import route
 from switchyard.common.affinity import BoundedLoadRing
 
 pytestmark = pytest.mark.no_gpu

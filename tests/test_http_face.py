@@ -304,8 +304,8 @@ async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mt
 
 
 async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
-    from switchyard.bench import http_bench
-    from switchyard.bench.report import percentile
+    from switchyard_harness.bench import http_bench
+    from switchyard_harness.bench.report import percentile
 
     async with http_stack() as (client, _, down):
         base = str(client.base_url).rstrip("/")

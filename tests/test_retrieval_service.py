@@ -219,7 +219,7 @@ def test_progress_is_a_bar_only_on_a_terminal(stream_type):
 
 
 def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys):
-    from switchyard.retrieval.bench import main as bench_main
+    from switchyard_harness.bench.retrieval_batcher import main as bench_main
 
     argv = ["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir), "--queries", "8", "--batch-sizes", "1,4"]
     assert bench_main(argv) == 0
@@ -231,7 +231,7 @@ def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys)
 
 def test_the_default_index_meets_the_answer_quality_targets_on_the_labelled_questions(pydoc_index_dir, capsys):
     """Recall@5 >= 0.9 and MRR@10 >= 0.75 (hybrid, the default), 0 truncated passages; the CLI prints the table."""
-    from switchyard.retrieval.quality_bench import main as quality_main
+    from switchyard_harness.bench.retrieval_quality import main as quality_main
 
     assert quality_main(["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir)]) == 0
     out = capsys.readouterr().out

@@ -68,7 +68,7 @@ async def test_calls_spread_over_three_dispatchers_within_20_percent(three):
 
 
 async def test_sigkill_under_load_retries_unstarted_calls_names_the_replica_and_loses_no_task(three):
-    from switchyard.bench.fault import run_fault
+    from switchyard_harness.bench.fault import run_fault
 
     endpoints = {name: (three.address(name), three.metrics_url(name), pid(three, name)) for name in DISPATCHERS}
     report = await run_fault(three.address("orchestrator"), endpoints, three.metrics_url("orchestrator"),

@@ -8,9 +8,9 @@ their own arguments; this module only routes to them:
 - ``run QUESTION``: stream one task (switchyard.client)
 - ``index [PATHS]``: build the vector index (switchyard.retrieval.indexer)
 - ``doctor``: check the model gateway set-up (switchyard.gateway.doctor)
-- ``bench``: load generator and A/B comparison (switchyard.bench.cli)
-- ``top``: live terminal view of a running stack from its /metrics (switchyard.top)
-- ``profile SERVICE``: CPU profile of a running service (switchyard.cpu_profile)
+- ``bench``: load generator and A/B comparison (switchyard_harness.bench.cli)
+- ``top``: live terminal view of a running stack from its /metrics (switchyard_harness.top)
+- ``profile SERVICE``: CPU profile of a running service (switchyard_harness.cpu_profile)
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("switchyard.retrieval.indexer",
               "build the vector index (default: CPython's documentation topics) and export the query encoder"),
     "doctor": ("switchyard.gateway.doctor", "check base URL, API key, model id and proxies of the model gateway"),
-    "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
+    "bench": ("switchyard_harness.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
               "compare, sched, isolation, agents, route, fault, retrieval"),
-    "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
-    "profile": ("switchyard.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
+    "top": ("switchyard_harness.top", "live view of a running stack from its /metrics; --once --json for scripts"),
+    "profile": ("switchyard_harness.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
                 "GC pauses; pprof file with --output"),
 }
 

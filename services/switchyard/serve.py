@@ -106,7 +106,7 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "sim-openai":
-        from switchyard.gateway import sim_openai
+        from switchyard_harness import sim_openai
 
         return int(sim_openai.main(argv[1:]) or 0)
     parser = parser_for("switchyard serve", __doc__)

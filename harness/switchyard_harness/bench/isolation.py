@@ -40,8 +40,8 @@ from typing import Any
 
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.bench.report import percentile
-from switchyard.bench.sched_bench import _dram_arg, _dram_tier
+from switchyard_harness.bench.report import percentile
+from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import start_server
 from switchyard.common.channels import open_channel

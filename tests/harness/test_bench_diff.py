@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from switchyard.bench import diff
-from switchyard.bench.loadgen import CallResult, LoadPlan, LoadResult
-from switchyard.bench.report import build_report
+from switchyard_harness.bench import diff
+from switchyard_harness.bench.loadgen import CallResult, LoadPlan, LoadResult
+from switchyard_harness.bench.report import build_report
 
 pytestmark = pytest.mark.no_gpu
-GHZ = Path(__file__).parent / "data" / "ghz"
+GHZ = Path(__file__).resolve().parents[1] / "data" / "ghz"
 
 
 def by_name(before: dict, after: dict) -> dict[str, diff.Row]:

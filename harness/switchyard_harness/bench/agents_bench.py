@@ -1,9 +1,9 @@
 """The field's agent load test: N react agents on the sim latency model, memory tiers acting.
 
-``switchyard bench agents`` (or ``python -m switchyard.bench.agents_bench``).
+``switchyard bench agents`` (or ``python -m switchyard_harness.bench.agents_bench``).
 
 In-process and on a simulated clock, like ``bench sched``
-(:mod:`switchyard.bench.sched_bench`, whose engine and step loop it reuses):
+(:mod:`switchyard_harness.bench.sched_bench`, whose engine and step loop it reuses):
 the dispatcher's scheduler, KV budget, parking and memory tiers run for real;
 the engine's step times come from the sim's latency model, and a DRAM swap's
 transfer time from ``[dram] transfer_gb_per_s``. The DRAM tier is a real
@@ -53,7 +53,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
-from switchyard.bench.sched_bench import (
+from switchyard_harness.bench.sched_bench import (
     CLASSES,
     VirtualSimEngine,
     _dram_arg,

@@ -39,8 +39,8 @@ import grpc
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.launcher import UpProcess
-from switchyard.top import read as read_metrics
-from switchyard.top import total
+from switchyard_harness.top import read as read_metrics
+from switchyard_harness.top import total
 
 
 @dataclass

@@ -12,7 +12,7 @@ server sizes the cache to the free RAM and its first request then takes about 16
 
 Command line (for benchmarks by hand)::
 
-    python -m switchyard.testing.transformers_serve --model-dir /tmp/tiny --port 8000
+    python -m switchyard_harness.testing.transformers_serve --model-dir /tmp/tiny --port 8000
 """
 
 from __future__ import annotations

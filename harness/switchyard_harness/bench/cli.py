@@ -5,23 +5,23 @@ Subcommands:
 - ``run`` (the default): the load generator; options mirror ghz's (``-n``, ``-c``,
   ``--rps``, ``--duration``, ``-d``/``--data``, ``-D``/``--data-file``,
   ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
-- ``compare``: scenarios A-D on one request set (see :mod:`switchyard.bench.compare`).
-- ``sched``: the scheduling benchmark (``switchyard.bench.sched_bench``).
+- ``compare``: scenarios A-D on one request set (see :mod:`switchyard_harness.bench.compare`).
+- ``sched``: the scheduling benchmark (``switchyard_harness.bench.sched_bench``).
 - ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
-  (:mod:`switchyard.bench.isolation`).
-- ``agents``: the field's agent load test, memory tiers acting (:mod:`switchyard.bench.agents_bench`).
+  (:mod:`switchyard_harness.bench.isolation`).
+- ``agents``: the field's agent load test, memory tiers acting (:mod:`switchyard_harness.bench.agents_bench`).
 - ``route``: agent routing over many dispatcher replicas, simulated
-  (:mod:`switchyard.bench.route`).
+  (:mod:`switchyard_harness.bench.route`).
 - ``pool``: the gateway's endpoint picker over three sim-openai replicas against
-  round robin, and with one replica killed (:mod:`switchyard.bench.pool`).
+  round robin, and with one replica killed (:mod:`switchyard_harness.bench.pool`).
 - ``fault``: SIGKILL one of several local dispatchers under load and account
-  for every call (:mod:`switchyard.bench.fault`).
+  for every call (:mod:`switchyard_harness.bench.fault`).
 - ``upstream``: one load straight at a model server and through Switchyard, taking turns
-  (:mod:`switchyard.bench.upstream`).
+  (:mod:`switchyard_harness.bench.upstream`).
 - ``retrieval``: retrieval answer quality and time per query
-  (:mod:`switchyard.retrieval.quality_bench`).
-- ``diff``: two ghz-format reports side by side (:mod:`switchyard.bench.diff`).
-- ``http``: the orchestrator's HTTP face under load, SSE vs gRPC RunTask (:mod:`switchyard.bench.http_bench`).
+  (:mod:`switchyard_harness.bench.retrieval_quality`).
+- ``diff``: two ghz-format reports side by side (:mod:`switchyard_harness.bench.diff`).
+- ``http``: the orchestrator's HTTP face under load, SSE vs gRPC RunTask (:mod:`switchyard_harness.bench.http_bench`).
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
     Raises:
         SystemExit(2) via argparse-style message: unreadable config or call data.
     """
-    from switchyard.bench.calldata import CallDataError, load_calldata_file, parse_calldata
-    from switchyard.bench.loadgen import LoadPlan, with_procs
+    from switchyard_harness.bench.calldata import CallDataError, load_calldata_file, parse_calldata
+    from switchyard_harness.bench.loadgen import LoadPlan, with_procs
 
     cfg: dict[str, Any] = {}
     base = Path.cwd()
@@ -196,8 +196,8 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan = resolve_plan(args, args.host or args.target)
 
-    from switchyard.bench.loadgen import run_load
-    from switchyard.bench.report import build_report, summary_text
+    from switchyard_harness.bench.loadgen import run_load
+    from switchyard_harness.bench.report import build_report, summary_text
 
     try:
         load = run_load(plan)
@@ -223,7 +223,7 @@ def _run(argv: list[str]) -> int:
     elif args.format is not None:
         print(text)
     if args.plot:
-        from switchyard.bench.plot import plot_run
+        from switchyard_harness.bench.plot import plot_run
 
         title = (f"switchyard bench run {' '.join(argv)}\n{report['count']} calls, {report['rps']:.1f} rps, "
                  f"concurrency {plan.concurrency}, offered {plan.rps:g} rps")
@@ -234,69 +234,69 @@ def _run(argv: list[str]) -> int:
 
 
 def _compare(argv: list[str]) -> int:
-    from switchyard.bench import compare
+    from switchyard_harness.bench import compare
 
     return compare.main(argv)
 
 
 def _sched(argv: list[str]) -> int:
-    from switchyard.bench import sched_bench  # the scheduling benchmark's own module
+    from switchyard_harness.bench import sched_bench  # the scheduling benchmark's own module
 
     return int(sched_bench.main(argv) or 0)
 
 
 def _isolation(argv: list[str]) -> int:
-    from switchyard.bench import isolation
+    from switchyard_harness.bench import isolation
 
     return isolation.main(argv)
 
 
 def _agents(argv: list[str]) -> int:
-    from switchyard.bench import agents_bench
+    from switchyard_harness.bench import agents_bench
 
     return agents_bench.main(argv)
 
 
 def _route(argv: list[str]) -> int:
-    from switchyard.bench import route
+    from switchyard_harness.bench import route
 
     return route.main(argv)
 
 
 def _pool(argv: list[str]) -> int:
-    from switchyard.bench import pool
+    from switchyard_harness.bench import pool
 
     return pool.main(argv)
 
 
 def _fault(argv: list[str]) -> int:
-    from switchyard.bench import fault
+    from switchyard_harness.bench import fault
 
     return fault.main(argv)
 
 
 def _upstream(argv: list[str]) -> int:
-    from switchyard.bench import upstream
+    from switchyard_harness.bench import upstream
 
     return upstream.main(argv)
 
 
 def _diff(argv: list[str]) -> int:
-    from switchyard.bench import diff
+    from switchyard_harness.bench import diff
 
     return diff.main(argv)
 
 
 def _http(argv: list[str]) -> int:
-    from switchyard.bench import http_bench
+    from switchyard_harness.bench import http_bench
 
     return http_bench.main(argv)
 
 
 def _retrieval(argv: list[str]) -> int:
-    from switchyard.retrieval import quality_bench
+    from switchyard_harness.bench import retrieval_quality
 
-    return quality_bench.main(argv)
+    return retrieval_quality.main(argv)
 
 
 SUBCOMMANDS = {

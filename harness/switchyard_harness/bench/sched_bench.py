@@ -1,6 +1,6 @@
 """Scheduling benchmark: the priority scheduler against plain FIFO under 2x overload.
 
-``python -m switchyard.bench.sched_bench`` (or ``switchyard bench sched``).
+``python -m switchyard_harness.bench.sched_bench`` (or ``switchyard bench sched``).
 
 In-process and on a simulated clock, so it is deterministic and takes seconds:
 the dispatcher's scheduling policies (:mod:`switchyard.dispatcher.scheduler`)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from switchyard.bench.upstream import Call, Phase, figures, summary
+from switchyard_harness.bench.upstream import Call, Phase, figures, summary
 
 pytestmark = pytest.mark.no_gpu
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from switchyard.bench.report import percentile
+from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 
 PRIORITIES = ("core", "normal", "batch")

@@ -1,6 +1,6 @@
 """Benchmark: event-loop lag of the orchestrator with CPU steps on the loop, in threads, in processes.
 
-    python -m switchyard.orchestrator.lag_bench [--tasks 400] [--concurrency 32] [--words 3000]
+    python -m switchyard_harness.bench.orchestrator_lag [--tasks 400] [--concurrency 32] [--words 3000]
 
 Starts a dispatcher (sim engine) as a separate process and an orchestrator in
 this process, drives it with ``switchyard bench run`` from a third process, and
@@ -134,7 +134,7 @@ async def _main(args: argparse.Namespace) -> None:
               f"throughput {r['tasks_per_s'] / base['tasks_per_s']:.2f}x")
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m switchyard.orchestrator.lag_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m switchyard_harness.bench.orchestrator_lag", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=32)

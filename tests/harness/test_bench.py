@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.bench import cli
-from switchyard.bench.calldata import CallDataError, parse_calldata, request_for
-from switchyard.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
+from switchyard_harness.bench import cli
+from switchyard_harness.bench.calldata import CallDataError, parse_calldata, request_for
+from switchyard_harness.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
 from test_tls import pki  # noqa: F401 - fixture
-from switchyard.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
-from switchyard.bench.report import build_report, histogram, latency_distribution, summary_text
+from switchyard_harness.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
+from switchyard_harness.bench.report import build_report, histogram, latency_distribution, summary_text
 from switchyard.common.config import ServerConfig
 from switchyard.common.server import running
 
@@ -223,7 +223,7 @@ def test_reference_ghz_config_resolves_to_the_reference_plan(monkeypatch):
     import argparse
     from pathlib import Path
 
-    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     parser = argparse.ArgumentParser()
     cli.add_load_options(parser)
     plan = cli.resolve_plan(parser.parse_args(["--config", "ghz/reference.json", "--procs", "1"]), None)
@@ -263,7 +263,7 @@ def test_ghz_connection_flags_are_checked():
 
 
 def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
-    from switchyard.bench.cli import main as bench_main
+    from switchyard_harness.bench.cli import main as bench_main
 
     assert bench_main(["retreival"]) == 2
     err = capsys.readouterr().err
@@ -273,8 +273,8 @@ def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
 def test_an_unreachable_target_is_named(capsys, monkeypatch):
     import socket
 
-    from switchyard.bench import loadgen
-    from switchyard.bench.cli import main as bench_main
+    from switchyard_harness.bench import loadgen
+    from switchyard_harness.bench.cli import main as bench_main
 
     monkeypatch.setattr(loadgen, "CONNECT_TIMEOUT_S", 0.5)
     with socket.socket() as sock:

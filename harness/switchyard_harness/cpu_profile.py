@@ -27,7 +27,7 @@ from pathlib import Path
 
 from switchyard.common.cli_text import parser_for
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
-from switchyard.top import SERVICES, endpoints_from, metrics_url
+from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
 
 def profile_url(service: str, up_file: str | None, config_dir: str | None, seconds: float) -> str:

@@ -9,7 +9,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from switchyard.top import Scrape, histogram_quantile, metrics_url, parse, snapshot
+from switchyard_harness.top import Scrape, histogram_quantile, metrics_url, parse, snapshot
 
 pytestmark = pytest.mark.no_gpu
 

@@ -10,7 +10,7 @@ def plot_comparison(rows: list[dict[str, Any]], path: Path, subtitle: str = "") 
     """Write a PNG with two bar panels: engine busy ratio (and GPU util when measured), P95 latency.
 
     Args:
-        rows: scenario rows from :func:`switchyard.bench.compare.summarize`.
+        rows: scenario rows from :func:`switchyard_harness.bench.compare.summarize`.
         path: the PNG to write.
         subtitle: the run's parameters (command, machine), shown under the title.
 
@@ -61,7 +61,7 @@ def plot_run(load: Any, path: Path, title: str) -> Path:
     """Write one run's PNG: latency histogram, TTFT distribution and throughput over time.
 
     Args:
-        load: a :class:`switchyard.bench.loadgen.LoadResult`.
+        load: a :class:`switchyard_harness.bench.loadgen.LoadResult`.
         path: the PNG to write.
         title: the run's parameters, shown as the figure title.
 

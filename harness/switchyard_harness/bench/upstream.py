@@ -34,7 +34,7 @@ median of the samples in the through phases at 32 streams and the BATCH phase)
 
 Default upstream: ``transformers serve --continuous-batching --device cpu``
 serving a random-weight tiny Llama built offline
-(:mod:`switchyard.testing.transformers_serve`); ``--base-url`` (and
+(:mod:`switchyard_harness.testing.transformers_serve`); ``--base-url`` (and
 ``--model``) for any other OpenAI-compatible server. The default run takes about
 80 s plus start-up; ``--phase-s`` and ``--rounds`` run longer.
 """
@@ -56,7 +56,7 @@ from typing import Any
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.bench.report import percentile
+from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 
@@ -237,7 +237,7 @@ class LimitSampler:
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
-        from switchyard.top import read, total
+        from switchyard_harness.top import read, total
 
         while True:
             try:
@@ -277,7 +277,7 @@ async def upstream(base_url: str | None, model: str | None, kv_blocks: int) -> A
             model = listed["data"][0]["id"]
         yield base_url, model
         return
-    from switchyard.testing.transformers_serve import TransformersServer, build_tiny_llama
+    from switchyard_harness.testing.transformers_serve import TransformersServer, build_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="bench-upstream-") as tmp:
         model_dir = build_tiny_llama(Path(tmp) / "tiny-llama")
@@ -292,7 +292,7 @@ async def upstream(base_url: str | None, model: str | None, kv_blocks: int) -> A
 async def switchyard_stack(config: SwitchyardConfig) -> AsyncIterator[tuple[str, str]]:
     """Dispatcher (``openai`` engine) and orchestrator, each in its own process; yields
     (orchestrator host:port, dispatcher metrics URL)."""
-    from switchyard.bench import stack_process
+    from switchyard_harness.bench import stack_process
 
     children = []
     try:
@@ -465,7 +465,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """``switchyard bench upstream [--base-url URL] [--model ID] [--phase-s S] [--rounds N] [--json]``."""
-    from switchyard.bench.compare import parse_settings
+    from switchyard_harness.bench.compare import parse_settings
 
     parser = parser_for("switchyard bench upstream", __doc__)
     parser.add_argument("--base-url", help="an OpenAI-compatible server ending in /v1 (default: start transformers "

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from switchyard.api import agent_pb2_grpc
-from switchyard.bench.calldata import priority_name, request_for
+from switchyard_harness.bench.calldata import priority_name, request_for
 from switchyard.common.channels import open_channel
 from switchyard.common.children import die_with_parent
 from switchyard.common.config import ServerConfig, TlsConfig
@@ -48,7 +48,7 @@ class LoadPlan:
 
     Attributes:
         host: ``host:port`` of the orchestrator.
-        calldata: ghz call data items (see :mod:`switchyard.bench.calldata`).
+        calldata: ghz call data items (see :mod:`switchyard_harness.bench.calldata`).
         total: calls to make (ignored when ``duration_s`` > 0).
         concurrency: workers issuing calls at once (all processes together).
         rps: call starts per second, all processes together; 0 = unpaced.

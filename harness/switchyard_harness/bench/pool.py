@@ -46,7 +46,7 @@ from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Token
 from switchyard.gateway.server_load import parse_server_load  # noqa: F401 - the servers' own figures
-from switchyard.gateway.sim_openai import SpawnedSimOpenAI, spawn
+from switchyard_harness.sim_openai import SpawnedSimOpenAI, spawn
 
 HIT_TARGET = 0.90
 BALANCE_TARGET = 1.25

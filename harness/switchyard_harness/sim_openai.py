@@ -23,7 +23,7 @@ included, can be tested against every upstream failure with no model.
 
 Run: ``switchyard serve sim-openai [--port 8400] [--api-key-env VAR] [--fault SPEC]`` (``--port 0``: a free
 port, printed in the first line)
-or ``python -m switchyard.gateway.sim_openai``.
+or ``python -m switchyard_harness.sim_openai``.
 """
 
 from __future__ import annotations
@@ -578,7 +578,7 @@ def spawn(args: list[str] = (), host: str = "127.0.0.1", timeout_s: float = 30.0
     Raises:
         RuntimeError: it exited or printed no address within ``timeout_s`` (its output is in the message).
     """
-    command = [sys.executable, "-m", "switchyard.gateway.sim_openai", "--host", host, "--port", "0", *args]
+    command = [sys.executable, "-m", "switchyard_harness.sim_openai", "--host", host, "--port", "0", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s

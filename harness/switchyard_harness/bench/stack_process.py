@@ -8,7 +8,7 @@ dispatcher's stream handling use different cores. A scenario's config reaches
 the child as JSON (``SwitchyardConfig.model_dump_json``), so its overrides need
 no config files.
 
-Child: ``python -m switchyard.bench.stack_process NAME CONFIG_JSON [--fixed-slots N]``
+Child: ``python -m switchyard_harness.bench.stack_process NAME CONFIG_JSON [--fixed-slots N]``
 serves NAME on 127.0.0.1 port 0, prints one JSON line ``{"port": P,
 "metrics_port": M}`` on stdout once it serves, logs to stderr, and stops
 gracefully on SIGTERM, or when its stdin (a pipe from the parent) closes. ``--fixed-slots N`` gives the dispatcher's scheduler a
@@ -17,7 +17,7 @@ never a product setting.
 
 Parent: :func:`start` and :meth:`ServiceProcess.stop`; the parent measures
 engine busy time and batch sizes across the process boundary by reading the
-child's Prometheus metrics (:func:`switchyard.top.read`).
+child's Prometheus metrics (:func:`switchyard_harness.top.read`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ async def start(name: str, config: SwitchyardConfig, fixed_slots: int = 0) -> Se
     with tempfile.NamedTemporaryFile("w", suffix=f"-{name}.json", delete=False, encoding="utf-8") as f:
         f.write(config.model_dump_json())
     config_file = Path(f.name)
-    argv = [sys.executable, "-m", "switchyard.bench.stack_process", name, str(config_file)]
+    argv = [sys.executable, "-m", "switchyard_harness.bench.stack_process", name, str(config_file)]
     if fixed_slots:
         argv += ["--fixed-slots", str(fixed_slots)]
     # stdin is a pipe the child watches: if this process dies without stopping it, the pipe
@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
 
     import uvloop
 
-    parser = argparse.ArgumentParser(prog="python -m switchyard.bench.stack_process")
+    parser = argparse.ArgumentParser(prog="python -m switchyard_harness.bench.stack_process")
     parser.add_argument("name", choices=["orchestrator", "retrieval", "dispatcher"])
     parser.add_argument("config_json", type=Path, help="the config, as SwitchyardConfig.model_dump_json() wrote it")
     parser.add_argument("--fixed-slots", type=int, default=0, help="dispatcher capacity of N requests (baseline)")

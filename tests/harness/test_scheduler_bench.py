@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from switchyard.bench import sched_bench
+from switchyard_harness.bench import sched_bench
 
 pytestmark = pytest.mark.no_gpu
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.bench import agents_bench
+from switchyard_harness.bench import agents_bench
 
 pytestmark = pytest.mark.no_gpu
 

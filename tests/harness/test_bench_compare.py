@@ -12,14 +12,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from switchyard.bench import compare
-from switchyard.bench.ghz_schema import SWITCHYARD_REPORT_SCHEMA
+from switchyard_harness.bench import compare
+from switchyard_harness.bench.ghz_schema import SWITCHYARD_REPORT_SCHEMA
 
 pytest.importorskip("switchyard.dispatcher.service", reason="the dispatcher service is not in this tree yet")
 
 pytestmark = pytest.mark.no_gpu
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
@@ -84,7 +84,7 @@ def test_settings_parse_as_json_or_text():
 async def test_a_stack_process_stops_when_its_parent_goes(tmp_path):
     import asyncio
 
-    from switchyard.bench import stack_process
+    from switchyard_harness.bench import stack_process
     from switchyard.common.config import SwitchyardConfig
 
     child = await stack_process.start("dispatcher", SwitchyardConfig())

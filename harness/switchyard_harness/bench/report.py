@@ -13,7 +13,7 @@ the first token event), tokens and tokens per second of the successful calls
 per-queue waits reported by the server in the final event, the errors grouped
 by kind (:func:`error_kind`: the message with its ids and numbers taken out, so
 a thousand deadline errors that differ only in task id and elapsed time are one
-line) and the client's CPU use (see :mod:`switchyard.bench.loadgen`).
+line) and the client's CPU use (see :mod:`switchyard_harness.bench.loadgen`).
 ghz's own ``errorDistribution`` keeps every distinct message, as ghz does.
 """
 
@@ -25,8 +25,8 @@ import re
 from collections import Counter
 from typing import Any, Iterable
 
-from switchyard.bench.ghz_schema import PERCENTILES
-from switchyard.bench.loadgen import CallResult, LoadPlan, LoadResult
+from switchyard_harness.bench.ghz_schema import PERCENTILES
+from switchyard_harness.bench.loadgen import CallResult, LoadPlan, LoadResult
 
 CALL = "agent.AgentService.RunTask"
 
@@ -163,7 +163,7 @@ def streaming_figures(load: LoadResult) -> dict[str, Any]:
 
 
 def build_report(load: LoadResult, plan: LoadPlan, name: str = "", proto: str = "proto/agent.proto") -> dict[str, Any]:
-    """The full report: ghz's fields (see :mod:`switchyard.bench.ghz_schema`) + ``switchyard``."""
+    """The full report: ghz's fields (see :mod:`switchyard_harness.bench.ghz_schema`) + ``switchyard``."""
     results = load.results
     ok_sorted = sorted(r.latency_s for r in results if not r.error)
     data: Any = plan.calldata if len(plan.calldata) > 1 else plan.calldata[0]

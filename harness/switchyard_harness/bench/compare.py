@@ -14,12 +14,12 @@ Scenarios (the field's A/B practice, in one run):
 Each scenario gets a freshly started orchestrator and dispatcher on ports 0,
 configured through ``SwitchyardConfig.with_overrides``. With ``--stack
 processes`` (the default) each service is a process of its own, as
-``switchyard up`` and a deployment run them (:mod:`switchyard.bench.stack_process`),
+``switchyard up`` and a deployment run them (:mod:`switchyard_harness.bench.stack_process`),
 and the dispatcher's figures are read from its metrics; ``--stack in-process``
 runs all three on this process's event loop (quicker to start, for smoke runs;
 one interpreter lock then serialises the services' CPU work). Retrieval, which
 no scenario changes, is started once and shared. The load runs in a separate
-client process (see :mod:`switchyard.bench.loadgen`) so it does not compete
+client process (see :mod:`switchyard_harness.bench.loadgen`) so it does not compete
 with the stack. Per scenario: engine busy ratio (engine busy seconds / wall), NVML GPU
 utilisation when a GPU is present, queue waits per queue (from the tasks' final
 events), batch sizes (``switchyard_batch_size``), P50/P95/P99, TTFT, rps and
@@ -44,16 +44,16 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY
 
-from switchyard.bench import stack_process
-from switchyard.bench.gpu import GpuSampler
-from switchyard.bench.loadgen import LoadPlan, LoadResult, run_load
-from switchyard.bench.stack_process import FixedSlots
-from switchyard.bench.report import build_report, percentile
+from switchyard_harness.bench import stack_process
+from switchyard_harness.bench.gpu import GpuSampler
+from switchyard_harness.bench.loadgen import LoadPlan, LoadResult, run_load
+from switchyard_harness.bench.stack_process import FixedSlots
+from switchyard_harness.bench.report import build_report, percentile
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.common.errors import SwitchyardError
 from switchyard.common.server import RunningServer, start_server
-from switchyard.top import matching, total
-from switchyard.top import read as read_metrics
+from switchyard_harness.top import matching, total
+from switchyard_harness.top import read as read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +401,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def write_outputs(out: Path, rows: list[dict[str, Any]], reports: dict[str, dict[str, Any]],
                   meta: dict[str, Any]) -> list[Path]:
     """compare.json, compare.md, compare.png and one ghz report per scenario; returns the paths."""
-    from switchyard.bench.plot import plot_comparison
+    from switchyard_harness.bench.plot import plot_comparison
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -422,7 +422,7 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], reports: dict[str, dict
 def machine_description() -> str:
     import os
 
-    from switchyard.bench.gpu import GpuSampler
+    from switchyard_harness.bench.gpu import GpuSampler
 
     with GpuSampler() as gpu:
         has_gpu = gpu.available
@@ -489,7 +489,7 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
 
 def main(argv: list[str]) -> int:
     """``switchyard bench compare [OPTIONS]``; returns 0 when every scenario completed."""
-    from switchyard.bench.cli import add_load_options, resolve_plan
+    from switchyard_harness.bench.cli import add_load_options, resolve_plan
 
     parser = argparse.ArgumentParser(
         prog="switchyard bench compare",

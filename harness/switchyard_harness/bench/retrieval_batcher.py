@@ -1,4 +1,4 @@
-"""Benchmark of the query micro-batcher: ``python -m switchyard.retrieval.bench``.
+"""Benchmark of the query micro-batcher: ``python -m switchyard_harness.bench.retrieval_batcher``.
 
 Sends N concurrent Retrieve calls through an in-process :class:`RetrievalService`
 (the same queue, batcher and index as over gRPC, without the network) once per
@@ -60,7 +60,7 @@ async def run_once(config: SwitchyardConfig, queries: int) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     """Entry point; prints one line per setting. Exit 0, or 2 on bad config or a missing index."""
-    parser = parser_for("python -m switchyard.retrieval.bench", __doc__)
+    parser = parser_for("python -m switchyard_harness.bench.retrieval_batcher", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--index-dir", help="index folder (default: retrieval.index_dir)")
     parser.add_argument("--queries", type=int, default=96, help="concurrent Retrieve calls per run (default 96)")
