@@ -12,7 +12,8 @@ Child: ``python -m switchyard_harness.bench.stack_process NAME CONFIG_JSON [--fi
 serves NAME on 127.0.0.1 port 0, prints one JSON line ``{"port": P,
 "metrics_port": M}`` on stdout once it serves, logs to stderr, and stops
 gracefully on SIGTERM, or when its stdin (a pipe from the parent) closes. ``--fixed-slots N`` gives the dispatcher's scheduler a
-capacity of N running requests: the no-batching baseline (:class:`FixedSlots`),
+capacity of N running requests: the no-batching baseline
+(:class:`switchyard_harness.testing.capacity.FixedSlots`),
 never a product setting.
 
 Parent: :func:`start` and :meth:`ServiceProcess.stop`; the parent measures
@@ -30,38 +31,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from switchyard.common.config import SwitchyardConfig
+from switchyard_harness.testing.capacity import FixedSlots
 
 START_TIMEOUT_S = 180.0
 """Longest a child may take to serve (the retrieval child loads the embedding model and the index)."""
-
-
-class FixedSlots:
-    """A scheduler capacity of ``n`` running requests, for baselines only (scenario A: ``n`` = 1, no batching).
-
-    The product's capacity comes from the hardware (``scheduler.capacity``); a fixed count is what
-    the baseline is measured against.
-    """
-
-    CLASS_REFUSALS: frozenset[str] = frozenset()
-
-    def __init__(self, n: int = 1) -> None:
-        self.n = n
-        self.running = 0
-
-    def refusal(self, req: Any) -> str | None:
-        return None if self.running < self.n else "kv_memory"
-
-    def never_fits(self, req: Any) -> str | None:
-        return None
-
-    def take(self, req: Any) -> None:
-        self.running += 1
-
-    def give(self, req: Any) -> None:
-        self.running -= 1
 
 
 # --------------------------------------------------------------------------- parent side
