@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.bench.compare import FixedSlots
+from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfig, ValueScoreConfig
 from switchyard.common.dram import DramClient

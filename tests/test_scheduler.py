@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from switchyard.api import agent_pb2
-from switchyard.bench.compare import FixedSlots
+from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import (
