@@ -367,10 +367,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
             apply_edge_headers(request, context.invocation_metadata())
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = validate(request, self.config, await self._default_model(request), tenant)
-            limit = self.config.orchestrator.task_table_size
+            limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit:
                 raise SwitchyardError(
-                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.task_table_size); "
+                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.max_unfinished_submitted_tasks); "
                     "poll GetTaskStatus and retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
             fields = {**vars(spec), "metadata": dict(request.metadata)}
             if not request.task_id:
