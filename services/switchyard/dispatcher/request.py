@@ -104,6 +104,12 @@ class Request:
     """agent_pb2.Priority value (CORE, NORMAL, BATCH); PRIORITY_UNSPECIFIED becomes NORMAL."""
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
+    tenant_id: str = ""
+    """The caller's tenant (fairness across tenants, :mod:`switchyard.dispatcher.scheduler.fairness`)."""
+    time_left_s: float | None = None
+    """Its task's time left when it arrived, seconds (None: no deadline; slack, :mod:`.scheduler.slack`)."""
+    expected_remaining_work_s: float = 0.0
+    """Its task's expected work after this request, seconds (the orchestrator's measured step and tool times)."""
 
     arrival: float = field(default_factory=time.monotonic)
     """When the Generate call arrived."""
