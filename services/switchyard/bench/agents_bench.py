@@ -1,6 +1,8 @@
 """The field's agent load test: N react agents on the sim latency model, memory tiers acting.
 
 ``switchyard bench agents`` (or ``python -m switchyard.bench.agents_bench``).
+With ``--policies`` it compares scheduling policies on a tenant workload
+instead (:mod:`switchyard.bench.program_policies`).
 
 In-process and on a simulated clock, like ``bench sched``
 (:mod:`switchyard.bench.sched_bench`, whose engine and step loop it reuses):
