@@ -73,7 +73,7 @@ async def test_with_statement_question_retrieves_the_with_topic(pydoc_index_dir,
 
 
 async def test_top_k_zero_means_the_configured_default(pydoc_index_dir):
-    async with _serve(_config(pydoc_index_dir, **{"retrieval.top_k": 3})) as (_, stub):
+    async with _serve(_config(pydoc_index_dir, **{"retrieval.default_top_k": 3})) as (_, stub):
         reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="What does yield do?"))
     assert len(reply.passages) == 3
 

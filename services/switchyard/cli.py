@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
               "compare, sched, isolation, agents, route, fault, retrieval"),
     "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
+    "config": ("switchyard.common.config.reference",
+               "the configuration reference of every key (docs/configuration.md): config reference [--write|--check FILE]"),
     "profile": ("switchyard.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
                 "GC pauses; pprof file with --output"),
 }
