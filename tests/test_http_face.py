@@ -18,7 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.common.server import running
-from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.http_face import JSON, HttpFace
 from switchyard.orchestrator.service import OrchestratorService
 
 pytestmark = pytest.mark.no_gpu
@@ -122,8 +122,85 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
             error = reply.json()["error"]
             assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(field), error
             assert error["origin"] == "orchestrator"
-        assert (await client.post("/api/v1/agent/submit", content=b"{not json")).status_code == 400
+        not_json = await client.post("/api/v1/agent/submit", content=b"{not json", headers={"Content-Type": JSON})
+        assert not_json.status_code == 400 and not_json.json()["error"]["message"].startswith("body: expected a JSON")
         assert down.requests == []
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({}, "task_type: expected one of rag_answer, chat, react_loop (required)"),
+    ({"task_type": "chat"}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id header)"),
+    ({**FIELD_BODY, "agent_id": ""}, "agent_id: expected a non-empty string"),
+    ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 to 2147483647 (got '128')"),
+    ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
+    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
+    ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected an integer from 0 to 2147483647 (got -1)"),
+    ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
+                                    "header) (got 7)"),
+    ({**FIELD_BODY, "priority": "urgent"}, "priority: expected core, normal or batch (got 'urgent')"),
+    ({**FIELD_BODY, "metadata": {"k": 1}}, "metadata.k: expected a string (got 1)"),
+    ({**FIELD_BODY, "metadata": []}, "metadata: expected an object of string values (got [])"),
+    ("text", "body: expected a JSON object (got 'a JSON string')"),
+])
+async def test_a_body_missing_a_required_field_or_of_a_wrong_type_is_400_saying_what_was_expected(body, message):
+    async with http_stack() as (client, _, down):
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            reply = await client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["message"].startswith(message), reply.json()
+        assert down.requests == []
+
+
+async def test_the_priority_message_is_the_grpc_edges():
+    async with http_stack() as (client, stub, _down):
+        over_http = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "priority": "urgent"})).json()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
+        assert over_http["error"]["message"] == err.value.details().replace("x-priority header", "priority")
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+async def test_a_body_that_is_not_application_json_is_415_naming_the_expected_type(content_type):
+    import json
+
+    async with http_stack() as (client, _, down):
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            # The field's own body, valid JSON: the type is what is refused.
+            reply = await client.post(path, content=json.dumps(FIELD_BODY).encode(), headers=headers)
+            assert reply.status_code == 415, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(
+                "Content-Type: expected application/json"), error
+        charset = await client.post("/api/v1/agent/submit", content=json.dumps({**FIELD_BODY, "task_type": "chat"}),
+                                    headers={"Content-Type": "application/json; charset=utf-8"})
+        assert charset.status_code == 200, charset.text
+        assert len(down.requests) <= 1
+
+
+async def test_the_openapi_documents_required_fields_as_the_face_checks_them():
+    """Each field the document calls required is refused when left out; every other one may be left out."""
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        schema = doc["components"]["schemas"]["TaskRequest"]
+        assert set(schema["required"]) == {"task_type"}
+        assert schema["properties"]["task_type"]["enum"] == ["rag_answer", "chat", "react_loop"]
+        assert {"413", "415"} <= set(doc["paths"]["/api/v1/agent/submit"]["post"]["responses"])
+        full = {**FIELD_BODY, "task_type": "chat", "payload": "hi", "task_id": "", "model": "", "metadata": {}}
+        assert set(full) == set(schema["properties"])
+        for field in schema["properties"]:
+            body = {k: v for k, v in full.items() if k != field}
+            reply = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": "a-1"})
+            if field in schema["required"]:
+                assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(field), reply.text
+            else:
+                assert reply.status_code == 200, (field, reply.text)
+        # agent_id: in the body or the header, as the X-Agent-Id parameter says; neither is 400.
+        header = next(p for p in doc["paths"]["/api/v1/agent/submit"]["post"]["parameters"] if p["name"] == "X-Agent-Id")
+        assert "one of the two is required" in header["description"]
+        neither = await client.post("/api/v1/agent/submit", json={k: v for k, v in full.items() if k != "agent_id"})
+        assert neither.status_code == 400 and neither.json()["error"]["message"].startswith("agent_id")
 
 
 async def test_unknown_task_and_agent_are_404_and_a_taken_task_id_is_409():
@@ -208,7 +285,8 @@ async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_
         assert seen == [("agent-from-header", agent_pb2.BATCH), ("agent-in-body", agent_pb2.CORE),
                         ("agent-from-header", agent_pb2.BATCH), ("grpc-agent", agent_pb2.CORE),
                         ("own", agent_pb2.NORMAL)]
-        bad = await client.post("/api/v1/agent/submit", json={"task_type": "chat"}, headers={"X-Priority": "urgent"})
+        bad = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "agent_id": "a-1"},
+                                headers={"X-Priority": "urgent"})
         assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("x-priority header")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
@@ -321,19 +399,21 @@ async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
             assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
 
 
-async def test_a_body_past_the_size_limit_is_400_naming_it_and_unknown_paths_and_methods_answer_json():
+async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and_methods_answer_json():
     async with http_stack() as (client, _, down):
         limit = load_config("config", service="orchestrator").limits.max_payload_chars
         for chars in (5 * limit, 11 * limit):  # past the face's body limit (4 bytes a character and more)
             for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
                 reply = await client.post(path, json={**FIELD_BODY, "payload": "x" * chars})
-                assert reply.status_code == 400, reply.text
+                assert reply.status_code == 413, reply.text
                 error = reply.json()["error"]
                 assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith("body: expected at most")
                 assert "limits.max_payload_chars" in error["message"]
         unknown = await client.get("/api/v1/nothing-here")
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "NOT_FOUND"
-        wrong = await client.get("/api/v1/agent/submit")
-        assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
-        assert "POST" in wrong.headers["Allow"]
+        for method in ("GET", "PUT", "DELETE"):
+            wrong = await client.request(method, "/api/v1/agent/submit", json=FIELD_BODY)
+            assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
+            assert "POST" in wrong.headers["Allow"]
+        assert (await client.post("/api/v1/tasks/t-1")).status_code == 405
         assert down.requests == []
