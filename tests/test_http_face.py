@@ -28,9 +28,10 @@ FIELD_BODY = {"agent_id": "test-001", "priority": "core", "task_type": "react_lo
 
 
 @contextlib.asynccontextmanager
-async def http_stack(client_options: dict | None = None, **overrides):
+async def http_stack(client_options: dict | None = None, tracer_provider=None, **overrides):
     """(httpx client on the HTTP face, gRPC stub, downstream) of one orchestrator serving both faces;
-    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client."""
+    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client,
+    ``tracer_provider`` to the HTTP face's spans."""
     base = load_config("config", service="orchestrator")
     if "server.tls" in overrides:
         base = base.with_overrides(**{"server.tls": overrides.pop("server.tls")})
@@ -45,7 +46,7 @@ async def http_stack(client_options: dict | None = None, **overrides):
                 "orchestrator.cpu_executor": "loop", **overrides,
             })
             orch = OrchestratorService(cfg)
-            face = HttpFace(orch, cfg, port=0)
+            face = HttpFace(orch, cfg, port=0, tracer_provider=tracer_provider)
             async with running([orch, face], cfg.server) as srv:
                 down.orchestrator_address = f"127.0.0.1:{srv.port}"
                 channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
@@ -417,3 +418,75 @@ async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and
             assert "POST" in wrong.headers["Allow"]
         assert (await client.post("/api/v1/tasks/t-1")).status_code == 405
         assert down.requests == []
+
+
+def durations(method: str, route: str, status: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("http_server_request_duration_seconds_count", {
+        "http_request_method": method, "http_route": route, "http_response_status_code": status}) or 0.0
+
+
+async def test_each_request_is_a_server_span_in_the_callers_trace_and_a_duration_by_route_template():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from otlp_receiver import OtlpReceiver
+    from prometheus_client import REGISTRY
+
+    from switchyard.common import telemetry
+
+    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    status_route = "/api/v1/agent/{agent_id}/status"
+    series = [("POST", "/api/v1/agent/submit", "200"), ("POST", "/api/v1/agent/submit", "400"),
+              ("GET", status_route, "200"), ("GET", "", "404"), ("_OTHER", "", "405")]
+    with OtlpReceiver() as receiver:
+        provider = telemetry.make_tracer_provider()
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
+        async with http_stack(tracer_provider=provider) as (client, _, _down):
+            assert durations("POST", "/api/v1/agent/run", "200") is not None  # the routes' series start at 0
+            before = {key: durations(*key) for key in series}
+            accepted = await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"},
+                                         headers={"traceparent": f"00-{trace_id}-{caller}-01"})
+            assert accepted.status_code == 200
+            assert accepted.json()["trace_id"] == trace_id  # the task was accepted in the caller's trace
+            await finished(client, "/api/v1/agent/test-001/status")
+            assert (await client.post("/api/v1/agent/submit", json={})).status_code == 400
+            assert (await client.get("/api/v1/nothing-here?x=1")).status_code == 404
+            assert (await client.request("PROPFIND", "/api/v1/agent/submit")).status_code == 405
+            after = {key: durations(*key) for key in series}
+        provider.shutdown()
+
+        assert after[series[0]] == before[series[0]] + 1 and after[series[1]] == before[series[1]] + 1
+        assert after[series[2]] >= before[series[2]] + 1
+        assert after[series[3]] == before[series[3]] + 1 and after[series[4]] == before[series[4]] + 1
+        routes = {s.labels["http_route"] for f in REGISTRY.collect() for s in f.samples
+                  if s.name.startswith("http_server_request_duration_seconds")}
+        assert routes <= {route for _, route in http_face_routes()} | {""}  # templates, never raw paths
+
+        spans = receiver.wait_for(lambda got: any(s.name == "HTTP" for s in got), timeout_s=30)
+    server = [s for s in spans if s.kind == trace_pb2.Span.SPAN_KIND_SERVER]
+    submit = next(s for s in server if s.name == "POST /api/v1/agent/submit" and s.trace_id == trace_id)
+    assert submit.parent_span_id == caller
+    assert submit.attributes["http.request.method"] == "POST" and submit.attributes["http.route"] == "/api/v1/agent/submit"
+    assert submit.attributes["http.response.status_code"] == 200 and submit.attributes["url.scheme"] == "http"
+    assert submit.attributes["url.path"] == "/api/v1/agent/submit" and submit.attributes["server.port"] > 0
+    assert submit.attributes["network.protocol.version"] == "1.1" and "client.address" in submit.attributes
+    polls = [s for s in server if s.name == f"GET {status_route}"]
+    assert polls and all(s.attributes["url.path"] == "/api/v1/agent/test-001/status" for s in polls)
+    assert all(s.trace_id != trace_id for s in polls)  # no traceparent: traces of their own
+    invalid = next(s for s in server if s.name == "POST /api/v1/agent/submit" and s.attributes[
+        "http.response.status_code"] == 400)
+    unrouted = next(s for s in server if s.name == "GET")
+    assert "http.route" not in unrouted.attributes and unrouted.attributes["url.query"] == "x=1"
+    other = next(s for s in server if s.name == "HTTP")
+    assert other.attributes["http.request.method"] == "_OTHER"
+    assert other.attributes["http.request.method_original"] == "PROPFIND"
+    assert other.attributes["http.response.status_code"] == 405
+    assert not [s.name for s in (submit, invalid, unrouted, other, *polls) if s.is_error]  # 4xx: the caller's
+
+
+def http_face_routes():
+    from switchyard.orchestrator.http_face import ROUTES
+
+    return ROUTES.values()

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from switchyard import __version__
 from switchyard.api import agent_pb2
+from switchyard.common import http_telemetry, telemetry
 from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, status_for
 from switchyard.common.tasks import settle
@@ -59,6 +60,11 @@ SERVICE = "agent.AgentService"
 ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus"}
 """The gRPC method each route stands for: what a bearer token restricted to methods must allow."""
 JSON = "application/json"
+ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/agent/run"),
+          "status": ("GET", "/api/v1/agent/{agent_id}/status"), "task_status": ("GET", "/api/v1/tasks/{task_id}"),
+          "openapi": ("GET", "/openapi.json")}
+"""Route name -> (method, route template): the routes :meth:`HttpFace.app` serves, and the ``http_route``
+label values of ``http_server_request_duration_seconds``."""
 
 
 class HttpAbort(Exception):
@@ -150,13 +156,17 @@ class HttpFace:
         service: the orchestrator's servicer (started).
         config: ``orchestrator.http`` gives the port, ``server`` the host and TLS.
         port: overrides ``orchestrator.http.port`` (0: a free port).
+        tracer_provider: the provider of the requests' SERVER spans (common/http_telemetry.py); None: the
+            global one, and no spans while :func:`telemetry.tracing_enabled` is false.
     """
 
     name = "orchestrator-http"
     grpc_service_names: tuple[str, ...] = ()
 
-    def __init__(self, service: Any, config: SwitchyardConfig, port: int | None = None) -> None:
+    def __init__(self, service: Any, config: SwitchyardConfig, port: int | None = None,
+                 tracer_provider: Any = None) -> None:
         self.service = service
+        self.tracer_provider = tracer_provider
         self.config = config
         self.port = config.orchestrator.http.port if port is None else port
         self._runner: web.AppRunner | None = None
@@ -174,12 +184,16 @@ class HttpFace:
         return 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._authenticate], client_max_size=self.body_max_bytes)
-        app.router.add_post("/api/v1/agent/submit", self.submit, name="submit")
-        app.router.add_post("/api/v1/agent/run", self.run, name="run")
-        app.router.add_get("/api/v1/agent/{agent_id}/status", self.agent_status, name="status")
-        app.router.add_get("/api/v1/tasks/{task_id}", self.task_status, name="task_status")
-        app.router.add_get("/openapi.json", self.openapi, name="openapi")
+        """The application: the HTTP server telemetry middleware outermost (every answer measured, 401s
+        included), then bearer tokens, then the routes."""
+        provider = self.tracer_provider
+        measure = http_telemetry.middleware(ROUTES.values(), provider,
+                                            traced=lambda: provider is not None or telemetry.tracing_enabled())
+        app = web.Application(middlewares=[measure, self._authenticate], client_max_size=self.body_max_bytes)
+        handlers = {"submit": self.submit, "run": self.run, "status": self.agent_status,
+                    "task_status": self.task_status, "openapi": self.openapi}
+        for name, (method, path) in ROUTES.items():
+            app.router.add_route(method, path, handlers[name], name=name)
         return app
 
     async def start(self) -> None:
