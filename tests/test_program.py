@@ -226,11 +226,11 @@ async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeyp
         url = f"http://127.0.0.1:{down.http.port}/api/v1/agent/run"
         async with aiohttp.ClientSession() as session:
             headers = {"Authorization": "Bearer tok-plain", "X-Tenant-Id": "delta"}
-            async with session.post(url, json={"payload": "hi", "task_type": "chat"}, headers=headers) as response:
+            async with session.post(url, json={"payload": "hi", "task_type": "chat", "agent_id": "agent-1"}, headers=headers) as response:
                 assert response.status == 200
                 await response.read()
             headers["X-Tenant-Id"] = "bad tenant"
-            async with session.post(url, json={"payload": "hi", "task_type": "chat"}, headers=headers) as response:
+            async with session.post(url, json={"payload": "hi", "task_type": "chat", "agent_id": "agent-1"}, headers=headers) as response:
                 assert response.status == 400
                 assert "x-tenant-id" in (await response.json())["error"]["message"]
         assert down.requests[-1].tenant_id == "delta"
