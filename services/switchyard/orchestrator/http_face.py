@@ -41,7 +41,8 @@ from pydantic import ValidationError
 from switchyard import __version__
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig, TlsConfig
-from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, status_for
+from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, hop_of, status_for
+from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.orchestrator.http_models import TaskRequest, describe_error, message_dict, openapi, status_json
 from switchyard.orchestrator.validation import parse_priority
@@ -105,7 +106,7 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
         token = event.token
         return (f'event: token\ndata: {{"text":{json.dumps(token.text)},"index":{token.index},'
                 f'"count":{token.count}}}\n\n').encode()
-    return _sse(kind, message_dict(getattr(event, kind)))
+    return _sse(kind, message_dict(event)[kind])  # the set member of the oneof, as message_dict writes it
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
@@ -128,7 +129,7 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     return context
 
 
-class HttpFace:
+class HttpFace(Drains):
     """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
     started after it, drained and stopped before it).
 
@@ -274,7 +275,7 @@ class HttpFace:
             code, details = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("HTTP %s failed", make)
-            return _error(code, details, getattr(exc, "origin", "") or "orchestrator")
+            return _error(code, details, hop_of(exc, "orchestrator"))
 
     async def submit(self, request: web.Request) -> web.Response:
         async def call() -> web.Response:
