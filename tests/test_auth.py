@@ -76,7 +76,7 @@ def test_no_token_configured_is_a_clear_start_up_error(tmp_path, monkeypatch):
         BearerAuthInterceptor(AuthConfig(enabled=True))
     bad = tmp_path / "tokens"
     bad.write_text("tok-1 RunTask\n")
-    with pytest.raises(AuthConfigError, match=r"line 1: expected '<token> \[service/method ...\]'") as caught:
+    with pytest.raises(AuthConfigError, match=r"line 1: expected '<token> \[tenant=<id>\] \[service/method ...\]'") as caught:
         BearerAuthInterceptor(AuthConfig(enabled=True, tokens_file=str(bad)))
     assert "tok-1" not in str(caught.value)
     with pytest.raises(AuthConfigError, match="auth.tokens_file .*missing"):

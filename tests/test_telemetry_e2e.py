@@ -121,7 +121,8 @@ def _task_complete(spans: list[ReceivedSpan]) -> bool:
         ("orchestrator", "agent.AgentService/RunTask"),
         ("retrieval", "retrieval.search"),
         ("dispatcher", "dispatcher.generate"),
-    } <= names and any(s.name == "dispatcher.batch" for s in spans) and any(s.name == "engine.decode" for s in spans)
+    } <= names and any(s.name == "dispatcher.batch" for s in spans) and any(s.name == "engine.decode" for s in spans) \
+        and sum(s.name == "dispatcher.generate" and s.trace_id == TRACE_ID for s in spans) == 2  # prefill + answer
 
 
 async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
@@ -157,13 +158,21 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
 
     # orchestrator infer -> the request's SERVER span in the dispatcher (another process; the request
     # travelled over GenerateStream with the infer span's traceparent) -> its stages
+    # (rag_answer's early prefill, sent while retrieval ran, is a request of its own under a prefill span)
     infer = one(task, "infer", "orchestrator")
-    request_span = one(task, "dispatcher.generate", "dispatcher", SERVER)
-    assert request_span.parent_span_id == infer.span_id
-    queue_wait = one(task, "dispatcher.queue_wait", "dispatcher")
+    requests = [s for s in task if s.name == "dispatcher.generate" and s.service == "dispatcher" and s.kind == SERVER]
+    request_span = next(s for s in requests if s.parent_span_id == infer.span_id)
+    prefill = one(task, "prefill", "orchestrator")
+    assert_under(prefill, run, task)
+    assert [s.parent_span_id for s in requests if s is not request_span] == [prefill.span_id]
+
+    def under_request(name: str) -> ReceivedSpan:
+        return one([s for s in task if request_span in ancestors(s, task)], name, "dispatcher")
+
+    queue_wait = under_request("dispatcher.queue_wait")
     assert_under(queue_wait, request_span, task)
     for phase in ("inference.prefill", "inference.decode"):
-        assert_under(one(task, phase, "dispatcher"), request_span, task)
+        assert_under(under_request(phase), request_span, task)
     assert request_span.attributes["gen_ai.usage.input_tokens"] > 0
     assert request_span.attributes["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
 

@@ -1,6 +1,8 @@
 """The field's agent load test: N react agents on the sim latency model, memory tiers acting.
 
 ``switchyard bench agents`` (or ``python -m switchyard_harness.bench.agents_bench``).
+With ``--policies`` it compares scheduling policies on a tenant workload
+instead (:mod:`switchyard_harness.bench.program_policies`).
 
 In-process and on a simulated clock, like ``bench sched``
 (:mod:`switchyard_harness.bench.sched_bench`, whose engine and step loop it reuses):
@@ -66,6 +68,8 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
+from switchyard_harness.bench.program_policies import POLICY_NAMES, Workload, hold_scale, run_policies
+from switchyard_harness.bench.program_policies import render as render_policies
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
@@ -470,12 +474,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", help="write the JSON report here, and a PNG beside it (same name, .png)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    policies = parser.add_argument_group(
+        "scheduling policies", "--policies compares scheduling policies on one tenant workload instead "
+        "(switchyard.bench.program_policies); --agents, --dram and --out do not apply there")
+    policies.add_argument("--policies", help="comma-separated policies, or all: " + ", ".join(POLICY_NAMES))
+    policies.add_argument("--tenant-agents", type=int, default=10, help="agents of each of the 9 quiet tenants (10)")
+    policies.add_argument("--noisy-agents", type=int, default=100, help="agents of the noisy tenant, long tools (100)")
+    policies.add_argument("--load-scale", type=_positive, default=0.3, help="multiplies every tenant's agents (0.3)")
+    policies.add_argument("--double-load", action="store_true",
+                          help="also find the load fcfs holds (CORE SLO >= 95 %%) and run switchyard at twice it")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (2: bad config or arguments)."""
     args = build_parser().parse_args(argv)
+    if args.policies:
+        return _main_policies(args)
     if args.agents < 1:
         print("switchyard bench agents: --agents: expected at least 1", file=sys.stderr)
         return 2
@@ -506,6 +521,46 @@ def main(argv: list[str] | None = None) -> int:
         print(render(report))
         if args.out:
             print(f"\nwrote {args.out} and {Path(args.out).with_suffix('.png')}")
+        print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
+    return 0
+
+
+def _main_policies(args: argparse.Namespace) -> int:
+    """``--policies``: the same tenant workload under each scheduling policy (simulated clock)."""
+    names = list(POLICY_NAMES) if args.policies == "all" else [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [name for name in names if name not in POLICY_NAMES]
+    if unknown or not names:
+        print(f"switchyard bench agents: --policies: expected all or some of {', '.join(POLICY_NAMES)}, got "
+              f"{args.policies!r}", file=sys.stderr)
+        return 2
+    if args.tenant_agents < 1 or args.noisy_agents < 1:
+        print("switchyard bench agents: --tenant-agents and --noisy-agents: expected at least 1", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
+        if args.hbm_gb:
+            config = config.with_overrides(**{"sim.hbm_gb": args.hbm_gb})
+    except ConfigError as exc:
+        print(f"switchyard bench agents: {exc}", file=sys.stderr)
+        return 2
+    workload = Workload(tenant_agents=args.tenant_agents, noisy_agents=args.noisy_agents, mix=args.mix,
+                        prompt_tokens=args.prompt_tokens, tool_calls=args.tool_calls, call_tokens=args.call_tokens,
+                        result_tokens=args.result_tokens, answer_tokens=args.answer_tokens, seconds=args.seconds,
+                        drain_limit=args.drain_limit, seed=args.seed, load_scale=args.load_scale)
+    started = time.perf_counter()
+    try:
+        rows = run_policies(names, workload, config)
+    except ValueError as exc:
+        print(f"switchyard bench agents: {exc}", file=sys.stderr)
+        return 2
+    held = at_double = None
+    if args.double_load:
+        held = hold_scale(workload, config)
+        at_double = run_policies(["switchyard"], Workload(**{**workload.__dict__, "load_scale": 2 * held}), config)[0]
+    if args.json:
+        print(json.dumps({"rows": rows, "fcfs_holds_scale": held, "switchyard_at_double": at_double}, indent=2))
+    else:
+        print(render_policies(rows, workload, config, at_double=at_double, held=held))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
     return 0
 

@@ -31,6 +31,13 @@ class FlushReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IDLE: _ClassVar[FlushReason]
     STEP: _ClassVar[FlushReason]
     PREEMPT: _ClassVar[FlushReason]
+
+class ToolWaitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_WAIT_DECISION_UNSPECIFIED: _ClassVar[ToolWaitDecision]
+    KEEP: _ClassVar[ToolWaitDecision]
+    SWAP: _ClassVar[ToolWaitDecision]
+    DROP: _ClassVar[ToolWaitDecision]
 PRIORITY_UNSPECIFIED: Priority
 CORE: Priority
 NORMAL: Priority
@@ -47,6 +54,10 @@ DRAIN: FlushReason
 IDLE: FlushReason
 STEP: FlushReason
 PREEMPT: FlushReason
+TOOL_WAIT_DECISION_UNSPECIFIED: ToolWaitDecision
+KEEP: ToolWaitDecision
+SWAP: ToolWaitDecision
+DROP: ToolWaitDecision
 
 class TokenUsage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -223,7 +234,7 @@ class GetTaskStatusRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "state", "result", "error", "compute_score_used", "memory_peak_bytes", "timings")
+    __slots__ = ("task_id", "state", "result", "error", "compute_score_used", "memory_peak_bytes", "timings", "tenant_id")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +242,7 @@ class TaskStatus(_message.Message):
     COMPUTE_SCORE_USED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     state: TaskState
     result: FinalEvent
@@ -238,7 +250,8 @@ class TaskStatus(_message.Message):
     compute_score_used: float
     memory_peak_bytes: int
     timings: Timings
-    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., result: _Optional[_Union[FinalEvent, _Mapping]] = ..., error: _Optional[str] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    tenant_id: str
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., result: _Optional[_Union[FinalEvent, _Mapping]] = ..., error: _Optional[str] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., tenant_id: _Optional[str] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("query", "top_k")
@@ -297,7 +310,7 @@ class ToolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume")
+    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +322,10 @@ class GenerateRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_TIME_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_REMAINING_WORK_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -320,7 +337,11 @@ class GenerateRequest(_message.Message):
     agent_id: str
     tools: _containers.RepeatedCompositeFieldContainer[ToolSpec]
     resume: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ...) -> None: ...
+    tenant_id: str
+    task_time_left_s: float
+    expected_remaining_work_s: float
+    prefill_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "name", "arguments_json")
@@ -371,12 +392,36 @@ class DescribeModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine")
+    __slots__ = ("model", "engine", "shares_prefixes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    shares_prefixes: bool
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ...) -> None: ...
+
+class ToolWaitRequest(_message.Message):
+    __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    tool: str
+    expected_wait_s: float
+    tenant_id: str
+    priority: Priority
+    def __init__(self, agent_id: _Optional[str] = ..., tool: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., tenant_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class ToolWaitReply(_message.Message):
+    __slots__ = ("decision", "restore_at_s")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_AT_S_FIELD_NUMBER: _ClassVar[int]
+    decision: ToolWaitDecision
+    restore_at_s: float
+    def __init__(self, decision: _Optional[_Union[ToolWaitDecision, str]] = ..., restore_at_s: _Optional[float] = ...) -> None: ...
 
 class StreamedGenerate(_message.Message):
     __slots__ = ("request", "timeout_s", "trace_context")

@@ -283,6 +283,11 @@ class InferenceServiceStub:
                 request_serializer=agent__pb2.DescribeModelRequest.SerializeToString,
                 response_deserializer=agent__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ToolWait = channel.unary_unary(
+                '/agent.InferenceService/ToolWait',
+                request_serializer=agent__pb2.ToolWaitRequest.SerializeToString,
+                response_deserializer=agent__pb2.ToolWaitReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -306,6 +311,13 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ToolWait(self, request, context):
+        """An agent's tool call started: what the dispatcher does with its prefix state meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +335,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.DescribeModel,
                     request_deserializer=agent__pb2.DescribeModelRequest.FromString,
                     response_serializer=agent__pb2.ModelInfo.SerializeToString,
+            ),
+            'ToolWait': grpc.unary_unary_rpc_method_handler(
+                    servicer.ToolWait,
+                    request_deserializer=agent__pb2.ToolWaitRequest.FromString,
+                    response_serializer=agent__pb2.ToolWaitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -406,6 +423,33 @@ class InferenceService:
             '/agent.InferenceService/DescribeModel',
             agent__pb2.DescribeModelRequest.SerializeToString,
             agent__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ToolWait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agent.InferenceService/ToolWait',
+            agent__pb2.ToolWaitRequest.SerializeToString,
+            agent__pb2.ToolWaitReply.FromString,
             options,
             channel_credentials,
             insecure,

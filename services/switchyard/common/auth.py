@@ -5,7 +5,9 @@ from a file (``auth.tokens_file``, one per line) and/or an environment
 variable (``auth.tokens_env``, comma-separated), read once at start-up. A line
 may restrict its token to some methods: ``<token> agent.AgentService/GetTaskStatus
 agent.AgentService/SubmitTask`` (``agent.AgentService/*`` for a whole service);
-a token alone may call every method.
+a token alone may call every method. A line may also name the token's tenant,
+``<token> tenant=acme [methods ...]``: the tenant of every task the token
+submits (common/tenant.py), which an ``x-tenant-id`` header cannot change.
 
 - no ``authorization``, or not ``Bearer <token>``: UNAUTHENTICATED;
 - a token that is not known: UNAUTHENTICATED;
@@ -35,6 +37,8 @@ from prometheus_client import Counter
 from switchyard.common import envs
 from switchyard.common.config import AuthConfig
 from switchyard.common.errors import ORIGIN_KEY
+from switchyard.common.tenant import TENANT_PATTERN
+from switchyard.common.tenant import EXPECTED as TENANT_EXPECTED
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class AuthConfigError(ValueError):
 class _Token:
     secret: bytes
     methods: tuple[str, ...]  # empty: every method
+    tenant: str = ""  # empty: the token names no tenant
 
     def allows(self, method: str) -> bool:
         if not self.methods:
@@ -72,11 +77,15 @@ def _parse(lines: list[str], source: str) -> list[_Token]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        bad = [m for m in fields[1:] if m.count("/") != 1 or m.startswith("/")]
+        tenants = [f.partition("=")[2] for f in fields[1:] if f.startswith("tenant=")]
+        methods = [f for f in fields[1:] if not f.startswith("tenant=")]
+        bad = [m for m in methods if m.count("/") != 1 or m.startswith("/")]
         if bad:
-            raise AuthConfigError(f"{source} line {number}: expected '<token> [service/method ...]', "
+            raise AuthConfigError(f"{source} line {number}: expected '<token> [tenant=<id>] [service/method ...]', "
                                   f"methods as agent.AgentService/RunTask or agent.AgentService/*")
-        tokens.append(_Token(fields[0].encode(), tuple(fields[1:])))
+        if len(tenants) > 1 or (tenants and not TENANT_PATTERN.fullmatch(tenants[0])):
+            raise AuthConfigError(f"{source} line {number}: expected at most one tenant=<id>, the id {TENANT_EXPECTED}")
+        tokens.append(_Token(fields[0].encode(), tuple(methods), tenants[0] if tenants else ""))
     return tokens
 
 
@@ -133,6 +142,22 @@ class BearerTokens:
         AUTH_FAILURES.labels(reason).inc()
         return code, details
 
+    def tenant_of(self, authorization: str | None) -> str:
+        """The tenant the token in ``authorization`` (``Bearer <token>``) names; "" when it names none or is not
+        known (a call that reached a handler passed :meth:`check` already)."""
+        scheme, _, presented = str(authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            return ""
+        match = self._match(presented.strip().encode())
+        return match.tenant if match is not None else ""
+
+    def _match(self, secret: bytes) -> _Token | None:
+        match = None
+        for token in self._tokens:  # every comparison runs: no early exit
+            if hmac.compare_digest(token.secret, secret) and match is None:
+                match = token
+        return match
+
     def _refusal(self, method: str, authorization: str | None) -> tuple[str, grpc.StatusCode, str] | None:
         if authorization is None:
             return ("missing", grpc.StatusCode.UNAUTHENTICATED,
@@ -141,11 +166,7 @@ class BearerTokens:
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
                     "'authorization' metadata must be 'Bearer <token>'")
-        secret = presented.strip().encode()
-        match = None
-        for token in self._tokens:  # every comparison runs: no early exit
-            if hmac.compare_digest(token.secret, secret) and match is None:
-                match = token
+        match = self._match(presented.strip().encode())
         if match is None:
             return "unknown_token", grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid"
         if not match.allows(method):

@@ -67,6 +67,21 @@ class TaskDeadlineExceeded(SwitchyardError):
         self.task_id = task_id
 
 
+class TaskRefusedEarly(SwitchyardError):
+    """A task refused before a model step: its time left is below the work it is expected to need
+    (DEADLINE_EXCEEDED; the rule: orchestrator/program.py)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, task_id: str, time_left_s: float, expected_work_s: float, model_steps_done: int,
+                 margin_s: float) -> None:
+        super().__init__(
+            f"task {task_id} refused early before model step {model_steps_done}: {time_left_s:.3f} s left before "
+            f"its deadline, {expected_work_s:.3f} s of work expected (the measured mean times of the steps it has "
+            f"left), short by more than orchestrator.program.refuse_early_margin_s = {margin_s:g} s")
+        self.task_id = task_id
+
+
 class RequestDeadlineExceeded(SwitchyardError):
     """A request passed its own deadline (its caller's ``timeout_s`` or gRPC deadline) in the dispatcher
     (DEADLINE_EXCEEDED); its place and KV are freed."""

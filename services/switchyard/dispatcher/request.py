@@ -104,6 +104,14 @@ class Request:
     """agent_pb2.Priority value (CORE, NORMAL, BATCH); PRIORITY_UNSPECIFIED becomes NORMAL."""
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
+    # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15)
+    tenant_id: str = "default"
+    task_time_left_s: float | None = None
+    """Seconds its task had left when the request was sent; None: not given."""
+    expected_remaining_work_s: float = 0.0
+    """Its task's expected work after this request, seconds (slack = time left - own time - this)."""
+    prefill_only: bool = False
+    """Compute the prompt's prefix state only: no tokens are wanted."""
 
     arrival: float = field(default_factory=time.monotonic)
     """When the Generate call arrived."""

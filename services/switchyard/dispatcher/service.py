@@ -13,12 +13,19 @@ flush that carried the request, the model, preemptions and finish_reason.
 Errors end the stream with a gRPC status (see :mod:`switchyard.common.errors`).
 The scheduler alone expires waiting requests and releases KV; when the caller
 goes away, the handler aborts its request there.
+
+``ToolWait`` hears from the orchestrator that an agent's tool call started
+(who, which tool, the expected wait, tenant, priority): :meth:`DispatcherService.tool_wait`
+decides what its prefix state does meanwhile (KEEP for now: parked for
+``tool_wait_ttl_s``). A ``prefill_only`` request (a warm-up of a prompt prefix)
+finishes at once, no tokens, on an engine that shares no prefixes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from typing import AsyncIterator
@@ -33,6 +40,7 @@ from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
 from switchyard.common.server import Drains
+from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
@@ -77,10 +85,15 @@ def to_request(
         InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
             max_tokens exceed the model's context window), ``prompt_tokens``,
             ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
-            ``messages``, ``tools``, ``messages[i].role`` or ``tools[i].parameters_json``.
+            ``messages``, ``tools``, ``messages[i].role``, ``tools[i].parameters_json``, ``tenant_id``,
+            ``task_time_left_s`` or ``expected_remaining_work_s``.
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
     defaults, limits = config.dispatcher, config.limits
+    tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
+    for name in ("task_time_left_s", "expected_remaining_work_s"):
+        if not (math.isfinite(getattr(request, name)) and getattr(request, name) >= 0):
+            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", getattr(request, name))
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
@@ -167,6 +180,10 @@ def to_request(
         task_type=request.task_type,
         priority=request.priority,
         resume=request.resume,
+        tenant_id=tenant,
+        task_time_left_s=request.task_time_left_s or None,
+        expected_remaining_work_s=request.expected_remaining_work_s,
+        prefill_only=request.prefill_only,
     )
 
 
@@ -296,7 +313,50 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """The model served to a request that names none, and the engine: callers check a request's
         prompt + max_tokens against that model's context window before sending it."""
         served = self.engine.model if self.stepping else default_model(self.config)
-        return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine)
+        return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
+                                   shares_prefixes=self.shares_prefixes)
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether the engine reuses a prompt prefix computed for an earlier request (automatic prefix caching):
+        what makes a ``prefill_only`` request worth running."""
+        return getattr(self.engine, "prefix_cache", None) is not None
+
+    async def ToolWait(self, request: agent_pb2.ToolWaitRequest,
+                       context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
+        """An agent's tool call started: validate the announcement and answer :meth:`tool_wait`'s decision.
+
+        Ends INVALID_ARGUMENT naming the field: ``agent_id`` or ``tool`` empty or past
+        ``limits.max_id_chars``, ``expected_wait_s`` not a finite number of seconds >= 0, ``tenant_id``
+        malformed, ``priority`` not a Priority.
+        """
+        limits = self.config.limits
+        try:
+            for name in ("agent_id", "tool"):
+                value = getattr(request, name)
+                if not value or len(value) > limits.max_id_chars:
+                    raise InvalidArgument(name, f"1 to {limits.max_id_chars} characters (limits.max_id_chars)",
+                                          f"{len(value)} chars")
+            if not (math.isfinite(request.expected_wait_s) and request.expected_wait_s >= 0):
+                raise InvalidArgument("expected_wait_s", "a finite number of seconds, 0 or more", request.expected_wait_s)
+            tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
+            if request.priority not in agent_pb2.Priority.values():
+                raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
+        except SwitchyardError as exc:
+            await abort(context, exc, "dispatcher")
+        decision, restore_at_s = self.tool_wait(request.agent_id, request.tool, request.expected_wait_s, tenant,
+                                                request.priority or agent_pb2.NORMAL)
+        return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
+
+    def tool_wait(self, agent_id: str, tool: str, expected_wait_s: float, tenant: str,
+                  priority: int) -> tuple[int, float]:
+        """What to do with ``agent_id``'s prefix state while it waits ``expected_wait_s`` seconds on ``tool``.
+
+        Returns:
+            (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now at which a SWAP brings the
+            state back, else 0). Today KEEP: the agent's step parks as before (``tool_wait_ttl_s``).
+        """
+        return agent_pb2.KEEP, 0.0
 
     async def Generate(
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -371,6 +431,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         loop = self.loop
         if loop is None or self.draining:
             raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)
+        if req.prefill_only:
+            if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens
+                req.finish("stop")
+                return req
+            req.max_tokens = 1  # the prompt's prefill is what it is for; its one token is dropped by the caller
         if self.adaptive is not None:
             self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
         loop.submit(req)

@@ -10,6 +10,7 @@ caller of RunTask learns which service is down, not just "UNAVAILABLE".
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
@@ -21,12 +22,15 @@ from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
-from switchyard.orchestrator.metrics import DISPATCHER_RETRIES
+from switchyard.orchestrator.metrics import DISPATCHER_RETRIES, TOOL_WAIT_HINTS
 from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
 
 if TYPE_CHECKING:
+    from switchyard.orchestrator.program import Budget
     from switchyard.orchestrator.tools import Tool
     from switchyard.orchestrator.validation import TaskSpec
+
+log = logging.getLogger(__name__)
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
@@ -118,13 +122,25 @@ class InferenceClient:
         self._stub = agent_pb2_grpc.InferenceServiceStub(self._channel)
         self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}
         self._closing: set[asyncio.Future[None]] = set()
-        self._default_model: str | None = None
+        self._model_info: agent_pb2.ModelInfo | None = None
+        self.task_affinity: frozenset[str] = frozenset({"react_loop"})
+        """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
+        self._hints: set[asyncio.Task[None]] = set()
+        self._hint_logged: set[str] = set()
+        self.hint_timeout_s = 0.25
+        """Deadline of one ToolWait announcement (``orchestrator.program.tool_wait_hint_timeout_ms``)."""
         addresses = static_addresses(address)
         self.replicas: ReplicaSet | None = None
         affinity = affinity or AffinityConfig()
         self._affinity = affinity.enabled
         if addresses is None or len(addresses) > 1:
             self.replicas = ReplicaSet(address, config, affinity.idle_s, affinity.resolve_interval_s, affinity.balance)
+
+    def affinity_key(self, spec: TaskSpec) -> str | None:
+        """The key an agent's calls are routed by (generations and tool-wait announcements alike): its
+        ``agent_id``; without one, the task itself for a workflow whose calls share a prefix (react_loop's
+        turns; rag_answer's early prefill and its answer); else None (the next replica in turn)."""
+        return spec.agent_id or (spec.task_id if spec.workflow in self.task_affinity else None)
 
     async def _route(self, affinity_key: str | None, tried: frozenset[str]) -> tuple[str, grpc.aio.Channel]:
         if self.replicas is not None:
@@ -160,13 +176,18 @@ class InferenceClient:
         tools: Sequence[Tool] = (),
         resume: bool = False,
         timeout_s: float | None = None,
+        budget: Budget | None = None,
+        prefill_only: bool = False,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
         The request carries the task's id (``request_id`` ``{task_id}:{turn}``), priority, type,
         ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
         ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
-        that follows a tool call. ``timeout_s`` bounds the call (the task's time left).
+        that follows a tool call. ``timeout_s`` bounds the call (the task's time left). The request
+        carries the task's tenant, and ``budget``'s time left and expected work after this step
+        (orchestrator/program.py). ``prefill_only``: a warm-up of the prompt's prefix state
+        (``request_id`` ``{task_id}:prefill``), no tokens expected.
 
         The call goes to the replica holding the agent's warm state (see
         :mod:`switchyard.orchestrator.replicas`): the agent is ``spec.agent_id``, or for a
@@ -181,7 +202,7 @@ class InferenceClient:
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
         request = agent_pb2.GenerateRequest(
-            request_id=f"{spec.task_id}:{turn}",
+            request_id=f"{spec.task_id}:{'prefill' if prefill_only else turn}",
             prompt=prompt,
             messages=messages,
             prompt_tokens=prompt_tokens,
@@ -193,8 +214,12 @@ class InferenceClient:
             tools=[agent_pb2.ToolSpec(name=t.name, description=t.description, parameters_json=t.parameters_json)
                    for t in tools],
             resume=resume,
+            tenant_id=spec.tenant_id,
+            task_time_left_s=budget.time_left_s if budget is not None else 0.0,
+            expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
+            prefill_only=prefill_only,
         )
-        affinity_key = spec.agent_id or (spec.task_id if spec.workflow == "react_loop" else None)
+        affinity_key = self.affinity_key(spec)
         tried: set[str] = set()
         for attempt in range(self.MAX_ATTEMPTS):
             address, channel = await self._route(affinity_key, frozenset(tried))
@@ -227,27 +252,76 @@ class InferenceClient:
                     replicas.finished(address)
                 await chunks.aclose()  # a request given up on is cancelled on the stream now
 
-    async def default_model(self, timeout_s: float = 5.0) -> str:
-        """The model the dispatcher serves to a request that names none (asked once, then kept).
+    async def model_info(self, timeout_s: float = 5.0) -> agent_pb2.ModelInfo:
+        """What the dispatcher serves (asked once, then kept): the model a request naming none is served,
+        the engine, whether it shares prefixes.
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
-        if self._default_model is None:
+        if self._model_info is None:
             address, channel = await self._route(None, frozenset())
-            stub = self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)
             try:
-                info = await stub.DescribeModel(agent_pb2.DescribeModelRequest(), timeout=timeout_s)
+                self._model_info = await self._stub_for(channel).DescribeModel(
+                    agent_pb2.DescribeModelRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as err:
                 raise await _tls_named(_downstream_error("dispatcher", address, err), address, self._tls) from None
-            self._default_model = info.model
-        return self._default_model
+        return self._model_info
+
+    async def default_model(self, timeout_s: float = 5.0) -> str:
+        """The model the dispatcher serves to a request that names none (:meth:`model_info`).
+
+        Raises:
+            ServiceUnavailable, SwitchyardError: see :meth:`model_info`.
+        """
+        return (await self.model_info(timeout_s)).model
 
     @property
     def known_default_model(self) -> str:
         """:meth:`default_model` once it has been asked, else ""."""
-        return self._default_model or ""
+        return self._model_info.model if self._model_info is not None else ""
+
+    def _stub_for(self, channel: grpc.aio.Channel) -> agent_pb2_grpc.InferenceServiceStub:
+        return self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)
+
+    def announce_tool_wait(self, spec: TaskSpec, tool: str, expected_wait_s: float) -> None:
+        """Tell the agent's dispatcher (the replica its generations go to) that it now waits on ``tool`` for
+        about ``expected_wait_s`` seconds: ``ToolWait``, fire-and-forget, never delaying the tool.
+
+        The call runs in the background under :attr:`hint_timeout_s`; its outcome is counted in
+        ``switchyard_tool_wait_hints_total{outcome}`` (ok, deadline_exceeded, unavailable, unimplemented,
+        error) and the first failure of each kind is logged. Never raises.
+        """
+        request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
+                                            expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
+                                            priority=spec.priority)
+        hint = asyncio.create_task(self._tool_wait(self.affinity_key(spec), request), name=f"tool-wait-{spec.task_id}")
+        self._hints.add(hint)
+        hint.add_done_callback(self._hints.discard)
+
+    async def _tool_wait(self, affinity_key: str | None, request: agent_pb2.ToolWaitRequest) -> None:
+        address = self.address
+        try:
+            async with asyncio.timeout(self.hint_timeout_s):
+                address, channel = await self._route(affinity_key, frozenset())
+                reply = await self._stub_for(channel).ToolWait(request, timeout=self.hint_timeout_s)
+            outcome, detail = "ok", agent_pb2.ToolWaitDecision.Name(reply.decision)
+        except TimeoutError:
+            outcome, detail = "deadline_exceeded", f"no answer within {self.hint_timeout_s * 1000:g} ms"
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            outcome = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded", grpc.StatusCode.UNAVAILABLE: "unavailable",
+                       grpc.StatusCode.UNIMPLEMENTED: "unimplemented"}.get(code, "error")
+            detail = f"{code.name}: {err.details()}"
+        except Exception as exc:  # noqa: BLE001 - a hint never fails its task
+            outcome, detail = "error", repr(exc)
+        TOOL_WAIT_HINTS.labels(outcome).inc()
+        if outcome != "ok" and outcome not in self._hint_logged:
+            self._hint_logged.add(outcome)
+            log.warning("ToolWait to the dispatcher at %s failed (%s): %s; tools run on, the dispatcher keeps its "
+                        "parking TTL (logged once per outcome; switchyard_tool_wait_hints_total counts them)",
+                        address, outcome, detail)
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -255,6 +329,9 @@ class InferenceClient:
         return self._channel
 
     async def close(self) -> None:
+        for hint in self._hints:
+            hint.cancel()
+        await asyncio.gather(*self._hints, return_exceptions=True)
         await asyncio.gather(*(streams.close() for streams in self._streams.values()), *self._closing)
         self._streams.clear()
         if self.replicas is not None:

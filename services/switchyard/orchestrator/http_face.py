@@ -16,6 +16,8 @@ token restricted to methods may call the routes of those methods); TLS is
 The headers ``X-Agent-Id`` and ``X-Priority`` fill ``agent_id`` and
 ``priority`` where the body leaves them out; the body's own fields win
 (validation.py, :func:`apply_edge_headers`, the same rule as gRPC metadata).
+``X-Tenant-Id`` names the task's tenant when the bearer token names none
+(:func:`~switchyard.orchestrator.validation.edge_tenant`).
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504).

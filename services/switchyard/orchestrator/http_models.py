@@ -81,6 +81,7 @@ class TaskStatusResponse(BaseModel):
     memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
     memory_peak_bytes: int = Field(description="The same peak, bytes.")
     error: str = Field("", description="gRPC status name and message once failed.")
+    tenant_id: str = Field("default", description="The task's tenant: its bearer token's, else X-Tenant-Id, else default.")
     timings: TimingsModel
     result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished.")
 
@@ -111,6 +112,7 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
         "memory_peak_mb": status.memory_peak_bytes / MIB,
         "memory_peak_bytes": status.memory_peak_bytes,
         "error": status.error,
+        "tenant_id": status.tenant_id or "default",
         "timings": message_dict(status.timings),
         "result": message_dict(status.result) if status.HasField("result") else None,
     }

@@ -37,3 +37,20 @@ DISPATCHER_RETRIES = Counter(
     "switchyard_dispatcher_retries_total",
     "Dispatcher calls tried again on another replica after failing UNAVAILABLE before their first chunk.",
 )
+TOOL_WAIT_HINTS = Counter(
+    "switchyard_tool_wait_hints_total",
+    "ToolWait announcements to the dispatcher at a tool call's start, by outcome: ok (answered), deadline_exceeded "
+    "(not within orchestrator.program.tool_wait_hint_timeout_ms), unavailable, unimplemented (a dispatcher without "
+    "ToolWait), error.",
+    ["outcome"],
+)
+for _outcome in ("ok", "deadline_exceeded", "unavailable", "unimplemented", "error"):
+    TOOL_WAIT_HINTS.labels(_outcome)
+EARLY_PREFILLS = Counter(
+    "switchyard_early_prefills_total",
+    "rag_answer prefill_only warm-ups sent while retrieval ran, by outcome: ok, failed (the answer is sent anyway), "
+    "cancelled (the task ended first).",
+    ["outcome"],
+)
+for _outcome in ("ok", "failed", "cancelled"):
+    EARLY_PREFILLS.labels(_outcome)

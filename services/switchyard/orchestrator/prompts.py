@@ -4,6 +4,11 @@ Templates live in ``templates/`` beside this module. User text is passed as
 template *data* and is never compiled as a template, so a payload such as
 ``{{ 7 * 7 }}`` reaches the model literally; the sandbox additionally stops
 templates from reaching unsafe attributes.
+
+A workflow whose passages are known last (rag_answer: they come from retrieval)
+renders them after the question, in the user message (``<workflow>.context.j2``),
+so that system prompt + question is a prefix of the whole prompt: it can be sent
+ahead while retrieval runs (:func:`static_prefix`) and the full prompt extends it.
 """
 
 from __future__ import annotations
@@ -72,6 +77,10 @@ def _template(name: str) -> Any:
     return _env().get_template(name)
 
 
+CONTEXT_AFTER_QUESTION = frozenset({"rag_answer"})
+"""Workflows whose passages follow the question (``<workflow>.context.j2``)."""
+
+
 def render(
     workflow: str,
     question: str,
@@ -91,6 +100,26 @@ def render(
     Raises:
         jinja2.TemplateNotFound: no template for ``workflow``.
     """
-    system = _template(f"{workflow}.system.j2").render(passages=list(passages), tools=list(tools))
+    system, user = _static_parts(workflow, question, tools)
+    if workflow in CONTEXT_AFTER_QUESTION:
+        user = f"{user}\n\n{_template(f'{workflow}.context.j2').render(passages=list(passages)).strip()}"
+    return RenderedPrompt(system, user, tuple((str(r), str(c)) for r, c in history))
+
+
+def _static_parts(workflow: str, question: str, tools: Sequence[Any] = ()) -> tuple[str, str]:
+    system = _template(f"{workflow}.system.j2").render(tools=list(tools))
     user = _template("question.user.j2").render(question=question)
-    return RenderedPrompt(system.strip(), user.strip(), tuple((str(r), str(c)) for r, c in history))
+    return system.strip(), user.strip()
+
+
+def static_prefix(workflow: str, question: str) -> str:
+    """The part of ``render(workflow, question, passages).text`` known before the passages: system prompt and
+    question, a true prefix of the text of every prompt of that question rendered without history.
+
+    Raises:
+        ValueError: ``workflow`` does not render its passages after the question (:data:`CONTEXT_AFTER_QUESTION`).
+    """
+    if workflow not in CONTEXT_AFTER_QUESTION:
+        raise ValueError(f"workflow: {workflow} renders no passages after its question; expected one of "
+                         f"{', '.join(sorted(CONTEXT_AFTER_QUESTION))}")
+    return "\n\n".join(_static_parts(workflow, question))

@@ -4,9 +4,17 @@ Each think is an ``infer`` stage (attribute ``step``); each tool call a
 ``tool:<name>`` stage between its ``tool_call`` and ``tool_result`` events.
 The loop ends when the model answers without calling a tool, or after
 ``max_steps`` rounds with one last answer offered no tools.
+
+A tool call that starts is announced to the agent's dispatcher (``ToolWait``:
+which agent waits, on which tool, for how long it is expected to take), and
+each call's duration feeds that tool's estimate; each round's tool time, each
+search's retrieval and the model steps a task took feed the task type's step
+times (orchestrator/program.py).
 """
 
 from __future__ import annotations
+
+import time
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import ReactConfig
@@ -23,7 +31,9 @@ def tools_for(task: Task) -> list[Tool]:
         return []
 
     async def search(query: str, top_k: int) -> list[agent_pb2.Passage]:
+        started = time.monotonic()
         response = await task.deps.retrieval.retrieve(query, top_k)
+        task.deps.program.steps.observe(task.spec.workflow, "retrieval", time.monotonic() - started)
         task.add_wait("retrieval", response.queue_wait_s)
         task.passages.extend(response.passages)  # the final event lists what the answer could cite
         return list(response.passages)
@@ -46,8 +56,10 @@ async def react(task: Task, tools: list[Tool]) -> str:
         if not calls:
             return text
         task.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
+        round_started = time.monotonic()
         for call in calls:
             await _observe(task, by_name, call, policy)
+        task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
     async with task.stage("infer", step=str(policy.max_steps)):
         text, _ = await task.generate(resume=policy.max_steps > 0)
     return text
@@ -65,7 +77,11 @@ async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall,
         if tool is None:
             content, is_error, attempts = f"unknown tool {call.name!r}; available: {', '.join(tools)}", True, 0
         else:
+            durations = task.deps.program.tools
+            task.deps.inference.announce_tool_wait(task.spec, call.name, durations.expected_s(call.name))
+            started = time.monotonic()
             outcome = await call_tool(tool, call.arguments_json, policy)
+            durations.observe(call.name, time.monotonic() - started)
             content, is_error, attempts = outcome.content, outcome.is_error, outcome.attempts
         span.set_attribute("switchyard.tool.attempts", attempts)
         span.set_attribute("switchyard.tool.is_error", is_error)

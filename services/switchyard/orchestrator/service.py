@@ -44,7 +44,7 @@ from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TA
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
-from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, validate
+from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
 from switchyard.orchestrator.workflows import WORKFLOWS
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
 class _Submitted:
     """A SubmitTask task running in this process: its live state and timings, fresher than the store's."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant_id: str) -> None:
+        self.tenant_id = tenant_id
         self.state = agent_pb2.QUEUED
         self.timings = agent_pb2.Timings()
         self.final: agent_pb2.TaskStatus | None = None
@@ -108,7 +109,7 @@ class _Submitted:
     def to_status(self, task_id: str) -> agent_pb2.TaskStatus:
         if self.final is not None:
             return self.final
-        return agent_pb2.TaskStatus(task_id=task_id, state=self.state, timings=self.timings)
+        return agent_pb2.TaskStatus(task_id=task_id, state=self.state, timings=self.timings, tenant_id=self.tenant_id)
 
 
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
@@ -171,6 +172,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity),
             memory=await self._agent_memory(),
         )
+        inference = self._deps.inference
+        inference.hint_timeout_s = orch.program.tool_wait_hint_timeout_ms / 1000
+        if orch.program.rag_early_prefill:  # the warm-up and the answer must reach the same replica
+            inference.task_affinity = inference.task_affinity | {"rag_answer"}
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
@@ -323,7 +328,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         try:
             apply_edge_headers(request, context.invocation_metadata())
-            spec = validate(request, self.config, await self._default_model(request))
+            tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+            spec = validate(request, self.config, await self._default_model(request), tenant)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
@@ -360,7 +366,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self._record_metadata(request.metadata)
         try:
             apply_edge_headers(request, context.invocation_metadata())
-            spec = validate(request, self.config, await self._default_model(request))
+            tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+            spec = validate(request, self.config, await self._default_model(request), tenant)
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit:
                 raise SwitchyardError(
@@ -370,7 +377,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if not request.task_id:
                 fields.pop("task_id")
             trace_id = _trace_id()
-            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id)
+            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
+                                                      spec.tenant_id)
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
         if not created:
@@ -381,7 +389,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     "request to get that task, or use a new task_id",
                 )
             return agent_pb2.Accepted(task_id=record.task_id, queue_position=0, trace_id=record.trace_id)
-        live = self._submitted[spec.task_id] = _Submitted()
+        live = self._submitted[spec.task_id] = _Submitted(spec.tenant_id)
         accepted: asyncio.Future[agent_pb2.Accepted] = asyncio.get_running_loop().create_future()
         running: list[asyncio.Task[None]] = []
 
@@ -446,7 +454,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     async def _record_finish(self, task_id: str, live: _Submitted, state: int, result: bytes, error: str) -> None:
         """Write the outcome; while the store refuses (tenacity: 5 tries, backoff to 2 s), keep answering
         it from this process."""
-        status = agent_pb2.TaskStatus(task_id=task_id, state=state, error=error, timings=live.timings)
+        status = agent_pb2.TaskStatus(task_id=task_id, state=state, error=error, timings=live.timings,
+                                      tenant_id=live.tenant_id)
         if result:
             status.result.ParseFromString(result)
             status.compute_score_used = status.result.compute_score_used

@@ -17,6 +17,7 @@ leaves the task goes through it:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -31,11 +32,13 @@ from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
-from switchyard.orchestrator.metrics import STAGE_DURATION
-from switchyard.orchestrator.tools import Tool
+from switchyard.orchestrator.metrics import EARLY_PREFILLS, STAGE_DURATION
+from switchyard.orchestrator.program import Budget, Program
+from switchyard.orchestrator.tools import TOOL_NAMES, Tool
 from switchyard.orchestrator.validation import TaskSpec
 
 tracer = telemetry.get_tracer(__name__)
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -52,6 +55,13 @@ class Deps:
     inference: InferenceClient
     memory: AgentMemory | None = None
     """Agent memory in the DRAM tier; None: tasks run without memory."""
+    program: Program = None  # type: ignore[assignment]
+    """Step and tool times measured across tasks (orchestrator/program.py); built from ``config`` when not given."""
+
+    def __post_init__(self) -> None:
+        if self.program is None:
+            orch = self.config.orchestrator
+            self.program = Program(orch.program, TOOL_NAMES, orch.react.max_steps)
 
 
 @dataclass(eq=False)
@@ -168,14 +178,20 @@ class Task:
         """One Generate call on the dispatcher, its tokens sent on to the caller as they arrive.
 
         Sends the prompt as text, or ``messages`` when the task has them; ``tools`` are offered to the
-        model; ``resume`` marks a react_loop turn after a tool call (its prefix may be warm).
+        model; ``resume`` marks a react_loop turn after a tool call (its prefix may be warm). The
+        request carries the step's budget (time left, expected work after it: :meth:`Program.budget`);
+        the step's time is measured (``model`` steps of the task type) when it succeeds.
 
         Returns:
             The text and the tool calls of this turn.
 
         Raises:
+            TaskRefusedEarly: the task's time left is below its expected work (DEADLINE_EXCEEDED).
             ServiceUnavailable, SwitchyardError: see :meth:`InferenceClient.generate`.
         """
+        program, workflow = self.deps.program, self.spec.workflow
+        budget = program.budget(self.spec.task_id, workflow, self.deadline_s, self.generations)
+        started = time.monotonic()
         turn, self.generations = self.generations, self.generations + 1
         text: list[str] = []
         calls: list[agent_pb2.ToolCall] = []
@@ -184,7 +200,7 @@ class Task:
             self.spec, turn,
             prompt=self.prompt.text if self.prompt is not None and not self.messages else "",
             messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
-            timeout_s=self.remaining(),
+            timeout_s=self.remaining(), budget=budget,
         )
         async for chunk in stream:
             kind = chunk.WhichOneof("chunk")
@@ -207,7 +223,31 @@ class Task:
                 self.compute_score_used += done.compute_score_used
                 self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
                 self.model = done.model or self.model
+        program.steps.observe(workflow, "model", time.monotonic() - started)
         return "".join(text), calls
+
+    async def prefill(self, prefix: str) -> None:
+        """Warm the dispatcher's prefix state with ``prefix`` (a true prefix of the prompt to come): one
+        ``prefill_only`` request under a ``prefill`` span, its compute score counted, no tokens expected (any
+        are dropped).
+        Outcomes are counted in ``switchyard_early_prefills_total``; a failure never fails the task.
+        """
+        program, workflow = self.deps.program, self.spec.workflow
+        budget = Budget(self.remaining(), 0.0, program.remaining_after(workflow, 0, prefill=True))
+        try:
+            with tracer.start_as_current_span("prefill", attributes={"switchyard.stage": "prefill"}):
+                async for chunk in self.deps.inference.generate(
+                        self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True):
+                    if chunk.WhichOneof("chunk") == "done":
+                        self.compute_score_used += chunk.done.compute_score_used
+        except asyncio.CancelledError:
+            EARLY_PREFILLS.labels("cancelled").inc()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a warm-up never fails its task
+            EARLY_PREFILLS.labels("failed").inc()
+            log.debug("task %s: early prefill failed: %s", self.spec.task_id, exc)
+            return
+        EARLY_PREFILLS.labels("ok").inc()
 
     # ------------------------------------------------------------------ the end
 

@@ -129,6 +129,10 @@ CALCULATOR = Tool(
 )
 
 
+TOOL_NAMES = ("search_docs", "calculator")
+"""The registered tools (react.py offers them): the label set of the tool metrics."""
+
+
 def search_docs_tool(search: Callable[[str, int], Awaitable[list[Any]]], top_k: int = 3) -> Tool:
     """The ``search_docs`` tool bound to a retrieval function ``search(query, top_k) -> passages``."""
 

@@ -9,19 +9,30 @@ tag their model calls: ``X-Agent-Id`` and ``X-Priority`` over HTTP, the gRPC
 metadata keys ``x-agent-id`` and ``x-priority`` (:func:`apply_edge_headers`).
 The request's own field wins where both are given; a header fills a field the
 request left empty (``agent_id``) or unset (``priority``).
+
+The task's tenant comes from the caller's bearer token when its line names one,
+else from ``X-Tenant-Id`` (metadata ``x-tenant-id``), else ``default``
+(:func:`edge_tenant`, common/tenant.py).
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
+
+import grpc
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import InvalidArgument
+from switchyard.common.errors import InvalidArgument, SwitchyardError
+from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import PriorityClass
+
+if TYPE_CHECKING:
+    from switchyard.common.auth import BearerTokens
 
 _PRIORITIES = frozenset(agent_pb2.Priority.values())
 AGENT_ID_HEADER = "x-agent-id"
@@ -55,6 +66,30 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
         request.priority = parse_priority(str(headers[PRIORITY_HEADER]), f"{PRIORITY_HEADER} header")
 
 
+def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerTokens | None") -> str:
+    """The task's tenant: its bearer token's (``tokens``: None with auth off), else the ``x-tenant-id`` header,
+    else ``default``.
+
+    Raises:
+        InvalidArgument: naming ``x-tenant-id``, not 1 to 64 characters of A-Z a-z 0-9 . _ -.
+        SwitchyardError: PERMISSION_DENIED naming ``x-tenant-id``, a header naming another tenant than the
+            bearer token's.
+    """
+    header, authorization = "", None
+    for key, value in metadata or ():
+        if key == TENANT_HEADER:
+            header = str(value)
+        elif key == "authorization":
+            authorization = str(value)
+    own = tokens.tenant_of(authorization) if tokens is not None else ""
+    if own:
+        if header and header != own:
+            raise SwitchyardError(f"{TENANT_HEADER}: the bearer token belongs to another tenant than {header[:80]!r}; "
+                                  "leave the header out or send the token's own", grpc.StatusCode.PERMISSION_DENIED)
+        return own
+    return check_tenant(header, f"{TENANT_HEADER} header") if header else DEFAULT_TENANT
+
+
 @dataclass
 class TaskSpec:
     """A validated RunTaskRequest, defaults filled in.
@@ -69,11 +104,14 @@ class TaskSpec:
     max_tokens: int
     model: str
     agent_id: str
+    tenant_id: str = DEFAULT_TENANT
+    """Who the task is served for (:func:`edge_tenant`)."""
 
 
-def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str) -> TaskSpec:
+def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,
+             tenant_id: str = DEFAULT_TENANT) -> TaskSpec:
     """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
-    for a request naming none.
+    for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found.
 
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
@@ -116,6 +154,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         max_tokens=request.max_tokens or orch.default_max_tokens,
         model=request.model,
         agent_id=request.agent_id,
+        tenant_id=tenant_id,
     )
 
 

@@ -1,6 +1,8 @@
 """The workflows, one plain async function per task type, each read top to bottom.
 
-- ``rag_answer`` (default): retrieve -> render_prompt -> infer
+- ``rag_answer`` (default): retrieve -> render_prompt -> infer; while retrieval
+  runs, system prompt + question go ahead as a ``prefill_only`` request
+  (:func:`early_prefill`) so the answer's request extends a warm prefix
 - ``chat``: render_prompt -> infer
 - ``react_loop``: render_prompt -> react (think -> tool call -> observe, up to
   ``orchestrator.react.max_steps``; see react.py)
@@ -19,6 +21,7 @@ returns, and bounds it by the task's deadline.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from typing import Awaitable, Callable, Sequence
 
@@ -26,7 +29,7 @@ from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import MemoryMessage
-from switchyard.orchestrator.metrics import AGENT_MEMORY_RECALLS
+from switchyard.orchestrator.metrics import AGENT_MEMORY_RECALLS, EARLY_PREFILLS
 from switchyard.orchestrator.react import react, tools_for
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.tokens import count_messages
@@ -35,12 +38,17 @@ from switchyard.orchestrator.tools import Tool
 
 async def rag_answer(task: Task) -> None:
     """Answer from passages retrieved for the question."""
-    if task.uses_memory:
-        await asyncio.gather(retrieve(task), recall(task))
-    else:
-        await retrieve(task)
-    await render_prompt(task)
-    await infer(task)
+    warm_up = early_prefill(task)
+    try:
+        if task.uses_memory:
+            await asyncio.gather(retrieve(task), recall(task))
+        else:
+            await retrieve(task)
+        await render_prompt(task)
+        await infer(task)
+    finally:
+        if warm_up is not None and not warm_up.done():
+            warm_up.cancel()  # the answer is out: warming its prefix serves nothing now
     await remember(task)
 
 
@@ -59,6 +67,7 @@ async def react_loop(task: Task) -> None:
     await render_prompt(task, tools)
     async with task.stage("react"):
         task.output = await react(task, tools)
+    task.deps.program.steps.observe_turns(task.generations)
     await remember(task)
 
 
@@ -80,9 +89,37 @@ async def retrieve(task: Task) -> None:
         ServiceUnavailable, SwitchyardError: see :meth:`RetrievalClient.retrieve`.
     """
     async with task.stage("retrieve"):
+        started = time.monotonic()
         response = await task.deps.retrieval.retrieve(task.spec.payload)
+        task.deps.program.steps.observe(task.spec.workflow, "retrieval", time.monotonic() - started)
         task.passages = list(response.passages)
         task.add_wait("retrieval", response.queue_wait_s)
+
+
+def early_prefill(task: Task) -> asyncio.Task[None] | None:
+    """Start warming the dispatcher's prefix of ``task``'s prompt while its retrieval runs; None when not.
+
+    The prefix is system prompt + question (:func:`prompts.static_prefix`), a true prefix of the prompt the
+    answer sends once the passages are in. Sent when ``orchestrator.program.rag_early_prefill`` is on, the
+    task recalls no memory (history would sit between the two, and the prompt goes as messages) and the
+    dispatcher's engine shares prefixes (``ModelInfo.shares_prefixes``). It runs beside the workflow and never
+    delays or fails it (:meth:`Task.prefill`).
+    """
+    if not task.deps.config.orchestrator.program.rag_early_prefill or task.uses_memory:
+        return None
+
+    async def warm() -> None:
+        spec = task.spec
+        try:
+            if not (await task.deps.inference.model_info()).shares_prefixes:
+                return
+            prefix = await task.cpu(prompts.static_prefix, spec.workflow, spec.payload, size_chars=len(spec.payload))
+        except Exception:  # noqa: BLE001 - the answer's own request reports a dispatcher down or a full queue
+            EARLY_PREFILLS.labels("failed").inc()
+            return
+        await task.prefill(prefix)
+
+    return asyncio.create_task(warm(), name=f"prefill-{task.spec.task_id}")
 
 
 async def recall(task: Task) -> None:

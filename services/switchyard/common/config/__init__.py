@@ -64,6 +64,7 @@ from switchyard.common.config.orchestrator import (
     AffinityConfig,
     HttpFaceConfig,
     OrchestratorConfig,
+    ProgramConfig,
     ReactConfig,
     TaskStoreConfig,
 )
@@ -86,7 +87,7 @@ __all__ = [
     "AdaptiveConcurrencyConfig", "AffinityConfig", "AgentMemoryConfig", "AuthConfig", "BatchingConfig",
     "ComputeScoreWeights", "ConfigError", "CooldownConfig", "DispatcherConfig", "DramTierConfig",
     "EndpointScorerWeights", "HbmTierConfig", "HttpFaceConfig", "InferenceQueueConfig", "MemoryTiersConfig", "OrchestratorConfig",
-    "OssTierConfig", "PriorityBoost", "QueueConfig", "QueuesConfig", "ReactConfig", "RequestLimitsConfig",
+    "OssTierConfig", "PriorityBoost", "ProgramConfig", "QueueConfig", "QueuesConfig", "ReactConfig", "RequestLimitsConfig",
     "RetrievalConfig", "ScanConfig", "SchedulerConfig", "Section", "ServerConfig", "SimEngineConfig",
     "SloConfig", "SwitchyardConfig", "TaskStoreConfig", "TlsConfig", "TorchEngineConfig", "TtftSloConfig",
     "UpstreamConfig", "UpstreamPoolConfig", "ValueScoreConfig",

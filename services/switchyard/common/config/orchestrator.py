@@ -102,6 +102,9 @@ class OrchestratorConfig(_Strict):
         "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
     )
     react: "ReactConfig" = Field(default_factory=lambda: ReactConfig(), description="The react_loop workflow.")
+    program: "ProgramConfig" = Field(
+        default_factory=lambda: ProgramConfig(), description="Step and tool times measured, and the hints sent on."
+    )
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
     http: HttpFaceConfig = Field(default_factory=HttpFaceConfig, description="The HTTP face beside gRPC.")
     affinity: "AffinityConfig" = Field(
@@ -182,3 +185,25 @@ class ReactConfig(_Strict):
     tool_timeout_ms: float = Field(
         2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call, milliseconds."
     )
+
+
+class ProgramConfig(_Strict):
+    """What the orchestrator measures of each task's program and tells the dispatcher (orchestrator/program.py)."""
+
+    tool_wait_estimate_quantile: float = Field(
+        0.75, gt=0, le=1, description="Quantile of a tool's recent call durations announced as its expected wait, 0-1.")
+    tool_wait_samples_kept: int = Field(256, ge=1, le=100_000, description="Recent calls kept per tool, calls.")
+    tool_wait_cold_estimate_s: float = Field(
+        1.0, ge=0, le=3600, description="Expected wait of a tool with no call measured yet, seconds.")
+    tool_wait_hint_timeout_ms: float = Field(
+        250, gt=0, le=10_000, description="Deadline of one ToolWait announcement to the dispatcher, milliseconds.")
+    step_time_samples_kept: int = Field(
+        256, ge=1, le=100_000, description="Recent steps kept per (task type, step kind) for their mean time, steps.")
+    refuse_early: bool = Field(
+        True, description="Refuse DEADLINE_EXCEEDED before a model step when the task's time left is below its "
+        "expected work (this step and those after it) by more than refuse_early_margin_s.")
+    refuse_early_margin_s: float = Field(
+        0.0, ge=0, le=86_400, description="Shortfall of time left against expected work tolerated, seconds.")
+    rag_early_prefill: bool = Field(
+        True, description="rag_answer: send system prompt + question as a prefill_only request while retrieval "
+        "runs, when the dispatcher says its engine shares prefixes (ModelInfo.shares_prefixes).")

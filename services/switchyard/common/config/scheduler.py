@@ -77,9 +77,10 @@ class SchedulerConfig(_Strict):
         "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
         "with core_preemption layer).",
     )
-    policy: Literal["priority", "fifo"] = Field(
+    policy: Literal["priority", "fifo", "fair"] = Field(
         "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
-        "fifo: arrival order."
+        "fifo: arrival order; fair: classes, least slack first for work at risk of its deadline, then least attained "
+        "service per tenant and per agent session (admission and preemption as priority)."
     )
     aging_max_wait_ms: float = Field(
         5000,

@@ -3,8 +3,9 @@
 Public factory: :func:`make_scheduler`. Interface: :class:`Scheduler` (see
 :mod:`.base` for the call order the engine loop follows). Policies:
 :class:`PriorityScheduler` (priority classes with aging, admission by compute
-score, preemption; :mod:`.priority`) and :class:`FifoScheduler` (arrival order;
-:mod:`.fifo`), chosen by ``scheduler_config.json`` ``policy``.
+score, preemption; :mod:`.priority`), :class:`FairScheduler` (classes, least
+slack for work at risk, then tenant and session fairness; :mod:`.fair`) and
+:class:`FifoScheduler` (arrival order; :mod:`.fifo`), chosen by ``scheduler_config.json`` ``policy``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from switchyard.dispatcher.scheduler.base import Scheduler, SchedulerOutput, sho
 from switchyard.dispatcher.scheduler.capacity import Capacity
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.fair import FairScheduler
 from switchyard.dispatcher.scheduler.fifo import FifoScheduler
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
 
 __all__ = [
     "ComputeScoreMonitor",
+    "FairScheduler",
     "FifoScheduler",
     "POLICIES",
     "PriorityScheduler",
@@ -30,7 +33,8 @@ __all__ = [
     "should_park",
 ]
 
-POLICIES: dict[str, type[SchedulerCore]] = {"priority": PriorityScheduler, "fifo": FifoScheduler}
+POLICIES: dict[str, type[SchedulerCore]] = {"priority": PriorityScheduler, "fifo": FifoScheduler,
+                                            "fair": FairScheduler}
 """``scheduler_config.json`` ``policy`` -> class."""
 
 
@@ -50,7 +54,7 @@ def make_scheduler(
         config: the whole config, or just its ``scheduler`` section (the rest default).
         engine: the engine (``busy_seconds``, ``kv_bytes``, ``release``,
             ``memory_info`` are used when present).
-        policy: ``"priority"`` or ``"fifo"``; overrides the config.
+        policy: ``"priority"``, ``"fair"`` or ``"fifo"``; overrides the config.
         monitor: compute-score source (tests pass one built on a fake NVML).
         capacity: the running set's limit (default: the engine's KV budget).
         flush_interval_s: the double buffer's interval (default: ``flush.flush_interval_ms``).

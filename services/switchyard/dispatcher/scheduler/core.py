@@ -93,6 +93,7 @@ from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, class_
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
+from switchyard.dispatcher.scheduler.tool_wait import Decision, ToolWaitDecision, ToolWaitInputs, decide
 from switchyard.dispatcher.request import Request, SchedulerOutput, request_links
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
@@ -647,6 +648,51 @@ class SchedulerCore:
             if state in ("running", "preempting"):
                 self._release(req)
         self._publish()
+
+    def tool_wait(self, agent_id: str, expected_wait_s: float, now: float) -> ToolWaitDecision | None:
+        """The agent's tool call starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
+
+        The choice is :func:`switchyard.dispatcher.scheduler.tool_wait.decide`'s, on the KV's bytes and
+        tokens, the KV budget's use (running reservations and parked state), the DRAM tier's transfer
+        seconds and the engine's recompute seconds (:class:`~switchyard.dispatcher.tiers.MemoryTiers`).
+        KEEP holds the state ``expected_wait_s`` plus as long again (a late tool's residual wait); then
+        the TTL's usual expiry moves it out. SWAP copies it to DRAM at once (a copy that cannot be made
+        drops it); the agent's next step restores it at admission. DROP releases it; the next step
+        recomputes the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}``.
+
+        Returns:
+            the decision, or None when the agent has no parked step here (nothing to decide).
+
+        Raises:
+            ValueError: ``expected_wait_s`` < 0.
+        """
+        if expected_wait_s < 0:
+            raise ValueError(f"expected_wait_s: expected seconds >= 0, got {expected_wait_s!r}")
+        entry = self.parking.entry(agent_id)
+        if entry is None:
+            return None
+        budget = int(getattr(self.capacity, "budget_bytes", 0) or 0)
+        if budget <= 0:  # no HBM budget to price (an upstream engine): the server keeps its own cache
+            budget = max(1, entry.kv_bytes)
+        used = int(getattr(self.capacity, "reserved_bytes", 0)) + self.parking.kv_bytes
+        tokens = entry.req.num_computed_tokens
+        decision = decide(ToolWaitInputs(
+            expected_wait_s=expected_wait_s, kv_bytes=entry.kv_bytes, budget_bytes=budget,
+            pressure=min(1.0, used / budget), transfer_s=self.tiers.transfer_seconds(entry.kv_bytes),
+            recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap()),
+            grace_s=expected_wait_s)
+        self._now = now
+        if decision.decision is Decision.KEEP:
+            self.parking.keep_for(agent_id, now - entry.since + decision.revisit_at_s)
+        elif decision.decision is Decision.SWAP:
+            self.parking.move_out(agent_id, demote=True)
+        else:
+            self.parking.move_out(agent_id, demote=False)
+            tier_metrics.TIER_EVICTIONS.labels("hbm").inc()
+        metrics.TOOL_WAIT_DECISIONS.labels(decision.decision.value).inc()
+        metrics.TOOL_WAIT_EXPECTED_SECONDS.observe(expected_wait_s)
+        self._publish()
+        return decision
 
     def abort(self, req: Request, now: float) -> None:
         """The caller went away: end ``req`` (``cancelled``) and free its place and KV. Idempotent."""

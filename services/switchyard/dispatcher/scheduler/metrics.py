@@ -94,3 +94,17 @@ for _class in LABELS:  # counters with a known label set start at 0
     DEADLINES_EXCEEDED.labels(_class)
 for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
     RESUMES.labels(_kind)
+
+TOOL_WAIT_DECISIONS = Counter(
+    "switchyard_tool_wait_decisions_total",
+    "Tool-wait decisions at tool start (scheduler.tool_wait): keep the agent's KV in HBM for the expected wait, "
+    "swap it to the DRAM tier, or drop it and recompute at resume; by decision.",
+    ["decision"],
+)
+TOOL_WAIT_EXPECTED_SECONDS = Histogram(
+    "switchyard_tool_wait_expected_seconds",
+    "Expected tool waits the orchestrator reported at tool start, seconds.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+for _decision in ("keep", "swap", "drop"):
+    TOOL_WAIT_DECISIONS.labels(_decision)

@@ -35,6 +35,8 @@ class ParkedAgent:
     req: Request
     since: float
     kv_bytes: int
+    ttl_s: float | None = None
+    """This agent's own time-to-live, set by its tool-wait decision (None: the parking's ``ttl_s``)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class ParkedAgents:
         until the caller releases it (when the new request starts running).
         """
         entry = self._parked.pop(agent_id, None)
-        if entry is not None and now - entry.since > self.ttl_s:
+        if entry is not None and now - entry.since > self._ttl(entry):
             self._expire(agent_id, entry)
             entry = None
         if entry is None:
@@ -102,7 +104,7 @@ class ParkedAgents:
 
     def expire(self, now: float) -> list[Request]:
         """Release every agent parked longer than the TTL; returns their requests."""
-        expired = [(agent, entry) for agent, entry in self._parked.items() if now - entry.since > self.ttl_s]
+        expired = [(agent, entry) for agent, entry in self._parked.items() if now - entry.since > self._ttl(entry)]
         for agent, entry in expired:
             del self._parked[agent]
             self._expire(agent, entry)
@@ -126,6 +128,37 @@ class ParkedAgents:
         self._expire(agent, entry, evicted=True)
         self._publish()
         return entry.req
+
+    def entry(self, agent_id: str) -> ParkedAgent | None:
+        """The agent's parked entry (None when it is not parked)."""
+        return self._parked.get(agent_id)
+
+    def keep_for(self, agent_id: str, ttl_s: float) -> bool:
+        """Keep the agent's state warm ``ttl_s`` seconds from when it parked (a tool-wait decision); True when parked."""
+        entry = self._parked.get(agent_id)
+        if entry is None:
+            return False
+        entry.ttl_s = max(0.0, ttl_s)
+        return True
+
+    def move_out(self, agent_id: str, demote: bool) -> bool:
+        """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and the
+        ``demote`` callback manages it), else dropped; True when it was parked."""
+        entry = self._parked.pop(agent_id, None)
+        if entry is None:
+            return False
+        tokens = entry.req.num_computed_tokens
+        in_dram = self._demote(entry.req) if demote else False
+        self._release(entry.req)
+        entry.req.state = "finished"
+        self._cold[agent_id] = (tokens, in_dram)
+        while len(self._cold) > COLD_PREFIX_MEMORY:
+            self._cold.popitem(last=False)
+        self._publish()
+        return True
+
+    def _ttl(self, entry: ParkedAgent) -> float:
+        return self.ttl_s if entry.ttl_s is None else entry.ttl_s
 
     @property
     def entries(self) -> list[ParkedAgent]:

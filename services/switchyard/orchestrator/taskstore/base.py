@@ -31,6 +31,7 @@ from prometheus_client import Counter, Histogram
 from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
 from switchyard.common.errors import SwitchyardError
+from switchyard.common.tenant import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class TaskRecord:
     trace_id: str = ""
     agent_id: str = ""
     """The agent that submitted the task (empty: none named); :meth:`TaskStore.latest_of_agent` looks it up."""
+    tenant_id: str = ""
+    """The task's tenant (empty: a record written before tasks had one, answered as ``default``)."""
     error: str = ""
     result: bytes = b""
     timings: bytes = b""
@@ -111,7 +114,8 @@ class TaskRecord:
 
     def to_status(self) -> agent_pb2.TaskStatus:
         """GetTaskStatus's answer: state, result, error, compute_score_used, memory_peak_bytes, timings."""
-        status = agent_pb2.TaskStatus(task_id=self.task_id, state=self.state, error=self.error)
+        status = agent_pb2.TaskStatus(task_id=self.task_id, state=self.state, error=self.error,
+                                      tenant_id=self.tenant_id or DEFAULT_TENANT)
         if self.timings:
             status.timings.ParseFromString(self.timings)
         if self.result:
@@ -239,7 +243,8 @@ class TaskStore(ABC):
 
     # ------------------------------------------------------------------ operations
 
-    async def create(self, task_id: str, fp: str, trace_id: str, agent_id: str = "") -> tuple[TaskRecord, bool]:
+    async def create(self, task_id: str, fp: str, trace_id: str, agent_id: str = "",
+                     tenant_id: str = "") -> tuple[TaskRecord, bool]:
         """Record a QUEUED task owned by this orchestrator, or return the live record under ``task_id``.
 
         ``agent_id`` (empty: none) makes the task the agent's latest (:meth:`latest_of_agent`).
@@ -250,7 +255,7 @@ class TaskStore(ABC):
         """
         with STORE_DURATION.labels("create").time():
             return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id,
-                                                 agent_id=agent_id))
+                                                 agent_id=agent_id, tenant_id=tenant_id))
 
     async def latest_of_agent(self, agent_id: str) -> TaskRecord | None:
         """The task ``agent_id`` submitted last (None when it submitted none within retention); an orphan is

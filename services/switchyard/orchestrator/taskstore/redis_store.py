@@ -81,7 +81,7 @@ redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
 
-_FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "error", "result", "timings",
+_FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result", "timings",
            "created_at", "updated_at", "finished_at")
 
 
@@ -96,6 +96,7 @@ def _record(task_id: str, flat: list[bytes] | dict[bytes, bytes]) -> TaskRecord:
         owner=values["owner"].decode(),
         trace_id=values.get("trace_id", b"").decode(),
         agent_id=values.get("agent_id", b"").decode(),
+        tenant_id=values.get("tenant_id", b"").decode(),
         error=values.get("error", b"").decode(),
         result=values.get("result", b""),
         timings=values.get("timings", b""),

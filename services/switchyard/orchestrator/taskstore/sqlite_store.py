@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     owner       TEXT NOT NULL,
     trace_id    TEXT NOT NULL DEFAULT '',
     agent_id    TEXT NOT NULL DEFAULT '',
+    tenant_id   TEXT NOT NULL DEFAULT '',
     error       TEXT NOT NULL DEFAULT '',
     result      BLOB NOT NULL DEFAULT x'',
     timings     BLOB NOT NULL DEFAULT x'',
@@ -50,9 +51,10 @@ CREATE TABLE IF NOT EXISTS leases (
 """
 # A file written before tasks had an agent_id gets the column (ADD COLUMN keeps its rows).
 AGENT_COLUMN = "ALTER TABLE tasks ADD COLUMN agent_id TEXT NOT NULL DEFAULT ''"
+TENANT_COLUMN = "ALTER TABLE tasks ADD COLUMN tenant_id TEXT NOT NULL DEFAULT ''"
 AGENT_INDEX = "CREATE INDEX IF NOT EXISTS tasks_by_agent ON tasks (agent_id, created_at) WHERE agent_id != ''"
-COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "error", "result", "timings",
-           "created_at", "updated_at", "finished_at")
+COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result",
+           "timings", "created_at", "updated_at", "finished_at")
 UPDATABLE = frozenset({"error", "result", "timings", "finished_at"})
 
 
@@ -88,8 +90,11 @@ class SqliteTaskStore(TaskStore):
             db.execute("PRAGMA journal_mode = WAL")
             db.execute(f"PRAGMA synchronous = {self.config.sqlite_synchronous}")
             db.executescript(SCHEMA)
-            if "agent_id" not in {row[1] for row in db.execute("PRAGMA table_info(tasks)")}:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(tasks)")}
+            if "agent_id" not in columns:
                 db.execute(AGENT_COLUMN)
+            if "tenant_id" not in columns:
+                db.execute(TENANT_COLUMN)
             db.execute(AGENT_INDEX)
             self._db = db
 

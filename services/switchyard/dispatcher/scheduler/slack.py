@@ -1,0 +1,118 @@
+"""Deadlines budgeted across a task: slack, least slack first, and refusing what cannot make it.
+
+A task's caller gives it a time limit (``orchestrator.task_time_limit_s``, or
+the caller's own); each of its model calls reaches the dispatcher with the
+task's *time left* and the *expected remaining work* after this call (the
+orchestrator's measured step and tool times for the steps still ahead). The
+request's own *expected service time* is the engine's prefill of what it has
+not computed plus its expected decode. Then::
+
+    slack = time_left - expected_remaining_work - expected_service
+
+is the time the task can still afford to wait, and within a priority class
+the waiting set is served least slack first. This is least-laxity-first
+(laxity = deadline - now - remaining work; Mok 1983), the dynamic-priority
+companion of earliest deadline first (Liu & Layland 1973): with known work,
+serving least laxity first meets every deadline that any order meets on one
+server, and unlike EDF it sees that a long task with a later deadline may be
+the more urgent. Work with no deadline has infinite slack: it goes after
+every deadline-bound request of its class, and among itself by arrival.
+
+A request whose slack is already negative cannot make its deadline even if
+served at once: it is refused early, by name (DEADLINE_EXCEEDED naming the
+request and its slack, :class:`CannotMeetDeadline`), instead of using the
+engine for an answer that comes too late. :func:`cannot_make_it` is that test;
+``tolerance_s`` leaves room for the estimates' error.
+
+:func:`step_budget` splits a task's time left across its remaining steps in
+proportion to their measured times (the share a step may take before it eats
+into the steps after it).
+
+All times are seconds; ``now`` is the caller's clock (``time.monotonic()``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from switchyard.common.errors import RequestDeadlineExceeded
+
+__all__ = ["NO_DEADLINE", "CannotMeetDeadline", "cannot_make_it", "check", "order_key", "slack_s", "step_budget"]
+
+NO_DEADLINE = math.inf
+"""Slack of a request whose task has no deadline."""
+
+
+def slack_s(time_left_s: float | None, expected_remaining_work_s: float = 0.0, expected_service_s: float = 0.0) -> float:
+    """``time_left - expected_remaining_work - expected_service`` (seconds; may be negative).
+
+    ``time_left_s`` None or <= 0 *and unset* means no deadline: :data:`NO_DEADLINE`. Negative work
+    estimates count as 0.
+
+    Args:
+        time_left_s: the task's time left when the request arrives (None: no deadline).
+        expected_remaining_work_s: the task's expected work after this request (its remaining steps
+            and tool calls).
+        expected_service_s: this request's expected engine time (prefill + decode).
+    """
+    if time_left_s is None or math.isinf(time_left_s):
+        return NO_DEADLINE
+    return float(time_left_s) - max(0.0, expected_remaining_work_s) - max(0.0, expected_service_s)
+
+
+def order_key(slack: float, arrival: float) -> tuple[float, float]:
+    """Least slack first, then arrival: ``(slack, arrival)``, smallest first within a class."""
+    return (slack, arrival)
+
+
+def cannot_make_it(slack: float, tolerance_s: float = 0.0) -> bool:
+    """True when the task cannot meet its deadline even if this request is served at once.
+
+    That is ``slack < -tolerance_s`` (``tolerance_s`` >= 0: the estimates' error the test forgives).
+    """
+    return slack < -abs(tolerance_s)
+
+
+class CannotMeetDeadline(RequestDeadlineExceeded):
+    """Refused early (DEADLINE_EXCEEDED): the request's task cannot meet its deadline (negative slack).
+
+    The message names the request, its slack and the three terms it came from.
+    """
+
+    def __init__(self, request_id: str, slack: float, time_left_s: float, remaining_work_s: float,
+                 service_s: float) -> None:
+        super().__init__(request_id, time_left_s, "in the dispatcher's queue")
+        self.args = (f"request {request_id or '(no id)'} cannot meet its task's deadline: slack {slack:.3g} s "
+                     f"(time left {time_left_s:.3g} s - expected remaining work {remaining_work_s:.3g} s - "
+                     f"expected service {service_s:.3g} s); refused before it was served",)
+        self.slack_s = slack
+
+
+def check(request_id: str, time_left_s: float | None, expected_remaining_work_s: float = 0.0,
+          expected_service_s: float = 0.0, tolerance_s: float = 0.0) -> float:
+    """The request's slack; raises when it cannot make its deadline.
+
+    Raises:
+        CannotMeetDeadline: ``cannot_make_it(slack, tolerance_s)``.
+    """
+    slack = slack_s(time_left_s, expected_remaining_work_s, expected_service_s)
+    if cannot_make_it(slack, tolerance_s):
+        raise CannotMeetDeadline(request_id, slack, float(time_left_s or 0.0), max(0.0, expected_remaining_work_s),
+                                 max(0.0, expected_service_s))
+    return slack
+
+
+def step_budget(time_left_s: float, this_step_s: float, remaining_steps_s: list[float] | tuple[float, ...]) -> float:
+    """The part of ``time_left_s`` this step may take: shared in proportion to measured step times.
+
+    ``time_left * this_step / (this_step + sum(remaining_steps))``; all of it when nothing is measured.
+
+    Raises:
+        ValueError: a step time < 0.
+    """
+    if this_step_s < 0 or any(step < 0 for step in remaining_steps_s):
+        raise ValueError("step times: expected seconds >= 0")
+    total = this_step_s + sum(remaining_steps_s)
+    if total <= 0:
+        return max(0.0, time_left_s)
+    return max(0.0, time_left_s) * this_step_s / total

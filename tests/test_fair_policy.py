@@ -1,0 +1,118 @@
+"""The fair policy and the tool-wait decision on the real scheduler (SchedulerCore, fake engine)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from switchyard.common.config import SwitchyardConfig
+from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler import make_scheduler
+from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
+from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
+from switchyard.dispatcher.scheduler import metrics
+from prometheus_client import REGISTRY
+
+pytestmark = pytest.mark.no_gpu
+
+
+class Engine:
+    """Enough of a step engine for the scheduler: KV bytes per computed token, nothing else."""
+
+    def __init__(self) -> None:
+        self.released: list[Request] = []
+
+    def kv_bytes(self, req: Request) -> int:
+        return req.num_computed_tokens * 1000
+
+    def release(self, req: Request) -> None:
+        self.released.append(req)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        return tokens * 1e-4
+
+
+def sched():
+    return make_scheduler(SwitchyardConfig(), Engine(), policy="fair")
+
+
+def req(rid, *, agent="", tenant="", prio=2, arrival=0.0, **kw):
+    return Request(request_id=rid, agent_id=agent, tenant_id=tenant, priority=prio, prompt_tokens=100,
+                   max_tokens=8, arrival=arrival, **kw)
+
+
+def test_a_tenant_that_received_more_waits_behind_one_that_received_less():
+    s = sched()
+    s.ledger.charge("noisy-a", "noisy", 50_000, 0.0)
+    s.add([req("noisy", agent="noisy-b", tenant="noisy", arrival=0.0),
+           req("quiet", agent="quiet-a", tenant="quiet", arrival=1.0)], 1.0)
+    assert [r.request_id for r in s.waiting] == ["quiet", "noisy"]
+
+
+def test_classes_stay_strict_and_at_risk_work_goes_first_in_its_class():
+    s = sched()
+    s.add([req("batch", prio=3, arrival=0.0),
+           req("relaxed", task_time_left_s=600.0, arrival=0.0),
+           req("at-risk", task_time_left_s=3.0, expected_remaining_work_s=1.0, arrival=1.0),
+           req("core", prio=1, arrival=2.0)], 2.0)
+    assert [r.request_id for r in s.waiting] == ["core", "at-risk", "relaxed", "batch"]
+
+
+def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
+    s = sched()
+    with pytest.raises(CannotMeetDeadline) as caught:
+        s.add_request(req("too-late", task_time_left_s=1.0, expected_remaining_work_s=5.0), 0.0)
+    assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "too-late" in str(caught.value) and "slack" in str(caught.value)
+    assert s.num_waiting == 0
+
+
+def test_service_is_charged_from_computed_tokens():
+    s = sched()
+    r = req("r", agent="a1", tenant="t1")
+    s.add([r], 0.0)
+    out = s.schedule(0.0)
+    assert r in out.admitted
+    r.num_computed_tokens = 100  # the engine prefilled it
+    s.schedule(0.1)
+    assert s.ledger.sessions.service("a1", 0.1) == pytest.approx(100)
+    r.num_computed_tokens = 103
+    s.finish(r, 0.2)
+    assert s.ledger.tenants.service("t1", 0.2) == pytest.approx(103, rel=0.01)
+
+
+def _decisions(decision: str) -> float:
+    return REGISTRY.get_sample_value("switchyard_tool_wait_decisions_total", {"decision": decision}) or 0.0
+
+
+def _parked(s, agent="agent-1"):
+    r = Request(request_id=f"{agent}-step", agent_id=agent, task_type=REACT_TASK_TYPE, prompt_tokens=2000,
+                max_tokens=8, arrival=0.0)
+    s.add([r], 0.0)
+    s.schedule(0.0)
+    r.num_computed_tokens = 2000
+    r.finish("tool_calls")
+    s.finish(r, 0.5)
+    assert r.state == "parked"
+    return r
+
+
+def test_tool_wait_keeps_a_short_wait_and_drops_a_long_one_without_dram():
+    s = sched()
+    assert _decisions("keep") >= 0 and _decisions("drop") >= 0  # the label set exists from the start
+    keep0, drop0 = _decisions("keep"), _decisions("drop")
+    r = _parked(s)
+    out = s.tool_wait("agent-1", 0.01, now=0.5)
+    assert out is not None and out.decision.value == "keep"
+    assert s.parking.entry("agent-1").ttl_s == pytest.approx(0.02)
+    assert _decisions("keep") == keep0 + 1
+    out = s.tool_wait("agent-1", 3600.0, now=0.6)  # no DRAM tier: holding it an hour costs more than 0.2 s
+    assert out.decision.value == "drop"
+    assert r in s.engine.released and s.parking.entry("agent-1") is None
+    assert _decisions("drop") == drop0 + 1
+    assert s.tool_wait("agent-1", 1.0, now=0.7) is None  # nothing parked: nothing to decide
+
+
+def test_tool_wait_refuses_a_negative_wait():
+    with pytest.raises(ValueError, match="expected_wait_s"):
+        sched().tool_wait("a", -1.0, now=0.0)

@@ -1,0 +1,419 @@
+"""The orchestrator's view of a task's program, against real gRPC servers on 127.0.0.1 port 0: tool
+durations and the ToolWait announcement, tenants, deadline budgets and early refusal, rag_answer's
+early prefill, and the dispatcher's side of the contract (ToolWait stub, field checks, prefill_only)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import tempfile
+
+import aiohttp
+import grpc
+import numpy as np
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.auth import AuthConfigError, load_tokens
+from switchyard.common.channels import open_channel
+from switchyard.common.config import AuthConfig, ProgramConfig, SwitchyardConfig, load_config
+from switchyard.common.server import running
+from switchyard.dispatcher.metrics import PREFIX_CACHE_BLOCKS
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator import prompts
+from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.metrics import EARLY_PREFILLS, TOOL_WAIT_HINTS
+from switchyard.orchestrator.program import (
+    TASKS_REFUSED_EARLY, TOOL_DURATION, TOOL_WAIT_ESTIMATE, Program, ToolDurations,
+)
+from switchyard.orchestrator.service import OrchestratorService
+from test_orchestrator import Downstream
+from fast_sim import FAST
+
+
+def _value(metric, **labels) -> float:
+    return metric.labels(**labels)._value.get()
+
+
+def _hist_count(metric, **labels) -> float:
+    return next(s.value for m in metric.collect() for s in m.samples
+                if s.name.endswith("_count") and s.labels == labels)
+
+
+async def _until(predicate, what: str = "condition") -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+class Recording(Downstream):
+    """The fixed downstream of test_orchestrator, with ToolWait answered (or held on ``tool_wait_gate``)
+    and DescribeModel saying whether its engine shares prefixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tool_waits: list[agent_pb2.ToolWaitRequest] = []
+        self.tool_wait_gate: asyncio.Event | None = None
+        self.shares_prefixes = False
+        self.generate_delay_s = 0.0
+
+    async def DescribeModel(self, request, context):
+        self.described += 1
+        return agent_pb2.ModelInfo(model=self.model, engine="sim", shares_prefixes=self.shares_prefixes)
+
+    async def ToolWait(self, request, context):
+        self.tool_waits.append(request)
+        if self.tool_wait_gate is not None:
+            await self.tool_wait_gate.wait()
+        return agent_pb2.ToolWaitReply(decision=agent_pb2.KEEP)
+
+    async def Generate(self, request, context):
+        if self.generate_delay_s:
+            await asyncio.sleep(self.generate_delay_s)
+        async for chunk in super().Generate(request, context):
+            yield chunk
+
+
+class WithoutToolWait(Downstream):
+    """A dispatcher from before ToolWait: the RPC is UNIMPLEMENTED."""
+
+
+@contextlib.asynccontextmanager
+async def stack(down: Downstream | None = None, env: dict[str, str] | None = None, http: bool = False, **overrides):
+    base = load_config("config", service="orchestrator")
+    down = down or Recording()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
+        cfg = base.with_overrides(**{
+            "orchestrator.retrieval_addr": addr,
+            "orchestrator.dispatcher_addr": addr,
+            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
+            "orchestrator.cpu_executor": "loop",
+            **overrides,
+        })
+        orchestrator = down.orchestrator = OrchestratorService(cfg)
+        services = [orchestrator]
+        if http:
+            down.http = HttpFace(orchestrator, cfg, port=0)
+            services.append(down.http)
+        async with running(services, cfg.server) as orch:
+            channel = open_channel(f"127.0.0.1:{orch.port}")
+            try:
+                yield agent_pb2_grpc.AgentServiceStub(channel), down
+            finally:
+                await channel.close()
+        store.cleanup()
+
+
+async def collect(stub, metadata=None, timeout=None, **fields):
+    return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields), metadata=metadata, timeout=timeout)]
+
+
+# --------------------------------------------------------------------------- 1. tool durations
+
+
+def test_tool_estimate_is_the_configured_quantile_of_a_bounded_window_and_cold_tools_take_the_default():
+    config = ProgramConfig(tool_wait_estimate_quantile=0.75, tool_wait_samples_kept=4, tool_wait_cold_estimate_s=2.5)
+    durations = ToolDurations(config, ["calculator", "search_docs"])
+    assert durations.expected_s("calculator") == 2.5 and durations.expected_s("search_docs") == 2.5
+    assert _value(TOOL_WAIT_ESTIMATE, tool="search_docs") == 2.5
+    before = _hist_count(TOOL_DURATION, tool="calculator")
+    for seconds in (9.0, 1.0, 2.0, 3.0, 4.0):  # the first falls out of the 4-call window
+        durations.observe("calculator", seconds)
+    assert durations.expected_s("calculator") == pytest.approx(float(np.quantile([1.0, 2.0, 3.0, 4.0], 0.75)))
+    assert _value(TOOL_WAIT_ESTIMATE, tool="calculator") == durations.expected_s("calculator")
+    assert _hist_count(TOOL_DURATION, tool="calculator") == before + 5
+    durations.observe("invented_by_the_model", 7.0)  # labels stay the registered set plus "other"
+    assert durations.label("invented_by_the_model") == "other" and durations.expected_s("another_invention") == 7.0
+    assert durations.expected_s("search_docs") == 2.5
+
+
+# --------------------------------------------------------------------------- 2. ToolWait at tool start
+
+
+async def test_a_tool_call_is_announced_to_the_agents_dispatcher_with_its_expected_wait():
+    ok = _value(TOOL_WAIT_HINTS, outcome="ok")
+    async with stack(**{"orchestrator.program.tool_wait_cold_estimate_s": 3.0}) as (stub, down):
+        events = await collect(stub, task_id="tw-1", agent_id="agent-7", payload="with?", task_type="react_loop",
+                               priority=agent_pb2.CORE, metadata=(("x-tenant-id", "acme"),))
+        assert events[-1].HasField("final")
+        await _until(lambda: len(down.tool_waits) == 2, "two ToolWait announcements")
+        first, second = down.tool_waits
+        assert (first.agent_id, first.tool, first.tenant_id, first.priority) == ("agent-7", "search_docs", "acme",
+                                                                                  agent_pb2.CORE)
+        assert first.expected_wait_s == 3.0 and second.tool == "calculator" and second.expected_wait_s == 3.0
+        program = down.orchestrator._deps.program
+        assert program.tools.expected_s("search_docs") < 3.0  # measured now: a fixed downstream answers at once
+        # the next task's announcement carries the measured estimate
+        await collect(stub, task_id="tw-2", agent_id="agent-7", payload="with?", task_type="react_loop")
+        await _until(lambda: len(down.tool_waits) == 4, "the second task's announcements")
+        assert down.tool_waits[2].expected_wait_s == program.tools.expected_s("search_docs") or \
+            down.tool_waits[2].expected_wait_s < 3.0
+    assert _value(TOOL_WAIT_HINTS, outcome="ok") >= ok + 4
+
+
+async def test_a_dispatcher_that_never_answers_the_announcement_does_not_delay_the_tool():
+    timeouts = _value(TOOL_WAIT_HINTS, outcome="deadline_exceeded")
+    down = Recording()
+    down.tool_wait_gate = asyncio.Event()  # never set: ToolWait hangs
+    async with stack(down, **{"orchestrator.program.tool_wait_hint_timeout_ms": 50}) as (stub, down):
+        events = await collect(stub, task_id="hang", payload="with?", task_type="react_loop")
+        assert events[-1].final.output == "The answer."
+        results = [e.tool_result for e in events if e.HasField("tool_result")]
+        assert [r.name for r in results] == ["search_docs", "calculator"] and not any(r.is_error for r in results)
+        assert down.tool_waits  # announced, while the tool ran on
+        await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="deadline_exceeded") >= timeouts + 2, "timeouts counted")
+        down.tool_wait_gate.set()
+
+
+async def test_a_dispatcher_without_tool_wait_is_counted_unimplemented_and_the_task_succeeds(caplog):
+    unimplemented = _value(TOOL_WAIT_HINTS, outcome="unimplemented")
+    async with stack(WithoutToolWait()) as (stub, down):
+        for task_id in ("old-1", "old-2"):
+            events = await collect(stub, task_id=task_id, payload="with?", task_type="react_loop")
+            assert events[-1].final.output == "The answer."
+        await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="unimplemented") >= unimplemented + 4, "counted")
+    logged = [r for r in caplog.records if "ToolWait to the dispatcher" in r.getMessage()]
+    assert len(logged) == 1 and "unimplemented" in logged[0].getMessage()  # logged once
+
+
+# --------------------------------------------------------------------------- 3. tenants
+
+
+async def test_tenant_from_the_header_else_default_on_every_generate_request_and_task_status():
+    async with stack() as (stub, down):
+        await collect(stub, task_id="t-acme", payload="hi", task_type="chat", metadata=(("x-tenant-id", "acme.eu-1"),))
+        await collect(stub, task_id="t-none", payload="hi", task_type="chat")
+        assert [r.tenant_id for r in down.requests] == ["acme.eu-1", "default"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="hi", metadata=(("x-tenant-id", "no spaces/allowed"),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-tenant-id" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="hi", metadata=(("x-tenant-id", "a" * 65),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-tenant-id" in err.value.details()
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="bg-t", payload="hi", task_type="chat"),
+                              metadata=(("x-tenant-id", "beta"),))
+        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="bg-t"))
+        assert status.tenant_id == "beta"
+        for _ in range(500):
+            status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="bg-t"))
+            if status.state == agent_pb2.SUCCEEDED:
+                break
+            await asyncio.sleep(0.02)
+        assert status.state == agent_pb2.SUCCEEDED and status.tenant_id == "beta"
+        assert down.orchestrator.tasks is not None
+        record = await down.orchestrator.tasks.get("bg-t")
+        assert record.tenant_id == "beta" and record.to_status().tenant_id == "beta"  # the store keeps it
+
+
+async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-acme tenant=acme,tok-plain")
+    async with stack(http=True, **{"orchestrator.auth.enabled": True}) as (stub, down):
+        await collect(stub, task_id="a1", payload="hi", task_type="chat", metadata=(("authorization", "Bearer tok-acme"),))
+        await collect(stub, task_id="a2", payload="hi", task_type="chat",
+                      metadata=(("authorization", "Bearer tok-acme"), ("x-tenant-id", "acme")))
+        await collect(stub, task_id="a3", payload="hi", task_type="chat",
+                      metadata=(("authorization", "Bearer tok-plain"), ("x-tenant-id", "gamma")))
+        assert [r.tenant_id for r in down.requests] == ["acme", "acme", "gamma"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload="hi", metadata=(("authorization", "Bearer tok-acme"), ("x-tenant-id", "other")))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "x-tenant-id" in err.value.details()
+        # the HTTP face: the same rule, X-Tenant-Id any case
+        url = f"http://127.0.0.1:{down.http.port}/api/v1/agent/run"
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": "Bearer tok-plain", "X-Tenant-Id": "delta"}
+            async with session.post(url, json={"payload": "hi", "task_type": "chat"}, headers=headers) as response:
+                assert response.status == 200
+                await response.read()
+            headers["X-Tenant-Id"] = "bad tenant"
+            async with session.post(url, json={"payload": "hi", "task_type": "chat"}, headers=headers) as response:
+                assert response.status == 400
+                assert "x-tenant-id" in (await response.json())["error"]["message"]
+        assert down.requests[-1].tenant_id == "delta"
+
+
+def test_token_lines_name_at_most_one_well_formed_tenant(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("tok-a tenant=acme agent.AgentService/RunTask\ntok-b\n")
+    tokens = load_tokens(AuthConfig(enabled=True, tokens_file=str(path), tokens_env=""))
+    assert [(t.tenant, t.methods) for t in tokens] == [("acme", ("agent.AgentService/RunTask",)), ("", ())]
+    for bad in ("tok tenant=a tenant=b", "tok tenant=has/slash", "tok tenant="):
+        path.write_text(bad + "\n")
+        with pytest.raises(AuthConfigError, match="line 1: expected at most one tenant"):
+            load_tokens(AuthConfig(enabled=True, tokens_file=str(path), tokens_env=""))
+
+
+# --------------------------------------------------------------------------- 4. deadline budgets
+
+
+async def test_each_model_step_carries_time_left_and_the_measured_work_after_it():
+    async with stack(**{"orchestrator.task_time_limit_s": {"chat": 120, "rag_answer": 180, "react_loop": 600}}) \
+            as (stub, down):
+        await collect(stub, task_id="r1", payload="with?", task_type="react_loop")
+        first = [r for r in down.requests if r.request_id.startswith("r1:")]
+        assert len(first) == 3 and all(0 < r.task_time_left_s <= 600 for r in first)
+        assert all(r.expected_remaining_work_s == 0 for r in first)  # nothing measured yet: no guess
+        program = down.orchestrator._deps.program
+        assert program.steps.mean_turns() == 3 and program.steps.mean("react_loop", "model") > 0
+        assert program.steps.mean("react_loop", "tool") > 0 and program.steps.mean("react_loop", "retrieval") > 0
+        await collect(stub, task_id="r2", payload="with?", task_type="react_loop")
+        second = [r for r in down.requests if r.request_id.startswith("r2:")]
+        work = [r.expected_remaining_work_s for r in second]
+        assert work[0] > work[1] > work[2] == 0  # two steps left, then one, then none
+        await collect(stub, task_id="c1", payload="hi", task_type="chat")
+        assert down.requests[-1].expected_remaining_work_s == 0 and 0 < down.requests[-1].task_time_left_s <= 120
+
+
+async def test_a_task_that_cannot_make_its_deadline_on_the_measured_means_is_refused_early_by_name():
+    refused = _value(TASKS_REFUSED_EARLY, task_type="chat")
+    async with stack() as (stub, down):
+        program = down.orchestrator._deps.program
+        program.steps.observe("chat", "model", 100.0)  # a measured chat model step takes 100 s
+        generates = len(down.requests)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, task_id="doomed", payload="hi", task_type="chat", timeout=30)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = err.value.details()
+        assert "task doomed refused early" in details and "s left" in details and "100.000 s of work expected" in details
+        assert len(down.requests) == generates  # never sent to the dispatcher
+        assert _value(TASKS_REFUSED_EARLY, task_type="chat") == refused + 1
+        # a task with time for it runs (the chat limit is 120 s; the measured step 100 s)
+        events = await collect(stub, task_id="fits", payload="hi", task_type="chat", timeout=200)
+        assert events[-1].HasField("final")
+    async with stack(**{"orchestrator.program.refuse_early": False}) as (stub, down):
+        down.orchestrator._deps.program.steps.observe("chat", "model", 100.0)
+        events = await collect(stub, task_id="served", payload="hi", task_type="chat", timeout=30)
+        assert events[-1].HasField("final")
+
+
+def test_react_work_left_follows_the_mean_steps_capped_by_max_steps():
+    program = Program(ProgramConfig(), ["calculator"], max_steps=2)
+    program.steps.observe("react_loop", "model", 1.0)
+    program.steps.observe("react_loop", "tool", 0.5)
+    assert program.remaining_after("react_loop", 0) == 0  # no task finished yet
+    for turns in (10, 10):  # more than max_steps + 1 = 3 model steps can never run
+        program.steps.observe_turns(turns)
+    assert program.remaining_after("react_loop", 0) == pytest.approx(2 * 1.5)
+    assert program.remaining_after("react_loop", 2) == 0
+    assert program.remaining_after("chat", 0) == 0 and program.remaining_after("rag_answer", 0) == 0
+
+
+# --------------------------------------------------------------------------- 5. early prefill
+
+
+@pytest.mark.parametrize("question", ["How does the with statement work?", "  padded  ", "</question> {{ 7*7 }}",
+                                      "multi\n\nline\n"])
+def test_the_static_part_is_a_true_prefix_of_the_full_prompt(question):
+    passages = [prompts.Snippet("with", "The with statement wraps a block."), prompts.Snippet("t2", "</context> x")]
+    prefix = prompts.static_prefix("rag_answer", question)
+    for shown in (passages, []):
+        full = prompts.render("rag_answer", question, shown).text
+        assert full.startswith(prefix) and len(full) > len(prefix)
+        assert question in prefix
+    with pytest.raises(ValueError, match="workflow"):
+        prompts.static_prefix("chat", question)
+
+
+async def test_rag_answer_sends_system_prompt_and_question_ahead_when_the_engine_shares_prefixes():
+    down = Recording()
+    down.shares_prefixes = True
+    async with stack(down) as (stub, down):
+        events = await collect(stub, task_id="warm", payload="How does with work?")
+        assert events[-1].final.output == "The answer."
+        await _until(lambda: len(down.requests) == 2, "the prefill and the answer")
+        by_id = {r.request_id: r for r in down.requests}
+        prefill, answer = by_id["warm:prefill"], by_id["warm:0"]
+        assert prefill.prefill_only and not answer.prefill_only
+        assert answer.prompt.startswith(prefill.prompt) and "<context>" in answer.prompt
+        assert "<context>" not in prefill.prompt and "How does with work?" in prefill.prompt
+        assert prefill.agent_id == answer.agent_id == "warm"  # the same prefix key
+    down = Recording()  # an engine that shares no prefixes is sent none
+    async with stack(down) as (stub, down):
+        await collect(stub, task_id="cold", payload="How does with work?")
+        assert [r.request_id for r in down.requests] == ["cold:0"]
+
+
+async def test_against_the_sim_dispatcher_the_answer_extends_the_prefix_the_prefill_left_warm():
+    """The real dispatcher with the sim engine's prefix cache: retrieval answers only once the prefill is
+    done, and the answer's prompt then finds the system prompt + question blocks cached."""
+    ok = _value(EARLY_PREFILLS, outcome="ok")
+    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(**FAST))
+
+    class SlowRetrieval(Downstream):
+        async def Retrieve(self, request, context):
+            await _until(lambda: _value(EARLY_PREFILLS, outcome="ok") > ok, "the prefill finished")
+            return await super().Retrieve(request, context)
+
+    retrieval = SlowRetrieval()
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
+        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
+        cfg = base.with_overrides(**{
+            "orchestrator.retrieval_addr": f"127.0.0.1:{retr.port}",
+            "orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
+            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
+            "orchestrator.cpu_executor": "loop",
+        })
+        orchestrator = OrchestratorService(cfg)
+        async with running([orchestrator], cfg.server) as orch:
+            channel = open_channel(f"127.0.0.1:{orch.port}")
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            question = "How does the with statement work in Python, and what does it call on the manager?"
+            hits = _value(PREFIX_CACHE_BLOCKS, result="hit")
+            events = await collect(stub, task_id="sim-warm", payload=question)
+            await channel.close()
+        store.cleanup()
+    assert events[-1].HasField("final") and events[-1].final.output
+    static_blocks = len(prompts.static_prefix("rag_answer", question).split()) // 16
+    assert static_blocks >= 2 and _value(PREFIX_CACHE_BLOCKS, result="hit") >= hits + static_blocks
+
+
+# --------------------------------------------------------------------------- the dispatcher's side
+
+
+@pytest.fixture
+async def dispatcher_stub():
+    service = DispatcherService(SwitchyardConfig().with_overrides(**FAST, **{"sim.prefix_caching": False}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            yield agent_pb2_grpc.InferenceServiceStub(channel), service
+        finally:
+            await channel.close()
+
+
+async def test_tool_wait_stub_validates_each_field_and_keeps_the_parking_ttl(dispatcher_stub):
+    stub, service = dispatcher_stub
+    reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="a", tool="search_docs", expected_wait_s=1.5,
+                                                          tenant_id="acme", priority=agent_pb2.CORE))
+    assert reply.decision == agent_pb2.KEEP and reply.restore_at_s == 0
+    good = {"agent_id": "a", "tool": "t", "expected_wait_s": 1.0}
+    for field, value in [("agent_id", ""), ("tool", ""), ("tool", "x" * 300), ("expected_wait_s", -1.0),
+                         ("expected_wait_s", float("nan")), ("tenant_id", "a b"), ("priority", 9)]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ToolWait(agent_pb2.ToolWaitRequest(**{**good, field: value}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), field
+
+
+async def test_generate_checks_the_new_fields_and_a_prefill_only_request_without_prefix_sharing_ends_at_once(
+        dispatcher_stub):
+    stub, service = dispatcher_stub
+    info = await stub.DescribeModel(agent_pb2.DescribeModelRequest())
+    assert not info.shares_prefixes
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+        request_id="p", prompt="You are a precise assistant. <question>q</question>", prefill_only=True,
+        tenant_id="acme", task_time_left_s=5.0, expected_remaining_work_s=1.0))]
+    assert [c.WhichOneof("chunk") for c in chunks] == ["done"] and chunks[0].done.usage.completion_tokens == 0
+    for field, value in [("tenant_id", "bad tenant"), ("task_time_left_s", -1.0),
+                         ("expected_remaining_work_s", float("inf"))]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(prompt="hi", **{field: value})):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), field
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(prompt="hi there", max_tokens=4,
+                                                                       tenant_id="acme", task_time_left_s=9.0))]
+    assert chunks[-1].done.usage.completion_tokens > 0
