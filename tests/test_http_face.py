@@ -18,7 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.common.server import running
-from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.http_face import JSON, HttpFace
 from switchyard.orchestrator.service import OrchestratorService
 
 pytestmark = pytest.mark.no_gpu
@@ -28,9 +28,10 @@ FIELD_BODY = {"agent_id": "test-001", "priority": "core", "task_type": "react_lo
 
 
 @contextlib.asynccontextmanager
-async def http_stack(client_options: dict | None = None, **overrides):
+async def http_stack(client_options: dict | None = None, tracer_provider=None, **overrides):
     """(httpx client on the HTTP face, gRPC stub, downstream) of one orchestrator serving both faces;
-    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client."""
+    ``server.tls`` in ``overrides`` applies to the downstream too, ``client_options`` to the httpx client,
+    ``tracer_provider`` to the HTTP face's spans."""
     base = load_config("config", service="orchestrator")
     if "server.tls" in overrides:
         base = base.with_overrides(**{"server.tls": overrides.pop("server.tls")})
@@ -45,7 +46,7 @@ async def http_stack(client_options: dict | None = None, **overrides):
                 "orchestrator.cpu_executor": "loop", **overrides,
             })
             orch = OrchestratorService(cfg)
-            face = HttpFace(orch, cfg, port=0)
+            face = HttpFace(orch, cfg, port=0, tracer_provider=tracer_provider)
             async with running([orch, face], cfg.server) as srv:
                 down.orchestrator_address = f"127.0.0.1:{srv.port}"
                 channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
@@ -122,8 +123,85 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
             error = reply.json()["error"]
             assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(field), error
             assert error["origin"] == "orchestrator"
-        assert (await client.post("/api/v1/agent/submit", content=b"{not json")).status_code == 400
+        not_json = await client.post("/api/v1/agent/submit", content=b"{not json", headers={"Content-Type": JSON})
+        assert not_json.status_code == 400 and not_json.json()["error"]["message"].startswith("body: expected a JSON")
         assert down.requests == []
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({}, "task_type: expected one of rag_answer, chat, react_loop (required)"),
+    ({"task_type": "chat"}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id header)"),
+    ({**FIELD_BODY, "agent_id": ""}, "agent_id: expected a non-empty string"),
+    ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 to 2147483647 (got '128')"),
+    ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
+    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
+    ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected an integer from 0 to 2147483647 (got -1)"),
+    ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
+                                    "header) (got 7)"),
+    ({**FIELD_BODY, "priority": "urgent"}, "priority: expected core, normal or batch (got 'urgent')"),
+    ({**FIELD_BODY, "metadata": {"k": 1}}, "metadata.k: expected a string (got 1)"),
+    ({**FIELD_BODY, "metadata": []}, "metadata: expected an object of string values (got [])"),
+    ("text", "body: expected a JSON object (got 'a JSON string')"),
+])
+async def test_a_body_missing_a_required_field_or_of_a_wrong_type_is_400_saying_what_was_expected(body, message):
+    async with http_stack() as (client, _, down):
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            reply = await client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["message"].startswith(message), reply.json()
+        assert down.requests == []
+
+
+async def test_the_priority_message_is_the_grpc_edges():
+    async with http_stack() as (client, stub, _down):
+        over_http = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "priority": "urgent"})).json()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
+        assert over_http["error"]["message"] == err.value.details().replace("x-priority header", "priority")
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+async def test_a_body_that_is_not_application_json_is_415_naming_the_expected_type(content_type):
+    import json
+
+    async with http_stack() as (client, _, down):
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            # The field's own body, valid JSON: the type is what is refused.
+            reply = await client.post(path, content=json.dumps(FIELD_BODY).encode(), headers=headers)
+            assert reply.status_code == 415, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(
+                "Content-Type: expected application/json"), error
+        charset = await client.post("/api/v1/agent/submit", content=json.dumps({**FIELD_BODY, "task_type": "chat"}),
+                                    headers={"Content-Type": "application/json; charset=utf-8"})
+        assert charset.status_code == 200, charset.text
+        assert len(down.requests) <= 1
+
+
+async def test_the_openapi_documents_required_fields_as_the_face_checks_them():
+    """Each field the document calls required is refused when left out; every other one may be left out."""
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        schema = doc["components"]["schemas"]["TaskRequest"]
+        assert set(schema["required"]) == {"task_type"}
+        assert schema["properties"]["task_type"]["enum"] == ["rag_answer", "chat", "react_loop"]
+        assert {"413", "415"} <= set(doc["paths"]["/api/v1/agent/submit"]["post"]["responses"])
+        full = {**FIELD_BODY, "task_type": "chat", "payload": "hi", "task_id": "", "model": "", "metadata": {}}
+        assert set(full) == set(schema["properties"])
+        for field in schema["properties"]:
+            body = {k: v for k, v in full.items() if k != field}
+            reply = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": "a-1"})
+            if field in schema["required"]:
+                assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(field), reply.text
+            else:
+                assert reply.status_code == 200, (field, reply.text)
+        # agent_id: in the body or the header, as the X-Agent-Id parameter says; neither is 400.
+        header = next(p for p in doc["paths"]["/api/v1/agent/submit"]["post"]["parameters"] if p["name"] == "X-Agent-Id")
+        assert "one of the two is required" in header["description"]
+        neither = await client.post("/api/v1/agent/submit", json={k: v for k, v in full.items() if k != "agent_id"})
+        assert neither.status_code == 400 and neither.json()["error"]["message"].startswith("agent_id")
 
 
 async def test_unknown_task_and_agent_are_404_and_a_taken_task_id_is_409():
@@ -208,7 +286,8 @@ async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_
         assert seen == [("agent-from-header", agent_pb2.BATCH), ("agent-in-body", agent_pb2.CORE),
                         ("agent-from-header", agent_pb2.BATCH), ("grpc-agent", agent_pb2.CORE),
                         ("own", agent_pb2.NORMAL)]
-        bad = await client.post("/api/v1/agent/submit", json={"task_type": "chat"}, headers={"X-Priority": "urgent"})
+        bad = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "agent_id": "a-1"},
+                                headers={"X-Priority": "urgent"})
         assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("x-priority header")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
@@ -303,19 +382,93 @@ async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mt
 
 
 
-async def test_a_body_past_the_size_limit_is_400_naming_it_and_unknown_paths_and_methods_answer_json():
+async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and_methods_answer_json():
     async with http_stack() as (client, _, down):
         limit = load_config("config", service="orchestrator").limits.max_payload_chars
         for chars in (5 * limit, 11 * limit):  # past the face's body limit (4 bytes a character and more)
             for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
                 reply = await client.post(path, json={**FIELD_BODY, "payload": "x" * chars})
-                assert reply.status_code == 400, reply.text
+                assert reply.status_code == 413, reply.text
                 error = reply.json()["error"]
                 assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith("body: expected at most")
                 assert "limits.max_payload_chars" in error["message"]
         unknown = await client.get("/api/v1/nothing-here")
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "NOT_FOUND"
-        wrong = await client.get("/api/v1/agent/submit")
-        assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
-        assert "POST" in wrong.headers["Allow"]
+        for method in ("GET", "PUT", "DELETE"):
+            wrong = await client.request(method, "/api/v1/agent/submit", json=FIELD_BODY)
+            assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
+            assert "POST" in wrong.headers["Allow"]
+        assert (await client.post("/api/v1/tasks/t-1")).status_code == 405
         assert down.requests == []
+
+
+def durations(method: str, route: str, status: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("http_server_request_duration_seconds_count", {
+        "http_request_method": method, "http_route": route, "http_response_status_code": status}) or 0.0
+
+
+async def test_each_request_is_a_server_span_in_the_callers_trace_and_a_duration_by_route_template():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from otlp_receiver import OtlpReceiver
+    from prometheus_client import REGISTRY
+
+    from switchyard.common import telemetry
+
+    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    status_route = "/api/v1/agent/{agent_id}/status"
+    series = [("POST", "/api/v1/agent/submit", "200"), ("POST", "/api/v1/agent/submit", "400"),
+              ("GET", status_route, "200"), ("GET", "", "404"), ("_OTHER", "", "405")]
+    with OtlpReceiver() as receiver:
+        provider = telemetry.make_tracer_provider()
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
+        async with http_stack(tracer_provider=provider) as (client, _, _down):
+            assert durations("POST", "/api/v1/agent/run", "200") is not None  # the routes' series start at 0
+            before = {key: durations(*key) for key in series}
+            accepted = await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"},
+                                         headers={"traceparent": f"00-{trace_id}-{caller}-01"})
+            assert accepted.status_code == 200
+            assert accepted.json()["trace_id"] == trace_id  # the task was accepted in the caller's trace
+            await finished(client, "/api/v1/agent/test-001/status")
+            assert (await client.post("/api/v1/agent/submit", json={})).status_code == 400
+            assert (await client.get("/api/v1/nothing-here?x=1")).status_code == 404
+            assert (await client.request("PROPFIND", "/api/v1/agent/submit")).status_code == 405
+            after = {key: durations(*key) for key in series}
+        provider.shutdown()
+
+        assert after[series[0]] == before[series[0]] + 1 and after[series[1]] == before[series[1]] + 1
+        assert after[series[2]] >= before[series[2]] + 1
+        assert after[series[3]] == before[series[3]] + 1 and after[series[4]] == before[series[4]] + 1
+        routes = {s.labels["http_route"] for f in REGISTRY.collect() for s in f.samples
+                  if s.name.startswith("http_server_request_duration_seconds")}
+        assert routes <= {route for _, route in http_face_routes()} | {""}  # templates, never raw paths
+
+        spans = receiver.wait_for(lambda got: any(s.name == "HTTP" for s in got), timeout_s=30)
+    server = [s for s in spans if s.kind == trace_pb2.Span.SPAN_KIND_SERVER]
+    submit = next(s for s in server if s.name == "POST /api/v1/agent/submit" and s.trace_id == trace_id)
+    assert submit.parent_span_id == caller
+    assert submit.attributes["http.request.method"] == "POST" and submit.attributes["http.route"] == "/api/v1/agent/submit"
+    assert submit.attributes["http.response.status_code"] == 200 and submit.attributes["url.scheme"] == "http"
+    assert submit.attributes["url.path"] == "/api/v1/agent/submit" and submit.attributes["server.port"] > 0
+    assert submit.attributes["network.protocol.version"] == "1.1" and "client.address" in submit.attributes
+    polls = [s for s in server if s.name == f"GET {status_route}"]
+    assert polls and all(s.attributes["url.path"] == "/api/v1/agent/test-001/status" for s in polls)
+    assert all(s.trace_id != trace_id for s in polls)  # no traceparent: traces of their own
+    invalid = next(s for s in server if s.name == "POST /api/v1/agent/submit" and s.attributes[
+        "http.response.status_code"] == 400)
+    unrouted = next(s for s in server if s.name == "GET")
+    assert "http.route" not in unrouted.attributes and unrouted.attributes["url.query"] == "x=1"
+    other = next(s for s in server if s.name == "HTTP")
+    assert other.attributes["http.request.method"] == "_OTHER"
+    assert other.attributes["http.request.method_original"] == "PROPFIND"
+    assert other.attributes["http.response.status_code"] == 405
+    assert not [s.name for s in (submit, invalid, unrouted, other, *polls) if s.is_error]  # 4xx: the caller's
+
+
+def http_face_routes():
+    from switchyard.orchestrator.http_face import ROUTES
+
+    return ROUTES.values()

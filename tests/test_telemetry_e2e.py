@@ -273,3 +273,29 @@ async def test_tool_calls_get_spans_under_the_task(stack, receiver):
         for span in (s for s in task if s.name == name):
             assert_under(span, run, task)
             assert span.attributes["gen_ai.tool.name"] == name.removeprefix("tool ")
+
+
+async def test_an_http_submit_is_a_server_span_the_task_runs_under_and_a_request_duration(stack, receiver):
+    import re
+
+    import httpx
+
+    trace_id = "5c4b3a29181706f5e4d3c2b1a0998877"
+    http = next(m.group(1) for line in stack.lines if (m := re.match(r"\s+http\s+(http://\S+:\d+)\s", line)))
+    body = {"agent_id": "trace-agent", "priority": "core", "task_type": "rag_answer", "max_tokens": 16,
+            "payload": "How does the with statement work?"}
+    async with httpx.AsyncClient(base_url=http, timeout=60) as client:
+        reply = await client.post("/api/v1/agent/submit", json=body,
+                                  headers={"traceparent": f"00-{trace_id}-{CALLER_SPAN_ID}-01"})
+        assert reply.status_code == 200 and reply.json()["trace_id"] == trace_id
+    spans = receiver.wait_for(lambda got: {"POST /api/v1/agent/submit", "infer", "dispatcher.generate"} <= {
+        s.name for s in got if s.trace_id == trace_id}, timeout_s=60)
+    task = [s for s in spans if s.trace_id == trace_id]
+    submit = one(task, "POST /api/v1/agent/submit", "orchestrator", SERVER)
+    assert submit.parent_span_id == CALLER_SPAN_ID and submit.attributes["http.route"] == "/api/v1/agent/submit"
+    for stage in ("orchestration.queue_wait", "retrieve", "infer"):
+        assert_under(one(task, stage, "orchestrator"), submit, task)
+    assert_under(one(task, "dispatcher.generate", "dispatcher", SERVER), submit, task)
+    samples = scrape(stack.metrics_url("orchestrator"))
+    assert total(samples, "http_server_request_duration_seconds_count", http_request_method="POST",
+                 http_route="/api/v1/agent/submit", http_response_status_code="200") >= 1

@@ -40,7 +40,9 @@ from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 
 PRIORITIES = ("core", "normal", "batch")
-STREAM_BODY = {"payload": "How does the with statement work?", "task_type": "chat", "max_tokens": 64}
+STREAM_BODY = {"agent_id": "bench-stream", "payload": "How does the with statement work?", "task_type": "chat",
+               "max_tokens": 64}
+"""The stream phase's request, the same over SSE and gRPC (the HTTP face requires agent_id and task_type)."""
 
 
 @dataclass

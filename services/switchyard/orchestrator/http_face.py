@@ -19,8 +19,14 @@ The headers ``X-Agent-Id`` and ``X-Priority`` fill ``agent_id`` and
 ``X-Tenant-Id`` names the task's tenant when the bearer token names none
 (:func:`~switchyard.orchestrator.validation.edge_tenant`).
 
+The submit and run bodies are JSON (``Content-Type: application/json``, else
+415) of at most :attr:`HttpFace.body_max_bytes` (else 413); ``task_type`` is
+required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
+
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
-of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504).
+of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
+or the face's own: 405 (a wrong method, UNIMPLEMENTED), 413 and 415
+(INVALID_ARGUMENT).
 A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
 tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
@@ -42,12 +48,14 @@ from pydantic import ValidationError
 
 from switchyard import __version__
 from switchyard.api import agent_pb2
+from switchyard.common import http_telemetry, telemetry
 from switchyard.common.config import SwitchyardConfig, TlsConfig
-from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, hop_of, status_for
+from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
-from switchyard.orchestrator.http_models import TaskRequest, describe_error, message_dict, openapi, status_json
-from switchyard.orchestrator.validation import parse_priority
+from switchyard.orchestrator.http_models import (EXPECTED, TaskRequest, describe_error, message_dict,
+                                                  openapi, status_json)
+from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +63,21 @@ SERVICE = "agent.AgentService"
 ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus"}
 """The gRPC method each route stands for: what a bearer token restricted to methods must allow."""
 JSON = "application/json"
+ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/agent/run"),
+          "status": ("GET", "/api/v1/agent/{agent_id}/status"), "task_status": ("GET", "/api/v1/tasks/{task_id}"),
+          "openapi": ("GET", "/openapi.json")}
+"""Route name -> (method, route template): the routes :meth:`HttpFace.app` serves, and the ``http_route``
+label values of ``http_server_request_duration_seconds``."""
 
 
 class HttpAbort(Exception):
     """A call ended with a gRPC status (``HttpCall.abort``): its code, message and the hop that answered."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, origin: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, origin: str, status: int | None = None) -> None:
         super().__init__(details)
         self.code, self.details, self.origin = code, details, origin
+        self.status = HTTP_STATUS.get(code, 500) if status is None else status
+        """The HTTP status of the answer: the code's (errors.HTTP_STATUS) unless the face says otherwise (413, 415)."""
 
 
 class HttpCall:
@@ -92,8 +107,13 @@ def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator"
     return {"error": {"code": code.name, "message": message, "origin": origin}}
 
 
-def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator") -> web.Response:
-    return web.json_response(error_body(code, message, origin), status=HTTP_STATUS.get(code, 500))
+def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
+    return web.json_response(error_body(code, message, origin),
+                             status=HTTP_STATUS.get(code, 500) if status is None else status)
+
+
+def _abort_answer(exc: HttpAbort) -> web.Response:
+    return _error(exc.code, exc.details, exc.origin, exc.status)
 
 
 def _sse(kind: str, data: dict[str, Any]) -> bytes:
@@ -139,13 +159,17 @@ class HttpFace(Drains):
         service: the orchestrator's servicer (started).
         config: ``orchestrator.http`` gives the port, ``server`` the host and TLS.
         port: overrides ``orchestrator.http.port`` (0: a free port).
+        tracer_provider: the provider of the requests' SERVER spans (common/http_telemetry.py); None: the
+            global one, and no spans while :func:`telemetry.tracing_enabled` is false.
     """
 
     name = "orchestrator-http"
     grpc_service_names: tuple[str, ...] = ()
 
-    def __init__(self, service: Any, config: SwitchyardConfig, port: int | None = None) -> None:
+    def __init__(self, service: Any, config: SwitchyardConfig, port: int | None = None,
+                 tracer_provider: Any = None) -> None:
         self.service = service
+        self.tracer_provider = tracer_provider
         self.config = config
         self.port = config.orchestrator.http.port if port is None else port
         self._runner: web.AppRunner | None = None
@@ -163,12 +187,16 @@ class HttpFace(Drains):
         return 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._authenticate], client_max_size=self.body_max_bytes)
-        app.router.add_post("/api/v1/agent/submit", self.submit, name="submit")
-        app.router.add_post("/api/v1/agent/run", self.run, name="run")
-        app.router.add_get("/api/v1/agent/{agent_id}/status", self.agent_status, name="status")
-        app.router.add_get("/api/v1/tasks/{task_id}", self.task_status, name="task_status")
-        app.router.add_get("/openapi.json", self.openapi, name="openapi")
+        """The application: the HTTP server telemetry middleware outermost (every answer measured, 401s
+        included), then bearer tokens, then the routes."""
+        provider = self.tracer_provider
+        measure = http_telemetry.middleware(ROUTES.values(), provider,
+                                            traced=lambda: provider is not None or telemetry.tracing_enabled())
+        app = web.Application(middlewares=[measure, self._authenticate], client_max_size=self.body_max_bytes)
+        handlers = {"submit": self.submit, "run": self.run, "status": self.agent_status,
+                    "task_status": self.task_status, "openapi": self.openapi}
+        for name, (method, path) in ROUTES.items():
+            app.router.add_route(method, path, handlers[name], name=name)
         return app
 
     async def start(self) -> None:
@@ -234,28 +262,32 @@ class HttpFace(Drains):
     # ------------------------------------------------------------------ handlers
 
     async def _task_request(self, request: web.Request) -> agent_pb2.RunTaskRequest:
-        """The body as a RunTaskRequest (JSON types checked here; bounds by the servicer).
+        """The body as a RunTaskRequest (JSON types and required fields checked here; bounds by the servicer).
 
         Raises:
-            HttpAbort: INVALID_ARGUMENT naming the field, or ``body`` when it is not a JSON object.
+            HttpAbort: INVALID_ARGUMENT naming the field and what was expected, or ``body`` when it is not
+                a JSON object; ``status`` 415 for a Content-Type other than application/json, 413 for a
+                body past :attr:`body_max_bytes`.
         """
+        if request.content_type != JSON:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Content-Type: expected {JSON} (got {request.headers.get('Content-Type', 'none')!r})",
+                            "orchestrator", status=415)
         try:
-            data = await request.json()
+            raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             limits = self.config.limits
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"body: expected at most {self.body_max_bytes} bytes; payload: at most "
-                            f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator") from None
-        except ValueError:
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "body: expected a JSON object (Content-Type: application/json)", "orchestrator") from None
-        if not isinstance(data, dict):
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"body: expected a JSON object (got {type(data).__name__})",
-                            "orchestrator")
+                            f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator",
+                            status=413) from None
         try:
-            body = TaskRequest.model_validate(data)
+            body = TaskRequest.model_validate_json(raw)
         except ValidationError as exc:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, describe_error(exc), "orchestrator") from None
+        if not body.agent_id and not request.headers.get(AGENT_ID_HEADER):
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument("agent_id", EXPECTED["agent_id"])),
+                            "orchestrator")
         return agent_pb2.RunTaskRequest(
             task_id=body.task_id,
             payload=self.config.orchestrator.http.default_payload if body.payload is None else body.payload,
@@ -272,7 +304,7 @@ class HttpFace(Drains):
         try:
             return await make()
         except HttpAbort as exc:
-            return _error(exc.code, exc.details, exc.origin)
+            return _abort_answer(exc)
         except Exception as exc:  # noqa: BLE001 - a servicer fault: INTERNAL, as the gRPC edge answers it
             code, details = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
@@ -314,13 +346,13 @@ class HttpFace(Drains):
         try:
             task = await self._task_request(request)
         except HttpAbort as exc:
-            return _error(exc.code, exc.details, exc.origin)
+            return _abort_answer(exc)
         events = self.service.RunTask(task, HttpCall(request.headers.items()))
         async with contextlib.aclosing(events):  # a client that leaves cancels the task (RunTask's finally)
             try:
                 first = await anext(events)
             except HttpAbort as exc:
-                return _error(exc.code, exc.details, exc.origin)
+                return _abort_answer(exc)
             except StopAsyncIteration:  # pragma: no cover - RunTask always sends accepted or aborts
                 return _error(grpc.StatusCode.INTERNAL, "RunTask ended without an event")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

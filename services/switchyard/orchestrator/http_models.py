@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from switchyard.api import agent_pb2
+from switchyard.common.errors import InvalidArgument
+from switchyard.common.metrics import TASK_TYPES
 
 MIB = 1 << 20
 
@@ -36,15 +38,22 @@ INT32_MAX = 2**31 - 1
 
 
 class TaskRequest(BaseModel):
-    """Body of ``POST /api/v1/agent/submit`` and ``POST /api/v1/agent/run`` (a RunTaskRequest)."""
+    """Body of ``POST /api/v1/agent/submit`` and ``POST /api/v1/agent/run`` (a RunTaskRequest).
 
-    model_config = ConfigDict(extra="forbid")
+    ``task_type`` is required, as the field's harnesses send it; ``agent_id`` too, from the body or the
+    ``X-Agent-Id`` header (the face checks it: a JSON schema cannot say "this or a header"). Types are strict (JSON's own: ``"128"`` is not an
+    integer). The values of ``task_type`` and the bounds of every field are checked by the servicer
+    (orchestrator/validation.py), so their messages are the gRPC edge's.
+    """
 
-    agent_id: str = Field("", description="The agent the task belongs to; empty: the X-Agent-Id header, if any.")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    agent_id: str = Field("", description="The agent the task belongs to; required here or as the X-Agent-Id header "
+                                          "(the body wins).")
     priority: Literal["core", "normal", "batch"] | None = Field(
         None, description="Priority class; absent: the X-Priority header, else normal."
     )
-    task_type: str = Field("", description="Workflow: rag_answer, chat or react_loop; empty: orchestrator.default_task_type.")
+    task_type: str = Field(description="Workflow.", min_length=1, json_schema_extra={"enum": list(TASK_TYPES)})
     max_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Completion tokens at most; 0: the default, tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
@@ -52,6 +61,19 @@ class TaskRequest(BaseModel):
     task_id: str = Field("", description="The caller's id of the task (idempotent submit); empty: one is generated.")
     model: str = Field("", description="Model id; empty: the dispatcher's model.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Free-form key/values (limits.max_metadata_*).")
+
+
+EXPECTED: dict[str, str] = {
+    "agent_id": "a non-empty string, the agent's id (or the X-Agent-Id header)",
+    "priority": "core, normal or batch",  # parse_priority's words: the gRPC edge's message for x-priority
+    "task_type": f"one of {', '.join(TASK_TYPES)}",
+    "max_tokens": f"an integer from 0 to {INT32_MAX}",
+    "payload": "a string (the question or instruction)",
+    "task_id": "a string",
+    "model": "a string",
+    "metadata": "an object of string values",
+}
+"""What each body field takes, as :class:`InvalidArgument` words it (``field: expected ...``)."""
 
 
 class AcceptedResponse(BaseModel):
@@ -119,13 +141,33 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
 
 
 def describe_error(exc: ValidationError) -> str:
-    """Pydantic's errors as ``field: problem (got value)`` lines, the gRPC edge's shape."""
+    """Pydantic's errors of a :class:`TaskRequest` body as the gRPC edge words a bad field:
+    ``field: expected ... (got value)`` (:class:`InvalidArgument`), one per error, joined by ``; ``.
+    A body that is not JSON, or not an object, is ``body: expected a JSON object ...``."""
     parts = []
     for err in exc.errors(include_url=False):
-        field = ".".join(str(p) for p in err["loc"]) or "body"
-        got = f" (got {err['input']!r})" if err["type"] != "missing" and "input" in err else ""
-        parts.append(f"{field}: {err['msg']}{got}")
+        loc = [str(p) for p in err["loc"]]
+        kind = err["type"]
+        if kind == "json_invalid":
+            problem = InvalidArgument("body", f"a JSON object ({err['ctx'].get('error', 'invalid JSON')})"
+                                      if err.get("ctx") else "a JSON object (invalid JSON)")
+        elif not loc or kind == "model_type":
+            problem = InvalidArgument("body", "a JSON object", _json_type(err.get("input")))
+        elif kind == "extra_forbidden":
+            problem = InvalidArgument(loc[0], f"no such field; the body takes {', '.join(TaskRequest.model_fields)}",
+                                      err.get("input"))
+        elif kind == "missing":
+            problem = InvalidArgument(loc[0], f"{EXPECTED[loc[0]]} (required)")
+        else:
+            problem = InvalidArgument(".".join(loc), "a string" if len(loc) > 1 else EXPECTED[loc[0]], err.get("input"))
+        parts.append(str(problem))
     return "; ".join(parts)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (array, string, number, ...)."""
+    names = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+    return f"a JSON {names.get(type(value), type(value).__name__)}"
 
 
 def openapi(version: str) -> dict[str, Any]:
@@ -142,7 +184,8 @@ def openapi(version: str) -> dict[str, Any]:
         return {"description": description, "content": {"application/json": {"schema": ref(model)}}}
 
     errors = {str(code): json_body(ErrorResponse, meaning) for code, meaning in (
-        (400, "INVALID_ARGUMENT: a field is missing or out of range (the message names it)"),
+        (400, "INVALID_ARGUMENT: a field is missing, of the wrong type or out of range, or the body is not JSON "
+              "(the message names the field and what was expected)"),
         (401, "UNAUTHENTICATED: no or an unknown bearer token"),
         (403, "PERMISSION_DENIED: the token may not call this"),
         (429, "RESOURCE_EXHAUSTED: a queue is full (refused at once, nothing queued)"),
@@ -151,11 +194,16 @@ def openapi(version: str) -> dict[str, Any]:
     )}
     headers = [
         {"name": "X-Agent-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "The agent, where the body's agent_id is empty (the body wins)."},
+         "description": "The agent, where the body's agent_id is empty (the body wins); one of the two is required."},
         {"name": "X-Priority", "in": "header", "required": False,
          "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
          "description": "The priority class, where the body has none (the body wins)."},
     ]
+    body_errors = {
+        "413": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is larger than the face reads (the message "
+                                        "gives the limit, from limits.max_payload_chars)"),
+        "415": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is not Content-Type application/json"),
+    }
     status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),
                       "404": json_body(ErrorResponse, "NOT_FOUND: no such task (or past retention)"),
                       **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}}
@@ -169,7 +217,7 @@ def openapi(version: str) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": json_body(AcceptedResponse, "Accepted and recorded"),
                               "409": json_body(ErrorResponse, "ALREADY_EXISTS: task_id taken by another request"),
-                              **errors},
+                              **errors, **body_errors},
             }},
             "/api/v1/agent/run": {"post": {
                 "summary": "RunTask as Server-Sent Events: one event per TaskEvent (accepted, stage, token, "
@@ -177,7 +225,7 @@ def openapi(version: str) -> dict[str, Any]:
                 "parameters": headers,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": {"description": "The event stream", "content": {"text/event-stream": {
-                    "schema": {"type": "string"}}}}, **errors},
+                    "schema": {"type": "string"}}}}, **errors, **body_errors},
             }},
             "/api/v1/agent/{agent_id}/status": {"get": {
                 "summary": "GetTaskStatus of the task the agent submitted last",
