@@ -65,6 +65,7 @@ from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
+from switchyard.serve import service_section
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
 GRPC_NAMES = {
@@ -240,7 +241,7 @@ def main(argv: list[str]) -> int:
     # (name, kind, port, metrics port), in start order
     plan: list[tuple[str, str, int, int]] = []
     for kind in ORDER:
-        section = getattr(config, kind)
+        section = service_section(config, kind)
         for i in range(args.dispatchers if kind == "dispatcher" else 1):
             name = kind if i == 0 else f"{kind}-{i + 1}"
             ports = (0, 0) if args.free_ports else (section.port + i, section.metrics_port + i)

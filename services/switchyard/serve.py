@@ -7,36 +7,68 @@ which takes its own options).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import sys
+from typing import Callable
 
 import uvloop
 
-from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.auth import TokenGuarded
+from switchyard.common.config import (ConfigError, DispatcherConfig, OrchestratorConfig, RetrievalConfig,
+                                      SwitchyardConfig, load_config)
 from switchyard.common.logs import setup_logging
 from switchyard.common.server import Service, serve_until_signal, start_server
 from switchyard.common.cli_text import parser_for
 
 log = logging.getLogger(__name__)
 
-SERVICES: dict[str, str] = {
-    "orchestrator": "switchyard.orchestrator.service:OrchestratorService",
-    "retrieval": "switchyard.retrieval.service:RetrievalService",
-    "dispatcher": "switchyard.dispatcher.service:DispatcherService",
+def _orchestrator(config: SwitchyardConfig) -> Service:
+    from switchyard.orchestrator.service import OrchestratorService
+
+    return OrchestratorService(config)
+
+
+def _retrieval(config: SwitchyardConfig) -> Service:
+    from switchyard.retrieval.service import RetrievalService
+
+    return RetrievalService(config)
+
+
+def _dispatcher(config: SwitchyardConfig) -> Service:
+    from switchyard.dispatcher.service import DispatcherService
+
+    return DispatcherService(config)
+
+
+SERVICES: dict[str, Callable[[SwitchyardConfig], Service]] = {
+    "orchestrator": _orchestrator,
+    "retrieval": _retrieval,
+    "dispatcher": _dispatcher,
 }
+"""Each service's constructor; a service's module is imported only when it is made (the dispatcher's engines,
+retrieval's model are not loaded by the others)."""
 
 
 def make_service(name: str, config: SwitchyardConfig) -> Service:
     """Construct the service called ``name`` (a key of :data:`SERVICES`)."""
-    module, _, cls = SERVICES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(config)
+    return SERVICES[name](config)
 
 
-def _section(config: SwitchyardConfig, name: str):
-    return getattr(config, name)
+def service_section(config: SwitchyardConfig, name: str) -> OrchestratorConfig | RetrievalConfig | DispatcherConfig:
+    """The config section of the service called ``name`` (a key of :data:`SERVICES`): its ports.
+
+    Raises:
+        KeyError: ``name`` is not a service.
+    """
+    if name == "orchestrator":
+        return config.orchestrator
+    if name == "retrieval":
+        return config.retrieval
+    if name == "dispatcher":
+        return config.dispatcher
+    raise KeyError(name)
 
 
 def write_port_file(path: str, port: int, metrics_port: int, http_port: int | None = None) -> None:
@@ -69,7 +101,7 @@ def _profile_endpoint(service: Service, config: SwitchyardConfig):
     server = config.server
     if server.cpu_profile == "off":
         return None
-    tokens = getattr(service, "bearer_tokens", lambda: None)()
+    tokens = service.bearer_tokens() if isinstance(service, TokenGuarded) else None
     return ProfileEndpoint(LoopProfiler(asyncio.get_running_loop()), server.cpu_profile, server.host,
                            server.cpu_profile_max_s, tokens)
 
@@ -81,7 +113,7 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
     from switchyard.common import process_metrics, telemetry
 
     shutdown_tracing = telemetry.setup_tracing(name)
-    section = _section(config, name)
+    section = service_section(config, name)
     try:
         service = make_service(name, config)
         faces = _faces(name, service, config)

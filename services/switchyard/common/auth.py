@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -172,6 +173,19 @@ class BearerTokens:
             return ("forbidden", grpc.StatusCode.PERMISSION_DENIED,
                     f"the bearer token may not call {method.lstrip('/')}")
         return None
+
+
+class TokenGuarded(ABC):
+    """A service whose edge checks bearer tokens (the orchestrator): what else it serves in its process (the
+    HTTP face, ``/debug/pprof/profile``) is guarded by the same tokens."""
+
+    @abstractmethod
+    def bearer_tokens(self) -> BearerTokens | None:
+        """The tokens, read once and shared; None with authentication off.
+
+        Raises:
+            AuthConfigError: authentication is on and no token can be read.
+        """
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

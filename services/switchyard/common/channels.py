@@ -154,8 +154,9 @@ async def watch_connectivity(channel: grpc.aio.Channel, peer: str, target: str) 
         state = new
 
 
-class _DeadlineChannel:
-    """A ``grpc.aio.Channel`` whose unary and server-streaming calls honour :func:`deadline_scope`.
+class _DeadlineChannel(grpc.aio.Channel):
+    """A ``grpc.aio.Channel`` whose unary and server-streaming calls honour :func:`deadline_scope`;
+    the rest of the channel's interface is the wrapped channel's.
 
     A wrapper rather than a client interceptor: grpc.aio runs every intercepted call
     through an extra task, a cost each call of the request path would pay. Inside an
@@ -185,8 +186,20 @@ class _DeadlineChannel:
     def unary_stream(self, *args: Any, **kwargs: Any) -> _BoundedCall:
         return _BoundedCall(self._channel.unary_stream(*args, **kwargs))
 
-    def __getattr__(self, name: str) -> Any:  # close, channel_ready, get_state, stream_* ...
-        return getattr(self._channel, name)
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return self._channel.stream_unary(*args, **kwargs)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return self._channel.stream_stream(*args, **kwargs)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
 
     async def __aenter__(self) -> "_DeadlineChannel":
         return self
@@ -221,7 +234,7 @@ def open_channel(
     else:
         channel = grpc.aio.secure_channel(target, credentials, options=channel_options(config), interceptors=interceptors)
     label = bounded(peer, PEER_SERVICES)
-    return _DeadlineChannel(channel, label, target)  # type: ignore[return-value]  # a Channel in every use
+    return _DeadlineChannel(channel, label, target)
 
 
 def open_sync_channel(target: str, config: ServerConfig | None = None) -> grpc.Channel:

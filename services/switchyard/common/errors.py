@@ -158,8 +158,14 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: 
     """End the RPC with ``exc``'s status, naming its hop (``exc.origin``, else ``service``) in the
     trailing metadata under :data:`ORIGIN_KEY`. Always raises (``grpc.aio.AbortError``)."""
     code, details = status_for(exc)
-    origin = getattr(exc, "origin", "") or service
+    origin = hop_of(exc, service)
     await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin),))
+
+
+def hop_of(exc: BaseException, service: str) -> str:
+    """The hop that produced ``exc``: its ``origin`` when it is a :class:`SwitchyardError` that names one, else
+    ``service`` (the one that raised it)."""
+    return (exc.origin if isinstance(exc, SwitchyardError) else "") or service
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

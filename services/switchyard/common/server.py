@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -29,7 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class Service(Protocol):
-    """What a Switchyard service gives the bootstrap."""
+    """What a Switchyard service gives the bootstrap.
+
+    A service may also declare, by subclassing them, the optional parts the bootstrap uses:
+    :class:`Drains`, :class:`InterceptsCalls`, :class:`HealthOwner`.
+    """
 
     name: str
     """Short name: orchestrator, retrieval or dispatcher."""
@@ -46,25 +51,39 @@ class Service(Protocol):
         """Stop background tasks. Called after the server drained."""
 
 
-async def begin_drain(service: object) -> None:
-    """Tell a service that asks for it (``begin_drain``) that the server starts draining: it
-    refuses new work and ends its long-lived streams once their work is done."""
-    hook = getattr(service, "begin_drain", None)
-    if hook is not None:
-        await hook()
+class Drains(ABC):
+    """A service told when its server starts draining (SIGTERM), before the server stops."""
+
+    @abstractmethod
+    async def begin_drain(self) -> None:
+        """Refuse new work from now on and end long-lived streams once their work is done."""
 
 
-def edge_interceptors(service: object) -> list[grpc.aio.ServerInterceptor]:
-    """Interceptors a service asks for on its own server (the orchestrator: authentication)."""
-    provide = getattr(service, "server_interceptors", None)
-    return list(provide()) if provide is not None else []
+class InterceptsCalls(ABC):
+    """A service that puts interceptors of its own on its server (the orchestrator: authentication)."""
+
+    @abstractmethod
+    def server_interceptors(self) -> Sequence[grpc.aio.ServerInterceptor]:
+        """The interceptors, run after the ones :func:`start_server` is given (tracing): refusals are traced."""
 
 
-class HealthOwner(Protocol):
+class HealthOwner(ABC):
     """A service that sets its own health statuses (readiness that follows its dependencies)."""
 
+    @abstractmethod
     async def watch_health(self, health: health.aio.HealthServicer) -> None:
         """Called once the server serves, instead of setting ``grpc_service_names`` SERVING."""
+
+
+async def begin_drain(service: Service) -> None:
+    """Tell a service that drains (:class:`Drains`) that the server starts draining."""
+    if isinstance(service, Drains):
+        await service.begin_drain()
+
+
+def edge_interceptors(service: Service) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors a service asks for on its own server (:class:`InterceptsCalls`)."""
+    return list(service.server_interceptors()) if isinstance(service, InterceptsCalls) else []
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -225,9 +244,8 @@ async def start_server(
     if health_server is not None:
         await health_server.start()
     for service in services:
-        watch = getattr(service, "watch_health", None)
-        if watch is not None:  # a HealthOwner
-            await watch(health_servicer)
+        if isinstance(service, HealthOwner):
+            await service.watch_health(health_servicer)
             continue
         for name in service.grpc_service_names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

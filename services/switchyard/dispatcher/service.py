@@ -39,6 +39,7 @@ from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
+from switchyard.common.server import Drains
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -208,7 +209,7 @@ def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
     )
 
 
-class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
+class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     """Serves ``agent.InferenceService``; implements :class:`switchyard.common.server.Service`.
 
     Args:

@@ -59,7 +59,7 @@ async def with_retries(
     def wait(state: RetryCallState) -> float:
         seconds = backoff(state)
         exc = state.outcome.exception() if state.outcome else None
-        asked = getattr(exc, "retry_after_s", None)
+        asked = exc.retry_after_s if isinstance(exc, GatewayError) else None
         if asked is not None and isinstance(exc, GatewayError):
             if asked > config.retry_after_max_s:
                 raise exc.with_note(

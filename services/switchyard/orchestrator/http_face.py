@@ -50,7 +50,8 @@ from switchyard import __version__
 from switchyard.api import agent_pb2
 from switchyard.common import http_telemetry, telemetry
 from switchyard.common.config import SwitchyardConfig, TlsConfig
-from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, status_for
+from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
+from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.orchestrator.http_models import (EXPECTED, TaskRequest, describe_error, message_dict,
                                                   openapi, status_json)
@@ -127,7 +128,7 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
         token = event.token
         return (f'event: token\ndata: {{"text":{json.dumps(token.text)},"index":{token.index},'
                 f'"count":{token.count}}}\n\n').encode()
-    return _sse(kind, message_dict(getattr(event, kind)))
+    return _sse(kind, message_dict(event)[kind])  # the set member of the oneof, as message_dict writes it
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
@@ -150,7 +151,7 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     return context
 
 
-class HttpFace:
+class HttpFace(Drains):
     """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
     started after it, drained and stopped before it).
 
@@ -308,7 +309,7 @@ class HttpFace:
             code, details = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("HTTP %s failed", make)
-            return _error(code, details, getattr(exc, "origin", "") or "orchestrator")
+            return _error(code, details, hop_of(exc, "orchestrator"))
 
     async def submit(self, request: web.Request) -> web.Response:
         async def call() -> web.Response:

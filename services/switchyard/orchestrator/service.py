@@ -28,12 +28,13 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import children
-from switchyard.common.auth import BearerAuthInterceptor, BearerTokens
+from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGuarded
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
+from switchyard.common.server import HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
@@ -111,7 +112,7 @@ class _Submitted:
         return agent_pb2.TaskStatus(task_id=task_id, state=self.state, timings=self.timings, tenant_id=self.tenant_id)
 
 
-class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
+class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:

@@ -126,10 +126,10 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     if len(request.task_id) > limits.max_task_id_chars:
         raise InvalidArgument("task_id", f"at most {limits.max_task_id_chars} characters (limits.max_task_id_chars)",
                               f"{len(request.task_id)} chars")
-    for name in ("agent_id", "model"):
-        if len(getattr(request, name)) > limits.max_id_chars:
+    for name, value in (("agent_id", request.agent_id), ("model", request.model)):
+        if len(value) > limits.max_id_chars:
             raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
-                                  f"{len(getattr(request, name))} chars")
+                                  f"{len(value)} chars")
     workflow = request.task_type or orch.default_task_type
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)

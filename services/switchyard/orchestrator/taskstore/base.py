@@ -22,7 +22,8 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Histogram
@@ -106,6 +107,10 @@ class TaskRecord:
     @property
     def finished(self) -> bool:
         return self.state in FINISHED
+
+    def fields(self) -> dict[str, Any]:
+        """Every stored field by name (``task_id`` first, then as declared): what a store writes."""
+        return asdict(self)
 
     def to_status(self) -> agent_pb2.TaskStatus:
         """GetTaskStatus's answer: state, result, error, compute_score_used, memory_peak_bytes, timings."""

@@ -147,8 +147,9 @@ class RedisTaskStore(TaskStore):
 
     async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
         fields: list[Any] = []
+        stored = record.fields()
         for name in _FIELDS:
-            value = getattr(record, name)
+            value = stored[name]
             fields += [name, "" if value is None else value]
         # The agent's set outlives its newest task: that task's own time limit is far below a retention.
         agent_ttl_ms = int(2 * self.config.retention_s * 1000)

@@ -114,7 +114,8 @@ class SqliteTaskStore(TaskStore):
 
     async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
         expired_before = record.created_at - self.config.retention_s
-        values = [getattr(record, c) for c in COLUMNS]
+        stored = record.fields()
+        values = [stored[c] for c in COLUMNS]
 
         def create(db: sqlite3.Connection) -> tuple[TaskRecord, bool]:
             # Insert, or take over a finished record past its retention that the purge has not removed yet.
