@@ -48,7 +48,7 @@ def build(db: RedisDb | None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
     engine = SimEngine(config)
     store = KvStore(DramClient(db.dram_config), config.memory.dram.kv_ttl_s) if db is not None else None
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=NoGpu())
     return make_scheduler(config, engine, monitor=monitor, tiers=tiers)
 

@@ -55,7 +55,7 @@ class FakeNvml:
 
 def build(engine: Any, store: KvStore | None, *, running: int | None = None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
     capacity = FixedSlots(running) if running is not None else None
     return make_scheduler(config, engine, monitor=monitor, capacity=capacity, tiers=tiers)
@@ -104,14 +104,14 @@ def test_value_score_orders_by_priority_frequency_recency_and_cost_per_byte() ->
 def test_swap_is_chosen_only_when_cheaper_than_prefill() -> None:
     engine = SimEngine(SwitchyardConfig())
     config = SwitchyardConfig()
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv)
     tokens = 1000
     nbytes = tokens * engine.params.kv_bytes_per_token
     # 524 MB at 50 GB/s: 10.5 ms + 0.5 ms each way, against 5 + 25 ms of prefill
     assert tiers.transfer_seconds(nbytes) == pytest.approx(nbytes / 50e9 + 0.0005)
     assert 2 * tiers.transfer_seconds(nbytes) < tiers.recompute_seconds(tokens)
     slow = SwitchyardConfig().with_overrides(**{"memory.dram.transfer_gb_per_s": 10.0}).memory
-    slow_tiers = MemoryTiers(slow, config.scheduler.priority_boost, engine)
+    slow_tiers = MemoryTiers(slow, config.scheduler.priority_boost, engine.kv)
     assert 2 * slow_tiers.transfer_seconds(nbytes) > slow_tiers.recompute_seconds(tokens)
 
 
@@ -242,7 +242,7 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
     store = kv_store(redis_db)
     cold = ColdStore(str(tmp_path / "cold"), config.memory.dram.key_prefix)
     engine = SimEngine(config)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store, cold)
     source = request("x", prompt_tokens=1000)
     source.num_computed_tokens = 1000
     record = export_modelled_kv(source, 524_288)

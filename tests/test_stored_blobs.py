@@ -84,7 +84,7 @@ def kv_store(db: RedisDb, **dram: Any) -> KvStore:
 
 def tiers_for(engine: BigKvEngine, store: KvStore | None, cold: ColdStore | None) -> MemoryTiers:
     config = SwitchyardConfig()
-    return MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
+    return MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store, cold)
 
 
 def running_request(rid: str, key: str, tokens: int = 1000) -> Request:

@@ -171,7 +171,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
     counters' increase."""
     engine = AgentSimEngine(config.sim)
     store = kv_store(dram)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, monitor=monitor, tiers=tiers)
     master = random.Random(args.seed)

@@ -267,7 +267,7 @@ async def _simulate(
 ) -> RunResult:
     engine = VirtualSimEngine(config.sim)
     store = kv_store(dram)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     # Every task of the trace is accepted (the benchmark measures scheduling, not refusal).
     config = config.with_overrides(**{"queues.inference.capacity": 1_000_000,
                                       "queues.inference.timeout_ms": 3_600_000})

@@ -3,10 +3,13 @@
 A :class:`Request` is created by the service when a Generate arrives, handed to
 the scheduler (its double buffer, then its waiting set), admitted (and maybe
 preempted and resumed) by the scheduling policy, and stepped by the engine.
-The engine writes generated tokens into it; every visible token, tool call and
-the request's end also go to its :class:`~switchyard.dispatcher.output.OutputStream`
-(``request.output``), which the Generate handler streams to its caller. The
-scheduler and the engines see request state only; the handler reads the stream.
+The engine reads it and returns what a step produced
+(:class:`~switchyard.dispatcher.engines.base.StepResult`); the scheduler alone
+writes that into the request (``update_from_output``: tokens, computed prefix,
+the one stop check, its :class:`RequestStatus`) and hands back a
+:class:`RequestOutput` per request; the step loop pushes those to the
+request's :class:`~switchyard.dispatcher.output.OutputStream` (``request.output``),
+which the Generate handler streams to its caller.
 
 Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
 prefix whose KV state is held by the engine. After any step it equals
@@ -21,6 +24,7 @@ never repeats or loses a token.
 
 from __future__ import annotations
 
+import enum
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,6 +38,49 @@ from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
 """finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in the dispatcher; every value from ``PARKED`` on is finished (after vLLM's
+    ``vllm/v1/request.py`` ``RequestStatus``: ordered, ``is_finished`` a comparison).
+
+    Written by the scheduler only. ``BUFFERED``: in the double buffer; ``WAITING``: in the waiting
+    queue (never admitted, or preempted); ``RUNNING``: in the running set; ``PREEMPTING``: preempted
+    while a step it belongs to is in flight (its KV leaves when that step ends); ``PARKED``: a
+    react_loop agent's step that ended in tool calls, its prefix KV kept warm (finished for its caller,
+    reason ``tool_calls``). The ``FINISHED_*`` values name the finish reason (:data:`FINISH_REASONS`);
+    ``FINISHED_ERROR`` ended with ``Request.error`` (no finish reason).
+    """
+
+    NEW = 0
+    BUFFERED = 1
+    WAITING = 2
+    RUNNING = 3
+    PREEMPTING = 4
+    PARKED = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH_CAPPED = 7
+    FINISHED_TOOL_CALLS = 8
+    FINISHED_ABORTED = 9
+    FINISHED_ERROR = 10
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.PARKED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        """The finish reason of a finished status (None: unfinished, or ended with an error)."""
+        return _FINISH_REASON.get(status)
+
+
+_FINISH_REASON = {
+    RequestStatus.PARKED: "tool_calls",
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_TOOL_CALLS: "tool_calls",
+    RequestStatus.FINISHED_ABORTED: "cancelled",
+}
 
 _WORD_PIECE = re.compile(r"\s*\S+|\s+$")
 
@@ -83,10 +130,11 @@ class ToolCall:
 class Request:
     """One Generate request: its input, scheduling state, generated output and accounting.
 
-    It owns its :class:`~switchyard.dispatcher.output.OutputStream` (``output``):
-    :meth:`append_token`, :meth:`add_tool_call`, :meth:`finish` and :meth:`fail`
-    record on the request and push to the stream in one call, so what the
-    caller receives always agrees with the request's state.
+    It carries its :class:`~switchyard.dispatcher.output.OutputStream` (``output``),
+    written only by the step loop from the scheduler's :class:`RequestOutput`s,
+    so what the caller receives always agrees with the request's state.
+    Its accounting (attained service included: ``num_prefilled_tokens``,
+    ``num_output_tokens``) is recorded here by the scheduler, not in side tables.
     Identity is the object (``eq=False``), so requests can sit in sets and dicts.
     Times are ``time.monotonic()`` seconds; ``None`` until the event happens.
     """
@@ -114,12 +162,14 @@ class Request:
     output_tokens: list[str] = field(default_factory=list)
     """Every generated token text, streamed or not (tool-call arguments are not streamed as text)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
+    error: BaseException | None = field(default=None, repr=False)
+    """Why it ended with ``FINISHED_ERROR`` (raised to the Generate caller)."""
 
     # --- engine / scheduler state
-    state: str = "new"
-    """Where the scheduler holds it: new, buffered, waiting, running, parked or finished
-    (:data:`switchyard.dispatcher.scheduler.core.STATES`); written by the scheduler only."""
+    status: RequestStatus = RequestStatus.NEW
+    """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only."""
+    num_prefilled_tokens: int = 0
+    """Prompt (and recomputed) tokens the engine computed for it: with the output tokens, its attained service."""
     reached_engine: bool = False
     """Admitted at least once: it left the inference queue (its queue wait is over)."""
     kv_reserved_bytes: int = 0
@@ -165,7 +215,6 @@ class Request:
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""
     usage_completion_tokens: int | None = None
 
-    cancelled: bool = False
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""
     output: OutputStream = field(default_factory=OutputStream, repr=False)
@@ -208,7 +257,13 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """stop, length, tool_calls or cancelled once finished (:class:`RequestStatus`); None otherwise
+        and after an error."""
+        return RequestStatus.finish_reason(self.status)
 
     @property
     def needs_prefill(self) -> bool:
@@ -225,54 +280,11 @@ class Request:
     def usage_prompt(self) -> int:
         return self.usage_prompt_tokens if self.usage_prompt_tokens is not None else self.prompt_tokens
 
-    # ------------------------------------------------------------------ written by engines
-
-    def append_token(self, text: str, *, visible: bool = True) -> None:
-        """Record one generated token and, when ``visible``, stream it.
-
-        Invisible tokens (tool-call arguments being generated) count in usage
-        and in the KV prefix but are not sent as text chunks.
-        """
-        now = time.monotonic()
-        index = len(self.output_tokens)
-        self.output_tokens.append(text)
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.last_token_at = now
-        if visible:
-            self.output.token(text, index)
-
-    def add_tool_call(self, call: ToolCall) -> None:
-        """Record and stream one tool call."""
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        self.tool_calls.append(call)
-        self.output.tool_call(call)
-
-    def finish(self, reason: str) -> None:
-        """Mark it finished (stop, length, tool_calls, cancelled) and close its stream. Idempotent.
-
-        Raises:
-            ValueError: ``reason`` is not one of :data:`FINISH_REASONS`.
-        """
-        if self.finish_reason is not None:
-            return
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {reason!r}")
-        self.finish_reason = reason
-        self.output.done(reason)
-
-    def fail(self, error: BaseException) -> None:
-        """End its stream with ``error`` (raised to the Generate caller). Idempotent with finish."""
-        if self.finish_reason is not None:
-            return
-        self.finish_reason = "error"
-        self.output.error(error)
-
-    # ------------------------------------------------------------------ written by the engine loop
+    # ------------------------------------------------------------------ written by the scheduler
 
     def mark_preempted(self, now: float | None = None) -> None:
-        """The policy took its slot: KV state is dropped, tokens already streamed are kept."""
+        """The policy took its slot: KV state is dropped, tokens already streamed are kept (an event on
+        its span)."""
         self.preemptions += 1
         self.num_computed_tokens = 0
         self.preempted_at = time.monotonic() if now is None else now
@@ -289,6 +301,30 @@ class Request:
 
 
 @dataclass
+class RequestOutput:
+    """What one request produced since the scheduler last reported on it: the step loop pushes it to
+    ``req.output`` (visible tokens with their index, tool calls, then its end when ``finished``)."""
+
+    req: Request
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finished: bool = False
+
+    def publish(self) -> None:
+        """Push to the request's output stream: tokens, tool calls, then ``done`` or ``error``."""
+        out = self.req.output
+        for text, index in self.tokens:
+            out.token(text, index)
+        for call in self.tool_calls:
+            out.tool_call(call)
+        if self.finished:
+            if self.req.error is not None:
+                out.error(self.req.error)
+            else:
+                out.done(self.req.finish_reason or "stop")
+
+
+@dataclass
 class SchedulerOutput:
     """What the scheduling policy decided at one step boundary.
 
@@ -301,6 +337,8 @@ class SchedulerOutput:
     before their first admission; they have failed with DEADLINE_EXCEEDED.
     ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
+    ``outputs``: requests that ended in this decision (expired, past their
+    deadline): the step loop publishes them.
     """
 
     admitted: list[Request] = field(default_factory=list)
@@ -308,6 +346,7 @@ class SchedulerOutput:
     running: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
     restore: list[Request] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 def request_links(reqs: "list[Request]") -> list[trace.Link]:

@@ -231,10 +231,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer):
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
         store = (KvStore(DramClient(dram), dram.kv_ttl_s)
-                 if self.stepping and dram.kv_swap and hasattr(self.engine, "export_kv") else None)
+                 if self.stepping and dram.kv_swap and self.engine.kv.can_export() else None)
         oss = config.memory.oss
         cold = ColdStore(oss.path, dram.key_prefix, oss.storage_options) if store is not None else None  # [oss]
-        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
+        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine.kv, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
             config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers
         )

@@ -3,7 +3,9 @@
 Shape after vLLM's scheduler (``add_request`` / ``schedule`` /
 ``finish_requests``) and Triton's dynamic batcher, which alone owns the queue
 bound, the queue timeout, priorities and the batching delay. Every request the
-dispatcher holds is in exactly one place, recorded in ``req.state``:
+dispatcher holds is in exactly one place, recorded in ``req.status``
+(:class:`~switchyard.dispatcher.request.RequestStatus`), and every request it
+holds unfinished is in its registry by id (:meth:`SchedulerCore.finish_requests`):
 
 ``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
 policy) -> ``running`` (the engine's running set) -> ``finished``; a running
@@ -22,8 +24,14 @@ This class is the only place that
   ``timeout_s`` or gRPC deadline), waiting or running, on every engine:
   DEADLINE_EXCEEDED, its place and KV freed (:meth:`SchedulerCore.expire_deadlines`,
   called at every decision and by the step loop after every step);
-- releases KV state (``engine.release``): on finish, preemption, parking
-  expiry and agent hand-over;
+- writes what the engine produced into its requests and ends them, for every
+  engine (:meth:`SchedulerCore.update_from_output`: the one stop check,
+  :func:`.update.check_stop`); every request that ends is handed back as a
+  :class:`~switchyard.dispatcher.request.RequestOutput` for the step loop to
+  publish;
+- frees KV state (``kv.free``, the engine's
+  :class:`~switchyard.dispatcher.engines.base.KVCacheManager`): on finish,
+  preemption, parking expiry and agent hand-over;
 - moves KV state between memory tiers (:mod:`switchyard.dispatcher.tiers`):
   a preempted request or an evicted parked agent goes to the DRAM tier when
   swapping is cheaper than recomputing, and comes back at admission
@@ -90,10 +98,12 @@ from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
 from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, class_rank, should_park
-from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
+from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded
+from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
-from switchyard.dispatcher.request import Request, SchedulerOutput, request_links
+from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput, request_links
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
@@ -104,8 +114,10 @@ tracer = telemetry.get_tracer(__name__)
 FRAGMENTATION_INTERVAL_S = 1.0
 """The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
 
-STATES = ("new", "buffered", "waiting", "running", "preempting", "parked", "finished")
-"""Values of ``Request.state``."""
+RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
+PREEMPTING = RequestStatus.PREEMPTING
+PARKED = RequestStatus.PARKED
 
 
 class DispatcherClosed(SwitchyardError):
@@ -121,8 +133,8 @@ class SchedulerCore:
     Args:
         config: the whole config (``scheduler``, ``queues.inference``,
             ``batching``, ``memory.hbm``).
-        engine: the engine; a step engine's ``kv_bytes``, ``release``,
-            ``memory_info`` and ``busy_seconds`` are used when present.
+        engine: the engine (its ``kv``, the :class:`KVCacheManager` this scheduler owns); None: one
+            without KV memory.
         monitor: compute-score source; default a :class:`ComputeScoreMonitor`
             reading NVML, falling back to the engine's own activity.
         capacity: the running set's limit; default :class:`KvBudget` from the
@@ -147,17 +159,21 @@ class SchedulerCore:
     ) -> None:
         self.config = config.scheduler
         self.memory = config.memory
-        self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
         self.queue_config = config.queues.inference
         self.engine = engine
+        self.kv: KVCacheManager = engine.kv if engine is not None else NullKVCacheManager()
+        self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
+        self._requests: dict[str, Request] = {}
+        """The registry: every request accepted and not finished, by id."""
+        self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
         self.admission = Admission(self.config)
         self.accounting = Accounting(self._kv_bytes)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked)
         if capacity is None:
-            info = memory_info(engine)
+            info = self.kv.memory_info()
             capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
-                                 getattr(engine, "device_used_bytes", None)) if info else Unbounded())
+                                 self.kv.device_used_bytes) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
         if flush_interval_s is None:
@@ -275,8 +291,11 @@ class SchedulerCore:
         if why is not None:
             tier_metrics.OOM_AVOIDED.inc()
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
+        if req.request_id in self._requests:
+            raise InvalidArgument("request_id", "an id no request in flight has", req.request_id)
+        self._requests[req.request_id] = req
         req.enqueued_at = now
-        req.state = "buffered"
+        req.status = RequestStatus.BUFFERED
         self._queued += 1
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
         if req.deadline is not None:
@@ -381,10 +400,11 @@ class SchedulerCore:
         for req in out.admitted:
             self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
+        out.outputs = self._drain()
         self._publish()
         return out
 
-    def admit_core(self, now: float) -> list[Request]:
+    def admit_core(self, now: float) -> SchedulerOutput:
         """Admit core work while the engine runs a step, preempting for it when it must: the layer-boundary path.
 
         The step loop calls it when a core request arrives during a step
@@ -409,9 +429,9 @@ class SchedulerCore:
         admitted here, and it preempts nothing).
 
         Returns:
-            the requests admitted, in admission order; each needs its prefill
-            (the step loop asks the engine for it at a layer boundary). Empty
-            when none fits.
+            ``admitted``: the requests admitted, in admission order; each needs
+            its prefill (the step loop asks the engine for it at a layer
+            boundary), empty when none fits; ``outputs``: requests that ended.
         """
         out = SchedulerOutput()
         taken = self.intake.take(lambda req: req.priority_class is PriorityClass.CORE)
@@ -435,7 +455,8 @@ class SchedulerCore:
             self.accounting.start(req, now, self.score, len(out.admitted))
         if out.admitted or out.expired:
             self._publish()
-        return out.admitted
+        out.outputs = self._drain()
+        return out
 
     def _preempt_mid_step(self, req: Request, now: float, out: SchedulerOutput) -> bool:
         """Make ``req`` fit while a step is in flight by preempting the fewest of the policy's victims; True
@@ -462,7 +483,7 @@ class SchedulerCore:
         for victim in chosen:
             held = self._kv_bytes(victim)
             self._stop(victim, now)
-            victim.state = "preempting"
+            victim.status = PREEMPTING
             if budget:
                 self._leaving[victim] = held
                 self.capacity.hold(held)  # type: ignore[union-attr]
@@ -482,11 +503,6 @@ class SchedulerCore:
         for victim, held in leaving.items():
             if isinstance(self.capacity, KvBudget):
                 self.capacity.end_hold(held)
-            if victim.is_finished:
-                victim.state = "running"  # finished in its last step: ends as a running request does
-                self._running.append(victim)
-                self.finish(victim, now)
-                continue
             self._evict_running(victim, now, out)
 
     def expire_deadlines(self, now: float) -> list[Request]:
@@ -517,8 +533,8 @@ class SchedulerCore:
         for req in expired:
             where = (f"after {len(req.output_tokens)} tokens" if req.output_tokens
                      else "waiting for admission" if not req.reached_engine else "before its first token")
-            req.fail(RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
-            self.finish(req, now)
+            self._end(req, now, RequestStatus.FINISHED_ERROR,
+                      RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
             metrics.DEADLINES_EXCEEDED.labels(class_name(req)).inc()
         return expired
 
@@ -547,10 +563,9 @@ class SchedulerCore:
         """
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
         tier_metrics.SCANS.labels("hbm").inc()
-        usage = getattr(self.capacity, "usage_ratio", None)
         limit = self.memory.hbm.emergency_evict_ratio
-        if callable(usage) and (ratio := usage()) >= limit:
-            budget: KvBudget = self.capacity  # type: ignore[assignment]
+        if isinstance(self.capacity, KvBudget) and (ratio := self.capacity.usage_ratio()) >= limit:
+            budget = self.capacity
             excess = int((ratio - limit) * budget.info.device_bytes) + 1
             log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting %d bytes of the lowest-value KV state",
                         ratio, limit, excess)
@@ -559,29 +574,28 @@ class SchedulerCore:
                 held = budget.held_bytes
                 self.parking.evict_lowest(lambda entry: self._parked_value(entry, now))
                 freed += held - budget.held_bytes
-            evict = getattr(self.engine, "evict_prefix_cache", None)
-            if callable(evict) and freed < excess:
-                freed += int(evict(excess - freed))
+            if freed < excess:
+                freed += self.kv.evict_prefix_cache(excess - freed)
             while freed < excess:
                 victim = self._lowest_value_running(now, out)
                 if victim is None:
                     break
                 freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
-        compact = getattr(self.engine, "compact_kv", None)
-        if callable(compact) and self.score < self.memory.hbm.defrag_trigger_score:
-            freed = int(compact())
+        if self.score < self.memory.hbm.defrag_trigger_score:
+            freed = self.kv.compact()
             tier_metrics.DEFRAGMENTATIONS.inc()
             tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
 
-    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> list[Request]:
+    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> SchedulerOutput:
         """An engine step over ``reqs`` failed with a real out-of-memory error: keep the process and the tasks.
 
         Each running member is preempted (its KV dropped, not swapped: a failed
         step may have left it half written; it waits again and recomputes) and
-        the HBM scan runs at once. A request whose step fails
+        the HBM scan runs at once. A request whose
+        step fails
         this way a second time fails with RESOURCE_EXHAUSTED. Returns the
-        requests failed.
+        preempted requests, those failed (``expired``) and their outputs.
         """
         tier_metrics.OOM.inc()
         log.warning("engine step of %d requests ran out of device memory (%s); preempting them and evicting",
@@ -589,11 +603,11 @@ class SchedulerCore:
         out = SchedulerOutput()
         failed = []
         for req in reqs:
-            if req.state != "running" or req.is_finished:
+            if req.status is not RUNNING:
                 continue
             req.oom_retries += 1
             if req.oom_retries > 1:
-                req.fail(SwitchyardError(
+                self._end(req, now, RequestStatus.FINISHED_ERROR, SwitchyardError(
                     f"device memory ran out twice in this request's engine steps ({error}); the HBM budget "
                     "(memory_policy.toml [hbm] capacity_ratio) is larger than what the device has free",
                     grpc.StatusCode.RESOURCE_EXHAUSTED))
@@ -601,31 +615,86 @@ class SchedulerCore:
                 continue
             self._preempt_one(req, now, out, swap=False)
         self.hbm_scan(now, out)
-        return failed
+        out.expired = failed
+        out.outputs = self._drain()
+        return out
 
-    def finish(self, req: Request, now: float) -> None:
-        """``req`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
+    def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
+        """Write an engine step's ``result`` into ``batch``'s requests and end those it finished.
 
-        A react_loop agent's step that ended in a tool call is parked instead
-        (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
-        warm; anything else has its KV released.
+        For every engine (a stream engine's items come as one-request results): tokens, tool calls and the
+        computed prefix are written (:func:`.update.apply_output`), then the one stop check
+        (:func:`.update.check_stop`: end-of-sequence -> stop or tool_calls, ``max_tokens`` or the engine's
+        length limit -> length) ends a request, freeing its place and KV or parking its agent
+        (``react_loop``, tool_calls). A request the engine failed ends with its error. Requests past
+        their own deadline end too (:meth:`expire_deadlines`, so a deadline is answered within one step).
+
+        Returns:
+            one output per request that produced something or ended, in ``batch`` order; the step loop
+            publishes them.
         """
-        state = req.state
-        if state == "parked":  # the agent went away while waiting on its tool
+        prefilled = {id(req) for req, _ in batch.prefill}
+        for req in batch.requests:
+            seq = result.outputs.get(req.request_id)
+            if seq is None or req.status not in (RUNNING, PREEMPTING):
+                continue
+            out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,
+                                       kv_bytes=self.kv.kv_bytes(req))
+            if status is not None:
+                self._end(req, now, status, req.error, out)
+            elif out.tokens or out.tool_calls:
+                self._outbox.append(out)
+        self.expire_deadlines(now)
+        return self._drain()
+
+    def compose_batch(self, prefill: list[Request], decode: list[Request], budget: int | None = None) -> StepBatch:
+        """One engine step over ``prefill`` and ``decode`` (:func:`.update.compose_batch`: prefix-cache hits,
+        then the prompt tokens each prefill computes, chunked under ``budget`` when given)."""
+        return compose_batch(self.kv, prefill, decode, budget)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, now: float,
+                        error: BaseException | None = None) -> list[RequestOutput]:
+        """End the requests held under ``request_ids`` with ``status`` (``FINISHED_ABORTED``: the caller
+        went away; ``FINISHED_ERROR`` with ``error``), wherever they are: free their place and KV.
+        Unknown or finished ids are skipped (idempotent). Returns their outputs."""
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is not None:
+                self._end(req, now, status, error)
+        return self._drain()
+
+    def _drain(self) -> list[RequestOutput]:
+        outputs, self._outbox = self._outbox, []
+        return outputs
+
+    def _end(self, req: Request, now: float, status: RequestStatus, error: BaseException | None = None,
+             out: RequestOutput | None = None) -> None:
+        """``req`` ends with ``status`` wherever it is: free what it holds, queue its output. Idempotent.
+
+        A react_loop agent's step that ended in tool calls is parked instead
+        (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
+        warm; anything else has its KV freed.
+        """
+        state = req.status
+        if state is PARKED:  # the agent went away while waiting on its tool
             self.parking.drop(req)
             return
-        if state in ("finished", "new"):
+        if state is RequestStatus.NEW or req.is_finished:
             return
-        if state == "running":
+        req.status = status
+        if error is not None:
+            req.error = error
+        self._requests.pop(req.request_id, None)
+        if state is RUNNING:
             self._stop(req, now)
             self._learn(req)
-        elif state == "preempting":  # out of the running set already; its KV held until now
+        elif state is PREEMPTING:  # out of the running set already; its KV held until now
             held = self._leaving.pop(req, 0)
             if isinstance(self.capacity, KvBudget):
                 self.capacity.end_hold(held)
-        elif state == "waiting":
+        elif state is WAITING:
             self._remove_waiting(req)
-        elif state == "buffered":
+        elif state is RequestStatus.BUFFERED:
             self._remove_buffered(req)
         if not req.reached_engine:
             self._leave_queue(req)
@@ -639,35 +708,20 @@ class SchedulerCore:
             tier_metrics.RECOMPUTED_TOKENS.inc(req.recomputed_tokens)
         if req.restored_tokens:
             tier_metrics.RESTORED_TOKENS.inc(req.restored_tokens)
-        if state == "running" and should_park(req):
-            req.state = "parked"
+        if state is RUNNING and should_park(req):
+            req.status = PARKED
             self.parking.park(req, now)
-        else:
-            req.state = "finished"
-            if state in ("running", "preempting"):
-                self._release(req)
+        elif state in (RUNNING, PREEMPTING):
+            self._release(req)
+        out = out or RequestOutput(req)
+        out.finished = True
+        self._outbox.append(out)
         self._publish()
-
-    def abort(self, req: Request, now: float) -> None:
-        """The caller went away: end ``req`` (``cancelled``) and free its place and KV. Idempotent."""
-        req.cancelled = True
-        req.finish("cancelled")
-        self.finish(req, now)
-
-    def park(self, req: Request, now: float) -> None:
-        """Compatibility with the Scheduler protocol: ``finish`` parks whatever should be parked."""
-        self.finish(req, now)
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
         req.resume = True
         self.add_request(req, now)
-        self.flush(FlushReason.STEP, now)
-
-    def add(self, reqs: list[Request], now: float) -> None:
-        """Accept ``reqs`` and flush them into the waiting set at once (tests and the scheduling benchmark)."""
-        for req in reqs:
-            self.add_request(req, now)
         self.flush(FlushReason.STEP, now)
 
     def shutdown(self) -> None:
@@ -730,7 +784,7 @@ class SchedulerCore:
         return self.queue_config.timeout_ms / 1000
 
     def _enqueue(self, req: Request, now: float) -> None:
-        req.state = "waiting"
+        req.status = WAITING
         key = (*self._order_key(req, now), float(next(self._counter)))
         bisect.insort(self._waiting, (key, req), key=lambda entry: entry[0])
 
@@ -746,8 +800,7 @@ class SchedulerCore:
 
     def _held_outside_running(self) -> int:
         """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
-        cached = getattr(self.engine, "prefix_cache_bytes", None)
-        return self.parking.kv_bytes + (int(cached()) if callable(cached) else 0)
+        return self.parking.kv_bytes + self.kv.prefix_cache_bytes()
 
     def _make_room(self, req: Request) -> bool:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
@@ -769,9 +822,8 @@ class SchedulerCore:
             below = self.memory.hbm.evict_threshold
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value, below=below) is not None:
                 pass
-            evict = getattr(self.engine, "evict_prefix_cache", None)
-            if callable(evict) and (short := self._shortfall(req)) > 0:
-                evict(short)
+            if (short := self._shortfall(req)) > 0:
+                self.kv.evict_prefix_cache(short)
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value) is not None:
                 pass
         finally:
@@ -854,7 +906,7 @@ class SchedulerCore:
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
         req.admitted_at = now
-        req.state = "running"
+        req.status = RUNNING
         self._running.append(req)
         self.capacity.take(req)
         if not req.reached_engine:
@@ -865,10 +917,11 @@ class SchedulerCore:
         else:  # a request that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
         parked = self._handover.get(req)
-        share = getattr(self.engine, "share_prefix", None)
-        if parked is not None and callable(share):  # an engine whose requests hold their own caches
-            shared = int(share(parked, req))
-            if shared:  # else the engine recomputes the prefix, and counts it
+        if parked is not None:  # its agent's parked step holds the warm prefix: take it over
+            shared = self.kv.share_prefix(parked, req)
+            if shared != req.num_computed_tokens:  # an engine whose requests hold their own caches
+                if not shared:  # nothing copied: the prefix is recomputed
+                    req.recomputed_tokens += min(req.num_computed_tokens, req.prompt_tokens)
                 req.num_computed_tokens = shared
         self._end_handover(req)
         out.admitted.append(req)
@@ -912,9 +965,11 @@ class SchedulerCore:
                 keep.append(entry)
             elif now - req.arrival > deadline:
                 QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
-                req.fail(QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
-                                           "admission to the engine"))
-                req.state = "finished"
+                req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
+                                              "admission to the engine")
+                req.status = RequestStatus.FINISHED_ERROR
+                self._requests.pop(req.request_id, None)
+                self._outbox.append(RequestOutput(req, finished=True))
                 self._leave_queue(req)
                 self._end_handover(req)
                 self._batch_member_done(req, now)
@@ -988,7 +1043,6 @@ class SchedulerCore:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
         parked = self._handover.pop(req, None)
         if parked is not None:
-            parked.state = "finished"
             self._release(parked)
 
     def _learn(self, req: Request) -> None:
@@ -999,13 +1053,14 @@ class SchedulerCore:
         metrics.TASK_MEMORY_PEAK_BYTES.observe(req.memory_peak_bytes)
 
     def _kv_bytes(self, req: Request) -> int:
-        kv_bytes = getattr(self.engine, "kv_bytes", None)
-        return int(kv_bytes(req)) if callable(kv_bytes) else 0
+        return self.kv.kv_bytes(req)
 
     def _release(self, req: Request) -> None:
-        release = getattr(self.engine, "release", None)
-        if callable(release):
-            release(req)
+        """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""
+        if req.status is PARKED:
+            req.status = RequestStatus.FINISHED_TOOL_CALLS
+        self.kv.free(req)
+        req.num_computed_tokens = 0
 
     def _publish(self) -> None:
         running = dict.fromkeys(CLASS_ORDER, 0)

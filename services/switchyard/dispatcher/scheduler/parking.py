@@ -139,7 +139,7 @@ class ParkedAgents:
             return False
         del self._parked[req.agent_id]
         self._release(req)
-        req.state = "finished"
+
         self._publish()
         return True
 
@@ -157,7 +157,7 @@ class ParkedAgents:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req)
         self._release(entry.req)
-        entry.req.state = "finished"
+
         if evicted:
             metrics.PARKED_EVICTED.inc()
         else:
