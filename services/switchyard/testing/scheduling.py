@@ -39,3 +39,27 @@ class FixedSlots:
 
     def give(self, req: Any) -> None:
         self.running -= 1
+
+
+async def step(sched: Any, engine: Any, prefill: list[Any] = (), decode: list[Any] = (),  # type: ignore[assignment]
+               now: float = 0.0) -> list[Any]:
+    """One engine step the way the step loop runs it: ``sched.compose_batch`` -> ``engine.execute_model``
+    -> ``sched.update_from_output`` at ``now``; the outputs are published to the requests' streams and
+    returned."""
+    batch = sched.compose_batch(list(prefill), list(decode))
+    result = await engine.execute_model(batch)
+    outputs = sched.update_from_output(batch, result, now)
+    for out in outputs:
+        out.publish()
+    return outputs
+
+
+def finish(sched: Any, req: Any, now: float, status: Any = None) -> list[Any]:
+    """End ``req`` with ``status`` (default ``FINISHED_STOPPED``) through ``sched.finish_requests``; the
+    outputs are published and returned."""
+    from switchyard.dispatcher.request import RequestStatus
+
+    outputs = sched.finish_requests([req.request_id], status or RequestStatus.FINISHED_STOPPED, now)
+    for out in outputs:
+        out.publish()
+    return outputs

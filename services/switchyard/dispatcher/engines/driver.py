@@ -72,14 +72,24 @@ class EngineDriver:
             seq = result.outputs.get(req.request_id)
             if seq is None or req.is_finished:
                 continue
-            out = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,
-                               kv_bytes=self.engine.kv.kv_bytes(req))
-            if out.finished:
+            out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,
+                                       kv=self.engine.kv)
+            if status is not None:
+                req.status = status
+                out.finished = True
                 self.engine.kv.free(req)
+                req.num_computed_tokens = 0
             if self.publish:
                 out.publish()
             outputs.append(out)
         return outputs
+
+    def preempt(self, req: Request) -> None:
+        """What the scheduler does to a preempted request: its KV is freed, its streamed tokens kept
+        (its next prefill recomputes the prefix)."""
+        req.mark_preempted()
+        self.engine.kv.free(req)
+        req.num_computed_tokens = 0
 
     def end(self, reqs: list[Request], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish every member of ``reqs`` still unfinished with ``status`` and free its KV."""

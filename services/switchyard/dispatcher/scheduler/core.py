@@ -97,7 +97,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
-from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, class_rank, should_park
+from switchyard.dispatcher.scheduler.base import CLASS_ORDER, SchedulerStats, class_name, class_rank, should_park
 from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
@@ -639,7 +639,7 @@ class SchedulerCore:
             if seq is None or req.status not in (RUNNING, PREEMPTING):
                 continue
             out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,
-                                       kv_bytes=self.kv.kv_bytes(req))
+                                       kv=self.kv)
             if status is not None:
                 self._end(req, now, status, req.error, out)
             elif out.tokens or out.tool_calls:
@@ -1062,20 +1062,28 @@ class SchedulerCore:
         self.kv.free(req)
         req.num_computed_tokens = 0
 
-    def _publish(self) -> None:
-        running = dict.fromkeys(CLASS_ORDER, 0)
-        waiting = dict.fromkeys(CLASS_ORDER, 0)
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state now (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`)."""
+        stats = SchedulerStats(num_running=len(self._running), num_waiting=self.num_waiting,
+                               num_queued=self._queued, parked=len(self.parking.requests),
+                               parked_kv_bytes=self.parking.kv_bytes, compute_score=self.score)
         for s in self._running:
-            running[class_name(s)] += 1
+            stats.running[class_name(s)] += 1
         for _, s in self._waiting:
-            waiting[class_name(s)] += 1
-        for name in CLASS_ORDER:
-            metrics.RUNNING_AGENTS.labels(name).set(running[name])
-            metrics.WAITING_AGENTS.labels(name).set(waiting[name])
-        dispatcher_metrics.RUNNING_SEQUENCES.set(len(self._running))
-        dispatcher_metrics.WAITING_SEQUENCES.set(self.num_waiting)
+            stats.waiting[class_name(s)] += 1
         if isinstance(self.capacity, KvBudget):
-            tier_metrics.TIER_BYTES.labels("hbm").set(self.capacity.held_bytes)
+            stats.hbm_held_bytes = self.capacity.held_bytes
+        return stats
+
+    def _publish(self) -> None:
+        stats = self.make_stats()
+        for name in CLASS_ORDER:
+            metrics.RUNNING_AGENTS.labels(name).set(stats.running[name])
+            metrics.WAITING_AGENTS.labels(name).set(stats.waiting[name])
+        dispatcher_metrics.RUNNING_SEQUENCES.set(stats.num_running)
+        dispatcher_metrics.WAITING_SEQUENCES.set(stats.num_waiting)
+        if stats.hbm_held_bytes is not None:
+            tier_metrics.TIER_BYTES.labels("hbm").set(stats.hbm_held_bytes)
 
     def fragmentation_ratio(self) -> float:
         """Share of the KV block pool's allocated bytes holding no token state, 0-1.

@@ -31,14 +31,15 @@ def check_stop(req: Request, seq: SeqOutput) -> RequestStatus | None:
 
 
 def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
-                 kv_bytes: int = 0) -> tuple[RequestOutput, RequestStatus | None]:
+                 kv: KVCacheManager | None = None) -> tuple[RequestOutput, RequestStatus | None]:
     """Write ``seq`` into ``req``; returns its output (visible tokens with their index, tool calls) and
     the finished status it reached (None: it goes on; ``FINISHED_ERROR`` with ``req.error`` set).
 
     ``prefilled``: ``req`` was a prefill of the step. A prefill of a request that has output and no KV
     (a recompute after preemption) counts ``num_tokens - 1`` in ``recomputed_tokens``; every prefill
     counts the prompt tokens it computed in ``num_prefilled_tokens`` (attained service, with
-    ``num_output_tokens``). ``now``: monotonic seconds (token times). ``kv_bytes``: KV held now (the peak).
+    ``num_output_tokens``). ``now``: monotonic seconds (token times). ``kv``: the engine's KV manager (the KV held after the
+    step: ``memory_peak_bytes``).
     """
     out = RequestOutput(req)
     if seq.error is not None:
@@ -70,8 +71,8 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
             req.first_token_at = now
         req.tool_calls.extend(seq.tool_calls)
         out.tool_calls.extend(seq.tool_calls)
-    if kv_bytes > req.memory_peak_bytes:
-        req.memory_peak_bytes = kv_bytes
+    if kv is not None:
+        req.observe_kv_bytes(kv.kv_bytes(req))
     return out, check_stop(req, seq)
 
 
