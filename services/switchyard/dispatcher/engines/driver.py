@@ -16,7 +16,8 @@ from switchyard.dispatcher.scheduler.update import apply_output
 
 
 class EngineDriver:
-    """Runs ``engine`` step by step over requests it treats as running.
+    """Runs ``engine`` step by step over requests it treats as running; their KV is freed by :meth:`preempt`
+    and :meth:`end` only.
 
     Args:
         engine: the step engine.
@@ -64,7 +65,8 @@ class EngineDriver:
         return result
 
     def apply(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
-        """Write ``result`` into ``batch``'s requests (finished ones freed in the engine's KV)."""
+        """Write ``result`` into ``batch``'s requests (the one stop check ends them); a finished request's KV
+        stays held until :meth:`end`, so a test can read it."""
         now = time.monotonic()
         outputs = []
         prefilled = {id(req) for req, _ in batch.prefill}
@@ -77,8 +79,6 @@ class EngineDriver:
             if status is not None:
                 req.status = status
                 out.finished = True
-                self.engine.kv.free(req)
-                req.num_computed_tokens = 0
             if self.publish:
                 out.publish()
             outputs.append(out)
