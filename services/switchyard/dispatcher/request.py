@@ -73,6 +73,12 @@ class RequestStatus(enum.IntEnum):
         """The finish reason of a finished status (None: unfinished, or ended with an error)."""
         return _FINISH_REASON.get(status)
 
+    @staticmethod
+    def finished_with(reason: str) -> "RequestStatus":
+        """The finished status of an engine-reported finish reason: stop, length or tool_calls (any other:
+        stop)."""
+        return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
+
 
 _FINISH_REASON = {
     RequestStatus.PARKED: "tool_calls",
@@ -80,6 +86,12 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_TOOL_CALLS: "tool_calls",
     RequestStatus.FINISHED_ABORTED: "cancelled",
+}
+
+_STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
 }
 
 _WORD_PIECE = re.compile(r"\s*\S+|\s+$")

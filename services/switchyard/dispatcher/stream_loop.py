@@ -34,7 +34,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
-from switchyard.dispatcher.engines.base import StepBatch, StepResult, StreamEngine, Usage, stream_item_output
+from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestStatus, ToolCall
@@ -164,8 +164,7 @@ class StreamLoop(LoopBase):
                     else:
                         metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(now - last)
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
-                seq = stream_item_output(Usage(0, 0))
-                seq.usage = None
+                seq = SeqOutput(eos=True)
                 self._publish(scheduler.update_from_output(batch, StepResult({req.request_id: seq}),
                                                            time.monotonic()))
         except asyncio.CancelledError:

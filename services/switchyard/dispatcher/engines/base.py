@@ -77,7 +77,8 @@ class SeqOutput:
     step (None: unchanged, a stream engine). ``prompt_tokens``: the engine's
     own count of the prompt, when it tokenizes (None: keep the caller's).
     ``error``: this request failed in the engine (the others of the step go on).
-    ``usage``: an upstream's counts (stream engines).
+    ``usage``: an upstream's counts (stream engines). ``finish_reason``: the finish reason the engine
+    reported with its end (an upstream's stop, length or tool_calls), which the stop check takes as is.
     """
 
     texts: list[str] = field(default_factory=list)
@@ -89,6 +90,7 @@ class SeqOutput:
     prompt_tokens: int | None = None
     error: BaseException | None = None
     usage: "Usage | None" = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -203,6 +205,10 @@ class StepEngine(abc.ABC):
     models_activity: bool = False
     """``memory_busy_seconds`` and ``tensor_busy_seconds`` are modelled (the compute score's engine source)."""
 
+    enforces_max_tokens: bool = False
+    """The engine ends each sequence at the request's ``max_tokens`` itself; the stop check then does not
+    count it (:func:`~switchyard.dispatcher.scheduler.update.check_stop`). False: the scheduler counts."""
+
     model: str = ""
     busy_seconds: float = 0.0
     memory_busy_seconds: float = 0.0
@@ -258,6 +264,9 @@ class StreamEngine(abc.ABC):
 
     model: str = ""
     kv: KVCacheManager = NullKVCacheManager()
+    enforces_max_tokens = True
+    """The upstream is given ``max_tokens`` and ends the stream itself (``Usage`` last): a request ends
+    when its stream ends, with the upstream's finish reason."""
     models_activity = False
     busy_seconds = 0.0
     memory_busy_seconds = 0.0
@@ -283,9 +292,10 @@ class StreamEngine(abc.ABC):
 
 def stream_item_output(item: StreamItem) -> SeqOutput:
     """A stream engine's item as a :class:`SeqOutput` for ``update_from_output``: a token text, a tool
-    call, or the final :class:`Usage` (end-of-sequence; ``length`` from upstream caps the length)."""
+    call, or the final :class:`Usage` (the end of the stream, with the upstream's finish reason when it
+    reported one, else the stop check derives it: tool_calls when it made tool calls, else stop)."""
     if isinstance(item, str):
         return SeqOutput(texts=[item])
     if isinstance(item, ToolCall):
         return SeqOutput(tool_calls=[item])
-    return SeqOutput(eos=item.finish_reason != "length", length_capped=item.finish_reason == "length", usage=item)
+    return SeqOutput(eos=True, finish_reason=item.finish_reason, usage=item)

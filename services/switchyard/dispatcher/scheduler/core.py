@@ -162,6 +162,8 @@ class SchedulerCore:
         self.queue_config = config.queues.inference
         self.engine = engine
         self.kv: KVCacheManager = engine.kv if engine is not None else NullKVCacheManager()
+        self.engine_enforces_max_tokens: bool = engine.enforces_max_tokens if engine is not None else False
+        """A stream engine's upstream ends each stream at ``max_tokens`` (see :func:`.update.check_stop`)."""
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
         self._requests: dict[str, Request] = {}
         """The registry: every request accepted and not finished, by id."""
@@ -638,8 +640,8 @@ class SchedulerCore:
             seq = result.outputs.get(req.request_id)
             if seq is None or req.status not in (RUNNING, PREEMPTING):
                 continue
-            out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,
-                                       kv=self.kv)
+            out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now, kv=self.kv,
+                                       engine_enforces_max_tokens=self.engine_enforces_max_tokens)
             if status is not None:
                 self._end(req, now, status, req.error, out)
             elif out.tokens or out.tool_calls:

@@ -15,23 +15,29 @@ from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBa
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus
 
 
-def check_stop(req: Request, seq: SeqOutput) -> RequestStatus | None:
+def check_stop(req: Request, seq: SeqOutput, *, engine_enforces_max_tokens: bool = False) -> RequestStatus | None:
     """The finished status ``req`` reaches with ``seq`` applied, or None (it goes on).
 
-    End-of-sequence -> ``FINISHED_TOOL_CALLS`` when it made tool calls, else
-    ``FINISHED_STOPPED``; the engine's length limit or ``max_tokens`` generated
-    -> ``FINISHED_LENGTH_CAPPED`` (OpenAI's stop / tool_calls / length; vLLM's
-    ``check_stop`` in ``vllm/v1/core/sched/utils.py`` orders them the same way).
+    The finish reason the engine reported with its end (``seq.finish_reason``: an upstream's) -> its
+    status; else end-of-sequence -> ``FINISHED_TOOL_CALLS`` when it made tool calls, else
+    ``FINISHED_STOPPED``; the engine's length limit or ``max_tokens`` generated -> ``FINISHED_LENGTH_CAPPED``
+    (OpenAI's stop / tool_calls / length; vLLM's ``check_stop`` in ``vllm/v1/core/sched/utils.py`` orders
+    them the same way). ``engine_enforces_max_tokens`` (a stream engine: its upstream is given
+    ``max_tokens`` and ends the stream itself, ``Usage`` last): ``max_tokens`` is not counted here, the
+    request ends with the engine's end, so nothing the upstream sends after its last token is lost.
     """
+    if seq.finish_reason is not None:
+        return RequestStatus.finished_with(seq.finish_reason)
     if seq.eos:
         return RequestStatus.FINISHED_TOOL_CALLS if req.tool_calls else RequestStatus.FINISHED_STOPPED
-    if seq.length_capped or len(req.output_tokens) >= req.max_tokens:
+    if seq.length_capped or (not engine_enforces_max_tokens and len(req.output_tokens) >= req.max_tokens):
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
 
 
 def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
-                 kv: KVCacheManager | None = None) -> tuple[RequestOutput, RequestStatus | None]:
+                 kv: KVCacheManager | None = None,
+                 engine_enforces_max_tokens: bool = False) -> tuple[RequestOutput, RequestStatus | None]:
     """Write ``seq`` into ``req``; returns its output (visible tokens with their index, tool calls) and
     the finished status it reached (None: it goes on; ``FINISHED_ERROR`` with ``req.error`` set).
 
@@ -39,7 +45,7 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
     (a recompute after preemption) counts ``num_tokens - 1`` in ``recomputed_tokens``; every prefill
     counts the prompt tokens it computed in ``num_prefilled_tokens`` (attained service, with
     ``num_output_tokens``). ``now``: monotonic seconds (token times). ``kv``: the engine's KV manager (the KV held after the
-    step: ``memory_peak_bytes``).
+    step: ``memory_peak_bytes``). ``engine_enforces_max_tokens``: see :func:`check_stop`.
     """
     out = RequestOutput(req)
     if seq.error is not None:
@@ -73,7 +79,7 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
         out.tool_calls.extend(seq.tool_calls)
     if kv is not None:
         req.observe_kv_bytes(kv.kv_bytes(req))
-    return out, check_stop(req, seq)
+    return out, check_stop(req, seq, engine_enforces_max_tokens=engine_enforces_max_tokens)
 
 
 def compose_batch(kv: KVCacheManager, prefill: list[Request], decode: list[Request],
