@@ -15,7 +15,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.core import DispatcherClosed
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.request import Request, RequestStatus
 
 pytestmark = pytest.mark.no_gpu
 
@@ -145,8 +145,8 @@ def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> N
     gone = req("gone")
     s.add_request(gone, now=0.0)
     s.add_request(req("stays"), now=0.0)
-    s.abort(gone, now=0.0)
-    assert gone.state == "finished" and s.num_queued == 1
+    s.finish_requests([gone.request_id], RequestStatus.FINISHED_ABORTED, now=0.0)
+    assert gone.finish_reason == "cancelled" and s.num_queued == 1
     assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
 
 

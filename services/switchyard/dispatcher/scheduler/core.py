@@ -70,7 +70,6 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import math
@@ -103,6 +102,7 @@ from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudg
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
+from switchyard.dispatcher.scheduler.request_queue import RequestQueue
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput, request_links
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
@@ -144,6 +144,8 @@ class SchedulerCore:
             default ``flush.flush_interval_ms``.
         tiers: the memory tiers (swap to DRAM); default one without a DRAM
             store: evicted state is recomputed.
+        queue: the waiting queue (:class:`.request_queue.RequestQueue`: its ``order_key`` orders the
+            waiting work); default the policy's (:meth:`make_queue`).
     """
 
     name = "base"
@@ -156,6 +158,7 @@ class SchedulerCore:
         capacity: Capacity | None = None,
         flush_interval_s: float | Callable[[], float] | None = None,
         tiers: MemoryTiers | None = None,
+        queue: RequestQueue | None = None,
     ) -> None:
         self.config = config.scheduler
         self.memory = config.memory
@@ -188,7 +191,8 @@ class SchedulerCore:
         mid-step: :meth:`admit_core`)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
-        self._waiting: list[tuple[tuple[float, ...], Request]] = []
+        self.queue: RequestQueue = queue if queue is not None else self.make_queue()
+        """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
         self._leaving: dict[Request, int] = {}
         """Preempted while a step they belong to is in flight (``preempting``) -> their live KV bytes, held in
@@ -196,7 +200,6 @@ class SchedulerCore:
         self._room_for: Request | None = None  # the waiting head parked state is evicted for (_make_room)
         self._handover: dict[Request, Request] = {}
         """Waiting resumed request -> its agent's parked request, whose prefix state it takes at admission."""
-        self._counter = itertools.count()
         self._batches: dict[int, list[float]] = {}  # flush number -> [members not yet ended, flushed_at]
         self._batch_numbers = itertools.count()
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
@@ -225,7 +228,7 @@ class SchedulerCore:
     @property
     def waiting(self) -> list[Request]:
         """Waiting requests, in the order they will be admitted (buffered ones not included)."""
-        return [req for _, req in self._waiting]
+        return list(self.queue)
 
     @property
     def running(self) -> list[Request]:
@@ -246,7 +249,7 @@ class SchedulerCore:
     @property
     def num_waiting(self) -> int:
         """Requests waiting for admission, buffered ones included."""
-        return len(self._waiting) + self.intake.active_size
+        return len(self.queue) + self.intake.active_size
 
     @property
     def num_queued(self) -> int:
@@ -256,12 +259,12 @@ class SchedulerCore:
     @property
     def has_work(self) -> bool:
         """Anything buffered, waiting, running or leaving the running set."""
-        return bool(self._running or self._waiting or self._leaving or self.intake.active_size)
+        return bool(self._running or self.queue or self._leaving or self.intake.active_size)
 
     @property
     def core_waiting(self) -> bool:
         """A core request waits for admission (the step loop then ends its decode slice at the next step)."""
-        return any(req.priority_class is PriorityClass.CORE for _, req in self._waiting)
+        return any(req.priority_class is PriorityClass.CORE for req in self.queue)
 
     @property
     def core_pending(self) -> bool:
@@ -377,13 +380,13 @@ class SchedulerCore:
             tier_metrics.FRAGMENTATION.set(self.fragmentation_ratio())
         projected = score
         wave = 0
-        while self._waiting:
-            req = self._waiting[0][1]
+        while self.queue:
+            req = self.queue.peek()
             reason = self._refusal(req, projected, wave)
             if reason is not None and reason in self.capacity.CLASS_REFUSALS:
                 core = self._waiting_core_behind(req, projected, wave)
                 if core is not None:  # CORE may take the slots held back from the head's class
-                    self._remove_waiting(core)
+                    self.queue.remove(core)
                     self._start(core, now, out)
                     wave += 1
                     projected += self.admission.expected.get(core.task_type)
@@ -394,7 +397,7 @@ class SchedulerCore:
                     self._kv_refused = req  # admitting it would overrun the HBM budget: an OOM avoided
                     tier_metrics.OOM_AVOIDED.inc()
                 break
-            self._waiting.pop(0)
+            self.queue.pop()
             self._start(req, now, out)
             wave += 1
             projected += self.admission.expected.get(req.task_type)
@@ -443,14 +446,14 @@ class SchedulerCore:
             self._expire(now, out)
         self._now = now
         projected = self.score
-        while self._waiting:
-            req = self._waiting[0][1]
+        while self.queue:
+            req = self.queue.peek()
             if req.priority_class is not PriorityClass.CORE or req.swap_key:
                 break
             if ((self._admission_refusal(req, projected, len(out.admitted)) is not None
                     or self.capacity.refusal(req) is not None) and not self._preempt_mid_step(req, now, out)):
                 break
-            self._waiting.pop(0)
+            self.queue.pop()
             self._start(req, now, out)
             projected += self.admission.expected.get(req.task_type)
         for req in out.admitted:
@@ -695,7 +698,7 @@ class SchedulerCore:
             if isinstance(self.capacity, KvBudget):
                 self.capacity.end_hold(held)
         elif state is WAITING:
-            self._remove_waiting(req)
+            self.queue.remove(req)
         elif state is RequestStatus.BUFFERED:
             self._remove_buffered(req)
         if not req.reached_engine:
@@ -734,8 +737,8 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ policy hooks
 
-    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
-        """Sort key of ``req`` in the waiting set (smallest first), fixed while it waits."""
+    def make_queue(self) -> RequestQueue:
+        """The policy's waiting queue (:mod:`.request_queue`: its ``order_key`` is the policy's order)."""
         raise NotImplementedError
 
     def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
@@ -759,7 +762,7 @@ class SchedulerCore:
         """
         if head.priority_class is PriorityClass.CORE:
             return None
-        for _, req in self._waiting:
+        for req in self.queue:
             if req.priority_class is PriorityClass.CORE:
                 return req if self._refusal(req, projected_score, wave) is None else None
         return None
@@ -787,15 +790,7 @@ class SchedulerCore:
 
     def _enqueue(self, req: Request, now: float) -> None:
         req.status = WAITING
-        key = (*self._order_key(req, now), float(next(self._counter)))
-        bisect.insort(self._waiting, (key, req), key=lambda entry: entry[0])
-
-    def _remove_waiting(self, req: Request) -> bool:
-        for i, (_, queued) in enumerate(self._waiting):
-            if queued is req:
-                del self._waiting[i]
-                return True
-        return False
+        self.queue.add(req, now)
 
     def _remove_buffered(self, req: Request) -> None:
         self.intake.remove(req)
@@ -959,28 +954,18 @@ class SchedulerCore:
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
         deadline = self._timeout_s
-        keep: list[tuple[tuple[float, ...], Request]] = []
-        nxt = math.inf
-        for entry in self._waiting:
-            req = entry[1]
-            if req.reached_engine:
-                keep.append(entry)
-            elif now - req.arrival > deadline:
-                QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
-                req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
-                                              "admission to the engine")
-                req.status = RequestStatus.FINISHED_ERROR
-                self._requests.pop(req.request_id, None)
-                self._outbox.append(RequestOutput(req, finished=True))
-                self._leave_queue(req)
-                self._end_handover(req)
-                self._batch_member_done(req, now)
-                out.expired.append(req)
-            else:
-                keep.append(entry)
-                nxt = min(nxt, req.arrival + deadline)
-        self._waiting = keep
-        self._next_expiry = nxt
+        for req in self.queue.remove_where(lambda r: not r.reached_engine and now - r.arrival > deadline):
+            QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
+            req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
+                                          "admission to the engine")
+            req.status = RequestStatus.FINISHED_ERROR
+            self._requests.pop(req.request_id, None)
+            self._outbox.append(RequestOutput(req, finished=True))
+            self._leave_queue(req)
+            self._end_handover(req)
+            self._batch_member_done(req, now)
+            out.expired.append(req)
+        self._next_expiry = min((r.arrival + deadline for r in self.queue if not r.reached_engine), default=math.inf)
 
     def _leave_queue(self, req: Request) -> None:
         self._queued -= 1
@@ -1071,7 +1056,7 @@ class SchedulerCore:
                                parked_kv_bytes=self.parking.kv_bytes, compute_score=self.score)
         for s in self._running:
             stats.running[class_name(s)] += 1
-        for _, s in self._waiting:
+        for s in self.queue:
             stats.waiting[class_name(s)] += 1
         if isinstance(self.capacity, KvBudget):
             stats.hbm_held_bytes = self.capacity.held_bytes
