@@ -112,7 +112,8 @@ class LoopBase:
         self._closing = False
         self._busy_mark = (time.monotonic(), self._busy_seconds())
         self._busy_counted = self._busy_mark[1]
-        scheduler.on_arrival = self._on_arrival
+        self._flush_timer: asyncio.TimerHandle | None = None
+        scheduler.on_arrival = self._arrived
         metrics.DECODE_BOUND.set(engine.decode_bound_tokens_per_s(config.batching.max_batch_size)
                                  if isinstance(engine, StepEngine) else 0.0)
 
@@ -152,6 +153,7 @@ class LoopBase:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=False)
+        self._cancel_flush_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -164,6 +166,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=True)
         self._cancel_all()
+        self._cancel_flush_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -184,6 +187,41 @@ class LoopBase:
 
     def _on_arrival(self) -> None:
         self._wake.set()
+
+    def _arrived(self) -> None:
+        """The scheduler accepted a request: arm the flush-interval timer, then :meth:`_on_arrival`."""
+        self._arm_flush_timer()
+        self._on_arrival()
+
+    def _arm_flush_timer(self) -> None:
+        """Flush by INTERVAL when the first buffered request has waited ``flush_interval_ms``
+        (``scheduler.flush_deadline``); the loop owns this timer, the scheduler none."""
+        deadline = self.scheduler.flush_deadline
+        if deadline is None or self._flush_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (tests): the next decision flushes
+            return
+        # monotonic and the loop's clock agree on CPython's default and uvloop loops
+        self._flush_timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._on_flush_timer)
+
+    def _on_flush_timer(self) -> None:
+        self._flush_timer = None
+        deadline = self.scheduler.flush_deadline
+        if deadline is None:  # swapped meanwhile (a step boundary, a full buffer)
+            return
+        now = time.monotonic()
+        if deadline > now:  # a later buffer: its own first request's interval
+            self._arm_flush_timer()
+            return
+        self.scheduler.flush(FlushReason.INTERVAL, now)
+        self._on_arrival()
+
+    def _cancel_flush_timer(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
 
     def _cancel_all(self) -> None:
         now = time.monotonic()

@@ -171,3 +171,8 @@ class Scheduler(Protocol):
     @property
     def has_work(self) -> bool:
         """Anything buffered, waiting, running or leaving the running set."""
+
+    @property
+    def flush_deadline(self) -> float | None:
+        """When the double buffer must be flushed (reason ``interval``), monotonic seconds; None: empty.
+        The loop's timer calls ``flush`` then."""

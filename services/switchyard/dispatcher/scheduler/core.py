@@ -69,11 +69,9 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
-import time
 from typing import Any, Callable
 
 import grpc
@@ -205,7 +203,6 @@ class SchedulerCore:
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
         self._next_expiry = math.inf
         self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
-        self._interval_timer: asyncio.TimerHandle | None = None
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
         self.preemption_enabled = self.config.preemption_enabled
@@ -308,17 +305,12 @@ class SchedulerCore:
         self._depth_gauge.set(self._queued)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
-        elif self.intake.active_size == 1:
-            self._arm_interval()
         self.on_arrival()
         if req.priority_class is PriorityClass.CORE:
             self.on_core_arrival()
 
     def flush(self, reason: FlushReason, now: float) -> int:
         """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
-            self._interval_timer = None
         if not self.intake.active_size:
             return 0
         return self._hand_over(self.intake.swap(), reason, now)
@@ -731,8 +723,6 @@ class SchedulerCore:
 
     def shutdown(self) -> None:
         """Release NVML. The engine loop calls it once at shutdown."""
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
         self.monitor.close()
 
     # ------------------------------------------------------------------ policy hooks
@@ -981,25 +971,12 @@ class SchedulerCore:
             if self.on_batch_done is not None:
                 self.on_batch_done(max(0.0, now - entry[1]))
 
-    def _arm_interval(self) -> None:
-        """Flush by INTERVAL when the first buffered item has waited ``flush_interval_ms``."""
-        deadline = self.intake.deadline()
-        if deadline is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven without an event loop (tests, the scheduling benchmark)
-            return
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
-        # monotonic and the loop's clock agree on CPython's default and uvloop loops
-        self._interval_timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._on_interval)
-
-    def _on_interval(self) -> None:
-        self._interval_timer = None
-        if self.intake.active_size:
-            self.flush(FlushReason.INTERVAL, time.monotonic())
-            self.on_arrival()
+    @property
+    def flush_deadline(self) -> float | None:
+        """When the double buffer's first buffered request will have waited the flush interval
+        (``batching.flush_interval_ms``), monotonic seconds; None while the buffer is empty. The loop owns
+        the timer: at that time it calls :meth:`flush` with ``FlushReason.INTERVAL``."""
+        return self.intake.deadline()
 
     def _resume_prefix(self, req: Request, now: float) -> None:
         found = self.parking.take(req.agent_id, now)
