@@ -186,8 +186,12 @@ class Request:
     """Admitted at least once: it left the inference queue (its queue wait is over)."""
     kv_reserved_bytes: int = 0
     """KV bytes reserved in the HBM budget while it runs (0 when not running)."""
-    batch_id: int = -1
-    """Number of the flush that brought it to the scheduler."""
+    batch: "FlushedBatch | None" = field(default=None, repr=False)
+    """The flush that brought it to the scheduler, until it ends (its batch's service time)."""
+    kv_leaving_bytes: int = 0
+    """``PREEMPTING``: its live KV bytes, held in the HBM budget until the step in flight ends."""
+    handover_from: "Request | None" = field(default=None, repr=False)
+    """A resumed react_loop step: its agent's parked step, whose warm prefix it takes over at admission."""
     num_computed_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
@@ -222,6 +226,16 @@ class Request:
     # --- accounting
     compute_score_used: float = 0.0
     """Compute score x seconds of engine time while running (see the scheduling policy)."""
+    charged_until: float | None = None
+    """Running: accounted up to this time (:mod:`~switchyard.dispatcher.scheduler.accounting`); None otherwise."""
+    running_seconds: float = 0.0
+    """Seconds it held a running slot, over all its admissions."""
+    score_seconds: float = 0.0
+    """Compute score x seconds while it ran (not shared): its average score is this / ``running_seconds``."""
+    admitted_at_score: float | None = None
+    """The compute score at its last admission (what it added is measured from there)."""
+    admitted_together: int = 1
+    """Requests admitted in the same decision as it (they share the score increase)."""
     memory_peak_bytes: int = 0
     usage_prompt_tokens: int | None = None
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""
@@ -310,6 +324,15 @@ class Request:
         """Track the peak KV/prefix-state bytes held for this request."""
         if nbytes > self.memory_peak_bytes:
             self.memory_peak_bytes = nbytes
+
+
+@dataclass(eq=False)
+class FlushedBatch:
+    """One swap of the double buffer, shared by its members: ``left`` members have not ended yet."""
+
+    number: int
+    left: int
+    flushed_at: float
 
 
 @dataclass

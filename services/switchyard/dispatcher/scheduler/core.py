@@ -101,7 +101,14 @@ from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
 from switchyard.dispatcher.scheduler.request_queue import RequestQueue
-from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput, request_links
+from switchyard.dispatcher.request import (
+    FlushedBatch,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SchedulerOutput,
+    request_links,
+)
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
@@ -192,13 +199,10 @@ class SchedulerCore:
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
         """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
-        self._leaving: dict[Request, int] = {}
-        """Preempted while a step they belong to is in flight (``preempting``) -> their live KV bytes, held in
-        the budget until that step ends, when they leave."""
+        self._leaving: list[Request] = []
+        """Members of the step in flight preempted during it (``preempting``): out of the running set, their
+        live KV (``req.kv_leaving_bytes``) held in the budget until that step ends, when they leave."""
         self._room_for: Request | None = None  # the waiting head parked state is evicted for (_make_room)
-        self._handover: dict[Request, Request] = {}
-        """Waiting resumed request -> its agent's parked request, whose prefix state it takes at admission."""
-        self._batches: dict[int, list[float]] = {}  # flush number -> [members not yet ended, flushed_at]
         self._batch_numbers = itertools.count()
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
         self._next_expiry = math.inf
@@ -317,9 +321,8 @@ class SchedulerCore:
 
     def _hand_over(self, batch: list[Request], reason: FlushReason, now: float) -> int:
         """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
-        number = next(self._batch_numbers)
-        self._batches[number] = [float(len(batch)), now]
         size = len(batch)
+        flushed = FlushedBatch(next(self._batch_numbers), size, now)
         dispatcher_metrics.BATCH_SIZE.observe(size)
         dispatcher_metrics.FLUSHES.labels(reason.label).inc()
         # One root span per flush, linked to every member's request span (a batch has no single parent),
@@ -332,7 +335,7 @@ class SchedulerCore:
                 req.flushed_at = now
                 req.batch_size = size
                 req.flush_reason = int(reason)
-                req.batch_id = number
+                req.batch = flushed
                 if req.resume and req.agent_id:
                     self._resume_prefix(req, now)
                 self._enqueue(req, now)
@@ -481,11 +484,10 @@ class SchedulerCore:
             held = self._kv_bytes(victim)
             self._stop(victim, now)
             victim.status = PREEMPTING
+            self._leaving.append(victim)
             if budget:
-                self._leaving[victim] = held
+                victim.kv_leaving_bytes = held
                 self.capacity.hold(held)  # type: ignore[union-attr]
-            else:
-                self._leaving[victim] = 0
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True
@@ -496,11 +498,16 @@ class SchedulerCore:
         again at their place."""
         if not self._leaving:
             return
-        leaving, self._leaving = self._leaving, {}
-        for victim, held in leaving.items():
-            if isinstance(self.capacity, KvBudget):
-                self.capacity.end_hold(held)
+        leaving, self._leaving = self._leaving, []
+        for victim in leaving:
+            self._end_leaving(victim)
             self._evict_running(victim, now, out)
+
+    def _end_leaving(self, req: Request) -> None:
+        """The step ``req`` was preempted during has ended (or ``req`` ended): its live KV leaves the budget."""
+        if isinstance(self.capacity, KvBudget):
+            self.capacity.end_hold(req.kv_leaving_bytes)
+        req.kv_leaving_bytes = 0
 
     def expire_deadlines(self, now: float) -> list[Request]:
         """Fail every request held here whose own deadline (``req.deadline``) is ``now`` or earlier, wherever
@@ -686,9 +693,8 @@ class SchedulerCore:
             self._stop(req, now)
             self._learn(req)
         elif state is PREEMPTING:  # out of the running set already; its KV held until now
-            held = self._leaving.pop(req, 0)
-            if isinstance(self.capacity, KvBudget):
-                self.capacity.end_hold(held)
+            self._leaving.remove(req)
+            self._end_leaving(req)
         elif state is WAITING:
             self.queue.remove(req)
         elif state is RequestStatus.BUFFERED:
@@ -696,7 +702,6 @@ class SchedulerCore:
         if not req.reached_engine:
             self._leave_queue(req)
         self._end_handover(req)
-        self.accounting.forget(req)
         self._batch_member_done(req, now)
         if req.swap_key:  # a DRAM copy it will not come back for
             self.tiers.discard(req.swap_key)
@@ -903,7 +908,7 @@ class SchedulerCore:
             self._leave_queue(req)
         else:  # a request that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
-        parked = self._handover.get(req)
+        parked = req.handover_from
         if parked is not None:  # its agent's parked step holds the warm prefix: take it over
             shared = self.kv.share_prefix(parked, req)
             if shared != req.num_computed_tokens:  # an engine whose requests hold their own caches
@@ -962,14 +967,12 @@ class SchedulerCore:
         self._depth_gauge.set(self._queued)
 
     def _batch_member_done(self, req: Request, now: float) -> None:
-        entry = self._batches.get(req.batch_id)
-        if entry is None:
+        batch, req.batch = req.batch, None
+        if batch is None:
             return
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._batches[req.batch_id]
-            if self.on_batch_done is not None:
-                self.on_batch_done(max(0.0, now - entry[1]))
+        batch.left -= 1
+        if batch.left <= 0 and self.on_batch_done is not None:
+            self.on_batch_done(max(0.0, now - batch.flushed_at))
 
     @property
     def flush_deadline(self) -> float | None:
@@ -981,7 +984,7 @@ class SchedulerCore:
     def _resume_prefix(self, req: Request, now: float) -> None:
         found = self.parking.take(req.agent_id, now)
         if found.parked is not None:
-            self._handover[req] = found.parked
+            req.handover_from = found.parked
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
@@ -1005,7 +1008,7 @@ class SchedulerCore:
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
-        parked = self._handover.pop(req, None)
+        parked, req.handover_from = req.handover_from, None
         if parked is not None:
             self._release(parked)
 
