@@ -16,7 +16,7 @@ owns every request, and the engine owns the model. Each turn:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), at most
    ``scheduler.max_step_prefill_tokens`` prompt tokens per step (a longer
    prompt split over steps on an engine with chunked prefill,
-   :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`, else alone
+   ``StepEngine.supports_chunked_prefill``, else alone
    in its step), or are prefilled alone when nothing else runs or a core
    request is among them (its first token then waits for no decode). The
    bound keeps every step short: a step of many long prompts would make core
@@ -32,12 +32,12 @@ After every step the scheduler fails the requests past their own deadline
 
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
-:class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A core request
+``StepEngine.supports_layer_preemption``). A core request
 arriving while a step runs (one that prefills no core request itself) starts
 one small task: the scheduler admits the core work, preempting lower-class
 running work for it at once when it does not fit (``scheduler.admit_core``;
 the victims' KV leaves when the step in flight ends), and the engine prefills
-it at the next layer boundary of the step in flight (``prefill_between_layers``),
+it at the next layer boundary of the step in flight (``execute_between_layers``),
 as REEF preempts best-effort DNN inference for real-time work (Han et al.,
 OSDI 2022). The core request waits for one layer (step time / layers) instead
 of the rest of the step; the step in flight lasts longer by the core prefill,

@@ -366,7 +366,7 @@ class SchedulerOutput:
     ``admitted``: requests newly taken into the running set (they need a
     prefill: first one, or a recompute after preemption). ``preempted``:
     running requests whose slot was taken; the scheduler has dropped their KV
-    state (``engine.release``) and they wait again. ``running``: the whole
+    state (``kv.free``, or a copy went to DRAM) and they wait again. ``running``: the whole
     running set after this decision, admitted included, in step order.
     ``expired``: requests that waited past ``queues.inference.timeout_ms``
     before their first admission; they have failed with DEADLINE_EXCEEDED.

@@ -29,7 +29,7 @@ H100 SXM:
   (:meth:`SimEngine.execute_between_layers`) waits for the layer in progress
   to end, takes its own modelled prefill time there, and the step then goes
   on from the next layer (see
-  :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`).
+  ``supports_layer_preemption``).
 
 Text: the orchestrator renders retrieved passages inside ``<context>`` ...
 ``</context>`` (each passage starts with a line ``[n] Title``) and the question

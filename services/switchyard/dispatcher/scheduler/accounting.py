@@ -13,8 +13,9 @@ decision (never below 0). A share would not do: on a lightly loaded engine
 each task's share is large, admission would then keep the load light, and the
 estimate would feed itself.
 
-``memory_peak_bytes`` is the largest ``engine.kv_bytes(req)`` seen at a
-time-slice boundary or when the request leaves the running set.
+``memory_peak_bytes`` is the largest ``kv.kv_bytes(req)`` seen at a
+time-slice boundary, after a step, or when the request leaves the running set.
+What is accounted lives on the :class:`~switchyard.dispatcher.request.Request`.
 """
 
 from __future__ import annotations

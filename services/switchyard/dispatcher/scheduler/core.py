@@ -49,8 +49,9 @@ first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
 parked state is valued higher, so it leaves last, but it leaves.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
-and decides three things only: the order of the waiting set
-(:meth:`SchedulerCore._order_key`), whether the head may start
+and decides three things only: the order of the waiting set (its request
+queue, :meth:`SchedulerCore.make_queue`: the queue's ``order_key``,
+:mod:`.request_queue`), whether the head may start
 (:meth:`SchedulerCore._admission_refusal`, memory aside), and what to preempt
 (:meth:`SchedulerCore._preempt` at a decision, :meth:`SchedulerCore._victim_candidates`
 mid-step).
@@ -352,7 +353,7 @@ class SchedulerCore:
     def schedule(self, now: float) -> SchedulerOutput:
         """Flush the intake, expire, admit and preempt; returns the decision and the running set after it.
 
-        Preempted requests have already lost their KV state (``engine.release``)
+        Preempted requests have already lost their KV state (``kv.free``, or swapped to DRAM)
         when this returns; expired ones have failed with :class:`QueueTimeoutError`.
         """
         if self.intake.active_size:
@@ -462,7 +463,7 @@ class SchedulerCore:
         """Make ``req`` fit while a step is in flight by preempting the fewest of the policy's victims; True
         when it now fits (the victims are ``preempting``), False (nothing changed) when they cannot make it fit.
 
-        Each victim's reservation is freed; its live KV (``engine.kv_bytes``) stays held until the step in
+        Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
         candidates = self._victim_candidates(req, out)
@@ -563,7 +564,7 @@ class SchedulerCore:
           their KV to DRAM where cheaper). The excess is counted in bytes freed,
           not re-read, because a caching allocator keeps freed memory reserved.
         - Compute score below ``defrag_trigger_score``: compact the engine's KV
-          block table (``engine.compact_kv``) while the GPU has time for it.
+          block table (``kv.compact``) while the GPU has time for it.
         """
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
         tier_metrics.SCANS.labels("hbm").inc()
@@ -839,7 +840,7 @@ class SchedulerCore:
     def _copy_delays(self) -> int:
         """1 when copying a victim's KV out of HBM would make the core request it is preempted for wait,
         else 0. An engine that models its transfers (the sim) copies in the background, beside the steps;
-        any other engine copies at export (``export_kv``), in front of the next step: core waits for it."""
+        any other engine copies at export (``kv.export``), in front of the next step: core waits for it."""
         return 0 if self.tiers.models_transfers else 1
 
     def _parked_value(self, entry: ParkedAgent, now: float) -> float:
