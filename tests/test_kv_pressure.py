@@ -23,7 +23,7 @@ from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import KvBudget
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 from switchyard.dispatcher.engines.driver import EngineDriver
-from switchyard.testing.scheduling import accept
+from switchyard_harness.testing.scheduling import accept
 
 pytestmark = pytest.mark.no_gpu
 
@@ -63,7 +63,7 @@ def request(rid: str, priority: int, *, prompt_tokens: int, max_tokens: int, arr
 
 def park_core_agents(sched: Any, n: int, tokens: int) -> list[Request]:
     """``n`` core react agents waiting on a tool, each holding ``tokens`` of KV, reused often (valued above
-    ``[hbm] evict_threshold``)."""
+    ``[hbm] evict_first_below``)."""
     agents = []
     for i in range(n):
         req = request(f"agent-{i}", CORE, prompt_tokens=tokens, max_tokens=64, task_type="react_loop",
@@ -73,7 +73,7 @@ def park_core_agents(sched: Any, n: int, tokens: int) -> list[Request]:
         sched.parking.park(req, now=0.0)
         agents.append(req)
     value = sched._parked_value(sched.parking.entries[0], 0.0)
-    assert value > sched.memory.hbm.evict_threshold  # the state admission used to leave alone
+    assert value > sched.memory.hbm.evict_first_below  # the state admission used to leave alone
     return agents
 
 

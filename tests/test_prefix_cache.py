@@ -7,7 +7,7 @@ from prometheus_client import REGISTRY
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.driver import EngineDriver
-from switchyard.testing.scheduling import accept
+from switchyard_harness.testing.scheduling import accept
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler

@@ -26,7 +26,7 @@ from switchyard.dispatcher.output import StreamError
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.service import DispatcherService
-from switchyard.testing.scheduling import accept
+from switchyard_harness.testing.scheduling import accept
 from switchyard.dispatcher.request import RequestStatus
 from fast_sim import FAST
 

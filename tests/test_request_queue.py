@@ -9,7 +9,8 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import FcfsQueue, PriorityAgingQueue, RequestQueue, make_scheduler
 from switchyard.dispatcher.scheduler.priority import head_start
-from switchyard.testing.scheduling import FixedSlots, accept
+from switchyard_harness.testing.scheduling import accept
+from switchyard_harness.testing.capacity import FixedSlots
 
 pytestmark = pytest.mark.no_gpu
 

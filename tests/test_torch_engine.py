@@ -22,7 +22,7 @@ from switchyard.dispatcher.request import Message, Request, RequestStatus, Tool 
 from switchyard.dispatcher.service import DispatcherService  # noqa: E402
 from switchyard.common.channels import open_channel
 from switchyard.dispatcher.engines.driver import EngineDriver
-from switchyard.testing.scheduling import accept, step
+from switchyard_harness.testing.scheduling import accept, step
 from token_events import positions_follow_on, token_count
 
 pytestmark = pytest.mark.no_gpu

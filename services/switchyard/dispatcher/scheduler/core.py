@@ -37,7 +37,7 @@ This class is the only place that
   swapping is cheaper than recomputing, and comes back at admission
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
   hbm_scan_interval_s``) evicts at ``emergency_evict_ratio`` and
-  defragments while the compute score is below ``defrag_trigger_score``.
+  defragments while the compute score is below ``defrag_below_score``.
   A swap-out's copy runs in the background (the sim engine models no time
   for it in front of any step), and the swap-or-recompute choice counts the
   delay a copy would put on waiting higher-class work
@@ -563,7 +563,7 @@ class SchedulerCore:
           prefix cache, then running requests, lowest value first (preempted;
           their KV to DRAM where cheaper). The excess is counted in bytes freed,
           not re-read, because a caching allocator keeps freed memory reserved.
-        - Compute score below ``defrag_trigger_score``: compact the engine's KV
+        - Compute score below ``defrag_below_score``: compact the engine's KV
           block table (``kv.compact``) while the GPU has time for it.
         """
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
@@ -587,7 +587,7 @@ class SchedulerCore:
                     break
                 freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
-        if self.score < self.memory.hbm.defrag_trigger_score:
+        if self.score < self.memory.hbm.defrag_below_score:
             freed = self.kv.compact()
             tier_metrics.DEFRAGMENTATIONS.inc()
             tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
@@ -797,7 +797,7 @@ class SchedulerCore:
 
     def _make_room(self, req: Request) -> bool:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
-        agents' state valued below ``[hbm] evict_threshold`` (lowest value first), then the prefix cache
+        agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
         (:meth:`_demote_parked`), else it is dropped. True when ``req`` fits now."""
@@ -812,7 +812,7 @@ class SchedulerCore:
 
         self._room_for = req
         try:
-            below = self.memory.hbm.evict_threshold
+            below = self.memory.hbm.evict_first_below
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value, below=below) is not None:
                 pass
             if (short := self._shortfall(req)) > 0:
