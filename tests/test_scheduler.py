@@ -13,6 +13,7 @@ from switchyard.api import agent_pb2
 from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import (
     ComputeScoreMonitor,
     FifoScheduler,
@@ -184,6 +185,7 @@ def test_classes_are_admitted_core_then_normal_then_batch() -> None:
     assert ids(out.admitted) == ids(core + normal)
     assert ids(sched.waiting) == ids(batch)
     assert ids(out.running) == ids(core + normal)
+    publish_stats(sched.make_stats())  # what the step loop does after each decision
     running = {c: metric("switchyard_running_agents", priority_class=c) for c in ("core", "normal", "batch")}
     waiting = {c: metric("switchyard_waiting_agents", priority_class=c) for c in ("core", "normal", "batch")}
     assert running == {"core": 2, "normal": 2, "batch": 0} and waiting == {"core": 0, "normal": 0, "batch": 2}

@@ -127,6 +127,7 @@ class LoopBase:
                 :meth:`SchedulerCore.add_request`.
         """
         self.scheduler.add_request(req, time.monotonic())
+        self._publish_stats()
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
@@ -134,11 +135,16 @@ class LoopBase:
                                                      time.monotonic()))
         self._wake.set()
 
-    @staticmethod
-    def _publish(outputs: list[RequestOutput]) -> None:
-        """Push the scheduler's per-request outputs to the requests' output streams (the one writer)."""
+    def _publish(self, outputs: list[RequestOutput], stats: bool = True) -> None:
+        """Push the scheduler's per-request outputs to the requests' output streams (the one writer), then
+        (``stats``) its state to the metrics (:meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats`)."""
         for out in outputs:
             out.publish()
+        if stats:
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        metrics.publish_stats(self.scheduler.make_stats())
 
     def start(self) -> None:
         """Start the loop task on the running event loop (idempotent)."""
@@ -216,6 +222,7 @@ class LoopBase:
             self._arm_flush_timer()
             return
         self.scheduler.flush(FlushReason.INTERVAL, now)
+        self._publish_stats()
         self._on_arrival()
 
     def _cancel_flush_timer(self) -> None:
@@ -331,6 +338,7 @@ class StepLoop(LoopBase):
                 await self._wait(self._idle_tick_s)
                 self._update_busy()  # idle: let the busy ratio fall
                 scheduler.on_idle(time.monotonic())  # the compute score and parked agents' TTLs move on
+                self._publish_stats()
                 continue
             self._idle = False
             now = time.monotonic()

@@ -111,6 +111,7 @@ class StreamLoop(LoopBase):
                     return
                 await self._wait(BUSY_WINDOW_S)
                 scheduler.on_idle(time.monotonic())  # an idle upstream's score must not go stale
+                self._publish_stats()
                 continue
             now = time.monotonic()
             if self._can_take() or now - last >= self.time_slice_s:
@@ -155,7 +156,8 @@ class StreamLoop(LoopBase):
                 last = req.last_token_at
                 seq = stream_item_output(item)
                 ended = seq.eos or seq.length_capped
-                self._publish(scheduler.update_from_output(batch, StepResult({req.request_id: seq}), now))
+                outputs = scheduler.update_from_output(batch, StepResult({req.request_id: seq}), now)
+                self._publish(outputs, stats=any(out.finished for out in outputs))  # not per token
                 if isinstance(item, str):
                     self.limit.on_tokens(1, now)
                     metrics.GENERATED_TOKENS.inc()

@@ -218,8 +218,7 @@ class SchedulerCore:
         self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
-        self._depth_gauge = QUEUE_DEPTH.labels(QUEUE_NAME)  # bound once: set on every arrival and departure
-        self._depth_gauge.set(0)
+        QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
         QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
         self._wait_histogram = QUEUE_WAIT.labels(QUEUE_NAME)
         for reason in ("full", "timeout"):
@@ -307,7 +306,6 @@ class SchedulerCore:
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
         if req.deadline is not None:
             self._next_deadline = min(self._next_deadline, req.deadline)
-        self._depth_gauge.set(self._queued)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
         self.on_arrival()
@@ -340,7 +338,6 @@ class SchedulerCore:
                 if req.resume and req.agent_id:
                     self._resume_prefix(req, now)
                 self._enqueue(req, now)
-        self._publish()
         return size
 
     def close(self) -> None:
@@ -402,7 +399,6 @@ class SchedulerCore:
             self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
         out.outputs = self._drain()
-        self._publish()
         return out
 
     def admit_core(self, now: float) -> SchedulerOutput:
@@ -454,8 +450,6 @@ class SchedulerCore:
             projected += self.admission.expected.get(req.task_type)
         for req in out.admitted:
             self.accounting.start(req, now, self.score, len(out.admitted))
-        if out.admitted or out.expired:
-            self._publish()
         out.outputs = self._drain()
         return out
 
@@ -719,7 +713,6 @@ class SchedulerCore:
         out = out or RequestOutput(req)
         out.finished = True
         self._outbox.append(out)
-        self._publish()
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
@@ -965,7 +958,6 @@ class SchedulerCore:
 
     def _leave_queue(self, req: Request) -> None:
         self._queued -= 1
-        self._depth_gauge.set(self._queued)
 
     def _batch_member_done(self, req: Request, now: float) -> None:
         batch, req.batch = req.batch, None
@@ -1042,16 +1034,6 @@ class SchedulerCore:
         if isinstance(self.capacity, KvBudget):
             stats.hbm_held_bytes = self.capacity.held_bytes
         return stats
-
-    def _publish(self) -> None:
-        stats = self.make_stats()
-        for name in CLASS_ORDER:
-            metrics.RUNNING_AGENTS.labels(name).set(stats.running[name])
-            metrics.WAITING_AGENTS.labels(name).set(stats.waiting[name])
-        dispatcher_metrics.RUNNING_SEQUENCES.set(stats.num_running)
-        dispatcher_metrics.WAITING_SEQUENCES.set(stats.num_waiting)
-        if stats.hbm_held_bytes is not None:
-            tier_metrics.TIER_BYTES.labels("hbm").set(stats.hbm_held_bytes)
 
     def fragmentation_ratio(self) -> float:
         """Share of the KV block pool's allocated bytes holding no token state, 0-1.
