@@ -153,7 +153,7 @@ def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> N
     gone = req("gone")
     s.add_request(gone, now=0.0)
     s.add_request(req("stays"), now=0.0)
-    s.finish_requests([gone.request_id], RequestStatus.FINISHED_ABORTED, now=0.0)
+    s.finish_requests([gone.seq_id], RequestStatus.FINISHED_ABORTED, now=0.0)
     assert gone.finish_reason == "cancelled" and s.num_queued == 1
     assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
 

@@ -578,8 +578,8 @@ def test_a_victim_that_finished_in_the_step_in_flight_ends_and_one_aborted_meanw
     finish(sched, gone_batch, 0.15, RequestStatus.FINISHED_ABORTED)  # its caller went away meanwhile
     # the step in flight ends: its last token came in it
     sched.update_from_output(StepBatch(decode=[done_batch, gone_batch]),
-                             StepResult({done_batch.request_id: SeqOutput(texts=["x"], length_capped=True),
-                                         gone_batch.request_id: SeqOutput(texts=["y"])}), now=0.19)
+                             StepResult({done_batch.seq_id: SeqOutput(texts=["x"], length_capped=True),
+                                         gone_batch.seq_id: SeqOutput(texts=["y"])}), now=0.19)
     assert done_batch.finish_reason == "length" and gone_batch.finish_reason == "cancelled"
     assert gone_batch.is_finished and engine.released == [gone_batch, done_batch]  # freed once each
     out = sched.schedule(now=0.2)
@@ -783,3 +783,20 @@ async def test_parked_agents_give_their_kv_back_when_the_ttl_runs_out_on_an_idle
             break
     await loop.drain()
     assert sched.parked == [] and engine.released == [think]
+
+
+async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> None:
+    """A caller may send the same request_id twice at once (the reference load does): the scheduler and the
+    engine key requests by their seq_id, so each gets its own tokens and end."""
+    engine = SimEngine(SwitchyardConfig())
+    sched = make_scheduler(engine=engine, running=2)
+    first, second = (Request(request_id="bench-001:0", prompt="How does the with statement work?",
+                             prompt_tokens=16, max_tokens=3) for _ in range(2))
+    assert first.seq_id != second.seq_id
+    accept(sched, [first, second], now=0.0)
+    assert sched.schedule(now=0.0).admitted == [first, second]
+    await step(sched, engine, prefill=[first, second], now=0.1)
+    while not (first.is_finished and second.is_finished):
+        await step(sched, engine, decode=[r for r in (first, second) if not r.is_finished], now=0.2)
+    for req in (first, second):
+        assert req.finish_reason == "length" and len(_streamed(req)) == 3

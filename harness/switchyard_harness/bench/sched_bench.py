@@ -170,7 +170,7 @@ class VirtualSimEngine(StepEngine):
             cost = decode_seconds(self.params, len(batch.decode))
         result = StepResult(prefill_tokens=batch.prefill_tokens, seconds=cost)
         for req in batch.requests:
-            result.outputs[req.request_id] = self.next_token(req)
+            result.outputs[req.seq_id] = self.next_token(req)
         self.busy_seconds += cost
         return result
 

@@ -39,7 +39,7 @@ def finish(sched: Any, req: Any, now: float, status: Any = None) -> list[Any]:
     outputs are published and returned."""
     from switchyard.dispatcher.request import RequestStatus
 
-    outputs = sched.finish_requests([req.request_id], status or RequestStatus.FINISHED_STOPPED, now)
+    outputs = sched.finish_requests([req.seq_id], status or RequestStatus.FINISHED_STOPPED, now)
     for out in outputs:
         out.publish()
     return outputs

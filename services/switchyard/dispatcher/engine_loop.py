@@ -131,7 +131,7 @@ class LoopBase:
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
-        self._publish(self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED,
+        self._publish(self.scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
                                                      time.monotonic()))
         self._wake.set()
 
@@ -233,7 +233,7 @@ class LoopBase:
     def _cancel_all(self) -> None:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
-        ids = [req.request_id for req in [*self.scheduler.running, *self.scheduler.waiting]]
+        ids = [req.seq_id for req in [*self.scheduler.running, *self.scheduler.waiting]]
         self._publish(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED, now))
 
     async def _wait(self, timeout: float | None) -> None:
@@ -483,7 +483,7 @@ class StepLoop(LoopBase):
                 self._publish(out.outputs)
             else:
                 log.exception("engine step failed for %d requests", len(batch.requests))
-                self._publish(scheduler.finish_requests([s.request_id for s in batch.requests],
+                self._publish(scheduler.finish_requests([s.seq_id for s in batch.requests],
                                                         RequestStatus.FINISHED_ERROR, now, exc))
             return None
         if result is None:

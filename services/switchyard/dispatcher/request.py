@@ -25,6 +25,7 @@ never repeats or loses a token.
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ _STATUS_OF_REASON = {
     "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
 }
 
+_SEQ_IDS = itertools.count(1)
+
 _WORD_PIECE = re.compile(r"\s*\S+|\s+$")
 
 
@@ -152,6 +155,7 @@ class Request:
     """
 
     request_id: str
+    """The caller's id (orchestrator: ``task_id:step``); not unique: a caller may reuse it."""
     prompt: str = ""
     messages: list[Message] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
@@ -240,6 +244,11 @@ class Request:
     usage_prompt_tokens: int | None = None
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""
     usage_completion_tokens: int | None = None
+
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    """The dispatcher's own id of this request, unique in the process (after vLLM's internal request id):
+    what the scheduler's registry and an engine's :class:`~switchyard.dispatcher.engines.base.StepResult`
+    are keyed by, whatever the caller's ``request_id``."""
 
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""

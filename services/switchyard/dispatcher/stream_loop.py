@@ -156,7 +156,7 @@ class StreamLoop(LoopBase):
                 last = req.last_token_at
                 seq = stream_item_output(item)
                 ended = seq.eos or seq.length_capped
-                outputs = scheduler.update_from_output(batch, StepResult({req.request_id: seq}), now)
+                outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
                 self._publish(outputs, stats=any(out.finished for out in outputs))  # not per token
                 if isinstance(item, str):
                     self.limit.on_tokens(1, now)
@@ -167,14 +167,14 @@ class StreamLoop(LoopBase):
                         metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(now - last)
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
                 seq = SeqOutput(eos=True)
-                self._publish(scheduler.update_from_output(batch, StepResult({req.request_id: seq}),
+                self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
                                                            time.monotonic()))
         except asyncio.CancelledError:
-            self._publish(scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED,
+            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
                                                     time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            self._publish(scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR,
+            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ERROR,
                                                     time.monotonic(), exc))
         finally:
             if first:

@@ -8,7 +8,7 @@ writes the report into its requests. An engine mutates no request.
 - :class:`StepEngine`: engines that run the model one iteration at a time
   over a batch (``sim`` and ``torch``). :meth:`StepEngine.execute_model`
   takes a :class:`StepBatch` (what to prefill, how many prompt tokens each,
-  what to decode) and returns a :class:`StepResult` (per request id: new token
+  what to decode) and returns a :class:`StepResult` (per ``Request.seq_id``: new token
   texts and their visibility, tool calls, whether the model emitted
   end-of-sequence, the KV prefix computed; the step's prompt tokens and
   seconds). What an engine can do is declared as class flags
@@ -95,10 +95,10 @@ class SeqOutput:
 
 @dataclass
 class StepResult:
-    """What :meth:`StepEngine.execute_model` returns: per request id, its :class:`SeqOutput`; the
+    """What :meth:`StepEngine.execute_model` returns: per ``Request.seq_id``, its :class:`SeqOutput`; the
     prompt tokens computed and the engine seconds the step took."""
 
-    outputs: dict[str, SeqOutput] = field(default_factory=dict)
+    outputs: dict[int, SeqOutput] = field(default_factory=dict)
     prefill_tokens: int = 0
     seconds: float = 0.0
 

@@ -71,7 +71,7 @@ class EngineDriver:
         outputs = []
         prefilled = {id(req) for req, _ in batch.prefill}
         for req in batch.requests:
-            seq = result.outputs.get(req.request_id)
+            seq = result.outputs.get(req.seq_id)
             if seq is None or req.is_finished:
                 continue
             out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now,

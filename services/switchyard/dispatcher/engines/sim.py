@@ -510,17 +510,17 @@ class SimEngine(StepEngine):
         result = StepResult(prefill_tokens=tokens, seconds=self.busy_seconds - before)
         self._prefilled(prefill, result)
         for req in decode:
-            result.outputs[req.request_id] = self._next(req)
+            result.outputs[req.seq_id] = self._next(req)
         return result
 
     def _prefilled(self, prefill: list[tuple[Request, int]], result: StepResult) -> None:
         """After a prefill: chunks advance, complete prefixes cache their prompt blocks and get a token."""
         for req, n in prefill:
             if n < req.num_uncomputed_tokens:  # part of its prompt: it goes on in the next step
-                result.outputs[req.request_id] = SeqOutput(num_computed_tokens=req.num_computed_tokens + n)
+                result.outputs[req.seq_id] = SeqOutput(num_computed_tokens=req.num_computed_tokens + n)
                 continue
             self.kv.cache_prompt(req)
-            result.outputs[req.request_id] = self._next(req)
+            result.outputs[req.seq_id] = self._next(req)
 
     def decode_bound_tokens_per_s(self, batch_size: int) -> float:
         """The model's decode bound at ``batch_size`` sequences: ``batch_size / decode_seconds(batch_size)``, tokens/s.
@@ -626,7 +626,7 @@ class SimEngine(StepEngine):
         finally:
             flight.paused += loop.time() - paused_at
         for job, future in jobs:
-            mine = {s.request_id for s, _ in job}
+            mine = {s.seq_id for s, _ in job}
             _resolve(future, StepResult({k: v for k, v in result.outputs.items() if k in mine},
                                         result.prefill_tokens, result.seconds))
 

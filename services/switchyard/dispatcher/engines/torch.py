@@ -361,7 +361,7 @@ class TorchEngine(StepEngine):
                 continue
             state, error = self._state(req)
             if state is None:
-                result.outputs[req.request_id] = SeqOutput(error=error)
+                result.outputs[req.seq_id] = SeqOutput(error=error)
                 continue
             if req not in self._caches:
                 self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
@@ -462,7 +462,7 @@ class TorchEngine(StepEngine):
         self.busy_seconds += seconds
         for req, token_id in zip(reqs, next_ids):
             if not req.is_finished:
-                result.outputs[req.request_id] = self._next(req, token_id)
+                result.outputs[req.seq_id] = self._next(req, token_id)
 
     def _sampling_key(self, req: Request) -> int | None:
         """Seed of the next token's draw (None: greedy)."""
@@ -541,7 +541,7 @@ class TorchEngine(StepEngine):
             for req in nested.reqs:
                 token_id = next(ids)
                 if not req.is_finished:
-                    result.outputs[req.request_id] = self._next(req, token_id)
+                    result.outputs[req.seq_id] = self._next(req, token_id)
             _settle(nested.future, result)
 
     def _choose(self, logits: torch.Tensor, keys: list[int | None]) -> list[int]:

@@ -119,7 +119,7 @@ class Scheduler(Protocol):
         Raises:
             DispatcherClosed: draining (UNAVAILABLE).
             QueueFullError: ``queues.inference.capacity`` requests wait already (RESOURCE_EXHAUSTED).
-            InvalidArgument: it could never fit the engine, or its ``request_id`` is in flight.
+            InvalidArgument: it could never fit the engine (``max_tokens``).
         """
 
     def schedule(self, now: float) -> SchedulerOutput:
@@ -145,9 +145,9 @@ class Scheduler(Protocol):
             one output per request that produced something or ended, in ``batch`` order.
         """
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus, now: float,
+    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
-        """End the requests held under ``request_ids`` with ``status`` wherever they are; idempotent.
+        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` wherever they are; idempotent.
 
         Returns:
             their outputs (each ``finished``).

@@ -297,9 +297,7 @@ class SchedulerCore:
         if why is not None:
             tier_metrics.OOM_AVOIDED.inc()
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
-        if req.request_id in self._requests:
-            raise InvalidArgument("request_id", "an id no request in flight has", req.request_id)
-        self._requests[req.request_id] = req
+        self._requests[req.seq_id] = req
         req.enqueued_at = now
         req.status = RequestStatus.BUFFERED
         self._queued += 1
@@ -634,7 +632,7 @@ class SchedulerCore:
         """
         prefilled = {id(req) for req, _ in batch.prefill}
         for req in batch.requests:
-            seq = result.outputs.get(req.request_id)
+            seq = result.outputs.get(req.seq_id)
             if seq is None or req.status not in (RUNNING, PREEMPTING):
                 continue
             out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now, kv=self.kv,
@@ -651,13 +649,13 @@ class SchedulerCore:
         then the prompt tokens each prefill computes, chunked under ``budget`` when given)."""
         return compose_batch(self.kv, prefill, decode, budget)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus, now: float,
+    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
-        """End the requests held under ``request_ids`` with ``status`` (``FINISHED_ABORTED``: the caller
+        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` (``FINISHED_ABORTED``: the caller
         went away; ``FINISHED_ERROR`` with ``error``), wherever they are: free their place and KV.
         Unknown or finished ids are skipped (idempotent). Returns their outputs."""
-        for request_id in request_ids:
-            req = self._requests.get(request_id)
+        for seq_id in seq_ids:
+            req = self._requests.get(seq_id)
             if req is not None:
                 self._end(req, now, status, error)
         return self._drain()
@@ -683,7 +681,7 @@ class SchedulerCore:
         req.status = status
         if error is not None:
             req.error = error
-        self._requests.pop(req.request_id, None)
+        self._requests.pop(req.seq_id, None)
         if state is RUNNING:
             self._stop(req, now)
             self._learn(req)
@@ -948,7 +946,7 @@ class SchedulerCore:
             req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
                                           "admission to the engine")
             req.status = RequestStatus.FINISHED_ERROR
-            self._requests.pop(req.request_id, None)
+            self._requests.pop(req.seq_id, None)
             self._outbox.append(RequestOutput(req, finished=True))
             self._leave_queue(req)
             self._end_handover(req)
