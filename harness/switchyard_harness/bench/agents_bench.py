@@ -73,6 +73,7 @@ from switchyard_harness.bench.program_policies import render as render_policies
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import decode_seconds
+from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.capacity import KvBudget
@@ -286,6 +287,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
              for name, _ in CLASSES}
     if ended != result.started:
         raise RuntimeError(f"tasks started {result.started} but completed + failed + unfinished {ended}")
+    publish_stats(sched.make_stats())  # what the scheduler counted since the last turn's report
     after = _counters()
     sched.shutdown()
     await tiers.aclose()

@@ -122,7 +122,7 @@ async def _kv_full(service: Any, stub: Any, samples: int, batch: int, running: i
                    output: int) -> dict[str, Any]:
     """Core TTFT while ``batch`` BATCH workers' long requests fill the KV budget (``running`` of them fit)."""
     from switchyard.dispatcher.scheduler.capacity import KvBudget
-    from switchyard.dispatcher.scheduler.metrics import PREEMPTIONS
+    from switchyard.dispatcher.metrics import PREEMPTIONS
 
     scheduler = service.scheduler
     budget = scheduler.capacity

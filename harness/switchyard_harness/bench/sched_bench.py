@@ -72,6 +72,7 @@ from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfi
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.engines.sim import ModelledKV, decode_seconds, prefill_seconds
+from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.request import Request
 from switchyard.common.dram import DramClient
@@ -217,6 +218,7 @@ async def schedule_turn(sched: Any, tiers: MemoryTiers, t: float) -> tuple[float
     (the clock after the transfers, the running set, the swap seconds owed).
     """
     out = sched.schedule(t)  # preempted requests have lost their KV already (or swapped it out)
+    publish_stats(sched.make_stats())  # as the step loop does: the scheduler's counts reach the metrics
     for req in out.restore:
         await tiers.restore(req)
     owed = tiers.take_owed_seconds()

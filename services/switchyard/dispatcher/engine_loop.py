@@ -57,6 +57,13 @@ A step that fails with a real out-of-memory error (CUDA's
 ``scheduler.on_oom``, which preempts its requests and evicts: the process
 and the tasks go on.
 
+The loop owns the scheduler's telemetry: after each scheduler call that
+changes what it reports it publishes ``scheduler.make_stats()``
+(:func:`switchyard.dispatcher.metrics.publish_stats`: gauges, the increase of
+the scheduler's counters, its observations) and makes one ``dispatcher.batch``
+span per batch the double buffer flushed meanwhile; the compute-score gauge
+re-samples the scheduler's monitor at scrape time once the loop has started.
+
 :class:`LoopBase` holds what the step loop and the stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the busy
 ratio, drain and stop.
@@ -78,6 +85,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult, StreamEngine
+from switchyard.dispatcher.scheduler.base import BatchFlush
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, request_links
 
@@ -92,6 +100,21 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """A real device allocation failure: ``torch.cuda.OutOfMemoryError`` (matched by name, so torch need
     not be imported) or ``MemoryError``."""
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def batch_spans(flushed: list[BatchFlush]) -> None:
+    """One ``dispatcher.batch`` span per flushed batch: a root span (a batch has no single parent) linked to
+    every member's request span, whichever request's handler happened to trigger the flush; attributes
+    ``switchyard.batch_size`` and ``switchyard.flush_reason``. It starts at the flush (``flush.at``,
+    monotonic seconds) and ends now."""
+    now_ns, mono = time.time_ns(), time.monotonic()
+    for flush in flushed:
+        start = now_ns - int(max(0.0, mono - flush.at) * 1e9)
+        tracer.start_span(
+            "dispatcher.batch", context=otel_context.Context(), links=request_links(flush.members),
+            attributes={"switchyard.batch_size": len(flush.members), "switchyard.flush_reason": flush.reason.label},
+            start_time=start,
+        ).end()
 
 
 class LoopBase:
@@ -126,8 +149,10 @@ class LoopBase:
             DispatcherClosed, QueueFullError, InvalidArgument: see
                 :meth:`SchedulerCore.add_request`.
         """
-        self.scheduler.add_request(req, time.monotonic())
-        self._publish_stats()
+        try:
+            self.scheduler.add_request(req, time.monotonic())
+        finally:  # a refusal is counted too
+            self._publish_stats()
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
@@ -144,12 +169,19 @@ class LoopBase:
             self._publish_stats()
 
     def _publish_stats(self) -> None:
-        metrics.publish_stats(self.scheduler.make_stats())
+        """Publish the scheduler's report (:meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats`) to
+        the metrics, and make the span of each batch it flushed since the last report."""
+        stats = self.scheduler.make_stats()
+        metrics.publish_stats(stats)
+        if stats.events.flushed:
+            batch_spans(stats.events.flushed)
 
     def start(self) -> None:
-        """Start the loop task on the running event loop (idempotent)."""
+        """Start the loop task on the running event loop (idempotent); from then on the compute-score gauge
+        re-samples the scheduler's monitor at scrape time."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"dispatcher-{type(self).__name__}")
+            metrics.publish_compute_score_at_scrape(self.scheduler.monitor)
 
     async def drain(self) -> None:
         """Refuse new requests, run everything accepted to its end, then return."""

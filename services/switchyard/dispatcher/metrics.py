@@ -1,12 +1,18 @@
-"""Prometheus metrics of the dispatcher: batching, engine, latency and per-task use.
+"""Prometheus metrics of the dispatcher: batching, engine, latency, scheduling and per-task use.
 
 Names follow Prometheus conventions (``switchyard_`` prefix, base units:
 seconds, bytes, ratios 0-1). Queue depth and wait of the inference queue use
 the shared ``switchyard_queue_*`` metrics with ``queue="inference"``. The
-per-task ``switchyard_task_compute_score_used`` and
-``switchyard_task_memory_peak_bytes`` histograms, and the per-class running,
-waiting and preemption metrics, are recorded by the scheduler, which does the
-accounting (``switchyard.dispatcher.scheduler.metrics``).
+compute score is the exception to "ratios 0-1": it is published on the 0-100
+scale that ``scheduler_config.json``'s thresholds use, so dashboards and the HPA
+target (60) read the same numbers as the config.
+
+The scheduler (:mod:`switchyard.dispatcher.scheduler`) records no metric: it
+counts and observes as plain data, and the step loop publishes what
+``make_stats()`` reports (:func:`publish_stats`): its gauges, the increase of its
+counters, its observations. The memory tiers' own metrics are
+:mod:`switchyard.dispatcher.tiers.metrics` (the HBM tier's counters among them,
+published here from the scheduler's counts).
 """
 
 from __future__ import annotations
@@ -15,11 +21,17 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from switchyard.common.metrics import QUEUE_DEPTH, TTFT_BUCKETS
+from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT, TTFT_BUCKETS
 from switchyard.common.priority import LABELS as PRIORITY_LABELS
+from switchyard.dispatcher.double_buffer import FlushReason
+from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.scheduler.base import SchedulerStats
+    from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
+
+QUEUE_NAME = "inference"
+"""The ``queue`` label of the scheduler's queue in the shared ``switchyard_queue_*`` metrics."""
 
 # Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -77,20 +89,222 @@ PREFIX_CACHE_BYTES = Gauge(
 TTFT_BY_CLASS = {_class: TTFT.labels(_class) for _class in PRIORITY_CLASSES}
 INTER_TOKEN_LATENCY_BY_CLASS = {_class: INTER_TOKEN_LATENCY.labels(_class) for _class in PRIORITY_CLASSES}
 
+# --------------------------------------------------------------------------- scheduling
+
+RUNNING_AGENTS = Gauge(
+    "switchyard_running_agents",
+    "Sequences holding a running slot on the engine, by priority class.",
+    ["priority_class"],
+)
+WAITING_AGENTS = Gauge(
+    "switchyard_waiting_agents", "Sequences waiting for admission, by priority class.", ["priority_class"]
+)
+PARKED_AGENTS = Gauge(
+    "switchyard_parked_agents", "react_loop agents waiting on a tool: no running slot, prefix state kept warm."
+)
+PARKED_KV_BYTES = Gauge("switchyard_parked_kv_bytes", "Bytes of prefix state kept warm for agents waiting on a tool.")
+ADMISSIONS_REFUSED = Counter(
+    "switchyard_admissions_refused_total",
+    "Scheduling decisions that left work waiting, by the reason the head of the queue was refused "
+    "(admission_wave: max_admitted_per_decision admitted in this decision; compute_score: score + expected score "
+    ">= high_load_threshold; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
+    "upstream's adaptive concurrency limit is reached; upstream_core_reserve: only the upstream slots held back "
+    "for CORE are left, a NORMAL or BATCH head waits).",
+    ["reason"],
+)
+for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency", "upstream_core_reserve"):
+    ADMISSIONS_REFUSED.labels(_reason)
+PREEMPTIONS = Counter(
+    "switchyard_preemptions_total", "Running sequences preempted for waiting core work, by the victim's class.",
+    ["priority_class"],
+)
+DEADLINES_EXCEEDED = Counter(
+    "switchyard_request_deadline_exceeded_total",
+    "Requests failed DEADLINE_EXCEEDED by the scheduler when their own deadline passed (waiting or running), "
+    "by priority class.",
+    ["priority_class"],
+)
+RESUMES = Counter(
+    "switchyard_resumes_total",
+    "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_restored / "
+    "tool_cold (a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM "
+    "tier, or lost).",
+    ["kind"],
+)
+TOOL_WAIT_EXPIRED = Counter(
+    "switchyard_tool_wait_expired_total", "Parked agents whose prefix state was released when tool_wait_ttl_s ran out."
+)
+PARKED_EVICTED = Counter(
+    "switchyard_parked_evicted_total",
+    "Parked agents whose prefix state was released early to make room in the HBM budget for running work.",
+)
+COMPUTE_SCORE = Gauge(
+    "switchyard_compute_score",
+    "GPU compute score on a 0-100 scale (not a ratio: the scale of scheduler_config.json's thresholds): "
+    "weighted sum of NVML GPU, memory-bandwidth and estimated tensor utilisation in percent.",
+)
+GPU_UTILIZATION = Gauge("switchyard_gpu_utilization_ratio", "NVML GPU utilisation (share of time a kernel ran), 0-1.")
+GPU_MEMORY_UTILIZATION = Gauge(
+    "switchyard_gpu_memory_utilization_ratio",
+    "NVML memory utilisation (share of time memory was read or written), 0-1.",
+)
+GPU_AVAILABLE = Gauge(
+    "switchyard_gpu_available",
+    "1 when NVML reads the GPU; 0 when the compute score falls back to the engine busy ratio.",
+)
+EXPECTED_SCORE = Gauge(
+    "switchyard_expected_compute_score",
+    "Learned compute score a task of this type adds while running (0-100 scale), used by admission.",
+    ["task_type"],
+)
+TASK_COMPUTE_SCORE_USED = Histogram(
+    "switchyard_task_compute_score_used",
+    "Per-task compute score x seconds consumed while running (score-seconds: the task's share of the score).",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 50, 100, 500, 1000),
+)
+TASK_MEMORY_PEAK_BYTES = Histogram(
+    "switchyard_task_memory_peak_bytes",
+    "Per-task peak KV/prefix-state bytes.",
+    buckets=tuple(float(1 << s) for s in range(20, 37, 2)),  # 1 MiB .. 64 GiB
+)
+
+for _class in PRIORITY_LABELS:  # counters with a known label set start at 0
+    PREEMPTIONS.labels(_class)
+    DEADLINES_EXCEEDED.labels(_class)
+for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
+    RESUMES.labels(_kind)
+
+TOOL_WAIT_DECISIONS = Counter(
+    "switchyard_tool_wait_decisions_total",
+    "Tool-wait decisions at tool start (scheduler.tool_wait): keep the agent's KV in HBM for the expected wait, "
+    "swap it to the DRAM tier, or drop it and recompute at resume; by decision.",
+    ["decision"],
+)
+TOOL_WAIT_EXPECTED_SECONDS = Histogram(
+    "switchyard_tool_wait_expected_seconds",
+    "Expected tool waits the orchestrator reported at tool start, seconds.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+for _decision in ("keep", "swap", "drop"):
+    TOOL_WAIT_DECISIONS.labels(_decision)
+
+for _reason in FlushReason:
+    FLUSHES.labels(_reason.label)
+for _reason in ("full", "timeout"):
+    QUEUE_REJECTED.labels(QUEUE_NAME, _reason)
+QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
+QUEUE_WAIT_INFERENCE = QUEUE_WAIT.labels(QUEUE_NAME)
+
+_HBM = "hbm"
+_LABELLED = (  # SchedulerCounters field -> the counter family its per-label counts increase
+    ("flushes", FLUSHES),
+    ("admissions_refused", ADMISSIONS_REFUSED),
+    ("preemptions", PREEMPTIONS),
+    ("deadlines_exceeded", DEADLINES_EXCEEDED),
+    ("resumes", RESUMES),
+    ("tool_wait_decisions", TOOL_WAIT_DECISIONS),
+)
+_PLAIN = (  # SchedulerCounters field -> the counter it increases
+    ("tool_wait_expired", TOOL_WAIT_EXPIRED),
+    ("parked_evicted", PARKED_EVICTED),
+    ("hbm_hits", tier_metrics.TIER_HITS.labels(_HBM)),
+    ("hbm_misses", tier_metrics.TIER_MISSES.labels(_HBM)),
+    ("hbm_evictions", tier_metrics.TIER_EVICTIONS.labels(_HBM)),
+    ("hbm_scans", tier_metrics.SCANS.labels(_HBM)),
+    ("kv_oom_avoided", tier_metrics.OOM_AVOIDED),
+    ("kv_oom", tier_metrics.OOM),
+    ("defragmentations", tier_metrics.DEFRAGMENTATIONS),
+    ("defrag_freed_bytes", tier_metrics.DEFRAG_FREED_BYTES),
+    ("restored_tokens", tier_metrics.RESTORED_TOKENS),
+    ("recomputed_tokens", tier_metrics.RECOMPUTED_TOKENS),
+)
+
 
 def publish_stats(stats: "SchedulerStats") -> None:
-    """Set the scheduler's gauges from ``make_stats()`` (the step loop calls it after each decision and
-    whenever requests end): running and waiting requests by priority class and in all, the inference
-    queue's depth, and the HBM tier's bytes."""
-    from switchyard.dispatcher.scheduler import metrics as scheduler_metrics
-    from switchyard.dispatcher.tiers import metrics as tier_metrics
+    """Publish one :meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats` report (the step loop
+    calls it after each scheduler call that changes what it reports).
 
+    Gauges are set to the state reported: running and waiting requests by priority class and in all, the
+    inference queue's depth and capacity, parked agents and their bytes, the HBM tier's bytes, the compute
+    score (while no monitor is published at scrape time: :func:`publish_compute_score_at_scrape`), the
+    GPU readings, the KV fragmentation ratio, the learned expected scores. Counters are increased by what
+    the report counted since the previous one (``stats.counters``), histograms observe its events
+    (``stats.events``). Spans are the loop's (``dispatcher.batch`` per flushed batch).
+    """
+    global _published_score, _scraped
     for name, count in stats.running.items():
-        scheduler_metrics.RUNNING_AGENTS.labels(name).set(count)
+        RUNNING_AGENTS.labels(name).set(count)
     for name, count in stats.waiting.items():
-        scheduler_metrics.WAITING_AGENTS.labels(name).set(count)
+        WAITING_AGENTS.labels(name).set(count)
     RUNNING_SEQUENCES.set(stats.num_running)
     WAITING_SEQUENCES.set(stats.num_waiting)
-    QUEUE_DEPTH.labels("inference").set(stats.num_queued)
+    QUEUE_DEPTH.labels(QUEUE_NAME).set(stats.num_queued)
+    QUEUE_CAPACITY.labels(QUEUE_NAME).set(stats.queue_capacity)
+    PARKED_AGENTS.set(stats.parked)
+    PARKED_KV_BYTES.set(stats.parked_kv_bytes)
     if stats.hbm_held_bytes is not None:
-        tier_metrics.TIER_BYTES.labels("hbm").set(stats.hbm_held_bytes)
+        tier_metrics.TIER_BYTES.labels(_HBM).set(stats.hbm_held_bytes)
+    _published_score = stats.compute_score
+    if _scraped is not None and _scraped.closed:  # a closed monitor shows its last score until now
+        _scraped = None
+    if stats.gpu_available is not None:
+        GPU_AVAILABLE.set(1 if stats.gpu_available else 0)
+    if stats.gpu_utilization is not None:
+        GPU_UTILIZATION.set(stats.gpu_utilization)
+    if stats.gpu_memory_utilization is not None:
+        GPU_MEMORY_UTILIZATION.set(stats.gpu_memory_utilization)
+    tier_metrics.FRAGMENTATION.set(stats.fragmentation_ratio)
+    for task_type, value in stats.expected_scores.items():
+        EXPECTED_SCORE.labels(task_type).set(value)
+
+    counted = vars(stats.counters)
+    for name, family in _LABELLED:
+        for label, n in counted[name].items():
+            family.labels(label).inc(n)
+    for label, n in stats.counters.queue_rejections.items():
+        QUEUE_REJECTED.labels(QUEUE_NAME, label).inc(n)
+    for name, counter in _PLAIN:
+        n = counted[name]
+        if n:
+            counter.inc(n)
+
+    events = stats.events
+    for flush in events.flushed:
+        BATCH_SIZE.observe(len(flush.members))
+    for wait in events.queue_waits_s:
+        QUEUE_WAIT_INFERENCE.observe(wait)
+    for wait in events.tool_wait_expected_s:
+        TOOL_WAIT_EXPECTED_SECONDS.observe(wait)
+    for used in events.task_compute_score_used:
+        TASK_COMPUTE_SCORE_USED.observe(used)
+    for peak in events.task_memory_peak_bytes:
+        TASK_MEMORY_PEAK_BYTES.observe(peak)
+
+
+_scraped: "ComputeScoreMonitor | None" = None
+"""The monitor ``switchyard_compute_score`` re-samples at scrape time (:func:`publish_compute_score_at_scrape`)."""
+_published_score = 0.0
+"""The compute score of the last report published (:func:`publish_stats`)."""
+
+
+def publish_compute_score_at_scrape(monitor: "ComputeScoreMonitor") -> None:
+    """Make ``switchyard_compute_score`` re-sample ``monitor`` (its ``scrape()``) whenever it is collected,
+    so an autoscaler reads the load of the last sample interval, not of the scheduler's last decision.
+
+    The gauge is process-wide (one dispatcher per process in production). Once ``monitor`` is closed it
+    shows the monitor's last score until the next :func:`publish_stats`, which then shows the reports'
+    scores again. The step loop calls this when it starts; schedulers stepped on a simulated clock are
+    never re-sampled on the wall clock.
+    """
+    global _scraped
+    _scraped = monitor
+
+
+def _compute_score() -> float:
+    monitor = _scraped
+    if monitor is None:
+        return _published_score
+    return monitor.score if monitor.closed else monitor.scrape()
+
+
+COMPUTE_SCORE.set_function(_compute_score)

@@ -275,7 +275,6 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             assert self.limit is not None
             self.loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
         self.loop.start()
-        self.scheduler.monitor.publish_at_scrape()  # the HPA's gpu_compute_score is read when scraped
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )

@@ -30,7 +30,6 @@ from collections import Counter
 
 from switchyard.common.config import SchedulerConfig
 from switchyard.common.metrics import TASK_TYPES, bounded
-from switchyard.dispatcher.scheduler import metrics
 
 ADMISSION_WAVE = "admission_wave"
 """Refusal reason: ``max_admitted_per_decision`` requests were admitted in this decision already."""
@@ -66,11 +65,10 @@ class ExpectedScores:
         key = bounded(task_type, TASK_TYPES)
         value = self.get(task_type) + self.alpha * (observed - self.get(task_type))
         self._values[key] = value
-        metrics.EXPECTED_SCORE.labels(key).set(value)
         return value
 
     def snapshot(self) -> dict[str, float]:
-        """Learned values by task type (types never seen are absent)."""
+        """Learned values by task type (types never seen are absent): ``switchyard_expected_compute_score``."""
         return dict(self._values)
 
 
@@ -80,14 +78,17 @@ class Admission:
     Args:
         config: ``scheduler_config.json`` (max_admitted_per_decision,
             high_load_threshold, expected_score_initial, expected_score_ema_alpha).
+        refusals: where refusals are counted, by reason (the scheduler's
+            :attr:`~.base.SchedulerCounters.admissions_refused`); default a counter of its own.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, refusals: Counter[str] | None = None) -> None:
         self.max_running = config.max_admitted_per_decision
         self.high_load_threshold = config.admission_score_limit
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
-        self.refusals: Counter[str] = Counter()
-        """Refusals so far, by reason (:data:`ADMISSION_WAVE`, :data:`COMPUTE_SCORE`, and the capacity's)."""
+        self.refusals: Counter[str] = refusals if refusals is not None else Counter()
+        """Refusals so far, by reason (:data:`ADMISSION_WAVE`, :data:`COMPUTE_SCORE`, and the capacity's):
+        ``switchyard_admissions_refused_total``, published by the loop."""
 
     def check(self, task_type: str, num_running: int, projected_score: float, wave: int = 0) -> str | None:
         """None when a task of ``task_type`` may start now, else the refusal reason.
@@ -108,4 +109,3 @@ class Admission:
     def refuse(self, reason: str) -> None:
         """Count one decision that left work waiting for ``reason``."""
         self.refusals[reason] += 1
-        metrics.ADMISSIONS_REFUSED.labels(reason).inc()

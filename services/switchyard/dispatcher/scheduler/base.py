@@ -25,8 +25,15 @@ once when the queue is full), :meth:`Scheduler.finish_requests` (the caller went
 away, the engine failed), :meth:`Scheduler.make_stats` (what the loop publishes
 to the metrics after each decision). Every call that ends requests returns
 their outputs; nothing inside the scheduler writes to a stream, starts a timer,
-or touches asyncio: the loop owns time (the double buffer's flush-interval
-timer included: :attr:`Scheduler.flush_deadline`).
+touches asyncio, records a metric or makes a span: the loop owns time (the
+double buffer's flush-interval timer included: :attr:`Scheduler.flush_deadline`)
+and telemetry. The scheduler records what happened as plain data
+(:class:`SchedulerCounters`, :class:`SchedulerEvents`), reported by
+:meth:`Scheduler.make_stats`; the loop publishes it as Prometheus metrics
+(:func:`switchyard.dispatcher.metrics.publish_stats`) and makes the
+``dispatcher.batch`` span of each flushed batch (``tests/test_scheduler_purity.py``
+checks that no module of this package imports ``prometheus_client``,
+``opentelemetry`` or ``asyncio``).
 
 The scheduler is composed, not inherited, of: a request queue per policy
 (:mod:`.request_queue`: the policy's ``order_key``), the compute-score
@@ -41,17 +48,19 @@ the benchmarks drive a simulated clock.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from switchyard.common.priority import LABELS
+from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.engines.base import StepBatch, StepResult
 
-__all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "Scheduler", "SchedulerOutput", "SchedulerStats", "class_rank",
-           "should_park"]
+__all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
+           "SchedulerOutput", "SchedulerStats", "class_rank", "should_park"]
 
 CLASS_ORDER: tuple[str, ...] = LABELS
 """Priority class labels, most important first (:class:`switchyard.common.priority.PriorityClass`)."""
@@ -81,15 +90,116 @@ def should_park(req: Request) -> bool:
 
 
 @dataclass
-class SchedulerStats:
-    """What :meth:`Scheduler.make_stats` reports after a decision; the loop publishes it as gauges
-    (after vLLM's ``SchedulerStats`` in ``vllm/v1/metrics/stats.py``).
+class SchedulerCounters:
+    """What the scheduler has counted, as plain numbers: each field only grows. The step loop publishes
+    the increase between two reports as the Prometheus counter named beside it
+    (:func:`switchyard.dispatcher.metrics.publish_stats`).
 
-    ``running`` / ``waiting``: requests by priority class label (core, normal, batch; waiting excludes
-    the double buffer); ``num_waiting``: waiting plus buffered; ``num_queued``: accepted and never
-    admitted (the inference queue's depth); ``parked``, ``parked_kv_bytes``: react_loop agents waiting on
-    a tool and the bytes of prefix state kept warm for them; ``hbm_held_bytes``: bytes the KV budget holds
-    (None: the capacity counts no bytes); ``compute_score``: 0-100, read at the last decision.
+    Per-label counts are :class:`collections.Counter` keyed by the label value, always from a bounded
+    set: ``flushes`` by flush reason (:data:`~switchyard.dispatcher.double_buffer.FLUSH_REASON_LABELS`;
+    ``switchyard_flushes_total``), ``queue_rejections`` by reason (full, timeout;
+    ``switchyard_queue_rejected_total{queue="inference"}``), ``admissions_refused`` by reason (the
+    admission rule's and the capacity's; ``switchyard_admissions_refused_total``), ``preemptions`` and
+    ``deadlines_exceeded`` by the request's priority class (``switchyard_preemptions_total``,
+    ``switchyard_request_deadline_exceeded_total``), ``resumes`` by kind (preempted, tool_warm,
+    tool_restored, tool_cold; ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
+    swap, drop; ``switchyard_tool_wait_decisions_total``).
+
+    Plain counts: parked agents whose state left HBM at TTL expiry (``tool_wait_expired``) or to make
+    room (``parked_evicted``); the HBM tier's lookups found (``hbm_hits``) and not found
+    (``hbm_misses``), KV state dropped or moved out of it (``hbm_evictions``) and its scans
+    (``hbm_scans``; ``switchyard_tier_*_total{tier="hbm"}``); admissions refused because the KV would
+    not fit even after eviction (``kv_oom_avoided``), real device allocation failures (``kv_oom``), KV
+    block-table compactions and the bytes they gave back (``defragmentations``,
+    ``defrag_freed_bytes``), and the prefix tokens of ended requests restored from a lower tier or
+    computed again (``restored_tokens``, ``recomputed_tokens``; counted when the request ends).
+    """
+
+    flushes: Counter[str] = field(default_factory=Counter)
+    queue_rejections: Counter[str] = field(default_factory=Counter)
+    admissions_refused: Counter[str] = field(default_factory=Counter)
+    preemptions: Counter[str] = field(default_factory=Counter)
+    deadlines_exceeded: Counter[str] = field(default_factory=Counter)
+    resumes: Counter[str] = field(default_factory=Counter)
+    tool_wait_decisions: Counter[str] = field(default_factory=Counter)
+    tool_wait_expired: int = 0
+    parked_evicted: int = 0
+    hbm_hits: int = 0
+    hbm_misses: int = 0
+    hbm_evictions: int = 0
+    hbm_scans: int = 0
+    kv_oom_avoided: int = 0
+    kv_oom: int = 0
+    defragmentations: int = 0
+    defrag_freed_bytes: int = 0
+    restored_tokens: int = 0
+    recomputed_tokens: int = 0
+
+    def copy(self) -> "SchedulerCounters":
+        """An independent copy (the per-label counts copied too)."""
+        return SchedulerCounters(**{name: _copied(value) for name, value in vars(self).items()})
+
+    def since(self, earlier: "SchedulerCounters") -> "SchedulerCounters":
+        """What was counted after ``earlier`` (an earlier :meth:`copy` of these counters): field by field,
+        this minus ``earlier``; a per-label count keeps only the labels that grew."""
+        before = vars(earlier)
+        return SchedulerCounters(**{name: value - before[name] for name, value in vars(self).items()})
+
+
+def _copied(value: "Counter[str] | int") -> "Counter[str] | int":
+    return Counter(value) if isinstance(value, Counter) else value
+
+
+@dataclass
+class BatchFlush:
+    """One swap of the double buffer: its members in order, why it was flushed, and when (monotonic
+    seconds). The step loop makes the ``dispatcher.batch`` span from it."""
+
+    members: list[Request]
+    reason: FlushReason
+    at: float
+
+
+@dataclass
+class SchedulerEvents:
+    """What happened between two reports that is observed one by one (histograms, spans), in order.
+
+    ``flushed``: the batches the double buffer flushed (``switchyard_batch_size`` and the
+    ``dispatcher.batch`` span); ``queue_waits_s``: each request's wait from arrival to its first
+    admission, seconds (``switchyard_queue_wait_seconds{queue="inference"}``); ``tool_wait_expected_s``:
+    the expected tool waits of the tool-wait decisions, seconds (``switchyard_tool_wait_expected_seconds``);
+    ``task_compute_score_used`` / ``task_memory_peak_bytes``: per request that ended after running, its
+    compute score x seconds and its peak KV bytes (``switchyard_task_compute_score_used``,
+    ``switchyard_task_memory_peak_bytes``).
+    """
+
+    flushed: list[BatchFlush] = field(default_factory=list)
+    queue_waits_s: list[float] = field(default_factory=list)
+    tool_wait_expected_s: list[float] = field(default_factory=list)
+    task_compute_score_used: list[float] = field(default_factory=list)
+    task_memory_peak_bytes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    """What :meth:`Scheduler.make_stats` reports; the loop publishes it to the metrics (after vLLM's
+    ``SchedulerStats`` in ``vllm/v1/metrics/stats.py``, which its scheduler's ``make_stats`` also fills with
+    what was counted since the last call).
+
+    State now (gauges): ``running`` / ``waiting``: requests by priority class label (core, normal, batch;
+    waiting excludes the double buffer); ``num_waiting``: waiting plus buffered; ``num_queued``: accepted
+    and never admitted (the inference queue's depth); ``queue_capacity``: ``queues.inference.capacity``;
+    ``parked``, ``parked_kv_bytes``: react_loop agents waiting on a tool and the bytes of prefix state kept
+    warm for them; ``hbm_held_bytes``: bytes the KV budget holds (None: the capacity counts no bytes);
+    ``compute_score``: 0-100, read at the last decision; ``gpu_available``: True once NVML answered, False
+    once the compute score falls back to the engine, None before its first read; ``gpu_utilization`` /
+    ``gpu_memory_utilization``: the last NVML sample's GPU and memory utilisation, 0-1 (None: the last
+    sample was not NVML's); ``fragmentation_ratio``: the KV fragmentation ratio last computed (0-1;
+    recomputed at decisions about once a second); ``expected_scores``: the learned expected compute score
+    by task type (types never seen absent).
+
+    Since the previous report: ``counters`` (:class:`SchedulerCounters`: what was counted in between;
+    the scheduler's running totals are its ``counters``) and ``events`` (:class:`SchedulerEvents`).
     """
 
     running: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASS_ORDER, 0))
@@ -97,10 +207,18 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     num_queued: int = 0
+    queue_capacity: int = 0
     parked: int = 0
     parked_kv_bytes: int = 0
     hbm_held_bytes: int | None = None
     compute_score: float = 0.0
+    gpu_available: bool | None = None
+    gpu_utilization: float | None = None
+    gpu_memory_utilization: float | None = None
+    fragmentation_ratio: float = 0.0
+    expected_scores: dict[str, float] = field(default_factory=dict)
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    events: SchedulerEvents = field(default_factory=SchedulerEvents)
 
 
 @runtime_checkable
@@ -154,7 +272,8 @@ class Scheduler(Protocol):
         """
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's state now, for the loop to publish (:class:`SchedulerStats`)."""
+        """The scheduler's state now and what it counted and observed since the previous call, for the loop
+        to publish (:class:`SchedulerStats`); the loop is its one caller."""
 
     @property
     def waiting(self) -> list[Request]:

@@ -24,13 +24,16 @@ engine stands in for the GPU. An engine that models its own activity (the
 three readings (``score_without_nvml: engine_model``, the default; ``busy_ratio``
 uses the busy ratio alone); any other engine gives only its busy ratio for ``cuda_util``,
 bandwidth then counts 0 and the tensor estimate applies. The monitor says so
-once in the log and sets ``switchyard_gpu_available`` to 0. An NVML error never
-propagates: the monitor switches to the fallback for good.
+once in the log and reports ``gpu_available`` False (``switchyard_gpu_available``
+0). An NVML error never propagates: the monitor switches to the fallback for good.
 
-The gauge ``switchyard_compute_score`` is read at scrape time
-(:meth:`ComputeScoreMonitor.publish_at_scrape`): each scrape re-samples (at
-most every ``score_sample_interval_ms``), so an autoscaler reading it sees the
-load of the last sample interval, not the load of the scheduler's last decision.
+The monitor records no metric: the step loop publishes its readings
+(:func:`switchyard.dispatcher.metrics.publish_stats`), and makes the gauge
+``switchyard_compute_score`` call :meth:`ComputeScoreMonitor.scrape` at scrape
+time (:func:`switchyard.dispatcher.metrics.publish_compute_score_at_scrape`):
+each scrape re-samples (at most every ``score_sample_interval_ms``), so an
+autoscaler reading it sees the load of the last sample interval, not the load
+of the scheduler's last decision.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from types import ModuleType
 from typing import Any, Callable
 
 from switchyard.common.config import ComputeScoreWeights, SchedulerConfig
-from switchyard.dispatcher.scheduler import metrics
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +274,8 @@ class ComputeScoreMonitor:
         # The scheduler reads on the event loop, a Prometheus scrape on the metrics
         # server's thread: one sample window at a time.
         self._lock = threading.Lock()
-        self._published = False
+        self.closed = False
+        """True once :meth:`close` ran: NVML released, the gauge no longer re-samples this monitor."""
 
     def read(self, now: float) -> float:
         """The compute score (0-100) at ``now``; re-samples at most every sample interval."""
@@ -283,23 +286,7 @@ class ComputeScoreMonitor:
         """The compute score now (:meth:`read` at ``time.monotonic()``): the gauge's value at scrape time."""
         return self.read(time.monotonic())
 
-    def publish_at_scrape(self) -> None:
-        """Make ``switchyard_compute_score`` re-sample this monitor (:meth:`scrape`) whenever it is collected.
-
-        The gauge is process-wide and shows the monitor that read or was published
-        last (one dispatcher per process in production): re-sampled at scrape
-        time while it is published, its last score once :meth:`close` detached it.
-        Monitors never published (schedulers stepped on a simulated clock) are
-        shown as they read, never re-sampled on the wall clock.
-        """
-        global _latest
-        self._published = True
-        _latest = self
-        metrics.COMPUTE_SCORE.set_function(_collect)
-
     def _read(self, now: float) -> float:
-        global _latest
-        _latest = self
         if now < self._next_read:
             return self.score
         self._next_read = now + self.sample_interval_s
@@ -309,10 +296,6 @@ class ComputeScoreMonitor:
             sample = fallback
         self.sample = sample
         self.score = weighted_score(sample, self.weights)
-        metrics.COMPUTE_SCORE.set(self.score)
-        if sample.source.startswith("nvml"):
-            metrics.GPU_UTILIZATION.set(sample.cuda_util / 100.0)
-            metrics.GPU_MEMORY_UTILIZATION.set(sample.bandwidth_util / 100.0)
         return self.score
 
     def _read_nvml(self) -> UtilSample | None:
@@ -328,7 +311,6 @@ class ComputeScoreMonitor:
             return None
         if self.gpu_available is not True:
             self.gpu_available = True
-            metrics.GPU_AVAILABLE.set(1)
             log.info("compute score from NVML utilisation of GPU %d", self._reader.device_index)
         tensor = self._reader.read_tensor()
         if tensor is None:
@@ -340,26 +322,14 @@ class ComputeScoreMonitor:
         if self.gpu_available is False:
             return
         self.gpu_available = False
-        metrics.GPU_AVAILABLE.set(0)
         source = "its modelled utilisation" if self._activity.modelled else "its busy ratio"
         log.warning("GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
 
     def close(self) -> None:
         """Release NVML and stop re-sampling at scrape time (the gauge keeps the last score); never raises."""
-        self._published = False
+        self.closed = True
         if self._reader is not None:
             self._reader.close()
-
-
-_latest: ComputeScoreMonitor | None = None
-"""The monitor ``switchyard_compute_score`` shows once one was published (see publish_at_scrape)."""
-
-
-def _collect() -> float:
-    monitor = _latest
-    if monitor is None:
-        return 0.0
-    return monitor.scrape() if monitor._published else monitor.score
 
 
 class _BusyOnly:

@@ -77,9 +77,6 @@ from typing import Any, Callable
 
 import grpc
 
-from opentelemetry import context as otel_context
-
-from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import (
     InvalidArgument,
@@ -88,14 +85,20 @@ from switchyard.common.errors import (
     RequestDeadlineExceeded,
     SwitchyardError,
 )
-from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher import metrics as dispatcher_metrics
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
-from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
-from switchyard.dispatcher.scheduler.base import CLASS_ORDER, SchedulerStats, class_name, class_rank, should_park
+from switchyard.dispatcher.scheduler.base import (
+    CLASS_ORDER,
+    BatchFlush,
+    SchedulerCounters,
+    SchedulerEvents,
+    SchedulerStats,
+    class_name,
+    class_rank,
+    should_park,
+)
 from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
@@ -109,17 +112,14 @@ from switchyard.dispatcher.request import (
     RequestOutput,
     RequestStatus,
     SchedulerOutput,
-    request_links,
 )
 from switchyard.dispatcher.tiers import MemoryTiers
-from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 QUEUE_NAME = "inference"
 log = logging.getLogger(__name__)
-tracer = telemetry.get_tracer(__name__)
 
 FRAGMENTATION_INTERVAL_S = 1.0
-"""The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
+"""The fragmentation ratio reported is recomputed at scheduling decisions at most this often (seconds)."""
 
 RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
@@ -179,9 +179,14 @@ class SchedulerCore:
         """The registry: every request accepted and not finished, by id."""
         self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
-        self.admission = Admission(self.config)
+        self.counters = SchedulerCounters()
+        """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
+        self._reported = SchedulerCounters()  # the counters at the last make_stats
+        self._events = SchedulerEvents()  # observed since the last make_stats
+        self.admission = Admission(self.config, self.counters.admissions_refused)
         self.accounting = Accounting(self._kv_bytes)
-        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked)
+        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked,
+                                    self.counters)
         if capacity is None:
             info = self.kv.memory_info()
             capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
@@ -215,15 +220,9 @@ class SchedulerCore:
         """Off for stream engines: an upstream stream cannot be paused."""
         self._next_hbm_scan = 0.0
         self._next_fragmentation = 0.0
+        self._fragmentation = 0.0  # the fragmentation ratio last computed
         self._now = 0.0  # the time of the decision in progress (value scores' recency)
         self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
-        for reason in FlushReason:  # counters with a known label set start at 0
-            dispatcher_metrics.FLUSHES.labels(reason.label)
-        QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
-        QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
-        self._wait_histogram = QUEUE_WAIT.labels(QUEUE_NAME)
-        for reason in ("full", "timeout"):
-            QUEUE_REJECTED.labels(QUEUE_NAME, reason)
 
     # ------------------------------------------------------------------ views
 
@@ -292,11 +291,11 @@ class SchedulerCore:
         if self.intake.closed:
             raise DispatcherClosed()
         if self._queued >= self.queue_config.capacity:
-            QUEUE_REJECTED.labels(QUEUE_NAME, "full").inc()
+            self.counters.queue_rejections["full"] += 1
             raise QueueFullError(QUEUE_NAME, self.queue_config.capacity)
         why = self.capacity.never_fits(req)
         if why is not None:
-            tier_metrics.OOM_AVOIDED.inc()
+            self.counters.kv_oom_avoided += 1
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
         self._requests[req.seq_id] = req
         req.enqueued_at = now
@@ -321,22 +320,16 @@ class SchedulerCore:
         """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
         size = len(batch)
         flushed = FlushedBatch(next(self._batch_numbers), size, now)
-        dispatcher_metrics.BATCH_SIZE.observe(size)
-        dispatcher_metrics.FLUSHES.labels(reason.label).inc()
-        # One root span per flush, linked to every member's request span (a batch has no single parent),
-        # whichever request's handler happened to trigger the flush.
-        with tracer.start_as_current_span(
-            "dispatcher.batch", context=otel_context.Context(), links=request_links(batch),
-            attributes={"switchyard.batch_size": size, "switchyard.flush_reason": reason.label},
-        ):
-            for req in batch:
-                req.flushed_at = now
-                req.batch_size = size
-                req.flush_reason = int(reason)
-                req.batch = flushed
-                if req.resume and req.agent_id:
-                    self._resume_prefix(req, now)
-                self._enqueue(req, now)
+        self.counters.flushes[reason.label] += 1
+        self._events.flushed.append(BatchFlush(batch, reason, now))  # the loop makes its span
+        for req in batch:
+            req.flushed_at = now
+            req.batch_size = size
+            req.flush_reason = int(reason)
+            req.batch = flushed
+            if req.resume and req.agent_id:
+                self._resume_prefix(req, now)
+            self._enqueue(req, now)
         return size
 
     def close(self) -> None:
@@ -369,7 +362,7 @@ class SchedulerCore:
             self.hbm_scan(now, out)
         if now >= self._next_fragmentation:  # O(running): read about once a second, not every decision
             self._next_fragmentation = now + FRAGMENTATION_INTERVAL_S
-            tier_metrics.FRAGMENTATION.set(self.fragmentation_ratio())
+            self._fragmentation = self.fragmentation_ratio()
         projected = score
         wave = 0
         while self.queue:
@@ -387,7 +380,7 @@ class SchedulerCore:
                 self.admission.refuse(reason)
                 if reason == KV_MEMORY and self._kv_refused is not req:
                     self._kv_refused = req  # admitting it would overrun the HBM budget: an OOM avoided
-                    tier_metrics.OOM_AVOIDED.inc()
+                    self.counters.kv_oom_avoided += 1
                 break
             self.queue.pop()
             self._start(req, now, out)
@@ -533,7 +526,7 @@ class SchedulerCore:
                      else "waiting for admission" if not req.reached_engine else "before its first token")
             self._end(req, now, RequestStatus.FINISHED_ERROR,
                       RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
-            metrics.DEADLINES_EXCEEDED.labels(class_name(req)).inc()
+            self.counters.deadlines_exceeded[class_name(req)] += 1
         return expired
 
     def on_idle(self, now: float) -> None:
@@ -560,7 +553,7 @@ class SchedulerCore:
           block table (``kv.compact``) while the GPU has time for it.
         """
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
-        tier_metrics.SCANS.labels("hbm").inc()
+        self.counters.hbm_scans += 1
         limit = self.memory.hbm.emergency_evict_ratio
         if isinstance(self.capacity, KvBudget) and (ratio := self.capacity.usage_ratio()) >= limit:
             budget = self.capacity
@@ -582,8 +575,8 @@ class SchedulerCore:
                 self._preempt_one(victim, now, out)
         if self.score < self.memory.hbm.defrag_below_score:
             freed = self.kv.compact()
-            tier_metrics.DEFRAGMENTATIONS.inc()
-            tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
+            self.counters.defragmentations += 1
+            self.counters.defrag_freed_bytes += freed
 
     def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> SchedulerOutput:
         """An engine step over ``reqs`` failed with a real out-of-memory error: keep the process and the tasks.
@@ -595,7 +588,7 @@ class SchedulerCore:
         this way a second time fails with RESOURCE_EXHAUSTED. Returns the
         preempted requests, those failed (``expired``) and their outputs.
         """
-        tier_metrics.OOM.inc()
+        self.counters.kv_oom += 1
         log.warning("engine step of %d requests ran out of device memory (%s); preempting them and evicting",
                     len(reqs), error)
         out = SchedulerOutput()
@@ -700,10 +693,8 @@ class SchedulerCore:
         if req.swap_key:  # a DRAM copy it will not come back for
             self.tiers.discard(req.swap_key)
             req.swap_key, req.swap_tokens = "", 0
-        if req.recomputed_tokens:
-            tier_metrics.RECOMPUTED_TOKENS.inc(req.recomputed_tokens)
-        if req.restored_tokens:
-            tier_metrics.RESTORED_TOKENS.inc(req.restored_tokens)
+        self.counters.recomputed_tokens += req.recomputed_tokens
+        self.counters.restored_tokens += req.restored_tokens
         if state is RUNNING and should_park(req):
             req.status = PARKED
             self.parking.park(req, now)
@@ -752,9 +743,9 @@ class SchedulerCore:
             self.parking.move_out(agent_id, demote=True)
         else:
             self.parking.move_out(agent_id, demote=False)
-            tier_metrics.TIER_EVICTIONS.labels("hbm").inc()
-        metrics.TOOL_WAIT_DECISIONS.labels(decision.decision.value).inc()
-        metrics.TOOL_WAIT_EXPECTED_SECONDS.observe(expected_wait_s)
+            self.counters.hbm_evictions += 1
+        self.counters.tool_wait_decisions[decision.decision.value] += 1
+        self._events.tool_wait_expected_s.append(expected_wait_s)
         return decision
 
 
@@ -931,7 +922,7 @@ class SchedulerCore:
         if self._swap_out(parked, key, self._now, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
-        tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next step recomputes
+        self.counters.hbm_evictions += 1  # dropped: its next step recomputes
         return False
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
@@ -942,10 +933,10 @@ class SchedulerCore:
         if not req.reached_engine:
             req.reached_engine = True
             req.queue_wait_s = now - req.arrival
-            self._wait_histogram.observe(max(0.0, req.queue_wait_s))
+            self._events.queue_waits_s.append(max(0.0, req.queue_wait_s))
             self._leave_queue(req)
         else:  # a request that reached the engine waits again only after a preemption
-            metrics.RESUMES.labels("preempted").inc()
+            self.counters.resumes["preempted"] += 1
         parked = req.handover_from
         if parked is not None:  # its agent's parked step holds the warm prefix: take it over
             shared = self.kv.share_prefix(parked, req)
@@ -976,11 +967,11 @@ class SchedulerCore:
         """``victim`` left the running set: its KV leaves HBM (see :meth:`_preempt_one`); True when swapped."""
         swapped = swap and self._swap_out(victim, self.tiers.request_key(victim), now, delays)
         if not swapped:
-            tier_metrics.TIER_EVICTIONS.labels("hbm").inc()  # dropped: its next prefill recomputes
+            self.counters.hbm_evictions += 1  # dropped: its next prefill recomputes
         victim.mark_preempted(now)
         self._release(victim)
         self._enqueue(victim, now)
-        metrics.PREEMPTIONS.labels(class_name(victim)).inc()
+        self.counters.preemptions[class_name(victim)] += 1
         out.preempted.append(victim)
         return swapped
 
@@ -988,7 +979,7 @@ class SchedulerCore:
         """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
         deadline = self._timeout_s
         for req in self.queue.remove_where(lambda r: not r.reached_engine and now - r.arrival > deadline):
-            QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
+            self.counters.queue_rejections["timeout"] += 1
             req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
                                           "admission to the engine")
             req.status = RequestStatus.FINISHED_ERROR
@@ -1026,17 +1017,17 @@ class SchedulerCore:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
             req.kv_hits += 1
-            tier_metrics.TIER_HITS.labels("hbm").inc()
-            metrics.RESUMES.labels("tool_warm").inc()
+            self.counters.hbm_hits += 1
+            self.counters.resumes["tool_warm"] += 1
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
             req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_id), found.prefix_tokens
-            tier_metrics.TIER_MISSES.labels("hbm").inc()
-            metrics.RESUMES.labels("tool_restored").inc()
+            self.counters.hbm_misses += 1
+            self.counters.resumes["tool_restored"] += 1
         else:
-            tier_metrics.TIER_MISSES.labels("hbm").inc()
+            self.counters.hbm_misses += 1
             req.recomputed_tokens += min(found.prefix_tokens, req.prompt_tokens)
-            metrics.RESUMES.labels("tool_cold").inc()
+            self.counters.resumes["tool_cold"] += 1
             if found.parked is None and not found.prefix_tokens and self.tiers.store is not None:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
@@ -1053,8 +1044,8 @@ class SchedulerCore:
         observed = self.accounting.marginal_score(req)
         if observed is not None:
             self.admission.expected.learn(req.task_type, observed)
-        metrics.TASK_COMPUTE_SCORE_USED.observe(req.compute_score_used)
-        metrics.TASK_MEMORY_PEAK_BYTES.observe(req.memory_peak_bytes)
+        self._events.task_compute_score_used.append(req.compute_score_used)
+        self._events.task_memory_peak_bytes.append(req.memory_peak_bytes)
 
     def _kv_bytes(self, req: Request) -> int:
         return self.kv.kv_bytes(req)
@@ -1067,10 +1058,24 @@ class SchedulerCore:
         req.num_computed_tokens = 0
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's state now (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`)."""
+        """The scheduler's state now, and what it counted and observed since the previous call
+        (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`). The step loop is its one caller: it
+        publishes every report (a report not published loses its counts and events to the metrics, not to
+        :attr:`counters`)."""
+        counted = self.counters.copy()
+        events, self._events = self._events, SchedulerEvents()
+        monitor = self.monitor
+        nvml = monitor.sample.source.startswith("nvml")
         stats = SchedulerStats(num_running=len(self._running), num_waiting=self.num_waiting,
-                               num_queued=self._queued, parked=len(self.parking.requests),
-                               parked_kv_bytes=self.parking.kv_bytes, compute_score=self.score)
+                               num_queued=self._queued, queue_capacity=self.queue_config.capacity,
+                               parked=len(self.parking.requests), parked_kv_bytes=self.parking.kv_bytes,
+                               compute_score=self.score, gpu_available=monitor.gpu_available,
+                               gpu_utilization=monitor.sample.cuda_util / 100.0 if nvml else None,
+                               gpu_memory_utilization=monitor.sample.bandwidth_util / 100.0 if nvml else None,
+                               fragmentation_ratio=self._fragmentation,
+                               expected_scores=self.admission.expected.snapshot(),
+                               counters=counted.since(self._reported), events=events)
+        self._reported = counted
         for s in self._running:
             stats.running[class_name(s)] += 1
         for s in self.queue:

@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler.base import SchedulerCounters
 
 COLD_PREFIX_MEMORY = 10_000
 """Agents whose released prefix (length, and whether DRAM holds it) is remembered for their resume."""
@@ -65,16 +65,20 @@ class ParkedAgents:
         kv_bytes: bytes the engine holds for a request (``kv.kv_bytes``).
         demote: called with a request whose state leaves HBM, before it is
             released; True when it copied the state to the DRAM tier.
+        counters: where the agents whose state left HBM are counted (``tool_wait_expired``: the TTL ran
+            out, ``parked_evicted``: to make room); default counters of its own.
     """
 
     def __init__(self, ttl_s: float, release: Callable[[Request], None], kv_bytes: Callable[[Request], int],
-                 demote: Callable[[Request], bool] = lambda req: False) -> None:
+                 demote: Callable[[Request], bool] = lambda req: False,
+                 counters: SchedulerCounters | None = None) -> None:
         self.ttl_s = ttl_s
         self._release = release
         self._kv_bytes = kv_bytes
         self._demote = demote
         self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
         self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self.counters = counters if counters is not None else SchedulerCounters()
 
     def park(self, req: Request, now: float) -> None:
         """Keep ``req``'s prefix state warm; an older parked step of the same agent is released."""
@@ -83,7 +87,6 @@ class ParkedAgents:
             self._release(old.req)
         self._cold.pop(req.agent_id, None)
         self._parked[req.agent_id] = ParkedAgent(req, now, int(self._kv_bytes(req)))
-        self._publish()
 
     def take(self, agent_id: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
@@ -96,10 +99,8 @@ class ParkedAgents:
             self._expire(agent_id, entry)
             entry = None
         if entry is None:
-            self._publish()
             tokens, in_dram = self._cold.pop(agent_id, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
-        self._publish()
         return Resumed(True, entry.req.num_computed_tokens, entry.req)
 
     def expire(self, now: float) -> list[Request]:
@@ -108,8 +109,6 @@ class ParkedAgents:
         for agent, entry in expired:
             del self._parked[agent]
             self._expire(agent, entry)
-        if expired:
-            self._publish()
         return [entry.req for _, entry in expired]
 
     def evict_lowest(self, value: Callable[[ParkedAgent], float], below: float = float("inf")) -> Request | None:
@@ -126,7 +125,6 @@ class ParkedAgents:
             return None
         entry = self._parked.pop(agent)
         self._expire(agent, entry, evicted=True)
-        self._publish()
         return entry.req
 
     def entry(self, agent_id: str) -> ParkedAgent | None:
@@ -153,7 +151,6 @@ class ParkedAgents:
         self._cold[agent_id] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
-        self._publish()
         return True
 
     def _ttl(self, entry: ParkedAgent) -> float:
@@ -171,8 +168,6 @@ class ParkedAgents:
             return False
         del self._parked[req.agent_id]
         self._release(req)
-
-        self._publish()
         return True
 
     @property
@@ -189,15 +184,11 @@ class ParkedAgents:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req)
         self._release(entry.req)
-
         if evicted:
-            metrics.PARKED_EVICTED.inc()
+            self.counters.parked_evicted += 1
         else:
-            metrics.TOOL_WAIT_EXPIRED.inc()
+            self.counters.tool_wait_expired += 1
         self._cold[agent_id] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
 
-    def _publish(self) -> None:
-        metrics.PARKED_AGENTS.set(len(self._parked))
-        metrics.PARKED_KV_BYTES.set(self.kv_bytes)
