@@ -144,9 +144,11 @@ def test_gauge_is_read_at_scrape_time_not_when_the_scheduler_last_ran():
     """No scheduler runs here: each collection of the gauge samples NVML itself."""
     from prometheus_client import REGISTRY
 
+    from switchyard.dispatcher.metrics import publish_compute_score_at_scrape
+
     nvml = FakeGpmNvml(gpu=90, memory=70, tensor=0, supported=False)
     m = monitor(nvml)
-    m.publish_at_scrape()
+    publish_compute_score_at_scrape(m)  # what the step loop does when it starts
     try:
         busy = REGISTRY.get_sample_value("switchyard_compute_score")
         assert busy == pytest.approx(0.2 * 90 + 0.2 * 70 + 0.6 * 72)

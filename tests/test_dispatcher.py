@@ -267,14 +267,13 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from switchyard.dispatcher import service
+    from switchyard.dispatcher import engine_loop, service
     from switchyard.dispatcher.engines import sim
-    from switchyard.dispatcher.scheduler import core
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    for module in (core, service, sim):
+    for module in (engine_loop, service, sim):  # the loop makes the batch spans from the scheduler's report
         monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
     try:
         async for h in serve(DispatcherService(make_config(**{"batching.flush_interval_ms": 50}))):

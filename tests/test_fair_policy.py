@@ -11,9 +11,9 @@ from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
-from switchyard.dispatcher.scheduler import metrics
+from switchyard.dispatcher import metrics  # noqa: F401 - the label sets start at 0
 from prometheus_client import REGISTRY
-from switchyard_harness.testing.scheduling import accept, finish
+from switchyard_harness.testing.scheduling import accept, finish, publish
 
 pytestmark = pytest.mark.no_gpu
 
@@ -114,16 +114,20 @@ def _parked(s, agent="agent-1"):
 
 def test_tool_wait_keeps_a_short_wait_and_drops_a_long_one_without_dram():
     s = sched()
+    publish(s)
     assert _decisions("keep") >= 0 and _decisions("drop") >= 0  # the label set exists from the start
+    publish(s)
     keep0, drop0 = _decisions("keep"), _decisions("drop")
     r = _parked(s)
     out = s.tool_wait("agent-1", 0.01, now=0.5)
     assert out is not None and out.decision.value == "keep"
     assert s.parking.entry("agent-1").ttl_s == pytest.approx(0.02)
+    publish(s)
     assert _decisions("keep") == keep0 + 1
     out = s.tool_wait("agent-1", 3600.0, now=0.6)  # no DRAM tier: holding it an hour costs more than 0.2 s
     assert out.decision.value == "drop"
     assert r in s.engine.released and s.parking.entry("agent-1") is None
+    publish(s)
     assert _decisions("drop") == drop0 + 1
     assert s.tool_wait("agent-1", 1.0, now=0.7) is None  # nothing parked: nothing to decide
 

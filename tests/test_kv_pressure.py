@@ -23,7 +23,7 @@ from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import KvBudget
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 from switchyard.dispatcher.engines.driver import EngineDriver
-from switchyard_harness.testing.scheduling import accept
+from switchyard_harness.testing.scheduling import accept, publish
 
 pytestmark = pytest.mark.no_gpu
 
@@ -105,6 +105,7 @@ async def test_parked_core_agents_give_way_to_waiting_normal_work(redis_db: Redi
     assert budget.free_bytes < 4000 * per_token
     chats = [request(f"chat-{i}", NORMAL, prompt_tokens=800, max_tokens=200, arrival=1.0) for i in range(20)]
     accept(sched, chats, now=1.0)
+    publish(sched)
     evicted = metric("switchyard_parked_evicted_total")
 
     t, first_token_wait = 1.0, {}
@@ -119,9 +120,11 @@ async def test_parked_core_agents_give_way_to_waiting_normal_work(redis_db: Redi
     # wave (a few decisions); only what the chats needed left HBM.
     longest = max(first_token_wait.values())
     assert min(first_token_wait.values()) == 0.0 and longest <= 0.05, first_token_wait
+    publish(sched)
     gone = metric("switchyard_parked_evicted_total") - evicted
     assert 1 <= gone <= 4 and len(sched.parked) == 20 - gone
     if dram:
+        publish(sched)
         assert metric("switchyard_tier_demotions_total", tier="hbm") >= gone  # swapped, not dropped
     await sched.tiers.aclose()
 

@@ -27,7 +27,7 @@ from switchyard.dispatcher.service import DispatcherService
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
-from switchyard_harness.testing.scheduling import accept, finish, step
+from switchyard_harness.testing.scheduling import accept, finish, publish, step
 
 pytestmark = pytest.mark.no_gpu
 
@@ -189,6 +189,7 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     await sched.tiers._writes[sched.tiers.agent_key("agent-t")]
     assert int(await client.hget(sched.tiers.agent_key("agent-t"), "tokens")) == prefix
 
+    publish(sched)
     restored = metric("switchyard_resumes_total", kind="tool_restored")
     back = request("agent-back", agent_id="agent-t", task_type="react_loop", prompt_tokens=700, arrival=5.0)
     sched.resume(back, now=5.0)
@@ -196,6 +197,7 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     assert out.restore == [back]
     assert await sched.tiers.restore(back) == prefix
     assert back.num_computed_tokens == prefix and back.needs_prefill  # only the new tokens are prefilled
+    publish(sched)
     assert metric("switchyard_resumes_total", kind="tool_restored") == restored + 1
     await run_to_end(sched, engine, back, now=5.1)
     assert back.recomputed_tokens == 0 and back.restored_tokens == prefix
@@ -287,12 +289,14 @@ def test_admission_refusal_for_kv_memory_counts_one_oom_avoided_per_request() ->
     budget = sched.capacity.budget_bytes  # 0.85 x 20 GB - 14 GB of weights = 3 GB
     per_token = engine.params.kv_bytes_per_token
     big = [request(f"oom-{i}", prompt_tokens=budget // per_token // 2, max_tokens=1) for i in range(3)]
+    publish(sched)
     avoided = metric("switchyard_kv_oom_avoided_total")
     accept(sched, big, now=0.0)
     out = sched.schedule(now=0.0)
     assert len(out.admitted) == 1
     sched.schedule(now=0.1)
     sched.schedule(now=0.2)
+    publish(sched)
     assert metric("switchyard_kv_oom_avoided_total") == avoided + 1  # the same head, refused three times
 
 
@@ -315,14 +319,18 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
         req.kv_hits = 5  # valuable: above evict_first_below, so admission alone would never evict it
         sched.parking.park(req, now=0.0)
         agents.append(req)
+    publish(sched)
     scans = metric("switchyard_tier_scans_total", tier="hbm")
+    publish(sched)
     evicted = metric("switchyard_parked_evicted_total")
     sched.on_idle(now=0.0)  # usage far below 0.9: nothing moves
     assert len(sched.parked) == 3
     gpu.used = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 2 * 10**9  # 2 GB past the ratio
     sched.on_idle(now=400.0)  # the next hbm scan
+    publish(sched)
     assert metric("switchyard_tier_scans_total", tier="hbm") == scans + 2
     assert len(sched.parked) == 2 and sched.capacity.usage_ratio() < 0.9  # one 2.1 GB prefix was enough
+    publish(sched)
     assert metric("switchyard_parked_evicted_total") == evicted + 3 - len(sched.parked)
 
 
@@ -406,6 +414,7 @@ def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
     req.num_computed_tokens = 300
     assert sched.fragmentation_ratio() == pytest.approx(0.25)  # 100 of 400 reserved tokens hold nothing
     sched.schedule(now=2.0)
+    publish(sched)
     assert metric("switchyard_kv_fragmentation_ratio") == pytest.approx(0.25)
 
 
@@ -420,6 +429,7 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     engine = SimEngine(SwitchyardConfig())
     engine.kv = CompactableKV(engine)
     sched = build(engine, None)
+    publish(sched)
     runs, freed = metric("switchyard_kv_defragmentations_total"), metric("switchyard_kv_defrag_freed_bytes_total")
     sched.score = 80.0  # a busy GPU: no compaction
     sched.hbm_scan(now=0.0, out=SchedulerOutput())
@@ -427,7 +437,9 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     sched.score = 10.0  # below defrag_below_score (30)
     sched.hbm_scan(now=1.0, out=SchedulerOutput())
     assert engine.kv.compactions == 1
+    publish(sched)
     assert metric("switchyard_kv_defragmentations_total") == runs + 1
+    publish(sched)
     assert metric("switchyard_kv_defrag_freed_bytes_total") == freed + 4096
     # scans follow hbm_scan_interval_s (300 s): none at 100 s, one at 301 s
     sched.on_idle(now=100.0)

@@ -28,7 +28,7 @@ from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_est
 from switchyard.dispatcher.output import StreamDone, StreamToken
 from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.request import Request, RequestStatus
-from switchyard_harness.testing.scheduling import accept, finish, step
+from switchyard_harness.testing.scheduling import accept, finish, publish, step
 
 pytestmark = pytest.mark.no_gpu
 
@@ -241,12 +241,14 @@ def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
 
 def test_admission_stops_when_the_engine_is_full() -> None:
     sched = make_scheduler(running=2)
+    publish(sched)
     before = metric("switchyard_admissions_refused_total", reason=KV_MEMORY)
     reqs = make_requests(3)
     accept(sched, reqs, now=0.0)
     out = sched.schedule(now=0.0)
     assert ids(out.admitted) == ids(reqs[:2]) and ids(sched.waiting) == ids(reqs[2:])
     assert sched.admission.refusals[KV_MEMORY] == 1
+    publish(sched)
     assert metric("switchyard_admissions_refused_total", reason=KV_MEMORY) == before + 1
 
     finish(sched, reqs[0], now=0.5)
@@ -378,7 +380,9 @@ def test_nvml_read_error_falls_back_to_busy_ratio_and_says_so_once(caplog: pytes
     sched = make_scheduler(nvml=nvml, engine=engine)
     accept(sched, make_requests(2), now=0.0)
     sched.schedule(now=0.0)
+    publish(sched)
     assert sched.monitor.gpu_available is True and metric("switchyard_gpu_available") == 1
+    publish(sched)
     assert metric("switchyard_gpu_utilization_ratio") == pytest.approx(0.6)
 
     nvml.fail_read = True
@@ -386,10 +390,12 @@ def test_nvml_read_error_falls_back_to_busy_ratio_and_says_so_once(caplog: pytes
         for step in range(1, 5):
             engine.busy_seconds += 0.5  # busy half of each second
             sched.schedule(now=float(step))
+    publish(sched)
     assert sched.monitor.gpu_available is False and metric("switchyard_gpu_available") == 0
     assert sched.monitor.sample.source == "busy_ratio"
     # busy ratio 0.5 stands in for GPU utilisation: 0.2*50 + 0.6*(0.8*50)
     assert sched.score == pytest.approx(34.0)
+    publish(sched)
     assert metric("switchyard_compute_score") == pytest.approx(34.0)
     fallbacks = [r for r in caplog.records if "the compute score comes from the engine: its busy ratio" in r.getMessage()]
     assert len(fallbacks) == 1 and "GPU is lost" in fallbacks[0].getMessage()
@@ -433,9 +439,11 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     accept(sched, [core], now=0.10)
     out = sched.schedule(now=0.12)  # waited 20 ms < grace
     assert out.preempted == [] and out.admitted == []
+    publish(sched)
     before = metric("switchyard_preemptions_total", priority_class="batch")
     out = sched.schedule(now=0.16)  # waited 60 ms >= grace
     assert out.preempted == [batch] and out.admitted == [core] and out.running == [core]
+    publish(sched)
     assert metric("switchyard_preemptions_total", priority_class="batch") == before + 1
     assert batch.preemptions == 1 and batch.num_computed_tokens == 0  # the scheduler dropped its KV
     assert sched.waiting == [batch]
@@ -443,9 +451,11 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     await step(sched, engine, prefill=[core], now=0.17)
     while not core.is_finished:  # the scheduler's stop check ends it (max_tokens)
         await step(sched, engine, decode=[core], now=0.18)
+    publish(sched)
     resumes = metric("switchyard_resumes_total", kind="preempted")
     out = sched.schedule(now=0.2)
     assert out.admitted == [batch]
+    publish(sched)
     assert metric("switchyard_resumes_total", kind="preempted") == resumes + 1
     await step(sched, engine, prefill=[batch], now=0.2)
     while not batch.is_finished:
@@ -524,6 +534,7 @@ def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_bo
     [core] = make_requests(1, CORE, arrival=0.02)
     calls: list[str] = []
     sched.on_core_arrival = lambda: calls.append("core")
+    publish(sched)
     flushes = metric("switchyard_flushes_total", reason="preempt")
     sched.add_request(late_batch, now=0.01)
     sched.add_request(core, now=0.02)
@@ -532,6 +543,7 @@ def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_bo
     assert sched.admit_core(now=0.03).admitted == [core]
     assert sched.running == [running, core] and core.status is RequestStatus.RUNNING
     assert core.flush_reason == FlushReason.PREEMPT and core.admitted_at == 0.03
+    publish(sched)
     assert metric("switchyard_flushes_total", reason="preempt") == flushes + 1
     assert sched.intake.active_size == 1 and late_batch.status is RequestStatus.BUFFERED  # it joins at the step boundary
     assert engine.released == []  # nothing preempted
@@ -549,6 +561,7 @@ def test_admit_core_preempts_at_once_and_the_victims_kv_leaves_when_the_step_end
     accept(sched, [batch], now=0.0)
     sched.schedule(now=0.0)
     batch.num_computed_tokens = 20
+    publish(sched)
     preempted = metric("switchyard_preemptions_total", priority_class="batch")
     [core] = make_requests(1, CORE, arrival=0.1)
     sched.add_request(core, now=0.1)
@@ -561,6 +574,7 @@ def test_admit_core_preempts_at_once_and_the_victims_kv_leaves_when_the_step_end
     out = sched.schedule(now=0.2)  # the step in flight ended: the victim's KV leaves, it waits again
     assert out.preempted == [batch] and engine.released == [batch] and batch.preemptions == 1
     assert batch.num_computed_tokens == 0 and batch.status is RequestStatus.WAITING and sched.waiting == [batch]
+    publish(sched)
     assert metric("switchyard_preemptions_total", priority_class="batch") == preempted + 1
 
 
@@ -691,9 +705,11 @@ def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
     finish(sched, think, 1.0, RequestStatus.FINISHED_TOOL_CALLS)
     sched.schedule(now=2.9)
     assert sched.parked == [think]
+    publish(sched)
     expired = metric("switchyard_tool_wait_expired_total")
     sched.schedule(now=3.1)
     assert sched.parked == [] and sched.parked_kv_bytes == 0 and engine.released == [think]
+    publish(sched)
     assert metric("switchyard_tool_wait_expired_total") == expired + 1
 
     observe = _react("agent-2", arrival=4.0, resume=True, prompt_tokens=70)
