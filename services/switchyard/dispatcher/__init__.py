@@ -16,5 +16,7 @@ Modules, in the order a Generate request meets them:
   ``torch``; :func:`switchyard.dispatcher.engines.make_engine` picks one.
 - :mod:`.request`: one request's state, shared by all of the above;
   :mod:`.output`: its output stream, read by the Generate handler.
-- :mod:`.metrics`: Prometheus metrics of batching, the engine and latency.
+- :mod:`.metrics`: Prometheus metrics of batching, the engine, latency and
+  scheduling; the loops publish the scheduler's reports there (the scheduler
+  itself records plain data).
 """
