@@ -26,7 +26,7 @@ from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.service import DispatcherService
-from switchyard_harness.testing.scheduling import accept
+from switchyard_harness.testing.scheduling import accept, publish
 
 pytestmark = pytest.mark.no_gpu
 
@@ -233,6 +233,7 @@ def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(poli
     admitted = [req.request_id for req in out.admitted]
     assert admitted == [*(f"b{i}" for i in range(6)), "c0"]  # six BATCH fill their share, CORE a held slot
     assert [req.request_id for req in scheduler.waiting] == [f"b{i}" for i in range(6, 10)]  # in their order
+    publish(scheduler)  # as the step loop does after each decision
     assert REGISTRY.get_sample_value("switchyard_admissions_refused_total", {"reason": "upstream_core_reserve"}) >= 1
 
 
