@@ -137,17 +137,34 @@ class SchedulerCounters:
 
     def copy(self) -> "SchedulerCounters":
         """An independent copy (the per-label counts copied too)."""
-        return SchedulerCounters(**{name: _copied(value) for name, value in vars(self).items()})
+        out = SchedulerCounters.__new__(SchedulerCounters)  # the step loop reports every step: kept cheap
+        vars(out).update({name: _copied(value) for name, value in vars(self).items()})
+        return out
 
     def since(self, earlier: "SchedulerCounters") -> "SchedulerCounters":
         """What was counted after ``earlier`` (an earlier :meth:`copy` of these counters): field by field,
         this minus ``earlier``; a per-label count keeps only the labels that grew."""
         before = vars(earlier)
-        return SchedulerCounters(**{name: value - before[name] for name, value in vars(self).items()})
+        out = SchedulerCounters.__new__(SchedulerCounters)
+        vars(out).update({name: _grown(value, before[name]) if isinstance(value, Counter) else value - before[name]
+                          for name, value in vars(self).items()})
+        return out
 
 
 def _copied(value: "Counter[str] | int") -> "Counter[str] | int":
-    return Counter(value) if isinstance(value, Counter) else value
+    if not isinstance(value, Counter):
+        return value
+    out: Counter[str] = Counter.__new__(Counter)  # Counter() and its update cost ~20x a dict's
+    dict.update(out, value)
+    return out
+
+
+def _grown(now: "Counter[str]", before: "Counter[str]") -> "Counter[str]":
+    out: Counter[str] = Counter.__new__(Counter)
+    for label, n in now.items():
+        if n > before.get(label, 0):
+            dict.__setitem__(out, label, n - before.get(label, 0))
+    return out
 
 
 @dataclass
