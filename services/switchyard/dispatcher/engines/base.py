@@ -12,7 +12,7 @@ A step engine takes part in the memory tiers (:mod:`switchyard.dispatcher.tiers`
 through optional methods, each used when present: ``memory_info()`` (device,
 weight and per-token KV bytes: the HBM budget), ``device_used_bytes()`` (memory
 in use, or None), ``export_kv(req) -> bytes | None`` and ``import_kv(req,
-payload, tokens) -> int`` (swap to and from DRAM), ``recompute_seconds(tokens)``
+payload, tokens) -> int`` (swap to and from DRAM: :class:`KvSwap`), ``recompute_seconds(tokens)``
 (the prefill a swap saves), ``share_prefix(source, target) -> int`` (a warm
 resume between requests that hold their own caches), ``compact_kv() -> int``
 (defragmentation, bytes freed) and ``evict_prefix_cache(nbytes) -> int``.
@@ -26,7 +26,7 @@ without it keep the step boundary as the only point where work joins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Union, runtime_checkable
+from typing import Any, AsyncIterator, Protocol, Union, runtime_checkable
 
 from switchyard.dispatcher.request import Request, ToolCall
 
@@ -72,6 +72,18 @@ class StepEngine(Protocol):
 
     def kv_bytes(self, req: Request) -> int:
         """Bytes of KV/prefix state the engine holds for ``req`` now (0 when released)."""
+
+
+@runtime_checkable
+class KvSwap(Protocol):
+    """A step engine whose KV state of a request can leave HBM and come back (optional capability):
+    the DRAM tier (:mod:`switchyard.dispatcher.tiers`) swaps it there under memory pressure."""
+
+    def export_kv(self, req: Request) -> bytes | None:
+        """``req``'s KV state as bytes, or None when the engine holds none for it."""
+
+    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
+        """Restore ``payload`` (``tokens`` tokens of ``req``'s KV, from :meth:`export_kv`); the tokens restored."""
 
 
 @runtime_checkable
@@ -153,6 +165,11 @@ class StreamEngine(Protocol):
     """An engine that streams a whole completion per request (no stepping)."""
 
     model: str
+
+    concurrency_limit: Any
+    """The dispatcher's admission limit when the engine brings its own (a pool of upstream endpoints: the
+    sum of one adaptive limit per endpoint, :class:`switchyard.gateway.pool.PoolLimit`); None when the
+    dispatcher keeps one itself (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`)."""
 
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts and tool calls, then one :class:`Usage`.
