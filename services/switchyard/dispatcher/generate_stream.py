@@ -45,7 +45,13 @@ from opentelemetry import propagate, trace
 from switchyard.api import agent_pb2
 from switchyard.common.coalescing import Wakeup
 from switchyard.common.errors import SwitchyardError
-from switchyard.common.generate_protocol import RequestState, StreamedRequest, check_stream_request_id, decode_timeout, encode_error
+from switchyard.common.generate_protocol import (
+    RequestState,
+    StreamedRequest,
+    check_stream_request_id,
+    decode_timeout,
+    encode_error,
+)
 from switchyard.dispatcher.output import coalesce
 
 if TYPE_CHECKING:
