@@ -128,7 +128,6 @@ class _Stream:
     def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub, max_message_bytes: int) -> None:
         self.opened_at = time.monotonic()
         self.requests: dict[str, _Request] = {}
-        self.live = 0  # requests in the map that have not ended
         self.retired = False  # takes no new requests; half-closed once the last one ended
         self.broken = False
         self._max_message_bytes = max_message_bytes
@@ -157,7 +156,6 @@ class _Stream:
             request.fail(failure)
             return request
         self.requests[request.request_id] = request
-        self.live += 1
         self._starts.append((start, size))
         self._notify()
         return request
@@ -167,7 +165,6 @@ class _Stream:
         unless the stream is gone or the start was not sent yet (then it is not sent at all)."""
         if not request.end(RequestState.CANCELLED) or self.requests.get(request.request_id) is not request:
             return
-        self.live -= 1
         queued = next((q for q in self._starts if q[0].request.request_id == request.request_id), None)
         if queued is not None:
             self._starts.remove(queued)
@@ -182,12 +179,16 @@ class _Stream:
     def _notify(self) -> None:
         self._wake.notify()
 
+    def _ended(self) -> bool:
+        """Retired, and every request it carried has ended (the map holds only the cancelled ones)."""
+        return self.retired and all(r.state is RequestState.CANCELLED for r in self.requests.values())
+
     async def _write(self) -> None:
         call = self._call
         try:
             while True:
                 if not self._starts and not self._cancels:
-                    if self.retired and not self.live:
+                    if self._ended():
                         await call.done_writing()
                         return
                     await self._wake.wait()
@@ -240,8 +241,7 @@ class _Stream:
                         request.put(chunk)
                     if request.state.ended:
                         del requests[streamed.request_id]
-                        self.live -= 1
-                if self.retired and not self.live:
+                if self._ended():
                     self._notify()  # the writer half-closes
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INTERNAL and self._sending:
@@ -259,7 +259,6 @@ class _Stream:
         for request in self.requests.values():
             request.fail(failure)
         self.requests.clear()
-        self.live = 0
 
     @property
     def done(self) -> bool:
