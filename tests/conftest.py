@@ -31,7 +31,7 @@ def pydoc_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Llama and its BPE tokenizer, built offline once per test session."""
-    from switchyard.testing.transformers_serve import build_tiny_llama
+    from switchyard_harness.testing.transformers_serve import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -43,7 +43,7 @@ def transformers_server(tiny_llama_dir: Path):
     One server for the session (it takes about 10 s to start); tests must not depend on
     what other tests sent it before.
     """
-    from switchyard.testing.transformers_serve import TransformersServer
+    from switchyard_harness.testing.transformers_serve import TransformersServer
 
     with TransformersServer(tiny_llama_dir) as server:
         yield server

@@ -17,7 +17,7 @@ import pytest
 
 from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.faults import Fault
-from switchyard.gateway.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread
+from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread
 
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")
 TEST_KEY = "sk-test-0123456789abcdefSECRET"

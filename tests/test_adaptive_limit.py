@@ -146,7 +146,7 @@ def test_limit_probes_up_when_the_server_gets_faster() -> None:
 
 
 def test_ttft_above_tolerance_at_the_same_concurrency_shrinks_the_limit() -> None:
-    limit = make_limit(initial_limit=4, tolerance=2.0)
+    limit = make_limit(initial_limit=4, ttft_tolerance=2.0)
     t = drive(limit, knee_server(16), offered=64, windows=100)
     settled = limit.limit
     slow = knee_server(16, ttft_s=0.1)  # the same server, ten times slower to first token

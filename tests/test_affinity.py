@@ -1,13 +1,11 @@
-"""Agent affinity: consistent hashing with bounded loads, and the routing simulation that uses it."""
+"""Agent affinity: consistent hashing with bounded loads (the routing simulation that uses it: tests/harness/test_route_bench.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from switchyard.bench import route
 from switchyard.common.affinity import BoundedLoadRing
 
 pytestmark = pytest.mark.no_gpu
@@ -70,31 +68,6 @@ def test_capacity_rounds_down_where_it_leaves_room():
     for i in range(99):
         ring.assign(f"agent-{i}")
     assert ring.capacity() == math.floor(1.25 * 100 / 4) == 31
-
-
-def test_simulation_affinity_beats_per_call_routing(tmp_path):
-    params = ["--replicas", "20", "--agents", "1000", "--duration", "90", "--warmup", "20"]
-    out, png = tmp_path / "route.json", tmp_path / "route.png"
-    assert route.main([*params, "--json", str(out), "--plot", str(png)]) == 0
-    data = json.loads(out.read_text())
-    results = data["results"]
-    assert set(results) == set(route.POLICIES)
-    affinity = results["affinity"]
-    assert affinity["hit_rate"] >= 0.9
-    assert affinity["moved_times_n"] <= 1.5
-    for other in ("random", "round_robin"):
-        assert results[other]["hit_rate"] < 0.2  # about 1/N: each call may land anywhere
-        assert results[other]["recomputed_tokens"] > 5 * affinity["recomputed_tokens"]
-    assert affinity["load_ratio_mean"] < results["consistent"]["load_ratio_mean"], "the bound evens the load"
-    assert png.stat().st_size > 10_000
-
-
-def test_simulation_is_deterministic_and_checks_its_parameters():
-    params = route.RouteParams(replicas=5, agents=100, duration_s=40, warmup_s=5)
-    a, b = route.simulate("affinity", params), route.simulate("affinity", params)
-    assert a.summary(5) == b.summary(5)
-    with pytest.raises(ValueError, match="replicas"):
-        route.simulate("affinity", route.RouteParams(replicas=1))
 
 
 def test_replica_targets_parse():
@@ -168,15 +141,3 @@ def test_keys_with_one_call_each_never_spill():
         replica, at_home = ring.route(agent, in_flight)
         assert at_home and replica == homes[agent]
         in_flight[replica] += 1
-
-
-def test_skewed_simulation_bounds_calls_in_flight():
-    params = route.SkewParams(duration_s=60, warmup_s=10)
-    bounded = route.simulate_skew("in_flight_bound", params)
-    placed = route.simulate_skew("placed_bound", params)
-    assert bounded.in_flight_ratio_mean <= 1.25
-    assert placed.in_flight_ratio_mean > 2.0, "bounding agents placed leaves one agent's calls on one replica"
-    assert bounded.placed_ratio_mean == placed.placed_ratio_mean
-    assert bounded.hit_rate > 0.4 and placed.hit_rate == 1.0
-    with pytest.raises(ValueError, match="hot_share"):
-        route.simulate_skew("in_flight_bound", route.SkewParams(hot_share=1.5))

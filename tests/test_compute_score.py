@@ -110,7 +110,7 @@ async def test_sim_decode_is_memory_bound_so_the_score_leaves_room_to_admit():
     assert sample.source == "engine_model" and sample.cuda_util == pytest.approx(100)
     assert 70 < sample.bandwidth_util <= 100  # weights and KV stream from HBM every step
     assert sample.tensor_util < 5  # 2 x 7e9 x 10 FLOPs per 5.7 ms step: ~2.5 % of the tensor peak
-    assert m.score < config.scheduler.high_load_threshold - 20
+    assert m.score < config.scheduler.admission_score_limit - 20
     assert engine.busy_seconds == pytest.approx(5 * decode_seconds(config.sim, 10))
 
 

@@ -1,12 +1,15 @@
 """Config files load with the documented values; bad files fail with file, key, value and expectation."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.config.loader import FORMER_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,20 +26,20 @@ def test_shipped_config_has_design_values():
     q = cfg.queues
     assert (q.orchestration.capacity, q.orchestration.workers, q.orchestration.timeout_ms) == (2048, 16, 3000)
     assert (q.retrieval.capacity, q.retrieval.workers, q.retrieval.timeout_ms) == (1024, 8, 2000)
-    assert (q.inference.capacity, q.inference.workers, q.inference.timeout_ms) == (512, 4, 30000)
+    assert (q.inference.capacity, q.inference.max_batches_in_prefill, q.inference.timeout_ms) == (512, 4, 30000)
     assert cfg.batching.max_batch_size == 32 and cfg.batching.flush_interval_ms == 20
     assert cfg.upstream.default_model == "claude-sonnet-4-5"
     assert cfg.upstream.fallback_model == "gpt-4o-mini"
     s = cfg.scheduler
     assert s.time_slice_ms == 20 and s.max_admitted_per_decision == 10
     assert (s.compute_score_weights.cuda_util, s.compute_score_weights.tensor_util) == (0.2, 0.6)
-    assert s.high_load_threshold == 80
+    assert s.admission_score_limit == 80
     assert (s.priority_boost.core, s.priority_boost.normal, s.priority_boost.batch) == (10, 5, 1)
     assert s.preemption_enabled and s.core_wait_before_preempt_ms == 0
     m = cfg.memory
     assert m.hbm.capacity_ratio == 0.85 and m.hbm.emergency_evict_ratio == 0.9
-    assert m.dram.backend == "redis" and m.dram.port == 6379
-    assert m.oss.archive_interval_s == 3600 and m.scan.hbm_scan_interval_s == 300
+    assert m.dram.port == 6379
+    assert m.oss.archive_after_s == 3600 and m.scan.hbm_scan_interval_s == 300
 
 
 def test_bad_value_names_file_key_value_and_expectation(config_dir):
@@ -69,7 +72,7 @@ def test_cross_field_check_quotes_values(config_dir):
     text = "\n".join("demote_threshold = 2.0e6" if line.startswith("demote_threshold") else line
                      for line in text.splitlines())
     path.write_text(text)
-    with pytest.raises(ConfigError, match=r"demote_threshold \(2000000.0\) must be below promote_threshold \(1000000.0\)"):
+    with pytest.raises(ConfigError, match=r"demote_threshold \(2000000.0\) must be below renew_ttl_threshold \(1000000.0\)"):
         load_config(config_dir)
 
 
@@ -241,6 +244,11 @@ def test_a_section_the_service_does_not_read_is_an_error_to_use(config_dir):
     with pytest.raises(ConfigError, match=r"queues.retrieval \(queue.json queues.retrieval\)"):
         _ = cfg.queues.retrieval.timeout_ms
     assert cfg.queues.orchestration.workers == 16
+    with pytest.raises(ConfigError, match=r"memory.hbm \(memory_policy.toml hbm\) is not among"):
+        cfg.memory.hbm.model_dump()  # methods and properties too, not only fields
+    with pytest.raises(ConfigError, match="upstream"):
+        _ = cfg.upstream.endpoint_urls
+    assert "not read by the orchestrator" in repr(cfg.dispatcher)
     with pytest.raises(ConfigError, match="scheduler is not among the sections the orchestrator reads"):
         cfg.with_overrides(**{"scheduler.policy": "fifo"})
     assert cfg.with_overrides(**{"orchestrator.retrieval_timeout_ms": 500}).orchestrator.retrieval_timeout_ms == 500
@@ -367,3 +375,74 @@ def test_a_malformed_tls_or_health_variable_names_itself(monkeypatch, variable, 
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=f"{variable}={value!r}: {expected}"):
         load_config(ROOT / "config", service="dispatcher")
+
+
+def _where_model_sits(model):
+    """(section name, keys inside the section's table) of every place ``model`` is read from."""
+    from switchyard.common.config import SECTIONS
+
+    def walk(node, path):
+        if node is model:
+            yield path
+        for name, field in node.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from walk(field.annotation, (*path, name))
+
+    return [(name, path) for name, section in SECTIONS.items() for path in walk(section.model, ())]
+
+
+_RENAMES = [(model, old, new) for model, renames in FORMER_NAMES.items() for old, new in renames.items()]
+
+
+@pytest.mark.parametrize(("model", "old", "new"), _RENAMES, ids=[f"{old}->{new}" for _, old, new in _RENAMES])
+def test_every_former_name_loads_with_a_warning_naming_the_new_one(config_dir, caplog, model, old, new):
+    from switchyard.common.config import SECTIONS
+
+    (name, path), *_ = _where_model_sits(model)
+    section = SECTIONS[name]
+    keys = (*section.keys, *path)
+    file = config_dir / section.file
+    if file.suffix == ".toml":
+        text, count = re.subn(rf"(?m)^{new}(\s*)=", rf"{old}\1=", file.read_text())
+        assert count == 1, f"{new} once in {file.name}"
+        file.write_text(text)
+    else:
+        def rename(data):
+            for key in keys:
+                data = data[key]
+            data[old] = data.pop(new)
+        _write(config_dir, section.file, rename)
+    expected = load_config(ROOT / "config")
+    with caplog.at_level("WARNING", logger="switchyard.common.config"):
+        cfg = load_config(config_dir)
+    dotted = ".".join(keys)
+    assert f"key '{dotted + '.' if dotted else ''}{old}' is the former name of '{new}'" in caplog.text
+
+    def value(c):
+        node = dict(c)[name.split(".")[0]]
+        for part in (*name.split(".")[1:], *path, new):
+            node = dict(node)[part]
+        return node
+
+    assert value(cfg) == value(expected)
+
+
+def test_the_dram_tiers_backend_key_is_removed_and_ignored(config_dir, caplog):
+    _write(config_dir, "memory_policy.toml", lambda text: text.replace("[dram]\n", '[dram]\nbackend = "redis"\n'))
+    with caplog.at_level("WARNING", logger="switchyard.common.config"):
+        load_config(config_dir)
+    assert "memory_policy.toml: key 'dram.backend' is no longer a setting: the DRAM tier is always Redis" in caplog.text
+
+
+def test_the_config_package_reads_attributes_by_name_only():
+    """No getattr/hasattr probes (nor a __getattr__ hook) in the config package: every read names its field."""
+    import ast
+
+    probes = []
+    for path in sorted((ROOT / "services" / "switchyard" / "common" / "config").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id in {"getattr", "hasattr", "setattr"}:
+                probes.append(f"{path.name}:{node.lineno} {node.id}")
+            elif isinstance(node, ast.FunctionDef) and node.name in {"__getattr__", "__getattribute__"}:
+                probes.append(f"{path.name}:{node.lineno} def {node.name}")
+    assert not probes, probes

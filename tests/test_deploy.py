@@ -584,10 +584,10 @@ def test_tls_auth_overlay_probes_the_plain_text_health_port(base, secured, name,
         assert container[probe]["grpc"] == {**plain[probe]["grpc"], "port": health_port}, probe
     # only kubelet (from the node) asks it: no Service port, no NetworkPolicy lets another pod in
     assert health_port not in {p["port"] for p in _get(secured, "Service", name)["spec"]["ports"]}
-    policies = [obj for obj in secured if obj["kind"] == "NetworkPolicy"]
-    pods = _pods(secured)
-    for source in (Endpoint({"app": "some-client"}, namespace="apps"), *(pods[n] for n in SERVICES if n != name)):
-        assert not allowed(policies, source, pods[name], health_port)
+    ports = _container_ports(secured)
+    admitted = {rule[2] for obj in secured if obj["kind"] == "NetworkPolicy"
+                for rule in _rules(obj, ports.get(obj["metadata"]["name"], {})) if rule[0] == "Ingress"}
+    assert f"TCP {health_port}" not in admitted and "TCP any" not in admitted, admitted
 
 
 # --------------------------------------------------------------------------- node, monitoring, compose
@@ -643,121 +643,105 @@ def test_compose_jaeger_has_otlp_on(traced):
 
 
 # --------------------------------------------------------------------------- scale-out hygiene
-# NetworkPolicy semantics, evaluated here for the subset the manifests use:
-# podSelector / namespaceSelector (matchLabels, matchExpressions In) and
-# ipBlock peers, ports by number or container-port name.
+# NetworkPolicies are checked as kustomize renders them, rule by rule against the call graph written
+# out below: no evaluation of policy semantics here (a CNI enforces them), only what each rendered
+# rule says, with named ports resolved to the numbers of the pods the policy selects.
 
 APP_NAMESPACE = "switchyard"
 MONITORING = "monitoring"
+DNS = "namespaces any, pods k8s-app=kube-dns"
+FROM_MONITORING = f"namespaces kubernetes.io/metadata.name={MONITORING}"
+
+CALL_GRAPH = {
+    # policy: (the pods it selects, {(direction, peer, "PROTOCOL port")})
+    "orchestrator": ("app=orchestrator", {
+        ("Ingress", "anyone", "TCP 50051"),  # clients: AgentService is the front door
+        ("Ingress", "anyone", "TCP 8080"),  # and its HTTP face
+        ("Ingress", FROM_MONITORING, "TCP 9101"),
+        ("Egress", "pods app=retrieval", "TCP 50052"), ("Egress", "pods app=dispatcher", "TCP 50053"),
+        ("Egress", "pods app=redis", "TCP 6379"),  # the task store and agent memory
+        ("Egress", DNS, "UDP 53"), ("Egress", DNS, "TCP 53"),
+    }),
+    "retrieval": ("app=retrieval", {
+        ("Ingress", "pods app=orchestrator", "TCP 50052"), ("Ingress", FROM_MONITORING, "TCP 9102"),
+        ("Egress", DNS, "UDP 53"), ("Egress", DNS, "TCP 53"),
+    }),
+    "dispatcher": ("app=dispatcher", {
+        ("Ingress", "pods app=orchestrator", "TCP 50053"), ("Ingress", FROM_MONITORING, "TCP 9103"),
+        ("Egress", "ip 0.0.0.0/0", "TCP 443"),  # the upstream model API
+        ("Egress", "pods app=redis", "TCP 6379"),  # the DRAM tier
+        ("Egress", DNS, "UDP 53"), ("Egress", DNS, "TCP 53"),
+    }),
+    "redis": ("app=redis", {("Ingress", "pods app in (orchestrator, dispatcher)", "TCP 6379")}),
+    # components/tracing: the services' spans to the collector
+    "otlp-to-jaeger": ("app in (orchestrator, retrieval, dispatcher)", {("Egress", "pods app=jaeger", "TCP 4317")}),
+}
 
 
-def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
-    if selector is None:
-        return True
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
+def _selector(selector: dict) -> str:
+    """A label selector as text: ``k=v`` per matchLabels entry, ``k in (a, b)`` per In expression; ``any`` if empty."""
+    terms = [f"{k}={v}" for k, v in sorted(selector.get("matchLabels", {}).items())]
     for expr in selector.get("matchExpressions", []):
-        assert expr["operator"] == "In", f"only In is evaluated here, got {expr['operator']}"
-        if labels.get(expr["key"]) not in expr["values"]:
-            return False
-    return True
+        assert expr["operator"] == "In", f"write {expr['operator']} out here before a manifest uses it"
+        terms.append(f"{expr['key']} in ({', '.join(expr['values'])})")
+    return ", ".join(terms) or "any"
 
 
-class Endpoint:
-    """A pod (labels, namespace, named container ports) or an address outside the cluster (ip)."""
-
-    def __init__(self, labels=None, namespace=APP_NAMESPACE, ports=None, ip=None):
-        self.labels, self.namespace, self.ports, self.ip = labels or {}, namespace, ports or {}, ip
-
-
-def _peer_matches(peer: dict, other: Endpoint, policy_namespace: str) -> bool:
+def _peer(peer: dict) -> str:
     if "ipBlock" in peer:
-        return other.ip is not None  # every block here is 0.0.0.0/0
-    if other.ip is not None:
-        return False
-    if "namespaceSelector" in peer:
-        ns_labels = {"kubernetes.io/metadata.name": other.namespace}
-        if not _selects(peer["namespaceSelector"], ns_labels):
-            return False
-    elif other.namespace != policy_namespace:
-        return False
-    return _selects(peer.get("podSelector"), other.labels)
+        block = peer["ipBlock"]
+        return f"ip {block['cidr']}" + (f" except {', '.join(block['except'])}" if block.get("except") else "")
+    parts = [f"namespaces {_selector(peer['namespaceSelector'])}"] if "namespaceSelector" in peer else []
+    if "podSelector" in peer:
+        parts.append(f"pods {_selector(peer['podSelector'])}")
+    return ", ".join(parts)
 
 
-def _port_matches(rule_ports: list[dict] | None, port: int, dest: Endpoint) -> bool:
-    if not rule_ports:
-        return True
-    return any(p["port"] == port or dest.ports.get(p["port"]) == port for p in rule_ports)
-
-
-def _allowed_one_way(policies: list[dict], pod: Endpoint, other: Endpoint, port: int, direction: str,
-                     dest: Endpoint) -> bool:
-    """Whether ``pod``'s policies let traffic in ``direction`` (Ingress/Egress) with ``other`` on ``port``."""
-    relevant = [p for p in policies if other is not None and pod.ip is None
-                and _selects(p["spec"]["podSelector"], pod.labels) and direction in p["spec"]["policyTypes"]]
-    if pod.ip is not None or not relevant:
-        return True  # not isolated in this direction
-    key, peers_key = direction.lower(), "from" if direction == "Ingress" else "to"
-    for policy in relevant:
-        for rule in policy["spec"].get(key, []):
-            peers = rule.get(peers_key)
-            if (not peers or any(_peer_matches(peer, other, APP_NAMESPACE) for peer in peers)) \
-                    and _port_matches(rule.get("ports"), port, dest):
-                return True
-    return False
-
-
-def allowed(policies: list[dict], src: Endpoint, dst: Endpoint, port: int) -> bool:
-    """Traffic src -> dst:port passes src's egress and dst's ingress policies."""
-    return (_allowed_one_way(policies, src, dst, port, "Egress", dst)
-            and _allowed_one_way(policies, dst, src, port, "Ingress", dst))
-
-
-def _pods(objs: list[dict]) -> dict[str, Endpoint]:
-    pods = {}
+def _container_ports(objs: list[dict]) -> dict[str, dict[str, int]]:
+    """``{app label: {container port name: number}}`` of every Deployment and StatefulSet."""
+    ports: dict[str, dict[str, int]] = {}
     for obj in objs:
         if obj["kind"] in ("Deployment", "StatefulSet"):
             template = obj["spec"]["template"]
-            ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
-            pods[obj["metadata"]["name"]] = Endpoint(template["metadata"]["labels"], ports=ports)
-    return pods
+            named = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+                     if "name" in p}
+            ports[template["metadata"]["labels"]["app"]] = named
+    return ports
+
+
+def _rules(policy: dict, own_ports: dict[str, int]) -> set[tuple[str, str, str]]:
+    """``(direction, peer, "PROTOCOL port")`` for every peer x port of every rule; a named ingress port is
+    the selected pods' container port of that name (an egress port is written as a number)."""
+    spec, rules = policy["spec"], set()
+    for direction in spec["policyTypes"]:
+        for rule in spec.get(direction.lower(), []):
+            peers = [_peer(p) for p in rule.get("from" if direction == "Ingress" else "to", [])] or ["anyone"]
+            ports = []
+            for port in rule.get("ports") or [{"port": "any"}]:
+                number = port["port"]
+                if isinstance(number, str) and number != "any":
+                    assert direction == "Ingress", f"{policy['metadata']['name']}: name egress ports by number"
+                    number = own_ports[number]
+                ports.append(f"{port.get('protocol', 'TCP')} {number}")
+            rules |= {(direction, peer, port) for peer in peers for port in ports}
+    return rules
 
 
 def test_network_policies_allow_only_the_call_graph(traced):
-    policies = [obj for obj in traced if obj["kind"] == "NetworkPolicy"]
-    pods = _pods(traced)
-    orch, retrieval, disp, jaeger = pods["orchestrator"], pods["retrieval"], pods["dispatcher"], pods["jaeger"]
-    client = Endpoint({"app": "some-client"}, namespace="apps")
-    prometheus = Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace=MONITORING)
-    redis = pods["redis"]
-    dns = Endpoint({"k8s-app": "kube-dns"}, namespace="kube-system")
-    internet = Endpoint(ip="203.0.113.7")
-    expected = [
-        (client, orch, 50051, True),  # clients -> orchestrator
-        (internet, orch, 50051, True),
-        (client, disp, 50053, False), (client, retrieval, 50052, False),
-        (orch, retrieval, 50052, True), (orch, disp, 50053, True),  # orchestrator -> retrieval, dispatcher
-        (retrieval, disp, 50053, False), (disp, retrieval, 50052, False),
-        (disp, internet, 443, True), (disp, redis, 6379, True),  # dispatcher -> upstream model, Redis
-        (orch, redis, 6379, True),  # the task store and agent memory
-        (retrieval, redis, 6379, False), (client, redis, 6379, False),
-        (orch, internet, 443, False), (retrieval, internet, 443, False),
-        (orch, dns, 53, True), (retrieval, dns, 53, True), (disp, dns, 53, True),
-        (orch, jaeger, 4317, True), (disp, jaeger, 4317, True),  # the tracing component's path
-    ]
-    for name, (port, metrics) in PORTS.items():  # metrics only from the monitoring namespace
-        expected += [(prometheus, pods[name], metrics, True), (client, pods[name], metrics, False),
-                     (Endpoint({"app.kubernetes.io/name": "prometheus"}, namespace="apps"), pods[name], metrics, False),
-                     (prometheus, pods[name], port, name == "orchestrator")]
-    wrong = [(s.labels or s.ip, d.labels.get("app"), port, want) for s, d, port, want in expected
-             if allowed(policies, s, d, port) != want]
-    assert not wrong, f"(source, destination, port, expected) the policies get wrong: {wrong}"
-    for name in SERVICES:  # each Switchyard pod is isolated both ways
-        types = set()
-        for p in policies:
-            if _selects(p["spec"]["podSelector"], pods[name].labels):
-                types |= set(p["spec"]["policyTypes"])
-        assert types == {"Ingress", "Egress"}, name
+    policies = {obj["metadata"]["name"]: obj for obj in traced if obj["kind"] == "NetworkPolicy"}
+    assert set(policies) == set(CALL_GRAPH)
+    ports = _container_ports(traced)
+    for name, (selects, expected) in CALL_GRAPH.items():
+        policy = policies[name]
+        assert _selector(policy["spec"]["podSelector"]) == selects, name
+        own = ports.get(name, {})  # the app-named policies select their own pods
+        assert _rules(policy, own) == expected, name
+    for name in SERVICES:  # each Switchyard pod is isolated both ways by its own policy
+        assert policies[name]["spec"]["policyTypes"] == ["Ingress", "Egress"], name
+        assert _get(traced, "Deployment", name)["spec"]["template"]["metadata"]["labels"]["app"] == name
+    for name, numbers in PORTS.items():  # the numbers above are the ports the services listen on
+        assert (ports[name]["grpc"], ports[name]["metrics"]) == numbers
+    assert ports["orchestrator"]["http"] == HTTP_PORTS["orchestrator"]["http"]
 
 
 def test_every_service_has_a_disruption_budget(base):
@@ -766,7 +750,7 @@ def test_every_service_has_a_disruption_budget(base):
         assert pdb["maxUnavailable"] == 1
         assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow", "a not-ready pod must not block a drain"
         labels = _get(base, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
-        assert _selects(pdb["selector"], labels)
+        assert pdb["selector"] == {"matchLabels": {"app": name}} and labels["app"] == name
 
 
 def test_release_overlay_pins_every_image_by_digest(checkout):
@@ -785,8 +769,11 @@ def test_service_monitor_scrapes_every_metrics_port(base):
     assert spec["namespaceSelector"] == {"any": True}
     (endpoint,) = spec["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
-    selected = [obj for obj in base if obj["kind"] == "Service" and _selects(spec["selector"], obj["metadata"]["labels"])]
-    assert {obj["metadata"]["name"] for obj in selected} == set(SERVICES)
+    assert _selector(spec["selector"]) == "app.kubernetes.io/part-of=switchyard, app in (orchestrator, retrieval, dispatcher)"
+    selected = [obj for obj in base if obj["kind"] == "Service" and obj["metadata"]["name"] in SERVICES]
+    for service in selected:  # the labels that selector reads
+        labels = service["metadata"]["labels"]
+        assert (labels["app.kubernetes.io/part-of"], labels["app"]) == ("switchyard", service["metadata"]["name"])
     for service in selected:
         ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
         assert ports["metrics"] == PORTS[service["metadata"]["name"]][1]

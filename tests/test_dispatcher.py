@@ -502,11 +502,11 @@ class EchoStreamEngine:
         self.closed = True
 
 
-async def test_stream_engine_fans_out_past_inference_workers_up_to_the_concurrency_limit() -> None:
+async def test_stream_engine_fans_out_past_batches_in_prefill_up_to_the_concurrency_limit() -> None:
     # workers counts batches in prefill, not streams: 2 workers still give the upstream 3 streams,
     # and the adaptive limit (held at 3 here) is what bounds the streams in flight.
     limit = {"min_limit": 3, "initial_limit": 3, "max_limit": 3}
-    config = make_config(**{"queues.inference.workers": 2, "upstream.concurrency": limit})
+    config = make_config(**{"queues.inference.max_batches_in_prefill": 2, "upstream.concurrency": limit})
     engine = EchoStreamEngine()
     service = DispatcherService(config, engine=engine)
     async for h in serve(service):

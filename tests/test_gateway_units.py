@@ -138,7 +138,7 @@ def test_all_proxy_is_used_when_no_scheme_variable_is_set(clean_proxy_env, monke
 
 
 def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
-    from switchyard.gateway import sim_openai
+    from switchyard_harness import sim_openai
 
     with pytest.raises(SystemExit) as caught:
         sim_openai.main(["--fault", "status=abc"])

@@ -303,24 +303,6 @@ async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mt
 
 
 
-async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
-    from switchyard.bench import http_bench
-    from switchyard.bench.report import percentile
-
-    async with http_stack() as (client, _, down):
-        base = str(client.base_url).rstrip("/")
-        calls = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.5, task_type="chat",
-                                              max_tokens=16)
-        assert len(calls.latencies) == 20 and not calls.failures
-        assert calls.summary()["p95_ms"] == round(1000 * percentile(calls.latencies, 95), 3)
-        over_grpc = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.25, task_type="chat",
-                                                  max_tokens=16, grpc_addr=down.orchestrator_address)
-        assert len(over_grpc.latencies) == 10 and not over_grpc.failures
-        streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
-        for kind in ("sse", "grpc"):
-            assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
-
-
 async def test_a_body_past_the_size_limit_is_400_naming_it_and_unknown_paths_and_methods_answer_json():
     async with http_stack() as (client, _, down):
         limit = load_config("config", service="orchestrator").limits.max_payload_chars

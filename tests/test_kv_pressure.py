@@ -61,7 +61,7 @@ def request(rid: str, priority: int, *, prompt_tokens: int, max_tokens: int, arr
 
 def park_core_agents(sched: Any, n: int, tokens: int) -> list[Request]:
     """``n`` core react agents waiting on a tool, each holding ``tokens`` of KV, reused often (valued above
-    ``[hbm] evict_threshold``)."""
+    ``[hbm] evict_first_below``)."""
     agents = []
     for i in range(n):
         req = request(f"agent-{i}", CORE, prompt_tokens=tokens, max_tokens=64, task_type="react_loop",
@@ -71,7 +71,7 @@ def park_core_agents(sched: Any, n: int, tokens: int) -> list[Request]:
         sched.parking.park(req, now=0.0)
         agents.append(req)
     value = sched._parked_value(sched.parking.entries[0], 0.0)
-    assert value > sched.memory.hbm.evict_threshold  # the state admission used to leave alone
+    assert value > sched.memory.hbm.evict_first_below  # the state admission used to leave alone
     return agents
 
 

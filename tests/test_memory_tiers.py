@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.bench.compare import FixedSlots
+from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfig, ValueScoreConfig
 from switchyard.common.dram import DramClient
@@ -252,7 +252,7 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
         await store.put(store.key("seq", name), record, priority=priority, hits=hits, **common)
     now = float(await client.hget(store.key("seq", "stale"), "stored_at"))
     await client.hset(store.key("seq", "stale"), "stored_at", now - 3 * 3600)  # idle three hours
-    await client.hset(store.key("seq", "young"), "stored_at", now - 1800)  # worth little, but not yet archive_interval_s old
+    await client.hset(store.key("seq", "young"), "stored_at", now - 1800)  # worth little, but not yet archive_after_s old
     demotions = metric("switchyard_tier_demotions_total", tier="dram")
     hot, moved = await tiers.scan_dram(now)
     assert (hot, moved) == (1, 1)
@@ -312,7 +312,7 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
     for i in range(3):
         req = request(f"emerg-{i}", CORE, agent_id=f"agent-e{i}", task_type="react_loop", prompt_tokens=4000)
         req.num_computed_tokens = 4000
-        req.kv_hits = 5  # valuable: above evict_threshold, so admission alone would never evict it
+        req.kv_hits = 5  # valuable: above evict_first_below, so admission alone would never evict it
         sched.parking.park(req, now=0.0)
         agents.append(req)
     scans = metric("switchyard_tier_scans_total", tier="hbm")
@@ -428,7 +428,7 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     sched.score = 80.0  # a busy GPU: no compaction
     sched.hbm_scan(now=0.0, out=SchedulerOutput())
     assert engine.compactions == 0
-    sched.score = 10.0  # below defrag_trigger_score (30)
+    sched.score = 10.0  # below defrag_below_score (30)
     sched.hbm_scan(now=1.0, out=SchedulerOutput())
     assert engine.compactions == 1
     assert metric("switchyard_kv_defragmentations_total") == runs + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from grpc_tools import protoc
 
-from switchyard import cpu_profile
+from switchyard_harness import cpu_profile
 from switchyard.common import process_metrics
 from switchyard.common.auth import BearerTokens
 from switchyard.common.config import AuthConfig

@@ -73,7 +73,7 @@ async def test_with_statement_question_retrieves_the_with_topic(pydoc_index_dir,
 
 
 async def test_top_k_zero_means_the_configured_default(pydoc_index_dir):
-    async with _serve(_config(pydoc_index_dir, **{"retrieval.top_k": 3})) as (_, stub):
+    async with _serve(_config(pydoc_index_dir, **{"retrieval.default_top_k": 3})) as (_, stub):
         reply = await stub.Retrieve(agent_pb2.RetrieveRequest(query="What does yield do?"))
     assert len(reply.passages) == 3
 
@@ -216,33 +216,6 @@ def test_progress_is_a_bar_only_on_a_terminal(stream_type):
     else:
         assert "\r" not in written and "\x1b" not in written
         assert written.splitlines()[-1] == "embedding: 70/70 passages"
-
-
-def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys):
-    from switchyard.retrieval.bench import main as bench_main
-
-    argv = ["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir), "--queries", "8", "--batch-sizes", "1,4"]
-    assert bench_main(argv) == 0
-    out = capsys.readouterr().out
-    print(out)
-    assert "embed_batch_size=1 " in out and "8 forward passes" in out
-    assert "embed_batch_size=4 " in out
-
-
-def test_the_default_index_meets_the_answer_quality_targets_on_the_labelled_questions(pydoc_index_dir, capsys):
-    """Recall@5 >= 0.9 and MRR@10 >= 0.75 (hybrid, the default), 0 truncated passages; the CLI prints the table."""
-    from switchyard.retrieval.quality_bench import main as quality_main
-
-    assert quality_main(["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir)]) == 0
-    out = capsys.readouterr().out
-    print(out)
-    # columns: "built index" flat MODE passages truncated R@1 R@5 MRR@10 nDCG@10 tail-R@5 search retrieval
-    table = [line.split() for line in out.splitlines() if line.startswith("built index ")]
-    by_mode = {cols[3]: cols for cols in table}
-    hybrid, vectors = by_mode["hybrid"], by_mode["vectors"]
-    assert hybrid[5] == "0"  # truncated passages
-    assert float(hybrid[7]) >= 0.9 and float(hybrid[8]) >= 0.75, out
-    assert float(hybrid[7]) > float(vectors[7])  # BM25 adds to the vectors
 
 
 async def test_hybrid_on_with_an_index_without_bm25_fails_start_naming_the_fix(pydoc_index_dir, tmp_path):

@@ -67,20 +67,6 @@ async def test_calls_spread_over_three_dispatchers_within_20_percent(three):
     assert all(abs(c - mean) <= 0.2 * mean for c in counts.values()), counts
 
 
-async def test_sigkill_under_load_retries_unstarted_calls_names_the_replica_and_loses_no_task(three):
-    from switchyard.bench.fault import run_fault
-
-    endpoints = {name: (three.address(name), three.metrics_url(name), pid(three, name)) for name in DISPATCHERS}
-    report = await run_fault(three.address("orchestrator"), endpoints, three.metrics_url("orchestrator"),
-                             "dispatcher-3", concurrency=12, duration_s=5, kill_at_s=2, max_tokens=64, submit=20)
-    print("\n".join(report.lines()))
-    assert report.succeeded > 0 and report.calls == report.succeeded + report.failed_after_tokens
-    assert report.failed_before_tokens == 0 and not report.other_failures, report.other_failures
-    assert report.failed_after_tokens == report.failed_after_tokens_naming_victim, "a cut stream names its replica"
-    assert report.submitted == 20 and report.submitted_lost == 0, report.submitted_errors
-    assert report.submitted_succeeded + report.submitted_failed == 20
-
-
 async def test_killed_dispatcher_leaves_the_stack_serving(three):
     victim = "dispatcher-2"
     os.kill(pid(three, victim), signal.SIGKILL)

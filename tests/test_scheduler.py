@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from switchyard.api import agent_pb2
-from switchyard.bench.compare import FixedSlots
+from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import (
@@ -278,9 +278,9 @@ def test_sim_engine_budget_is_the_modelled_h100() -> None:
     assert budget.budget_bytes // budget.need(req) > 150
 
 
-def test_admission_stops_at_high_load_threshold() -> None:
+def test_admission_stops_at_the_admission_score_limit() -> None:
     nvml = FakeNvml(gpu=20, memory=10)  # score 0.2*20 + 0.2*10 + 0 = 6
-    sched = make_scheduler(nvml=nvml, expected_score_initial=10, high_load_threshold=80)
+    sched = make_scheduler(nvml=nvml, expected_score_initial=10, admission_score_limit=80)
     first = make_requests(1)
     sched.add(first, now=0.0)
     assert sched.schedule(now=0.0).admitted == first
@@ -311,7 +311,7 @@ def test_idle_engine_admits_its_head_whatever_the_score() -> None:
 
 def test_expected_score_is_learned_from_finished_tasks() -> None:
     nvml = FakeNvml(gpu=20, memory=10)  # score 6 when the task is admitted
-    sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5, high_load_threshold=95)
+    sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5, admission_score_limit=95)
     [req] = make_requests(1, task_type="rag_answer")
     sched.add([req], now=0.0)
     sched.schedule(now=0.0)

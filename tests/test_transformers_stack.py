@@ -2,7 +2,7 @@
 
 Orchestrator, retrieval and dispatcher run as real gRPC servers on 127.0.0.1; the dispatcher's
 ``openai`` engine streams from ``transformers serve --continuous-batching --device cpu`` serving a
-tiny random-weight Llama (``switchyard.testing.transformers_serve``). The server ends every stream
+tiny random-weight Llama (``switchyard_harness.testing.transformers_serve``). The server ends every stream
 with a finish chunk and no ``data: [DONE]``, refuses unknown body fields (``priority``) with 422
 and answers a model it does not serve with 400 "Server is pinned to ...".
 """
@@ -120,7 +120,7 @@ def debug_transformers_server(tiny_llama_dir, tmp_path_factory):
     ``clear_cancelled_requests``). The request id is the X-Request-Id the gateway sends."""
     import os
 
-    from switchyard.testing.transformers_serve import TransformersServer
+    from switchyard_harness.testing.transformers_serve import TransformersServer
 
     site = tmp_path_factory.mktemp("cb-debug-logging")
     (site / "sitecustomize.py").write_text(

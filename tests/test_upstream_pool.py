@@ -23,7 +23,7 @@ from switchyard.gateway.faults import Fault
 from switchyard.gateway.picker import EndpointPicker
 from switchyard.gateway.pool import PoolLimit, endpoint_name, prompt_key
 from switchyard.gateway.server_load import ServerLoad, parse_server_load
-from switchyard.gateway.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread, spawn
+from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread, spawn
 
 from gateway_fixtures import clean_proxy_env  # noqa: F401
 

@@ -4,7 +4,7 @@ Usage: python tools/pipeline_overhead.py [--seconds 10] [--rounds 5] [--concurre
        [--stack processes|one-process]
 
 Each server runs in child processes of its own; the same client
-(``switchyard.bench.loadgen``, in another process) drives them in turn, in
+(``switchyard_harness.bench.loadgen``, in another process) drives them in turn, in
 ``--rounds`` windows each, so that other work on the machine weighs on all of
 them alike:
 
@@ -248,8 +248,8 @@ class _Server:
 
     def drive(self, seconds: float, concurrency: int, warm: bool = False) -> None:
         """Drive it for ``seconds`` (``warm``: 200 calls, not counted)."""
-        from switchyard.bench.calldata import parse_calldata
-        from switchyard.bench.loadgen import LoadPlan, run_load
+        from switchyard_harness.bench.calldata import parse_calldata
+        from switchyard_harness.bench.loadgen import LoadPlan, run_load
 
         host, items = f"127.0.0.1:{self.port}", parse_calldata(CHAT)
         if warm:

@@ -5,7 +5,7 @@ Usage::
     python tools/upstream_soak.py [--calls 1000] [--concurrency 8] [--max-tokens 16] \
         [--index-dir data/index] [--base-url URL --model ID] [--out report.json]
 
-Without ``--base-url`` it builds the tiny random-weight Llama (``switchyard.testing.transformers_serve``,
+Without ``--base-url`` it builds the tiny random-weight Llama (``switchyard_harness.testing.transformers_serve``,
 offline, seconds) and starts ``transformers serve MODEL --continuous-batching --device cpu`` on
 127.0.0.1. It then starts the stack as users run it (``switchyard up --free-ports``, three processes)
 with ``SWITCHYARD_ENGINE=openai`` and ``model_gateway.base_url`` pointed at the server, runs
@@ -29,13 +29,13 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "services"))
+sys.path[:0] = [str(REPO / "services"), str(REPO / "harness")]
 
-from switchyard.bench.calldata import parse_calldata  # noqa: E402
-from switchyard.bench.loadgen import LoadPlan, run_load  # noqa: E402
-from switchyard.bench.report import build_report, summary_text  # noqa: E402
+from switchyard_harness.bench.calldata import parse_calldata  # noqa: E402
+from switchyard_harness.bench.loadgen import LoadPlan, run_load  # noqa: E402
+from switchyard_harness.bench.report import build_report, summary_text  # noqa: E402
 from switchyard.launcher import UpProcess  # noqa: E402
-from switchyard.testing.transformers_serve import TransformersServer, build_tiny_llama  # noqa: E402
+from switchyard_harness.testing.transformers_serve import TransformersServer, build_tiny_llama  # noqa: E402
 
 TASKS = ("chat", "rag_answer", "react_loop")
 

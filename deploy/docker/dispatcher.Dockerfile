@@ -28,6 +28,7 @@ ENV PATH=/opt/venv/bin:$PATH
 COPY deploy/requirements/dispatcher.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir --requirement /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
+# services/ alone: the harness (harness/, package switchyard_harness) is not part of an image.
 COPY services /src/services
 # pip check: every installed package, switchyard included, has its dependencies.
 RUN pip install --no-cache-dir --no-deps /src \

@@ -19,6 +19,7 @@ ENV PATH=/opt/venv/bin:$PATH
 COPY deploy/requirements/retrieval.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir --no-deps --extra-index-url "$TORCH_INDEX_URL" --requirement /tmp/requirements.txt
 COPY pyproject.toml README.md /src/
+# services/ alone: the harness (harness/, package switchyard_harness) is not part of an image.
 COPY services /src/services
 # pip check: every installed package, switchyard included, has its dependencies.
 RUN pip install --no-cache-dir --no-deps /src \

@@ -8,15 +8,25 @@ their own arguments; this module only routes to them:
 - ``run QUESTION``: stream one task (switchyard.client)
 - ``index [PATHS]``: build the vector index (switchyard.retrieval.indexer)
 - ``doctor``: check the model gateway set-up (switchyard.gateway.doctor)
-- ``bench``: load generator and A/B comparison (switchyard.bench.cli)
-- ``top``: live terminal view of a running stack from its /metrics (switchyard.top)
-- ``profile SERVICE``: CPU profile of a running service (switchyard.cpu_profile)
+- ``bench``: load generator and A/B comparison (switchyard_harness.bench.cli)
+- ``top``: live terminal view of a running stack from its /metrics (switchyard_harness.top)
+- ``profile SERVICE``: CPU profile of a running service (switchyard_harness.cpu_profile)
+
+``bench``, ``top``, ``profile`` and ``serve sim-openai`` live in the harness (package
+``switchyard_harness``, the repository's ``harness/`` folder), imported only when one of them
+runs (:func:`harness_module`); without it they say what to install and exit 1, and every
+other command works as before.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
+from types import ModuleType
+
+HARNESS = "switchyard_harness"
+"""The measuring path's package: benchmarks, the fake upstream, top and profile, test tooling."""
 
 # subcommand -> (module, one-line help). Each module has ``main(argv) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,12 +36,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("switchyard.retrieval.indexer",
               "build the vector index (default: CPython's documentation topics) and export the query encoder"),
     "doctor": ("switchyard.gateway.doctor", "check base URL, API key, model id and proxies of the model gateway"),
-    "bench": ("switchyard.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
+    "bench": ("switchyard_harness.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
               "compare, sched, isolation, agents, route, fault, retrieval"),
-    "top": ("switchyard.top", "live view of a running stack from its /metrics; --once --json for scripts"),
-    "profile": ("switchyard.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
+    "top": ("switchyard_harness.top", "live view of a running stack from its /metrics; --once --json for scripts"),
+    "config": ("switchyard.common.config.reference",
+               "the configuration reference of every key (docs/configuration.md): config reference [--write|--check FILE]"),
+    "profile": ("switchyard_harness.cpu_profile", "CPU profile of a running service: top functions by cumulative time, "
                 "GC pauses; pprof file with --output"),
 }
+
+
+class HarnessMissing(Exception):
+    """A harness command ran where the harness package is not installed (a service image)."""
+
+
+def harness_module(module: str, command: str) -> ModuleType:
+    """Import ``module`` of the harness for ``command`` (e.g. ``"switchyard bench"``).
+
+    Raises:
+        HarnessMissing: ``switchyard_harness`` is not installed; the message says what to install.
+            A harness that is installed but lacks one of its own dependencies raises that
+            ModuleNotFoundError unchanged.
+    """
+    if importlib.util.find_spec(HARNESS) is None:
+        raise HarnessMissing(
+            f"{command}: this command is part of the benchmark harness (package {HARNESS}, the "
+            "repository's harness/ folder), which this installation lacks (the service images leave it "
+            "out). Install Switchyard from a checkout of the repository: `pip install .` (or `make install`)."
+        )
+    return importlib.import_module(module)
 
 
 def _usage() -> str:
@@ -56,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"switchyard: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    target = COMMANDS[name][0]
+    try:
+        module = harness_module(target, f"switchyard {name}") if target.startswith(HARNESS + ".") \
+            else importlib.import_module(target)
+    except HarnessMissing as exc:
+        print(exc, file=sys.stderr)
+        return 1
     return int(module.main(rest) or 0)
 
 

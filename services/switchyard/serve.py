@@ -1,7 +1,8 @@
 """``switchyard serve NAME``: run one service in this process until SIGTERM/SIGINT.
 
 NAME is orchestrator, retrieval or dispatcher (gRPC services), or sim-openai
-(the OpenAI-compatible test server, which takes its own options).
+(the OpenAI-compatible test server of the harness, ``switchyard_harness.sim_openai``,
+which takes its own options).
 """
 
 from __future__ import annotations
@@ -106,8 +107,13 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "sim-openai":
-        from switchyard.gateway import sim_openai
+        from switchyard.cli import HarnessMissing, harness_module
 
+        try:
+            sim_openai = harness_module("switchyard_harness.sim_openai", "switchyard serve sim-openai")
+        except HarnessMissing as exc:
+            print(exc, file=sys.stderr)
+            return 1
         return int(sim_openai.main(argv[1:]) or 0)
     parser = parser_for("switchyard serve", __doc__)
     parser.add_argument("name", choices=[*SERVICES, "sim-openai"])

@@ -4,7 +4,7 @@ One rule, used wherever Switchyard sends related work to one of several
 replicas: the orchestrator's agents over dispatcher replicas
 (:mod:`switchyard.orchestrator.replicas`), the gateway's agents and prompt
 prefixes over upstream model-server replicas (:mod:`switchyard.gateway.picker`),
-and ``switchyard bench route``'s simulation (:mod:`switchyard.bench.route`).
+and ``switchyard bench route``'s simulation (:mod:`switchyard_harness.bench.route`).
 
 A key (an agent, a prompt prefix) should reach the replica that holds its warm
 state (the KV of its earlier turns, a cached prefix). Plain consistent hashing

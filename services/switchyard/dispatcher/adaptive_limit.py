@@ -49,9 +49,9 @@ CORE headroom below):
   windows down when other work shares the server's CPU);
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
-- the window's TTFT above ``tolerance`` x the TTFT remembered at the same level
+- the window's TTFT above ``ttft_tolerance`` x the TTFT remembered at the same level
   (the server got slower at the same load: other tenants, longer prompts):
-  ``limit *= max(0.5, tolerance x remembered / measured)``, the gradient of
+  ``limit *= max(0.5, ttft_tolerance x remembered / measured)``, the gradient of
   ``Gradient2Limit`` against a baseline per concurrency level instead of one
   long EWMA (which follows the loaded TTFT within seconds and lets the limit
   run away, as TCP Vegas' ``baseRTT`` would without its minimum);
@@ -308,9 +308,9 @@ class AdaptiveConcurrencyLimit:
             level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
         else:
             if (ttft_s is not None and level.ttft_s is not None and level.windows >= BRAKE_MIN_WINDOWS
-                    and self._window_ttfts >= BRAKE_MIN_SAMPLES and ttft_s > self.config.tolerance * level.ttft_s):
+                    and self._window_ttfts >= BRAKE_MIN_SAMPLES and ttft_s > self.config.ttft_tolerance * level.ttft_s):
                 braked = True
-                self._set(self.limit * max(BRAKE_FLOOR, self.config.tolerance * level.ttft_s / ttft_s))
+                self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
             level.tokens_per_s += LEVEL_ALPHA * (tokens_per_s - level.tokens_per_s)
             if ttft_s is not None:
                 level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + LEVEL_ALPHA * (ttft_s - level.ttft_s)

@@ -15,7 +15,7 @@ more (a stream ended, or a batch got its first tokens), the buffer is swapped
 and the whole buffer is admitted at once, as far as the limit allows. An idle
 upstream takes a request at once.
 
-``queues.inference.workers`` (the field's 4) counts flushed batches in
+``queues.inference.max_batches_in_prefill`` (the field's 4) counts flushed batches in
 prefill at once: batches sent whose members have not all produced a first
 token (or ended). It bounds the prefill burst sent ahead of the upstream's
 first answers, not the streams in flight: a batch that is decoding no longer
@@ -44,7 +44,7 @@ class StreamLoop(LoopBase):
     """Drives a :class:`StreamEngine` (see the module docstring).
 
     Args:
-        config: the whole config (``queues.inference.workers``, ``scheduler.time_slice_ms``).
+        config: the whole config (``queues.inference.max_batches_in_prefill``, ``scheduler.time_slice_ms``).
         engine: the stream engine; its ``on_upstream_status`` hook, when it has
             one, is set to feed 429/503 answers to the limit.
         scheduler: a scheduler built with ``ConcurrencyCapacity(limit)``.
@@ -61,7 +61,7 @@ class StreamLoop(LoopBase):
         scheduler.preemption_enabled = False  # an upstream stream cannot be paused
         self.capacity = scheduler.capacity
         self.limit = limit
-        self.max_prefilling = config.queues.inference.workers
+        self.max_prefilling = config.queues.inference.max_batches_in_prefill
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
@@ -84,7 +84,7 @@ class StreamLoop(LoopBase):
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        """A CORE request arrived while ``workers`` batches are in prefill: it does not wait for one of
+        """A CORE request arrived while ``max_batches_in_prefill`` batches are in prefill: it does not wait for one of
         them to get its first token, it is admitted now if the limit has a slot for it
         (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
         if self._closing or len(self._prefilling) < self.max_prefilling:

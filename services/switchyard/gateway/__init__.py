@@ -12,8 +12,8 @@ Modules:
 - :mod:`.resilience`: retries (tenacity) and fallback, before the first token only.
 - :mod:`.keys`, :mod:`.redact`, :mod:`.proxy`, :mod:`.models`: API key checks
   and redaction, proxy variables, model map and nearest-id lookup.
-- :mod:`.sim_openai`: ``switchyard serve sim-openai``, an OpenAI-compatible
-  server with failure injection; :mod:`.doctor`: ``switchyard doctor``.
+- :mod:`.doctor`: ``switchyard doctor``. The OpenAI-compatible test server with failure
+  injection (``switchyard serve sim-openai``) is the harness's :mod:`switchyard_harness.sim_openai`.
 """
 
 from switchyard.gateway.events import ChatRequest, Completion, Finished, Token, ToolCallOut, Usage

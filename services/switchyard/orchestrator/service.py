@@ -360,10 +360,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer):
         try:
             apply_edge_headers(request, context.invocation_metadata())
             spec = validate(request, self.config, await self._default_model(request))
-            limit = self.config.orchestrator.task_table_size
+            limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit:
                 raise SwitchyardError(
-                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.task_table_size); "
+                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.max_unfinished_submitted_tasks); "
                     "poll GetTaskStatus and retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
             fields = {**vars(spec), "metadata": dict(request.metadata)}
             if not request.task_id:

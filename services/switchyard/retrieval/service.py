@@ -132,11 +132,11 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
 
     def _top_k(self, top_k: int) -> int:
         if top_k == 0:
-            return self.settings.top_k
+            return self.settings.default_top_k
         if not 1 <= top_k <= self.settings.max_top_k:
             raise InvalidArgument(
                 "top_k",
-                f"0 (the default, {self.settings.top_k}) or 1..{self.settings.max_top_k} (retrieval.max_top_k)",
+                f"0 (the default, {self.settings.default_top_k}) or 1..{self.settings.max_top_k} (retrieval.max_top_k)",
                 top_k,
             )
         return top_k
@@ -146,7 +146,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
 
         Args:
             query: the question; must contain a non-space character.
-            top_k: passages wanted; 0 = ``retrieval.top_k``; at most ``retrieval.max_top_k``.
+            top_k: passages wanted; 0 = ``retrieval.default_top_k``; at most ``retrieval.max_top_k``.
 
         Returns:
             passages (text, cosine score -1..1, source, title), and queue_wait_s,

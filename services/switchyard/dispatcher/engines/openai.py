@@ -6,7 +6,7 @@ one streamed ``/v1/chat/completions`` call made by
 retries, fallback and the error table. This module only translates a
 :class:`~switchyard.dispatcher.request.Request` into an OpenAI request and
 the gateway's events into the engine protocol's items. The engine loop fans a
-flushed batch out as concurrent calls, bounded by ``queues.inference.workers``.
+flushed batch out as concurrent calls, bounded by ``queues.inference.max_batches_in_prefill``.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Admission:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.max_running = config.max_admitted_per_decision
-        self.high_load_threshold = config.high_load_threshold
+        self.high_load_threshold = config.admission_score_limit
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
         self.refusals: Counter[str] = Counter()
         """Refusals so far, by reason (:data:`ADMISSION_WAVE`, :data:`COMPUTE_SCORE`, and the capacity's)."""

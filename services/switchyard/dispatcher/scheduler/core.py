@@ -569,7 +569,7 @@ class SchedulerCore:
                 freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
         compact = getattr(self.engine, "compact_kv", None)
-        if callable(compact) and self.score < self.memory.hbm.defrag_trigger_score:
+        if callable(compact) and self.score < self.memory.hbm.defrag_below_score:
             freed = int(compact())
             tier_metrics.DEFRAGMENTATIONS.inc()
             tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
@@ -766,7 +766,7 @@ class SchedulerCore:
 
         self._room_for = req
         try:
-            below = self.memory.hbm.evict_threshold
+            below = self.memory.hbm.evict_first_below
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value, below=below) is not None:
                 pass
             evict = getattr(self.engine, "evict_prefix_cache", None)

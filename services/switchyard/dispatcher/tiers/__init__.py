@@ -18,7 +18,7 @@ pricing:
   redis-py's asyncio client); an outage is a miss.
 - :mod:`.cold`: the cold tier, files through fsspec at ``[oss] path``: the
   DRAM scan archives there what is worth little (below ``demote_threshold``)
-  and has sat in DRAM for ``archive_interval_s``; a restore that misses in
+  and has sat in DRAM for ``archive_after_s``; a restore that misses in
   DRAM looks there and promotes what it finds back to HBM.
 - :mod:`.value`: the value score that orders eviction and drives promotion and demotion.
 - :mod:`.blob`: the sealed form of a stored entry (key, lengths, digest); an
@@ -228,9 +228,9 @@ class MemoryTiers:
     async def scan_dram(self, now: float | None = None) -> tuple[int, int]:
         """One DRAM scan (``now``: Unix seconds, default the clock's).
 
-        Entries valued at or above ``promote_threshold`` stay hot (TTL
+        Entries valued at or above ``renew_ttl_threshold`` stay hot (TTL
         renewed). Entries valued below ``demote_threshold`` that have sat in
-        DRAM for ``[oss] archive_interval_s`` leave it: archived to the cold
+        DRAM for ``[oss] archive_after_s`` leave it: archived to the cold
         tier, and deleted from DRAM only once the cold copy is whole (an
         archive that fails leaves the DRAM copy, and the scan archives
         nothing more until the next one; with no cold tier the entry is
@@ -238,7 +238,7 @@ class MemoryTiers:
         """
         if self.store is None or not self.store.available():
             return 0, 0
-        dram, archive_after = self.config.dram, self.config.oss.archive_interval_s
+        dram, archive_after = self.config.dram, self.config.oss.archive_after_s
         hot = moved = 0
         archiving = self.cold is not None  # off for the rest of the scan after a failed archive (the tier backs off)
         now = time.time() if now is None else now
@@ -246,7 +246,7 @@ class MemoryTiers:
             age = now - entry.stored_at
             value = self.value.score(priority_class=entry.priority, hits=entry.hits,
                                      reuse_seconds=entry.cost_us / 1e6, nbytes=entry.nbytes, idle_s=age)
-            if value >= dram.promote_threshold:
+            if value >= dram.renew_ttl_threshold:
                 await self.store.touch(entry.key)
                 hot += 1
             elif value < dram.demote_threshold and age >= archive_after:

@@ -64,7 +64,7 @@ FRAGMENTATION = Gauge(
 )
 DEFRAGMENTATIONS = Counter(
     "switchyard_kv_defragmentations_total",
-    "Compactions of the KV block table (run only while the compute score is below defrag_trigger_score).",
+    "Compactions of the KV block table (run only while the compute score is below defrag_below_score).",
 )
 DEFRAG_FREED_BYTES = Counter(
     "switchyard_kv_defrag_freed_bytes_total", "Device bytes given back by compactions of the KV block table."

@@ -30,9 +30,10 @@ prefill, 0.49 GiB at 512 KiB per token) scores 5 x 1 x 30,000 / 0.49 x 1, about
 3.1e5; fresh core state with two reuses about 1.8e6. The thresholds of
 ``memory_policy.toml`` read on this scale:
 
-- ``[hbm] evict_threshold`` (1e6): state below it may be evicted from HBM to
-  make room for admission; state above it only at ``emergency_evict_ratio``.
-- ``[dram] promote_threshold`` (1e6): a DRAM entry at or above it stays hot
+- ``[hbm] evict_first_below`` (1e6): parked state below it is evicted from HBM
+  first to make room for admission, before the prefix cache; state above it
+  after the prefix cache.
+- ``[dram] renew_ttl_threshold`` (1e6): a DRAM entry at or above it stays hot
   (the DRAM scan renews its TTL).
 - ``[dram] demote_threshold`` (1e3): a DRAM entry below it is demoted by the
   DRAM scan (the normal agent above, idle for about eight half-lives).

@@ -1,0 +1,339 @@
+"""``switchyard bench``: load-test RunTask, compare scheduler settings, or run the scheduling benchmark.
+
+Subcommands:
+
+- ``run`` (the default): the load generator; options mirror ghz's (``-n``, ``-c``,
+  ``--rps``, ``--duration``, ``-d``/``--data``, ``-D``/``--data-file``,
+  ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
+- ``compare``: scenarios A-D on one request set (see :mod:`switchyard_harness.bench.compare`).
+- ``sched``: the scheduling benchmark (``switchyard_harness.bench.sched_bench``).
+- ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
+  (:mod:`switchyard_harness.bench.isolation`).
+- ``agents``: the field's agent load test, memory tiers acting (:mod:`switchyard_harness.bench.agents_bench`).
+- ``route``: agent routing over many dispatcher replicas, simulated
+  (:mod:`switchyard_harness.bench.route`).
+- ``pool``: the gateway's endpoint picker over three sim-openai replicas against
+  round robin, and with one replica killed (:mod:`switchyard_harness.bench.pool`).
+- ``fault``: SIGKILL one of several local dispatchers under load and account
+  for every call (:mod:`switchyard_harness.bench.fault`).
+- ``upstream``: one load straight at a model server and through Switchyard, taking turns
+  (:mod:`switchyard_harness.bench.upstream`).
+- ``retrieval``: retrieval answer quality and time per query
+  (:mod:`switchyard_harness.bench.retrieval_quality`).
+- ``diff``: two ghz-format reports side by side (:mod:`switchyard_harness.bench.diff`).
+- ``http``: the orchestrator's HTTP face under load, SSE vs gRPC RunTask (:mod:`switchyard_harness.bench.http_bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+_GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """A Go/ghz duration (``"10s"``, ``"1m30s"``, ``"500ms"``) or plain seconds -> seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if isinstance(text, (int, float)):
+        return float(text)
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _GO_DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 10s, 1m30s or 500ms, got {text!r}")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def _procs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number >= 1, got {text!r}")
+    return value
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """The options ``run`` and ``compare`` share (ghz's names). Defaults None: see :func:`resolve_plan`."""
+    parser.add_argument("--config", help="ghz JSON config file (ghz/reference.json); flags override its keys")
+    parser.add_argument("-n", "--total", type=int, help="calls to make (ghz default 200)")
+    parser.add_argument("-c", "--concurrency", type=int, help="concurrent calls (ghz default 50)")
+    parser.add_argument("--rps", type=float, help="call starts per second, 0 = unpaced")
+    parser.add_argument("-z", "--duration", type=parse_duration, help="run this long instead of -n (e.g. 30s)")
+    parser.add_argument("-t", "--timeout", type=parse_duration, help="deadline per call (default 20s)")
+    parser.add_argument("-d", "--data", help="call data as JSON: an object or an array used round-robin")
+    parser.add_argument("-D", "--data-file", help="call data JSON file (ghz/data/mixed.json)")
+    parser.add_argument("--procs", type=_procs, default="auto", help="client processes: auto or N")
+    # ghz's connection flags, so a ghz command line runs unchanged.
+    parser.add_argument("-m", "--metadata", help="gRPC metadata as a JSON object of strings (ghz -m), "
+                        "e.g. '{\"authorization\": \"Bearer ...\"}'")
+    parser.add_argument("--insecure", action="store_true", help="plain text, no TLS (the default; ghz --insecure)")
+    parser.add_argument("--cacert", help="PEM CA bundle: connect over TLS and check the server (ghz --cacert)")
+    parser.add_argument("--cert", help="PEM client certificate for mTLS (ghz --cert), with --key")
+    parser.add_argument("--key", help="PEM private key of --cert (ghz --key)")
+    parser.add_argument("--cname", help="server name to check in its certificate (ghz --cname)")
+    parser.add_argument("--proto", help="accepted for ghz compatibility; the contract is built in")
+    parser.add_argument("--call", help="accepted for ghz compatibility: only agent.AgentService.RunTask")
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """ghz ``-m``: a JSON object (text or, from a config file, already parsed) of string values."""
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--metadata: expected a JSON object, {exc}") from None
+    if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+        raise ValueError("--metadata: expected a JSON object of strings, e.g. '{\"authorization\": \"Bearer t\"}'")
+    return {str(k).lower(): v for k, v in parsed.items()}
+
+
+def _tls(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, str]:
+    """TLS settings from ghz's flags (or config keys); empty for plain text."""
+    def pick(name: str) -> str:
+        return getattr(args, name, None) or cfg.get(name) or ""
+
+    if getattr(args, "call", None) and args.call.replace("/", ".") != "agent.AgentService.RunTask":
+        raise ValueError(f"--call: only agent.AgentService.RunTask is served, got {args.call!r}")
+    if not pick("cacert"):
+        if pick("cert") or pick("key"):
+            raise ValueError("--cert/--key: give --cacert too (the CA that signs the server's certificate)")
+        return {}
+    if getattr(args, "insecure", False):
+        raise ValueError("--insecure and --cacert: choose plain text or TLS")
+    if bool(pick("cert")) != bool(pick("key")):
+        raise ValueError("--cert and --key: give both for mTLS")
+    return {"ca_file": pick("cacert"), "cert_file": pick("cert"), "key_file": pick("key"), "server_name": pick("cname")}
+
+
+def resolve_plan(args: argparse.Namespace, host: str | None):
+    """Merge a ghz config file, flags and ghz's defaults into a LoadPlan (flags win).
+
+    Raises:
+        SystemExit(2) via argparse-style message: unreadable config or call data.
+    """
+    from switchyard_harness.bench.calldata import CallDataError, load_calldata_file, parse_calldata
+    from switchyard_harness.bench.loadgen import LoadPlan, with_procs
+
+    cfg: dict[str, Any] = {}
+    base = Path.cwd()
+    if args.config:
+        path = Path(args.config)
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"switchyard bench: --config {path}: {exc}") from None
+        base = path.parent
+
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        return flag if flag is not None else cfg.get(key, default)
+
+    try:
+        if args.data is not None:
+            items = parse_calldata(args.data, "--data")
+        elif args.data_file is not None:
+            items = load_calldata_file(args.data_file)
+        elif "data" in cfg:
+            items = parse_calldata(cfg["data"], f"{args.config}: data")
+        elif "data-file" in cfg:
+            data_path = Path(cfg["data-file"])
+            if not data_path.exists() and (base / data_path).exists():
+                data_path = base / data_path
+            items = load_calldata_file(data_path)
+        else:
+            items = parse_calldata({"task_id": "bench-{{.RequestNumber}}", "payload": "summarize this doc"})
+    except (CallDataError, OSError) as exc:
+        raise SystemExit(f"switchyard bench: {exc}") from None
+    try:
+        plan = LoadPlan(
+            host=host or cfg.get("host", "127.0.0.1:50051"),
+            calldata=items,
+            total=int(pick(args.total, "total", 200)),
+            concurrency=int(pick(args.concurrency, "concurrency", 50)),
+            rps=float(pick(args.rps, "rps", 0)),
+            duration_s=parse_duration(pick(args.duration, "duration", 0)),
+            timeout_s=parse_duration(pick(args.timeout, "timeout", 20)),
+            metadata=_metadata(pick(args.metadata, "metadata", None)),
+            tls=_tls(args, cfg),
+        )
+        return with_procs(plan, args.procs)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"switchyard bench: {exc}") from None
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="switchyard bench run",
+        description="Load-test agent.AgentService.RunTask (server streaming); writes ghz's JSON report.",
+    )
+    add_load_options(parser)
+    parser.add_argument("--host", help="orchestrator host:port (default 127.0.0.1:50051 or the config's host)")
+    parser.add_argument("target", nargs="?", help="orchestrator host:port, as ghz takes it (same as --host)")
+    parser.add_argument("-o", "--output", help="write the report here (ghz -o); without -O: the JSON report")
+    parser.add_argument("-O", "--format", choices=["summary", "json", "pretty"],
+                        help="report format as ghz names them: summary (text), json, pretty (indented JSON); "
+                        "written to -o, or to stdout")
+    parser.add_argument("--name", default="", help="report name (ghz --name)")
+    parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
+                        "throughput over time")
+    args = parser.parse_args(argv)
+    plan = resolve_plan(args, args.host or args.target)
+
+    from switchyard_harness.bench.loadgen import run_load
+    from switchyard_harness.bench.report import build_report, summary_text
+
+    try:
+        load = run_load(plan)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"switchyard bench: {exc}", file=sys.stderr)
+        return 1
+    report = build_report(load, plan, name=args.name)
+    rendered = {
+        "summary": summary_text(report),
+        "json": json.dumps(report, separators=(",", ":")),
+        "pretty": json.dumps(report, indent=2),
+    }
+    if args.format is None:  # the summary on stdout, and the JSON report where -o says
+        print(rendered["summary"])
+        text = rendered["pretty"]
+    else:
+        text = rendered[args.format]
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        if args.format is None:
+            print(f"\nreport written to {args.output}")
+    elif args.format is not None:
+        print(text)
+    if args.plot:
+        from switchyard_harness.bench.plot import plot_run
+
+        title = (f"switchyard bench run {' '.join(argv)}\n{report['count']} calls, {report['rps']:.1f} rps, "
+                 f"concurrency {plan.concurrency}, offered {plan.rps:g} rps")
+        plot_run(load, Path(args.plot), title)
+        if args.format is None:
+            print(f"plot written to {args.plot}")
+    return 0 if load.results else 1
+
+
+def _compare(argv: list[str]) -> int:
+    from switchyard_harness.bench import compare
+
+    return compare.main(argv)
+
+
+def _sched(argv: list[str]) -> int:
+    from switchyard_harness.bench import sched_bench  # the scheduling benchmark's own module
+
+    return int(sched_bench.main(argv) or 0)
+
+
+def _isolation(argv: list[str]) -> int:
+    from switchyard_harness.bench import isolation
+
+    return isolation.main(argv)
+
+
+def _agents(argv: list[str]) -> int:
+    from switchyard_harness.bench import agents_bench
+
+    return agents_bench.main(argv)
+
+
+def _route(argv: list[str]) -> int:
+    from switchyard_harness.bench import route
+
+    return route.main(argv)
+
+
+def _pool(argv: list[str]) -> int:
+    from switchyard_harness.bench import pool
+
+    return pool.main(argv)
+
+
+def _fault(argv: list[str]) -> int:
+    from switchyard_harness.bench import fault
+
+    return fault.main(argv)
+
+
+def _upstream(argv: list[str]) -> int:
+    from switchyard_harness.bench import upstream
+
+    return upstream.main(argv)
+
+
+def _diff(argv: list[str]) -> int:
+    from switchyard_harness.bench import diff
+
+    return diff.main(argv)
+
+
+def _http(argv: list[str]) -> int:
+    from switchyard_harness.bench import http_bench
+
+    return http_bench.main(argv)
+
+
+def _retrieval(argv: list[str]) -> int:
+    from switchyard_harness.bench import retrieval_quality
+
+    return retrieval_quality.main(argv)
+
+
+SUBCOMMANDS = {
+    "run": _run, "compare": _compare, "sched": _sched, "isolation": _isolation, "agents": _agents,
+    "route": _route, "pool": _pool, "fault": _fault, "upstream": _upstream, "retrieval": _retrieval, "diff": _diff,
+    "http": _http,
+}
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``switchyard bench``; ``run`` when the first word is not a subcommand."""
+    if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(
+            "usage: switchyard bench [run|compare|sched|isolation|agents|route|pool|fault|upstream|retrieval|diff|http] "
+            "[OPTIONS]\n\n"
+            "  run        load-test RunTask, ghz JSON report (default)\n"
+            "  compare    scenarios A-D (baseline, split+double buffer, fixed flush 10/20/50 ms, adaptive)\n"
+            "  sched      scheduling benchmark\n"
+            "  isolation  idle-dispatcher wait, and core TTFT with batch work running vs unloaded\n"
+            "  agents     N react agents with tool calls: memory tiers, OOM, restored vs recomputed tokens\n"
+            "  route      agent routing over many dispatcher replicas, simulated (affinity vs random, round-robin)\n"
+            "  pool       the gateway's endpoint picker over 3 sim-openai replicas vs round robin; one killed\n"
+            "  fault      kill -9 one of several local dispatchers under load; account for every call\n"
+            "  upstream   one load straight at a model server and through Switchyard, taking turns; the knee\n"
+            "  retrieval  retrieval quality (recall@k, MRR@10, nDCG@10) and time per query\n"
+            "  diff       two ghz-format reports side by side with the change, and a PNG of both latency distributions\n"
+            "  http       the HTTP face: submit at a rate, and RunTask over SSE vs gRPC at the same load\n\n"
+            "Run 'switchyard bench SUBCOMMAND --help' for its options."
+        )
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    if argv and not argv[0].startswith("-") and ":" not in argv[0]:
+        # a target is host:port; a bare word is a mistyped subcommand
+        near = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
+        print(f"switchyard bench: unknown subcommand {argv[0]!r}"
+              + (f" (did you mean {near[0]!r}?)" if near else "")
+              + f"; expected one of {', '.join(SUBCOMMANDS)}, or a target host:port", file=sys.stderr)
+        return 2
+    return _run(argv)

@@ -1,0 +1,111 @@
+"""``switchyard profile SERVICE``: a CPU profile of a running service, and its top functions.
+
+    switchyard profile orchestrator --seconds 30 --top 15
+    switchyard profile 127.0.0.1:9103 --seconds 10 --output dispatcher.pb.gz
+
+SERVICE is orchestrator, retrieval or dispatcher (its metrics port from the up
+file that ``switchyard up`` writes, else from the config), or a metrics
+endpoint as host:port or URL. The service records its event-loop thread for
+``--seconds`` (``/debug/pprof/profile``, common/profiling.py); this prints the
+functions with the most cumulative time (``go tool pprof -top -cum``: flat is
+time as the innermost Python frame, cum is time anywhere on the stack, both
+wall-clock), the process's CPU seconds and the garbage collector's pause time
+in the same window. ``--output`` keeps the profile (gzip'd pprof protobuf) for
+``go tool pprof -http=: FILE`` or any pprof viewer.
+
+Exit status: 0; 1 when the service refused or could not be reached; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from switchyard.common.cli_text import parser_for
+from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
+from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
+
+
+def profile_url(service: str, up_file: str | None, config_dir: str | None, seconds: float) -> str:
+    """The ``/debug/pprof/profile`` URL of ``service`` (a name, host:port or URL).
+
+    Raises:
+        ValueError: ``service`` is neither a service name nor host:port or a URL.
+    """
+    if service in SERVICES:
+        flags = argparse.Namespace(up_file=up_file, config_dir=config_dir, **{name: None for name in SERVICES})
+        url = endpoints_from(flags)[0][service]
+    else:
+        url = metrics_url(service)
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, PATH, f"seconds={seconds:g}", ""))
+
+
+def report(data: bytes, top: int) -> str:
+    """The text this command prints for the profile ``data``."""
+    profile = read_pprof(data)
+    notes = comments(profile)
+    total = sum(s.value[-1] for s in profile.sample)
+    window_s = profile.duration_nanos / 1e9
+    gc_ms = int(notes.get("gc_pause_ns", 0)) / 1e6
+    lines = [
+        f"window {window_s:.2f} s, {len(profile.sample)} samples of the event-loop thread "
+        f"({total / 1e9:.2f} s of wall time), process CPU {float(notes.get('process_cpu_s', 0)):.2f} s",
+        f"GC pauses: {gc_ms:.1f} ms in {notes.get('gc_collections', 0)} collections "
+        f"({100 * gc_ms / 1000 / window_s if window_s else 0:.2f} % of the window)",
+        "",
+        f"{'flat':>10} {'flat%':>6} {'cum':>10} {'cum%':>6}  function",
+    ]
+    for row in top_functions(profile)[:top]:
+        where = f"{row.filename}:{row.line}" if row.filename else ""
+        lines.append(f"{row.flat_ns / 1e6:8.1f}ms {100 * row.flat_ns / total if total else 0:5.1f}% "
+                     f"{row.cum_ns / 1e6:8.1f}ms {100 * row.cum_ns / total if total else 0:5.1f}%  {row.name}  {where}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = parser_for("switchyard profile", __doc__)
+    parser.add_argument("service", help="orchestrator | retrieval | dispatcher, or a metrics endpoint host:port or URL")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of the profile, seconds (default 30)")
+    parser.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
+    parser.add_argument("--output", help="also write the profile (gzip'd pprof protobuf) to this file")
+    parser.add_argument("--token-file", help="file holding a bearer token, for a service with orchestrator.auth on")
+    parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: its usual place)")
+    parser.add_argument("--config-dir", help="config folder for the fallback ports (default: config/)")
+    args = parser.parse_args(argv)
+    if not 0 < args.seconds <= 3600:
+        parser.error(f"--seconds: expected seconds in (0, 3600] (got {args.seconds:g})")
+    if args.top < 1:
+        parser.error(f"--top: expected a count >= 1 (got {args.top})")
+    try:
+        url = profile_url(args.service, args.up_file, args.config_dir, args.seconds)
+    except ValueError as exc:
+        parser.error(f"service: {exc}")
+    request = urllib.request.Request(url)
+    if args.token_file:
+        request.add_header("Authorization", f"Bearer {Path(args.token_file).read_text().strip()}")
+    print(f"profiling {args.service} for {args.seconds:g} s ({url}) ...", file=sys.stderr, flush=True)
+    try:
+        with urllib.request.urlopen(request, timeout=args.seconds + 90) as reply:
+            data = reply.read()
+    except urllib.error.HTTPError as exc:
+        print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}",
+              file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"switchyard profile: cannot reach {url}: {exc}; is the service running (switchyard up)?",
+              file=sys.stderr)
+        return 1
+    if args.output:
+        Path(args.output).write_bytes(data)
+        print(f"wrote {args.output} (pprof; open with: go tool pprof -http=: {args.output})", file=sys.stderr)
+    print(report(data, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

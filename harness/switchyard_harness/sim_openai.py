@@ -1,0 +1,681 @@
+"""``switchyard serve sim-openai``: an OpenAI-compatible server driven by the sim engine.
+
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}`` and ``POST
+/v1/chat/completions`` (streaming SSE and JSON, usage, tool calls in OpenAI's
+function-calling shape), and ``GET /metrics``: Prometheus text with vLLM's
+metric names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
+``vllm:prefix_cache_hits_total``), so a router can read its load as it reads a
+vLLM server's. Errors, unknown paths and methods included, come in
+OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``). Replies come
+from the sim engine's deterministic planner
+(:func:`switchyard.dispatcher.engines.sim.plan_reply`) and, unless
+``--no-latency``, take the sim latency model's time (prefill, then one decode
+step per token sized by the streams in flight). With latency on, the server
+models a continuous-batching engine's two limits: at most ``max_running``
+streams run at once (the rest wait, counted in ``vllm:num_requests_waiting``),
+and prompt blocks it has prefilled stay in an automatic prefix cache
+(:class:`~switchyard.dispatcher.engines.prefix_cache.PrefixCache`, vLLM's
+``enable_prefix_caching``) of ``kv_tokens``: a prompt opening with cached
+blocks prefills only the rest. Failures are injected per
+request (see :mod:`switchyard.gateway.faults`), so gateways, this project's
+included, can be tested against every upstream failure with no model.
+
+Run: ``switchyard serve sim-openai [--port 8400] [--api-key-env VAR] [--fault SPEC]`` (``--port 0``: a free
+port, printed in the first line)
+or ``python -m switchyard_harness.sim_openai``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from switchyard.common import envs
+from switchyard.common.config import SimEngineConfig
+from switchyard.dispatcher.engines.prefix_cache import PrefixCache
+from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
+from switchyard.dispatcher.request import Message, Tool, word_pieces
+from switchyard.gateway.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
+from switchyard.gateway.sse import DONE, encode
+
+DEFAULT_PORT = 8400
+DEFAULT_MODELS = ("claude-sonnet-4-5", "gpt-4o-mini", "sim-7b")
+
+
+class _CutStream(Exception):
+    """Raised inside a streaming body to drop the connection mid-response."""
+
+
+@dataclass
+class SimOpenAIOptions:
+    """How the server behaves.
+
+    ``api_key``: when set, requests must carry ``Authorization: Bearer <api_key>``.
+    ``faults``: model id (or ``*``) -> fault applied to its requests.
+    ``latency``: sleep per the sim latency model (``sim`` parameters).
+    """
+
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    api_key: str | None = None
+    faults: dict[str, Fault] = field(default_factory=dict)
+    latency: bool = True
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    owned_by: str = "switchyard-sim"
+    """``owned_by`` of every model in ``GET /v1/models`` (``vllm``, ``sglang``... to stand in for a server flavour)."""
+    refuse_fields: frozenset[str] = frozenset()
+    """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
+    answers fields it does not take (``priority``)."""
+    max_streams: int | None = None
+    """Answer 429 (``Retry-After: 0``) to a streaming request while this many streams are open, as a
+    rate-limited hosted API does; None: no limit."""
+    max_running: int | None = None
+    """Streams decoding at once (vLLM's ``--max-num-seqs``); later ones wait for a slot (with latency on);
+    None: no limit."""
+    kv_tokens: int = 100_000
+    """KV cache size, tokens: the prefix cache's capacity and the denominator of ``vllm:kv_cache_usage_perc``."""
+    prefix_caching: bool = True
+    """Keep prefilled prompt blocks (``sim.prefix_block_tokens`` each) and skip them in later prompts."""
+
+
+@dataclass
+class SimOpenAIState:
+    """What the server saw: request bodies (in arrival order) and per-model request counts."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Request headers of every ``POST /v1/chat/completions`` (lower-cased names), in arrival order."""
+    counts: dict[str, int] = field(default_factory=dict)
+    arrivals: dict[str, list[float]] = field(default_factory=dict)
+    """Per model, the ``time.monotonic()`` of each chat completion's arrival (to check Retry-After is honoured)."""
+    active_streams: int = 0
+    open_streams: int = 0
+    """Streaming requests accepted and not yet finished (counted from acceptance, before the body starts)."""
+    peak_open_streams: int = 0
+    rejected_overload: int = 0
+    """Requests answered 429 because ``max_streams`` streams were open."""
+    running: int = 0
+    """Streams holding a running slot (prefilling or decoding)."""
+    waiting: int = 0
+    """Streams waiting for a running slot (``max_running``)."""
+    kv_used_tokens: int = 0
+    """Prompt and output tokens of the running streams."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens found there (not prefilled again)."""
+
+
+def _error(status: int, message: str, code: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code, **extra}},
+        status_code=status,
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's routing errors (404 unknown path, 405 wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"Invalid URL ({request.method} {request.url.path})" if status == 404 else (
+        f"Method {request.method} not allowed on {request.url.path}" if status == 405 else str(exc))
+    headers = getattr(exc, "headers", None)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+        status_code=status, headers=headers,
+    )
+
+
+def _status_error(status: int, model: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kinds = {
+        400: ("bad request (injected)", "invalid_request_error"),
+        401: ("invalid API key (injected)", "invalid_api_key"),
+        404: (f"The model `{model}` does not exist (injected)", "model_not_found"),
+        429: ("Rate limit reached (injected)", "rate_limit_exceeded"),
+    }
+    message, code = kinds.get(status, (f"upstream failure {status} (injected)", "server_error"))
+    return JSONResponse({"error": {"message": message, "type": "sim_fault", "code": code}}, status_code=status,
+                        headers=headers)
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[Message]:
+    out = []
+    for item in raw:
+        content = item.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        out.append(Message(str(item.get("role", "user")), str(content), str(item.get("tool_call_id") or ""),
+                           str(item.get("name") or "")))
+    return out
+
+
+def _tools(raw: list[dict[str, Any]]) -> list[Tool]:
+    tools = []
+    for item in raw or []:
+        fn = item.get("function") or {}
+        tools.append(Tool(str(fn.get("name", "")), str(fn.get("description", "")),
+                          json.dumps(fn.get("parameters") or {})))
+    return tools
+
+
+def _prompt_pieces(messages: list[Message]) -> list[str]:
+    """The prompt as the sim's tokens, messages marked by role: what the prefix cache hashes."""
+    pieces: list[str] = []
+    for message in messages:
+        pieces.append(f"<{message.role}>")
+        pieces.extend(word_pieces(message.content))
+    return pieces
+
+
+class _ServerMetrics:
+    """The server's ``/metrics``: vLLM's names, read from the state at scrape time (own registry per server)."""
+
+    def __init__(self, sim: "SimOpenAI") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        model = sim.options.models[0] if sim.options.models else "sim"
+        state = sim.state
+        gauges = (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda: state.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda: state.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             lambda: min(1.0, state.kv_used_tokens / max(1, sim.options.kv_tokens))),
+        )
+        for name, doc, read in gauges:
+            Gauge(name, doc, ["model_name"], registry=self.registry).labels(model).set_function(read)
+        self.queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", ["model_name"],
+                               registry=self.registry).labels(model)
+        self.hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", ["model_name"],
+                            registry=self.registry).labels(model)
+
+
+class SimOpenAI:
+    """The ASGI application and its state; build with :func:`make_app`."""
+
+    def __init__(self, options: SimOpenAIOptions) -> None:
+        self.options = options
+        self.state = SimOpenAIState()
+        sim = options.sim
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(sim.prefix_block_tokens, sim.prefix_block_tokens) if options.prefix_caching else None
+        )
+        """Cached prompt blocks; ``block_bytes`` counts tokens here, so ``nbytes`` is tokens cached."""
+        self._slots: asyncio.Semaphore | None = None
+        self._metrics = _ServerMetrics(self)
+        self.app = _CutConnections(Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
+        ))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _auth_error(self, request: Request, fault: Fault | None) -> Response | None:
+        if fault is not None and fault.expired:
+            return JSONResponse(
+                {"error": {"message": "OAuth access token expired; sign in again", "type": "authentication_error",
+                           "code": "token_expired"}},
+                status_code=401,
+                headers={"www-authenticate": 'Bearer error="invalid_token", error_description="token expired"'},
+            )
+        if self.options.api_key is None:
+            return None
+        presented = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if presented == self.options.api_key:
+            return None
+        shown = f": {presented}" if fault is not None and fault.echo_key else ""
+        return JSONResponse(
+            {"error": {"message": f"Incorrect API key provided{shown}", "type": "invalid_request_error",
+                       "code": "invalid_api_key"}},
+            status_code=401,
+        )
+
+    def _fault_for(self, request: Request, model: str, suffix: Fault | None) -> Fault | None:
+        if header := request.headers.get(FAULT_HEADER):
+            return parse_fault(header)
+        if suffix is not None:
+            return suffix
+        return self.options.faults.get(model) or self.options.faults.get("*")
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    def _uncached_tokens(self, messages: list[Message], prompt_tokens: int) -> tuple[int, list[int]]:
+        """Prompt tokens to prefill after the prefix cache's hit, and the prompt's block keys (to insert)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return prompt_tokens, []
+        pieces = _prompt_pieces(messages)
+        keys = cache.keys(pieces)
+        hit = cache.match(keys) * cache.block_tokens
+        cached = min(prompt_tokens, prompt_tokens * hit // max(1, len(pieces)))
+        self.state.prefix_query_tokens += prompt_tokens
+        self.state.prefix_hit_tokens += cached
+        self._metrics.queries.inc(prompt_tokens)
+        self._metrics.hits.inc(cached)
+        return prompt_tokens - cached, keys
+
+    def _cache_prompt(self, keys: list[int]) -> None:
+        cache = self.prefix_cache
+        if cache is None or not keys:
+            return
+        cache.insert(keys)
+        if cache.nbytes > self.options.kv_tokens:
+            cache.evict(cache.nbytes - self.options.kv_tokens)
+
+    @contextlib.asynccontextmanager
+    async def _running_slot(self) -> AsyncIterator[None]:
+        """Hold one of ``max_running`` slots (waiting, counted, when all are taken)."""
+        limit = self.options.max_running
+        if limit is None or not self.options.latency:
+            self.state.running += 1
+            try:
+                yield
+            finally:
+                self.state.running -= 1
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(limit)
+        self.state.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.state.waiting -= 1
+        self.state.running += 1
+        try:
+            yield
+        finally:
+            self.state.running -= 1
+            self._slots.release()
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: running and waiting requests, KV use and prefix-cache counters, as vLLM names them."""
+        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the configured model ids."""
+        if (denied := self._auth_error(request, None)) is not None:
+            return denied
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.options.owned_by} for m in self.options.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: one model object, or OpenAI's 404 ``model_not_found``."""
+        if (denied := self._auth_error(request, None)) is not None:
+            return denied
+        model = request.path_params["model"]
+        if model not in self.options.models:
+            return _error(404, f"The model '{model}' does not exist", "model_not_found", param="model")
+        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": self.options.owned_by})
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions`` with faults applied first."""
+        self.state.headers.append({k.lower(): v for k, v in request.headers.items()})
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "request body is not JSON", "invalid_json")
+        if isinstance(body, dict) and (unexpected := self.options.refuse_fields & set(body)):
+            self.state.requests.append(body)
+            return JSONResponse({"detail": f"Unexpected fields in the request: {unexpected}"}, status_code=422)
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
+        model, suffix = split_model(str(body.get("model") or ""))
+        try:
+            fault = self._fault_for(request, model, suffix)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_fault", param=FAULT_HEADER)
+        if (denied := self._auth_error(request, fault)) is not None:
+            return denied
+        self.state.requests.append(body)
+        count = self.state.counts[model] = self.state.counts.get(model, 0) + 1
+        self.state.arrivals.setdefault(model, []).append(time.monotonic())
+        if model not in self.options.models:
+            return _error(404, f"The model `{model}` does not exist or you do not have access to it.",
+                          "model_not_found")
+        if fault is not None and fault.status and (not fault.fail_first or count <= fault.fail_first):
+            return _status_error(fault.status, model, fault.retry_headers(time.time()))
+        fault = fault or Fault()
+        messages = _messages(body["messages"])
+        reply = plan_reply("", messages, _tools(body.get("tools") or []))
+        prompt_tokens = sum(len(word_pieces(m.content)) for m in messages)
+        stream = bool(body.get("stream"))
+        if stream != fault.mismatch:
+            limit = self.options.max_streams
+            if limit is not None and self.state.open_streams >= limit:
+                self.state.rejected_overload += 1
+                return JSONResponse(
+                    {"error": {"message": f"Rate limit reached: {limit} concurrent streams", "type": "rate_limit_error",
+                               "code": "rate_limit_exceeded"}},
+                    status_code=429, headers={"retry-after": "0"},
+                )
+            self.state.open_streams += 1
+            self.state.peak_open_streams = max(self.state.peak_open_streams, self.state.open_streams)
+            return StreamingResponse(
+                self._stream(body, model, reply, prompt_tokens, fault, messages), media_type="text/event-stream"
+            )
+        return JSONResponse(await self._completion(body, model, reply, prompt_tokens, messages))
+
+    # ------------------------------------------------------------------ bodies
+
+    def _limit(self, body: dict[str, Any], tokens: list[str], finish: str) -> tuple[list[str], str]:
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if isinstance(max_tokens, int) and max_tokens > 0 and len(tokens) > max_tokens and finish == "stop":
+            return tokens[:max_tokens], "length"
+        return tokens, finish
+
+    async def _completion(self, body: dict[str, Any], model: str, reply: Any, prompt_tokens: int,
+                          messages: list[Message]) -> dict[str, Any]:
+        tokens, finish = self._limit(body, reply.tokens, reply.finish_reason)
+        async with self._running_slot():
+            self.state.kv_used_tokens += prompt_tokens + len(tokens)
+            try:
+                uncached, keys = self._uncached_tokens(messages, prompt_tokens)
+                if self.options.latency:
+                    await self._sleep(prefill_seconds(self.options.sim, uncached))
+                self._cache_prompt(keys)
+                if self.options.latency:
+                    await self._sleep(len(tokens) * decode_seconds(self.options.sim, 1))
+            finally:
+                self.state.kv_used_tokens -= prompt_tokens + len(tokens)
+        message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_calls else "".join(tokens)}
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in reply.tool_calls
+            ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                      "total_tokens": prompt_tokens + len(tokens)},
+        }
+
+    def _deltas(self, reply: Any, tokens: list[str]) -> Iterator[dict[str, Any]]:
+        if not reply.tool_calls:
+            for text in tokens:
+                yield {"content": text}
+            return
+        for index, call in enumerate(reply.tool_calls):
+            yield {"tool_calls": [{"index": index, "id": call.call_id, "type": "function",
+                                   "function": {"name": call.name, "arguments": ""}}]}
+            for piece in word_pieces(call.arguments_json):
+                yield {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+
+    async def _stream(
+        self, body: dict[str, Any], model: str, reply: Any, prompt_tokens: int, fault: Fault,
+        messages: list[Message] | None = None,
+    ) -> AsyncIterator[bytes]:
+        chunk_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        tokens, finish = self._limit(body, reply.tokens, reply.finish_reason)
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                       "model": model}
+            payload["choices"] = [] if fault.no_choices else [
+                {"index": 0, "delta": delta, "finish_reason": finish_reason}]
+            return encode(payload)
+
+        self.state.active_streams += 1
+        kv = 0
+        try:
+            async with self._running_slot():
+                kv = prompt_tokens
+                self.state.kv_used_tokens += kv
+                try:
+                    uncached, keys = self._uncached_tokens(messages or [], prompt_tokens)
+                    if self.options.latency:
+                        await self._sleep(prefill_seconds(self.options.sim, uncached))
+                    self._cache_prompt(keys)
+                    yield chunk({"role": "assistant", "content": ""})
+                    for sent, delta in enumerate(self._deltas(reply, tokens)):
+                        kv += 1
+                        self.state.kv_used_tokens += 1
+                        if fault.cut_after is not None and sent >= fault.cut_after:
+                            raise _CutStream(f"cut after {sent} items (injected)")
+                        if fault.malformed_after is not None and sent >= fault.malformed_after:
+                            yield (b'data: {"id": "' + chunk_id.encode()
+                                   + b'", "choices": [{"delta": {"content": "tru\n\n')
+                            return
+                        step = decode_seconds(self.options.sim, self.state.running) if self.options.latency else 0
+                        await self._sleep(step + fault.slow_ms / 1000)
+                        yield chunk(delta)
+                finally:
+                    self.state.kv_used_tokens -= kv
+            if fault.cut_after is not None:
+                raise _CutStream("cut before finish (injected)")
+            if fault.no_finish:
+                return
+            yield chunk({}, finish)
+            if body.get("stream_options", {}).get("include_usage"):
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                         "total_tokens": prompt_tokens + len(tokens)}
+                yield encode({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                              "choices": [], "usage": usage})
+            if not fault.no_done:
+                yield encode(DONE)
+        finally:
+            self.state.active_streams -= 1
+            self.state.open_streams -= 1
+
+
+class _CutConnections:
+    """ASGI wrapper: a streaming body that raises :class:`_CutStream` ends without its final chunk.
+
+    The server then closes the connection mid-response (uvicorn logs one line,
+    "ASGI callable returned without completing response"), which is what a
+    client sees when an upstream or proxy dies mid-stream.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except _CutStream:
+            return
+
+
+def make_app(options: SimOpenAIOptions | None = None) -> SimOpenAI:
+    """The sim-openai application (``.app`` is the ASGI app, ``.state`` what it saw)."""
+    return SimOpenAI(options or SimOpenAIOptions())
+
+
+# --------------------------------------------------------------------------- running it
+
+
+@dataclass
+class RunningSimOpenAI:
+    """A sim-openai server running in a background thread."""
+
+    sim: SimOpenAI
+    port: int
+    host: str = "127.0.0.1"
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port/v1``: what ``model_gateway.base_url`` should hold."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def state(self) -> SimOpenAIState:
+        return self.sim.state
+
+
+@contextlib.contextmanager
+def run_in_thread(
+    options: SimOpenAIOptions | None = None, host: str = "127.0.0.1", port: int = 0
+) -> Iterator[RunningSimOpenAI]:
+    """Serve in a daemon thread with its own event loop (port 0 picks a free port); stop on exit.
+
+    Works from sync and async tests alike. Raises RuntimeError when the
+    server does not start within 10 s.
+    """
+    sim = make_app(options)
+    server = uvicorn.Server(uvicorn.Config(sim.app, host=host, port=port, log_level="warning", lifespan="off",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, name="sim-openai", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"sim-openai did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningSimOpenAI(sim, bound, host)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@dataclass
+class SpawnedSimOpenAI:
+    """A sim-openai server in its own process (so that it can be killed as a crashed replica is)."""
+
+    process: subprocess.Popen[str]
+    base_url: str
+
+    def kill(self) -> None:
+        """SIGKILL the server (its open streams are cut, its port refuses) and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+def spawn(args: list[str] = (), host: str = "127.0.0.1", timeout_s: float = 30.0) -> SpawnedSimOpenAI:  # type: ignore[assignment]
+    """Start ``switchyard serve sim-openai --port 0 ARGS`` in a child process; returns once it listens.
+
+    Raises:
+        RuntimeError: it exited or printed no address within ``timeout_s`` (its output is in the message).
+    """
+    command = [sys.executable, "-m", "switchyard_harness.sim_openai", "--host", host, "--port", "0", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    line = ""
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].split()[0]
+            # keep reading its output so that a full pipe never blocks it
+            threading.Thread(target=process.stdout.read, name="sim-openai-output", daemon=True).start()
+            return SpawnedSimOpenAI(process, url)
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise RuntimeError(f"sim-openai did not start ({' '.join(command)}): {line.strip() or 'no output'}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchyard serve sim-openai",
+        description="OpenAI-compatible server driven by the sim engine, with failure injection.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="default %(default)s (queue.json base_url); 0: a free port, printed")
+    parser.add_argument("--model", action="append", dest="models", metavar="ID",
+                        help=f"model id served (repeatable; default {', '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--api-key-env", metavar="VAR",
+                        help="require 'Authorization: Bearer <value of VAR>' (default: no key check)")
+    parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
+                        help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
+                             "(keys: status fail_first cut_after no_done no_finish malformed_after no_choices slow_ms mismatch "
+                             f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
+    parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
+    parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
+                        help="owned_by of the listed models, e.g. vllm or sglang to stand in for that server")
+    parser.add_argument("--refuse-field", action="append", default=[], metavar="FIELD",
+                        help="answer 422 'Unexpected fields in the request' to a body with FIELD (repeatable), "
+                             "as transformers serve answers 'priority'")
+    parser.add_argument("--max-running", type=int, metavar="N",
+                        help="streams decoding at once; later ones wait (vllm:num_requests_waiting); default no limit")
+    parser.add_argument("--kv-tokens", type=int, default=SimOpenAIOptions.kv_tokens, metavar="N",
+                        help="KV cache size in tokens: prefix cache capacity and kv_cache_usage_perc (%(default)s)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt whole")
+    parser.add_argument("--prefill-per-token-ms", type=float, metavar="MS",
+                        help="prefill cost per uncached prompt token (default: sim.prefill_per_token_ms, 0.025)")
+    parser.add_argument("--config-dir", help="read the sim latency parameters from this config folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``switchyard serve sim-openai``; returns the exit code (2 on bad flags)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        faults = dict(parse_flag(flag) for flag in args.fault)
+    except ValueError as exc:
+        parser.error(f"--fault: {exc}")
+    api_key = None
+    if args.api_key_env:
+        api_key = envs.read_secret(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
+    sim = SimEngineConfig()
+    if args.config_dir:
+        from switchyard.common.config import load_config
+
+        sim = load_config(args.config_dir).sim
+    if args.prefill_per_token_ms is not None:
+        if not 0 <= args.prefill_per_token_ms <= 1000:
+            parser.error(f"--prefill-per-token-ms: expected 0 to 1000, got {args.prefill_per_token_ms}")
+        sim = sim.model_copy(update={"prefill_per_token_ms": args.prefill_per_token_ms})
+    if args.max_running is not None and args.max_running < 1:
+        parser.error(f"--max-running: expected at least 1, got {args.max_running}")
+    if args.kv_tokens < 1:
+        parser.error(f"--kv-tokens: expected at least 1, got {args.kv_tokens}")
+    options = SimOpenAIOptions(
+        models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim,
+        owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field),
+        max_running=args.max_running, kv_tokens=args.kv_tokens, prefix_caching=not args.no_prefix_caching,
+    )
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))  # bound here, so that port 0's choice can be printed
+    except OSError as exc:
+        parser.error(f"--host/--port: cannot listen on {args.host}:{args.port}: {exc}")
+    sock.listen(2048)  # connections made once the address is printed wait in the backlog until uvicorn serves
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    print(f"sim-openai listening on http://{host}:{port}/v1 (models: {', '.join(options.models)})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(make_app(options).app, log_level="warning", lifespan="off"))
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,0 @@
-"""Load testing: a ghz-compatible RunTask load generator and A/B scheduler comparisons.
-
-- :mod:`switchyard.bench.calldata`: ghz call data (object or array) -> RunTaskRequest.
-- :mod:`switchyard.bench.loadgen`: paced server-streaming calls over grpc.aio, in one or several processes.
-- :mod:`switchyard.bench.report`: ghz's JSON report plus streaming figures ghz lacks.
-- :mod:`switchyard.bench.compare`: scenarios A-D against freshly started in-process stacks.
-- :mod:`switchyard.bench.cli`: ``switchyard bench [run|compare|sched]``.
-"""

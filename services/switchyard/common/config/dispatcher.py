@@ -1,0 +1,26 @@
+"""``switchyard.json`` ``dispatcher``: the dispatcher (InferenceService)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from switchyard.common.config.base import _Strict
+from switchyard.common.config.server import _health_port, _metrics_port, _port
+
+
+class DispatcherConfig(_Strict):
+    """The dispatcher (InferenceService): ``switchyard.json`` ``dispatcher``."""
+
+    port: int = _port(50053)
+    metrics_port: int = _metrics_port(9103)
+    health_port: int | None = _health_port()
+    engine: Literal["sim", "openai", "torch"] = Field(
+        "sim",
+        description="Inference engine, a name (SWITCHYARD_ENGINE): sim reads the sim section, torch the torch "
+        "section, openai queue.json model_gateway.",
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0, tokens."
+    )

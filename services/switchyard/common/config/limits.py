@@ -1,0 +1,45 @@
+"""``switchyard.json`` ``limits``: what one request may ask for."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from switchyard.common.config.base import _Strict
+
+
+class RequestLimitsConfig(_Strict):
+    """What one request may ask for: the one source of limits, checked by the orchestrator before
+    ``accepted`` and again by the dispatcher for callers that reach it directly: ``switchyard.json``
+    ``limits``, read by both."""
+
+    max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
+    context_window_tokens: dict[str, int] = Field(
+        default_factory=lambda: {"sim-7b": 4096, "torch-tiny": 8192, "claude-sonnet-4-5": 200_000, "gpt-4o-mini": 128_000},
+        description="Context window per model id, tokens: prompt + max_tokens must fit.",
+    )
+    default_context_window_tokens: int = Field(
+        8192, ge=16, le=10_000_000, description="Context window of a model missing from context_window_tokens, tokens."
+    )
+    max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest task payload, characters.")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, le=100_000_000,
+        description="Longest prompt a Generate may carry (prompt plus message contents), characters.",
+    )
+    max_task_id_chars: int = Field(128, ge=1, le=4096, description="Longest task_id, characters.")
+    max_id_chars: int = Field(256, ge=1, le=4096, description="Longest agent_id, model or request_id, characters.")
+    max_metadata_entries: int = Field(64, ge=0, le=100_000, description="Most metadata entries per task, entries.")
+    max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8), bytes.")
+    max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate, messages.")
+    max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate, tools.")
+
+    @field_validator("context_window_tokens")
+    @classmethod
+    def _windows(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = {model: tokens for model, tokens in value.items() if tokens < 16}
+        if bad:
+            raise ValueError(f"expected windows of at least 16 tokens, got {bad}")
+        return value
+
+    def context_window(self, model: str) -> int:
+        """Context window of ``model`` in tokens (the default for models not listed)."""
+        return self.context_window_tokens.get(model, self.default_context_window_tokens)

@@ -1,0 +1,312 @@
+"""``queue.json`` ``model_gateway``: the OpenAI-compatible model server(s) the ``openai`` engine streams from."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from switchyard.common.config.base import _Strict
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class CooldownConfig(_Strict):
+    """Circuit breaker per upstream model (LiteLLM's "cooldowns"): a model that keeps failing is
+    skipped, its requests going to the fallback model, until the cooldown has passed."""
+
+    enabled: bool = Field(True, description="Skip a failing model for cooldown_s after `failures` failures in a row.")
+    failures: int = Field(
+        5, ge=1, le=1000,
+        description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
+        "own fault) that open the circuit.",
+    )
+    cooldown_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="How long a model is skipped once open, seconds; then the circuit is half-open and admits "
+        "half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+    )
+    half_open_probes: int = Field(
+        1, ge=1, le=1000,
+        description="Trial requests a half-open circuit admits at once, requests; every other request is refused at "
+        "once until they end. The circuit closes when this many have succeeded and opens again on the first "
+        "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
+    )
+
+
+class AdaptiveConcurrencyConfig(_Strict):
+    """Adaptive limit on streams in flight to the upstream (switchyard.dispatcher.adaptive_limit)."""
+
+    min_limit: int = Field(1, ge=1, le=100_000, description="Floor of the limit, streams.")
+    max_limit: int = Field(1024, ge=1, le=100_000, description="Ceiling of the limit, streams.")
+    initial_limit: int = Field(
+        4, ge=1, le=100_000,
+        description="Limit at start-up, streams; the limit climbs from here, measuring throughput at each level "
+        "on the way up (start low: levels above the knee are found, levels below it only by passing them).",
+    )
+    ttft_tolerance: float = Field(
+        2.0, ge=1, le=100,
+        description="A window's mean TTFT may rise to this multiple of the TTFT measured before at the same "
+        "concurrency before the limit shrinks, a ratio (>= 1).",
+    )
+    smoothing: float = Field(
+        0.5, gt=0, le=1,
+        description="Weight of each new target in the limit once the knee is known, a fraction in (0, 1].",
+    )
+    window_s: float = Field(
+        0.5, gt=0, le=60,
+        description="Length of one throughput measurement (tokens received / seconds, beside the mean streams in "
+        "flight over it), seconds; the limit moves once per window.",
+    )
+    knee_fraction: float = Field(
+        0.9, gt=0, lt=1,
+        description="The knee is the lowest concurrency whose measured throughput reaches this fraction of the "
+        "highest measured (the plateau), a fraction in (0, 1).",
+    )
+    memory_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="How long one concurrency level's throughput and TTFT count after it was last measured, "
+        "seconds; levels above the knee age out and are measured again by probing.",
+    )
+    core_reserved_slots: int = Field(
+        2, ge=0, le=100_000,
+        description="Slots of the limit held back for CORE streams, streams: NORMAL and BATCH wait in the "
+        "dispatcher's queue once in flight reaches limit - (core_reserved_slots - CORE in flight); the limit "
+        "always leaves at least one slot any class may take.",
+    )
+    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429 or 503, a fraction in (0, 1).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AdaptiveConcurrencyConfig":
+        if not self.min_limit <= self.initial_limit <= self.max_limit:
+            raise ValueError(
+                f"expected min_limit <= initial_limit <= max_limit, got {self.min_limit}, "
+                f"{self.initial_limit}, {self.max_limit}"
+            )
+        return self
+
+
+class EndpointScorerWeights(_Strict):
+    """Weights of the endpoint picker's scorers (switchyard.gateway.picker); each scorer gives 0-1 per endpoint,
+    the endpoint with the highest weighted sum serves the call. 0 turns a scorer off."""
+
+    prefix_affinity: float = Field(
+        4.0, ge=0, le=100,
+        description="Weight of the affinity scorer, a multiplier: 1 for the endpoint that holds the call's agent "
+        "(or prompt prefix) under the bounded-load rule, 0 for the others.",
+    )
+    queue_depth: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the server's own queue, a multiplier: 1 / (1 + requests waiting), from its /metrics "
+        "(vLLM vllm:num_requests_waiting, SGLang sglang:num_queue_reqs, TGI tgi_queue_size).",
+    )
+    kv_cache_usage: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the server's free KV cache, a multiplier: 1 - KV cache used (a fraction), from its "
+        "/metrics (vLLM vllm:kv_cache_usage_perc, SGLang sglang:token_usage).",
+    )
+    in_flight: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the endpoint's headroom, a multiplier: 1 - streams in flight / its concurrency limit.",
+    )
+    ttft: float = Field(
+        1.0, ge=0, le=100,
+        description="Weight of the endpoint's measured TTFT, a multiplier: fastest recent TTFT / this endpoint's.",
+    )
+
+
+class UpstreamPoolConfig(_Strict):
+    """Several replicas of one OpenAI-compatible model server behind ``model_gateway`` (switchyard.gateway.pool):
+    ``queue.json`` ``model_gateway.pool``. Empty ``endpoints`` and ``dns_url``: ``base_url`` alone is served."""
+
+    endpoints: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the replicas, each an OpenAI-compatible root ending in /v1; replaces base_url.",
+    )
+    dns_url: str = Field(
+        "",
+        description="A base URL whose host name resolves to every replica (a Kubernetes headless Service); each "
+        "address is an endpoint, re-resolved every resolve_interval_s. Empty: not used.",
+    )
+    resolve_interval_s: float = Field(10.0, gt=0, le=3600, description="Seconds between DNS resolutions of dns_url.")
+    scrape_interval_s: float = Field(
+        0.5, gt=0, le=600,
+        description="Seconds between reads of each endpoint's /metrics (its queue depth and KV use; a connection "
+        "refused there marks the endpoint down until a read succeeds).",
+    )
+    scrape_timeout_s: float = Field(1.0, gt=0, le=60, description="Longest wait for one /metrics read, seconds.")
+    metrics_path: str = Field(
+        "/metrics", pattern=r"^/", description="Path of the Prometheus metrics under the server's root (the base URL "
+        "without /v1), a path.",
+    )
+    balance: float = Field(
+        1.2, gt=1, le=10,
+        description="Bounded-load rule of the affinity scorer, a ratio: an endpoint keeps its agents' calls until it "
+        "has more than this times the mean calls in flight, then the overflow goes to the next endpoint on the "
+        "ring (switchyard.common.affinity).",
+    )
+    affinity_idle_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="An agent or prompt prefix with no call for this long, seconds, stops counting on its endpoint.",
+    )
+    prefix_chars: int = Field(
+        1024, ge=16, le=1_000_000,
+        description="Characters of the prompt (messages in order) hashed into the affinity key of a call that names "
+        "no agent, characters: calls opening with the same text go to the endpoint that has it cached.",
+    )
+    policy: Literal["score", "round_robin"] = Field(
+        "score",
+        description="How a call picks its endpoint: 'score' (filter, then the weighted scorers, then the best) or "
+        "'round_robin' (each endpoint in turn, as a plain load balancer does; for comparison).",
+    )
+    weights: EndpointScorerWeights = Field(
+        default_factory=EndpointScorerWeights, description="Weights of the endpoint picker's scorers."
+    )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"expected http:// or https:// URLs, got {url!r}")
+        urls = [url.rstrip("/") for url in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"expected distinct URLs, got {value}")
+        return urls
+
+    @field_validator("dns_url")
+    @classmethod
+    def _dns_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL, or empty")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "UpstreamPoolConfig":
+        if self.endpoints and self.dns_url:
+            raise ValueError(f"endpoints ({self.endpoints}) and dns_url ({self.dns_url!r}): set one, not both")
+        return self
+
+    @property
+    def pooled(self) -> bool:
+        """True when several endpoints are (or may be) served: a list of more than one, or a DNS name."""
+        return len(self.endpoints) > 1 or bool(self.dns_url)
+
+
+class UpstreamConfig(_Strict):
+    """The OpenAI-compatible model server the ``openai`` engine streams from (switchyard.gateway):
+    ``queue.json`` ``model_gateway``."""
+
+    base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
+    api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the environment variable holding the API key (a name, not the key).")
+    default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model id used when a request names none.")
+    fallback_model: str = Field(
+        "gpt-4o-mini", description="Model id tried when the primary model fails before its first token; empty disables fallback."
+    )
+    model_map: dict[str, str] = Field(
+        default_factory=dict, description="Client-facing model name -> upstream model id; unmapped names pass through."
+    )
+    api_key_required: bool = Field(
+        True, description="Refuse to call upstream without a key; false for local servers that take none (vLLM, Ollama)."
+    )
+    server: Literal["auto", "vllm", "sglang", "tgi", "llama_cpp", "transformers", "ollama", "openai"] = Field(
+        "auto",
+        description="Which model server base_url is, for its priority field and polarity (switchyard.gateway.servers); "
+        "auto reads it from GET /v1/models (owned_by) and the server header.",
+    )
+    forward_priority: bool = Field(
+        False,
+        description="Send the priority class in the server's own priority field (vLLM and SGLang 'priority'); "
+        "nothing for servers without one. A field the server refuses (400/422 naming it) is dropped for the "
+        "endpoint and the request retried without it.",
+    )
+    priority_values: dict[Literal["core", "normal", "batch"], int] = Field(
+        default_factory=lambda: {"core": 0, "normal": 1, "batch": 2},
+        description="Priority per class, an integer on vLLM's scale (lower is served earlier); mirrored "
+        "(max - value) for a server that serves higher values first (SGLang).",
+    )
+    priority_polarity: Literal["server_default", "lower_first", "higher_first"] = Field(
+        "server_default",
+        description="Which priority values the server serves first: its default (vLLM lower, SGLang higher), or "
+        "as set here (lower_first for SGLang started with --schedule-low-priority-values-first).",
+    )
+    include_usage: bool = Field(
+        True, description="Ask for token usage in streams (stream_options.include_usage)."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, le=600, description="TCP/TLS connect timeout, seconds.")
+    read_timeout_s: float = Field(60.0, gt=0, le=3600, description="Longest silence between bytes from upstream, seconds.")
+    write_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest time to send the request body, seconds.")
+    pool_timeout_s: float = Field(5.0, gt=0, le=600, description="Longest wait for a pooled connection, seconds.")
+    total_timeout_s: float = Field(300.0, gt=0, le=86_400, description="Longest time for one whole completion, seconds.")
+    max_connections: int = Field(1024, ge=1, le=10_000, description="Connections in the HTTP pool, connections.")
+    max_keepalive_connections: int = Field(
+        1024, ge=0, le=10_000,
+        description="Idle connections kept open, connections (httpx transport; aiohttp keeps every idle connection "
+        "of the pool for 5 s).",
+    )
+    http_transport: Literal["aiohttp", "httpx"] = Field(
+        "aiohttp",
+        description="What carries the HTTP requests under httpx's client API: aiohttp's connection pool and C "
+        "parser (httpx-aiohttp, the transport the OpenAI Python SDK offers for concurrency), or httpx's own "
+        "(httpcore). httpcore checks every pooled connection for each request it places; at a hundred concurrent "
+        "streams the dispatcher served 1.4-1.6x the streams on aiohttp (docs/benchmarks.md). "
+        "Requests through a proxy (HTTPS_PROXY...) always use httpx's own.",
+    )
+    max_retries: int = Field(2, ge=0, le=20, description="Retries per model before the first token (tenacity), retries.")
+    retry_backoff_initial_s: float = Field(0.2, ge=0, le=60, description="First retry wait, seconds; doubles per retry, with jitter.")
+    retry_backoff_max_s: float = Field(2.0, ge=0, le=600, description="Longest retry wait, seconds.")
+    retry_after_max_s: float = Field(
+        30.0, ge=0, le=3600, description="Longest wait honoured from an upstream's Retry-After, seconds."
+    )
+    cooldown: CooldownConfig = Field(
+        default_factory=CooldownConfig, description="Circuit breaker per upstream model (cooldown after failures)."
+    )
+    concurrency: AdaptiveConcurrencyConfig = Field(
+        default_factory=AdaptiveConcurrencyConfig,
+        description="Adaptive limit on streams in flight to the upstream (TTFT gradient, backoff on 429/503); with a "
+        "pool, one such limit per endpoint.",
+    )
+    pool: UpstreamPoolConfig = Field(
+        default_factory=UpstreamPoolConfig,
+        description="Several replicas of the model server: their URLs or a DNS name, and how a call picks one.",
+    )
+
+    @property
+    def endpoint_urls(self) -> list[str]:
+        """The base URLs served before any DNS resolution: ``pool.endpoints``, else ``[base_url]``."""
+        return list(self.pool.endpoints) or [self.base_url]
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if not _ENV_NAME.match(value):
+            raise ValueError("expected an environment variable name such as TAOTOKEN_API_KEY")
+        return value
+
+    @model_validator(mode="after")
+    def _gateway_pairs(self) -> "UpstreamConfig":
+        if self.max_keepalive_connections > self.max_connections:
+            raise ValueError(
+                f"max_keepalive_connections ({self.max_keepalive_connections}) must not exceed "
+                f"max_connections ({self.max_connections})"
+            )
+        if self.concurrency.max_limit > self.max_connections:
+            raise ValueError(
+                f"concurrency.max_limit ({self.concurrency.max_limit}) must not exceed max_connections "
+                f"({self.max_connections}): every stream the limit allows needs a pooled connection"
+            )
+        if self.retry_backoff_max_s < self.retry_backoff_initial_s:
+            raise ValueError(
+                f"retry_backoff_max_s ({self.retry_backoff_max_s}) must not be below "
+                f"retry_backoff_initial_s ({self.retry_backoff_initial_s})"
+            )
+        return self

@@ -1,0 +1,184 @@
+"""``switchyard.json`` ``orchestrator``: the orchestrator, its HTTP face, task store, affinity and react_loop."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from switchyard.common.config.auth import AuthConfig
+from switchyard.common.config.base import _Strict
+from switchyard.common.config.server import _health_port, _metrics_port, _port
+
+
+class HttpFaceConfig(_Strict):
+    """The orchestrator's HTTP face (orchestrator/http_face.py): AgentService as JSON and Server-Sent Events.
+
+    Served beside gRPC by the same process on ``server.host``, with the same validation, queues, task store,
+    bearer tokens (``orchestrator.auth``) and TLS (``server.tls``).
+    """
+
+    enabled: bool = Field(True, description="Serve the HTTP face.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port of the HTTP face; 0 picks a free port.")
+    default_payload: str = Field(
+        "Continue the agent's task: take its next step.", min_length=1,
+        description="Instruction of an HTTP submit or run whose body has no payload, text (an agent harness sends "
+        "agent_id, priority, task_type and max_tokens only); validated as a request's own payload.",
+    )
+
+
+class OrchestratorConfig(_Strict):
+    """The orchestrator (AgentService at the edge): ``switchyard.json`` ``orchestrator``."""
+
+    port: int = _port(50051)
+    metrics_port: int = _metrics_port(9101)
+    health_port: int | None = _health_port()
+    retrieval_addr: str = Field(
+        "127.0.0.1:50052", min_length=1,
+        description="gRPC target of retrieval, host:port or dns:///name:port (SWITCHYARD_RETRIEVAL_ADDR).",
+    )
+    dispatcher_addr: str = Field(
+        "127.0.0.1:50053", min_length=1,
+        description="gRPC target of the dispatcher, host:port or dns:///name:port (SWITCHYARD_DISPATCHER_ADDR).",
+    )
+    retrieval_timeout_ms: float = Field(
+        7000, gt=0, le=3_600_000,
+        description="Longest wait for one Retrieve call, retrieval's own queue wait included, milliseconds.",
+    )
+    default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
+    default_max_tokens: int = Field(
+        128, ge=1, le=32768, description="Completion tokens of a task that sends max_tokens = 0, tokens."
+    )
+    cpu_executor: Literal["process", "thread", "loop"] = Field(
+        "process",
+        description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip) runs, a name: a "
+        "process pool, a thread pool, or the event loop itself. See the README's architecture section for the "
+        "measured trade-off.",
+    )
+    cpu_workers: int = Field(2, ge=1, le=256, description="Processes or threads of the CPU executor, workers.")
+    cpu_inline_max_chars: int = Field(
+        16_000, ge=0, le=100_000_000,
+        description="CPU work on at most this many characters of text (question, passages, tools, history) runs on the "
+        "event loop whatever cpu_executor says, characters: a process-pool trip (pickling, a pipe, a context "
+        "switch) costs more than rendering and counting a short prompt (0.2 ms for 4,000 characters), and the "
+        "event-loop lag it would save shows only past about 18,000 (docs/benchmarks.md). 0: always the executor.",
+    )
+    max_unfinished_submitted_tasks: int = Field(
+        10_000, ge=1,
+        description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running), tasks; more are refused "
+        "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",
+    )
+    metadata_span_keys: list[str] = Field(
+        default_factory=lambda: ["user", "session_id", "tenant"],
+        description="Metadata keys (names) recorded on the task's span as switchyard.metadata.<key> "
+        "(values cut to 256 characters); other keys are accepted within limits.max_metadata_* and not used.",
+    )
+    task_time_limit_s: dict[str, float] = Field(
+        default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
+        description="Longest a task of each type may run, seconds, from arrival to its final event; past it "
+        "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
+        "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
+    )
+    task_store: "TaskStoreConfig" = Field(
+        default_factory=lambda: TaskStoreConfig(), description="Where SubmitTask tasks are recorded (SWITCHYARD_TASK_STORE)."
+    )
+
+    @field_validator("task_time_limit_s")
+    @classmethod
+    def _every_task_type_limited(cls, limits: dict[str, float]) -> dict[str, float]:
+        from switchyard.common.metrics import TASK_TYPES
+
+        if unknown := sorted(set(limits) - set(TASK_TYPES)):
+            raise ValueError(f"unknown task type(s) {', '.join(unknown)}; expected keys among {', '.join(TASK_TYPES)}")
+        if missing := [t for t in TASK_TYPES if t not in limits]:
+            raise ValueError(f"no time limit for task type(s) {', '.join(missing)}: give each a number of seconds")
+        if bad := {t: v for t, v in limits.items() if not 0 < v <= 86_400}:
+            raise ValueError(f"time limits must be in (0, 86400] seconds, got {bad}")
+        return limits
+
+    inference_mode: Literal["split", "inline"] = Field(
+        "split",
+        description="How inference holds a worker, a name. split: CPU steps hold an orchestration worker only while they run; inline: one worker "
+        "holds a task for its whole DAG, inference included (the one-mixed-queue baseline).",
+    )
+    react: "ReactConfig" = Field(default_factory=lambda: ReactConfig(), description="The react_loop workflow.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens required at the edge.")
+    http: HttpFaceConfig = Field(default_factory=HttpFaceConfig, description="The HTTP face beside gRPC.")
+    affinity: "AffinityConfig" = Field(
+        default_factory=lambda: AffinityConfig(), description="Agent affinity of dispatcher calls."
+    )
+    health_check_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="Seconds between checks of the dispatcher's and retrieval's gRPC health; the "
+        "orchestrator's own health (readiness) follows them (orchestrator/readiness.py).",
+    )
+    health_check_timeout_s: float = Field(
+        1.0, gt=0, le=30,
+        description="Seconds one downstream health Check may take before that replica counts as not ready "
+        "(a stopped process answers nothing).",
+    )
+
+
+class TaskStoreConfig(_Strict):
+    """Where SubmitTask records tasks for GetTaskStatus: durable across a crash of the orchestrator."""
+
+    backend: Literal["sqlite", "redis"] = Field(
+        "sqlite",
+        description="Store, a name (SWITCHYARD_TASK_STORE). sqlite: a file on this host (one orchestrator, or several on one host); redis: the DRAM tier's "
+        "Redis (memory_policy.toml [dram]), shared by every orchestrator replica. That Redis must persist "
+        "(appendonly yes) for tasks to survive its own restart.",
+    )
+    sqlite_path: str = Field("data/tasks.sqlite3", min_length=1, description="Path of the SQLite file (WAL mode); folders are created.")
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite PRAGMA synchronous, a mode. NORMAL (WAL) survives a killed process; FULL also a power loss, "
+        "at one fsync per commit (sqlite.org/pragma.html#pragma_synchronous).",
+    )
+    retention_s: float = Field(
+        86_400, gt=0, le=365 * 86_400, description="A finished task is answered this long after it finished, seconds."
+    )
+    max_finished_tasks: int = Field(
+        1_000_000, ge=1, le=1_000_000_000, description="Most finished tasks kept, tasks; the oldest go first beyond it."
+    )
+    lease_s: float = Field(
+        10, gt=0, le=3600,
+        description="Lease of an orchestrator on its tasks, seconds, renewed every lease_s / 3; a task whose orchestrator's lease ran out "
+        "while it was unfinished is reported FAILED with the reason.",
+    )
+
+
+class AffinityConfig(_Strict):
+    """Agent affinity of the orchestrator's dispatcher calls (common/affinity.py, orchestrator/replicas.py)."""
+
+    enabled: bool = Field(
+        True, description="With several dispatcher replicas, send an agent's calls to the replica holding its "
+        "warm state (consistent hashing with bounded loads); off: round_robin per call.",
+    )
+    balance: float = Field(
+        1.2, gt=1, le=10,
+        description="Load bound, a ratio: no replica holds more than this times the mean number of active agents, "
+        "nor (once its agents have more than one call each) more than this times the mean calls in flight; an "
+        "agent's overflow goes to the next replica on the ring (Mirrokni, Thorup, Zadimoghaddam 2018).",
+    )
+    idle_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="An agent with no call for this long, seconds, stops counting on its replica (its state there is "
+        "likely released: scheduler tool_wait_ttl_s is 30 s).",
+    )
+    resolve_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="Seconds between DNS resolutions of a dns:/// dispatcher target."
+    )
+
+
+class ReactConfig(_Strict):
+    """The react_loop workflow and its tool calls."""
+
+    max_steps: int = Field(4, ge=1, le=64, description="Think -> tool -> observe rounds before a forced answer, rounds.")
+    tool_attempts: int = Field(3, ge=1, le=20, description="Tries per tool call (tenacity stop_after_attempt), attempts.")
+    tool_backoff_initial_ms: float = Field(
+        50, ge=0, le=60_000, description="First retry delay, milliseconds; doubles per try."
+    )
+    tool_backoff_max_ms: float = Field(1000, ge=0, le=600_000, description="Longest retry delay, milliseconds.")
+    tool_timeout_ms: float = Field(
+        2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call, milliseconds."
+    )

@@ -1,0 +1,115 @@
+"""``scheduler_config.json``: the dispatcher's scheduler (dispatcher/scheduler/)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from switchyard.common.config.base import _Strict
+
+
+class ComputeScoreWeights(_Strict):
+    """Weights of the compute score (0-100) the scheduler admits work by; they sum to 1."""
+
+    cuda_util: float = Field(0.2, ge=0, le=1, description="Weight of GPU (SM) utilisation, a fraction.")
+    bandwidth_util: float = Field(0.2, ge=0, le=1, description="Weight of memory-bandwidth utilisation, a fraction.")
+    tensor_util: float = Field(0.6, ge=0, le=1, description="Weight of tensor-core activity, a fraction.")
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> "ComputeScoreWeights":
+        total = self.cuda_util + self.bandwidth_util + self.tensor_util
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"weights must sum to 1.0, got {self.cuda_util} + {self.bandwidth_util} + {self.tensor_util} = {total:g}"
+            )
+        return self
+
+
+class PriorityBoost(_Strict):
+    """Multiplier of each priority class in ordering and in the value of held state."""
+
+    core: float = Field(10, gt=0, description="Boost of core work, a multiplier.")
+    normal: float = Field(5, gt=0, description="Boost of normal work, a multiplier.")
+    batch: float = Field(1, gt=0, description="Boost of batch work, a multiplier.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PriorityBoost":
+        if not self.core >= self.normal >= self.batch:
+            raise ValueError(f"expected core >= normal >= batch, got {self.core}, {self.normal}, {self.batch}")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    """The dispatcher's scheduler (dispatcher/scheduler/): ``scheduler_config.json``, the whole file."""
+
+    time_slice_ms: float = Field(
+        20, gt=0, le=10_000, description="Decode steps run this long between re-evaluations, milliseconds."
+    )
+    compute_score_weights: ComputeScoreWeights = Field(
+        ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
+    )
+    admission_score_limit: float = Field(
+        80, ge=0, le=100,
+        description="Admission stops, for every class, while the compute score plus the head's expected score "
+        "(and those of the requests admitted before it in the same decision) would reach this, score (0-100); with "
+        "nothing running the head is admitted whatever the score.",
+    )
+    max_admitted_per_decision: int = Field(
+        10, ge=1, le=100_000,
+        description="Admission wave: most waiting requests admitted in one admission decision, requests "
+        "(not a cap on the running set, which KV memory and the compute score bound).",
+    )
+    max_step_prefill_tokens: int = Field(
+        512, ge=1, le=10_000_000,
+        description="Most prompt tokens one engine step prefills beside the running decodes, tokens: newcomers beyond "
+        "it are prefilled in the next steps of the same turn, a longer prompt split over steps (chunked prefill, on an "
+        "engine that can; else alone in its step). A step's length bounds how long core work waits for its next layer "
+        "boundary and the running requests for their next token (vLLM's max_num_batched_tokens bounds a step the same "
+        "way; 512 is Sarathi-Serve's and vLLM's former chunked-prefill default).",
+    )
+    priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
+    preemption_enabled: bool = Field(True, description="Core work that does not fit may preempt running normal and batch "
+                                             "work (batch first); never other core work.")
+    core_wait_before_preempt_ms: float = Field(
+        0, ge=0, le=60_000,
+        description="A core request that does not fit waits this long for running work to free room before it preempts "
+        "lower-class running work, milliseconds; 0: it preempts at once (mid-step, at the step's next layer boundary, "
+        "with core_preemption layer).",
+    )
+    policy: Literal["priority", "fifo"] = Field(
+        "priority", description="Scheduling policy, a name. priority: classes, aging, admission by compute score, preemption; "
+        "fifo: arrival order."
+    )
+    aging_max_wait_ms: float = Field(
+        5000,
+        gt=0,
+        le=3_600_000,
+        description="Aging, milliseconds: once a waiting task has waited this long more than newer work, no newer arrival "
+        "(of any class) is ordered ahead of it, so batch work never starves.",
+    )
+    expected_score_initial: float = Field(
+        10, ge=0, le=100, description="Compute score a task type is expected to add before any of it has finished, score (0-100)."
+    )
+    expected_score_ema_alpha: float = Field(
+        0.2, gt=0, le=1, description="Weight of the latest finished task in the expected-score moving average, a fraction."
+    )
+    tool_wait_ttl_s: float = Field(
+        30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long, seconds."
+    )
+    score_sample_interval_ms: float = Field(
+        100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often, milliseconds."
+    )
+    nvml_device_index: int = Field(0, ge=0, le=63, description="Index of the GPU whose utilisation feeds the compute score.")
+    score_without_nvml: Literal["engine_model", "busy_ratio"] = Field(
+        "engine_model",
+        description="Compute score source without NVML, a name: the engine's modelled GPU, memory and tensor activity where it has them "
+        "(the sim engine), or only its busy ratio as GPU utilisation.",
+    )
+    core_preemption: Literal["layer", "step"] = Field(
+        "layer",
+        description="Where core work may interrupt a running step engine's step, a name. layer: a core request arriving while "
+        "a step runs is admitted at once when it fits without preempting anything, and prefilled at the step's next layer "
+        "boundary (it waits one layer, not the rest of the step; the batch step in flight lasts longer by that prefill, "
+        "which the running requests' inter-token latency shows); step: only at step boundaries, as vLLM and Orca schedule.",
+    )

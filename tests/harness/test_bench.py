@@ -1,0 +1,301 @@
+"""The load generator against a real grpc.aio AgentService on port 0; its report against ghz's schema."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import json
+
+import grpc
+import jsonschema
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard_harness.bench import cli
+from switchyard_harness.bench.calldata import CallDataError, parse_calldata, request_for
+from switchyard_harness.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
+from test_tls import pki  # noqa: F401 - fixture
+from switchyard_harness.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
+from switchyard_harness.bench.report import build_report, histogram, latency_distribution, summary_text
+from switchyard.common.config import ServerConfig
+from switchyard.common.server import running
+
+pytestmark = pytest.mark.no_gpu
+
+TOKENS = 5
+MIX = [
+    {"task_id": "t-{{.RequestNumber}}", "payload": "what is a with statement", "task_type": "rag_answer",
+     "priority": "CORE"},
+    {"task_id": "t-{{.RequestNumber}}", "payload": "hello", "task_type": "chat", "priority": "NORMAL"},
+    {"task_id": "t-{{.RequestNumber}}", "payload": "fail", "task_type": "react_loop", "priority": "BATCH"},
+]
+
+
+class StreamingAgent(agent_pb2_grpc.AgentServiceServicer):
+    """Streams accepted, one stage, TOKENS tokens and a final; payload "fail" ends in RESOURCE_EXHAUSTED."""
+
+    def __init__(self) -> None:
+        self.seen: list[agent_pb2.RunTaskRequest] = []
+        self.metadata: list[dict[str, str]] = []
+
+    async def RunTask(self, request, context):
+        self.seen.append(request)
+        self.metadata.append({k: v for k, v in context.invocation_metadata() or ()})
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id=request.task_id, queue_position=0))
+        await asyncio.sleep(0.001)
+        yield agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="render_prompt", duration_s=0.001))
+        if request.payload == "fail":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "inference queue saturated")
+        if request.payload == "late":  # fails after two tokens, each message naming its own task and time
+            for i in range(2):
+                yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"w{i} ", index=i))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"task {request.task_id}-{uuid.uuid4().hex[:12]} ran out of time after "
+                                f"{0.4 + len(self.seen) / 1000:.3f} s (the caller's gRPC deadline)")
+        for i in range(TOKENS):
+            yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"w{i} ", index=i))
+        timings = agent_pb2.Timings(queue_wait_s={"orchestration": 0.002, "inference": 0.004}, ttft_s=0.003)
+        yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id=request.task_id, timings=timings))
+
+
+class AgentOnly:
+    name = "fake-orchestrator"
+    grpc_service_names = ("agent.AgentService",)
+
+    def __init__(self) -> None:
+        self.servicer = StreamingAgent()
+
+    def register(self, server) -> None:
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(self.servicer, server)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def agent_server():
+    service = AgentOnly()
+    async with running([service], ServerConfig()) as srv:
+        yield f"127.0.0.1:{srv.port}", service.servicer
+
+
+def _validate(report: dict) -> None:
+    jsonschema.Draft202012Validator.check_schema(SWITCHYARD_REPORT_SCHEMA)
+    jsonschema.Draft202012Validator(GHZ_REPORT_SCHEMA).validate(report)
+    jsonschema.Draft202012Validator(SWITCHYARD_REPORT_SCHEMA).validate(report)
+
+
+async def test_report_has_ghz_fields_and_units(agent_server):
+    host, servicer = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX), total=30, concurrency=4, rps=0)
+    load = await run_part(plan)
+    report = build_report(load, plan, name="unit")
+    _validate(report)
+
+    assert report["count"] == 30 and len(report["details"]) == 30
+    assert [r.task_id for r in servicer.seen[:3]] == ["t-0", "t-1", "t-2"]
+    assert report["statusCodeDistribution"] == {"OK": 20, "ResourceExhausted": 10}
+    assert report["errorDistribution"] == {
+        "rpc error: code = ResourceExhausted desc = inference queue saturated": 10
+    }
+    # durations are integer nanoseconds; total matches the wall time
+    assert isinstance(report["total"], int) and report["total"] == round(load.wall_s * 1e9)
+    assert 0 < report["fastest"] <= report["slowest"]
+    assert report["rps"] == pytest.approx(30 / load.wall_s)
+    assert [d["percentage"] for d in report["latencyDistribution"]] == [10, 25, 50, 75, 90, 95, 99]
+    assert sum(b["count"] for b in report["histogram"]) == 20
+
+    sy = report["switchyard"]
+    assert sy["tokens"] == 20 * TOKENS
+    assert set(sy["byPriority"]) == {"CORE", "NORMAL", "BATCH"}
+    assert sy["byPriority"]["BATCH"]["errors"] == 10 and sy["byPriority"]["BATCH"]["ttftDistribution"] is None
+    assert set(sy["byTaskType"]) == {"rag_answer", "chat", "react_loop"}
+    assert sy["queueWait"]["inference"]["average"] == 4_000_000
+    assert sy["ttftDistribution"][0]["latency"] <= report["latencyDistribution"][-1]["latency"]
+    assert "Latency distribution:" in summary_text(report)
+
+
+async def test_paced_run_with_duration_ends_by_timeout(agent_server):
+    host, _ = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX[:2]), total=1, concurrency=2, rps=50, duration_s=0.2)
+    load = await run_part(plan)
+    assert load.end_reason == "timeout"
+    assert 1 <= len(load.results) <= 11  # at most rps x duration + the call at t=0
+    _validate(build_report(load, plan))
+
+
+async def test_several_client_processes_split_the_calls(agent_server):
+    host, servicer = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX[:2]), total=12, concurrency=4, procs=2)
+    load = await asyncio.to_thread(run_load, plan)
+    assert load.procs == 2
+    assert [r.number for r in load.results] == list(range(12))
+    assert sorted(r.task_id for r in servicer.seen) == sorted(f"t-{i}" for i in range(12))
+    assert load.cpu_s > 0 and load.cpu_saturation > 0
+    _validate(build_report(load, plan))
+
+
+async def test_cli_run_writes_a_valid_report(agent_server, tmp_path):
+    host, _ = agent_server
+    data_file = tmp_path / "data.json"
+    data_file.write_text(json.dumps(MIX[:2]))
+    out = tmp_path / "report.json"
+    argv = ["run", "--host", host, "-n", "6", "-c", "2", "-D", str(data_file), "-o", str(out), "--procs", "1"]
+    # the CLI runs its own event loop: give it a thread so this loop keeps serving
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    report = json.loads(out.read_text())
+    _validate(report)
+    assert report["count"] == 6 and report["options"]["call"] == "agent.AgentService.RunTask"
+
+
+async def test_cli_run_takes_ghz_output_format_flags(agent_server, tmp_path, capsys):
+    host, _ = agent_server
+    out = tmp_path / "out.json"
+    # as ghz users type it: -O json -o out.json writes compact JSON there, nothing else
+    png = tmp_path / "run.png"
+    argv = ["run", "--host", host, "-n", "4", "-c", "2", "-O", "json", "-o", str(out), "--procs", "1", "--plot", str(png)]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency, TTFT and throughput panels
+    text = out.read_text()
+    assert "\n  " not in text  # compact
+    _validate(json.loads(text))
+    capsys.readouterr()
+    argv = ["run", "--host", host, "-n", "2", "-c", "1", "-O", "pretty", "--procs", "1"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    _validate(json.loads(capsys.readouterr().out))  # pretty JSON alone on stdout
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-O", "csv"])
+
+
+def test_percentiles_follow_ghz_nearest_rank():
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    dist = latency_distribution(values)
+    assert [d["latency"] for d in dist] == [ms * 1_000_000 for ms in (10, 25, 50, 75, 90, 95, 99)]
+    assert latency_distribution([]) is None
+
+
+def test_histogram_has_eleven_marks_from_fastest_to_slowest():
+    values = sorted([0.010, 0.011, 0.012, 0.020, 0.030])
+    buckets = histogram(values)
+    assert len(buckets) == 11
+    assert buckets[0]["mark"] == 0.010 and buckets[-1]["mark"] == 0.030
+    assert sum(b["count"] for b in buckets) == 5
+    assert sum(b["frequency"] for b in buckets) == pytest.approx(1.0)
+
+
+def test_calldata_round_robin_templates_and_errors():
+    items = parse_calldata(json.dumps(MIX))
+    assert request_for(items, 4).task_id == "t-4" and request_for(items, 4).task_type == "chat"
+    assert request_for(items, 0).priority == agent_pb2.CORE
+    with pytest.raises(CallDataError, match="not an agent.RunTaskRequest"):
+        parse_calldata({"task_id": "x", "prompt": "typo"})
+    with pytest.raises(CallDataError, match="non-empty array"):
+        parse_calldata([])
+    with pytest.raises(CallDataError, match="not valid JSON"):
+        parse_calldata("{task_id:")
+
+
+def test_go_code_names_match_ghz():
+    assert go_code_name(grpc.StatusCode.OK) == "OK"
+    assert go_code_name(grpc.StatusCode.DEADLINE_EXCEEDED) == "DeadlineExceeded"
+    assert go_code_name(grpc.StatusCode.CANCELLED) == "Canceled"
+
+
+def test_auto_procs_grows_with_rps_but_not_past_the_cores():
+    items = parse_calldata({"payload": "x", "max_tokens": 128})
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=50), cpu_count=16) == 1
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=2000), cpu_count=16) == 14
+    assert auto_procs(LoadPlan("h:1", items, total=64, concurrency=64, rps=2000), cpu_count=2) == 2
+
+
+def test_bad_plans_and_durations_are_rejected():
+    with pytest.raises(ValueError, match="cannot be smaller than concurrency"):
+        LoadPlan("h:1", [{}], total=5, concurrency=10)
+    assert cli.parse_duration("1m30s") == 90 and cli.parse_duration("500ms") == 0.5
+    with pytest.raises(Exception, match="expected a duration"):
+        cli.parse_duration("ten seconds")
+
+
+def test_reference_ghz_config_resolves_to_the_reference_plan(monkeypatch):
+    import argparse
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    parser = argparse.ArgumentParser()
+    cli.add_load_options(parser)
+    plan = cli.resolve_plan(parser.parse_args(["--config", "ghz/reference.json", "--procs", "1"]), None)
+    assert (plan.host, plan.total, plan.concurrency, plan.rps, plan.timeout_s) == ("127.0.0.1:50051", 5000, 64, 200, 30)
+    assert {item["task_type"] for item in plan.calldata} == {"rag_answer", "chat", "react_loop"}
+    assert {item["priority"] for item in plan.calldata} == {"CORE", "NORMAL", "BATCH"}
+    smoke = cli.resolve_plan(parser.parse_args(["--config", "ghz/smoke.json", "-n", "10"]), "127.0.0.1:1")
+    assert (smoke.total, smoke.host) == (10, "127.0.0.1:1") and smoke.procs >= 1
+
+
+async def test_a_ghz_command_line_runs_unchanged_over_tls_with_metadata(pki, tmp_path):
+    """ghz's own flags: --proto, --call, --cacert, --cname, -m, and the target as the last argument."""
+    from test_tls import tls
+
+    service = AgentOnly()
+    async with running([service], tls(pki)) as srv:
+        out = tmp_path / "report.json"
+        argv = ["run", "--proto", "proto/agent.proto", "--call", "agent.AgentService.RunTask",
+                "--cacert", str(pki / "ca.pem"), "--cname", "localhost", "-m", '{"Authorization": "Bearer t-1"}',
+                "-d", '{"payload": "hello", "task_type": "chat"}', "-n", "4", "-c", "2", "--procs", "1",
+                "-O", "json", "-o", str(out), f"127.0.0.1:{srv.port}"]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+    report = json.loads(out.read_text())
+    assert report["count"] == 4 and report["statusCodeDistribution"] == {"OK": 4}
+    assert all(m.get("authorization") == "Bearer t-1" for m in service.servicer.metadata)
+
+
+def test_ghz_connection_flags_are_checked():
+    for argv, says in [
+        (["run", "--call", "agent.AgentService.SubmitTask"], "only agent.AgentService.RunTask"),
+        (["run", "--cert", "c.pem", "--key", "k.pem"], "give --cacert too"),
+        (["run", "-m", "[1]"], "JSON object of strings"),
+        (["run", "--insecure", "--cacert", "ca.pem"], "choose plain text or TLS"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            cli.main(argv)
+
+
+def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
+    from switchyard_harness.bench.cli import main as bench_main
+
+    assert bench_main(["retreival"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'retreival' (did you mean 'retrieval'?)" in err and "host:port" in err
+
+
+def test_an_unreachable_target_is_named(capsys, monkeypatch):
+    import socket
+
+    from switchyard_harness.bench import loadgen
+    from switchyard_harness.bench.cli import main as bench_main
+
+    monkeypatch.setattr(loadgen, "CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert bench_main([f"127.0.0.1:{port}", "-n", "2", "-c", "1", "--procs", "1"]) == 1
+    assert f"cannot reach the orchestrator at 127.0.0.1:{port} within 0.5 s" in capsys.readouterr().err
+
+
+async def test_summary_groups_errors_of_one_kind_and_counts_tokens_of_successful_calls_only(agent_server):
+    host, _ = agent_server
+    late = {"task_id": "t-{{.RequestNumber}}", "payload": "late", "task_type": "chat", "priority": "NORMAL"}
+    plan = LoadPlan(host=host, calldata=parse_calldata([MIX[1], late]), total=20, concurrency=4, rps=0)
+    report = build_report(await run_part(plan), plan)
+    _validate(report)
+    sy = report["switchyard"]
+    assert report["statusCodeDistribution"] == {"OK": 10, "DeadlineExceeded": 10}
+    assert sy["tokens"] == 10 * TOKENS and sy["failedCallTokens"] == 10 * 2
+    assert len(report["errorDistribution"]) == 10  # ghz's own map: every message differs
+    assert [(g["kind"], g["count"]) for g in sy["errorGroups"]] == [
+        ("rpc error: code = DeadlineExceeded desc = task # ran out of time after # s (the caller's gRPC deadline)", 10)]
+    text = summary_text(report)
+    assert text.count("ran out of time") == 1 and "[10]\trpc error: code = DeadlineExceeded desc = task # ran" in text
+    assert f"Tokens:\t{10 * TOKENS} " in text and "20 more streamed by calls that then failed" in text

@@ -1,0 +1,85 @@
+"""`switchyard bench diff`: two reports written by real ghz (fixtures), and two written by `switchyard bench run`'s
+own report code; every printed number is the report's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from switchyard_harness.bench import diff
+from switchyard_harness.bench.loadgen import CallResult, LoadPlan, LoadResult
+from switchyard_harness.bench.report import build_report
+
+pytestmark = pytest.mark.no_gpu
+GHZ = Path(__file__).resolve().parents[1] / "data" / "ghz"
+
+
+def by_name(before: dict, after: dict) -> dict[str, diff.Row]:
+    return {r.name: r for r in diff.rows(before, after)}
+
+
+def test_reports_written_by_ghz_compare_with_their_own_numbers(tmp_path, capsys):
+    before, after = (json.loads((GHZ / f"greeter_{n}.json").read_text()) for n in ("before", "after"))
+    rows = by_name(before, after)
+    assert rows["calls"].before == before["count"] == 200 and rows["rps"].after == after["rps"]
+    for q in (50, 95, 99):
+        expected = {d["percentage"]: d["latency"] for d in before["latencyDistribution"]}[q] / 1e6
+        assert rows[f"latency P{q}"].before == expected
+    assert rows["average"].after == after["average"] / 1e6 and rows["slowest"].before == before["slowest"] / 1e6
+    for code, n in after["statusCodeDistribution"].items():
+        assert rows[f"status {code}"].after == n and rows[f"status {code}"].before == before["statusCodeDistribution"].get(code, 0)
+    assert rows["errors"].after == sum(after["errorDistribution"].values()) and rows["errors"].before == 0
+    assert not any(name.startswith("TTFT") for name in rows)  # ghz has no streaming figures
+
+    png = tmp_path / "diff.png"
+    assert diff.main([str(GHZ / "greeter_before.json"), str(GHZ / "greeter_after.json"), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert f"{before['rps']:.2f}" in out and f"{after['rps']:.2f}" in out
+    p95 = {d["percentage"]: d["latency"] for d in after["latencyDistribution"]}[95] / 1e6
+    assert f"{p95:.2f} ms" in out and "status Internal" in out
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] > 500
+
+
+def bench_report(latencies: list[float], ttft: float, errors: int = 0) -> dict:
+    """A report from `switchyard bench run`'s own report code, over calls of known latencies."""
+    results = [CallResult(number=i, started_at=1.7e9 + i, latency_s=latency, status="OK", error="",
+                          priority=("core", "normal", "batch")[i % 3], task_type="chat", ttft_s=ttft + i * 1e-4,
+                          tokens=10) for i, latency in enumerate(latencies)]
+    results += [CallResult(number=len(results) + i, started_at=1.7e9, latency_s=0.001, status="ResourceExhausted",
+                           error="orchestration queue full", priority="batch", task_type="chat") for i in range(errors)]
+    load = LoadResult(results=results, wall_s=2.0, cpu_s=0.1, procs=1, end_reason="normal")
+    return build_report(load, LoadPlan(host="127.0.0.1:50051", calldata=[{"payload": "hi"}], total=len(results)))
+
+
+def test_reports_written_by_bench_run_add_ttft_tokens_and_classes(tmp_path, capsys):
+    before = bench_report([0.010 + i * 0.001 for i in range(60)], ttft=0.004)
+    after = bench_report([0.008 + i * 0.0005 for i in range(60)], ttft=0.003, errors=3)
+    paths = []
+    for name, report in (("bench_before", before), ("bench_after", after)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    rows = by_name(before, after)
+    ttft = {d["percentage"]: d["latency"] for d in after["switchyard"]["ttftDistribution"]}
+    assert rows["TTFT P95"].after == ttft[95] / 1e6
+    assert rows["tokens/s"].before == before["switchyard"]["tokensPerSecond"]
+    core = after["switchyard"]["byPriority"]["core"]
+    assert rows["core calls"].after == core["count"] and rows["batch errors"].after == 3
+    assert rows["core P95"].after == {d["percentage"]: d["latency"] for d in core["latencyDistribution"]}[95] / 1e6
+    assert rows["status ResourceExhausted"].before == 0 and rows["status ResourceExhausted"].after == 3
+    assert diff.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT P99" in out and "core P95" in out and "bench_before" in out
+    assert (tmp_path / "bench-diff.png").is_file()  # the default plot, beside AFTER
+
+
+def test_a_file_that_is_not_a_ghz_report_names_the_file_and_the_key(tmp_path, capsys):
+    bad = tmp_path / "locust_stats.json"
+    bad.write_text(json.dumps({"requests": 10}))
+    assert diff.main([str(bad), str(GHZ / "greeter_after.json"), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "locust_stats.json: not a ghz JSON report: no count" in err
+    assert diff.main([str(tmp_path / "missing.json"), str(bad), "--no-plot"]) == 2

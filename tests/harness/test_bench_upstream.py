@@ -1,0 +1,49 @@
+"""``switchyard bench upstream``: the figures computed from phases of calls (synthetic calls, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard_harness.bench.upstream import Call, Phase, figures, summary
+
+pytestmark = pytest.mark.no_gpu
+
+
+def phase(name: str, mode: str, streams: int, calls_per_s: float, ttft_s: float = 0.02, cls: str = "BATCH",
+          samples: list[tuple[float, float, float, float]] | None = None, seconds: float = 10.0) -> Phase:
+    p = Phase(name, mode, streams, 0.0, seconds, samples=samples or [])
+    n = round(calls_per_s * seconds)
+    p.calls = [Call(cls, 0.0, end=seconds * (i + 1) / (n + 1), ttft_s=ttft_s, tokens=16) for i in range(n)]
+    return p
+
+
+def test_knee_plateau_and_ratios_come_from_the_phases() -> None:
+    sweep = [phase("sweep", "direct", n, v, ttft_s=0.01 * n) for n, v in
+             [(1, 10), (2, 20), (4, 40), (8, 55), (16, 60), (32, 62)]]
+    steady = [(float(t), 10.0, 8.0, 9.0) for t in range(8)]
+    turns = [phase("turns", "direct", 8, 50), phase("turns", "through", 8, 46),
+             phase("turns", "direct", 32, 60), phase("turns", "through", 32, 57, samples=steady)]
+    core = [phase("core unloaded", "direct", 1, 30, ttft_s=0.010, cls="CORE"),
+            phase("core unloaded", "through", 1, 25, ttft_s=0.020, cls="CORE")]
+    loaded_through = phase("core + 32 batch", "through", 32, 55, samples=steady)
+    loaded_through.calls += phase("x", "through", 1, 5, ttft_s=0.030, cls="CORE").calls
+    loaded_direct = phase("core + 32 batch", "direct", 32, 61)
+    loaded_direct.calls += phase("x", "direct", 1, 2, ttft_s=0.100, cls="CORE").calls
+    f = figures([*sweep, *turns, *core, loaded_through, loaded_direct])
+    assert f["direct_plateau_calls_per_s"] == pytest.approx(63)  # the direct phase beside CORE: 61 + 2
+    assert f["direct_knee_streams"] == 16  # 0.9 x the sweep's 62 = 55.8: 8 streams (55) fall short
+    assert f["through_over_direct_8"] == pytest.approx(46 / 50)
+    assert f["through_over_direct_32"] == pytest.approx(57 / 60)
+    assert f["core_ttft_p95_loaded_over_unloaded"] == pytest.approx(1.5)
+    assert f["direct_core_ttft_p95_loaded_over_unloaded"] == pytest.approx(10)
+    assert f["batch_through_over_direct_plateau"] == pytest.approx(55 / 63)
+    assert f["limit_steady_32"] == 10.0 and f["dispatcher_knee_estimate"] == 8.0
+    assert f["errors"] == 0
+    text = summary({"base_url": "http://127.0.0.1:1/v1", "model": "m", "phases": [*sweep, *turns], "figures": f})
+    assert "through / direct calls/s: 8 streams 0.92, 32 streams 0.95" in text
+
+
+def test_a_failed_call_is_counted_and_not_in_the_throughput() -> None:
+    p = phase("turns", "direct", 8, 5)
+    p.calls.append(Call("BATCH", 0.0, end=1.0, error="HTTP 500: boom"))
+    assert p.errors == 1 and p.calls_per_s() == pytest.approx(5.0)  # 50 good calls in 10 s, the failure not among them

@@ -1,0 +1,39 @@
+"""The retrieval benchmarks: the query micro-batcher's (:mod:`switchyard_harness.bench.retrieval_batcher`)
+and answer quality on the labelled questions (``switchyard bench retrieval``,
+:mod:`switchyard_harness.bench.retrieval_quality`), which holds the default index to its targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from switchyard_harness.bench.retrieval_batcher import main as bench_main
+from switchyard_harness.bench.retrieval_quality import main as quality_main
+
+pytestmark = pytest.mark.slow  # loads the embedding model and the index
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+
+
+def test_batching_benchmark_prints_one_line_per_setting(pydoc_index_dir, capsys):
+    argv = ["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir), "--queries", "8", "--batch-sizes", "1,4"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "embed_batch_size=1 " in out and "8 forward passes" in out
+    assert "embed_batch_size=4 " in out
+
+
+def test_the_default_index_meets_the_answer_quality_targets_on_the_labelled_questions(pydoc_index_dir, capsys):
+    """Recall@5 >= 0.9 and MRR@10 >= 0.75 (hybrid, the default), 0 truncated passages; the CLI prints the table."""
+    assert quality_main(["--config-dir", str(CONFIG_DIR), "--index-dir", str(pydoc_index_dir)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    # columns: "built index" flat MODE passages truncated R@1 R@5 MRR@10 nDCG@10 tail-R@5 search retrieval
+    table = [line.split() for line in out.splitlines() if line.startswith("built index ")]
+    by_mode = {cols[3]: cols for cols in table}
+    hybrid, vectors = by_mode["hybrid"], by_mode["vectors"]
+    assert hybrid[5] == "0"  # truncated passages
+    assert float(hybrid[7]) >= 0.9 and float(hybrid[8]) >= 0.75, out
+    assert float(hybrid[7]) > float(vectors[7])  # BM25 adds to the vectors

@@ -1,0 +1,94 @@
+"""switchyard top's arithmetic and arguments, on Prometheus text as the services write it."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from switchyard_harness.top import Scrape, histogram_quantile, metrics_url, parse, snapshot
+
+pytestmark = pytest.mark.no_gpu
+
+INF = math.inf
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket_like_promql() -> None:
+    # 10 observations: 4 <= 0.1, 6 in (0.1, 0.5]. P50: rank 5, 1 of 6 into (0.1, 0.5].
+    buckets = [(0.1, 4), (0.5, 10), (INF, 10)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 1 / 6)
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.05)  # the first bucket starts at 0
+    # A rank in the +Inf bucket is the largest finite bound, as in promql/quantile.go.
+    assert histogram_quantile(0.99, [(0.1, 4), (0.5, 5), (INF, 10)]) == 0.5
+    assert histogram_quantile(0.5, [(0.1, 0), (INF, 0)]) is None
+    assert histogram_quantile(0.5, [(0.1, 3)]) is None  # no +Inf bucket
+
+
+def _dispatcher_text(ttft: list[float], tokens: int, busy: float, flushes: int) -> str:
+    registry = CollectorRegistry()
+    h = Histogram("switchyard_ttft_seconds", "", ["priority_class"], buckets=(0.01, 0.1, 1), registry=registry)
+    for value in ttft:
+        h.labels("core").observe(value)
+    Counter("switchyard_generated_tokens", "", registry=registry).inc(tokens)
+    Counter("switchyard_engine_busy_seconds", "", registry=registry).inc(busy)
+    Gauge("switchyard_engine_decode_bound_tokens_per_second", "", registry=registry).set(1000)
+    Counter("switchyard_flushes", "", ["reason"], registry=registry).labels("size").inc(flushes)
+    g = Gauge("switchyard_queue_depth", "", ["queue"], registry=registry)
+    g.labels("inference").set(128)
+    Gauge("switchyard_queue_capacity", "", ["queue"], registry=registry).labels("inference").set(512)
+    return generate_latest(registry).decode()
+
+
+def test_a_window_covers_only_what_happened_between_two_scrapes() -> None:
+    before = Scrape("dispatcher", "u", parse(_dispatcher_text([0.005] * 10, tokens=1000, busy=2.0, flushes=5)), at=10.0)
+    # Since then: 10 slow first tokens, 500 tokens in 1 busy second, 3 flushes.
+    after = Scrape("dispatcher", "u", parse(_dispatcher_text([0.005] * 10 + [0.5] * 10, 1500, 3.0, 8)), at=11.0)
+
+    since_start = snapshot({"dispatcher": after})
+    assert since_start["window_s"] is None
+    assert since_start["classes"]["core"]["ttft_count"] == 20
+    assert since_start["classes"]["core"]["ttft_p50_s"] == pytest.approx(0.01)  # rank 10 of 20: top of (0, 0.01]
+    assert since_start["engine"]["roofline_efficiency"] == pytest.approx(1500 / 3.0 / 1000)
+
+    window = snapshot({"dispatcher": after}, {"dispatcher": before})
+    assert window["window_s"] == 1.0
+    assert window["classes"]["core"]["ttft_count"] == 10
+    assert window["classes"]["core"]["ttft_p50_s"] == pytest.approx(0.1 + 0.9 * 5 / 10)  # all 10 in (0.1, 1]
+    assert window["engine"]["roofline_efficiency"] == pytest.approx(500 / 1.0 / 1000)
+    assert window["batch"]["flushes"] == {"size": 3}
+    assert window["queues"]["inference"]["saturation"] == 0.25
+
+
+def test_a_counter_reset_counts_from_zero() -> None:
+    before = Scrape("dispatcher", "u", parse(_dispatcher_text([], tokens=1000, busy=2.0, flushes=5)), at=1.0)
+    restarted = Scrape("dispatcher", "u", parse(_dispatcher_text([], tokens=40, busy=0.5, flushes=1)), at=2.0)
+    window = snapshot({"dispatcher": restarted}, {"dispatcher": before})
+    assert window["batch"]["flushes"] == {"size": 1}
+    assert window["engine"]["roofline_efficiency"] == pytest.approx(40 / 0.5 / 1000)
+
+
+def test_an_unreachable_service_is_reported_not_raised() -> None:
+    snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
+    assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}
+    assert snap["tasks_in_flight"] is None and "engine" not in snap
+
+
+def test_metrics_url_takes_host_port_or_a_url() -> None:
+    assert metrics_url("127.0.0.1:9103") == "http://127.0.0.1:9103/metrics"
+    assert metrics_url("http://10.0.0.7:9103") == "http://10.0.0.7:9103/metrics"
+    assert metrics_url("https://d.example/prom/metrics") == "https://d.example/prom/metrics"
+    with pytest.raises(ValueError, match="host:port or a URL"):
+        metrics_url("dispatcher")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--json"], "--json: expected together with --once"),
+    (["--once", "--dispatcher", "nohost"], "--dispatcher: expected host:port or a URL"),
+    (["--interval", "0"], "--interval: expected seconds in [0.1, 60]"),
+])
+def test_bad_arguments_name_the_flag(args: list[str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "switchyard.cli", "top", *args], capture_output=True, text=True)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
