@@ -23,7 +23,8 @@ caller cancels is aborted (its place and KV freed) and nothing more is sent
 for it. When the stream ends, whatever it still carries is aborted, as a
 Generate call whose caller went away.
 
-``Generate`` runs its one request through the same session (:func:`serve_one`)
+``Generate`` runs its one request through the same session
+(:meth:`switchyard.dispatcher.service.DispatcherService.Generate`)
 and streams its chunks as ``GenerateChunk`` messages; its error ends the call
 with the same status and origin trailer. The protocol both ends follow
 (states, deadline, size, errors, ids) is :mod:`switchyard.common.generate_protocol`.

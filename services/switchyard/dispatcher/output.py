@@ -1,10 +1,11 @@
 """The output side of one dispatcher request: what its GenerateStream session sends to the caller.
 
 A :class:`~switchyard.dispatcher.request.Request` is request state: the
-scheduler and the engines read and write it. Each request owns one
-:class:`OutputStream`; the request pushes onto it as the engine generates
-(:meth:`~switchyard.dispatcher.request.Request.append_token`, ``add_tool_call``,
-``finish``, ``fail``) and the session that carries the request
+scheduler writes it from each engine step's result (engines only read it).
+Each request owns one :class:`OutputStream`; the step loop pushes onto it the
+outputs the scheduler reports after each step
+(:meth:`~switchyard.dispatcher.request.RequestOutput.publish`: tokens, tool
+calls, then ``done`` or ``error``) and the session that carries the request
 (:mod:`switchyard.dispatcher.generate_stream`, which serves Generate too) is
 its one reader. vLLM splits the same way: its engine-core ``Request`` holds
 state, and a per-request ``RequestOutputCollector`` carries outputs to the

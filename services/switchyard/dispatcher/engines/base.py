@@ -22,7 +22,7 @@ writes the report into its requests. An engine mutates no request.
   loop turns each into a :class:`SeqOutput` for the same ``update_from_output``.
 
 The stop check is the scheduler's, one for every engine
-(:func:`switchyard.dispatcher.scheduler.core.check_stop`): end-of-sequence ->
+(:func:`switchyard.dispatcher.scheduler.update.check_stop`): end-of-sequence ->
 ``stop`` (``tool_calls`` when the step produced tool calls), the request's
 ``max_tokens`` or the engine's own length limit -> ``length``.
 """
