@@ -12,13 +12,15 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.server import running
-from switchyard.dispatcher.scheduler.metrics import TOOL_WAIT_DECISIONS
+from switchyard.dispatcher.scheduler.metrics import RESUMES, TOOL_WAIT_DECISIONS
+from switchyard.dispatcher.tiers.metrics import RESTORED_TOKENS
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.metrics import TOOL_WAIT_HINTS
 from switchyard.orchestrator.service import OrchestratorService
 from test_orchestrator import Downstream
 from test_program import _until, _value, collect
 from fast_sim import FAST
+from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
 
 
 def _decisions() -> dict[str, float]:
@@ -69,13 +71,22 @@ async def dispatcher():
             await channel.close()
 
 
+TOOLS = [agent_pb2.ToolSpec(name="search_docs", description="search", parameters_json='{"type": "object"}')]
+QUESTION = agent_pb2.ChatMessage(role="user", content="How does the with statement work in Python?")
+
+
+async def _park(stub, agent_id: str) -> list[agent_pb2.GenerateChunk]:
+    """One react_loop step of ``agent_id`` that ends in a tool call (its agent's step parks)."""
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+        request_id=f"{agent_id}:0", agent_id=agent_id, task_type="react_loop", tools=TOOLS, max_tokens=64,
+        messages=[QUESTION]))]
+    assert chunks[-1].done.finish_reason == "tool_calls"
+    return chunks
+
+
 async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_long_one(dispatcher):
     stub, service = dispatcher
-    tools = [agent_pb2.ToolSpec(name="search_docs", description="search", parameters_json='{"type": "object"}')]
-    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
-        request_id="step-0", agent_id="parked-agent", task_type="react_loop", tools=tools, max_tokens=64,
-        messages=[agent_pb2.ChatMessage(role="user", content="How does the with statement work in Python?")]))]
-    assert chunks[-1].done.finish_reason == "tool_calls"
+    await _park(stub, "parked-agent")
     scheduler = service.loop.scheduler
     assert [r.agent_id for r in scheduler.parked] == ["parked-agent"]
     before = _decisions()
@@ -98,3 +109,35 @@ async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_
                                                           expected_wait_s=86_400.0))
     assert (again.decision, again.restore_at_s) == (agent_pb2.KEEP, 0.0)
     assert sum(_decisions().values()) == sum(before.values()) + 2
+
+
+async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restores_the_copy(redis_db: RedisDb):
+    """SWAP: the KV leaves HBM for the DRAM tier (a real Redis) with a restore plan inside the wait; the
+    agent's next step (``resume``) brings the copy back at its admission instead of recomputing it."""
+    service = DispatcherService(SwitchyardConfig().with_overrides(**redis_db.overrides))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        first = await _park(stub, "swapped-agent")
+        swaps, restored = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(RESUMES, kind="tool_restored")
+        tokens = RESTORED_TOKENS._value.get()
+        wait_s = 86_400.0
+        reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="swapped-agent", tool="search_docs",
+                                                              expected_wait_s=wait_s))
+        assert reply.decision == agent_pb2.SWAP and 0 < reply.restore_at_s < wait_s
+        assert service.loop.scheduler.parked == []
+        assert _value(TOOL_WAIT_DECISIONS, decision="swap") == swaps + 1
+        call = next(c.tool_call for c in first if c.HasField("tool_call"))
+        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+            request_id="swapped-agent:1", agent_id="swapped-agent", task_type="react_loop", tools=TOOLS,
+            max_tokens=64, resume=True, messages=[
+                QUESTION,
+                agent_pb2.ChatMessage(role="assistant", tool_calls=[agent_pb2.ToolCall(
+                    call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)]),
+                agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name=call.name,
+                                      content="The with statement calls __enter__ and __exit__."),
+            ]))]
+        await channel.close()
+    assert chunks[-1].HasField("done")
+    assert _value(RESUMES, kind="tool_restored") == restored + 1
+    assert RESTORED_TOKENS._value.get() > tokens

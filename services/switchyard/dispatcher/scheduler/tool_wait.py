@@ -32,9 +32,13 @@ keep, then swap)::
 - ``recompute``: the engine's prefill of the prefix, spent again at resume
   (on the GPU and on the agent's path).
 
-A swap brings the KV back ahead of the tool's expected return
+A swap plans the KV's return ahead of the tool's expected return
 (:attr:`ToolWaitDecision.restore_at_s` = ``wait - transfer - margin``, never
-before the copy out has ended), so the next turn finds it warm. A tool that
+before the copy out has ended), so the next turn would find it warm. The
+dispatcher does not restore ahead yet: the tiers load a DRAM copy into a
+running request only, so the copy comes back when the agent's next step is
+admitted (the step loop's restore before that step's prefill), and that step
+waits one transfer for it (what :func:`on_return` prices for an early return). A tool that
 returns early finds it in DRAM (or still leaving): the restore runs at once
 and the turn waits for the rest of the copy (:func:`on_return`). A tool that
 is late is revisited at ``wait + grace`` (:attr:`ToolWaitDecision.revisit_at_s`):
