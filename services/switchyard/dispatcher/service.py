@@ -367,8 +367,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         A SWAP's DRAM copy comes back when the agent's next step is admitted (the step loop's restore
         before that step's prefill: the tiers load a copy into a running request only), not ahead of the
         tool's return; ``restore_at_s`` is the cost model's plan for it
-        (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.restore_at_s`: the restore's
-        start, ``expected_wait_s - transfer - margin``, at least one transfer after now).
+        (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`: the planned
+        restore's start, ``expected_wait_s - transfer - margin`` and at least one transfer after now, plus
+        one transfer: ``margin`` ahead of the tool's expected return when the round trip fits in the wait).
 
         Returns:
             (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now, SWAP only, else 0).
@@ -380,7 +381,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         if decided is None:
             return agent_pb2.KEEP, 0.0
         if decided.decision is Decision.SWAP:
-            return agent_pb2.SWAP, float(decided.restore_at_s or 0.0)
+            return agent_pb2.SWAP, float(decided.warm_at_s or 0.0)
         return (agent_pb2.DROP if decided.decision is Decision.DROP else agent_pb2.KEEP), 0.0
 
     async def Generate(

@@ -135,6 +135,13 @@ class ToolWaitDecision:
     revisit_at_s: float
     """When a tool still running is decided again (``wait + grace``)."""
     costs: ToolWaitCosts
+    transfer_s: float = 0.0
+    """One-way HBM<->DRAM copy seconds of the KV (``ToolWaitInputs.transfer_s``)."""
+
+    @property
+    def warm_at_s(self) -> float | None:
+        """SWAP: when the planned restore has brought the KV back (``restore_at_s + transfer_s``); else None."""
+        return None if self.restore_at_s is None else self.restore_at_s + self.transfer_s
 
 
 def costs(inputs: ToolWaitInputs) -> ToolWaitCosts:
@@ -171,7 +178,7 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
     restore_at = None
     if decision is Decision.SWAP:
         restore_at = max(inputs.transfer_s, inputs.expected_wait_s - inputs.transfer_s - inputs.margin_s)
-    return ToolWaitDecision(decision, restore_at, inputs.expected_wait_s + grace_s, priced)
+    return ToolWaitDecision(decision, restore_at, inputs.expected_wait_s + grace_s, priced, inputs.transfer_s)
 
 
 def residual_wait_s(elapsed_s: float, expected_wait_s: float) -> float:
