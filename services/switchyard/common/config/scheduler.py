@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import math
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -94,9 +93,9 @@ class SchedulerConfig(_Strict):
     )
     at_risk_slack_s: float = Field(
         5, ge=0, le=3600,
-        description="fair policy: a waiting request whose slack (its task's time left minus the work still expected "
-        "of it, seconds) is below this is at risk and goes ahead of the rest of its priority class, least slack first, "
-        "seconds.",
+        description="fair policy: a waiting request whose slack (its task's time left minus its own expected "
+        "service and the task's work expected after it) is below this is at risk and goes ahead of the rest of its "
+        "priority class, least slack first, seconds.",
     )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,
