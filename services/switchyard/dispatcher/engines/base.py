@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
 from switchyard.dispatcher.request import Request, ToolCall
 
@@ -273,6 +273,11 @@ class StreamEngine(abc.ABC):
     tensor_busy_seconds = 0.0
     on_upstream_status: Callable[[int], None] | None = None
     """Set by the stream loop: called with each upstream HTTP status (429/503 feed the concurrency limit)."""
+
+    concurrency_limit: Any = None
+    """The dispatcher's admission limit when the engine brings its own (a pool of upstream endpoints: the
+    sum of one adaptive limit per endpoint, :class:`switchyard.gateway.pool.PoolLimit`); None when the
+    dispatcher keeps one itself (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`)."""
 
     @abc.abstractmethod
     def generate(self, req: Request) -> AsyncIterator[StreamItem]:
