@@ -17,8 +17,8 @@ stream's ``StreamedError``. The scheduler alone expires waiting requests and
 releases KV; when the caller goes away, the session aborts its request there.
 ``ToolWait`` hears from the orchestrator that an agent's tool call started
 (who, which tool, the expected wait, tenant, priority): :meth:`DispatcherService.tool_wait`
-decides what its prefix state does meanwhile (KEEP for now: parked for
-``tool_wait_ttl_s``). A ``prefill_only`` request (a warm-up of a prompt prefix)
+asks the scheduler what the agent's parked prefix state does meanwhile (KEEP it
+in HBM, SWAP it to DRAM, DROP it; KEEP when nothing is parked here). A ``prefill_only`` request (a warm-up of a prompt prefix)
 finishes at once, no tokens, on an engine that shares no prefixes.
 """
 
@@ -49,6 +49,7 @@ from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
@@ -353,11 +354,36 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
                   priority: int) -> tuple[int, float]:
         """What to do with ``agent_id``'s prefix state while it waits ``expected_wait_s`` seconds on ``tool``.
 
+        A step engine's scheduler decides at once
+        (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in
+        ``switchyard_tool_wait_decisions_total{decision}``): KEEP holds the parked KV in HBM for the
+        expected wait and as long again; SWAP copies it to the DRAM tier now; DROP releases it. The
+        decision is the agent's parked step's: ``tool``, ``tenant`` and ``priority`` (the orchestrator's
+        view) are not read, the parked request carries its own.
+
+        Answered KEEP with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
+        replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran
+        elsewhere), or a stream engine (an upstream server keeps its own prefix cache; no KV is held here).
+
+        A SWAP's DRAM copy comes back when the agent's next step is admitted (the step loop's restore
+        before that step's prefill: the tiers load a copy into a running request only), not ahead of the
+        tool's return; ``restore_at_s`` is the cost model's plan for it
+        (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`: the planned
+        restore's start, ``expected_wait_s - transfer - margin`` and at least one transfer after now, plus
+        one transfer: ``margin`` ahead of the tool's expected return when the round trip fits in the wait).
+
         Returns:
-            (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now at which a SWAP brings the
-            state back, else 0). Today KEEP: the agent's step parks as before (``tool_wait_ttl_s``).
+            (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now, SWAP only, else 0).
         """
-        return agent_pb2.KEEP, 0.0
+        loop = self.loop
+        if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
+            return agent_pb2.KEEP, 0.0
+        decided = loop.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic())
+        if decided is None:
+            return agent_pb2.KEEP, 0.0
+        if decided.decision is Decision.SWAP:
+            return agent_pb2.SWAP, float(decided.warm_at_s or 0.0)
+        return (agent_pb2.DROP if decided.decision is Decision.DROP else agent_pb2.KEEP), 0.0
 
     async def Generate(
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
