@@ -93,9 +93,10 @@ def to_request(
     """
     defaults, limits = config.dispatcher, config.limits
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
-    for name in ("task_time_left_s", "expected_remaining_work_s"):
-        if not (math.isfinite(getattr(request, name)) and getattr(request, name) >= 0):
-            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", getattr(request, name))
+    for name, seconds in (("task_time_left_s", request.task_time_left_s),
+                          ("expected_remaining_work_s", request.expected_remaining_work_s)):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", seconds)
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
@@ -322,7 +323,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     def shares_prefixes(self) -> bool:
         """Whether the engine reuses a prompt prefix computed for an earlier request (automatic prefix caching):
         what makes a ``prefill_only`` request worth running."""
-        return getattr(self.engine, "prefix_cache", None) is not None
+        return self.engine.kv.shares_prefixes
 
     async def ToolWait(self, request: agent_pb2.ToolWaitRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
@@ -334,8 +335,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """
         limits = self.config.limits
         try:
-            for name in ("agent_id", "tool"):
-                value = getattr(request, name)
+            for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
                 if not value or len(value) > limits.max_id_chars:
                     raise InvalidArgument(name, f"1 to {limits.max_id_chars} characters (limits.max_id_chars)",
                                           f"{len(value)} chars")

@@ -161,6 +161,12 @@ class KVCacheManager(abc.ABC):
         """Prompt tokens of a fresh ``req`` already in the prefix cache (computed by an earlier request)."""
         return 0
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a prompt prefix computed for one request is reused by a later one (automatic prefix
+        caching, :meth:`match_prefix`)."""
+        return False
+
     def prefix_cache_bytes(self) -> int:
         """Device bytes the prefix cache holds (evictable)."""
         return 0

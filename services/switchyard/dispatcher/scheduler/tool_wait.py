@@ -100,9 +100,11 @@ class ToolWaitInputs:
     idle_price_floor: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("expected_wait_s", "transfer_s", "recompute_s", "margin_s", "copy_cost_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
+        for name, value in (("expected_wait_s", self.expected_wait_s), ("transfer_s", self.transfer_s),
+                            ("recompute_s", self.recompute_s), ("margin_s", self.margin_s),
+                            ("copy_cost_weight", self.copy_cost_weight)):
+            if value < 0:
+                raise ValueError(f"{name}: expected >= 0, got {value!r}")
         if self.kv_bytes < 0:
             raise ValueError(f"kv_bytes: expected >= 0, got {self.kv_bytes!r}")
         if not self.budget_bytes > 0:
