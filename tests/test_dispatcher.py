@@ -468,6 +468,7 @@ class EchoStreamEngine(StreamEngine):
     """A StreamEngine that streams the prompt's words back, counting concurrent streams."""
 
     model = "echo-1"
+    concurrency_limit = None  # the dispatcher keeps the limit
 
     def __init__(self) -> None:
         self.active = 0

@@ -75,6 +75,34 @@ def test_classes_stay_strict_and_at_risk_work_goes_first_in_its_class():
     assert [r.request_id for r in s.waiting] == ["core", "at-risk", "relaxed", "batch"]
 
 
+def test_the_at_risk_threshold_weights_and_half_life_come_from_the_scheduler_config():
+    config = SwitchyardConfig().with_overrides(**{
+        "scheduler.at_risk_slack_s": 0.5, "scheduler.tenant_weights": {"gold": 4.0},
+        "scheduler.fairness_half_life_s": 7.0})
+    s = make_scheduler(config, Engine(), policy="fair")
+    assert s.ledger.weight("gold") == 4.0 and s.ledger.weight("other") == 1.0
+    # 2 s of slack: at risk under the default 5 s threshold, not under 0.5 s (arrival order then decides)
+    accept(s, [req("relaxed", task_time_left_s=600.0, arrival=0.0),
+               req("two-s-slack", task_time_left_s=3.0, expected_remaining_work_s=1.0, arrival=1.0)], 1.0)
+    assert [r.request_id for r in s.waiting] == ["relaxed", "two-s-slack"]
+    # gold's service counts a quarter: four times the tokens of plain still orders it first
+    s.ledger.charge("gold-a", "gold", 3_000, 1.0)
+    s.ledger.charge("plain-a", "plain", 1_000, 1.0)
+    accept(s, [req("plain", agent="plain-b", tenant="plain", arrival=2.0),
+               req("gold", agent="gold-b", tenant="gold", arrival=3.0)], 3.0)
+    assert [r.request_id for r in s.waiting][-2:] == ["gold", "plain"]
+    # the counters halve every fairness_half_life_s: one half-life later gold's charge reads half
+    served = s.ledger.tenants.service("gold", 1.0)
+    assert s.ledger.tenants.service("gold", 8.0) == pytest.approx(served / 2)
+
+
+@pytest.mark.parametrize("weights", [{"gold": 0.0}, {"gold": -1.0}, {"bad tenant": 1.0}, {"gold": float("inf")}])
+def test_tenant_weights_must_be_positive_and_name_well_formed_tenants(weights):
+    with pytest.raises(Exception) as caught:
+        SwitchyardConfig().with_overrides(**{"scheduler.tenant_weights": weights})
+    assert "tenant_weights" in str(caught.value)
+
+
 def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
     s = sched()
     with pytest.raises(CannotMeetDeadline) as caught:

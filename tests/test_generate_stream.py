@@ -570,18 +570,27 @@ async def test_replies_are_packed_within_the_message_size_limit() -> None:
 
 
 def test_packing_keeps_the_order_and_every_message_under_the_limit() -> None:
-    from switchyard.dispatcher.generate_stream import MESSAGE_OVERHEAD_BYTES, _messages
+    from switchyard.common.generate_protocol import entry_bytes, pack
 
     chunks = [agent_pb2.StreamedChunk(request_id=f"r{i}", chunk=agent_pb2.GenerateChunk(
         token=agent_pb2.TokenEvent(text="x" * (i % 50), index=i, count=1))) for i in range(500)]
     limit = 4096
-    messages = _messages(chunks, limit)
-    assert [c.request_id for m in messages for c in m.chunks] == [f"r{i}" for i in range(500)]
-    assert len(messages) > 1 and all(m.ByteSize() <= limit - MESSAGE_OVERHEAD_BYTES for m in messages)
+
+    def messages(entries: list[agent_pb2.StreamedChunk]) -> list[agent_pb2.GenerateStreamResponse]:
+        return [agent_pb2.GenerateStreamResponse(chunks=g) for g in pack([(c, entry_bytes(c)) for c in entries], limit)]
+
+    packed = messages(chunks)
+    assert [c.request_id for m in packed for c in m.chunks] == [f"r{i}" for i in range(500)]
+    assert len(packed) > 1 and all(m.ByteSize() <= limit for m in packed)
+    # as few as fit: the next message's first chunk would not have fit in the one before
+    assert all(sum(map(entry_bytes, m.chunks)) + entry_bytes(n.chunks[0]) > limit for m, n in zip(packed, packed[1:]))
     huge = agent_pb2.StreamedChunk(request_id="big", chunk=agent_pb2.GenerateChunk(
         token=agent_pb2.TokenEvent(text="y" * 10_000)))
-    assert [len(m.chunks) for m in _messages([chunks[0], huge, chunks[1]], limit)] == [1, 1, 1]
-    assert _messages([], limit) == []
+    assert [len(m.chunks) for m in messages([chunks[0], huge, chunks[1]])] == [1, 1, 1]
+    assert messages([]) == []
+    # the caller's side: a start and cancels packed by the same rule
+    starts = agent_pb2.GenerateStreamRequest(start=[start(f"s{i}", prompt="p" * 900) for i in range(3)], cancel=["c"])
+    assert starts.ByteSize() <= sum(entry_bytes(e) for e in [*starts.start, *starts.cancel])
 
 
 async def test_an_unexpected_failure_starting_one_request_fails_that_request_only(

@@ -21,21 +21,7 @@ PROBES = frozenset({"getattr", "hasattr", "attrgetter"})
 # Files whose probes are being removed in work not yet merged: {path under services/switchyard: most probes
 # allowed}. A count may only fall. THIS LIST MUST SHRINK TO EMPTY: delete an entry once its file has none
 # (or has moved out of services/), and delete the list with its last entry.
-NOT_YET_CLEAN: dict[str, int] = {
-    "dispatcher/engine_loop.py": 2,
-    "dispatcher/engines/__init__.py": 1,
-    "dispatcher/engines/torch_model.py": 4,
-    "dispatcher/generate_stream.py": 1,
-    "dispatcher/scheduler/capacity.py": 1,
-    "dispatcher/scheduler/compute_score.py": 6,
-    "dispatcher/scheduler/core.py": 11,
-    "dispatcher/scheduler/tool_wait.py": 2,
-    "dispatcher/service.py": 10,
-    "dispatcher/stream_loop.py": 1,
-    "dispatcher/tiers/__init__.py": 4,
-    "dispatcher/tiers/cold.py": 2,
-    "dispatcher/tiers/value.py": 1,
-}
+NOT_YET_CLEAN: dict[str, int] = {}
 
 
 def probes_in(source: str) -> list[tuple[int, str]]:

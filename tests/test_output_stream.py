@@ -1,30 +1,30 @@
-"""OutputStream: a request's items reach its Generate handler in order; tokens waiting together come as one."""
+"""OutputStream: a request's items reach its session in order, the reader told of each push; the one
+token-merge rule (common/coalescing.py) merges tokens waiting together, on both hops."""
 
 import asyncio
 
-from switchyard.dispatcher.output import OutputStream, StreamDone, StreamError, StreamToken, StreamToolCall
+import pytest
+
+from switchyard.common.coalescing import merge_tokens
+from switchyard.dispatcher.output import OutputStream, StreamDone, StreamError, StreamToken, StreamToolCall, coalesce
 from switchyard.dispatcher.request import ToolCall
 
 
-async def test_a_reader_that_keeps_up_gets_every_token_alone():
+def test_the_listener_hears_every_push_and_a_reader_that_keeps_up_gets_every_token_alone():
     stream = OutputStream()
     got = []
-
-    async def read():
-        while not isinstance(item := await stream.get(), StreamDone):
-            got.append(item)
-
-    reader = asyncio.create_task(read())
+    heard = []
+    stream.listener = lambda: heard.append(len(got))
     for i, text in enumerate(["a ", "b ", "c "]):
-        await asyncio.sleep(0)  # the reader takes each token before the next is pushed
         stream.token(text, i)
-        await asyncio.sleep(0)
+        got.extend(coalesce(stream.drain()))  # the reader takes each token before the next is pushed
     stream.done("stop")
-    await reader
+    assert heard == [0, 1, 2, 3]
     assert got == [StreamToken("a ", 0), StreamToken("b ", 1), StreamToken("c ", 2)]
+    assert stream.pending() and coalesce(stream.drain()) == [StreamDone("stop")] and not stream.pending()
 
 
-async def test_tokens_waiting_together_come_as_one_and_other_items_keep_their_place():
+def test_tokens_waiting_together_come_as_one_and_other_items_keep_their_place():
     stream = OutputStream()
     call = ToolCall(call_id="c1", name="search_docs", arguments_json="{}")
     for i, text in enumerate(["one ", "two ", "three "]):
@@ -33,8 +33,7 @@ async def test_tokens_waiting_together_come_as_one_and_other_items_keep_their_pl
     stream.token("four ", 3)
     stream.token("five", 4)
     stream.done("tool_calls")
-    items = [await stream.get() for _ in range(4)]
-    assert items == [
+    assert coalesce(stream.drain()) == [
         StreamToken("one two three ", 0, 3),
         StreamToolCall(call),
         StreamToken("four five", 3, 2),
@@ -42,23 +41,13 @@ async def test_tokens_waiting_together_come_as_one_and_other_items_keep_their_pl
     ]
 
 
-async def test_an_error_ends_the_stream_after_the_tokens_before_it():
+def test_an_error_ends_the_stream_after_the_tokens_before_it():
     stream = OutputStream()
     stream.token("x", 0)
     stream.error(RuntimeError("engine failed"))
-    assert await stream.get() == StreamToken("x", 0)
-    item = await stream.get()
+    first, item = coalesce(stream.drain())
+    assert first == StreamToken("x", 0)
     assert isinstance(item, StreamError) and str(item.error) == "engine failed"
-
-
-async def test_a_reader_that_gives_up_leaves_the_stream_usable():
-    stream = OutputStream()
-    waiting = asyncio.create_task(stream.get())
-    await asyncio.sleep(0)
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    stream.token("late", 0)
-    assert await stream.get() == StreamToken("late", 0)
 
 
 def test_drain_returns_each_push_unmerged():
@@ -67,6 +56,12 @@ def test_drain_returns_each_push_unmerged():
     stream.token("b", 1)
     assert stream.drain() == [StreamToken("a", 0), StreamToken("b", 1)]
     assert stream.drain() == []
+
+
+@pytest.mark.parametrize(("counts", "merged"), [((1, 1, 1), 3), ((0, 2, 0), 4), ((5,), 5)])
+def test_the_merge_rule_joins_texts_keeps_the_first_index_and_sums_counts(counts, merged):
+    run = [StreamToken(f"t{i} ", 7 + i, c) for i, c in enumerate(counts)]
+    assert merge_tokens(run) == ("".join(t.text for t in run), 7, merged)  # a count of 0 is one token
 
 
 async def test_a_task_event_stream_merges_waiting_token_events_and_ends_after_the_last():

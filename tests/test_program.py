@@ -1,6 +1,7 @@
 """The orchestrator's view of a task's program, against real gRPC servers on 127.0.0.1 port 0: tool
 durations and the ToolWait announcement, tenants, deadline budgets and early refusal, rag_answer's
-early prefill, and the dispatcher's side of the contract (ToolWait stub, field checks, prefill_only)."""
+early prefill, and the dispatcher's side of the contract (ToolWait field checks, prefill_only; ToolWait's
+decisions: test_tool_wait_server.py)."""
 
 from __future__ import annotations
 
@@ -386,7 +387,7 @@ async def dispatcher_stub():
             await channel.close()
 
 
-async def test_tool_wait_stub_validates_each_field_and_keeps_the_parking_ttl(dispatcher_stub):
+async def test_tool_wait_validates_each_field_and_keeps_an_agent_with_nothing_parked(dispatcher_stub):
     stub, service = dispatcher_stub
     reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="a", tool="search_docs", expected_wait_s=1.5,
                                                           tenant_id="acme", priority=agent_pb2.CORE))

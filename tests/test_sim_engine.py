@@ -96,7 +96,12 @@ def test_a_zero_cost_engine_has_no_decode_bound() -> None:
 def test_factory_names_an_engine_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     from switchyard.dispatcher import engines
 
-    monkeypatch.setitem(engines._ENGINES, "torch", ("switchyard.dispatcher.engines.not_there", "TorchEngine"))
+    def missing() -> type:
+        import switchyard.dispatcher.engines.not_there  # noqa: F401 - a module that is not installed
+
+        raise AssertionError("unreachable")
+
+    monkeypatch.setitem(engines._ENGINES, "torch", missing)
     with pytest.raises(engines.EngineUnavailable, match="torch engine not installed") as err:
         make_engine(SwitchyardConfig().with_overrides(**{"dispatcher.engine": "torch"}))
     assert "SWITCHYARD_ENGINE" in str(err.value)

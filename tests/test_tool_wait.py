@@ -26,13 +26,14 @@ def test_short_wait_keeps_the_kv():
     # the round trip (40 ms + 50 ms margin) does not fit in a 60 ms wait: the turn would stall
     out = decide(inputs(expected_wait_s=0.06))
     assert out.decision is Decision.KEEP
-    assert out.restore_at_s is None
+    assert out.restore_at_s is None and out.warm_at_s is None
 
 
 def test_long_wait_swaps_and_restores_ahead_of_the_return():
     out = decide(inputs(expected_wait_s=5.0), grace_s=1.0)
     assert out.decision is Decision.SWAP
     assert out.restore_at_s == pytest.approx(5.0 - 0.02 - 0.05)
+    assert out.warm_at_s == pytest.approx(5.0 - 0.05)  # back the margin ahead of the expected return
     assert out.revisit_at_s == 6.0
     assert out.costs.swap < out.costs.keep < out.costs.drop
 
@@ -62,6 +63,7 @@ def test_restore_never_starts_before_the_copy_out_ends():
     out = decide(inputs(expected_wait_s=0.2, **full))  # shorter than the round trip: the turn stalls a little
     assert out.decision is Decision.SWAP
     assert out.restore_at_s == pytest.approx(0.12)
+    assert out.warm_at_s == pytest.approx(0.24)  # one round trip after the start: past the expected return
 
 
 def test_return_on_time_early_and_late():

@@ -1,4 +1,4 @@
-"""``agent.InferenceService.GenerateStream``: many requests over one long-lived stream.
+"""``agent.InferenceService.GenerateStream``, and ``Generate`` as a stream of one: one path per request.
 
 A Generate call costs an HTTP/2 stream, its headers, a deadline timer and a
 servicer task, and sends one message per chunk. On the orchestrator's hop,
@@ -23,6 +23,12 @@ caller cancels is aborted (its place and KV freed) and nothing more is sent
 for it. When the stream ends, whatever it still carries is aborted, as a
 Generate call whose caller went away.
 
+``Generate`` runs its one request through the same session
+(:meth:`switchyard.dispatcher.service.DispatcherService.Generate`)
+and streams its chunks as ``GenerateChunk`` messages; its error ends the call
+with the same status and origin trailer. The protocol both ends follow
+(states, deadline, size, errors, ids) is :mod:`switchyard.common.generate_protocol`.
+
 The stream ends OK once the caller has half-closed it and its requests are
 done, or, when the dispatcher drains (SIGTERM), once its requests are done:
 new requests are then refused UNAVAILABLE, and the caller starts them on
@@ -31,7 +37,6 @@ another replica.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -39,9 +44,15 @@ import grpc
 from opentelemetry import propagate, trace
 
 from switchyard.api import agent_pb2
-from switchyard.common import telemetry
-from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 from switchyard.common.coalescing import Wakeup
+from switchyard.common.errors import SwitchyardError
+from switchyard.common.generate_protocol import (
+    RequestState,
+    StreamedRequest,
+    check_stream_request_id,
+    decode_timeout,
+    encode_error,
+)
 from switchyard.dispatcher.output import coalesce
 
 if TYPE_CHECKING:
@@ -49,191 +60,187 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.service import DispatcherService
 
 log = logging.getLogger(__name__)
-tracer = telemetry.get_tracer(__name__)
+
+_CANCELLED_CODE = grpc.StatusCode.CANCELLED.value[0]
 
 
-class _Running:
-    """One request of a session: its state and its ``dispatcher.generate`` span."""
+class _Running(StreamedRequest):
+    """One request of a session: its protocol state, its engine request once opened, and its
+    ``dispatcher.generate`` span."""
 
-    __slots__ = ("request_id", "req", "span")
+    __slots__ = ("req", "span")
 
-    def __init__(self, request_id: str, req: Request | None, span: trace.Span) -> None:
-        self.request_id = request_id
-        self.req = req
+    def __init__(self, request_id: str, span: trace.Span) -> None:
+        super().__init__(request_id)
+        self.req: Request | None = None  # None while it is validated and counted
         self.span = span
 
 
 class GenerateSession:
-    """One GenerateStream call on the dispatcher: reads starts and cancels, writes chunks.
+    """The requests of one GenerateStream call, or of one Generate call, on the dispatcher.
 
-    A reader task takes the caller's messages; the handler's own task writes.
-    Requests push their output (:class:`~switchyard.dispatcher.output.OutputStream`)
-    and mark themselves ready; the writer takes every ready request's items in
-    one message. While a write is in flight more requests get ready, so the
-    next message carries them all: under load a message per engine step, not
-    per token per request.
+    Starts and cancels come in (:meth:`read` takes them off a GenerateStream's
+    request stream; Generate calls :meth:`start` once); the handler takes what
+    is ready to send with :meth:`replies`: every chunk its requests' output
+    (:class:`~switchyard.dispatcher.output.OutputStream`) holds, tokens waiting
+    together merged. While the handler writes, more output comes, so the next
+    replies carry it all: under load a message per engine step, not per token
+    per request.
+
+    One map holds the requests (request id -> :class:`_Running`, its
+    :class:`~switchyard.common.generate_protocol.RequestState`); a request
+    leaves it when it ends. Refused starts have no place in it (the id may be
+    running): their error chunks wait in the write buffer.
     """
 
-    def __init__(self, service: DispatcherService, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, service: DispatcherService) -> None:
         self._service = service
-        self._context = context
-        self._running: dict[str, _Running] = {}
-        self._ready: dict[str, _Running] = {}  # insertion-ordered: requests first ready are sent first
-        self._failed: list[agent_pb2.StreamedChunk] = []  # refused starts, sent with the next message
+        self._requests: dict[str, _Running] = {}
+        self._unsent: list[agent_pb2.StreamedChunk] = []  # encoded, not yet taken by replies()
         self._wake = Wakeup()
-        self._reading = True
+        self._intake_open = True
+        self._intake_error: Exception | None = None
         self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
-        self._max_bytes = service.config.server.max_message_bytes
 
-    # ------------------------------------------------------------------ the handler's task: writing
+    # ------------------------------------------------------------------ the handler's side
 
-    async def run(self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest]) -> None:
-        """Serve the stream until it is done (see the module docstring); abort what it still carries."""
-        reader = asyncio.create_task(self._read(request_iterator), name="generate-stream-reader")
-        try:
-            while True:
-                if not self._ready and not self._failed:
-                    if not self._running and (not self._reading or self._draining):
-                        return
-                    await self._wake.wait()
-                    if reader.done() and reader.exception() is not None:
-                        reader.result()  # the caller's side broke: raise; the finally below aborts the rest
-                    continue
-                for response in _messages(self._collect(), self._max_bytes):
-                    await self._context.write(response)
-        finally:
-            reader.cancel()
-            for running in list(self._running.values()):
-                self._end(running, cancelled=True)
+    async def replies(self) -> list[agent_pb2.StreamedChunk] | None:
+        """The chunks ready to send, oldest first per request, waiting until there are some; None once the
+        session is done (no request left, and no start to come or the dispatcher drains).
+
+        Raises:
+            Exception: what broke the caller's side of the stream (:meth:`read`).
+        """
+        while True:
+            chunks = self._collect()
+            if chunks:
+                return chunks
+            if self._intake_error is not None:
+                raise self._intake_error
+            if not self._requests and (not self._intake_open or self._draining):
+                return None
+            await self._wake.wait()
 
     def _collect(self) -> list[agent_pb2.StreamedChunk]:
-        """Every ready request's output items (tokens waiting together merged), and refused starts."""
-        chunks = self._failed
-        self._failed = []
-        ready, self._ready = self._ready, {}
+        chunks, self._unsent = self._unsent, []
         service = self._service
-        for running in ready.values():
+        ended: list[_Running] = []
+        for running in self._requests.values():
             req = running.req
-            if req is None or self._running.get(running.request_id) is not running:
-                continue  # cancelled by the caller since it got ready
+            if req is None or not req.output.pending():
+                continue
+            request_id = running.request_id
             for item in coalesce(req.output.drain()):
                 try:
                     chunk = service.chunk(req, item)
                 except SwitchyardError as exc:
-                    chunks.append(_error_chunk(running.request_id, exc))
+                    chunks.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
                     running.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-                    self._end(running)
+                    running.end(RequestState.FAILED)
                     break
-                chunks.append(agent_pb2.StreamedChunk(request_id=running.request_id, chunk=chunk))
-                if chunk.HasField("done"):
+                chunks.append(agent_pb2.StreamedChunk(request_id=request_id, chunk=chunk))
+                running.chunk_sent(chunk)
+                if running.state is RequestState.DONE:
                     service.record_done(req, running.span)
-                    self._end(running)
                     break
+            if running.state.ended:
+                ended.append(running)
+        for running in ended:
+            self._release(running)
         return chunks
 
-    def _end(self, running: _Running, cancelled: bool = False) -> None:
-        """Forget ``running``; when it ends unfinished (cancelled, or the stream ended), abort it."""
-        self._running.pop(running.request_id, None)
-        req, loop = running.req, self._service.loop
-        if req is not None:
-            req.output.listener = None
-            if not req.is_finished and loop is not None:
-                loop.abort(req)
-        if cancelled:
-            running.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
-        running.span.end()
-
-    def _notify(self) -> None:
-        self._wake.notify()
+    def close(self) -> None:
+        """The call ends: cancel what it still carries (each aborted, its place and KV freed)."""
+        for running in list(self._requests.values()):
+            self.cancel(running.request_id)
 
     def drain(self) -> None:
-        """The dispatcher drains: refuse new requests, end the stream once its requests are done."""
+        """The dispatcher drains: refuse new requests, end the session once its requests are done."""
         self._draining = True
-        self._notify()
+        self._wake.notify()
 
-    # ------------------------------------------------------------------ the reader task
+    # ------------------------------------------------------------------ the caller's side
 
-    async def _read(self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest]) -> None:
+    async def read(self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest]) -> None:
+        """Take a GenerateStream's starts and cancels until the caller half-closes (a message's starts
+        before its cancels); what breaks the stream is raised by :meth:`replies`."""
         try:
             async for message in request_iterator:
                 for start in message.start:
-                    await self._start(start)
+                    await self.start(start.request, decode_timeout(start.timeout_s), dict(start.trace_context))
                 for request_id in message.cancel:
-                    running = self._running.get(request_id)
-                    if running is not None:
-                        self._end(running, cancelled=True)
+                    self.cancel(request_id)
+        except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the call with it
+            self._intake_error = exc
         finally:
-            self._reading = False
-            self._notify()
+            self.close_intake()
 
-    async def _start(self, start: agent_pb2.StreamedGenerate) -> None:
-        request = start.request
+    def close_intake(self) -> None:
+        """No start follows: the session ends once its requests have."""
+        self._intake_open = False
+        self._wake.notify()
+
+    async def start(self, request: agent_pb2.GenerateRequest, timeout_s: float | None,
+                    trace_context: dict[str, str] | None) -> None:
+        """Start ``request`` with ``timeout_s`` seconds left (None: no deadline); a refusal is its error chunk.
+
+        ``trace_context``: the W3C carrier of a stream's start (its span is then the request's server
+        span); None for Generate, whose span is a child of the call's own.
+        """
         request_id = request.request_id
-        carrier = dict(start.trace_context)
-        parent = propagate.extract(carrier) if carrier else None
-        span = tracer.start_span("dispatcher.generate", parent, kind=trace.SpanKind.SERVER)
-        running = _Running(request_id, None, span)
+        if trace_context is None:
+            span = self._service.request_span(None, trace.SpanKind.INTERNAL)
+        else:
+            parent = propagate.extract(trace_context) if trace_context else None
+            span = self._service.request_span(parent, trace.SpanKind.SERVER)
+        running = _Running(request_id, span)
         try:
-            if not request_id:
-                raise InvalidArgument("request_id", "a non-empty id, unique among the stream's running requests", "")
-            if request_id in self._running:
-                raise InvalidArgument("request_id", "an id not already running on this stream", request_id)
-            self._running[request_id] = running
-            req = await self._service.open_request(request, start.timeout_s or None, span)
+            check_stream_request_id(request_id, self._requests)
+            self._requests[request_id] = running
+            req = await self._service.open_request(request, timeout_s, span)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):
                 log.exception("dispatcher: starting request %s failed", request_id)
                 span.record_exception(exc)
                 exc = SwitchyardError(f"starting the request failed: {type(exc).__name__}: {exc}",
                                       grpc.StatusCode.INTERNAL)
-            if self._running.get(request_id) is running:  # not the request already running under this id
-                del self._running[request_id]
-            span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-            span.end()
-            self._failed.append(_error_chunk(request_id, exc))
-            self._notify()
-            return
-        if self._running.get(request_id) is not running:  # cancelled while it was being counted
-            if not req.is_finished and self._service.loop is not None:
-                self._service.loop.abort(req)
+            if self._requests.get(request_id) is running:  # not the request already running under this id
+                del self._requests[request_id]
+            if running.end(RequestState.FAILED):  # else cancelled meanwhile: nothing more is sent for it
+                span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                span.end()
+                self._unsent.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
+                self._wake.notify()
             return
         running.req = req
-        req.output.listener = lambda: self._mark_ready(running)
+        if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
+            self._abort(req)
+            return
+        req.output.listener = self._wake.notify
         if req.output.pending():
-            self._mark_ready(running)
+            self._wake.notify()
 
-    def _mark_ready(self, running: _Running) -> None:
-        self._ready[running.request_id] = running
-        self._notify()
+    def cancel(self, request_id: str) -> None:
+        """The caller gave up on ``request_id``: abort it; nothing more is sent for it. Nothing happens
+        when it is not running."""
+        running = self._requests.get(request_id)
+        if running is not None and running.end(RequestState.CANCELLED):
+            running.span.set_attribute("rpc.grpc.status_code", _CANCELLED_CODE)
+            self._release(running)
 
+    # ------------------------------------------------------------------ both
 
-MESSAGE_OVERHEAD_BYTES = 1024
-"""Room left under ``server.max_message_bytes`` when chunks are packed into one message."""
+    def _release(self, running: _Running) -> None:
+        """``running`` ended: out of the map, its span ended, and aborted when it ended unfinished."""
+        if self._requests.get(running.request_id) is running:
+            del self._requests[running.request_id]
+        req = running.req
+        if req is not None:
+            req.output.listener = None
+            self._abort(req)
+        running.span.end()
 
-
-def _messages(chunks: list[agent_pb2.StreamedChunk], max_bytes: int) -> list[agent_pb2.GenerateStreamResponse]:
-    """``chunks`` packed in order into as few messages as fit ``max_bytes`` each (a message larger than the
-    peer's limit would end the stream and every request on it). A chunk that alone exceeds the limit goes
-    in a message of its own, as Generate would send it."""
-    budget = max_bytes - MESSAGE_OVERHEAD_BYTES
-    messages: list[agent_pb2.GenerateStreamResponse] = []
-    batch: list[agent_pb2.StreamedChunk] = []
-    size = 0
-    for chunk in chunks:
-        n = chunk.ByteSize() + 8  # field tag and length prefix
-        if batch and size + n > budget:
-            messages.append(agent_pb2.GenerateStreamResponse(chunks=batch))
-            batch, size = [], 0
-        batch.append(chunk)
-        size += n
-    if batch:
-        messages.append(agent_pb2.GenerateStreamResponse(chunks=batch))
-    return messages
-
-
-def _error_chunk(request_id: str, exc: SwitchyardError) -> agent_pb2.StreamedChunk:
-    code, details = status_for(exc)
-    origin = getattr(exc, "origin", "") or "dispatcher"
-    return agent_pb2.StreamedChunk(
-        request_id=request_id, error=agent_pb2.StreamedError(code=code.value[0], details=details, origin=origin)
-    )
+    def _abort(self, req: Request) -> None:
+        loop = self._service.loop
+        if not req.is_finished and loop is not None:
+            loop.abort(req)

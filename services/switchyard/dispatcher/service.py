@@ -1,23 +1,24 @@
-"""The dispatcher service: ``agent.InferenceService.Generate`` over the scheduler.
+"""The dispatcher service: ``agent.InferenceService`` (GenerateStream, Generate) over the scheduler.
 
-Path of one Generate call::
+Path of one request (a GenerateStream start, or a Generate call: a stream of one,
+served by the same session, :mod:`switchyard.dispatcher.generate_stream`)::
 
     validate -> scheduler.add_request (double buffer; refused at once when full)
              -> waiting set -> running set (admitted by compute score and KV memory,
                 or the upstream's adaptive limit) -> engine steps
-             -> the request's output stream -> GenerateChunk stream
+             -> the request's output stream -> its session -> GenerateChunk stream
 
 The stream carries token chunks (text, index), tool-call chunks, then one
 ``done`` chunk with usage, queue wait, TTFT, compute score, memory peak, the
 flush that carried the request, the model, preemptions and finish_reason.
-Errors end the stream with a gRPC status (see :mod:`switchyard.common.errors`).
-The scheduler alone expires waiting requests and releases KV; when the caller
-goes away, the handler aborts its request there.
-
+Errors end the request with a gRPC status and its origin
+(:mod:`switchyard.common.generate_protocol`): a Generate call's status, or a
+stream's ``StreamedError``. The scheduler alone expires waiting requests and
+releases KV; when the caller goes away, the session aborts its request there.
 ``ToolWait`` hears from the orchestrator that an agent's tool call started
 (who, which tool, the expected wait, tenant, priority): :meth:`DispatcherService.tool_wait`
-decides what its prefix state does meanwhile (KEEP for now: parked for
-``tool_wait_ttl_s``). A ``prefill_only`` request (a warm-up of a prompt prefix)
+asks the scheduler what the agent's parked prefix state does meanwhile (KEEP it
+in HBM, SWAP it to DRAM, DROP it; KEEP when nothing is parked here). A ``prefill_only`` request (a warm-up of a prompt prefix)
 finishes at once, no tokens, on an engine that shares no prefixes.
 """
 
@@ -27,7 +28,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -38,9 +38,10 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
-from switchyard.common.errors import InvalidArgument, SwitchyardError, abort, status_for
+from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.server import Drains
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
+from switchyard.common.generate_protocol import decode_error, deadline_after, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
@@ -48,6 +49,7 @@ from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
@@ -91,9 +93,10 @@ def to_request(
     """
     defaults, limits = config.dispatcher, config.limits
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
-    for name in ("task_time_left_s", "expected_remaining_work_s"):
-        if not (math.isfinite(getattr(request, name)) and getattr(request, name) >= 0):
-            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", getattr(request, name))
+    for name, seconds in (("task_time_left_s", request.task_time_left_s),
+                          ("expected_remaining_work_s", request.expected_remaining_work_s)):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", seconds)
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
@@ -105,10 +108,11 @@ def to_request(
         raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
     if request.priority not in agent_pb2.Priority.values():
         raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
-    for name in ("request_id", "agent_id", "model", "task_type"):
-        if len(getattr(request, name)) > limits.max_id_chars:
+    for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
+                        ("model", request.model), ("task_type", request.task_type)):
+        if len(value) > limits.max_id_chars:
             raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
-                                  f"{len(getattr(request, name))} chars")
+                                  f"{len(value)} chars")
     if served_model is not None and request.model and request.model != served_model:
         raise SwitchyardError(
             f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "
@@ -169,7 +173,7 @@ def to_request(
             max_tokens,
         )
     return Request(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id or new_request_id(),
         prompt=request.prompt,
         messages=messages,
         tools=tools,
@@ -243,7 +247,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         capacity = None
         if not self.stepping:
             # a pool of upstream endpoints brings its own limit (the sum of one per endpoint)
-            pooled = getattr(self.engine, "concurrency_limit", None)
+            pooled = self.engine.concurrency_limit  # type: ignore[union-attr]
             self.limit = pooled if pooled is not None else AdaptiveConcurrencyLimit(config.upstream.concurrency)
             capacity = ConcurrencyCapacity(self.limit)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
@@ -299,9 +303,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         except TimeoutError:
             log.warning("dispatcher: drain exceeded the grace period; cancelling what still runs")
             await self.loop.stop()
-        aclose = getattr(self.engine, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        if not self.stepping:
+            await self.engine.aclose()  # type: ignore[union-attr]
         self.loop = None
 
     # ------------------------------------------------------------------ RPC
@@ -319,7 +322,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     def shares_prefixes(self) -> bool:
         """Whether the engine reuses a prompt prefix computed for an earlier request (automatic prefix caching):
         what makes a ``prefill_only`` request worth running."""
-        return getattr(self.engine, "prefix_cache", None) is not None
+        return self.engine.kv.shares_prefixes
 
     async def ToolWait(self, request: agent_pb2.ToolWaitRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
@@ -331,8 +334,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """
         limits = self.config.limits
         try:
-            for name in ("agent_id", "tool"):
-                value = getattr(request, name)
+            for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
                 if not value or len(value) > limits.max_id_chars:
                     raise InvalidArgument(name, f"1 to {limits.max_id_chars} characters (limits.max_id_chars)",
                                           f"{len(value)} chars")
@@ -351,54 +353,85 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
                   priority: int) -> tuple[int, float]:
         """What to do with ``agent_id``'s prefix state while it waits ``expected_wait_s`` seconds on ``tool``.
 
+        A step engine's scheduler decides at once
+        (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in
+        ``switchyard_tool_wait_decisions_total{decision}``): KEEP holds the parked KV in HBM for the
+        expected wait and as long again; SWAP copies it to the DRAM tier now; DROP releases it. The
+        decision is the agent's parked step's: ``tool``, ``tenant`` and ``priority`` (the orchestrator's
+        view) are not read, the parked request carries its own.
+
+        Answered KEEP with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
+        replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran
+        elsewhere), or a stream engine (an upstream server keeps its own prefix cache; no KV is held here).
+
+        A SWAP's DRAM copy comes back when the agent's next step is admitted (the step loop's restore
+        before that step's prefill: the tiers load a copy into a running request only), not ahead of the
+        tool's return; ``restore_at_s`` is the cost model's plan for it
+        (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`: the planned
+        restore's start, ``expected_wait_s - transfer - margin`` and at least one transfer after now, plus
+        one transfer: ``margin`` ahead of the tool's expected return when the round trip fits in the wait).
+
         Returns:
-            (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now at which a SWAP brings the
-            state back, else 0). Today KEEP: the agent's step parks as before (``tool_wait_ttl_s``).
+            (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now, SWAP only, else 0).
         """
-        return agent_pb2.KEEP, 0.0
+        loop = self.loop
+        if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
+            return agent_pb2.KEEP, 0.0
+        decided = loop.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic())
+        if decided is None:
+            return agent_pb2.KEEP, 0.0
+        if decided.decision is Decision.SWAP:
+            return agent_pb2.SWAP, float(decided.warm_at_s or 0.0)
+        return (agent_pb2.DROP if decided.decision is Decision.DROP else agent_pb2.KEEP), 0.0
 
     async def Generate(
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
-        """Stream one completion. See the module docstring for the chunks and errors."""
-        # Started, not made current: a span attached across this generator's yields would be
-        # detached by whichever task closes a cancelled stream (see common/grpc_tracing.py).
-        span = tracer.start_span("dispatcher.generate")
-        req: Request | None = None
-        loop = self.loop
+        """Stream one completion: a session of one request (the path of a GenerateStream start), its chunks
+        as they are, its error as the call's status with the origin trailer. See the module docstring."""
+        if not request.request_id:
+            request.request_id = new_request_id()  # Generate's id is optional; a session's is not
+        session = GenerateSession(self)
         try:
-            req = await self.open_request(request, context.time_remaining(), span)
-            output = req.output
-            while True:
-                chunk = self.chunk(req, await output.get())
-                yield chunk
-                if chunk.HasField("done"):
-                    break
-            self.record_done(req, span)
-        except SwitchyardError as exc:
-            span.set_attribute("rpc.grpc.status_code", status_for(exc)[0].value[0])
-            await abort(context, exc, "dispatcher")
-        except Exception as exc:
-            span.record_exception(exc)
-            telemetry.record_exception_status(span, exc)
-            raise
+            await session.start(request, context.time_remaining(), None)
+            session.close_intake()
+            while (replies := await session.replies()) is not None:
+                for streamed in replies:
+                    if streamed.HasField("error"):
+                        await abort(context, decode_error(streamed.error), self.name)
+                    yield streamed.chunk
         finally:
-            if req is not None and not req.is_finished and loop is not None:
-                loop.abort(req)  # the caller went away: free its place and KV
-            span.end()
+            session.close()  # the caller went away: free its place and KV
 
     async def GenerateStream(
         self, request_iterator: AsyncIterator[agent_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        """Many requests over one stream (the orchestrator's hop); see :mod:`switchyard.dispatcher.generate_stream`."""
-        session = GenerateSession(self, context)
+        """Many requests over one stream (the orchestrator's hop); see :mod:`switchyard.dispatcher.generate_stream`.
+
+        Each reply leaves in as few messages as fit ``server.max_message_bytes``
+        (:func:`switchyard.common.generate_protocol.pack`).
+        """
+        session = GenerateSession(self)
         self._sessions.add(session)
+        reader = asyncio.create_task(session.read(request_iterator), name="generate-stream-reader")
+        max_bytes = self.config.server.max_message_bytes
         try:
-            await session.run(request_iterator)
+            while (replies := await session.replies()) is not None:
+                for group in pack([(c, entry_bytes(c)) for c in replies], max_bytes):
+                    await context.write(agent_pb2.GenerateStreamResponse(chunks=group))
         finally:
+            reader.cancel()
+            session.close()  # what the stream still carries is aborted
             self._sessions.discard(session)
 
-    # ------------------------------------------------------------------ one request, for both RPCs
+    # ------------------------------------------------------------------ one request, for its session
+
+    def request_span(self, parent: otel_context.Context | None, kind: trace.SpanKind) -> trace.Span:
+        """A request's ``dispatcher.generate`` span, started (not made current) under ``parent`` (None:
+        the current context)."""
+        # Started, not made current: a span attached across a handler's yields would be detached by
+        # whichever task closes a cancelled stream (see common/grpc_tracing.py).
+        return tracer.start_span("dispatcher.generate", parent, kind=kind)
 
     async def open_request(
         self, request: agent_pb2.GenerateRequest, timeout_s: float | None, span: trace.Span
@@ -426,7 +459,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         req.span_context = span.get_span_context()
         req.span = span
         if timeout_s is not None:
-            req.deadline = time.monotonic() + timeout_s
+            req.deadline = deadline_after(timeout_s)
         loop = self.loop
         if loop is None or self.draining:
             raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)

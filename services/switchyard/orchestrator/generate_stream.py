@@ -4,7 +4,8 @@ Every task's generation used to be a Generate call of its own; on this hop the
 calls' own cost (an HTTP/2 stream, headers, a deadline, a task per call on both
 sides) was most of what the stack added to its caller's RunTask stream. A
 :class:`GenerateStreamClient` keeps one GenerateStream open per dispatcher
-channel and carries every request over it (the protocol:
+channel and carries every request over it (the protocol both ends follow:
+:mod:`switchyard.common.generate_protocol`; the dispatcher's side:
 :mod:`switchyard.dispatcher.generate_stream`):
 
 - a writer task sends the starts and cancels waiting, in one message when they fit
@@ -42,7 +43,21 @@ from opentelemetry import propagate
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.coalescing import Wakeup
 from switchyard.common.errors import ORIGIN_KEY
+from switchyard.common.generate_protocol import (
+    RequestFailed,
+    RequestState,
+    StreamedRequest,
+    deadline_after,
+    deadline_exceeded,
+    decode_error,
+    encode_timeout,
+    entry_bytes,
+    pack,
+    too_large,
+)
 from switchyard.common.tasks import settle
+
+__all__ = ["GenerateStreamClient", "RequestFailed", "STREAM_MAX_AGE_S"]
 
 STREAM_MAX_AGE_S = 1.0
 """Seconds a stream takes new requests before the next one is opened (see the module docstring)."""
@@ -50,55 +65,39 @@ STREAM_MAX_AGE_S = 1.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """A message's size limit when none is given: gRPC's default for what a server receives, bytes."""
 
-_FIELD_OVERHEAD_BYTES = 6
-"""What a repeated field adds to an entry's own size in a message: its tag (1 byte) and length (up to 5)."""
-
 _CLEAN = contextvars.Context()  # the streams' tasks run outside any task's deadline scope and span
 
 
-class RequestFailed(Exception):
-    """One request on a stream failed, as a call fails with a status.
+class _Request(StreamedRequest):
+    """One request on a stream, this side: its protocol state, its deadline, and its chunks on their way
+    from the reader task to its caller (a FIFO with one waiter)."""
 
-    Attributes:
-        code: the gRPC status code.
-        details: the status message.
-        origin: the hop that answered (:data:`~switchyard.common.errors.ORIGIN_KEY`): ``dispatcher``,
-            or the upstream model it relays; "" when nothing answered (the stream itself broke).
-    """
+    __slots__ = ("deadline", "items", "waiter")
 
-    def __init__(self, code: grpc.StatusCode, details: str, origin: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.origin = origin
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class _Request:
-    """One request's chunks, from the reader task to its caller: a FIFO with one waiter."""
-
-    __slots__ = ("items", "waiter", "finished")
-
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, timeout_s: float | None) -> None:
+        super().__init__(request_id)
+        self.deadline = deadline_after(timeout_s)
         self.items: deque[agent_pb2.GenerateChunk | RequestFailed] = deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.finished = False  # its done chunk or its error was received
 
     def put(self, item: agent_pb2.GenerateChunk | RequestFailed) -> None:
         self.items.append(item)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def get(self, deadline: float | None) -> agent_pb2.GenerateChunk | RequestFailed:
-        """The next item; TimeoutError at ``deadline`` (``time.monotonic()``) when none came by then."""
+    def fail(self, failure: RequestFailed) -> None:
+        """End the request with ``failure``, unless it had ended already."""
+        if self.end(RequestState.FAILED):
+            self.put(failure)
+
+    async def get(self) -> agent_pb2.GenerateChunk | RequestFailed:
+        """The next item; TimeoutError at the request's deadline when none came by then."""
         while not self.items:
             loop = asyncio.get_running_loop()
             self.waiter = waiter = loop.create_future()
             timer = None
-            if deadline is not None:
-                left = deadline - time.monotonic()
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
                 timer = loop.call_later(left, _expire, waiter)
@@ -117,12 +116,18 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 
 class _Stream:
-    """One GenerateStream call: its writer and reader tasks and the requests it carries."""
+    """One GenerateStream call: its writer and reader tasks and the requests it carries.
+
+    One map holds the requests (request id -> :class:`_Request`, its
+    :class:`~switchyard.common.generate_protocol.RequestState`): a request leaves
+    it once done or failed; one cancelled here stays, so that the chunks the
+    dispatcher sent before it read the cancel are dropped, and a new request
+    under its id starts on another stream.
+    """
 
     def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub, max_message_bytes: int) -> None:
         self.opened_at = time.monotonic()
         self.requests: dict[str, _Request] = {}
-        self.cancelled: set[str] = set()  # ids cancelled here: the dispatcher may still send chunks for them
         self.retired = False  # takes no new requests; half-closed once the last one ended
         self.broken = False
         self._max_message_bytes = max_message_bytes
@@ -138,34 +143,33 @@ class _Stream:
         self._reader = settle(loop.create_task(self._read(), name="generate-stream-reader", context=_CLEAN.copy()),
                               expected=lambda e: False)
 
-    def start(self, start: agent_pb2.StreamedGenerate) -> _Request:
+    def start(self, start: agent_pb2.StreamedGenerate, timeout_s: float | None) -> _Request:
         """Queue ``start`` for the writer; its request's items come through the returned :class:`_Request`.
 
         A start larger than a message may be (``max_message_bytes``) is not sent: its request fails at
         once, RESOURCE_EXHAUSTED, as a Generate call whose request is too large fails alone.
         """
-        request = _Request()
-        size = start.ByteSize() + _FIELD_OVERHEAD_BYTES
-        if size > self._max_message_bytes:
-            request.finished = True
-            request.put(RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"Sent message larger than max ({size} vs. {self._max_message_bytes})", ""))
+        request = _Request(start.request.request_id, timeout_s)
+        size = entry_bytes(start)
+        failure = too_large(size, self._max_message_bytes)
+        if failure is not None:
+            request.fail(failure)
             return request
-        self.requests[start.request.request_id] = request
+        self.requests[request.request_id] = request
         self._starts.append((start, size))
         self._notify()
         return request
 
-    def cancel(self, request_id: str) -> None:
-        """The caller gave up on ``request_id``: forget it, and tell the dispatcher unless the stream is
-        gone or its start was not sent yet (then it is not sent at all)."""
-        self.requests.pop(request_id, None)
-        self.cancelled.add(request_id)
-        queued = next((q for q in self._starts if q[0].request.request_id == request_id), None)
+    def cancel(self, request: _Request) -> None:
+        """The caller gave up on ``request``: nothing more is delivered for it; the dispatcher is told
+        unless the stream is gone or the start was not sent yet (then it is not sent at all)."""
+        if not request.end(RequestState.CANCELLED) or self.requests.get(request.request_id) is not request:
+            return
+        queued = next((q for q in self._starts if q[0].request.request_id == request.request_id), None)
         if queued is not None:
             self._starts.remove(queued)
         elif not self.broken:
-            self._cancels.append(request_id)
+            self._cancels.append(request.request_id)
         self._notify()
 
     def retire(self) -> None:
@@ -175,40 +179,45 @@ class _Stream:
     def _notify(self) -> None:
         self._wake.notify()
 
+    def _ended(self) -> bool:
+        """Retired, and every request it carried has ended (the map holds only the cancelled ones)."""
+        return self.retired and all(r.state is RequestState.CANCELLED for r in self.requests.values())
+
     async def _write(self) -> None:
         call = self._call
         try:
             while True:
                 if not self._starts and not self._cancels:
-                    if self.retired and not self.requests:
+                    if self._ended():
                         await call.done_writing()
                         return
                     await self._wake.wait()
                     continue
-                message = self._take()
-                self._sending = True
-                await call.write(message)
-                self._sending = False
+                for message in self._take():
+                    self._sending = True
+                    await call.write(message)
+                    self._sending = False
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             return  # the call ended: the reader fails what the stream carried with its status
 
-    def _take(self) -> agent_pb2.GenerateStreamRequest:
-        """The next message: the cancels and starts waiting, oldest first, as many as fit in
-        ``max_message_bytes`` (at least one; a message past the limit would end the whole stream)."""
-        message = agent_pb2.GenerateStreamRequest()
-        room = self._max_message_bytes
-        cancels, starts = self._cancels, self._starts
-        while cancels:
-            size = len(cancels[0].encode()) + _FIELD_OVERHEAD_BYTES
-            if size > room and (message.cancel or message.start):
-                return message
-            message.cancel.append(cancels.popleft())
-            room -= size
-        while starts and (starts[0][1] <= room or not (message.cancel or message.start)):
-            start, size = starts.popleft()
-            message.start.append(start)
-            room -= size
-        return message
+    def _take(self) -> list[agent_pb2.GenerateStreamRequest]:
+        """The cancels and starts waiting, oldest first, in as few messages as fit ``max_message_bytes``
+        (:func:`~switchyard.common.generate_protocol.pack`)."""
+        entries: list[tuple[str | agent_pb2.StreamedGenerate, int]] = [
+            (request_id, entry_bytes(request_id)) for request_id in self._cancels]
+        entries.extend(self._starts)
+        self._cancels.clear()
+        self._starts.clear()
+        messages = []
+        for group in pack(entries, self._max_message_bytes):
+            message = agent_pb2.GenerateStreamRequest()
+            for entry in group:
+                if isinstance(entry, str):
+                    message.cancel.append(entry)
+                else:
+                    message.start.append(entry)
+            messages.append(message)
+        return messages
 
     async def _read(self) -> None:
         call = self._call
@@ -222,21 +231,17 @@ class _Stream:
                 requests = self.requests
                 for streamed in message.chunks:
                     request = requests.get(streamed.request_id)
-                    if request is None:
+                    if request is None or request.state is RequestState.CANCELLED:
                         continue  # cancelled by its caller
                     if streamed.HasField("error"):
-                        error = streamed.error
-                        request.finished = True
+                        request.fail(decode_error(streamed.error))
+                    else:
+                        chunk = streamed.chunk
+                        request.chunk_sent(chunk)
+                        request.put(chunk)
+                    if request.state.ended:
                         del requests[streamed.request_id]
-                        request.put(RequestFailed(_CODES.get(error.code, grpc.StatusCode.UNKNOWN),
-                                                  error.details, error.origin))
-                        continue
-                    chunk = streamed.chunk
-                    if chunk.HasField("done"):
-                        request.finished = True
-                        del requests[streamed.request_id]
-                    request.put(chunk)
-                if self.retired and not self.requests:
+                if self._ended():
                     self._notify()  # the writer half-closes
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INTERNAL and self._sending:
@@ -252,8 +257,7 @@ class _Stream:
         self.broken = True
         self._writer.cancel()
         for request in self.requests.values():
-            request.finished = True
-            request.put(failure)
+            request.fail(failure)
         self.requests.clear()
 
     @property
@@ -284,13 +288,13 @@ class GenerateStreamClient:
 
     def _stream_for(self, request_id: str) -> _Stream:
         """The stream to start ``request_id`` on: the current one, or a new one when it is broken, past
-        :data:`STREAM_MAX_AGE_S`, or knows the id already. An id running there would be refused; one
-        cancelled there may still have chunks on the way (the dispatcher sends until it reads the cancel),
+        :data:`STREAM_MAX_AGE_S`, or knows the id already (its map holds it). An id running there would be
+        refused; one cancelled there may still have chunks on the way (the dispatcher sends until it reads the cancel),
         which the new request would take for its own, and the dispatcher reads a message's starts before
         its cancels."""
         stream = self._stream
         if (stream is None or stream.broken or stream.retired or request_id in stream.requests
-                or request_id in stream.cancelled or time.monotonic() - stream.opened_at > STREAM_MAX_AGE_S):
+                or time.monotonic() - stream.opened_at > STREAM_MAX_AGE_S):
             self._retired = {s for s in self._retired if not s.done}
             if stream is not None:
                 stream.retire()  # it ends when its last request does; held here until then
@@ -313,23 +317,21 @@ class GenerateStreamClient:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # nothing while tracing is off
         stream = self._stream_for(request.request_id)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = stream.start(agent_pb2.StreamedGenerate(
-            request=request, timeout_s=timeout_s or 0.0, trace_context=carrier))
+            request=request, timeout_s=encode_timeout(timeout_s), trace_context=carrier), timeout_s)
         try:
             while True:
                 try:
-                    item = await pending.get(deadline)
+                    item = await pending.get()
                 except TimeoutError:
-                    raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "") from None
+                    raise deadline_exceeded() from None
                 if isinstance(item, RequestFailed):
                     raise item
                 yield item
                 if item.HasField("done"):
                     return
         finally:
-            if not pending.finished:
-                stream.cancel(request.request_id)
+            stream.cancel(pending)  # nothing when it ended (done or failed)
 
     async def close(self) -> None:
         """Cancel the open streams (what they carry fails CANCELLED)."""

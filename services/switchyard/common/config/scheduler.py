@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.base import _Strict
+from switchyard.common.tenant import EXPECTED as TENANT_EXPECTED
+from switchyard.common.tenant import TENANT_PATTERN
 
 
 class ComputeScoreWeights(_Strict):
@@ -82,6 +85,24 @@ class SchedulerConfig(_Strict):
         "fifo: arrival order; fair: classes, least slack first for work at risk of its deadline, then least attained "
         "service per tenant and per agent session (admission and preemption as priority)."
     )
+    fairness_half_life_s: float = Field(
+        60, gt=0, le=86_400,
+        description="fair policy: the attained service each tenant and each agent session is charged (prompt tokens "
+        "prefilled, one per decoded token) halves every this many seconds, so old service weighs less than new, "
+        "seconds.",
+    )
+    at_risk_slack_s: float = Field(
+        5, ge=0, le=3600,
+        description="fair policy: a waiting request whose slack (its task's time left minus its own expected "
+        "service and the task's work expected after it) is below this is at risk and goes ahead of the rest of its "
+        "priority class, least slack first, seconds.",
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="fair policy: tenant id -> weight (> 0): a tenant's attained service is divided by its weight "
+        "before tenants are compared, so a tenant of weight 2 is served about twice as much as one of weight 1 when "
+        "both wait; a tenant not named weighs 1.",
+    )
     aging_max_wait_ms: float = Field(
         5000,
         gt=0,
@@ -114,3 +135,13 @@ class SchedulerConfig(_Strict):
         "boundary (it waits one layer, not the rest of the step; the batch step in flight lasts longer by that prefill, "
         "which the running requests' inter-token latency shows); step: only at step boundaries, as vLLM and Orca schedule.",
     )
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _tenant_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        for tenant, weight in weights.items():
+            if not TENANT_PATTERN.fullmatch(tenant):
+                raise ValueError(f"tenant_weights: key {tenant[:80]!r} is not a tenant id ({TENANT_EXPECTED})")
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError(f"tenant_weights[{tenant!r}]: expected a finite weight > 0, got {weight!r}")
+        return weights

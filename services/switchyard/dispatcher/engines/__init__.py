@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import importlib
+from typing import Callable
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError
@@ -31,12 +31,32 @@ from switchyard.dispatcher.engines.base import (
 __all__ = ["KVCacheManager", "NullKVCacheManager", "SeqOutput", "StepBatch", "StepEngine", "StepResult", "StreamEngine",
            "StreamItem", "Usage", "EngineUnavailable", "make_engine"]
 
-# engine name -> (module, class); modules are imported lazily so the sim
+# engine name -> the function that imports its class; modules are imported lazily so the sim
 # engine's image needs neither httpx upstream set-up nor torch.
-_ENGINES: dict[str, tuple[str, str]] = {
-    "sim": ("switchyard.dispatcher.engines.sim", "SimEngine"),
-    "openai": ("switchyard.dispatcher.engines.openai", "OpenAIEngine"),
-    "torch": ("switchyard.dispatcher.engines.torch", "TorchEngine"),
+
+
+def _sim() -> type[StepEngine]:
+    from switchyard.dispatcher.engines.sim import SimEngine
+
+    return SimEngine
+
+
+def _openai() -> type[StreamEngine]:
+    from switchyard.dispatcher.engines.openai import OpenAIEngine
+
+    return OpenAIEngine
+
+
+def _torch() -> type[StepEngine]:
+    from switchyard.dispatcher.engines.torch import TorchEngine
+
+    return TorchEngine
+
+
+_ENGINES: dict[str, Callable[[], type[StepEngine] | type[StreamEngine]]] = {
+    "sim": _sim,
+    "openai": _openai,
+    "torch": _torch,
 }
 
 
@@ -55,13 +75,12 @@ def make_engine(config: SwitchyardConfig) -> StepEngine | StreamEngine:
             extra to install.
     """
     name = config.dispatcher.engine
-    module_name, class_name = _ENGINES[name]
     try:
-        module = importlib.import_module(module_name)
+        engine_class = _ENGINES[name]()
     except ModuleNotFoundError as exc:
         raise EngineUnavailable(
             f"{name} engine not installed (missing module {exc.name!r}); "
             f"install the extra (pip install 'switchyard[{name if name == 'torch' else 'dispatcher'}]') "
             f"or set dispatcher.engine / SWITCHYARD_ENGINE to 'sim'"
         ) from None
-    return getattr(module, class_name)(config)
+    return engine_class(config)

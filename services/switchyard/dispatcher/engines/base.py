@@ -22,7 +22,7 @@ writes the report into its requests. An engine mutates no request.
   loop turns each into a :class:`SeqOutput` for the same ``update_from_output``.
 
 The stop check is the scheduler's, one for every engine
-(:func:`switchyard.dispatcher.scheduler.core.check_stop`): end-of-sequence ->
+(:func:`switchyard.dispatcher.scheduler.update.check_stop`): end-of-sequence ->
 ``stop`` (``tool_calls`` when the step produced tool calls), the request's
 ``max_tokens`` or the engine's own length limit -> ``length``.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
 from switchyard.dispatcher.request import Request, ToolCall
 
@@ -161,6 +161,12 @@ class KVCacheManager(abc.ABC):
         """Prompt tokens of a fresh ``req`` already in the prefix cache (computed by an earlier request)."""
         return 0
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a prompt prefix computed for one request is reused by a later one (automatic prefix
+        caching, :meth:`match_prefix`)."""
+        return False
+
     def prefix_cache_bytes(self) -> int:
         """Device bytes the prefix cache holds (evictable)."""
         return 0
@@ -273,6 +279,11 @@ class StreamEngine(abc.ABC):
     tensor_busy_seconds = 0.0
     on_upstream_status: Callable[[int], None] | None = None
     """Set by the stream loop: called with each upstream HTTP status (429/503 feed the concurrency limit)."""
+
+    concurrency_limit: Any = None
+    """The dispatcher's admission limit when the engine brings its own (a pool of upstream endpoints: the
+    sum of one adaptive limit per endpoint, :class:`switchyard.gateway.pool.PoolLimit`); None when the
+    dispatcher keeps one itself (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`)."""
 
     @abc.abstractmethod
     def generate(self, req: Request) -> AsyncIterator[StreamItem]:

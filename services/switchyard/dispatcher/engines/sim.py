@@ -430,6 +430,10 @@ class SimKV(ModelledKV):
     def prefix_cache_bytes(self) -> int:
         return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
 
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.prefix_cache is not None
+
     def evict_prefix_cache(self, nbytes: int) -> int:
         if self.prefix_cache is None:
             return 0

@@ -357,12 +357,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` -> bfloat16 on cuda, float32 elsewhere."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def save_checkpoint(model: DecoderLM, path: str | Path) -> None:
     """Write ``model``'s weights and shape to ``path`` (``torch.save`` of plain tensors)."""
-    shape = {key: getattr(model.config, key) for key in SHAPE_KEYS}
+    fields = model.config.model_dump()
+    shape = {key: fields[key] for key in SHAPE_KEYS}
     state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
     torch.save({"format": CHECKPOINT_FORMAT, "shape": shape, "state_dict": state}, Path(path))
 
@@ -383,10 +384,11 @@ def build_model(config: TorchEngineConfig) -> DecoderLM:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"torch.checkpoint: expected a {CHECKPOINT_FORMAT} checkpoint, got {str(path)!r}")
+        fields = config.model_dump()
         diff = [
-            f"{key} {saved['shape'].get(key)} (config {getattr(config, key)})"
+            f"{key} {saved['shape'].get(key)} (config {fields[key]})"
             for key in SHAPE_KEYS
-            if saved["shape"].get(key) != getattr(config, key)
+            if saved["shape"].get(key) != fields[key]
         ]
         if diff:
             raise ValueError(f"torch.checkpoint {str(path)!r} has another shape: " + ", ".join(diff))

@@ -6,7 +6,7 @@ Order of the waiting set (smallest key first), fixed when a request joins it::
 
 - Classes strictly: core, then normal, then batch (no aging across classes;
   the ``priority`` policy's aging is not applied here).
-- A request *at risk* (its slack below :attr:`FairScheduler.slack_urgent_s`)
+- A request *at risk* (its slack below ``scheduler.at_risk_slack_s``)
   goes ahead of the rest of its class, least slack first (latest start time
   ``now + slack``): :mod:`.slack` (least-laxity-first; earliest deadline
   first, Liu & Layland 1973). Slack comes from the request's ``time_left_s``,
@@ -15,7 +15,9 @@ Order of the waiting set (smallest key first), fixed when a request joins it::
 - The rest: the tenant's weighted attained service (llm-d inference
   scheduler's per-flow fairness, the flow being the tenant), then the agent
   session's (Autellix's program-level least attained service), then arrival:
-  :mod:`.fairness`.
+  :mod:`.fairness`. A tenant's service is divided by its weight
+  (``scheduler.tenant_weights``, 1 when not named); both counters halve every
+  ``scheduler.fairness_half_life_s``.
 
 A request whose task can no longer make its deadline is refused when it
 arrives (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`,
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
@@ -64,16 +67,15 @@ class FairScheduler(PriorityScheduler):
     """
 
     name = "fair"
-    fairness_half_life_s = 60.0
-    """Half-life of attained service, seconds."""
-    slack_urgent_s = 5.0
-    """A request whose slack is below this many seconds is at risk: least slack first in its class."""
-    tenant_weights: dict[str, float] = {}
-    """Tenant id -> weight (unnamed tenants weigh 1)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.ledger = FairnessLedger(self.fairness_half_life_s, dict(self.tenant_weights))
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: SwitchyardConfig, *args: Any, **kwargs: Any) -> None:
+        policy = config.scheduler
+        self.at_risk_slack_s = policy.at_risk_slack_s
+        """A request whose slack is below this many seconds is at risk: least slack first in its class
+        (``scheduler.at_risk_slack_s``)."""
+        self.ledger = FairnessLedger(policy.fairness_half_life_s, dict(policy.tenant_weights))
+        """Attained service per tenant and session (``scheduler.fairness_half_life_s``, ``scheduler.tenant_weights``)."""
+        super().__init__(config, *args, **kwargs)
 
     def make_queue(self) -> RequestQueue:
         """:class:`FairQueue`, ordered by :meth:`fair_key`."""
@@ -103,7 +105,7 @@ class FairScheduler(PriorityScheduler):
         """``(class, not at risk, latest start if at risk, tenant's weighted service, session's service,
         arrival)`` for ``req`` joining the queue at ``now`` (the module docstring's order)."""
         slack = self.slack(req, now)
-        urgent = slack < self.slack_urgent_s
+        urgent = slack < self.at_risk_slack_s
         tenant, session, arrival = self.ledger.order_key(req.agent_id, req.tenant_id, req.arrival, now)
         return (float(class_rank(req)), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
                 arrival)

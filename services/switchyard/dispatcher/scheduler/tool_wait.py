@@ -32,9 +32,13 @@ keep, then swap)::
 - ``recompute``: the engine's prefill of the prefix, spent again at resume
   (on the GPU and on the agent's path).
 
-A swap brings the KV back ahead of the tool's expected return
+A swap plans the KV's return ahead of the tool's expected return
 (:attr:`ToolWaitDecision.restore_at_s` = ``wait - transfer - margin``, never
-before the copy out has ended), so the next turn finds it warm. A tool that
+before the copy out has ended), so the next turn would find it warm. The
+dispatcher does not restore ahead yet: the tiers load a DRAM copy into a
+running request only, so the copy comes back when the agent's next step is
+admitted (the step loop's restore before that step's prefill), and that step
+waits one transfer for it (what :func:`on_return` prices for an early return). A tool that
 returns early finds it in DRAM (or still leaving): the restore runs at once
 and the turn waits for the rest of the copy (:func:`on_return`). A tool that
 is late is revisited at ``wait + grace`` (:attr:`ToolWaitDecision.revisit_at_s`):
@@ -96,9 +100,11 @@ class ToolWaitInputs:
     idle_price_floor: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("expected_wait_s", "transfer_s", "recompute_s", "margin_s", "copy_cost_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
+        for name, value in (("expected_wait_s", self.expected_wait_s), ("transfer_s", self.transfer_s),
+                            ("recompute_s", self.recompute_s), ("margin_s", self.margin_s),
+                            ("copy_cost_weight", self.copy_cost_weight)):
+            if value < 0:
+                raise ValueError(f"{name}: expected >= 0, got {value!r}")
         if self.kv_bytes < 0:
             raise ValueError(f"kv_bytes: expected >= 0, got {self.kv_bytes!r}")
         if not self.budget_bytes > 0:
@@ -131,6 +137,13 @@ class ToolWaitDecision:
     revisit_at_s: float
     """When a tool still running is decided again (``wait + grace``)."""
     costs: ToolWaitCosts
+    transfer_s: float = 0.0
+    """One-way HBM<->DRAM copy seconds of the KV (``ToolWaitInputs.transfer_s``)."""
+
+    @property
+    def warm_at_s(self) -> float | None:
+        """SWAP: when the planned restore has brought the KV back (``restore_at_s + transfer_s``); else None."""
+        return None if self.restore_at_s is None else self.restore_at_s + self.transfer_s
 
 
 def costs(inputs: ToolWaitInputs) -> ToolWaitCosts:
@@ -167,7 +180,7 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
     restore_at = None
     if decision is Decision.SWAP:
         restore_at = max(inputs.transfer_s, inputs.expected_wait_s - inputs.transfer_s - inputs.margin_s)
-    return ToolWaitDecision(decision, restore_at, inputs.expected_wait_s + grace_s, priced)
+    return ToolWaitDecision(decision, restore_at, inputs.expected_wait_s + grace_s, priced, inputs.transfer_s)
 
 
 def residual_wait_s(elapsed_s: float, expected_wait_s: float) -> float:

@@ -29,6 +29,7 @@ once when the store starts failing and once when it works again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -157,7 +158,8 @@ class ColdStore:
     async def put(self, entry: Entry) -> bool:
         """Archive ``entry`` (with its payload) whole, or not at all; False (counted, logged once per run of
         failures) when the store failed, and then nothing is left under the entry's name."""
-        meta = {name: getattr(entry, name) for name in META_FIELDS}
+        fields = dataclasses.asdict(entry)
+        meta = {name: fields[name] for name in META_FIELDS}
         path = self._file(entry.key)
 
         def write() -> None:
@@ -213,7 +215,7 @@ class ColdStore:
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         metrics.COLD_ERRORS.labels(operation).inc()
-        detail = errno.errorcode.get(getattr(exc, "errno", None) or 0, "")
+        detail = errno.errorcode.get((exc.errno if isinstance(exc, OSError) else None) or 0, "")
         if self._failing_since is None:
             self._failing_since = time.monotonic()
             log.warning("cold tier at %s failed on %s (%s%s: %s); the KV state will be recomputed. Further "

@@ -62,7 +62,7 @@ class ValueScore:
 
     def weight(self, priority_class: str) -> float:
         """The priority weight of ``priority_class`` (core, normal or batch)."""
-        return float(getattr(self.boost, priority_class, self.boost.normal))
+        return float(self.boost.model_dump().get(priority_class, self.boost.normal))
 
     def score(
         self, *, priority_class: str, hits: int, reuse_seconds: float, nbytes: int, idle_s: float, pinned: bool = False

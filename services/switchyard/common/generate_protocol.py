@@ -1,0 +1,228 @@
+"""The GenerateStream protocol, written once for both ends: the dispatcher's session and the orchestrator's client.
+
+``agent.InferenceService.GenerateStream`` (``proto/agent.proto``) carries many
+generation requests over one bidirectional stream; the dispatcher's
+``Generate`` is a stream of one request served by the same session
+(:mod:`switchyard.dispatcher.generate_stream`). What both ends must agree on
+lives here:
+
+- **one request's states** (:class:`RequestState`, :class:`StreamedRequest`):
+  ``started`` (its start was sent or taken) -> ``streaming`` (a chunk of it
+  went by) -> one of ``done`` (its done chunk), ``failed`` (its error) or
+  ``cancelled`` (its caller gave up, or the stream ended under it). Nothing is
+  sent or delivered for a request once it is in one of the last three;
+- **the deadline** (:func:`deadline_after`, :func:`encode_timeout`,
+  :func:`decode_timeout`, :func:`deadline_exceeded`): ``timeout_s`` is the
+  caller's time left in seconds, 0 on the wire for none (Generate's
+  ``grpc-timeout``). Both ends hold the request to ``time.monotonic()`` + it:
+  the caller fails the request DEADLINE_EXCEEDED and cancels it there; the
+  dispatcher's scheduler and upstream engines bound it by the same deadline;
+- **the size rule** (:func:`entry_bytes`, :func:`pack`, :func:`too_large`):
+  both messages (``GenerateStreamRequest``, ``GenerateStreamResponse``) are
+  repeated fields only, so a message is as large as the sum of its entries,
+  each ``ByteSize()`` plus its tag and length (:data:`ENTRY_OVERHEAD_BYTES`).
+  Entries waiting together leave in as few messages as fit
+  ``server.max_message_bytes``: a message past the peer's limit would end the
+  stream, and every request on it. A start larger than the limit is not sent
+  and fails alone, RESOURCE_EXHAUSTED, as its Generate call would;
+- **errors** (:func:`encode_error`, :func:`decode_error`, :class:`RequestFailed`):
+  a request that fails ends with a ``StreamedError`` holding the gRPC status it
+  would end a Generate call with, and its origin (the hop that answered:
+  ``dispatcher``, or the upstream model it relays; Generate's
+  :data:`~switchyard.common.errors.ORIGIN_KEY` trailer). On the caller's side
+  an origin of "" means nothing answered (the stream itself broke);
+- **request ids** (:func:`check_stream_request_id`, :func:`new_request_id`):
+  on a stream an id is required and unique among the stream's running
+  requests (a start reusing a running id is refused INVALID_ARGUMENT under
+  that id, and the running request goes on); Generate's is optional, one is
+  made when it is empty. The caller starts an id its stream still knows
+  (running, or cancelled there: chunks sent before the cancel may still come)
+  on a new stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Container, Sequence, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from switchyard.api import agent_pb2
+from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
+
+T = TypeVar("T")
+
+DISPATCHER_ORIGIN = "dispatcher"
+"""The origin of an error the dispatcher raised itself."""
+
+
+# --------------------------------------------------------------------------- one request's states
+
+
+class RequestState(enum.Enum):
+    """Where one request on a stream stands (see the module docstring)."""
+
+    STARTED = "started"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        """Done, failed or cancelled: nothing more is sent or delivered for the request."""
+        return self in _ENDED
+
+
+_ENDED = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED})
+
+
+class StreamedRequest:
+    """One request on a stream: its id and its :class:`RequestState`.
+
+    Each end keeps one map of these per stream (request id -> its state), and
+    adds what it needs to carry the request (subclasses: the caller's adds the
+    request's deadline, :func:`deadline_after`).
+    """
+
+    __slots__ = ("request_id", "state")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.state = RequestState.STARTED
+
+    def chunk_sent(self, chunk: agent_pb2.GenerateChunk) -> None:
+        """A chunk of the request went by: it is streaming, or done with its done chunk."""
+        self.state = RequestState.DONE if chunk.HasField("done") else RequestState.STREAMING
+
+    def end(self, state: RequestState) -> bool:
+        """Move to ``state`` (one that ends the request); False, and nothing changes, when it had already
+        ended (a cancel that crossed its done chunk, say)."""
+        if self.state in _ENDED:
+            return False
+        self.state = state
+        return True
+
+
+# --------------------------------------------------------------------------- the deadline
+
+
+def deadline_after(timeout_s: float | None) -> float | None:
+    """The ``time.monotonic()`` a request with ``timeout_s`` seconds left must end by; None for none."""
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def encode_timeout(timeout_s: float | None) -> float:
+    """``StreamedGenerate.timeout_s`` for a caller with ``timeout_s`` seconds left (None: no deadline,
+    0 on the wire); a deadline already passed stays a deadline (the smallest positive value)."""
+    if timeout_s is None:
+        return 0.0
+    return max(timeout_s, 1e-6)
+
+
+def decode_timeout(timeout_s: float) -> float | None:
+    """The time left a ``StreamedGenerate.timeout_s`` gives, seconds; None for 0 (no deadline)."""
+    return timeout_s if timeout_s > 0 else None
+
+
+def deadline_exceeded() -> RequestFailed:
+    """The caller's failure of a request past its deadline, as a call whose ``grpc-timeout`` ran out."""
+    return RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "")
+
+
+# --------------------------------------------------------------------------- the size rule
+
+
+ENTRY_OVERHEAD_BYTES = 6
+"""What a repeated field adds to an entry's own size in a message: its tag (1 byte) and length (up to 5)."""
+
+
+def entry_bytes(entry: Message | str) -> int:
+    """Bytes ``entry`` (a message, or a string such as a cancel's request id) takes in a GenerateStream
+    message: its size, tag and length."""
+    if isinstance(entry, str):
+        return len(entry.encode()) + ENTRY_OVERHEAD_BYTES
+    return entry.ByteSize() + ENTRY_OVERHEAD_BYTES
+
+
+def pack(entries: Sequence[tuple[T, int]], max_bytes: int) -> list[list[T]]:
+    """``entries`` (each with its :func:`entry_bytes`) in order, in as few groups as fit ``max_bytes``
+    each; an entry that alone exceeds it makes a group of its own."""
+    groups: list[list[T]] = []
+    group: list[T] = []
+    size = 0
+    for entry, n in entries:
+        if group and size + n > max_bytes:
+            groups.append(group)
+            group, size = [], 0
+        group.append(entry)
+        size += n
+    if group:
+        groups.append(group)
+    return groups
+
+
+def too_large(size: int, max_bytes: int) -> RequestFailed | None:
+    """The failure of a start of ``size`` bytes (:func:`entry_bytes`) past ``max_bytes``: RESOURCE_EXHAUSTED,
+    as gRPC fails a call whose message is too large; None when it fits."""
+    if size <= max_bytes:
+        return None
+    return RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {max_bytes})",
+                         "")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RequestFailed(SwitchyardError):
+    """One request on a stream failed, as a call fails with a status.
+
+    Attributes:
+        code: the gRPC status code.
+        details: the status message.
+        origin: the hop that answered (:data:`~switchyard.common.errors.ORIGIN_KEY`): ``dispatcher``,
+            or the upstream model it relays; "" when nothing answered (the stream itself broke).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, origin: str) -> None:
+        super().__init__(details, code)
+        self.details = details
+        self.origin = origin
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def encode_error(exc: SwitchyardError) -> agent_pb2.StreamedError:
+    """The ``StreamedError`` that ends a request failing with ``exc``: its status, and its origin
+    (``exc.origin``, else :data:`DISPATCHER_ORIGIN`)."""
+    code, details = status_for(exc)
+    return agent_pb2.StreamedError(code=code.value[0], details=details, origin=exc.origin or DISPATCHER_ORIGIN)
+
+
+def decode_error(error: agent_pb2.StreamedError) -> RequestFailed:
+    """The failure a ``StreamedError`` stands for (an unknown code is UNKNOWN)."""
+    return RequestFailed(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.details, error.origin)
+
+
+# --------------------------------------------------------------------------- request ids
+
+
+def check_stream_request_id(request_id: str, running: Container[str]) -> None:
+    """Refuse a stream's start whose id is empty or running on the stream (``running``).
+
+    Raises:
+        InvalidArgument: naming ``request_id``.
+    """
+    if not request_id:
+        raise InvalidArgument("request_id", "a non-empty id, unique among the stream's running requests", "")
+    if request_id in running:
+        raise InvalidArgument("request_id", "an id not already running on this stream", request_id)
+
+
+def new_request_id() -> str:
+    """An id for a Generate request that came without one (32 hex characters)."""
+    return uuid.uuid4().hex

@@ -1,0 +1,144 @@
+"""The ToolWait decision on real gRPC servers (127.0.0.1 port 0): an orchestrator's react_loop task announces
+its tool calls to the sim dispatcher, whose scheduler decides for the agent's parked step; and the RPC asked
+directly about a parked agent (keep for a short wait, move out for a very long one)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig, load_config
+from switchyard.common.server import running
+from switchyard.dispatcher.scheduler.metrics import RESUMES, TOOL_WAIT_DECISIONS
+from switchyard.dispatcher.tiers.metrics import RESTORED_TOKENS
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator.metrics import TOOL_WAIT_HINTS
+from switchyard.orchestrator.service import OrchestratorService
+from test_orchestrator import Downstream
+from test_program import _until, _value, collect
+from fast_sim import FAST
+from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
+
+
+def _decisions() -> dict[str, float]:
+    return {d: _value(TOOL_WAIT_DECISIONS, decision=d) for d in ("keep", "swap", "drop")}
+
+
+async def test_a_react_loop_tool_call_is_decided_by_the_sim_dispatchers_scheduler():
+    """Orchestrator -> sim dispatcher: the model's tool calls park the agent's step, the orchestrator's
+    ToolWait reaches the dispatcher while it is parked, and the scheduler's decision is counted."""
+    before, hints = _decisions(), _value(TOOL_WAIT_HINTS, outcome="ok")
+    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(**FAST))
+    retrieval = Downstream()
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
+        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
+        cfg = base.with_overrides(**{
+            "orchestrator.retrieval_addr": f"127.0.0.1:{retr.port}",
+            "orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
+            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
+            "orchestrator.cpu_executor": "loop",
+            "orchestrator.program.tool_wait_cold_estimate_s": 2.0,
+        })
+        orchestrator = OrchestratorService(cfg)
+        async with running([orchestrator], cfg.server) as orch:
+            channel = open_channel(f"127.0.0.1:{orch.port}")
+            events = await collect(agent_pb2_grpc.AgentServiceStub(channel), task_id="tw-sim", agent_id="agent-sim",
+                                   payload="How does the with statement work?", task_type="react_loop")
+            await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "a ToolWait answered")
+            await channel.close()
+        store.cleanup()
+    assert events[-1].HasField("final")
+    after = _decisions()
+    decided = sum(after.values()) - sum(before.values())
+    # every announcement found the agent's step parked (it parks before its done chunk is sent) and was decided
+    assert decided >= 1 and decided == _value(TOOL_WAIT_HINTS, outcome="ok") - hints
+
+
+@pytest.fixture
+async def dispatcher():
+    # the sim's own prefill costs (not FAST's: recomputing must cost what a real prefill does), no DRAM tier
+    # (without Redis a swap cannot be made: keep or drop)
+    service = DispatcherService(SwitchyardConfig().with_overrides(**{"memory.dram.kv_swap": False}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            yield agent_pb2_grpc.InferenceServiceStub(channel), service
+        finally:
+            await channel.close()
+
+
+TOOLS = [agent_pb2.ToolSpec(name="search_docs", description="search", parameters_json='{"type": "object"}')]
+QUESTION = agent_pb2.ChatMessage(role="user", content="How does the with statement work in Python?")
+
+
+async def _park(stub, agent_id: str) -> list[agent_pb2.GenerateChunk]:
+    """One react_loop step of ``agent_id`` that ends in a tool call (its agent's step parks)."""
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+        request_id=f"{agent_id}:0", agent_id=agent_id, task_type="react_loop", tools=TOOLS, max_tokens=64,
+        messages=[QUESTION]))]
+    assert chunks[-1].done.finish_reason == "tool_calls"
+    return chunks
+
+
+async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_long_one(dispatcher):
+    stub, service = dispatcher
+    await _park(stub, "parked-agent")
+    scheduler = service.loop.scheduler
+    assert [r.agent_id for r in scheduler.parked] == ["parked-agent"]
+    before = _decisions()
+
+    short = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="parked-agent", tool="search_docs",
+                                                          expected_wait_s=0.5))
+    assert short.decision == agent_pb2.KEEP and short.restore_at_s == 0
+    assert [r.agent_id for r in scheduler.parked] == ["parked-agent"]  # still warm in HBM
+    assert _value(TOOL_WAIT_DECISIONS, decision="keep") == before["keep"] + 1
+
+    # a day's wait: holding the KV costs more than recomputing it
+    long = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="parked-agent", tool="search_docs",
+                                                         expected_wait_s=86_400.0))
+    assert (long.decision, long.restore_at_s) == (agent_pb2.DROP, 0.0)
+    assert scheduler.parked == []  # out of HBM
+    assert _value(TOOL_WAIT_DECISIONS, decision="drop") == before["drop"] + 1
+
+    # nothing parked any more: nothing to decide, KEEP with restore 0 and no decision counted
+    again = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="parked-agent", tool="search_docs",
+                                                          expected_wait_s=86_400.0))
+    assert (again.decision, again.restore_at_s) == (agent_pb2.KEEP, 0.0)
+    assert sum(_decisions().values()) == sum(before.values()) + 2
+
+
+async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restores_the_copy(redis_db: RedisDb):
+    """SWAP: the KV leaves HBM for the DRAM tier (a real Redis) with a restore plan inside the wait; the
+    agent's next step (``resume``) brings the copy back at its admission instead of recomputing it."""
+    service = DispatcherService(SwitchyardConfig().with_overrides(**redis_db.overrides))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        first = await _park(stub, "swapped-agent")
+        swaps, restored = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(RESUMES, kind="tool_restored")
+        tokens = RESTORED_TOKENS._value.get()
+        wait_s = 86_400.0
+        reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="swapped-agent", tool="search_docs",
+                                                              expected_wait_s=wait_s))
+        # back in HBM by plan the margin (0.05 s) ahead of the tool's expected return: the round trip fits
+        assert reply.decision == agent_pb2.SWAP and reply.restore_at_s == pytest.approx(wait_s - 0.05)
+        assert service.loop.scheduler.parked == []
+        assert _value(TOOL_WAIT_DECISIONS, decision="swap") == swaps + 1
+        call = next(c.tool_call for c in first if c.HasField("tool_call"))
+        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+            request_id="swapped-agent:1", agent_id="swapped-agent", task_type="react_loop", tools=TOOLS,
+            max_tokens=64, resume=True, messages=[
+                QUESTION,
+                agent_pb2.ChatMessage(role="assistant", tool_calls=[agent_pb2.ToolCall(
+                    call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)]),
+                agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name=call.name,
+                                      content="The with statement calls __enter__ and __exit__."),
+            ]))]
+        await channel.close()
+    assert chunks[-1].HasField("done")
+    assert _value(RESUMES, kind="tool_restored") == restored + 1
+    assert RESTORED_TOKENS._value.get() > tokens
