@@ -12,7 +12,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.server import running
-from switchyard.dispatcher.scheduler.metrics import RESUMES, TOOL_WAIT_DECISIONS
+from switchyard.dispatcher.metrics import RESUMES, TOOL_WAIT_DECISIONS
 from switchyard.dispatcher.tiers.metrics import RESTORED_TOKENS
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.metrics import TOOL_WAIT_HINTS

@@ -87,6 +87,7 @@ from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult, StreamEngine
 from switchyard.dispatcher.scheduler.base import BatchFlush
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, request_links
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,18 @@ class LoopBase:
         try:
             self.scheduler.add_request(req, time.monotonic())
         finally:  # a refusal is counted too
+            self._publish_stats()
+
+    def tool_wait(self, agent_id: str, expected_wait_s: float) -> "ToolWaitDecision | None":
+        """An agent's tool call starts: the scheduler's tool-wait decision now
+        (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report published.
+
+        Raises:
+            ValueError: ``expected_wait_s`` < 0.
+        """
+        try:
+            return self.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic())
+        finally:
             self._publish_stats()
 
     def abort(self, req: Request) -> None:

@@ -377,7 +377,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
             return agent_pb2.KEEP, 0.0
-        decided = loop.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic())
+        decided = loop.tool_wait(agent_id, expected_wait_s)
         if decided is None:
             return agent_pb2.KEEP, 0.0
         if decided.decision is Decision.SWAP:
