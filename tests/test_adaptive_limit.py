@@ -26,6 +26,7 @@ from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.service import DispatcherService
+from switchyard_harness.testing.scheduling import accept
 
 pytestmark = pytest.mark.no_gpu
 
@@ -226,8 +227,8 @@ def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(poli
     scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(limit))
     scheduler.preemption_enabled = False
     # BATCH that arrived 10 s before (ahead of CORE in either policy's order), then one CORE
-    scheduler.add([_request(f"b{i}", agent_pb2.BATCH, arrival=90 + i * 0.001) for i in range(10)], now=100.0)
-    scheduler.add([_request("c0", agent_pb2.CORE, arrival=100.0)], now=100.0)
+    accept(scheduler, [_request(f"b{i}", agent_pb2.BATCH, arrival=90 + i * 0.001) for i in range(10)], now=100.0)
+    accept(scheduler, [_request("c0", agent_pb2.CORE, arrival=100.0)], now=100.0)
     out = scheduler.schedule(100.0)
     admitted = [req.request_id for req in out.admitted]
     assert admitted == [*(f"b{i}" for i in range(6)), "c0"]  # six BATCH fill their share, CORE a held slot

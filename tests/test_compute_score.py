@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from switchyard.common.config import SwitchyardConfig
+from switchyard.dispatcher.engines.driver import EngineDriver
 from switchyard.dispatcher.engines.sim import SimEngine, decode_seconds, prefill_seconds
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.request import Request
@@ -104,7 +105,7 @@ async def test_sim_decode_is_memory_bound_so_the_score_leaves_room_to_admit():
     m.read(0.0)
     reqs = _decoding(10, context=1000)
     for _ in range(5):
-        await engine.decode(reqs)
+        await EngineDriver(engine).decode(reqs)
     m.read(engine.busy_seconds)  # a window exactly as long as the engine was busy
     sample = m.sample
     assert sample.source == "engine_model" and sample.cuda_util == pytest.approx(100)
@@ -120,7 +121,7 @@ async def test_sim_prefill_is_compute_bound():
     m = monitor(False, engine)
     m.read(0.0)
     reqs = [Request(f"p{i}", prompt="x", prompt_tokens=4000, max_tokens=4) for i in range(4)]
-    await engine.prefill(reqs)
+    await EngineDriver(engine).prefill(reqs)
     m.read(engine.busy_seconds)
     assert engine.busy_seconds == pytest.approx(prefill_seconds(config.sim, 16000))
     assert m.sample.tensor_util > 50  # ~0.025 ms per token is ~57 % of the H100's dense BF16 peak
@@ -133,7 +134,7 @@ async def test_busy_ratio_only_when_configured():
     engine = SimEngine(config)
     m = ComputeScoreMonitor(config.scheduler, nvml=False, engine=engine)
     m.read(0.0)
-    await engine.decode(_decoding(2, context=10))
+    await EngineDriver(engine).decode(_decoding(2, context=10))
     m.read(engine.busy_seconds)
     assert m.sample.source == "busy_ratio" and m.sample.cuda_util == pytest.approx(100)
     assert m.sample.bandwidth_util == 0 and m.sample.tensor_util == pytest.approx(80)  # the field report's estimate

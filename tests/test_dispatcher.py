@@ -11,6 +11,8 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, start_server
+from switchyard.dispatcher.engines.base import StreamEngine
+from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.common.channels import open_channel
 from fast_sim import FAST
@@ -382,20 +384,10 @@ LONG_STEP = {**FAST, "sim.decode_base_ms": 200.0}
 """A decode step of 200 ms (6.25 ms a layer): what happens during a step is unambiguous."""
 
 
-class StepsOnly:
+class StepsOnly(SimEngine):
     """A step engine without the layer-boundary capability: the sim's steps and memory, nothing else."""
 
-    def __init__(self, config: SwitchyardConfig) -> None:
-        from switchyard.dispatcher.engines.sim import SimEngine
-
-        self.sim = SimEngine(config)
-        self.model = self.sim.model
-        self.prefill, self.decode, self.step = self.sim.prefill, self.sim.decode, self.sim.step
-        self.release, self.kv_bytes, self.memory_info = self.sim.release, self.sim.kv_bytes, self.sim.memory_info
-
-    @property
-    def busy_seconds(self) -> float:
-        return self.sim.busy_seconds
+    supports_layer_preemption = False
 
 
 async def core_during_a_step(
@@ -459,10 +451,10 @@ async def test_a_core_request_that_does_not_fit_mid_step_waits_for_the_step_boun
 
 
 async def test_an_engine_without_the_capability_keeps_the_step_boundary() -> None:
-    from switchyard.dispatcher.engines.base import LayerPreemptible, StepEngine
+    from switchyard.dispatcher.engines.base import StepEngine
 
     engine = StepsOnly(make_config(**LONG_STEP))
-    assert isinstance(engine, StepEngine) and not isinstance(engine, LayerPreemptible)
+    assert isinstance(engine, StepEngine) and not engine.supports_layer_preemption
     service = DispatcherService(make_config(**LONG_STEP), engine=engine)
     assert service.scheduler.config.core_preemption == "layer"
     events, core, batch = await core_during_a_step(service)
@@ -473,7 +465,7 @@ async def test_an_engine_without_the_capability_keeps_the_step_boundary() -> Non
 # --------------------------------------------------------------------------- stream engines
 
 
-class EchoStreamEngine:
+class EchoStreamEngine(StreamEngine):
     """A StreamEngine that streams the prompt's words back, counting concurrent streams."""
 
     model = "echo-1"

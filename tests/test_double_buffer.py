@@ -15,7 +15,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.core import DispatcherClosed
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.request import Request, RequestStatus
 
 pytestmark = pytest.mark.no_gpu
 
@@ -111,15 +111,23 @@ def test_a_full_buffer_swaps_at_max_batch_size_mid_step() -> None:
 
 
 async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
-    s = scheduler(**{"batching.flush_interval_ms": 5})
-    s.add_request(req("first"), now=0.0)
-    s.schedule(now=0.0)
     import time
 
-    s.add_request(req("late", arrival=time.monotonic()), now=time.monotonic())
+    from switchyard.dispatcher.engine_loop import StepLoop
+
+    config = SwitchyardConfig().with_overrides(**{"batching.flush_interval_ms": 5})
+    s = scheduler(**{"batching.flush_interval_ms": 5})
+    loop = StepLoop(config, SimEngine(config), s)  # its task is not started: it owns the flush timer alone
+    s.add_request(req("first"), now=0.0)
+    s.schedule(now=0.0)
+    assert s.flush_deadline is None
+    at = time.monotonic()
+    s.add_request(req("late", arrival=at), now=at)
+    assert s.flush_deadline == pytest.approx(at + 0.005)  # the scheduler says when; the loop's timer acts
     await asyncio.sleep(0.03)  # a long step: the interval timer swaps the buffer meanwhile
     assert [q.request_id for q in s.waiting] == ["late"]
     assert s.waiting[0].flush_reason == FlushReason.INTERVAL
+    loop._cancel_flush_timer()
 
 
 def test_full_queue_refuses_at_once_and_closed_dispatcher_refuses_too() -> None:
@@ -145,8 +153,8 @@ def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> N
     gone = req("gone")
     s.add_request(gone, now=0.0)
     s.add_request(req("stays"), now=0.0)
-    s.abort(gone, now=0.0)
-    assert gone.state == "finished" and s.num_queued == 1
+    s.finish_requests([gone.seq_id], RequestStatus.FINISHED_ABORTED, now=0.0)
+    assert gone.finish_reason == "cancelled" and s.num_queued == 1
     assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
 
 

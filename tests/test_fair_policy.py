@@ -6,18 +6,20 @@ import grpc
 import pytest
 
 from switchyard.common.config import SwitchyardConfig
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.engines.base import KVCacheManager, StepBatch, StepEngine, StepResult
+from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
 from switchyard.dispatcher.scheduler import metrics
 from prometheus_client import REGISTRY
+from switchyard_harness.testing.scheduling import accept, finish
 
 pytestmark = pytest.mark.no_gpu
 
 
-class Engine:
-    """Enough of a step engine for the scheduler: KV bytes per computed token, nothing else."""
+class KV(KVCacheManager):
+    """KV bookkeeping only: 1000 bytes per computed token, 0.1 ms of prefill per token; frees recorded."""
 
     def __init__(self) -> None:
         self.released: list[Request] = []
@@ -25,11 +27,26 @@ class Engine:
     def kv_bytes(self, req: Request) -> int:
         return req.num_computed_tokens * 1000
 
-    def release(self, req: Request) -> None:
+    def free(self, req: Request) -> None:
         self.released.append(req)
 
     def recompute_seconds(self, tokens: int) -> float:
         return tokens * 1e-4
+
+
+class Engine(StepEngine):
+    """A step engine the scheduler reads (its KV manager) and never steps here."""
+
+    def __init__(self) -> None:
+        self.busy_seconds = 0.0
+        self.kv = KV()
+
+    @property
+    def released(self) -> list[Request]:
+        return self.kv.released
+
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        raise AssertionError("these tests step no engine")
 
 
 def sched():
@@ -44,17 +61,17 @@ def req(rid, *, agent="", tenant="", prio=2, arrival=0.0, **kw):
 def test_a_tenant_that_received_more_waits_behind_one_that_received_less():
     s = sched()
     s.ledger.charge("noisy-a", "noisy", 50_000, 0.0)
-    s.add([req("noisy", agent="noisy-b", tenant="noisy", arrival=0.0),
-           req("quiet", agent="quiet-a", tenant="quiet", arrival=1.0)], 1.0)
+    accept(s, [req("noisy", agent="noisy-b", tenant="noisy", arrival=0.0),
+               req("quiet", agent="quiet-a", tenant="quiet", arrival=1.0)], 1.0)
     assert [r.request_id for r in s.waiting] == ["quiet", "noisy"]
 
 
 def test_classes_stay_strict_and_at_risk_work_goes_first_in_its_class():
     s = sched()
-    s.add([req("batch", prio=3, arrival=0.0),
-           req("relaxed", task_time_left_s=600.0, arrival=0.0),
-           req("at-risk", task_time_left_s=3.0, expected_remaining_work_s=1.0, arrival=1.0),
-           req("core", prio=1, arrival=2.0)], 2.0)
+    accept(s, [req("batch", prio=3, arrival=0.0),
+               req("relaxed", task_time_left_s=600.0, arrival=0.0),
+               req("at-risk", task_time_left_s=3.0, expected_remaining_work_s=1.0, arrival=1.0),
+               req("core", prio=1, arrival=2.0)], 2.0)
     assert [r.request_id for r in s.waiting] == ["core", "at-risk", "relaxed", "batch"]
 
 
@@ -67,17 +84,16 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
     assert s.num_waiting == 0
 
 
-def test_service_is_charged_from_computed_tokens():
+def test_service_is_charged_from_each_steps_prefill_and_decode_tokens():
     s = sched()
     r = req("r", agent="a1", tenant="t1")
-    s.add([r], 0.0)
+    accept(s, [r], 0.0)
     out = s.schedule(0.0)
     assert r in out.admitted
-    r.num_computed_tokens = 100  # the engine prefilled it
-    s.schedule(0.1)
+    s.update_from_output(StepBatch(prefill=[(r, 100)]), StepResult(), 0.1)  # the engine prefilled its prompt
     assert s.ledger.sessions.service("a1", 0.1) == pytest.approx(100)
-    r.num_computed_tokens = 103
-    s.finish(r, 0.2)
+    for t in (0.12, 0.14, 0.16):
+        s.update_from_output(StepBatch(decode=[r]), StepResult(), t)  # one token each
     assert s.ledger.tenants.service("t1", 0.2) == pytest.approx(103, rel=0.01)
 
 
@@ -88,12 +104,11 @@ def _decisions(decision: str) -> float:
 def _parked(s, agent="agent-1"):
     r = Request(request_id=f"{agent}-step", agent_id=agent, task_type=REACT_TASK_TYPE, prompt_tokens=2000,
                 max_tokens=8, arrival=0.0)
-    s.add([r], 0.0)
+    accept(s, [r], 0.0)
     s.schedule(0.0)
     r.num_computed_tokens = 2000
-    r.finish("tool_calls")
-    s.finish(r, 0.5)
-    assert r.state == "parked"
+    finish(s, r, 0.5, RequestStatus.FINISHED_TOOL_CALLS)
+    assert r.status is RequestStatus.PARKED
     return r
 
 

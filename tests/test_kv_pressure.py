@@ -18,10 +18,12 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.dispatcher.engines.sim import SimEngine, mixed_step_seconds
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.capacity import KvBudget
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
+from switchyard.dispatcher.engines.driver import EngineDriver
+from switchyard_harness.testing.scheduling import accept
 
 pytestmark = pytest.mark.no_gpu
 
@@ -48,7 +50,7 @@ def build(db: RedisDb | None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
     engine = SimEngine(config)
     store = KvStore(DramClient(db.dram_config), config.memory.dram.kv_ttl_s) if db is not None else None
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=NoGpu())
     return make_scheduler(config, engine, monitor=monitor, tiers=tiers)
 
@@ -79,7 +81,7 @@ def fill_with_batch(sched: Any, n: int, prompt_tokens: int, max_tokens: int, com
     """``n`` running BATCH requests, each with ``computed`` tokens of KV."""
     batch = [request(f"b{i}", BATCH, prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=0.001 * i)
              for i in range(n)]
-    sched.add(batch, now=0.0)
+    accept(sched, batch, now=0.0)
     t = 0.0
     while sched.waiting and t < 1.0:
         sched.schedule(now=t)
@@ -102,7 +104,7 @@ async def test_parked_core_agents_give_way_to_waiting_normal_work(redis_db: Redi
     park_core_agents(sched, 20, tokens=5000)
     assert budget.free_bytes < 4000 * per_token
     chats = [request(f"chat-{i}", NORMAL, prompt_tokens=800, max_tokens=200, arrival=1.0) for i in range(20)]
-    sched.add(chats, now=1.0)
+    accept(sched, chats, now=1.0)
     evicted = metric("switchyard_parked_evicted_total")
 
     t, first_token_wait = 1.0, {}
@@ -137,8 +139,8 @@ async def test_core_preempts_mid_step_and_the_victims_kv_leaves_in_the_backgroun
     sched.add_request(core, now=1.0)
     assert budget.refusal(core) is not None  # no room: it must preempt
 
-    assert sched.admit_core(now=1.0) == [core]  # at once, mid-step
-    [victim] = [req for req in batch if req.state == "preempting"]
+    assert sched.admit_core(now=1.0).admitted == [core]  # at once, mid-step
+    [victim] = [req for req in batch if req.status is RequestStatus.PREEMPTING]
     assert victim is batch[-1]  # the latest-arrived batch request
     live = (3449 + 100) * per_token
     assert budget.leaving_bytes == live  # in use until the step in flight ends
@@ -147,7 +149,7 @@ async def test_core_preempts_mid_step_and_the_victims_kv_leaves_in_the_backgroun
     out = sched.schedule(now=1.01)  # the step ended
     assert out.preempted == [victim] and victim.swap_key  # swapped: it delays no waiting core work
     assert sched.tiers.take_owed_seconds() == 0.0  # the copy runs in the background, in front of no step
-    assert budget.leaving_bytes == 0 and victim.state == "waiting"
+    assert budget.leaving_bytes == 0 and victim.status is RequestStatus.WAITING
     await sched.tiers.aclose()
 
 
@@ -161,7 +163,7 @@ async def test_a_victims_swap_counts_the_delay_its_copy_puts_on_the_core_request
     sched.tiers.models_transfers = background
     batch = fill_with_batch(sched, 26, 3449, 512, computed=3449 + 10)
     core = request("core", CORE, prompt_tokens=40, max_tokens=64, arrival=1.0)
-    sched.add([core], now=1.0)
+    accept(sched, [core], now=1.0)
     out = sched.schedule(now=1.0)
     assert out.admitted == [core] and out.preempted == [batch[-1]]  # at once: no wait before preempting
     assert bool(batch[-1].swap_key) is background
@@ -177,12 +179,12 @@ async def test_a_victims_swap_counts_the_delay_its_copy_puts_on_the_core_request
 async def test_a_long_prompt_is_prefilled_over_steps_under_the_token_budget() -> None:
     engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
     running = request("running", BATCH, prompt_tokens=10, max_tokens=100)
-    await engine.prefill([running])
+    await EngineDriver(engine).prefill([running])
     long = request("long", BATCH, prompt_tokens=1200, max_tokens=5)
     steps = 0
     while not long.output_tokens:
         before = len(running.output_tokens)
-        await engine.step_chunk([long], [running], 512)
+        await EngineDriver(engine).step([long], [running], 512)
         steps += 1
         assert len(running.output_tokens) == before + 1  # the running request decodes every step
         assert long.num_computed_tokens == (min(1200, 512 * steps) if not long.output_tokens else 1200)

@@ -19,13 +19,15 @@ from switchyard.common.config import ConfigError, PriorityBoost, SwitchyardConfi
 from switchyard.common.dram import DramClient
 from switchyard.common.server import start_server
 from switchyard.dispatcher.engine_loop import StepLoop
-from switchyard.dispatcher.engines.sim import SimEngine, export_modelled_kv
+from switchyard.dispatcher.engines.sim import SimEngine, SimKV, export_modelled_kv
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.output import StreamDone, StreamToken
-from switchyard.dispatcher.request import Request, SchedulerOutput
+from switchyard.dispatcher.request import Request, RequestStatus, SchedulerOutput
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.tiers.value import GIB, ValueScore
+from switchyard.dispatcher.engines.base import StepBatch, StepResult
+from switchyard_harness.testing.scheduling import accept, finish, step
 
 pytestmark = pytest.mark.no_gpu
 
@@ -55,7 +57,7 @@ class FakeNvml:
 
 def build(engine: Any, store: KvStore | None, *, running: int | None = None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
     capacity = FixedSlots(running) if running is not None else None
     return make_scheduler(config, engine, monitor=monitor, capacity=capacity, tiers=tiers)
@@ -68,11 +70,12 @@ def request(rid: str, priority: int = NORMAL, *, arrival: float = 0.0, prompt_to
                     **fields)
 
 
-async def run_to_end(engine: SimEngine, req: Request) -> None:
+async def run_to_end(sched: Any, engine: SimEngine, req: Request, now: float) -> None:
+    """Step ``req`` through the scheduler until its stop check ends it."""
     if req.needs_prefill:
-        await engine.prefill([req])
+        await step(sched, engine, prefill=[req], now=now)
     while not req.is_finished:
-        await engine.decode([req])
+        await step(sched, engine, decode=[req], now=now)
 
 
 def streamed(req: Request) -> list[StreamToken]:
@@ -104,14 +107,14 @@ def test_value_score_orders_by_priority_frequency_recency_and_cost_per_byte() ->
 def test_swap_is_chosen_only_when_cheaper_than_prefill() -> None:
     engine = SimEngine(SwitchyardConfig())
     config = SwitchyardConfig()
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv)
     tokens = 1000
     nbytes = tokens * engine.params.kv_bytes_per_token
     # 524 MB at 50 GB/s: 10.5 ms + 0.5 ms each way, against 5 + 25 ms of prefill
     assert tiers.transfer_seconds(nbytes) == pytest.approx(nbytes / 50e9 + 0.0005)
     assert 2 * tiers.transfer_seconds(nbytes) < tiers.recompute_seconds(tokens)
     slow = SwitchyardConfig().with_overrides(**{"memory.dram.transfer_gb_per_s": 10.0}).memory
-    slow_tiers = MemoryTiers(slow, config.scheduler.priority_boost, engine)
+    slow_tiers = MemoryTiers(slow, config.scheduler.priority_boost, engine.kv)
     assert 2 * slow_tiers.transfer_seconds(nbytes) > slow_tiers.recompute_seconds(tokens)
 
 
@@ -131,22 +134,21 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     store = kv_store(redis_db)
     sched = build(engine, store, running=1, **{"scheduler.core_wait_before_preempt_ms": 0})
     batch = request("swap-b", BATCH)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     out = sched.schedule(now=0.0)
-    await engine.prefill(out.admitted)
+    await step(sched, engine, prefill=out.admitted)
     for _ in range(4):
-        await engine.decode([batch])
+        await step(sched, engine, decode=[batch])
     held = batch.num_computed_tokens
     assert held == batch.prompt_tokens + 4
 
     core = request("swap-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
-    sched.add([core], now=0.1)
+    accept(sched, [core], now=0.1)
     restored_before = metric("switchyard_kv_restored_tokens_total")
     out = sched.schedule(now=0.2)
     assert out.preempted == [batch] and batch.swap_key == sched.tiers.request_key(batch) and batch.swap_tokens == held
     assert batch.num_computed_tokens == 0  # gone from HBM
-    await run_to_end(engine, core)
-    sched.finish(core, now=0.3)
+    await run_to_end(sched, engine, core, now=0.3)
     # the copy is in Redis, as a hash with its metadata and a TTL
     await sched.tiers._writes[sched.tiers.request_key(batch)]
     assert int(await client.hget(sched.tiers.request_key(batch), "tokens")) == held
@@ -158,8 +160,7 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     assert await sched.tiers.restore(batch) == held
     assert sched.tiers.take_owed_seconds() > 0  # the sim's modelled transfer time, out and back
     assert batch.num_computed_tokens == held and not batch.needs_prefill
-    await run_to_end(engine, batch)
-    sched.finish(batch, now=0.5)
+    await run_to_end(sched, engine, batch, now=0.5)
     tokens = streamed(batch)
     assert [t.index for t in tokens] == list(range(12)), "a token was lost or repeated"
     assert batch.recomputed_tokens == 0 and batch.restored_tokens == held
@@ -176,11 +177,10 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     store = kv_store(redis_db)
     sched = build(engine, store, **{"scheduler.tool_wait_ttl_s": 1.0})
     think = request("agent-think", agent_id="agent-t", task_type="react_loop", prompt_tokens=600)
-    sched.add([think], now=0.0)
+    accept(sched, [think], now=0.0)
     sched.schedule(now=0.0)
-    await engine.prefill([think])
-    think.finish("tool_calls")
-    sched.finish(think, now=0.1)
+    await step(sched, engine, prefill=[think])
+    finish(sched, think, 0.1, RequestStatus.FINISHED_TOOL_CALLS)
     assert sched.parked == [think]
     prefix = think.num_computed_tokens
 
@@ -197,7 +197,7 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
     assert await sched.tiers.restore(back) == prefix
     assert back.num_computed_tokens == prefix and back.needs_prefill  # only the new tokens are prefilled
     assert metric("switchyard_resumes_total", kind="tool_restored") == restored + 1
-    await run_to_end(engine, back)
+    await run_to_end(sched, engine, back, now=5.1)
     assert back.recomputed_tokens == 0 and back.restored_tokens == prefix
     await sched.tiers.aclose()
 
@@ -210,24 +210,23 @@ async def test_redis_outage_degrades_to_recompute_with_a_log_line_and_a_metric(
     engine = SimEngine(SwitchyardConfig())
     sched = build(engine, store, running=1, **{"scheduler.core_wait_before_preempt_ms": 0})
     batch = request("outage-b", BATCH)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     sched.schedule(now=0.0)
-    await engine.prefill([batch])
+    await step(sched, engine, prefill=[batch])
     core = request("outage-c", CORE, arrival=0.1, prompt_tokens=20, max_tokens=3)
-    sched.add([core], now=0.1)
+    accept(sched, [core], now=0.1)
     degraded = metric("switchyard_dram_degraded_operations_total")
     with caplog.at_level(logging.WARNING, logger="switchyard.common.dram"):
         out = sched.schedule(now=0.2)
         assert out.preempted == [batch] and batch.swap_key  # chosen before Redis was asked
-        await run_to_end(engine, core)
-        sched.finish(core, now=0.3)
+        await run_to_end(sched, engine, core, now=0.3)
         out = sched.schedule(now=0.4)
         assert out.restore == [batch]
         assert await sched.tiers.restore(batch) == 0  # the write failed: a miss
     assert metric("switchyard_dram_degraded_operations_total") == degraded + 1
     assert "DRAM tier unavailable" in caplog.text and "KV swap degrade to recompute" in caplog.text
     assert not store.available()  # no more waiting on a dead Redis for retry_interval_s
-    await run_to_end(engine, batch)  # the task goes on: its prefix is recomputed
+    await run_to_end(sched, engine, batch, now=0.5)  # the task goes on: its prefix is recomputed
     assert batch.finish_reason == "length" and batch.recomputed_tokens >= batch.prompt_tokens
     assert [t.index for t in streamed(batch)] == list(range(12))
     # within the retry window the scheduler does not even try
@@ -242,7 +241,7 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
     store = kv_store(redis_db)
     cold = ColdStore(str(tmp_path / "cold"), config.memory.dram.key_prefix)
     engine = SimEngine(config)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store, cold)
     source = request("x", prompt_tokens=1000)
     source.num_computed_tokens = 1000
     record = export_modelled_kv(source, 524_288)
@@ -264,7 +263,7 @@ async def test_dram_scan_keeps_valuable_entries_and_archives_stale_ones_to_the_c
 
     # on access it comes back up, from the cold folder, to HBM
     req = request("stale", prompt_tokens=1000)
-    req.state, req.swap_key, req.swap_tokens = "running", store.key("seq", "stale"), 1000
+    req.status, req.swap_key, req.swap_tokens = RequestStatus.RUNNING, store.key("seq", "stale"), 1000
     hits = metric("switchyard_tier_hits_total", tier="cold")
     assert await tiers.restore(req) == 999  # all but the newest token, whose KV its next step computes
     assert metric("switchyard_tier_hits_total", tier="cold") == hits + 1
@@ -289,7 +288,7 @@ def test_admission_refusal_for_kv_memory_counts_one_oom_avoided_per_request() ->
     per_token = engine.params.kv_bytes_per_token
     big = [request(f"oom-{i}", prompt_tokens=budget // per_token // 2, max_tokens=1) for i in range(3)]
     avoided = metric("switchyard_kv_oom_avoided_total")
-    sched.add(big, now=0.0)
+    accept(sched, big, now=0.0)
     out = sched.schedule(now=0.0)
     assert len(out.admitted) == 1
     sched.schedule(now=0.1)
@@ -298,15 +297,16 @@ def test_admission_refusal_for_kv_memory_counts_one_oom_avoided_per_request() ->
 
 
 def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
-    class Gpu(SimEngine):
-        """The sim with device memory in use read as NVML would (another process holds some)."""
+    class GpuKV(SimKV):
+        """The sim's KV with device memory in use read as NVML would (another process holds some)."""
 
         used = 0
 
         def device_used_bytes(self) -> int:
             return self.used + 14 * 10**9 + sched.capacity.held_bytes
 
-    engine = Gpu(SwitchyardConfig())
+    engine = SimEngine(SwitchyardConfig())
+    engine.kv = gpu = GpuKV(engine)
     sched = build(engine, None, **{"scheduler.tool_wait_ttl_s": 3600.0})
     agents = []
     for i in range(3):
@@ -319,7 +319,7 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
     evicted = metric("switchyard_parked_evicted_total")
     sched.on_idle(now=0.0)  # usage far below 0.9: nothing moves
     assert len(sched.parked) == 3
-    engine.used = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 2 * 10**9  # 2 GB past the ratio
+    gpu.used = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 2 * 10**9  # 2 GB past the ratio
     sched.on_idle(now=400.0)  # the next hbm scan
     assert metric("switchyard_tier_scans_total", tier="hbm") == scans + 2
     assert len(sched.parked) == 2 and sched.capacity.usage_ratio() < 0.9  # one 2.1 GB prefix was enough
@@ -328,20 +328,21 @@ def test_emergency_ratio_evicts_until_below_whatever_the_value() -> None:
 
 async def test_emergency_with_nothing_parked_preempts_the_lowest_value_running_work_into_dram(
         redis_db: RedisDb) -> None:
-    class Gpu(SimEngine):
+    class GpuKV(SimKV):
         other_process = 0
 
         def device_used_bytes(self) -> int:
             return self.other_process + 14 * 10**9 + sched.capacity.held_bytes
 
-    engine = Gpu(SwitchyardConfig())
+    engine = SimEngine(SwitchyardConfig())
+    engine.kv = gpu = GpuKV(engine)
     client = redis_db.client()
     sched = build(engine, kv_store(redis_db))
     core, batch = request("em-core", CORE, prompt_tokens=3000), request("em-batch", BATCH, prompt_tokens=3000)
-    sched.add([core, batch], now=0.0)
+    accept(sched, [core, batch], now=0.0)
     sched.schedule(now=0.0)
-    await engine.prefill([core, batch])
-    engine.other_process = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 10**9  # 1 GB past 0.9
+    await step(sched, engine, prefill=[core, batch])
+    gpu.other_process = int(0.9 * 80e9) - 14 * 10**9 - sched.capacity.held_bytes + 10**9  # 1 GB past 0.9
     out = SchedulerOutput()
     sched.hbm_scan(now=1.0, out=out)
     assert out.preempted == [batch] and sched.running == [core]  # batch state is worth least
@@ -357,17 +358,11 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
     class FlakyGpu(SimEngine):
         failures = 1
 
-        async def step(self, prefill: list[Request], decode: list[Request]) -> None:
-            if self.failures:
+        async def execute_model(self, batch: StepBatch) -> StepResult:
+            if self.failures and batch.prefill and batch.decode:  # the mixed step the second request joins
                 self.failures -= 1
                 raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            await super().step(prefill, decode)
-
-        async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
-            if self.failures:  # the mixed step, chunked
-                self.failures -= 1
-                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            await super().step_chunk(prefill, decode, max_prefill_tokens)
+            return await super().execute_model(batch)
 
     config = SwitchyardConfig()
     engine = FlakyGpu(config)
@@ -381,7 +376,7 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
         if len(first.output_tokens) >= 3 or first.is_finished:
             break
         await asyncio.sleep(0.005)
-    assert len(first.output_tokens) >= 3, (first.state, first.finish_reason, first.output_tokens)
+    assert len(first.output_tokens) >= 3, (first.status, first.finish_reason, first.output_tokens)
     second = request("oom-b", max_tokens=5, prompt_tokens=50, arrival=time.monotonic())  # joins in a mixed step, which fails once
     loop.submit(second)
     await asyncio.wait_for(asyncio.gather(*(wait_done(s) for s in (first, second))), 10)
@@ -404,7 +399,7 @@ def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
     engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
     sched = build(engine, None, **{"sim.prefix_caching": False})
     req = request("frag", prompt_tokens=300, max_tokens=100)
-    sched.add([req], now=0.0)
+    accept(sched, [req], now=0.0)
     sched.schedule(now=0.0)
     assert req.kv_reserved_bytes == 400 * engine.params.kv_bytes_per_token
     assert sched.fragmentation_ratio() == 1.0  # reserved, nothing computed yet
@@ -415,29 +410,30 @@ def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
 
 
 def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval() -> None:
-    class Compactable(SimEngine):
+    class CompactableKV(SimKV):
         compactions = 0
 
-        def compact_kv(self) -> int:
+        def compact(self) -> int:
             self.compactions += 1
             return 4096
 
-    engine = Compactable(SwitchyardConfig())
+    engine = SimEngine(SwitchyardConfig())
+    engine.kv = CompactableKV(engine)
     sched = build(engine, None)
     runs, freed = metric("switchyard_kv_defragmentations_total"), metric("switchyard_kv_defrag_freed_bytes_total")
     sched.score = 80.0  # a busy GPU: no compaction
     sched.hbm_scan(now=0.0, out=SchedulerOutput())
-    assert engine.compactions == 0
+    assert engine.kv.compactions == 0
     sched.score = 10.0  # below defrag_below_score (30)
     sched.hbm_scan(now=1.0, out=SchedulerOutput())
-    assert engine.compactions == 1
+    assert engine.kv.compactions == 1
     assert metric("switchyard_kv_defragmentations_total") == runs + 1
     assert metric("switchyard_kv_defrag_freed_bytes_total") == freed + 4096
     # scans follow hbm_scan_interval_s (300 s): none at 100 s, one at 301 s
     sched.on_idle(now=100.0)
-    assert engine.compactions == 1
+    assert engine.kv.compactions == 1
     sched.on_idle(now=301.0)
-    assert engine.compactions == 2
+    assert engine.kv.compactions == 2
 
 
 # --------------------------------------------------------------------------- the dispatcher over gRPC

@@ -6,6 +6,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from switchyard.common.config import SwitchyardConfig
+from switchyard.dispatcher.engines.driver import EngineDriver
+from switchyard_harness.testing.scheduling import accept
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
@@ -47,18 +49,18 @@ async def test_sim_engine_skips_the_cached_opening_of_a_repeated_prompt() -> Non
     engine = SimEngine(SwitchyardConfig())
     hits = REGISTRY.get_sample_value("switchyard_prefix_cache_blocks_total", {"result": "hit"}) or 0.0
     first = _req("a", "what is a list?")
-    await engine.prefill([first])
+    await EngineDriver(engine).prefill([first])
     cold = engine.busy_seconds
     second = _req("b", "what is a dict?")
-    await engine.prefill([second])
+    await EngineDriver(engine).prefill([second])
     warm = engine.busy_seconds - cold
     assert warm < cold  # the 64 shared tokens were not computed again
     assert (REGISTRY.get_sample_value("switchyard_prefix_cache_blocks_total", {"result": "hit"}) or 0) - hits == 4
-    assert engine.prefix_cache_bytes() > 0
+    assert engine.kv.prefix_cache_bytes() > 0
     off = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
-    await off.prefill([_req("c", "what is a list?")])
-    await off.prefill([_req("d", "what is a dict?")])
-    assert off.prefix_cache_bytes() == 0 and off.busy_seconds == pytest.approx(2 * cold)
+    await EngineDriver(off).prefill([_req("c", "what is a list?")])
+    await EngineDriver(off).prefill([_req("d", "what is a dict?")])
+    assert off.kv.prefix_cache_bytes() == 0 and off.busy_seconds == pytest.approx(2 * cold)
 
 
 async def test_cached_blocks_count_against_the_hbm_budget_and_make_room_for_running_work() -> None:
@@ -70,11 +72,11 @@ async def test_cached_blocks_count_against_the_hbm_budget_and_make_room_for_runn
     engine = SimEngine(config)
     sched = make_scheduler(config, engine)
     warmup = Request("w", prompt=" ".join(f"t{i}" for i in range(320)), prompt_tokens=320, max_tokens=4)
-    await engine.prefill([warmup])  # 20 blocks of 16 tokens now cached: 320 tokens of the 400
-    assert engine.prefix_cache_bytes() == 320 * sim.kv_bytes_per_token
+    await EngineDriver(engine).prefill([warmup])  # 20 blocks of 16 tokens now cached: 320 tokens of the 400
+    assert engine.kv.prefix_cache_bytes() == 320 * sim.kv_bytes_per_token
     big = Request("big", prompt="something else entirely", prompt_tokens=200, max_tokens=100)
     assert sched.capacity.refusal(big) == KV_MEMORY  # 300 tokens do not fit beside the cache
-    sched.add([big], now=0.0)
+    accept(sched, [big], now=0.0)
     out = sched.schedule(now=0.0)
     assert out.admitted == [big]  # the cache gave back what the running request needed
-    assert engine.prefix_cache_bytes() <= 100 * sim.kv_bytes_per_token
+    assert engine.kv.prefix_cache_bytes() <= 100 * sim.kv_bytes_per_token

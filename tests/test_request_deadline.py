@@ -26,6 +26,8 @@ from switchyard.dispatcher.output import StreamError
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.service import DispatcherService
+from switchyard_harness.testing.scheduling import accept
+from switchyard.dispatcher.request import RequestStatus
 from fast_sim import FAST
 
 pytestmark = pytest.mark.no_gpu
@@ -140,25 +142,27 @@ def test_the_scheduler_fails_buffered_waiting_and_running_requests_at_their_own_
     engine = SimEngine(SwitchyardConfig())
     sched = make_scheduler(SwitchyardConfig(), engine)
     running = Request("run", prompt="x", prompt_tokens=100, max_tokens=50, arrival=0.0, deadline=1.0)
-    sched.add([running], now=0.0)
+    accept(sched, [running], 0.0)
     assert sched.schedule(now=0.0).admitted == [running]
     running.num_computed_tokens = 100
     waiting = Request("wait", prompt="x", prompt_tokens=10, max_tokens=5, arrival=0.0, deadline=2.0)
     undated = Request("none", prompt="x", prompt_tokens=10, max_tokens=5, arrival=0.0)
-    sched.add([waiting, undated], now=0.0)  # flushed into the waiting set; no decision admits them here
+    accept(sched, [waiting, undated], 0.0)  # flushed into the waiting set; no decision admits them here
     buffered = Request("buf", prompt="x", prompt_tokens=10, max_tokens=5, arrival=0.5, deadline=1.5)
     sched.add_request(buffered, now=0.5)
     assert sched.next_deadline == 1.0
 
     assert sched.expire_deadlines(now=0.9) == []
     assert sched.expire_deadlines(now=1.0) == [running]  # at its deadline, running
-    assert running.state == "finished" and running.num_computed_tokens == 0  # its KV released
+    assert running.is_finished and running.num_computed_tokens == 0  # its KV released
     assert sched.capacity.reserved_bytes == sum(r.kv_reserved_bytes for r in sched.running)
+    [out] = sched.finish_requests([], RequestStatus.FINISHED_ABORTED, 1.0)  # the outputs of what ended
+    out.publish()
     [item] = running.output.drain()
     assert isinstance(item, StreamError) and isinstance(item.error, RequestDeadlineExceeded)
     assert item.error.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert sched.expire_deadlines(now=1.6) == [buffered]  # still in the double buffer
-    assert buffered.state == "finished" and sched.intake.active_size == 0
+    assert buffered.is_finished and sched.intake.active_size == 0
     assert sched.expire_deadlines(now=2.5) == [waiting]
     assert undated.finish_reason is None and sched.waiting == [undated] and sched.next_deadline == float("inf")
     assert sched.num_queued == 1

@@ -13,6 +13,7 @@ from switchyard.api import agent_pb2
 from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import (
     ComputeScoreMonitor,
     FifoScheduler,
@@ -25,7 +26,9 @@ from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SC
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, KvBudget, MemoryInfo
 from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
 from switchyard.dispatcher.output import StreamDone, StreamToken
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBatch, StepEngine, StepResult
+from switchyard.dispatcher.request import Request, RequestStatus
+from switchyard_harness.testing.scheduling import accept, finish, step
 
 pytestmark = pytest.mark.no_gpu
 
@@ -64,19 +67,33 @@ class FakeNvml:
         self.shutdowns = getattr(self, "shutdowns", 0) + 1
 
 
-class FakeEngine:
-    """Step-engine bookkeeping only: busy time, KV bytes (100 per computed token), releases."""
+class FakeKV(KVCacheManager):
+    """KV bookkeeping only: ``per_token`` bytes (100) per computed token; every free recorded."""
 
     def __init__(self) -> None:
-        self.busy_seconds = 0.0
-        self.released: list[Request] = []
         self.per_token = 100
+        self.released: list[Request] = []
 
     def kv_bytes(self, req: Request) -> int:
         return self.per_token * req.num_computed_tokens
 
-    def release(self, req: Request) -> None:
+    def free(self, req: Request) -> None:
         self.released.append(req)
+
+
+class FakeEngine(StepEngine):
+    """A step engine that is never stepped here: busy time and its :class:`FakeKV`."""
+
+    def __init__(self) -> None:
+        self.busy_seconds = 0.0
+        self.kv = FakeKV()
+
+    @property
+    def released(self) -> list[Request]:
+        return self.kv.released
+
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        raise AssertionError("the scheduler tests step no FakeEngine")
 
 
 def make_scheduler(
@@ -161,13 +178,14 @@ def test_classes_are_admitted_core_then_normal_then_batch() -> None:
     batch = make_requests(2, BATCH)
     normal = make_requests(2, NORMAL)
     core = make_requests(2, CORE)
-    sched.add(batch + normal + core, now=0.0)
+    accept(sched, batch + normal + core, now=0.0)
     assert ids(sched.waiting) == ids(core + normal + batch)
 
     out = sched.schedule(now=0.0)
     assert ids(out.admitted) == ids(core + normal)
     assert ids(sched.waiting) == ids(batch)
     assert ids(out.running) == ids(core + normal)
+    publish_stats(sched.make_stats())  # what the step loop does after each decision
     running = {c: metric("switchyard_running_agents", priority_class=c) for c in ("core", "normal", "batch")}
     waiting = {c: metric("switchyard_waiting_agents", priority_class=c) for c in ("core", "normal", "batch")}
     assert running == {"core": 2, "normal": 2, "batch": 0} and waiting == {"core": 0, "normal": 0, "batch": 2}
@@ -178,7 +196,7 @@ def test_unset_priority_counts_as_normal_and_class_keeps_fifo() -> None:
     unset = make_requests(1, agent_pb2.PRIORITY_UNSPECIFIED, arrival=0.0)
     normal = make_requests(3, NORMAL, arrival=0.001, spacing=0.001)
     batch = make_requests(1, BATCH, arrival=-1.0)
-    sched.add(batch + normal[::-1] + unset, now=0.01)
+    accept(sched, batch + normal[::-1] + unset, now=0.01)
     assert ids(sched.waiting) == ids(unset + normal + batch)
 
 
@@ -186,19 +204,19 @@ def test_aging_bounds_how_long_batch_work_waits() -> None:
     """A batch task that has waited aging_max_wait_ms is passed by no later arrival."""
     sched = make_scheduler(running=1, aging_max_wait_ms=1000, preemption_enabled=False)
     [blocker] = make_requests(1, NORMAL, arrival=0.0)
-    sched.add([blocker], now=0.0)
+    accept(sched, [blocker], now=0.0)
     sched.schedule(now=0.0)
     [batch] = make_requests(1, BATCH, arrival=0.0)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     # core work keeps arriving faster than it is served: every 0.1 s, one finishes every 0.2 s
     admitted: list[Request] = []
     running = [blocker]
     t = 0.0
     for step in range(1, 60):
         t = step * 0.1
-        sched.add(make_requests(1, CORE, arrival=t), now=t)
+        accept(sched, make_requests(1, CORE, arrival=t), now=t)
         if step % 2 == 0:
-            sched.finish(running.pop(0), now=t)
+            finish(sched, running.pop(0), t)
         out = sched.schedule(now=t)
         admitted += out.admitted
         running += out.admitted
@@ -214,7 +232,7 @@ def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:
     sched = make_scheduler(running=1, aging_max_wait_ms=3_600_000, preemption_enabled=False)
     [batch] = make_requests(1, BATCH, arrival=0.0)
     core = make_requests(5, CORE, arrival=10.0, spacing=10.0)
-    sched.add([batch, *core], now=50.0)
+    accept(sched, [batch, *core], now=50.0)
     assert sched.waiting[-1] is batch
 
 
@@ -225,20 +243,20 @@ def test_admission_stops_when_the_engine_is_full() -> None:
     sched = make_scheduler(running=2)
     before = metric("switchyard_admissions_refused_total", reason=KV_MEMORY)
     reqs = make_requests(3)
-    sched.add(reqs, now=0.0)
+    accept(sched, reqs, now=0.0)
     out = sched.schedule(now=0.0)
     assert ids(out.admitted) == ids(reqs[:2]) and ids(sched.waiting) == ids(reqs[2:])
     assert sched.admission.refusals[KV_MEMORY] == 1
     assert metric("switchyard_admissions_refused_total", reason=KV_MEMORY) == before + 1
 
-    sched.finish(reqs[0], now=0.5)
+    finish(sched, reqs[0], now=0.5)
     assert ids(sched.schedule(now=0.5).admitted) == ids(reqs[2:])
 
 
 def test_max_admitted_per_decision_is_the_admission_wave_not_a_cap_on_the_running_set() -> None:
     sched = make_scheduler(max_admitted_per_decision=10, expected_score_initial=0)
     reqs = make_requests(25)
-    sched.add(reqs, now=0.0)
+    accept(sched, reqs, now=0.0)
     waves = [len(sched.schedule(now=0.001 * i).admitted) for i in range(4)]
     assert waves == [10, 10, 5, 0]
     assert sched.num_running == 25  # the field's 10 never caps the GPU at ten requests
@@ -282,12 +300,12 @@ def test_admission_stops_at_the_admission_score_limit() -> None:
     nvml = FakeNvml(gpu=20, memory=10)  # score 0.2*20 + 0.2*10 + 0 = 6
     sched = make_scheduler(nvml=nvml, expected_score_initial=10, admission_score_limit=80)
     first = make_requests(1)
-    sched.add(first, now=0.0)
+    accept(sched, first, now=0.0)
     assert sched.schedule(now=0.0).admitted == first
 
     nvml.gpu, nvml.memory = 90, 50  # 0.2*90 + 0.2*50 + 0.6*72 = 71.2; + 10 expected >= 80
     waiting = make_requests(1)
-    sched.add(waiting, now=0.1)
+    accept(sched, waiting, now=0.1)
     out = sched.schedule(now=0.1)
     assert sched.score == pytest.approx(71.2)
     assert out.admitted == [] and sched.waiting == waiting
@@ -295,7 +313,7 @@ def test_admission_stops_at_the_admission_score_limit() -> None:
 
     nvml.gpu, nvml.memory = 50, 20  # 10 + 4 + 24 = 38
     more = make_requests(4)
-    sched.add(more, now=0.2)
+    accept(sched, more, now=0.2)
     out = sched.schedule(now=0.2)
     # 38 + 10 per admitted task: 48, 58, 68, 78 < 80 then 88
     assert ids(out.admitted) == ids(waiting + more[:3])
@@ -305,7 +323,7 @@ def test_admission_stops_at_the_admission_score_limit() -> None:
 def test_idle_engine_admits_its_head_whatever_the_score() -> None:
     sched = make_scheduler(nvml=FakeNvml(gpu=100, memory=100))
     reqs = make_requests(2)
-    sched.add(reqs, now=0.0)
+    accept(sched, reqs, now=0.0)
     assert sched.schedule(now=0.0).admitted == reqs[:1]
 
 
@@ -313,11 +331,11 @@ def test_expected_score_is_learned_from_finished_tasks() -> None:
     nvml = FakeNvml(gpu=20, memory=10)  # score 6 when the task is admitted
     sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5, admission_score_limit=95)
     [req] = make_requests(1, task_type="rag_answer")
-    sched.add([req], now=0.0)
+    accept(sched, [req], now=0.0)
     sched.schedule(now=0.0)
     nvml.gpu, nvml.memory = 50, 20  # score 38 while it runs
     sched.schedule(now=1.0)  # one second alone at score 38
-    sched.finish(req, now=2.0)  # another second
+    finish(sched, req, 2.0)  # another second
     assert req.compute_score_used == pytest.approx(76.0)
     # it raised the score from 6 to 38: expected 10 -> 10 + 0.5 * (32 - 10)
     assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0)
@@ -325,10 +343,10 @@ def test_expected_score_is_learned_from_finished_tasks() -> None:
 
     # two admitted together onto a busy engine that stays at 38 add nothing each
     pair = make_requests(2, task_type="rag_answer")
-    sched.add(pair, now=2.0)
+    accept(sched, pair, now=2.0)
     assert sched.schedule(now=2.0).admitted == pair
     for req in pair:
-        sched.finish(req, now=3.0)
+        finish(sched, req, 3.0)
     assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0 * 0.5 * 0.5)
 
 
@@ -336,11 +354,11 @@ def test_compute_score_used_is_the_share_of_the_score() -> None:
     engine = FakeEngine()
     sched = make_scheduler(nvml=FakeNvml(gpu=50, memory=20), engine=engine)  # score 38
     a, b = make_requests(2)
-    sched.add([a, b], now=0.0)
+    accept(sched, [a, b], now=0.0)
     sched.schedule(now=0.0)
     a.num_computed_tokens, b.num_computed_tokens = 30, 10
     sched.schedule(now=2.0)
-    sched.finish(a, now=2.0)
+    finish(sched, a, 2.0)
     assert a.compute_score_used == pytest.approx(38.0) and b.compute_score_used == pytest.approx(38.0)
     assert a.memory_peak_bytes == 3000 and b.memory_peak_bytes == 1000
 
@@ -358,7 +376,7 @@ def test_nvml_read_error_falls_back_to_busy_ratio_and_says_so_once(caplog: pytes
     nvml = FakeNvml(gpu=60, memory=40)
     engine = FakeEngine()
     sched = make_scheduler(nvml=nvml, engine=engine)
-    sched.add(make_requests(2), now=0.0)
+    accept(sched, make_requests(2), now=0.0)
     sched.schedule(now=0.0)
     assert sched.monitor.gpu_available is True and metric("switchyard_gpu_available") == 1
     assert metric("switchyard_gpu_utilization_ratio") == pytest.approx(0.6)
@@ -382,7 +400,7 @@ def test_nvml_init_error_and_missing_nvml_never_raise() -> None:
     nvml = FakeNvml()
     nvml.fail_init = True
     sched = make_scheduler(nvml=nvml)
-    sched.add(make_requests(1), now=0.0)
+    accept(sched, make_requests(1), now=0.0)
     assert len(sched.schedule(now=0.0).admitted) == 1
     assert sched.monitor.gpu_available is False
 
@@ -403,16 +421,16 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     engine = SimEngine(SwitchyardConfig())
     sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=50)
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     out = sched.schedule(now=0.0)
-    await engine.prefill(out.admitted)
+    await step(sched, engine, prefill=out.admitted, now=0.0)
     for _ in range(4):
-        await engine.decode([batch])
+        await step(sched, engine, decode=[batch], now=0.05)
     streamed_before = len(batch.output_tokens)
     assert streamed_before == 5
 
     [core] = make_requests(1, CORE, arrival=0.10, max_tokens=3)
-    sched.add([core], now=0.10)
+    accept(sched, [core], now=0.10)
     out = sched.schedule(now=0.12)  # waited 20 ms < grace
     assert out.preempted == [] and out.admitted == []
     before = metric("switchyard_preemptions_total", priority_class="batch")
@@ -422,18 +440,16 @@ async def test_core_preempts_batch_after_grace_and_batch_resumes_without_losing_
     assert batch.preemptions == 1 and batch.num_computed_tokens == 0  # the scheduler dropped its KV
     assert sched.waiting == [batch]
 
-    await engine.prefill([core])
-    while not core.is_finished:
-        await engine.decode([core])
-    sched.finish(core, now=0.2)
+    await step(sched, engine, prefill=[core], now=0.17)
+    while not core.is_finished:  # the scheduler's stop check ends it (max_tokens)
+        await step(sched, engine, decode=[core], now=0.18)
     resumes = metric("switchyard_resumes_total", kind="preempted")
     out = sched.schedule(now=0.2)
     assert out.admitted == [batch]
     assert metric("switchyard_resumes_total", kind="preempted") == resumes + 1
-    await engine.prefill([batch])
+    await step(sched, engine, prefill=[batch], now=0.2)
     while not batch.is_finished:
-        await engine.decode([batch])
-    sched.finish(batch, now=0.3)
+        await step(sched, engine, decode=[batch], now=0.3)
 
     tokens = _streamed(batch)
     assert [t.index for t in tokens] == list(range(12)), "a token was lost or repeated"
@@ -448,12 +464,12 @@ def test_preempted_task_keeps_its_place_ahead_of_newer_work_of_its_class() -> No
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=0)
     [old] = make_requests(1, BATCH, arrival=0.0)
-    sched.add([old], now=0.0)
+    accept(sched, [old], now=0.0)
     sched.schedule(now=0.0)
     newer = make_requests(2, BATCH, arrival=0.5, spacing=0.1)
-    sched.add(newer, now=0.7)
+    accept(sched, newer, now=0.7)
     [core] = make_requests(1, CORE, arrival=1.0)
-    sched.add([core], now=1.0)
+    accept(sched, [core], now=1.0)
     out = sched.schedule(now=1.0)
     assert out.preempted == [old]
     assert ids(sched.waiting) == ids([old, *newer])
@@ -464,10 +480,10 @@ def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core
     core_running = make_requests(1, CORE, arrival=0.0)
     normal = make_requests(1, NORMAL, arrival=0.0)
     batch = make_requests(1, BATCH, arrival=0.0)
-    sched.add(core_running + normal + batch, now=0.0)
+    accept(sched, core_running + normal + batch, now=0.0)
     sched.schedule(now=0.0)
     waiting_core = make_requests(3, CORE, arrival=1.0)
-    sched.add(waiting_core, now=1.0)
+    accept(sched, waiting_core, now=1.0)
     out = sched.schedule(now=1.0)
     assert out.preempted == batch + normal
     assert ids(out.admitted) == ids(waiting_core[:2])
@@ -479,9 +495,9 @@ def test_no_preemption_when_disabled_or_under_fifo() -> None:
     disabled = make_scheduler(running=1, preemption_enabled=False)
     fifo = make_scheduler(policy="fifo", running=1)
     for sched in (disabled, fifo):
-        sched.add(make_requests(1, BATCH, arrival=0.0), now=0.0)
+        accept(sched, make_requests(1, BATCH, arrival=0.0), now=0.0)
         sched.schedule(now=0.0)
-        sched.add(make_requests(1, CORE, arrival=0.0), now=0.0)
+        accept(sched, make_requests(1, CORE, arrival=0.0), now=0.0)
         assert sched.schedule(now=10.0).preempted == []
 
 
@@ -489,7 +505,7 @@ def test_fifo_ignores_classes() -> None:
     sched = make_scheduler(policy="fifo", running=2, nvml=FakeNvml(gpu=100, memory=100))
     batch = make_requests(1, BATCH, arrival=0.0)
     core = make_requests(2, CORE, arrival=1.0)
-    sched.add(core + batch, now=1.0)
+    accept(sched, core + batch, now=1.0)
     assert ids(sched.schedule(now=1.0).admitted) == ids(batch + core[:1])
 
 
@@ -502,7 +518,7 @@ def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_bo
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=3)
     [running] = make_requests(1, BATCH, arrival=0.0)
-    sched.add([running], now=0.0)
+    accept(sched, [running], now=0.0)
     sched.schedule(now=0.0)
     [late_batch] = make_requests(1, BATCH, arrival=0.01)
     [core] = make_requests(1, CORE, arrival=0.02)
@@ -513,13 +529,13 @@ def test_admit_core_takes_core_work_mid_step_and_leaves_the_rest_for_the_step_bo
     sched.add_request(core, now=0.02)
     assert calls == ["core"]  # only the core arrival is announced as such
 
-    assert sched.admit_core(now=0.03) == [core]
-    assert sched.running == [running, core] and core.state == "running"
+    assert sched.admit_core(now=0.03).admitted == [core]
+    assert sched.running == [running, core] and core.status is RequestStatus.RUNNING
     assert core.flush_reason == FlushReason.PREEMPT and core.admitted_at == 0.03
     assert metric("switchyard_flushes_total", reason="preempt") == flushes + 1
-    assert sched.intake.active_size == 1 and late_batch.state == "buffered"  # it joins at the step boundary
+    assert sched.intake.active_size == 1 and late_batch.status is RequestStatus.BUFFERED  # it joins at the step boundary
     assert engine.released == []  # nothing preempted
-    assert sched.admit_core(now=0.04) == []  # nothing more to take
+    assert sched.admit_core(now=0.04).admitted == []  # nothing more to take
 
     out = sched.schedule(now=0.05)
     assert out.admitted == [late_batch] and late_batch.flush_reason == FlushReason.STEP
@@ -530,21 +546,21 @@ def test_admit_core_preempts_at_once_and_the_victims_kv_leaves_when_the_step_end
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1)  # the default: a core request preempts at once
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     sched.schedule(now=0.0)
     batch.num_computed_tokens = 20
     preempted = metric("switchyard_preemptions_total", priority_class="batch")
     [core] = make_requests(1, CORE, arrival=0.1)
     sched.add_request(core, now=0.1)
 
-    assert sched.admit_core(now=0.1) == [core]  # mid-step: it takes the batch request's place now
-    assert sched.running == [core] and batch.state == "preempting"
+    assert sched.admit_core(now=0.1).admitted == [core]  # mid-step: it takes the batch request's place now
+    assert sched.running == [core] and batch.status is RequestStatus.PREEMPTING
     assert engine.released == [] and batch.num_computed_tokens == 20  # its KV stays until the step ends
     assert sched.has_work and sched.waiting == []
 
     out = sched.schedule(now=0.2)  # the step in flight ended: the victim's KV leaves, it waits again
     assert out.preempted == [batch] and engine.released == [batch] and batch.preemptions == 1
-    assert batch.num_computed_tokens == 0 and batch.state == "waiting" and sched.waiting == [batch]
+    assert batch.num_computed_tokens == 0 and batch.status is RequestStatus.WAITING and sched.waiting == [batch]
     assert metric("switchyard_preemptions_total", priority_class="batch") == preempted + 1
 
 
@@ -552,18 +568,22 @@ def test_a_victim_that_finished_in_the_step_in_flight_ends_and_one_aborted_meanw
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=2)
     done_batch, gone_batch = make_requests(2, BATCH, arrival=0.0, max_tokens=12)
-    sched.add([done_batch, gone_batch], now=0.0)
+    accept(sched, [done_batch, gone_batch], now=0.0)
     sched.schedule(now=0.0)
     cores = make_requests(2, CORE, arrival=0.1)
     for core in cores:
         sched.add_request(core, now=0.1)
-    assert sched.admit_core(now=0.1) == cores
-    assert {done_batch.state, gone_batch.state} == {"preempting"}
-    done_batch.finish("length")  # its last token came in the step in flight
-    sched.abort(gone_batch, now=0.15)  # its caller went away meanwhile
-    assert gone_batch.state == "finished" and engine.released == [gone_batch]
+    assert sched.admit_core(now=0.1).admitted == cores
+    assert {done_batch.status, gone_batch.status} == {RequestStatus.PREEMPTING}
+    finish(sched, gone_batch, 0.15, RequestStatus.FINISHED_ABORTED)  # its caller went away meanwhile
+    # the step in flight ends: its last token came in it
+    sched.update_from_output(StepBatch(decode=[done_batch, gone_batch]),
+                             StepResult({done_batch.seq_id: SeqOutput(texts=["x"], length_capped=True),
+                                         gone_batch.seq_id: SeqOutput(texts=["y"])}), now=0.19)
+    assert done_batch.finish_reason == "length" and gone_batch.finish_reason == "cancelled"
+    assert gone_batch.is_finished and engine.released == [gone_batch, done_batch]  # freed once each
     out = sched.schedule(now=0.2)
-    assert out.preempted == [] and done_batch.state == "finished" and engine.released == [gone_batch, done_batch]
+    assert out.preempted == [] and done_batch.is_finished and engine.released == [gone_batch, done_batch]
     assert sched.waiting == [] and sched.running == cores
 
 
@@ -571,11 +591,11 @@ def test_a_core_request_that_must_wait_before_preempting_waits_for_the_step_boun
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1, core_wait_before_preempt_ms=50)
     [batch] = make_requests(1, BATCH, arrival=0.0, max_tokens=12)
-    sched.add([batch], now=0.0)
+    accept(sched, [batch], now=0.0)
     sched.schedule(now=0.0)
     [core] = make_requests(1, CORE, arrival=0.1)
     sched.add_request(core, now=0.1)
-    assert sched.admit_core(now=0.1) == []
+    assert sched.admit_core(now=0.1).admitted == []
     assert sched.running == [batch] and sched.waiting == [core] and engine.released == []
     assert sched.schedule(now=0.12).preempted == []  # waited 20 ms of its 50
     out = sched.schedule(now=0.2)
@@ -591,33 +611,33 @@ def test_admit_core_keeps_the_policy_order_and_its_kv_budget() -> None:
         config = SwitchyardConfig().with_overrides(**{"scheduler.policy": policy})
         sched = build_scheduler(config, engine, capacity=capacity)  # a budget of 500 tokens of KV
         [first] = make_requests(1, BATCH, arrival=0.0, prompt_tokens=100, max_tokens=200)
-        sched.add([first], now=0.0)
+        accept(sched, [first], now=0.0)
         sched.schedule(now=0.0)
         [big] = make_requests(1, BATCH, arrival=0.1, prompt_tokens=100, max_tokens=200)
-        sched.add([big], now=0.1)
+        accept(sched, [big], now=0.1)
         sched.schedule(now=0.1)
         assert sched.waiting == [big]  # 300 tokens do not fit beside 300
         [core] = make_requests(1, CORE, arrival=0.2, prompt_tokens=50, max_tokens=50)
         sched.add_request(core, now=0.2)
         # fifo: the batch request waits ahead of it; priority: core work comes first, and 100 tokens fit
-        assert len(sched.admit_core(now=0.2)) == admitted, policy
-        assert (core.state == "running") == bool(admitted)
+        assert len(sched.admit_core(now=0.2).admitted) == admitted, policy
+        assert (core.status is RequestStatus.RUNNING) == bool(admitted)
         assert capacity.reserved_bytes == (300 + 100 * admitted) * per_token
         [huge] = make_requests(1, CORE, arrival=0.3, prompt_tokens=100, max_tokens=100)
         sched.add_request(huge, now=0.3)
         if policy == "fifo":  # still behind the batch request: it preempts nothing
-            assert sched.admit_core(now=0.3) == []
-            assert huge.state == "waiting" and engine.released == []
+            assert sched.admit_core(now=0.3).admitted == []
+            assert huge.status is RequestStatus.WAITING and engine.released == []
             continue
         # priority: 200 tokens do not fit beside 400. The running batch request's live KV stays held until
         # the step in flight ends, so preempting it frees only its reserved-but-unused tokens: with 250 of
         # its 300 computed, 100 free + 50 is not enough, and nothing is preempted
-        engine.per_token = per_token
+        engine.kv.per_token = per_token
         first.num_computed_tokens = 250
-        assert sched.admit_core(now=0.3) == [] and first.state == "running" and huge.state == "waiting"
+        assert sched.admit_core(now=0.3).admitted == [] and first.status is RequestStatus.RUNNING and huge.status is RequestStatus.WAITING
         first.num_computed_tokens = 50  # 100 free + 250 unused: it fits at once
-        assert sched.admit_core(now=0.3) == [huge]
-        assert first.state == "preempting" and engine.released == []
+        assert sched.admit_core(now=0.3).admitted == [huge]
+        assert first.status is RequestStatus.PREEMPTING and engine.released == []
         assert capacity.reserved_bytes == 300 * per_token and capacity.leaving_bytes == 50 * per_token
         out = sched.schedule(now=0.4)  # the step ended: its KV is dropped (no DRAM tier), it waits again
         assert out.preempted == [first] and engine.released == [first] and capacity.leaving_bytes == 0
@@ -639,20 +659,19 @@ def test_agent_waiting_on_a_tool_holds_no_slot_and_resumes_ahead_of_new_work() -
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1, tool_wait_ttl_s=5)
     think = _react("agent-1", arrival=0.0)
-    sched.add([think], now=0.0)
+    accept(sched, [think], now=0.0)
     sched.schedule(now=0.0)
     think.num_computed_tokens = 50  # prompt 40 + 10 generated tool-call tokens
-    think.finish("tool_calls")
-    assert should_park(think)
-    sched.park(think, now=0.5)
+    finish(sched, think, 0.5, RequestStatus.FINISHED_TOOL_CALLS)
+    assert should_park(think) and think.status is RequestStatus.PARKED
     assert sched.running == [] and sched.parked == [think]
     assert sched.parked_kv_bytes == 5000 and metric("switchyard_parked_kv_bytes") == 5000
     assert engine.released == []
 
     new_work = make_requests(2, NORMAL, arrival=0.6, spacing=0.1)
-    sched.add(new_work, now=0.8)
+    accept(sched, new_work, now=0.8)
     observe = _react("agent-1", arrival=1.0, resume=True, prompt_tokens=70)
-    sched.add([observe], now=1.0)
+    accept(sched, [observe], now=1.0)
     assert sched.waiting[0] is observe
     assert engine.released == [], "the prefix state is kept until the resumed step runs"
     out = sched.schedule(now=1.0)
@@ -666,11 +685,10 @@ def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, tool_wait_ttl_s=2)
     think = _react("agent-2", arrival=0.0)
-    sched.add([think], now=0.0)
+    accept(sched, [think], now=0.0)
     sched.schedule(now=0.0)
     think.num_computed_tokens = 50
-    think.finish("tool_calls")
-    sched.park(think, now=1.0)
+    finish(sched, think, 1.0, RequestStatus.FINISHED_TOOL_CALLS)
     sched.schedule(now=2.9)
     assert sched.parked == [think]
     expired = metric("switchyard_tool_wait_expired_total")
@@ -679,7 +697,7 @@ def test_parked_prefix_state_is_released_when_the_ttl_runs_out() -> None:
     assert metric("switchyard_tool_wait_expired_total") == expired + 1
 
     observe = _react("agent-2", arrival=4.0, resume=True, prompt_tokens=70)
-    sched.add([observe], now=4.0)
+    accept(sched, [observe], now=4.0)
     assert observe.num_computed_tokens == 0 and observe.recomputed_tokens == 50
 
 
@@ -687,20 +705,21 @@ def test_finished_or_cancelled_work_leaves_every_set() -> None:
     engine = FakeEngine()
     sched = make_scheduler(engine=engine, running=1)
     a, b = make_requests(2)
-    sched.add([a, b], now=0.0)
+    accept(sched, [a, b], now=0.0)
     sched.schedule(now=0.0)
-    sched.finish(b, now=0.1)  # cancelled while waiting
-    sched.finish(a, now=0.2)
-    sched.finish(a, now=0.3)  # idempotent
-    parked = _react("agent-3", arrival=0.0)
-    sched.add([parked], now=0.3)
-    sched.schedule(now=0.3)
-    parked.finish("tool_calls")
-    sched.finish(parked, now=0.4)  # parked: its agent waits on a tool
-    assert sched.parked == [parked]
-    sched.finish(parked, now=0.5)  # the agent went away
+    finish(sched, b, 0.1, RequestStatus.FINISHED_ABORTED)  # cancelled while waiting
+    finish(sched, a, 0.2)
+    finish(sched, a, 0.3, RequestStatus.FINISHED_ABORTED)  # idempotent: it keeps its end
+    assert (a.finish_reason, b.finish_reason) == ("stop", "cancelled")
     assert (sched.waiting, sched.running, sched.parked) == ([], [], [])
-    assert engine.released == [a, parked]  # KV released once each, by the scheduler
+    parked = _react("agent-3", arrival=0.0)
+    accept(sched, [parked], now=0.3)
+    sched.schedule(now=0.3)
+    finish(sched, parked, 0.4, RequestStatus.FINISHED_TOOL_CALLS)  # parked: its agent waits on a tool
+    assert parked.finish_reason == "tool_calls" and sched.parked == [parked]
+    finish(sched, parked, 0.5, RequestStatus.FINISHED_ABORTED)  # finished for its caller: no id to end
+    assert (sched.waiting, sched.running, sched.parked) == ([], [], [parked])
+    assert engine.released == [a]  # KV released once, by the scheduler; the parked prefix stays warm
 
 
 async def test_nvml_is_shut_down_when_the_dispatcher_drains() -> None:
@@ -751,11 +770,10 @@ async def test_parked_agents_give_their_kv_back_when_the_ttl_runs_out_on_an_idle
 
     now = _time.monotonic()
     think = _react("agent-idle", arrival=now)
-    sched.add([think], now=now)
+    accept(sched, [think], now=now)
     sched.schedule(now=now)
     think.num_computed_tokens = 50
-    think.finish("tool_calls")
-    sched.finish(think, now=now)
+    finish(sched, think, now, RequestStatus.FINISHED_TOOL_CALLS)
     assert sched.parked == [think]
     loop = StepLoop(config, engine, sched)
     loop.start()  # no request arrives from here on
@@ -765,3 +783,20 @@ async def test_parked_agents_give_their_kv_back_when_the_ttl_runs_out_on_an_idle
             break
     await loop.drain()
     assert sched.parked == [] and engine.released == [think]
+
+
+async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> None:
+    """A caller may send the same request_id twice at once (the reference load does): the scheduler and the
+    engine key requests by their seq_id, so each gets its own tokens and end."""
+    engine = SimEngine(SwitchyardConfig())
+    sched = make_scheduler(engine=engine, running=2)
+    first, second = (Request(request_id="bench-001:0", prompt="How does the with statement work?",
+                             prompt_tokens=16, max_tokens=3) for _ in range(2))
+    assert first.seq_id != second.seq_id
+    accept(sched, [first, second], now=0.0)
+    assert sched.schedule(now=0.0).admitted == [first, second]
+    await step(sched, engine, prefill=[first, second], now=0.1)
+    while not (first.is_finished and second.is_finished):
+        await step(sched, engine, decode=[r for r in (first, second) if not r.is_finished], now=0.2)
+    for req in (first, second):
+        assert req.finish_reason == "length" and len(_streamed(req)) == 3

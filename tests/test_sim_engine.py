@@ -9,6 +9,7 @@ import pytest
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines import make_engine
 from switchyard.dispatcher.engines.base import StepEngine
+from switchyard.dispatcher.engines.driver import EngineDriver
 from switchyard.dispatcher.engines.sim import (
     SimEngine,
     decode_seconds,
@@ -52,9 +53,9 @@ def drain(req: Request) -> list[object]:
 
 
 async def run_to_end(engine: SimEngine, reqs: list[Request]) -> None:
-    await engine.prefill(reqs)
+    await EngineDriver(engine).prefill(reqs)
     while live := [s for s in reqs if not s.is_finished]:
-        await engine.decode(live)
+        await EngineDriver(engine).decode(live)
 
 
 # --------------------------------------------------------------------------- latency model
@@ -76,14 +77,14 @@ async def test_busy_time_is_the_modelled_cost_of_each_step() -> None:
     config = fast_config()
     engine = SimEngine(config)
     reqs = [Request(f"r{i}", prompt=CONTEXT_PROMPT, prompt_tokens=100 + i, max_tokens=3) for i in range(4)]
-    await engine.prefill(reqs)
+    await EngineDriver(engine).prefill(reqs)
     expected = prefill_seconds(config.sim, sum(s.prompt_tokens for s in reqs))
     assert engine.busy_seconds == pytest.approx(expected)
-    await engine.decode(reqs)
+    await EngineDriver(engine).decode(reqs)
     expected += decode_seconds(config.sim, 4)
     assert engine.busy_seconds == pytest.approx(expected)
     assert all(s.num_computed_tokens == s.num_tokens - 1 for s in reqs)
-    assert engine.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.sim.kv_bytes_per_token
+    assert engine.kv.kv_bytes(reqs[0]) == reqs[0].num_computed_tokens * config.sim.kv_bytes_per_token
 
 
 def test_a_zero_cost_engine_has_no_decode_bound() -> None:
@@ -226,16 +227,15 @@ async def test_preempted_sequence_resumes_without_losing_or_repeating_tokens() -
     await run_to_end(engine, [straight])
 
     req = Request("b", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=12)
-    await engine.prefill([req])
-    await engine.decode([req])
-    await engine.decode([req])  # 3 tokens streamed
-    req.mark_preempted()
-    engine.release(req)
-    assert engine.kv_bytes(req) == 0 and req.needs_prefill
-    await engine.prefill([req])  # prompt + the 3 tokens computed, then the 4th token
+    await EngineDriver(engine).prefill([req])
+    await EngineDriver(engine).decode([req])
+    await EngineDriver(engine).decode([req])  # 3 tokens streamed
+    EngineDriver(engine).preempt(req)
+    assert engine.kv.kv_bytes(req) == 0 and req.needs_prefill
+    await EngineDriver(engine).prefill([req])  # prompt + the 3 tokens computed, then the 4th token
     assert req.recomputed_tokens == 60 + 2  # the 3rd token's KV had not been computed before
     while not req.is_finished:
-        await engine.decode([req])
+        await EngineDriver(engine).decode([req])
     assert req.output_tokens == straight.output_tokens
     tokens = [i for i in drain(req) if isinstance(i, StreamToken)]
     assert [t.index for t in tokens] == list(range(len(straight.output_tokens)))
@@ -249,18 +249,16 @@ async def test_preempted_sequence_resumes_without_losing_or_repeating_tokens() -
 async def test_a_prefill_between_layers_gets_its_first_token_before_the_step_in_flight_ends() -> None:
     import asyncio
 
-    from switchyard.dispatcher.engines.base import LayerPreemptible
-
     config = fast_config(**{"sim.decode_base_ms": 200.0, "sim.layers": 32, "sim.prefix_caching": False})
     engine = SimEngine(config)
-    assert isinstance(engine, LayerPreemptible)
+    assert engine.supports_layer_preemption
     batch = [Request(f"b{i}", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=8) for i in range(3)]
-    await engine.prefill(batch)
+    await EngineDriver(engine).prefill(batch)
     busy = engine.busy_seconds
-    step = asyncio.create_task(engine.decode(batch))
+    step = asyncio.create_task(EngineDriver(engine).decode(batch))
     await asyncio.sleep(0)  # the step is in flight
     core = Request("core", prompt=CONTEXT_PROMPT, prompt_tokens=40, max_tokens=8)
-    assert await engine.prefill_between_layers([core]) is True
+    assert await EngineDriver(engine).between_layers([core]) is not None
     assert len(core.output_tokens) == 1 and not core.needs_prefill
     assert not step.done() and all(len(s.output_tokens) == 1 for s in batch)  # the batch's tokens wait
     await step
@@ -269,7 +267,7 @@ async def test_a_prefill_between_layers_gets_its_first_token_before_the_step_in_
     # busy time: the step and the prefill, each as modelled
     assert engine.busy_seconds == pytest.approx(busy + decode_seconds(config.sim, 3) + prefill_seconds(config.sim, 40))
     # the core request then decodes with the batch
-    await engine.decode([*batch, core])
+    await EngineDriver(engine).decode([*batch, core])
     assert core.output_tokens == plan_reply(CONTEXT_PROMPT, [], []).tokens[:2]
 
 
@@ -278,12 +276,12 @@ async def test_no_prefill_between_layers_without_a_step_in_flight_or_a_layer_bou
 
     engine = SimEngine(fast_config())
     core = Request("core", prompt=CONTEXT_PROMPT, prompt_tokens=40, max_tokens=4)
-    assert await engine.prefill_between_layers([core]) is False  # nothing runs
+    assert await EngineDriver(engine).between_layers([core]) is None  # nothing runs
     one_layer = SimEngine(fast_config(**{"sim.decode_base_ms": 50.0, "sim.layers": 1}))
     [batch] = [Request("b", prompt=CONTEXT_PROMPT, prompt_tokens=60, max_tokens=4)]
-    await one_layer.prefill([batch])
-    step = asyncio.create_task(one_layer.decode([batch]))
+    await EngineDriver(one_layer).prefill([batch])
+    step = asyncio.create_task(EngineDriver(one_layer).decode([batch]))
     await asyncio.sleep(0)
-    assert await one_layer.prefill_between_layers([core]) is False  # one layer: no boundary inside a step
+    assert await EngineDriver(one_layer).between_layers([core]) is None  # one layer: no boundary inside a step
     await step
-    assert core.output_tokens == [] and core.num_computed_tokens == 0  # untouched: a newcomer of the next step
+    assert core.output_tokens == [] and core.needs_prefill  # no token: a newcomer of the next step

@@ -29,8 +29,8 @@ from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa:
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.dispatcher.engines.sim import SimEngine
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.engines.sim import SimEngine, SimKV
+from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.tiers import blob as blob_mod
 from switchyard.dispatcher.tiers.blob import BlobError, open_blob, seal
@@ -56,21 +56,31 @@ def payload_for(request_id: str, size: int = 4 * MIB) -> bytes:
     return (block * (size // len(block) + 1))[:size]
 
 
+class BigKV(SimKV):
+    """The sim's KV with 4 MiB payloads; ``handed`` records each (request id, payload) given to ``load``."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__(engine)
+        self.handed: list[tuple[str, bytes]] = []
+
+    def export(self, req: Request) -> bytes | None:
+        return payload_for(req.request_id)
+
+    def load(self, req: Request, payload: bytes, tokens: int) -> int:
+        self.handed.append((req.request_id, payload))
+        return max(0, min(tokens, req.num_tokens - 1))
+
+
 class BigKvEngine(SimEngine):
-    """The sim engine with 4 MiB KV payloads; ``handed`` records each (request id, payload) given to import_kv."""
+    """The sim engine with :class:`BigKV` as its KV manager."""
 
     def __init__(self) -> None:
         super().__init__(SwitchyardConfig())
-        self.handed: list[tuple[str, bytes]] = []
+        self.kv: BigKV = BigKV(self)
 
-    def export_kv(self, req: Request) -> bytes | None:
-        return payload_for(req.request_id)
-
-    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
-        self.handed.append((req.request_id, payload))
-        restored = max(0, min(tokens, req.num_tokens - 1))
-        req.num_computed_tokens = restored
-        return restored
+    @property
+    def handed(self) -> list[tuple[str, bytes]]:
+        return self.kv.handed
 
     def wrong_payloads(self) -> int:
         """Payloads handed to the engine that are not the state its request exported: the target is 0."""
@@ -84,13 +94,13 @@ def kv_store(db: RedisDb, **dram: Any) -> KvStore:
 
 def tiers_for(engine: BigKvEngine, store: KvStore | None, cold: ColdStore | None) -> MemoryTiers:
     config = SwitchyardConfig()
-    return MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store, cold)
+    return MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store, cold)
 
 
 def running_request(rid: str, key: str, tokens: int = 1000) -> Request:
     req = Request(request_id=rid, prompt="How does the with statement work?", priority=agent_pb2.BATCH,
                   task_type="chat", prompt_tokens=tokens + 1, max_tokens=12, arrival=0.0)
-    req.state, req.swap_key, req.swap_tokens = "running", key, tokens
+    req.status, req.swap_key, req.swap_tokens = RequestStatus.RUNNING, key, tokens
     return req
 
 

@@ -15,12 +15,14 @@ from switchyard.common.errors import InvalidArgument  # noqa: E402
 from switchyard.common.server import running  # noqa: E402
 from switchyard.dispatcher.engines import make_engine  # noqa: E402
 from switchyard.dispatcher.engines.sim import plan_reply  # noqa: E402
-from switchyard.dispatcher.engines.torch import TorchEngine  # noqa: E402
+from switchyard.dispatcher.engines.torch import TorchEngine, render_prompt  # noqa: E402
 from switchyard.dispatcher.engines.torch_model import Tokenizer, save_checkpoint  # noqa: E402
 from switchyard.dispatcher.output import StreamError, StreamToken  # noqa: E402
-from switchyard.dispatcher.request import Message, Request, Tool  # noqa: E402
+from switchyard.dispatcher.request import Message, Request, RequestStatus, Tool  # noqa: E402
 from switchyard.dispatcher.service import DispatcherService  # noqa: E402
 from switchyard.common.channels import open_channel
+from switchyard.dispatcher.engines.driver import EngineDriver
+from switchyard_harness.testing.scheduling import accept, step
 from token_events import positions_follow_on, token_count
 
 pytestmark = pytest.mark.no_gpu
@@ -59,9 +61,23 @@ def reqs_for(prompts: list[str], max_tokens: int = 8, tag: str = "r") -> list[Re
 
 
 async def run_to_end(engine: TorchEngine, reqs: list[Request]) -> None:
-    await engine.prefill(reqs)
+    await EngineDriver(engine).prefill(reqs)
     while live := [s for s in reqs if not s.is_finished]:
-        await engine.decode(live)
+        await EngineDriver(engine).decode(live)
+
+
+def counted(engine: TorchEngine, req: Request) -> Request:
+    """``req`` with its prompt counted as the dispatcher counts it before the engine sees it (here with the
+    engine's own tokenizer, so the count agrees with what the engine reports after its first step)."""
+    req.prompt_tokens = len(engine.tokenizer.encode(render_prompt(req.prompt, req.messages, req.tools)))
+    return req
+
+
+async def run_through(sched: object, engine: TorchEngine, req: Request) -> None:
+    """Step ``req`` (admitted) through the scheduler until its stop check ends it."""
+    await step(sched, engine, prefill=[req], now=0.1)
+    while not req.is_finished:
+        await step(sched, engine, decode=[req], now=0.1)
 
 
 async def alone(prompt: str, max_tokens: int, request_id: str = "r0", **fields: object) -> list[str]:
@@ -98,12 +114,12 @@ async def test_batched_decode_gives_the_same_tokens_as_one_by_one():
 async def test_a_sequence_joining_at_a_step_boundary_does_not_disturb_the_running_ones():
     engine = make()
     first, late = reqs_for(PROMPTS[:2], max_tokens=9)
-    await engine.prefill([first])
+    await EngineDriver(engine).prefill([first])
     for _ in range(3):
-        await engine.decode([first])
-    await engine.prefill([late])  # iteration-level batching: joins the running set here
+        await EngineDriver(engine).decode([first])
+    await EngineDriver(engine).prefill([late])  # iteration-level batching: joins the running set here
     while live := [s for s in (first, late) if not s.is_finished]:
-        await engine.decode(live)
+        await EngineDriver(engine).decode(live)
     assert first.output_tokens == await alone(PROMPTS[0], 9)
     assert late.output_tokens == await alone(PROMPTS[1], 9)
 
@@ -120,10 +136,10 @@ async def test_chunked_prefill_gives_the_same_tokens_as_one_forward():
 async def test_num_computed_tokens_follows_the_contract():
     engine = make()
     (req,) = reqs_for(PROMPTS[:1], max_tokens=5)
-    await engine.prefill([req])
+    await EngineDriver(engine).prefill([req])
     assert req.prompt_tokens == len(engine.tokenizer.encode(PROMPTS[0]))
     assert req.num_computed_tokens == req.num_tokens - 1
-    await engine.decode([req])
+    await EngineDriver(engine).decode([req])
     assert req.num_computed_tokens == req.num_tokens - 1
 
 
@@ -144,20 +160,20 @@ async def test_seeded_sampling_is_deterministic_and_independent_of_the_batch():
 async def test_kv_bytes_grow_with_tokens_and_release_frees_them():
     engine = make()
     (req,) = reqs_for(PROMPTS[:1], max_tokens=40)
-    assert engine.kv_bytes(req) == 0
-    await engine.prefill([req])
-    after_prefill = engine.kv_bytes(req)
+    assert engine.kv.kv_bytes(req) == 0
+    await EngineDriver(engine).prefill([req])
+    after_prefill = engine.kv.kv_bytes(req)
     # 2 layers x (K, V) x 64 hidden x 4 bytes per token, whole 4-token blocks.
     per_token = 2 * 2 * 64 * 4
     assert after_prefill == -(-req.num_computed_tokens // 4) * 4 * per_token
     seen = [after_prefill]
     for _ in range(20):
-        await engine.decode([req])
-        seen.append(engine.kv_bytes(req))
+        await EngineDriver(engine).decode([req])
+        seen.append(engine.kv.kv_bytes(req))
     assert seen == sorted(seen) and seen[-1] > after_prefill
     assert req.memory_peak_bytes == seen[-1]
-    engine.release(req)
-    assert engine.kv_bytes(req) == 0 and req.num_computed_tokens == 0
+    EngineDriver(engine).preempt(req)  # what the scheduler does at a preemption
+    assert engine.kv.kv_bytes(req) == 0 and req.num_computed_tokens == 0
 
 
 # --------------------------------------------------------------------------- preemption
@@ -166,19 +182,18 @@ async def test_kv_bytes_grow_with_tokens_and_release_frees_them():
 async def test_preempted_sequence_recomputes_and_continues_without_loss_or_repeat():
     engine = make()
     req, other = reqs_for(PROMPTS[1:3], max_tokens=14)
-    await engine.prefill([req, other])
+    await EngineDriver(engine).prefill([req, other])
     for _ in range(4):
-        await engine.decode([req, other])
+        await EngineDriver(engine).decode([req, other])
     streamed = list(req.output_tokens)
-    req.mark_preempted()
-    engine.release(req)
-    assert engine.kv_bytes(req) == 0
+    EngineDriver(engine).preempt(req)
+    assert engine.kv.kv_bytes(req) == 0
     for _ in range(2):  # the other one keeps running while it waits
-        await engine.decode([other])
-    await engine.prefill([req])  # resumed: recompute prompt + streamed tokens
+        await EngineDriver(engine).decode([other])
+    await EngineDriver(engine).prefill([req])  # resumed: recompute prompt + streamed tokens
     assert req.recomputed_tokens == req.prompt_tokens + len(streamed) - 1
     while live := [s for s in (req, other) if not s.is_finished]:
-        await engine.decode(live)
+        await EngineDriver(engine).decode(live)
     assert req.output_tokens[: len(streamed)] == streamed
     assert len(req.output_tokens) == 14 and req.finish_reason == "length"
     assert req.output_tokens == await alone(PROMPTS[1], 14)
@@ -189,21 +204,21 @@ async def test_preempted_sequence_recomputes_and_continues_without_loss_or_repea
 async def test_swapped_out_kv_tensors_come_back_and_the_sequence_continues_as_if_never_preempted():
     engine = make()
     req, other = reqs_for(PROMPTS[1:3], max_tokens=14, tag="swap")
-    await engine.prefill([req, other])
+    await EngineDriver(engine).prefill([req, other])
     for _ in range(4):
-        await engine.decode([req, other])
+        await EngineDriver(engine).decode([req, other])
     held = req.num_computed_tokens
     kv_before = engine._caches[req].data[:, :, :, :held].clone()
-    payload = engine.export_kv(req)  # what the DRAM tier stores: real tensor bytes and the token ids
+    payload = engine.kv.export(req)  # what the DRAM tier stores: real tensor bytes and the token ids
     assert payload is not None and len(payload) > kv_before.numel() * kv_before.element_size()
-    req.mark_preempted()
-    engine.release(req)
-    await engine.decode([other])
-    assert engine.import_kv(req, payload, held) == held
+    EngineDriver(engine).preempt(req)
+    await EngineDriver(engine).decode([other])
+    assert engine.kv.load(req, payload, held) == held
+    req.num_computed_tokens = held  # what the memory tiers write after a load
     assert torch.equal(engine._caches[req].data[:, :, :, :held], kv_before)
     assert not req.needs_prefill  # straight back to decoding
     while live := [s for s in (req, other) if not s.is_finished]:
-        await engine.decode(live)
+        await EngineDriver(engine).decode(live)
     assert req.recomputed_tokens == 0
     assert req.output_tokens == await alone(PROMPTS[1], 14)
 
@@ -212,14 +227,16 @@ async def test_an_agents_next_step_takes_back_only_the_prefix_it_shares_with_the
     engine = make()
     (first,) = reqs_for(PROMPTS[3:4], max_tokens=4, tag="agent")
     await run_to_end(engine, [first])
-    payload = engine.export_kv(first)
+    payload = engine.kv.export(first)
     assert payload is not None
     (follow,) = reqs_for([PROMPTS[3] + " And then?"], max_tokens=4, tag="agent-next")
+    counted(engine, follow)
     (unrelated,) = reqs_for(["Something else entirely."], max_tokens=4, tag="agent-other")
-    restored = engine.import_kv(follow, payload, 10_000)
+    restored = engine.kv.load(follow, payload, 10_000)
+    follow.num_computed_tokens = restored  # what the memory tiers write after a load
     assert 0 < restored < follow.prompt_tokens and follow.needs_prefill  # the shared prompt prefix only
-    assert engine.import_kv(unrelated, payload, 10_000) == 0
-    assert engine.import_kv(unrelated, b"not a tensor file", 10_000) == 0
+    assert engine.kv.load(unrelated, payload, 10_000) == 0
+    assert engine.kv.load(unrelated, b"not a tensor file", 10_000) == 0
     await run_to_end(engine, [follow])
     assert follow.output_tokens == await alone(PROMPTS[3] + " And then?", 4)
 
@@ -231,26 +248,25 @@ async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_th
     sched = make_scheduler(tiny_config(), engine)
     question = Message("user", "<question>what does the with statement do?</question>")
     tools = [Tool("search_docs", "", '{"type": "object"}')]
-    think = Request(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
-                     task_type="react_loop", max_tokens=64)
-    sched.add([think], now=0.0)
+    think = counted(engine, Request(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
+                                    task_type="react_loop", max_tokens=64))
+    accept(sched, [think], now=0.0)
     sched.schedule(now=0.0)
-    await run_to_end(engine, [think])
+    await run_through(sched, engine, think)
     assert think.finish_reason == "tool_calls"
-    sched.finish(think, now=0.1)
-    assert sched.parked == [think] and engine.kv_bytes(think) > 0
+    assert sched.parked == [think] and engine.kv.kv_bytes(think) > 0  # parked by the scheduler's stop check
     call = think.tool_calls[0]
     follow = [question, Message("assistant", "", tool_calls=(call,)),
               Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
-    back = Request(request_id="t-back", messages=follow, tools=tools, agent_id="t-agent", task_type="react_loop",
-                    max_tokens=64, arrival=0.2)
+    back = counted(engine, Request(request_id="t-back", messages=follow, tools=tools, agent_id="t-agent",
+                                   task_type="react_loop", max_tokens=64, arrival=0.2))
     sched.resume(back, now=0.2)
     out = sched.schedule(now=0.2)
     assert out.admitted == [back]
     shared = back.num_computed_tokens
     assert 0 < shared < back.prompt_tokens  # the rendered conversation so far, taken from the parked step
-    assert engine.kv_bytes(think) == 0  # the parked step's cache was released once the new step took over
-    await run_to_end(engine, [back])
+    assert engine.kv.kv_bytes(think) == 0  # the parked step's cache was released once the new step took over
+    await run_through(sched, engine, back)
     assert back.recomputed_tokens == 0 and back.finish_reason == "stop"
     fresh = make()
     again = Request(request_id="t-fresh", messages=follow, tools=tools, max_tokens=64)
@@ -268,8 +284,8 @@ def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     engine._caches[req] = cache
     assert state is not None and cache.data.shape[3] == 64
     per_token = cache.nbytes // 64
-    assert engine.compact_kv() == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
-    assert cache.data.shape[3] == 8 and engine.compact_kv() == 0
+    assert engine.kv.compact() == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
+    assert cache.data.shape[3] == 8 and engine.kv.compact() == 0
 
 
 # --------------------------------------------------------------------------- limits
@@ -286,14 +302,14 @@ async def test_reaching_max_seq_len_finishes_with_length():
 async def test_prompt_longer_than_max_seq_len_fails_naming_prompt_tokens_and_the_limit():
     engine = make(max_seq_len=32)
     long, short = reqs_for([PROMPTS[3] * 3, PROMPTS[2]], max_tokens=4)
-    await engine.prefill([long, short])
-    assert long.finish_reason == "error" and len(short.output_tokens) == 1
+    await EngineDriver(engine).prefill([long, short])
+    assert long.status is RequestStatus.FINISHED_ERROR and long.finish_reason is None
+    assert len(short.output_tokens) == 1
     item = long.output.drain()[0]
     assert isinstance(item, StreamError) and isinstance(item.error, InvalidArgument)
     assert item.error.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_tokens" in str(item.error) and "31" in str(item.error)
-    engine.release(long)
-    assert engine.kv_bytes(long) == 0
+    assert engine.kv.kv_bytes(long) == 0  # freed when it ended
 
 
 # --------------------------------------------------------------------------- tools, weights, factory
@@ -326,13 +342,31 @@ async def test_after_a_tool_result_the_answer_streams_as_text():
     assert "".join(streamed) == plan.text
 
 
-async def test_a_warm_prefix_from_the_scheduler_is_recomputed_and_counted():
+async def test_a_warm_prefix_the_engine_no_longer_holds_is_recomputed_and_counted():
+    from switchyard.dispatcher.scheduler import make_scheduler
+
     engine = make()
-    (req,) = reqs_for(PROMPTS[1:2], max_tokens=3)
-    req.num_computed_tokens = 5  # the scheduler handed over a warm prefix this engine does not hold
-    await engine.prefill([req])
-    assert req.recomputed_tokens == 5
-    assert req.num_computed_tokens == req.prompt_tokens
+    sched = make_scheduler(tiny_config(), engine)
+    question = Message("user", "<question>what does the with statement do?</question>")
+    tools = [Tool("search_docs", "", '{"type": "object"}')]
+    think = counted(engine, Request(request_id="w-think", messages=[question], tools=tools, agent_id="w-agent",
+                                    task_type="react_loop", max_tokens=64))
+    accept(sched, [think], now=0.0)
+    sched.schedule(now=0.0)
+    await run_through(sched, engine, think)
+    assert sched.parked == [think]
+    engine._caches.pop(think)  # the parked step's cache is gone from the engine (the parking says it is warm)
+    call = think.tool_calls[0]
+    follow = [question, Message("assistant", "", tool_calls=(call,)),
+              Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
+    back = counted(engine, Request(request_id="w-back", messages=follow, tools=tools, agent_id="w-agent",
+                                   task_type="react_loop", max_tokens=64, arrival=0.2))
+    sched.resume(back, now=0.2)
+    warm = back.num_computed_tokens  # the parking's warm prefix
+    assert sched.schedule(now=0.2).admitted == [back]
+    assert warm > 0 and back.num_computed_tokens == 0 and back.recomputed_tokens == warm  # nothing shared
+    await run_through(sched, engine, back)
+    assert back.num_prefilled_tokens == back.prompt_tokens and back.finish_reason == "stop"
 
 
 async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
@@ -347,7 +381,7 @@ async def test_checkpoint_round_trip_and_shape_mismatch(tmp_path):
 # --------------------------------------------------------------------------- prefill between layers
 
 
-async def _with_core_between_layers(engine: TorchEngine, batch: list[Request], core: list[Request]) -> bool:
+async def _with_core_between_layers(engine: TorchEngine, batch: list[Request], core: list[Request]) -> object:
     """One decode step of ``batch`` held after its first layer until ``core`` waits in the slot, then run."""
     import threading
 
@@ -360,9 +394,9 @@ async def _with_core_between_layers(engine: TorchEngine, batch: list[Request], c
 
     handle = engine.model_net.blocks[0].register_forward_hook(gate)
     try:
-        step = asyncio.create_task(engine.decode(batch))
+        step = asyncio.create_task(EngineDriver(engine).decode(batch))
         assert await asyncio.to_thread(entered.wait, 30)  # the worker is between layers 0 and 1
-        nested = asyncio.create_task(engine.prefill_between_layers(core))
+        nested = asyncio.create_task(EngineDriver(engine).between_layers(core))
         await asyncio.sleep(0)  # it reached the slot (nothing awaited before)
         go.set()
         await step
@@ -377,15 +411,15 @@ async def test_a_core_prefill_between_layers_leaves_every_token_as_without_it(te
     engine = make(n_layers=3, temperature=temperature, prefill_chunk_tokens=8)
     batch = reqs_for(PROMPTS[:3], max_tokens=7, tag="b")
     core = [Request(request_id="core", prompt=PROMPTS[3], max_tokens=7)]
-    await engine.prefill(batch)
+    await EngineDriver(engine).prefill(batch)
     busy = engine.busy_seconds
-    assert await _with_core_between_layers(engine, batch, core) is True
+    assert await _with_core_between_layers(engine, batch, core) is not None
     assert engine.busy_seconds > busy
     assert len(core[0].output_tokens) == 1 and all(len(s.output_tokens) == 2 for s in batch)
     assert core[0].first_token_at <= min(s.last_token_at for s in batch)  # out before the step's tokens
     everyone = [*batch, *core]
     while live := [s for s in everyone if not s.is_finished]:
-        await engine.decode(live)  # the core request decodes with the batch from the next step
+        await EngineDriver(engine).decode(live)  # the core request decodes with the batch from the next step
     for req, prompt in zip(everyone, [*PROMPTS[:3], PROMPTS[3]]):
         assert req.output_tokens == await alone(prompt, 7, request_id=req.request_id, n_layers=3,
                                                 temperature=temperature, prefill_chunk_tokens=8)
@@ -395,8 +429,8 @@ async def test_a_core_prefill_between_layers_leaves_every_token_as_without_it(te
 async def test_no_prefill_between_layers_without_a_forward_in_flight():
     engine = make()
     core = Request(request_id="core", prompt=PROMPTS[0], max_tokens=4)
-    assert await engine.prefill_between_layers([core]) is False
-    assert core.output_tokens == [] and engine.kv_bytes(core) == 0
+    assert await EngineDriver(engine).between_layers([core]) is None
+    assert core.output_tokens == [] and engine.kv.kv_bytes(core) == 0
 
 
 def test_make_engine_builds_the_torch_engine():

@@ -70,10 +70,13 @@ from switchyard_harness.bench.sched_bench import (
 )
 from switchyard_harness.bench.program_policies import POLICY_NAMES, Workload, hold_scale, run_policies
 from switchyard_harness.bench.program_policies import render as render_policies
+from switchyard.dispatcher.double_buffer import FlushReason
+from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler.capacity import KvBudget
+from switchyard.dispatcher.request import Request, ToolCall
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers.metrics import TIERS
 
@@ -91,17 +94,23 @@ class AgentSimEngine(VirtualSimEngine):
         self.generated = 0
         self.largest_batch = 0
 
-    def decode(self, reqs: list[Request], now: float) -> float:
-        self.largest_batch = max(self.largest_batch, len(reqs))
-        return super().decode(reqs, now)
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        if not batch.prefill:
+            self.largest_batch = max(self.largest_batch, len(batch.decode))
+        return await super().execute_model(batch)
 
-    def _emit(self, req: Request) -> None:  # type: ignore[override]
-        length, reason = self.plans.get(req, (req.max_tokens, "length"))
-        req.output_tokens.append(f" w{len(req.output_tokens)}")
+    def next_token(self, req: Request) -> SeqOutput:
+        """The next token; end-of-sequence once the plan's tokens are out (with a tool call when the plan
+        ends in one). ``max_tokens`` is the scheduler's stop check."""
+        out = super().next_token(req)
         self.generated += 1
-        if len(req.output_tokens) >= min(length, req.max_tokens):
-            req.finish(reason if len(req.output_tokens) >= length else "length")
+        length, reason = self.plans.get(req, (req.max_tokens + 1, "length"))
+        if len(req.output_tokens) + 1 >= length:
+            out.eos = True
+            if reason == "tool_calls":
+                out.tool_calls = [ToolCall(f"call-{req.request_id}", "search_docs", "{}")]
             self.plans.pop(req, None)
+        return out
 
 
 @dataclass
@@ -175,7 +184,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
     counters' increase."""
     engine = AgentSimEngine(config.sim)
     store = kv_store(dram)
-    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine, store)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, monitor=monitor, tiers=tiers)
     master = random.Random(args.seed)
@@ -211,7 +220,8 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
                 if agent.resume:
                     sched.resume(req, t)
                 else:
-                    sched.add([req], t)
+                    sched.add_request(req, t)
+                    sched.flush(FlushReason.STEP, t)
 
     def settle(running: list[Request], t: float) -> bool:
         ended = False
@@ -227,8 +237,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
             ended = True
             del in_flight[req]
             seen_first.discard(req)
-            agent.busy = False
-            sched.finish(req, t)
+            agent.busy = False  # ended (or parked, tool_calls) by the scheduler's stop check
             result.restored_tokens += req.restored_tokens
             result.recomputed_tokens += req.recomputed_tokens
             if agent.step > 1:  # a tool-return step
@@ -268,7 +277,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
         if not running:
             t += slice_s
             continue
-        t = run_slice(engine, running, t, slice_s, settle, interrupt=lambda now: now >= next_arrival())
+        t = await run_slice(sched, engine, running, t, slice_s, settle, interrupt=lambda now: now >= next_arrival())
     result.makespan = t
     for agent in agents:  # past the drain limit: a step with the dispatcher or the next one not yet due
         if agent.in_task:
@@ -284,7 +293,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
     counters["busy_seconds"] = engine.busy_seconds
     counters["generated_tokens"] = engine.generated
     counters["largest_batch"] = engine.largest_batch
-    counters["budget_bytes"] = getattr(sched.capacity, "budget_bytes", 0)
+    counters["budget_bytes"] = sched.capacity.budget_bytes if isinstance(sched.capacity, KvBudget) else 0
     return result, counters
 
 

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,10 +141,12 @@ async def run_fault(orchestrator: str, dispatchers: dict[str, tuple[str, str, in
         t0 = time.monotonic()
         stop_at = t0 + duration_s
 
+        run = uuid.uuid4().hex[:8]  # the task store outlives a run: another run's task ids are not this one's
+
         async def submitter() -> None:
             for i in range(submit):
                 await asyncio.sleep(max(0.0, t0 + i * duration_s / max(1, submit) - time.monotonic()))
-                request = agent_pb2.RunTaskRequest(task_id=f"submitted-{i}", agent_id=f"submitter-{i % 8}",
+                request = agent_pb2.RunTaskRequest(task_id=f"submitted-{run}-{i}", agent_id=f"submitter-{i % 8}",
                                                    payload="say hello", task_type="chat", max_tokens=max_tokens)
                 try:
                     await stub.SubmitTask(request, timeout=30)

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from switchyard.common.config import load_config
+from switchyard.dispatcher.engines.driver import EngineDriver
 from switchyard.dispatcher.engines.torch import TorchEngine
 from switchyard.dispatcher.request import Request
 
@@ -40,27 +41,24 @@ def _bench_requests(engine: TorchEngine, batch: int, prompt_tokens: int, steps: 
 
 
 async def _bench(engine: TorchEngine, batches: list[int], prompt_tokens: int, steps: int) -> list[tuple]:
+    drive = EngineDriver(engine)  # the engine without a scheduler: execute_model, the scheduler's stop check
     rows = []
     warm = _bench_requests(engine, 1, prompt_tokens, 2, "warmup")
-    await engine.prefill(warm)
-    await engine.decode(warm)
-    for req in warm:
-        req.finish("cancelled")
-        engine.release(req)
+    await drive.prefill(warm)
+    await drive.decode(warm)
+    drive.end(warm)
     for batch in batches:
         reqs = _bench_requests(engine, batch, prompt_tokens, steps, f"b{batch}")
         before = engine.busy_seconds
-        await engine.prefill(reqs)
+        await drive.prefill(reqs)
         prefill_s = engine.busy_seconds - before
         step_s = []
         for _ in range(steps):
             before = engine.busy_seconds
-            await engine.decode(reqs)
+            await drive.decode(reqs)
             step_s.append(engine.busy_seconds - before)
-        kv = sum(engine.kv_bytes(s) for s in reqs)
-        for req in reqs:
-            req.finish("cancelled")
-            engine.release(req)
+        kv = sum(engine.kv.kv_bytes(s) for s in reqs)
+        drive.end(reqs)
         median = statistics.median(step_s)
         rows.append((batch, prefill_s, median, batch / median, kv))
     return rows

@@ -16,7 +16,7 @@ owns every request, and the engine owns the model. Each turn:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), at most
    ``scheduler.max_step_prefill_tokens`` prompt tokens per step (a longer
    prompt split over steps on an engine with chunked prefill,
-   :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`, else alone
+   ``StepEngine.supports_chunked_prefill``, else alone
    in its step), or are prefilled alone when nothing else runs or a core
    request is among them (its first token then waits for no decode). The
    bound keeps every step short: a step of many long prompts would make core
@@ -32,12 +32,12 @@ After every step the scheduler fails the requests past their own deadline
 
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
-:class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A core request
+``StepEngine.supports_layer_preemption``). A core request
 arriving while a step runs (one that prefills no core request itself) starts
 one small task: the scheduler admits the core work, preempting lower-class
 running work for it at once when it does not fit (``scheduler.admit_core``;
 the victims' KV leaves when the step in flight ends), and the engine prefills
-it at the next layer boundary of the step in flight (``prefill_between_layers``),
+it at the next layer boundary of the step in flight (``execute_between_layers``),
 as REEF preempts best-effort DNN inference for real-time work (Han et al.,
 OSDI 2022). The core request waits for one layer (step time / layers) instead
 of the rest of the step; the step in flight lasts longer by the core prefill,
@@ -48,8 +48,10 @@ the next step. When the step ends before reaching another layer boundary, the
 core requests are newcomers of the next turn, prefilled alone first as above.
 
 An idle engine takes a request at once: an arrival wakes the loop, and the
-buffer is swapped with reason ``idle``. Finished requests are handed back to
-the scheduler (``finish``), which releases their KV or parks their agent.
+buffer is swapped with reason ``idle``. Each step's result goes to the scheduler
+(``update_from_output``: tokens, the one stop check, finished requests' KV
+freed or their agent parked), and the loop publishes the per-request outputs it
+returns to the requests' output streams (the one writer of those streams).
 A step that fails with a real out-of-memory error (CUDA's
 ``OutOfMemoryError``, or ``MemoryError``) is counted and handed to
 ``scheduler.on_oom``, which preempts its requests and evicts: the process
@@ -75,9 +77,9 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.base import ChunkedPrefill, LayerPreemptible, StepEngine
+from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult, StreamEngine
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.request import Request, request_links
+from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, request_links
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
@@ -101,7 +103,7 @@ class LoopBase:
         scheduler: the scheduler that owns the requests.
     """
 
-    def __init__(self, config: SwitchyardConfig, engine: Any, scheduler: SchedulerCore) -> None:
+    def __init__(self, config: SwitchyardConfig, engine: StepEngine | StreamEngine, scheduler: SchedulerCore) -> None:
         self.config = config
         self.engine = engine
         self.scheduler = scheduler
@@ -110,9 +112,10 @@ class LoopBase:
         self._closing = False
         self._busy_mark = (time.monotonic(), self._busy_seconds())
         self._busy_counted = self._busy_mark[1]
-        scheduler.on_arrival = self._on_arrival
-        bound = getattr(engine, "decode_bound_tokens_per_s", None)
-        metrics.DECODE_BOUND.set(bound(config.batching.max_batch_size) if callable(bound) else 0.0)
+        self._flush_timer: asyncio.TimerHandle | None = None
+        scheduler.on_arrival = self._arrived
+        metrics.DECODE_BOUND.set(engine.decode_bound_tokens_per_s(config.batching.max_batch_size)
+                                 if isinstance(engine, StepEngine) else 0.0)
 
     # ------------------------------------------------------------------ service calls
 
@@ -124,11 +127,24 @@ class LoopBase:
                 :meth:`SchedulerCore.add_request`.
         """
         self.scheduler.add_request(req, time.monotonic())
+        self._publish_stats()
 
     def abort(self, req: Request) -> None:
-        """The caller went away: end ``req`` now and free its place and KV. Idempotent."""
-        self.scheduler.abort(req, time.monotonic())
+        """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
+        self._publish(self.scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
+                                                     time.monotonic()))
         self._wake.set()
+
+    def _publish(self, outputs: list[RequestOutput], stats: bool = True) -> None:
+        """Push the scheduler's per-request outputs to the requests' output streams (the one writer), then
+        (``stats``) its state to the metrics (:meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats`)."""
+        for out in outputs:
+            out.publish()
+        if stats:
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        metrics.publish_stats(self.scheduler.make_stats())
 
     def start(self) -> None:
         """Start the loop task on the running event loop (idempotent)."""
@@ -143,6 +159,7 @@ class LoopBase:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=False)
+        self._cancel_flush_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -155,6 +172,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=True)
         self._cancel_all()
+        self._cancel_flush_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -176,11 +194,47 @@ class LoopBase:
     def _on_arrival(self) -> None:
         self._wake.set()
 
+    def _arrived(self) -> None:
+        """The scheduler accepted a request: arm the flush-interval timer, then :meth:`_on_arrival`."""
+        self._arm_flush_timer()
+        self._on_arrival()
+
+    def _arm_flush_timer(self) -> None:
+        """Flush by INTERVAL when the first buffered request has waited ``flush_interval_ms``
+        (``scheduler.flush_deadline``); the loop owns this timer, the scheduler none."""
+        deadline = self.scheduler.flush_deadline
+        if deadline is None or self._flush_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (tests): the next decision flushes
+            return
+        # monotonic and the loop's clock agree on CPython's default and uvloop loops
+        self._flush_timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._on_flush_timer)
+
+    def _on_flush_timer(self) -> None:
+        self._flush_timer = None
+        deadline = self.scheduler.flush_deadline
+        if deadline is None:  # swapped meanwhile (a step boundary, a full buffer)
+            return
+        now = time.monotonic()
+        if deadline > now:  # a later buffer: its own first request's interval
+            self._arm_flush_timer()
+            return
+        self.scheduler.flush(FlushReason.INTERVAL, now)
+        self._publish_stats()
+        self._on_arrival()
+
+    def _cancel_flush_timer(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+
     def _cancel_all(self) -> None:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.scheduler.abort(req, now)
+        ids = [req.seq_id for req in [*self.scheduler.running, *self.scheduler.waiting]]
+        self._publish(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED, now))
 
     async def _wait(self, timeout: float | None) -> None:
         self._wake.clear()
@@ -190,7 +244,7 @@ class LoopBase:
             pass
 
     def _busy_seconds(self) -> float:
-        return float(getattr(self.engine, "busy_seconds", 0.0))
+        return float(self.engine.busy_seconds)
 
     def _update_busy(self) -> None:
         busy = self._busy_seconds()
@@ -217,12 +271,12 @@ class StepLoop(LoopBase):
         super().__init__(config, engine, scheduler)
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self.max_step_prefill_tokens = config.scheduler.max_step_prefill_tokens
-        self.chunked_prefill = isinstance(engine, ChunkedPrefill)
-        """Newcomers' prompts may be split over steps (:class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`)."""
+        self.chunked_prefill = engine.supports_chunked_prefill
+        """Newcomers' prompts may be split over steps (``StepEngine.supports_chunked_prefill``)."""
         self.steps = 0
         self._idle = True
         self._idle_tick_s = min(BUSY_WINDOW_S, config.scheduler.score_sample_interval_ms / 1000)
-        self.layer_preemption = config.scheduler.core_preemption == "layer" and isinstance(engine, LayerPreemptible)
+        self.layer_preemption = config.scheduler.core_preemption == "layer" and engine.supports_layer_preemption
         """Core work may join a step in flight at a layer boundary (see the module docstring)."""
         self._preemptible = False  # a step that core work may interrupt is in flight
         self._transferring = False  # the loop sleeps a restore's modelled transfer: the engine computes nothing
@@ -242,10 +296,12 @@ class StepLoop(LoopBase):
     async def _preempt_step(self) -> None:
         """Prefill core work at a layer boundary of the step in flight (or at once while the loop only waits
         for a restore's transfer), while some is admitted and a step or transfer allows it."""
-        engine: Any = self.engine
+        engine = self.engine
         try:
             while (self._preemptible or self._transferring) and not self._closing:
-                admitted = self.scheduler.admit_core(time.monotonic())
+                decision = self.scheduler.admit_core(time.monotonic())
+                self._publish(decision.outputs)
+                admitted = decision.admitted
                 if not admitted:
                     return
                 self._joined = True  # the running set changed: the turn ends at this step's boundary
@@ -254,14 +310,14 @@ class StepLoop(LoopBase):
                     "dispatcher.layer_preemption", context=otel_context.Context(), links=request_links(admitted),
                     attributes={"switchyard.admitted": len(admitted)},
                 ):
+                    batch = self.scheduler.compose_batch(admitted, [])
                     if self._preemptible:
-                        prefilled = await self._call(engine.prefill_between_layers, admitted)
+                        done = await self._call(engine.execute_between_layers, batch)
                     else:  # no step in flight: the copy engine moves the restore, the compute is free
-                        prefilled = await self._call(engine.prefill, admitted)
-                if prefilled is not False:  # True, or it failed: what it did is recorded as a step's
+                        done = await self._call(engine.execute_model, batch)
+                if done is not False:  # a result, or it failed: what it did is recorded as a step's
                     self.steps += 1
                     self._record(admitted, before)
-                self._reap(admitted)
         finally:
             self._preempt_task = None
 
@@ -282,12 +338,14 @@ class StepLoop(LoopBase):
                 await self._wait(self._idle_tick_s)
                 self._update_busy()  # idle: let the busy ratio fall
                 scheduler.on_idle(time.monotonic())  # the compute score and parked agents' TTLs move on
+                self._publish_stats()
                 continue
             self._idle = False
             now = time.monotonic()
             out = scheduler.schedule(now)
             self._joined = False
-            running = [s for s in out.running if not s.is_finished]
+            self._publish(out.outputs)
+            running = [s for s in out.running if s.status is RequestStatus.RUNNING]
             if not running:
                 await self._move_tiers(out.restore)
                 # Work waits but none fits now: re-evaluate when something changes, after a slice, or at the
@@ -339,13 +397,13 @@ class StepLoop(LoopBase):
         if core:
             # Core work is prefilled on its own: its first token waits for no decode, no other newcomer and
             # no restore (nor for a later core arrival: this step is not preempted).
-            await self._step(engine.prefill, core)
-            if self._reap(core):
+            await self._step(core, [])
+            if self._left(core):
                 await self._move_tiers(restore)
                 return
         await self._move_tiers(restore)
         done = set(core)
-        running = [s for s in running if s.state == "running" and not s.is_finished]  # preempted meanwhile: gone
+        running = [s for s in running if s.status is RequestStatus.RUNNING]  # preempted meanwhile: gone
         prefill = [s for s in running if s.needs_prefill and s not in done]
         decode = [s for s in running if not s.needs_prefill and s not in done]
         if prefill and decode and self.chunked_prefill:
@@ -353,32 +411,30 @@ class StepLoop(LoopBase):
             # each step also decoding the running set.
             pending = prefill
             while pending:
-                await self._step(lambda reqs, pending=pending: engine.step_chunk(
-                    pending, decode, self.max_step_prefill_tokens), pending + decode, preemptible=True)
-                if self._reap(pending + decode) or self._joined:
+                await self._step(pending, decode, preemptible=True, budget=self.max_step_prefill_tokens)
+                if self._left(pending + decode) or self._joined:
                     return
-                pending = [s for s in pending if s.needs_prefill and s.state == "running" and not s.is_finished]
+                pending = [s for s in pending if s.needs_prefill and s.status is RequestStatus.RUNNING]
             prefill = []
         for group in self._prefill_groups(prefill):
             if decode:
                 # Newcomers join the running set in mixed steps: the decodes do not wait for them.
-                await self._step(lambda reqs, group=group: engine.step(group, decode), group + decode,
-                                 preemptible=True)
-                if self._reap(group + decode) or self._joined:
+                await self._step(group, decode, preemptible=True)
+                if self._left(group + decode) or self._joined:
                     return
             else:
                 preemptible = not any(s.priority_class is PriorityClass.CORE for s in group)
-                await self._step(engine.prefill, group, preemptible=preemptible)
-                if self._reap(group) or self._joined:
+                await self._step(group, [], preemptible=preemptible)
+                if self._left(group) or self._joined:
                     return
         slice_end = time.monotonic() + self.time_slice_s
         while (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
                and time.monotonic() < slice_end):
-            decode = [s for s in running if not s.is_finished and not s.needs_prefill and s.state == "running"]
+            decode = [s for s in running if not s.needs_prefill and s.status is RequestStatus.RUNNING]
             if not decode:
                 break
-            await self._step(engine.decode, decode, preemptible=True)
-            if self._reap(decode):
+            await self._step([], decode, preemptible=True)
+            if self._left(decode):
                 break
 
     def _prefill_groups(self, prefill: list[Request]) -> list[list[Request]]:
@@ -395,35 +451,45 @@ class StepLoop(LoopBase):
             tokens += n
         return groups
 
-    async def _step(self, fn: Callable[[list[Request]], Awaitable[None]], reqs: list[Request],
-                    preemptible: bool = False) -> None:
-        """One engine step over ``reqs``: run it, record what it produced. ``preemptible``: core work may
-        join it at a layer boundary while it runs."""
+    async def _step(self, prefill: list[Request], decode: list[Request], preemptible: bool = False,
+                    budget: int | None = None) -> None:
+        """One engine step: the scheduler composes it (``budget``: chunked prefill), the engine runs it, the
+        scheduler takes its result in (``update_from_output``) and the outputs are published.
+        ``preemptible``: core work may join it at a layer boundary while it runs."""
+        batch = self.scheduler.compose_batch(prefill, decode, budget)
+        reqs = batch.requests
         before = self._before(reqs)
         self._preemptible = preemptible and self.layer_preemption
         if self._preemptible and self.scheduler.core_pending:  # core work came while nothing could take it
             self._on_core_arrival()
         try:
-            await self._call(fn, reqs)
+            await self._call(self.engine.execute_model, batch)
         finally:
             self._preemptible = False
         self.steps += 1
         self._record(reqs, before)
-        self.scheduler.expire_deadlines(time.monotonic())
 
-    async def _call(self, fn: Callable[[list[Request]], Awaitable[Any]], reqs: list[Request]) -> Any:
-        """``fn(reqs)``'s result; None when it failed: an out-of-memory error is handed to the scheduler,
-        any other fails every member of ``reqs``."""
+    async def _call(self, fn: Callable[[StepBatch], Awaitable[StepResult | None]], batch: StepBatch) -> Any:
+        """Run ``fn(batch)`` and hand its result to the scheduler; False when it reached no layer boundary,
+        None when it failed: an out-of-memory error is handed to the scheduler, any other fails every
+        member of ``batch``."""
+        scheduler = self.scheduler
         try:
-            return await fn(reqs)
+            result = await fn(batch)
         except Exception as exc:  # noqa: BLE001 - every member of the step gets the error
+            now = time.monotonic()
             if is_out_of_memory(exc):
-                self.scheduler.on_oom(reqs, time.monotonic(), exc)
+                out = scheduler.on_oom(batch.requests, now, exc)
+                self._publish(out.outputs)
             else:
-                log.exception("engine step failed for %d requests", len(reqs))
-                for req in reqs:
-                    req.fail(exc)
+                log.exception("engine step failed for %d requests", len(batch.requests))
+                self._publish(scheduler.finish_requests([s.seq_id for s in batch.requests],
+                                                        RequestStatus.FINISHED_ERROR, now, exc))
             return None
+        if result is None:
+            return False
+        self._publish(scheduler.update_from_output(batch, result, time.monotonic()))
+        return result
 
     @staticmethod
     def _before(reqs: list[Request]) -> list[tuple[float | None, float | None, int]]:
@@ -431,8 +497,7 @@ class StepLoop(LoopBase):
 
     def _record(self, reqs: list[Request], before: list[tuple[float | None, float | None, int]]) -> None:
         """Metrics of a step over ``reqs`` (``before``: each one's token times and count before it): TTFT or
-        inter-token latency by priority class, tokens produced, KV peaks, busy time."""
-        engine = self.engine
+        inter-token latency by priority class, tokens produced, busy time."""
         produced = 0
         for req, (first, last, count) in zip(reqs, before):
             produced += max(0, len(req.output_tokens) - count)
@@ -440,19 +505,11 @@ class StepLoop(LoopBase):
                 metrics.TTFT_BY_CLASS[req.priority_name].observe(req.first_token_at - req.arrival)
             elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
                 metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(req.last_token_at - last)
-            req.observe_kv_bytes(engine.kv_bytes(req))
         metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()
 
-    def _reap(self, reqs: list[Request]) -> bool:
-        """Hand the finished members of ``reqs`` back to the scheduler; True when any ended or left the
-        running set (preempted after an out-of-memory step)."""
-        now = time.monotonic()
-        ended = False
-        for req in reqs:
-            if req.is_finished and req.state == "running":
-                self.scheduler.finish(req, now)
-                ended = True
-            elif req.state != "running":
-                ended = True
-        return ended
+    @staticmethod
+    def _left(reqs: list[Request]) -> bool:
+        """True when any member of ``reqs`` ended or left the running set (preempted, after an
+        out-of-memory step): the turn ends at this step boundary."""
+        return any(req.status is not RequestStatus.RUNNING for req in reqs)

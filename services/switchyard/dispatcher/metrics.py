@@ -11,10 +11,15 @@ accounting (``switchyard.dispatcher.scheduler.metrics``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from switchyard.common.metrics import TTFT_BUCKETS
+from switchyard.common.metrics import QUEUE_DEPTH, TTFT_BUCKETS
 from switchyard.common.priority import LABELS as PRIORITY_LABELS
+
+if TYPE_CHECKING:
+    from switchyard.dispatcher.scheduler.base import SchedulerStats
 
 # Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -71,3 +76,21 @@ PREFIX_CACHE_BYTES = Gauge(
 # observes inter-token latency per token, and a labels() lookup costs more than the observation.
 TTFT_BY_CLASS = {_class: TTFT.labels(_class) for _class in PRIORITY_CLASSES}
 INTER_TOKEN_LATENCY_BY_CLASS = {_class: INTER_TOKEN_LATENCY.labels(_class) for _class in PRIORITY_CLASSES}
+
+
+def publish_stats(stats: "SchedulerStats") -> None:
+    """Set the scheduler's gauges from ``make_stats()`` (the step loop calls it after each decision and
+    whenever requests end): running and waiting requests by priority class and in all, the inference
+    queue's depth, and the HBM tier's bytes."""
+    from switchyard.dispatcher.scheduler import metrics as scheduler_metrics
+    from switchyard.dispatcher.tiers import metrics as tier_metrics
+
+    for name, count in stats.running.items():
+        scheduler_metrics.RUNNING_AGENTS.labels(name).set(count)
+    for name, count in stats.waiting.items():
+        scheduler_metrics.WAITING_AGENTS.labels(name).set(count)
+    RUNNING_SEQUENCES.set(stats.num_running)
+    WAITING_SEQUENCES.set(stats.num_waiting)
+    QUEUE_DEPTH.labels("inference").set(stats.num_queued)
+    if stats.hbm_held_bytes is not None:
+        tier_metrics.TIER_BYTES.labels("hbm").set(stats.hbm_held_bytes)

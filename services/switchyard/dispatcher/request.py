@@ -3,10 +3,13 @@
 A :class:`Request` is created by the service when a Generate arrives, handed to
 the scheduler (its double buffer, then its waiting set), admitted (and maybe
 preempted and resumed) by the scheduling policy, and stepped by the engine.
-The engine writes generated tokens into it; every visible token, tool call and
-the request's end also go to its :class:`~switchyard.dispatcher.output.OutputStream`
-(``request.output``), which the Generate handler streams to its caller. The
-scheduler and the engines see request state only; the handler reads the stream.
+The engine reads it and returns what a step produced
+(:class:`~switchyard.dispatcher.engines.base.StepResult`); the scheduler alone
+writes that into the request (``update_from_output``: tokens, computed prefix,
+the one stop check, its :class:`RequestStatus`) and hands back a
+:class:`RequestOutput` per request; the step loop pushes those to the
+request's :class:`~switchyard.dispatcher.output.OutputStream` (``request.output``),
+which the Generate handler streams to its caller.
 
 Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
 prefix whose KV state is held by the engine. After any step it equals
@@ -21,6 +24,8 @@ never repeats or loses a token.
 
 from __future__ import annotations
 
+import enum
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,6 +39,63 @@ from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
 """finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in the dispatcher; every value from ``PARKED`` on is finished (after vLLM's
+    ``vllm/v1/request.py`` ``RequestStatus``: ordered, ``is_finished`` a comparison).
+
+    Written by the scheduler only. ``BUFFERED``: in the double buffer; ``WAITING``: in the waiting
+    queue (never admitted, or preempted); ``RUNNING``: in the running set; ``PREEMPTING``: preempted
+    while a step it belongs to is in flight (its KV leaves when that step ends); ``PARKED``: a
+    react_loop agent's step that ended in tool calls, its prefix KV kept warm (finished for its caller,
+    reason ``tool_calls``). The ``FINISHED_*`` values name the finish reason (:data:`FINISH_REASONS`);
+    ``FINISHED_ERROR`` ended with ``Request.error`` (no finish reason).
+    """
+
+    NEW = 0
+    BUFFERED = 1
+    WAITING = 2
+    RUNNING = 3
+    PREEMPTING = 4
+    PARKED = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH_CAPPED = 7
+    FINISHED_TOOL_CALLS = 8
+    FINISHED_ABORTED = 9
+    FINISHED_ERROR = 10
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.PARKED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        """The finish reason of a finished status (None: unfinished, or ended with an error)."""
+        return _FINISH_REASON.get(status)
+
+    @staticmethod
+    def finished_with(reason: str) -> "RequestStatus":
+        """The finished status of an engine-reported finish reason: stop, length or tool_calls (any other:
+        stop)."""
+        return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
+
+
+_FINISH_REASON = {
+    RequestStatus.PARKED: "tool_calls",
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_TOOL_CALLS: "tool_calls",
+    RequestStatus.FINISHED_ABORTED: "cancelled",
+}
+
+_STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
+}
+
+_SEQ_IDS = itertools.count(1)
 
 _WORD_PIECE = re.compile(r"\s*\S+|\s+$")
 
@@ -83,15 +145,17 @@ class ToolCall:
 class Request:
     """One Generate request: its input, scheduling state, generated output and accounting.
 
-    It owns its :class:`~switchyard.dispatcher.output.OutputStream` (``output``):
-    :meth:`append_token`, :meth:`add_tool_call`, :meth:`finish` and :meth:`fail`
-    record on the request and push to the stream in one call, so what the
-    caller receives always agrees with the request's state.
+    It carries its :class:`~switchyard.dispatcher.output.OutputStream` (``output``),
+    written only by the step loop from the scheduler's :class:`RequestOutput`s,
+    so what the caller receives always agrees with the request's state.
+    Its accounting (attained service included: ``num_prefilled_tokens``,
+    ``num_output_tokens``) is recorded here by the scheduler, not in side tables.
     Identity is the object (``eq=False``), so requests can sit in sets and dicts.
     Times are ``time.monotonic()`` seconds; ``None`` until the event happens.
     """
 
     request_id: str
+    """The caller's id (orchestrator: ``task_id:step``); not unique: a caller may reuse it."""
     prompt: str = ""
     messages: list[Message] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
@@ -122,18 +186,24 @@ class Request:
     output_tokens: list[str] = field(default_factory=list)
     """Every generated token text, streamed or not (tool-call arguments are not streamed as text)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
+    error: BaseException | None = field(default=None, repr=False)
+    """Why it ended with ``FINISHED_ERROR`` (raised to the Generate caller)."""
 
     # --- engine / scheduler state
-    state: str = "new"
-    """Where the scheduler holds it: new, buffered, waiting, running, parked or finished
-    (:data:`switchyard.dispatcher.scheduler.core.STATES`); written by the scheduler only."""
+    status: RequestStatus = RequestStatus.NEW
+    """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only."""
+    num_prefilled_tokens: int = 0
+    """Prompt (and recomputed) tokens the engine computed for it: with the output tokens, its attained service."""
     reached_engine: bool = False
     """Admitted at least once: it left the inference queue (its queue wait is over)."""
     kv_reserved_bytes: int = 0
     """KV bytes reserved in the HBM budget while it runs (0 when not running)."""
-    batch_id: int = -1
-    """Number of the flush that brought it to the scheduler."""
+    batch: "FlushedBatch | None" = field(default=None, repr=False)
+    """The flush that brought it to the scheduler, until it ends (its batch's service time)."""
+    kv_leaving_bytes: int = 0
+    """``PREEMPTING``: its live KV bytes, held in the HBM budget until the step in flight ends."""
+    handover_from: "Request | None" = field(default=None, repr=False)
+    """A resumed react_loop step: its agent's parked step, whose warm prefix it takes over at admission."""
     num_computed_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
@@ -168,12 +238,26 @@ class Request:
     # --- accounting
     compute_score_used: float = 0.0
     """Compute score x seconds of engine time while running (see the scheduling policy)."""
+    charged_until: float | None = None
+    """Running: accounted up to this time (:mod:`~switchyard.dispatcher.scheduler.accounting`); None otherwise."""
+    running_seconds: float = 0.0
+    """Seconds it held a running slot, over all its admissions."""
+    score_seconds: float = 0.0
+    """Compute score x seconds while it ran (not shared): its average score is this / ``running_seconds``."""
+    admitted_at_score: float | None = None
+    """The compute score at its last admission (what it added is measured from there)."""
+    admitted_together: int = 1
+    """Requests admitted in the same decision as it (they share the score increase)."""
     memory_peak_bytes: int = 0
     usage_prompt_tokens: int | None = None
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""
     usage_completion_tokens: int | None = None
 
-    cancelled: bool = False
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    """The dispatcher's own id of this request, unique in the process (after vLLM's internal request id):
+    what the scheduler's registry and an engine's :class:`~switchyard.dispatcher.engines.base.StepResult`
+    are keyed by, whatever the caller's ``request_id``."""
+
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""
     output: OutputStream = field(default_factory=OutputStream, repr=False)
@@ -216,7 +300,13 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """stop, length, tool_calls or cancelled once finished (:class:`RequestStatus`); None otherwise
+        and after an error."""
+        return RequestStatus.finish_reason(self.status)
 
     @property
     def needs_prefill(self) -> bool:
@@ -233,54 +323,11 @@ class Request:
     def usage_prompt(self) -> int:
         return self.usage_prompt_tokens if self.usage_prompt_tokens is not None else self.prompt_tokens
 
-    # ------------------------------------------------------------------ written by engines
-
-    def append_token(self, text: str, *, visible: bool = True) -> None:
-        """Record one generated token and, when ``visible``, stream it.
-
-        Invisible tokens (tool-call arguments being generated) count in usage
-        and in the KV prefix but are not sent as text chunks.
-        """
-        now = time.monotonic()
-        index = len(self.output_tokens)
-        self.output_tokens.append(text)
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.last_token_at = now
-        if visible:
-            self.output.token(text, index)
-
-    def add_tool_call(self, call: ToolCall) -> None:
-        """Record and stream one tool call."""
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        self.tool_calls.append(call)
-        self.output.tool_call(call)
-
-    def finish(self, reason: str) -> None:
-        """Mark it finished (stop, length, tool_calls, cancelled) and close its stream. Idempotent.
-
-        Raises:
-            ValueError: ``reason`` is not one of :data:`FINISH_REASONS`.
-        """
-        if self.finish_reason is not None:
-            return
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason: expected one of {FINISH_REASONS}, got {reason!r}")
-        self.finish_reason = reason
-        self.output.done(reason)
-
-    def fail(self, error: BaseException) -> None:
-        """End its stream with ``error`` (raised to the Generate caller). Idempotent with finish."""
-        if self.finish_reason is not None:
-            return
-        self.finish_reason = "error"
-        self.output.error(error)
-
-    # ------------------------------------------------------------------ written by the engine loop
+    # ------------------------------------------------------------------ written by the scheduler
 
     def mark_preempted(self, now: float | None = None) -> None:
-        """The policy took its slot: KV state is dropped, tokens already streamed are kept."""
+        """The policy took its slot: KV state is dropped, tokens already streamed are kept (an event on
+        its span)."""
         self.preemptions += 1
         self.num_computed_tokens = 0
         self.preempted_at = time.monotonic() if now is None else now
@@ -296,6 +343,39 @@ class Request:
             self.memory_peak_bytes = nbytes
 
 
+@dataclass(eq=False)
+class FlushedBatch:
+    """One swap of the double buffer, shared by its members: ``left`` members have not ended yet."""
+
+    number: int
+    left: int
+    flushed_at: float
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced since the scheduler last reported on it: the step loop pushes it to
+    ``req.output`` (visible tokens with their index, tool calls, then its end when ``finished``)."""
+
+    req: Request
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finished: bool = False
+
+    def publish(self) -> None:
+        """Push to the request's output stream: tokens, tool calls, then ``done`` or ``error``."""
+        out = self.req.output
+        for text, index in self.tokens:
+            out.token(text, index)
+        for call in self.tool_calls:
+            out.tool_call(call)
+        if self.finished:
+            if self.req.error is not None:
+                out.error(self.req.error)
+            else:
+                out.done(self.req.finish_reason or "stop")
+
+
 @dataclass
 class SchedulerOutput:
     """What the scheduling policy decided at one step boundary.
@@ -303,12 +383,14 @@ class SchedulerOutput:
     ``admitted``: requests newly taken into the running set (they need a
     prefill: first one, or a recompute after preemption). ``preempted``:
     running requests whose slot was taken; the scheduler has dropped their KV
-    state (``engine.release``) and they wait again. ``running``: the whole
+    state (``kv.free``, or a copy went to DRAM) and they wait again. ``running``: the whole
     running set after this decision, admitted included, in step order.
     ``expired``: requests that waited past ``queues.inference.timeout_ms``
     before their first admission; they have failed with DEADLINE_EXCEEDED.
     ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
+    ``outputs``: requests that ended in this decision (expired, past their
+    deadline): the step loop publishes them.
     """
 
     admitted: list[Request] = field(default_factory=list)
@@ -316,6 +398,7 @@ class SchedulerOutput:
     running: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
     restore: list[Request] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 def request_links(reqs: "list[Request]") -> list[trace.Link]:

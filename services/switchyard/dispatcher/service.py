@@ -52,7 +52,7 @@ from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
-from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer(__name__)
@@ -249,10 +249,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
         store = (KvStore(DramClient(dram), dram.kv_ttl_s)
-                 if self.stepping and dram.kv_swap and hasattr(self.engine, "export_kv") else None)
+                 if self.stepping and dram.kv_swap and self.engine.kv.can_export() else None)
         oss = config.memory.oss
         cold = ColdStore(oss.path, dram.key_prefix, oss.storage_options) if store is not None else None  # [oss]
-        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine, store, cold)
+        self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine.kv, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
             config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers
         )
@@ -433,7 +433,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)
         if req.prefill_only:
             if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens
-                req.finish("stop")
+                req.status = RequestStatus.FINISHED_STOPPED
+                RequestOutput(req, finished=True).publish()
                 return req
             req.max_tokens = 1  # the prompt's prefill is what it is for; its one token is dropped by the caller
         if self.adaptive is not None:

@@ -34,10 +34,10 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
-from switchyard.dispatcher.engines.base import StreamEngine, Usage
+from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.request import Request, ToolCall
+from switchyard.dispatcher.request import Request, RequestStatus, ToolCall
 
 
 class StreamLoop(LoopBase):
@@ -45,8 +45,7 @@ class StreamLoop(LoopBase):
 
     Args:
         config: the whole config (``queues.inference.max_batches_in_prefill``, ``scheduler.time_slice_ms``).
-        engine: the stream engine; its ``on_upstream_status`` hook, when it has
-            one, is set to feed 429/503 answers to the limit.
+        engine: the stream engine; its ``on_upstream_status`` hook is set to feed 429/503 answers to the limit.
         scheduler: a scheduler built with ``ConcurrencyCapacity(limit)``.
         limit: the adaptive concurrency limit behind the scheduler's capacity.
     """
@@ -66,8 +65,7 @@ class StreamLoop(LoopBase):
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
         self._tasks: dict[Request, asyncio.Task[None]] = {}
-        if hasattr(engine, "on_upstream_status"):
-            engine.on_upstream_status = self._on_status  # type: ignore[attr-defined]
+        engine.on_upstream_status = self._on_status
         scheduler.on_core_arrival = self._on_core_arrival
 
     def abort(self, req: Request) -> None:
@@ -89,9 +87,10 @@ class StreamLoop(LoopBase):
         (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
         if self._closing or len(self._prefilling) < self.max_prefilling:
             return  # the loop takes it at its next decision (woken by _on_arrival)
-        admitted = self.scheduler.admit_core(time.monotonic())
-        if admitted:
-            self._start_wave(admitted)
+        decision = self.scheduler.admit_core(time.monotonic())
+        self._publish(decision.outputs)
+        if decision.admitted:
+            self._start_wave(decision.admitted)
 
     def _start_wave(self, admitted: list[Request]) -> None:
         wave = next(self._waves)
@@ -112,11 +111,13 @@ class StreamLoop(LoopBase):
                     return
                 await self._wait(BUSY_WINDOW_S)
                 scheduler.on_idle(time.monotonic())  # an idle upstream's score must not go stale
+                self._publish_stats()
                 continue
             now = time.monotonic()
             if self._can_take() or now - last >= self.time_slice_s:
                 last = now
                 out = scheduler.schedule(now)
+                self._publish(out.outputs)
                 for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
                     task = self._tasks.get(req)
                     if task is not None:
@@ -136,11 +137,14 @@ class StreamLoop(LoopBase):
             self._prefilling[wave] = left - 1
 
     async def _stream(self, req: Request, wave: int) -> None:
-        engine = self.engine
+        """Stream ``req`` from the engine: each item goes to the scheduler as a one-request step result
+        (``update_from_output``: the same stop check as a step engine's), whose outputs are published."""
+        engine, scheduler = self.engine, self.scheduler
+        batch = StepBatch(decode=[req])
         sent = time.monotonic()
         first = True
         try:
-            finish: str | None = None
+            ended = False
             async for item in engine.generate(req):
                 if req.is_finished:
                     break
@@ -149,35 +153,33 @@ class StreamLoop(LoopBase):
                     first = False
                     self.limit.on_sample(now - sent, now)
                     self._prefilled(wave)
+                last = req.last_token_at
+                seq = stream_item_output(item)
+                ended = seq.eos or seq.length_capped
+                outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
+                self._publish(outputs, stats=any(out.finished for out in outputs))  # not per token
                 if isinstance(item, str):
                     self.limit.on_tokens(1, now)
-                    last = req.last_token_at
-                    req.append_token(item)
                     metrics.GENERATED_TOKENS.inc()
                     if last is None:
                         metrics.TTFT_BY_CLASS[req.priority_name].observe(now - req.arrival)
                     else:
                         metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(now - last)
-                elif isinstance(item, ToolCall):
-                    req.add_tool_call(item)
-                elif isinstance(item, Usage):
-                    req.usage_prompt_tokens = item.prompt_tokens
-                    req.usage_completion_tokens = item.completion_tokens
-                    finish = item.finish_reason
-                    if item.model:
-                        req.model = item.model  # the upstream model that answered (fallback included)
-            if not req.is_finished:
-                req.finish(finish or ("tool_calls" if req.tool_calls else "stop"))
+            if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
+                seq = SeqOutput(eos=True)
+                self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
+                                                           time.monotonic()))
         except asyncio.CancelledError:
-            req.finish("cancelled")
+            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
+                                                    time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            req.fail(exc)
+            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ERROR,
+                                                    time.monotonic(), exc))
         finally:
             if first:
                 self._prefilled(wave)
             self._tasks.pop(req, None)
-            self.scheduler.finish(req, time.monotonic())
             self._wake.set()
 
     def _cancel_all(self) -> None:

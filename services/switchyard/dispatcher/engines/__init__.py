@@ -16,9 +16,20 @@ import importlib
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError
-from switchyard.dispatcher.engines.base import StepEngine, StreamEngine, StreamItem, Usage
+from switchyard.dispatcher.engines.base import (
+    KVCacheManager,
+    NullKVCacheManager,
+    SeqOutput,
+    StepBatch,
+    StepEngine,
+    StepResult,
+    StreamEngine,
+    StreamItem,
+    Usage,
+)
 
-__all__ = ["StepEngine", "StreamEngine", "StreamItem", "Usage", "EngineUnavailable", "make_engine"]
+__all__ = ["KVCacheManager", "NullKVCacheManager", "SeqOutput", "StepBatch", "StepEngine", "StepResult", "StreamEngine",
+           "StreamItem", "Usage", "EngineUnavailable", "make_engine"]
 
 # engine name -> (module, class); modules are imported lazily so the sim
 # engine's image needs neither httpx upstream set-up nor torch.

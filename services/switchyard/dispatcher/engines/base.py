@@ -1,131 +1,242 @@
-"""The two engine interfaces the dispatcher drives.
+"""The engine interfaces the dispatcher drives: typed model runners, their KV cache managers.
 
-- :class:`StepEngine`: engines that run the model one iteration at a time over
-  a batch (``sim`` and ``torch``). The step loop does iteration-level
-  batching with them: requests join and leave the running set at step
-  boundaries, and the scheduling policy can preempt between steps.
+Shape after vLLM's v1 engine core (``vllm/v1/engine/core.py`` ``step()``:
+``schedule()`` -> ``execute_model()`` -> ``update_from_output()``): the
+scheduler decides, the engine runs the model and reports, the scheduler
+writes the report into its requests. An engine mutates no request.
+
+- :class:`StepEngine`: engines that run the model one iteration at a time
+  over a batch (``sim`` and ``torch``). :meth:`StepEngine.execute_model`
+  takes a :class:`StepBatch` (what to prefill, how many prompt tokens each,
+  what to decode) and returns a :class:`StepResult` (per ``Request.seq_id``: new token
+  texts and their visibility, tool calls, whether the model emitted
+  end-of-sequence, the KV prefix computed; the step's prompt tokens and
+  seconds). What an engine can do is declared as class flags
+  (``supports_layer_preemption``, ``supports_chunked_prefill``), never probed.
+- :class:`KVCacheManager`: an engine's KV memory, owned and called by the
+  scheduler (bytes per request, free, export/import for the memory tiers,
+  prefix sharing and the prefix cache, compaction, memory facts).
+  :class:`NullKVCacheManager` for engines that hold none.
 - :class:`StreamEngine`: engines that do not step (the ``openai`` upstream).
-  Each request is one streamed call; the stream loop fans requests out as
-  concurrent tasks bounded by an adaptive concurrency limit.
+  Each request is one streamed call of typed :data:`StreamItem`s; the stream
+  loop turns each into a :class:`SeqOutput` for the same ``update_from_output``.
 
-A step engine takes part in the memory tiers (:mod:`switchyard.dispatcher.tiers`)
-through optional methods, each used when present: ``memory_info()`` (device,
-weight and per-token KV bytes: the HBM budget), ``device_used_bytes()`` (memory
-in use, or None), ``export_kv(req) -> bytes | None`` and ``import_kv(req,
-payload, tokens) -> int`` (swap to and from DRAM), ``recompute_seconds(tokens)``
-(the prefill a swap saves), ``share_prefix(source, target) -> int`` (a warm
-resume between requests that hold their own caches), ``compact_kv() -> int``
-(defragmentation, bytes freed) and ``evict_prefix_cache(nbytes) -> int``.
-
-A step engine may also let core work in between the layers of the step it is
-running (:class:`LayerPreemptible`, ``prefill_between_layers``); the step loop
-uses it when present and ``scheduler.core_preemption`` is ``layer``. Engines
-without it keep the step boundary as the only point where work joins.
+The stop check is the scheduler's, one for every engine
+(:func:`switchyard.dispatcher.scheduler.core.check_stop`): end-of-sequence ->
+``stop`` (``tool_calls`` when the step produced tool calls), the request's
+``max_tokens`` or the engine's own length limit -> ``length``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Union, runtime_checkable
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Union
 
 from switchyard.dispatcher.request import Request, ToolCall
 
+if TYPE_CHECKING:
+    from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 
-@runtime_checkable
-class StepEngine(Protocol):
-    """An engine stepped by the engine loop, one batched iteration per call."""
 
-    model: str
-    """Model id reported in GenerateDone.model."""
+@dataclass
+class StepBatch:
+    """One engine step, as the scheduler composed it.
 
-    busy_seconds: float
-    """Cumulative seconds the engine spent in prefill and decode (for the busy ratio)."""
+    ``prefill``: (request, prompt tokens to compute in this step); a request
+    whose count covers its whole uncomputed prefix gets its next token, one
+    whose count is smaller (a chunk, engines with ``supports_chunked_prefill``
+    only) advances its ``num_computed_tokens`` by the count. An engine without
+    chunked prefill computes the whole uncomputed prefix whatever the count.
+    ``decode``: requests that get one token each.
+    """
 
-    async def prefill(self, reqs: list[Request]) -> None:
-        """Compute the uncomputed prefix of each request and append its next token.
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
 
-        The prefix is the prompt on first admission, or prompt plus every token
-        already generated after a preemption (``req.num_computed_tokens == 0``
-        with output present); the engine adds the recomputed part to
-        ``req.recomputed_tokens``. Afterwards ``req.num_computed_tokens`` is
-        ``req.num_tokens - 1``. A request that reaches its end (stop,
-        ``max_tokens`` or a tool call) is finished with ``req.finish``.
-        """
+    @property
+    def requests(self) -> list[Request]:
+        return [req for req, _ in self.prefill] + self.decode
 
-    async def decode(self, reqs: list[Request]) -> None:
-        """One decode step: append exactly one token to each request.
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
 
-        Every request must have been prefilled and not be finished.
-        Finishing works as in :meth:`prefill`.
-        """
 
-    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
-        """One mixed iteration: prefill ``prefill`` and decode one token of each of ``decode`` together.
+@dataclass
+class SeqOutput:
+    """What one step produced for one request.
 
-        What :meth:`prefill` and :meth:`decode` do to their requests, in one
-        forward pass (chunked-prefill scheduling: vLLM V1, Sarathi-Serve), so
-        that requests joining the batch do not stall those already decoding.
-        """
+    ``texts``: new token texts (usually one; none for a prompt chunk or a bare
+    end-of-sequence); ``visible``: streamed as text (False for tool-call
+    argument tokens, which count in usage and in the KV prefix only).
+    ``eos``: the model ended the sequence (end-of-text, or its reply plan is
+    complete). ``length_capped``: the engine's own length limit was reached
+    (the model's maximum sequence length, or an upstream's ``length``).
+    ``num_computed_tokens``: the KV prefix the engine holds for it after the
+    step (None: unchanged, a stream engine). ``prompt_tokens``: the engine's
+    own count of the prompt, when it tokenizes (None: keep the caller's).
+    ``error``: this request failed in the engine (the others of the step go on).
+    ``usage``: an upstream's counts (stream engines). ``finish_reason``: the finish reason the engine
+    reported with its end (an upstream's stop, length or tool_calls), which the stop check takes as is.
+    """
 
-    def release(self, req: Request) -> None:
-        """Drop the request's KV/prefix state (finished, cancelled or preempted). Idempotent."""
+    texts: list[str] = field(default_factory=list)
+    visible: bool = True
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    eos: bool = False
+    length_capped: bool = False
+    num_computed_tokens: int | None = None
+    prompt_tokens: int | None = None
+    error: BaseException | None = None
+    usage: "Usage | None" = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class StepResult:
+    """What :meth:`StepEngine.execute_model` returns: per ``Request.seq_id``, its :class:`SeqOutput`; the
+    prompt tokens computed and the engine seconds the step took."""
+
+    outputs: dict[int, SeqOutput] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    seconds: float = 0.0
+
+
+class KVCacheManager(abc.ABC):
+    """An engine's KV memory, as the scheduler sees it. Called on the event loop only.
+
+    Bytes are device bytes; tokens are prefix tokens of one request.
+    """
+
+    models_transfers: bool = False
+    """The KV state is modelled (the sim): a swap moves a small record and its transfer time is owed to the
+    step loop instead of spent."""
+
+    def memory_info(self) -> "MemoryInfo | None":
+        """Device, weight and per-token KV bytes (the HBM budget); None: not memory-bound (no budget)."""
+        return None
+
+    def device_used_bytes(self) -> int | None:
+        """Device memory in use now (a GPU's reading), or None (the scheduler models usage)."""
+        return None
+
+    @abc.abstractmethod
+    def kv_bytes(self, req: Request) -> int:
+        """Bytes of KV state held for ``req`` now (0 when freed)."""
+
+    @abc.abstractmethod
+    def free(self, req: Request) -> None:
+        """Drop ``req``'s KV state (preempted, finished); once ``req`` is finished, everything held for it.
+        Idempotent. The scheduler then sets ``req.num_computed_tokens`` to 0."""
+
+    def can_export(self) -> bool:
+        """:meth:`export` can produce bytes (a swap to DRAM is possible)."""
+        return False
+
+    def export(self, req: Request) -> bytes | None:
+        """``req``'s KV state as bytes for the DRAM tier, before it is freed; None when none is held."""
+        return None
+
+    def load(self, req: Request, payload: bytes, tokens: int) -> int:
+        """Take back up to ``tokens`` prefix tokens from :meth:`export`'s bytes (at most all but ``req``'s
+        newest token); returns tokens restored (0: a miss). The scheduler sets ``num_computed_tokens``."""
+        return 0
+
+    def share_prefix(self, source: Request, target: Request) -> int:
+        """``target`` (a react_loop agent's next step) takes over ``source``'s (its parked step's) warm
+        prefix; returns the prefix tokens ``target`` now holds (``target.num_computed_tokens`` when the
+        prefix is modelled, not copied)."""
+        return target.num_computed_tokens
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Engine seconds a prefill of ``tokens`` tokens costs (0: unknown); prices swap against recompute."""
+        return 0.0
+
+    def compact(self) -> int:
+        """Defragment: shrink allocations to their valid blocks; returns device bytes freed."""
+        return 0
+
+    def match_prefix(self, req: Request) -> int:
+        """Prompt tokens of a fresh ``req`` already in the prefix cache (computed by an earlier request)."""
+        return 0
+
+    def prefix_cache_bytes(self) -> int:
+        """Device bytes the prefix cache holds (evictable)."""
+        return 0
+
+    def evict_prefix_cache(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` of the prefix cache, least recently used first; returns bytes freed."""
+        return 0
+
+
+class NullKVCacheManager(KVCacheManager):
+    """The KV manager of an engine that holds no KV the dispatcher manages (a stream engine)."""
 
     def kv_bytes(self, req: Request) -> int:
-        """Bytes of KV/prefix state the engine holds for ``req`` now (0 when released)."""
+        return 0
+
+    def free(self, req: Request) -> None:
+        pass
 
 
-@runtime_checkable
-class LayerPreemptible(Protocol):
-    """A step engine that can run a prefill at a layer boundary of the step in flight (optional capability).
+class StepEngine(abc.ABC):
+    """An engine stepped by the step loop, one batched iteration per :meth:`execute_model`.
+
+    Attributes every step engine has: ``model`` (model id reported in
+    GenerateDone.model), ``busy_seconds`` (cumulative seconds in steps: the busy
+    ratio), ``kv`` (its :class:`KVCacheManager`).
+    """
+
+    supports_layer_preemption: bool = False
+    """:meth:`execute_between_layers` can run a prefill at a layer boundary of the step in flight.
 
     A step is a loop over the model's layers launched layer by layer by the
     host, so the host can stop launching the batch's layers at a boundary, run
-    another request's whole prefill, and resume the batch from the next layer;
-    the batch's partial state (hidden states, the KV written by the layers
-    done) stays as it is. This is REEF's preemption of best-effort DNN
-    inference for real-time work at kernel granularity (Han et al., OSDI 2022,
-    "Microsecond-scale Preemption for Concurrent GPU-accelerated DNN
-    Inferences"), at layer granularity; iteration-level schedulers (Orca, vLLM)
-    only let work join between steps. The engine still runs one thing at a
-    time: the prefill runs in the pause, the batch step lasts longer by it.
-    """
+    another request's whole prefill, and resume the batch from the next layer.
+    This is REEF's preemption of best-effort DNN inference for real-time work
+    (Han et al., OSDI 2022), at layer granularity; iteration-level schedulers
+    (Orca, vLLM) only let work join between steps."""
 
-    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
-        """Prefill ``reqs`` at the next layer boundary of the step in flight; True once they have their first token.
+    supports_chunked_prefill: bool = False
+    """A prefill count below the uncomputed prefix computes that part only (vLLM V1's and
+    Sarathi-Serve's chunked prefill, Agrawal et al., OSDI 2024): a long prompt over several short steps."""
 
-        What :meth:`StepEngine.prefill` does to ``reqs`` (their next token
-        appended, finishing as there), run inside the pause. False, with
-        nothing computed for ``reqs``, when no step is in flight, or when the
-        step ends before it reaches another layer boundary: the caller then
-        prefills them as ordinary newcomers at the next step boundary.
-        ``reqs`` must not be members of the step in flight.
+    models_activity: bool = False
+    """``memory_busy_seconds`` and ``tensor_busy_seconds`` are modelled (the compute score's engine source)."""
+
+    enforces_max_tokens: bool = False
+    """The engine ends each sequence at the request's ``max_tokens`` itself; the stop check then does not
+    count it (:func:`~switchyard.dispatcher.scheduler.update.check_stop`). False: the scheduler counts."""
+
+    model: str = ""
+    busy_seconds: float = 0.0
+    memory_busy_seconds: float = 0.0
+    tensor_busy_seconds: float = 0.0
+    kv: KVCacheManager
+
+    @abc.abstractmethod
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        """Run one step over ``batch`` (see :class:`StepBatch`) and report it; mutates no request.
+
+        A step of prefills only, decodes only, or both together (one forward
+        pass: chunked-prefill scheduling, vLLM V1, Sarathi-Serve), so that
+        requests joining the batch do not stall those already decoding.
 
         Raises:
-            whatever :meth:`StepEngine.prefill` raises for ``reqs`` (the step in
-            flight goes on).
+            an out-of-memory error (``MemoryError``, CUDA's ``OutOfMemoryError``) or any other: the
+                step failed for every member.
         """
 
+    async def execute_between_layers(self, batch: StepBatch) -> StepResult | None:
+        """Prefill ``batch.prefill`` at the next layer boundary of the step in flight
+        (``supports_layer_preemption``); None, with nothing computed, when no step is in flight or it ends
+        before another boundary. Its requests must not be members of the step in flight."""
+        return None
 
-@runtime_checkable
-class ChunkedPrefill(Protocol):
-    """A step engine that can prefill part of a prompt in one step (optional capability).
-
-    vLLM V1's and Sarathi-Serve's chunked prefill (Agrawal et al., OSDI 2024):
-    a long prompt is computed over several steps, each under a token budget,
-    so that no step runs long: the running requests' next token and core work
-    waiting for a layer boundary (:class:`LayerPreemptible`) wait for one short
-    step, not for a whole long prompt.
-    """
-
-    async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
-        """:meth:`StepEngine.step`, computing at most ``max_prefill_tokens`` prompt tokens of ``prefill``.
-
-        ``prefill`` in order: each fresh prompt (no output yet) takes what is
-        left of the budget, its ``num_computed_tokens`` advancing by the part
-        computed; only a request whose prompt is complete gets its next token.
-        A request with output (a recompute after preemption) is computed whole,
-        alone when it exceeds the budget. Every ``decode`` request gets one token.
-        """
+    def decode_bound_tokens_per_s(self, batch_size: int) -> float:
+        """The model's decode roofline at ``batch_size`` sequences, tokens/s (0: unknown)."""
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +244,7 @@ class Usage:
     """Last item of a :meth:`StreamEngine.generate` stream: counts reported upstream.
 
     ``finish_reason`` is the upstream's (stop, length, tool_calls); None means
-    the engine loop decides from what was streamed. ``model`` is the upstream
+    the stream loop decides from what was streamed. ``model`` is the upstream
     model id that served the request (the fallback model when one was used);
     empty means ``engine.model``.
     """
@@ -148,23 +259,43 @@ StreamItem = Union[str, ToolCall, Usage]
 """What a stream engine yields: token texts, tool calls, and finally one Usage."""
 
 
-@runtime_checkable
-class StreamEngine(Protocol):
+class StreamEngine(abc.ABC):
     """An engine that streams a whole completion per request (no stepping)."""
 
-    model: str
+    model: str = ""
+    kv: KVCacheManager = NullKVCacheManager()
+    enforces_max_tokens = True
+    """The upstream is given ``max_tokens`` and ends the stream itself (``Usage`` last): a request ends
+    when its stream ends, with the upstream's finish reason."""
+    models_activity = False
+    busy_seconds = 0.0
+    memory_busy_seconds = 0.0
+    tensor_busy_seconds = 0.0
+    on_upstream_status: Callable[[int], None] | None = None
+    """Set by the stream loop: called with each upstream HTTP status (429/503 feed the concurrency limit)."""
 
-    async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
+    @abc.abstractmethod
+    def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts and tool calls, then one :class:`Usage`.
 
         Retries and fallback before the first item are the engine's own
-        business; tokens already yielded are never repeated.
+        business; tokens already yielded are never repeated. Reads ``req``, never writes it.
 
         Raises:
             SwitchyardError (or a subclass): carries the gRPC status and a
                 message naming the cause; the Generate stream ends with it.
         """
-        yield ""  # pragma: no cover - protocol body
 
     async def aclose(self) -> None:
         """Close connections (called once by the dispatcher's stop)."""
+
+
+def stream_item_output(item: StreamItem) -> SeqOutput:
+    """A stream engine's item as a :class:`SeqOutput` for ``update_from_output``: a token text, a tool
+    call, or the final :class:`Usage` (the end of the stream, with the upstream's finish reason when it
+    reported one, else the stop check derives it: tool_calls when it made tool calls, else stop)."""
+    if isinstance(item, str):
+        return SeqOutput(texts=[item])
+    if isinstance(item, ToolCall):
+        return SeqOutput(tool_calls=[item])
+    return SeqOutput(eos=True, finish_reason=item.finish_reason, usage=item)

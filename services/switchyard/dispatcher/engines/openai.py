@@ -20,7 +20,7 @@ from opentelemetry.trace import Tracer
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument
-from switchyard.dispatcher.engines.base import StreamItem, Usage
+from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
@@ -108,7 +108,7 @@ def chat_request(req: Request) -> ChatRequest:
     )
 
 
-class OpenAIEngine:
+class OpenAIEngine(StreamEngine):
     """StreamEngine over ``model_gateway`` (queue.json).
 
     Args:

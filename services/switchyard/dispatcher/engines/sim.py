@@ -21,15 +21,15 @@ H100 SXM:
   TTFT alone = prefill_overhead_ms + prompt tokens x prefill_per_token_ms.
 - KV cache: 2 (K and V) x 32 layers x 4096 hidden x 2 bytes = 512 KiB per
   token (``kv_bytes_per_token`` = 524288), Llama-2-7B's shape.
-- Chunked prefill (:meth:`SimEngine.step_chunk`): a long prompt may be
-  computed over several mixed steps under a token budget, each step costing
-  the same mixed-step time for the tokens it computes.
+- Chunked prefill (``supports_chunked_prefill``): a long prompt may be
+  computed over several mixed steps under the scheduler's token budget, each
+  step costing the same mixed-step time for the tokens it computes.
 - Layers: a step runs the model's ``layers`` (32) one after another, each
   taking step time / ``layers``. A prefill asked for while a step runs
-  (:meth:`SimEngine.prefill_between_layers`) waits for the layer in progress
+  (:meth:`SimEngine.execute_between_layers`) waits for the layer in progress
   to end, takes its own modelled prefill time there, and the step then goes
   on from the next layer (see
-  :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`).
+  ``supports_layer_preemption``).
 
 Text: the orchestrator renders retrieved passages inside ``<context>`` ...
 ``</context>`` (each passage starts with a line ``[n] Title``) and the question
@@ -50,10 +50,12 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from switchyard.common import telemetry
 from switchyard.common.config import SimEngineConfig, SwitchyardConfig
 from switchyard.dispatcher import metrics
+from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.scheduler.capacity import MemoryInfo
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
@@ -132,16 +134,59 @@ def export_modelled_kv(req: Request, kv_bytes_per_token: int) -> bytes | None:
 
 
 def import_modelled_kv(req: Request, payload: bytes, tokens: int) -> int:
-    """Restore up to ``tokens`` prefix tokens from an :func:`export_modelled_kv` record (at most all but the
-    newest token of ``req``, whose KV its next step computes); returns tokens restored (0: bad record)."""
+    """Up to ``tokens`` prefix tokens restorable from an :func:`export_modelled_kv` record (at most all but
+    the newest token of ``req``, whose KV its next step computes); returns that count (0: bad record)."""
     if len(payload) != _KV_RECORD.size:
         return 0
     magic, held, _ = _KV_RECORD.unpack(payload)
     if magic != b"SYKV":
         return 0
-    restored = max(0, min(tokens, held, req.num_tokens - 1))
-    req.num_computed_tokens = restored
-    return restored
+    return max(0, min(tokens, held, req.num_tokens - 1))
+
+
+class ModelledKV(KVCacheManager):
+    """KV memory of a modelled engine: ``num_computed_tokens x kv_bytes_per_token`` per request, swapped as
+    a small record (:func:`export_modelled_kv`), its transfer time modelled (``[dram] transfer_gb_per_s``)
+    by the step loop.
+
+    Args:
+        params: the ``sim`` section (``kv_bytes_per_token``, the modelled GPU, prefill costs).
+    """
+
+    models_transfers = True
+
+    def __init__(self, params: SimEngineConfig) -> None:
+        self.params = params
+
+    def memory_info(self) -> MemoryInfo:
+        """The modelled GPU: ``hbm_gb`` of device memory (80 GB H100), weights ``params x bytes_per_param``."""
+        p = self.params
+        return MemoryInfo(
+            device_bytes=int(p.hbm_gb * 1e9),
+            weight_bytes=int(p.params_billion * 1e9 * p.bytes_per_param),
+            kv_bytes_per_token=p.kv_bytes_per_token,
+        )
+
+    def kv_bytes(self, req: Request) -> int:
+        """``num_computed_tokens x kv_bytes_per_token``."""
+        return req.num_computed_tokens * self.params.kv_bytes_per_token
+
+    def free(self, req: Request) -> None:
+        """Nothing is held beyond ``num_computed_tokens`` (which the scheduler zeroes)."""
+
+    def can_export(self) -> bool:
+        return True
+
+    def export(self, req: Request) -> bytes | None:
+        """A record of the tokens and bytes ``req``'s KV stands for (no tensors); None when none is held."""
+        return export_modelled_kv(req, self.params.kv_bytes_per_token)
+
+    def load(self, req: Request, payload: bytes, tokens: int) -> int:
+        return import_modelled_kv(req, payload, tokens)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Seconds a prefill of ``tokens`` tokens costs (:func:`prefill_seconds`)."""
+        return prefill_seconds(self.params, tokens)
 
 
 # --------------------------------------------------------------------------- text
@@ -315,12 +360,12 @@ class _StepInFlight:
     """Its modelled length, seconds."""
     paused: float = 0.0
     """Seconds spent so far in prefills between its layers (the step's own progress excludes them)."""
-    pending: list[tuple[list[Request], "asyncio.Future[bool]"]] = field(default_factory=list)
+    pending: list[tuple[list[tuple[Request, int]], "asyncio.Future[StepResult | None]"]] = field(default_factory=list)
     wake: "asyncio.Future[bool] | None" = None
     """Set while the step sleeps: resolved True to wake it for a pending prefill, False at its end."""
 
 
-def _resolve(future: "asyncio.Future[bool]", value: bool) -> None:
+def _resolve(future: "asyncio.Future[Any]", value: Any) -> None:
     if not future.done():
         future.set_result(value)
 
@@ -336,12 +381,73 @@ def prompt_pieces(req: Request) -> list[str]:
     return pieces
 
 
-class SimEngine:
+class SimKV(ModelledKV):
+    """The sim engine's KV memory: modelled bytes (:class:`ModelledKV`) and its automatic prefix cache
+    (``sim.prefix_caching``): fresh prompts start from the blocks an earlier prompt computed."""
+
+    def __init__(self, engine: "SimEngine") -> None:
+        super().__init__(engine.params)
+        self._engine = engine
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(self.params.prefix_block_tokens, self.params.prefix_block_tokens * self.params.kv_bytes_per_token)
+            if self.params.prefix_caching else None
+        )
+        """Automatic prefix caching (``sim.prefix_caching``); None when off."""
+        self._prompt_keys: dict[Request, list[int]] = {}
+
+    def match_prefix(self, req: Request) -> int:
+        """Prompt tokens of a fresh ``req`` whose blocks the prefix cache holds (at most all but one);
+        its block keys are kept until its prefill completes (:meth:`cache_prompt`)."""
+        cache = self.prefix_cache
+        if cache is None or req.output_tokens or req.num_computed_tokens or req in self._prompt_keys:
+            return 0
+        pieces = prompt_pieces(req)
+        keys = cache.keys(pieces)
+        self._prompt_keys[req] = keys
+        hit_pieces = cache.match(keys) * cache.block_tokens
+        cached = 0
+        if hit_pieces:
+            # the cache counts the sim's own word pieces; the prompt's length is the caller's count
+            cached = max(0, min(req.prompt_tokens * hit_pieces // max(1, len(pieces)), req.prompt_tokens - 1))
+        metrics.PREFIX_CACHE_BLOCKS.labels("hit").inc(hit_pieces // cache.block_tokens)
+        metrics.PREFIX_CACHE_BLOCKS.labels("miss").inc(len(keys) - hit_pieces // cache.block_tokens)
+        return cached
+
+    def cache_prompt(self, req: Request) -> None:
+        """``req``'s prefill completed: its prompt blocks join the prefix cache."""
+        keys = self._prompt_keys.pop(req, None)
+        if keys and self.prefix_cache is not None:
+            self.prefix_cache.insert(keys)
+            metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
+
+    def free(self, req: Request) -> None:
+        """Its prompt blocks stay in the prefix cache (shared, evicted by need); its reply plan goes once
+        it has finished."""
+        self._prompt_keys.pop(req, None)
+        if req.is_finished:
+            self._engine.forget(req)
+
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+
+    def evict_prefix_cache(self, nbytes: int) -> int:
+        if self.prefix_cache is None:
+            return 0
+        freed = self.prefix_cache.evict(nbytes)
+        metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
+        return freed
+
+
+class SimEngine(StepEngine):
     """A :class:`~switchyard.dispatcher.engines.base.StepEngine` driven by the latency model.
 
     Args:
         config: the whole config; reads ``sim``.
     """
+
+    supports_layer_preemption = True
+    supports_chunked_prefill = True
+    models_activity = True
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.params = config.sim
@@ -353,174 +459,68 @@ class SimEngine:
         """Modelled seconds the tensor cores were busy."""
         self.steps = 0
         self._replies: dict[Request, SimReply] = {}
-        self.prefix_cache: PrefixCache | None = (
-            PrefixCache(self.params.prefix_block_tokens, self.params.prefix_block_tokens * self.params.kv_bytes_per_token)
-            if self.params.prefix_caching else None
-        )
-        """Automatic prefix caching (``sim.prefix_caching``); None when off."""
-        self._prompt_keys: dict[Request, list[int]] = {}
+        self.kv: SimKV = SimKV(self)
         self._flight: _StepInFlight | None = None
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.kv.prefix_cache
+
     def reply_for(self, req: Request) -> SimReply:
-        """The planned reply of ``req`` (planned once, kept until :meth:`release`)."""
+        """The planned reply of ``req`` (planned once, kept until it finishes)."""
         reply = self._replies.get(req)
         if reply is None:
             reply = self._replies[req] = plan_reply(req.prompt, req.messages, req.tools)
         return reply
 
-    async def prefill(self, reqs: list[Request]) -> None:
-        """Compute each sequence's uncomputed prefix, then append its next token.
+    def forget(self, req: Request) -> None:
+        """``req`` finished: drop its reply plan."""
+        self._replies.pop(req, None)
 
-        Costs ``prefill_seconds(sum of uncomputed tokens)``: one overhead per
-        batched prefill. Prompt blocks found in the prefix cache are not
-        computed again. A sequence with output already (resumed after
-        preemption) recomputes prompt plus output, counted in
-        ``req.recomputed_tokens``.
-        """
-        reqs = [s for s in reqs if not s.is_finished]
-        if not reqs:
-            return
-        self._reuse_cached_prefixes(reqs)
-        tokens = sum(s.num_uncomputed_tokens for s in reqs)
-        with tracer.start_as_current_span("engine.prefill") as span:
-            span.set_attribute("switchyard.batch_size", len(reqs))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
-        self._prefilled(reqs)
-
-    def _reuse_cached_prefixes(self, reqs: list[Request]) -> None:
-        """Fresh sequences start from the prompt blocks already in the prefix cache."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for req in reqs:
-            if req.output_tokens or req.num_computed_tokens or req in self._prompt_keys:
-                continue
-            pieces = prompt_pieces(req)
-            keys = cache.keys(pieces)
-            self._prompt_keys[req] = keys
-            hit_pieces = cache.match(keys) * cache.block_tokens
-            if hit_pieces:
-                # the cache counts the sim's own word pieces; the prompt's length is the caller's count
-                cached = req.prompt_tokens * hit_pieces // max(1, len(pieces))
-                req.num_computed_tokens = max(0, min(cached, req.prompt_tokens - 1))
-            metrics.PREFIX_CACHE_BLOCKS.labels("hit").inc(hit_pieces // cache.block_tokens)
-            metrics.PREFIX_CACHE_BLOCKS.labels("miss").inc(len(keys) - hit_pieces // cache.block_tokens)
-
-    def _prefilled(self, reqs: list[Request]) -> None:
-        """After a prefill: prefixes computed, prompt blocks cached, next token out."""
-        for req in reqs:
-            if req.output_tokens:
-                req.recomputed_tokens += req.num_tokens - 1
-            req.num_computed_tokens = req.num_tokens
-            keys = self._prompt_keys.pop(req, None)
-            if keys and self.prefix_cache is not None:
-                self.prefix_cache.insert(keys)
-                metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
-            self._emit_next(req)
-
-    def prefix_cache_bytes(self) -> int:
-        """Device memory the prefix cache holds (evictable: see :meth:`evict_prefix_cache`)."""
-        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-
-    def evict_prefix_cache(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of cached prompt blocks, least recently used first; returns bytes freed."""
-        if self.prefix_cache is None:
-            return 0
-        freed = self.prefix_cache.evict(nbytes)
-        metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
-        return freed
-
-    async def decode(self, reqs: list[Request]) -> None:
-        """One decode step: one token for each sequence; costs ``decode_seconds(len(reqs))``."""
-        reqs = [s for s in reqs if not s.is_finished]
-        if not reqs:
-            return
-        with tracer.start_as_current_span("engine.decode") as span:
-            span.set_attribute("switchyard.batch_size", len(reqs))
-            await self._run(
-                decode_seconds(self.params, len(reqs)), tokens=len(reqs), kv_tokens=sum(s.num_tokens for s in reqs)
-            )
-        for req in reqs:
-            req.num_computed_tokens = req.num_tokens
-            self._emit_next(req)
-
-    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
-        """One mixed step: the uncomputed prefix of each ``prefill`` sequence and one token of each ``decode`` one.
-
-        Costs :func:`mixed_step_seconds`: the prefill tokens ride along with the
-        decode step's weight read (chunked-prefill scheduling, as vLLM V1 and
-        Sarathi-Serve do), so no separate prefill launch stalls the running set.
-        """
-        prefill = [s for s in prefill if not s.is_finished]
-        decode = [s for s in decode if not s.is_finished]
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        """One modelled step over ``batch``; costs :func:`prefill_seconds` of the prompt tokens (prefills
+        alone: one launch overhead), :func:`decode_seconds` (decodes alone) or :func:`mixed_step_seconds`
+        (both: the prefill tokens ride along with the decode step's weight read, as vLLM V1 and
+        Sarathi-Serve schedule it)."""
+        prefill = [(s, n) for s, n in batch.prefill if not s.is_finished]
+        decode = [s for s in batch.decode if not s.is_finished]
+        tokens = sum(n for _, n in prefill)
+        if not prefill and not decode:
+            return StepResult()
+        before = self.busy_seconds
         if not prefill:
-            await self.decode(decode)
-            return
-        self._reuse_cached_prefixes(prefill)
-        tokens = sum(s.num_uncomputed_tokens for s in prefill)
-        batch = prefill + decode
-        with tracer.start_as_current_span("engine.step") as span:
-            span.set_attribute("switchyard.batch_size", len(batch))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._run(
-                mixed_step_seconds(self.params, tokens, len(batch)),
-                tokens=tokens + len(decode),
-                kv_tokens=tokens + sum(s.num_tokens for s in decode),
-            )
-        self._prefilled(prefill)
+            with tracer.start_as_current_span("engine.decode") as span:
+                span.set_attribute("switchyard.batch_size", len(decode))
+                await self._run(decode_seconds(self.params, len(decode)), tokens=len(decode),
+                                kv_tokens=sum(s.num_tokens for s in decode))
+        elif not decode:
+            with tracer.start_as_current_span("engine.prefill") as span:
+                span.set_attribute("switchyard.batch_size", len(prefill))
+                span.set_attribute("switchyard.prefill_tokens", tokens)
+                await self._run(prefill_seconds(self.params, tokens), tokens=tokens, kv_tokens=tokens)
+        else:
+            with tracer.start_as_current_span("engine.step") as span:
+                span.set_attribute("switchyard.batch_size", len(prefill) + len(decode))
+                span.set_attribute("switchyard.prefill_tokens", tokens)
+                await self._run(
+                    mixed_step_seconds(self.params, tokens, len(prefill) + len(decode)),
+                    tokens=tokens + len(decode),
+                    kv_tokens=sum(s.num_computed_tokens + n for s, n in prefill) + sum(s.num_tokens for s in decode),
+                )
+        result = StepResult(prefill_tokens=tokens, seconds=self.busy_seconds - before)
+        self._prefilled(prefill, result)
         for req in decode:
-            req.num_computed_tokens = req.num_tokens
-            self._emit_next(req)
+            result.outputs[req.seq_id] = self._next(req)
+        return result
 
-    async def step_chunk(self, prefill: list[Request], decode: list[Request], max_prefill_tokens: int) -> None:
-        """:meth:`step` under a budget of ``max_prefill_tokens`` prompt tokens (chunked prefill, see
-        :class:`~switchyard.dispatcher.engines.base.ChunkedPrefill`); costs :func:`mixed_step_seconds` of the
-        tokens computed."""
-        prefill = [s for s in prefill if not s.is_finished]
-        decode = [s for s in decode if not s.is_finished]
-        self._reuse_cached_prefixes(prefill)
-        chunks: list[tuple[Request, int]] = []
-        left = max(1, max_prefill_tokens)
-        for req in prefill:
-            need = req.num_uncomputed_tokens
-            if left <= 0 or (req.output_tokens and chunks and need > left):
-                break
-            n = need if req.output_tokens else min(need, left)
-            chunks.append((req, n))
-            left -= n
-        if not chunks:
-            await self.decode(decode)
-            return
-        tokens = sum(n for _, n in chunks)
-        with tracer.start_as_current_span("engine.step") as span:
-            span.set_attribute("switchyard.batch_size", len(chunks) + len(decode))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._run(
-                mixed_step_seconds(self.params, tokens, len(chunks) + len(decode)),
-                tokens=tokens + len(decode),
-                kv_tokens=sum(req.num_computed_tokens + n for req, n in chunks) + sum(s.num_tokens for s in decode),
-            )
-        complete = []
-        for req, n in chunks:
-            if n >= req.num_uncomputed_tokens:
-                complete.append(req)
-            elif not req.is_finished:
-                req.num_computed_tokens += n  # part of its prompt: it goes on in the next step
-        self._prefilled(complete)
-        for req in decode:
-            req.num_computed_tokens = req.num_tokens
-            self._emit_next(req)
-
-    def release(self, req: Request) -> None:
-        """Drop ``req``'s KV state (``kv_bytes`` becomes 0); its reply plan stays until it finishes.
-
-        Its prompt blocks stay in the prefix cache (they are shared, and evicted by need).
-        """
-        req.num_computed_tokens = 0
-        self._prompt_keys.pop(req, None)
-        if req.is_finished:
-            self._replies.pop(req, None)
+    def _prefilled(self, prefill: list[tuple[Request, int]], result: StepResult) -> None:
+        """After a prefill: chunks advance, complete prefixes cache their prompt blocks and get a token."""
+        for req, n in prefill:
+            if n < req.num_uncomputed_tokens:  # part of its prompt: it goes on in the next step
+                result.outputs[req.seq_id] = SeqOutput(num_computed_tokens=req.num_computed_tokens + n)
+                continue
+            self.kv.cache_prompt(req)
+            result.outputs[req.seq_id] = self._next(req)
 
     def decode_bound_tokens_per_s(self, batch_size: int) -> float:
         """The model's decode bound at ``batch_size`` sequences: ``batch_size / decode_seconds(batch_size)``, tokens/s.
@@ -533,54 +533,26 @@ class SimEngine:
         seconds = decode_seconds(self.params, batch_size)
         return batch_size / seconds if seconds > 0 else 0.0
 
-    def kv_bytes(self, req: Request) -> int:
-        """``num_computed_tokens x kv_bytes_per_token``."""
-        return req.num_computed_tokens * self.params.kv_bytes_per_token
-
-    models_transfers = True
-    """The KV state is modelled: a swap moves a small record, and its transfer time is modelled
-    (``[dram] transfer_gb_per_s``) by the step loop."""
-
-    def export_kv(self, req: Request) -> bytes | None:
-        """``req``'s KV state for the DRAM tier: a record of the tokens and bytes it stands for (the
-        sim holds no tensors); None when it holds none."""
-        return export_modelled_kv(req, self.params.kv_bytes_per_token)
-
-    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
-        """Take back ``tokens`` prefix tokens of KV state from :meth:`export_kv`'s record; returns tokens restored."""
-        return import_modelled_kv(req, payload, tokens)
-
-    def recompute_seconds(self, tokens: int) -> float:
-        """Seconds a prefill of ``tokens`` tokens costs (:func:`prefill_seconds`)."""
-        return prefill_seconds(self.params, tokens)
-
     def memory_info(self) -> MemoryInfo:
-        """The modelled GPU: ``hbm_gb`` of device memory (80 GB H100), weights ``params x bytes_per_param``."""
-        p = self.params
-        return MemoryInfo(
-            device_bytes=int(p.hbm_gb * 1e9),
-            weight_bytes=int(p.params_billion * 1e9 * p.bytes_per_param),
-            kv_bytes_per_token=p.kv_bytes_per_token,
-        )
+        """The modelled GPU (:meth:`ModelledKV.memory_info`)."""
+        return self.kv.memory_info()
 
-    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
-        """Prefill ``reqs`` at the next layer boundary of the step in flight; True once each has its first token.
+    async def execute_between_layers(self, batch: StepBatch) -> StepResult | None:
+        """Prefill ``batch.prefill`` at the next layer boundary of the step in flight.
 
         The step's layers each last its modelled time / ``sim.layers``; the
-        layer in progress ends, then ``reqs`` take ``prefill_seconds`` of their
-        uncomputed tokens (prompt blocks in the prefix cache are not computed
-        again, as in :meth:`prefill`; busy, memory and tensor time counted),
-        and the step resumes from the next layer, its end later by that much.
-        Prefills asked for before the same boundary run there together. False,
-        with nothing computed, when no step is in flight or it is in its last
-        layer (see :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`).
+        layer in progress ends, then the prefills take ``prefill_seconds`` of
+        their tokens (busy, memory and tensor time counted), and the step
+        resumes from the next layer, its end later by that much. Prefills asked
+        for before the same boundary run there together. None, with nothing
+        computed, when no step is in flight or it is in its last layer.
         """
         flight = self._flight
-        reqs = [s for s in reqs if not s.is_finished]
-        if flight is None or not reqs:
-            return False
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        flight.pending.append((reqs, future))
+        prefill = [(s, n) for s, n in batch.prefill if not s.is_finished]
+        if flight is None or not prefill:
+            return None
+        future: asyncio.Future[StepResult | None] = asyncio.get_running_loop().create_future()
+        flight.pending.append((prefill, future))
         if flight.wake is not None:
             _resolve(flight.wake, True)
         return await future
@@ -589,7 +561,7 @@ class SimEngine:
         """Spend ``seconds`` on a step that computes ``tokens`` and reads the KV of ``kv_tokens``.
 
         One timer for the whole step, not one per layer: the sleep is woken
-        only when a prefill asks for a layer boundary (:meth:`prefill_between_layers`).
+        only when a prefill asks for a layer boundary (:meth:`execute_between_layers`).
         """
         self._account(seconds, tokens, kv_tokens)
         if seconds <= 0 or self.params.layers < 2 or self._flight is not None:
@@ -606,7 +578,7 @@ class SimEngine:
         finally:
             self._flight = None
             for _, future in flight.pending:  # asked for too late: the step ended first
-                _resolve(future, False)
+                _resolve(future, None)
 
     async def _sleep_until(self, flight: _StepInFlight, deadline: float) -> bool:
         """Sleep until ``deadline`` (the loop's clock); True when woken earlier for a pending prefill."""
@@ -628,32 +600,35 @@ class SimEngine:
         if boundary >= layers:  # in its last layer: no boundary before the step's end
             jobs, flight.pending = flight.pending, []
             for _, future in jobs:
-                _resolve(future, False)
+                _resolve(future, None)
             return
         await asyncio.sleep(max(0.0, flight.start + flight.paused + boundary * layer_s - loop.time()))
         jobs, flight.pending = flight.pending, []
-        reqs = [s for job, _ in jobs for s in job if not s.is_finished]
+        prefill = [(s, n) for job, _ in jobs for s, n in job if not s.is_finished]
         paused_at = loop.time()
+        result = StepResult()
         try:
-            if reqs:
-                self._reuse_cached_prefixes(reqs)
-                tokens = sum(s.num_uncomputed_tokens for s in reqs)
+            if prefill:
+                tokens = sum(n for _, n in prefill)
                 seconds = prefill_seconds(self.params, tokens)
                 self._account(seconds, tokens, tokens)
                 with tracer.start_as_current_span("engine.prefill_between_layers") as span:
-                    span.set_attribute("switchyard.batch_size", len(reqs))
+                    span.set_attribute("switchyard.batch_size", len(prefill))
                     span.set_attribute("switchyard.prefill_tokens", tokens)
                     span.set_attribute("switchyard.layer", boundary)
                     await asyncio.sleep(seconds)
-                self._prefilled(reqs)
+                result = StepResult(prefill_tokens=tokens, seconds=seconds)
+                self._prefilled(prefill, result)
         except BaseException:
             for _, future in jobs:
                 future.cancel()
             raise
         finally:
             flight.paused += loop.time() - paused_at
-        for _, future in jobs:
-            _resolve(future, True)
+        for job, future in jobs:
+            mine = {s.seq_id for s, _ in job}
+            _resolve(future, StepResult({k: v for k, v in result.outputs.items() if k in mine},
+                                        result.prefill_tokens, result.seconds))
 
     def _account(self, seconds: float, tokens: int, kv_tokens: int) -> None:
         """Count one step of ``seconds`` computing ``tokens`` and reading the KV of ``kv_tokens``: busy,
@@ -667,27 +642,25 @@ class SimEngine:
         self.memory_busy_seconds += memory
         self.tensor_busy_seconds += tensor
 
-    def _emit_next(self, req: Request) -> None:
-        """Append the reply's next token; finish at its end or at max_tokens."""
-        if req.is_finished:
-            return
+    def _next(self, req: Request) -> SeqOutput:
+        """The reply's next token; end-of-sequence (with its tool calls) once the reply is complete. The
+        KV prefix then covers every token but the new one."""
         reply = self.reply_for(req)
         index = len(req.output_tokens)
+        out = SeqOutput(visible=not reply.tool_calls, num_computed_tokens=req.num_tokens)
         if index < len(reply.tokens):
-            req.append_token(reply.tokens[index], visible=not reply.tool_calls)
-        if len(req.output_tokens) >= len(reply.tokens):
-            for call in reply.tool_calls:
-                req.add_tool_call(call)
-            req.finish(reply.finish_reason)
+            out.texts.append(reply.tokens[index])
+        if index + len(out.texts) >= len(reply.tokens):
+            out.tool_calls = list(reply.tool_calls)
+            out.eos = True
             self._replies.pop(req, None)
-        elif len(req.output_tokens) >= req.max_tokens:
-            req.finish("length")
-            self._replies.pop(req, None)
-        req.observe_kv_bytes(self.kv_bytes(req))
+        return out
 
 
 __all__ = [
+    "ModelledKV",
     "SimEngine",
+    "SimKV",
     "SimReply",
     "Passage",
     "decode_seconds",

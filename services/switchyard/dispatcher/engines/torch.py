@@ -5,36 +5,36 @@ A :class:`~switchyard.dispatcher.engines.base.StepEngine` over
 ``torch`` in ``switchyard.json``). Dummy random weights from a fixed seed by
 default, as inference servers do for benchmarking, or a local checkpoint.
 
-- **prefill**: batched forwards over the uncomputed prefix of every
-  admitted sequence (padded, with an attention mask; in chunks of at most
-  ``prefill_chunk_tokens`` per sequence): the prompt on first
-  admission, prompt plus every generated token after a preemption (counted in
-  ``req.recomputed_tokens``). It appends each sequence's next token.
-- **decode**: ONE batched forward step for all running sequences, one new
-  token each, over their per-sequence KV caches.
-- **release**: drops the sequence's KV cache (``kv_bytes`` becomes 0). Its
+- **execute_model**: ONE batched forward over the step: the uncomputed prefix
+  of every prefilling sequence (padded, with an attention mask; in chunks of
+  at most ``prefill_chunk_tokens`` per sequence): the prompt on first
+  admission, prompt plus every generated token after a preemption; and one
+  new token of each decoding sequence, over their per-sequence KV caches. It
+  reports each sequence's next token (:class:`~switchyard.dispatcher.engines.base.StepResult`);
+  it writes no request.
+- **kv.free**: drops the sequence's KV cache (``kv_bytes`` becomes 0). Its
   token ids stay until it finishes, so a preempted sequence recomputes exactly
   the same prefix and continues where it stopped: no token lost or repeated.
 - Forward passes run off the event loop (``asyncio.to_thread``); their wall
   time (after ``torch.cuda.synchronize`` on CUDA) is ``busy_seconds``.
-- **prefill_between_layers**: while a forward runs, another batch's prefill
+- **execute_between_layers**: while a forward runs, another batch's prefill
   (core work) is put in a slot that the worker thread checks between two
   layers (:meth:`DecoderLM.extend`'s ``between_layers``); the worker runs that
   prefill's whole forward there, on the same thread (the engine never runs
-  two forwards at once), hands the next ids to the event loop, which appends
+  two forwards at once), hands the next ids to the event loop, which reports
   the tokens, and resumes the batch from the next layer. The batch's state is
   local to its forward, so its tokens are the same as without the pause.
 
 Prompt: the request's ``prompt``, or its messages rendered one per line as
 ``role: content`` followed by ``assistant:`` (tools offered are listed first
 as ``tools: name, ...``). Token counts are the engine's tokenizer's:
-``req.prompt_tokens`` is set to the rendered prompt's length at first prefill,
-so usage and ``num_computed_tokens`` are in the model's own tokens.
+each step reports the rendered prompt's length (``SeqOutput.prompt_tokens``), which the scheduler
+writes into ``req.prompt_tokens``, so usage and ``num_computed_tokens`` are in the model's own tokens.
 
 Sampling: greedy (``temperature`` 0) or, with ``temperature`` > 0, sampled
 from a generator seeded by (``seed``, request_id, position), so a sequence's
 tokens do not depend on its batch neighbours or on preemption. End-of-text
-finishes with ``stop`` unless ``ignore_eos``.
+is reported as end-of-sequence (the scheduler finishes it with ``stop``) unless ``ignore_eos``.
 
 Tool calls: random weights cannot call tools. When a request offers tools,
 the reply (tool calls, or the answer after tool results) is decided by the
@@ -43,20 +43,20 @@ and the engine force-decodes its tokens: every token still goes through the
 model's forward passes and KV cache, only the choice of the next id is
 taken from the plan instead of the logits. Without tools, text is the model's own.
 
-Memory tiers: ``export_kv`` copies a sequence's KV tensor (its valid tokens)
-and token ids to host bytes for the DRAM tier; ``import_kv`` puts them back
+Memory tiers (:class:`TorchKV`, the engine's ``kv``): ``export`` copies a sequence's KV tensor (its valid tokens)
+and token ids to host bytes for the DRAM tier; ``load`` puts them back
 into a new cache, for as many leading tokens as the sequence's own ids share
 with the copy (a preempted sequence: all; a react_loop agent's next step: the
 prefix it repeats). ``recompute_seconds`` is the measured prefill time per
-token; ``compact_kv`` shrinks every cache tensor to its valid blocks and, on
+token; ``compact`` shrinks every cache tensor to its valid blocks and, on
 CUDA, hands the allocator's free cached segments back (``empty_cache``);
 ``device_used_bytes`` is NVML's used memory on a GPU (what the HBM scan holds
 against ``emergency_evict_ratio``).
 
 Limits: a sequence holds at most ``max_seq_len`` tokens. A prompt of
 ``max_seq_len`` tokens or more fails the sequence with INVALID_ARGUMENT naming
-``prompt_tokens`` and the limit; reaching the limit while generating finishes
-with ``length``. A react_loop agent's warm prefix handed over by the scheduler
+``prompt_tokens`` and the limit; reaching the limit while generating is reported
+as ``length_capped`` (finish reason ``length``). A react_loop agent's warm prefix handed over by the scheduler
 is copied into the new sequence's cache for the leading token ids the two
 share (``share_prefix``); the rest of its prompt is prefilled.
 
@@ -74,11 +74,13 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from switchyard.common.config import SwitchyardConfig, TorchEngineConfig
 from switchyard.common.errors import InvalidArgument
+from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.engines.sim import plan_reply, tracer
 from switchyard.dispatcher.engines.torch_model import (
     DecoderLM,
@@ -132,8 +134,8 @@ class NestedPrefill:
     """A prefill waiting in the slot for a layer boundary of the forward in flight.
 
     ``batch`` and ``keys`` are built on the event loop; the worker thread runs
-    them and schedules :meth:`TorchEngine._deliver` on ``loop``, which appends
-    the tokens of ``reqs`` and resolves ``future`` (True; False when the
+    them and schedules :meth:`TorchEngine._deliver` on ``loop``, which reports
+    the tokens of ``reqs`` and resolves ``future`` (their result; None when the
     forward ended before another boundary).
     """
 
@@ -141,10 +143,10 @@ class NestedPrefill:
     batch: list[ExtendInput]
     keys: list[int | None]
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[bool]
+    future: "asyncio.Future[StepResult | None]"
 
 
-def _settle(future: asyncio.Future[bool], value: bool | BaseException) -> None:
+def _settle(future: "asyncio.Future[Any]", value: Any) -> None:
     """Resolve ``future`` (on its loop) with ``value``, or fail it with the exception; a no-op once done."""
     if future.done():
         return
@@ -172,233 +174,87 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class TorchEngine:
-    """A :class:`~switchyard.dispatcher.engines.base.StepEngine` running :class:`DecoderLM`.
+class TorchKV(KVCacheManager):
+    """The torch engine's KV memory: one cache tensor per sequence (see the module docstring)."""
 
-    Args:
-        config: the whole config; reads ``torch``.
-
-    Raises:
-        ValueError: a bad checkpoint (see :func:`build_model`).
-    """
-
-    def __init__(self, config: SwitchyardConfig) -> None:
-        self.params: TorchEngineConfig = config.torch
-        if self.params.threads:
-            torch.set_num_threads(self.params.threads)
-        self.model_net: DecoderLM = build_model(self.params)
-        self.device = self.model_net.embed.weight.device
-        self.tokenizer = Tokenizer(self.params.vocab_size)
-        self.model = self.params.model
-        self.busy_seconds = 0.0
-        self.steps = 0
-        self._states: dict[Request, SeqState] = {}
-        self._caches: dict[Request, KVCache] = {}
-        self._prefill_s_per_token = 0.0
-        """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
-        self._slot_lock = threading.Lock()
-        self._in_flight = False  # a forward runs on the worker thread (under _slot_lock)
-        self._slot: list[NestedPrefill] = []  # prefills for its next layer boundary (under _slot_lock)
-
-    # ------------------------------------------------------------------ StepEngine
-
-    async def prefill(self, reqs: list[Request]) -> None:
-        """Compute each sequence's uncomputed prefix (padded batch, chunked), then append its next token.
-
-        A sequence whose prompt does not fit ``max_seq_len`` fails with
-        :class:`InvalidArgument` (``prompt_tokens``); the others go on.
-        """
-        ready = self._ready_for_prefill(reqs)
-        await self._traced_step("engine.prefill", ready, ready)
-
-    async def step(self, prefill: list[Request], decode: list[Request]) -> None:
-        """One forward pass over a mixed batch: the prefixes of ``prefill`` and one token of each of ``decode``.
-
-        The prefill rows ride along with the decode rows in one batched
-        ``extend`` (chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve,
-        Agrawal et al., OSDI 2024), so running sequences keep decoding while new
-        ones join.
-        """
-        ready = self._ready_for_prefill(prefill)
-        running = [s for s in decode if not s.is_finished and s in self._caches]
-        await self._traced_step("engine.step", ready + running, ready)
-
-    async def _traced_step(self, name: str, batch: list[Request], prefilling: list[Request]) -> None:
-        """One forward pass over ``batch`` in a span ``name`` (a child of the step loop's turn span, which
-        links the requests); ``prefilling`` are its newcomers."""
-        if not batch:
-            return
-        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in prefilling)
-        before = self.busy_seconds
-        with tracer.start_as_current_span(name) as span:
-            span.set_attribute("switchyard.batch_size", len(batch))
-            span.set_attribute("switchyard.prefill_tokens", tokens)
-            await self._step(batch)
-        self._measured_prefill(tokens, self.busy_seconds - before)
-
-    def _measured_prefill(self, tokens: int, seconds: float) -> None:
-        """Fold a forward that prefilled ``tokens`` tokens in ``seconds`` into the per-token estimate."""
-        if tokens >= 16:  # long enough that the per-token cost dominates the step
-            measured = seconds / tokens
-            old = self._prefill_s_per_token
-            self._prefill_s_per_token = measured if not old else 0.8 * old + 0.2 * measured
-
-    def _ready_for_prefill(self, reqs: list[Request]) -> list[Request]:
-        """The members of ``reqs`` that can be prefilled, each with a KV cache of its own."""
-        ready = []
-        for req in reqs:
-            if req.is_finished:
-                continue
-            state = self._state(req)
-            if state is None:
-                continue
-            if req not in self._caches:
-                if req.output_tokens:  # preempted: prompt and generated tokens again, all but the newest
-                    req.recomputed_tokens += len(state.ids) - 1
-                elif req.num_computed_tokens > 0:  # a warm prefix this engine does not hold
-                    req.recomputed_tokens += min(req.num_computed_tokens, state.prompt_len)
-                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
-            ready.append(req)
-        return ready
-
-    async def decode(self, reqs: list[Request]) -> None:
-        """One batched forward step: one new token for each running sequence."""
-        ready = [s for s in reqs if not s.is_finished and s in self._states]
-        for req in ready:
-            if req not in self._caches:  # not prefilled (should not happen): compute its prefix now
-                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
-        if not ready:
-            return
-        with tracer.start_as_current_span("engine.decode") as span:
-            span.set_attribute("switchyard.batch_size", len(ready))
-            await self._step(ready)
-
-    async def prefill_between_layers(self, reqs: list[Request]) -> bool:
-        """Prefill ``reqs`` at the next layer boundary of the forward in flight; True once each has its first token.
-
-        The worker thread running the forward takes them from the slot at its
-        next boundary, runs their forward (chunked as :meth:`prefill`), and the
-        event loop appends their tokens before the forward in flight returns.
-        Their seconds count in ``busy_seconds`` on their own (the forward's
-        own time excludes them). False, with nothing computed, when no forward
-        runs or it ends before another boundary (see
-        :class:`~switchyard.dispatcher.engines.base.LayerPreemptible`). A
-        sequence whose prompt does not fit ``max_seq_len`` fails as in
-        :meth:`prefill`.
-
-        Raises:
-            what the prefill's forward raises (the forward in flight goes on).
-        """
-        with self._slot_lock:
-            if not self._in_flight:
-                return False
-        ready = self._ready_for_prefill(reqs)
-        if not ready:
-            return False
-        loop = asyncio.get_running_loop()
-        nested = NestedPrefill(
-            reqs=ready,
-            batch=[ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in ready],
-            keys=[self._sampling_key(s) for s in ready],
-            loop=loop,
-            future=loop.create_future(),
-        )
-        with self._slot_lock:
-            if not self._in_flight:
-                return False
-            self._slot.append(nested)
-        with tracer.start_as_current_span("engine.prefill_between_layers") as span:
-            span.set_attribute("switchyard.batch_size", len(ready))
-            span.set_attribute("switchyard.prefill_tokens", sum(len(item.new_ids) for item in nested.batch))
-            return await nested.future
-
-    def release(self, req: Request) -> None:
-        """Drop ``req``'s KV cache; its token ids go too once it has finished. Idempotent."""
-        self._caches.pop(req, None)
-        req.num_computed_tokens = 0
-        if req.is_finished:
-            self._states.pop(req, None)
+    def __init__(self, engine: "TorchEngine") -> None:
+        self._engine = engine
 
     def kv_bytes(self, req: Request) -> int:
-        """Bytes of the KV cache tensor held for ``req`` (allocated blocks), 0 when released."""
-        cache = self._caches.get(req)
+        """Bytes of the KV cache tensor held for ``req`` (allocated blocks), 0 when freed."""
+        cache = self._engine._caches.get(req)
         return cache.nbytes if cache is not None else 0
 
-    def export_kv(self, req: Request) -> bytes | None:
+    def free(self, req: Request) -> None:
+        """Drop ``req``'s KV cache; its token ids go too once it has finished. Idempotent."""
+        self._engine._caches.pop(req, None)
+        if req.is_finished:
+            self._engine._states.pop(req, None)
+
+    def can_export(self) -> bool:
+        return True
+
+    def export(self, req: Request) -> bytes | None:
         """``req``'s KV state as bytes (valid tokens' keys and values, on the host, and their token ids);
         None when it holds none."""
-        cache = self._caches.get(req)
-        state = self._states.get(req)
+        engine = self._engine
+        cache = engine._caches.get(req)
+        state = engine._states.get(req)
         if cache is None or state is None or cache.length == 0:
             return None
         buffer = io.BytesIO()
         torch.save({"ids": state.ids[: cache.length], "kv": cache.data[:, :, :, : cache.length].to("cpu")}, buffer)
         return buffer.getvalue()
 
-    def import_kv(self, req: Request, payload: bytes, tokens: int) -> int:
-        """Restore up to ``tokens`` leading tokens of KV from :meth:`export_kv`'s bytes, as many as ``req``'s
+    def load(self, req: Request, payload: bytes, tokens: int) -> int:
+        """Restore up to ``tokens`` leading tokens of KV from :meth:`export`'s bytes, as many as ``req``'s
         ids share with the copy (all but its newest token at most); returns tokens restored."""
-        state = self._state(req)
+        engine = self._engine
+        state, _ = engine._state(req)
         if state is None:
             return 0
         try:
-            saved = torch.load(io.BytesIO(payload), map_location=self.device, weights_only=True)
+            saved = torch.load(io.BytesIO(payload), map_location=engine.device, weights_only=True)
             ids, kv = list(saved["ids"]), saved["kv"]
         except Exception:  # noqa: BLE001 - a corrupt or foreign entry is a miss
             return 0
-        return self._adopt(req, ids, kv, min(tokens, kv.shape[3]))
+        return engine._adopt(req, ids, kv, min(tokens, kv.shape[3]))
 
     def share_prefix(self, source: Request, target: Request) -> int:
         """``target`` starts from ``source``'s KV (still held) for the leading ids they share: a react_loop
         agent's next step taking over its parked step's warm prefix. Returns tokens shared (a copy)."""
-        cache, held = self._caches.get(source), self._states.get(source)
-        if cache is None or held is None or self._state(target) is None:
+        engine = self._engine
+        cache, held = engine._caches.get(source), engine._states.get(source)
+        if cache is None or held is None or engine._state(target)[0] is None:
             return 0
-        return self._adopt(target, held.ids, cache.data, cache.length)
-
-    def _adopt(self, req: Request, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
-        """Give ``req`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
-        ``ids`` (all but its newest token at most); returns that count."""
-        state = self._states[req]
-        limit = min(tokens, len(ids), len(state.ids) - 1)
-        shared = 0
-        while shared < limit and ids[shared] == state.ids[shared]:
-            shared += 1
-        cache = self.model_net.new_cache(self.params.kv_block_tokens)
-        if shared <= 0 or tuple(kv.shape[:3]) + (kv.shape[4],) != cache.shape:
-            return 0
-        cache.reserve(shared)
-        cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(device=cache.data.device, dtype=cache.data.dtype)
-        cache.length = shared
-        self._caches[req] = cache
-        req.num_computed_tokens = shared
-        return shared
+        return engine._adopt(target, held.ids, cache.data, cache.length)
 
     def recompute_seconds(self, tokens: int) -> float:
         """Measured prefill seconds for ``tokens`` tokens (0 before the first prefill was measured)."""
-        return tokens * self._prefill_s_per_token
+        return tokens * self._engine._prefill_s_per_token
 
-    def compact_kv(self) -> int:
+    def compact(self) -> int:
         """Shrink every cache tensor to its valid tokens' blocks; returns device bytes freed (CUDA also
         returns the caching allocator's free segments to the driver)."""
         freed = 0
-        for cache in self._caches.values():
+        for cache in self._engine._caches.values():
             blocks = -(-cache.length // cache.block_tokens)
             keep = blocks * cache.block_tokens
             if keep < cache.data.shape[3]:
                 before = cache.nbytes
                 cache.data = cache.data[:, :, :, :keep].clone()
                 freed += before - cache.nbytes
-        if self.device.type == "cuda":
+        if self._engine.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
 
     def device_used_bytes(self) -> int | None:
         """Device memory in use, every process's: NVML's ``used`` on a GPU (CUDA's free/total reading when
         NVML is absent); None on the CPU (the scheduler models usage instead)."""
-        if self.device.type != "cuda":
+        device = self._engine.device
+        if device.type != "cuda":
             return None
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             import pynvml
 
@@ -416,28 +272,176 @@ class TorchEngine:
 
         KV bytes per token: ``n_layers x 2 (K and V) x d_model x element size``.
         """
-        weights = sum(p.numel() * p.element_size() for p in self.model_net.parameters())
-        element = self.model_net.embed.weight.element_size()
-        per_token = self.params.n_layers * 2 * self.params.d_model * element
-        return MemoryInfo(device_memory_bytes(self.device), weights, per_token)
+        engine = self._engine
+        weights = sum(p.numel() * p.element_size() for p in engine.model_net.parameters())
+        element = engine.model_net.embed.weight.element_size()
+        per_token = engine.params.n_layers * 2 * engine.params.d_model * element
+        return MemoryInfo(device_memory_bytes(engine.device), weights, per_token)
+
+
+class TorchEngine(StepEngine):
+    """A :class:`~switchyard.dispatcher.engines.base.StepEngine` running :class:`DecoderLM`.
+
+    Args:
+        config: the whole config; reads ``torch``.
+
+    Raises:
+        ValueError: a bad checkpoint (see :func:`build_model`).
+    """
+
+    supports_layer_preemption = True
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        self.params: TorchEngineConfig = config.torch
+        if self.params.threads:
+            torch.set_num_threads(self.params.threads)
+        self.model_net: DecoderLM = build_model(self.params)
+        self.device = self.model_net.embed.weight.device
+        self.tokenizer = Tokenizer(self.params.vocab_size)
+        self.model = self.params.model
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self.kv = TorchKV(self)
+        self._states: dict[Request, SeqState] = {}
+        self._caches: dict[Request, KVCache] = {}
+        self._prefill_s_per_token = 0.0
+        """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
+        self._slot_lock = threading.Lock()
+        self._in_flight = False  # a forward runs on the worker thread (under _slot_lock)
+        self._slot: list[NestedPrefill] = []  # prefills for its next layer boundary (under _slot_lock)
+
+    # ------------------------------------------------------------------ StepEngine
+
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        """One forward pass over ``batch``: the uncomputed prefix of each prefill (whole: this engine
+        chunks inside the forward, ``prefill_chunk_tokens``) and one token of each decode.
+
+        The prefill rows ride along with the decode rows in one batched
+        ``extend`` (chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve,
+        Agrawal et al., OSDI 2024), so running sequences keep decoding while new
+        ones join. A sequence whose prompt does not fit ``max_seq_len`` fails
+        with :class:`InvalidArgument` (``prompt_tokens``); the others go on.
+        """
+        result = StepResult()
+        ready = self._ready_for_prefill([req for req, _ in batch.prefill], result)
+        running = [s for s in batch.decode if not s.is_finished and s in self._states]
+        for req in running:
+            if req not in self._caches:  # not prefilled (should not happen): compute its prefix now
+                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
+        reqs = ready + running
+        if not reqs:
+            return result
+        name = "engine.step" if ready and running else "engine.prefill" if ready else "engine.decode"
+        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
+        before = self.busy_seconds
+        with tracer.start_as_current_span(name) as span:
+            span.set_attribute("switchyard.batch_size", len(reqs))
+            if ready:
+                span.set_attribute("switchyard.prefill_tokens", tokens)
+            await self._step(reqs, result)
+        result.prefill_tokens = tokens
+        result.seconds = self.busy_seconds - before
+        if ready:
+            self._measured_prefill(tokens, result.seconds)
+        return result
+
+    def _measured_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold a forward that prefilled ``tokens`` tokens in ``seconds`` into the per-token estimate."""
+        if tokens >= 16:  # long enough that the per-token cost dominates the step
+            measured = seconds / tokens
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = measured if not old else 0.8 * old + 0.2 * measured
+
+    def _ready_for_prefill(self, reqs: list[Request], result: StepResult) -> list[Request]:
+        """The members of ``reqs`` that can be prefilled, each with a KV cache of its own (a failed one's
+        error goes into ``result``)."""
+        ready = []
+        for req in reqs:
+            if req.is_finished:
+                continue
+            state, error = self._state(req)
+            if state is None:
+                result.outputs[req.seq_id] = SeqOutput(error=error)
+                continue
+            if req not in self._caches:
+                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
+            ready.append(req)
+        return ready
+
+    async def execute_between_layers(self, batch: StepBatch) -> StepResult | None:
+        """Prefill ``batch.prefill`` at the next layer boundary of the forward in flight.
+
+        The worker thread running the forward takes them from the slot at its
+        next boundary, runs their forward (chunked as :meth:`execute_model`), and
+        the event loop reports their tokens before the forward in flight returns.
+        Their seconds count in ``busy_seconds`` on their own (the forward's
+        own time excludes them). None, with nothing computed, when no forward
+        runs or it ends before another boundary. A sequence whose prompt does
+        not fit ``max_seq_len`` fails as in :meth:`execute_model`.
+
+        Raises:
+            what the prefill's forward raises (the forward in flight goes on).
+        """
+        with self._slot_lock:
+            if not self._in_flight:
+                return None
+        failed = StepResult()
+        ready = self._ready_for_prefill([req for req, _ in batch.prefill], failed)
+        if not ready:
+            return failed if failed.outputs else None
+        loop = asyncio.get_running_loop()
+        nested = NestedPrefill(
+            reqs=ready,
+            batch=[ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in ready],
+            keys=[self._sampling_key(s) for s in ready],
+            loop=loop,
+            future=loop.create_future(),
+        )
+        with self._slot_lock:
+            if not self._in_flight:
+                return None
+            self._slot.append(nested)
+        with tracer.start_as_current_span("engine.prefill_between_layers") as span:
+            span.set_attribute("switchyard.batch_size", len(ready))
+            span.set_attribute("switchyard.prefill_tokens", sum(len(item.new_ids) for item in nested.batch))
+            result = await nested.future
+        if result is not None:
+            result.outputs.update(failed.outputs)
+        return result
+
+    def _adopt(self, req: Request, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
+        """Give ``req`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
+        ``ids`` (all but its newest token at most); returns that count."""
+        state = self._states[req]
+        limit = min(tokens, len(ids), len(state.ids) - 1)
+        shared = 0
+        while shared < limit and ids[shared] == state.ids[shared]:
+            shared += 1
+        cache = self.model_net.new_cache(self.params.kv_block_tokens)
+        if shared <= 0 or tuple(kv.shape[:3]) + (kv.shape[4],) != cache.shape:
+            return 0
+        cache.reserve(shared)
+        cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(device=cache.data.device, dtype=cache.data.dtype)
+        cache.length = shared
+        self._caches[req] = cache
+        return shared
 
     # ------------------------------------------------------------------ internals
 
-    def _state(self, req: Request) -> SeqState | None:
-        """The sequence's state, created (prompt tokenized, length checked) on first sight; None if it failed."""
+    def _state(self, req: Request) -> tuple[SeqState | None, BaseException | None]:
+        """The sequence's state, created (prompt tokenized, length checked) on first sight; (None, the
+        error) when its prompt does not fit."""
         state = self._states.get(req)
         if state is not None:
-            return state
+            return state, None
         ids = self.tokenizer.encode(render_prompt(req.prompt, req.messages, req.tools)) or [self.tokenizer.eos_id]
         limit = self.params.max_seq_len
         if len(ids) >= limit:
-            req.fail(InvalidArgument(
+            return None, InvalidArgument(
                 "prompt_tokens",
                 f"at most {limit - 1} (torch.max_seq_len {limit}, less room for one generated token)",
                 len(ids),
-            ))
-            return None
-        req.prompt_tokens = len(ids)
+            )
         state = SeqState(ids=ids, prompt_len=len(ids), text=Tokenizer.stream_decoder())
         if req.tools:
             reply = plan_reply(req.prompt, req.messages, req.tools)
@@ -448,9 +452,9 @@ class TorchEngine:
                 finish_reason=reply.finish_reason,
             )
         self._states[req] = state
-        return state
+        return state, None
 
-    async def _step(self, reqs: list[Request]) -> None:
+    async def _step(self, reqs: list[Request], result: StepResult) -> None:
         batch = [ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in reqs]
         keys = [self._sampling_key(s) for s in reqs]
         next_ids, seconds = await asyncio.to_thread(self._forward, batch, keys)
@@ -458,7 +462,7 @@ class TorchEngine:
         self.busy_seconds += seconds
         for req, token_id in zip(reqs, next_ids):
             if not req.is_finished:
-                self._emit(req, token_id)
+                result.outputs[req.seq_id] = self._next(req, token_id)
 
     def _sampling_key(self, req: Request) -> int | None:
         """Seed of the next token's draw (None: greedy)."""
@@ -496,7 +500,7 @@ class TorchEngine:
                 self._in_flight = False
                 late, self._slot = self._slot, []
             for nested in late:  # the forward ended before another boundary
-                nested.loop.call_soon_threadsafe(_settle, nested.future, False)
+                nested.loop.call_soon_threadsafe(_settle, nested.future, None)
 
     def _run_slot(self) -> float:
         """Worker thread, at a layer boundary: run the prefills in the slot as one forward, hand their ids to
@@ -525,7 +529,7 @@ class TorchEngine:
         return seconds
 
     def _deliver(self, pending: list[NestedPrefill], chosen: list[int], seconds: float) -> None:
-        """Event loop: append the first tokens of prefills run between layers, count their time, resolve them.
+        """Event loop: report the first tokens of prefills run between layers, count their time, resolve them.
 
         Scheduled before the forward in flight returns, so the tokens are out before that step's."""
         self.steps += 1
@@ -533,11 +537,12 @@ class TorchEngine:
         self._measured_prefill(sum(len(item.new_ids) for nested in pending for item in nested.batch), seconds)
         ids = iter(chosen)
         for nested in pending:
+            result = StepResult(prefill_tokens=sum(len(item.new_ids) for item in nested.batch), seconds=seconds)
             for req in nested.reqs:
                 token_id = next(ids)
                 if not req.is_finished:
-                    self._emit(req, token_id)
-            _settle(nested.future, True)
+                    result.outputs[req.seq_id] = self._next(req, token_id)
+            _settle(nested.future, result)
 
     def _choose(self, logits: torch.Tensor, keys: list[int | None]) -> list[int]:
         """The next id of each row of ``logits``: greedy, or drawn with each row's seeded generator."""
@@ -552,37 +557,31 @@ class TorchEngine:
             chosen.append(int(torch.multinomial(row, 1, generator=generator)))
         return chosen
 
-    def _emit(self, req: Request, sampled: int) -> None:
-        """Append the next token (sampled, or the forced reply's), then finish if it ends the sequence."""
+    def _next(self, req: Request, sampled: int) -> SeqOutput:
+        """The next token (sampled, or the forced reply's) and whether it ends the sequence."""
         state = self._states[req]
         cache = self._caches.get(req)
-        if cache is not None:
-            req.num_computed_tokens = cache.length
+        out = SeqOutput(num_computed_tokens=cache.length if cache is not None else None,
+                        prompt_tokens=state.prompt_len)
         forced = state.forced
         generated = len(state.ids) - state.prompt_len
         if forced is not None:
             if generated >= len(forced.ids):
-                self._finish_forced(req, forced)
-                return
-            token_id, visible = forced.ids[generated], forced.visible
+                out.tool_calls, out.eos = list(forced.tool_calls), True
+                return out
+            token_id, out.visible = forced.ids[generated], forced.visible
         else:
-            token_id, visible = sampled, True
+            token_id = sampled
             if token_id == self.tokenizer.eos_id:
-                req.finish("stop")
-                return
+                out.eos = True
+                return out
         state.ids.append(token_id)
-        req.append_token(state.text.decode(self.tokenizer.piece(token_id)), visible=visible)
+        out.texts.append(state.text.decode(self.tokenizer.piece(token_id)))
         if forced is not None and generated + 1 >= len(forced.ids):
-            self._finish_forced(req, forced)
-        elif len(req.output_tokens) >= req.max_tokens or len(state.ids) >= self.params.max_seq_len:
-            req.finish("length")
-        req.observe_kv_bytes(self.kv_bytes(req))
-
-    @staticmethod
-    def _finish_forced(req: Request, forced: ForcedReply) -> None:
-        for call in forced.tool_calls:
-            req.add_tool_call(call)
-        req.finish(forced.finish_reason)
+            out.tool_calls, out.eos = list(forced.tool_calls), True
+        elif len(state.ids) >= self.params.max_seq_len:
+            out.length_capped = True
+        return out
 
 
 __all__ = ["TorchEngine", "NestedPrefill", "render_prompt"]

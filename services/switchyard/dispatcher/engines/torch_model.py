@@ -24,7 +24,7 @@
   sequence. The layers are launched one by one from the host; a
   ``between_layers`` callback runs at each boundary, on the calling thread,
   where another batch's whole ``extend`` may run (a core prefill preempting a
-  decode step: ``TorchEngine.prefill_between_layers``).
+  decode step: ``TorchEngine.execute_between_layers``).
 """
 
 from __future__ import annotations

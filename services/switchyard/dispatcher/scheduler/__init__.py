@@ -20,13 +20,17 @@ from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.scheduler.fair import FairScheduler
 from switchyard.dispatcher.scheduler.fifo import FifoScheduler
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
+from switchyard.dispatcher.scheduler.request_queue import FcfsQueue, PriorityAgingQueue, RequestQueue
 
 __all__ = [
     "ComputeScoreMonitor",
     "FairScheduler",
+    "FcfsQueue",
     "FifoScheduler",
     "POLICIES",
+    "PriorityAgingQueue",
     "PriorityScheduler",
+    "RequestQueue",
     "Scheduler",
     "SchedulerOutput",
     "make_scheduler",
@@ -47,19 +51,22 @@ def make_scheduler(
     capacity: Capacity | None = None,
     flush_interval_s: float | Callable[[], float] | None = None,
     tiers: Any = None,
+    queue: RequestQueue | None = None,
 ) -> SchedulerCore:
     """The scheduling policy named by ``policy`` (default: ``config.scheduler.policy``).
 
     Args:
         config: the whole config, or just its ``scheduler`` section (the rest default).
-        engine: the engine (``busy_seconds``, ``kv_bytes``, ``release``,
-            ``memory_info`` are used when present).
+        engine: the engine (a :class:`~switchyard.dispatcher.engines.base.StepEngine` or
+            ``StreamEngine``: its ``kv`` manager, ``busy_seconds``, declared flags).
         policy: ``"priority"``, ``"fair"`` or ``"fifo"``; overrides the config.
         monitor: compute-score source (tests pass one built on a fake NVML).
         capacity: the running set's limit (default: the engine's KV budget).
         flush_interval_s: the double buffer's interval (default: ``flush.flush_interval_ms``).
         tiers: the memory tiers (:class:`switchyard.dispatcher.tiers.MemoryTiers`); default
             one without a DRAM store (evicted KV is recomputed).
+        queue: the waiting queue (:class:`.request_queue.RequestQueue`; default the policy's): another
+            ordering (fairness by attained service, slack) plugs in here through its ``order_key``.
 
     Raises:
         ValueError: unknown ``policy``.
@@ -68,4 +75,5 @@ def make_scheduler(
     name = policy or whole.scheduler.policy
     if name not in POLICIES:
         raise ValueError(f"scheduler policy: expected one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s, tiers=tiers)
+    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s, tiers=tiers,
+                          queue=queue)

@@ -1,42 +1,64 @@
-"""The interface between the engine loop and a scheduling policy.
+"""The scheduler's one interface: a state machine the step loop drives, one call at a time.
 
-The engine loop calls the scheduler on the event loop, never concurrently:
+Shape after vLLM's v1 scheduler interface (``vllm/v1/core/sched/interface.py``)
+and its engine core's step (``vllm/v1/engine/core.py`` ``step()``:
+``schedule()`` -> ``execute_model()`` -> ``update_from_output()``). The loop
+(:mod:`switchyard.dispatcher.engine_loop` for step engines,
+:mod:`switchyard.dispatcher.stream_loop` for stream engines) is the only
+caller, on the event loop, never concurrently. It runs, turn after turn:
 
-- :meth:`Scheduler.add` with each flushed batch (flush order);
-- :meth:`Scheduler.schedule` at every time-slice boundary (every
-  ``time_slice_ms`` of decode steps, and whenever the running set empties or
-  new work arrives while idle): admit waiting work, decide preemptions;
-- :meth:`Scheduler.finish` when a request ends (finished, cancelled, failed),
-  running or still waiting;
-- :meth:`Scheduler.park` instead of ``finish`` when a ``react_loop`` agent's
-  step ends in a tool call (:func:`should_park`): the agent waits on a tool,
-  holds no running slot, and its prefix state stays warm for ``tool_wait_ttl_s``.
+1. :meth:`Scheduler.schedule` ``(now) -> SchedulerOutput``: the double buffer's
+   active list joins the waiting queue, requests past their queue timeout or
+   own deadline end, waiting work is admitted into the running set and
+   running work preempted (its KV freed or swapped to DRAM);
+2. the engine runs the step the scheduler composed
+   (:meth:`Scheduler.compose_batch` -> ``engine.execute_model``) and reports a
+   :class:`~switchyard.dispatcher.engines.base.StepResult`;
+3. :meth:`Scheduler.update_from_output` writes the result into its requests
+   (tokens, computed prefix, the one stop check) and returns one
+   :class:`~switchyard.dispatcher.request.RequestOutput` per request that
+   produced something or ended; the loop publishes them to the requests'
+   output streams.
 
-The loop applies each :class:`SchedulerOutput`: for ``preempted`` it calls
-``req.mark_preempted(now)`` and ``engine.release(req)``; it prefills
-``admitted``; it decodes ``running`` until the next boundary. It releases the
-KV state of finished requests, but not of parked ones: the scheduler owns
-those and releases them when their TTL runs out or their agent resumes.
+Beside the turn: :meth:`Scheduler.add_request` (a Generate arrived; refused at
+once when the queue is full), :meth:`Scheduler.finish_requests` (the caller went
+away, the engine failed), :meth:`Scheduler.make_stats` (what the loop publishes
+to the metrics after each decision). Every call that ends requests returns
+their outputs; nothing inside the scheduler writes to a stream, starts a timer,
+or touches asyncio: the loop owns time (the double buffer's flush-interval
+timer included: :attr:`Scheduler.flush_deadline`).
 
-All times are ``time.monotonic()`` seconds, passed in as ``now`` so that tests
-and the benchmark can drive a simulated clock.
+The scheduler is composed, not inherited, of: a request queue per policy
+(:mod:`.request_queue`: the policy's ``order_key``), the compute-score
+admission rule (:mod:`.admission`), the running set's capacity
+(:mod:`.capacity`), the KV cache manager of the engine with the memory tiers
+as its client (:mod:`switchyard.dispatcher.tiers`), and the parked agents
+(:mod:`.parking`). A request's accounting lives on the request.
+
+All times are ``time.monotonic()`` seconds passed in as ``now``, so tests and
+the benchmarks drive a simulated clock.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from switchyard.api import agent_pb2
 from switchyard.common.priority import LABELS
-from switchyard.dispatcher.request import Request, SchedulerOutput
+from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput
 
-__all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "Scheduler", "SchedulerOutput", "class_rank", "should_park"]
+if TYPE_CHECKING:
+    from switchyard.dispatcher.engines.base import StepBatch, StepResult
+
+__all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "Scheduler", "SchedulerOutput", "SchedulerStats", "class_rank",
+           "should_park"]
 
 CLASS_ORDER: tuple[str, ...] = LABELS
 """Priority class labels, most important first (:class:`switchyard.common.priority.PriorityClass`)."""
 
 REACT_TASK_TYPE = "react_loop"
 """The task type whose agents alternate GPU thinking and tool waits."""
+
 
 def class_rank(req: Request) -> int:
     """0 for core, 1 for normal, 2 for batch (unset priority counts as normal)."""
@@ -58,47 +80,81 @@ def should_park(req: Request) -> bool:
     return req.task_type == REACT_TASK_TYPE and bool(req.agent_id) and req.finish_reason == "tool_calls"
 
 
+@dataclass
+class SchedulerStats:
+    """What :meth:`Scheduler.make_stats` reports after a decision; the loop publishes it as gauges
+    (after vLLM's ``SchedulerStats`` in ``vllm/v1/metrics/stats.py``).
+
+    ``running`` / ``waiting``: requests by priority class label (core, normal, batch; waiting excludes
+    the double buffer); ``num_waiting``: waiting plus buffered; ``num_queued``: accepted and never
+    admitted (the inference queue's depth); ``parked``, ``parked_kv_bytes``: react_loop agents waiting on
+    a tool and the bytes of prefix state kept warm for them; ``hbm_held_bytes``: bytes the KV budget holds
+    (None: the capacity counts no bytes); ``compute_score``: 0-100, read at the last decision.
+    """
+
+    running: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASS_ORDER, 0))
+    waiting: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASS_ORDER, 0))
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued: int = 0
+    parked: int = 0
+    parked_kv_bytes: int = 0
+    hbm_held_bytes: int | None = None
+    compute_score: float = 0.0
+
+
 @runtime_checkable
 class Scheduler(Protocol):
-    """A scheduling policy behind the engine loop (see the module docstring for the call order)."""
+    """A scheduling policy behind the step loop (see the module docstring for the call order)."""
 
     name: str
     """Policy name: ``priority`` or ``fifo``."""
 
-    def add(self, reqs: list[Request], now: float) -> None:
-        """A flushed batch arrives: its requests join the waiting set.
+    def add_request(self, req: Request, now: float) -> None:
+        """Accept ``req`` (into the double buffer), or refuse it at once.
 
-        A request with ``resume`` set is a react_loop agent back from a tool
-        call: it goes ahead of new work of its class, and reuses its agent's
-        warm prefix state when the TTL has not run out (``num_computed_tokens``
-        is set to the warm prefix; otherwise the prefix counts as recomputed).
+        A request with ``resume`` set is a react_loop agent back from a tool call: it goes ahead of new
+        work of its class, and reuses its agent's warm prefix state when the TTL has not run out.
+
+        Raises:
+            DispatcherClosed: draining (UNAVAILABLE).
+            QueueFullError: ``queues.inference.capacity`` requests wait already (RESOURCE_EXHAUSTED).
+            InvalidArgument: it could never fit the engine (``max_tokens``).
         """
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Decide at a time-slice boundary: admit waiting work, preempt running work.
+        """Decide at a step boundary: flush the intake, end expired work, admit waiting work, preempt.
 
-        Also charges the running requests for the time slice that just ended
-        (``compute_score_used``, ``memory_peak_bytes``) and releases the prefix
-        state of parked agents whose ``tool_wait_ttl_s`` ran out.
+        Also charges the running requests for the time since the last decision (``compute_score_used``,
+        ``memory_peak_bytes``) and releases the prefix state of parked agents whose TTL ran out.
 
         Returns:
-            the admitted and preempted requests, and the running set after the
-            decision (admitted included).
+            the admitted and preempted requests, the running set after the decision, and the outputs of
+            the requests that ended in it.
         """
 
-    def finish(self, req: Request, now: float) -> None:
-        """``req`` left the system (running or waiting): free its slot, learn its score. Idempotent."""
+    def compose_batch(self, prefill: list[Request], decode: list[Request],
+                      budget: int | None = None) -> "StepBatch":
+        """The engine step over ``prefill`` and ``decode`` (prefix-cache hits taken; chunked under
+        ``budget`` prompt tokens when given)."""
 
-    def park(self, req: Request, now: float) -> None:
-        """``req``'s agent now waits on a tool: free its running slot, keep its prefix state warm.
+    def update_from_output(self, batch: "StepBatch", result: "StepResult", now: float) -> list[RequestOutput]:
+        """Write the engine's ``result`` for ``batch`` into its requests; the one stop check ends them.
 
-        The prefix state (``engine.kv_bytes(req)`` bytes) stays held, and
-        counted in :attr:`parked_kv_bytes`, until the agent resumes or
-        ``tool_wait_ttl_s`` passes; then the scheduler releases it.
+        Returns:
+            one output per request that produced something or ended, in ``batch`` order.
         """
 
-    def resume(self, req: Request, now: float) -> None:
-        """Same as ``add([req], now)`` for a request with ``resume`` set."""
+    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
+                        error: BaseException | None = None) -> list[RequestOutput]:
+        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` wherever they are; idempotent.
+
+        Returns:
+            their outputs (each ``finished``).
+        """
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state now, for the loop to publish (:class:`SchedulerStats`)."""
 
     @property
     def waiting(self) -> list[Request]:
@@ -113,11 +169,10 @@ class Scheduler(Protocol):
         """Last request of each agent waiting on a tool with its prefix state warm."""
 
     @property
-    def parked_kv_bytes(self) -> int:
-        """Bytes of prefix state held for parked agents."""
+    def has_work(self) -> bool:
+        """Anything buffered, waiting, running or leaving the running set."""
 
     @property
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int: ...
+    def flush_deadline(self) -> float | None:
+        """When the double buffer must be flushed (reason ``interval``), monotonic seconds; None: empty.
+        The loop's timer calls ``flush`` then."""

@@ -52,12 +52,6 @@ class MemoryInfo:
     kv_bytes_per_token: int
 
 
-def memory_info(engine: Any) -> MemoryInfo | None:
-    """The engine's :class:`MemoryInfo`, or None when it has none (a stream engine)."""
-    read = getattr(engine, "memory_info", None)
-    return read() if callable(read) else None
-
-
 class Capacity(Protocol):
     """A limit on the running set. The scheduler calls it on the event loop only."""
 
@@ -138,7 +132,7 @@ class KvBudget:
     def usage_ratio(self) -> float:
         """Device memory in use / device memory (0-1): read from the device where possible, else
         weights + :attr:`held_bytes`."""
-        used = self._device_used() if callable(self._device_used) else None
+        used = self._device_used() if self._device_used is not None else None
         if used is None:
             used = self.info.weight_bytes + self.held_bytes
         return used / self.info.device_bytes if self.info.device_bytes else 0.0

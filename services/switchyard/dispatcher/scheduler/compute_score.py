@@ -110,7 +110,10 @@ class NvmlReader:
         """GPM state: None untried, False unsupported, else the two sample buffers."""
 
     def _error_types(self) -> tuple[type[BaseException], ...]:
-        nvml_error = getattr(self._nvml, "NVMLError", None)
+        try:
+            nvml_error = self._nvml.NVMLError
+        except AttributeError:  # a stand-in module without pynvml's error type
+            nvml_error = None
         base = (OSError, RuntimeError, AttributeError)
         return (nvml_error, *base) if isinstance(nvml_error, type) else base
 
@@ -197,23 +200,21 @@ class NvmlReader:
 class EngineActivity:
     """Utilisation the engine reports of itself (percent, 0-100) between two readings.
 
-    Reads the cumulative ``busy_seconds`` and, when the engine models them,
-    ``memory_busy_seconds`` and ``tensor_busy_seconds``.
+    Reads the cumulative ``busy_seconds`` and, when the engine models them
+    (``models_activity``), ``memory_busy_seconds`` and ``tensor_busy_seconds``.
     """
 
     def __init__(self, engine: Any, use_model: bool = True) -> None:
         self._engine = engine
-        self.modelled = (
-            use_model and hasattr(engine, "memory_busy_seconds") and hasattr(engine, "tensor_busy_seconds")
-        )
+        self.modelled = use_model and bool(engine.models_activity)
         self._last: tuple[float, float, float, float] | None = None
 
     def _totals(self) -> tuple[float, float, float]:
         e = self._engine
         return (
-            float(getattr(e, "busy_seconds", 0.0) or 0.0),
-            float(getattr(e, "memory_busy_seconds", 0.0) or 0.0),
-            float(getattr(e, "tensor_busy_seconds", 0.0) or 0.0),
+            float(e.busy_seconds or 0.0),
+            float(e.memory_busy_seconds or 0.0),
+            float(e.tensor_busy_seconds or 0.0),
         )
 
     def read(self, now: float) -> UtilSample:
@@ -363,6 +364,10 @@ def _collect() -> float:
 
 class _BusyOnly:
     """An engine stand-in that reports only cumulative busy seconds."""
+
+    models_activity = False
+    memory_busy_seconds = 0.0
+    tensor_busy_seconds = 0.0
 
     def __init__(self, busy_seconds: Callable[[], float]) -> None:
         self._busy_seconds = busy_seconds

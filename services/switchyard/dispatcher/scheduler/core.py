@@ -3,7 +3,9 @@
 Shape after vLLM's scheduler (``add_request`` / ``schedule`` /
 ``finish_requests``) and Triton's dynamic batcher, which alone owns the queue
 bound, the queue timeout, priorities and the batching delay. Every request the
-dispatcher holds is in exactly one place, recorded in ``req.state``:
+dispatcher holds is in exactly one place, recorded in ``req.status``
+(:class:`~switchyard.dispatcher.request.RequestStatus`), and every request it
+holds unfinished is in its registry by id (:meth:`SchedulerCore.finish_requests`):
 
 ``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
 policy) -> ``running`` (the engine's running set) -> ``finished``; a running
@@ -22,14 +24,20 @@ This class is the only place that
   ``timeout_s`` or gRPC deadline), waiting or running, on every engine:
   DEADLINE_EXCEEDED, its place and KV freed (:meth:`SchedulerCore.expire_deadlines`,
   called at every decision and by the step loop after every step);
-- releases KV state (``engine.release``): on finish, preemption, parking
-  expiry and agent hand-over;
+- writes what the engine produced into its requests and ends them, for every
+  engine (:meth:`SchedulerCore.update_from_output`: the one stop check,
+  :func:`.update.check_stop`); every request that ends is handed back as a
+  :class:`~switchyard.dispatcher.request.RequestOutput` for the step loop to
+  publish;
+- frees KV state (``kv.free``, the engine's
+  :class:`~switchyard.dispatcher.engines.base.KVCacheManager`): on finish,
+  preemption, parking expiry and agent hand-over;
 - moves KV state between memory tiers (:mod:`switchyard.dispatcher.tiers`):
   a preempted request or an evicted parked agent goes to the DRAM tier when
   swapping is cheaper than recomputing, and comes back at admission
   (``SchedulerOutput.restore``); the HBM scan (every ``[scan]
   hbm_scan_interval_s``) evicts at ``emergency_evict_ratio`` and
-  defragments while the compute score is below ``defrag_trigger_score``.
+  defragments while the compute score is below ``defrag_below_score``.
   A swap-out's copy runs in the background (the sim engine models no time
   for it in front of any step), and the swap-or-recompute choice counts the
   delay a copy would put on waiting higher-class work
@@ -41,8 +49,9 @@ first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
 parked state is valued higher, so it leaves last, but it leaves.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
-and decides three things only: the order of the waiting set
-(:meth:`SchedulerCore._order_key`), whether the head may start
+and decides three things only: the order of the waiting set (its request
+queue, :meth:`SchedulerCore.make_queue`: the queue's ``order_key``,
+:mod:`.request_queue`), whether the head may start
 (:meth:`SchedulerCore._admission_refusal`, memory aside), and what to preempt
 (:meth:`SchedulerCore._preempt` at a decision, :meth:`SchedulerCore._victim_candidates`
 mid-step).
@@ -61,12 +70,9 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 
 from __future__ import annotations
 
-import asyncio
-import bisect
 import itertools
 import logging
 import math
-import time
 from typing import Any, Callable
 
 import grpc
@@ -89,12 +95,22 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler import metrics
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
-from switchyard.dispatcher.scheduler.base import CLASS_ORDER, class_name, class_rank, should_park
-from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded, memory_info
+from switchyard.dispatcher.scheduler.base import CLASS_ORDER, SchedulerStats, class_name, class_rank, should_park
+from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded
+from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
 from switchyard.dispatcher.scheduler.tool_wait import Decision, ToolWaitDecision, ToolWaitInputs, decide
-from switchyard.dispatcher.request import Request, SchedulerOutput, request_links
+from switchyard.dispatcher.scheduler.request_queue import RequestQueue
+from switchyard.dispatcher.request import (
+    FlushedBatch,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SchedulerOutput,
+    request_links,
+)
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
@@ -105,8 +121,10 @@ tracer = telemetry.get_tracer(__name__)
 FRAGMENTATION_INTERVAL_S = 1.0
 """The fragmentation gauge is recomputed at scheduling decisions at most this often (seconds)."""
 
-STATES = ("new", "buffered", "waiting", "running", "preempting", "parked", "finished")
-"""Values of ``Request.state``."""
+RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
+PREEMPTING = RequestStatus.PREEMPTING
+PARKED = RequestStatus.PARKED
 
 
 class DispatcherClosed(SwitchyardError):
@@ -122,8 +140,8 @@ class SchedulerCore:
     Args:
         config: the whole config (``scheduler``, ``queues.inference``,
             ``batching``, ``memory.hbm``).
-        engine: the engine; a step engine's ``kv_bytes``, ``release``,
-            ``memory_info`` and ``busy_seconds`` are used when present.
+        engine: the engine (its ``kv``, the :class:`KVCacheManager` this scheduler owns); None: one
+            without KV memory.
         monitor: compute-score source; default a :class:`ComputeScoreMonitor`
             reading NVML, falling back to the engine's own activity.
         capacity: the running set's limit; default :class:`KvBudget` from the
@@ -133,6 +151,8 @@ class SchedulerCore:
             default ``flush.flush_interval_ms``.
         tiers: the memory tiers (swap to DRAM); default one without a DRAM
             store: evicted state is recomputed.
+        queue: the waiting queue (:class:`.request_queue.RequestQueue`: its ``order_key`` orders the
+            waiting work); default the policy's (:meth:`make_queue`).
     """
 
     name = "base"
@@ -145,20 +165,27 @@ class SchedulerCore:
         capacity: Capacity | None = None,
         flush_interval_s: float | Callable[[], float] | None = None,
         tiers: MemoryTiers | None = None,
+        queue: RequestQueue | None = None,
     ) -> None:
         self.config = config.scheduler
         self.memory = config.memory
-        self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, engine)
         self.queue_config = config.queues.inference
         self.engine = engine
+        self.kv: KVCacheManager = engine.kv if engine is not None else NullKVCacheManager()
+        self.engine_enforces_max_tokens: bool = engine.enforces_max_tokens if engine is not None else False
+        """A stream engine's upstream ends each stream at ``max_tokens`` (see :func:`.update.check_stop`)."""
+        self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
+        self._requests: dict[str, Request] = {}
+        """The registry: every request accepted and not finished, by id."""
+        self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
         self.admission = Admission(self.config)
         self.accounting = Accounting(self._kv_bytes)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked)
         if capacity is None:
-            info = memory_info(engine)
+            info = self.kv.memory_info()
             capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
-                                 getattr(engine, "device_used_bytes", None)) if info else Unbounded())
+                                 self.kv.device_used_bytes) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
         if flush_interval_s is None:
@@ -171,21 +198,17 @@ class SchedulerCore:
         mid-step: :meth:`admit_core`)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
-        self._waiting: list[tuple[tuple[float, ...], Request]] = []
+        self.queue: RequestQueue = queue if queue is not None else self.make_queue()
+        """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
-        self._leaving: dict[Request, int] = {}
-        """Preempted while a step they belong to is in flight (``preempting``) -> their live KV bytes, held in
-        the budget until that step ends, when they leave."""
+        self._leaving: list[Request] = []
+        """Members of the step in flight preempted during it (``preempting``): out of the running set, their
+        live KV (``req.kv_leaving_bytes``) held in the budget until that step ends, when they leave."""
         self._room_for: Request | None = None  # the waiting head parked state is evicted for (_make_room)
-        self._handover: dict[Request, Request] = {}
-        """Waiting resumed request -> its agent's parked request, whose prefix state it takes at admission."""
-        self._counter = itertools.count()
-        self._batches: dict[int, list[float]] = {}  # flush number -> [members not yet ended, flushed_at]
         self._batch_numbers = itertools.count()
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
         self._next_expiry = math.inf
         self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
-        self._interval_timer: asyncio.TimerHandle | None = None
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
         self.preemption_enabled = self.config.preemption_enabled
@@ -196,8 +219,7 @@ class SchedulerCore:
         self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
         for reason in FlushReason:  # counters with a known label set start at 0
             dispatcher_metrics.FLUSHES.labels(reason.label)
-        self._depth_gauge = QUEUE_DEPTH.labels(QUEUE_NAME)  # bound once: set on every arrival and departure
-        self._depth_gauge.set(0)
+        QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
         QUEUE_CAPACITY.labels(QUEUE_NAME).set(self.queue_config.capacity)
         self._wait_histogram = QUEUE_WAIT.labels(QUEUE_NAME)
         for reason in ("full", "timeout"):
@@ -208,7 +230,7 @@ class SchedulerCore:
     @property
     def waiting(self) -> list[Request]:
         """Waiting requests, in the order they will be admitted (buffered ones not included)."""
-        return [req for _, req in self._waiting]
+        return list(self.queue)
 
     @property
     def running(self) -> list[Request]:
@@ -229,7 +251,7 @@ class SchedulerCore:
     @property
     def num_waiting(self) -> int:
         """Requests waiting for admission, buffered ones included."""
-        return len(self._waiting) + self.intake.active_size
+        return len(self.queue) + self.intake.active_size
 
     @property
     def num_queued(self) -> int:
@@ -239,12 +261,12 @@ class SchedulerCore:
     @property
     def has_work(self) -> bool:
         """Anything buffered, waiting, running or leaving the running set."""
-        return bool(self._running or self._waiting or self._leaving or self.intake.active_size)
+        return bool(self._running or self.queue or self._leaving or self.intake.active_size)
 
     @property
     def core_waiting(self) -> bool:
         """A core request waits for admission (the step loop then ends its decode slice at the next step)."""
-        return any(req.priority_class is PriorityClass.CORE for _, req in self._waiting)
+        return any(req.priority_class is PriorityClass.CORE for req in self.queue)
 
     @property
     def core_pending(self) -> bool:
@@ -276,35 +298,29 @@ class SchedulerCore:
         if why is not None:
             tier_metrics.OOM_AVOIDED.inc()
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
+        self._requests[req.seq_id] = req
         req.enqueued_at = now
-        req.state = "buffered"
+        req.status = RequestStatus.BUFFERED
         self._queued += 1
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
         if req.deadline is not None:
             self._next_deadline = min(self._next_deadline, req.deadline)
-        self._depth_gauge.set(self._queued)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
-        elif self.intake.active_size == 1:
-            self._arm_interval()
         self.on_arrival()
         if req.priority_class is PriorityClass.CORE:
             self.on_core_arrival()
 
     def flush(self, reason: FlushReason, now: float) -> int:
         """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
-            self._interval_timer = None
         if not self.intake.active_size:
             return 0
         return self._hand_over(self.intake.swap(), reason, now)
 
     def _hand_over(self, batch: list[Request], reason: FlushReason, now: float) -> int:
         """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
-        number = next(self._batch_numbers)
-        self._batches[number] = [float(len(batch)), now]
         size = len(batch)
+        flushed = FlushedBatch(next(self._batch_numbers), size, now)
         dispatcher_metrics.BATCH_SIZE.observe(size)
         dispatcher_metrics.FLUSHES.labels(reason.label).inc()
         # One root span per flush, linked to every member's request span (a batch has no single parent),
@@ -317,11 +333,10 @@ class SchedulerCore:
                 req.flushed_at = now
                 req.batch_size = size
                 req.flush_reason = int(reason)
-                req.batch_id = number
+                req.batch = flushed
                 if req.resume and req.agent_id:
                     self._resume_prefix(req, now)
                 self._enqueue(req, now)
-        self._publish()
         return size
 
     def close(self) -> None:
@@ -334,7 +349,7 @@ class SchedulerCore:
     def schedule(self, now: float) -> SchedulerOutput:
         """Flush the intake, expire, admit and preempt; returns the decision and the running set after it.
 
-        Preempted requests have already lost their KV state (``engine.release``)
+        Preempted requests have already lost their KV state (``kv.free``, or swapped to DRAM)
         when this returns; expired ones have failed with :class:`QueueTimeoutError`.
         """
         if self.intake.active_size:
@@ -357,13 +372,13 @@ class SchedulerCore:
             tier_metrics.FRAGMENTATION.set(self.fragmentation_ratio())
         projected = score
         wave = 0
-        while self._waiting:
-            req = self._waiting[0][1]
+        while self.queue:
+            req = self.queue.peek()
             reason = self._refusal(req, projected, wave)
             if reason is not None and reason in self.capacity.CLASS_REFUSALS:
                 core = self._waiting_core_behind(req, projected, wave)
                 if core is not None:  # CORE may take the slots held back from the head's class
-                    self._remove_waiting(core)
+                    self.queue.remove(core)
                     self._start(core, now, out)
                     wave += 1
                     projected += self.admission.expected.get(core.task_type)
@@ -374,7 +389,7 @@ class SchedulerCore:
                     self._kv_refused = req  # admitting it would overrun the HBM budget: an OOM avoided
                     tier_metrics.OOM_AVOIDED.inc()
                 break
-            self._waiting.pop(0)
+            self.queue.pop()
             self._start(req, now, out)
             wave += 1
             projected += self.admission.expected.get(req.task_type)
@@ -382,10 +397,10 @@ class SchedulerCore:
         for req in out.admitted:
             self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
-        self._publish()
+        out.outputs = self._drain()
         return out
 
-    def admit_core(self, now: float) -> list[Request]:
+    def admit_core(self, now: float) -> SchedulerOutput:
         """Admit core work while the engine runs a step, preempting for it when it must: the layer-boundary path.
 
         The step loop calls it when a core request arrives during a step
@@ -410,9 +425,9 @@ class SchedulerCore:
         admitted here, and it preempts nothing).
 
         Returns:
-            the requests admitted, in admission order; each needs its prefill
-            (the step loop asks the engine for it at a layer boundary). Empty
-            when none fits.
+            ``admitted``: the requests admitted, in admission order; each needs
+            its prefill (the step loop asks the engine for it at a layer
+            boundary), empty when none fits; ``outputs``: requests that ended.
         """
         out = SchedulerOutput()
         taken = self.intake.take(lambda req: req.priority_class is PriorityClass.CORE)
@@ -422,27 +437,26 @@ class SchedulerCore:
             self._expire(now, out)
         self._now = now
         projected = self.score
-        while self._waiting:
-            req = self._waiting[0][1]
+        while self.queue:
+            req = self.queue.peek()
             if req.priority_class is not PriorityClass.CORE or req.swap_key:
                 break
             if ((self._admission_refusal(req, projected, len(out.admitted)) is not None
                     or self.capacity.refusal(req) is not None) and not self._preempt_mid_step(req, now, out)):
                 break
-            self._waiting.pop(0)
+            self.queue.pop()
             self._start(req, now, out)
             projected += self.admission.expected.get(req.task_type)
         for req in out.admitted:
             self.accounting.start(req, now, self.score, len(out.admitted))
-        if out.admitted or out.expired:
-            self._publish()
-        return out.admitted
+        out.outputs = self._drain()
+        return out
 
     def _preempt_mid_step(self, req: Request, now: float, out: SchedulerOutput) -> bool:
         """Make ``req`` fit while a step is in flight by preempting the fewest of the policy's victims; True
         when it now fits (the victims are ``preempting``), False (nothing changed) when they cannot make it fit.
 
-        Each victim's reservation is freed; its live KV (``engine.kv_bytes``) stays held until the step in
+        Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
         candidates = self._victim_candidates(req, out)
@@ -463,12 +477,11 @@ class SchedulerCore:
         for victim in chosen:
             held = self._kv_bytes(victim)
             self._stop(victim, now)
-            victim.state = "preempting"
+            victim.status = PREEMPTING
+            self._leaving.append(victim)
             if budget:
-                self._leaving[victim] = held
+                victim.kv_leaving_bytes = held
                 self.capacity.hold(held)  # type: ignore[union-attr]
-            else:
-                self._leaving[victim] = 0
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True
@@ -479,16 +492,16 @@ class SchedulerCore:
         again at their place."""
         if not self._leaving:
             return
-        leaving, self._leaving = self._leaving, {}
-        for victim, held in leaving.items():
-            if isinstance(self.capacity, KvBudget):
-                self.capacity.end_hold(held)
-            if victim.is_finished:
-                victim.state = "running"  # finished in its last step: ends as a running request does
-                self._running.append(victim)
-                self.finish(victim, now)
-                continue
+        leaving, self._leaving = self._leaving, []
+        for victim in leaving:
+            self._end_leaving(victim)
             self._evict_running(victim, now, out)
+
+    def _end_leaving(self, req: Request) -> None:
+        """The step ``req`` was preempted during has ended (or ``req`` ended): its live KV leaves the budget."""
+        if isinstance(self.capacity, KvBudget):
+            self.capacity.end_hold(req.kv_leaving_bytes)
+        req.kv_leaving_bytes = 0
 
     def expire_deadlines(self, now: float) -> list[Request]:
         """Fail every request held here whose own deadline (``req.deadline``) is ``now`` or earlier, wherever
@@ -518,8 +531,8 @@ class SchedulerCore:
         for req in expired:
             where = (f"after {len(req.output_tokens)} tokens" if req.output_tokens
                      else "waiting for admission" if not req.reached_engine else "before its first token")
-            req.fail(RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
-            self.finish(req, now)
+            self._end(req, now, RequestStatus.FINISHED_ERROR,
+                      RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
             metrics.DEADLINES_EXCEEDED.labels(class_name(req)).inc()
         return expired
 
@@ -543,15 +556,14 @@ class SchedulerCore:
           prefix cache, then running requests, lowest value first (preempted;
           their KV to DRAM where cheaper). The excess is counted in bytes freed,
           not re-read, because a caching allocator keeps freed memory reserved.
-        - Compute score below ``defrag_trigger_score``: compact the engine's KV
-          block table (``engine.compact_kv``) while the GPU has time for it.
+        - Compute score below ``defrag_below_score``: compact the engine's KV
+          block table (``kv.compact``) while the GPU has time for it.
         """
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
         tier_metrics.SCANS.labels("hbm").inc()
-        usage = getattr(self.capacity, "usage_ratio", None)
         limit = self.memory.hbm.emergency_evict_ratio
-        if callable(usage) and (ratio := usage()) >= limit:
-            budget: KvBudget = self.capacity  # type: ignore[assignment]
+        if isinstance(self.capacity, KvBudget) and (ratio := self.capacity.usage_ratio()) >= limit:
+            budget = self.capacity
             excess = int((ratio - limit) * budget.info.device_bytes) + 1
             log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting %d bytes of the lowest-value KV state",
                         ratio, limit, excess)
@@ -560,29 +572,28 @@ class SchedulerCore:
                 held = budget.held_bytes
                 self.parking.evict_lowest(lambda entry: self._parked_value(entry, now))
                 freed += held - budget.held_bytes
-            evict = getattr(self.engine, "evict_prefix_cache", None)
-            if callable(evict) and freed < excess:
-                freed += int(evict(excess - freed))
+            if freed < excess:
+                freed += self.kv.evict_prefix_cache(excess - freed)
             while freed < excess:
                 victim = self._lowest_value_running(now, out)
                 if victim is None:
                     break
                 freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
-        compact = getattr(self.engine, "compact_kv", None)
-        if callable(compact) and self.score < self.memory.hbm.defrag_below_score:
-            freed = int(compact())
+        if self.score < self.memory.hbm.defrag_below_score:
+            freed = self.kv.compact()
             tier_metrics.DEFRAGMENTATIONS.inc()
             tier_metrics.DEFRAG_FREED_BYTES.inc(freed)
 
-    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> list[Request]:
+    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> SchedulerOutput:
         """An engine step over ``reqs`` failed with a real out-of-memory error: keep the process and the tasks.
 
         Each running member is preempted (its KV dropped, not swapped: a failed
         step may have left it half written; it waits again and recomputes) and
-        the HBM scan runs at once. A request whose step fails
+        the HBM scan runs at once. A request whose
+        step fails
         this way a second time fails with RESOURCE_EXHAUSTED. Returns the
-        requests failed.
+        preempted requests, those failed (``expired``) and their outputs.
         """
         tier_metrics.OOM.inc()
         log.warning("engine step of %d requests ran out of device memory (%s); preempting them and evicting",
@@ -590,11 +601,11 @@ class SchedulerCore:
         out = SchedulerOutput()
         failed = []
         for req in reqs:
-            if req.state != "running" or req.is_finished:
+            if req.status is not RUNNING:
                 continue
             req.oom_retries += 1
             if req.oom_retries > 1:
-                req.fail(SwitchyardError(
+                self._end(req, now, RequestStatus.FINISHED_ERROR, SwitchyardError(
                     f"device memory ran out twice in this request's engine steps ({error}); the HBM budget "
                     "(memory_policy.toml [hbm] capacity_ratio) is larger than what the device has free",
                     grpc.StatusCode.RESOURCE_EXHAUSTED))
@@ -602,36 +613,89 @@ class SchedulerCore:
                 continue
             self._preempt_one(req, now, out, swap=False)
         self.hbm_scan(now, out)
-        return failed
+        out.expired = failed
+        out.outputs = self._drain()
+        return out
 
-    def finish(self, req: Request, now: float) -> None:
-        """``req`` ended (finished, failed or cancelled), wherever it is: free what it holds. Idempotent.
+    def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
+        """Write an engine step's ``result`` into ``batch``'s requests and end those it finished.
 
-        A react_loop agent's step that ended in a tool call is parked instead
-        (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
-        warm; anything else has its KV released.
+        For every engine (a stream engine's items come as one-request results): tokens, tool calls and the
+        computed prefix are written (:func:`.update.apply_output`), then the one stop check
+        (:func:`.update.check_stop`: end-of-sequence -> stop or tool_calls, ``max_tokens`` or the engine's
+        length limit -> length) ends a request, freeing its place and KV or parking its agent
+        (``react_loop``, tool_calls). A request the engine failed ends with its error. Requests past
+        their own deadline end too (:meth:`expire_deadlines`, so a deadline is answered within one step).
+
+        Returns:
+            one output per request that produced something or ended, in ``batch`` order; the step loop
+            publishes them.
         """
-        state = req.state
-        if state == "parked":  # the agent went away while waiting on its tool
+        prefilled = {id(req) for req, _ in batch.prefill}
+        for req in batch.requests:
+            seq = result.outputs.get(req.seq_id)
+            if seq is None or req.status not in (RUNNING, PREEMPTING):
+                continue
+            out, status = apply_output(req, seq, prefilled=id(req) in prefilled, now=now, kv=self.kv,
+                                       engine_enforces_max_tokens=self.engine_enforces_max_tokens)
+            if status is not None:
+                self._end(req, now, status, req.error, out)
+            elif out.tokens or out.tool_calls:
+                self._outbox.append(out)
+        self.expire_deadlines(now)
+        return self._drain()
+
+    def compose_batch(self, prefill: list[Request], decode: list[Request], budget: int | None = None) -> StepBatch:
+        """One engine step over ``prefill`` and ``decode`` (:func:`.update.compose_batch`: prefix-cache hits,
+        then the prompt tokens each prefill computes, chunked under ``budget`` when given)."""
+        return compose_batch(self.kv, prefill, decode, budget)
+
+    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
+                        error: BaseException | None = None) -> list[RequestOutput]:
+        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` (``FINISHED_ABORTED``: the caller
+        went away; ``FINISHED_ERROR`` with ``error``), wherever they are: free their place and KV.
+        Unknown or finished ids are skipped (idempotent). Returns their outputs."""
+        for seq_id in seq_ids:
+            req = self._requests.get(seq_id)
+            if req is not None:
+                self._end(req, now, status, error)
+        return self._drain()
+
+    def _drain(self) -> list[RequestOutput]:
+        outputs, self._outbox = self._outbox, []
+        return outputs
+
+    def _end(self, req: Request, now: float, status: RequestStatus, error: BaseException | None = None,
+             out: RequestOutput | None = None) -> None:
+        """``req`` ends with ``status`` wherever it is: free what it holds, queue its output. Idempotent.
+
+        A react_loop agent's step that ended in tool calls is parked instead
+        (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
+        warm; anything else has its KV freed.
+        """
+        state = req.status
+        if state is PARKED:  # the agent went away while waiting on its tool
             self.parking.drop(req)
             return
-        if state in ("finished", "new"):
+        if state is RequestStatus.NEW or req.is_finished:
             return
-        if state == "running":
+        req.status = status
+        if error is not None:
+            req.error = error
+        self._requests.pop(req.seq_id, None)
+        if state is RUNNING:
             self._stop(req, now)
             self._learn(req)
-        elif state == "preempting":  # out of the running set already; its KV held until now
-            held = self._leaving.pop(req, 0)
-            if isinstance(self.capacity, KvBudget):
-                self.capacity.end_hold(held)
-        elif state == "waiting":
-            self._remove_waiting(req)
-        elif state == "buffered":
+        elif state is PREEMPTING:  # out of the running set already; its KV held until now
+            self._leaving.remove(req)
+            self._end_leaving(req)
+        elif state is WAITING:
+            self.queue.remove(req)
+        elif state is RequestStatus.BUFFERED:
             self._remove_buffered(req)
         if not req.reached_engine:
             self._leave_queue(req)
         self._end_handover(req)
-        self.accounting.forget(req)
         self._batch_member_done(req, now)
         if req.swap_key:  # a DRAM copy it will not come back for
             self.tiers.discard(req.swap_key)
@@ -640,14 +704,14 @@ class SchedulerCore:
             tier_metrics.RECOMPUTED_TOKENS.inc(req.recomputed_tokens)
         if req.restored_tokens:
             tier_metrics.RESTORED_TOKENS.inc(req.restored_tokens)
-        if state == "running" and should_park(req):
-            req.state = "parked"
+        if state is RUNNING and should_park(req):
+            req.status = PARKED
             self.parking.park(req, now)
-        else:
-            req.state = "finished"
-            if state in ("running", "preempting"):
-                self._release(req)
-        self._publish()
+        elif state in (RUNNING, PREEMPTING):
+            self._release(req)
+        out = out or RequestOutput(req)
+        out.finished = True
+        self._outbox.append(out)
 
     def tool_wait(self, agent_id: str, expected_wait_s: float, now: float) -> ToolWaitDecision | None:
         """The agent's tool call starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
@@ -671,10 +735,10 @@ class SchedulerCore:
         entry = self.parking.entry(agent_id)
         if entry is None:
             return None
-        budget = int(getattr(self.capacity, "budget_bytes", 0) or 0)
+        budget = self.capacity.budget_bytes if isinstance(self.capacity, KvBudget) else 0
         if budget <= 0:  # no HBM budget to price (an upstream engine): the server keeps its own cache
             budget = max(1, entry.kv_bytes)
-        used = int(getattr(self.capacity, "reserved_bytes", 0)) + self.parking.kv_bytes
+        used = (self.capacity.reserved_bytes if isinstance(self.capacity, KvBudget) else 0) + self.parking.kv_bytes
         tokens = entry.req.num_computed_tokens
         decision = decide(ToolWaitInputs(
             expected_wait_s=expected_wait_s, kv_bytes=entry.kv_bytes, budget_bytes=budget,
@@ -691,18 +755,8 @@ class SchedulerCore:
             tier_metrics.TIER_EVICTIONS.labels("hbm").inc()
         metrics.TOOL_WAIT_DECISIONS.labels(decision.decision.value).inc()
         metrics.TOOL_WAIT_EXPECTED_SECONDS.observe(expected_wait_s)
-        self._publish()
         return decision
 
-    def abort(self, req: Request, now: float) -> None:
-        """The caller went away: end ``req`` (``cancelled``) and free its place and KV. Idempotent."""
-        req.cancelled = True
-        req.finish("cancelled")
-        self.finish(req, now)
-
-    def park(self, req: Request, now: float) -> None:
-        """Compatibility with the Scheduler protocol: ``finish`` parks whatever should be parked."""
-        self.finish(req, now)
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
@@ -710,22 +764,14 @@ class SchedulerCore:
         self.add_request(req, now)
         self.flush(FlushReason.STEP, now)
 
-    def add(self, reqs: list[Request], now: float) -> None:
-        """Accept ``reqs`` and flush them into the waiting set at once (tests and the scheduling benchmark)."""
-        for req in reqs:
-            self.add_request(req, now)
-        self.flush(FlushReason.STEP, now)
-
     def shutdown(self) -> None:
         """Release NVML. The engine loop calls it once at shutdown."""
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
         self.monitor.close()
 
     # ------------------------------------------------------------------ policy hooks
 
-    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
-        """Sort key of ``req`` in the waiting set (smallest first), fixed while it waits."""
+    def make_queue(self) -> RequestQueue:
+        """The policy's waiting queue (:mod:`.request_queue`: its ``order_key`` is the policy's order)."""
         raise NotImplementedError
 
     def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
@@ -749,7 +795,7 @@ class SchedulerCore:
         """
         if head.priority_class is PriorityClass.CORE:
             return None
-        for _, req in self._waiting:
+        for req in self.queue:
             if req.priority_class is PriorityClass.CORE:
                 return req if self._refusal(req, projected_score, wave) is None else None
         return None
@@ -776,28 +822,19 @@ class SchedulerCore:
         return self.queue_config.timeout_ms / 1000
 
     def _enqueue(self, req: Request, now: float) -> None:
-        req.state = "waiting"
-        key = (*self._order_key(req, now), float(next(self._counter)))
-        bisect.insort(self._waiting, (key, req), key=lambda entry: entry[0])
-
-    def _remove_waiting(self, req: Request) -> bool:
-        for i, (_, queued) in enumerate(self._waiting):
-            if queued is req:
-                del self._waiting[i]
-                return True
-        return False
+        req.status = WAITING
+        self.queue.add(req, now)
 
     def _remove_buffered(self, req: Request) -> None:
         self.intake.remove(req)
 
     def _held_outside_running(self) -> int:
         """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
-        cached = getattr(self.engine, "prefix_cache_bytes", None)
-        return self.parking.kv_bytes + (int(cached()) if callable(cached) else 0)
+        return self.parking.kv_bytes + self.kv.prefix_cache_bytes()
 
     def _make_room(self, req: Request) -> bool:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
-        agents' state valued below ``[hbm] evict_threshold`` (lowest value first), then the prefix cache
+        agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
         (:meth:`_demote_parked`), else it is dropped. True when ``req`` fits now."""
@@ -815,9 +852,8 @@ class SchedulerCore:
             below = self.memory.hbm.evict_first_below
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value, below=below) is not None:
                 pass
-            evict = getattr(self.engine, "evict_prefix_cache", None)
-            if callable(evict) and (short := self._shortfall(req)) > 0:
-                evict(short)
+            if (short := self._shortfall(req)) > 0:
+                self.kv.evict_prefix_cache(short)
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value) is not None:
                 pass
         finally:
@@ -841,7 +877,7 @@ class SchedulerCore:
     def _copy_delays(self) -> int:
         """1 when copying a victim's KV out of HBM would make the core request it is preempted for wait,
         else 0. An engine that models its transfers (the sim) copies in the background, beside the steps;
-        any other engine copies at export (``export_kv``), in front of the next step: core waits for it."""
+        any other engine copies at export (``kv.export``), in front of the next step: core waits for it."""
         return 0 if self.tiers.models_transfers else 1
 
     def _parked_value(self, entry: ParkedAgent, now: float) -> float:
@@ -900,7 +936,7 @@ class SchedulerCore:
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
         req.admitted_at = now
-        req.state = "running"
+        req.status = RUNNING
         self._running.append(req)
         self.capacity.take(req)
         if not req.reached_engine:
@@ -910,11 +946,12 @@ class SchedulerCore:
             self._leave_queue(req)
         else:  # a request that reached the engine waits again only after a preemption
             metrics.RESUMES.labels("preempted").inc()
-        parked = self._handover.get(req)
-        share = getattr(self.engine, "share_prefix", None)
-        if parked is not None and callable(share):  # an engine whose requests hold their own caches
-            shared = int(share(parked, req))
-            if shared:  # else the engine recomputes the prefix, and counts it
+        parked = req.handover_from
+        if parked is not None:  # its agent's parked step holds the warm prefix: take it over
+            shared = self.kv.share_prefix(parked, req)
+            if shared != req.num_computed_tokens:  # an engine whose requests hold their own caches
+                if not shared:  # nothing copied: the prefix is recomputed
+                    req.recomputed_tokens += min(req.num_computed_tokens, req.prompt_tokens)
                 req.num_computed_tokens = shared
         self._end_handover(req)
         out.admitted.append(req)
@@ -950,65 +987,41 @@ class SchedulerCore:
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
         deadline = self._timeout_s
-        keep: list[tuple[tuple[float, ...], Request]] = []
-        nxt = math.inf
-        for entry in self._waiting:
-            req = entry[1]
-            if req.reached_engine:
-                keep.append(entry)
-            elif now - req.arrival > deadline:
-                QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
-                req.fail(QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
-                                           "admission to the engine"))
-                req.state = "finished"
-                self._leave_queue(req)
-                self._end_handover(req)
-                self._batch_member_done(req, now)
-                out.expired.append(req)
-            else:
-                keep.append(entry)
-                nxt = min(nxt, req.arrival + deadline)
-        self._waiting = keep
-        self._next_expiry = nxt
+        for req in self.queue.remove_where(lambda r: not r.reached_engine and now - r.arrival > deadline):
+            QUEUE_REJECTED.labels(QUEUE_NAME, "timeout").inc()
+            req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
+                                          "admission to the engine")
+            req.status = RequestStatus.FINISHED_ERROR
+            self._requests.pop(req.seq_id, None)
+            self._outbox.append(RequestOutput(req, finished=True))
+            self._leave_queue(req)
+            self._end_handover(req)
+            self._batch_member_done(req, now)
+            out.expired.append(req)
+        self._next_expiry = min((r.arrival + deadline for r in self.queue if not r.reached_engine), default=math.inf)
 
     def _leave_queue(self, req: Request) -> None:
         self._queued -= 1
-        self._depth_gauge.set(self._queued)
 
     def _batch_member_done(self, req: Request, now: float) -> None:
-        entry = self._batches.get(req.batch_id)
-        if entry is None:
+        batch, req.batch = req.batch, None
+        if batch is None:
             return
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._batches[req.batch_id]
-            if self.on_batch_done is not None:
-                self.on_batch_done(max(0.0, now - entry[1]))
+        batch.left -= 1
+        if batch.left <= 0 and self.on_batch_done is not None:
+            self.on_batch_done(max(0.0, now - batch.flushed_at))
 
-    def _arm_interval(self) -> None:
-        """Flush by INTERVAL when the first buffered item has waited ``flush_interval_ms``."""
-        deadline = self.intake.deadline()
-        if deadline is None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven without an event loop (tests, the scheduling benchmark)
-            return
-        if self._interval_timer is not None:
-            self._interval_timer.cancel()
-        # monotonic and the loop's clock agree on CPython's default and uvloop loops
-        self._interval_timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._on_interval)
-
-    def _on_interval(self) -> None:
-        self._interval_timer = None
-        if self.intake.active_size:
-            self.flush(FlushReason.INTERVAL, time.monotonic())
-            self.on_arrival()
+    @property
+    def flush_deadline(self) -> float | None:
+        """When the double buffer's first buffered request will have waited the flush interval
+        (``batching.flush_interval_ms``), monotonic seconds; None while the buffer is empty. The loop owns
+        the timer: at that time it calls :meth:`flush` with ``FlushReason.INTERVAL``."""
+        return self.intake.deadline()
 
     def _resume_prefix(self, req: Request, now: float) -> None:
         found = self.parking.take(req.agent_id, now)
         if found.parked is not None:
-            self._handover[req] = found.parked
+            req.handover_from = found.parked
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
@@ -1032,9 +1045,8 @@ class SchedulerCore:
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
-        parked = self._handover.pop(req, None)
+        parked, req.handover_from = req.handover_from, None
         if parked is not None:
-            parked.state = "finished"
             self._release(parked)
 
     def _learn(self, req: Request) -> None:
@@ -1045,28 +1057,27 @@ class SchedulerCore:
         metrics.TASK_MEMORY_PEAK_BYTES.observe(req.memory_peak_bytes)
 
     def _kv_bytes(self, req: Request) -> int:
-        kv_bytes = getattr(self.engine, "kv_bytes", None)
-        return int(kv_bytes(req)) if callable(kv_bytes) else 0
+        return self.kv.kv_bytes(req)
 
     def _release(self, req: Request) -> None:
-        release = getattr(self.engine, "release", None)
-        if callable(release):
-            release(req)
+        """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""
+        if req.status is PARKED:
+            req.status = RequestStatus.FINISHED_TOOL_CALLS
+        self.kv.free(req)
+        req.num_computed_tokens = 0
 
-    def _publish(self) -> None:
-        running = dict.fromkeys(CLASS_ORDER, 0)
-        waiting = dict.fromkeys(CLASS_ORDER, 0)
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state now (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`)."""
+        stats = SchedulerStats(num_running=len(self._running), num_waiting=self.num_waiting,
+                               num_queued=self._queued, parked=len(self.parking.requests),
+                               parked_kv_bytes=self.parking.kv_bytes, compute_score=self.score)
         for s in self._running:
-            running[class_name(s)] += 1
-        for _, s in self._waiting:
-            waiting[class_name(s)] += 1
-        for name in CLASS_ORDER:
-            metrics.RUNNING_AGENTS.labels(name).set(running[name])
-            metrics.WAITING_AGENTS.labels(name).set(waiting[name])
-        dispatcher_metrics.RUNNING_SEQUENCES.set(len(self._running))
-        dispatcher_metrics.WAITING_SEQUENCES.set(self.num_waiting)
+            stats.running[class_name(s)] += 1
+        for s in self.queue:
+            stats.waiting[class_name(s)] += 1
         if isinstance(self.capacity, KvBudget):
-            tier_metrics.TIER_BYTES.labels("hbm").set(self.capacity.held_bytes)
+            stats.hbm_held_bytes = self.capacity.held_bytes
+        return stats
 
     def fragmentation_ratio(self) -> float:
         """Share of the KV block pool's allocated bytes holding no token state, 0-1.

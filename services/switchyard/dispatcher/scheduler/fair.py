@@ -21,9 +21,12 @@ A request whose task can no longer make its deadline is refused when it
 arrives (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`,
 DEADLINE_EXCEEDED naming it and its slack) instead of being served late.
 
-Attained service is charged at every scheduling decision from what the
-engine did for each running request since the last one (the growth of
-``num_computed_tokens``: tokens prefilled plus decoded).
+Attained service is charged after every engine step from what the step
+computed for each of its requests (:meth:`FairScheduler.update_from_output`:
+the prompt tokens it prefilled, one per decoded token). The order is the
+waiting queue's key (:class:`FairQueue`, the
+:class:`~switchyard.dispatcher.scheduler.request_queue.RequestQueue` contract),
+fixed when a request joins the queue.
 
 Admission and preemption are the ``priority`` policy's.
 """
@@ -32,11 +35,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from switchyard.dispatcher.request import Request, SchedulerOutput
+from switchyard.dispatcher.engines.base import StepBatch, StepResult
+from switchyard.dispatcher.request import Request, RequestOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
 from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
+from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
+
+
+class FairQueue(RequestQueue):
+    """The fair policy's waiting queue: ``order_key`` is :meth:`FairScheduler.fair_key`."""
+
+    name = "fair"
+
+    def __init__(self, policy: "FairScheduler") -> None:
+        super().__init__()
+        self.policy = policy
+
+    def order_key(self, req: Request, now: float) -> OrderKey:
+        return self.policy.fair_key(req, now)
 
 
 class FairScheduler(PriorityScheduler):
@@ -54,10 +72,12 @@ class FairScheduler(PriorityScheduler):
     """Tenant id -> weight (unnamed tenants weigh 1)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         self.ledger = FairnessLedger(self.fairness_half_life_s, dict(self.tenant_weights))
-        self._charged: dict[Request, tuple[int, int]] = {}
-        """Running request -> (num_computed_tokens, restored_tokens) at its last charge."""
+        super().__init__(*args, **kwargs)
+
+    def make_queue(self) -> RequestQueue:
+        """:class:`FairQueue`, ordered by :meth:`fair_key`."""
+        return FairQueue(self)
 
     def expected_service_s(self, req: Request) -> float:
         """Seconds of engine time ``req`` is expected to need: the prefill of what it has not computed."""
@@ -79,33 +99,21 @@ class FairScheduler(PriorityScheduler):
             slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
         super().add_request(req, now)
 
-    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
+    def fair_key(self, req: Request, now: float) -> OrderKey:
+        """``(class, not at risk, latest start if at risk, tenant's weighted service, session's service,
+        arrival)`` for ``req`` joining the queue at ``now`` (the module docstring's order)."""
         slack = self.slack(req, now)
         urgent = slack < self.slack_urgent_s
         tenant, session, arrival = self.ledger.order_key(req.agent_id, req.tenant_id, req.arrival, now)
         return (float(class_rank(req)), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
                 arrival)
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        for req in self._running:
-            self._charge(req, now)
-        out = super().schedule(now)
-        for req in out.admitted:  # what it holds at admission (a warm prefix) was not computed for it now
-            self._charged[req] = (req.num_computed_tokens, req.restored_tokens)
-        for req in out.preempted:
-            self._charged.pop(req, None)
-        return out
-
-    def finish(self, req: Request, now: float) -> None:
-        if req.state == "running":
-            self._charge(req, now)
-        self._charged.pop(req, None)
-        super().finish(req, now)
-
-    def _charge(self, req: Request, now: float) -> None:
-        """Charge the tokens the engine computed for ``req`` since the last charge (restored ones excepted)."""
-        done, restored = self._charged.get(req, (0, 0))
-        grown = (req.num_computed_tokens - done) - (req.restored_tokens - restored)
-        if grown > 0:
-            self.ledger.charge(req.agent_id, req.tenant_id, grown, now)
-        self._charged[req] = (req.num_computed_tokens, req.restored_tokens)
+    def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
+        """:meth:`SchedulerCore.update_from_output`, after charging each of ``batch``'s requests the
+        service the step gave it: the prompt tokens it prefilled, one token per decode."""
+        for req, tokens in batch.prefill:
+            if tokens > 0:
+                self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+        for req in batch.decode:
+            self.ledger.charge(req.agent_id, req.tenant_id, 1, now)
+        return super().update_from_output(batch, result, now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.request_queue import FcfsQueue, RequestQueue
 from switchyard.dispatcher.request import Request
 
 
@@ -24,8 +25,9 @@ class FifoScheduler(SchedulerCore):
 
     name = "fifo"
 
-    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
-        return (req.arrival,)
+    def make_queue(self) -> RequestQueue:
+        """Arrival order (:class:`~.request_queue.FcfsQueue`)."""
+        return FcfsQueue()
 
     def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         return ADMISSION_WAVE if wave >= self.config.max_admitted_per_decision else None

@@ -61,8 +61,8 @@ class ParkedAgents:
 
     Args:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
-        release: drops a request's prefix state in the engine (``engine.release``).
-        kv_bytes: bytes the engine holds for a request (``engine.kv_bytes``).
+        release: drops a request's prefix state in the engine (the scheduler's release: ``kv.free``).
+        kv_bytes: bytes the engine holds for a request (``kv.kv_bytes``).
         demote: called with a request whose state leaves HBM, before it is
             released; True when it copied the state to the DRAM tier.
     """
@@ -150,7 +150,6 @@ class ParkedAgents:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req) if demote else False
         self._release(entry.req)
-        entry.req.state = "finished"
         self._cold[agent_id] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
@@ -172,7 +171,7 @@ class ParkedAgents:
             return False
         del self._parked[req.agent_id]
         self._release(req)
-        req.state = "finished"
+
         self._publish()
         return True
 
@@ -190,7 +189,7 @@ class ParkedAgents:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req)
         self._release(entry.req)
-        entry.req.state = "finished"
+
         if evicted:
             metrics.PARKED_EVICTED.inc()
         else:

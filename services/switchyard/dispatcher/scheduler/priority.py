@@ -51,13 +51,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config import SchedulerConfig, SwitchyardConfig
 from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.request_queue import PriorityAgingQueue, RequestQueue
 from switchyard.dispatcher.request import Request, SchedulerOutput
 
-_RESUMED, _NEW = 0.0, 1.0
+
+
+def head_start(config: SchedulerConfig) -> tuple[float, ...]:
+    """Seconds each class (core, normal, batch) is ordered ahead of its arrival: ``aging_max_wait_ms x
+    (boost - boost_min) / (boost_max - boost_min)`` (see the module docstring)."""
+    boost = config.priority_boost
+    values = (boost.core, boost.normal, boost.batch)
+    low, high = min(values), max(values)
+    aging_s = config.aging_max_wait_ms / 1000.0
+    return tuple(aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values)
 
 
 class PriorityScheduler(SchedulerCore):
@@ -71,28 +81,18 @@ class PriorityScheduler(SchedulerCore):
     def __init__(self, config: SwitchyardConfig, engine: Any = None, monitor: ComputeScoreMonitor | None = None,
                  **kwargs: Any) -> None:
         super().__init__(config, engine, monitor, **kwargs)
-        boost = self.config.priority_boost
-        values = (boost.core, boost.normal, boost.batch)
-        low, high = min(values), max(values)
-        aging_s = self.config.aging_max_wait_ms / 1000.0
-        self.head_start_s: tuple[float, ...] = tuple(
-            aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values
-        )
-        """Seconds each class (core, normal, batch) is ordered ahead of its arrival."""
+        self.head_start_s = head_start(self.config)
+        """Seconds each class (core, normal, batch) is ordered ahead of its arrival (victims' order)."""
         self.wait_before_preempt_s = self.config.core_wait_before_preempt_ms / 1000.0
         """Seconds a core request that does not fit waits for room before it preempts."""
+
+    def make_queue(self) -> RequestQueue:
+        """:class:`~.request_queue.PriorityAgingQueue` with each class's head start (see the module docstring)."""
+        return PriorityAgingQueue(head_start(self.config))
 
     def virtual_arrival(self, req: Request) -> float:
         """``req.arrival`` minus its class's head start (seconds, monotonic clock)."""
         return req.arrival - self.head_start_s[class_rank(req)]
-
-    def _order_key(self, req: Request, now: float) -> tuple[float, ...]:
-        virtual = self.virtual_arrival(req)
-        if not req.resume:
-            return (virtual, _NEW)
-        rank = class_rank(req)
-        class_heads = [key[0] for key, queued in self._waiting if class_rank(queued) == rank and key[1] == _NEW]
-        return (min([virtual, *class_heads]), _RESUMED)
 
     def _may_preempt(self, req: Request, now: float) -> bool:
         return (self.preemption_enabled and class_rank(req) == 0
@@ -101,14 +101,14 @@ class PriorityScheduler(SchedulerCore):
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
         if not self.preemption_enabled:
             return
-        due = [req for _, req in self._waiting if self._may_preempt(req, now)]
+        due = [req for req in self.queue if self._may_preempt(req, now)]
         for req in due:
             victims = self._victims_for(req, out)
             if victims is None:
                 return
             for victim in victims:  # a copy in front of core's prefill counts against the swap
                 self._preempt_one(victim, now, out, delays=self._copy_delays())
-            self._remove_waiting(req)
+            self.queue.remove(req)
             self._start(req, now, out)
 
     def _victim_candidates(self, req: Request, out: SchedulerOutput) -> list[Request]:

@@ -12,7 +12,7 @@ pricing:
   plus the delay its copy puts on waiting higher-class work (the caller says
   how much: a copy at export runs in front of the next step);
   a recompute costs the engine's prefill of the same tokens
-  (``engine.recompute_seconds``). The cheaper one wins (vLLM's preemption
+  (``kv.recompute_seconds``). The cheaper one wins (vLLM's preemption
   offers the same two modes, swap and recompute, Kwon et al., SOSP 2023, 4.5).
 - :mod:`.dram`: KV entries in the DRAM tier's Redis (:mod:`switchyard.common.dram`,
   redis-py's asyncio client); an outage is a miss.
@@ -25,10 +25,11 @@ pricing:
   entry that does not prove itself is a miss, never handed to the engine.
 - :mod:`.metrics`: bytes, hits, misses, evictions, promotions and demotions per tier.
 
-An engine takes part through three optional methods: ``export_kv(req) ->
-bytes | None`` (its KV state as bytes, before release), ``import_kv(req,
+An engine takes part through its KV cache manager
+(:class:`~switchyard.dispatcher.engines.base.KVCacheManager`): ``export(req) ->
+bytes | None`` (its KV state as bytes, before it is freed), ``load(req,
 payload, tokens) -> int`` (tokens restored) and ``recompute_seconds(tokens)``.
-An engine whose ``models_transfers`` is true (the sim) has no real bytes to
+A manager whose ``models_transfers`` is true (the sim's) has no real bytes to
 move: a restore's modelled transfer time is owed and the step loop sleeps it
 before the restored request's step (:meth:`MemoryTiers.take_owed_seconds`); a
 swap-out's copy runs in the background, beside the steps (a copy engine beside
@@ -43,11 +44,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from switchyard.common import telemetry
 from switchyard.common.config import MemoryTiersConfig, PriorityBoost
-from switchyard.dispatcher.request import Request, request_links
+from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager
+from switchyard.dispatcher.request import Request, RequestStatus, request_links
 from switchyard.dispatcher.tiers import metrics
 from switchyard.dispatcher.tiers.cold import ColdStore
 from switchyard.dispatcher.tiers.dram import KvStore
@@ -65,22 +66,23 @@ class MemoryTiers:
     Args:
         memory: ``memory_policy.toml``.
         boost: ``scheduler_config.json`` ``priority_boost`` (the value score's priority weights).
-        engine: the step engine (``export_kv``, ``import_kv``, ``recompute_seconds``, ``kv_bytes``).
+        kv: the engine's KV cache manager (``export``, ``load``, ``recompute_seconds``, ``kv_bytes``); None:
+            one without KV (nothing is swapped).
         store: the DRAM store; None: no DRAM tier (every eviction recomputes).
         cold: the cold store; None: what the DRAM scan demotes is dropped.
     """
 
-    def __init__(self, memory: MemoryTiersConfig, boost: PriorityBoost, engine: Any,
+    def __init__(self, memory: MemoryTiersConfig, boost: PriorityBoost, kv: KVCacheManager | None,
                  store: KvStore | None = None, cold: ColdStore | None = None) -> None:
         self.config = memory
-        self.engine = engine
+        self.kv: KVCacheManager = kv if kv is not None else NullKVCacheManager()
         self.store = store
         self.cold = cold
         self.value = ValueScore(memory.value, boost)
         self._writes: dict[str, asyncio.Task[bool]] = {}
         self._owed_s = 0.0
         self._scan_task: asyncio.Task[None] | None = None
-        self.models_transfers = bool(getattr(engine, "models_transfers", False))
+        self.models_transfers = self.kv.models_transfers
 
     def request_key(self, req: Request) -> str:
         """DRAM key of a preempted request's KV state ("" without a DRAM tier)."""
@@ -94,8 +96,7 @@ class MemoryTiers:
 
     def recompute_seconds(self, tokens: int) -> float:
         """Engine seconds to recompute ``tokens`` prefix tokens (0 when the engine cannot say)."""
-        fn = getattr(self.engine, "recompute_seconds", None)
-        return float(fn(tokens)) if callable(fn) and tokens > 0 else 0.0
+        return float(self.kv.recompute_seconds(tokens)) if tokens > 0 else 0.0
 
     def transfer_seconds(self, nbytes: int) -> float:
         """One-way seconds to move ``nbytes`` between HBM and DRAM: bytes / bandwidth + fixed latency."""
@@ -106,7 +107,7 @@ class MemoryTiers:
         """A DRAM tier is configured, reachable (not within an outage's retry window) and the engine can export."""
         if self.store is None or not self.config.dram.kv_swap or not self.store.available():
             return False
-        if not callable(getattr(self.engine, "export_kv", None)):
+        if not self.kv.can_export():
             return False
         try:
             asyncio.get_running_loop()
@@ -140,8 +141,8 @@ class MemoryTiers:
         engine that ``models_transfers``: nothing is owed to the step loop for it.
         Returns False when nothing could be exported (the caller then recomputes).
         """
-        nbytes = int(getattr(self.engine, "kv_bytes")(req))
-        payload = self.engine.export_kv(req)
+        nbytes = self.kv.kv_bytes(req)
+        payload = self.kv.export(req)
         if payload is None:
             return False
         old = self._writes.pop(key, None)
@@ -189,15 +190,16 @@ class MemoryTiers:
                 req.recomputed_tokens += min(tokens, req.prompt_tokens)
             return 0
         metrics.TIER_HITS.labels(tier).inc()
-        if req.is_finished or req.state != "running":  # it left while the copy was read
+        if req.status is not RequestStatus.RUNNING:  # it left while the copy was read
             self.discard(key)
             return 0
         # tokens 0: the copy was found by its agent's key alone (parked by another replica), take all it holds
         wanted = min(tokens, entry.tokens) if tokens else min(entry.tokens, max(0, req.prompt_tokens - 1))
-        restored = int(self.engine.import_kv(req, entry.payload, wanted))
+        restored = int(self.kv.load(req, entry.payload, wanted))
         self.discard(key)
         if restored <= 0:
             return 0
+        req.num_computed_tokens = restored
         if self.models_transfers:
             self._owed_s += self.transfer_seconds(entry.nbytes)
         req.restored_tokens += restored
