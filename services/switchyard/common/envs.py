@@ -4,7 +4,8 @@ Service code reads settings through this module only; it never calls
 ``os.environ`` itself. The OpenTelemetry SDK reads the standard ``OTEL_*``
 variables and httpx the proxy variables (``HTTP_PROXY``, ``HTTPS_PROXY``,
 ``ALL_PROXY``, ``NO_PROXY``) under their standard names; they are listed here so that one
-file names everything the process looks at.
+file names everything the process looks at. The few variables Switchyard sets for
+a library (:data:`LIBRARY_DEFAULTS`) are set here too.
 """
 
 from __future__ import annotations
@@ -177,6 +178,28 @@ STANDARD_VARIABLES = (
     "NO_PROXY",
     "ALL_PROXY",
 )
+
+
+# Set for the libraries, under their standard names, when ``switchyard`` is imported
+# (:func:`set_library_defaults`); a value already in the environment is kept.
+LIBRARY_DEFAULTS = {
+    # ONNX Runtime's official builds (Linux included) start a 1DS usage-telemetry uploader as the
+    # module loads: HTTPS to mobile.events.data.microsoft.com, through HTTPS_PROXY when set, and a
+    # device id under ~/.cache/Microsoft. `ort.disable_telemetry_events()` comes too late to stop
+    # it; only ORT_DISABLE_TELEMETRY=1, read once when onnxruntime initializes, does (onnxruntime's
+    # Privacy.md, "Disabling Telemetry"). A service sends nothing anywhere it was not told to.
+    "ORT_DISABLE_TELEMETRY": "1",
+}
+
+
+def set_library_defaults() -> None:
+    """Put :data:`LIBRARY_DEFAULTS` into ``os.environ`` where unset (this process and the ones it starts).
+
+    Called by ``switchyard/__init__.py``, so it runs before any Switchyard code
+    can import the library that reads the variable.
+    """
+    for name, value in LIBRARY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def read_secret(name: str) -> str | None:

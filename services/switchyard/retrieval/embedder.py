@@ -212,8 +212,10 @@ class OnnxEmbedder:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
-        # ONNX Runtime's builds carry a usage-telemetry client (1DS events to an outside host):
-        # a retrieval service sends nothing anywhere it was not told to.
+        # ONNX Runtime's builds carry a usage-telemetry client (1DS events to an outside host): a
+        # retrieval service sends nothing anywhere it was not told to. ORT_DISABLE_TELEMETRY=1, set when
+        # `switchyard` is imported (envs.LIBRARY_DEFAULTS), keeps its uploader from starting at all; this
+        # call only drops further events, for a process that imported onnxruntime before switchyard.
         ort.disable_telemetry_events()
         folder = Path(folder)
         onnx_path, tokenizer_path = folder / ONNX_FILE, folder / TOKENIZER_FILE

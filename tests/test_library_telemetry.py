@@ -1,0 +1,81 @@
+"""No library of a Switchyard process calls home: ONNX Runtime's usage telemetry (1DS events to
+mobile.events.data.microsoft.com) stays off in every process that imports ``switchyard``.
+
+ONNX Runtime's official builds start their uploader as the module loads and send a first batch
+some seconds later, through ``HTTPS_PROXY`` when set, so a refusing proxy records it as
+``CONNECT mobile.events.data.microsoft.com:443``. Each check runs two interpreters side by side
+under their own refusing proxies: a witness that imports onnxruntime alone (it shows this build does
+call home, and how long it takes) and the one under test, which imports it the way Switchyard does.
+``tests/test_e2e.py`` checks the same for the whole stack of ``switchyard up``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from proxy_fixtures import NO_PROXY_VARIABLES, RefusingProxy, start_refusing_proxy
+from switchyard.common.envs import LIBRARY_DEFAULTS
+
+pytestmark = pytest.mark.slow
+
+WITNESS_DEADLINE_S = 180  # how long the witness may take to call home before the check is skipped
+
+# The import paths of the stack that can load onnxruntime: the retrieval service's query encoder.
+UNDER_TEST = "import switchyard.retrieval.embedder; import onnxruntime"
+WITNESS = "import onnxruntime"
+
+
+def _start(code: str, proxy: RefusingProxy) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (*NO_PROXY_VARIABLES, *LIBRARY_DEFAULTS)}
+    env.update(proxy.environment())
+    return subprocess.Popen(
+        [sys.executable, "-c", f"{code}; import sys, time; print('imported', flush=True); time.sleep(3600)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _imported(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line != "imported\n":
+        proc.kill()
+        pytest.fail(f"the interpreter did not import onnxruntime: {line!r}{proc.communicate()[1][-2000:]}")
+
+
+def test_onnxruntime_imported_by_switchyard_sends_no_telemetry():
+    witness_proxy, proxy = start_refusing_proxy(), start_refusing_proxy()
+    witness, proc = _start(WITNESS, witness_proxy), _start(UNDER_TEST, proxy)
+    try:
+        _imported(witness)
+        _imported(proc)
+        started = time.monotonic()
+        while not witness_proxy.requests and time.monotonic() - started < WITNESS_DEADLINE_S:
+            time.sleep(0.5)
+        if not witness_proxy.requests:
+            pytest.skip(f"this onnxruntime build sent no telemetry in {WITNESS_DEADLINE_S} s: nothing to guard")
+        assert any("events.data.microsoft.com" in line for line in witness_proxy.requests), witness_proxy.requests
+        # as long again as the witness needed, so a late first batch is caught too
+        time.sleep(time.monotonic() - started)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert proxy.requests == [], proxy.requests
+    finally:
+        for p in (witness, proc):
+            p.kill()
+            p.communicate()
+        for server in (witness_proxy, proxy):
+            server.shutdown()
+            server.server_close()
+
+
+def test_an_explicit_value_in_the_environment_is_kept():
+    env = {**os.environ, "ORT_DISABLE_TELEMETRY": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, switchyard; print(os.environ['ORT_DISABLE_TELEMETRY'])"],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    )
+    assert out.stdout.strip() == "0"
