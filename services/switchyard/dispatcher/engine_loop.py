@@ -546,6 +546,8 @@ class StepLoop(LoopBase):
         produced = 0
         for req, (first, last, count) in zip(reqs, before):
             produced += max(0, len(req.output_tokens) - count)
+            if req.prefill_only:  # a prompt prefix's warm-up: its one token is no caller's first token
+                continue
             if first is None and req.first_token_at is not None:
                 metrics.TTFT_BY_CLASS[req.priority_name].observe(req.first_token_at - req.arrival)
             elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
