@@ -237,6 +237,33 @@ async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeyp
         assert down.requests[-1].tenant_id == "delta"
 
 
+async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-acme tenant=acme,tok-beta tenant=beta,tok-plain")
+    acme, beta, plain = ((("authorization", f"Bearer tok-{t}"),) for t in ("acme", "beta", "plain"))
+    async with stack(http=True, **{"orchestrator.auth.enabled": True}) as (stub, down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
+                                                       task_type="chat", max_tokens=4), metadata=acme)
+        for key in ({"task_id": "t-acme"}, {"agent_id": "ag-acme"}):
+            for own in (acme, plain):  # its tenant, and a token that names none
+                status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**key), metadata=own)
+                assert status.task_id == "t-acme" and status.tenant_id == "acme"
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**key), metadata=beta)
+            missing = {"task_id": "t-none"} if "task_id" in key else {"agent_id": "ag-none"}
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**missing), metadata=beta)
+            assert other.value.code() == unknown.value.code() == grpc.StatusCode.NOT_FOUND
+            # another tenant's task reads exactly as one that does not exist
+            assert other.value.details() == unknown.value.details().replace("-none'", "-acme'")
+        async with aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{down.http.port}/api/v1"
+            for path in ("/tasks/t-acme", "/agent/ag-acme/status"):
+                async with session.get(base + path, headers={"Authorization": "Bearer tok-beta"}) as response:
+                    assert response.status == 404
+                async with session.get(base + path, headers={"Authorization": "Bearer tok-acme"}) as response:
+                    assert response.status == 200 and (await response.json())["task_id"] == "t-acme"
+
+
 def test_token_lines_name_at_most_one_well_formed_tenant(tmp_path):
     path = tmp_path / "tokens"
     path.write_text("tok-a tenant=acme agent.AgentService/RunTask\ntok-b\n")

@@ -36,6 +36,7 @@ from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abor
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
+from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
@@ -438,6 +439,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except Exception as exc:  # noqa: BLE001
             await context.abort(*status_for(exc))
 
+    def _visible_to_caller(self, tenant_id: str, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the caller may read a task of ``tenant_id``: always with auth off or a token that names no
+        tenant (an ``x-tenant-id`` header is the caller's own word, not a credential), else only its own."""
+        tokens = self.bearer_tokens()
+        if tokens is None:
+            return True
+        authorization = next((str(v) for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        own = tokens.tenant_of(authorization)
+        return not own or own == (tenant_id or DEFAULT_TENANT)
+
     async def _record_running(self, task_id: str) -> None:
         try:
             await self.tasks.mark_running(task_id)
@@ -482,7 +493,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task: the one
         named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none).
 
-        A task that was queued or running on an orchestrator that has since died is FAILED, naming it.
+        A task that was queued or running on an orchestrator that has since died is FAILED, naming it. A caller
+        whose bearer token names a tenant sees only that tenant's tasks: another tenant's is NOT_FOUND, in the
+        words of a task that does not exist (its existence is not told).
         """
         if not request.task_id and not request.agent_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -493,6 +506,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                       else await self.tasks.latest_of_agent(request.agent_id))
         except SwitchyardError as exc:
             await context.abort(exc.code, str(exc))
+        if record is not None and not self._visible_to_caller(record.tenant_id, context):
+            record = None
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, (
                 f"task_id: no task {request.task_id!r} (never submitted, or finished more than {retention:g} s ago: "
