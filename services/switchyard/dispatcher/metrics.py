@@ -107,7 +107,7 @@ ADMISSIONS_REFUSED = Counter(
     "switchyard_admissions_refused_total",
     "Scheduling decisions that left work waiting, by the reason the head of the queue was refused "
     "(admission_wave: max_admitted_per_decision admitted in this decision; compute_score: score + expected score "
-    ">= high_load_threshold; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
+    ">= admission_score_limit; kv_memory: its KV does not fit the HBM budget; upstream_concurrency: the "
     "upstream's adaptive concurrency limit is reached; upstream_core_reserve: only the upstream slots held back "
     "for CORE are left, a NORMAL or BATCH head waits).",
     ["reason"],

@@ -15,7 +15,7 @@ class HbmTierConfig(_Strict):
     capacity_ratio: float = Field(
         0.85, gt=0, le=1,
         description="KV budget = capacity_ratio x device memory - weights, a fraction; admission that would pass it evicts "
-        "the lowest-value state first (value below evict_threshold), else refuses (an OOM avoided).",
+        "the lowest-value state first (value below evict_first_below), else refuses (an OOM avoided).",
     )
     evict_first_below: float = Field(
         1.0e6, ge=0,

@@ -2,7 +2,7 @@
 
 Rule (``scheduler_config.json``, docs/architecture.md): a waiting task is admitted while
 
-    score + expected_score(task_type) < high_load_threshold
+    score + expected_score(task_type) < admission_score_limit
     and  admitted in this decision < max_admitted_per_decision
 
 where ``score`` is the current compute score (0-100) plus the expected scores
@@ -34,7 +34,7 @@ from switchyard.common.metrics import TASK_TYPES, bounded
 ADMISSION_WAVE = "admission_wave"
 """Refusal reason: ``max_admitted_per_decision`` requests were admitted in this decision already."""
 COMPUTE_SCORE = "compute_score"
-"""Refusal reason: score + expected score would reach ``high_load_threshold``."""
+"""Refusal reason: score + expected score would reach ``admission_score_limit``."""
 
 
 class ExpectedScores:
@@ -77,14 +77,14 @@ class Admission:
 
     Args:
         config: ``scheduler_config.json`` (max_admitted_per_decision,
-            high_load_threshold, expected_score_initial, expected_score_ema_alpha).
+            admission_score_limit, expected_score_initial, expected_score_ema_alpha).
         refusals: where refusals are counted, by reason (the scheduler's
             :attr:`~.base.SchedulerCounters.admissions_refused`); default a counter of its own.
     """
 
     def __init__(self, config: SchedulerConfig, refusals: Counter[str] | None = None) -> None:
         self.max_running = config.max_admitted_per_decision
-        self.high_load_threshold = config.admission_score_limit
+        self.admission_score_limit = config.admission_score_limit
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
         self.refusals: Counter[str] = refusals if refusals is not None else Counter()
         """Refusals so far, by reason (:data:`ADMISSION_WAVE`, :data:`COMPUTE_SCORE`, and the capacity's):
@@ -102,7 +102,7 @@ class Admission:
         """
         if wave >= self.max_running:
             return ADMISSION_WAVE
-        if num_running > 0 and projected_score + self.expected.get(task_type) >= self.high_load_threshold:
+        if num_running > 0 and projected_score + self.expected.get(task_type) >= self.admission_score_limit:
             return COMPUTE_SCORE
         return None
 

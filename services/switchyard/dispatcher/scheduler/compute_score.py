@@ -5,7 +5,7 @@ Rule (``scheduler_config.json``, from the field reports in docs/architecture.md)
     score = w_cuda * cuda_util + w_bandwidth * bandwidth_util + w_tensor * tensor_util
 
 with every utilisation in percent (0-100), so the score is on the same 0-100
-scale as ``high_load_threshold``.
+scale as ``admission_score_limit``.
 
 - ``cuda_util``: NVML GPU utilisation (percent of the sample period a kernel ran),
   ``nvmlDeviceGetUtilizationRates().gpu``.

@@ -25,7 +25,7 @@ non-resumed request of its class (and, resumed agents among themselves, in
 the order they came back).
 
 Admission (:mod:`.admission`, :mod:`.capacity`) takes from the head while
-``score + expected < high_load_threshold``, the head's KV fits the HBM budget
+``score + expected < admission_score_limit``, the head's KV fits the HBM budget
 (or the upstream's concurrency limit allows) and fewer than
 ``max_admitted_per_decision`` were admitted in this decision.
 
