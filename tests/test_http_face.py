@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 
 import grpc
 import httpx
@@ -20,6 +19,7 @@ from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.orchestrator.http_face import JSON, HttpFace
 from switchyard.orchestrator.service import OrchestratorService
+from orchestrator_fixtures import orchestrator_config
 
 pytestmark = pytest.mark.no_gpu
 
@@ -39,12 +39,7 @@ async def http_stack(client_options: dict | None = None, tracer_provider=None, *
     down = Downstream()
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
-        with tempfile.TemporaryDirectory(prefix="switchyard-tasks-") as store:
-            cfg = base.with_overrides(**{
-                "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
-                "orchestrator.task_store.sqlite_path": f"{store}/tasks.sqlite3",
-                "orchestrator.cpu_executor": "loop", **overrides,
-            })
+        with orchestrator_config(addr, addr, base, **overrides) as cfg:
             orch = OrchestratorService(cfg)
             face = HttpFace(orch, cfg, port=0, tracer_provider=tracer_provider)
             async with running([orch, face], cfg.server) as srv:

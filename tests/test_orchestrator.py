@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import tempfile
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
 from switchyard.common.channels import open_channel
 from stream_adapter import GenerateStreamFromGenerate
+from orchestrator_fixtures import orchestrator_config
 
 
 class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServicer,
@@ -92,22 +92,14 @@ async def stack(**overrides):
     down = Downstream()
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
-        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": addr,
-            "orchestrator.dispatcher_addr": addr,
-            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
-            "orchestrator.cpu_executor": "loop",  # a spawn pool costs seconds; one test below uses it
-            **overrides,
-        })
-        down.orchestrator = OrchestratorService(cfg)
-        async with running([down.orchestrator], cfg.server) as orch:
-            channel = open_channel(f"127.0.0.1:{orch.port}")
-            try:
-                yield agent_pb2_grpc.AgentServiceStub(channel), down
-            finally:
-                await channel.close()
-        store.cleanup()
+        with orchestrator_config(addr, addr, base, **overrides) as cfg:
+            down.orchestrator = OrchestratorService(cfg)
+            async with running([down.orchestrator], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                try:
+                    yield agent_pb2_grpc.AgentServiceStub(channel), down
+                finally:
+                    await channel.close()
 
 
 async def collect(stub, **fields):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import tempfile
 
 import aiohttp
 import grpc
@@ -31,6 +30,7 @@ from switchyard.orchestrator.program import (
 from switchyard.orchestrator.service import OrchestratorService
 from test_orchestrator import Downstream
 from fast_sim import FAST
+from orchestrator_fixtures import orchestrator_config
 
 
 def _value(metric, **labels) -> float:
@@ -88,26 +88,18 @@ async def stack(down: Downstream | None = None, env: dict[str, str] | None = Non
     down = down or Recording()
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
-        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": addr,
-            "orchestrator.dispatcher_addr": addr,
-            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
-            "orchestrator.cpu_executor": "loop",
-            **overrides,
-        })
-        orchestrator = down.orchestrator = OrchestratorService(cfg)
-        services = [orchestrator]
-        if http:
-            down.http = HttpFace(orchestrator, cfg, port=0)
-            services.append(down.http)
-        async with running(services, cfg.server) as orch:
-            channel = open_channel(f"127.0.0.1:{orch.port}")
-            try:
-                yield agent_pb2_grpc.AgentServiceStub(channel), down
-            finally:
-                await channel.close()
-        store.cleanup()
+        with orchestrator_config(addr, addr, base, **overrides) as cfg:
+            orchestrator = down.orchestrator = OrchestratorService(cfg)
+            services = [orchestrator]
+            if http:
+                down.http = HttpFace(orchestrator, cfg, port=0)
+                services.append(down.http)
+            async with running(services, cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                try:
+                    yield agent_pb2_grpc.AgentServiceStub(channel), down
+                finally:
+                    await channel.close()
 
 
 async def collect(stub, metadata=None, timeout=None, **fields):
@@ -379,22 +371,15 @@ async def test_against_the_sim_dispatcher_the_answer_extends_the_prefix_the_pref
     retrieval = SlowRetrieval()
     base = load_config("config", service="orchestrator")
     async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
-        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": f"127.0.0.1:{retr.port}",
-            "orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
-            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
-            "orchestrator.cpu_executor": "loop",
-        })
-        orchestrator = OrchestratorService(cfg)
-        async with running([orchestrator], cfg.server) as orch:
-            channel = open_channel(f"127.0.0.1:{orch.port}")
-            stub = agent_pb2_grpc.AgentServiceStub(channel)
-            question = "How does the with statement work in Python, and what does it call on the manager?"
-            hits = _value(PREFIX_CACHE_BLOCKS, result="hit")
-            events = await collect(stub, task_id="sim-warm", payload=question)
-            await channel.close()
-        store.cleanup()
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            async with running([orchestrator], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                question = "How does the with statement work in Python, and what does it call on the manager?"
+                hits = _value(PREFIX_CACHE_BLOCKS, result="hit")
+                events = await collect(stub, task_id="sim-warm", payload=question)
+                await channel.close()
     assert events[-1].HasField("final") and events[-1].final.output
     static_blocks = len(prompts.static_prefix("rag_answer", question).split()) // 16
     assert static_blocks >= 2 and _value(PREFIX_CACHE_BLOCKS, result="hit") >= hits + static_blocks

@@ -4,7 +4,6 @@ directly about a parked agent (keep for a short wait, move out for a very long o
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 
@@ -20,6 +19,7 @@ from switchyard.orchestrator.service import OrchestratorService
 from test_orchestrator import Downstream
 from test_program import _until, _value, collect
 from fast_sim import FAST
+from orchestrator_fixtures import orchestrator_config
 from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
 
 
@@ -35,22 +35,16 @@ async def test_a_react_loop_tool_call_is_decided_by_the_sim_dispatchers_schedule
     retrieval = Downstream()
     base = load_config("config", service="orchestrator")
     async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
-        store = tempfile.TemporaryDirectory(prefix="switchyard-tasks-")
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": f"127.0.0.1:{retr.port}",
-            "orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}",
-            "orchestrator.task_store.sqlite_path": f"{store.name}/tasks.sqlite3",
-            "orchestrator.cpu_executor": "loop",
-            "orchestrator.program.tool_wait_cold_estimate_s": 2.0,
-        })
-        orchestrator = OrchestratorService(cfg)
-        async with running([orchestrator], cfg.server) as orch:
-            channel = open_channel(f"127.0.0.1:{orch.port}")
-            events = await collect(agent_pb2_grpc.AgentServiceStub(channel), task_id="tw-sim", agent_id="agent-sim",
-                                   payload="How does the with statement work?", task_type="react_loop")
-            await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "a ToolWait answered")
-            await channel.close()
-        store.cleanup()
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base,
+                                 **{"orchestrator.program.tool_wait_cold_estimate_s": 2.0}) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            async with running([orchestrator], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                events = await collect(agent_pb2_grpc.AgentServiceStub(channel), task_id="tw-sim",
+                                       agent_id="agent-sim", payload="How does the with statement work?",
+                                       task_type="react_loop")
+                await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "a ToolWait answered")
+                await channel.close()
     assert events[-1].HasField("final")
     after = _decisions()
     decided = sum(after.values()) - sum(before.values())
