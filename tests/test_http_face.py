@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import json
 
 import grpc
 import httpx
@@ -289,6 +291,36 @@ async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-priority" in err.value.details()
 
 
+async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_takes_any_case_on_both():
+    async with http_stack() as (client, stub, down):
+        body = {"task_type": "chat", "payload": "hi", "agent_id": "a-1", "priority": "core"}
+        bad = await client.post("/api/v1/agent/submit", json=body, headers={"X-Priority": "urgent"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("x-priority header"), bad.text
+        for metadata in ((("x-priority", "urgent"),), (("x-agent-id", "   "),)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", agent_id="a-1", priority=agent_pb2.CORE),
+                                      metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{metadata[0][0]} header"), err.value.details()
+        empty = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": ""})
+        assert empty.status_code == 200  # an empty header names nothing: as if absent
+        await sse_events(client, {**body, "priority": "CORE"}, {"X-Priority": "Batch"})
+        assert down.requests[-1].priority == agent_pb2.CORE  # the body's, in capitals; the header's any case
+
+
+@pytest.mark.parametrize("field,value", [("agent_id", "   "), ("agent_id", "a\u0000b"), ("task_id", "t\nx"),
+                                         ("model", "m\x7f"), ("agent_id", "a\u0085b")])
+async def test_an_id_that_is_blank_or_holds_a_control_character_is_refused_naming_it(field, value):
+    async with http_stack() as (client, stub, down):
+        body = {"task_type": "chat", "payload": "hi", "agent_id": "a-1", field: value}
+        reply = await client.post("/api/v1/agent/submit", content=json.dumps(body), headers={"Content-Type": JSON})
+        assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(f"{field}:"), reply.text
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(**{"payload": "hi", "agent_id": "a-1", field: value}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(f"{field}:")
+        assert not down.requests  # nothing reached the dispatcher
+
+
 async def test_bearer_tokens_of_the_grpc_edge_guard_the_http_face(tmp_path):
     path = tmp_path / "tokens"
     path.write_text("tok-full-1\ntok-reader-2 agent.AgentService/GetTaskStatus\n")
@@ -380,7 +412,7 @@ async def test_the_http_face_serves_tls_with_the_grpc_edges_certificates(pki, mt
 async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and_methods_answer_json():
     async with http_stack() as (client, _, down):
         limit = load_config("config", service="orchestrator").limits.max_payload_chars
-        for chars in (5 * limit, 11 * limit):  # past the face's body limit (4 bytes a character and more)
+        for chars in (13 * limit, 16 * limit):  # past the face's body limit (12 bytes a character and more)
             for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
                 reply = await client.post(path, json={**FIELD_BODY, "payload": "x" * chars})
                 assert reply.status_code == 413, reply.text
@@ -394,6 +426,43 @@ async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and
             assert wrong.status_code == 405 and "POST" in wrong.json()["error"]["message"]
             assert "POST" in wrong.headers["Allow"]
         assert (await client.post("/api/v1/tasks/t-1")).status_code == 405
+        assert down.requests == []
+
+
+async def test_a_payload_within_its_limit_is_read_however_its_json_is_escaped_and_a_bom_is_ignored():
+    """Python's json.dumps escapes every non-ASCII character by default: an emoji takes 12 bytes (two \\u
+    escapes), an e-acute 6; the payload's limit counts characters, so the body's limit must allow for that."""
+    async with http_stack() as (client, _, down):
+        limit = load_config("config", service="orchestrator").limits.max_payload_chars
+        for text in ("\U0001F600" * limit, "\u00e9" * limit):
+            body = json.dumps({**FIELD_BODY, "task_type": "chat", "payload": text, "max_tokens": 1})  # ensure_ascii
+            reply = await client.post("/api/v1/agent/submit", content=body, headers={"Content-Type": JSON})
+            assert reply.status_code == 200, reply.text[:300]
+        over = json.dumps({**FIELD_BODY, "task_type": "chat", "payload": "\U0001F600" * (limit + 1)})
+        reply = await client.post("/api/v1/agent/submit", content=over, headers={"Content-Type": JSON})
+        assert reply.status_code == 400 and reply.json()["error"]["message"].startswith("payload: expected at most")
+        bom = codecs.BOM_UTF8 + json.dumps({**FIELD_BODY, "task_type": "chat", "max_tokens": 1}).encode()
+        reply = await client.post("/api/v1/agent/submit", content=bom, headers={"Content-Type": JSON})
+        assert reply.status_code == 200, reply.text
+        lone = b'{"agent_id": "a-1", "task_type": "chat", "payload": "\\ud800"}'
+        reply = await client.post("/api/v1/agent/submit", content=lone, headers={"Content-Type": JSON})
+        assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"], reply.text
+
+
+async def test_a_body_that_stalls_short_of_its_content_length_gets_408_and_the_connection_closes():
+    async with http_stack(**{"orchestrator.http.body_read_timeout_s": 0.5}) as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"agent")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=30)  # read() to EOF: the face closed it
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        error = json.loads(body)["error"]
+        assert error["code"] == "DEADLINE_EXCEEDED" and "orchestrator.http.body_read_timeout_s" in error["message"]
+        assert (await client.get("/openapi.json")).status_code == 200  # the face serves on
         assert down.requests == []
 
 

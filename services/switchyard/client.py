@@ -120,7 +120,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--addr", help="orchestrator host:port (default: from config, 127.0.0.1:50051)")
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--task-type", default="", help="rag_answer (default), chat or react_loop")
-    parser.add_argument("--priority", default="NORMAL", choices=[c.name for c in PriorityClass])
+    parser.add_argument("--priority", default="NORMAL", type=str.upper, choices=[c.name for c in PriorityClass],
+                        help="core, normal (default) or batch, any case")
     parser.add_argument("--max-tokens", type=_max_tokens, default=0,
                         help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
     parser.add_argument("--model", default="")

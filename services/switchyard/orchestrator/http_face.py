@@ -26,7 +26,8 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
 or the face's own: 405 (a wrong method, UNIMPLEMENTED), 413 and 415
-(INVALID_ARGUMENT).
+(INVALID_ARGUMENT), 408 (the body not whole within
+``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes).
 A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
 tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
@@ -36,6 +37,7 @@ names as in agent.proto).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -108,8 +110,10 @@ def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator"
 
 
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
-    return web.json_response(error_body(code, message, origin),
-                             status=HTTP_STATUS.get(code, 500) if status is None else status)
+    status = HTTP_STATUS.get(code, 500) if status is None else status
+    # 408: the body never arrived whole, so what is left of it cannot be told from the next request; close.
+    return web.json_response(error_body(code, message, origin), status=status,
+                             headers={"Connection": "close"} if status == 408 else None)
 
 
 def _abort_answer(exc: HttpAbort) -> web.Response:
@@ -181,10 +185,12 @@ class HttpFace(Drains):
 
     @property
     def body_max_bytes(self) -> int:
-        """The largest request body read, bytes: room for the largest payload (UTF-8, up to 4 bytes a
-        character) and metadata, plus the rest of the body."""
+        """The largest request body read, bytes: room for the largest payload and metadata however their JSON
+        is written, plus the rest of the body. A character takes up to 12 bytes in JSON (one outside the Basic
+        Multilingual Plane written as two ``\\uXXXX`` escapes, as Python's ``json.dumps`` writes it by default;
+        RFC 8259 section 7), a metadata byte of UTF-8 up to 3 (a 4-byte character in 12)."""
         limits = self.config.limits
-        return 4 * limits.max_payload_chars + limits.max_metadata_bytes + 65536
+        return 12 * limits.max_payload_chars + 3 * limits.max_metadata_bytes + 65536
 
     def app(self) -> web.Application:
         """The application: the HTTP server telemetry middleware outermost (every answer measured, 401s
@@ -274,13 +280,21 @@ class HttpFace(Drains):
                             f"Content-Type: expected {JSON} (got {request.headers.get('Content-Type', 'none')!r})",
                             "orchestrator", status=415)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.orchestrator.http.body_read_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise HttpAbort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"body: expected its {request.content_length} bytes (Content-Length) within "
+                            f"{self.config.orchestrator.http.body_read_timeout_s:g} s "
+                            "(orchestrator.http.body_read_timeout_s)", "orchestrator", status=408) from None
         except web.HTTPRequestEntityTooLarge:
             limits = self.config.limits
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"body: expected at most {self.body_max_bytes} bytes; payload: at most "
                             f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator",
                             status=413) from None
+        if raw.startswith(codecs.BOM_UTF8):  # RFC 8259 section 8.1: a parser may ignore a byte order mark
+            raw = raw[len(codecs.BOM_UTF8):]
         try:
             body = TaskRequest.model_validate_json(raw)
         except ValidationError as exc:

@@ -13,10 +13,10 @@ Task states use the names agent harnesses read: ``queued``, ``running``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from switchyard.api import agent_pb2
@@ -37,6 +37,12 @@ STATE_NAMES: dict[int, str] = {
 INT32_MAX = 2**31 - 1
 
 
+def _lower(value: Any) -> Any:
+    """A string lower-cased (the priority's name in any case, as the X-Priority header takes it); else as it is,
+    for the strict check to refuse."""
+    return value.lower() if isinstance(value, str) else value
+
+
 class TaskRequest(BaseModel):
     """Body of ``POST /api/v1/agent/submit`` and ``POST /api/v1/agent/run`` (a RunTaskRequest).
 
@@ -50,8 +56,8 @@ class TaskRequest(BaseModel):
 
     agent_id: str = Field("", description="The agent the task belongs to; required here or as the X-Agent-Id header "
                                           "(the body wins).")
-    priority: Literal["core", "normal", "batch"] | None = Field(
-        None, description="Priority class; absent: the X-Priority header, else normal."
+    priority: Annotated[Literal["core", "normal", "batch"] | None, BeforeValidator(_lower)] = Field(
+        None, description="Priority class, any case (as X-Priority); absent: the X-Priority header, else normal."
     )
     task_type: str = Field(description="Workflow.", min_length=1, json_schema_extra={"enum": list(TASK_TYPES)})
     max_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Completion tokens at most; 0: the default, tokens.")
@@ -149,8 +155,11 @@ def describe_error(exc: ValidationError) -> str:
         loc = [str(p) for p in err["loc"]]
         kind = err["type"]
         if kind == "json_invalid":
-            problem = InvalidArgument("body", f"a JSON object ({err['ctx'].get('error', 'invalid JSON')})"
-                                      if err.get("ctx") else "a JSON object (invalid JSON)")
+            reason = err["ctx"].get("error", "invalid JSON") if err.get("ctx") else "invalid JSON"
+            if "hex escape" in reason:  # jiter's words for a \uD800-\uDFFF escape without its pair
+                reason += ("; a \\uXXXX escape must name a character: a UTF-16 surrogate (\\uD800-\\uDFFF) "
+                           "only as half of a pair")
+            problem = InvalidArgument("body", f"a JSON object ({reason})")
         elif not loc or kind == "model_type":
             problem = InvalidArgument("body", "a JSON object", _json_type(err.get("input")))
         elif kind == "extra_forbidden":
@@ -197,11 +206,14 @@ def openapi(version: str) -> dict[str, Any]:
          "description": "The agent, where the body's agent_id is empty (the body wins); one of the two is required."},
         {"name": "X-Priority", "in": "header", "required": False,
          "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
-         "description": "The priority class, where the body has none (the body wins)."},
+         "description": "The priority class, any case, where the body has none (the body wins); checked even "
+                        "where the body wins."},
     ]
     body_errors = {
         "413": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is larger than the face reads (the message "
                                         "gives the limit, from limits.max_payload_chars)"),
+        "408": json_body(ErrorResponse, "DEADLINE_EXCEEDED: the body did not arrive whole within "
+                         "orchestrator.http.body_read_timeout_s (the connection is closed)"),
         "415": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is not Content-Type application/json"),
     }
     status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),

@@ -17,6 +17,7 @@ else from ``X-Tenant-Id`` (metadata ``x-tenant-id``), else ``default``
 
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from typing import TYPE_CHECKING
 
@@ -57,13 +58,35 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
     HTTP headers, keys lower-case) where the request leaves them empty or unset; the request's own fields win.
 
     Raises:
-        InvalidArgument: ``x-priority`` is not core, normal or batch (checked only where it is used).
+        InvalidArgument: ``x-priority`` is not core, normal or batch, or ``x-agent-id`` is only whitespace or
+            holds a control character, each checked whether or not the request's own field wins (a header that
+            says something wrong is refused, not ignored; an empty one names nothing and is ignored).
     """
-    headers = {key: value for key, value in metadata or () if key in (AGENT_ID_HEADER, PRIORITY_HEADER)}
-    if not request.agent_id and headers.get(AGENT_ID_HEADER):
-        request.agent_id = str(headers[AGENT_ID_HEADER])
-    if request.priority == agent_pb2.PRIORITY_UNSPECIFIED and headers.get(PRIORITY_HEADER):
-        request.priority = parse_priority(str(headers[PRIORITY_HEADER]), f"{PRIORITY_HEADER} header")
+    headers = {key: str(value) for key, value in metadata or () if key in (AGENT_ID_HEADER, PRIORITY_HEADER)}
+    if AGENT_ID_HEADER in headers:
+        check_id_chars(headers[AGENT_ID_HEADER], f"{AGENT_ID_HEADER} header")
+        if not request.agent_id:
+            request.agent_id = headers[AGENT_ID_HEADER]
+    if PRIORITY_HEADER in headers:
+        priority = parse_priority(headers[PRIORITY_HEADER], f"{PRIORITY_HEADER} header")
+        if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
+            request.priority = priority
+
+
+def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
+    """An id (task, agent, model) is text that prints: no control characters (Unicode categories Cc: C0/C1
+    controls and DEL, and Cs: lone surrogates), and not only whitespace unless empty (``blank_ok``: empty means
+    "none").
+
+    Raises:
+        InvalidArgument: naming ``field``.
+    """
+    if (value and not value.strip()) or (not value and not blank_ok):
+        raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
+    if not value.isprintable() and any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        bad = next(c for c in value if unicodedata.category(c) in ("Cc", "Cs"))
+        raise InvalidArgument(field, f"an id of printable characters (no control characters; found U+{ord(bad):04X})",
+                              value[:80])
 
 
 def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerTokens | None") -> str:
@@ -130,6 +153,8 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         if len(value) > limits.max_id_chars:
             raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
                                   f"{len(value)} chars")
+    for name, value in (("task_id", request.task_id), ("agent_id", request.agent_id), ("model", request.model)):
+        check_id_chars(value, name)
     workflow = request.task_type or orch.default_task_type
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)

@@ -25,6 +25,12 @@ class HttpFaceConfig(_Strict):
         description="Instruction of an HTTP submit or run whose body has no payload, text (an agent harness sends "
         "agent_id, priority, task_type and max_tokens only); validated as a request's own payload.",
     )
+    body_read_timeout_s: float = Field(
+        10.0, gt=0, le=600,
+        description="Longest wait for a request's whole body once its headers arrived, seconds; a client that sends "
+        "less than its Content-Length by then gets 408 and the connection is closed (a slow or stalled sender "
+        "holds no handler).",
+    )
 
 
 class OrchestratorConfig(_Strict):
