@@ -373,6 +373,25 @@ def build_scheduler(policy: str, config: SwitchyardConfig, engine: AgentSimEngin
     return sched, ledger
 
 
+BACKGROUND_IO_TIMEOUT_S = 10.0
+"""Longest wall-clock wait for the tiers' background Redis calls at one turn (a stuck Redis fails them)."""
+
+
+async def finish_background_io() -> None:
+    """Let the tiers' background Redis calls (a swap-out's write, a copy's delete) finish before the
+    simulated clock moves on.
+
+    On the simulated clock the step loop never yields to the event loop, so without this those calls
+    pile up while the run goes on, and how many a later restore finds written (or how many the Redis
+    client refuses: too many connections) would depend on the machine's speed. The copy's modelled
+    time is the clock's business (:mod:`switchyard.dispatcher.tiers`); Redis's wall time is not.
+    """
+    me = asyncio.current_task()
+    pending = [task for task in asyncio.all_tasks() if task is not me and not task.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=BACKGROUND_IO_TIMEOUT_S)
+
+
 class PolicyRun:
     """One policy's run of the workload on the real scheduler (see the module docstring)."""
 
@@ -386,7 +405,9 @@ class PolicyRun:
         # Every step is accepted (the benchmark measures scheduling, not the queue's bound).
         self.config = config.with_overrides(**{"queues.inference.capacity": 1_000_000,
                                                "queues.inference.timeout_ms": 3_600_000})
-        self.dram = dram
+        # Redis's wall time is not the simulated clock's: a machine busy elsewhere must not fail a call.
+        self.dram = dram.model_copy(update={"op_timeout_s": BACKGROUND_IO_TIMEOUT_S,
+                                            "connect_timeout_s": BACKGROUND_IO_TIMEOUT_S}) if dram else None
         self.sim = self.config.sim
         self.result = PolicyResult(policy, slo_s=self.config.slo.ttft.threshold_s)
         self.agents = self._agents()
@@ -579,6 +600,7 @@ class PolicyRun:
                     break
                 continue
             parked = sched.parked_kv_bytes
+            await finish_background_io()
             t2, running, owed = await schedule_turn(sched, tiers, t)
             result.idle_byte_s += parked * owed
             result.stall_s += owed
