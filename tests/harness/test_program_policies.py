@@ -1,18 +1,53 @@
-"""``switchyard bench agents --policies``: the policy comparison on a small tenant workload (simulated clock)."""
+"""``switchyard bench agents --policies``: every policy on the dispatcher's real scheduler (simulated clock)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from switchyard_harness.bench import agents_bench
-from switchyard_harness.bench.program_policies import POLICY_NAMES, ProgramSim, Workload, jain, summarize
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.priority import PriorityClass
+from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler import FairScheduler, FcfsQueue, FifoScheduler, PriorityAgingQueue, PriorityScheduler
+from switchyard.dispatcher.scheduler.fair import FairQueue
+from switchyard.dispatcher.scheduler.fairness import FairnessLedger
+from switchyard.dispatcher.scheduler.request_queue import RequestQueue
+from switchyard.dispatcher.tiers import MemoryTiers
+from switchyard_harness.bench import agents_bench
+from switchyard_harness.bench.program_policies import (
+    POLICY_NAMES,
+    AgentSimEngine,
+    PolicyRun,
+    ProgramArrivalQueue,
+    SessionServiceQueue,
+    Workload,
+    build_scheduler,
+    capacity_scale,
+    jain,
+    summarize,
+)
 
 pytestmark = pytest.mark.no_gpu
 
-SMALL = Workload(tenant_agents=2, noisy_agents=10, seconds=8, load_scale=1.0)
+SMALL = Workload(tenant_agents=2, noisy_agents=10, seconds=8, load_scale=1.0, drain_limit=20)
+
+SHIPPED = {
+    "fcfs": (FifoScheduler, FcfsQueue),
+    "priority": (PriorityScheduler, PriorityAgingQueue),
+    "llmd-las": (PriorityScheduler, SessionServiceQueue),
+    "autellix-plas": (FifoScheduler, SessionServiceQueue),
+    "continuum": (FifoScheduler, ProgramArrivalQueue),
+    "switchyard": (FairScheduler, FairQueue),
+}
+
+
+def _scheduler(policy: str):
+    config = SwitchyardConfig()
+    engine = AgentSimEngine(config.sim)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv)
+    return build_scheduler(policy, config, engine, tiers, lambda req: 0.0)
 
 
 def test_jain_index():
@@ -21,33 +56,77 @@ def test_jain_index():
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_is_built_on_the_services_scheduler(policy):
+    sched, ledger = _scheduler(policy)
+    core, queue = SHIPPED[policy]
+    assert type(sched) is core and type(sched.queue) is queue
+    assert isinstance(sched.queue, RequestQueue)
+    if policy == "switchyard":  # the fair policy charges its own ledger; the bench charges none beside it
+        assert ledger is None and isinstance(sched.ledger, FairnessLedger)
+    if policy == "autellix-plas":
+        assert math.isinf(ledger.sessions.half_life_s)
+
+
+def test_the_switchyard_order_is_the_fair_schedulers_key():
+    sched, _ = _scheduler("switchyard")
+    sched.ledger.charge("busy", "noisy", 10_000, 0.0)  # the noisy tenant has received service already
+    first = Request(request_id="noisy-1", agent_id="busy", tenant_id="noisy", priority=PriorityClass.NORMAL.proto,
+                    prompt_tokens=100, arrival=0.0)
+    second = Request(request_id="quiet-1", agent_id="calm", tenant_id="quiet", priority=PriorityClass.NORMAL.proto,
+                     prompt_tokens=100, arrival=0.5)
+    for req in (first, second):
+        sched.add_request(req, 1.0)
+    sched.flush(agents_bench.FlushReason.STEP, 1.0)
+    assert [r.request_id for r in sched.queue] == ["quiet-1", "noisy-1"]
+    assert [r.request_id for r in sched.queue] == [r.request_id for r in sorted(
+        (first, second), key=lambda r: sched.fair_key(r, 1.0))]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_policy_completes_the_workload(policy):
-    row = summarize(ProgramSim(policy, SMALL, SwitchyardConfig()).run())
-    assert row["tasks_completed"] > 0 and row["unfinished_steps"] == 0
+    run = PolicyRun(policy, SMALL, SwitchyardConfig())
+    row = summarize(run.run())
+    core, queue = SHIPPED[policy]
+    assert (row["scheduler"], row["queue"]) == (core.__name__, queue.__name__)
+    assert row["tasks_completed"] > 0 and row["unfinished_tasks"] == 0
     assert sum(row["resumes"].values()) > 0
     assert 0 < row["jain_tenants"] <= 1
+    assert row["isolated_p95_s"] > 0 and row["slowdown_p95"] >= 1.0
 
 
-def test_switchyard_decides_each_tool_wait_and_holds_less_idle_hbm_than_a_fixed_ttl():
-    ours = summarize(ProgramSim("switchyard", SMALL, SwitchyardConfig()).run())
-    ttl = summarize(ProgramSim("continuum", SMALL, SwitchyardConfig()).run())
-    assert sum(ours["tool_wait_decisions"].values()) >= sum(ours["resumes"].values())  # one per tool call
-    assert ours["tool_wait_decisions"]["swap"] > 0, "the noisy tenant's long tools should be swapped"
-    assert ours["hbm_idle_gb_s"] < ttl["hbm_idle_gb_s"]
-    assert ours["missed_deadline"] == 0
+def test_switchyard_decides_each_tool_wait_in_the_scheduler_and_charges_its_ledger():
+    run = PolicyRun("switchyard", SMALL, SwitchyardConfig())
+    result = run.run()
+    assert isinstance(run.sched, FairScheduler)
+    assert sum(result.decisions.values()) > 0
+    assert result.decisions == result.scheduler_decisions  # each counted by SchedulerCore.tool_wait itself
+    assert run.sched.ledger.tenants.service("tenant-9", result.makespan) > 0
 
 
-def test_fcfs_keeps_no_memory_of_sessions():
-    sim = ProgramSim("fcfs", SMALL, SwitchyardConfig())
-    sim.run()
-    assert all(v == 0 for v in summarize(sim.result)["tool_wait_decisions"].values())
+def test_anchor_ledgers_are_charged_from_the_engine_steps():
+    run = PolicyRun("llmd-las", SMALL, SwitchyardConfig())
+    result = run.run()
+    assert run.ledger is not None and run.ledger is run.sched.queue.ledger
+    assert run.ledger.sessions.service("t9-a0", result.makespan) > 0
+    assert sum(result.scheduler_decisions.values()) == 0  # the anchors announce no tool waits
 
 
-def test_cli_prints_json_rows(capsys):
+def test_capacity_is_where_fcfs_throughput_peaks():
+    held, sweep = capacity_scale(Workload(tenant_agents=2, noisy_agents=10, seconds=6), SwitchyardConfig(),
+                                 scales=(0.5, 1.0, 2.0))
+    assert [s["load_scale"] for s in sweep] == [0.5, 1.0, 2.0]
+    assert held == max(sweep, key=lambda s: (s["throughput_tokens_per_s"], -s["load_scale"]))["load_scale"]
+
+
+def test_cli_prints_json_rows_with_a_real_dram_tier(capsys):
     assert agents_bench.main(["--policies", "fcfs,switchyard", "--tenant-agents", "2", "--noisy-agents", "10",
                               "--load-scale", "1", "--seconds", "6", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [row["policy"] for row in report["rows"]] == ["fcfs", "switchyard"]
+    ours = report["rows"][1]
+    assert ours["scheduler"] == "FairScheduler" and ours["queue"] == "FairQueue"
+    assert ours["tool_wait_decisions"]["swap"] > 0, "the noisy tenant's long tools are swapped to the DRAM tier"
+    assert ours["resumes"]["restored"] > 0
 
 
 def test_cli_rejects_an_unknown_policy(capsys):
@@ -57,4 +136,6 @@ def test_cli_rejects_an_unknown_policy(capsys):
 
 def test_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="policy"):
-        ProgramSim("lottery", SMALL, SwitchyardConfig())
+        PolicyRun("lottery", SMALL, SwitchyardConfig())
+    with pytest.raises(ValueError, match="policy"):
+        _scheduler("lottery")

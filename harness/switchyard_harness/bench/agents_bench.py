@@ -57,7 +57,6 @@ from prometheus_client import REGISTRY
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard_harness.bench.sched_bench import (
     CLASSES,
-    VirtualSimEngine,
     _dram_arg,
     _dram_tier,
     _mix,
@@ -68,50 +67,20 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
-from switchyard_harness.bench.program_policies import POLICY_NAMES, Workload, hold_scale, run_policies
+from switchyard_harness.bench.program_policies import POLICY_NAMES, AgentSimEngine, Workload, capacity_scale, run_policies
 from switchyard_harness.bench.program_policies import render as render_policies
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.capacity import KvBudget
-from switchyard.dispatcher.request import Request, ToolCall
+from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.dispatcher.tiers.metrics import TIERS
 
 MAX_TOKENS = 512
 """The field's max_tokens for every step."""
-
-
-class AgentSimEngine(VirtualSimEngine):
-    """The sim latency model where each step ends as planned: a tool call, or the answer."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.plans: dict[Request, tuple[int, str]] = {}
-        """Request -> (tokens it generates, finish_reason): the engine's reply plan, as the sim's."""
-        self.generated = 0
-        self.largest_batch = 0
-
-    async def execute_model(self, batch: StepBatch) -> StepResult:
-        if not batch.prefill:
-            self.largest_batch = max(self.largest_batch, len(batch.decode))
-        return await super().execute_model(batch)
-
-    def next_token(self, req: Request) -> SeqOutput:
-        """The next token; end-of-sequence once the plan's tokens are out (with a tool call when the plan
-        ends in one). ``max_tokens`` is the scheduler's stop check."""
-        out = super().next_token(req)
-        self.generated += 1
-        length, reason = self.plans.get(req, (req.max_tokens + 1, "length"))
-        if len(req.output_tokens) + 1 >= length:
-            out.eos = True
-            if reason == "tool_calls":
-                out.tool_calls = [ToolCall(f"call-{req.request_id}", "search_docs", "{}")]
-            self.plans.pop(req, None)
-        return out
 
 
 @dataclass
@@ -479,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--result-tokens", type=_pair, default=(100, 400), help="tokens of one tool result (100-400)")
     parser.add_argument("--answer-tokens", type=_pair, default=(64, 512), help="tokens of a task's answer (64-512)")
     parser.add_argument("--hbm-gb", type=_positive, help="device memory of the modelled GPU, GB (default sim.hbm_gb, 80)")
-    parser.add_argument("--drain-limit", type=_positive, default=4.0, help="stop at this many load windows (default 4)")
+    parser.add_argument("--drain-limit", type=_positive,
+                        help="stop at this many load windows (default 4; with --policies 10)")
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
                         help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
     parser.add_argument("--seed", type=int, default=11)
@@ -487,13 +457,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     policies = parser.add_argument_group(
         "scheduling policies", "--policies compares scheduling policies on one tenant workload instead "
-        "(switchyard.bench.program_policies); --agents, --dram and --out do not apply there")
+        "(switchyard_harness.bench.program_policies: every policy on the real scheduler); --agents and --out do not "
+        "apply there")
     policies.add_argument("--policies", help="comma-separated policies, or all: " + ", ".join(POLICY_NAMES))
     policies.add_argument("--tenant-agents", type=int, default=10, help="agents of each of the 9 quiet tenants (10)")
     policies.add_argument("--noisy-agents", type=int, default=100, help="agents of the noisy tenant, long tools (100)")
-    policies.add_argument("--load-scale", type=_positive, default=0.3, help="multiplies every tenant's agents (0.3)")
+    policies.add_argument("--load-scale", type=_positive,
+                          help="multiplies every tenant's agents (default: the load fcfs can hold, found by a sweep: "
+                          "the smallest scale at which fcfs's throughput reaches 95 %% of its peak)")
     policies.add_argument("--double-load", action="store_true",
-                          help="also find the load fcfs holds (CORE SLO >= 95 %%) and run switchyard at twice it")
+                          help="also run fcfs and switchyard at twice the load fcfs can hold (the CORE SLO target)")
     return parser
 
 
@@ -501,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (2: bad config or arguments)."""
     args = build_parser().parse_args(argv)
     if args.policies:
+        args.drain_limit = args.drain_limit or 10.0
         return _main_policies(args)
+    args.drain_limit = args.drain_limit or 4.0
     if args.agents < 1:
         print("switchyard bench agents: --agents: expected at least 1", file=sys.stderr)
         return 2
@@ -537,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_policies(args: argparse.Namespace) -> int:
-    """``--policies``: the same tenant workload under each scheduling policy (simulated clock)."""
+    """``--policies``: the same tenant workload under each scheduling policy, each on the real scheduler
+    (simulated clock)."""
     names = list(POLICY_NAMES) if args.policies == "all" else [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [name for name in names if name not in POLICY_NAMES]
     if unknown or not names:
@@ -557,21 +533,28 @@ def _main_policies(args: argparse.Namespace) -> int:
     workload = Workload(tenant_agents=args.tenant_agents, noisy_agents=args.noisy_agents, mix=args.mix,
                         prompt_tokens=args.prompt_tokens, tool_calls=args.tool_calls, call_tokens=args.call_tokens,
                         result_tokens=args.result_tokens, answer_tokens=args.answer_tokens, seconds=args.seconds,
-                        drain_limit=args.drain_limit, seed=args.seed, load_scale=args.load_scale)
+                        drain_limit=args.drain_limit, seed=args.seed, load_scale=args.load_scale or 1.0)
     started = time.perf_counter()
-    try:
-        rows = run_policies(names, workload, config)
-    except ValueError as exc:
-        print(f"switchyard bench agents: {exc}", file=sys.stderr)
-        return 2
-    held = at_double = None
-    if args.double_load:
-        held = hold_scale(workload, config)
-        at_double = run_policies(["switchyard"], Workload(**{**workload.__dict__, "load_scale": 2 * held}), config)[0]
+    held = sweep = at_double = None
+    with contextlib.ExitStack() as stack:
+        tier, _ = _dram_tier(args.dram, config.memory.dram, stack)
+        try:
+            if args.load_scale is None:  # the load FCFS can hold (its throughput's knee)
+                held, sweep = capacity_scale(workload, config, tier)
+                workload = workload.scaled(held)
+            rows = run_policies(names, workload, config, tier)
+            if args.double_load:
+                if held is None:
+                    held, sweep = capacity_scale(workload, config, tier)
+                at_double = run_policies(["fcfs", "switchyard"], workload.scaled(2 * held), config, tier)
+        except ValueError as exc:
+            print(f"switchyard bench agents: {exc}", file=sys.stderr)
+            return 2
     if args.json:
-        print(json.dumps({"rows": rows, "fcfs_holds_scale": held, "switchyard_at_double": at_double}, indent=2))
+        print(json.dumps({"rows": rows, "load_scale": workload.load_scale, "fcfs_capacity_scale": held,
+                          "fcfs_sweep": sweep, "at_double": at_double}, indent=2))
     else:
-        print(render_policies(rows, workload, config, at_double=at_double, held=held))
+        print(render_policies(rows, workload, config, at_double=at_double, held=held, sweep=sweep))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
     return 0
 
