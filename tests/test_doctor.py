@@ -182,3 +182,15 @@ def test_an_unknown_model_names_the_ids_the_server_serves(clean_proxy_env, monke
     assert code == 1
     assert "FAIL  stream probe" in out and "unknown model" in out
     assert "the server serves 'served-a', 'served-b'" in out and "one of: served-a, served-b" in out
+
+
+def test_with_the_sim_engine_the_gateway_is_reported_not_in_use_and_its_failures_do_not_fail_doctor(
+        clean_proxy_env, monkeypatch, capsys):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv("SWITCHYARD_ENGINE", raising=False)
+    code, out = run_doctor(capsys, "--no-probe")  # the shipped config: engine sim, nothing on base_url
+    assert code == 0, out
+    assert "not in use: dispatcher.engine is 'sim'" in out and "FAIL  api key" in out
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    code, out = run_doctor(capsys, "--no-probe")
+    assert code == 1 and "not in use" not in out and "FAIL  api key" in out
