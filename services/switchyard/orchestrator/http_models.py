@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -127,8 +128,38 @@ class ErrorResponse(BaseModel):
 
 
 def message_dict(message: Any) -> dict[str, Any]:
-    """A protobuf message as JSON-ready data: field names as in agent.proto, every field present."""
-    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """A protobuf message as JSON-ready data: field names as in agent.proto, every field present, and 64-bit
+    integers as JSON numbers (protobuf's JSON mapping writes them as strings, for JavaScript's 2^53; these
+    are byte and token counts, far below it), so a figure has one type wherever the face answers it."""
+    data = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _int64_as_numbers(message.DESCRIPTOR, data)
+    return data
+
+
+_INT64_TYPES = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+                          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64})
+
+
+def _int64_as_numbers(descriptor: Any, data: dict[str, Any]) -> None:
+    """Turn the 64-bit integer fields of ``data`` (``MessageToDict`` of a ``descriptor`` message) into ints,
+    in nested messages too (maps of scalars and repeated fields included)."""
+    for field in descriptor.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        if field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                value_field = field.message_type.fields_by_name["value"]
+                if value_field.type in _INT64_TYPES:
+                    data[field.name] = {k: int(v) for k, v in value.items()}
+                elif value_field.message_type is not None:
+                    for item in value.values():
+                        _int64_as_numbers(value_field.message_type, item)
+            else:
+                for item in value if isinstance(value, list) else [value]:
+                    _int64_as_numbers(field.message_type, item)
+        elif field.type in _INT64_TYPES:
+            data[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
 
 
 def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
