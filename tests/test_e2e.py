@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,28 @@ def test_cli_run_prints_stages_and_answer(up):
     for stage in ("retrieve", "render_prompt", "infer"):
         assert f"stage {stage}" in out.stdout
     assert "final:" in out.stdout and "(pydoc_data.topics:with)" in out.stdout
+    # --json: one event a line, in the HTTP face's shape (agent.proto's field names, every field, int64 numbers)
+    out = subprocess.run(
+        [sys.executable, "-m", "switchyard.cli", "run", "--addr", up.address("orchestrator"), "--json",
+         "--priority", "core", "--task-type", "chat", "--max-tokens", "4", "Say hi"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert "accepted" in events[0] and "queue_position" in events[0]["accepted"]
+    final = events[-1]["final"]
+    assert isinstance(final["memory_peak_bytes"], int) and "compute_score_used" in final
+
+
+def test_cli_run_with_nothing_listening_says_so(capsys):
+    from switchyard import client
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and f"nothing answers at 127.0.0.1:{port}" in err and "switchyard up" in err
 
 
 def test_bench_client_then_no_internal_call_went_through_the_proxy(up, proxy):

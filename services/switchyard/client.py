@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import sys
 
 import grpc
-from google.protobuf import json_format
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.priority import PriorityClass
@@ -23,9 +23,12 @@ from switchyard.common import envs
 from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
+from switchyard.orchestrator.http_models import message_dict
 
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
+_UNREACHABLE = re.compile(r"failed to connect to all addresses|connections to all backends failing|Connection refused")
+"""grpc's words when the orchestrator itself does not answer (not a downstream's UNAVAILABLE it relays)."""
 _INT32_MAX = 2**31 - 1
 
 
@@ -153,8 +156,8 @@ def main(argv: list[str]) -> int:
         model=args.model,
     )
     if args.json:
-        def on_event(event: agent_pb2.TaskEvent) -> None:
-            print(json_format.MessageToJson(event, indent=None), flush=True)
+        def on_event(event: agent_pb2.TaskEvent) -> None:  # as the HTTP face's events: one JSON shape
+            print(json.dumps(message_dict(event), separators=(",", ":")), flush=True)
     else:
         on_event = HumanPrinter()
     try:
@@ -162,6 +165,9 @@ def main(argv: list[str]) -> int:
                              config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
+            print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
+                  "--addr names another orchestrator", file=sys.stderr)
         if config.server.tls.enabled and looks_like_tls_failure(err.details() or ""):
             print(asyncio.run(explain(address, config.server.tls)), file=sys.stderr)
         return 1
