@@ -207,3 +207,37 @@ async def test_a_swap_is_restored_before_the_tools_expected_return_and_counted_p
     assert after["early"] == before["early"]
     assert _by_tool("other")["keep"] == other["keep"] + 1
     assert _value(TOOL_WAIT_DECISIONS_BY_TOOL, tool="web_browser", decision="keep") == 0  # never a label of its own
+
+
+async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_span():
+    """The orchestrator's announcement (InferenceClient.announce_tool_wait, over a real channel) writes the
+    dispatcher's answer on the span current when the tool started, while that span is open."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.orchestrator.clients import InferenceClient
+    from switchyard.orchestrator.validation import TaskSpec
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    service = DispatcherService(SwitchyardConfig().with_overrides(**{"memory.dram.kv_swap": False}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        await _park(agent_pb2_grpc.InferenceServiceStub(channel), "announced-agent")
+        await channel.close()
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        hints = _value(TOOL_WAIT_HINTS, outcome="ok")
+        spec = TaskSpec(task_id="announced-task", payload="", workflow="react_loop", priority=agent_pb2.NORMAL,
+                        max_tokens=64, model="", agent_id="announced-agent")
+        try:
+            with provider.get_tracer("test").start_as_current_span("tool search_docs"):
+                client.announce_tool_wait(spec, "search_docs", 0.5)
+                await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "the ToolWait answered")
+        finally:
+            await client.close()
+            provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["switchyard.tool_wait.decision"] == "KEEP"
+    assert "switchyard.tool_wait.restore_at_s" not in span.attributes
