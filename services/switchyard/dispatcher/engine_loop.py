@@ -30,6 +30,13 @@ owns every request, and the engine owns the model. Each turn:
 After every step the scheduler fails the requests past their own deadline
 (``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
+A swapped agent's KV comes back ahead of its tool's expected return: a
+decision (``schedule``, or ``on_idle`` while nothing runs; the loop wakes by
+``scheduler.next_prefetch_at``) hands over the restores that are due
+(``out.prefetch``), and the loop loads each DRAM copy in the background,
+beside the steps (``MemoryTiers.prefetch``), then gives it back to the
+scheduler (``scheduler.prefetched``), which parks the agent's step again, warm.
+
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
 ``StepEngine.supports_layer_preemption``). A core request
