@@ -11,7 +11,13 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.server import running
-from switchyard.dispatcher.metrics import RESUMES, TOOL_WAIT_DECISIONS
+from switchyard.dispatcher.metrics import (
+    RESUMES,
+    TOOL_RESUMES,
+    TOOL_WAIT_DECISIONS,
+    TOOL_WAIT_DECISIONS_BY_TOOL,
+    TOOL_WAIT_PREFETCHES,
+)
 from switchyard.dispatcher.tiers.metrics import RESTORED_TOKENS
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.metrics import TOOL_WAIT_HINTS
@@ -136,3 +142,96 @@ async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restore
     assert chunks[-1].HasField("done")
     assert _value(RESUMES, kind="tool_restored") == restored + 1
     assert RESTORED_TOKENS._value.get() > tokens
+
+
+def _by_tool(tool: str) -> dict[str, float]:
+    return {
+        **{d: _value(TOOL_WAIT_DECISIONS_BY_TOOL, tool=tool, decision=d) for d in ("keep", "swap", "drop")},
+        **{r: _value(TOOL_RESUMES, tool=tool, resume=r) for r in ("warm", "cold")},
+        **{t: _value(TOOL_WAIT_PREFETCHES, tool=tool, tool_return=t) for t in ("early", "on_time", "late")},
+    }
+
+
+def _resume_request(agent_id: str, first: list[agent_pb2.GenerateChunk]) -> agent_pb2.GenerateRequest:
+    call = next(c.tool_call for c in first if c.HasField("tool_call"))
+    return agent_pb2.GenerateRequest(
+        request_id=f"{agent_id}:1", agent_id=agent_id, task_type="react_loop", tools=TOOLS, max_tokens=64,
+        resume=True, messages=[
+            QUESTION,
+            agent_pb2.ChatMessage(role="assistant", tool_calls=[agent_pb2.ToolCall(
+                call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)]),
+            agent_pb2.ChatMessage(role="tool", tool_call_id=call.call_id, name=call.name,
+                                  content="The with statement calls __enter__ and __exit__."),
+        ])
+
+
+async def test_a_swap_is_restored_before_the_tools_expected_return_and_counted_per_tool(redis_db: RedisDb):
+    """A 2 s tool wait on the sim (a real Redis as the DRAM tier) swaps; the dispatcher brings the copy
+    back on its own, shortly before the expected return, and parks the agent's step again; the next
+    step finds it warm. Decisions, resumes and the prefetch's timing are exported under the tool's name,
+    and a tool the orchestrator does not register is counted as ``other``."""
+    # a copy's fixed latency of 0.1 ms (a local link): for this short prompt a 2 s wait is then worth a swap
+    service = DispatcherService(SwitchyardConfig().with_overrides(
+        **redis_db.overrides, **{"memory.dram.transfer_latency_ms": 0.1}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        scheduler = service.loop.scheduler
+        first = await _park(stub, "prefetched-agent")
+        before, other = _by_tool("search_docs"), _by_tool("other")
+        reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="prefetched-agent", tool="search_docs",
+                                                              expected_wait_s=2.0))
+        assert reply.decision == agent_pb2.SWAP and 0 < reply.restore_at_s < 2.0
+        assert scheduler.parked == []
+        await _until(lambda: [r.agent_id for r in scheduler.parked] == ["prefetched-agent"],
+                     "the swapped KV back in HBM, parked again")
+        assert _by_tool("search_docs")["early"] == before["early"]  # back before the turn
+        chunks = [c async for c in stub.Generate(_resume_request("prefetched-agent", first))]
+        assert chunks[-1].HasField("done")
+
+        await _park(stub, "unregistered-tool-agent")
+        await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="unregistered-tool-agent", tool="web_browser",
+                                                      expected_wait_s=0.01))
+        await channel.close()
+    after = _by_tool("search_docs")
+    assert after["swap"] == before["swap"] + 1
+    assert after["warm"] == before["warm"] + 1 and after["cold"] == before["cold"]
+    # on_time unless this machine stalled past the tool's revisit time (4 s): then late; never early
+    assert after["on_time"] + after["late"] == before["on_time"] + before["late"] + 1
+    assert after["early"] == before["early"]
+    assert _by_tool("other")["keep"] == other["keep"] + 1
+    assert _value(TOOL_WAIT_DECISIONS_BY_TOOL, tool="web_browser", decision="keep") == 0  # never a label of its own
+
+
+async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_span():
+    """The orchestrator's announcement (InferenceClient.announce_tool_wait, over a real channel) writes the
+    dispatcher's answer on the span current when the tool started, while that span is open."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from switchyard.orchestrator.clients import InferenceClient
+    from switchyard.orchestrator.validation import TaskSpec
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    service = DispatcherService(SwitchyardConfig().with_overrides(**{"memory.dram.kv_swap": False}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        await _park(agent_pb2_grpc.InferenceServiceStub(channel), "announced-agent")
+        await channel.close()
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        hints = _value(TOOL_WAIT_HINTS, outcome="ok")
+        spec = TaskSpec(task_id="announced-task", payload="", workflow="react_loop", priority=agent_pb2.NORMAL,
+                        max_tokens=64, model="", agent_id="announced-agent")
+        try:
+            with provider.get_tracer("test").start_as_current_span("tool search_docs"):
+                client.announce_tool_wait(spec, "search_docs", 0.5)
+                await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "the ToolWait answered")
+        finally:
+            await client.close()
+            provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["switchyard.tool_wait.decision"] == "KEEP"
+    assert "switchyard.tool_wait.restore_at_s" not in span.attributes

@@ -24,6 +24,7 @@ from switchyard.common.channels import open_channel
 from switchyard.dispatcher.engines.driver import EngineDriver
 from switchyard_harness.testing.scheduling import accept, step
 from token_events import positions_follow_on, token_count
+from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: E402,F401
 
 pytestmark = pytest.mark.no_gpu
 
@@ -510,3 +511,52 @@ async def test_core_requests_arriving_mid_step_over_grpc_get_the_same_tokens_eit
         assert texts[i] == "".join(await alone(prompt, 16, request_id=f"b{i}", n_layers=3))
     for i in range(2):
         assert core[i] == "".join(await alone(PROMPTS[3 - i], 4, request_id=f"c{i}", n_layers=3))
+
+
+async def test_a_swapped_agents_kv_restored_ahead_of_its_turn_is_taken_over_warm(redis_db):
+    """The torch engine's real KV tensors through a tool-wait swap (a real Redis as the DRAM tier), the
+    planned restore into the agent's released step, and the next step's warm take-over: the answer is the
+    one a fresh engine gives."""
+    from switchyard.common.dram import DramClient
+    from switchyard.dispatcher.scheduler import make_scheduler
+    from switchyard.dispatcher.scheduler.tool_wait import Decision
+    from switchyard.dispatcher.tiers import KvStore, MemoryTiers
+
+    engine = make()
+    config = tiny_config().with_overrides(**redis_db.overrides)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv,
+                        KvStore(DramClient(redis_db.dram_config), config.memory.dram.kv_ttl_s))
+    sched = make_scheduler(config, engine, tiers=tiers)
+    question = Message("user", "<question>what does the with statement do?</question>")
+    tools = [Tool("search_docs", "", '{"type": "object"}')]
+    think = counted(engine, Request(request_id="p-think", messages=[question], tools=tools, agent_id="p-agent",
+                                    task_type="react_loop", max_tokens=64))
+    accept(sched, [think], now=0.0)
+    sched.schedule(now=0.0)
+    await run_through(sched, engine, think)
+    assert sched.parked == [think]
+    decided = sched.tool_wait("p-agent", 86_400.0, now=0.2, tool="search_docs")
+    assert decided is not None and decided.decision is Decision.SWAP
+    assert sched.parked == [] and engine.kv.kv_bytes(think) == 0  # out of HBM
+    due = sched.on_idle(0.2 + decided.restore_at_s)
+    assert due == [think]
+    restored = await tiers.prefetch(think)
+    assert restored > 0 and sched.prefetched(think, restored, 0.2 + decided.warm_at_s)
+    assert sched.parked == [think] and engine.kv.kv_bytes(think) > 0  # the tensors are back
+    call = think.tool_calls[0]
+    follow = [question, Message("assistant", "", tool_calls=(call,)),
+              Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
+    back = counted(engine, Request(request_id="p-back", messages=follow, tools=tools, agent_id="p-agent",
+                                   task_type="react_loop", max_tokens=64, arrival=86_400.2))
+    sched.resume(back, now=86_400.2)
+    out = sched.schedule(now=86_400.2)
+    assert out.admitted == [back] and out.restore == []
+    assert 0 < back.num_computed_tokens < back.prompt_tokens  # taken over from the restored step
+    assert sched.counters.tool_resumes[("search_docs", "warm")] == 1
+    await run_through(sched, engine, back)
+    assert back.recomputed_tokens == 0
+    fresh = make()
+    again = Request(request_id="p-fresh", messages=follow, tools=tools, max_tokens=64)
+    await run_to_end(fresh, [again])
+    assert back.output_tokens == again.output_tokens
+    await tiers.aclose()

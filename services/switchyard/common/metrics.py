@@ -14,6 +14,10 @@ from prometheus_client import Counter, Gauge, Histogram
 OTHER = "other"
 """Label value for anything outside a metric's bounded set."""
 
+TOOL_NAMES: tuple[str, ...] = ("search_docs", "calculator")
+"""The orchestrator's registered tools (react.py offers them): with :data:`OTHER`, the only ``tool`` label
+values of the tool metrics, in the orchestrator (tool durations) and the dispatcher (tool waits)."""
+
 TASK_TYPES: tuple[str, ...] = ("rag_answer", "chat", "react_loop")
 """The workflows (task types) a task may name; the only task_type label values besides ``unknown`` and ``other``."""
 

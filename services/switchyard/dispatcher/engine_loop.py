@@ -30,6 +30,13 @@ owns every request, and the engine owns the model. Each turn:
 After every step the scheduler fails the requests past their own deadline
 (``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
+A swapped agent's KV comes back ahead of its tool's expected return: a
+decision (``schedule``, or ``on_idle`` while nothing runs; the loop wakes by
+``scheduler.next_prefetch_at``) hands over the restores that are due
+(``out.prefetch``), and the loop loads each DRAM copy in the background,
+beside the steps (``MemoryTiers.prefetch``), then gives it back to the
+scheduler (``scheduler.prefetched``), which parks the agent's step again, warm.
+
 Core work does not wait for the step boundary (``scheduler.core_preemption``
 ``layer``, with an engine that has the capability,
 ``StepEngine.supports_layer_preemption``). A core request
@@ -155,17 +162,19 @@ class LoopBase:
         finally:  # a refusal is counted too
             self._publish_stats()
 
-    def tool_wait(self, agent_id: str, expected_wait_s: float) -> "ToolWaitDecision | None":
-        """An agent's tool call starts: the scheduler's tool-wait decision now
-        (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report published.
+    def tool_wait(self, agent_id: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
+        """An agent's tool call on ``tool`` (a bounded metric label) starts: the scheduler's tool-wait
+        decision now (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report
+        published; a swap's planned restore wakes the loop when it is due.
 
         Raises:
             ValueError: ``expected_wait_s`` < 0.
         """
         try:
-            return self.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic())
+            return self.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic(), tool=tool)
         finally:
             self._publish_stats()
+            self._wake.set()
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
@@ -327,6 +336,7 @@ class StepLoop(LoopBase):
         self._transferring = False  # the loop sleeps a restore's modelled transfer: the engine computes nothing
         self._joined = False  # core work joined the running set during this turn: end it at the step boundary
         self._preempt_task: asyncio.Task[None] | None = None
+        self._prefetches: set[asyncio.Task[None]] = set()  # planned restores of swapped agents' KV in flight
         if self.layer_preemption:
             scheduler.on_core_arrival = self._on_core_arrival
 
@@ -372,6 +382,36 @@ class StepLoop(LoopBase):
             if cancel:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        prefetches = list(self._prefetches)
+        for task in prefetches:
+            task.cancel()
+        await asyncio.gather(*prefetches, return_exceptions=True)
+
+    def _prefetch(self, reqs: list[Request]) -> None:
+        """Start the planned restores the scheduler handed over (``SchedulerOutput.prefetch``): each loads its
+        agent's DRAM copy back in the background (:meth:`~switchyard.dispatcher.tiers.MemoryTiers.prefetch`,
+        beside the steps) and then hands it to the scheduler (``scheduler.prefetched``)."""
+        for req in reqs:
+            task = asyncio.create_task(self._prefetch_one(req), name=f"dispatcher-prefetch-{req.agent_id}")
+            self._prefetches.add(task)
+            task.add_done_callback(self._prefetches.discard)
+
+    async def _prefetch_one(self, req: Request) -> None:
+        restored = 0
+        try:
+            restored = await self.scheduler.tiers.prefetch(req)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a failed prefetch is a miss: the agent's turn restores or recomputes
+            log.exception("prefetch of agent %s's KV from the DRAM tier failed", req.agent_id)
+        self.scheduler.prefetched(req, restored, time.monotonic())
+        self._publish_stats()
+
+    def _until_prefetch(self, timeout: float) -> float:
+        """``timeout``, or less when a planned restore is due sooner (seconds, >= 0). A restore already due
+        that waits for room in the KV budget does not shorten it (the loop would spin)."""
+        due = self.scheduler.next_prefetch_at - time.monotonic()
+        return max(0.0, timeout if due <= 0 else min(timeout, due))
 
     async def _run(self) -> None:
         scheduler = self.scheduler
@@ -380,9 +420,10 @@ class StepLoop(LoopBase):
                 if self._closing:
                     return
                 self._idle = True
-                await self._wait(self._idle_tick_s)
+                await self._wait(self._until_prefetch(self._idle_tick_s))
                 self._update_busy()  # idle: let the busy ratio fall
-                scheduler.on_idle(time.monotonic())  # the compute score and parked agents' TTLs move on
+                # the compute score and parked agents' TTLs move on; planned restores that are due start
+                self._prefetch(scheduler.on_idle(time.monotonic()))
                 self._publish_stats()
                 continue
             self._idle = False
@@ -390,13 +431,15 @@ class StepLoop(LoopBase):
             out = scheduler.schedule(now)
             self._joined = False
             self._publish(out.outputs)
+            self._prefetch(out.prefetch)
             running = [s for s in out.running if s.status is RequestStatus.RUNNING]
             if not running:
                 await self._move_tiers(out.restore)
-                # Work waits but none fits now: re-evaluate when something changes, after a slice, or at the
-                # earliest deadline of what waits.
+                # Work waits but none fits now: re-evaluate when something changes, after a slice, at the
+                # earliest deadline of what waits, or when a planned restore is due.
                 self._idle = True
-                await self._wait(max(0.0, min(self.time_slice_s, scheduler.next_deadline - time.monotonic())))
+                await self._wait(self._until_prefetch(min(self.time_slice_s,
+                                                          scheduler.next_deadline - time.monotonic())))
                 continue
             # One span per turn, linked to the requests it serves; the engine's steps are its children.
             with tracer.start_as_current_span(

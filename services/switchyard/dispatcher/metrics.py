@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT, TTFT_BUCKETS
+from switchyard.common.metrics import (
+    OTHER,
+    QUEUE_CAPACITY,
+    QUEUE_DEPTH,
+    QUEUE_REJECTED,
+    QUEUE_WAIT,
+    TOOL_NAMES,
+    TTFT_BUCKETS,
+)
 from switchyard.common.priority import LABELS as PRIORITY_LABELS
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.tiers import metrics as tier_metrics
@@ -188,6 +196,38 @@ TOOL_WAIT_EXPECTED_SECONDS = Histogram(
 for _decision in ("keep", "swap", "drop"):
     TOOL_WAIT_DECISIONS.labels(_decision)
 
+TOOL_LABELS: tuple[str, ...] = (*TOOL_NAMES, OTHER)
+"""The ``tool`` label values of the per-tool tool-wait metrics (the orchestrator's registered tools, and
+``other`` for any other name a ToolWait carries)."""
+TOOL_WAIT_DECISIONS_BY_TOOL = Counter(
+    "switchyard_tool_wait_decisions_by_tool_total",
+    "Tool-wait decisions at tool start, by tool and decision (keep, swap, drop); the tool is one of the "
+    "orchestrator's registered tools or other.",
+    ["tool", "decision"],
+)
+TOOL_RESUMES = Counter(
+    "switchyard_tool_resumes_total",
+    "Agents back from a tool whose wait was decided at tool start, by tool and how the next step found the "
+    "prefix: warm (still in HBM, kept or restored ahead of the turn) or cold (restored at admission or "
+    "recomputed).",
+    ["tool", "resume"],
+)
+TOOL_WAIT_PREFETCHES = Counter(
+    "switchyard_tool_wait_prefetches_total",
+    "Planned restores of swapped agents' KV, by tool and how the tool returned against the plan: early (the "
+    "next turn came before the KV was back: restored at admission), on_time (back in HBM before the turn, "
+    "the turn by the tool's revisit time, expected wait + grace), late (back, and still unclaimed in HBM at "
+    "the revisit time).",
+    ["tool", "tool_return"],
+)
+for _tool in TOOL_LABELS:
+    for _decision in ("keep", "swap", "drop"):
+        TOOL_WAIT_DECISIONS_BY_TOOL.labels(_tool, _decision)
+    for _resume in ("warm", "cold"):
+        TOOL_RESUMES.labels(_tool, _resume)
+    for _timing in ("early", "on_time", "late"):
+        TOOL_WAIT_PREFETCHES.labels(_tool, _timing)
+
 for _reason in FlushReason:
     FLUSHES.labels(_reason.label)
 for _reason in ("full", "timeout"):
@@ -203,6 +243,9 @@ _LABELLED = (  # SchedulerCounters field -> the counter family its per-label cou
     ("deadlines_exceeded", DEADLINES_EXCEEDED),
     ("resumes", RESUMES),
     ("tool_wait_decisions", TOOL_WAIT_DECISIONS),
+    ("tool_decisions", TOOL_WAIT_DECISIONS_BY_TOOL),  # keyed (tool, decision)
+    ("tool_resumes", TOOL_RESUMES),  # keyed (tool, resume)
+    ("tool_prefetches", TOOL_WAIT_PREFETCHES),  # keyed (tool, timing)
 )
 _PLAIN = (  # SchedulerCounters field -> the counter it increases
     ("tool_wait_expired", TOOL_WAIT_EXPIRED),
@@ -260,7 +303,7 @@ def publish_stats(stats: "SchedulerStats") -> None:
     counted = vars(stats.counters)
     for name, family in _LABELLED:
         for label, n in counted[name].items():
-            family.labels(label).inc(n)
+            (family.labels(*label) if isinstance(label, tuple) else family.labels(label)).inc(n)
     for label, n in stats.counters.queue_rejections.items():
         QUEUE_REJECTED.labels(QUEUE_NAME, label).inc(n)
     for name, counter in _PLAIN:

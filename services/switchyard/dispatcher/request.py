@@ -390,7 +390,10 @@ class SchedulerOutput:
     ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
     ``outputs``: requests that ended in this decision (expired, past their
-    deadline): the step loop publishes them.
+    deadline): the step loop publishes them. ``prefetch``: swapped agents'
+    parked steps whose planned restore is due (their ``swap_key``): the step
+    loop loads each copy back in the background and hands it to
+    ``SchedulerCore.prefetched``.
     """
 
     admitted: list[Request] = field(default_factory=list)
@@ -399,6 +402,7 @@ class SchedulerOutput:
     expired: list[Request] = field(default_factory=list)
     restore: list[Request] = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
+    prefetch: list[Request] = field(default_factory=list)
 
 
 def request_links(reqs: "list[Request]") -> list[trace.Link]:

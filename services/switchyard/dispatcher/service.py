@@ -36,6 +36,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import telemetry, untrusted
+from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
@@ -355,21 +356,24 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
 
         A step engine's scheduler decides at once
         (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in
-        ``switchyard_tool_wait_decisions_total{decision}``): KEEP holds the parked KV in HBM for the
-        expected wait and as long again; SWAP copies it to the DRAM tier now; DROP releases it. The
-        decision is the agent's parked step's: ``tool``, ``tenant`` and ``priority`` (the orchestrator's
-        view) are not read, the parked request carries its own.
+        ``switchyard_tool_wait_decisions_total{decision}`` and, per tool,
+        ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}``): KEEP holds the parked KV in HBM
+        for the expected wait and as long again; SWAP copies it to the DRAM tier now and restores it
+        ahead of the tool's return; DROP releases it. The decision is the agent's parked step's:
+        ``tenant`` and ``priority`` (the orchestrator's view) are not read, the parked request carries
+        its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
 
         Answered KEEP with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
         replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran
         elsewhere), or a stream engine (an upstream server keeps its own prefix cache; no KV is held here).
 
-        A SWAP's DRAM copy comes back when the agent's next step is admitted (the step loop's restore
-        before that step's prefill: the tiers load a copy into a running request only), not ahead of the
-        tool's return; ``restore_at_s`` is the cost model's plan for it
-        (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`: the planned
-        restore's start, ``expected_wait_s - transfer - margin`` and at least one transfer after now, plus
-        one transfer: ``margin`` ahead of the tool's expected return when the round trip fits in the wait).
+        A SWAP's DRAM copy is restored ahead of the tool's expected return: ``restore_at_s`` is when it is
+        planned back in HBM (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`:
+        the restore starts ``expected_wait_s - transfer - margin`` after now, at least one transfer after
+        now, and takes one transfer: ``margin`` ahead of the tool's expected return when the round trip
+        fits in the wait); an agent back earlier has it restored at its next step's admission. ``tool`` is
+        counted under its name when it is one of the orchestrator's registered tools
+        (:data:`switchyard.common.metrics.TOOL_NAMES`), else as ``other``.
 
         Returns:
             (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now, SWAP only, else 0).
@@ -377,7 +381,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
             return agent_pb2.KEEP, 0.0
-        decided = loop.tool_wait(agent_id, expected_wait_s)
+        decided = loop.tool_wait(agent_id, expected_wait_s, bounded(tool, TOOL_NAMES))
         if decided is None:
             return agent_pb2.KEEP, 0.0
         if decided.decision is Decision.SWAP:

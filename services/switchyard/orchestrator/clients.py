@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
+from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
@@ -291,7 +292,11 @@ class InferenceClient:
 
         The call runs in the background under :attr:`hint_timeout_s`; its outcome is counted in
         ``switchyard_tool_wait_hints_total{outcome}`` (ok, deadline_exceeded, unavailable, unimplemented,
-        error) and the first failure of each kind is logged. Never raises.
+        error) and the first failure of each kind is logged. The dispatcher's answer is recorded on the
+        span current at the call (the tool's), while it is still open: ``switchyard.tool_wait.decision``
+        (KEEP, SWAP, DROP) and, for a swap, ``switchyard.tool_wait.restore_at_s`` (when the KV is planned
+        back in HBM, seconds after the tool started); it is not acted on here, the dispatcher acts on it.
+        Never raises.
         """
         request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
                                             expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
@@ -307,6 +312,13 @@ class InferenceClient:
                 address, channel = await self._route(affinity_key, frozenset())
                 reply = await self._stub_for(channel).ToolWait(request, timeout=self.hint_timeout_s)
             outcome, detail = "ok", agent_pb2.ToolWaitDecision.Name(reply.decision)
+            span = trace.get_current_span()  # the tool's span: this task runs in the context it started in
+            if span.is_recording():  # a tool that already ended has closed its span
+                span.set_attribute("switchyard.tool_wait.decision", detail)
+                if reply.decision == agent_pb2.SWAP:
+                    span.set_attribute("switchyard.tool_wait.restore_at_s", reply.restore_at_s)
+            log.debug("ToolWait for agent %s on %s: %s (restore at %.3f s)", request.agent_id, request.tool, detail,
+                      reply.restore_at_s)
         except TimeoutError:
             outcome, detail = "deadline_exceeded", f"no answer within {self.hint_timeout_s * 1000:g} ms"
         except grpc.aio.AioRpcError as err:

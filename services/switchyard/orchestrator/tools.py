@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_atte
 
 from switchyard.common import untrusted
 from switchyard.common.config import ReactConfig
+from switchyard.common.metrics import TOOL_NAMES as _TOOL_NAMES
 
 
 class ToolArgumentError(ValueError):
@@ -129,8 +130,9 @@ CALCULATOR = Tool(
 )
 
 
-TOOL_NAMES = ("search_docs", "calculator")
-"""The registered tools (react.py offers them): the label set of the tool metrics."""
+TOOL_NAMES = _TOOL_NAMES
+"""The registered tools (react.py offers them): the label set of the tool metrics
+(:data:`switchyard.common.metrics.TOOL_NAMES`, shared with the dispatcher's tool-wait metrics)."""
 
 
 def search_docs_tool(search: Callable[[str, int], Awaitable[list[Any]]], top_k: int = 3) -> Tool:

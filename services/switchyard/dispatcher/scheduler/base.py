@@ -103,7 +103,11 @@ class SchedulerCounters:
     ``deadlines_exceeded`` by the request's priority class (``switchyard_preemptions_total``,
     ``switchyard_request_deadline_exceeded_total``), ``resumes`` by kind (preempted, tool_warm,
     tool_restored, tool_cold; ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
-    swap, drop; ``switchyard_tool_wait_decisions_total``).
+    swap, drop; ``switchyard_tool_wait_decisions_total``). Per tool, keyed ``(tool, label)`` (the tool
+    a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
+    decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / cold
+    (``switchyard_tool_resumes_total``), ``tool_prefetches`` by the tool's return, early / on_time / late
+    (``switchyard_tool_wait_prefetches_total``; :mod:`.tool_wait`).
 
     Plain counts: parked agents whose state left HBM at TTL expiry (``tool_wait_expired``) or to make
     room (``parked_evicted``); the HBM tier's lookups found (``hbm_hits``) and not found
@@ -122,6 +126,9 @@ class SchedulerCounters:
     deadlines_exceeded: Counter[str] = field(default_factory=Counter)
     resumes: Counter[str] = field(default_factory=Counter)
     tool_wait_decisions: Counter[str] = field(default_factory=Counter)
+    tool_decisions: "Counter[tuple[str, str]]" = field(default_factory=Counter)
+    tool_resumes: "Counter[tuple[str, str]]" = field(default_factory=Counter)
+    tool_prefetches: "Counter[tuple[str, str]]" = field(default_factory=Counter)
     tool_wait_expired: int = 0
     parked_evicted: int = 0
     hbm_hits: int = 0

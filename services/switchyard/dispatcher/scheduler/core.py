@@ -104,7 +104,14 @@ from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudg
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
-from switchyard.dispatcher.scheduler.tool_wait import Decision, ToolWaitDecision, ToolWaitInputs, decide
+from switchyard.dispatcher.scheduler.tool_wait import (
+    Decision,
+    ToolWaitDecision,
+    ToolWaitInputs,
+    ToolWaitPlan,
+    ToolWaitPlans,
+    decide,
+)
 from switchyard.dispatcher.scheduler.request_queue import RequestQueue
 from switchyard.dispatcher.request import (
     FlushedBatch,
@@ -187,6 +194,9 @@ class SchedulerCore:
         self.accounting = Accounting(self._kv_bytes)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked,
                                     self.counters)
+        self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
+                                        self.counters.tool_prefetches)
+        """Each agent's tool wait as decided at tool start, its restore plan, and the per-tool counts."""
         if capacity is None:
             info = self.kv.memory_info()
             capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
@@ -387,6 +397,7 @@ class SchedulerCore:
             wave += 1
             projected += self.admission.expected.get(req.task_type)
         self._preempt(now, out)
+        out.prefetch = self._prefetches(now)  # after admission: runnable work takes the room first
         for req in out.admitted:
             self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
@@ -529,15 +540,73 @@ class SchedulerCore:
             self.counters.deadlines_exceeded[class_name(req)] += 1
         return expired
 
-    def on_idle(self, now: float) -> None:
+    def on_idle(self, now: float) -> list[Request]:
         """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
-        engine's score falls, and autoscalers must not read a stale load) and parked agents whose
-        ``tool_wait_ttl_s`` ran out give their KV back."""
+        engine's score falls, and autoscalers must not read a stale load), parked agents whose
+        ``tool_wait_ttl_s`` ran out give their KV back, and swapped agents whose restore is due are
+        returned (as ``SchedulerOutput.prefetch``: the loop restores each, then calls :meth:`prefetched`)."""
         self._now = now
         self.score = self.monitor.read(now)
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
             self.hbm_scan(now, SchedulerOutput())
+        return self._prefetches(now)
+
+    @property
+    def next_prefetch_at(self) -> float:
+        """When the earliest planned restore of a swapped agent's KV is due (monotonic seconds; inf: none).
+        The loop wakes by then to make the decision that hands it over."""
+        return self.tool_waits.next_restore_at
+
+    def _prefetches(self, now: float) -> list[Request]:
+        """The swapped agents' parked steps whose restore is due at ``now`` and fits the KV budget's free
+        room (one that does not waits for room, or for its turn); each gets its copy's key and tokens
+        (``swap_key``, ``swap_tokens``) for the loop's restore."""
+        due = self.tool_waits.due(now)
+        if not due:
+            return []
+        room = self._free_bytes() if isinstance(self.capacity, KvBudget) else None
+        started = []
+        for plan in due:
+            if room is not None:
+                if plan.kv_bytes > room:
+                    continue
+                room -= plan.kv_bytes
+            req = plan.req
+            assert req is not None
+            req.swap_key, req.swap_tokens = plan.key, plan.tokens
+            self.tool_waits.started(plan)
+            started.append(req)
+        return started
+
+    def prefetched(self, req: Request, restored: int, now: float) -> bool:
+        """A planned restore into the swapped agent's parked step ``req`` ended with ``restored`` tokens
+        loaded (0: a miss). True when it landed: ``req`` is parked again with its prefix, warm (held under
+        the parking's rules, at least until the tool's revisit time) and the DRAM copy is discarded. A
+        restore whose agent's turn came meanwhile (or that missed) does not land: what it loaded is
+        released and the DRAM copy is left for that turn's own restore."""
+        plan = self.tool_waits.in_flight(req)
+        key, req.swap_key, req.swap_tokens = req.swap_key, "", 0
+        if plan is None:
+            if restored > 0:
+                self.kv.free(req)
+            return False
+        current = self.tool_waits.get(plan.agent_id) is plan and self.parking.entry(plan.agent_id) is None
+        landed = restored > 0 and current and not plan.claimed
+        self.tool_waits.finished(plan, landed)
+        if not landed:
+            if restored > 0:
+                self.kv.free(req)
+            req.num_computed_tokens = 0
+            return False
+        self._now = now
+        req.num_computed_tokens = restored
+        req.status = PARKED
+        self.parking.park(req, now)
+        self.parking.keep_for(plan.agent_id, max(self.parking.ttl_s, plan.revisit_at - now))
+        self.tiers.discard(key)
+        self.counters.restored_tokens += restored
+        return True
 
     def hbm_scan(self, now: float, out: SchedulerOutput) -> None:
         """The periodic HBM scan (``[scan] hbm_scan_interval_s``), also run after a real OOM.
@@ -704,16 +773,23 @@ class SchedulerCore:
         out.finished = True
         self._outbox.append(out)
 
-    def tool_wait(self, agent_id: str, expected_wait_s: float, now: float) -> ToolWaitDecision | None:
-        """The agent's tool call starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
+    def tool_wait(self, agent_id: str, expected_wait_s: float, now: float,
+                  tool: str = "other") -> ToolWaitDecision | None:
+        """The agent's tool call on ``tool`` starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
 
         The choice is :func:`switchyard.dispatcher.scheduler.tool_wait.decide`'s, on the KV's bytes and
         tokens, the KV budget's use (running reservations and parked state), the DRAM tier's transfer
         seconds and the engine's recompute seconds (:class:`~switchyard.dispatcher.tiers.MemoryTiers`).
         KEEP holds the state ``expected_wait_s`` plus as long again (a late tool's residual wait); then
         the TTL's usual expiry moves it out. SWAP copies it to DRAM at once (a copy that cannot be made
-        drops it); the agent's next step restores it at admission. DROP releases it; the next step
-        recomputes the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}``.
+        drops it) and plans its restore: due ``restore_at_s`` after now (``expected_wait_s - transfer -
+        margin``), handed to the loop by the decision at that time (``SchedulerOutput.prefetch``,
+        :meth:`on_idle`), so it is back in HBM ``margin`` ahead of the tool's expected return; an agent
+        back earlier has its copy restored at its admission. DROP releases it; the next step recomputes
+        the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}`` and, by ``tool`` (a
+        label the caller bounds), in :attr:`tool_waits`
+        (:class:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitPlans`: decisions, warm and cold
+        resumes, prefetch timings).
 
         Returns:
             the decision, or None when the agent has no parked step here (nothing to decide).
@@ -737,14 +813,20 @@ class SchedulerCore:
             recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap()),
             grace_s=expected_wait_s)
         self._now = now
+        plan = ToolWaitPlan(agent_id, tool, decision.decision, now, now + expected_wait_s,
+                            now + decision.revisit_at_s, transfer_s=decision.transfer_s)
         if decision.decision is Decision.KEEP:
             self.parking.keep_for(agent_id, now - entry.since + decision.revisit_at_s)
         elif decision.decision is Decision.SWAP:
-            self.parking.move_out(agent_id, demote=True)
+            parked, nbytes = entry.req, entry.kv_bytes
+            if self.parking.move_out(agent_id, demote=True):  # a copy went to DRAM: plan its return
+                plan.restore_at = now + (decision.restore_at_s or 0.0)
+                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_id), tokens, nbytes
         else:
             self.parking.move_out(agent_id, demote=False)
             self.counters.hbm_evictions += 1
         self.counters.tool_wait_decisions[decision.decision.value] += 1
+        self.tool_waits.add(plan)
         self._events.tool_wait_expected_s.append(expected_wait_s)
         return decision
 
@@ -1011,6 +1093,7 @@ class SchedulerCore:
 
     def _resume_prefix(self, req: Request, now: float) -> None:
         found = self.parking.take(req.agent_id, now)
+        self.tool_waits.on_turn(req.agent_id, now, found.warm)
         if found.parked is not None:
             req.handover_from = found.parked
         if found.warm:

@@ -23,12 +23,22 @@ A request whose task can no longer make its deadline is refused when it
 arrives (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`,
 DEADLINE_EXCEEDED naming it and its slack) instead of being served late.
 
-Attained service is charged after every engine step from what the step
-computed for each of its requests (:meth:`FairScheduler.update_from_output`:
-the prompt tokens it prefilled, one per decoded token). The order is the
-waiting queue's key (:class:`FairQueue`, the
-:class:`~switchyard.dispatcher.scheduler.request_queue.RequestQueue` contract),
-fixed when a request joins the queue.
+Attained service is charged from what the engine computed for each request
+(:meth:`FairScheduler.update_from_output`), for both engine kinds: a step
+engine's step charges the prompt tokens it prefilled and one token per
+decode; an upstream (``openai``) engine's stream charges one token per
+streamed token and, at its end, the upstream's own count of the prompt it
+prefilled and of the completion tokens not streamed as text (tool-call
+arguments), from the stream's usage. The order is the waiting queue's key
+(:class:`FairQueue`, the
+:class:`~switchyard.dispatcher.scheduler.request_queue.RequestQueue`
+contract): the step loop's waiting set and the stream loop's upstream
+admission queue (what waits for an upstream concurrency slot) are the same
+queue, so the one rule orders both. The keys are computed when a request
+joins and again at a decision when service was charged since the last one
+(:meth:`FairScheduler.schedule`): attained service moves while requests
+wait, and two requests of one tenant must be compared on the tenant's
+service at the same time (then their sessions' service decides).
 
 Admission and preemption are the ``priority`` policy's.
 """
@@ -39,7 +49,7 @@ from typing import Any
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
-from switchyard.dispatcher.request import Request, RequestOutput
+from switchyard.dispatcher.request import Request, RequestOutput, SchedulerOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
 from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
@@ -75,6 +85,7 @@ class FairScheduler(PriorityScheduler):
         (``scheduler.at_risk_slack_s``)."""
         self.ledger = FairnessLedger(policy.fairness_half_life_s, dict(policy.tenant_weights))
         """Attained service per tenant and session (``scheduler.fairness_half_life_s``, ``scheduler.tenant_weights``)."""
+        self._charged = False  # service was charged since the waiting queue's keys were last computed
         super().__init__(config, *args, **kwargs)
 
     def make_queue(self) -> RequestQueue:
@@ -110,12 +121,42 @@ class FairScheduler(PriorityScheduler):
         return (float(class_rank(req)), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
                 arrival)
 
+    def schedule(self, now: float) -> SchedulerOutput:
+        """:meth:`SchedulerCore.schedule`, the waiting keys computed again at ``now`` first when service was
+        charged since they were (:meth:`~.request_queue.RequestQueue.reorder`)."""
+        if self._charged and len(self.queue) > 1:
+            self.queue.reorder(now)
+        self._charged = False
+        return super().schedule(now)
+
     def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
         """:meth:`SchedulerCore.update_from_output`, after charging each of ``batch``'s requests the
-        service the step gave it: the prompt tokens it prefilled, one token per decode."""
+        service the engine gave it (:meth:`service_tokens`)."""
         for req, tokens in batch.prefill:
             if tokens > 0:
                 self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+                self._charged = True
         for req in batch.decode:
-            self.ledger.charge(req.agent_id, req.tenant_id, 1, now)
+            tokens = self.service_tokens(req, result)
+            if tokens > 0:
+                self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+                self._charged = True
         return super().update_from_output(batch, result, now)
+
+    @staticmethod
+    def service_tokens(req: Request, result: StepResult) -> int:
+        """Tokens of service a decode entry of ``result`` gave ``req``, before it is written into ``req``.
+
+        A step engine's decode step: one token (its texts, when it produced several). A stream engine's
+        item: one per streamed token text, none for a tool call (its argument tokens come in the usage);
+        the stream's final usage: the upstream's prompt tokens (its prefill) plus its completion tokens
+        not already charged as streamed texts.
+        """
+        seq = result.outputs.get(req.seq_id)
+        if seq is None:
+            return 1
+        if seq.usage is not None:
+            return max(0, seq.usage.prompt_tokens) + max(0, seq.usage.completion_tokens - len(req.output_tokens))
+        if seq.texts:
+            return len(seq.texts)
+        return 0 if seq.tool_calls else 1

@@ -29,9 +29,11 @@ Order within a priority class (smallest key first), :meth:`FairnessLedger.order_
   long-lived session is not pushed back for ever by work done long ago.
 - Equal service: by arrival (FIFO), so the order is total and stable.
 
-The key is computed when a request joins the waiting set: service charged
-while it waits does not reorder it (the scheduler's keys are fixed while a
-request waits), and a preempted request keeps its key.
+The key is computed when a request joins the waiting set, and the fair
+policy computes every waiting key again at a decision when service was
+charged since the last one (:meth:`switchyard.dispatcher.scheduler.fair.FairScheduler.schedule`):
+a tenant's service is then read at one time for all its requests, so within a
+tenant the sessions' service decides.
 
 Memory is bounded: at most :data:`MAX_TRACKED` sessions and tenants each are
 remembered (least recently charged dropped first; a forgotten one starts at 0,

@@ -141,7 +141,8 @@ class ParkedAgents:
 
     def move_out(self, agent_id: str, demote: bool) -> bool:
         """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and the
-        ``demote`` callback manages it), else dropped; True when it was parked."""
+        ``demote`` callback manages it), else dropped; True when a copy went to DRAM (False: dropped, or
+        not parked)."""
         entry = self._parked.pop(agent_id, None)
         if entry is None:
             return False
@@ -151,7 +152,7 @@ class ParkedAgents:
         self._cold[agent_id] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
-        return True
+        return in_dram
 
     def _ttl(self, entry: ParkedAgent) -> float:
         return self.ttl_s if entry.ttl_s is None else entry.ttl_s

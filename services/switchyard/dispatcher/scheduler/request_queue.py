@@ -87,11 +87,11 @@ class RequestQueue:
 
     def reorder(self, now: float) -> None:
         """Compute every key again at ``now`` (for a policy whose order moves with time); ties keep the
-        current order."""
-        reqs = [req for _, req in self._entries]
-        self._entries = []
-        for req in reqs:
-            self.add(req, now)
+        current order. One sort: O(n log n) after n :meth:`order_key` calls (an ``order_key`` reading
+        :meth:`keys` sees the keys from before this call)."""
+        entries = [((*self.order_key(req, now), float(next(self._seq))), req) for _, req in self._entries]
+        entries.sort(key=lambda entry: entry[0])
+        self._entries = entries
 
     def keys(self) -> Iterator[tuple[OrderKey, Request]]:
         """(key, request) in queue order: what an :meth:`order_key` may read of the queue."""

@@ -34,25 +34,59 @@ keep, then swap)::
 
 A swap plans the KV's return ahead of the tool's expected return
 (:attr:`ToolWaitDecision.restore_at_s` = ``wait - transfer - margin``, never
-before the copy out has ended), so the next turn would find it warm. The
-dispatcher does not restore ahead yet: the tiers load a DRAM copy into a
-running request only, so the copy comes back when the agent's next step is
-admitted (the step loop's restore before that step's prefill), and that step
-waits one transfer for it (what :func:`on_return` prices for an early return). A tool that
-returns early finds it in DRAM (or still leaving): the restore runs at once
-and the turn waits for the rest of the copy (:func:`on_return`). A tool that
-is late is revisited at ``wait + grace`` (:attr:`ToolWaitDecision.revisit_at_s`):
-the decision is taken again with the tool's residual wait, taken to be as long
-again as it has already run (:func:`residual_wait_s`: the mean residual life
-of a heavy-tailed, Pareto-like duration grows in proportion to its age).
+before the copy out has ended), so the next turn finds it warm: the scheduler
+keeps each agent's plan (:class:`ToolWaitPlans`) and its decision at
+``schedule(now)`` hands the restores that are due to the loop
+(``SchedulerOutput.prefetch``), which loads the DRAM copy back into the
+agent's parked step and hands it back (``SchedulerCore.prefetched``): the
+agent is parked again, warm, and its next step takes the prefix over as from
+any parked step (the prefetch of KVFlow, Pan et al. 2025, timed here by the
+tool's measured duration instead of a workflow graph). A restore is started
+only when the KV budget has room for it; one that cannot start waits for room
+or for the turn.
+
+Early and late returns:
+
+- A tool that returns *early* (its next turn arrives before the copy is back,
+  or before its restore was due) has its copy restored at once, at its
+  admission (the step loop's restore before that step's prefill), and the turn
+  waits for the transfer (what :func:`on_return` prices): a cold resume, the
+  prefetch counted ``early``.
+- A tool that returns *late* finds its KV restored and parked, held under the
+  same rules as any parked step (the parking TTL from when it came back, at
+  least until the tool's revisit time ``wait + grace``; evicted by value for
+  room): if it is still parked at the turn, a warm resume. A prefetch whose KV
+  is still unclaimed at the revisit time is counted ``late`` (it sat idle in
+  HBM past the tool's expected return and its grace).
+- Otherwise the KV landed before the turn, and the turn came by the revisit
+  time: ``on_time``.
+
+Every resume of an agent that had a tool-wait decision is counted per tool,
+``warm`` (its prefix still in HBM) or ``cold`` (restored at admission or
+recomputed) (:class:`ToolWaitPlans`; exported as
+``switchyard_tool_resumes_total{tool,resume}``, with the decisions as
+``switchyard_tool_wait_decisions_by_tool_total{tool,decision}`` and the
+prefetches by the tool's return as ``switchyard_tool_wait_prefetches_total{tool,tool_return}``).
+
+KEEP holds the KV ``wait + grace`` (the grace is as long again as the wait:
+:func:`residual_wait_s`, the mean residual life of a heavy-tailed, Pareto-like
+duration grows in proportion to its age); then the parking TTL's expiry moves
+it out.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from switchyard.dispatcher.request import Request
 
 __all__ = [
+    "PREFETCH_TIMINGS",
+    "RESUME_KINDS",
+    "ToolWaitPlan",
+    "ToolWaitPlans",
     "Decision",
     "ToolWaitCosts",
     "ToolWaitDecision",
@@ -215,3 +249,127 @@ def on_return(decision: ToolWaitDecision, elapsed_s: float, transfer_s: float, r
         return Return(True, 0.0)
     started = min(max(elapsed_s, transfer_s), decision.restore_at_s)  # an early return starts it now
     return Return(False, max(0.0, started + transfer_s - elapsed_s))
+
+
+RESUME_KINDS: tuple[str, ...] = ("warm", "cold")
+"""How an agent back from a tool found its prefix: still in HBM, or not (the ``resume`` label)."""
+
+PREFETCH_TIMINGS: tuple[str, ...] = ("early", "on_time", "late")
+"""How a swapped agent's tool returned against its planned restore (the ``tool_return`` label): early
+(before the KV was back), on_time, late (the KV back and idle in HBM past the revisit time); see the
+module docstring."""
+
+MAX_PLANS = 10_000
+"""Most agents whose tool-wait plan is remembered (oldest dropped first: an agent that never came back)."""
+
+_PLANNED, _RESTORING, _LANDED, _MISSED = "planned", "restoring", "landed", "missed"
+
+
+@dataclass
+class ToolWaitPlan:
+    """One agent's tool wait as decided at tool start (monotonic seconds).
+
+    ``state`` (SWAP only): ``planned`` (the restore is not due or found no room yet), ``restoring`` (handed
+    to the loop), ``landed`` (parked again, warm), ``missed`` (the copy could not be loaded: the turn
+    restores or recomputes it at admission).
+    """
+
+    agent_id: str
+    tool: str
+    """The tool's metric label (the caller bounds it)."""
+    decision: Decision
+    started_at: float
+    expected_return_at: float
+    revisit_at: float
+    """When the tool counts as late (``started_at + revisit_at_s``: wait + grace)."""
+    restore_at: float | None = None
+    """SWAP: when the restore is due (``started_at + restore_at_s``)."""
+    transfer_s: float = 0.0
+    req: Request | None = None
+    """SWAP: the agent's parked step, released; the copy is loaded back into it."""
+    key: str = ""
+    tokens: int = 0
+    kv_bytes: int = 0
+    state: str = _PLANNED
+    claimed: bool = False
+    """The agent's next turn arrived while the restore was in flight (the copy is left for that turn)."""
+    counted_late: bool = False
+
+
+@dataclass
+class ToolWaitPlans:
+    """The tool-wait plans by agent, and the per-tool counts of their outcomes.
+
+    Counts (each only grows; keys ``(tool, label)``): ``decisions`` by decision, ``resumes`` by
+    :data:`RESUME_KINDS`, ``prefetches`` by :data:`PREFETCH_TIMINGS`. The scheduler owns one and its
+    clock; nothing here reads a clock.
+    """
+
+    decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    resumes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    prefetches: Counter[tuple[str, str]] = field(default_factory=Counter)
+    _plans: OrderedDict[str, ToolWaitPlan] = field(default_factory=OrderedDict)
+    _in_flight: dict[int, ToolWaitPlan] = field(default_factory=dict)  # id(plan.req) -> its plan
+
+    def add(self, plan: ToolWaitPlan) -> None:
+        """``plan`` replaces any earlier plan of its agent; counted under its tool and decision."""
+        self._plans.pop(plan.agent_id, None)
+        self._plans[plan.agent_id] = plan
+        self.decisions[(plan.tool, plan.decision.value)] += 1
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+
+    def get(self, agent_id: str) -> ToolWaitPlan | None:
+        return self._plans.get(agent_id)
+
+    @property
+    def next_restore_at(self) -> float:
+        """The earliest due time of a restore not yet started (monotonic seconds; inf: none)."""
+        return min((p.restore_at for p in self._plans.values()
+                    if p.state == _PLANNED and p.restore_at is not None), default=float("inf"))
+
+    def due(self, now: float) -> list[ToolWaitPlan]:
+        """Plans whose restore is due at ``now`` and not started, earliest first; and a landed restore still
+        unclaimed past its revisit time is counted, its tool ``late`` (once)."""
+        due = []
+        for plan in self._plans.values():
+            if plan.state == _PLANNED and plan.restore_at is not None and plan.restore_at <= now:
+                due.append(plan)
+            elif plan.state == _LANDED and not plan.counted_late and now > plan.revisit_at:
+                plan.counted_late = True
+                self.prefetches[(plan.tool, "late")] += 1
+        return sorted(due, key=lambda p: p.restore_at or 0.0)
+
+    def started(self, plan: ToolWaitPlan) -> None:
+        """``plan``'s restore was handed to the loop."""
+        plan.state = _RESTORING
+        self._in_flight[id(plan.req)] = plan
+
+    def in_flight(self, req: Request) -> ToolWaitPlan | None:
+        """The plan whose restore into ``req`` is in flight (None: none)."""
+        return self._in_flight.get(id(req))
+
+    def finished(self, plan: ToolWaitPlan, landed: bool) -> None:
+        """``plan``'s restore ended: ``landed`` (parked again, warm) or not (a miss; the turn restores)."""
+        self._in_flight.pop(id(plan.req), None)
+        plan.state = _LANDED if landed else _MISSED
+
+    def on_turn(self, agent_id: str, now: float, warm: bool) -> ToolWaitPlan | None:
+        """The agent's next turn arrived at ``now``, its prefix ``warm`` in HBM or not: its plan ends, the
+        resume and (SWAP) the prefetch's timing are counted. Returns the plan (None when it had none)."""
+        plan = self._plans.pop(agent_id, None)
+        if plan is None:
+            return None
+        self.resumes[(plan.tool, "warm" if warm else "cold")] += 1
+        if plan.restore_at is not None:  # a swap whose copy went to DRAM: its restore was planned
+            if plan.state == _LANDED:
+                if not plan.counted_late:
+                    self.prefetches[(plan.tool, "on_time" if now <= plan.revisit_at else "late")] += 1
+            else:  # the turn came before the copy was back (or it could not be loaded): restored at admission
+                self.prefetches[(plan.tool, "early")] += 1
+                if plan.state == _RESTORING:
+                    plan.claimed = True
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -207,6 +207,42 @@ class MemoryTiers:
         metrics.TIER_PROMOTIONS.labels(tier).inc()
         return restored
 
+    async def prefetch(self, req: Request) -> int:
+        """Load the DRAM copy under ``req.swap_key`` (at most ``req.swap_tokens`` tokens) back into ``req``,
+        a swapped agent's parked step, ahead of its tool's expected return; returns tokens loaded (0: a
+        miss: not in DRAM, Redis down, or the engine took none).
+
+        Unlike :meth:`restore`, the copy stays in DRAM (the scheduler discards it once the step is parked
+        again, or leaves it for the agent's turn when that came first) and ``req`` need not be running. A
+        copy the DRAM scan archived to the cold tier is not looked for here (the turn's restore finds it).
+        An engine that ``models_transfers`` spends the copy's modelled transfer time here, in the
+        background beside the steps (a copy engine), not in front of a step. Traced as a
+        ``dispatcher.kv_prefetch`` span linked to the request.
+        """
+        key, tokens = req.swap_key, req.swap_tokens
+        if not key or self.store is None:
+            return 0
+        with tracer.start_as_current_span("dispatcher.kv_prefetch", links=request_links([req])) as span:
+            write = self._writes.get(key)
+            if write is not None:
+                await asyncio.wait({write})  # never cancelled from here: a restore of the same key may await it
+                written = not write.cancelled() and write.exception() is None and bool(write.result())
+            else:
+                written = self.store.available()
+            entry = await self.store.get(key) if written else None
+            if entry is None:
+                metrics.TIER_MISSES.labels("dram").inc()
+                span.set_attribute("switchyard.restored_tokens", 0)
+                return 0
+            metrics.TIER_HITS.labels("dram").inc()
+            restored = int(self.kv.load(req, entry.payload, min(tokens, entry.tokens) if tokens else entry.tokens))
+            if restored > 0:
+                if self.models_transfers:
+                    await asyncio.sleep(self.transfer_seconds(entry.nbytes))
+                metrics.TIER_PROMOTIONS.labels("dram").inc()
+            span.set_attribute("switchyard.restored_tokens", restored)
+            return max(0, restored)
+
     def discard(self, key: str) -> None:
         """Drop the DRAM copy under ``key`` (its request ended or took it back); runs in the background."""
         if self.store is None or not key:

@@ -1,0 +1,193 @@
+"""A swapped agent's KV brought back ahead of its tool's expected return, on a fake clock (the scheduler's
+``now``), with the sim engine's KV and a real Redis as the DRAM tier (tests/redis_fixtures.py): the restore
+is due at expected return - transfer - margin, an early return restores at once (cold), a late return finds
+the KV parked under the parking's rules and is counted late; the per-tool counts reach the metrics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
+
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.dram import DramClient
+from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.request import Request, RequestStatus
+from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.scheduler.tool_wait import Decision, ToolWaitDecision
+from switchyard.dispatcher.tiers import KvStore, MemoryTiers
+from switchyard_harness.testing.scheduling import accept, finish, publish, step
+
+pytestmark = pytest.mark.no_gpu
+
+TOOL = "search_docs"
+WAIT_S = 86_400.0  # a day: holding the KV costs more than its round trip to DRAM, so the decision swaps
+STARTED = 0.1  # the tool starts when the agent's step has parked
+
+
+class FakeNvml:
+    """No GPU here: utilisation is always 0 (the edge of the world: NVML)."""
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return "gpu0"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
+        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def build(db: RedisDb, **overrides: Any) -> tuple[Any, SimEngine]:
+    config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
+    engine = SimEngine(config)
+    store = KvStore(DramClient(db.dram_config), config.memory.dram.kv_ttl_s)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
+    return make_scheduler(config, engine, monitor=monitor, tiers=tiers), engine
+
+
+def step_request(rid: str, agent: str, arrival: float, prompt_tokens: int, resume: bool = False) -> Request:
+    return Request(request_id=rid, prompt="How does the with statement work?", agent_id=agent,
+                   task_type="react_loop", prompt_tokens=prompt_tokens, max_tokens=12, arrival=arrival,
+                   resume=resume)
+
+
+async def swapped(db: RedisDb, agent: str, **overrides: Any) -> tuple[Any, Request, int, ToolWaitDecision]:
+    """A scheduler whose agent ``agent`` ran one step, parked, and had its tool wait decided SWAP at
+    ``STARTED``; returns it, the parked step, its prefix tokens and the decision."""
+    sched, engine = build(db, **overrides)
+    think = step_request(f"{agent}-think", agent, 0.0, 600)
+    accept(sched, [think], now=0.0)
+    sched.schedule(now=0.0)
+    await step(sched, engine, prefill=[think])
+    finish(sched, think, STARTED, RequestStatus.FINISHED_TOOL_CALLS)
+    assert sched.parked == [think]
+    prefix = think.num_computed_tokens
+    decided = sched.tool_wait(agent, WAIT_S, now=STARTED, tool=TOOL)
+    assert decided is not None and decided.decision is Decision.SWAP
+    assert sched.parked == []  # out of HBM, copied to DRAM
+    await sched.tiers._writes[sched.tiers.agent_key(agent)]
+    return sched, think, prefix, decided
+
+
+def counts(sched: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """The scheduler's per-tool resumes and prefetch timings for ``TOOL``."""
+    resumes = {kind: sched.counters.tool_resumes[(TOOL, kind)] for kind in ("warm", "cold")}
+    returns = {kind: sched.counters.tool_prefetches[(TOOL, kind)] for kind in ("early", "on_time", "late")}
+    return resumes, returns
+
+
+async def test_a_swapped_agent_is_restored_a_transfer_ahead_of_its_tools_expected_return(redis_db: RedisDb):
+    sched, think, prefix, decided = await swapped(redis_db, "agent-on-time")
+    assert decided.transfer_s == pytest.approx(sched.tiers.transfer_seconds(prefix * sched.kv.params.kv_bytes_per_token))
+    expected_return = STARTED + WAIT_S
+    restore_at = expected_return - decided.transfer_s - 0.05  # the default margin
+    assert sched.next_prefetch_at == pytest.approx(restore_at)
+
+    assert sched.on_idle(restore_at - 1.0) == []  # not due yet
+    assert sched.schedule(restore_at - 1e-3).prefetch == []
+    out = sched.schedule(restore_at + 1e-6)
+    assert out.prefetch == [think]  # due: handed to the loop, once
+    assert sched.schedule(restore_at + 2e-6).prefetch == [] and math.isinf(sched.next_prefetch_at)
+
+    restored = await sched.tiers.prefetch(think)
+    assert restored == min(prefix, think.num_tokens - 1) and restored > 0
+    landed_at = restore_at + decided.transfer_s
+    assert landed_at < expected_return
+    assert sched.prefetched(think, restored, landed_at)
+    assert sched.parked == [think] and think.status is RequestStatus.PARKED  # warm in HBM again
+
+    publish(sched)
+    warm_before = metric("switchyard_tool_resumes_total", tool=TOOL, resume="warm")
+    on_time_before = metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="on_time")
+    back = step_request("agent-on-time-back", "agent-on-time", expected_return, 700, resume=True)
+    sched.resume(back, now=expected_return)
+    out = sched.schedule(now=expected_return)
+    assert back in out.admitted and out.restore == []  # nothing to bring back: the prefix is there
+    assert back.num_computed_tokens == restored
+    assert counts(sched) == ({"warm": 1, "cold": 0}, {"early": 0, "on_time": 1, "late": 0})
+    publish(sched)
+    assert metric("switchyard_tool_resumes_total", tool=TOOL, resume="warm") == warm_before + 1
+    assert metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="on_time") == on_time_before + 1
+    await sched.tiers.aclose()
+
+
+async def test_an_early_return_restores_at_once_and_counts_cold(redis_db: RedisDb):
+    sched, think, prefix, decided = await swapped(redis_db, "agent-early")
+    early = STARTED + WAIT_S / 2  # the tool came back well before its restore was due
+    back = step_request("agent-early-back", "agent-early", early, 700, resume=True)
+    sched.resume(back, now=early)
+    out = sched.schedule(now=early)
+    assert back in out.admitted and out.restore == [back]  # restored now, at its admission
+    assert out.prefetch == [] and math.isinf(sched.next_prefetch_at)  # the plan ended with the turn
+    assert await sched.tiers.restore(back) == prefix
+    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 1, "on_time": 0, "late": 0})
+    await sched.tiers.aclose()
+
+
+async def test_a_return_while_the_restore_is_in_flight_leaves_the_copy_for_the_turn(redis_db: RedisDb):
+    sched, think, prefix, decided = await swapped(redis_db, "agent-racing")
+    restore_at = STARTED + WAIT_S - decided.transfer_s - 0.05
+    assert sched.on_idle(restore_at) == [think]  # the idle loop's decision hands it over too
+    back = step_request("agent-racing-back", "agent-racing", restore_at, 700, resume=True)
+    sched.resume(back, now=restore_at)  # the turn arrives before the restore has landed
+    restored = await sched.tiers.prefetch(think)
+    assert restored > 0
+    assert not sched.prefetched(think, restored, restore_at + decided.transfer_s)  # not parked again
+    assert sched.parked == []
+    out = sched.schedule(now=restore_at + decided.transfer_s)
+    assert out.restore == [back]
+    assert await sched.tiers.restore(back) == prefix  # the DRAM copy was left for the turn
+    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 1, "on_time": 0, "late": 0})
+    await sched.tiers.aclose()
+
+
+async def test_a_late_return_finds_the_kv_under_the_parking_rules_and_counts_late(redis_db: RedisDb):
+    ttl = 30.0
+    sched, think, prefix, decided = await swapped(redis_db, "agent-late", **{"scheduler.tool_wait_ttl_s": ttl})
+    restore_at = STARTED + WAIT_S - decided.transfer_s - 0.05
+    assert sched.schedule(restore_at).prefetch == [think]
+    landed_at = restore_at + decided.transfer_s
+    assert sched.prefetched(think, await sched.tiers.prefetch(think), landed_at)
+    revisit = STARTED + decided.revisit_at_s  # the tool counts as late from here (wait + grace)
+    assert revisit > STARTED + WAIT_S
+
+    sched.on_idle(revisit - 1.0)
+    assert sched.parked == [think]  # held at least until the revisit time
+    assert counts(sched)[1] == {"early": 0, "on_time": 0, "late": 0}
+    sched.on_idle(revisit + 1.0)
+    assert counts(sched)[1] == {"early": 0, "on_time": 0, "late": 1}  # idle in HBM past the revisit time
+    assert sched.parked == []  # then the parking's TTL moved it out, as any parked step's
+
+    publish(sched)
+    late_before = metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="late")
+    back = step_request("agent-late-back", "agent-late", revisit + 2.0, 700, resume=True)
+    sched.resume(back, now=revisit + 2.0)
+    out = sched.schedule(now=revisit + 2.0)
+    assert out.restore == [back]  # its copy went back to DRAM at expiry
+    assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 0, "on_time": 0, "late": 1})  # counted once
+    publish(sched)
+    assert metric("switchyard_tool_wait_prefetches_total", tool=TOOL, tool_return="late") == late_before
+    await sched.tiers.aclose()
+
+
+def test_the_per_tool_label_sets_start_at_zero():
+    from switchyard.dispatcher.metrics import TOOL_LABELS
+
+    assert TOOL_LABELS == ("search_docs", "calculator", "other")
+    for tool in TOOL_LABELS:
+        for decision in ("keep", "swap", "drop"):
+            assert REGISTRY.get_sample_value("switchyard_tool_wait_decisions_by_tool_total",
+                                             {"tool": tool, "decision": decision}) is not None
+        for resume in ("warm", "cold"):
+            assert REGISTRY.get_sample_value("switchyard_tool_resumes_total", {"tool": tool, "resume": resume}) is not None
+        for timing in ("early", "on_time", "late"):
+            assert REGISTRY.get_sample_value("switchyard_tool_wait_prefetches_total",
+                                             {"tool": tool, "tool_return": timing}) is not None
