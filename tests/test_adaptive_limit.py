@@ -51,8 +51,9 @@ def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows
           trace: list[tuple[float, int]] | None = None) -> float:
     """Run ``windows`` windows of ``offered`` BATCH streams against ``server`` through ``limit``.
 
-    Each window: in flight is set to what the limit lets BATCH take (at most ``offered``), the
-    server's TTFT and tokens are reported at its clock. Returns the time after the last window;
+    Each window: in flight is set to what the limit lets BATCH take (at most ``offered``; a stream
+    left waiting asks :meth:`refusal`, as the scheduler does), the server's TTFT and tokens are
+    reported at its clock. Returns the time after the last window;
     ``trace`` gets (limit, in flight) after each window.
     """
     for _ in range(windows):
@@ -62,6 +63,8 @@ def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows
             limit.acquire(BATCH, t)
         while limit.in_flight > want:
             limit.release(BATCH, t)
+        if offered > want:  # the scheduler's head waits: the capacity asks the limit and is refused
+            assert limit.refusal(BATCH) is not None
         tokens_per_s, ttft = server(limit.in_flight)
         for k in range(4):  # four streams got their first token in this window
             limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)
@@ -313,3 +316,16 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
     assert max(limits) <= 2 * offered
     assert limit.limit <= max(limit.knee + 1, 2 * limit.knee) + limit.reserve + 1
     assert limit.knee <= offered
+
+
+def test_a_knee_confirmed_by_a_lighter_load_is_probed_past_when_the_load_grows() -> None:
+    """8 streams offered against a server whose knee is 24 confirm a knee of 8 by the load (no more were
+    wanted); when 64 are offered, the limit refuses streams with 8 in flight, so that level is no longer all
+    the load offers: the limit probes upwards within a few windows, not after memory_s."""
+    limit = make_limit(initial_limit=4)
+    t = drive(limit, knee_server(24), offered=8, windows=40)
+    assert limit.knee == 8 and limit.limit <= 8 + limit.reserve + 0.5
+    trace: list[tuple[float, int]] = []
+    drive(limit, knee_server(24), offered=64, windows=40, t=t, trace=trace)  # 20 s, within memory_s (30 s)
+    assert max(value for value, _ in trace[:10]) >= 16  # probed within 5 s
+    assert limit.knee is not None and 12 <= limit.knee <= 36

@@ -191,3 +191,34 @@ async def test_sim_openai_without_done_is_a_finished_stream_and_without_finish_a
                     pass
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and "no end marker" in str(caught.value)
     assert (ending_count("finish_reason"), ending_count("cut")) == (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_a_cookie_the_server_sets_is_sent_back_on_the_next_call(clean_proxy_env, transport):
+    """Both transports keep the cookies an endpoint sets (a hosted API's load balancer) and send them on its next
+    call, as httpx's client does: the aiohttp path sends without the client's layers but keeps its jar."""
+    recorded = load(FIXTURES / "transformers_serve.sse")
+    seen: list[dict[str, str]] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head.split("\r\n")[1:])
+                   if k}
+        seen.append(headers)
+        await reader.readexactly(int(headers.get("content-length", "0")))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nset-cookie: lb=replica-2; Path=/\r\n"
+                     b"connection: close\r\n\r\n" + recorded.body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        async with GatewayClient(gateway_config(base, http_transport=transport, fallback_model="")) as client:
+            for _ in range(2):
+                events = [e async for e in client.stream_chat(ask())]
+                assert isinstance(events[-1], Finished)
+    finally:
+        server.close()
+    assert "cookie" not in seen[0]
+    assert seen[1]["cookie"] == "lb=replica-2"

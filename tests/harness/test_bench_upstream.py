@@ -47,3 +47,14 @@ def test_a_failed_call_is_counted_and_not_in_the_throughput() -> None:
     p = phase("turns", "direct", 8, 5)
     p.calls.append(Call("BATCH", 0.0, end=1.0, error="HTTP 500: boom"))
     assert p.errors == 1 and p.calls_per_s() == pytest.approx(5.0)  # 50 good calls in 10 s, the failure not among them
+
+
+def test_stack_cpu_per_call_is_the_through_turns_cpu_over_their_calls() -> None:
+    first, second = phase("turns", "through", 8, 40), phase("turns", "through", 32, 60)  # 400 and 600 calls
+    first.cpu_s = {"dispatcher": 1.0, "orchestrator": 0.5}
+    second.cpu_s = {"dispatcher": 2.0, "orchestrator": 1.5}
+    f = figures([phase("turns", "direct", 8, 50), first, second])
+    assert f["stack_cpu_ms_per_call"] == pytest.approx({"dispatcher": 3.0, "orchestrator": 2.0})
+    text = summary({"base_url": "http://127.0.0.1:1/v1", "model": "m", "phases": [first, second], "figures": f})
+    assert "stack CPU per call, through turns: dispatcher 3.00 ms, orchestrator 2.00 ms" in text
+    assert figures([phase("turns", "direct", 8, 50)])["stack_cpu_ms_per_call"] == {}

@@ -30,7 +30,10 @@ at 8 and 32 streams; CORE TTFT P95 beside 32 BATCH / CORE unloaded (through
 Switchyard, and directly for reference); BATCH calls/s through Switchyard in
 that phase / the direct plateau; the limit under a steady 32-stream load (the
 median of the samples in the through phases at 32 streams and the BATCH phase)
-/ the direct knee.
+/ the direct knee; and the CPU the dispatcher and the orchestrator each spent
+per call over the through turns (``process_cpu_seconds_total`` read from their
+metrics before and after each such phase, divided by its calls), the cost the
+stack's processes add on cores the server also needs.
 
 Default upstream: ``transformers serve --continuous-batching --device cpu``
 serving a random-weight tiny Llama built offline
@@ -94,6 +97,9 @@ class Phase:
     end: float = 0.0
     calls: list[Call] = field(default_factory=list)
     samples: list[tuple[float, float, float, float]] = field(default_factory=list)  # (t, limit, knee, in flight)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """Through phases: CPU seconds each stack process (dispatcher, orchestrator) spent from the phase's start
+    until its calls had drained (``process_cpu_seconds_total`` read from its metrics)."""
 
     def ok(self, cls: str | None = None) -> list[Call]:
         """Calls that succeeded and ended inside the phase (of class ``cls``, or all)."""
@@ -289,9 +295,9 @@ async def upstream(base_url: str | None, model: str | None, kv_blocks: int) -> A
 
 
 @contextlib.asynccontextmanager
-async def switchyard_stack(config: SwitchyardConfig) -> AsyncIterator[tuple[str, str]]:
+async def switchyard_stack(config: SwitchyardConfig) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """Dispatcher (``openai`` engine) and orchestrator, each in its own process; yields
-    (orchestrator host:port, dispatcher metrics URL)."""
+    (orchestrator host:port, {"dispatcher": metrics URL, "orchestrator": metrics URL})."""
     from switchyard_harness.bench import stack_process
 
     children = []
@@ -302,7 +308,7 @@ async def switchyard_stack(config: SwitchyardConfig) -> AsyncIterator[tuple[str,
                                          "orchestrator.retrieval_addr": "127.0.0.1:1"})  # chat tasks retrieve nothing
         orchestrator = await stack_process.start("orchestrator", wired)
         children.append(orchestrator)
-        yield orchestrator.address, dispatcher.metrics_url
+        yield orchestrator.address, {"dispatcher": dispatcher.metrics_url, "orchestrator": orchestrator.metrics_url}
     finally:
         for child in reversed(children):
             await child.stop()
@@ -322,9 +328,9 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
         import os
 
         key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
-        async with (switchyard_stack(config) as (host, metrics_url), DirectClient(base_url, model, args.max_tokens, key)
+        async with (switchyard_stack(config) as (host, metrics_urls), DirectClient(base_url, model, args.max_tokens, key)
                     as direct, ThroughClient(host, args.max_tokens) as through):
-            sampler = LimitSampler(metrics_url)
+            sampler = LimitSampler(metrics_urls["dispatcher"])
             sampler.start()
             try:
                 def log(phase: Phase) -> Phase:
@@ -341,7 +347,12 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
                 for _ in range(args.rounds):
                     for n in TURN_STREAMS:
                         for mode, client in (("direct", direct), ("through", through)):
-                            log(await run_phase("turns", mode, n, s, [(client.call, "BATCH", n, 0.0)]))
+                            before = await stack_cpu_s(metrics_urls) if mode == "through" else {}
+                            phase = await run_phase("turns", mode, n, s, [(client.call, "BATCH", n, 0.0)])
+                            if before:
+                                after = await stack_cpu_s(metrics_urls)
+                                phase.cpu_s = {name: after[name] - before[name] for name in before}
+                            log(phase)
                 for mode, client in (("direct", direct), ("through", through)):
                     log(await run_phase("core unloaded", mode, 1, s, [(client.call, "CORE", 1, 0.0)]))
                 for mode, client in (("through", through), ("direct", direct)):
@@ -352,6 +363,17 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
             finally:
                 await sampler.stop()
     return {"base_url": base_url, "model": model, "phases": phases, "figures": figures(phases)}
+
+
+async def stack_cpu_s(metrics_urls: dict[str, str]) -> dict[str, float]:
+    """CPU seconds each stack process has used so far (its ``process_cpu_seconds_total``)."""
+    from switchyard_harness.top import read, total
+
+    out = {}
+    for name, url in metrics_urls.items():
+        samples = await asyncio.to_thread(read, url, 5.0)
+        out[name] = total(samples, "process_cpu_seconds_total")
+    return out
 
 
 def figures(phases: list[Phase]) -> dict[str, Any]:
@@ -384,6 +406,10 @@ def figures(phases: list[Phase]) -> dict[str, Any]:
     def ttft(phase: Phase | None, cls: str, p: int) -> float | None:
         return phase.ttft(cls, p) if phase is not None else None
 
+    measured = [p for p in phases if p.cpu_s and p.calls]
+    cpu_ms = {name: 1000 * sum(p.cpu_s[name] for p in measured) / sum(len(p.calls) for p in measured)
+              for name in (measured[0].cpu_s if measured else {})}
+
     return {
         "direct_calls_per_s": sweep,
         "direct_plateau_calls_per_s": plateau,
@@ -401,6 +427,8 @@ def figures(phases: list[Phase]) -> dict[str, Any]:
         "limit_steady_32": limit_32,
         "limit_steady_32_over_knee": ratio(limit_32, knee),
         "dispatcher_knee_estimate": knees[-1] if knees else None,
+        # CPU of each stack process per call, over the through turns (every call of those phases, drained)
+        "stack_cpu_ms_per_call": cpu_ms,
         "errors": sum(p.errors for p in phases),
     }
 
@@ -451,6 +479,8 @@ def summary(result: dict[str, Any]) -> str:
         f"limit under steady 32 streams {num(f['limit_steady_32'], '.1f')} / direct knee {f['direct_knee_streams']}: "
         f"{num(f['limit_steady_32_over_knee'])}   (target 0.5-1.5); dispatcher's knee estimate "
         f"{num(f['dispatcher_knee_estimate'], '.0f')}",
+        "stack CPU per call, through turns: " + (", ".join(
+            f"{name} {ms:.2f} ms" for name, ms in f["stack_cpu_ms_per_call"].items()) or "-"),
         f"failed calls: {f['errors']}",
         "",
         "limit over time (through phases: t s, limit, knee, in flight):",

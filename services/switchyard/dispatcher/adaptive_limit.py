@@ -26,7 +26,9 @@ TTFT, stamped with the time; a level not measured for ``memory_s`` is forgotten
 ``switchyard_upstream_concurrency_knee``). The knee is *confirmed* when a level
 at least ``2 x knee`` (and one stream more) was measured, or a level above the
 knee that is as much as the load offers (measured while fewer streams were
-wanted than the limit allowed: no probe can go higher): twice the streams
+wanted than the limit allowed: no probe can go higher; a saturated window in
+which the limit refused streams with that many or more in flight clears the
+mark, since the load then offers more): twice the streams
 were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
 only a little higher would confirm a knee that is not one: on a linear curve
 25 % more streams give 25 % more throughput, within a noisy machine's spread).
@@ -203,6 +205,7 @@ class AdaptiveConcurrencyLimit:
         self._ttft_sum = 0.0
         self._ttft_n = 0
         self._window_ttfts = 0  # TTFT samples in the window being applied
+        self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
         limit_gauge.set(self.limit)
         knee_gauge.set(0)
         in_flight_gauge.set(0)
@@ -222,8 +225,11 @@ class AdaptiveConcurrencyLimit:
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start now, else the refusal reason
         (:data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`, a metric label)."""
-        return refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
-                           self.config.core_reserved_slots)
+        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
+                             self.config.core_reserved_slots)
+        if reason is not None:
+            self._refused = True
+        return reason
 
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
         """A stream of class ``priority`` was sent to the upstream at ``now`` (monotonic seconds)."""
@@ -283,12 +289,14 @@ class AdaptiveConcurrencyLimit:
         mean, tokens = self._area / span, self._tokens
         ttft = self._ttft_sum / self._ttft_n if self._ttft_n else None
         self._window_ttfts = self._ttft_n
+        refused, self._refused = self._refused, False
         self._window_start, self._area, self._tokens, self._ttft_sum, self._ttft_n = now, 0.0, 0, 0.0, 0
         if mean < 0.5 or tokens == 0:
             return  # idle: nothing learnt
-        self.observe_window(mean, tokens / span, ttft, now)
+        self.observe_window(mean, tokens / span, ttft, now, refused=refused)
 
-    def observe_window(self, mean_in_flight: float, tokens_per_s: float, ttft_s: float | None, now: float) -> None:
+    def observe_window(self, mean_in_flight: float, tokens_per_s: float, ttft_s: float | None, now: float, *,
+                       refused: bool = False) -> None:
         """Apply one window's measurement (see the module docstring); called by the window clock.
 
         Args:
@@ -296,6 +304,7 @@ class AdaptiveConcurrencyLimit:
             tokens_per_s: tokens received per second over the window.
             ttft_s: mean TTFT of the streams whose first token came in the window, seconds (None: none did).
             now: end of the window, monotonic seconds.
+            refused: :meth:`refusal` refused a stream in the window (more were wanted than the limit let through).
         """
         level_key = max(1, round(mean_in_flight))
         level = self.levels.get(level_key)
@@ -317,6 +326,12 @@ class AdaptiveConcurrencyLimit:
             level.seen_at = now
             level.windows += 1
         level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
+        if saturated and refused:
+            # The load now wants more than the limit lets through: a level at or below what is in flight, marked
+            # as all that a lighter load offered, no longer is (it would confirm a knee the load now asks past)
+            for key, other in self.levels.items():
+                if key <= level_key:
+                    other.demand_limited = False
         confirmed = self._estimate(now)
         if braked:
             return

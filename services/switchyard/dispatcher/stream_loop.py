@@ -141,6 +141,8 @@ class StreamLoop(LoopBase):
         (``update_from_output``: the same stop check as a step engine's), whose outputs are published."""
         engine, scheduler = self.engine, self.scheduler
         batch = StepBatch(decode=[req])
+        ttft = metrics.TTFT_BY_CLASS[req.priority_name]  # looked up once per call, observed per token
+        inter_token = metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name]
         sent = time.monotonic()
         first = True
         try:
@@ -162,9 +164,9 @@ class StreamLoop(LoopBase):
                     self.limit.on_tokens(1, now)
                     metrics.GENERATED_TOKENS.inc()
                     if last is None:
-                        metrics.TTFT_BY_CLASS[req.priority_name].observe(now - req.arrival)
+                        ttft.observe(now - req.arrival)
                     else:
-                        metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(now - last)
+                        inter_token.observe(now - last)
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
                 seq = SeqOutput(eos=True)
                 self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
