@@ -91,7 +91,7 @@ def _faces(name: str, service: Service, config: SwitchyardConfig) -> list[Servic
     return [service, HttpFace(service, config)]
 
 
-def _profile_endpoint(service: Service, config: SwitchyardConfig):
+def profile_endpoint(service: Service, config: SwitchyardConfig):
     """``/debug/pprof/profile`` of this process's event loop (common/profiling.py), None with
     ``server.cpu_profile = off``; behind the service's bearer tokens where it checks them."""
     import asyncio
@@ -122,7 +122,7 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
         metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
-                                                            profile=_profile_endpoint(service, config))
+                                                            profile=profile_endpoint(service, config))
         lag_monitor = process_metrics.start_loop_lag_monitor()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
         if port_file:

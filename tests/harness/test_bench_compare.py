@@ -81,15 +81,22 @@ def test_settings_parse_as_json_or_text():
         compare.parse_settings(["policy"])
 
 
-async def test_a_stack_process_stops_when_its_parent_goes(tmp_path):
+async def test_a_stack_process_stops_when_its_parent_goes_and_serves_profiles_as_switchyard_serve(tmp_path):
     import asyncio
+    import gzip
+    import urllib.request
 
     from switchyard_harness.bench import stack_process
+    from switchyard.api import profile_pb2
     from switchyard.common.config import SwitchyardConfig
 
     child = await stack_process.start("dispatcher", SwitchyardConfig())
     try:
         assert child.proc.returncode is None
+        url = child.metrics_url.rsplit("/metrics", 1)[0] + "/debug/pprof/profile?seconds=0.2"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=30).read())
+        profile = profile_pb2.Profile.FromString(gzip.decompress(body))
+        assert profile.duration_nanos > 0
         child.proc.stdin.close()  # what the parent's death does to the pipe
         assert await asyncio.wait_for(child.proc.wait(), 60) == 0  # a graceful stop
     finally:

@@ -130,13 +130,14 @@ def _stop_when_parent_goes(loop: asyncio.AbstractEventLoop) -> None:
 async def _serve(name: str, config: SwitchyardConfig, fixed_slots: int) -> None:
     from switchyard.common import process_metrics
     from switchyard.common.server import serve_until_signal, start_server
-    from switchyard.serve import make_service
+    from switchyard.serve import make_service, profile_endpoint
 
     service = make_service(name, config)
     if fixed_slots:
         service.scheduler.capacity = FixedSlots(fixed_slots)
     srv = await start_server([service], "127.0.0.1", 0, config.server)
-    metrics_port = process_metrics.start_metrics_server(0, name, "127.0.0.1")
+    # as `switchyard serve` does: /debug/pprof/profile beside /metrics, so `switchyard profile` reads a bench's stack
+    metrics_port = process_metrics.start_metrics_server(0, name, "127.0.0.1", profile=profile_endpoint(service, config))
     print(json.dumps({"port": srv.port, "metrics_port": metrics_port}), flush=True)
     _stop_when_parent_goes(asyncio.get_running_loop())
     await serve_until_signal(srv, config.server.shutdown_grace_s)
