@@ -54,3 +54,11 @@ EARLY_PREFILLS = Counter(
 )
 for _outcome in ("ok", "failed", "cancelled"):
     EARLY_PREFILLS.labels(_outcome)
+SUBMITTED_TASKS = Gauge(
+    "switchyard_submitted_tasks",
+    "SubmitTask tasks this orchestrator holds unfinished, by state: queued (in the backlog, waiting for one of "
+    "orchestrator.max_running_submitted_tasks) or running.",
+    ["state"],
+)
+for _state in ("queued", "running"):
+    SUBMITTED_TASKS.labels(_state)
