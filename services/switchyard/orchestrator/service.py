@@ -1,4 +1,4 @@
-"""The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus).
+"""The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus, CancelTask).
 
 A request is validated (validation.py), takes its place and is ``accepted``,
 then runs its workflow (workflows.py) inside its deadline; the final event
@@ -9,6 +9,13 @@ process pool by default); calls to retrieval and the dispatcher hold no
 orchestration worker while they wait on the other services. With
 ``orchestrator.inference_mode = "inline"`` a task instead holds one worker for
 its whole workflow: the one-mixed-queue baseline that the benchmark compares against.
+
+A submitted task (SubmitTask) is accepted once it is recorded in the task store
+and placed in the orchestrator's backlog of submitted tasks (submitted.py); at
+most ``orchestrator.max_running_submitted_tasks`` of them run at once, so an
+offered rate above what the stack completes grows the backlog, not the number
+of workflows sharing this event loop. RunTask starts at once: its caller waits
+on the stream.
 """
 
 from __future__ import annotations
