@@ -21,8 +21,9 @@ STAGE_DURATION = Histogram(
 )
 AGENTS_CONCURRENT = Gauge(
     "switchyard_agents_concurrent",
-    "Tasks accepted and not yet finished (served to the HPA as agent_concurrent_count by prometheus-adapter; "
-    "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries)."
+    "Tasks running and not yet finished: RunTask calls accepted, submitted tasks started (those waiting in the "
+    "backlog are switchyard_submitted_tasks{state=\"queued\"}). Served to the HPA as agent_concurrent_count by prometheus-adapter; "
+    "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries."
 )
 TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])
 AGENT_MEMORY_RECALLS = Counter(
