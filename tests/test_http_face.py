@@ -218,20 +218,29 @@ async def test_unknown_task_and_agent_are_404_and_a_taken_task_id_is_409():
 
 
 async def test_a_full_queue_answers_429_at_once_and_queues_nothing():
+    """Submit's queue is the backlog of submitted tasks (orchestrator.max_unfinished_submitted_tasks); run's is
+    the orchestration queue. Either full answers 429 naming it, and nothing is recorded or queued."""
     overrides = {"queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 30000},
-                 "orchestrator.inference_mode": "inline"}
-    async with http_stack(**overrides) as (client, _, down):
+                 "orchestrator.inference_mode": "inline", "orchestrator.max_unfinished_submitted_tasks": 2,
+                 "orchestrator.max_running_submitted_tasks": 1}
+    async with http_stack(**overrides) as (client, stub, down):
         down.gate = asyncio.Event()
         body = {**FIELD_BODY, "task_type": "chat"}
         assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # holds the worker
         while not down.requests:
             await asyncio.sleep(0.01)
-        assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # waits: capacity 1
-        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
-            full = await client.post(path, json=body)
-            assert full.status_code == 429, full.text
-            assert "orchestration queue full" in full.json()["error"]["message"]
+        assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # waits in the backlog
+        full = await client.post("/api/v1/agent/submit", json={**body, "task_id": "refused"})
+        assert full.status_code == 429, full.text
+        assert "orchestrator.max_unfinished_submitted_tasks" in full.json()["error"]["message"]
+        assert (await client.get("/api/v1/tasks/refused")).status_code == 404
+        waiting = stub.RunTask(agent_pb2.RunTaskRequest(payload="hello", task_type="chat"))
+        assert (await waiting.read()).HasField("accepted")  # waits in the orchestration queue: capacity 1
+        full = await client.post("/api/v1/agent/run", json=body)
+        assert full.status_code == 429, full.text
+        assert "orchestration queue full" in full.json()["error"]["message"]
         down.gate.set()
+        waiting.cancel()
 
 
 async def sse_events(client: httpx.AsyncClient, body: dict, headers: dict | None = None) -> list[tuple[str, dict]]:

@@ -247,8 +247,13 @@ async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
             assert other.value.code() == unknown.value.code() == grpc.StatusCode.NOT_FOUND
             # another tenant's task reads exactly as one that does not exist
             assert other.value.details() == unknown.value.details().replace("-none'", "-acme'")
+        with pytest.raises(grpc.aio.AioRpcError) as other:  # nor cancel it
+            await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t-acme"), metadata=beta)
+        assert other.value.code() == grpc.StatusCode.NOT_FOUND and "'t-acme'" in other.value.details()
         async with aiohttp.ClientSession() as session:
             base = f"http://127.0.0.1:{down.http.port}/api/v1"
+            async with session.post(base + "/tasks/t-acme/cancel", headers={"Authorization": "Bearer tok-beta"}) as response:
+                assert response.status == 404
             for path in ("/tasks/t-acme", "/agent/ag-acme/status"):
                 async with session.get(base + path, headers={"Authorization": "Bearer tok-beta"}) as response:
                     assert response.status == 404

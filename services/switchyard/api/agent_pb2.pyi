@@ -234,7 +234,7 @@ class GetTaskStatusRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "state", "result", "error", "compute_score_used", "memory_peak_bytes", "timings", "tenant_id")
+    __slots__ = ("task_id", "state", "result", "error", "compute_score_used", "memory_peak_bytes", "timings", "tenant_id", "queue_position")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class TaskStatus(_message.Message):
     MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     state: TaskState
     result: FinalEvent
@@ -251,7 +252,14 @@ class TaskStatus(_message.Message):
     memory_peak_bytes: int
     timings: Timings
     tenant_id: str
-    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., result: _Optional[_Union[FinalEvent, _Mapping]] = ..., error: _Optional[str] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    queue_position: int
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., result: _Optional[_Union[FinalEvent, _Mapping]] = ..., error: _Optional[str] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., tenant_id: _Optional[str] = ..., queue_position: _Optional[int] = ...) -> None: ...
+
+class CancelTaskRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("query", "top_k")

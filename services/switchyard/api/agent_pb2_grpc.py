@@ -49,6 +49,11 @@ class AgentServiceStub:
                 request_serializer=agent__pb2.GetTaskStatusRequest.SerializeToString,
                 response_deserializer=agent__pb2.TaskStatus.FromString,
                 _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/agent.AgentService/CancelTask',
+                request_serializer=agent__pb2.CancelTaskRequest.SerializeToString,
+                response_deserializer=agent__pb2.TaskStatus.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -64,7 +69,10 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubmitTask(self, request, context):
-        """Queues a task and returns at once; poll GetTaskStatus for the result.
+        """Records the task in the task store and places it in the orchestrator's backlog of
+        submitted tasks (at most orchestrator.max_running_submitted_tasks run at once, the
+        rest wait in priority-class order, then arrival); returns once it is recorded. Poll
+        GetTaskStatus for the result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +80,15 @@ class AgentServiceServicer:
 
     def GetTaskStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTask(self, request, context):
+        """Cancels a submitted task: one still QUEUED never starts, one RUNNING is stopped
+        (its downstream calls cancelled); either ends FAILED with error "CANCELLED: ...".
+        Answers the task's status after it; a task already finished is answered unchanged.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,6 +109,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
             'GetTaskStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTaskStatus,
                     request_deserializer=agent__pb2.GetTaskStatusRequest.FromString,
+                    response_serializer=agent__pb2.TaskStatus.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=agent__pb2.CancelTaskRequest.FromString,
                     response_serializer=agent__pb2.TaskStatus.SerializeToString,
             ),
     }
@@ -175,6 +197,33 @@ class AgentService:
             target,
             '/agent.AgentService/GetTaskStatus',
             agent__pb2.GetTaskStatusRequest.SerializeToString,
+            agent__pb2.TaskStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agent.AgentService/CancelTask',
+            agent__pb2.CancelTaskRequest.SerializeToString,
             agent__pb2.TaskStatus.FromString,
             options,
             channel_credentials,

@@ -4,6 +4,7 @@
     POST /api/v1/agent/run               RunTask        -> text/event-stream, one event per TaskEvent
     GET  /api/v1/agent/{agent_id}/status GetTaskStatus  (the agent's latest task)
     GET  /api/v1/tasks/{task_id}         GetTaskStatus
+    POST /api/v1/tasks/{task_id}/cancel  CancelTask     -> the task's status after it
     GET  /openapi.json                   the OpenAPI document (generated from http_models.py)
 
 One path per request: each handler calls the servicer's own method
@@ -62,12 +63,13 @@ from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 log = logging.getLogger(__name__)
 
 SERVICE = "agent.AgentService"
-ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus"}
+ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus",
+                 "cancel": f"{SERVICE}/CancelTask"}
 """The gRPC method each route stands for: what a bearer token restricted to methods must allow."""
 JSON = "application/json"
 ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/agent/run"),
           "status": ("GET", "/api/v1/agent/{agent_id}/status"), "task_status": ("GET", "/api/v1/tasks/{task_id}"),
-          "openapi": ("GET", "/openapi.json")}
+          "cancel": ("POST", "/api/v1/tasks/{task_id}/cancel"), "openapi": ("GET", "/openapi.json")}
 """Route name -> (method, route template): the routes :meth:`HttpFace.app` serves, and the ``http_route``
 label values of ``http_server_request_duration_seconds``."""
 
@@ -200,7 +202,7 @@ class HttpFace(Drains):
                                             traced=lambda: provider is not None or telemetry.tracing_enabled())
         app = web.Application(middlewares=[measure, self._authenticate], client_max_size=self.body_max_bytes)
         handlers = {"submit": self.submit, "run": self.run, "status": self.agent_status,
-                    "task_status": self.task_status, "openapi": self.openapi}
+                    "task_status": self.task_status, "cancel": self.cancel, "openapi": self.openapi}
         for name, (method, path) in ROUTES.items():
             app.router.add_route(method, path, handlers[name], name=name)
         return app
@@ -249,7 +251,7 @@ class HttpFace(Drains):
         """Bearer tokens as on the gRPC edge; the OpenAPI document and unknown paths need none."""
         tokens = self.service.bearer_tokens()
         route = request.match_info.route.name
-        if tokens is not None and route in ("submit", "run", "status", "task_status"):
+        if tokens is not None and route in ("submit", "run", "status", "task_status", "cancel"):
             method = ROUTE_METHODS["status" if route == "task_status" else route]
             refused = tokens.check(method, request.headers.get("Authorization"))
             if refused is not None:
@@ -350,6 +352,16 @@ class HttpFace(Drains):
 
     async def task_status(self, request: web.Request) -> web.Response:
         return await self._status(request, task_id=request.match_info["task_id"])
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        async def call() -> web.Response:
+            # Shielded as submit is: a client that leaves does not cut a cancel from its record.
+            cancel = asyncio.ensure_future(self.service.CancelTask(
+                agent_pb2.CancelTaskRequest(task_id=request.match_info["task_id"]), HttpCall(request.headers.items())))
+            status = await asyncio.shield(settle(cancel))
+            return web.json_response(status_json(status))
+
+        return await self._call(call)
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type=JSON)

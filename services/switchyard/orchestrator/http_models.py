@@ -87,7 +87,8 @@ class AcceptedResponse(BaseModel):
     """Answer of a submit: the task is recorded in the task store and queued."""
 
     status: Literal["accepted"] = "accepted"
-    queue_position: int = Field(description="Tasks ahead of this one in the orchestration queue, tasks.")
+    queue_position: int = Field(description="Submitted tasks ahead of this one in the orchestrator's backlog "
+                                            "(priority class, then arrival), tasks; 0: it started at once or is next.")
     task_id: str
     trace_id: str = Field("", description="W3C trace id (32 hex characters); empty with tracing off.")
 
@@ -109,7 +110,9 @@ class TaskStatusResponse(BaseModel):
     compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher.")
     memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
     memory_peak_bytes: int = Field(description="The same peak, bytes.")
-    error: str = Field("", description="gRPC status name and message once failed.")
+    queue_position: int = Field(0, description="While queued: submitted tasks ahead of it in the orchestrator's "
+                                               "backlog, tasks (0: next to start); 0 in every other state.")
+    error: str = Field("", description="gRPC status name and message once failed (CANCELLED: ... when cancelled).")
     tenant_id: str = Field("default", description="The task's tenant: its bearer token's, else X-Tenant-Id, else default.")
     timings: TimingsModel
     result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished.")
@@ -170,6 +173,7 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
         "compute_score_used": status.compute_score_used,
         "memory_peak_mb": status.memory_peak_bytes / MIB,
         "memory_peak_bytes": status.memory_peak_bytes,
+        "queue_position": status.queue_position,
         "error": status.error,
         "tenant_id": status.tenant_id or "default",
         "timings": message_dict(status.timings),
@@ -255,7 +259,8 @@ def openapi(version: str) -> dict[str, Any]:
         "info": {"title": "Switchyard AgentService over HTTP", "version": version},
         "paths": {
             "/api/v1/agent/submit": {"post": {
-                "summary": "SubmitTask: record the task, queue it, answer once it is durable",
+                "summary": "SubmitTask: record the task, place it in the backlog of submitted tasks, answer once "
+                           "it is durable",
                 "parameters": headers,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": json_body(AcceptedResponse, "Accepted and recorded"),
@@ -279,6 +284,14 @@ def openapi(version: str) -> dict[str, Any]:
                 "summary": "GetTaskStatus of one task",
                 "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": status_answers,
+            }},
+            "/api/v1/tasks/{task_id}/cancel": {"post": {
+                "summary": "CancelTask: a queued task never starts, a running one is stopped; either ends failed "
+                           "with error CANCELLED. Answers the status after it (a finished task's unchanged)",
+                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {**status_answers,
+                              "400": json_body(ErrorResponse, "FAILED_PRECONDITION: another orchestrator holds the "
+                                                              "unfinished task; only it can cancel it")},
             }},
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

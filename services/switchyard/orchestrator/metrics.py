@@ -21,8 +21,9 @@ STAGE_DURATION = Histogram(
 )
 AGENTS_CONCURRENT = Gauge(
     "switchyard_agents_concurrent",
-    "Tasks accepted and not yet finished (served to the HPA as agent_concurrent_count by prometheus-adapter; "
-    "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries)."
+    "Tasks running and not yet finished: RunTask calls accepted, submitted tasks started (those waiting in the "
+    "backlog are switchyard_submitted_tasks{state=\"queued\"}). Served to the HPA as agent_concurrent_count by prometheus-adapter; "
+    "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries."
 )
 TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])
 AGENT_MEMORY_RECALLS = Counter(
@@ -54,3 +55,11 @@ EARLY_PREFILLS = Counter(
 )
 for _outcome in ("ok", "failed", "cancelled"):
     EARLY_PREFILLS.labels(_outcome)
+SUBMITTED_TASKS = Gauge(
+    "switchyard_submitted_tasks",
+    "SubmitTask tasks this orchestrator holds unfinished, by state: queued (in the backlog, waiting for one of "
+    "orchestrator.max_running_submitted_tasks) or running.",
+    ["state"],
+)
+for _state in ("queued", "running"):
+    SUBMITTED_TASKS.labels(_state)

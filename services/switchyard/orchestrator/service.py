@@ -1,4 +1,4 @@
-"""The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus).
+"""The orchestrator: AgentService (RunTask, SubmitTask, GetTaskStatus, CancelTask).
 
 A request is validated (validation.py), takes its place and is ``accepted``,
 then runs its workflow (workflows.py) inside its deadline; the final event
@@ -9,11 +9,19 @@ process pool by default); calls to retrieval and the dispatcher hold no
 orchestration worker while they wait on the other services. With
 ``orchestrator.inference_mode = "inline"`` a task instead holds one worker for
 its whole workflow: the one-mixed-queue baseline that the benchmark compares against.
+
+A submitted task (SubmitTask) is accepted once it is recorded in the task store
+and placed in the orchestrator's backlog of submitted tasks (submitted.py); at
+most ``orchestrator.max_running_submitted_tasks`` of them run at once, so an
+offered rate above what the stack completes grows the backlog, not the number
+of workflows sharing this event loop. RunTask starts at once: its caller waits
+on the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import multiprocessing
 import os
@@ -43,6 +51,7 @@ from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.events import event_stream
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
 from switchyard.orchestrator.readiness import Readiness
+from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
 from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
@@ -97,22 +106,6 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
-class _Submitted:
-    """A SubmitTask task running in this process: its live state and timings, fresher than the store's."""
-
-    def __init__(self, tenant_id: str) -> None:
-        self.tenant_id = tenant_id
-        self.state = agent_pb2.QUEUED
-        self.timings = agent_pb2.Timings()
-        self.final: agent_pb2.TaskStatus | None = None
-        """Set when the task finished but the store could not record it: answered from here instead."""
-
-    def to_status(self, task_id: str) -> agent_pb2.TaskStatus:
-        if self.final is not None:
-            return self.final
-        return agent_pb2.TaskStatus(task_id=task_id, state=self.state, timings=self.timings, tenant_id=self.tenant_id)
-
-
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
@@ -127,8 +120,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.config = config
         self.tasks: TaskStore = make_task_store(config)
-        self._submitted: dict[str, _Submitted] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)
+        self._stopping = False
+        """Set by :meth:`stop`: no submitted task starts any more."""
         self._deps: Deps | None = None
         self._dram: DramClient | None = None
         self.readiness: Readiness | None = None
@@ -208,14 +202,26 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         await self.readiness.start()
 
     async def stop(self) -> None:
+        """Stop: no submitted task starts any more; the running ones get ``server.shutdown_grace_s`` to finish,
+        then are cancelled; each, and each still in the backlog, is recorded FAILED naming the stop (a task
+        queue's warm shutdown: what runs finishes, what waits does not start) before the store closes."""
         if self.readiness is not None:
             await self.readiness.stop()
-        if self._background:
-            await asyncio.wait(self._background, timeout=self.config.server.shutdown_grace_s)
-        for task in self._background:
-            task.cancel()
-        if self._background:  # each records its task as FAILED before the store closes
-            await asyncio.wait(self._background, timeout=5.0)
+        self._stopping = True
+        for entry in self._submitted.drain_backlog():
+            await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped before the "
+                                      "task started (it was QUEUED); resubmit it under a new task_id")
+        if started := self._submitted.started():
+            await asyncio.wait({e.runner for e in started if e.runner is not None},
+                               timeout=self.config.server.shutdown_grace_s)
+        runners = set()
+        for entry in self._submitted.started():
+            assert entry.runner is not None
+            runners.add(entry.runner)
+            if entry.started:  # one not begun yet sees ``_stopping`` as it begins
+                entry.runner.cancel()
+        if runners:  # each records its task as FAILED before the store closes
+            await asyncio.wait(runners, timeout=5.0)
         await self.tasks.close()
         deps, self._deps = self._deps, None
         if deps is not None:
@@ -358,11 +364,19 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     async def SubmitTask(
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.Accepted:
-        """Record the task in the task store, then run it in the background; returns once it is queued.
+        """Validate the task, record it in the task store (QUEUED) and place it in the backlog of submitted
+        tasks (submitted.py); returns once it is recorded, with its ``queue_position`` there.
+
+        At most ``orchestrator.max_running_submitted_tasks`` submitted tasks run at once; the rest wait in
+        priority-class order, then arrival, and start as running ones finish. What can be checked before the
+        task runs is answered here: INVALID_ARGUMENT naming the field (validation.py, the model's context
+        window included), RESOURCE_EXHAUSTED when ``orchestrator.max_unfinished_submitted_tasks`` tasks are
+        held (nothing recorded), UNAVAILABLE naming the task store. What the task meets once it runs (a prompt
+        over the window with its passages, a full orchestration queue, a downstream error, its time limit) is
+        its FAILED status, read with GetTaskStatus.
 
         The same task_id with the same request answers the task already recorded (idempotent, any
         orchestrator sharing the store); with a different request it is ALREADY_EXISTS naming task_id.
-        A task refused before it was queued (queue full, bad prompt) is not recorded.
         """
         self._record_metadata(request.metadata)
         try:
@@ -371,9 +385,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             spec = validate(request, self.config, await self._default_model(request), tenant)
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit:
-                raise SwitchyardError(
-                    f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.max_unfinished_submitted_tasks); "
-                    "poll GetTaskStatus and retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                raise self._backlog_full()
+            if self._stopping:
+                raise SwitchyardError("orchestrator is stopping; submit to another replica or retry after its restart",
+                                      grpc.StatusCode.UNAVAILABLE)
             fields = {**vars(spec), "metadata": dict(request.metadata)}
             if not request.task_id:
                 fields.pop("task_id")
@@ -389,55 +404,84 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     f"task_id: {spec.task_id!r} already exists with a different request; resubmit the identical "
                     "request to get that task, or use a new task_id",
                 )
-            return agent_pb2.Accepted(task_id=record.task_id, queue_position=0, trace_id=record.trace_id)
-        live = self._submitted[spec.task_id] = _Submitted(spec.tenant_id)
-        accepted: asyncio.Future[agent_pb2.Accepted] = asyncio.get_running_loop().create_future()
-        running: list[asyncio.Task[None]] = []
-
-        def emit(event: agent_pb2.TaskEvent) -> None:
-            kind = event.WhichOneof("event")
-            if kind == "accepted" and not accepted.done():
-                accepted.set_result(event.accepted)
-            elif kind == "stage":
-                if live.state == agent_pb2.QUEUED:
-                    live.state = agent_pb2.RUNNING
-                    running.append(settle(asyncio.create_task(self._record_running(spec.task_id)),
-                                          expected=lambda e: False))
-                live.timings.stage_s[event.stage.name] = event.stage.duration_s
-
-        task = self._new_task(spec, emit, None)
-
-        async def background() -> None:
-            try:
-                final = await self._execute(task)
-                state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
-            except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
-                if not accepted.done():  # refused before it was queued: the caller gets the error, no record
-                    accepted.set_exception(exc)
-                    await self._forget(spec.task_id)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    return
-                if isinstance(exc, asyncio.CancelledError):
-                    state, error = agent_pb2.FAILED, "CANCELLED: the orchestrator stopped before the task finished"
-                else:
-                    code, details = status_for(exc)
-                    state, error = agent_pb2.FAILED, f"{code.name}: {details}"
-                result = b""
-                live.timings.total_s = time.monotonic() - task.t0
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
-            await self._record_finish(spec.task_id, live, state, result, error)
-
-        runner = asyncio.create_task(background(), name=f"submitted-{spec.task_id}")
-        self._background.add(runner)
-        runner.add_done_callback(self._background.discard)
-        try:
-            return await accepted
-        except SwitchyardError as exc:
+            return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
+                                      trace_id=record.trace_id)
+        if self._stopping:  # stop() began while the record was written: it will not start here
+            await self._record_finish(Submitted(spec, trace_id, contextvars.copy_context()), agent_pb2.FAILED, b"",
+                                      "CANCELLED: the orchestrator stopped before the task started; resubmit it "
+                                      "under a new task_id")
+            return agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id)
+        if len(self._submitted) >= limit:  # others were admitted while the record was written (no await from here)
+            await self._delete_refused(spec.task_id)
+            exc = self._backlog_full()
             await context.abort(exc.code, str(exc))
-        except Exception as exc:  # noqa: BLE001
-            await context.abort(*status_for(exc))
+        position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
+        self._start_submitted()
+        return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id)
+
+    def _backlog_full(self) -> SwitchyardError:
+        limit = self.config.orchestrator.max_unfinished_submitted_tasks
+        return SwitchyardError(
+            f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.max_unfinished_submitted_tasks); "
+            "poll GetTaskStatus and retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def _queue_position(self, task_id: str) -> int:
+        """``task_id``'s place in this orchestrator's backlog; 0 when it is not queued here."""
+        try:
+            return self._submitted.position(task_id)
+        except KeyError:
+            return 0
+
+    def _start_submitted(self) -> None:
+        """Start backlog tasks while fewer than ``orchestrator.max_running_submitted_tasks`` run."""
+        while not self._stopping and (entry := self._submitted.start_next()) is not None:
+            entry.runner = asyncio.create_task(self._run_submitted(entry), name=f"submitted-{entry.spec.task_id}",
+                                               context=entry.context)
+
+    async def _run_submitted(self, entry: Submitted) -> None:
+        """Run one submitted task (started from the backlog) and record its outcome. Its time limit counts
+        from now; the wait in the backlog is ``timings.queue_wait_s["submitted"]``."""
+        entry.started = True
+        spec, live = entry.spec, entry
+        running: asyncio.Future[None] | None = None
+        t0 = time.monotonic()
+        try:
+            if entry.cancelled or self._stopping:  # asked before this runner began
+                raise asyncio.CancelledError
+
+            def emit(event: agent_pb2.TaskEvent) -> None:
+                if event.WhichOneof("event") == "stage":
+                    live.timings.stage_s[event.stage.name] = event.stage.duration_s
+
+            task = self._new_task(spec, emit, None)
+            task.trace_id, t0 = entry.trace_id, task.t0
+            task.add_wait("submitted", t0 - entry.submitted_at)
+            live.timings.queue_wait_s["submitted"] = t0 - entry.submitted_at
+            running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
+            final = await self._execute(task)
+            state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
+        except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
+            if isinstance(exc, asyncio.CancelledError):
+                error = ("CANCELLED: cancelled by CancelTask while RUNNING" if entry.cancelled
+                         else "CANCELLED: the orchestrator stopped before the task finished")
+            else:
+                code, details = status_for(exc)
+                error = f"{code.name}: {details}"
+            state, result = agent_pb2.FAILED, b""
+            live.timings.total_s = time.monotonic() - t0
+        finally:
+            self._submitted.stopped(entry)
+            self._start_submitted()
+        self._settle(entry, state, result, error)  # from here CancelTask no longer cancels it
+        if running is not None:
+            await asyncio.gather(running, return_exceptions=True)
+        await self._record_finish(entry, state, result, error)
+
+    async def _delete_refused(self, task_id: str) -> None:
+        try:
+            await self.tasks.delete(task_id)
+        except SwitchyardError as exc:
+            log.warning("task %s: refused before it was queued, but its record stays: %s", task_id, exc)
 
     def _visible_to_caller(self, tenant_id: str, context: grpc.aio.ServicerContext) -> bool:
         """Whether the caller may read a task of ``tenant_id``: always with auth off or a token that names no
@@ -455,24 +499,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except SwitchyardError as exc:  # GetTaskStatus answers this process's live state meanwhile
             log.warning("task %s: could not record RUNNING: %s", task_id, exc)
 
-    async def _forget(self, task_id: str) -> None:
-        self._submitted.pop(task_id, None)
-        try:
-            await self.tasks.delete(task_id)
-        except SwitchyardError as exc:
-            log.warning("task %s: refused before it was queued, but its record stays: %s", task_id, exc)
-
-    async def _record_finish(self, task_id: str, live: _Submitted, state: int, result: bytes, error: str) -> None:
-        """Write the outcome; while the store refuses (tenacity: 5 tries, backoff to 2 s), keep answering
-        it from this process."""
-        status = agent_pb2.TaskStatus(task_id=task_id, state=state, error=error, timings=live.timings,
+    @staticmethod
+    def _settle(live: Submitted, state: int, result: bytes, error: str) -> None:
+        """Set ``live.final``, the outcome this process answers until the store has it."""
+        status = agent_pb2.TaskStatus(task_id=live.spec.task_id, state=state, error=error, timings=live.timings,
                                       tenant_id=live.tenant_id)
         if result:
             status.result.ParseFromString(result)
             status.compute_score_used = status.result.compute_score_used
             status.memory_peak_bytes = status.result.memory_peak_bytes
             status.timings.CopyFrom(status.result.timings)
-        live.final = status
+        live.state, live.final = state, status
+
+    async def _record_finish(self, live: Submitted, state: int, result: bytes, error: str) -> None:
+        """Write the outcome; while the store refuses (tenacity: 5 tries, backoff to 2 s), keep answering
+        it from this process."""
+        task_id = live.spec.task_id
+        if live.final is None:
+            self._settle(live, state, result, error)
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.1, max=2.0),
@@ -485,7 +529,59 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             log.error("task %s: %s, but the task store did not record it: %s; only this orchestrator "
                       "answers it until it stops", task_id, agent_pb2.TaskState.Name(state), exc)
             return
-        self._submitted.pop(task_id, None)
+        self._submitted.forget(task_id)
+
+    async def CancelTask(
+        self, request: agent_pb2.CancelTaskRequest, context: grpc.aio.ServicerContext
+    ) -> agent_pb2.TaskStatus:
+        """Cancel a submitted task and answer its status after it (GetTaskStatus's shape).
+
+        A task in this orchestrator's backlog is taken out (it never starts); a running one is cancelled, its
+        downstream calls with it, and answered once its outcome is recorded. Either ends FAILED with error
+        ``CANCELLED: cancelled by CancelTask while QUEUED`` (or ``RUNNING``). A finished task is answered
+        unchanged (cancelling twice answers the first outcome).
+
+        Errors: INVALID_ARGUMENT naming task_id when empty; NOT_FOUND naming task_id when the store has no
+        such task, or the caller's token names another tenant than the task's (as GetTaskStatus);
+        FAILED_PRECONDITION naming the orchestrator that holds an unfinished task (only it can cancel it);
+        UNAVAILABLE naming the task store.
+        """
+        task_id = request.task_id
+        if not task_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+        retention = self.config.orchestrator.task_store.retention_s
+        unknown = (f"task_id: no task {task_id!r} (never submitted, or finished more than {retention:g} s ago: "
+                   "orchestrator.task_store.retention_s)")
+        live = self._submitted.get(task_id)
+        if live is not None and not self._visible_to_caller(live.tenant_id, context):
+            await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
+        entry = self._submitted.remove_queued(task_id)
+        if entry is not None:
+            entry.cancelled = True
+            entry.timings.total_s = 0.0
+            await self._record_finish(entry, agent_pb2.FAILED, b"",
+                                      "CANCELLED: cancelled by CancelTask while QUEUED, before it started")
+            return entry.to_status()
+        entry = self._submitted.get(task_id)
+        if entry is not None and entry.final is None and entry.runner is not None:
+            entry.cancelled = True
+            if entry.started:  # else the runner sees ``cancelled`` as it begins
+                entry.runner.cancel()
+            await asyncio.wait({entry.runner})
+            return entry.to_status()
+        if entry is not None and entry.final is not None:
+            return entry.final
+        try:
+            record = await self.tasks.get(task_id)
+        except SwitchyardError as exc:
+            await context.abort(exc.code, str(exc))
+        if record is None or not self._visible_to_caller(record.tenant_id, context):
+            await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
+        if not record.finished:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"task_id: task {task_id!r} is {agent_pb2.TaskState.Name(record.state)} on orchestrator "
+                f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it"))
+        return record.to_status()
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
@@ -493,9 +589,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task: the one
         named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none).
 
-        A task that was queued or running on an orchestrator that has since died is FAILED, naming it. A caller
-        whose bearer token names a tenant sees only that tenant's tasks: another tenant's is NOT_FOUND, in the
-        words of a task that does not exist (its existence is not told).
+        A task waiting in this orchestrator's backlog is QUEUED with its ``queue_position`` there. A task that
+        was queued or running on an orchestrator that has since died is FAILED, naming it. A caller whose bearer
+        token names a tenant sees only that tenant's tasks: another tenant's is NOT_FOUND, in the words of a task
+        that does not exist (its existence is not told).
         """
         if not request.task_id and not request.agent_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -515,4 +612,4 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 f"agent_id: agent {request.agent_id!r} submitted no task (or none in the last {retention:g} s: "
                 "orchestrator.task_store.retention_s)"))
         live = self._submitted.get(record.task_id)
-        return live.to_status(record.task_id) if live is not None else record.to_status()
+        return live.to_status(self._queue_position(record.task_id)) if live is not None else record.to_status()

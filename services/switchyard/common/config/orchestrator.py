@@ -74,6 +74,13 @@ class OrchestratorConfig(_Strict):
         description="Most SubmitTask tasks one orchestrator holds unfinished (queued or running), tasks; more are refused "
         "with RESOURCE_EXHAUSTED. Finished tasks are bounded by task_store.",
     )
+    max_running_submitted_tasks: int = Field(
+        64, ge=1,
+        description="Most SubmitTask tasks one orchestrator runs at once, tasks; the other unfinished ones wait QUEUED "
+        "in its backlog (priority class first, then arrival) and start as running ones finish. 64 is two of the "
+        "dispatcher's batches (queues.json flush.max_batch_size 32): a full batch generating while the rest of the "
+        "running tasks retrieve, render or call tools. RunTask is not bounded by it.",
+    )
     metadata_span_keys: list[str] = Field(
         default_factory=lambda: ["user", "session_id", "tenant"],
         description="Metadata keys (names) recorded on the task's span as switchyard.metadata.<key> "
@@ -81,7 +88,8 @@ class OrchestratorConfig(_Strict):
     )
     task_time_limit_s: dict[str, float] = Field(
         default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
-        description="Longest a task of each type may run, seconds, from arrival to its final event; past it "
+        description="Longest a task of each type may run, seconds, from arrival (a submitted task: from its start, "
+        "leaving the backlog) to its final event; past it "
         "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
         "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
     )

@@ -1,0 +1,218 @@
+"""Submitted tasks wait in the orchestrator's backlog and at most ``orchestrator.max_running_submitted_tasks``
+run at once; the backlog is served by priority class, then arrival; a queued or running task can be cancelled;
+a full backlog is refused (RESOURCE_EXHAUSTED, HTTP 429).
+
+Real gRPC and HTTP servers on 127.0.0.1 port 0 against the fixed downstream of test_orchestrator.py, whose
+Generate waits on a gate: a task that reached it is running, and stays so until the gate opens. The
+orchestrator's own gauge ``switchyard_submitted_tasks{state}`` and its statuses say what runs and what waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import grpc
+import httpx
+import jsonschema
+import pytest
+from test_orchestrator import Downstream
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import load_config
+from switchyard.common.server import running
+from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.metrics import SUBMITTED_TASKS
+from switchyard.orchestrator.service import OrchestratorService
+from switchyard.orchestrator.taskstore.sqlite_store import SqliteTaskStore
+
+pytestmark = pytest.mark.no_gpu
+
+
+class CountingDownstream(Downstream):
+    """The fixed downstream, counting the Generate calls in flight and the most at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.peak = 0
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            async for chunk in super().Generate(request, context):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+
+@contextlib.asynccontextmanager
+async def backlog_stack(store: Path, **overrides):
+    """(gRPC stub, httpx client on the HTTP face, downstream) of one orchestrator with its task store at
+    ``store``; the downstream's gate is closed."""
+    base = load_config("config", service="orchestrator")
+    down = CountingDownstream()
+    down.gate = asyncio.Event()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = base.with_overrides(**{
+            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+            "orchestrator.task_store.sqlite_path": str(store), "orchestrator.cpu_executor": "loop", **overrides,
+        })
+        orch = OrchestratorService(cfg)
+        face = HttpFace(orch, cfg, port=0)
+        async with running([orch, face], cfg.server) as srv:
+            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                try:
+                    yield agent_pb2_grpc.AgentServiceStub(channel), client, down
+                finally:
+                    down.gate.set()
+                    await channel.close()
+
+
+def gauge(state: str) -> float:
+    return SUBMITTED_TASKS.labels(state)._value.get()
+
+
+async def until(condition, seconds: float = 30.0) -> None:
+    """Poll ``condition`` (behaviour, not speed: the bound is far past the time it should take)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def final_state(stub, task_id: str) -> agent_pb2.TaskStatus:
+    for _ in range(1000):
+        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))
+        if status.state in (agent_pb2.SUCCEEDED, agent_pb2.FAILED):
+            return status
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{task_id} never finished: {status}")
+
+
+def submit(stub, task_id: str, priority: int):
+    return stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello", task_type="chat",
+                                                    priority=priority))
+
+
+async def test_at_most_the_bound_run_the_backlog_is_served_by_class_then_arrival_and_cancel_works(tmp_path):
+    assert gauge("queued") == 0 and gauge("running") == 0
+    overrides = {"orchestrator.max_running_submitted_tasks": 2, "orchestrator.max_unfinished_submitted_tasks": 6}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, _, down):
+        assert [(await submit(stub, t, agent_pb2.BATCH)).queue_position for t in ("b1", "b2")] == [0, 0]
+        await until(lambda: len(down.requests) == 2)  # both run: inside Generate, behind the gate
+        positions = [(await submit(stub, task_id, priority)).queue_position for task_id, priority in (
+            ("b3", agent_pb2.BATCH), ("b4", agent_pb2.BATCH), ("n1", agent_pb2.NORMAL), ("c1", agent_pb2.CORE))]
+        assert positions == [0, 1, 0, 0]  # a more important class goes ahead of the batch tasks waiting
+        assert (gauge("running"), gauge("queued")) == (2, 4)
+        queued = {t: await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=t)) for t in ("c1", "n1", "b3", "b4")}
+        assert {t: (s.state, s.queue_position) for t, s in queued.items()} == {
+            "c1": (agent_pb2.QUEUED, 0), "n1": (agent_pb2.QUEUED, 1), "b3": (agent_pb2.QUEUED, 2),
+            "b4": (agent_pb2.QUEUED, 3)}
+        running_now = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="b1"))
+        assert running_now.state == agent_pb2.RUNNING and running_now.queue_position == 0
+
+        cancelled = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="b3"))
+        assert cancelled.state == agent_pb2.FAILED and cancelled.error.startswith("CANCELLED: cancelled by CancelTask")
+        assert "QUEUED" in cancelled.error
+        assert (await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="b3"))).error == cancelled.error
+        assert (await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="b4"))).queue_position == 2
+        assert gauge("queued") == 3
+
+        assert (await submit(stub, "x1", agent_pb2.BATCH)).queue_position == 3  # 6 held: the bound
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await submit(stub, "x2", agent_pb2.CORE)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "orchestrator.max_unfinished_submitted_tasks" in full.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as missing:  # refused: never recorded
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="x2"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+        stopped = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="b1"))  # running: its call is cancelled
+        assert stopped.state == agent_pb2.FAILED and stopped.error == "CANCELLED: cancelled by CancelTask while RUNNING"
+        await until(lambda: "b1:0" in down.cancelled and len(down.requests) == 3)  # its place went to c1
+        assert down.requests[2].request_id.startswith("c1:")
+        assert (gauge("running"), gauge("queued")) == (2, 3)
+
+        down.gate.set()
+        finals = {t: await final_state(stub, t) for t in ("b2", "c1", "n1", "b4", "x1")}
+        assert all(s.state == agent_pb2.SUCCEEDED for s in finals.values()), finals
+        assert finals["b4"].timings.queue_wait_s["submitted"] > 0  # its wait in the backlog, reported
+        started = [r.request_id.split(":")[0] for r in down.requests]
+        assert started == ["b1", "b2", "c1", "n1", "b4", "x1"]  # b3 was cancelled before it started
+        assert down.peak == 2  # never more than the bound at once
+        again = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="b2"))  # finished: answered unchanged
+        assert again.state == agent_pb2.SUCCEEDED and again.result.output == "The answer."
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.value.details()
+        await until(lambda: gauge("running") == 0)
+        assert gauge("queued") == 0
+
+
+async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_removes_it_and_a_full_one_is_429(tmp_path):
+    overrides = {"orchestrator.max_running_submitted_tasks": 1, "orchestrator.max_unfinished_submitted_tasks": 3}
+    body = {"agent_id": "agent-1", "priority": "normal", "task_type": "chat", "max_tokens": 16}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (_, client, down):
+        doc = (await client.get("/openapi.json")).json()
+
+        def check(instance: dict, name: str) -> None:
+            jsonschema.validate(instance, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+        async def post(task_id: str) -> httpx.Response:
+            return await client.post("/api/v1/agent/submit", json={**body, "task_id": task_id})
+
+        assert (await post("a")).json()["queue_position"] == 0
+        await until(lambda: len(down.requests) == 1)
+        assert [(await post(t)).json()["queue_position"] for t in ("b", "c")] == [0, 1]
+        status = (await client.get("/api/v1/tasks/c")).json()
+        check(status, "TaskStatusResponse")
+        assert (status["state"], status["queue_position"]) == ("queued", 1)
+        cancel = await client.post("/api/v1/tasks/b/cancel")
+        assert cancel.status_code == 200, cancel.text
+        check(cancel.json(), "TaskStatusResponse")
+        assert cancel.json()["state"] == "failed" and cancel.json()["error"].startswith("CANCELLED:")
+        assert (await client.get("/api/v1/tasks/c")).json()["queue_position"] == 0
+        assert (await post("d")).status_code == 200  # a, c, d: the bound
+        full = await post("e")
+        assert full.status_code == 429, full.text
+        assert full.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
+        assert "orchestrator.max_unfinished_submitted_tasks" in full.json()["error"]["message"]
+        assert (await client.post("/api/v1/tasks/nope/cancel")).status_code == 404
+        down.gate.set()
+        for task_id in ("a", "c", "d"):
+            for _ in range(1000):
+                state = (await client.get(f"/api/v1/tasks/{task_id}")).json()["state"]
+                if state in ("finished", "failed"):
+                    break
+                await asyncio.sleep(0.02)
+            assert state == "finished"
+        assert down.peak == 1
+
+
+async def test_a_stopping_orchestrator_records_what_ran_and_what_waited_as_failed(tmp_path):
+    store = tmp_path / "tasks.sqlite3"
+    overrides = {"orchestrator.max_running_submitted_tasks": 1, "server.shutdown_grace_s": 0.2}
+    async with backlog_stack(store, **overrides) as (stub, _, down):
+        await submit(stub, "ran", agent_pb2.NORMAL)
+        await until(lambda: len(down.requests) == 1)
+        assert (await submit(stub, "waited", agent_pb2.NORMAL)).queue_position == 0
+        down.gate = asyncio.Event()  # the stack's exit opens this one; "ran" waits on the first, never opened
+    assert gauge("queued") == 0 and gauge("running") == 0
+    config = load_config("config", service="orchestrator").with_overrides(
+        **{"orchestrator.task_store.sqlite_path": str(store)}).orchestrator.task_store
+    reader = SqliteTaskStore(config)
+    await reader.open()
+    try:
+        ran, waited = await reader.get("ran"), await reader.get("waited")
+    finally:
+        await reader.close()
+    assert ran.state == agent_pb2.FAILED and "stopped before the task finished" in ran.error
+    assert waited.state == agent_pb2.FAILED and "stopped before the task started" in waited.error
+    assert "resubmit" in waited.error
