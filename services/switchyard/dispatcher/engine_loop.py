@@ -409,9 +409,8 @@ class StepLoop(LoopBase):
 
     def _until_prefetch(self, timeout: float) -> float:
         """``timeout``, or less when a planned restore is due sooner (seconds, >= 0). A restore already due
-        that waits for room in the KV budget does not shorten it (the loop would spin)."""
-        due = self.scheduler.next_prefetch_at - time.monotonic()
-        return max(0.0, timeout if due <= 0 else min(timeout, due))
+        that waits for room in the KV budget does not shorten it (``scheduler.until_prefetch``)."""
+        return self.scheduler.until_prefetch(timeout, time.monotonic())
 
     async def _run(self) -> None:
         scheduler = self.scheduler
