@@ -7,7 +7,12 @@ policy has it), the same memory tiers (:class:`~switchyard.dispatcher.tiers.Memo
 a real Redis as the DRAM tier: ``--dram``) and the same engine model (the sim
 latency model on a simulated clock: :class:`AgentSimEngine`, the step loop of
 ``bench sched``: :func:`~switchyard_harness.bench.sched_bench.schedule_turn`,
-:func:`~switchyard_harness.bench.sched_bench.run_slice`). Only the waiting
+:func:`~switchyard_harness.bench.sched_bench.run_slice`). The loop carries out the
+scheduler's planned restores of swapped agents' KV as the dispatcher's step loop
+does (:class:`~switchyard_harness.bench.sched_bench.BackgroundPrefetches`: handed
+over by ``schedule`` and ``on_idle``, the wait bounded by
+``SchedulerCore.until_prefetch``, the copy's transfer time spent in the background
+on the simulated clock, then ``SchedulerCore.prefetched``). Only the waiting
 order, the core class it plugs into, and what the orchestrator tells the
 dispatcher differ:
 
@@ -70,7 +75,10 @@ normalized progress (the task's isolated time, its tools plus its steps alone on
 the engine, / its completion time) across tenants and across agents, tool
 resumes (warm in HBM, restored from DRAM, recomputed) and recomputed prefix
 tokens, HBM held by parked agents during tool waits (GB x s), deadline misses
-(served late) and early refusals, the tool-wait decisions (switchyard).
+(served late) and early refusals, the tool-wait decisions (switchyard), the planned
+restores started and landed, the tool returns against them as the scheduler counts
+them (early, on time, late) and the swapped agents' resumes (warm, restored,
+recomputed).
 
 :func:`capacity_scale` finds the load FCFS can hold: the smallest load scale of a
 sweep at which FCFS's throughput reaches 95 % of the sweep's peak (past it,
