@@ -31,8 +31,8 @@ After every step the scheduler fails the requests past their own deadline
 (``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
 A swapped agent's KV comes back ahead of its tool's expected return: a
-decision (``schedule``, or ``on_idle`` while nothing runs; the loop wakes by
-``scheduler.next_prefetch_at``) hands over the restores that are due
+decision (``schedule``, or ``on_idle`` while nothing runs; the loop's waits end
+when the next one falls due, ``scheduler.until_prefetch``) hands over the restores that are due
 (``out.prefetch``), and the loop loads each DRAM copy in the background,
 beside the steps (``MemoryTiers.prefetch``), then gives it back to the
 scheduler (``scheduler.prefetched``), which parks the agent's step again, warm.
