@@ -191,3 +191,26 @@ def test_the_per_tool_label_sets_start_at_zero():
         for timing in ("early", "on_time", "late"):
             assert REGISTRY.get_sample_value("switchyard_tool_wait_prefetches_total",
                                              {"tool": tool, "tool_return": timing}) is not None
+
+
+def test_a_restore_waiting_for_room_does_not_hide_the_next_restores_due_time():
+    """The loop's wait (``until_prefetch``) ends when the next planned restore falls due, also while an
+    earlier one, due already, waits for room in the KV budget (before, that one's past due time made the
+    loop wait its whole timeout: the next restore started up to a slice or an idle tick late)."""
+    from switchyard.dispatcher.scheduler.tool_wait import ToolWaitPlan
+
+    config = SwitchyardConfig()
+    engine = SimEngine(config)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv)
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
+    sched = make_scheduler(config, engine, monitor=monitor, tiers=tiers)
+    assert sched.until_prefetch(0.1, 6.0) == 0.1  # no plan: the whole timeout
+    waiting = ToolWaitPlan("agent-waiting", TOOL, Decision.SWAP, 0.0, 6.0, 12.0, restore_at=5.0)
+    nxt = ToolWaitPlan("agent-next", TOOL, Decision.SWAP, 0.0, 6.1, 12.0, restore_at=6.04)
+    sched.tool_waits.add(waiting)
+    assert sched.until_prefetch(0.1, 6.0) == 0.1  # due already and not started: it does not make the loop spin
+    sched.tool_waits.add(nxt)
+    assert sched.next_prefetch_at == 5.0
+    assert sched.until_prefetch(0.1, 6.0) == pytest.approx(0.04)  # woken when the next one falls due
+    assert sched.until_prefetch(0.01, 6.0) == 0.01
+    assert sched.until_prefetch(0.1, 6.04) == 0.1  # both due: the decision hands them over as room allows

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from redis_fixtures import redis_db, redis_server  # noqa: F401
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.priority import PriorityClass
@@ -139,3 +140,17 @@ def test_unknown_policy_is_refused_by_name():
         PolicyRun("lottery", SMALL, SwitchyardConfig())
     with pytest.raises(ValueError, match="policy"):
         _scheduler("lottery")
+
+
+def test_swapped_agents_are_restored_ahead_of_their_tools_return_and_resume_warm(redis_db):
+    """The bench's loop carries out the scheduler's planned restores (out.prefetch, on_idle's) as the step
+    loop does: a swapped agent's KV comes back from the real DRAM tier in the background and its next turn
+    finds it in HBM."""
+    run = PolicyRun("switchyard", SMALL, SwitchyardConfig(), redis_db.dram_config)
+    result = run.run()
+    assert result.decisions["swap"] > 0
+    assert result.prefetches_started > 0 and result.prefetches_landed > 0
+    assert run.prefetches is not None and run.prefetches.in_flight == 0
+    assert result.swapped_resumes["warm"] > 0, "no swapped agent found its KV restored ahead of its turn"
+    assert result.prefetch_returns["on_time"] > 0
+    assert result.swapped_resumes["warm"] <= run.sched.counters.tool_resumes[("other", "warm")]

@@ -7,7 +7,12 @@ policy has it), the same memory tiers (:class:`~switchyard.dispatcher.tiers.Memo
 a real Redis as the DRAM tier: ``--dram``) and the same engine model (the sim
 latency model on a simulated clock: :class:`AgentSimEngine`, the step loop of
 ``bench sched``: :func:`~switchyard_harness.bench.sched_bench.schedule_turn`,
-:func:`~switchyard_harness.bench.sched_bench.run_slice`). Only the waiting
+:func:`~switchyard_harness.bench.sched_bench.run_slice`). The loop carries out the
+scheduler's planned restores of swapped agents' KV as the dispatcher's step loop
+does (:class:`~switchyard_harness.bench.sched_bench.BackgroundPrefetches`: handed
+over by ``schedule`` and ``on_idle``, the wait bounded by
+``SchedulerCore.until_prefetch``, the copy's transfer time spent in the background
+on the simulated clock, then ``SchedulerCore.prefetched``). Only the waiting
 order, the core class it plugs into, and what the orchestrator tells the
 dispatcher differ:
 
@@ -70,7 +75,10 @@ normalized progress (the task's isolated time, its tools plus its steps alone on
 the engine, / its completion time) across tenants and across agents, tool
 resumes (warm in HBM, restored from DRAM, recomputed) and recomputed prefix
 tokens, HBM held by parked agents during tool waits (GB x s), deadline misses
-(served late) and early refusals, the tool-wait decisions (switchyard).
+(served late) and early refusals, the tool-wait decisions (switchyard), the planned
+restores started and landed, the tool returns against them as the scheduler counts
+them (early, on time, late) and the swapped agents' resumes (warm, restored,
+recomputed).
 
 :func:`capacity_scale` finds the load FCFS can hold: the smallest load scale of a
 sweep at which FCFS's throughput reaches 95 % of the sweep's peak (past it,
@@ -97,10 +105,17 @@ from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
 from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
-from switchyard.dispatcher.scheduler.tool_wait import Decision
+from switchyard.dispatcher.scheduler.tool_wait import PREFETCH_TIMINGS, Decision
 from switchyard.dispatcher.tiers import MemoryTiers
 from switchyard.orchestrator.program import Program
-from switchyard_harness.bench.sched_bench import VirtualSimEngine, kv_store, quiet_score_log, run_slice, schedule_turn
+from switchyard_harness.bench.sched_bench import (
+    BackgroundPrefetches,
+    VirtualSimEngine,
+    kv_store,
+    quiet_score_log,
+    run_slice,
+    schedule_turn,
+)
 
 POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "switchyard")
 """Every policy ``--policies`` accepts, in the order the table prints them."""
@@ -288,6 +303,8 @@ class Agent:
     tool: str = ""
     tool_started: float = 0.0
     tool_s: float = 0.0
+    decision: str = ""
+    """The scheduler's tool-wait decision for the current tool ("" when none was announced)."""
 
 
 @dataclass
@@ -326,6 +343,16 @@ class PolicyResult:
     """The TTFT objective's threshold (``slo.ttft.threshold_s``)."""
     scheduler_decisions: dict[str, int] = field(default_factory=dict)
     """The tool-wait decisions the scheduler itself counted (``switchyard_tool_wait_decisions_total``)."""
+    swapped_resumes: dict[str, int] = field(default_factory=lambda: {"warm": 0, "restored": 0, "recomputed": 0})
+    """The resumes of agents whose tool wait was decided SWAP: warm (restored ahead, in HBM at the turn),
+    restored at admission, recomputed."""
+    prefetch_returns: dict[str, int] = field(default_factory=lambda: {k: 0 for k in PREFETCH_TIMINGS})
+    """The swapped agents' tool returns against their planned restore, as the scheduler counted them
+    (``switchyard_tool_wait_prefetches_total``: early, before the KV was back; on_time; late)."""
+    prefetches_started: int = 0
+    """Planned restores the scheduler handed over and the bench's loop started (in the background)."""
+    prefetches_landed: int = 0
+    """Of those, the ones that landed: the agent's step parked again, warm, before its turn."""
     scheduler: str = ""
     queue: str = ""
     """The core class and its waiting queue class that ran (what the tests check is the shipped code)."""
@@ -419,6 +446,8 @@ class PolicyRun:
         """The scheduler the run drove (set by :meth:`run`)."""
         self.ledger: FairnessLedger | None = None
         """The anchor's attained-service ledger the run charged (None for the others)."""
+        self.prefetches: BackgroundPrefetches | None = None
+        """The planned restores the run's loop carried out (set by :meth:`run`)."""
 
     # ------------------------------------------------------------------ workload
 
@@ -560,6 +589,9 @@ class PolicyRun:
                 if agent.steps_done > 0:  # a tool-return step
                     kind = "recomputed" if req.recomputed_tokens else "restored" if req.restored_tokens else "warm"
                     result.resumes[kind] += 1
+                    if agent.decision == Decision.SWAP.value:
+                        result.swapped_resumes[kind] += 1
+                    agent.decision = ""
                 agent.steps_done += 1
                 self.program.steps.observe(REACT_TASK_TYPE, "model", t - req.arrival)
                 if req.finish_reason == "tool_calls":
@@ -575,6 +607,7 @@ class PolicyRun:
                         decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t)
                         if decided is not None:
                             result.decisions[decided.decision.value] += 1
+                            agent.decision = decided.decision.value
                 elif req.finish_reason in ("stop", "length"):
                     self._end_task(agent, t)
                 else:
@@ -584,36 +617,50 @@ class PolicyRun:
         def next_arrival() -> float:
             return min((a.next_at for a in self.agents if self._due(a)), default=math.inf)
 
+        prefetches = BackgroundPrefetches(sched, tiers)
+        self.prefetches = prefetches
         t = 0.0
         while t < limit:
             clock["t"] = t
+            # The restores whose copy ended before the returning tools' turns arrive land first; the
+            # turns take the prefix over warm. A copy ending after a turn arrived is left for that turn.
+            prefetches.land(min(t, next_arrival()), t)
             arrive(t)
+            prefetches.land(t, t)
             if not sched.has_work:
                 nxt = next_arrival()
                 if not math.isfinite(nxt) and not sched.parked:
                     break
                 step = min(nxt, t + IDLE_STEP_S) if math.isfinite(nxt) else t + IDLE_STEP_S
+                # as the step loop waits while idle: woken by the next planned restore that is due
+                step = min(step, t + sched.until_prefetch(step - t, t), prefetches.next_landing)
                 result.idle_byte_s += sched.parked_kv_bytes * (max(t, step) - t)
                 t = max(t, step)
-                sched.on_idle(t)
+                prefetches.land(t, t)
+                await prefetches.start(sched.on_idle(t), t)
                 if not math.isfinite(nxt) and not sched.parked:
                     break
                 continue
             parked = sched.parked_kv_bytes
             await finish_background_io()
-            t2, running, owed = await schedule_turn(sched, tiers, t)
+            t2, running, owed = await schedule_turn(sched, tiers, t, prefetches)
             result.idle_byte_s += parked * owed
             result.stall_s += owed
             t = t2
             clock["t"] = t
             if not running:
-                result.idle_byte_s += sched.parked_kv_bytes * slice_s
-                t += slice_s
+                # Work waits but none fits: the step loop waits a slice, or until a planned restore is due.
+                wait = sched.until_prefetch(slice_s, t)
+                result.idle_byte_s += sched.parked_kv_bytes * wait
+                t += wait
                 continue
             t = await run_slice(sched, engine, running, t, slice_s, settle, interrupt=lambda now: now >= next_arrival())
         result.makespan = t
         result.busy_s = engine.busy_seconds
         result.scheduler_decisions = {d.value: int(sched.counters.tool_wait_decisions[d.value]) for d in Decision}
+        for (_, timing), n in sched.counters.tool_prefetches.items():
+            result.prefetch_returns[timing] += int(n)
+        result.prefetches_started, result.prefetches_landed = prefetches.started, prefetches.landed
         result.unfinished = sum(1 for a in self.agents if a.in_task)
         sched.shutdown()
         await tiers.aclose()
@@ -660,6 +707,10 @@ def summarize(result: PolicyResult) -> dict[str, Any]:
         "missed_deadline": result.missed_deadline,
         "refused_early": result.refused_early,
         "tool_wait_decisions": dict(result.decisions),
+        "swapped_resumes": dict(result.swapped_resumes),
+        "prefetch_returns": dict(result.prefetch_returns),
+        "prefetches_started": result.prefetches_started,
+        "prefetches_landed": result.prefetches_landed,
         "makespan_s": round(result.makespan, 2),
         "unfinished_tasks": result.unfinished,
     }
@@ -739,7 +790,10 @@ def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardCon
         lines.append("")
         decisions = ours["tool_wait_decisions"]
         lines.append("switchyard tool-wait decisions: " + ", ".join(f"{k} {v}" for k, v in decisions.items())
-                     + f"; resumes {ours['resumes']}")
+                     + f"; resumes {ours['resumes']}, of swapped agents {ours['swapped_resumes']}; "
+                     f"planned restores started {ours['prefetches_started']}, "
+                     f"landed {ours['prefetches_landed']}; tool returns against them "
+                     + ", ".join(f"{k} {v}" for k, v in ours["prefetch_returns"].items()))
         fcfs = by.get("fcfs")
         if fcfs and fcfs["task_completion_p95_s"]:
             lines.append(f"task completion P95 switchyard / fcfs: {ours['task_completion_p95_s'] / fcfs['task_completion_p95_s']:.3f} "

@@ -57,8 +57,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import logging
+import math
 import random
 import socket
 import sys
@@ -211,14 +214,81 @@ def kv_store(dram: DramTierConfig | None) -> KvStore | None:
     return KvStore(DramClient(dram), dram.kv_ttl_s) if dram is not None else None
 
 
-async def schedule_turn(sched: Any, tiers: MemoryTiers, t: float) -> tuple[float, list[Request], float]:
+class BackgroundPrefetches:
+    """The step loop's planned restores of swapped agents' KV, on the simulated clock.
+
+    As :class:`switchyard.dispatcher.engine_loop.StepLoop` runs them: each request a decision hands over
+    (``SchedulerOutput.prefetch`` from ``schedule``, or ``on_idle``'s) has its DRAM copy loaded at once
+    (:meth:`MemoryTiers.load_prefetch`, the load of the loop's :meth:`MemoryTiers.prefetch`; a load that
+    fails is a miss, 0 tokens, as the loop counts it) and is handed back to the scheduler
+    (``scheduler.prefetched``) once the copy's modelled transfer time has passed on the clock: a copy in
+    the background beside the steps, each copy on its own (the loop's copies overlap), never owed to the
+    clock in front of a step.
+
+    Args:
+        sched: the scheduler (a :class:`~switchyard.dispatcher.scheduler.core.SchedulerCore`).
+        tiers: its memory tiers.
+    """
+
+    def __init__(self, sched: Any, tiers: MemoryTiers) -> None:
+        self.sched = sched
+        self.tiers = tiers
+        self._flying: list[tuple[float, int, Request, int]] = []  # heap of (lands at, order, step, tokens)
+        self._order = itertools.count()
+        self.started = 0
+        """Restores handed over and started."""
+        self.landed = 0
+        """Restores the scheduler took back as landed (the step parked again, warm)."""
+        self.transfer_s = 0.0
+        """Seconds of background copy the restores spent on the clock (their sum; they may overlap)."""
+
+    async def start(self, reqs: list[Request], t: float) -> None:
+        """Start the restores of ``reqs`` at ``t`` (seconds, the simulated clock)."""
+        for req in reqs:
+            try:
+                restored, seconds = await self.tiers.load_prefetch(req)
+            except Exception:  # noqa: BLE001 - a failed prefetch is a miss, as the step loop counts it
+                logging.getLogger(__name__).exception("prefetch of agent %s's KV failed", req.agent_id)
+                restored, seconds = 0, 0.0
+            self.started += 1
+            self.transfer_s += seconds
+            heapq.heappush(self._flying, (t + seconds, next(self._order), req, restored))
+
+    @property
+    def next_landing(self) -> float:
+        """When the earliest restore in flight lands (seconds; inf: none in flight)."""
+        return self._flying[0][0] if self._flying else math.inf
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flying)
+
+    def land(self, upto: float, now: float) -> None:
+        """Hand back to the scheduler, at ``now``, every restore whose copy has ended by ``upto``."""
+        while self._flying and self._flying[0][0] <= upto:
+            _, _, req, restored = heapq.heappop(self._flying)
+            if self.sched.prefetched(req, restored, now):
+                self.landed += 1
+
+
+async def schedule_turn(sched: Any, tiers: MemoryTiers, t: float,
+                        prefetches: BackgroundPrefetches | None = None) -> tuple[float, list[Request], float]:
     """The start of one turn of the dispatcher's step loop on the simulated clock (``bench sched``, ``bench agents``).
 
-    Schedules and restores swapped-out state, whose transfer time is owed to the clock. Returns
-    (the clock after the transfers, the running set, the swap seconds owed).
+    Schedules, starts the planned restores the decision hands over in the background (``prefetches``;
+    None: the caller plans none, and a decision that hands one over is an error), and restores
+    swapped-out state of admitted requests, whose transfer time is owed to the clock. Returns (the clock
+    after the transfers, the running set, the swap seconds owed).
+
+    Raises:
+        RuntimeError: the decision handed over planned restores and ``prefetches`` is None.
     """
     out = sched.schedule(t)  # preempted requests have lost their KV already (or swapped it out)
     publish_stats(sched.make_stats())  # as the step loop does: the scheduler's counts reach the metrics
+    if prefetches is not None:
+        await prefetches.start(out.prefetch, t)
+    elif out.prefetch:
+        raise RuntimeError(f"schedule handed over {len(out.prefetch)} planned restores and no driver runs them")
     for req in out.restore:
         await tiers.restore(req)
     owed = tiers.take_owed_seconds()

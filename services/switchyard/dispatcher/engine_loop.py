@@ -31,8 +31,8 @@ After every step the scheduler fails the requests past their own deadline
 (``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
 
 A swapped agent's KV comes back ahead of its tool's expected return: a
-decision (``schedule``, or ``on_idle`` while nothing runs; the loop wakes by
-``scheduler.next_prefetch_at``) hands over the restores that are due
+decision (``schedule``, or ``on_idle`` while nothing runs; the loop's waits end
+when the next one falls due, ``scheduler.until_prefetch``) hands over the restores that are due
 (``out.prefetch``), and the loop loads each DRAM copy in the background,
 beside the steps (``MemoryTiers.prefetch``), then gives it back to the
 scheduler (``scheduler.prefetched``), which parks the agent's step again, warm.
@@ -409,9 +409,8 @@ class StepLoop(LoopBase):
 
     def _until_prefetch(self, timeout: float) -> float:
         """``timeout``, or less when a planned restore is due sooner (seconds, >= 0). A restore already due
-        that waits for room in the KV budget does not shorten it (the loop would spin)."""
-        due = self.scheduler.next_prefetch_at - time.monotonic()
-        return max(0.0, timeout if due <= 0 else min(timeout, due))
+        that waits for room in the KV budget does not shorten it (``scheduler.until_prefetch``)."""
+        return self.scheduler.until_prefetch(timeout, time.monotonic())
 
     async def _run(self) -> None:
         scheduler = self.scheduler

@@ -558,6 +558,14 @@ class SchedulerCore:
         The loop wakes by then to make the decision that hands it over."""
         return self.tool_waits.next_restore_at
 
+    def until_prefetch(self, timeout: float, now: float) -> float:
+        """How long a loop that would wait ``timeout`` seconds from ``now`` may wait: ``timeout``, or less
+        when a planned restore falls due sooner (seconds, >= 0). A restore already due that waits for room
+        in the KV budget does not shorten it (the loop would spin; the decision that finds the room hands
+        it over), nor does it hide the due time of the next one
+        (:meth:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitPlans.next_restore_after`)."""
+        return max(0.0, min(timeout, self.tool_waits.next_restore_after(now) - now))
+
     def _prefetches(self, now: float) -> list[Request]:
         """The swapped agents' parked steps whose restore is due at ``now`` and fits the KV budget's free
         room (one that does not waits for room, or for its turn); each gets its copy's key and tokens

@@ -328,6 +328,14 @@ class ToolWaitPlans:
         return min((p.restore_at for p in self._plans.values()
                     if p.state == _PLANNED and p.restore_at is not None), default=float("inf"))
 
+    def next_restore_after(self, now: float) -> float:
+        """The earliest due time after ``now`` of a restore not yet started (monotonic seconds; inf: none).
+        Restores due by ``now`` that have not started (no room in the KV budget yet) are left out: they
+        start at a decision that finds room, and must not hide a later one's due time."""
+        return min((p.restore_at for p in self._plans.values()
+                    if p.state == _PLANNED and p.restore_at is not None and p.restore_at > now),
+                   default=float("inf"))
+
     def due(self, now: float) -> list[ToolWaitPlan]:
         """Plans whose restore is due at ``now`` and not started, earliest first; and a landed restore still
         unclaimed past its revisit time is counted, its tool ``late`` (once)."""

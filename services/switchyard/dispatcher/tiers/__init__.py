@@ -217,31 +217,43 @@ class MemoryTiers:
         copy the DRAM scan archived to the cold tier is not looked for here (the turn's restore finds it).
         An engine that ``models_transfers`` spends the copy's modelled transfer time here, in the
         background beside the steps (a copy engine), not in front of a step. Traced as a
-        ``dispatcher.kv_prefetch`` span linked to the request.
+        ``dispatcher.kv_prefetch`` span linked to the request. :meth:`load_prefetch` is the same load
+        without the transfer's wait (for a loop on a simulated clock).
         """
-        key, tokens = req.swap_key, req.swap_tokens
-        if not key or self.store is None:
+        if not req.swap_key or self.store is None:
             return 0
         with tracer.start_as_current_span("dispatcher.kv_prefetch", links=request_links([req])) as span:
-            write = self._writes.get(key)
-            if write is not None:
-                await asyncio.wait({write})  # never cancelled from here: a restore of the same key may await it
-                written = not write.cancelled() and write.exception() is None and bool(write.result())
-            else:
-                written = self.store.available()
-            entry = await self.store.get(key) if written else None
-            if entry is None:
-                metrics.TIER_MISSES.labels("dram").inc()
-                span.set_attribute("switchyard.restored_tokens", 0)
-                return 0
-            metrics.TIER_HITS.labels("dram").inc()
-            restored = int(self.kv.load(req, entry.payload, min(tokens, entry.tokens) if tokens else entry.tokens))
-            if restored > 0:
-                if self.models_transfers:
-                    await asyncio.sleep(self.transfer_seconds(entry.nbytes))
-                metrics.TIER_PROMOTIONS.labels("dram").inc()
+            restored, transfer_s = await self.load_prefetch(req)
+            if transfer_s > 0:
+                await asyncio.sleep(transfer_s)
             span.set_attribute("switchyard.restored_tokens", restored)
-            return max(0, restored)
+            return restored
+
+    async def load_prefetch(self, req: Request) -> tuple[int, float]:
+        """:meth:`prefetch`'s load without its wait: the DRAM copy under ``req.swap_key`` loaded into ``req``
+        now; returns (tokens loaded, 0 on a miss; the copy's modelled transfer seconds that the caller
+        spends in the background before the load counts as done: > 0 only for an engine that
+        ``models_transfers`` and a load that took tokens). It awaits the swap-out's write of the same key
+        still in flight (never cancelling it)."""
+        key, tokens = req.swap_key, req.swap_tokens
+        if not key or self.store is None:
+            return 0, 0.0
+        write = self._writes.get(key)
+        if write is not None:
+            await asyncio.wait({write})  # never cancelled from here: a restore of the same key may await it
+            written = not write.cancelled() and write.exception() is None and bool(write.result())
+        else:
+            written = self.store.available()
+        entry = await self.store.get(key) if written else None
+        if entry is None:
+            metrics.TIER_MISSES.labels("dram").inc()
+            return 0, 0.0
+        metrics.TIER_HITS.labels("dram").inc()
+        restored = max(0, int(self.kv.load(req, entry.payload, min(tokens, entry.tokens) if tokens else entry.tokens)))
+        if restored == 0:
+            return 0, 0.0
+        metrics.TIER_PROMOTIONS.labels("dram").inc()
+        return restored, self.transfer_seconds(entry.nbytes) if self.models_transfers else 0.0
 
     def discard(self, key: str) -> None:
         """Drop the DRAM copy under ``key`` (its request ended or took it back); runs in the background."""
