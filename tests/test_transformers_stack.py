@@ -158,13 +158,15 @@ async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env
     assert "cancel-a:0" not in done, done
 
 
-def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server, tmp_path, capsys):
+def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server, tmp_path, capsys, monkeypatch):
     """Detected as transformers serve; the stream without [DONE] passes; forward_priority with the server
     named vllm by mistake is named as a refused field."""
     import json
     import shutil
 
     from switchyard.gateway import doctor
+
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")  # the gateway in use: its checks decide the exit code
 
     config = tmp_path / "config"
     shutil.copytree(Path(__file__).resolve().parents[1] / "config", config)
