@@ -98,3 +98,25 @@ def test_every_count_the_scheduler_keeps_is_published_by_the_loop_once() -> None
     assert rejected() == before + 1
     metrics.publish_stats(sched.make_stats())  # a second report counts only what happened since the first
     assert rejected() == before + 1 and sched.counters.queue_rejections["full"] == 1
+
+
+def test_a_report_made_after_two_flushes_holds_each_batchs_own_members() -> None:
+    """The loop may publish a report some steps after a flush (engine_loop.STATS_INTERVAL_S): each flushed
+    batch in it keeps its own members, though the double buffer reuses its lists at every swap."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.dispatcher.double_buffer import FlushReason
+    from switchyard.dispatcher.request import Request
+    from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+
+    config = SwitchyardConfig()
+    sched = make_scheduler(config, monitor=ComputeScoreMonitor(config.scheduler, nvml=False))
+    sched.make_stats()
+    batches = [[Request(request_id=f"{n}-{i}", prompt_tokens=4, max_tokens=2, arrival=0.0) for i in range(k)]
+               for n, k in enumerate((2, 3, 1))]
+    for at, batch in enumerate(batches):
+        for req in batch:
+            sched.add_request(req, float(at))
+        sched.flush(FlushReason.STEP, float(at))
+    flushed = sched.make_stats().events.flushed
+    assert [[req.request_id for req in f.members] for f in flushed] == [[r.request_id for r in b] for b in batches]
+    assert [f.at for f in flushed] == [0.0, 1.0, 2.0]

@@ -70,6 +70,15 @@ changes what it reports it publishes ``scheduler.make_stats()``
 the scheduler's counters, its observations) and makes one ``dispatcher.batch``
 span per batch the double buffer flushed meanwhile; the compute-score gauge
 re-samples the scheduler's monitor at scrape time once the loop has started.
+On the busy path (an accepted request, a decision, a step's result, the
+flush timer) it publishes at most once per :data:`STATS_INTERVAL_S`: a
+report skipped there is not lost, the next one carries its counts and
+events (the scheduler reports what it counted since the previous report),
+and the loop publishes whatever is pending before it waits (idle, or work
+that fits nowhere yet) and when it drains or stops. Refusals, aborts,
+failed steps and tool-wait decisions are published at once. So the
+counters stay exact, and while the loop steps without pause the gauges,
+histograms and batch spans trail the scheduler by at most the interval.
 
 :class:`LoopBase` holds what the step loop and the stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the busy
@@ -103,6 +112,11 @@ tracer = telemetry.get_tracer(__name__)
 BUSY_WINDOW_S = 1.0
 """The engine busy ratio is measured over windows of at least this many seconds."""
 
+STATS_INTERVAL_S = 0.05
+"""On the busy path the loop publishes the scheduler's report at most this often, seconds (see the module
+docstring). Prometheus scrapes every few seconds; a report per step and per request (some hundreds a second
+under load) cost the event loop more than the steps' own bookkeeping."""
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """A real device allocation failure: ``torch.cuda.OutOfMemoryError`` (matched by name, so torch need
@@ -114,7 +128,8 @@ def batch_spans(flushed: list[BatchFlush]) -> None:
     """One ``dispatcher.batch`` span per flushed batch: a root span (a batch has no single parent) linked to
     every member's request span, whichever request's handler happened to trigger the flush; attributes
     ``switchyard.batch_size`` and ``switchyard.flush_reason``. It starts at the flush (``flush.at``,
-    monotonic seconds) and ends now."""
+    monotonic seconds) and ends now, when the report that carries it is published (at most
+    :data:`STATS_INTERVAL_S` later)."""
     now_ns, mono = time.time_ns(), time.monotonic()
     for flush in flushed:
         start = now_ns - int(max(0.0, mono - flush.at) * 1e9)
@@ -144,6 +159,8 @@ class LoopBase:
         self._busy_mark = (time.monotonic(), self._busy_seconds())
         self._busy_counted = self._busy_mark[1]
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._stats_due = 0.0  # monotonic: a throttled report may be published from then on
+        self._stats_pending = False  # a throttled report was skipped: the next publish carries it
         scheduler.on_arrival = self._arrived
         metrics.DECODE_BOUND.set(engine.decode_bound_tokens_per_s(config.batching.max_batch_size)
                                  if isinstance(engine, StepEngine) else 0.0)
@@ -159,8 +176,10 @@ class LoopBase:
         """
         try:
             self.scheduler.add_request(req, time.monotonic())
-        finally:  # a refusal is counted too
+        except BaseException:  # a refusal is counted, and published at once
             self._publish_stats()
+            raise
+        self._publish_stats(throttled=True)
 
     def tool_wait(self, agent_id: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
         """An agent's tool call on ``tool`` (a bounded metric label) starts: the scheduler's tool-wait
@@ -182,21 +201,34 @@ class LoopBase:
                                                      time.monotonic()))
         self._wake.set()
 
-    def _publish(self, outputs: list[RequestOutput], stats: bool = True) -> None:
+    def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
         """Push the scheduler's per-request outputs to the requests' output streams (the one writer), then
-        (``stats``) its state to the metrics (:meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats`)."""
+        (``stats``) its state to the metrics (:meth:`_publish_stats`, ``throttled`` on the busy path)."""
         for out in outputs:
             out.publish()
         if stats:
-            self._publish_stats()
+            self._publish_stats(throttled)
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, throttled: bool = False) -> None:
         """Publish the scheduler's report (:meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats`) to
-        the metrics, and make the span of each batch it flushed since the last report."""
+        the metrics, and make the span of each batch it flushed since the last report. ``throttled`` (the
+        busy path): only when the last report is at least :data:`STATS_INTERVAL_S` old, else it stays
+        pending for the next publish (:meth:`_publish_pending_stats`)."""
+        now = time.monotonic()
+        if throttled and now < self._stats_due:
+            self._stats_pending = True
+            return
+        self._stats_due = now + STATS_INTERVAL_S
+        self._stats_pending = False
         stats = self.scheduler.make_stats()
         metrics.publish_stats(stats)
         if stats.events.flushed:
             batch_spans(stats.events.flushed)
+
+    def _publish_pending_stats(self) -> None:
+        """Publish the report a throttled call skipped, if any (before the loop waits, drains or stops)."""
+        if self._stats_pending:
+            self._publish_stats()
 
     def start(self) -> None:
         """Start the loop task on the running event loop (idempotent); from then on the compute-score gauge
@@ -214,6 +246,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=False)
         self._cancel_flush_timer()
+        self._publish_pending_stats()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -276,7 +309,7 @@ class LoopBase:
             self._arm_flush_timer()
             return
         self.scheduler.flush(FlushReason.INTERVAL, now)
-        self._publish_stats()
+        self._publish_stats(throttled=True)
         self._on_arrival()
 
     def _cancel_flush_timer(self) -> None:
@@ -291,6 +324,7 @@ class LoopBase:
         self._publish(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED, now))
 
     async def _wait(self, timeout: float | None) -> None:
+        self._publish_pending_stats()  # the loop pauses: what it reports is current while it waits
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
@@ -355,7 +389,7 @@ class StepLoop(LoopBase):
         try:
             while (self._preemptible or self._transferring) and not self._closing:
                 decision = self.scheduler.admit_core(time.monotonic())
-                self._publish(decision.outputs)
+                self._publish(decision.outputs, throttled=True)
                 admitted = decision.admitted
                 if not admitted:
                     return
@@ -429,7 +463,7 @@ class StepLoop(LoopBase):
             now = time.monotonic()
             out = scheduler.schedule(now)
             self._joined = False
-            self._publish(out.outputs)
+            self._publish(out.outputs, throttled=True)
             self._prefetch(out.prefetch)
             running = [s for s in out.running if s.status is RequestStatus.RUNNING]
             if not running:
@@ -575,7 +609,7 @@ class StepLoop(LoopBase):
             return None
         if result is None:
             return False
-        self._publish(scheduler.update_from_output(batch, result, time.monotonic()))
+        self._publish(scheduler.update_from_output(batch, result, time.monotonic()), throttled=True)
         return result
 
     @staticmethod

@@ -234,6 +234,12 @@ for _reason in ("full", "timeout"):
     QUEUE_REJECTED.labels(QUEUE_NAME, _reason)
 QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
 QUEUE_WAIT_INFERENCE = QUEUE_WAIT.labels(QUEUE_NAME)
+# publish_stats' gauges bound once (a labels() lookup costs about what the set does)
+_QUEUE_DEPTH_INFERENCE = QUEUE_DEPTH.labels(QUEUE_NAME)
+_QUEUE_CAPACITY_INFERENCE = QUEUE_CAPACITY.labels(QUEUE_NAME)
+_RUNNING_BY_CLASS = {_class: RUNNING_AGENTS.labels(_class) for _class in PRIORITY_CLASSES}
+_WAITING_BY_CLASS = {_class: WAITING_AGENTS.labels(_class) for _class in PRIORITY_CLASSES}
+_EXPECTED_BY_TYPE: dict[str, Gauge] = {}  # bound on first publication; task types are a bounded set
 
 _HBM = "hbm"
 _LABELLED = (  # SchedulerCounters field -> the counter family its per-label counts increase
@@ -276,13 +282,13 @@ def publish_stats(stats: "SchedulerStats") -> None:
     """
     global _published_score, _scraped
     for name, count in stats.running.items():
-        RUNNING_AGENTS.labels(name).set(count)
+        _RUNNING_BY_CLASS[name].set(count)
     for name, count in stats.waiting.items():
-        WAITING_AGENTS.labels(name).set(count)
+        _WAITING_BY_CLASS[name].set(count)
     RUNNING_SEQUENCES.set(stats.num_running)
     WAITING_SEQUENCES.set(stats.num_waiting)
-    QUEUE_DEPTH.labels(QUEUE_NAME).set(stats.num_queued)
-    QUEUE_CAPACITY.labels(QUEUE_NAME).set(stats.queue_capacity)
+    _QUEUE_DEPTH_INFERENCE.set(stats.num_queued)
+    _QUEUE_CAPACITY_INFERENCE.set(stats.queue_capacity)
     PARKED_AGENTS.set(stats.parked)
     PARKED_KV_BYTES.set(stats.parked_kv_bytes)
     if stats.hbm_held_bytes is not None:
@@ -298,7 +304,10 @@ def publish_stats(stats: "SchedulerStats") -> None:
         GPU_MEMORY_UTILIZATION.set(stats.gpu_memory_utilization)
     tier_metrics.FRAGMENTATION.set(stats.fragmentation_ratio)
     for task_type, value in stats.expected_scores.items():
-        EXPECTED_SCORE.labels(task_type).set(value)
+        gauge = _EXPECTED_BY_TYPE.get(task_type)
+        if gauge is None:
+            gauge = _EXPECTED_BY_TYPE[task_type] = EXPECTED_SCORE.labels(task_type)
+        gauge.set(value)
 
     counted = vars(stats.counters)
     for name, family in _LABELLED:

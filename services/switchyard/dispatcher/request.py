@@ -34,7 +34,7 @@ from typing import Any
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
-from switchyard.common.priority import PriorityClass
+from switchyard.common.priority import PriorityClass, label_of_proto
 from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
@@ -276,7 +276,7 @@ class Request:
     @property
     def priority_name(self) -> str:
         """core, normal or batch."""
-        return self.priority_class.label
+        return label_of_proto(self.priority)
 
     @property
     def num_output_tokens(self) -> int:

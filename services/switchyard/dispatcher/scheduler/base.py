@@ -76,7 +76,7 @@ def class_rank(req: Request) -> int:
 
 def class_name(req: Request) -> str:
     """core, normal or batch."""
-    return req.priority_class.label
+    return req.priority_name
 
 
 def should_park(req: Request) -> bool:

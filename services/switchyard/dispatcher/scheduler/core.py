@@ -331,7 +331,9 @@ class SchedulerCore:
         size = len(batch)
         flushed = FlushedBatch(next(self._batch_numbers), size, now)
         self.counters.flushes[reason.label] += 1
-        self._events.flushed.append(BatchFlush(batch, reason, now))  # the loop makes its span
+        # the report's own copy: ``batch`` is the double buffer's list, reused at its next swap, and the loop
+        # may publish the report later than that (engine_loop.STATS_INTERVAL_S); the loop makes its span
+        self._events.flushed.append(BatchFlush(list(batch), reason, now))
         for req in batch:
             req.flushed_at = now
             req.batch_size = size
