@@ -357,6 +357,17 @@ async def test_client_deadline_is_deadline_exceeded_and_the_dispatcher_lets_go()
         await client.close()
 
 
+async def test_one_id_running_twice_at_once_shares_the_stream_under_an_id_of_its_own() -> None:
+    """A caller that reuses a task_id (the reference load sends every call as task bench-001) starts the same
+    request id while it runs: the repeat goes on the open stream under a suffixed id, not on a new stream."""
+    async with dispatcher() as (service, _srv, channel):
+        client = GenerateStreamClient(channel)
+        results = await asyncio.gather(*(collect(client, request("bench-001:0", max_tokens=n)) for n in (3, 8, 17)))
+        assert [summary(chunks)[4] for chunks in results] == [3, 8, 17]
+        assert client._stream is not None and not client._retired  # one stream carried all three: none retired
+        await client.close()
+
+
 async def test_inference_client_deadline_is_a_switchyard_error_deadline_exceeded() -> None:
     async with dispatcher(**SLOW) as (service, srv, _channel):
         client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)

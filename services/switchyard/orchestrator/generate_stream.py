@@ -285,15 +285,14 @@ class GenerateStreamClient:
         self._stub = agent_pb2_grpc.InferenceServiceStub(channel)
         self._stream: _Stream | None = None
         self._retired: set[_Stream] = set()
+        self._repeats = 0
+        """Requests sent under a suffixed id because theirs was live on the stream (see :meth:`generate`)."""
 
-    def _stream_for(self, request_id: str) -> _Stream:
-        """The stream to start ``request_id`` on: the current one, or a new one when it is broken, past
-        :data:`STREAM_MAX_AGE_S`, or knows the id already (its map holds it). An id running there would be
-        refused; one cancelled there may still have chunks on the way (the dispatcher sends until it reads the cancel),
-        which the new request would take for its own, and the dispatcher reads a message's starts before
-        its cancels."""
+    def _stream_for(self) -> _Stream:
+        """The stream to start a request on: the current one, or a new one when it is broken or past
+        :data:`STREAM_MAX_AGE_S`."""
         stream = self._stream
-        if (stream is None or stream.broken or stream.retired or request_id in stream.requests
+        if (stream is None or stream.broken or stream.retired
                 or time.monotonic() - stream.opened_at > STREAM_MAX_AGE_S):
             self._retired = {s for s in self._retired if not s.done}
             if stream is not None:
@@ -316,7 +315,17 @@ class GenerateStreamClient:
         """
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # nothing while tracing is off
-        stream = self._stream_for(request.request_id)
+        stream = self._stream_for()
+        if request.request_id in stream.requests:
+            # The id is live on this stream: a caller running one task_id twice at once (the reference load
+            # does), or a request cancelled here whose chunks may still be on the way (the dispatcher sends until
+            # it reads the cancel, and reads a message's starts before its cancels). It goes on the wire under
+            # an id of its own; a new stream per repeated id would cost a stream open per request.
+            self._repeats += 1
+            wired = agent_pb2.GenerateRequest()
+            wired.CopyFrom(request)
+            wired.request_id = f"{request.request_id}~{self._repeats}"
+            request = wired
         pending = stream.start(agent_pb2.StreamedGenerate(
             request=request, timeout_s=encode_timeout(timeout_s), trace_context=carrier), timeout_s)
         try:
