@@ -11,7 +11,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from nvml_fixtures import FakeNvml
+from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
 
 from switchyard.api import agent_pb2
@@ -30,28 +31,12 @@ pytestmark = pytest.mark.no_gpu
 CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 
 
-class NoGpu:
-    """NVML without a GPU (the edge of the world): utilisation 0."""
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return "gpu0"
-
-    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
-        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 def build(db: RedisDb | None, **overrides: Any) -> Any:
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1, **overrides})
     engine = SimEngine(config)
     store = KvStore(DramClient(db.dram_config), config.memory.dram.kv_ttl_s) if db is not None else None
     tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
-    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=NoGpu())
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=FakeNvml())
     return make_scheduler(config, engine, monitor=monitor, tiers=tiers)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from nvml_fixtures import FakeNvml
+from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -37,22 +38,6 @@ CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 def kv_store(db: RedisDb) -> KvStore:
     """A KV store on the test Redis (a client of its own, for this test's event loop)."""
     return KvStore(DramClient(db.dram_config), SwitchyardConfig().memory.dram.kv_ttl_s)
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-class FakeNvml:
-    """No GPU here: utilisation is always 0 (the edge of the world: NVML)."""
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return "gpu0"
-
-    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
-        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
 
 
 def build(engine: Any, store: KvStore | None, *, running: int | None = None, **overrides: Any) -> Any:

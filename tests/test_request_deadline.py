@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
+from registry_values import metric
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -38,10 +38,6 @@ PROMPT = ("<context>\n[1] The with statement\nThe with statement works " + " ".j
 
 SLOW = {"sim.decode_base_ms": 20.0}  # a step every ~20 ms: a 500-token request runs ~10 s
 ONE_FITS = {"sim.hbm_gb": 17.1}  # a KV budget of ~1,000 tokens: one request of the prompt + 300 tokens at a time
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @contextlib.asynccontextmanager

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from nvml_fixtures import FakeNvml
+from registry_values import metric
 
 from switchyard.api import agent_pb2
 from switchyard_harness.testing.capacity import FixedSlots
@@ -36,35 +36,6 @@ CORE, NORMAL, BATCH = agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH
 
 
 # --------------------------------------------------------------------------- builders
-
-
-class FakeNvml:
-    """Stand-in for the pynvml module: utilisation set by the test, errors on demand."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, gpu: float = 0.0, memory: float = 0.0) -> None:
-        self.gpu, self.memory = gpu, memory
-        self.fail_init = False
-        self.fail_read = False
-        self.reads = 0
-
-    def nvmlInit(self) -> None:
-        if self.fail_init:
-            raise self.NVMLError("Driver Not Loaded")
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return f"gpu{index}"
-
-    def nvmlDeviceGetUtilizationRates(self, handle: str) -> SimpleNamespace:
-        self.reads += 1
-        if self.fail_read:
-            raise self.NVMLError("GPU is lost")
-        return SimpleNamespace(gpu=self.gpu, memory=self.memory)
-
-    def nvmlShutdown(self) -> None:
-        self.shutdowns = getattr(self, "shutdowns", 0) + 1
 
 
 class FakeKV(KVCacheManager):
@@ -142,10 +113,6 @@ def make_requests(
         )
         for i in range(n)
     ]
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def ids(reqs: list[Request]) -> list[str]:

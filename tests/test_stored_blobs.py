@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
 from switchyard.api import agent_pb2
@@ -40,10 +40,6 @@ pytestmark = pytest.mark.no_gpu
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 PREFIX = "switchyard:"
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def corrupt(tier: str, reason: str) -> float:

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
+from nvml_fixtures import FakeNvml
+from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
 
 from switchyard.common.config import SwitchyardConfig
@@ -26,22 +28,6 @@ pytestmark = pytest.mark.no_gpu
 TOOL = "search_docs"
 WAIT_S = 86_400.0  # a day: holding the KV costs more than its round trip to DRAM, so the decision swaps
 STARTED = 0.1  # the tool starts when the agent's step has parked
-
-
-class FakeNvml:
-    """No GPU here: utilisation is always 0 (the edge of the world: NVML)."""
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return "gpu0"
-
-    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
-        return type("U", (), {"gpu": 0.0, "memory": 0.0})()
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def build(db: RedisDb, **overrides: Any) -> tuple[Any, SimEngine]:
