@@ -45,10 +45,14 @@ def render_prompt_like_work(n: int) -> int:
 
 
 async def busy_loop(stop: asyncio.Event) -> None:
+    """A busy service's loop: CPU work in callbacks, and a wait for I/O between them (1 ms), where the loop
+    lets go of the GIL. ``sleep(0)`` never waits, so the loop would hold the GIL but for the interpreter's
+    switch interval, and the metrics server's threads (each socket call gives the GIL up and waits to take it
+    back) could starve for tens of seconds on a machine whose threads are slow to be woken."""
     while not stop.is_set():
         render_prompt_like_work(20_000)
         gc.collect(0)  # a collection in the window: its pause is reported
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
 
 
 @contextlib.asynccontextmanager
