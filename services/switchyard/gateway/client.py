@@ -9,9 +9,7 @@
   connect/read/write/pool timeouts, plus ``total_timeout_s`` per completion.
   Its transport is aiohttp's pool by default (``model_gateway.http_transport``,
   :mod:`switchyard.gateway.transport`: every aiohttp error arrives as an httpx
-  one, so the error table is the same); proxied requests use httpx's own. On aiohttp's pool a
-  chat request goes from ``build_request`` to the transport without the client's layers
-  around it (:meth:`GatewayClient._post`), which cost more CPU per call than the transport.
+  one, so the error table is the same); proxied requests use httpx's own.
   HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY are honoured, as
   :mod:`switchyard.gateway.proxy` reads them (an entry it cannot parse is
   skipped, never fatal).
@@ -114,14 +112,6 @@ class _Call:
 
 
 @dataclass
-class _Direct:
-    """An endpoint reached without httpx's client layers: its transport and its chat completions URL, parsed once."""
-
-    transport: httpx.AsyncBaseTransport
-    chat_url: httpx.URL
-
-
-@dataclass
 class _OpenStream:
     """A 200 SSE response read up to its first event(s), and the endpoint streaming it."""
 
@@ -156,16 +146,11 @@ class GatewayClient:
             max_keepalive_connections=config.max_keepalive_connections,
         )
 
-        self._direct: dict[str, _Direct] = {}
-        """Endpoint URL -> its aiohttp transport and chat URL, for the endpoints :meth:`_post` sends to directly."""
-
         def make_http(url: str) -> httpx.AsyncClient:
             settings = client_settings(url)
             chosen = transport
             if chosen is None and config.http_transport == "aiohttp":
                 chosen = UpstreamTransport(verify=settings["verify"], limits=limits)
-                if settings["proxy"] is None:
-                    self._direct[url] = _Direct(chosen, httpx.URL(f"{url}/chat/completions"))
             return httpx.AsyncClient(
                 base_url=url + "/",
                 timeout=httpx.Timeout(
@@ -510,16 +495,13 @@ class GatewayClient:
         ``stream_options``) drops that field for this endpoint and sends the request again.
         """
         url = f"{endpoint.url}/chat/completions"
-        direct = self._direct.get(endpoint.url)
         while True:
             body = await self._body(request, endpoint, model, stream=stream)
             http_request = endpoint.http.build_request(
-                "POST", direct.chat_url if direct else "chat/completions", json=body,
-                headers=self._headers(call.token, stream=stream, request=request),
+                "POST", "chat/completions", json=body, headers=self._headers(call.token, stream=stream, request=request),
             )
             try:
-                response = await (self._post(endpoint.http, direct, http_request) if direct
-                                  else endpoint.http.send(http_request, stream=True))
+                response = await endpoint.http.send(http_request, stream=True)
             except httpx.HTTPError as exc:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
@@ -546,26 +528,6 @@ class GatewayClient:
                 "; set model_gateway.forward_priority to false or name the server in model_gateway.server"
                 if refused == "priority" else "",
             )
-
-    @staticmethod
-    async def _post(http: httpx.AsyncClient, direct: _Direct, request: httpx.Request) -> httpx.Response:
-        """``http.send(request, stream=True)`` for an endpoint on the aiohttp transport and no proxy, without the
-        client's layers around the transport: the request was built by ``http`` (its headers, cookies and
-        timeouts), redirects are not followed either way (httpx's default), no auth or event hooks are
-        configured, and cookies the answer sets are kept in ``http``'s jar as ``send`` keeps them. Those layers
-        cost the dispatcher more CPU per call than the transport itself (docs/benchmarks.md).
-
-        Raises:
-            httpx.RequestError: the transport's, with ``request`` attached as ``send`` attaches it.
-        """
-        try:
-            response = await direct.transport.handle_async_request(request)
-        except httpx.RequestError as exc:
-            exc.request = request
-            raise
-        if "set-cookie" in response.headers:
-            http.cookies.extract_cookies(response)
-        return response
 
     async def _status_error(
         self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey
