@@ -442,7 +442,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Run one submitted task (started from the backlog) and record its outcome. Its time limit counts
         from now; the wait in the backlog is ``timings.queue_wait_s["submitted"]``."""
         entry.started = True
-        spec, live = entry.spec, entry
+        spec = entry.spec
         running: asyncio.Future[None] | None = None
         t0 = time.monotonic()
         try:
@@ -451,12 +451,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
             def emit(event: agent_pb2.TaskEvent) -> None:
                 if event.WhichOneof("event") == "stage":
-                    live.timings.stage_s[event.stage.name] = event.stage.duration_s
+                    entry.timings.stage_s[event.stage.name] = event.stage.duration_s
 
             task = self._new_task(spec, emit, None)
             task.trace_id, t0 = entry.trace_id, task.t0
             task.add_wait("submitted", t0 - entry.submitted_at)
-            live.timings.queue_wait_s["submitted"] = t0 - entry.submitted_at
+            entry.timings.queue_wait_s["submitted"] = t0 - entry.submitted_at
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             final = await self._execute(task)
             state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
@@ -468,7 +468,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
             state, result = agent_pb2.FAILED, b""
-            live.timings.total_s = time.monotonic() - t0
+            entry.timings.total_s = time.monotonic() - t0
         finally:
             self._submitted.stopped(entry)
             self._start_submitted()

@@ -100,11 +100,6 @@ class SubmittedTasks:
     def get(self, task_id: str) -> Submitted | None:
         return self._tasks.get(task_id)
 
-    @property
-    def queued(self) -> int:
-        """Tasks in the backlog."""
-        return sum(len(q) for q in self._backlog)
-
     def add(self, entry: Submitted) -> int:
         """Queue ``entry`` last of its class; returns its queue position (backlog tasks that start before it)."""
         task_id = entry.spec.task_id

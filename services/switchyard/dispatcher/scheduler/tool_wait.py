@@ -325,8 +325,7 @@ class ToolWaitPlans:
     @property
     def next_restore_at(self) -> float:
         """The earliest due time of a restore not yet started (monotonic seconds; inf: none)."""
-        return min((p.restore_at for p in self._plans.values()
-                    if p.state == _PLANNED and p.restore_at is not None), default=float("inf"))
+        return self.next_restore_after(float("-inf"))
 
     def next_restore_after(self, now: float) -> float:
         """The earliest due time after ``now`` of a restore not yet started (monotonic seconds; inf: none).
