@@ -267,6 +267,32 @@ async def test_concurrent_requests_come_one_message_per_engine_step() -> None:
         assert chunks >= n * 2 and stream.messages * 4 <= chunks, (stream.messages, chunks)
 
 
+async def test_output_ready_within_the_flush_interval_leaves_in_one_message() -> None:
+    # steps every ~20 ms: with no interval the writer keeps up and sends about a message a step; held for
+    # 200 ms, each message carries ~10 steps of both requests' tokens, a request's tokens merged
+    max_tokens = 20
+    async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 200.0}) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=max_tokens), start("b", max_tokens=max_tokens))
+        await stream.until(lambda: stream.ended("a") and stream.ended("b"), "both end")
+        assert await stream.close() == grpc.StatusCode.OK
+        assert [summary(stream.chunks[r])[1] for r in "ab"] == [max_tokens, max_tokens]
+        assert stream.messages <= 10, stream.messages
+        assert max(c.token.count for r in "ab" for c in stream.chunks[r] if c.HasField("token")) >= 4
+
+
+async def test_a_request_alone_on_its_stream_is_never_held_for_the_flush_interval() -> None:
+    max_tokens = 20
+    async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 100.0}) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("alone", max_tokens=max_tokens))
+        await stream.until(lambda: stream.ended("alone"), "it ends")
+        assert await stream.close() == grpc.StatusCode.OK
+        assert summary(stream.chunks["alone"])[1] == max_tokens
+        # a message a step (~20 ms apart, the writer keeps up): held, it would be 100 ms apart, 4 or 5 in all
+        assert stream.messages >= 12, stream.messages
+
+
 async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_stream() -> None:
     async with dispatcher(**MEDIUM) as (service, srv, channel):
         stream = RawStream(channel)

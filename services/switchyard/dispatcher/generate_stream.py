@@ -121,6 +121,10 @@ class GenerateSession:
                 return None
             await self._wake.wait()
 
+    def carries_many(self) -> bool:
+        """More than one request is open on the session (holding a message can then batch their output)."""
+        return len(self._requests) > 1
+
     def _collect(self) -> list[agent_pb2.StreamedChunk]:
         chunks, self._unsent = self._unsent, []
         service = self._service

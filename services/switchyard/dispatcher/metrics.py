@@ -55,6 +55,12 @@ BATCH_SIZE = Histogram(
 FLUSHES = Counter(
     "switchyard_flushes_total", "Double-buffer flushes, by reason (size, interval, drain, idle, step, preempt).", ["reason"]
 )
+STREAM_MESSAGE_CHUNKS = Histogram(
+    "switchyard_generate_stream_message_chunks",
+    "Chunks (tokens, tool calls, ends, errors, of any of its requests) per GenerateStream message sent; "
+    "more per message is fewer writes for the same output (dispatcher.stream_flush_interval_ms).",
+    buckets=_BATCH_BUCKETS,
+)
 ENGINE_BUSY_RATIO = Gauge(
     "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
 )

@@ -47,6 +47,7 @@ from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
 from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
+from switchyard.dispatcher.metrics import STREAM_MESSAGE_CHUNKS
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
@@ -413,16 +414,28 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """Many requests over one stream (the orchestrator's hop); see :mod:`switchyard.dispatcher.generate_stream`.
 
         Each reply leaves in as few messages as fit ``server.max_message_bytes``
-        (:func:`switchyard.common.generate_protocol.pack`).
+        (:func:`switchyard.common.generate_protocol.pack`), and while the stream carries more than one
+        request, at most one reply per ``dispatcher.stream_flush_interval_ms``: what becomes ready within
+        it leaves together.
         """
         session = GenerateSession(self)
         self._sessions.add(session)
         reader = asyncio.create_task(session.read(request_iterator), name="generate-stream-reader")
         max_bytes = self.config.server.max_message_bytes
+        flush_interval_s = self.config.dispatcher.stream_flush_interval_ms / 1000
+        clock = asyncio.get_running_loop().time
         try:
             while (replies := await session.replies()) is not None:
+                written_at = clock()
                 for group in pack([(c, entry_bytes(c)) for c in replies], max_bytes):
+                    STREAM_MESSAGE_CHUNKS.observe(len(group))
                     await context.write(agent_pb2.GenerateStreamResponse(chunks=group))
+                if flush_interval_s and session.carries_many():
+                    # Hold the next message for the rest of the flush interval: what becomes ready
+                    # meanwhile (other requests' tokens) leaves with it, one write for many.
+                    wait = written_at + flush_interval_s - clock()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
         finally:
             reader.cancel()
             session.close()  # what the stream still carries is aborted

@@ -21,6 +21,13 @@ class DispatcherConfig(_Strict):
         description="Inference engine, a name (SWITCHYARD_ENGINE): sim reads the sim section, torch the torch "
         "section, openai queue.json model_gateway.",
     )
+    stream_flush_interval_ms: float = Field(
+        5.0, ge=0, le=1000,
+        description="Shortest time between two messages of one GenerateStream while it carries more than one "
+        "request, ms: output that becomes ready within it leaves together in the next message (one write and "
+        "one read for many requests' tokens instead of one each). A request alone on its stream is never held. "
+        "0: each message leaves as soon as the last one was written.",
+    )
     default_max_tokens: int = Field(
         256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0, tokens."
     )
