@@ -293,6 +293,21 @@ async def test_a_request_alone_on_its_stream_is_never_held_for_the_flush_interva
         assert stream.messages >= 12, stream.messages
 
 
+async def test_a_requests_first_output_is_not_held_for_the_flush_interval() -> None:
+    # "a" streams with messages held for 1 s; "b" joins: its first token must leave at once, alone in its
+    # chunk (held, it would wait up to 1 s and leave merged with the ~50 tokens after it)
+    async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 1000.0}) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=400))
+        await stream.until(lambda: len(stream.chunks["a"]) >= 3, "a streams")
+        await stream.send(start("b", max_tokens=60))
+        await stream.until(lambda: stream.ended("b"), "b ends")
+        first = stream.chunks["b"][0]
+        assert first.HasField("token") and (first.token.count or 1) == 1, first
+        await stream.send(cancel=("a",))
+        assert await stream.close() == grpc.StatusCode.OK
+
+
 async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_stream() -> None:
     async with dispatcher(**MEDIUM) as (service, srv, channel):
         stream = RawStream(channel)

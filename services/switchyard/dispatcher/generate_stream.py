@@ -37,6 +37,7 @@ another replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -97,7 +98,9 @@ class GenerateSession:
         self._service = service
         self._requests: dict[str, _Running] = {}
         self._unsent: list[agent_pb2.StreamedChunk] = []  # encoded, not yet taken by replies()
-        self._wake = Wakeup()
+        self._wake = Wakeup()  # replies() waits on it for output
+        self._hold = Wakeup()  # hold() waits on it for its time or for output that must not wait
+        self._urgent = False  # output that must not wait is ready (a first output, a refusal)
         self._intake_open = True
         self._intake_error: Exception | None = None
         self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
@@ -121,12 +124,21 @@ class GenerateSession:
                 return None
             await self._wake.wait()
 
-    def carries_many(self) -> bool:
-        """More than one request is open on the session (holding a message can then batch their output)."""
-        return len(self._requests) > 1
+    async def hold(self, seconds: float) -> None:
+        """Let output gather for up to ``seconds`` before the next :meth:`replies`, while more than one
+        request is open (a request alone is never held); cut short when a request's first output (its
+        TTFT) or a refusal becomes ready, or the session can end."""
+        if len(self._requests) < 2 or self._urgent:
+            return
+        handle = asyncio.get_running_loop().call_later(seconds, self._hold.notify)
+        try:
+            await self._hold.wait()
+        finally:
+            handle.cancel()
 
     def _collect(self) -> list[agent_pb2.StreamedChunk]:
         chunks, self._unsent = self._unsent, []
+        self._urgent = False
         service = self._service
         ended: list[_Running] = []
         for running in self._requests.values():
@@ -161,6 +173,7 @@ class GenerateSession:
     def drain(self) -> None:
         """The dispatcher drains: refuse new requests, end the session once its requests are done."""
         self._draining = True
+        self._urgent_now()
         self._wake.notify()
 
     # ------------------------------------------------------------------ the caller's side
@@ -182,6 +195,7 @@ class GenerateSession:
     def close_intake(self) -> None:
         """No start follows: the session ends once its requests have."""
         self._intake_open = False
+        self._urgent_now()
         self._wake.notify()
 
     async def start(self, request: agent_pb2.GenerateRequest, timeout_s: float | None,
@@ -214,15 +228,26 @@ class GenerateSession:
                 span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 span.end()
                 self._unsent.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
+                self._urgent_now()
                 self._wake.notify()
             return
         running.req = req
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
             return
-        req.output.listener = self._wake.notify
+        req.output.listener = lambda: self._output_ready(running)
         if req.output.pending():
-            self._wake.notify()
+            self._output_ready(running)
+
+    def _output_ready(self, running: _Running) -> None:
+        """``running``'s output moved: wake replies(), and a hold when it is the request's first output."""
+        if running.state is RequestState.STARTED:
+            self._urgent_now()
+        self._wake.notify()
+
+    def _urgent_now(self) -> None:
+        self._urgent = True
+        self._hold.notify()
 
     def cancel(self, request_id: str) -> None:
         """The caller gave up on ``request_id``: abort it; nothing more is sent for it. Nothing happens

@@ -416,7 +416,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         Each reply leaves in as few messages as fit ``server.max_message_bytes``
         (:func:`switchyard.common.generate_protocol.pack`), and while the stream carries more than one
         request, at most one reply per ``dispatcher.stream_flush_interval_ms``: what becomes ready within
-        it leaves together.
+        it leaves together, except a request's first output (its TTFT is never held) and refusals
+        (:meth:`GenerateSession.hold`).
         """
         session = GenerateSession(self)
         self._sessions.add(session)
@@ -430,12 +431,12 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
                 for group in pack([(c, entry_bytes(c)) for c in replies], max_bytes):
                     STREAM_MESSAGE_CHUNKS.observe(len(group))
                     await context.write(agent_pb2.GenerateStreamResponse(chunks=group))
-                if flush_interval_s and session.carries_many():
-                    # Hold the next message for the rest of the flush interval: what becomes ready
-                    # meanwhile (other requests' tokens) leaves with it, one write for many.
+                if flush_interval_s:
+                    # the next message waits out the interval: what becomes ready meanwhile (other
+                    # requests' tokens) leaves with it, one write for many
                     wait = written_at + flush_interval_s - clock()
                     if wait > 0:
-                        await asyncio.sleep(wait)
+                        await session.hold(wait)
         finally:
             reader.cancel()
             session.close()  # what the stream still carries is aborted
