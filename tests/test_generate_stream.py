@@ -308,6 +308,19 @@ async def test_a_requests_first_output_is_not_held_for_the_flush_interval() -> N
         assert await stream.close() == grpc.StatusCode.OK
 
 
+async def test_a_core_requests_tokens_are_not_held_beside_held_batch_ones() -> None:
+    # 1 s holds: the BATCH request's tokens gather; the CORE request's leave as they come, about one a step
+    async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 1000.0}) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("batch", max_tokens=400, priority=agent_pb2.BATCH),
+                          start("core", max_tokens=20, priority=agent_pb2.CORE))
+        await stream.until(lambda: stream.ended("core"), "core ends")
+        assert summary(stream.chunks["core"])[1] == 20
+        assert len(stream.chunks["core"]) >= 12, [c.token.count for c in stream.chunks["core"]]
+        await stream.send(cancel=("batch",))
+        assert await stream.close() == grpc.StatusCode.OK
+
+
 async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_stream() -> None:
     async with dispatcher(**MEDIUM) as (service, srv, channel):
         stream = RawStream(channel)

@@ -54,6 +54,7 @@ from switchyard.common.generate_protocol import (
     decode_timeout,
     encode_error,
 )
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.output import coalesce
 
 if TYPE_CHECKING:
@@ -69,12 +70,13 @@ class _Running(StreamedRequest):
     """One request of a session: its protocol state, its engine request once opened, and its
     ``dispatcher.generate`` span."""
 
-    __slots__ = ("req", "span")
+    __slots__ = ("req", "span", "core")
 
     def __init__(self, request_id: str, span: trace.Span) -> None:
         super().__init__(request_id)
         self.req: Request | None = None  # None while it is validated and counted
         self.span = span
+        self.core = False  # a CORE request: its output is never held (GenerateSession.hold)
 
 
 class GenerateSession:
@@ -127,7 +129,8 @@ class GenerateSession:
     async def hold(self, seconds: float) -> None:
         """Let output gather for up to ``seconds`` before the next :meth:`replies`, while more than one
         request is open (a request alone is never held); cut short when a request's first output (its
-        TTFT) or a refusal becomes ready, or the session can end."""
+        TTFT), any output of a CORE request or a refusal becomes ready, or the session can end. NORMAL
+        and BATCH tokens after the first are what waits: at most ``seconds`` more inter-token latency."""
         if len(self._requests) < 2 or self._urgent:
             return
         handle = asyncio.get_running_loop().call_later(seconds, self._hold.notify)
@@ -232,6 +235,7 @@ class GenerateSession:
                 self._wake.notify()
             return
         running.req = req
+        running.core = req.priority_class is PriorityClass.CORE
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
             return
@@ -240,8 +244,9 @@ class GenerateSession:
             self._output_ready(running)
 
     def _output_ready(self, running: _Running) -> None:
-        """``running``'s output moved: wake replies(), and a hold when it is the request's first output."""
-        if running.state is RequestState.STARTED:
+        """``running``'s output moved: wake replies(), and cut a hold short when the output must not wait:
+        the request's first (its TTFT), or any of a CORE request's (its inter-token latency)."""
+        if running.state is RequestState.STARTED or running.core:
             self._urgent_now()
         self._wake.notify()
 

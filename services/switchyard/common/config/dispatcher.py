@@ -25,7 +25,8 @@ class DispatcherConfig(_Strict):
         5.0, ge=0, le=1000,
         description="Shortest time between two messages of one GenerateStream while it carries more than one "
         "request, ms: output that becomes ready within it leaves together in the next message (one write and "
-        "one read for many requests' tokens instead of one each). A request alone on its stream is never held. "
+        "one read for many requests' tokens instead of one each). A request alone on its stream, a request's first "
+        "output and a CORE request's output are never held. "
         "0: each message leaves as soon as the last one was written.",
     )
     default_max_tokens: int = Field(
