@@ -40,6 +40,8 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
         self.deadlines: list[float | None] = []  # time_remaining() each request had on arrival
         self.model = "sim-7b"  # what DescribeModel says the engine serves to a request naming no model
         self.described = 0
+        self.words = ["The", " answer", "."]  # the tokens of an answer
+        self.token_gap_s = 0.0  # time before each token
 
     def register(self, server):
         agent_pb2_grpc.add_RetrievalServiceServicer_to_server(self, server)
@@ -79,10 +81,13 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
             yield agent_pb2.GenerateChunk(tool_call=agent_pb2.ToolCall(
                 call_id="c2", name="calculator", arguments_json=json.dumps({"expression": "12*(3+4)"})))
         else:
-            for i, word in enumerate(["The", " answer", "."]):
+            for i, word in enumerate(self.words):
+                if self.token_gap_s:
+                    await asyncio.sleep(self.token_gap_s)
                 yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=word, index=i))
+        n = len(self.words)
         yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
-            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=3, total_tokens=13),
+            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=n, total_tokens=10 + n),
             queue_wait_s=0.002, compute_score_used=0.5, memory_peak_bytes=1000, model="fake"))
 
 
@@ -125,6 +130,30 @@ async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
     sent = down.requests[0]
     assert "<context>" in sent.prompt and "The with statement wraps a block." in sent.prompt
     assert sent.prompt_tokens > 0 and sent.priority == agent_pb2.NORMAL
+
+
+async def test_a_batch_tasks_tokens_after_the_first_leave_merged_per_flush_interval():
+    words = [f" w{i}" for i in range(30)]
+    async with stack(**{"orchestrator.batch_token_flush_interval_ms": 100.0}) as (stub, down):
+        down.words, down.token_gap_s = words, 0.01  # ~300 ms of tokens: ~3 intervals
+        batch = await collect(stub, task_id="t-batch", task_type="chat", payload="hi", priority=agent_pb2.BATCH)
+        normal = await collect(stub, task_id="t-normal", task_type="chat", payload="hi", priority=agent_pb2.NORMAL)
+    for events in (batch, normal):
+        tokens = [e.token for e in events if e.HasField("token")]
+        assert "".join(t.text for t in tokens) == "".join(words) and sum(t.count or 1 for t in tokens) == 30
+        assert (tokens[0].count or 1) == 1  # the first token is never held
+        assert events[-1].HasField("final")
+    assert len([e for e in batch if e.HasField("token")]) <= 10
+    assert len([e for e in normal if e.HasField("token")]) >= 20  # NORMAL's leave as they come
+
+
+async def test_a_batch_tasks_final_event_cuts_the_flush_interval_short():
+    async with stack(**{"orchestrator.batch_token_flush_interval_ms": 10_000.0}) as (stub, down):
+        down.token_gap_s = 0.01
+        events = await asyncio.wait_for(  # held for the interval, it would take 10 s
+            collect(stub, task_id="t-batch", task_type="chat", payload="hi", priority=agent_pb2.BATCH), 5.0)
+    assert "".join(e.token.text for e in events if e.HasField("token")) == "The answer."
+    assert events[-1].HasField("final")
 
 
 async def test_accepted_needs_no_queue_trip_and_a_task_takes_one():

@@ -95,3 +95,34 @@ async def test_a_closed_stream_wakes_a_waiting_reader():
     await asyncio.sleep(0)
     events.close()
     assert await reader is None
+
+
+async def test_a_held_get_gathers_tokens_until_its_time_and_any_other_event_ends_the_hold():
+    from switchyard.api import agent_pb2
+    from switchyard.orchestrator.events import event_stream
+
+    def token(text: str, i: int) -> agent_pb2.TaskEvent:
+        return agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=text, index=i))
+
+    loop = asyncio.get_running_loop()
+    events = event_stream()
+    events.put(token("a", 0))
+    held = asyncio.create_task(events.get(hold_tokens_until=loop.time() + 60))
+    await asyncio.sleep(0.01)
+    events.put(token("b", 1))
+    events.put(token("c", 2))
+    await asyncio.sleep(0.01)
+    assert not held.done()  # tokens alone do not end the hold
+    final = agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id="t1"))
+    events.put(final)
+    assert await asyncio.wait_for(held, 5) == agent_pb2.TaskEvent(
+        token=agent_pb2.TokenEvent(text="abc", index=0, count=3))
+    assert await events.get() == final
+
+    events.put(token("d", 3))
+    events.put(token("e", 4))
+    assert await asyncio.wait_for(events.get(hold_tokens_until=loop.time() + 0.05), 5) == agent_pb2.TaskEvent(
+        token=agent_pb2.TokenEvent(text="de", index=3, count=2))  # the hold ends at its time
+    events.put(token("f", 5))
+    events.close()
+    assert await asyncio.wait_for(events.get(hold_tokens_until=loop.time() + 60), 5) == token("f", 5)  # close ends it

@@ -84,7 +84,7 @@ class CoalescingQueue(Generic[T]):
         make_token: the item that carries a merged token (see :data:`MakeToken`).
     """
 
-    __slots__ = ("_items", "_ready", "_closed", "_token_of", "_make_token")
+    __slots__ = ("_items", "_ready", "_closed", "_token_of", "_make_token", "_holding")
 
     def __init__(self, token_of: TokenOf[T], make_token: MakeToken[T]) -> None:
         self._items: deque[T] = deque()
@@ -92,25 +92,43 @@ class CoalescingQueue(Generic[T]):
         self._closed = False
         self._token_of = token_of
         self._make_token = make_token
+        self._holding = False  # get() holds tokens back: only an item that is not a token wakes it
 
     def put(self, item: T) -> None:
         """Append ``item``."""
         self._items.append(item)
-        self._ready.notify()
+        if not self._holding or self._token_of(item) is None:
+            self._ready.notify()
 
     def close(self) -> None:
         """Nothing follows: :meth:`get` answers None once the items put are read."""
         self._closed = True
         self._ready.notify()
 
-    async def get(self) -> T | None:
+    async def get(self, hold_tokens_until: float | None = None) -> T | None:
         """The next item, waiting until there is one; a run of tokens already waiting comes merged
-        (:func:`merge_tokens`). None once the queue is closed and empty."""
+        (:func:`merge_tokens`). None once the queue is closed and empty.
+
+        Args:
+            hold_tokens_until: when the items waiting are all tokens, keep gathering tokens until this
+                time (the event loop's clock, seconds), to hand them over merged; an item that is not a
+                token, or :meth:`close`, ends the wait. None: hand over at once.
+        """
         while not self._items:
             if self._closed:
                 return None
             await self._ready.wait()
         items, token_of = self._items, self._token_of
+        if hold_tokens_until is not None:
+            loop = asyncio.get_running_loop()
+            while not self._closed and token_of(items[-1]) is not None and (wait := hold_tokens_until - loop.time()) > 0:
+                handle = loop.call_later(wait, self._ready.notify)
+                self._holding = True
+                try:
+                    await self._ready.wait()
+                finally:
+                    self._holding = False
+                    handle.cancel()
         item = items.popleft()
         if not items:
             return item

@@ -325,7 +325,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self, request: agent_pb2.RunTaskRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.TaskEvent]:
         """Run one task and stream its events: accepted, then stage, token, tool_call and tool_result
-        events as they happen, then final.
+        events as they happen, then final. Tokens waiting together leave as one token event; a BATCH
+        task's tokens after its first gather for ``orchestrator.batch_token_flush_interval_ms``.
 
         The stream ends with an error status instead: INVALID_ARGUMENT naming the field (before
         accepted; ``payload`` after it when the prompt overflows the context window),
@@ -345,9 +346,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                                    name=f"task-{spec.task_id}")
         task.add_done_callback(lambda _: events.close())
         read = False
+        # a BATCH task's tokens after the first gather for the flush interval and leave as one event
+        hold_s = (self.config.orchestrator.batch_token_flush_interval_ms / 1000
+                  if spec.priority == agent_pb2.BATCH else 0.0)
+        clock = asyncio.get_running_loop().time
+        hold_until: float | None = None
         try:
-            while (event := await events.get()) is not None:
+            while (event := await events.get(hold_until)) is not None:
                 yield event
+                if hold_s and event.HasField("token"):
+                    hold_until = clock() + hold_s
             exc, read = task.exception(), True
         finally:
             if not task.done():

@@ -51,6 +51,13 @@ class OrchestratorConfig(_Strict):
         7000, gt=0, le=3_600_000,
         description="Longest wait for one Retrieve call, retrieval's own queue wait included, milliseconds.",
     )
+    batch_token_flush_interval_ms: float = Field(
+        50.0, ge=0, le=10_000,
+        description="Shortest time between two token events of a BATCH task's stream (RunTask, and the HTTP "
+        "face's Server-Sent Events), ms: the tokens that arrive within it leave merged in one event (one write "
+        "for several), and any other event (a tool call, the final event) cuts the wait short. The first token "
+        "is never held; CORE and NORMAL tasks' tokens leave as they come. 0: BATCH's too.",
+    )
     default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
     default_max_tokens: int = Field(
         128, ge=1, le=32768, description="Completion tokens of a task that sends max_tokens = 0, tokens."
