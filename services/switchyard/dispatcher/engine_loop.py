@@ -326,10 +326,16 @@ class LoopBase:
     async def _wait(self, timeout: float | None) -> None:
         self._publish_pending_stats()  # the loop pauses: what it reports is current while it waits
         self._wake.clear()
+        if timeout is None:
+            await self._wake.wait()
+            return
+        # a timer that sets the event, not wait_for: wait_for wraps the wait in a task of its own on
+        # every call, and the loop waits here after every decision
+        timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-        except TimeoutError:
-            pass
+            await self._wake.wait()
+        finally:
+            timer.cancel()
 
     def _busy_seconds(self) -> float:
         return float(self.engine.busy_seconds)
