@@ -117,7 +117,7 @@ class StreamLoop(LoopBase):
             if self._can_take() or now - last >= self.time_slice_s:
                 last = now
                 out = scheduler.schedule(now)
-                self._publish(out.outputs)
+                self._publish(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
                 for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
                     task = self._tasks.get(req)
                     if task is not None:
@@ -159,7 +159,7 @@ class StreamLoop(LoopBase):
                 seq = stream_item_output(item)
                 ended = seq.eos or seq.length_capped
                 outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
-                self._publish(outputs, stats=any(out.finished for out in outputs))  # not per token
+                self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
                 if isinstance(item, str):
                     self.limit.on_tokens(1, now)
                     metrics.GENERATED_TOKENS.inc()
