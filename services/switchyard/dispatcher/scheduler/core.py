@@ -46,7 +46,10 @@ This class is the only place that
 Runnable work never waits behind parked state: before a waiting request is
 refused for KV memory, parked agents' state leaves HBM for it, lowest value
 first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
-parked state is valued higher, so it leaves last, but it leaves.
+parked state is valued higher, so it leaves last, but it leaves. One bounded
+exception: an agent's KV restored for its turn by a planned restore, or kept
+by its tool-wait decision, stays until its tool's revisit time
+(:mod:`.tool_wait`): that turn is due by then and needs the prefix.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set (its request
@@ -928,7 +931,8 @@ class SchedulerCore:
         return self.parking.kv_bytes + self.kv.prefix_cache_bytes()
 
     def _make_room(self, req: Request) -> bool:
-        """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
+        """Free KV until ``req`` fits, so that runnable work never waits behind parked state (but an agent's
+        KV restored or kept for its turn, until its tool's revisit time: :mod:`.tool_wait`): parked
         agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper

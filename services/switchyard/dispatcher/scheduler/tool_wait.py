@@ -14,7 +14,7 @@ keep, then swap)::
 
     keep  = wait x share x max(pressure, idle_price_floor)
     swap  = copy_cost_weight x 2 x transfer + max(0, 2 x transfer + margin - wait)
-    drop  = recompute
+    drop  = recompute x max(1, cold_resume_weight)
 
 - ``wait``: the tool's expected duration (seconds).
 - ``share``: the KV's part of the HBM KV budget (``kv_bytes / budget_bytes``).
@@ -30,11 +30,28 @@ keep, then swap)::
   compute), plus the stall the next turn sees when the round trip and the
   ``margin`` do not fit in the wait.
 - ``recompute``: the engine's prefill of the prefix, spent again at resume
-  (on the GPU and on the agent's path).
+  (on the GPU and on the agent's path), weighed as a cold resume's stall is
+  (``cold_resume_weight``, below).
+
+Once the tool has :data:`MIN_RETURNS` measured returns
+(:meth:`ToolWaitPlans.return_times`: the dispatcher's own record, per tool,
+of how long each call took from its announcement to its agent's next turn,
+as a ratio to the announced wait, scaled to this call's), ``wait`` in keep
+is their mean, and swap's stall term is the price of the best restore
+timing over them (:func:`restore_landing_s`): the KV held idle from its
+landing to the turn (``share x pressure`` a second) against the turns that
+come back before it and wait for their restore at admission
+(``cold_resume_weight x transfer`` each: that restore runs in front of a
+step, so the batch waits too). The critical landing time is a newsvendor's:
+where the return-time hazard meets the hold price over the cold price. A
+short tool is so kept; a long one lands late, or not ahead at all, as the
+weight says (``scheduler.tool_wait_cold_resume_weight``).
 
 A swap plans the KV's return ahead of the tool's expected return
-(:attr:`ToolWaitDecision.restore_at_s` = ``wait - transfer - margin``, never
-before the copy out has ended), so the next turn finds it warm: the scheduler
+(:attr:`ToolWaitDecision.restore_at_s` = ``landing - transfer - margin``, the
+landing :func:`restore_landing_s`'s, or ``wait`` while fewer than
+:data:`MIN_RETURNS` are measured; never before the copy out has ended), so the
+next turn finds it warm: the scheduler
 keeps each agent's plan (:class:`ToolWaitPlans`) and its decision at
 ``schedule(now)`` hands the restores that are due to the loop
 (``SchedulerOutput.prefetch``), which loads the DRAM copy back into the
@@ -42,8 +59,17 @@ agent's parked step and hands it back (``SchedulerCore.prefetched``): the
 agent is parked again, warm, and its next step takes the prefix over as from
 any parked step (the prefetch of KVFlow, Pan et al. 2025, timed here by the
 tool's measured duration instead of a workflow graph). A restore is started
-only when the KV budget has room for it; one that cannot start waits for room
-or for the turn.
+only when the KV budget has room for it (due restores take the free room
+before the decision's admissions, unless waiting work of a higher class than
+the agent's is there; the bytes of a restore in flight are held in the budget
+until it lands); one that cannot start waits for room or for the turn.
+
+A landed restore, and a kept KV, is not evicted to make room for waiting work
+until its revisit time (``SchedulerCore._make_room``): its turn is expected by
+then and will need that prefix; evicting it would spend the round trip for a
+cold resume. The bound is the revisit time (the measured returns' P95,
+:data:`REVISIT_QUANTILE`, or ``wait + grace``); then the KV leaves HBM under
+the parking's expiry. The emergency HBM scan still evicts it.
 
 Early and late returns:
 
@@ -52,10 +78,10 @@ Early and late returns:
   admission (the step loop's restore before that step's prefill), and the turn
   waits for the transfer (what :func:`on_return` prices): a cold resume, the
   prefetch counted ``early``.
-- A tool that returns *late* finds its KV restored and parked, held under the
-  same rules as any parked step (the parking TTL from when it came back, at
-  least until the tool's revisit time ``wait + grace``; evicted by value for
-  room): if it is still parked at the turn, a warm resume. A prefetch whose KV
+- A tool that returns *late* finds its KV restored and parked until the
+  tool's revisit time (the returns' P95, or ``wait + grace``): if it is still
+  parked at the turn, a warm resume; past it the KV leaves HBM (to DRAM
+  where cheaper) and the turn restores it at admission. A prefetch whose KV
   is still unclaimed at the revisit time is counted ``late`` (it sat idle in
   HBM past the tool's expected return and its grace).
 - Otherwise the KV landed before the turn, and the turn came by the revisit
