@@ -256,11 +256,12 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
     decision = min((priced.keep, 0, Decision.KEEP), (priced.swap, 1, Decision.SWAP),
                    (priced.drop, 2, Decision.DROP))[2]
     restore_at = None
-    revisit = inputs.expected_wait_s + grace_s
+    measured = len(inputs.returns_s) >= MIN_RETURNS
+    revisit = (max(_quantile(inputs.returns_s, REVISIT_QUANTILE), 2 * inputs.transfer_s) if measured
+               else inputs.expected_wait_s + grace_s)
     if decision is Decision.SWAP:
-        if len(inputs.returns_s) >= MIN_RETURNS:
+        if measured:
             landing = restore_landing_s(inputs)
-            revisit = max(_quantile(inputs.returns_s, REVISIT_QUANTILE), 2 * inputs.transfer_s)
             if landing is not None:
                 restore_at = max(inputs.transfer_s, landing - inputs.transfer_s - inputs.margin_s)
                 revisit = max(revisit, restore_at + inputs.transfer_s)
@@ -273,8 +274,8 @@ MIN_RETURNS = 8
 """Measured returns of a tool before its restores are timed by their distribution (:func:`restore_landing_s`)."""
 
 REVISIT_QUANTILE = 0.95
-"""With a measured distribution, a swapped agent's tool counts as late (its restored KV leaves HBM again)
-past this quantile of its return times."""
+"""With a measured distribution, a tool counts as late past this quantile of its return times (the revisit
+time): a kept or restored KV is protected from eviction for waiting work until then, and leaves HBM after."""
 
 
 def _quantile(ordered: tuple[float, ...], q: float) -> float:
