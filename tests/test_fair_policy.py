@@ -163,3 +163,24 @@ def test_tool_wait_keeps_a_short_wait_and_drops_a_long_one_without_dram():
 def test_tool_wait_refuses_a_negative_wait():
     with pytest.raises(ValueError, match="expected_wait_s"):
         sched().tool_wait("a", -1.0, now=0.0)
+
+
+def test_expected_service_counts_a_long_decode_at_the_measured_step_time():
+    """Slack counts the request's decode, not its prefill alone: the OUTPUT_QUANTILE of its task type's
+    finished outputs x the measured step time; nothing before either is measured."""
+    from switchyard.dispatcher.scheduler.fair import OUTPUT_QUANTILE
+
+    s = sched()
+    waiting = req("w", task_type=REACT_TASK_TYPE)
+    prefill = s.expected_service_s(waiting)
+    assert prefill == pytest.approx(100 * 1e-4)  # nothing measured: its prefill only
+    for n, tokens in enumerate([40] * 19 + [400]):  # a long answer among short tool calls
+        done = req(f"d{n}", task_type=REACT_TASK_TYPE)
+        done.output_tokens = [1] * tokens
+        s._learn(done)
+    assert s.expected_service_s(waiting) == prefill  # no step measured yet
+    s.update_from_output(StepBatch(decode=[req("x", task_type=REACT_TASK_TYPE)]), StepResult(seconds=0.02), now=1.0)
+    assert OUTPUT_QUANTILE >= 0.95
+    assert s.expected_service_s(waiting) == pytest.approx(prefill + 400 * 0.02)  # budgets for the long one
+    waiting.output_tokens = [1] * 100  # produced so far (and not computed: its prefill grows by them)
+    assert s.expected_service_s(waiting) == pytest.approx(200 * 1e-4 + 300 * 0.02)

@@ -90,3 +90,89 @@ def test_a_late_tool_is_expected_to_run_as_long_again():
 def test_bad_inputs_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         inputs(**{field: value})
+
+
+# ----------------------------------------------------------------- timed by the tool's measured returns
+
+from switchyard.dispatcher.scheduler.tool_wait import (  # noqa: E402
+    MIN_RETURNS,
+    ToolWaitPlan,
+    ToolWaitPlans,
+    restore_landing_s,
+)
+
+
+def brute_force_landing(i):
+    """restore_landing_s by enumeration: every candidate priced on every return, and never ahead."""
+    hold = i.kv_bytes / i.budget_bytes * min(1.0, max(i.pressure, i.idle_price_floor))
+    cold = i.cold_resume_weight * i.transfer_s
+    best, best_cost = None, cold
+    for x in i.returns_s:
+        at = max(x, 2 * i.transfer_s)
+        cost = sum(hold * max(0.0, r - at) + (cold if r < at else 0.0) for r in i.returns_s) / len(i.returns_s)
+        if cost < best_cost - 1e-12:
+            best, best_cost = at, cost
+    return best
+
+
+@pytest.mark.parametrize("weight", [0.5, 2.0, 20.0, 200.0])
+@pytest.mark.parametrize("pressure", [0.1, 1.0])
+def test_the_landing_is_the_cheapest_of_hold_against_cold_resumes(weight, pressure):
+    returns = tuple(sorted(10.0 * (0.6 + 0.05 * k) for k in range(20)))  # 6 .. 15.5 s
+    i = inputs(expected_wait_s=12.0, kv_bytes=2 * GB, pressure=pressure, returns_s=returns, cold_resume_weight=weight)
+    assert restore_landing_s(i) == pytest.approx(brute_force_landing(i)) if brute_force_landing(i) else \
+        restore_landing_s(i) is None
+
+
+def test_a_dearer_cold_resume_lands_the_restore_earlier_and_a_free_one_not_at_all():
+    returns = tuple(float(r) for r in range(5, 25))  # 5 .. 24 s
+    landing = [restore_landing_s(inputs(returns_s=returns, cold_resume_weight=w, pressure=1.0)) for w in
+               (0.0, 2.0, 2000.0)]
+    assert landing[0] is None  # a cold resume costs nothing: nothing is held ahead of the turn
+    assert landing[1] is not None and landing[2] is not None and landing[2] < landing[1]
+    assert landing[2] == 5.0  # so dear that every turn is met: the first return
+
+
+def test_measured_returns_price_keep_and_time_the_swap():
+    short = tuple(0.3 + 0.01 * k for k in range(MIN_RETURNS))  # a fast tool: holding it is cheaper than a round trip
+    kept = decide(inputs(expected_wait_s=0.4, pressure=1.0, transfer_s=0.1, returns_s=short, cold_resume_weight=20.0),
+                  grace_s=0.4)
+    assert kept.decision is Decision.KEEP
+    long = tuple(float(r) for r in range(10, 10 + 2 * MIN_RETURNS))
+    i = inputs(expected_wait_s=20.0, pressure=1.0, returns_s=long, cold_resume_weight=20.0)
+    swapped = decide(i, grace_s=20.0)
+    assert swapped.decision is Decision.SWAP
+    assert swapped.warm_at_s == pytest.approx(restore_landing_s(i) - i.margin_s)
+    assert swapped.revisit_at_s == long[-1]  # the returns' 95th percentile (nearest rank: 16th of 16)
+    few = decide(inputs(expected_wait_s=20.0, returns_s=long[:MIN_RETURNS - 1]), grace_s=20.0)
+    assert few.restore_at_s == pytest.approx(20.0 - 0.02 - 0.05)  # too few measured: the announced wait
+    with pytest.raises(ValueError, match="returns_s"):
+        inputs(returns_s=(2.0, 1.0))
+
+
+def plan(agent, started, wait, restore_at=None, tool="t"):
+    return ToolWaitPlan(agent, tool, Decision.SWAP, started, started + wait, started + 2 * wait, restore_at=restore_at)
+
+
+def test_returns_are_learned_per_tool_against_the_announced_wait():
+    plans = ToolWaitPlans()
+    for k in range(MIN_RETURNS):  # announced 10 s, back after 8 s
+        plans.add(plan(f"a{k}", 0.0, 10.0))
+        plans.on_turn(f"a{k}", 8.0, warm=False)
+    assert plans.return_times("t", 20.0) == (16.0,) * MIN_RETURNS  # scaled to the new announcement
+    assert plans.return_times("t", 1.0) == ()  # announced at a tenth: another regime, not measured
+    assert plans.return_times("other-tool", 10.0) == ()
+
+
+def test_due_restores_come_from_a_heap_earliest_first_and_replaced_plans_drop_out():
+    plans = ToolWaitPlans()
+    for agent, at in (("late", 9.0), ("early", 3.0), ("mid", 5.0)):
+        plans.add(plan(agent, 0.0, 10.0, restore_at=at))
+    plans.add(plan("mid", 1.0, 10.0, restore_at=8.0))  # its agent's new plan replaces the one due at 5
+    assert plans.next_restore_at == 3.0
+    assert [p.agent_id for p in plans.due(6.0)] == ["early"]
+    assert plans.next_restore_after(6.0) == 8.0
+    assert [p.agent_id for p in plans.due(8.5)] == ["early", "mid"]  # "early" found no room yet: still due
+    plans.started(plans.get("early"))
+    assert [p.agent_id for p in plans.due(9.5)] == ["mid", "late"]
+    assert plans.next_restore_after(9.5) == float("inf")

@@ -200,3 +200,30 @@ def test_a_restore_waiting_for_room_does_not_hide_the_next_restores_due_time():
     assert sched.until_prefetch(0.1, 6.0) == pytest.approx(0.04)  # woken when the next one falls due
     assert sched.until_prefetch(0.01, 6.0) == 0.01
     assert sched.until_prefetch(0.1, 6.04) == 0.1  # both due: the decision hands them over as room allows
+
+
+async def test_a_restore_holds_its_bytes_in_flight_and_its_kv_is_kept_from_waiting_work_until_the_revisit(
+        redis_db: RedisDb):
+    """A restore in flight holds its bytes in the KV budget (admission cannot give them away); once landed,
+    the agent's KV is not evicted to make room for waiting work until its tool's revisit time, and is after."""
+    sched, think, prefix, decided = await swapped(redis_db, "agent-kept")
+    restore_at = STARTED + WAIT_S - decided.transfer_s - 0.05
+    free = sched.capacity.free_bytes
+    assert sched.schedule(restore_at).prefetch == [think]
+    nbytes = sched.tool_waits.get("agent-kept").kv_bytes
+    assert nbytes > 0 and sched.capacity.free_bytes == free - nbytes  # held while the copy is in flight
+    landed_at = restore_at + decided.transfer_s
+    assert sched.prefetched(think, await sched.tiers.prefetch(think), landed_at)
+    assert sched.parked == [think] and sched.capacity.free_bytes == free - sched.parked_kv_bytes
+
+    per_token = sched.kv.params.kv_bytes_per_token
+    big = Request(request_id="big", prompt="x", prompt_tokens=sched.capacity.free_bytes // per_token + 1,
+                  max_tokens=1, arrival=landed_at)
+    assert sched.capacity.refusal(big) is not None
+    sched._now = landed_at
+    assert not sched._make_room(big)  # protected: the waiting request waits, the restored KV stays
+    assert sched.parked == [think]
+    sched._now = STARTED + decided.revisit_at_s + 1.0  # past the revisit time: no longer protected
+    assert sched._make_room(big)
+    assert sched.parked == []
+    await sched.tiers.aclose()

@@ -85,3 +85,17 @@ def test_a_dram_tier_that_keeps_nothing_reports_its_resumes_recomputed_not_resto
     assert report["tool_resumes"]["restored"] == 0 and report["restored_tokens"] == 0
     assert report["tool_resumes"]["recomputed"] > 0 and report["tool_resumes"]["restored_share"] == 0
     assert report["restored_token_share"] == 0
+
+
+def test_rag_prefill_answers_take_their_static_part_from_the_prefix_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    """--rag-prefill runs the same rag_answer arrivals without and with the early prefill: with it, each
+    answer's static part was prefilled ahead (the prefix cache holds its blocks), so the answers prefill
+    about the passages only; without it, nothing is shared."""
+    assert agents_bench.main(["--rag-prefill", "--seconds", "3", "--rag-rate", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tasks, tokens = report["tasks"], report["answer_prefill_tokens"]
+    assert tasks > 0
+    static = report["static_tokens_p50"]
+    assert tokens["without"] >= tasks * (static + 1)  # every answer prefilled its whole prompt
+    assert tokens["without"] - tokens["early"] >= tasks * (static - 16)  # all but at most one block each
+    assert set(report["ttft_p50_s"]) == {"without", "early"} and report["target_gain_s"] > 0

@@ -69,6 +69,8 @@ from switchyard_harness.bench.sched_bench import (
 )
 from switchyard_harness.bench.program_policies import POLICY_NAMES, AgentSimEngine, Workload, capacity_scale, run_policies
 from switchyard_harness.bench.program_policies import render as render_policies
+from switchyard_harness.bench.rag_prefill import RagLoad, run_rag_prefill
+from switchyard_harness.bench.rag_prefill import render as render_rag
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.sim import decode_seconds
 from switchyard.dispatcher.metrics import publish_stats
@@ -467,12 +469,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "the smallest scale at which fcfs's throughput reaches 95 %% of its peak)")
     policies.add_argument("--double-load", action="store_true",
                           help="also run fcfs and switchyard at twice the load fcfs can hold (the CORE SLO target)")
+    rag = parser.add_argument_group(
+        "rag_answer early prefill", "--rag-prefill runs rag_answer tasks without and with the early prefill of their "
+        "static part instead (switchyard_harness.bench.rag_prefill); --seconds and --seed apply")
+    rag.add_argument("--rag-prefill", action="store_true", help="rag_answer TTFT with and without early prefill")
+    rag.add_argument("--rag-rate", type=_positive, default=4.0, help="rag_answer tasks per second (4)")
+    rag.add_argument("--retrieval-s", type=_positive, default=0.2, help="retrieval's median seconds (0.2)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (2: bad config or arguments)."""
     args = build_parser().parse_args(argv)
+    if args.rag_prefill:
+        return _main_rag(args)
     if args.policies:
         args.drain_limit = args.drain_limit or 10.0
         return _main_policies(args)
@@ -507,6 +517,26 @@ def main(argv: list[str] | None = None) -> int:
         print(render(report))
         if args.out:
             print(f"\nwrote {args.out} and {Path(args.out).with_suffix('.png')}")
+        print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
+    return 0
+
+
+def _main_rag(args: argparse.Namespace) -> int:
+    """``--rag-prefill``: rag_answer TTFT without and with the early prefill (simulated clock)."""
+    try:
+        config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
+        if args.hbm_gb:
+            config = config.with_overrides(**{"sim.hbm_gb": args.hbm_gb})
+    except ConfigError as exc:
+        print(f"switchyard bench agents: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    report = run_rag_prefill(RagLoad(rate=args.rag_rate, seconds=args.seconds, retrieval_s=args.retrieval_s,
+                                     seed=args.seed), config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render_rag(report))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
     return 0
 

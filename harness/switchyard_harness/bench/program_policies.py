@@ -604,7 +604,7 @@ class PolicyRun:
                     agent.next_at = t + agent.tool_s
                     agent.resume = True
                     if self.spec.hints:  # the orchestrator announces the tool wait at its start
-                        decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t)
+                        decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t, tool=tool)
                         if decided is not None:
                             result.decisions[decided.decision.value] += 1
                             agent.decision = decided.decision.value

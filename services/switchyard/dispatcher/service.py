@@ -372,7 +372,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         planned back in HBM (:attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.warm_at_s`:
         the restore starts ``expected_wait_s - transfer - margin`` after now, at least one transfer after
         now, and takes one transfer: ``margin`` ahead of the tool's expected return when the round trip
-        fits in the wait); an agent back earlier has it restored at its next step's admission. ``tool`` is
+        fits in the wait; with the tool's returns measured, where the cost model lands it, and 0 when it plans
+        none ahead: the turn restores it at admission); an agent back earlier has it restored at its next
+        step's admission. ``tool`` is
         counted under its name when it is one of the orchestrator's registered tools
         (:data:`switchyard.common.metrics.TOOL_NAMES`), else as ``other``.
 

@@ -121,8 +121,9 @@ class KvBudget:
         return self.reserved_bytes + int(self._held_elsewhere()) + self.leaving_bytes
 
     def hold(self, nbytes: int) -> None:
-        """``nbytes`` of a request that left the running set stay in use: it belongs to the step in flight
-        (preempted mid-step); :meth:`end_hold` when that step ended and its KV left."""
+        """``nbytes`` outside the running set and the parked agents are in use: a request that left the
+        running set and belongs to the step in flight (preempted mid-step; :meth:`end_hold` when that step
+        ended and its KV left), or a planned restore in flight (until it lands or misses)."""
         self.leaving_bytes += max(0, nbytes)
 
     def end_hold(self, nbytes: int) -> None:

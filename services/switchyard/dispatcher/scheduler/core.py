@@ -46,7 +46,10 @@ This class is the only place that
 Runnable work never waits behind parked state: before a waiting request is
 refused for KV memory, parked agents' state leaves HBM for it, lowest value
 first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
-parked state is valued higher, so it leaves last, but it leaves.
+parked state is valued higher, so it leaves last, but it leaves. One bounded
+exception: an agent's KV restored for its turn by a planned restore, or kept
+by its tool-wait decision, stays until its tool's revisit time
+(:mod:`.tool_wait`): that turn is due by then and needs the prefix.
 
 A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
 and decides three things only: the order of the waiting set (its request
@@ -375,6 +378,9 @@ class SchedulerCore:
         if now >= self._next_fragmentation:  # O(running): read about once a second, not every decision
             self._next_fragmentation = now + FRAGMENTATION_INTERVAL_S
             self._fragmentation = self.fragmentation_ratio()
+        # Due restores take the free room before admission, unless waiting work of a higher class is there
+        # (its turn is expected about now: the room it takes its turn would take; the rest after admission).
+        out.prefetch = self._prefetches(now, self.queue.peek() if self.queue else None)
         projected = score
         wave = 0
         while self.queue:
@@ -399,7 +405,7 @@ class SchedulerCore:
             wave += 1
             projected += self.admission.expected.get(req.task_type)
         self._preempt(now, out)
-        out.prefetch = self._prefetches(now)  # after admission: runnable work takes the room first
+        out.prefetch += self._prefetches(now)
         for req in out.admitted:
             self.accounting.start(req, now, score, len(out.admitted))
         out.running = list(self._running)
@@ -568,22 +574,26 @@ class SchedulerCore:
         (:meth:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitPlans.next_restore_after`)."""
         return max(0.0, min(timeout, self.tool_waits.next_restore_after(now) - now))
 
-    def _prefetches(self, now: float) -> list[Request]:
+    def _prefetches(self, now: float, head: Request | None = None) -> list[Request]:
         """The swapped agents' parked steps whose restore is due at ``now`` and fits the KV budget's free
         room (one that does not waits for room, or for its turn); each gets its copy's key and tokens
-        (``swap_key``, ``swap_tokens``) for the loop's restore."""
+        (``swap_key``, ``swap_tokens``) for the loop's restore, and its bytes are held in the budget while
+        the copy is in flight (:meth:`prefetched` ends the hold). ``head``: the waiting head, when called
+        before admission: only restores of agents of its class or a higher one start then."""
         due = self.tool_waits.due(now)
         if not due:
             return []
-        room = self._free_bytes() if isinstance(self.capacity, KvBudget) else None
+        budget = self.capacity if isinstance(self.capacity, KvBudget) else None
         started = []
         for plan in due:
-            if room is not None:
-                if plan.kv_bytes > room:
-                    continue
-                room -= plan.kv_bytes
             req = plan.req
             assert req is not None
+            if head is not None and class_rank(req) > class_rank(head):
+                continue
+            if budget is not None:
+                if plan.kv_bytes > budget.free_bytes:
+                    continue
+                budget.hold(plan.kv_bytes)
             req.swap_key, req.swap_tokens = plan.key, plan.tokens
             self.tool_waits.started(plan)
             started.append(req)
@@ -597,6 +607,8 @@ class SchedulerCore:
         released and the DRAM copy is left for that turn's own restore."""
         plan = self.tool_waits.in_flight(req)
         key, req.swap_key, req.swap_tokens = req.swap_key, "", 0
+        if plan is not None and isinstance(self.capacity, KvBudget):
+            self.capacity.end_hold(plan.kv_bytes)  # held since its restore started (_prefetches)
         if plan is None:
             if restored > 0:
                 self.kv.free(req)
@@ -613,7 +625,7 @@ class SchedulerCore:
         req.num_computed_tokens = restored
         req.status = PARKED
         self.parking.park(req, now)
-        self.parking.keep_for(plan.agent_id, max(self.parking.ttl_s, plan.revisit_at - now))
+        self.parking.keep_for(plan.agent_id, max(0.0, plan.revisit_at - now))
         self.tiers.discard(key)
         self.counters.restored_tokens += restored
         return True
@@ -820,7 +832,9 @@ class SchedulerCore:
         decision = decide(ToolWaitInputs(
             expected_wait_s=expected_wait_s, kv_bytes=entry.kv_bytes, budget_bytes=budget,
             pressure=min(1.0, used / budget), transfer_s=self.tiers.transfer_seconds(entry.kv_bytes),
-            recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap()),
+            recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap(),
+            returns_s=self.tool_waits.return_times(tool, expected_wait_s),
+            cold_resume_weight=self.config.tool_wait_cold_resume_weight),
             grace_s=expected_wait_s)
         self._now = now
         plan = ToolWaitPlan(agent_id, tool, decision.decision, now, now + expected_wait_s,
@@ -829,8 +843,9 @@ class SchedulerCore:
             self.parking.keep_for(agent_id, now - entry.since + decision.revisit_at_s)
         elif decision.decision is Decision.SWAP:
             parked, nbytes = entry.req, entry.kv_bytes
-            if self.parking.move_out(agent_id, demote=True):  # a copy went to DRAM: plan its return
-                plan.restore_at = now + (decision.restore_at_s or 0.0)
+            if self.parking.move_out(agent_id, demote=True) and decision.restore_at_s is not None:
+                # a copy went to DRAM and its return is planned ahead of the turn
+                plan.restore_at = now + decision.restore_at_s
                 plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_id), tokens, nbytes
         else:
             self.parking.move_out(agent_id, demote=False)
@@ -916,7 +931,8 @@ class SchedulerCore:
         return self.parking.kv_bytes + self.kv.prefix_cache_bytes()
 
     def _make_room(self, req: Request) -> bool:
-        """Free KV until ``req`` fits, so that runnable work never waits behind parked state: parked
+        """Free KV until ``req`` fits, so that runnable work never waits behind parked state (but an agent's
+        KV restored or kept for its turn, until its tool's revisit time: :mod:`.tool_wait`): parked
         agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
@@ -928,6 +944,9 @@ class SchedulerCore:
         now = self._now
 
         def value(entry: ParkedAgent) -> float:
+            until = self.tool_waits.protected_until(entry.req.agent_id, entry.req)
+            if until is not None and now <= until:
+                return math.inf  # restored for its turn, expected by then: not evicted for waiting work
             return self._parked_value(entry, now)
 
         self._room_for = req

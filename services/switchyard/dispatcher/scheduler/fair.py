@@ -11,7 +11,8 @@ Order of the waiting set (smallest key first), fixed when a request joins it::
   ``now + slack``): :mod:`.slack` (least-laxity-first; earliest deadline
   first, Liu & Layland 1973). Slack comes from the request's ``time_left_s``,
   ``expected_remaining_work_s`` and its own expected service (the engine's
-  prefill of its uncomputed tokens).
+  prefill of its uncomputed tokens and its expected decode at the measured
+  step time: :meth:`FairScheduler.expected_service_s`).
 - The rest: the tenant's weighted attained service (llm-d inference
   scheduler's per-flow fairness, the flow being the tenant), then the agent
   session's (Autellix's program-level least attained service), then arrival:
@@ -45,6 +46,7 @@ Admission and preemption are the ``priority`` policy's.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from switchyard.common.config import SwitchyardConfig
@@ -55,6 +57,19 @@ from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
 from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
+
+
+OUTPUT_SAMPLES = 256
+"""Finished requests per task type whose output tokens give a request's expected decode."""
+
+OUTPUT_QUANTILE = 0.95
+"""Quantile of a task type's output tokens a request's expected decode budgets for. A step's length is not
+known before it runs (a react step ends in a short tool call or a long answer): slack and the early refusal
+count on a long one, so that a task refused is one that would likely miss and one admitted likely makes it
+(the mean let a core task's 400-token answer, decoded in a large batch, end 0.2 s past its deadline)."""
+
+STEP_EMA_ALPHA = 0.05
+"""Weight of the latest step in the moving average of a decode step's seconds."""
 
 
 class FairQueue(RequestQueue):
@@ -86,6 +101,9 @@ class FairScheduler(PriorityScheduler):
         self.ledger = FairnessLedger(policy.fairness_half_life_s, dict(policy.tenant_weights))
         """Attained service per tenant and session (``scheduler.fairness_half_life_s``, ``scheduler.tenant_weights``)."""
         self._charged = False  # service was charged since the waiting queue's keys were last computed
+        self._outputs: dict[str, deque[int]] = {}  # task type -> output tokens of its last finished requests
+        self._output_q: dict[str, int] = {}  # task type -> OUTPUT_QUANTILE of those
+        self._step_s = 0.0  # moving average of the seconds of a step with decodes (0: none measured)
         super().__init__(config, *args, **kwargs)
 
     def make_queue(self) -> RequestQueue:
@@ -93,8 +111,27 @@ class FairScheduler(PriorityScheduler):
         return FairQueue(self)
 
     def expected_service_s(self, req: Request) -> float:
-        """Seconds of engine time ``req`` is expected to need: the prefill of what it has not computed."""
-        return self.tiers.recompute_seconds(req.num_uncomputed_tokens)
+        """Seconds ``req`` is expected to need: the prefill of what it has not computed, plus its expected
+        decode: the :data:`OUTPUT_QUANTILE` quantile of the output tokens of the last
+        :data:`OUTPUT_SAMPLES` finished requests of its task type (less what it has produced) x the
+        measured seconds of one step with decodes (an exponential moving average,
+        :data:`STEP_EMA_ALPHA`; each decode gets one token a step, so under a large batch a token takes
+        longer). 0 for what is not measured yet (no finished request of the type, or an engine whose
+        results carry no step seconds): nothing is refused on a guess."""
+        prefill = self.tiers.recompute_seconds(req.num_uncomputed_tokens)
+        output = self._output_q.get(req.task_type)
+        if output is None or self._step_s <= 0:
+            return prefill
+        return prefill + max(0.0, output - len(req.output_tokens)) * self._step_s
+
+    def _learn(self, req: Request) -> None:
+        super()._learn(req)
+        outputs = self._outputs.get(req.task_type)
+        if outputs is None:
+            outputs = self._outputs[req.task_type] = deque(maxlen=OUTPUT_SAMPLES)
+        outputs.append(len(req.output_tokens))
+        ordered = sorted(outputs)
+        self._output_q[req.task_type] = ordered[min(len(ordered) - 1, int(OUTPUT_QUANTILE * len(ordered)))]
 
     def slack(self, req: Request, now: float) -> float:
         """``req``'s slack at ``now`` (:func:`switchyard.dispatcher.scheduler.slack.slack_s`), seconds."""
@@ -141,6 +178,9 @@ class FairScheduler(PriorityScheduler):
             if tokens > 0:
                 self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
                 self._charged = True
+        if batch.decode and result.seconds > 0:  # one token per decode: the step time is a token's
+            self._step_s = (result.seconds if self._step_s <= 0
+                            else self._step_s + STEP_EMA_ALPHA * (result.seconds - self._step_s))
         return super().update_from_output(batch, result, now)
 
     @staticmethod

@@ -14,7 +14,7 @@ keep, then swap)::
 
     keep  = wait x share x max(pressure, idle_price_floor)
     swap  = copy_cost_weight x 2 x transfer + max(0, 2 x transfer + margin - wait)
-    drop  = recompute
+    drop  = recompute x max(1, cold_resume_weight)
 
 - ``wait``: the tool's expected duration (seconds).
 - ``share``: the KV's part of the HBM KV budget (``kv_bytes / budget_bytes``).
@@ -30,11 +30,28 @@ keep, then swap)::
   compute), plus the stall the next turn sees when the round trip and the
   ``margin`` do not fit in the wait.
 - ``recompute``: the engine's prefill of the prefix, spent again at resume
-  (on the GPU and on the agent's path).
+  (on the GPU and on the agent's path), weighed as a cold resume's stall is
+  (``cold_resume_weight``, below).
+
+Once the tool has :data:`MIN_RETURNS` measured returns
+(:meth:`ToolWaitPlans.return_times`: the dispatcher's own record, per tool,
+of how long each call took from its announcement to its agent's next turn,
+as a ratio to the announced wait, scaled to this call's), ``wait`` in keep
+is their mean, and swap's stall term is the price of the best restore
+timing over them (:func:`restore_landing_s`): the KV held idle from its
+landing to the turn (``share x pressure`` a second) against the turns that
+come back before it and wait for their restore at admission
+(``cold_resume_weight x transfer`` each: that restore runs in front of a
+step, so the batch waits too). The critical landing time is a newsvendor's:
+where the return-time hazard meets the hold price over the cold price. A
+short tool is so kept; a long one lands late, or not ahead at all, as the
+weight says (``scheduler.tool_wait_cold_resume_weight``).
 
 A swap plans the KV's return ahead of the tool's expected return
-(:attr:`ToolWaitDecision.restore_at_s` = ``wait - transfer - margin``, never
-before the copy out has ended), so the next turn finds it warm: the scheduler
+(:attr:`ToolWaitDecision.restore_at_s` = ``landing - transfer - margin``, the
+landing :func:`restore_landing_s`'s, or ``wait`` while fewer than
+:data:`MIN_RETURNS` are measured; never before the copy out has ended), so the
+next turn finds it warm: the scheduler
 keeps each agent's plan (:class:`ToolWaitPlans`) and its decision at
 ``schedule(now)`` hands the restores that are due to the loop
 (``SchedulerOutput.prefetch``), which loads the DRAM copy back into the
@@ -42,8 +59,17 @@ agent's parked step and hands it back (``SchedulerCore.prefetched``): the
 agent is parked again, warm, and its next step takes the prefix over as from
 any parked step (the prefetch of KVFlow, Pan et al. 2025, timed here by the
 tool's measured duration instead of a workflow graph). A restore is started
-only when the KV budget has room for it; one that cannot start waits for room
-or for the turn.
+only when the KV budget has room for it (due restores take the free room
+before the decision's admissions, unless waiting work of a higher class than
+the agent's is there; the bytes of a restore in flight are held in the budget
+until it lands); one that cannot start waits for room or for the turn.
+
+A landed restore, and a kept KV, is not evicted to make room for waiting work
+until its revisit time (``SchedulerCore._make_room``): its turn is expected by
+then and will need that prefix; evicting it would spend the round trip for a
+cold resume. The bound is the revisit time (the measured returns' P95,
+:data:`REVISIT_QUANTILE`, or ``wait + grace``); then the KV leaves HBM under
+the parking's expiry. The emergency HBM scan still evicts it.
 
 Early and late returns:
 
@@ -52,10 +78,10 @@ Early and late returns:
   admission (the step loop's restore before that step's prefill), and the turn
   waits for the transfer (what :func:`on_return` prices): a cold resume, the
   prefetch counted ``early``.
-- A tool that returns *late* finds its KV restored and parked, held under the
-  same rules as any parked step (the parking TTL from when it came back, at
-  least until the tool's revisit time ``wait + grace``; evicted by value for
-  room): if it is still parked at the turn, a warm resume. A prefetch whose KV
+- A tool that returns *late* finds its KV restored and parked until the
+  tool's revisit time (the returns' P95, or ``wait + grace``): if it is still
+  parked at the turn, a warm resume; past it the KV leaves HBM (to DRAM
+  where cheaper) and the turn restores it at admission. A prefetch whose KV
   is still unclaimed at the revisit time is counted ``late`` (it sat idle in
   HBM past the tool's expected return and its grace).
 - Otherwise the KV landed before the turn, and the turn came by the revisit
@@ -77,7 +103,10 @@ it out.
 from __future__ import annotations
 
 import enum
-from collections import Counter, OrderedDict
+import heapq
+import itertools
+import math
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from switchyard.dispatcher.request import Request
@@ -94,6 +123,7 @@ __all__ = [
     "decide",
     "on_return",
     "residual_wait_s",
+    "restore_landing_s",
 ]
 
 
@@ -132,11 +162,18 @@ class ToolWaitInputs:
     """Seconds the restore is planned to end ahead of the tool's expected return."""
     copy_cost_weight: float = 0.1
     idle_price_floor: float = 0.25
+    returns_s: tuple[float, ...] = ()
+    """The tool's measured return times for this wait, seconds after its start, ascending (the learned
+    distribution: :meth:`ToolWaitPlans.return_times`); empty: too few measured, the restore is timed by
+    ``expected_wait_s`` alone."""
+    cold_resume_weight: float = 1.0
+    """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``)."""
 
     def __post_init__(self) -> None:
         for name, value in (("expected_wait_s", self.expected_wait_s), ("transfer_s", self.transfer_s),
                             ("recompute_s", self.recompute_s), ("margin_s", self.margin_s),
-                            ("copy_cost_weight", self.copy_cost_weight)):
+                            ("copy_cost_weight", self.copy_cost_weight),
+                            ("cold_resume_weight", self.cold_resume_weight)):
             if value < 0:
                 raise ValueError(f"{name}: expected >= 0, got {value!r}")
         if self.kv_bytes < 0:
@@ -147,6 +184,8 @@ class ToolWaitInputs:
             raise ValueError(f"pressure: expected a fraction >= 0, got {self.pressure!r}")
         if not 0 <= self.idle_price_floor <= 1:
             raise ValueError(f"idle_price_floor: expected a fraction 0..1, got {self.idle_price_floor!r}")
+        if any(b < a for a, b in zip(self.returns_s, self.returns_s[1:])) or any(r < 0 for r in self.returns_s):
+            raise ValueError("returns_s: expected ascending seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -181,16 +220,21 @@ class ToolWaitDecision:
 
 
 def costs(inputs: ToolWaitInputs) -> ToolWaitCosts:
-    """Each option's price (the module docstring's cost model)."""
+    """Each option's price (the module docstring's cost model; with the tool's measured returns, keep is
+    priced over their mean and swap's stall term is the cheapest restore timing's, :func:`restore_landing_s`)."""
     share = inputs.kv_bytes / inputs.budget_bytes
     pressure = min(1.0, max(inputs.pressure, inputs.idle_price_floor))
-    keep = inputs.expected_wait_s * share * pressure
+    measured = len(inputs.returns_s) >= MIN_RETURNS
+    wait = sum(inputs.returns_s) / len(inputs.returns_s) if measured else inputs.expected_wait_s
+    keep = wait * share * pressure
     round_trip = 2 * inputs.transfer_s
     if inputs.can_swap and inputs.kv_bytes > 0:
-        swap = inputs.copy_cost_weight * round_trip + max(0.0, round_trip + inputs.margin_s - inputs.expected_wait_s)
+        stall = (_landing(inputs)[1] if measured
+                 else max(0.0, round_trip + inputs.margin_s - inputs.expected_wait_s))
+        swap = inputs.copy_cost_weight * round_trip + stall
     else:
         swap = float("inf")
-    return ToolWaitCosts(keep=keep, swap=swap, drop=inputs.recompute_s)
+    return ToolWaitCosts(keep=keep, swap=swap, drop=inputs.recompute_s * max(1.0, inputs.cold_resume_weight))
 
 
 def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
@@ -212,9 +256,70 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
     decision = min((priced.keep, 0, Decision.KEEP), (priced.swap, 1, Decision.SWAP),
                    (priced.drop, 2, Decision.DROP))[2]
     restore_at = None
+    measured = len(inputs.returns_s) >= MIN_RETURNS
+    revisit = (max(_quantile(inputs.returns_s, REVISIT_QUANTILE), 2 * inputs.transfer_s) if measured
+               else inputs.expected_wait_s + grace_s)
     if decision is Decision.SWAP:
-        restore_at = max(inputs.transfer_s, inputs.expected_wait_s - inputs.transfer_s - inputs.margin_s)
-    return ToolWaitDecision(decision, restore_at, inputs.expected_wait_s + grace_s, priced, inputs.transfer_s)
+        if measured:
+            landing = restore_landing_s(inputs)
+            if landing is not None:
+                restore_at = max(inputs.transfer_s, landing - inputs.transfer_s - inputs.margin_s)
+                revisit = max(revisit, restore_at + inputs.transfer_s)
+        else:
+            restore_at = max(inputs.transfer_s, inputs.expected_wait_s - inputs.transfer_s - inputs.margin_s)
+    return ToolWaitDecision(decision, restore_at, revisit, priced, inputs.transfer_s)
+
+
+MIN_RETURNS = 8
+"""Measured returns of a tool before its restores are timed by their distribution (:func:`restore_landing_s`)."""
+
+REVISIT_QUANTILE = 0.95
+"""With a measured distribution, a tool counts as late past this quantile of its return times (the revisit
+time): a kept or restored KV is protected from eviction for waiting work until then, and leaves HBM after."""
+
+
+def _quantile(ordered: tuple[float, ...], q: float) -> float:
+    """Nearest-rank ``q`` quantile of the ascending ``ordered`` (not empty)."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def restore_landing_s(inputs: ToolWaitInputs) -> float | None:
+    """When a swapped agent's KV should be back in HBM (seconds after the tool started), from the tool's
+    measured return times; None: not ahead of the turn at all (the turn restores at admission).
+
+    Each candidate landing time ``x`` (a measured return time; the earliest possible is two transfers,
+    out and back) is priced in engine-seconds, as :func:`costs` prices keeping::
+
+        hold(x) = share x max(pressure, idle_price_floor) x E[(return - x)+]
+        cold(x) = cold_resume_weight x transfer x P(return < x)
+
+    the KV held idle from its landing to the turn, against the turns that come back before it and wait
+    for their restore at admission (a newsvendor trade-off: the critical landing time is where the
+    return-time hazard meets hold price / cold price). Not restoring ahead costs ``cold(inf)`` =
+    ``cold_resume_weight x transfer``. The cheapest wins (among equals the earliest landing; restoring
+    ahead only when it is strictly cheaper than not).
+    """
+    return _landing(inputs)[0]
+
+
+def _landing(inputs: ToolWaitInputs) -> tuple[float | None, float]:
+    """(:func:`restore_landing_s`'s landing time, its price in engine-seconds)."""
+    returns = inputs.returns_s
+    n = len(returns)
+    share = inputs.kv_bytes / inputs.budget_bytes
+    hold = share * min(1.0, max(inputs.pressure, inputs.idle_price_floor))
+    cold = inputs.cold_resume_weight * inputs.transfer_s
+    earliest = 2 * inputs.transfer_s
+    best, best_cost = None, cold  # never ahead: every turn restores at admission
+    tail = sum(returns)
+    for k, x in enumerate(returns):  # x = returns[k]; returns[:k] come back before it (cold)
+        if k:
+            tail -= returns[k - 1]
+        at = max(x, earliest)
+        cost = hold * max(0.0, tail - (n - k) * at) / n + cold * k / n
+        if cost < best_cost:
+            best, best_cost = at, cost
+    return best, best_cost
 
 
 def residual_wait_s(elapsed_s: float, expected_wait_s: float) -> float:
@@ -296,13 +401,28 @@ class ToolWaitPlan:
     counted_late: bool = False
 
 
+RETURNS_KEPT = 128
+"""Measured returns kept per tool (newest): the distribution restores are timed by."""
+
+SIMILAR_ANNOUNCEMENT = 2.0
+"""A measured return informs a new call's timing when their announced waits are within this factor."""
+
+
 @dataclass
 class ToolWaitPlans:
-    """The tool-wait plans by agent, and the per-tool counts of their outcomes.
+    """The tool-wait plans by agent, the per-tool counts of their outcomes, and each tool's measured returns.
 
     Counts (each only grows; keys ``(tool, label)``): ``decisions`` by decision, ``resumes`` by
     :data:`RESUME_KINDS`, ``prefetches`` by :data:`PREFETCH_TIMINGS`. The scheduler owns one and its
     clock; nothing here reads a clock.
+
+    Returns: each plan that ends with its agent's turn (:meth:`on_turn`) adds, under its tool, how long the
+    tool took against what was announced (``(turn - start) / expected wait``, a ratio, so that one label
+    holding several tools, ``other``, and an estimate that moves still give one distribution); the last
+    :data:`RETURNS_KEPT` per tool. :meth:`return_times` scales them by a new call's announced wait.
+
+    Due restores are kept in a heap by due time (and landed ones by revisit time), so a decision's
+    :meth:`due` costs O(log plans) per plan that falls due, not a scan of every plan.
     """
 
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -310,6 +430,11 @@ class ToolWaitPlans:
     prefetches: Counter[tuple[str, str]] = field(default_factory=Counter)
     _plans: OrderedDict[str, ToolWaitPlan] = field(default_factory=OrderedDict)
     _in_flight: dict[int, ToolWaitPlan] = field(default_factory=dict)  # id(plan.req) -> its plan
+    _restores: list[tuple[float, int, ToolWaitPlan]] = field(default_factory=list)  # heap: (restore_at, n, plan)
+    _overdue: list[ToolWaitPlan] = field(default_factory=list)  # due, not started (no room yet): by restore_at
+    _landed: list[tuple[float, int, ToolWaitPlan]] = field(default_factory=list)  # heap: (revisit_at, n, plan)
+    _returns: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # tool -> (announced s, ratio)
+    _order: itertools.count = field(default_factory=itertools.count)
 
     def add(self, plan: ToolWaitPlan) -> None:
         """``plan`` replaces any earlier plan of its agent; counted under its tool and decision."""
@@ -318,34 +443,55 @@ class ToolWaitPlans:
         self.decisions[(plan.tool, plan.decision.value)] += 1
         while len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
+        if plan.state == _PLANNED and plan.restore_at is not None:
+            heapq.heappush(self._restores, (plan.restore_at, next(self._order), plan))
 
     def get(self, agent_id: str) -> ToolWaitPlan | None:
         return self._plans.get(agent_id)
 
+    def _pending(self, plan: ToolWaitPlan) -> bool:
+        """``plan``'s restore is still to start: it is its agent's plan and planned."""
+        return plan.state == _PLANNED and plan.restore_at is not None and self._plans.get(plan.agent_id) is plan
+
+    def _fall_due(self, now: float) -> None:
+        """Move the plans due by ``now`` from the heap to the overdue list (stale heap entries dropped)."""
+        heap = self._restores
+        moved = False
+        while heap and (heap[0][0] <= now or not self._pending(heap[0][2])):
+            _, _, plan = heapq.heappop(heap)
+            if self._pending(plan):
+                self._overdue.append(plan)
+                moved = True
+        if moved:
+            self._overdue.sort(key=lambda p: p.restore_at or 0.0)
+
     @property
     def next_restore_at(self) -> float:
         """The earliest due time of a restore not yet started (monotonic seconds; inf: none)."""
+        self._overdue = [p for p in self._overdue if self._pending(p)]
+        if self._overdue:
+            return self._overdue[0].restore_at or 0.0
         return self.next_restore_after(float("-inf"))
 
     def next_restore_after(self, now: float) -> float:
         """The earliest due time after ``now`` of a restore not yet started (monotonic seconds; inf: none).
         Restores due by ``now`` that have not started (no room in the KV budget yet) are left out: they
         start at a decision that finds room, and must not hide a later one's due time."""
-        return min((p.restore_at for p in self._plans.values()
-                    if p.state == _PLANNED and p.restore_at is not None and p.restore_at > now),
-                   default=float("inf"))
+        self._fall_due(now)
+        return self._restores[0][0] if self._restores else float("inf")
 
     def due(self, now: float) -> list[ToolWaitPlan]:
         """Plans whose restore is due at ``now`` and not started, earliest first; and a landed restore still
         unclaimed past its revisit time is counted, its tool ``late`` (once)."""
-        due = []
-        for plan in self._plans.values():
-            if plan.state == _PLANNED and plan.restore_at is not None and plan.restore_at <= now:
-                due.append(plan)
-            elif plan.state == _LANDED and not plan.counted_late and now > plan.revisit_at:
+        self._fall_due(now)
+        self._overdue = [p for p in self._overdue if self._pending(p)]
+        landed = self._landed
+        while landed and landed[0][0] < now:
+            _, _, plan = heapq.heappop(landed)
+            if plan.state == _LANDED and not plan.counted_late and self._plans.get(plan.agent_id) is plan:
                 plan.counted_late = True
                 self.prefetches[(plan.tool, "late")] += 1
-        return sorted(due, key=lambda p: p.restore_at or 0.0)
+        return list(self._overdue)
 
     def started(self, plan: ToolWaitPlan) -> None:
         """``plan``'s restore was handed to the loop."""
@@ -360,14 +506,23 @@ class ToolWaitPlans:
         """``plan``'s restore ended: ``landed`` (parked again, warm) or not (a miss; the turn restores)."""
         self._in_flight.pop(id(plan.req), None)
         plan.state = _LANDED if landed else _MISSED
+        if landed:
+            heapq.heappush(self._landed, (plan.revisit_at, next(self._order), plan))
 
     def on_turn(self, agent_id: str, now: float, warm: bool) -> ToolWaitPlan | None:
         """The agent's next turn arrived at ``now``, its prefix ``warm`` in HBM or not: its plan ends, the
-        resume and (SWAP) the prefetch's timing are counted. Returns the plan (None when it had none)."""
+        resume and (SWAP) the prefetch's timing are counted, and the tool's return is measured. Returns the
+        plan (None when it had none)."""
         plan = self._plans.pop(agent_id, None)
         if plan is None:
             return None
         self.resumes[(plan.tool, "warm" if warm else "cold")] += 1
+        expected = plan.expected_return_at - plan.started_at
+        if expected > 0 and now >= plan.started_at:
+            kept = self._returns.get(plan.tool)
+            if kept is None:
+                kept = self._returns[plan.tool] = deque(maxlen=RETURNS_KEPT)
+            kept.append((expected, (now - plan.started_at) / expected))
         if plan.restore_at is not None:  # a swap whose copy went to DRAM: its restore was planned
             if plan.state == _LANDED:
                 if not plan.counted_late:
@@ -377,6 +532,29 @@ class ToolWaitPlans:
                 if plan.state == _RESTORING:
                     plan.claimed = True
         return plan
+
+    def protected_until(self, agent_id: str, req: Request) -> float | None:
+        """When the protection of ``agent_id``'s restored KV (its parked step ``req``, landed by a planned
+        restore) from eviction for waiting work ends: its plan's revisit time (monotonic seconds); None when
+        that step is not a landed restore of the agent's current plan."""
+        plan = self._plans.get(agent_id)
+        if plan is None:
+            return None
+        if plan.decision is Decision.KEEP or (plan.state == _LANDED and plan.req is req):
+            return plan.revisit_at
+        return None
+
+    def return_times(self, tool: str, expected_wait_s: float) -> tuple[float, ...]:
+        """``tool``'s measured returns scaled to a call announced at ``expected_wait_s`` (seconds after its
+        start, ascending), from the calls announced within a factor of :data:`SIMILAR_ANNOUNCEMENT` of it
+        (a tool's first calls, announced at a cold estimate, or another tool under the same label, say
+        little of this one); empty while fewer than :data:`MIN_RETURNS` such are measured."""
+        kept = self._returns.get(tool)
+        if kept is None or expected_wait_s <= 0:
+            return ()
+        low, high = expected_wait_s / SIMILAR_ANNOUNCEMENT, expected_wait_s * SIMILAR_ANNOUNCEMENT
+        times = sorted(ratio * expected_wait_s for announced, ratio in kept if low <= announced <= high)
+        return tuple(times) if len(times) >= MIN_RETURNS else ()
 
     def __len__(self) -> int:
         return len(self._plans)
