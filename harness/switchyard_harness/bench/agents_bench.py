@@ -521,14 +521,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_rag(args: argparse.Namespace) -> int:
-    """``--rag-prefill``: rag_answer TTFT without and with the early prefill (simulated clock)."""
+def _config(args: argparse.Namespace) -> SwitchyardConfig | None:
+    """The config the run uses (``--config-dir``, ``--hbm-gb``); None, the problem printed, when it is bad."""
     try:
         config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
-        if args.hbm_gb:
-            config = config.with_overrides(**{"sim.hbm_gb": args.hbm_gb})
+        return config.with_overrides(**{"sim.hbm_gb": args.hbm_gb}) if args.hbm_gb else config
     except ConfigError as exc:
         print(f"switchyard bench agents: {exc}", file=sys.stderr)
+        return None
+
+
+def _main_rag(args: argparse.Namespace) -> int:
+    """``--rag-prefill``: rag_answer TTFT without and with the early prefill (simulated clock)."""
+    config = _config(args)
+    if config is None:
         return 2
     started = time.perf_counter()
     report = run_rag_prefill(RagLoad(rate=args.rag_rate, seconds=args.seconds, retrieval_s=args.retrieval_s,
@@ -553,12 +559,8 @@ def _main_policies(args: argparse.Namespace) -> int:
     if args.tenant_agents < 1 or args.noisy_agents < 1:
         print("switchyard bench agents: --tenant-agents and --noisy-agents: expected at least 1", file=sys.stderr)
         return 2
-    try:
-        config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
-        if args.hbm_gb:
-            config = config.with_overrides(**{"sim.hbm_gb": args.hbm_gb})
-    except ConfigError as exc:
-        print(f"switchyard bench agents: {exc}", file=sys.stderr)
+    config = _config(args)
+    if config is None:
         return 2
     workload = Workload(tenant_agents=args.tenant_agents, noisy_agents=args.noisy_agents, mix=args.mix,
                         prompt_tokens=args.prompt_tokens, tool_calls=args.tool_calls, call_tokens=args.call_tokens,
