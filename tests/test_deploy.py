@@ -629,6 +629,21 @@ def test_prometheus_adapter_serves_the_hpa_metrics(base):
     sources = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "services").rglob("*.py"))
     for series in served.values():
         assert f'"{series}"' in sources, f"{series}: no service exports this Prometheus series"
+    for kind in ("custom", "external"):  # agents in flight: the running tasks and the backlog's queued ones
+        [rule] = [r for r in values["rules"][kind] if r["name"]["as"] == "agent_concurrent_count"]
+        query = rule["metricsQuery"]
+        assert "<<.Series>>" in query and re.search(r'switchyard_submitted_tasks\{state="queued",<<\.LabelMatchers>>\}',
+                                                    query), query
+        rendered = query.replace("<<.Series>>", "switchyard_agents_concurrent").replace(
+            "<<.LabelMatchers>>", 'namespace="switchyard"').replace("<<.GroupBy>>", "namespace")
+        depth = 0
+        for char in rendered:  # the adapter's template renders to one expression: its brackets pair up
+            depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(char, 0)
+            assert depth >= 0, rendered
+        assert depth == 0, rendered
+        queried = set(re.findall(r"\b(switchyard_\w+)\{", query))
+        assert queried == {"switchyard_submitted_tasks"}, queried
+        assert '"switchyard_submitted_tasks"' in sources and '"queued"' in sources
 
 
 def test_compose_jaeger_has_otlp_on(traced):

@@ -7,6 +7,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import re
 
 import grpc
 import httpx
@@ -474,6 +475,32 @@ async def test_a_body_that_stalls_short_of_its_content_length_gets_408_and_the_c
         error = json.loads(body)["error"]
         assert error["code"] == "DEADLINE_EXCEEDED" and "orchestrator.http.body_read_timeout_s" in error["message"]
         assert (await client.get("/openapi.json")).status_code == 200  # the face serves on
+        assert down.requests == []
+
+
+async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_a_traceback(caplog):
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        cases = ((b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nX-Agent-Id: " + b"a" * 9000 + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}", 431, "headers: a header line"),
+                 (b"GET /openapi.json HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", 400, "request: not a well-formed"))
+        for request, status, message in cases:
+            caplog.clear()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), timeout=30)  # to EOF: the face closes the connection
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert re.match(rb"HTTP/1\.[01] %d " % status, head), answer[:300]  # 1.0: no request line was read
+            assert b"application/json" in head.lower()
+            error = json.loads(body)["error"]
+            assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith(message), error
+            refused = [r for r in caplog.records if "refused a request" in r.getMessage()]
+            assert len(refused) == 1 and refused[0].exc_info is None and "aaaa" not in refused[0].getMessage()
+            assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+        within = await client.get("/openapi.json", headers={"X-Agent-Id": "a" * 8000})
+        assert within.status_code == 200  # 8000 bytes is within the bound
         assert down.requests == []
 
 

@@ -154,3 +154,46 @@ async def test_a_sqlite_file_from_before_agent_ids_gets_the_column_and_keeps_its
     await store.create("new-1", "fp", "", agent_id="agent-1")
     assert (await store.latest_of_agent("agent-1")).task_id == "new-1"
     await store.close()
+
+
+async def test_creates_at_once_are_each_recorded_once_and_a_task_id_given_twice_answers_one_record(make_store):
+    """SQLite commits the creates that wait together in one transaction: the answers are still per task."""
+    import asyncio
+
+    store = await make_store()
+    ids = [f"g-{i}" for i in range(40)] + ["g-3", "g-17"]  # two given again within the same burst
+    answers = await asyncio.gather(*(store.create(task_id, fingerprint({"n": n}), f"trace-{n}")
+                                     for n, task_id in enumerate(ids)))
+    for task_id in set(ids):  # one create of each task_id made it; every answer reports the one record
+        mine = [(record, created) for (record, created), given in zip(answers, ids) if given == task_id]
+        assert sum(created for _, created in mine) == 1, mine
+        assert len({record.trace_id for record, _ in mine}) == 1, mine
+    for task_id in ids:
+        assert (await store.get(task_id)).state == agent_pb2.QUEUED
+    await store.close()
+
+
+async def test_a_failed_group_of_creates_fails_each_of_them_and_records_none(tmp_path):
+    import asyncio
+    import sqlite3
+
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    path = tmp_path / "tasks.sqlite3"
+    store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
+    await store.open()
+    first = asyncio.ensure_future(store.create("held-0", "fp", ""))  # on the store's thread now
+    await asyncio.sleep(0)
+    blocker = sqlite3.connect(path, timeout=0)
+    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the file past the store's busy timeout
+    store._db.execute("PRAGMA busy_timeout = 50")
+    answers = await asyncio.gather(first, *(store.create(f"held-{i}", "fp", "") for i in range(1, 5)),
+                                   return_exceptions=True)
+    blocker.rollback()
+    blocker.close()
+    failed = [a for a in answers if isinstance(a, TaskStoreUnavailable)]
+    assert failed, answers
+    for answer, task_id in zip(answers, [f"held-{i}" for i in range(5)]):
+        recorded = await store.get(task_id)
+        assert (recorded is None) == isinstance(answer, TaskStoreUnavailable), (task_id, answer)
+    await store.close()

@@ -7,6 +7,7 @@ which takes its own options).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -23,6 +24,25 @@ from switchyard.common.server import Service, serve_until_signal, start_server
 from switchyard.common.cli_text import parser_for
 
 log = logging.getLogger(__name__)
+
+GC_GEN0_THRESHOLD = 7000
+"""Allocations (net of frees) that start a collection of the youngest generation once a service serves:
+ten times CPython's 700, so a loaded loop collects a tenth as often (each collection scans only what is
+new since the last, so they take longer by less than that)."""
+
+
+def freeze_startup_heap() -> None:
+    """Once a service is up: collect once, then move everything alive (modules, config, the compiled
+    protos, clients, index and model handles) to the permanent generation, so that no later collection
+    scans it again (``gc.freeze``), and raise the youngest generation's threshold to
+    :data:`GC_GEN0_THRESHOLD`. What start-up built lives as long as the process; the full collections a
+    loaded service runs otherwise scan all of it each time (measured under the reference submit load: the
+    orchestrator paused 556 ms of 8 s in 127 collections)."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
 
 def _orchestrator(config: SwitchyardConfig) -> Service:
     from switchyard.orchestrator.service import OrchestratorService
@@ -124,6 +144,7 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
         metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
                                                             profile=profile_endpoint(service, config))
         lag_monitor = process_metrics.start_loop_lag_monitor()
+        freeze_startup_heap()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)
         if port_file:
             http_port = next((face.port for face in faces if face is not service), None)

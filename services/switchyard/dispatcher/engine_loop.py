@@ -513,8 +513,10 @@ class StepLoop(LoopBase):
 
     async def _turn(self, running: list[Request], restore: list[Request]) -> None:
         """Prefill the newcomers among ``running`` (core ones first, then the DRAM copies of ``restore`` come
-        back), then decode until the slice ends or the running set changes."""
+        back), then decode until the slice ends or the running set changes; a turn that has run no step by
+        then decodes once whatever waits, so the running set always moves on."""
         engine, scheduler = self.engine, self.scheduler
+        steps_before = self.steps
         waits_restore = set(restore)
         if any(not s.needs_prefill for s in running if s not in waits_restore):
             core = [s for s in running if s.needs_prefill and s not in waits_restore
@@ -554,13 +556,18 @@ class StepLoop(LoopBase):
                 await self._step(group, [], preemptible=preemptible)
                 if self._left(group) or self._joined:
                     return
+        # The decode slice. Work that waits (buffered, joined, a core request refused admission) ends it at
+        # the next step, not before the first: a turn that ran no step yet decodes once, else a request that
+        # waits for room only the running set can free (its KV, by finishing) would stop that set for good.
         slice_end = time.monotonic() + self.time_slice_s
-        while (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
-               and time.monotonic() < slice_end):
+        stepped = self.steps != steps_before
+        while not stepped or (not scheduler.intake.active_size and not self._joined and not scheduler.core_waiting
+                              and time.monotonic() < slice_end):
             decode = [s for s in running if not s.needs_prefill and s.status is RequestStatus.RUNNING]
             if not decode:
                 break
             await self._step([], decode, preemptible=True)
+            stepped = True
             if self._left(decode):
                 break
 

@@ -26,7 +26,8 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
-or the face's own: 405 (a wrong method, UNIMPLEMENTED), 413 and 415
+or the face's own: 405 (a wrong method, UNIMPLEMENTED), 413, 415 and 431 (a
+header line past 8190 bytes; a request aiohttp's parser refuses otherwise is 400)
 (INVALID_ARGUMENT), 408 (the body not whole within
 ``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes).
 A stream that fails after its first event ends with an ``error`` event of the
@@ -46,7 +47,8 @@ import ssl
 from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
-from aiohttp import web
+from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from pydantic import ValidationError
 
 from switchyard import __version__
@@ -157,6 +159,50 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     return context
 
 
+MAX_FIELD_BYTES = 8190
+"""aiohttp's bound on one header line (and the request line), bytes: past it the request is refused as
+431 (:class:`_JsonProtocolErrors`)."""
+
+
+class _JsonProtocolErrors(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering a request its parser refused (a header or request line past
+    :data:`MAX_FIELD_BYTES`, too many headers, a malformed request) in the face's JSON error shape:
+    INVALID_ARGUMENT, 431 for a line too long, else 400, with the parser's reason, logged as one line
+    without a traceback (a client's mistake, not the server's). Other errors are aiohttp's own."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError) or status != 400:
+            return super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong) or "too long" in str(exc.message).lower():
+            status, detail = 431, (f"headers: a header line (or the request line) is past {MAX_FIELD_BYTES} bytes; "
+                                   "send large values in the body")
+        else:
+            detail = f"request: not a well-formed HTTP/1.1 request ({exc.message})"  # to its own client only
+        # The parser's reason quotes the request's bytes (a header, perhaps a token): the log names its kind only.
+        log.warning("HTTP face: refused a request from %s: %d (%s)", request.remote, status, type(exc).__name__)
+        response = web.json_response(error_body(grpc.StatusCode.INVALID_ARGUMENT, detail), status=status)
+        response.force_close()  # the rest of the connection's bytes cannot be trusted to start a request
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    """aiohttp's server, its connections handled by :class:`_JsonProtocolErrors`."""
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose server is a :class:`_JsonErrorServer` (the application's own server, its class
+    changed: the same handler, request factory and settings)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer
+        return server
+
+
 class HttpFace(Drains):
     """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
     started after it, drained and stopped before it).
@@ -216,8 +262,9 @@ class HttpFace(Drains):
         host = self.config.server.host
         # handler_cancellation: a client that leaves cancels its handler (aiohttp's default since 3.9 is to
         # let it run), so RunTask's task is cancelled as a gRPC call's is when its caller goes.
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=self.config.server.shutdown_grace_s)
+        self._runner = _Runner(self.app(), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=self.config.server.shutdown_grace_s, max_field_size=MAX_FIELD_BYTES,
+                               max_line_size=MAX_FIELD_BYTES)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, self.port, ssl_context=tls_context(self.config.server.tls),
                                  reuse_port=False)

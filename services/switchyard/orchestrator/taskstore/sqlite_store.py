@@ -56,6 +56,11 @@ AGENT_INDEX = "CREATE INDEX IF NOT EXISTS tasks_by_agent ON tasks (agent_id, cre
 COLUMNS = ("task_id", "fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result",
            "timings", "created_at", "updated_at", "finished_at")
 UPDATABLE = frozenset({"error", "result", "timings", "finished_at"})
+CREATE = (f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
+          "ON CONFLICT (task_id) DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
+          + " WHERE tasks.finished_at IS NOT NULL AND tasks.finished_at < ?")
+"""A task's record, or a finished one past its retention under the same task_id taken over (params: COLUMNS'
+values, then the created_at before which a finished record counts as expired)."""
 
 
 def _record(row: tuple[Any, ...]) -> TaskRecord:
@@ -72,6 +77,10 @@ class SqliteTaskStore(TaskStore):
         self.path = Path(config.sqlite_path)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="task-store")
         self._db: sqlite3.Connection | None = None
+        self._creates: list[tuple[TaskRecord, list[Any], asyncio.Future[tuple[TaskRecord, bool]]]] = []
+        """Creates waiting for the batch on the store's thread to end (group commit, :meth:`_create`)."""
+        self._creating = False
+        """A batch of creates is on the store's thread."""
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
@@ -113,25 +122,61 @@ class SqliteTaskStore(TaskStore):
         self._thread.shutdown(wait=True)
 
     async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
+        """Group commit: creates that arrive while one batch is on the store's thread wait and go together,
+        in one transaction (one commit, one thread hop) when it is done; each is answered after that commit.
+
+        Raises:
+            TaskStoreUnavailable: the batch's transaction failed (every create of it fails, none is recorded).
+        """
         expired_before = record.created_at - self.config.retention_s
         stored = record.fields()
-        values = [stored[c] for c in COLUMNS]
+        future: asyncio.Future[tuple[TaskRecord, bool]] = asyncio.get_running_loop().create_future()
+        self._creates.append((record, [*(stored[c] for c in COLUMNS), expired_before], future))
+        if not self._creating:
+            self._create_batch()
+        return await future
 
-        def create(db: sqlite3.Connection) -> tuple[TaskRecord, bool]:
-            # Insert, or take over a finished record past its retention that the purge has not removed yet.
-            cursor = db.execute(
-                f"INSERT INTO tasks ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
-                "ON CONFLICT (task_id) DO UPDATE SET "
-                + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
-                + " WHERE tasks.finished_at IS NOT NULL AND tasks.finished_at < ?",
-                [*values, expired_before],
-            )
-            if cursor.rowcount == 1:
-                return record, True
-            row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ?", (record.task_id,)).fetchone()
-            return _record(row), False
+    def _create_batch(self) -> None:
+        """Send the creates waiting now to the store's thread as one transaction; the next batch starts when
+        it is done."""
+        batch, self._creates = self._creates, []
+        self._creating = True
 
-        return await self._run(create)
+        def create_all(db: sqlite3.Connection) -> list[tuple[TaskRecord, bool]]:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                results = []
+                for record, params, _ in batch:
+                    # Insert, or take over a finished record past its retention that the purge has not removed.
+                    if db.execute(CREATE, params).rowcount == 1:
+                        results.append((record, True))
+                    else:
+                        row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ?",
+                                         (record.task_id,)).fetchone()
+                        results.append((_record(row), False))
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            return results
+
+        def answer(done: asyncio.Task[list[tuple[TaskRecord, bool]]]) -> None:
+            self._creating = False
+            if self._creates:
+                self._create_batch()
+            error = None if done.cancelled() else done.exception()
+            for i, (_, _, future) in enumerate(batch):
+                if future.done():  # its caller went away
+                    continue
+                if done.cancelled():
+                    future.cancel()
+                elif error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(done.result()[i])
+
+        asyncio.ensure_future(self._run(create_all)).add_done_callback(answer)
 
     async def _get(self, task_id: str) -> TaskRecord | None:
         expired_before = time.time() - self.config.retention_s
