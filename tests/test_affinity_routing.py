@@ -18,6 +18,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.server import RunningServer, running, start_server
+from switchyard.dispatcher.processor import RequestProcessor
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.service import OrchestratorService
 from fast_sim import FAST
@@ -26,13 +27,12 @@ pytestmark = pytest.mark.no_gpu
 
 
 
-class Recording(DispatcherService):
-    """A sim dispatcher that records (its label, agent_id) of every request it receives."""
+class RecordingProcessor(RequestProcessor):
+    """A dispatcher's request processor that records (its label, agent_id) of every request it receives."""
 
-    def __init__(self, config: SwitchyardConfig, label: str, served: list[tuple[str, str]],
-                 started: asyncio.Event | None = None) -> None:
-        super().__init__(config)
-        self.label, self.served, self.started = label, served, started
+    label: str
+    served: list[tuple[str, str]]
+    started: asyncio.Event | None
 
     async def open_request(self, request, timeout_s, span):
         self.served.append((self.label, request.agent_id))
@@ -43,6 +43,17 @@ class Recording(DispatcherService):
         if self.started is not None and chunk.HasField("token"):
             self.started.set()
         return chunk
+
+
+class Recording(DispatcherService):
+    """A sim dispatcher that records (its label, agent_id) of every request it receives."""
+
+    def __init__(self, config: SwitchyardConfig, label: str, served: list[tuple[str, str]],
+                 started: asyncio.Event | None = None) -> None:
+        super().__init__(config)
+        self.processor = RecordingProcessor(config, self.engine, self.scheduler, self.adaptive)
+        self.processor.label, self.processor.served, self.processor.started = label, served, started
+        self.label, self.served, self.started = label, served, started
 
 
 @contextlib.asynccontextmanager

@@ -267,13 +267,13 @@ async def test_spans_link_each_batch_to_its_requests(monkeypatch: pytest.MonkeyP
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from switchyard.dispatcher import engine_loop, service
+    from switchyard.dispatcher import engine_loop, processor
     from switchyard.dispatcher.engines import sim
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    for module in (engine_loop, service, sim):  # the loop makes the batch spans from the scheduler's report
+    for module in (engine_loop, processor, sim):  # the loop makes the batch spans from the scheduler's report
         monkeypatch.setattr(module, "tracer", provider.get_tracer(module.__name__))
     try:
         async for h in serve(DispatcherService(make_config(**{"batching.flush_interval_ms": 50}))):
@@ -302,12 +302,12 @@ async def test_request_trace_shows_its_prefill_and_decode_phases(monkeypatch: py
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from switchyard.dispatcher import service
+    from switchyard.dispatcher import processor
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(service, "tracer", provider.get_tracer(service.__name__))
+    monkeypatch.setattr(processor, "tracer", provider.get_tracer(processor.__name__))
     try:
         async for h in serve(DispatcherService(make_config())):
             await h.generate(request_id="phases", max_tokens=5)

@@ -122,7 +122,7 @@ async def test_interval_flush_bounds_the_wait_for_a_swap() -> None:
     s.schedule(now=0.0)
     assert s.flush_deadline is None
     at = time.monotonic()
-    s.add_request(req("late", arrival=at), now=at)
+    loop.submit(req("late", arrival=at))  # the loop hands it on and arms its flush timer
     assert s.flush_deadline == pytest.approx(at + 0.005)  # the scheduler says when; the loop's timer acts
     await asyncio.sleep(0.03)  # a long step: the interval timer swaps the buffer meanwhile
     assert [q.request_id for q in s.waiting] == ["late"]
@@ -153,7 +153,7 @@ def test_cancelled_buffered_request_leaves_the_buffer_and_frees_its_place() -> N
     gone = req("gone")
     s.add_request(gone, now=0.0)
     s.add_request(req("stays"), now=0.0)
-    s.finish_requests([gone.seq_id], RequestStatus.FINISHED_ABORTED, now=0.0)
+    s.finish_requests([gone], RequestStatus.FINISHED_ABORTED, now=0.0)
     assert gone.finish_reason == "cancelled" and s.num_queued == 1
     assert [q.request_id for q in s.schedule(now=0.01).admitted] == ["stays"]
 

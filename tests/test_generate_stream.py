@@ -23,7 +23,8 @@ from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError
 from switchyard.common.server import RunningServer, start_server
-from switchyard.dispatcher.service import COUNT_IN_THREAD_BYTES, DispatcherService
+from switchyard.dispatcher.processor import COUNT_IN_THREAD_BYTES
+from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import generate_stream
 from switchyard.orchestrator.clients import InferenceClient
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
@@ -661,14 +662,14 @@ def test_packing_keeps_the_order_and_every_message_under_the_limit() -> None:
 async def test_an_unexpected_failure_starting_one_request_fails_that_request_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async with dispatcher() as (service, _srv, channel):
-        opened = service.open_request
+        opened = service.processor.open_request
 
         async def open_request(request, timeout_s, span):  # type: ignore[no-untyped-def]
             if request.request_id == "broken":
                 raise RuntimeError("boom")
             return await opened(request, timeout_s, span)
 
-        monkeypatch.setattr(service, "open_request", open_request)
+        monkeypatch.setattr(service.processor, "open_request", open_request)
         stream = RawStream(channel)
         await stream.send(start("a", max_tokens=3), start("broken", max_tokens=3), start("b", max_tokens=3))
         await stream.until(lambda: stream.done("a") and stream.done("b") and stream.ended("broken"), "all end")

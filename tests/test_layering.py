@@ -115,7 +115,7 @@ def test_the_walk_finds_benchmark_code_where_it_is_imported():
     assert reaches(HARNESS_TESTS / "test_bench.py", _is_benchmark_code) is not None
     fixtures = TESTS / "stack_fixtures.py"
     assert reaches(fixtures, lambda p: p == PACKAGES["switchyard"] / "switchyard" / "launcher.py") is not None
-    assert "switchyard.dispatcher.request" in imports(ROOT / "services" / "switchyard" / "dispatcher" / "service.py")
+    assert "switchyard.dispatcher.request" in imports(ROOT / "services" / "switchyard" / "dispatcher" / "processor.py")
 
 
 @pytest.mark.parametrize("path", PRODUCT_TESTS, ids=_rel)

@@ -80,3 +80,70 @@ async def test_a_chat_task_runs_from_the_orchestrator_servicer_to_a_dispatcher_e
     printed = io.StringIO()
     request_path.print_reports([report], show_path=False, out=printed)
     assert printed.getvalue().startswith("chat (1 recorded")
+
+
+def _module(name: str, source: str) -> dict:
+    """A module's namespace named ``name`` (its frames count as that module's), ``source`` run in it."""
+    namespace: dict = {"__name__": name}
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 - the test's own code
+    return namespace
+
+
+def test_a_callback_is_a_call_into_a_module_waiting_below_and_a_plain_call_and_return_is_not():
+    caller = _module("switchyard.dispatcher.fake_caller", """
+def hook():
+    return 1
+
+def run(callee):
+    callee["work"]()            # a call that returns: not a callback
+    callee["work"]()            # called again from the same caller: still not one
+    callee["call_back"](hook)   # the callee calls hook, in this module, waiting below it: one
+""")
+    callee = _module("switchyard.dispatcher.fake_callee", """
+def work():
+    return 2
+
+def call_back(fn):
+    return fn()
+""")
+    recorder = request_path.PathRecorder(caller["run"].__code__)
+    with recorder.install():
+        caller["run"](callee)
+    report = recorder.report("chat")
+    assert [str(c) for c in report.callbacks] == ["dispatcher.fake_callee -> dispatcher.fake_caller:hook"]
+    assert len(report.returns) >= 3  # the strict count sees every return into the caller
+
+
+async def test_a_task_continues_the_stack_of_its_waiting_creator_and_a_resuming_coroutine_is_no_call():
+    import asyncio
+
+    creator = _module("switchyard.dispatcher.fake_creator", """
+import asyncio
+
+def hook():
+    return 1
+
+async def serve(worker):
+    task = asyncio.create_task(worker["read"](hook))  # the reader runs while serve waits for it
+    await task
+""")
+    worker = _module("switchyard.dispatcher.fake_worker", """
+import asyncio
+
+async def read(fn):
+    await asyncio.sleep(0)  # resumes later: a resumption, not a call
+    await asyncio.sleep(0)
+    return fn()             # back into its waiting creator's module: a callback
+""")
+    original = asyncio.create_task
+    creators = request_path.TaskCreators()
+    recorder = request_path.PathRecorder(creator["serve"].__code__, creators)
+    with creators.install(), recorder.install():
+        await creator["serve"](worker)
+    report = recorder.report("chat")
+    assert [str(c) for c in report.callbacks] == ["dispatcher.fake_worker -> dispatcher.fake_creator:hook"]
+    without = request_path.PathRecorder(creator["serve"].__code__)  # no creators recorded: the task stands alone
+    with without.install():
+        await creator["serve"](worker)
+    assert without.report("chat").callbacks == []
+    assert asyncio.create_task is original  # the recording wrapper is gone

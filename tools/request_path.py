@@ -42,6 +42,21 @@ first engine step (a module of ``switchyard.dispatcher.engines``), the first tok
 step and back. Helper modules entered on the path are counted apart (``helper entries``: each call into
 a helper module's frame from outside it).
 
+**Callbacks** are what the issue's "returns into an already-left module" counts, and the figure its target
+bounds: a call from one counted module into a function of another that already has a frame below it on
+the stack, waiting for the call in progress (``core -> engine_loop`` on arrival while ``engine_loop.submit``
+waits for ``core.add_request``; ``generate_stream -> service.chunk`` while ``service.GenerateStream`` waits
+for the session's replies): control goes back up into a module the request had been handed on from. The
+stack of a task started by ``asyncio.create_task`` on the path continues its creator's (a GenerateStream's
+reader task continues ``service.GenerateStream``) while the creator's coroutine frames wait (suspended at an
+``await``; :class:`TaskCreators` records them for every task started while the stack runs), so a call back
+into a waiting creator's modules counts too. A
+call that returns to its caller is not one (the caller never left: it delegated), nor is a coroutine
+resuming (only a frame's first call is looked at), nor a call into a module that is on no waiting stack,
+such as the step loop calling the scheduler at each step, or an output stream waking its session's task
+(a hand-off to another task, not a return). ``returns`` above, the strict count, counts every module
+change back (each call's return included), so it grows with every helper call and property read.
+
 The path depends on the code, not on timing, but for interleaving with the stack's background tasks
 (readiness checks every ``orchestrator.health_check_interval_s``, the task store's lease renewal every
 ``lease_s / 3``), and for the order in which grpc hands the loop the messages of the two ends of a
@@ -52,7 +67,9 @@ each type and prints each figure's most common value and its range.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import dis
 import sys
 import tempfile
 from collections import Counter
@@ -118,6 +135,75 @@ class Visit:
     module: str
 
 
+@dataclass(frozen=True)
+class Callback:
+    """A call from ``caller`` into ``function`` of ``module``, a module with a frame waiting below ``caller``'s
+    on the stack (or on the stack of the task that started this one): see the module docstring."""
+
+    side: str
+    caller: str
+    module: str
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.caller.removeprefix('switchyard.')} -> {self.module.removeprefix('switchyard.')}:{self.function}"
+
+
+_YIELD_VALUE = dis.opmap["YIELD_VALUE"]
+
+
+def _waiting(frame: FrameType) -> bool:
+    """A coroutine or generator frame suspended at a yield (an ``await``), not finished."""
+    code = frame.f_code
+    return 0 <= frame.f_lasti < len(code.co_code) and code.co_code[frame.f_lasti] == _YIELD_VALUE
+
+
+class TaskCreators:
+    """While installed, ``asyncio.create_task`` records the stack of frames each task was started from (its
+    creator's task's too), so that a task's stack can be read as continuing its creator's."""
+
+    def __init__(self) -> None:
+        self._frames: dict[int, tuple[Any, list[FrameType]]] = {}  # id(task) -> (task, creator frames)
+
+    def frames_of(self, task: Any) -> list[FrameType]:
+        entry = self._frames.get(id(task)) if task is not None else None
+        return entry[1] if entry is not None and entry[0] is task else []
+
+    @contextlib.contextmanager
+    def install(self):
+        original = asyncio.create_task
+
+        def create_task(coro: Any, **kwargs: Any) -> Any:
+            task = original(coro, **kwargs)
+            frames = []
+            here: FrameType | None = sys._getframe(1)
+            while here is not None:
+                frames.append(here)
+                here = here.f_back
+            try:
+                frames += self.frames_of(asyncio.current_task())
+            except RuntimeError:
+                pass
+            self._frames[id(task)] = (task, frames)
+            task.add_done_callback(lambda t: self._frames.pop(id(t), None))
+            return task
+
+        asyncio.create_task = asyncio.tasks.create_task = create_task  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            asyncio.create_task = asyncio.tasks.create_task = original  # type: ignore[assignment]
+
+
+def _first_resume(code: CodeType) -> int:
+    """Offset of ``code``'s first RESUME: a frame whose last instruction is at or before it is on its first
+    call (a coroutine's resumptions come later in its code)."""
+    for ins in dis.get_instructions(code):
+        if ins.opname == "RESUME":
+            return ins.offset
+    return 0
+
+
 @dataclass
 class PathReport:
     """One recorded task: its path (visits and boundaries) and the counts defined in the module docstring."""
@@ -128,10 +214,19 @@ class PathReport:
     helper_entries: dict[str, int] = field(default_factory=dict)
     round_trip_end: int | None = None
     """Length of the round trip's part of ``path`` (None: no engine step was seen)."""
+    callbacks: list[Callback] = field(default_factory=list)
+    """The callbacks (module docstring), in order."""
+    round_trip_callbacks: int | None = None
+    """How many of ``callbacks`` fall in the round trip (None: all)."""
 
     def round_trip(self) -> "PathReport":
         """The report of the round trip alone (the whole path when no engine step was seen)."""
-        return PathReport(self.task_type, self.path[: self.round_trip_end], {}, self.round_trip_end)
+        return PathReport(self.task_type, self.path[: self.round_trip_end], {}, self.round_trip_end,
+                          self.callbacks[: self.round_trip_callbacks], self.round_trip_callbacks)
+
+    @property
+    def dispatcher_callbacks(self) -> list[Callback]:
+        return [c for c in self.callbacks if c.side == "dispatcher"]
 
     @property
     def visits(self) -> int:
@@ -180,16 +275,19 @@ class PathRecorder:
     Set it with :meth:`install` in the event-loop thread (a profile function is per thread).
     """
 
-    def __init__(self, start: CodeType) -> None:
+    def __init__(self, start: CodeType, creators: TaskCreators | None = None) -> None:
         self.start = start
+        self.creators = creators or TaskCreators()
         self.armed = False
         self.visits: list[tuple[str, str]] = []  # (side, module), uncollapsed
         self.end = 0  # len(visits) at the start frame's latest return
         self.yields: list[int] = []  # len(visits) at each return of the start frame (its yields, its end)
         self.first_engine_step: int | None = None  # index in visits of the first engine module's visit
         self.helpers: dict[str, int] = {}
+        self.callbacks: list[tuple[int, Callback]] = []  # (len(visits) when it happened, the callback)
         self._side = "orchestrator"
         self._modules: dict[int, str] = {}  # id(f_globals) -> module name
+        self._first_resume: dict[CodeType, int] = {}
 
     def _module(self, frame: FrameType) -> str:
         key = id(frame.f_globals)
@@ -231,9 +329,52 @@ class PathRecorder:
                 if self.first_engine_step is None and current.startswith(ENGINES):
                     self.first_engine_step = len(self.visits)
                 self.visits.append((self._side, current))
+        if event == "call" and current is not None and counted(current):
+            self._check_callback(frame, code, current)
         if event == "return" and code is self.start:
             self.end = len(self.visits)
             self.yields.append(self.end)
+
+    def _task_modules(self) -> set[str]:
+        """The counted modules of the waiting coroutine frames the current task was started from."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return set()
+        return {m for f in self.creators.frames_of(task) if counted(m := self._module(f)) and _waiting(f)}
+
+    def _stack_modules(self, frame: FrameType | None) -> set[str]:
+        """The counted modules on ``frame``'s stack, with those waiting where the current task was started."""
+        found = self._task_modules()
+        while frame is not None:
+            module = self._module(frame)
+            if counted(module):
+                found.add(module)
+            frame = frame.f_back
+        return found
+
+    def _check_callback(self, frame: FrameType, code: CodeType, module: str) -> None:
+        """A frame of counted ``module`` starts: a callback when its caller is another counted module and
+        ``module`` has a frame waiting below that caller's (or on its task's creator's stack)."""
+        if self._module(frame) != module:
+            return  # the innermost counted frame is an older one: a library frame is starting
+        first = self._first_resume.get(code)
+        if first is None:
+            first = self._first_resume[code] = _first_resume(code)
+        if frame.f_lasti > first:
+            return  # a coroutine resuming, not a call
+        here = frame.f_back
+        caller = None
+        while here is not None:
+            name = self._module(here)
+            if counted(name):
+                caller = name
+                break
+            here = here.f_back
+        if caller is None or caller == module:
+            return
+        if module in self._stack_modules(here.f_back if here is not None else None):
+            self.callbacks.append((len(self.visits), Callback(self._side, caller, module, code.co_qualname)))
 
     @contextlib.contextmanager
     def install(self):
@@ -258,7 +399,9 @@ class PathRecorder:
             path.append(Visit(side, module))
         if back is not None and round_trip_end is None:
             round_trip_end = len(path)
-        return PathReport(task_type, path, dict(sorted(self.helpers.items())), round_trip_end)
+        callbacks = [c for at, c in self.callbacks if at <= self.end]
+        trip = None if back is None else sum(1 for at, _ in self.callbacks if at <= back)
+        return PathReport(task_type, path, dict(sorted(self.helpers.items())), round_trip_end, callbacks, trip)
 
 
 def _config(index_dir: Path, store_dir: str, overrides: dict[str, Any]):
@@ -317,14 +460,15 @@ async def measure(index_dir: Path, task_types: Sequence[str], max_tokens: int = 
 
     start = OrchestratorService.RunTask.__code__
     reports = []
-    async with stack(index_dir, **overrides) as stub:
-        for task_type in task_types:
-            await run_task(stub, task_type, max_tokens)  # warm-up
-            for _ in range(repeat):
-                recorder = PathRecorder(start)
-                with recorder.install():
-                    await run_task(stub, task_type, max_tokens)
-                reports.append(recorder.report(task_type))
+    with TaskCreators().install() as creators:
+        async with stack(index_dir, **overrides) as stub:
+            for task_type in task_types:
+                await run_task(stub, task_type, max_tokens)  # warm-up
+                for _ in range(repeat):
+                    recorder = PathRecorder(start, creators)
+                    with recorder.install():
+                        await run_task(stub, task_type, max_tokens)
+                    reports.append(recorder.report(task_type))
     return reports
 
 
@@ -338,11 +482,13 @@ def build_index(docs: Sequence[str], out_dir: Path) -> Path:
 
 
 FIGURES: dict[str, Callable[[PathReport], int]] = {
+    "callbacks (returns into an already-left module, the issue's count)": lambda r: len(r.callbacks),
+    "callbacks on the dispatcher side": lambda r: len(r.dispatcher_callbacks),
     "visits": lambda r: r.visits,
     "RPC boundaries": lambda r: r.boundaries,
-    "returns into an already-left module": lambda r: len(r.returns),
+    "strict module returns (every call's return too)": lambda r: len(r.returns),
     "modules returned into": lambda r: len(r.modules_returned_into),
-    "returns on the dispatcher side": lambda r: len(r.dispatcher_returns),
+    "strict returns on the dispatcher side": lambda r: len(r.dispatcher_returns),
 }
 
 
@@ -368,14 +514,20 @@ def print_reports(reports: Sequence[PathReport], show_path: bool, out: Any = sys
     for task_type in dict.fromkeys(r.task_type for r in reports):
         mine = [r for r in reports if r.task_type == task_type]
         trips = [r.round_trip() for r in mine]
-        usual = most_common([len(t.returns) for t in trips])
-        shown = next(i for i, t in enumerate(trips) if len(t.returns) == usual)
+        usual = most_common([len(t.callbacks) for t in trips])
+        shown = next(i for i, t in enumerate(trips) if len(t.callbacks) == usual)
         print(f"{task_type} ({len(mine)} recorded; each figure: its most common value [its range]):", file=out)
         print(f"  round trip (RunTask to the first engine step and back to RunTask's next event): {summary(trips)}",
               file=out)
+        calls = Counter(f"{c.side}: {c}" for c in trips[shown].callbacks)
+        print("    callbacks: " + ("; ".join(f"{name} x{n}" if n > 1 else name for name, n in calls.items())
+                                  or "none"), file=out)
         print(f"    path: {trips[shown].collapsed()}", file=out)
         print(f"  whole task: {summary(mine)}", file=out)
         if show_path:
+            calls = Counter(f"{c.side}: {c}" for c in mine[shown].callbacks)
+            print("    callbacks: " + ("; ".join(f"{name} x{n}" if n > 1 else name for name, n in calls.items())
+                                      or "none"), file=out)
             print(f"    path: {mine[shown].collapsed()}", file=out)
         helpers = ", ".join(f"{m.removeprefix('switchyard.')} {n}" for m, n in mine[shown].helper_entries.items())
         print(f"  helper entries, not counted: {helpers or 'none'}", file=out)

@@ -51,7 +51,7 @@ def finish(sched: Any, req: Any, now: float, status: Any = None) -> list[Any]:
     outputs are published and returned, the scheduler's report to the metrics."""
     from switchyard.dispatcher.request import RequestStatus
 
-    outputs = sched.finish_requests([req.seq_id], status or RequestStatus.FINISHED_STOPPED, now)
+    outputs = sched.finish_requests([req], status or RequestStatus.FINISHED_STOPPED, now)
     for out in outputs:
         out.publish()
     publish(sched)

@@ -161,14 +161,16 @@ class LoopBase:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._stats_due = 0.0  # monotonic: a throttled report may be published from then on
         self._stats_pending = False  # a throttled report was skipped: the next publish carries it
-        scheduler.on_arrival = self._arrived
         metrics.DECODE_BOUND.set(engine.decode_bound_tokens_per_s(config.batching.max_batch_size)
                                  if isinstance(engine, StepEngine) else 0.0)
 
     # ------------------------------------------------------------------ service calls
 
     def submit(self, req: Request) -> None:
-        """Hand ``req`` to the scheduler; its output stream then carries what it generates.
+        """Hand ``req`` to the scheduler; its output stream then carries what it generates. Once the
+        scheduler has accepted it, the loop arms its flush timer and wakes (:meth:`_arrived`), and takes
+        core work mid-step where it can (:meth:`_on_core_arrival`): the loop decides, the scheduler calls
+        nothing back.
 
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see
@@ -179,6 +181,9 @@ class LoopBase:
         except BaseException:  # a refusal is counted, and published at once
             self._publish_stats()
             raise
+        self._arrived()
+        if req.priority_class is PriorityClass.CORE:
+            self._on_core_arrival()
         self._publish_stats(throttled=True)
 
     def tool_wait(self, agent_id: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
@@ -197,7 +202,7 @@ class LoopBase:
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
-        self._publish(self.scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
+        self._publish(self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
                                                      time.monotonic()))
         self._wake.set()
 
@@ -281,6 +286,9 @@ class LoopBase:
     def _on_arrival(self) -> None:
         self._wake.set()
 
+    def _on_core_arrival(self) -> None:
+        """A core request was accepted (:meth:`submit`): a loop that can take core work mid-step does."""
+
     def _arrived(self) -> None:
         """The scheduler accepted a request: arm the flush-interval timer, then :meth:`_on_arrival`."""
         self._arm_flush_timer()
@@ -320,8 +328,8 @@ class LoopBase:
     def _cancel_all(self) -> None:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
-        ids = [req.seq_id for req in [*self.scheduler.running, *self.scheduler.waiting]]
-        self._publish(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED, now))
+        held = [*self.scheduler.running, *self.scheduler.waiting]
+        self._publish(self.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED, now))
 
     async def _wait(self, timeout: float | None) -> None:
         self._publish_pending_stats()  # the loop pauses: what it reports is current while it waits
@@ -377,8 +385,6 @@ class StepLoop(LoopBase):
         self._joined = False  # core work joined the running set during this turn: end it at the step boundary
         self._preempt_task: asyncio.Task[None] | None = None
         self._prefetches: set[asyncio.Task[None]] = set()  # planned restores of swapped agents' KV in flight
-        if self.layer_preemption:
-            scheduler.on_core_arrival = self._on_core_arrival
 
     def _on_arrival(self) -> None:
         if self._idle or self._closing:  # a busy loop swaps the buffer at its next step boundary
@@ -617,7 +623,7 @@ class StepLoop(LoopBase):
                 self._publish(out.outputs)
             else:
                 log.exception("engine step failed for %d requests", len(batch.requests))
-                self._publish(scheduler.finish_requests([s.seq_id for s in batch.requests],
+                self._publish(scheduler.finish_requests(batch.requests,
                                                         RequestStatus.FINISHED_ERROR, now, exc))
             return None
         if result is None:

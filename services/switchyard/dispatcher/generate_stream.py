@@ -56,10 +56,10 @@ from switchyard.common.generate_protocol import (
 )
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.output import coalesce
+from switchyard.dispatcher.processor import RequestProcessor, request_span
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.request import Request
-    from switchyard.dispatcher.service import DispatcherService
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ class GenerateSession:
     running): their error chunks wait in the write buffer.
     """
 
-    def __init__(self, service: DispatcherService) -> None:
-        self._service = service
+    def __init__(self, processor: RequestProcessor) -> None:
+        self._processor = processor
         self._requests: dict[str, _Running] = {}
         self._unsent: list[agent_pb2.StreamedChunk] = []  # encoded, not yet taken by replies()
         self._wake = Wakeup()  # replies() waits on it for output
@@ -105,7 +105,7 @@ class GenerateSession:
         self._urgent = False  # output that must not wait is ready (a first output, a refusal)
         self._intake_open = True
         self._intake_error: Exception | None = None
-        self._draining = service.draining  # a stream that arrives once the drain began ends as soon as it is idle
+        self._draining = processor.draining  # a stream that arrives once the drain began ends as soon as it is idle
 
     # ------------------------------------------------------------------ the handler's side
 
@@ -142,7 +142,7 @@ class GenerateSession:
     def _collect(self) -> list[agent_pb2.StreamedChunk]:
         chunks, self._unsent = self._unsent, []
         self._urgent = False
-        service = self._service
+        processor = self._processor
         ended: list[_Running] = []
         for running in self._requests.values():
             req = running.req
@@ -151,7 +151,7 @@ class GenerateSession:
             request_id = running.request_id
             for item in coalesce(req.output.drain()):
                 try:
-                    chunk = service.chunk(req, item)
+                    chunk = processor.chunk(req, item)
                 except SwitchyardError as exc:
                     chunks.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
                     running.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
@@ -160,7 +160,7 @@ class GenerateSession:
                 chunks.append(agent_pb2.StreamedChunk(request_id=request_id, chunk=chunk))
                 running.chunk_sent(chunk)
                 if running.state is RequestState.DONE:
-                    service.record_done(req, running.span)
+                    processor.record_done(req, running.span)
                     break
             if running.state.ended:
                 ended.append(running)
@@ -210,15 +210,15 @@ class GenerateSession:
         """
         request_id = request.request_id
         if trace_context is None:
-            span = self._service.request_span(None, trace.SpanKind.INTERNAL)
+            span = request_span(None, trace.SpanKind.INTERNAL)
         else:
             parent = propagate.extract(trace_context) if trace_context else None
-            span = self._service.request_span(parent, trace.SpanKind.SERVER)
+            span = request_span(parent, trace.SpanKind.SERVER)
         running = _Running(request_id, span)
         try:
             check_stream_request_id(request_id, self._requests)
             self._requests[request_id] = running
-            req = await self._service.open_request(request, timeout_s, span)
+            req = await self._processor.open_request(request, timeout_s, span)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):
                 log.exception("dispatcher: starting request %s failed", request_id)
@@ -275,6 +275,6 @@ class GenerateSession:
         running.span.end()
 
     def _abort(self, req: Request) -> None:
-        loop = self._service.loop
+        loop = self._processor.loop
         if not req.is_finished and loop is not None:
             loop.abort(req)

@@ -255,8 +255,13 @@ class Request:
 
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
     """The dispatcher's own id of this request, unique in the process (after vLLM's internal request id):
-    what the scheduler's registry and an engine's :class:`~switchyard.dispatcher.engines.base.StepResult`
-    are keyed by, whatever the caller's ``request_id``."""
+    what an engine's :class:`~switchyard.dispatcher.engines.base.StepResult` is keyed by, whatever the
+    caller's ``request_id``."""
+    engine_state: Any = field(default=None, repr=False)
+    """The engine's own per-request state, read and written by the engine alone (the sim engine: its
+    planned reply and its prompt's prefix-cache block keys, :class:`~switchyard.dispatcher.engines.sim.SimSeq`);
+    None until the engine first steps it. Kept here, not in a map of the engine's keyed by the request,
+    so that one request's state lives with the request."""
 
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""

@@ -3,10 +3,16 @@
 Path of one request (a GenerateStream start, or a Generate call: a stream of one,
 served by the same session, :mod:`switchyard.dispatcher.generate_stream`)::
 
-    validate -> scheduler.add_request (double buffer; refused at once when full)
-             -> waiting set -> running set (admitted by compute score and KV memory,
+    session -> processor (validate, submit) -> scheduler.add_request (double buffer; refused at once
+             when full) -> waiting set -> running set (admitted by compute score and KV memory,
                 or the upstream's adaptive limit) -> engine steps
-             -> the request's output stream -> its session -> GenerateChunk stream
+             -> the request's output stream -> its session -> processor (encode) -> GenerateChunk stream
+
+The servicer here builds the engine, the scheduler, the loop and the
+:class:`~switchyard.dispatcher.processor.RequestProcessor`, and hands each
+call to a session; what is done for each request (validation, submission,
+chunks, tracing) is the processor's, so a request's path never calls back
+into this module.
 
 The stream carries token chunks (text, index), tool-call chunks, then one
 ``done`` chunk with usage, queue wait, TTFT, compute score, memory peak, the
@@ -27,22 +33,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from typing import AsyncIterator
 
 import grpc
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common import telemetry, untrusted
 from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.server import Drains
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
-from switchyard.common.generate_protocol import decode_error, deadline_after, entry_bytes, new_request_id, pack
+from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
@@ -55,164 +57,9 @@ from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
-from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
-from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.processor import RequestProcessor
 
 log = logging.getLogger(__name__)
-tracer = telemetry.get_tracer(__name__)
-
-_ROLES = ("system", "user", "assistant", "tool")
-
-
-MAX_CHARS_PER_TOKEN = 128
-"""No tokenizer packs more characters into one token than this: a caller's ``prompt_tokens`` below
-``characters / MAX_CHARS_PER_TOKEN`` is refused rather than trusted (KV accounting relies on it)."""
-
-COUNT_IN_THREAD_BYTES = 256 * 1024
-"""Requests larger than this are validated and counted off the event loop."""
-
-
-def to_request(
-    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None
-) -> Request:
-    """Validate a GenerateRequest and build its :class:`Request`.
-
-    ``max_tokens`` 0 means ``dispatcher.default_max_tokens``; ``prompt_tokens``
-    0 means counted here (word pieces of the prompt or messages); an empty
-    ``request_id`` gets a random one. ``served_model``: the one model a step
-    engine serves (a request naming another is NOT_FOUND); None for an upstream
-    engine, whose gateway resolves the name. Limits come from ``limits`` (the
-    orchestrator checks the same ones before a task is accepted; this check
-    serves callers that reach the dispatcher directly).
-
-    Raises:
-        InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
-            max_tokens exceed the model's context window), ``prompt_tokens``,
-            ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
-            ``messages``, ``tools``, ``messages[i].role``, ``tools[i].parameters_json``, ``tenant_id``,
-            ``task_time_left_s`` or ``expected_remaining_work_s``.
-        SwitchyardError: NOT_FOUND, a model this engine does not serve.
-    """
-    defaults, limits = config.dispatcher, config.limits
-    tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
-    for name, seconds in (("task_time_left_s", request.task_time_left_s),
-                          ("expected_remaining_work_s", request.expected_remaining_work_s)):
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", seconds)
-    if not request.prompt.strip() and not request.messages:
-        raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
-    if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
-        raise InvalidArgument(
-            "max_tokens", f"0 (default {defaults.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens)",
-            request.max_tokens,
-        )
-    if request.prompt_tokens < 0:
-        raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
-    if request.priority not in agent_pb2.Priority.values():
-        raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
-    for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
-                        ("model", request.model), ("task_type", request.task_type)):
-        if len(value) > limits.max_id_chars:
-            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
-                                  f"{len(value)} chars")
-    if served_model is not None and request.model and request.model != served_model:
-        raise SwitchyardError(
-            f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "
-            "(leave model empty for it)", grpc.StatusCode.NOT_FOUND,
-        )
-    if len(request.messages) > limits.max_messages:
-        raise InvalidArgument("messages", f"at most {limits.max_messages} messages (limits.max_messages)",
-                              f"{len(request.messages)} messages")
-    if len(request.tools) > limits.max_tools:
-        raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
-    if chars > limits.max_prompt_chars:
-        field = "prompt" if request.prompt else "messages"
-        raise InvalidArgument(field, f"at most {limits.max_prompt_chars} characters of prompt (limits.max_prompt_chars)",
-                              f"{chars} chars")
-    messages = []
-    for i, m in enumerate(request.messages):
-        if m.role not in _ROLES:
-            raise InvalidArgument(f"messages[{i}].role", f"one of {', '.join(_ROLES)}", m.role)
-        calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in m.tool_calls)
-        messages.append(Message(m.role, m.content, m.tool_call_id, m.name, calls))
-    tools = []
-    for i, t in enumerate(request.tools):
-        if not t.name:
-            raise InvalidArgument(f"tools[{i}].name", "a non-empty tool name", t.name)
-        try:
-            schema = untrusted.loads(t.parameters_json) if t.parameters_json else {}
-        except ValueError:
-            schema = None
-        if not isinstance(schema, dict):
-            raise InvalidArgument(f"tools[{i}].parameters_json", "a JSON Schema object", t.parameters_json[:80])
-        tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
-    prompt_tokens = request.prompt_tokens
-    if prompt_tokens == 0:
-        text = request.prompt if not messages else "\n".join(m.content for m in messages)
-        prompt_tokens = max(1, len(word_pieces(text)))
-    elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
-        raise InvalidArgument(
-            "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "
-            f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
-            prompt_tokens,
-        )
-    max_tokens = request.max_tokens or defaults.default_max_tokens
-    model = served_model or request.model or default_model(config)
-    window = limits.context_window(model)
-    if prompt_tokens >= window:
-        raise InvalidArgument(
-            "prompt_tokens", f"fewer than the context window of {model}, {window} tokens (limits.context_window_tokens)",
-            prompt_tokens,
-        )
-    if prompt_tokens + max_tokens > window:
-        default = " (0 asks for dispatcher.default_max_tokens)" if not request.max_tokens else ""
-        raise InvalidArgument(
-            "max_tokens",
-            f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
-            f"(limits.context_window_tokens); the prompt is {prompt_tokens} tokens, so at most "
-            f"{window - prompt_tokens}{default}",
-            max_tokens,
-        )
-    return Request(
-        request_id=request.request_id or new_request_id(),
-        prompt=request.prompt,
-        messages=messages,
-        tools=tools,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        model=request.model,
-        agent_id=request.agent_id,
-        task_type=request.task_type,
-        priority=request.priority,
-        resume=request.resume,
-        tenant_id=tenant,
-        task_time_left_s=request.task_time_left_s or None,
-        expected_remaining_work_s=request.expected_remaining_work_s,
-        prefill_only=request.prefill_only,
-    )
-
-
-def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
-    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting)."""
-    prompt, completion = req.usage_prompt(), req.completion_tokens()
-    ttft = (req.first_token_at - req.arrival) if req.first_token_at is not None else 0.0
-    return agent_pb2.GenerateChunk(
-        done=agent_pb2.GenerateDone(
-            usage=agent_pb2.TokenUsage(
-                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-            ),
-            queue_wait_s=req.queue_wait_s,
-            ttft_s=ttft,
-            compute_score_used=req.compute_score_used,
-            memory_peak_bytes=req.memory_peak_bytes,
-            batch_size=req.batch_size,
-            flush_reason=req.flush_reason,
-            model=model,
-            preemptions=req.preemptions,
-            finish_reason=req.finish_reason or "",
-        )
-    )
 
 
 class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
@@ -264,9 +111,20 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         )
         if self.adaptive is not None:
             self.scheduler.on_batch_done = self.adaptive.on_batch_done
-        self.loop: LoopBase | None = None
-        self.draining = False
+        self.processor = RequestProcessor(config, self.engine, self.scheduler, self.adaptive)
+        """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
+        engine loop and the draining flag the sessions read."""
         self._sessions: set[GenerateSession] = set()
+
+    @property
+    def loop(self) -> LoopBase | None:
+        """The engine loop while the dispatcher runs; None before :meth:`start` and after :meth:`stop`."""
+        return self.processor.loop
+
+    @property
+    def draining(self) -> bool:
+        """Set by :meth:`begin_drain`: new requests are refused UNAVAILABLE."""
+        return self.processor.draining
 
     # ------------------------------------------------------------------ Service protocol
 
@@ -275,12 +133,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
 
     async def start(self) -> None:
         """Start the engine loop."""
+        loop: LoopBase
         if self.stepping:
-            self.loop = StepLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
+            loop = StepLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
         else:
             assert self.limit is not None
-            self.loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
-        self.loop.start()
+            loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
+        self.processor.loop = loop
+        loop.start()
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
@@ -288,7 +148,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     async def begin_drain(self) -> None:
         """SIGTERM: new requests are refused UNAVAILABLE from now on; each GenerateStream ends once
         the requests it carries are done (the server then stops without waiting out its grace)."""
-        self.draining = True
+        self.processor.draining = True
         for session in self._sessions:
             session.drain()
 
@@ -307,7 +167,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             await self.loop.stop()
         if not self.stepping:
             await self.engine.aclose()  # type: ignore[union-attr]
-        self.loop = None
+        self.processor.loop = None
 
     # ------------------------------------------------------------------ RPC
 
@@ -324,7 +184,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     def shares_prefixes(self) -> bool:
         """Whether the engine reuses a prompt prefix computed for an earlier request (automatic prefix caching):
         what makes a ``prefill_only`` request worth running."""
-        return self.engine.kv.shares_prefixes
+        return self.processor.shares_prefixes
 
     async def ToolWait(self, request: agent_pb2.ToolWaitRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
@@ -398,7 +258,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         as they are, its error as the call's status with the origin trailer. See the module docstring."""
         if not request.request_id:
             request.request_id = new_request_id()  # Generate's id is optional; a session's is not
-        session = GenerateSession(self)
+        session = GenerateSession(self.processor)
         try:
             await session.start(request, context.time_remaining(), None)
             session.close_intake()
@@ -418,10 +278,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         Each reply leaves in as few messages as fit ``server.max_message_bytes``
         (:func:`switchyard.common.generate_protocol.pack`), and while the stream carries more than one
         request, at most one reply per ``dispatcher.stream_flush_interval_ms``: what becomes ready within
-        it leaves together, except a request's first output (its TTFT is never held) and refusals
-        (:meth:`GenerateSession.hold`).
+        it leaves together, except a request's first output (its TTFT is never held), a CORE request's
+        output and refusals (:meth:`GenerateSession.hold`).
         """
-        session = GenerateSession(self)
+        session = GenerateSession(self.processor)
         self._sessions.add(session)
         reader = asyncio.create_task(session.read(request_iterator), name="generate-stream-reader")
         max_bytes = self.config.server.max_message_bytes
@@ -443,127 +303,3 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             reader.cancel()
             session.close()  # what the stream still carries is aborted
             self._sessions.discard(session)
-
-    # ------------------------------------------------------------------ one request, for its session
-
-    def request_span(self, parent: otel_context.Context | None, kind: trace.SpanKind) -> trace.Span:
-        """A request's ``dispatcher.generate`` span, started (not made current) under ``parent`` (None:
-        the current context)."""
-        # Started, not made current: a span attached across a handler's yields would be detached by
-        # whichever task closes a cancelled stream (see common/grpc_tracing.py).
-        return tracer.start_span("dispatcher.generate", parent, kind=kind)
-
-    async def open_request(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, span: trace.Span
-    ) -> Request:
-        """Validate ``request`` (:func:`to_request`) and hand it to the engine loop.
-
-        Args:
-            timeout_s: the caller's time left, seconds (None: no deadline); the
-                scheduler and an upstream engine bound the request by it.
-            span: the request's ``dispatcher.generate`` span; the engine's spans link to it.
-
-        Raises:
-            SwitchyardError: the request is invalid (INVALID_ARGUMENT, NOT_FOUND), the
-                dispatcher is not started or draining (UNAVAILABLE), or the queue is full
-                (RESOURCE_EXHAUSTED).
-        """
-        served = self.engine.model if self.stepping else None
-        if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-            req = await asyncio.to_thread(to_request, request, self.config, served)
-        else:
-            req = to_request(request, self.config, served)
-        span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
-        span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
-        span.set_attribute("switchyard.priority", req.priority_name)
-        req.span_context = span.get_span_context()
-        req.span = span
-        if timeout_s is not None:
-            req.deadline = deadline_after(timeout_s)
-        loop = self.loop
-        if loop is None or self.draining:
-            raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)
-        if req.prefill_only:
-            if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens
-                req.status = RequestStatus.FINISHED_STOPPED
-                RequestOutput(req, finished=True).publish()
-                return req
-            req.max_tokens = 1  # the prompt's prefill is what it is for; its one token is dropped by the caller
-        if self.adaptive is not None:
-            self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
-        loop.submit(req)
-        return req
-
-    def chunk(self, req: Request, item: OutputItem) -> agent_pb2.GenerateChunk:
-        """The chunk that carries one item of ``req``'s output stream.
-
-        Raises:
-            SwitchyardError: the item is the request's error (an engine's own error becomes INTERNAL).
-        """
-        if isinstance(item, StreamToken):
-            return agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index, count=item.count))
-        if isinstance(item, StreamToolCall):
-            call = item.call
-            return agent_pb2.GenerateChunk(
-                tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
-            )
-        if isinstance(item, StreamDone):
-            model = self.engine.model if self.stepping else (req.model or self.engine.model)
-            return done_chunk(req, model)
-        error = item.error
-        if isinstance(error, SwitchyardError):
-            raise error
-        raise SwitchyardError(f"engine failed: {type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
-
-    def record_done(self, req: Request, span: trace.Span) -> None:
-        """Close ``req``'s tracing after its done chunk: its queue wait and engine phases as spans
-        under ``span``, its output tokens and finish reason on it."""
-        if span.is_recording():
-            parent = trace.set_span_in_context(span)
-            wall_arrival_ns = time.time_ns() - int((time.monotonic() - req.arrival) * 1e9)
-            self._record_queue_wait(req, wall_arrival_ns, parent)
-            self._record_engine_phases(req, wall_arrival_ns, parent)
-            span.set_attribute("gen_ai.usage.output_tokens", req.completion_tokens())
-            span.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
-
-    def _record_engine_phases(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
-        """``inference.prefill`` and ``inference.decode`` spans of this request, under its own span.
-
-        The engine's step spans (``engine.prefill``/``engine.decode``) serve a whole batch and live
-        in traces of their own; these two show in the task's trace where its engine time went.
-        """
-        if req.first_token_at is None:
-            return
-
-        def wall(t: float) -> int:
-            return wall_arrival_ns + int((t - req.arrival) * 1e9)
-
-        admitted = req.arrival + req.queue_wait_s
-        common = {"switchyard.batch_size": req.batch_size, "switchyard.preemptions": req.preemptions}
-        tracer.start_span(
-            "inference.prefill", parent, start_time=wall(admitted),
-            attributes={**common, "gen_ai.usage.input_tokens": req.prompt_tokens},
-        ).end(end_time=wall(req.first_token_at))
-        tracer.start_span(
-            "inference.decode", parent, start_time=wall(req.first_token_at),
-            attributes={
-                **common,
-                "gen_ai.usage.output_tokens": req.completion_tokens(),
-                "switchyard.recomputed_tokens": req.recomputed_tokens,
-            },
-        ).end(end_time=wall(req.last_token_at or req.first_token_at))
-
-    def _record_queue_wait(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
-        """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
-        end_ns = wall_arrival_ns + int(req.queue_wait_s * 1e9)
-        qspan = tracer.start_span(
-            "dispatcher.queue_wait",
-            parent,
-            start_time=wall_arrival_ns,
-            attributes={
-                "switchyard.queue": "inference",
-                "switchyard.batch_size": req.batch_size,
-                "switchyard.flush_reason": req.flush_reason,
-            },
-        )
-        qspan.end(end_time=end_ns)

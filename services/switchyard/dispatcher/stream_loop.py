@@ -66,7 +66,6 @@ class StreamLoop(LoopBase):
         self._waves = itertools.count()
         self._tasks: dict[Request, asyncio.Task[None]] = {}
         engine.on_upstream_status = self._on_status
-        scheduler.on_core_arrival = self._on_core_arrival
 
     def abort(self, req: Request) -> None:
         task = self._tasks.get(req)
@@ -172,11 +171,11 @@ class StreamLoop(LoopBase):
                 self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
                                                            time.monotonic()))
         except asyncio.CancelledError:
-            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ABORTED,
+            self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
                                                     time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            self._publish(scheduler.finish_requests([req.seq_id], RequestStatus.FINISHED_ERROR,
+            self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
                                                     time.monotonic(), exc))
         finally:
             if first:

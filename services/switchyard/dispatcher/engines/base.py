@@ -3,7 +3,8 @@
 Shape after vLLM's v1 engine core (``vllm/v1/engine/core.py`` ``step()``:
 ``schedule()`` -> ``execute_model()`` -> ``update_from_output()``): the
 scheduler decides, the engine runs the model and reports, the scheduler
-writes the report into its requests. An engine mutates no request.
+writes the report into its requests. An engine mutates no request, but for
+its own slot in it, ``Request.engine_state``, which nothing else reads.
 
 - :class:`StepEngine`: engines that run the model one iteration at a time
   over a batch (``sim`` and ``torch``). :meth:`StepEngine.execute_model`
@@ -223,7 +224,8 @@ class StepEngine(abc.ABC):
 
     @abc.abstractmethod
     async def execute_model(self, batch: StepBatch) -> StepResult:
-        """Run one step over ``batch`` (see :class:`StepBatch`) and report it; mutates no request.
+        """Run one step over ``batch`` (see :class:`StepBatch`) and report it; mutates no request (but for
+        its own ``Request.engine_state``).
 
         A step of prefills only, decodes only, or both together (one forward
         pass: chunked-prefill scheduling, vLLM V1, Sarathi-Serve), so that

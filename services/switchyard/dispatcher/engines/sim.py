@@ -381,6 +381,24 @@ def prompt_pieces(req: Request) -> list[str]:
     return pieces
 
 
+@dataclass(eq=False)
+class SimSeq:
+    """The sim engine's state of one request (``Request.engine_state``): its reply, planned once, kept until
+    the reply is complete or the request finishes; its prompt's prefix-cache block keys, kept from the
+    prefix match until its prefill completes (:meth:`SimKV.cache_prompt`)."""
+
+    reply: "SimReply | None" = None
+    prompt_keys: list[int] | None = None
+
+
+def sim_seq(req: Request) -> SimSeq:
+    """``req``'s :class:`SimSeq`, made on first use."""
+    seq = req.engine_state
+    if seq is None:
+        seq = req.engine_state = SimSeq()
+    return seq
+
+
 class SimKV(ModelledKV):
     """The sim engine's KV memory: modelled bytes (:class:`ModelledKV`) and its automatic prefix cache
     (``sim.prefix_caching``): fresh prompts start from the blocks an earlier prompt computed."""
@@ -393,17 +411,18 @@ class SimKV(ModelledKV):
             if self.params.prefix_caching else None
         )
         """Automatic prefix caching (``sim.prefix_caching``); None when off."""
-        self._prompt_keys: dict[Request, list[int]] = {}
 
     def match_prefix(self, req: Request) -> int:
         """Prompt tokens of a fresh ``req`` whose blocks the prefix cache holds (at most all but one);
         its block keys are kept until its prefill completes (:meth:`cache_prompt`)."""
         cache = self.prefix_cache
-        if cache is None or req.output_tokens or req.num_computed_tokens or req in self._prompt_keys:
+        if cache is None or req.output_tokens or req.num_computed_tokens:
+            return 0
+        seq = sim_seq(req)
+        if seq.prompt_keys is not None:
             return 0
         pieces = prompt_pieces(req)
-        keys = cache.keys(pieces)
-        self._prompt_keys[req] = keys
+        keys = seq.prompt_keys = cache.keys(pieces)
         hit_pieces = cache.match(keys) * cache.block_tokens
         cached = 0
         if hit_pieces:
@@ -415,7 +434,10 @@ class SimKV(ModelledKV):
 
     def cache_prompt(self, req: Request) -> None:
         """``req``'s prefill completed: its prompt blocks join the prefix cache."""
-        keys = self._prompt_keys.pop(req, None)
+        seq = req.engine_state
+        keys = None
+        if seq is not None:
+            keys, seq.prompt_keys = seq.prompt_keys, None
         if keys and self.prefix_cache is not None:
             self.prefix_cache.insert(keys)
             metrics.PREFIX_CACHE_BYTES.set(self.prefix_cache.nbytes)
@@ -423,9 +445,11 @@ class SimKV(ModelledKV):
     def free(self, req: Request) -> None:
         """Its prompt blocks stay in the prefix cache (shared, evicted by need); its reply plan goes once
         it has finished."""
-        self._prompt_keys.pop(req, None)
-        if req.is_finished:
-            self._engine.forget(req)
+        seq = req.engine_state
+        if seq is not None:
+            seq.prompt_keys = None
+            if req.is_finished:
+                seq.reply = None
 
     def prefix_cache_bytes(self) -> int:
         return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
@@ -462,7 +486,6 @@ class SimEngine(StepEngine):
         self.tensor_busy_seconds = 0.0
         """Modelled seconds the tensor cores were busy."""
         self.steps = 0
-        self._replies: dict[Request, SimReply] = {}
         self.kv: SimKV = SimKV(self)
         self._flight: _StepInFlight | None = None
 
@@ -472,14 +495,10 @@ class SimEngine(StepEngine):
 
     def reply_for(self, req: Request) -> SimReply:
         """The planned reply of ``req`` (planned once, kept until it finishes)."""
-        reply = self._replies.get(req)
-        if reply is None:
-            reply = self._replies[req] = plan_reply(req.prompt, req.messages, req.tools)
-        return reply
-
-    def forget(self, req: Request) -> None:
-        """``req`` finished: drop its reply plan."""
-        self._replies.pop(req, None)
+        seq = sim_seq(req)
+        if seq.reply is None:
+            seq.reply = plan_reply(req.prompt, req.messages, req.tools)
+        return seq.reply
 
     async def execute_model(self, batch: StepBatch) -> StepResult:
         """One modelled step over ``batch``; costs :func:`prefill_seconds` of the prompt tokens (prefills
@@ -657,7 +676,7 @@ class SimEngine(StepEngine):
         if index + len(out.texts) >= len(reply.tokens):
             out.tool_calls = list(reply.tool_calls)
             out.eos = True
-            self._replies.pop(req, None)
+            req.engine_state.reply = None
         return out
 
 
@@ -666,6 +685,7 @@ __all__ = [
     "SimEngine",
     "SimKV",
     "SimReply",
+    "SimSeq",
     "Passage",
     "decode_seconds",
     "mixed_step_seconds",

@@ -287,9 +287,9 @@ class Scheduler(Protocol):
             one output per request that produced something or ended, in ``batch`` order.
         """
 
-    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
+    def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
-        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` wherever they are; idempotent.
+        """End ``reqs`` with ``status`` wherever they are (``req.status`` names the place); idempotent.
 
         Returns:
             their outputs (each ``finished``).

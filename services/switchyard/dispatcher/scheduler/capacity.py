@@ -71,6 +71,23 @@ class Capacity(Protocol):
         """``req`` left the running set. Idempotent."""
 
 
+class HeldBesideRunning:
+    """KV bytes held beside the running set, read where they are kept: the parked agents' prefixes
+    (``parking.kv_bytes``, :class:`~switchyard.dispatcher.scheduler.parking.ParkedAgents`) and the engine's
+    prefix cache (``kv.prefix_cache_bytes()``, its :class:`~switchyard.dispatcher.engines.base.KVCacheManager`).
+    Called with no arguments, it returns that sum in bytes (what :class:`KvBudget`'s ``held_outside_running``
+    expects)."""
+
+    __slots__ = ("parking", "kv")
+
+    def __init__(self, parking: Any, kv: Any) -> None:
+        self.parking = parking
+        self.kv = kv
+
+    def __call__(self) -> int:
+        return int(self.parking.kv_bytes) + int(self.kv.prefix_cache_bytes())
+
+
 class KvBudget:
     """Admission by KV memory within the HBM budget.
 

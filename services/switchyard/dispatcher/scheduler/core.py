@@ -4,8 +4,9 @@ Shape after vLLM's scheduler (``add_request`` / ``schedule`` /
 ``finish_requests``) and Triton's dynamic batcher, which alone owns the queue
 bound, the queue timeout, priorities and the batching delay. Every request the
 dispatcher holds is in exactly one place, recorded in ``req.status``
-(:class:`~switchyard.dispatcher.request.RequestStatus`), and every request it
-holds unfinished is in its registry by id (:meth:`SchedulerCore.finish_requests`):
+(:class:`~switchyard.dispatcher.request.RequestStatus`); the status names the
+place, so no registry is kept beside the places (:meth:`SchedulerCore.finish_requests`
+takes the requests themselves, which every caller holds):
 
 ``buffered`` (the double buffer's active list) -> ``waiting`` (ordered by the
 policy) -> ``running`` (the engine's running set) -> ``finished``; a running
@@ -103,7 +104,7 @@ from switchyard.dispatcher.scheduler.base import (
     should_park,
 )
 from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
-from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, KvBudget, Unbounded
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, HeldBesideRunning, KvBudget, Unbounded
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.parking import ParkedAgent, ParkedAgents
@@ -185,8 +186,6 @@ class SchedulerCore:
         self.engine_enforces_max_tokens: bool = engine.enforces_max_tokens if engine is not None else False
         """A stream engine's upstream ends each stream at ``max_tokens`` (see :func:`.update.check_stop`)."""
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
-        self._requests: dict[str, Request] = {}
-        """The registry: every request accepted and not finished, by id."""
         self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
         self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
         self.counters = SchedulerCounters()
@@ -194,9 +193,11 @@ class SchedulerCore:
         self._reported = SchedulerCounters()  # the counters at the last make_stats
         self._events = SchedulerEvents()  # observed since the last make_stats
         self.admission = Admission(self.config, self.counters.admissions_refused)
-        self.accounting = Accounting(self._kv_bytes)
-        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self._kv_bytes, self._demote_parked,
+        self.accounting = Accounting(self.kv.kv_bytes)
+        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
                                     self.counters)
+        self._held_outside_running = HeldBesideRunning(self.parking, self.kv)
+        """KV bytes held beside the running set (parked prefixes, the prefix cache), read by the KV budget."""
         self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
                                         self.counters.tool_prefetches)
         """Each agent's tool wait as decided at tool start, its restore plan, and the per-tool counts."""
@@ -209,11 +210,6 @@ class SchedulerCore:
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
-        self.on_arrival: Callable[[], None] = lambda: None
-        """Called after every accepted request (the engine loop decides whether to wake)."""
-        self.on_core_arrival: Callable[[], None] = lambda: None
-        """Called after ``on_arrival`` when the accepted request is core work (the step loop may then take it
-        mid-step: :meth:`admit_core`)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
@@ -310,7 +306,6 @@ class SchedulerCore:
         if why is not None:
             self.counters.kv_oom_avoided += 1
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
-        self._requests[req.seq_id] = req
         req.enqueued_at = now
         req.status = RequestStatus.BUFFERED
         self._queued += 1
@@ -319,9 +314,6 @@ class SchedulerCore:
             self._next_deadline = min(self._next_deadline, req.deadline)
         if self.intake.put(req, now):
             self.flush(FlushReason.SIZE, now)
-        self.on_arrival()
-        if req.priority_class is PriorityClass.CORE:
-            self.on_core_arrival()
 
     def flush(self, reason: FlushReason, now: float) -> int:
         """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
@@ -350,7 +342,6 @@ class SchedulerCore:
     def close(self) -> None:
         """Refuse new requests (draining); what is buffered is flushed at the next decision (DRAIN)."""
         self.intake.close()
-        self.on_arrival()
 
     # ------------------------------------------------------------------ decisions
 
@@ -734,14 +725,14 @@ class SchedulerCore:
         then the prompt tokens each prefill computes, chunked under ``budget`` when given)."""
         return compose_batch(self.kv, prefill, decode, budget)
 
-    def finish_requests(self, seq_ids: list[int], status: RequestStatus, now: float,
+    def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
-        """End the requests held under ``seq_ids`` (``Request.seq_id``) with ``status`` (``FINISHED_ABORTED``: the caller
-        went away; ``FINISHED_ERROR`` with ``error``), wherever they are: free their place and KV.
-        Unknown or finished ids are skipped (idempotent). Returns their outputs."""
-        for seq_id in seq_ids:
-            req = self._requests.get(seq_id)
-            if req is not None:
+        """End ``reqs`` with ``status`` (``FINISHED_ABORTED``: the caller went away; ``FINISHED_ERROR`` with
+        ``error``), wherever they are (``req.status`` names the place): free their place and KV.
+        Requests never accepted (``NEW``) or finished (``PARKED`` included) are skipped (idempotent).
+        Returns the outputs of every request that ended since the last call that returned outputs."""
+        for req in reqs:
+            if not req.is_finished:
                 self._end(req, now, status, error)
         return self._drain()
 
@@ -766,7 +757,6 @@ class SchedulerCore:
         req.status = status
         if error is not None:
             req.error = error
-        self._requests.pop(req.seq_id, None)
         if state is RUNNING:
             self._stop(req, now)
             self._learn(req)
@@ -925,10 +915,6 @@ class SchedulerCore:
 
     def _remove_buffered(self, req: Request) -> None:
         self.intake.remove(req)
-
-    def _held_outside_running(self) -> int:
-        """KV bytes held beside the running set: parked agents' prefixes and the engine's prefix cache."""
-        return self.parking.kv_bytes + self.kv.prefix_cache_bytes()
 
     def _make_room(self, req: Request) -> bool:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state (but an agent's
@@ -1094,7 +1080,6 @@ class SchedulerCore:
             req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
                                           "admission to the engine")
             req.status = RequestStatus.FINISHED_ERROR
-            self._requests.pop(req.seq_id, None)
             self._outbox.append(RequestOutput(req, finished=True))
             self._leave_queue(req)
             self._end_handover(req)
