@@ -71,6 +71,11 @@ def test_decoder_errors_name_what_was_received():
         StreamDecoder("m").feed(chunk({"tool_calls": [{"index": "first", "id": "a"}]}))
     with pytest.raises(StreamProtocolError, match="not JSON"):
         StreamDecoder("m").feed('{"choices": [')
+    # json's own message can end in "at" ("Unterminated string starting at"): the position must
+    # follow it as json words it ("...starting at: char N"), never as "starting at at char N".
+    with pytest.raises(StreamProtocolError, match="Unterminated string starting at: char 35;") as cut:
+        StreamDecoder("m").feed('{"choices": [{"delta": {"content": "tru')
+    assert " at at " not in str(cut.value)
     with pytest.raises(StreamBroken, match="error inside the stream: 'overloaded'"):
         StreamDecoder("m").feed('{"error": {"message": "overloaded"}}')
 

@@ -38,6 +38,24 @@ def _describe_run_task(address: str):
         assert "agent.AgentService" in set(db.get_services())
         return DescriptorPool(db).FindServiceByName("agent.AgentService").methods_by_name["RunTask"]
 
+async def test_a_port_in_use_is_a_named_error():
+    """A taken port names the address and the way out, not grpcio's "set GRPC_VERBOSITY=debug"."""
+    import socket
+
+    import pytest
+
+    cfg = load_config("config").with_overrides(**{
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"could not bind 127.0.0.1:{port}: is another process using it\? "
+                                               r".*--free-ports"):
+            async with running([OrchestratorService(cfg)], cfg.server, port=port):
+                pass
+
+
 async def test_graceful_stop_flips_health_to_not_serving():
     cfg = load_config("config")
     async with running([OrchestratorService(cfg)], cfg.server) as srv:

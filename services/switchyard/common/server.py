@@ -232,9 +232,13 @@ async def start_server(
         service.register(server)
         names.extend(service.grpc_service_names)
     reflection.enable_server_reflection(names, server)
-    bound = _add_port(server, f"{host}:{port}", config)
+    try:
+        bound = _add_port(server, f"{host}:{port}", config)
+    except RuntimeError:  # grpcio raises "Failed to bind to address ..." where older releases returned 0
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}: is another process using it?")
+        raise RuntimeError(f"could not bind {host}:{port}: is another process using it? Choose another port "
+                           "(config/switchyard.json, or `switchyard up --free-ports`)")
     health_server, health_bound = (
         _health_only_server(health_servicer, f"{host}:{health_port}") if health_port is not None else (None, None)
     )
