@@ -116,6 +116,8 @@ LEVEL_ALPHA = 0.3
 """Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
 CONFIRM_RATIO = 2.0
 """A knee is confirmed once a level this many times higher (and one stream more) was measured."""
+TOP_BAND = 0.85
+"""Levels at least this fraction of the highest one confirm a knee by the load together (see ``_estimate``)."""
 SATURATED_FILL = 0.9
 """A window is saturated when its mean in flight reaches this fraction of the NORMAL/BATCH ceiling."""
 BRAKE_MIN_WINDOWS = 3
@@ -368,10 +370,13 @@ class AdaptiveConcurrencyLimit:
         knee = next(key for key, value in zip(keys, envelope) if value >= self.config.knee_fraction * plateau)
         self.knee, self.plateau_tokens_per_s = float(knee), plateau
         self._knee_gauge.set(knee)
-        top = self.levels[keys[-1]]
-        # Confirmed by a level twice as high, or by the highest level the load reaches: when fewer streams
-        # were wanted there than the limit allowed, no probe can measure higher.
-        by_load = top.demand_limited and top.windows >= 2  # measured twice: not a window of a limit change
+        # Confirmed by a level twice as high, or by the highest levels the load reaches: when fewer streams
+        # were wanted there than the limit allowed, no probe can measure higher. The levels within
+        # TOP_BAND of the highest count as one (a closed-loop load of 32 streams is 29 to 34 in flight
+        # window by window, and a burst can set a new highest level measured once): measured twice in all,
+        # not a single window of a limit change.
+        top = [self.levels[key] for key in keys if key >= TOP_BAND * keys[-1]]
+        by_load = all(level.demand_limited for level in top) and sum(level.windows for level in top) >= 2
         return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load
 
     def _set(self, value: float) -> None:
