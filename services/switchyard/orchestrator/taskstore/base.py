@@ -129,7 +129,6 @@ class TaskRecord:
         return status
 
 
-
 @dataclass(frozen=True)
 class Lease:
     """An orchestrator's lease: valid until ``expires_at`` (wall-clock seconds), held by ``pid`` on ``host``."""
