@@ -406,9 +406,11 @@ def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
 def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval() -> None:
     class CompactableKV(SimKV):
         compactions = 0
+        holders: list = []
 
-        def compact(self) -> int:
+        def compact(self, holders) -> int:
             self.compactions += 1
+            self.holders = list(holders)
             return 4096
 
     engine = SimEngine(SwitchyardConfig())
@@ -419,9 +421,13 @@ def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval(
     sched.score = 80.0  # a busy GPU: no compaction
     sched.hbm_scan(now=0.0, out=SchedulerOutput())
     assert engine.kv.compactions == 0
+    held = request("held", prompt_tokens=300, max_tokens=100)
+    accept(sched, [held], now=0.5)
+    sched.schedule(now=0.5)
     sched.score = 10.0  # below defrag_below_score (30)
     sched.hbm_scan(now=1.0, out=SchedulerOutput())
     assert engine.kv.compactions == 1
+    assert held in engine.kv.holders  # every request the scheduler holds is compacted
     publish(sched)
     assert metric("switchyard_kv_defragmentations_total") == runs + 1
     publish(sched)

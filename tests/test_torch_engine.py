@@ -209,14 +209,14 @@ async def test_swapped_out_kv_tensors_come_back_and_the_sequence_continues_as_if
     for _ in range(4):
         await EngineDriver(engine).decode([req, other])
     held = req.num_computed_tokens
-    kv_before = engine._caches[req].data[:, :, :, :held].clone()
+    kv_before = req.engine_state.cache.data[:, :, :, :held].clone()
     payload = engine.kv.export(req)  # what the DRAM tier stores: real tensor bytes and the token ids
     assert payload is not None and len(payload) > kv_before.numel() * kv_before.element_size()
     EngineDriver(engine).preempt(req)
     await EngineDriver(engine).decode([other])
     assert engine.kv.load(req, payload, held) == held
     req.num_computed_tokens = held  # what the memory tiers write after a load
-    assert torch.equal(engine._caches[req].data[:, :, :, :held], kv_before)
+    assert torch.equal(req.engine_state.cache.data[:, :, :, :held], kv_before)
     assert not req.needs_prefill  # straight back to decoding
     while live := [s for s in (req, other) if not s.is_finished]:
         await EngineDriver(engine).decode(live)
@@ -278,15 +278,16 @@ async def test_an_agent_back_from_its_tool_takes_over_its_warm_prefix_through_th
 def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     engine = make()
     (req,) = reqs_for(PROMPTS[:1], tag="compact")
-    state = engine._state(req)
+    state, _ = engine._state(req)
     cache = engine.model_net.new_cache(engine.params.kv_block_tokens)
     cache.reserve(64)
     cache.length = 5
-    engine._caches[req] = cache
-    assert state is not None and cache.data.shape[3] == 64
+    state.cache = cache
+    assert req.engine_state is state and cache.data.shape[3] == 64
     per_token = cache.nbytes // 64
-    assert engine.kv.compact() == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
-    assert cache.data.shape[3] == 8 and engine.kv.compact() == 0
+    assert engine.kv.compact([]) == 0  # only the holders named are compacted
+    assert engine.kv.compact([req]) == (64 - 8) * per_token  # 5 tokens keep two 4-token blocks
+    assert cache.data.shape[3] == 8 and engine.kv.compact([req]) == 0
 
 
 # --------------------------------------------------------------------------- limits
@@ -356,7 +357,7 @@ async def test_a_warm_prefix_the_engine_no_longer_holds_is_recomputed_and_counte
     sched.schedule(now=0.0)
     await run_through(sched, engine, think)
     assert sched.parked == [think]
-    engine._caches.pop(think)  # the parked step's cache is gone from the engine (the parking says it is warm)
+    think.engine_state.cache = None  # the parked step's cache is gone from the engine (the parking says it is warm)
     call = think.tool_calls[0]
     follow = [question, Message("assistant", "", tool_calls=(call,)),
               Message("tool", "[1] Compound statements\nThe with statement wraps a block.", call.call_id, call.name)]
@@ -424,7 +425,7 @@ async def test_a_core_prefill_between_layers_leaves_every_token_as_without_it(te
     for req, prompt in zip(everyone, [*PROMPTS[:3], PROMPTS[3]]):
         assert req.output_tokens == await alone(prompt, 7, request_id=req.request_id, n_layers=3,
                                                 temperature=temperature, prefill_chunk_tokens=8)
-        assert req.num_computed_tokens == engine._caches[req].length
+        assert req.num_computed_tokens == req.engine_state.cache.length
 
 
 async def test_no_prefill_between_layers_without_a_forward_in_flight():

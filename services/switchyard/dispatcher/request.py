@@ -262,6 +262,9 @@ class Request:
     planned reply and its prompt's prefix-cache block keys, :class:`~switchyard.dispatcher.engines.sim.SimSeq`);
     None until the engine first steps it. Kept here, not in a map of the engine's keyed by the request,
     so that one request's state lives with the request."""
+    upstream_call: Any = field(default=None, repr=False)
+    """The stream loop's ``asyncio.Task`` streaming this request from an upstream engine, while it streams
+    (written by :class:`~switchyard.dispatcher.stream_loop.StreamLoop` alone; None on step engines)."""
 
     span_context: Any = None
     """opentelemetry SpanContext of the request span, linked from its batch span."""

@@ -64,13 +64,11 @@ class StreamLoop(LoopBase):
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
-        self._tasks: dict[Request, asyncio.Task[None]] = {}
         engine.on_upstream_status = self._on_status
 
     def abort(self, req: Request) -> None:
-        task = self._tasks.get(req)
-        if task is not None:
-            task.cancel()
+        if req.upstream_call is not None:
+            req.upstream_call.cancel()
         super().abort(req)
 
     def _can_take(self) -> bool:
@@ -95,7 +93,7 @@ class StreamLoop(LoopBase):
         wave = next(self._waves)
         self._prefilling[wave] = len(admitted)
         for req in admitted:
-            self._tasks[req] = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
+            req.upstream_call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
 
     def _on_status(self, status: int) -> None:
         if status in OVERLOAD_STATUSES:
@@ -118,9 +116,8 @@ class StreamLoop(LoopBase):
                 out = scheduler.schedule(now)
                 self._publish(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
                 for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
-                    task = self._tasks.get(req)
-                    if task is not None:
-                        task.cancel()
+                    if req.upstream_call is not None:
+                        req.upstream_call.cancel()
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
@@ -180,10 +177,11 @@ class StreamLoop(LoopBase):
         finally:
             if first:
                 self._prefilled(wave)
-            self._tasks.pop(req, None)
+            req.upstream_call = None
             self._wake.set()
 
     def _cancel_all(self) -> None:
-        for task in list(self._tasks.values()):
-            task.cancel()
+        for req in self.scheduler.running:  # every request streaming is running (no preemption here)
+            if req.upstream_call is not None:
+                req.upstream_call.cancel()
         super()._cancel_all()

@@ -31,6 +31,7 @@ The stop check is the scheduler's, one for every engine
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
@@ -154,8 +155,9 @@ class KVCacheManager(abc.ABC):
         """Engine seconds a prefill of ``tokens`` tokens costs (0: unknown); prices swap against recompute."""
         return 0.0
 
-    def compact(self) -> int:
-        """Defragment: shrink allocations to their valid blocks; returns device bytes freed."""
+    def compact(self, holders: Iterable[Request]) -> int:
+        """Defragment the allocations of ``holders`` (every request the scheduler holds: running, leaving,
+        parked, waiting): shrink each to its valid blocks; returns device bytes freed."""
         return 0
 
     def match_prefix(self, req: Request) -> int:

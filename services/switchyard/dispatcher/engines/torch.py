@@ -73,6 +73,7 @@ import codecs
 import hashlib
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,14 +120,16 @@ class ForcedReply:
 class SeqState:
     """What the engine keeps for a sequence until it finishes (survives preemption).
 
-    ``ids`` are the prompt's model ids followed by every generated id; the
-    KV cache (kept apart, dropped by ``release``) covers a prefix of them.
+    Kept in ``Request.engine_state``. ``ids`` are the prompt's model ids
+    followed by every generated id; ``cache``, the sequence's KV (None while it
+    holds none: before its prefill, after ``free``), covers a prefix of them.
     """
 
     ids: list[int]
     prompt_len: int
     text: codecs.IncrementalDecoder
     forced: ForcedReply | None = None
+    cache: KVCache | None = None
 
 
 @dataclass
@@ -174,6 +177,18 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _cache(req: Request) -> KVCache | None:
+    """``req``'s KV cache in this engine, None when it holds none."""
+    state = req.engine_state
+    return state.cache if state is not None else None
+
+
+def _extend_input(req: Request) -> ExtendInput:
+    """``req``'s uncomputed ids on its cache: what a forward extends it by."""
+    state = req.engine_state
+    return ExtendInput(state.cache, state.ids[state.cache.length:])
+
+
 class TorchKV(KVCacheManager):
     """The torch engine's KV memory: one cache tensor per sequence (see the module docstring)."""
 
@@ -182,14 +197,16 @@ class TorchKV(KVCacheManager):
 
     def kv_bytes(self, req: Request) -> int:
         """Bytes of the KV cache tensor held for ``req`` (allocated blocks), 0 when freed."""
-        cache = self._engine._caches.get(req)
+        cache = _cache(req)
         return cache.nbytes if cache is not None else 0
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s KV cache; its token ids go too once it has finished. Idempotent."""
-        self._engine._caches.pop(req, None)
-        if req.is_finished:
-            self._engine._states.pop(req, None)
+        state = req.engine_state
+        if state is not None:
+            state.cache = None
+            if req.is_finished:
+                req.engine_state = None
 
     def can_export(self) -> bool:
         return True
@@ -197,10 +214,9 @@ class TorchKV(KVCacheManager):
     def export(self, req: Request) -> bytes | None:
         """``req``'s KV state as bytes (valid tokens' keys and values, on the host, and their token ids);
         None when it holds none."""
-        engine = self._engine
-        cache = engine._caches.get(req)
-        state = engine._states.get(req)
-        if cache is None or state is None or cache.length == 0:
+        state = req.engine_state
+        cache = _cache(req)
+        if cache is None or cache.length == 0:
             return None
         buffer = io.BytesIO()
         torch.save({"ids": state.ids[: cache.length], "kv": cache.data[:, :, :, : cache.length].to("cpu")}, buffer)
@@ -224,8 +240,8 @@ class TorchKV(KVCacheManager):
         """``target`` starts from ``source``'s KV (still held) for the leading ids they share: a react_loop
         agent's next step taking over its parked step's warm prefix. Returns tokens shared (a copy)."""
         engine = self._engine
-        cache, held = engine._caches.get(source), engine._states.get(source)
-        if cache is None or held is None or engine._state(target)[0] is None:
+        held, cache = source.engine_state, _cache(source)
+        if cache is None or engine._state(target)[0] is None:
             return 0
         return engine._adopt(target, held.ids, cache.data, cache.length)
 
@@ -233,11 +249,11 @@ class TorchKV(KVCacheManager):
         """Measured prefill seconds for ``tokens`` tokens (0 before the first prefill was measured)."""
         return tokens * self._engine._prefill_s_per_token
 
-    def compact(self) -> int:
-        """Shrink every cache tensor to its valid tokens' blocks; returns device bytes freed (CUDA also
-        returns the caching allocator's free segments to the driver)."""
+    def compact(self, holders: Iterable[Request]) -> int:
+        """Shrink the cache tensor of each of ``holders`` to its valid tokens' blocks; returns device bytes
+        freed (CUDA also returns the caching allocator's free segments to the driver)."""
         freed = 0
-        for cache in self._engine._caches.values():
+        for cache in filter(None, map(_cache, holders)):
             blocks = -(-cache.length // cache.block_tokens)
             keep = blocks * cache.block_tokens
             if keep < cache.data.shape[3]:
@@ -302,8 +318,6 @@ class TorchEngine(StepEngine):
         self.busy_seconds = 0.0
         self.steps = 0
         self.kv = TorchKV(self)
-        self._states: dict[Request, SeqState] = {}
-        self._caches: dict[Request, KVCache] = {}
         self._prefill_s_per_token = 0.0
         """Measured prefill seconds per token (moving average; 0 until a prefill ran)."""
         self._slot_lock = threading.Lock()
@@ -324,15 +338,15 @@ class TorchEngine(StepEngine):
         """
         result = StepResult()
         ready = self._ready_for_prefill([req for req, _ in batch.prefill], result)
-        running = [s for s in batch.decode if not s.is_finished and s in self._states]
+        running = [s for s in batch.decode if not s.is_finished and s.engine_state is not None]
         for req in running:
-            if req not in self._caches:  # not prefilled (should not happen): compute its prefix now
-                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
+            if req.engine_state.cache is None:  # not prefilled (should not happen): compute its prefix now
+                req.engine_state.cache = self.model_net.new_cache(self.params.kv_block_tokens)
         reqs = ready + running
         if not reqs:
             return result
         name = "engine.step" if ready and running else "engine.prefill" if ready else "engine.decode"
-        tokens = sum(len(self._states[s].ids) - self._caches[s].length for s in ready)
+        tokens = sum(len(s.engine_state.ids) - s.engine_state.cache.length for s in ready)
         before = self.busy_seconds
         with tracer.start_as_current_span(name) as span:
             span.set_attribute("switchyard.batch_size", len(reqs))
@@ -363,8 +377,8 @@ class TorchEngine(StepEngine):
             if state is None:
                 result.outputs[req.seq_id] = SeqOutput(error=error)
                 continue
-            if req not in self._caches:
-                self._caches[req] = self.model_net.new_cache(self.params.kv_block_tokens)
+            if state.cache is None:
+                state.cache = self.model_net.new_cache(self.params.kv_block_tokens)
             ready.append(req)
         return ready
 
@@ -392,7 +406,7 @@ class TorchEngine(StepEngine):
         loop = asyncio.get_running_loop()
         nested = NestedPrefill(
             reqs=ready,
-            batch=[ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in ready],
+            batch=[_extend_input(s) for s in ready],
             keys=[self._sampling_key(s) for s in ready],
             loop=loop,
             future=loop.create_future(),
@@ -412,7 +426,7 @@ class TorchEngine(StepEngine):
     def _adopt(self, req: Request, ids: list[int], kv: torch.Tensor, tokens: int) -> int:
         """Give ``req`` a cache holding ``kv``'s first tokens, as many of ``tokens`` as its own ids share with
         ``ids`` (all but its newest token at most); returns that count."""
-        state = self._states[req]
+        state = req.engine_state
         limit = min(tokens, len(ids), len(state.ids) - 1)
         shared = 0
         while shared < limit and ids[shared] == state.ids[shared]:
@@ -423,7 +437,7 @@ class TorchEngine(StepEngine):
         cache.reserve(shared)
         cache.data[:, :, :, :shared] = kv[:, :, :, :shared].to(device=cache.data.device, dtype=cache.data.dtype)
         cache.length = shared
-        self._caches[req] = cache
+        state.cache = cache
         return shared
 
     # ------------------------------------------------------------------ internals
@@ -431,7 +445,7 @@ class TorchEngine(StepEngine):
     def _state(self, req: Request) -> tuple[SeqState | None, BaseException | None]:
         """The sequence's state, created (prompt tokenized, length checked) on first sight; (None, the
         error) when its prompt does not fit."""
-        state = self._states.get(req)
+        state = req.engine_state
         if state is not None:
             return state, None
         ids = self.tokenizer.encode(render_prompt(req.prompt, req.messages, req.tools)) or [self.tokenizer.eos_id]
@@ -451,11 +465,11 @@ class TorchEngine(StepEngine):
                 tool_calls=list(reply.tool_calls),
                 finish_reason=reply.finish_reason,
             )
-        self._states[req] = state
+        req.engine_state = state
         return state, None
 
     async def _step(self, reqs: list[Request], result: StepResult) -> None:
-        batch = [ExtendInput(self._caches[s], self._states[s].ids[self._caches[s].length:]) for s in reqs]
+        batch = [_extend_input(s) for s in reqs]
         keys = [self._sampling_key(s) for s in reqs]
         next_ids, seconds = await asyncio.to_thread(self._forward, batch, keys)
         self.steps += 1
@@ -468,7 +482,7 @@ class TorchEngine(StepEngine):
         """Seed of the next token's draw (None: greedy)."""
         if self.params.temperature <= 0:
             return None
-        position = len(self._states[req].ids)
+        position = len(req.engine_state.ids)
         digest = hashlib.blake2b(f"{self.params.seed}|{req.request_id}|{position}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") & (2**63 - 1)
 
@@ -559,8 +573,8 @@ class TorchEngine(StepEngine):
 
     def _next(self, req: Request, sampled: int) -> SeqOutput:
         """The next token (sampled, or the forced reply's) and whether it ends the sequence."""
-        state = self._states[req]
-        cache = self._caches.get(req)
+        state = req.engine_state
+        cache = state.cache
         out = SeqOutput(num_computed_tokens=cache.length if cache is not None else None,
                         prompt_tokens=state.prompt_len)
         forced = state.forced

@@ -656,7 +656,7 @@ class SchedulerCore:
                 freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
                 self._preempt_one(victim, now, out)
         if self.score < self.memory.hbm.defrag_below_score:
-            freed = self.kv.compact()
+            freed = self.kv.compact([*self._running, *self._leaving, *self.parking.requests, *self.queue])
             self.counters.defragmentations += 1
             self.counters.defrag_freed_bytes += freed
 
