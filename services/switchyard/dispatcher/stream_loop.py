@@ -67,8 +67,7 @@ class StreamLoop(LoopBase):
         engine.on_upstream_status = self._on_status
 
     def abort(self, req: Request) -> None:
-        if req.upstream_call is not None:
-            req.upstream_call.cancel()
+        _cancel_upstream_call(req)
         super().abort(req)
 
     def _can_take(self) -> bool:
@@ -116,8 +115,7 @@ class StreamLoop(LoopBase):
                 out = scheduler.schedule(now)
                 self._publish(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
                 for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
-                    if req.upstream_call is not None:
-                        req.upstream_call.cancel()
+                    _cancel_upstream_call(req)
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
@@ -182,6 +180,11 @@ class StreamLoop(LoopBase):
 
     def _cancel_all(self) -> None:
         for req in self.scheduler.running:  # every request streaming is running (no preemption here)
-            if req.upstream_call is not None:
-                req.upstream_call.cancel()
+            _cancel_upstream_call(req)
         super()._cancel_all()
+
+
+def _cancel_upstream_call(req: Request) -> None:
+    """End ``req``'s upstream stream, if one is in flight (its task's ``finally`` clears the slot)."""
+    if req.upstream_call is not None:
+        req.upstream_call.cancel()
