@@ -18,6 +18,7 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.server import running
+from switchyard.orchestrator import tokens
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
 from switchyard.common.channels import open_channel
@@ -130,6 +131,14 @@ async def test_rag_answer_streams_accepted_stages_tokens_final(executor):
     sent = down.requests[0]
     assert "<context>" in sent.prompt and "The with statement wraps a block." in sent.prompt
     assert sent.prompt_tokens > 0 and sent.priority == agent_pb2.NORMAL
+
+
+async def test_a_pool_orchestrator_loads_the_tokenizer_in_its_own_process_before_serving():
+    # A step within cpu_inline_max_chars runs on the event loop whatever the executor: loading the BPE
+    # ranks there at the first task blocked the loop for about half a second (HTTP submit P99 563 ms).
+    tokens.encoding.cache_clear()
+    async with stack(**{"orchestrator.cpu_executor": "process"}):
+        assert tokens.encoding.cache_info().currsize == 1
 
 
 async def test_a_batch_tasks_tokens_after_the_first_leave_merged_per_flush_interval():

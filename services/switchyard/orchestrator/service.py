@@ -77,7 +77,8 @@ def _init_cpu_worker(parent_pid: int) -> None:
 
 
 def _warm_cpu_worker() -> None:
-    """Load the tokenizer's BPE ranks and the templates before the first task needs them."""
+    """Load the tokenizer's BPE ranks and the templates before the first task needs them (loading the
+    ranks takes about half a second: on the event loop that is half a second of every caller waiting)."""
     tokens.encoding()
     prompts.render("chat", "warm-up")
 
@@ -88,11 +89,13 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     Processes start with ``spawn``: forking a process that already runs gRPC's
     threads is unsafe. They are started from the event loop's thread (the
     warm-up below submits one job per worker), which lives as long as the
-    process: the parent-death signal follows the thread that started them.
+    process: the parent-death signal follows the thread that started them. The
+    calling process is warmed whatever the kind: a step within
+    ``orchestrator.cpu_inline_max_chars`` runs on its event loop.
     """
     executor: Executor | None
+    _warm_cpu_worker()  # the event loop's own process too: steps within cpu_inline_max_chars run there
     if kind == "loop":
-        _warm_cpu_worker()
         return None
     if kind == "thread":
         executor = ThreadPoolExecutor(workers, thread_name_prefix="orchestration-cpu")
