@@ -197,3 +197,36 @@ async def test_a_failed_group_of_creates_fails_each_of_them_and_records_none(tmp
         recorded = await store.get(task_id)
         assert (recorded is None) == isinstance(answer, TaskStoreUnavailable), (task_id, answer)
     await store.close()
+
+
+async def test_the_sqlite_wal_starts_over_under_writes_that_never_pause(tmp_path, monkeypatch):
+    """Checkpoints run on their own thread beside the writes (SQLite's automatic one stalled the commit that
+    crossed 1000 pages); the write batch after each copies what was written meanwhile, so the WAL starts over
+    instead of growing with every write a busy orchestrator makes."""
+    import asyncio
+
+    from switchyard.orchestrator.taskstore import sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_INTERVAL_S", 0.01)
+    path = tmp_path / "tasks.sqlite3"
+    store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
+    await store.open()
+    result = b"r" * 2048
+    wal_sizes = []
+
+    async def writer(w: int) -> None:
+        for i in range(150):
+            task_id = f"w{w}-{i}"
+            await store.create(task_id, "fp", "")
+            await store.mark_running(task_id)
+            await store.finish(task_id, agent_pb2.SUCCEEDED, result=result)
+            wal_sizes.append((tmp_path / "tasks.sqlite3-wal").stat().st_size)
+
+    await asyncio.gather(*(writer(w) for w in range(16)))
+    # 2400 tasks, 7200 writes, about 10 MB of pages through the WAL; it holds a few checkpoints' worth at most
+    assert max(wal_sizes) < 4 * 2**20, max(wal_sizes)
+    await store.close()
+    reopened = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
+    await reopened.open()
+    assert (await reopened.get("w15-149")).result == result
+    await reopened.close()

@@ -5,7 +5,18 @@ write-ahead log. With ``synchronous = NORMAL`` a committed transaction survives
 the death of the process (``kill -9``), which is what a crashed orchestrator
 needs; ``FULL`` also survives a power loss, at one fsync per commit (SQLite's
 documentation, "Write-Ahead Logging" and "PRAGMA synchronous"). Every statement
-runs on the store's single thread, off the event loop. Several processes on one
+runs on the store's single thread, off the event loop, and the writes that wait
+together go in one transaction (group commit). SQLite's automatic checkpoint is
+off: it ran inside whichever commit crossed 1000 WAL pages, and that commit,
+with every write queued behind it, waited for the whole checkpoint (up to
+145 ms measured on a busy 2-core machine); a passive checkpoint runs instead on a second connection and thread at
+most every ``CHECKPOINT_INTERVAL_S`` after a commit, beside the writes (WAL
+lets a checkpoint and a writer run at once). The WAL starts over from its
+beginning only when a write finds every frame of it copied, which writes during
+each checkpoint prevent, and the file would grow without bound; so the next
+write batch after each checkpoint first copies the few frames written while it
+ran, on the writer's own thread (sqlite.org/wal.html, "Avoiding Excessively
+Large WAL Files"). Several processes on one
 host may share the file (``busy_timeout`` waits out the others' writes); hosts
 must not share it over a network file system, where SQLite's locks are unsafe.
 """
@@ -13,6 +24,8 @@ must not share it over a network file system, where SQLite's locks are unsafe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +36,11 @@ from switchyard.common.config import TaskStoreConfig
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+CHECKPOINT_INTERVAL_S = 1.0
+"""Least seconds between two passive checkpoints (each copies the WAL's committed pages into the database file;
+at 500 writes a second one second of WAL is a few hundred pages, under SQLite's own 1000-page default)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -77,10 +95,18 @@ class SqliteTaskStore(TaskStore):
         self.path = Path(config.sqlite_path)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="task-store")
         self._db: sqlite3.Connection | None = None
-        self._creates: list[tuple[TaskRecord, list[Any], asyncio.Future[tuple[TaskRecord, bool]]]] = []
-        """Creates waiting for the batch on the store's thread to end (group commit, :meth:`_create`)."""
-        self._creating = False
-        """A batch of creates is on the store's thread."""
+        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="task-store-checkpoint")
+        self._checkpoint_db: sqlite3.Connection | None = None
+        self._checkpoint: asyncio.Future[None] | None = None
+        """The passive checkpoint running now, if any."""
+        self._checkpointed_at = 0.0
+        """time.monotonic() of the last checkpoint's start."""
+        self._catch_up = False
+        """A checkpoint has ended: the next write batch first copies the frames written while it ran."""
+        self._writes: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
+        """Writes waiting for the batch on the store's thread to end (group commit, :meth:`_write`)."""
+        self._writing = False
+        """A batch of writes is on the store's thread."""
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
@@ -105,10 +131,16 @@ class SqliteTaskStore(TaskStore):
             if "tenant_id" not in columns:
                 db.execute(TENANT_COLUMN)
             db.execute(AGENT_INDEX)
+            db.execute("PRAGMA wal_autocheckpoint = 0")  # see the module docstring
             self._db = db
+
+        def connect_checkpointer() -> None:
+            self._checkpoint_db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                                  timeout=5.0)
 
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, connect)
+            await asyncio.get_running_loop().run_in_executor(self._checkpointer, connect_checkpointer)
         except (sqlite3.Error, OSError) as exc:
             raise TaskStoreUnavailable(self.name, exc) from exc
 
@@ -118,42 +150,77 @@ class SqliteTaskStore(TaskStore):
                 self._db.close()
                 self._db = None
 
-        await asyncio.get_running_loop().run_in_executor(self._thread, close)
+        def close_checkpointer() -> None:
+            if self._checkpoint_db is not None:
+                self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                self._checkpoint_db.close()
+                self._checkpoint_db = None
+
+        loop = asyncio.get_running_loop()
+        if self._checkpoint is not None:
+            with contextlib.suppress(Exception):
+                await self._checkpoint
+        with contextlib.suppress(sqlite3.Error):
+            await loop.run_in_executor(self._checkpointer, close_checkpointer)
+        self._checkpointer.shutdown(wait=True)
+        await loop.run_in_executor(self._thread, close)
         self._thread.shutdown(wait=True)
 
-    async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
-        """Group commit: creates that arrive while one batch is on the store's thread wait and go together,
-        in one transaction (one commit, one thread hop) when it is done; each is answered after that commit.
+    def _maybe_checkpoint(self) -> None:
+        """Start a passive checkpoint on the checkpoint thread, unless one runs or one started within
+        ``CHECKPOINT_INTERVAL_S``. A failed checkpoint is logged and tried again after the next commit: the
+        WAL keeps every committed write meanwhile."""
+        now = time.monotonic()
+        if self._checkpoint is not None or now - self._checkpointed_at < CHECKPOINT_INTERVAL_S:
+            return
+        self._checkpointed_at = now
+
+        def checkpoint() -> None:
+            assert self._checkpoint_db is not None, "task store not open"
+            self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+        def done(future: asyncio.Future[None]) -> None:
+            self._checkpoint = None
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("task store: checkpoint of %s failed: %s", self.path, future.exception())
+            else:
+                self._catch_up = True
+
+        self._checkpoint = asyncio.get_running_loop().run_in_executor(self._checkpointer, checkpoint)
+        self._checkpoint.add_done_callback(done)
+
+    async def _write(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        """Group commit: writes that arrive while one batch is on the store's thread wait and go together, in
+        one transaction (one commit, one thread hop) when it is done, in arrival order; each is answered after
+        that commit. One trip per batch, not per write: every trip waits for the GIL from a busy event loop
+        (up to ``sys.getswitchinterval()``, 5 ms, per hand-over), and a create queued behind the running
+        tasks' updates, one trip each, waited for all of them. A batch of one write is one statement, with no
+        BEGIN and COMMIT around it (two hand-overs fewer).
 
         Raises:
-            TaskStoreUnavailable: the batch's transaction failed (every create of it fails, none is recorded).
+            TaskStoreUnavailable: the batch's transaction failed (every write of it fails, none is recorded).
         """
-        expired_before = record.created_at - self.config.retention_s
-        stored = record.fields()
-        future: asyncio.Future[tuple[TaskRecord, bool]] = asyncio.get_running_loop().create_future()
-        self._creates.append((record, [*(stored[c] for c in COLUMNS), expired_before], future))
-        if not self._creating:
-            self._create_batch()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._writes.append((op, future))
+        if not self._writing:
+            self._write_batch()
         return await future
 
-    def _create_batch(self) -> None:
-        """Send the creates waiting now to the store's thread as one transaction; the next batch starts when
+    def _write_batch(self) -> None:
+        """Send the writes waiting now to the store's thread as one transaction; the next batch starts when
         it is done."""
-        batch, self._creates = self._creates, []
-        self._creating = True
+        batch, self._writes = self._writes, []
+        self._writing = True
+        catch_up, self._catch_up = self._catch_up, False
 
-        def create_all(db: sqlite3.Connection) -> list[tuple[TaskRecord, bool]]:
+        def write_all(db: sqlite3.Connection) -> list[Any]:
+            if catch_up:  # a few frames, with no write beside it: every frame is copied, so this batch's write
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # starts the WAL over (module docstring)
+            if len(batch) == 1:  # one statement is its own transaction: two statements (two GIL hand-overs) fewer
+                return [batch[0][0](db)]
             db.execute("BEGIN IMMEDIATE")
             try:
-                results = []
-                for record, params, _ in batch:
-                    # Insert, or take over a finished record past its retention that the purge has not removed.
-                    if db.execute(CREATE, params).rowcount == 1:
-                        results.append((record, True))
-                    else:
-                        row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ?",
-                                         (record.task_id,)).fetchone()
-                        results.append((_record(row), False))
+                results = [op(db) for op, _ in batch]
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -161,12 +228,14 @@ class SqliteTaskStore(TaskStore):
                 raise
             return results
 
-        def answer(done: asyncio.Task[list[tuple[TaskRecord, bool]]]) -> None:
-            self._creating = False
-            if self._creates:
-                self._create_batch()
+        def answer(done: asyncio.Task[list[Any]]) -> None:
+            self._writing = False
+            if self._writes:
+                self._write_batch()
             error = None if done.cancelled() else done.exception()
-            for i, (_, _, future) in enumerate(batch):
+            if error is None and not done.cancelled():
+                self._maybe_checkpoint()
+            for i, (_, future) in enumerate(batch):
                 if future.done():  # its caller went away
                     continue
                 if done.cancelled():
@@ -176,7 +245,21 @@ class SqliteTaskStore(TaskStore):
                 else:
                     future.set_result(done.result()[i])
 
-        asyncio.ensure_future(self._run(create_all)).add_done_callback(answer)
+        asyncio.ensure_future(self._run(write_all)).add_done_callback(answer)
+
+    async def _create(self, record: TaskRecord) -> tuple[TaskRecord, bool]:
+        expired_before = record.created_at - self.config.retention_s
+        stored = record.fields()
+        params = [*(stored[c] for c in COLUMNS), expired_before]
+
+        def create(db: sqlite3.Connection) -> tuple[TaskRecord, bool]:
+            # Insert, or take over a finished record past its retention that the purge has not removed.
+            if db.execute(CREATE, params).rowcount == 1:
+                return record, True
+            row = db.execute(f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE task_id = ?", (record.task_id,)).fetchone()
+            return _record(row), False
+
+        return await self._write(create)
 
     async def _get(self, task_id: str) -> TaskRecord | None:
         expired_before = time.time() - self.config.retention_s
@@ -210,10 +293,10 @@ class SqliteTaskStore(TaskStore):
         sql = (f"UPDATE tasks SET state = ?, updated_at = ?{', ' if fields else ''}{assignments} "
                "WHERE task_id = ? AND owner = ? AND finished_at IS NULL")
         params = [state, time.time(), *fields.values(), task_id, owner]
-        return await self._run(lambda db: db.execute(sql, params).rowcount == 1)
+        return await self._write(lambda db: db.execute(sql, params).rowcount == 1)
 
     async def _delete(self, task_id: str, owner: str) -> None:
-        await self._run(lambda db: db.execute(
+        await self._write(lambda db: db.execute(
             "DELETE FROM tasks WHERE task_id = ? AND owner = ? AND finished_at IS NULL", (task_id, owner)))
 
     async def _renew(self, lease: Lease) -> None:
