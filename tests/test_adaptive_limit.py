@@ -345,3 +345,22 @@ def test_a_knee_confirmed_by_a_lighter_load_is_probed_past_when_the_load_grows()
     drive(limit, knee_server(24), offered=64, windows=40, t=t, trace=trace)  # 20 s, within memory_s (30 s)
     assert max(value for value, _ in trace[:10]) >= 16  # probed within 5 s
     assert limit.knee is not None and 12 <= limit.knee <= 36
+
+
+def test_levels_passed_saturated_on_the_probes_way_up_do_not_hold_the_limit_at_its_probe() -> None:
+    """32 streams offered against a server whose knee is 24: on the way up the limit bound at 26-28 streams
+    (those levels measured saturated); at the probe (2 x knee) the load offers only 29-32, which wander above
+    them. The highest levels are all the load offers, so the knee is confirmed and the limit comes down to it
+    within a few windows, not after memory_s (30 s) when the passed levels age out. The bench in front of
+    sim-openai held the limit at 54 with 30 in flight and a knee of 26."""
+    limit = make_limit(initial_limit=4, max_limit=128)
+    t = 0.0
+    for offered in (26, 27, 28, 26, 27, 28):  # the limit binds: these levels are measured saturated
+        limit._set(offered + limit.reserve)
+        t = drive(limit, knee_server(24), offered=offered + 8, windows=2, t=t)
+    limit._set(2 * 24 + limit.reserve + 2)  # the probe, where the load cannot follow
+    trace: list[tuple[float, int]] = []
+    for i in range(40):  # 20 s
+        t = drive(limit, knee_server(24), offered=(30, 32, 29, 31)[i % 4], windows=1, t=t, trace=trace)
+    assert limit.knee is not None and 20 <= limit.knee <= 30
+    assert trace[-1][0] <= 34 + limit.reserve, trace  # at the load, near the knee: not held at the probe

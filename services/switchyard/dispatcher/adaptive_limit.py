@@ -373,10 +373,13 @@ class AdaptiveConcurrencyLimit:
         # Confirmed by a level twice as high, or by the highest levels the load reaches: when fewer streams
         # were wanted there than the limit allowed, no probe can measure higher. The levels within
         # TOP_BAND of the highest count as one (a closed-loop load of 32 streams is 29 to 34 in flight
-        # window by window, and a burst can set a new highest level measured once): measured twice in all,
-        # not a single window of a limit change.
+        # window by window, and a burst can set a new highest level measured once): the highest marked, and
+        # the marked ones measured twice in all, not a single window of a limit change.
+        # A level in the band measured only while an older, lower limit bound it (the probe's way up) does not
+        # count against the load: that the load then wanted more than the level says nothing about more than
+        # the highest level, which is what the mark is about.
         top = [self.levels[key] for key in keys if key >= TOP_BAND * keys[-1]]
-        by_load = all(level.demand_limited for level in top) and sum(level.windows for level in top) >= 2
+        by_load = top[-1].demand_limited and sum(level.windows for level in top if level.demand_limited) >= 2
         return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load
 
     def _set(self, value: float) -> None:
