@@ -8,6 +8,7 @@ import math
 import statistics
 from typing import Callable
 
+import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
 from prometheus_client import REGISTRY, Gauge
@@ -185,6 +186,19 @@ def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> N
     assert limit.limit == 3
 
 
+def test_a_429_with_others_in_flight_drops_the_limit_to_them_at_once() -> None:
+    limit = make_limit(initial_limit=32, min_limit=1, backoff_ratio=0.9)
+    for _ in range(12):
+        limit.acquire(BATCH, 1.0)
+    limit.on_overload(now=1.0)  # the twelfth was refused: the server took eleven, then the burst's backoff
+    assert limit.limit == pytest.approx(11 * 0.9)
+    limit.release(BATCH, 1.0)
+    for _ in range(9):
+        limit.release(BATCH, 1.0)
+    limit.on_overload(now=1.01)  # two in flight, one refused: within the same burst, no second backoff
+    assert limit.limit == 1
+
+
 def test_gauges_are_arguments_so_each_endpoint_can_have_its_own() -> None:
     limit_gauge = Gauge("test_endpoint_limit", "limit", ["endpoint"])
     knee_gauge = Gauge("test_endpoint_knee", "knee", ["endpoint"])
@@ -287,6 +301,64 @@ async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concu
     assert all(r.HasField("done") for r in results)  # nothing lost: retried, then served
     assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 4
     assert service.limit is not None and service.limit.limit < 32  # it learned the upstream takes less
+
+
+def _upstream_dispatcher(base_url: str, **overrides) -> DispatcherService:
+    """A dispatcher on the openai engine in front of ``base_url``: no gateway retry and no fallback, so that a
+    429 reaches the stream loop from the first one."""
+    return DispatcherService(load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.api_key_required": False,
+        "upstream.max_retries": 0, "upstream.fallback_model": "", **overrides,
+    }))
+
+
+async def _generate_all(service: DispatcherService, count: int) -> list[agent_pb2.GenerateChunk | grpc.aio.AioRpcError]:
+    config = service.config
+    srv = await start_server([service], "127.0.0.1", 0, config.server)
+    try:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+
+            async def one(i: int) -> agent_pb2.GenerateChunk | grpc.aio.AioRpcError:
+                request = agent_pb2.GenerateRequest(request_id=f"q{i}", prompt="<question>what is a list?</question>",
+                                                    max_tokens=16)
+                try:
+                    return [c async for c in stub.Generate(request, timeout=60)][-1]
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+
+            return await asyncio.gather(*(one(i) for i in range(count)))
+    finally:
+        await srv.stop(1.0)
+
+
+async def test_a_request_the_upstream_refuses_for_load_before_its_first_token_waits_again_in_the_queue(
+        clean_proxy_env) -> None:
+    # 12 streams at once against a server that takes 2, with no retry in the gateway: each 429 sends its
+    # request back to the dispatcher's queue, behind the limit that the 429s backed off, and all are served
+    before = REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": "normal"}) or 0.0
+    with start_sim(max_streams=2, latency=True) as upstream:
+        service = _upstream_dispatcher(upstream.base_url,
+                                       **{"upstream.concurrency": {"initial_limit": 16, "min_limit": 1, "max_limit": 64}})
+        results = await _generate_all(service, 12)
+    assert all(isinstance(r, agent_pb2.GenerateChunk) and r.HasField("done") for r in results), results
+    assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 2
+    requeued = REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": "normal"}) - before
+    assert requeued > 0
+    assert service.limit is not None and service.limit.limit < 16
+
+
+async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_env) -> None:
+    from switchyard.dispatcher.stream_loop import MAX_REQUEUES
+    from switchyard.gateway.faults import Fault
+
+    with start_sim(faults={"*": Fault(status=429)}) as upstream:
+        service = _upstream_dispatcher(upstream.base_url)
+        [result] = await _generate_all(service, 1)
+    assert isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "429" in result.details()
+    assert len(upstream.state.requests) == 1  # nothing else in flight: the 429 is not about this load
+    assert MAX_REQUEUES > 0
 
 
 # --------------------------------------------------------------------------- a real continuous-batching server

@@ -57,8 +57,10 @@ CORE headroom below):
   ``Gradient2Limit`` against a baseline per concurrency level instead of one
   long EWMA (which follows the loaded TTFT within seconds and lets the limit
   run away, as TCP Vegas' ``baseRTT`` would without its minimum);
-- a 429 or 503 (AIMD's multiplicative decrease): ``limit *= backoff_ratio``,
-  at most once per remembered TTFT, so one burst of refusals counts once.
+- a 429 or 503: the limit drops at once to the other streams in flight, if
+  any (the server took those), and (AIMD's multiplicative decrease) ``limit *=
+  backoff_ratio``, at most once per remembered TTFT, so one burst of refusals
+  counts once.
 
 Levels above the knee age out after ``memory_s`` while the limit holds at the
 knee; the knee is then no longer confirmed and the next saturated windows probe
@@ -265,7 +267,11 @@ class AdaptiveConcurrencyLimit:
         self._tokens += count
 
     def on_overload(self, now: float) -> None:
-        """The upstream refused load (429/503) at ``now`` (monotonic seconds): back off once per TTFT."""
+        """The upstream refused load (429/503) at ``now`` (monotonic seconds), to a stream still counted in
+        flight: where others are in flight too, the limit drops at once to them (the server took those); and
+        it backs off by ``backoff_ratio`` once per TTFT."""
+        if self.in_flight > 1:
+            self._set(min(self.limit, self.in_flight - 1))
         ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
         window = max(ttfts) if ttfts else 0.1
         if now - self._last_backoff < window:

@@ -129,7 +129,9 @@ ADMISSIONS_REFUSED = Counter(
 for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency", "upstream_core_reserve"):
     ADMISSIONS_REFUSED.labels(_reason)
 PREEMPTIONS = Counter(
-    "switchyard_preemptions_total", "Running sequences preempted for waiting core work, by the victim's class.",
+    "switchyard_preemptions_total",
+    "Running sequences sent back to the queue, by class: preempted for waiting core work, or refused by their "
+    "upstream for load (429) before their first token.",
     ["priority_class"],
 )
 DEADLINES_EXCEEDED = Counter(

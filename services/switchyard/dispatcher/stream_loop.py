@@ -7,7 +7,9 @@ streamed call. The running set is bounded by an adaptive concurrency limit
 from the tokens, TTFTs and 429/503 answers this loop feeds it, not by a fixed
 count; what the limit does not let through waits in the scheduler's queue, in
 the policy's order, CORE first, and CORE may take the slots the limit holds
-back from NORMAL and BATCH.
+back from NORMAL and BATCH. A request the upstream refuses for load before its
+first token (429) while other streams are in flight waits there again, up to
+``MAX_REQUEUES`` times, rather than failing while the limit comes down.
 
 Double buffering works as for a step engine: while the upstream streams the
 current batches, arrivals fill the active buffer; when the upstream can take
@@ -38,6 +40,16 @@ from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult,
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestStatus, ToolCall
+
+
+MAX_REQUEUES = 8
+"""Times a request the upstream refused for load before its first token (a 429 after the gateway's retries and
+fallback, :meth:`StreamEngine.refused_for_load`) waits again in the queue before that refusal is its answer.
+It waits again only while other streams are in flight to the upstream (one ending frees a place it took): a
+429 with nothing else in flight is not about this load and is answered at once. The wait is behind the limit,
+which each 429 brought down to the streams the upstream took (``on_overload``): the gateway's retries inside
+one call hold its slot and last a fraction of a second, while a queue of 40 behind a server that takes 4 needs
+seconds. Its own deadline bounds the wait, as any queued request's."""
 
 
 class StreamLoop(LoopBase):
@@ -170,8 +182,12 @@ class StreamLoop(LoopBase):
                                                     time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
-                                                    time.monotonic(), exc))
+            if (first and engine.refused_for_load(exc) and self.limit.in_flight > 1
+                    and req.preemptions < MAX_REQUEUES):
+                scheduler.requeue(req, time.monotonic())  # the upstream is full: wait here, under the limit
+            else:
+                self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
+                                                        time.monotonic(), exc))
         finally:
             if first:
                 self._prefilled(wave)

@@ -301,6 +301,12 @@ class StreamEngine(abc.ABC):
                 message naming the cause; the Generate stream ends with it.
         """
 
+    def refused_for_load(self, exc: BaseException) -> bool:
+        """True when ``exc``, raised by :meth:`generate` before its first item, says the upstream refused the
+        request for load (a 429 after the engine's own retries): the stream loop then puts the request back in
+        the queue, behind the limit that backed off, instead of failing it. False by default."""
+        return False
+
     async def aclose(self) -> None:
         """Close connections (called once by the dispatcher's stop)."""
 

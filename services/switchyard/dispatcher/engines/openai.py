@@ -23,6 +23,7 @@ from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.errors import UpstreamRateLimited
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
@@ -169,6 +170,10 @@ class OpenAIEngine(StreamEngine):
                     finish_reason=finish,
                     model=event.model,
                 )
+
+    def refused_for_load(self, exc: BaseException) -> bool:
+        """A 429 that outlasted the gateway's retries and its fallback, before any token (see the base)."""
+        return isinstance(exc, UpstreamRateLimited) and not exc.tokens_sent
 
     async def aclose(self) -> None:
         """Close the HTTP connection pool."""

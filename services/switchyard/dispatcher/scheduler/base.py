@@ -22,7 +22,8 @@ caller, on the event loop, never concurrently. It runs, turn after turn:
 
 Beside the turn: :meth:`Scheduler.add_request` (a Generate arrived; refused at
 once when the queue is full), :meth:`Scheduler.finish_requests` (the caller went
-away, the engine failed), :meth:`Scheduler.make_stats` (what the loop publishes
+away, the engine failed), :meth:`Scheduler.requeue` (an upstream refused a
+running request for load before its first token), :meth:`Scheduler.make_stats` (what the loop publishes
 to the metrics after each decision). Every call that ends requests returns
 their outputs; nothing inside the scheduler writes to a stream, starts a timer,
 touches asyncio, records a metric or makes a span: the loop owns time (the
@@ -294,6 +295,10 @@ class Scheduler(Protocol):
         Returns:
             their outputs (each ``finished``).
         """
+
+    def requeue(self, req: Request, now: float) -> None:
+        """``req``, running, got nothing from its engine, which refused it for load: it waits again at its
+        original place (counted as a preemption)."""
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state now and what it counted and observed since the previous call, for the loop

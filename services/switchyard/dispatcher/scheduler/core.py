@@ -1046,6 +1046,16 @@ class SchedulerCore:
         if req.swap_key:
             out.restore.append(req)
 
+    def requeue(self, req: Request, now: float) -> None:
+        """``req``, running, got nothing from its engine, which refused it for load (an upstream's 429 after
+        the gateway's retries): it leaves the running set and waits again at its original place, as a
+        preempted request does (counted as a preemption, its span's ``preempted`` event), to be admitted
+        again under the limit the refusal backed off."""
+        self._stop(req, now)
+        req.mark_preempted(now)
+        self._enqueue(req, now)
+        self.counters.preemptions[class_name(req)] += 1
+
     def _stop(self, req: Request, now: float) -> None:
         self.accounting.stop(req, self.score, len(self._running), now)
         self._running.remove(req)
