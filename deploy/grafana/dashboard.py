@@ -164,7 +164,8 @@ def rows() -> list[tuple[str, list]]:
                 [(f"sum by (priority_class) (switchyard_running_agents{{{SEL}}})", "running {{priority_class}}"),
                  (f"sum by (priority_class) (switchyard_waiting_agents{{{SEL}}})", "waiting {{priority_class}}")],
                 width=8),
-        _series("Preemptions by victim class", "Running sequences preempted for waiting core work, per second.",
+        _series("Preemptions by victim class", "Running sequences sent back to the queue per second: preempted for "
+                "waiting core work, or refused by their upstream for load (429) before their first token.",
                 "ops", [(f"sum by (priority_class) (rate(switchyard_preemptions_total{{{SEL}}}[{RATE}]))",
                          "{{priority_class}}")], width=8),
         _series("Tasks in flight", "Tasks accepted and not finished (the HPA's agent_concurrent_count, target "
