@@ -103,6 +103,8 @@ class SqliteTaskStore(TaskStore):
         """time.monotonic() of the last checkpoint's start."""
         self._catch_up = False
         """A checkpoint has ended: the next write batch first copies the frames written while it ran."""
+        self._closing = False
+        """:meth:`_close` has begun: no checkpoint starts."""
         self._writes: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
         """Writes waiting for the batch on the store's thread to end (group commit, :meth:`_write`)."""
         self._writing = False
@@ -156,6 +158,7 @@ class SqliteTaskStore(TaskStore):
                 self._checkpoint_db.close()
                 self._checkpoint_db = None
 
+        self._closing = True
         loop = asyncio.get_running_loop()
         if self._checkpoint is not None:
             with contextlib.suppress(Exception):
@@ -171,7 +174,7 @@ class SqliteTaskStore(TaskStore):
         ``CHECKPOINT_INTERVAL_S``. A failed checkpoint is logged and tried again after the next commit: the
         WAL keeps every committed write meanwhile."""
         now = time.monotonic()
-        if self._checkpoint is not None or now - self._checkpointed_at < CHECKPOINT_INTERVAL_S:
+        if self._closing or self._checkpoint is not None or now - self._checkpointed_at < CHECKPOINT_INTERVAL_S:
             return
         self._checkpointed_at = now
 
@@ -229,12 +232,8 @@ class SqliteTaskStore(TaskStore):
             return results
 
         def answer(done: asyncio.Task[list[Any]]) -> None:
-            self._writing = False
-            if self._writes:
-                self._write_batch()
+            # every caller is answered first: nothing that follows can leave one waiting
             error = None if done.cancelled() else done.exception()
-            if error is None and not done.cancelled():
-                self._maybe_checkpoint()
             for i, (_, future) in enumerate(batch):
                 if future.done():  # its caller went away
                     continue
@@ -244,6 +243,11 @@ class SqliteTaskStore(TaskStore):
                     future.set_exception(error)
                 else:
                     future.set_result(done.result()[i])
+            self._writing = False
+            if self._writes:
+                self._write_batch()
+            if error is None and not done.cancelled():
+                self._maybe_checkpoint()
 
         asyncio.ensure_future(self._run(write_all)).add_done_callback(answer)
 
