@@ -6,17 +6,20 @@ the death of the process (``kill -9``), which is what a crashed orchestrator
 needs; ``FULL`` also survives a power loss, at one fsync per commit (SQLite's
 documentation, "Write-Ahead Logging" and "PRAGMA synchronous"). Every statement
 runs on the store's single thread, off the event loop, and the writes that wait
-together go in one transaction (group commit). SQLite's automatic checkpoint is
-off: it ran inside whichever commit crossed 1000 WAL pages, and that commit,
-with every write queued behind it, waited for the whole checkpoint (up to
-145 ms measured on a busy 2-core machine); a passive checkpoint runs instead on a second connection and thread at
+together go in one transaction (group commit). SQLite's automatic checkpoint
+is off: it ran inside whichever commit crossed 1000 WAL pages, and that
+commit, with every write queued behind it, waited for the whole checkpoint (up
+to 145 ms measured on a busy 2-core machine); a passive checkpoint runs instead
+on a second connection and thread at
 most every ``CHECKPOINT_INTERVAL_S`` after a commit, beside the writes (WAL
 lets a checkpoint and a writer run at once). The WAL starts over from its
 beginning only when a write finds every frame of it copied, which writes during
 each checkpoint prevent, and the file would grow without bound; so the next
 write batch after each checkpoint first copies the few frames written while it
 ran, on the writer's own thread (sqlite.org/wal.html, "Avoiding Excessively
-Large WAL Files"). Several processes on one
+Large WAL Files"). Where other processes write the same file, their writes keep
+that copy from being complete too: past ``RESTART_WAL_PAGES`` the checkpoint
+restarts the WAL, holding the writers while it copies what is left. Several processes on one
 host may share the file (``busy_timeout`` waits out the others' writes); hosts
 must not share it over a network file system, where SQLite's locks are unsafe.
 """
@@ -38,6 +41,11 @@ from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore,
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+RESTART_WAL_PAGES = 10_000
+"""WAL pages (4 KiB each, 40 MiB) past which a checkpoint also restarts the WAL: other processes writing the same
+file keep each store's catch-up copy from being complete, and the WAL would grow without bound. RESTART waits for
+the write in progress and holds the next ones while it copies what the passive pass left, then the WAL starts
+over (sqlite.org/c3ref/wal_checkpoint_v2.html). A store alone on its file never gets there."""
 CHECKPOINT_INTERVAL_S = 1.0
 """Least seconds between two passive checkpoints (each copies the WAL's committed pages into the database file;
 at 500 writes a second one second of WAL is a few hundred pages, under SQLite's own 1000-page default)."""
@@ -111,14 +119,22 @@ class SqliteTaskStore(TaskStore):
         """A batch of writes is on the store's thread."""
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(connection)`` on the store's thread.
+
+        Raises:
+            TaskStoreUnavailable: SQLite failed, or the store is not open (closed, or closing past this call).
+        """
         def call() -> T:
-            assert self._db is not None, "task store not open"
+            if self._db is None:
+                raise sqlite3.ProgrammingError("the task store is not open")
             return fn(self._db)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, call)
         except sqlite3.Error as exc:
             raise TaskStoreUnavailable(self.name, exc) from exc
+        except RuntimeError as exc:  # the store's thread was shut down: closed
+            raise TaskStoreUnavailable(self.name, f"the task store is closed ({exc})") from exc
 
     async def _open(self) -> None:
         def connect() -> None:
@@ -180,7 +196,9 @@ class SqliteTaskStore(TaskStore):
 
         def checkpoint() -> None:
             assert self._checkpoint_db is not None, "task store not open"
-            self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            _, wal_pages, _ = self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if wal_pages > RESTART_WAL_PAGES:
+                self._checkpoint_db.execute("PRAGMA wal_checkpoint(RESTART)")
 
         def done(future: asyncio.Future[None]) -> None:
             self._checkpoint = None
