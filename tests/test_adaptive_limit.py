@@ -273,46 +273,20 @@ def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(poli
 # --------------------------------------------------------------------------- a real fake upstream
 
 
-async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concurrency(clean_proxy_env) -> None:
-    with start_sim(max_streams=4, latency=True) as upstream:
-        config = load_config("config").with_overrides(**{
-            "dispatcher.engine": "openai",
-            "upstream.base_url": upstream.base_url,
-            "upstream.api_key_required": False,
-            "upstream.max_retries": 8,
-            "upstream.retry_backoff_initial_s": 0.01,
-            "upstream.retry_backoff_max_s": 0.05,
-            "upstream.concurrency": {"initial_limit": 32, "min_limit": 1, "max_limit": 64},
-        })
-        service = DispatcherService(config)
-        srv = await start_server([service], "127.0.0.1", 0, config.server)
-        try:
-            async with open_channel(f"127.0.0.1:{srv.port}") as channel:
-                stub = agent_pb2_grpc.InferenceServiceStub(channel)
-
-                async def one(i: int) -> agent_pb2.GenerateChunk:
-                    request = agent_pb2.GenerateRequest(request_id=f"u{i}", prompt="<question>what is a list?</question>",
-                                                        max_tokens=16)
-                    return [c async for c in stub.Generate(request, timeout=60)][-1]
-
-                results = await asyncio.gather(*(one(i) for i in range(40)))
-        finally:
-            await srv.stop(1.0)
-    assert all(r.HasField("done") for r in results)  # nothing lost: retried, then served
-    assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 4
-    assert service.limit is not None and service.limit.limit < 32  # it learned the upstream takes less
-
-
 def _upstream_dispatcher(base_url: str, **overrides) -> DispatcherService:
-    """A dispatcher on the openai engine in front of ``base_url``: no gateway retry and no fallback, so that a
-    429 reaches the stream loop from the first one."""
+    """A dispatcher on the openai engine in front of ``base_url`` (no API key), then ``overrides``."""
     return DispatcherService(load_config("config").with_overrides(**{
-        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.api_key_required": False,
-        "upstream.max_retries": 0, "upstream.fallback_model": "", **overrides,
+        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.api_key_required": False, **overrides,
     }))
 
 
+NO_RETRY = {"upstream.max_retries": 0, "upstream.fallback_model": ""}
+"""No gateway retry and no fallback: a 429 reaches the stream loop from the first one."""
+
+
 async def _generate_all(service: DispatcherService, count: int) -> list[agent_pb2.GenerateChunk | grpc.aio.AioRpcError]:
+    """``count`` Generate calls at once through ``service`` on a real gRPC server; each one's last chunk, or
+    its error."""
     config = service.config
     srv = await start_server([service], "127.0.0.1", 0, config.server)
     try:
@@ -332,13 +306,28 @@ async def _generate_all(service: DispatcherService, count: int) -> list[agent_pb
         await srv.stop(1.0)
 
 
+async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concurrency(clean_proxy_env) -> None:
+    with start_sim(max_streams=4, latency=True) as upstream:
+        service = _upstream_dispatcher(upstream.base_url, **{
+            "upstream.max_retries": 8,
+            "upstream.retry_backoff_initial_s": 0.01,
+            "upstream.retry_backoff_max_s": 0.05,
+            "upstream.concurrency": {"initial_limit": 32, "min_limit": 1, "max_limit": 64},
+        })
+        results = await _generate_all(service, 40)
+    # nothing lost: retried, then served
+    assert all(isinstance(r, agent_pb2.GenerateChunk) and r.HasField("done") for r in results), results
+    assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 4
+    assert service.limit is not None and service.limit.limit < 32  # it learned the upstream takes less
+
+
 async def test_a_request_the_upstream_refuses_for_load_before_its_first_token_waits_again_in_the_queue(
         clean_proxy_env) -> None:
     # 12 streams at once against a server that takes 2, with no retry in the gateway: each 429 sends its
     # request back to the dispatcher's queue, behind the limit that the 429s backed off, and all are served
     before = REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": "normal"}) or 0.0
     with start_sim(max_streams=2, latency=True) as upstream:
-        service = _upstream_dispatcher(upstream.base_url,
+        service = _upstream_dispatcher(upstream.base_url, **NO_RETRY,
                                        **{"upstream.concurrency": {"initial_limit": 16, "min_limit": 1, "max_limit": 64}})
         results = await _generate_all(service, 12)
     assert all(isinstance(r, agent_pb2.GenerateChunk) and r.HasField("done") for r in results), results
@@ -353,7 +342,7 @@ async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_
     from switchyard.gateway.faults import Fault
 
     with start_sim(faults={"*": Fault(status=429)}) as upstream:
-        service = _upstream_dispatcher(upstream.base_url)
+        service = _upstream_dispatcher(upstream.base_url, **NO_RETRY)
         [result] = await _generate_all(service, 1)
     assert isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "429" in result.details()
