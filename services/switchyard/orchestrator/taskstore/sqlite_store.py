@@ -10,18 +10,19 @@ together go in one transaction (group commit). SQLite's automatic checkpoint
 is off: it ran inside whichever commit crossed 1000 WAL pages, and that
 commit, with every write queued behind it, waited for the whole checkpoint (up
 to 145 ms measured on a busy 2-core machine); a passive checkpoint runs instead
-on a second connection and thread at
-most every ``CHECKPOINT_INTERVAL_S`` after a commit, beside the writes (WAL
-lets a checkpoint and a writer run at once). The WAL starts over from its
+on a second connection and thread at most every ``CHECKPOINT_INTERVAL_S``
+after a commit, beside the writes (WAL lets a checkpoint and a writer run at
+once). The WAL starts over from its
 beginning only when a write finds every frame of it copied, which writes during
 each checkpoint prevent, and the file would grow without bound; so the next
 write batch after each checkpoint first copies the few frames written while it
 ran, on the writer's own thread (sqlite.org/wal.html, "Avoiding Excessively
 Large WAL Files"). Where other processes write the same file, their writes keep
 that copy from being complete too: past ``RESTART_WAL_PAGES`` the checkpoint
-restarts the WAL, holding the writers while it copies what is left. Several processes on one
-host may share the file (``busy_timeout`` waits out the others' writes); hosts
-must not share it over a network file system, where SQLite's locks are unsafe.
+restarts the WAL, holding the writers while it copies what is left. Several
+processes on one host may share the file (``busy_timeout`` waits out the
+others' writes); hosts must not share it over a network file system, where
+SQLite's locks are unsafe.
 """
 
 from __future__ import annotations
