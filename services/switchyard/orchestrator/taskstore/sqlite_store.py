@@ -16,8 +16,8 @@ once). The WAL starts over from its
 beginning only when a write finds every frame of it copied, which writes during
 each checkpoint prevent, and the file would grow without bound; so the next
 write batch after each checkpoint first copies the few frames written while it
-ran, on the writer's own thread (sqlite.org/wal.html, "Avoiding Excessively
-Large WAL Files"). Where other processes write the same file, their writes keep
+ran, on the writer's own thread, and no checkpoint starts until it has
+(sqlite.org/wal.html, "Avoiding Excessively Large WAL Files"). Where other processes write the same file, their writes keep
 that copy from being complete too: past ``RESTART_WAL_PAGES`` the checkpoint
 restarts the WAL, holding the writers while it copies what is left. Several
 processes on one host may share the file (``busy_timeout`` waits out the
@@ -111,7 +111,8 @@ class SqliteTaskStore(TaskStore):
         self._checkpointed_at = 0.0
         """time.monotonic() of the last checkpoint's start."""
         self._catch_up = False
-        """A checkpoint has ended: the next write batch first copies the frames written while it ran."""
+        """A checkpoint has ended: the next write batch first copies the frames written while it ran, and no
+        checkpoint starts until that batch has committed (see :meth:`_maybe_checkpoint`)."""
         self._closing = False
         """:meth:`_close` has begun: no checkpoint starts."""
         self._writes: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
@@ -187,19 +188,17 @@ class SqliteTaskStore(TaskStore):
         self._thread.shutdown(wait=True)
 
     def _maybe_checkpoint(self) -> None:
-        """Start a passive checkpoint on the checkpoint thread, unless one runs or one started within
-        ``CHECKPOINT_INTERVAL_S``. A failed checkpoint is logged and tried again after the next commit: the
-        WAL keeps every committed write meanwhile."""
+        """Start a passive checkpoint on the checkpoint thread, unless one runs, one started within
+        ``CHECKPOINT_INTERVAL_S``, or the catch-up after the last one has not committed yet: a checkpoint
+        beside the catch-up holds the checkpoint lock and read-mark 0, the catch-up copies nothing, and the
+        WAL does not start over (with checkpoints slowed by a busy disk's fsync, hardly ever: 25 MB in CI).
+        A failed checkpoint is logged and tried again after the next commit: the WAL keeps every committed
+        write meanwhile."""
         now = time.monotonic()
-        if self._closing or self._checkpoint is not None or now - self._checkpointed_at < CHECKPOINT_INTERVAL_S:
+        if (self._closing or self._checkpoint is not None or self._catch_up
+                or now - self._checkpointed_at < CHECKPOINT_INTERVAL_S):
             return
         self._checkpointed_at = now
-
-        def checkpoint() -> None:
-            assert self._checkpoint_db is not None, "task store not open"
-            _, wal_pages, _ = self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-            if wal_pages > RESTART_WAL_PAGES:
-                self._checkpoint_db.execute("PRAGMA wal_checkpoint(RESTART)")
 
         def done(future: asyncio.Future[None]) -> None:
             self._checkpoint = None
@@ -208,8 +207,15 @@ class SqliteTaskStore(TaskStore):
             else:
                 self._catch_up = True
 
-        self._checkpoint = asyncio.get_running_loop().run_in_executor(self._checkpointer, checkpoint)
+        self._checkpoint = asyncio.get_running_loop().run_in_executor(self._checkpointer, self._checkpoint_pass)
         self._checkpoint.add_done_callback(done)
+
+    def _checkpoint_pass(self) -> None:
+        """One checkpoint, on the checkpoint thread: passive, then a restart past ``RESTART_WAL_PAGES``."""
+        assert self._checkpoint_db is not None, "task store not open"
+        _, wal_pages, _ = self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if wal_pages > RESTART_WAL_PAGES:
+            self._checkpoint_db.execute("PRAGMA wal_checkpoint(RESTART)")
 
     async def _write(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Group commit: writes that arrive while one batch is on the store's thread wait and go together, in
@@ -233,7 +239,7 @@ class SqliteTaskStore(TaskStore):
         it is done."""
         batch, self._writes = self._writes, []
         self._writing = True
-        catch_up, self._catch_up = self._catch_up, False
+        catch_up = self._catch_up
 
         def write_all(db: sqlite3.Connection) -> list[Any]:
             if catch_up:  # a few frames, with no write beside it: every frame is copied, so this batch's write
@@ -263,6 +269,8 @@ class SqliteTaskStore(TaskStore):
                 else:
                     future.set_result(done.result()[i])
             self._writing = False
+            if catch_up and error is None and not done.cancelled():
+                self._catch_up = False  # the WAL has started over: a checkpoint may run beside writes again
             if self._writes:
                 self._write_batch()
             if error is None and not done.cancelled():
