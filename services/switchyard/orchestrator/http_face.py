@@ -170,6 +170,12 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
     INVALID_ARGUMENT, 431 for a line too long, else 400, with the parser's reason, logged as one line
     without a traceback (a client's mistake, not the server's). Other errors are aiohttp's own."""
 
+    def close_without_lingering(self) -> None:
+        """Close the connection right after the answer being made now, without aiohttp's lingering read of
+        the request's unread body (up to ``lingering_time``, 10 s): a client whose body stalled sends no
+        more, and lingering held its connection (and the face's slot) that long after the 408."""
+        self._lingering_time = 0.0  # this connection's: aiohttp then closes it once the answer is written
+
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError) or status != 400:
@@ -332,6 +338,8 @@ class HttpFace(Drains):
             async with asyncio.timeout(self.config.orchestrator.http.body_read_timeout_s):
                 raw = await request.read()
         except TimeoutError:
+            if isinstance(request.protocol, _JsonProtocolErrors):
+                request.protocol.close_without_lingering()
             raise HttpAbort(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"body: expected its {request.content_length} bytes (Content-Length) within "
                             f"{self.config.orchestrator.http.body_read_timeout_s:g} s "
