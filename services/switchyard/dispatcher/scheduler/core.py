@@ -1052,6 +1052,10 @@ class SchedulerCore:
         preempted request does (counted as a preemption, its span's ``preempted`` event), to be admitted
         again under the limit the refusal backed off."""
         self._stop(req, now)
+        self._wait_again(req, now)
+
+    def _wait_again(self, req: Request, now: float) -> None:
+        """``req``, out of the running set, waits again at its original place: a preemption."""
         req.mark_preempted(now)
         self._enqueue(req, now)
         self.counters.preemptions[class_name(req)] += 1
@@ -1075,10 +1079,8 @@ class SchedulerCore:
         swapped = swap and self._swap_out(victim, self.tiers.request_key(victim), now, delays)
         if not swapped:
             self.counters.hbm_evictions += 1  # dropped: its next prefill recomputes
-        victim.mark_preempted(now)
         self._release(victim)
-        self._enqueue(victim, now)
-        self.counters.preemptions[class_name(victim)] += 1
+        self._wait_again(victim, now)
         out.preempted.append(victim)
         return swapped
 
