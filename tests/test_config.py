@@ -156,6 +156,42 @@ def test_a_string_is_not_taken_for_a_number(config_dir):
         load_config(config_dir)
 
 
+def _numeric_keys(model, prefix):
+    """Every dotted key under ``model`` whose value may be a number (int or float, alone or in a union)."""
+    import typing
+
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if nested and len(args) == 1:
+            yield from _numeric_keys(nested[0], f"{prefix}.{name}")
+        elif any(a in (int, float) for a in args):
+            yield f"{prefix}.{name}"
+
+
+def test_no_numeric_key_takes_a_string_or_a_boolean_for_a_number():
+    """batching.flush_interval_ms (a number or "auto") took "20" for 20 and true for 1 ms, against the rule every
+    other key keeps; every key that takes a number is checked here."""
+    from switchyard.common.config.sections import SECTIONS
+
+    config = load_config(ROOT / "config")
+    keys = [key for name, section in SECTIONS.items() for key in _numeric_keys(section.model, name)]
+    assert "batching.flush_interval_ms" in keys and len(keys) > 100, keys
+    accepted = []
+    for key in keys:
+        for wrong in ("20", True):
+            try:
+                config.with_overrides(**{key: wrong})
+            except ConfigError:
+                continue
+            accepted.append((key, wrong))
+    assert accepted == []
+    assert config.with_overrides(**{"batching.flush_interval_ms": "auto"}).batching.adaptive
+    assert config.with_overrides(**{"batching.flush_interval_ms": 5}).batching.flush_interval_ms == 5.0
+    with pytest.raises(ConfigError, match=r"flush_interval_ms.*expected milliseconds, a number in \(0, 10000\], or \"auto\""):
+        config.with_overrides(**{"batching.flush_interval_ms": "20"})
+
+
 # --------------------------------------------------------------------------- one class per concern
 
 

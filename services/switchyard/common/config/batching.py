@@ -30,15 +30,12 @@ class BatchingConfig(_Strict):
     @field_validator("flush_interval_ms", mode="before")
     @classmethod
     def _interval(cls, value: Any) -> float | str:
+        # strict as every key is (base.py): a number, or the string "auto"; "20" and true are not numbers
         if value == "auto":
             return value
-        try:
-            ms = float(value)
-        except (TypeError, ValueError):
-            ms = float("nan")
-        if not 0 < ms <= 10_000:  # also rejects NaN
-            raise ValueError('milliseconds in (0, 10000] or "auto"')
-        return ms
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10_000:  # NaN too
+            raise ValueError(f'expected milliseconds, a number in (0, 10000], or "auto" (got {value!r})')
+        return float(value)
 
     @model_validator(mode="after")
     def _window(self) -> "BatchingConfig":
