@@ -332,6 +332,25 @@ def test_compute_score_used_is_the_share_of_the_score() -> None:
     assert a.memory_peak_bytes == 3000 and b.memory_peak_bytes == 1000
 
 
+def test_a_request_that_runs_between_two_score_samples_is_charged_the_activity_of_its_own_run() -> None:
+    """The score is sampled every ``score_sample_interval_ms`` (100) and describes the interval before its
+    sample: a short task admitted onto an idle engine and ended before the next sample was charged the idle
+    engine's 0 (4 of 6 identical chat tasks printed "compute score used 0.000"). Each stretch is charged at the
+    engine's activity over that stretch itself."""
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=False, engine=engine)
+    sched.schedule(now=0.0)  # the first sample
+    [req] = make_requests(1)
+    accept(sched, [req], now=0.5)
+    sched.schedule(now=0.5)  # samples the idle half second: score 0
+    assert sched.score == 0.0 and req.status is RequestStatus.RUNNING
+    engine.busy_seconds += 0.03  # busy 30 of the next 40 ms
+    finish(sched, req, 0.54)  # before the next sample (0.6)
+    busy = weighted_score(UtilSample(75.0, 0.0, tensor_estimate(75.0), "busy_ratio"),
+                          SwitchyardConfig().scheduler.compute_score_weights)
+    assert req.compute_score_used == pytest.approx(busy * 0.04) and busy > 0
+
+
 # --------------------------------------------------------------------------- compute score and NVML
 
 

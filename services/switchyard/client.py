@@ -92,7 +92,7 @@ class HumanPrinter:
                 f"TTFT {_ms(t.ttft_s)}, total {_ms(t.total_s)}; model {f.model or '-'}"
             )
             self._line(f"queue waits: {waits}")
-            self._line(f"compute score used {f.compute_score_used:.3f}, memory peak {f.memory_peak_bytes} bytes")
+            self._line(f"compute score used {f.compute_score_used:.3f} score-seconds, memory peak {f.memory_peak_bytes} bytes")
             for i, p in enumerate(f.passages, 1):
                 self._line(f"  [{i}] {p.title}  ({p.source})  cosine {p.score:.3f}")  # in the ranking's order
             if f.trace_id:

@@ -240,6 +240,8 @@ class Request:
     """Compute score x seconds of engine time while running (see the scheduling policy)."""
     charged_until: float | None = None
     """Running: accounted up to this time (:mod:`~switchyard.dispatcher.scheduler.accounting`); None otherwise."""
+    charged_mark: tuple[float, ...] = ()
+    """The engine's cumulative activity at ``charged_until`` (``ComputeScoreMonitor.activity``)."""
     running_seconds: float = 0.0
     """Seconds it held a running slot, over all its admissions."""
     score_seconds: float = 0.0

@@ -3,8 +3,10 @@
 ``compute_score_used`` is in score-seconds: for every stretch of time a
 request holds a running slot, it is charged ``score * seconds / n_running``,
 its equal share of the compute score (0-100) among the ``n_running`` requests
-stepped together. Summed over all tasks this gives the score-seconds the
-engine delivered, so tasks can be compared and billed.
+stepped together, the score measured over that stretch
+(:meth:`~switchyard.dispatcher.scheduler.compute_score.ComputeScoreMonitor.score_over`).
+Summed over all tasks this gives the score-seconds the engine delivered, so
+tasks can be compared and billed.
 
 The score a task *added* (what admission learns as its type's expected
 score) is its marginal effect instead: the average score while it ran minus
@@ -20,22 +22,27 @@ What is accounted lives on the :class:`~switchyard.dispatcher.request.Request`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from switchyard.dispatcher.request import Request
+
+if TYPE_CHECKING:
+    from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 
 
 class Accounting:
     """Charges running requests for score and memory; everything it keeps is on the request
-    (``charged_until``, ``running_seconds``, ``score_seconds``, ``admitted_at_score``,
+    (``charged_until``, ``charged_mark``, ``running_seconds``, ``score_seconds``, ``admitted_at_score``,
     ``admitted_together``, ``compute_score_used``, ``memory_peak_bytes``).
 
     Args:
         kv_bytes: bytes of KV/prefix state the engine holds for a request now.
+        monitor: the compute score, measured over each stretch charged.
     """
 
-    def __init__(self, kv_bytes: Callable[[Request], int]) -> None:
+    def __init__(self, kv_bytes: Callable[[Request], int], monitor: "ComputeScoreMonitor") -> None:
         self._kv_bytes = kv_bytes
+        self._monitor = monitor
 
     def start(self, req: Request, now: float, score: float, admitted_together: int = 1) -> None:
         """``req`` takes a running slot at ``now``, when the compute score was ``score``.
@@ -44,17 +51,20 @@ class Accounting:
         the score increase that follows.
         """
         req.charged_until = now
+        req.charged_mark = self._monitor.activity()
         req.admitted_at_score = score
         req.admitted_together = max(1, admitted_together)
 
-    def charge(self, reqs: list[Request], score: float, now: float) -> None:
-        """Charge every running request in ``reqs`` up to ``now`` at ``score`` shared ``len(reqs)`` ways."""
+    def charge(self, reqs: list[Request], now: float) -> None:
+        """Charge every running request in ``reqs`` up to ``now``, each stretch's score shared ``len(reqs)``
+        ways."""
+        mark = self._monitor.activity()
         for req in reqs:
-            self._charge_one(req, score, len(reqs), now)
+            self._charge_one(req, len(reqs), now, mark)
 
-    def stop(self, req: Request, score: float, n_running: int, now: float) -> None:
+    def stop(self, req: Request, n_running: int, now: float) -> None:
         """``req`` leaves the running set at ``now`` (finished, parked or preempted): charge its last stretch."""
-        self._charge_one(req, score, n_running, now)
+        self._charge_one(req, n_running, now, self._monitor.activity())
         req.charged_until = None
 
     @staticmethod
@@ -66,12 +76,14 @@ class Accounting:
         average = req.score_seconds / seconds
         return max(0.0, average - req.admitted_at_score) / req.admitted_together
 
-    def _charge_one(self, req: Request, score: float, n_running: int, now: float) -> None:
+    def _charge_one(self, req: Request, n_running: int, now: float, mark: tuple[float, ...]) -> None:
         since = req.charged_until
         if since is None:
             return
         seconds = max(0.0, now - since)
+        score = self._monitor.score_over(since, req.charged_mark, now)
         req.charged_until = max(since, now)
+        req.charged_mark = mark
         req.running_seconds += seconds
         req.score_seconds += score * seconds
         req.compute_score_used += score * seconds / max(1, n_running)

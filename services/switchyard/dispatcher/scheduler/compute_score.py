@@ -211,7 +211,8 @@ class EngineActivity:
         self.modelled = use_model and bool(engine.models_activity)
         self._last: tuple[float, float, float, float] | None = None
 
-    def _totals(self) -> tuple[float, float, float]:
+    def totals(self) -> tuple[float, float, float]:
+        """The engine's cumulative (busy, memory-busy, tensor-busy) seconds now."""
         e = self._engine
         return (
             float(e.busy_seconds or 0.0),
@@ -221,18 +222,22 @@ class EngineActivity:
 
     def read(self, now: float) -> UtilSample:
         """The sample since the previous call (all zero on the first call)."""
-        busy, memory, tensor = self._totals()
-        last, self._last = self._last, (now, busy, memory, tensor)
+        totals = self.totals()
+        last, self._last = self._last, (now, *totals)
         if last is None or now <= last[0]:
             return UtilSample(0.0, 0.0, 0.0, "engine_model" if self.modelled else "busy_ratio")
-        span = now - last[0]
+        return self.between(last[1:], totals, now - last[0])
 
+    def between(self, then: tuple[float, ...], totals: tuple[float, ...], span: float) -> UtilSample:
+        """The utilisation over ``span`` seconds (> 0) in which the :meth:`totals` went from ``then`` to
+        ``totals``."""
         def pct(delta: float) -> float:
             return min(100.0, max(0.0, 100.0 * delta / span))
 
         if self.modelled:
-            return UtilSample(pct(busy - last[1]), pct(memory - last[2]), pct(tensor - last[3]), "engine_model")
-        return sample_from(pct(busy - last[1]), 0.0, "busy_ratio")
+            return UtilSample(pct(totals[0] - then[0]), pct(totals[1] - then[1]), pct(totals[2] - then[2]),
+                              "engine_model")
+        return sample_from(pct(totals[0] - then[0]), 0.0, "busy_ratio")
 
 
 class ComputeScoreMonitor:
@@ -285,6 +290,22 @@ class ComputeScoreMonitor:
     def scrape(self) -> float:
         """The compute score now (:meth:`read` at ``time.monotonic()``): the gauge's value at scrape time."""
         return self.read(time.monotonic())
+
+    def activity(self) -> tuple[float, float, float]:
+        """The engine's cumulative activity now: the mark a stretch of running is measured from
+        (:meth:`score_over`)."""
+        return self._activity.totals()
+
+    def score_over(self, since: float, mark: tuple[float, ...], now: float) -> float:
+        """The compute score (0-100) over the stretch ``[since, now]``, whose :meth:`activity` at ``since``
+        was ``mark``: the engine's own activity over exactly that stretch where the score comes from the
+        engine; NVML's current sample where NVML answers (NVML averages over 1/6 s to 1 s itself); the
+        current sample for an empty stretch. The cached sample describes the interval before it was taken:
+        a request that ran between two samples after an idle one was charged the idle engine's 0."""
+        with self._lock:
+            if now <= since or self.sample.source.startswith("nvml"):
+                return self.score
+            return weighted_score(self._activity.between(mark, self._activity.totals(), now - since), self.weights)
 
     def _read(self, now: float) -> float:
         if now < self._next_read:

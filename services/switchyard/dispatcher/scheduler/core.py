@@ -193,7 +193,7 @@ class SchedulerCore:
         self._reported = SchedulerCounters()  # the counters at the last make_stats
         self._events = SchedulerEvents()  # observed since the last make_stats
         self.admission = Admission(self.config, self.counters.admissions_refused)
-        self.accounting = Accounting(self.kv.kv_bytes)
+        self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
                                     self.counters)
         self._held_outside_running = HeldBesideRunning(self.parking, self.kv)
@@ -362,7 +362,7 @@ class SchedulerCore:
         self._now = now
         score = self.monitor.read(now)
         self.score = score
-        self.accounting.charge(self._running, score, now)
+        self.accounting.charge(self._running, now)
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
             self.hbm_scan(now, out)
@@ -1061,7 +1061,7 @@ class SchedulerCore:
         self.counters.preemptions[class_name(req)] += 1
 
     def _stop(self, req: Request, now: float) -> None:
-        self.accounting.stop(req, self.score, len(self._running), now)
+        self.accounting.stop(req, len(self._running), now)
         self._running.remove(req)
         self.capacity.give(req)
 
