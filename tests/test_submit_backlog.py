@@ -216,3 +216,37 @@ async def test_a_stopping_orchestrator_records_what_ran_and_what_waited_as_faile
     assert ran.state == agent_pb2.FAILED and "stopped before the task finished" in ran.error
     assert waited.state == agent_pb2.FAILED and "stopped before the task started" in waited.error
     assert "resubmit" in waited.error
+
+
+async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_own_status(tmp_path):
+    """Errors quoted a caller's value whole: a 20,000-character task_type or task_id made status details past
+    gRPC's 16 KiB metadata limit, and the caller got RESOURCE_EXHAUSTED ("received metadata size exceeds hard
+    limit") instead of INVALID_ARGUMENT or NOT_FOUND; between 8 and 16 KB it depended on the call. A lookup by an
+    id longer than SubmitTask takes is INVALID_ARGUMENT (no task has it); a value is quoted to 100 characters."""
+    long = "x" * 20_000
+    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, client, _):
+        calls = [
+            (stub.SubmitTask, agent_pb2.RunTaskRequest(payload="hi", task_type=long), "task_type"),
+            (stub.GetTaskStatus, agent_pb2.GetTaskStatusRequest(task_id=long), "task_id"),
+            (stub.GetTaskStatus, agent_pb2.GetTaskStatusRequest(agent_id=long), "agent_id"),
+            (stub.CancelTask, agent_pb2.CancelTaskRequest(task_id=long), "task_id"),
+        ]
+        for call, request, field in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, refused.value.code())
+            assert refused.value.details().startswith(f"{field}: expected") and len(refused.value.details()) < 400
+        stream = stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type=long))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stream:
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "20000 characters" in refused.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:  # within the bound: not found, quoted
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="y" * 128))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "(128 characters)" in unknown.value.details()
+
+        # a body of many unknown keys: ten errors listed, the rest counted, each key cut
+        body = "{" + ", ".join(f'"{"k" * 300}{i}": 1' for i in range(2000)) + ', "payload": "hi"}'
+        answer = await client.post("/api/v1/agent/submit", content=body, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and len(answer.content) < 8_000, len(answer.content)
+        assert "and 1991 more errors" in answer.json()["error"]["message"]  # 2000 keys and the missing task_type

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import grpc
 
+from switchyard.common import untrusted
+
 
 ORIGIN_KEY = "switchyard-error-origin"
 """Trailing-metadata key: the hop that produced an error (orchestrator, retrieval, dispatcher,
@@ -41,8 +43,10 @@ class InvalidArgument(SwitchyardError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, expected: str, value: object = None) -> None:
-        shown = "" if value is None else f" (got {value!r})"
-        super().__init__(f"{field}: expected {expected}{shown}")
+        got = "" if value is None else f" (got {untrusted.shown(value)})"
+        if len(field) > untrusted.SHOWN_CHARS:  # a caller's own key (an unknown field), cut as its values are
+            field = f"{field[:untrusted.SHOWN_CHARS]}... ({len(field)} characters)"
+        super().__init__(f"{field}: expected {expected}{got}")
         self.field = field
 
 
@@ -169,9 +173,23 @@ def hop_of(exc: BaseException, service: str) -> str:
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The (code, details) a servicer should abort with for ``exc``."""
+    """The (code, details) a servicer should abort with for ``exc``; details at most
+    :data:`MAX_DETAILS_CHARS` (:func:`bounded`)."""
     if isinstance(exc, SwitchyardError):
-        return exc.code, str(exc)
+        return exc.code, bounded(str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), exc.details() or exc.code().name
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return exc.code(), bounded(exc.details() or exc.code().name)
+    return grpc.StatusCode.INTERNAL, bounded(f"{type(exc).__name__}: {exc}")
+
+
+MAX_DETAILS_CHARS = 4096
+"""The longest status details a servicer sends, characters: gRPC carries them in the ``grpc-message``
+trailer, and trailers past 16 KiB in all (its hard metadata limit) end the call RESOURCE_EXHAUSTED in place
+of the status sent."""
+
+
+def bounded(details: str) -> str:
+    """``details`` cut to :data:`MAX_DETAILS_CHARS`, saying so."""
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return f"{details[:MAX_DETAILS_CHARS]}... (cut from {len(details)} characters)"

@@ -28,7 +28,7 @@ import os
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 import grpc
 from opentelemetry import trace
@@ -36,11 +36,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import children
+from switchyard.common.untrusted import shown
 from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGuarded
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.common.errors import SwitchyardError, TaskDeadlineExceeded, abort, status_for
+from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, bounded, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
@@ -407,12 +408,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
                                                       spec.tenant_id)
         except SwitchyardError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded(str(exc)))
         if not created:
             if record.fingerprint != fingerprint(fields):
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS,
-                    f"task_id: {spec.task_id!r} already exists with a different request; resubmit the identical "
+                    f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
                     "request to get that task, or use a new task_id",
                 )
             return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
@@ -425,7 +426,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if len(self._submitted) >= limit:  # others were admitted while the record was written (no await from here)
             await self._delete_refused(spec.task_id)
             exc = self._backlog_full()
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded(str(exc)))
         position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
         self._start_submitted()
         return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id)
@@ -560,8 +561,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         task_id = request.task_id
         if not task_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+        await self._check_lookup_ids(request, context)
         retention = self.config.orchestrator.task_store.retention_s
-        unknown = (f"task_id: no task {task_id!r} (never submitted, or finished more than {retention:g} s ago: "
+        unknown = (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
                    "orchestrator.task_store.retention_s)")
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
@@ -585,14 +587,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         try:
             record = await self.tasks.get(task_id)
         except SwitchyardError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded(str(exc)))
         if record is None or not self._visible_to_caller(record.tenant_id, context):
             await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
         if not record.finished:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"task_id: task {task_id!r} is {agent_pb2.TaskState.Name(record.state)} on orchestrator "
+                f"task_id: task {shown(task_id)} is {agent_pb2.TaskState.Name(record.state)} on orchestrator "
                 f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it"))
         return record.to_status()
+
+    async def _check_lookup_ids(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` longer than SubmitTask accepts: no task has it."""
+        limits = self.config.limits
+        for name, value, most, key in (("task_id", request.task_id, limits.max_task_id_chars, "max_task_id_chars"),
+                                       ("agent_id", getattr(request, "agent_id", ""), limits.max_id_chars,
+                                        "max_id_chars")):
+            if len(value) > most:
+                exc = InvalidArgument(name, f"at most {most} characters (limits.{key})", f"{len(value)} chars")
+                await context.abort(exc.code, str(exc))
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
@@ -608,19 +620,20 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if not request.task_id and not request.agent_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)")
+        await self._check_lookup_ids(request, context)
         retention = self.config.orchestrator.task_store.retention_s
         try:
             record = (await self.tasks.get(request.task_id) if request.task_id
                       else await self.tasks.latest_of_agent(request.agent_id))
         except SwitchyardError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, bounded(str(exc)))
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, (
-                f"task_id: no task {request.task_id!r} (never submitted, or finished more than {retention:g} s ago: "
+                f"task_id: no task {shown(request.task_id)} (never submitted, or finished more than {retention:g} s ago: "
                 "orchestrator.task_store.retention_s)" if request.task_id else
-                f"agent_id: agent {request.agent_id!r} submitted no task (or none in the last {retention:g} s: "
+                f"agent_id: agent {shown(request.agent_id)} submitted no task (or none in the last {retention:g} s: "
                 "orchestrator.task_store.retention_s)"))
         live = self._submitted.get(record.task_id)
         return live.to_status(self._queue_position(record.task_id)) if live is not None else record.to_status()
