@@ -575,3 +575,52 @@ def http_face_routes():
     from switchyard.orchestrator.http_face import ROUTES
 
     return ROUTES.values()
+
+
+async def _raw(port: int, request: bytes, whole: bool = True) -> bytes:
+    """``request`` sent on a connection of its own; what came back until the face closed it (``whole``: a
+    face still reading a body after 5 s fails the test), else the first head it sent (within 5 s: the answer
+    comes before any body byte)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read() if whole else reader.readuntil(b"\r\n\r\n"), timeout=5)
+    finally:
+        writer.close()
+
+
+async def test_a_promised_body_past_the_cap_is_413_at_once_and_never_invited_by_100_continue():
+    """A Content-Length of 99,999,999,999 waited out body_read_timeout_s (10 s) and answered 408; with
+    ``Expect: 100-continue`` the face first sent ``100 Continue``, inviting the upload. Both are 413 now, before
+    any body byte, and a wrong Content-Type is 415 before 100 Continue too; an unknown expectation is 417 in the
+    JSON error shape."""
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        head = b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        for extra in (b"", b"Expect: 100-continue\r\n"):
+            answer = await _raw(port, head + extra + b"Content-Type: application/json\r\n"
+                                b"Content-Length: 99999999999\r\n\r\n", whole=False)
+            assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+            assert b"100 Continue" not in answer
+        answer = await _raw(port, head + b"Expect: 100-continue\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\n",
+                            whole=False)
+        assert answer.startswith(b"HTTP/1.1 415") and b"100 Continue" not in answer, answer[:200]
+        answer = await _raw(port, head + b"Expect: 100-continue\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 2\r\n\r\n", whole=False)
+        assert answer.startswith(b"HTTP/1.1 100 Continue"), answer[:200]  # invited: then the body
+        answer = await _raw(port, head + b"Expect: teapot\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 417"), answer[:200]
+        assert "Expect: expected 100-continue" in json.loads(body)["error"]["message"]
+        assert down.requests == []
+
+
+async def test_head_is_answered_wherever_get_is():
+    """HEAD on a GET route answered 405; RFC 9110 section 9.3.2 has a server answer HEAD wherever it answers
+    GET, with GET's status and headers and no body."""
+    async with http_stack() as (client, _, _down):
+        for path in ("/openapi.json", "/api/v1/tasks/nope", "/api/v1/agent/nobody/status"):
+            get, head = await client.get(path), await client.head(path)
+            assert head.status_code == get.status_code != 405 and head.content == b"", (path, head.status_code)
+            assert head.headers["Content-Type"] == get.headers["Content-Type"]

@@ -371,6 +371,22 @@ def test_calculator_is_safe_arithmetic():
             calculate(bad)
 
 
+async def test_an_arithmetic_overflow_is_the_callers_mistake_said_once_not_retried():
+    """(10.0**60)**6 raised OverflowError ("Numerical result out of range"), which the tool call retried three
+    times over 4 s of backoff as if it might pass; 1e400 read as inf and 1e400-1e400 answered nan. Each is an
+    argument error now, said once."""
+    from switchyard.common.config import ReactConfig
+    from switchyard.orchestrator.tools import CALCULATOR, call_tool
+
+    for bad in ("(10.0**60)**6", "10**60 * 10**60 / 3.0", "1e400", "1e400 - 1e400", "-1e400"):
+        with pytest.raises(ToolArgumentError, match="out of range"):
+            calculate(bad)
+    policy = ReactConfig(tool_attempts=3, tool_backoff_initial_ms=1, tool_backoff_max_ms=2, tool_timeout_ms=500)
+    outcome = await call_tool(CALCULATOR, '{"expression": "(10.0**60)**6"}', policy)
+    assert outcome.is_error and outcome.attempts == 1 and "result out of range" in outcome.content
+    assert calculate("1e100 / 2") == 5e99  # the bound itself is still a number
+
+
 async def test_tool_call_retries_with_backoff_then_succeeds():
     from switchyard.common.config import ReactConfig
     from switchyard.orchestrator.tools import Tool, call_tool

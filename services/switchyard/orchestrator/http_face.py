@@ -47,7 +47,7 @@ import ssl
 from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion11, web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from pydantic import ValidationError
 
@@ -58,6 +58,7 @@ from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
+from switchyard.common.untrusted import shown
 from switchyard.orchestrator.http_models import (EXPECTED, TaskRequest, describe_error, message_dict,
                                                   openapi, status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
@@ -69,6 +70,8 @@ ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask",
                  "cancel": f"{SERVICE}/CancelTask"}
 """The gRPC method each route stands for: what a bearer token restricted to methods must allow."""
 JSON = "application/json"
+TASK_BODY_ROUTES = frozenset({"submit", "run"})
+"""The routes whose body is a task request (:meth:`HttpFace._task_request`)."""
 ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/agent/run"),
           "status": ("GET", "/api/v1/agent/{agent_id}/status"), "task_status": ("GET", "/api/v1/tasks/{task_id}"),
           "cancel": ("POST", "/api/v1/tasks/{task_id}/cancel"), "openapi": ("GET", "/openapi.json")}
@@ -256,7 +259,11 @@ class HttpFace(Drains):
         handlers = {"submit": self.submit, "run": self.run, "status": self.agent_status,
                     "task_status": self.task_status, "cancel": self.cancel, "openapi": self.openapi}
         for name, (method, path) in ROUTES.items():
-            app.router.add_route(method, path, handlers[name], name=name)
+            expect = self._expect_task_body if name in TASK_BODY_ROUTES else self._expect
+            if method == "GET":  # and HEAD, wherever GET is served (RFC 9110 section 9.3.2)
+                app.router.add_get(path, handlers[name], name=name, expect_handler=expect)
+            else:
+                app.router.add_route(method, path, handlers[name], name=name, expect_handler=expect)
         return app
 
     async def start(self) -> None:
@@ -313,14 +320,52 @@ class HttpFace(Drains):
         try:
             return await handler(request)
         except web.HTTPNotFound:
-            return _error(grpc.StatusCode.NOT_FOUND, f"path: no route {request.path!r} (see /openapi.json)")
+            return _error(grpc.StatusCode.NOT_FOUND, f"path: no route {shown(request.path)} (see /openapi.json)")
         except web.HTTPMethodNotAllowed as exc:
             allowed = ", ".join(sorted(exc.allowed_methods))
             return web.json_response(error_body(grpc.StatusCode.UNIMPLEMENTED,
-                                                f"method: {request.method} {request.path} expected {allowed}"),
+                                                f"method: {request.method} {shown(request.path)} expected {allowed}"),
                                      status=405, headers={"Allow": allowed})
 
     # ------------------------------------------------------------------ handlers
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` answered ``100 Continue`` (aiohttp's rule), any other expectation 417 in
+        the face's JSON error shape (RFC 9110 section 10.1.1)."""
+        expect = request.headers.get("Expect", "")
+        if request.version != HttpVersion11:
+            return None
+        if expect.lower() != "100-continue":
+            return _error(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"Expect: expected 100-continue or no Expect header (got {shown(expect)})", status=417)
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's body has not started (as aiohttp's own handler)
+        return None
+
+    async def _expect_task_body(self, request: web.Request) -> web.StreamResponse | None:
+        """As :meth:`_expect`, but a body the route would refuse unread (415, 413) is refused before
+        ``100 Continue`` invites the client to send it."""
+        refused = self._refusal_before_body(request)
+        return _abort_answer(refused) if refused is not None else await self._expect(request)
+
+    def _refusal_before_body(self, request: web.Request) -> HttpAbort | None:
+        """415 for a Content-Type other than application/json, 413 for a Content-Length past
+        :attr:`body_max_bytes` (answered at once: aiohttp counts the bytes as they come, and a stalled
+        client's 100 GB promise was a 408 after ``body_read_timeout_s``); None when the body may be read."""
+        if request.content_type != JSON:
+            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"Content-Type: expected {JSON} (got {shown(request.headers.get('Content-Type', 'none'))})",
+                             "orchestrator", status=415)
+        if request.content_length is not None and request.content_length > self.body_max_bytes:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> HttpAbort:
+        limits = self.config.limits
+        return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"body: expected at most {self.body_max_bytes} bytes; payload: at most "
+                         f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator",
+                         status=413)
 
     async def _task_request(self, request: web.Request) -> agent_pb2.RunTaskRequest:
         """The body as a RunTaskRequest (JSON types and required fields checked here; bounds by the servicer).
@@ -330,10 +375,9 @@ class HttpFace(Drains):
                 a JSON object; ``status`` 415 for a Content-Type other than application/json, 413 for a
                 body past :attr:`body_max_bytes`.
         """
-        if request.content_type != JSON:
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Content-Type: expected {JSON} (got {request.headers.get('Content-Type', 'none')!r})",
-                            "orchestrator", status=415)
+        refused = self._refusal_before_body(request)
+        if refused is not None:
+            raise refused
         try:
             async with asyncio.timeout(self.config.orchestrator.http.body_read_timeout_s):
                 raw = await request.read()
@@ -344,12 +388,8 @@ class HttpFace(Drains):
                             f"body: expected its {request.content_length} bytes (Content-Length) within "
                             f"{self.config.orchestrator.http.body_read_timeout_s:g} s "
                             "(orchestrator.http.body_read_timeout_s)", "orchestrator", status=408) from None
-        except web.HTTPRequestEntityTooLarge:
-            limits = self.config.limits
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"body: expected at most {self.body_max_bytes} bytes; payload: at most "
-                            f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator",
-                            status=413) from None
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, counted as it came
+            raise self._too_large() from None
         if raw.startswith(codecs.BOM_UTF8):  # RFC 8259 section 8.1: a parser may ignore a byte order mark
             raw = raw[len(codecs.BOM_UTF8):]
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -79,6 +80,8 @@ def calculate(expression: str) -> float | int:
         if isinstance(node, ast.Expression):
             return walk(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e400 reads as inf
+                raise ToolArgumentError("expression: number out of range")
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](walk(node.operand))
@@ -90,7 +93,9 @@ def calculate(expression: str) -> float | int:
                 value = _BINARY[type(node.op)](left, right)
             except ZeroDivisionError:
                 raise ToolArgumentError("expression: division by zero") from None
-            if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+            except OverflowError:  # (10.0 ** 60) ** 6, or an int too large for a float: the same every time
+                raise ToolArgumentError("expression: result out of range") from None
+            if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
                 raise ToolArgumentError("expression: result out of range")
             return value
         raise ToolArgumentError(f"expression: only numbers and + - * / // % ** ( ) are allowed, got {expression!r}")
