@@ -61,8 +61,23 @@ def test_unknown_key_is_reported_as_typo(config_dir):
     data = json.loads(path.read_text())
     data["time_slise_ms"] = 20
     path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"scheduler_config.json: key 'time_slise_ms'.*no such key"):
+    with pytest.raises(ConfigError, match=r"scheduler_config.json: key 'time_slise_ms'.*no such key \(a typo\?\); "
+                       r"did you mean 'time_slice_ms'\?"):
         load_config(config_dir)
+    config = load_config(ROOT / "config")
+    with pytest.raises(ConfigError, match=r"'batching.flush_intervl_ms'.*did you mean 'flush_interval_ms'\?"):
+        config.with_overrides(**{"batching.flush_intervl_ms": 20})
+    with pytest.raises(ConfigError, match=r"'scheduler.compute_score_weights.cuda_utl'.*did you mean 'cuda_util'\?"):
+        config.with_overrides(**{"scheduler.compute_score_weights.cuda_utl": 0.2})
+    with pytest.raises(ConfigError) as far:  # nothing near: no guess
+        config.with_overrides(**{"batching.zzzz": 1})
+    assert "did you mean" not in str(far.value)
+
+
+def test_a_missing_config_folder_names_where_it_looked_and_how_to_name_another(tmp_path):
+    with pytest.raises(ConfigError, match=r"config folder not found.*--config-dir or SWITCHYARD_CONFIG_DIR") as missing:
+        load_config(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere") in str(missing.value)
 
 
 def test_cross_field_check_quotes_values(config_dir):

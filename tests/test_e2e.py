@@ -115,6 +115,34 @@ def test_cli_run_with_nothing_listening_says_so(capsys):
     assert "UNAVAILABLE" in err and f"nothing answers at 127.0.0.1:{port}" in err and "switchyard up" in err
 
 
+def test_cli_run_pointed_at_an_http_server_says_what_answers(capsys):
+    """`switchyard run --addr` at the HTTP face's port said "nothing answers", though something did."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from switchyard import client
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(web.Application())  # aiohttp, as the HTTP face
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    err = capsys.readouterr().err
+    assert f"an HTTP/1.x server answers at 127.0.0.1:{port}, not gRPC" in err and "nothing answers" not in err
+
+
 def test_bench_client_then_no_internal_call_went_through_the_proxy(up, proxy):
     """`switchyard up` became healthy, RunTask and `switchyard run` streamed (tests above), and
     the bench client runs: all with every proxy variable set, none through the proxy."""

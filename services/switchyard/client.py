@@ -29,6 +29,8 @@ from switchyard.orchestrator.http_models import message_dict
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
 _UNREACHABLE = re.compile(r"failed to connect to all addresses|connections to all backends failing|Connection refused")
 """grpc's words when the orchestrator itself does not answer (not a downstream's UNAVAILABLE it relays)."""
+_HTTP1 = re.compile(r"Trying to connect an http1\.x server")
+"""grpc's words when an HTTP/1.x server answers where it expected a gRPC one."""
 _INT32_MAX = 2**31 - 1
 
 
@@ -39,7 +41,8 @@ def _max_tokens(text: str) -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= _INT32_MAX:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens from 0 to {_INT32_MAX}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens: 0 (the server's default) or a count "
+                                         f"within the server's limits.max_tokens, got {text!r}")
     return value
 
 
@@ -165,7 +168,11 @@ def main(argv: list[str]) -> int:
                              config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
-        if err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
+        if err.code() == grpc.StatusCode.UNAVAILABLE and _HTTP1.search(err.details() or ""):
+            print(f"an HTTP/1.x server answers at {address}, not gRPC: the orchestrator's HTTP face "
+                  "(orchestrator.http.port)? --addr takes its gRPC port (orchestrator.port, "
+                  f"{config.orchestrator.port} here)", file=sys.stderr)
+        elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)
         if config.server.tls.enabled and looks_like_tls_failure(err.details() or ""):

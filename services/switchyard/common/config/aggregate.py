@@ -79,7 +79,7 @@ class SwitchyardConfig(_Strict):
             try:
                 sections[name] = SECTIONS[name].model.model_validate(data)
             except ValidationError as exc:
-                problems.append(_describe("overrides", exc, prefix=name))
+                problems.append(_describe("overrides", exc, prefix=name, model=SECTIONS[name].model))
         if problems:
             raise ConfigError("\n".join(problems))
         return _assemble(sections, self.config_dir, "overrides")

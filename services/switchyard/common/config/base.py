@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
@@ -13,15 +15,29 @@ class _Strict(BaseModel):
     # strict: "8" is not silently taken for 8; a value must have the type the key expects.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-def _describe(path: str, exc: ValidationError, prefix: str = "") -> str:
+def _describe(path: str, exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """Each error of ``exc`` (validating ``model``, when given) as ``path: key 'K' has value V; expected: ...``;
+    an unknown key names the nearest known one."""
     lines = []
     for err in exc.errors():
         key = ".".join([*([prefix] if prefix else []), *(str(part) for part in err["loc"])]) or "(top level)"
         value = err.get("input")
         expected = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            expected = "no such key (a typo?)"
+            expected = "no such key (a typo?)" + _nearest_key(model, err["loc"])
         elif err["type"] == "missing":
             value = "(missing)"
         lines.append(f"{path}: key '{key}' has value {value!r}; expected: {expected}")
     return "\n".join(lines)
+
+
+def _nearest_key(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> str:
+    """``; did you mean 'X'?`` for the known key of ``model`` nearest the unknown last part of ``loc``, or ""."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        nested = field.annotation if field is not None else None
+        model = nested if isinstance(nested, type) and issubclass(nested, BaseModel) else None
+    if model is None or not loc:
+        return ""
+    near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean '{near[0]}'?" if near else ""

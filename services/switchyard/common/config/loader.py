@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 import json
 import logging
 import tomllib
@@ -144,8 +146,10 @@ def _unknown_tables(files: _Files, names: tuple[str, ...]) -> list[str]:
             if inner and isinstance(raw.get(top), dict):
                 for key in raw[top]:
                     if key not in inner:
+                        near = difflib.get_close_matches(key, inner, n=1, cutoff=0.6)
                         problems.append(f"{files.folder / filename}: key '{top}.{key}' has value "
-                                        f"{raw[top][key]!r}; expected: no such key (a typo?)")
+                                        f"{raw[top][key]!r}; expected: no such key (a typo?)"
+                                        + (f"; did you mean '{near[0]}'?" if near else ""))
     return problems
 
 
@@ -158,7 +162,7 @@ def _read_section(files: _Files, name: str, notes: list[str]) -> BaseModel:
     try:
         return section.model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(str(path), exc, prefix=prefix)) from None
+        raise ConfigError(_describe(str(path), exc, prefix=prefix, model=section.model)) from None
 
 
 # Variables whose value replaces one key: (variable, section, key inside the section).
@@ -229,7 +233,10 @@ def load_config(config_dir: str | Path | None = None, service: str | tuple[str, 
     """
     folder = Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
     if not folder.is_dir():
-        raise ConfigError(f"{folder}: config folder not found; expected a folder holding queue.json and friends")
+        raise ConfigError(
+            f"{folder.resolve()}: config folder not found; expected a folder holding queue.json and friends: run "
+            "from the repository root (where config/ is), or name the folder with --config-dir or "
+            f"{envs.SWITCHYARD_CONFIG_DIR.name}")
     readers = (service,) if isinstance(service, str) else service or ()
     if unknown := [name for name in readers if name not in SERVICE_SECTIONS]:
         raise ValueError(f"unknown service {unknown[0]!r}; expected one of {', '.join(SERVICE_SECTIONS)}")
