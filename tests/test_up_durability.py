@@ -260,3 +260,29 @@ def test_the_embedded_redis_keeps_its_data_across_a_restart_only_with_a_data_fol
     assert write_then_restart(persistent) == b"kept"
     assert (tmp_path / "redis" / "appendonly.aof").is_file()
     assert write_then_restart(EmbeddedRedis("127.0.0.1", 0)) is None  # the tests' cache: no data folder
+
+
+def test_a_second_stack_keeps_the_first_stacks_up_file_and_says_where_its_own_is(tmp_path, monkeypatch, capsys):
+    """A second `switchyard up` replaced the one up file of the user, and the first stack's `switchyard top`
+    and locust watch file read the second's figures without a word. The file of a live launcher is kept."""
+    from switchyard import launcher
+
+    monkeypatch.delenv("SWITCHYARD_UP_FILE", raising=False)
+    path = tmp_path / "up.json"
+    assert launcher._own_up_file(path) == path  # none yet
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        path.write_text(json.dumps({"pid": other.pid, "services": {}}))
+        own = launcher._own_up_file(path)
+        assert own == tmp_path / f"up-{os.getpid()}.json"
+        said = capsys.readouterr().out
+        assert f"pid {other.pid}" in said and f"SWITCHYARD_UP_FILE={own}" in said
+    finally:
+        other.kill()
+        other.wait()
+    assert launcher._own_up_file(path) == path  # its launcher is gone: the file is free
+    path.write_text(json.dumps({"pid": os.getpid(), "services": {}}))
+    assert launcher._own_up_file(path) == path
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", str(path))  # named by the user: that file, whoever wrote it
+    path.write_text(json.dumps({"pid": os.getppid(), "services": {}}))
+    assert launcher._own_up_file(path) == path

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,6 +123,48 @@ def up_file() -> Path:
     if configured:
         return Path(configured)
     return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
+
+
+def _cli_command() -> str:
+    """How to call this ``switchyard`` from the current folder: ``switchyard`` where the shell finds this
+    one on PATH, else its path (``.venv/bin/switchyard`` after ``make run``, which does not activate the
+    virtual environment)."""
+    mine = Path(sys.executable).parent / "switchyard"
+    found = shutil.which("switchyard")
+    if found is not None and Path(found).resolve() == mine.resolve():
+        return "switchyard"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
+
+
+def _own_up_file(path: Path) -> Path:
+    """``path``, unless it is the default one and another live ``switchyard up`` wrote it: then
+    ``up-<pid>.json`` beside it, so that the first stack's ``switchyard top`` and locust watchers keep
+    reading that stack (a second stack replaced the file, and they read its figures without a word)."""
+    if envs.SWITCHYARD_UP_FILE.get():
+        return path
+    try:
+        owner = int(json.loads(path.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return path
+    if owner == os.getpid() or not _alive(owner):
+        return path
+    own = path.with_name(f"up-{os.getpid()}.json")
+    print(f"switchyard up: {path} is another running stack's (switchyard up, pid {owner}); this one's endpoints "
+          f"are in {own}: SWITCHYARD_UP_FILE={own} for switchyard top and the locust watch file", flush=True)
+    return own
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _write_up_file(path: Path, host: str, running: list[Child]) -> None:
@@ -268,7 +311,7 @@ def main(argv: list[str]) -> int:
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
     services: list[Child] = []
     grace = config.server.shutdown_grace_s
-    endpoints_file = up_file()
+    endpoints_file = _own_up_file(up_file())
     port_files = tempfile.TemporaryDirectory(prefix="switchyard-up-")
     try:
         for group in (ORDER[:2], ORDER[2:]):
@@ -316,7 +359,7 @@ def main(argv: list[str]) -> int:
                          "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
         orch_port = orchestrator.port
         extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
-        lines.append(f'Try: switchyard run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
+        lines.append(f'Try: {_cli_command()} run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
         _write_up_file(endpoints_file, host, services)
         reported: set[str] = set()
@@ -373,14 +416,14 @@ class UpProcess:
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
-        """Set once every service answered its health check ("Try: switchyard run" printed)."""
+        """Set once every service answered its health check ("Try: ... run" printed)."""
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("Try: switchyard run"):
+            if line.startswith("Try: ") and " run " in line:
                 self.ready.set()
 
     def endpoints(self) -> dict[str, tuple[str, str, int]]:
