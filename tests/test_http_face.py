@@ -624,3 +624,4 @@ async def test_head_is_answered_wherever_get_is():
             get, head = await client.get(path), await client.head(path)
             assert head.status_code == get.status_code != 405 and head.content == b"", (path, head.status_code)
             assert head.headers["Content-Type"] == get.headers["Content-Type"]
+

@@ -481,12 +481,13 @@ class HttpFace(Drains):
             await response.prepare(request)
             event: agent_pb2.TaskEvent | None = first
             try:
-                while event is not None:
-                    await response.write(event_bytes(event))
-                    event = await anext(events, None)
-            except HttpAbort as exc:
-                await response.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
-            except ConnectionResetError:
-                return response
-            await response.write_eof()
+                try:
+                    while event is not None:
+                        await response.write(event_bytes(event))
+                        event = await anext(events, None)
+                except HttpAbort as exc:
+                    await response.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
+                await response.write_eof()
+            except ConnectionResetError:  # the client left (aiohttp's ClientConnectionResetError is one): not ours
+                pass
             return response
