@@ -435,3 +435,38 @@ async def test_generate_checks_the_new_fields_and_a_prefill_only_request_without
     chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(prompt="hi there", max_tokens=4,
                                                                        tenant_id="acme", task_time_left_s=9.0))]
     assert chunks[-1].done.usage.completion_tokens > 0
+
+
+async def test_a_model_the_sim_dispatcher_does_not_serve_is_refused_before_the_task_is_accepted():
+    """RunTask and SubmitTask with model "gpt-99" were accepted, and the task then failed NOT_FOUND at the
+    dispatcher (max_tokens 8000 passed too, checked against the default window instead of sim-7b's). The
+    dispatcher says its engine serves one model alone; the edge refuses another before accepting."""
+    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(**FAST))
+    retrieval = Downstream()
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            async with running([orchestrator], cfg.server) as orch:
+                channel, direct = open_channel(f"127.0.0.1:{orch.port}"), open_channel(f"127.0.0.1:{disp.port}")
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                try:
+                    info = await agent_pb2_grpc.InferenceServiceStub(direct).DescribeModel(
+                        agent_pb2.DescribeModelRequest())
+                    assert info.serves_only_model and info.model
+                    request = agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model="gpt-99", max_tokens=8000)
+                    with pytest.raises(grpc.aio.AioRpcError) as submitted:
+                        await stub.SubmitTask(request)
+                    assert submitted.value.code() == grpc.StatusCode.NOT_FOUND
+                    assert f"serves {info.model!r}" in submitted.value.details()
+                    events = []
+                    with pytest.raises(grpc.aio.AioRpcError) as run:
+                        async for event in stub.RunTask(request):
+                            events.append(event)
+                    assert run.value.code() == grpc.StatusCode.NOT_FOUND and events == []  # nothing accepted
+                    served = await collect(stub, task_id="named", payload="hi", task_type="chat", model=info.model,
+                                           max_tokens=4)
+                    assert served[-1].HasField("final")
+                finally:
+                    await channel.close()
+                    await direct.close()

@@ -174,11 +174,12 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     async def DescribeModel(
         self, request: agent_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.ModelInfo:
-        """The model served to a request that names none, and the engine: callers check a request's
-        prompt + max_tokens against that model's context window before sending it."""
+        """The model served to a request that names none, the engine, and whether that model is the only one
+        (a step engine's): callers check a request's model, and its prompt + max_tokens against that model's
+        context window, before accepting it."""
         served = self.engine.model if self.stepping else default_model(self.config)
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
-                                   shares_prefixes=self.shares_prefixes)
+                                   shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping)
 
     @property
     def shares_prefixes(self) -> bool:

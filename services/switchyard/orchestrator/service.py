@@ -316,12 +316,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             AGENTS_CONCURRENT.dec()
             TASKS.labels(workflow, code.name).inc()
 
-    async def _default_model(self, request: agent_pb2.RunTaskRequest) -> str:
-        """The model a request naming none is served: the dispatcher says (asked once)."""
-        if request.model:
-            return ""
+    async def _validate(self, request: agent_pb2.RunTaskRequest, tenant: str) -> TaskSpec:
+        """:func:`validate` against what the dispatcher serves (asked once): the model a request naming none
+        is served, and the only one a step engine serves (another is NOT_FOUND before the task is accepted)."""
         assert self._deps is not None, "start() not called"
-        return await self._deps.inference.default_model()
+        info = await self._deps.inference.model_info()
+        return validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "")
 
     # ------------------------------------------------------------------ RPCs
 
@@ -341,7 +341,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         try:
             apply_edge_headers(request, context.invocation_metadata())
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
-            spec = validate(request, self.config, await self._default_model(request), tenant)
+            spec = await self._validate(request, tenant)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
@@ -394,7 +394,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         try:
             apply_edge_headers(request, context.invocation_metadata())
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
-            spec = validate(request, self.config, await self._default_model(request), tenant)
+            spec = await self._validate(request, tenant)
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit:
                 raise self._backlog_full()

@@ -29,6 +29,7 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
+from switchyard.common.untrusted import shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import PriorityClass
 
@@ -132,13 +133,15 @@ class TaskSpec:
 
 
 def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,
-             tenant_id: str = DEFAULT_TENANT) -> TaskSpec:
+             tenant_id: str = DEFAULT_TENANT, only_model: str = "") -> TaskSpec:
     """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
-    for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found.
+    for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found; ``only_model`` the one
+    model the dispatcher's engine serves, when it serves one alone (a step engine), else "".
 
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
             task_type, priority, max_tokens, metadata).
+        SwitchyardError: NOT_FOUND, ``model`` names another model than ``only_model``.
     """
     orch, limits = config.orchestrator, config.limits
     if not request.payload.strip():
@@ -160,6 +163,9 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
     if request.priority not in _PRIORITIES:
         raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
+    if only_model and request.model and request.model != only_model:  # refused now, not after accepted
+        raise SwitchyardError(f"model: {shown(request.model)} is not served here: the dispatcher's engine serves "
+                              f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
     model = request.model or default_model
     window = limits.context_window(model)
     limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
