@@ -625,3 +625,20 @@ async def test_head_is_answered_wherever_get_is():
             assert head.status_code == get.status_code != 405 and head.content == b"", (path, head.status_code)
             assert head.headers["Content-Type"] == get.headers["Content-Type"]
 
+
+
+async def test_a_connection_that_sends_no_whole_request_head_is_closed_at_the_keepalive_timeout():
+    """aiohttp's server keeps a connection that sends nothing, or a head a byte at a time, for an hour (its
+    default keepalive_timeout is 3630 s): 30 such connections were all open after 100 s. The face closes it
+    after ``orchestrator.http.keepalive_timeout_s`` (75 s; 1 s here), and one that made a request the same."""
+    async with http_stack(**{"orchestrator.http.keepalive_timeout_s": 1.0}) as (client, _, _down):
+        port = httpx.URL(str(client.base_url)).port
+        idle = await asyncio.open_connection("127.0.0.1", port)
+        partial = await asyncio.open_connection("127.0.0.1", port)
+        partial[1].write(b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nX-Slow: aaa")
+        served = await asyncio.open_connection("127.0.0.1", port)
+        served[1].write(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await served[0].readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+        for reader, writer in (idle, partial, served):
+            await asyncio.wait_for(reader.read(), timeout=30)  # to EOF: closed by the face (an hour before)
+            writer.close()

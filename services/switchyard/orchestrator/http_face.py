@@ -276,6 +276,7 @@ class HttpFace(Drains):
         # handler_cancellation: a client that leaves cancels its handler (aiohttp's default since 3.9 is to
         # let it run), so RunTask's task is cancelled as a gRPC call's is when its caller goes.
         self._runner = _Runner(self.app(), access_log=None, handler_cancellation=True,
+                               keepalive_timeout=self.config.orchestrator.http.keepalive_timeout_s,
                                shutdown_timeout=self.config.server.shutdown_grace_s, max_field_size=MAX_FIELD_BYTES,
                                max_line_size=MAX_FIELD_BYTES)
         await self._runner.setup()

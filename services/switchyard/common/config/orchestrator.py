@@ -31,6 +31,12 @@ class HttpFaceConfig(_Strict):
         "less than its Content-Length by then gets 408 and the connection is closed (a slow or stalled sender "
         "holds no handler).",
     )
+    keepalive_timeout_s: float = Field(
+        75.0, gt=0, le=3600,
+        description="Longest a connection waits for its next request's head, seconds: an idle connection, or one "
+        "whose head is not whole by then, is closed (aiohttp's own server default is an hour, and a client could "
+        "hold connections that long sending nothing; 75 s is nginx's keepalive_timeout and aiohttp's run_app).",
+    )
 
 
 class OrchestratorConfig(_Strict):
