@@ -180,8 +180,13 @@ async def test_many_requests_on_one_stream_get_what_generate_streams() -> None:
         (start("", max_tokens=4), "request_id"),
         (start("bad", messages=[agent_pb2.ChatMessage(role="robot", content="hi")]), "messages[0].role"),
         (start("a", max_tokens=4), "request_id"),  # "a" is running on this stream
+        (start("bad", max_tokens=4, timeout_s=float("nan")), "timeout_s"),  # read as "no deadline"
+        (start("bad", max_tokens=4, timeout_s=-1.0), "timeout_s"),
+        (start("bad", max_tokens=4, timeout_s=float("inf")), "timeout_s"),
+        (start("bad", max_tokens=4, agent_id="a\x00b"), "agent_id"),  # the orchestrator refuses it
     ],
-    ids=["max_tokens", "empty-prompt", "empty-request_id", "role", "running-request_id"],
+    ids=["max_tokens", "empty-prompt", "empty-request_id", "role", "running-request_id", "nan-timeout",
+         "negative-timeout", "infinite-timeout", "nul-agent_id"],
 )
 async def test_a_bad_request_is_invalid_argument_naming_the_field_and_the_others_go_on(
     bad: agent_pb2.StreamedGenerate, field: str

@@ -301,6 +301,10 @@ async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi"), metadata=(("x-priority", "urgent"),))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-priority" in err.value.details()
+        # an empty header names nothing and is ignored, X-Priority as X-Agent-Id (it was refused with 400)
+        empty = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "agent_id": "a-2"},
+                                  headers={"X-Priority": "", "X-Agent-Id": ""})
+        assert empty.status_code == 200, empty.text
 
 
 async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_takes_any_case_on_both():

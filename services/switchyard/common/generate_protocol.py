@@ -43,6 +43,7 @@ lives here:
 from __future__ import annotations
 
 import enum
+import math
 import time
 import uuid
 from typing import Container, Sequence, TypeVar
@@ -124,7 +125,13 @@ def encode_timeout(timeout_s: float | None) -> float:
 
 
 def decode_timeout(timeout_s: float) -> float | None:
-    """The time left a ``StreamedGenerate.timeout_s`` gives, seconds; None for 0 (no deadline)."""
+    """The time left a ``StreamedGenerate.timeout_s`` gives, seconds; None for 0 (no deadline).
+
+    Raises:
+        InvalidArgument: negative or NaN (they read as "no deadline"; ``Generate`` refuses NaN time left).
+    """
+    if not timeout_s >= 0 or math.isinf(timeout_s):  # NaN fails >= 0
+        raise InvalidArgument("timeout_s", "0 (no deadline) or a positive, finite number of seconds", timeout_s)
     return timeout_s if timeout_s > 0 else None
 
 

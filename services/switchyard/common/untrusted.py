@@ -10,6 +10,7 @@ unreadable into one :class:`ValueError` that names why.
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Any
 
 SHOWN_CHARS = 100
@@ -38,3 +39,21 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         return text
     size = f"{len(value)} characters" if isinstance(value, (str, bytes)) else f"{len(text)} characters shown"
     return f"{text[:limit]}... ({size})"
+
+
+def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
+    """An id (task, agent, model, request) is text that prints, at every edge that takes one: no control
+    characters (Unicode categories Cc: C0/C1 controls and DEL, and Cs: lone surrogates), and not only
+    whitespace unless empty (``blank_ok``: empty means "none").
+
+    Raises:
+        InvalidArgument: naming ``field``.
+    """
+    from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
+
+    if (value and not value.strip()) or (not value and not blank_ok):
+        raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
+    if not value.isprintable() and any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        bad = next(c for c in value if unicodedata.category(c) in ("Cc", "Cs"))
+        raise InvalidArgument(field, f"an id of printable characters (no control characters; found U+{ord(bad):04X})",
+                              value[:80])

@@ -187,7 +187,7 @@ class GenerateSession:
         try:
             async for message in request_iterator:
                 for start in message.start:
-                    await self.start(start.request, decode_timeout(start.timeout_s), dict(start.trace_context))
+                    await self.start(start.request, start.timeout_s, dict(start.trace_context), streamed=True)
                 for request_id in message.cancel:
                     self.cancel(request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the call with it
@@ -202,11 +202,12 @@ class GenerateSession:
         self._wake.notify()
 
     async def start(self, request: agent_pb2.GenerateRequest, timeout_s: float | None,
-                    trace_context: dict[str, str] | None) -> None:
+                    trace_context: dict[str, str] | None, streamed: bool = False) -> None:
         """Start ``request`` with ``timeout_s`` seconds left (None: no deadline); a refusal is its error chunk.
 
         ``trace_context``: the W3C carrier of a stream's start (its span is then the request's server
-        span); None for Generate, whose span is a child of the call's own.
+        span); None for Generate, whose span is a child of the call's own. ``streamed``: ``timeout_s`` is
+        the start's wire value (:func:`decode_timeout`; a bad one refuses this request alone).
         """
         request_id = request.request_id
         if trace_context is None:
@@ -218,6 +219,8 @@ class GenerateSession:
         try:
             check_stream_request_id(request_id, self._requests)
             self._requests[request_id] = running
+            if streamed:
+                timeout_s = decode_timeout(timeout_s or 0.0)
             req = await self._processor.open_request(request, timeout_s, span)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):

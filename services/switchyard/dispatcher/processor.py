@@ -90,6 +90,7 @@ def to_request(
         if len(value) > limits.max_id_chars:
             raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
                                   f"{len(value)} chars")
+        untrusted.check_id_chars(value, name)  # the orchestrator's rule (a NUL in agent_id passed here)
     if served_model is not None and request.model and request.model != served_model:
         raise SwitchyardError(
             f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "

@@ -17,7 +17,6 @@ else from ``X-Tenant-Id`` (metadata ``x-tenant-id``), else ``default``
 
 from __future__ import annotations
 
-import unicodedata
 import uuid
 from typing import TYPE_CHECKING
 
@@ -29,7 +28,7 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
-from switchyard.common.untrusted import shown
+from switchyard.common.untrusted import check_id_chars, shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import PriorityClass
 
@@ -68,26 +67,10 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
         check_id_chars(headers[AGENT_ID_HEADER], f"{AGENT_ID_HEADER} header")
         if not request.agent_id:
             request.agent_id = headers[AGENT_ID_HEADER]
-    if PRIORITY_HEADER in headers:
+    if headers.get(PRIORITY_HEADER, "").strip():  # an empty one names nothing, as an empty x-agent-id
         priority = parse_priority(headers[PRIORITY_HEADER], f"{PRIORITY_HEADER} header")
         if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
             request.priority = priority
-
-
-def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
-    """An id (task, agent, model) is text that prints: no control characters (Unicode categories Cc: C0/C1
-    controls and DEL, and Cs: lone surrogates), and not only whitespace unless empty (``blank_ok``: empty means
-    "none").
-
-    Raises:
-        InvalidArgument: naming ``field``.
-    """
-    if (value and not value.strip()) or (not value and not blank_ok):
-        raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
-    if not value.isprintable() and any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
-        bad = next(c for c in value if unicodedata.category(c) in ("Cc", "Cs"))
-        raise InvalidArgument(field, f"an id of printable characters (no control characters; found U+{ord(bad):04X})",
-                              value[:80])
 
 
 def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerTokens | None") -> str:
