@@ -437,6 +437,24 @@ async def test_generate_checks_the_new_fields_and_a_prefill_only_request_without
     assert chunks[-1].done.usage.completion_tokens > 0
 
 
+async def test_a_prefill_only_request_on_an_engine_that_shares_prefixes_streams_no_token():
+    """agent.proto promises a prefill_only request no tokens; on an engine that shares prefixes its step's one
+    token was streamed ("No", completion_tokens 1)."""
+    service = DispatcherService(SwitchyardConfig().with_overrides(**FAST))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            assert (await stub.DescribeModel(agent_pb2.DescribeModelRequest())).shares_prefixes
+            chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                request_id="warm", prompt="You are a precise assistant. <question>q</question>", prefill_only=True,
+                agent_id="a"))]
+        finally:
+            await channel.close()
+    assert [c.WhichOneof("chunk") for c in chunks] == ["done"], chunks
+    assert chunks[0].done.usage.completion_tokens == 0 and chunks[0].done.usage.prompt_tokens > 0
+
+
 async def test_a_model_the_sim_dispatcher_does_not_serve_is_refused_before_the_task_is_accepted():
     """RunTask and SubmitTask with model "gpt-99" were accepted, and the task then failed NOT_FOUND at the
     dispatcher (max_tokens 8000 passed too, checked against the default window instead of sim-7b's). The

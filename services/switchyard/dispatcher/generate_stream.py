@@ -157,6 +157,8 @@ class GenerateSession:
                     running.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                     running.end(RequestState.FAILED)
                     break
+                if chunk is None:  # nothing for the caller (a prefill_only request's token)
+                    continue
                 chunks.append(agent_pb2.StreamedChunk(request_id=request_id, chunk=chunk))
                 running.chunk_sent(chunk)
                 if running.state is RequestState.DONE:

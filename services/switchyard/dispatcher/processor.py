@@ -171,7 +171,7 @@ def to_request(
 
 def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
     """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting)."""
-    prompt, completion = req.usage_prompt(), req.completion_tokens()
+    prompt, completion = req.usage_prompt(), 0 if req.prefill_only else req.completion_tokens()
     ttft = (req.first_token_at - req.arrival) if req.first_token_at is not None else 0.0
     return agent_pb2.GenerateChunk(
         done=agent_pb2.GenerateDone(
@@ -270,13 +270,16 @@ class RequestProcessor:
         loop.submit(req)
         return req
 
-    def chunk(self, req: Request, item: OutputItem) -> agent_pb2.GenerateChunk:
-        """The chunk that carries one item of ``req``'s output stream.
+    def chunk(self, req: Request, item: OutputItem) -> agent_pb2.GenerateChunk | None:
+        """The chunk that carries one item of ``req``'s output stream; None for the one token a
+        ``prefill_only`` request's step makes (its caller is promised none: agent.proto).
 
         Raises:
             SwitchyardError: the item is the request's error (an engine's own error becomes INTERNAL).
         """
         if isinstance(item, StreamToken):
+            if req.prefill_only:
+                return None
             return agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text=item.text, index=item.index, count=item.count))
         if isinstance(item, StreamToolCall):
             call = item.call
