@@ -153,6 +153,24 @@ def test_metrics_server_serves_process_metrics_on_a_free_port(tmp_path, monkeypa
     assert "switchyard_queue_wait_seconds" in families
 
 
+def test_a_metrics_port_answers_404_off_its_metrics_path():
+    """prometheus_client serves the exposition at any path: /api/v1/agent/x/status on a metrics port (the
+    HTTP face's route, a port mixed up) answered 200 with metrics text."""
+    import urllib.error
+
+    try:
+        port = start_metrics_server(0, "orchestrator")
+        for path in ("/metrics", "/"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+                assert response.status == 200 and b"switchyard_service_info" in response.read()
+        for path in ("/api/v1/agent/test-001/status", "/healthz", "/metricsx"):
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+            assert missing.value.code == 404 and b"this is a metrics port: /metrics" in missing.value.read()
+    finally:
+        stop_metrics_servers()
+
+
 def test_metrics_port_in_use_names_the_port():
     try:
         port = start_metrics_server(0, "dispatcher")

@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from switchyard import __version__
+from switchyard.common import untrusted
 from switchyard.common.metrics import EVENT_LOOP_LAG
 
 log = logging.getLogger(__name__)
@@ -174,11 +175,24 @@ def _routes(metrics: Callable[..., Any], profile: Callable[..., Any] | None) -> 
     from switchyard.common.profiling import PATH
 
     def app(environ: dict[str, Any], start_response: Any) -> Any:
-        if profile is not None and environ.get("PATH_INFO") == PATH:
+        path = environ.get("PATH_INFO")
+        if profile is not None and path == PATH:
             return profile(environ, start_response)
-        return metrics(environ, start_response)
+        if path in METRICS_PATHS:
+            return metrics(environ, start_response)
+        # prometheus_client serves the metrics at any path: a request meant for the HTTP face (or a typo)
+        # got 200 and the exposition text
+        body = (f"not found: {untrusted.shown(path)}; this is a metrics port: /metrics"
+                + (f" and {PATH}" if profile is not None else "") + "\n").encode()
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                         ("Content-Length", str(len(body)))])
+        return [body]
 
     return app
+
+
+METRICS_PATHS = frozenset({"/metrics", "/"})
+"""Where a metrics port serves the exposition (Prometheus's default metrics_path, and the root)."""
 
 
 def start_metrics_server(port: int, service: str, host: str = "127.0.0.1", profile: Callable[..., Any] | None = None) -> int:
