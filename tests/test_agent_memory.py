@@ -121,5 +121,8 @@ async def test_the_tier_comes_back_after_an_outage(caplog):
 
 
 def test_embedded_redis_refuses_a_port_where_a_redis_already_answers(redis_server):
-    with pytest.raises(EmbeddedRedisError, match=r"a Redis already answers at .*\[dram\] embedded = false"):
+    """It said only "set [dram] embedded = false to use it", which for another stack's embedded Redis leads to
+    the next clash; it names that Redis's pid and folder and the way out (--free-ports)."""
+    with pytest.raises(EmbeddedRedisError, match=r"a Redis already answers at .*\[dram\] embedded = false") as taken:
         EmbeddedRedis(redis_server.host, redis_server.port).start()
+    assert "redis-server pid " in str(taken.value) and "--free-ports" in str(taken.value)

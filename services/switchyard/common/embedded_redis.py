@@ -68,6 +68,20 @@ def ping(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _whose(host: str, port: int) -> str:
+    """`` (redis-server pid N, data folder D)`` for the Redis at ``host:port`` as it says itself, or ""."""
+    import redis  # the client library, for INFO and CONFIG: what the answer says of its owner
+
+    try:
+        client = redis.Redis(host=host, port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        pid = client.info("server").get("process_id")
+        folder = client.config_get("dir").get("dir", "")
+        client.close()
+    except (redis.RedisError, OSError):
+        return ""
+    return f" (redis-server pid {pid}, data folder {folder}: another stack's embedded Redis?)" if pid else ""
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
@@ -157,8 +171,9 @@ class EmbeddedRedis:
             if pick:  # another server took the picked port: pick again
                 return False
             raise EmbeddedRedisError(
-                f"a Redis already answers at {self.address}: set memory_policy.toml [dram] embedded = false to use "
-                "it, or choose another [dram] port"
+                f"a Redis already answers at {self.address}{_whose(self.host, self.port)}: stop the stack it "
+                "serves, or start this one with --free-ports (its own ports and Redis); to share that Redis, set "
+                "memory_policy.toml [dram] embedded = false, or choose another [dram] port"
             )
         cmd = [
             self.binary, "--bind", self.host, "--port", str(self.port), "--save", "",
