@@ -145,6 +145,9 @@ async def test_kill_9_of_the_launcher_leaves_no_process_and_the_next_start_succe
         again.wait_ready()
     finally:
         assert again.stop() == 0
+    # --data-dir holds the stack's stored state, the SQLite task store too (it stayed at data/tasks.sqlite3 of
+    # the working folder, beside another stack's)
+    assert (data / "appendonly.aof").exists() and (data / "tasks.sqlite3").exists()
 
 
 def _orchestrator_config(tmp_path: Path) -> Path:

@@ -267,8 +267,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--free-ports", action="store_true",
                         help="each service binds a free port (reported back) instead of the configured ones")
-    parser.add_argument("--data-dir", help="folder of the embedded Redis's append-only file "
-                        "(default: memory_policy.toml [dram] embedded_data_dir)")
+    parser.add_argument("--data-dir", help="folder of the stack's stored state: the embedded Redis's append-only file "
+                        "and the task store's SQLite file, tasks.sqlite3 (default: memory_policy.toml [dram] "
+                        "embedded_data_dir and orchestrator.task_store.sqlite_path)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for health (default 180)")
     parser.add_argument("--dispatchers", type=int, default=1, metavar="N",
                         help="dispatcher processes; the orchestrator round-robins calls over them (default 1)")
@@ -309,6 +310,8 @@ def main(argv: list[str]) -> int:
         return 1
     if redis is not None:
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
+    if args.data_dir and not envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.get():  # the stack's stored state, all of it
+        env[envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.name] = str(Path(args.data_dir) / "tasks.sqlite3")
     services: list[Child] = []
     grace = config.server.shutdown_grace_s
     endpoints_file = _own_up_file(up_file())

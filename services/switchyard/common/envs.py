@@ -116,6 +116,11 @@ SWITCHYARD_TASK_STORE = EnvVar[str | None](
     "SWITCHYARD_TASK_STORE", _task_store, None,
     "Task store of the orchestrator (sqlite, redis: shared by replicas); overrides orchestrator.task_store.backend.",
 )
+SWITCHYARD_TASK_STORE_SQLITE_PATH = EnvVar[str | None](
+    "SWITCHYARD_TASK_STORE_SQLITE_PATH", _optional, None,
+    "Path of the task store's SQLite file; overrides orchestrator.task_store.sqlite_path (switchyard up --data-dir "
+    "sets it to <data dir>/tasks.sqlite3).",
+)
 
 def _flag(raw: str) -> bool:
     value = raw.strip().lower()

@@ -173,6 +173,7 @@ ENV_KEYS: tuple[tuple[envs.EnvVar[Any], str, str], ...] = (
     (envs.SWITCHYARD_RETRIEVAL_ADDR, "orchestrator", "retrieval_addr"),
     (envs.SWITCHYARD_DISPATCHER_ADDR, "orchestrator", "dispatcher_addr"),
     (envs.SWITCHYARD_TASK_STORE, "orchestrator", "task_store.backend"),
+    (envs.SWITCHYARD_TASK_STORE_SQLITE_PATH, "orchestrator", "task_store.sqlite_path"),
     (envs.SWITCHYARD_UPSTREAM_BASE_URL, "upstream", "base_url"),
     (envs.SWITCHYARD_UPSTREAM_MODEL, "upstream", "default_model"),
     (envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL, "upstream", "fallback_model"),
