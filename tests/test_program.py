@@ -362,6 +362,22 @@ async def test_rag_answer_sends_system_prompt_and_question_ahead_when_the_engine
         assert [r.request_id for r in down.requests] == ["cold:0"]
 
 
+@contextlib.asynccontextmanager
+async def sim_stack(dispatcher: DispatcherService, retrieval: Downstream):
+    """(AgentService stub, InferenceService stub) of a real orchestrator in front of ``dispatcher`` and the fake
+    ``retrieval``, all on 127.0.0.1 port 0."""
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
+            async with running([OrchestratorService(cfg)], cfg.server) as orch:
+                channel, direct = open_channel(f"127.0.0.1:{orch.port}"), open_channel(f"127.0.0.1:{disp.port}")
+                try:
+                    yield agent_pb2_grpc.AgentServiceStub(channel), agent_pb2_grpc.InferenceServiceStub(direct)
+                finally:
+                    await channel.close()
+                    await direct.close()
+
+
 async def test_against_the_sim_dispatcher_the_answer_extends_the_prefix_the_prefill_left_warm():
     """The real dispatcher with the sim engine's prefix cache: retrieval answers only once the prefill is
     done, and the answer's prompt then finds the system prompt + question blocks cached."""
@@ -373,18 +389,10 @@ async def test_against_the_sim_dispatcher_the_answer_extends_the_prefix_the_pref
             await _until(lambda: _value(EARLY_PREFILLS, outcome="ok") > ok, "the prefill finished")
             return await super().Retrieve(request, context)
 
-    retrieval = SlowRetrieval()
-    base = load_config("config", service="orchestrator")
-    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
-        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
-            orchestrator = OrchestratorService(cfg)
-            async with running([orchestrator], cfg.server) as orch:
-                channel = open_channel(f"127.0.0.1:{orch.port}")
-                stub = agent_pb2_grpc.AgentServiceStub(channel)
-                question = "How does the with statement work in Python, and what does it call on the manager?"
-                hits = _value(PREFIX_CACHE_BLOCKS, result="hit")
-                events = await collect(stub, task_id="sim-warm", payload=question)
-                await channel.close()
+    async with sim_stack(dispatcher, SlowRetrieval()) as (stub, _):
+        question = "How does the with statement work in Python, and what does it call on the manager?"
+        hits = _value(PREFIX_CACHE_BLOCKS, result="hit")
+        events = await collect(stub, task_id="sim-warm", payload=question)
     assert events[-1].HasField("final") and events[-1].final.output
     static_blocks = len(prompts.static_prefix("rag_answer", question).split()) // 16
     assert static_blocks >= 2 and _value(PREFIX_CACHE_BLOCKS, result="hit") >= hits + static_blocks
@@ -459,32 +467,18 @@ async def test_a_model_the_sim_dispatcher_does_not_serve_is_refused_before_the_t
     """RunTask and SubmitTask with model "gpt-99" were accepted, and the task then failed NOT_FOUND at the
     dispatcher (max_tokens 8000 passed too, checked against the default window instead of sim-7b's). The
     dispatcher says its engine serves one model alone; the edge refuses another before accepting."""
-    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(**FAST))
-    retrieval = Downstream()
-    base = load_config("config", service="orchestrator")
-    async with running([dispatcher], base.server) as disp, running([retrieval], base.server) as retr:
-        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base) as cfg:
-            orchestrator = OrchestratorService(cfg)
-            async with running([orchestrator], cfg.server) as orch:
-                channel, direct = open_channel(f"127.0.0.1:{orch.port}"), open_channel(f"127.0.0.1:{disp.port}")
-                stub = agent_pb2_grpc.AgentServiceStub(channel)
-                try:
-                    info = await agent_pb2_grpc.InferenceServiceStub(direct).DescribeModel(
-                        agent_pb2.DescribeModelRequest())
-                    assert info.serves_only_model and info.model
-                    request = agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model="gpt-99", max_tokens=8000)
-                    with pytest.raises(grpc.aio.AioRpcError) as submitted:
-                        await stub.SubmitTask(request)
-                    assert submitted.value.code() == grpc.StatusCode.NOT_FOUND
-                    assert f"serves {info.model!r}" in submitted.value.details()
-                    events = []
-                    with pytest.raises(grpc.aio.AioRpcError) as run:
-                        async for event in stub.RunTask(request):
-                            events.append(event)
-                    assert run.value.code() == grpc.StatusCode.NOT_FOUND and events == []  # nothing accepted
-                    served = await collect(stub, task_id="named", payload="hi", task_type="chat", model=info.model,
-                                           max_tokens=4)
-                    assert served[-1].HasField("final")
-                finally:
-                    await channel.close()
-                    await direct.close()
+    async with sim_stack(DispatcherService(SwitchyardConfig().with_overrides(**FAST)), Downstream()) as (stub, direct):
+        info = await direct.DescribeModel(agent_pb2.DescribeModelRequest())
+        assert info.serves_only_model and info.model
+        request = agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model="gpt-99", max_tokens=8000)
+        with pytest.raises(grpc.aio.AioRpcError) as submitted:
+            await stub.SubmitTask(request)
+        assert submitted.value.code() == grpc.StatusCode.NOT_FOUND
+        assert f"serves {info.model!r}" in submitted.value.details()
+        events = []
+        with pytest.raises(grpc.aio.AioRpcError) as run:
+            async for event in stub.RunTask(request):
+                events.append(event)
+        assert run.value.code() == grpc.StatusCode.NOT_FOUND and events == []  # nothing accepted
+        served = await collect(stub, task_id="named", payload="hi", task_type="chat", model=info.model, max_tokens=4)
+        assert served[-1].HasField("final")
