@@ -48,7 +48,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 from aiohttp import HttpVersion11, web, web_protocol
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from pydantic import ValidationError
 
 from switchyard import __version__
@@ -183,14 +183,20 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError) or status != 400:
             return super().handle_error(request, status, exc, message)
+        code = grpc.StatusCode.INVALID_ARGUMENT
         if isinstance(exc, LineTooLong) or "too long" in str(exc.message).lower():
             status, detail = 431, (f"headers: a header line (or the request line) is past {MAX_FIELD_BYTES} bytes; "
                                    "send large values in the body")
+        elif "too many headers" in str(exc.message).lower():  # RFC 6585 section 5: the fields together
+            status, detail = 431, "headers: too many header fields; send large values in the body"
+        elif isinstance(exc, BadHttpMethod):  # RFC 9110 section 15.6.2: a method the server does not know
+            code, status, detail = (grpc.StatusCode.UNIMPLEMENTED, 501,
+                                    "method: expected one this face serves: GET, HEAD or POST (see /openapi.json)")
         else:
             detail = f"request: not a well-formed HTTP/1.1 request ({exc.message})"  # to its own client only
         # The parser's reason quotes the request's bytes (a header, perhaps a token): the log names its kind only.
         log.warning("HTTP face: refused a request from %s: %d (%s)", request.remote, status, type(exc).__name__)
-        response = web.json_response(error_body(grpc.StatusCode.INVALID_ARGUMENT, detail), status=status)
+        response = web.json_response(error_body(code, detail), status=status)
         response.force_close()  # the rest of the connection's bytes cannot be trusted to start a request
         return response
 
