@@ -28,7 +28,7 @@ import os
 import signal
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, AsyncIterator, Mapping
+from typing import AsyncIterator, Mapping
 
 import grpc
 from opentelemetry import trace
@@ -561,7 +561,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         task_id = request.task_id
         if not task_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
-        await self._check_lookup_ids(request, context)
+        await self._check_lookup_ids(context, task_id)
         retention = self.config.orchestrator.task_store.retention_s
         unknown = (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
                    "orchestrator.task_store.retention_s)")
@@ -596,12 +596,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it"))
         return record.to_status()
 
-    async def _check_lookup_ids(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
         """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` longer than SubmitTask accepts: no task has it."""
         limits = self.config.limits
-        for name, value, most, key in (("task_id", request.task_id, limits.max_task_id_chars, "max_task_id_chars"),
-                                       ("agent_id", getattr(request, "agent_id", ""), limits.max_id_chars,
-                                        "max_id_chars")):
+        for name, value, most, key in (("task_id", task_id, limits.max_task_id_chars, "max_task_id_chars"),
+                                       ("agent_id", agent_id, limits.max_id_chars, "max_id_chars")):
             if len(value) > most:
                 exc = InvalidArgument(name, f"at most {most} characters (limits.{key})", f"{len(value)} chars")
                 await context.abort(exc.code, str(exc))
@@ -620,7 +619,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if not request.task_id and not request.agent_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)")
-        await self._check_lookup_ids(request, context)
+        await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
             record = (await self.tasks.get(request.task_id) if request.task_id
