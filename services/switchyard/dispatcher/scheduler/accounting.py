@@ -59,8 +59,9 @@ class Accounting:
         """Charge every running request in ``reqs`` up to ``now``, each stretch's score shared ``len(reqs)``
         ways."""
         mark = self._monitor.activity()
+        scores: dict[float | None, float] = {}  # the stretch's score, once per start (most share the last charge)
         for req in reqs:
-            self._charge_one(req, len(reqs), now, mark)
+            self._charge_one(req, len(reqs), now, mark, scores)
 
     def stop(self, req: Request, n_running: int, now: float) -> None:
         """``req`` leaves the running set at ``now`` (finished, parked or preempted): charge its last stretch."""
@@ -76,12 +77,17 @@ class Accounting:
         average = req.score_seconds / seconds
         return max(0.0, average - req.admitted_at_score) / req.admitted_together
 
-    def _charge_one(self, req: Request, n_running: int, now: float, mark: tuple[float, ...]) -> None:
+    def _charge_one(self, req: Request, n_running: int, now: float, mark: tuple[float, ...],
+                    scores: dict[float | None, float] | None = None) -> None:
         since = req.charged_until
         if since is None:
             return
         seconds = max(0.0, now - since)
-        score = self._monitor.score_over(since, req.charged_mark, now)
+        score = scores.get(since) if scores is not None else None
+        if score is None:
+            score = self._monitor.score_over(since, req.charged_mark, now)
+            if scores is not None:
+                scores[since] = score
         req.charged_until = max(since, now)
         req.charged_mark = mark
         req.running_seconds += seconds
