@@ -115,6 +115,23 @@ def test_cli_run_with_nothing_listening_says_so(capsys):
     assert "UNAVAILABLE" in err and f"nothing answers at 127.0.0.1:{port}" in err and "switchyard up" in err
 
 
+def test_cli_run_given_its_address_runs_from_a_folder_without_config(tmp_path, monkeypatch, capsys):
+    """From outside the repository, `switchyard run --addr` refused: "config folder not found"; a client given its
+    address needs the config only for TLS, and says it uses the built-in (plaintext) defaults."""
+    from switchyard import client
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SWITCHYARD_CONFIG_DIR", raising=False)
+    assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1  # it tried: nothing there
+    err = capsys.readouterr().err
+    assert "no config folder at" in err and "plaintext gRPC" in err and f"nothing answers at 127.0.0.1:{port}" in err
+    assert client.main(["--timeout", "5", "hello"]) == 2  # no address: the config says where, and is missing
+    assert "config folder not found" in capsys.readouterr().err
+
+
 def test_cli_run_pointed_at_an_http_server_says_what_answers(capsys):
     """`switchyard run --addr` at the HTTP face's port said "nothing answers", though something did."""
     import asyncio
