@@ -149,22 +149,12 @@ def _own_up_file(path: Path) -> Path:
         owner = int(json.loads(path.read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return path
-    if owner == os.getpid() or not _alive(owner):
+    if owner == os.getpid() or not children.pid_alive(owner):
         return path
     own = path.with_name(f"up-{os.getpid()}.json")
     print(f"switchyard up: {path} is another running stack's (switchyard up, pid {owner}); this one's endpoints "
           f"are in {own}: SWITCHYARD_UP_FILE={own} for switchyard top and the locust watch file", flush=True)
     return own
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
 
 
 def _write_up_file(path: Path, host: str, running: list[Child]) -> None:

@@ -19,6 +19,9 @@ with the same signal if not. The signal is sent when the *thread* that forked
 the child ends, so start children from the main thread (``subprocess`` and
 ``ProcessPoolExecutor`` with the ``spawn`` context both do, when submitted to
 from it). Elsewhere than Linux both are no-ops.
+
+:func:`pid_alive` tells whether another process (a lease's holder, a launcher, a
+writer of a temporary file) still runs.
 """
 
 from __future__ import annotations
@@ -73,3 +76,14 @@ def dying_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
         die_with_parent(parent, sig)
 
     return preexec
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process ``pid`` exists on this host (another user's counts: signal 0 is refused it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -37,22 +37,13 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+from switchyard.common.children import pid_alive
 from switchyard.dispatcher.tiers import blob, metrics
 from switchyard.dispatcher.tiers.dram import META_FIELDS, Entry
 
 log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
 """Temporary names are ``.<final name>.<writer pid>.tmp``."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -105,7 +96,7 @@ def remove_partial_writes(root: str) -> int:
             if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
                 continue
             pid = name[:-len(TMP_SUFFIX)].rpartition(".")[2]
-            if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            if pid.isdigit() and pid_alive(int(pid)) and int(pid) != os.getpid():
                 continue
             try:
                 os.unlink(entry.path)

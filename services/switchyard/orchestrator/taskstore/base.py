@@ -30,6 +30,7 @@ from prometheus_client import Counter, Histogram
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import TaskStoreConfig
+from switchyard.common.children import pid_alive
 from switchyard.common.errors import SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT
 
@@ -72,16 +73,6 @@ def host_id() -> str:
     except OSError:
         pidns = ""
     return f"{socket.gethostname()}/{pidns}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
