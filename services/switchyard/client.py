@@ -13,13 +13,12 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.priority import PriorityClass
-from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
@@ -144,7 +143,7 @@ def main(argv: list[str]) -> int:
     address = args.addr
     if address is not None and not _HOST_PORT.match(address):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")
-    folder = Path(args.config_dir if args.config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
+    folder = config_folder(args.config_dir)
     if address is not None and args.config_dir is None and not folder.is_dir():
         # a client given its address needs the config only for TLS: the built-in defaults (plaintext)
         print(f"switchyard run: no config folder at {folder.resolve()}: plaintext gRPC to {address} (the built-in "

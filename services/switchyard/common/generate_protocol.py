@@ -43,7 +43,6 @@ lives here:
 from __future__ import annotations
 
 import enum
-import math
 import time
 import uuid
 from typing import Container, Sequence, TypeVar
@@ -52,6 +51,7 @@ import grpc
 from google.protobuf.message import Message
 
 from switchyard.api import agent_pb2
+from switchyard.common import untrusted
 from switchyard.common.errors import InvalidArgument, SwitchyardError, status_for
 
 T = TypeVar("T")
@@ -130,9 +130,7 @@ def decode_timeout(timeout_s: float) -> float | None:
     Raises:
         InvalidArgument: negative or NaN (they read as "no deadline"; ``Generate`` refuses NaN time left).
     """
-    if not timeout_s >= 0 or math.isinf(timeout_s):  # NaN fails >= 0
-        raise InvalidArgument("timeout_s", "0 (no deadline) or a positive, finite number of seconds", timeout_s)
-    return timeout_s if timeout_s > 0 else None
+    return untrusted.check_seconds(timeout_s, "timeout_s", "no deadline") or None
 
 
 def deadline_exceeded() -> RequestFailed:

@@ -10,6 +10,7 @@ unreadable into one :class:`ValueError` that names why.
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
 from typing import Any
 
@@ -57,3 +58,18 @@ def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
         bad = next(c for c in value if unicodedata.category(c) in ("Cc", "Cs"))
         raise InvalidArgument(field, f"an id of printable characters (no control characters; found U+{ord(bad):04X})",
                               value[:80])
+
+
+def check_seconds(value: float, field: str, zero_means: str = "") -> float:
+    """``value``, a caller's number of seconds: finite and 0 or more (NaN, infinities and negatives read as "no
+    bound" where they were let through). ``zero_means``: what 0 stands for, in the message.
+
+    Raises:
+        InvalidArgument: naming ``field``.
+    """
+    from switchyard.common.errors import InvalidArgument
+
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(field, "a finite number of seconds, 0 or more" + (f" (0: {zero_means})" if zero_means
+                                                                               else ""), value)
+    return value

@@ -14,7 +14,6 @@ back into the servicer.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import grpc
@@ -72,8 +71,7 @@ def to_request(
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
     for name, seconds in (("task_time_left_s", request.task_time_left_s),
                           ("expected_remaining_work_s", request.expected_remaining_work_s)):
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise InvalidArgument(name, "a finite number of seconds, 0 or more (0: not given)", seconds)
+        untrusted.check_seconds(seconds, name, "not given")
     if not request.prompt.strip() and not request.messages:
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:

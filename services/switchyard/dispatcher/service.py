@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import AsyncIterator
 
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common import untrusted
 from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
@@ -201,8 +201,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
                 if not value or len(value) > limits.max_id_chars:
                     raise InvalidArgument(name, f"1 to {limits.max_id_chars} characters (limits.max_id_chars)",
                                           f"{len(value)} chars")
-            if not (math.isfinite(request.expected_wait_s) and request.expected_wait_s >= 0):
-                raise InvalidArgument("expected_wait_s", "a finite number of seconds, 0 or more", request.expected_wait_s)
+            untrusted.check_seconds(request.expected_wait_s, "expected_wait_s")
             tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
             if request.priority not in agent_pb2.Priority.values():
                 raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -39,5 +40,10 @@ def _nearest_key(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> s
         model = nested if isinstance(nested, type) and issubclass(nested, BaseModel) else None
     if model is None or not loc:
         return ""
-    near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return did_you_mean(str(loc[-1]), model.model_fields)
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """``; did you mean 'X'?`` for the ``known`` key nearest ``key`` (difflib's ratio 0.6 or more), or ""."""
+    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f"; did you mean '{near[0]}'?" if near else ""

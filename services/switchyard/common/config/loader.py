@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-
 import json
 import logging
 import tomllib
@@ -14,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from switchyard.common import envs
 from switchyard.common.config.aggregate import SwitchyardConfig, _assemble
-from switchyard.common.config.base import ConfigError, _describe
+from switchyard.common.config.base import ConfigError, _describe, did_you_mean
 from switchyard.common.config.gating import unread_section
 from switchyard.common.config.memory import DramTierConfig, HbmTierConfig, OssTierConfig
 from switchyard.common.config.model_gateway import AdaptiveConcurrencyConfig
@@ -146,10 +144,9 @@ def _unknown_tables(files: _Files, names: tuple[str, ...]) -> list[str]:
             if inner and isinstance(raw.get(top), dict):
                 for key in raw[top]:
                     if key not in inner:
-                        near = difflib.get_close_matches(key, inner, n=1, cutoff=0.6)
                         problems.append(f"{files.folder / filename}: key '{top}.{key}' has value "
                                         f"{raw[top][key]!r}; expected: no such key (a typo?)"
-                                        + (f"; did you mean '{near[0]}'?" if near else ""))
+                                        + did_you_mean(key, inner))
     return problems
 
 
@@ -218,6 +215,11 @@ def _env_overrides(held: set[str]) -> dict[str, Any]:
     return out
 
 
+def config_folder(config_dir: str | Path | None = None) -> Path:
+    """The folder :func:`load_config` reads: ``config_dir``, else ``SWITCHYARD_CONFIG_DIR``, else ``config``."""
+    return Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
+
+
 def load_config(config_dir: str | Path | None = None, service: str | tuple[str, ...] | None = None) -> SwitchyardConfig:
     """Load and validate config files, then apply environment overrides.
 
@@ -232,7 +234,7 @@ def load_config(config_dir: str | Path | None = None, service: str | tuple[str, 
             file, the key, the value and what was expected (every problem at once).
         ValueError: an environment override is malformed (naming the variable).
     """
-    folder = Path(config_dir if config_dir is not None else envs.SWITCHYARD_CONFIG_DIR.get())
+    folder = config_folder(config_dir)
     if not folder.is_dir():
         raise ConfigError(
             f"{folder.resolve()}: config folder not found; expected a folder holding queue.json and friends: run "
