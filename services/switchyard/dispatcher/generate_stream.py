@@ -222,7 +222,7 @@ class GenerateSession:
             check_stream_request_id(request_id, self._requests)
             self._requests[request_id] = running
             if streamed:
-                timeout_s = decode_timeout(timeout_s or 0.0)
+                timeout_s = decode_timeout(timeout_s)
             req = await self._processor.open_request(request, timeout_s, span)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):

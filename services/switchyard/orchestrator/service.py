@@ -41,7 +41,7 @@ from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGua
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, bounded, status_for
+from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
@@ -408,7 +408,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
                                                       spec.tenant_id)
         except SwitchyardError as exc:
-            await context.abort(exc.code, bounded(str(exc)))
+            await abort(context, exc, self.name)
         if not created:
             if record.fingerprint != fingerprint(fields):
                 await context.abort(
@@ -426,7 +426,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if len(self._submitted) >= limit:  # others were admitted while the record was written (no await from here)
             await self._delete_refused(spec.task_id)
             exc = self._backlog_full()
-            await context.abort(exc.code, bounded(str(exc)))
+            await abort(context, exc, self.name)
         position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
         self._start_submitted()
         return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id)
@@ -587,7 +587,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         try:
             record = await self.tasks.get(task_id)
         except SwitchyardError as exc:
-            await context.abort(exc.code, bounded(str(exc)))
+            await abort(context, exc, self.name)
         if record is None or not self._visible_to_caller(record.tenant_id, context):
             await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
         if not record.finished:
@@ -602,8 +602,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         for name, value, most, key in (("task_id", task_id, limits.max_task_id_chars, "max_task_id_chars"),
                                        ("agent_id", agent_id, limits.max_id_chars, "max_id_chars")):
             if len(value) > most:
-                exc = InvalidArgument(name, f"at most {most} characters (limits.{key})", f"{len(value)} chars")
-                await context.abort(exc.code, str(exc))
+                await abort(context, InvalidArgument(name, f"at most {most} characters (limits.{key})",
+                                                     f"{len(value)} chars"), self.name)
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
@@ -625,7 +625,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             record = (await self.tasks.get(request.task_id) if request.task_id
                       else await self.tasks.latest_of_agent(request.agent_id))
         except SwitchyardError as exc:
-            await context.abort(exc.code, bounded(str(exc)))
+            await abort(context, exc, self.name)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if record is None:

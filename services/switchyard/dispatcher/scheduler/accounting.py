@@ -59,13 +59,13 @@ class Accounting:
         """Charge every running request in ``reqs`` up to ``now``, each stretch's score shared ``len(reqs)``
         ways."""
         mark = self._monitor.activity()
-        scores: dict[float | None, float] = {}  # the stretch's score, once per start (most share the last charge)
+        scores: dict[float, float] = {}  # the stretch's score, once per start (most share the last charge)
         for req in reqs:
             self._charge_one(req, len(reqs), now, mark, scores)
 
     def stop(self, req: Request, n_running: int, now: float) -> None:
         """``req`` leaves the running set at ``now`` (finished, parked or preempted): charge its last stretch."""
-        self._charge_one(req, n_running, now, self._monitor.activity())
+        self._charge_one(req, n_running, now, self._monitor.activity(), {})
         req.charged_until = None
 
     @staticmethod
@@ -78,16 +78,14 @@ class Accounting:
         return max(0.0, average - req.admitted_at_score) / req.admitted_together
 
     def _charge_one(self, req: Request, n_running: int, now: float, mark: tuple[float, ...],
-                    scores: dict[float | None, float] | None = None) -> None:
+                    scores: dict[float, float]) -> None:
         since = req.charged_until
         if since is None:
             return
         seconds = max(0.0, now - since)
-        score = scores.get(since) if scores is not None else None
+        score = scores.get(since)
         if score is None:
-            score = self._monitor.score_over(since, req.charged_mark, now)
-            if scores is not None:
-                scores[since] = score
+            score = scores[since] = self._monitor.score_over(since, req.charged_mark, now)
         req.charged_until = max(since, now)
         req.charged_mark = mark
         req.running_seconds += seconds

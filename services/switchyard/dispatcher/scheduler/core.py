@@ -94,7 +94,6 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
 from switchyard.dispatcher.scheduler.base import (
-    CLASS_ORDER,
     BatchFlush,
     SchedulerCounters,
     SchedulerEvents,
