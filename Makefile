@@ -34,7 +34,8 @@ index: $(INDEX)/query_encoder.onnx
 run: $(STAMP) $(INDEX)/query_encoder.onnx
 	$(SY) up
 
-test: $(STAMP)
+# The tests copy the default index from $(INDEX) where it is current (tests/conftest.py).
+test: $(STAMP) $(INDEX)/query_encoder.onnx
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP) $(INDEX)/query_encoder.onnx

@@ -1,11 +1,14 @@
 """Shared fixtures.
 
-``pydoc_index_dir`` builds the default retrieval index (CPython's documentation
-topics, embedded with all-MiniLM-L6-v2) once per test session.
+``pydoc_index_dir`` is the default retrieval index (CPython's documentation
+topics, embedded with all-MiniLM-L6-v2): a copy of the one ``make index`` built
+(``make test`` builds it first) where that one is current, else built once per
+test session.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -15,15 +18,47 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "config"
 
 
+def _current_default_index(config) -> Path | None:
+    """``data/index`` when it holds the default index as this tree builds it, else None.
+
+    Current: complete (a manifest, written last, and the query encoder), built with
+    this config's chunking and model and the index format, and newer than every
+    source file of the indexer (an index from older code is rebuilt, not reused).
+    """
+    from switchyard.retrieval.index import FORMAT_VERSION, MANIFEST_FILE, Manifest
+
+    folder = REPO / "data" / "index"
+    manifest_file, encoder = folder / MANIFEST_FILE, folder / "query_encoder.onnx"
+    if not (manifest_file.is_file() and encoder.is_file()):
+        return None
+    manifest = Manifest.model_validate_json(manifest_file.read_text())
+    settings = config.retrieval
+    if (manifest.format_version, manifest.chunk_tokens, manifest.chunk_overlap_tokens, manifest.lexical) != (
+        FORMAT_VERSION, settings.chunk_tokens, settings.chunk_overlap_tokens, "bm25",
+    ):
+        return None
+    built = min(manifest_file.stat().st_mtime, encoder.stat().st_mtime)
+    sources = [*(REPO / "services" / "switchyard" / "retrieval").glob("*.py"), *CONFIG_DIR.glob("*")]
+    if any(source.stat().st_mtime > built for source in sources):
+        return None
+    return folder
+
+
 @pytest.fixture(scope="session")
 def pydoc_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Folder holding the default index (pydoc_data topics), built once per session."""
+    """Folder holding the default index (pydoc_data topics): ``make index``'s copy, else built once."""
     from switchyard.common.config import load_config
     from switchyard.retrieval.indexer import build_index
 
+    config = load_config(CONFIG_DIR)
     out = tmp_path_factory.mktemp("pydoc-index")
     started = time.monotonic()
-    manifest = build_index([], out, load_config(CONFIG_DIR), progress=False)
+    built = _current_default_index(config)
+    if built is not None:  # a copy: tests may add to or break their index folder
+        shutil.copytree(built, out, dirs_exist_ok=True)
+        print(f"\npydoc index: copied from {built.relative_to(REPO)} in {time.monotonic() - started:.1f} s")
+        return out
+    manifest = build_index([], out, config, progress=False)
     print(f"\npydoc index: {manifest.count} passages, {manifest.dims} dims, built in {time.monotonic() - started:.1f} s")
     return out
 
