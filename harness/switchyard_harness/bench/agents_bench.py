@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import REGISTRY
 
@@ -68,7 +68,9 @@ from switchyard_harness.bench.sched_bench import (
     schedule_turn,
 )
 from switchyard_harness.bench.program_policies import POLICY_NAMES, AgentSimEngine, Workload, capacity_scale, run_policies
+from switchyard_harness.bench.program_policies import SIMULATED_CLOCK
 from switchyard_harness.bench.program_policies import render as render_policies
+from switchyard_harness.bench.program_stack import STACK_CLOCK, run_stack_policies
 from switchyard_harness.bench.rag_prefill import RagLoad, run_rag_prefill
 from switchyard_harness.bench.rag_prefill import render as render_rag
 from switchyard.dispatcher.double_buffer import FlushReason
@@ -465,10 +467,17 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--tenant-agents", type=int, default=10, help="agents of each of the 9 quiet tenants (10)")
     policies.add_argument("--noisy-agents", type=int, default=100, help="agents of the noisy tenant, long tools (100)")
     policies.add_argument("--load-scale", type=_positive,
-                          help="multiplies every tenant's agents (default: the load fcfs can hold, found by a sweep: "
-                          "the smallest scale at which fcfs's throughput reaches 95 %% of its peak)")
+                          help="multiplies every tenant's agents (default: the load fcfs can hold, found by a sweep "
+                          "on the simulated clock: the smallest scale at which fcfs's throughput peaks)")
     policies.add_argument("--double-load", action="store_true",
                           help="also run fcfs and switchyard at twice the load fcfs can hold (the CORE SLO target)")
+    policies.add_argument("--stack", action="store_true",
+                          help="run each policy on a real dispatcher (gRPC on 127.0.0.1, the sim engine on the real "
+                          "clock, callers as the orchestrator: switchyard_harness.bench.program_stack) instead of "
+                          "the simulated clock; --seconds is then wall seconds of load")
+    policies.add_argument("--tool-time-scale", type=_positive, default=1.0,
+                          help="multiplies every tool's drawn duration (default 1: the stated distribution; "
+                          "below 1 for a quicker run)")
     rag = parser.add_argument_group(
         "rag_answer early prefill", "--rag-prefill runs rag_answer tasks without and with the early prefill of their "
         "static part instead (switchyard_harness.bench.rag_prefill); --seconds and --seed apply")
@@ -547,6 +556,21 @@ def _main_rag(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_runner(args: argparse.Namespace, config: SwitchyardConfig, tier: DramTierConfig | None,
+                   ) -> Callable[[list[str], Workload], list[dict[str, Any]]]:
+    """How ``--policies`` runs a workload: on the simulated clock, or (``--stack``) on a real dispatcher."""
+    if not args.stack:
+        return lambda names, workload: run_policies(names, workload, config, tier)
+
+    def on_stack(names: list[str], workload: Workload) -> list[dict[str, Any]]:
+        print(f"switchyard bench agents --stack: {len(names)} policies, {workload.seconds:g} s of load each "
+              f"(load scale {workload.load_scale:g})", file=sys.stderr)
+        return run_stack_policies(names, workload, config, tier,
+                                  progress=lambda policy: print(f"  {policy} done", file=sys.stderr))
+
+    return on_stack
+
+
 def _main_policies(args: argparse.Namespace) -> int:
     """``--policies``: the same tenant workload under each scheduling policy, each on the real scheduler
     (simulated clock)."""
@@ -565,7 +589,8 @@ def _main_policies(args: argparse.Namespace) -> int:
     workload = Workload(tenant_agents=args.tenant_agents, noisy_agents=args.noisy_agents, mix=args.mix,
                         prompt_tokens=args.prompt_tokens, tool_calls=args.tool_calls, call_tokens=args.call_tokens,
                         result_tokens=args.result_tokens, answer_tokens=args.answer_tokens, seconds=args.seconds,
-                        drain_limit=args.drain_limit, seed=args.seed, load_scale=args.load_scale or 1.0)
+                        drain_limit=args.drain_limit, seed=args.seed, load_scale=args.load_scale or 1.0,
+                        tool_time_scale=args.tool_time_scale)
     started = time.perf_counter()
     held = sweep = at_double = None
     with contextlib.ExitStack() as stack:
@@ -574,11 +599,12 @@ def _main_policies(args: argparse.Namespace) -> int:
             if args.load_scale is None:  # the load FCFS can hold (its throughput's knee)
                 held, sweep = capacity_scale(workload, config, tier)
                 workload = workload.scaled(held)
-            rows = run_policies(names, workload, config, tier)
+            run = _policy_runner(args, config, tier)
+            rows = run(names, workload)
             if args.double_load:
                 if held is None:
                     held, sweep = capacity_scale(workload, config, tier)
-                at_double = run_policies(["fcfs", "switchyard"], workload.scaled(2 * held), config, tier)
+                at_double = run(["fcfs", "switchyard"], workload.scaled(2 * held))
         except ValueError as exc:
             print(f"switchyard bench agents: {exc}", file=sys.stderr)
             return 2
@@ -586,7 +612,8 @@ def _main_policies(args: argparse.Namespace) -> int:
         print(json.dumps({"rows": rows, "load_scale": workload.load_scale, "fcfs_capacity_scale": held,
                           "fcfs_sweep": sweep, "at_double": at_double}, indent=2))
     else:
-        print(render_policies(rows, workload, config, at_double=at_double, held=held, sweep=sweep))
+        print(render_policies(rows, workload, config, at_double=at_double, held=held, sweep=sweep,
+                              clock=STACK_CLOCK if args.stack else SIMULATED_CLOCK))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
     return 0
 

@@ -120,6 +120,9 @@ from switchyard_harness.bench.sched_bench import (
 POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "switchyard")
 """Every policy ``--policies`` accepts, in the order the table prints them."""
 
+SIMULATED_CLOCK = "simulated clock"
+"""How :class:`PolicyRun` drives the scheduler (the table's heading)."""
+
 TOOLS: dict[str, float] = {"search": 0.3, "code": 1.5, "browse": 4.0}
 """The quiet tenants' tools: median duration, seconds."""
 NOISY_TOOL = ("batch_job", 15.0)
@@ -266,6 +269,12 @@ class Workload:
     drain_limit: float = 3.0
     seed: int = 11
     load_scale: float = 1.0
+    tool_time_scale: float = 1.0
+    """Multiplies every tool's drawn duration (1: the stated distribution)."""
+
+    def __post_init__(self) -> None:
+        if not self.tool_time_scale > 0:
+            raise ValueError(f"tool_time_scale: expected a number > 0, got {self.tool_time_scale!r}")
 
     def scaled(self, load_scale: float) -> "Workload":
         """The same workload with ``load_scale``."""
@@ -377,6 +386,19 @@ def jain(values: list[float]) -> float:
 # --------------------------------------------------------------------------- one run
 
 
+def anchor_queue(spec: PolicySpec, config: SwitchyardConfig, task_start: Callable[[Request], float],
+                 ) -> tuple[RequestQueue | None, FairnessLedger | None]:
+    """The anchor's waiting order of ``spec`` and the ledger its caller charges: (None, None) for a policy
+    that orders by its scheduler's own queue. ``task_start(req)``: when the request's task started (the
+    program FCFS order's key)."""
+    if spec.queue in ("session", "session-by-class"):
+        ledger = FairnessLedger(math.inf if spec.undecayed else config.scheduler.fairness_half_life_s)
+        return SessionServiceQueue(ledger, by_class=spec.queue == "session-by-class"), ledger
+    if spec.queue == "program-fcfs":
+        return ProgramArrivalQueue(task_start), None
+    return None, None
+
+
 def build_scheduler(policy: str, config: SwitchyardConfig, engine: AgentSimEngine, tiers: MemoryTiers,
                     task_start: Callable[[Request], float]) -> tuple[SchedulerCore, FairnessLedger | None]:
     """The real scheduler of ``policy`` (:data:`POLICIES`) on ``engine``: (scheduler, the anchor's ledger to
@@ -388,13 +410,7 @@ def build_scheduler(policy: str, config: SwitchyardConfig, engine: AgentSimEngin
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {list(POLICY_NAMES)}, got {policy!r}")
     spec = POLICIES[policy]
-    ledger = None
-    queue: RequestQueue | None = None
-    if spec.queue in ("session", "session-by-class"):
-        ledger = FairnessLedger(math.inf if spec.undecayed else config.scheduler.fairness_half_life_s)
-        queue = SessionServiceQueue(ledger, by_class=spec.queue == "session-by-class")
-    elif spec.queue == "program-fcfs":
-        queue = ProgramArrivalQueue(task_start)
+    queue, ledger = anchor_queue(spec, config, task_start)
     monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: engine.busy_seconds, nvml=False)
     sched = make_scheduler(config, engine, policy=spec.scheduler, monitor=monitor, tiers=tiers, queue=queue)
     return sched, ledger
@@ -599,7 +615,7 @@ class PolicyRun:
                     agent.context += len(req.output_tokens) + agent.rng.randint(*self.w.result_tokens)
                     tool, median = NOISY_TOOL if agent.noisy else agent.rng.choice(list(TOOLS.items()))
                     agent.tool, agent.tool_started = tool, t
-                    agent.tool_s = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA))
+                    agent.tool_s = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA)) * self.w.tool_time_scale
                     agent.isolated_s += agent.tool_s
                     agent.next_at = t + agent.tool_s
                     agent.resume = True
@@ -752,15 +768,18 @@ def capacity_scale(workload: Workload, config: SwitchyardConfig, dram: DramTierC
 
 def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardConfig, *,
            at_double: list[dict[str, Any]] | None = None, held: float | None = None,
-           sweep: list[dict[str, Any]] | None = None) -> str:
-    """The printed table, with the issue's ratios (ours / FCFS, ours / the best anchor)."""
+           sweep: list[dict[str, Any]] | None = None, clock: str = "") -> str:
+    """The printed table, with the issue's ratios (ours / FCFS, ours / the best anchor). ``clock``: how the
+    run was driven (default :data:`SIMULATED_CLOCK`)."""
     w = workload
     lines = [
         "switchyard agent-program policies: the real scheduler (SchedulerCore) per policy, sim latency model, "
-        "simulated clock",
+        + (clock or SIMULATED_CLOCK),
         f"{w.tenants} tenants: {w.tenants - 1} x {w.quiet_per_tenant} agents "
         f"(tools {', '.join(f'{k} ~{v:g} s' for k, v in TOOLS.items())}), 1 x {w.noisy} agents "
-        f"({NOISY_TOOL[0]} ~{NOISY_TOOL[1]:g} s) (load scale {w.load_scale:g}); classes "
+        f"({NOISY_TOOL[0]} ~{NOISY_TOOL[1]:g} s)"
+        + (f", every tool x {w.tool_time_scale:g}" if w.tool_time_scale != 1 else "")
+        + f" (load scale {w.load_scale:g}); classes "
         f"{'/'.join(f'{m:g}' for m in w.mix)}; {w.seconds:g} s of load, seed {w.seed}; "
         f"CORE SLO: TTFT <= {config.slo.ttft.threshold_s:g} s; fixed TTL {config.scheduler.tool_wait_ttl_s:g} s",
     ]
@@ -821,6 +840,6 @@ def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardCon
     return "\n".join(lines)
 
 
-__all__ = ["POLICIES", "POLICY_NAMES", "AgentSimEngine", "PolicyRun", "PolicySpec", "ProgramArrivalQueue",
+__all__ = ["POLICIES", "POLICY_NAMES", "SIMULATED_CLOCK", "AgentSimEngine", "anchor_queue", "PolicyRun", "PolicySpec", "ProgramArrivalQueue",
            "SessionServiceQueue", "Workload", "build_scheduler", "capacity_scale", "jain", "render", "run_policies",
            "summarize"]

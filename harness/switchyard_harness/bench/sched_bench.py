@@ -69,7 +69,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.double_buffer import FlushReason

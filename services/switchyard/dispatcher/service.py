@@ -53,6 +53,7 @@ from switchyard.dispatcher.metrics import STREAM_MESSAGE_CHUNKS
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.request_queue import RequestQueue
 from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
@@ -70,6 +71,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         engine: an engine to use instead of :func:`make_engine` (tests, benchmarks).
         policy: a scheduling policy name (``priority``, ``fifo``) instead of
             ``scheduler_config.json`` ``policy``.
+        queue: the waiting order instead of the policy's own (benchmarks: another
+            scheduler's order on this dispatcher).
 
     Raises:
         EngineUnavailable: the configured engine is not installed.
@@ -84,6 +87,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         config: SwitchyardConfig,
         engine: StepEngine | StreamEngine | None = None,
         policy: str | None = None,
+        queue: RequestQueue | None = None,
     ) -> None:
         self.config = config
         self.engine = engine if engine is not None else make_engine(config)
@@ -107,7 +111,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         cold = ColdStore(oss.path, dram.key_prefix, oss.storage_options) if store is not None else None  # [oss]
         self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine.kv, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
-            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers
+            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers,
+            queue=queue,
         )
         if self.adaptive is not None:
             self.scheduler.on_batch_done = self.adaptive.on_batch_done

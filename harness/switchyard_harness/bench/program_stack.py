@@ -1,0 +1,427 @@
+"""The agent-program policies on a real dispatcher: ``switchyard bench agents --policies P --stack``.
+
+:mod:`~switchyard_harness.bench.program_policies` drives the scheduler itself on a simulated
+clock. This run serves a real dispatcher instead and drives it as the orchestrator does, on
+the real clock:
+
+- the dispatcher: :class:`~switchyard.dispatcher.service.DispatcherService` in its own
+  process (spawned), on a gRPC server on 127.0.0.1 (port 0): its step loop, scheduler, parking, memory tiers (the DRAM tier a real
+  Redis: ``--dram``) and tool-wait decisions as shipped; the engine is the sim's
+  (:class:`~switchyard.dispatcher.engines.sim.SimEngine`: each step sleeps its modelled time)
+  with the workload's reply lengths (:class:`PlannedSimEngine`: a tool call of the step's
+  planned tokens, or the answer; the plan rides in the prompt's first line, :class:`StepPlan`);
+- the callers: one asyncio task per agent over one gRPC channel. Each model step is a
+  ``Generate`` stream (``agent_id``, ``tenant_id``, the class, ``prompt_tokens`` of the
+  conversation so far, ``resume`` after a tool); each tool call sleeps its drawn duration,
+  and under ``switchyard`` the tool start is announced first (``ToolWait`` with the tool's
+  expected duration, :meth:`~switchyard.orchestrator.program.ToolDurations.expected_s`) and
+  every step carries the task's time left and expected remaining work, as the orchestrator's
+  :class:`~switchyard.orchestrator.program.Program` sends them;
+- the workload: :class:`~switchyard_harness.bench.program_policies.Workload`, the same agents,
+  tools, tokens and seed as the simulated run (``--tool-time-scale`` shortens every tool
+  alike, in both runs, for quick ones). Agents start tasks for ``--seconds``; the tasks under way then
+  finish (up to ``--drain-limit`` windows).
+
+The anchors' waiting orders (llm-d's per-session fairness, Autellix's program-level least
+attained service, Continuum's program FCFS) are the same classes as in the simulated run,
+handed to the dispatcher's scheduler (``DispatcherService(queue=...)``); their ledger is
+charged from what each engine step computed, in the dispatcher's process.
+
+The same row as the simulated run (:func:`~switchyard_harness.bench.program_policies.summarize`)
+per policy: TTFT, tokens and preemptions from each step's ``GenerateDone``; the tool resumes
+(warm, restored, recomputed) and recomputed tokens from the requests the engine served, and HBM
+held idle integrating the scheduler's parked KV bytes (sampled every :data:`SAMPLE_S`), sent
+back by the dispatcher's process when the run ends. Wall-clock figures on a shared machine: compare policies of
+one run, not runs of different days.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing
+import multiprocessing.process
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import grpc
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import DramTierConfig, SwitchyardConfig
+from switchyard.common.priority import PriorityClass
+from switchyard.common.server import running
+from switchyard.dispatcher.engines.base import StepBatch, StepResult
+from switchyard.dispatcher.engines.sim import SimEngine, SimReply, decode_seconds, prefill_seconds, sim_seq
+from switchyard.dispatcher.request import Request, ToolCall
+from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
+from switchyard.dispatcher.scheduler.tool_wait import Decision
+from switchyard.dispatcher.service import DispatcherService
+from switchyard_harness.bench.program_policies import (
+    MAX_TOKENS,
+    NOISY_TOOL,
+    POLICIES,
+    TOOL_SIGMA,
+    TOOLS,
+    Agent,
+    PolicyResult,
+    PolicyRun,
+    Workload,
+    anchor_queue,
+    summarize,
+)
+from switchyard_harness.bench.sched_bench import quiet_score_log
+
+STACK_CLOCK = "a real dispatcher over gRPC on the real clock (--stack)"
+"""How :class:`StackPolicyRun` drives the scheduler (the table's heading)."""
+CONTEXT_WINDOW_TOKENS = 8192
+"""The sim model's ``limits.context_window_tokens`` on the run's dispatcher (the workload's conversations fit)."""
+PROCESS_TIMEOUT_S = 120.0
+"""Longest wait for the dispatcher process's answer (its start, its figures): a bound on a stuck process."""
+SAMPLE_S = 0.05
+"""How often the run samples the scheduler's parked KV bytes (HBM held idle), seconds."""
+TOOL_WAIT_TIMEOUT_S = 1.0
+"""The ToolWait announcement's deadline (the orchestrator's is as short: it is fire-and-forget)."""
+REFUSED_EARLY = "cannot meet its task's deadline"
+"""What the dispatcher's early refusal says (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`)."""
+
+
+PLAN = "#plan "
+"""The first line of each step's prompt: ``#plan <tokens> <finish_reason> <task start, monotonic s>``, the
+reply the engine plans for the step and when its task started (the program FCFS order's key)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's planned reply and its task's start (read from its prompt's first line, :data:`PLAN`)."""
+
+    tokens: int
+    finish_reason: str
+    task_started: float
+
+    def prompt(self, text: str) -> str:
+        return f"{PLAN}{self.tokens} {self.finish_reason} {self.task_started:.6f}\n{text}"
+
+    @classmethod
+    def parse(cls, prompt: str) -> "StepPlan | None":
+        if not prompt.startswith(PLAN):
+            return None
+        tokens, reason, started = prompt[len(PLAN):].split("\n", 1)[0].split()
+        return cls(int(tokens), reason, float(started))
+
+
+class PlannedSimEngine(SimEngine):
+    """The sim engine (real clock: each step sleeps its modelled time) whose replies follow each step's plan.
+
+    A request whose prompt opens with a :class:`StepPlan` generates its planned tokens and ends in a tool
+    call (``tool_calls``) or an answer (``stop``); others get the sim's own reply. ``served[request_id]``
+    is each request the engine computed (its recomputed and restored tokens are read at the end).
+    ``on_step(batch, seconds)``, when set, is called after every step.
+    """
+
+    def __init__(self, config: SwitchyardConfig) -> None:
+        super().__init__(config)
+        self.served: dict[str, Request] = {}
+        self.on_step: Callable[[StepBatch, float], None] | None = None
+
+    def reply_for(self, req: Request) -> SimReply:
+        seq = sim_seq(req)
+        plan = StepPlan.parse(req.prompt)
+        if plan is None or seq.reply is not None:
+            return super().reply_for(req)
+        tokens = [f" w{i}" for i in range(max(1, plan.tokens))]
+        calls = [ToolCall(f"call-{req.request_id}", "search_docs", "{}")] if plan.finish_reason == "tool_calls" else []
+        seq.reply = SimReply(tokens, calls, plan.finish_reason)  # planned once, kept until it finishes (as the sim's)
+        return seq.reply
+
+    async def execute_model(self, batch: StepBatch) -> StepResult:
+        for req in batch.requests:
+            self.served[req.request_id] = req
+        result = await super().execute_model(batch)
+        if self.on_step is not None:
+            self.on_step(batch, result.seconds)
+        return result
+
+
+# --------------------------------------------------------------------------- the dispatcher's process
+
+
+def _dispatcher_main(policy: str, config: SwitchyardConfig, conn: Connection) -> None:
+    """The dispatcher process: serve ``policy`` until told to stop, then send back what it measured."""
+    with quiet_score_log():
+        asyncio.run(_dispatcher(policy, config, conn))
+
+
+def _task_started(req: Request) -> float:
+    plan = StepPlan.parse(req.prompt)
+    return plan.task_started if plan is not None else req.arrival
+
+
+async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -> None:
+    """Messages: sends ("ready", port, scheduler class, queue class); receives ("start", load window's end,
+    monotonic s); receives ("stop",); sends the figures (:func:`_figures`)."""
+    engine = PlannedSimEngine(config)
+    queue, ledger = anchor_queue(POLICIES[policy], config, _task_started)
+    service = DispatcherService(config, engine=engine, policy=POLICIES[policy].scheduler, queue=queue)
+    sched = service.scheduler
+    figures: dict[str, Any] = {"window_tokens": 0, "idle_byte_s": 0.0}
+    window_end = math.inf
+
+    def on_step(batch: StepBatch, seconds: float) -> None:
+        now = time.monotonic()
+        if now < window_end:
+            figures["window_tokens"] += len(batch.prefill) + len(batch.decode)
+        if ledger is not None:  # the anchor's attained service, as the fair policy charges its own
+            for req, tokens in batch.prefill:
+                if tokens > 0:
+                    ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+            for req in batch.decode:
+                ledger.charge(req.agent_id, req.tenant_id, 1, now)
+
+    async def sample_parked() -> None:  # HBM held by agents waiting on a tool, integrated over time
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            now = time.monotonic()
+            figures["idle_byte_s"] += sched.parked_kv_bytes * (now - last)
+            last = now
+
+    engine.on_step = on_step
+    loop = asyncio.get_running_loop()
+    async with running([service], config.server) as srv:
+        conn.send(("ready", srv.port, type(sched).__name__, type(sched.queue).__name__))
+        _, window_end = await loop.run_in_executor(None, conn.recv)
+        sampler = asyncio.create_task(sample_parked())
+        await loop.run_in_executor(None, conn.recv)
+        sampler.cancel()
+        counters = sched.counters
+        figures.update(
+            busy_s=engine.busy_seconds,
+            served={rid: (req.recomputed_tokens, req.restored_tokens) for rid, req in engine.served.items()},
+            scheduler_decisions={d.value: int(counters.tool_wait_decisions[d.value]) for d in Decision},
+            prefetch_returns=[(timing, int(n)) for (_, timing), n in counters.tool_prefetches.items()],
+        )
+        conn.send(figures)
+
+
+def _receive(conn: Connection, proc: multiprocessing.process.BaseProcess, timeout_s: float) -> Any:
+    """The dispatcher process's next message.
+
+    Raises:
+        RuntimeError: none within ``timeout_s`` (a bound on a stuck process, not a speed), or the process ended.
+    """
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"the dispatcher process sent nothing in {timeout_s:g} s (exit code {proc.exitcode})")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"the dispatcher process ended (exit code {proc.exitcode})") from None
+
+
+# --------------------------------------------------------------------------- the callers
+
+
+class StackPolicyRun(PolicyRun):
+    """One policy's run of the workload on a real dispatcher process, real clock (see the module docstring).
+
+    Args:
+        policy: one of :data:`~switchyard_harness.bench.program_policies.POLICY_NAMES`.
+        workload: the agents and their tasks (``seconds``: the load window, wall seconds).
+        config: the dispatcher's config (``sim`` its latency model).
+        dram: the DRAM tier's Redis (None: no tier; swapped state is recomputed).
+
+    Raises:
+        ValueError: unknown ``policy``.
+    """
+
+    def __init__(self, policy: str, workload: Workload, config: SwitchyardConfig,
+                 dram: DramTierConfig | None = None) -> None:
+        super().__init__(policy, workload, config, dram)
+        memory = self.config.memory
+        tier = dram if dram is not None else memory.dram.model_copy(update={"kv_swap": False})
+        # The workload's longest conversation (3,000 prompt tokens, 4 calls of up to 460, a 512-token
+        # answer: 5,352) past the sim model's 4,096: served whole, as the simulated run serves it.
+        windows = {**self.config.limits.context_window_tokens, self.sim.model: CONTEXT_WINDOW_TOKENS}
+        self.config = self.config.model_copy(update={
+            "memory": memory.model_copy(update={"dram": tier}),
+            "limits": self.config.limits.model_copy(update={"context_window_tokens": windows}),
+        })
+        self.t0 = 0.0
+        self.steps: list[tuple[str, str]] = []
+        """Each tool-return step: (its request id, its tool wait's decision, "" when none was announced)."""
+
+    def _now(self) -> float:
+        """Seconds since the run started (the workload's clock)."""
+        return time.monotonic() - self.t0
+
+    def run(self) -> PolicyResult:
+        """Run the workload; returns what was measured.
+
+        Raises:
+            RuntimeError: the dispatcher process failed, or a step failed other than by an early refusal.
+        """
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no state of this process's loop
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_dispatcher_main, args=(self.policy, self.config, child), daemon=True,
+                           name=f"dispatcher-{self.policy}")
+        proc.start()
+        child.close()
+        try:
+            _, port, self.result.scheduler, self.result.queue = _receive(conn, proc, PROCESS_TIMEOUT_S)
+            asyncio.run(self._run(port, conn))
+            figures = _receive(conn, proc, PROCESS_TIMEOUT_S)
+        finally:
+            proc.join(PROCESS_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+        self._take(figures)
+        return self.result
+
+    async def _run(self, port: int, conn: Connection) -> None:
+        result = self.result
+        result.window_s = self.w.seconds
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            self.t0 = time.monotonic()
+            conn.send(("start", self.t0 + self.w.seconds))
+            agents = [asyncio.create_task(self._agent(agent, stub)) for agent in self.agents]
+            _, late = await asyncio.wait(agents, timeout=self.w.seconds * self.w.drain_limit)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*agents, return_exceptions=True)
+            result.makespan = self._now()
+            conn.send(("stop",))
+        for task in agents:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        result.unfinished = sum(1 for a in self.agents if a.in_task)
+
+    def _take(self, figures: dict[str, Any]) -> None:
+        """What the dispatcher measured: tokens in the window, HBM held idle, engine time, the scheduler's
+        counts, and how each tool-return step found its prefix (read from the request the engine served)."""
+        result = self.result
+        result.window_tokens = figures["window_tokens"]
+        result.idle_byte_s = figures["idle_byte_s"]
+        result.busy_s = figures["busy_s"]
+        result.scheduler_decisions = figures["scheduler_decisions"]
+        for timing, n in figures["prefetch_returns"]:
+            result.prefetch_returns[timing] += n
+        served: dict[str, tuple[int, int]] = figures["served"]
+        result.recomputed_tokens = sum(recomputed for recomputed, _ in served.values())
+        for request_id, decision in self.steps:
+            recomputed, restored = served.get(request_id, (0, 0))
+            kind = "recomputed" if recomputed else "restored" if restored else "warm"
+            result.resumes[kind] += 1
+            if decision == Decision.SWAP.value:
+                result.swapped_resumes[kind] += 1
+
+    async def _agent(self, agent: Agent, stub: agent_pb2_grpc.InferenceServiceStub) -> None:
+        """One agent: tasks one after another while the load window is open, each to its end."""
+        result = self.result
+        while True:
+            await asyncio.sleep(max(0.0, agent.next_at - self._now()))
+            if not agent.in_task and agent.next_at >= self.w.seconds:
+                return
+            agent.in_task = True
+            last = agent.calls_left == 0
+            length = min(MAX_TOKENS, agent.rng.randint(*(self.w.answer_tokens if last else self.w.call_tokens)))
+            agent.isolated_s += prefill_seconds(self.sim, agent.context) + length * decode_seconds(self.sim, 1)
+            request_id = f"{agent.name}-{agent.task_started:.3f}-{agent.steps_done}"
+            sent = self._now()
+            plan = StepPlan(length, "stop" if last else "tool_calls", self.t0 + agent.task_started)
+            request = agent_pb2.GenerateRequest(
+                request_id=request_id, prompt=plan.prompt(f"{agent.name} step {agent.steps_done}"),
+                prompt_tokens=agent.context,
+                max_tokens=MAX_TOKENS, priority=agent.cls.proto, task_type=REACT_TASK_TYPE, agent_id=agent.name,
+                resume=agent.resume, tenant_id=agent.tenant,
+            )
+            if self.spec.hints and math.isfinite(agent.deadline):
+                request.task_time_left_s = max(1e-3, agent.deadline - sent)
+                request.expected_remaining_work_s = self.program.remaining_after(REACT_TASK_TYPE, agent.steps_done)
+            done = await self._generate(stub, request)
+            now = self._now()
+            if done is None:  # refused early, by name: the task ends here
+                result.refused_early += 1
+                agent.in_task = False
+                self._end_task(agent, now, refused=True)
+                continue
+            self._settle(agent, done, request_id, sent, now)
+            if done.finish_reason != "tool_calls":
+                agent.in_task = False
+                self._end_task(agent, now)
+                continue
+            await self._tool(agent, stub, now)
+
+    async def _generate(self, stub: agent_pb2_grpc.InferenceServiceStub,
+                        request: agent_pb2.GenerateRequest) -> agent_pb2.GenerateDone | None:
+        """One model step's stream to its end: its GenerateDone, or None when refused early.
+
+        Raises:
+            RuntimeError: the stream failed otherwise, or ended without a done chunk.
+        """
+        try:
+            async for chunk in stub.Generate(request):
+                if chunk.WhichOneof("chunk") == "done":
+                    return chunk.done
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and REFUSED_EARLY in (exc.details() or ""):
+                return None
+            raise RuntimeError(f"step {request.request_id}: {exc.code().name}: {exc.details()}") from exc
+        raise RuntimeError(f"step {request.request_id}: the stream ended without its done chunk")
+
+    def _settle(self, agent: Agent, done: agent_pb2.GenerateDone, request_id: str, sent: float, now: float) -> None:
+        """What the finished step measured: TTFT, tokens; a tool-return step is kept for :meth:`_take`."""
+        result = self.result
+        result.ttft.append(done.ttft_s)
+        if agent.cls is PriorityClass.CORE:
+            result.core_ttft.append(done.ttft_s)
+        result.generated += done.usage.completion_tokens
+        result.preemptions += done.preemptions
+        if agent.steps_done > 0:  # a tool-return step
+            self.steps.append((request_id, agent.decision))
+            agent.decision = ""
+        agent.steps_done += 1
+        self.program.steps.observe(REACT_TASK_TYPE, "model", now - sent)
+
+    async def _tool(self, agent: Agent, stub: agent_pb2_grpc.InferenceServiceStub, now: float) -> None:
+        """The step ended in a tool call: announce it (switchyard), wait the tool out, measure it."""
+        agent.calls_left -= 1
+        agent.context += agent.rng.randint(*self.w.call_tokens) + agent.rng.randint(*self.w.result_tokens)
+        tool, median = NOISY_TOOL if agent.noisy else agent.rng.choice(list(TOOLS.items()))
+        tool_s = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA)) * self.w.tool_time_scale
+        agent.isolated_s += tool_s
+        agent.resume = True
+        announced = None
+        if self.spec.hints:  # the orchestrator announces the tool wait at its start, fire-and-forget
+            announced = asyncio.ensure_future(stub.ToolWait(agent_pb2.ToolWaitRequest(
+                agent_id=agent.name, tool=tool, expected_wait_s=self.program.tools.expected_s(tool),
+                tenant_id=agent.tenant, priority=agent.cls.proto), timeout=TOOL_WAIT_TIMEOUT_S))
+        await asyncio.sleep(tool_s)
+        if announced is not None:
+            try:
+                reply = await announced
+            except grpc.aio.AioRpcError:
+                pass  # as the orchestrator: a lost announcement leaves the KV parked
+            else:
+                decided = Decision[agent_pb2.ToolWaitDecision.Name(reply.decision)]
+                self.result.decisions[decided.value] += 1
+                agent.decision = decided.value
+        self.program.tools.observe(tool, tool_s)
+        self.program.steps.observe(REACT_TASK_TYPE, "tool", tool_s)
+        agent.next_at = self._now()
+
+
+def run_stack_policies(policies: list[str], workload: Workload, config: SwitchyardConfig,
+                       dram: DramTierConfig | None = None,
+                       progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
+    """Run ``workload`` under each policy on a real dispatcher, one after another; one summary row each."""
+    rows = []
+    for policy in policies:
+        rows.append(summarize(StackPolicyRun(policy, workload, config, dram).run()))
+        progress(policy)
+    return rows
+
+
+__all__ = ["STACK_CLOCK", "PlannedSimEngine", "StackPolicyRun", "StepPlan", "run_stack_policies"]
