@@ -9,7 +9,8 @@ metric names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 vLLM server's. Errors, unknown paths and methods included, come in
 OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``). Replies come
 from the sim engine's deterministic planner
-(:func:`switchyard.dispatcher.engines.sim.plan_reply`) and, unless
+(:func:`switchyard.dispatcher.engines.sim.plan_reply`), or as the last message's plan line
+states (:class:`~switchyard_harness.testing.step_plan.StepPlan`: a benchmark's workload), and, unless
 ``--no-latency``, take the sim latency model's time (prefill, then one decode
 step per token sized by the streams in flight). With latency on, the server
 models a continuous-batching engine's two limits: at most ``max_running``
@@ -58,6 +59,7 @@ from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefil
 from switchyard.dispatcher.request import Message, Tool, word_pieces
 from switchyard.gateway.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.sse import DONE, encode
+from switchyard_harness.testing.step_plan import StepPlan
 
 DEFAULT_PORT = 8400
 DEFAULT_MODELS = ("claude-sonnet-4-5", "gpt-4o-mini", "sim-7b")
@@ -362,7 +364,9 @@ class SimOpenAI:
             return _status_error(fault.status, model, fault.retry_headers(time.time()))
         fault = fault or Fault()
         messages = _messages(body["messages"])
-        reply = plan_reply("", messages, _tools(body.get("tools") or []))
+        plan = StepPlan.parse(messages[-1].content)  # a benchmark's stated reply (bench agents --stack)
+        reply = (plan.reply(f"call_{uuid.uuid4().hex[:24]}") if plan
+                 else plan_reply("", messages, _tools(body.get("tools") or [])))
         prompt_tokens = sum(len(word_pieces(m.content)) for m in messages)
         stream = bool(body.get("stream"))
         if stream != fault.mismatch:

@@ -70,6 +70,7 @@ from switchyard_harness.bench.sched_bench import (
 from switchyard_harness.bench.program_policies import POLICY_NAMES, AgentSimEngine, Workload, capacity_scale, run_policies
 from switchyard_harness.bench.program_policies import SIMULATED_CLOCK
 from switchyard_harness.bench.program_policies import render as render_policies
+from switchyard_harness.bench.program_stack import ENGINES as STACK_ENGINES
 from switchyard_harness.bench.program_stack import STACK_CLOCK, run_stack_policies
 from switchyard_harness.bench.rag_prefill import RagLoad, run_rag_prefill
 from switchyard_harness.bench.rag_prefill import render as render_rag
@@ -475,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run each policy on a real dispatcher (gRPC on 127.0.0.1, the sim engine on the real "
                           "clock, callers as the orchestrator: switchyard_harness.bench.program_stack) instead of "
                           "the simulated clock; --seconds is then wall seconds of load")
+    policies.add_argument("--stack-engine", choices=STACK_ENGINES, default="sim",
+                          help="--stack: the dispatcher's engine: sim (default), or openai in front of a sim-openai "
+                          "process the run starts (the upstream's batching and prefix cache, upstream admission)")
     policies.add_argument("--tool-time-scale", type=_positive, default=1.0,
                           help="multiplies every tool's drawn duration (default 1: the stated distribution; "
                           "below 1 for a quicker run)")
@@ -565,7 +569,7 @@ def _policy_runner(args: argparse.Namespace, config: SwitchyardConfig, tier: Dra
     def on_stack(names: list[str], workload: Workload) -> list[dict[str, Any]]:
         print(f"switchyard bench agents --stack: {len(names)} policies, {workload.seconds:g} s of load each "
               f"(load scale {workload.load_scale:g})", file=sys.stderr)
-        return run_stack_policies(names, workload, config, tier,
+        return run_stack_policies(names, workload, config, tier, args.stack_engine,
                                   progress=lambda policy: print(f"  {policy} done", file=sys.stderr))
 
     return on_stack
@@ -613,7 +617,7 @@ def _main_policies(args: argparse.Namespace) -> int:
                           "fcfs_sweep": sweep, "at_double": at_double}, indent=2))
     else:
         print(render_policies(rows, workload, config, at_double=at_double, held=held, sweep=sweep,
-                              clock=STACK_CLOCK if args.stack else SIMULATED_CLOCK))
+                              clock=f"{STACK_CLOCK}, {args.stack_engine} engine" if args.stack else SIMULATED_CLOCK))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
     return 0
 

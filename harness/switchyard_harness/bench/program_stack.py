@@ -5,11 +5,15 @@ clock. This run serves a real dispatcher instead and drives it as the orchestrat
 the real clock:
 
 - the dispatcher: :class:`~switchyard.dispatcher.service.DispatcherService` in its own
-  process (spawned), on a gRPC server on 127.0.0.1 (port 0): its step loop, scheduler, parking, memory tiers (the DRAM tier a real
-  Redis: ``--dram``) and tool-wait decisions as shipped; the engine is the sim's
+  process (spawned), on a gRPC server on 127.0.0.1 (port 0): its step loop, scheduler,
+  parking, memory tiers (the DRAM tier a real Redis: ``--dram``) and tool-wait decisions as
+  shipped. Its engine (``--stack-engine``) is the sim's
   (:class:`~switchyard.dispatcher.engines.sim.SimEngine`: each step sleeps its modelled time)
-  with the workload's reply lengths (:class:`PlannedSimEngine`: a tool call of the step's
-  planned tokens, or the answer; the plan rides in the prompt's first line, :class:`StepPlan`);
+  with the workload's reply lengths (:class:`PlannedSimEngine`), or the ``openai`` engine in
+  front of a ``sim-openai`` process (its own continuous batching and prefix cache; the
+  dispatcher's upstream admission). Either replies as each step's plan states (a tool call
+  of the planned tokens, or the answer): the plan rides in the prompt's last line
+  (:class:`~switchyard_harness.testing.step_plan.StepPlan`);
 - the callers: one asyncio task per agent over one gRPC channel. Each model step is a
   ``Generate`` stream (``agent_id``, ``tenant_id``, the class, ``prompt_tokens`` of the
   conversation so far, ``resume`` after a tool); each tool call sleeps its drawn duration,
@@ -19,30 +23,32 @@ the real clock:
   :class:`~switchyard.orchestrator.program.Program` sends them;
 - the workload: :class:`~switchyard_harness.bench.program_policies.Workload`, the same agents,
   tools, tokens and seed as the simulated run (``--tool-time-scale`` shortens every tool
-  alike, in both runs, for quick ones). Agents start tasks for ``--seconds``; the tasks under way then
-  finish (up to ``--drain-limit`` windows).
+  alike, in both runs, for quick ones). Agents start tasks for ``--seconds``; the tasks under
+  way then finish (up to ``--drain-limit`` windows).
 
 The anchors' waiting orders (llm-d's per-session fairness, Autellix's program-level least
 attained service, Continuum's program FCFS) are the same classes as in the simulated run,
 handed to the dispatcher's scheduler (``DispatcherService(queue=...)``); their ledger is
-charged from what each engine step computed, in the dispatcher's process.
+charged, in the dispatcher's process, from each result the scheduler takes in
+(``update_from_output``, where the fair policy charges its own).
 
 The same row as the simulated run (:func:`~switchyard_harness.bench.program_policies.summarize`)
 per policy: TTFT, tokens and preemptions from each step's ``GenerateDone``; the tool resumes
-(warm, restored, recomputed) and recomputed tokens from the requests the engine served, and HBM
-held idle integrating the scheduler's parked KV bytes (sampled every :data:`SAMPLE_S`), sent
-back by the dispatcher's process when the run ends. Wall-clock figures on a shared machine: compare policies of
-one run, not runs of different days.
+(warm, restored, recomputed) and recomputed tokens from the requests the sim engine served
+(none for an upstream, whose KV is not seen), and HBM held idle integrating the scheduler's
+parked KV bytes (sampled every :data:`SAMPLE_S`), sent back by the dispatcher's process when
+the run ends. Wall-clock figures on a shared machine: compare policies of one run, not runs
+of different days.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import multiprocessing.process
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -54,9 +60,10 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common.server import running
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import SimEngine, SimReply, decode_seconds, prefill_seconds, sim_seq
-from switchyard.dispatcher.request import Request, ToolCall
+from switchyard.dispatcher.request import Request, RequestOutput
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.tool_wait import Decision
+from switchyard.dispatcher.engines import make_engine
 from switchyard.dispatcher.service import DispatcherService
 from switchyard_harness.bench.program_policies import (
     MAX_TOKENS,
@@ -71,7 +78,9 @@ from switchyard_harness.bench.program_policies import (
     anchor_queue,
     summarize,
 )
+from switchyard_harness import sim_openai
 from switchyard_harness.bench.sched_bench import quiet_score_log
+from switchyard_harness.testing.step_plan import StepPlan
 
 STACK_CLOCK = "a real dispatcher over gRPC on the real clock (--stack)"
 """How :class:`StackPolicyRun` drives the scheduler (the table's heading)."""
@@ -79,6 +88,8 @@ CONTEXT_WINDOW_TOKENS = 8192
 """The sim model's ``limits.context_window_tokens`` on the run's dispatcher (the workload's conversations fit)."""
 PROCESS_TIMEOUT_S = 120.0
 """Longest wait for the dispatcher process's answer (its start, its figures): a bound on a stuck process."""
+ENGINES = ("sim", "openai")
+"""The dispatcher engines a stack run serves with (``--stack-engine``)."""
 SAMPLE_S = 0.05
 """How often the run samples the scheduler's parked KV bytes (HBM held idle), seconds."""
 TOOL_WAIT_TIMEOUT_S = 1.0
@@ -87,61 +98,31 @@ REFUSED_EARLY = "cannot meet its task's deadline"
 """What the dispatcher's early refusal says (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`)."""
 
 
-PLAN = "#plan "
-"""The first line of each step's prompt: ``#plan <tokens> <finish_reason> <task start, monotonic s>``, the
-reply the engine plans for the step and when its task started (the program FCFS order's key)."""
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's planned reply and its task's start (read from its prompt's first line, :data:`PLAN`)."""
-
-    tokens: int
-    finish_reason: str
-    task_started: float
-
-    def prompt(self, text: str) -> str:
-        return f"{PLAN}{self.tokens} {self.finish_reason} {self.task_started:.6f}\n{text}"
-
-    @classmethod
-    def parse(cls, prompt: str) -> "StepPlan | None":
-        if not prompt.startswith(PLAN):
-            return None
-        tokens, reason, started = prompt[len(PLAN):].split("\n", 1)[0].split()
-        return cls(int(tokens), reason, float(started))
-
-
 class PlannedSimEngine(SimEngine):
     """The sim engine (real clock: each step sleeps its modelled time) whose replies follow each step's plan.
 
-    A request whose prompt opens with a :class:`StepPlan` generates its planned tokens and ends in a tool
-    call (``tool_calls``) or an answer (``stop``); others get the sim's own reply. ``served[request_id]``
-    is each request the engine computed (its recomputed and restored tokens are read at the end).
-    ``on_step(batch, seconds)``, when set, is called after every step.
+    A request whose prompt ends with a :class:`~switchyard_harness.testing.step_plan.StepPlan` generates its
+    planned tokens and ends in a tool call (``tool_calls``) or an answer (``stop``); others get the sim's
+    own reply. ``served[request_id]`` is each request the engine computed (its recomputed and restored
+    tokens are read at the end).
     """
 
     def __init__(self, config: SwitchyardConfig) -> None:
         super().__init__(config)
         self.served: dict[str, Request] = {}
-        self.on_step: Callable[[StepBatch, float], None] | None = None
 
     def reply_for(self, req: Request) -> SimReply:
         seq = sim_seq(req)
         plan = StepPlan.parse(req.prompt)
         if plan is None or seq.reply is not None:
             return super().reply_for(req)
-        tokens = [f" w{i}" for i in range(max(1, plan.tokens))]
-        calls = [ToolCall(f"call-{req.request_id}", "search_docs", "{}")] if plan.finish_reason == "tool_calls" else []
-        seq.reply = SimReply(tokens, calls, plan.finish_reason)  # planned once, kept until it finishes (as the sim's)
+        seq.reply = plan.reply(f"call-{req.request_id}")  # planned once, kept until it finishes (as the sim's)
         return seq.reply
 
     async def execute_model(self, batch: StepBatch) -> StepResult:
         for req in batch.requests:
             self.served[req.request_id] = req
-        result = await super().execute_model(batch)
-        if self.on_step is not None:
-            self.on_step(batch, result.seconds)
-        return result
+        return await super().execute_model(batch)
 
 
 # --------------------------------------------------------------------------- the dispatcher's process
@@ -160,24 +141,27 @@ def _task_started(req: Request) -> float:
 
 async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -> None:
     """Messages: sends ("ready", port, scheduler class, queue class); receives ("start", load window's end,
-    monotonic s); receives ("stop",); sends the figures (:func:`_figures`)."""
-    engine = PlannedSimEngine(config)
+    monotonic s); receives ("stop",); sends the figures (a dict)."""
+    engine = PlannedSimEngine(config) if config.dispatcher.engine == "sim" else make_engine(config)
     queue, ledger = anchor_queue(POLICIES[policy], config, _task_started)
     service = DispatcherService(config, engine=engine, policy=POLICIES[policy].scheduler, queue=queue)
     sched = service.scheduler
     figures: dict[str, Any] = {"window_tokens": 0, "idle_byte_s": 0.0}
     window_end = math.inf
+    update_from_output = sched.update_from_output
 
-    def on_step(batch: StepBatch, seconds: float) -> None:
-        now = time.monotonic()
+    def taken_in(batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
+        """Each engine step's (or upstream chunk's) result, as the scheduler takes it in: tokens in the
+        load window, and the anchor's attained service (charged where the fair policy charges its own)."""
         if now < window_end:
             figures["window_tokens"] += len(batch.prefill) + len(batch.decode)
-        if ledger is not None:  # the anchor's attained service, as the fair policy charges its own
+        if ledger is not None:
             for req, tokens in batch.prefill:
                 if tokens > 0:
                     ledger.charge(req.agent_id, req.tenant_id, tokens, now)
             for req in batch.decode:
                 ledger.charge(req.agent_id, req.tenant_id, 1, now)
+        return update_from_output(batch, result, now)
 
     async def sample_parked() -> None:  # HBM held by agents waiting on a tool, integrated over time
         last = time.monotonic()
@@ -187,7 +171,7 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
             figures["idle_byte_s"] += sched.parked_kv_bytes * (now - last)
             last = now
 
-    engine.on_step = on_step
+    sched.update_from_output = taken_in  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     async with running([service], config.server) as srv:
         conn.send(("ready", srv.port, type(sched).__name__, type(sched.queue).__name__))
@@ -196,9 +180,10 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
         await loop.run_in_executor(None, conn.recv)
         sampler.cancel()
         counters = sched.counters
+        served = engine.served if isinstance(engine, PlannedSimEngine) else {}
         figures.update(
-            busy_s=engine.busy_seconds,
-            served={rid: (req.recomputed_tokens, req.restored_tokens) for rid, req in engine.served.items()},
+            busy_s=getattr(engine, "busy_seconds", 0.0),
+            served={rid: (req.recomputed_tokens, req.restored_tokens) for rid, req in served.items()},
             scheduler_decisions={d.value: int(counters.tool_wait_decisions[d.value]) for d in Decision},
             prefetch_returns=[(timing, int(n)) for (_, timing), n in counters.tool_prefetches.items()],
         )
@@ -231,14 +216,20 @@ class StackPolicyRun(PolicyRun):
         workload: the agents and their tasks (``seconds``: the load window, wall seconds).
         config: the dispatcher's config (``sim`` its latency model).
         dram: the DRAM tier's Redis (None: no tier; swapped state is recomputed).
+        engine: ``sim`` (the dispatcher's sim engine) or ``openai`` (the dispatcher's openai engine in front
+            of a ``sim-openai`` process this run starts: the upstream's own continuous batching and prefix
+            cache, the dispatcher's upstream admission; prompts are text of the conversation's length).
 
     Raises:
-        ValueError: unknown ``policy``.
+        ValueError: unknown ``policy`` or ``engine``.
     """
 
     def __init__(self, policy: str, workload: Workload, config: SwitchyardConfig,
-                 dram: DramTierConfig | None = None) -> None:
+                 dram: DramTierConfig | None = None, engine: str = "sim") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
         super().__init__(policy, workload, config, dram)
+        self.engine = engine
         memory = self.config.memory
         tier = dram if dram is not None else memory.dram.model_copy(update={"kv_swap": False})
         # The workload's longest conversation (3,000 prompt tokens, 4 calls of up to 460, a 512-token
@@ -262,9 +253,22 @@ class StackPolicyRun(PolicyRun):
         Raises:
             RuntimeError: the dispatcher process failed, or a step failed other than by an early refusal.
         """
+        with contextlib.ExitStack() as stack:
+            config = self.config
+            if self.engine == "openai":
+                upstream = sim_openai.spawn(["--model", self.sim.model])
+                stack.callback(upstream.kill)
+                config = config.with_overrides(**{
+                    "dispatcher.engine": "openai", "upstream.base_url": upstream.base_url,
+                    "upstream.default_model": self.sim.model, "upstream.fallback_model": "",
+                    "upstream.api_key_required": False,
+                })
+            return self._run_dispatcher(config)
+
+    def _run_dispatcher(self, config: SwitchyardConfig) -> PolicyResult:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no state of this process's loop
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_dispatcher_main, args=(self.policy, self.config, child), daemon=True,
+        proc = ctx.Process(target=_dispatcher_main, args=(self.policy, config, child), daemon=True,
                            name=f"dispatcher-{self.policy}")
         proc.start()
         child.close()
@@ -332,7 +336,7 @@ class StackPolicyRun(PolicyRun):
             sent = self._now()
             plan = StepPlan(length, "stop" if last else "tool_calls", self.t0 + agent.task_started)
             request = agent_pb2.GenerateRequest(
-                request_id=request_id, prompt=plan.prompt(f"{agent.name} step {agent.steps_done}"),
+                request_id=request_id, prompt=plan.prompt(self._conversation(agent)),
                 prompt_tokens=agent.context,
                 max_tokens=MAX_TOKENS, priority=agent.cls.proto, task_type=REACT_TASK_TYPE, agent_id=agent.name,
                 resume=agent.resume, tenant_id=agent.tenant,
@@ -353,6 +357,13 @@ class StackPolicyRun(PolicyRun):
                 self._end_task(agent, now)
                 continue
             await self._tool(agent, stub, now)
+
+    def _conversation(self, agent: Agent) -> str:
+        """The step's prompt text: for the sim engine a line (``prompt_tokens`` carries the length); for an
+        upstream, which counts what it is sent, the conversation so far as ``agent.context`` word pieces,
+        each step's text a prefix of the next's."""
+        opening = f"{agent.name} task {agent.task_started:.3f}:"
+        return opening if self.engine == "sim" else opening + " w" * agent.context
 
     async def _generate(self, stub: agent_pb2_grpc.InferenceServiceStub,
                         request: agent_pb2.GenerateRequest) -> agent_pb2.GenerateDone | None:
@@ -379,7 +390,7 @@ class StackPolicyRun(PolicyRun):
             result.core_ttft.append(done.ttft_s)
         result.generated += done.usage.completion_tokens
         result.preemptions += done.preemptions
-        if agent.steps_done > 0:  # a tool-return step
+        if agent.steps_done > 0 and self.engine == "sim":  # a tool-return step (an upstream's KV is unseen)
             self.steps.append((request_id, agent.decision))
             agent.decision = ""
         agent.steps_done += 1
@@ -414,14 +425,15 @@ class StackPolicyRun(PolicyRun):
 
 
 def run_stack_policies(policies: list[str], workload: Workload, config: SwitchyardConfig,
-                       dram: DramTierConfig | None = None,
+                       dram: DramTierConfig | None = None, engine: str = "sim",
                        progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
-    """Run ``workload`` under each policy on a real dispatcher, one after another; one summary row each."""
+    """Run ``workload`` under each policy on a real dispatcher (``engine``: :data:`ENGINES`), one after
+    another; one summary row each."""
     rows = []
     for policy in policies:
-        rows.append(summarize(StackPolicyRun(policy, workload, config, dram).run()))
+        rows.append(summarize(StackPolicyRun(policy, workload, config, dram, engine).run()))
         progress(policy)
     return rows
 
 
-__all__ = ["STACK_CLOCK", "PlannedSimEngine", "StackPolicyRun", "StepPlan", "run_stack_policies"]
+__all__ = ["STACK_CLOCK", "PlannedSimEngine", "StackPolicyRun", "run_stack_policies"]
