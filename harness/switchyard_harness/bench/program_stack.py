@@ -146,9 +146,10 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
     queue, ledger = anchor_queue(POLICIES[policy], config, _task_started)
     service = DispatcherService(config, engine=engine, policy=POLICIES[policy].scheduler, queue=queue)
     sched = service.scheduler
-    figures: dict[str, Any] = {"window_tokens": 0, "idle_byte_s": 0.0}
+    figures: dict[str, Any] = {"window_tokens": 0, "idle_byte_s": 0.0, "prefetches_started": 0,
+                               "prefetches_landed": 0}
     window_end = math.inf
-    update_from_output = sched.update_from_output
+    update_from_output, prefetched = sched.update_from_output, sched.prefetched
 
     def taken_in(batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
         """Each engine step's (or upstream chunk's) result, as the scheduler takes it in: tokens in the
@@ -163,6 +164,13 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
                 ledger.charge(req.agent_id, req.tenant_id, 1, now)
         return update_from_output(batch, result, now)
 
+    def restore_ended(req: Request, restored: int, now: float) -> bool:
+        """The step loop's planned restore of a swapped agent's KV ended: counted, and whether it landed."""
+        landed = prefetched(req, restored, now)
+        figures["prefetches_started"] += 1
+        figures["prefetches_landed"] += int(landed)
+        return landed
+
     async def sample_parked() -> None:  # HBM held by agents waiting on a tool, integrated over time
         last = time.monotonic()
         while True:
@@ -172,6 +180,7 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
             last = now
 
     sched.update_from_output = taken_in  # type: ignore[method-assign]
+    sched.prefetched = restore_ended  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     async with running([service], config.server) as srv:
         conn.send(("ready", srv.port, type(sched).__name__, type(sched.queue).__name__))
@@ -309,6 +318,7 @@ class StackPolicyRun(PolicyRun):
         result.window_tokens = figures["window_tokens"]
         result.idle_byte_s = figures["idle_byte_s"]
         result.busy_s = figures["busy_s"]
+        result.prefetches_started, result.prefetches_landed = figures["prefetches_started"], figures["prefetches_landed"]
         result.scheduler_decisions = figures["scheduler_decisions"]
         for timing, n in figures["prefetch_returns"]:
             result.prefetch_returns[timing] += n
