@@ -285,10 +285,13 @@ async def test_each_model_step_carries_time_left_and_the_measured_work_after_it(
         program = down.orchestrator._deps.program
         assert program.steps.mean_turns() == 3 and program.steps.mean("react_loop", "model") > 0
         assert program.steps.mean("react_loop", "tool") > 0 and program.steps.mean("react_loop", "retrieval") > 0
+        # r2's own steps would move the means between its steps (wall-clock times): hold them at r1's
+        step = program.steps.mean("react_loop", "model") + program.steps.mean("react_loop", "tool")
+        program.steps.observe = lambda *args: None
         await collect(stub, task_id="r2", payload="with?", task_type="react_loop")
         second = [r for r in down.requests if r.request_id.startswith("r2:")]
         work = [r.expected_remaining_work_s for r in second]
-        assert work[0] > work[1] > work[2] == 0  # two steps left, then one, then none
+        assert work == pytest.approx([2 * step, step, 0])  # two steps left, then one, then none
         await collect(stub, task_id="c1", payload="hi", task_type="chat")
         assert down.requests[-1].expected_remaining_work_s == 0 and 0 < down.requests[-1].task_time_left_s <= 120
 
