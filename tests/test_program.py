@@ -415,11 +415,11 @@ async def dispatcher_stub():
             await channel.close()
 
 
-async def test_tool_wait_validates_each_field_and_keeps_an_agent_with_nothing_parked(dispatcher_stub):
+async def test_tool_wait_validates_each_field_and_decides_nothing_for_an_agent_with_nothing_parked(dispatcher_stub):
     stub, service = dispatcher_stub
     reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="a", tool="search_docs", expected_wait_s=1.5,
                                                           tenant_id="acme", priority=agent_pb2.CORE))
-    assert reply.decision == agent_pb2.KEEP and reply.restore_at_s == 0
+    assert reply.decision == agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED and reply.restore_at_s == 0
     good = {"agent_id": "a", "tool": "t", "expected_wait_s": 1.0}
     for field, value in [("agent_id", ""), ("tool", ""), ("tool", "x" * 300), ("expected_wait_s", -1.0),
                          ("expected_wait_s", float("nan")), ("tenant_id", "a b"), ("priority", 9)]:

@@ -227,3 +227,60 @@ async def test_a_restore_holds_its_bytes_in_flight_and_its_kv_is_kept_from_waiti
     assert sched._make_room(big)
     assert sched.parked == []
     await sched.tiers.aclose()
+
+
+async def parked_step(sched: Any, engine: SimEngine, agent: str, at: float) -> Request:
+    """``agent``'s step run and parked at ``at``, its tool not yet announced."""
+    think = step_request(f"{agent}-think", agent, at, 600)
+    accept(sched, [think], now=at)
+    sched.schedule(now=at)
+    await step(sched, engine, prefill=[think])
+    finish(sched, think, at, RequestStatus.FINISHED_TOOL_CALLS)
+    assert think in sched.parked
+    return think
+
+
+def room_taker(sched: Any, at: float) -> Request:
+    """A waiting request that fits only once every parked agent's KV has left HBM."""
+    per_token = sched.kv.params.kv_bytes_per_token
+    big = Request(request_id=f"big-{at}", prompt="x", prompt_tokens=sched.capacity.free_bytes // per_token + 1,
+                  max_tokens=1, arrival=at)
+    assert sched.capacity.refusal(big) is not None
+    return big
+
+
+async def test_an_undecided_parked_step_is_held_for_its_announcement_once_announcements_come(redis_db: RedisDb):
+    """The step loop decides between a step's end and its tool's announcement: the parked KV is not evicted
+    for waiting work for ``tool_wait_announce_hold_s``, so the announcement finds it and decides; before any
+    announcement came (a client that never announces) and after the hold, waiting work takes the room."""
+    hold = SwitchyardConfig().scheduler.tool_wait_announce_hold_s
+    assert hold > 0
+    sched, engine = build(redis_db)
+    await parked_step(sched, engine, "never-announced", 0.0)
+    sched._now = 0.01
+    assert sched._make_room(room_taker(sched, 0.01))  # no announcement yet on this dispatcher: no hold
+    assert sched.parked == []
+
+    assert sched.tool_wait("someone-else", 1.0, now=0.02, tool=TOOL) is None  # nothing parked: nothing decided
+    think = await parked_step(sched, engine, "agent-a", 1.0)
+    sched._now = 1.0 + hold / 2
+    assert not sched._make_room(room_taker(sched, sched._now))  # held: its announcement is on its way
+    assert sched.parked == [think]
+    decided = sched.tool_wait("agent-a", WAIT_S, now=1.0 + hold / 2, tool=TOOL)
+    assert decided is not None and decided.decision is Decision.SWAP and sched.parked == []  # decided, room freed
+
+    late = await parked_step(sched, engine, "agent-b", 2.0)
+    sched._now = 2.0 + hold * 1.5
+    assert sched._make_room(room_taker(sched, sched._now))  # the hold ran out: the eviction's rules again
+    assert late not in sched.parked
+    assert sched.tool_wait("agent-b", WAIT_S, now=sched._now, tool=TOOL) is None
+    await sched.tiers.aclose()
+
+
+async def test_no_hold_when_it_is_configured_off(redis_db: RedisDb):
+    sched, engine = build(redis_db, **{"scheduler.tool_wait_announce_hold_s": 0})
+    assert sched.tool_wait("someone-else", 1.0, now=0.0, tool=TOOL) is None
+    await parked_step(sched, engine, "agent-a", 0.0)
+    sched._now = 0.001
+    assert sched._make_room(room_taker(sched, 0.001)) and sched.parked == []
+    await sched.tiers.aclose()

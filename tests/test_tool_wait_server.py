@@ -104,10 +104,10 @@ async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_
     assert scheduler.parked == []  # out of HBM
     assert _value(TOOL_WAIT_DECISIONS, decision="drop") == before["drop"] + 1
 
-    # nothing parked any more: nothing to decide, KEEP with restore 0 and no decision counted
+    # nothing parked any more: nothing decided (UNSPECIFIED, restore 0), and no decision counted
     again = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="parked-agent", tool="search_docs",
                                                           expected_wait_s=86_400.0))
-    assert (again.decision, again.restore_at_s) == (agent_pb2.KEEP, 0.0)
+    assert (again.decision, again.restore_at_s) == (agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0)
     assert sum(_decisions().values()) == sum(before.values()) + 2
 
 

@@ -120,6 +120,10 @@ from switchyard_harness.bench.sched_bench import (
 POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "switchyard")
 """Every policy ``--policies`` accepts, in the order the table prints them."""
 
+UNDECIDED = "undecided"
+"""An announced tool wait that found no parked step of its agent (its KV had left HBM already, or its
+step had not parked): the dispatcher decided nothing (``TOOL_WAIT_DECISION_UNSPECIFIED``)."""
+
 SIMULATED_CLOCK = "simulated clock"
 """How :class:`PolicyRun` drives the scheduler (the table's heading)."""
 
@@ -340,7 +344,8 @@ class PolicyResult:
     generated: int = 0
     missed_deadline: int = 0
     refused_early: int = 0
-    decisions: dict[str, int] = field(default_factory=lambda: {d.value: 0 for d in Decision})
+    decisions: dict[str, int] = field(default_factory=lambda: {**{d.value: 0 for d in Decision}, UNDECIDED: 0})
+    """The announced tool waits by the dispatcher's answer: keep, swap, drop, or :data:`UNDECIDED`."""
     makespan: float = 0.0
     unfinished: int = 0
     preemptions: int = 0
@@ -621,8 +626,8 @@ class PolicyRun:
                     agent.resume = True
                     if self.spec.hints:  # the orchestrator announces the tool wait at its start
                         decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t, tool=tool)
+                        result.decisions[decided.decision.value if decided is not None else UNDECIDED] += 1
                         if decided is not None:
-                            result.decisions[decided.decision.value] += 1
                             agent.decision = decided.decision.value
                 elif req.finish_reason in ("stop", "length"):
                     self._end_task(agent, t)

@@ -71,6 +71,7 @@ from switchyard_harness.bench.program_policies import (
     POLICIES,
     TOOL_SIGMA,
     TOOLS,
+    UNDECIDED,
     Agent,
     PolicyResult,
     PolicyRun,
@@ -426,9 +427,12 @@ class StackPolicyRun(PolicyRun):
             except grpc.aio.AioRpcError:
                 pass  # as the orchestrator: a lost announcement leaves the KV parked
             else:
-                decided = Decision[agent_pb2.ToolWaitDecision.Name(reply.decision)]
-                self.result.decisions[decided.value] += 1
-                agent.decision = decided.value
+                if reply.decision == agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED:
+                    self.result.decisions[UNDECIDED] += 1
+                else:
+                    decided = Decision[agent_pb2.ToolWaitDecision.Name(reply.decision)]
+                    self.result.decisions[decided.value] += 1
+                    agent.decision = decided.value
         self.program.tools.observe(tool, tool_s)
         self.program.steps.observe(REACT_TASK_TYPE, "tool", tool_s)
         agent.next_at = self._now()

@@ -229,7 +229,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         ``tenant`` and ``priority`` (the orchestrator's view) are not read, the parked request carries
         its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
 
-        Answered KEEP with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
+        Answered ``TOOL_WAIT_DECISION_UNSPECIFIED`` with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
         replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran
         elsewhere), or a stream engine (an upstream server keeps its own prefix cache; no KV is held here).
 
@@ -248,10 +248,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
-            return agent_pb2.KEEP, 0.0
+            return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
         decided = loop.tool_wait(agent_id, expected_wait_s, bounded(tool, TOOL_NAMES))
         if decided is None:
-            return agent_pb2.KEEP, 0.0
+            return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
         if decided.decision is Decision.SWAP:
             return agent_pb2.SWAP, float(decided.warm_at_s or 0.0)
         return (agent_pb2.DROP if decided.decision is Decision.DROP else agent_pb2.KEEP), 0.0

@@ -126,6 +126,13 @@ class SchedulerConfig(_Strict):
         "seconds) and the turns that come back before it (this weight x one transfer each) cost least, over the "
         "tool's measured return times (dispatcher/scheduler/tool_wait.py restore_landing_s).",
     )
+    tool_wait_announce_hold_s: float = Field(
+        0.2, ge=0, le=10,
+        description="A react_loop agent's step that ended in a tool call is parked undecided until its tool's "
+        "announcement (ToolWait) decides keep, swap or drop; for this long after parking, seconds, its KV is not "
+        "evicted to make room for waiting work, so that the decision is the announcement's and not the eviction's. "
+        "Applies once this dispatcher has received an announcement (an orchestrator that announces); 0: no hold.",
+    )
     score_sample_interval_ms: float = Field(
         100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often, milliseconds."
     )

@@ -231,6 +231,7 @@ class SchedulerCore:
         self._fragmentation = 0.0  # the fragmentation ratio last computed
         self._now = 0.0  # the time of the decision in progress (value scores' recency)
         self._kv_refused: Request | None = None  # the head last refused for KV memory (counted once)
+        self._announced = False  # a tool-wait announcement has come: undecided parked steps are held for theirs
 
     # ------------------------------------------------------------------ views
 
@@ -810,6 +811,7 @@ class SchedulerCore:
         """
         if expected_wait_s < 0:
             raise ValueError(f"expected_wait_s: expected seconds >= 0, got {expected_wait_s!r}")
+        self._announced = True
         entry = self.parking.entry(agent_id)
         if entry is None:
             return None
@@ -917,7 +919,8 @@ class SchedulerCore:
 
     def _make_room(self, req: Request) -> bool:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state (but an agent's
-        KV restored or kept for its turn, until its tool's revisit time: :mod:`.tool_wait`): parked
+        KV restored or kept for its turn, until its tool's revisit time, and a step parked undecided, for
+        ``tool_wait_announce_hold_s`` while its tool's announcement comes: :mod:`.tool_wait`): parked
         agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
@@ -928,10 +931,14 @@ class SchedulerCore:
             return False
         now = self._now
 
+        hold = self.config.tool_wait_announce_hold_s if self._announced else 0.0
+
         def value(entry: ParkedAgent) -> float:
             until = self.tool_waits.protected_until(entry.req.agent_id, entry.req)
             if until is not None and now <= until:
                 return math.inf  # restored for its turn, expected by then: not evicted for waiting work
+            if entry.ttl_s is None and now - entry.since < hold:
+                return math.inf  # its tool's announcement decides where it goes, not this eviction
             return self._parked_value(entry, now)
 
         self._room_for = req

@@ -64,6 +64,15 @@ before the decision's admissions, unless waiting work of a higher class than
 the agent's is there; the bytes of a restore in flight are held in the budget
 until it lands); one that cannot start waits for room or for the turn.
 
+The decision is the announcement's: a step that ended in a tool call parks
+undecided, and the announcement follows it (the orchestrator reads the tool
+call from the step's last chunk, then sends ToolWait: milliseconds later, and
+the step loop decides in between). For ``scheduler.tool_wait_announce_hold_s``
+after parking (once this dispatcher has had an announcement at all), that
+undecided KV is not evicted to make room for waiting work: evicted, it would
+go to DRAM by the parking's rules with no restore planned ahead, and the
+announcement would find nothing to decide.
+
 A landed restore, and a kept KV, is not evicted to make room for waiting work
 until its revisit time (``SchedulerCore._make_room``): its turn is expected by
 then and will need that prefix; evicting it would spend the round trip for a
