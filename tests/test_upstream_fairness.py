@@ -18,6 +18,7 @@ from switchyard.common.server import start_server
 from switchyard.dispatcher.engines.base import StepBatch, StepResult, SeqOutput, Usage
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
+from switchyard.dispatcher.scheduler.fair import service_tokens
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.gateway.faults import Fault
 from test_program import _until
@@ -101,11 +102,11 @@ def test_a_stream_is_charged_its_streamed_tokens_and_the_upstreams_prompt_and_un
     scheduler = make_scheduler(config, None, policy="fair")
     req = Request(request_id="s1", agent_id="session", tenant_id="t", prompt="hi", prompt_tokens=4, max_tokens=16)
     batch = StepBatch(decode=[req])
-    assert scheduler.service_tokens(req, StepResult({req.seq_id: SeqOutput(texts=["a"])})) == 1
+    assert service_tokens(req, StepResult({req.seq_id: SeqOutput(texts=["a"])})) == 1
     req.output_tokens.extend(["a", "b", "c"])  # three streamed so far
-    assert scheduler.service_tokens(req, StepResult({req.seq_id: SeqOutput(tool_calls=[object()])})) == 0  # type: ignore[list-item]
+    assert service_tokens(req, StepResult({req.seq_id: SeqOutput(tool_calls=[object()])})) == 0  # type: ignore[list-item]
     usage = SeqOutput(eos=True, usage=Usage(prompt_tokens=40, completion_tokens=9))
-    assert scheduler.service_tokens(req, StepResult({req.seq_id: usage})) == 40 + 6
-    assert scheduler.service_tokens(req, StepResult()) == 1  # a step engine's decode step: one token
+    assert service_tokens(req, StepResult({req.seq_id: usage})) == 40 + 6
+    assert service_tokens(req, StepResult()) == 1  # a step engine's decode step: one token
     scheduler.update_from_output(batch, StepResult({req.seq_id: SeqOutput(texts=["d"])}), now=1.0)
     assert scheduler.ledger.sessions.service("session", 1.0) == pytest.approx(1)

@@ -102,6 +102,7 @@ from switchyard.dispatcher.request import Request, ToolCall
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.fair import charge_service
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
 from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
@@ -123,6 +124,10 @@ POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "s
 UNDECIDED = "undecided"
 """An announced tool wait that found no parked step of its agent (its KV had left HBM already, or its
 step had not parked): the dispatcher decided nothing (``TOOL_WAIT_DECISION_UNSPECIFIED``)."""
+
+LOST = "lost"
+"""An announced tool wait that got no answer by its deadline (a real dispatcher's only): as the orchestrator's,
+its KV stays parked under the parking's rules."""
 
 SIMULATED_CLOCK = "simulated clock"
 """How :class:`PolicyRun` drives the scheduler (the table's heading)."""
@@ -146,7 +151,7 @@ CLASSES = tuple(PriorityClass)
 class AgentSimEngine(VirtualSimEngine):
     """The sim latency model where each step ends as planned: a tool call, or the answer.
 
-    ``on_step(batch, seconds)``, when set, is called after every step with what it computed (the policy
+    ``on_step(batch, result)``, when set, is called after every step with what it computed (the policy
     bench charges attained service and integrates held memory there).
     """
 
@@ -156,14 +161,14 @@ class AgentSimEngine(VirtualSimEngine):
         """Request -> (tokens it generates, finish_reason): the engine's reply plan, as the sim's."""
         self.generated = 0
         self.largest_batch = 0
-        self.on_step: Callable[[StepBatch, float], None] | None = None
+        self.on_step: Callable[[StepBatch, StepResult], None] | None = None
 
     async def execute_model(self, batch: StepBatch) -> StepResult:
         if not batch.prefill:
             self.largest_batch = max(self.largest_batch, len(batch.decode))
         result = await super().execute_model(batch)
         if self.on_step is not None:
-            self.on_step(batch, result.seconds)
+            self.on_step(batch, result)
         return result
 
     def next_token(self, req: Request) -> SeqOutput:
@@ -344,8 +349,10 @@ class PolicyResult:
     generated: int = 0
     missed_deadline: int = 0
     refused_early: int = 0
-    decisions: dict[str, int] = field(default_factory=lambda: {**{d.value: 0 for d in Decision}, UNDECIDED: 0})
-    """The announced tool waits by the dispatcher's answer: keep, swap, drop, or :data:`UNDECIDED`."""
+    decisions: dict[str, int] = field(default_factory=lambda: {**{d.value: 0 for d in Decision}, UNDECIDED: 0,
+                                                                LOST: 0})
+    """The announced tool waits by the dispatcher's answer: keep, swap, drop, :data:`UNDECIDED`, or
+    :data:`LOST` (no answer)."""
     makespan: float = 0.0
     unfinished: int = 0
     preemptions: int = 0
@@ -514,6 +521,46 @@ class PolicyRun:
             self.program.steps.observe_turns(agent.steps_done)
         self._new_task(agent, t + agent.rng.uniform(*self.w.gap_s))
 
+    # ------------------------------------------------------------------ one agent's steps (both clocks)
+
+    def _next_step(self, agent: Agent) -> tuple[int, str]:
+        """The agent's next model step: its planned output tokens and how it ends (``tool_calls``, or
+        ``stop`` for the task's answer); its time alone is added to the task's."""
+        last = agent.calls_left == 0
+        length = min(MAX_TOKENS, agent.rng.randint(*(self.w.answer_tokens if last else self.w.call_tokens)))
+        agent.isolated_s += prefill_seconds(self.sim, agent.context) + length * decode_seconds(self.sim, 1)
+        return length, "stop" if last else "tool_calls"
+
+    @staticmethod
+    def _request_id(agent: Agent) -> str:
+        return f"{agent.name}-{agent.task_started:.3f}-{agent.steps_done}"
+
+    def _hints(self, agent: Agent, now: float) -> tuple[float, float] | None:
+        """The step's ``(task_time_left_s, expected_remaining_work_s)`` as the orchestrator sends them (its
+        Program's rule), or None when this policy sends none or the task has no deadline. A step that starts
+        past its task's deadline is sent 1 ms left (0 would read as "not given"): the dispatcher refuses it."""
+        if not self.spec.hints or not math.isfinite(agent.deadline):
+            return None
+        return max(1e-3, agent.deadline - now), self.program.remaining_after(REACT_TASK_TYPE, agent.steps_done)
+
+    def _tool_call(self, agent: Agent, output_tokens: int) -> tuple[str, float]:
+        """The step ended in a tool call after ``output_tokens``: the conversation grows by them and the tool's
+        result; returns the tool drawn and its duration (seconds; added to the task's time alone)."""
+        agent.calls_left -= 1
+        agent.context += output_tokens + agent.rng.randint(*self.w.result_tokens)
+        tool, median = NOISY_TOOL if agent.noisy else agent.rng.choice(list(TOOLS.items()))
+        seconds = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA)) * self.w.tool_time_scale
+        agent.isolated_s += seconds
+        agent.resume = True
+        return tool, seconds
+
+    def _count_resume(self, decision: str, recomputed: int, restored: int) -> None:
+        """A tool-return step found its prefix warm in HBM, restored from a tier, or recomputed."""
+        kind = "recomputed" if recomputed else "restored" if restored else "warm"
+        self.result.resumes[kind] += 1
+        if decision == Decision.SWAP.value:
+            self.result.swapped_resumes[kind] += 1
+
     # ------------------------------------------------------------------ the run
 
     def run(self) -> PolicyResult:
@@ -538,17 +585,12 @@ class PolicyRun:
 
         result.window_s = self.w.seconds
 
-        def on_step(batch: StepBatch, seconds: float) -> None:
-            result.idle_byte_s += sched.parked_kv_bytes * seconds
+        def on_step(batch: StepBatch, step: StepResult) -> None:
+            result.idle_byte_s += sched.parked_kv_bytes * step.seconds
             if clock["t"] < self.w.seconds:
                 result.window_tokens += len(batch.prefill) + len(batch.decode)  # one token each
             if ledger is not None:  # the anchor's attained service, as the fair policy charges its own
-                now = clock["t"]
-                for req, tokens in batch.prefill:
-                    if tokens > 0:
-                        ledger.charge(req.agent_id, req.tenant_id, tokens, now)
-                for req in batch.decode:
-                    ledger.charge(req.agent_id, req.tenant_id, 1, now)
+                charge_service(ledger, batch, step, clock["t"])
 
         engine.on_step = on_step
 
@@ -561,18 +603,15 @@ class PolicyRun:
                     self.program.steps.observe(REACT_TASK_TYPE, "tool", agent.tool_s)
                     agent.tool = ""
                 agent.in_task = True
-                last = agent.calls_left == 0
-                length = min(MAX_TOKENS, agent.rng.randint(*(self.w.answer_tokens if last else self.w.call_tokens)))
-                agent.isolated_s += prefill_seconds(self.sim, agent.context) + length * decode_seconds(self.sim, 1)
+                length, ending = self._next_step(agent)
                 req = Request(
-                    request_id=f"{agent.name}-{agent.task_started:.3f}-{agent.steps_done}", agent_id=agent.name,
+                    request_id=self._request_id(agent), agent_id=agent.name,
                     task_type=REACT_TASK_TYPE, priority=agent.cls.proto, prompt_tokens=agent.context,
                     max_tokens=MAX_TOKENS, arrival=agent.next_at, tenant_id=agent.tenant,
                 )
-                if self.spec.hints and math.isfinite(agent.deadline):
-                    req.task_time_left_s = max(0.0, agent.deadline - agent.next_at)
-                    req.expected_remaining_work_s = self.program.remaining_after(REACT_TASK_TYPE, agent.steps_done)
-                engine.plans[req] = (length, "stop" if last else "tool_calls")
+                if (hints := self._hints(agent, agent.next_at)) is not None:
+                    req.task_time_left_s, req.expected_remaining_work_s = hints
+                engine.plans[req] = (length, ending)
                 try:
                     if agent.resume:
                         sched.resume(req, t)
@@ -608,22 +647,14 @@ class PolicyRun:
                 result.recomputed_tokens += req.recomputed_tokens
                 result.preemptions += req.preemptions
                 if agent.steps_done > 0:  # a tool-return step
-                    kind = "recomputed" if req.recomputed_tokens else "restored" if req.restored_tokens else "warm"
-                    result.resumes[kind] += 1
-                    if agent.decision == Decision.SWAP.value:
-                        result.swapped_resumes[kind] += 1
+                    self._count_resume(agent.decision, req.recomputed_tokens, req.restored_tokens)
                     agent.decision = ""
                 agent.steps_done += 1
                 self.program.steps.observe(REACT_TASK_TYPE, "model", t - req.arrival)
                 if req.finish_reason == "tool_calls":
-                    agent.calls_left -= 1
-                    agent.context += len(req.output_tokens) + agent.rng.randint(*self.w.result_tokens)
-                    tool, median = NOISY_TOOL if agent.noisy else agent.rng.choice(list(TOOLS.items()))
+                    tool, agent.tool_s = self._tool_call(agent, len(req.output_tokens))
                     agent.tool, agent.tool_started = tool, t
-                    agent.tool_s = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA)) * self.w.tool_time_scale
-                    agent.isolated_s += agent.tool_s
                     agent.next_at = t + agent.tool_s
-                    agent.resume = True
                     if self.spec.hints:  # the orchestrator announces the tool wait at its start
                         decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t, tool=tool)
                         result.decisions[decided.decision.value if decided is not None else UNDECIDED] += 1

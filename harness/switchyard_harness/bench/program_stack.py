@@ -59,18 +59,18 @@ from switchyard.common.config import DramTierConfig, SwitchyardConfig
 from switchyard.common.priority import PriorityClass
 from switchyard.common.server import running
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
-from switchyard.dispatcher.engines.sim import SimEngine, SimReply, decode_seconds, prefill_seconds, sim_seq
+from switchyard.dispatcher.engines.sim import SimEngine, SimReply, sim_seq
 from switchyard.dispatcher.request import Request, RequestOutput
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
+from switchyard.dispatcher.scheduler.fair import charge_service
+from switchyard.dispatcher.scheduler.slack import CANNOT_MEET_DEADLINE
 from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.engines import make_engine
 from switchyard.dispatcher.service import DispatcherService
 from switchyard_harness.bench.program_policies import (
     MAX_TOKENS,
-    NOISY_TOOL,
+    LOST,
     POLICIES,
-    TOOL_SIGMA,
-    TOOLS,
     UNDECIDED,
     Agent,
     PolicyResult,
@@ -85,8 +85,6 @@ from switchyard_harness.testing.step_plan import StepPlan
 
 STACK_CLOCK = "a real dispatcher over gRPC on the real clock (--stack)"
 """How :class:`StackPolicyRun` drives the scheduler (the table's heading)."""
-CONTEXT_WINDOW_TOKENS = 8192
-"""The sim model's ``limits.context_window_tokens`` on the run's dispatcher (the workload's conversations fit)."""
 PROCESS_TIMEOUT_S = 120.0
 """Longest wait for the dispatcher process's answer (its start, its figures): a bound on a stuck process."""
 ENGINES = ("sim", "openai")
@@ -95,8 +93,6 @@ SAMPLE_S = 0.05
 """How often the run samples the scheduler's parked KV bytes (HBM held idle), seconds."""
 TOOL_WAIT_TIMEOUT_S = 1.0
 """The ToolWait announcement's deadline (the orchestrator's is as short: it is fire-and-forget)."""
-REFUSED_EARLY = "cannot meet its task's deadline"
-"""What the dispatcher's early refusal says (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`)."""
 
 
 class PlannedSimEngine(SimEngine):
@@ -135,6 +131,16 @@ def _dispatcher_main(policy: str, config: SwitchyardConfig, conn: Connection) ->
         asyncio.run(_dispatcher(policy, config, conn))
 
 
+def generated_tokens(batch: StepBatch, result: StepResult) -> int:
+    """Output tokens a step engine's step (one per prefill and decode entry) or an upstream's stream item (its
+    token texts; none for a tool call or the final usage) gave ``batch``'s requests."""
+    tokens = len(batch.prefill)
+    for req in batch.decode:
+        seq = result.outputs.get(req.seq_id)
+        tokens += 1 if seq is None else len(seq.texts) if seq.texts else 0 if seq.tool_calls or seq.usage else 1
+    return tokens
+
+
 def _task_started(req: Request) -> float:
     plan = StepPlan.parse(req.prompt)
     return plan.task_started if plan is not None else req.arrival
@@ -153,16 +159,12 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
     update_from_output, prefetched = sched.update_from_output, sched.prefetched
 
     def taken_in(batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
-        """Each engine step's (or upstream chunk's) result, as the scheduler takes it in: tokens in the
-        load window, and the anchor's attained service (charged where the fair policy charges its own)."""
+        """Each engine step's (or upstream stream item's) result, as the scheduler takes it in: tokens
+        generated in the load window, and the anchor's attained service (by the fair policy's own rule)."""
         if now < window_end:
-            figures["window_tokens"] += len(batch.prefill) + len(batch.decode)
+            figures["window_tokens"] += generated_tokens(batch, result)
         if ledger is not None:
-            for req, tokens in batch.prefill:
-                if tokens > 0:
-                    ledger.charge(req.agent_id, req.tenant_id, tokens, now)
-            for req in batch.decode:
-                ledger.charge(req.agent_id, req.tenant_id, 1, now)
+            charge_service(ledger, batch, result, now)
         return update_from_output(batch, result, now)
 
     def restore_ended(req: Request, restored: int, now: float) -> bool:
@@ -242,9 +244,13 @@ class StackPolicyRun(PolicyRun):
         self.engine = engine
         memory = self.config.memory
         tier = dram if dram is not None else memory.dram.model_copy(update={"kv_swap": False})
-        # The workload's longest conversation (3,000 prompt tokens, 4 calls of up to 460, a 512-token
-        # answer: 5,352) past the sim model's 4,096: served whole, as the simulated run serves it.
-        windows = {**self.config.limits.context_window_tokens, self.sim.model: CONTEXT_WINDOW_TOKENS}
+        # The workload's longest conversation (by default 3,000 prompt tokens, 4 calls of up to 460, a
+        # 512-token answer: 5,352) may pass the sim model's 4,096: served whole, as the simulated run serves it.
+        w = self.w
+        longest = (w.prompt_tokens[1] + w.tool_calls[1] * (w.call_tokens[1] + w.result_tokens[1])
+                   + MAX_TOKENS)  # each step asks for up to MAX_TOKENS
+        windows = {**self.config.limits.context_window_tokens,
+                   self.sim.model: max(longest, self.config.limits.context_window_tokens.get(self.sim.model, 0))}
         self.config = self.config.model_copy(update={
             "memory": memory.model_copy(update={"dram": tier}),
             "limits": self.config.limits.model_copy(update={"context_window_tokens": windows}),
@@ -264,7 +270,7 @@ class StackPolicyRun(PolicyRun):
             RuntimeError: the dispatcher process failed, or a step failed other than by an early refusal.
         """
         with contextlib.ExitStack() as stack:
-            config = self.config
+            config = self.config.with_overrides(**{"dispatcher.engine": "sim"})  # whatever a --config-dir names
             if self.engine == "openai":
                 upstream = sim_openai.spawn(["--model", self.sim.model])
                 stack.callback(upstream.kill)
@@ -301,12 +307,15 @@ class StackPolicyRun(PolicyRun):
             self.t0 = time.monotonic()
             conn.send(("start", self.t0 + self.w.seconds))
             agents = [asyncio.create_task(self._agent(agent, stub)) for agent in self.agents]
-            _, late = await asyncio.wait(agents, timeout=self.w.seconds * self.w.drain_limit)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*agents, return_exceptions=True)
-            result.makespan = self._now()
-            conn.send(("stop",))
+            try:  # to the drain limit, or the first agent that failed
+                _, late = await asyncio.wait(agents, timeout=self.w.seconds * self.w.drain_limit,
+                                             return_when=asyncio.FIRST_EXCEPTION)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*agents, return_exceptions=True)
+                result.makespan = self._now()
+            finally:
+                conn.send(("stop",))  # the dispatcher's process sends its figures and ends, whatever happened
         for task in agents:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
@@ -326,11 +335,7 @@ class StackPolicyRun(PolicyRun):
         served: dict[str, tuple[int, int]] = figures["served"]
         result.recomputed_tokens = sum(recomputed for recomputed, _ in served.values())
         for request_id, decision in self.steps:
-            recomputed, restored = served.get(request_id, (0, 0))
-            kind = "recomputed" if recomputed else "restored" if restored else "warm"
-            result.resumes[kind] += 1
-            if decision == Decision.SWAP.value:
-                result.swapped_resumes[kind] += 1
+            self._count_resume(decision, *served.get(request_id, (0, 0)))
 
     async def _agent(self, agent: Agent, stub: agent_pb2_grpc.InferenceServiceStub) -> None:
         """One agent: tasks one after another while the load window is open, each to its end."""
@@ -340,34 +345,29 @@ class StackPolicyRun(PolicyRun):
             if not agent.in_task and agent.next_at >= self.w.seconds:
                 return
             agent.in_task = True
-            last = agent.calls_left == 0
-            length = min(MAX_TOKENS, agent.rng.randint(*(self.w.answer_tokens if last else self.w.call_tokens)))
-            agent.isolated_s += prefill_seconds(self.sim, agent.context) + length * decode_seconds(self.sim, 1)
-            request_id = f"{agent.name}-{agent.task_started:.3f}-{agent.steps_done}"
+            length, ending = self._next_step(agent)
+            request_id = self._request_id(agent)
             sent = self._now()
-            plan = StepPlan(length, "stop" if last else "tool_calls", self.t0 + agent.task_started)
+            plan = StepPlan(length, ending, self.t0 + agent.task_started)
             request = agent_pb2.GenerateRequest(
                 request_id=request_id, prompt=plan.prompt(self._conversation(agent)),
                 prompt_tokens=agent.context,
                 max_tokens=MAX_TOKENS, priority=agent.cls.proto, task_type=REACT_TASK_TYPE, agent_id=agent.name,
                 resume=agent.resume, tenant_id=agent.tenant,
             )
-            if self.spec.hints and math.isfinite(agent.deadline):
-                request.task_time_left_s = max(1e-3, agent.deadline - sent)
-                request.expected_remaining_work_s = self.program.remaining_after(REACT_TASK_TYPE, agent.steps_done)
+            if (hints := self._hints(agent, sent)) is not None:
+                request.task_time_left_s, request.expected_remaining_work_s = hints
             done = await self._generate(stub, request)
             now = self._now()
             if done is None:  # refused early, by name: the task ends here
                 result.refused_early += 1
-                agent.in_task = False
                 self._end_task(agent, now, refused=True)
                 continue
             self._settle(agent, done, request_id, sent, now)
             if done.finish_reason != "tool_calls":
-                agent.in_task = False
                 self._end_task(agent, now)
                 continue
-            await self._tool(agent, stub, now)
+            await self._tool(agent, stub, done.usage.completion_tokens)
 
     def _conversation(self, agent: Agent) -> str:
         """The step's prompt text: for the sim engine a line (``prompt_tokens`` carries the length); for an
@@ -388,7 +388,7 @@ class StackPolicyRun(PolicyRun):
                 if chunk.WhichOneof("chunk") == "done":
                     return chunk.done
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and REFUSED_EARLY in (exc.details() or ""):
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and CANNOT_MEET_DEADLINE in (exc.details() or ""):
                 return None
             raise RuntimeError(f"step {request.request_id}: {exc.code().name}: {exc.details()}") from exc
         raise RuntimeError(f"step {request.request_id}: the stream ended without its done chunk")
@@ -407,14 +407,10 @@ class StackPolicyRun(PolicyRun):
         agent.steps_done += 1
         self.program.steps.observe(REACT_TASK_TYPE, "model", now - sent)
 
-    async def _tool(self, agent: Agent, stub: agent_pb2_grpc.InferenceServiceStub, now: float) -> None:
-        """The step ended in a tool call: announce it (switchyard), wait the tool out, measure it."""
-        agent.calls_left -= 1
-        agent.context += agent.rng.randint(*self.w.call_tokens) + agent.rng.randint(*self.w.result_tokens)
-        tool, median = NOISY_TOOL if agent.noisy else agent.rng.choice(list(TOOLS.items()))
-        tool_s = median * math.exp(agent.rng.gauss(0, TOOL_SIGMA)) * self.w.tool_time_scale
-        agent.isolated_s += tool_s
-        agent.resume = True
+    async def _tool(self, agent: Agent, stub: agent_pb2_grpc.InferenceServiceStub, output_tokens: int) -> None:
+        """The step ended in a tool call after ``output_tokens``: announce it (switchyard), wait the tool out,
+        measure it."""
+        tool, tool_s = self._tool_call(agent, output_tokens)
         announced = None
         if self.spec.hints:  # the orchestrator announces the tool wait at its start, fire-and-forget
             announced = asyncio.ensure_future(stub.ToolWait(agent_pb2.ToolWaitRequest(
@@ -424,8 +420,8 @@ class StackPolicyRun(PolicyRun):
         if announced is not None:
             try:
                 reply = await announced
-            except grpc.aio.AioRpcError:
-                pass  # as the orchestrator: a lost announcement leaves the KV parked
+            except grpc.aio.AioRpcError:  # as the orchestrator: a lost announcement leaves the KV parked
+                self.result.decisions[LOST] += 1
             else:
                 if reply.decision == agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED:
                     self.result.decisions[UNDECIDED] += 1

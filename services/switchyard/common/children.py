@@ -79,7 +79,10 @@ def dying_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """True while a process ``pid`` exists on this host (another user's counts: signal 0 is refused it)."""
+    """True while a process ``pid`` exists on this host (another user's counts: signal 0 is refused it).
+    A pid <= 0 (a corrupt record) is no process: ``kill`` would signal a process group."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

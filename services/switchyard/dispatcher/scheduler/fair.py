@@ -169,34 +169,45 @@ class FairScheduler(PriorityScheduler):
     def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
         """:meth:`SchedulerCore.update_from_output`, after charging each of ``batch``'s requests the
         service the engine gave it (:meth:`service_tokens`)."""
-        for req, tokens in batch.prefill:
-            if tokens > 0:
-                self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
-                self._charged = True
-        for req in batch.decode:
-            tokens = self.service_tokens(req, result)
-            if tokens > 0:
-                self.ledger.charge(req.agent_id, req.tenant_id, tokens, now)
-                self._charged = True
+        if charge_service(self.ledger, batch, result, now):
+            self._charged = True
         if batch.decode and result.seconds > 0:  # one token per decode: the step time is a token's
             self._step_s = (result.seconds if self._step_s <= 0
                             else self._step_s + STEP_EMA_ALPHA * (result.seconds - self._step_s))
         return super().update_from_output(batch, result, now)
 
-    @staticmethod
-    def service_tokens(req: Request, result: StepResult) -> int:
-        """Tokens of service a decode entry of ``result`` gave ``req``, before it is written into ``req``.
 
-        A step engine's decode step: one token (its texts, when it produced several). A stream engine's
-        item: one per streamed token text, none for a tool call (its argument tokens come in the usage);
-        the stream's final usage: the upstream's prompt tokens (its prefill) plus its completion tokens
-        not already charged as streamed texts.
-        """
-        seq = result.outputs.get(req.seq_id)
-        if seq is None:
-            return 1
-        if seq.usage is not None:
-            return max(0, seq.usage.prompt_tokens) + max(0, seq.usage.completion_tokens - len(req.output_tokens))
-        if seq.texts:
-            return len(seq.texts)
-        return 0 if seq.tool_calls else 1
+def service_tokens(req: Request, result: StepResult) -> int:
+    """Tokens of service a decode entry of ``result`` gave ``req``, before it is written into ``req``.
+
+    A step engine's decode step: one token (its texts, when it produced several). A stream engine's
+    item: one per streamed token text, none for a tool call (its argument tokens come in the usage);
+    the stream's final usage: the upstream's prompt tokens (its prefill) plus its completion tokens
+    not already charged as streamed texts.
+    """
+    seq = result.outputs.get(req.seq_id)
+    if seq is None:
+        return 1
+    if seq.usage is not None:
+        return max(0, seq.usage.prompt_tokens) + max(0, seq.usage.completion_tokens - len(req.output_tokens))
+    if seq.texts:
+        return len(seq.texts)
+    return 0 if seq.tool_calls else 1
+
+
+def charge_service(ledger: FairnessLedger, batch: StepBatch, result: StepResult, now: float) -> bool:
+    """Charge ``ledger`` the service ``result`` (the engine's step, or an upstream's stream item) gave each of
+    ``batch``'s requests: their prefill tokens, and each decode entry's :func:`service_tokens`, to their agent
+    session and tenant at ``now``. The one rule the fair policy and the benches' anchor ledgers share.
+    Returns whether anything was charged."""
+    charged = False
+    for req, tokens in batch.prefill:
+        if tokens > 0:
+            ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+            charged = True
+    for req in batch.decode:
+        tokens = service_tokens(req, result)
+        if tokens > 0:
+            ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+            charged = True
+    return charged

@@ -73,6 +73,10 @@ def cannot_make_it(slack: float, tolerance_s: float = 0.0) -> bool:
     return slack < -abs(tolerance_s)
 
 
+CANNOT_MEET_DEADLINE = "cannot meet its task's deadline"
+"""The phrase every early refusal's message carries (:class:`CannotMeetDeadline`): what a caller matches."""
+
+
 class CannotMeetDeadline(RequestDeadlineExceeded):
     """Refused early (DEADLINE_EXCEEDED): the request's task cannot meet its deadline (negative slack).
 
@@ -82,7 +86,7 @@ class CannotMeetDeadline(RequestDeadlineExceeded):
     def __init__(self, request_id: str, slack: float, time_left_s: float, remaining_work_s: float,
                  service_s: float) -> None:
         super().__init__(request_id, time_left_s, "in the dispatcher's queue")
-        self.args = (f"request {request_id or '(no id)'} cannot meet its task's deadline: slack {slack:.3g} s "
+        self.args = (f"request {request_id or '(no id)'} {CANNOT_MEET_DEADLINE}: slack {slack:.3g} s "
                      f"(time left {time_left_s:.3g} s - expected remaining work {remaining_work_s:.3g} s - "
                      f"expected service {service_s:.3g} s); refused before it was served",)
         self.slack_s = slack
