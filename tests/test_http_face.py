@@ -133,6 +133,8 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
     ({"task_type": "chat"}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id header)"),
     ({**FIELD_BODY, "agent_id": ""}, "agent_id: expected a non-empty string"),
     ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
+    # one message for every wrong value (the gRPC edge's "empty = rag_answer" does not hold here)
+    ({**FIELD_BODY, "task_type": "foo"}, "task_type: expected one of rag_answer, chat, react_loop (got 'foo')"),
     ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 to 2147483647 (got '128')"),
     ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
     ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),

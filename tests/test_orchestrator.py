@@ -539,3 +539,48 @@ async def test_cpu_work_on_short_text_runs_on_the_loop_and_long_text_in_the_pool
     finally:
         pool.shutdown()
         await queue.stop()
+
+
+async def test_a_dead_cpu_worker_gets_the_pool_replaced_and_the_job_run_on_the_new_one():
+    """A process pool refuses every job once one of its workers has died (BrokenProcessPool); the orchestrator
+    builds a fresh pool, runs the job there, and counts the restart, instead of failing every large task."""
+    import os
+    import signal
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.queues import WorkQueue
+    from switchyard.orchestrator.metrics import CPU_POOL_RESTARTS
+    from switchyard.orchestrator.task import Deps, Task
+    from switchyard.orchestrator.validation import TaskSpec
+
+    config = SwitchyardConfig()
+    queue = WorkQueue("orchestration", config.queues.orchestration)
+    queue.start()
+    pools = [ProcessPoolExecutor(1)]
+
+    async def fresh() -> ProcessPoolExecutor:
+        pools.append(ProcessPoolExecutor(1))
+        return pools[-1]
+
+    try:
+        deps = Deps(config=config, queue=queue, executor=pools[0], retrieval=None,  # type: ignore[arg-type]
+                    inference=None, new_executor=fresh)  # type: ignore[arg-type]
+        spec = TaskSpec(task_id="t", payload="hi", workflow="chat", priority=0, max_tokens=8, model="", agent_id="")
+        task = Task(spec, deps, emit=lambda _: None, deadline_s=float("inf"), deadline_source="test")
+        first = await task.cpu(os.getpid)
+        os.kill(first, signal.SIGKILL)  # the worker dies (the OOM killer, a stray kill)
+        restarts = CPU_POOL_RESTARTS._value.get()
+        second = await task.cpu(os.getpid)
+        assert second not in (first, os.getpid()) and deps.executor is pools[1]
+        assert CPU_POOL_RESTARTS._value.get() == restarts + 1
+        assert await task.cpu(os.getpid) == second  # the fresh pool serves on
+        deps.new_executor = None
+        os.kill(second, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):  # nothing to build a new one with: the error, by name
+            await task.cpu(os.getpid)
+    finally:
+        for pool in pools:
+            pool.shutdown()
+        await queue.stop()

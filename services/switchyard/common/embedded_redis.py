@@ -236,7 +236,8 @@ class EmbeddedRedis:
             lock.close()
             raise EmbeddedRedisError(
                 f"the Redis data folder {self.data_dir} is in use by pid {owner} (a running switchyard up): "
-                "stop it first, or set memory_policy.toml [dram] embedded_data_dir to another folder"
+                "stop it first, or give this stack a folder of its own (switchyard up --data-dir DIR, or "
+                "memory_policy.toml [dram] embedded_data_dir)"
             ) from None
         lock.seek(0)
         lock.truncate()

@@ -49,8 +49,9 @@ class TaskRequest(BaseModel):
 
     ``task_type`` is required, as the field's harnesses send it; ``agent_id`` too, from the body or the
     ``X-Agent-Id`` header (the face checks it: a JSON schema cannot say "this or a header"). Types are strict (JSON's own: ``"128"`` is not an
-    integer). The values of ``task_type`` and the bounds of every field are checked by the servicer
-    (orchestrator/validation.py), so their messages are the gRPC edge's.
+    integer). ``task_type`` is one of the workflows (no empty default here, unlike the gRPC edge); the
+    bounds of every field are checked by the servicer (orchestrator/validation.py), so their messages are
+    the gRPC edge's.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -60,7 +61,7 @@ class TaskRequest(BaseModel):
     priority: Annotated[Literal["core", "normal", "batch"] | None, BeforeValidator(_lower)] = Field(
         None, description="Priority class, any case (as X-Priority); absent: the X-Priority header, else normal."
     )
-    task_type: str = Field(description="Workflow.", min_length=1, json_schema_extra={"enum": list(TASK_TYPES)})
+    task_type: Literal[TASK_TYPES] = Field(description="Workflow.")  # type: ignore[valid-type]
     max_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Completion tokens at most; 0: the default, tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."

@@ -25,6 +25,11 @@ AGENTS_CONCURRENT = Gauge(
     "backlog are switchyard_submitted_tasks{state=\"queued\"}). Served to the HPA as agent_concurrent_count by prometheus-adapter; "
     "a gauge may not end in _count, a suffix Prometheus reserves for histograms and summaries."
 )
+CPU_POOL_RESTARTS = Counter(
+    "switchyard_cpu_pool_restarts_total",
+    "Times the CPU worker pool (orchestrator.cpu_executor = process) was found broken (a worker process died) "
+    "and replaced by a fresh one.",
+)
 TOOL_CALLS = Counter("switchyard_tool_calls_total", "Tool calls by tool and outcome.", ["tool", "outcome"])
 AGENT_MEMORY_RECALLS = Counter(
     "switchyard_agent_memory_recalls_total",

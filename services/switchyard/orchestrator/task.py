@@ -20,8 +20,9 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from opentelemetry import trace
 
@@ -32,7 +33,7 @@ from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
-from switchyard.orchestrator.metrics import EARLY_PREFILLS, STAGE_DURATION
+from switchyard.orchestrator.metrics import CPU_POOL_RESTARTS, EARLY_PREFILLS, STAGE_DURATION
 from switchyard.orchestrator.program import Budget, Program
 from switchyard.orchestrator.tools import TOOL_NAMES, Tool
 from switchyard.orchestrator.validation import TaskSpec
@@ -57,11 +58,33 @@ class Deps:
     """Agent memory in the DRAM tier; None: tasks run without memory."""
     program: Program = None  # type: ignore[assignment]
     """Step and tool times measured across tasks (orchestrator/program.py); built from ``config`` when not given."""
+    new_executor: Callable[[], Awaitable[Executor | None]] | None = None
+    """Builds a fresh executor of the same kind, warmed (:meth:`renew_executor`); None: a broken one stays broken."""
+    _renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         if self.program is None:
             orch = self.config.orchestrator
             self.program = Program(orch.program, TOOL_NAMES, orch.react.max_steps)
+
+    async def renew_executor(self, broken: Executor) -> Executor:
+        """A fresh executor in place of ``broken``, a process pool one of whose workers died (the pool
+        refuses every job after that: ``BrokenProcessPool``); the first caller builds it, the others find it.
+        Counted in ``switchyard_cpu_pool_restarts_total``.
+
+        Raises:
+            BrokenProcessPool: no ``new_executor`` to build one with.
+        """
+        async with self._renewing:
+            if self.executor is broken:
+                if self.new_executor is None:
+                    raise BrokenProcessPool("the CPU worker pool is broken and cannot be replaced")
+                log.warning("orchestrator: a CPU worker process died; replacing the pool (%s)", type(broken).__name__)
+                self.executor = await self.new_executor()
+                CPU_POOL_RESTARTS.inc()
+                broken.shutdown(wait=False, cancel_futures=True)
+            assert self.executor is not None
+            return self.executor
 
 
 @dataclass(eq=False)
@@ -161,7 +184,11 @@ class Task:
         async def execute() -> T:
             if executor is None:
                 return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+            loop = asyncio.get_running_loop()
+            try:
+                return await loop.run_in_executor(executor, fn, *args)
+            except BrokenProcessPool:  # a worker died (this job's or another's): once more, on a fresh pool
+                return await loop.run_in_executor(await self.deps.renew_executor(executor), fn, *args)
 
         if self.inline:  # the task holds its worker already
             return await execute()
