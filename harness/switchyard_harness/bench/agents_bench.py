@@ -67,8 +67,14 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
-from switchyard_harness.bench.program_policies import POLICY_NAMES, AgentSimEngine, Workload, capacity_scale, run_policies
-from switchyard_harness.bench.program_policies import SIMULATED_CLOCK
+from switchyard_harness.bench.program_policies import (
+    POLICY_NAMES,
+    SIMULATED_CLOCK,
+    AgentSimEngine,
+    Workload,
+    capacity_scale,
+    run_policies,
+)
 from switchyard_harness.bench.program_policies import render as render_policies
 from switchyard_harness.bench.program_stack import ENGINES as STACK_ENGINES
 from switchyard_harness.bench.program_stack import STACK_CLOCK, run_stack_policies

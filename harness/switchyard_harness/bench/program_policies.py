@@ -804,13 +804,13 @@ def capacity_scale(workload: Workload, config: SwitchyardConfig, dram: DramTierC
 
 def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardConfig, *,
            at_double: list[dict[str, Any]] | None = None, held: float | None = None,
-           sweep: list[dict[str, Any]] | None = None, clock: str = "") -> str:
+           sweep: list[dict[str, Any]] | None = None, clock: str = SIMULATED_CLOCK) -> str:
     """The printed table, with the issue's ratios (ours / FCFS, ours / the best anchor). ``clock``: how the
     run was driven (default :data:`SIMULATED_CLOCK`)."""
     w = workload
     lines = [
         "switchyard agent-program policies: the real scheduler (SchedulerCore) per policy, sim latency model, "
-        + (clock or SIMULATED_CLOCK),
+        + clock,
         f"{w.tenants} tenants: {w.tenants - 1} x {w.quiet_per_tenant} agents "
         f"(tools {', '.join(f'{k} ~{v:g} s' for k, v in TOOLS.items())}), 1 x {w.noisy} agents "
         f"({NOISY_TOOL[0]} ~{NOISY_TOOL[1]:g} s)"

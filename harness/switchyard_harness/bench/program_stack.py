@@ -110,11 +110,9 @@ class PlannedSimEngine(SimEngine):
 
     def reply_for(self, req: Request) -> SimReply:
         seq = sim_seq(req)
-        plan = StepPlan.parse(req.prompt)
-        if plan is None or seq.reply is not None:
-            return super().reply_for(req)
-        seq.reply = plan.reply(f"call-{req.request_id}")  # planned once, kept until it finishes (as the sim's)
-        return seq.reply
+        if seq.reply is None and (plan := StepPlan.parse(req.prompt)) is not None:
+            seq.reply = plan.reply(f"call-{req.request_id}")  # planned once, kept until it finishes (as the sim's)
+        return super().reply_for(req)
 
     async def execute_model(self, batch: StepBatch) -> StepResult:
         for req in batch.requests:
