@@ -449,8 +449,9 @@ async def test_a_body_past_the_size_limit_is_413_naming_it_and_unknown_paths_and
 
 async def test_a_payload_within_its_limit_is_read_however_its_json_is_escaped_and_a_bom_is_ignored():
     """Python's json.dumps escapes every non-ASCII character by default: an emoji takes 12 bytes (two \\u
-    escapes), an e-acute 6; the payload's limit counts characters, so the body's limit must allow for that."""
-    async with http_stack() as (client, _, down):
+    escapes), an e-acute 6; the payload's limit counts characters, so the body's limit must allow for that.
+    (A window that holds the longest payload's tokens: the edge refuses a question its window cannot hold.)"""
+    async with http_stack(**{"limits.context_window_tokens": {"sim-7b": 1_000_000}}) as (client, _, down):
         limit = load_config("config", service="orchestrator").limits.max_payload_chars
         for text in ("\U0001F600" * limit, "\u00e9" * limit):
             body = json.dumps({**FIELD_BODY, "task_type": "chat", "payload": text, "max_tokens": 1})  # ensure_ascii
@@ -465,6 +466,18 @@ async def test_a_payload_within_its_limit_is_read_however_its_json_is_escaped_an
         lone = b'{"agent_id": "a-1", "task_type": "chat", "payload": "\\ud800"}'
         reply = await client.post("/api/v1/agent/submit", content=lone, headers={"Content-Type": JSON})
         assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"], reply.text
+
+
+async def test_a_question_its_models_window_cannot_hold_is_refused_400_at_submit_naming_payload():
+    async with http_stack() as (client, _, down):
+        body = {**FIELD_BODY, "task_type": "chat", "payload": "word " * 5000, "max_tokens": 16}
+        reply = await client.post("/api/v1/agent/submit", json=body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "INVALID_ARGUMENT" and error["origin"] == "orchestrator"
+        assert error["message"].startswith("payload: expected a prompt of at most 4080 tokens")
+        status = await client.get(f"/api/v1/agent/{FIELD_BODY['agent_id']}/status")
+        assert status.status_code == 404, status.text  # no task was made
 
 
 async def test_a_body_that_stalls_short_of_its_content_length_gets_408_and_the_connection_closes():

@@ -17,8 +17,9 @@ import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
+from switchyard.common.errors import ORIGIN_KEY
 from switchyard.common.server import running
-from switchyard.orchestrator import tokens
+from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
 from switchyard.common.channels import open_channel
@@ -221,13 +222,49 @@ async def test_bad_request_names_field(fields, field):
     assert err.value.details().startswith(field)
 
 
-async def test_prompt_over_the_context_window_is_rejected_naming_payload():
-    async with stack(**{"limits.context_window_tokens": {"sim-7b": 100}}) as (stub, _):
+@pytest.mark.parametrize("task_type", ["chat", "rag_answer", "react_loop"])
+async def test_a_question_over_the_context_window_is_refused_before_it_is_accepted(task_type):
+    """The question alone leaves max_tokens no room: refused at the edge, naming payload, by RunTask (no event
+    sent) and by SubmitTask (no task made), not accepted and failed at render_prompt after retrieval."""
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": 100}}) as (stub, down):
+        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="word " * 80, task_type=task_type, max_tokens=50))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(stub, payload="word " * 80, task_type="chat", max_tokens=50)
+            async for _ in call:
+                raise AssertionError("an event was sent: the task was accepted")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details()
+        assert details.startswith("payload") and "context window of sim-7b is 100 tokens" in details
+        assert "max_tokens takes 50" in details
+        with pytest.raises(grpc.aio.AioRpcError) as submit:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="long-1", payload="word " * 80,
+                                                           task_type=task_type, max_tokens=50))
+        assert submit.value.code() == grpc.StatusCode.INVALID_ARGUMENT and submit.value.details() == details
+        with pytest.raises(grpc.aio.AioRpcError) as status:
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="long-1"))
+        assert status.value.code() == grpc.StatusCode.NOT_FOUND
+        assert down.requests == []
+
+
+async def test_a_question_of_more_bytes_than_the_budget_that_fits_in_tokens_is_accepted():
+    """The edge's check counts tokens once bytes alone cannot tell: 400 bytes of 'word ' are about 80 tokens."""
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": 300}}) as (stub, _):
+        events = await collect(stub, payload="word " * 80, task_type="chat", max_tokens=8)
+    assert events[-1].HasField("final")
+
+
+async def test_a_prompt_over_the_window_with_its_passages_fails_at_render_naming_payload():
+    """What the edge cannot know (the passages retrieved) is still checked where the prompt is rendered."""
+    question = "word " * 30
+    bare = tokens.count_messages(prompts.bare("rag_answer", question).messages())
+    passage = prompts.Snippet("with", "The with statement wraps a block.")  # what Downstream.Retrieve returns
+    assert tokens.count_messages(prompts.render("rag_answer", question, [passage]).messages()) > bare + 1
+    window = bare + 8 + 1  # the question fits beside max_tokens 8; with the passage it does not
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": window}}) as (stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    details = err.value.details()
-    assert details.startswith("payload") and "context window of sim-7b is 100 tokens" in details
+    assert err.value.details().startswith("payload")
+    assert f"context window of sim-7b is {window} tokens" in err.value.details()
 
 
 @pytest.mark.parametrize(
@@ -332,6 +369,11 @@ async def test_submit_then_poll_status():
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="nope"))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in missing.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as cancel_missing:
+            await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="nope"))
+        assert cancel_missing.value.code() == grpc.StatusCode.NOT_FOUND
+        for refused in (dup, missing, cancel_missing):  # the one error path: each names its hop
+            assert (ORIGIN_KEY, "orchestrator") in tuple(refused.value.trailing_metadata())
 
 
 async def test_react_loop_calls_both_tools_and_streams_them():

@@ -112,6 +112,17 @@ def _static_parts(workflow: str, question: str, tools: Sequence[Any] = ()) -> tu
     return system.strip(), user.strip()
 
 
+def bare(workflow: str, question: str) -> RenderedPrompt:
+    """``workflow``'s prompt for ``question`` with nothing added (no passages, tools or history): every prompt
+    :func:`render` makes of that question holds these messages' text, so their tokens are the least any of
+    them takes.
+
+    Raises:
+        jinja2.TemplateNotFound: no template for ``workflow``.
+    """
+    return RenderedPrompt(*_static_parts(workflow, question))
+
+
 def static_prefix(workflow: str, question: str) -> str:
     """The part of ``render(workflow, question, passages).text`` known before the passages: system prompt and
     question, a true prefix of the text of every prompt of that question rendered without history.

@@ -56,7 +56,7 @@ from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
 from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
-from switchyard.orchestrator.workflows import WORKFLOWS
+from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
 log = logging.getLogger(__name__)
 
@@ -319,10 +319,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     async def _validate(self, request: agent_pb2.RunTaskRequest, tenant: str) -> TaskSpec:
         """:func:`validate` against what the dispatcher serves (asked once): the model a request naming none
-        is served, and the only one a step engine serves (another is NOT_FOUND before the task is accepted)."""
+        is served, and the only one a step engine serves (another is NOT_FOUND before the task is accepted);
+        and a question too long for the model's context window beside max_tokens is refused here, not after
+        acceptance (:func:`check_question_fits`)."""
         assert self._deps is not None, "start() not called"
         info = await self._deps.inference.model_info()
-        return validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "")
+        spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "")
+        model = spec.model or info.model
+        await check_question_fits(spec, model, self.config.limits.context_window(model))
+        return spec
 
     # ------------------------------------------------------------------ RPCs
 
@@ -412,11 +417,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await abort(context, exc, self.name)
         if not created:
             if record.fingerprint != fingerprint(fields):
-                await context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS,
+                await abort(context, SwitchyardError(
                     f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
-                    "request to get that task, or use a new task_id",
-                )
+                    "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), self.name)
             return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
                                       trace_id=record.trace_id)
         if self._stopping:  # stop() began while the record was written: it will not start here
@@ -561,14 +564,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         task_id = request.task_id
         if not task_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task_id: expected the id SubmitTask returned")
+            await abort(context, InvalidArgument("task_id", "the id SubmitTask returned"), self.name)
         await self._check_lookup_ids(context, task_id)
         retention = self.config.orchestrator.task_store.retention_s
         unknown = (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
                    "orchestrator.task_store.retention_s)")
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
-            await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
+            await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
         entry = self._submitted.remove_queued(task_id)
         if entry is not None:
             entry.cancelled = True
@@ -590,11 +593,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         if record is None or not self._visible_to_caller(record.tenant_id, context):
-            await context.abort(grpc.StatusCode.NOT_FOUND, unknown)
+            await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
         if not record.finished:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+            await abort(context, SwitchyardError(
                 f"task_id: task {shown(task_id)} is {agent_pb2.TaskState.Name(record.state)} on orchestrator "
-                f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it"))
+                f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it",
+                grpc.StatusCode.FAILED_PRECONDITION), self.name)
         return record.to_status()
 
     async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
@@ -618,8 +622,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         that does not exist (its existence is not told).
         """
         if not request.task_id and not request.agent_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)")
+            await abort(context, SwitchyardError(
+                "task_id: expected the id SubmitTask returned (or agent_id: an agent's latest task)",
+                grpc.StatusCode.INVALID_ARGUMENT), self.name)
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
@@ -630,10 +635,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
         if record is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, (
+            await abort(context, SwitchyardError(
                 f"task_id: no task {shown(request.task_id)} (never submitted, or finished more than {retention:g} s ago: "
                 "orchestrator.task_store.retention_s)" if request.task_id else
                 f"agent_id: agent {shown(request.agent_id)} submitted no task (or none in the last {retention:g} s: "
-                "orchestrator.task_store.retention_s)"))
+                "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND), self.name)
         live = self._submitted.get(record.task_id)
         return live.to_status(self._queue_position(record.task_id)) if live is not None else record.to_status()

@@ -34,6 +34,7 @@ from switchyard.orchestrator.react import react, tools_for
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.tokens import count_messages
 from switchyard.orchestrator.tools import Tool
+from switchyard.orchestrator.validation import TaskSpec
 
 
 async def rag_answer(task: Task) -> None:
@@ -148,6 +149,36 @@ def render_and_count(
     return prompt, full, without_history
 
 
+def prompt_over_window(model: str, window: int, max_tokens: int, count: int) -> InvalidArgument:
+    """The refusal of a prompt of ``count`` tokens that leaves ``max_tokens`` no room in ``model``'s ``window``."""
+    return InvalidArgument(
+        "payload",
+        f"a prompt of at most {window - max_tokens} tokens: the context window of {model} is {window} tokens "
+        f"(limits.context_window_tokens) and max_tokens takes {max_tokens}",
+        f"{count} tokens",
+    )
+
+
+async def check_question_fits(spec: TaskSpec, model: str, window: int) -> None:
+    """Refuse, before the task is accepted, a question whose prompt cannot fit ``window`` tokens beside
+    ``spec.max_tokens`` however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of
+    that question); otherwise the task would be accepted and fail at :func:`render_prompt`.
+
+    A cl100k token is at least one UTF-8 byte, so a prompt of no more bytes than the budget fits uncounted;
+    a longer one is counted in a thread (tiktoken releases the GIL), off the event loop.
+
+    Raises:
+        InvalidArgument: naming ``payload`` (the words :func:`render_prompt` uses).
+    """
+    budget = window - spec.max_tokens
+    messages = prompts.bare(spec.workflow, spec.payload).messages()
+    if sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
+        return  # count_messages's own sum, each token taken as one byte or more
+    count = await asyncio.to_thread(count_messages, messages)
+    if count > budget:
+        raise prompt_over_window(model, window, spec.max_tokens, count)
+
+
 async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
     """Render the prompt and count its tokens (one CPU trip); prompt + ``max_tokens`` must fit the
     model's context window. Recalled memory that would not fit is left out, never failing the task.
@@ -172,12 +203,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
             prompt, count = replace(prompt, history=()), without_history
         if count > budget:
-            raise InvalidArgument(
-                "payload",
-                f"a prompt of at most {budget} tokens: the context window of {model} is {window} tokens "
-                f"(limits.context_window_tokens) and max_tokens takes {spec.max_tokens}",
-                f"{count} tokens",
-            )
+            raise prompt_over_window(model, window, spec.max_tokens, count)
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
             task.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
