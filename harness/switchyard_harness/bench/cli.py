@@ -27,12 +27,13 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
+
+from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -331,9 +332,7 @@ def main(argv: list[str]) -> int:
         return SUBCOMMANDS[argv[0]](argv[1:])
     if argv and not argv[0].startswith("-") and ":" not in argv[0]:
         # a target is host:port; a bare word is a mistyped subcommand
-        near = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
-        print(f"switchyard bench: unknown subcommand {argv[0]!r}"
-              + (f" (did you mean {near[0]!r}?)" if near else "")
-              + f"; expected one of {', '.join(SUBCOMMANDS)}, or a target host:port", file=sys.stderr)
+        print(f"switchyard bench: unknown subcommand {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}, "
+              f"or a target host:port{did_you_mean(argv[0], SUBCOMMANDS)}", file=sys.stderr)
         return 2
     return _run(argv)

@@ -251,12 +251,14 @@ def parse_passages(context: str) -> list[Passage]:
     return [p for p in passages if p.text or p.title]
 
 
-def extractive_answer(question: str, passages: list[Passage]) -> str:
+def extractive_answer(question: str, passages: list[Passage], retrieved: bool = True) -> str:
     """The sentences of ``passages`` sharing most words with ``question``, cited.
 
     At most :data:`MAX_ANSWER_SENTENCES`, ranked by overlap (ties: passage
     order, then sentence order), each followed by `` [n]``. With no passage or
-    no overlapping sentence: a short answer built from the question's words.
+    no overlapping sentence: a short answer built from the question's words,
+    saying that no passage covered it where passages were ``retrieved`` (a
+    prompt with a context section or tool results), else only what it is about.
     """
     asked = _words(question)
     scored: list[tuple[int, int, int, str, int]] = []
@@ -270,6 +272,8 @@ def extractive_answer(question: str, passages: list[Passage]) -> str:
     picked = scored[:MAX_ANSWER_SENTENCES]
     if not picked:
         topic = " ".join(w for w in _WORD.findall(question.lower()) if w not in _STOPWORDS) or "your question"
+        if not retrieved:  # a chat prompt: nothing was looked up
+            return f"A short answer (the sim engine has no model) about: {topic}."
         return f"No retrieved passage covers this, so only a short answer is possible about: {topic}."
     return " ".join(f"{sentence} [{number}]" for _, _, _, sentence, number in picked)
 
@@ -343,7 +347,8 @@ def plan_reply(prompt: str, messages: list[Message], tools: list[Tool]) -> SimRe
             found = parse_passages(result.content)
             offset = len(passages)
             passages += [Passage(offset + i + 1, p.title, p.text) for i, p in enumerate(found)]
-    answer = lead + extractive_answer(question, passages) if passages or not lead else lead.strip()
+    retrieved = bool(context) or any(r.name != "calculator" for r in results)
+    answer = lead + extractive_answer(question, passages, retrieved) if passages or not lead else lead.strip()
     return SimReply(tokens=word_pieces(answer))
 
 
