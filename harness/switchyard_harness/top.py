@@ -165,19 +165,22 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
 # --------------------------------------------------------------------------- arithmetic
 
 
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+def histogram_quantile(q: float, buckets: list[tuple[float, float]], lowest: float = 0.0) -> float | None:
     """The ``q``-quantile of a histogram, as PromQL's ``histogram_quantile`` computes it.
 
     ``buckets``: ``(upper bound, cumulative count)`` pairs, any order, ``+Inf``
     included. Linear interpolation inside the bucket that holds the rank; a rank
     in the ``+Inf`` bucket gives the largest finite bound (Prometheus,
     promql/quantile.go ``bucketQuantile``). None when there are no observations.
+    ``lowest``: the least value an observation can take, where the first bucket's
+    interpolation starts (PromQL's 0; a batch holds at least 1 request, so that
+    batches of one each read as 1, not 0.95).
     """
     ordered = sorted(buckets)
     if len(ordered) < 2 or not math.isinf(ordered[-1][0]) or ordered[-1][1] <= 0:
         return None
     rank = q * ordered[-1][1]
-    previous_bound, previous_count = 0.0, 0.0
+    previous_bound, previous_count = min(lowest, ordered[0][0]), 0.0
     for index, (bound, count) in enumerate(ordered):
         if count >= rank:
             if math.isinf(bound):
@@ -214,8 +217,9 @@ class Window:
             total += value - old if value >= old else value
         return total
 
-    def quantile(self, q: float, name: str, **labels: str) -> float | None:
-        """``q``-quantile of histogram ``name`` over the window (bucket increases summed across series)."""
+    def quantile(self, q: float, name: str, lowest: float = 0.0, **labels: str) -> float | None:
+        """``q``-quantile of histogram ``name`` over the window (bucket increases summed across series;
+        ``lowest`` as :func:`histogram_quantile`'s)."""
         per_bound: dict[float, float] = {}
         now = matching(self.current.samples, f"{name}_bucket", **labels)
         before = matching(self.previous.samples, f"{name}_bucket", **labels) if self.previous else {}
@@ -223,7 +227,7 @@ class Window:
             bound = float(dict(key[1])["le"])
             old = before.get(key, 0.0)
             per_bound[bound] = per_bound.get(bound, 0.0) + (value - old if value >= old else value)
-        return histogram_quantile(q, list(per_bound.items()))
+        return histogram_quantile(q, list(per_bound.items()), lowest)
 
     def label_values(self, name: str, label: str) -> list[str]:
         return sorted({dict(k[1])[label] for k in self.current.samples if k[0] == name and label in dict(k[1])})
@@ -273,7 +277,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
         per_busy = _ratio(tokens, busy)
         out["batch"] = {
             "mean_size": _ratio(d.increase("switchyard_batch_size_sum"), d.increase("switchyard_batch_size_count")),
-            "p95_size": d.quantile(0.95, "switchyard_batch_size"),
+            "p95_size": d.quantile(0.95, "switchyard_batch_size", lowest=1.0),
             "flushes": {r: d.increase("switchyard_flushes_total", reason=r) or 0.0
                         for r in d.label_values("switchyard_flushes_total", "reason")},
         }

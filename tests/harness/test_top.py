@@ -27,6 +27,19 @@ def test_histogram_quantile_interpolates_inside_the_bucket_like_promql() -> None
     assert histogram_quantile(0.5, [(0.1, 3)]) is None  # no +Inf bucket
 
 
+def test_batches_of_one_request_each_read_p95_one_not_an_interpolated_fraction() -> None:
+    """A batch holds at least one request: the first bucket (le=1) starts at 1, not PromQL's 0."""
+    registry = CollectorRegistry()
+    sizes = Histogram("switchyard_batch_size", "", buckets=(1, 2, 4, 8), registry=registry)
+    for _ in range(20):
+        sizes.observe(1)
+    shown = snapshot({"dispatcher": Scrape("dispatcher", "u", parse(generate_latest(registry).decode()), at=1.0)})
+    assert shown["batch"]["p95_size"] == 1.0
+    assert histogram_quantile(0.95, [(1, 20), (2, 20), (INF, 20)]) == pytest.approx(0.95)  # PromQL's own rule
+    assert histogram_quantile(0.95, [(1, 20), (2, 20), (INF, 20)], lowest=1.0) == 1.0
+    assert histogram_quantile(0.5, [(1, 0), (2, 10), (INF, 10)], lowest=1.0) == pytest.approx(1.5)
+
+
 def _dispatcher_text(ttft: list[float], tokens: int, busy: float, flushes: int) -> str:
     registry = CollectorRegistry()
     h = Histogram("switchyard_ttft_seconds", "", ["priority_class"], buckets=(0.01, 0.1, 1), registry=registry)
