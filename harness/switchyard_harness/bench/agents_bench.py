@@ -67,6 +67,7 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
+from switchyard_harness.testing.step_plan import StepPlan
 from switchyard_harness.bench.program_policies import (
     POLICY_NAMES,
     SIMULATED_CLOCK,
@@ -196,7 +197,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
                     task_type=REACT_TASK_TYPE, priority=dict(CLASSES)[agent.priority_class],
                     prompt_tokens=agent.context_tokens, max_tokens=MAX_TOKENS, arrival=agent.next_at,
                 )
-                engine.plans[req] = (min(length, MAX_TOKENS), "stop" if last else "tool_calls")
+                engine.plans[req] = StepPlan(min(length, MAX_TOKENS), "stop" if last else "tool_calls", agent.next_at)
                 in_flight[req] = agent
                 if agent.resume:
                     sched.resume(req, t)

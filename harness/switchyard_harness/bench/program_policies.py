@@ -98,7 +98,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
-from switchyard.dispatcher.request import Request, ToolCall
+from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
 from switchyard.dispatcher.scheduler.core import SchedulerCore
@@ -117,6 +117,7 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
+from switchyard_harness.testing.step_plan import StepPlan
 
 POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "switchyard")
 """Every policy ``--policies`` accepts, in the order the table prints them."""
@@ -157,8 +158,8 @@ class AgentSimEngine(VirtualSimEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.plans: dict[Request, tuple[int, str]] = {}
-        """Request -> (tokens it generates, finish_reason): the engine's reply plan, as the sim's."""
+        self.plans: dict[Request, StepPlan] = {}
+        """Request -> its planned reply (the stack's engines read the same plan from the prompt)."""
         self.generated = 0
         self.largest_batch = 0
         self.on_step: Callable[[StepBatch, StepResult], None] | None = None
@@ -176,12 +177,11 @@ class AgentSimEngine(VirtualSimEngine):
         ends in one). ``max_tokens`` is the scheduler's stop check."""
         out = super().next_token(req)
         self.generated += 1
-        length, reason = self.plans.get(req, (req.max_tokens + 1, "length"))
-        if len(req.output_tokens) + 1 >= length:
+        plan = self.plans.get(req)
+        if plan is not None and len(req.output_tokens) + 1 >= plan.tokens:
             out.eos = True
-            if reason == "tool_calls":
-                out.tool_calls = [ToolCall(f"call-{req.request_id}", "search_docs", "{}")]
-            self.plans.pop(req, None)
+            out.tool_calls = plan.tool_calls(f"call-{req.request_id}")
+            del self.plans[req]
         return out
 
 
@@ -358,8 +358,9 @@ class PolicyResult:
     preemptions: int = 0
     busy_s: float = 0.0
     """Engine seconds of steps."""
-    stall_s: float = 0.0
-    """Seconds the step loop waited for restores from DRAM (owed transfer time)."""
+    stall_s: float | None = 0.0
+    """Seconds the step loop waited for restores from DRAM (owed transfer time); None where not measured
+    (the real stack: its engine's restores sleep inside the step)."""
     slo_s: float = 1.0
     """The TTFT objective's threshold (``slo.ttft.threshold_s``)."""
     scheduler_decisions: dict[str, int] = field(default_factory=dict)
@@ -611,7 +612,7 @@ class PolicyRun:
                 )
                 if (hints := self._hints(agent, agent.next_at)) is not None:
                     req.task_time_left_s, req.expected_remaining_work_s = hints
-                engine.plans[req] = (length, ending)
+                engine.plans[req] = StepPlan(length, ending, agent.task_started)
                 try:
                     if agent.resume:
                         sched.resume(req, t)
@@ -754,7 +755,7 @@ def summarize(result: PolicyResult) -> dict[str, Any]:
         "recomputed_tokens": result.recomputed_tokens,
         "preemptions": result.preemptions,
         "engine_busy_s": round(result.busy_s, 2),
-        "restore_stall_s": round(result.stall_s, 2),
+        "restore_stall_s": None if result.stall_s is None else round(result.stall_s, 2),
         "hbm_idle_gb_s": round(result.idle_byte_s / 1e9, 1),
         "missed_deadline": result.missed_deadline,
         "refused_early": result.refused_early,

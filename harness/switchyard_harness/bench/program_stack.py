@@ -154,7 +154,12 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
     figures: dict[str, Any] = {"window_tokens": 0, "idle_byte_s": 0.0, "prefetches_started": 0,
                                "prefetches_landed": 0}
     window_end = math.inf
-    update_from_output, prefetched = sched.update_from_output, sched.prefetched
+    update_from_output, prefetched, load_back = sched.update_from_output, sched.prefetched, sched.tiers.prefetch
+
+    async def restore_started(req: Request) -> int:
+        """The step loop's planned restore of a swapped agent's KV, counted as its copy starts."""
+        figures["prefetches_started"] += 1
+        return await load_back(req)
 
     def taken_in(batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
         """Each engine step's (or upstream stream item's) result, as the scheduler takes it in: tokens
@@ -168,7 +173,6 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
     def restore_ended(req: Request, restored: int, now: float) -> bool:
         """The step loop's planned restore of a swapped agent's KV ended: counted, and whether it landed."""
         landed = prefetched(req, restored, now)
-        figures["prefetches_started"] += 1
         figures["prefetches_landed"] += int(landed)
         return landed
 
@@ -182,6 +186,7 @@ async def _dispatcher(policy: str, config: SwitchyardConfig, conn: Connection) -
 
     sched.update_from_output = taken_in  # type: ignore[method-assign]
     sched.prefetched = restore_ended  # type: ignore[method-assign]
+    sched.tiers.prefetch = restore_started  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     async with running([service], config.server) as srv:
         conn.send(("ready", srv.port, type(sched).__name__, type(sched.queue).__name__))
@@ -326,6 +331,7 @@ class StackPolicyRun(PolicyRun):
         result.window_tokens = figures["window_tokens"]
         result.idle_byte_s = figures["idle_byte_s"]
         result.busy_s = figures["busy_s"]
+        result.stall_s = None  # the engine's restores sleep inside its steps: not told apart here
         result.prefetches_started, result.prefetches_landed = figures["prefetches_started"], figures["prefetches_landed"]
         result.scheduler_decisions = figures["scheduler_decisions"]
         for timing, n in figures["prefetch_returns"]:

@@ -1,8 +1,10 @@
-"""A model step's planned reply, carried in its prompt: the agent benches' stated workload.
+"""A model step's planned reply: the agent benches' stated workload.
 
-``bench agents --policies --stack`` states each step's reply (its tokens, and whether it ends in a
-tool call) as the workload draws it. The step's prompt ends with one line, ``#plan <tokens>
-<finish_reason> <task start>``; the engines the bench serves (the dispatcher's sim engine in
+``bench agents --policies`` states each step's reply (its tokens, and whether it ends in a tool call)
+as the workload draws it. On the simulated clock the engine holds each request's plan
+(:class:`~switchyard_harness.bench.program_policies.AgentSimEngine`). With ``--stack`` the plan travels
+in the prompt, whose last line is ``#plan <tokens> <finish_reason> <task start>``; the engines the bench
+serves (the dispatcher's sim engine in
 :class:`~switchyard_harness.bench.program_stack.PlannedSimEngine`, and ``sim-openai``) read it and reply
 as planned. The line comes last so that a conversation's earlier text stays a prefix of its next step's
 (a prefix cache sees what a real agent's turns give it).
@@ -40,12 +42,13 @@ class StepPlan:
         """``text`` with the plan line after it."""
         return f"{text}\n{self.line()}"
 
+    def tool_calls(self, call_id: str) -> list[ToolCall]:
+        """The step's tool call (``call_id``) when it ends in one, else none."""
+        return [ToolCall(call_id, "search_docs", "{}")] if self.finish_reason == "tool_calls" else []
+
     def reply(self, call_id: str) -> SimReply:
         """The planned reply: ``tokens`` word pieces, ending in one tool call (``call_id``) or an answer."""
-        tokens = [f" w{i}" for i in range(self.tokens)]
-        if self.finish_reason == "tool_calls":
-            return SimReply(tokens, [ToolCall(call_id, "search_docs", "{}")], "tool_calls")
-        return SimReply(tokens, [], self.finish_reason)
+        return SimReply([f" w{i}" for i in range(self.tokens)], self.tool_calls(call_id), self.finish_reason)
 
     @classmethod
     def parse(cls, text: str) -> "StepPlan | None":
