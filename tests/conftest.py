@@ -21,11 +21,12 @@ CONFIG_DIR = REPO / "config"
 def _current_default_index(config) -> Path | None:
     """``data/index`` when it holds the default index as this tree builds it, else None.
 
-    Current: complete (a manifest, written last, and the query encoder), built with
-    this config's chunking and model and the index format, and newer than every
-    source file of the indexer (an index from older code is rebuilt, not reused).
+    Current: complete (a manifest, written last, and the query encoder), built from
+    the default corpus (not a user's own files) with this config's chunking and the
+    index format, and newer than every source file of the indexer (an index from
+    older code is rebuilt, not reused).
     """
-    from switchyard.retrieval.index import FORMAT_VERSION, MANIFEST_FILE, Manifest
+    from switchyard.retrieval.index import DEFAULT_CORPUS, FORMAT_VERSION, MANIFEST_FILE, Manifest
 
     folder = REPO / "data" / "index"
     manifest_file, encoder = folder / MANIFEST_FILE, folder / "query_encoder.onnx"
@@ -33,9 +34,9 @@ def _current_default_index(config) -> Path | None:
         return None
     manifest = Manifest.model_validate_json(manifest_file.read_text())
     settings = config.retrieval
-    if (manifest.format_version, manifest.chunk_tokens, manifest.chunk_overlap_tokens, manifest.lexical) != (
-        FORMAT_VERSION, settings.chunk_tokens, settings.chunk_overlap_tokens, "bm25",
-    ):
+    if (manifest.format_version, manifest.corpus, manifest.chunk_tokens, manifest.chunk_overlap_tokens,
+            manifest.lexical) != (FORMAT_VERSION, DEFAULT_CORPUS, settings.chunk_tokens,
+                                  settings.chunk_overlap_tokens, "bm25"):  # not a user's own index either
         return None
     built = min(manifest_file.stat().st_mtime, encoder.stat().st_mtime)
     sources = [*(REPO / "services" / "switchyard" / "retrieval").glob("*.py"), *CONFIG_DIR.glob("*")]

@@ -110,3 +110,17 @@ def test_hybrid_search_fuses_rankings_and_round_trips_with_bm25(tmp_path):
     (tmp_path / "idx" / "bm25" / "params.index.json").unlink()
     with pytest.raises(IndexMismatchError, match="BM25 index but .*bm25 is missing"):
         load_index(tmp_path / "idx")
+
+
+def test_an_index_records_its_corpus_so_a_users_own_is_never_taken_for_the_default(pydoc_index_dir, tmp_path):
+    """The tests reuse ``make index``'s data/index only when it is the default corpus (conftest): an index
+    of a user's own files in that folder records ``files`` and is rebuilt, not copied, for the tests."""
+    from switchyard.common.config import load_config
+    from switchyard.retrieval.index import DEFAULT_CORPUS
+    from switchyard.retrieval.indexer import build_index
+
+    assert load_index(pydoc_index_dir).manifest.corpus == DEFAULT_CORPUS
+    (tmp_path / "notes.md").write_text("# Notes\n\nOur deploy runbook says to drain a node before its upgrade.\n")
+    manifest = build_index([str(tmp_path / "notes.md")], tmp_path / "index", load_config("config"), progress=False)
+    assert manifest.corpus == "files"
+    assert load_index(tmp_path / "index").manifest.corpus == "files"

@@ -74,6 +74,10 @@ class Hit:
     score: float
 
 
+DEFAULT_CORPUS = "pydoc_topics"
+"""``Manifest.corpus`` of the default index: CPython's documentation topics (``pydoc_data``)."""
+
+
 class Manifest(BaseModel):
     """What an index folder holds; ``manifest.json``."""
 
@@ -91,6 +95,8 @@ class Manifest(BaseModel):
     truncated: int = Field(0, ge=0, description="Passages longer than the window (tails not embedded).")
     lexical: str = Field("", description='"bm25" when the folder holds a BM25 index of the passages, else "".')
     documents: int = Field(0, ge=0, description="Source documents the passages came from.")
+    corpus: str = Field("", description=f'"{DEFAULT_CORPUS}" when built from CPython\'s documentation topics (no '
+                        'PATHS given), "files" from the files named, "" when not recorded (an older index).')
     created_at: str = ""
 
 

@@ -29,7 +29,7 @@ from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.chunking import Chunked, Document, chunk_for_model
 from switchyard.retrieval.documents import path_documents, pydoc_documents
 from switchyard.retrieval.embedder import ONNX_FILE, Embedder, export_onnx, load_embedder, set_threads
-from switchyard.retrieval.index import Manifest, VectorIndex
+from switchyard.retrieval.index import DEFAULT_CORPUS, Manifest, VectorIndex
 from switchyard.retrieval.lexical import LexicalIndex
 
 ENCODE_SLICE = 64
@@ -150,6 +150,7 @@ def build_index(
         longest_tokens=chunked.longest,
         truncated=chunked.truncated,
         documents=len(docs),
+        corpus="files" if paths else DEFAULT_CORPUS,
     )
     index = VectorIndex.build(vectors, chunked.passages, manifest)
     if settings.hybrid:
