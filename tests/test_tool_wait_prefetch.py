@@ -284,3 +284,33 @@ async def test_no_hold_when_it_is_configured_off(redis_db: RedisDb):
     sched._now = 0.001
     assert sched._make_room(room_taker(sched, 0.001)) and sched.parked == []
     await sched.tiers.aclose()
+
+
+def test_tools_outside_the_registered_ones_are_measured_apart_and_counted_as_other():
+    """Two tools a caller names that the orchestrator does not register share the ``other`` label of the
+    counts, but each restore is timed by its own tool's returns (before, both were measured under
+    ``other``: a fast tool's restores were timed by a slow one's returns when their announcements were
+    alike)."""
+    from switchyard.dispatcher.scheduler import tool_wait
+    from switchyard.dispatcher.scheduler.tool_wait import MIN_RETURNS, ToolWaitPlan, ToolWaitPlans
+
+    plans = ToolWaitPlans()
+    announced = 2.0
+    for i in range(MIN_RETURNS):
+        for tool, took in (("fetch_page", 1.0), ("run_query", 3.6)):
+            agent = f"{tool}-{i}"
+            start = 10.0 * i
+            plans.add(ToolWaitPlan(agent, tool, Decision.KEEP, start, start + announced, start + 2 * announced))
+            plans.on_turn(agent, start + took, warm=True)
+    assert plans.return_times("fetch_page", announced) == pytest.approx((1.0,) * MIN_RETURNS)
+    assert plans.return_times("run_query", announced) == pytest.approx((3.6,) * MIN_RETURNS)
+    assert plans.return_times("other", announced) == ()  # the label measures nothing of its own
+    assert plans.decisions[("other", "keep")] == plans.resumes[("other", "warm")] == 2 * MIN_RETURNS
+    assert not any(label in ("fetch_page", "run_query") for label, _ in plans.resumes)
+
+    # the tools measured are bounded: the least recently returned leave first
+    for i in range(tool_wait.MAX_TOOLS):
+        plans.add(ToolWaitPlan(f"a{i}", f"tool-{i}", Decision.KEEP, 0.0, announced, 2 * announced))
+        plans.on_turn(f"a{i}", 1.0, warm=True)
+    assert len(plans._returns) == tool_wait.MAX_TOOLS
+    assert "fetch_page" not in plans._returns and f"tool-{tool_wait.MAX_TOOLS - 1}" in plans._returns

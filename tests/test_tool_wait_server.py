@@ -111,6 +111,25 @@ async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_
     assert sum(_decisions().values()) == sum(before.values()) + 2
 
 
+async def test_a_tool_the_orchestrator_does_not_register_is_measured_under_its_name_and_counted_as_other(dispatcher):
+    """ToolWait is open to any caller's tools: the scheduler times each tool's restores by that tool's own
+    returns (before, every unregistered name was measured as one tool, ``other``); the metrics' ``tool``
+    label stays the bounded set."""
+    stub, service = dispatcher
+    scheduler = service.loop.scheduler
+    kept_other = _value(TOOL_WAIT_DECISIONS_BY_TOOL, tool="other", decision="keep")
+    await _park(stub, "fetching-agent")
+    reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="fetching-agent", tool="fetch_page",
+                                                          expected_wait_s=0.5))
+    assert reply.decision == agent_pb2.KEEP
+    assert _value(TOOL_WAIT_DECISIONS_BY_TOOL, tool="other", decision="keep") == kept_other + 1
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+        request_id="fetching-agent:1", agent_id="fetching-agent", task_type="react_loop", tools=TOOLS,
+        max_tokens=8, resume=True, messages=[QUESTION, agent_pb2.ChatMessage(role="tool", content="a page")]))]
+    assert chunks[-1].HasField("done")
+    assert list(scheduler.tool_waits._returns) == ["fetch_page"]  # the turn measured the tool by its name
+
+
 async def test_with_a_dram_tier_a_very_long_wait_swaps_and_the_next_step_restores_the_copy(redis_db: RedisDb):
     """SWAP: the KV leaves HBM for the DRAM tier (a real Redis) with a restore plan inside the wait; the
     agent's next step (``resume``) brings the copy back at its admission instead of recomputing it."""

@@ -187,7 +187,7 @@ class LoopBase:
         self._publish_stats(throttled=True)
 
     def tool_wait(self, agent_id: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
-        """An agent's tool call on ``tool`` (a bounded metric label) starts: the scheduler's tool-wait
+        """An agent's tool call on ``tool`` (its name; counted under a bounded label) starts: the scheduler's tool-wait
         decision now (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report
         published; a swap's planned restore wakes the loop when it is due.
 

@@ -38,7 +38,6 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
-from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
@@ -239,9 +238,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         now, and takes one transfer: ``margin`` ahead of the tool's expected return when the round trip
         fits in the wait; with the tool's returns measured, where the cost model lands it, and 0 when it plans
         none ahead: the turn restores it at admission); an agent back earlier has it restored at its next
-        step's admission. ``tool`` is
-        counted under its name when it is one of the orchestrator's registered tools
-        (:data:`switchyard.common.metrics.TOOL_NAMES`), else as ``other``.
+        step's admission. ``tool``'s returns are measured under its own name (each tool's restores timed
+        by its own returns); it is counted under its name when it is one of the orchestrator's registered
+        tools (:data:`switchyard.common.metrics.TOOL_NAMES`), else as ``other``.
 
         Returns:
             (``agent_pb2.ToolWaitDecision`` value, restore_at_s: seconds from now, SWAP only, else 0).
@@ -249,7 +248,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
-        decided = loop.tool_wait(agent_id, expected_wait_s, bounded(tool, TOOL_NAMES))
+        decided = loop.tool_wait(agent_id, expected_wait_s, tool)
         if decided is None:
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
         if decided.decision is Decision.SWAP:

@@ -798,8 +798,8 @@ class SchedulerCore:
         margin``), handed to the loop by the decision at that time (``SchedulerOutput.prefetch``,
         :meth:`on_idle`), so it is back in HBM ``margin`` ahead of the tool's expected return; an agent
         back earlier has its copy restored at its admission. DROP releases it; the next step recomputes
-        the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}`` and, by ``tool`` (a
-        label the caller bounds), in :attr:`tool_waits`
+        the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}`` and, by ``tool``'s bounded
+        label (its returns measured under its own name), in :attr:`tool_waits`
         (:class:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitPlans`: decisions, warm and cold
         resumes, prefetch timings).
 

@@ -118,6 +118,7 @@ import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.dispatcher.request import Request
 
 __all__ = [
@@ -390,7 +391,7 @@ class ToolWaitPlan:
 
     agent_id: str
     tool: str
-    """The tool's metric label (the caller bounds it)."""
+    """The tool's name as announced: the key its measured returns are kept under."""
     decision: Decision
     started_at: float
     expected_return_at: float
@@ -409,9 +410,20 @@ class ToolWaitPlan:
     """The agent's next turn arrived while the restore was in flight (the copy is left for that turn)."""
     counted_late: bool = False
 
+    @property
+    def label(self) -> str:
+        """The ``tool`` label of the per-tool counts: the name when it is one of the orchestrator's
+        registered tools (:data:`~switchyard.common.metrics.TOOL_NAMES`), else ``other`` (a bounded set,
+        whatever a caller announces)."""
+        return bounded(self.tool, TOOL_NAMES)
+
 
 RETURNS_KEPT = 128
 """Measured returns kept per tool (newest): the distribution restores are timed by."""
+
+MAX_TOOLS = 256
+"""Most tools whose returns are measured (the least recently returned dropped first): a caller may announce
+any name, and the measured returns of tools it stopped using are not kept for ever."""
 
 SIMILAR_ANNOUNCEMENT = 2.0
 """A measured return informs a new call's timing when their announced waits are within this factor."""
@@ -421,14 +433,15 @@ SIMILAR_ANNOUNCEMENT = 2.0
 class ToolWaitPlans:
     """The tool-wait plans by agent, the per-tool counts of their outcomes, and each tool's measured returns.
 
-    Counts (each only grows; keys ``(tool, label)``): ``decisions`` by decision, ``resumes`` by
-    :data:`RESUME_KINDS`, ``prefetches`` by :data:`PREFETCH_TIMINGS`. The scheduler owns one and its
-    clock; nothing here reads a clock.
+    Counts (each only grows; keys ``(tool label, outcome)``, the label :attr:`ToolWaitPlan.label`, a bounded
+    set): ``decisions`` by decision, ``resumes`` by :data:`RESUME_KINDS`, ``prefetches`` by
+    :data:`PREFETCH_TIMINGS`. The scheduler owns one and its clock; nothing here reads a clock.
 
-    Returns: each plan that ends with its agent's turn (:meth:`on_turn`) adds, under its tool, how long the
-    tool took against what was announced (``(turn - start) / expected wait``, a ratio, so that one label
-    holding several tools, ``other``, and an estimate that moves still give one distribution); the last
-    :data:`RETURNS_KEPT` per tool. :meth:`return_times` scales them by a new call's announced wait.
+    Returns: each plan that ends with its agent's turn (:meth:`on_turn`) adds, under its tool's own name
+    (not its label: two tools outside the registered ones are measured apart), how long the tool took
+    against what was announced (``(turn - start) / expected wait``, a ratio, so that an estimate that moves
+    still gives one distribution); the last :data:`RETURNS_KEPT` per tool, for the :data:`MAX_TOOLS` tools
+    that returned last. :meth:`return_times` scales them by a new call's announced wait.
 
     Due restores are kept in a heap by due time (and landed ones by revisit time), so a decision's
     :meth:`due` costs O(log plans) per plan that falls due, not a scan of every plan.
@@ -442,14 +455,14 @@ class ToolWaitPlans:
     _restores: list[tuple[float, int, ToolWaitPlan]] = field(default_factory=list)  # heap: (restore_at, n, plan)
     _overdue: list[ToolWaitPlan] = field(default_factory=list)  # due, not started (no room yet): by restore_at
     _landed: list[tuple[float, int, ToolWaitPlan]] = field(default_factory=list)  # heap: (revisit_at, n, plan)
-    _returns: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # tool -> (announced s, ratio)
+    _returns: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # tool name -> (announced s, ratio)
     _order: itertools.count = field(default_factory=itertools.count)
 
     def add(self, plan: ToolWaitPlan) -> None:
         """``plan`` replaces any earlier plan of its agent; counted under its tool and decision."""
         self._plans.pop(plan.agent_id, None)
         self._plans[plan.agent_id] = plan
-        self.decisions[(plan.tool, plan.decision.value)] += 1
+        self.decisions[(plan.label, plan.decision.value)] += 1
         while len(self._plans) > MAX_PLANS:
             self._plans.popitem(last=False)
         if plan.state == _PLANNED and plan.restore_at is not None:
@@ -499,7 +512,7 @@ class ToolWaitPlans:
             _, _, plan = heapq.heappop(landed)
             if plan.state == _LANDED and not plan.counted_late and self._plans.get(plan.agent_id) is plan:
                 plan.counted_late = True
-                self.prefetches[(plan.tool, "late")] += 1
+                self.prefetches[(plan.label, "late")] += 1
         return list(self._overdue)
 
     def started(self, plan: ToolWaitPlan) -> None:
@@ -525,19 +538,22 @@ class ToolWaitPlans:
         plan = self._plans.pop(agent_id, None)
         if plan is None:
             return None
-        self.resumes[(plan.tool, "warm" if warm else "cold")] += 1
+        self.resumes[(plan.label, "warm" if warm else "cold")] += 1
         expected = plan.expected_return_at - plan.started_at
         if expected > 0 and now >= plan.started_at:
-            kept = self._returns.get(plan.tool)
+            kept = self._returns.pop(plan.tool, None)
             if kept is None:
-                kept = self._returns[plan.tool] = deque(maxlen=RETURNS_KEPT)
+                kept = deque(maxlen=RETURNS_KEPT)
+            self._returns[plan.tool] = kept  # the most recently returned last
+            while len(self._returns) > MAX_TOOLS:
+                del self._returns[next(iter(self._returns))]
             kept.append((expected, (now - plan.started_at) / expected))
         if plan.restore_at is not None:  # a swap whose copy went to DRAM: its restore was planned
             if plan.state == _LANDED:
                 if not plan.counted_late:
-                    self.prefetches[(plan.tool, "on_time" if now <= plan.revisit_at else "late")] += 1
+                    self.prefetches[(plan.label, "on_time" if now <= plan.revisit_at else "late")] += 1
             else:  # the turn came before the copy was back (or it could not be loaded): restored at admission
-                self.prefetches[(plan.tool, "early")] += 1
+                self.prefetches[(plan.label, "early")] += 1
                 if plan.state == _RESTORING:
                     plan.claimed = True
         return plan
