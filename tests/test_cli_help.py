@@ -27,3 +27,38 @@ def test_help_has_no_markup(argv, capsys):
 def test_plain_keeps_words_and_lines():
     text = "Use ``switchyard index`` (:func:`switchyard.retrieval.indexer.main`),\n**not** `make`::\n"
     assert plain(text) == "Use switchyard index (switchyard.retrieval.indexer.main),\nnot make:\n"
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["--help"], ["config", "reference"]])
+def test_a_reader_that_went_away_ends_the_command_quietly(argv):
+    """``switchyard ... | head -1``: the pipe closed before the command wrote, exit 0 and no traceback (as
+    Unix tools do), whichever command it is."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert cli_main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("usage: switchyard COMMAND")
+
+
+@pytest.mark.parametrize(("value", "parsed"), [("core", 1), ("Batch", 3), (" NORMAL ", 2)])
+def test_run_takes_a_priority_by_the_orchestrators_rule(value, parsed):
+    from switchyard.api import agent_pb2
+    from switchyard.client import _priority
+
+    assert _priority(value) == parsed == {"core": agent_pb2.CORE, "batch": agent_pb2.BATCH,
+                                          "normal": agent_pb2.NORMAL}[value.strip().lower()]
+
+
+def test_run_names_a_wrong_priority_as_given(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["run", "--priority", "urgent", "hello"])
+    assert "argument --priority: expected core, normal or batch (got 'urgent')" in capsys.readouterr().err

@@ -135,10 +135,13 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
     ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
     # one message for every wrong value (the gRPC edge's "empty = rag_answer" does not hold here)
     ({**FIELD_BODY, "task_type": "foo"}, "task_type: expected one of rag_answer, chat, react_loop (got 'foo')"),
-    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 to 2147483647 (got '128')"),
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer, 0 (the default) or more, within "
+                                           "limits.max_tokens and the model's context window (got '128')"),
     ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
     ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
-    ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected an integer from 0 to 2147483647 (got -1)"),
+    # a wrong value of the right type gets the servicer's message, the gRPC edge's (one range, not two)
+    ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected 0 (the default, "),
+    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer, 0 (the default) or more"),
     ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
                                     "header) (got 7)"),
     ({**FIELD_BODY, "priority": "urgent"}, "priority: expected core, normal or batch (got 'urgent')"),
@@ -153,6 +156,16 @@ async def test_a_body_missing_a_required_field_or_of_a_wrong_type_is_400_saying_
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["message"].startswith(message), reply.json()
         assert down.requests == []
+
+
+@pytest.mark.parametrize("max_tokens", [-5, 1_000_000])
+async def test_a_max_tokens_out_of_range_gets_the_grpc_edges_message(max_tokens):
+    async with http_stack() as (client, stub, _down):
+        over_http = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "max_tokens": max_tokens})).json()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="react_loop",
+                                                           max_tokens=max_tokens))
+        assert over_http["error"]["message"] == err.value.details()
 
 
 async def test_the_priority_message_is_the_grpc_edges():

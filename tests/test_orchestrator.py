@@ -376,6 +376,17 @@ async def test_submit_then_poll_status():
             assert (ORIGIN_KEY, "orchestrator") in tuple(refused.value.trailing_metadata())
 
 
+async def test_a_status_asked_by_task_id_and_another_agents_id_is_not_found():
+    async with stack() as (stub, _down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="owned-1", payload="hello", agent_id="agent-a"))
+        mine = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="owned-1", agent_id="agent-a"))
+        assert mine.task_id == "owned-1"
+        with pytest.raises(grpc.aio.AioRpcError) as other:
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="owned-1", agent_id="agent-b"))
+        assert other.value.code() == grpc.StatusCode.NOT_FOUND
+        assert other.value.details().startswith("agent_id: no task 'owned-1' of agent 'agent-b'")
+
+
 async def test_react_loop_calls_both_tools_and_streams_them():
     async with stack() as (stub, down):
         events = await collect(stub, payload="What does with do, and what is 12*(3+4)?", task_type="react_loop")

@@ -153,3 +153,17 @@ def test_report_sums_match_the_profile():
     assert rows["step"].cum_ns == 5_000_000 and rows["step"].flat_ns == 5_000_000  # recursion counted once
     text = cpu_profile.report(data, 5)
     assert "GC pauses: 1.5 ms in 3 collections" in text and text.index("main") < text.index("step")
+
+
+@pytest.mark.parametrize(("service", "says"), [
+    ("dispatchr", "expected one of orchestrator, retrieval, dispatcher, or a metrics endpoint host:port or URL "
+                  "(got 'dispatchr'); did you mean 'dispatcher'?"),
+    ("nosuch", "(got 'nosuch')"),
+    ("localhost:", "expected host:port or a URL (got 'localhost:')"),
+])
+def test_a_service_that_is_neither_a_name_nor_an_address_is_named(service, says):
+    from switchyard_harness.cpu_profile import profile_url
+
+    with pytest.raises(ValueError) as err:
+        profile_url(service, None, None, 1.0)
+    assert says in str(err.value)

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from switchyard.common.cli_text import parser_for
+from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
@@ -39,6 +40,9 @@ def profile_url(service: str, up_file: str | None, config_dir: str | None, secon
     if service in SERVICES:
         flags = argparse.Namespace(up_file=up_file, config_dir=config_dir, **{name: None for name in SERVICES})
         url = endpoints_from(flags)[0][service]
+    elif "://" not in service and ":" not in service:  # a word: a mistyped service name, not an address
+        raise ValueError(f"expected one of {', '.join(SERVICES)}, or a metrics endpoint host:port or URL "
+                         f"(got {service!r}){did_you_mean(service, SERVICES)}")
     else:
         url = metrics_url(service)
     parts = urllib.parse.urlsplit(url)

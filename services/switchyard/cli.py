@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from types import ModuleType
 
@@ -37,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "build the vector index (default: CPython's documentation topics) and export the query encoder"),
     "doctor": ("switchyard.gateway.doctor", "check base URL, API key, model id and proxies of the model gateway"),
     "bench": ("switchyard_harness.bench.cli", "load-test RunTask (ghz report format), or one of the benchmarks: "
-              "compare, sched, isolation, agents, route, fault, retrieval"),
+              "run, compare, sched, isolation, agents, route, pool, fault, upstream, retrieval, diff, http"),
     "top": ("switchyard_harness.top", "live view of a running stack from its /metrics; --once --json for scripts"),
     "config": ("switchyard.common.config.reference",
                "the configuration reference of every key (docs/configuration.md): config reference [--write|--check FILE]"),
@@ -76,8 +77,20 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    """Run the command ``argv`` names (default: the process's arguments); its exit status."""
+    try:
+        return _command(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        # stdout to /dev/null, so that the interpreter's own flush at exit meets no closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _command(argv: list[str]) -> int:
+    if not argv:  # a usage error, as argparse answers one: the usage on stderr, exit 2
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):

@@ -10,20 +10,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 
 import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
-from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
 from switchyard.common import envs
 from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
+from switchyard.common.errors import InvalidArgument
 from switchyard.orchestrator.http_models import message_dict
+from switchyard.orchestrator.validation import parse_priority
 
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
@@ -44,6 +44,14 @@ def _max_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of tokens: 0 (the server's default) or a count "
                                          f"within the server's limits.max_tokens, got {text!r}")
     return value
+
+
+def _priority(text: str) -> int:
+    """argparse type of ``--priority``: the orchestrator's own rule for a priority's name (any case)."""
+    try:
+        return parse_priority(text, "--priority")
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--priority: ")) from None
 
 
 def _ms(seconds: float) -> str:
@@ -126,7 +134,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--addr", help="orchestrator host:port (default: from config, 127.0.0.1:50051)")
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--task-type", default="", help="rag_answer (default), chat or react_loop")
-    parser.add_argument("--priority", default="NORMAL", type=str.upper, choices=[c.name for c in PriorityClass],
+    parser.add_argument("--priority", default=agent_pb2.NORMAL, type=_priority,
                         help="core, normal (default) or batch, any case")
     parser.add_argument("--max-tokens", type=_max_tokens, default=0,
                         help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
@@ -161,7 +169,7 @@ def main(argv: list[str]) -> int:
         task_id=args.task_id,
         payload=" ".join(args.question),
         task_type=args.task_type,
-        priority=PriorityClass[args.priority].proto,
+        priority=args.priority,
         max_tokens=args.max_tokens,
         model=args.model,
     )
@@ -187,8 +195,4 @@ def main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
     return 0

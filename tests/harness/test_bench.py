@@ -299,3 +299,11 @@ async def test_summary_groups_errors_of_one_kind_and_counts_tokens_of_successful
     text = summary_text(report)
     assert text.count("ran out of time") == 1 and "[10]\trpc error: code = DeadlineExceeded desc = task # ran" in text
     assert f"Tokens:\t{10 * TOKENS} " in text and "20 more streamed by calls that then failed" in text
+
+
+def test_the_switchyard_command_list_names_every_bench_subcommand():
+    from switchyard.cli import COMMANDS
+    from switchyard_harness.bench.cli import SUBCOMMANDS
+
+    bench_help = COMMANDS["bench"][1]
+    assert all(name in bench_help.split(": ", 1)[1].split(", ") for name in SUBCOMMANDS), bench_help

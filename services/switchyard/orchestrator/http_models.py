@@ -35,7 +35,8 @@ STATE_NAMES: dict[int, str] = {
 }
 """TaskState -> the lower-case name in HTTP answers."""
 
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""RunTaskRequest.max_tokens's wire type, int32."""
 
 
 def _lower(value: Any) -> Any:
@@ -62,7 +63,10 @@ class TaskRequest(BaseModel):
         None, description="Priority class, any case (as X-Priority); absent: the X-Priority header, else normal."
     )
     task_type: Literal[TASK_TYPES] = Field(description="Workflow.")  # type: ignore[valid-type]
-    max_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Completion tokens at most; 0: the default, tokens.")
+    # Only the wire type is checked here (RunTaskRequest's int32); the range, limits.max_tokens and the
+    # model's context window, is the servicer's, so a negative value gets the gRPC edge's message too.
+    max_tokens: int = Field(0, ge=INT32_MIN, le=INT32_MAX,
+                            description="Completion tokens at most; 0: the default, tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
     )
@@ -75,7 +79,7 @@ EXPECTED: dict[str, str] = {
     "agent_id": "a non-empty string, the agent's id (or the X-Agent-Id header)",
     "priority": "core, normal or batch",  # parse_priority's words: the gRPC edge's message for x-priority
     "task_type": f"one of {', '.join(TASK_TYPES)}",
-    "max_tokens": f"an integer from 0 to {INT32_MAX}",
+    "max_tokens": "an integer, 0 (the default) or more, within limits.max_tokens and the model's context window",
     "payload": "a string (the question or instruction)",
     "task_id": "a string",
     "model": "a string",

@@ -615,6 +615,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     ) -> agent_pb2.TaskStatus:
         """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task: the one
         named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none).
+        Given both, the task must be that agent's: another agent's task is NOT_FOUND, naming both.
 
         A task waiting in this orchestrator's backlog is QUEUED with its ``queue_position`` there. A task that
         was queued or running on an orchestrator that has since died is FAILED, naming it. A caller whose bearer
@@ -634,6 +635,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await abort(context, exc, self.name)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
+        if record is not None and request.task_id and request.agent_id and record.agent_id != request.agent_id:
+            await abort(context, SwitchyardError(
+                f"agent_id: no task {shown(request.task_id)} of agent {shown(request.agent_id)} (the task_id names "
+                "another agent's task; give the task_id alone, or the agent_id alone for its latest task)",
+                grpc.StatusCode.NOT_FOUND), self.name)
         if record is None:
             await abort(context, SwitchyardError(
                 f"task_id: no task {shown(request.task_id)} (never submitted, or finished more than {retention:g} s ago: "
