@@ -44,6 +44,8 @@ async def test_missing_key_is_unauthenticated_and_names_the_variable(sim_openai,
     err = await stream_error(gateway_config(sim_openai.base_url, api_key_required=True))
     assert err.code == grpc.StatusCode.UNAUTHENTICATED
     assert KEY_ENV in str(err) and "not set" in str(err)
+    # the way out for a local server that takes no key is named beside the key's
+    assert "model_gateway.api_key_required to false (SWITCHYARD_UPSTREAM_API_KEY_REQUIRED=false)" in str(err)
     assert sim_openai.state.requests == []
 
 

@@ -45,6 +45,10 @@ CORE headroom below):
   start does), holding there until it is measured;
 - knee confirmed: ``target = knee + reserve`` and
   ``limit += smoothing x (target - limit)``, never upwards unless saturated;
+  a knee confirmed by the load alone with no level measured above it (a
+  load of one stream at a time: its only level is its knee) says nothing of
+  the server's knee, so it counts as at least ``initial_limit``, the limit
+  with nothing measured;
   the doubling probes find the knee within a factor of two, on the safe side
   for throughput: the first level measured to reach the fraction is held, and
   no level below it is searched (a search downwards follows single noisy
@@ -348,7 +352,14 @@ class AdaptiveConcurrencyLimit:
                 self._set(max(self.limit, self._probe_goal()))
             return
         assert self.knee is not None
-        target = self.limit + self.config.smoothing * (self.knee + self.reserve - self.limit)
+        knee = self.knee
+        if knee >= max(self.levels):
+            # Confirmed by the load alone with nothing measured past the knee (one stream at a time, say):
+            # the load offers no more, which says nothing of where the server's throughput flattens, as at
+            # start-up. Not taken below the start-up limit (a limit of 1 would queue the next burst, CORE
+            # too, behind one stream until the probes climb back).
+            knee = max(knee, float(self.config.initial_limit))
+        target = self.limit + self.config.smoothing * (knee + self.reserve - self.limit)
         if target < self.limit or saturated:
             self._set(target)
 

@@ -498,7 +498,7 @@ class GatewayClient:
         while True:
             body = await self._body(request, endpoint, model, stream=stream)
             http_request = endpoint.http.build_request(
-                "POST", "chat/completions", json=body, headers=self._headers(call.token, stream=stream, request=request),
+                "POST", endpoint.chat_completions_url, json=body, headers=self._headers(call.token, stream=stream, request=request),
             )
             try:
                 response = await endpoint.http.send(http_request, stream=True)

@@ -83,4 +83,7 @@ def require_usable(key: ApiKey, *, required: bool) -> str | None:
         return key.value
     if not required and not key.present:
         return None
+    if not key.present:  # a local server (vLLM, Ollama, transformers serve) usually takes no key at all
+        problem += (f", or for a model server that takes no key set model_gateway.api_key_required to false "
+                    f"({envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED.name}=false)")
     raise UpstreamAuthError(f"model gateway API key unusable: {problem}")

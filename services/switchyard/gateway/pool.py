@@ -31,6 +31,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -108,6 +109,12 @@ class Endpoint:
     in_flight: int = 0
     up: bool = True
     load: ServerLoad = field(default_factory=ServerLoad)
+
+    @cached_property
+    def chat_completions_url(self) -> httpx.URL:
+        """``{url}/chat/completions``, parsed once (a string is parsed again by httpx on every request:
+        about 25 us of the dispatcher's CPU per call)."""
+        return httpx.URL(f"{self.url}/chat/completions")
 
     @property
     def limit_value(self) -> int | None:

@@ -44,7 +44,9 @@ class AdaptiveConcurrencyConfig(_Strict):
     initial_limit: int = Field(
         4, ge=1, le=100_000,
         description="Limit at start-up, streams; the limit climbs from here, measuring throughput at each level "
-        "on the way up (start low: levels above the knee are found, levels below it only by passing them).",
+        "on the way up (start low: levels above the knee are found, levels below it only by passing them). "
+        "Also the least a knee known only from a light load counts as (that load's level says nothing of the "
+        "server's knee).",
     )
     ttft_tolerance: float = Field(
         2.0, ge=1, le=100,
