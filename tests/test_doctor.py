@@ -140,6 +140,7 @@ def test_the_probe_runs_by_default_and_no_probe_skips_it(keyed_sim, capsys):
     requests = len(keyed_sim.state.requests)
     code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--no-probe")
     assert code == 0 and "stream probe" not in out and len(keyed_sim.state.requests) == requests
+    assert "unknown (detected from GET /models)" in out  # the server's flavour is read without the probe too
 
 
 def test_a_stream_without_done_after_its_finish_reason_passes(clean_proxy_env, monkeypatch, capsys):

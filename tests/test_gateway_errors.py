@@ -160,6 +160,19 @@ async def test_broken_stream_names_what_was_received(clean_proxy_env, fault, cod
     assert says in str(err)
 
 
+@pytest.mark.parametrize("fault", [
+    Fault(cut_after=0), Fault(no_finish=True), Fault(malformed_after=2), Fault(no_choices=True),
+    Fault(mismatch=True), Fault(status=429), Fault(status=400), Fault(status=503), Fault(expired=True),
+], ids=["cut", "no-finish", "malformed", "no-choices", "mismatch", "429", "400", "503", "expired"])
+async def test_every_upstream_failure_names_the_upstream_that_answered(clean_proxy_env, fault):
+    """With a pool of replicas the message is how a user tells which one failed: every status error and
+    every stream the decoder refuses names the URL (before, 429, 400, an expired token, a stream without
+    an ending, a malformed chunk and chunks without choices did not)."""
+    with start_sim(faults={"*": fault}) as server:
+        err = await stream_error(gateway_config(server.base_url, fallback_model="", max_retries=0))
+    assert f"{server.base_url}/chat/completions" in str(err), str(err)
+
+
 async def test_malformed_chunk_message_quotes_the_chunk(clean_proxy_env):
     with start_sim(faults={"*": Fault(malformed_after=0)}) as server:
         err = await stream_error(gateway_config(server.base_url, fallback_model=""))

@@ -89,14 +89,15 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
 def error_for_status(
     status: int, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey
 ) -> GatewayError:
-    """The error for a non-2xx answer, other than an unknown model (see :func:`is_model_not_found`)."""
+    """The error for a non-2xx answer, other than an unknown model (see :func:`is_model_not_found`); every
+    message names ``url`` (with a pool of replicas, which one answered)."""
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
     if status in (401, 403):
         challenge = headers.get("www-authenticate", "")
         if _EXPIRED.search(said) or _EXPIRED.search(challenge):
             return UpstreamAuthError(
-                f"upstream {status}: the OAuth token has expired (upstream said {quoted}); re-authenticate "
+                f"upstream {status} from {url}: the OAuth token has expired (upstream said {quoted}); re-authenticate "
                 f"to get a fresh token, or use an API key in {key.env}"
             )
         what = "rejected the key" if status == 401 else "refused access with the key"
@@ -113,13 +114,13 @@ def error_for_status(
     if status == 429:
         wait = f"; it asked to retry after {retry_after:g} s" if retry_after is not None else ""
         error: GatewayError = UpstreamRateLimited(
-            f"upstream 429 rate limit for model {model!r} (upstream said {quoted}){wait}; the dispatcher's "
+            f"upstream 429 rate limit from {url} for model {model!r} (upstream said {quoted}){wait}; the dispatcher's "
             "adaptive concurrency limit backs off; raise the key's quota or lower model_gateway.concurrency.max_limit"
         )
         error.retry_after_s = retry_after
         return error
     if status in (400, 413, 422):
-        return BadUpstreamRequest(f"upstream {status} rejected the request for model {model!r}: {quoted}")
+        return BadUpstreamRequest(f"upstream {status} from {url} rejected the request for model {model!r}: {quoted}")
     if status >= 500:
         error = UpstreamServerError(
             f"upstream {status} from {url} for model {model!r} (upstream said {quoted}); the model server "

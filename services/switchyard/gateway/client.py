@@ -307,7 +307,7 @@ class GatewayClient:
                 _count_cut(error)
                 raise error.after_tokens(sent) from None
             except GatewayError as exc:
-                raise exc.after_tokens(sent)
+                raise exc.naming(f"{opened.endpoint.url}/chat/completions").after_tokens(sent)
             finally:
                 await opened.response.aclose()
                 self.pool.finished(opened.endpoint)
@@ -584,6 +584,9 @@ class GatewayClient:
             error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
             _count_cut(error)
             raise error from None
+        except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream
+            await response.aclose()
+            raise exc.naming(url) from None
         except BaseException:
             await response.aclose()
             raise
@@ -602,7 +605,10 @@ class GatewayClient:
                 f"asked {url} for one JSON response (stream=false) but it answered text/event-stream: "
                 f"received {snippet(redact(text, call.key.value))}; the server or a proxy forces streaming"
             )
-        return parse_completion(text, model)
+        try:
+            return parse_completion(text, model)
+        except GatewayError as exc:
+            raise exc.naming(url) from None
 
     # ------------------------------------------------------------------ deadlines and spans
 

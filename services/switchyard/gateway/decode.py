@@ -142,7 +142,7 @@ def _loads(data: str, what: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise StreamProtocolError(
             f"upstream sent a {what} that is not JSON ({exc.msg}: char {exc.pos}; other gateways report "
-            f"'unexpected end of JSON input'): received {snippet(data)}; the server at base_url does not "
+            f"'unexpected end of JSON input'): received {snippet(data)}; the server does not "
             "speak OpenAI's format, or a proxy rewrote the response"
         ) from None
     except ValueError as exc:

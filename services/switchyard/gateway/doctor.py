@@ -168,15 +168,26 @@ _FIELD_FIXES = {
 }
 
 
-async def _probe(cfg: UpstreamConfig) -> list[Check]:
-    """The streamed one-token probe: its own check, the server's flavour and any refused request field."""
-    checks: list[Check] = []
-    async with GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0})) as client:
+def _probe_client(cfg: UpstreamConfig) -> GatewayClient:
+    """A gateway client that tries the configured model once (no fallback, no retry): what it meets is told."""
+    return GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0}))
+
+
+async def _server_check(cfg: UpstreamConfig) -> Check:
+    """The server's flavour (``model_gateway.server``, or what ``/models`` says) and the priority field it
+    is sent."""
+    async with _probe_client(cfg) as client:
         flavour = await client.server_flavour()
-        how = "model_gateway.server" if cfg.server != "auto" else "detected from GET /models"
-        field = f"priority sent as '{flavour.priority_field}'" if flavour.priority_field else "no priority field"
-        checks.append(Check("server", True, f"{flavour.name} ({how}); {field}"
-                                            f"{'' if cfg.forward_priority else ' when forward_priority is on'}"))
+    how = "model_gateway.server" if cfg.server != "auto" else "detected from GET /models"
+    field = f"priority sent as '{flavour.priority_field}'" if flavour.priority_field else "no priority field"
+    return Check("server", True, f"{flavour.name} ({how}); {field}"
+                                 f"{'' if cfg.forward_priority else ' when forward_priority is on'}")
+
+
+async def _probe(cfg: UpstreamConfig) -> list[Check]:
+    """The streamed one-token probe: its own check and any refused request field."""
+    checks: list[Check] = []
+    async with _probe_client(cfg) as client:
         request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1,
                               priority_class="core", request_id="switchyard-doctor")
         try:
@@ -222,6 +233,8 @@ async def run_checks(
     checks.append(url_check)
     if known is not None:
         checks.extend(_model_checks(cfg, known, models))
+        if key_check.ok:
+            checks.append(await _server_check(cfg))
     if probe:
         if not key_check.ok:
             checks.append(_skipped_probe("the api key check failed; fix the key first"))

@@ -49,6 +49,13 @@ class GatewayError(SwitchyardError):
             )
         return self
 
+    def naming(self, url: str) -> "GatewayError":
+        """Say which upstream answered (``url``), where the message does not already: with a pool of
+        replicas, the one that failed."""
+        if url not in self.args[0]:
+            self.args = (f"{self.args[0]} (from {url})",)
+        return self
+
     def with_note(self, note: str) -> "GatewayError":
         """Append ``note`` (e.g. what the fallback model did) to the message."""
         self.args = (f"{self.args[0]}; {note}",)
