@@ -246,7 +246,9 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     ``engine`` (busy_ratio, roofline_efficiency, compute_score,
     gpu_utilization_ratio, kv_fragmentation_ratio, kv_oom since start and kv_oom_in_window), ``classes`` (per priority class: running, waiting,
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
-    ``tiers`` (bytes per tier gauge, once the dispatcher exports any),
+    ``tiers`` (bytes per tier gauge, once the dispatcher exports any), ``upstream`` (a stream engine's model
+    server, once the dispatcher has called one: limit, knee, in_flight, stream_endings in the window by
+    ending, circuits not closed as model -> state; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
@@ -301,6 +303,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
             }
             for c in CLASSES
         }
+        out["upstream"] = _upstream(d)
         # Memory tiers: any dispatcher gauge named switchyard_*tier*_bytes, by its labels.
         out["tiers"] = {
             name + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else ""): value
@@ -315,6 +318,32 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
         "degraded_operations": o.increase("switchyard_dram_degraded_operations_total"),
     }
     return out
+
+
+def _upstream(d: Window) -> dict[str, Any] | None:
+    """The dispatcher's model server as its ``openai`` engine meets it (see :func:`snapshot`); None while no
+    upstream call was made (a step engine, or none yet)."""
+    calls = matching(d.current.samples, "switchyard_gateway_requests_total")
+    if not any(calls.values()):
+        return None
+    circuits = {dict(labels)["model"]: dict(labels)["state"]
+                for (name, labels), value in d.current.samples.items()
+                if name == "switchyard_gateway_circuit_state" and value == 1 and dict(labels)["state"] != "closed"}
+    return {
+        "limit": d.gauge("switchyard_upstream_concurrency_limit"),
+        "knee": d.gauge("switchyard_upstream_concurrency_knee") or None,
+        "in_flight": d.gauge("switchyard_upstream_in_flight"),
+        "stream_endings": {e: d.increase("switchyard_upstream_stream_endings_total", ending=e) or 0.0
+                           for e in ("done_marker", "finish_reason", "cut")},
+        "circuits": circuits,
+    }
+
+
+def _upstream_line(up: dict[str, Any]) -> str:
+    endings = ", ".join(f"{e} {_n(v)}" for e, v in up["stream_endings"].items())
+    circuits = ", ".join(f"{m} {state}" for m, state in sorted(up["circuits"].items())) or "all closed"
+    return (f"upstream  in flight {_n(up['in_flight'])} of limit {_n(up['limit'], 1)}   knee {_n(up['knee'])}   "
+            f"circuits: {circuits}\n          stream endings: {endings}\n")
 
 
 # --------------------------------------------------------------------------- drawing
@@ -377,11 +406,13 @@ def render(snap: dict[str, Any], source: str) -> Any:
     if "engine" in snap:
         e, b = snap["engine"], snap["batch"]
         flushes = ", ".join(f"{r} {_n(v)}" for r, v in b["flushes"].items()) or "-"
+        # A stream engine's model server keeps its own engine and KV: its limit and streams stand there instead.
         parts.append(Text(
-            f"engine  busy {_pct(e['busy_ratio'])}   roofline efficiency {_pct(e['roofline_efficiency'])}   "
-            f"compute score {_n(e['compute_score'], 1)}   GPU util {_pct(e['gpu_utilization_ratio'])}\n"
-            f"KV      fragmentation {_pct(e['kv_fragmentation_ratio'])}   OOM {_n(e['kv_oom'])} "
-            f"(+{_n(e['kv_oom_in_window'])})\n"
+            (_upstream_line(snap["upstream"]) if snap.get("upstream") else
+             f"engine  busy {_pct(e['busy_ratio'])}   roofline efficiency {_pct(e['roofline_efficiency'])}   "
+             f"compute score {_n(e['compute_score'], 1)}   GPU util {_pct(e['gpu_utilization_ratio'])}\n"
+             f"KV      fragmentation {_pct(e['kv_fragmentation_ratio'])}   OOM {_n(e['kv_oom'])} "
+             f"(+{_n(e['kv_oom_in_window'])})\n") +
             f"batch   mean {_n(b['mean_size'], 1)}   P95 {_n(b['p95_size'], 1)}   flushes: {flushes}\n"
             f"tasks in flight {_n(snap['tasks_in_flight'])}" + _dram_line(snap["dram"])
         ))

@@ -9,7 +9,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from switchyard_harness.top import Scrape, histogram_quantile, metrics_url, parse, snapshot
+from switchyard_harness.top import Scrape, histogram_quantile, metrics_url, parse, render, snapshot
 
 pytestmark = pytest.mark.no_gpu
 
@@ -105,3 +105,38 @@ def test_metrics_url_takes_host_port_or_a_url() -> None:
 def test_bad_arguments_name_the_flag(args: list[str], says: str) -> None:
     out = subprocess.run([sys.executable, "-m", "switchyard.cli", "top", *args], capture_output=True, text=True)
     assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+def _upstream_text(calls: int, endings: dict[str, int], circuit: str = "closed") -> str:
+    registry = CollectorRegistry()
+    Counter("switchyard_gateway_requests", "", ["model", "outcome"], registry=registry).labels("sim-7b", "ok").inc(calls)
+    Gauge("switchyard_upstream_concurrency_limit", "", registry=registry).set(24.5)
+    Gauge("switchyard_upstream_concurrency_knee", "", registry=registry).set(22)
+    Gauge("switchyard_upstream_in_flight", "", registry=registry).set(20)
+    ended = Counter("switchyard_upstream_stream_endings", "", ["ending"], registry=registry)
+    for ending, n in endings.items():
+        ended.labels(ending).inc(n)
+    state = Gauge("switchyard_gateway_circuit_state", "", ["model", "state"], registry=registry)
+    for name in ("closed", "open", "half_open"):
+        state.labels("sim-7b", name).set(1 if name == circuit else 0)
+    return _dispatcher_text([], tokens=0, busy=0.0, flushes=0) + generate_latest(registry).decode()
+
+
+def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
+    """With the openai engine the dispatcher's own engine and KV read 0 (the model server holds them): top
+    shows the upstream's limit, knee, streams, their endings and any circuit not closed instead."""
+    from rich.console import Console
+
+    before = Scrape("dispatcher", "u", parse(_upstream_text(10, {"done_marker": 10})), at=1.0)
+    after = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25, "finish_reason": 5, "cut": 1},
+                                                           circuit="open")), at=2.0)
+    up = snapshot({"dispatcher": after}, {"dispatcher": before})["upstream"]
+    assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": "open"},
+                  "stream_endings": {"done_marker": 15, "finish_reason": 5, "cut": 1}}
+    console = Console(width=120, record=True)
+    console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
+    text = console.export_text()
+    assert "upstream  in flight 20 of limit 24.5   knee 22   circuits: sim-7b open" in text
+    assert "finish_reason 5, cut 1" in text and "engine  busy" not in text
+    # a step engine (no upstream call made) keeps its engine line
+    assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)})["upstream"] is None
