@@ -387,6 +387,28 @@ async def test_a_status_asked_by_task_id_and_another_agents_id_is_not_found():
         assert other.value.details().startswith("agent_id: no task 'owned-1' of agent 'agent-b'")
 
 
+async def test_a_task_cancelled_while_streaming_keeps_its_first_token_and_the_time_in_its_stages():
+    """Seen in front of transformers serve: a task cancelled after 3 s of tokens read ttft_s 0 and had no
+    inference stage in its status."""
+    async with stack() as (stub, down):
+        down.words, down.token_gap_s = ["w"] * 400, 0.01  # about 4 s of tokens
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="cut-1", payload="hello", task_type="chat"))
+        for _ in range(200):
+            if down.requests:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # tokens are streaming
+        await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="cut-1"))
+        for _ in range(200):
+            status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="cut-1"))
+            if status.state == agent_pb2.FAILED:
+                break
+            await asyncio.sleep(0.02)
+    assert status.error == "CANCELLED: cancelled by CancelTask while RUNNING"
+    assert 0 < status.timings.ttft_s < status.timings.total_s
+    assert status.timings.stage_s["infer"] >= 0.2, dict(status.timings.stage_s)
+
+
 async def test_react_loop_calls_both_tools_and_streams_them():
     async with stack() as (stub, down):
         events = await collect(stub, payload="What does with do, and what is 12*(3+4)?", task_type="react_loop")

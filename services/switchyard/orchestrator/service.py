@@ -460,6 +460,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         entry.started = True
         spec = entry.spec
         running: asyncio.Future[None] | None = None
+        task: Task | None = None
         t0 = time.monotonic()
         try:
             if entry.cancelled or self._stopping:  # asked before this runner began
@@ -484,6 +485,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
             state, result = agent_pb2.FAILED, b""
+            if task is not None:  # what it did before it failed: its first token, the time in each stage
+                entry.timings.ttft_s = task.timings.ttft_s
+                entry.timings.stage_s.update(task.timings.stage_s)
             entry.timings.total_s = time.monotonic() - t0
         finally:
             self._submitted.stopped(entry)

@@ -319,11 +319,14 @@ class Stage:
         return span
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        task, start, end = self._task, self._start, time.monotonic()
+        duration = end - start
+        stages = task.timings.stage_s
+        # A stage that ended in an error (a cancelled task's inference, say) counts its time in the task's
+        # timings too, where a failed task's status shows where its time went; only a finished stage is an
+        # event and a sample of its histogram.
+        stages[self._name] = stages.get(self._name, 0.0) + duration
         if exc_type is None:
-            task, start, end = self._task, self._start, time.monotonic()
-            duration = end - start
-            stages = task.timings.stage_s
-            stages[self._name] = stages.get(self._name, 0.0) + duration
             STAGE_DURATION.labels(self._metric).observe(duration)
             task.emit(agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(
                 name=self._name, start_s=start - task.t0, end_s=end - task.t0, duration_s=duration,
