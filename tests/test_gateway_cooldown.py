@@ -68,7 +68,8 @@ async def test_without_a_fallback_an_open_circuit_fails_fast_naming_the_cooldown
                 await served_by(client)
         assert server.state.counts[PRIMARY] == 2
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "cooling down" in str(caught.value) and "model_gateway.cooldown.cooldown_s" in str(caught.value)
+    assert "cooling down" in str(caught.value) and "first_cooldown_s, doubled at each reopening up to cooldown_s" \
+        in str(caught.value)
 
 
 @pytest.mark.parametrize("status", [400, 429], ids=["request-error", "rate-limit"])
@@ -221,3 +222,38 @@ async def test_half_open_through_the_client_sends_one_probe_the_rest_go_to_the_f
             served = await asyncio.gather(*(served_by(client) for _ in range(10)))
         assert served.count(PRIMARY) == 1 and served.count(FALLBACK) == 9
         assert server.state.counts[PRIMARY] == 3  # two failures, then exactly one probe
+
+
+async def test_the_open_period_doubles_at_each_reopening_up_to_the_cooldown_and_starts_over_once_closed() -> None:
+    """A model server restarted in a few seconds is tried again within first_cooldown_s (before, every
+    opening lasted cooldown_s: 30 s of refusals after the server was back, seen in front of transformers
+    serve); one that stays down is probed at 2, 4, 8, 16 s, then every cooldown_s."""
+    clock = Clock()
+    cooldowns = breaker(clock, first_cooldown_s=2.0)  # cooldown_s 10
+
+    async def fail() -> None:
+        raise failure()
+
+    async def ok() -> str:
+        return "ok"
+
+    await open_circuit(cooldowns, PRIMARY)
+    waits = []
+    for _ in range(5):  # each period: refused until it ends, then its probe fails
+        opened_at, probed = clock.now, False
+        while not probed:
+            clock.now += 0.25
+            try:
+                await cooldowns.call(PRIMARY, fail)
+            except ModelCoolingDown:
+                continue
+            except UpstreamServerError:
+                probed = True  # admitted as the half-open probe, and failed
+        waits.append(clock.now - opened_at)
+        assert cooldowns.state(PRIMARY) == "open"  # the probe failed: open again
+    assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
+    clock.now += 10.0
+    assert await cooldowns.call(PRIMARY, ok) == "ok" and cooldowns.state(PRIMARY) == "closed"
+    await open_circuit(cooldowns, PRIMARY)  # closed in between: the next opening starts over
+    clock.now += 2.0
+    assert await cooldowns.call(PRIMARY, ok) == "ok"

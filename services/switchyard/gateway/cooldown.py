@@ -1,7 +1,11 @@
 """Per upstream model: its circuit breaker (LiteLLM's cooldowns) and the waits it asked for.
 
 **Circuit breaker.** A model whose calls fail ``model_gateway.cooldown.failures``
-times in a row is *open* for ``cooldown_s``: its requests are refused at once
+times in a row is *open* for ``first_cooldown_s``, doubled at each reopening
+(a probe failed) up to ``cooldown_s`` and started over once it closes
+(resilience4j's exponential wait in the open state): a model server back after
+a restart is tried again within seconds, one that stays down ever less often.
+While open its requests are refused at once
 with :class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
 allowed), so the fallback model serves them without paying the dead model's
 timeouts and retries first. After the cooldown the circuit is *half-open*: it
@@ -49,7 +53,7 @@ from typing import Awaitable, Callable, TypeVar
 
 import grpc
 
-from switchyard.common.config import UpstreamConfig
+from switchyard.common.config import CooldownConfig, UpstreamConfig
 from switchyard.common.metrics import OTHER
 from switchyard.gateway import models as model_names
 from switchyard.gateway.errors import GatewayError, ModelCoolingDown, UpstreamAskedToWait
@@ -90,6 +94,14 @@ class _Circuit:
     asked_status: str = ""
     probes: set[int] = field(default_factory=set)
     """Ids of the probes in flight in the current half-open period."""
+    opens: int = 0
+    """Openings since the circuit was last closed: the open period is ``first_cooldown_s x 2^(opens - 1)``."""
+
+
+def open_period_s(cfg: CooldownConfig, opens: int) -> float:
+    """Seconds a circuit stays open at its ``opens``-th opening since it last closed (1 for the first):
+    ``min(cooldown_s, first_cooldown_s x 2^(opens - 1))``."""
+    return min(cfg.cooldown_s, cfg.first_cooldown_s * 2.0 ** min(opens - 1, 32))
 
 
 class Cooldowns:
@@ -130,16 +142,18 @@ class Cooldowns:
         GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, to).inc()
         cfg = self.config.cooldown
         if to == OPEN:
-            circuit.open_until = self._clock() + cfg.cooldown_s
+            circuit.opens += 1
+            period = open_period_s(cfg, circuit.opens)
+            circuit.open_until = self._clock() + period
             circuit.probes.clear()
             circuit.probes_succeeded = 0
             why = "a probe failed" if before == HALF_OPEN else f"{cfg.failures} failures in a row"
             log.warning("upstream model %r: circuit open after %s; skipped for %g s (model_gateway.cooldown)",
-                        model, why, cfg.cooldown_s)
+                        model, why, period)
         elif to == HALF_OPEN:
             log.info("upstream model %r: circuit half-open, admitting %d probe(s)", model, cfg.half_open_probes)
         else:
-            circuit.failures = 0
+            circuit.failures = circuit.opens = 0
             circuit.probes.clear()
             log.info("upstream model %r: circuit closed, serving again", model)
 
@@ -159,7 +173,8 @@ class Cooldowns:
             circuit.probes.add(self._next_call)
             return self._next_call
         if circuit.state == OPEN:
-            left = f"skipped for {circuit.open_until - now:.1f} s more (model_gateway.cooldown.cooldown_s)"
+            left = (f"skipped for {circuit.open_until - now:.1f} s more (model_gateway.cooldown: first_cooldown_s, "
+                    "doubled at each reopening up to cooldown_s)")
         else:
             left = (f"half-open with its {cfg.half_open_probes} probe(s) in flight "
                     "(model_gateway.cooldown.half_open_probes); refused until they end")

@@ -23,10 +23,17 @@ class CooldownConfig(_Strict):
         description="Upstream failures in a row, count (5xx, timeouts, cut connections; never a 429 or the request's "
         "own fault) that open the circuit.",
     )
+    first_cooldown_s: float = Field(
+        2.0, gt=0, le=3600,
+        description="How long a model is skipped the first time its circuit opens, seconds; each reopening (a "
+        "half-open probe failed) doubles it, up to cooldown_s, and closing starts over (resilience4j's "
+        "exponential wait in the open state): a server back after a restart is tried again within seconds, one "
+        "that stays down is tried ever less often. At cooldown_s or more, every opening lasts cooldown_s.",
+    )
     cooldown_s: float = Field(
         30.0, gt=0, le=3600,
-        description="How long a model is skipped once open, seconds; then the circuit is half-open and admits "
-        "half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
+        description="The longest a model is skipped once open, seconds (see first_cooldown_s); then the circuit is "
+        "half-open and admits half_open_probes trial requests (LiteLLM's cooldown time is configured the same way).",
     )
     half_open_probes: int = Field(
         1, ge=1, le=1000,
