@@ -173,6 +173,12 @@ async def test_every_upstream_failure_names_the_upstream_that_answered(clean_pro
     assert f"{server.base_url}/chat/completions" in str(err), str(err)
 
 
+async def test_a_model_the_server_does_not_serve_names_the_upstream_too(sim_openai):
+    err = await stream_error(gateway_config(sim_openai.base_url, default_model="no-such-model", fallback_model=""))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert f"{sim_openai.base_url}/chat/completions" in str(err), str(err)
+
+
 async def test_malformed_chunk_message_quotes_the_chunk(clean_proxy_env):
     with start_sim(faults={"*": Fault(malformed_after=0)}) as server:
         err = await stream_error(gateway_config(server.base_url, fallback_model=""))

@@ -398,6 +398,8 @@ async def test_a_task_cancelled_while_streaming_keeps_its_first_token_and_the_ti
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # tokens are streaming
+        running = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="cut-1"))
+        assert running.state == agent_pb2.RUNNING and running.timings.ttft_s > 0  # shown while it runs too
         await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="cut-1"))
         for _ in range(200):
             status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="cut-1"))
@@ -407,6 +409,7 @@ async def test_a_task_cancelled_while_streaming_keeps_its_first_token_and_the_ti
     assert status.error == "CANCELLED: cancelled by CancelTask while RUNNING"
     assert 0 < status.timings.ttft_s < status.timings.total_s
     assert status.timings.stage_s["infer"] >= 0.2, dict(status.timings.stage_s)
+    assert {"submitted", "orchestration"} <= set(status.timings.queue_wait_s), dict(status.timings.queue_wait_s)
 
 
 async def test_react_loop_calls_both_tools_and_streams_them():

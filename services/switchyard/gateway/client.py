@@ -543,7 +543,8 @@ class GatewayClient:
                 known = await self._known_models(endpoint)
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
-                    return ModelNotFound(model, model_names.nearest(model, known or []), detail, served=known)
+                    return ModelNotFound(model, model_names.nearest(model, known or []), detail,
+                                         served=known).naming(url)
                 if status == 404:
                     return EndpointNotFound(
                         f"upstream 404 for {url} although model {model!r} is listed; "

@@ -467,8 +467,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 raise asyncio.CancelledError
 
             def emit(event: agent_pb2.TaskEvent) -> None:
-                if event.WhichOneof("event") == "stage":
+                kind = event.WhichOneof("event")
+                if kind == "stage":
                     entry.timings.stage_s[event.stage.name] = event.stage.duration_s
+                elif kind == "token" and not entry.timings.ttft_s:  # a running task's status shows it too
+                    entry.timings.ttft_s = time.monotonic() - t0
 
             task = self._new_task(spec, emit, None)
             task.trace_id, t0 = entry.trace_id, task.t0
@@ -485,9 +488,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
             state, result = agent_pb2.FAILED, b""
-            if task is not None:  # what it did before it failed: its first token, the time in each stage
+            if task is not None:  # what it did before it failed: its first token, its waits, each stage's time
                 entry.timings.ttft_s = task.timings.ttft_s
                 entry.timings.stage_s.update(task.timings.stage_s)
+                entry.timings.queue_wait_s.update(task.timings.queue_wait_s)
             entry.timings.total_s = time.monotonic() - t0
         finally:
             self._submitted.stopped(entry)

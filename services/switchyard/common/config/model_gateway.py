@@ -212,7 +212,8 @@ class UpstreamConfig(_Strict):
     api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the environment variable holding the API key (a name, not the key).")
     default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model id used when a request names none.")
     fallback_model: str = Field(
-        "gpt-4o-mini", description="Model id tried when the primary model fails before its first token; empty disables fallback."
+        "gpt-4o-mini", description="Model id tried when the primary model fails before its first token; empty (in the "
+        "environment: SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none, since an empty variable counts as unset) disables fallback."
     )
     model_map: dict[str, str] = Field(
         default_factory=dict, description="Client-facing model name -> upstream model id; unmapped names pass through."
