@@ -302,12 +302,12 @@ class GatewayClient:
                 call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
                 call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
             except httpx.HTTPError as exc:
-                url = f"{opened.endpoint.url}/chat/completions"
+                url = opened.endpoint.chat_completions
                 error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
                 _count_cut(error)
                 raise error.after_tokens(sent) from None
             except GatewayError as exc:
-                raise exc.naming(f"{opened.endpoint.url}/chat/completions").after_tokens(sent)
+                raise exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
             finally:
                 await opened.response.aclose()
                 self.pool.finished(opened.endpoint)
@@ -494,7 +494,7 @@ class GatewayClient:
         An answer 400/422 refusing an optional field that was sent (``priority``,
         ``stream_options``) drops that field for this endpoint and sends the request again.
         """
-        url = f"{endpoint.url}/chat/completions"
+        url = endpoint.chat_completions
         while True:
             body = await self._body(request, endpoint, model, stream=stream)
             http_request = endpoint.http.build_request(
@@ -532,7 +532,7 @@ class GatewayClient:
     async def _status_error(
         self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey
     ) -> GatewayError:
-        url = f"{endpoint.url}/chat/completions"
+        url = endpoint.chat_completions
         status = response.status_code
         if status in (400, 404, 422):
             # A 400/422 whose message names the model may be a model the server does not serve
@@ -562,7 +562,7 @@ class GatewayClient:
     async def _open_stream(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
         sent = time.monotonic()
         response = await self._send(call, request, endpoint, model, stream=True)
-        url = f"{endpoint.url}/chat/completions"
+        url = endpoint.chat_completions
         try:
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.lower():
@@ -594,7 +594,7 @@ class GatewayClient:
 
     async def _complete_once(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> Completion:
         response = await self._send(call, request, endpoint, model, stream=False)
-        url = f"{endpoint.url}/chat/completions"
+        url = endpoint.chat_completions
         try:
             text = (await response.aread()).decode("utf-8", "replace")
         except httpx.HTTPError as exc:
