@@ -470,8 +470,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 kind = event.WhichOneof("event")
                 if kind == "stage":
                     entry.timings.stage_s[event.stage.name] = event.stage.duration_s
-                elif kind == "token" and not entry.timings.ttft_s:  # a running task's status shows it too
-                    entry.timings.ttft_s = time.monotonic() - t0
+                elif kind == "token" and not entry.timings.ttft_s and task is not None:
+                    entry.timings.ttft_s = task.timings.ttft_s  # the task's own measure; its status shows it now
 
             task = self._new_task(spec, emit, None)
             task.trace_id, t0 = entry.trace_id, task.t0
@@ -488,8 +488,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
             state, result = agent_pb2.FAILED, b""
-            if task is not None:  # what it did before it failed: its first token, its waits, each stage's time
-                entry.timings.ttft_s = task.timings.ttft_s
+            if task is not None:  # what it did before it failed (its first token is in already): waits, stages
                 entry.timings.stage_s.update(task.timings.stage_s)
                 entry.timings.queue_wait_s.update(task.timings.queue_wait_s)
             entry.timings.total_s = time.monotonic() - t0
