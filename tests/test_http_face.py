@@ -248,6 +248,7 @@ async def test_a_full_queue_answers_429_at_once_and_queues_nothing():
         assert (await client.post("/api/v1/agent/submit", json=body)).status_code == 200  # waits in the backlog
         full = await client.post("/api/v1/agent/submit", json={**body, "task_id": "refused"})
         assert full.status_code == 429, full.text
+        assert full.headers["Retry-After"] == "1"  # RFC 9110 section 10.2.3: when to try again
         assert "orchestrator.max_unfinished_submitted_tasks" in full.json()["error"]["message"]
         assert (await client.get("/api/v1/tasks/refused")).status_code == 404
         waiting = stub.RunTask(agent_pb2.RunTaskRequest(payload="hello", task_type="chat"))
@@ -360,8 +361,9 @@ async def test_bearer_tokens_of_the_grpc_edge_guard_the_http_face(tmp_path):
         body = {**FIELD_BODY, "task_type": "chat"}
         missing = await client.post("/api/v1/agent/submit", json=body)
         assert missing.status_code == 401 and "'Authorization' header" in missing.json()["error"]["message"]
+        assert missing.headers["WWW-Authenticate"].startswith("Bearer")  # RFC 6750 section 3: the scheme asked for
         wrong = await client.post("/api/v1/agent/run", json=body, headers={"Authorization": "Bearer tok-nope"})
-        assert wrong.status_code == 401
+        assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"].startswith("Bearer")
         reader = {"Authorization": "Bearer tok-reader-2"}
         forbidden = await client.post("/api/v1/agent/submit", json=body, headers=reader)
         assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "PERMISSION_DENIED"

@@ -159,9 +159,9 @@ def test_returns_are_learned_per_tool_against_the_announced_wait():
     for k in range(MIN_RETURNS):  # announced 10 s, back after 8 s
         plans.add(plan(f"a{k}", 0.0, 10.0))
         plans.on_turn(f"a{k}", 8.0, warm=False)
-    assert plans.return_times("t", 20.0) == (16.0,) * MIN_RETURNS  # scaled to the new announcement
-    assert plans.return_times("t", 1.0) == ()  # announced at a tenth: another regime, not measured
-    assert plans.return_times("other-tool", 10.0) == ()
+    assert plans.return_times("t", 20.0) == ((16.0,), (1.0,))  # scaled to the new announcement: all the mass at 16 s
+    assert plans.return_times("t", 1.0).times == ()  # announced at a tenth: another regime, not measured
+    assert plans.return_times("other-tool", 10.0).times == ()
 
 
 def test_due_restores_come_from_a_heap_earliest_first_and_replaced_plans_drop_out():
@@ -176,3 +176,81 @@ def test_due_restores_come_from_a_heap_earliest_first_and_replaced_plans_drop_ou
     plans.started(plans.get("early"))
     assert [p.agent_id for p in plans.due(9.5)] == ["mid", "late"]
     assert plans.next_restore_after(9.5) == float("inf")
+
+
+# ----------------------------------------------------------------- calls still running (right-censored)
+
+from switchyard.dispatcher.scheduler.tool_wait import ABANDONED_RATIO, kaplan_meier  # noqa: E402
+
+
+def test_kaplan_meier_hands_a_running_calls_probability_to_the_returns_beyond_it():
+    """Returns at 1, 2, 3 and one call running for 1.5: the product-limit estimate is S(1) = 3/4, S(2) =
+    3/4 x 1/2, S(3) = 0 (Kaplan and Meier 1958), so the masses are 1/4, 3/8, 3/8."""
+    times, weights = kaplan_meier([1.0, 2.0, 3.0], [1.5])
+    assert times == (1.0, 2.0, 3.0)
+    assert weights == pytest.approx((0.25, 0.375, 0.375))
+    assert kaplan_meier([1.0, 2.0, 3.0], []) == ((1.0, 2.0, 3.0), pytest.approx((1 / 3,) * 3))
+    assert kaplan_meier([], [5.0]) == ((), ())
+
+
+def test_a_call_running_past_every_measured_return_returns_after_as_long_again():
+    """Beyond every measured return the estimate has nothing to hand its probability to: the call is taken
+    to return after as long again as it has run (residual_wait_s, the announced wait 1 at least)."""
+    times, weights = kaplan_meier([0.5, 0.6], [0.7, 3.0])
+    assert times == (0.5, 0.6, 1.7, 6.0)
+    assert weights == pytest.approx((0.25,) * 4)
+
+
+def test_the_calls_still_running_move_a_tools_distribution_past_its_quick_first_returns():
+    """A load's first returns are its quickest calls: 8 of 40 calls announced at 10 s came back after 4-6 s
+    while 32 have run 7 s and still run. The returns alone put the tool's P95 at 6 s (every turn after that
+    would find its restore gone); with the running calls the distribution's mass lies past 7 s."""
+    plans = ToolWaitPlans()
+    for k in range(40):
+        plans.add(ToolWaitPlan(f"a{k}", "batch_job", Decision.SWAP, 0.0, 10.0, 20.0))
+    for k in range(MIN_RETURNS):
+        plans.on_turn(f"a{k}", 4.0 + 2.0 * k / MIN_RETURNS, warm=False)
+    returned_only = plans.return_times("batch_job", 10.0)
+    assert max(returned_only.times) < 6.0 and sum(returned_only.weights) == pytest.approx(1.0)
+    with_running = plans.return_times("batch_job", 10.0, now=7.0)
+    past = sum(w for t, w in zip(*with_running) if t > 7.0)
+    assert past == pytest.approx(32 / 40)
+    i = inputs(expected_wait_s=10.0, pressure=1.0, returns_s=with_running.times, return_weights=with_running.weights)
+    assert decide(i, grace_s=10.0).revisit_at_s > 7.0  # the revisit is not before the running calls' time
+
+
+def test_a_call_running_many_times_its_announced_wait_counts_as_abandoned_and_a_refused_turn_ends_its_plan():
+    plans = ToolWaitPlans()
+    for k in range(MIN_RETURNS + 2):
+        plans.add(ToolWaitPlan(f"a{k}", "t", Decision.SWAP, 0.0, 1.0, 2.0))
+    for k in range(MIN_RETURNS):
+        plans.on_turn(f"a{k}", 1.0, warm=False)
+    assert plans.return_times("t", 1.0, now=ABANDONED_RATIO + 1).times == (1.0,)  # both running ones: abandoned
+    assert plans.return_times("t", 1.0, now=2.0).times == (1.0, 4.0)  # running for 2 s: back after 4 s
+    assert plans.abandon(f"a{MIN_RETURNS}") is not None and plans.abandon(f"a{MIN_RETURNS + 1}") is not None
+    assert plans.return_times("t", 1.0, now=2.0).times == (1.0,)  # a refused turn is no running call
+    assert plans.get(f"a{MIN_RETURNS}") is None and sum(plans.resumes.values()) == MIN_RETURNS  # nor a resume
+
+
+def test_return_weights_must_be_one_probability_per_return():
+    with pytest.raises(ValueError, match="return_weights"):
+        inputs(returns_s=(1.0, 2.0), return_weights=(1.0,))
+    with pytest.raises(ValueError, match="return_weights"):
+        inputs(returns_s=(1.0, 2.0), return_weights=(0.5, 0.6))
+
+
+@pytest.mark.parametrize("weight", [0.5, 2.0, 200.0])
+def test_the_landing_prices_each_return_by_its_probability(weight):
+    returns = tuple(float(r) for r in range(5, 15))
+    probs = tuple(k + 1.0 for k in range(10))
+    probs = tuple(p / sum(probs) for p in probs)  # later returns likelier
+    i = inputs(expected_wait_s=10.0, kv_bytes=2 * GB, pressure=1.0, returns_s=returns, return_weights=probs,
+               cold_resume_weight=weight)
+    hold = i.kv_bytes / i.budget_bytes
+    cold = weight * i.transfer_s
+    best, best_cost = None, cold
+    for x in returns:
+        cost = sum(p * (hold * max(0.0, r - x) + (cold if r < x else 0.0)) for r, p in zip(returns, probs))
+        if cost < best_cost - 1e-12:
+            best, best_cost = x, cost
+    assert restore_landing_s(i) == (pytest.approx(best) if best is not None else None)

@@ -302,9 +302,10 @@ def test_tools_outside_the_registered_ones_are_measured_apart_and_counted_as_oth
             start = 10.0 * i
             plans.add(ToolWaitPlan(agent, tool, Decision.KEEP, start, start + announced, start + 2 * announced))
             plans.on_turn(agent, start + took, warm=True)
-    assert plans.return_times("fetch_page", announced) == pytest.approx((1.0,) * MIN_RETURNS)
-    assert plans.return_times("run_query", announced) == pytest.approx((3.6,) * MIN_RETURNS)
-    assert plans.return_times("other", announced) == ()  # the label measures nothing of its own
+    for tool, took in (("fetch_page", 1.0), ("run_query", 3.6)):
+        times, weights = plans.return_times(tool, announced)
+        assert times and all(t == pytest.approx(took) for t in times) and sum(weights) == pytest.approx(1.0)
+    assert plans.return_times("other", announced).times == ()  # the label measures nothing of its own
     assert plans.decisions[("other", "keep")] == plans.resumes[("other", "warm")] == 2 * MIN_RETURNS
     assert not any(label in ("fetch_page", "run_query") for label, _ in plans.resumes)
 
@@ -314,3 +315,24 @@ def test_tools_outside_the_registered_ones_are_measured_apart_and_counted_as_oth
         plans.on_turn(f"a{i}", 1.0, warm=True)
     assert len(plans._returns) == tool_wait.MAX_TOOLS
     assert "fetch_page" not in plans._returns and f"tool-{tool_wait.MAX_TOOLS - 1}" in plans._returns
+
+
+async def test_an_agent_whose_next_step_cannot_make_its_deadline_leaves_nothing_parked_or_planned(redis_db: RedisDb):
+    """The fair policy refuses, by name, a step that cannot make its task's deadline: the task ends there.
+    Its agent's parked KV leaves HBM at once (before, it sat there until the parking's TTL, held for a
+    turn that would not come) and its tool-wait plan ends (before, the call stayed "running" for ever and
+    skewed its tool's measured returns)."""
+    from switchyard.dispatcher.scheduler.slack import CannotMeetDeadline
+
+    sched, engine = build(redis_db, **{"scheduler.policy": "fair"})
+    await parked_step(sched, engine, "agent-a", 0.0)
+    assert sched.tool_wait("agent-a", 0.05, now=0.01, tool=TOOL).decision is Decision.KEEP
+    assert sched.parking.kv_bytes > 0 and sched.tool_waits.get("agent-a") is not None
+    late = step_request("agent-a-answer", "agent-a", 0.06, 700, resume=True)
+    late.task_time_left_s, late.expected_remaining_work_s = 0.5, 5.0
+    with pytest.raises(CannotMeetDeadline):
+        sched.resume(late, 0.06)
+    assert sched.parked == [] and sched.parking.kv_bytes == 0
+    assert sched.tool_waits.get("agent-a") is None
+    assert sched.tool_waits.return_times(TOOL, 1.0, now=100.0).times == ()
+    await sched.tiers.aclose()

@@ -116,11 +116,21 @@ def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator"
     return {"error": {"code": code.name, "message": message, "origin": origin}}
 
 
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 429 or 503 answer, seconds (RFC 9110 section 10.2.3): a full backlog or a stopping
+orchestrator has no time of its own to give; one second spaces the retries of a client that honours it."""
+
+
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
     status = HTTP_STATUS.get(code, 500) if status is None else status
-    # 408: the body never arrived whole, so what is left of it cannot be told from the next request; close.
-    return web.json_response(error_body(code, message, origin), status=status,
-                             headers={"Connection": "close"} if status == 408 else None)
+    headers: dict[str, str] = {}
+    if status == 408:  # the body never arrived whole: what is left of it cannot be told from the next request
+        headers["Connection"] = "close"
+    elif status == 401:  # RFC 9110 section 11.6.1: a 401 names its scheme; RFC 6750 section 3: Bearer
+        headers["WWW-Authenticate"] = 'Bearer realm="switchyard"'
+    elif status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return web.json_response(error_body(code, message, origin), status=status, headers=headers or None)
 
 
 def _abort_answer(exc: HttpAbort) -> web.Response:

@@ -120,7 +120,7 @@ class SchedulerConfig(_Strict):
         30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long, seconds."
     )
     tool_wait_cold_resume_weight: float = Field(
-        1.5, ge=0, le=10_000,
+        2.0, ge=0, le=10_000,
         description="Engine-seconds one second of a cold resume's restore stall costs, a weight: a swapped agent's KV "
         "is timed back into HBM where the KV held idle until its turn (its share of the KV budget x pressure x "
         "seconds) and the turns that come back before it (this weight x one transfer each) cost least, over the "

@@ -820,11 +820,12 @@ class SchedulerCore:
             budget = max(1, entry.kv_bytes)
         used = (self.capacity.reserved_bytes if isinstance(self.capacity, KvBudget) else 0) + self.parking.kv_bytes
         tokens = entry.req.num_computed_tokens
+        returns = self.tool_waits.return_times(tool, expected_wait_s, now)
         decision = decide(ToolWaitInputs(
             expected_wait_s=expected_wait_s, kv_bytes=entry.kv_bytes, budget_bytes=budget,
             pressure=min(1.0, used / budget), transfer_s=self.tiers.transfer_seconds(entry.kv_bytes),
             recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap(),
-            returns_s=self.tool_waits.return_times(tool, expected_wait_s),
+            returns_s=returns.times, return_weights=returns.weights,
             cold_resume_weight=self.config.tool_wait_cold_resume_weight),
             grace_s=expected_wait_s)
         self._now = now
@@ -846,6 +847,14 @@ class SchedulerCore:
         self._events.tool_wait_expected_s.append(expected_wait_s)
         return decision
 
+
+    def forget_agent(self, agent_id: str) -> None:
+        """``agent_id``'s task ended at this dispatcher between two steps (its next step refused by name, as
+        one that cannot make its deadline): its parked KV leaves HBM now instead of at the parking's TTL, and
+        its tool-wait plan ends (no restore for a turn that will not come, no running call left to skew its
+        tool's measured returns)."""
+        self.parking.forget(agent_id)
+        self.tool_waits.abandon(agent_id)
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""

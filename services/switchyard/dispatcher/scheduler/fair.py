@@ -146,7 +146,12 @@ class FairScheduler(PriorityScheduler):
         """
         if req.task_time_left_s is not None:
             left = req.task_time_left_s - max(0.0, now - req.arrival)
-            slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
+            try:
+                slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
+            except slack_rule.CannotMeetDeadline:
+                if req.resume and req.agent_id:  # its task ends here: nothing is kept for its next turn
+                    self.forget_agent(req.agent_id)
+                raise
         super().add_request(req, now)
 
     def fair_key(self, req: Request, now: float) -> OrderKey:

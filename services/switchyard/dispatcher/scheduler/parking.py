@@ -154,6 +154,16 @@ class ParkedAgents:
             self._cold.popitem(last=False)
         return in_dram
 
+    def forget(self, agent_id: str) -> bool:
+        """The agent's task ended here (its next step was refused): its parked state is released, not kept
+        or demoted for a turn that will not come, and its cold prefix forgotten; True when it was parked."""
+        self._cold.pop(agent_id, None)
+        entry = self._parked.pop(agent_id, None)
+        if entry is None:
+            return False
+        self._release(entry.req)
+        return True
+
     def _ttl(self, entry: ParkedAgent) -> float:
         return self.ttl_s if entry.ttl_s is None else entry.ttl_s
 

@@ -36,8 +36,9 @@ keep, then swap)::
 Once the tool has :data:`MIN_RETURNS` measured returns
 (:meth:`ToolWaitPlans.return_times`: the dispatcher's own record, per tool,
 of how long each call took from its announcement to its agent's next turn,
-as a ratio to the announced wait, scaled to this call's), ``wait`` in keep
-is their mean, and swap's stall term is the price of the best restore
+as a ratio to the announced wait, scaled to this call's; the calls still
+running count too, as returns not seen yet: the Kaplan-Meier estimate, below),
+``wait`` in keep is their mean, and swap's stall term is the price of the best restore
 timing over them (:func:`restore_landing_s`): the KV held idle from its
 landing to the turn (``share x pressure`` a second) against the turns that
 come back before it and wait for their restore at admission
@@ -103,6 +104,18 @@ recomputed) (:class:`ToolWaitPlans`; exported as
 ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}`` and the
 prefetches by the tool's return as ``switchyard_tool_wait_prefetches_total{tool,tool_return}``).
 
+The calls of a tool still running are evidence as well: a distribution learned
+from the returns alone is biased short whenever the calls that returned are
+the quick ones of their start (every start of a load, every slowdown of the
+tool: the first returns measured are the first to come back). The
+distribution is the Kaplan-Meier estimate (Kaplan and Meier 1958), computed
+as Efron's redistribution to the right (1967): each running call, right-
+censored at its elapsed time, hands its probability to the measured returns
+beyond it; one running longer than every measured return is taken to return
+after as long again as it has run, at least the announced wait
+(:func:`residual_wait_s`), and a call running :data:`ABANDONED_RATIO` times
+its announced wait is taken as abandoned (its agent gone) and left out.
+
 KEEP holds the KV ``wait + grace`` (the grace is as long again as the wait:
 :func:`residual_wait_s`, the mean residual life of a heavy-tailed, Pareto-like
 duration grows in proportion to its age); then the parking TTL's expiry moves
@@ -117,6 +130,7 @@ import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from switchyard.common.metrics import TOOL_NAMES, bounded
 from switchyard.dispatcher.request import Request
@@ -124,6 +138,7 @@ from switchyard.dispatcher.request import Request
 __all__ = [
     "PREFETCH_TIMINGS",
     "RESUME_KINDS",
+    "Returns",
     "ToolWaitPlan",
     "ToolWaitPlans",
     "Decision",
@@ -176,6 +191,9 @@ class ToolWaitInputs:
     """The tool's measured return times for this wait, seconds after its start, ascending (the learned
     distribution: :meth:`ToolWaitPlans.return_times`); empty: too few measured, the restore is timed by
     ``expected_wait_s`` alone."""
+    return_weights: tuple[float, ...] = ()
+    """The probability of each of ``returns_s`` (the same length, summing to 1: the Kaplan-Meier masses of
+    :meth:`ToolWaitPlans.return_times`); empty: each equally likely."""
     cold_resume_weight: float = 1.0
     """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``)."""
 
@@ -196,6 +214,16 @@ class ToolWaitInputs:
             raise ValueError(f"idle_price_floor: expected a fraction 0..1, got {self.idle_price_floor!r}")
         if any(b < a for a, b in zip(self.returns_s, self.returns_s[1:])) or any(r < 0 for r in self.returns_s):
             raise ValueError("returns_s: expected ascending seconds >= 0")
+        if self.return_weights and (len(self.return_weights) != len(self.returns_s)
+                                    or any(w < 0 for w in self.return_weights)
+                                    or not math.isclose(sum(self.return_weights), 1.0, rel_tol=1e-6)):
+            raise ValueError("return_weights: expected one probability >= 0 per return in returns_s, summing to 1")
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Each return's probability (``return_weights``, or equal)."""
+        n = len(self.returns_s)
+        return self.return_weights or (1.0 / n,) * n
 
 
 @dataclass(frozen=True)
@@ -235,7 +263,8 @@ def costs(inputs: ToolWaitInputs) -> ToolWaitCosts:
     share = inputs.kv_bytes / inputs.budget_bytes
     pressure = min(1.0, max(inputs.pressure, inputs.idle_price_floor))
     measured = len(inputs.returns_s) >= MIN_RETURNS
-    wait = sum(inputs.returns_s) / len(inputs.returns_s) if measured else inputs.expected_wait_s
+    wait = (sum(r * w for r, w in zip(inputs.returns_s, inputs.weights)) if measured
+            else inputs.expected_wait_s)
     keep = wait * share * pressure
     round_trip = 2 * inputs.transfer_s
     if inputs.can_swap and inputs.kv_bytes > 0:
@@ -267,7 +296,7 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
                    (priced.drop, 2, Decision.DROP))[2]
     restore_at = None
     measured = len(inputs.returns_s) >= MIN_RETURNS
-    revisit = (max(_quantile(inputs.returns_s, REVISIT_QUANTILE), 2 * inputs.transfer_s) if measured
+    revisit = (max(_quantile(inputs.returns_s, inputs.weights, REVISIT_QUANTILE), 2 * inputs.transfer_s) if measured
                else inputs.expected_wait_s + grace_s)
     if decision is Decision.SWAP:
         if measured:
@@ -288,9 +317,15 @@ REVISIT_QUANTILE = 0.95
 time): a kept or restored KV is protected from eviction for waiting work until then, and leaves HBM after."""
 
 
-def _quantile(ordered: tuple[float, ...], q: float) -> float:
-    """Nearest-rank ``q`` quantile of the ascending ``ordered`` (not empty)."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def _quantile(ordered: tuple[float, ...], weights: tuple[float, ...], q: float) -> float:
+    """Nearest-rank ``q`` quantile of the ascending ``ordered`` (not empty), each value of probability
+    ``weights``: the first whose cumulative probability reaches ``q``."""
+    total = 0.0
+    for value, weight in zip(ordered, weights):
+        total += weight
+        if total >= q - 1e-9:
+            return value
+    return ordered[-1]
 
 
 def restore_landing_s(inputs: ToolWaitInputs) -> float | None:
@@ -303,6 +338,8 @@ def restore_landing_s(inputs: ToolWaitInputs) -> float | None:
         hold(x) = share x max(pressure, idle_price_floor) x E[(return - x)+]
         cold(x) = cold_resume_weight x transfer x P(return < x)
 
+    (expectation and probability over the returns' weights, :attr:`ToolWaitInputs.weights`)
+
     the KV held idle from its landing to the turn, against the turns that come back before it and wait
     for their restore at admission (a newsvendor trade-off: the critical landing time is where the
     return-time hazard meets hold price / cold price). Not restoring ahead costs ``cold(inf)`` =
@@ -314,19 +351,20 @@ def restore_landing_s(inputs: ToolWaitInputs) -> float | None:
 
 def _landing(inputs: ToolWaitInputs) -> tuple[float | None, float]:
     """(:func:`restore_landing_s`'s landing time, its price in engine-seconds)."""
-    returns = inputs.returns_s
-    n = len(returns)
+    returns, weights = inputs.returns_s, inputs.weights
     share = inputs.kv_bytes / inputs.budget_bytes
     hold = share * min(1.0, max(inputs.pressure, inputs.idle_price_floor))
     cold = inputs.cold_resume_weight * inputs.transfer_s
     earliest = 2 * inputs.transfer_s
     best, best_cost = None, cold  # never ahead: every turn restores at admission
-    tail = sum(returns)
+    tail = sum(r * w for r, w in zip(returns, weights))  # E[return; return >= x]
+    right = 1.0  # P(return >= x)
     for k, x in enumerate(returns):  # x = returns[k]; returns[:k] come back before it (cold)
         if k:
-            tail -= returns[k - 1]
+            tail -= returns[k - 1] * weights[k - 1]
+            right -= weights[k - 1]
         at = max(x, earliest)
-        cost = hold * max(0.0, tail - (n - k) * at) / n + cold * k / n
+        cost = hold * max(0.0, tail - right * at) + cold * max(0.0, 1.0 - right)
         if cost < best_cost:
             best, best_cost = at, cost
     return best, best_cost
@@ -428,6 +466,57 @@ any name, and the measured returns of tools it stopped using are not kept for ev
 SIMILAR_ANNOUNCEMENT = 2.0
 """A measured return informs a new call's timing when their announced waits are within this factor."""
 
+ABANDONED_RATIO = 10.0
+"""A call still running this many times its announced wait counts as abandoned (its agent gone, its task
+cancelled mid-tool): it is no longer evidence of the tool's return times."""
+
+MAX_CENSORED = 1024
+"""Most running calls of one tool that inform a new call's timing (the longest running: they carry what the
+returns do not show), so that a decision's cost stays bounded however many agents wait on one tool."""
+
+
+class Returns(NamedTuple):
+    """A tool's return-time distribution for one call: ``times`` (seconds after its start, ascending) and
+    the probability of each (``weights``, summing to 1); both empty while too few are measured."""
+
+    times: tuple[float, ...] = ()
+    weights: tuple[float, ...] = ()
+
+
+def kaplan_meier(returned: list[float], running: list[float]) -> Returns:
+    """The return-time distribution from the calls that ``returned`` (their return times) and the calls still
+    ``running`` (their elapsed times, right-censored): Kaplan and Meier's product-limit estimate (1958), as
+    Efron's redistribution to the right (1967) computes it. Each running call's probability goes, in equal
+    shares, to the calls (returned or running) beyond it; one with no return measured beyond it is taken
+    to return after as long again as it has run (:func:`residual_wait_s`, against an announced wait of
+    1: ``returned`` and ``running`` are ratios to the announced wait). Ties: a return before a running call.
+
+    Returns:
+        the distinct return times, ascending, and their probabilities; empty when ``returned`` is.
+    """
+    if not returned:
+        return Returns()
+    last = max(returned)
+    events = [(r, 0) for r in returned]
+    for c in running:
+        if c <= last:
+            events.append((c, 1))  # censored: its probability goes to what lies beyond it
+        else:  # beyond every measured return: as long again as it has run (at least the announced wait)
+            events.append((c + residual_wait_s(c, 1.0), 0))
+    events.sort()
+    mass: dict[float, float] = {}
+    carried, left = 0.0, len(events)  # probability handed right, per call still ahead
+    for t, censored in events:
+        share = 1.0 + carried
+        left -= 1
+        if censored:
+            carried += share / left if left else 0.0  # a censored call ahead of a return always has one
+        else:
+            mass[t] = mass.get(t, 0.0) + share
+    total = sum(mass.values())
+    times = tuple(sorted(mass))
+    return Returns(times, tuple(mass[t] / total for t in times))
+
 
 @dataclass
 class ToolWaitPlans:
@@ -456,20 +545,32 @@ class ToolWaitPlans:
     _overdue: list[ToolWaitPlan] = field(default_factory=list)  # due, not started (no room yet): by restore_at
     _landed: list[tuple[float, int, ToolWaitPlan]] = field(default_factory=list)  # heap: (revisit_at, n, plan)
     _returns: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # tool name -> (announced s, ratio)
+    _open: dict[str, dict[str, ToolWaitPlan]] = field(default_factory=dict)  # tool name -> agent -> its running call
     _order: itertools.count = field(default_factory=itertools.count)
 
     def add(self, plan: ToolWaitPlan) -> None:
         """``plan`` replaces any earlier plan of its agent; counted under its tool and decision."""
-        self._plans.pop(plan.agent_id, None)
+        self._close(self._plans.pop(plan.agent_id, None))
         self._plans[plan.agent_id] = plan
+        self._open.setdefault(plan.tool, {})[plan.agent_id] = plan
         self.decisions[(plan.label, plan.decision.value)] += 1
         while len(self._plans) > MAX_PLANS:
-            self._plans.popitem(last=False)
+            self._close(self._plans.popitem(last=False)[1])
         if plan.state == _PLANNED and plan.restore_at is not None:
             heapq.heappush(self._restores, (plan.restore_at, next(self._order), plan))
 
     def get(self, agent_id: str) -> ToolWaitPlan | None:
         return self._plans.get(agent_id)
+
+    def _close(self, plan: ToolWaitPlan | None) -> None:
+        """``plan``'s call no longer runs (its turn came, or the plan was replaced or dropped)."""
+        if plan is None:
+            return
+        running = self._open.get(plan.tool)
+        if running is not None and running.get(plan.agent_id) is plan:
+            del running[plan.agent_id]
+            if not running:
+                del self._open[plan.tool]
 
     def _pending(self, plan: ToolWaitPlan) -> bool:
         """``plan``'s restore is still to start: it is its agent's plan and planned."""
@@ -531,6 +632,15 @@ class ToolWaitPlans:
         if landed:
             heapq.heappush(self._landed, (plan.revisit_at, next(self._order), plan))
 
+    def abandon(self, agent_id: str) -> ToolWaitPlan | None:
+        """The agent's task ended without its turn (its next step refused): its plan ends, counted nowhere
+        and measured nowhere (a refused turn says nothing of the tool's return time), and its call stops
+        counting as running. A restore in flight for it does not land (:meth:`SchedulerCore.prefetched`
+        finds the plan gone). Returns the plan (None when it had none)."""
+        plan = self._plans.pop(agent_id, None)
+        self._close(plan)
+        return plan
+
     def on_turn(self, agent_id: str, now: float, warm: bool) -> ToolWaitPlan | None:
         """The agent's next turn arrived at ``now``, its prefix ``warm`` in HBM or not: its plan ends, the
         resume and (SWAP) the prefetch's timing are counted, and the tool's return is measured. Returns the
@@ -538,6 +648,7 @@ class ToolWaitPlans:
         plan = self._plans.pop(agent_id, None)
         if plan is None:
             return None
+        self._close(plan)
         self.resumes[(plan.label, "warm" if warm else "cold")] += 1
         expected = plan.expected_return_at - plan.started_at
         if expected > 0 and now >= plan.started_at:
@@ -569,17 +680,32 @@ class ToolWaitPlans:
             return plan.revisit_at
         return None
 
-    def return_times(self, tool: str, expected_wait_s: float) -> tuple[float, ...]:
-        """``tool``'s measured returns scaled to a call announced at ``expected_wait_s`` (seconds after its
-        start, ascending), from the calls announced within a factor of :data:`SIMILAR_ANNOUNCEMENT` of it
+    def return_times(self, tool: str, expected_wait_s: float, now: float | None = None) -> Returns:
+        """``tool``'s return-time distribution scaled to a call announced at ``expected_wait_s`` (seconds
+        after its start), from the calls announced within a factor of :data:`SIMILAR_ANNOUNCEMENT` of it
         (a tool's first calls, announced at a cold estimate, or another tool under the same label, say
-        little of this one); empty while fewer than :data:`MIN_RETURNS` such are measured."""
+        little of this one): the measured returns and, given ``now``, the calls still running (the
+        Kaplan-Meier estimate, :func:`kaplan_meier`: those running longer than the returns measured so far
+        are what a distribution of the returns alone leaves out; at most :data:`MAX_CENSORED`, the longest
+        running, each under :data:`ABANDONED_RATIO` times its announced wait). Empty while fewer than
+        :data:`MIN_RETURNS` such returns are measured."""
         kept = self._returns.get(tool)
         if kept is None or expected_wait_s <= 0:
-            return ()
+            return Returns()
         low, high = expected_wait_s / SIMILAR_ANNOUNCEMENT, expected_wait_s * SIMILAR_ANNOUNCEMENT
-        times = sorted(ratio * expected_wait_s for announced, ratio in kept if low <= announced <= high)
-        return tuple(times) if len(times) >= MIN_RETURNS else ()
+        returned = [ratio for announced, ratio in kept if low <= announced <= high]
+        if len(returned) < MIN_RETURNS:
+            return Returns()
+        running: list[float] = []
+        if now is not None:
+            for plan in self._open.get(tool, {}).values():
+                announced = plan.expected_return_at - plan.started_at
+                if low <= announced <= high and 0 < (ratio := (now - plan.started_at) / announced) < ABANDONED_RATIO:
+                    running.append(ratio)
+            if len(running) > MAX_CENSORED:
+                running = heapq.nlargest(MAX_CENSORED, running)
+        times, weights = kaplan_meier(returned, running)
+        return Returns(tuple(t * expected_wait_s for t in times), weights)
 
     def __len__(self) -> int:
         return len(self._plans)
