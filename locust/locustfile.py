@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 import tempfile
@@ -154,7 +155,8 @@ def read_watched(url: str, timeout: float = 3.0) -> dict[str, float | str]:
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+            if not math.isnan(sample.value):  # NaN: not read (GPU utilisation without NVML), an empty cell
+                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
     return {column: sums[name] for column, name in WATCHED if name in sums}
 
 

@@ -76,10 +76,17 @@ def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_f
     with open(watch, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) >= 4  # one at the start, one a second, one at the end
+    gpu_read = 0.0
+    with urllib.request.urlopen(up.metrics_url("dispatcher"), timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("switchyard_gpu_available "):
+                gpu_read = float(line.split()[1])
     for row in rows:
         assert row["error"] == ""
         for column in ("engine_busy_ratio", "compute_score", "kv_fragmentation_ratio", "kv_oom_total"):
             float(row[column])
+        # without NVML the GPU's utilisation is not read: an empty cell, not a 0 that reads as an idle GPU
+        assert (0 <= float(row["gpu_utilization_ratio"]) <= 1) if gpu_read else row["gpu_utilization_ratio"] == ""
     assert int(rows[-1]["requests"]) > 0 and rows[-1]["failures"] == "0"
     assert any(float(row["compute_score"]) > 0 or float(row["engine_busy_ratio"]) > 0 for row in rows)
 
@@ -91,3 +98,21 @@ def test_a_served_orchestrator_answers_a_cpu_profile_of_its_event_loop(up):
     names = [row.filename for row in top_functions(profile)]
     assert any("switchyard" in name for name in names)
     assert profile.duration_nanos >= 0.9e9
+
+
+def test_a_saved_profile_is_read_back_by_switchyard_profile(up, tmp_path):
+    """The field's curl writes the profile to a file; ``switchyard profile FILE`` prints its top functions and
+    GC pauses without asking a service again (before, FILE was taken for a service name and refused)."""
+    url = up.metrics_url("orchestrator").rsplit("/metrics", 1)[0] + "/debug/pprof/profile?seconds=1"
+    saved = tmp_path / "agent_cpu.pprof"
+    with urllib.request.urlopen(url, timeout=60) as reply:
+        saved.write_bytes(reply.read())
+    run = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(saved), "--top", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "GC pauses:" in run.stdout and "cum%" in run.stdout
+    assert len([line for line in run.stdout.splitlines() if re.match(r"\s*[\d.]+ms ", line)]) == 5
+    (tmp_path / "not.pprof").write_text("hello")
+    bad = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(tmp_path / "not.pprof")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "is not a pprof profile" in bad.stderr

@@ -95,6 +95,7 @@ async def test_answers_match_the_generated_openapi_document():
         doc = (await client.get("/openapi.json")).json()
         assert doc["openapi"].startswith("3.") and "/api/v1/agent/{agent_id}/status" in doc["paths"]
         schemas = doc["components"]["schemas"]
+        assert doc["security"] == [{"bearer": []}, {}]  # a generated client sends a token where it has one
 
         def check(instance: dict, name: str) -> None:
             jsonschema.validate(instance, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
@@ -521,7 +522,9 @@ async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_
                  (b"GET /openapi.json HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", 400, "request: not a well-formed"),
                  # they read 400 "not a well-formed request": a method no server here knows is 501 (RFC 9110
                  # section 15.6.2), header fields too many together 431 (RFC 6585 section 5)
-                 (b"FOO /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method: expected one this face serves"),
+                 (b"FOO /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method: expected GET, HEAD or POST"),
+                 (b"GARBAGE\r\n\r\n", 400, "request: not a well-formed"),  # no method, target, version: 400
+                 (b"GET\r\n\r\n", 400, "request: not a well-formed"),
                  (b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(200))
                   + b"\r\n", 431, "headers: too many header fields"))
         for request, status, message in cases:

@@ -2,6 +2,7 @@
 
     switchyard profile orchestrator --seconds 30 --top 15
     switchyard profile 127.0.0.1:9103 --seconds 10 --output dispatcher.pb.gz
+    switchyard profile agent_cpu.pprof         # a profile saved before (curl's or --output's), read back
 
 SERVICE is orchestrator, retrieval or dispatcher (its metrics port from the up
 file that ``switchyard up`` writes, else from the config), or a metrics
@@ -13,7 +14,8 @@ wall-clock), the process's CPU seconds and the garbage collector's pause time
 in the same window. ``--output`` keeps the profile (gzip'd pprof protobuf) for
 ``go tool pprof -http=: FILE`` or any pprof viewer.
 
-Exit status: 0; 1 when the service refused or could not be reached; 2 for bad arguments.
+Exit status: 0; 1 when the service refused or could not be reached, or a saved file is not a pprof
+profile; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from google.protobuf.message import DecodeError
 
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config.base import did_you_mean
@@ -73,7 +77,8 @@ def report(data: bytes, top: int) -> str:
 
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard profile", __doc__)
-    parser.add_argument("service", help="orchestrator | retrieval | dispatcher, or a metrics endpoint host:port or URL")
+    parser.add_argument("service", help="orchestrator | retrieval | dispatcher, or a metrics endpoint host:port or URL; "
+                        "or a saved profile's file (curl's or --output's), read back instead of profiling")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the profile, seconds (default 30)")
     parser.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
     parser.add_argument("--output", help="also write the profile (gzip'd pprof protobuf) to this file")
@@ -85,6 +90,14 @@ def main(argv: list[str]) -> int:
         parser.error(f"--seconds: expected seconds in (0, 3600] (got {args.seconds:g})")
     if args.top < 1:
         parser.error(f"--top: expected a count >= 1 (got {args.top})")
+    saved = Path(args.service)
+    if args.service not in SERVICES and saved.is_file():  # a profile written before: read back, nothing asked
+        try:
+            print(report(saved.read_bytes(), args.top))
+        except (DecodeError, OSError, EOFError) as exc:  # not protobuf; a broken gzip stream
+            print(f"switchyard profile: {saved} is not a pprof profile ({exc})", file=sys.stderr)
+            return 1
+        return 0
     try:
         url = profile_url(args.service, args.up_file, args.config_dir, args.seconds)
     except ValueError as exc:
@@ -97,7 +110,9 @@ def main(argv: list[str]) -> int:
         with urllib.request.urlopen(request, timeout=args.seconds + 90) as reply:
             data = reply.read()
     except urllib.error.HTTPError as exc:
-        print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}",
+        hint = ("; pass --token-file FILE holding a bearer token (the service checks tokens: orchestrator.auth)"
+                if exc.code == 401 and not args.token_file else "")
+        print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}{hint}",
               file=sys.stderr)
         return 1
     except OSError as exc:

@@ -17,6 +17,8 @@ published here from the scheduler's counts).
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -159,10 +161,11 @@ COMPUTE_SCORE = Gauge(
     "GPU compute score on a 0-100 scale (not a ratio: the scale of scheduler_config.json's thresholds): "
     "weighted sum of NVML GPU, memory-bandwidth and estimated tensor utilisation in percent.",
 )
-GPU_UTILIZATION = Gauge("switchyard_gpu_utilization_ratio", "NVML GPU utilisation (share of time a kernel ran), 0-1.")
+GPU_UTILIZATION = Gauge("switchyard_gpu_utilization_ratio", "NVML GPU utilisation (share of time a kernel ran), 0-1; "
+                        "NaN while NVML reads no GPU (switchyard_gpu_available 0).")
 GPU_MEMORY_UTILIZATION = Gauge(
     "switchyard_gpu_memory_utilization_ratio",
-    "NVML memory utilisation (share of time memory was read or written), 0-1.",
+    "NVML memory utilisation (share of time memory was read or written), 0-1; NaN while NVML reads no GPU.",
 )
 GPU_AVAILABLE = Gauge(
     "switchyard_gpu_available",
@@ -306,6 +309,9 @@ def publish_stats(stats: "SchedulerStats") -> None:
         _scraped = None
     if stats.gpu_available is not None:
         GPU_AVAILABLE.set(1 if stats.gpu_available else 0)
+        if not stats.gpu_available:  # not read: NaN, not a 0 that reads as an idle GPU
+            GPU_UTILIZATION.set(math.nan)
+            GPU_MEMORY_UTILIZATION.set(math.nan)
     if stats.gpu_utilization is not None:
         GPU_UTILIZATION.set(stats.gpu_utilization)
     if stats.gpu_memory_utilization is not None:

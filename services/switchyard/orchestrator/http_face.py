@@ -43,6 +43,7 @@ import codecs
 import contextlib
 import json
 import logging
+import re
 import ssl
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -199,9 +200,10 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                                    "send large values in the body")
         elif "too many headers" in str(exc.message).lower():  # RFC 6585 section 5: the fields together
             status, detail = 431, "headers: too many header fields; send large values in the body"
-        elif isinstance(exc, BadHttpMethod):  # RFC 9110 section 15.6.2: a method the server does not know
+        elif isinstance(exc, BadHttpMethod) and _REQUEST_LINE.search(str(exc.message)):
+            # RFC 9110 section 15.6.2: a well-formed request line whose method the server does not know
             code, status, detail = (grpc.StatusCode.UNIMPLEMENTED, 501,
-                                    "method: expected one this face serves: GET, HEAD or POST (see /openapi.json)")
+                                    "method: expected GET, HEAD or POST (the methods this face serves; see /openapi.json)")
         else:
             detail = f"request: not a well-formed HTTP/1.1 request ({exc.message})"  # to its own client only
         # The parser's reason quotes the request's bytes (a header, perhaps a token): the log names its kind only.
@@ -209,6 +211,11 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
         response = web.json_response(error_body(code, detail), status=status)
         response.force_close()  # the rest of the connection's bytes cannot be trusted to start a request
         return response
+
+
+_REQUEST_LINE = re.compile(r"b'[!#$%&*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d\.\d'")
+"""A request line as the parser quotes it (``b'FOO / HTTP/1.1'``): method, target, version. A line of another
+shape (``GARBAGE``) is a malformed request (400), not an unknown method (501)."""
 
 
 class _JsonErrorServer(web.Server):

@@ -305,5 +305,11 @@ def openapi(version: str) -> dict[str, Any]:
                                                               "unfinished task; only it can cancel it")},
             }},
         },
-        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "Required where orchestrator.auth is on (a token file's tokens, each with the methods "
+                           "it may call); not asked for where it is off"}}},
+        # a bearer token, or none (OpenAPI 3.1 section 4.8.30: an empty requirement makes it optional): the
+        # document is the same whether auth is on or off, so a generated client can send the token
+        "security": [{"bearer": []}, {}],
     }
