@@ -85,6 +85,9 @@ class SimOpenAIOptions:
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     owned_by: str = "switchyard-sim"
     """``owned_by`` of every model in ``GET /v1/models`` (``vllm``, ``sglang``... to stand in for a server flavour)."""
+    max_model_len: int = 0
+    """``max_model_len`` of every model in ``GET /v1/models`` (vLLM's and SGLang's context window); 0: not
+    listed (as ``transformers serve``, TGI and the OpenAI API list none)."""
     refuse_fields: frozenset[str] = frozenset()
     """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
     answers fields it does not take (``priority``)."""
@@ -323,8 +326,14 @@ class SimOpenAI:
         """``GET /v1/models``: the configured model ids."""
         if (denied := self._auth_error(request, None)) is not None:
             return denied
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": self.options.owned_by} for m in self.options.models]
+        data = [self._model_card(m) for m in self.options.models]
         return JSONResponse({"object": "list", "data": data})
+
+    def _model_card(self, model: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": self.options.owned_by}
+        if self.options.max_model_len:
+            card["max_model_len"] = self.options.max_model_len
+        return card
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: one model object, or OpenAI's 404 ``model_not_found``."""
@@ -333,7 +342,7 @@ class SimOpenAI:
         model = request.path_params["model"]
         if model not in self.options.models:
             return _error(404, f"The model '{model}' does not exist", "model_not_found", param="model")
-        return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": self.options.owned_by})
+        return JSONResponse(self._model_card(model))
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions`` with faults applied first."""
@@ -620,6 +629,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
                         help="owned_by of the listed models, e.g. vllm or sglang to stand in for that server")
+    parser.add_argument("--max-model-len", type=int, default=0, metavar="TOKENS",
+                        help="list each model's max_model_len (its context window), as vLLM does; default none")
     parser.add_argument("--refuse-field", action="append", default=[], metavar="FIELD",
                         help="answer 422 'Unexpected fields in the request' to a body with FIELD (repeatable), "
                              "as transformers serve answers 'priority'")
@@ -660,9 +671,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running: expected at least 1, got {args.max_running}")
     if args.kv_tokens < 1:
         parser.error(f"--kv-tokens: expected at least 1, got {args.kv_tokens}")
+    if args.max_model_len and args.max_model_len < 16:
+        parser.error(f"--max-model-len: expected 0 (none listed) or at least 16 tokens, got {args.max_model_len}")
     options = SimOpenAIOptions(
         models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim,
-        owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field),
+        owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field), max_model_len=args.max_model_len,
         max_running=args.max_running, kv_tokens=args.kv_tokens, prefix_caching=not args.no_prefix_caching,
     )
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -400,16 +400,18 @@ class DescribeModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model")
+    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SHARES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     SERVES_ONLY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     shares_prefixes: bool
     serves_only_model: bool
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ...) -> None: ...
+    context_window_tokens: int
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
     __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority")

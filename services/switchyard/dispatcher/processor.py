@@ -47,7 +47,8 @@ COUNT_IN_THREAD_BYTES = 256 * 1024
 
 
 def to_request(
-    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None
+    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None,
+    reported_window: int = 0,
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
@@ -55,7 +56,9 @@ def to_request(
     0 means counted here (word pieces of the prompt or messages); an empty
     ``request_id`` gets a random one. ``served_model``: the one model a step
     engine serves (a request naming another is NOT_FOUND); None for an upstream
-    engine, whose gateway resolves the name. Limits come from ``limits`` (the
+    engine, whose gateway resolves the name. ``reported_window``: the context
+    window the upstream reports for the request's model (0: none; a window
+    ``limits.context_window_tokens`` lists wins). Limits come from ``limits`` (the
     orchestrator checks the same ones before a task is accepted; this check
     serves callers that reach the dispatcher directly).
 
@@ -133,10 +136,11 @@ def to_request(
         )
     max_tokens = request.max_tokens or defaults.default_max_tokens
     model = served_model or request.model or default_model(config)
-    window = limits.context_window(model)
+    window = limits.context_window(model, reported_window)
+    source = limits.context_window_source(model, reported_window)
     if prompt_tokens >= window:
         raise InvalidArgument(
-            "prompt_tokens", f"fewer than the context window of {model}, {window} tokens (limits.context_window_tokens)",
+            "prompt_tokens", f"fewer than the context window of {model}, {window} tokens ({source})",
             prompt_tokens,
         )
     if prompt_tokens + max_tokens > window:
@@ -144,7 +148,7 @@ def to_request(
         raise InvalidArgument(
             "max_tokens",
             f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
-            f"(limits.context_window_tokens); the prompt is {prompt_tokens} tokens, so at most "
+            f"({source}); the prompt is {prompt_tokens} tokens, so at most "
             f"{window - prompt_tokens}{default}",
             max_tokens,
         )
@@ -243,10 +247,11 @@ class RequestProcessor:
                 (RESOURCE_EXHAUSTED).
         """
         served = self.engine.model if self.stepping else None
+        reported = 0 if self.stepping else self.engine.reported_context_window(request.model)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-            req = await asyncio.to_thread(to_request, request, self.config, served)
+            req = await asyncio.to_thread(to_request, request, self.config, served, reported)
         else:
-            req = to_request(request, self.config, served)
+            req = to_request(request, self.config, served, reported)
         span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
         span.set_attribute("switchyard.priority", req.priority_name)

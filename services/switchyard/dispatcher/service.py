@@ -31,6 +31,7 @@ finishes at once, no tokens, on an engine that shares no prefixes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import AsyncIterator
 
@@ -60,6 +61,9 @@ from switchyard.dispatcher.generate_stream import GenerateSession
 from switchyard.dispatcher.processor import RequestProcessor
 
 log = logging.getLogger(__name__)
+
+DESCRIBE_WAIT_S = 1.0
+"""Longest DescribeModel waits for the upstream's model list (its callers' deadline is a few seconds)."""
 
 
 class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
@@ -118,6 +122,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         self.processor = RequestProcessor(config, self.engine, self.scheduler, self.adaptive)
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""
+        self._describing: asyncio.Task[None] | None = None
+        """The background read of the upstream's models (an upstream engine), started by :meth:`start`."""
         self._sessions: set[GenerateSession] = set()
 
     @property
@@ -145,6 +151,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
         self.processor.loop = loop
         loop.start()
+        if not self.stepping:  # the upstream's flavour and context windows, read once in the background
+            self._describing = asyncio.get_running_loop().create_task(
+                self.engine.describe_upstream(), name="describe-upstream")  # type: ignore[union-attr]
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
@@ -169,6 +178,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         except TimeoutError:
             log.warning("dispatcher: drain exceeded the grace period; cancelling what still runs")
             await self.loop.stop()
+        if self._describing is not None:
+            self._describing.cancel()
         if not self.stepping:
             await self.engine.aclose()  # type: ignore[union-attr]
         self.processor.loop = None
@@ -178,12 +189,22 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     async def DescribeModel(
         self, request: agent_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.ModelInfo:
-        """The model served to a request that names none, the engine, and whether that model is the only one
-        (a step engine's): callers check a request's model, and its prompt + max_tokens against that model's
-        context window, before accepting it."""
+        """The model served to a request that names none, the engine, whether that model is the only one
+        (a step engine's), and the context window the upstream reports for it (an ``openai`` engine in front
+        of vLLM or SGLang: ``max_model_len``; 0 otherwise): callers check a request's model, and its prompt +
+        max_tokens against that model's context window (``limits.context_window(model, reported)``), before
+        accepting it. The upstream's models are read at most :data:`DESCRIBE_WAIT_S` here (a down upstream
+        reports nothing; the next call asks again)."""
         served = self.engine.model if self.stepping else default_model(self.config)
+        reported = 0
+        if not self.stepping:
+            engine: StreamEngine = self.engine  # type: ignore[assignment]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(engine.describe_upstream()), DESCRIBE_WAIT_S)
+            reported = engine.reported_context_window("")
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
-                                   shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping)
+                                   shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,
+                                   context_window_tokens=reported)
 
     @property
     def shares_prefixes(self) -> bool:

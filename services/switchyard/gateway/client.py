@@ -172,6 +172,8 @@ class GatewayClient:
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._refused: dict[str, set[str]] = {}
         """Optional body fields each endpoint refused (400/422 naming them); never sent to it again."""
+        self._windows: dict[str, int] = {}
+        """Context window per upstream model id, tokens, as a ``GET /v1/models`` reported it (vLLM's max_model_len)."""
 
     @property
     def refused_fields(self) -> set[str]:
@@ -242,11 +244,20 @@ class GatewayClient:
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"
             ) from None
+        for model in ids:
+            if window := servers.reported_context_window(body, model):
+                self._windows[model] = window
         if endpoint.name not in self._flavours:
             name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
             self._flavours[endpoint.name] = servers.FLAVOURS[name]
             log.info("model server at %s: %s", endpoint.url, name)
         return ids
+
+    def reported_context_window(self, requested: str) -> int:
+        """The context window, tokens, the upstream reported for the model client-facing ``requested`` maps to
+        (:meth:`models_for`'s primary), from the last :meth:`list_models`; 0 when none was reported (or the
+        models were not listed yet). Callers take it through ``limits.context_window(model, reported)``."""
+        return self._windows.get(self.models_for(requested)[0], 0)
 
     async def server_flavour(self, endpoint: Endpoint | None = None) -> servers.ServerFlavour:
         """``endpoint``'s flavour (default: the first endpoint up): ``model_gateway.server``, or detected from its

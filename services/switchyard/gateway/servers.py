@@ -107,6 +107,19 @@ def detect(models_body: Any, headers: Mapping[str, str] | None = None) -> str:
     return "unknown"
 
 
+def reported_context_window(models_body: Any, model: str) -> int:
+    """The context window, tokens, that ``GET /v1/models`` (``models_body``, parsed JSON) reports for ``model``:
+    its ``max_model_len`` (vLLM's ``ModelCard``, SGLang's likewise); 0 when the server reports none (TGI,
+    llama.cpp's ``meta.n_ctx_train`` is the training window, not the server's ``n_ctx``; ``transformers serve``,
+    Ollama and the OpenAI API report none)."""
+    data = models_body.get("data") if isinstance(models_body, dict) else None
+    for item in data or []:
+        if isinstance(item, dict) and item.get("id") == model:
+            value = item.get("max_model_len")
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 16 else 0
+    return 0
+
+
 def priority_value(flavour: ServerFlavour, values: Mapping[str, int], priority_class: str,
                    polarity: str = "server_default") -> int | None:
     """The value to send in ``flavour.priority_field`` for ``priority_class``, None when nothing is sent.

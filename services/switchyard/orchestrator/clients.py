@@ -283,6 +283,13 @@ class InferenceClient:
         """:meth:`default_model` once it has been asked, else ""."""
         return self._model_info.model if self._model_info is not None else ""
 
+    def reported_context_window(self, model: str) -> int:
+        """The context window the dispatcher's upstream reports for ``model`` (``ModelInfo.context_window_tokens``,
+        for the dispatcher's default model), once :meth:`model_info` has been asked; else 0. Taken through
+        ``limits.context_window(model, reported)``."""
+        info = self._model_info
+        return info.context_window_tokens if info is not None and model == info.model else 0
+
     def _stub_for(self, channel: grpc.aio.Channel) -> agent_pb2_grpc.InferenceServiceStub:
         return self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)
 

@@ -324,9 +324,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         acceptance (:func:`check_question_fits`)."""
         assert self._deps is not None, "start() not called"
         info = await self._deps.inference.model_info()
-        spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "")
+        spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "",
+                        reported_window=info.context_window_tokens)
         model = spec.model or info.model
-        await check_question_fits(spec, model, self.config.limits.context_window(model))
+        reported = info.context_window_tokens if model == info.model else 0
+        limits = self.config.limits
+        await check_question_fits(spec, model, limits.context_window(model, reported),
+                                  limits.context_window_source(model, reported))
         return spec
 
     # ------------------------------------------------------------------ RPCs

@@ -116,10 +116,11 @@ class TaskSpec:
 
 
 def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,
-             tenant_id: str = DEFAULT_TENANT, only_model: str = "") -> TaskSpec:
+             tenant_id: str = DEFAULT_TENANT, only_model: str = "", reported_window: int = 0) -> TaskSpec:
     """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
     for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found; ``only_model`` the one
-    model the dispatcher's engine serves, when it serves one alone (a step engine), else "".
+    model the dispatcher's engine serves, when it serves one alone (a step engine), else "";
+    ``reported_window`` the context window the upstream reports for ``default_model`` (0: none).
 
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
@@ -150,7 +151,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         raise SwitchyardError(f"model: {shown(request.model)} is not served here: the dispatcher's engine serves "
                               f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
     model = request.model or default_model
-    window = limits.context_window(model)
+    window = limits.context_window(model, reported_window if model == default_model else 0)
     limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
     if not 0 <= request.max_tokens <= limit:
         raise InvalidArgument(

@@ -149,17 +149,20 @@ def render_and_count(
     return prompt, full, without_history
 
 
-def prompt_over_window(model: str, window: int, max_tokens: int, count: int) -> InvalidArgument:
-    """The refusal of a prompt of ``count`` tokens that leaves ``max_tokens`` no room in ``model``'s ``window``."""
+def prompt_over_window(model: str, window: int, max_tokens: int, count: int,
+                       source: str = "limits.context_window_tokens") -> InvalidArgument:
+    """The refusal of a prompt of ``count`` tokens that leaves ``max_tokens`` no room in ``model``'s ``window``
+    (``source``: where the window came from, :meth:`RequestLimitsConfig.context_window_source`)."""
     return InvalidArgument(
         "payload",
         f"a prompt of at most {window - max_tokens} tokens: the context window of {model} is {window} tokens "
-        f"(limits.context_window_tokens) and max_tokens takes {max_tokens}",
+        f"({source}) and max_tokens takes {max_tokens}",
         f"{count} tokens",
     )
 
 
-async def check_question_fits(spec: TaskSpec, model: str, window: int) -> None:
+async def check_question_fits(spec: TaskSpec, model: str, window: int,
+                              source: str = "limits.context_window_tokens") -> None:
     """Refuse, before the task is accepted, a question whose prompt cannot fit ``window`` tokens beside
     ``spec.max_tokens`` however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of
     that question); otherwise the task would be accepted and fail at :func:`render_prompt`.
@@ -176,7 +179,7 @@ async def check_question_fits(spec: TaskSpec, model: str, window: int) -> None:
         return  # count_messages's own sum, each token taken as one byte or more
     count = await asyncio.to_thread(count_messages, messages)
     if count > budget:
-        raise prompt_over_window(model, window, spec.max_tokens, count)
+        raise prompt_over_window(model, window, spec.max_tokens, count, source)
 
 
 async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
@@ -197,13 +200,14 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         prompt, count, without_history = await task.cpu(
             render_and_count, spec.workflow, spec.payload, passages, tool_texts, history, size_chars=size)
         model = spec.model or task.deps.inference.known_default_model
-        window = limits.context_window(model)
+        reported = task.deps.inference.reported_context_window(model)
+        window = limits.context_window(model, reported)
         budget = window - spec.max_tokens
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
             prompt, count = replace(prompt, history=()), without_history
         if count > budget:
-            raise prompt_over_window(model, window, spec.max_tokens, count)
+            raise prompt_over_window(model, window, spec.max_tokens, count, limits.context_window_source(model, reported))
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
             task.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]

@@ -15,10 +15,13 @@ class RequestLimitsConfig(_Strict):
     max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
     context_window_tokens: dict[str, int] = Field(
         default_factory=lambda: {"sim-7b": 4096, "torch-tiny": 8192, "claude-sonnet-4-5": 200_000, "gpt-4o-mini": 128_000},
-        description="Context window per model id, tokens: prompt + max_tokens must fit.",
+        description="Context window per model id, tokens: prompt + max_tokens must fit. A model not listed takes "
+        "the window its model server reports (vLLM's and SGLang's max_model_len in GET /v1/models), else "
+        "default_context_window_tokens.",
     )
     default_context_window_tokens: int = Field(
-        8192, ge=16, le=10_000_000, description="Context window of a model missing from context_window_tokens, tokens."
+        8192, ge=16, le=10_000_000, description="Context window of a model missing from context_window_tokens whose "
+        "model server reports none, tokens."
     )
     max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest task payload, characters.")
     max_prompt_chars: int = Field(
@@ -40,6 +43,18 @@ class RequestLimitsConfig(_Strict):
             raise ValueError(f"expected windows of at least 16 tokens, got {bad}")
         return value
 
-    def context_window(self, model: str) -> int:
-        """Context window of ``model`` in tokens (the default for models not listed)."""
-        return self.context_window_tokens.get(model, self.default_context_window_tokens)
+    def context_window(self, model: str, reported: int = 0) -> int:
+        """Context window of ``model`` in tokens: the one ``context_window_tokens`` lists for it (the operator's
+        word wins); else ``reported``, what its model server reports (> 0: vLLM's and SGLang's ``max_model_len``
+        in ``GET /v1/models``, read by the gateway); else ``default_context_window_tokens``."""
+        listed = self.context_window_tokens.get(model)
+        if listed is not None:
+            return listed
+        return reported if reported > 0 else self.default_context_window_tokens
+
+    def context_window_source(self, model: str, reported: int = 0) -> str:
+        """Where :meth:`context_window` took ``model``'s window from, for an error message: the config key, or
+        the model server's report."""
+        if model in self.context_window_tokens:
+            return "limits.context_window_tokens"
+        return "as its model server reports it" if reported > 0 else "limits.default_context_window_tokens"

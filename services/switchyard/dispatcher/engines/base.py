@@ -301,6 +301,17 @@ class StreamEngine(abc.ABC):
                 message naming the cause; the Generate stream ends with it.
         """
 
+    def reported_context_window(self, model: str) -> int:
+        """The context window, tokens, the upstream reports for ``model`` (a client-facing id, "" for the
+        default); 0 when it reports none, and by default. Callers take it through
+        ``limits.context_window(model, reported)``, where a window configured for the model wins."""
+        return 0
+
+    async def describe_upstream(self) -> None:
+        """Read what the upstream reports of its models (its ``GET /v1/models``) once, before the first
+        :meth:`reported_context_window`; nothing by default. Never raises: an upstream that cannot be read
+        reports nothing."""
+
     def refused_for_load(self, exc: BaseException) -> bool:
         """True when ``exc``, raised by :meth:`generate` before its first item, says the upstream refused the
         request for load (a 429 after the engine's own retries): the stream loop then puts the request back in

@@ -11,8 +11,8 @@ flushed batch out as concurrent calls, bounded by ``queues.inference.max_batches
 
 from __future__ import annotations
 
+import logging
 import time
-
 from typing import Any, AsyncIterator, Callable
 
 from opentelemetry.trace import Tracer
@@ -23,10 +23,12 @@ from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import UpstreamRateLimited
+from switchyard.gateway.errors import GatewayError, UpstreamRateLimited
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
+
+log = logging.getLogger(__name__)
 
 # Upstream finish reasons the Request does not know, mapped to ones it does.
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
@@ -124,6 +126,7 @@ class OpenAIEngine(StreamEngine):
         # whitespace (a pasted trailing newline), is a set-up error.
         require_usable(load_api_key(self.config.api_key_env), required=self.config.api_key_required)
         self.client = GatewayClient(self.config, tracer=tracer)
+        self._described = False
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
         install_log_redaction(envs.read_secret(self.config.api_key_env))
@@ -143,6 +146,22 @@ class OpenAIEngine(StreamEngine):
     @on_upstream_status.setter
     def on_upstream_status(self, hook: Callable[[int], None] | None) -> None:
         self.client.on_status = hook
+
+    def reported_context_window(self, model: str) -> int:
+        """The window the upstream's ``GET /v1/models`` reported for ``model`` (vLLM's ``max_model_len``), once
+        :meth:`describe_upstream` or the gateway has listed the models; else 0."""
+        return self.client.reported_context_window(model or self.model)
+
+    async def describe_upstream(self) -> None:
+        """List the upstream's models once (:meth:`GatewayClient.list_models`: its flavour and the context
+        windows it reports); a failure is logged and leaves both unknown, asked again at the next call."""
+        if self._described:
+            return
+        try:
+            await self.client.list_models()
+            self._described = True
+        except GatewayError as exc:
+            log.info("could not list the upstream's models (context windows unknown): %s", exc)
 
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.

@@ -1,0 +1,106 @@
+"""The context window a model server reports (vLLM's and SGLang's ``max_model_len`` in ``GET /v1/models``) is the
+model's window where the config lists none: a server with a longer window than the default is not refused
+work it takes, and one with a shorter window refuses at the edge, by name, what it would refuse upstream."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import pytest
+from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig, load_config
+from switchyard.common.server import running
+from switchyard.dispatcher.engines import make_engine
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.gateway import servers
+from switchyard.orchestrator.service import OrchestratorService
+
+MODEL = "acme/served-8b"
+"""A model the shipped config does not list in limits.context_window_tokens."""
+
+VLLM_MODELS = {  # vLLM 0.x GET /v1/models (ModelCard), as served
+    "object": "list",
+    "data": [{"id": "meta-llama/Llama-3.1-8B-Instruct", "object": "model", "created": 1733400000, "owned_by": "vllm",
+              "root": "meta-llama/Llama-3.1-8B-Instruct", "parent": None, "max_model_len": 131072,
+              "permission": [{"id": "modelperm-1", "object": "model_permission", "allow_sampling": True}]}],
+}
+
+
+@pytest.mark.parametrize(("body", "model", "window"), [
+    (VLLM_MODELS, "meta-llama/Llama-3.1-8B-Instruct", 131072),
+    (VLLM_MODELS, "another-model", 0),  # not the listed one
+    ({"data": [{"id": "qwen", "owned_by": "sglang", "max_model_len": 32768}]}, "qwen", 32768),  # SGLang
+    ({"data": [{"id": "m", "owned_by": "llamacpp", "meta": {"n_ctx_train": 4096}}]}, "m", 0),  # training window only
+    ({"data": [{"id": "/m", "owned_by": "local", "status": {"value": "loaded"}}]}, "/m", 0),  # transformers serve
+    ({"data": [{"id": "gpt-4o-mini", "owned_by": "system"}]}, "gpt-4o-mini", 0),  # the OpenAI API
+    ({"data": [{"id": "m", "max_model_len": True}]}, "m", 0),  # not a count
+    ({"data": [{"id": "m", "max_model_len": 8}]}, "m", 0),  # below any usable window
+    ({"data": "nope"}, "m", 0),
+])
+def test_the_window_is_read_from_the_model_list_where_the_server_reports_one(body, model, window):
+    assert servers.reported_context_window(body, model) == window
+
+
+def test_a_window_the_config_lists_wins_then_the_servers_then_the_default():
+    limits = SwitchyardConfig().with_overrides(**{"limits.context_window_tokens": {"listed": 1000},
+                                                  "limits.default_context_window_tokens": 8192}).limits
+    assert limits.context_window("listed", reported=131072) == 1000
+    assert limits.context_window("other", reported=131072) == 131072
+    assert limits.context_window("other") == 8192
+    assert [limits.context_window_source(m, r) for m, r in (("listed", 5), ("other", 5), ("other", 0))] == [
+        "limits.context_window_tokens", "as its model server reports it", "limits.default_context_window_tokens"]
+
+
+def config_for(base_url: str) -> SwitchyardConfig:
+    return load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": MODEL,
+        "upstream.fallback_model": "", "upstream.api_key_required": False})
+
+
+@contextlib.asynccontextmanager
+async def dispatcher_before(max_model_len: int):
+    with start_sim(models=[MODEL], owned_by="vllm", max_model_len=max_model_len) as sim:
+        cfg = config_for(sim.base_url)
+        async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as server:
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                yield cfg, server, agent_pb2_grpc.InferenceServiceStub(channel), sim
+
+
+async def test_a_servers_longer_window_takes_a_prompt_past_the_default(clean_proxy_env):
+    """vLLM serving 32k: a 9,000-token prompt is past the default window (8,192), and was refused before."""
+    async with dispatcher_before(32768) as (_, _, stub, _):
+        assert (await stub.DescribeModel(agent_pb2.DescribeModelRequest())).context_window_tokens == 32768
+        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+            request_id="long", prompt="tell me about lists", prompt_tokens=9000, max_tokens=8))]
+    assert chunks[-1].WhichOneof("chunk") == "done" and chunks[-1].done.finish_reason in ("stop", "length")
+
+
+async def test_a_servers_shorter_window_is_refused_at_the_dispatcher_by_name(clean_proxy_env):
+    async with dispatcher_before(2048) as (_, _, stub, sim):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="over", prompt="hi",
+                                                                    prompt_tokens=3000, max_tokens=8)):
+                pass
+        assert sim.state.requests == []
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2048 tokens (as its model server reports it)" in caught.value.details()
+
+
+async def test_the_orchestrator_refuses_before_accepting_what_the_servers_window_cannot_hold(clean_proxy_env):
+    """A 64-token window: a question of about 100 tokens is refused by SubmitTask naming the server's report,
+    and nothing reaches the upstream."""
+    async with dispatcher_before(64) as (cfg, disp, _, sim):
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        async with running([OrchestratorService(orch_cfg)], cfg.server) as orch:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(
+                        payload="how do Python lists, tuples and dicts differ " * 10, task_type="chat", max_tokens=16))
+        assert sim.state.requests == []
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context window of acme/served-8b is 64 tokens (as its model server reports it)" in caught.value.details()
