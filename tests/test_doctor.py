@@ -195,3 +195,24 @@ def test_with_the_sim_engine_the_gateway_is_reported_not_in_use_and_its_failures
     monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
     code, out = run_doctor(capsys, "--no-probe")
     assert code == 1 and "not in use" not in out and "FAIL  api key" in out
+
+
+def test_a_pool_is_checked_endpoint_by_endpoint_not_by_a_stale_base_url(clean_proxy_env, monkeypatch, capsys, tmp_path):
+    """pool.endpoints replace base_url: doctor checks each replica (before, it checked base_url alone and
+    failed on a stale one while the pool served), and names the one that does not answer."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    dead = f"http://127.0.0.1:{closed_port()}/v1"
+    with start_sim() as one, start_sim() as two:
+        pool = {"endpoints": [one.base_url, two.base_url]}
+        config = config_with(tmp_path, base_url=dead, pool=pool)
+        code, out = doctor.main(["--config-dir", config, "--timeout", "3"]), capsys.readouterr().out
+        assert code == 0, out
+        for server in (one, two):
+            assert f"ok    base url [{server.base_url}]" in out and f"stream probe [{server.base_url}]" in out
+            assert server.state.requests  # each replica streamed the probe
+        assert dead not in out and out.count("api key") == 1
+        config = config_with(tmp_path / "again", pool={"endpoints": [one.base_url, dead]})
+        code, out = doctor.main(["--config-dir", config, "--timeout", "3"]), capsys.readouterr().out
+    assert code == 1, out
+    assert f"FAIL  base url [{dead}]" in out and f"ok    base url [{one.base_url}]" in out

@@ -257,3 +257,70 @@ async def test_the_open_period_doubles_at_each_reopening_up_to_the_cooldown_and_
     await open_circuit(cooldowns, PRIMARY)  # closed in between: the next opening starts over
     clock.now += 2.0
     assert await cooldowns.call(PRIMARY, ok) == "ok"
+
+
+async def test_an_open_circuit_half_opens_once_its_endpoint_answers_again() -> None:
+    """In front of transformers serve, a server restarted after 45 s was served 12 s after it answered again:
+    the open period had doubled to 16 s while it was down. While open, the endpoint's health is read at most
+    every health_check_interval_s (on a refused call) and its first answer half-opens the circuit, however
+    long the open period has grown; the refusal repeats the last fault's cause."""
+    clock = Clock()
+    answers: list[bool] = []
+    checks = 0
+
+    async def health() -> bool:
+        nonlocal checks
+        checks += 1
+        return answers.pop(0)
+
+    cooldowns = breaker(clock, first_cooldown_s=30.0, health_check_interval_s=1.0)  # a long open period
+    cooldowns.health_check = health
+
+    async def ok() -> str:
+        return "ok"
+
+    await open_circuit(cooldowns, PRIMARY)
+    answers.extend([False, True])
+    with pytest.raises(ModelCoolingDown) as refused:
+        await cooldowns.call(PRIMARY, ok)  # refused; starts the first check (no answer)
+    assert "the last: upstream 503 (test)" in str(refused.value)  # the cause, not only the cooldown
+    await asyncio.sleep(0)
+    clock.now += 0.5
+    with pytest.raises(ModelCoolingDown):
+        await cooldowns.call(PRIMARY, ok)  # within the interval: no second check
+    assert checks == 1 and cooldowns.state(PRIMARY) == "open"
+    clock.now += 0.6
+    with pytest.raises(ModelCoolingDown):
+        await cooldowns.call(PRIMARY, ok)  # starts the second check: it answers
+    await asyncio.sleep(0)
+    assert checks == 2 and cooldowns.state(PRIMARY) == "half_open"
+    assert await cooldowns.call(PRIMARY, ok) == "ok" and cooldowns.state(PRIMARY) == "closed"  # 1.1 s, not 30
+
+
+async def test_a_restarted_server_is_served_within_the_health_check_interval(clean_proxy_env):
+    """A real sim-openai stopped (the circuit opens for 30 s) and started again on the same port: the gateway
+    serves again within about health_check_interval_s of its return."""
+    import time
+
+    from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
+
+    config = {"cooldown": {"enabled": True, "failures": 1, "first_cooldown_s": 30.0, "cooldown_s": 30.0,
+                           "health_check_interval_s": 0.2}, "max_retries": 0}
+    with start_sim() as first:
+        port = first.port
+        client = GatewayClient(gateway_config(first.base_url, fallback_model="", **config))
+        assert await served_by(client) == PRIMARY
+    try:
+        with pytest.raises(GatewayError):
+            await served_by(client)  # down: the circuit opens for 30 s
+        with run_in_thread(SimOpenAIOptions(latency=False), port=port):
+            back = time.monotonic()
+            while True:
+                try:
+                    assert await served_by(client) == PRIMARY
+                    break
+                except ModelCoolingDown:
+                    assert time.monotonic() - back < 5.0, "still refused 5 s after the server came back"
+                    await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()

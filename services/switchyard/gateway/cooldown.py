@@ -3,8 +3,12 @@
 **Circuit breaker.** A model whose calls fail ``model_gateway.cooldown.failures``
 times in a row is *open* for ``first_cooldown_s``, doubled at each reopening
 (a probe failed) up to ``cooldown_s`` and started over once it closes
-(resilience4j's exponential wait in the open state): a model server back after
-a restart is tried again within seconds, one that stays down ever less often.
+(resilience4j's exponential wait in the open state): a model server that stays
+down is tried ever less often. While open, the endpoint's ``GET /models`` is read
+at most every ``health_check_interval_s`` (an active health check beside the breaker's
+passive one, as Envoy runs both); an answer half-opens the circuit at once, so a
+server back after a restart is served within seconds however long the open
+period has grown.
 While open its requests are refused at once
 with :class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
 allowed), so the fallback model serves them without paying the dead model's
@@ -46,6 +50,7 @@ every legal transition pre-initialised to 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -96,6 +101,10 @@ class _Circuit:
     """Ids of the probes in flight in the current half-open period."""
     opens: int = 0
     """Openings since the circuit was last closed: the open period is ``first_cooldown_s x 2^(opens - 1)``."""
+    last_error: str = ""
+    """The last upstream fault counted (the cause a refusal while open repeats)."""
+    checked_at: float = float("-inf")
+    """When the last health check of this circuit's endpoint started (open only)."""
 
 
 def open_period_s(cfg: CooldownConfig, opens: int) -> float:
@@ -112,9 +121,14 @@ class Cooldowns:
         clock: monotonic seconds (tests step it by hand).
     """
 
-    def __init__(self, config: UpstreamConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: UpstreamConfig, clock: Callable[[], float] = time.monotonic,
+                 health_check: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.config = config
         self._clock = clock
+        self.health_check = health_check
+        """True when the endpoint answers (its ``GET /models``): read while a circuit is open, at most every
+        ``health_check_interval_s``; True half-opens it at once. None: the open period alone decides."""
+        self._checks: dict[str, asyncio.Task[None]] = {}
         self._circuits: dict[str, _Circuit] = {}
         self._next_call = 0
         labels = {model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER}
@@ -173,15 +187,40 @@ class Cooldowns:
             circuit.probes.add(self._next_call)
             return self._next_call
         if circuit.state == OPEN:
-            left = (f"skipped for {circuit.open_until - now:.1f} s more (model_gateway.cooldown: first_cooldown_s, "
-                    "doubled at each reopening up to cooldown_s)")
+            self._check_health(model, circuit, now)
+            left = (f"skipped for {circuit.open_until - now:.1f} s more, or until it answers again (model_gateway."
+                    "cooldown: first_cooldown_s, doubled at each reopening up to cooldown_s)")
         else:
             left = (f"half-open with its {cfg.half_open_probes} probe(s) in flight "
                     "(model_gateway.cooldown.half_open_probes); refused until they end")
+        cause = f"; the last: {circuit.last_error}" if circuit.last_error else ""
         raise ModelCoolingDown(
-            f"upstream model {model!r} is cooling down: {cfg.failures} failures in a row at "
-            f"{self.config.base_url}; {left}"
+            f"upstream model {model!r} is cooling down after {cfg.failures} failures in a row at "
+            f"{self.config.base_url}{cause}; {left}"
         )
+
+    def _check_health(self, model: str, circuit: _Circuit, now: float) -> None:
+        """Start a health check of the endpoint (:attr:`health_check`) unless one runs or one started within
+        ``health_check_interval_s``; an answer while still open half-opens the circuit."""
+        if self.health_check is None or model in self._checks \
+                or now - circuit.checked_at < self.config.cooldown.health_check_interval_s:
+            return
+        circuit.checked_at = now
+        check = self.health_check
+
+        async def run() -> None:
+            try:
+                answered = await check()
+            except Exception:  # noqa: BLE001 - a check that cannot tell counts as no answer
+                answered = False
+            finally:
+                self._checks.pop(model, None)
+            if answered and circuit.state == OPEN:
+                log.info("upstream model %r: %s answers again; circuit half-open before its open period ended",
+                         model, self.config.base_url)
+                self._move(model, circuit, HALF_OPEN)
+
+        self._checks[model] = asyncio.get_running_loop().create_task(run(), name=f"health-check-{model}")
 
     def _asked_to_wait(self, model: str, circuit: _Circuit, now: float) -> UpstreamAskedToWait:
         left = circuit.not_before - now
@@ -224,6 +263,8 @@ class Cooldowns:
                 self._record_wait(model, circuit, exc, self._clock())
             if enabled:
                 counts = not _not_the_models_fault(exc)
+                if counts:
+                    circuit.last_error = str(exc)[:500]
                 self._ended(model, circuit, probe, failed=counts, told=counts)
             raise
         if enabled:

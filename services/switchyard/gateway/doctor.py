@@ -14,6 +14,9 @@ wrong: a missing end marker (the stream ended before any ``finish_reason`` and w
 ``data: [DONE]``: cut), a request field the server refused (400/422 naming it; the
 gateway drops it, but what it carried is lost), an unknown model with the ids the server
 serves.
+With a pool of replicas (``model_gateway.pool.endpoints``), the base URL, model,
+server and probe checks run against each endpoint (named in brackets), as the
+gateway calls them; ``pool.dns_url`` is checked as one base URL.
 Exit code 0 when every check passes, 1 otherwise, 2 on a bad config. With a
 dispatcher engine other than ``openai`` (the shipped ``sim``) and no
 ``--base-url``, the stack calls no model server: the gateway checks still run
@@ -26,7 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import httpx
@@ -288,11 +291,42 @@ def _skipped_probe(why: str) -> Check:
     return Check("stream probe", True, f"skipped: {why}", skipped=True)
 
 
+def endpoint_configs(cfg: UpstreamConfig) -> list[UpstreamConfig]:
+    """One config per endpoint the gateway calls, each its own base URL with no pool: ``pool.endpoints``, else
+    ``pool.dns_url`` (as one name), else ``base_url``."""
+    urls = list(cfg.pool.endpoints) or ([cfg.pool.dns_url] if cfg.pool.dns_url else [cfg.base_url])
+    alone = cfg.pool.model_copy(update={"endpoints": [], "dns_url": ""})
+    return [cfg.model_copy(update={"base_url": url.rstrip("/"), "pool": alone}) for url in urls]
+
+
+async def run_endpoint_checks(cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True,
+                              timeout_s: float = 5.0) -> list[Check]:
+    """:func:`run_checks` against each endpoint of :func:`endpoint_configs`; with more than one, the checks of
+    an endpoint are named with it in brackets and the ones that do not depend on it (proxies, key) listed once."""
+    targets = endpoint_configs(cfg)
+    if len(targets) == 1:
+        return await run_checks(targets[0], models=models, probe=probe, timeout_s=timeout_s)
+    checks: list[Check] = []
+    seen: set[tuple[str, str]] = set()
+    for target in targets:
+        for check in await run_checks(target, models=models, probe=probe, timeout_s=timeout_s):
+            if check.name == "api key" or check.name.startswith(("proxy", "NO_PROXY", "no_proxy")):
+                if (check.name, check.detail) in seen:
+                    continue
+                seen.add((check.name, check.detail))
+            else:
+                check = replace(check, name=f"{check.name} [{target.base_url}]")
+            checks.append(check)
+    return checks
+
+
 def format_report(cfg: UpstreamConfig, checks: list[Check], unused_engine: str = "") -> str:
     """The text ``switchyard doctor`` prints: the set-up, one line per check, a fix under each failure.
     ``unused_engine``: the dispatcher's engine when it is not ``openai`` (the gateway is not in use)."""
+    where = (f"endpoints {', '.join(c.base_url for c in endpoint_configs(cfg))}" if cfg.pool.endpoints or cfg.pool.dns_url
+             else f"base_url {cfg.base_url}")
     lines = [
-        f"model gateway: base_url {cfg.base_url}, key from {cfg.api_key_env}, "
+        f"model gateway: {where}, key from {cfg.api_key_env}, "
         f"default_model {cfg.default_model}, fallback_model {cfg.fallback_model or '(none)'}",
     ]
     if unused_engine:
@@ -326,13 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         full = load_config(args.config_dir)
         cfg = full.upstream
-        if args.base_url:
-            cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url})
+        if args.base_url:  # that one URL alone, whatever pool the config names
+            cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url,
+                                                 "pool": {**cfg.pool.model_dump(), "endpoints": [], "dns_url": ""}})
     except (ConfigError, ValueError) as exc:
         print(f"switchyard doctor: {exc}", file=sys.stderr)
         return 2
     unused_engine = "" if args.base_url or full.dispatcher.engine == "openai" else full.dispatcher.engine
-    gateway = asyncio.run(run_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
+    gateway = asyncio.run(run_endpoint_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
     certificates = asyncio.run(certificate_checks(full, args.timeout))
     print(format_report(cfg, gateway + certificates, unused_engine))
     return 0 if all(c.ok for c in (certificates if unused_engine else gateway + certificates)) else 1

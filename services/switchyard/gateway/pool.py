@@ -27,6 +27,7 @@ token, nothing is retried.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -222,7 +223,9 @@ class EndpointPool:
                 continue
             endpoint_config = self.config.model_copy(update={"base_url": url})  # errors and breakers name it
             limit = AdaptiveConcurrencyLimit(self.config.concurrency) if self.pooled else None
-            self.endpoints[name] = Endpoint(url, name, self._make_http(url), Cooldowns(endpoint_config), limit)
+            endpoint = Endpoint(url, name, self._make_http(url), Cooldowns(endpoint_config), limit)
+            endpoint.cooldowns.health_check = functools.partial(self.answers, endpoint)
+            self.endpoints[name] = endpoint
             if self.pooled:
                 ENDPOINT_UP.labels(name).set(1)
                 ENDPOINT_IN_FLIGHT.labels(name).set(0)
@@ -265,6 +268,16 @@ class EndpointPool:
             await self._resolve()
 
     # ------------------------------------------------------------------ health and load
+
+    async def answers(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint``'s server answers HTTP now (its ``GET /models``, any status below 500; a 401 is
+        a server that is up): the health check its circuits read while open
+        (:attr:`switchyard.gateway.cooldown.Cooldowns.health_check`)."""
+        try:
+            response = await endpoint.http.get("models", timeout=self.config.pool.scrape_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 500
 
     async def scrape(self, endpoint: Endpoint) -> None:
         """Read ``endpoint``'s ``/metrics`` once: its load, and whether it is up."""

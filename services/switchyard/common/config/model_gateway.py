@@ -41,6 +41,12 @@ class CooldownConfig(_Strict):
         "once until they end. The circuit closes when this many have succeeded and opens again on the first "
         "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
     )
+    health_check_interval_s: float = Field(
+        1.0, gt=0, le=3600,
+        description="While a circuit is open, its endpoint's GET /models is read at most this often, seconds (on a "
+        "refused call); an answer (any status below 500) half-opens the circuit at once, so a model server back "
+        "after a restart is served within about this long however far the open period has doubled.",
+    )
 
 
 class AdaptiveConcurrencyConfig(_Strict):
