@@ -438,3 +438,35 @@ def test_levels_passed_saturated_on_the_probes_way_up_do_not_hold_the_limit_at_i
         t = drive(limit, knee_server(24), offered=(30, 32, 29, 31)[i % 4], windows=1, t=t, trace=trace)
     assert limit.knee is not None and 20 <= limit.knee <= 30
     assert trace[-1][0] <= 34 + limit.reserve, trace  # at the load, near the knee: not held at the probe
+
+
+# --------------------------------------------------------------------------- the server's own queue
+
+
+def test_a_server_that_queues_caps_the_limit_at_what_it_runs_plus_one_ready():
+    """Two sim-openai --max-running 2 in a pool, 24 BATCH streams: each endpoint's limit sat at 6 and 9 with 3
+    and 5 requests waiting inside the servers, where the priority order cannot reach (the knee found on the
+    probe's way up is never searched downwards). The server's reported queue caps the limit at the streams
+    it runs plus one ready to start; a read that finds less waiting while the limit is used raises the cap by
+    one, and nothing the throughput rule does takes the limit past it."""
+    from switchyard.dispatcher.adaptive_limit import SERVER_QUEUE_ALLOWED
+
+    limit = make_limit(initial_limit=4, max_limit=1024)
+    drive(limit, knee_server(2), offered=24, windows=6)  # a few windows of probing: past the knee
+    for _ in range(int(limit.limit) - limit.in_flight):
+        limit.acquire(BATCH, 3.0)
+    assert limit.in_flight > 2 + SERVER_QUEUE_ALLOWED
+    limit.on_server_queue(limit.in_flight - 2)  # the server runs 2; the rest wait inside it
+    assert limit.limit == limit.server_cap == 2 + SERVER_QUEUE_ALLOWED
+    limit.on_server_queue(SERVER_QUEUE_ALLOWED)  # one ready to start: as wanted, nothing moves
+    assert limit.limit == 2 + SERVER_QUEUE_ALLOWED
+    drive(limit, knee_server(2), offered=24, windows=20, t=3.0)  # the throughput rule probes: held at the cap
+    assert limit.limit <= 2 + SERVER_QUEUE_ALLOWED
+    while limit.in_flight < int(limit.limit):
+        limit.acquire(BATCH, 20.0)
+    limit.on_server_queue(0)  # the server got faster (runs all it is sent, none waiting): one more
+    assert limit.limit == limit.server_cap == 3 + SERVER_QUEUE_ALLOWED
+    limit.release(BATCH, 20.0)
+    limit.release(BATCH, 20.0)
+    limit.on_server_queue(0)  # not used: the cap stays
+    assert limit.server_cap == 3 + SERVER_QUEUE_ALLOWED

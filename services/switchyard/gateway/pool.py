@@ -294,6 +294,9 @@ class EndpointPool:
             except ValueError:
                 pass  # not Prometheus text: no figures, still up
         endpoint.load = load
+        if endpoint.limit is not None and load.waiting is not None:  # its own queue: past its knee when > 0
+            endpoint.limit.on_server_queue(load.waiting)
+            self._publish_limit(endpoint)
         ENDPOINT_WAITING.labels(endpoint.name).set(-1 if load.waiting is None else load.waiting)
         ENDPOINT_KV_USAGE.labels(endpoint.name).set(-1 if load.kv_cache_usage is None else load.kv_cache_usage)
         if not endpoint.up:
