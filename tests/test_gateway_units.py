@@ -122,6 +122,9 @@ def test_nearest_model_and_model_map():
     assert nearest("claude-sonnet-4.5", known) == "claude-sonnet-4-5"
     assert nearest("gpt-4o-mni", known) == "gpt-4o-mini"
     assert nearest("llama-3-70b", known) is None
+    # the same name under another path or organisation (transformers serve lists a local model by its path)
+    assert nearest("tiny", ["/srv/models/tiny", "other"]) == "/srv/models/tiny"
+    assert nearest("Llama-3.1-8B-Instruct", ["meta-llama/Llama-3.1-8B-Instruct"]) == "meta-llama/Llama-3.1-8B-Instruct"
     assert resolve("", {"d": "x"}, "d") == "x" and resolve("fast", {}, "d") == "fast"
 
 

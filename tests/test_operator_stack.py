@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import math
 import os
 import subprocess
@@ -202,11 +203,17 @@ def test_every_dashboard_expression_returns_data(loaded: Prometheus) -> None:
     found = dashboard.expressions(model)
     assert len(found) >= 20, found
     no_cgroup = find_cpu_stat() is None
+    assert not loaded.without_data(["switchyard_gpu_available"])  # the dispatcher's own word on NVML, scraped
+    gpu_read = any(float(r["value"][1]) > 0 for r in loaded.query("switchyard_gpu_available"))
     titles, queries = {}, []
     for title, expr in found:
         query = _instantiate(expr)
         if no_cgroup and "switchyard_cpu_" in expr:
             loaded.query(query)  # still a valid query; this machine has no cgroup cpu.stat to read
+            continue
+        if not gpu_read and re.search(r"switchyard_gpu_(memory_)?utilization_ratio", expr):
+            # no NVML here: the GPU's utilisation is NaN (not read), not a 0 that reads as an idle GPU
+            assert loaded.query(query), f"{title}: {query} has no series at all"
             continue
         titles[query] = title
         queries.append(query)

@@ -22,7 +22,8 @@ def _normal(model_id: str) -> str:
 def nearest(model: str, known: Iterable[str]) -> str | None:
     """The known id closest to ``model`` (difflib ratio >= 0.6 after folding case and . _ : / to -).
 
-    ``nearest("claude-sonnet-4.5", ["claude-sonnet-4-5", "gpt-4o-mini"]) == "claude-sonnet-4-5"``.
+    ``nearest("claude-sonnet-4.5", ["claude-sonnet-4-5", "gpt-4o-mini"]) == "claude-sonnet-4-5"``; an id of
+    the same last path part comes first (``nearest("tiny", ["/models/tiny"]) == "/models/tiny"``).
     """
     ids = [k for k in known if k and k != model]
     if not ids:
@@ -30,6 +31,12 @@ def nearest(model: str, known: Iterable[str]) -> str | None:
     folded = {_normal(k): k for k in ids}
     if (exact := folded.get(_normal(model))) is not None:
         return exact
+    # the same name under another path or organisation: "Llama-3.1-8B-Instruct" for
+    # "meta-llama/Llama-3.1-8B-Instruct", "tiny" for a local "/models/tiny"
+    base = _normal(model.rstrip("/").rsplit("/", 1)[-1])
+    same = [k for k in ids if _normal(k.rstrip("/").rsplit("/", 1)[-1]) == base]
+    if len(same) == 1:
+        return same[0]
     match = difflib.get_close_matches(_normal(model), list(folded), n=1, cutoff=0.6)
     return folded[match[0]] if match else None
 
