@@ -104,3 +104,72 @@ async def test_the_orchestrator_refuses_before_accepting_what_the_servers_window
         assert sim.state.requests == []
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "context window of acme/served-8b is 64 tokens (as its model server reports it)" in caught.value.details()
+
+
+async def test_a_server_down_at_the_dispatchers_start_has_its_window_learnt_once_it_answers(clean_proxy_env,
+                                                                                            monkeypatch):
+    """The model list is read at the dispatcher's start; a server not up then is read again (at most every
+    DESCRIBE_RETRY_S) from the requests that follow, so its window is learnt without a DescribeModel."""
+    import asyncio
+    import socket
+
+    from switchyard.dispatcher.engines import openai as openai_engine
+    from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
+
+    monkeypatch.setattr(openai_engine, "DESCRIBE_RETRY_S", 0.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = config_for(f"http://127.0.0.1:{port}/v1")
+    engine = make_engine(cfg)
+    async with running([DispatcherService(cfg, engine=engine)], cfg.server) as server:
+        await asyncio.sleep(0.2)  # the start-up read failed: nothing listens yet
+        assert engine.reported_context_window("") == 0
+        options = SimOpenAIOptions(models=[MODEL], owned_by="vllm", max_model_len=2048, latency=False)
+        with run_in_thread(options, port=port):
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                for attempt in range(50):
+                    async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id=f"r{attempt}", prompt="hi",
+                                                                            max_tokens=4)):
+                        pass
+                    if engine.reported_context_window("") == 2048:
+                        break
+                    await asyncio.sleep(0.05)
+                assert engine.reported_context_window("") == 2048
+
+
+async def test_the_orchestrator_asks_again_while_the_upstream_reported_no_window(clean_proxy_env, monkeypatch):
+    """The orchestrator keeps the dispatcher's ModelInfo; one without a window (its upstream was down) is
+    asked again (at most every MODEL_INFO_RETRY_S), so the server's window reaches the edge once known."""
+    import asyncio
+    import socket
+
+    from switchyard.orchestrator import clients
+    from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
+
+    monkeypatch.setattr(clients, "MODEL_INFO_RETRY_S", 0.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = config_for(f"http://127.0.0.1:{port}/v1")
+    long_question = "how do Python lists, tuples and dicts differ " * 10
+    async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as disp:
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        async with running([OrchestratorService(orch_cfg)], cfg.server) as orch:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(payload=long_question, task_type="chat", max_tokens=16))
+                options = SimOpenAIOptions(models=[MODEL], owned_by="vllm", max_model_len=64, latency=False)
+                with run_in_thread(options, port=port):
+                    for _ in range(50):
+                        try:
+                            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload=long_question, task_type="chat",
+                                                                           max_tokens=16))
+                        except grpc.aio.AioRpcError as refused:
+                            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            assert "64 tokens (as its model server reports it)" in refused.details()
+                            break
+                        await asyncio.sleep(0.05)
+                    else:
+                        raise AssertionError("the server's window never reached the orchestrator")

@@ -10,7 +10,10 @@ caller of RunTask learns which service is down, not just "UNAVAILABLE".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
     from switchyard.orchestrator.validation import TaskSpec
 
 log = logging.getLogger(__name__)
+
+MODEL_INFO_RETRY_S = 30.0
+"""Seconds between asks of DescribeModel while an ``openai`` engine's upstream has reported no context window."""
 
 
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
@@ -124,6 +130,7 @@ class InferenceClient:
         self._streams: dict[grpc.aio.Channel, GenerateStreamClient] = {}
         self._closing: set[asyncio.Future[None]] = set()
         self._model_info: agent_pb2.ModelInfo | None = None
+        self._model_info_at = -math.inf
         self.task_affinity: frozenset[str] = frozenset({"react_loop"})
         """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
         self._hints: set[asyncio.Task[None]] = set()
@@ -255,17 +262,28 @@ class InferenceClient:
 
     async def model_info(self, timeout_s: float = 5.0) -> agent_pb2.ModelInfo:
         """What the dispatcher serves (asked once, then kept): the model a request naming none is served,
-        the engine, whether it shares prefixes.
+        the engine, whether it shares prefixes, the context window its upstream reports. An ``openai`` engine
+        whose upstream reported no window yet (it was down, or reports none) is asked again at most every
+        :data:`MODEL_INFO_RETRY_S`, the answer kept before it standing when that fails.
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
+        info = self._model_info
+        if info is not None and info.engine == "openai" and not info.context_window_tokens \
+                and time.monotonic() - self._model_info_at >= MODEL_INFO_RETRY_S:
+            self._model_info_at = time.monotonic()
+            with contextlib.suppress(SwitchyardError, grpc.aio.AioRpcError):
+                address, channel = await self._route(None, frozenset())
+                self._model_info = await self._stub_for(channel).DescribeModel(
+                    agent_pb2.DescribeModelRequest(), timeout=timeout_s)
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
             try:
                 self._model_info = await self._stub_for(channel).DescribeModel(
                     agent_pb2.DescribeModelRequest(), timeout=timeout_s)
+                self._model_info_at = time.monotonic()
             except grpc.aio.AioRpcError as err:
                 raise await _tls_named(_downstream_error("dispatcher", address, err), address, self._tls) from None
         return self._model_info

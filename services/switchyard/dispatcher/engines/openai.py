@@ -11,7 +11,10 @@ flushed batch out as concurrent calls, bounded by ``queues.inference.max_batches
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -29,6 +32,9 @@ from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
 
 log = logging.getLogger(__name__)
+
+DESCRIBE_RETRY_S = 10.0
+"""Seconds between reads of an upstream's model list that has not answered yet (its context windows)."""
 
 # Upstream finish reasons the Request does not know, mapped to ones it does.
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
@@ -127,6 +133,8 @@ class OpenAIEngine(StreamEngine):
         require_usable(load_api_key(self.config.api_key_env), required=self.config.api_key_required)
         self.client = GatewayClient(self.config, tracer=tracer)
         self._described = False
+        self._describing: asyncio.Task[None] | None = None
+        self._described_at = -math.inf
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
         install_log_redaction(envs.read_secret(self.config.api_key_env))
@@ -149,7 +157,13 @@ class OpenAIEngine(StreamEngine):
 
     def reported_context_window(self, model: str) -> int:
         """The window the upstream's ``GET /v1/models`` reported for ``model`` (vLLM's ``max_model_len``), once
-        :meth:`describe_upstream` or the gateway has listed the models; else 0."""
+        :meth:`describe_upstream` or the gateway has listed the models; else 0. While the models are unread
+        (the upstream was down when the dispatcher started), a read is started in the background, at most
+        every :data:`DESCRIBE_RETRY_S`, so that the window is learnt once the server answers."""
+        if not self._described and (self._describing is None or self._describing.done()) \
+                and time.monotonic() - self._described_at >= DESCRIBE_RETRY_S:
+            with contextlib.suppress(RuntimeError):  # no running loop: a synchronous caller, nothing started
+                self._describing = asyncio.get_running_loop().create_task(self.describe_upstream())
         return self.client.reported_context_window(model or self.model)
 
     async def describe_upstream(self) -> None:
@@ -157,6 +171,7 @@ class OpenAIEngine(StreamEngine):
         windows it reports); a failure is logged and leaves both unknown, asked again at the next call."""
         if self._described:
             return
+        self._described_at = time.monotonic()
         try:
             await self.client.list_models()
             self._described = True
@@ -195,5 +210,7 @@ class OpenAIEngine(StreamEngine):
         return isinstance(exc, UpstreamRateLimited) and not exc.tokens_sent
 
     async def aclose(self) -> None:
-        """Close the HTTP connection pool."""
+        """Close the HTTP connection pool (and stop a read of the model list still under way)."""
+        if self._describing is not None:
+            self._describing.cancel()
         await self.client.aclose()
