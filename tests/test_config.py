@@ -203,7 +203,7 @@ def test_no_numeric_key_takes_a_string_or_a_boolean_for_a_number():
     assert accepted == []
     assert config.with_overrides(**{"batching.flush_interval_ms": "auto"}).batching.adaptive
     assert config.with_overrides(**{"batching.flush_interval_ms": 5}).batching.flush_interval_ms == 5.0
-    with pytest.raises(ConfigError, match=r"flush_interval_ms.*expected milliseconds, a number in \(0, 10000\], or \"auto\""):
+    with pytest.raises(ConfigError, match=r"flush_interval_ms.*expected: milliseconds, a number in \(0, 10000\], or \"auto\""):
         config.with_overrides(**{"batching.flush_interval_ms": "20"})
 
 

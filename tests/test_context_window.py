@@ -21,6 +21,8 @@ from switchyard.orchestrator.service import OrchestratorService
 
 MODEL = "acme/served-8b"
 """A model the shipped config does not list in limits.context_window_tokens."""
+OTHER = "acme/other-8b"
+"""Another such model the same server serves."""
 
 VLLM_MODELS = {  # vLLM 0.x GET /v1/models (ModelCard), as served
     "object": "list",
@@ -39,6 +41,7 @@ VLLM_MODELS = {  # vLLM 0.x GET /v1/models (ModelCard), as served
     ({"data": [{"id": "gpt-4o-mini", "owned_by": "system"}]}, "gpt-4o-mini", 0),  # the OpenAI API
     ({"data": [{"id": "m", "max_model_len": True}]}, "m", 0),  # not a count
     ({"data": [{"id": "m", "max_model_len": 8}]}, "m", 0),  # below any usable window
+    ({"data": [{"id": "m", "max_model_len": 2**32}]}, "m", 0),  # past int32 (it took the whole stack down)
     ({"data": "nope"}, "m", 0),
 ])
 def test_the_window_is_read_from_the_model_list_where_the_server_reports_one(body, model, window):
@@ -62,9 +65,9 @@ def config_for(base_url: str) -> SwitchyardConfig:
 
 
 @contextlib.asynccontextmanager
-async def dispatcher_before(max_model_len: int):
-    with start_sim(models=[MODEL], owned_by="vllm", max_model_len=max_model_len) as sim:
-        cfg = config_for(sim.base_url)
+async def dispatcher_before(max_model_len: int, **gateway: object):
+    with start_sim(models=[MODEL, OTHER], owned_by="vllm", max_model_len=max_model_len) as sim:
+        cfg = config_for(sim.base_url).with_overrides(**{f"upstream.{k}": v for k, v in gateway.items()})
         async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
                 yield cfg, server, agent_pb2_grpc.InferenceServiceStub(channel), sim
@@ -173,3 +176,23 @@ async def test_the_orchestrator_asks_again_while_the_upstream_reported_no_window
                         await asyncio.sleep(0.05)
                     else:
                         raise AssertionError("the server's window never reached the orchestrator")
+
+
+@pytest.mark.parametrize("named", [OTHER, "short-name"], ids=["another-served-model", "a-model_map-alias"])
+async def test_a_request_naming_another_model_is_checked_against_that_models_reported_window(clean_proxy_env,
+                                                                                             named):
+    """ModelInfo carries every reported window (and each model_map alias of one): a request naming a model
+    other than the default was checked against the 8,192 default at the orchestrator, accepted, and failed at
+    the dispatcher."""
+    async with dispatcher_before(2048, model_map={"short-name": OTHER}) as (cfg, disp, stub, sim):
+        info = await stub.DescribeModel(agent_pb2.DescribeModelRequest())
+        assert dict(info.context_windows) == {MODEL: 2048, OTHER: 2048, "short-name": 2048}
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        async with running([OrchestratorService(orch_cfg)], cfg.server) as orch:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await agent_pb2_grpc.AgentServiceStub(channel).SubmitTask(agent_pb2.RunTaskRequest(
+                        payload="hi", task_type="chat", max_tokens=4000, model=named))
+        assert sim.state.requests == []
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2048 tokens" in caught.value.details() and named in caught.value.details()

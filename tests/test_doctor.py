@@ -216,3 +216,4 @@ def test_a_pool_is_checked_endpoint_by_endpoint_not_by_a_stale_base_url(clean_pr
         code, out = doctor.main(["--config-dir", config, "--timeout", "3"]), capsys.readouterr().out
     assert code == 1, out
     assert f"FAIL  base url [{dead}]" in out and f"ok    base url [{one.base_url}]" in out
+    assert "model_gateway.pool.endpoints in queue.json" in out  # the key that names it, not base_url

@@ -324,3 +324,40 @@ async def test_a_restarted_server_is_served_within_the_health_check_interval(cle
                     await asyncio.sleep(0.05)
     finally:
         await client.aclose()
+
+
+async def test_a_server_that_lists_its_models_but_fails_its_calls_is_not_probed_every_second() -> None:
+    """sim-openai --fault status=503 answers GET /models: each check half-opened the circuit and its probe
+    failed, 39 times in 40 s. A probe admitted on a check's word that fails stops the checks until that
+    open period ends."""
+    clock = Clock()
+    checks = 0
+
+    async def health() -> bool:
+        nonlocal checks
+        checks += 1
+        return True
+
+    async def fail() -> None:
+        raise failure()
+
+    cooldowns = breaker(clock, first_cooldown_s=8.0, health_check_interval_s=1.0)  # cooldown_s 10
+    cooldowns.health_check = health
+    await open_circuit(cooldowns, PRIMARY)
+    with pytest.raises(ModelCoolingDown):
+        await cooldowns.call(PRIMARY, fail)  # starts a check: it answers
+    await asyncio.sleep(0)
+    assert cooldowns.state(PRIMARY) == "half_open"
+    with pytest.raises(UpstreamServerError):
+        await cooldowns.call(PRIMARY, fail)  # the probe fails: open for 10 s (the second opening)
+    probes = 0
+    for _ in range(18):  # 9 s of calls every half second: refused, and no check starts
+        clock.now += 0.5
+        try:
+            await cooldowns.call(PRIMARY, fail)
+        except ModelCoolingDown as refused:
+            assert "or until it answers again" not in str(refused)
+        except UpstreamServerError:
+            probes += 1
+        await asyncio.sleep(0)
+    assert checks == 1 and probes == 0 and cooldowns.state(PRIMARY) == "open"

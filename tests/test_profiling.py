@@ -167,3 +167,36 @@ def test_a_service_that_is_neither_a_name_nor_an_address_is_named(service, says)
     with pytest.raises(ValueError) as err:
         profile_url(service, None, None, 1.0)
     assert says in str(err.value)
+
+
+def _profile_file(kind: str, path) -> None:
+    from switchyard.api import profile_pb2
+
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "broken gzip":
+        path.write_bytes(b"\x1f\x8b\x08\x00" + b"garbage" * 10)
+    else:
+        p = profile_pb2.Profile()
+        p.string_table.extend(["", "wall", "nanoseconds", "gc_pause_ns=abc"])
+        p.sample_type.add(type=1, unit=2)
+        if kind == "comment index out of range":
+            p.comment.append(99)
+        elif kind == "comment not a number":
+            p.comment.append(3)
+        else:  # a sample without its value
+            p.sample.add()
+        path.write_bytes(p.SerializeToString())
+
+
+@pytest.mark.parametrize("kind", ["empty", "broken gzip", "comment index out of range", "comment not a number",
+                                  "sample without a value"])
+def test_a_file_that_is_not_a_profile_is_named_not_a_traceback(tmp_path, kind):
+    import subprocess
+    import sys
+
+    saved = tmp_path / "agent_cpu.pprof"
+    _profile_file(kind, saved)
+    run = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(saved)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1 and "is not a pprof profile" in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -25,11 +25,13 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
 from switchyard.common.cli_text import parser_for
+from switchyard.common.config import ConfigError
 from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
@@ -91,15 +93,25 @@ def main(argv: list[str]) -> int:
     if args.top < 1:
         parser.error(f"--top: expected a count >= 1 (got {args.top})")
     saved = Path(args.service)
+    if args.service not in SERVICES and saved.is_dir():
+        parser.error(f"service: {args.service!r} is a directory; name a saved profile's file, a service or an endpoint")
     if args.service not in SERVICES and saved.is_file():  # a profile written before: read back, nothing asked
         try:
-            print(report(saved.read_bytes(), args.top))
-        except (DecodeError, OSError, EOFError) as exc:  # not protobuf; a broken gzip stream
-            print(f"switchyard profile: {saved} is not a pprof profile ({exc})", file=sys.stderr)
+            data = saved.read_bytes()
+            if not read_pprof(data).sample_type:  # an empty file parses as an empty Profile
+                raise ValueError("no sample types: empty, or not a profile")
+            text = report(data, args.top)
+        except (DecodeError, OSError, EOFError, zlib.error, ValueError, IndexError) as exc:
+            # not protobuf; a broken gzip stream; a Profile whose indexes or comments do not hold
+            print(f"switchyard profile: {saved} is not a pprof profile ({type(exc).__name__}: {exc})", file=sys.stderr)
             return 1
+        print(text)
         return 0
     try:
         url = profile_url(args.service, args.up_file, args.config_dir, args.seconds)
+    except ConfigError as exc:
+        print(f"switchyard profile: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         parser.error(f"service: {exc}")
     request = urllib.request.Request(url)

@@ -400,18 +400,27 @@ class DescribeModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens")
+    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens", "context_windows")
+    class ContextWindowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SHARES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     SERVES_ONLY_MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     shares_prefixes: bool
     serves_only_model: bool
     context_window_tokens: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ...) -> None: ...
+    context_windows: _containers.ScalarMap[str, int]
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
     __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority")

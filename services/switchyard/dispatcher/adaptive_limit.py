@@ -73,8 +73,9 @@ in flight runs fewer at once than it was sent, so the limit is past its knee
 whatever the throughput curve says (the knee found on a probe's way up is never
 searched downwards). The limit is then capped at the streams it runs plus one
 ready to start (in flight minus waiting plus ``SERVER_QUEUE_ALLOWED``, at least
-``min_limit``); the cap rises by one stream at a read that finds less than that
-waiting while the limit is used, so a server that
+``min_limit``); the cap rises by one stream at a read that finds no more than that
+waiting while the limit is used (another client's request in the server's queue
+must not hold the cap at its floor), so a server that
 got faster is found again, one stream at a time (TCP Vegas keeps its window
 by the queue it measures the same way).
 
@@ -306,14 +307,14 @@ class AdaptiveConcurrencyLimit:
     def on_server_queue(self, waiting: int) -> None:
         """The server reports ``waiting`` requests queued inside it (not running), read now: more than
         :data:`SERVER_QUEUE_ALLOWED` with streams of this limit in flight caps the limit at the streams it runs
-        plus that many (``in_flight - waiting + SERVER_QUEUE_ALLOWED``, at least ``min_limit``); fewer while the
-        limit is used raises the cap by one (the module docstring).
+        plus that many (``in_flight - waiting + SERVER_QUEUE_ALLOWED``, at least ``min_limit``); no more than that
+        while the limit is used raises the cap by one (the module docstring).
         ``waiting`` counts every client's requests, so with several dispatchers in front of one server each
         caps itself at its share or below."""
         if waiting > SERVER_QUEUE_ALLOWED and self.in_flight > 0:
             self.server_cap = float(max(self.config.min_limit, self.in_flight - waiting + SERVER_QUEUE_ALLOWED))
             self._set(self.limit)
-        elif waiting < SERVER_QUEUE_ALLOWED and self.server_cap is not None \
+        elif waiting <= SERVER_QUEUE_ALLOWED and self.server_cap is not None \
                 and self.in_flight >= int(self.limit) - self.reserve:
             self.server_cap += 1
             self._set(self.limit + 1)

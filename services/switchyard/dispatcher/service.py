@@ -196,15 +196,15 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         accepting it. The upstream's models are read at most :data:`DESCRIBE_WAIT_S` here (a down upstream
         reports nothing; the next call asks again)."""
         served = self.engine.model if self.stepping else default_model(self.config)
-        reported = 0
+        reported, windows = 0, {}
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(engine.describe_upstream()), DESCRIBE_WAIT_S)
-            reported = engine.reported_context_window("")
+            reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
                                    shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,
-                                   context_window_tokens=reported)
+                                   context_window_tokens=reported, context_windows=windows)
 
     @property
     def shares_prefixes(self) -> bool:

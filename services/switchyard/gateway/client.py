@@ -253,6 +253,15 @@ class GatewayClient:
             log.info("model server at %s: %s", endpoint.url, name)
         return ids
 
+    def reported_context_windows(self) -> dict[str, int]:
+        """Every client-facing model name with a window the upstream reported, tokens: the upstream ids the last
+        :meth:`list_models` saw one for, and each ``model_map`` alias of one (the alias's own name wins)."""
+        windows = dict(self._windows)
+        for alias, target in self.config.model_map.items():
+            if target in self._windows:
+                windows.setdefault(alias, self._windows[target])
+        return windows
+
     def reported_context_window(self, requested: str) -> int:
         """The context window, tokens, the upstream reported for the model client-facing ``requested`` maps to
         (:meth:`models_for`'s primary), from the last :meth:`list_models`; 0 when none was reported (or the

@@ -8,7 +8,9 @@ down is tried ever less often. While open, the endpoint's ``GET /models`` is rea
 at most every ``health_check_interval_s`` (an active health check beside the breaker's
 passive one, as Envoy runs both); an answer half-opens the circuit at once, so a
 server back after a restart is served within seconds however long the open
-period has grown.
+period has grown. A probe admitted on a health check's word that fails (the
+server lists its models but fails its calls) stops the checks until that open
+period ends, so such a server is probed at the doubling periods, not every second.
 While open its requests are refused at once
 with :class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
 allowed), so the fallback model serves them without paying the dead model's
@@ -105,6 +107,11 @@ class _Circuit:
     """The last upstream fault counted (the cause a refusal while open repeats)."""
     checked_at: float = float("-inf")
     """When the last health check of this circuit's endpoint started (open only)."""
+    by_health: bool = False
+    """The circuit is half-open because a health check answered (not because its open period ended)."""
+    checks_from: float = float("-inf")
+    """No health check before this time: a probe admitted on a health check's word failed (the server answers
+    its model list but not its calls), so the open period alone decides until it ends."""
 
 
 def open_period_s(cfg: CooldownConfig, opens: int) -> float:
@@ -159,6 +166,9 @@ class Cooldowns:
             circuit.opens += 1
             period = open_period_s(cfg, circuit.opens)
             circuit.open_until = self._clock() + period
+            if circuit.by_health:  # its model list answered, its calls did not: no more checks this period
+                circuit.checks_from = circuit.open_until
+            circuit.by_health = False
             circuit.probes.clear()
             circuit.probes_succeeded = 0
             why = "a probe failed" if before == HALF_OPEN else f"{cfg.failures} failures in a row"
@@ -169,6 +179,7 @@ class Cooldowns:
         else:
             circuit.failures = circuit.opens = 0
             circuit.probes.clear()
+            circuit.by_health, circuit.checks_from = False, float("-inf")
             log.info("upstream model %r: circuit closed, serving again", model)
 
     def _admit(self, model: str, circuit: _Circuit, now: float) -> int | None:
@@ -188,8 +199,9 @@ class Cooldowns:
             return self._next_call
         if circuit.state == OPEN:
             self._check_health(model, circuit, now)
-            left = (f"skipped for {circuit.open_until - now:.1f} s more, or until it answers again (model_gateway."
-                    "cooldown: first_cooldown_s, doubled at each reopening up to cooldown_s)")
+            checked = self.health_check is not None and now >= circuit.checks_from
+            left = (f"skipped for {circuit.open_until - now:.1f} s more{', or until it answers again' if checked else ''}"
+                    " (model_gateway.cooldown: first_cooldown_s, doubled at each reopening up to cooldown_s)")
         else:
             left = (f"half-open with its {cfg.half_open_probes} probe(s) in flight "
                     "(model_gateway.cooldown.half_open_probes); refused until they end")
@@ -202,7 +214,7 @@ class Cooldowns:
     def _check_health(self, model: str, circuit: _Circuit, now: float) -> None:
         """Start a health check of the endpoint (:attr:`health_check`) unless one runs or one started within
         ``health_check_interval_s``; an answer while still open half-opens the circuit."""
-        if self.health_check is None or model in self._checks \
+        if self.health_check is None or model in self._checks or now < circuit.checks_from \
                 or now - circuit.checked_at < self.config.cooldown.health_check_interval_s:
             return
         circuit.checked_at = now
@@ -219,6 +231,7 @@ class Cooldowns:
                 log.info("upstream model %r: %s answers again; circuit half-open before its open period ended",
                          model, self.config.base_url)
                 self._move(model, circuit, HALF_OPEN)
+                circuit.by_health = True
 
         self._checks[model] = asyncio.get_running_loop().create_task(run(), name=f"health-check-{model}")
 

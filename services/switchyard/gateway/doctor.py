@@ -100,7 +100,8 @@ def _key_check(key: ApiKey, required: bool) -> Check:
     return Check("api key", False, key.describe(), problem)
 
 
-async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float) -> tuple[Check, list[str] | None]:
+async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
+                       url_key: str = "model_gateway.base_url") -> tuple[Check, list[str] | None]:
     url = f"{cfg.base_url}/models"
     headers = {"accept": "application/json"}
     if key.present and not key.has_whitespace:
@@ -113,7 +114,7 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float) -> tu
     except httpx.HTTPError as exc:
         fix = (
             "start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct "
-            "model_gateway.base_url in queue.json"
+            f"{url_key} in queue.json"
         )
         if route:
             fix = (
@@ -130,7 +131,7 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float) -> tu
     if response.status_code == 404:
         return Check(
             "base url", False, f"{url} answers 404",
-            "model_gateway.base_url must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
+            f"{url_key} must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
         ), None
     if response.status_code >= 400:
         return Check("base url", False, f"{url} answers {response.status_code}: {said}",
@@ -139,7 +140,7 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float) -> tu
         ids = [str(item["id"]) for item in response.json()["data"]]
     except (ValueError, KeyError, TypeError):
         return Check("base url", False, f"{url} answers, but not with OpenAI's model list: {said}",
-                     "point model_gateway.base_url at an OpenAI-compatible /v1 root"), None
+                     f"point {url_key} at an OpenAI-compatible /v1 root"), None
     return Check("base url", True, f"{url}{via} answers; {len(ids)} model(s) listed"), ids
 
 
@@ -223,16 +224,18 @@ async def _probe(cfg: UpstreamConfig) -> list[Check]:
 
 
 async def run_checks(
-    cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True, timeout_s: float = 5.0
+    cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True, timeout_s: float = 5.0,
+    url_key: str = "model_gateway.base_url",
 ) -> list[Check]:
-    """Every check of the set-up, in report order (see the module docstring)."""
+    """Every check of the set-up, in report order (see the module docstring); ``url_key``: the config key
+    that names ``cfg.base_url``, for the fixes."""
     checks = [await _proxy_answers(route, timeout_s) for route in configured_proxies()]
     if skipped := no_proxy_check():
         checks.append(skipped)
     key = load_api_key(cfg.api_key_env)
     key_check = _key_check(key, cfg.api_key_required)
     checks.append(key_check)
-    url_check, known = await _list_models(cfg, key, timeout_s)
+    url_check, known = await _list_models(cfg, key, timeout_s, url_key)
     checks.append(url_check)
     if known is not None:
         checks.extend(_model_checks(cfg, known, models))
@@ -299,17 +302,24 @@ def endpoint_configs(cfg: UpstreamConfig) -> list[UpstreamConfig]:
     return [cfg.model_copy(update={"base_url": url.rstrip("/"), "pool": alone}) for url in urls]
 
 
+def url_key(cfg: UpstreamConfig) -> str:
+    """The config key that names the URLs :func:`endpoint_configs` gives, for a fix."""
+    if cfg.pool.endpoints:
+        return "model_gateway.pool.endpoints"
+    return "model_gateway.pool.dns_url" if cfg.pool.dns_url else "model_gateway.base_url"
+
+
 async def run_endpoint_checks(cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True,
                               timeout_s: float = 5.0) -> list[Check]:
     """:func:`run_checks` against each endpoint of :func:`endpoint_configs`; with more than one, the checks of
     an endpoint are named with it in brackets and the ones that do not depend on it (proxies, key) listed once."""
-    targets = endpoint_configs(cfg)
+    targets, key = endpoint_configs(cfg), url_key(cfg)
     if len(targets) == 1:
-        return await run_checks(targets[0], models=models, probe=probe, timeout_s=timeout_s)
+        return await run_checks(targets[0], models=models, probe=probe, timeout_s=timeout_s, url_key=key)
     checks: list[Check] = []
     seen: set[tuple[str, str]] = set()
     for target in targets:
-        for check in await run_checks(target, models=models, probe=probe, timeout_s=timeout_s):
+        for check in await run_checks(target, models=models, probe=probe, timeout_s=timeout_s, url_key=key):
             if check.name == "api key" or check.name.startswith(("proxy", "NO_PROXY", "no_proxy")):
                 if (check.name, check.detail) in seen:
                     continue

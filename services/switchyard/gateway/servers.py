@@ -107,6 +107,11 @@ def detect(models_body: Any, headers: Mapping[str, str] | None = None) -> str:
     return "unknown"
 
 
+MAX_REPORTED_WINDOW = 100_000_000
+"""The largest context window taken from a server's report, tokens (``ModelInfo.context_window_tokens`` is an
+int32; no model has a window near this): a larger one is a server's bug, read as none."""
+
+
 def reported_context_window(models_body: Any, model: str) -> int:
     """The context window, tokens, that ``GET /v1/models`` (``models_body``, parsed JSON) reports for ``model``:
     its ``max_model_len`` (vLLM's ``ModelCard``, SGLang's likewise); 0 when the server reports none (TGI,
@@ -116,7 +121,8 @@ def reported_context_window(models_body: Any, model: str) -> int:
     for item in data or []:
         if isinstance(item, dict) and item.get("id") == model:
             value = item.get("max_model_len")
-            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 16 else 0
+            usable = isinstance(value, int) and not isinstance(value, bool) and 16 <= value <= MAX_REPORTED_WINDOW
+            return value if usable else 0
     return 0
 
 

@@ -40,6 +40,12 @@ MODEL_INFO_RETRY_S = 30.0
 """Seconds between asks of DescribeModel while an ``openai`` engine's upstream has reported no context window."""
 
 
+def reported_window(info: agent_pb2.ModelInfo, model: str) -> int:
+    """The context window the dispatcher's upstream reports for ``model`` (a name the request gave, or the
+    default ``info.model``), tokens; 0: none reported. Taken through ``limits.context_window(model, reported)``."""
+    return info.context_windows.get(model) or (info.context_window_tokens if model == info.model else 0)
+
+
 def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
     """The error to raise for a failed call to ``service``, naming the hop that failed.
 
@@ -305,8 +311,7 @@ class InferenceClient:
         """The context window the dispatcher's upstream reports for ``model`` (``ModelInfo.context_window_tokens``,
         for the dispatcher's default model), once :meth:`model_info` has been asked; else 0. Taken through
         ``limits.context_window(model, reported)``."""
-        info = self._model_info
-        return info.context_window_tokens if info is not None and model == info.model else 0
+        return reported_window(self._model_info, model) if self._model_info is not None else 0
 
     def _stub_for(self, channel: grpc.aio.Channel) -> agent_pb2_grpc.InferenceServiceStub:
         return self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)

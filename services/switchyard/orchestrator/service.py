@@ -48,7 +48,7 @@ from switchyard.common.tasks import settle
 from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
-from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
+from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
 from switchyard.orchestrator.events import event_stream
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
 from switchyard.orchestrator.readiness import Readiness
@@ -324,10 +324,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         acceptance (:func:`check_question_fits`)."""
         assert self._deps is not None, "start() not called"
         info = await self._deps.inference.model_info()
+        reported = reported_window(info, request.model or info.model)
         spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "",
-                        reported_window=info.context_window_tokens)
+                        reported_window=reported)
         model = spec.model or info.model
-        reported = info.context_window_tokens if model == info.model else 0
         limits = self.config.limits
         await check_question_fits(spec, model, limits.context_window(model, reported),
                                   limits.context_window_source(model, reported))

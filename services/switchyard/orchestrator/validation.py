@@ -120,7 +120,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
     for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found; ``only_model`` the one
     model the dispatcher's engine serves, when it serves one alone (a step engine), else "";
-    ``reported_window`` the context window the upstream reports for ``default_model`` (0: none).
+    ``reported_window`` the context window the upstream reports for the request's model (0: none).
 
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
@@ -151,7 +151,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         raise SwitchyardError(f"model: {shown(request.model)} is not served here: the dispatcher's engine serves "
                               f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
     model = request.model or default_model
-    window = limits.context_window(model, reported_window if model == default_model else 0)
+    window = limits.context_window(model, reported_window)
     limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
     if not 0 <= request.max_tokens <= limit:
         raise InvalidArgument(

@@ -23,7 +23,7 @@ def _describe(path: str, exc: ValidationError, prefix: str = "", model: type[Bas
     for err in exc.errors():
         key = ".".join([*([prefix] if prefix else []), *(str(part) for part in err["loc"])]) or "(top level)"
         value = err.get("input")
-        expected = err["msg"].removeprefix("Value error, ")
+        expected = err["msg"].removeprefix("Value error, ").removeprefix("expected ")  # the line says "expected:"
         if err["type"] == "extra_forbidden":
             expected = "no such key (a typo?)" + _nearest_key(model, err["loc"])
         elif err["type"] == "missing":

@@ -307,6 +307,11 @@ class StreamEngine(abc.ABC):
         ``limits.context_window(model, reported)``, where a window configured for the model wins."""
         return 0
 
+    def reported_context_windows(self) -> dict[str, int]:
+        """Every model name the upstream reports a window for, tokens (:meth:`reported_context_window`'s, for
+        callers that check requests naming other models than the default); empty by default."""
+        return {}
+
     async def describe_upstream(self) -> None:
         """Read what the upstream reports of its models (its ``GET /v1/models``) once, before the first
         :meth:`reported_context_window`; nothing by default. Never raises: an upstream that cannot be read

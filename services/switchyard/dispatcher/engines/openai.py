@@ -166,6 +166,10 @@ class OpenAIEngine(StreamEngine):
                 self._describing = asyncio.get_running_loop().create_task(self.describe_upstream())
         return self.client.reported_context_window(model or self.model)
 
+    def reported_context_windows(self) -> dict[str, int]:
+        """The windows of every model the upstream's ``GET /v1/models`` reported one for, and their aliases."""
+        return self.client.reported_context_windows()
+
     async def describe_upstream(self) -> None:
         """List the upstream's models once (:meth:`GatewayClient.list_models`: its flavour and the context
         windows it reports); a failure is logged and leaves both unknown, asked again at the next call."""
