@@ -44,6 +44,8 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
         self.described = 0
         self.words = ["The", " answer", "."]  # the tokens of an answer
         self.token_gap_s = 0.0  # time before each token
+        self.passages = [agent_pb2.Passage(text="The with statement wraps a block.", score=0.9, source="t:with",
+                                           title="with")]  # what Retrieve answers, best-ranked first
 
     def register(self, server):
         agent_pb2_grpc.add_RetrievalServiceServicer_to_server(self, server)
@@ -56,10 +58,7 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
         pass
 
     async def Retrieve(self, request, context):
-        return agent_pb2.RetrieveResponse(
-            passages=[agent_pb2.Passage(text="The with statement wraps a block.", score=0.9, source="t:with", title="with")],
-            queue_wait_s=0.001,
-        )
+        return agent_pb2.RetrieveResponse(passages=self.passages, queue_wait_s=0.001)
 
     async def DescribeModel(self, request, context):
         self.described += 1
@@ -265,6 +264,27 @@ async def test_a_prompt_over_the_window_with_its_passages_fails_at_render_naming
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("payload")
     assert f"context window of sim-7b is {window} tokens" in err.value.details()
+
+
+async def test_passages_that_do_not_fit_the_window_are_left_out_lowest_ranked_first():
+    """In front of a server with a small window, a rag_answer whose passages do not all fit beside max_tokens
+    was accepted and failed at render: the best-ranked passages that fit are sent instead (and the final event
+    lists those), down to one."""
+    question = "word " * 30
+    texts = [f"Passage {i}: " + "the with statement wraps a block " * 6 for i in range(6)]
+    snippets = [prompts.Snippet(f"p{i}", t) for i, t in enumerate(texts)]
+    two = tokens.count_messages(prompts.render("rag_answer", question, snippets[:2]).messages())
+    three = tokens.count_messages(prompts.render("rag_answer", question, snippets[:3]).messages())
+    assert three > two
+    window = two + 8  # two passages fit beside max_tokens 8, three do not
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": window}}) as (stub, down):
+        down.passages = [agent_pb2.Passage(text=t, score=1.0 - i / 10, source=f"s:{i}", title=f"p{i}")
+                         for i, t in enumerate(texts)]
+        events = await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
+    final = events[-1].final
+    assert [p.title for p in final.passages] == ["p0", "p1"]
+    sent = down.requests[0]
+    assert "Passage 1:" in sent.prompt and "Passage 2:" not in sent.prompt and sent.prompt_tokens <= window - 8
 
 
 @pytest.mark.parametrize(

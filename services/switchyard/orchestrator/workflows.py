@@ -25,6 +25,8 @@ import time
 from dataclasses import replace
 from typing import Awaitable, Callable, Sequence
 
+from opentelemetry import trace
+
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.orchestrator import prompts
@@ -184,7 +186,9 @@ async def check_question_fits(spec: TaskSpec, model: str, window: int,
 
 async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
     """Render the prompt and count its tokens (one CPU trip); prompt + ``max_tokens`` must fit the
-    model's context window. Recalled memory that would not fit is left out, never failing the task.
+    model's context window. Recalled memory that would not fit is left out, never failing the task; then
+    retrieved passages that would not fit, the lowest-ranked first, down to the one best-ranked (a window
+    too small for the question and one passage still fails the task).
 
     Raises:
         InvalidArgument: naming ``payload``, when the prompt alone is over the window.
@@ -206,11 +210,37 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
             prompt, count = replace(prompt, history=()), without_history
+        if count > budget and spec.workflow == "rag_answer" and len(passages) > 1:  # the best-ranked that fit
+            fitted = await _fit_passages(task, passages, tool_texts, budget)
+            if fitted is not None:
+                kept, prompt, count = fitted
+                trace.get_current_span().add_event("passages trimmed to the context window", {
+                    "switchyard.passages.retrieved": len(passages), "switchyard.passages.kept": kept})
+                task.passages = task.passages[:kept]
         if count > budget:
             raise prompt_over_window(model, window, spec.max_tokens, count, limits.context_window_source(model, reported))
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
             task.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
+
+
+async def _fit_passages(task: Task, passages: list[prompts.Snippet], tool_texts: list[prompts.Snippet],
+                        budget: int) -> tuple[int, prompts.RenderedPrompt, int] | None:
+    """The most best-ranked ``passages`` (a prefix of them, at least one) whose prompt, without recalled
+    memory, fits ``budget`` tokens: ``(how many, the prompt, its tokens)``, found by halving (a render and a
+    count per step, in the CPU executor); None when even the first one does not fit."""
+    spec, best = task.spec, None
+    low, high = 1, len(passages) - 1  # all of them did not fit
+    while low <= high:
+        mid = (low + high) // 2
+        size = len(spec.payload) + sum(len(p.text) + len(p.title) for p in passages[:mid])
+        prompt, count, _ = await task.cpu(render_and_count, spec.workflow, spec.payload, passages[:mid], tool_texts, [],
+                                          size_chars=size)
+        if count <= budget:
+            best, low = (mid, prompt, count), mid + 1
+        else:
+            high = mid - 1
+    return best
 
 
 async def infer(task: Task) -> None:
