@@ -474,3 +474,41 @@ def test_a_server_that_queues_caps_the_limit_at_what_it_runs_plus_one_ready():
         limit.release(BATCH, 20.0)
     limit.on_server_queue(0)  # not used: the cap stays
     assert limit.server_cap == 4 + SERVER_QUEUE_ALLOWED
+
+
+async def test_one_endpoint_reporting_its_queue_keeps_the_dispatchers_limit_at_what_it_runs(clean_proxy_env):
+    """A single vLLM-like server (sim-openai --max-running 2, its /metrics reporting vllm:num_requests_waiting)
+    behind one dispatcher, 16 BATCH streams: the dispatcher's own limit reads the server's queue and holds at
+    the streams it runs plus one ready (before, nothing read it and the limit sat past the knee, the rest
+    queued inside the server, where CORE waits behind BATCH)."""
+    from switchyard.dispatcher.adaptive_limit import SERVER_QUEUE_ALLOWED
+    from switchyard.dispatcher.engines import make_engine
+    from switchyard.common.server import running
+    from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
+
+    with run_in_thread(SimOpenAIOptions(max_running=2)) as sim:
+        cfg = load_config("config").with_overrides(**{
+            "dispatcher.engine": "openai", "upstream.base_url": sim.base_url, "upstream.fallback_model": "",
+            "upstream.api_key_required": False, "upstream.pool.scrape_interval_s": 0.2})
+        service = DispatcherService(cfg, engine=make_engine(cfg))
+        async with running([service], cfg.server) as server:
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                stop = asyncio.get_running_loop().time() + 6.0
+                limits: list[float] = []
+
+                async def caller(i: int) -> None:
+                    while asyncio.get_running_loop().time() < stop:
+                        async for _ in stub.Generate(agent_pb2.GenerateRequest(
+                                prompt=f"tell me about lists {i}", max_tokens=16, priority=agent_pb2.BATCH)):
+                            pass
+
+                async def watch() -> None:
+                    await asyncio.sleep(3.0)
+                    while asyncio.get_running_loop().time() < stop:
+                        limits.append(service.limit.limit)
+                        await asyncio.sleep(0.2)
+
+                await asyncio.gather(watch(), *(caller(i) for i in range(16)))
+    assert service.limit.server_cap is not None  # the server's queue was read
+    assert statistics.median(limits) <= 2 + SERVER_QUEUE_ALLOWED + 1, limits

@@ -66,8 +66,10 @@ CORE headroom below):
   backoff_ratio``, at most once per remembered TTFT, so one burst of refusals
   counts once.
 
-**The server's own queue** (a pool's endpoints: vLLM's and SGLang's
-``num_requests_waiting``, read from their ``/metrics``, :meth:`on_server_queue`):
+**The server's own queue** (vLLM's and SGLang's ``num_requests_waiting``, TGI's
+and llama.cpp's likewise, read from the server's ``/metrics`` by the gateway: for
+each endpoint of a pool, and for the one endpoint while its server reports one;
+:meth:`on_server_queue`):
 a server that reports requests waiting inside it while streams of this limit are
 in flight runs fewer at once than it was sent, so the limit is past its knee
 whatever the throughput curve says (the knee found on a probe's way up is never

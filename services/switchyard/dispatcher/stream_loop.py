@@ -77,6 +77,8 @@ class StreamLoop(LoopBase):
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
         engine.on_upstream_status = self._on_status
+        if isinstance(limit, AdaptiveConcurrencyLimit):  # one endpoint: the server's queue caps this limit
+            engine.on_server_queue = limit.on_server_queue
 
     def abort(self, req: Request) -> None:
         _cancel_upstream_call(req)

@@ -199,6 +199,10 @@ class EndpointPool:
         self.picker = EndpointPicker(config.pool)
         self.limit: PoolLimit | None = PoolLimit(self) if self.pooled else None
         """The dispatcher's admission limit when pooled; None for one endpoint (the dispatcher keeps its own)."""
+        self.on_server_queue: Callable[[float], None] | None = None
+        """One endpoint: called with the requests its server reports waiting (``vllm:num_requests_waiting`` and
+        the like, from its ``/metrics`` every ``scrape_interval_s``): the dispatcher's own limit listens
+        (``AdaptiveConcurrencyLimit.on_server_queue``). A pool feeds each endpoint's limit itself."""
         self._retired: list[Endpoint] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -253,10 +257,14 @@ class EndpointPool:
             self._update(sorted(set(urls)))
 
     async def start(self) -> None:
-        """Resolve a DNS pool once (waiting for it) and start the background reads; no-op for one endpoint."""
-        if self._started or not self.pooled:
+        """Resolve a DNS pool once (waiting for it) and start the background reads; for one endpoint, only the
+        read of its server's queue, and only when :attr:`on_server_queue` listens."""
+        if self._started or (not self.pooled and self.on_server_queue is None):
             return
         self._started = True
+        if not self.pooled:
+            self._tasks.append(asyncio.create_task(self._queue_loop(), name="upstream-queue"))
+            return
         if self.config.pool.dns_url:
             await self._resolve()
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="upstream-resolve"))
@@ -279,14 +287,26 @@ class EndpointPool:
             return False
         return response.status_code < 500
 
-    async def scrape(self, endpoint: Endpoint) -> None:
-        """Read ``endpoint``'s ``/metrics`` once: its load, and whether it is up."""
+    async def _queue_loop(self) -> None:
+        """One endpoint: read its server's queue every ``scrape_interval_s`` for :attr:`on_server_queue`, until
+        a read that the server answers shows none (a server that exports no queue depth, such as ``transformers
+        serve`` or a hosted API, is not asked again)."""
+        endpoint = next(iter(self.endpoints.values()))
+        while True:
+            if await self.scrape(endpoint) and endpoint.load.waiting is None:
+                log.info("upstream %s reports no queue depth on %s: the limit goes by what it measures alone",
+                         endpoint.url, self.config.pool.metrics_path)
+                return
+            await asyncio.sleep(self.config.pool.scrape_interval_s)
+
+    async def scrape(self, endpoint: Endpoint) -> bool:
+        """Read ``endpoint``'s ``/metrics`` once: its load, and whether it is up. True when the server answered."""
         url = server_root(endpoint.url) + self.config.pool.metrics_path
         try:
             response = await endpoint.http.get(url, timeout=self.config.pool.scrape_timeout_s)
         except httpx.TransportError as exc:
             self.mark_down(endpoint, f"/metrics: {type(exc).__name__}: {exc}")
-            return
+            return False
         load = ServerLoad()
         if response.status_code == 200:
             try:
@@ -294,6 +314,10 @@ class EndpointPool:
             except ValueError:
                 pass  # not Prometheus text: no figures, still up
         endpoint.load = load
+        if not self.pooled:  # one endpoint: its queue for the dispatcher's limit, nothing picked or marked
+            if self.on_server_queue is not None and load.waiting is not None:
+                self.on_server_queue(load.waiting)
+            return True
         if endpoint.limit is not None and load.waiting is not None:  # its own queue: past its knee when > 0
             endpoint.limit.on_server_queue(load.waiting)
             self._publish_limit(endpoint)
@@ -303,6 +327,7 @@ class EndpointPool:
             log.info("upstream endpoint %s is up again", endpoint.url)
         endpoint.up = True
         ENDPOINT_UP.labels(endpoint.name).set(1)
+        return True
 
     async def _scrape_loop(self) -> None:
         while True:

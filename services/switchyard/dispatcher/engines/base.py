@@ -301,6 +301,10 @@ class StreamEngine(abc.ABC):
                 message naming the cause; the Generate stream ends with it.
         """
 
+    on_server_queue: Callable[[float], None] | None = None
+    """Set by the stream loop to its limit's ``on_server_queue`` (one upstream endpoint): called with the requests
+    the server reports waiting inside it, where the engine can read that (its ``/metrics``); never by default."""
+
     def reported_context_window(self, model: str) -> int:
         """The context window, tokens, the upstream reports for ``model`` (a client-facing id, "" for the
         default); 0 when it reports none, and by default. Callers take it through

@@ -182,6 +182,16 @@ class OpenAIEngine(StreamEngine):
         except GatewayError as exc:
             log.info("could not list the upstream's models (context windows unknown): %s", exc)
 
+    @property  # type: ignore[override]
+    def on_server_queue(self) -> Callable[[float], None] | None:
+        """The listener of the server's reported queue (one endpoint; a pool feeds each endpoint's own limit):
+        the gateway reads it from the server's ``/metrics`` while the server reports one."""
+        return self.client.pool.on_server_queue
+
+    @on_server_queue.setter
+    def on_server_queue(self, hook: Callable[[float], None] | None) -> None:
+        self.client.pool.on_server_queue = hook
+
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.
 
