@@ -122,8 +122,6 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         self.processor = RequestProcessor(config, self.engine, self.scheduler, self.adaptive)
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""
-        self._describing: asyncio.Task[None] | None = None
-        """The background read of the upstream's models (an upstream engine), started by :meth:`start`."""
         self._sessions: set[GenerateSession] = set()
 
     @property
@@ -151,9 +149,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
         self.processor.loop = loop
         loop.start()
-        if not self.stepping:  # the upstream's flavour and context windows, read once in the background
-            self._describing = asyncio.get_running_loop().create_task(
-                self.engine.describe_upstream(), name="describe-upstream")  # type: ignore[union-attr]
+        if not self.stepping:  # the upstream's flavour and context windows, read in the background
+            self.engine.start_describing()  # type: ignore[union-attr]
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
@@ -178,8 +175,6 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         except TimeoutError:
             log.warning("dispatcher: drain exceeded the grace period; cancelling what still runs")
             await self.loop.stop()
-        if self._describing is not None:
-            self._describing.cancel()
         if not self.stepping:
             await self.engine.aclose()  # type: ignore[union-attr]
         self.processor.loop = None
@@ -200,7 +195,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(engine.describe_upstream()), DESCRIBE_WAIT_S)
+                await asyncio.wait_for(engine.describe_upstream(), DESCRIBE_WAIT_S)
             reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
                                    shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,

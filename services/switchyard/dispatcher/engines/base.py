@@ -316,10 +316,14 @@ class StreamEngine(abc.ABC):
         callers that check requests naming other models than the default); empty by default."""
         return {}
 
+    def start_describing(self) -> Any:
+        """Start reading what the upstream reports of its models (its ``GET /v1/models``) in the background;
+        nothing by default."""
+        return None
+
     async def describe_upstream(self) -> None:
-        """Read what the upstream reports of its models (its ``GET /v1/models``) once, before the first
-        :meth:`reported_context_window`; nothing by default. Never raises: an upstream that cannot be read
-        reports nothing."""
+        """Read what the upstream reports of its models (its ``GET /v1/models``) and wait for it; nothing by
+        default. Never raises: an upstream that cannot be read reports nothing."""
 
     def refused_for_load(self, exc: BaseException) -> bool:
         """True when ``exc``, raised by :meth:`generate` before its first item, says the upstream refused the

@@ -160,21 +160,35 @@ class OpenAIEngine(StreamEngine):
         :meth:`describe_upstream` or the gateway has listed the models; else 0. While the models are unread
         (the upstream was down when the dispatcher started), a read is started in the background, at most
         every :data:`DESCRIBE_RETRY_S`, so that the window is learnt once the server answers."""
-        if not self._described and (self._describing is None or self._describing.done()) \
-                and time.monotonic() - self._described_at >= DESCRIBE_RETRY_S:
-            with contextlib.suppress(RuntimeError):  # no running loop: a synchronous caller, nothing started
-                self._describing = asyncio.get_running_loop().create_task(self.describe_upstream())
+        if not self._described and time.monotonic() - self._described_at >= DESCRIBE_RETRY_S:
+            self.start_describing()
         return self.client.reported_context_window(model or self.model)
 
     def reported_context_windows(self) -> dict[str, int]:
         """The windows of every model the upstream's ``GET /v1/models`` reported one for, and their aliases."""
         return self.client.reported_context_windows()
 
-    async def describe_upstream(self) -> None:
-        """List the upstream's models once (:meth:`GatewayClient.list_models`: its flavour and the context
-        windows it reports); a failure is logged and leaves both unknown, asked again at the next call."""
+    def start_describing(self) -> asyncio.Task[None] | None:
+        """Start the read of the upstream's model list in the background unless it has been read or a read is
+        under way; returns the read under way (None: read already, or no running loop). The engine's one owner
+        of that read: the dispatcher's start, :meth:`reported_context_window` and :meth:`describe_upstream`
+        all come here, so they never list the models twice at once; :meth:`aclose` stops it."""
         if self._described:
-            return
+            return None
+        if self._describing is None or self._describing.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: a synchronous caller, nothing started
+                self._describing = asyncio.get_running_loop().create_task(self._list_models(),
+                                                                          name="describe-upstream")
+        return self._describing
+
+    async def describe_upstream(self) -> None:
+        """Wait for the read of the upstream's models (:meth:`start_describing`, started now when none is under
+        way): its flavour and the context windows it reports. A failure is logged and leaves both unknown."""
+        reading = self.start_describing()
+        if reading is not None:
+            await asyncio.shield(reading)  # a caller's timeout does not cancel the read others wait for
+
+    async def _list_models(self) -> None:
         self._described_at = time.monotonic()
         try:
             await self.client.list_models()
