@@ -136,8 +136,7 @@ def to_request(
         )
     max_tokens = request.max_tokens or defaults.default_max_tokens
     model = served_model or request.model or default_model(config)
-    window = limits.context_window(model, reported_window)
-    source = limits.context_window_source(model, reported_window)
+    window, source = limits.context_window(model, reported_window)
     if prompt_tokens >= window:
         raise InvalidArgument(
             "prompt_tokens", f"fewer than the context window of {model}, {window} tokens ({source})",

@@ -328,9 +328,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "",
                         reported_window=reported)
         model = spec.model or info.model
-        limits = self.config.limits
-        await check_question_fits(spec, model, limits.context_window(model, reported),
-                                  limits.context_window_source(model, reported))
+        await check_question_fits(spec, model, self.config.limits.context_window(model, reported))
         return spec
 
     # ------------------------------------------------------------------ RPCs

@@ -152,12 +152,12 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
                               f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
     model = request.model or default_model
     window = limits.context_window(model, reported_window)
-    limit = min(limits.max_tokens, window - 1)  # the prompt takes at least one token of the window
+    limit = min(limits.max_tokens, window.tokens - 1)  # the prompt takes at least one token of the window
     if not 0 <= request.max_tokens <= limit:
         raise InvalidArgument(
             "max_tokens",
             f"0 (the default, {orch.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
-            f"context window of {model}: {window} tokens, prompt included)",
+            f"context window of {model}: {window.tokens} tokens ({window.source}), prompt included)",
             request.max_tokens,
         )
     check_metadata(request.metadata, limits)

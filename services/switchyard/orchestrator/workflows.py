@@ -28,6 +28,7 @@ from typing import Awaitable, Callable, Sequence
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
+from switchyard.common.config.limits import ContextWindow
 from switchyard.common.errors import InvalidArgument
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import MemoryMessage
@@ -151,21 +152,19 @@ def render_and_count(
     return prompt, full, without_history
 
 
-def prompt_over_window(model: str, window: int, max_tokens: int, count: int,
-                       source: str = "limits.context_window_tokens") -> InvalidArgument:
+def prompt_over_window(model: str, window: ContextWindow, max_tokens: int, count: int) -> InvalidArgument:
     """The refusal of a prompt of ``count`` tokens that leaves ``max_tokens`` no room in ``model``'s ``window``
-    (``source``: where the window came from, :meth:`RequestLimitsConfig.context_window_source`)."""
+    (:meth:`RequestLimitsConfig.context_window`, its source named)."""
     return InvalidArgument(
         "payload",
-        f"a prompt of at most {window - max_tokens} tokens: the context window of {model} is {window} tokens "
-        f"({source}) and max_tokens takes {max_tokens}",
+        f"a prompt of at most {window.tokens - max_tokens} tokens: the context window of {model} is "
+        f"{window.tokens} tokens ({window.source}) and max_tokens takes {max_tokens}",
         f"{count} tokens",
     )
 
 
-async def check_question_fits(spec: TaskSpec, model: str, window: int,
-                              source: str = "limits.context_window_tokens") -> None:
-    """Refuse, before the task is accepted, a question whose prompt cannot fit ``window`` tokens beside
+async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow) -> None:
+    """Refuse, before the task is accepted, a question whose prompt cannot fit ``window`` beside
     ``spec.max_tokens`` however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of
     that question); otherwise the task would be accepted and fail at :func:`render_prompt`.
 
@@ -175,13 +174,13 @@ async def check_question_fits(spec: TaskSpec, model: str, window: int,
     Raises:
         InvalidArgument: naming ``payload`` (the words :func:`render_prompt` uses).
     """
-    budget = window - spec.max_tokens
+    budget = window.tokens - spec.max_tokens
     messages = prompts.bare(spec.workflow, spec.payload).messages()
     if sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
         return  # count_messages's own sum, each token taken as one byte or more
     count = await asyncio.to_thread(count_messages, messages)
     if count > budget:
-        raise prompt_over_window(model, window, spec.max_tokens, count, source)
+        raise prompt_over_window(model, window, spec.max_tokens, count)
 
 
 async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
@@ -206,7 +205,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         model = spec.model or task.deps.inference.known_default_model
         reported = task.deps.inference.reported_context_window(model)
         window = limits.context_window(model, reported)
-        budget = window - spec.max_tokens
+        budget = window.tokens - spec.max_tokens
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
             prompt, count = replace(prompt, history=()), without_history
@@ -218,7 +217,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
                     "switchyard.passages.retrieved": len(passages), "switchyard.passages.kept": kept})
                 task.passages = task.passages[:kept]
         if count > budget:
-            raise prompt_over_window(model, window, spec.max_tokens, count, limits.context_window_source(model, reported))
+            raise prompt_over_window(model, window, spec.max_tokens, count)
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
             task.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]

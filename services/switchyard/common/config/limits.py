@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pydantic import Field, field_validator
 
 from switchyard.common.config.base import _Strict
+
+
+class ContextWindow(NamedTuple):
+    """A model's context window (``tokens``) and where it was taken from (``source``, for an error message:
+    the config key, or the model server's report)."""
+
+    tokens: int
+    source: str
 
 
 class RequestLimitsConfig(_Strict):
@@ -43,18 +53,13 @@ class RequestLimitsConfig(_Strict):
             raise ValueError(f"expected windows of at least 16 tokens, got {bad}")
         return value
 
-    def context_window(self, model: str, reported: int = 0) -> int:
-        """Context window of ``model`` in tokens: the one ``context_window_tokens`` lists for it (the operator's
-        word wins); else ``reported``, what its model server reports (> 0: vLLM's and SGLang's ``max_model_len``
-        in ``GET /v1/models``, read by the gateway); else ``default_context_window_tokens``."""
+    def context_window(self, model: str, reported: int = 0) -> ContextWindow:
+        """Context window of ``model``: the one ``context_window_tokens`` lists for it (the operator's word
+        wins); else ``reported``, what its model server reports (> 0: vLLM's and SGLang's ``max_model_len`` in
+        ``GET /v1/models``, read by the gateway); else ``default_context_window_tokens``; with its source."""
         listed = self.context_window_tokens.get(model)
         if listed is not None:
-            return listed
-        return reported if reported > 0 else self.default_context_window_tokens
-
-    def context_window_source(self, model: str, reported: int = 0) -> str:
-        """Where :meth:`context_window` took ``model``'s window from, for an error message: the config key, or
-        the model server's report."""
-        if model in self.context_window_tokens:
-            return "limits.context_window_tokens"
-        return "as its model server reports it" if reported > 0 else "limits.default_context_window_tokens"
+            return ContextWindow(listed, "limits.context_window_tokens")
+        if reported > 0:
+            return ContextWindow(reported, "as its model server reports it")
+        return ContextWindow(self.default_context_window_tokens, "limits.default_context_window_tokens")
