@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import AsyncIterator
 
 import grpc
@@ -520,3 +521,25 @@ async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
         results = await asyncio.gather(*(h.generate(request_id=f"a{i}", max_tokens=3) for i in range(5)))
     assert all(chunks[-1].done.usage.completion_tokens == 3 for chunks in results)
     assert service.adaptive.service_p95() > 0  # batch service times were reported
+
+
+def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monkeypatch):
+    """The openai engine's GPU is its model server's: a busy GPU on the dispatcher's host (NVML reads 100 %,
+    vLLM beside it, say) must not hold admission below the adaptive limit, the one limit on the upstream."""
+    from nvml_fixtures import FakeNvml
+
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
+    from switchyard.dispatcher.request import Request
+    from switchyard.dispatcher.scheduler import make_scheduler
+    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpu=100, memory=100))
+    config = SwitchyardConfig()
+    limit = AdaptiveConcurrencyLimit(config.upstream.concurrency)
+    sched = make_scheduler(config, EchoStreamEngine(), capacity=ConcurrencyCapacity(limit))
+    for i in range(4):
+        sched.add_request(Request(request_id=f"r{i}", prompt="hi", prompt_tokens=1, max_tokens=8), 100.0)
+    out = sched.schedule(100.0)
+    assert len(out.admitted) == min(4, limit.lower_class_ceiling) >= 2  # what the limit lets NORMAL fill
+    assert not sched.counters.admissions_refused.get("compute_score")

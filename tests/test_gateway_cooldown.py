@@ -361,3 +361,20 @@ async def test_a_server_that_lists_its_models_but_fails_its_calls_is_not_probed_
             probes += 1
         await asyncio.sleep(0)
     assert checks == 1 and probes == 0 and cooldowns.state(PRIMARY) == "open"
+
+
+async def test_callers_naming_ever_new_models_cannot_grow_the_circuit_table() -> None:
+    """A circuit that holds nothing is the same as none: past MAX_CIRCUITS such circuits are let go; one that
+    counted a failure or is open is kept."""
+    from switchyard.gateway.cooldown import MAX_CIRCUITS
+
+    cooldowns = breaker(Clock())
+
+    async def ok() -> str:
+        return "ok"
+
+    await open_circuit(cooldowns, PRIMARY)
+    for i in range(3 * MAX_CIRCUITS):
+        await cooldowns.call(f"made-up-{i}", ok)
+    assert len(cooldowns._circuits) <= MAX_CIRCUITS
+    assert cooldowns.state(PRIMARY) == "open"

@@ -91,3 +91,27 @@ def test_metric_names_follow_prometheus_conventions() -> None:
             assert not family.name.endswith(reserved), f"{family.name}: a gauge may not use a reserved suffix"
         if family.type in ("gauge", "counter", "histogram"):
             assert family.documentation, f"{family.name}: no help text"
+
+
+def test_every_labelled_counter_of_the_services_starts_at_zero() -> None:
+    """Each ``switchyard_*`` counter with labels has its known series from the start (0), so that a rate over
+    them is defined before the first event: after importing every service module and building the gateway
+    client as the dispatcher does."""
+    import importlib
+    import pkgutil
+
+    import switchyard
+    from switchyard.gateway.client import GatewayClient
+
+    for module in pkgutil.walk_packages(switchyard.__path__, "switchyard."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    GatewayClient(SwitchyardConfig().upstream)
+    missing = []
+    for family in REGISTRY.collect():
+        collector = REGISTRY._names_to_collectors.get(family.name + "_total")
+        if family.type != "counter" or not family.name.startswith("switchyard_") or collector is None:
+            continue
+        if getattr(collector, "_labelnames", ()) and not any(s.name.endswith("_total") for s in family.samples):
+            missing.append(family.name)
+    assert missing == []

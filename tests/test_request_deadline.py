@@ -23,7 +23,8 @@ from switchyard.common.errors import RequestDeadlineExceeded
 from switchyard.common.server import RunningServer, start_server
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.output import StreamError
-from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.double_buffer import FlushReason
+from switchyard.dispatcher.request import Request, SchedulerOutput
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.service import DispatcherService
 from switchyard_harness.testing.scheduling import accept
@@ -162,3 +163,29 @@ def test_the_scheduler_fails_buffered_waiting_and_running_requests_at_their_own_
     assert sched.expire_deadlines(now=2.5) == [waiting]
     assert undated.finish_reason is None and sched.waiting == [undated] and sched.next_deadline == float("inf")
     assert sched.num_queued == 1
+
+
+@pytest.mark.parametrize("ends_by", ["queue_timeout", "abort"])
+@pytest.mark.parametrize("in_dram", [True, False])
+def test_a_resumed_step_that_never_ran_ends_alike_however_it_ends(ends_by, in_dram):
+    """The queue timeout ends a request the way every other end does (one ``_end``): the agent's DRAM copy it
+    will not come back for is discarded, and a step that never reached the engine recomputed nothing."""
+    config = SwitchyardConfig()
+    sched = make_scheduler(config, SimEngine(config))
+    discarded: list[str] = []
+    sched.tiers.discard = discarded.append  # the DRAM tier's delete, recorded (no Redis here)
+    sched.tiers.agent_key = lambda agent: f"kv:agent:{agent}"
+    sched.parking._cold["agent-1"] = (300, in_dram)  # the agent's last step left HBM during its tool call
+    now = 1000.0
+    req = Request(request_id="t:1", prompt="x", prompt_tokens=400, max_tokens=16, agent_id="agent-1",
+                  task_type="react_loop", resume=True, arrival=now)
+    sched.add_request(req, now)
+    sched.flush(FlushReason.IDLE, now)  # joins the waiting set as a resumed step (tool_restored / tool_cold)
+    later = now + config.queues.inference.timeout_ms / 1000 + 1
+    if ends_by == "queue_timeout":
+        sched._expire(later, SchedulerOutput())
+    else:
+        sched.finish_requests([req], RequestStatus.FINISHED_ABORTED, later)
+    assert req.is_finished
+    assert discarded == (["kv:agent:agent-1"] if in_dram else [])
+    assert sched.counters.recomputed_tokens == 0

@@ -5,6 +5,7 @@ directly about a parked agent (keep for a short wait, move out for a very long o
 from __future__ import annotations
 
 
+import grpc
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -254,3 +255,20 @@ async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_sp
     (span,) = exporter.get_finished_spans()
     assert span.attributes["switchyard.tool_wait.decision"] == "KEEP"
     assert "switchyard.tool_wait.restore_at_s" not in span.attributes
+
+
+@pytest.mark.parametrize("field, request_fields", [
+    ("agent_id", {"agent_id": "", "tool": "search_docs"}),
+    ("agent_id", {"agent_id": "agent\x00one", "tool": "search_docs"}),  # Generate refuses this id: so must ToolWait
+    ("tool", {"agent_id": "agent-1", "tool": "search\ndocs"}),
+    ("tool", {"agent_id": "agent-1", "tool": "t" * 257}),
+    ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": -1.0}),
+    ("priority", {"agent_id": "agent-1", "tool": "search_docs", "priority": 7}),
+])
+async def test_a_malformed_announcement_is_refused_naming_its_field_by_generates_rules(dispatcher, field,
+                                                                                      request_fields):
+    stub, _ = dispatcher
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ToolWait(agent_pb2.ToolWaitRequest(**request_fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field), err.value.details()

@@ -17,7 +17,8 @@ import pytest
 
 from switchyard.common.config import UpstreamConfig, load_config
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError
+from switchyard.common.priority import PriorityClass
+from switchyard.gateway.errors import GatewayError, UpstreamServerError
 from switchyard.gateway.events import ChatRequest, Finished, Token
 from switchyard.gateway.faults import Fault
 from switchyard.gateway.picker import EndpointPicker
@@ -336,3 +337,61 @@ def test_upstream_variables_override_model_gateway_and_name_themselves_when_bad(
     monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", "127.0.0.1:8000")
     with pytest.raises(ValueError, match="SWITCHYARD_UPSTREAM_BASE_URL='127.0.0.1:8000'.*http://"):
         load_config("config", service="dispatcher")
+
+
+def gauge(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(name, labels)
+    assert value is not None, (name, labels)
+    return value
+
+
+async def test_the_dispatchers_upstream_gauges_show_the_pools_totals_and_each_endpoint_its_own(clean_proxy_env):
+    """Each endpoint's limit writes its own series; the dispatcher's gauges are the pool's sums (one endpoint's
+    limit used to overwrite them)."""
+    with replicas(2) as servers:
+        urls = [s.base_url for s in servers]
+        config = pool_config(urls)
+        config = config.model_copy(update={"concurrency": config.concurrency.model_copy(update={"initial_limit": 5})})
+        async with GatewayClient(config) as client:
+            pool = client.pool
+            first, second = pool.endpoints.values()
+            first.limit.limit = 9.0  # as a window's decision leaves it
+            first.limit._limit_gauge.set(9.0)
+            pool.publish_totals()
+            assert gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=first.name) == 9
+            assert gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=second.name) == 5
+            assert gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit == 14
+            picked, _ = pool.pick("agent-a")
+            client.concurrency_limit.acquire(PriorityClass.NORMAL)
+            assert gauge("switchyard_gateway_endpoint_in_flight", endpoint=picked.name) == 1
+            assert gauge("switchyard_upstream_in_flight") == 1
+            pool.finished(picked)
+            client.concurrency_limit.release(PriorityClass.NORMAL)
+            assert gauge("switchyard_upstream_in_flight") == 0
+
+
+async def test_the_circuit_gauge_counts_the_endpoints_in_each_state_and_a_joining_one_changes_no_other(
+        clean_proxy_env):
+    with replicas(2) as servers:
+        config = pool_config([s.base_url for s in servers])
+        async with GatewayClient(config) as client:
+            pool = client.pool
+            first = next(iter(pool.endpoints.values()))
+
+            async def fail() -> None:
+                raise UpstreamServerError("503 from the test")
+
+            for _ in range(config.cooldown.failures):
+                with pytest.raises(UpstreamServerError):
+                    await first.cooldowns.call("sim-7b", fail)
+            assert first.cooldowns.state("sim-7b") == "open"
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="open") == 1
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="closed") == 1
+            pool._update([*pool.config.endpoint_urls, "http://127.0.0.1:9/v1"])  # a third joins (DNS, say)
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="open") == 1
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="closed") == 2
+            pool._update(pool.config.endpoint_urls[1:])  # the open one leaves
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="open") == 0
+            assert gauge("switchyard_gateway_circuit_state", model="sim-7b", state="closed") == 1

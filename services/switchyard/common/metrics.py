@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 OTHER = "other"
@@ -20,6 +21,10 @@ values of the tool metrics, in the orchestrator (tool durations) and the dispatc
 
 TASK_TYPES: tuple[str, ...] = ("rag_answer", "chat", "react_loop")
 """The workflows (task types) a task may name; the only task_type label values besides ``unknown`` and ``other``."""
+
+STATUS_CODES: tuple[str, ...] = tuple(code.name for code in grpc.StatusCode)
+"""Every gRPC status code name (``OK``, ``CANCELLED``, ... ``UNAUTHENTICATED``): the ``code`` label's values,
+each counter with it started at 0."""
 
 
 def bounded(value: str, allowed: "Iterable[str]", empty: str = "unknown") -> str:

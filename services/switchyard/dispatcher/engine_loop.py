@@ -328,7 +328,7 @@ class LoopBase:
     def _cancel_all(self) -> None:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
-        held = [*self.scheduler.running, *self.scheduler.waiting]
+        held = [*self.scheduler.running, *self.scheduler.preempting, *self.scheduler.waiting]
         self._publish(self.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED, now))
 
     async def _wait(self, timeout: float | None) -> None:

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig, default_model
+from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after, new_request_id
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
@@ -44,6 +45,30 @@ MAX_CHARS_PER_TOKEN = 128
 
 COUNT_IN_THREAD_BYTES = 256 * 1024
 """Requests larger than this are validated and counted off the event loop."""
+
+
+def check_id(value: str, name: str, limits: RequestLimitsConfig, *, required: bool = False) -> None:
+    """The dispatcher's rule for an id field ``name`` (Generate's and ToolWait's alike): at most
+    ``limits.max_id_chars`` characters, none of them a control character (the orchestrator's rule,
+    :func:`switchyard.common.untrusted.check_id_chars`); ``required``: not empty.
+
+    Raises:
+        InvalidArgument: naming ``name``.
+    """
+    if len(value) > limits.max_id_chars or (required and not value):
+        most = f"1 to {limits.max_id_chars}" if required else f"at most {limits.max_id_chars}"
+        raise InvalidArgument(name, f"{most} characters (limits.max_id_chars)", f"{len(value)} chars")
+    untrusted.check_id_chars(value, name)
+
+
+def check_priority(value: int) -> None:
+    """``priority`` is a Priority (CORE, NORMAL, BATCH) or unset (NORMAL).
+
+    Raises:
+        InvalidArgument: naming ``priority``.
+    """
+    if value not in agent_pb2.Priority.values():
+        raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", value)
 
 
 def to_request(
@@ -84,14 +109,10 @@ def to_request(
         )
     if request.prompt_tokens < 0:
         raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
-    if request.priority not in agent_pb2.Priority.values():
-        raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
+    check_priority(request.priority)
     for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
                         ("model", request.model), ("task_type", request.task_type)):
-        if len(value) > limits.max_id_chars:
-            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
-                                  f"{len(value)} chars")
-        untrusted.check_id_chars(value, name)  # the orchestrator's rule (a NUL in agent_id passed here)
+        check_id(value, name, limits)
     if served_model is not None and request.model and request.model != served_model:
         raise SwitchyardError(
             f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "

@@ -41,7 +41,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
 from switchyard.common.config import SwitchyardConfig, default_model
 from switchyard.common.dram import DramClient
-from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
+from switchyard.common.errors import SwitchyardError, abort
 from switchyard.common.server import Drains
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
@@ -58,7 +58,7 @@ from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
-from switchyard.dispatcher.processor import RequestProcessor
+from switchyard.dispatcher.processor import RequestProcessor, check_id, check_priority
 
 log = logging.getLogger(__name__)
 
@@ -211,20 +211,18 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
                        context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
         """An agent's tool call started: validate the announcement and answer :meth:`tool_wait`'s decision.
 
-        Ends INVALID_ARGUMENT naming the field: ``agent_id`` or ``tool`` empty or past
-        ``limits.max_id_chars``, ``expected_wait_s`` not a finite number of seconds >= 0, ``tenant_id``
+        Ends INVALID_ARGUMENT naming the field: ``agent_id`` or ``tool`` empty, past
+        ``limits.max_id_chars`` or holding a control character (Generate's rule, :func:`.processor.check_id`),
+        ``expected_wait_s`` not a finite number of seconds >= 0, ``tenant_id``
         malformed, ``priority`` not a Priority.
         """
         limits = self.config.limits
         try:
             for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
-                if not value or len(value) > limits.max_id_chars:
-                    raise InvalidArgument(name, f"1 to {limits.max_id_chars} characters (limits.max_id_chars)",
-                                          f"{len(value)} chars")
+                check_id(value, name, limits, required=True)
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s")
             tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
-            if request.priority not in agent_pb2.Priority.values():
-                raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", request.priority)
+            check_priority(request.priority)
         except SwitchyardError as exc:
             await abort(context, exc, "dispatcher")
         decision, restore_at_s = self.tool_wait(request.agent_id, request.tool, request.expected_wait_s, tenant,

@@ -65,7 +65,14 @@ from switchyard.gateway.errors import (
 )
 from switchyard.gateway.keys import ApiKey, load_api_key, require_usable
 from switchyard.gateway import servers
-from switchyard.gateway.metrics import ENDPOINT_FAILOVERS, GATEWAY_REQUESTS, GATEWAY_TTFT, UPSTREAM_STREAM_ENDINGS
+from switchyard.common.metrics import OTHER
+from switchyard.gateway.metrics import (
+    ENDPOINT_FAILOVERS,
+    GATEWAY_REQUESTS,
+    GATEWAY_TTFT,
+    UPSTREAM_STREAM_ENDINGS,
+    start_at_zero,
+)
 from switchyard.gateway.pool import Endpoint, EndpointPool, PoolLimit, prompt_key
 from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
@@ -166,6 +173,8 @@ class GatewayClient:
 
         self.pool = EndpointPool(config, make_http)
         """The endpoints and the picker (one endpoint: ``base_url``)."""
+        start_at_zero({model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER},
+                      [model_names.model_label(config.fallback_model, config)] if config.fallback_model else [])
         self.on_status: Callable[[int], None] | None = None
         """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
         self._flavours: dict[str, servers.ServerFlavour] = {}

@@ -44,10 +44,18 @@ on the wall clock. The state machine here is small and keeps the same rules
 otherwise (threshold and cooldown as LiteLLM's cooldowns and purgatory's
 defaults).
 
-Metrics: ``switchyard_gateway_circuit_state{model, state}`` (1 for the current
-state of closed, open, half_open; 0 for the others) and
+Metrics: ``switchyard_gateway_circuit_state{model, state}``: how many of the
+gateway's endpoints have that model's circuit in that state (closed, open,
+half_open; with one endpoint, 1 for the current state and 0 for the others;
+an endpoint whose several models share one label, ``other``, counts once, in
+the worst of their states: open, then half_open, then closed), kept by
+:class:`CircuitGauges`; and
 ``switchyard_gateway_circuit_transitions_total{model, from_state, to_state}``,
 every legal transition pre-initialised to 0.
+
+A circuit that holds nothing (closed, no failure counted, no wait asked for,
+no probe) is the same as none: past :data:`MAX_CIRCUITS` models, such circuits
+are let go, so callers naming ever new model ids cannot grow the table.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLOSED, OPEN, HALF_OPEN = CIRCUIT_STATES
+_WORST_FIRST = (OPEN, HALF_OPEN, CLOSED)
+
+MAX_CIRCUITS = 1024
+"""Circuits one endpoint keeps before those that hold nothing are let go (see the module docstring)."""
 
 UPSTREAM_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
 """What counts against a model. Not RESOURCE_EXHAUSTED (429): "slow down" is answered by Retry-After and
@@ -120,16 +132,59 @@ def open_period_s(cfg: CooldownConfig, opens: int) -> float:
     return min(cfg.cooldown_s, cfg.first_cooldown_s * 2.0 ** min(opens - 1, 32))
 
 
+class CircuitGauges:
+    """``switchyard_gateway_circuit_state`` over the endpoints of one gateway (see the module docstring): the
+    one writer of the gauge, so that endpoints joining, leaving or moving never overwrite each other's state.
+
+    Args:
+        config: ``model_gateway``: its configured models (and ``other``) are the labels, every one published
+            from the start.
+    """
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self.members: list[Cooldowns] = []
+        self.labels = sorted({model_names.model_label(m, config) for m in model_names.configured_models(config)}
+                             | {OTHER})
+        for label in self.labels:
+            for before, after in CIRCUIT_TRANSITIONS:
+                GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, after)
+        self.publish()
+
+    def join(self, cooldowns: "Cooldowns") -> None:
+        """An endpoint's circuits count from now on."""
+        self.members.append(cooldowns)
+        self.publish()
+
+    def leave(self, cooldowns: "Cooldowns") -> None:
+        """An endpoint left the gateway: its circuits count no more."""
+        if cooldowns in self.members:
+            self.members.remove(cooldowns)
+            self.publish()
+
+    def publish(self, label: str | None = None) -> None:
+        """Set the gauge for ``label`` (every label when None) from the members' circuits."""
+        for each in self.labels if label is None else (label,):
+            counts = dict.fromkeys(CIRCUIT_STATES, 0)
+            for member in self.members:
+                counts[member.label_state(each)] += 1
+            for state, count in counts.items():
+                GATEWAY_CIRCUIT_STATE.labels(each, state).set(count)
+
+
 class Cooldowns:
-    """One circuit and one recorded wait per upstream model id, in this process.
+    """One circuit and one recorded wait per upstream model id, for one endpoint.
 
     Args:
         config: ``model_gateway``; ``cooldown`` gives the threshold, cooldown and probes.
         clock: monotonic seconds (tests step it by hand).
+        gauges: the gateway's :class:`CircuitGauges`, which this endpoint joins; None: gauges of its own (one
+            endpoint).
     """
 
     def __init__(self, config: UpstreamConfig, clock: Callable[[], float] = time.monotonic,
-                 health_check: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 health_check: Callable[[], Awaitable[bool]] | None = None,
+                 gauges: CircuitGauges | None = None) -> None:
         self.config = config
         self._clock = clock
         self.health_check = health_check
@@ -138,28 +193,37 @@ class Cooldowns:
         self._checks: dict[str, asyncio.Task[None]] = {}
         self._circuits: dict[str, _Circuit] = {}
         self._next_call = 0
-        labels = {model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER}
-        for label in sorted(labels):
-            for state in CIRCUIT_STATES:
-                GATEWAY_CIRCUIT_STATE.labels(label, state).set(1 if state == CLOSED else 0)
-            for before, after in CIRCUIT_TRANSITIONS:
-                GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, after)
+        self.gauges = gauges if gauges is not None else CircuitGauges(config)
+        self.gauges.join(self)
 
     def state(self, model: str) -> str:
         """``closed``, ``open`` or ``half_open``: the circuit's state as of its last call."""
         return self._circuits[model].state if model in self._circuits else CLOSED
 
+    def label_state(self, label: str) -> str:
+        """The worst state (open, half_open, closed) of the circuits whose model has metric label ``label``."""
+        states = {c.state for m, c in self._circuits.items() if model_names.model_label(m, self.config) == label}
+        return next((state for state in _WORST_FIRST if state in states), CLOSED)
+
     def _circuit(self, model: str) -> _Circuit:
         circuit = self._circuits.get(model)
         if circuit is None:
+            if len(self._circuits) >= MAX_CIRCUITS:
+                self._let_go_of_idle(self._clock())
             circuit = self._circuits[model] = _Circuit()
         return circuit
+
+    def _let_go_of_idle(self, now: float) -> None:
+        """Drop the circuits that hold nothing: closed, no failure counted, no wait asked for, no probe."""
+        for model in [m for m, c in self._circuits.items()
+                      if c.state == CLOSED and c.failures == 0 and c.not_before <= now and not c.probes
+                      and m not in self._checks]:
+            del self._circuits[model]
 
     def _move(self, model: str, circuit: _Circuit, to: str) -> None:
         before, circuit.state = circuit.state, to
         label = model_names.model_label(model, self.config)
-        GATEWAY_CIRCUIT_STATE.labels(label, before).set(0)
-        GATEWAY_CIRCUIT_STATE.labels(label, to).set(1)
+        self.gauges.publish(label)
         GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, to).inc()
         cfg = self.config.cooldown
         if to == OPEN:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from switchyard.common.metrics import STATUS_CODES
 
 GATEWAY_REQUESTS = Counter(
     "switchyard_gateway_requests_total",
@@ -23,14 +27,30 @@ GATEWAY_TTFT = Histogram(
     ["model"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+OUTCOMES = ("ok", *(code for code in STATUS_CODES if code != "OK"))
+"""``switchyard_gateway_requests_total``'s outcome values: ok, or the gRPC status name of the failure."""
+
+
+def start_at_zero(models: Iterable[str], fallback_models: Iterable[str]) -> None:
+    """Start the gateway's request, retry and fallback counters at 0 for every model label in ``models``
+    (the configured models' labels and ``other``), falling back to each of ``fallback_models``' labels."""
+    fallbacks = set(fallback_models)
+    for model in models:
+        GATEWAY_RETRIES.labels(model)
+        for outcome in OUTCOMES:
+            GATEWAY_REQUESTS.labels(model, outcome)
+        for fallback in fallbacks - {model}:
+            GATEWAY_FALLBACKS.labels(model, fallback)
+
+
 CIRCUIT_STATES = ("closed", "open", "half_open")
 """The states of an upstream model's circuit (gateway/cooldown.py)."""
 CIRCUIT_TRANSITIONS = (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed"))
 """The moves a circuit makes, (from_state, to_state)."""
 GATEWAY_CIRCUIT_STATE = Gauge(
     "switchyard_gateway_circuit_state",
-    "1 for the state the upstream model's circuit is in (closed, open: cooling down after repeated failures, "
-    "half_open: admitting its probes), 0 for the others.",
+    "Endpoints whose circuit for the upstream model is in this state (closed, open: cooling down after repeated "
+    "failures, half_open: admitting its probes); with one endpoint, 1 for its state and 0 for the others.",
     ["model", "state"],
 )
 GATEWAY_CIRCUIT_TRANSITIONS = Counter(
@@ -66,6 +86,11 @@ ENDPOINT_IN_FLIGHT = Gauge(
 ENDPOINT_LIMIT = Gauge(
     "switchyard_gateway_endpoint_concurrency_limit",
     "The upstream endpoint's adaptive concurrency limit, streams.",
+    ["endpoint"],
+)
+ENDPOINT_KNEE = Gauge(
+    "switchyard_gateway_endpoint_knee",
+    "The upstream endpoint's knee estimate (streams past which its throughput stops rising), 0 until measured.",
     ["endpoint"],
 )
 ENDPOINT_WAITING = Gauge(

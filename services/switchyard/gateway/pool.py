@@ -43,13 +43,16 @@ from switchyard.common.config import UpstreamConfig
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_limit import (
     OVERLOAD_STATUSES,
+    UPSTREAM_IN_FLIGHT,
+    UPSTREAM_KNEE,
     UPSTREAM_LIMIT,
     AdaptiveConcurrencyLimit,
     refusal_for,
 )
-from switchyard.gateway.cooldown import Cooldowns
+from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
 from switchyard.gateway.metrics import (
     ENDPOINT_IN_FLIGHT,
+    ENDPOINT_KNEE,
     ENDPOINT_KV_USAGE,
     ENDPOINT_LIMIT,
     ENDPOINT_PICKS,
@@ -142,6 +145,10 @@ class PoolLimit:
     ``on_overload``), the CORE headroom applied to the sum (``refusal_for``); samples, tokens and overload
     answers are taken per endpoint by the gateway, which knows the endpoint, so the dispatcher's are not
     needed here.
+
+    The dispatcher's gauges (``switchyard_upstream_concurrency_limit``, ``_knee``, ``_in_flight``) show the
+    pool's totals, written here and by :meth:`EndpointPool.publish_totals`; each endpoint's limit writes its own
+    series of the ``switchyard_gateway_endpoint_*`` gauges.
     """
 
     def __init__(self, pool: "EndpointPool") -> None:
@@ -150,6 +157,7 @@ class PoolLimit:
         """Streams in flight over the whole pool; kept by :meth:`acquire` / :meth:`release`."""
         self.core_in_flight = 0
         """CORE streams among them."""
+        UPSTREAM_IN_FLIGHT.set(0)
 
     @property
     def limit(self) -> float:
@@ -167,11 +175,13 @@ class PoolLimit:
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
         self.in_flight += 1
         self.core_in_flight += priority is PriorityClass.CORE
+        UPSTREAM_IN_FLIGHT.set(self.in_flight)
 
     def release(self, priority: PriorityClass, now: float | None = None) -> None:
         self.in_flight = max(0, self.in_flight - 1)
         if priority is PriorityClass.CORE:
             self.core_in_flight = max(0, self.core_in_flight - 1)
+        UPSTREAM_IN_FLIGHT.set(self.in_flight)
 
     def on_sample(self, ttft_s: float, now: float | None = None) -> None:
         """Not used: each endpoint's limit gets its own TTFTs (see the class docstring)."""
@@ -197,6 +207,8 @@ class EndpointPool:
         self._make_http = make_http
         self.endpoints: dict[str, Endpoint] = {}
         self.picker = EndpointPicker(config.pool)
+        self.circuit_gauges = CircuitGauges(config)
+        """``switchyard_gateway_circuit_state`` over the endpoints (each endpoint's circuits join it)."""
         self.limit: PoolLimit | None = PoolLimit(self) if self.pooled else None
         """The dispatcher's admission limit when pooled; None for one endpoint (the dispatcher keeps its own)."""
         self.on_server_queue: Callable[[float], None] | None = None
@@ -216,7 +228,9 @@ class EndpointPool:
         for name in [n for n in self.endpoints if n not in by_name]:
             gone = self.endpoints.pop(name)
             self._retired.append(gone)
-            for gauge in (ENDPOINT_UP, ENDPOINT_IN_FLIGHT, ENDPOINT_LIMIT, ENDPOINT_WAITING, ENDPOINT_KV_USAGE):
+            self.circuit_gauges.leave(gone.cooldowns)
+            for gauge in (ENDPOINT_UP, ENDPOINT_IN_FLIGHT, ENDPOINT_LIMIT, ENDPOINT_KNEE, ENDPOINT_WAITING,
+                          ENDPOINT_KV_USAGE):
                 try:
                     gauge.remove(name)
                 except KeyError:
@@ -226,18 +240,21 @@ class EndpointPool:
             if name in self.endpoints:
                 continue
             endpoint_config = self.config.model_copy(update={"base_url": url})  # errors and breakers name it
-            limit = AdaptiveConcurrencyLimit(self.config.concurrency) if self.pooled else None
-            endpoint = Endpoint(url, name, self._make_http(url), Cooldowns(endpoint_config), limit)
+            limit = AdaptiveConcurrencyLimit(  # its own series, never the dispatcher's gauges (the pool's totals)
+                self.config.concurrency, limit_gauge=ENDPOINT_LIMIT.labels(name),
+                knee_gauge=ENDPOINT_KNEE.labels(name), in_flight_gauge=ENDPOINT_IN_FLIGHT.labels(name),
+            ) if self.pooled else None
+            endpoint = Endpoint(url, name, self._make_http(url),
+                                Cooldowns(endpoint_config, gauges=self.circuit_gauges), limit)
             endpoint.cooldowns.health_check = functools.partial(self.answers, endpoint)
             self.endpoints[name] = endpoint
             if self.pooled:
                 ENDPOINT_UP.labels(name).set(1)
-                ENDPOINT_IN_FLIGHT.labels(name).set(0)
                 ENDPOINT_WAITING.labels(name).set(-1)
                 ENDPOINT_KV_USAGE.labels(name).set(-1)
-                self._publish_limit(self.endpoints[name])
                 log.info("upstream endpoint %s joined the pool", url)
         self.picker.sync(list(self.endpoints))
+        self.publish_totals()
 
     async def _resolve(self) -> None:
         url = self.config.pool.dns_url
@@ -320,13 +337,13 @@ class EndpointPool:
             return True
         if endpoint.limit is not None and load.waiting is not None:  # its own queue: past its knee when > 0
             endpoint.limit.on_server_queue(load.waiting)
-            self._publish_limit(endpoint)
         ENDPOINT_WAITING.labels(endpoint.name).set(-1 if load.waiting is None else load.waiting)
         ENDPOINT_KV_USAGE.labels(endpoint.name).set(-1 if load.kv_cache_usage is None else load.kv_cache_usage)
         if not endpoint.up:
             log.info("upstream endpoint %s is up again", endpoint.url)
         endpoint.up = True
         ENDPOINT_UP.labels(endpoint.name).set(1)
+        self.publish_totals()
         return True
 
     async def _scrape_loop(self) -> None:
@@ -345,6 +362,7 @@ class EndpointPool:
             log.warning("upstream endpoint %s is down (%s); its calls go to the other endpoints", endpoint.url, why)
         endpoint.up = False
         ENDPOINT_UP.labels(endpoint.name).set(0)
+        self.publish_totals()
 
     # ------------------------------------------------------------------ calls
 
@@ -365,8 +383,6 @@ class EndpointPool:
         endpoint.in_flight += 1
         if endpoint.limit is not None:
             endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
-        if self.pooled:
-            ENDPOINT_IN_FLIGHT.labels(endpoint.name).set(endpoint.in_flight)
         return endpoint, picked
 
     def finished(self, endpoint: Endpoint) -> None:
@@ -374,14 +390,13 @@ class EndpointPool:
         endpoint.in_flight -= 1
         if endpoint.limit is not None:
             endpoint.limit.release(PriorityClass.NORMAL)
-        if self.pooled and endpoint.name in self.endpoints:
-            ENDPOINT_IN_FLIGHT.labels(endpoint.name).set(endpoint.in_flight)
+            self.publish_totals()
 
     def on_first_item(self, endpoint: Endpoint, ttft_s: float) -> None:
         """``endpoint`` streamed its first item ``ttft_s`` seconds after the request was sent."""
         if endpoint.limit is not None:
             endpoint.limit.on_sample(ttft_s)
-            self._publish_limit(endpoint)
+            self.publish_totals()
 
     def on_tokens(self, endpoint: Endpoint, count: int) -> None:
         """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
@@ -392,14 +407,15 @@ class EndpointPool:
         """``endpoint`` answered with HTTP ``status``: a 429/503 backs its limit off."""
         if endpoint.limit is not None and status in OVERLOAD_STATUSES:
             endpoint.limit.on_overload(time.monotonic())
-            self._publish_limit(endpoint)
+            self.publish_totals()
 
-    def _publish_limit(self, endpoint: Endpoint) -> None:
-        if endpoint.limit is None or self.limit is None:
+    def publish_totals(self) -> None:
+        """The dispatcher's limit and knee gauges for a pool: the admission limit over it (:attr:`PoolLimit.limit`)
+        and the sum of the knees its endpoints have measured (0 until one has)."""
+        if self.limit is None:
             return
-        if endpoint.name in self.endpoints:
-            ENDPOINT_LIMIT.labels(endpoint.name).set(endpoint.limit.limit)
-        UPSTREAM_LIMIT.set(self.limit.limit)  # the dispatcher's gauge: the pool's total, not one endpoint's
+        UPSTREAM_LIMIT.set(self.limit.limit)
+        UPSTREAM_KNEE.set(sum(e.limit.knee or 0 for e in self.endpoints.values() if e.limit is not None))
 
     async def aclose(self) -> None:
         """Stop the background reads and close every endpoint's connections."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from switchyard.common.metrics import OTHER, STATUS_CODES, TASK_TYPES, TOOL_NAMES
+
 # Agent tasks run from tens of milliseconds to tens of seconds.
 TASK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -68,3 +70,9 @@ SUBMITTED_TASKS = Gauge(
 )
 for _state in ("queued", "running"):
     SUBMITTED_TASKS.labels(_state)
+for _task_type in TASK_TYPES:
+    for _code in STATUS_CODES:
+        TASKS.labels(_task_type, _code)
+for _tool in (*TOOL_NAMES, OTHER):
+    for _outcome in ("ok", "error"):
+        TOOL_CALLS.labels(_tool, _outcome)

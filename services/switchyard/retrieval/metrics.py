@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from switchyard.common.metrics import STATUS_CODES
+
 # A MiniLM forward pass on CPU takes ~1-50 ms for a few queries; a cold or
 # large batch can take seconds.
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -45,4 +47,6 @@ REQUESTS = Counter(
     "Retrieve calls by gRPC status code name (OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...).",
     ["code"],
 )
+for _code in STATUS_CODES:
+    REQUESTS.labels(_code)
 INDEX_PASSAGES = Gauge("switchyard_retrieval_index_passages", "Passages in the loaded vector index.")

@@ -102,7 +102,13 @@ from switchyard.dispatcher.scheduler.base import (
     class_rank,
     should_park,
 )
-from switchyard.dispatcher.engines.base import KVCacheManager, NullKVCacheManager, StepBatch, StepResult
+from switchyard.dispatcher.engines.base import (
+    KVCacheManager,
+    NullKVCacheManager,
+    StepBatch,
+    StepResult,
+    StreamEngine,
+)
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, Capacity, HeldBesideRunning, KvBudget, Unbounded
 from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
@@ -186,7 +192,10 @@ class SchedulerCore:
         """A stream engine's upstream ends each stream at ``max_tokens`` (see :func:`.update.check_stop`)."""
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
         self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
-        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine)
+        # A stream engine's GPU is its model server's: the adaptive concurrency limit is the one limit on it, so
+        # no compute score (NVML here reads whatever this host runs) may hold admission below that limit.
+        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine,
+                                                      nvml=False if isinstance(engine, StreamEngine) else None)
         self.counters = SchedulerCounters()
         """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
         self._reported = SchedulerCounters()  # the counters at the last make_stats
@@ -243,6 +252,11 @@ class SchedulerCore:
     @property
     def running(self) -> list[Request]:
         return list(self._running)
+
+    @property
+    def preempting(self) -> list[Request]:
+        """Requests preempted during the step in flight: out of the running set, their KV held until it ends."""
+        return list(self._leaving)
 
     @property
     def parked(self) -> list[Request]:
@@ -741,12 +755,15 @@ class SchedulerCore:
         return outputs
 
     def _end(self, req: Request, now: float, status: RequestStatus, error: BaseException | None = None,
-             out: RequestOutput | None = None) -> None:
-        """``req`` ends with ``status`` wherever it is: free what it holds, queue its output. Idempotent.
+             out: RequestOutput | None = None, *, taken_out: bool = False) -> None:
+        """``req`` ends with ``status`` wherever it is: free what it holds, queue its output. Idempotent. The
+        one way a request ends (``taken_out``: a waiting ``req`` the caller already took out of the queue, as
+        :meth:`_expire` takes many at once).
 
         A react_loop agent's step that ended in tool calls is parked instead
         (:func:`~switchyard.dispatcher.scheduler.base.should_park`): its KV stays
-        warm; anything else has its KV freed.
+        warm; anything else has its KV freed. Recomputed and restored tokens count only for a request that
+        reached the engine (a resumed step that never ran recomputed nothing).
         """
         state = req.status
         if state is PARKED:  # the agent went away while waiting on its tool
@@ -763,7 +780,7 @@ class SchedulerCore:
         elif state is PREEMPTING:  # out of the running set already; its KV held until now
             self._leaving.remove(req)
             self._end_leaving(req)
-        elif state is WAITING:
+        elif state is WAITING and not taken_out:
             self.queue.remove(req)
         elif state is RequestStatus.BUFFERED:
             self._remove_buffered(req)
@@ -774,8 +791,9 @@ class SchedulerCore:
         if req.swap_key:  # a DRAM copy it will not come back for
             self.tiers.discard(req.swap_key)
             req.swap_key, req.swap_tokens = "", 0
-        self.counters.recomputed_tokens += req.recomputed_tokens
-        self.counters.restored_tokens += req.restored_tokens
+        if req.reached_engine:
+            self.counters.recomputed_tokens += req.recomputed_tokens
+            self.counters.restored_tokens += req.restored_tokens
         if state is RUNNING and should_park(req):
             req.status = PARKED
             self.parking.park(req, now)
@@ -1104,13 +1122,9 @@ class SchedulerCore:
         deadline = self._timeout_s
         for req in self.queue.remove_where(lambda r: not r.reached_engine and now - r.arrival > deadline):
             self.counters.queue_rejections["timeout"] += 1
-            req.error = QueueTimeoutError(QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms,
-                                          "admission to the engine")
-            req.status = RequestStatus.FINISHED_ERROR
-            self._outbox.append(RequestOutput(req, finished=True))
-            self._leave_queue(req)
-            self._end_handover(req)
-            self._batch_member_done(req, now)
+            self._end(req, now, RequestStatus.FINISHED_ERROR, QueueTimeoutError(
+                QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms, "admission to the engine"),
+                taken_out=True)
             out.expired.append(req)
         self._next_expiry = min((r.arrival + deadline for r in self.queue if not r.reached_engine), default=math.inf)
 
