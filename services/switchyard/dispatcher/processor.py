@@ -32,7 +32,7 @@ from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
-from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.core import DispatcherClosed, SchedulerCore
 
 tracer = telemetry.get_tracer("switchyard.dispatcher.service")  # the request spans' scope, as before this module
 
@@ -280,8 +280,11 @@ class RequestProcessor:
         if timeout_s is not None:
             req.deadline = deadline_after(timeout_s)
         loop = self.loop
-        if loop is None or self.draining:
-            raise SwitchyardError("dispatcher is not started or is draining", grpc.StatusCode.UNAVAILABLE)
+        if loop is None:
+            raise SwitchyardError("dispatcher is not started yet; retry shortly or on another replica",
+                                  grpc.StatusCode.UNAVAILABLE)
+        if self.draining:  # the scheduler would refuse it too (its intake closes with the drain): one answer
+            raise DispatcherClosed()
         if req.prefill_only:
             if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -24,7 +24,7 @@ releases KV; when the caller goes away, the session aborts its request there.
 ``ToolWait`` hears from the orchestrator that an agent's tool call started
 (who, which tool, the expected wait, tenant, priority): :meth:`DispatcherService.tool_wait`
 asks the scheduler what the agent's parked prefix state does meanwhile (KEEP it
-in HBM, SWAP it to DRAM, DROP it; KEEP when nothing is parked here). A ``prefill_only`` request (a warm-up of a prompt prefix)
+in HBM, SWAP it to DRAM, DROP it; TOOL_WAIT_DECISION_UNSPECIFIED when nothing is parked here). A ``prefill_only`` request (a warm-up of a prompt prefix)
 finishes at once, no tokens, on an engine that shares no prefixes.
 """
 

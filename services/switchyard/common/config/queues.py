@@ -29,12 +29,14 @@ class InferenceQueueConfig(_Strict):
     )
     max_batches_in_prefill: int = Field(
         ge=1, le=1024,
-        description="openai engine only: flushed batches sent upstream at once whose members have not all had a "
-        "first token, batches (dispatcher/stream_loop.py); it bounds the prefill burst ahead of the upstream's "
-        "first answers, not the streams in flight. CORE requests are not held back by it.",
+        description="openai engine only: admission waves (the requests one scheduling decision starts: a flushed "
+        "batch, or what freed slots admit) sent upstream whose members have not all had a first token, waves "
+        "(dispatcher/stream_loop.py); it bounds the prefill burst ahead of the upstream's first answers, not the "
+        "streams in flight. CORE requests are not held back by it.",
     )
     timeout_ms: int = Field(
-        ge=1, le=3_600_000, description="Longest wait for admission before DEADLINE_EXCEEDED, milliseconds."
+        ge=1, le=3_600_000, description="Longest wait for a first admission before DEADLINE_EXCEEDED, milliseconds "
+        "(a request that ran and waits again, preempted or requeued, is bound by its own deadline instead)."
     )
 
 

@@ -73,7 +73,8 @@ class SchedulerConfig(_Strict):
     )
     priority_boost: PriorityBoost = Field(PriorityBoost(), description="Multiplier per priority class.")
     preemption_enabled: bool = Field(True, description="Core work that does not fit may preempt running normal and batch "
-                                             "work (batch first); never other core work.")
+                                             "work (batch first); never other core work. Step engines only: an "
+                                             "upstream's stream cannot be paused, so the openai engine never preempts.")
     core_wait_before_preempt_ms: float = Field(
         0, ge=0, le=60_000,
         description="A core request that does not fit waits this long for running work to free room before it preempts "

@@ -4,8 +4,13 @@ Shape after vLLM's v1 scheduler interface (``vllm/v1/core/sched/interface.py``)
 and its engine core's step (``vllm/v1/engine/core.py`` ``step()``:
 ``schedule()`` -> ``execute_model()`` -> ``update_from_output()``). The loop
 (:mod:`switchyard.dispatcher.engine_loop` for step engines,
-:mod:`switchyard.dispatcher.stream_loop` for stream engines) is the only
-caller, on the event loop, never concurrently. It runs, turn after turn:
+:mod:`switchyard.dispatcher.stream_loop` for stream engines) drives it, and
+every call comes through the loop's own methods, on the event loop's thread,
+one at a time (no call awaits inside the scheduler): the RPC handlers' submit,
+abort and tool-wait calls (``LoopBase.submit``, ``abort``, ``tool_wait``), the
+prefetches the loop starts, and mid-step preemption (the step loop admits CORE
+work while a step runs; the stream loop starts CORE streams as they arrive).
+It runs, turn after turn:
 
 1. :meth:`Scheduler.schedule` ``(now) -> SchedulerOutput``: the double buffer's
    active list joins the waiting queue, requests past their queue timeout or

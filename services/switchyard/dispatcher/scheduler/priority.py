@@ -81,18 +81,12 @@ class PriorityScheduler(SchedulerCore):
     def __init__(self, config: SwitchyardConfig, engine: Any = None, monitor: ComputeScoreMonitor | None = None,
                  **kwargs: Any) -> None:
         super().__init__(config, engine, monitor, **kwargs)
-        self.head_start_s = head_start(self.config)
-        """Seconds each class (core, normal, batch) is ordered ahead of its arrival (victims' order)."""
         self.wait_before_preempt_s = self.config.core_wait_before_preempt_ms / 1000.0
         """Seconds a core request that does not fit waits for room before it preempts."""
 
     def make_queue(self) -> RequestQueue:
         """:class:`~.request_queue.PriorityAgingQueue` with each class's head start (see the module docstring)."""
         return PriorityAgingQueue(head_start(self.config))
-
-    def virtual_arrival(self, req: Request) -> float:
-        """``req.arrival`` minus its class's head start (seconds, monotonic clock)."""
-        return req.arrival - self.head_start_s[class_rank(req)]
 
     def _may_preempt(self, req: Request, now: float) -> bool:
         return (self.preemption_enabled and class_rank(req) == 0
@@ -111,13 +105,22 @@ class PriorityScheduler(SchedulerCore):
             self.queue.remove(req)
             self._start(req, now, out)
 
+    def _below_core(self, out: SchedulerOutput, exclude: list[Request] = ()) -> list[Request]:  # type: ignore[assignment]
+        """Running work below core, not admitted in this decision nor in ``exclude``: what core work may preempt."""
+        fresh = set(out.admitted) | set(exclude)
+        return [req for req in self._running if class_rank(req) > 0 and req not in fresh]
+
+    @staticmethod
+    def _victim_order(req: Request) -> tuple[int, float]:
+        """The larger, the sooner preempted: the lowest class first, then the latest arrival (inside one class
+        the aging order is the arrival order: every member has the same head start)."""
+        return class_rank(req), req.arrival
+
     def _victim_candidates(self, req: Request, out: SchedulerOutput) -> list[Request]:
         """Lower-class running work, lowest priority first, when ``req`` is core work that may preempt now."""
         if not self._may_preempt(req, self._now):
             return []
-        fresh = set(out.admitted)
-        candidates = [r for r in self._running if class_rank(r) > 0 and r not in fresh]
-        return sorted(candidates, key=lambda r: (class_rank(r), self.virtual_arrival(r), r.arrival), reverse=True)
+        return sorted(self._below_core(out), key=self._victim_order, reverse=True)
 
     def _victims_for(self, req: Request, out: SchedulerOutput) -> list[Request] | None:
         """The fewest lowest-priority running requests whose slots and KV let ``req`` start; None if none do.
@@ -138,9 +141,5 @@ class PriorityScheduler(SchedulerCore):
                 return chosen
 
     def _victim(self, out: SchedulerOutput, exclude: list[Request] = ()) -> Request | None:  # type: ignore[assignment]
-        """Lowest-priority running request below core, not admitted in this decision nor in ``exclude``."""
-        fresh = set(out.admitted) | set(exclude)
-        candidates = [req for req in self._running if class_rank(req) > 0 and req not in fresh]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda req: (class_rank(req), self.virtual_arrival(req), req.arrival))
+        """The first victim (:meth:`_victim_order`) among :meth:`_below_core`; None when there is none."""
+        return max(self._below_core(out, exclude), key=self._victim_order, default=None)
