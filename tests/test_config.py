@@ -497,3 +497,20 @@ def test_the_config_package_reads_attributes_by_name_only():
             elif isinstance(node, ast.FunctionDef) and node.name in {"__getattr__", "__getattribute__"}:
                 probes.append(f"{path.name}:{node.lineno} def {node.name}")
     assert not probes, probes
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"priority_values": {"core": 0}}, "priority_values"),  # normal and batch would go out with no priority
+    ({"model_map": {"x": ""}}, "model_map"),  # a request for x would go upstream as model ""
+    ({"model_map": {" ": "m1"}}, "model_map"),
+    ({"default_model": "  "}, "default_model"),
+    ({"fallback_model": " "}, "fallback_model"),
+])
+def test_a_gateway_config_that_would_send_a_blank_model_or_no_priority_is_refused(values, field):
+    from pydantic import ValidationError
+
+    from switchyard.common.config import UpstreamConfig
+
+    with pytest.raises(ValidationError) as caught:
+        UpstreamConfig.model_validate(values)
+    assert field in str(caught.value) and "expected" in str(caught.value)

@@ -72,9 +72,14 @@ async def test_without_a_fallback_an_open_circuit_fails_fast_naming_the_cooldown
         in str(caught.value)
 
 
-@pytest.mark.parametrize("status", [400, 429], ids=["request-error", "rate-limit"])
-async def test_the_requests_own_faults_and_rate_limits_never_open_the_circuit(clean_proxy_env, status):
-    with start_sim(faults={PRIMARY: Fault(status=status)}) as server:
+@pytest.mark.parametrize("fault", [Fault(status=400), Fault(status=429), Fault(status=409), Fault(status=451),
+                                   Fault(stream_error=400), Fault(stream_error=429)],
+                         ids=["request-error", "rate-limit", "conflict", "legal", "request-error-in-stream",
+                              "rate-limit-in-stream"])
+async def test_the_requests_own_faults_and_rate_limits_never_open_the_circuit(clean_proxy_env, fault):
+    """Also when the server says so inside the stream (vLLM's error object, its status in ``code``): the
+    request's own fault is neither retried nor counted against the model."""
+    with start_sim(faults={PRIMARY: fault}) as server:
         async with GatewayClient(gateway_config(server.base_url, **cooldown())) as client:
             for _ in range(4):
                 try:

@@ -69,6 +69,19 @@ async def test_upstream_401_names_variable_length_and_whitespace_never_the_key(m
     assert TEST_KEY not in message and "[redacted]" in message  # the server echoed it; redacted
 
 
+@pytest.mark.parametrize("status, code", [
+    (403, grpc.StatusCode.PERMISSION_DENIED),  # a known key without the right: gRPC's mapping of HTTP 403
+    (409, grpc.StatusCode.INVALID_ARGUMENT),  # the request's own fault, never a server failure retried
+    (418, grpc.StatusCode.INVALID_ARGUMENT),
+    (451, grpc.StatusCode.INVALID_ARGUMENT),
+    (408, grpc.StatusCode.UNAVAILABLE),  # the server timed the request out: retried, as a 5xx is
+])
+async def test_each_upstream_status_maps_to_its_own_code(status, code, clean_proxy_env):
+    with start_sim(faults={"*": Fault(status=status)}) as server:
+        err = await stream_error(gateway_config(server.base_url, max_retries=0))
+    assert err.code == code and str(status) in str(err)
+
+
 async def test_expired_oauth_token_says_reauthenticate_or_use_api_key(clean_proxy_env):
     with start_sim(faults={"*": Fault(expired=True)}) as server:
         err = await stream_error(gateway_config(server.base_url))

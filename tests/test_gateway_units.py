@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 from gateway_fixtures import clean_proxy_env  # noqa: F401
 
 from switchyard.gateway.decode import StreamDecoder, parse_completion
-from switchyard.gateway.errors import StreamBroken, StreamProtocolError
+from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
 from switchyard.gateway.events import Finished, Token, ToolCallOut, Usage
 from switchyard.gateway.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
@@ -195,3 +196,52 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
     assert isinstance(finished, Finished) and finished.finish_reason == case["finish_reason"]
     if "usage" in case:
         assert finished.usage == Usage(*case["usage"])
+
+
+@pytest.mark.parametrize("error, kind, code", [
+    # vLLM: the request's own fault, inside the stream (its status in "code")
+    ({"message": "This model's maximum context length is 10 tokens", "type": "BadRequestError", "code": 400},
+     "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
+    ({"message": "bad", "code": "422"}, "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
+    ({"message": "too long", "type": "invalid_request_error", "code": None},  # OpenAI: by its type
+     "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
+    ({"message": "slow down", "type": "rate_limit_exceeded"}, "UpstreamRateLimited",
+     grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ({"message": "slow down", "code": 429}, "UpstreamRateLimited", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ({"message": "overloaded", "type": "server_error", "code": None}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "oops", "code": 500}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "odd", "code": True}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+])
+def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status(error, kind, code):
+    with pytest.raises(GatewayError) as caught:
+        StreamDecoder("m").feed(json.dumps({"error": error}))
+    assert type(caught.value).__name__ == kind and caught.value.code == code
+    assert caught.value.retryable == (kind != "BadUpstreamRequest")
+
+
+def test_what_follows_done_is_not_read():
+    decoder = StreamDecoder("m")
+    events = decoder.feed(chunk({"content": "hi"}, "stop"))
+    assert decoder.feed("[DONE]") == [] and decoder.feed("{garbage") == [] and decoder.feed('{"error": "x"}') == []
+    assert events + decoder.end() == [Token("hi"), Finished("stop", None, "m")]
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 3, "completion_tokens": 2**40, "total_tokens": 2**40 + 3},  # past int32
+    {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": "x"},
+    {"prompt_tokens": -5, "completion_tokens": 2, "total_tokens": -3},
+    {"prompt_tokens": 3.5, "completion_tokens": 1},
+    {"prompt_tokens": True, "completion_tokens": 1},
+])
+def test_a_usage_that_is_no_count_is_taken_as_no_usage(usage):
+    """The dispatcher then counts the tokens itself, as for a server that sends none; nothing fails."""
+    decoder = StreamDecoder("m")
+    decoder.feed(chunk({"content": "hi"}, "stop", usage=usage))
+    assert decoder.end() == [Finished("stop", None, "m")]
+
+
+def test_a_usage_with_null_counts_reads_them_as_zero_and_totals_itself():
+    decoder = StreamDecoder("m")
+    decoder.feed(chunk({"content": "hi"}, "stop", usage={"prompt_tokens": 4, "completion_tokens": 1,
+                                                          "total_tokens": None}))
+    assert decoder.end() == [Finished("stop", Usage(4, 1, 5), "m")]

@@ -287,6 +287,25 @@ async def test_passages_that_do_not_fit_the_window_are_left_out_lowest_ranked_fi
     assert "Passage 1:" in sent.prompt and "Passage 2:" not in sent.prompt and sent.prompt_tokens <= window - 8
 
 
+async def test_a_window_too_small_for_even_the_best_passage_names_the_least_prompt_it_could_send():
+    """The refusal names the size of the question with the best-ranked passage alone, not with every passage: the
+    caller can pick a max_tokens that fits from it."""
+    question = "word " * 30
+    texts = [f"Passage {i}: " + "the with statement wraps a block " * 6 for i in range(4)]
+    snippets = [prompts.Snippet(f"p{i}", t) for i, t in enumerate(texts)]
+    one = tokens.count_messages(prompts.render("rag_answer", question, snippets[:1]).messages())
+    bare = tokens.count_messages(prompts.bare("rag_answer", question).messages())
+    window = one + 8 - 1  # one passage beside max_tokens 8 is one token too many; the question alone fits
+    assert bare + 8 <= window
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": window}}) as (stub, down):
+        down.passages = [agent_pb2.Passage(text=t, score=1.0 - i / 10, source=f"s:{i}", title=f"p{i}")
+                         for i, t in enumerate(texts)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"(got '{one} tokens')" in err.value.details(), err.value.details()
+
+
 @pytest.mark.parametrize(
     ("fields", "field", "bound"),
     [

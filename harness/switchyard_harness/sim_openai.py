@@ -468,6 +468,11 @@ class SimOpenAI:
                         await self._sleep(prefill_seconds(self.options.sim, uncached))
                     self._cache_prompt(keys)
                     yield chunk({"role": "assistant", "content": ""})
+                    if fault.stream_error is not None:
+                        kind = "BadRequestError" if 400 <= fault.stream_error < 500 else "InternalServerError"
+                        yield encode({"error": {"object": "error", "message": f"injected stream_error "
+                                                f"{fault.stream_error}", "type": kind, "code": fault.stream_error}})
+                        return
                     for sent, delta in enumerate(self._deltas(reply, tokens)):
                         kv += 1
                         self.state.kv_used_tokens += 1
@@ -624,7 +629,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer <value of VAR>' (default: no key check)")
     parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
                         help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
-                             "(keys: status fail_first cut_after no_done no_finish malformed_after no_choices slow_ms mismatch "
+                             "(keys: status fail_first cut_after no_done no_finish malformed_after stream_error no_choices slow_ms "
+                             "mismatch "
                              f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",

@@ -11,6 +11,7 @@ import re
 import time
 from typing import Mapping
 
+import grpc
 import httpx
 
 from switchyard.common import untrusted
@@ -101,10 +102,13 @@ def error_for_status(
                 f"to get a fresh token, or use an API key in {key.env}"
             )
         what = "rejected the key" if status == 401 else "refused access with the key"
-        return UpstreamAuthError(
+        auth = UpstreamAuthError(
             f"upstream {status}: {url} {what} from {key.describe()} (upstream said {quoted}); check that "
             f"{key.env} holds a valid key for this base URL and model {model!r}"
         )
+        if status == 403:  # a known key without the right: gRPC's own mapping of HTTP 403
+            auth.code = grpc.StatusCode.PERMISSION_DENIED
+        return auth
     if status == 404:
         return EndpointNotFound(
             f"upstream 404 for {url} (upstream said {quoted}); model_gateway.base_url must be the "
@@ -119,7 +123,7 @@ def error_for_status(
         )
         error.retry_after_s = retry_after
         return error
-    if status in (400, 413, 422):
+    if 400 <= status < 500 and status != 408:  # the request's own fault (400, 409, 413, 422, 451, ...)
         return BadUpstreamRequest(f"upstream {status} from {url} rejected the request for model {model!r}: {quoted}")
     if status >= 500:
         error = UpstreamServerError(

@@ -320,6 +320,8 @@ class GatewayClient:
                     yield event
                 if not opened.ended:
                     async for data in opened.data:
+                        if opened.decoder.done:
+                            break  # [DONE] ends the stream: nothing after it is read
                         self._check_deadline(call, model)
                         for event in opened.decoder.feed(data):
                             sent += not isinstance(event, Finished)

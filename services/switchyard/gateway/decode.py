@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.common import untrusted
-from switchyard.gateway.errors import StreamBroken, StreamProtocolError, snippet
+from switchyard.gateway.errors import (
+    BadUpstreamRequest,
+    GatewayError,
+    StreamBroken,
+    StreamProtocolError,
+    UpstreamRateLimited,
+    snippet,
+)
 from switchyard.gateway.sse import DONE
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
 
@@ -128,12 +135,30 @@ def _index(delta: dict[str, Any]) -> int | None:
         raise StreamProtocolError(f"tool_calls delta has a non-integer index: received {snippet(json.dumps(delta))}")
 
 
+MAX_USAGE_TOKENS = 2**31 - 1
+"""The largest token count taken from an upstream's ``usage`` (the wire's int32): one past it is no count."""
+
+
+def _count(raw: dict[str, Any], key: str) -> int | None:
+    """``raw[key]`` as a token count: absent or null is 0; None when it is no count (not an integer, negative,
+    or past :data:`MAX_USAGE_TOKENS`)."""
+    value = raw.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        return None
+    return int(value) if 0 <= value <= MAX_USAGE_TOKENS else None
+
+
 def _usage(raw: Any) -> Usage | None:
+    """The upstream's ``usage``, or None when it reports none or a count that is no count (a string, a negative
+    or an overflowing number): the dispatcher then counts the tokens itself, as for a server sending no usage."""
     if not isinstance(raw, dict):
         return None
-    prompt = int(raw.get("prompt_tokens") or 0)
-    completion = int(raw.get("completion_tokens") or 0)
-    return Usage(prompt, completion, int(raw.get("total_tokens") or prompt + completion))
+    prompt, completion, total = (_count(raw, k) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    if prompt is None or completion is None or total is None:
+        return None
+    return Usage(prompt, completion, total or prompt + completion)
 
 
 def _loads(data: str, what: str) -> dict[str, Any]:
@@ -152,10 +177,43 @@ def _loads(data: str, what: str) -> dict[str, Any]:
     return value
 
 
-def _upstream_error(payload: dict[str, Any], data: str) -> StreamBroken:
+_ERROR_TYPE_STATUS = {
+    "badrequesterror": 400, "invalid_request_error": 400, "notfounderror": 404, "not_found_error": 404,
+    "ratelimiterror": 429, "rate_limit_error": 429, "rate_limit_exceeded": 429,
+}
+"""HTTP status of an in-stream error by its ``type`` where it carries no numeric ``code`` (vLLM's
+``BadRequestError``, OpenAI's ``invalid_request_error`` and ``rate_limit_exceeded``, Anthropic's
+``rate_limit_error``)."""
+
+
+def stream_error_status(err: Any) -> int | None:
+    """The HTTP status an in-stream error object stands for: its ``code`` when that is one (vLLM sends
+    ``{"error": {"message", "type": "BadRequestError", "code": 400}}``), else its ``type``; None when it says
+    neither (OpenAI's ``server_error`` with ``code: null``)."""
+    if not isinstance(err, dict):
+        return None
+    code = err.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    kind = err.get("type")
+    return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
+
+
+def _upstream_error(payload: dict[str, Any], data: str) -> GatewayError:
+    """The error an in-stream error object stands for, classified as the same answer as a status would be: the
+    request's own fault (4xx) is not retried and never counts against the model's circuit; a rate limit is a
+    429; anything else is a broken stream (retried before the first token)."""
     err = payload.get("error")
     message = err.get("message") if isinstance(err, dict) else err
-    return StreamBroken(f"upstream sent an error inside the stream: {snippet(str(message or data))}")
+    said = f"upstream sent an error inside the stream: {snippet(str(message or data))}"
+    status = stream_error_status(err)
+    if status == 429:
+        return UpstreamRateLimited(f"{said} (a rate limit)")
+    if status is not None and 400 <= status < 500 and status != 408:
+        return BadUpstreamRequest(f"{said} (status {status}: the request's own fault, not retried)")
+    return StreamBroken(said)
 
 
 class StreamDecoder:
@@ -182,8 +240,11 @@ class StreamDecoder:
 
         Raises:
             StreamProtocolError: not JSON, not an object, or no ``choices`` list ("reading choices").
-            StreamBroken: the chunk is an upstream error object.
+            StreamBroken, BadUpstreamRequest, UpstreamRateLimited: the chunk is an upstream error object
+                (:func:`_upstream_error` classifies it by its code or type).
         """
+        if self.done:
+            return []  # the stream ended at [DONE]: whatever a server or proxy sends after it is not read
         if data.strip() == DONE:
             self.done = True
             return []

@@ -30,6 +30,8 @@ class Fault:
     - ``no_finish``: end the body cleanly after the content, with neither a ``finish_reason`` nor
       ``data: [DONE]``: a cut stream, though the connection closed in order.
     - ``malformed_after``: send a chunk that is not JSON after N streamed items.
+    - ``stream_error``: after the role chunk, send an error object inside the stream with this status in its
+      ``code`` (vLLM's shape: ``{"error": {"message", "type", "code"}}``) and end the body.
     - ``no_choices``: send chunks without a ``choices`` list.
     - ``slow_ms``: extra delay before each streamed item, milliseconds.
     - ``mismatch``: answer JSON when a stream was asked, SSE when JSON was asked.
@@ -46,6 +48,7 @@ class Fault:
     no_done: bool = False
     no_finish: bool = False
     malformed_after: int | None = None
+    stream_error: int | None = None
     no_choices: bool = False
     slow_ms: float = 0.0
     mismatch: bool = False
@@ -67,7 +70,7 @@ class Fault:
         return headers
 
 
-_INTS = {"status", "fail_first", "cut_after", "malformed_after"}
+_INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error"}
 
 
 def parse_fault(spec: str) -> Fault:

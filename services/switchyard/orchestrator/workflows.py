@@ -211,7 +211,9 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
             prompt, count = replace(prompt, history=()), without_history
         if count > budget and spec.workflow == "rag_answer" and len(passages) > 1:  # the best-ranked that fit
             fitted = await _fit_passages(task, passages, tool_texts, budget)
-            if fitted is not None:
+            if isinstance(fitted, int):
+                count = fitted  # the refusal names the least prompt it could send: the best passage alone
+            else:
                 kept, prompt, count = fitted
                 trace.get_current_span().add_event("passages trimmed to the context window", {
                     "switchyard.passages.retrieved": len(passages), "switchyard.passages.kept": kept})
@@ -224,11 +226,12 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
 
 
 async def _fit_passages(task: Task, passages: list[prompts.Snippet], tool_texts: list[prompts.Snippet],
-                        budget: int) -> tuple[int, prompts.RenderedPrompt, int] | None:
+                        budget: int) -> tuple[int, prompts.RenderedPrompt, int] | int:
     """The most best-ranked ``passages`` (a prefix of them, at least one) whose prompt, without recalled
     memory, fits ``budget`` tokens: ``(how many, the prompt, its tokens)``, found by halving (a render and a
-    count per step, in the CPU executor); None when even the first one does not fit."""
-    spec, best = task.spec, None
+    count per step, in the CPU executor); when even the first one does not fit, the tokens of the prompt with
+    that one alone (the least this task could send, for the refusal)."""
+    spec, best, least = task.spec, None, 0
     low, high = 1, len(passages) - 1  # all of them did not fit
     while low <= high:
         mid = (low + high) // 2
@@ -239,7 +242,9 @@ async def _fit_passages(task: Task, passages: list[prompts.Snippet], tool_texts:
             best, low = (mid, prompt, count), mid + 1
         else:
             high = mid - 1
-    return best
+            if mid == 1:  # halving reaches one passage whenever none fits
+                least = count
+    return best if best is not None else least
 
 
 async def infer(task: Task) -> None:

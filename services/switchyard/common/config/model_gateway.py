@@ -303,6 +303,29 @@ class UpstreamConfig(_Strict):
             raise ValueError("expected an http:// or https:// URL")
         return value.rstrip("/")
 
+    @field_validator("default_model", "fallback_model")
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        if value and not value.strip():
+            raise ValueError("expected a model id, not blank")
+        return value
+
+    @field_validator("model_map")
+    @classmethod
+    def _model_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        blank = sorted(name for name, target in value.items() if not name.strip() or not target.strip())
+        if blank:
+            raise ValueError(f"expected a non-blank name and upstream model id for each entry, got {blank!r} blank")
+        return value
+
+    @field_validator("priority_values")
+    @classmethod
+    def _every_class(cls, value: dict[str, int]) -> dict[str, int]:
+        missing = [c for c in ("core", "normal", "batch") if c not in value]
+        if missing:  # a class without a value would be sent with none: on vLLM that is 0, CORE's own
+            raise ValueError(f"expected a value for each of core, normal and batch; missing {', '.join(missing)}")
+        return value
+
     @field_validator("api_key_env")
     @classmethod
     def _env_name(cls, value: str) -> str:
