@@ -7,6 +7,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import threading
 import re
 
 import grpc
@@ -101,6 +102,7 @@ async def test_answers_match_the_generated_openapi_document():
             jsonschema.validate(instance, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
 
         assert set(schemas["TaskRequest"]["properties"]) >= {"agent_id", "priority", "task_type", "max_tokens"}
+        assert schemas["TaskRequest"]["properties"]["max_tokens"]["minimum"] == 0  # what a caller may send
         accepted = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"})).json()
         check(accepted, "AcceptedResponse")
         check(await finished(client, f"/api/v1/tasks/{accepted['task_id']}"), "TaskStatusResponse")
@@ -136,13 +138,19 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
     ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
     # one message for every wrong value (the gRPC edge's "empty = rag_answer" does not hold here)
     ({**FIELD_BODY, "task_type": "foo"}, "task_type: expected one of rag_answer, chat, react_loop (got 'foo')"),
-    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer, 0 (the default) or more, within "
-                                           "limits.max_tokens and the model's context window (got '128')"),
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+                                           "(limits.max_tokens), prompt and answer within the model's context "
+                                           "window (got '128')"),
     ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
     ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
     # a wrong value of the right type gets the servicer's message, the gRPC edge's (one range, not two)
     ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected 0 (the default, "),
-    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer, 0 (the default) or more"),
+    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+                                          "(limits.max_tokens)"),  # past the wire's int32: the limit, named
+    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+                                         "(limits.max_tokens), prompt and answer within the model's context window "
+                                         "(got true)"),  # a value shown as JSON spells it
+    ({**FIELD_BODY, "colour": "red"}, "colour: expected one of the body's fields (agent_id, "),
     ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
                                     "header) (got 7)"),
     ({**FIELD_BODY, "priority": "urgent"}, "priority: expected core, normal or batch (got 'urgent')"),
@@ -685,3 +693,37 @@ async def test_a_connection_that_sends_no_whole_request_head_is_closed_at_the_ke
         for reader, writer in (idle, partial, served):
             await asyncio.wait_for(reader.read(), timeout=30)  # to EOF: closed by the face (an hour before)
             writer.close()
+
+
+async def test_a_wide_body_is_validated_off_the_event_loop(monkeypatch):
+    """A body within the size limit made of 140,000 unknown keys took the orchestrator's loop for half a second:
+    every stream waited. A body past PARSE_IN_THREAD_BYTES is validated in a worker thread; a short one inline."""
+    from switchyard.orchestrator.http_face import PARSE_IN_THREAD_BYTES, HttpFace
+
+    threads: list[tuple[int, int]] = []
+    parse = HttpFace._parse
+
+    def recorded(self, raw: bytes):
+        threads.append((len(raw), threading.get_ident()))
+        return parse(self, raw)
+
+    monkeypatch.setattr(HttpFace, "_parse", recorded)
+    wide = json.dumps({"agent_id": "x", "task_type": "chat", **{f"k{i}": i for i in range(140_000)}}).encode()
+    async with http_stack() as (client, _, _down):
+        loop_thread = threading.get_ident()
+        reply = await client.post("/api/v1/agent/submit", content=wide, headers={"Content-Type": JSON})
+        short = await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "colour": "red"})
+    assert reply.status_code == 400 and "and 139990 more errors" in reply.json()["error"]["message"]
+    assert short.status_code == 400
+    (wide_size, wide_thread), (short_size, short_thread) = threads
+    assert wide_size > PARSE_IN_THREAD_BYTES and wide_thread != loop_thread
+    assert short_size <= PARSE_IN_THREAD_BYTES and short_thread == loop_thread
+
+
+async def test_a_status_lookup_by_an_id_submit_would_refuse_is_400_as_at_submit():
+    async with http_stack() as (client, _, _down):
+        by_agent = await client.get("/api/v1/agent/x%00y/status")
+        by_task = await client.get("/api/v1/tasks/t%01")
+    for reply, field in ((by_agent, "agent_id"), (by_task, "task_id")):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["message"].startswith(field)

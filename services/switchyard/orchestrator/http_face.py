@@ -80,6 +80,11 @@ ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/a
 label values of ``http_server_request_duration_seconds``."""
 
 
+PARSE_IN_THREAD_BYTES = 65536
+"""A body longer than this is validated in a worker thread, off the event loop that serves every stream (the GIL
+is handed back to the loop every few milliseconds while it runs); a shorter one costs less than the trip."""
+
+
 class HttpAbort(Exception):
     """A call ended with a gRPC status (``HttpCall.abort``): its code, message and the hop that answered."""
 
@@ -259,6 +264,11 @@ class HttpFace(Drains):
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._openapi = json.dumps(openapi(__version__)).encode()
+        limits = config.limits
+        self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, "
+                          f"{config.orchestrator.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens), "
+                          "prompt and answer within the model's context window"}
+        """What each body field takes, with this face's limits in the words (:func:`describe_error`)."""
 
     def register(self, server: grpc.aio.Server) -> None:
         """Nothing on the gRPC server."""
@@ -416,10 +426,12 @@ class HttpFace(Drains):
             raise self._too_large() from None
         if raw.startswith(codecs.BOM_UTF8):  # RFC 8259 section 8.1: a parser may ignore a byte order mark
             raw = raw[len(codecs.BOM_UTF8):]
-        try:
-            body = TaskRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, describe_error(exc), "orchestrator") from None
+        if len(raw) > PARSE_IN_THREAD_BYTES:  # a body of 140,000 unknown keys took the loop for half a second
+            body = await asyncio.to_thread(self._parse, raw)
+        else:
+            body = self._parse(raw)
+        if isinstance(body, str):
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, body, "orchestrator")
         if not body.agent_id and not request.headers.get(AGENT_ID_HEADER):
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument("agent_id", EXPECTED["agent_id"])),
                             "orchestrator")
@@ -433,6 +445,13 @@ class HttpFace(Drains):
             model=body.model,
             metadata=body.metadata,
         )
+
+    def _parse(self, raw: bytes) -> TaskRequest | str:
+        """The body as a :class:`TaskRequest`, or the error message naming what is wrong with it."""
+        try:
+            return TaskRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            return describe_error(exc, self._expected)
 
     async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
         """Run a servicer call; its abort (or any error) becomes the JSON error answer."""

@@ -13,7 +13,8 @@ Task states use the names agent harnesses read: ``queued``, ``running``,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, Mapping
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
@@ -64,8 +65,9 @@ class TaskRequest(BaseModel):
     )
     task_type: Literal[TASK_TYPES] = Field(description="Workflow.")  # type: ignore[valid-type]
     # Only the wire type is checked here (RunTaskRequest's int32); the range, limits.max_tokens and the
-    # model's context window, is the servicer's, so a negative value gets the gRPC edge's message too.
-    max_tokens: int = Field(0, ge=INT32_MIN, le=INT32_MAX,
+    # model's context window, is the servicer's, so a negative value gets the gRPC edge's message too. The
+    # document states the range a caller may send (from 0).
+    max_tokens: int = Field(0, ge=INT32_MIN, le=INT32_MAX, json_schema_extra={"minimum": 0},
                             description="Completion tokens at most; 0: the default, tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
@@ -186,10 +188,25 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
     }
 
 
-def describe_error(exc: ValidationError) -> str:
+class _AsJson:
+    """A parsed body value shown as JSON spells it (``true``, ``null``, ``100.0``) in an error's ``(got ...)``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return json.dumps(self.value)
+
+
+def _got(value: Any) -> Any:
+    return value if isinstance(value, str) or value is None else _AsJson(value)
+
+
+def describe_error(exc: ValidationError, expected: Mapping[str, str] = EXPECTED) -> str:
     """Pydantic's errors of a :class:`TaskRequest` body as the gRPC edge words a bad field:
-    ``field: expected ... (got value)`` (:class:`InvalidArgument`), one per error, joined by ``; ``.
-    A body that is not JSON, or not an object, is ``body: expected a JSON object ...``."""
+    ``field: expected ... (got value)`` (:class:`InvalidArgument`), one per error, joined by ``; ``, each
+    field's words from ``expected`` (the HTTP face passes its limits in). A body that is not JSON, or not an
+    object, is ``body: expected a JSON object ...``."""
     parts = []
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
@@ -203,12 +220,13 @@ def describe_error(exc: ValidationError) -> str:
         elif not loc or kind == "model_type":
             problem = InvalidArgument("body", "a JSON object", _json_type(err.get("input")))
         elif kind == "extra_forbidden":
-            problem = InvalidArgument(loc[0], f"no such field; the body takes {', '.join(TaskRequest.model_fields)}",
-                                      err.get("input"))
+            problem = InvalidArgument(loc[0], f"one of the body's fields ({', '.join(TaskRequest.model_fields)}); "
+                                      "there is no such field", _got(err.get("input")))
         elif kind == "missing":
-            problem = InvalidArgument(loc[0], f"{EXPECTED[loc[0]]} (required)")
+            problem = InvalidArgument(loc[0], f"{expected[loc[0]]} (required)")
         else:
-            problem = InvalidArgument(".".join(loc), "a string" if len(loc) > 1 else EXPECTED[loc[0]], err.get("input"))
+            problem = InvalidArgument(".".join(loc), "a string" if len(loc) > 1 else expected[loc[0]],
+                                      _got(err.get("input")))
         parts.append(str(problem))
     if len(parts) > MAX_ERRORS_LISTED:  # a body of 200,000 unknown keys got an answer 11.7 times its size
         parts[MAX_ERRORS_LISTED:] = [f"and {len(parts) - MAX_ERRORS_LISTED} more errors"]

@@ -36,7 +36,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import children
-from switchyard.common.untrusted import shown
+from switchyard.common.untrusted import check_id_chars, shown
 from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGuarded
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
@@ -611,13 +611,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         return record.to_status()
 
     async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
-        """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` longer than SubmitTask accepts: no task has it."""
+        """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` SubmitTask would refuse (too long, or holding a
+        control character): no task has it, and the caller hears why, as at submit."""
         limits = self.config.limits
         for name, value, most, key in (("task_id", task_id, limits.max_task_id_chars, "max_task_id_chars"),
                                        ("agent_id", agent_id, limits.max_id_chars, "max_id_chars")):
-            if len(value) > most:
-                await abort(context, InvalidArgument(name, f"at most {most} characters (limits.{key})",
-                                                     f"{len(value)} chars"), self.name)
+            try:
+                if len(value) > most:
+                    raise InvalidArgument(name, f"at most {most} characters (limits.{key})", f"{len(value)} chars")
+                check_id_chars(value, name)
+            except InvalidArgument as exc:
+                await abort(context, exc, self.name)
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
