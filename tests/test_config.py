@@ -514,3 +514,17 @@ def test_a_gateway_config_that_would_send_a_blank_model_or_no_priority_is_refuse
     with pytest.raises(ValidationError) as caught:
         UpstreamConfig.model_validate(values)
     assert field in str(caught.value) and "expected" in str(caught.value)
+
+
+def test_a_rule_across_a_sections_keys_names_them_without_dumping_the_section(tmp_path):
+    folder = tmp_path / "config"
+    shutil.copytree("config", folder)
+    queue = json.loads((folder / "queue.json").read_text())
+    queue["model_gateway"].update(retry_backoff_initial_s=10.0, retry_backoff_max_s=1.0)
+    (folder / "queue.json").write_text(json.dumps(queue))
+    with pytest.raises(ConfigError) as caught:
+        load_config(folder)
+    message = str(caught.value)
+    assert "section 'model_gateway': retry_backoff_max_s (1.0) must not be below retry_backoff_initial_s (10.0)" \
+        in message, message
+    assert "'base_url'" not in message and len(message) < 400

@@ -217,3 +217,16 @@ def test_a_pool_is_checked_endpoint_by_endpoint_not_by_a_stale_base_url(clean_pr
     assert code == 1, out
     assert f"FAIL  base url [{dead}]" in out and f"ok    base url [{one.base_url}]" in out
     assert "model_gateway.pool.endpoints in queue.json" in out  # the key that names it, not base_url
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--timeout", "0"], "argument --timeout: expected seconds above 0"),  # timed every check out, blamed the server
+    (["--timeout", "-1"], "argument --timeout: expected seconds above 0"),
+    (["--base-url", "garbage"], "--base-url: expected an http:// or https:// URL (got 'garbage')"),
+])
+def test_a_bad_flag_exits_2_naming_it(argv, says, capsys):
+    with pytest.raises(SystemExit) as caught:
+        doctor.main(["--config-dir", CONFIG, *argv])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "pydantic" not in err

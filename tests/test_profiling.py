@@ -71,11 +71,15 @@ async def profiled_service(host: str = "127.0.0.1", mode: str = "loopback", toke
 
 
 def fetch(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    return fetch_with_headers(url, headers)[:2]
+
+
+def fetch_with_headers(url: str, headers: dict | None = None) -> tuple[int, bytes, dict]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=60) as reply:
-            return reply.status, reply.read()
+            return reply.status, reply.read(), dict(reply.headers)
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return exc.code, exc.read(), dict(exc.headers)
 
 
 async def test_a_profile_is_pprof_that_profile_proto_parses_naming_the_busy_function(pprof_schema):
@@ -123,7 +127,8 @@ async def test_who_may_profile_loopback_by_default_tokens_elsewhere_never_when_o
     async with profiled_service(mode="off") as base:
         assert (await asyncio.to_thread(fetch, base + url))[0] == 404
     async with profiled_service(host="10.1.2.3", tokens=tokens) as base:
-        assert (await asyncio.to_thread(fetch, base + url))[0] == 401
+        unauthenticated = await asyncio.to_thread(fetch_with_headers, base + url)
+        assert unauthenticated[0] == 401 and unauthenticated[2]["WWW-Authenticate"].startswith("Bearer")
         forbidden = await asyncio.to_thread(fetch, base + url, {"Authorization": "Bearer tok-agents-2"})
         assert forbidden[0] == 403 and b"switchyard.Debug/CpuProfile" in forbidden[1]
         assert (await asyncio.to_thread(fetch, base + url, {"Authorization": "Bearer tok-ops-1"}))[0] == 200
@@ -133,8 +138,9 @@ async def test_one_profile_at_a_time_and_seconds_is_checked():
     async with profiled_service() as base:
         first = asyncio.create_task(asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1.5"))
         await asyncio.sleep(0.5)
-        status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=1")
-        assert status == 409 and b"already" in body
+        status, body, headers = await asyncio.to_thread(fetch_with_headers, f"{base}/debug/pprof/profile?seconds=1")
+        assert status == 409 and b"already" in body and b"ends in" in body  # and when: its caller may be gone
+        assert 1 <= int(headers["Retry-After"]) <= 2
         assert (await first)[0] == 200
         for bad in ("0", "abc", "61"):
             status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds={bad}")

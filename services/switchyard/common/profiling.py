@@ -49,7 +49,13 @@ PATH = "/debug/pprof/profile"
 
 
 class ProfileBusy(RuntimeError):
-    """A profile is already being recorded in this process."""
+    """A profile is already being recorded in this process; ``retry_after_s``: seconds until its window ends."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"a CPU profile is already being recorded in this process; its window ends in "
+                         f"{retry_after_s:.0f} s: retry then (a profile runs its whole window even when its "
+                         "caller went away)")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -147,6 +153,7 @@ class LoopProfiler:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
+        self._ends_at = 0.0  # monotonic seconds: when the profile being recorded ends
 
     async def _record(self, seconds: float) -> tuple[Any, GcPauses, float]:
         profiler = Profiler(interval=INTERVAL_S, async_mode="disabled")
@@ -169,8 +176,9 @@ class LoopProfiler:
             TimeoutError: the loop did not finish the window within ``seconds`` + 60 s (it is blocked).
         """
         if not self._lock.acquire(blocking=False):
-            raise ProfileBusy("a CPU profile is already being recorded in this process; retry when it ends")
+            raise ProfileBusy(max(1.0, self._ends_at - time.monotonic()))
         try:
+            self._ends_at = time.monotonic() + seconds
             started = time.time()
             future = asyncio.run_coroutine_threadsafe(self._record(seconds), self.loop)
             session, pauses, cpu_s = future.result(timeout=seconds + 60)
@@ -212,7 +220,8 @@ class ProfileEndpoint:
             return "404 Not Found", "CPU profiles are off (server.cpu_profile = off)"
         if self.mode == "loopback" and not is_loopback(self.host) and self.tokens is None:
             return ("403 Forbidden", f"CPU profiles are served on a loopback address only: this service listens on "
-                    f"{self.host} without bearer tokens (server.cpu_profile = loopback; set it to on, or turn auth on)")
+                    f"{self.host} and checks no bearer tokens (server.cpu_profile = loopback; set it to on to serve "
+                    "them on this address, or listen on a loopback address)")
         if self.tokens is not None:
             refused = self.tokens.check(PROFILE_METHOD, environ.get("HTTP_AUTHORIZATION"))
             if refused is not None:
@@ -222,13 +231,15 @@ class ProfileEndpoint:
         return None
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        def answer(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> list[bytes]:
-            start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+        def answer(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8",
+                   headers: tuple[tuple[str, str], ...] = ()) -> list[bytes]:
+            start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers])
             return [body]
 
         refused = self._refusal(environ)
         if refused is not None:
-            return answer(refused[0], (refused[1] + "\n").encode())
+            challenge = (("WWW-Authenticate", 'Bearer realm="switchyard"'),) if refused[0].startswith("401") else ()
+            return answer(refused[0], (refused[1] + "\n").encode(), headers=challenge)
         query = parse_qs(environ.get("QUERY_STRING", ""))
         raw = query.get("seconds", ["30"])[0]
         try:
@@ -241,7 +252,8 @@ class ProfileEndpoint:
         try:
             data = self.profiler.profile(seconds)
         except ProfileBusy as exc:
-            return answer("409 Conflict", f"{exc}\n".encode())
+            return answer("409 Conflict", f"{exc}\n".encode(),
+                          headers=(("Retry-After", str(max(1, round(exc.retry_after_s)))),))
         except TimeoutError:
             return answer("503 Service Unavailable", b"the event loop did not end the profile in time\n")
         return answer("200 OK", data, "application/octet-stream")

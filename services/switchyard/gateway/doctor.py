@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from dataclasses import dataclass, replace
 from typing import Iterable
 
 import httpx
+from pydantic import ValidationError
 
 from switchyard.common import tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
@@ -357,6 +359,17 @@ def format_report(cfg: UpstreamConfig, checks: list[Check], unused_engine: str =
     return "\n".join(lines)
 
 
+def _seconds(raw: str) -> float:
+    """``--timeout``: a number of seconds above 0 (0 would time every check out at once and blame the server)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, at most 3600, got {raw!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``switchyard doctor``: 0 all good, 1 a check failed, 2 the config is invalid."""
     parser = parser_for("switchyard doctor", __doc__)
@@ -365,17 +378,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", default=[], help="also check this model id (repeatable)")
     parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
                         help="stream a one-token completion of the default model (default: on; --no-probe skips it)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per network check (default 5)")
+    parser.add_argument("--timeout", type=_seconds, default=5.0, help="seconds per network check (default 5)")
     args = parser.parse_args(argv)
     try:
         full = load_config(args.config_dir)
-        cfg = full.upstream
-        if args.base_url:  # that one URL alone, whatever pool the config names
-            cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url,
-                                                 "pool": {**cfg.pool.model_dump(), "endpoints": [], "dns_url": ""}})
     except (ConfigError, ValueError) as exc:
         print(f"switchyard doctor: {exc}", file=sys.stderr)
         return 2
+    cfg = full.upstream
+    if args.base_url:  # that one URL alone, whatever pool the config names
+        try:
+            cfg = UpstreamConfig.model_validate({**cfg.model_dump(), "base_url": args.base_url,
+                                                 "pool": {**cfg.pool.model_dump(), "endpoints": [], "dns_url": ""}})
+        except ValidationError as exc:
+            reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors(include_url=False))
+            parser.error(f"--base-url: {reasons} (got {args.base_url!r})")
     unused_engine = "" if args.base_url or full.dispatcher.engine == "openai" else full.dispatcher.engine
     gateway = asyncio.run(run_endpoint_checks(cfg, models=args.model, probe=args.probe, timeout_s=args.timeout))
     certificates = asyncio.run(certificate_checks(full, args.timeout))

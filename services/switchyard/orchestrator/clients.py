@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODEL_INFO_RETRY_S = 30.0
-"""Seconds between asks of DescribeModel while an ``openai`` engine's upstream has reported no context window."""
+MODEL_INFO_RETRY_S = 5.0
+"""Seconds between asks of DescribeModel while an ``openai`` engine's upstream has reported no context window
+(one small RPC: a server that was down when the stack started has its window known at the edge within seconds
+of coming up; at 30 s tasks past its window were accepted and failed after acceptance meanwhile)."""
 
 
 def reported_window(info: agent_pb2.ModelInfo, model: str) -> int:

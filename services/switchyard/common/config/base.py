@@ -28,6 +28,9 @@ def _describe(path: str, exc: ValidationError, prefix: str = "", model: type[Bas
             expected = "no such key (a typo?)" + _nearest_key(model, err["loc"])
         elif err["type"] == "missing":
             value = "(missing)"
+        elif err["type"] == "value_error" and isinstance(value, dict):  # a rule across a section's keys
+            lines.append(f"{path}: section '{key}': {err['msg'].removeprefix('Value error, ')}")  # names them
+            continue
         lines.append(f"{path}: key '{key}' has value {value!r}; expected: {expected}")
     return "\n".join(lines)
 

@@ -109,8 +109,9 @@ class ServerConfig(_Strict):
     cpu_profile: Literal["loopback", "on", "off"] = Field(
         "loopback",
         description="Who may ask a service's metrics port for /debug/pprof/profile, a name. loopback: served when "
-        "the service listens on a loopback address, or anywhere when orchestrator.auth is on (then a bearer "
-        "token is required); on: served on any address; off: never.",
+        "the service listens on a loopback address, and on any address by a service that checks bearer tokens "
+        "(the orchestrator with orchestrator.auth on; then a token is required); on: served on any address "
+        "(behind tokens where the service checks them); off: never.",
     )
     cpu_profile_max_s: float = Field(
         300, gt=0, le=3600, description="Longest profile one request may ask for, seconds."
