@@ -537,6 +537,7 @@ async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_
                   + b"\r\n", 431, "headers: too many header fields"))
         for request, status, message in cases:
             caplog.clear()
+            counted = durations("_OTHER", "", str(status))
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request)
             await writer.drain()
@@ -551,6 +552,7 @@ async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_
             refused = [r for r in caplog.records if "refused a request" in r.getMessage()]
             assert len(refused) == 1 and refused[0].exc_info is None and "aaaa" not in refused[0].getMessage()
             assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+            assert durations("_OTHER", "", str(status)) == counted + 1  # refused by the parser, still counted
         within = await client.get("/openapi.json", headers={"X-Agent-Id": "a" * 8000})
         assert within.status_code == 200  # 8000 bytes is within the bound
         assert down.requests == []
@@ -575,7 +577,8 @@ async def test_each_request_is_a_server_span_in_the_callers_trace_and_a_duration
     trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     status_route = "/api/v1/agent/{agent_id}/status"
     series = [("POST", "/api/v1/agent/submit", "200"), ("POST", "/api/v1/agent/submit", "400"),
-              ("GET", status_route, "200"), ("GET", "", "404"), ("_OTHER", "", "405")]
+              ("GET", status_route, "200"), ("GET", "", "404"),
+              ("_OTHER", "/api/v1/agent/submit", "405")]  # a 405 is its path's route's (that route refused it)
     with OtlpReceiver() as receiver:
         provider = telemetry.make_tracer_provider()
         provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
@@ -727,3 +730,11 @@ async def test_a_status_lookup_by_an_id_submit_would_refuse_is_400_as_at_submit(
     for reply, field in ((by_agent, "agent_id"), (by_task, "task_id")):
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["message"].startswith(field)
+
+
+async def test_a_method_a_route_does_not_serve_is_counted_under_that_routes_template():
+    async with http_stack() as (client, _, _down):
+        before = durations("DELETE", "/api/v1/tasks/{task_id}", "405")
+        reply = await client.delete("/api/v1/tasks/x")
+        assert reply.status_code == 405
+    assert durations("DELETE", "/api/v1/tasks/{task_id}", "405") == before + 1

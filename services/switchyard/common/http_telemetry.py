@@ -61,9 +61,24 @@ REQUEST_DURATION = Histogram(
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _route(request: web.Request) -> str:
+async def _route(request: web.Request) -> str:
+    """The route template that matched; for a method the route does not serve (405), the template of the route
+    whose path matched; "" when no route's path did."""
     resource = request.match_info.route.resource
-    return "" if resource is None else resource.canonical
+    if resource is not None:
+        return resource.canonical
+    if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
+        for candidate in request.app.router.resources():
+            _, allowed = await candidate.resolve(request)
+            if allowed:
+                return candidate.canonical
+    return ""
+
+
+def observe_refused(status: int) -> None:
+    """Count a request the HTTP parser refused before any route saw it (a malformed request line, an unknown
+    method, headers too long): method ``_OTHER``, route "", its status; no duration measured (0)."""
+    REQUEST_DURATION.labels(OTHER_METHOD, "", str(status)).observe(0.0)
 
 
 def middleware(routes: Iterable[tuple[str, str]] = (), tracer_provider: Any = None,
@@ -84,7 +99,7 @@ def middleware(routes: Iterable[tuple[str, str]] = (), tracer_provider: Any = No
         loop = asyncio.get_running_loop()
         start = loop.time()
         method = request.method if request.method in METHODS else OTHER_METHOD
-        route = _route(request)
+        route = await _route(request)
         span = None
         token = None
         if traced():

@@ -213,6 +213,7 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
             detail = f"request: not a well-formed HTTP/1.1 request ({exc.message})"  # to its own client only
         # The parser's reason quotes the request's bytes (a header, perhaps a token): the log names its kind only.
         log.warning("HTTP face: refused a request from %s: %d (%s)", request.remote, status, type(exc).__name__)
+        http_telemetry.observe_refused(status)  # no route, no middleware: the parser refused it
         response = web.json_response(error_body(code, detail), status=status)
         response.force_close()  # the rest of the connection's bytes cannot be trusted to start a request
         return response
