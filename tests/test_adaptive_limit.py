@@ -366,6 +366,14 @@ async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_
 # --------------------------------------------------------------------------- a real continuous-batching server
 
 
+def endpoint_limit(service: DispatcherService) -> AdaptiveConcurrencyLimit:
+    """The adaptive limit of an openai-engine dispatcher's one upstream endpoint (a pool of one: the dispatcher's
+    limit, ``service.limit``, is their sum)."""
+    (endpoint,) = service.engine.client.pool.endpoints.values()  # type: ignore[attr-defined]
+    assert service.limit is not None and service.limit.limit == endpoint.limit.limit
+    return endpoint.limit
+
+
 async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_run_away_under_32_streams(
         transformers_server, clean_proxy_env) -> None:
     offered = 32
@@ -399,8 +407,8 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
             await asyncio.gather(*(stream(w) for w in range(offered)))
     finally:
         await srv.stop(1.0)
-    limit = service.limit
-    assert limit is not None and limit.knee is not None  # it measured the server
+    limit = endpoint_limit(service)
+    assert limit.knee is not None  # it measured the server
     # Never far past what is offered (the old rule went to 2-3x), and held near its own knee estimate:
     # at most the probe above the knee (2 x knee) plus the CORE headroom.
     assert max(limits) <= 2 * offered
@@ -510,5 +518,5 @@ async def test_one_endpoint_reporting_its_queue_keeps_the_dispatchers_limit_at_w
                         await asyncio.sleep(0.2)
 
                 await asyncio.gather(watch(), *(caller(i) for i in range(16)))
-    assert service.limit.server_cap is not None  # the server's queue was read
+    assert endpoint_limit(service).server_cap is not None  # the server's queue was read
     assert statistics.median(limits) <= 2 + SERVER_QUEUE_ALLOWED + 1, limits

@@ -204,6 +204,11 @@ async def test_a_cookie_the_server_sets_is_sent_back_on_the_next_call(clean_prox
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
         headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head.split("\r\n")[1:])
                    if k}
+        if not head.startswith("POST "):  # the gateway's read of the server's /metrics (its queue): none here
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            return
         seen.append(headers)
         await reader.readexactly(int(headers.get("content-length", "0")))
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nset-cookie: lb=replica-2; Path=/\r\n"

@@ -262,6 +262,11 @@ class AdaptiveConcurrencyLimit:
             self._refused = True
         return reason
 
+    def note_refused(self) -> None:
+        """A stream was refused by a limit over this one (a pool's sum, :class:`switchyard.gateway.pool.PoolLimit`):
+        the window being measured wanted more streams than were let through, as when :meth:`refusal` refuses."""
+        self._refused = True
+
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
         """A stream of class ``priority`` was sent to the upstream at ``now`` (monotonic seconds)."""
         self._advance(self._clock() if now is None else now)
@@ -377,10 +382,13 @@ class AdaptiveConcurrencyLimit:
             level.windows += 1
         level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
         if saturated and refused:
-            # The load now wants more than the limit lets through: a level at or below what is in flight, marked
-            # as all that a lighter load offered, no longer is (it would confirm a knee the load now asks past)
+            # The load now wants more than the limit lets through: a level up to the limit, marked as all that a
+            # lighter load offered, no longer is (it would confirm a knee the load now asks past). Up to the
+            # limit, not only to what is in flight: NORMAL and BATCH fill the limit less its CORE headroom, so a
+            # level between the two can be measured again only by a probe, which the mark would forbid.
+            reach = max(level_key, int(self.limit))
             for key, other in self.levels.items():
-                if key <= level_key:
+                if key <= reach:
                     other.demand_limited = False
         confirmed = self._estimate(now)
         if braked:

@@ -2,10 +2,13 @@
 
 An upstream (vLLM, SGLang, TGI, a hosted API) does its own batching; what the
 dispatcher controls is how much it sends. Each admitted request is one
-streamed call. The running set is bounded by an adaptive concurrency limit
-(:mod:`switchyard.dispatcher.adaptive_limit`) kept at the upstream's knee, found
-from the tokens, TTFTs and 429/503 answers this loop feeds it, not by a fixed
-count; what the limit does not let through waits in the scheduler's queue, in
+streamed call. The running set is bounded by the engine's concurrency limit
+(``StreamEngine.concurrency_limit``: for the ``openai`` engine the gateway's
+:class:`~switchyard.gateway.pool.PoolLimit`, the sum of one adaptive limit per
+upstream endpoint, :mod:`switchyard.dispatcher.adaptive_limit`, each kept at its
+server's knee from the TTFTs, tokens and 429/503 answers the gateway measures on
+it, one endpoint being a pool of one), not by a fixed count; this loop feeds it
+nothing, it only admits under it. What the limit does not let through waits in the scheduler's queue, in
 the policy's order, CORE first, and CORE may take the slots the limit holds
 back from NORMAL and BATCH. A request the upstream refuses for load before its
 first token (429) while other streams are in flight waits there again, up to
@@ -29,15 +32,15 @@ limit has a slot for it (``scheduler.admit_core``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
-from switchyard.dispatcher.adaptive_limit import OVERLOAD_STATUSES, AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
-from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestStatus, ToolCall
 
@@ -57,14 +60,13 @@ class StreamLoop(LoopBase):
 
     Args:
         config: the whole config (``queues.inference.max_batches_in_prefill``, ``scheduler.time_slice_ms``).
-        engine: the stream engine; its ``on_upstream_status`` hook is set to feed 429/503 answers to the limit.
+        engine: the stream engine.
         scheduler: a scheduler built with ``ConcurrencyCapacity(limit)``.
-        limit: the adaptive concurrency limit behind the scheduler's capacity.
+        limit: the concurrency limit behind the scheduler's capacity (the engine's, which measures itself).
     """
 
     def __init__(
-        self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore,
-        limit: AdaptiveConcurrencyLimit,
+        self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore, limit: ConcurrencyLimit,
     ) -> None:
         super().__init__(config, engine, scheduler)
         if not isinstance(scheduler.capacity, ConcurrencyCapacity):
@@ -76,9 +78,6 @@ class StreamLoop(LoopBase):
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
         self._waves = itertools.count()
-        engine.on_upstream_status = self._on_status
-        if isinstance(limit, AdaptiveConcurrencyLimit):  # one endpoint: the server's queue caps this limit
-            engine.on_server_queue = limit.on_server_queue
 
     def abort(self, req: Request) -> None:
         _cancel_upstream_call(req)
@@ -107,10 +106,6 @@ class StreamLoop(LoopBase):
         self._prefilling[wave] = len(admitted)
         for req in admitted:
             req.upstream_call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
-
-    def _on_status(self, status: int) -> None:
-        if status in OVERLOAD_STATUSES:
-            self.limit.on_overload(time.monotonic())
 
     async def _run(self) -> None:
         scheduler = self.scheduler
@@ -151,30 +146,28 @@ class StreamLoop(LoopBase):
         batch = StepBatch(decode=[req])
         ttft = metrics.TTFT_BY_CLASS[req.priority_name]  # looked up once per call, observed per token
         inter_token = metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name]
-        sent = time.monotonic()
         first = True
         try:
             ended = False
-            async for item in engine.generate(req):
-                if req.is_finished:
-                    break
-                now = time.monotonic()
-                if first and isinstance(item, (str, ToolCall)):
-                    first = False
-                    self.limit.on_sample(now - sent, now)
-                    self._prefilled(wave)
-                last = req.last_token_at
-                seq = stream_item_output(item)
-                ended = seq.eos or seq.length_capped
-                outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
-                self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
-                if isinstance(item, str):
-                    self.limit.on_tokens(1, now)
-                    metrics.GENERATED_TOKENS.inc()
-                    if last is None:
-                        ttft.observe(now - req.arrival)
-                    else:
-                        inter_token.observe(now - last)
+            async with contextlib.aclosing(engine.generate(req)) as items:  # closed at once on a break
+                async for item in items:
+                    if req.is_finished:
+                        break
+                    now = time.monotonic()
+                    if first and isinstance(item, (str, ToolCall)):
+                        first = False
+                        self._prefilled(wave)
+                    last = req.last_token_at
+                    seq = stream_item_output(item)
+                    ended = seq.eos or seq.length_capped
+                    outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
+                    self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
+                    if isinstance(item, str):
+                        metrics.GENERATED_TOKENS.inc()
+                        if last is None:
+                            ttft.observe(now - req.arrival)
+                        else:
+                            inter_token.observe(now - last)
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
                 seq = SeqOutput(eos=True)
                 self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),

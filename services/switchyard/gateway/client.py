@@ -175,8 +175,6 @@ class GatewayClient:
         """The endpoints and the picker (one endpoint: ``base_url``)."""
         start_at_zero({model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER},
                       [model_names.model_label(config.fallback_model, config)] if config.fallback_model else [])
-        self.on_status: Callable[[int], None] | None = None
-        """Called with the HTTP status of every upstream answer (the dispatcher's adaptive limit listens for 429/503)."""
         self._flavours: dict[str, servers.ServerFlavour] = {}
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._refused: dict[str, set[str]] = {}
@@ -190,8 +188,8 @@ class GatewayClient:
         return set().union(*self._refused.values())
 
     @property
-    def concurrency_limit(self) -> PoolLimit | None:
-        """The dispatcher's admission limit over a pool (the sum of the endpoints'); None for one endpoint."""
+    def concurrency_limit(self) -> PoolLimit:
+        """The dispatcher's admission limit: the sum of the endpoints' (one endpoint: its own)."""
         return self.pool.limit
 
     async def aclose(self) -> None:
@@ -538,8 +536,6 @@ class GatewayClient:
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
                 raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
             self.pool.on_status(endpoint, response.status_code)
-            if self.on_status is not None:
-                self.on_status(response.status_code)
             if response.status_code < 400:
                 return response
             try:

@@ -4,7 +4,8 @@
 (``pool.endpoints``) or a base URL whose host resolves to all of them
 (``pool.dns_url``, a headless Service; re-resolved every
 ``resolve_interval_s``, each address an endpoint). Without either, ``base_url``
-is the one endpoint, and nothing here runs but the bookkeeping.
+is the one endpoint: a pool of one, with its own limit as every endpoint has,
+and no picking, marking down or failover.
 
 Per endpoint (:class:`Endpoint`): its own HTTP connection pool, its own circuit
 breaker per model (:class:`switchyard.gateway.cooldown.Cooldowns`), its own
@@ -12,9 +13,11 @@ adaptive concurrency limit
 (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`, fed that
 endpoint's TTFTs and 429/503 answers), its streams in flight, and what the
 server says of its own load (:mod:`switchyard.gateway.server_load`, read from
-its ``/metrics`` every ``scrape_interval_s``). A read or a call that cannot
-connect marks the endpoint down until a read succeeds. The dispatcher admits
-up to the sum of the endpoints' limits (:class:`PoolLimit`).
+its ``/metrics`` every ``scrape_interval_s``; one endpoint's until it shows it
+exports no queue depth). A read or a call that cannot connect marks a pool's
+endpoint down until a read succeeds. The dispatcher admits up to the sum of the
+endpoints' limits (:class:`PoolLimit`): the one limit on the upstream, whatever
+its size.
 
 Each attempt of a call asks :class:`switchyard.gateway.picker.EndpointPicker`
 for an endpoint; a call that fails there before its first token (a refused
@@ -108,8 +111,8 @@ class Endpoint:
     """``host:port``: the metric label and the affinity ring's name for it."""
     http: httpx.AsyncClient
     cooldowns: Cooldowns
-    limit: AdaptiveConcurrencyLimit | None
-    """None when the pool is one endpoint: the dispatcher's own limit is then its limit."""
+    limit: AdaptiveConcurrencyLimit
+    """Its adaptive limit, fed by the gateway with this endpoint's TTFTs, tokens, 429/503s and reported queue."""
     in_flight: int = 0
     up: bool = True
     load: ServerLoad = field(default_factory=ServerLoad)
@@ -126,25 +129,25 @@ class Endpoint:
         return httpx.URL(self.chat_completions)
 
     @property
-    def limit_value(self) -> int | None:
-        """Its concurrency limit now, streams (None: unbounded here)."""
-        return None if self.limit is None else int(self.limit.limit)
+    def limit_value(self) -> int:
+        """Its concurrency limit now, streams."""
+        return int(self.limit.limit)
 
     @property
     def ttft_s(self) -> float | None:
         """Its recent TTFT (the limit's fast EWMA), seconds; None before the first sample."""
-        return None if self.limit is None else self.limit.short_s
+        return self.limit.short_s
 
 
 class PoolLimit:
     """The dispatcher's admission limit over a pool: the sum of its endpoints' adaptive limits (those up; all of
     them when none is, so that calls reach the gateway and fail naming the endpoints).
 
-    The interface of :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` the dispatcher uses
-    (``limit``, ``in_flight``, ``refusal``, ``acquire``, ``release``, ``on_sample``, ``on_tokens``,
-    ``on_overload``), the CORE headroom applied to the sum (``refusal_for``); samples, tokens and overload
-    answers are taken per endpoint by the gateway, which knows the endpoint, so the dispatcher's are not
-    needed here.
+    The dispatcher's :class:`~switchyard.dispatcher.scheduler.capacity.ConcurrencyLimit` (``limit``,
+    ``in_flight``, ``refusal``, ``acquire``, ``release``), the CORE headroom applied to the sum
+    (``refusal_for``); samples, tokens and overload answers are taken per endpoint by the gateway, which knows
+    the endpoint. A refusal tells each endpoint's limit that more streams were wanted than it let through (the
+    load, not the limit, is what a window measured otherwise: :meth:`AdaptiveConcurrencyLimit.note_refused`).
 
     The dispatcher's gauges (``switchyard_upstream_concurrency_limit``, ``_knee``, ``_in_flight``) show the
     pool's totals, written here and by :meth:`EndpointPool.publish_totals`; each endpoint's limit writes its own
@@ -169,8 +172,13 @@ class PoolLimit:
 
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start over the pool now, else the reason."""
-        return refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
-                           self.pool.config.concurrency.core_reserved_slots)
+        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
+                             self.pool.config.concurrency.core_reserved_slots)
+        if reason is not None:
+            for endpoint in self.pool.endpoints.values():
+                if endpoint.up:
+                    endpoint.limit.note_refused()
+        return reason
 
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
         self.in_flight += 1
@@ -183,14 +191,6 @@ class PoolLimit:
             self.core_in_flight = max(0, self.core_in_flight - 1)
         UPSTREAM_IN_FLIGHT.set(self.in_flight)
 
-    def on_sample(self, ttft_s: float, now: float | None = None) -> None:
-        """Not used: each endpoint's limit gets its own TTFTs (see the class docstring)."""
-
-    def on_tokens(self, count: int, now: float | None = None) -> None:
-        """Not used: each endpoint's limit gets its own tokens (see the class docstring)."""
-
-    def on_overload(self, now: float) -> None:
-        """Not used: each endpoint's limit gets its own 429/503 answers (see the class docstring)."""
 
 
 class EndpointPool:
@@ -209,12 +209,8 @@ class EndpointPool:
         self.picker = EndpointPicker(config.pool)
         self.circuit_gauges = CircuitGauges(config)
         """``switchyard_gateway_circuit_state`` over the endpoints (each endpoint's circuits join it)."""
-        self.limit: PoolLimit | None = PoolLimit(self) if self.pooled else None
-        """The dispatcher's admission limit when pooled; None for one endpoint (the dispatcher keeps its own)."""
-        self.on_server_queue: Callable[[float], None] | None = None
-        """One endpoint: called with the requests its server reports waiting (``vllm:num_requests_waiting`` and
-        the like, from its ``/metrics`` every ``scrape_interval_s``): the dispatcher's own limit listens
-        (``AdaptiveConcurrencyLimit.on_server_queue``). A pool feeds each endpoint's limit itself."""
+        self.limit = PoolLimit(self)
+        """The dispatcher's admission limit: the sum of the endpoints' (one endpoint: its own)."""
         self._retired: list[Endpoint] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -243,7 +239,7 @@ class EndpointPool:
             limit = AdaptiveConcurrencyLimit(  # its own series, never the dispatcher's gauges (the pool's totals)
                 self.config.concurrency, limit_gauge=ENDPOINT_LIMIT.labels(name),
                 knee_gauge=ENDPOINT_KNEE.labels(name), in_flight_gauge=ENDPOINT_IN_FLIGHT.labels(name),
-            ) if self.pooled else None
+            )
             endpoint = Endpoint(url, name, self._make_http(url),
                                 Cooldowns(endpoint_config, gauges=self.circuit_gauges), limit)
             endpoint.cooldowns.health_check = functools.partial(self.answers, endpoint)
@@ -275,8 +271,8 @@ class EndpointPool:
 
     async def start(self) -> None:
         """Resolve a DNS pool once (waiting for it) and start the background reads; for one endpoint, only the
-        read of its server's queue, and only when :attr:`on_server_queue` listens."""
-        if self._started or (not self.pooled and self.on_server_queue is None):
+        read of its server's queue (:meth:`_queue_loop`)."""
+        if self._started:
             return
         self._started = True
         if not self.pooled:
@@ -305,8 +301,8 @@ class EndpointPool:
         return response.status_code < 500
 
     async def _queue_loop(self) -> None:
-        """One endpoint: read its server's queue every ``scrape_interval_s`` for :attr:`on_server_queue`, until
-        a read that the server answers shows none (a server that exports no queue depth, such as ``transformers
+        """One endpoint: read its server's queue every ``scrape_interval_s`` for its limit, until a read that the
+        server answers shows none (a server that exports no queue depth, such as ``transformers
         serve`` or a hosted API, is not asked again)."""
         endpoint = next(iter(self.endpoints.values()))
         while True:
@@ -331,12 +327,10 @@ class EndpointPool:
             except ValueError:
                 pass  # not Prometheus text: no figures, still up
         endpoint.load = load
-        if not self.pooled:  # one endpoint: its queue for the dispatcher's limit, nothing picked or marked
-            if self.on_server_queue is not None and load.waiting is not None:
-                self.on_server_queue(load.waiting)
-            return True
-        if endpoint.limit is not None and load.waiting is not None:  # its own queue: past its knee when > 0
+        if load.waiting is not None:  # its own queue: past its knee when > 0
             endpoint.limit.on_server_queue(load.waiting)
+        if not self.pooled:  # one endpoint: its queue for its limit, nothing picked or marked
+            return True
         ENDPOINT_WAITING.labels(endpoint.name).set(-1 if load.waiting is None else load.waiting)
         ENDPOINT_KV_USAGE.labels(endpoint.name).set(-1 if load.kv_cache_usage is None else load.kv_cache_usage)
         if not endpoint.up:
@@ -381,41 +375,35 @@ class EndpointPool:
             ENDPOINT_PICKS.labels(picked.reason).inc()
         endpoint = self.endpoints[picked.name]
         endpoint.in_flight += 1
-        if endpoint.limit is not None:
-            endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
+        endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
         return endpoint, picked
 
     def finished(self, endpoint: Endpoint) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended (whatever its outcome)."""
         endpoint.in_flight -= 1
-        if endpoint.limit is not None:
-            endpoint.limit.release(PriorityClass.NORMAL)
-            self.publish_totals()
+        endpoint.limit.release(PriorityClass.NORMAL)
+        self.publish_totals()
 
     def on_first_item(self, endpoint: Endpoint, ttft_s: float) -> None:
         """``endpoint`` streamed its first item ``ttft_s`` seconds after the request was sent."""
-        if endpoint.limit is not None:
-            endpoint.limit.on_sample(ttft_s)
-            self.publish_totals()
+        endpoint.limit.on_sample(ttft_s)
+        self.publish_totals()
 
     def on_tokens(self, endpoint: Endpoint, count: int) -> None:
         """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
-        if endpoint.limit is not None:
-            endpoint.limit.on_tokens(count)
+        endpoint.limit.on_tokens(count)
 
     def on_status(self, endpoint: Endpoint, status: int) -> None:
         """``endpoint`` answered with HTTP ``status``: a 429/503 backs its limit off."""
-        if endpoint.limit is not None and status in OVERLOAD_STATUSES:
+        if status in OVERLOAD_STATUSES:
             endpoint.limit.on_overload(time.monotonic())
             self.publish_totals()
 
     def publish_totals(self) -> None:
-        """The dispatcher's limit and knee gauges for a pool: the admission limit over it (:attr:`PoolLimit.limit`)
+        """The dispatcher's limit and knee gauges: the admission limit over the pool (:attr:`PoolLimit.limit`)
         and the sum of the knees its endpoints have measured (0 until one has)."""
-        if self.limit is None:
-            return
         UPSTREAM_LIMIT.set(self.limit.limit)
-        UPSTREAM_KNEE.set(sum(e.limit.knee or 0 for e in self.endpoints.values() if e.limit is not None))
+        UPSTREAM_KNEE.set(sum(e.limit.knee or 0 for e in self.endpoints.values()))
 
     async def aclose(self) -> None:
         """Stop the background reads and close every endpoint's connections."""

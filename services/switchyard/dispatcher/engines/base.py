@@ -281,13 +281,12 @@ class StreamEngine(abc.ABC):
     busy_seconds = 0.0
     memory_busy_seconds = 0.0
     tensor_busy_seconds = 0.0
-    on_upstream_status: Callable[[int], None] | None = None
-    """Set by the stream loop: called with each upstream HTTP status (429/503 feed the concurrency limit)."""
-
     concurrency_limit: Any = None
-    """The dispatcher's admission limit when the engine brings its own (a pool of upstream endpoints: the
-    sum of one adaptive limit per endpoint, :class:`switchyard.gateway.pool.PoolLimit`); None when the
-    dispatcher keeps one itself (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`)."""
+    """The limit on streams in flight to the engine's upstream, which the engine keeps and measures itself
+    (the ``openai`` engine: :class:`switchyard.gateway.pool.PoolLimit`, one adaptive limit per endpoint, fed by
+    the gateway). None: an engine that measures nothing; the dispatcher bounds it by an
+    :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` of ``model_gateway.concurrency``
+    that nothing feeds (it stays at ``initial_limit``)."""
 
     @abc.abstractmethod
     def generate(self, req: Request) -> AsyncIterator[StreamItem]:
@@ -301,9 +300,6 @@ class StreamEngine(abc.ABC):
                 message naming the cause; the Generate stream ends with it.
         """
 
-    on_server_queue: Callable[[float], None] | None = None
-    """Set by the stream loop to its limit's ``on_server_queue`` (one upstream endpoint): called with the requests
-    the server reports waiting inside it, where the engine can read that (its ``/metrics``); never by default."""
 
     def reported_context_window(self, model: str) -> int:
         """The context window, tokens, the upstream reports for ``model`` (a client-facing id, "" for the

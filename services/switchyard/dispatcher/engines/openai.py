@@ -141,19 +141,10 @@ class OpenAIEngine(StreamEngine):
 
     @property
     def concurrency_limit(self) -> Any:
-        """With a pool of endpoints (``model_gateway.pool``), the dispatcher's admission limit: the sum of the
-        endpoints' adaptive limits (:class:`switchyard.gateway.pool.PoolLimit`); None for one endpoint, whose
-        limit the dispatcher keeps itself."""
+        """The dispatcher's admission limit: the sum of the endpoints' adaptive limits
+        (:class:`switchyard.gateway.pool.PoolLimit`; ``base_url`` alone is a pool of one), each fed by the
+        gateway with its endpoint's TTFTs, tokens, 429/503 answers and reported queue."""
         return self.client.concurrency_limit
-
-    @property
-    def on_upstream_status(self) -> Callable[[int], None] | None:
-        """Called with the HTTP status of every upstream answer, retries included."""
-        return self.client.on_status
-
-    @on_upstream_status.setter
-    def on_upstream_status(self, hook: Callable[[int], None] | None) -> None:
-        self.client.on_status = hook
 
     def reported_context_window(self, model: str) -> int:
         """The window the upstream's ``GET /v1/models`` reported for ``model`` (vLLM's ``max_model_len``), once
@@ -195,16 +186,6 @@ class OpenAIEngine(StreamEngine):
             self._described = True
         except GatewayError as exc:
             log.info("could not list the upstream's models (context windows unknown): %s", exc)
-
-    @property  # type: ignore[override]
-    def on_server_queue(self) -> Callable[[float], None] | None:
-        """The listener of the server's reported queue (one endpoint; a pool feeds each endpoint's own limit):
-        the gateway reads it from the server's ``/metrics`` while the server reports one."""
-        return self.client.pool.on_server_queue
-
-    @on_server_queue.setter
-    def on_server_queue(self, hook: Callable[[float], None] | None) -> None:
-        self.client.pool.on_server_queue = hook
 
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.

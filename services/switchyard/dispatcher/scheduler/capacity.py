@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from switchyard.common.config import HbmTierConfig
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE  # noqa: F401 - reasons
 from switchyard.dispatcher.request import Request
 
@@ -196,13 +197,35 @@ class Unbounded:
         pass
 
 
+class ConcurrencyLimit(Protocol):
+    """A limit on streams in flight to an upstream, as the dispatcher uses it: the stream engine's own (the
+    gateway's :class:`~switchyard.gateway.pool.PoolLimit`, which measures its endpoints itself), or an
+    :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` for an engine that brings none."""
+
+    @property
+    def limit(self) -> float:
+        """Streams that may be in flight now (``int(limit)`` of them)."""
+
+    @property
+    def in_flight(self) -> int:
+        """Streams in flight now."""
+
+    def refusal(self, priority: PriorityClass) -> str | None:
+        """None when a stream of class ``priority`` may start now, else the refusal reason (a metric label)."""
+
+    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
+        """A stream of class ``priority`` started."""
+
+    def release(self, priority: PriorityClass, now: float | None = None) -> None:
+        """A stream of class ``priority`` ended."""
+
+
 class ConcurrencyCapacity:
     """Admission by an adaptive limit on streams in flight, with slots held back for CORE.
 
     Args:
-        limit: the limit object
-            (:class:`switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit`): its
-            ``refusal(priority)``, ``acquire(priority)`` and ``release(priority)``.
+        limit: the :class:`ConcurrencyLimit`: its ``refusal(priority)``, ``acquire(priority)`` and
+            ``release(priority)``.
 
     Refusal reasons: ``upstream_concurrency`` (the limit is reached) and
     ``upstream_core_reserve`` (only the slots held back for CORE are left; a NORMAL or
@@ -212,7 +235,7 @@ class ConcurrencyCapacity:
     CLASS_REFUSALS = frozenset({UPSTREAM_CORE_RESERVE})
     """Refusals that depend on the request's class: a higher class behind the refused head may still start."""
 
-    def __init__(self, limit: Any) -> None:
+    def __init__(self, limit: ConcurrencyLimit) -> None:
         self.limit = limit
 
     @property
