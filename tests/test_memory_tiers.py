@@ -543,3 +543,21 @@ async def test_an_agent_spilled_to_another_dispatcher_restores_its_prefix_from_t
         for srv in servers:
             await srv.stop(1.0)
         await client.aclose()
+
+
+async def test_closing_the_tiers_lets_a_discard_under_way_end_first(redis_db: RedisDb, caplog) -> None:
+    """A discard's delete runs in the background; closing the Redis client under it logged a false outage at
+    every shutdown (and the copy stayed). aclose waits for it."""
+    client = redis_db.client()
+    config = SwitchyardConfig()
+    store = kv_store(redis_db)
+    engine = SimEngine(config)
+    tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, engine.kv, store)
+    key = store.key("seq", "gone")
+    await store.put(key, b"kv bytes", priority="batch", hits=0, tokens=100, nbytes=100 * 524_288, cost_us=1000.0)
+    assert await client.exists(key)
+    with caplog.at_level(logging.WARNING, logger="switchyard.common.dram"):
+        tiers.discard(key)
+        await tiers.aclose()
+    assert not await client.exists(key)
+    assert "DRAM tier unavailable" not in caplog.text

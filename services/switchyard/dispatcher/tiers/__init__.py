@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from switchyard.common import telemetry
 from switchyard.common.config import MemoryTiersConfig, PriorityBoost
@@ -80,6 +81,9 @@ class MemoryTiers:
         self.cold = cold
         self.value = ValueScore(memory.value, boost)
         self._writes: dict[str, asyncio.Task[bool]] = {}
+        self._deletes: set[asyncio.Task[Any]] = set()
+        """Deletes under way (:meth:`discard`): held so none is collected mid-flight, and awaited by :meth:`aclose`
+        (closing the Redis client under one made it log a false "DRAM tier unavailable" at every shutdown)."""
         self._owed_s = 0.0
         self._scan_task: asyncio.Task[None] | None = None
         self.models_transfers = self.kv.models_transfers
@@ -266,7 +270,9 @@ class MemoryTiers:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        loop.create_task(self.store.delete(key))
+        delete = loop.create_task(self.store.delete(key))
+        self._deletes.add(delete)
+        delete.add_done_callback(self._deletes.discard)
 
     def take_owed_seconds(self) -> float:
         """Modelled transfer seconds accumulated since the last call (sim engine only; else 0)."""
@@ -332,7 +338,7 @@ class MemoryTiers:
         self._scan_task = asyncio.get_running_loop().create_task(every(), name="dram-scan")
 
     async def aclose(self) -> None:
-        """Stop the scans, let pending writes end, close the Redis client."""
+        """Stop the scans, let pending writes and deletes end, close the Redis client."""
         if self._scan_task is not None:
             self._scan_task.cancel()
             await asyncio.gather(self._scan_task, return_exceptions=True)
@@ -340,5 +346,7 @@ class MemoryTiers:
         if self._writes:
             await asyncio.gather(*self._writes.values(), return_exceptions=True)
             self._writes.clear()
+        if self._deletes:
+            await asyncio.gather(*self._deletes, return_exceptions=True)
         if self.store is not None:
             await self.store.aclose()
