@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 import json
+import time
+import uuid
 
 import grpc
 import jsonschema
@@ -125,6 +126,21 @@ async def test_paced_run_with_duration_ends_by_timeout(agent_server):
     assert load.end_reason == "timeout"
     assert 1 <= len(load.results) <= 11  # at most rps x duration + the call at t=0
     _validate(build_report(load, plan))
+
+
+async def test_a_paced_run_stops_at_its_duration_not_at_the_next_calls_due_time(agent_server):
+    """-c 8 --rps 1 -z 0.6s: calls 1..7 would be due at 1..7 s. The run ends at 0.6 s (ghz stops at -z),
+    and Total and Requests/sec are those of 0.6 s, not of the 7 s the last worker used to sleep."""
+    host, _ = agent_server
+    plan = LoadPlan(host=host, calldata=parse_calldata(MIX[1]), total=1, concurrency=8, rps=1, duration_s=0.6)
+    started = time.monotonic()
+    load = await run_part(plan)
+    assert time.monotonic() - started < 1.5
+    assert load.end_reason == "timeout" and [r.number for r in load.results] == [0]
+    assert 0.55 <= load.wall_s < 1.0
+    report = build_report(load, plan)
+    assert report["total"] == round(load.wall_s * 1e9) and report["rps"] == pytest.approx(1 / load.wall_s)
+    _validate(report)
 
 
 async def test_several_client_processes_split_the_calls(agent_server):

@@ -6,7 +6,10 @@ Semantics follow ghz (https://ghz.sh/docs/options) so that results compare:
 - ``rps`` > 0 paces call starts at a constant rate (call ``i`` may start at
   ``t0 + i / rps``; a late worker starts at once), 0 means as fast as workers go;
 - ``total`` calls, or with ``duration_s`` > 0 as many as start before the
-  deadline (``total`` ignored, in-flight calls finish; ghz ``--duration-stop wait``);
+  deadline (``total`` ignored, in-flight calls finish; ghz ``--duration-stop wait``):
+  the run lasts ``duration_s`` plus the calls still in flight then, whatever the
+  pacing (a worker whose next call would be due past the deadline stops there);
+- ``timeout_s`` bounds each call; 0 means no deadline (ghz ``-t 0``);
 - a call's latency runs from the RPC start to the end of its stream.
 
 One Python process drives a few hundred streams per second before its own CPU
@@ -221,6 +224,12 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
                     number = numbers[i]
                 if plan.rps > 0:
                     due = t0 + number / plan.rps
+                    if due >= deadline:
+                        # No call starts at or past the deadline: wait for the deadline itself (the run
+                        # lasts its duration, as ghz's does) rather than for a start that will not happen.
+                        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+                        timed_out = True
+                        return
                     delay = due - time.monotonic()
                     if delay > 0:
                         await asyncio.sleep(delay)
