@@ -38,10 +38,12 @@ class StreamingAgent(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self) -> None:
         self.seen: list[agent_pb2.RunTaskRequest] = []
         self.metadata: list[dict[str, str]] = []
+        self.deadlines: list[float | None] = []
 
     async def RunTask(self, request, context):
         self.seen.append(request)
         self.metadata.append({k: v for k, v in context.invocation_metadata() or ()})
+        self.deadlines.append(context.time_remaining())  # None: the call has no deadline
         yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id=request.task_id, queue_position=0))
         await asyncio.sleep(0.001)
         yield agent_pb2.TaskEvent(stage=agent_pb2.StageEvent(name="render_prompt", duration_s=0.001))
@@ -267,15 +269,34 @@ async def test_a_ghz_command_line_runs_unchanged_over_tls_with_metadata(pki, tmp
     assert all(m.get("authorization") == "Bearer t-1" for m in service.servicer.metadata)
 
 
-def test_ghz_connection_flags_are_checked():
+def test_ghz_connection_flags_are_checked(capsys):
     for argv, says in [
         (["run", "--call", "agent.AgentService.SubmitTask"], "only agent.AgentService.RunTask"),
         (["run", "--cert", "c.pem", "--key", "k.pem"], "give --cacert too"),
         (["run", "-m", "[1]"], "JSON object of strings"),
         (["run", "--insecure", "--cacert", "ca.pem"], "choose plain text or TLS"),
+        (["run", "--timeout=-1"], "--timeout: expected a value >= 0 (0: no deadline per call), got -1"),
+        (["run", "--rps=-2"], "--rps: expected a value >= 0"),
     ]:
-        with pytest.raises(SystemExit, match=says):
+        with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
+        assert exit_.value.code == 2, argv  # a usage error, as argparse's own
+        assert says in capsys.readouterr().err, argv
+
+
+async def test_timeout_0_means_no_deadline_as_in_ghz(agent_server, tmp_path):
+    """ghz -t 0: no timeout. The calls go out without a gRPC deadline and the report says timeout 0."""
+    host, servicer = agent_server
+    out = tmp_path / "report.json"
+    argv = ["run", "--host", host, "-n", "2", "-c", "1", "-t", "0", "-d", '{"payload": "hi", "task_type": "chat"}',
+            "--procs", "1", "-O", "json", "-o", str(out)]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    report = json.loads(out.read_text())
+    assert report["statusCodeDistribution"] == {"OK": 2} and report["options"]["timeout"] == 0
+    assert servicer.deadlines == [None, None]
+    _validate(report)
+    await asyncio.to_thread(cli.main, argv[:-4] + ["-t", "20s"])
+    assert 0 < servicer.deadlines[-1] <= 21  # a 20 s deadline (its remaining time, on the server clock)
 
 
 def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):

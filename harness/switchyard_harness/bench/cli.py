@@ -31,7 +31,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from switchyard.common.config.base import did_you_mean
 
@@ -77,7 +77,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--concurrency", type=int, help="concurrent calls (ghz default 50)")
     parser.add_argument("--rps", type=float, help="call starts per second, 0 = unpaced")
     parser.add_argument("-z", "--duration", type=parse_duration, help="run this long instead of -n (e.g. 30s)")
-    parser.add_argument("-t", "--timeout", type=parse_duration, help="deadline per call (default 20s)")
+    parser.add_argument("-t", "--timeout", type=parse_duration,
+                        help="deadline per call (default 20s; 0: none, as ghz -t 0)")
     parser.add_argument("-d", "--data", help="call data as JSON: an object or an array used round-robin")
     parser.add_argument("-D", "--data-file", help="call data JSON file (ghz/data/mixed.json)")
     parser.add_argument("--procs", type=_procs, default="auto", help="client processes: auto or N")
@@ -124,11 +125,18 @@ def _tls(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, str]:
     return {"ca_file": pick("cacert"), "cert_file": pick("cert"), "key_file": pick("key"), "server_name": pick("cname")}
 
 
+def usage_error(message: str) -> NoReturn:
+    """Print ``switchyard bench: message`` on stderr and exit 2, as argparse does for a bad flag."""
+    print(f"switchyard bench: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def resolve_plan(args: argparse.Namespace, host: str | None):
     """Merge a ghz config file, flags and ghz's defaults into a LoadPlan (flags win).
 
     Raises:
-        SystemExit(2) via argparse-style message: unreadable config or call data.
+        SystemExit(2), the problem on stderr naming the flag or file (:func:`usage_error`): an unreadable
+            config or call data, or a value the plan refuses.
     """
     from switchyard_harness.bench.calldata import CallDataError, load_calldata_file, parse_calldata
     from switchyard_harness.bench.loadgen import LoadPlan, with_procs
@@ -140,7 +148,7 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"switchyard bench: --config {path}: {exc}") from None
+            usage_error(f"--config {path}: {exc}")
         base = path.parent
 
     def pick(flag: Any, key: str, default: Any) -> Any:
@@ -161,7 +169,7 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         else:
             items = parse_calldata({"task_id": "bench-{{.RequestNumber}}", "payload": "summarize this doc"})
     except (CallDataError, OSError) as exc:
-        raise SystemExit(f"switchyard bench: {exc}") from None
+        usage_error(str(exc))
     try:
         plan = LoadPlan(
             host=host or cfg.get("host", "127.0.0.1:50051"),
@@ -176,7 +184,7 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         )
         return with_procs(plan, args.procs)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"switchyard bench: {exc}") from None
+        usage_error(str(exc))
 
 
 def _run(argv: list[str]) -> int:

@@ -45,6 +45,10 @@ from switchyard.common.config import ServerConfig, TlsConfig
 MESSAGES_PER_PROC_S = 20_000
 
 
+_ZERO = {"--rps": "unpaced", "--duration": "run -n calls instead", "--timeout": "no deadline per call"}
+"""What 0 means for each of :class:`LoadPlan`'s rates and times, for its error messages."""
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """What to run. Units: seconds and calls per second.
@@ -56,7 +60,7 @@ class LoadPlan:
         concurrency: workers issuing calls at once (all processes together).
         rps: call starts per second, all processes together; 0 = unpaced.
         duration_s: run this long instead of ``total`` calls; 0 = off.
-        timeout_s: deadline of each call (ghz ``--timeout``, default 20 s).
+        timeout_s: deadline of each call (ghz ``--timeout``, default 20 s); 0 = none (ghz ``-t 0``).
         procs: client processes.
     """
 
@@ -91,10 +95,9 @@ class LoadPlan:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.duration_s <= 0 and self.total < self.concurrency:
             raise ValueError(f"total ({self.total}) cannot be smaller than concurrency ({self.concurrency})")
-        if self.rps < 0 or self.duration_s < 0 or self.timeout_s <= 0:
-            raise ValueError(
-                f"rps and duration must be >= 0 and timeout > 0; got {self.rps}, {self.duration_s}, {self.timeout_s}"
-            )
+        for flag, value in (("--rps", self.rps), ("--duration", self.duration_s), ("--timeout", self.timeout_s)):
+            if not value >= 0:  # NaN too
+                raise ValueError(f"{flag}: expected a value >= 0 (0: {_ZERO[flag]}), got {value:g}")
         if self.procs < 1:
             raise ValueError(f"procs must be >= 1, got {self.procs}")
 
@@ -170,7 +173,8 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
     )
     t0 = time.perf_counter()
     try:
-        async for event in stub.RunTask(request, timeout=plan.timeout_s, metadata=tuple(plan.metadata.items()) or None):
+        async for event in stub.RunTask(request, timeout=plan.timeout_s or None,  # 0: no deadline, as ghz's -t 0
+                                        metadata=tuple(plan.metadata.items()) or None):
             kind = event.WhichOneof("event")
             if kind == "token":
                 if result.ttft_s is None:
