@@ -83,3 +83,41 @@ def test_a_file_that_is_not_a_ghz_report_names_the_file_and_the_key(tmp_path, ca
     err = capsys.readouterr().err
     assert "locust_stats.json: not a ghz JSON report: no count" in err
     assert diff.main([str(tmp_path / "missing.json"), str(bad), "--no-plot"]) == 2
+
+
+def _set(report: dict, path: tuple, value) -> None:
+    node = report
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+
+
+@pytest.mark.parametrize(("path", "value", "says"), [
+    (("rps",), "12.5", "rps: input should be a valid number, got '12.5'"),
+    (("count",), "200", "count: input should be a valid number"),
+    (("total",), None, "total: input should be a valid number, got None"),
+    (("average",), True, "average: input should be a valid number, got True"),
+    (("fastest",), float("nan"), "fastest: input should be a finite number"),
+    (("slowest",), -1, "slowest: input should be greater than or equal to 0"),
+    (("statusCodeDistribution", "OK"), "60", "statusCodeDistribution.OK: input should be a valid number"),
+    (("errorDistribution",), ["x"], "errorDistribution: input should be a valid dictionary"),
+    (("latencyDistribution", 3, "latency"), "9ms", "latencyDistribution[3].latency: input should be a valid number"),
+    (("details", 0, "latency"), "1", "details[0].latency: input should be a valid number"),
+    (("switchyard", "tokensPerSecond"), "fast", "switchyard.tokensPerSecond: input should be a valid number"),
+    (("switchyard", "ttftDistribution", 2, "latency"), "x", "switchyard.ttftDistribution[2].latency"),
+    (("switchyard", "byPriority", "core", "count"), "20", "switchyard.byPriority.core.count: input should be"),
+])
+def test_a_key_of_the_wrong_type_names_the_file_and_the_key(tmp_path, capsys, path, value, says):
+    """Every number diff reads is checked before it prints: a string where a number belongs ends in exit 2
+    naming the file and the key, not in a traceback from the table's formatting."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(bench_report([0.010 + i * 0.001 for i in range(60)], ttft=0.004)))
+    report = bench_report([0.010 + i * 0.001 for i in range(60)], ttft=0.004)
+    _set(report, path, value)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(report))
+    for argv in ([str(good), str(bad), "--no-plot"], [str(bad), str(good), "--no-plot"]):
+        assert diff.main(argv) == 2
+        captured = capsys.readouterr()
+        assert f"switchyard bench diff: {bad}: {says}" in captured.err and captured.out == ""
+    assert diff.main([str(good), str(good), "--no-plot"]) == 0

@@ -14,8 +14,9 @@ where both are non-zero.
 distribution of every successful call's latency from ``details`` (ghz keeps
 them, up to its details limit) and the percentiles of ``latencyDistribution``.
 
-Exit status: 0; 2 when a file is missing or not a ghz report (naming the file
-and the key).
+Exit status: 0; 2 when a file is missing or not a ghz report: a key missing, or
+a key it reads holding the wrong type, such as a string where a number belongs
+(naming the file and the key).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.common.cli_text import parser_for
 
@@ -35,6 +38,75 @@ QUANTILES = (50, 95, 99)
 
 class ReportError(ValueError):
     """A file that is not a ghz JSON report (the message names the file and what is wrong)."""
+
+
+# What this command reads of a report, and of what type: a number is a JSON number, finite and >= 0 (not a
+# string, not a boolean); the rest of the report is left as it is. Checked before anything is printed, so a
+# report with a wrong value is named with its key instead of failing half-way through the table.
+_Number = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+
+
+class _Read(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Quantile(_Read):
+    percentage: _Number
+    latency: _Number
+
+
+class _Detail(_Read):
+    latency: _Number
+    error: Annotated[str, Field(strict=True)] | None = None
+
+
+class _Group(_Read):
+    count: _Number | None = None
+    errors: _Number | None = None
+    latencyDistribution: list[_Quantile] | None = None
+
+
+class _Streaming(_Read):
+    ttftDistribution: list[_Quantile] | None = None
+    tokensPerSecond: _Number | None = None
+    byPriority: dict[str, _Group | None] | None = None
+
+
+class _Report(_Read):
+    count: _Number
+    total: _Number
+    average: _Number
+    fastest: _Number
+    slowest: _Number
+    rps: _Number
+    statusCodeDistribution: dict[str, _Number]
+    errorDistribution: dict[str, _Number] | None = None
+    latencyDistribution: list[_Quantile] | None
+    details: list[_Detail] | None = None
+    switchyard: _Streaming | None = None
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as the key reads in the file: ``latencyDistribution[2].latency``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def check(report: dict[str, Any], path: str | Path) -> None:
+    """Check the keys this command reads (see :class:`_Report`) hold values of the right type.
+
+    Raises:
+        ReportError: the first key that does not, named as ``path: key: what was expected, got value``.
+    """
+    try:
+        _Report.model_validate(report)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        expected = error["msg"][0].lower() + error["msg"][1:]
+        raise ReportError(f"{path}: {_where(error['loc'])}: {expected}, got {error['input']!r} (not a ghz JSON "
+                          "report as ghz -O json or switchyard bench run -o write it)") from None
 
 
 @dataclass(frozen=True)
@@ -51,7 +123,8 @@ def load(path: str | Path) -> dict[str, Any]:
     """A ghz JSON report from ``path``.
 
     Raises:
-        ReportError: unreadable, not JSON, or missing one of :data:`REQUIRED`.
+        ReportError: unreadable, not JSON, missing one of :data:`REQUIRED`, or a key this command reads holds
+            a value of the wrong type (a string where a number belongs: :func:`check`).
     """
     try:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -65,6 +138,7 @@ def load(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ReportError(f"{path}: not a ghz JSON report: no {', '.join(missing)} (write it with ghz -O json "
                           "or switchyard bench run -o)")
+    check(report, path)
     return report
 
 
