@@ -13,7 +13,8 @@ the bytes held in each memory tier. Rates and
 quantiles cover the last interval (the difference of two scrapes); the first
 frame, and ``--once``, cover everything since each process started. It draws
 plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
-pipe; Ctrl-C ends it.
+pipe; Ctrl-C ends it. ``--once --json`` writes valid JSON: a figure that is not
+known (a gauge the service does not read, NaN in its metrics) is ``null``.
 
 Endpoints come from flags, else from the up file that ``switchyard up`` writes
 (``switchyard.launcher.up_file``), else from the configured metrics ports.
@@ -38,6 +39,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from switchyard_harness import json_output
 from switchyard.common.cli_text import parser_for
 
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
@@ -365,7 +367,7 @@ def _pct(value: float | None) -> str:
 
 
 def _bytes(value: float | None) -> str:
-    if value is None:
+    if value is None or math.isnan(value):
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
@@ -471,7 +473,7 @@ def main(argv: list[str]) -> int:
         if args.once:
             snap = snapshot(scrape_all(endpoints, pool))
             if args.json:
-                print(json.dumps(snap, indent=2))
+                print(json_output.dumps(snap, indent=2))
             else:
                 from rich.console import Console
 

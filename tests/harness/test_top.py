@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -140,3 +141,50 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     assert "finish_reason 5, cut 1" in text and "engine  busy" not in text
     # a step engine (no upstream call made) keeps its engine line
     assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)})["upstream"] is None
+
+
+@pytest.fixture
+def metrics_endpoint():
+    """A real Prometheus endpoint on 127.0.0.1 (prometheus_client's own server) with a dispatcher's figures,
+    its GPU utilisation NaN as a dispatcher without NVML exports it; yields its host:port."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    Gauge("switchyard_engine_busy_ratio", "", registry=registry).set(0.25)
+    Gauge("switchyard_gpu_utilization_ratio", "", registry=registry).set(math.nan)
+    Gauge("switchyard_compute_score", "", registry=registry).set(math.inf)
+    g = Gauge("switchyard_queue_depth", "", ["queue"], registry=registry)
+    g.labels("inference").set(3)
+    Gauge("switchyard_queue_capacity", "", ["queue"], registry=registry).labels("inference").set(512)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    yield f"127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _endpoint_flags(address: str) -> list[str]:
+    return [flag for name in ("orchestrator", "retrieval", "dispatcher") for flag in (f"--{name}", address)]
+
+
+def test_once_json_is_valid_json_with_null_for_a_nan_gauge(metrics_endpoint: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "switchyard.cli", "top", "--once", "--json",
+                          *_endpoint_flags(metrics_endpoint)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+    def refuse(constant: str) -> None:  # what a strict parser (jq, JSON.parse) does with NaN and Infinity
+        raise ValueError(f"not JSON: {constant}")
+
+    snap = json.loads(out.stdout, parse_constant=refuse)
+    assert snap["engine"]["gpu_utilization_ratio"] is None and snap["engine"]["compute_score"] is None
+    assert snap["engine"]["busy_ratio"] == 0.25 and snap["queues"]["inference"]["depth"] == 3
+
+
+def test_json_output_writes_null_for_every_non_finite_number() -> None:
+    from switchyard_harness.json_output import dumps
+
+    value = {"a": math.nan, "b": [1.5, math.inf, (-math.inf, 2)], "c": {"d": math.nan, "e": "NaN"}, "f": None}
+    assert json.loads(dumps(value)) == {"a": None, "b": [1.5, None, [None, 2]], "c": {"d": None, "e": "NaN"},
+                                        "f": None}
+    assert "NaN" not in dumps({"x": math.nan}, indent=2)
+

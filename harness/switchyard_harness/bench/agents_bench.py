@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import time
@@ -54,6 +53,7 @@ from typing import Any, Callable
 
 from prometheus_client import REGISTRY
 
+from switchyard_harness import json_output
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard_harness.bench.sched_bench import (
     CLASSES,
@@ -529,10 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        out.write_text(json_output.dumps(report, indent=2) + "\n", encoding="utf-8")
         plot(report, out.with_suffix(".png"))
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_output.dumps(report, indent=2))
     else:
         print(render(report))
         if args.out:
@@ -560,7 +560,7 @@ def _main_rag(args: argparse.Namespace) -> int:
     report = run_rag_prefill(RagLoad(rate=args.rag_rate, seconds=args.seconds, retrieval_s=args.retrieval_s,
                                      seed=args.seed), config)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_output.dumps(report, indent=2))
     else:
         print(render_rag(report))
         print(f"(ran in {time.perf_counter() - started:.1f} s of wall time)")
@@ -620,7 +620,7 @@ def _main_policies(args: argparse.Namespace) -> int:
             print(f"switchyard bench agents: {exc}", file=sys.stderr)
             return 2
     if args.json:
-        print(json.dumps({"rows": rows, "load_scale": workload.load_scale, "fcfs_capacity_scale": held,
+        print(json_output.dumps({"rows": rows, "load_scale": workload.load_scale, "fcfs_capacity_scale": held,
                           "fcfs_sweep": sweep, "at_double": at_double}, indent=2))
     else:
         print(render_policies(rows, workload, config, at_double=at_double, held=held, sweep=sweep,

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from switchyard_harness import json_output
 from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -216,8 +217,8 @@ def _run(argv: list[str]) -> int:
     report = build_report(load, plan, name=args.name)
     rendered = {
         "summary": summary_text(report),
-        "json": json.dumps(report, separators=(",", ":")),
-        "pretty": json.dumps(report, indent=2),
+        "json": json_output.dumps(report, separators=(",", ":")),
+        "pretty": json_output.dumps(report, indent=2),
     }
     if args.format is None:  # the summary on stdout, and the JSON report where -o says
         print(rendered["summary"])

@@ -44,6 +44,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY
 
+from switchyard_harness import json_output
 from switchyard_harness.bench import stack_process
 from switchyard_harness.bench.gpu import GpuSampler
 from switchyard_harness.bench.loadgen import LoadPlan, LoadResult, run_load
@@ -407,10 +408,10 @@ def write_outputs(out: Path, rows: list[dict[str, Any]], reports: dict[str, dict
     paths = []
     for key, report in reports.items():
         path = out / f"scenario-{key}.json"
-        path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        path.write_text(json_output.dumps(report, indent=2), encoding="utf-8")
         paths.append(path)
     summary = out / "compare.json"
-    summary.write_text(json.dumps({"meta": meta, "scenarios": rows}, indent=2), encoding="utf-8")
+    summary.write_text(json_output.dumps({"meta": meta, "scenarios": rows}, indent=2), encoding="utf-8")
     markdown = out / "compare.md"
     markdown.write_text(
         f"Command: `{meta['command']}`\n\nMachine: {meta['machine']}\n\n{table(rows)}\n", encoding="utf-8"

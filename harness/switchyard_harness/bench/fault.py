@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from switchyard_harness import json_output
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.launcher import UpProcess
@@ -243,6 +244,6 @@ def main(argv: list[str]) -> int:
     for line in report.other_failures[:5] + report.submitted_errors[:5]:
         print(f"    {line}")
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")
+        args.json.write_text(json_output.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")
     ok = report.failed_before_tokens == 0 and not report.other_failures and report.submitted_lost == 0
     return 0 if ok else 1

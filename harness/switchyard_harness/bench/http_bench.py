@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from switchyard_harness import json_output
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 
@@ -334,5 +335,5 @@ def main(argv: list[str]) -> int:
         return 1
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.output).write_text(json_output.dumps(results, indent=2) + "\n")
     return 0

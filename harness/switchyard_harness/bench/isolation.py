@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import sys
 import time
 from typing import Any
 
 
+from switchyard_harness import json_output
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
         figures = uvloop.run(measure(config, args.samples, args.batch, args.full_running, args.full_output))
     figures["dram"] = dram_text
     if args.json:
-        print(json.dumps(figures, indent=2))
+        print(json_output.dumps(figures, indent=2))
         return 0
     print(f"DRAM tier: {dram_text}")
     ms = {k: {p: v * 1000 for p, v in d.items()} for k, d in figures.items() if isinstance(d, dict)}

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from switchyard_harness import json_output
 from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
@@ -333,7 +334,7 @@ def main(argv: list[str]) -> int:
                    ttft_p50_s=r.ttft_quantile(0.5), ttft_p95_s=r.ttft_quantile(0.95))
         return out
 
-    args.json.write_text(json.dumps({
+    args.json.write_text(json_output.dumps({
         "params": asdict(params), "score": summary(score), "round_robin": summary(rr),
         "killed": summary(killed) if killed else None,
     }, indent=2) + "\n", encoding="utf-8")

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from switchyard_harness import json_output
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
 from switchyard.common.affinity import DEFAULT_BALANCE, DEFAULT_VNODES, BoundedLoadRing
@@ -668,7 +669,7 @@ def main(argv: list[str]) -> int:
         print()
         print("\n".join(skew_lines(skewed, skew)))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
+    args.json.write_text(json_output.dumps({
         "params": asdict(params),
         "targets": {"hit_rate": HIT_TARGET, "load_max_over_mean": BALANCE_TARGET, "moved_times_n": MOVE_TARGET},
         "results": {r.policy: r.summary(params.replicas) for r in results},

@@ -59,7 +59,6 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 import logging
 import math
 import random
@@ -69,6 +68,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from switchyard_harness import json_output
 from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.double_buffer import FlushReason
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "dram": dram,
     }
     if args.json:
-        print(json.dumps({"header": header, "policies": rows}, indent=2))
+        print(json_output.dumps({"header": header, "policies": rows}, indent=2))
     else:
         print(render(header, rows))
         print(f"\n(ran in {time.perf_counter() - started:.1f} s of wall time)")

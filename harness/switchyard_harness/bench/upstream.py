@@ -58,6 +58,7 @@ from typing import Any
 
 import grpc
 
+from switchyard_harness import json_output
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
@@ -530,7 +531,7 @@ def main(argv: list[str]) -> int:
         print(f"switchyard bench upstream: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result["figures"], indent=2))
+        print(json_output.dumps(result["figures"], indent=2))
     else:
         print(summary(result))
     return 0 if result["figures"]["errors"] == 0 else 1
