@@ -13,7 +13,9 @@ the bytes held in each memory tier. Rates and
 quantiles cover the last interval (the difference of two scrapes); the first
 frame, and ``--once``, cover everything since each process started. It draws
 plain text with ``rich`` (no full-screen mode), so it works over SSH and in a
-pipe; Ctrl-C ends it. ``--once --json`` writes valid JSON: a figure that is not
+pipe: on a terminal each frame replaces the last; in a pipe or a file each frame
+(the first, then one per refresh) is written below the last and flushed as it is
+drawn. Ctrl-C ends it. ``--once --json`` writes valid JSON: a figure that is not
 known (a gauge the service does not read, NaN in its metrics) is ``null``.
 
 Endpoints come from flags, else from the up file that ``switchyard up`` writes
@@ -26,6 +28,7 @@ says which and why); 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -35,7 +38,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -449,7 +452,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
     parser.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
-    parser.add_argument("--frames", type=int, default=0, help="stop after this many refreshes (default 0: until Ctrl-C)")
+    parser.add_argument("--frames", type=int, default=0,
+                        help="stop after this many refreshes, the first frame and N more drawn (default 0: until Ctrl-C)")
     args = parser.parse_args(argv)
     if args.json and not args.once:
         parser.error("--json: expected together with --once (a live view is not JSON)")
@@ -480,20 +484,47 @@ def main(argv: list[str]) -> int:
                 Console().print(render(snap, source))
             return 0 if all(s["up"] for s in snap["services"].values()) else 1
 
-        from rich.live import Live
+        from rich.console import Console
 
+        console = Console()
         current = scrape_all(endpoints, pool)
-        frames = 0
         try:
-            with Live(render(snapshot(current), source), auto_refresh=False) as live:
+            with _frames(console, render(snapshot(current), source)) as draw:
+                frames = 0
                 while not args.frames or frames < args.frames:
                     time.sleep(max(0.0, args.interval - (time.monotonic() - current[SERVICES[0]].at)))
                     previous, current = current, scrape_all(endpoints, pool)
-                    live.update(render(snapshot(current, previous), source), refresh=True)
+                    draw(render(snapshot(current, previous), source))
                     frames += 1
         except KeyboardInterrupt:
             pass
         return 0
+
+
+@contextlib.contextmanager
+def _frames(console: Any, first: Any) -> Iterator[Callable[[Any], None]]:
+    """Draw ``first`` now; yields ``draw(frame)`` for each later frame.
+
+    On a terminal each frame replaces the last in place (rich's ``Live``). Anywhere else (a pipe, a file,
+    ``ssh host switchyard top | ...``) ``Live`` would write nothing until it stops, and then only the last
+    frame: there each frame is printed below the last, a blank line between them, and flushed as it is
+    drawn, so a reader sees every frame when it is drawn.
+    """
+    if console.is_terminal:
+        from rich.live import Live
+
+        with Live(first, console=console, auto_refresh=False) as live:
+            yield lambda frame: live.update(frame, refresh=True)
+        return
+
+    def draw(frame: Any, gap: bool = True) -> None:
+        if gap:
+            console.print()
+        console.print(frame)
+        console.file.flush()
+
+    draw(first, gap=False)
+    yield draw
 
 
 if __name__ == "__main__":

@@ -188,3 +188,29 @@ def test_json_output_writes_null_for_every_non_finite_number() -> None:
                                         "f": None}
     assert "NaN" not in dumps({"x": math.nan}, indent=2)
 
+
+def test_in_a_pipe_each_frame_is_written_as_it_is_drawn(metrics_endpoint: str) -> None:
+    """`switchyard top | head`: each frame reaches the pipe when it is drawn, not one frame when top ends."""
+    import select
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "top", "--interval", "1.5", "--frames", "2",
+                             *_endpoint_flags(metrics_endpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        started = time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "nothing written to the pipe"
+        first = proc.stdout.readline()
+        assert first.startswith("switchyard top") and proc.poll() is None  # the first frame, while top runs
+        assert time.monotonic() - started < 20
+        rest = proc.stdout.read()  # through the same buffered reader as the first line (communicate() is not)
+        err = proc.stderr.read()
+        proc.wait(60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err
+    text = first + rest
+    assert text.count("switchyard top") == 3  # the first frame and 2 refreshes, all of them
+    assert text.count("engine  busy 25 %") == 3 and "last 1.5 s" in text
