@@ -14,8 +14,13 @@ wall-clock), the process's CPU seconds and the garbage collector's pause time
 in the same window. ``--output`` keeps the profile (gzip'd pprof protobuf) for
 ``go tool pprof -http=: FILE`` or any pprof viewer.
 
+A service with ``orchestrator.auth`` on answers only a bearer token: the value of
+``SWITCHYARD_AUTH_TOKEN`` (another variable with ``--token-env NAME``), as
+``switchyard run`` sends it, or the contents of ``--token-file FILE``, which wins
+over the variable (switchyard_harness.auth_token).
+
 Exit status: 0; 1 when the service refused or could not be reached, or a saved file is not a pprof
-profile; 2 for bad arguments.
+profile; 2 for bad arguments (an unreadable or empty ``--token-file`` among them).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError
 from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
+from switchyard_harness.auth_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
 
@@ -84,7 +90,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the profile, seconds (default 30)")
     parser.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
     parser.add_argument("--output", help="also write the profile (gzip'd pprof protobuf) to this file")
-    parser.add_argument("--token-file", help="file holding a bearer token, for a service with orchestrator.auth on")
+    add_token_options(parser)
     parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: its usual place)")
     parser.add_argument("--config-dir", help="config folder for the fallback ports (default: config/)")
     args = parser.parse_args(argv)
@@ -114,16 +120,18 @@ def main(argv: list[str]) -> int:
         return 2
     except ValueError as exc:
         parser.error(f"service: {exc}")
-    request = urllib.request.Request(url)
-    if args.token_file:
-        request.add_header("Authorization", f"Bearer {Path(args.token_file).read_text().strip()}")
+    try:
+        token = bearer_token(args.token_file, args.token_env)
+    except TokenError as exc:
+        parser.error(str(exc))
+    request = urllib.request.Request(url, headers=authorization(token))
     print(f"profiling {args.service} for {args.seconds:g} s ({url}) ...", file=sys.stderr, flush=True)
     try:
         with urllib.request.urlopen(request, timeout=args.seconds + 90) as reply:
             data = reply.read()
     except urllib.error.HTTPError as exc:
-        hint = ("; pass --token-file FILE holding a bearer token (the service checks tokens: orchestrator.auth)"
-                if exc.code == 401 and not args.token_file else "")
+        hint = (f"; set {args.token_env} (or pass --token-file FILE) to the bearer token (the service checks "
+                "tokens: orchestrator.auth)" if exc.code == 401 and token is None else "")
         print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}{hint}",
               file=sys.stderr)
         return 1
