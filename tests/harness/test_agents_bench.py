@@ -99,3 +99,40 @@ def test_rag_prefill_answers_take_their_static_part_from_the_prefix_cache(capsys
     assert tokens["without"] >= tasks * (static + 1)  # every answer prefilled its whole prompt
     assert tokens["without"] - tokens["early"] >= tasks * (static - 16)  # all but at most one block each
     assert set(report["ttft_p50_s"]) == {"without", "early"} and report["target_gain_s"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--policies", "fcfs"], ["--rag-prefill"]])
+def test_a_device_too_small_for_the_weights_is_a_usage_error_naming_hbm_gb(
+        capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
+    """--hbm-gb 1 leaves the modelled 7B's 13 GiB of weights no room: exit 2 with the scheduler's own reason,
+    naming the flag, before anything runs (before: a ValueError traceback from inside the run)."""
+    assert agents_bench.main(["--hbm-gb", "1", "--agents", "5", "--seconds", "2", "--dram", "off", *mode]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("switchyard bench agents: --hbm-gb 1: memory_policy.toml [hbm] capacity_ratio")
+    assert "leaves no room beside" in captured.err and captured.out == ""
+
+
+def test_the_command_line_says_so_without_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "switchyard.cli", "bench", "agents", "--hbm-gb", "1", "--agents", "5",
+                          "--seconds", "2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--hbm-gb 1: " in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("command", ["agents", "sched"])
+def test_the_class_mix_is_percent_summing_to_100(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from switchyard_harness.bench import sched_bench
+
+    main = agents_bench.main if command == "agents" else sched_bench.main
+    for mix, says in (("50/50/50", "which sums to 150"), ("10/10/10", "which sums to 30"),
+                      ("-10/60/50", "summing to 100"), ("20/80", "summing to 100")):
+        with pytest.raises(SystemExit) as exit_:
+            main([f"--mix={mix}"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --mix: expected CORE/NORMAL/BATCH percentages summing to 100" in err and says in err
+    parser = agents_bench.build_parser() if command == "agents" else sched_bench.build_parser()
+    assert parser.parse_args(["--mix", "33.3/33.3/33.4"]).mix == (33.3, 33.3, 33.4)
+    assert "summing to 100" in parser.format_help()

@@ -14,7 +14,8 @@ Redis (``--dram``, an embedded redis-server by default).
 The load (the field's second report):
 
 - ``--agents`` agents (default 100), each running react_loop tasks one after
-  another; a task's priority class is drawn from ``--mix`` (core/normal/batch);
+  another; a task's priority class is drawn from ``--mix`` (core/normal/batch
+  percent, summing to 100);
 - a task opens with a prompt of ``--prompt-tokens`` (system prompt, tools,
   retrieved passages) and makes ``--tool-calls`` tool calls: each step
   generates a tool call (``--call-tokens``) and parks the agent, the tool
@@ -82,7 +83,7 @@ from switchyard_harness.bench.program_stack import STACK_CLOCK, run_stack_polici
 from switchyard_harness.bench.rag_prefill import RagLoad, run_rag_prefill
 from switchyard_harness.bench.rag_prefill import render as render_rag
 from switchyard.dispatcher.double_buffer import FlushReason
-from switchyard.dispatcher.engines.sim import decode_seconds
+from switchyard.dispatcher.engines.sim import ModelledKV, decode_seconds
 from switchyard.dispatcher.metrics import publish_stats
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.scheduler.base import REACT_TASK_TYPE
@@ -452,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--agents", type=int, default=100, help="agents (default 100)")
     parser.add_argument("--seconds", type=_positive, default=30.0, help="load window, simulated seconds (default 30)")
-    parser.add_argument("--mix", type=_mix, default=(20.0, 50.0, 30.0), help="core/normal/batch percent (20/50/30)")
+    parser.add_argument("--mix", type=_mix, default=(20.0, 50.0, 30.0),
+                        help="core/normal/batch percent of the tasks, summing to 100 (20/50/30)")
     parser.add_argument("--think", type=_seconds_range, default=(0.1, 0.5), help="tool time, seconds (0.1-0.5)")
     parser.add_argument("--prompt-tokens", type=_pair, default=(1000, 3000), help="a task's opening prompt (1000-3000)")
     parser.add_argument("--tool-calls", type=_pair, default=(2, 4), help="tool calls per task (2-4)")
@@ -510,15 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.agents < 1:
         print("switchyard bench agents: --agents: expected at least 1", file=sys.stderr)
         return 2
-    try:
-        config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
-        overrides: dict[str, Any] = {"queues.inference.capacity": 1_000_000,
-                                     "queues.inference.timeout_ms": 3_600_000}
-        if args.hbm_gb:
-            overrides["sim.hbm_gb"] = args.hbm_gb
-        config = config.with_overrides(**overrides)
-    except ConfigError as exc:
-        print(f"switchyard bench agents: {exc}", file=sys.stderr)
+    config = _config(args, **{"queues.inference.capacity": 1_000_000, "queues.inference.timeout_ms": 3_600_000})
+    if config is None:
         return 2
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -541,14 +536,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace) -> SwitchyardConfig | None:
-    """The config the run uses (``--config-dir``, ``--hbm-gb``); None, the problem printed, when it is bad."""
+def _config(args: argparse.Namespace, **overrides: Any) -> SwitchyardConfig | None:
+    """The config the run uses (``--config-dir``, ``--hbm-gb``, then ``overrides``); None, the problem printed,
+    when it is bad or leaves the modelled GPU no room for KV (:func:`_kv_room`)."""
     try:
         config = load_config(args.config_dir) if args.config_dir else SwitchyardConfig()
-        return config.with_overrides(**{"sim.hbm_gb": args.hbm_gb}) if args.hbm_gb else config
+        if args.hbm_gb:
+            overrides = {"sim.hbm_gb": args.hbm_gb, **overrides}
+        config = config.with_overrides(**overrides) if overrides else config
     except ConfigError as exc:
         print(f"switchyard bench agents: {exc}", file=sys.stderr)
         return None
+    problem = _kv_room(config)
+    if problem is not None:
+        flag = f"--hbm-gb {args.hbm_gb:g}: " if args.hbm_gb else ""
+        print(f"switchyard bench agents: {flag}{problem}", file=sys.stderr)
+        return None
+    return config
+
+
+def _kv_room(config: SwitchyardConfig) -> str | None:
+    """Why the modelled GPU (``sim``: device memory, weights) leaves no KV budget under ``[hbm]
+    capacity_ratio``, in the scheduler's own words (its :class:`KvBudget` check); None when it leaves some."""
+    try:
+        KvBudget(config.memory.hbm, ModelledKV(config.sim).memory_info())
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _main_rag(args: argparse.Namespace) -> int:

@@ -467,13 +467,22 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def _mix(text: str) -> tuple[float, float, float]:
+    """argparse type of ``--mix``: ``CORE/NORMAL/BATCH`` percent of the tasks, each >= 0, summing to 100.
+
+    Raises:
+        argparse.ArgumentTypeError: not three numbers, one negative, or a sum other than 100 (named).
+    """
     parts = text.split("/")
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
         values = ()
-    if len(values) != 3 or min(values) < 0 or sum(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected CORE/NORMAL/BATCH percentages such as 20/50/30, got {text!r}")
+    if len(values) != 3 or not all(0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"expected CORE/NORMAL/BATCH percentages summing to 100 such as 20/50/30, "
+                                         f"got {text!r}")
+    if not math.isclose(sum(values), 100, abs_tol=1e-6):
+        raise argparse.ArgumentTypeError(f"expected CORE/NORMAL/BATCH percentages summing to 100 such as 20/50/30, "
+                                         f"got {text!r}, which sums to {sum(values):g}")
     return values  # type: ignore[return-value]
 
 
@@ -493,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overload", type=_positive, default=2.0, help="offered load / capacity (default 2)")
     parser.add_argument("--seconds", type=_positive, default=20.0, help="load window, simulated seconds (default 20)")
     parser.add_argument(
-        "--mix", type=_mix, default=(20.0, 50.0, 30.0), help="core/normal/batch percent (default 20/50/30)"
+        "--mix", type=_mix, default=(20.0, 50.0, 30.0),
+        help="core/normal/batch percent of the tasks, summing to 100 (default 20/50/30)"
     )
     parser.add_argument(
         "--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)"
