@@ -77,8 +77,19 @@ def test_settings_parse_as_json_or_text():
         "scheduler.policy": "fifo",
         "batching.max_batch_size": 16,
     }
+    # the keys as docs/configuration.md names them resolve to the same
+    assert compare.parse_settings(["policy=fifo", "flush.max_batch_size=16"]) == {
+        "scheduler.policy": "fifo",
+        "batching.max_batch_size": 16,
+    }
     with pytest.raises(ValueError, match="KEY=VALUE"):
         compare.parse_settings(["policy"])
+
+
+def test_compare_takes_a_documented_set_key_and_names_a_bad_one(capsys):
+    assert compare.main(["--set", "flush.max_batch_sise=16", "--scenarios", "A"]) == 2
+    assert "--set flush.max_batch_sise: flush has no key 'max_batch_sise'; did you mean 'max_batch_size'?" in \
+        capsys.readouterr().err
 
 
 async def test_a_stack_process_stops_when_its_parent_goes_and_serves_profiles_as_switchyard_serve(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from switchyard_harness.bench.upstream import Call, Phase, figures, summary
@@ -58,3 +60,37 @@ def test_stack_cpu_per_call_is_the_through_turns_cpu_over_their_calls() -> None:
     text = summary({"base_url": "http://127.0.0.1:1/v1", "model": "m", "phases": [first, second], "figures": f})
     assert "stack CPU per call, through turns: dispatcher 3.00 ms, orchestrator 2.00 ms" in text
     assert figures([phase("turns", "direct", 8, 50)])["stack_cpu_ms_per_call"] == {}
+
+
+def test_set_takes_the_keys_docs_configuration_md_names() -> None:
+    """model_gateway.* as docs/configuration.md names the section (before: 'is in no section'), flush.*,
+    TOML tables and scheduler_config.json's bare keys; the attribute paths still work."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard_harness.bench.settings import parse_settings
+
+    overrides = parse_settings(["model_gateway.concurrency.initial_limit=2", "flush.max_batch_size=16",
+                                "hbm.capacity_ratio=0.5", "time_slice_ms=10", "queues.inference.capacity=64",
+                                "upstream.concurrency.core_reserved_slots=3", 'model_gateway.http_transport="httpx"'])
+    assert overrides == {"upstream.concurrency.initial_limit": 2, "batching.max_batch_size": 16,
+                         "memory.hbm.capacity_ratio": 0.5, "scheduler.time_slice_ms": 10,
+                         "queues.inference.capacity": 64, "upstream.concurrency.core_reserved_slots": 3,
+                         "upstream.http_transport": "httpx"}
+    config = SwitchyardConfig().with_overrides(**overrides)
+    assert config.upstream.concurrency.initial_limit == 2 and config.batching.max_batch_size == 16
+    assert config.memory.hbm.capacity_ratio == 0.5 and config.scheduler.time_slice_ms == 10
+
+
+@pytest.mark.parametrize(("item", "says"), [
+    ("model_gateway.concurency.initial_limit=2", "model_gateway has no key 'concurency'; did you mean 'concurrency'?"),
+    ("modelgateway.base_url=x", "no config key of that name"),
+    ("model_gateway.base_url.x=1", "model_gateway.base_url is a value, not a table"),
+    ("model_gateway.concurrency.initial_limit=0", "initial_limit"),
+    ("nothing", "expected KEY=VALUE"),
+])
+def test_a_bad_set_is_a_usage_error_naming_it(item: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from switchyard_harness.bench import upstream
+
+    assert upstream.main(["--set", item, "--config-dir", "config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("switchyard bench upstream: ") and says in err, err
+

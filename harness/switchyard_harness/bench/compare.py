@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import platform
 import sys
@@ -47,6 +46,7 @@ from prometheus_client import REGISTRY
 from switchyard_harness import json_output
 from switchyard_harness.bench import stack_process
 from switchyard_harness.bench.gpu import GpuSampler
+from switchyard_harness.bench.settings import parse_settings
 from switchyard_harness.bench.loadgen import LoadPlan, LoadResult, run_load
 from switchyard_harness.bench.stack_process import FixedSlots
 from switchyard_harness.bench.report import build_report, percentile
@@ -436,24 +436,6 @@ def machine_description() -> str:
 # --------------------------------------------------------------------------- command
 
 
-def parse_settings(settings: list[str]) -> dict[str, Any]:
-    """``["scheduler.policy=fifo", "batching.max_batch_size=16"]`` -> overrides; values parse as JSON, else text.
-
-    Raises:
-        ValueError: an item without ``=``.
-    """
-    overrides: dict[str, Any] = {}
-    for item in settings:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set: expected KEY=VALUE such as scheduler.policy=fifo, got {item!r}")
-        try:
-            overrides[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = raw
-    return overrides
-
-
 async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConfig) -> list[dict[str, Any]]:
     scenarios = pick_scenarios(args.scenarios)
     retrieving = any(item.get("task_type", "") in RETRIEVING_WORKFLOWS for item in plan.calldata)
@@ -506,7 +488,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--retrieval", choices=["auto", "on", "off"], default="auto",
                         help="start retrieval (auto: when the call data has rag_answer or react_loop tasks)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every scenario, e.g. --set scheduler.policy=fifo (JSON values)")
+                        help="config override for every scenario, a key as docs/configuration.md names it, e.g. "
+                        "--set policy=fifo or --set flush.max_batch_size=16 (JSON values; "
+                        "switchyard_harness.bench.settings)")
     parser.add_argument("--stack", choices=["processes", "in-process"], default="processes",
                         help="each service in its own process, as deployed (default), or all three on this "
                         "process's event loop (quicker to start)")

@@ -496,7 +496,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """``switchyard bench upstream [--base-url URL] [--model ID] [--phase-s S] [--rounds N] [--json]``."""
-    from switchyard_harness.bench.compare import parse_settings
+    from switchyard_harness.bench.settings import parse_settings
 
     parser = parser_for("switchyard bench upstream", __doc__)
     parser.add_argument("--base-url", help="an OpenAI-compatible server ending in /v1 (default: start transformers "
@@ -511,7 +511,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-blocks", type=int, default=512, help="paged KV blocks of the started transformers serve")
     parser.add_argument("--config-dir", help="config folder (default $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for the stack, e.g. upstream.concurrency.core_reserved_slots=4")
+                        help="a config override for the stack, a key as docs/configuration.md names it, e.g. "
+                        "model_gateway.concurrency.core_reserved_slots=4 (JSON values; "
+                        "switchyard_harness.bench.settings)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.phase_s <= 0 or args.rounds < 1 or args.settle_s < 0 or args.max_tokens < 1:
@@ -520,7 +522,7 @@ def main(argv: list[str]) -> int:
         args.overrides = parse_settings(args.set)
         base = load_config(args.config_dir)
         base.with_overrides(**args.overrides)
-    except (ValueError, ConfigError) as exc:
+    except (ValueError, ConfigError, KeyError) as exc:
         print(f"switchyard bench upstream: {exc}", file=sys.stderr)
         return 2
     import uvloop
