@@ -94,3 +94,47 @@ def test_a_bad_set_is_a_usage_error_naming_it(item: str, says: str, capsys: pyte
     err = capsys.readouterr().err
     assert err.startswith("switchyard bench upstream: ") and says in err, err
 
+
+@pytest.mark.slow
+def test_the_stack_gets_its_own_redis_and_takes_documented_set_keys(tmp_path) -> None:
+    """A short run against sim-openai with --set model_gateway.concurrency.initial_limit=2 (before: refused,
+    'is in no section'): the stack's DRAM tier is a private redis-server (before: the default 127.0.0.1:6379,
+    which this run does not start: 'DRAM tier unavailable', or worse another stack's Redis)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gateway_fixtures import start_sim
+
+    env = {k: v for k, v in os.environ.items() if k.upper() not in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")}
+    with start_sim() as sim:
+        run = subprocess.run(
+            [sys.executable, "-m", "switchyard.cli", "bench", "upstream", "--base-url", sim.base_url, "--model",
+             "sim-7b", "--phase-s", "0.4", "--rounds", "1", "--settle-s", "0.2", "--max-tokens", "4",
+             "--config-dir", str(Path(__file__).resolve().parents[2] / "config"),
+             "--set", "model_gateway.concurrency.initial_limit=2", "--json"],
+            capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode in (0, 1), run.stderr  # 1: some call failed, which a loaded 2-core machine may see
+    figures = json.loads(run.stdout)
+    assert figures["dram"].startswith("embedded redis-server at 127.0.0.1:")
+    assert not figures["dram"].endswith(":6379")
+    assert "DRAM tier unavailable" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert figures["direct_calls_per_s"] and figures["through_over_direct_8"] is not None
+
+
+def test_the_stack_config_points_at_the_runs_own_redis_and_task_store(tmp_path) -> None:
+    import argparse
+
+    from switchyard.common.config import DramTierConfig, SwitchyardConfig
+    from switchyard_harness.bench.upstream import stack_config
+
+    args = argparse.Namespace(api_key_env="", overrides={"upstream.concurrency.initial_limit": 2})
+    own = DramTierConfig(embedded=False, host="127.0.0.1", port=41234)
+    config = stack_config(SwitchyardConfig(), args, "http://127.0.0.1:1/v1", "m", own, str(tmp_path))
+    dram = config.memory.dram
+    assert (dram.host, dram.port, dram.embedded) == ("127.0.0.1", 41234, False)
+    assert config.orchestrator.task_store.sqlite_path == str(tmp_path / "tasks.sqlite3")
+    assert config.upstream.concurrency.initial_limit == 2 and config.dispatcher.engine == "openai"
+    off = stack_config(SwitchyardConfig(), args, "http://127.0.0.1:1/v1", "m", None, str(tmp_path))
+    assert not off.memory.agent_memory.enabled and not off.memory.dram.kv_swap  # nothing asks a Redis

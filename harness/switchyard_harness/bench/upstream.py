@@ -35,6 +35,14 @@ per call over the through turns (``process_cpu_seconds_total`` read from their
 metrics before and after each such phase, divided by its calls), the cost the
 stack's processes add on cores the server also needs.
 
+The stack gets a DRAM tier of its own (``--dram``: by default a private
+redis-server started for the run, as ``bench agents`` and ``switchyard up`` do;
+``off`` turns agent memory and KV swap off) and a task store in a temporary
+folder, so it never reaches for the default 127.0.0.1:6379 or another stack's
+files. ``--set KEY=VALUE`` overrides any config key as docs/configuration.md
+names it (``model_gateway.concurrency.initial_limit=2``;
+:mod:`switchyard_harness.bench.settings`).
+
 Default upstream: ``transformers serve --continuous-batching --device cpu``
 serving a random-weight tiny Llama built offline
 (:mod:`switchyard_harness.testing.transformers_serve`); ``--base-url`` (and
@@ -62,7 +70,8 @@ from switchyard_harness import json_output
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
-from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
+from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
+from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier
 
 SWEEP_STREAMS = (1, 2, 4, 8, 16, 32)
 TURN_STREAMS = (8, 32)
@@ -319,13 +328,15 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
     """Run every phase (see the module docstring); returns the phases and the figures."""
     phases: list[Phase] = []
     s = args.phase_s
-    async with upstream(args.base_url, args.model, args.kv_blocks) as (base_url, model):
-        config = base.with_overrides(**{
-            "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": model,
-            "upstream.fallback_model": "", "upstream.api_key_required": bool(args.api_key_env),
-            **({"upstream.api_key_env": args.api_key_env} if args.api_key_env else {}),
-            **args.overrides,
-        })
+    async with contextlib.AsyncExitStack() as stack:
+        base_url, model = await stack.enter_async_context(upstream(args.base_url, args.model, args.kv_blocks))
+        # The stack's own DRAM tier and task store: never the default 127.0.0.1:6379 and data/tasks.sqlite3,
+        # which another stack on this machine (switchyard up) may own.
+        tier, dram = _dram_tier(args.dram, base.memory.dram, stack.enter_context(contextlib.ExitStack()))
+        store_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-upstream-tasks-"))
+        config = stack_config(base, args, base_url, model, tier, store_dir)
+        if not args.json:
+            print(f"DRAM tier of the stack: {dram}", flush=True)
         import os
 
         key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
@@ -363,7 +374,31 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
                                          (client.call, "CORE", 1, settle)], measure_from_s=settle))
             finally:
                 await sampler.stop()
-    return {"base_url": base_url, "model": model, "phases": phases, "figures": figures(phases)}
+    return {"base_url": base_url, "model": model, "phases": phases, "figures": {**figures(phases), "dram": dram}}
+
+
+def stack_config(base: SwitchyardConfig, args: Any, base_url: str, model: str, dram: DramTierConfig | None,
+                 store_dir: str) -> SwitchyardConfig:
+    """The config of the stack under test: ``base``, the ``openai`` engine on ``base_url``/``model``, the DRAM
+    tier on ``dram``'s Redis (None: off: no agent memory, no KV swap, nothing asks a Redis), the task store's
+    SQLite file in ``store_dir``, then ``args.overrides`` (``--set``, which win).
+
+    Raises:
+        ConfigError: an override fails validation.
+    """
+    if dram is None:
+        tier: dict[str, Any] = {"memory.agent_memory.enabled": False, "memory.dram.kv_swap": False}
+    else:
+        tier = {"memory.dram.embedded": False, "memory.dram.host": dram.host, "memory.dram.port": dram.port}
+    return base.with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": model,
+        "upstream.fallback_model": "", "upstream.api_key_required": bool(args.api_key_env),
+        **({"upstream.api_key_env": args.api_key_env} if args.api_key_env else {}),
+        **tier,
+        "orchestrator.task_store.backend": "sqlite",
+        "orchestrator.task_store.sqlite_path": str(Path(store_dir) / "tasks.sqlite3"),
+        **args.overrides,
+    })
 
 
 async def stack_cpu_s(metrics_urls: dict[str, str]) -> dict[str, float]:
@@ -482,7 +517,7 @@ def summary(result: dict[str, Any]) -> str:
         f"{num(f['dispatcher_knee_estimate'], '.0f')}",
         "stack CPU per call, through turns: " + (", ".join(
             f"{name} {ms:.2f} ms" for name, ms in f["stack_cpu_ms_per_call"].items()) or "-"),
-        f"failed calls: {f['errors']}",
+        f"failed calls: {f['errors']}; DRAM tier of the stack: {f.get('dram', '-')}",
         "",
         "limit over time (through phases: t s, limit, knee, in flight):",
     ]
@@ -514,6 +549,9 @@ def main(argv: list[str]) -> int:
                         help="a config override for the stack, a key as docs/configuration.md names it, e.g. "
                         "model_gateway.concurrency.core_reserved_slots=4 (JSON values; "
                         "switchyard_harness.bench.settings)")
+    parser.add_argument("--dram", type=_dram_arg, default="embedded",
+                        help="the stack's DRAM tier: embedded (a private redis-server for the run, default), "
+                        "HOST:PORT of a Redis to use, or off (no agent memory, no KV swap)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if args.phase_s <= 0 or args.rounds < 1 or args.settle_s < 0 or args.max_tokens < 1:
@@ -529,6 +567,9 @@ def main(argv: list[str]) -> int:
 
     try:
         result = uvloop.run(measure(args, base))
+    except ConfigError as exc:
+        print(f"switchyard bench upstream: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError) as exc:
         print(f"switchyard bench upstream: {exc}", file=sys.stderr)
         return 1
