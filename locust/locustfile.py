@@ -27,6 +27,16 @@ ratio and the OOM count, each row with locust's own totals at that moment
 (requests, failures, requests/s, P50/P95 ms). The dispatcher's metrics URL comes
 from ``--switchyard-metrics``, else the up file ``switchyard up`` writes, else
 ``http://127.0.0.1:9103/metrics``. ``switchyard top`` shows the same figures live.
+
+Against a stack with ``orchestrator.auth`` on, every request sends
+``Authorization: Bearer <token>``: the value of ``SWITCHYARD_AUTH_TOKEN``
+(``--token-env NAME`` for another variable), as ``switchyard run`` sends it, or
+the contents of ``--token-file FILE``, which wins over the variable
+(switchyard_harness.auth_token)::
+
+    SWITCHYARD_AUTH_TOKEN=... locust -f locust/locustfile.py --headless ...
+
+An unreadable or empty ``--token-file`` stops the run before it starts (exit 2).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import json
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +54,8 @@ from pathlib import Path
 import gevent
 from locust import HttpUser, between, events, task
 from prometheus_client.parser import text_string_to_metric_families
+
+from switchyard_harness.auth_token import TOKEN_ENV, TokenError, authorization, bearer_token
 
 PRIORITIES = ("core", "normal", "batch")
 STREAMING_SHARE = 5
@@ -56,9 +69,18 @@ WATCHED = (
 )
 """CSV column -> dispatcher sample (summed over its label sets)."""
 STATS_COLUMNS = ("requests", "failures", "current_rps", "p50_ms", "p95_ms")
+AUTH_HEADERS: dict[str, str] = {}
+"""``Authorization`` for every request, set once the options are read (:func:`_options`); empty for no token."""
 
 
-class AgentUser(HttpUser):
+class _Authorized:
+    """Sends :data:`AUTH_HEADERS` with every request of the user (its session's default headers)."""
+
+    def on_start(self) -> None:
+        self.client.headers.update(AUTH_HEADERS)
+
+
+class AgentUser(_Authorized, HttpUser):
     """The field's user: submits react_loop tasks of random agents and priority classes."""
 
     wait_time = between(0.1, 0.5)
@@ -75,7 +97,7 @@ class AgentUser(HttpUser):
         )
 
 
-class StreamingRunTaskUser(HttpUser):
+class StreamingRunTaskUser(_Authorized, HttpUser):
     """RunTask over HTTP: one SSE stream per task, read to its final event."""
 
     wait_time = between(0.1, 0.5)
@@ -130,6 +152,10 @@ def _arguments(parser) -> None:
     parser.add_argument("--submit-weight", type=int, default=AgentUser.weight, help="weight of AgentUser")
     parser.add_argument("--streaming-weight", type=int, default=StreamingRunTaskUser.weight,
                         help="weight of StreamingRunTaskUser (0: none)")
+    parser.add_argument("--token-file", default="", help="file holding the bearer token to send to a stack with "
+                        "orchestrator.auth on (wins over --token-env)")
+    parser.add_argument("--token-env", default=TOKEN_ENV, help=f"variable holding the bearer token, as switchyard "
+                        f"run reads it (default {TOKEN_ENV}; unset or empty: no token)")
 
 
 def dispatcher_metrics_url(flag: str) -> str:
@@ -199,8 +225,17 @@ _watch: list[Watch] = []
 
 
 @events.init.add_listener
-def _weights(environment, **_kwargs) -> None:
+def _options(environment, **_kwargs) -> None:
+    """The user mix (``--submit-weight``, ``--streaming-weight``) and the bearer token, from the options."""
     options = environment.parsed_options
+    try:
+        token = bearer_token(getattr(options, "token_file", "") or None,
+                             getattr(options, "token_env", TOKEN_ENV))
+    except TokenError as exc:
+        print(f"locustfile: {exc}", file=sys.stderr)
+        sys.exit(2)
+    AUTH_HEADERS.clear()
+    AUTH_HEADERS.update(authorization(token))
     if options is not None:
         AgentUser.weight = options.submit_weight
         StreamingRunTaskUser.weight = options.streaming_weight

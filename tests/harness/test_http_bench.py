@@ -25,3 +25,50 @@ async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
         streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
         for kind in ("sse", "grpc"):
             assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
+
+
+async def test_an_auth_on_stack_takes_the_token_and_every_call_failing_is_exit_1(tmp_path, monkeypatch, capsys):
+    """Before: no way to send a token; against an auth-on stack every submit got 401 and the command said
+    '0 ok, 60 errors {'401': 60}' and exited 0. The token comes from SWITCHYARD_AUTH_TOKEN (as switchyard run
+    reads it) or --token-file, over HTTP and gRPC; a phase whose calls all failed makes the exit status 1."""
+    import asyncio
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-full-1\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(tokens), "tokens_env": ""}}
+    monkeypatch.delenv("SWITCHYARD_AUTH_TOKEN", raising=False)
+    async with http_stack(**auth) as (client, _, down):
+        base = str(client.base_url).rstrip("/")
+        argv = ["--http", base, "--grpc", down.orchestrator_address, "--phases", "submit", "--rps", "20", "-c", "4",
+                "--duration", "0.5", "--task-type", "chat", "--max-tokens", "16"]
+
+        assert await asyncio.to_thread(http_bench.main, argv) == 1
+        captured = capsys.readouterr()
+        assert "HTTP submit: 0 ok, 10 errors {'401': 10}" in captured.out
+        assert "submit: every call failed (10: {'401': 10})" in captured.err
+        assert "set SWITCHYARD_AUTH_TOKEN to one, or pass --token-file FILE" in captured.err
+
+        monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-full-1")
+        out = tmp_path / "http.json"
+        both = ["--phases", "submit,grpc-submit,stream", "--streams", "2", "--stream-seconds", "0.3", "--rounds", "1"]
+        assert await asyncio.to_thread(http_bench.main, [*argv, *both, "-o", str(out)]) == 0, capsys.readouterr()
+        import json
+
+        results = json.loads(out.read_text())
+        assert results["submit"]["ok"] == 10 and results["grpc-submit"]["ok"] == 10
+        for kind in ("sse", "grpc"):
+            assert results["stream"][kind]["ok"] > 0 and results["stream"][kind]["errors"] == 0, results["stream"]
+
+        monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-wrong")
+        token_file = tmp_path / "token"
+        token_file.write_text("tok-full-1\n")
+        assert await asyncio.to_thread(http_bench.main, [*argv, "--token-file", str(token_file)]) == 0  # file wins
+        assert await asyncio.to_thread(http_bench.main, argv) == 1
+        assert "(the token sent was refused)" in capsys.readouterr().err
+
+
+def test_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        http_bench.main(["--token-file", str(tmp_path / "missing")])
+    assert exit_.value.code == 2
+    assert f"--token-file {tmp_path / 'missing'}: cannot read it" in capsys.readouterr().err

@@ -22,6 +22,16 @@ Three phases, each printing its numbers (``-o FILE`` also writes them as JSON):
 The load generator is one process (asyncio, aiohttp's client, grpc.aio); it
 shares the machine's cores with the stack, so compare ratios measured in one
 run, not absolute numbers between machines.
+
+Against a stack with ``orchestrator.auth`` on, every call (HTTP and gRPC, and
+the profile's request) sends ``Authorization: Bearer <token>``: the value of
+``SWITCHYARD_AUTH_TOKEN`` (``--token-env NAME`` for another variable), as
+``switchyard run`` sends it, or the contents of ``--token-file FILE``, which
+wins over the variable (switchyard_harness.auth_token).
+
+Exit status: 0; 1 when the stack cannot be reached, or when every call of a
+phase (or of one kind in it) failed, each such named on stderr (a 401 with a
+word on the token); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from switchyard_harness import json_output
+from switchyard_harness.auth_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 
@@ -66,6 +77,11 @@ class Calls:
         }
 
 
+def _grpc_auth(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata carrying ``token`` (empty for none)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def field_body() -> tuple[dict[str, Any], dict[str, str]]:
     priority = random.choice(PRIORITIES)
     return ({"agent_id": f"agent-{random.randint(1, 1000)}", "priority": priority, "task_type": "react_loop",
@@ -73,9 +89,10 @@ def field_body() -> tuple[dict[str, Any], dict[str, str]]:
 
 
 async def submit_phase(http: str, rps: float, concurrency: int, duration_s: float, task_type: str,
-                       max_tokens: int, grpc_addr: str = "") -> Calls:
+                       max_tokens: int, grpc_addr: str = "", token: str | None = None) -> Calls:
     """Open-loop submits (see the module docstring); with ``grpc_addr``, gRPC SubmitTask with the same fields
-    (agent and priority in the request, ``x-priority`` in the metadata) instead of HTTP."""
+    (agent and priority in the request, ``x-priority`` in the metadata) instead of HTTP. ``token``: the bearer
+    token every call sends (``Authorization`` header, ``authorization`` metadata), None for none."""
     import aiohttp
     import grpc
 
@@ -88,7 +105,8 @@ async def submit_phase(http: str, rps: float, concurrency: int, duration_s: floa
     for i in range(total):
         queue.put_nowait(i)
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(http, connector=connector) as session, \
+    auth = _grpc_auth(token)
+    async with aiohttp.ClientSession(http, connector=connector, headers=authorization(token)) as session, \
             open_channel(grpc_addr or "127.0.0.1:1") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         start = time.perf_counter()
@@ -108,7 +126,8 @@ async def submit_phase(http: str, rps: float, concurrency: int, duration_s: floa
                         payload="Continue the agent's task: take its next step.",
                         priority=agent_pb2.Priority.Value(body["priority"].upper()))
                     try:
-                        await stub.SubmitTask(request, metadata=(("x-priority", body["priority"]),), timeout=30)
+                        await stub.SubmitTask(request, metadata=(("x-priority", body["priority"]), *auth),
+                                              timeout=30)
                     except grpc.aio.AioRpcError as exc:
                         calls.fail(exc.code().name)
                         continue
@@ -178,17 +197,18 @@ def sse_call(session: Any) -> Callable[[], Awaitable[str | None]]:
     return one
 
 
-def grpc_call(stub: Any) -> Callable[[], Awaitable[str | None]]:
+def grpc_call(stub: Any, token: str | None = None) -> Callable[[], Awaitable[str | None]]:
     import grpc
 
     from switchyard.api import agent_pb2
 
     request = agent_pb2.RunTaskRequest(**STREAM_BODY)
+    metadata = _grpc_auth(token) or None
 
     async def one() -> str | None:
         try:
             last = None
-            async for event in stub.RunTask(request, timeout=120):
+            async for event in stub.RunTask(request, timeout=120, metadata=metadata):
                 last = event
             return None if last is not None and last.HasField("final") else "no final"
         except grpc.aio.AioRpcError as exc:
@@ -197,17 +217,20 @@ def grpc_call(stub: Any) -> Callable[[], Awaitable[str | None]]:
     return one
 
 
-async def stream_phase(http: str, grpc_addr: str, streams: int, seconds: float, rounds: int) -> dict[str, Calls]:
-    """SSE and gRPC RunTask, taking turns; the calls of each, summed over rounds."""
+async def stream_phase(http: str, grpc_addr: str, streams: int, seconds: float, rounds: int,
+                       token: str | None = None) -> dict[str, Calls]:
+    """SSE and gRPC RunTask, taking turns; the calls of each, summed over rounds (``token`` as
+    :func:`submit_phase`'s)."""
     import aiohttp
 
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.channels import open_channel
 
     out = {"sse": Calls(), "grpc": Calls()}
-    async with aiohttp.ClientSession(http, connector=aiohttp.TCPConnector(limit=streams)) as session, \
+    async with aiohttp.ClientSession(http, connector=aiohttp.TCPConnector(limit=streams),
+                                     headers=authorization(token)) as session, \
             open_channel(grpc_addr) as channel:
-        kinds = {"sse": sse_call(session), "grpc": grpc_call(agent_pb2_grpc.AgentServiceStub(channel))}
+        kinds = {"sse": sse_call(session), "grpc": grpc_call(agent_pb2_grpc.AgentServiceStub(channel), token)}
         for kind in kinds:  # warm-up: connections, the dispatcher's first batch
             await closed_loop(kinds[kind], streams, 1.0)
         for r in range(rounds):
@@ -226,23 +249,26 @@ def profile_url(metrics: str, seconds: float) -> str:
     return f"{base}/debug/pprof/profile?seconds={seconds:g}"
 
 
-async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: float, rounds: int) -> dict[str, Any]:
-    """gRPC RunTask throughput with and without a profile of the orchestrator running, taking turns."""
+async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: float, rounds: int,
+                        token: str | None = None) -> dict[str, Any]:
+    """gRPC RunTask throughput with and without a profile of the orchestrator running, taking turns (``token``
+    sent with every call and the profile's request)."""
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.channels import open_channel
 
     out = {"without": Calls(), "with": Calls()}
     sizes: list[int] = []
     async with open_channel(grpc_addr) as channel:
-        one = grpc_call(agent_pb2_grpc.AgentServiceStub(channel))
+        one = grpc_call(agent_pb2_grpc.AgentServiceStub(channel), token)
         await closed_loop(one, streams, 1.0)
         for r in range(rounds):
             for kind in (("without", "with") if r % 2 == 0 else ("with", "without")):
                 fetch = None
                 if kind == "with":
                     url = profile_url(metrics, seconds)
+                    request = urllib.request.Request(url, headers=authorization(token))
                     fetch = asyncio.create_task(asyncio.to_thread(
-                        lambda: urllib.request.urlopen(url, timeout=seconds + 60).read()))
+                        lambda: urllib.request.urlopen(request, timeout=seconds + 60).read()))
                     await asyncio.sleep(0.2)  # the profiler is installed on the orchestrator's loop
                 calls = await closed_loop(one, streams, seconds - 0.4)  # inside the profile window either way
                 if fetch is not None:
@@ -276,14 +302,14 @@ async def _main(args: Any) -> dict[str, Any]:
         if phase not in phases:
             continue
         calls = await submit_phase(http, args.rps, args.concurrency, args.duration, args.task_type, args.max_tokens,
-                                   over)
+                                   over, args.token)
         results[phase] = {"offered_rps": args.rps, "concurrency": args.concurrency, **calls.summary()}
         s = results[phase]
         print(f"{'HTTP submit' if phase == 'submit' else 'gRPC SubmitTask'}: {s['ok']} ok, {s['errors']} errors "
               f"{s['failures'] or ''} in {s['wall_s']:.1f} s ({s['per_s']:.1f}/s, offered {args.rps:g}); "
               f"P50 {s['p50_ms']:.2f} ms, P95 {s['p95_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms", flush=True)
     if "stream" in phases:
-        out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds)
+        out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds, args.token)
         sse, grpc_ = out["sse"].summary(), out["grpc"].summary()
         ratio = sse["per_s"] / grpc_["per_s"] if grpc_["per_s"] else 0.0
         results["stream"] = {"streams": args.streams, "sse": sse, "grpc": grpc_, "sse_over_grpc": round(ratio, 3)}
@@ -293,7 +319,7 @@ async def _main(args: Any) -> dict[str, Any]:
         print(f"RunTask throughput SSE / gRPC = {ratio:.3f} ({args.streams} streams, {args.rounds} rounds of "
               f"{args.stream_seconds:g} s each)", flush=True)
     if "profile" in phases:
-        out = await profile_phase(grpc_addr, metrics, args.streams, args.profile_seconds, args.rounds)
+        out = await profile_phase(grpc_addr, metrics, args.streams, args.profile_seconds, args.rounds, args.token)
         with_, without = out["with"].summary(), out["without"].summary()
         ratio = with_["per_s"] / without["per_s"] if without["per_s"] else 0.0
         results["profile"] = {"with": with_, "without": without, "with_over_without": round(ratio, 3),
@@ -320,12 +346,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="stream/profile: turns of each kind (default 2)")
     parser.add_argument("--profile-seconds", type=float, default=10.0, help="profile: seconds per turn (default 10)")
     parser.add_argument("-o", "--output", help="also write the numbers as JSON here")
+    add_token_options(parser)
     args = parser.parse_args(argv)
     unknown = set(args.phases.split(",")) - {"submit", "grpc-submit", "stream", "profile"}
     if unknown:
         parser.error(f"--phases: expected submit, grpc-submit, stream and/or profile (got {', '.join(sorted(unknown))})")
     if args.rps <= 0 or args.concurrency < 1 or args.streams < 1 or args.rounds < 1 or args.profile_seconds < 1:
         parser.error("--rps, --concurrency, --streams and --rounds must be positive, --profile-seconds at least 1")
+    try:
+        args.token = bearer_token(args.token_file, args.token_env)
+    except TokenError as exc:
+        parser.error(str(exc))
     import uvloop
 
     try:
@@ -336,4 +367,20 @@ def main(argv: list[str]) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json_output.dumps(results, indent=2) + "\n")
-    return 0
+    return _all_failed(results, args)
+
+
+def _all_failed(results: dict[str, Any], args: Any) -> int:
+    """1, each named on stderr, when every call of some measured load failed (a number over no successful call
+    means nothing; a 401 hints at the token); else 0."""
+    loads = {phase: results[phase] for phase in ("submit", "grpc-submit") if phase in results}
+    for phase, kinds in (("stream", ("sse", "grpc")), ("profile", ("with", "without"))):
+        loads.update({f"{phase} {kind}": results[phase][kind] for kind in kinds if phase in results})
+    failed = {name: s for name, s in loads.items() if s["ok"] == 0 and s["errors"] > 0}
+    for name, s in failed.items():
+        print(f"switchyard bench http: {name}: every call failed ({s['errors']}: {s['failures']})", file=sys.stderr)
+    if any(code in s["failures"] for s in failed.values() for code in ("401", "UNAUTHENTICATED")):
+        print(f"switchyard bench http: the stack checks bearer tokens (orchestrator.auth): set {args.token_env} "
+              "to one, or pass --token-file FILE" + (" (the token sent was refused)" if args.token else ""),
+              file=sys.stderr)
+    return 1 if failed else 0

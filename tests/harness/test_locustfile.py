@@ -1,0 +1,68 @@
+"""locust/locustfile.py headless against a real HTTP face with bearer tokens on (tests/test_http_face.py's stack):
+the token comes from SWITCHYARD_AUTH_TOKEN, as switchyard run reads it, or --token-file."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_http_face import http_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.no_gpu]
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "locust" / "locustfile.py"
+
+
+def run_locust(host: str, out: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.CompletedProcess[str],
+                                                                                 dict[str, dict[str, str]]]:
+    run = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", "4", "--spawn-rate", "4",
+         "--run-time", "3s", "--host", host, "--csv", str(out / "run"), "--watch-csv", str(out / "watch.csv"),
+         "--switchyard-metrics", "http://127.0.0.1:1/metrics", "--submit-weight", "1", "--streaming-weight", "1",
+         "--only-summary", *extra],
+        capture_output=True, text=True, timeout=120, cwd=out, env=env)
+    stats: dict[str, dict[str, str]] = {}
+    if (out / "run_stats.csv").exists():
+        with open(out / "run_stats.csv", newline="") as f:
+            stats = {row["Name"]: row for row in csv.DictReader(f)}
+    return run, stats
+
+
+async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or_token_file(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-full-1\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(tokens), "tokens_env": ""}}
+    env = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_AUTH_TOKEN"}
+    async with http_stack(**auth) as (client, _, _down):
+        host = str(client.base_url).rstrip("/")
+        (tmp_path / "none").mkdir()
+        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "none", env)
+        assert run.returncode == 1  # every request refused: 401
+        submit = stats["/api/v1/agent/submit"]
+        assert int(submit["Request Count"]) > 0 and submit["Failure Count"] == submit["Request Count"]
+
+        (tmp_path / "env").mkdir()
+        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "env",
+                                             {**env, "SWITCHYARD_AUTH_TOKEN": "tok-full-1"})
+        assert run.returncode == 0, run.stdout + run.stderr
+        for name in ("/api/v1/agent/submit", "/api/v1/agent/run (SSE)"):
+            assert int(stats[name]["Request Count"]) > 0 and int(stats[name]["Failure Count"]) == 0, stats[name]
+
+        token_file = tmp_path / "token"
+        token_file.write_text("tok-full-1\n")
+        (tmp_path / "file").mkdir()
+        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "file",
+                                             {**env, "SWITCHYARD_AUTH_TOKEN": "tok-wrong"}, "--token-file",
+                                             str(token_file))
+        assert run.returncode == 0, run.stdout + run.stderr  # the file wins over the variable
+        assert int(stats["/api/v1/agent/submit"]["Failure Count"]) == 0
+
+
+def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
+    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--token-file", str(tmp_path / "no"))
+    assert run.returncode == 2 and f"locustfile: --token-file {tmp_path / 'no'}: cannot read it" in run.stderr
+    assert "Traceback" not in run.stderr and not stats
