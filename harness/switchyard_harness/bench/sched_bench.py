@@ -208,40 +208,9 @@ def simulate(
     return asyncio.run(_simulate(policy, specs, config, limit_s, label, dram))
 
 
-class DrainingKvStore(KvStore):
-    """A :class:`KvStore` whose :meth:`aclose` first lets the deletes under way end.
-
-    ``MemoryTiers.discard`` drops a DRAM copy in the background (a task of its own, which ``MemoryTiers.aclose``
-    does not wait for): closing the Redis client while such a delete awaits its reply cut the connection under
-    it, and the end of every run logged "DRAM tier unavailable: ... failed KV delete: ConnectionError:
-    Connection closed by server" against a Redis that was up. The benchmarks' stores track their deletes, and
-    closing waits for them (each bounded by ``[dram]`` op and connect timeouts), then closes the client.
-    """
-
-    def __init__(self, dram: DramClient, ttl_s: float) -> None:
-        super().__init__(dram, ttl_s)
-        self._deleting: set[asyncio.Task[Any]] = set()
-
-    async def delete(self, key: str) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._deleting.add(task)
-        try:
-            await super().delete(key)
-        finally:
-            self._deleting.discard(task)  # type: ignore[arg-type]
-
-    async def aclose(self) -> None:
-        await asyncio.sleep(0)  # deletes scheduled but not started take their first step (and register) now
-        while pending := self._deleting - {asyncio.current_task()}:
-            await asyncio.gather(*pending, return_exceptions=True)
-        await super().aclose()
-
-
 def kv_store(dram: DramTierConfig | None) -> KvStore | None:
-    """A KV store on ``dram``'s Redis, for one event loop (None for None); closing it waits for its
-    background deletes (:class:`DrainingKvStore`)."""
-    return DrainingKvStore(DramClient(dram), dram.kv_ttl_s) if dram is not None else None
+    """A KV store on ``dram``'s Redis, for one event loop (None for None)."""
+    return KvStore(DramClient(dram), dram.kv_ttl_s) if dram is not None else None
 
 
 class BackgroundPrefetches:
