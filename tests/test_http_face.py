@@ -738,3 +738,26 @@ async def test_a_method_a_route_does_not_serve_is_counted_under_that_routes_temp
         reply = await client.delete("/api/v1/tasks/x")
         assert reply.status_code == 405
     assert durations("DELETE", "/api/v1/tasks/{task_id}", "405") == before + 1
+
+
+async def test_a_caller_without_a_token_is_refused_before_100_continue_invites_its_body(tmp_path):
+    """With auth on, ``Expect: 100-continue`` from a caller with no token got ``100 Continue`` (inviting a 2 MB
+    upload) and then 401; a 3 MB promise got 413 and a wrong type 415 before the 401. The token is checked first,
+    and the refusal is counted like any answer."""
+    path = tmp_path / "tokens"
+    path.write_text("tok-full-1\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(path), "tokens_env": ""}}
+    async with http_stack(**auth) as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        head = b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 100-continue\r\n"
+        counted = durations("POST", "/api/v1/agent/submit", "401")
+        for body_head in (b"Content-Type: application/json\r\nContent-Length: 2000000\r\n\r\n",
+                          b"Content-Type: application/json\r\nContent-Length: 3000000\r\n\r\n",
+                          b"Content-Type: text/plain\r\nContent-Length: 5\r\n\r\n"):
+            answer = await _raw(port, head + body_head, whole=False)
+            assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert durations("POST", "/api/v1/agent/submit", "401") == counted + 3
+        invited = await _raw(port, head + b"Authorization: Bearer tok-full-1\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 2\r\n\r\n", whole=False)
+        assert invited.startswith(b"HTTP/1.1 100 Continue"), invited[:200]
+        assert down.requests == []

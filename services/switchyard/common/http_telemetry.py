@@ -75,6 +75,14 @@ async def _route(request: web.Request) -> str:
     return ""
 
 
+def observe_early(request: web.Request, status: int) -> None:
+    """Count an answer given before the middleware ran (an ``Expect: 100-continue`` refused by its route's
+    expect handler): its method, its route's template and status; no duration measured (0)."""
+    resource = request.match_info.route.resource
+    method = request.method if request.method in METHODS else OTHER_METHOD
+    REQUEST_DURATION.labels(method, "" if resource is None else resource.canonical, str(status)).observe(0.0)
+
+
 def observe_refused(status: int) -> None:
     """Count a request the HTTP parser refused before any route saw it (a malformed request line, an unknown
     method, headers too long): method ``_OTHER``, route "", its status; no duration measured (0)."""

@@ -344,14 +344,9 @@ class HttpFace(Drains):
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Bearer tokens as on the gRPC edge; the OpenAPI document and unknown paths need none."""
-        tokens = self.service.bearer_tokens()
-        route = request.match_info.route.name
-        if tokens is not None and route in ("submit", "run", "status", "task_status", "cancel"):
-            method = ROUTE_METHODS["status" if route == "task_status" else route]
-            refused = tokens.check(method, request.headers.get("Authorization"))
-            if refused is not None:
-                code, message = refused
-                return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))
+        refused = self._auth_refusal(request)
+        if refused is not None:
+            return refused
         try:
             return await handler(request)
         except web.HTTPNotFound:
@@ -364,24 +359,44 @@ class HttpFace(Drains):
 
     # ------------------------------------------------------------------ handlers
 
-    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """``Expect: 100-continue`` answered ``100 Continue`` (aiohttp's rule), any other expectation 417 in
-        the face's JSON error shape (RFC 9110 section 10.1.1)."""
+    def _auth_refusal(self, request: web.Request) -> web.Response | None:
+        """The 401/403 answer of a route behind bearer tokens whose caller's token does not let it in; None when
+        it may go on (auth off, a good token, or a route that needs none)."""
+        tokens = self.service.bearer_tokens()
+        route = request.match_info.route.name
+        if tokens is not None and route in ("submit", "run", "status", "task_status", "cancel"):
+            method = ROUTE_METHODS["status" if route == "task_status" else route]
+            refused = tokens.check(method, request.headers.get("Authorization"))
+            if refused is not None:
+                code, message = refused
+                return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))
+        return None
+
+    async def _expect(self, request: web.Request, task_body: bool = False) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` answered ``100 Continue`` (aiohttp's rule) once the caller may send its body:
+        a caller the bearer tokens refuse gets its 401/403 first (never an invitation to upload), and with
+        ``task_body`` a body the route would refuse unread (415, 413) is refused first too; any other
+        expectation is 417 in the face's JSON error shape (RFC 9110 section 10.1.1). Answered here, before the
+        middleware, each refusal is counted in ``http_server_request_duration_seconds`` by itself."""
+        answer = self._auth_refusal(request)
+        if answer is None and task_body:
+            refused = self._refusal_before_body(request)
+            answer = _abort_answer(refused) if refused is not None else None
         expect = request.headers.get("Expect", "")
-        if request.version != HttpVersion11:
-            return None
-        if expect.lower() != "100-continue":
-            return _error(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"Expect: expected 100-continue or no Expect header (got {shown(expect)})", status=417)
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the answer's body has not started (as aiohttp's own handler)
+        if answer is None and request.version == HttpVersion11 and expect.lower() != "100-continue":
+            answer = _error(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"Expect: expected 100-continue or no Expect header (got {shown(expect)})", status=417)
+        if answer is not None:
+            http_telemetry.observe_early(request, answer.status)
+            return answer
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the answer's body has not started (as aiohttp's own handler)
         return None
 
     async def _expect_task_body(self, request: web.Request) -> web.StreamResponse | None:
-        """As :meth:`_expect`, but a body the route would refuse unread (415, 413) is refused before
-        ``100 Continue`` invites the client to send it."""
-        refused = self._refusal_before_body(request)
-        return _abort_answer(refused) if refused is not None else await self._expect(request)
+        """:meth:`_expect` for a route that reads a task body."""
+        return await self._expect(request, task_body=True)
 
     def _refusal_before_body(self, request: web.Request) -> HttpAbort | None:
         """415 for a Content-Type other than application/json, 413 for a Content-Length past
