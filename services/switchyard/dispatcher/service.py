@@ -39,7 +39,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
-from switchyard.common.config import SwitchyardConfig, default_model
+from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, abort
 from switchyard.common.server import Drains
@@ -192,7 +192,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         max_tokens against that model's context window (``limits.context_window(model, reported)``), before
         accepting it. The upstream's models are read at most :data:`DESCRIBE_WAIT_S` here (a down upstream
         reports nothing; the next call asks again)."""
-        served = self.engine.model if self.stepping else default_model(self.config)
+        served = self.engine.model  # what a request naming none is served (the processor's own rule)
         reported, windows = 0, {}
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
