@@ -113,7 +113,6 @@ class Endpoint:
     cooldowns: Cooldowns
     limit: AdaptiveConcurrencyLimit
     """Its adaptive limit, fed by the gateway with this endpoint's TTFTs, tokens, 429/503s and reported queue."""
-    in_flight: int = 0
     up: bool = True
     load: ServerLoad = field(default_factory=ServerLoad)
 
@@ -127,6 +126,12 @@ class Endpoint:
         """:attr:`chat_completions` parsed once (a string is parsed again by httpx on every request: about
         25 us of the dispatcher's CPU per call)."""
         return httpx.URL(self.chat_completions)
+
+    @property
+    def in_flight(self) -> int:
+        """Attempts in flight to it now: its limit's count, the one count of them (kept from
+        :meth:`EndpointPool.pick` to :meth:`EndpointPool.finished`)."""
+        return self.limit.in_flight
 
     @property
     def limit_value(self) -> int:
@@ -374,13 +379,11 @@ class EndpointPool:
             picked = self.picker.pick(endpoints, key, time.monotonic(), tried)
             ENDPOINT_PICKS.labels(picked.reason).inc()
         endpoint = self.endpoints[picked.name]
-        endpoint.in_flight += 1
         endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
         return endpoint, picked
 
     def finished(self, endpoint: Endpoint) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended (whatever its outcome)."""
-        endpoint.in_flight -= 1
         endpoint.limit.release(PriorityClass.NORMAL)
         self.publish_totals()
 
