@@ -528,3 +528,20 @@ def test_a_rule_across_a_sections_keys_names_them_without_dumping_the_section(tm
     assert "section 'model_gateway': retry_backoff_max_s (1.0) must not be below retry_backoff_initial_s (10.0)" \
         in message, message
     assert "'base_url'" not in message and len(message) < 400
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"base_url": "http://127.0.0.1:99999/v1"}, "base_url"),  # doctor and the dispatcher tracebacked on these
+    ({"base_url": "http://[::1/v1"}, "base_url"),
+    ({"base_url": "http:///v1"}, "base_url"),
+    ({"pool": {"endpoints": ["http://127.0.0.1:99999/v1"]}}, "endpoints"),
+    ({"pool": {"dns_url": "http://[vllm/v1"}}, "dns_url"),
+])
+def test_a_gateway_url_that_names_no_server_is_refused_at_load(values, field):
+    from pydantic import ValidationError
+
+    from switchyard.common.config import UpstreamConfig
+
+    with pytest.raises(ValidationError) as caught:
+        UpstreamConfig.model_validate(values)
+    assert field in str(caught.value) and "port in 1-65535" in str(caught.value)

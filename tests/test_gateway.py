@@ -112,3 +112,31 @@ async def test_sim_openai_answers_model_lookups_and_unknown_paths_in_openai_erro
         assert unknown.json()["error"]["message"] == "Invalid URL (GET /v1/embeddings)"
         wrong_method = await http.get("/chat/completions")
         assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_stream_its_caller_stops_reading_is_counted_cancelled_and_a_finished_one_ok(clean_proxy_env):
+    """A cancelled task's upstream call was counted outcome="ok"; a caller that closes the stream after its
+    Finished event ended a complete call, which stays ok."""
+    from gateway_fixtures import start_sim
+
+    from switchyard.gateway.faults import Fault
+    from switchyard.gateway.metrics import GATEWAY_REQUESTS
+
+    def count(outcome: str) -> float:
+        return GATEWAY_REQUESTS.labels("sim-7b", outcome)._value.get()
+
+    with start_sim(faults={"sim-7b": Fault(slow_ms=50)}) as server:
+        config = gateway_config(server.base_url, default_model="sim-7b", fallback_model="")
+        async with GatewayClient(config) as client:
+            ok, cancelled = count("ok"), count("CANCELLED")
+            request = ChatRequest(messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=20)
+            stream = client.stream_chat(request)
+            assert isinstance(await anext(stream), Token)
+            await stream.aclose()  # the caller went away after one token
+            assert (count("ok"), count("CANCELLED")) == (ok, cancelled + 1)
+            stream = client.stream_chat(request)
+            async for event in stream:
+                if isinstance(event, Finished):
+                    break
+            await stream.aclose()  # closed right after its Finished: a complete call
+            assert (count("ok"), count("CANCELLED")) == (ok + 1, cancelled + 1)

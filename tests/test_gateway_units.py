@@ -211,12 +211,30 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
     ({"message": "overloaded", "type": "server_error", "code": None}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
     ({"message": "oops", "code": 500}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
     ({"message": "odd", "code": True}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "bad key", "code": 401}, "UpstreamAuthError", grpc.StatusCode.UNAUTHENTICATED),
+    ({"message": "no right", "code": 403}, "UpstreamAuthError", grpc.StatusCode.PERMISSION_DENIED),
+    ({"message": "no such model", "code": 404}, "BadUpstreamRequest", grpc.StatusCode.NOT_FOUND),
+    ({"message": "bad key", "type": "authentication_error"}, "UpstreamAuthError", grpc.StatusCode.UNAUTHENTICATED),
 ])
 def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status(error, kind, code):
     with pytest.raises(GatewayError) as caught:
         StreamDecoder("m").feed(json.dumps({"error": error}))
     assert type(caught.value).__name__ == kind and caught.value.code == code
-    assert caught.value.retryable == (kind != "BadUpstreamRequest")
+    assert caught.value.retryable == (kind in ("UpstreamRateLimited", "StreamBroken"))
+
+
+@pytest.mark.parametrize("chunk, kind, code", [
+    # TGI: the error is a string, its kind in error_type beside it
+    ({"error": "Input validation error: `max_new_tokens` must be <= 2048", "error_type": "validation"},
+     "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
+    ({"error": "Model is overloaded", "error_type": "overloaded"}, "UpstreamRateLimited",
+     grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ({"error": "CUDA error", "error_type": "generation"}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+])
+def test_tgis_in_stream_error_is_classified_by_its_error_type(chunk, kind, code):
+    with pytest.raises(GatewayError) as caught:
+        StreamDecoder("m").feed(json.dumps(chunk))
+    assert type(caught.value).__name__ == kind and caught.value.code == code
 
 
 def test_what_follows_done_is_not_read():
@@ -232,11 +250,15 @@ def test_what_follows_done_is_not_read():
     {"prompt_tokens": -5, "completion_tokens": 2, "total_tokens": -3},
     {"prompt_tokens": 3.5, "completion_tokens": 1},
     {"prompt_tokens": True, "completion_tokens": 1},
+    '{"prompt_tokens": NaN, "completion_tokens": Infinity, "total_tokens": 1}',  # parsers here accept these
 ])
 def test_a_usage_that_is_no_count_is_taken_as_no_usage(usage):
     """The dispatcher then counts the tokens itself, as for a server that sends none; nothing fails."""
     decoder = StreamDecoder("m")
-    decoder.feed(chunk({"content": "hi"}, "stop", usage=usage))
+    if isinstance(usage, str):  # as the server wrote it: not JSON that json.dumps would write
+        decoder.feed(chunk({"content": "hi"}, "stop")[:-1] + f', "usage": {usage}}}')
+    else:
+        decoder.feed(chunk({"content": "hi"}, "stop", usage=usage))
     assert decoder.end() == [Finished("stop", None, "m")]
 
 

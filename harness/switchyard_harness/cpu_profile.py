@@ -83,6 +83,16 @@ def report(data: bytes, top: int) -> str:
     return "\n".join(lines)
 
 
+def unwritable(path: str) -> str:
+    """Why ``path`` cannot take a file (a directory there, no folder to hold it); "" when it can."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{path} is a directory"
+    if not target.parent.is_dir():
+        return f"no folder {target.parent}"
+    return ""
+
+
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard profile", __doc__)
     parser.add_argument("service", help="orchestrator | retrieval | dispatcher, or a metrics endpoint host:port or URL; "
@@ -98,6 +108,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--seconds: expected seconds in (0, 3600] (got {args.seconds:g})")
     if args.top < 1:
         parser.error(f"--top: expected a count >= 1 (got {args.top})")
+    if args.output and (problem := unwritable(args.output)):  # found now, not after the profile's window
+        parser.error(f"--output: expected a file that can be written ({problem})")
     saved = Path(args.service)
     if args.service not in SERVICES and saved.is_dir():
         parser.error(f"service: {args.service!r} is a directory; name a saved profile's file, a service or an endpoint")

@@ -253,7 +253,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
     ``tiers`` (bytes per tier gauge, once the dispatcher exports any), ``upstream`` (a stream engine's model
     server, once the dispatcher has called one: limit, knee, in_flight, stream_endings in the window by
-    ending, circuits not closed as model -> state; None before),
+    ending, circuits not closed as model -> {state: endpoints in it}; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
@@ -331,9 +331,11 @@ def _upstream(d: Window) -> dict[str, Any] | None:
     calls = matching(d.current.samples, "switchyard_gateway_requests_total")
     if not any(calls.values()):
         return None
-    circuits = {dict(labels)["model"]: dict(labels)["state"]
-                for (name, labels), value in d.current.samples.items()
-                if name == "switchyard_gateway_circuit_state" and value == 1 and dict(labels)["state"] != "closed"}
+    circuits: dict[str, dict[str, int]] = {}  # the gauge counts endpoints per state (a pool: several)
+    for (name, labels), value in d.current.samples.items():
+        label = dict(labels)
+        if name == "switchyard_gateway_circuit_state" and value >= 1 and label["state"] != "closed":
+            circuits.setdefault(label["model"], {})[label["state"]] = int(value)
     return {
         "limit": d.gauge("switchyard_upstream_concurrency_limit"),
         "knee": d.gauge("switchyard_upstream_concurrency_knee") or None,
@@ -346,7 +348,9 @@ def _upstream(d: Window) -> dict[str, Any] | None:
 
 def _upstream_line(up: dict[str, Any]) -> str:
     endings = ", ".join(f"{e} {_n(v)}" for e, v in up["stream_endings"].items())
-    circuits = ", ".join(f"{m} {state}" for m, state in sorted(up["circuits"].items())) or "all closed"
+    circuits = ", ".join(f"{m} {state}" + (f" x{n}" if n > 1 else "")
+                         for m, states in sorted(up["circuits"].items())
+                         for state, n in sorted(states.items())) or "all closed"
     return (f"upstream  in flight {_n(up['in_flight'])} of limit {_n(up['limit'], 1)}   knee {_n(up['knee'])}   "
             f"circuits: {circuits}\n          stream endings: {endings}\n")
 

@@ -69,3 +69,12 @@ async def test_the_token_comes_from_switchyard_auth_token_as_switchyard_run_read
 def test_the_help_names_the_variable():
     run = profile_cli("--help")
     assert run.returncode == 0 and "SWITCHYARD_AUTH_TOKEN" in run.stdout and "--token-file" in run.stdout
+
+
+@pytest.mark.parametrize("output", ["DIR", "DIR/missing/profile.pb.gz"])
+def test_an_output_that_cannot_be_written_exits_2_before_profiling(output, tmp_path, capsys):
+    from switchyard_harness import cpu_profile
+
+    with pytest.raises(SystemExit) as caught:
+        cpu_profile.main(["dispatcher", "--seconds", "1", "--output", output.replace("DIR", str(tmp_path))])
+    assert caught.value.code == 2 and "--output: expected a file that can be written" in capsys.readouterr().err

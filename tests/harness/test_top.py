@@ -108,7 +108,7 @@ def test_bad_arguments_name_the_flag(args: list[str], says: str) -> None:
     assert out.returncode == 2 and says in out.stderr, out.stderr
 
 
-def _upstream_text(calls: int, endings: dict[str, int], circuit: str = "closed") -> str:
+def _upstream_text(calls: int, endings: dict[str, int], circuit: str = "closed", endpoints: int = 1) -> str:
     registry = CollectorRegistry()
     Counter("switchyard_gateway_requests", "", ["model", "outcome"], registry=registry).labels("sim-7b", "ok").inc(calls)
     Gauge("switchyard_upstream_concurrency_limit", "", registry=registry).set(24.5)
@@ -119,7 +119,7 @@ def _upstream_text(calls: int, endings: dict[str, int], circuit: str = "closed")
         ended.labels(ending).inc(n)
     state = Gauge("switchyard_gateway_circuit_state", "", ["model", "state"], registry=registry)
     for name in ("closed", "open", "half_open"):
-        state.labels("sim-7b", name).set(1 if name == circuit else 0)
+        state.labels("sim-7b", name).set(endpoints if name == circuit else 0)  # endpoints per state
     return _dispatcher_text([], tokens=0, busy=0.0, flushes=0) + generate_latest(registry).decode()
 
 
@@ -132,7 +132,7 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     after = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25, "finish_reason": 5, "cut": 1},
                                                            circuit="open")), at=2.0)
     up = snapshot({"dispatcher": after}, {"dispatcher": before})["upstream"]
-    assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": "open"},
+    assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
                   "stream_endings": {"done_marker": 15, "finish_reason": 5, "cut": 1}}
     console = Console(width=120, record=True)
     console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
@@ -141,6 +141,10 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     assert "finish_reason 5, cut 1" in text and "engine  busy" not in text
     # a step engine (no upstream call made) keeps its engine line
     assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)})["upstream"] is None
+    # a pool: the gauge counts endpoints, two of three open (top read "all closed": it looked for a value of 1)
+    pool = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25}, circuit="open", endpoints=2)),
+                  at=2.0)
+    assert snapshot({"dispatcher": pool}, {"dispatcher": before})["upstream"]["circuits"] == {"sim-7b": {"open": 2}}
 
 
 @pytest.fixture

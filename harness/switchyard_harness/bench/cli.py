@@ -204,6 +204,8 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
     args = parser.parse_args(argv)
+    if args.output and Path(args.output).is_dir():  # found now, not after the run
+        parser.error(f"-o/--output: expected a file to write the report to ({args.output} is a directory)")
     plan = resolve_plan(args, args.host or args.target)
 
     from switchyard_harness.bench.loadgen import run_load

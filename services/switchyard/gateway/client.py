@@ -306,6 +306,7 @@ class GatewayClient:
         outcome = "ok"
         model = ""
         sent = 0
+        finished = False  # the Finished event went out: a close after it ends a complete call
         try:
             opened, model = await self._with_fallback(
                 call, request, lambda e, m: self._open_stream(call, request, e, m), hold=True)
@@ -313,6 +314,7 @@ class GatewayClient:
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
+                    finished = finished or isinstance(event, Finished)
                     if isinstance(event, Token):
                         self.pool.on_tokens(opened.endpoint, 1)
                     yield event
@@ -323,10 +325,12 @@ class GatewayClient:
                         self._check_deadline(call, model)
                         for event in opened.decoder.feed(data):
                             sent += not isinstance(event, Finished)
+                            finished = finished or isinstance(event, Finished)
                             if isinstance(event, Token):
                                 self.pool.on_tokens(opened.endpoint, 1)
                             yield event
                     for event in _end(opened.decoder):
+                        finished = finished or isinstance(event, Finished)
                         yield event
                 call.span.set_attribute("gen_ai.response.model", opened.decoder.model)
                 call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
@@ -343,6 +347,13 @@ class GatewayClient:
         except GatewayError as exc:
             outcome = exc.code.name
             self._fail_span(call.span, exc)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away (cancelled, or stopped reading)
+            if not finished:
+                outcome = grpc.StatusCode.CANCELLED.name
+            raise
+        except BaseException:
+            outcome = grpc.StatusCode.INTERNAL.name  # not an upstream answer: a fault here, never counted as ok
             raise
         finally:
             call.span.set_attribute("switchyard.gateway.items_streamed", sent)
@@ -446,7 +457,7 @@ class GatewayClient:
         last: GatewayError | None = None
         while True:
             try:
-                endpoint, picked = pool.pick(key, frozenset(tried))
+                endpoint, picked = pool.pick(key, frozenset(tried), model)
             except LookupError:
                 if last is not None:
                     raise last from None

@@ -200,6 +200,21 @@ class Cooldowns:
         """``closed``, ``open`` or ``half_open``: the circuit's state as of its last call."""
         return self._circuits[model].state if model in self._circuits else CLOSED
 
+    def refusing(self, model: str) -> bool:
+        """Whether a call of ``model`` would be refused here now without reaching the endpoint: its circuit open
+        (its period not over), half-open with every probe place taken, or a wait it asked for not passed."""
+        circuit = self._circuits.get(model)
+        if circuit is None:
+            return False
+        now = self._clock()
+        if now < circuit.not_before:
+            return True
+        if not self.config.cooldown.enabled:
+            return False
+        if circuit.state == OPEN:
+            return now < circuit.open_until
+        return circuit.state == HALF_OPEN and len(circuit.probes) >= self.config.cooldown.half_open_probes
+
     def label_state(self, label: str) -> str:
         """The worst state (open, half_open, closed) of the circuits whose model has metric label ``label``."""
         states = {c.state for m, c in self._circuits.items() if model_names.model_label(m, self.config) == label}

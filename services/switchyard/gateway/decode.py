@@ -40,12 +40,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from switchyard.common import untrusted
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
     GatewayError,
     StreamBroken,
     StreamProtocolError,
+    UpstreamAuthError,
     UpstreamRateLimited,
     snippet,
 )
@@ -145,9 +148,9 @@ def _count(raw: dict[str, Any], key: str) -> int | None:
     value = raw.get(key)
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        return None
-    return int(value) if 0 <= value <= MAX_USAGE_TOKENS else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_USAGE_TOKENS:
+        return None  # NaN and the infinities (JSON parsers here accept them) fail the range test too
+    return int(value) if value == int(value) else None
 
 
 def _usage(raw: Any) -> Usage | None:
@@ -180,39 +183,51 @@ def _loads(data: str, what: str) -> dict[str, Any]:
 _ERROR_TYPE_STATUS = {
     "badrequesterror": 400, "invalid_request_error": 400, "notfounderror": 404, "not_found_error": 404,
     "ratelimiterror": 429, "rate_limit_error": 429, "rate_limit_exceeded": 429,
+    "authenticationerror": 401, "authentication_error": 401, "permissiondeniederror": 403,
+    "permission_error": 403, "validation": 400, "tokenizer": 400, "overloaded": 429,
 }
-"""HTTP status of an in-stream error by its ``type`` where it carries no numeric ``code`` (vLLM's
+"""HTTP status of an in-stream error by its type where it carries no numeric ``code``: vLLM's
 ``BadRequestError``, OpenAI's ``invalid_request_error`` and ``rate_limit_exceeded``, Anthropic's
-``rate_limit_error``)."""
+``rate_limit_error`` and ``authentication_error`` (``error.type``); TGI's ``validation``, ``tokenizer`` and
+``overloaded`` (its ``error_type`` beside an ``error`` string; TGI answers ``overloaded`` with 429)."""
 
 
-def stream_error_status(err: Any) -> int | None:
-    """The HTTP status an in-stream error object stands for: its ``code`` when that is one (vLLM sends
-    ``{"error": {"message", "type": "BadRequestError", "code": 400}}``), else its ``type``; None when it says
-    neither (OpenAI's ``server_error`` with ``code: null``)."""
-    if not isinstance(err, dict):
-        return None
-    code = err.get("code")
+def stream_error_status(payload: dict[str, Any]) -> int | None:
+    """The HTTP status an in-stream error chunk stands for: its ``error.code`` when that is one (vLLM sends
+    ``{"error": {"message", "type": "BadRequestError", "code": 400}}``), else its type (``error.type``, or TGI's
+    ``error_type`` beside ``"error": "<text>"``); None when it says neither (OpenAI's ``server_error`` with
+    ``code: null``)."""
+    err = payload.get("error")
+    code, kind = (err.get("code"), err.get("type")) if isinstance(err, dict) else (None, payload.get("error_type"))
     if isinstance(code, str) and code.isdigit():
         code = int(code)
     if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
         return code
-    kind = err.get("type")
     return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
 
 
 def _upstream_error(payload: dict[str, Any], data: str) -> GatewayError:
-    """The error an in-stream error object stands for, classified as the same answer as a status would be: the
-    request's own fault (4xx) is not retried and never counts against the model's circuit; a rate limit is a
-    429; anything else is a broken stream (retried before the first token)."""
+    """The error an in-stream error chunk stands for, classified as the same answer as that HTTP status would
+    be (:func:`switchyard.gateway.classify.error_for_status`'s codes): 401 UNAUTHENTICATED, 403 PERMISSION_DENIED,
+    404 NOT_FOUND and every other 4xx but 408 the request's own fault (INVALID_ARGUMENT), none retried nor counted
+    against the model's circuit; a 429 a rate limit; anything else a broken stream (retried before the first
+    token)."""
     err = payload.get("error")
     message = err.get("message") if isinstance(err, dict) else err
     said = f"upstream sent an error inside the stream: {snippet(str(message or data))}"
-    status = stream_error_status(err)
+    status = stream_error_status(payload)
     if status == 429:
         return UpstreamRateLimited(f"{said} (a rate limit)")
+    if status in (401, 403):
+        error: GatewayError = UpstreamAuthError(f"{said} (status {status}: check the key in model_gateway.api_key_env)")
+        if status == 403:
+            error.code = grpc.StatusCode.PERMISSION_DENIED
+        return error
     if status is not None and 400 <= status < 500 and status != 408:
-        return BadUpstreamRequest(f"{said} (status {status}: the request's own fault, not retried)")
+        error = BadUpstreamRequest(f"{said} (status {status}: the request's own fault, not retried)")
+        if status == 404:
+            error.code = grpc.StatusCode.NOT_FOUND
+        return error
     return StreamBroken(said)
 
 

@@ -167,12 +167,16 @@ class PoolLimit:
         """CORE streams among them."""
         UPSTREAM_IN_FLIGHT.set(0)
 
+    def counted(self) -> list[Endpoint]:
+        """The endpoints whose limits the pool's sums take: those up; all of them when none is (so that calls
+        reach the gateway and fail naming the endpoints)."""
+        endpoints = list(self.pool.endpoints.values())
+        return [e for e in endpoints if e.up] or endpoints
+
     @property
     def limit(self) -> float:
         """Streams the dispatcher may have in flight over the pool now."""
-        endpoints = list(self.pool.endpoints.values())
-        up = [e for e in endpoints if e.up] or endpoints
-        total = sum(e.limit_value or 0 for e in up)
+        total = sum(e.limit_value for e in self.counted())
         return float(max(total, self.pool.config.concurrency.min_limit))
 
     def refusal(self, priority: PriorityClass) -> str | None:
@@ -334,6 +338,7 @@ class EndpointPool:
         endpoint.load = load
         if load.waiting is not None:  # its own queue: past its knee when > 0
             endpoint.limit.on_server_queue(load.waiting)
+            self.publish_totals()
         if not self.pooled:  # one endpoint: its queue for its limit, nothing picked or marked
             return True
         ENDPOINT_WAITING.labels(endpoint.name).set(-1 if load.waiting is None else load.waiting)
@@ -365,9 +370,11 @@ class EndpointPool:
 
     # ------------------------------------------------------------------ calls
 
-    def pick(self, key: str, tried: frozenset[str] = frozenset()) -> tuple[Endpoint, Picked]:
-        """The endpoint for one attempt of a call with affinity key ``key``; it counts as in flight until
-        :meth:`finished`.
+    def pick(self, key: str, tried: frozenset[str] = frozenset(), model: str = "") -> tuple[Endpoint, Picked]:
+        """The endpoint for one attempt of a call of ``model`` with affinity key ``key``; it counts as in flight
+        until :meth:`finished`. An endpoint whose circuit for ``model`` refuses calls now (open, half-open with
+        its probes taken, or a Retry-After not yet passed) is left out while another is left (affinity would
+        otherwise send most calls there first, to be refused and moved on).
 
         Raises:
             LookupError: every endpoint is down or in ``tried``.
@@ -376,7 +383,11 @@ class EndpointPool:
         if len(endpoints) == 1 and not self.pooled:
             picked = Picked(endpoints[0].name, "load")
         else:
-            picked = self.picker.pick(endpoints, key, time.monotonic(), tried)
+            now = time.monotonic()
+            refusing = frozenset(e.name for e in endpoints if model and e.cooldowns.refusing(model))
+            if any(e.name not in tried and e.name not in refusing for e in endpoints):
+                tried = tried | refusing
+            picked = self.picker.pick(endpoints, key, now, tried)
             ENDPOINT_PICKS.labels(picked.reason).inc()
         endpoint = self.endpoints[picked.name]
         endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
@@ -404,9 +415,9 @@ class EndpointPool:
 
     def publish_totals(self) -> None:
         """The dispatcher's limit and knee gauges: the admission limit over the pool (:attr:`PoolLimit.limit`)
-        and the sum of the knees its endpoints have measured (0 until one has)."""
+        and the sum of the knees the same endpoints have measured (0 until one has)."""
         UPSTREAM_LIMIT.set(self.limit.limit)
-        UPSTREAM_KNEE.set(sum(e.limit.knee or 0 for e in self.endpoints.values()))
+        UPSTREAM_KNEE.set(sum(e.limit.knee or 0 for e in self.limit.counted()))
 
     async def aclose(self) -> None:
         """Stop the background reads and close every endpoint's connections."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +13,17 @@ from switchyard.common.config.base import _Strict
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+
+
+def url_problem(url: str) -> str:
+    """What keeps ``url`` from naming a server (a port past 65535, a bracket left open, no host), as
+    ``urllib.parse`` finds it; "" when nothing does."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - read for its check: ValueError past 65535
+    except ValueError as exc:
+        return str(exc)
+    return "" if parts.hostname else "no host"
 
 class CooldownConfig(_Strict):
     """Circuit breaker per upstream model (LiteLLM's "cooldowns"): a model that keeps failing is
@@ -186,8 +198,9 @@ class UpstreamPoolConfig(_Strict):
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
         for url in value:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"expected http:// or https:// URLs, got {url!r}")
+            if not url.startswith(("http://", "https://")) or url_problem(url):
+                raise ValueError(f"expected http:// or https:// URLs with a host and a port in 1-65535, got {url!r}"
+                                 + (f" ({url_problem(url)})" if url_problem(url) else ""))
         urls = [url.rstrip("/") for url in value]
         if len(set(urls)) != len(urls):
             raise ValueError(f"expected distinct URLs, got {value}")
@@ -196,8 +209,9 @@ class UpstreamPoolConfig(_Strict):
     @field_validator("dns_url")
     @classmethod
     def _dns_url(cls, value: str) -> str:
-        if value and not value.startswith(("http://", "https://")):
-            raise ValueError("expected an http:// or https:// URL, or empty")
+        if value and (not value.startswith(("http://", "https://")) or url_problem(value)):
+            raise ValueError("expected an http:// or https:// URL with a host and a port in 1-65535, or empty"
+                             + (f" ({url_problem(value)})" if value and url_problem(value) else ""))
         return value.rstrip("/")
 
     @model_validator(mode="after")
@@ -301,6 +315,9 @@ class UpstreamConfig(_Strict):
     def _url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("expected an http:// or https:// URL")
+        problem = url_problem(value)
+        if problem:
+            raise ValueError(f"expected an http:// or https:// URL with a host and a port in 1-65535 ({problem})")
         return value.rstrip("/")
 
     @field_validator("default_model", "fallback_model")
