@@ -121,3 +121,13 @@ def test_a_key_of_the_wrong_type_names_the_file_and_the_key(tmp_path, capsys, pa
         captured = capsys.readouterr()
         assert f"switchyard bench diff: {bad}: {says}" in captured.err and captured.out == ""
     assert diff.main([str(good), str(good), "--no-plot"]) == 0
+
+
+def test_the_plot_path_printed_is_the_one_written_and_a_folder_is_refused(tmp_path, capsys):
+    reports = [str(GHZ / "greeter_before.json"), str(GHZ / "greeter_after.json")]
+    assert diff.main([*reports, "--plot", str(tmp_path / "latency")]) == 0  # matplotlib adds .png
+    assert (tmp_path / "latency.png").is_file()
+    assert f"plot written to {tmp_path / 'latency.png'}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as caught:
+        diff.main([*reports, "--plot", str(tmp_path)])
+    assert caught.value.code == 2 and "--plot: expected a PNG file" in capsys.readouterr().err

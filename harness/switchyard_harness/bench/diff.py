@@ -251,6 +251,7 @@ def plot(before: dict[str, Any], after: dict[str, Any], names: tuple[str, str], 
     fig.suptitle(f"switchyard bench diff: {names[0]} vs {names[1]}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    path = path if path.suffix else path.with_name(path.name + ".png")  # what savefig writes: say the same
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -264,6 +265,8 @@ def main(argv: list[str]) -> int:
                         "(default: bench-diff.png beside AFTER)")
     parser.add_argument("--no-plot", action="store_true", help="print only")
     args = parser.parse_args(argv)
+    if args.plot and not args.no_plot and Path(args.plot).is_dir():  # matplotlib would write DIR.png beside it
+        parser.error(f"--plot: expected a PNG file to write ({args.plot} is a directory)")
     try:
         before, after = load(args.before), load(args.after)
     except ReportError as exc:
@@ -275,7 +278,7 @@ def main(argv: list[str]) -> int:
     print(render(before, after, names))
     if not args.no_plot:
         path = Path(args.plot) if args.plot else Path(args.after).with_name("bench-diff.png")
-        plot(before, after, names, path)
-        print(f"\nplot written to {path}")
+        written = plot(before, after, names, path)
+        print(f"\nplot written to {written}")
     return 0
 
