@@ -20,7 +20,8 @@ A service with ``orchestrator.auth`` on answers only a bearer token: the value o
 over the variable (switchyard_harness.auth_token).
 
 Exit status: 0; 1 when the service refused or could not be reached, or a saved file is not a pprof
-profile; 2 for bad arguments (an unreadable or empty ``--token-file`` among them).
+profile; 2 for bad arguments (an unreadable or empty ``--token-file`` among them, and a ``--seconds`` past
+the service's ``server.cpu_profile_max_s``, which it answers 400).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def main(argv: list[str]) -> int:
                 "tokens: orchestrator.auth)" if exc.code == 401 and token is None else "")
         print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}{hint}",
               file=sys.stderr)
-        return 1
+        return 2 if exc.code == 400 else 1  # 400: an argument the service refused (--seconds past its maximum)
     except OSError as exc:
         print(f"switchyard profile: cannot reach {url}: {exc}; is the service running (switchyard up)?",
               file=sys.stderr)

@@ -95,6 +95,18 @@ def test_a_bad_set_is_a_usage_error_naming_it(item: str, says: str, capsys: pyte
     assert err.startswith("switchyard bench upstream: ") and says in err, err
 
 
+@pytest.mark.parametrize("item", ["model_gateway.base_url=http://127.0.0.1:1/v1", "model_gateway.default_model=x",
+                                  "dispatcher.engine=sim"])
+def test_a_set_of_what_the_run_sets_itself_is_refused(item: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--set model_gateway.base_url beside --base-url pointed the stack at port 1 while the report named the
+    server measured directly: every through phase failed, and the ratios compared two servers."""
+    from switchyard_harness.bench import upstream
+
+    with pytest.raises(SystemExit) as caught:
+        upstream.main(["--set", item, "--config-dir", "config"])
+    assert caught.value.code == 2 and f"--set: {item.partition('=')[0]} is the run's own" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_stack_gets_its_own_redis_and_takes_documented_set_keys(tmp_path) -> None:
     """A short run against sim-openai with --set model_gateway.concurrency.initial_limit=2 (before: refused,

@@ -78,3 +78,11 @@ def test_an_output_that_cannot_be_written_exits_2_before_profiling(output, tmp_p
     with pytest.raises(SystemExit) as caught:
         cpu_profile.main(["dispatcher", "--seconds", "1", "--output", output.replace("DIR", str(tmp_path))])
     assert caught.value.code == 2 and "--output: expected a file that can be written" in capsys.readouterr().err
+
+
+async def test_seconds_past_the_services_maximum_is_a_usage_error(capsys):
+    """The command takes up to 3600 s; a service whose server.cpu_profile_max_s is lower answers 400: a bad
+    argument (exit 2), not a failure to reach it (exit 1)."""
+    async with profiled_service() as base:  # its maximum: 60 s
+        code = await asyncio.to_thread(cpu_profile.main, [base.removeprefix("http://"), "--seconds", "61"])
+    assert code == 2 and "answered 400" in capsys.readouterr().err

@@ -377,6 +377,12 @@ async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
     return {"base_url": base_url, "model": model, "phases": phases, "figures": {**figures(phases), "dram": dram}}
 
 
+BENCH_OWNED_KEYS = frozenset({"dispatcher.engine", "upstream.base_url", "upstream.default_model",
+                              "upstream.fallback_model", "upstream.api_key_env", "upstream.pool.endpoints",
+                              "upstream.pool.dns_url"})
+"""Config keys the run sets for its stack (:func:`stack_config`), as attribute paths: ``--set`` may not move them."""
+
+
 def stack_config(base: SwitchyardConfig, args: Any, base_url: str, model: str, dram: DramTierConfig | None,
                  store_dir: str) -> SwitchyardConfig:
     """The config of the stack under test: ``base``, the ``openai`` engine on ``base_url``/``model``, the DRAM
@@ -531,7 +537,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """``switchyard bench upstream [--base-url URL] [--model ID] [--phase-s S] [--rounds N] [--json]``."""
-    from switchyard_harness.bench.settings import parse_settings
+    from switchyard_harness.bench.settings import parse_settings, resolve_key
 
     parser = parser_for("switchyard bench upstream", __doc__)
     parser.add_argument("--base-url", help="an OpenAI-compatible server ending in /v1 (default: start transformers "
@@ -563,6 +569,11 @@ def main(argv: list[str]) -> int:
     except (ValueError, ConfigError, KeyError) as exc:
         print(f"switchyard bench upstream: {exc}", file=sys.stderr)
         return 2
+    owned = sorted(key for key, _, _ in (item.partition("=") for item in args.set)
+                   if resolve_key(key.strip()) in BENCH_OWNED_KEYS)  # named as the caller wrote them
+    if owned:  # the run sets these itself: an override would point the stack away from what the report names
+        parser.error(f"--set: {', '.join(owned)} is the run's own (the server measured directly: --base-url, "
+                     "--model, --api-key-env); the stack must call the server the report names")
     import uvloop
 
     try:
