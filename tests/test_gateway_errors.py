@@ -303,3 +303,12 @@ async def test_a_bad_status_line_is_unavailable_and_retried_on_both_transports(c
     async with raw_upstream(b"HELLO THIS IS NOT HTTP\r\n\r\n") as base:
         err = await stream_error(gateway_config(base, http_transport=transport, fallback_model="", max_retries=1))
     assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err) and base in str(err)
+
+
+async def test_a_refusal_of_a_call_sent_without_a_key_says_the_server_wants_one(monkeypatch, clean_proxy_env):
+    """With model_gateway.api_key_required false and no key set, a 403 said "check that VAR holds a valid key"."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with start_sim(faults={"*": Fault(status=403)}) as server:
+        err = await stream_error(gateway_config(server.base_url, max_retries=0))
+    assert err.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "sent without a key" in str(err) and f"export {KEY_ENV}=<its key>" in str(err)

@@ -101,11 +101,14 @@ def error_for_status(
                 f"upstream {status} from {url}: the OAuth token has expired (upstream said {quoted}); re-authenticate "
                 f"to get a fresh token, or use an API key in {key.env}"
             )
-        what = "rejected the key" if status == 401 else "refused access with the key"
-        auth = UpstreamAuthError(
-            f"upstream {status}: {url} {what} from {key.describe()} (upstream said {quoted}); check that "
-            f"{key.env} holds a valid key for this base URL and model {model!r}"
-        )
+        if key.value:
+            what = "rejected the key" if status == 401 else "refused access with the key"
+            detail = (f"{what} from {key.describe()} (upstream said {quoted}); check that {key.env} holds a valid "
+                      f"key for this base URL and model {model!r}")
+        else:  # no key was sent (model_gateway.api_key_required false): the server wants one
+            detail = (f"refused a call sent without a key (upstream said {quoted}); it wants one: export "
+                      f"{key.env}=<its key> (model_gateway.api_key_env)")
+        auth = UpstreamAuthError(f"upstream {status}: {url} {detail}")
         if status == 403:  # a known key without the right: gRPC's own mapping of HTTP 403
             auth.code = grpc.StatusCode.PERMISSION_DENIED
         return auth
