@@ -151,3 +151,9 @@ def test_a_clean_policies_run_logs_no_dram_outage(capsys: pytest.CaptureFixture[
     assert json.loads(capsys.readouterr().out)["rows"][0]["policy"] == "fcfs"
     dram = [r.getMessage() for r in caplog.records if r.name.startswith("switchyard.common.dram")]
     assert dram == [], dram
+
+
+def test_a_class_that_ran_no_task_shows_no_figure_not_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert agents_bench.main(["--agents", "10", "--seconds", "3", "--dram", "off", "--mix", "100/0/0", "--json"]) == 0
+    per_class = json.loads(capsys.readouterr().out)["per_class_p95_s"]
+    assert per_class["normal"] == {"ttft": None, "task_completion": None} and per_class["core"]["ttft"] > 0

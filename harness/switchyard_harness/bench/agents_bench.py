@@ -331,8 +331,9 @@ def summarize(args: argparse.Namespace, config: SwitchyardConfig, result: Outcom
                          "restored_share": round(resumes["restored"] / (resumes["restored"] + resumes["recomputed"]), 4)
                          if resumes["restored"] + resumes["recomputed"] else None,
                          "total": total_resumes},
-        "per_class_p95_s": {name: {"ttft": round(percentile(result.ttft[name], 95), 4),
-                                   "task_completion": round(percentile(result.completion[name], 95), 3)}
+        "per_class_p95_s": {name: {"ttft": round(percentile(result.ttft[name], 95), 4) if result.ttft[name] else None,
+                                   "task_completion": round(percentile(result.completion[name], 95), 3)
+                                   if result.completion[name] else None}  # None: the class ran no task
                             for name, _ in CLASSES},
     }
 
@@ -383,7 +384,9 @@ def render(report: dict[str, Any]) -> str:
         "  per-class P95 (s)       step TTFT   task completion",
     ]
     for name, row in report["per_class_p95_s"].items():
-        lines.append(f"    {name:<20}{row['ttft']:>12.3f}{row['task_completion']:>18.2f}")
+        ttft = "-" if row["ttft"] is None else f"{row['ttft']:.3f}"
+        completion = "-" if row["task_completion"] is None else f"{row['task_completion']:.2f}"
+        lines.append(f"    {name:<20}{ttft:>12}{completion:>18}")
     return "\n".join(lines)
 
 
@@ -409,10 +412,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                   color=["tab:green", "tab:blue", "tab:red"])
     ax_resume.set_title("Tool-return resumes")
     classes = list(report["per_class_p95_s"])
-    ax_p95.bar([i - 0.2 for i in range(len(classes))], [report["per_class_p95_s"][c]["ttft"] for c in classes], 0.4,
-               label="step TTFT P95")
+    ax_p95.bar([i - 0.2 for i in range(len(classes))],
+               [report["per_class_p95_s"][c]["ttft"] or 0 for c in classes], 0.4, label="step TTFT P95")
     ax_p95.bar([i + 0.2 for i in range(len(classes))],
-               [report["per_class_p95_s"][c]["task_completion"] for c in classes], 0.4, label="task completion P95")
+               [report["per_class_p95_s"][c]["task_completion"] or 0 for c in classes], 0.4,
+               label="task completion P95")
     ax_p95.set_xticks(range(len(classes)), classes)
     ax_p95.set_yscale("log")
     ax_p95.set_ylabel("s")
