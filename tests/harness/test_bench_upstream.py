@@ -85,6 +85,8 @@ def test_set_takes_the_keys_docs_configuration_md_names() -> None:
     ("modelgateway.base_url=x", "no config key of that name"),
     ("model_gateway.base_url.x=1", "model_gateway.base_url is a value, not a table"),
     ("model_gateway.concurrency.initial_limit=0", "initial_limit"),
+    # the key as the caller wrote it (the documented name), not the section's attribute path (upstream.*)
+    ("model_gateway.concurrency.initial_limit=abc", "key 'model_gateway.concurrency.initial_limit' has value 'abc'"),
     ("nothing", "expected KEY=VALUE"),
 ])
 def test_a_bad_set_is_a_usage_error_naming_it(item: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,6 +95,16 @@ def resolve_key(key: str) -> str:
     return f"{section}.{rest}"
 
 
+def documented_names(text: str) -> str:
+    """``text`` (a config error naming attribute paths) with each quoted key spelt as docs/configuration.md
+    names it: ``'upstream.concurrency.initial_limit'`` -> ``'model_gateway.concurrency.initial_limit'``."""
+    renames = sorted(((name, ".".join(section.keys)) for name, section in SECTIONS.items()
+                      if section.keys and ".".join(section.keys) != name), key=lambda pair: -len(pair[0]))
+    for attribute, reference in renames:
+        text = text.replace(f"'{attribute}.", f"'{reference}.")
+    return text
+
+
 def parse_settings(settings: list[str]) -> dict[str, Any]:
     """``["model_gateway.concurrency.initial_limit=2", "policy=fifo"]`` -> overrides for
     :meth:`SwitchyardConfig.with_overrides` (attribute paths, see :func:`resolve_key`); values parse as JSON,
@@ -117,4 +127,4 @@ def parse_settings(settings: list[str]) -> dict[str, Any]:
     return overrides
 
 
-__all__ = ["parse_settings", "resolve_key"]
+__all__ = ["documented_names", "parse_settings", "resolve_key"]

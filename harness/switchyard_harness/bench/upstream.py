@@ -537,7 +537,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """``switchyard bench upstream [--base-url URL] [--model ID] [--phase-s S] [--rounds N] [--json]``."""
-    from switchyard_harness.bench.settings import parse_settings, resolve_key
+    from switchyard_harness.bench.settings import documented_names, parse_settings, resolve_key
 
     parser = parser_for("switchyard bench upstream", __doc__)
     parser.add_argument("--base-url", help="an OpenAI-compatible server ending in /v1 (default: start transformers "
@@ -567,7 +567,7 @@ def main(argv: list[str]) -> int:
         base = load_config(args.config_dir)
         base.with_overrides(**args.overrides)
     except (ValueError, ConfigError, KeyError) as exc:
-        print(f"switchyard bench upstream: {exc}", file=sys.stderr)
+        print(f"switchyard bench upstream: {documented_names(str(exc))}", file=sys.stderr)
         return 2
     owned = sorted(key for key, _, _ in (item.partition("=") for item in args.set)
                    if resolve_key(key.strip()) in BENCH_OWNED_KEYS)  # named as the caller wrote them
