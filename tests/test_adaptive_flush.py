@@ -164,3 +164,23 @@ def test_engine_step_caps_the_window_at_low_rates():
     assert ctl.window(fast) == pytest.approx(32 / 4000, rel=0.05)
     with pytest.raises(ValueError, match="engine_step_s"):
         AdaptiveFlush(BatchingConfig(), engine_step_s=0)
+
+
+def test_only_an_arrival_the_buffer_takes_is_counted_by_the_adaptive_interval():
+    """The arrival was counted before the scheduler could refuse it (a full queue, a draining dispatcher): under
+    overload the interval's arrival rate counted refusals as arrivals."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.errors import QueueFullError
+    from switchyard.dispatcher.request import Request
+    from switchyard.dispatcher.service import DispatcherService
+
+    config = SwitchyardConfig().with_overrides(**{"batching.flush_interval_ms": "auto",
+                                                  "queues.inference.capacity": 1})
+    service = DispatcherService(config)
+    assert service.adaptive is not None
+    arrivals = service.adaptive._arrivals
+    service.scheduler.add_request(Request(request_id="a", prompt="hi", prompt_tokens=1, max_tokens=1), 1.0)
+    assert len(arrivals) == 1
+    with pytest.raises(QueueFullError):
+        service.scheduler.add_request(Request(request_id="b", prompt="hi", prompt_tokens=1, max_tokens=1), 1.1)
+    assert len(arrivals) == 1

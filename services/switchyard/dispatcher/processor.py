@@ -27,12 +27,11 @@ from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after, new_request_id
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
-from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
-from switchyard.dispatcher.scheduler.core import DispatcherClosed, SchedulerCore
+from switchyard.dispatcher.scheduler.core import DispatcherClosed
 
 tracer = telemetry.get_tracer("switchyard.dispatcher.service")  # the request spans' scope, as before this module
 
@@ -228,20 +227,15 @@ class RequestProcessor:
     Args:
         config: the whole config (``limits``, ``dispatcher``).
         engine: the engine (its model; whether it shares prefixes).
-        scheduler: the scheduler (its double buffer's size, for ``adaptive``).
-        adaptive: the adaptive flush interval told of each arrival; None when the interval is fixed.
 
     ``loop`` is the engine loop while the dispatcher runs (None before its start and after its stop);
     ``draining`` is set once the dispatcher drains. The servicer writes both.
     """
 
-    def __init__(self, config: SwitchyardConfig, engine: StepEngine | StreamEngine, scheduler: SchedulerCore,
-                 adaptive: AdaptiveFlush | None) -> None:
+    def __init__(self, config: SwitchyardConfig, engine: StepEngine | StreamEngine) -> None:
         self.config = config
         self.engine = engine
         self.stepping = isinstance(engine, StepEngine)
-        self.scheduler = scheduler
-        self.adaptive = adaptive
         self.loop: LoopBase | None = None
         self.draining = False
 
@@ -291,8 +285,6 @@ class RequestProcessor:
                 RequestOutput(req, finished=True).publish()
                 return req
             req.max_tokens = 1  # the prompt's prefill is what it is for; its one token is dropped by the caller
-        if self.adaptive is not None:
-            self.adaptive.on_arrival(time.monotonic(), self.scheduler.intake.active_size + 1)
         loop.submit(req)
         return req
 

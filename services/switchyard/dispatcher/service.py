@@ -120,8 +120,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             queue=queue,
         )
         if self.adaptive is not None:
+            self.scheduler.on_arrival = self.adaptive.on_arrival
             self.scheduler.on_batch_done = self.adaptive.on_batch_done
-        self.processor = RequestProcessor(config, self.engine, self.scheduler, self.adaptive)
+        self.processor = RequestProcessor(config, self.engine)
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""
         self._sessions: set[GenerateSession] = set()

@@ -218,6 +218,9 @@ class SchedulerCore:
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
+        self.on_arrival: Callable[[float, int], None] | None = None
+        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds)
+        and the active buffer's size after it joined."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
@@ -326,7 +329,10 @@ class SchedulerCore:
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
         if req.deadline is not None:
             self._next_deadline = min(self._next_deadline, req.deadline)
-        if self.intake.put(req, now):
+        full = self.intake.put(req, now)
+        if self.on_arrival is not None:
+            self.on_arrival(now, self.intake.active_size)
+        if full:
             self.flush(FlushReason.SIZE, now)
 
     def flush(self, reason: FlushReason, now: float) -> int:
