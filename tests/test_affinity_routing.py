@@ -51,7 +51,7 @@ class Recording(DispatcherService):
     def __init__(self, config: SwitchyardConfig, label: str, served: list[tuple[str, str]],
                  started: asyncio.Event | None = None) -> None:
         super().__init__(config)
-        self.processor = RecordingProcessor(config, self.engine, self.scheduler, self.adaptive)
+        self.processor = RecordingProcessor(config, self.engine)
         self.processor.label, self.processor.served, self.processor.started = label, served, started
         self.label, self.served, self.started = label, served, started
 
