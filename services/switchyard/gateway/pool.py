@@ -184,9 +184,8 @@ class PoolLimit:
         reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
                              self.pool.config.concurrency.core_reserved_slots)
         if reason is not None:
-            for endpoint in self.pool.endpoints.values():
-                if endpoint.up:
-                    endpoint.limit.note_refused()
+            for endpoint in self.counted():  # the endpoints whose limits made the sum that refused
+                endpoint.limit.note_refused()
         return reason
 
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
