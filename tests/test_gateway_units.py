@@ -9,9 +9,11 @@ import httpx
 import pytest
 from gateway_fixtures import clean_proxy_env  # noqa: F401
 
+from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.decode import StreamDecoder, parse_completion
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
 from switchyard.gateway.events import Finished, Token, ToolCallOut, Usage
+from switchyard.gateway.keys import ApiKey
 from switchyard.gateway.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
 from switchyard.gateway.proxy import ProxyRoute, proxy_for
@@ -221,6 +223,23 @@ def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status
         StreamDecoder("m").feed(json.dumps({"error": error}))
     assert type(caught.value).__name__ == kind and caught.value.code == code
     assert caught.value.retryable == (kind in ("UpstreamRateLimited", "StreamBroken"))
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 409, 413, 422, 429])
+def test_an_in_stream_error_and_the_same_status_as_an_answer_are_one_error(status):
+    """One table (classify.error_for_status) for both: the same class, gRPC code and retry flags; the message
+    names the endpoint and never the key's value."""
+    url, key = "http://replica-2:8000/v1/chat/completions", ApiKey("MY_UPSTREAM_KEY", "sk-secret-1")
+    answered = error_for_status(status, json.dumps({"error": {"message": "no sk-secret-1"}}), {}, url=url, model="m",
+                                key=key)
+    with pytest.raises(GatewayError) as in_stream:
+        StreamDecoder("m", url=url, key=key).feed(json.dumps({"error": {"message": "no sk-secret-1", "code": status}}))
+    assert type(in_stream.value) is type(answered) and in_stream.value.code == answered.code
+    assert (in_stream.value.retryable, in_stream.value.fallback_ok) == (answered.retryable, answered.fallback_ok)
+    for error in (answered, in_stream.value):
+        assert url in str(error) and "sk-secret-1" not in str(error)
+        if status in (401, 403):
+            assert "MY_UPSTREAM_KEY" in str(error)
 
 
 @pytest.mark.parametrize("chunk, kind, code", [

@@ -88,51 +88,67 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
 
 
 def error_for_status(
-    status: int, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey
+    status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
+    in_stream: bool = False,
 ) -> GatewayError:
-    """The error for a non-2xx answer, other than an unknown model (see :func:`is_model_not_found`); every
-    message names ``url`` (with a pool of replicas, which one answered)."""
+    """The error for an upstream's answer of ``status``: the one table of the gateway's errors by HTTP status.
+
+    A non-2xx answer (``in_stream`` false) is classified here, other than an unknown model (see
+    :func:`is_model_not_found`). An error object inside a 200 stream (``in_stream`` true; ``status`` from
+    :func:`switchyard.gateway.decode.stream_error_status`, None where the chunk says none) is the same
+    answer as its status would be, but for two rows: a 404 there is the request's (its model, say), not
+    the endpoint's, and a 5xx, 408 or unknown status is a broken stream (retried before the first token).
+    Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
+    never shows the key.
+    """
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
+    if in_stream:
+        where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
+        if status is None or status >= 500 or status == 408:
+            return StreamBroken(f"{where}: {quoted}")
+        head = f"{where} (status {status}): {quoted}"
+    else:
+        head = f"upstream {status} from {url} (upstream said {quoted})"
     if status in (401, 403):
         challenge = headers.get("www-authenticate", "")
         if _EXPIRED.search(said) or _EXPIRED.search(challenge):
             return UpstreamAuthError(
-                f"upstream {status} from {url}: the OAuth token has expired (upstream said {quoted}); re-authenticate "
-                f"to get a fresh token, or use an API key in {key.env}"
+                f"{head}: the OAuth token has expired; re-authenticate to get a fresh token, or use an API key in "
+                f"{key.env}"
             )
         if key.value:
             what = "rejected the key" if status == 401 else "refused access with the key"
-            detail = (f"{what} from {key.describe()} (upstream said {quoted}); check that {key.env} holds a valid "
-                      f"key for this base URL and model {model!r}")
+            detail = f"it {what} from {key.describe()}; check that {key.env} holds a valid key for this base URL and " \
+                     f"model {model!r}"
         else:  # no key was sent (model_gateway.api_key_required false): the server wants one
-            detail = (f"refused a call sent without a key (upstream said {quoted}); it wants one: export "
-                      f"{key.env}=<its key> (model_gateway.api_key_env)")
-        auth = UpstreamAuthError(f"upstream {status}: {url} {detail}")
+            detail = (f"it refused a call sent without a key; it wants one: export {key.env}=<its key> "
+                      "(model_gateway.api_key_env)")
+        auth = UpstreamAuthError(f"{head}: {detail}")
         if status == 403:  # a known key without the right: gRPC's own mapping of HTTP 403
             auth.code = grpc.StatusCode.PERMISSION_DENIED
         return auth
-    if status == 404:
+    if status == 404 and not in_stream:
         return EndpointNotFound(
-            f"upstream 404 for {url} (upstream said {quoted}); model_gateway.base_url must be the "
-            "OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1"
+            f"{head}; model_gateway.base_url must be the OpenAI-compatible root ending in /v1, e.g. "
+            "http://127.0.0.1:8000/v1"
         )
     retry_after = retry_after_s(headers)
     if status == 429:
         wait = f"; it asked to retry after {retry_after:g} s" if retry_after is not None else ""
         error: GatewayError = UpstreamRateLimited(
-            f"upstream 429 rate limit from {url} for model {model!r} (upstream said {quoted}){wait}; the dispatcher's "
-            "adaptive concurrency limit backs off; raise the key's quota or lower model_gateway.concurrency.max_limit"
+            f"{head}: a rate limit for model {model!r}{wait}; the dispatcher's adaptive concurrency limit backs off; "
+            "raise the key's quota or lower model_gateway.concurrency.max_limit"
         )
         error.retry_after_s = retry_after
         return error
-    if 400 <= status < 500 and status != 408:  # the request's own fault (400, 409, 413, 422, 451, ...)
-        return BadUpstreamRequest(f"upstream {status} from {url} rejected the request for model {model!r}: {quoted}")
-    if status >= 500:
-        error = UpstreamServerError(
-            f"upstream {status} from {url} for model {model!r} (upstream said {quoted}); the model server "
-            "failed, retry later or check its logs"
-        )
+    if status is not None and 400 <= status < 500 and status != 408:  # the request's own fault (400, 413, 422, ...)
+        error = BadUpstreamRequest(f"{head}: the request for model {model!r} was rejected, not retried")
+        if status == 404:  # in a stream: what the request named was not found
+            error.code = grpc.StatusCode.NOT_FOUND
+        return error
+    if status is not None and status >= 500:
+        error = UpstreamServerError(f"{head}: the model server failed for model {model!r}; retry later or check its logs")
         error.retry_after_s = retry_after if status == 503 else None
         return error
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")

@@ -609,7 +609,7 @@ class GatewayClient:
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
                 )
-            decoder = StreamDecoder(model)
+            decoder = StreamDecoder(model, url=url, key=call.key)
             data = iter_data(response)
             first: list[StreamEvent] = []
             async for payload in data:

@@ -40,18 +40,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from switchyard.common import untrusted
-from switchyard.gateway.errors import (
-    BadUpstreamRequest,
-    GatewayError,
-    StreamBroken,
-    StreamProtocolError,
-    UpstreamAuthError,
-    UpstreamRateLimited,
-    snippet,
-)
+from switchyard.gateway.classify import error_for_status
+from switchyard.gateway.errors import StreamBroken, StreamProtocolError, snippet
+from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
 
@@ -206,31 +198,6 @@ def stream_error_status(payload: dict[str, Any]) -> int | None:
     return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
 
 
-def _upstream_error(payload: dict[str, Any], data: str) -> GatewayError:
-    """The error an in-stream error chunk stands for, classified as the same answer as that HTTP status would
-    be (:func:`switchyard.gateway.classify.error_for_status`'s codes): 401 UNAUTHENTICATED, 403 PERMISSION_DENIED,
-    404 NOT_FOUND and every other 4xx but 408 the request's own fault (INVALID_ARGUMENT), none retried nor counted
-    against the model's circuit; a 429 a rate limit; anything else a broken stream (retried before the first
-    token)."""
-    err = payload.get("error")
-    message = err.get("message") if isinstance(err, dict) else err
-    said = f"upstream sent an error inside the stream: {snippet(str(message or data))}"
-    status = stream_error_status(payload)
-    if status == 429:
-        return UpstreamRateLimited(f"{said} (a rate limit)")
-    if status in (401, 403):
-        error: GatewayError = UpstreamAuthError(f"{said} (status {status}: check the key in model_gateway.api_key_env)")
-        if status == 403:
-            error.code = grpc.StatusCode.PERMISSION_DENIED
-        return error
-    if status is not None and 400 <= status < 500 and status != 408:
-        error = BadUpstreamRequest(f"{said} (status {status}: the request's own fault, not retried)")
-        if status == 404:
-            error.code = grpc.StatusCode.NOT_FOUND
-        return error
-    return StreamBroken(said)
-
-
 class StreamDecoder:
     """Turns the ``data`` payloads of one stream into :class:`Token`, :class:`ToolCallOut`, :class:`Finished`.
 
@@ -239,8 +206,10 @@ class StreamDecoder:
     and emits :class:`Finished`.
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, url: str = "", key: ApiKey = NO_KEY) -> None:
         self.model = model
+        self.url = url  # named by an in-stream error's message
+        self.key = key  # redacted from, and named by, an in-stream error's message
         self.chunks = 0
         self.done = False
         self.finish_reason: str | None = None
@@ -255,8 +224,8 @@ class StreamDecoder:
 
         Raises:
             StreamProtocolError: not JSON, not an object, or no ``choices`` list ("reading choices").
-            StreamBroken, BadUpstreamRequest, UpstreamRateLimited: the chunk is an upstream error object
-                (:func:`_upstream_error` classifies it by its code or type).
+            GatewayError: the chunk is an upstream error object, classified by its status (its code or type,
+                :func:`stream_error_status`) in the one table, :func:`switchyard.gateway.classify.error_for_status`.
         """
         if self.done:
             return []  # the stream ended at [DONE]: whatever a server or proxy sends after it is not read
@@ -266,7 +235,8 @@ class StreamDecoder:
         self.last = data
         chunk = _loads(data, "stream chunk")
         if "error" in chunk and "choices" not in chunk:
-            raise _upstream_error(chunk, data)
+            raise error_for_status(stream_error_status(chunk), data, {}, url=self.url, model=self.model, key=self.key,
+                                   in_stream=True)
         self.chunks += 1
         self.model = chunk.get("model") or self.model
         self.usage = _usage(chunk.get("usage")) or self.usage

@@ -87,3 +87,7 @@ def require_usable(key: ApiKey, *, required: bool) -> str | None:
         problem += (f", or for a model server that takes no key set model_gateway.api_key_required to false "
                     f"({envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED.name}=false)")
     raise UpstreamAuthError(f"model gateway API key unusable: {problem}")
+
+
+NO_KEY = ApiKey(env="the variable model_gateway.api_key_env names", value=None)
+"""No key: what a decoder outside a call (a test, a replay) redacts with and names."""
