@@ -363,6 +363,29 @@ async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_
     assert MAX_REQUEUES > 0
 
 
+@pytest.mark.parametrize("fault, code, backs_off", [
+    ({"status": 429}, grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+    ({"stream_error": 429}, grpc.StatusCode.RESOURCE_EXHAUSTED, True),  # TGI's "overloaded", vLLM's code 429
+    ({"status": 503}, grpc.StatusCode.UNAVAILABLE, True),
+    ({"stream_error": 400}, grpc.StatusCode.INVALID_ARGUMENT, False),  # the request's fault, not the load
+    ({"status": 500}, grpc.StatusCode.UNAVAILABLE, False),
+], ids=["429", "429-in-stream", "503", "400-in-stream", "500"])
+async def test_a_refusal_for_load_backs_the_limit_off_however_the_server_says_it(
+        fault, code, backs_off, clean_proxy_env) -> None:
+    """One rule (``GatewayError.refuses_load``) for the endpoint's limit: an answered 429 or 503 and an error
+    object with status 429 inside a 200 stream back it off alike; other failures do not."""
+    from switchyard.gateway.faults import Fault
+
+    initial = 16
+    with start_sim(faults={"*": Fault(**fault)}) as upstream:
+        service = _upstream_dispatcher(upstream.base_url, **NO_RETRY, **{
+            "upstream.concurrency": {"initial_limit": initial, "min_limit": 1, "max_limit": 64}})
+        [result] = await _generate_all(service, 1)
+    assert isinstance(result, grpc.aio.AioRpcError) and result.code() == code, result
+    assert service.limit is not None
+    assert (service.limit.limit < initial) == backs_off, service.limit.limit
+
+
 # --------------------------------------------------------------------------- a real continuous-batching server
 
 

@@ -123,9 +123,6 @@ UPSTREAM_KNEE = Gauge(
 )
 UPSTREAM_IN_FLIGHT = Gauge("switchyard_upstream_in_flight", "Streams in flight to the upstream model.")
 
-OVERLOAD_STATUSES = frozenset({429, 503})
-"""HTTP statuses that mean the upstream refuses load (rate limited, overloaded)."""
-
 UPSTREAM_CONCURRENCY = "upstream_concurrency"
 """Refusal reason: the limit is reached."""
 UPSTREAM_CORE_RESERVE = "upstream_core_reserve"

@@ -149,7 +149,8 @@ def error_for_status(
         return error
     if status is not None and status >= 500:
         error = UpstreamServerError(f"{head}: the model server failed for model {model!r}; retry later or check its logs")
-        error.retry_after_s = retry_after if status == 503 else None
+        if status == 503:  # Service Unavailable: overloaded (vLLM, TGI, an ingress with no free replica)
+            error.retry_after_s, error.refuses_load = retry_after, True
         return error
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
 

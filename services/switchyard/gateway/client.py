@@ -311,6 +311,7 @@ class GatewayClient:
             opened, model = await self._with_fallback(
                 call, request, lambda e, m: self._open_stream(call, request, e, m), hold=True)
             GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
+            ended_with: GatewayError | None = None  # what the endpoint's stream ended with, told to the pool
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
@@ -338,12 +339,14 @@ class GatewayClient:
                 url = opened.endpoint.chat_completions
                 error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
                 _count_cut(error)
-                raise error.after_tokens(sent) from None
+                ended_with = error.after_tokens(sent)
+                raise ended_with from None
             except GatewayError as exc:
-                raise exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
+                ended_with = exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
+                raise ended_with
             finally:
                 await opened.response.aclose()
-                self.pool.finished(opened.endpoint)
+                self.pool.finished(opened.endpoint, ended_with)
         except GatewayError as exc:
             outcome = exc.code.name
             self._fail_span(call.span, exc)
@@ -472,7 +475,7 @@ class GatewayClient:
             try:
                 result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model))
             except GatewayError as exc:
-                pool.finished(endpoint)
+                pool.finished(endpoint, exc)
                 if not (exc.retryable or isinstance(exc, ModelCoolingDown)) or not pool.pooled:
                     raise
                 tried.add(endpoint.name)
@@ -546,7 +549,6 @@ class GatewayClient:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
                 raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
-            self.pool.on_status(endpoint, response.status_code)
             if response.status_code < 400:
                 return response
             try:

@@ -34,6 +34,10 @@ class GatewayError(SwitchyardError):
     retryable = False
     fallback_ok = True
     tokens_sent = 0
+    refuses_load = False
+    """The upstream refused the call for its load (a 429, or a 503 from a server that is overloaded): the one
+    rule by which the endpoint's limit backs off (:meth:`EndpointPool.finished`) and the dispatcher's stream loop
+    queues the request again (:meth:`OpenAIEngine.refused_for_load`)."""
     retry_after_s: float | None = None
     """Seconds the upstream asked to wait before a retry (Retry-After), when it said."""
 
@@ -120,10 +124,11 @@ class UpstreamRateLimited(GatewayError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     retryable = True
+    refuses_load = True
 
 
 class UpstreamServerError(GatewayError):
-    """5xx from the upstream."""
+    """5xx from the upstream (a 503 says it refuses load: ``refuses_load``)."""
 
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True

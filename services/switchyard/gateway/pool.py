@@ -45,7 +45,6 @@ from switchyard.common.affinity import hash64
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_limit import (
-    OVERLOAD_STATUSES,
     UPSTREAM_IN_FLIGHT,
     UPSTREAM_KNEE,
     UPSTREAM_LIMIT,
@@ -53,6 +52,7 @@ from switchyard.dispatcher.adaptive_limit import (
     refusal_for,
 )
 from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
+from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import (
     ENDPOINT_IN_FLIGHT,
     ENDPOINT_KNEE,
@@ -392,8 +392,12 @@ class EndpointPool:
         endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
         return endpoint, picked
 
-    def finished(self, endpoint: Endpoint) -> None:
-        """A call :meth:`pick` placed on ``endpoint`` ended (whatever its outcome)."""
+    def finished(self, endpoint: Endpoint, error: GatewayError | None = None) -> None:
+        """A call :meth:`pick` placed on ``endpoint`` ended, with ``error`` or none; an error that says the
+        upstream refused load (:attr:`GatewayError.refuses_load`: a 429 or 503, answered or inside the stream)
+        backs its limit off first, while the call still counts in flight."""
+        if error is not None and error.refuses_load:
+            endpoint.limit.on_overload(time.monotonic())
         endpoint.limit.release(PriorityClass.NORMAL)
         self.publish_totals()
 
@@ -405,12 +409,6 @@ class EndpointPool:
     def on_tokens(self, endpoint: Endpoint, count: int) -> None:
         """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
         endpoint.limit.on_tokens(count)
-
-    def on_status(self, endpoint: Endpoint, status: int) -> None:
-        """``endpoint`` answered with HTTP ``status``: a 429/503 backs its limit off."""
-        if status in OVERLOAD_STATUSES:
-            endpoint.limit.on_overload(time.monotonic())
-            self.publish_totals()
 
     def publish_totals(self) -> None:
         """The dispatcher's limit and knee gauges: the admission limit over the pool (:attr:`PoolLimit.limit`)

@@ -26,7 +26,7 @@ from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError, UpstreamRateLimited
+from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
@@ -215,8 +215,9 @@ class OpenAIEngine(StreamEngine):
                 )
 
     def refused_for_load(self, exc: BaseException) -> bool:
-        """A 429 that outlasted the gateway's retries and its fallback, before any token (see the base)."""
-        return isinstance(exc, UpstreamRateLimited) and not exc.tokens_sent
+        """The upstream refused the call for load (a 429 or 503: :attr:`GatewayError.refuses_load`, the rule
+        the endpoint's limit backs off by) after the gateway's retries and its fallback, before any token."""
+        return isinstance(exc, GatewayError) and exc.refuses_load and not exc.tokens_sent
 
     async def aclose(self) -> None:
         """Close the HTTP connection pool (and stop a read of the model list still under way)."""
