@@ -326,12 +326,31 @@ def test_a_table_name_typo_is_reported_to_every_reader_of_the_file(config_dir):
         load_config(config_dir, service="retrieval")
 
 
-def test_default_max_tokens_is_checked_against_limits_where_both_are_read(config_dir):
-    _write(config_dir, "switchyard.json", lambda d: d["dispatcher"].update(default_max_tokens=9000))
-    with pytest.raises(ConfigError, match=r"key 'dispatcher.default_max_tokens' has value 9000; expected: at most "
-                                          r"limits.max_tokens \(8192\)"):
-        load_config(config_dir, service="dispatcher")
-    assert load_config(config_dir, service="orchestrator").limits.max_tokens == 8192
+def test_default_max_tokens_is_checked_against_limits_max_tokens(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: d["limits"].update(default_max_tokens=9000))
+    for service in ("dispatcher", "orchestrator"):
+        with pytest.raises(ConfigError, match=r"limits.*default_max_tokens \(9000\) must be at most max_tokens \(8192\)"):
+            load_config(config_dir, service=service)
+
+
+@pytest.mark.parametrize("section", ["orchestrator", "dispatcher"])
+def test_a_default_max_tokens_in_its_former_section_is_refused_naming_where_it_moved(config_dir, section):
+    """One default for a task's and a Generate's model calls (they were 128 and 256): the old key's value is
+    not ignored quietly."""
+    _write(config_dir, "switchyard.json", lambda d: d[section].update(default_max_tokens=512))
+    with pytest.raises(ConfigError, match=rf"key '{section}.default_max_tokens' moved to 'limits.default_max_tokens'"):
+        load_config(config_dir)
+
+
+def test_a_task_and_a_generate_without_max_tokens_get_the_one_default():
+    from switchyard.api import agent_pb2
+    from switchyard.dispatcher.processor import to_request
+    from switchyard.orchestrator.validation import validate
+
+    config = load_config("config").with_overrides(**{"limits.default_max_tokens": 77})
+    generate = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi"), config)
+    task = validate(agent_pb2.RunTaskRequest(payload="hi"), config, default_model="sim-7b")
+    assert generate.max_tokens == task.max_tokens == 77
 
 
 def test_a_connection_age_grace_shorter_than_the_longest_task_is_refused_naming_both_keys(config_dir):

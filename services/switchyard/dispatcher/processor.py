@@ -76,7 +76,7 @@ def to_request(
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
-    ``max_tokens`` 0 means ``dispatcher.default_max_tokens``; ``prompt_tokens``
+    ``max_tokens`` 0 means ``limits.default_max_tokens``; ``prompt_tokens``
     0 means counted here (word pieces of the prompt or messages); an empty
     ``request_id`` gets a random one. ``served_model``: the one model a step
     engine serves (a request naming another is NOT_FOUND); None for an upstream
@@ -94,7 +94,7 @@ def to_request(
             ``task_time_left_s`` or ``expected_remaining_work_s``.
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
-    defaults, limits = config.dispatcher, config.limits
+    limits = config.limits
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
     for name, seconds in (("task_time_left_s", request.task_time_left_s),
                           ("expected_remaining_work_s", request.expected_remaining_work_s)):
@@ -103,7 +103,7 @@ def to_request(
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
         raise InvalidArgument(
-            "max_tokens", f"0 (default {defaults.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens)",
+            "max_tokens", f"0 (default {limits.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens)",
             request.max_tokens,
         )
     if request.prompt_tokens < 0:
@@ -154,7 +154,7 @@ def to_request(
             f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
             prompt_tokens,
         )
-    max_tokens = request.max_tokens or defaults.default_max_tokens
+    max_tokens = request.max_tokens or limits.default_max_tokens
     model = served_model or request.model or default_model(config)
     window, source = limits.context_window(model, reported_window)
     if prompt_tokens >= window:
@@ -163,7 +163,7 @@ def to_request(
             prompt_tokens,
         )
     if prompt_tokens + max_tokens > window:
-        default = " (0 asks for dispatcher.default_max_tokens)" if not request.max_tokens else ""
+        default = " (0 asks for limits.default_max_tokens)" if not request.max_tokens else ""
         raise InvalidArgument(
             "max_tokens",
             f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "

@@ -156,7 +156,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     if not 0 <= request.max_tokens <= limit:
         raise InvalidArgument(
             "max_tokens",
-            f"0 (the default, {orch.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
+            f"0 (the default, {limits.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
             f"context window of {model}: {window.tokens} tokens ({window.source}), prompt included)",
             request.max_tokens,
         )
@@ -166,7 +166,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         payload=request.payload,
         workflow=workflow,
         priority=request.priority or agent_pb2.NORMAL,
-        max_tokens=request.max_tokens or orch.default_max_tokens,
+        max_tokens=request.max_tokens or limits.default_max_tokens,
         model=request.model,
         agent_id=request.agent_id,
         tenant_id=tenant_id,

@@ -87,8 +87,6 @@ class SwitchyardConfig(_Strict):
 
 # Checks across sections, each run when every section it names is held: (sections, check).
 _CROSS_CHECKS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], str | None]], ...] = (
-    (("orchestrator", "limits"), lambda s: _within_limit("orchestrator", s)),
-    (("dispatcher", "limits"), lambda s: _within_limit("dispatcher", s)),
     (("server", "orchestrator"), lambda s: _grace_covers_tasks(s)),
 )
 
@@ -104,13 +102,6 @@ def _grace_covers_tasks(sections: dict[str, Any]) -> str | None:
             f"orchestrator.task_time_limit_s ({task_type}: {limits[task_type]:g} s), or a connection that ages out "
             "(server.max_connection_age_s) cuts the streams of a task still running within its limit"
         )
-    return None
-
-
-def _within_limit(service: str, sections: dict[str, Any]) -> str | None:
-    value, limit = sections[service].default_max_tokens, sections["limits"].max_tokens
-    if value > limit:
-        return f"key '{service}.default_max_tokens' has value {value}; expected: at most limits.max_tokens ({limit})"
     return None
 
 

@@ -29,6 +29,3 @@ class DispatcherConfig(_Strict):
         "output and a CORE request's output are never held. "
         "0: each message leaves as soon as the last one was written.",
     )
-    default_max_tokens: int = Field(
-        256, ge=1, le=1_000_000, description="Completion tokens when a Generate sends max_tokens = 0, tokens."
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.base import _Strict
 
@@ -23,6 +23,12 @@ class RequestLimitsConfig(_Strict):
     ``limits``, read by both."""
 
     max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
+    default_max_tokens: int = Field(
+        128, ge=1, le=1_000_000,
+        description="Completion tokens of a model call whose task or Generate sends max_tokens = 0, tokens (at most "
+        "max_tokens): the one default, read by the orchestrator for a task's calls and by the dispatcher for a "
+        "Generate's.",
+    )
     context_window_tokens: dict[str, int] = Field(
         default_factory=lambda: {"sim-7b": 4096, "torch-tiny": 8192, "claude-sonnet-4-5": 200_000, "gpt-4o-mini": 128_000},
         description="Context window per model id, tokens: prompt + max_tokens must fit. A model not listed takes "
@@ -44,6 +50,13 @@ class RequestLimitsConfig(_Strict):
     max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8), bytes.")
     max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate, messages.")
     max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate, tools.")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "RequestLimitsConfig":
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        return self
 
     @field_validator("context_window_tokens")
     @classmethod

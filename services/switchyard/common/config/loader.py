@@ -14,6 +14,7 @@ from switchyard.common import envs
 from switchyard.common.config.aggregate import SwitchyardConfig, _assemble
 from switchyard.common.config.base import ConfigError, _describe, did_you_mean
 from switchyard.common.config.gating import unread_section
+from switchyard.common.config.dispatcher import DispatcherConfig
 from switchyard.common.config.memory import DramTierConfig, HbmTierConfig, OssTierConfig
 from switchyard.common.config.model_gateway import AdaptiveConcurrencyConfig
 from switchyard.common.config.orchestrator import OrchestratorConfig
@@ -48,6 +49,14 @@ REMOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
 }
 
 
+# Keys moved to another section: key -> its place now. A moved key is refused by name (its value would
+# otherwise be ignored, or read in one service and not the other).
+MOVED_KEYS: dict[type[BaseModel], dict[str, str]] = {
+    OrchestratorConfig: {"default_max_tokens": "limits.default_max_tokens"},
+    DispatcherConfig: {"default_max_tokens": "limits.default_max_tokens"},
+}
+
+
 def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, notes: list[str]) -> dict[str, Any]:
     """``raw`` with keys under former names moved to their current fields (recursively).
 
@@ -56,13 +65,17 @@ def _old_unit_names(raw: dict[str, Any], model: type[BaseModel], where: str, not
     warning by the loader).
 
     Raises:
-        ConfigError: a former name and its current name are both present.
+        ConfigError: a former name and its current name are both present, or a key of ``MOVED_KEYS``.
     """
     out = dict(raw)
     renames = FORMER_NAMES.get(model, {})
     removed = REMOVED_KEYS.get(model, {})
+    moved = MOVED_KEYS.get(model, {})
     for key, value in raw.items():
         field = model.model_fields.get(key)
+        if key in moved:
+            raise ConfigError(f"{where}{key}' moved to '{moved[key]}' (one default for every model call, read by "
+                              f"both services); move it there")
         if key in removed:
             notes.append(f"{where}{key}' is no longer a setting: {removed[key]}")
             out.pop(key)

@@ -65,9 +65,6 @@ class OrchestratorConfig(_Strict):
         "is never held; CORE and NORMAL tasks' tokens leave as they come. 0: BATCH's too.",
     )
     default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
-    default_max_tokens: int = Field(
-        128, ge=1, le=32768, description="Completion tokens of a task that sends max_tokens = 0, tokens."
-    )
     cpu_executor: Literal["process", "thread", "loop"] = Field(
         "process",
         description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip) runs, a name: a "
