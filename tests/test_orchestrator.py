@@ -540,6 +540,30 @@ async def test_tool_call_times_out_per_attempt_and_reports_error():
     assert calls == 2 and outcome.attempts == 2
 
 
+async def test_a_task_cancelled_while_its_tool_runs_stops_at_once_and_the_tool_is_not_called_again():
+    """CancelTask, or a caller gone, during a tool call: the cancellation is not a tool failure to retry
+    (tenacity's retry_if_not_exception_type retried CancelledError, and the task ran to its end)."""
+    from switchyard.common.config import ReactConfig
+    from switchyard.orchestrator.tools import Tool, call_tool
+
+    calls = 0
+    started = asyncio.Event()
+
+    async def slow(args):
+        nonlocal calls
+        calls += 1
+        started.set()
+        await asyncio.sleep(10)
+
+    policy = ReactConfig(tool_attempts=3, tool_backoff_initial_ms=1, tool_backoff_max_ms=1, tool_timeout_ms=5000)
+    running = asyncio.create_task(call_tool(Tool("slow", "", {}, slow), "{}", policy))
+    await started.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(running, 2)
+    assert calls == 1
+
+
 async def test_bad_tool_arguments_are_not_retried():
     from switchyard.common.config import ReactConfig
     from switchyard.orchestrator.tools import CALCULATOR, call_tool

@@ -20,7 +20,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from switchyard.common import untrusted
 from switchyard.common.config import ReactConfig
@@ -173,6 +173,10 @@ async def call_tool(tool: Tool, arguments_json: str, policy: ReactConfig) -> Too
 
     Returns the tool's text, or the last error's text with ``is_error`` set, and
     the number of attempts made. Never raises for tool failures.
+
+    Raises:
+        asyncio.CancelledError: the task was cancelled (CancelTask, its caller gone) while the tool ran: at
+            once, not retried.
     """
     try:
         args = untrusted.loads(arguments_json or "{}")
@@ -187,7 +191,9 @@ async def call_tool(tool: Tool, arguments_json: str, policy: ReactConfig) -> Too
             wait=wait_exponential(
                 multiplier=policy.tool_backoff_initial_ms / 1000, max=policy.tool_backoff_max_ms / 1000
             ),
-            retry=retry_if_not_exception_type(ToolArgumentError),
+            # A failure of the tool is retried; the task's cancellation (CancelledError, a BaseException that
+            # tenacity's retry_if_not_exception_type would retry too) and bad arguments are not.
+            retry=retry_if_exception(lambda exc: isinstance(exc, Exception) and not isinstance(exc, ToolArgumentError)),
             reraise=True,
         ):
             with attempt:
