@@ -3,6 +3,7 @@ and X-Agent-Id / X-Priority on every upstream request, against sim-openai record
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -13,7 +14,7 @@ from switchyard.api import agent_pb2
 from switchyard.gateway import servers
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
-from switchyard.gateway.events import ChatRequest, Token
+from switchyard.gateway.events import ChatRequest, Finished, Token
 from switchyard.gateway.faults import Fault
 
 
@@ -89,6 +90,19 @@ async def test_a_refused_field_is_dropped_logged_once_and_the_request_retried_wi
     assert len(refusals) == 1 and "forward_priority" in refusals[0].getMessage()
 
 
+async def test_a_field_refused_to_calls_in_flight_together_is_logged_once(clean_proxy_env, caplog):
+    """Six first calls at once each carry the field and are each refused: one warning, not one per call."""
+    caplog.set_level(logging.WARNING, logger="switchyard.gateway.client")
+    with start_sim(refuse_fields=frozenset({"priority"})) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, forward_priority=True, max_retries=0,
+                                                fallback_model="")) as client:
+            results = await asyncio.gather(*(stream(client, ask("core", request_id=f"r{i}")) for i in range(6)))
+    assert all(isinstance(events[-1], Finished) for events in results)
+    assert sum("priority" in body for body in sim.state.requests) >= 2, "the calls were in flight together"
+    refusals = [r for r in caplog.records if "refused the request field 'priority'" in r.getMessage()]
+    assert len(refusals) == 1
+
+
 @pytest.mark.parametrize(("status", "message", "field"), [
     (422, "Unexpected fields in the request: {'priority'}", "priority"),  # transformers serve
     (400, "Unrecognized request argument supplied: priority", "priority"),  # OpenAI API
@@ -117,6 +131,23 @@ async def test_every_upstream_request_carries_agent_and_priority_headers_through
     seen = [(h.get("x-agent-id"), h.get("x-priority"), h.get("x-request-id")) for h in sim.state.headers]
     assert seen[:4] == [("agent-42", "batch", "req-9")] * 4
     assert seen[4:] == [("req-10", "core", "req-10")] * 3  # no agent: the request is its own agent
+
+
+@pytest.mark.parametrize("agent, request_id, sent_agent, sent_request_id", [
+    ("agent-é", "tâche-1:0", "agent-%C3%A9", "t%C3%A2che-1:0"),
+    ("\u200b", "日本:2", "%E2%80%8B", "%E6%97%A5%E6%9C%AC:2"),  # a zero-width space; CJK
+    ("100% agent", "r 1", "100% agent", "r 1"),  # visible ASCII and spaces go as they are
+    ("ü\x7f", "r", "%C3%BC%7F", "r"),  # DEL is no header character
+])
+async def test_ids_that_are_not_ascii_go_upstream_percent_encoded_and_the_call_succeeds(
+        agent, request_id, sent_agent, sent_request_id, clean_proxy_env):
+    """The edge takes any Unicode id; header values are ASCII: each id was put in as it was, and httpx refused
+    the call (INTERNAL: UnicodeEncodeError) for every such task."""
+    with start_sim() as sim:
+        async with GatewayClient(gateway_config(sim.base_url)) as client:
+            events = await stream(client, ask("core", agent=agent, request_id=request_id))
+    assert isinstance(events[-1], Finished)
+    assert [(h.get("x-agent-id"), h.get("x-request-id")) for h in sim.state.headers] == [(sent_agent, sent_request_id)]
 
 
 @pytest.mark.slow

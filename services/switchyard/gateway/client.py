@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from urllib.parse import quote
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -86,6 +87,18 @@ T = TypeVar("T")
 
 _OPTIONAL_FIELDS = ("priority", "stream_options")
 """Body fields a request works without: dropped for an endpoint that refuses them."""
+
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%") + " "
+
+
+def header_value(text: str) -> str:
+    """``text`` (a caller's id: any Unicode the edge accepts) as an HTTP header value: itself when it is visible
+    ASCII and spaces; else its UTF-8 percent-encoded (RFC 3986, section 2.1), ``%`` included, as header values
+    are ASCII (RFC 9110, section 5.5; obs-text is obsolete) and httpx refuses any other character."""
+    if text.isascii() and text.isprintable():
+        return text
+    return quote(text, safe=_HEADER_SAFE)
 
 
 def _end(decoder: StreamDecoder) -> list[StreamEvent]:
@@ -523,10 +536,10 @@ class GatewayClient:
             # The field's convention for tagging model calls (X-Agent-Id, X-Priority), read by
             # gateways and schedulers in front of the model server; X-Request-Id is what vLLM,
             # TGI and transformers serve take as the request's id in their logs.
-            headers["x-agent-id"] = request.agent_id or request.request_id
+            headers["x-agent-id"] = header_value(request.agent_id or request.request_id)
             headers["x-priority"] = request.priority_class or "normal"
             if request.request_id:
-                headers["x-request-id"] = request.request_id
+                headers["x-request-id"] = header_value(request.request_id)
         return headers
 
     async def _send(
@@ -561,7 +574,10 @@ class GatewayClient:
             refused = servers.refused_field(response.status_code, text, optional)
             if refused is None:
                 raise await self._status_error(response, text, endpoint, model, call.key)
-            self._refused.setdefault(endpoint.name, set()).add(refused)
+            dropped = self._refused.setdefault(endpoint.name, set())
+            if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
+                continue
+            dropped.add(refused)
             log.warning(
                 "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
                 url, refused, response.status_code, snippet(redact(upstream_message(text), call.key.value)),
