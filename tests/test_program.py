@@ -10,6 +10,7 @@ import contextlib
 import json
 
 import aiohttp
+import httpx
 import grpc
 import numpy as np
 import pytest
@@ -215,6 +216,19 @@ async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeyp
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, payload="hi", metadata=(("authorization", "Bearer tok-acme"), ("x-tenant-id", "other")))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "x-tenant-id" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a malformed header is malformed, with a token too
+            await collect(stub, payload="hi", metadata=(("authorization", "Bearer tok-acme"), ("x-tenant-id", "b b")))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("x-tenant-id")
+        for name, values in (("x-tenant-id", ("acme", "beta")), ("x-agent-id", ("a", "b")),
+                             ("x-priority", ("core", "batch"))):  # twice, saying different things: refused
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, payload="hi", task_type="chat",
+                              metadata=(("authorization", "Bearer tok-plain"), *((name, v) for v in values)))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(f"{name} header: expected one value"), err.value.details()
+        await collect(stub, task_id="a4", payload="hi", task_type="chat",  # twice the same: one value
+                      metadata=(("authorization", "Bearer tok-plain"), ("x-tenant-id", "zeta"), ("x-tenant-id", "zeta")))
+        assert down.requests[-1].tenant_id == "zeta"
         # the HTTP face: the same rule, X-Tenant-Id any case
         url = f"http://127.0.0.1:{down.http.port}/api/v1/agent/run"
         async with aiohttp.ClientSession() as session:
@@ -222,6 +236,12 @@ async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeyp
             async with session.post(url, json={"payload": "hi", "task_type": "chat", "agent_id": "agent-1"}, headers=headers) as response:
                 assert response.status == 200
                 await response.read()
+            twice = [("Authorization", "Bearer tok-plain"), ("X-Tenant-Id", "delta"), ("x-tenant-id", "omega")]
+            async with httpx.AsyncClient() as client:  # aiohttp's client keeps one of two same-named headers
+                response = await client.post(url, json={"payload": "hi", "task_type": "chat", "agent_id": "agent-1"},
+                                             headers=twice)
+            assert response.status_code == 400
+            assert response.json()["error"]["message"].startswith("x-tenant-id header: expected one value")
             headers["X-Tenant-Id"] = "bad tenant"
             async with session.post(url, json={"payload": "hi", "task_type": "chat", "agent_id": "agent-1"}, headers=headers) as response:
                 assert response.status == 400
@@ -250,6 +270,14 @@ async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
         with pytest.raises(grpc.aio.AioRpcError) as other:  # nor cancel it
             await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t-acme"), metadata=beta)
         assert other.value.code() == grpc.StatusCode.NOT_FOUND and "'t-acme'" in other.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as taken:  # nor learn of it by submitting under its id
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
+                                                           task_type="chat", max_tokens=4), metadata=beta)
+        assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "is taken" in taken.value.details() and "different request" not in taken.value.details()
+        again = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
+                                                               task_type="chat", max_tokens=4), metadata=acme)
+        assert again.task_id == "t-acme"  # its own tenant's identical request still answers the task
         async with aiohttp.ClientSession() as session:
             base = f"http://127.0.0.1:{down.http.port}/api/v1"
             async with session.post(base + "/tasks/t-acme/cancel", headers={"Authorization": "Bearer tok-beta"}) as response:

@@ -53,6 +53,20 @@ def parse_priority(value: str, field: str) -> int:
         raise InvalidArgument(field, "core, normal or batch", value) from None
 
 
+def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str) -> str | None:
+    """The one value of the edge header ``name`` (lower-case; gRPC metadata or HTTP headers), None when absent.
+
+    Raises:
+        InvalidArgument: naming the header, sent more than once with different values (which one counts is
+            not the caller's to leave to a proxy's order).
+    """
+    values = {str(value) for key, value in metadata or () if key == name}
+    if len(values) > 1:
+        raise InvalidArgument(f"{name} header", "one value (it was sent more than once, with different values)",
+                              sorted(values)[0])
+    return values.pop() if values else None
+
+
 def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None) -> None:
     """Fill ``agent_id`` and ``priority`` from the ``x-agent-id`` and ``x-priority`` headers (gRPC metadata, or
     HTTP headers, keys lower-case) where the request leaves them empty or unset; the request's own fields win.
@@ -60,15 +74,17 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
     Raises:
         InvalidArgument: ``x-priority`` is not core, normal or batch, or ``x-agent-id`` is only whitespace or
             holds a control character, each checked whether or not the request's own field wins (a header that
-            says something wrong is refused, not ignored; an empty one names nothing and is ignored).
+            says something wrong is refused, not ignored; an empty one names nothing and is ignored); either
+            sent twice with different values (:func:`edge_header`).
     """
-    headers = {key: str(value) for key, value in metadata or () if key in (AGENT_ID_HEADER, PRIORITY_HEADER)}
-    if AGENT_ID_HEADER in headers:
-        check_id_chars(headers[AGENT_ID_HEADER], f"{AGENT_ID_HEADER} header")
+    agent = edge_header(metadata, AGENT_ID_HEADER)
+    if agent is not None:
+        check_id_chars(agent, f"{AGENT_ID_HEADER} header")
         if not request.agent_id:
-            request.agent_id = headers[AGENT_ID_HEADER]
-    if headers.get(PRIORITY_HEADER, "").strip():  # an empty one names nothing, as an empty x-agent-id
-        priority = parse_priority(headers[PRIORITY_HEADER], f"{PRIORITY_HEADER} header")
+            request.agent_id = agent
+    priority_header = edge_header(metadata, PRIORITY_HEADER)
+    if priority_header and priority_header.strip():  # an empty one names nothing, as an empty x-agent-id
+        priority = parse_priority(priority_header, f"{PRIORITY_HEADER} header")
         if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
             request.priority = priority
 
@@ -78,23 +94,22 @@ def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerToken
     else ``default``.
 
     Raises:
-        InvalidArgument: naming ``x-tenant-id``, not 1 to 64 characters of A-Z a-z 0-9 . _ -.
-        SwitchyardError: PERMISSION_DENIED naming ``x-tenant-id``, a header naming another tenant than the
-            bearer token's.
+        InvalidArgument: naming ``x-tenant-id``, not 1 to 64 characters of A-Z a-z 0-9 . _ -, or sent twice with
+            different values (checked first, with or without a token).
+        SwitchyardError: PERMISSION_DENIED naming ``x-tenant-id``, a well-formed header naming another tenant
+            than the bearer token's.
     """
-    header, authorization = "", None
-    for key, value in metadata or ():
-        if key == TENANT_HEADER:
-            header = str(value)
-        elif key == "authorization":
-            authorization = str(value)
+    header = edge_header(metadata, TENANT_HEADER) or ""
+    if header:
+        check_tenant(header, f"{TENANT_HEADER} header")
+    authorization = next((str(value) for key, value in metadata or () if key == "authorization"), None)
     own = tokens.tenant_of(authorization) if tokens is not None else ""
     if own:
         if header and header != own:
-            raise SwitchyardError(f"{TENANT_HEADER}: the bearer token belongs to another tenant than {header[:80]!r}; "
+            raise SwitchyardError(f"{TENANT_HEADER}: the bearer token belongs to another tenant than {header!r}; "
                                   "leave the header out or send the token's own", grpc.StatusCode.PERMISSION_DENIED)
         return own
-    return check_tenant(header, f"{TENANT_HEADER} header") if header else DEFAULT_TENANT
+    return header or DEFAULT_TENANT
 
 
 @dataclass
