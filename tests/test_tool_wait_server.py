@@ -263,6 +263,8 @@ async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_sp
     ("tool", {"agent_id": "agent-1", "tool": "search\ndocs"}),
     ("tool", {"agent_id": "agent-1", "tool": "t" * 257}),
     ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": -1.0}),
+    ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": 1.7e308}),  # a sum of +Inf
+    ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": 86_400.5}),  # past a day
     ("priority", {"agent_id": "agent-1", "tool": "search_docs", "priority": 7}),
 ])
 async def test_a_malformed_announcement_is_refused_naming_its_field_by_generates_rules(dispatcher, field,

@@ -60,16 +60,17 @@ def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
                               value[:80])
 
 
-def check_seconds(value: float, field: str, zero_means: str = "") -> float:
-    """``value``, a caller's number of seconds: finite and 0 or more (NaN, infinities and negatives read as "no
-    bound" where they were let through). ``zero_means``: what 0 stands for, in the message.
+def check_seconds(value: float, field: str, zero_means: str = "", at_most: float = math.inf) -> float:
+    """``value``, a caller's number of seconds: finite, 0 or more and at most ``at_most`` (NaN, infinities and
+    negatives read as "no bound" where they were let through). ``zero_means``: what 0 stands for, in the message.
 
     Raises:
         InvalidArgument: naming ``field``.
     """
     from switchyard.common.errors import InvalidArgument
 
-    if not (math.isfinite(value) and value >= 0):
-        raise InvalidArgument(field, "a finite number of seconds, 0 or more" + (f" (0: {zero_means})" if zero_means
+    if not (math.isfinite(value) and 0 <= value <= at_most):
+        bound = "0 or more" if at_most == math.inf else f"from 0 to {at_most:g}"
+        raise InvalidArgument(field, f"a finite number of seconds, {bound}" + (f" (0: {zero_means})" if zero_means
                                                                                else ""), value)
     return value

@@ -150,7 +150,8 @@ RESUMES = Counter(
     ["kind"],
 )
 TOOL_WAIT_EXPIRED = Counter(
-    "switchyard_tool_wait_expired_total", "Parked agents whose prefix state was released when tool_wait_ttl_s ran out."
+    "switchyard_tool_wait_expired_total", "Parked agents whose prefix state left HBM when their time parked ran out (tool_wait_ttl_s, or a KEEP decision's "
+    "expected wait and as long again)."
 )
 PARKED_EVICTED = Counter(
     "switchyard_parked_evicted_total",

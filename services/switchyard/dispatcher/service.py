@@ -66,6 +66,13 @@ DESCRIBE_WAIT_S = 1.0
 """Longest DescribeModel waits for the upstream's model list (its callers' deadline is a few seconds)."""
 
 
+MAX_EXPECTED_WAIT_S = 86_400.0
+"""Longest tool wait a ToolWait may announce, seconds (a day): longer than any tool call the orchestrator's settings
+allow (``orchestrator.react``: 20 attempts of at most 600 s, with backoffs of at most 600 s between them); a larger
+number is a caller's mistake, and would plan a restore years ahead and make the expected-wait histogram's sum
+infinite."""
+
+
 class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     """Serves ``agent.InferenceService``; implements :class:`switchyard.common.server.Service`.
 
@@ -216,14 +223,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
 
         Ends INVALID_ARGUMENT naming the field: ``agent_id`` or ``tool`` empty, past
         ``limits.max_id_chars`` or holding a control character (Generate's rule, :func:`.processor.check_id`),
-        ``expected_wait_s`` not a finite number of seconds >= 0, ``tenant_id``
+        ``expected_wait_s`` not a finite number of seconds from 0 to :data:`MAX_EXPECTED_WAIT_S`, ``tenant_id``
         malformed, ``priority`` not a Priority.
         """
         limits = self.config.limits
         try:
             for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
                 check_id(value, name, limits, required=True)
-            untrusted.check_seconds(request.expected_wait_s, "expected_wait_s")
+            untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)
             tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
             check_priority(request.priority)
         except SwitchyardError as exc:
