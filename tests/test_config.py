@@ -564,3 +564,14 @@ def test_a_gateway_url_that_names_no_server_is_refused_at_load(values, field):
     with pytest.raises(ValidationError) as caught:
         UpstreamConfig.model_validate(values)
     assert field in str(caught.value) and "port in 1-65535" in str(caught.value)
+
+
+def test_a_rule_on_a_table_valued_key_names_the_key_not_a_section(config_dir):
+    """scheduler.tenant_weights is a key whose value is a table: its rule is about its entries, and the message
+    said "section 'tenant_weights'" with "expected" twice."""
+    _write(config_dir, "scheduler_config.json", lambda d: d.update(tenant_weights={"acme": -1}))
+    with pytest.raises(ConfigError) as caught:
+        load_config(config_dir)
+    message = str(caught.value)
+    assert "key 'tenant_weights' has value {'acme': -1}; expected: a finite weight > 0 for each tenant" in message
+    assert "section" not in message and message.count("expected") == 1

@@ -28,11 +28,26 @@ def _describe(path: str, exc: ValidationError, prefix: str = "", model: type[Bas
             expected = "no such key (a typo?)" + _nearest_key(model, err["loc"])
         elif err["type"] == "missing":
             value = "(missing)"
-        elif err["type"] == "value_error" and isinstance(value, dict):  # a rule across a section's keys
+        elif err["type"] == "value_error" and isinstance(value, dict) and _is_section(model, err["loc"]):
+            # a rule across a section's keys
             lines.append(f"{path}: section '{key}': {err['msg'].removeprefix('Value error, ')}")  # names them
             continue
         lines.append(f"{path}: key '{key}' has value {value!r}; expected: {expected}")
     return "\n".join(lines)
+
+
+def _is_section(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> bool:
+    """Whether ``loc`` names a section (a nested model, or ``model`` itself) rather than a key whose value is a
+    table (``scheduler.tenant_weights``: its rule is about its entries); True where ``model`` is not known."""
+    for part in loc:
+        if model is None:
+            return True
+        field = model.model_fields.get(str(part))
+        nested = field.annotation if field is not None else None
+        if not (isinstance(nested, type) and issubclass(nested, BaseModel)):
+            return False
+        model = nested
+    return True
 
 
 def _nearest_key(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> str:

@@ -156,7 +156,7 @@ class SchedulerConfig(_Strict):
     def _tenant_weights(cls, weights: dict[str, float]) -> dict[str, float]:
         for tenant, weight in weights.items():
             if not TENANT_PATTERN.fullmatch(tenant):
-                raise ValueError(f"tenant_weights: key {tenant[:80]!r} is not a tenant id ({TENANT_EXPECTED})")
+                raise ValueError(f"tenant ids as keys ({TENANT_EXPECTED}); {tenant[:80]!r} is none")
             if not (math.isfinite(weight) and weight > 0):
-                raise ValueError(f"tenant_weights[{tenant!r}]: expected a finite weight > 0, got {weight!r}")
+                raise ValueError(f"a finite weight > 0 for each tenant; {tenant!r} has {weight!r}")
         return weights
