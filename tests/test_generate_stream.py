@@ -333,6 +333,7 @@ async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_str
         await stream.send(start("a", max_tokens=30), start("b", max_tokens=20))
         await stream.until(lambda: stream.chunks["a"] and stream.chunks["b"], "both stream")
         await service.begin_drain()
+        assert service.draining and service.scheduler.intake.closed  # one flag: the scheduler's own refuses too
         await stream.send(start("late", max_tokens=5))
         await stream.until(lambda: stream.ended("late"), "late is refused")
         [error] = stream.errors["late"]

@@ -228,8 +228,8 @@ class RequestProcessor:
         config: the whole config (``limits``, ``dispatcher``).
         engine: the engine (its model; whether it shares prefixes).
 
-    ``loop`` is the engine loop while the dispatcher runs (None before its start and after its stop);
-    ``draining`` is set once the dispatcher drains. The servicer writes both.
+    ``loop`` is the engine loop while the dispatcher runs (None before its start and after its stop), written
+    by the servicer.
     """
 
     def __init__(self, config: SwitchyardConfig, engine: StepEngine | StreamEngine) -> None:
@@ -237,7 +237,12 @@ class RequestProcessor:
         self.engine = engine
         self.stepping = isinstance(engine, StepEngine)
         self.loop: LoopBase | None = None
-        self.draining = False
+
+    @property
+    def draining(self) -> bool:
+        """The dispatcher drains: its scheduler's intake is closed (the one flag; :meth:`DispatcherService.begin_drain`
+        closes it), and new requests are refused ``DispatcherClosed``."""
+        return self.loop is not None and self.loop.scheduler.intake.closed
 
     @property
     def shares_prefixes(self) -> bool:
@@ -277,7 +282,7 @@ class RequestProcessor:
         if loop is None:
             raise SwitchyardError("dispatcher is not started yet; retry shortly or on another replica",
                                   grpc.StatusCode.UNAVAILABLE)
-        if self.draining:  # the scheduler would refuse it too (its intake closes with the drain): one answer
+        if self.draining:  # refused before its prefill_only shortcut, which would not reach the scheduler
             raise DispatcherClosed()
         if req.prefill_only:
             if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens

@@ -141,7 +141,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
 
     @property
     def draining(self) -> bool:
-        """Set by :meth:`begin_drain`: new requests are refused UNAVAILABLE."""
+        """Set by :meth:`begin_drain` (the scheduler's intake closed): new requests are refused UNAVAILABLE."""
         return self.processor.draining
 
     # ------------------------------------------------------------------ Service protocol
@@ -168,7 +168,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
     async def begin_drain(self) -> None:
         """SIGTERM: new requests are refused UNAVAILABLE from now on; each GenerateStream ends once
         the requests it carries are done (the server then stops without waiting out its grace)."""
-        self.processor.draining = True
+        self.scheduler.close()  # the one drain flag: the scheduler refuses from now on, and the processor reads it
         for session in self._sessions:
             session.drain()
 
