@@ -169,8 +169,8 @@ class LoopBase:
     def submit(self, req: Request) -> None:
         """Hand ``req`` to the scheduler; its output stream then carries what it generates. Once the
         scheduler has accepted it, the loop arms its flush timer and wakes (:meth:`_arrived`), and takes
-        core work mid-step where it can (:meth:`_on_core_arrival`): the loop decides, the scheduler calls
-        nothing back.
+        core work mid-step where it can (:meth:`_on_core_arrival`): the loop decides; the scheduler calls
+        nothing of the loop back (only the adaptive flush's arrival count, where one is set).
 
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see

@@ -280,7 +280,8 @@ class Request:
 
     @property
     def priority_class(self) -> PriorityClass:
-        """The request's priority class (its ``priority`` converted once, in :mod:`switchyard.common.priority`)."""
+        """The request's priority class: its ``priority`` (the proto value) converted by the one conversion,
+        :meth:`PriorityClass.from_proto`."""
         return PriorityClass.from_proto(self.priority)
 
     @property
