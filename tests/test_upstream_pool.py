@@ -128,7 +128,7 @@ class Replica:
     up: bool = True
     in_flight: int = 0
     load: ServerLoad = field(default_factory=ServerLoad)
-    limit_value: int | None = 32
+    limit_value: int = 32
     ttft_s: float | None = None
 
 

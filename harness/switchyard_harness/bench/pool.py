@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import sys
@@ -46,7 +45,6 @@ from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Token
-from switchyard.gateway.server_load import parse_server_load  # noqa: F401 - the servers' own figures
 from switchyard_harness.sim_openai import SpawnedSimOpenAI, spawn
 
 HIT_TARGET = 0.90

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import random
 import sys

@@ -94,7 +94,6 @@ from typing import Any, Awaitable, Callable
 
 from opentelemetry import context as otel_context
 
-from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
@@ -521,7 +520,7 @@ class StepLoop(LoopBase):
         """Prefill the newcomers among ``running`` (core ones first, then the DRAM copies of ``restore`` come
         back), then decode until the slice ends or the running set changes; a turn that has run no step by
         then decodes once whatever waits, so the running set always moves on."""
-        engine, scheduler = self.engine, self.scheduler
+        scheduler = self.scheduler
         steps_before = self.steps
         waits_restore = set(restore)
         if any(not s.needs_prefill for s in running if s not in waits_restore):

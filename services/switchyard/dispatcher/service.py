@@ -43,7 +43,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, abort
 from switchyard.common.server import Drains
-from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
+from switchyard.common.tenant import check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -155,8 +155,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         if self.stepping:
             loop = StepLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
         else:
-            assert self.limit is not None
-            loop = StreamLoop(self.config, self.engine, self.scheduler, self.limit)  # type: ignore[arg-type]
+            loop = StreamLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
         self.processor.loop = loop
         loop.start()
         if not self.stepping:  # the upstream's flavour and context windows, read in the background
@@ -231,16 +230,15 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
                 check_id(value, name, limits, required=True)
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)
-            tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
+            if request.tenant_id:  # checked as Generate's; the decision reads the parked request's own
+                check_tenant(request.tenant_id, "tenant_id")
             check_priority(request.priority)
         except SwitchyardError as exc:
             await abort(context, exc, "dispatcher")
-        decision, restore_at_s = self.tool_wait(request.agent_id, request.tool, request.expected_wait_s, tenant,
-                                                request.priority or agent_pb2.NORMAL)
+        decision, restore_at_s = self.tool_wait(request.agent_id, request.tool, request.expected_wait_s)
         return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
 
-    def tool_wait(self, agent_id: str, tool: str, expected_wait_s: float, tenant: str,
-                  priority: int) -> tuple[int, float]:
+    def tool_wait(self, agent_id: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
         """What to do with ``agent_id``'s prefix state while it waits ``expected_wait_s`` seconds on ``tool``.
 
         A step engine's scheduler decides at once
@@ -248,9 +246,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         ``switchyard_tool_wait_decisions_total{decision}`` and, per tool,
         ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}``): KEEP holds the parked KV in HBM
         for the expected wait and as long again; SWAP copies it to the DRAM tier now and restores it
-        ahead of the tool's return; DROP releases it. The decision is the agent's parked step's:
-        ``tenant`` and ``priority`` (the orchestrator's view) are not read, the parked request carries
-        its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
+        ahead of the tool's return; DROP releases it. The decision is the agent's parked step's: the
+        announcement's tenant and priority (the orchestrator's view) are checked, not read, the parked
+        request carries its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
 
         Answered ``TOOL_WAIT_DECISION_UNSPECIFIED`` with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
         replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran

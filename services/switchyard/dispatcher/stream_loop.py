@@ -61,19 +61,17 @@ class StreamLoop(LoopBase):
     Args:
         config: the whole config (``queues.inference.max_batches_in_prefill``, ``scheduler.time_slice_ms``).
         engine: the stream engine.
-        scheduler: a scheduler built with ``ConcurrencyCapacity(limit)``.
-        limit: the concurrency limit behind the scheduler's capacity (the engine's, which measures itself).
+        scheduler: a scheduler built with a ``ConcurrencyCapacity``, whose ``limit`` (the engine's, which
+            measures itself) is the one limit the loop reads.
     """
 
-    def __init__(
-        self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore, limit: ConcurrencyLimit,
-    ) -> None:
+    def __init__(self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore) -> None:
         super().__init__(config, engine, scheduler)
         if not isinstance(scheduler.capacity, ConcurrencyCapacity):
             raise ValueError("scheduler: a stream engine's scheduler needs a ConcurrencyCapacity")
         scheduler.preemption_enabled = False  # an upstream stream cannot be paused
         self.capacity = scheduler.capacity
-        self.limit = limit
+        self.limit: ConcurrencyLimit = scheduler.capacity.limit
         self.max_prefilling = config.queues.inference.max_batches_in_prefill
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet

@@ -55,8 +55,8 @@ class Candidate(Protocol):
     load: ServerLoad
 
     @property
-    def limit_value(self) -> int | None:
-        """Its concurrency limit now, streams (None: unbounded)."""
+    def limit_value(self) -> int:
+        """Its concurrency limit now, streams (at least ``concurrency.min_limit``, 1 or more)."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -140,7 +140,7 @@ class EndpointPicker:
     @staticmethod
     def under_limit(candidates: list[Candidate]) -> list[Candidate]:
         """Candidates below their concurrency limit; all of them when none is."""
-        roomy = [c for c in candidates if c.limit_value is None or c.in_flight < c.limit_value]
+        roomy = [c for c in candidates if c.in_flight < c.limit_value]
         return roomy or candidates
 
     # ------------------------------------------------------------------ scorers
@@ -163,7 +163,4 @@ def _queue_score(c: Candidate) -> float:
 
 
 def _headroom(c: Candidate) -> float:
-    limit = c.limit_value
-    if not limit:
-        return 1 / (1 + c.in_flight)
-    return max(0.0, 1 - c.in_flight / limit)
+    return max(0.0, 1 - c.in_flight / max(1, c.limit_value))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Union
 
 from switchyard.dispatcher.request import Request, ToolCall
 

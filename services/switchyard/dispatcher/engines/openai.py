@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from opentelemetry.trace import Tracer
 

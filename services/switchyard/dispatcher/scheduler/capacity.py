@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from switchyard.common.config import HbmTierConfig
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE  # noqa: F401 - reasons
+from switchyard.dispatcher.adaptive_limit import UPSTREAM_CORE_RESERVE
 from switchyard.dispatcher.request import Request
 
 KV_MEMORY = "kv_memory"

@@ -791,7 +791,7 @@ class SchedulerCore:
         elif state is RequestStatus.BUFFERED:
             self._remove_buffered(req)
         if not req.reached_engine:
-            self._leave_queue(req)
+            self._queued -= 1
         self._end_handover(req)
         self._batch_member_done(req, now)
         if req.swap_key:  # a DRAM copy it will not come back for
@@ -1070,7 +1070,7 @@ class SchedulerCore:
             req.reached_engine = True
             req.queue_wait_s = now - req.arrival
             self._events.queue_waits_s.append(max(0.0, req.queue_wait_s))
-            self._leave_queue(req)
+            self._queued -= 1
         else:  # a request that reached the engine waits again only after a preemption
             self.counters.resumes["preempted"] += 1
         parked = req.handover_from
@@ -1133,9 +1133,6 @@ class SchedulerCore:
                 taken_out=True)
             out.expired.append(req)
         self._next_expiry = min((r.arrival + deadline for r in self.queue if not r.reached_engine), default=math.inf)
-
-    def _leave_queue(self, req: Request) -> None:
-        self._queued -= 1
 
     def _batch_member_done(self, req: Request, now: float) -> None:
         batch, req.batch = req.batch, None
