@@ -194,8 +194,6 @@ class Request:
     """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only."""
     num_prefilled_tokens: int = 0
     """Prompt (and recomputed) tokens the engine computed for it: with the output tokens, its attained service."""
-    reached_engine: bool = False
-    """Admitted at least once: it left the inference queue (its queue wait is over)."""
     kv_reserved_bytes: int = 0
     """KV bytes reserved in the HBM budget while it runs (0 when not running)."""
     batch: "FlushedBatch | None" = field(default=None, repr=False)
@@ -283,6 +281,11 @@ class Request:
         """The request's priority class: its ``priority`` (the proto value) converted by the one conversion,
         :meth:`PriorityClass.from_proto`."""
         return PriorityClass.from_proto(self.priority)
+
+    @property
+    def reached_engine(self) -> bool:
+        """Admitted at least once (``admitted_at`` set): it left the inference queue, its queue wait is over."""
+        return self.admitted_at is not None
 
     @property
     def priority_name(self) -> str:

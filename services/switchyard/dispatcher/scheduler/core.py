@@ -1062,12 +1062,12 @@ class SchedulerCore:
         return False
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        first = not req.reached_engine
         req.admitted_at = now
         req.status = RUNNING
         self._running.append(req)
         self.capacity.take(req)
-        if not req.reached_engine:
-            req.reached_engine = True
+        if first:
             req.queue_wait_s = now - req.arrival
             self._events.queue_waits_s.append(max(0.0, req.queue_wait_s))
             self._queued -= 1
