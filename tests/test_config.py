@@ -348,7 +348,7 @@ def test_a_task_and_a_generate_without_max_tokens_get_the_one_default():
     from switchyard.orchestrator.validation import validate
 
     config = load_config("config").with_overrides(**{"limits.default_max_tokens": 77})
-    generate = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi"), config)
+    generate = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi"), config, "sim-7b", only_model=True)
     task = validate(agent_pb2.RunTaskRequest(payload="hi"), config, default_model="sim-7b")
     assert generate.max_tokens == task.max_tokens == 77
 

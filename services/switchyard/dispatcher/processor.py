@@ -14,6 +14,7 @@ back into the servicer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import grpc
@@ -22,7 +23,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry, untrusted
-from switchyard.common.config import SwitchyardConfig, default_model
+from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after, new_request_id
@@ -71,16 +72,17 @@ def check_priority(value: int) -> None:
 
 
 def to_request(
-    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, served_model: str | None = None,
+    request: agent_pb2.GenerateRequest, config: SwitchyardConfig, engine_model: str, *, only_model: bool = False,
     reported_window: int = 0,
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
     ``max_tokens`` 0 means ``limits.default_max_tokens``; ``prompt_tokens``
     0 means counted here (word pieces of the prompt or messages); an empty
-    ``request_id`` gets a random one. ``served_model``: the one model a step
-    engine serves (a request naming another is NOT_FOUND); None for an upstream
-    engine, whose gateway resolves the name. ``reported_window``: the context
+    ``request_id`` gets a random one. ``engine_model``: the engine's model
+    (``engine.model``), the one a request naming none gets; ``only_model``: the
+    engine serves it alone (a step engine: a request naming another is
+    NOT_FOUND), else an upstream engine's gateway resolves the name. ``reported_window``: the context
     window the upstream reports for the request's model (0: none; a window
     ``limits.context_window_tokens`` lists wins). Limits come from ``limits`` (the
     orchestrator checks the same ones before a task is accepted; this check
@@ -112,9 +114,9 @@ def to_request(
     for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
                         ("model", request.model), ("task_type", request.task_type)):
         check_id(value, name, limits)
-    if served_model is not None and request.model and request.model != served_model:
+    if only_model and request.model and request.model != engine_model:
         raise SwitchyardError(
-            f"model {request.model!r} is not served here: this dispatcher's engine serves {served_model!r} "
+            f"model {request.model!r} is not served here: this dispatcher's engine serves {engine_model!r} "
             "(leave model empty for it)", grpc.StatusCode.NOT_FOUND,
         )
     if len(request.messages) > limits.max_messages:
@@ -155,7 +157,7 @@ def to_request(
             prompt_tokens,
         )
     max_tokens = request.max_tokens or limits.default_max_tokens
-    model = served_model or request.model or default_model(config)
+    model = engine_model if only_model else request.model or engine_model
     window, source = limits.context_window(model, reported_window)
     if prompt_tokens >= window:
         raise InvalidArgument(
@@ -265,12 +267,13 @@ class RequestProcessor:
                 dispatcher is not started or draining (UNAVAILABLE), or the queue is full
                 (RESOURCE_EXHAUSTED).
         """
-        served = self.engine.model if self.stepping else None
         reported = 0 if self.stepping else self.engine.reported_context_window(request.model)
+        build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
+                                  reported_window=reported)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
-            req = await asyncio.to_thread(to_request, request, self.config, served, reported)
+            req = await asyncio.to_thread(build)
         else:
-            req = to_request(request, self.config, served, reported)
+            req = build()
         span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
         span.set_attribute("switchyard.priority", req.priority_name)

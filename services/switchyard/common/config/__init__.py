@@ -36,7 +36,7 @@ which service), :mod:`.aggregate` (:class:`SwitchyardConfig`),
 name is importable from this package.
 """
 
-from switchyard.common.config.aggregate import SwitchyardConfig, default_model
+from switchyard.common.config.aggregate import SwitchyardConfig
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import ConfigError
 from switchyard.common.config.batching import BatchingConfig
@@ -91,5 +91,5 @@ __all__ = [
     "RetrievalConfig", "ScanConfig", "SchedulerConfig", "Section", "ServerConfig", "SimEngineConfig",
     "SloConfig", "SwitchyardConfig", "TaskStoreConfig", "TlsConfig", "TorchEngineConfig", "TtftSloConfig",
     "UpstreamConfig", "UpstreamPoolConfig", "ValueScoreConfig",
-    "config_folder", "default_model", "load_config", "sections_read_by",
+    "config_folder", "load_config", "sections_read_by",
 ]

@@ -140,13 +140,3 @@ def _assemble(sections: dict[str, Any], config_dir: str, source: str) -> Switchy
     )
     top = {name: value for name, value in sections.items() if "." not in name}
     return SwitchyardConfig.model_construct(queues=queues, memory=memory, config_dir=config_dir, **top)
-
-
-def default_model(config: SwitchyardConfig) -> str:
-    """The model id the dispatcher's engine serves when a request names none (the dispatcher's sections)."""
-    engine = config.dispatcher.engine
-    if engine == "sim":
-        return config.sim.model
-    if engine == "torch":
-        return config.torch.model
-    return config.upstream.default_model
