@@ -26,7 +26,7 @@ from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
-from switchyard.common.generate_protocol import deadline_after, new_request_id
+from switchyard.common.generate_protocol import deadline_after
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
@@ -78,8 +78,7 @@ def to_request(
     """Validate a GenerateRequest and build its :class:`Request`.
 
     ``max_tokens`` 0 means ``limits.default_max_tokens``; ``prompt_tokens``
-    0 means counted here (word pieces of the prompt or messages); an empty
-    ``request_id`` gets a random one. ``engine_model``: the engine's model
+    0 means counted here (word pieces of the prompt or messages). ``engine_model``: the engine's model
     (``engine.model``), the one a request naming none gets; ``only_model``: the
     engine serves it alone (a step engine: a request naming another is
     NOT_FOUND), else an upstream engine's gateway resolves the name. ``reported_window``: the context
@@ -174,7 +173,7 @@ def to_request(
             max_tokens,
         )
     return Request(
-        request_id=request.request_id or new_request_id(),
+        request_id=request.request_id,  # never empty here: a session's start refuses one, Generate gives one
         prompt=request.prompt,
         messages=messages,
         tools=tools,
