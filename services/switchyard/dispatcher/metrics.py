@@ -32,7 +32,7 @@ from switchyard.common.metrics import (
     TOOL_NAMES,
     TTFT_BUCKETS,
 )
-from switchyard.common.priority import LABELS as PRIORITY_LABELS
+from switchyard.common.priority import LABELS
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
@@ -66,8 +66,6 @@ STREAM_MESSAGE_CHUNKS = Histogram(
 ENGINE_BUSY_RATIO = Gauge(
     "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
 )
-PRIORITY_CLASSES = PRIORITY_LABELS
-"""The priority classes: the only ``priority_class`` label values."""
 TTFT = Histogram(
     "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced, by priority class.",
     ["priority_class"], buckets=_TTFT_BUCKETS,
@@ -102,8 +100,8 @@ PREFIX_CACHE_BYTES = Gauge(
 )
 # Every class's latency series exist (at 0) before its first request, bound once: the step loop
 # observes inter-token latency per token, and a labels() lookup costs more than the observation.
-TTFT_BY_CLASS = {_class: TTFT.labels(_class) for _class in PRIORITY_CLASSES}
-INTER_TOKEN_LATENCY_BY_CLASS = {_class: INTER_TOKEN_LATENCY.labels(_class) for _class in PRIORITY_CLASSES}
+TTFT_BY_CLASS = {_class: TTFT.labels(_class) for _class in LABELS}
+INTER_TOKEN_LATENCY_BY_CLASS = {_class: INTER_TOKEN_LATENCY.labels(_class) for _class in LABELS}
 
 # --------------------------------------------------------------------------- scheduling
 
@@ -188,7 +186,7 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
     buckets=tuple(float(1 << s) for s in range(20, 37, 2)),  # 1 MiB .. 64 GiB
 )
 
-for _class in PRIORITY_LABELS:  # counters with a known label set start at 0
+for _class in LABELS:  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
     DEADLINES_EXCEEDED.labels(_class)
 for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
@@ -249,8 +247,8 @@ QUEUE_WAIT_INFERENCE = QUEUE_WAIT.labels(QUEUE_NAME)
 # publish_stats' gauges bound once (a labels() lookup costs about what the set does)
 _QUEUE_DEPTH_INFERENCE = QUEUE_DEPTH.labels(QUEUE_NAME)
 _QUEUE_CAPACITY_INFERENCE = QUEUE_CAPACITY.labels(QUEUE_NAME)
-_RUNNING_BY_CLASS = {_class: RUNNING_AGENTS.labels(_class) for _class in PRIORITY_CLASSES}
-_WAITING_BY_CLASS = {_class: WAITING_AGENTS.labels(_class) for _class in PRIORITY_CLASSES}
+_RUNNING_BY_CLASS = {_class: RUNNING_AGENTS.labels(_class) for _class in LABELS}
+_WAITING_BY_CLASS = {_class: WAITING_AGENTS.labels(_class) for _class in LABELS}
 _EXPECTED_BY_TYPE: dict[str, Gauge] = {}  # bound on first publication; task types are a bounded set
 
 _HBM = "hbm"

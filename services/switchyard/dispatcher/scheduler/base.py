@@ -65,11 +65,9 @@ from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus,
 if TYPE_CHECKING:
     from switchyard.dispatcher.engines.base import StepBatch, StepResult
 
-__all__ = ["CLASS_ORDER", "REACT_TASK_TYPE", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
+__all__ = ["REACT_TASK_TYPE", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
            "SchedulerOutput", "SchedulerStats", "class_rank", "should_park"]
 
-CLASS_ORDER: tuple[str, ...] = LABELS
-"""Priority class labels, most important first (:class:`switchyard.common.priority.PriorityClass`)."""
 
 REACT_TASK_TYPE = "react_loop"
 """The task type whose agents alternate GPU thinking and tool waits."""
@@ -232,8 +230,8 @@ class SchedulerStats:
     the scheduler's running totals are its ``counters``) and ``events`` (:class:`SchedulerEvents`).
     """
 
-    running: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASS_ORDER, 0))
-    waiting: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASS_ORDER, 0))
+    running: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LABELS, 0))
+    waiting: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LABELS, 0))
     num_running: int = 0
     num_waiting: int = 0
     num_queued: int = 0
