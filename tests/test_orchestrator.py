@@ -617,6 +617,23 @@ async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everythin
         assert 0 < down.deadlines[0] <= LIMITS["chat"] + 0.1
 
 
+async def test_a_downstream_deadline_that_fires_with_the_tasks_own_is_the_task_running_out_of_time():
+    """The dispatcher call's gRPC deadline is the task's time left: when it fires a moment before the task's own
+    timer, the answer names the task and its limit, not the hop's bare "Deadline Exceeded"."""
+    async with stack(**{"orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
+        async def generate_until_the_deadline(request, context):
+            down.requests.append(request)
+            await asyncio.sleep(max(0.0, context.time_remaining() - 0.02))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            yield  # pragma: no cover - an async generator, as Generate is
+
+        down.Generate = generate_until_the_deadline
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, task_id="raced", payload="hi", task_type="chat")
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "task raced ran out of time" in err.value.details(), err.value.details()
+
+
 async def test_task_past_its_time_limit_ends_deadline_exceeded_naming_the_limit():
     async with stack(**{"orchestrator.task_time_limit_s": LIMITS}) as (stub, down):
         down.gate = asyncio.Event()

@@ -110,6 +110,11 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
+DEADLINE_RACE_S = 0.05
+"""A downstream DEADLINE_EXCEEDED within this many seconds of the task's deadline is the task's own running out
+(its calls' gRPC deadlines are its time left), reported as such: :class:`TaskDeadlineExceeded`."""
+
+
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
@@ -296,6 +301,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     raise  # a stage's own timeout, reported by that stage
                 elapsed = time.monotonic() - task.t0
                 raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from None
+            except SwitchyardError as exc:
+                # A downstream call's gRPC deadline is the task's time left: it may fire a moment before the
+                # task's own timer does, as the hop's bare "Deadline Exceeded". The task ran out of time.
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or task.deadline_s - time.monotonic() > DEADLINE_RACE_S:
+                    raise
+                elapsed = time.monotonic() - task.t0
+                raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from exc
 
     async def _execute(self, task: Task) -> agent_pb2.FinalEvent:
         """Run the task; returns the final event (also emitted)."""
