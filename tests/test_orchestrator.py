@@ -617,6 +617,23 @@ async def test_a_dropped_call_ends_at_the_task_time_limit_and_releases_everythin
         assert 0 < down.deadlines[0] <= LIMITS["chat"] + 0.1
 
 
+async def test_a_runtask_whose_callers_deadline_passed_is_counted_deadline_exceeded_not_cancelled():
+    """The caller's gRPC deadline is the task's deadline: grpc cancels the handler as it passes, and the task is
+    counted as the caller saw it end (DEADLINE_EXCEEDED), not as a caller that left (CANCELLED)."""
+    from switchyard.orchestrator.metrics import TASKS
+
+    async with stack() as (stub, down):
+        down.gate = asyncio.Event()  # generation never ends on its own
+        before = {code: _count(TASKS, task_type="chat", code=code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"), timeout=0.5):
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await _until(lambda: _count(TASKS, task_type="chat", code="DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1)
+        assert _count(TASKS, task_type="chat", code="CANCELLED") == before["CANCELLED"]
+        down.gate.set()
+
+
 async def test_a_downstream_deadline_that_fires_with_the_tasks_own_is_the_task_running_out_of_time():
     """The dispatcher call's gRPC deadline is the task's time left: when it fires a moment before the task's own
     timer, the answer names the task and its limit, not the hop's bare "Deadline Exceeded"."""

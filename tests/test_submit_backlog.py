@@ -96,6 +96,15 @@ async def final_state(stub, task_id: str) -> agent_pb2.TaskStatus:
     raise AssertionError(f"{task_id} never finished: {status}")
 
 
+def cancelled_tasks() -> float:
+    """``switchyard_tasks_total{code="CANCELLED"}`` over every task type."""
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for metric in REGISTRY.collect() if metric.name == "switchyard_tasks"
+               for sample in metric.samples
+               if sample.name == "switchyard_tasks_total" and sample.labels.get("code") == "CANCELLED")
+
+
 def submit(stub, task_id: str, priority: int):
     return stub.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello", task_type="chat",
                                                     priority=priority))
@@ -103,6 +112,7 @@ def submit(stub, task_id: str, priority: int):
 
 async def test_at_most_the_bound_run_the_backlog_is_served_by_class_then_arrival_and_cancel_works(tmp_path):
     assert gauge("queued") == 0 and gauge("running") == 0
+    cancelled_before = cancelled_tasks()
     overrides = {"orchestrator.max_running_submitted_tasks": 2, "orchestrator.max_unfinished_submitted_tasks": 6}
     async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, _, down):
         assert [(await submit(stub, t, agent_pb2.BATCH)).queue_position for t in ("b1", "b2")] == [0, 0]
@@ -139,6 +149,7 @@ async def test_at_most_the_bound_run_the_backlog_is_served_by_class_then_arrival
         await until(lambda: "b1:0" in down.cancelled and len(down.requests) == 3)  # its place went to c1
         assert down.requests[2].request_id.startswith("c1:")
         assert (gauge("running"), gauge("queued")) == (2, 3)
+        await until(lambda: cancelled_tasks() == cancelled_before + 2)  # b3 from the backlog, b1 running: both
 
         down.gate.set()
         finals = {t: await final_state(stub, t) for t in ("b2", "c1", "n1", "b4", "x1")}
@@ -198,6 +209,7 @@ async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_remo
 
 async def test_a_stopping_orchestrator_records_what_ran_and_what_waited_as_failed(tmp_path):
     store = tmp_path / "tasks.sqlite3"
+    cancelled_before = cancelled_tasks()
     overrides = {"orchestrator.max_running_submitted_tasks": 1, "server.shutdown_grace_s": 0.2}
     async with backlog_stack(store, **overrides) as (stub, _, down):
         await submit(stub, "ran", agent_pb2.NORMAL)
@@ -205,6 +217,7 @@ async def test_a_stopping_orchestrator_records_what_ran_and_what_waited_as_faile
         assert (await submit(stub, "waited", agent_pb2.NORMAL)).queue_position == 0
         down.gate = asyncio.Event()  # the stack's exit opens this one; "ran" waits on the first, never opened
     assert gauge("queued") == 0 and gauge("running") == 0
+    assert cancelled_tasks() == cancelled_before + 2  # what ran and what waited: each counted once
     config = load_config("config", service="orchestrator").with_overrides(
         **{"orchestrator.task_store.sqlite_path": str(store)}).orchestrator.task_store
     reader = SqliteTaskStore(config)

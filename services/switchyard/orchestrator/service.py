@@ -115,6 +115,12 @@ DEADLINE_RACE_S = 0.05
 (its calls' gRPC deadlines are its time left), reported as such: :class:`TaskDeadlineExceeded`."""
 
 
+def _count_unrun(spec: TaskSpec, code: grpc.StatusCode) -> None:
+    """Count in ``switchyard_tasks_total`` a submitted task that ended before it ran (cancelled or stopped while
+    in the backlog): :meth:`OrchestratorService._execute` counts every task it runs."""
+    TASKS.labels(spec.workflow, code.name).inc()
+
+
 class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
@@ -219,6 +225,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await self.readiness.stop()
         self._stopping = True
         for entry in self._submitted.drain_backlog():
+            _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped before the "
                                       "task started (it was QUEUED); resubmit it under a new task_id")
         if started := self._submitted.started():
@@ -323,7 +330,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 TASK_TTFT.labels(workflow).observe(final.timings.ttft_s)
             return final
         except BaseException as exc:
-            code = grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0]
+            code = status_for(exc)[0]
+            if isinstance(exc, asyncio.CancelledError):  # the caller left, or its gRPC deadline (the task's) passed
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if task.deadline_s - time.monotonic() <= DEADLINE_RACE_S
+                        else grpc.StatusCode.CANCELLED)
             raise
         finally:
             AGENTS_CONCURRENT.dec()
@@ -442,6 +452,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
                                       trace_id=record.trace_id)
         if self._stopping:  # stop() began while the record was written: it will not start here
+            _count_unrun(spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(Submitted(spec, trace_id, contextvars.copy_context()), agent_pb2.FAILED, b"",
                                       "CANCELLED: the orchestrator stopped before the task started; resubmit it "
                                       "under a new task_id")
@@ -480,6 +491,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         spec = entry.spec
         running: asyncio.Future[None] | None = None
         task: Task | None = None
+        executing = False
         t0 = time.monotonic()
         try:
             if entry.cancelled or self._stopping:  # asked before this runner began
@@ -497,9 +509,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task.add_wait("submitted", t0 - entry.submitted_at)
             entry.timings.queue_wait_s["submitted"] = t0 - entry.submitted_at
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
+            executing = True  # _execute counts the task from here
             final = await self._execute(task)
             state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
         except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
+            if not executing:
+                _count_unrun(spec, grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
+                             else status_for(exc)[0])
             if isinstance(exc, asyncio.CancelledError):
                 error = ("CANCELLED: cancelled by CancelTask while RUNNING" if entry.cancelled
                          else "CANCELLED: the orchestrator stopped before the task finished")
@@ -602,6 +618,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if entry is not None:
             entry.cancelled = True
             entry.timings.total_s = 0.0
+            _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(entry, agent_pb2.FAILED, b"",
                                       "CANCELLED: cancelled by CancelTask while QUEUED, before it started")
             return entry.to_status()
