@@ -155,7 +155,6 @@ def to_request(
             f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
             prompt_tokens,
         )
-    max_tokens = request.max_tokens or limits.default_max_tokens
     model = engine_model if only_model else request.model or engine_model
     window, source = limits.context_window(model, reported_window)
     if prompt_tokens >= window:
@@ -163,13 +162,14 @@ def to_request(
             "prompt_tokens", f"fewer than the context window of {model}, {window} tokens ({source})",
             prompt_tokens,
         )
+    # none named: the default, within the room the prompt leaves (as vLLM fills an unset max_tokens)
+    max_tokens = request.max_tokens or min(limits.default_for(window), window - prompt_tokens)
     if prompt_tokens + max_tokens > window:
-        default = " (0 asks for limits.default_max_tokens)" if not request.max_tokens else ""
         raise InvalidArgument(
             "max_tokens",
             f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
             f"({source}); the prompt is {prompt_tokens} tokens, so at most "
-            f"{window - prompt_tokens}{default}",
+            f"{window - prompt_tokens} (or 0 for the default within that room)",
             max_tokens,
         )
     return Request(

@@ -168,10 +168,11 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     model = request.model or default_model
     window = limits.context_window(model, reported_window)
     limit = min(limits.max_tokens, window.tokens - 1)  # the prompt takes at least one token of the window
+    default = limits.default_for(window.tokens)
     if not 0 <= request.max_tokens <= limit:
         raise InvalidArgument(
             "max_tokens",
-            f"0 (the default, {limits.default_max_tokens}) to {limit} (limits.max_tokens {limits.max_tokens}; "
+            f"0 (the default, {default}) to {limit} (limits.max_tokens {limits.max_tokens}; "
             f"context window of {model}: {window.tokens} tokens ({window.source}), prompt included)",
             request.max_tokens,
         )
@@ -181,7 +182,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         payload=request.payload,
         workflow=workflow,
         priority=request.priority or agent_pb2.NORMAL,
-        max_tokens=request.max_tokens or limits.default_max_tokens,
+        max_tokens=request.max_tokens or default,
         model=request.model,
         agent_id=request.agent_id,
         tenant_id=tenant_id,

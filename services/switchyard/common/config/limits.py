@@ -27,7 +27,7 @@ class RequestLimitsConfig(_Strict):
         128, ge=1, le=1_000_000,
         description="Completion tokens of a model call whose task or Generate sends max_tokens = 0, tokens (at most "
         "max_tokens): the one default, read by the orchestrator for a task's calls and by the dispatcher for a "
-        "Generate's.",
+        "Generate's. It never takes more than half the model's context window (the prompt keeps the rest).",
     )
     context_window_tokens: dict[str, int] = Field(
         default_factory=lambda: {"sim-7b": 4096, "torch-tiny": 8192, "claude-sonnet-4-5": 200_000, "gpt-4o-mini": 128_000},
@@ -65,6 +65,12 @@ class RequestLimitsConfig(_Strict):
         if bad:
             raise ValueError(f"expected windows of at least 16 tokens, got {bad}")
         return value
+
+    def default_for(self, window_tokens: int) -> int:
+        """The completion tokens a call that names none gets in a context window of ``window_tokens``:
+        ``default_max_tokens``, at most half the window (the prompt keeps the rest; a default larger than a
+        model's window refused every call that named none), at least 1."""
+        return max(1, min(self.default_max_tokens, window_tokens // 2))
 
     def context_window(self, model: str, reported: int = 0) -> ContextWindow:
         """Context window of ``model``: the one ``context_window_tokens`` lists for it (the operator's word
