@@ -136,7 +136,9 @@ async def test_every_upstream_request_carries_agent_and_priority_headers_through
 @pytest.mark.parametrize("agent, request_id, sent_agent, sent_request_id", [
     ("agent-é", "tâche-1:0", "agent-%C3%A9", "t%C3%A2che-1:0"),
     ("\u200b", "日本:2", "%E2%80%8B", "%E6%97%A5%E6%9C%AC:2"),  # a zero-width space; CJK
-    ("100% agent", "r 1", "100% agent", "r 1"),  # visible ASCII and spaces go as they are
+    ("an agent", "r 1", "an agent", "r 1"),  # visible ASCII and inner spaces go as they are
+    ("a%C3%A9", "100%", "a%25C3%25A9", "100%25"),  # a '%' is encoded: 'aé' and 'a%C3%A9' stay two agents
+    (" lead", "trail ", "%20lead", "trail%20"),  # a space at an end would be stripped by the receiver
     ("ü\x7f", "r", "%C3%BC%7F", "r"),  # DEL is no header character
 ])
 async def test_ids_that_are_not_ascii_go_upstream_percent_encoded_and_the_call_succeeds(

@@ -93,12 +93,17 @@ _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%") + " "
 
 
 def header_value(text: str) -> str:
-    """``text`` (a caller's id: any Unicode the edge accepts) as an HTTP header value: itself when it is visible
-    ASCII and spaces; else its UTF-8 percent-encoded (RFC 3986, section 2.1), ``%`` included, as header values
-    are ASCII (RFC 9110, section 5.5; obs-text is obsolete) and httpx refuses any other character."""
-    if text.isascii() and text.isprintable():
+    """``text`` (a caller's id: any Unicode the edge accepts) as an HTTP header value, told apart from every other
+    id: itself when it is visible ASCII with inner spaces only and no ``%``; else its UTF-8 percent-encoded
+    (RFC 3986, section 2.1), ``%`` as ``%25`` and a space at either end as ``%20`` (a receiver strips those).
+    Header values are ASCII (RFC 9110, section 5.5; obs-text is obsolete) and httpx refuses any other
+    character."""
+    if text.isascii() and text.isprintable() and "%" not in text and text == text.strip(" "):
         return text
-    return quote(text, safe=_HEADER_SAFE)
+    encoded = quote(text, safe=_HEADER_SAFE)
+    inner = encoded.strip(" ")
+    lead = len(encoded) - len(encoded.lstrip(" "))
+    return "%20" * lead + inner + "%20" * (len(encoded) - len(inner) - lead)
 
 
 def _end(decoder: StreamDecoder) -> list[StreamEvent]:
