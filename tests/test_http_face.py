@@ -345,6 +345,11 @@ async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_t
             assert err.value.details().startswith(f"{metadata[0][0]} header"), err.value.details()
         empty = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": ""})
         assert empty.status_code == 200  # an empty header names nothing: as if absent
+        for pair in (["", "b"], ["b", ""]):  # either order: the rule for two, not "agent_id missing"
+            twice = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "payload": "hi"},
+                                      headers=[("X-Agent-Id", pair[0]), ("X-Agent-Id", pair[1])])
+            assert twice.status_code == 400
+            assert twice.json()["error"]["message"].startswith("x-agent-id header: expected one value"), twice.text
         await sse_events(client, {**body, "priority": "CORE"}, {"X-Priority": "Batch"})
         assert down.requests[-1].priority == agent_pb2.CORE  # the body's, in capitals; the header's any case
 

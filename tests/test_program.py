@@ -226,6 +226,8 @@ async def test_a_bearer_tokens_tenant_wins_and_a_header_cannot_change_it(monkeyp
                               metadata=(("authorization", "Bearer tok-plain"), *((name, v) for v in values)))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith(f"{name} header: expected one value"), err.value.details()
+        await collect(stub, task_id="a5", payload="hi", task_type="chat",  # the same class, however written
+                      metadata=(("authorization", "Bearer tok-plain"), ("x-priority", "core"), ("x-priority", " CORE")))
         await collect(stub, task_id="a4", payload="hi", task_type="chat",  # twice the same: one value
                       metadata=(("authorization", "Bearer tok-plain"), ("x-tenant-id", "zeta"), ("x-tenant-id", "zeta")))
         assert down.requests[-1].tenant_id == "zeta"
@@ -278,6 +280,11 @@ async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
         again = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
                                                                task_type="chat", max_tokens=4), metadata=acme)
         assert again.task_id == "t-acme"  # its own tenant's identical request still answers the task
+        with pytest.raises(grpc.aio.AioRpcError) as other:  # a token naming no tenant sees acme's: says whose
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
+                                                           task_type="chat", max_tokens=4), metadata=plain)
+        assert other.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "under tenant 'acme'" in other.value.details() and "x-tenant-id: acme" in other.value.details()
         async with aiohttp.ClientSession() as session:
             base = f"http://127.0.0.1:{down.http.port}/api/v1"
             async with session.post(base + "/tasks/t-acme/cancel", headers={"Authorization": "Bearer tok-beta"}) as response:

@@ -448,7 +448,7 @@ class HttpFace(Drains):
             body = self._parse(raw)
         if isinstance(body, str):
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, body, "orchestrator")
-        if not body.agent_id and not request.headers.get(AGENT_ID_HEADER):
+        if not body.agent_id and not any(request.headers.getall(AGENT_ID_HEADER, ())):  # two: RunTask's rule
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument("agent_id", EXPECTED["agent_id"])),
                             "orchestrator")
         return agent_pb2.RunTaskRequest(

@@ -440,11 +440,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         if not created:
-            if (record.tenant_id or DEFAULT_TENANT) != spec.tenant_id and not self._visible_to_caller(
-                    record.tenant_id, context):  # another tenant's task: nothing said of it but that its id is taken
+            owner = record.tenant_id or DEFAULT_TENANT
+            if owner != spec.tenant_id:
+                if not self._visible_to_caller(record.tenant_id, context):  # nothing said of it but that it is taken
+                    await abort(context, SwitchyardError(
+                        f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a "
+                        "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS), self.name)
                 await abort(context, SwitchyardError(
-                    f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a new "
-                    "task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS), self.name)
+                    f"task_id: {shown(spec.task_id)} already exists under tenant {owner!r}, and this request is tenant "
+                    f"{spec.tenant_id!r}; send x-tenant-id: {owner} to get that task, or use a new task_id",
+                    grpc.StatusCode.ALREADY_EXISTS), self.name)
             if record.fingerprint != fingerprint(fields):
                 await abort(context, SwitchyardError(
                     f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "

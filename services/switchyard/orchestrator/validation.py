@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
@@ -53,15 +53,17 @@ def parse_priority(value: str, field: str) -> int:
         raise InvalidArgument(field, "core, normal or batch", value) from None
 
 
-def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str) -> str | None:
+def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
+                same: Callable[[str], str] = lambda value: value) -> str | None:
     """The one value of the edge header ``name`` (lower-case; gRPC metadata or HTTP headers), None when absent.
+    ``same``: what two values must agree on (x-priority's class, whatever its case and spaces).
 
     Raises:
         InvalidArgument: naming the header, sent more than once with different values (which one counts is
             not the caller's to leave to a proxy's order).
     """
     values = {str(value) for key, value in metadata or () if key == name}
-    if len(values) > 1:
+    if len({same(value) for value in values}) > 1:
         raise InvalidArgument(f"{name} header", "one value (it was sent more than once, with different values)",
                               sorted(values)[0])
     return values.pop() if values else None
@@ -82,7 +84,7 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
         check_id_chars(agent, f"{AGENT_ID_HEADER} header")
         if not request.agent_id:
             request.agent_id = agent
-    priority_header = edge_header(metadata, PRIORITY_HEADER)
+    priority_header = edge_header(metadata, PRIORITY_HEADER, lambda value: value.strip().lower())
     if priority_header and priority_header.strip():  # an empty one names nothing, as an empty x-agent-id
         priority = parse_priority(priority_header, f"{PRIORITY_HEADER} header")
         if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
