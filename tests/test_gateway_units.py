@@ -160,6 +160,13 @@ def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
     assert "SIM_KEY_UNSET" in capsys.readouterr().err
 
 
+def test_sim_openai_names_a_bad_config_dir_and_exits_2_without_a_traceback(tmp_path, capsys):
+    from switchyard_harness import sim_openai
+
+    assert sim_openai.main(["--config-dir", str(tmp_path / "missing")]) == 2
+    assert "bad configuration" in capsys.readouterr().err
+
+
 async def test_sim_openai_fault_header_and_bad_requests(clean_proxy_env):
     import httpx
 

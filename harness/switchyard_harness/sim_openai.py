@@ -666,9 +666,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
     sim = SimEngineConfig()
     if args.config_dir:
-        from switchyard.common.config import load_config
+        from switchyard.common.config import ConfigError, load_config
 
-        sim = load_config(args.config_dir).sim
+        try:
+            sim = load_config(args.config_dir).sim
+        except (ConfigError, ValueError) as exc:
+            print(f"switchyard serve sim-openai: bad configuration in --config-dir {args.config_dir}:\n{exc}",
+                  file=sys.stderr)
+            return 2
     if args.prefill_per_token_ms is not None:
         if not 0 <= args.prefill_per_token_ms <= 1000:
             parser.error(f"--prefill-per-token-ms: expected 0 to 1000, got {args.prefill_per_token_ms}")
