@@ -561,3 +561,19 @@ async def test_closing_the_tiers_lets_a_discard_under_way_end_first(redis_db: Re
         await tiers.aclose()
     assert not await client.exists(key)
     assert "DRAM tier unavailable" not in caplog.text
+
+
+@pytest.mark.parametrize("ident", ["a" * 256, "ü" * 128 + ":3", "日本語" * 80, "short-id"])
+async def test_every_id_the_edge_accepts_is_archived_and_taken_back(tmp_path: Path, ident: str) -> None:
+    """An agent id of 256 characters, or about 42 of two UTF-8 bytes, made a file name past the 255 bytes a file
+    system allows (ENAMETOOLONG): the entry was never archived and its KV was recomputed."""
+    from switchyard.dispatcher.tiers.dram import Entry
+
+    cold = ColdStore(str(tmp_path / "cold"), "sy:")
+    key = f"sy:agent:{ident}"
+    entry = Entry(key=key, tokens=10, nbytes=100, priority="batch", hits=0, cost_us=1.0, stored_at=time.time(),
+                  payload=b"kv" * 50)
+    assert await cold.put(entry)
+    back = await cold.take(key)
+    assert back is not None and back.payload == entry.payload and back.key == key
+    assert await cold.take(key) is None  # taken: gone

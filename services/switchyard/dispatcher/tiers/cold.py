@@ -4,7 +4,8 @@
 (``./cold_data``), ``s3://bucket/prefix``, ``gs://...`` and the rest through
 fsspec's backends (installed separately: s3fs, gcsfs, ...). One file per
 entry, named after its DRAM key (``seq/<request id>.kv``,
-``agent/<agent id>.kv``, the id percent-encoded), holding the entry sealed by
+``agent/<agent id>.kv``, the id percent-encoded; a long one shortened with its SHA-256:
+:func:`file_name`), holding the entry sealed by
 :mod:`.blob` (key, metadata, lengths, digest, payload): a file that does not
 prove itself is a miss (``switchyard_tier_corrupt_blobs_total``) and is removed.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import time
@@ -44,6 +46,22 @@ from switchyard.dispatcher.tiers.dram import META_FIELDS, Entry
 log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
 """Temporary names are ``.<final name>.<writer pid>.tmp``."""
+
+
+MAX_NAME_CHARS = 160
+"""Longest file name (before ``.kv``) an id keeps as it is, percent-encoded: with the temporary name's
+``.<name>.kv.<pid>.tmp`` it stays under the 255 bytes file systems allow."""
+
+
+def file_name(ident: str) -> str:
+    """The file name of an entry's id: the id percent-encoded; one longer than :data:`MAX_NAME_CHARS` (the edge takes
+    ids of 256 characters, and a non-ASCII character encodes to up to 12) is its first 96 characters and the
+    SHA-256 of the whole id, so that every id the edge accepts can be archived (the blob inside names its key:
+    :func:`.blob.check` refuses any other)."""
+    name = quote(ident, safe="")
+    if len(name) <= MAX_NAME_CHARS:
+        return name
+    return f"{name[:96]}-{hashlib.sha256(ident.encode()).hexdigest()}"
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -144,7 +162,7 @@ class ColdStore:
 
     def _file(self, key: str) -> str:
         kind, _, ident = key.removeprefix(self.key_prefix).partition(":")
-        return f"{self.root.rstrip('/')}/{kind}/{quote(ident, safe='')}.kv"
+        return f"{self.root.rstrip('/')}/{kind}/{file_name(ident)}.kv"
 
     async def put(self, entry: Entry) -> bool:
         """Archive ``entry`` (with its payload) whole, or not at all; False (counted, logged once per run of
