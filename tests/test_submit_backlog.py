@@ -63,6 +63,7 @@ async def backlog_stack(store: Path, **overrides):
             "orchestrator.task_store.sqlite_path": str(store), "orchestrator.cpu_executor": "loop", **overrides,
         })
         orch = OrchestratorService(cfg)
+        down.orchestrator = orch  # for a test that reaches its task store
         face = HttpFace(orch, cfg, port=0)
         async with running([orch, face], cfg.server) as srv:
             channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
@@ -263,3 +264,43 @@ async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_
         answer = await client.post("/api/v1/agent/submit", content=body, headers={"Content-Type": "application/json"})
         assert answer.status_code == 400 and len(answer.content) < 8_000, len(answer.content)
         assert "and 1991 more errors" in answer.json()["error"]["message"]  # 2000 keys and the missing task_type
+
+
+@pytest.mark.parametrize("store_back", ["while running", "at stop"])
+async def test_an_outcome_the_store_refused_is_written_again_until_it_takes_it(tmp_path, monkeypatch, store_back):
+    """A finished task whose outcome the store refused (a full disk) was answered "finished" by its
+    orchestrator and, after a clean restart, "failed: stopped while RUNNING": its row stayed RUNNING."""
+    from switchyard.orchestrator import service as service_module
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 0.05 if store_back == "while running" else 3600.0)
+    store = tmp_path / "tasks.sqlite3"
+    refusing = True
+    async with backlog_stack(store) as (stub, _, down):
+        tasks = down.orchestrator.tasks
+        finish = tasks.finish
+
+        async def full_disk_finish(*args, **kwargs):  # the store's own error for a write that failed
+            if refusing:
+                raise TaskStoreUnavailable("sqlite", "database or disk is full")
+            return await finish(*args, **kwargs)
+
+        monkeypatch.setattr(tasks, "finish", full_disk_finish)
+        await submit(stub, "kept", agent_pb2.NORMAL)
+        down.gate.set()
+        status = await final_state(stub, "kept")  # answered by the orchestrator that ran it
+        assert status.state == agent_pb2.SUCCEEDED and status.result.output == "The answer."
+        await until(lambda: "kept" in down.orchestrator._unrecorded)  # its 5 tries failed: it waits to be written
+        assert (await tasks.get("kept")).state == agent_pb2.RUNNING  # the store has not taken it
+        refusing = False
+        if store_back == "while running":
+            await until(lambda: not down.orchestrator._unrecorded)
+            assert (await tasks.get("kept")).state == agent_pb2.SUCCEEDED
+    config = load_config("config", service="orchestrator").with_overrides(
+        **{"orchestrator.task_store.sqlite_path": str(store)}).orchestrator.task_store
+    reader = SqliteTaskStore(config)
+    await reader.open()
+    try:
+        assert (await reader.get("kept")).state == agent_pb2.SUCCEEDED  # after the stop too
+    finally:
+        await reader.close()

@@ -110,6 +110,11 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
+RECORD_AGAIN_S = 1.0
+"""First wait before an outcome the task store refused is written again, seconds (then doubled)."""
+RECORD_AGAIN_MAX_S = 30.0
+"""Longest wait between two writes of the refused outcomes, seconds."""
+
 DEADLINE_RACE_S = 0.05
 """A downstream DEADLINE_EXCEEDED within this many seconds of the task's deadline is the task's own running out
 (its calls' gRPC deadlines are its time left), reported as such: :class:`TaskDeadlineExceeded`."""
@@ -142,6 +147,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self._dram: DramClient | None = None
         self.readiness: Readiness | None = None
         self._tokens: BearerTokens | None = None
+        self._unrecorded: dict[str, tuple[Submitted, int, bytes, str]] = {}
+        """Outcomes the task store refused (task id -> the entry and its outcome), written again by
+        :meth:`_record_again` until it takes them, and once more at :meth:`stop`."""
+        self._recording: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -239,6 +248,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 entry.runner.cancel()
         if runners:  # each records its task as FAILED before the store closes
             await asyncio.wait(runners, timeout=5.0)
+        if self._recording is not None:
+            self._recording.cancel()
+            await asyncio.gather(self._recording, return_exceptions=True)
+        if self._unrecorded and await self._write_unrecorded():  # a last try before the store closes
+            log.error("%d task outcome(s) the task store refused are lost with this orchestrator: %s",
+                      len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:10]))
         await self.tasks.close()
         deps, self._deps = self._deps, None
         if deps is not None:
@@ -589,10 +604,36 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     await self.tasks.finish(task_id, state, result=result, error=error,
                                             timings=live.timings.SerializeToString())
         except SwitchyardError as exc:
-            log.error("task %s: %s, but the task store did not record it: %s; only this orchestrator "
-                      "answers it until it stops", task_id, agent_pb2.TaskState.Name(state), exc)
+            log.error("task %s: %s, but the task store did not record it: %s; this orchestrator answers it and "
+                      "writes it again until the store takes it", task_id, agent_pb2.TaskState.Name(state), exc)
+            self._unrecorded[task_id] = (live, state, result, error)
+            if self._recording is None or self._recording.done():
+                self._recording = asyncio.create_task(self._record_again(), name="record-outcomes-again")
             return
         self._submitted.forget(task_id)
+
+    async def _write_unrecorded(self) -> int:
+        """One try at each outcome the store refused; returns how many are still unrecorded."""
+        for task_id, (live, state, result, error) in list(self._unrecorded.items()):
+            try:
+                await self.tasks.finish(task_id, state, result=result, error=error,
+                                        timings=live.timings.SerializeToString())
+            except SwitchyardError:
+                continue
+            del self._unrecorded[task_id]
+            self._submitted.forget(task_id)
+            log.info("task %s: its outcome (%s) is in the task store now", task_id, agent_pb2.TaskState.Name(state))
+        return len(self._unrecorded)
+
+    async def _record_again(self) -> None:
+        """Write the refused outcomes again, every :data:`RECORD_AGAIN_S` seconds doubled up to
+        :data:`RECORD_AGAIN_MAX_S`, until the store has taken them all (a finished task must not read as lost
+        after this process stops: its store row says RUNNING until then)."""
+        wait = RECORD_AGAIN_S
+        while self._unrecorded:
+            await asyncio.sleep(wait)
+            if await self._write_unrecorded():
+                wait = min(wait * 2, RECORD_AGAIN_MAX_S)
 
     async def CancelTask(
         self, request: agent_pb2.CancelTaskRequest, context: grpc.aio.ServicerContext
