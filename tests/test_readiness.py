@@ -16,6 +16,7 @@ import sys
 from typing import AsyncIterator
 
 import pytest
+from prometheus_client import REGISTRY
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -114,6 +115,13 @@ async def test_default_workflow_needing_retrieval_keeps_the_service_not_serving(
             async with open_channel(f"127.0.0.1:{orch.port}") as channel:
                 assert await check(channel, "workflow.chat") == SERVING
                 assert await check(channel, "agent.AgentService") == NOT_SERVING
+            # switchyard_serving tells what the readiness probe reads (it was never 1 for the orchestrator)
+            assert REGISTRY.get_sample_value("switchyard_serving", {"service": "orchestrator"}) == 0
+    async with running([DispatcherService(dispatcher_cfg)], dispatcher_cfg.server) as disp:
+        cfg = orchestrator_config(f"127.0.0.1:{disp.port}", **{"orchestrator.default_task_type": "chat"})
+        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+            await orch.services[0].readiness.check_once()
+            assert REGISTRY.get_sample_value("switchyard_serving", {"service": "orchestrator"}) == 1
 
 
 async def dispatcher_process() -> tuple[subprocess.Popen, int]:

@@ -41,6 +41,7 @@ from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGua
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
+from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import HealthOwner, InterceptsCalls
@@ -51,6 +52,7 @@ from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
 from switchyard.orchestrator.events import event_stream
 from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
+from switchyard.orchestrator.readiness import SERVING as READY
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
@@ -213,8 +215,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Readiness follows the downstream services' health (see readiness.py); liveness ("") does not."""
         assert self._deps is not None, "start() not called"
         orch = self.config.orchestrator
+
+        async def set_status(name: str, status: int) -> None:
+            await health.set(name, status)
+            if name == "agent.AgentService":  # the readiness probe's name: what switchyard_serving reports
+                SERVING_GAUGE.labels(self.name).set(1 if status == READY else 0)
+
         self.readiness = Readiness(
-            health.set,
+            set_status,
             {
                 "dispatcher": (self._deps.inference.channel, orch.dispatcher_addr),
                 "retrieval": (self._deps.retrieval.channel, orch.retrieval_addr),
