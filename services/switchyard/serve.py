@@ -7,6 +7,7 @@ which takes its own options).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -178,6 +179,9 @@ def main(argv: list[str]) -> int:
                         help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
     setup_logging(args.name)
+    # A fatal signal (SIGSEGV, SIGBUS: a memory-mapped SQLite index whose file went away) prints every thread's
+    # stack to stderr, the service's log, instead of a silent exit.
+    faulthandler.enable()
     try:
         config = load_config(args.config_dir, service=args.name)  # only the sections it reads
         overrides = {}
