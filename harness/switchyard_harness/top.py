@@ -155,7 +155,8 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
     if len(flagged) < len(SERVICES):
         try:
             recorded = json.loads(path.read_text())["services"]
-            found = {name: recorded[name]["metrics_url"] for name in SERVICES if name in recorded}
+            found = {name: recorded[name]["metrics_url"] for name in recorded
+                     if replica_of(name) in SERVICES and replica_of(name) not in flagged}
             source = f"up file {path}"
         except (OSError, ValueError, KeyError, TypeError):
             from switchyard.common.config import load_config
@@ -257,8 +258,8 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
-    prev = previous or {}
-    windows = {name: Window(s, prev.get(name)) for name, s in current.items() if not s.error}
+    prev = _fleet(previous or {})
+    windows = {name: Window(s, prev.get(name)) for name, s in _fleet(current).items() if not s.error}
     gaps = [s.at - prev[n].at for n, s in current.items() if n in prev and not s.error and not prev[n].error]
     out: dict[str, Any] = {
         "window_s": round(min(gaps), 3) if gaps and previous else None,
@@ -323,6 +324,42 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
         "degraded_operations": o.increase("switchyard_dram_degraded_operations_total"),
     }
     return out
+
+
+PER_ENGINE = ("switchyard_compute_score", "switchyard_engine_decode_bound_tokens_per_second")
+"""Gauges of one engine each (besides every ``*_ratio``): the fleet's is their mean over the replicas, not a sum."""
+
+
+def replica_of(name: str) -> str:
+    """The service a scraped endpoint belongs to: ``dispatcher-2`` (``switchyard up --dispatchers N``) ->
+    ``dispatcher``."""
+    kind, _, index = name.rpartition("-")
+    return kind if kind in SERVICES and index.isdigit() else name
+
+
+def _fleet(scrapes: dict[str, Scrape]) -> dict[str, Scrape]:
+    """``scrapes`` with a service's replicas read as one (the figures of every dispatcher, not the first one's):
+    counters, histograms and gauges of work (running, waiting, queue depth, in flight) summed over the replicas
+    that answered, a ratio or per-engine gauge (:data:`PER_ENGINE`) their mean; down when none answered."""
+    groups: dict[str, list[Scrape]] = {}
+    for name, scrape in scrapes.items():
+        groups.setdefault(replica_of(name), []).append(scrape)
+    fleet: dict[str, Scrape] = {}
+    for service, members in groups.items():
+        up = [s for s in members if not s.error]
+        if len(members) == 1 or not up:
+            fleet[service] = members[0]
+            continue
+        sums: dict[Key, float] = {}
+        counts: dict[Key, int] = {}
+        for member in up:
+            for key, value in member.samples.items():
+                sums[key] = sums.get(key, 0.0) + value
+                counts[key] = counts.get(key, 0) + 1
+        samples = {key: value / counts[key] if key[0].endswith("_ratio") or key[0] in PER_ENGINE else value
+                   for key, value in sums.items()}
+        fleet[service] = Scrape(service, ", ".join(s.url for s in up), samples, at=min(s.at for s in up))
+    return fleet
 
 
 def _upstream(d: Window) -> dict[str, Any] | None:
@@ -477,7 +514,7 @@ def main(argv: list[str]) -> int:
             print("switchyard top: the live view needs rich: pip install 'switchyard[top]' "
                   "(or use --once --json)", file=sys.stderr)
             return 2
-    with ThreadPoolExecutor(max_workers=len(SERVICES)) as pool:
+    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
         if args.once:
             snap = snapshot(scrape_all(endpoints, pool))
             if args.json:

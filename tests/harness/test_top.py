@@ -84,6 +84,21 @@ def test_a_counter_reset_counts_from_zero() -> None:
     assert window["engine"]["roofline_efficiency"] == pytest.approx(40 / 0.5 / 1000)
 
 
+def test_dispatcher_replicas_are_read_as_one_fleet_and_a_dead_one_is_shown() -> None:
+    """switchyard up --dispatchers 2: top read the first dispatcher only (half the fleet's figures) and called the
+    stack up with the second one dead."""
+    one = Scrape("dispatcher", "u1", parse(_dispatcher_text([0.005] * 10, tokens=1000, busy=2.0, flushes=5)), at=1.0)
+    two = Scrape("dispatcher-2", "u2", parse(_dispatcher_text([0.5] * 10, tokens=500, busy=1.0, flushes=3)), at=1.0)
+    fleet = snapshot({"dispatcher": one, "dispatcher-2": two})
+    assert fleet["classes"]["core"]["ttft_count"] == 20  # both replicas' first tokens
+    assert fleet["batch"]["flushes"] == {"size": 8}
+    assert fleet["queues"]["inference"]["depth"] == 256 and fleet["queues"]["inference"]["saturation"] == 0.25
+    assert fleet["engine"]["roofline_efficiency"] == pytest.approx(1500 / 3.0 / 1000)  # the bound is per engine
+    dead = Scrape("dispatcher-2", "u2", error="URLError: refused")
+    half = snapshot({"dispatcher": one, "dispatcher-2": dead})
+    assert half["services"]["dispatcher-2"]["up"] is False and half["classes"]["core"]["ttft_count"] == 10
+
+
 def test_an_unreachable_service_is_reported_not_raised() -> None:
     snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
     assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}
