@@ -799,3 +799,13 @@ async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> Non
         await step(sched, engine, decode=[r for r in (first, second) if not r.is_finished], now=0.2)
     for req in (first, second):
         assert req.finish_reason == "length" and len(_streamed(req)) == 3
+
+
+@pytest.mark.parametrize("reason, status", [
+    ("stop", RequestStatus.FINISHED_STOPPED), ("length", RequestStatus.FINISHED_LENGTH_CAPPED),
+    ("tool_calls", RequestStatus.FINISHED_TOOL_CALLS), ("function_call", RequestStatus.FINISHED_TOOL_CALLS),
+    ("eos_token", RequestStatus.FINISHED_STOPPED), ("abort", RequestStatus.FINISHED_STOPPED),
+])
+def test_an_upstreams_finish_reason_is_normalised_in_one_place(reason, status):
+    """The openai engine passes the server's word through; RequestStatus.finished_with is the one mapping."""
+    assert RequestStatus.finished_with(reason) is status

@@ -76,8 +76,9 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def finished_with(reason: str) -> "RequestStatus":
-        """The finished status of an engine-reported finish reason: stop, length or tool_calls (any other:
-        stop)."""
+        """The finished status of an engine-reported finish reason: stop, length or tool_calls (OpenAI's former
+        function_call too; any other, a server's own word such as vLLM's abort or TGI's eos_token: stop). The
+        one normalisation of an upstream's finish reason."""
         return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
 
 
@@ -93,6 +94,7 @@ _STATUS_OF_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
     "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
+    "function_call": RequestStatus.FINISHED_TOOL_CALLS,  # OpenAI's former name for tool_calls
 }
 
 _SEQ_IDS = itertools.count(1)

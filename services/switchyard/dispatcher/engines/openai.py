@@ -37,9 +37,6 @@ DESCRIBE_RETRY_S = 10.0
 """Seconds between reads of an upstream's model list that has not answered yet (its context windows)."""
 
 # Upstream finish reasons the Request does not know, mapped to ones it does.
-_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls"}
-
-
 def _tool_spec(index: int, tool: Tool) -> dict[str, Any]:
     try:
         parameters = untrusted.loads(tool.parameters_json or "{}")
@@ -206,11 +203,10 @@ class OpenAIEngine(StreamEngine):
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, Finished):
                 usage = event.usage
-                finish = _FINISH.get(event.finish_reason or "", "stop") if event.finish_reason else None
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
-                    finish_reason=finish,
+                    finish_reason=event.finish_reason or None,  # the server's word (RequestStatus.finished_with)
                     model=event.model,
                 )
 
