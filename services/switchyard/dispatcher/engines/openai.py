@@ -22,7 +22,6 @@ from opentelemetry.trace import Tracer
 
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import InvalidArgument
 from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
@@ -36,15 +35,10 @@ log = logging.getLogger(__name__)
 DESCRIBE_RETRY_S = 10.0
 """Seconds between reads of an upstream's model list that has not answered yet (its context windows)."""
 
-# Upstream finish reasons the Request does not know, mapped to ones it does.
-def _tool_spec(index: int, tool: Tool) -> dict[str, Any]:
-    try:
-        parameters = untrusted.loads(tool.parameters_json or "{}")
-    except ValueError:
-        raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json) from None
-    if not isinstance(parameters, dict):
-        raise InvalidArgument(f"tools[{index}].parameters_json", "a JSON Schema object", tool.parameters_json)
-    function: dict[str, Any] = {"name": tool.name, "parameters": parameters}
+def _tool_spec(tool: Tool) -> dict[str, Any]:
+    """The OpenAI ``tools`` entry of ``tool``, whose ``parameters_json`` :func:`.processor.to_request` checked is a
+    JSON object."""
+    function: dict[str, Any] = {"name": tool.name, "parameters": untrusted.loads(tool.parameters_json or "{}")}
     if tool.description:
         function["description"] = tool.description
     return {"type": "function", "function": function}
@@ -105,7 +99,7 @@ def chat_request(req: Request) -> ChatRequest:
         messages=chat_messages(req.prompt, req.messages),
         model=req.model,
         max_tokens=req.max_tokens or None,
-        tools=[_tool_spec(i, tool) for i, tool in enumerate(req.tools)],
+        tools=[_tool_spec(tool) for tool in req.tools],
         priority_class=req.priority_name,
         agent_id=req.agent_id,
         request_id=req.request_id,
