@@ -353,7 +353,7 @@ def test_a_task_and_a_generate_without_max_tokens_get_the_one_default():
     assert generate.max_tokens == task.max_tokens == 77
 
 
-def test_a_default_max_tokens_past_a_models_window_takes_half_the_window_and_a_generate_the_room_left():
+def test_a_default_max_tokens_past_a_models_window_takes_half_the_window():
     """5000 against sim-7b's 4096 tokens refused every call naming none ("a prompt of at most -904 tokens"),
     and a task's max_tokens range excluded its own default."""
     from switchyard.api import agent_pb2
@@ -367,9 +367,10 @@ def test_a_default_max_tokens_past_a_models_window_takes_half_the_window_and_a_g
         validate(agent_pb2.RunTaskRequest(payload="hi", max_tokens=5000), config, default_model="sim-7b")
     short = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi", prompt_tokens=10), config, "sim-7b",
                        only_model=True)
-    long = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi " * 1000, prompt_tokens=3000), config,
-                      "sim-7b", only_model=True)
-    assert (short.max_tokens, long.max_tokens) == (2048, 1096)  # half the window; the room the prompt leaves
+    assert short.max_tokens == 2048  # half the window
+    with pytest.raises(Exception, match=r"at most 1096 \(0 asks for the default, 2048"):  # named, not sent past it
+        to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi " * 1000, prompt_tokens=3000), config,
+                   "sim-7b", only_model=True)
 
 
 def test_a_connection_age_grace_shorter_than_the_longest_task_is_refused_naming_both_keys(config_dir):

@@ -232,7 +232,7 @@ def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status
     assert caught.value.retryable == (kind in ("UpstreamRateLimited", "StreamBroken"))
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 409, 413, 422, 429])
+@pytest.mark.parametrize("status", [400, 401, 403, 409, 413, 422, 429, 503])
 def test_an_in_stream_error_and_the_same_status_as_an_answer_are_one_error(status):
     """One table (classify.error_for_status) for both: the same class, gRPC code and retry flags; the message
     names the endpoint and never the key's value."""
@@ -243,6 +243,7 @@ def test_an_in_stream_error_and_the_same_status_as_an_answer_are_one_error(statu
         StreamDecoder("m", url=url, key=key).feed(json.dumps({"error": {"message": "no sk-secret-1", "code": status}}))
     assert type(in_stream.value) is type(answered) and in_stream.value.code == answered.code
     assert (in_stream.value.retryable, in_stream.value.fallback_ok) == (answered.retryable, answered.fallback_ok)
+    assert in_stream.value.refuses_load == answered.refuses_load == (status in (429, 503))
     for error in (answered, in_stream.value):
         assert url in str(error) and "sk-secret-1" not in str(error)
         if status in (401, 403):

@@ -138,16 +138,16 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
     ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
     # one message for every wrong value (the gRPC edge's "empty = rag_answer" does not hold here)
     ({**FIELD_BODY, "task_type": "foo"}, "task_type: expected one of rag_answer, chat, react_loop (got 'foo')"),
-    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
                                            "(limits.max_tokens), prompt and answer within the model's context "
                                            "window (got '128')"),
     ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
     ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
     # a wrong value of the right type gets the servicer's message, the gRPC edge's (one range, not two)
     ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected 0 (the default, "),
-    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
                                           "(limits.max_tokens)"),  # past the wire's int32: the limit, named
-    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer from 0 (the default, 128) to 8192 "
+    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
                                          "(limits.max_tokens), prompt and answer within the model's context window "
                                          "(got true)"),  # a value shown as JSON spells it
     ({**FIELD_BODY, "colour": "red"}, "colour: expected one of the body's fields (agent_id, "),

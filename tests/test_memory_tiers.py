@@ -570,10 +570,30 @@ async def test_every_id_the_edge_accepts_is_archived_and_taken_back(tmp_path: Pa
     from switchyard.dispatcher.tiers.dram import Entry
 
     cold = ColdStore(str(tmp_path / "cold"), "sy:")
-    key = f"sy:agent:{ident}"
+    key = f"sy:kv:agent:{ident}"  # KvStore.key: {key_prefix}kv:{kind}:{ident}
     entry = Entry(key=key, tokens=10, nbytes=100, priority="batch", hits=0, cost_us=1.0, stored_at=time.time(),
                   payload=b"kv" * 50)
     assert await cold.put(entry)
     back = await cold.take(key)
     assert back is not None and back.payload == entry.payload and back.key == key
     assert await cold.take(key) is None  # taken: gone
+
+
+async def test_an_entry_archived_under_its_former_long_name_is_still_found(tmp_path: Path) -> None:
+    """Names of 161 to 250 characters were stored as they were before long names were hashed: still a hit."""
+    from urllib.parse import quote
+
+    from switchyard.dispatcher.tiers import blob
+    from switchyard.dispatcher.tiers.dram import META_FIELDS, Entry
+
+    ident = "a" * 200
+    key = f"sy:kv:agent:{ident}"  # KvStore.key: {key_prefix}kv:{kind}:{ident}
+    entry = Entry(key=key, tokens=10, nbytes=100, priority="batch", hits=0, cost_us=1.0, stored_at=time.time(),
+                  payload=b"kv" * 50)
+    folder = tmp_path / "cold" / "agent"
+    folder.mkdir(parents=True)
+    meta = {name: getattr(entry, name) for name in META_FIELDS}
+    (folder / f"{quote(ident, safe='')}.kv").write_bytes(blob.seal(key, meta, entry.payload))
+    back = await ColdStore(str(tmp_path / "cold"), "sy:").take(key)
+    assert back is not None and back.payload == entry.payload
+    assert not any(folder.iterdir())  # taken: removed

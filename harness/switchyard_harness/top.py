@@ -157,6 +157,8 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             recorded = json.loads(path.read_text())["services"]
             found = {name: recorded[name]["metrics_url"] for name in recorded
                      if replica_of(name) in SERVICES and replica_of(name) not in flagged}
+            if not found and not flagged:
+                raise KeyError("the up file lists no service")
             source = f"up file {path}"
         except (OSError, ValueError, KeyError, TypeError):
             from switchyard.common.config import load_config
@@ -223,9 +225,9 @@ class Window:
             total += value - old if value >= old else value
         return total
 
-    def quantile(self, q: float, name: str, lowest: float = 0.0, **labels: str) -> float | None:
-        """``q``-quantile of histogram ``name`` over the window (bucket increases summed across series;
-        ``lowest`` as :func:`histogram_quantile`'s)."""
+    def bucket_increases(self, name: str, **labels: str) -> dict[float, float]:
+        """Histogram ``name``'s cumulative bucket counts gained in the window, by upper bound (summed across
+        series; a reset counts from 0)."""
         per_bound: dict[float, float] = {}
         now = matching(self.current.samples, f"{name}_bucket", **labels)
         before = matching(self.previous.samples, f"{name}_bucket", **labels) if self.previous else {}
@@ -233,7 +235,11 @@ class Window:
             bound = float(dict(key[1])["le"])
             old = before.get(key, 0.0)
             per_bound[bound] = per_bound.get(bound, 0.0) + (value - old if value >= old else value)
-        return histogram_quantile(q, list(per_bound.items()), lowest)
+        return per_bound
+
+    def quantile(self, q: float, name: str, lowest: float = 0.0, **labels: str) -> float | None:
+        """``q``-quantile of histogram ``name`` over the window (``lowest`` as :func:`histogram_quantile`'s)."""
+        return histogram_quantile(q, list(self.bucket_increases(name, **labels).items()), lowest)
 
     def label_values(self, name: str, label: str) -> list[str]:
         return sorted({dict(k[1])[label] for k in self.current.samples if k[0] == name and label in dict(k[1])})
@@ -258,8 +264,8 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
-    prev = _fleet(previous or {})
-    windows = {name: Window(s, prev.get(name)) for name, s in _fleet(current).items() if not s.error}
+    prev = previous or {}
+    windows = windows_of(current, prev)
     gaps = [s.at - prev[n].at for n, s in current.items() if n in prev and not s.error and not prev[n].error]
     out: dict[str, Any] = {
         "window_s": round(min(gaps), 3) if gaps and previous else None,
@@ -337,32 +343,57 @@ def replica_of(name: str) -> str:
     return kind if kind in SERVICES and index.isdigit() else name
 
 
-def _fleet(scrapes: dict[str, Scrape]) -> dict[str, Scrape]:
-    """``scrapes`` with a service's replicas read as one (the figures of every dispatcher, not the first one's):
-    counters, histograms and gauges of work (running, waiting, queue depth, in flight) summed over the replicas
-    that answered, a ratio or per-engine gauge (:data:`PER_ENGINE`) their mean; down when none answered."""
-    groups: dict[str, list[Scrape]] = {}
-    for name, scrape in scrapes.items():
-        groups.setdefault(replica_of(name), []).append(scrape)
-    fleet: dict[str, Scrape] = {}
-    for service, members in groups.items():
-        up = [s for s in members if not s.error]
-        if len(members) == 1 or not up:
-            fleet[service] = members[0]
-            continue
-        sums: dict[Key, float] = {}
-        counts: dict[Key, int] = {}
-        for member in up:
-            for key, value in member.samples.items():
-                sums[key] = sums.get(key, 0.0) + value
-                counts[key] = counts.get(key, 0) + 1
-        samples = {key: value / counts[key] if key[0].endswith("_ratio") or key[0] in PER_ENGINE else value
-                   for key, value in sums.items()}
-        fleet[service] = Scrape(service, ", ".join(s.url for s in up), samples, at=min(s.at for s in up))
-    return fleet
+class FleetWindow:
+    """One service's replicas over the window, read as one (:class:`Window`'s interface): each replica's
+    increases, bucket counts and gauges taken against its own previous scrape (its own resets, its own
+    absence), then summed; a ratio or per-engine gauge (:data:`PER_ENGINE`) their mean. A replica that died
+    or came back changes the sum of what the others did, never the window's increase."""
+
+    def __init__(self, members: list[Window]) -> None:
+        self.members = members
+        samples: dict[Key, float] = {}
+        for member in members:
+            for key, value in member.current.samples.items():
+                samples[key] = samples.get(key, 0.0) + value
+        self.current = Scrape(members[0].current.service, ", ".join(m.current.url for m in members), samples,
+                              at=min(m.current.at for m in members))
+        """The replicas' samples summed (what a direct read of their gauges by label sees)."""
+
+    def gauge(self, name: str, **labels: str) -> float | None:
+        values = [v for m in self.members if (v := m.gauge(name, **labels)) is not None]
+        if not values:
+            return None
+        return sum(values) / len(values) if name.endswith("_ratio") or name in PER_ENGINE else sum(values)
+
+    def increase(self, name: str, **labels: str) -> float | None:
+        values = [v for m in self.members if (v := m.increase(name, **labels)) is not None]
+        return sum(values) if values else None
+
+    def bucket_increases(self, name: str, **labels: str) -> dict[float, float]:
+        per_bound: dict[float, float] = {}
+        for member in self.members:
+            for bound, value in member.bucket_increases(name, **labels).items():
+                per_bound[bound] = per_bound.get(bound, 0.0) + value
+        return per_bound
+
+    def quantile(self, q: float, name: str, lowest: float = 0.0, **labels: str) -> float | None:
+        return histogram_quantile(q, list(self.bucket_increases(name, **labels).items()), lowest)
+
+    def label_values(self, name: str, label: str) -> list[str]:
+        return sorted({v for m in self.members for v in m.label_values(name, label)})
 
 
-def _upstream(d: Window) -> dict[str, Any] | None:
+def windows_of(current: dict[str, Scrape], previous: dict[str, Scrape]) -> dict[str, Window | FleetWindow]:
+    """A window per service that answered: its own, or its replicas' (``dispatcher``, ``dispatcher-2``, ...) as
+    one :class:`FleetWindow`, each against its own previous scrape."""
+    groups: dict[str, list[Window]] = {}
+    for name, scrape in current.items():
+        if not scrape.error:
+            groups.setdefault(replica_of(name), []).append(Window(scrape, previous.get(name)))
+    return {service: members[0] if len(members) == 1 else FleetWindow(members) for service, members in groups.items()}
+
+
+def _upstream(d: Window | FleetWindow) -> dict[str, Any] | None:
     """The dispatcher's model server as its ``openai`` engine meets it (see :func:`snapshot`); None while no
     upstream call was made (a step engine, or none yet)."""
     calls = matching(d.current.samples, "switchyard_gateway_requests_total")
@@ -514,7 +545,7 @@ def main(argv: list[str]) -> int:
             print("switchyard top: the live view needs rich: pip install 'switchyard[top]' "
                   "(or use --once --json)", file=sys.stderr)
             return 2
-    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(endpoints))) as pool:
         if args.once:
             snap = snapshot(scrape_all(endpoints, pool))
             if args.json:
@@ -533,7 +564,8 @@ def main(argv: list[str]) -> int:
             with _frames(console, render(snapshot(current), source)) as draw:
                 frames = 0
                 while not args.frames or frames < args.frames:
-                    time.sleep(max(0.0, args.interval - (time.monotonic() - current[SERVICES[0]].at)))
+                    last = min((s.at for s in current.values()), default=time.monotonic())
+                    time.sleep(max(0.0, args.interval - (time.monotonic() - last)))
                     previous, current = current, scrape_all(endpoints, pool)
                     draw(render(snapshot(current, previous), source))
                     frames += 1

@@ -99,6 +99,27 @@ def test_dispatcher_replicas_are_read_as_one_fleet_and_a_dead_one_is_shown() -> 
     assert half["services"]["dispatcher-2"]["up"] is False and half["classes"]["core"]["ttft_count"] == 10
 
 
+def test_a_replica_that_dies_or_restarts_changes_no_window_but_its_own_share() -> None:
+    """Each replica's increase is taken against its own previous scrape: summing first read a dead replica's
+    absence as a counter reset and showed the fleet's lifetime total as the window's."""
+    def replica(name: str, flushes: int, at: float) -> Scrape:
+        return Scrape(name, name, parse(_dispatcher_text([], tokens=0, busy=1.0, flushes=flushes)), at=at)
+
+    before = {"dispatcher": replica("dispatcher", 1000, 1.0), "dispatcher-2": replica("dispatcher-2", 5000, 1.0)}
+    one_died = {"dispatcher": replica("dispatcher", 1010, 2.0),
+                "dispatcher-2": Scrape("dispatcher-2", "u2", error="URLError: refused", at=2.0)}
+    assert snapshot(one_died, before)["batch"]["flushes"] == {"size": 10}
+    restarted = {"dispatcher": replica("dispatcher", 1500, 2.0), "dispatcher-2": replica("dispatcher-2", 5, 2.0)}
+    assert snapshot(restarted, before)["batch"]["flushes"] == {"size": 500 + 5}
+
+
+def test_an_up_file_that_lists_no_service_is_no_crash(tmp_path, capsys) -> None:
+    (tmp_path / "up.json").write_text('{"pid": 1, "services": {}}')
+    from switchyard_harness.top import main
+
+    assert main(["--once", "--json", "--up-file", str(tmp_path / "up.json")]) in (0, 1)
+
+
 def test_an_unreachable_service_is_reported_not_raised() -> None:
     snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
     assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}

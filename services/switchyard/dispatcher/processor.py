@@ -104,7 +104,8 @@ def to_request(
         raise InvalidArgument("prompt", "a non-empty prompt, or at least one message", request.prompt)
     if request.max_tokens < 0 or request.max_tokens > limits.max_tokens:
         raise InvalidArgument(
-            "max_tokens", f"0 (default {limits.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens)",
+            "max_tokens", f"0 (the default: limits.default_max_tokens, {limits.default_max_tokens}, at most half the "
+            f"model's context window) to {limits.max_tokens} (limits.max_tokens)",
             request.max_tokens,
         )
     if request.prompt_tokens < 0:
@@ -162,14 +163,15 @@ def to_request(
             "prompt_tokens", f"fewer than the context window of {model}, {window} tokens ({source})",
             prompt_tokens,
         )
-    # none named: the default, within the room the prompt leaves (as vLLM fills an unset max_tokens)
-    max_tokens = request.max_tokens or min(limits.default_for(window), window - prompt_tokens)
+    max_tokens = request.max_tokens or limits.default_for(window)
     if prompt_tokens + max_tokens > window:
         raise InvalidArgument(
             "max_tokens",
             f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
             f"({source}); the prompt is {prompt_tokens} tokens, so at most "
-            f"{window - prompt_tokens} (or 0 for the default within that room)",
+            f"{window - prompt_tokens}" + ("" if request.max_tokens else
+                                           f" (0 asks for the default, {max_tokens}: limits.default_max_tokens, at "
+                                           "most half the window)"),
             max_tokens,
         )
     return Request(

@@ -97,7 +97,8 @@ def error_for_status(
     :func:`is_model_not_found`). An error object inside a 200 stream (``in_stream`` true; ``status`` from
     :func:`switchyard.gateway.decode.stream_error_status`, None where the chunk says none) is the same
     answer as its status would be, but for two rows: a 404 there is the request's (its model, say), not
-    the endpoint's, and a 5xx, 408 or unknown status is a broken stream (retried before the first token).
+    the endpoint's, and a 5xx other than 503, a 408 or an unknown status is a broken stream (retried before
+    the first token); a 503 there refuses load as an answered one does.
     Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
     never shows the key.
     """
@@ -105,8 +106,8 @@ def error_for_status(
     quoted = snippet(said)
     if in_stream:
         where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
-        if status is None or status >= 500 or status == 408:
-            return StreamBroken(f"{where}: {quoted}")
+        if status is None or status == 408 or (status >= 500 and status != 503):
+            return StreamBroken(f"{where}{f' (status {status})' if status else ''}: {quoted}")
         head = f"{where} (status {status}): {quoted}"
     else:
         head = f"upstream {status} from {url} (upstream said {quoted})"

@@ -266,8 +266,8 @@ class HttpFace(Drains):
         self._site: web.TCPSite | None = None
         self._openapi = json.dumps(openapi(__version__)).encode()
         limits = config.limits
-        self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, "
-                          f"{config.limits.default_max_tokens}) to {limits.max_tokens} (limits.max_tokens), "
+        self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, {limits.default_max_tokens}, "
+                          f"at most half the model's context window) to {limits.max_tokens} (limits.max_tokens), "
                           "prompt and answer within the model's context window"}
         """What each body field takes, with this face's limits in the words (:func:`describe_error`)."""
 

@@ -44,7 +44,7 @@ from switchyard.common.dram import DramClient
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, status_for
 from switchyard.common.queues import WorkQueue
-from switchyard.common.server import HealthOwner, InterceptsCalls
+from switchyard.common.server import Drains, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
 from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.orchestrator import prompts, tokens
@@ -128,7 +128,7 @@ def _count_unrun(spec: TaskSpec, code: grpc.StatusCode) -> None:
     TASKS.labels(spec.workflow, code.name).inc()
 
 
-class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, TokenGuarded):
+class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, Drains, TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
@@ -153,6 +153,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Outcomes the task store refused (task id -> the entry and its outcome), written again by
         :meth:`_record_again` until it takes them, and once more at :meth:`stop`."""
         self._recording: asyncio.Task[None] | None = None
+        self._closing_store = False
+        """Set by :meth:`stop` before its last write of the refused outcomes: one refused after it is lost
+        (logged), not handed to a writer that would outlive the store."""
+        self._draining = False
+        """Set by :meth:`begin_drain`: ``switchyard_serving`` stays 0 whatever readiness finds."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -218,7 +223,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
         async def set_status(name: str, status: int) -> None:
             await health.set(name, status)
-            if name == "agent.AgentService":  # the readiness probe's name: what switchyard_serving reports
+            if name == "agent.AgentService" and not self._draining:  # the probe's name: switchyard_serving's
                 SERVING_GAUGE.labels(self.name).set(1 if status == READY else 0)
 
         self.readiness = Readiness(
@@ -233,6 +238,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             {"dispatcher": self._deps.inference.replicas} if self._deps.inference.replicas is not None else None,
         )
         await self.readiness.start()
+
+    async def begin_drain(self) -> None:
+        """SIGTERM: ``switchyard_serving`` stays at the 0 the server set (readiness may still find the downstream
+        services ready while the calls in flight drain)."""
+        self._draining = True
 
     async def stop(self) -> None:
         """Stop: no submitted task starts any more; the running ones get ``server.shutdown_grace_s`` to finish,
@@ -259,6 +269,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if self._recording is not None:
             self._recording.cancel()
             await asyncio.gather(self._recording, return_exceptions=True)
+        self._closing_store = True
         if self._unrecorded and await self._write_unrecorded():  # a last try before the store closes
             log.error("%d task outcome(s) the task store refused are lost with this orchestrator: %s",
                       len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:10]))
@@ -612,6 +623,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                     await self.tasks.finish(task_id, state, result=result, error=error,
                                             timings=live.timings.SerializeToString())
         except SwitchyardError as exc:
+            if self._closing_store:
+                log.error("task %s: %s, but the task store did not record it: %s; the orchestrator is stopping, "
+                          "so the outcome is lost", task_id, agent_pb2.TaskState.Name(state), exc)
+                return
             log.error("task %s: %s, but the task store did not record it: %s; this orchestrator answers it and "
                       "writes it again until the store takes it", task_id, agent_pb2.TaskState.Name(state), exc)
             self._unrecorded[task_id] = (live, state, result, error)

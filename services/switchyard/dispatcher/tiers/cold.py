@@ -36,7 +36,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 from switchyard.common.children import pid_alive
@@ -54,10 +54,10 @@ MAX_NAME_CHARS = 160
 
 
 def file_name(ident: str) -> str:
-    """The file name of an entry's id: the id percent-encoded; one longer than :data:`MAX_NAME_CHARS` (the edge takes
-    ids of 256 characters, and a non-ASCII character encodes to up to 12) is its first 96 characters and the
-    SHA-256 of the whole id, so that every id the edge accepts can be archived (the blob inside names its key:
-    :func:`.blob.check` refuses any other)."""
+    """The file name of an entry's id: the id percent-encoded; a name longer than :data:`MAX_NAME_CHARS` (the edge
+    takes ids of 256 characters, and a non-ASCII character encodes to up to 12) is that name's first 96 characters
+    and the SHA-256 of the whole id, so that every id the edge accepts can be archived (the blob inside names its
+    key: :func:`.blob.check` refuses any other)."""
     name = quote(ident, safe="")
     if len(name) <= MAX_NAME_CHARS:
         return name
@@ -160,9 +160,9 @@ class ColdStore:
                 log.warning("cold tier at %s: removed %d partial write(s) left by a process that stopped "
                             "while archiving", path, removed)
 
-    def _file(self, key: str) -> str:
+    def _file(self, key: str, name: Callable[[str], str] = file_name) -> str:
         kind, _, ident = key.removeprefix(self.key_prefix).partition(":")
-        return f"{self.root.rstrip('/')}/{kind}/{file_name(ident)}.kv"
+        return f"{self.root.rstrip('/')}/{kind}/{name(ident)}.kv"
 
     async def put(self, entry: Entry) -> bool:
         """Archive ``entry`` (with its payload) whole, or not at all; False (counted, logged once per run of
@@ -191,12 +191,17 @@ class ColdStore:
     async def take(self, key: str) -> Entry | None:
         """Read and remove the archived entry under ``key`` (it goes back up); None when absent, on failure, or
         when the file does not prove itself (:func:`.blob.check`: counted, logged once per reason, removed)."""
-        path = self._file(key)
+        legacy = self._file(key, lambda ident: quote(ident, safe=""))  # before long names were hashed
+        paths = dict.fromkeys([self._file(key), *([legacy] if len(os.path.basename(legacy)) <= 255 else [])])
 
         def read() -> tuple[bytes, blob.Opened | None] | None:
-            try:
-                data = self.fs.cat_file(path)
-            except FileNotFoundError:
+            for path in paths:  # the name now, then the one an entry archived before long names were hashed has
+                try:
+                    data = self.fs.cat_file(path)
+                    break
+                except FileNotFoundError:
+                    continue
+            else:
                 return None
             opened = blob.check("cold", key, data)
             self.fs.rm(path)
