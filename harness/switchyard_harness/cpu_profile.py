@@ -40,6 +40,7 @@ from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError
 from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
+from switchyard_harness import outputs
 from switchyard_harness.auth_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
@@ -84,16 +85,6 @@ def report(data: bytes, top: int) -> str:
     return "\n".join(lines)
 
 
-def unwritable(path: str) -> str:
-    """Why ``path`` cannot take a file (a directory there, no folder to hold it); "" when it can."""
-    target = Path(path)
-    if target.is_dir():
-        return f"{path} is a directory"
-    if not target.parent.is_dir():
-        return f"no folder {target.parent}"
-    return ""
-
-
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard profile", __doc__)
     parser.add_argument("service", help="orchestrator | retrieval | dispatcher, or a metrics endpoint host:port or URL; "
@@ -109,7 +100,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--seconds: expected seconds in (0, 3600] (got {args.seconds:g})")
     if args.top < 1:
         parser.error(f"--top: expected a count >= 1 (got {args.top})")
-    if args.output and (problem := unwritable(args.output)):  # found now, not after the profile's window
+    if args.output and (problem := outputs.unwritable(args.output)):  # found now, not after the profile's window
         parser.error(f"--output: expected a file that can be written ({problem})")
     saved = Path(args.service)
     if args.service not in SERVICES and saved.is_dir():
@@ -153,7 +144,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     if args.output:
-        Path(args.output).write_bytes(data)
+        try:
+            outputs.write(args.output, data)
+        except OSError as exc:
+            print(f"switchyard profile: --output {args.output}: could not write the profile ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 1
         print(f"wrote {args.output} (pprof; open with: go tool pprof -http=: {args.output})", file=sys.stderr)
     print(report(data, args.top))
     return 0

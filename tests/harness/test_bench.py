@@ -188,6 +188,23 @@ async def test_cli_run_takes_ghz_output_format_flags(agent_server, tmp_path, cap
         cli.main(["run", "-O", "csv"])
 
 
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for flag, path in (("-o", tmp_path / "file" / "x.json"), ("--plot", "/proc/x.png")):
+        with pytest.raises(SystemExit) as caught:  # no server at the target: refused before any call
+            cli.main(["run", "-n", "1", flag, str(path), "127.0.0.1:1"])
+        assert caught.value.code == 2 and "expected a file that can be written" in capsys.readouterr().err
+
+
+def test_a_plots_title_shows_metadata_keys_never_their_values():
+    from switchyard_harness.bench.cli import shown_argv
+
+    token = '{"authorization": "Bearer s3cret"}'
+    for argv in (["-m", token], ["--metadata", token], [f"--metadata={token}"], [f"-m{token}"]):
+        shown = " ".join(shown_argv(["-n", "4", *argv, "127.0.0.1:50051"]))
+        assert "s3cret" not in shown and "authorization: ***" in shown, shown
+
+
 def test_percentiles_follow_ghz_nearest_rank():
     values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
     dist = latency_distribution(values)

@@ -128,6 +128,7 @@ def test_the_plot_path_printed_is_the_one_written_and_a_folder_is_refused(tmp_pa
     assert diff.main([*reports, "--plot", str(tmp_path / "latency")]) == 0  # matplotlib adds .png
     assert (tmp_path / "latency.png").is_file()
     assert f"plot written to {tmp_path / 'latency.png'}" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as caught:
-        diff.main([*reports, "--plot", str(tmp_path)])
-    assert caught.value.code == 2 and "--plot: expected a PNG file" in capsys.readouterr().err
+    for where in (tmp_path, tmp_path / "latency.png" / "x.png"):  # a folder; a file where a folder should be
+        with pytest.raises(SystemExit) as caught:
+            diff.main([*reports, "--plot", str(where)])
+        assert caught.value.code == 2 and "--plot: expected a PNG file" in capsys.readouterr().err

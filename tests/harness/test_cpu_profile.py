@@ -71,12 +71,16 @@ def test_the_help_names_the_variable():
     assert run.returncode == 0 and "SWITCHYARD_AUTH_TOKEN" in run.stdout and "--token-file" in run.stdout
 
 
-@pytest.mark.parametrize("output", ["DIR", "DIR/missing/profile.pb.gz"])
+@pytest.mark.parametrize("output", ["DIR", "FILE/profile.pb.gz", "/proc/profile.pb.gz"])
 def test_an_output_that_cannot_be_written_exits_2_before_profiling(output, tmp_path, capsys):
+    """A directory, a file where a folder should be, a file system that refuses new files: found before the
+    profile's window, not with a traceback after it."""
     from switchyard_harness import cpu_profile
 
+    (tmp_path / "FILE").write_text("")
     with pytest.raises(SystemExit) as caught:
-        cpu_profile.main(["dispatcher", "--seconds", "1", "--output", output.replace("DIR", str(tmp_path))])
+        cpu_profile.main(["dispatcher", "--seconds", "1", "--output",
+                          output.replace("DIR", str(tmp_path)).replace("FILE", str(tmp_path / "FILE"))])
     assert caught.value.code == 2 and "--output: expected a file that can be written" in capsys.readouterr().err
 
 

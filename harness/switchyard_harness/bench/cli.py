@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from switchyard_harness import json_output
+from switchyard_harness import json_output, outputs
 from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -92,6 +92,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", help="PEM private key of --cert (ghz --key)")
     parser.add_argument("--cname", help="server name to check in its certificate (ghz --cname)")
     parser.add_argument("--proto", help="accepted for ghz compatibility; the contract is built in")
+    parser.add_argument("-i", "--import-paths", help="accepted for ghz compatibility (ghz resolves the proto's "
+                        "imports there); the contract is built in")
     parser.add_argument("--call", help="accepted for ghz compatibility: only agent.AgentService.RunTask")
 
 
@@ -188,6 +190,38 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         usage_error(str(exc))
 
 
+SECRET_FLAGS = ("-m", "--metadata")
+"""Flags whose value may carry a credential (ghz's ``-m '{"authorization": "Bearer ..."}'``)."""
+
+
+def shown_argv(argv: list[str]) -> list[str]:
+    """``argv`` as a plot's title may show it: each metadata value replaced by its keys (a bearer token in a
+    PNG is a leaked token)."""
+    def keys_only(value: str) -> str:
+        try:
+            names = list(json.loads(value))
+        except (ValueError, TypeError):
+            names = []
+        return "{" + ", ".join(f"{name}: ***" for name in names) + "}"
+
+    shown: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            shown.append(keys_only(arg))
+            hide_next = False
+        elif arg in SECRET_FLAGS:
+            shown.append(arg)
+            hide_next = True
+        elif arg.startswith("--metadata="):
+            shown.append("--metadata=" + keys_only(arg.removeprefix("--metadata=")))
+        elif arg.startswith("-m") and not arg.startswith("--") and len(arg) > 2:
+            shown.append("-m" + keys_only(arg[2:]))
+        else:
+            shown.append(arg)
+    return shown
+
+
 def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="switchyard bench run",
@@ -204,8 +238,9 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
     args = parser.parse_args(argv)
-    if args.output and Path(args.output).is_dir():  # found now, not after the run
-        parser.error(f"-o/--output: expected a file to write the report to ({args.output} is a directory)")
+    for flag, path in (("-o/--output", args.output), ("--plot", args.plot)):  # found now, not after the run
+        if path and (problem := outputs.unwritable(path)):
+            parser.error(f"{flag}: expected a file that can be written ({problem})")
     plan = resolve_plan(args, args.host or args.target)
 
     from switchyard_harness.bench.loadgen import run_load
@@ -228,8 +263,13 @@ def _run(argv: list[str]) -> int:
     else:
         text = rendered[args.format]
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        try:
+            outputs.write(args.output, text + "\n")
+        except OSError as exc:
+            print(f"switchyard bench run: -o {args.output}: could not write the report ({exc.strerror or exc}); "
+                  "the JSON report follows on stdout", file=sys.stderr)
+            print(rendered["pretty"])
+            return 1
         if args.format is None:
             print(f"\nreport written to {args.output}")
     elif args.format is not None:
@@ -237,7 +277,7 @@ def _run(argv: list[str]) -> int:
     if args.plot:
         from switchyard_harness.bench.plot import plot_run
 
-        title = (f"switchyard bench run {' '.join(argv)}\n{report['count']} calls, {report['rps']:.1f} rps, "
+        title = (f"switchyard bench run {' '.join(shown_argv(argv))}\n{report['count']} calls, {report['rps']:.1f} rps, "
                  f"concurrency {plan.concurrency}, offered {plan.rps:g} rps")
         plot_run(load, Path(args.plot), title)
         if args.format is None:

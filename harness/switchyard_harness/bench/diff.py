@@ -30,6 +30,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.common.cli_text import parser_for
+from switchyard_harness import outputs
 
 REQUIRED = ("count", "total", "average", "fastest", "slowest", "rps", "statusCodeDistribution", "latencyDistribution")
 """Keys every ghz JSON report carries (ghz runner/reporter.go ``Report``)."""
@@ -265,8 +266,8 @@ def main(argv: list[str]) -> int:
                         "(default: bench-diff.png beside AFTER)")
     parser.add_argument("--no-plot", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    if args.plot and not args.no_plot and Path(args.plot).is_dir():  # matplotlib would write DIR.png beside it
-        parser.error(f"--plot: expected a PNG file to write ({args.plot} is a directory)")
+    if args.plot and not args.no_plot and (problem := outputs.unwritable(args.plot)):  # found before the work
+        parser.error(f"--plot: expected a PNG file that can be written ({problem})")
     try:
         before, after = load(args.before), load(args.after)
     except ReportError as exc:
@@ -278,7 +279,12 @@ def main(argv: list[str]) -> int:
     print(render(before, after, names))
     if not args.no_plot:
         path = Path(args.plot) if args.plot else Path(args.after).with_name("bench-diff.png")
-        written = plot(before, after, names, path)
+        try:
+            written = plot(before, after, names, path)
+        except OSError as exc:
+            print(f"switchyard bench diff: --plot {path}: could not write the plot ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 1
         print(f"\nplot written to {written}")
     return 0
 

@@ -1,0 +1,49 @@
+"""Files the harness's commands write (reports, plots, profiles): found writable before the work, not after it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def unwritable(path: str | Path) -> str:
+    """Why no file can be written at ``path``; "" when one can.
+
+    A directory there, a file where a folder on its way should be, a folder this user cannot write in, or a
+    file system that refuses a new file (``/proc``): the last found by opening the file for appending (and
+    removing it again when it was not there before). A folder missing on the way is no problem: the writer
+    makes it.
+    """
+    target = Path(path)
+    if target.is_dir():
+        return f"{path} is a directory"
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not target.parent.exists():
+        return "" if os.access(existing, os.W_OK) else f"no permission to write in {existing}"
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        return f"{exc.strerror or exc}"
+    if not existed:
+        target.unlink(missing_ok=True)
+    return ""
+
+
+def write(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path``, making the folders on its way.
+
+    Raises:
+        OSError: the write failed (a full disk, say).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        target.write_text(data, encoding="utf-8")
+    else:
+        target.write_bytes(data)
