@@ -25,8 +25,10 @@ While the test runs, the three figures the field watches are written every
 and compute score (GPU utilisation too when NVML reports it), KV fragmentation
 ratio and the OOM count, each row with locust's own totals at that moment
 (requests, failures, requests/s, P50/P95 ms). The dispatcher's metrics URL comes
-from ``--switchyard-metrics``, else the up file ``switchyard up`` writes, else
-``http://127.0.0.1:9103/metrics``. ``switchyard top`` shows the same figures live.
+from ``--switchyard-metrics``, else the up file of the stack whose HTTP face is
+``--host`` (``switchyard up`` records each stack's), else
+``http://127.0.0.1:9103/metrics``; the log says which it read. ``switchyard top``
+shows the same figures live.
 
 Against a stack with ``orchestrator.auth`` on, every request sends
 ``Authorization: Bearer <token>``: the value of ``SWITCHYARD_AUTH_TOKEN``
@@ -43,12 +45,14 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import random
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import gevent
@@ -158,15 +162,25 @@ def _arguments(parser) -> None:
                         f"run reads it (default {TOKEN_ENV}; unset or empty: no token)")
 
 
-def dispatcher_metrics_url(flag: str) -> str:
-    """``--switchyard-metrics``, else the dispatcher's URL in the up file, else the default port."""
+def dispatcher_metrics_url(flag: str, host: str = "") -> tuple[str, str]:
+    """The dispatcher's ``/metrics`` URL the watch reads, and where it came from: ``--switchyard-metrics``; else
+    the up file of the stack whose HTTP face is ``host`` (locust's ``--host``: with two stacks running, the second
+    one's endpoints are in ``up-<pid>.json`` beside the first's ``up.json``); else ``SWITCHYARD_UP_FILE`` or the
+    usual up file; else the default port."""
     if flag:
-        return flag
-    path = Path(os.environ.get("SWITCHYARD_UP_FILE") or Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json")
-    try:
-        return json.loads(path.read_text())["services"]["dispatcher"]["metrics_url"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "http://127.0.0.1:9103/metrics"
+        return flag, "--switchyard-metrics"
+    default = Path(os.environ.get("SWITCHYARD_UP_FILE")
+                   or Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json")
+    port = urllib.parse.urlsplit(host).port if host else None
+    candidates = [default, *sorted(default.parent.glob("up*.json"))]
+    for path in dict.fromkeys(candidates):
+        try:
+            services = json.loads(path.read_text())["services"]
+            if port is None or services["orchestrator"].get("http_port") == port:
+                return services["dispatcher"]["metrics_url"], str(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return "http://127.0.0.1:9103/metrics", "the default port (no up file names a stack with this --host)"
 
 
 def read_watched(url: str, timeout: float = 3.0) -> dict[str, float | str]:
@@ -251,7 +265,9 @@ def _start_watch(environment, **_kwargs) -> None:
     options = environment.parsed_options
     if options is None or isinstance(environment.runner, WorkerRunner):  # the master (or a local run) writes it
         return
-    url = dispatcher_metrics_url(options.switchyard_metrics)
+    url, source = dispatcher_metrics_url(options.switchyard_metrics, environment.host or "")
+    logging.getLogger("switchyard.locust").info("watch: %s, read from %s (from %s), every %g s", options.watch_csv,
+                                                url, source, options.watch_interval)
     _watch.append(Watch(environment, url, options.watch_csv, options.watch_interval))
 
 

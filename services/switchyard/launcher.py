@@ -39,7 +39,7 @@ Once all are healthy it writes their endpoints to the up file
 (:func:`up_file`), which ``switchyard top`` reads, and removes it on exit::
 
     {"pid": 4242, "services": {"orchestrator": {"address": "127.0.0.1:50051",
-     "metrics_url": "http://127.0.0.1:9101/metrics", "pid": 4243}, ...}}
+     "metrics_url": "http://127.0.0.1:9101/metrics", "pid": 4243, "http_port": 8080}, ...}}
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _own_up_file(path: Path) -> Path:
 def _write_up_file(path: Path, host: str, running: list[Child]) -> None:
     services = {
         c.name: {"address": f"{host}:{c.port}", "metrics_url": f"http://{host}:{c.metrics_port}/metrics",
-                 "pid": c.proc.pid}
+                 "pid": c.proc.pid, **({"http_port": c.http_port} if c.http_port is not None else {})}
         for c in running
     }
     try:

@@ -66,3 +66,24 @@ def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
     run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--token-file", str(tmp_path / "no"))
     assert run.returncode == 2 and f"locustfile: --token-file {tmp_path / 'no'}: cannot read it" in run.stderr
     assert "Traceback" not in run.stderr and not stats
+
+
+def test_the_watch_reads_the_dispatcher_of_the_stack_under_test_not_the_first_one_up(tmp_path):
+    """Two stacks: the second one's endpoints are in up-<pid>.json; the watch read the first's idle dispatcher."""
+    import json
+
+    def up(name: str, http_port: int, metrics_port: int) -> None:
+        (tmp_path / name).write_text(json.dumps({"pid": 1, "services": {
+            "orchestrator": {"address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:2/metrics", "pid": 1,
+                             "http_port": http_port},
+            "dispatcher": {"address": "127.0.0.1:3", "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+                           "pid": 1}}}))
+
+    up("up.json", 8080, 9103)
+    up("up-4242.json", 35583, 41000)
+    probe = ("import sys; sys.path.insert(0, 'locust'); import locustfile as f; "
+             "print(f.dispatcher_metrics_url('', sys.argv[1])[0])")
+    env = {**os.environ, "SWITCHYARD_UP_FILE": str(tmp_path / "up.json")}
+    for host, expected in (("http://127.0.0.1:35583", 41000), ("http://127.0.0.1:8080", 9103), ("", 9103)):
+        run = subprocess.run([sys.executable, "-c", probe, host], capture_output=True, text=True, env=env, timeout=120)
+        assert run.stdout.strip() == f"http://127.0.0.1:{expected}/metrics", run.stdout + run.stderr
