@@ -222,6 +222,8 @@ async def test_the_openapi_documents_required_fields_as_the_face_checks_them():
             else:
                 assert reply.status_code == 200, (field, reply.text)
         # agent_id: in the body or the header, as the X-Agent-Id parameter says; neither is 400.
+        named = {p["name"] for p in doc["paths"]["/api/v1/agent/submit"]["post"]["parameters"]}
+        assert {"X-Agent-Id", "X-Priority", "X-Tenant-Id"} <= named  # every header the face reads
         header = next(p for p in doc["paths"]["/api/v1/agent/submit"]["post"]["parameters"] if p["name"] == "X-Agent-Id")
         assert "one of the two is required" in header["description"]
         neither = await client.post("/api/v1/agent/submit", json={k: v for k, v in full.items() if k != "agent_id"})

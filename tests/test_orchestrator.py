@@ -303,7 +303,11 @@ async def test_a_window_too_small_for_even_the_best_passage_names_the_least_prom
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"(got '{one} tokens')" in err.value.details(), err.value.details()
+    details = err.value.details()
+    # the question fits: what does not is max_tokens beside it and the best passage, so max_tokens is named
+    assert details.startswith(f"max_tokens: expected at most {window - one}: the least prompt this task can send "
+                              f"(the question with the best-ranked passage) is {one} tokens"), details
+    assert details.endswith("(got 8)"), details
 
 
 @pytest.mark.parametrize(

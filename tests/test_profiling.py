@@ -94,6 +94,7 @@ async def test_a_profile_is_pprof_that_profile_proto_parses_naming_the_busy_func
     strings = profile.string_table
     assert strings[0] == "" and [strings[t.type] for t in profile.sample_type] == ["samples", "wall"]
     assert strings[profile.sample_type[1].unit] == "nanoseconds" and profile.duration_nanos >= 0.9e9
+    assert strings[profile.default_sample_type] == "wall"  # a string-table index (profile.proto), not a position
     location_ids = {loc.id for loc in profile.location}
     assert profile.sample and all(set(s.location_id) <= location_ids for s in profile.sample)
     rows = {r.name: r for r in top_functions(profile)}
@@ -162,9 +163,10 @@ def test_report_sums_match_the_profile():
 
 
 @pytest.mark.parametrize(("service", "says"), [
-    ("dispatchr", "expected one of orchestrator, retrieval, dispatcher, or a metrics endpoint host:port or URL "
-                  "(got 'dispatchr'); did you mean 'dispatcher'?"),
+    ("dispatchr", "expected one of orchestrator, retrieval, dispatcher, a metrics endpoint host:port or URL, or a "
+                  "saved profile's file (got 'dispatchr'); did you mean 'dispatcher'?"),
     ("nosuch", "(got 'nosuch')"),
+    ("nonexist.pprof", "(got 'nonexist.pprof' (no such profile file))"),
     ("localhost:", "expected host:port or a URL (got 'localhost:')"),
 ])
 def test_a_service_that_is_neither_a_name_nor_an_address_is_named(service, says):

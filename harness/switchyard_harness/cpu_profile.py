@@ -55,8 +55,9 @@ def profile_url(service: str, up_file: str | None, config_dir: str | None, secon
         flags = argparse.Namespace(up_file=up_file, config_dir=config_dir, **{name: None for name in SERVICES})
         url = endpoints_from(flags)[0][service]
     elif "://" not in service and ":" not in service:  # a word: a mistyped service name, not an address
-        raise ValueError(f"expected one of {', '.join(SERVICES)}, or a metrics endpoint host:port or URL "
-                         f"(got {service!r}){did_you_mean(service, SERVICES)}")
+        saved = " (no such profile file)" if "." in service or "/" in service else ""
+        raise ValueError(f"expected one of {', '.join(SERVICES)}, a metrics endpoint host:port or URL, or a saved "
+                         f"profile's file (got {service!r}{saved}){did_you_mean(service, SERVICES)}")
     else:
         url = metrics_url(service)
     parts = urllib.parse.urlsplit(url)

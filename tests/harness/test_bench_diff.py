@@ -132,3 +132,13 @@ def test_the_plot_path_printed_is_the_one_written_and_a_folder_is_refused(tmp_pa
         with pytest.raises(SystemExit) as caught:
             diff.main([*reports, "--plot", str(where)])
         assert caught.value.code == 2 and "--plot: expected a PNG file" in capsys.readouterr().err
+
+
+def test_a_run_where_every_call_failed_shows_no_latency_not_zero():
+    before = json.loads((GHZ / "greeter_before.json").read_text())
+    failed = {**before, "average": 0, "fastest": 0, "slowest": 0, "latencyDistribution": None,
+              "statusCodeDistribution": {"DeadlineExceeded": before["count"]}}
+    shown = by_name(before, failed)
+    for key in ("average", "fastest", "slowest", "latency P50"):
+        assert shown[key].after is None, key  # "-", as for its percentiles; a change of -82 ms it was
+    assert shown["fastest"].before == before["fastest"] / 1e6

@@ -154,14 +154,16 @@ def quantiles(distribution: list[dict[str, Any]] | None) -> dict[int, float]:
 
 def rows(before: dict[str, Any], after: dict[str, Any]) -> list[Row]:
     """The figures both reports are compared on, in print order (see the module docstring)."""
+    qb, qa = quantiles(before["latencyDistribution"]), quantiles(after["latencyDistribution"])
+
+    def timing(report: dict[str, Any], measured: dict[int, float], key: str) -> float | None:
+        return _ms(report[key]) if measured else None  # no successful call: no latency to show (its 0 is none)
+
     out = [
         Row("calls", before["count"], after["count"], "count"),
         Row("rps", before["rps"], after["rps"], "rps"),
-        Row("average", _ms(before["average"]), _ms(after["average"]), "ms"),
-        Row("fastest", _ms(before["fastest"]), _ms(after["fastest"]), "ms"),
-        Row("slowest", _ms(before["slowest"]), _ms(after["slowest"]), "ms"),
+        *(Row(key, timing(before, qb, key), timing(after, qa, key), "ms") for key in ("average", "fastest", "slowest")),
     ]
-    qb, qa = quantiles(before["latencyDistribution"]), quantiles(after["latencyDistribution"])
     out += [Row(f"latency P{q}", qb.get(q), qa.get(q), "ms") for q in QUANTILES]
     codes = sorted(set(before["statusCodeDistribution"]) | set(after["statusCodeDistribution"]),
                    key=lambda c: (c != "OK", c))

@@ -133,7 +133,7 @@ def to_pprof(frame_records: Iterable[tuple[list[str], float]], start_s: float, d
         profile.sample.add(location_id=ids, value=[1, int(seconds * 1e9)])
     profile.sample_type.add(type=strings("samples"), unit=strings("count"))
     profile.sample_type.add(type=strings("wall"), unit=strings("nanoseconds"))
-    profile.default_sample_type = 1
+    profile.default_sample_type = strings("wall")  # an index into the string table (profile.proto), not a position
     profile.period_type.CopyFrom(profile_pb2.ValueType(type=strings("wall"), unit=strings("nanoseconds")))
     profile.period = int(INTERVAL_S * 1e9)
     profile.time_nanos = int(start_s * 1e9)

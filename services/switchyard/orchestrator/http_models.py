@@ -21,6 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from switchyard.common.tenant import TENANT_PATTERN
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
@@ -272,6 +273,10 @@ def openapi(version: str) -> dict[str, Any]:
          "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
          "description": "The priority class, any case, where the body has none (the body wins); checked even "
                         "where the body wins."},
+        {"name": "X-Tenant-Id", "in": "header", "required": False,
+         "schema": {"type": "string", "pattern": f"^{TENANT_PATTERN.pattern}$"},
+         "description": "The task's tenant where the bearer token names none (a token's tenant wins; a header "
+                        "naming another is 403); absent: default."},
     ]
     body_errors = {
         "413": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is larger than the face reads (the message "

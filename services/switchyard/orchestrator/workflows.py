@@ -219,7 +219,18 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
                     "switchyard.passages.retrieved": len(passages), "switchyard.passages.kept": kept})
                 task.passages = task.passages[:kept]
         if count > budget:
-            raise prompt_over_window(model, window, spec.max_tokens, count)
+            extras = {"rag_answer": "the question with the best-ranked passage",
+                      "react_loop": "the question with the tools' descriptions"}.get(spec.workflow)
+            if extras is None or window.tokens - count < 1:  # the payload's own fault
+                raise prompt_over_window(model, window, spec.max_tokens, count)
+            # The question alone fits beside max_tokens (check_question_fits): what does not is max_tokens beside
+            # the least prompt the workflow can send, so the answer names max_tokens, not the payload.
+            raise InvalidArgument(
+                "max_tokens",
+                f"at most {window.tokens - count}: the least prompt this task can send ({extras}) is {count} "
+                f"tokens and the context window of {model} is {window.tokens} tokens ({window.source})",
+                spec.max_tokens,
+            )
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
             task.messages = [agent_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages()]
