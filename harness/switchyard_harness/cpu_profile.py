@@ -64,22 +64,38 @@ def profile_url(service: str, up_file: str | None, config_dir: str | None, secon
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, PATH, f"seconds={seconds:g}", ""))
 
 
+IDLE_LEAVES = frozenset({("run", "runners.py"), ("run_until_complete", "base_events.py"),
+                         ("run_forever", "base_events.py"), ("select", "selectors.py")})
+"""(function, file) of a sample's innermost Python frame while the event loop waits: asyncio's selector, or uvloop's
+loop, which runs in C below ``Runner.run`` (its own I/O callbacks too, which Python cannot see)."""
+
+
 def report(data: bytes, top: int) -> str:
-    """The text this command prints for the profile ``data``."""
+    """The text this command prints for the profile ``data``: the window, GC pauses, the event loop's waiting
+    share, and the ``top`` functions by cumulative time, leaving out the entry frames every sample holds
+    (``<module>``, ``main``, ``Runner.run``: named on one line) and the waiting frames."""
     profile = read_pprof(data)
     notes = comments(profile)
     total = sum(s.value[-1] for s in profile.sample)
     window_s = profile.duration_nanos / 1e9
     gc_ms = int(notes.get("gc_pause_ns", 0)) / 1e6
+    rows = top_functions(profile)
+    idle = {id(r) for r in rows if (r.name, Path(r.filename).name) in IDLE_LEAVES}
+    idle_ns = sum(r.flat_ns for r in rows if id(r) in idle)
+    everywhere = [r for r in rows if total and r.cum_ns >= total]
     lines = [
         f"window {window_s:.2f} s, {len(profile.sample)} samples of the event-loop thread "
         f"({total / 1e9:.2f} s of wall time), process CPU {float(notes.get('process_cpu_s', 0)):.2f} s",
         f"GC pauses: {gc_ms:.1f} ms in {notes.get('gc_collections', 0)} collections "
         f"({100 * gc_ms / 1000 / window_s if window_s else 0:.2f} % of the window)",
-        "",
-        f"{'flat':>10} {'flat%':>6} {'cum':>10} {'cum%':>6}  function",
+        f"event loop waiting: {100 * idle_ns / total if total else 0:.1f} % of the samples (in the selector, or in "
+        "uvloop's C loop: idle, or its own I/O)",
     ]
-    for row in top_functions(profile)[:top]:
+    if everywhere:
+        lines.append(f"on every sample, not listed: {', '.join(r.name for r in everywhere)}")
+    lines += ["", f"{'flat':>10} {'flat%':>6} {'cum':>10} {'cum%':>6}  function"]
+    listed = [r for r in rows if r not in everywhere and id(r) not in idle]
+    for row in listed[:top]:
         where = f"{row.filename}:{row.line}" if row.filename else ""
         lines.append(f"{row.flat_ns / 1e6:8.1f}ms {100 * row.flat_ns / total if total else 0:5.1f}% "
                      f"{row.cum_ns / 1e6:8.1f}ms {100 * row.cum_ns / total if total else 0:5.1f}%  {row.name}  {where}")
