@@ -80,7 +80,7 @@ def report(data: bytes, top: int) -> str:
     window_s = profile.duration_nanos / 1e9
     gc_ms = int(notes.get("gc_pause_ns", 0)) / 1e6
     rows = top_functions(profile)
-    idle = {id(r) for r in rows if (r.name, Path(r.filename).name) in IDLE_LEAVES}
+    idle = {id(r) for r in rows if (r.name.rsplit(".", 1)[-1], Path(r.filename).name) in IDLE_LEAVES}  # Runner.run
     idle_ns = sum(r.flat_ns for r in rows if id(r) in idle)
     everywhere = [r for r in rows if total and r.cum_ns >= total]
     lines = [
