@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 import urllib.parse
@@ -551,14 +552,10 @@ def main(argv: list[str]) -> int:
             if args.json:
                 print(json_output.dumps(snap, indent=2))
             else:
-                from rich.console import Console
-
-                Console().print(render(snap, source))
+                _console().print(render(snap, source))
             return 0 if all(s["up"] for s in snap["services"].values()) else 1
 
-        from rich.console import Console
-
-        console = Console()
+        console = _console()
         current = scrape_all(endpoints, pool)
         try:
             with _frames(console, render(snapshot(current), source)) as draw:
@@ -572,6 +569,20 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+
+
+PIPE_WIDTH = 160
+"""Columns of the view written to a pipe or a file (rich's 80 cut the tables' headers to "capaci…")."""
+
+
+def _console() -> Any:
+    """rich's Console: the terminal's width on a terminal, :data:`PIPE_WIDTH` elsewhere (``COLUMNS`` wins)."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PIPE_WIDTH)
+    return console
 
 
 @contextlib.contextmanager
