@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import contextlib
 import json
 import re
 import math
@@ -61,7 +62,12 @@ def stack(pydoc_index_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     up_file = tmp_path_factory.mktemp("up") / "up.json"
     s = UpStack(pydoc_index_dir, env={"SWITCHYARD_UP_FILE": str(up_file)})
     s.up_file = up_file  # type: ignore[attr-defined]
+    s.up_file_seen = []  # type: ignore[attr-defined]  # the up file's contents while the stack started
     try:
+        while not s.ready.is_set() and s.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                s.up_file_seen.append(json.loads(up_file.read_text()))  # type: ignore[attr-defined]
+            time.sleep(0.005)
         s.wait_ready()
         yield s
     finally:
@@ -287,3 +293,12 @@ def test_top_live_view_refreshes_from_the_stack_and_ends_after_its_frames(stack:
     assert "switchyard top" in out.stdout and "priority classes" in out.stdout and "inference" in out.stdout
     last = out.stdout.rsplit("switchyard top", 1)[-1]
     assert "since start" not in last and " s; endpoints from up file" in last, out.stdout
+
+
+def test_a_starting_stack_claims_its_up_file_before_its_services_are_healthy(stack: UpStack) -> None:
+    """The file was written only once every service was healthy (seconds, or 40 under load): a second stack
+    started meanwhile found none, took the same file, and the first stack's top and locust watch read the
+    second's figures. The claim names the launcher and no service yet; then the services."""
+    seen = stack.up_file_seen  # type: ignore[attr-defined]
+    assert seen and seen[0] == {"pid": stack.proc.pid, "services": {}}, seen[:1]
+    assert set(json.loads(stack.up_file.read_text())["services"]) >= {"orchestrator", "retrieval", "dispatcher"}

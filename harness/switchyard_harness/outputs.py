@@ -36,14 +36,21 @@ def unwritable(path: str | Path) -> str:
 
 
 def write(path: str | Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path``, making the folders on its way.
+    """Write ``data`` to ``path``, making the folders on its way; a write that fails leaves no partial file
+    where there was none.
 
     Raises:
         OSError: the write failed (a full disk, say).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, str):
-        target.write_text(data, encoding="utf-8")
-    else:
-        target.write_bytes(data)
+    existed = target.exists()
+    try:
+        if isinstance(data, str):
+            target.write_text(data, encoding="utf-8")
+        else:
+            target.write_bytes(data)
+    except OSError:
+        if not existed:
+            target.unlink(missing_ok=True)
+        raise

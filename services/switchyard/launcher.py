@@ -142,7 +142,9 @@ def _cli_command() -> str:
 def _own_up_file(path: Path) -> Path:
     """``path``, unless it is the default one and another live ``switchyard up`` wrote it: then
     ``up-<pid>.json`` beside it, so that the first stack's ``switchyard top`` and locust watchers keep
-    reading that stack (a second stack replaced the file, and they read its figures without a word)."""
+    reading that stack (a second stack replaced the file, and they read its figures without a word). The
+    launcher writes its claim (no service yet) at once, not only once its services are healthy, so that a
+    second stack started within those seconds finds it."""
     if envs.SWITCHYARD_UP_FILE.get():
         return path
     try:
@@ -307,6 +309,7 @@ def main(argv: list[str]) -> int:
     endpoints_file = _own_up_file(up_file())
     port_files = tempfile.TemporaryDirectory(prefix="switchyard-up-")
     try:
+        _write_up_file(endpoints_file, host, [])  # claimed now: a stack started before this one is healthy sees it
         for group in (ORDER[:2], ORDER[2:]):
             if group == ORDER[2:]:  # the orchestrator is pointed at the ports retrieval and the dispatchers bound
                 (retrieval,) = [c for c in services if c.kind == "retrieval"]

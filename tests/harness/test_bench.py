@@ -203,6 +203,9 @@ def test_a_plots_title_shows_metadata_keys_never_their_values():
     for argv in (["-m", token], ["--metadata", token], [f"--metadata={token}"], [f"-m{token}"]):
         shown = " ".join(shown_argv(["-n", "4", *argv, "127.0.0.1:50051"]))
         assert "s3cret" not in shown and "authorization: ***" in shown, shown
+    with pytest.raises(SystemExit) as caught:  # an abbreviation (argparse's default) would pass unmasked
+        cli.main(["run", "--meta", token, "--plot", "x.png", "127.0.0.1:1"])
+    assert caught.value.code == 2
 
 
 def test_percentiles_follow_ghz_nearest_rank():

@@ -226,6 +226,7 @@ def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="switchyard bench run",
         description="Load-test agent.AgentService.RunTask (server streaming); writes ghz's JSON report.",
+        allow_abbrev=False,  # ghz's flags as ghz spells them (and --meta for --metadata would slip past shown_argv)
     )
     add_load_options(parser)
     parser.add_argument("--host", help="orchestrator host:port (default 127.0.0.1:50051 or the config's host)")
@@ -267,8 +268,8 @@ def _run(argv: list[str]) -> int:
             outputs.write(args.output, text + "\n")
         except OSError as exc:
             print(f"switchyard bench run: -o {args.output}: could not write the report ({exc.strerror or exc}); "
-                  "the JSON report follows on stdout", file=sys.stderr)
-            print(rendered["pretty"])
+                  "it follows on stdout", file=sys.stderr)
+            print(text)
             return 1
         if args.format is None:
             print(f"\nreport written to {args.output}")
@@ -279,7 +280,12 @@ def _run(argv: list[str]) -> int:
 
         title = (f"switchyard bench run {' '.join(shown_argv(argv))}\n{report['count']} calls, {report['rps']:.1f} rps, "
                  f"concurrency {plan.concurrency}, offered {plan.rps:g} rps")
-        plot_run(load, Path(args.plot), title)
+        try:
+            plot_run(load, Path(args.plot), title)
+        except OSError as exc:
+            print(f"switchyard bench run: --plot {args.plot}: could not write the plot ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 1
         if args.format is None:
             print(f"plot written to {args.plot}")
     return 0 if load.results else 1
