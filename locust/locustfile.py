@@ -177,27 +177,43 @@ def dispatcher_metrics_url(flag: str, host: str = "") -> tuple[str, str]:
         try:
             services = json.loads(path.read_text())["services"]
             if port is None or services["orchestrator"].get("http_port") == port:
-                return services["dispatcher"]["metrics_url"], str(path)
+                replicas = [services[name]["metrics_url"] for name in services  # switchyard up --dispatchers N
+                            if name == "dispatcher" or name.startswith("dispatcher-")]
+                return " ".join(replicas) or services["dispatcher"]["metrics_url"], str(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return "http://127.0.0.1:9103/metrics", "the default port (no up file names a stack with this --host)"
 
 
-def read_watched(url: str, timeout: float = 3.0) -> dict[str, float | str]:
-    """The watched figures from one scrape of ``url`` (empty values and an ``error`` when it fails)."""
+def read_watched(urls: str, timeout: float = 3.0) -> dict[str, float | str]:
+    """The watched figures from one scrape of each dispatcher in ``urls`` (space-separated: the replicas of
+    ``switchyard up --dispatchers N``): the OOM count summed over them, a ratio or the compute score their
+    mean; empty values and an ``error`` naming each one that could not be read."""
     import urllib.request
 
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            text = reply.read().decode()
-    except OSError as exc:
-        return {"error": f"{url}: {exc}"}
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not math.isnan(sample.value):  # NaN: not read (GPU utilisation without NVML), an empty cell
-                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
-    return {column: sums[name] for column, name in WATCHED if name in sums}
+    per_replica: list[dict[str, float]] = []
+    errors: list[str] = []
+    for url in urls.split():
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as reply:
+                text = reply.read().decode()
+        except OSError as exc:
+            errors.append(f"{url}: {exc}")
+            continue
+        sums: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not math.isnan(sample.value):  # NaN: not read (GPU utilisation without NVML), an empty cell
+                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+        per_replica.append(sums)
+    out: dict[str, float | str] = {}
+    for column, name in WATCHED:
+        values = [sums[name] for sums in per_replica if name in sums]
+        if values:
+            out[column] = sum(values) if name.endswith("_total") else sum(values) / len(values)
+    if errors:
+        out["error"] = "; ".join(errors)
+    return out
 
 
 class Watch:

@@ -81,9 +81,15 @@ def test_the_watch_reads_the_dispatcher_of_the_stack_under_test_not_the_first_on
 
     up("up.json", 8080, 9103)
     up("up-4242.json", 35583, 41000)
+    two = json.loads((tmp_path / "up-4242.json").read_text())  # switchyard up --dispatchers 2: both read
+    two["services"]["dispatcher-2"] = {"address": "127.0.0.1:4", "metrics_url": "http://127.0.0.1:41001/metrics",
+                                       "pid": 1}
+    (tmp_path / "up-4242.json").write_text(json.dumps(two))
     probe = ("import sys; sys.path.insert(0, 'locust'); import locustfile as f; "
              "print(f.dispatcher_metrics_url('', sys.argv[1])[0])")
     env = {**os.environ, "SWITCHYARD_UP_FILE": str(tmp_path / "up.json")}
-    for host, expected in (("http://127.0.0.1:35583", 41000), ("http://127.0.0.1:8080", 9103), ("", 9103)):
+    for host, expected in (("http://127.0.0.1:35583", "http://127.0.0.1:41000/metrics http://127.0.0.1:41001/metrics"),
+                           ("http://127.0.0.1:8080", "http://127.0.0.1:9103/metrics"),
+                           ("", "http://127.0.0.1:9103/metrics")):
         run = subprocess.run([sys.executable, "-c", probe, host], capture_output=True, text=True, env=env, timeout=120)
-        assert run.stdout.strip() == f"http://127.0.0.1:{expected}/metrics", run.stdout + run.stderr
+        assert run.stdout.strip() == expected, run.stdout + run.stderr
