@@ -122,6 +122,12 @@ DEADLINE_RACE_S = 0.05
 (its calls' gRPC deadlines are its time left), reported as such: :class:`TaskDeadlineExceeded`."""
 
 
+def _out_of_time(task: Task) -> bool:
+    """Whether ``task`` is within :data:`DEADLINE_RACE_S` of its deadline, or past it: the one test by which a
+    downstream DEADLINE_EXCEEDED, or a cancellation by the caller's gRPC deadline, is the task running out."""
+    return task.deadline_s - time.monotonic() <= DEADLINE_RACE_S
+
+
 def _count_unrun(spec: TaskSpec, code: grpc.StatusCode) -> None:
     """Count in ``switchyard_tasks_total`` a submitted task that ended before it ran (cancelled or stopped while
     in the backlog): :meth:`OrchestratorService._execute` counts every task it runs."""
@@ -345,7 +351,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             except SwitchyardError as exc:
                 # A downstream call's gRPC deadline is the task's time left: it may fire a moment before the
                 # task's own timer does, as the hop's bare "Deadline Exceeded". The task ran out of time.
-                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or task.deadline_s - time.monotonic() > DEADLINE_RACE_S:
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or not _out_of_time(task):
                     raise
                 elapsed = time.monotonic() - task.t0
                 raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from exc
@@ -366,8 +372,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except BaseException as exc:
             code = status_for(exc)[0]
             if isinstance(exc, asyncio.CancelledError):  # the caller left, or its gRPC deadline (the task's) passed
-                code = (grpc.StatusCode.DEADLINE_EXCEEDED if task.deadline_s - time.monotonic() <= DEADLINE_RACE_S
-                        else grpc.StatusCode.CANCELLED)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if _out_of_time(task) else grpc.StatusCode.CANCELLED
             raise
         finally:
             AGENTS_CONCURRENT.dec()
