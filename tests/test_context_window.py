@@ -63,8 +63,9 @@ def config_for(base_url: str) -> SwitchyardConfig:
 
 
 @contextlib.asynccontextmanager
-async def dispatcher_before(max_model_len: int, **gateway: object):
-    with start_sim(models=[MODEL, OTHER], owned_by="vllm", max_model_len=max_model_len) as sim:
+async def dispatcher_before(max_model_len: int, models_delay_s: float = 0.0, **gateway: object):
+    with start_sim(models=[MODEL, OTHER], owned_by="vllm", max_model_len=max_model_len,
+                   models_delay_s=models_delay_s) as sim:
         cfg = config_for(sim.base_url).with_overrides(**{f"upstream.{k}": v for k, v in gateway.items()})
         async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
@@ -84,6 +85,20 @@ async def test_a_servers_shorter_window_is_refused_at_the_dispatcher_by_name(cle
     async with dispatcher_before(2048) as (_, _, stub, sim):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="over", prompt="hi",
+                                                                    prompt_tokens=3000, max_tokens=8)):
+                pass
+        assert sim.state.requests == []
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2048 tokens (as its model server reports it)" in caught.value.details()
+
+
+async def test_a_generate_arriving_while_the_first_model_list_read_is_under_way_waits_for_its_window(
+        clean_proxy_env):
+    """The dispatcher starts reading the model list as it starts; a Generate that arrives before the list
+    answers is checked against the server's window, not the default one (it was accepted, then failed upstream)."""
+    async with dispatcher_before(2048, models_delay_s=0.3) as (_, _, stub, sim):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="early", prompt="hi",
                                                                     prompt_tokens=3000, max_tokens=8)):
                 pass
         assert sim.state.requests == []

@@ -101,6 +101,8 @@ class SimOpenAIOptions:
     """KV cache size, tokens: the prefix cache's capacity and the denominator of ``vllm:kv_cache_usage_perc``."""
     prefix_caching: bool = True
     """Keep prefilled prompt blocks (``sim.prefix_block_tokens`` each) and skip them in later prompts."""
+    models_delay_s: float = 0.0
+    """Seconds ``GET /v1/models`` takes to answer (a server still loading, or far away)."""
 
 
 @dataclass
@@ -326,6 +328,8 @@ class SimOpenAI:
         """``GET /v1/models``: the configured model ids."""
         if (denied := self._auth_error(request, None)) is not None:
             return denied
+        if self.options.models_delay_s:
+            await asyncio.sleep(self.options.models_delay_s)
         data = [self._model_card(m) for m in self.options.models]
         return JSONResponse({"object": "list", "data": data})
 

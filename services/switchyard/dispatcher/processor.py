@@ -46,6 +46,10 @@ MAX_CHARS_PER_TOKEN = 128
 COUNT_IN_THREAD_BYTES = 256 * 1024
 """Requests larger than this are validated and counted off the event loop."""
 
+MODELS_READ_WAIT_S = 1.0
+"""Longest a request waits for the upstream's model list (its context windows): a Generate while the first
+read is under way, a DescribeModel for any read (their callers' deadlines are a few seconds)."""
+
 
 def check_id(value: str, name: str, limits: RequestLimitsConfig, *, required: bool = False) -> None:
     """The dispatcher's rule for an id field ``name`` (Generate's and ToolWait's alike): at most
@@ -268,7 +272,10 @@ class RequestProcessor:
                 dispatcher is not started or draining (UNAVAILABLE), or the queue is full
                 (RESOURCE_EXHAUSTED).
         """
-        reported = 0 if self.stepping else self.engine.reported_context_window(request.model)
+        reported = 0
+        if not self.stepping:
+            await self.engine.first_read_ended(MODELS_READ_WAIT_S)
+            reported = self.engine.reported_context_window(request.model)
         build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
                                   reported_window=reported)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams

@@ -58,12 +58,9 @@ from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
-from switchyard.dispatcher.processor import RequestProcessor, check_id, check_priority
+from switchyard.dispatcher.processor import MODELS_READ_WAIT_S, RequestProcessor, check_id, check_priority
 
 log = logging.getLogger(__name__)
-
-DESCRIBE_WAIT_S = 1.0
-"""Longest DescribeModel waits for the upstream's model list (its callers' deadline is a few seconds)."""
 
 
 MAX_EXPECTED_WAIT_S = 86_400.0
@@ -197,14 +194,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         (a step engine's), and the context window the upstream reports for it (an ``openai`` engine in front
         of vLLM or SGLang: ``max_model_len``; 0 otherwise): callers check a request's model, and its prompt +
         max_tokens against that model's context window (``limits.context_window(model, reported)``), before
-        accepting it. The upstream's models are read at most :data:`DESCRIBE_WAIT_S` here (a down upstream
+        accepting it. The upstream's models are read at most :data:`MODELS_READ_WAIT_S` here (a down upstream
         reports nothing; the next call asks again)."""
         served = self.engine.model  # what a request naming none is served (the processor's own rule)
         reported, windows = 0, {}
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(engine.describe_upstream(), DESCRIBE_WAIT_S)
+                await asyncio.wait_for(engine.describe_upstream(), MODELS_READ_WAIT_S)
             reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
                                    shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,

@@ -321,6 +321,12 @@ class StreamEngine(abc.ABC):
         """Read what the upstream reports of its models (its ``GET /v1/models``) and wait for it; nothing by
         default. Never raises: an upstream that cannot be read reports nothing."""
 
+    async def first_read_ended(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s`` seconds, for the first read of the upstream's models when it is still
+        under way (the dispatcher's start begins it), so that a request arriving before the list answered is
+        checked against the window the server reports; returns at once once any read has ended (a down
+        upstream then costs a request nothing). Nothing by default. Never raises."""
+
     def refused_for_load(self, exc: BaseException) -> bool:
         """True when ``exc``, raised by :meth:`generate` before its first item, says the upstream refused the
         request for load (a 429 after the engine's own retries): the stream loop then puts the request back in

@@ -125,6 +125,7 @@ class OpenAIEngine(StreamEngine):
         self.client = GatewayClient(self.config, tracer=tracer)
         self._described = False
         self._describing: asyncio.Task[None] | None = None
+        self._reads_ended = 0
         self._described_at = -math.inf
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
@@ -170,6 +171,13 @@ class OpenAIEngine(StreamEngine):
         if reading is not None:
             await asyncio.shield(reading)  # a caller's timeout does not cancel the read others wait for
 
+    async def first_read_ended(self, timeout_s: float) -> None:
+        reading = self._describing
+        if self._reads_ended or reading is None or reading.done():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(reading), timeout_s)
+
     async def _list_models(self) -> None:
         self._described_at = time.monotonic()
         try:
@@ -177,6 +185,8 @@ class OpenAIEngine(StreamEngine):
             self._described = True
         except GatewayError as exc:
             log.info("could not list the upstream's models (context windows unknown): %s", exc)
+        finally:
+            self._reads_ended += 1
 
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
         """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.
