@@ -262,7 +262,7 @@ def test_core_reserve_leaves_lower_classes_at_least_three_quarters_of_the_limit(
 
 
 def _request(rid: str, priority: int, arrival: float) -> Request:
-    return Request(request_id=rid, prompt="hello", priority=priority, task_type="chat", prompt_tokens=4,
+    return Request(request_id=rid, prompt="hello", priority=PriorityClass.from_proto(priority), task_type="chat", prompt_tokens=4,
                    max_tokens=4, arrival=arrival)
 
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import QueueFullError
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
@@ -19,7 +19,7 @@ from switchyard.dispatcher.request import Request, RequestStatus
 
 pytestmark = pytest.mark.no_gpu
 
-_PRIORITY = {"core": agent_pb2.CORE, "normal": agent_pb2.NORMAL, "batch": agent_pb2.BATCH}
+_PRIORITY = {c.label: c for c in PriorityClass}
 
 
 def test_put_reports_full_and_swap_hands_over_in_put_order() -> None:
@@ -192,5 +192,5 @@ def test_every_request_is_admitted_exactly_once_in_order_within_its_class(
         admitted += s.schedule(now).admitted
     assert len(admitted) == len(set(map(id, admitted))) == len(accepted)  # exactly once
     for cls in _PRIORITY:
-        assert [q for q in admitted if q.priority_name == cls] == [q for q in accepted if q.priority_name == cls]
+        assert [q for q in admitted if q.priority.label == cls] == [q for q in accepted if q.priority.label == cls]
     assert s.num_queued == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from switchyard.common.priority import PriorityClass
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import KVCacheManager, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.request import Request, RequestStatus
@@ -54,7 +55,7 @@ def sched():
 
 
 def req(rid, *, agent="", tenant="", prio=2, arrival=0.0, **kw):
-    return Request(request_id=rid, agent_id=agent, tenant_id=tenant, priority=prio, prompt_tokens=100,
+    return Request(request_id=rid, agent_id=agent, tenant_id=tenant, priority=PriorityClass.from_proto(prio), prompt_tokens=100,
                    max_tokens=8, arrival=arrival, **kw)
 
 

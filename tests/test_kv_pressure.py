@@ -15,6 +15,7 @@ from nvml_fixtures import FakeNvml
 from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
@@ -42,7 +43,7 @@ def build(db: RedisDb | None, **overrides: Any) -> Any:
 
 def request(rid: str, priority: int, *, prompt_tokens: int, max_tokens: int, arrival: float = 0.0,
             **fields: Any) -> Request:
-    return Request(request_id=rid, prompt="How does the with statement work?", priority=priority,
+    return Request(request_id=rid, prompt="How does the with statement work?", priority=PriorityClass.from_proto(priority),
                    prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=arrival, **fields)
 
 

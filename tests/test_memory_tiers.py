@@ -13,6 +13,7 @@ from nvml_fixtures import FakeNvml
 from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.channels import open_channel
@@ -50,7 +51,7 @@ def build(engine: Any, store: KvStore | None, *, running: int | None = None, **o
 
 def request(rid: str, priority: int = NORMAL, *, arrival: float = 0.0, prompt_tokens: int = 800,
             max_tokens: int = 12, task_type: str = "chat", **fields: Any) -> Request:
-    return Request(request_id=rid, prompt="How does the with statement work?", priority=priority,
+    return Request(request_id=rid, prompt="How does the with statement work?", priority=PriorityClass.from_proto(priority),
                     task_type=task_type, prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=arrival,
                     **fields)
 

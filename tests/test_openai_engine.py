@@ -10,6 +10,7 @@ import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env, sim_openai, start_sim  # noqa: F401
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard.common.config import load_config
 from switchyard.common.errors import SwitchyardError
@@ -89,7 +90,7 @@ def test_assistant_tool_calls_go_upstream_with_their_arguments():
 
 
 async def test_priority_class_forwarded_when_enabled(sim_openai):
-    req = Request("r3", prompt="hi", priority=agent_pb2.CORE)
+    req = Request("r3", prompt="hi", priority=PriorityClass.CORE)
     await run(engine_for(sim_openai.base_url, forward_priority=True), req)
     assert sim_openai.state.requests[-1]["priority"] == 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from switchyard.api import agent_pb2
 from switchyard.common.priority import LABELS, PriorityClass
 from switchyard.dispatcher.request import Request
@@ -17,8 +19,12 @@ def test_conversion_from_the_proto_and_back():
     assert sorted([PriorityClass.BATCH, PriorityClass.CORE, PriorityClass.NORMAL]) == list(PriorityClass)  # by rank
 
 
-def test_a_request_carries_its_class():
-    assert Request("r", priority=agent_pb2.PRIORITY_UNSPECIFIED).priority_class is PriorityClass.NORMAL
-    assert Request("r", priority=42).priority == agent_pb2.NORMAL
-    req = Request("r", priority=agent_pb2.CORE)
-    assert req.priority_class is PriorityClass.CORE and req.priority_name == "core"
+def test_a_request_carries_its_class_and_refuses_a_number():
+    """The class's ranks (CORE 0, NORMAL 1) and the proto's numbers (CORE 1) overlap: a proto number given where
+    the class is expected would be a silent wrong class, so the Request refuses it."""
+    assert Request("r").priority is PriorityClass.NORMAL
+    req = Request("r", priority=PriorityClass.CORE)
+    assert req.priority is PriorityClass.CORE and req.priority.label == "core"
+    for number in (agent_pb2.CORE, 0, 42):
+        with pytest.raises(TypeError, match="PriorityClass.from_proto"):
+            Request("r", priority=number)

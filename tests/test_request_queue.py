@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.request import Request
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.no_gpu
 
 def req(rid: str, arrival: float, priority: int = agent_pb2.NORMAL, max_tokens: int = 4, **fields: object) -> Request:
     return Request(request_id=rid, prompt="x", prompt_tokens=4, max_tokens=max_tokens, arrival=arrival,
-                   priority=priority, **fields)
+                   priority=PriorityClass.from_proto(priority), **fields)
 
 
 def ids(queue: RequestQueue) -> list[str]:

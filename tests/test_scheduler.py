@@ -9,6 +9,7 @@ import pytest
 from nvml_fixtures import FakeNvml
 from registry_values import metric
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard_harness.testing.capacity import FixedSlots
 from switchyard.common.config import ConfigError, SwitchyardConfig
@@ -104,7 +105,7 @@ def make_requests(
         Request(
             request_id=f"r{next(_ids)}",
             prompt="How does the with statement work?",
-            priority=priority,
+            priority=PriorityClass.from_proto(priority),
             task_type=task_type,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
@@ -192,7 +193,7 @@ def test_aging_bounds_how_long_batch_work_waits() -> None:
     assert batch in admitted, "batch task starved"
     cores_before = [s for s in admitted if s is not batch]
     assert all(s.arrival <= batch.arrival + 1.0 for s in cores_before)
-    assert any(s.priority == CORE for s in sched.waiting), "core work was still waiting, yet batch got in"
+    assert any(s.priority is PriorityClass.CORE for s in sched.waiting), "core work was still waiting, yet batch got in"
 
 
 def test_without_aging_bound_batch_waits_behind_all_core_work() -> None:

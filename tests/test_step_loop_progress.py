@@ -12,6 +12,7 @@ import asyncio
 import time
 
 from nvml_fixtures import FakeNvml
+from switchyard.common.priority import PriorityClass
 from switchyard_harness.testing.capacity import FixedSlots
 from switchyard_harness.testing.scheduling import accept
 
@@ -27,7 +28,7 @@ CORE, BATCH = agent_pb2.CORE, agent_pb2.BATCH
 
 
 def _request(priority: int, max_tokens: int) -> Request:
-    return Request(request_id=f"progress-{priority}", prompt="How does the with statement work?", priority=priority,
+    return Request(request_id=f"progress-{priority}", prompt="How does the with statement work?", priority=PriorityClass.from_proto(priority),
                    task_type="chat", prompt_tokens=16, max_tokens=max_tokens)
 
 

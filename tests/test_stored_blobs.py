@@ -26,7 +26,7 @@ import pytest
 from registry_values import metric
 from redis_fixtures import RedisDb, redis_db, redis_server, start_redis  # noqa: F401
 
-from switchyard.api import agent_pb2
+from switchyard.common.priority import PriorityClass
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.dispatcher.engines.sim import SimEngine, SimKV
@@ -94,7 +94,7 @@ def tiers_for(engine: BigKvEngine, store: KvStore | None, cold: ColdStore | None
 
 
 def running_request(rid: str, key: str, tokens: int = 1000) -> Request:
-    req = Request(request_id=rid, prompt="How does the with statement work?", priority=agent_pb2.BATCH,
+    req = Request(request_id=rid, prompt="How does the with statement work?", priority=PriorityClass.BATCH,
                   task_type="chat", prompt_tokens=tokens + 1, max_tokens=12, arrival=0.0)
     req.status, req.swap_key, req.swap_tokens = RequestStatus.RUNNING, key, tokens
     return req

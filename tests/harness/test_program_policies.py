@@ -73,9 +73,9 @@ def test_every_policy_is_built_on_the_services_scheduler(policy):
 def test_the_switchyard_order_is_the_fair_schedulers_key():
     sched, _ = _scheduler("switchyard")
     sched.ledger.charge("busy", "noisy", 10_000, 0.0)  # the noisy tenant has received service already
-    first = Request(request_id="noisy-1", agent_id="busy", tenant_id="noisy", priority=PriorityClass.NORMAL.proto,
+    first = Request(request_id="noisy-1", agent_id="busy", tenant_id="noisy", priority=PriorityClass.NORMAL,
                     prompt_tokens=100, arrival=0.0)
-    second = Request(request_id="quiet-1", agent_id="calm", tenant_id="quiet", priority=PriorityClass.NORMAL.proto,
+    second = Request(request_id="quiet-1", agent_id="calm", tenant_id="quiet", priority=PriorityClass.NORMAL,
                      prompt_tokens=100, arrival=0.5)
     for req in (first, second):
         sched.add_request(req, 1.0)

@@ -209,7 +209,7 @@ class SessionServiceQueue(RequestQueue):
     def order_key(self, req: Request, now: float) -> OrderKey:
         service = self.ledger.sessions.service(req.agent_id, now)
         if self.by_class:
-            return (float(req.priority_class), service, req.arrival)
+            return (float(req.priority), service, req.arrival)
         return (service, req.arrival)
 
 
@@ -607,7 +607,7 @@ class PolicyRun:
                 length, ending = self._next_step(agent)
                 req = Request(
                     request_id=self._request_id(agent), agent_id=agent.name,
-                    task_type=REACT_TASK_TYPE, priority=agent.cls.proto, prompt_tokens=agent.context,
+                    task_type=REACT_TASK_TYPE, priority=agent.cls, prompt_tokens=agent.context,
                     max_tokens=MAX_TOKENS, arrival=agent.next_at, tenant_id=agent.tenant,
                 )
                 if (hints := self._hints(agent, agent.next_at)) is not None:

@@ -81,7 +81,7 @@ from switchyard.common.dram import DramClient
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 
-CLASSES = tuple((c.label, c.proto) for c in PriorityClass)
+CLASSES = tuple((c.label, c) for c in PriorityClass)
 
 NO_AGING_MS = 3_600_000
 """Longest ``aging_max_wait_ms`` allowed: with it, aging never acts within a run."""

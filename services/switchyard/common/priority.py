@@ -39,13 +39,7 @@ _FROM_PROTO = {agent_pb2.CORE: PriorityClass.CORE, agent_pb2.NORMAL: PriorityCla
                agent_pb2.BATCH: PriorityClass.BATCH}
 _TO_PROTO = {cls: value for value, cls in _FROM_PROTO.items()}
 _LABEL = {cls: cls.name.lower() for cls in PriorityClass}
-_LABEL_OF_PROTO = {value: _LABEL[cls] for value, cls in _FROM_PROTO.items()}
 
-
-def label_of_proto(value: int) -> str:
-    """``agent.Priority`` -> its class's label: ``PriorityClass.from_proto(value).label`` in one lookup (the
-    step loop and the scheduler's report name a class per request per step)."""
-    return _LABEL_OF_PROTO.get(value, "normal")
 
 LABELS: tuple[str, ...] = tuple(c.label for c in PriorityClass)
 """Every class's label, most important first: the bounded label set of per-class metrics."""

@@ -181,7 +181,7 @@ class LoopBase:
             self._publish_stats()
             raise
         self._arrived()
-        if req.priority_class is PriorityClass.CORE:
+        if req.priority is PriorityClass.CORE:
             self._on_core_arrival()
         self._publish_stats(throttled=True)
 
@@ -525,7 +525,7 @@ class StepLoop(LoopBase):
         waits_restore = set(restore)
         if any(not s.needs_prefill for s in running if s not in waits_restore):
             core = [s for s in running if s.needs_prefill and s not in waits_restore
-                    and s.priority_class is PriorityClass.CORE]
+                    and s.priority is PriorityClass.CORE]
         else:
             core = []
         if core:
@@ -557,7 +557,7 @@ class StepLoop(LoopBase):
                 if self._left(group + decode) or self._joined:
                     return
             else:
-                preemptible = not any(s.priority_class is PriorityClass.CORE for s in group)
+                preemptible = not any(s.priority is PriorityClass.CORE for s in group)
                 await self._step(group, [], preemptible=preemptible)
                 if self._left(group) or self._joined:
                     return
@@ -643,9 +643,9 @@ class StepLoop(LoopBase):
             if req.prefill_only:  # a prompt prefix's warm-up: its one token is no caller's first token
                 continue
             if first is None and req.first_token_at is not None:
-                metrics.TTFT_BY_CLASS[req.priority_name].observe(req.first_token_at - req.arrival)
+                metrics.TTFT_BY_CLASS[req.priority.label].observe(req.first_token_at - req.arrival)
             elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
-                metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name].observe(req.last_token_at - last)
+                metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority.label].observe(req.last_token_at - last)
         metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()
 

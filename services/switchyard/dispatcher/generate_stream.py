@@ -240,7 +240,7 @@ class GenerateSession:
                 self._wake.notify()
             return
         running.req = req
-        running.core = req.priority_class is PriorityClass.CORE
+        running.core = req.priority is PriorityClass.CORE
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
             return

@@ -27,6 +27,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after
+from switchyard.common.priority import PriorityClass
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
@@ -188,7 +189,7 @@ def to_request(
         model=request.model,
         agent_id=request.agent_id,
         task_type=request.task_type,
-        priority=request.priority,
+        priority=PriorityClass.from_proto(request.priority),
         resume=request.resume,
         tenant_id=tenant,
         task_time_left_s=request.task_time_left_s or None,
@@ -284,7 +285,7 @@ class RequestProcessor:
             req = build()
         span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
-        span.set_attribute("switchyard.priority", req.priority_name)
+        span.set_attribute("switchyard.priority", req.priority.label)
         req.span_context = span.get_span_context()
         req.span = span
         if timeout_s is not None:

@@ -34,7 +34,7 @@ from typing import Any
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
-from switchyard.common.priority import PriorityClass, label_of_proto
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
@@ -166,8 +166,9 @@ class Request:
     model: str = ""
     agent_id: str = ""
     task_type: str = ""
-    priority: int = agent_pb2.NORMAL
-    """agent_pb2.Priority value (CORE, NORMAL, BATCH); PRIORITY_UNSPECIFIED becomes NORMAL."""
+    priority: PriorityClass = PriorityClass.NORMAL
+    """The request's priority class, the one type (:meth:`PriorityClass.from_proto` converts the proto's
+    ``agent.Priority``; its numbers differ from the class's ranks, so a number is refused here)."""
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
     # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15)
@@ -274,25 +275,16 @@ class Request:
     """Where its tokens, tool calls and end go to the Generate handler (written only through the methods below)."""
 
     def __post_init__(self) -> None:
-        self.priority = PriorityClass.from_proto(self.priority).proto
+        if not isinstance(self.priority, PriorityClass):
+            raise TypeError(f"Request.priority is a PriorityClass (PriorityClass.from_proto converts agent.Priority), "
+                            f"got {self.priority!r}")
 
     # ------------------------------------------------------------------ derived
-
-    @property
-    def priority_class(self) -> PriorityClass:
-        """The request's priority class: its ``priority`` (the proto value) converted by the one conversion,
-        :meth:`PriorityClass.from_proto`."""
-        return PriorityClass.from_proto(self.priority)
 
     @property
     def reached_engine(self) -> bool:
         """Admitted at least once (``admitted_at`` set): it left the inference queue, its queue wait is over."""
         return self.admitted_at is not None
-
-    @property
-    def priority_name(self) -> str:
-        """core, normal or batch."""
-        return label_of_proto(self.priority)
 
     @property
     def num_output_tokens(self) -> int:

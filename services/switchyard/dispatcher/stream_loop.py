@@ -142,8 +142,8 @@ class StreamLoop(LoopBase):
         (``update_from_output``: the same stop check as a step engine's), whose outputs are published."""
         engine, scheduler = self.engine, self.scheduler
         batch = StepBatch(decode=[req])
-        ttft = metrics.TTFT_BY_CLASS[req.priority_name]  # looked up once per call, observed per token
-        inter_token = metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority_name]
+        ttft = metrics.TTFT_BY_CLASS[req.priority.label]  # looked up once per call, observed per token
+        inter_token = metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority.label]
         first = True
         try:
             ended = False

@@ -75,12 +75,12 @@ REACT_TASK_TYPE = "react_loop"
 
 def class_rank(req: Request) -> int:
     """0 for core, 1 for normal, 2 for batch (unset priority counts as normal)."""
-    return int(req.priority_class)
+    return int(req.priority)
 
 
 def class_name(req: Request) -> str:
     """core, normal or batch."""
-    return req.priority_name
+    return req.priority.label
 
 
 def should_park(req: Request) -> bool:

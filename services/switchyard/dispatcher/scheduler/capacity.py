@@ -244,13 +244,13 @@ class ConcurrencyCapacity:
         return self.limit.in_flight
 
     def refusal(self, req: Request) -> str | None:
-        return self.limit.refusal(req.priority_class)
+        return self.limit.refusal(req.priority)
 
     def never_fits(self, req: Request) -> str | None:
         return None
 
     def take(self, req: Request) -> None:
-        self.limit.acquire(req.priority_class)
+        self.limit.acquire(req.priority)
 
     def give(self, req: Request) -> None:
-        self.limit.release(req.priority_class)
+        self.limit.release(req.priority)

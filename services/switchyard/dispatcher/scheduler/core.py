@@ -291,12 +291,12 @@ class SchedulerCore:
     @property
     def core_waiting(self) -> bool:
         """A core request waits for admission (the step loop then ends its decode slice at the next step)."""
-        return any(req.priority_class is PriorityClass.CORE for req in self.queue)
+        return any(req.priority is PriorityClass.CORE for req in self.queue)
 
     @property
     def core_pending(self) -> bool:
         """A core request is buffered or waits for admission."""
-        return self.core_waiting or any(req.priority_class is PriorityClass.CORE for req in self.intake)
+        return self.core_waiting or any(req.priority is PriorityClass.CORE for req in self.intake)
 
     @property
     def next_deadline(self) -> float:
@@ -453,7 +453,7 @@ class SchedulerCore:
             boundary), empty when none fits; ``outputs``: requests that ended.
         """
         out = SchedulerOutput()
-        taken = self.intake.take(lambda req: req.priority_class is PriorityClass.CORE)
+        taken = self.intake.take(lambda req: req.priority is PriorityClass.CORE)
         if taken:
             self._hand_over(taken, FlushReason.PREEMPT, now)
         if now >= self._next_expiry:
@@ -462,7 +462,7 @@ class SchedulerCore:
         projected = self.score
         while self.queue:
             req = self.queue.peek()
-            if req.priority_class is not PriorityClass.CORE or req.swap_key:
+            if req.priority is not PriorityClass.CORE or req.swap_key:
                 break
             if ((self._admission_refusal(req, projected, len(out.admitted)) is not None
                     or self.capacity.refusal(req) is not None) and not self._preempt_mid_step(req, now, out)):
@@ -915,10 +915,10 @@ class SchedulerCore:
         first CORE request in the waiting order takes a held slot. The policy's order stands
         within CORE, and every other request keeps its place.
         """
-        if head.priority_class is PriorityClass.CORE:
+        if head.priority is PriorityClass.CORE:
             return None
         for req in self.queue:
-            if req.priority_class is PriorityClass.CORE:
+            if req.priority is PriorityClass.CORE:
                 return req if self._refusal(req, projected_score, wave) is None else None
         return None
 

@@ -11,7 +11,7 @@ that plugs in, such as fairness by attained service or least slack first):
   ``req`` when it joins the queue at ``now`` (smallest first). It is computed
   when the request joins (arrival, or again after a preemption) and fixed while
   it waits, so the order is stable; ties keep the order the requests joined in.
-  It may read the request (``arrival``, ``priority_class``, ``resume``, its
+  It may read the request (``arrival``, ``priority``, ``resume``, its
   attained service ``num_prefilled_tokens`` + ``num_output_tokens``, its
   ``deadline``...) and the queue's own entries (:meth:`RequestQueue.keys`), and
   must not write anything.
@@ -139,12 +139,12 @@ class PriorityAgingQueue(RequestQueue):
 
     def virtual_arrival(self, req: Request) -> float:
         """``req.arrival`` minus its class's head start (seconds, monotonic clock)."""
-        return req.arrival - self.head_start_s[int(req.priority_class)]
+        return req.arrival - self.head_start_s[int(req.priority)]
 
     def order_key(self, req: Request, now: float) -> OrderKey:
         virtual = self.virtual_arrival(req)
         if not req.resume:
             return (virtual, _NEW)
-        rank = req.priority_class
-        class_heads = [key[0] for key, queued in self.keys() if queued.priority_class is rank and key[1] == _NEW]
+        rank = req.priority
+        class_heads = [key[0] for key, queued in self.keys() if queued.priority is rank and key[1] == _NEW]
         return (min([virtual, *class_heads]), _RESUMED)

@@ -131,7 +131,7 @@ class MemoryTiers:
 
     def score(self, req: Request, *, tokens: int, nbytes: int, idle_s: float, pinned: bool = False) -> float:
         """The value score of ``req``'s state (see :mod:`.value`)."""
-        return self.value.score(priority_class=req.priority_name, hits=req.kv_hits,
+        return self.value.score(priority_class=req.priority.label, hits=req.kv_hits,
                                 reuse_seconds=self.recompute_seconds(tokens), nbytes=nbytes, idle_s=idle_s,
                                 pinned=pinned)
 
@@ -155,7 +155,7 @@ class MemoryTiers:
         cost_us = self.recompute_seconds(tokens) * 1e6
         assert self.store is not None
         self._writes[key] = asyncio.get_running_loop().create_task(self.store.put(
-            key, payload, tokens=tokens, nbytes=nbytes, priority=req.priority_name, hits=req.kv_hits,
+            key, payload, tokens=tokens, nbytes=nbytes, priority=req.priority.label, hits=req.kv_hits,
             cost_us=cost_us))
         metrics.TIER_EVICTIONS.labels("hbm").inc()
         metrics.TIER_DEMOTIONS.labels("hbm").inc()
