@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 from redis_fixtures import RedisOutage, redis_db, redis_server, start_redis  # noqa: F401
 from test_orchestrator import collect, stack
 
+from switchyard.api import agent_pb2
 from switchyard.common.dram import DramClient
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 
@@ -126,3 +127,27 @@ def test_embedded_redis_refuses_a_port_where_a_redis_already_answers(redis_serve
     with pytest.raises(EmbeddedRedisError, match=r"a Redis already answers at .*\[dram\] embedded = false") as taken:
         EmbeddedRedis(redis_server.host, redis_server.port).start()
     assert "redis-server pid " in str(taken.value) and "--free-ports" in str(taken.value)
+
+
+async def test_two_tenants_agents_of_one_id_never_read_each_others_memory(redis_db):
+    """An agent is its tenant's and its id's: tenant zeta's agent "victim" remembers a secret, and tenant
+    acme's agent "victim" recalls none of it (its memory was read from one key for both)."""
+    async with stack(**{f"memory.{k}": v for k, v in _dram(redis_db).items()}) as (stub, down):
+        async def ask(tenant: str, payload: str) -> None:
+            async for _ in stub.RunTask(agent_pb2.RunTaskRequest(payload=payload, task_type="chat", agent_id="victim"),
+                                        metadata=(("x-tenant-id", tenant),)):
+                pass
+
+        await ask("zeta", "The zeta vault code is 4242.")
+        before = len(down.requests)
+        await ask("acme", "What is the vault code?")
+        await ask("zeta", "And the code again?")
+        await ask("default", "Anything?")
+    acme, zeta, default = down.requests[before:before + 3]
+    assert not acme.messages and "4242" not in acme.prompt  # recalls nothing: a plain prompt
+    assert any("4242" in m.content for m in zeta.messages)  # its own tenant's agent still remembers
+    assert not default.messages
+    async with redis_db.client() as client:
+        assert await client.exists("switchyard:agent:zeta\x1fvictim:memory")
+        assert await client.exists("switchyard:agent:acme\x1fvictim:memory")
+        assert await client.exists("switchyard:agent:victim:memory")  # the default tenant's keeps the bare id

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from switchyard.common.priority import PriorityClass
+from switchyard.common.tenant import agent_key
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import KVCacheManager, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.request import Request, RequestStatus
@@ -120,7 +121,7 @@ def test_service_is_charged_from_each_steps_prefill_and_decode_tokens():
     out = s.schedule(0.0)
     assert r in out.admitted
     s.update_from_output(StepBatch(prefill=[(r, 100)]), StepResult(), 0.1)  # the engine prefilled its prompt
-    assert s.ledger.sessions.service("a1", 0.1) == pytest.approx(100)
+    assert s.ledger.sessions.service(agent_key("t1", "a1"), 0.1) == pytest.approx(100)
     for t in (0.12, 0.14, 0.16):
         s.update_from_output(StepBatch(decode=[r]), StepResult(), t)  # one token each
     assert s.ledger.tenants.service("t1", 0.2) == pytest.approx(103, rel=0.01)
@@ -130,9 +131,9 @@ def _decisions(decision: str) -> float:
     return REGISTRY.get_sample_value("switchyard_tool_wait_decisions_total", {"decision": decision}) or 0.0
 
 
-def _parked(s, agent="agent-1"):
-    r = Request(request_id=f"{agent}-step", agent_id=agent, task_type=REACT_TASK_TYPE, prompt_tokens=2000,
-                max_tokens=8, arrival=0.0)
+def _parked(s, agent="agent-1", tenant="default"):
+    r = Request(request_id=f"{agent}-step", agent_id=agent, tenant_id=tenant, task_type=REACT_TASK_TYPE,
+                prompt_tokens=2000, max_tokens=8, arrival=0.0)
     accept(s, [r], 0.0)
     s.schedule(0.0)
     r.num_computed_tokens = 2000
@@ -185,3 +186,18 @@ def test_expected_service_counts_a_long_decode_at_the_measured_step_time():
     assert s.expected_service_s(waiting) == pytest.approx(prefill + 400 * 0.02)  # budgets for the long one
     waiting.output_tokens = [1] * 100  # produced so far (and not computed: its prefill grows by them)
     assert s.expected_service_s(waiting) == pytest.approx(200 * 1e-4 + 300 * 0.02)
+
+
+def test_two_tenants_agents_of_one_id_never_share_a_parked_step_or_a_tool_wait():
+    """An agent is its tenant's and its id's: acme's "agent-1" parked its KV; zeta's "agent-1" announcing a tool
+    wait decided nothing (it has no parked step), and zeta's next step did not take acme's KV over. Keyed by the
+    bare id, zeta's step took acme's parked prefix and acme's turn found nothing."""
+    s = sched()
+    acme = _parked(s, tenant="acme")
+    assert s.tool_wait(agent_key("zeta", "agent-1"), 1.0, now=0.6) is None
+    assert s.parking.entry(agent_key("acme", "agent-1")) is not None
+    zeta = req("zeta-turn", agent="agent-1", tenant="zeta", arrival=0.7, task_type=REACT_TASK_TYPE, resume=True)
+    accept(s, [zeta], 0.7)
+    s.schedule(0.7)
+    assert zeta.handover_from is None and s.parking.entry(agent_key("acme", "agent-1")).req is acme
+    assert s.tool_wait(agent_key("acme", "agent-1"), 0.01, now=0.8).decision.value == "keep"

@@ -768,3 +768,54 @@ async def test_a_caller_without_a_token_is_refused_before_100_continue_invites_i
                              b"Content-Length: 2\r\n\r\n", whole=False)
         assert invited.startswith(b"HTTP/1.1 100 Continue"), invited[:200]
         assert down.requests == []
+
+
+async def test_headers_that_are_not_utf8_or_say_two_things_are_refused_by_name_never_a_500(tmp_path):
+    """A Latin-1 byte in Authorization raised UnicodeEncodeError in the token check (500 on every guarded route);
+    two different Authorization headers let the first one win; a Latin-1 byte in X-Agent-Id was named as the
+    lone surrogate U+DCE9. Now: 401, 401, and 400 naming the byte."""
+    path = tmp_path / "tokens"
+    path.write_text("tok-full-1\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(path), "tokens_env": ""}}
+    async with http_stack(**auth) as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        head = b"GET /api/v1/tasks/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        latin1 = await _raw(port, head + b"Authorization: Bearer t\xf6k\r\n\r\n")
+        assert latin1.startswith(b"HTTP/1.1 401") and b"the bearer token is not valid" in latin1, latin1[:300]
+        for first, second in ((b"tok-full-1", b"tok-nope"), (b"tok-nope", b"tok-full-1")):
+            twice = await _raw(port, head + b"Authorization: Bearer " + first + b"\r\nAuthorization: Bearer " + second
+                               + b"\r\n\r\n")
+            assert twice.startswith(b"HTTP/1.1 401") and b"more than once, with different values" in twice, twice[:300]
+        same_twice = await _raw(port, head + b"Authorization: Bearer tok-full-1\r\nAuthorization: Bearer tok-full-1"
+                                b"\r\n\r\n")
+        assert same_twice.startswith(b"HTTP/1.1 404"), same_twice[:300]  # one value, said twice: let in
+        body = json.dumps({**FIELD_BODY, "agent_id": "", "task_type": "chat"}).encode()
+        agent = await _raw(port, b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                           b"Authorization: Bearer tok-full-1\r\nContent-Type: application/json\r\n"
+                           b"X-Agent-Id: ag\xe9nt\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert agent.startswith(b"HTTP/1.1 400"), agent[:300]
+        assert b"x-agent-id header: expected UTF-8 text (byte 0xE9 is not UTF-8)" in agent, agent
+        assert down.requests == []
+
+
+async def test_an_agents_status_is_its_own_tenants_agents_latest_task(tmp_path):
+    """Tenant zeta's agent "shared" submitted after acme's: acme's bound token read 404 for its own agent (the
+    lookup took the latest across tenants, then hid it). An agent is its tenant's and its id's."""
+    path = tmp_path / "tokens"
+    path.write_text("tok-all\ntok-acme tenant=acme\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(path), "tokens_env": ""}}
+    async with http_stack(**auth) as (client, _, down):
+        acme = {"Authorization": "Bearer tok-acme"}
+        body = {**FIELD_BODY, "agent_id": "shared", "task_type": "chat"}
+        mine = await client.post("/api/v1/agent/submit", json={**body, "task_id": "acme-1"}, headers=acme)
+        assert mine.status_code == 200, mine.text
+        theirs = await client.post("/api/v1/agent/submit", json={**body, "task_id": "zeta-1"},
+                                   headers={"Authorization": "Bearer tok-all", "X-Tenant-Id": "zeta"})
+        assert theirs.status_code == 200, theirs.text
+        status = await client.get("/api/v1/agent/shared/status", headers=acme)
+        assert status.status_code == 200 and status.json()["task_id"] == "acme-1", status.text
+        zeta = await client.get("/api/v1/agent/shared/status",
+                                headers={"Authorization": "Bearer tok-all", "X-Tenant-Id": "zeta"})
+        assert zeta.status_code == 200 and zeta.json()["task_id"] == "zeta-1", zeta.text
+        default = await client.get("/api/v1/agent/shared/status", headers={"Authorization": "Bearer tok-all"})
+        assert default.status_code == 404, default.text  # the default tenant's agent "shared" submitted nothing

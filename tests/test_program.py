@@ -258,7 +258,8 @@ async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
         await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-acme", agent_id="ag-acme", payload="hi",
                                                        task_type="chat", max_tokens=4), metadata=acme)
         for key in ({"task_id": "t-acme"}, {"agent_id": "ag-acme"}):
-            for own in (acme, plain):  # its tenant, and a token that names none
+            # its tenant, and a token that names none (an agent is its tenant's: looked up in the tenant named)
+            for own in (acme, plain + (("x-tenant-id", "acme"),)):
                 status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**key), metadata=own)
                 assert status.task_id == "t-acme" and status.tenant_id == "acme"
             with pytest.raises(grpc.aio.AioRpcError) as other:

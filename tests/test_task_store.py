@@ -133,6 +133,23 @@ async def test_an_agents_latest_task_is_found_by_its_agent_id(make_store):
     await b.close()
 
 
+async def test_two_tenants_agents_of_one_id_each_have_their_own_latest_task(make_store):
+    """An agent is its tenant's and its id's: acme's "shared" and zeta's "shared" are two agents. A record
+    stored with no tenant is the default tenant's."""
+    store = await make_store()
+    await store.create("acme-1", "fp", "", agent_id="shared", tenant_id="acme")
+    time.sleep(0.002)
+    await store.create("zeta-1", "fp", "", agent_id="shared", tenant_id="zeta")
+    time.sleep(0.002)
+    await store.create("plain-1", "fp", "", agent_id="shared")
+    assert (await store.latest_of_agent("shared", "acme")).task_id == "acme-1"
+    assert (await store.latest_of_agent("shared", "zeta")).task_id == "zeta-1"
+    assert (await store.latest_of_agent("shared")).task_id == "plain-1"
+    assert (await store.latest_of_agent("shared", "default")).task_id == "plain-1"
+    assert await store.latest_of_agent("shared", "other") is None
+    await store.close()
+
+
 async def test_a_sqlite_file_from_before_agent_ids_gets_the_column_and_keeps_its_tasks(tmp_path):
     import sqlite3
 

@@ -10,6 +10,7 @@ from redis_fixtures import redis_db, redis_server  # noqa: F401
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.priority import PriorityClass
+from switchyard.common.tenant import agent_key
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import FairScheduler, FcfsQueue, FifoScheduler, PriorityAgingQueue, PriorityScheduler
 from switchyard.dispatcher.scheduler.fair import FairQueue
@@ -112,7 +113,7 @@ def test_anchor_ledgers_are_charged_from_the_engine_steps():
     run = PolicyRun("llmd-las", SMALL, SwitchyardConfig())
     result = run.run()
     assert run.ledger is not None and run.ledger is run.sched.queue.ledger
-    assert run.ledger.sessions.service("t9-a0", result.makespan) > 0
+    assert run.ledger.sessions.service(agent_key("tenant-9", "t9-a0"), result.makespan) > 0
     assert sum(result.scheduler_decisions.values()) == 0  # the anchors announce no tool waits
 
 

@@ -95,6 +95,7 @@ from typing import Any, Callable
 
 from switchyard.common.config import DramTierConfig, SwitchyardConfig
 from switchyard.common.priority import PriorityClass
+from switchyard.common.tenant import agent_key
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
@@ -207,7 +208,7 @@ class SessionServiceQueue(RequestQueue):
         self.by_class = by_class
 
     def order_key(self, req: Request, now: float) -> OrderKey:
-        service = self.ledger.sessions.service(req.agent_id, now)
+        service = self.ledger.sessions.service(req.agent_key, now)
         if self.by_class:
             return (float(req.priority), service, req.arrival)
         return (service, req.arrival)
@@ -657,7 +658,8 @@ class PolicyRun:
                     agent.tool, agent.tool_started = tool, t
                     agent.next_at = t + agent.tool_s
                     if self.spec.hints:  # the orchestrator announces the tool wait at its start
-                        decided = sched.tool_wait(agent.name, self.program.tools.expected_s(tool), t, tool=tool)
+                        decided = sched.tool_wait(agent_key(agent.tenant, agent.name), self.program.tools.expected_s(tool), t,
+                                                  tool=tool)
                         result.decisions[decided.decision.value if decided is not None else UNDECIDED] += 1
                         if decided is not None:
                             agent.decision = decided.decision.value

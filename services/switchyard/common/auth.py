@@ -29,7 +29,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from prometheus_client import Counter
@@ -129,10 +129,11 @@ class BearerTokens:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def check(self, method: str, authorization: str | None) -> tuple[grpc.StatusCode, str] | None:
-        """None when ``authorization`` (``Bearer <token>``, None when absent) may call ``method``
-        (``agent.AgentService/RunTask``); else the refusal's (code, message), counted in
-        ``switchyard_auth_failures_total``. Exempt methods always pass."""
+    def check(self, method: str, authorization: str | Sequence[str] | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when ``authorization`` (``Bearer <token>``, None when absent; or every value the call carried,
+        of which two different ones are refused as malformed: which one counts is not a proxy's order to
+        decide) may call ``method`` (``agent.AgentService/RunTask``); else the refusal's (code, message),
+        counted in ``switchyard_auth_failures_total``. Exempt methods always pass."""
         if method.lstrip("/") in self.exempt:
             return None
         refused = self._refusal(method, authorization)
@@ -148,7 +149,7 @@ class BearerTokens:
         scheme, _, presented = str(authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             return ""
-        match = self._match(presented.strip().encode())
+        match = self._match(_secret_bytes(presented))
         return match.tenant if match is not None else ""
 
     def _match(self, secret: bytes) -> _Token | None:
@@ -158,7 +159,14 @@ class BearerTokens:
                 match = token
         return match
 
-    def _refusal(self, method: str, authorization: str | None) -> tuple[str, grpc.StatusCode, str] | None:
+    def _refusal(self, method: str, authorization: str | Sequence[str] | None
+                 ) -> tuple[str, grpc.StatusCode, str] | None:
+        if authorization is not None and not isinstance(authorization, str):
+            values = {str(value) for value in authorization}
+            if len(values) > 1:
+                return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
+                        "'authorization' metadata was sent more than once, with different values: send one")
+            authorization = values.pop() if values else None
         if authorization is None:
             return ("missing", grpc.StatusCode.UNAUTHENTICATED,
                     "missing 'authorization' metadata: send 'authorization: Bearer <token>'")
@@ -166,13 +174,20 @@ class BearerTokens:
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
                     "'authorization' metadata must be 'Bearer <token>'")
-        match = self._match(presented.strip().encode())
+        match = self._match(_secret_bytes(presented))
         if match is None:
             return "unknown_token", grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid"
         if not match.allows(method):
             return ("forbidden", grpc.StatusCode.PERMISSION_DENIED,
                     f"the bearer token may not call {method.lstrip('/')}")
         return None
+
+
+def _secret_bytes(presented: str) -> bytes:
+    """The presented token's bytes. An HTTP header's bytes that are not UTF-8 reach here as surrogate escapes
+    (aiohttp decodes headers with ``surrogateescape``); ``surrogatepass`` encodes them without failing (no
+    token is read with one), so such a token is refused as unknown, never an error."""
+    return presented.strip().encode("utf-8", "surrogatepass")
 
 
 class TokenGuarded(ABC):
@@ -209,8 +224,8 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        values = [v for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
-        refused = self.tokens.check(handler_call_details.method, str(values[0]) if values else None)
+        values = [str(v) for k, v in (handler_call_details.invocation_metadata or ()) if k == "authorization"]
+        refused = self.tokens.check(handler_call_details.method, values or None)
         if refused is None:
             return handler
         code, details = refused

@@ -22,6 +22,22 @@ TENANT_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_TENANT_CHARS}}}")
 EXPECTED = f"1 to {MAX_TENANT_CHARS} characters of A-Z a-z 0-9 . _ -"
 
 
+AGENT_KEY_SEPARATOR = "\x1f"
+"""Between a tenant and an agent id in :func:`agent_key`: a control character, which no id the edge accepts
+holds (agent ids refuse control characters, tenant ids take :data:`EXPECTED`), so keys never collide."""
+
+
+def agent_key(tenant: str, agent_id: str) -> str:
+    """The one key of agent ``agent_id`` of ``tenant``: two tenants may each run an agent of the same id, and
+    each has its own memory, parked KV, tool-wait plans and attained service. The default tenant's agents
+    (``tenant`` :data:`DEFAULT_TENANT` or "") keep their bare id, so state written before tenants existed is
+    still found; another tenant's is ``tenant`` + :data:`AGENT_KEY_SEPARATOR` + ``agent_id``. "" when
+    ``agent_id`` is "" (no agent)."""
+    if not agent_id or not tenant or tenant == DEFAULT_TENANT:
+        return agent_id
+    return f"{tenant}{AGENT_KEY_SEPARATOR}{agent_id}"
+
+
 def check_tenant(value: str, field: str) -> str:
     """``value`` when it is a well-formed tenant id (:data:`EXPECTED`).
 

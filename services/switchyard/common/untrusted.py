@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import unicodedata
 from typing import Any
 
@@ -40,6 +41,27 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         return text
     size = f"{len(value)} characters" if isinstance(value, (str, bytes)) else f"{len(text)} characters shown"
     return f"{text[:limit]}... ({size})"
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def check_utf8(value: str, field: str) -> str:
+    """``value``, text from a header: an HTTP header's bytes that are not UTF-8 arrive as surrogate escapes
+    (aiohttp decodes headers with ``surrogateescape``), refused here by name with the byte shown, where the id
+    checks would have named a lone surrogate.
+
+    Raises:
+        InvalidArgument: naming ``field``: the first byte that is not UTF-8, and the value with it as ``\\xNN``.
+    """
+    from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
+
+    found = _ESCAPED_BYTE.search(value)
+    if found is not None:
+        readable = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise InvalidArgument(field, f"UTF-8 text (byte 0x{ord(found.group()) - 0xDC00:02X} is not UTF-8)",
+                              readable[:80])
+    return value
 
 
 def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:

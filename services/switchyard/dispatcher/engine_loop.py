@@ -185,7 +185,7 @@ class LoopBase:
             self._on_core_arrival()
         self._publish_stats(throttled=True)
 
-    def tool_wait(self, agent_id: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
+    def tool_wait(self, agent_key: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
         """An agent's tool call on ``tool`` (its name; counted under a bounded label) starts: the scheduler's tool-wait
         decision now (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report
         published; a swap's planned restore wakes the loop when it is due.
@@ -194,7 +194,7 @@ class LoopBase:
             ValueError: ``expected_wait_s`` < 0.
         """
         try:
-            return self.scheduler.tool_wait(agent_id, expected_wait_s, time.monotonic(), tool=tool)
+            return self.scheduler.tool_wait(agent_key, expected_wait_s, time.monotonic(), tool=tool)
         finally:
             self._publish_stats()
             self._wake.set()

@@ -35,6 +35,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
+from switchyard.common.tenant import agent_key
 from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
@@ -280,6 +281,14 @@ class Request:
                             f"got {self.priority!r}")
 
     # ------------------------------------------------------------------ derived
+
+    @property
+    def agent_key(self) -> str:
+        """The agent's key, its tenant's and its id's (:func:`switchyard.common.tenant.agent_key`): what the
+        dispatcher's agent state (parking, tool-wait plans, the DRAM copy of its prefix, session fairness,
+        the upstream's affinity) is keyed by, so that two tenants' agents of one id never share it. "" when
+        the request has no agent."""
+        return agent_key(self.tenant_id, self.agent_id)
 
     @property
     def reached_engine(self) -> bool:

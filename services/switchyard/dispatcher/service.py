@@ -43,7 +43,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, abort
 from switchyard.common.server import Drains
-from switchyard.common.tenant import check_tenant
+from switchyard.common.tenant import agent_key, check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -227,16 +227,18 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
             for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
                 check_id(value, name, limits, required=True)
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)
-            if request.tenant_id:  # checked as Generate's; the decision reads the parked request's own
+            if request.tenant_id:  # checked as Generate's; with the agent id it names the parked agent
                 check_tenant(request.tenant_id, "tenant_id")
             check_priority(request.priority)
         except SwitchyardError as exc:
             await abort(context, exc, "dispatcher")
-        decision, restore_at_s = self.tool_wait(request.agent_id, request.tool, request.expected_wait_s)
+        decision, restore_at_s = self.tool_wait(agent_key(request.tenant_id, request.agent_id), request.tool,
+                                                request.expected_wait_s)
         return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
 
-    def tool_wait(self, agent_id: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
-        """What to do with ``agent_id``'s prefix state while it waits ``expected_wait_s`` seconds on ``tool``.
+    def tool_wait(self, agent_key: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
+        """What to do with the prefix state of the agent ``agent_key`` names (its tenant's and its id's,
+        :func:`switchyard.common.tenant.agent_key`) while it waits ``expected_wait_s`` seconds on ``tool``.
 
         A step engine's scheduler decides at once
         (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in
@@ -244,10 +246,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}``): KEEP holds the parked KV in HBM
         for the expected wait and as long again; SWAP copies it to the DRAM tier now and restores it
         ahead of the tool's return; DROP releases it. The decision is the agent's parked step's: the
-        announcement's tenant and priority (the orchestrator's view) are checked, not read, the parked
-        request carries its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
+        announcement's priority (the orchestrator's view) is checked, not read, the parked request carries
+        its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).
 
-        Answered ``TOOL_WAIT_DECISION_UNSPECIFIED`` with restore 0 when nothing is decided here: no parked step of ``agent_id`` on this
+        Answered ``TOOL_WAIT_DECISION_UNSPECIFIED`` with restore 0 when nothing is decided here: no parked step of that agent on this
         replica (its step has not ended yet, it ended without a tool call, its TTL ran out, or it ran
         elsewhere), or a stream engine (an upstream server keeps its own prefix cache; no KV is held here).
 
@@ -267,7 +269,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
-        decided = loop.tool_wait(agent_id, expected_wait_s, tool)
+        decided = loop.tool_wait(agent_key, expected_wait_s, tool)
         if decided is None:
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
         if decided.decision is Decision.SWAP:

@@ -1,6 +1,9 @@
 """Agent memory: what an agent asked, answered and learnt from tools, carried across its tasks.
 
-Kept in the DRAM tier (Redis) under ``{key_prefix}agent:{agent_id}:memory``, a
+Kept in the DRAM tier (Redis) under ``{key_prefix}agent:{agent}:memory``, where
+``agent`` is the agent's key, its tenant's and its id's
+(:func:`switchyard.common.tenant.agent_key`: the bare id in the default tenant, so
+that two tenants' agents of one id never read each other's memory), a
 list of JSON messages ``{"role", "content", "name", "task_id"}``, oldest first:
 
 - role ``user``: a task's payload; ``assistant``: its answer; ``tool``: a tool
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from switchyard.common.config import AgentMemoryConfig
 from switchyard.common.dram import DramClient
+from switchyard.common.tenant import agent_key
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,16 @@ class AgentMemory:
         self.dram = dram
         self.config = config
 
-    def _key(self, agent_id: str) -> str:
-        return self.dram.key("agent", agent_id, "memory")
+    def _key(self, tenant: str, agent_id: str) -> str:
+        return self.dram.key("agent", agent_key(tenant, agent_id), "memory")
 
-    async def recall(self, agent_id: str) -> list[MemoryMessage]:
-        """The newest messages of ``agent_id`` within ``recall_chars``, oldest first; [] when none or Redis is down."""
+    async def recall(self, tenant: str, agent_id: str) -> list[MemoryMessage]:
+        """The newest messages of ``tenant``'s agent ``agent_id`` within ``recall_chars``, oldest first; [] when
+        none or Redis is down."""
         if not agent_id or not self.config.enabled or self.config.recall_chars == 0:
             return []
-        raw = await self.dram.call(lambda r: r.lrange(self._key(agent_id), 0, -1), [], "agent memory recall")
+        key = self._key(tenant, agent_id)
+        raw = await self.dram.call(lambda r: r.lrange(key, 0, -1), [], "agent memory recall")
         messages: list[MemoryMessage] = []
         budget = self.config.recall_chars
         for item in reversed(raw):
@@ -76,8 +82,9 @@ class AgentMemory:
         messages.reverse()
         return messages
 
-    async def record(self, agent_id: str, messages: list[MemoryMessage]) -> bool:
-        """Append ``messages`` to ``agent_id``'s memory, trim it and renew its TTL. Returns whether Redis took them."""
+    async def record(self, tenant: str, agent_id: str, messages: list[MemoryMessage]) -> bool:
+        """Append ``messages`` to the memory of ``tenant``'s agent ``agent_id``, trim it and renew its TTL.
+        Returns whether Redis took them."""
         if not agent_id or not self.config.enabled or not messages:
             return False
         limit = self.config.max_entry_chars
@@ -85,7 +92,7 @@ class AgentMemory:
             json.dumps({"role": m.role, "content": m.content[:limit], "name": m.name, "task_id": m.task_id})
             for m in messages
         ]
-        key = self._key(agent_id)
+        key = self._key(tenant, agent_id)
 
         async def write(redis):  # one MULTI/EXEC round trip
             async with redis.pipeline(transaction=True) as pipe:

@@ -366,7 +366,7 @@ class HttpFace(Drains):
         route = request.match_info.route.name
         if tokens is not None and route in ("submit", "run", "status", "task_status", "cancel"):
             method = ROUTE_METHODS["status" if route == "task_status" else route]
-            refused = tokens.check(method, request.headers.get("Authorization"))
+            refused = tokens.check(method, request.headers.getall("Authorization", None))
             if refused is not None:
                 code, message = refused
                 return _error(code, message.replace("'authorization' metadata", "'Authorization' header"))

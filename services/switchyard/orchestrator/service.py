@@ -735,8 +735,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.TaskStatus:
         """State, result, error, compute_score_used, memory_peak_bytes and timings of a submitted task: the one
-        named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none).
-        Given both, the task must be that agent's: another agent's task is NOT_FOUND, naming both.
+        named by ``task_id``, else the one ``agent_id`` submitted last (NOT_FOUND naming the agent when none):
+        the agent of the caller's tenant (its token's, else ``x-tenant-id``, else the default, as SubmitTask
+        resolves it; two tenants' agents of one id are two agents). Given both, the task must be that agent's:
+        another agent's task is NOT_FOUND, naming both.
 
         A task waiting in this orchestrator's backlog is QUEUED with its ``queue_position`` there. A task that
         was queued or running on an orchestrator that has since died is FAILED, naming it. A caller whose bearer
@@ -750,8 +752,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
-            record = (await self.tasks.get(request.task_id) if request.task_id
-                      else await self.tasks.latest_of_agent(request.agent_id))
+            if request.task_id:
+                record = await self.tasks.get(request.task_id)
+            else:  # the agent of the caller's tenant, resolved as SubmitTask resolves it
+                tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+                record = await self.tasks.latest_of_agent(request.agent_id, tenant)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):

@@ -28,7 +28,7 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
-from switchyard.common.untrusted import check_id_chars, shown
+from switchyard.common.untrusted import check_id_chars, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import PriorityClass
 
@@ -60,9 +60,9 @@ def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
 
     Raises:
         InvalidArgument: naming the header, sent more than once with different values (which one counts is
-            not the caller's to leave to a proxy's order).
+            not the caller's to leave to a proxy's order), or holding bytes that are not UTF-8.
     """
-    values = {str(value) for key, value in metadata or () if key == name}
+    values = {check_utf8(str(value), f"{name} header") for key, value in metadata or () if key == name}
     if len({same(value) for value in values}) > 1:
         raise InvalidArgument(f"{name} header", "one value (it was sent more than once, with different values)",
                               sorted(values)[0])

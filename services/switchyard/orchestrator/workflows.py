@@ -132,7 +132,7 @@ async def recall(task: Task) -> None:
         return
     assert task.deps.memory is not None
     async with task.stage("recall"):
-        task.history = await task.deps.memory.recall(task.spec.agent_id)
+        task.history = await task.deps.memory.recall(task.spec.tenant_id, task.spec.agent_id)
     AGENT_MEMORY_RECALLS.labels("hit" if task.history else "miss").inc()
 
 
@@ -279,4 +279,4 @@ async def remember(task: Task) -> None:
                  for m in task.messages if m.role == "tool"]
     messages.append(MemoryMessage("assistant", task.output, task_id=task_id))
     async with task.stage("remember"):
-        await task.deps.memory.record(task.spec.agent_id, messages)
+        await task.deps.memory.record(task.spec.tenant_id, task.spec.agent_id, messages)

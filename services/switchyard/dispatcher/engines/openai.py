@@ -104,7 +104,7 @@ def chat_request(req: Request) -> ChatRequest:
         agent_id=req.agent_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
-        affinity_key=req.agent_id,
+        affinity_key=req.agent_key,
     )
 
 

@@ -354,7 +354,7 @@ class SchedulerCore:
             req.batch_size = size
             req.flush_reason = int(reason)
             req.batch = flushed
-            if req.resume and req.agent_id:
+            if req.resume and req.agent_key:
                 self._resume_prefix(req, now)
             self._enqueue(req, now)
         return size
@@ -624,7 +624,7 @@ class SchedulerCore:
             if restored > 0:
                 self.kv.free(req)
             return False
-        current = self.tool_waits.get(plan.agent_id) is plan and self.parking.entry(plan.agent_id) is None
+        current = self.tool_waits.get(plan.agent_key) is plan and self.parking.entry(plan.agent_key) is None
         landed = restored > 0 and current and not plan.claimed
         self.tool_waits.finished(plan, landed)
         if not landed:
@@ -636,7 +636,7 @@ class SchedulerCore:
         req.num_computed_tokens = restored
         req.status = PARKED
         self.parking.park(req, now)
-        self.parking.keep_for(plan.agent_id, max(0.0, plan.revisit_at - now))
+        self.parking.keep_for(plan.agent_key, max(0.0, plan.revisit_at - now))
         self.tiers.discard(key)
         self.counters.restored_tokens += restored
         return True
@@ -809,7 +809,7 @@ class SchedulerCore:
         out.finished = True
         self._outbox.append(out)
 
-    def tool_wait(self, agent_id: str, expected_wait_s: float, now: float,
+    def tool_wait(self, agent_key: str, expected_wait_s: float, now: float,
                   tool: str = "other") -> ToolWaitDecision | None:
         """The agent's tool call on ``tool`` starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
 
@@ -836,7 +836,7 @@ class SchedulerCore:
         if expected_wait_s < 0:
             raise ValueError(f"expected_wait_s: expected seconds >= 0, got {expected_wait_s!r}")
         self._announced = True
-        entry = self.parking.entry(agent_id)
+        entry = self.parking.entry(agent_key)
         if entry is None:
             return None
         budget = self.capacity.budget_bytes if isinstance(self.capacity, KvBudget) else 0
@@ -853,18 +853,18 @@ class SchedulerCore:
             cold_resume_weight=self.config.tool_wait_cold_resume_weight),
             grace_s=expected_wait_s)
         self._now = now
-        plan = ToolWaitPlan(agent_id, tool, decision.decision, now, now + expected_wait_s,
+        plan = ToolWaitPlan(agent_key, tool, decision.decision, now, now + expected_wait_s,
                             now + decision.revisit_at_s, transfer_s=decision.transfer_s)
         if decision.decision is Decision.KEEP:
-            self.parking.keep_for(agent_id, now - entry.since + decision.revisit_at_s)
+            self.parking.keep_for(agent_key, now - entry.since + decision.revisit_at_s)
         elif decision.decision is Decision.SWAP:
             parked, nbytes = entry.req, entry.kv_bytes
-            if self.parking.move_out(agent_id, demote=True) and decision.restore_at_s is not None:
+            if self.parking.move_out(agent_key, demote=True) and decision.restore_at_s is not None:
                 # a copy went to DRAM and its return is planned ahead of the turn
                 plan.restore_at = now + decision.restore_at_s
-                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_id), tokens, nbytes
+                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_key), tokens, nbytes
         else:
-            self.parking.move_out(agent_id, demote=False)
+            self.parking.move_out(agent_key, demote=False)
             self.counters.hbm_evictions += 1
         self.counters.tool_wait_decisions[decision.decision.value] += 1
         self.tool_waits.add(plan)
@@ -872,13 +872,13 @@ class SchedulerCore:
         return decision
 
 
-    def forget_agent(self, agent_id: str) -> None:
-        """``agent_id``'s task ended at this dispatcher between two steps (its next step refused by name, as
+    def forget_agent(self, agent_key: str) -> None:
+        """``agent_key``'s task ended at this dispatcher between two steps (its next step refused by name, as
         one that cannot make its deadline): its parked KV leaves HBM now instead of at the parking's TTL, and
         its tool-wait plan ends (no restore for a turn that will not come, no running call left to skew its
         tool's measured returns)."""
-        self.parking.forget(agent_id)
-        self.tool_waits.abandon(agent_id)
+        self.parking.forget(agent_key)
+        self.tool_waits.abandon(agent_key)
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
@@ -967,7 +967,7 @@ class SchedulerCore:
         hold = self.config.tool_wait_announce_hold_s if self._announced else 0.0
 
         def value(entry: ParkedAgent) -> float:
-            until = self.tool_waits.protected_until(entry.req.agent_id, entry.req)
+            until = self.tool_waits.protected_until(entry.req.agent_key, entry.req)
             if until is not None and now <= until:
                 return math.inf  # restored for its turn, expected by then: not evicted for waiting work
             if entry.ttl_s is None and now - entry.since < hold:
@@ -1054,7 +1054,7 @@ class SchedulerCore:
         """
         head = self._room_for
         delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
-        key = self.tiers.agent_key(parked.agent_id)
+        key = self.tiers.agent_key(parked.agent_key)
         if self._swap_out(parked, key, self._now, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
@@ -1150,8 +1150,8 @@ class SchedulerCore:
         return self.intake.deadline()
 
     def _resume_prefix(self, req: Request, now: float) -> None:
-        found = self.parking.take(req.agent_id, now)
-        self.tool_waits.on_turn(req.agent_id, now, found.warm)
+        found = self.parking.take(req.agent_key, now)
+        self.tool_waits.on_turn(req.agent_key, now, found.warm)
         if found.parked is not None:
             req.handover_from = found.parked
         if found.warm:
@@ -1162,7 +1162,7 @@ class SchedulerCore:
             self.counters.resumes["tool_warm"] += 1
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
-            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_id), found.prefix_tokens
+            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_key), found.prefix_tokens
             self.counters.hbm_misses += 1
             self.counters.resumes["tool_restored"] += 1
         else:
@@ -1173,7 +1173,7 @@ class SchedulerCore:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
                 # under the same key; swap_tokens 0 takes whatever the copy holds (a miss recomputes).
-                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_id), 0
+                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_key), 0
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""

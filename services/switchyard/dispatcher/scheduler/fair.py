@@ -149,8 +149,8 @@ class FairScheduler(PriorityScheduler):
             try:
                 slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
             except slack_rule.CannotMeetDeadline:
-                if req.resume and req.agent_id:  # its task ends here: nothing is kept for its next turn
-                    self.forget_agent(req.agent_id)
+                if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn
+                    self.forget_agent(req.agent_key)
                 raise
         super().add_request(req, now)
 
@@ -159,7 +159,7 @@ class FairScheduler(PriorityScheduler):
         arrival)`` for ``req`` joining the queue at ``now`` (the module docstring's order)."""
         slack = self.slack(req, now)
         urgent = slack < self.at_risk_slack_s
-        tenant, session, arrival = self.ledger.order_key(req.agent_id, req.tenant_id, req.arrival, now)
+        tenant, session, arrival = self.ledger.order_key(req.agent_key, req.tenant_id, req.arrival, now)
         return (float(class_rank(req)), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
                 arrival)
 
@@ -208,11 +208,11 @@ def charge_service(ledger: FairnessLedger, batch: StepBatch, result: StepResult,
     charged = False
     for req, tokens in batch.prefill:
         if tokens > 0:
-            ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+            ledger.charge(req.agent_key, req.tenant_id, tokens, now)
             charged = True
     for req in batch.decode:
         tokens = service_tokens(req, result)
         if tokens > 0:
-            ledger.charge(req.agent_id, req.tenant_id, tokens, now)
+            ledger.charge(req.agent_key, req.tenant_id, tokens, now)
             charged = True
     return charged

@@ -57,7 +57,7 @@ class Resumed:
 
 
 class ParkedAgents:
-    """The parked agents, by ``agent_id``.
+    """The parked agents, by ``agent_key``.
 
     Args:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
@@ -82,24 +82,24 @@ class ParkedAgents:
 
     def park(self, req: Request, now: float) -> None:
         """Keep ``req``'s prefix state warm; an older parked step of the same agent is released."""
-        old = self._parked.pop(req.agent_id, None)
+        old = self._parked.pop(req.agent_key, None)
         if old is not None and old.req is not req:
             self._release(old.req)
-        self._cold.pop(req.agent_id, None)
-        self._parked[req.agent_id] = ParkedAgent(req, now, int(self._kv_bytes(req)))
+        self._cold.pop(req.agent_key, None)
+        self._parked[req.agent_key] = ParkedAgent(req, now, int(self._kv_bytes(req)))
 
-    def take(self, agent_id: str, now: float) -> Resumed:
+    def take(self, agent_key: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
 
         A warm agent leaves the parked set; its old request keeps the state
         until the caller releases it (when the new request starts running).
         """
-        entry = self._parked.pop(agent_id, None)
+        entry = self._parked.pop(agent_key, None)
         if entry is not None and now - entry.since > self._ttl(entry):
-            self._expire(agent_id, entry)
+            self._expire(agent_key, entry)
             entry = None
         if entry is None:
-            tokens, in_dram = self._cold.pop(agent_id, (0, False))
+            tokens, in_dram = self._cold.pop(agent_key, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
         return Resumed(True, entry.req.num_computed_tokens, entry.req)
 
@@ -127,38 +127,38 @@ class ParkedAgents:
         self._expire(agent, entry, evicted=True)
         return entry.req
 
-    def entry(self, agent_id: str) -> ParkedAgent | None:
+    def entry(self, agent_key: str) -> ParkedAgent | None:
         """The agent's parked entry (None when it is not parked)."""
-        return self._parked.get(agent_id)
+        return self._parked.get(agent_key)
 
-    def keep_for(self, agent_id: str, ttl_s: float) -> bool:
+    def keep_for(self, agent_key: str, ttl_s: float) -> bool:
         """Keep the agent's state warm ``ttl_s`` seconds from when it parked (a tool-wait decision); True when parked."""
-        entry = self._parked.get(agent_id)
+        entry = self._parked.get(agent_key)
         if entry is None:
             return False
         entry.ttl_s = max(0.0, ttl_s)
         return True
 
-    def move_out(self, agent_id: str, demote: bool) -> bool:
+    def move_out(self, agent_key: str, demote: bool) -> bool:
         """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and the
         ``demote`` callback manages it), else dropped; True when a copy went to DRAM (False: dropped, or
         not parked)."""
-        entry = self._parked.pop(agent_id, None)
+        entry = self._parked.pop(agent_key, None)
         if entry is None:
             return False
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req) if demote else False
         self._release(entry.req)
-        self._cold[agent_id] = (tokens, in_dram)
+        self._cold[agent_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
         return in_dram
 
-    def forget(self, agent_id: str) -> bool:
+    def forget(self, agent_key: str) -> bool:
         """The agent's task ended here (its next step was refused): its parked state is released, not kept
         or demoted for a turn that will not come, and its cold prefix forgotten; True when it was parked."""
-        self._cold.pop(agent_id, None)
-        entry = self._parked.pop(agent_id, None)
+        self._cold.pop(agent_key, None)
+        entry = self._parked.pop(agent_key, None)
         if entry is None:
             return False
         self._release(entry.req)
@@ -174,10 +174,10 @@ class ParkedAgents:
 
     def drop(self, req: Request) -> bool:
         """Release ``req`` if it is parked (its agent went away); True when it was."""
-        entry = self._parked.get(req.agent_id)
+        entry = self._parked.get(req.agent_key)
         if entry is None or entry.req is not req:
             return False
-        del self._parked[req.agent_id]
+        del self._parked[req.agent_key]
         self._release(req)
         return True
 
@@ -191,7 +191,7 @@ class ParkedAgents:
         """Bytes of prefix state held for parked agents."""
         return sum(entry.kv_bytes for entry in self._parked.values())
 
-    def _expire(self, agent_id: str, entry: ParkedAgent, evicted: bool = False) -> None:
+    def _expire(self, agent_key: str, entry: ParkedAgent, evicted: bool = False) -> None:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req)
         self._release(entry.req)
@@ -199,7 +199,7 @@ class ParkedAgents:
             self.counters.parked_evicted += 1
         else:
             self.counters.tool_wait_expired += 1
-        self._cold[agent_id] = (tokens, in_dram)
+        self._cold[agent_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
 

@@ -164,8 +164,10 @@ class TaskStore(ABC):
         """The record, or None when absent or finished past its retention."""
 
     @abstractmethod
-    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
-        """The record ``agent_id`` created last (by ``created_at``), or None; records past retention count as absent."""
+    async def _latest_of_agent(self, agent_id: str, tenant_id: str) -> TaskRecord | None:
+        """The record ``tenant_id``'s agent ``agent_id`` created last (by ``created_at``), or None; records past
+        retention count as absent. ``tenant_id`` is never "": :data:`DEFAULT_TENANT` also finds records stored
+        with no tenant."""
 
     @abstractmethod
     async def _update(self, task_id: str, owner: str, state: int, **fields: object) -> bool:
@@ -251,13 +253,15 @@ class TaskStore(ABC):
             return await self._create(TaskRecord(task_id, fp, agent_pb2.QUEUED, self.owner, trace_id=trace_id,
                                                  agent_id=agent_id, tenant_id=tenant_id))
 
-    async def latest_of_agent(self, agent_id: str) -> TaskRecord | None:
-        """The task ``agent_id`` submitted last (None when it submitted none within retention); an orphan is
-        failed first, as by :meth:`get`. An empty ``agent_id`` names no agent: None."""
+    async def latest_of_agent(self, agent_id: str, tenant_id: str = DEFAULT_TENANT) -> TaskRecord | None:
+        """The task ``tenant_id``'s agent ``agent_id`` submitted last (None when it submitted none within
+        retention): an agent is its tenant's and its id's (:func:`switchyard.common.tenant.agent_key`), so two
+        tenants' agents of one id each have their own latest. An orphan is failed first, as by :meth:`get`. An
+        empty ``agent_id`` names no agent: None; an empty ``tenant_id`` is :data:`DEFAULT_TENANT`."""
         if not agent_id:
             return None
         with STORE_DURATION.labels("get").time():
-            record = await self._latest_of_agent(agent_id)
+            record = await self._latest_of_agent(agent_id, tenant_id or DEFAULT_TENANT)
         if record is not None and not record.finished and record.owner != self.owner:
             if await self._fail_if_orphan(record):
                 record = await self._get(record.task_id)

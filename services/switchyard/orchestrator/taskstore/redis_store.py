@@ -33,6 +33,7 @@ from redis.retry import Retry
 from switchyard.api import agent_pb2
 from switchyard.common.config import DramTierConfig, TaskStoreConfig
 from switchyard.common.dram import describe_error
+from switchyard.common.tenant import agent_key
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
@@ -127,8 +128,8 @@ class RedisTaskStore(TaskStore):
     def _task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
 
-    def _agent_key(self, agent_id: str) -> str:
-        return f"{self._agent_prefix}{agent_id}:tasks"
+    def _agent_key(self, agent_id: str, tenant_id: str) -> str:
+        return f"{self._agent_prefix}{agent_key(tenant_id, agent_id)}:tasks"
 
     def _lease_key(self, owner: str) -> str:
         return f"{self.prefix}orchestrator:{owner}"
@@ -153,9 +154,9 @@ class RedisTaskStore(TaskStore):
             fields += [name, "" if value is None else value]
         # The agent's set outlives its newest task: that task's own time limit is far below a retention.
         agent_ttl_ms = int(2 * self.config.retention_s * 1000)
-        agent_key = self._agent_key(record.agent_id) if record.agent_id else ""
+        agent_tasks = self._agent_key(record.agent_id, record.tenant_id) if record.agent_id else ""
         existing = await self._do(self._create_script(
-            keys=[self._task_key(record.task_id), self._unfinished_key, agent_key],
+            keys=[self._task_key(record.task_id), self._unfinished_key, agent_tasks],
             args=[record.task_id, repr(record.created_at), agent_ttl_ms, AGENT_TASKS_KEPT, *fields]))
         if not existing:
             return record, True
@@ -165,8 +166,8 @@ class RedisTaskStore(TaskStore):
         raw = await self._do(self.redis.hgetall(self._task_key(task_id)))
         return _record(task_id, raw) if raw else None
 
-    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
-        key = self._agent_key(agent_id)
+    async def _latest_of_agent(self, agent_id: str, tenant_id: str) -> TaskRecord | None:
+        key = self._agent_key(agent_id, tenant_id)
         for raw_id in await self._do(self.redis.zrevrange(key, 0, AGENT_TASKS_KEPT - 1)):
             record = await self._get(raw_id.decode())
             if record is not None:

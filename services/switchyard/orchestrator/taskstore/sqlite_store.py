@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from switchyard.common.config import TaskStoreConfig
+from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.orchestrator.taskstore.base import Lease, TaskRecord, TaskStore, TaskStoreUnavailable
 
 T = TypeVar("T")
@@ -304,14 +305,15 @@ class SqliteTaskStore(TaskStore):
 
         return await self._run(get)
 
-    async def _latest_of_agent(self, agent_id: str) -> TaskRecord | None:
+    async def _latest_of_agent(self, agent_id: str, tenant_id: str) -> TaskRecord | None:
         expired_before = time.time() - self.config.retention_s
+        tenants = ("", DEFAULT_TENANT) if tenant_id == DEFAULT_TENANT else (tenant_id, tenant_id)
 
         def latest(db: sqlite3.Connection) -> TaskRecord | None:
             row = db.execute(
-                f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE agent_id = ? AND (finished_at IS NULL OR finished_at >= ?) "
-                "ORDER BY created_at DESC LIMIT 1",
-                (agent_id, expired_before),
+                f"SELECT {', '.join(COLUMNS)} FROM tasks WHERE agent_id = ? AND tenant_id IN (?, ?) "
+                "AND (finished_at IS NULL OR finished_at >= ?) ORDER BY created_at DESC LIMIT 1",
+                (agent_id, *tenants, expired_before),
             ).fetchone()
             return None if row is None else _record(row)
 
