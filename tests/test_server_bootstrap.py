@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from switchyard.common.config import load_config
+from switchyard.common.errors import ORIGIN_KEY
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.common.channels import open_channel, open_sync_channel
@@ -120,3 +122,49 @@ async def test_health_list_reports_every_service_and_follows_shutdown():
             await srv.health.enter_graceful_shutdown()
             listed = (await stub.List(health_pb2.HealthListRequest())).statuses
             assert {s.status for s in listed.values()} == {health_pb2.HealthCheckResponse.NOT_SERVING}
+
+
+CORRUPT = b"\xff\xff\xff\xff\x0f"  # a field number past the wire format's range
+NOT_UTF8 = b"\x12\x02\xff\xfe"  # RunTaskRequest.payload (field 2) holding bytes that are not UTF-8
+
+
+async def test_a_request_that_does_not_parse_is_invalid_argument_naming_its_message_on_every_kind_of_call():
+    """grpc parses a request before any servicer code runs and answered UNKNOWN "Unexpected <class
+    'DecodeError'>" to one that does not parse; each kind of call (unary, server streaming, bidirectional) now
+    answers INVALID_ARGUMENT naming the message, with the origin trailer, and a well-formed call still works."""
+    from switchyard.dispatcher.service import DispatcherService
+
+    cfg = load_config("config").with_overrides(**{
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
+    async with running([OrchestratorService(cfg)], cfg.server) as orch, \
+            running([DispatcherService(cfg)], cfg.server) as disp:
+        calls = [
+            (orch.port, "unary_unary", "/agent.AgentService/SubmitTask", CORRUPT, "agent.RunTaskRequest"),
+            (orch.port, "unary_unary", "/agent.AgentService/SubmitTask", NOT_UTF8, "agent.RunTaskRequest"),
+            (orch.port, "unary_stream", "/agent.AgentService/RunTask", CORRUPT, "agent.RunTaskRequest"),
+            (orch.port, "unary_unary", "/agent.AgentService/GetTaskStatus", b"\x0a\x80", "agent.GetTaskStatusRequest"),
+            (disp.port, "unary_stream", "/agent.InferenceService/Generate", b"\x0a\x05hello\x12\xff",
+             "agent.GenerateRequest"),
+            (disp.port, "stream_stream", "/agent.InferenceService/GenerateStream", CORRUPT,
+             "agent.GenerateStreamRequest"),
+        ]
+        for port, kind, method, raw, message in calls:
+            async with open_channel(f"127.0.0.1:{port}") as channel:
+                call = getattr(channel, kind)(method, request_serializer=lambda b: b, response_deserializer=bytes)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    if kind == "unary_unary":
+                        await call(raw, timeout=5)
+                    elif kind == "unary_stream":
+                        async for _ in call(raw, timeout=5):
+                            pass
+                    else:
+                        async for _ in call(iter([raw]), timeout=5):
+                            pass
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, caught.value)
+            assert caught.value.details().startswith(f"request: expected a well-formed {message} message"), method
+            origin = dict(caught.value.trailing_metadata() or ()).get(ORIGIN_KEY)
+            assert origin == ("orchestrator" if port == orch.port else "dispatcher"), method
+        async with open_channel(f"127.0.0.1:{orch.port}") as channel:  # a well-formed call parses as before
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert (await stub.Check(health_pb2.HealthCheckRequest(service=""))).status == \
+                health_pb2.HealthCheckResponse.SERVING
