@@ -180,9 +180,13 @@ async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_remo
         async def post(task_id: str) -> httpx.Response:
             return await client.post("/api/v1/agent/submit", json={**body, "task_id": task_id})
 
-        assert (await post("a")).json()["queue_position"] == 0
+        first = (await post("a")).json()
+        check(first, "AcceptedResponse")
+        assert (first["queue_position"], first["state"]) == (0, "queued")
         await until(lambda: len(down.requests) == 1)
         assert [(await post(t)).json()["queue_position"] for t in ("b", "c")] == [0, 1]
+        again_a = await post("a")
+        assert again_a.json()["state"] == "running", again_a.text  # the identical request again: the task as it is
         status = (await client.get("/api/v1/tasks/c")).json()
         check(status, "TaskStatusResponse")
         assert (status["state"], status["queue_position"]) == ("queued", 1)
@@ -190,10 +194,15 @@ async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_remo
         assert cancel.status_code == 200, cancel.text
         check(cancel.json(), "TaskStatusResponse")
         assert cancel.json()["state"] == "failed" and cancel.json()["error"].startswith("CANCELLED:")
+        again = await post("b")  # answered "accepted" as if queued, for a task that will never run
+        assert again.status_code == 200 and again.json()["state"] == "failed", again.text
+        check(again.json(), "AcceptedResponse")
         assert (await client.get("/api/v1/tasks/c")).json()["queue_position"] == 0
         assert (await post("d")).status_code == 200  # a, c, d: the bound
         full = await post("e")
         assert full.status_code == 429, full.text
+        known = await post("a")  # refused 429 too: a full backlog, for a request that adds nothing to it
+        assert known.status_code == 200 and known.json()["task_id"] == "a", known.text
         assert full.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
         assert "orchestrator.max_unfinished_submitted_tasks" in full.json()["error"]["message"]
         assert (await client.post("/api/v1/tasks/nope/cancel")).status_code == 404

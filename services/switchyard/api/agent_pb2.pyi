@@ -123,14 +123,16 @@ class RunTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., payload: _Optional[str] = ..., agent_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("task_id", "queue_position", "trace_id")
+    __slots__ = ("task_id", "queue_position", "trace_id", "state")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     queue_position: int
     trace_id: str
-    def __init__(self, task_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    state: TaskState
+    def __init__(self, task_id: _Optional[str] = ..., queue_position: _Optional[int] = ..., trace_id: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("name", "start_s", "end_s", "duration_s", "attributes")

@@ -60,8 +60,8 @@ from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, h
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import shown
-from switchyard.orchestrator.http_models import (EXPECTED, TaskRequest, describe_error, message_dict,
-                                                  openapi, status_json)
+from switchyard.orchestrator.http_models import (EXPECTED, STATE_NAMES, TaskRequest, describe_error,
+                                                  message_dict, openapi, status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
@@ -489,7 +489,8 @@ class HttpFace(Drains):
                 self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items())))
             accepted = await asyncio.shield(settle(submit))  # settle: a left client's answer is still read
             return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
-                                      "task_id": accepted.task_id, "trace_id": accepted.trace_id})
+                                      "task_id": accepted.task_id, "trace_id": accepted.trace_id,
+                                      "state": STATE_NAMES.get(accepted.state, "unspecified")})
 
         return await self._call(call)
 

@@ -99,6 +99,10 @@ class AcceptedResponse(BaseModel):
                                             "(priority class, then arrival), tasks; 0: it started at once or is next.")
     task_id: str
     trace_id: str = Field("", description="W3C trace id (32 hex characters); empty with tracing off.")
+    state: Literal["unspecified", "queued", "running", "finished", "failed"] = Field(
+        "queued", description="The task's state: queued for a task recorded now; for the identical body "
+                              "resubmitted under its task_id, the recorded task's, which may be finished or failed "
+                              "(cancelled): a finished task is not run again.")
 
 
 class TimingsModel(BaseModel):

@@ -465,8 +465,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
-            if len(self._submitted) >= limit:
-                raise self._backlog_full()
+            if len(self._submitted) >= limit and not request.task_id:  # a task_id may name a task already recorded:
+                raise self._backlog_full()  # its answer adds nothing to the backlog (a new one is refused below)
             if self._stopping:
                 raise SwitchyardError("orchestrator is stopping; submit to another replica or retry after its restart",
                                       grpc.StatusCode.UNAVAILABLE)
@@ -493,21 +493,24 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 await abort(context, SwitchyardError(
                     f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
                     "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), self.name)
+            live = self._submitted.get(record.task_id)  # this process's state where it holds the task
+            state = live.to_status(0).state if live is not None else record.state
             return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
-                                      trace_id=record.trace_id)
+                                      trace_id=record.trace_id, state=state)
         if self._stopping:  # stop() began while the record was written: it will not start here
             _count_unrun(spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(Submitted(spec, trace_id, contextvars.copy_context()), agent_pb2.FAILED, b"",
                                       "CANCELLED: the orchestrator stopped before the task started; resubmit it "
                                       "under a new task_id")
-            return agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id)
+            return agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id, state=agent_pb2.FAILED)
         if len(self._submitted) >= limit:  # others were admitted while the record was written (no await from here)
             await self._delete_refused(spec.task_id)
             exc = self._backlog_full()
             await abort(context, exc, self.name)
         position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
         self._start_submitted()
-        return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id)
+        return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id,
+                                  state=agent_pb2.QUEUED)
 
     def _backlog_full(self) -> SwitchyardError:
         limit = self.config.orchestrator.max_unfinished_submitted_tasks
