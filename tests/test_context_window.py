@@ -106,6 +106,21 @@ async def test_a_generate_arriving_while_the_first_model_list_read_is_under_way_
     assert "2048 tokens (as its model server reports it)" in caught.value.details()
 
 
+async def test_a_prompt_counted_here_is_never_counted_below_the_floor_a_callers_count_is_held_to(clean_proxy_env):
+    """prompt_tokens 0 asks the dispatcher to count: 200,000 characters without a space were one word piece, so
+    one token, and went upstream past a 1,024-token window; a caller's own count of 1 was refused (at least
+    chars / 128). The dispatcher's count takes the same floor."""
+    async with dispatcher_before(1024) as (_, _, stub, sim):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="dense", prompt="w" * 200_000,
+                                                                    max_tokens=1)):
+                pass
+        assert sim.state.requests == []
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("prompt_tokens: expected fewer than the context window"), \
+        caught.value.details()
+
+
 async def test_the_orchestrator_refuses_before_accepting_what_the_servers_window_cannot_hold(clean_proxy_env):
     """A 64-token window: a question of about 100 tokens is refused by SubmitTask naming the server's report,
     and nothing reaches the upstream."""

@@ -37,6 +37,7 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
 
     def __init__(self) -> None:
         self.requests: list[agent_pb2.GenerateRequest] = []
+        self.queries: list[str] = []  # every Retrieve query, in arrival order
         self.gate: asyncio.Event | None = None
         self.cancelled: list[str] = []  # request ids the orchestrator cancelled
         self.deadlines: list[float | None] = []  # time_remaining() each request had on arrival
@@ -58,6 +59,7 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
         pass
 
     async def Retrieve(self, request, context):
+        self.queries.append(request.query)
         return agent_pb2.RetrieveResponse(passages=self.passages, queue_wait_s=0.001)
 
     async def DescribeModel(self, request, context):
@@ -110,6 +112,14 @@ async def stack(**overrides):
 
 async def collect(stub, **fields):
     return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields))]
+
+
+async def test_a_payload_past_the_retrieval_query_bound_is_cut_for_the_query_not_refused():
+    async with stack() as (stub, down):
+        events = await collect(stub, payload="How does with work? " + "x" * 20_000, task_type="rag_answer",
+                               max_tokens=4)
+    assert events[-1].WhichOneof("event") == "final"
+    assert [len(q) for q in down.queries] == [10_000]  # limits.max_query_chars
 
 
 @pytest.mark.parametrize("executor", ["loop", "process"])

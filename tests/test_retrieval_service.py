@@ -85,6 +85,7 @@ async def test_top_k_zero_means_the_configured_default(pydoc_index_dir):
         (agent_pb2.RetrieveRequest(query="   \n"), "query"),
         (agent_pb2.RetrieveRequest(query="with", top_k=-1), "top_k"),
         (agent_pb2.RetrieveRequest(query="with", top_k=51), "top_k"),
+        (agent_pb2.RetrieveRequest(query="with " * 2_001), "query"),  # past retrieval.max_query_chars (10,000)
     ],
 )
 async def test_bad_request_is_invalid_argument_naming_the_field(pydoc_index_dir, request_, field):

@@ -152,9 +152,9 @@ def to_request(
             raise InvalidArgument(f"tools[{i}].parameters_json", "a JSON Schema object", t.parameters_json[:80])
         tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
     prompt_tokens = request.prompt_tokens
-    if prompt_tokens == 0:
+    if prompt_tokens == 0:  # counted here, never below the floor a caller's own count is held to
         text = request.prompt if not messages else "\n".join(m.content for m in messages)
-        prompt_tokens = max(1, len(word_pieces(text)))
+        prompt_tokens = max(1, len(word_pieces(text)), -(-chars // MAX_CHARS_PER_TOKEN))
     elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
         raise InvalidArgument(
             "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "

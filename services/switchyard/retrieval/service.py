@@ -153,12 +153,16 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
             embed_s, search_s in seconds.
 
         Raises:
-            InvalidArgument: empty query or top_k out of range (names the field).
+            InvalidArgument: empty query, one past ``limits.max_query_chars``, or top_k out of range (names
+                the field).
             QueueFullError: the retrieval queue holds ``capacity`` items.
             QueueTimeoutError: no worker took the call within ``timeout_ms``.
         """
         if not query.strip():
             raise InvalidArgument("query", "a non-empty question", query)
+        if len(query) > self.config.limits.max_query_chars:
+            raise InvalidArgument("query", f"at most {self.config.limits.max_query_chars} characters "
+                                  "(limits.max_query_chars)", f"{len(query)} characters")
         k = self._top_k(top_k)
         parent = otel_context.get_current()
         enqueued_ns = time.time_ns()

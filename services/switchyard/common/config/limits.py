@@ -20,7 +20,7 @@ class ContextWindow(NamedTuple):
 class RequestLimitsConfig(_Strict):
     """What one request may ask for: the one source of limits, checked by the orchestrator before
     ``accepted`` and again by the dispatcher for callers that reach it directly: ``switchyard.json``
-    ``limits``, read by both."""
+    ``limits``, read by both (and by retrieval, for ``max_query_chars``)."""
 
     max_tokens: int = Field(8192, ge=1, le=1_000_000, description="Largest max_tokens a task or Generate may ask for, tokens.")
     default_max_tokens: int = Field(
@@ -40,6 +40,12 @@ class RequestLimitsConfig(_Strict):
         "model server reports none, tokens."
     )
     max_payload_chars: int = Field(200_000, ge=1, le=100_000_000, description="Longest task payload, characters.")
+    max_query_chars: int = Field(
+        10_000, ge=1, le=10_000_000,
+        description="Longest query a Retrieve call may send, characters; the retrieval service answers a longer one "
+        "INVALID_ARGUMENT, and the orchestrator queries with a task's payload cut to this length (the embedding "
+        "model reads its first 256 tokens, about 1,000 characters, and lexical search gains little past it).",
+    )
     max_prompt_chars: int = Field(
         1_000_000, ge=1, le=100_000_000,
         description="Longest prompt a Generate may carry (prompt plus message contents), characters.",

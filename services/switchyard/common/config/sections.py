@@ -67,7 +67,7 @@ ENGINE_SECTIONS = {"sim": "sim", "torch": "torch", "openai": "upstream"}
 # The sections each service reads (its engine's section is added for the dispatcher).
 SERVICE_SECTIONS: dict[str, tuple[str, ...]] = {
     "orchestrator": ("server", "limits", "orchestrator", "queues.orchestration", "memory.dram", "memory.agent_memory"),
-    "retrieval": ("server", "retrieval", "queues.retrieval"),
+    "retrieval": ("server", "limits", "retrieval", "queues.retrieval"),
     "dispatcher": (
         "server", "limits", "dispatcher", "queues.inference", "batching", "scheduler",
         "memory.hbm", "memory.dram", "memory.oss", "memory.scan", "memory.value",
