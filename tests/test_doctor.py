@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -230,3 +231,37 @@ def test_a_bad_flag_exits_2_naming_it(argv, says, capsys):
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "pydantic" not in err
+
+
+def test_a_server_set_by_environment_alone_passes_and_aliases_it_lacks_are_warnings(clean_proxy_env, monkeypatch,
+                                                                                   capsys):
+    """The documented set-up for a real server (SWITCHYARD_UPSTREAM_BASE_URL and _MODEL) failed doctor on the
+    shipped model_map's aliases, whose targets only requests naming them need: exit 1 for a stack that works."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(models=["acme/served-8b"]) as server:
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", server.base_url)
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "acme/served-8b")
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_FALLBACK_MODEL", "none")
+        monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")  # the gateway's checks decide the exit code
+        code, out = run_doctor(capsys)
+    assert code == 0, out
+    assert re.search(r"ok +model acme/served-8b +default_model: listed by /models", out), out
+    assert "warn  model claude-sonnet-4-5" in out and "a request naming 'sonnet' will be NOT_FOUND" in out
+    assert "or remove the alias" in out and "FAIL" not in out
+    assert "all checks passed, 2 warning(s)" in out
+
+
+def test_a_server_that_takes_the_connection_and_never_answers_is_named_hung_not_down(clean_proxy_env, monkeypatch,
+                                                                                     capsys):
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")  # the gateway's checks decide the exit code
+    with socket.socket() as listener:  # listens, accepts into its backlog, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", url)
+        code = doctor.main(["--config-dir", CONFIG, "--timeout", "0.5"])
+        out = capsys.readouterr().out
+    assert code == 1
+    assert "took the connection but sent no answer within 0.5 s (ReadTimeout)" in out, out
+    assert "hung or overloaded" in out and "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)" in out

@@ -312,3 +312,26 @@ async def test_a_refusal_of_a_call_sent_without_a_key_says_the_server_wants_one(
         err = await stream_error(gateway_config(server.base_url, max_retries=0))
     assert err.code == grpc.StatusCode.PERMISSION_DENIED
     assert "sent without a key" in str(err) and f"export {KEY_ENV}=<its key>" in str(err)
+
+
+async def test_a_body_cut_short_is_named_without_the_parsers_own_400(clean_proxy_env):
+    """A server killed mid-stream: aiohttp's message quoted its parser's error with the parser's code 400
+    ("<TransferEncodingError: 400, message=...>"), which read as an HTTP 400 no server sent."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        chunk = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        await writer.drain()
+        writer.close()  # no terminating chunk: the body ends before it did
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    async with server:
+        err = await stream_error(gateway_config(base, fallback_model="", max_retries=0))
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err), str(err)
+    assert "the response ended before its body did (TransferEncodingError: Not enough data" in str(err), str(err)
+    assert "400" not in str(err)

@@ -36,7 +36,7 @@ from typing import Iterable
 import httpx
 from pydantic import ValidationError
 
-from switchyard.common import tls_check
+from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
@@ -54,7 +54,9 @@ class Check:
     """One line of the report: what was checked, whether it passed, what was seen, and the fix.
 
     ``skipped``: the check was asked for but not run (``detail`` says why); it neither
-    passes nor fails on its own, the check that stopped it does.
+    passes nor fails on its own, the check that stopped it does. ``warning``: it passes (the exit code is
+    not its to decide) but names what will fail later, with its fix: a ``model_map`` alias whose target the
+    server does not list fails only the requests that name the alias.
     """
 
     name: str
@@ -62,6 +64,7 @@ class Check:
     detail: str
     fix: str = ""
     skipped: bool = False
+    warning: bool = False
 
 
 async def _proxy_answers(route: ProxyRoute, timeout_s: float) -> Check:
@@ -114,10 +117,14 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
         async with httpx.AsyncClient(timeout=timeout_s, **client_settings(url)) as http:
             response = await http.get(url, headers=headers)
     except httpx.HTTPError as exc:
-        fix = (
-            "start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct "
-            f"{url_key} in queue.json"
-        )
+        where = f"{url_key}{' in queue.json' if url_key.startswith('model_gateway.') else ''}"
+        fix = f"start the model server (e.g. `switchyard serve sim-openai --port <port>`) or correct {where}"
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            # connected (or was sending): something listens there and did not answer in time
+            return Check("base url", False, f"{url}{via} took the connection but sent no answer within "
+                         f"{timeout_s:g} s ({type(exc).__name__})",
+                         f"the server there is hung or overloaded: check its logs, or raise --timeout; else correct "
+                         f"{where}"), None
         if route:
             fix = (
                 f"the request went through {route.variable}={route.address}: start that proxy or add the host "
@@ -163,6 +170,12 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
         near = model_names.nearest(model, known)
         fix = f"use {near!r} (in the request, {source} or model_gateway.model_map)" if near else (
             f"pick one of: {', '.join(known[:10]) or '(none listed)'}")
+        if source.startswith("model_map["):  # only the requests naming the alias fail: a warning
+            alias = source.removeprefix("model_map[").removesuffix("]")
+            checks.append(Check(f"model {model}", True, f"{source}: {model!r} is not listed by /models; a request "
+                                f"naming {alias} will be NOT_FOUND", f"{fix}, or remove the alias",
+                                warning=True))
+            continue
         checks.append(Check(f"model {model}", False, f"{source}: {model!r} is not listed by /models", fix))
     return checks
 
@@ -305,10 +318,15 @@ def endpoint_configs(cfg: UpstreamConfig) -> list[UpstreamConfig]:
 
 
 def url_key(cfg: UpstreamConfig) -> str:
-    """The config key that names the URLs :func:`endpoint_configs` gives, for a fix."""
+    """The config key (or the environment variable that overrides it) that names the URLs
+    :func:`endpoint_configs` gives, for a fix."""
     if cfg.pool.endpoints:
         return "model_gateway.pool.endpoints"
-    return "model_gateway.pool.dns_url" if cfg.pool.dns_url else "model_gateway.base_url"
+    if cfg.pool.dns_url:
+        return "model_gateway.pool.dns_url"
+    if envs.SWITCHYARD_UPSTREAM_BASE_URL.get() is not None:
+        return "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)"
+    return "model_gateway.base_url"
 
 
 async def run_endpoint_checks(cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True,
@@ -346,13 +364,15 @@ def format_report(cfg: UpstreamConfig, checks: list[Check], unused_engine: str =
                      "checks below are what SWITCHYARD_ENGINE=openai would meet, and do not decide the exit code")
     width = max((len(c.name) for c in checks), default=0)
     for check in checks:
-        mark = "skip" if check.skipped else "ok  " if check.ok else "FAIL"
+        mark = "skip" if check.skipped else "warn" if check.warning else "ok  " if check.ok else "FAIL"
         lines.append(f"{mark}  {check.name.ljust(width)}  {check.detail}")
-        if not check.ok and check.fix:
+        if (not check.ok or check.warning) and check.fix:
             lines.append(f"      {' ' * width}  fix: {check.fix}")
     failed = sum(not c.ok for c in checks)
     skipped = sum(c.skipped for c in checks)
+    warned = sum(c.warning for c in checks)
     summary = "all checks passed" if not failed else f"{failed} check(s) failed"
+    summary += f", {warned} warning(s)" if warned else ""
     if unused_engine and failed:
         summary += f" (of the gateway, not in use with engine {unused_engine}: exit code 0 unless a certificate failed)"
     lines.append(summary + (f", {skipped} skipped" if skipped else ""))

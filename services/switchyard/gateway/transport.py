@@ -30,6 +30,7 @@ from typing import AsyncIterator, Iterator
 
 import aiohttp
 import httpx
+from aiohttp.http_exceptions import HttpProcessingError
 from httpx_aiohttp import AiohttpTransport
 
 MAX_HEADER_BYTES = 65_536
@@ -41,7 +42,7 @@ def _as_httpx_errors() -> Iterator[None]:
     try:
         yield
     except aiohttp.ClientError as exc:  # what httpx-aiohttp left unmapped
-        raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
+        raise httpx.RemoteProtocolError(describe(exc)) from exc
     except httpx.TransportError as exc:
         cause = exc.__cause__
         if not isinstance(cause, aiohttp.ClientError):
@@ -49,7 +50,17 @@ def _as_httpx_errors() -> Iterator[None]:
         # httpx-aiohttp's mapping keeps aiohttp's message, not its type, which names what happened; and
         # it maps a refused connection (ClientConnectorError) to ConnectTimeout, as httpcore does not
         kind = httpx.ConnectError if isinstance(cause, aiohttp.ClientConnectorError) else type(exc)
-        raise kind(f"{type(cause).__name__}: {cause}") from cause  # httpx attaches the request
+        raise kind(describe(cause)) from cause  # httpx attaches the request
+
+
+def describe(exc: aiohttp.ClientError) -> str:
+    """aiohttp's error as one line naming its type. A body cut short reads "the response ended before its body
+    did (<the parser's words>)": aiohttp quotes its parser's error there with the parser's own code, 400, which
+    reads as an HTTP status no server sent."""
+    inner = exc.__cause__
+    if isinstance(exc, aiohttp.ClientPayloadError) and isinstance(inner, HttpProcessingError):
+        return f"{type(exc).__name__}: the response ended before its body did ({type(inner).__name__}: {inner.message})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class _Body(httpx.AsyncByteStream):
