@@ -154,6 +154,9 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
     ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
                                     "header) (got 7)"),
     ({**FIELD_BODY, "priority": "urgent"}, "priority: expected core, normal or batch (got 'urgent')"),
+    ({**FIELD_BODY, "priority": "PRIORITY_CORE"},  # quoted as sent, not lower-cased
+     "priority: expected core, normal or batch (got 'PRIORITY_CORE')"),
+    ({**FIELD_BODY, "max_tokens": None}, "max_tokens: expected an integer from 0"),  # "(got null)" below
     ({**FIELD_BODY, "metadata": {"k": 1}}, "metadata.k: expected a string (got 1)"),
     ({**FIELD_BODY, "metadata": []}, "metadata: expected an object of string values (got [])"),
     ("text", "body: expected a JSON object (got 'a JSON string')"),
@@ -164,6 +167,8 @@ async def test_a_body_missing_a_required_field_or_of_a_wrong_type_is_400_saying_
             reply = await client.post(path, json=body)
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["message"].startswith(message), reply.json()
+            if isinstance(body, dict) and body.get("max_tokens", 0) is None:  # null is shown, as any wrong type
+                assert reply.json()["error"]["message"].endswith("(got null)"), reply.json()
         assert down.requests == []
 
 
@@ -352,6 +357,7 @@ async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_t
                                       headers=[("X-Agent-Id", pair[0]), ("X-Agent-Id", pair[1])])
             assert twice.status_code == 400
             assert twice.json()["error"]["message"].startswith("x-agent-id header: expected one value"), twice.text
+            assert twice.json()["error"]["message"].endswith("(got ('', 'b'))"), twice.text  # both, as sent
         await sse_events(client, {**body, "priority": "CORE"}, {"X-Priority": "Batch"})
         assert down.requests[-1].priority == agent_pb2.CORE  # the body's, in capitals; the header's any case
 

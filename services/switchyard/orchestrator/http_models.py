@@ -42,9 +42,11 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _lower(value: Any) -> Any:
-    """A string lower-cased (the priority's name in any case, as the X-Priority header takes it); else as it is,
-    for the strict check to refuse."""
-    return value.lower() if isinstance(value, str) else value
+    """A priority's name in any case (as the X-Priority header takes it) lower-cased; anything else as it is, for
+    the strict check to refuse quoting what was sent."""
+    if isinstance(value, str) and value.lower() in ("core", "normal", "batch"):
+        return value.lower()
+    return value
 
 
 class TaskRequest(BaseModel):
@@ -204,7 +206,9 @@ class _AsJson:
 
 
 def _got(value: Any) -> Any:
-    return value if isinstance(value, str) or value is None else _AsJson(value)
+    """The value a caller sent, as the message quotes it: a string as it is, anything else (null included) as
+    JSON."""
+    return value if isinstance(value, str) else _AsJson(value)
 
 
 def describe_error(exc: ValidationError, expected: Mapping[str, str] = EXPECTED) -> str:

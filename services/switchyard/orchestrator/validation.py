@@ -65,7 +65,7 @@ def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
     values = {check_utf8(str(value), f"{name} header") for key, value in metadata or () if key == name}
     if len({same(value) for value in values}) > 1:
         raise InvalidArgument(f"{name} header", "one value (it was sent more than once, with different values)",
-                              sorted(values)[0])
+                              tuple(sorted(values)))  # every value, as sent
     return values.pop() if values else None
 
 
