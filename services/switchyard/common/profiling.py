@@ -30,6 +30,7 @@ import gc
 import gzip
 import ipaddress
 import resource
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ INTERVAL_S = 0.001
 PROFILE_METHOD = "switchyard.Debug/CpuProfile"
 """The method name a bearer token restricted to methods must list to take profiles."""
 PATH = "/debug/pprof/profile"
+DEFAULT_SECONDS = 30
+"""A profile's window when ``seconds`` is not given, seconds (Go's net/http/pprof default)."""
+SECONDS_PATTERN = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+"""What ``seconds`` may be: a plain decimal number."""
 
 
 class ProfileBusy(RuntimeError):
@@ -236,16 +241,16 @@ class ProfileEndpoint:
             start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers])
             return [body]
 
+        if environ.get("REQUEST_METHOD", "GET") != "GET":  # a HEAD took the one profile slot, for nothing
+            return answer("405 Method Not Allowed", f"{PATH} answers GET only\n".encode(), headers=(("Allow", "GET"),))
         refused = self._refusal(environ)
         if refused is not None:
             challenge = (("WWW-Authenticate", 'Bearer realm="switchyard"'),) if refused[0].startswith("401") else ()
             return answer(refused[0], (refused[1] + "\n").encode(), headers=challenge)
         query = parse_qs(environ.get("QUERY_STRING", ""))
-        raw = query.get("seconds", ["30"])[0]
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = -1.0
+        raw = query.get("seconds", [str(DEFAULT_SECONDS)])[0]
+        # a plain decimal number: Python's float() also takes "0_1" (1 s), "inf", "nan" and spaces
+        seconds = float(raw) if SECONDS_PATTERN.fullmatch(raw) else -1.0
         if not 0 < seconds <= self.max_s:
             return answer("400 Bad Request", f"seconds: expected a number in (0, {self.max_s:g}] "
                           f"(server.cpu_profile_max_s), got {raw!r}\n".encode())
