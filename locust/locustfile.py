@@ -34,7 +34,7 @@ Against a stack with ``orchestrator.auth`` on, every request sends
 ``Authorization: Bearer <token>``: the value of ``SWITCHYARD_AUTH_TOKEN``
 (``--token-env NAME`` for another variable), as ``switchyard run`` sends it, or
 the contents of ``--token-file FILE``, which wins over the variable
-(switchyard_harness.auth_token)::
+(switchyard.common.client_token)::
 
     SWITCHYARD_AUTH_TOKEN=... locust -f locust/locustfile.py --headless ...
 
@@ -59,7 +59,7 @@ import gevent
 from locust import HttpUser, between, events, task
 from prometheus_client.parser import text_string_to_metric_families
 
-from switchyard_harness.auth_token import TOKEN_ENV, TokenError, authorization, bearer_token
+from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
 
 PRIORITIES = ("core", "normal", "batch")
 STREAMING_SHARE = 5

@@ -177,3 +177,18 @@ async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_
                 assert code == grpc.StatusCode.OK
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("token, says", [
+    ("tök", "ASCII characters"),  # grpc refused it as INTERNAL "Invalid metadata"
+    ("t\udcf6k", "no spaces, line breaks or control characters"),  # a non-UTF-8 byte: a traceback before
+    ("two words", "no spaces"),
+])
+def test_switchyard_run_refuses_a_token_no_call_can_carry_naming_the_variable(monkeypatch, capsys, token, says):
+    from switchyard.client import main as run_main
+
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", token)
+    code = run_main(["--addr", "127.0.0.1:1", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--token-env: variable SWITCHYARD_AUTH_TOKEN" in err and says in err and token not in err

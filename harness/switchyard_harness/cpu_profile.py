@@ -17,7 +17,7 @@ in the same window. ``--output`` keeps the profile (gzip'd pprof protobuf) for
 A service with ``orchestrator.auth`` on answers only a bearer token: the value of
 ``SWITCHYARD_AUTH_TOKEN`` (another variable with ``--token-env NAME``), as
 ``switchyard run`` sends it, or the contents of ``--token-file FILE``, which wins
-over the variable (switchyard_harness.auth_token).
+over the variable (switchyard.common.client_token).
 
 Exit status: 0; 1 when the service refused or could not be reached, or a saved file is not a pprof
 profile; 2 for bad arguments (an unreadable or empty ``--token-file`` among them, and a ``--seconds`` past
@@ -41,7 +41,7 @@ from switchyard.common.config import ConfigError
 from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
 from switchyard_harness import outputs
-from switchyard_harness.auth_token import TokenError, add_token_options, authorization, bearer_token
+from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
 

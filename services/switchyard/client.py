@@ -17,7 +17,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
-from switchyard.common import envs
+from switchyard.common.client_token import TokenError, bearer_token
 from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
@@ -179,8 +179,12 @@ def main(argv: list[str]) -> int:
     else:
         on_event = HumanPrinter()
     try:
-        asyncio.run(run_task(address, request, on_event, args.timeout, envs.read_secret(args.token_env),
-                             config.server))
+        token = bearer_token(None, args.token_env)
+    except TokenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(run_task(address, request, on_event, args.timeout, token, config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         if err.code() == grpc.StatusCode.UNAVAILABLE and _HTTP1.search(err.details() or ""):

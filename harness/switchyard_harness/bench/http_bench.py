@@ -27,7 +27,7 @@ Against a stack with ``orchestrator.auth`` on, every call (HTTP and gRPC, and
 the profile's request) sends ``Authorization: Bearer <token>``: the value of
 ``SWITCHYARD_AUTH_TOKEN`` (``--token-env NAME`` for another variable), as
 ``switchyard run`` sends it, or the contents of ``--token-file FILE``, which
-wins over the variable (switchyard_harness.auth_token).
+wins over the variable (switchyard.common.client_token).
 
 Exit status: 0; 1 when the stack cannot be reached, or when every call of a
 phase (or of one kind in it) failed, each such named on stderr (a 401 with a
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from switchyard_harness import json_output
-from switchyard_harness.auth_token import TokenError, add_token_options, authorization, bearer_token
+from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 

@@ -399,12 +399,17 @@ class HttpFace(Drains):
         return await self._expect(request, task_body=True)
 
     def _refusal_before_body(self, request: web.Request) -> HttpAbort | None:
-        """415 for a Content-Type other than application/json, 413 for a Content-Length past
-        :attr:`body_max_bytes` (answered at once: aiohttp counts the bytes as they come, and a stalled
-        client's 100 GB promise was a 408 after ``body_read_timeout_s``); None when the body may be read."""
+        """415 for a Content-Type other than application/json, or one naming a charset other than UTF-8 (JSON is
+        UTF-8: RFC 8259 section 8.1; a Latin-1 body was read as UTF-8 and refused as bad JSON), 413 for a
+        Content-Length past :attr:`body_max_bytes` (answered at once: aiohttp counts the bytes as they come, and a
+        stalled client's 100 GB promise was a 408 after ``body_read_timeout_s``); None when the body may be read."""
+        sent = shown(request.headers.get("Content-Type", "none"))
         if request.content_type != JSON:
-            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"Content-Type: expected {JSON} (got {shown(request.headers.get('Content-Type', 'none'))})",
+            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} (got {sent})",
+                             "orchestrator", status=415)
+        if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
+            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} in UTF-8, with no "
+                             f"charset or charset=utf-8 (JSON is UTF-8, RFC 8259 section 8.1) (got {sent})",
                              "orchestrator", status=415)
         if request.content_length is not None and request.content_length > self.body_max_bytes:
             return self._too_large()

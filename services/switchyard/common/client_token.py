@@ -1,7 +1,7 @@
-"""The bearer token a harness command sends to a stack with ``orchestrator.auth`` on.
+"""The bearer token a client command sends to a stack with ``orchestrator.auth`` on.
 
-One rule for every command that calls a running stack (``switchyard profile``,
-``switchyard bench http``, the locustfile), the rule ``switchyard run`` follows:
+One rule for every command that calls a running stack (``switchyard run``,
+``switchyard profile``, ``switchyard bench http``, the locustfile):
 the token is the value of the environment variable ``--token-env`` names
 (default ``SWITCHYARD_AUTH_TOKEN``; unset or empty: no token), never a value on
 the command line. ``--token-file FILE`` (the file holding the token, surrounding
@@ -40,6 +40,9 @@ def _one_token(text: str, where: str) -> str:
         raise TokenError(f"{where}: expected a bearer token, found nothing")
     if any(ch.isspace() or not ch.isprintable() for ch in token):
         raise TokenError(f"{where}: expected one bearer token (no spaces, line breaks or control characters)")
+    if not token.isascii():  # gRPC metadata values are ASCII: grpc refused it as INTERNAL "Invalid metadata"
+        raise TokenError(f"{where}: expected a bearer token of ASCII characters (gRPC metadata and HTTP headers "
+                         "carry ASCII; a server's token file holds such tokens)")
     return token
 
 
