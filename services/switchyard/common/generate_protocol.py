@@ -225,7 +225,8 @@ def check_stream_request_id(request_id: str, running: Container[str]) -> None:
     if not request_id:
         raise InvalidArgument("request_id", "a non-empty id, unique among the stream's running requests", "")
     if request_id in running:
-        raise InvalidArgument("request_id", "an id not already running on this stream", request_id)
+        raise InvalidArgument("request_id", "an id not already running on this stream (this start is refused; the "
+                              "request running under the id goes on, its chunks still under it)", request_id)
 
 
 def new_request_id() -> str:
