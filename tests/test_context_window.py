@@ -224,3 +224,32 @@ async def test_a_request_naming_another_model_is_checked_against_that_models_rep
         assert sim.state.requests == []
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "2048 tokens" in caught.value.details() and named in caught.value.details()
+
+
+async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answer_is_a_warning_at_start(
+        clean_proxy_env, caplog):
+    """`switchyard up` reports the stack healthy whatever the model server does (it may come up later); the
+    dispatcher's log said why every request would fail only at INFO."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO, logger="switchyard.dispatcher.engines.openai")
+    with start_sim(models=[OTHER]) as sim:
+        cfg = config_for(sim.base_url)
+        engine = make_engine(cfg)
+        async with running([DispatcherService(cfg, engine=engine)], cfg.server):
+            await engine.first_read_ended(5.0)  # the read its start began
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"does not list model {MODEL!r}" in r.getMessage() and repr(OTHER) in r.getMessage()
+               and "SWITCHYARD_UPSTREAM_MODEL" in r.getMessage() for r in warned), [r.getMessage() for r in warned]
+    caplog.clear()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = config_for(f"http://127.0.0.1:{port}/v1")
+    engine = make_engine(cfg)
+    async with running([DispatcherService(cfg, engine=engine)], cfg.server):
+        await engine.first_read_ended(5.0)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("could not list the upstream's models" in m and "requests fail until it answers" in m
+               for m in warned), warned

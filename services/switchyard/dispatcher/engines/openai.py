@@ -179,12 +179,24 @@ class OpenAIEngine(StreamEngine):
             await asyncio.wait_for(asyncio.shield(reading), timeout_s)
 
     async def _list_models(self) -> None:
+        """Read the upstream's model list. What stands in the way of every request is a WARNING, once: the
+        upstream not answering (the first read fails; later retries log at INFO), or not listing the model a
+        request naming none is served (``switchyard up`` reports the stack healthy either way: the dispatcher
+        is up, and a model server may come up after it)."""
         self._described_at = time.monotonic()
         try:
-            await self.client.list_models()
+            ids = await self.client.list_models()
             self._described = True
         except GatewayError as exc:
-            log.info("could not list the upstream's models (context windows unknown): %s", exc)
+            level = logging.WARNING if not self._reads_ended else logging.INFO
+            log.log(level, "could not list the upstream's models: %s; requests fail until it answers (context "
+                    "windows unknown meanwhile; `switchyard doctor` checks the set-up)", exc)
+        else:
+            served = self.client.models_for(self.model)[0]
+            if ids and served not in ids:
+                log.warning("the upstream does not list model %r, which a request naming no model is served (it "
+                            "lists %s): such requests fail NOT_FOUND; set model_gateway.default_model "
+                            "(SWITCHYARD_UPSTREAM_MODEL) to one it serves", served, ", ".join(map(repr, ids[:10])))
         finally:
             self._reads_ended += 1
 
