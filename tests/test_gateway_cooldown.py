@@ -383,3 +383,19 @@ async def test_callers_naming_ever_new_models_cannot_grow_the_circuit_table() ->
         await cooldowns.call(f"made-up-{i}", ok)
     assert len(cooldowns._circuits) <= MAX_CIRCUITS
     assert cooldowns.state(PRIMARY) == "open"
+
+
+async def test_the_time_left_of_an_open_circuit_never_reads_zero() -> None:
+    """An answer 20 ms before the circuit half-opens said "skipped for 0.0 s more"."""
+    clock = Clock()
+    cooldowns = breaker(clock)
+    await open_circuit(cooldowns, PRIMARY)
+
+    async def ok() -> str:
+        return "ok"
+
+    with pytest.raises(ModelCoolingDown, match=r"skipped for \d+\.\d s more"):
+        await cooldowns.call(PRIMARY, ok)
+    clock.now = cooldowns._circuits[PRIMARY].open_until - 0.02
+    with pytest.raises(ModelCoolingDown, match="skipped for under 0.1 s more"):
+        await cooldowns.call(PRIMARY, ok)

@@ -128,6 +128,10 @@ async def run_task(
             on_event(event)
 
 
+_GRPC_DEADLINE = re.compile(r"^(Stream removed \()?Deadline Exceeded\)?$")
+"""grpc's own words for the caller's deadline: the server's message names its limit instead."""
+
+
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard run", __doc__)
     parser.add_argument("question", nargs="+", help="the question or instruction (the task's payload)")
@@ -187,6 +191,9 @@ def main(argv: list[str]) -> int:
         asyncio.run(run_task(address, request, on_event, args.timeout, token, config.server))
     except grpc.aio.AioRpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _GRPC_DEADLINE.search(err.details() or ""):
+            print(f"this command's --timeout ({args.timeout:g} s) ran out before the task ended; raise it for a "
+                  "longer task (the task was cancelled with the call)", file=sys.stderr)
         if err.code() == grpc.StatusCode.UNAVAILABLE and _HTTP1.search(err.details() or ""):
             print(f"an HTTP/1.x server answers at {address}, not gRPC: the orchestrator's HTTP face "
                   "(orchestrator.http.port)? --addr takes its gRPC port (orchestrator.port, "

@@ -279,7 +279,9 @@ class Cooldowns:
         if circuit.state == OPEN:
             self._check_health(model, circuit, now)
             checked = self.health_check is not None and now >= circuit.checks_from
-            left = (f"skipped for {circuit.open_until - now:.1f} s more{', or until it answers again' if checked else ''}"
+            wait_s = circuit.open_until - now
+            more = f"{wait_s:.1f} s more" if wait_s >= 0.05 else "under 0.1 s more"  # never "0.0 s more"
+            left = (f"skipped for {more}{', or until it answers again' if checked else ''}"
                     " (model_gateway.cooldown: first_cooldown_s, doubled at each reopening up to cooldown_s)")
         else:
             left = (f"half-open with its {cfg.half_open_probes} probe(s) in flight "
