@@ -11,6 +11,7 @@ import asyncio
 import pytest
 from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
 
+from switchyard.common.tenant import agent_key
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
@@ -109,4 +110,4 @@ def test_a_stream_is_charged_its_streamed_tokens_and_the_upstreams_prompt_and_un
     assert service_tokens(req, StepResult({req.seq_id: usage})) == 40 + 6
     assert service_tokens(req, StepResult()) == 1  # a step engine's decode step: one token
     scheduler.update_from_output(batch, StepResult({req.seq_id: SeqOutput(texts=["d"])}), now=1.0)
-    assert scheduler.ledger.sessions.service("session", 1.0) == pytest.approx(1)
+    assert scheduler.ledger.sessions.service(agent_key("t", "session"), 1.0) == pytest.approx(1)

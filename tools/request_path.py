@@ -88,9 +88,10 @@ HELPER_MODULES = frozenset({
     "switchyard.common.process_metrics",
     "switchyard.common.telemetry",
     "switchyard.common.grpc_tracing",
+    "switchyard.common.grpc_decoding",
     "switchyard.common.logs",
 })
-"""Metrics, telemetry and logging helpers: transparent on the path, their entries reported apart."""
+"""Metrics, telemetry, logging and interceptor helpers: transparent on the path, their entries reported apart."""
 
 ENGINES = "switchyard.dispatcher.engines"
 """The package of the dispatcher's engines: the first visit of one of its modules is the first engine step."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
 from abc import ABC, abstractmethod
@@ -21,12 +20,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from switchyard.common.config import ConfigError, ServerConfig
-from switchyard.common.errors import InvalidArgument, abort
+from switchyard.common.grpc_decoding import DecodeRefusal
 from switchyard.common.metrics import SERVING
 
 log = logging.getLogger(__name__)
@@ -82,68 +80,6 @@ async def begin_drain(service: Service) -> None:
     """Tell a service that drains (:class:`Drains`) that the server starts draining."""
     if isinstance(service, Drains):
         await service.begin_drain()
-
-
-class DecodeRefusal(grpc.aio.ServerInterceptor):
-    """Answers a request message that does not parse (corrupt wire format, a string field that is not UTF-8)
-    INVALID_ARGUMENT naming the message, where grpc answered UNKNOWN "Unexpected <class 'DecodeError'>".
-
-    grpc parses a request with the handler's ``request_deserializer`` before any servicer code runs, and
-    answers any exception it raises UNKNOWN. This puts a handler of the same kind in its place that takes the
-    raw bytes and parses them itself, with the call's context at hand to abort by name (the request stream of
-    a streaming call is parsed message by message as the servicer reads it).
-
-    Args:
-        service: the hop named in the refusal's origin trailer.
-    """
-
-    def __init__(self, service: str) -> None:
-        self.service = service
-
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        return _parsing_handler(handler, self.service)
-
-
-def _parsing_handler(handler: grpc.RpcMethodHandler, service: str) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-    message = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
-    name = message.full_name if message is not None else "request"
-
-    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> object:
-        try:
-            return parse(raw)
-        except DecodeError as exc:
-            await abort(context, InvalidArgument("request", f"a well-formed {name} message", str(exc)), service)
-
-    async def parsed_stream(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-        async for raw in raws:
-            yield await parsed(raw, context)
-
-    if handler.request_streaming and handler.response_streaming:
-        original, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        original, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        original, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    else:
-        original, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-    read = parsed_stream if handler.request_streaming else parsed
-
-    if inspect.isasyncgenfunction(original):
-        async def behaviour(raw, context):  # type: ignore[no-untyped-def]
-            request = read(raw, context) if handler.request_streaming else await read(raw, context)
-            async for reply in original(request, context):
-                yield reply
-    else:  # a coroutine (a streaming reply written with context.write), or a plain function
-        async def behaviour(raw, context):  # type: ignore[no-untyped-def]
-            request = read(raw, context) if handler.request_streaming else await read(raw, context)
-            result = original(request, context)
-            return await result if inspect.isawaitable(result) else result
-
-    return make(behaviour, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 def edge_interceptors(service: Service) -> list[grpc.aio.ServerInterceptor]:
