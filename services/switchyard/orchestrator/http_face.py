@@ -61,7 +61,7 @@ from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import shown
 from switchyard.orchestrator.http_models import (EXPECTED, STATE_NAMES, TaskRequest, describe_error,
-                                                  message_dict, openapi, status_json)
+                                                  duplicate_key, message_dict, openapi, status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
@@ -468,11 +468,16 @@ class HttpFace(Drains):
         )
 
     def _parse(self, raw: bytes) -> TaskRequest | str:
-        """The body as a :class:`TaskRequest`, or the error message naming what is wrong with it."""
+        """The body as a :class:`TaskRequest`, or the error message naming what is wrong with it: a key given
+        twice in one object is refused by name, as a header sent twice with different values is (JSON parsers
+        keep the last; RFC 8259 section 4 leaves it to them, so which value counts must not be left to one)."""
         try:
-            return TaskRequest.model_validate_json(raw)
+            body = TaskRequest.model_validate_json(raw)
         except ValidationError as exc:
             return describe_error(exc, self._expected)
+        if (twice := duplicate_key(raw)) is not None:
+            return str(InvalidArgument(twice, "one value (the key appears more than once in its object)"))
+        return body
 
     async def _call(self, make: Callable[[], Awaitable[Any]]) -> Any:
         """Run a servicer call; its abort (or any error) becomes the JSON error answer."""
