@@ -23,6 +23,7 @@ from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import SwitchyardError
 from switchyard.common.server import RunningServer, start_server
+from switchyard.dispatcher.engines.base import StreamEngine
 from switchyard.dispatcher.processor import COUNT_IN_THREAD_BYTES
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import generate_stream
@@ -684,3 +685,53 @@ async def test_an_unexpected_failure_starting_one_request_fails_that_request_onl
         assert error.origin == "dispatcher"
         assert await stream.close() == grpc.StatusCode.OK
         assert held(service) == 0
+
+
+class _HeldStreamEngine(StreamEngine):
+    """A stream engine whose "held-*" requests send nothing until cancelled (counted), the rest a token every
+    10 ms: a server that is slow to answer one request while others stream."""
+
+    model = "held-1"
+    concurrency_limit = None  # the dispatcher keeps the limit
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def generate(self, req):  # type: ignore[no-untyped-def]
+        from switchyard.dispatcher.engines.base import Usage
+
+        if req.request_id.startswith("held"):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(req.request_id)
+                raise
+        for i in range(req.max_tokens):
+            await asyncio.sleep(0.01)
+            yield f"w{i} "
+        yield Usage(prompt_tokens=3, completion_tokens=req.max_tokens)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_end_was_decided():
+    """B waits for its first token past its deadline while A streams; A's next token reaching the scheduler
+    ended B (DEADLINE_EXCEEDED) but only the time slice's decision cancelled an upstream call: B's went on,
+    counted by its endpoint, beside a slot given back."""
+    config = make_config(**{"scheduler.time_slice_ms": 5000})  # the decision's own expiry comes too late
+    engine = _HeldStreamEngine()
+    service = DispatcherService(config, engine=engine)
+    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}")
+    try:
+        stream = RawStream(channel)
+        await stream.send(start("a-streams", max_tokens=60), start("held-b", timeout_s=0.2, max_tokens=4))
+        await stream.until(lambda: stream.errors.get("held-b"), "held-b's deadline error")
+        assert stream.errors["held-b"][0].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        await wait_until(lambda: engine.cancelled == ["held-b"], "held-b's upstream call cancelled")
+        await stream.until(lambda: stream.done("a-streams"), "a-streams done")
+        assert await stream.close() == grpc.StatusCode.OK
+    finally:
+        await channel.close()
+        await srv.stop(1.0)

@@ -42,7 +42,7 @@ from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
 from switchyard.dispatcher.scheduler.core import SchedulerCore
-from switchyard.dispatcher.request import Request, RequestStatus, ToolCall
+from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, ToolCall
 
 
 MAX_REQUEUES = 8
@@ -80,6 +80,18 @@ class StreamLoop(LoopBase):
     def abort(self, req: Request) -> None:
         _cancel_upstream_call(req)
         super().abort(req)
+
+    def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
+        """Publish as every loop does, and end the upstream call of each request that finished while its
+        stream still ran: wherever its end was decided (its deadline found past by the time slice's decision,
+        or by another stream's item reaching ``update_from_output``), its stream stops with it, and with it
+        the endpoint's count of it. A stream's own end is its task's to close (the current task)."""
+        current = asyncio.current_task()
+        for out in outputs:
+            call = out.req.upstream_call
+            if out.finished and call is not None and call is not current:
+                call.cancel()
+        super()._publish(outputs, stats, throttled)
 
     def _can_take(self) -> bool:
         return len(self._prefilling) < self.max_prefilling and self.capacity.in_flight < int(self.limit.limit)
@@ -121,8 +133,6 @@ class StreamLoop(LoopBase):
                 last = now
                 out = scheduler.schedule(now)
                 self._publish(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
-                for req in out.expired:  # past its own deadline while streaming: the upstream call ends too
-                    _cancel_upstream_call(req)
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
@@ -175,7 +185,9 @@ class StreamLoop(LoopBase):
                                                     time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
-            if (first and engine.refused_for_load(exc) and self.limit.in_flight > 1
+            if req.is_finished:
+                pass  # ended meanwhile (its deadline, found by another stream's item): answered already
+            elif (first and engine.refused_for_load(exc) and self.limit.in_flight > 1
                     and req.preemptions < MAX_REQUEUES):
                 scheduler.requeue(req, time.monotonic())  # the upstream is full: wait here, under the limit
             else:

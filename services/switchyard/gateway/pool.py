@@ -129,8 +129,9 @@ class Endpoint:
 
     @property
     def in_flight(self) -> int:
-        """Attempts in flight to it now: its limit's count, the one count of them (kept from
-        :meth:`EndpointPool.pick` to :meth:`EndpointPool.finished`)."""
+        """Attempts in flight to this endpoint now: its limit's count, the one count of them (kept from
+        :meth:`EndpointPool.pick` to :meth:`EndpointPool.finished`). Not the pool's streams
+        (:attr:`PoolLimit.in_flight`): a stream between two attempts (the gateway's backoff) is on no endpoint."""
         return self.limit.in_flight
 
     @property
@@ -162,7 +163,10 @@ class PoolLimit:
     def __init__(self, pool: "EndpointPool") -> None:
         self.pool = pool
         self.in_flight = 0
-        """Streams in flight over the whole pool; kept by :meth:`acquire` / :meth:`release`."""
+        """Streams the dispatcher has admitted over the pool: its scheduler's running set, counted as the
+        scheduler admits (``capacity.take``, :meth:`acquire`) and ends (``capacity.give``, :meth:`release`) each;
+        what admission reads. Each endpoint counts its own attempts (:attr:`Endpoint.in_flight`), which a
+        stream between two attempts is not one of."""
         self.core_in_flight = 0
         """CORE streams among them."""
         UPSTREAM_IN_FLIGHT.set(0)
