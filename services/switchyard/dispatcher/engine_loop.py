@@ -154,7 +154,6 @@ class LoopBase:
         self.scheduler = scheduler
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._closing = False
         self._busy_mark = (time.monotonic(), self._busy_seconds())
         self._busy_counted = self._busy_mark[1]
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -241,9 +240,14 @@ class LoopBase:
             self._task = asyncio.create_task(self._run(), name=f"dispatcher-{type(self).__name__}")
             metrics.publish_compute_score_at_scrape(self.scheduler.monitor)
 
+    @property
+    def _closing(self) -> bool:
+        """The dispatcher drains or stops: its scheduler's intake is closed, the one drain flag (set by
+        :meth:`drain`, :meth:`stop` and ``DispatcherService.begin_drain``); the loop ends once it has no work."""
+        return self.scheduler.intake.closed
+
     async def drain(self) -> None:
         """Refuse new requests, run everything accepted to its end, then return."""
-        self._closing = True
         self.scheduler.close()
         self._wake.set()
         if self._task is not None:
@@ -256,7 +260,6 @@ class LoopBase:
 
     async def stop(self) -> None:
         """Cancel at once: every request still held ends ``cancelled``."""
-        self._closing = True
         self.scheduler.close()
         if self._task is not None:
             self._task.cancel()

@@ -105,7 +105,6 @@ class GenerateSession:
         self._urgent = False  # output that must not wait is ready (a first output, a refusal)
         self._intake_open = True
         self._intake_error: Exception | None = None
-        self._draining = processor.draining  # a stream that arrives once the drain began ends as soon as it is idle
 
     # ------------------------------------------------------------------ the handler's side
 
@@ -122,7 +121,8 @@ class GenerateSession:
                 return chunks
             if self._intake_error is not None:
                 raise self._intake_error
-            if not self._requests and (not self._intake_open or self._draining):
+            # the dispatcher drains (the processor reads the one flag): a stream ends as soon as it is idle
+            if not self._requests and (not self._intake_open or self._processor.draining):
                 return None
             await self._wake.wait()
 
@@ -176,8 +176,8 @@ class GenerateSession:
             self.cancel(running.request_id)
 
     def drain(self) -> None:
-        """The dispatcher drains: refuse new requests, end the session once its requests are done."""
-        self._draining = True
+        """The dispatcher drains (its scheduler's intake closed, read through the processor): wake the session,
+        which ends once its requests are done."""
         self._urgent_now()
         self._wake.notify()
 
