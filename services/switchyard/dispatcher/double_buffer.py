@@ -86,7 +86,6 @@ class DoubleBuffer(Generic[T]):
         self.max_batch_size = max_batch_size
         self._lists: tuple[list[T], list[T]] = ([], [])
         self._active = 0
-        self._first_at: float | None = None
         self._deadline: float | None = None
         self.closed = False
         """Set by :meth:`close`; the owner refuses new items from then on."""
@@ -103,10 +102,6 @@ class DoubleBuffer(Generic[T]):
         """The items of the active list, in put order (read them, do not hold on to the iterator)."""
         return iter(self._lists[self._active])
 
-    def flush_interval_s(self) -> float:
-        """The interval in force now, in seconds."""
-        return self._interval()
-
     def deadline(self) -> float | None:
         """When the oldest buffered item has waited the flush interval (``now`` clock); None when empty."""
         return self._deadline
@@ -120,7 +115,6 @@ class DoubleBuffer(Generic[T]):
         active = self._lists[self._active]
         active.append(item)
         if len(active) == 1:
-            self._first_at = now
             self._deadline = now + self._interval()
         return len(active) >= self.max_batch_size
 
@@ -133,7 +127,7 @@ class DoubleBuffer(Generic[T]):
         full = self._lists[self._active]
         self._active ^= 1
         self._lists[self._active].clear()
-        self._first_at = self._deadline = None
+        self._deadline = None
         return full
 
     def take(self, wanted: Callable[[T], bool]) -> list[T]:
@@ -147,7 +141,7 @@ class DoubleBuffer(Generic[T]):
         if taken:
             active[:] = kept
             if not active:
-                self._first_at = self._deadline = None
+                self._deadline = None
         return taken
 
     def remove(self, item: T) -> bool:
@@ -158,7 +152,7 @@ class DoubleBuffer(Generic[T]):
         except ValueError:
             return False
         if not active:
-            self._first_at = self._deadline = None
+            self._deadline = None
         return True
 
     def close(self) -> None:

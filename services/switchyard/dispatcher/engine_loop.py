@@ -205,7 +205,8 @@ class LoopBase:
         self._wake.set()
 
     def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
-        """Push the scheduler's per-request outputs to the requests' output streams (the one writer), then
+        """Push the scheduler's per-request outputs to the requests' output streams (the one writer but for the
+        processor's answer to a ``prefill_only`` request with nothing to prefill for, :class:`Request`), then
         (``stats``) its state to the metrics (:meth:`_publish_stats`, ``throttled`` on the busy path)."""
         for out in outputs:
             out.publish()

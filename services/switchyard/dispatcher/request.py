@@ -150,7 +150,10 @@ class Request:
 
     It carries its :class:`~switchyard.dispatcher.output.OutputStream` (``output``),
     written only by the step loop from the scheduler's :class:`RequestOutput`s,
-    so what the caller receives always agrees with the request's state.
+    so what the caller receives always agrees with the request's state. One request
+    never reaches the loop: a ``prefill_only`` one on an engine that shares no
+    prefixes is answered done at once by the processor (``open_request``), which
+    sets its status first (nothing it could run is worth a place in the queue).
     Its accounting (attained service included: ``num_prefilled_tokens``,
     ``num_output_tokens``) is recorded here by the scheduler, not in side tables.
     Identity is the object (``eq=False``), so requests can sit in sets and dicts.
@@ -222,13 +225,10 @@ class Request:
     """Engine steps of it that failed with a real out-of-memory error (retried once, then failed)."""
     admitted_at: float | None = None
     """When the policy last admitted it into the running set."""
-    preempted_at: float | None = None
     span: Any = field(default=None, repr=False, compare=False)
     """The request's ``dispatcher.generate`` span: preemptions are recorded on it as events."""
 
     # --- flush and timing info
-    enqueued_at: float | None = None
-    """When the scheduler accepted it into the double buffer."""
     flushed_at: float | None = None
     batch_size: int = 0
     flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
@@ -342,12 +342,11 @@ class Request:
 
     # ------------------------------------------------------------------ written by the scheduler
 
-    def mark_preempted(self, now: float | None = None) -> None:
+    def mark_preempted(self) -> None:
         """The policy took its slot: KV state is dropped, tokens already streamed are kept (an event on
         its span)."""
         self.preemptions += 1
         self.num_computed_tokens = 0
-        self.preempted_at = time.monotonic() if now is None else now
         if self.span is not None:
             self.span.add_event(
                 "preempted",
@@ -402,8 +401,9 @@ class SchedulerOutput:
     running requests whose slot was taken; the scheduler has dropped their KV
     state (``kv.free``, or a copy went to DRAM) and they wait again. ``running``: the whole
     running set after this decision, admitted included, in step order.
-    ``expired``: requests that waited past ``queues.inference.timeout_ms``
-    before their first admission; they have failed with DEADLINE_EXCEEDED.
+    ``expired``: requests this decision failed: waited past ``queues.inference.timeout_ms``
+    before their first admission, or past their own deadline (DEADLINE_EXCEEDED), or, from
+    ``on_oom``, a step that ran out of memory.
     ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
     ``outputs``: requests that ended in this decision (expired, past their

@@ -69,7 +69,8 @@ class Capacity(Protocol):
         """``req`` entered the running set."""
 
     def give(self, req: Request) -> None:
-        """``req`` left the running set. Idempotent."""
+        """``req`` left the running set: called once for each :meth:`take` (the scheduler's ``_stop``, beside the
+        running set's ``remove``, which fails first for a request not in it)."""
 
 
 class HeldBesideRunning:

@@ -323,7 +323,6 @@ class SchedulerCore:
         if why is not None:
             self.counters.kv_oom_avoided += 1
             raise InvalidArgument("max_tokens", f"a request that fits the engine: {why}", req.max_tokens)
-        req.enqueued_at = now
         req.status = RequestStatus.BUFFERED
         self._queued += 1
         self._next_expiry = min(self._next_expiry, req.arrival + self._timeout_s)
@@ -1095,7 +1094,7 @@ class SchedulerCore:
 
     def _wait_again(self, req: Request, now: float) -> None:
         """``req``, out of the running set, waits again at its original place: a preemption."""
-        req.mark_preempted(now)
+        req.mark_preempted()
         self._enqueue(req, now)
         self.counters.preemptions[class_name(req)] += 1
 
