@@ -186,7 +186,7 @@ def to_request(
         tools=tools,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
-        model=request.model,
+        model=model,  # the model it is served, resolved once here
         agent_id=request.agent_id,
         task_type=request.task_type,
         priority=PriorityClass.from_proto(request.priority),
@@ -283,7 +283,7 @@ class RequestProcessor:
             req = await asyncio.to_thread(build)
         else:
             req = build()
-        span.set_attribute("gen_ai.request.model", request.model or self.engine.model)
+        span.set_attribute("gen_ai.request.model", req.model)
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
         span.set_attribute("switchyard.priority", req.priority.label)
         req.span_context = span.get_span_context()
@@ -322,8 +322,7 @@ class RequestProcessor:
                 tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
             )
         if isinstance(item, StreamDone):
-            model = self.engine.model if self.stepping else (req.model or self.engine.model)
-            return done_chunk(req, model)
+            return done_chunk(req, req.answered_by or req.model)
         error = item.error
         if isinstance(error, SwitchyardError):
             raise error

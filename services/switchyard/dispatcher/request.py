@@ -168,6 +168,11 @@ class Request:
     prompt_tokens: int = 0
     max_tokens: int = 128
     model: str = ""
+    """The client-facing model it is served: the Generate's, or the engine's when it names none (resolved
+    once, by ``processor.to_request``); an upstream engine's gateway maps it to an upstream id."""
+    answered_by: str = ""
+    """The upstream model id that answered (its Usage's ``model``: the fallback, where one served); "" until
+    then, and on step engines. The done chunk names it, else :attr:`model`."""
     agent_id: str = ""
     task_type: str = ""
     priority: PriorityClass = PriorityClass.NORMAL

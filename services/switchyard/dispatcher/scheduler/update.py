@@ -57,7 +57,7 @@ def apply_output(req: Request, seq: SeqOutput, *, prefilled: bool, now: float,
         req.usage_prompt_tokens = seq.usage.prompt_tokens
         req.usage_completion_tokens = seq.usage.completion_tokens
         if seq.usage.model:
-            req.model = seq.usage.model  # the upstream model that answered (fallback included)
+            req.answered_by = seq.usage.model  # the upstream model that answered (fallback included)
     if seq.num_computed_tokens is not None:
         if prefilled:
             if req.output_tokens and req.num_computed_tokens == 0:
