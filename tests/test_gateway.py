@@ -6,6 +6,7 @@ import json
 
 from gateway_fixtures import clean_proxy_env, gateway_config, sim_openai  # noqa: F401
 
+from switchyard.common.priority import PriorityClass
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
 
@@ -68,7 +69,7 @@ async def test_model_map_and_priority_forwarding(sim_openai):
     cfg = gateway_config(sim_openai.base_url, model_map={"fast": "gpt-4o-mini"}, forward_priority=True,
                          priority_values={"core": 0, "normal": 1, "batch": 7})
     async with GatewayClient(cfg) as client:
-        events = await collect(client, ask(model="fast", priority_class="batch"))
+        events = await collect(client, ask(model="fast", priority=PriorityClass.BATCH))
     assert events[-1].model == "gpt-4o-mini"
     body = sim_openai.state.requests[-1]
     assert body["model"] == "gpt-4o-mini" and body["priority"] == 7
@@ -76,7 +77,7 @@ async def test_model_map_and_priority_forwarding(sim_openai):
 
 async def test_priority_not_sent_unless_enabled_and_default_model_used(sim_openai):
     async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
-        await collect(client, ask(priority_class="core"))
+        await collect(client, ask(priority=PriorityClass.CORE))
     body = sim_openai.state.requests[-1]
     assert "priority" not in body and body["model"] == "claude-sonnet-4-5"
 

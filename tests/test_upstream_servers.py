@@ -10,6 +10,7 @@ import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
 
+from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard.gateway import servers
 from switchyard.gateway.client import GatewayClient
@@ -19,8 +20,8 @@ from switchyard.gateway.faults import Fault
 
 
 def ask(priority: str, agent: str = "agent-1", request_id: str = "r-1") -> ChatRequest:
-    return ChatRequest(messages=[{"role": "user", "content": "hello"}], priority_class=priority, agent_id=agent,
-                       request_id=request_id)
+    return ChatRequest(messages=[{"role": "user", "content": "hello"}], priority=PriorityClass[priority.upper()],
+                       agent_id=agent, request_id=request_id)
 
 
 async def stream(client: GatewayClient, request: ChatRequest) -> list:

@@ -22,6 +22,7 @@ import pytest
 from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
 from prometheus_client import REGISTRY
 
+from switchyard.common.priority import PriorityClass
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
@@ -126,7 +127,7 @@ def ending_count(ending: str) -> float:
 
 def ask() -> ChatRequest:
     return ChatRequest(messages=[{"role": "user", "content": "hello"}], model="claude-sonnet-4-5",
-                       priority_class="core", agent_id="agent-7", request_id="req-1")
+                       priority=PriorityClass.CORE, agent_id="agent-7", request_id="req-1")
 
 
 def test_the_endings_counter_starts_at_zero_for_every_ending():

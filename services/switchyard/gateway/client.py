@@ -47,6 +47,7 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
+from switchyard.common.priority import PriorityClass
 from switchyard.common import telemetry
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
@@ -522,9 +523,9 @@ class GatewayClient:
                 body["tool_choice"] = request.tool_choice
         if stream and cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
-        if cfg.forward_priority and request.priority_class:
+        if cfg.forward_priority and request.priority is not None:
             flavour = await self.server_flavour(endpoint)
-            value = servers.priority_value(flavour, cfg.priority_values, request.priority_class,
+            value = servers.priority_value(flavour, cfg.priority_values, request.priority.label,
                                            cfg.priority_polarity)
             if value is not None and flavour.priority_field:
                 body[flavour.priority_field] = value
@@ -542,7 +543,8 @@ class GatewayClient:
             # gateways and schedulers in front of the model server; X-Request-Id is what vLLM,
             # TGI and transformers serve take as the request's id in their logs.
             headers["x-agent-id"] = header_value(request.agent_id or request.request_id)
-            headers["x-priority"] = request.priority_class or "normal"
+            priority = request.priority if request.priority is not None else PriorityClass.NORMAL  # CORE is 0: no `or`
+            headers["x-priority"] = priority.label
             if request.request_id:
                 headers["x-request-id"] = header_value(request.request_id)
         return headers

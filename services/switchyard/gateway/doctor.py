@@ -36,6 +36,7 @@ from typing import Iterable
 import httpx
 from pydantic import ValidationError
 
+from switchyard.common.priority import PriorityClass
 from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
@@ -208,7 +209,7 @@ async def _probe(cfg: UpstreamConfig) -> list[Check]:
     checks: list[Check] = []
     async with _probe_client(cfg) as client:
         request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1,
-                              priority_class="core", request_id="switchyard-doctor")
+                              priority=PriorityClass.CORE, request_id="switchyard-doctor")
         try:
             items = [event async for event in client.stream_chat(request)]
         except StreamBroken as exc:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from switchyard.common.priority import PriorityClass
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -13,8 +15,8 @@ class ChatRequest:
     ``messages`` and ``tools`` are in OpenAI's JSON shape (``{"role", "content"}``;
     ``{"type": "function", "function": {"name", "description", "parameters"}}``).
     ``model`` is the client-facing name (mapped through ``model_gateway.model_map``);
-    empty means ``model_gateway.default_model``. ``priority_class`` (core, normal,
-    batch) and ``agent_id`` go upstream as the ``X-Priority`` and ``X-Agent-Id`` headers of
+    empty means ``model_gateway.default_model``. ``priority`` (a :class:`PriorityClass`; None:
+    none given, sent as normal and never in the server's own field) and ``agent_id`` go upstream as the ``X-Priority`` and ``X-Agent-Id`` headers of
     every request (``X-Agent-Id`` falls back to ``request_id`` when the request names no
     agent), and the priority also in the server's own field when
     ``model_gateway.forward_priority`` is on (:mod:`switchyard.gateway.servers`).
@@ -25,7 +27,7 @@ class ChatRequest:
     max_tokens: int | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = None
-    priority_class: str | None = None
+    priority: PriorityClass | None = None
     agent_id: str = ""
     temperature: float | None = None
     request_id: str = ""

@@ -100,7 +100,7 @@ def chat_request(req: Request) -> ChatRequest:
         model=req.model,
         max_tokens=req.max_tokens or None,
         tools=[_tool_spec(tool) for tool in req.tools],
-        priority_class=req.priority.label,
+        priority=req.priority,
         agent_id=req.agent_id,
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
