@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, load_config
 from switchyard.common.errors import ORIGIN_KEY
 from switchyard.common.server import running
-from switchyard.orchestrator import prompts, tokens
+from switchyard.orchestrator import prompts, react, tokens
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.orchestrator.tools import ToolArgumentError, calculate
 from switchyard.common.channels import open_channel
@@ -576,6 +577,39 @@ async def test_a_task_cancelled_while_its_tool_runs_stops_at_once_and_the_tool_i
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(running, 2)
     assert calls == 1
+
+
+@pytest.mark.parametrize("code, tried", [(grpc.StatusCode.INVALID_ARGUMENT, 1), (grpc.StatusCode.NOT_FOUND, 1),
+                                         (grpc.StatusCode.UNAVAILABLE, 3), (grpc.StatusCode.RESOURCE_EXHAUSTED, 3)])
+async def test_a_downstream_refusal_the_same_call_gets_again_is_not_retried(code, tried):
+    """search_docs retried retrieval's "query: expected at most 10000 characters" three times."""
+    from switchyard.common.config import ReactConfig
+    from switchyard.common.errors import SwitchyardError
+    from switchyard.orchestrator.tools import Tool, call_tool
+
+    calls = 0
+
+    async def refuses(args):
+        nonlocal calls
+        calls += 1
+        raise SwitchyardError("retrieval: no", code)
+
+    policy = ReactConfig(tool_attempts=3, tool_backoff_initial_ms=1, tool_backoff_max_ms=1, tool_timeout_ms=500)
+    outcome = await call_tool(Tool("refuses", "", {}, refuses), "{}", policy)
+    assert outcome.is_error and calls == outcome.attempts == tried
+
+
+async def test_the_search_tools_query_is_cut_to_the_retrieval_bound_as_rag_answers_is():
+    """The react_loop's search_docs sent the model's query uncut: retrieval refused it past 10,000 characters."""
+    from switchyard.orchestrator.tools import call_tool
+
+    async with stack() as (stub, down):
+        task = SimpleNamespace(spec=SimpleNamespace(workflow="react_loop"), deps=down.orchestrator._deps,
+                               passages=[], add_wait=lambda *_: None)
+        search = next(t for t in react.tools_for(task) if t.name == "search_docs")
+        policy = down.orchestrator.config.orchestrator.react
+        outcome = await call_tool(search, json.dumps({"query": "x" * 12_500}), policy)
+    assert not outcome.is_error and [len(q) for q in down.queries] == [10_000], outcome
 
 
 async def test_bad_tool_arguments_are_not_retried():

@@ -233,7 +233,7 @@ async def test_a_hostname_mismatch_names_the_dialled_name_the_certificates_names
 
     config = tls(named_pki)
     async with running([Downstream()], config) as srv:
-        client = RetrievalClient(f"127.0.0.1:{srv.port}", config, timeout_s=10)
+        client = RetrievalClient(f"127.0.0.1:{srv.port}", config, timeout_s=10, max_query_chars=10_000)
         try:
             with pytest.raises(ServiceUnavailable) as caught:
                 await client.retrieve("q")

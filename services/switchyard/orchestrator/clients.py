@@ -81,17 +81,24 @@ async def _tls_named(error: SwitchyardError, address: str, tls: TlsConfig) -> Sw
 
 
 class RetrievalClient:
-    """RetrievalService.Retrieve over one channel."""
+    """RetrievalService.Retrieve over one channel.
 
-    def __init__(self, address: str, config: ServerConfig, timeout_s: float) -> None:
+    Args:
+        max_query_chars: ``limits.max_query_chars``: a query is cut to it before it is sent (the retrieval
+            service refuses a longer one; every caller, rag_answer's stage and the search tool, gets the cut).
+    """
+
+    def __init__(self, address: str, config: ServerConfig, timeout_s: float, max_query_chars: int) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.max_query_chars = max_query_chars
         self._tls = config.tls
         self._channel = open_channel(address, config, peer="retrieval")
         self._stub = agent_pb2_grpc.RetrievalServiceStub(self._channel)
 
     async def retrieve(self, query: str, top_k: int = 0) -> agent_pb2.RetrieveResponse:
-        """Passages for ``query``.
+        """Passages for ``query``, cut to :attr:`max_query_chars` (the query need not hold all of a long
+        payload: the embedding model reads its first 256 tokens).
 
         Raises:
             ServiceUnavailable: retrieval is down.
@@ -99,7 +106,8 @@ class RetrievalClient:
         """
         try:
             return await self._stub.Retrieve(
-                agent_pb2.RetrieveRequest(query=query, top_k=top_k), timeout=self.timeout_s, wait_for_ready=False
+                agent_pb2.RetrieveRequest(query=query[:self.max_query_chars], top_k=top_k), timeout=self.timeout_s,
+                wait_for_ready=False
             )
         except grpc.aio.AioRpcError as err:
             raise await _tls_named(_downstream_error("retrieval", self.address, err), self.address, self._tls) from None

@@ -20,15 +20,35 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from switchyard.common import untrusted
+from switchyard.common.errors import SwitchyardError
 from switchyard.common.config import ReactConfig
 from switchyard.common.metrics import TOOL_NAMES as _TOOL_NAMES
 
 
 class ToolArgumentError(ValueError):
     """The model called a tool with arguments that do not fit its schema. Not retried."""
+
+
+NOT_RETRIED_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+})
+"""A tool's downstream error that the same call gets again, so it is not retried: the request's own fault
+(gRPC's status code guide: the client retries these only after changing the request)."""
+
+
+def _retried(exc: BaseException) -> bool:
+    """Whether a tool's failure is tried again: any failure of the tool, but the task's cancellation
+    (CancelledError, a BaseException that tenacity's retry_if_not_exception_type would retry too), bad
+    arguments, and a downstream error in :data:`NOT_RETRIED_CODES`."""
+    if not isinstance(exc, Exception) or isinstance(exc, ToolArgumentError):
+        return False
+    return not (isinstance(exc, SwitchyardError) and exc.code in NOT_RETRIED_CODES)
 
 
 @dataclass(frozen=True)
@@ -191,9 +211,7 @@ async def call_tool(tool: Tool, arguments_json: str, policy: ReactConfig) -> Too
             wait=wait_exponential(
                 multiplier=policy.tool_backoff_initial_ms / 1000, max=policy.tool_backoff_max_ms / 1000
             ),
-            # A failure of the tool is retried; the task's cancellation (CancelledError, a BaseException that
-            # tenacity's retry_if_not_exception_type would retry too) and bad arguments are not.
-            retry=retry_if_exception(lambda exc: isinstance(exc, Exception) and not isinstance(exc, ToolArgumentError)),
+            retry=retry_if_exception(_retried),
             reraise=True,
         ):
             with attempt:

@@ -94,8 +94,7 @@ async def retrieve(task: Task) -> None:
     """
     async with task.stage("retrieve"):
         started = time.monotonic()
-        # a payload past limits.max_query_chars is cut: the query need not hold all of it (the key's doc)
-        response = await task.deps.retrieval.retrieve(task.spec.payload[:task.deps.config.limits.max_query_chars])
+        response = await task.deps.retrieval.retrieve(task.spec.payload)  # cut to limits.max_query_chars there
         task.deps.program.steps.observe(task.spec.workflow, "retrieval", time.monotonic() - started)
         task.passages = list(response.passages)
         task.add_wait("retrieval", response.queue_wait_s)
