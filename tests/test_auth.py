@@ -181,7 +181,7 @@ async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_
 
 @pytest.mark.parametrize("token, says", [
     ("tök", "ASCII characters"),  # grpc refused it as INTERNAL "Invalid metadata"
-    ("t\udcf6k", "no spaces, line breaks or control characters"),  # a non-UTF-8 byte: a traceback before
+    ("t\udcf6k", "byte 0xF6 is not UTF-8"),  # a non-UTF-8 byte: a traceback before
     ("two words", "no spaces"),
 ])
 def test_switchyard_run_refuses_a_token_no_call_can_carry_naming_the_variable(monkeypatch, capsys, token, says):
@@ -192,3 +192,13 @@ def test_switchyard_run_refuses_a_token_no_call_can_carry_naming_the_variable(mo
     err = capsys.readouterr().err
     assert code == 2, err
     assert "--token-env: variable SWITCHYARD_AUTH_TOKEN" in err and says in err and token not in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_switchyard_run_refuses_a_timeout_that_is_not_a_finite_positive_number(capsys, value):
+    from switchyard.client import main as run_main
+
+    with pytest.raises(SystemExit) as exited:
+        run_main(["--addr", "127.0.0.1:1", "--timeout", value, "hello"])
+    assert exited.value.code == 2
+    assert "--timeout: expected a finite number of seconds > 0" in capsys.readouterr().err

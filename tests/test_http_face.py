@@ -805,7 +805,7 @@ async def test_headers_that_are_not_utf8_or_say_two_things_are_refused_by_name_n
         port = httpx.URL(str(client.base_url)).port
         head = b"GET /api/v1/tasks/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
         latin1 = await _raw(port, head + b"Authorization: Bearer t\xf6k\r\n\r\n")
-        assert latin1.startswith(b"HTTP/1.1 401") and b"the bearer token is not valid" in latin1, latin1[:300]
+        assert latin1.startswith(b"HTTP/1.1 401") and b"byte 0xF6 is not UTF-8" in latin1, latin1[:300]
         for first, second in ((b"tok-full-1", b"tok-nope"), (b"tok-nope", b"tok-full-1")):
             twice = await _raw(port, head + b"Authorization: Bearer " + first + b"\r\nAuthorization: Bearer " + second
                                + b"\r\n\r\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import sys
 
@@ -150,8 +151,8 @@ def main(argv: list[str]) -> int:
                         help="variable holding the bearer token to send, when the orchestrator requires one "
                              "(default SWITCHYARD_AUTH_TOKEN; never given on the command line)")
     args = parser.parse_args(argv)
-    if args.timeout <= 0:
-        parser.error(f"--timeout: expected seconds > 0, got {args.timeout}")
+    if not 0 < args.timeout < math.inf:  # NaN fails it too
+        parser.error(f"--timeout: expected a finite number of seconds > 0, got {args.timeout}")
     address = args.addr
     if address is not None and not _HOST_PORT.match(address):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")

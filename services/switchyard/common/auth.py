@@ -38,6 +38,7 @@ from switchyard.common import envs
 from switchyard.common.config import AuthConfig
 from switchyard.common.errors import ORIGIN_KEY
 from switchyard.common.tenant import TENANT_PATTERN
+from switchyard.common.untrusted import undecodable_byte
 from switchyard.common.tenant import EXPECTED as TENANT_EXPECTED
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,9 @@ class BearerTokens:
         if authorization is None:
             return ("missing", grpc.StatusCode.UNAUTHENTICATED,
                     "missing 'authorization' metadata: send 'authorization: Bearer <token>'")
+        if (byte := undecodable_byte(str(authorization))) is not None:  # an HTTP header's bytes, not UTF-8
+            return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
+                    f"'authorization' metadata must be 'Bearer <token>' in ASCII (byte 0x{byte:02X} is not UTF-8)")
         scheme, _, presented = str(authorization).partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from switchyard.common import envs
+from switchyard.common.untrusted import undecodable_byte
 
 TOKEN_ENV = "SWITCHYARD_AUTH_TOKEN"
 """The variable ``switchyard run`` reads its token from (its ``--token-env`` default)."""
@@ -38,6 +39,8 @@ def _one_token(text: str, where: str) -> str:
     token = text.strip()
     if not token:
         raise TokenError(f"{where}: expected a bearer token, found nothing")
+    if (byte := undecodable_byte(token)) is not None:  # the environment's bytes that are not UTF-8
+        raise TokenError(f"{where}: expected a bearer token of ASCII characters (byte 0x{byte:02X} is not UTF-8)")
     if any(ch.isspace() or not ch.isprintable() for ch in token):
         raise TokenError(f"{where}: expected one bearer token (no spaces, line breaks or control characters)")
     if not token.isascii():  # gRPC metadata values are ASCII: grpc refused it as INTERNAL "Invalid metadata"

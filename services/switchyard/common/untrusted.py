@@ -46,6 +46,13 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
+def undecodable_byte(value: str) -> int | None:
+    """The first byte of ``value`` that was not UTF-8 where it was read (a header, the environment, a file
+    name: Python keeps such a byte as a surrogate escape, ``surrogateescape``), or None."""
+    found = _ESCAPED_BYTE.search(value)
+    return None if found is None else ord(found.group()) - 0xDC00
+
+
 def check_utf8(value: str, field: str) -> str:
     """``value``, text from a header: an HTTP header's bytes that are not UTF-8 arrive as surrogate escapes
     (aiohttp decodes headers with ``surrogateescape``), refused here by name with the byte shown, where the id
@@ -56,11 +63,10 @@ def check_utf8(value: str, field: str) -> str:
     """
     from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
 
-    found = _ESCAPED_BYTE.search(value)
-    if found is not None:
+    byte = undecodable_byte(value)
+    if byte is not None:
         readable = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        raise InvalidArgument(field, f"UTF-8 text (byte 0x{ord(found.group()) - 0xDC00:02X} is not UTF-8)",
-                              readable[:80])
+        raise InvalidArgument(field, f"UTF-8 text (byte 0x{byte:02X} is not UTF-8)", readable[:80])
     return value
 
 
