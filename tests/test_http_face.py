@@ -205,7 +205,8 @@ async def test_the_priority_message_is_the_grpc_edges():
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "application/json; charset=latin-1", "application/json; charset=utf-16"])
+                                          "application/json; charset=latin-1", "application/json; charset=utf-16",
+                                          "application/json; charset=", "application/json; charset=utf-8; charset=latin1"])
 async def test_a_body_that_is_not_application_json_is_415_naming_the_expected_type(content_type):
     import json
 
@@ -843,3 +844,19 @@ async def test_an_agents_status_is_its_own_tenants_agents_latest_task(tmp_path):
         assert zeta.status_code == 200 and zeta.json()["task_id"] == "zeta-1", zeta.text
         default = await client.get("/api/v1/agent/shared/status", headers={"Authorization": "Bearer tok-all"})
         assert default.status_code == 404, default.text  # the default tenant's agent "shared" submitted nothing
+
+
+async def test_a_path_id_with_a_percent_escape_that_is_not_utf8_is_400_naming_the_byte():
+    """/api/v1/agent/%FF/status looked up the agent literally named "%FF", which %25FF names too."""
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        for path in (b"/api/v1/agent/%FF/status", b"/api/v1/tasks/t%FF", b"/api/v1/tasks/t%C3/cancel"):
+            method = b"POST" if path.endswith(b"cancel") else b"GET"
+            answer = await _raw(port, method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                b"Content-Length: 0\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+            assert b"is not UTF-8" in answer and (b"agent_id" in answer or b"task_id" in answer), answer
+        named = await client.get("/api/v1/agent/%25FF/status")  # the agent named "%FF": only not found
+        assert named.status_code == 404, named.text
+        utf8 = await client.get("/api/v1/agent/agent-%C3%A9/status")  # agent-é: a UTF-8 escape is fine
+        assert utf8.status_code == 404 and "agent 'agent-é'" in utf8.json()["error"]["message"], utf8.text

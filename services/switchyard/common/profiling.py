@@ -247,13 +247,14 @@ class ProfileEndpoint:
         if refused is not None:
             challenge = (("WWW-Authenticate", 'Bearer realm="switchyard"'),) if refused[0].startswith("401") else ()
             return answer(refused[0], (refused[1] + "\n").encode(), headers=challenge)
-        query = parse_qs(environ.get("QUERY_STRING", ""))
-        raw = query.get("seconds", [str(DEFAULT_SECONDS)])[0]
-        # a plain decimal number: Python's float() also takes "0_1" (1 s), "inf", "nan" and spaces
-        seconds = float(raw) if SECONDS_PATTERN.fullmatch(raw) else -1.0
+        given = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).get("seconds")
+        raw = given[0] if given else str(DEFAULT_SECONDS)
+        # one plain decimal number: Python's float() also takes "0_1" (1 s), "1e0", "inf", "nan" and spaces
+        seconds = float(raw) if given is None or (len(given) == 1 and SECONDS_PATTERN.fullmatch(raw)) else -1.0
         if not 0 < seconds <= self.max_s:
-            return answer("400 Bad Request", f"seconds: expected a number in (0, {self.max_s:g}] "
-                          f"(server.cpu_profile_max_s), got {raw!r}\n".encode())
+            shown = raw if given is None or len(given) == 1 else given
+            return answer("400 Bad Request", f"seconds: expected one plain decimal number in (0, {self.max_s:g}] "
+                          f"(server.cpu_profile_max_s; {DEFAULT_SECONDS} when left out), got {shown!r}\n".encode())
         try:
             data = self.profiler.profile(seconds)
         except ProfileBusy as exc:

@@ -46,9 +46,11 @@ import logging
 import re
 import ssl
 from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import unquote_to_bytes
 
 import grpc
 from aiohttp import HttpVersion11, web, web_protocol
+from aiohttp.helpers import parse_mimetype  # the Content-Type's parameters, a repeated one kept
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from pydantic import ValidationError
 
@@ -125,6 +127,24 @@ def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator"
 RETRY_AFTER_S = 1
 """``Retry-After`` of a 429 or 503 answer, seconds (RFC 9110 section 10.2.3): a full backlog or a stopping
 orchestrator has no time of its own to give; one second spaces the retries of a client that honours it."""
+
+
+def _path_id(request: web.Request, name: str) -> str:
+    """The id the path names in ``{name}``. A percent-escape that is not UTF-8 (``%FF``) is refused naming the
+    byte: the URL library keeps it as the three characters ``%FF``, which is also what ``%25FF`` means, so two
+    paths would name one id.
+
+    Raises:
+        HttpAbort: INVALID_ARGUMENT naming ``name`` and the byte.
+    """
+    for segment in request.raw_path.split("?", 1)[0].split("/"):
+        try:
+            unquote_to_bytes(segment).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument(
+                name, f"an id of UTF-8 text in the path (byte 0x{exc.object[exc.start]:02X} is not UTF-8)",
+                segment)), "orchestrator") from None
+    return request.match_info[name]
 
 
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
@@ -407,7 +427,8 @@ class HttpFace(Drains):
         if request.content_type != JSON:
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} (got {sent})",
                              "orchestrator", status=415)
-        if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
+        charsets = parse_mimetype(request.headers.get("Content-Type", "")).parameters.getall("charset", [])
+        if charsets and (len(charsets) > 1 or charsets[0].lower().replace("_", "-") not in ("utf-8", "utf8")):
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} in UTF-8, with no "
                              f"charset or charset=utf-8 (JSON is UTF-8, RFC 8259 section 8.1) (got {sent})",
                              "orchestrator", status=415)
@@ -504,8 +525,9 @@ class HttpFace(Drains):
 
         return await self._call(call)
 
-    async def _status(self, request: web.Request, **key: str) -> web.Response:
+    async def _status(self, request: web.Request, name: str) -> web.Response:
         async def call() -> web.Response:
+            key = {name: _path_id(request, name)}
             status = await self.service.GetTaskStatus(agent_pb2.GetTaskStatusRequest(**key),
                                                       HttpCall(request.headers.items()))
             return web.json_response(status_json(status))
@@ -513,16 +535,16 @@ class HttpFace(Drains):
         return await self._call(call)
 
     async def agent_status(self, request: web.Request) -> web.Response:
-        return await self._status(request, agent_id=request.match_info["agent_id"])
+        return await self._status(request, "agent_id")
 
     async def task_status(self, request: web.Request) -> web.Response:
-        return await self._status(request, task_id=request.match_info["task_id"])
+        return await self._status(request, "task_id")
 
     async def cancel(self, request: web.Request) -> web.Response:
         async def call() -> web.Response:
             # Shielded as submit is: a client that leaves does not cut a cancel from its record.
             cancel = asyncio.ensure_future(self.service.CancelTask(
-                agent_pb2.CancelTaskRequest(task_id=request.match_info["task_id"]), HttpCall(request.headers.items())))
+                agent_pb2.CancelTaskRequest(task_id=_path_id(request, "task_id")), HttpCall(request.headers.items())))
             status = await asyncio.shield(settle(cancel))
             return web.json_response(status_json(status))
 
