@@ -265,3 +265,18 @@ def test_a_server_that_takes_the_connection_and_never_answers_is_named_hung_not_
     assert code == 1
     assert "took the connection but sent no answer within 0.5 s (ReadTimeout)" in out, out
     assert "hung or overloaded" in out and "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)" in out
+
+
+def test_a_server_that_lists_its_models_but_never_streams_is_named_within_the_timeout(clean_proxy_env, monkeypatch,
+                                                                                       capsys):
+    """The probe waited the gateway's own read timeout (60 s) whatever --timeout said, and named no hang."""
+    from switchyard.gateway.faults import Fault
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    with start_sim(faults={"*": Fault(slow_ms=30_000)}) as server:
+        code = doctor.main(["--config-dir", CONFIG, "--timeout", "0.5", "--base-url", server.base_url])
+        out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAIL  stream probe" in out and "sent no answer within 0.5 s" in out, out
+    assert "hung or overloaded" in out and "raise --timeout" in out

@@ -42,7 +42,7 @@ from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConf
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError, ModelNotFound, StreamBroken, snippet
+from switchyard.gateway.errors import GatewayError, ModelNotFound, StreamBroken, UpstreamTimeout, snippet
 from switchyard.gateway.events import ChatRequest, Finished
 from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
@@ -188,15 +188,22 @@ _FIELD_FIXES = {
 }
 
 
-def _probe_client(cfg: UpstreamConfig) -> GatewayClient:
-    """A gateway client that tries the configured model once (no fallback, no retry): what it meets is told."""
-    return GatewayClient(cfg.model_copy(update={"fallback_model": "", "max_retries": 0}))
+def _probe_client(cfg: UpstreamConfig, timeout_s: float) -> GatewayClient:
+    """A gateway client that tries the configured model once (no fallback, no retry): what it meets is told.
+    Each of its waits is bounded by ``timeout_s`` (doctor's ``--timeout``, per network check), the whole probe
+    by three of them, not by the gateway's own (a minute of silence before a read times out)."""
+    return GatewayClient(cfg.model_copy(update={
+        "fallback_model": "", "max_retries": 0,
+        "connect_timeout_s": min(cfg.connect_timeout_s, timeout_s), "read_timeout_s": min(cfg.read_timeout_s, timeout_s),
+        "write_timeout_s": min(cfg.write_timeout_s, timeout_s), "pool_timeout_s": min(cfg.pool_timeout_s, timeout_s),
+        "total_timeout_s": min(cfg.total_timeout_s, 3 * timeout_s),
+    }))
 
 
-async def _server_check(cfg: UpstreamConfig) -> Check:
+async def _server_check(cfg: UpstreamConfig, timeout_s: float) -> Check:
     """The server's flavour (``model_gateway.server``, or what ``/models`` says) and the priority field it
     is sent."""
-    async with _probe_client(cfg) as client:
+    async with _probe_client(cfg, timeout_s) as client:
         flavour = await client.server_flavour()
     how = "model_gateway.server" if cfg.server != "auto" else "detected from GET /models"
     field = f"priority sent as '{flavour.priority_field}'" if flavour.priority_field else "no priority field"
@@ -204,10 +211,10 @@ async def _server_check(cfg: UpstreamConfig) -> Check:
                                  f"{'' if cfg.forward_priority else ' when forward_priority is on'}")
 
 
-async def _probe(cfg: UpstreamConfig) -> list[Check]:
+async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
     """The streamed one-token probe: its own check and any refused request field."""
     checks: list[Check] = []
-    async with _probe_client(cfg) as client:
+    async with _probe_client(cfg, timeout_s) as client:
         request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1,
                               priority=PriorityClass.CORE, request_id="switchyard-doctor")
         try:
@@ -217,6 +224,12 @@ async def _probe(cfg: UpstreamConfig) -> list[Check]:
                 "stream probe", False, f"missing end marker: {exc}",
                 "the stream was cut: look for a proxy or load balancer with a short read timeout or response "
                 "buffering between here and the server, and at the server's logs",
+            ))
+        except UpstreamTimeout as exc:
+            checks.append(Check(
+                "stream probe", False, f"the server took the request but sent no answer within {timeout_s:g} s: {exc}",
+                "the server is hung or overloaded, or slow to answer its first request (one that sizes its KV cache "
+                "then): check its logs, or raise --timeout",
             ))
         except ModelNotFound as exc:
             served = ", ".join(exc.served or []) or "(none listed)"
@@ -256,14 +269,14 @@ async def run_checks(
     if known is not None:
         checks.extend(_model_checks(cfg, known, models))
         if key_check.ok:
-            checks.append(await _server_check(cfg))
+            checks.append(await _server_check(cfg, timeout_s))
     if probe:
         if not key_check.ok:
             checks.append(_skipped_probe("the api key check failed; fix the key first"))
         elif known is None:
             checks.append(_skipped_probe("the base url check failed; the server must answer GET /models first"))
         else:
-            checks.extend(await _probe(cfg))
+            checks.extend(await _probe(cfg, timeout_s))
     return checks
 
 
