@@ -411,6 +411,7 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
     service = DispatcherService(config)
     srv = await start_server([service], "127.0.0.1", 0, config.server)
     limits: list[float] = []
+    knees: list[float] = []
     try:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = agent_pb2_grpc.InferenceServiceStub(channel)
@@ -425,6 +426,8 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
                     assert chunks[-1].HasField("done") and any(c.HasField("token") for c in chunks)
                     assert service.limit is not None
                     limits.append(service.limit.limit)
+                    if (knee := endpoint_limit(service).knee) is not None:
+                        knees.append(knee)
                     last = chunks
                 return last
 
@@ -434,9 +437,12 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
     limit = endpoint_limit(service)
     assert limit.knee is not None  # it measured the server
     # Never far past what is offered (the old rule went to 2-3x), and held near its own knee estimate:
-    # at most the probe above the knee (2 x knee) plus the CORE headroom.
+    # at most the probe above the knee (2 x knee) plus the CORE headroom. The knee is the highest one the
+    # run estimated: a probe goal reached with it is held until measured, and comes down by smoothing once the
+    # knee is confirmed lower (a run beside other work on the same cores estimated 21, probed to 44, then 18).
     assert max(limits) <= 2 * offered
-    assert limit.limit <= max(limit.knee + 1, 2 * limit.knee) + limit.reserve + 1
+    knee = max(knees)
+    assert limit.limit <= max(knee + 1, 2 * knee) + limit.reserve + 1
     assert limit.knee <= offered
 
 
