@@ -880,7 +880,10 @@ class SchedulerCore:
         self.tool_waits.abandon(agent_key)
 
     def resume(self, req: Request, now: float) -> None:
-        """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set."""
+        """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set: the benches' and
+        tests' way in, on their own clock. A dispatcher's resumed step comes as every request does
+        (:meth:`add_request` from the loop's ``submit``, ``GenerateRequest.resume`` set), flushed at the next
+        decision (``schedule`` flushes what the buffer holds), which this does at once."""
         req.resume = True
         self.add_request(req, now)
         self.flush(FlushReason.STEP, now)
