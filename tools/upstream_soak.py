@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         host = points["orchestrator"][0]
         dispatcher_metrics = points["dispatcher"][1]
         calldata = parse_calldata([
-            {"task_id": f"soak-{task}-{{{{.RequestNumber}}}}", "agent_id": f"agent-{{{{.RequestNumber}}}}",
+            {"task_id": f"soak-{task}-{{{{.RequestNumber}}}}", "agent_id": "agent-{{.RequestNumber}}",
              "payload": "Write a long story about the with statement.", "task_type": task,
              "max_tokens": args.max_tokens, "priority": priority}
             for task, priority in zip(TASKS, ("CORE", "NORMAL", "BATCH"))
