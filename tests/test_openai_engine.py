@@ -272,3 +272,17 @@ async def test_a_dead_proxy_is_named_as_the_proxy(clean_proxy_env, monkeypatch):
                            max_retries=0, fallback_model="")
     assert caught.value.details().startswith("proxy (via dispatcher at 127.0.0.1:")
     assert f"HTTP_PROXY={dead}" in caught.value.details()
+
+
+async def test_a_generate_naming_no_model_is_served_by_the_fallback_when_the_default_is_not_served(clean_proxy_env):
+    """Once the dispatcher resolved the model a Generate naming none is served, the gateway saw a named model and
+    refused to fall back: the default missing upstream failed NOT_FOUND where the fallback serves. A model the
+    caller names is still never replaced by another."""
+    with start_sim(models=["gpt-4o-mini"]) as server:  # the default, claude-sonnet-4-5, is not served
+        chunks = await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(
+            request_id="unnamed", prompt=PROMPT, max_tokens=4))
+        assert chunks[-1].done.model == "gpt-4o-mini"
+        with pytest.raises(grpc.aio.AioRpcError) as named:
+            await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(
+                request_id="named", prompt=PROMPT, max_tokens=4, model="claude-sonnet-4-5"))
+    assert named.value.code() == grpc.StatusCode.NOT_FOUND

@@ -439,6 +439,12 @@ async def test_a_status_asked_by_task_id_and_another_agents_id_is_not_found():
             await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="owned-1", agent_id="agent-b"))
         assert other.value.code() == grpc.StatusCode.NOT_FOUND
         assert other.value.details().startswith("agent_id: no task 'owned-1' of agent 'agent-b'")
+        # another tenant's agent of the same id is another agent (auth off: the header names the tenant)
+        with pytest.raises(grpc.aio.AioRpcError) as tenant:
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="owned-1", agent_id="agent-a"),
+                                     metadata=(("x-tenant-id", "zeta"),))
+        assert tenant.value.code() == grpc.StatusCode.NOT_FOUND
+        assert tenant.value.details().startswith("agent_id: no task 'owned-1' of agent 'agent-a'")
 
 
 async def test_a_task_cancelled_while_streaming_keeps_its_first_token_and_the_time_in_its_stages():

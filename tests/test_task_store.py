@@ -147,6 +147,11 @@ async def test_two_tenants_agents_of_one_id_each_have_their_own_latest_task(make
     assert (await store.latest_of_agent("shared")).task_id == "plain-1"
     assert (await store.latest_of_agent("shared", "default")).task_id == "plain-1"
     assert await store.latest_of_agent("shared", "other") is None
+    for i in range(9):  # refused ones, deleted: Redis kept them in the bare id's set, and 8 pushed acme-1 out
+        time.sleep(0.002)
+        await store.create(f"acme-refused-{i}", "fp", "", agent_id="shared", tenant_id="acme")
+        await store.delete(f"acme-refused-{i}")
+    assert (await store.latest_of_agent("shared", "acme")).task_id == "acme-1"
     await store.close()
 
 

@@ -187,6 +187,7 @@ def to_request(
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         model=model,  # the model it is served, resolved once here
+        names_model=bool(request.model),
         agent_id=request.agent_id,
         task_type=request.task_type,
         priority=PriorityClass.from_proto(request.priority),

@@ -170,6 +170,10 @@ class Request:
     model: str = ""
     """The client-facing model it is served: the Generate's, or the engine's when it names none (resolved
     once, by ``processor.to_request``); an upstream engine's gateway maps it to an upstream id."""
+    names_model: bool = False
+    """The Generate named its model. False: it named none and is served the engine's, which an upstream
+    engine's gateway may serve from ``model_gateway.fallback_model`` (a model the caller named is not replaced
+    by another)."""
     answered_by: str = ""
     """The upstream model id that answered (its Usage's ``model``: the fallback, where one served); "" until
     then, and on step engines. The done chunk names it, else :attr:`model`."""

@@ -46,7 +46,7 @@ from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadl
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import Drains, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
-from switchyard.common.tenant import DEFAULT_TENANT
+from switchyard.common.tenant import DEFAULT_TENANT, agent_key
 from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
@@ -756,16 +756,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         await self._check_lookup_ids(context, request.task_id, request.agent_id)
         retention = self.config.orchestrator.task_store.retention_s
         try:
+            # the agent is the caller's tenant's, resolved as SubmitTask resolves it
+            tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens()) if request.agent_id else ""
             if request.task_id:
                 record = await self.tasks.get(request.task_id)
-            else:  # the agent of the caller's tenant, resolved as SubmitTask resolves it
-                tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+            else:
                 record = await self.tasks.latest_of_agent(request.agent_id, tenant)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         if record is not None and not self._visible_to_caller(record.tenant_id, context):
             record = None
-        if record is not None and request.task_id and request.agent_id and record.agent_id != request.agent_id:
+        if (record is not None and request.task_id and request.agent_id
+                and agent_key(record.tenant_id or DEFAULT_TENANT, record.agent_id) != agent_key(tenant, request.agent_id)):
             await abort(context, SwitchyardError(
                 f"agent_id: no task {shown(request.task_id)} of agent {shown(request.agent_id)} (the task_id names "
                 "another agent's task; give the task_id alone, or the agent_id alone for its latest task)",

@@ -97,7 +97,7 @@ def chat_request(req: Request) -> ChatRequest:
     """
     return ChatRequest(
         messages=chat_messages(req.prompt, req.messages),
-        model=req.model,
+        model=req.model if req.names_model else "",  # "": the default, which may fall back (the gateway's rule)
         max_tokens=req.max_tokens or None,
         tools=[_tool_spec(tool) for tool in req.tools],
         priority=req.priority,

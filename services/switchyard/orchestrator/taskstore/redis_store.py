@@ -75,8 +75,7 @@ _DELETE = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 local finished = redis.call('HGET', KEYS[1], 'finished_at')
 if finished and finished ~= '' then return 0 end
-local agent = redis.call('HGET', KEYS[1], 'agent_id')
-if agent and agent ~= '' then redis.call('ZREM', ARGV[3] .. agent .. ':tasks', ARGV[1]) end
+if KEYS[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[1]) end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
 return 1
@@ -187,8 +186,12 @@ class RedisTaskStore(TaskStore):
         return bool(done)
 
     async def _delete(self, task_id: str, owner: str) -> None:
-        await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key],
-                                           args=[task_id, owner, self._agent_prefix]))
+        # The agent's set is named here, by agent_key's one rule (its tenant's and its id's), from the record's
+        # fields, which never change after create; the script checks the owner and the state.
+        agent, tenant = await self._do(self.redis.hmget(self._task_key(task_id), "agent_id", "tenant_id"))
+        agent_tasks = self._agent_key(agent.decode(), (tenant or b"").decode()) if agent else ""
+        await self._do(self._delete_script(keys=[self._task_key(task_id), self._unfinished_key, agent_tasks],
+                                           args=[task_id, owner]))
 
     async def _renew(self, lease: Lease) -> None:
         value = json.dumps({"expires_at": lease.expires_at, "host": lease.host, "pid": lease.pid})
