@@ -148,9 +148,9 @@ class BearerTokens:
         """The tenant the token in ``authorization`` (``Bearer <token>``) names; "" when it names none or is not
         known (a call that reached a handler passed :meth:`check` already)."""
         scheme, _, presented = str(authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
+        if scheme.lower() != "bearer" or not presented.strip() or undecodable_byte(presented) is not None:
             return ""
-        match = self._match(_secret_bytes(presented))
+        match = self._match(presented.strip().encode())
         return match.tenant if match is not None else ""
 
     def _match(self, secret: bytes) -> _Token | None:
@@ -178,20 +178,13 @@ class BearerTokens:
         if scheme.lower() != "bearer" or not presented.strip():
             return ("malformed", grpc.StatusCode.UNAUTHENTICATED,
                     "'authorization' metadata must be 'Bearer <token>'")
-        match = self._match(_secret_bytes(presented))
+        match = self._match(presented.strip().encode())  # UTF-8 once the byte check above passed
         if match is None:
             return "unknown_token", grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid"
         if not match.allows(method):
             return ("forbidden", grpc.StatusCode.PERMISSION_DENIED,
                     f"the bearer token may not call {method.lstrip('/')}")
         return None
-
-
-def _secret_bytes(presented: str) -> bytes:
-    """The presented token's bytes. An HTTP header's bytes that are not UTF-8 reach here as surrogate escapes
-    (aiohttp decodes headers with ``surrogateescape``); ``surrogatepass`` encodes them without failing (no
-    token is read with one), so such a token is refused as unknown, never an error."""
-    return presented.strip().encode("utf-8", "surrogatepass")
 
 
 class TokenGuarded(ABC):

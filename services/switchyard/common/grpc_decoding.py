@@ -36,12 +36,20 @@ class DecodeRefusal(grpc.aio.ServerInterceptor):
 
     def __init__(self, service: str) -> None:
         self.service = service
+        self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        """Per method: the servicer's handler and the one made in its place (grpc asks for a handler on every
+        call: it is made once, not rebuilt per call)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        return _parsing_handler(handler, self.service, _input_type(handler_call_details.method))
+        method = handler_call_details.method
+        made = self._made.get(method)
+        if made is None or made[0] is not handler:
+            made = (handler, _parsing_handler(handler, self.service, _input_type(method)))
+            self._made[method] = made
+        return made[1]
 
 
 def _input_type(method: str) -> str:

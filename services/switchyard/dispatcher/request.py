@@ -25,6 +25,7 @@ never repeats or loses a token.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import re
 import time
@@ -291,12 +292,13 @@ class Request:
 
     # ------------------------------------------------------------------ derived
 
-    @property
+    @functools.cached_property
     def agent_key(self) -> str:
         """The agent's key, its tenant's and its id's (:func:`switchyard.common.tenant.agent_key`): what the
         dispatcher's agent state (parking, tool-wait plans, the DRAM copy of its prefix, session fairness,
         the upstream's affinity) is keyed by, so that two tenants' agents of one id never share it. "" when
-        the request has no agent."""
+        the request has no agent. Read per engine step (the fair policy's charge), so kept once made: the
+        tenant and the agent id are the request's from its start."""
         return agent_key(self.tenant_id, self.agent_id)
 
     @property

@@ -86,10 +86,8 @@ class StreamLoop(LoopBase):
         stream still ran: wherever its end was decided (its deadline found past by the time slice's decision,
         or by another stream's item reaching ``update_from_output``), its stream stops with it, and with it
         the endpoint's count of it. A stream's own end is its task's to close (the current task)."""
-        current = asyncio.current_task()
-        for out in outputs:
-            call = out.req.upstream_call
-            if out.finished and call is not None and call is not current:
+        for out in outputs:  # called per streamed token: only a finished output asks for the current task
+            if out.finished and (call := out.req.upstream_call) is not None and call is not asyncio.current_task():
                 call.cancel()
         super()._publish(outputs, stats, throttled)
 
