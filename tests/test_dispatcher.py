@@ -514,6 +514,40 @@ async def test_stream_engine_fans_out_past_batches_in_prefill_up_to_the_concurre
     assert engine.closed
 
 
+async def test_a_stream_aborted_in_the_turn_that_admitted_it_leaves_no_batch_in_prefill() -> None:
+    """Each request here is aborted before its stream task's first step (the caller's cancel ready in the same
+    turn of the event loop as the admission): a task cancelled before it starts never runs its body, and the
+    batch it was counted in stayed "in prefill" for good. Two such leaks (``max_batches_in_prefill`` 2) and no
+    arrival woke the loop again: every later request waited for a time slice or the idle tick."""
+    from switchyard.dispatcher.request import Request, RequestStatus
+
+    config = make_config(**{"queues.inference.max_batches_in_prefill": 2, "scheduler.time_slice_ms": 10_000})
+    service = DispatcherService(config, engine=EchoStreamEngine())
+    await service.start()
+    try:
+        loop = service.loop
+        for i in range(3):
+            req = Request(request_id=f"r{i}", prompt="one two three", prompt_tokens=3, max_tokens=3)
+            loop.submit(req)
+            while req.status is not RequestStatus.RUNNING:
+                await asyncio.sleep(0)
+            loop.abort(req)  # its stream task was created, and has not run a step
+            await asyncio.sleep(0.01)
+            assert req.status is RequestStatus.FINISHED_ABORTED and req.upstream_call is None
+            assert loop._prefilling == {} and loop.capacity.in_flight == 0
+        late = Request(request_id="late", prompt="a b", prompt_tokens=2, max_tokens=2)
+        loop.submit(late)
+
+        async def finished() -> None:
+            while not late.is_finished:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(finished(), 5.0)  # woken on arrival, not by a 10 s time slice or the idle tick
+        assert late.status is RequestStatus.FINISHED_STOPPED
+    finally:
+        await service.stop()
+
+
 async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
     service = DispatcherService(make_config(**{"batching.flush_interval_ms": "auto"}))
     assert service.adaptive is not None

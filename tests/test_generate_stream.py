@@ -735,3 +735,40 @@ async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_en
     finally:
         await channel.close()
         await srv.stop(1.0)
+
+
+async def test_an_engine_loop_that_fails_fails_what_it_held_refuses_the_rest_and_reports_not_serving(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in one scheduler decision ended the loop's task, and nothing noticed: requests stayed waiting
+    past their deadlines, new ones were accepted and never answered, and the health check said SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=400))
+        await stream.until(lambda: stream.chunks.get("a"), "a's first token")
+        scheduler = service.scheduler
+
+        def broken(now: float) -> None:
+            raise RuntimeError("a bug in one decision")
+
+        monkeypatch.setattr(scheduler, "schedule", broken)
+        await stream.send(start("b", max_tokens=4))  # its arrival asks the loop for a decision
+        await stream.until(lambda: stream.errors.get("a") and stream.errors.get("b"), "a's and b's errors")
+        for request_id in ("a", "b"):
+            (error,) = stream.errors[request_id]
+            assert error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "engine loop failed (RuntimeError: a bug in one decision)" in error.details
+        call = agent_pb2_grpc.InferenceServiceStub(channel).Generate(
+            agent_pb2.GenerateRequest(request_id="c", prompt=PROMPT, max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine loop failed (RuntimeError: a bug in one decision)" in (refused.value.details() or "")
+        assert held(service) == 0
+        probe = health_pb2_grpc.HealthStub(channel)
+        for name in ("agent.InferenceService", ""):  # readiness, and liveness: the pod is restarted
+            await wait_until(lambda: service._health_update is not None and service._health_update.done(),
+                             "health updated")
+            answer = await probe.Check(health_pb2.HealthCheckRequest(service=name))
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING, name

@@ -27,8 +27,9 @@ owns every request, and the engine owns the model. Each turn:
    they join at this step boundary: iteration-level batching, as in vLLM and
    Orca), or core work joined during the step or waits (below).
 
-After every step the scheduler fails the requests past their own deadline
-(``scheduler.expire_deadlines``): DEADLINE_EXCEEDED within one step of it.
+The scheduler fails the requests past their own deadline whenever it takes a
+step's result in (``update_from_output``, which calls ``expire_deadlines``) and
+at every decision: DEADLINE_EXCEEDED within one step of it.
 
 A swapped agent's KV comes back ahead of its tool's expected return: a
 decision (``schedule``, or ``on_idle`` while nothing runs; the loop's waits end
@@ -101,7 +102,7 @@ from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult, StreamEngine
 from switchyard.dispatcher.scheduler.base import BatchFlush
-from switchyard.dispatcher.scheduler.core import SchedulerCore
+from switchyard.dispatcher.scheduler.core import DispatcherClosed, SchedulerCore, loop_failure
 from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, request_links
 
@@ -159,6 +160,11 @@ class LoopBase:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._stats_due = 0.0  # monotonic: a throttled report may be published from then on
         self._stats_pending = False  # a throttled report was skipped: the next publish carries it
+        self.failure: BaseException | None = None
+        """What ended the loop's task with an exception (a bug in a decision), if anything did: every request the
+        scheduler held then failed, and the dispatcher refuses new ones naming it (:meth:`_task_ended`)."""
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called once with :attr:`failure` (the servicer: health NOT_SERVING, so that the pod is restarted)."""
         metrics.DECODE_BOUND.set(engine.decode_bound_tokens_per_s(config.batching.max_batch_size)
                                  if isinstance(engine, StepEngine) else 0.0)
 
@@ -239,7 +245,26 @@ class LoopBase:
         re-samples the scheduler's monitor at scrape time."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"dispatcher-{type(self).__name__}")
+            self._task.add_done_callback(self._task_ended)
             metrics.publish_compute_score_at_scrape(self.scheduler.monitor)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """The loop's task ended. Having returned (a drain) or been cancelled (a stop) is the plan; an exception
+        is a bug in a decision, after which no request would be answered again: log it, close the intake (new
+        requests are refused UNAVAILABLE naming it, :class:`DispatcherClosed`), fail every request the scheduler
+        holds with the same error, and tell :attr:`on_failure`."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.failure = exc
+        log.critical("dispatcher: the engine loop failed; the requests it held fail, new ones are refused",
+                     exc_info=exc)
+        self.scheduler.close()
+        try:
+            self._end_all(RequestStatus.FINISHED_ERROR, DispatcherClosed(loop_failure(exc)))
+        except Exception:  # noqa: BLE001 - the scheduler's state is what failed: its requests may not all end
+            log.exception("dispatcher: ending the requests held after the engine loop failed")
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     @property
     def _closing(self) -> bool:
@@ -329,10 +354,14 @@ class LoopBase:
             self._flush_timer = None
 
     def _cancel_all(self) -> None:
+        self._end_all(RequestStatus.FINISHED_ABORTED)
+
+    def _end_all(self, status: RequestStatus, error: BaseException | None = None) -> None:
+        """End every request the scheduler holds, buffered, waiting, preempting or running, with ``status``."""
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
         held = [*self.scheduler.running, *self.scheduler.preempting, *self.scheduler.waiting]
-        self._publish(self.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED, now))
+        self._publish(self.scheduler.finish_requests(held, status, now, error))
 
     async def _wait(self, timeout: float | None) -> None:
         self._publish_pending_stats()  # the loop pauses: what it reports is current while it waits

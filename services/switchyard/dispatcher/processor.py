@@ -33,7 +33,7 @@ from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
-from switchyard.dispatcher.scheduler.core import DispatcherClosed
+from switchyard.dispatcher.scheduler.core import DispatcherClosed, loop_failure
 
 tracer = telemetry.get_tracer("switchyard.dispatcher.service")  # the request spans' scope, as before this module
 
@@ -295,6 +295,8 @@ class RequestProcessor:
         if loop is None:
             raise SwitchyardError("dispatcher is not started yet; retry shortly or on another replica",
                                   grpc.StatusCode.UNAVAILABLE)
+        if loop.failure is not None:
+            raise DispatcherClosed(loop_failure(loop.failure))
         if self.draining:  # refused before its prefill_only shortcut, which would not reach the scheduler
             raise DispatcherClosed()
         if req.prefill_only:

@@ -36,13 +36,15 @@ import logging
 from typing import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, abort
-from switchyard.common.server import Drains
+from switchyard.common.metrics import SERVING
+from switchyard.common.server import Drains, HealthOwner
 from switchyard.common.tenant import agent_key, check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -70,7 +72,7 @@ number is a caller's mistake, and would plan a restore years ahead and make the 
 infinite."""
 
 
-class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
+class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthOwner):
     """Serves ``agent.InferenceService``; implements :class:`switchyard.common.server.Service`.
 
     Args:
@@ -130,6 +132,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""
         self._sessions: set[GenerateSession] = set()
+        self._health: health.aio.HealthServicer | None = None
+        self._health_update: asyncio.Task[None] | None = None
 
     @property
     def loop(self) -> LoopBase | None:
@@ -154,12 +158,35 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains):
         else:
             loop = StreamLoop(self.config, self.engine, self.scheduler)  # type: ignore[arg-type]
         self.processor.loop = loop
+        loop.on_failure = self._loop_failed
         loop.start()
         if not self.stepping:  # the upstream's flavour and context windows, read in the background
             self.engine.start_describing()  # type: ignore[union-attr]
         log.info(
             "dispatcher: engine %s (%s), policy %s", type(self.engine).__name__, self.engine.model, self.scheduler.name
         )
+
+    async def watch_health(self, health: health.aio.HealthServicer) -> None:
+        """SERVING once the server serves; NOT_SERVING once the engine loop has failed (:attr:`LoopBase.failure`),
+        the server's overall status ("", what the liveness probe asks) included: a dispatcher that can answer no
+        request is restarted, not left refusing them."""
+        self._health = health
+        if self.loop is not None and self.loop.failure is not None:
+            await self._not_serving()
+            return
+        for name in self.grpc_service_names:
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        SERVING.labels(self.name).set(1)
+
+    def _loop_failed(self, exc: BaseException) -> None:
+        if self._health is not None:
+            self._health_update = asyncio.get_running_loop().create_task(self._not_serving())
+
+    async def _not_serving(self) -> None:
+        assert self._health is not None
+        for name in (*self.grpc_service_names, ""):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        SERVING.labels(self.name).set(0)
 
     async def begin_drain(self) -> None:
         """SIGTERM: new requests are refused UNAVAILABLE from now on; each GenerateStream ends once

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 
@@ -74,7 +75,7 @@ class StreamLoop(LoopBase):
         self.limit: ConcurrencyLimit = scheduler.capacity.limit
         self.max_prefilling = config.queues.inference.max_batches_in_prefill
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
-        self._prefilling: dict[int, int] = {}  # admission wave -> members without a first token yet
+        self._prefilling: dict[int, set[str]] = {}  # admission wave -> its members without a first token yet
         self._waves = itertools.count()
 
     def abort(self, req: Request) -> None:
@@ -111,9 +112,19 @@ class StreamLoop(LoopBase):
 
     def _start_wave(self, admitted: list[Request]) -> None:
         wave = next(self._waves)
-        self._prefilling[wave] = len(admitted)
+        self._prefilling[wave] = {req.request_id for req in admitted}
         for req in admitted:
-            req.upstream_call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
+            call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
+            # the callback, not the coroutine's ``finally``: a task cancelled before its first step (its request
+            # aborted in the same turn of the event loop that admitted it) never runs its body
+            call.add_done_callback(functools.partial(self._stream_ended, req, wave))
+            req.upstream_call = call
+
+    def _stream_ended(self, req: Request, wave: int, call: asyncio.Task[None]) -> None:
+        self._prefilled(wave, req)
+        if req.upstream_call is call:
+            req.upstream_call = None
+        self._wake.set()
 
     async def _run(self) -> None:
         scheduler = self.scheduler
@@ -135,15 +146,15 @@ class StreamLoop(LoopBase):
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
 
-    def _prefilled(self, wave: int) -> None:
-        left = self._prefilling.get(wave)
-        if left is None:
+    def _prefilled(self, wave: int, req: Request) -> None:
+        """``req`` of admission ``wave`` got its first token or ended (either counts once)."""
+        members = self._prefilling.get(wave)
+        if members is None:
             return
-        if left <= 1:
+        members.discard(req.request_id)
+        if not members:
             del self._prefilling[wave]
             self._wake.set()
-        else:
-            self._prefilling[wave] = left - 1
 
     async def _stream(self, req: Request, wave: int) -> None:
         """Stream ``req`` from the engine: each item goes to the scheduler as a one-request step result
@@ -162,7 +173,7 @@ class StreamLoop(LoopBase):
                     now = time.monotonic()
                     if first and isinstance(item, (str, ToolCall)):
                         first = False
-                        self._prefilled(wave)
+                        self._prefilled(wave, req)
                     last = req.last_token_at
                     seq = stream_item_output(item)
                     ended = seq.eos or seq.length_capped
@@ -191,19 +202,9 @@ class StreamLoop(LoopBase):
             else:
                 self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
                                                         time.monotonic(), exc))
-        finally:
-            if first:
-                self._prefilled(wave)
-            req.upstream_call = None
-            self._wake.set()
-
-    def _cancel_all(self) -> None:
-        for req in self.scheduler.running:  # every request streaming is running (no preemption here)
-            _cancel_upstream_call(req)
-        super()._cancel_all()
 
 
 def _cancel_upstream_call(req: Request) -> None:
-    """End ``req``'s upstream stream, if one is in flight (its task's ``finally`` clears the slot)."""
+    """End ``req``'s upstream stream, if one is in flight (its task's done callback takes it out of its wave)."""
     if req.upstream_call is not None:
         req.upstream_call.cancel()

@@ -144,10 +144,16 @@ PARKED = RequestStatus.PARKED
 
 
 class DispatcherClosed(SwitchyardError):
-    """The dispatcher is draining for shutdown (UNAVAILABLE): retry on another replica."""
+    """The dispatcher takes no more requests (UNAVAILABLE): it drains for shutdown, or ``reason`` (its engine loop
+    failed: :func:`loop_failure`); retry on another replica."""
 
-    def __init__(self) -> None:
-        super().__init__("dispatcher is shutting down; retry on another replica", grpc.StatusCode.UNAVAILABLE)
+    def __init__(self, reason: str = "dispatcher is shutting down") -> None:
+        super().__init__(f"{reason}; retry on another replica", grpc.StatusCode.UNAVAILABLE)
+
+
+def loop_failure(exc: BaseException) -> str:
+    """The reason a dispatcher whose engine loop ended with ``exc`` gives for refusing and failing requests."""
+    return f"the dispatcher's engine loop failed ({type(exc).__name__}: {exc})"
 
 
 class SchedulerCore:
