@@ -179,3 +179,47 @@ async def test_a_long_prompt_is_prefilled_over_steps_under_the_token_budget() ->
         assert long.num_computed_tokens == (min(1200, 512 * steps) if not long.output_tokens else 1200)
     assert steps == 3 and long.recomputed_tokens == 0
     assert mixed_step_seconds(engine.params, 512, 2) < mixed_step_seconds(engine.params, 1200, 2)
+
+
+def test_a_warm_prefix_being_handed_over_to_its_agents_next_step_still_counts_in_the_kv_budget() -> None:
+    """A resuming step takes its agent's parked KV over when it is flushed and releases it when it starts. In
+    between the parked KV was counted nowhere (it had left the parking, and the new step was not running), so
+    a 50,000-token chat admitted beside it overcommitted HBM by the parked prefix."""
+    sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0})
+    budget = sched.capacity
+    per = budget.info.kv_bytes_per_token
+    room = budget.budget_bytes // per
+    parked = request("agent-step-1", BATCH, prompt_tokens=room * 6 // 10, max_tokens=64, task_type="react_loop",
+                     agent_id="a1")
+    parked.num_computed_tokens = parked.prompt_tokens
+    sched.parking.park(parked, now=0.0)
+    resumed = request("agent-step-2", BATCH, prompt_tokens=parked.prompt_tokens + 100, max_tokens=64,
+                      task_type="react_loop", agent_id="a1", resume=True, arrival=1.0)
+    chat = request("chat", NORMAL, prompt_tokens=room // 2, max_tokens=1_000, arrival=1.0)
+    sched.add_request(resumed, 1.0)
+    sched.add_request(chat, 1.0)
+    out = sched.schedule(1.0)
+    held = sched.kv.kv_bytes(parked) + sum(r.kv_reserved_bytes for r in sched.running)
+    assert held <= budget.budget_bytes, f"over the budget by {(held - budget.budget_bytes) // per} tokens"
+    # the chat, first in the order, fits only without the prefix: it left HBM for the chat, and the agent's
+    # step recomputes it when its turn comes (the sim engine has no DRAM tier here), not after the chat's deadline
+    assert [r.request_id for r in out.admitted] == ["chat"]
+    assert resumed.handover_from is None and resumed.num_computed_tokens == 0
+    assert resumed.recomputed_tokens == parked.prompt_tokens and sched.parking.kv_bytes == 0
+
+
+def test_a_step_taking_over_its_agents_warm_prefix_is_not_refused_for_the_prefix_it_takes_over() -> None:
+    """The prefix a resuming step takes over counts against every other request, and becomes the step's own
+    when it starts: a step whose prefix is most of the budget still starts, warm."""
+    sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0})
+    room = sched.capacity.budget_bytes // sched.capacity.info.kv_bytes_per_token
+    parked = request("agent-step-1", BATCH, prompt_tokens=room * 6 // 10, max_tokens=64, task_type="react_loop",
+                     agent_id="a1")
+    parked.num_computed_tokens = parked.prompt_tokens
+    sched.parking.park(parked, now=0.0)
+    resumed = request("agent-step-2", BATCH, prompt_tokens=parked.prompt_tokens + 100, max_tokens=64,
+                      task_type="react_loop", agent_id="a1", resume=True, arrival=1.0)
+    sched.add_request(resumed, 1.0)
+    out = sched.schedule(1.0)
+    assert out.admitted == [resumed] and resumed.num_computed_tokens == parked.prompt_tokens
+    assert sched.parking.kv_bytes == 0 and resumed.recomputed_tokens == 0

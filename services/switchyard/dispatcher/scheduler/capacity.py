@@ -100,6 +100,8 @@ class KvBudget:
             the budget (the parked agents' KV), read at every check.
         device_used: reads device memory in use, bytes (None: not readable,
             the modelled usage applies).
+        taken_over: bytes of a request's own among ``held_elsewhere`` (its agent's warm prefix being handed
+            over to it, which becomes its own when it starts): they count against every request but that one.
 
     Raises:
         ValueError: the weights alone exceed ``capacity_ratio`` x device memory.
@@ -109,7 +111,7 @@ class KvBudget:
     """No KV refusal depends on the class: a request that does not fit blocks every class behind it."""
 
     def __init__(self, hbm: HbmTierConfig, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
-                 device_used: Any = None) -> None:
+                 device_used: Any = None, taken_over: Any = lambda req: 0) -> None:
         self.info = info
         self._device_used = device_used
         self.budget_bytes = int(hbm.capacity_ratio * info.device_bytes) - info.weight_bytes
@@ -122,6 +124,7 @@ class KvBudget:
         self.reserved_bytes = 0
         """Bytes reserved by the running set."""
         self._held_elsewhere = held_elsewhere
+        self._taken_over = taken_over
         self.leaving_bytes = 0
         """KV bytes of requests preempted while a step they belong to is in flight: in use until it ends."""
 
@@ -157,8 +160,12 @@ class KvBudget:
             used = self.info.weight_bytes + self.held_bytes
         return used / self.info.device_bytes if self.info.device_bytes else 0.0
 
+    def shortfall(self, req: Request) -> int:
+        """Bytes that must leave HBM before ``req`` fits (<= 0: it fits now)."""
+        return self.need(req) - int(self._taken_over(req)) - self.free_bytes
+
     def refusal(self, req: Request) -> str | None:
-        return None if self.need(req) <= self.free_bytes else KV_MEMORY
+        return None if self.shortfall(req) <= 0 else KV_MEMORY
 
     def never_fits(self, req: Request) -> str | None:
         need = self.need(req)

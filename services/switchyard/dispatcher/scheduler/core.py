@@ -217,8 +217,8 @@ class SchedulerCore:
         """Each agent's tool wait as decided at tool start, its restore plan, and the per-tool counts."""
         if capacity is None:
             info = self.kv.memory_info()
-            capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running,
-                                 self.kv.device_used_bytes) if info else Unbounded())
+            capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running, self.kv.device_used_bytes,
+                                 taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
         if flush_interval_s is None:
@@ -991,6 +991,8 @@ class SchedulerCore:
                 self.kv.evict_prefix_cache(short)
             while self._shortfall(req) > 0 and self.parking.evict_lowest(value) is not None:
                 pass
+            if self._shortfall(req) > 0:
+                self._cool_handovers(req)
         finally:
             self._room_for = None
         return self.capacity.refusal(req) is None
@@ -1007,7 +1009,30 @@ class SchedulerCore:
         """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
         if not isinstance(self.capacity, KvBudget):
             return 0
-        return self.capacity.need(req) - self.capacity.free_bytes
+        return self.capacity.shortfall(req)
+
+    def _taken_over(self, req: Request) -> int:
+        """Bytes of the warm prefix ``req`` takes over from its agent's parked step when it starts."""
+        return self.parking.handover_bytes(req.handover_from) if req.handover_from is not None else 0
+
+    def _cool_handovers(self, head: Request) -> None:
+        """The last resort of :meth:`_make_room`: warm prefixes being handed over to steps waiting behind ``head``
+        leave HBM as an evicted parked agent's would; each such step then restores its prefix from DRAM (where
+        it went) or recomputes it. Without it a head that fits only without them would wait for its deadline
+        while the steps holding them wait behind it."""
+        for waiting in self.queue:
+            if self._shortfall(head) <= 0:
+                return
+            parked = waiting.handover_from
+            if waiting is head or parked is None:
+                continue
+            tokens = parked.num_computed_tokens
+            waiting.handover_from = None
+            waiting.num_computed_tokens = 0
+            if self.parking.cool_handover(parked):
+                waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.agent_key), tokens
+            else:
+                waiting.recomputed_tokens += min(tokens, waiting.prompt_tokens)
 
     def _copy_delays(self) -> int:
         """1 when copying a victim's KV out of HBM would make the core request it is preempted for wait,
@@ -1187,7 +1212,7 @@ class SchedulerCore:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
         parked, req.handover_from = req.handover_from, None
         if parked is not None:
-            self._release(parked)
+            self.parking.end_handover(parked)
 
     def _learn(self, req: Request) -> None:
         observed = self.accounting.marginal_score(req)

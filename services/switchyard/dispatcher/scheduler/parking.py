@@ -77,6 +77,9 @@ class ParkedAgents:
         self._kv_bytes = kv_bytes
         self._demote = demote
         self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
+        self._handing_over: dict[int, ParkedAgent] = {}
+        """Warm steps a resuming step has taken over (:meth:`take`), by ``id`` of the parked request: they hold their
+        KV, counted in :attr:`kv_bytes`, until the new step starts or leaves (:meth:`end_handover`)."""
         self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         self.counters = counters if counters is not None else SchedulerCounters()
 
@@ -91,8 +94,8 @@ class ParkedAgents:
     def take(self, agent_key: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
 
-        A warm agent leaves the parked set; its old request keeps the state
-        until the caller releases it (when the new request starts running).
+        A warm agent leaves the parked set, no longer evicted or expired; its old request keeps the state,
+        still counted in :attr:`kv_bytes`, until the new step starts running or leaves (:meth:`end_handover`).
         """
         entry = self._parked.pop(agent_key, None)
         if entry is not None and now - entry.since > self._ttl(entry):
@@ -101,7 +104,30 @@ class ParkedAgents:
         if entry is None:
             tokens, in_dram = self._cold.pop(agent_key, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
+        self._handing_over[id(entry.req)] = entry
         return Resumed(True, entry.req.num_computed_tokens, entry.req)
+
+    def handover_bytes(self, parked: Request) -> int:
+        """Bytes ``parked``'s state holds while being handed over to its agent's next step (0: not handed over)."""
+        entry = self._handing_over.get(id(parked))
+        return entry.kv_bytes if entry is not None else 0
+
+    def cool_handover(self, parked: Request) -> bool:
+        """``parked``'s state, being handed over, leaves HBM to make room (to DRAM where the ``demote`` callback
+        copies it, else dropped; counted as evicted); True when a copy went to DRAM."""
+        entry = self._handing_over.pop(id(parked), None)
+        if entry is None:
+            return False
+        in_dram = self._demote(parked)
+        self._release(parked)
+        self.counters.parked_evicted += 1
+        return in_dram
+
+    def end_handover(self, parked: Request) -> None:
+        """The step that took ``parked``'s warm state over (:meth:`take`) started, the state now its own, or left:
+        release ``parked``."""
+        if self._handing_over.pop(id(parked), None) is not None:
+            self._release(parked)
 
     def expire(self, now: float) -> list[Request]:
         """Release every agent parked longer than the TTL; returns their requests."""
@@ -188,8 +214,9 @@ class ParkedAgents:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of prefix state held for parked agents."""
-        return sum(entry.kv_bytes for entry in self._parked.values())
+        """Bytes of prefix state held for parked agents, those being handed over to their next step included."""
+        return (sum(entry.kv_bytes for entry in self._parked.values())
+                + sum(entry.kv_bytes for entry in self._handing_over.values()))
 
     def _expire(self, agent_key: str, entry: ParkedAgent, evicted: bool = False) -> None:
         tokens = entry.req.num_computed_tokens
