@@ -1,6 +1,7 @@
 """Adaptive flush window: driven by synthetic arrival streams and service times (no clocks, no sleeps)."""
 
 import random
+import time
 
 import pytest
 from hypothesis import given
@@ -44,7 +45,7 @@ def test_high_rate_waits_just_long_enough_to_fill_a_batch():
     ctl = make_controller()
     now = feed_steady(ctl, rate_per_s=1000, seconds=1.0)
     assert ctl.arrival_rate(now) == pytest.approx(1000, rel=0.01)
-    assert ctl.window(now) == pytest.approx(32 / 1000, rel=0.02)
+    assert ctl.window(now) == pytest.approx((32 - 1) / 1000, rel=0.02)  # 31 more after the first, at 1000/s
 
 
 def test_low_rate_is_capped_by_max_interval():
@@ -91,10 +92,33 @@ def test_requests_already_buffered_shorten_the_fill_time():
     ctl = make_controller()
     now = feed_steady(ctl, rate_per_s=1000, seconds=1.0)
     empty = ctl.window(now)
-    ctl.on_arrival(now, buffered=24)
-    assert ctl.window(now) < empty
-    ctl.on_flush(24)
-    assert ctl.window(now) == pytest.approx(empty, rel=0.05)
+    assert ctl.window(now, buffered=24) < empty
+    assert ctl.window(now, buffered=1) == empty
+
+
+def test_the_window_a_new_buffer_gets_does_not_depend_on_how_full_the_last_one_was():
+    """The window was computed from a copy of the buffer's size taken at each arrival and never reset at a
+    flush: the next buffer's first item got the window of a buffer 31 items full (10 ms instead of 200)."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.dispatcher.double_buffer import FlushReason
+    from switchyard.dispatcher.request import Request
+    from switchyard.dispatcher.service import DispatcherService
+
+    config = SwitchyardConfig().with_overrides(**{
+        "batching.flush_interval_ms": "auto", "batching.max_batch_size": 32, "batching.max_interval_ms": 200,
+        "scheduler.time_slice_ms": 1000})
+    service = DispatcherService(config)
+    scheduler, adaptive = service.scheduler, service.adaptive
+    assert adaptive is not None
+    now = time.monotonic()  # the double buffer asks the window with the clock's now
+    for i in range(31):  # 100 requests a second fill the first buffer with 31
+        at = now - 0.31 + i * 0.01
+        scheduler.add_request(Request(request_id=f"a{i}", prompt="x", prompt_tokens=1, max_tokens=1, arrival=at), at)
+    scheduler.flush(FlushReason.STEP, now)
+    scheduler.add_request(Request(request_id="next", prompt="x", prompt_tokens=1, max_tokens=1, arrival=now), now)
+    # 31 more at 100/s take 0.31 s: the window is the longest allowed (or the P95 budget), not (32 - 31) / 100
+    assert adaptive.last_window_s >= min(0.2, config.batching.p95_budget_ms / 1000)
+    assert scheduler.intake.deadline() == pytest.approx(now + adaptive.last_window_s)
 
 
 def test_a_burst_is_forgotten_after_the_rate_window():

@@ -28,6 +28,7 @@ from switchyard.dispatcher.scheduler.capacity import KV_MEMORY, KvBudget, Memory
 from switchyard.dispatcher.scheduler.compute_score import UtilSample, tensor_estimate, weighted_score
 from switchyard.dispatcher.output import StreamDone, StreamToken
 from switchyard.dispatcher.engines.base import KVCacheManager, SeqOutput, StepBatch, StepEngine, StepResult
+from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard_harness.testing.scheduling import accept, finish, publish, step
 
@@ -810,3 +811,17 @@ async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> Non
 def test_an_upstreams_finish_reason_is_normalised_in_one_place(reason, status):
     """The openai engine passes the server's word through; RequestStatus.finished_with is the one mapping."""
     assert RequestStatus.finished_with(reason) is status
+
+
+def test_the_waiting_gauges_agree_buffered_requests_counted_by_class_too() -> None:
+    """switchyard_waiting_sequences counted buffered requests and switchyard_waiting_agents did not: three
+    requests in the double buffer read 3 in total and 0 in every class."""
+    sched = make_scheduler(running=1)
+    core, batch = make_requests(1, CORE), make_requests(2, BATCH)
+    for req in (*core, *batch):
+        sched.add_request(req, 0.0)
+    stats = sched.make_stats()
+    assert stats.num_waiting == 3 and stats.waiting == {"core": 1, "normal": 0, "batch": 2}
+    sched.flush(FlushReason.STEP, 0.0)
+    stats = sched.make_stats()
+    assert stats.num_waiting == 3 and stats.waiting == {"core": 1, "normal": 0, "batch": 2}

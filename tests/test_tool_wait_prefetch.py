@@ -19,6 +19,7 @@ from switchyard.common.dram import DramClient
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
 from switchyard.dispatcher.scheduler.tool_wait import Decision, ToolWaitDecision
 from switchyard.dispatcher.tiers import KvStore, MemoryTiers
 from switchyard_harness.testing.scheduling import accept, finish, publish, step
@@ -75,13 +76,13 @@ async def test_a_swapped_agent_is_restored_a_transfer_ahead_of_its_tools_expecte
     assert decided.transfer_s == pytest.approx(sched.tiers.transfer_seconds(prefix * sched.kv.params.kv_bytes_per_token))
     expected_return = STARTED + WAIT_S
     restore_at = expected_return - decided.transfer_s - 0.05  # the default margin
-    assert sched.next_prefetch_at == pytest.approx(restore_at)
+    assert sched.tool_waits.next_restore_at == pytest.approx(restore_at)
 
     assert sched.on_idle(restore_at - 1.0) == []  # not due yet
     assert sched.schedule(restore_at - 1e-3).prefetch == []
     out = sched.schedule(restore_at + 1e-6)
     assert out.prefetch == [think]  # due: handed to the loop, once
-    assert sched.schedule(restore_at + 2e-6).prefetch == [] and math.isinf(sched.next_prefetch_at)
+    assert sched.schedule(restore_at + 2e-6).prefetch == [] and math.isinf(sched.tool_waits.next_restore_at)
 
     restored = await sched.tiers.prefetch(think)
     assert restored == min(prefix, think.num_tokens - 1) and restored > 0
@@ -112,7 +113,7 @@ async def test_an_early_return_restores_at_once_and_counts_cold(redis_db: RedisD
     sched.resume(back, now=early)
     out = sched.schedule(now=early)
     assert back in out.admitted and out.restore == [back]  # restored now, at its admission
-    assert out.prefetch == [] and math.isinf(sched.next_prefetch_at)  # the plan ended with the turn
+    assert out.prefetch == [] and math.isinf(sched.tool_waits.next_restore_at)  # the plan ended with the turn
     assert await sched.tiers.restore(back) == prefix
     assert counts(sched) == ({"warm": 0, "cold": 1}, {"early": 1, "on_time": 0, "late": 0})
     await sched.tiers.aclose()
@@ -196,7 +197,7 @@ def test_a_restore_waiting_for_room_does_not_hide_the_next_restores_due_time():
     sched.tool_waits.add(waiting)
     assert sched.until_prefetch(0.1, 6.0) == 0.1  # due already and not started: it does not make the loop spin
     sched.tool_waits.add(nxt)
-    assert sched.next_prefetch_at == 5.0
+    assert sched.tool_waits.next_restore_at == 5.0
     assert sched.until_prefetch(0.1, 6.0) == pytest.approx(0.04)  # woken when the next one falls due
     assert sched.until_prefetch(0.01, 6.0) == 0.01
     assert sched.until_prefetch(0.1, 6.04) == 0.1  # both due: the decision hands them over as room allows
@@ -221,10 +222,10 @@ async def test_a_restore_holds_its_bytes_in_flight_and_its_kv_is_kept_from_waiti
                   max_tokens=1, arrival=landed_at)
     assert sched.capacity.refusal(big) is not None
     sched._now = landed_at
-    assert not sched._make_room(big)  # protected: the waiting request waits, the restored KV stays
+    assert sched._make_room(big) == KV_MEMORY  # protected: the waiting request waits, the restored KV stays
     assert sched.parked == [think]
     sched._now = STARTED + decided.revisit_at_s + 1.0  # past the revisit time: no longer protected
-    assert sched._make_room(big)
+    assert sched._make_room(big) is None
     assert sched.parked == []
     await sched.tiers.aclose()
 
@@ -258,20 +259,20 @@ async def test_an_undecided_parked_step_is_held_for_its_announcement_once_announ
     sched, engine = build(redis_db)
     await parked_step(sched, engine, "never-announced", 0.0)
     sched._now = 0.01
-    assert sched._make_room(room_taker(sched, 0.01))  # no announcement yet on this dispatcher: no hold
+    assert sched._make_room(room_taker(sched, 0.01)) is None  # no announcement yet on this dispatcher: no hold
     assert sched.parked == []
 
     assert sched.tool_wait("someone-else", 1.0, now=0.02, tool=TOOL) is None  # nothing parked: nothing decided
     think = await parked_step(sched, engine, "agent-a", 1.0)
     sched._now = 1.0 + hold / 2
-    assert not sched._make_room(room_taker(sched, sched._now))  # held: its announcement is on its way
+    assert sched._make_room(room_taker(sched, sched._now)) == KV_MEMORY  # held: its announcement is on its way
     assert sched.parked == [think]
     decided = sched.tool_wait("agent-a", WAIT_S, now=1.0 + hold / 2, tool=TOOL)
     assert decided is not None and decided.decision is Decision.SWAP and sched.parked == []  # decided, room freed
 
     late = await parked_step(sched, engine, "agent-b", 2.0)
     sched._now = 2.0 + hold * 1.5
-    assert sched._make_room(room_taker(sched, sched._now))  # the hold ran out: the eviction's rules again
+    assert sched._make_room(room_taker(sched, sched._now)) is None  # the hold ran out: the eviction's rules again
     assert late not in sched.parked
     assert sched.tool_wait("agent-b", WAIT_S, now=sched._now, tool=TOOL) is None
     await sched.tiers.aclose()
@@ -282,7 +283,7 @@ async def test_no_hold_when_it_is_configured_off(redis_db: RedisDb):
     assert sched.tool_wait("someone-else", 1.0, now=0.0, tool=TOOL) is None
     await parked_step(sched, engine, "agent-a", 0.0)
     sched._now = 0.001
-    assert sched._make_room(room_taker(sched, 0.001)) and sched.parked == []
+    assert sched._make_room(room_taker(sched, 0.001)) is None and sched.parked == []
     await sched.tiers.aclose()
 
 

@@ -13,6 +13,7 @@ two measurements instead:
 Rule (all times in seconds)::
 
     fill   = (max_batch_size - buffered) / lam   # time until a full batch at this rate
+                                                 # (buffered: 1, the double buffer asks at its first item)
     budget = p95_budget - s_p95                  # queueing delay the P95 budget leaves
     window = clamp(min(fill, step, budget), min_interval, max_interval)
 
@@ -79,26 +80,15 @@ class AdaptiveFlush:
         self.rate_window_s = rate_window_s
         self._arrivals: deque[float] = deque()
         self._service: deque[float] = deque(maxlen=service_samples)
-        self._buffered = 0
         self.last_window_s = self.min_interval_s
 
     # ------------------------------------------------------------------ observations
 
-    def on_arrival(self, now: float | None = None, buffered: int | None = None) -> None:
-        """Record one request entering the buffer at ``now`` (monotonic seconds).
-
-        ``buffered`` is the active buffer's size after the append, when known.
-        """
+    def on_arrival(self, now: float | None = None) -> None:
+        """Record one request entering the buffer at ``now`` (monotonic seconds)."""
         now = time.monotonic() if now is None else now
         self._arrivals.append(now)
         self._trim(now)
-        if buffered is not None:
-            self._buffered = buffered
-
-    def on_flush(self, batch_size: int) -> None:
-        """Record that a batch of ``batch_size`` left the buffer (the buffer is empty again)."""
-        del batch_size
-        self._buffered = 0
 
     def on_batch_done(self, service_s: float) -> None:
         """Record a batch's service time: flush -> the engine finished it, in seconds.
@@ -128,14 +118,15 @@ class AdaptiveFlush:
         ordered = sorted(self._service)
         return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
-    def window(self, now: float | None = None) -> float:
-        """The flush window in seconds, by the rule in the module docstring."""
+    def window(self, now: float | None = None, buffered: int = 1) -> float:
+        """The flush window in seconds, by the rule in the module docstring; ``buffered``: the items in the buffer
+        (the double buffer asks when its first item arrives, and keeps the window for the whole list)."""
         lam = self.arrival_rate(now)
         budget = self.p95_budget_s - self.service_p95()
         if lam <= 0:
             target = self.min_interval_s
         else:
-            fill = max(self.max_batch_size - self._buffered, 1) / lam
+            fill = max(self.max_batch_size - buffered, 1) / lam
             target = min(fill, budget, self.engine_step_s or math.inf)
         self.last_window_s = min(max(target, self.min_interval_s), self.max_interval_s)
         return self.last_window_s

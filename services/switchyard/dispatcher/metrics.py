@@ -86,7 +86,9 @@ DECODE_BOUND = Gauge(
 )
 RUNNING_SEQUENCES = Gauge("switchyard_running_sequences", "Sequences in the engine's running set.")
 WAITING_SEQUENCES = Gauge(
-    "switchyard_waiting_sequences", "Sequences flushed to the scheduler and waiting for admission."
+    "switchyard_waiting_sequences",
+    "Sequences waiting for admission: in the double buffer and in the waiting queue (the sum of "
+    "switchyard_waiting_agents over its priority classes).",
 )
 PREFIX_CACHE_BLOCKS = Counter(
     "switchyard_prefix_cache_blocks_total",
@@ -111,7 +113,8 @@ RUNNING_AGENTS = Gauge(
     ["priority_class"],
 )
 WAITING_AGENTS = Gauge(
-    "switchyard_waiting_agents", "Sequences waiting for admission, by priority class.", ["priority_class"]
+    "switchyard_waiting_agents",
+    "Sequences waiting for admission (in the double buffer and in the waiting queue), by priority class.", ["priority_class"]
 )
 PARKED_AGENTS = Gauge(
     "switchyard_parked_agents", "react_loop agents waiting on a tool: no running slot, prefix state kept warm."

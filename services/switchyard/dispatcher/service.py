@@ -78,7 +78,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
     Args:
         config: the whole config.
         engine: an engine to use instead of :func:`make_engine` (tests, benchmarks).
-        policy: a scheduling policy name (``priority``, ``fifo``) instead of
+        policy: a scheduling policy name (``priority``, ``fifo``, ``fair``) instead of
             ``scheduler_config.json`` ``policy``.
         queue: the waiting order instead of the policy's own (benchmarks: another
             scheduler's order on this dispatcher).

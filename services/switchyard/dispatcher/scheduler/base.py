@@ -254,7 +254,7 @@ class Scheduler(Protocol):
     """A scheduling policy behind the step loop (see the module docstring for the call order)."""
 
     name: str
-    """Policy name: ``priority`` or ``fifo``."""
+    """Policy name: ``priority``, ``fifo`` or ``fair`` (``scheduler.policy``)."""
 
     def add_request(self, req: Request, now: float) -> None:
         """Accept ``req`` (into the double buffer), or refuse it at once.

@@ -224,9 +224,8 @@ class SchedulerCore:
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
-        self.on_arrival: Callable[[float, int], None] | None = None
-        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds)
-        and the active buffer's size after it joined."""
+        self.on_arrival: Callable[[float], None] | None = None
+        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds)."""
         self.on_batch_done: Callable[[float], None] | None = None
         """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
@@ -336,7 +335,7 @@ class SchedulerCore:
             self._next_deadline = min(self._next_deadline, req.deadline)
         full = self.intake.put(req, now)
         if self.on_arrival is not None:
-            self.on_arrival(now, self.intake.active_size)
+            self.on_arrival(now)
         if full:
             self.flush(FlushReason.SIZE, now)
 
@@ -576,12 +575,6 @@ class SchedulerCore:
             self.hbm_scan(now, SchedulerOutput())
         return self._prefetches(now)
 
-    @property
-    def next_prefetch_at(self) -> float:
-        """When the earliest planned restore of a swapped agent's KV is due (monotonic seconds; inf: none).
-        The loop wakes by then to make the decision that hands it over."""
-        return self.tool_waits.next_restore_at
-
     def until_prefetch(self, timeout: float, now: float) -> float:
         """How long a loop that would wait ``timeout`` seconds from ``now`` may wait: ``timeout``, or less
         when a planned restore falls due sooner (seconds, >= 0). A restore already due that waits for room
@@ -777,10 +770,7 @@ class SchedulerCore:
         reached the engine (a resumed step that never ran recomputed nothing).
         """
         state = req.status
-        if state is PARKED:  # the agent went away while waiting on its tool
-            self.parking.drop(req)
-            return
-        if state is RequestStatus.NEW or req.is_finished:
+        if state is RequestStatus.NEW or req.is_finished:  # a parked step is finished: its parking releases it
             return
         req.status = status
         if error is not None:
@@ -913,7 +903,7 @@ class SchedulerCore:
         reason = self._admission_refusal(req, projected_score, wave)
         if reason is not None:
             return reason
-        return None if self._make_room(req) else self.capacity.refusal(req)
+        return self._make_room(req)
 
     def _waiting_core_behind(self, head: Request, projected_score: float, wave: int) -> Request | None:
         """The first waiting CORE request behind ``head`` (refused for its class) when it may start now, else None.
@@ -958,18 +948,17 @@ class SchedulerCore:
     def _remove_buffered(self, req: Request) -> None:
         self.intake.remove(req)
 
-    def _make_room(self, req: Request) -> bool:
+    def _make_room(self, req: Request) -> str | None:
         """Free KV until ``req`` fits, so that runnable work never waits behind parked state (but an agent's
         KV restored or kept for its turn, until its tool's revisit time, and a step parked undecided, for
         ``tool_wait_announce_hold_s`` while its tool's announcement comes: :mod:`.tool_wait`): parked
         agents' state valued below ``[hbm] evict_first_below`` (lowest value first), then the prefix cache
         (least recently used blocks), then the rest of the parked state, lowest value first whatever its
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
-        (:meth:`_demote_parked`), else it is dropped. True when ``req`` fits now."""
-        if self.capacity.refusal(req) is None:
-            return True
-        if not isinstance(self.capacity, KvBudget):  # parked state holds none of this capacity
-            return False
+        (:meth:`_demote_parked`), else it is dropped. None when ``req`` fits now, else the capacity's refusal."""
+        reason = self.capacity.refusal(req)
+        if reason is None or not isinstance(self.capacity, KvBudget):  # parked state holds none of another capacity
+            return reason
         now = self._now
 
         hold = self.config.tool_wait_announce_hold_s if self._announced else 0.0
@@ -995,7 +984,7 @@ class SchedulerCore:
                 self._cool_handovers(req)
         finally:
             self._room_for = None
-        return self.capacity.refusal(req) is None
+        return self.capacity.refusal(req)
 
     def _need(self, req: Request) -> int:
         """KV bytes ``req`` reserves while running (0 for a capacity that does not count bytes)."""
@@ -1252,7 +1241,7 @@ class SchedulerCore:
         self._reported = counted
         for s in self._running:
             stats.running[class_name(s)] += 1
-        for s in self.queue:
+        for s in (*self.queue, *self.intake):  # waiting for admission, as num_waiting counts: buffered ones too
             stats.waiting[class_name(s)] += 1
         if isinstance(self.capacity, KvBudget):
             stats.hbm_held_bytes = self.capacity.held_bytes

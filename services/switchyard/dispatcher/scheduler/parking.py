@@ -198,15 +198,6 @@ class ParkedAgents:
         """Parked agents, oldest first."""
         return list(self._parked.values())
 
-    def drop(self, req: Request) -> bool:
-        """Release ``req`` if it is parked (its agent went away); True when it was."""
-        entry = self._parked.get(req.agent_key)
-        if entry is None or entry.req is not req:
-            return False
-        del self._parked[req.agent_key]
-        self._release(req)
-        return True
-
     @property
     def requests(self) -> list[Request]:
         """Parked requests, oldest first."""
