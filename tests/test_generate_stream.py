@@ -772,3 +772,21 @@ async def test_an_engine_loop_that_fails_fails_what_it_held_refuses_the_rest_and
                              "health updated")
             answer = await probe.Check(health_pb2.HealthCheckRequest(service=name))
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
+
+
+async def test_a_second_start_under_a_running_id_ends_both_with_one_error() -> None:
+    """The second start was refused with an error chunk under the id, which its caller reads as the id's end,
+    while the first request went on generating chunks under the same id for nobody."""
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("twice", max_tokens=400))
+        await stream.until(lambda: stream.chunks.get("twice"), "the first start's first token")
+        await stream.send(start("twice", max_tokens=4), start("other", max_tokens=3))
+        await stream.until(lambda: stream.errors.get("twice") and stream.done("other"), "the refusal, and other done")
+        (error,) = stream.errors["twice"]
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "request_id" in error.details
+        await wait_until(lambda: held(service) == 0, "the first request aborted")
+        tokens = len(stream.chunks["twice"])
+        await asyncio.sleep(0.1)  # a step every ~20 ms: a request still running would have sent more
+        assert len(stream.chunks["twice"]) == tokens
+        assert await stream.close() == grpc.StatusCode.OK

@@ -225,8 +225,9 @@ def check_stream_request_id(request_id: str, running: Container[str]) -> None:
     if not request_id:
         raise InvalidArgument("request_id", "a non-empty id, unique among the stream's running requests", "")
     if request_id in running:
-        raise InvalidArgument("request_id", "an id not already running on this stream (this start is refused; the "
-                              "request running under the id goes on, its chunks still under it)", request_id)
+        raise InvalidArgument("request_id", "an id not already running on this stream (this start is refused, and "
+                              "the request running under the id ends with it: their chunks could not be told apart)",
+                              request_id)
 
 
 def new_request_id() -> str:

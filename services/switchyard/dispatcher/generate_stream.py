@@ -218,6 +218,7 @@ class GenerateSession:
             parent = propagate.extract(trace_context) if trace_context else None
             span = request_span(parent, trace.SpanKind.SERVER)
         running = _Running(request_id, span)
+        existing = self._requests.get(request_id)
         try:
             check_stream_request_id(request_id, self._requests)
             self._requests[request_id] = running
@@ -232,6 +233,11 @@ class GenerateSession:
                                       grpc.StatusCode.INTERNAL)
             if self._requests.get(request_id) is running:  # not the request already running under this id
                 del self._requests[request_id]
+            if existing is not None and existing.end(RequestState.FAILED):
+                # a second start under a running id: the caller cannot tell the two apart, so the one error chunk
+                # the id gets ends both (the first is aborted; else it went on generating for nobody)
+                existing.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+                self._release(existing)
             if running.end(RequestState.FAILED):  # else cancelled meanwhile: nothing more is sent for it
                 span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 span.end()
