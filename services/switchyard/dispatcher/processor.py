@@ -293,7 +293,7 @@ class RequestProcessor:
             req.deadline = deadline_after(timeout_s)
         loop = self.loop
         if loop is None:
-            raise SwitchyardError("dispatcher is not started yet; retry shortly or on another replica",
+            raise SwitchyardError("dispatcher is not serving (starting, or stopped); retry shortly or on another replica",
                                   grpc.StatusCode.UNAVAILABLE)
         if loop.failure is not None:
             raise DispatcherClosed(loop_failure(loop.failure))
