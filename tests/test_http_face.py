@@ -228,6 +228,36 @@ async def test_a_body_that_is_not_application_json_is_415_naming_the_expected_ty
         assert len(down.requests) <= 2  # the two accepted submits, once they run
 
 
+async def test_a_body_is_read_in_the_coding_it_names_and_a_bad_or_unknown_coding_is_refused_by_name():
+    """A gzip header over a plain body was a 500 with a traceback (aiohttp's decoding error escaped), an unknown
+    coding was read as if it were JSON, and a bad deflate body was 'not a well-formed HTTP/1.1 request'."""
+    import gzip
+    import json
+    import zlib
+
+    import brotli
+
+    async with http_stack() as (client, _, _down):
+        body = json.dumps({**FIELD_BODY, "task_type": "chat"}).encode()
+        for coding, encoded in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                                ("br", brotli.compress(body)), ("identity", body)):
+            reply = await client.post("/api/v1/agent/submit", content=encoded,
+                                      headers={"Content-Type": "application/json", "Content-Encoding": coding})
+            assert reply.status_code == 200, (coding, reply.text)
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            for coding in ("gzip", "br", "deflate"):  # the body is not in the coding its header names
+                reply = await client.post(path, content=b"{}",
+                                          headers={"Content-Type": "application/json", "Content-Encoding": coding})
+                assert reply.status_code == 400, (path, coding, reply.text)
+                assert reply.json()["error"]["message"].startswith(
+                    "body: expected data in the coding its Content-Encoding names"), reply.text
+            for coding in ("foo", "gzip, br", "compress"):
+                reply = await client.post(path, content=body,
+                                          headers={"Content-Type": "application/json", "Content-Encoding": coding})
+                assert reply.status_code == 415, (path, coding, reply.text)
+                assert reply.json()["error"]["message"].startswith("Content-Encoding: expected one of identity"), reply.text
+
+
 async def test_the_openapi_documents_required_fields_as_the_face_checks_them():
     """Each field the document calls required is refused when left out; every other one may be left out."""
     async with http_stack() as (client, _, _down):

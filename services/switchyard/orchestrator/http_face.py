@@ -51,7 +51,7 @@ from urllib.parse import unquote_to_bytes
 import grpc
 from aiohttp import HttpVersion11, web, web_protocol
 from aiohttp.helpers import parse_mimetype  # the Content-Type's parameters, a repeated one kept
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong, PayloadEncodingError
 from pydantic import ValidationError
 
 from switchyard import __version__
@@ -198,6 +198,10 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     return context
 
 
+CONTENT_CODINGS = ("identity", "gzip", "x-gzip", "deflate", "br")
+"""Request body codings the face reads (aiohttp decodes them as the body comes; br with the Brotli package, in the
+lock for this): another is refused 415 rather than read as if it were JSON."""
+
 MAX_FIELD_BYTES = 8190
 """aiohttp's bound on one header line (and the request line), bytes: past it the request is refused as
 431 (:class:`_JsonProtocolErrors`)."""
@@ -225,6 +229,8 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                                    "send large values in the body")
         elif "too many headers" in str(exc.message).lower():  # RFC 6585 section 5: the fields together
             status, detail = 431, "headers: too many header fields; send large values in the body"
+        elif isinstance(exc, PayloadEncodingError):  # the parser decodes as it reads: a body not in its coding
+            detail = f"body: expected data in the coding its Content-Encoding names ({exc.message})"
         elif isinstance(exc, BadHttpMethod) and _REQUEST_LINE.search(str(exc.message)):
             # RFC 9110 section 15.6.2: a well-formed request line whose method the server does not know
             code, status, detail = (grpc.StatusCode.UNIMPLEMENTED, 501,
@@ -432,6 +438,11 @@ class HttpFace(Drains):
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} in UTF-8, with no "
                              f"charset or charset=utf-8 (JSON is UTF-8, RFC 8259 section 8.1) (got {sent})",
                              "orchestrator", status=415)
+        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding not in CONTENT_CODINGS or len(request.headers.getall("Content-Encoding", ())) > 1:
+            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "Content-Encoding: expected one of "
+                             f"{', '.join(CONTENT_CODINGS)} (got {shown(', '.join(request.headers.getall('Content-Encoding')))})",
+                             "orchestrator", status=415)  # RFC 9110 section 15.5.16: an unsupported coding is 415
         if request.content_length is not None and request.content_length > self.body_max_bytes:
             return self._too_large()
         return None
@@ -466,6 +477,10 @@ class HttpFace(Drains):
                             "(orchestrator.http.body_read_timeout_s)", "orchestrator", status=408) from None
         except web.HTTPRequestEntityTooLarge:  # a chunked body, counted as it came
             raise self._too_large() from None
+        except web_protocol.RequestPayloadError as exc:  # aiohttp decodes the body's Content-Encoding as it reads
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "body: expected data in the coding its Content-Encoding "
+                            f"names ({shown(request.headers.get('Content-Encoding', 'identity'))}): {exc}",
+                            "orchestrator") from None
         if raw.startswith(codecs.BOM_UTF8):  # RFC 8259 section 8.1: a parser may ignore a byte order mark
             raw = raw[len(codecs.BOM_UTF8):]
         if len(raw) > PARSE_IN_THREAD_BYTES:  # a body of 140,000 unknown keys took the loop for half a second
