@@ -254,6 +254,24 @@ def test_core_reserve_holds_slots_back_from_lower_classes_until_core_uses_them()
     assert limit.refusal(BATCH) is None
 
 
+def test_core_keeps_its_reserved_slots_when_the_limit_came_down_below_the_lower_classes_in_flight() -> None:
+    """After a 429 or the TTFT brake took the limit below the BATCH streams admitted under it, a CORE request
+    waited in the dispatcher's queue until enough of them ended (seconds, in front of transformers serve)."""
+    limit = make_limit(initial_limit=4, min_limit=1, max_limit=64, core_reserved_slots=2)
+    for _ in range(8):  # admitted under an earlier, higher limit
+        limit.acquire(BATCH)
+    assert limit.refusal(BATCH) == UPSTREAM_CONCURRENCY
+    assert limit.refusal(CORE) is None
+    limit.acquire(CORE)
+    assert limit.refusal(CORE) is None
+    limit.acquire(CORE)
+    assert limit.refusal(CORE) == UPSTREAM_CONCURRENCY  # its reserved slots taken: CORE waits for the limit too
+    no_reserve = make_limit(initial_limit=4, min_limit=1, max_limit=64, core_reserved_slots=0)
+    for _ in range(4):
+        no_reserve.acquire(BATCH)
+    assert no_reserve.refusal(CORE) == UPSTREAM_CONCURRENCY  # none reserved: the limit alone
+
+
 @pytest.mark.parametrize("limit_value, reserve", [(1, 0), (3, 0), (4, 1), (8, 2), (100, 2)])
 def test_core_reserve_leaves_lower_classes_at_least_three_quarters_of_the_limit(limit_value: int, reserve: int) -> None:
     limit = make_limit(initial_limit=limit_value, min_limit=1, max_limit=1024, core_reserved_slots=2)

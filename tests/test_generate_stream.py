@@ -203,10 +203,14 @@ async def test_a_bad_request_is_invalid_argument_naming_the_field_and_the_others
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert error.details.startswith(field), error.details
         assert error.origin == "dispatcher"
-        await stream.until(lambda: stream.done("a") and stream.done("b"), "a and b end")
+        if bad_id == "a":  # a second start under the running id: the one error ends both
+            await stream.until(lambda: stream.done("b"), "b ends")
+            assert not stream.done("a")
+        else:
+            await stream.until(lambda: stream.done("a") and stream.done("b"), "a and b end")
+            assert summary(stream.chunks["a"])[4] == 20
         assert await stream.close() == grpc.StatusCode.OK
-        # the refusal named "a" too when "a" was the running id: "a" itself ran to its end regardless
-        assert summary(stream.chunks["a"])[4] == 20 and summary(stream.chunks["b"])[4] == 10
+        assert summary(stream.chunks["b"])[4] == 10
         assert list(stream.errors) == [bad_id]
         assert held(service) == 0
 
@@ -790,3 +794,28 @@ async def test_a_second_start_under_a_running_id_ends_both_with_one_error() -> N
         await asyncio.sleep(0.1)  # a step every ~20 ms: a request still running would have sent more
         assert len(stream.chunks["twice"]) == tokens
         assert await stream.close() == grpc.StatusCode.OK
+
+
+async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_streams_take_the_limit() -> None:
+    """Two BATCH streams that send nothing take a limit of 2; CORE's reserved slots are its own even then,
+    and its arrival admits it without waiting for a stream's end or the time slice (10 s here)."""
+    config = make_config(**{"scheduler.time_slice_ms": 10_000, "upstream.concurrency": {
+        "min_limit": 2, "initial_limit": 2, "max_limit": 2, "core_reserved_slots": 2}})
+    engine = _HeldStreamEngine()
+    service = DispatcherService(config, engine=engine)
+    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}")
+    try:
+        stream = RawStream(channel)
+        await stream.send(start("held-1", priority=agent_pb2.BATCH), start("held-2", priority=agent_pb2.BATCH))
+        await wait_until(lambda: service.limit.in_flight == 2, "both BATCH streams admitted")
+        began = time.monotonic()
+        await stream.send(start("core", priority=agent_pb2.CORE, max_tokens=3))
+        await stream.until(lambda: stream.done("core"), "the CORE request done", timeout=HANG_BOUND_S)
+        assert time.monotonic() - began < HANG_BOUND_S
+        await stream.send(cancel=("held-1", "held-2"))
+        await wait_until(lambda: sorted(engine.cancelled) == ["held-1", "held-2"], "the held streams cancelled")
+        assert await stream.close() == grpc.StatusCode.OK
+    finally:
+        await channel.close()
+        await srv.stop(1.0)

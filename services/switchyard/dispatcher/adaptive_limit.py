@@ -92,7 +92,10 @@ Gateway's priority scheduler, lightseekorg/smg
 min(core_reserved_slots, limit // 4)`` slots are held back from NORMAL and
 BATCH while CORE does not use them; a CORE stream in flight collapses the hold
 one for one. NORMAL and BATCH may start while ``in_flight < limit - max(0,
-reserve - core_in_flight)``, CORE while ``in_flight < limit``.
+reserve - core_in_flight)``, CORE while ``in_flight < limit`` or while fewer than
+``core_reserved_slots`` CORE streams are in flight: the reserved slots are CORE's
+even when the limit has come down below the lower-class streams admitted under
+it (a CORE request waited seconds for BATCH streams to end there).
 
 Bounds: ``[min_limit, max_limit]`` from ``queue.json``
 ``model_gateway.concurrency``. The class is self-contained (one instance per
@@ -163,13 +166,12 @@ def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_f
     else :data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`. One endpoint's limit and a pool's
     sum of them apply it alike."""
     whole = int(limit)
+    if priority is PriorityClass.CORE:
+        return None if in_flight < whole or core_in_flight < core_reserved_slots else UPSTREAM_CONCURRENCY
     if in_flight >= whole:
         return UPSTREAM_CONCURRENCY
-    if priority is not PriorityClass.CORE:
-        hold = max(0, core_reserve(limit, core_reserved_slots) - core_in_flight)
-        if in_flight >= whole - hold:
-            return UPSTREAM_CORE_RESERVE
-    return None
+    hold = max(0, core_reserve(limit, core_reserved_slots) - core_in_flight)
+    return UPSTREAM_CORE_RESERVE if in_flight >= whole - hold else None
 
 
 @dataclass

@@ -100,10 +100,11 @@ class StreamLoop(LoopBase):
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        """A CORE request arrived while ``max_batches_in_prefill`` batches are in prefill: it does not wait for one of
-        them to get its first token, it is admitted now if the limit has a slot for it
-        (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
-        if self._closing or len(self._prefilling) < self.max_prefilling:
+        """A CORE request arrived while ``max_batches_in_prefill`` batches are in prefill or the limit is taken: it
+        does not wait for a first token or a stream's end (or the time slice), it is admitted now if the limit has a
+        slot for it, CORE's reserved ones included (``scheduler.admit_core``: from the head of the waiting order,
+        preempting nothing)."""
+        if self._closing or self._can_take():
             return  # the loop takes it at its next decision (woken by _on_arrival)
         decision = self.scheduler.admit_core(time.monotonic())
         self._publish(decision.outputs)
