@@ -42,7 +42,8 @@ from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
-from switchyard.common.errors import InvalidArgument, SwitchyardError, TaskDeadlineExceeded, abort, status_for
+from switchyard.common.errors import (InvalidArgument, SwitchyardError, TaskDeadlineExceeded, TaskRefusedEarly, abort,
+                                     status_for)
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import Drains, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
@@ -352,8 +353,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             except SwitchyardError as exc:
                 # A downstream call's gRPC deadline is the task's time left: it may fire a moment before the
                 # task's own timer does, as the hop's bare "Deadline Exceeded". The task ran out of time.
-                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or not _out_of_time(task):
-                    raise
+                if (exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or isinstance(exc, TaskRefusedEarly)
+                        or not _out_of_time(task)):
+                    raise  # not a deadline, or the task's own refusal, which names why
                 elapsed = time.monotonic() - task.t0
                 raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from exc
 
