@@ -151,3 +151,20 @@ async def test_two_tenants_agents_of_one_id_never_read_each_others_memory(redis_
         assert await client.exists("switchyard:agent:zeta\x1fvictim:memory")
         assert await client.exists("switchyard:agent:acme\x1fvictim:memory")
         assert await client.exists("switchyard:agent:victim:memory")  # the default tenant's keeps the bare id
+
+
+async def test_a_dispatcher_with_a_dram_tier_reports_it_up_from_its_start(redis_db):
+    """switchyard_dram_up read 0 on a fresh dispatcher, Redis up, until the tier was first used (a swap): an
+    alert on it fired for every idle dispatcher."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.dram import DRAM_UP
+    from switchyard.dispatcher.service import DispatcherService
+
+    DRAM_UP.set(0)  # the process's gauge, as a fresh dispatcher process has it
+    service = DispatcherService(SwitchyardConfig().with_overrides(**redis_db.overrides))
+    assert service.tiers.store is not None
+    await service.start()
+    try:
+        assert _metric("switchyard_dram_up") == 1
+    finally:
+        await service.stop()

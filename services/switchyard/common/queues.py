@@ -47,6 +47,7 @@ class WorkQueue:
         self._busy = 0
         QUEUE_CAPACITY.labels(name).set(config.capacity)
         QUEUE_DEPTH.labels(name).set(0)  # exported, at 0, before the first item
+        QUEUE_BUSY_WORKERS.labels(name).set(0)
         QUEUE_WAIT.labels(name)  # the wait histogram exists (at 0) before the first item: rate() sees it grow
         for reason in ("full", "timeout"):
             QUEUE_REJECTED.labels(name, reason)

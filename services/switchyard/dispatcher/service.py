@@ -160,6 +160,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self.processor.loop = loop
         loop.on_failure = self._loop_failed
         loop.start()
+        if self.tiers.store is not None:  # an outage at start is logged now, and switchyard_dram_up is true from the start
+            await self.tiers.store.dram.start()
         if not self.stepping:  # the upstream's flavour and context windows, read in the background
             self.engine.start_describing()  # type: ignore[union-attr]
         log.info(
