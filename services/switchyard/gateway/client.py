@@ -118,6 +118,12 @@ def _end(decoder: StreamDecoder) -> list[StreamEvent]:
     return events
 
 
+def _count_error(decoder: StreamDecoder) -> None:
+    """Count a stream that carried an error object, or a chunk that cannot be read (its decoder says so)."""
+    if decoder.failed:
+        UPSTREAM_STREAM_ENDINGS.labels("error").inc()
+
+
 def _count_cut(error: GatewayError) -> None:
     """Count a stream whose connection broke while its body was read."""
     if isinstance(error, StreamBroken):
@@ -361,6 +367,7 @@ class GatewayClient:
                 ended_with = error.after_tokens(sent)
                 raise ended_with from None
             except GatewayError as exc:
+                _count_error(opened.decoder)
                 ended_with = exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
                 raise ended_with
             finally:
@@ -626,6 +633,7 @@ class GatewayClient:
         sent = time.monotonic()
         response = await self._send(call, request, endpoint, model, stream=True)
         url = endpoint.chat_completions
+        decoder = StreamDecoder(model, url=url, key=call.key)
         try:
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.lower():
@@ -634,7 +642,6 @@ class GatewayClient:
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
                 )
-            decoder = StreamDecoder(model, url=url, key=call.key)
             data = iter_data(response)
             first: list[StreamEvent] = []
             async for payload in data:
@@ -650,6 +657,7 @@ class GatewayClient:
             raise error from None
         except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream
             await response.aclose()
+            _count_error(decoder)
             raise exc.naming(url) from None
         except BaseException:
             await response.aclose()

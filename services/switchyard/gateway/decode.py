@@ -42,7 +42,7 @@ from typing import Any
 
 from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
-from switchyard.gateway.errors import StreamBroken, StreamProtocolError, snippet
+from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
@@ -218,6 +218,8 @@ class StreamDecoder:
         self.choices_seen = 0
         self._carry = ""  # a high surrogate waiting for its low half
         self._calls = ToolCallAssembler()
+        self.failed = False
+        """The stream carried an error object, or something that cannot be read (:attr:`ending` ``error``)."""
 
     def feed(self, data: str) -> list[StreamEvent]:
         """Events carried by one ``data`` payload.
@@ -227,6 +229,13 @@ class StreamDecoder:
             GatewayError: the chunk is an upstream error object, classified by its status (its code or type,
                 :func:`stream_error_status`) in the one table, :func:`switchyard.gateway.classify.error_for_status`.
         """
+        try:
+            return self._feed(data)
+        except GatewayError:
+            self.failed = True
+            raise
+
+    def _feed(self, data: str) -> list[StreamEvent]:
         if self.done:
             return []  # the stream ended at [DONE]: whatever a server or proxy sends after it is not read
         if data.strip() == DONE:
@@ -279,8 +288,11 @@ class StreamDecoder:
 
     @property
     def ending(self) -> str | None:
-        """How the stream ended so far: ``done_marker`` (``data: [DONE]`` came), ``finish_reason``
-        (no marker, but a choice finished), or None (neither: a body ending now was cut)."""
+        """How the stream ended so far: ``error`` (it carried an error object or could not be read),
+        ``done_marker`` (``data: [DONE]`` came), ``finish_reason`` (no marker, but a choice finished), or None
+        (neither: a body ending now was cut)."""
+        if self.failed:
+            return "error"
         if self.done:
             return "done_marker"
         return "finish_reason" if self.finish_reason else None
@@ -300,6 +312,7 @@ class StreamDecoder:
                 f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
             )
         if self.chunks and not self.choices_seen:
+            self.failed = True
             raise StreamProtocolError(
                 f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice: "
                 f"last received {snippet(self.last)}"

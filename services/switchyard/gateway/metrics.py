@@ -59,14 +59,15 @@ GATEWAY_CIRCUIT_TRANSITIONS = Counter(
     ["model", "from_state", "to_state"],
 )
 
-STREAM_ENDINGS = ("done_marker", "finish_reason", "cut")
+STREAM_ENDINGS = ("done_marker", "finish_reason", "error", "cut")
 """How an upstream stream ended: ``data: [DONE]``; a clean end after a ``finish_reason`` with no marker
-(``transformers serve``); or cut (the connection broke, or the body ended before any ``finish_reason``)."""
+(``transformers serve``); an error object inside the stream, or a chunk that cannot be read; or cut (the
+connection broke, or the body ended before any ``finish_reason``)."""
 UPSTREAM_STREAM_ENDINGS = Counter(
     "switchyard_upstream_stream_endings_total",
     "Upstream completion streams by how they ended: done_marker (data: [DONE]), finish_reason (the body ended "
-    "after a choice's finish_reason, without the marker) or cut (connection broken, or ended before any "
-    "finish_reason).",
+    "after a choice's finish_reason, without the marker), error (an error object inside the stream, or a chunk "
+    "that cannot be read) or cut (connection broken, or ended before any finish_reason).",
     ["ending"],
 )
 for _ending in STREAM_ENDINGS:
