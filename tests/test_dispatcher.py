@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -569,11 +570,22 @@ def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monke
     from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpu=100, memory=100))
-    config = SwitchyardConfig()
+
+    class AlwaysBusy(EchoStreamEngine):
+        """Its upstream's limit always taken (the openai engine's busy seconds): a compute score of about 100."""
+
+        @property
+        def busy_seconds(self) -> float:  # type: ignore[override]
+            return time.monotonic()
+
+    config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1})
     limit = AdaptiveConcurrencyLimit(config.upstream.concurrency)
-    sched = make_scheduler(config, EchoStreamEngine(), capacity=ConcurrencyCapacity(limit))
+    sched = make_scheduler(config, AlwaysBusy(), capacity=ConcurrencyCapacity(limit))
+    sched.schedule(time.monotonic())
+    time.sleep(0.01)
+    assert sched.monitor.read(time.monotonic()) > 50  # the engine's busy ratio: the score is high
     for i in range(4):
         sched.add_request(Request(request_id=f"r{i}", prompt="hi", prompt_tokens=1, max_tokens=8), 100.0)
-    out = sched.schedule(100.0)
+    out = sched.schedule(time.monotonic())
     assert len(out.admitted) == min(4, limit.lower_class_ceiling) >= 2  # what the limit lets NORMAL fill
     assert not sched.counters.admissions_refused.get("compute_score")

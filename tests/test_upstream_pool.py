@@ -424,3 +424,31 @@ async def test_an_endpoint_whose_circuit_is_open_is_not_picked_while_another_is_
             first.limit.knee, second.limit.knee = 5.0, 4.0
             pool.mark_down(first, "killed")
             assert gauge("switchyard_upstream_concurrency_knee") == 4.0  # the endpoints up only, as the limit
+
+
+async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_streams_held(monkeypatch) -> None:
+    """The openai engine's busy seconds were always 0: its compute score and busy ratio read 0 with 60 streams
+    in flight, and the model-server overlay's autoscaler read a signal that could never rise."""
+    from switchyard.common.priority import PriorityClass
+    from switchyard.gateway import pool as pool_module
+
+    clock = [100.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])
+    config = pool_config(["http://127.0.0.1:9/v1"]).model_copy(update={
+        "concurrency": UpstreamConfig().concurrency.model_copy(update={"min_limit": 4, "initial_limit": 4,
+                                                                         "max_limit": 4})})
+    async with GatewayClient(config) as client:
+        limit = client.concurrency_limit
+        assert limit.limit == 4 and limit.busy_seconds == 0.0
+        limit.acquire(PriorityClass.NORMAL)
+        limit.acquire(PriorityClass.NORMAL)
+        clock[0] += 10.0  # half the limit for 10 s
+        assert limit.busy_seconds == pytest.approx(5.0)
+        for _ in range(4):
+            limit.acquire(PriorityClass.BATCH)
+        clock[0] += 10.0  # over the limit: the whole of it, no more
+        assert limit.busy_seconds == pytest.approx(15.0)
+        for _ in range(6):
+            limit.release(PriorityClass.NORMAL)
+        clock[0] += 10.0  # idle
+        assert limit.busy_seconds == pytest.approx(15.0)

@@ -138,6 +138,12 @@ class OpenAIEngine(StreamEngine):
         gateway with its endpoint's TTFTs, tokens, 429/503 answers and reported queue."""
         return self.client.concurrency_limit
 
+    @property
+    def busy_seconds(self) -> float:  # type: ignore[override]
+        """Seconds of the upstream's concurrency limit in use (:attr:`PoolLimit.busy_seconds`): the busy ratio the
+        compute score reads without NVML is the share of the server's knee the streams held."""
+        return self.client.concurrency_limit.busy_seconds
+
     def reported_context_window(self, model: str) -> int:
         """The window the upstream's ``GET /v1/models`` reported for ``model`` (vLLM's ``max_model_len``), once
         :meth:`describe_upstream` or the gateway has listed the models; else 0. While the models are unread

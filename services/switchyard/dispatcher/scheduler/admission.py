@@ -80,9 +80,12 @@ class Admission:
             admission_score_limit, expected_score_initial, expected_score_ema_alpha).
         refusals: where refusals are counted, by reason (the scheduler's
             :attr:`~.base.SchedulerCounters.admissions_refused`); default a counter of its own.
+        by_score: whether the compute score bounds admission: False for a stream engine, whose score is the
+            share of its upstream's concurrency limit in use, which that limit alone bounds.
     """
 
-    def __init__(self, config: SchedulerConfig, refusals: Counter[str] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, refusals: Counter[str] | None = None, by_score: bool = True) -> None:
+        self.by_score = by_score
         self.max_running = config.max_admitted_per_decision
         self.admission_score_limit = config.admission_score_limit
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
@@ -102,7 +105,8 @@ class Admission:
         """
         if wave >= self.max_running:
             return ADMISSION_WAVE
-        if num_running > 0 and projected_score + self.expected.get(task_type) >= self.admission_score_limit:
+        if (self.by_score and num_running > 0
+                and projected_score + self.expected.get(task_type) >= self.admission_score_limit):
             return COMPUTE_SCORE
         return None
 

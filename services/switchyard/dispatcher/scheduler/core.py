@@ -206,7 +206,8 @@ class SchedulerCore:
         """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
         self._reported = SchedulerCounters()  # the counters at the last make_stats
         self._events = SchedulerEvents()  # observed since the last make_stats
-        self.admission = Admission(self.config, self.counters.admissions_refused)
+        self.admission = Admission(self.config, self.counters.admissions_refused,
+                                   by_score=not isinstance(engine, StreamEngine))
         self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
                                     self.counters)
