@@ -401,14 +401,60 @@ async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_t
             assert err.value.details().startswith(f"{metadata[0][0]} header"), err.value.details()
         empty = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": ""})
         assert empty.status_code == 200  # an empty header names nothing: as if absent
-        for pair in (["", "b"], ["b", ""]):  # either order: the rule for two, not "agent_id missing"
+        for pair in (["c", "b"], ["b", "c"]):  # either order: the rule for two, not "agent_id missing"
             twice = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "payload": "hi"},
                                       headers=[("X-Agent-Id", pair[0]), ("X-Agent-Id", pair[1])])
             assert twice.status_code == 400
             assert twice.json()["error"]["message"].startswith("x-agent-id header: expected one value"), twice.text
-            assert twice.json()["error"]["message"].endswith("(got ('', 'b'))"), twice.text  # both, as sent
+            assert twice.json()["error"]["message"].endswith("(got ('b', 'c'))"), twice.text  # both, as sent
         await sse_events(client, {**body, "priority": "CORE"}, {"X-Priority": "Batch"})
         assert down.requests[-1].priority == agent_pb2.CORE  # the body's, in capitals; the header's any case
+
+
+async def test_an_empty_header_beside_one_with_a_value_is_ignored_on_both_edges():
+    """README: "an empty header names nothing and is ignored". An empty X-Agent-Id beside X-Agent-Id: real was
+    400 "expected one value (... got ('', 'real'))", and so were X-Priority and X-Tenant-Id, over HTTP and gRPC."""
+    async with http_stack() as (client, stub, down):
+        for name, value in (("X-Agent-Id", "real"), ("X-Priority", "batch"), ("X-Tenant-Id", "acme")):
+            for pair in (["", value], [value, ""], ["", value, ""]):
+                body = {"task_type": "chat", "payload": "hi", **({} if name == "X-Agent-Id" else {"agent_id": "a-1"})}
+                reply = await client.post("/api/v1/agent/submit", json=body, headers=[(name, v) for v in pair])
+                assert reply.status_code == 200, (name, pair, reply.text)
+                metadata = tuple((name.lower(), v) for v in pair)
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(**body), metadata=metadata)
+        status = await finished(client, "/api/v1/agent/a-1/status")
+        assert status["tenant_id"] == "default"  # the default tenant's agent a-1; acme's is another agent
+        acme = await client.get("/api/v1/agent/a-1/status", headers=[("X-Tenant-Id", ""), ("X-Tenant-Id", "acme")])
+        assert acme.status_code == 200 and acme.json()["tenant_id"] == "acme", acme.text
+        await asyncio.sleep(0.2)
+        seen = {(r.agent_id, r.priority, r.tenant_id) for r in down.requests}
+        assert ("real", agent_pb2.NORMAL, "default") in seen and ("a-1", agent_pb2.BATCH, "default") in seen
+        assert ("a-1", agent_pb2.NORMAL, "acme") in seen
+        for name in ("X-Agent-Id", "X-Priority", "X-Tenant-Id"):  # two non-empty values still say two things
+            values = {"X-Agent-Id": ("b", "c"), "X-Priority": ("core", "batch"), "X-Tenant-Id": ("x", "y")}[name]
+            reply = await client.post("/api/v1/agent/submit", json={"task_type": "chat", "agent_id": "a-1"},
+                                      headers=[(name, "")] + [(name, v) for v in values])
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["message"].startswith(f"{name.lower()} header: expected one value"), reply.text
+
+
+async def test_an_agent_id_header_too_long_is_refused_naming_the_header_whether_or_not_the_body_wins():
+    """A 300-character X-Agent-Id beside a body agent_id was accepted silently, and a 257-character one alone was
+    refused as "agent_id: expected at most 256 characters"."""
+    async with http_stack() as (client, stub, down):
+        for body in ({"task_type": "chat", "payload": "hi", "agent_id": "a-1"}, {"task_type": "chat", "payload": "hi"}):
+            for length in (257, 300):
+                reply = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": "a" * length})
+                assert reply.status_code == 400, reply.text
+                assert reply.json()["error"]["message"] == (
+                    f"x-agent-id header: expected at most 256 characters (limits.max_id_chars) (got '{length} chars')")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(**body), metadata=(("x-agent-id", "a" * length),))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details() == reply.json()["error"]["message"]
+            fits = await client.post("/api/v1/agent/submit", json=body, headers={"X-Agent-Id": "a" * 256})
+            assert fits.status_code == 200, fits.text
+        assert all(len(r.agent_id) <= 256 for r in down.requests)
 
 
 @pytest.mark.parametrize("field,value", [("agent_id", "   "), ("agent_id", "a\u0000b"), ("task_id", "t\nx"),

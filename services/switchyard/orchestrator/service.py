@@ -411,7 +411,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         not answer, or the status a downstream service answered, its hop named.
         """
         try:
-            apply_edge_headers(request, context.invocation_metadata())
+            apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
         except SwitchyardError as exc:
@@ -464,7 +464,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         self._record_metadata(request.metadata)
         try:
-            apply_edge_headers(request, context.invocation_metadata())
+            apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
             limit = self.config.orchestrator.max_unfinished_submitted_tasks

@@ -55,37 +55,46 @@ def parse_priority(value: str, field: str) -> int:
 
 def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
                 same: Callable[[str], str] = lambda value: value) -> str | None:
-    """The one value of the edge header ``name`` (lower-case; gRPC metadata or HTTP headers), None when absent.
-    ``same``: what two values must agree on (x-priority's class, whatever its case and spaces).
+    """The one value of the edge header ``name`` (lower-case; gRPC metadata or HTTP headers), None when absent
+    or only empty. An empty value names nothing and is ignored (``same`` of it is ""), so an empty header beside
+    one with a value is that value, not two values. ``same``: what two values must agree on (x-priority's
+    class, whatever its case and spaces).
 
     Raises:
-        InvalidArgument: naming the header, sent more than once with different values (which one counts is
-            not the caller's to leave to a proxy's order), or holding bytes that are not UTF-8.
+        InvalidArgument: naming the header, sent more than once with different non-empty values (which one
+            counts is not the caller's to leave to a proxy's order), or holding bytes that are not UTF-8.
     """
     values = {check_utf8(str(value), f"{name} header") for key, value in metadata or () if key == name}
+    values = {value for value in values if same(value)}  # an empty header names nothing
     if len({same(value) for value in values}) > 1:
         raise InvalidArgument(f"{name} header", "one value (it was sent more than once, with different values)",
                               tuple(sorted(values)))  # every value, as sent
     return values.pop() if values else None
 
 
-def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None) -> None:
+def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None,
+                       max_id_chars: int) -> None:
     """Fill ``agent_id`` and ``priority`` from the ``x-agent-id`` and ``x-priority`` headers (gRPC metadata, or
     HTTP headers, keys lower-case) where the request leaves them empty or unset; the request's own fields win.
+    ``max_id_chars``: the longest agent id, characters (``limits.max_id_chars``).
 
     Raises:
-        InvalidArgument: ``x-priority`` is not core, normal or batch, or ``x-agent-id`` is only whitespace or
-            holds a control character, each checked whether or not the request's own field wins (a header that
-            says something wrong is refused, not ignored; an empty one names nothing and is ignored); either
-            sent twice with different values (:func:`edge_header`).
+        InvalidArgument: naming the header: ``x-priority`` is not core, normal or batch, or ``x-agent-id`` is
+            longer than ``max_id_chars``, only whitespace or holds a control character, each checked whether
+            or not the request's own field wins (a header that says something wrong is refused, not ignored;
+            an empty one names nothing and is ignored); either sent twice with different values
+            (:func:`edge_header`).
     """
     agent = edge_header(metadata, AGENT_ID_HEADER)
     if agent is not None:
+        if len(agent) > max_id_chars:
+            raise InvalidArgument(f"{AGENT_ID_HEADER} header", f"at most {max_id_chars} characters "
+                                  "(limits.max_id_chars)", f"{len(agent)} chars")
         check_id_chars(agent, f"{AGENT_ID_HEADER} header")
         if not request.agent_id:
             request.agent_id = agent
     priority_header = edge_header(metadata, PRIORITY_HEADER, lambda value: value.strip().lower())
-    if priority_header and priority_header.strip():  # an empty one names nothing, as an empty x-agent-id
+    if priority_header is not None:  # an empty one names nothing, as an empty x-agent-id
         priority = parse_priority(priority_header, f"{PRIORITY_HEADER} header")
         if request.priority == agent_pb2.PRIORITY_UNSPECIFIED:
             request.priority = priority
