@@ -358,13 +358,19 @@ def test_a_default_max_tokens_past_a_models_window_takes_half_the_window():
     and a task's max_tokens range excluded its own default."""
     from switchyard.api import agent_pb2
     from switchyard.dispatcher.processor import to_request
+    import asyncio
+
     from switchyard.orchestrator.validation import validate
+    from switchyard.orchestrator.workflows import check_question_fits
 
     config = load_config("config").with_overrides(**{"limits.default_max_tokens": 5000})
     task = validate(agent_pb2.RunTaskRequest(payload="hi"), config, default_model="sim-7b")
     assert task.max_tokens == 2048  # half of sim-7b's 4096
-    with pytest.raises(Exception, match=r"max_tokens: expected 0 \(the default, 2048\) to 4095"):
-        validate(agent_pb2.RunTaskRequest(payload="hi", max_tokens=5000), config, default_model="sim-7b")
+    asked = agent_pb2.RunTaskRequest(payload="hi", max_tokens=5000)  # the range is checked beside the prompt
+    window = config.limits.context_window("sim-7b")
+    with pytest.raises(Exception, match=r"max_tokens: expected 0 \(the default, 2048\) to 40\d\d: the lesser"):
+        asyncio.run(check_question_fits(validate(asked, config, default_model="sim-7b"), "sim-7b", window,
+                                        config.limits, asked.max_tokens))
     short = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hi", prompt_tokens=10), config, "sim-7b",
                        only_model=True)
     assert short.max_tokens == 2048  # half the window

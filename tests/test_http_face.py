@@ -152,18 +152,18 @@ async def test_a_body_naming_a_key_twice_is_400_naming_it_as_a_header_sent_twice
     ({**FIELD_BODY, "task_type": ""}, "task_type: expected one of rag_answer, chat, react_loop (got '')"),
     # one message for every wrong value (the gRPC edge's "empty = rag_answer" does not hold here)
     ({**FIELD_BODY, "task_type": "foo"}, "task_type: expected one of rag_answer, chat, react_loop (got 'foo')"),
-    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
-                                           "(limits.max_tokens), prompt and answer within the model's context "
-                                           "window (got '128')"),
+    ({**FIELD_BODY, "max_tokens": "128"}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to "
+                                           "the lesser of limits.max_tokens (8192) and the model's context window "
+                                           "less the prompt's tokens (got '128')"),
     ({**FIELD_BODY, "max_tokens": 1.5}, "max_tokens: expected an integer"),
     ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer"),
     # a wrong value of the right type gets the servicer's message, the gRPC edge's (one range, not two)
     ({**FIELD_BODY, "max_tokens": -1}, "max_tokens: expected 0 (the default, "),
-    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
-                                          "(limits.max_tokens)"),  # past the wire's int32: the limit, named
-    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to 8192 "
-                                         "(limits.max_tokens), prompt and answer within the model's context window "
-                                         "(got true)"),  # a value shown as JSON spells it
+    # past the wire's int32: the servicer's message too, with the same bound
+    ({**FIELD_BODY, "max_tokens": 2**31}, "max_tokens: expected 0 (the default, 128) to "),
+    ({**FIELD_BODY, "max_tokens": True}, "max_tokens: expected an integer from 0 (the default, 128, at most half the model's context window) to "
+                                         "the lesser of limits.max_tokens (8192) and the model's context window "
+                                         "less the prompt's tokens (got true)"),  # a value shown as JSON spells it
     ({**FIELD_BODY, "colour": "red"}, "colour: expected one of the body's fields (agent_id, "),
     ({**FIELD_BODY, "agent_id": 7}, "agent_id: expected a non-empty string, the agent's id (or the X-Agent-Id "
                                     "header) (got 7)"),
@@ -189,11 +189,42 @@ async def test_a_body_missing_a_required_field_or_of_a_wrong_type_is_400_saying_
 @pytest.mark.parametrize("max_tokens", [-5, 1_000_000])
 async def test_a_max_tokens_out_of_range_gets_the_grpc_edges_message(max_tokens):
     async with http_stack() as (client, stub, _down):
-        over_http = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "max_tokens": max_tokens})).json()
+        over_http = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "max_tokens": max_tokens,
+                                                                     "payload": "hi"})).json()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="react_loop",
                                                            max_tokens=max_tokens))
         assert over_http["error"]["message"] == err.value.details()
+
+
+async def test_every_max_tokens_refusal_states_one_bound_and_names_max_tokens_beside_a_short_prompt():
+    """Beside "hi" in sim-7b's 4096 tokens, 2**31 was refused "to 8192 (limits.max_tokens)", 8192 "to 4095" and
+    4095 as "payload: expected a prompt of at most 1 tokens". One rule: 0 to the lesser of limits.max_tokens and
+    the window less the prompt; every refusal states that bound and names max_tokens."""
+    body = {"agent_id": "a1", "task_type": "chat", "payload": "hi"}
+    async with http_stack() as (client, stub, down):
+        doc = (await client.get("/openapi.json")).json()
+        assert doc["components"]["schemas"]["TaskRequest"]["properties"]["max_tokens"]["maximum"] == 8192
+        bounds = set()
+        for max_tokens in (2**31, 10**6, 8193, 8192, 4095, -1, -2**31 - 1):
+            reply = await client.post("/api/v1/agent/submit", json={**body, "max_tokens": max_tokens})
+            assert reply.status_code == 400, (max_tokens, reply.text)
+            message = reply.json()["error"]["message"]
+            found = re.match(r"max_tokens: expected 0 \(the default, 128\) to (\d+): the lesser of limits.max_tokens "
+                             r"\(8192\) and the context window of sim-7b, 4096 tokens \(limits.context_window_tokens\), "
+                             r"less the prompt's (\d+) tokens", message)
+            assert found and message.endswith(f"(got {max_tokens})"), message
+            assert int(found[1]) == 4096 - int(found[2])
+            bounds.add(found[1])
+            if -2**31 <= max_tokens < 2**31:  # the gRPC edge says the same
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SubmitTask(agent_pb2.RunTaskRequest(max_tokens=max_tokens, **body))
+                assert err.value.details() == message
+        assert len(bounds) == 1
+        bound = int(bounds.pop())
+        reply = await client.post("/api/v1/agent/submit", json={**body, "max_tokens": bound})
+        assert reply.status_code == 200, reply.text  # the bound itself is taken
+        assert all(r.max_tokens <= bound for r in down.requests)
 
 
 async def test_the_priority_message_is_the_grpc_edges():

@@ -325,9 +325,9 @@ async def test_a_window_too_small_for_even_the_best_passage_names_the_least_prom
     ("fields", "field", "bound"),
     [
         # the dispatcher allows 8192: the orchestrator used to accept up to 32768 and fail three stages later
-        ({"max_tokens": 10000}, "max_tokens", "limits.max_tokens 8192"),
-        ({"max_tokens": 30000}, "max_tokens", "limits.max_tokens 8192"),
-        ({"max_tokens": 4096}, "max_tokens", "context window of sim-7b: 4096"),
+        ({"max_tokens": 10000}, "max_tokens", "limits.max_tokens (8192)"),
+        ({"max_tokens": 30000}, "max_tokens", "limits.max_tokens (8192)"),
+        ({"max_tokens": 4096}, "max_tokens", "context window of sim-7b, 4096 tokens"),
         ({"metadata": {f"k{i}": "v" for i in range(20000)}}, "metadata", "at most 64 entries"),
         ({"metadata": {"k": "v" * 20000}}, "metadata", "at most 16384 bytes"),
         ({"agent_id": "a" * 300}, "agent_id", "at most 256 characters"),
@@ -353,7 +353,7 @@ async def test_the_window_of_a_request_naming_no_model_is_the_dispatchers_models
             async for _ in call:
                 raise AssertionError("an event was sent: the task was accepted")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "context window of small-model: 64" in err.value.details()
+        assert "context window of small-model, 64 tokens" in err.value.details()
         events = await collect(stub, payload="what is a list?", task_type="chat", max_tokens=8, model="big-model")
         assert events[-1].HasField("final")
         assert down.described == 1  # kept after the first answer

@@ -62,8 +62,8 @@ from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, h
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import shown
-from switchyard.orchestrator.http_models import (EXPECTED, STATE_NAMES, TaskRequest, describe_error,
-                                                  duplicate_key, message_dict, openapi, status_json)
+from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, STATE_NAMES, TaskRequest,
+                                                  describe_error, duplicate_key, message_dict, openapi, status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,13 @@ class HttpCall:
 
     Args:
         headers: the request's headers; read as gRPC metadata (keys lower-case).
+        max_tokens_sent: the body's ``max_tokens`` where it is past RunTaskRequest's int32 and the request
+            carries it cut to that range (:func:`_wire_max_tokens`): a refusal quotes what was sent, not the cut.
     """
 
-    def __init__(self, headers: Iterable[tuple[str, str]]) -> None:
+    def __init__(self, headers: Iterable[tuple[str, str]], max_tokens_sent: int | None = None) -> None:
         self._metadata = tuple((key.lower(), value) for key, value in headers)
+        self._max_tokens_sent = max_tokens_sent
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -117,7 +120,18 @@ class HttpCall:
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         """Raises :class:`HttpAbort` (as grpc's ``abort`` raises): always."""
         origin = dict(trailing_metadata or ()).get(ORIGIN_KEY, "orchestrator")
+        sent = self._max_tokens_sent
+        carried = f"(got {_wire_max_tokens(sent)})" if sent is not None else ""
+        if carried and details.startswith("max_tokens: ") and details.endswith(carried):
+            details = f"{details[:-len(carried)]}(got {sent})"
         raise HttpAbort(code, details, origin)
+
+
+def _wire_max_tokens(value: int) -> int:
+    """A body's ``max_tokens`` as RunTaskRequest's int32 carries it: one past that range cut to its end, which
+    is past ``limits.max_tokens`` too (at most 1,000,000), so the servicer refuses it with the bound of every
+    other max_tokens refusal (validation.max_tokens_refusal), and :class:`HttpCall` quotes the value sent."""
+    return max(INT32_MIN, min(INT32_MAX, value))
 
 
 def error_body(code: grpc.StatusCode, message: str, origin: str = "orchestrator") -> dict[str, Any]:
@@ -290,11 +304,11 @@ class HttpFace(Drains):
         self.port = config.orchestrator.http.port if port is None else port
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._openapi = json.dumps(openapi(__version__)).encode()
         limits = config.limits
+        self._openapi = json.dumps(openapi(__version__, limits.max_tokens)).encode()
         self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, {limits.default_max_tokens}, "
-                          f"at most half the model's context window) to {limits.max_tokens} (limits.max_tokens), "
-                          "prompt and answer within the model's context window"}
+                          f"at most half the model's context window) to the lesser of limits.max_tokens "
+                          f"({limits.max_tokens}) and the model's context window less the prompt's tokens"}
         """What each body field takes, with this face's limits in the words (:func:`describe_error`)."""
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -454,8 +468,9 @@ class HttpFace(Drains):
                          f"{limits.max_payload_chars} characters (limits.max_payload_chars)", "orchestrator",
                          status=413)
 
-    async def _task_request(self, request: web.Request) -> agent_pb2.RunTaskRequest:
-        """The body as a RunTaskRequest (JSON types and required fields checked here; bounds by the servicer).
+    async def _task_request(self, request: web.Request) -> tuple[agent_pb2.RunTaskRequest, HttpCall]:
+        """The body as a RunTaskRequest (JSON types and required fields checked here; bounds by the servicer),
+        and the :class:`HttpCall` to pass it with (it quotes a max_tokens past int32 as sent).
 
         Raises:
             HttpAbort: INVALID_ARGUMENT naming the field and what was expected, or ``body`` when it is not
@@ -492,16 +507,17 @@ class HttpFace(Drains):
         if not body.agent_id and not any(request.headers.getall(AGENT_ID_HEADER, ())):  # two: RunTask's rule
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument("agent_id", EXPECTED["agent_id"])),
                             "orchestrator")
+        sent = body.max_tokens if _wire_max_tokens(body.max_tokens) != body.max_tokens else None
         return agent_pb2.RunTaskRequest(
             task_id=body.task_id,
             payload=self.config.orchestrator.http.default_payload if body.payload is None else body.payload,
             agent_id=body.agent_id,
             priority=parse_priority(body.priority, "priority") if body.priority else agent_pb2.PRIORITY_UNSPECIFIED,
             task_type=body.task_type,
-            max_tokens=body.max_tokens,
+            max_tokens=_wire_max_tokens(body.max_tokens),
             model=body.model,
             metadata=body.metadata,
-        )
+        ), HttpCall(request.headers.items(), max_tokens_sent=sent)
 
     def _parse(self, raw: bytes) -> TaskRequest | str:
         """The body as a :class:`TaskRequest`, or the error message naming what is wrong with it: a key given
@@ -532,7 +548,7 @@ class HttpFace(Drains):
             # Shielded: a client that leaves mid-submit does not cut the record from its run (the task is
             # recorded and runs; resubmitting its task_id answers it).
             submit = asyncio.ensure_future(
-                self.service.SubmitTask(await self._task_request(request), HttpCall(request.headers.items())))
+                self.service.SubmitTask(*await self._task_request(request)))
             accepted = await asyncio.shield(settle(submit))  # settle: a left client's answer is still read
             return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
                                       "task_id": accepted.task_id, "trace_id": accepted.trace_id,
@@ -572,10 +588,10 @@ class HttpFace(Drains):
         """RunTask as Server-Sent Events. An error before the first event (validation, a full queue) is a
         JSON error answer with its HTTP status; after it, an ``error`` event ends the stream."""
         try:
-            task = await self._task_request(request)
+            task, call = await self._task_request(request)
         except HttpAbort as exc:
             return _abort_answer(exc)
-        events = self.service.RunTask(task, HttpCall(request.headers.items()))
+        events = self.service.RunTask(task, call)
         async with contextlib.aclosing(events):  # a client that leaves cancels the task (RunTask's finally)
             try:
                 first = await anext(events)

@@ -67,11 +67,13 @@ class TaskRequest(BaseModel):
         None, description="Priority class, any case (as X-Priority); absent: the X-Priority header, else normal."
     )
     task_type: Literal[TASK_TYPES] = Field(description="Workflow.")  # type: ignore[valid-type]
-    # Only the wire type is checked here (RunTaskRequest's int32); the range, limits.max_tokens and the
-    # model's context window, is the servicer's, so a negative value gets the gRPC edge's message too. The
-    # document states the range a caller may send (from 0).
-    max_tokens: int = Field(0, ge=INT32_MIN, le=INT32_MAX, json_schema_extra={"minimum": 0},
-                            description="Completion tokens at most; 0: the default, tokens.")
+    # Only the JSON type is checked here; the range, limits.max_tokens and the model's context window less the
+    # prompt, is the servicer's (one value past RunTaskRequest's int32 is carried cut to it, the face quoting
+    # what was sent), so every value out of range gets the gRPC edge's message, with one bound. The document
+    # states the range a caller may send: from 0 to limits.max_tokens (:func:`openapi` fills the maximum in).
+    max_tokens: int = Field(0, json_schema_extra={"minimum": 0},
+                            description="Completion tokens at most; 0: the default, tokens. At most the lesser of "
+                                        "limits.max_tokens and the model's context window less the prompt's tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
     )
@@ -84,7 +86,8 @@ EXPECTED: dict[str, str] = {
     "agent_id": "a non-empty string, the agent's id (or the X-Agent-Id header)",
     "priority": "core, normal or batch",  # parse_priority's words: the gRPC edge's message for x-priority
     "task_type": f"one of {', '.join(TASK_TYPES)}",
-    "max_tokens": "an integer, 0 (the default) or more, within limits.max_tokens and the model's context window",
+    "max_tokens": "an integer from 0 (the default) to the lesser of limits.max_tokens and the model's context window "
+                  "less the prompt's tokens",
     "payload": "a string (the question or instruction)",
     "task_id": "a string",
     "model": "a string",
@@ -278,12 +281,15 @@ def _json_type(value: Any) -> str:
     return f"a JSON {names.get(type(value), type(value).__name__)}"
 
 
-def openapi(version: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the HTTP face, its schemas generated from the models above."""
+def openapi(version: str, max_tokens: int) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the HTTP face, its schemas generated from the models above; ``max_tokens``:
+    the face's ``limits.max_tokens``, the most a body's max_tokens may be (the model's context window less the
+    prompt may allow less, which no schema can say)."""
     models = [TaskRequest, AcceptedResponse, TaskStatusResponse, ErrorResponse]
     _, defs = models_json_schema([(m, "serialization" if m is not TaskRequest else "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs.get("$defs", {})
+    schemas["TaskRequest"]["properties"]["max_tokens"]["maximum"] = max_tokens
 
     def ref(model: type[BaseModel]) -> dict[str, str]:
         return {"$ref": f"#/components/schemas/{model.__name__}"}

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config.limits import ContextWindow
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.untrusted import check_id_chars, check_utf8, shown
@@ -148,9 +149,13 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     model the dispatcher's engine serves, when it serves one alone (a step engine), else "";
     ``reported_window`` the context window the upstream reports for the request's model (0: none).
 
+    ``max_tokens`` is taken as sent (0: the default for the model's window); its range depends on the prompt's
+    tokens, so it is checked where they are counted (workflows.py, ``check_question_fits``, with
+    :func:`max_tokens_refusal`'s words).
+
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
-            task_type, priority, max_tokens, metadata).
+            task_type, priority, metadata).
         SwitchyardError: NOT_FOUND, ``model`` names another model than ``only_model``.
     """
     orch, limits = config.orchestrator, config.limits
@@ -178,15 +183,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
                               f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
     model = request.model or default_model
     window = limits.context_window(model, reported_window)
-    limit = min(limits.max_tokens, window.tokens - 1)  # the prompt takes at least one token of the window
     default = limits.default_for(window.tokens)
-    if not 0 <= request.max_tokens <= limit:
-        raise InvalidArgument(
-            "max_tokens",
-            f"0 (the default, {default}) to {limit} (limits.max_tokens {limits.max_tokens}; "
-            f"context window of {model}: {window.tokens} tokens ({window.source}), prompt included)",
-            request.max_tokens,
-        )
     check_metadata(request.metadata, limits)
     return TaskSpec(
         task_id=request.task_id or f"task-{uuid.uuid4().hex[:16]}",
@@ -197,6 +194,26 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         model=request.model,
         agent_id=request.agent_id,
         tenant_id=tenant_id,
+    )
+
+
+def max_tokens_bound(limits: Any, window: ContextWindow, prompt_tokens: int) -> int:
+    """The largest ``max_tokens`` a task may ask for beside a prompt of ``prompt_tokens`` tokens: the lesser of
+    ``limits.max_tokens`` and the model's context window (``window.tokens``) less the prompt, tokens (0 at
+    least)."""
+    return max(0, min(limits.max_tokens, window.tokens - prompt_tokens))
+
+
+def max_tokens_refusal(value: int, limits: Any, model: str, window: ContextWindow,
+                       prompt_tokens: int) -> InvalidArgument:
+    """The one refusal of a ``max_tokens`` of ``value`` out of range beside a prompt of ``prompt_tokens`` tokens
+    in ``model``'s ``window``: it states :func:`max_tokens_bound` and both terms of it, whichever edge finds it."""
+    return InvalidArgument(
+        "max_tokens",
+        f"0 (the default, {limits.default_for(window.tokens)}) to {max_tokens_bound(limits, window, prompt_tokens)}: "
+        f"the lesser of limits.max_tokens ({limits.max_tokens}) and the context window of {model}, "
+        f"{window.tokens} tokens ({window.source}), less the prompt's {prompt_tokens} tokens",
+        value,
     )
 
 

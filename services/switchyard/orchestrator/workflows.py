@@ -28,7 +28,7 @@ from typing import Awaitable, Callable, Sequence
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
-from switchyard.common.config.limits import ContextWindow
+from switchyard.common.config.limits import ContextWindow, RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import MemoryMessage
@@ -37,7 +37,7 @@ from switchyard.orchestrator.react import react, tools_for
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.tokens import count_messages
 from switchyard.orchestrator.tools import Tool
-from switchyard.orchestrator.validation import TaskSpec
+from switchyard.orchestrator.validation import TaskSpec, max_tokens_bound, max_tokens_refusal
 
 
 async def rag_answer(task: Task) -> None:
@@ -152,35 +152,52 @@ def render_and_count(
     return prompt, full, without_history
 
 
-def prompt_over_window(model: str, window: ContextWindow, max_tokens: int, count: int) -> InvalidArgument:
+def prompt_over_window(model: str, window: ContextWindow, max_tokens: int, count: int,
+                       asked: int | None = None) -> InvalidArgument:
     """The refusal of a prompt of ``count`` tokens that leaves ``max_tokens`` no room in ``model``'s ``window``
-    (:meth:`RequestLimitsConfig.context_window`, its source named)."""
+    (:meth:`RequestLimitsConfig.context_window`, its source named). ``asked``: the caller's own max_tokens where
+    it is more than ``max_tokens`` (the default, the least the prompt is measured against)."""
+    takes = f"max_tokens takes {max_tokens}"
+    if asked is not None and asked != max_tokens:
+        takes = f"max_tokens takes at least {max_tokens} (the default; {asked} asked)"
     return InvalidArgument(
         "payload",
         f"a prompt of at most {window.tokens - max_tokens} tokens: the context window of {model} is "
-        f"{window.tokens} tokens ({window.source}) and max_tokens takes {max_tokens}",
+        f"{window.tokens} tokens ({window.source}) and {takes}",
         f"{count} tokens",
     )
 
 
-async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow) -> None:
-    """Refuse, before the task is accepted, a question whose prompt cannot fit ``window`` beside
-    ``spec.max_tokens`` however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of
-    that question); otherwise the task would be accepted and fail at :func:`render_prompt`.
+async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow, limits: RequestLimitsConfig,
+                              asked: int) -> None:
+    """Refuse, before the task is accepted, a ``max_tokens`` out of range or a question whose prompt cannot fit
+    ``window`` beside it however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of that
+    question); otherwise the task would be accepted and fail at :func:`render_prompt`. ``asked``: the
+    request's max_tokens as sent (0: the default, ``spec.max_tokens``).
+
+    One rule: ``max_tokens`` from 0 to the lesser of ``limits.max_tokens`` and the window less the prompt's
+    tokens (:func:`validation.max_tokens_bound`). The payload is what does not fit when its prompt leaves no
+    room for the default answer (or for a smaller max_tokens the caller asked); otherwise max_tokens is.
 
     A cl100k token is at least one UTF-8 byte, so a prompt of no more bytes than the budget fits uncounted;
-    a longer one is counted in a thread (tiktoken releases the GIL), off the event loop.
+    a longer one, or any beside a max_tokens out of range, is counted in a thread (tiktoken releases the GIL),
+    off the event loop.
 
     Raises:
-        InvalidArgument: naming ``payload`` (the words :func:`render_prompt` uses).
+        InvalidArgument: naming ``payload`` (the words :func:`render_prompt` uses) or ``max_tokens``
+            (:func:`validation.max_tokens_refusal`, the bound stated).
     """
+    in_range = 0 <= asked <= limits.max_tokens
     budget = window.tokens - spec.max_tokens
     messages = prompts.bare(spec.workflow, spec.payload).messages()
-    if sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
+    if in_range and sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
         return  # count_messages's own sum, each token taken as one byte or more
     count = await asyncio.to_thread(count_messages, messages)
-    if count > budget:
-        raise prompt_over_window(model, window, spec.max_tokens, count)
+    least = min(spec.max_tokens, limits.default_for(window.tokens)) if in_range else limits.default_for(window.tokens)
+    if count > window.tokens - least:  # no room even for the least answer: the question is too long
+        raise prompt_over_window(model, window, least, count, spec.max_tokens if asked else None)
+    if not 0 <= asked <= max_tokens_bound(limits, window, count):
+        raise max_tokens_refusal(asked, limits, model, window, count)
 
 
 async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
