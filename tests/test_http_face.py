@@ -522,6 +522,45 @@ async def test_bearer_tokens_of_the_grpc_edge_guard_the_http_face(tmp_path):
         assert (await client.get("/openapi.json")).status_code == 200  # the document needs no token
 
 
+async def test_the_accepted_event_carries_the_states_lower_case_name_as_submit_does():
+    """The accepted SSE event said "state":"TASK_STATE_UNSPECIFIED" (protobuf's enum name) where /submit says
+    "queued" and the OpenAPI state enum is lower-case."""
+    from switchyard.orchestrator.http_face import event_bytes
+
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        names = doc["components"]["schemas"]["AcceptedResponse"]["properties"]["state"]["enum"]
+        events = await sse_events(client, {**FIELD_BODY, "task_type": "chat"})
+        assert events[0][0] == "accepted" and events[0][1]["state"] == "unspecified", events[0]  # unset on RunTask
+        assert events[0][1]["state"] in names
+    queued = agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t", state=agent_pb2.QUEUED))
+    assert b'"state":"queued"' in event_bytes(queued)
+
+
+async def test_the_openapi_document_lists_the_headers_and_statuses_each_route_answers():
+    """The status route honours X-Tenant-Id, and every route answers 417 and 431, but the document said
+    neither; 501 (a method no route knows) is answered by the face, not by an operation."""
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        paths = doc["paths"]
+        names = lambda op: {p["name"] for p in op.get("parameters", ()) if p["in"] == "header"}  # noqa: E731
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
+            assert names(paths[path]["post"]) == {"X-Agent-Id", "X-Priority", "X-Tenant-Id"}
+        assert names(paths["/api/v1/agent/{agent_id}/status"]["get"]) == {"X-Tenant-Id"}
+        for path, item in paths.items():
+            for method, op in item.items():
+                assert {"417", "431"} <= set(op["responses"]), (path, method)
+        assert "501" in doc["info"]["description"] and "405" in doc["info"]["description"]
+        # ... and the face answers them there
+        expect = await client.get("/api/v1/agent/a/status", headers={"Expect": "something"})
+        assert expect.status_code == 417, expect.text
+        long = await client.get("/api/v1/tasks/t", headers={"X-Long": "x" * 9000})
+        assert long.status_code == 431, long.text
+        port = httpx.URL(str(client.base_url)).port
+        unknown = await _raw(port, b"FOO /api/v1/tasks/t HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert unknown.split(b"\r\n", 1)[0].endswith(b" 501 Not Implemented"), unknown[:200]
+
+
 def test_a_token_event_is_the_same_json_as_every_other_event_gets():
     import json
 

@@ -26,10 +26,13 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
-or the face's own: 405 (a wrong method, UNIMPLEMENTED), 413, 415 and 431 (a
-header line past 8190 bytes; a request aiohttp's parser refuses otherwise is 400)
-(INVALID_ARGUMENT), 408 (the body not whole within
+or the face's own: 405 (a wrong method) and 501 (a method no route knows)
+(UNIMPLEMENTED), 413, 415 and 431 (a header line past 8190 bytes, or too many
+header fields; a request aiohttp's parser refuses otherwise is 400)
+(INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
+408 (the body not whole within
 ``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes).
+The ``accepted`` event's ``state`` is the state's lower-case name, as a submit answers it.
 A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
 tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
@@ -189,7 +192,10 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
         token = event.token
         return (f'event: token\ndata: {{"text":{json.dumps(token.text)},"index":{token.index},'
                 f'"count":{token.count}}}\n\n').encode()
-    return _sse(kind, message_dict(event)[kind])  # the set member of the oneof, as message_dict writes it
+    data = message_dict(event)[kind]  # the set member of the oneof, as message_dict writes it
+    if kind == "accepted":  # the state's lower-case name, as /submit and the status routes answer it
+        data["state"] = STATE_NAMES.get(event.accepted.state, "unspecified")
+    return _sse(kind, data)
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:

@@ -306,17 +306,27 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
         (503, "UNAVAILABLE: a downstream service or the task store did not answer"),
         (504, "DEADLINE_EXCEEDED: a queue's timeout or the task's time limit passed"),
     )}
+    # Every route: an Expect header the face does not meet, and a request head past the parser's bounds.
+    face_errors = {
+        "417": json_body(ErrorResponse, "FAILED_PRECONDITION: an Expect header other than 100-continue"),
+        "431": json_body(ErrorResponse, "INVALID_ARGUMENT: a header line (or the request line) past 8190 bytes, or "
+                                        "too many header fields (the connection is closed)"),
+    }
+    tenant_header = {
+        "name": "X-Tenant-Id", "in": "header", "required": False,
+        "schema": {"type": "string", "pattern": f"^{TENANT_PATTERN.pattern}$"},
+        "description": "The task's tenant where the bearer token names none (a token's tenant wins; a header "
+                       "naming another is 403); absent or empty: default. Sent twice with different values: 400."}
     headers = [
         {"name": "X-Agent-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "The agent, where the body's agent_id is empty (the body wins); one of the two is required."},
+         "description": "The agent, where the body's agent_id is empty (the body wins); one of the two is required. "
+                        "Checked even where the body wins (limits.max_id_chars, printable); empty: ignored; sent "
+                        "twice with different values: 400."},
         {"name": "X-Priority", "in": "header", "required": False,
          "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
          "description": "The priority class, any case, where the body has none (the body wins); checked even "
-                        "where the body wins."},
-        {"name": "X-Tenant-Id", "in": "header", "required": False,
-         "schema": {"type": "string", "pattern": f"^{TENANT_PATTERN.pattern}$"},
-         "description": "The task's tenant where the bearer token names none (a token's tenant wins; a header "
-                        "naming another is 403); absent: default."},
+                        "where the body wins; empty: ignored; sent twice with different values: 400."},
+        tenant_header,
     ]
     body_errors = {
         "413": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is larger than the face reads (the message "
@@ -327,10 +337,14 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
     }
     status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),
                       "404": json_body(ErrorResponse, "NOT_FOUND: no such task (or past retention)"),
-                      **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}}
+                      **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}, **face_errors}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Switchyard AgentService over HTTP", "version": version},
+        "info": {"title": "Switchyard AgentService over HTTP", "version": version,
+                 "description": "Every path also answers 405 (UNIMPLEMENTED, with Allow) to a method it does not "
+                                "serve, and the face 501 (UNIMPLEMENTED) to a method no route knows (the connection "
+                                "is closed); both in the ErrorResponse shape. Bearer tokens (Authorization) are "
+                                "the bearer security scheme's."},
         "paths": {
             "/api/v1/agent/submit": {"post": {
                 "summary": "SubmitTask: record the task, place it in the backlog of submitted tasks, answer once "
@@ -339,7 +353,7 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": json_body(AcceptedResponse, "Accepted and recorded"),
                               "409": json_body(ErrorResponse, "ALREADY_EXISTS: task_id taken by another request"),
-                              **errors, **body_errors},
+                              **errors, **body_errors, **face_errors},
             }},
             "/api/v1/agent/run": {"post": {
                 "summary": "RunTask as Server-Sent Events: one event per TaskEvent (accepted, stage, token, "
@@ -347,11 +361,12 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
                 "parameters": headers,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": {"description": "The event stream", "content": {"text/event-stream": {
-                    "schema": {"type": "string"}}}}, **errors, **body_errors},
+                    "schema": {"type": "string"}}}}, **errors, **body_errors, **face_errors},
             }},
             "/api/v1/agent/{agent_id}/status": {"get": {
-                "summary": "GetTaskStatus of the task the agent submitted last",
-                "parameters": [{"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "summary": "GetTaskStatus of the task the agent submitted last (the agent of the caller's tenant)",
+                "parameters": [{"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                               tenant_header],
                 "responses": status_answers,
             }},
             "/api/v1/tasks/{task_id}": {"get": {
