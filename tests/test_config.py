@@ -1,8 +1,11 @@
 """Config files load with the documented values; bad files fail with file, key, value and expectation."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,6 +145,26 @@ def test_engine_env_overrides_config(monkeypatch):
     monkeypatch.setenv("SWITCHYARD_ENGINE", "tpu")
     with pytest.raises(ValueError, match="SWITCHYARD_ENGINE='tpu'.*expected one of"):
         load_config(ROOT / "config")
+
+
+@pytest.mark.parametrize("command", [("up", "--free-ports"), ("serve", "retrieval")], ids=" ".join)
+def test_an_unknown_log_level_is_refused_before_anything_starts_naming_the_variable(command):
+    """SWITCHYARD_LOG_LEVEL=LOUD crashed every service with a traceback (ValueError: Unknown level: 'LOUD')."""
+    run = subprocess.run([sys.executable, "-m", "switchyard.cli", *command], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env={**os.environ, "SWITCHYARD_LOG_LEVEL": "LOUD"})
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "environment variable SWITCHYARD_LOG_LEVEL='LOUD': expected one of 'DEBUG', 'INFO', 'WARNING', " \
+        "'ERROR', 'CRITICAL'" in run.stderr
+    assert "Traceback" not in run.stderr and "ready on" not in run.stderr
+
+
+def test_the_log_level_is_read_in_any_case(monkeypatch):
+    from switchyard.common import envs
+
+    monkeypatch.setenv("SWITCHYARD_LOG_LEVEL", " debug")
+    assert envs.SWITCHYARD_LOG_LEVEL.get() == "DEBUG"
+    monkeypatch.setenv("SWITCHYARD_LOG_LEVEL", "warn")
+    assert envs.SWITCHYARD_LOG_LEVEL.get() == "WARN"
 
 
 def test_missing_file_is_an_error_naming_it(config_dir):

@@ -269,6 +269,7 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.dispatchers <= 64:
         parser.error(f"--dispatchers: expected 1 to 64, got {args.dispatchers}")
     try:
+        envs.SWITCHYARD_LOG_LEVEL.get()  # the services' logging level: refused here, before anything starts
         config = load_config(args.config_dir, service=ORDER)  # the sections the three read
     except (ConfigError, ValueError) as exc:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)

@@ -178,11 +178,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-port", type=int,
                         help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
-    setup_logging(args.name)
     # A fatal signal (SIGSEGV, SIGBUS: a memory-mapped SQLite index whose file went away) prints every thread's
     # stack to stderr, the service's log, instead of a silent exit.
     faulthandler.enable()
     try:
+        setup_logging(args.name)  # a bad SWITCHYARD_LOG_LEVEL is refused here, as a bad override is below
         config = load_config(args.config_dir, service=args.name)  # only the sections it reads
         overrides = {}
         if args.port is not None:

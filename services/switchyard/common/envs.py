@@ -162,7 +162,19 @@ SWITCHYARD_HEALTH_PORT = EnvVar[int | None](
     "SWITCHYARD_HEALTH_PORT", _port_number, None,
     "Plain-text health-only port of the service this process serves; overrides its health_port.",
 )
-SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", str.upper, "INFO", "Python logging level.")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The Python logging levels SWITCHYARD_LOG_LEVEL takes (any case; WARN and FATAL too, as :mod:`logging` reads them)."""
+
+
+def _log_level(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in (*LOG_LEVELS, "WARN", "FATAL"):
+        raise ValueError(f"expected one of {', '.join(repr(level) for level in LOG_LEVELS)}")
+    return value
+
+
+SWITCHYARD_LOG_LEVEL = EnvVar("SWITCHYARD_LOG_LEVEL", _log_level, "INFO",
+                              "Python logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL.")
 SWITCHYARD_UP_FILE = EnvVar[str | None](
     "SWITCHYARD_UP_FILE", _optional, None,
     "Where `switchyard up` writes its endpoints and `switchyard top` reads them "
