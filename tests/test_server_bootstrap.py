@@ -58,6 +58,21 @@ async def test_a_port_in_use_is_a_named_error():
                 pass
 
 
+async def test_a_host_that_does_not_resolve_is_a_named_error_not_a_port_in_use():
+    """SWITCHYARD_HOST=not_a_host said "could not bind not_a_host:0: is another process using it?"; the cause is
+    the name lookup, and the way out is the host setting."""
+    import pytest
+
+    cfg = load_config("config").with_overrides(**{
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
+    with pytest.raises(RuntimeError) as caught:
+        async with running([OrchestratorService(cfg)], cfg.server, host="not-a-host.invalid", port=0):
+            pass
+    said = str(caught.value)
+    assert said.startswith("could not bind not-a-host.invalid:0: the host name 'not-a-host.invalid' does not resolve")
+    assert "server.host" in said and "SWITCHYARD_HOST" in said and "another process" not in said
+
+
 async def test_graceful_stop_flips_health_to_not_serving():
     cfg = load_config("config")
     async with running([OrchestratorService(cfg)], cfg.server) as srv:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
@@ -188,6 +190,43 @@ def _add_port(server: grpc.aio.Server, address: str, config: ServerConfig) -> in
     return server.add_secure_port(address, credentials)
 
 
+HOST_SETTING = "server.host (config/switchyard.json) or SWITCHYARD_HOST"
+"""Where the address every service listens on is set: the settings a bind failure on the host names."""
+
+
+def bind_failure(host: str, port: int, what: str = "", port_setting: str = "") -> str:
+    """Why ``host:port`` could not be bound, in words naming the setting to change (grpcio says only "Failed to
+    bind"): the host name does not resolve, is not an address of this machine, or the port is taken (the one
+    case where another process is to blame); found by resolving the name and binding a probe socket as grpcio
+    would (no SO_REUSEPORT).
+
+    Args:
+        host, port: the address that failed (port 0: any free port).
+        what: what the address is for, before it in the message (``"the health port "``); empty: the gRPC port.
+        port_setting: how to choose another port, in parentheses after the in-use hint.
+    """
+    address = f"{what}{host}:{port}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return (f"could not bind {address}: the host name {host!r} does not resolve ({exc.strerror}); set "
+                f"{HOST_SETTING} to a name or address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"could not bind {address}: is another process using it? Choose another port"
+                    + (f" ({port_setting})" if port_setting else ""))
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return (f"could not bind {address}: {host!r} ({sockaddr[0]}) is not an address of this machine; set "
+                    f"{HOST_SETTING} to one of its addresses, e.g. 127.0.0.1 or 0.0.0.0")
+        return f"could not bind {address}: {exc.strerror or exc}"
+    return f"could not bind {address}: grpcio refused it, and the address can be bound now (taken a moment ago?)"
+
+
 def _health_only_server(health_servicer: health.aio.HealthServicer, address: str) -> tuple[grpc.aio.Server, int]:
     """A plain-text server bound to ``address`` serving ``health_servicer`` (the main server's statuses) only.
 
@@ -204,7 +243,9 @@ def _health_only_server(health_servicer: health.aio.HealthServicer, address: str
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind the health port {address}: is another process using it?")
+        host, _, port = address.rpartition(":")
+        raise RuntimeError(bind_failure(host, int(port), "the health port ", "<service>.health_port, or "
+                                        "SWITCHYARD_HEALTH_PORT"))
     return server, bound
 
 
@@ -222,7 +263,7 @@ async def start_server(
     the same health statuses in plain text, and nothing else.
 
     Raises:
-        RuntimeError: a port could not be bound.
+        RuntimeError: a port could not be bound; the message says why (:func:`bind_failure`).
     """
     own = [i for service in services for i in edge_interceptors(service)]  # after tracing: refusals are traced
     refusal = DecodeRefusal(",".join(s.name for s in services))  # innermost: tracing and auth see its refusal
@@ -239,8 +280,8 @@ async def start_server(
     except RuntimeError:  # grpcio raises "Failed to bind to address ..." where older releases returned 0
         bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}: is another process using it? Choose another port "
-                           "(config/switchyard.json, or `switchyard up --free-ports`)")
+        raise RuntimeError(bind_failure(host, port, port_setting="config/switchyard.json, or `switchyard up "
+                                        "--free-ports`"))
     health_server, health_bound = (
         _health_only_server(health_servicer, f"{host}:{health_port}") if health_port is not None else (None, None)
     )
