@@ -60,6 +60,7 @@ from locust import HttpUser, between, events, task
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
+from switchyard.common.up_files import remove_stale
 
 PRIORITIES = ("core", "normal", "batch")
 STREAMING_SHARE = 5
@@ -166,12 +167,14 @@ def dispatcher_metrics_url(flag: str, host: str = "") -> tuple[str, str]:
     """The dispatcher's ``/metrics`` URL the watch reads, and where it came from: ``--switchyard-metrics``; else
     the up file of the stack whose HTTP face is ``host`` (locust's ``--host``: with two stacks running, the second
     one's endpoints are in ``up-<pid>.json`` beside the first's ``up.json``); else ``SWITCHYARD_UP_FILE`` or the
-    usual up file; else the default port."""
+    usual up file; else the default port. An up file whose launcher is gone (killed) is removed, not read."""
     if flag:
         return flag, "--switchyard-metrics"
     default = Path(os.environ.get("SWITCHYARD_UP_FILE")
                    or Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json")
     port = urllib.parse.urlsplit(host).port if host else None
+    for stale, pid in remove_stale(default):  # a killed launcher's: its ports serve nothing
+        logging.getLogger("switchyard.locust").info("removed %s: its switchyard up (pid %d) is gone", stale, pid)
     candidates = [default, *sorted(default.parent.glob("up*.json"))]
     for path in dict.fromkeys(candidates):
         try:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -289,3 +290,56 @@ def test_a_second_stack_keeps_the_first_stacks_up_file_and_says_where_its_own_is
     monkeypatch.setenv("SWITCHYARD_UP_FILE", str(path))  # named by the user: that file, whoever wrote it
     path.write_text(json.dumps({"pid": os.getppid(), "services": {}}))
     assert launcher._own_up_file(path) == path
+
+
+def _dead_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def test_an_up_file_whose_launcher_is_gone_is_removed_by_the_next_reader(tmp_path):
+    """A killed launcher's up file stayed, naming ports nothing serves; the next reader removes it and reads
+    on. A live launcher's file, and one that cannot be read, are kept."""
+    from switchyard.common.up_files import remove_stale
+
+    dead = _dead_pid()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "up.json").write_text(json.dumps({"pid": dead, "services": {}}))
+        (tmp_path / f"up-{dead}.json").write_text(json.dumps({"pid": dead, "services": {}}))
+        (tmp_path / f"up-{live.pid}.json").write_text(json.dumps({"pid": live.pid, "services": {}}))
+        (tmp_path / "up-7.json").write_text("{")  # half written, or not an up file: not ours to judge
+        (tmp_path / "other.json").write_text(json.dumps({"pid": dead}))
+        removed = remove_stale(tmp_path / "up.json")
+        assert sorted(removed) == sorted([(tmp_path / "up.json", dead), (tmp_path / f"up-{dead}.json", dead)])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"up-{live.pid}.json", "up-7.json", "other.json"])
+        assert remove_stale(tmp_path / "absent" / "up.json") == []
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_the_up_file_of_a_killed_switchyard_up_is_removed_by_top(tmp_path):
+    """`kill -9` of `switchyard up` left its up file behind; `switchyard top` read the dead stack's ports."""
+    up_file = tmp_path / "up.json"
+    env = {**os.environ, "SWITCHYARD_UP_FILE": str(up_file)}
+    launcher = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "up", "--free-ports", "--data-dir",
+                                 str(tmp_path / "data")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd=Path(__file__).resolve().parent.parent)
+    try:
+        for _ in range(600):  # the launcher claims the file before its services are healthy
+            if up_file.exists() and json.loads(up_file.read_text()).get("pid") == launcher.pid:
+                break
+            assert launcher.poll() is None
+            time.sleep(0.05)
+        else:
+            raise AssertionError("switchyard up wrote no up file")
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert up_file.exists()  # no clean-up ran
+    top = subprocess.run([sys.executable, "-m", "switchyard.cli", "top", "--once", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert not up_file.exists(), top.stdout + top.stderr
+    assert "Traceback" not in top.stderr

@@ -19,7 +19,8 @@ drawn. Ctrl-C ends it. ``--once --json`` writes valid JSON: a figure that is not
 known (a gauge the service does not read, NaN in its metrics) is ``null``.
 
 Endpoints come from flags, else from the up file that ``switchyard up`` writes
-(``switchyard.launcher.up_file``), else from the configured metrics ports.
+(``switchyard.launcher.up_file``; one a killed launcher left is removed, not read),
+else from the configured metrics ports.
 
 Exit status: 0; 1 when ``--once`` could not reach a service (the JSON still
 says which and why); 2 for bad arguments.
@@ -148,11 +149,13 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
                 flagged[name] = metrics_url(raw)
             except ValueError as exc:
                 raise ValueError(f"--{name}: {exc}") from None
+    from switchyard.common import up_files
     from switchyard.launcher import up_file
 
     path = Path(args.up_file) if args.up_file else up_file()
     found: dict[str, str] = {}
     source = "flags"
+    stale = up_files.remove_stale(path)  # a killed launcher's: its ports serve nothing
     if len(flagged) < len(SERVICES):
         try:
             recorded = json.loads(path.read_text())["services"]
@@ -167,7 +170,8 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             config = load_config(args.config_dir)
             host = config.server.host
             found = {name: f"http://{host}:{getattr(config, name).metrics_port}/metrics" for name in SERVICES}
-            source = f"config ({path} not found)"
+            source = f"config ({path} not found)" if not any(p == path for p, _ in stale) else \
+                f"config ({path} removed: its switchyard up, pid {stale[0][1]}, is gone)"
     return {**found, **flagged}, source
 
 

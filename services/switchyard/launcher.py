@@ -36,7 +36,9 @@ parent-death signal, common/children.py), and the orchestrator's CPU-pool
 workers die with the orchestrator the same way.
 
 Once all are healthy it writes their endpoints to the up file
-(:func:`up_file`), which ``switchyard top`` reads, and removes it on exit::
+(:func:`up_file`), which ``switchyard top`` reads, and removes it on exit; a
+file left by a launcher that was killed (``kill -9``) is removed by whoever
+reads the folder next (common/up_files.py)::
 
     {"pid": 4242, "services": {"orchestrator": {"address": "127.0.0.1:50051",
      "metrics_url": "http://127.0.0.1:9101/metrics", "pid": 4243, "http_port": 8080}, ...}}
@@ -61,7 +63,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from switchyard.common import children, envs
+from switchyard.common import children, envs, up_files
 from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
@@ -307,6 +309,8 @@ def main(argv: list[str]) -> int:
         env[envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.name] = str(Path(args.data_dir) / "tasks.sqlite3")
     services: list[Child] = []
     grace = config.server.shutdown_grace_s
+    for stale, pid in up_files.remove_stale(up_file()):
+        print(f"switchyard up: removed {stale}: its switchyard up (pid {pid}) is gone", flush=True)
     endpoints_file = _own_up_file(up_file())
     port_files = tempfile.TemporaryDirectory(prefix="switchyard-up-")
     try:

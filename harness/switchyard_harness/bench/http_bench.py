@@ -283,9 +283,11 @@ async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: flo
 
 def _endpoints(args: Any) -> tuple[str, str, str]:
     """HTTP base URL, gRPC address and the orchestrator's metrics URL (flags, else the up file, else defaults)."""
+    from switchyard.common import up_files
     from switchyard.launcher import up_file
 
     grpc_addr, metrics = "127.0.0.1:50051", "http://127.0.0.1:9101/metrics"
+    up_files.remove_stale(up_file())  # a killed launcher's: its ports serve nothing
     try:
         recorded = json.loads(up_file().read_text())["services"]["orchestrator"]
         grpc_addr, metrics = recorded["address"], recorded["metrics_url"]

@@ -1,0 +1,59 @@
+"""The up files of ``switchyard up`` whose launcher is gone.
+
+``switchyard up`` records its stack's endpoints in an up file (``up.json`` in
+the per-user folder, ``up-<pid>.json`` beside it for a second stack; see
+switchyard.launcher) and removes it when it stops. A launcher killed with
+``kill -9`` runs no clean-up, so its file stays, naming ports nothing serves:
+``switchyard top`` and the locust watch file read a dead stack, and the next
+``up`` found the folder holding a stack that is not there. Whoever reads the
+folder next (``switchyard up``, ``switchyard top``, the locustfile, ``switchyard
+bench http``) ignores such a file and removes it (:func:`remove_stale`).
+
+Light on imports: the locustfile calls it under gevent, without gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from switchyard.common.children import pid_alive
+
+SECOND_STACK = re.compile(r"up-\d+\.json")
+"""The name of a second stack's up file (``up-<launcher pid>.json``)."""
+
+
+def launcher_pid(path: Path) -> int | None:
+    """The ``pid`` an up file records (its launcher's); None when it cannot be read (absent, being replaced,
+    not an up file)."""
+    try:
+        pid = json.loads(path.read_text())["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
+def remove_stale(path: Path) -> list[tuple[Path, int]]:
+    """Remove ``path`` and the ``up-<pid>.json`` files in its folder whose launcher is gone (their ``pid`` is no
+    live process); a file that cannot be read, or whose launcher lives, is left as it is.
+
+    Returns:
+        (path, launcher pid) of each file removed, for the caller to say so; a file another reader removed first
+        is not listed.
+    """
+    try:
+        beside = sorted(p for p in path.parent.iterdir() if SECOND_STACK.fullmatch(p.name))
+    except OSError:  # no folder yet: nothing to remove
+        beside = []
+    removed: list[tuple[Path, int]] = []
+    for candidate in dict.fromkeys([path, *beside]):
+        pid = launcher_pid(candidate)
+        if pid is None or pid_alive(pid):
+            continue
+        try:
+            candidate.unlink()
+        except OSError:
+            continue
+        removed.append((candidate, pid))
+    return removed
