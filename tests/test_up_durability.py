@@ -151,6 +151,27 @@ async def test_kill_9_of_the_launcher_leaves_no_process_and_the_next_start_succe
     assert (data / "appendonly.aof").exists() and (data / "tasks.sqlite3").exists()
 
 
+def test_kill_9_of_the_embedded_redis_stops_the_stack_naming_it(pydoc_index_dir: Path, tmp_path: Path) -> None:
+    """One stack, one fate (docs/architecture.md): the embedded Redis is one of the processes `switchyard up`
+    started. Killed, it was neither restarted nor reported: the stack ran on, the orchestrator retrying the
+    DRAM tier for ever."""
+    stack = UpStack(pydoc_index_dir, args=("--data-dir", str(tmp_path / "redis")))
+    started: list[psutil.Process] = []
+    try:
+        stack.wait_ready()
+        started = _descendants(stack.proc.pid)
+        (redis,) = [p for p in started if "redis-server" in " ".join(p.cmdline())]
+        redis.kill()
+        assert stack.proc.wait(120) == 1
+        said = "".join(stack.lines)
+        assert (f"switchyard up: redis (the DRAM tier's embedded redis-server, pid {redis.pid}, "
+                f"{stack.redis_address()}) exited with status -9; stopping the others") in said, said
+        assert _survivors(started) == []
+    finally:
+        _kill_all(started)
+        stack.stop()
+
+
 def _orchestrator_config(tmp_path: Path) -> Path:
     folder = tmp_path / "config"
     shutil.copytree(ROOT / "config", folder)

@@ -7,8 +7,8 @@ redis-server binary the services run without the tier (degraded, logged).
 Retrieval and the dispatcher start next, then the orchestrator (pointed at
 them); each is waited on until its gRPC health check says SERVING. Ctrl-C or
 SIGTERM stops all of them (each drains its in-flight streams; Redis last) and
-exits 0. If one dies on its own, the others are stopped and the exit status is
-1; with ``--dispatchers N`` (N > 1) the stack keeps running while at least one
+exits 0. If one dies on its own (the embedded Redis included), the others are
+stopped, the one that ended is named and the exit status is 1; with ``--dispatchers N`` (N > 1) the stack keeps running while at least one
 dispatcher lives, as a deployment with replicas would.
 
 ``--dispatchers N`` starts N dispatcher processes; the orchestrator reaches
@@ -256,6 +256,15 @@ def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | Non
     return redis
 
 
+def _redis_exit(redis: EmbeddedRedis | None) -> str | None:
+    """What the launcher says when the embedded Redis it started has exited (``kill -9``, a crash); None while it
+    runs, or when there is none (``[dram] embedded`` off, no binary: the services run without the tier)."""
+    if redis is None or redis.proc is None or redis.proc.poll() is None:
+        return None
+    return (f"redis (the DRAM tier's embedded redis-server, pid {redis.proc.pid}, {redis.address}) exited with "
+            f"status {redis.proc.returncode}")
+
+
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard up", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
@@ -335,6 +344,9 @@ def main(argv: list[str]) -> int:
                            and healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server)):
                     if stopping:
                         return 0
+                    if (gone := _redis_exit(redis)) is not None:
+                        print(f"switchyard up: {gone} during start-up", file=sys.stderr)
+                        return 1
                     if child.proc.poll() is not None:
                         print(f"switchyard up: {child.name} exited with status {child.proc.returncode} "
                               "during start-up (see its log above)", file=sys.stderr)
@@ -365,6 +377,9 @@ def main(argv: list[str]) -> int:
         _write_up_file(endpoints_file, host, services)
         reported: set[str] = set()
         while not stopping:
+            if (gone := _redis_exit(redis)) is not None:  # the services would retry it for ever, saying nothing
+                print(f"switchyard up: {gone}; stopping the others", file=sys.stderr)
+                return 1
             for child in services:
                 if child.proc.poll() is None or child.name in reported:
                     continue
