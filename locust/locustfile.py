@@ -39,6 +39,13 @@ the contents of ``--token-file FILE``, which wins over the variable
     SWITCHYARD_AUTH_TOKEN=... locust -f locust/locustfile.py --headless ...
 
 An unreadable or empty ``--token-file`` stops the run before it starts (exit 2).
+
+At the test's stop the backlog the users left (tasks AgentUser submitted that are still queued or running) is
+cancelled (``POST /api/v1/tasks/{task_id}/cancel``, :data:`SETTLE_CONCURRENCY` at once), so that no load goes on
+after locust exits; ``--keep-backlog`` leaves it running. Either way one line reports it (how many were queued,
+running, cancelled or kept), and with ``--csv PREFIX`` ``PREFIX_backlog.csv`` lists each task (task_id, its state
+when asked, cancelled / kept / done / error). A task that could not be cancelled is an error in the log and exit
+status 1.
 """
 
 from __future__ import annotations
@@ -86,7 +93,8 @@ class _Authorized:
 
 
 class AgentUser(_Authorized, HttpUser):
-    """The field's user: submits react_loop tasks of random agents and priority classes."""
+    """The field's user: submits react_loop tasks of random agents and priority classes. Each task it was answered
+    accepted joins :data:`SUBMITTED`, the backlog settled at the test's stop (:func:`_settle_backlog`)."""
 
     wait_time = between(0.1, 0.5)
     weight = STREAMING_SHARE - 1
@@ -94,12 +102,16 @@ class AgentUser(_Authorized, HttpUser):
     @task
     def submit_agent_task(self) -> None:
         priority = random.choice(PRIORITIES)
-        self.client.post(
-            "/api/v1/agent/submit",
-            json={"agent_id": f"agent-{random.randint(1, 1000)}", "priority": priority,
-                  "task_type": "react_loop", "max_tokens": 512},
-            headers={"X-Priority": priority},
-        )
+        answer = None
+        try:
+            answer = self.client.post(
+                "/api/v1/agent/submit",
+                json={"agent_id": f"agent-{random.randint(1, 1000)}", "priority": priority,
+                      "task_type": "react_loop", "max_tokens": 512},
+                headers={"X-Priority": priority},
+            )
+        finally:  # the stop kills a user mid-request (GreenletExit): its task, if accepted, is not known here
+            _remember(answer)
 
 
 class StreamingRunTaskUser(_Authorized, HttpUser):
@@ -145,6 +157,138 @@ class StreamingRunTaskUser(_Authorized, HttpUser):
              response_length=size, exception=None, context={})
 
 
+# --------------------------------------------------------------------------- the backlog left at the stop
+
+SUBMITTED: dict[str, None] = {}
+"""The task_id of each task AgentUser's submits were answered accepted in this process (a worker holds its own
+users'), in order; settled and emptied at the test's stop."""
+CUT_SUBMITS = [0]
+"""Submits the stop cut before their answer came (their tasks, if accepted, are not known to cancel)."""
+SETTLE_CONCURRENCY = 32
+"""Cancel (or status) requests in flight at once while the backlog is settled."""
+SETTLE_DEADLINE_S = 60.0
+"""Seconds the settling may take in all; tasks not asked by then are reported as not asked."""
+CANCELLED_WHILE = "CANCELLED: cancelled by CancelTask while "
+"""How a cancelled task's error begins (then QUEUED or RUNNING: where the cancel found it)."""
+
+
+def _remember(answer) -> None:
+    """Record the task of an accepted submit answer (``{"status": "accepted", "task_id": ...}``) in
+    :data:`SUBMITTED`; ``None`` (no answer: the stop cut the request) counts in :data:`CUT_SUBMITS`."""
+    if answer is None:
+        CUT_SUBMITS[0] += 1
+        return
+    if answer.status_code != 200:
+        return
+    try:
+        body = answer.json()
+        task_id = body["task_id"]
+    except (ValueError, KeyError, TypeError):
+        return
+    if isinstance(task_id, str) and task_id:
+        SUBMITTED[task_id] = None
+
+
+def settle_backlog(host: str, task_ids: list[str], keep: bool, headers: dict[str, str] | None = None,
+                   concurrency: int = SETTLE_CONCURRENCY, deadline_s: float = SETTLE_DEADLINE_S,
+                   timeout_s: float = 10.0) -> dict[str, tuple[str, str]]:
+    """Cancel the tasks ``task_ids`` still queued or running at the HTTP face ``host`` (``POST
+    /api/v1/tasks/{task_id}/cancel``: a finished task is answered unchanged), or with ``keep`` only read their
+    states (``GET /api/v1/tasks/{task_id}``); ``concurrency`` requests at once, each within ``timeout_s`` seconds,
+    all within ``deadline_s``.
+
+    Returns:
+        task_id -> (its state when asked: ``queued``, ``running``, ``finished``, ``failed``, or ``""`` when not
+        known; what became of it: ``cancelled``, ``kept``, ``done`` (it had ended), or ``error: ...`` naming why
+        it was not asked or not answered).
+    """
+    import requests
+    from gevent.pool import Pool
+    from requests.adapters import HTTPAdapter
+
+    session = requests.Session()
+    session.headers.update(headers or {})
+    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    base = host.rstrip("/")
+    ends = time.monotonic() + deadline_s
+
+    def settle(task_id: str) -> tuple[str, tuple[str, str]]:
+        if time.monotonic() > ends:
+            return task_id, ("", f"error: not asked within {deadline_s:g} s")
+        path = f"{base}/api/v1/tasks/{urllib.parse.quote(task_id, safe='')}"
+        try:
+            reply = session.get(path, timeout=timeout_s) if keep else session.post(f"{path}/cancel", timeout=timeout_s)
+        except requests.RequestException as exc:
+            return task_id, ("", f"error: {exc}")
+        if reply.status_code != 200:
+            return task_id, ("", f"error: {reply.status_code} {reply.text[:200]}")
+        try:
+            status = reply.json()
+            state, error = str(status["state"]), str(status.get("error") or "")
+        except (ValueError, KeyError, TypeError):
+            return task_id, ("", f"error: not a task status: {reply.text[:200]}")
+        if keep:
+            return task_id, (state, "kept" if state in ("queued", "running") else "done")
+        if state == "failed" and error.startswith(CANCELLED_WHILE):
+            return task_id, (error[len(CANCELLED_WHILE):].split()[0].strip(",").lower(), "cancelled")
+        return task_id, (state, "done")
+
+    try:
+        return dict(Pool(concurrency).imap_unordered(settle, task_ids))
+    finally:
+        session.close()
+
+
+def backlog_summary(outcomes: dict[str, tuple[str, str]], cut: int, keep: bool) -> str:
+    """One line on the backlog :func:`settle_backlog` settled (``outcomes``) and the ``cut`` submits."""
+    left = [state for state, outcome in outcomes.values() if outcome in ("cancelled", "kept")]
+    errors = [outcome for _, outcome in outcomes.values() if outcome.startswith("error")]
+    line = (f"backlog at the stop: {len(left)} of the {len(outcomes)} tasks the users submitted had not finished "
+            f"({left.count('queued')} queued, {left.count('running')} running): "
+            + ("kept (--keep-backlog), they run on" if keep else "cancelled (--keep-backlog keeps them)"))
+    if errors:
+        line += f"; {len(errors)} could not be {'read' if keep else 'cancelled'} (first: {errors[0][7:]})"
+    if cut:
+        line += (f"; {cut} submit(s) cut by the stop before their answer: their tasks, if accepted, are not known "
+                 "here")
+    return line
+
+
+def _write_backlog_csv(path: str, outcomes: dict[str, tuple[str, str]]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task_id", "state", "outcome"])
+        writer.writerows([task_id, state, outcome] for task_id, (state, outcome) in sorted(outcomes.items()))
+
+
+@events.test_stop.add_listener
+def _settle_backlog(environment, **_kwargs) -> None:
+    """At the test's stop: the tasks this process's users submitted that had not finished are cancelled (or, with
+    ``--keep-backlog``, read and left running) and reported: a log line, ``<--csv prefix>_backlog.csv`` (each task:
+    its state when asked, what became of it), exit status 1 when some could not be cancelled."""
+    from locust.runners import MasterRunner
+
+    if isinstance(environment.runner, MasterRunner):  # its workers hold the users, and settle their own
+        return
+    task_ids, cut = list(SUBMITTED), CUT_SUBMITS[0]
+    SUBMITTED.clear()
+    CUT_SUBMITS[0] = 0
+    if not task_ids and not cut:
+        return
+    options = environment.parsed_options
+    keep = bool(getattr(options, "keep_backlog", False))
+    outcomes = settle_backlog(environment.host or "", task_ids, keep, AUTH_HEADERS)
+    failed = any(outcome.startswith("error") for _, outcome in outcomes.values())
+    log = logging.getLogger("switchyard.locust")
+    (log.error if failed else log.info)("%s", backlog_summary(outcomes, cut, keep))
+    if prefix := getattr(options, "csv_prefix", None):
+        _write_backlog_csv(f"{prefix}_backlog.csv", outcomes)
+    if failed and not keep:  # load nobody asked for goes on
+        environment.process_exit_code = 1
+
+
 # --------------------------------------------------------------------------- the watched figures
 
 
@@ -159,6 +303,8 @@ def _arguments(parser) -> None:
                         help="weight of StreamingRunTaskUser (0: none)")
     parser.add_argument("--token-file", default="", help="file holding the bearer token to send to a stack with "
                         "orchestrator.auth on (wins over --token-env)")
+    parser.add_argument("--keep-backlog", action="store_true", help="leave the tasks the users submitted and that "
+                        "had not finished at the stop running (default: they are cancelled and reported)")
     parser.add_argument("--token-env", default=TOKEN_ENV, help=f"variable holding the bearer token, as switchyard "
                         f"run reads it (default {TOKEN_ENV}; unset or empty: no token)")
 

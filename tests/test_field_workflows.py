@@ -59,6 +59,8 @@ def test_the_fields_curl_submit_and_status_answer_as_the_field_shows(up):
 
 
 def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_figures(up, tmp_path):
+    """Headless, as the field runs it: no failure, the watched figures written, and the backlog the users left
+    cancelled at the stop (it ran on for minutes after locust exited: load nobody asked for)."""
     watch = tmp_path / "watch.csv"
     run = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "locust" / "locustfile.py"), "--headless",
@@ -89,6 +91,18 @@ def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_f
         assert (0 <= float(row["gpu_utilization_ratio"]) <= 1) if gpu_read else row["gpu_utilization_ratio"] == ""
     assert int(rows[-1]["requests"]) > 0 and rows[-1]["failures"] == "0"
     assert any(float(row["compute_score"]) > 0 or float(row["engine_busy_ratio"]) > 0 for row in rows)
+
+    # the backlog at the stop: every task still queued or running was cancelled, and reads so afterwards
+    assert "backlog at the stop: " in run.stderr and "cancelled (--keep-backlog keeps them)" in run.stderr, run.stderr
+    with open(tmp_path / "run_backlog.csv", newline="") as f:
+        backlog = list(csv.DictReader(f))
+    assert {row["outcome"] for row in backlog} <= {"cancelled", "done"}, backlog
+    cancelled = [row for row in backlog if row["outcome"] == "cancelled"]
+    assert cancelled, "no task was left at the stop: nothing checked"  # react_loop tasks take seconds each
+    for row in cancelled[:20]:
+        status = request(f"{http_url(up)}/api/v1/tasks/{row['task_id']}")
+        assert status["state"] == "failed" and status["error"].startswith(
+            f"CANCELLED: cancelled by CancelTask while {row['state'].upper()}"), status
 
 
 def test_a_served_orchestrator_answers_a_cpu_profile_of_its_event_loop(up):
