@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import AsyncIterator
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -154,9 +155,18 @@ async def test_a_stopped_dispatcher_process_answers_nothing_and_counts_as_not_re
         async with orchestrator(orchestrator_config(f"127.0.0.1:{port}")) as channel:
             watch = HealthWatch(channel, "agent.AgentService")
             await watch.until(SERVING)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            task = agent_pb2.RunTaskRequest(payload="hi", task_type="chat", max_tokens=2)
+            assert [e async for e in stub.RunTask(task)][-1].HasField("final")
             proc.send_signal(signal.SIGSTOP)
             await watch.until(NOT_SERVING)
             assert await check(channel, "") == SERVING
+            # a task is refused at once, naming the dispatcher, not left to wait for it until its deadline
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [e async for e in stub.RunTask(task, timeout=60)]
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (refused.value.details() or "").startswith("dispatcher service unavailable at 127.0.0.1:")
+            assert "did not answer its last health check" in (refused.value.details() or "")
             proc.send_signal(signal.SIGCONT)
             await watch.until(SERVING)
             watch.call.cancel()

@@ -145,6 +145,11 @@ class Readiness:
         replicas.unhealthy = unhealthy
         return any(results)
 
+    def unready(self, workflow: str) -> list[tuple[str, str]]:
+        """The downstream services ``workflow`` needs that the last round found not ready, with their targets."""
+        return [(name, self._channels[name][1]) for name in NEEDS[workflow]
+                if name in self._channels and not self.ready.get(name, False)]
+
     def statuses(self) -> dict[str, int]:
         """Health service name -> SERVING / NOT_SERVING under the current :attr:`ready`."""
         out = {

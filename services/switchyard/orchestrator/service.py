@@ -42,8 +42,8 @@ from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
-from switchyard.common.errors import (InvalidArgument, SwitchyardError, TaskDeadlineExceeded, TaskRefusedEarly, abort,
-                                     status_for)
+from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
+                                     TaskRefusedEarly, abort, status_for)
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import Drains, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
@@ -396,6 +396,21 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                                   request.max_tokens)
         return spec
 
+    def _check_ready(self, workflow: str) -> None:
+        """Refuse a RunTask of ``workflow`` at once while a service it needs does not answer its health check
+        (readiness, every ``orchestrator.health_check_interval_s``): a stopped dispatcher (SIGSTOP, a hung
+        process) keeps its connections open, and the task would wait for it until its deadline.
+
+        Raises:
+            ServiceUnavailable: naming the first such service and its address (UNAVAILABLE).
+        """
+        unready = self.readiness.unready(workflow) if self.readiness is not None else []
+        if unready:
+            service, target = unready[0]
+            raise ServiceUnavailable(service, target, "it did not answer its last health check "
+                                     f"(within orchestrator.health_check_timeout_s = "
+                                     f"{self.config.orchestrator.health_check_timeout_s:g} s)")
+
     # ------------------------------------------------------------------ RPCs
 
     async def RunTask(
@@ -415,6 +430,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
+            self._check_ready(spec.workflow)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         self._record_metadata(request.metadata)
