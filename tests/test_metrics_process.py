@@ -167,6 +167,11 @@ def test_a_metrics_port_answers_404_off_its_metrics_path():
             with pytest.raises(urllib.error.HTTPError) as missing:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
             assert missing.value.code == 404 and b"this is a metrics port: /metrics" in missing.value.read()
+        # HEAD answers GET's status and headers without the body (it was 405, Allow: OPTIONS,GET)
+        head = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD")
+        with urllib.request.urlopen(head, timeout=10) as response:
+            assert response.status == 200 and response.read() == b""
+            assert response.headers["Content-Type"].startswith("text/plain")
     finally:
         stop_metrics_servers()
 

@@ -179,6 +179,10 @@ def _routes(metrics: Callable[..., Any], profile: Callable[..., Any] | None) -> 
         if profile is not None and path == PATH:
             return profile(environ, start_response)
         if path in METRICS_PATHS:
+            if environ.get("REQUEST_METHOD") == "HEAD":  # RFC 9110 section 9.3.2: GET's headers, no body
+                # (prometheus_client answers HEAD 405); wsgiref still writes the body a handler returns
+                list(metrics({**environ, "REQUEST_METHOD": "GET"}, start_response))
+                return [b""]
             return metrics(environ, start_response)
         # prometheus_client serves the metrics at any path: a request meant for the HTTP face (or a typo)
         # got 200 and the exposition text
