@@ -624,3 +624,12 @@ def test_a_rule_on_a_table_valued_key_names_the_key_not_a_section(config_dir):
     message = str(caught.value)
     assert "key 'tenant_weights' has value {'acme': -1}; expected: a finite weight > 0 for each tenant" in message
     assert "section" not in message and message.count("expected") == 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_number_that_is_not_finite_is_refused_as_such_not_by_a_bound(value):
+    """NaN passed every bound but the one it was reported against: 'has value nan; expected: Input should be
+    less than or equal to 86400', as if a smaller NaN would do."""
+    with pytest.raises(ConfigError, match="key 'scheduler.fairness_half_life_s' has value .*; expected: Input "
+                                          "should be a finite number"):
+        SwitchyardConfig().with_overrides(**{"scheduler.fairness_half_life_s": value})

@@ -14,7 +14,7 @@ class ConfigError(Exception):
 
 class _Strict(BaseModel):
     # strict: "8" is not silently taken for 8; a value must have the type the key expects.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)  # nan passed every bound
 
 def _describe(path: str, exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
     """Each error of ``exc`` (validating ``model``, when given) as ``path: key 'K' has value V; expected: ...``;
