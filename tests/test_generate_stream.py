@@ -719,16 +719,27 @@ class _HeldStreamEngine(StreamEngine):
         pass
 
 
+@contextlib.asynccontextmanager
+async def held_stream_dispatcher(**overrides: object) -> AsyncIterator[
+        tuple[_HeldStreamEngine, DispatcherService, grpc.aio.Channel]]:
+    """A dispatcher on a :class:`_HeldStreamEngine` served on 127.0.0.1:0, and a channel to it."""
+    engine = _HeldStreamEngine()
+    service = DispatcherService(make_config(**overrides), engine=engine)
+    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+    channel = open_channel(f"127.0.0.1:{srv.port}")
+    try:
+        yield engine, service, channel
+    finally:
+        await channel.close()
+        await srv.stop(1.0)
+
+
 async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_end_was_decided():
     """B waits for its first token past its deadline while A streams; A's next token reaching the scheduler
     ended B (DEADLINE_EXCEEDED) but only the time slice's decision cancelled an upstream call: B's went on,
     counted by its endpoint, beside a slot given back."""
-    config = make_config(**{"scheduler.time_slice_ms": 5000})  # the decision's own expiry comes too late
-    engine = _HeldStreamEngine()
-    service = DispatcherService(config, engine=engine)
-    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
-    channel = open_channel(f"127.0.0.1:{srv.port}")
-    try:
+    async with held_stream_dispatcher(**{"scheduler.time_slice_ms": 5000}) as (engine, _service, channel):
+        # (a time slice of 5 s: the decision's own expiry comes too late)
         stream = RawStream(channel)
         await stream.send(start("a-streams", max_tokens=60), start("held-b", timeout_s=0.2, max_tokens=4))
         await stream.until(lambda: stream.errors.get("held-b"), "held-b's deadline error")
@@ -736,9 +747,6 @@ async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_en
         await wait_until(lambda: engine.cancelled == ["held-b"], "held-b's upstream call cancelled")
         await stream.until(lambda: stream.done("a-streams"), "a-streams done")
         assert await stream.close() == grpc.StatusCode.OK
-    finally:
-        await channel.close()
-        await srv.stop(1.0)
 
 
 async def test_an_engine_loop_that_fails_fails_what_it_held_refuses_the_rest_and_reports_not_serving(
@@ -799,13 +807,8 @@ async def test_a_second_start_under_a_running_id_ends_both_with_one_error() -> N
 async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_streams_take_the_limit() -> None:
     """Two BATCH streams that send nothing take a limit of 2; CORE's reserved slots are its own even then,
     and its arrival admits it without waiting for a stream's end or the time slice (10 s here)."""
-    config = make_config(**{"scheduler.time_slice_ms": 10_000, "upstream.concurrency": {
-        "min_limit": 2, "initial_limit": 2, "max_limit": 2, "core_reserved_slots": 2}})
-    engine = _HeldStreamEngine()
-    service = DispatcherService(config, engine=engine)
-    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
-    channel = open_channel(f"127.0.0.1:{srv.port}")
-    try:
+    async with held_stream_dispatcher(**{"scheduler.time_slice_ms": 10_000, "upstream.concurrency": {
+            "min_limit": 2, "initial_limit": 2, "max_limit": 2, "core_reserved_slots": 2}}) as (engine, service, channel):
         stream = RawStream(channel)
         await stream.send(start("held-1", priority=agent_pb2.BATCH), start("held-2", priority=agent_pb2.BATCH))
         await wait_until(lambda: service.limit.in_flight == 2, "both BATCH streams admitted")
@@ -816,6 +819,3 @@ async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_st
         await stream.send(cancel=("held-1", "held-2"))
         await wait_until(lambda: sorted(engine.cancelled) == ["held-1", "held-2"], "the held streams cancelled")
         assert await stream.close() == grpc.StatusCode.OK
-    finally:
-        await channel.close()
-        await srv.stop(1.0)

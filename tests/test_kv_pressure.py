@@ -181,21 +181,28 @@ async def test_a_long_prompt_is_prefilled_over_steps_under_the_token_budget() ->
     assert mixed_step_seconds(engine.params, 512, 2) < mixed_step_seconds(engine.params, 1200, 2)
 
 
-def test_a_warm_prefix_being_handed_over_to_its_agents_next_step_still_counts_in_the_kv_budget() -> None:
-    """A resuming step takes its agent's parked KV over when it is flushed and releases it when it starts. In
-    between the parked KV was counted nowhere (it had left the parking, and the new step was not running), so
-    a 50,000-token chat admitted beside it overcommitted HBM by the parked prefix."""
+def _parked_agent_back() -> tuple[Any, Request, Request]:
+    """A scheduler with one agent's step parked warm, holding 60 % of the KV budget, and that agent's next step
+    (resuming, not yet added)."""
     sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0})
-    budget = sched.capacity
-    per = budget.info.kv_bytes_per_token
-    room = budget.budget_bytes // per
+    room = sched.capacity.budget_bytes // sched.capacity.info.kv_bytes_per_token
     parked = request("agent-step-1", BATCH, prompt_tokens=room * 6 // 10, max_tokens=64, task_type="react_loop",
                      agent_id="a1")
     parked.num_computed_tokens = parked.prompt_tokens
     sched.parking.park(parked, now=0.0)
     resumed = request("agent-step-2", BATCH, prompt_tokens=parked.prompt_tokens + 100, max_tokens=64,
                       task_type="react_loop", agent_id="a1", resume=True, arrival=1.0)
-    chat = request("chat", NORMAL, prompt_tokens=room // 2, max_tokens=1_000, arrival=1.0)
+    return sched, parked, resumed
+
+
+def test_a_warm_prefix_being_handed_over_to_its_agents_next_step_still_counts_in_the_kv_budget() -> None:
+    """A resuming step takes its agent's parked KV over when it is flushed and releases it when it starts. In
+    between the parked KV was counted nowhere (it had left the parking, and the new step was not running), so
+    a 50,000-token chat admitted beside it overcommitted HBM by the parked prefix."""
+    sched, parked, resumed = _parked_agent_back()
+    budget = sched.capacity
+    per = budget.info.kv_bytes_per_token
+    chat = request("chat", NORMAL, prompt_tokens=budget.budget_bytes // per // 2, max_tokens=1_000, arrival=1.0)
     sched.add_request(resumed, 1.0)
     sched.add_request(chat, 1.0)
     out = sched.schedule(1.0)
@@ -211,14 +218,7 @@ def test_a_warm_prefix_being_handed_over_to_its_agents_next_step_still_counts_in
 def test_a_step_taking_over_its_agents_warm_prefix_is_not_refused_for_the_prefix_it_takes_over() -> None:
     """The prefix a resuming step takes over counts against every other request, and becomes the step's own
     when it starts: a step whose prefix is most of the budget still starts, warm."""
-    sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0})
-    room = sched.capacity.budget_bytes // sched.capacity.info.kv_bytes_per_token
-    parked = request("agent-step-1", BATCH, prompt_tokens=room * 6 // 10, max_tokens=64, task_type="react_loop",
-                     agent_id="a1")
-    parked.num_computed_tokens = parked.prompt_tokens
-    sched.parking.park(parked, now=0.0)
-    resumed = request("agent-step-2", BATCH, prompt_tokens=parked.prompt_tokens + 100, max_tokens=64,
-                      task_type="react_loop", agent_id="a1", resume=True, arrival=1.0)
+    sched, parked, resumed = _parked_agent_back()
     sched.add_request(resumed, 1.0)
     out = sched.schedule(1.0)
     assert out.admitted == [resumed] and resumed.num_computed_tokens == parked.prompt_tokens
