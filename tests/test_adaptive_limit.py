@@ -257,8 +257,8 @@ def test_core_reserve_holds_slots_back_from_lower_classes_until_core_uses_them()
 def test_core_keeps_its_reserved_slots_when_the_limit_came_down_below_the_lower_classes_in_flight() -> None:
     """After a 429 or the TTFT brake took the limit below the BATCH streams admitted under it, a CORE request
     waited in the dispatcher's queue until enough of them ended (seconds, in front of transformers serve)."""
-    limit = make_limit(initial_limit=4, min_limit=1, max_limit=64, core_reserved_slots=2)
-    for _ in range(8):  # admitted under an earlier, higher limit
+    limit = make_limit(initial_limit=8, min_limit=1, max_limit=64, core_reserved_slots=2)
+    for _ in range(12):  # admitted under an earlier, higher limit
         limit.acquire(BATCH)
     assert limit.refusal(BATCH) == UPSTREAM_CONCURRENCY
     assert limit.refusal(CORE) is None
@@ -266,10 +266,11 @@ def test_core_keeps_its_reserved_slots_when_the_limit_came_down_below_the_lower_
     assert limit.refusal(CORE) is None
     limit.acquire(CORE)
     assert limit.refusal(CORE) == UPSTREAM_CONCURRENCY  # its reserved slots taken: CORE waits for the limit too
-    no_reserve = make_limit(initial_limit=4, min_limit=1, max_limit=64, core_reserved_slots=0)
-    for _ in range(4):
-        no_reserve.acquire(BATCH)
-    assert no_reserve.refusal(CORE) == UPSTREAM_CONCURRENCY  # none reserved: the limit alone
+    for slots, limit_value in ((0, 8), (2, 3)):  # none reserved (a limit under 4 reserves none): the limit alone
+        small = make_limit(initial_limit=limit_value, min_limit=1, max_limit=64, core_reserved_slots=slots)
+        for _ in range(limit_value):
+            small.acquire(BATCH)
+        assert small.refusal(CORE) == UPSTREAM_CONCURRENCY
 
 
 @pytest.mark.parametrize("limit_value, reserve", [(1, 0), (3, 0), (4, 1), (8, 2), (100, 2)])

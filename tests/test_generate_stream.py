@@ -805,17 +805,22 @@ async def test_a_second_start_under_a_running_id_ends_both_with_one_error() -> N
 
 
 async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_streams_take_the_limit() -> None:
-    """Two BATCH streams that send nothing take a limit of 2; CORE's reserved slots are its own even then,
-    and its arrival admits it without waiting for a stream's end or the time slice (10 s here)."""
+    """Ten BATCH streams that send nothing, admitted under a limit of 12, then a 429 takes the limit down to 4:
+    CORE's reserved slot is its own even then, and its arrival admits it without waiting for a stream's end or
+    the time slice (10 s here)."""
     async with held_stream_dispatcher(**{"scheduler.time_slice_ms": 10_000, "upstream.concurrency": {
-            "min_limit": 2, "initial_limit": 2, "max_limit": 2, "core_reserved_slots": 2}}) as (engine, service, channel):
+            "min_limit": 1, "initial_limit": 12, "max_limit": 12, "core_reserved_slots": 2}}) as (
+            engine, service, channel):
         stream = RawStream(channel)
-        await stream.send(start("held-1", priority=agent_pb2.BATCH), start("held-2", priority=agent_pb2.BATCH))
-        await wait_until(lambda: service.limit.in_flight == 2, "both BATCH streams admitted")
+        held = [f"held-{i}" for i in range(10)]
+        await stream.send(*(start(rid, priority=agent_pb2.BATCH) for rid in held))
+        await wait_until(lambda: service.limit.in_flight == 10, "the BATCH streams admitted (the lower classes' 10)")
+        service.limit.on_overload(time.monotonic())  # to the 9 others in flight, then halved
+        assert int(service.limit.limit) == 4 < service.limit.in_flight
         began = time.monotonic()
         await stream.send(start("core", priority=agent_pb2.CORE, max_tokens=3))
         await stream.until(lambda: stream.done("core"), "the CORE request done", timeout=HANG_BOUND_S)
         assert time.monotonic() - began < HANG_BOUND_S
-        await stream.send(cancel=("held-1", "held-2"))
-        await wait_until(lambda: sorted(engine.cancelled) == ["held-1", "held-2"], "the held streams cancelled")
+        await stream.send(cancel=tuple(held))
+        await wait_until(lambda: sorted(engine.cancelled) == sorted(held), "the held streams cancelled")
         assert await stream.close() == grpc.StatusCode.OK

@@ -93,9 +93,10 @@ min(core_reserved_slots, limit // 4)`` slots are held back from NORMAL and
 BATCH while CORE does not use them; a CORE stream in flight collapses the hold
 one for one. NORMAL and BATCH may start while ``in_flight < limit - max(0,
 reserve - core_in_flight)``, CORE while ``in_flight < limit`` or while fewer than
-``core_reserved_slots`` CORE streams are in flight: the reserved slots are CORE's
-even when the limit has come down below the lower-class streams admitted under
-it (a CORE request waited seconds for BATCH streams to end there).
+``reserve`` CORE streams are in flight: the reserved slots are CORE's even when the
+limit has come down below the lower-class streams admitted under it (a CORE request
+waited seconds for BATCH streams to end there). A limit under 4 reserves none: a
+server that takes 2 streams is not sent 4 (its 429s would requeue CORE until it failed).
 
 Bounds: ``[min_limit, max_limit]`` from ``queue.json``
 ``model_gateway.concurrency``. The class is self-contained (one instance per
@@ -167,7 +168,8 @@ def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_f
     sum of them apply it alike."""
     whole = int(limit)
     if priority is PriorityClass.CORE:
-        return None if in_flight < whole or core_in_flight < core_reserved_slots else UPSTREAM_CONCURRENCY
+        reserve = core_reserve(limit, core_reserved_slots)
+        return None if in_flight < whole or core_in_flight < reserve else UPSTREAM_CONCURRENCY
     if in_flight >= whole:
         return UPSTREAM_CONCURRENCY
     hold = max(0, core_reserve(limit, core_reserved_slots) - core_in_flight)

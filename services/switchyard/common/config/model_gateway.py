@@ -103,8 +103,8 @@ class AdaptiveConcurrencyConfig(_Strict):
         2, ge=0, le=100_000,
         description="Slots of the limit held back for CORE streams, streams: NORMAL and BATCH wait in the "
         "dispatcher's queue once in flight reaches limit - (core_reserved_slots - CORE in flight); the limit "
-        "always leaves at least one slot any class may take. CORE may start while fewer than this many CORE "
-        "streams are in flight even when the limit is taken (by streams admitted before it came down).",
+        "always leaves at least one slot any class may take. CORE may start while fewer than min(this, limit // 4) "
+        "CORE streams are in flight even when the limit is taken (by streams admitted before it came down).",
     )
     backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429 or 503, a fraction in (0, 1).")
 
