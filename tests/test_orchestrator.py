@@ -813,3 +813,28 @@ async def test_a_dead_cpu_worker_gets_the_pool_replaced_and_the_job_run_on_the_n
         for pool in pools:
             pool.shutdown()
         await queue.stop()
+
+
+async def test_a_task_is_refused_at_once_only_for_a_service_it_cannot_run_without():
+    """With retrieval down, react_loop (which reads a search tool's failure as its observation) and chat run;
+    rag_answer is refused at once, naming retrieval."""
+    import socket
+
+    base = load_config("config", service="orchestrator")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    down = Downstream()
+    async with running([down], base.server) as downstream:
+        with orchestrator_config(dead, f"127.0.0.1:{downstream.port}", base) as cfg:
+            down.orchestrator = OrchestratorService(cfg)
+            async with running([down.orchestrator], cfg.server) as orch:
+                async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    for task_type in ("chat", "react_loop"):
+                        events = await collect(stub, payload="what is 2+2", task_type=task_type, max_tokens=16)
+                        assert events[-1].HasField("final"), task_type
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await collect(stub, payload="what is 2+2", task_type="rag_answer", max_tokens=16)
+                    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert (refused.value.details() or "").startswith(f"retrieval service unavailable at {dead}")

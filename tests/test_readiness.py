@@ -214,3 +214,19 @@ def test_address_count_of_targets():
     assert address_count("127.0.0.1:50053") == 1
     assert address_count("ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003") == 3
     assert address_count("dns:///dispatcher.default.svc.cluster.local:50053") == 3
+
+
+def test_nothing_is_called_unready_before_the_first_round_has_ended():
+    """The orchestrator serves before its readiness's first round ends: every RunTask in that window was refused
+    as 'did not answer its last health check', of a service never checked."""
+    from switchyard.orchestrator.readiness import Readiness
+
+    async def set_status(name: str, status: int) -> None:
+        pass
+
+    readiness = Readiness(set_status, {"dispatcher": (None, "127.0.0.1:1"), "retrieval": (None, "127.0.0.1:2")},
+                          "chat", 1.0, 1.0)
+    assert readiness.unready("rag_answer") == []
+    readiness.checked = True  # a round found both down
+    assert readiness.unready("rag_answer") == [("dispatcher", "127.0.0.1:1"), ("retrieval", "127.0.0.1:2")]
+    assert readiness.unready("react_loop") == [("dispatcher", "127.0.0.1:1")]  # its search tool's failure is read

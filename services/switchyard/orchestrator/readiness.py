@@ -54,6 +54,15 @@ NEEDS: Mapping[str, tuple[str, ...]] = {
 """The downstream services each workflow calls (see workflows.py)."""
 assert set(NEEDS) == set(TASK_TYPES)
 
+CANNOT_RUN_WITHOUT: Mapping[str, tuple[str, ...]] = {
+    "chat": ("dispatcher",),
+    "rag_answer": ("dispatcher", "retrieval"),
+    "react_loop": ("dispatcher",),
+}
+"""The downstream services without which a workflow fails: react_loop calls retrieval only through its
+``search_docs`` tool, whose failure the model reads as the tool's observation (orchestrator/tools.py)."""
+assert set(CANNOT_RUN_WITHOUT) == set(TASK_TYPES)
+
 HEALTH_NAMES = {"dispatcher": "agent.InferenceService", "retrieval": "agent.RetrievalService"}
 """The health service name each downstream sets SERVING when it is ready."""
 
@@ -123,6 +132,8 @@ class Readiness:
         self.timeout_s = timeout_s
         self.ready: dict[str, bool] = {name: False for name in channels}
         """Last result per downstream service (False before the first round)."""
+        self.checked = False
+        """A round has ended: :attr:`ready` says what was found, not what is not known yet."""
         self._published: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._replica_sets = dict(replica_sets or {})
@@ -146,8 +157,11 @@ class Readiness:
         return any(results)
 
     def unready(self, workflow: str) -> list[tuple[str, str]]:
-        """The downstream services ``workflow`` needs that the last round found not ready, with their targets."""
-        return [(name, self._channels[name][1]) for name in NEEDS[workflow]
+        """The downstream services ``workflow`` cannot run without (:data:`CANNOT_RUN_WITHOUT`) that the last
+        round found not ready, with their targets; none before the first round has ended."""
+        if not self.checked:
+            return []
+        return [(name, self._channels[name][1]) for name in CANNOT_RUN_WITHOUT[workflow]
                 if name in self._channels and not self.ready.get(name, False)]
 
     def statuses(self) -> dict[str, int]:
@@ -171,6 +185,7 @@ class Readiness:
                 else:
                     log.warning("readiness: no ready %s at %s", name, target)
             self.ready[name] = ok
+        self.checked = True
         statuses = self.statuses()
         for name, status in statuses.items():
             if self._published.get(name) != status:
