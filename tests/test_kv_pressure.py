@@ -223,3 +223,25 @@ def test_a_step_taking_over_its_agents_warm_prefix_is_not_refused_for_the_prefix
     out = sched.schedule(1.0)
     assert out.admitted == [resumed] and resumed.num_computed_tokens == parked.prompt_tokens
     assert sched.parking.kv_bytes == 0 and resumed.recomputed_tokens == 0
+
+
+def test_a_warm_prefix_is_not_moved_out_for_a_head_that_would_not_fit_anyway() -> None:
+    """The last resort moved every handed-over prefix behind a blocked head out of HBM even when that could not
+    let the head start (running work held the room): each decision threw warm prefixes away for nothing."""
+    sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0})
+    per = sched.capacity.info.kv_bytes_per_token
+    room = sched.capacity.budget_bytes // per
+    running = request("running", NORMAL, prompt_tokens=room // 2, max_tokens=64)
+    sched.add_request(running, 0.0)
+    assert sched.schedule(0.0).admitted == [running]
+    small = request("agent-step-1b", BATCH, prompt_tokens=room // 10, max_tokens=64, task_type="react_loop",
+                    agent_id="a1")
+    small.num_computed_tokens = small.prompt_tokens
+    sched.parking.park(small, now=0.5)
+    head = request("head", NORMAL, prompt_tokens=room * 6 // 10, max_tokens=64, arrival=1.0)
+    back = request("agent-step-2b", BATCH, prompt_tokens=small.prompt_tokens + 100, max_tokens=64,
+                   task_type="react_loop", agent_id="a1", resume=True, arrival=1.0)
+    sched.add_request(head, 1.0)
+    sched.add_request(back, 1.0)
+    assert sched.schedule(1.0).admitted == []  # the head waits for the running request
+    assert back.handover_from is small and back.recomputed_tokens == 0  # its prefix stays warm

@@ -1009,13 +1009,15 @@ class SchedulerCore:
         """The last resort of :meth:`_make_room`: warm prefixes being handed over to steps waiting behind ``head``
         leave HBM as an evicted parked agent's would; each such step then restores its prefix from DRAM (where
         it went) or recomputes it. Without it a head that fits only without them would wait for its deadline
-        while the steps holding them wait behind it."""
-        for waiting in self.queue:
-            if self._shortfall(head) <= 0:
-                return
+        while the steps holding them wait behind it. Nothing is moved when moving them all would not let the
+        head start (it waits for running work to end, and the prefixes stay warm)."""
+        behind = [w for w in self.queue if w is not head and w.handover_from is not None]
+        if sum(self._taken_over(w) for w in behind) < self._shortfall(head):
+            return
+        for waiting in behind:
             parked = waiting.handover_from
-            if waiting is head or parked is None:
-                continue
+            if self._shortfall(head) <= 0 or parked is None:
+                return
             tokens = parked.num_computed_tokens
             waiting.handover_from = None
             waiting.num_computed_tokens = 0
