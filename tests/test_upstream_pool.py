@@ -448,6 +448,10 @@ async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_st
             limit.acquire(PriorityClass.BATCH)
         clock[0] += 10.0  # over the limit: the whole of it, no more
         assert limit.busy_seconds == pytest.approx(15.0)
+        for endpoint in client.pool.endpoints.values():  # the limit moves between two streams' starts and ends
+            endpoint.limit.limit = 40.0
+        clock[0] += 1.0
+        assert limit.busy_seconds == pytest.approx(16.0)  # the share taken at the last start: never backwards
         for _ in range(6):
             limit.release(PriorityClass.NORMAL)
         clock[0] += 10.0  # idle

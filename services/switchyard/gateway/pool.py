@@ -169,24 +169,25 @@ class PoolLimit:
         stream between two attempts is not one of."""
         self.core_in_flight = 0
         """CORE streams among them."""
-        self._busy = 0.0
-        self._busy_at = time.monotonic()
+        self._busy = (0.0, time.monotonic(), 0.0)  # seconds busy until then, then, share of the limit held since
         UPSTREAM_IN_FLIGHT.set(0)
 
     @property
     def busy_seconds(self) -> float:
         """Cumulative seconds of the limit in use: the integral of ``min(1, in_flight / limit)`` over time (the
         ``openai`` engine's busy seconds; its busy ratio, and so its compute score, is the share of the upstream's
-        knee its streams held, what an autoscaler should read for a model server it does not see)."""
-        return self._busy + self._since_change(time.monotonic())  # read only: a scrape thread may ask
+        knee its streams held, what an autoscaler should read for a model server it does not see). The share is
+        taken when a stream starts or ends, so the total never goes back when the limit moves in between; a scrape
+        thread reads the one tuple it is kept in."""
+        busy, since, share = self._busy
+        return busy + (time.monotonic() - since) * share
 
-    def _since_change(self, now: float) -> float:
-        return (now - self._busy_at) * min(1.0, self.in_flight / self.limit) if self.in_flight else 0.0
-
-    def _accrue(self) -> None:
+    def _accrue(self, in_flight: int) -> None:
+        """A stream started or ended, leaving ``in_flight``: close the interval at the old share, open one at
+        the new."""
         now = time.monotonic()
-        self._busy += self._since_change(now)
-        self._busy_at = now
+        busy, since, share = self._busy
+        self._busy = (busy + (now - since) * share, now, min(1.0, in_flight / self.limit) if in_flight else 0.0)
 
     def counted(self) -> list[Endpoint]:
         """The endpoints whose limits the pool's sums take: those up; all of them when none is (so that calls
@@ -210,14 +211,14 @@ class PoolLimit:
         return reason
 
     def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
-        self._accrue()
         self.in_flight += 1
+        self._accrue(self.in_flight)
         self.core_in_flight += priority is PriorityClass.CORE
         UPSTREAM_IN_FLIGHT.set(self.in_flight)
 
     def release(self, priority: PriorityClass, now: float | None = None) -> None:
-        self._accrue()
         self.in_flight = max(0, self.in_flight - 1)
+        self._accrue(self.in_flight)
         if priority is PriorityClass.CORE:
             self.core_in_flight = max(0, self.core_in_flight - 1)
         UPSTREAM_IN_FLIGHT.set(self.in_flight)
