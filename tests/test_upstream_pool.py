@@ -455,4 +455,4 @@ async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_st
         for _ in range(6):
             limit.release(PriorityClass.NORMAL)
         clock[0] += 10.0  # idle
-        assert limit.busy_seconds == pytest.approx(15.0)
+        assert limit.busy_seconds == pytest.approx(16.0)
