@@ -225,6 +225,12 @@ async def test_every_max_tokens_refusal_states_one_bound_and_names_max_tokens_be
         reply = await client.post("/api/v1/agent/submit", json={**body, "max_tokens": bound})
         assert reply.status_code == 200, reply.text  # the bound itself is taken
         assert all(r.max_tokens <= bound for r in down.requests)
+        # beside a payload too long for the window too, a max_tokens out of range is named, as sent
+        for max_tokens in (-5, 10**12):
+            reply = await client.post("/api/v1/agent/submit", json={**body, "max_tokens": max_tokens,
+                                                                     "payload": "word " * 30_000})
+            message = reply.json()["error"]["message"]
+            assert message.startswith("max_tokens: expected 0") and message.endswith(f"(got {max_tokens})"), message
 
 
 async def test_the_priority_message_is_the_grpc_edges():
@@ -271,7 +277,7 @@ async def test_a_body_is_read_in_the_coding_it_names_and_a_bad_or_unknown_coding
     async with http_stack() as (client, _, _down):
         body = json.dumps({**FIELD_BODY, "task_type": "chat"}).encode()
         for coding, encoded in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
-                                ("br", brotli.compress(body)), ("identity", body)):
+                                ("br", brotli.compress(body)), ("identity", body), ("", body)):
             reply = await client.post("/api/v1/agent/submit", content=encoded,
                                       headers={"Content-Type": "application/json", "Content-Encoding": coding})
             assert reply.status_code == 200, (coding, reply.text)
@@ -282,7 +288,7 @@ async def test_a_body_is_read_in_the_coding_it_names_and_a_bad_or_unknown_coding
                 assert reply.status_code == 400, (path, coding, reply.text)
                 assert reply.json()["error"]["message"].startswith(
                     "body: expected data in the coding its Content-Encoding names"), reply.text
-            for coding in ("foo", "gzip, br", "compress"):
+            for coding in ("foo", "gzip, br", "compress", "x-gzip"):  # x-gzip: aiohttp does not decode it
                 reply = await client.post(path, content=body,
                                           headers={"Content-Type": "application/json", "Content-Encoding": coding})
                 assert reply.status_code == 415, (path, coding, reply.text)

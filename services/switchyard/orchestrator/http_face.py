@@ -218,7 +218,7 @@ def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
     return context
 
 
-CONTENT_CODINGS = ("identity", "gzip", "x-gzip", "deflate", "br")
+CONTENT_CODINGS = ("identity", "gzip", "deflate", "br")
 """Request body codings the face reads (aiohttp decodes them as the body comes; br with the Brotli package, in the
 lock for this): another is refused 415 rather than read as if it were JSON."""
 
@@ -458,8 +458,8 @@ class HttpFace(Drains):
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} in UTF-8, with no "
                              f"charset or charset=utf-8 (JSON is UTF-8, RFC 8259 section 8.1) (got {sent})",
                              "orchestrator", status=415)
-        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if coding not in CONTENT_CODINGS or len(request.headers.getall("Content-Encoding", ())) > 1:
+        codings = [v.strip().lower() for v in request.headers.getall("Content-Encoding", ()) if v.strip()]
+        if len(codings) > 1 or (codings and codings[0] not in CONTENT_CODINGS):  # an empty one names nothing
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "Content-Encoding: expected one of "
                              f"{', '.join(CONTENT_CODINGS)} (got {shown(', '.join(request.headers.getall('Content-Encoding')))})",
                              "orchestrator", status=415)  # RFC 9110 section 15.5.16: an unsupported coding is 415

@@ -176,8 +176,9 @@ async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow,
     request's max_tokens as sent (0: the default, ``spec.max_tokens``).
 
     One rule: ``max_tokens`` from 0 to the lesser of ``limits.max_tokens`` and the window less the prompt's
-    tokens (:func:`validation.max_tokens_bound`). The payload is what does not fit when its prompt leaves no
-    room for the default answer (or for a smaller max_tokens the caller asked); otherwise max_tokens is.
+    tokens (:func:`validation.max_tokens_bound`). A max_tokens negative or past ``limits.max_tokens`` is
+    refused as such; otherwise the payload is what does not fit when its prompt leaves no room for the default
+    answer (or for a smaller max_tokens the caller asked), and else max_tokens is.
 
     A cl100k token is at least one UTF-8 byte, so a prompt of no more bytes than the budget fits uncounted;
     a longer one, or any beside a max_tokens out of range, is counted in a thread (tiktoken releases the GIL),
@@ -193,7 +194,9 @@ async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow,
     if in_range and sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
         return  # count_messages's own sum, each token taken as one byte or more
     count = await asyncio.to_thread(count_messages, messages)
-    least = min(spec.max_tokens, limits.default_for(window.tokens)) if in_range else limits.default_for(window.tokens)
+    if not in_range:  # negative, or past limits.max_tokens: wrong whatever the prompt, and named as such
+        raise max_tokens_refusal(asked, limits, model, window, count)
+    least = min(spec.max_tokens, limits.default_for(window.tokens))
     if count > window.tokens - least:  # no room even for the least answer: the question is too long
         raise prompt_over_window(model, window, least, count, spec.max_tokens if asked else None)
     if not 0 <= asked <= max_tokens_bound(limits, window, count):
