@@ -183,3 +183,23 @@ async def test_a_request_that_does_not_parse_is_invalid_argument_naming_its_mess
             stub = health_pb2_grpc.HealthStub(channel)
             assert (await stub.Check(health_pb2.HealthCheckRequest(service=""))).status == \
                 health_pb2.HealthCheckResponse.SERVING
+
+
+def test_an_ipv6_address_in_brackets_is_looked_up_bare():
+    """[::1] with a port in use was said not to resolve (getaddrinfo takes no brackets)."""
+    import socket
+
+    from switchyard.common.server import bind_failure
+
+    import pytest
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "is another process using it?" in bind_failure("[::1]", port)

@@ -207,7 +207,9 @@ def bind_failure(host: str, port: int, what: str = "", port_setting: str = "") -
     """
     address = f"{what}{host}:{port}"
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        # an IPv6 address is written in brackets beside a port ([::1]); getaddrinfo takes it bare
+        name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         return (f"could not bind {address}: the host name {host!r} does not resolve ({exc.strerror}); set "

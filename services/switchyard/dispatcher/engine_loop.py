@@ -291,7 +291,8 @@ class LoopBase:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=True)
-        self._cancel_all()
+        if self.failure is None:  # a failed loop ended what it held already; its scheduler's state is suspect
+            self._cancel_all()
         self._cancel_flush_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()

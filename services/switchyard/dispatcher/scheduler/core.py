@@ -491,7 +491,7 @@ class SchedulerCore:
         if not candidates:
             return False
         budget = isinstance(self.capacity, KvBudget)
-        need = self._need(req)
+        need = self._need(req) - self._taken_over(req)  # a prefix it takes over is its own already
         room = self._free_bytes()
         chosen: list[Request] = []
         for victim in candidates:  # at least one: its slot (a capacity that counts no bytes)
