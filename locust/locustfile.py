@@ -272,7 +272,7 @@ def _settle_backlog(environment, **_kwargs) -> None:
 
     if isinstance(environment.runner, MasterRunner):  # its workers hold the users, and settle their own
         return
-    task_ids, cut = list(SUBMITTED), CUT_SUBMITS[0]
+    task_ids, cut = list(reversed(SUBMITTED)), CUT_SUBMITS[0]  # newest first: the queued ones, within the deadline
     SUBMITTED.clear()
     CUT_SUBMITS[0] = 0
     if not task_ids and not cut:
