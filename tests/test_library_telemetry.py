@@ -79,3 +79,15 @@ def test_an_explicit_value_in_the_environment_is_kept():
         capture_output=True, text=True, env=env, timeout=60, check=True,
     )
     assert out.stdout.strip() == "0"
+
+
+def test_grpc_fork_support_is_off_in_every_switchyard_process_unless_asked_for():
+    """Its fork handlers ran around the CPU pool's fork+exec and once aborted an orchestrator at start-up."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    script = "import os, switchyard; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
+                         check=True)
+    assert out.stdout.strip() == "false"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+                         env={**env, "GRPC_ENABLE_FORK_SUPPORT": "true"})
+    assert out.stdout.strip() == "true"

@@ -206,6 +206,12 @@ LIBRARY_DEFAULTS = {
     # it; only ORT_DISABLE_TELEMETRY=1, read once when onnxruntime initializes, does (onnxruntime's
     # Privacy.md, "Disabling Telemetry"). A service sends nothing anywhere it was not told to.
     "ORT_DISABLE_TELEMETRY": "1",
+    # gRPC's fork support (pthread_atfork handlers that pause its threads and poller around every fork) is for a
+    # process that forks and keeps using gRPC in the child. Switchyard's children exec at once (the CPU pool's
+    # "spawn" workers, subprocesses), and the handlers running around those forks aborted an orchestrator at
+    # start-up under load ("Check failed: wakeup_fd_->Wakeup().ok()" in ev_epoll1_linux.cc); gRPC's
+    # doc/fork_support.md: fork support is only needed for fork without exec.
+    "GRPC_ENABLE_FORK_SUPPORT": "false",
 }
 
 
