@@ -413,7 +413,9 @@ def endpoint_limit(service: DispatcherService) -> AdaptiveConcurrencyLimit:
     """The adaptive limit of an openai-engine dispatcher's one upstream endpoint (a pool of one: the dispatcher's
     limit, ``service.limit``, is their sum)."""
     (endpoint,) = service.engine.client.pool.endpoints.values()  # type: ignore[attr-defined]
-    assert service.limit is not None and service.limit.limit == endpoint.limit.limit
+    # the pool admits whole streams: its limit is the endpoint's, floored (a backoff or the brake leaves 5.5)
+    assert service.limit is not None and service.limit.limit == max(int(endpoint.limit.limit),
+                                                                     endpoint.limit.config.min_limit)
     return endpoint.limit
 
 
