@@ -197,7 +197,9 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     """When the Generate call arrived."""
     deadline: float | None = None
-    """The caller's gRPC deadline, if it set one; an upstream engine's call must end by then."""
+    """When the request must have ended (monotonic seconds; None: no deadline): the Generate call's gRPC deadline,
+    or a GenerateStream start's ``timeout_s`` (set by ``RequestProcessor.open_request``); an upstream engine's call
+    must end by then, and the scheduler fails the request past it (``expire_deadlines``)."""
 
     # --- generated output
     output_tokens: list[str] = field(default_factory=list)
