@@ -49,9 +49,10 @@ def make_config(**overrides: object) -> SwitchyardConfig:
 
 
 @contextlib.asynccontextmanager
-async def dispatcher(**overrides: object) -> AsyncIterator[tuple[DispatcherService, RunningServer, grpc.aio.Channel]]:
-    """A sim dispatcher served on 127.0.0.1:0, and a channel to it."""
-    service = DispatcherService(make_config(**overrides))
+async def dispatcher(engine: StreamEngine | None = None, **overrides: object) -> AsyncIterator[
+        tuple[DispatcherService, RunningServer, grpc.aio.Channel]]:
+    """A dispatcher served on 127.0.0.1:0 (the sim engine, or ``engine``), and a channel to it."""
+    service = DispatcherService(make_config(**overrides), engine=engine)
     srv = await start_server([service], "127.0.0.1", 0, service.config.server)
     channel = open_channel(f"127.0.0.1:{srv.port}")
     try:
@@ -724,14 +725,8 @@ async def held_stream_dispatcher(**overrides: object) -> AsyncIterator[
         tuple[_HeldStreamEngine, DispatcherService, grpc.aio.Channel]]:
     """A dispatcher on a :class:`_HeldStreamEngine` served on 127.0.0.1:0, and a channel to it."""
     engine = _HeldStreamEngine()
-    service = DispatcherService(make_config(**overrides), engine=engine)
-    srv = await start_server([service], "127.0.0.1", 0, service.config.server)
-    channel = open_channel(f"127.0.0.1:{srv.port}")
-    try:
+    async with dispatcher(engine, **overrides) as (service, _srv, channel):
         yield engine, service, channel
-    finally:
-        await channel.close()
-        await srv.stop(1.0)
 
 
 async def test_a_stream_past_its_deadline_ends_its_upstream_call_wherever_its_end_was_decided():
