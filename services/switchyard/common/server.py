@@ -78,6 +78,16 @@ class HealthOwner(ABC):
         """Called once the server serves, instead of setting ``grpc_service_names`` SERVING."""
 
 
+async def set_health(health_servicer: health.aio.HealthServicer, service: Service, serving: bool,
+                     overall: bool = False) -> None:
+    """``service``'s health names (``grpc_service_names``; the server's overall status ``""`` too when ``overall``)
+    SERVING or NOT_SERVING, and its ``switchyard_serving`` gauge 1 or 0."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in (*service.grpc_service_names, *([""] if overall else [])):
+        await health_servicer.set(name, status)
+    SERVING.labels(service.name).set(1 if serving else 0)
+
+
 async def begin_drain(service: Service) -> None:
     """Tell a service that drains (:class:`Drains`) that the server starts draining."""
     if isinstance(service, Drains):
@@ -296,9 +306,7 @@ async def start_server(
         if isinstance(service, HealthOwner):
             await service.watch_health(health_servicer)
             continue
-        for name in service.grpc_service_names:
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        SERVING.labels(service.name).set(1)
+        await set_health(health_servicer, service, serving=True)
     log.info("%s listening on %s:%d%s", ", ".join(s.name for s in services), host, bound,
              f" (health only, plain text, on port {health_bound})" if health_server is not None else "")
     if config.tls.enabled:

@@ -36,15 +36,14 @@ import logging
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import SwitchyardError, abort
-from switchyard.common.metrics import SERVING
-from switchyard.common.server import Drains, HealthOwner
+from switchyard.common.server import Drains, HealthOwner, set_health
 from switchyard.common.tenant import agent_key, check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -173,22 +172,13 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         the server's overall status ("", what the liveness probe asks) included: a dispatcher that can answer no
         request is restarted, not left refusing them."""
         self._health = health
-        if self.loop is not None and self.loop.failure is not None:
-            await self._not_serving()
-            return
-        for name in self.grpc_service_names:
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        SERVING.labels(self.name).set(1)
+        failed = self.loop is not None and self.loop.failure is not None
+        await set_health(health, self, serving=not failed, overall=failed)
 
     def _loop_failed(self, exc: BaseException) -> None:
         if self._health is not None:
-            self._health_update = asyncio.get_running_loop().create_task(self._not_serving())
-
-    async def _not_serving(self) -> None:
-        assert self._health is not None
-        for name in (*self.grpc_service_names, ""):
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        SERVING.labels(self.name).set(0)
+            self._health_update = asyncio.get_running_loop().create_task(
+                set_health(self._health, self, serving=False, overall=True))
 
     async def begin_drain(self) -> None:
         """SIGTERM: new requests are refused UNAVAILABLE from now on; each GenerateStream ends once
