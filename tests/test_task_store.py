@@ -68,6 +68,19 @@ async def test_only_the_owner_updates_and_a_refused_task_is_deleted(make_store):
     await b.close()
 
 
+async def test_a_cancel_request_reaches_the_tasks_owner_once_and_no_one_else(make_store):
+    a, b, c = await make_store(), await make_store(), await make_store()
+    for task_id in ("t-c1", "t-c2"):
+        await a.create(task_id, "fp", "")
+    for task_id in ("t-c1", "t-c2", "t-c1"):  # asked twice: one request
+        await b.request_cancel(await b.get(task_id))
+    assert await b.take_cancels() == [] and await c.take_cancels() == []  # addressed to the owner only
+    assert sorted(await a.take_cancels()) == ["t-c1", "t-c2"]
+    assert await a.take_cancels() == []  # each taken once
+    for store in (a, b, c):
+        await store.close()
+
+
 async def test_a_task_whose_orchestrator_lost_its_lease_is_failed_with_the_reason(make_store):
     a = await make_store()
     await a.create("t-4", "fp", "")

@@ -376,11 +376,10 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
             }},
             "/api/v1/tasks/{task_id}/cancel": {"post": {
                 "summary": "CancelTask: a queued task never starts, a running one is stopped; either ends failed "
-                           "with error CANCELLED. Answers the status after it (a finished task's unchanged)",
+                           "with error CANCELLED. Answers the status after it (a finished task's unchanged). Any "
+                           "replica answers: a task another orchestrator holds is cancelled by that one",
                 "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {**status_answers,
-                              "400": json_body(ErrorResponse, "FAILED_PRECONDITION: another orchestrator holds the "
-                                                              "unfinished task; only it can cancel it")},
+                "responses": status_answers,
             }},
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {

@@ -57,7 +57,7 @@ from switchyard.orchestrator.readiness import SERVING as READY
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
-from switchyard.orchestrator.taskstore import TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
+from switchyard.orchestrator.taskstore import TaskRecord, TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
 from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
@@ -160,6 +160,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Outcomes the task store refused (task id -> the entry and its outcome), written again by
         :meth:`_record_again` until it takes them, and once more at :meth:`stop`."""
         self._recording: asyncio.Task[None] | None = None
+        self._cancels: asyncio.Task[None] | None = None
+        """:meth:`_carry_out_cancels`, from :meth:`start` to :meth:`stop`."""
         self._closing_store = False
         """Set by :meth:`stop` before its last write of the refused outcomes: one refused after it is lost
         (logged), not handed to a writer that would outlive the store."""
@@ -195,6 +197,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         orch = cfg.orchestrator
         await self.tasks.open()
         log.info("orchestrator: task store %s (instance %s)", self.tasks.name, self.tasks.owner)
+        self._cancels = asyncio.create_task(self._carry_out_cancels(), name="carry-out-cancels")
         queue = WorkQueue("orchestration", cfg.queues.orchestration)
         queue.start()
         self._deps = Deps(
@@ -258,6 +261,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         queue's warm shutdown: what runs finishes, what waits does not start) before the store closes."""
         if self.readiness is not None:
             await self.readiness.stop()
+        if self._cancels is not None:
+            self._cancels.cancel()
+            await asyncio.gather(self._cancels, return_exceptions=True)
         self._stopping = True
         for entry in self._submitted.drain_backlog():
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
@@ -698,8 +704,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
         Errors: INVALID_ARGUMENT naming task_id when empty; NOT_FOUND naming task_id when the store has no
         such task, or the caller's token names another tenant than the task's (as GetTaskStatus);
-        FAILED_PRECONDITION naming the orchestrator that holds an unfinished task (only it can cancel it);
-        UNAVAILABLE naming the task store.
+        UNAVAILABLE naming the task store, or naming the orchestrator that holds the task when it neither ended
+        it nor lost its lease within ``task_store.lease_s`` of the request.
+
+        Any replica answers: a task another orchestrator holds is cancelled by it, asked through the task store
+        (:meth:`TaskStore.request_cancel`, taken every ``task_store.cancel_poll_s``), and answered once its
+        outcome is recorded; a task whose orchestrator died is answered FAILED naming it.
         """
         task_id = request.task_id
         if not task_id:
@@ -711,6 +721,23 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
             await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
+        status = await self._cancel_held(task_id)
+        if status is not None:
+            return status
+        try:
+            record = await self.tasks.get(task_id)
+            if record is None or not self._visible_to_caller(record.tenant_id, context):
+                raise SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND)
+            if not record.finished and record.owner != self.tasks.owner:
+                record = await self._cancel_elsewhere(record)
+        except SwitchyardError as exc:
+            await abort(context, exc, self.name)
+        return record.to_status()
+
+    async def _cancel_held(self, task_id: str) -> agent_pb2.TaskStatus | None:
+        """Cancel ``task_id`` if this orchestrator holds it and answer its status after it; None when it holds
+        no such task. A queued task is taken out of the backlog, a running one cancelled and awaited until its
+        outcome is recorded, a finished one answered unchanged."""
         entry = self._submitted.remove_queued(task_id)
         if entry is not None:
             entry.cancelled = True
@@ -728,18 +755,47 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return entry.to_status()
         if entry is not None and entry.final is not None:
             return entry.final
-        try:
-            record = await self.tasks.get(task_id)
-        except SwitchyardError as exc:
-            await abort(context, exc, self.name)
-        if record is None or not self._visible_to_caller(record.tenant_id, context):
-            await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
-        if not record.finished:
-            await abort(context, SwitchyardError(
-                f"task_id: task {shown(task_id)} is {agent_pb2.TaskState.Name(record.state)} on orchestrator "
-                f"{record.owner}, not this one ({self.tasks.owner}); only the orchestrator that holds it can cancel it",
-                grpc.StatusCode.FAILED_PRECONDITION), self.name)
-        return record.to_status()
+        return None
+
+    async def _cancel_elsewhere(self, record: TaskRecord) -> TaskRecord:
+        """Ask ``record.owner`` to cancel the task through the store and wait for its outcome: the record once
+        finished (by the owner's cancel, by its own end meanwhile, or as an orphan when the owner's lease ran
+        out). Raises UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls)."""
+        store = self.config.orchestrator.task_store
+        await self.tasks.request_cancel(record)
+        waited, pause = 0.0, min(0.02, store.cancel_poll_s)
+        bound = store.lease_s + 2 * store.cancel_poll_s
+        while waited < bound:
+            await asyncio.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, store.cancel_poll_s)
+            current = await self.tasks.get(record.task_id)
+            if current is None or current.finished:
+                return current if current is not None else record
+        raise SwitchyardError(
+            f"task_id: task {shown(record.task_id)} is held by orchestrator {record.owner}, which was asked to "
+            f"cancel it and has neither ended it nor lost its lease within {bound:g} s "
+            "(orchestrator.task_store.lease_s); the request stays recorded: it cancels the task when it reads it",
+            grpc.StatusCode.UNAVAILABLE)
+
+    async def _carry_out_cancels(self) -> None:
+        """Every ``task_store.cancel_poll_s``: cancel the tasks other orchestrators asked this one to (a CancelTask
+        answered by a replica that does not hold the task; see :meth:`_cancel_elsewhere`). A task no longer held
+        (finished and forgotten) needs nothing."""
+        interval = self.config.orchestrator.task_store.cancel_poll_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                task_ids = await self.tasks.take_cancels()
+            except SwitchyardError as exc:
+                log.warning("orchestrator: reading the cancel requests failed, retrying in %.2f s: %s", interval, exc)
+                continue
+            outcomes = await asyncio.gather(*(self._cancel_held(task_id) for task_id in task_ids),
+                                            return_exceptions=True)
+            for task_id, outcome in zip(task_ids, outcomes):
+                if isinstance(outcome, BaseException):
+                    log.error("orchestrator: the cancel of task %s another orchestrator asked for failed: %r",
+                              task_id, outcome)
 
     async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
         """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` SubmitTask would refuse (too long, or holding a

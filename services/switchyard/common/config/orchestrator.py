@@ -172,6 +172,12 @@ class TaskStoreConfig(_Strict):
         description="Lease of an orchestrator on its tasks, seconds, renewed every lease_s / 3; a task whose orchestrator's lease ran out "
         "while it was unfinished is reported FAILED with the reason.",
     )
+    cancel_poll_s: float = Field(
+        0.25, gt=0, le=60,
+        description="Seconds between an orchestrator's reads of the cancels other replicas recorded for its tasks: a "
+        "CancelTask answered by a replica that does not hold the task is recorded in the store and carried out by "
+        "the holder within about this long.",
+    )
 
 
 class AffinityConfig(_Strict):

@@ -8,6 +8,12 @@ was QUEUED or RUNNING is an **orphan**: the next reader, or the owner-less sweep
 run every ``lease_s``, marks it FAILED with the reason. An owner on the same
 host and in the same PID namespace whose process no longer exists is known
 dead at once, without waiting for its lease (a restart after ``kill -9``).
+
+Only a task's owner can end it. Another orchestrator asked to cancel it (a
+CancelTask load-balanced to the wrong replica) records a **cancel request**
+addressed to the owner, which takes its requests every ``cancel_poll_s``
+(:meth:`TaskStore.take_cancels`) and cancels the tasks as its own CancelTask
+would; the asker reads the outcome from the record.
 """
 
 from __future__ import annotations
@@ -194,6 +200,14 @@ class TaskStore(ABC):
         """Up to ``limit`` unfinished records of owners other than this one."""
 
     @abstractmethod
+    async def _request_cancel(self, task_id: str, owner: str) -> None:
+        """Record a cancel request for ``task_id`` addressed to ``owner`` (recording it twice is one request)."""
+
+    @abstractmethod
+    async def _take_cancels(self) -> list[str]:
+        """Remove and return the task ids of the cancel requests addressed to this orchestrator."""
+
+    @abstractmethod
     async def _purge(self, now: float) -> int:
         """Delete finished records past retention and beyond max_finished_tasks (oldest first); returns how many."""
 
@@ -289,6 +303,17 @@ class TaskStore(ABC):
     async def delete(self, task_id: str) -> None:
         with STORE_DURATION.labels("delete").time():
             await self._delete(task_id, self.owner)
+
+    async def request_cancel(self, record: TaskRecord) -> None:
+        """Ask ``record.owner``, another orchestrator, to cancel ``record``'s task: it takes the request within
+        ``cancel_poll_s`` (:meth:`take_cancels`) and records the task's outcome, which :meth:`get` then reads."""
+        with STORE_DURATION.labels("update").time():
+            await self._request_cancel(record.task_id, record.owner)
+
+    async def take_cancels(self) -> list[str]:
+        """The task ids other orchestrators asked this one to cancel since the last call, each once."""
+        with STORE_DURATION.labels("get").time():
+            return await self._take_cancels()
 
     async def sweep(self, limit: int = 1000) -> int:
         """Fail up to ``limit`` orphans; returns how many were failed."""

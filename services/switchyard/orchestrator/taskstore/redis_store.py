@@ -11,7 +11,9 @@ It uses the DRAM tier's Redis (``memory_policy.toml [dram]``). Keys, under
 - ``tasks:unfinished``: a set of the task_ids not yet finished (the orphan sweep reads it);
 - ``tasks:finished``: a sorted set of finished task_ids by finish time (the
   ``max_finished_tasks`` bound);
-- ``orchestrator:{owner}``: an orchestrator's lease, expiring with it.
+- ``orchestrator:{owner}``: an orchestrator's lease, expiring with it;
+- ``cancels:{owner}``: a set of the task_ids other orchestrators asked ``owner`` to cancel
+  (``SPOP``-ed by the owner; it expires ``3 * lease_s`` after the last request, as a dead owner's would).
 
 Create and update are Lua scripts, so a check and its write are one atomic step
 even with several replicas. For tasks to survive a restart of Redis itself, that
@@ -80,6 +82,9 @@ redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
+
+CANCELS_TAKEN = 1000
+"""Most cancel requests one :meth:`RedisTaskStore.take_cancels` takes (the rest wait for the next)."""
 
 _FIELDS = ("fingerprint", "state", "owner", "trace_id", "agent_id", "tenant_id", "error", "result", "timings",
            "created_at", "updated_at", "finished_at")
@@ -206,6 +211,19 @@ class RedisTaskStore(TaskStore):
             return None
         value = json.loads(raw)
         return Lease(float(value["expires_at"]), str(value["host"]), int(value["pid"]))
+
+    def _cancels_key(self, owner: str) -> str:
+        return f"{self.prefix}cancels:{owner}"
+
+    async def _request_cancel(self, task_id: str, owner: str) -> None:
+        key = self._cancels_key(owner)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, task_id).pexpire(key, int(3 * self.config.lease_s * 1000))
+            await self._do(pipe.execute())
+
+    async def _take_cancels(self) -> list[str]:
+        taken = await self._do(self.redis.spop(self._cancels_key(self.owner), CANCELS_TAKEN))
+        return [raw.decode() for raw in taken or ()]
 
     async def _unfinished(self, limit: int) -> list[TaskRecord]:
         _, ids = await self._do(self.redis.sscan(self._unfinished_key, 0, count=limit))

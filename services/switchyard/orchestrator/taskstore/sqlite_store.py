@@ -70,6 +70,11 @@ CREATE TABLE IF NOT EXISTS tasks (
 );
 CREATE INDEX IF NOT EXISTS tasks_unfinished ON tasks (owner) WHERE finished_at IS NULL;
 CREATE INDEX IF NOT EXISTS tasks_finished ON tasks (finished_at) WHERE finished_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS cancel_requests (
+    task_id      TEXT PRIMARY KEY,
+    owner        TEXT NOT NULL,
+    requested_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS leases (
     owner      TEXT PRIMARY KEY,
     expires_at REAL NOT NULL,
@@ -352,6 +357,20 @@ class SqliteTaskStore(TaskStore):
             (self.owner, limit)).fetchall())
         return [_record(row) for row in rows]
 
+    async def _request_cancel(self, task_id: str, owner: str) -> None:
+        await self._write(lambda db: db.execute(
+            "INSERT OR IGNORE INTO cancel_requests (task_id, owner, requested_at) VALUES (?, ?, ?)",
+            (task_id, owner, time.time())))
+
+    async def _take_cancels(self) -> list[str]:
+        # A read first: the poll finds none nearly always, and a read takes no write lock.
+        if not await self._run(lambda db: db.execute(
+                "SELECT 1 FROM cancel_requests WHERE owner = ? LIMIT 1", (self.owner,)).fetchone()):
+            return []
+        rows = await self._write(lambda db: db.execute(
+            "DELETE FROM cancel_requests WHERE owner = ? RETURNING task_id", (self.owner,)).fetchall())
+        return [task_id for (task_id,) in rows]
+
     async def _purge(self, now: float) -> int:
         def purge(db: sqlite3.Connection) -> int:
             removed = db.execute("DELETE FROM tasks WHERE finished_at IS NOT NULL AND finished_at < ?",
@@ -359,6 +378,8 @@ class SqliteTaskStore(TaskStore):
             removed += db.execute(
                 "DELETE FROM tasks WHERE task_id IN (SELECT task_id FROM tasks WHERE finished_at IS NOT NULL "
                 "ORDER BY finished_at DESC LIMIT -1 OFFSET ?)", (self.config.max_finished_tasks,)).rowcount
+            db.execute("DELETE FROM cancel_requests WHERE requested_at < ?",  # a dead owner's, never taken
+                       (now - 3 * self.config.lease_s,))
             db.execute("DELETE FROM leases WHERE expires_at < ? AND owner NOT IN "
                        "(SELECT DISTINCT owner FROM tasks WHERE finished_at IS NULL)", (now,))
             return removed

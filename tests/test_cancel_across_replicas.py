@@ -1,0 +1,103 @@
+"""CancelTask answered by any orchestrator replica: only the one that holds a task can end it, so another replica
+asked to cancel it records a cancel request in the shared task store and answers the outcome once the holder has
+carried it out (orchestrator/service.py ``_cancel_elsewhere``, ``_carry_out_cancels``).
+
+Two real orchestrators on 127.0.0.1 port 0 share one task store (a SQLite file, or a real Redis) and the gated
+fixed downstream of test_orchestrator.py: a task that reached Generate is running until the gate opens. A load
+balancer in front of the replicas sends a cancel to either; here it goes to the one that does not hold the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from redis_fixtures import redis_db, redis_server  # noqa: F401
+from test_orchestrator import Downstream
+from test_submit_backlog import final_state, until
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import load_config
+from switchyard.common.server import running
+from switchyard.orchestrator.service import OrchestratorService
+
+pytestmark = pytest.mark.no_gpu
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(store_overrides: dict, **overrides):
+    """(holder stub, other stub, downstream, holder service): two orchestrators on one task store; the
+    downstream's gate closed."""
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    down.gate = asyncio.Event()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = base.with_overrides(**{"orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+                                     "orchestrator.cpu_executor": "loop",
+                                     "orchestrator.max_running_submitted_tasks": 1, **store_overrides, **overrides})
+        holder, other = OrchestratorService(cfg), OrchestratorService(cfg)
+        async with running([holder], cfg.server) as first, running([other], cfg.server) as second:
+            channels = [open_channel(f"127.0.0.1:{srv.port}", cfg.server) for srv in (first, second)]
+            try:
+                yield (*(agent_pb2_grpc.AgentServiceStub(c) for c in channels), down, holder)
+            finally:
+                down.gate.set()
+                for channel in channels:
+                    await channel.close()
+
+
+def store_settings(backend: str, tmp_path, request) -> dict:
+    if backend == "sqlite":
+        return {"orchestrator.task_store.sqlite_path": str(tmp_path / "tasks.sqlite3")}
+    db = request.getfixturevalue("redis_db")
+    return {"orchestrator.task_store.backend": "redis", "memory.dram.host": db.host, "memory.dram.port": db.port,
+            "memory.dram.db": db.db}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_a_replica_that_does_not_hold_a_task_cancels_it_through_its_holder(backend, tmp_path, request):
+    async with two_replicas(store_settings(backend, tmp_path, request)) as (holder, other, down, _):
+        for task_id in ("run-1", "wait-1", "done-1"):
+            await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id=task_id, payload="hello", task_type="chat"))
+        await until(lambda: len(down.requests) == 1)  # run-1 runs (the bound is 1); wait-1 and done-1 are queued
+        assert (await other.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="wait-1"))).state == agent_pb2.QUEUED
+
+        queued = await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="wait-1"))
+        assert queued.state == agent_pb2.FAILED
+        assert queued.error == "CANCELLED: cancelled by CancelTask while QUEUED, before it started"
+        stopped = await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="run-1"))
+        assert stopped.state == agent_pb2.FAILED and stopped.error == "CANCELLED: cancelled by CancelTask while RUNNING"
+        await until(lambda: "run-1:0" in down.cancelled)  # the holder cancelled its downstream call
+
+        down.gate.set()  # done-1 took run-1's place and finishes; a cancel after it answers it unchanged
+        assert (await final_state(holder, "done-1")).state == agent_pb2.SUCCEEDED
+        after = await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="done-1"))
+        assert after.state == agent_pb2.SUCCEEDED and after.result.output == "The answer."
+        started = [r.request_id.split(":")[0] for r in down.requests]
+        assert started == ["run-1", "done-1"]  # wait-1 never started
+        for task_id, error in (("wait-1", queued.error), ("run-1", stopped.error)):  # the holder's records agree
+            assert (await holder.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=task_id))).error == error
+
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="never"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "never" in unknown.value.details()
+
+
+async def test_a_cancel_the_holder_does_not_carry_out_is_unavailable_naming_it(tmp_path):
+    # A holder that stopped reading its cancel requests (a hung loop would, until its lease ran out) but whose lease
+    # is still renewed: its task is no orphan, and the asker's wait (lease_s plus two polls) runs out.
+    settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.task_store.lease_s": 0.3}
+    async with two_replicas(settings) as (holder, other, down, holder_service):
+        holder_service._cancels.cancel()
+        await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id="slow-1", payload="hello", task_type="chat"))
+        await until(lambda: len(down.requests) == 1)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="slow-1"))
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = late.value.details()
+        assert "slow-1" in details and "asked to cancel it" in details and "task_store.lease_s" in details
+        assert (await holder.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="slow-1"))).state == agent_pb2.RUNNING
