@@ -46,9 +46,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard_harness import json_output
 from switchyard.common.cli_text import parser_for
+from switchyard.common.priority import LABELS
 
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
-CLASSES = ("core", "normal", "batch")
+CLASSES = LABELS
 QUEUES = ("orchestration", "retrieval", "inference")
 
 Key = tuple[str, tuple[tuple[str, str], ...]]

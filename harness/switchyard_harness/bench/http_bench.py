@@ -50,8 +50,9 @@ from switchyard_harness import json_output
 from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
+from switchyard.common.priority import LABELS
 
-PRIORITIES = ("core", "normal", "batch")
+PRIORITIES = LABELS
 STREAM_BODY = {"agent_id": "bench-stream", "payload": "How does the with statement work?", "task_type": "chat",
                "max_tokens": 64}
 """The stream phase's request, the same over SSE and gRPC (the HTTP face requires agent_id and task_type)."""

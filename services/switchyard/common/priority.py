@@ -8,6 +8,7 @@ importance. ``label`` is the lower-case name used in metrics, logs, config keys
 from __future__ import annotations
 
 import enum
+from typing import Literal, get_args
 
 from switchyard.api import agent_pb2
 
@@ -43,3 +44,8 @@ _LABEL = {cls: cls.name.lower() for cls in PriorityClass}
 
 LABELS: tuple[str, ...] = tuple(c.label for c in PriorityClass)
 """Every class's label, most important first: the bounded label set of per-class metrics."""
+
+ClassLabel = Literal["core", "normal", "batch"]
+"""A class's label as a type, for config keys and the HTTP face's body: pydantic refuses any other value, naming
+these three."""
+assert get_args(ClassLabel) == LABELS, "ClassLabel lists PriorityClass's labels, most important first"

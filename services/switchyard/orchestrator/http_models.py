@@ -25,6 +25,7 @@ from switchyard.common.tenant import TENANT_PATTERN
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
+from switchyard.common.priority import LABELS, ClassLabel
 
 MIB = 1 << 20
 
@@ -44,7 +45,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 def _lower(value: Any) -> Any:
     """A priority's name in any case (as the X-Priority header takes it) lower-cased; anything else as it is, for
     the strict check to refuse quoting what was sent."""
-    if isinstance(value, str) and value.lower() in ("core", "normal", "batch"):
+    if isinstance(value, str) and value.lower() in LABELS:
         return value.lower()
     return value
 
@@ -63,7 +64,7 @@ class TaskRequest(BaseModel):
 
     agent_id: str = Field("", description="The agent the task belongs to; required here or as the X-Agent-Id header "
                                           "(the body wins).")
-    priority: Annotated[Literal["core", "normal", "batch"] | None, BeforeValidator(_lower)] = Field(
+    priority: Annotated[ClassLabel | None, BeforeValidator(_lower)] = Field(
         None, description="Priority class, any case (as X-Priority); absent: the X-Priority header, else normal."
     )
     task_type: Literal[TASK_TYPES] = Field(description="Workflow.")  # type: ignore[valid-type]
@@ -323,7 +324,7 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
                         "Checked even where the body wins (limits.max_id_chars, printable); empty: ignored; sent "
                         "twice with different values: 400."},
         {"name": "X-Priority", "in": "header", "required": False,
-         "schema": {"type": "string", "enum": ["core", "normal", "batch"]},
+         "schema": {"type": "string", "enum": list(LABELS)},
          "description": "The priority class, any case, where the body has none (the body wins); checked even "
                         "where the body wins; empty: ignored; sent twice with different values: 400."},
         tenant_header,

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.base import _Strict
+from switchyard.common.priority import LABELS, ClassLabel
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -255,7 +256,7 @@ class UpstreamConfig(_Strict):
         "nothing for servers without one. A field the server refuses (400/422 naming it) is dropped for the "
         "endpoint and the request retried without it.",
     )
-    priority_values: dict[Literal["core", "normal", "batch"], int] = Field(
+    priority_values: dict[ClassLabel, int] = Field(
         default_factory=lambda: {"core": 0, "normal": 1, "batch": 2},
         description="Priority per class, an integer on vLLM's scale (lower is served earlier); mirrored "
         "(max - value) for a server that serves higher values first (SGLang).",
@@ -339,7 +340,7 @@ class UpstreamConfig(_Strict):
     @field_validator("priority_values")
     @classmethod
     def _every_class(cls, value: dict[str, int]) -> dict[str, int]:
-        missing = [c for c in ("core", "normal", "batch") if c not in value]
+        missing = [c for c in LABELS if c not in value]
         if missing:  # a class without a value would be sent with none: on vLLM that is 0, CORE's own
             raise ValueError(f"expected a value for each of core, normal and batch; missing {', '.join(missing)}")
         return value

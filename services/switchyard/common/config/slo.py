@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
 
 from pydantic import Field, field_validator
 
 from switchyard.common.config.base import _Strict
+from switchyard.common.priority import ClassLabel
 
 
 # The dispatcher's switchyard_ttft_seconds bucket bounds (switchyard.common.metrics.TTFT_BUCKETS):
@@ -30,7 +30,7 @@ class TtftSloConfig(_Strict):
         0.99, gt=0, lt=1, description="Share of first tokens that must be good over period_days, a fraction (0.99 = 99 %)."
     )
     period_days: int = Field(30, ge=1, le=366, description="The SLO window whose error budget the alerts protect, days.")
-    priority_classes: list[Literal["core", "normal", "batch"]] = Field(
+    priority_classes: list[ClassLabel] = Field(
         ["core", "normal"], min_length=1, description="Priority classes (names) the objective covers (batch has none by default)."
     )
 
