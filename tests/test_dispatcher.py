@@ -549,6 +549,44 @@ async def test_a_stream_aborted_in_the_turn_that_admitted_it_leaves_no_batch_in_
         await service.stop()
 
 
+async def test_a_batch_in_prefill_counts_its_members_not_their_ids() -> None:
+    """Two requests of one admission wave under the same caller's id (ids are the caller's: two Generate calls
+    may share one): the first one's first token left the wave with no member "in prefill", its id taken for
+    both, while the other had none yet. With ``max_batches_in_prefill`` 1 a third request was then sent
+    ahead of that first token."""
+    from switchyard.dispatcher.request import Request, RequestStatus
+
+    release = asyncio.Event()
+
+    class StallsOne(EchoStreamEngine):
+        async def generate(self, req):  # type: ignore[no-untyped-def]
+            if req.prompt.startswith("stall"):
+                await release.wait()
+            async for item in super().generate(req):
+                yield item
+
+    config = make_config(**{"queues.inference.max_batches_in_prefill": 1, "scheduler.time_slice_ms": 10_000})
+    service = DispatcherService(config, engine=StallsOne())
+    await service.start()
+    try:
+        loop = service.loop
+        fast = Request(request_id="dup", prompt="one two", prompt_tokens=2, max_tokens=2)
+        stalled = Request(request_id="dup", prompt="stall one", prompt_tokens=2, max_tokens=2)
+        loop.submit(fast)
+        loop.submit(stalled)  # the same wave: both admitted by the loop's next decision
+        await wait_until(lambda: fast.is_finished, "the first request's stream")
+        assert stalled.status is RequestStatus.RUNNING and not stalled.output_tokens
+        late = Request(request_id="late", prompt="a b", prompt_tokens=2, max_tokens=2)
+        loop.submit(late)
+        await asyncio.sleep(0.05)
+        assert not late.reached_engine  # the wave is still in prefill: its stalled member has no first token
+        release.set()
+        await wait_until(lambda: late.is_finished and stalled.is_finished, "the stalled and the late request")
+        assert late.status is RequestStatus.FINISHED_STOPPED
+    finally:
+        await service.stop()
+
+
 async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
     service = DispatcherService(make_config(**{"batching.flush_interval_ms": "auto"}))
     assert service.adaptive is not None

@@ -75,7 +75,9 @@ class StreamLoop(LoopBase):
         self.limit: ConcurrencyLimit = scheduler.capacity.limit
         self.max_prefilling = config.queues.inference.max_batches_in_prefill
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
-        self._prefilling: dict[int, set[str]] = {}  # admission wave -> its members without a first token yet
+        self._prefilling: dict[int, set[int]] = {}
+        """Admission wave -> the ``seq_id`` of each member without a first token yet (not the caller's
+        ``request_id``, which two requests of one wave may share)."""
         self._waves = itertools.count()
 
     def abort(self, req: Request) -> None:
@@ -113,7 +115,7 @@ class StreamLoop(LoopBase):
 
     def _start_wave(self, admitted: list[Request]) -> None:
         wave = next(self._waves)
-        self._prefilling[wave] = {req.request_id for req in admitted}
+        self._prefilling[wave] = {req.seq_id for req in admitted}
         for req in admitted:
             call = asyncio.create_task(self._stream(req, wave), name=f"stream-{req.request_id}")
             # the callback, not the coroutine's ``finally``: a task cancelled before its first step (its request
@@ -152,7 +154,7 @@ class StreamLoop(LoopBase):
         members = self._prefilling.get(wave)
         if members is None:
             return
-        members.discard(req.request_id)
+        members.discard(req.seq_id)
         if not members:
             del self._prefilling[wave]
             self._wake.set()
