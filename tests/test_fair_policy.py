@@ -188,6 +188,23 @@ def test_expected_service_counts_a_long_decode_at_the_measured_step_time():
     assert s.expected_service_s(waiting) == pytest.approx(200 * 1e-4 + 300 * 0.02)
 
 
+def test_expected_decode_is_learnt_per_bounded_task_type():
+    """A task type is the caller's free text: each new one made a table of 256 output counts of its own (memory
+    growing with what callers send). Types outside the workflows share ``other``, as the expected scores do."""
+    from switchyard.common.metrics import TASK_TYPES
+
+    s = sched()
+    for n in range(500):
+        done = req(f"d{n}", task_type=f"caller-made-{n}")
+        done.output_tokens = [1] * 40
+        s._learn(done)
+    assert len(s._outputs) == len(s._output_q) == 1
+    s.update_from_output(StepBatch(decode=[req("x")]), StepResult(seconds=0.02), now=1.0)
+    waiting = req("w", task_type="yet-another")
+    assert s.expected_service_s(waiting) == pytest.approx(100 * 1e-4 + 40 * 0.02)  # learnt under ``other``
+    assert s.expected_service_s(req("r", task_type=TASK_TYPES[0])) == pytest.approx(100 * 1e-4)  # its own: none
+
+
 def test_two_tenants_agents_of_one_id_never_share_a_parked_step_or_a_tool_wait():
     """An agent is its tenant's and its id's: acme's "agent-1" parked its KV; zeta's "agent-1" announcing a tool
     wait decided nothing (it has no parked step), and zeta's next step did not take acme's KV over. Keyed by the

@@ -50,6 +50,7 @@ from collections import deque
 from typing import Any
 
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput, SchedulerOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
@@ -101,6 +102,8 @@ class FairScheduler(PriorityScheduler):
         self.ledger = FairnessLedger(policy.fairness_half_life_s, dict(policy.tenant_weights))
         """Attained service per tenant and session (``scheduler.fairness_half_life_s``, ``scheduler.tenant_weights``)."""
         self._charged = False  # service was charged since the waiting queue's keys were last computed
+        # keyed by the bounded task type (the expected scores' key, ``bounded(task_type, TASK_TYPES)``): a caller's
+        # free-form task_type must not grow these tables
         self._outputs: dict[str, deque[int]] = {}  # task type -> output tokens of its last finished requests
         self._output_q: dict[str, int] = {}  # task type -> OUTPUT_QUANTILE of those
         self._step_s = 0.0  # moving average of the seconds of a step with decodes (0: none measured)
@@ -119,19 +122,20 @@ class FairScheduler(PriorityScheduler):
         longer). 0 for what is not measured yet (no finished request of the type, or an engine whose
         results carry no step seconds): nothing is refused on a guess."""
         prefill = self.tiers.recompute_seconds(req.num_uncomputed_tokens)
-        output = self._output_q.get(req.task_type)
+        output = self._output_q.get(bounded(req.task_type, TASK_TYPES))
         if output is None or self._step_s <= 0:
             return prefill
         return prefill + max(0.0, output - len(req.output_tokens)) * self._step_s
 
     def _learn(self, req: Request) -> None:
         super()._learn(req)
-        outputs = self._outputs.get(req.task_type)
+        task_type = bounded(req.task_type, TASK_TYPES)
+        outputs = self._outputs.get(task_type)
         if outputs is None:
-            outputs = self._outputs[req.task_type] = deque(maxlen=OUTPUT_SAMPLES)
+            outputs = self._outputs[task_type] = deque(maxlen=OUTPUT_SAMPLES)
         outputs.append(len(req.output_tokens))
         ordered = sorted(outputs)
-        self._output_q[req.task_type] = ordered[min(len(ordered) - 1, int(OUTPUT_QUANTILE * len(ordered)))]
+        self._output_q[task_type] = ordered[min(len(ordered) - 1, int(OUTPUT_QUANTILE * len(ordered)))]
 
     def slack(self, req: Request, now: float) -> float:
         """``req``'s slack at ``now`` (:func:`switchyard.dispatcher.scheduler.slack.slack_s`), seconds."""
