@@ -86,7 +86,8 @@ class Admission:
 
     def __init__(self, config: SchedulerConfig, refusals: Counter[str] | None = None, by_score: bool = True) -> None:
         self.by_score = by_score
-        self.max_running = config.max_admitted_per_decision
+        self.max_admitted_per_decision = config.max_admitted_per_decision
+        """The admission wave: the most requests one decision admits (not a bound on the running set)."""
         self.admission_score_limit = config.admission_score_limit
         self.expected = ExpectedScores(config.expected_score_initial, config.expected_score_ema_alpha)
         self.refusals: Counter[str] = refusals if refusals is not None else Counter()
@@ -103,12 +104,16 @@ class Admission:
                 the tasks admitted earlier in this decision.
             wave: tasks admitted earlier in this decision.
         """
-        if wave >= self.max_running:
+        if self.wave_full(wave):
             return ADMISSION_WAVE
         if (self.by_score and num_running > 0
                 and projected_score + self.expected.get(task_type) >= self.admission_score_limit):
             return COMPUTE_SCORE
         return None
+
+    def wave_full(self, wave: int) -> bool:
+        """True when ``wave`` requests admitted in this decision fill the admission wave."""
+        return wave >= self.max_admitted_per_decision
 
     def refuse(self, reason: str) -> None:
         """Count one decision that left work waiting for ``reason``."""

@@ -30,4 +30,4 @@ class FifoScheduler(SchedulerCore):
         return FcfsQueue()
 
     def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
-        return ADMISSION_WAVE if wave >= self.config.max_admitted_per_decision else None
+        return ADMISSION_WAVE if self.admission.wave_full(wave) else None  # the wave's one owner: Admission
