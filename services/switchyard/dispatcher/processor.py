@@ -271,8 +271,9 @@ class RequestProcessor:
 
         Raises:
             SwitchyardError: the request is invalid (INVALID_ARGUMENT, NOT_FOUND), the
-                dispatcher is not started or draining (UNAVAILABLE), or the queue is full
-                (RESOURCE_EXHAUSTED).
+                dispatcher is not started or draining (UNAVAILABLE), the queue is full
+                (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
+                (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
         reported = 0
         if not self.stepping:

@@ -5,8 +5,10 @@ one streamed ``/v1/chat/completions`` call made by
 :class:`switchyard.gateway.client.GatewayClient`, which owns the HTTP pool,
 retries, fallback and the error table. This module only translates a
 :class:`~switchyard.dispatcher.request.Request` into an OpenAI request and
-the gateway's events into the engine protocol's items. The engine loop fans a
-flushed batch out as concurrent calls, bounded by ``queues.inference.max_batches_in_prefill``.
+the gateway's events into the engine protocol's items. The stream loop
+(:mod:`switchyard.dispatcher.stream_loop`) fans admitted requests out as concurrent calls, bounded by the
+upstream's concurrency limit (:attr:`OpenAIEngine.concurrency_limit`);
+``queues.inference.max_batches_in_prefill`` bounds only the batches sent that have no first token yet.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ class SchedulerStats:
     what was counted since the last call).
 
     State now (gauges): ``running`` / ``waiting``: requests by priority class label (core, normal, batch;
-    waiting excludes the double buffer); ``num_waiting``: waiting plus buffered; ``num_queued``: accepted
+    waiting counts the double buffer's too, as ``num_waiting`` does); ``num_waiting``: waiting plus buffered; ``num_queued``: accepted
     and never admitted (the inference queue's depth); ``queue_capacity``: ``queues.inference.capacity``;
     ``parked``, ``parked_kv_bytes``: react_loop agents waiting on a tool and the bytes of prefix state kept
     warm for them; ``hbm_held_bytes``: bytes the KV budget holds (None: the capacity counts no bytes);
@@ -266,6 +266,7 @@ class Scheduler(Protocol):
             DispatcherClosed: draining (UNAVAILABLE).
             QueueFullError: ``queues.inference.capacity`` requests wait already (RESOURCE_EXHAUSTED).
             InvalidArgument: it could never fit the engine (``max_tokens``).
+            CannotMeetDeadline: the ``fair`` policy: its task's slack is already negative (DEADLINE_EXCEEDED).
         """
 
     def schedule(self, now: float) -> SchedulerOutput:

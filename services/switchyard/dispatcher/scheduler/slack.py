@@ -46,8 +46,8 @@ NO_DEADLINE = math.inf
 def slack_s(time_left_s: float | None, expected_remaining_work_s: float = 0.0, expected_service_s: float = 0.0) -> float:
     """``time_left - expected_remaining_work - expected_service`` (seconds; may be negative).
 
-    ``time_left_s`` None or <= 0 *and unset* means no deadline: :data:`NO_DEADLINE`. Negative work
-    estimates count as 0.
+    ``time_left_s`` None (not given) or infinite means no deadline: :data:`NO_DEADLINE`; a time left of 0
+    or less is a deadline already past (a negative slack). Negative work estimates count as 0.
 
     Args:
         time_left_s: the task's time left when the request arrives (None: no deadline).
