@@ -10,23 +10,22 @@ not computed plus its expected decode. Then::
     slack = time_left - expected_remaining_work - expected_service
 
 is the time the task can still afford to wait, and within a priority class
-the waiting set is served least slack first. This is least-laxity-first
+the requests at risk (slack below ``scheduler.at_risk_slack_s``) are served
+least slack first, ahead of the rest of their class. This is least-laxity-first
 (laxity = deadline - now - remaining work; Mok 1983), the dynamic-priority
 companion of earliest deadline first (Liu & Layland 1973): with known work,
 serving least laxity first meets every deadline that any order meets on one
 server, and unlike EDF it sees that a long task with a later deadline may be
-the more urgent. Work with no deadline has infinite slack: it goes after
-every deadline-bound request of its class, and among itself by arrival.
+the more urgent. Work with no deadline has infinite slack: it is never at
+risk, and is ordered with the rest of its class by fairness
+(:mod:`.fair`).
 
 A request whose slack is already negative cannot make its deadline even if
 served at once: it is refused early, by name (DEADLINE_EXCEEDED naming the
 request and its slack, :class:`CannotMeetDeadline`), instead of using the
-engine for an answer that comes too late. :func:`cannot_make_it` is that test;
-``tolerance_s`` leaves room for the estimates' error.
-
-:func:`step_budget` splits a task's time left across its remaining steps in
-proportion to their measured times (the share a step may take before it eats
-into the steps after it).
+engine for an answer that comes too late. :func:`cannot_make_it` is that test.
+The order itself is the fair policy's queue key
+(:meth:`switchyard.dispatcher.scheduler.fair.FairScheduler.fair_key`: latest start ``now + slack``).
 
 All times are seconds; ``now`` is the caller's clock (``time.monotonic()``).
 """
@@ -37,7 +36,7 @@ import math
 
 from switchyard.common.errors import RequestDeadlineExceeded
 
-__all__ = ["NO_DEADLINE", "CannotMeetDeadline", "cannot_make_it", "check", "order_key", "slack_s", "step_budget"]
+__all__ = ["NO_DEADLINE", "CannotMeetDeadline", "cannot_make_it", "check", "slack_s"]
 
 NO_DEADLINE = math.inf
 """Slack of a request whose task has no deadline."""
@@ -60,17 +59,9 @@ def slack_s(time_left_s: float | None, expected_remaining_work_s: float = 0.0, e
     return float(time_left_s) - max(0.0, expected_remaining_work_s) - max(0.0, expected_service_s)
 
 
-def order_key(slack: float, arrival: float) -> tuple[float, float]:
-    """Least slack first, then arrival: ``(slack, arrival)``, smallest first within a class."""
-    return (slack, arrival)
-
-
-def cannot_make_it(slack: float, tolerance_s: float = 0.0) -> bool:
-    """True when the task cannot meet its deadline even if this request is served at once.
-
-    That is ``slack < -tolerance_s`` (``tolerance_s`` >= 0: the estimates' error the test forgives).
-    """
-    return slack < -abs(tolerance_s)
+def cannot_make_it(slack: float) -> bool:
+    """True when the task cannot meet its deadline even if this request is served at once: ``slack < 0``."""
+    return slack < 0
 
 
 CANNOT_MEET_DEADLINE = "cannot meet its task's deadline"
@@ -93,30 +84,14 @@ class CannotMeetDeadline(RequestDeadlineExceeded):
 
 
 def check(request_id: str, time_left_s: float | None, expected_remaining_work_s: float = 0.0,
-          expected_service_s: float = 0.0, tolerance_s: float = 0.0) -> float:
+          expected_service_s: float = 0.0) -> float:
     """The request's slack; raises when it cannot make its deadline.
 
     Raises:
-        CannotMeetDeadline: ``cannot_make_it(slack, tolerance_s)``.
+        CannotMeetDeadline: ``cannot_make_it(slack)``.
     """
     slack = slack_s(time_left_s, expected_remaining_work_s, expected_service_s)
-    if cannot_make_it(slack, tolerance_s):
+    if cannot_make_it(slack):
         raise CannotMeetDeadline(request_id, slack, float(time_left_s or 0.0), max(0.0, expected_remaining_work_s),
                                  max(0.0, expected_service_s))
     return slack
-
-
-def step_budget(time_left_s: float, this_step_s: float, remaining_steps_s: list[float] | tuple[float, ...]) -> float:
-    """The part of ``time_left_s`` this step may take: shared in proportion to measured step times.
-
-    ``time_left * this_step / (this_step + sum(remaining_steps))``; all of it when nothing is measured.
-
-    Raises:
-        ValueError: a step time < 0.
-    """
-    if this_step_s < 0 or any(step < 0 for step in remaining_steps_s):
-        raise ValueError("step times: expected seconds >= 0")
-    total = this_step_s + sum(remaining_steps_s)
-    if total <= 0:
-        return max(0.0, time_left_s)
-    return max(0.0, time_left_s) * this_step_s / total
