@@ -587,6 +587,40 @@ async def test_a_batch_in_prefill_counts_its_members_not_their_ids() -> None:
         await service.stop()
 
 
+async def test_a_stream_whose_first_output_is_a_tool_call_records_its_ttft() -> None:
+    """TTFT is the first token or tool call, on both loops: the stream loop timed only token texts, so a stream
+    that answered with a tool call alone recorded no TTFT (a react_loop step's usual answer), and one with text
+    after its tool call recorded that text's time as its TTFT."""
+    from prometheus_client import REGISTRY
+
+    from switchyard.dispatcher.engines.base import Usage
+    from switchyard.dispatcher.request import ToolCall
+
+    class CallsATool(EchoStreamEngine):
+        async def generate(self, req):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.01)
+            yield ToolCall("call-1", "search", "{}")
+            await asyncio.sleep(0.2)
+            if req.prompt.startswith("then"):
+                yield "text "
+            yield Usage(prompt_tokens=2, completion_tokens=3, finish_reason="tool_calls", model="echo-1")
+
+    def ttfts() -> tuple[float, float]:
+        labels = {"priority_class": "batch"}
+        return (REGISTRY.get_sample_value("switchyard_ttft_seconds_count", labels) or 0.0,
+                REGISTRY.get_sample_value("switchyard_ttft_seconds_sum", labels) or 0.0)
+
+    service = DispatcherService(make_config(), engine=CallsATool())
+    async for h in serve(service):
+        for prompt in ("one two", "then two"):
+            count, total = ttfts()
+            chunks = await h.generate(request_id="t", prompt=prompt, priority=agent_pb2.BATCH)
+            assert chunks[-1].done.finish_reason == "tool_calls"
+            after, after_total = ttfts()
+            assert after == count + 1
+            assert after_total - total < 0.15  # the tool call's time, not the text's 0.2 s later
+
+
 async def test_auto_flush_interval_learns_from_arrivals_and_batches() -> None:
     service = DispatcherService(make_config(**{"batching.flush_interval_ms": "auto"}))
     assert service.adaptive is not None

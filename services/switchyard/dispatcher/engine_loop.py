@@ -140,6 +140,21 @@ def batch_spans(flushed: list[BatchFlush]) -> None:
         ).end()
 
 
+def record_output(req: Request, first: float | None, last: float | None, count: int) -> int:
+    """Observe what ``req`` produced since its first and last token times were ``first`` and ``last`` and it
+    had ``count`` output tokens: its TTFT when its first output (a token or a tool call) came, else its
+    inter-token latency when a token came; returns the tokens produced. The one rule of both loops (a step's
+    requests, an upstream stream's items); a ``prefill_only`` request's one token is no caller's first token."""
+    produced = max(0, len(req.output_tokens) - count)
+    if req.prefill_only:
+        return produced
+    if first is None and req.first_token_at is not None:
+        metrics.TTFT_BY_CLASS[req.priority.label].observe(req.first_token_at - req.arrival)
+    elif last is not None and produced and req.last_token_at is not None:
+        metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority.label].observe(req.last_token_at - last)
+    return produced
+
+
 class LoopBase:
     """Submit, abort, drain and the busy ratio: what every engine loop offers the service.
 
@@ -671,16 +686,10 @@ class StepLoop(LoopBase):
 
     def _record(self, reqs: list[Request], before: list[tuple[float | None, float | None, int]]) -> None:
         """Metrics of a step over ``reqs`` (``before``: each one's token times and count before it): TTFT or
-        inter-token latency by priority class, tokens produced, busy time."""
+        inter-token latency by priority class, tokens produced (:func:`record_output`), busy time."""
         produced = 0
         for req, (first, last, count) in zip(reqs, before):
-            produced += max(0, len(req.output_tokens) - count)
-            if req.prefill_only:  # a prompt prefix's warm-up: its one token is no caller's first token
-                continue
-            if first is None and req.first_token_at is not None:
-                metrics.TTFT_BY_CLASS[req.priority.label].observe(req.first_token_at - req.arrival)
-            elif last is not None and len(req.output_tokens) > count and req.last_token_at is not None:
-                metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority.label].observe(req.last_token_at - last)
+            produced += record_output(req, first, last, count)
         metrics.GENERATED_TOKENS.inc(produced)
         self._update_busy()
 

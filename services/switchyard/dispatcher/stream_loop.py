@@ -39,7 +39,7 @@ import time
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
-from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase
+from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase, record_output
 from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
 from switchyard.dispatcher.scheduler.core import SchedulerCore
@@ -164,8 +164,6 @@ class StreamLoop(LoopBase):
         (``update_from_output``: the same stop check as a step engine's), whose outputs are published."""
         engine, scheduler = self.engine, self.scheduler
         batch = StepBatch(decode=[req])
-        ttft = metrics.TTFT_BY_CLASS[req.priority.label]  # looked up once per call, observed per token
-        inter_token = metrics.INTER_TOKEN_LATENCY_BY_CLASS[req.priority.label]
         first = True
         try:
             ended = False
@@ -177,17 +175,14 @@ class StreamLoop(LoopBase):
                     if first and isinstance(item, (str, ToolCall)):
                         first = False
                         self._prefilled(wave, req)
-                    last = req.last_token_at
+                    before = (req.first_token_at, req.last_token_at, len(req.output_tokens))
                     seq = stream_item_output(item)
                     ended = seq.eos or seq.length_capped
                     outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
+                    # TTFT (a token's or a tool call's) and inter-token latency: the step loop's rule
+                    if produced := record_output(req, *before):
+                        metrics.GENERATED_TOKENS.inc(produced)
                     self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
-                    if isinstance(item, str):
-                        metrics.GENERATED_TOKENS.inc()
-                        if last is None:
-                            ttft.observe(now - req.arrival)
-                        else:
-                            inter_token.observe(now - last)
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
                 seq = SeqOutput(eos=True)
                 self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
