@@ -88,14 +88,6 @@ def test_window_shrinks_as_the_rate_rises():
     assert windows[0] > windows[-1]
 
 
-def test_requests_already_buffered_shorten_the_fill_time():
-    ctl = make_controller()
-    now = feed_steady(ctl, rate_per_s=1000, seconds=1.0)
-    empty = ctl.window(now)
-    assert ctl.window(now, buffered=24) < empty
-    assert ctl.window(now, buffered=1) == empty
-
-
 def test_the_window_a_new_buffer_gets_does_not_depend_on_how_full_the_last_one_was():
     """The window was computed from a copy of the buffer's size taken at each arrival and never reset at a
     flush: the next buffer's first item got the window of a buffer 31 items full (10 ms instead of 200)."""

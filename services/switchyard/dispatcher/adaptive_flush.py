@@ -12,8 +12,8 @@ two measurements instead:
 
 Rule (all times in seconds)::
 
-    fill   = (max_batch_size - buffered) / lam   # time until a full batch at this rate
-                                                 # (buffered: 1, the double buffer asks at its first item)
+    fill   = (max_batch_size - 1) / lam          # time until a full batch at this rate (the double
+                                                 # buffer asks at a list's first item)
     budget = p95_budget - s_p95                  # queueing delay the P95 budget leaves
     window = clamp(min(fill, step, budget), min_interval, max_interval)
 
@@ -118,15 +118,15 @@ class AdaptiveFlush:
         ordered = sorted(self._service)
         return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
-    def window(self, now: float | None = None, buffered: int = 1) -> float:
-        """The flush window in seconds, by the rule in the module docstring; ``buffered``: the items in the buffer
-        (the double buffer asks when its first item arrives, and keeps the window for the whole list)."""
+    def window(self, now: float | None = None) -> float:
+        """The flush window in seconds, by the rule in the module docstring, with one item buffered (the double
+        buffer asks when a list's first item arrives, and keeps the window for the whole list)."""
         lam = self.arrival_rate(now)
         budget = self.p95_budget_s - self.service_p95()
         if lam <= 0:
             target = self.min_interval_s
         else:
-            fill = max(self.max_batch_size - buffered, 1) / lam
+            fill = max(self.max_batch_size - 1, 1) / lam
             target = min(fill, budget, self.engine_step_s or math.inf)
         self.last_window_s = min(max(target, self.min_interval_s), self.max_interval_s)
         return self.last_window_s
