@@ -116,8 +116,8 @@ class SchedulerCounters:
     Plain counts: parked agents whose state left HBM at TTL expiry (``tool_wait_expired``) or to make
     room (``parked_evicted``); the HBM tier's lookups found (``hbm_hits``) and not found
     (``hbm_misses``), KV state dropped or moved out of it (``hbm_evictions``) and its scans
-    (``hbm_scans``; ``switchyard_tier_*_total{tier="hbm"}``); admissions refused because the KV would
-    not fit even after eviction (``kv_oom_avoided``), real device allocation failures (``kv_oom``), KV
+    (``hbm_scans``; ``switchyard_tier_*_total{tier="hbm"}``); requests whose KV would not fit even after
+    eviction, refused at intake as never fitting or held at admission (``kv_oom_avoided``), real device allocation failures (``kv_oom``), KV
     block-table compactions and the bytes they gave back (``defragmentations``,
     ``defrag_freed_bytes``), and the prefix tokens of ended requests restored from a lower tier or
     computed again (``restored_tokens``, ``recomputed_tokens``; counted when the request ends).

@@ -49,8 +49,9 @@ TIER_CORRUPT = Counter(
 )
 OOM_AVOIDED = Counter(
     "switchyard_kv_oom_avoided_total",
-    "Admissions refused because the sequence's KV did not fit the HBM budget even after eviction "
-    "(an allocation that would have failed, avoided).",
+    "Requests whose KV did not fit the HBM budget even after eviction (an allocation that would have failed, "
+    "avoided): refused at intake when they could never fit the engine (INVALID_ARGUMENT naming max_tokens), or "
+    "held waiting at admission until room came (each such head once).",
 )
 OOM = Counter(
     "switchyard_kv_oom_total",
