@@ -228,3 +228,30 @@ async def test_a_cookie_the_server_sets_is_sent_back_on_the_next_call(clean_prox
         server.close()
     assert "cookie" not in seen[0]
     assert seen[1]["cookie"] == "lb=replica-2"
+
+
+SSE_UTF8_BODY = (
+    b'data: {"choices":[{"index":0,"delta":{"content":"h\xc3\xa9"},"finish_reason":null}]}\n\n'
+    b'data: {"choices":[{"index":0,"delta":{"content":"llo"},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("content_type, body", [
+    ("text/event-stream", b"\xef\xbb\xbf" + SSE_UTF8_BODY),  # one leading byte order mark: ignored
+    ("text/event-stream; charset=iso-8859-1", SSE_UTF8_BODY),  # a charset other than UTF-8: still UTF-8
+], ids=["bom", "latin1_charset"])
+async def test_an_event_stream_is_utf8_whatever_its_charset_and_a_leading_bom_is_ignored(
+        clean_proxy_env, transport, content_type, body):
+    """WHATWG HTML, "Parsing an event stream": the stream is decoded as UTF-8 (a charset parameter says nothing),
+    and one leading U+FEFF is ignored. Read as the header's charset, 'hé' became 'hÃ©'; with the BOM kept, the
+    first line's field name was '\\ufeffdata', an unknown field, and the first chunk's text was lost."""
+    recorded = Recorded("synthetic", {"status": "HTTP/1.1 200 OK", "content-type": content_type,
+                                      "framing": "chunked"}, body)
+    async with replay_server(recorded) as (base, _):
+        async with GatewayClient(gateway_config(base, http_transport=transport, fallback_model="",
+                                                max_retries=0)) as client:
+            events = [e async for e in client.stream_chat(ask())]
+    assert "".join(e.text for e in events if isinstance(e, Token)) == "héllo"
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
