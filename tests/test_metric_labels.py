@@ -115,3 +115,21 @@ def test_every_labelled_counter_of_the_services_starts_at_zero() -> None:
         if getattr(collector, "_labelnames", ()) and not any(s.name.endswith("_total") for s in family.samples):
             missing.append(family.name)
     assert missing == []
+
+
+async def test_model_labels_are_the_upstream_ids_the_gateway_calls_each_counted_from_zero() -> None:
+    """default_model and fallback_model go through model_map as a request's model does (GatewayClient.models_for):
+    the labels are the ids they resolve to. The fallback counter was started at 0 for the alias ('cheap'), a series
+    that never moves, and its real pair (default, the fallback's upstream id) appeared only at its first fallback."""
+    from switchyard.gateway.client import GatewayClient
+
+    upstream = "cheap-upstream-" + uuid.uuid4().hex[:8]
+    config = UpstreamConfig(fallback_model="cheap", model_map={"cheap": upstream}, api_key_required=False)
+    assert model_label(upstream, config) == upstream
+    assert model_label("cheap", config) == OTHER  # an alias is never an upstream id
+    async with GatewayClient(config):
+        pass
+    assert REGISTRY.get_sample_value("switchyard_gateway_fallbacks_total",
+                                     {"model": "claude-sonnet-4-5", "fallback_model": upstream}) == 0.0
+    assert REGISTRY.get_sample_value("switchyard_gateway_fallbacks_total",
+                                     {"model": "claude-sonnet-4-5", "fallback_model": "cheap"}) is None

@@ -199,7 +199,7 @@ class GatewayClient:
         self.pool = EndpointPool(config, make_http)
         """The endpoints and the picker (one endpoint: ``base_url``)."""
         start_at_zero({model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER},
-                      [model_names.model_label(config.fallback_model, config)] if config.fallback_model else [])
+                      [model_names.model_label(m, config) for m in self.models_for("")[1:]])
         self._flavours: dict[str, servers.ServerFlavour] = {}
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._refused: dict[str, set[str]] = {}

@@ -42,16 +42,17 @@ def nearest(model: str, known: Iterable[str]) -> str | None:
 
 
 def configured_models(config: Any) -> set[str]:
-    """The upstream model ids ``model_gateway`` names: default, fallback and every ``model_map`` target."""
-    return {m for m in (config.default_model, config.fallback_model, *config.model_map.values()) if m}
+    """The upstream model ids ``model_gateway`` names: default and fallback through ``model_map`` (as a request's
+    model goes), and every ``model_map`` target. A ``model_map`` name is never one: it is sent as its target."""
+    named = (config.default_model, config.fallback_model)
+    return {resolve(m, config.model_map, "") for m in named if m} | set(config.model_map.values())
 
 
 def model_label(model: str, config: Any) -> str:
-    """``model`` as a metric label: one of the configured ids (default, fallback, ``model_map``), else ``other``.
+    """``model``, an upstream id, as a metric label: one of :func:`configured_models`, else ``other``.
 
     A client may name any model; metrics keep a bounded set of series.
     """
     from switchyard.common.metrics import bounded
 
-    known = {config.default_model, config.fallback_model, *config.model_map, *config.model_map.values()}
-    return bounded(model, known)
+    return bounded(model, configured_models(config))
