@@ -17,7 +17,7 @@ from switchyard.gateway.keys import ApiKey
 from switchyard.gateway.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
 from switchyard.gateway.proxy import ProxyRoute, proxy_for
-from switchyard.gateway.sse import iter_data
+from switchyard.gateway.sse import iter_events
 
 
 def sse_response(body: str) -> httpx.Response:
@@ -33,7 +33,15 @@ def sse_response(body: str) -> httpx.Response:
     ("event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n", ['{"error": {"message": "overloaded"}}']),
 ])
 async def test_sse_follows_the_whatwg_event_stream_format(body, expected):
-    assert [d async for d in iter_data(sse_response(body))] == expected
+    assert [e.data async for e in iter_events(sse_response(body))] == expected
+
+
+async def test_llama_cpp_s_error_field_is_an_error_event_of_its_data():
+    """llama.cpp writes a streamed error as 'error: {...}', a field the format ignores: it was dropped, and the
+    'data: [DONE]' after it ended an empty stream as a success."""
+    body = 'error: {"code":400,"message":"too long"}\n\ndata: [DONE]\n\n'
+    events = [(e.event, e.data) async for e in iter_events(sse_response(body))]
+    assert events == [("error", '{"code":400,"message":"too long"}'), ("message", "[DONE]")]
 
 
 def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -81,6 +89,20 @@ def test_decoder_errors_name_what_was_received():
     assert " at at " not in str(cut.value)
     with pytest.raises(StreamBroken, match="error inside the stream: 'overloaded'"):
         StreamDecoder("m").feed('{"error": {"message": "overloaded"}}')
+
+
+def test_an_error_event_is_an_error_whatever_its_data_holds():
+    """The data of an 'error' event is the error: a bare object (llama.cpp's code, message, type), one with
+    'error', or text. A bare object without 'choices' was read as a choiceless chunk and, after a token, ignored."""
+    decoder = StreamDecoder("m")
+    assert decoder.feed(chunk({"content": "hi"})) == [Token("hi")]
+    with pytest.raises(GatewayError, match="inside the stream \\(status 400\\): 'too long'") as caught:
+        decoder.feed('{"code":400,"message":"too long","type":"exceed_context_size_error"}', "error")
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and decoder.ending == "error"
+    with pytest.raises(StreamBroken, match="inside the stream: 'engine died'"):
+        StreamDecoder("m").feed("engine died", "error")
+    with pytest.raises(GatewayError, match="status 429"):
+        StreamDecoder("m").feed('{"error": {"message": "slow down", "type": "rate_limit_error"}}', "error")
 
 
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():

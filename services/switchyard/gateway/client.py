@@ -44,6 +44,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 import httpx
+from httpx_sse import ServerSentEvent
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
@@ -79,7 +80,7 @@ from switchyard.gateway.pool import Endpoint, EndpointPool, PoolLimit, prompt_ke
 from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
-from switchyard.gateway.sse import iter_data
+from switchyard.gateway.sse import iter_events
 from switchyard.gateway.transport import UpstreamTransport
 from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent, Token
 
@@ -148,7 +149,7 @@ class _OpenStream:
     """A 200 SSE response read up to its first event(s), and the endpoint streaming it."""
 
     response: httpx.Response
-    data: AsyncIterator[str]
+    events: AsyncIterator[ServerSentEvent]
     decoder: StreamDecoder
     first: list[StreamEvent]
     ended: bool
@@ -345,11 +346,11 @@ class GatewayClient:
                         self.pool.on_tokens(opened.endpoint, 1)
                     yield event
                 if not opened.ended:
-                    async for data in opened.data:
+                    async for sse in opened.events:
                         if opened.decoder.done:
                             break  # [DONE] ends the stream: nothing after it is read
                         self._check_deadline(call, model)
-                        for event in opened.decoder.feed(data):
+                        for event in opened.decoder.feed(sse.data, sse.event):
                             sent += not isinstance(event, Finished)
                             finished = finished or isinstance(event, Finished)
                             if isinstance(event, Token):
@@ -642,14 +643,14 @@ class GatewayClient:
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
                 )
-            data = iter_data(response)
+            events = iter_events(response)
             first: list[StreamEvent] = []
-            async for payload in data:
-                first.extend(decoder.feed(payload))
+            async for sse in events:
+                first.extend(decoder.feed(sse.data, sse.event))
                 if first:
                     self.pool.on_first_item(endpoint, time.monotonic() - sent)
-                    return _OpenStream(response, data, decoder, first, False, endpoint)
-            return _OpenStream(response, data, decoder, _end(decoder), True, endpoint)
+                    return _OpenStream(response, events, decoder, first, False, endpoint)
+            return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()
             error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)

@@ -28,6 +28,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
   (``transformers serve``, llama.cpp) or in a usage-only chunk after it, or nowhere;
   an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
   requested one: neither is checked;
+- an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI) or as an ``error`` event whose data
+  is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -44,7 +46,7 @@ from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
-from switchyard.gateway.sse import DONE
+from switchyard.gateway.sse import DONE, ERROR_EVENT
 from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
 
 
@@ -221,31 +223,34 @@ class StreamDecoder:
         self.failed = False
         """The stream carried an error object, or something that cannot be read (:attr:`ending` ``error``)."""
 
-    def feed(self, data: str) -> list[StreamEvent]:
-        """Events carried by one ``data`` payload.
+    def feed(self, data: str, event: str = "") -> list[StreamEvent]:
+        """Events carried by one ``data`` payload; ``event``: the SSE event's type.
 
         Raises:
             StreamProtocolError: not JSON, not an object, or no ``choices`` list ("reading choices").
-            GatewayError: the chunk is an upstream error object, classified by its status (its code or type,
-                :func:`stream_error_status`) in the one table, :func:`switchyard.gateway.classify.error_for_status`.
+            GatewayError: the chunk is an upstream error object (an object with ``error`` and no ``choices``, or
+                any data of an ``error`` event: llama.cpp's is the bare object), classified by its status (its code
+                or type, :func:`stream_error_status`) in the one table,
+                :func:`switchyard.gateway.classify.error_for_status`.
         """
         try:
-            return self._feed(data)
+            return self._feed(data, event)
         except GatewayError:
             self.failed = True
             raise
 
-    def _feed(self, data: str) -> list[StreamEvent]:
+    def _feed(self, data: str, event: str) -> list[StreamEvent]:
         if self.done:
             return []  # the stream ended at [DONE]: whatever a server or proxy sends after it is not read
         if data.strip() == DONE:
             self.done = True
             return []
         self.last = data
+        if event == ERROR_EVENT:
+            raise self._error(data)
         chunk = _loads(data, "stream chunk")
         if "error" in chunk and "choices" not in chunk:
-            raise error_for_status(stream_error_status(chunk), data, {}, url=self.url, model=self.model, key=self.key,
-                                   in_stream=True)
+            raise self._error(data)
         self.chunks += 1
         self.model = chunk.get("model") or self.model
         self.usage = _usage(chunk.get("usage")) or self.usage
@@ -277,6 +282,17 @@ class StreamDecoder:
                 self.finish_reason = choice["finish_reason"]
                 events.extend(self._calls.drain())
         return events
+
+    def _error(self, data: str) -> GatewayError:
+        """The error an in-stream error's ``data`` stands for: an object with ``error`` (OpenAI's, vLLM's), or
+        the error object itself (llama.cpp's ``error:`` field), or text; classified by its status."""
+        try:
+            payload = untrusted.loads(data)
+        except ValueError:
+            payload = data
+        error = payload if isinstance(payload, dict) and "error" in payload else {"error": payload}
+        return error_for_status(stream_error_status(error), data, {}, url=self.url, model=self.model, key=self.key,
+                                in_stream=True)
 
     def _whole_characters(self, text: str) -> str:
         """``text`` after any high surrogate held from the last chunk, holding back a trailing one."""

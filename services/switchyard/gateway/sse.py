@@ -1,14 +1,17 @@
 """Server-sent events: reading an upstream's stream, writing sim-openai's.
 
-Reading uses httpx-sse, which parses the WHATWG HTML "server-sent events"
+Reading uses httpx-sse's decoders, which parse the WHATWG HTML "server-sent events"
 event-stream format: ``field: value`` lines, CR/LF/CRLF line ends, an
 empty line ending each event, multi-line ``data`` joined with ``\n``, empty
 ``data:``, comment lines (``:`` keep-alives), ``event:``, ``id:`` and ``retry:``.
-The decoding is set here, as the format says and httpx-sse leaves to httpx: the
-stream is UTF-8 whatever the Content-Type's charset, and one leading byte order
-mark is ignored.
+Two rules are kept here, as the format says and httpx-sse leaves to its caller:
+the stream is UTF-8 whatever the Content-Type's charset, and one leading byte
+order mark is ignored. And one server's variation: llama.cpp writes a streamed
+error as an ``error:`` field (``server_sent_event(sink, "error", ...)``), a
+field the format ignores; it is read as an ``error`` event of that data.
 A completion stream is read once, so ``id`` and ``retry`` (reconnection) have
-no use here; events of any type are passed on by their data.
+no use here. The media type is checked by the caller (the gateway client names
+the URL and what came instead).
 """
 
 from __future__ import annotations
@@ -17,37 +20,47 @@ import json
 from typing import Any, AsyncIterator
 
 import httpx
-from httpx_sse import EventSource
+from httpx_sse import ServerSentEvent
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder  # the format's rules; EventSource has no hook for a field
 
 DONE = "[DONE]"
+ERROR_EVENT = "error"
+"""The type of an event that carries an error object (``event: error``, or llama.cpp's ``error:`` field)."""
+_ERROR_FIELD = ERROR_EVENT + ":"
 
 
-async def iter_data(response: httpx.Response) -> AsyncIterator[str]:
-    """Yield the ``data`` of each event of ``response`` (``text/event-stream``).
+async def iter_events(response: httpx.Response) -> AsyncIterator[ServerSentEvent]:
+    """Yield each event of ``response`` (``text/event-stream``) that carries data.
 
     Events without data (a bare ``event:``, ``id:`` or ``retry:``) are skipped.
     As the format says, an event cut off before its empty line is not dispatched:
     a stream whose ``data: [DONE]`` has no empty line after it ended early.
-
     The body is decoded as UTF-8 (a charset parameter is not read), a leading byte order mark dropped.
-    The media type is matched case-insensitively, as RFC 9110 section 8.3.1 says
-    (``Text/Event-Stream;charset=UTF-8`` is ``text/event-stream``); httpx-sse compares it
-    as written, so the header is lower-cased first.
 
     Raises:
-        httpx_sse.SSEError: the response is not ``text/event-stream``.
         httpx.HTTPError: the connection failed while reading.
     """
-    content_type = response.headers.get("content-type")
-    if content_type is not None and content_type != content_type.lower():
-        response.headers["content-type"] = content_type.lower()
     # "Event streams are always decoded as UTF-8", "one leading U+FEFF BYTE ORDER MARK character must be
     # ignored" (WHATWG HTML, 9.2.5): httpx would decode by the charset and keep the BOM, which made the first
     # line's field '\ufeffdata', an unknown field, and lost the first chunk.
     response.encoding = "utf-8-sig"
-    async for event in EventSource(response).aiter_sse():
-        if event.data:
-            yield event.data
+    lines, fields = SSELineDecoder(), SSEDecoder()
+    async for text in response.aiter_text():
+        for line in lines.decode(text):
+            if (event := _event(fields, line)) is not None:
+                yield event
+    for line in lines.flush():
+        if (event := _event(fields, line)) is not None:
+            yield event
+
+
+def _event(fields: SSEDecoder, line: str) -> ServerSentEvent | None:
+    """Decode one line; the event it ends, when that carries data."""
+    if line.startswith(_ERROR_FIELD):  # llama.cpp's streamed error: read as 'event: error' and its data
+        fields.decode(f"event: {ERROR_EVENT}")
+        line = "data:" + line[len(_ERROR_FIELD):]
+    event = fields.decode(line)
+    return event if event is not None and event.data else None
 
 
 def encode(payload: dict[str, Any] | str) -> bytes:
