@@ -838,3 +838,19 @@ async def test_a_task_is_refused_at_once_only_for_a_service_it_cannot_run_withou
                         await collect(stub, payload="what is 2+2", task_type="rag_answer", max_tokens=16)
                     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
                     assert (refused.value.details() or "").startswith(f"retrieval service unavailable at {dead}")
+
+
+async def test_a_running_submitted_task_s_status_shows_the_timings_its_task_has_so_far():
+    """The status of a RUNNING submitted task is the task's own timings: the waits and stages so far. It was a
+    second Timings, fed from the task's stage events: the orchestration and retrieval waits were missing until
+    the task ended, and a stage run twice (react_loop's 'infer', once per step) showed its last run, not the sum."""
+    async with stack() as (stub, down):
+        down.gate = asyncio.Event()  # generation never ends on its own
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="live-1", payload="hello", task_type="rag_answer"))
+        await _until(lambda: down.requests)
+        running = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="live-1"))
+        down.gate.set()
+    assert running.state == agent_pb2.RUNNING
+    assert {"submitted", "orchestration", "retrieval"} <= set(running.timings.queue_wait_s), \
+        dict(running.timings.queue_wait_s)
+    assert {"retrieve", "render_prompt"} <= set(running.timings.stage_s), dict(running.timings.stage_s)

@@ -563,24 +563,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         entry.started = True
         spec = entry.spec
         running: asyncio.Future[None] | None = None
-        task: Task | None = None
         executing = False
         t0 = time.monotonic()
         try:
             if entry.cancelled or self._stopping:  # asked before this runner began
                 raise asyncio.CancelledError
-
-            def emit(event: agent_pb2.TaskEvent) -> None:
-                kind = event.WhichOneof("event")
-                if kind == "stage":
-                    entry.timings.stage_s[event.stage.name] = event.stage.duration_s
-                elif kind == "token" and not entry.timings.ttft_s and task is not None:
-                    entry.timings.ttft_s = task.timings.ttft_s  # the task's own measure; its status shows it now
-
-            task = self._new_task(spec, emit, None)
+            task = self._new_task(spec, lambda event: None, None)  # no reader: its status is read instead
             task.trace_id, t0 = entry.trace_id, task.t0
+            task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
             task.add_wait("submitted", t0 - entry.submitted_at)
-            entry.timings.queue_wait_s["submitted"] = t0 - entry.submitted_at
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             executing = True  # _execute counts the task from here
             final = await self._execute(task)
@@ -596,10 +587,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
             state, result = agent_pb2.FAILED, b""
-            if task is not None:  # what it did before it failed (its first token is in already): waits, stages
-                entry.timings.stage_s.update(task.timings.stage_s)
-                entry.timings.queue_wait_s.update(task.timings.queue_wait_s)
-            entry.timings.total_s = time.monotonic() - t0
+            entry.timings.total_s = time.monotonic() - t0  # its waits and stages are in already (the task's own)
         finally:
             self._submitted.stopped(entry)
             self._start_submitted()
