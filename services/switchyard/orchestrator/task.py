@@ -153,11 +153,12 @@ class Task:
 
         The block runs inside the stage's span, named ``span_name`` or ``name``, with
         ``switchyard.stage`` = ``name`` and each of ``attributes`` as ``switchyard.<key>``; ``span``
-        is that span (the invalid span while tracing is off). When the block ends without an
-        exception, the stage's seconds are added to ``timings.stage_s[name]``, observed in
+        is that span (the invalid span while tracing is off). The stage's seconds are added to
+        ``timings.stage_s[name]`` however the block ends (a failed task's status shows where its time
+        went). When it ends without an exception, they are also observed in
         ``switchyard_stage_duration_seconds{stage}`` (``metric_stage`` when given: a bounded stand-in
-        for a name a model chose) and sent as a stage event carrying ``attributes``. An exception
-        passes through, recorded on the span only.
+        for a name a model chose) and sent as a stage event carrying ``attributes``; an exception
+        passes through, recorded on the span.
         """
         return Stage(self, name, metric_stage or name, span_name or name, attributes)
 
