@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gateway_fixtures import clean_proxy_env, gateway_config, sim_openai  # noqa: F401
 
 from switchyard.common.priority import PriorityClass
@@ -141,3 +143,33 @@ async def test_a_stream_its_caller_stops_reading_is_counted_cancelled_and_a_fini
                     break
             await stream.aclose()  # closed right after its Finished: a complete call
             assert (count("ok"), count("CANCELLED")) == (ok + 1, cancelled + 1)
+
+
+async def test_a_cancelled_non_streamed_call_is_counted_cancelled_not_ok(clean_proxy_env):
+    """complete() counted every end that was not a GatewayError as outcome 'ok' (a caller cancelling it, a fault
+    of its own); stream_chat counts CANCELLED and INTERNAL. One rule for both."""
+    import asyncio
+
+    from prometheus_client import REGISTRY
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)  # reads the request, never answers
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+    def count(outcome: str) -> float:
+        return REGISTRY.get_sample_value("switchyard_gateway_requests_total",
+                                         {"model": "claude-sonnet-4-5", "outcome": outcome}) or 0.0
+
+    before = count("ok"), count("CANCELLED")
+    try:
+        async with GatewayClient(gateway_config(base, fallback_model="")) as client:
+            call = asyncio.ensure_future(client.complete(ask()))
+            await asyncio.sleep(0.3)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+    finally:
+        server.close()
+    assert (count("ok"), count("CANCELLED")) == (before[0], before[1] + 1)

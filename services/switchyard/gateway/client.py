@@ -407,6 +407,12 @@ class GatewayClient:
             outcome = exc.code.name
             self._fail_span(call.span, exc)
             raise
+        except asyncio.CancelledError:  # the caller went away: as stream_chat counts it
+            outcome = grpc.StatusCode.CANCELLED.name
+            raise
+        except BaseException:
+            outcome = grpc.StatusCode.INTERNAL.name  # not an upstream answer: a fault here, never counted as ok
+            raise
         finally:
             call.span.end()
             GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
