@@ -127,6 +127,8 @@ def test_parse_completion_reads_text_tool_calls_and_usage():
     assert completion.tool_calls == [ToolCallOut("c", "f", "{}")] and completion.usage == Usage(1, 2, 3)
     with pytest.raises(StreamProtocolError, match="choices"):
         parse_completion('{"object": "error"}', "x")
+    with pytest.raises(StreamProtocolError, match="choices"):  # was AttributeError: not the documented error
+        parse_completion('{"choices": ["x"]}', "x")
 
 
 def test_fault_specs():

@@ -346,7 +346,8 @@ def parse_completion(text: str, model: str) -> Completion:
     """
     body = _loads(text, "response body")
     choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0].get("message"), dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+            or not isinstance(choices[0].get("message"), dict):
         raise StreamProtocolError(
             f"error reading choices: response has no 'choices[0].message': received {snippet(text)}"
         )
