@@ -44,26 +44,15 @@ async def test_streaming_answer_has_tokens_then_usage(sim_openai):
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
-async def test_non_streaming_answer(sim_openai):
-    async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
-        completion = await client.complete(ask(max_tokens=3))
-    assert completion.text == "Python lists are"
-    assert completion.finish_reason == "length"
-    assert completion.usage is not None and completion.usage.completion_tokens == 3
-    assert sim_openai.state.requests[-1]["stream"] is False
-
-
 async def test_streamed_tool_call_is_assembled_from_deltas(sim_openai):
     async with GatewayClient(gateway_config(sim_openai.base_url)) as client:
         events = await collect(client, ask("what is a list", tools=[SEARCH_TOOL]))
-        completion = await client.complete(ask("what is a list", tools=[SEARCH_TOOL]))
     calls = [e for e in events if isinstance(e, ToolCallOut)]
     assert len(calls) == 1 and calls[0].name == "search_docs"
     assert json.loads(calls[0].arguments_json) == {"query": "what is a list"}
     assert calls[0].call_id.startswith("call_")
     assert events[-1].finish_reason == "tool_calls"
     assert not any(isinstance(e, Token) for e in events)
-    assert completion.tool_calls == calls
     assert sim_openai.state.requests[-1]["tools"] == [SEARCH_TOOL]
 
 
@@ -145,9 +134,8 @@ async def test_a_stream_its_caller_stops_reading_is_counted_cancelled_and_a_fini
             assert (count("ok"), count("CANCELLED")) == (ok + 1, cancelled + 1)
 
 
-async def test_a_cancelled_non_streamed_call_is_counted_cancelled_not_ok(clean_proxy_env):
-    """complete() counted every end that was not a GatewayError as outcome 'ok' (a caller cancelling it, a fault
-    of its own); stream_chat counts CANCELLED and INTERNAL. One rule for both."""
+async def test_a_cancelled_call_is_counted_cancelled_not_ok(clean_proxy_env):
+    """A caller that cancels a call before any answer: outcome CANCELLED, never 'ok'."""
     import asyncio
 
     from prometheus_client import REGISTRY
@@ -165,7 +153,7 @@ async def test_a_cancelled_non_streamed_call_is_counted_cancelled_not_ok(clean_p
     before = count("ok"), count("CANCELLED")
     try:
         async with GatewayClient(gateway_config(base, fallback_model="")) as client:
-            call = asyncio.ensure_future(client.complete(ask()))
+            call = asyncio.ensure_future(collect(client, ask()))
             await asyncio.sleep(0.3)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -198,15 +198,6 @@ async def test_malformed_chunk_message_quotes_the_chunk(clean_proxy_env):
     assert '"content": "tru' in str(err)
 
 
-async def test_non_streaming_call_answered_with_sse_is_a_flag_mismatch(clean_proxy_env):
-    with start_sim(faults={"*": Fault(mismatch=True)}) as server:
-        async with GatewayClient(gateway_config(server.base_url, fallback_model="")) as client:
-            with pytest.raises(GatewayError) as caught:
-                await client.complete(ask())
-    assert caught.value.code == grpc.StatusCode.INTERNAL
-    assert "stream=false) but it answered text/event-stream" in str(caught.value) and "data: " in str(caught.value)
-
-
 # --------------------------------------------------------------------------- statuses and retries
 
 

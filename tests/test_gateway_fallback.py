@@ -56,13 +56,6 @@ async def test_no_fallback_on_auth_failure(clean_proxy_env):
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_non_streaming_call_falls_back_too(clean_proxy_env):
-    with start_sim(faults={PRIMARY: Fault(status=500)}) as server:
-        async with GatewayClient(gateway_config(server.base_url, max_retries=0)) as client:
-            completion = await client.complete(ask())
-    assert completion.model == FALLBACK and completion.text == FULL_ANSWER
-
-
 async def test_fault_by_model_suffix_reaches_the_server(clean_proxy_env):
     with start_sim() as server:
         async with GatewayClient(gateway_config(server.base_url, max_retries=0)) as client:

@@ -123,12 +123,12 @@ def test_refused_field_messages_of_each_server(status, message, field):
 
 async def test_every_upstream_request_carries_agent_and_priority_headers_through_retries_and_fallback(
         clean_proxy_env):
-    """Each attempt carries them: retried 503s, the fallback model's call, JSON and streamed calls."""
+    """Each attempt carries them: retried 503s, the fallback model's call, every call."""
     with start_sim(faults={"claude-sonnet-4-5": Fault(status=503), "gpt-4o-mini": Fault(status=503, fail_first=1)}) as sim:
         async with GatewayClient(gateway_config(sim.base_url, max_retries=1)) as client:
             await stream(client, ask("batch", agent="agent-42", request_id="req-9"))
-            await client.complete(ask("core", agent="", request_id="req-10"))
-    assert len(sim.state.headers) == 2 + 2 + 1 + 2  # primary twice, fallback twice then once; then the JSON call
+            await stream(client, ask("core", agent="", request_id="req-10"))
+    assert len(sim.state.headers) == 2 + 2 + 1 + 2  # primary twice, fallback twice then once; then the second call
     seen = [(h.get("x-agent-id"), h.get("x-priority"), h.get("x-request-id")) for h in sim.state.headers]
     assert seen[:4] == [("agent-42", "batch", "req-9")] * 4
     assert seen[4:] == [("req-10", "core", "req-10")] * 3  # no agent: the request is its own agent

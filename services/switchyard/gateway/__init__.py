@@ -2,8 +2,7 @@
 
 Modules:
 
-- :mod:`.client`: :class:`GatewayClient`, chat completions (streaming SSE and
-  non-streaming) over a pooled ``httpx.AsyncClient`` with retries before the
+- :mod:`.client`: :class:`GatewayClient`, streamed chat completions (SSE) over a pooled ``httpx.AsyncClient`` with retries before the
   first token and fallback to ``model_gateway.fallback_model``.
 - :mod:`.errors`: the error table (upstream status, transport failure, broken
   stream) as :class:`switchyard.common.errors.SwitchyardError` subclasses.
@@ -16,6 +15,6 @@ Modules:
   injection (``switchyard serve sim-openai``) is the harness's :mod:`switchyard_harness.sim_openai`.
 """
 
-from switchyard.gateway.events import ChatRequest, Completion, Finished, Token, ToolCallOut, Usage
+from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut, Usage
 
-__all__ = ["ChatRequest", "Completion", "Finished", "Token", "ToolCallOut", "Usage"]
+__all__ = ["ChatRequest", "Finished", "Token", "ToolCallOut", "Usage"]

@@ -54,7 +54,7 @@ from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
-from switchyard.gateway.decode import StreamDecoder, parse_completion
+from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import (
     EndpointNotFound,
     GatewayError,
@@ -82,7 +82,7 @@ from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events
 from switchyard.gateway.transport import UpstreamTransport
-from switchyard.gateway.events import ChatRequest, Completion, Finished, StreamEvent, Token
+from switchyard.gateway.events import ChatRequest, Finished, StreamEvent, Token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -327,7 +327,7 @@ class GatewayClient:
             GatewayError: any row of the error table. Before the first item the
                 primary was retried and the fallback tried; after it, nothing was.
         """
-        call = self._begin(request, stream=True)
+        call = self._begin(request)
         started = time.monotonic()
         outcome = "ok"
         model = ""
@@ -335,7 +335,7 @@ class GatewayClient:
         finished = False  # the Finished event went out: a close after it ends a complete call
         try:
             opened, model = await self._with_fallback(
-                call, request, lambda e, m: self._open_stream(call, request, e, m), hold=True)
+                call, request, lambda e, m: self._open_stream(call, request, e, m))
             GATEWAY_TTFT.labels(model_names.model_label(model, self.config)).observe(time.monotonic() - started)
             ended_with: GatewayError | None = None  # what the endpoint's stream ended with, told to the pool
             try:
@@ -390,43 +390,15 @@ class GatewayClient:
             call.span.end()
             GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
 
-    async def complete(self, request: ChatRequest) -> Completion:
-        """One non-streamed completion, with the same retries and fallback as :meth:`stream_chat`.
-
-        Raises:
-            GatewayError: any row of the error table.
-        """
-        call = self._begin(request, stream=False)
-        outcome, model = "ok", ""
-        try:
-            completion, model = await self._with_fallback(
-                call, request, lambda e, m: self._complete_once(call, request, e, m), hold=False)
-            call.span.set_attribute("gen_ai.response.model", completion.model)
-            return completion
-        except GatewayError as exc:
-            outcome = exc.code.name
-            self._fail_span(call.span, exc)
-            raise
-        except asyncio.CancelledError:  # the caller went away: as stream_chat counts it
-            outcome = grpc.StatusCode.CANCELLED.name
-            raise
-        except BaseException:
-            outcome = grpc.StatusCode.INTERNAL.name  # not an upstream answer: a fault here, never counted as ok
-            raise
-        finally:
-            call.span.end()
-            GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
-
     # ------------------------------------------------------------------ attempts
 
-    def _begin(self, request: ChatRequest, *, stream: bool) -> _Call:
+    def _begin(self, request: ChatRequest) -> _Call:
         span = self._tracer.start_span(
             "gateway.chat_completions",
             kind=trace.SpanKind.CLIENT,
             attributes={
                 "gen_ai.request.model": self.models_for(request.model)[0],
                 "server.address": self.config.base_url,
-                "switchyard.gateway.stream": stream,
                 "switchyard.request_id": request.request_id,
             },
         )
@@ -445,18 +417,18 @@ class GatewayClient:
         return _Call(key, token, deadline, span, request.request_id, budget)
 
     async def _with_fallback(
-        self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]], *, hold: bool
+        self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]]
     ) -> tuple[T, str]:
         """``once(endpoint, model)`` over the endpoints, with retries and the fallback model.
 
-        ``hold``: the result keeps its endpoint's stream open (an :class:`_OpenStream`, whose reader calls
-        ``pool.finished``); else the endpoint's call ends with ``once``.
+        The result keeps its endpoint's stream open (an :class:`_OpenStream`, whose reader calls
+        ``pool.finished``).
         """
         chain = self.models_for(request.model)
 
         async def attempt(model: str) -> T:
             try:
-                return await self._on_endpoints(call, request, model, once, hold=hold)
+                return await self._on_endpoints(call, request, model, once)
             except ModelNotFound as exc:
                 # A model the client named and the upstream does not know is the client's
                 # mistake: answer NOT_FOUND with the nearest id rather than quietly serve
@@ -474,8 +446,7 @@ class GatewayClient:
         return result, model
 
     async def _on_endpoints(
-        self, call: _Call, request: ChatRequest, model: str, once: Callable[[Endpoint, str], Awaitable[T]], *,
-        hold: bool,
+        self, call: _Call, request: ChatRequest, model: str, once: Callable[[Endpoint, str], Awaitable[T]]
     ) -> T:
         """One attempt of ``model``: on the endpoint the picker gives, and on the next untried one at once when it
         fails before its first token in a way another replica may not (retryable, or its circuit is open).
@@ -520,13 +491,11 @@ class GatewayClient:
             except BaseException:
                 pool.finished(endpoint)
                 raise
-            if not hold:
-                pool.finished(endpoint)
-            return result
+            return result  # its reader calls pool.finished when the stream ends
 
-    async def _body(self, request: ChatRequest, endpoint: Endpoint, model: str, *, stream: bool) -> dict[str, Any]:
+    async def _body(self, request: ChatRequest, endpoint: Endpoint, model: str) -> dict[str, Any]:
         cfg = self.config
-        body: dict[str, Any] = {"model": model, "messages": request.messages, "stream": stream}
+        body: dict[str, Any] = {"model": model, "messages": request.messages, "stream": True}
         if request.max_tokens:
             body["max_tokens"] = request.max_tokens
         if request.temperature is not None:
@@ -535,7 +504,7 @@ class GatewayClient:
             body["tools"] = request.tools
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
-        if stream and cfg.include_usage:
+        if cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
         if cfg.forward_priority and request.priority is not None:
             flavour = await self.server_flavour(endpoint)
@@ -564,7 +533,7 @@ class GatewayClient:
         return headers
 
     async def _send(
-        self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str, *, stream: bool
+        self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str
     ) -> httpx.Response:
         """POST chat/completions to ``endpoint``; a non-2xx answer is read and raised as its error.
 
@@ -573,9 +542,9 @@ class GatewayClient:
         """
         url = endpoint.chat_completions
         while True:
-            body = await self._body(request, endpoint, model, stream=stream)
+            body = await self._body(request, endpoint, model)
             http_request = endpoint.http.build_request(
-                "POST", endpoint.chat_completions_url, json=body, headers=self._headers(call.token, stream=stream, request=request),
+                "POST", endpoint.chat_completions_url, json=body, headers=self._headers(call.token, stream=True, request=request),
             )
             try:
                 response = await endpoint.http.send(http_request, stream=True)
@@ -638,7 +607,7 @@ class GatewayClient:
 
     async def _open_stream(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
         sent = time.monotonic()
-        response = await self._send(call, request, endpoint, model, stream=True)
+        response = await self._send(call, request, endpoint, model)
         url = endpoint.chat_completions
         decoder = StreamDecoder(model, url=url, key=call.key)
         try:
@@ -669,25 +638,6 @@ class GatewayClient:
         except BaseException:
             await response.aclose()
             raise
-
-    async def _complete_once(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> Completion:
-        response = await self._send(call, request, endpoint, model, stream=False)
-        url = endpoint.chat_completions
-        try:
-            text = (await response.aread()).decode("utf-8", "replace")
-        except httpx.HTTPError as exc:
-            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
-        finally:
-            await response.aclose()
-        if "text/event-stream" in response.headers.get("content-type", "").lower():
-            raise StreamProtocolError(
-                f"asked {url} for one JSON response (stream=false) but it answered text/event-stream: "
-                f"received {snippet(redact(text, call.key.value))}; the server or a proxy forces streaming"
-            )
-        try:
-            return parse_completion(text, model)
-        except GatewayError as exc:
-            raise exc.naming(url) from None
 
     # ------------------------------------------------------------------ deadlines and spans
 

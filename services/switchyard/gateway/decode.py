@@ -47,7 +47,7 @@ from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE, ERROR_EVENT
-from switchyard.gateway.events import Completion, Finished, StreamEvent, Token, ToolCallOut, Usage
+from switchyard.gateway.events import Finished, StreamEvent, Token, ToolCallOut, Usage
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -336,29 +336,3 @@ class StreamDecoder:
         tail: list[StreamEvent] = [Token(fix_surrogates(self._carry))] if self._carry else []
         self._carry = ""
         return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model, self.ending)]
-
-
-def parse_completion(text: str, model: str) -> Completion:
-    """A non-streamed ``chat.completion`` body.
-
-    Raises:
-        StreamProtocolError: not a JSON object, or no ``choices[0].message``.
-    """
-    body = _loads(text, "response body")
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
-            or not isinstance(choices[0].get("message"), dict):
-        raise StreamProtocolError(
-            f"error reading choices: response has no 'choices[0].message': received {snippet(text)}"
-        )
-    message = choices[0]["message"]
-    assembler = ToolCallAssembler()
-    for index, call in enumerate(message.get("tool_calls") or []):
-        assembler.add({"index": index, **call})
-    return Completion(
-        text=message.get("content") or "",
-        tool_calls=assembler.drain(),
-        finish_reason=choices[0].get("finish_reason"),
-        usage=_usage(body.get("usage")),
-        model=body.get("model") or model,
-    )

@@ -79,14 +79,3 @@ class Finished:
 
 
 StreamEvent = Union[Token, ToolCallOut, Finished]
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A non-streamed completion."""
-
-    text: str
-    tool_calls: list[ToolCallOut]
-    finish_reason: str | None
-    usage: Usage | None
-    model: str
