@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from switchyard.common.tenant import TENANT_PATTERN
+from switchyard.common.tenant import DEFAULT_TENANT, TENANT_PATTERN
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
@@ -131,7 +131,7 @@ class TaskStatusResponse(BaseModel):
     queue_position: int = Field(0, description="While queued: submitted tasks ahead of it in the orchestrator's "
                                                "backlog, tasks (0: next to start); 0 in every other state.")
     error: str = Field("", description="gRPC status name and message once failed (CANCELLED: ... when cancelled).")
-    tenant_id: str = Field("default", description="The task's tenant: its bearer token's, else X-Tenant-Id, else default.")
+    tenant_id: str = Field(DEFAULT_TENANT, description="The task's tenant: its bearer token's, else X-Tenant-Id, else default.")
     timings: TimingsModel
     result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished.")
 
@@ -193,7 +193,7 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
         "memory_peak_bytes": status.memory_peak_bytes,
         "queue_position": status.queue_position,
         "error": status.error,
-        "tenant_id": status.tenant_id or "default",
+        "tenant_id": status.tenant_id or DEFAULT_TENANT,
         "timings": message_dict(status.timings),
         "result": message_dict(status.result) if status.HasField("result") else None,
     }

@@ -703,9 +703,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if not task_id:
             await abort(context, InvalidArgument("task_id", "the id SubmitTask returned"), self.name)
         await self._check_lookup_ids(context, task_id)
-        retention = self.config.orchestrator.task_store.retention_s
-        unknown = (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
-                   "orchestrator.task_store.retention_s)")
+        unknown = self._no_task(task_id)
         live = self._submitted.get(task_id)
         if live is not None and not self._visible_to_caller(live.tenant_id, context):
             await abort(context, SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND), self.name)
@@ -721,6 +719,12 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         return record.to_status()
+
+    def _no_task(self, task_id: str) -> str:
+        """NOT_FOUND's words for a task_id the store has no record of (CancelTask's and GetTaskStatus's)."""
+        retention = self.config.orchestrator.task_store.retention_s
+        return (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
+                "orchestrator.task_store.retention_s)")
 
     async def _cancel_held(self, task_id: str) -> agent_pb2.TaskStatus | None:
         """Cancel ``task_id`` if this orchestrator holds it and answer its status after it; None when it holds
@@ -837,8 +841,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 grpc.StatusCode.NOT_FOUND), self.name)
         if record is None:
             await abort(context, SwitchyardError(
-                f"task_id: no task {shown(request.task_id)} (never submitted, or finished more than {retention:g} s ago: "
-                "orchestrator.task_store.retention_s)" if request.task_id else
+                self._no_task(request.task_id) if request.task_id else
                 f"agent_id: agent {shown(request.agent_id)} submitted no task (or none in the last {retention:g} s: "
                 "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND), self.name)
         live = self._submitted.get(record.task_id)

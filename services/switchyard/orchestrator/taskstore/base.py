@@ -64,7 +64,7 @@ class TaskStoreUnavailable(SwitchyardError):
     code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, store: str, detail: object) -> None:
-        super().__init__(f"task store unavailable ({store}): {detail}; SubmitTask and GetTaskStatus need it")
+        super().__init__(f"task store unavailable ({store}): {detail}; SubmitTask, GetTaskStatus and CancelTask need it")
 
 
 def fingerprint(fields: dict[str, object]) -> str:
