@@ -364,6 +364,35 @@ async def test_a_task_that_cannot_make_its_deadline_on_the_measured_means_is_ref
         assert events[-1].HasField("final")
 
 
+async def test_a_rag_answer_task_that_cannot_make_its_deadline_is_refused_before_its_retrieval_and_warm_up():
+    """rag_answer's work is its retrieval and its model step: a task whose time left is below them was let
+    start its retrieval (and its prefill-only warm-up, sent with no refusal check) and was refused only at its
+    model step, after the retrieval had run, or ran out of time in the retrieval (the caller's gRPC deadline,
+    not a refusal by name). It is refused at its start now, before any of that work."""
+    refused = _value(TASKS_REFUSED_EARLY, task_type="rag_answer")
+    down = Recording()
+    down.shares_prefixes = True
+    async with stack(down) as (stub, down):
+        program = down.orchestrator._deps.program
+        program.steps.observe("rag_answer", "retrieval", 100.0)  # a measured retrieval takes 100 s
+        queries, generates = len(down.queries), len(down.requests)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, task_id="doomed-rag", payload="with?", task_type="rag_answer", timeout=30)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "task doomed-rag refused early" in err.value.details()
+        assert "100.000 s of work expected" in err.value.details()
+        await asyncio.sleep(0.05)  # a warm-up would have been sent by now
+        assert len(down.queries) == queries  # no retrieval was run for it
+        assert len(down.requests) == generates  # nor any request (warm-up or answer) sent to the dispatcher
+        assert _value(TASKS_REFUSED_EARLY, task_type="rag_answer") == refused + 1
+        # one with time for it runs, its warm-up carrying the retrieval and the model step as its work after it
+        events = await collect(stub, task_id="fits-rag", payload="with?", task_type="rag_answer", timeout=200)
+        assert events[-1].HasField("final")
+        warm = [r for r in down.requests if r.request_id.startswith("fits-rag") and r.prefill_only]
+        assert len(warm) == 1 and warm[0].expected_remaining_work_s >= 100.0
+        assert 0 < warm[0].task_time_left_s <= 200
+
+
 def test_react_work_left_follows_the_mean_steps_capped_by_max_steps():
     program = Program(ProgramConfig(), ["calculator"], max_steps=2)
     program.steps.observe("react_loop", "model", 1.0)

@@ -29,7 +29,8 @@ earliest-deadline-first generalised to remaining work, i.e. least-laxity-first
 Environment", JACM 1973; least laxity first: Mok, MIT PhD thesis 1983). A task whose
 time left is below its expected work (this step and those after it) by more than
 ``refuse_early_margin_s`` cannot meet its deadline on the measured means: it is
-refused DEADLINE_EXCEEDED now, naming the task, the time left and the expected work
+refused DEADLINE_EXCEEDED now (a rag_answer task at its start, before its
+retrieval and the warm-up beside it: its work is the retrieval and the model step), naming the task, the time left and the expected work
 (:class:`~switchyard.common.errors.TaskRefusedEarly`), instead of being served late,
 and counted in ``switchyard_tasks_refused_early_total{task_type}``. A step kind with
 no sample yet counts 0 s: a task is never refused on a guess.
@@ -203,18 +204,24 @@ class Program:
         left = max(0.0, min(turns, self.max_steps + 1) - (model_steps_done + 1))
         return left * (steps.mean(task_type, "model") + steps.mean(task_type, "tool"))
 
-    def budget(self, task_id: str, task_type: str, deadline_s: float, model_steps_done: int) -> Budget:
+    def budget(self, task_id: str, task_type: str, deadline_s: float, model_steps_done: int,
+               prefill: bool = False) -> Budget:
         """The budget of the model step about to start; refuses a task that cannot make its deadline.
 
         Args:
             deadline_s: the task's deadline, a ``time.monotonic()`` instant.
+            prefill: the step is rag_answer's prefill-only warm-up, sent at the task's start beside its
+                retrieval: it is no model step of its own (0 s), and the retrieval and the one model step
+                follow it (:meth:`remaining_after`). The rule is checked there, before the retrieval runs,
+                so that a rag_answer task that cannot make it is refused before any of its work is done.
 
         Raises:
             TaskRefusedEarly: ``refuse_early`` is on and time left + ``refuse_early_margin_s`` is below the
                 expected work (see the module docstring); counted in ``switchyard_tasks_refused_early_total``.
         """
-        budget = Budget(max(0.0, deadline_s - time.monotonic()), self.steps.mean(task_type, "model"),
-                        self.remaining_after(task_type, model_steps_done))
+        budget = Budget(max(0.0, deadline_s - time.monotonic()),
+                        0.0 if prefill else self.steps.mean(task_type, "model"),
+                        self.remaining_after(task_type, model_steps_done, prefill=prefill))
         config = self.config
         if config.refuse_early and budget.slack_s < -config.refuse_early_margin_s:
             TASKS_REFUSED_EARLY.labels(bounded(task_type, TASK_TYPES)).inc()

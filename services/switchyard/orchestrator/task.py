@@ -21,7 +21,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from opentelemetry import trace
@@ -254,14 +254,24 @@ class Task:
         program.steps.observe(workflow, "model", time.monotonic() - started)
         return "".join(text), calls
 
-    async def prefill(self, prefix: str) -> None:
+    def start_budget(self) -> Budget:
+        """The budget of a rag_answer task at its start, before its retrieval (and the prefill-only warm-up
+        beside it): :meth:`Program.budget` with ``prefill``, the retrieval and the model step ahead.
+
+        Raises:
+            TaskRefusedEarly: the task's time left is below that work (DEADLINE_EXCEEDED): refused before
+                any of it runs.
+        """
+        return self.deps.program.budget(self.spec.task_id, self.spec.workflow, self.deadline_s, self.generations,
+                                        prefill=True)
+
+    async def prefill(self, prefix: str, budget: Budget) -> None:
         """Warm the dispatcher's prefix state with ``prefix`` (a true prefix of the prompt to come): one
         ``prefill_only`` request under a ``prefill`` span, its compute score counted, no tokens expected (any
-        are dropped).
+        are dropped). ``budget`` is the task's at its start (:meth:`start_budget`), its time left as now.
         Outcomes are counted in ``switchyard_early_prefills_total``; a failure never fails the task.
         """
-        program, workflow = self.deps.program, self.spec.workflow
-        budget = Budget(self.remaining(), 0.0, program.remaining_after(workflow, 0, prefill=True))
+        budget = replace(budget, time_left_s=max(0.0, self.deadline_s - time.monotonic()))
         try:
             with tracer.start_as_current_span("prefill", attributes={"switchyard.stage": "prefill"}):
                 async for chunk in self.deps.inference.generate(

@@ -34,6 +34,7 @@ from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import MemoryMessage
 from switchyard.orchestrator.metrics import AGENT_MEMORY_RECALLS, EARLY_PREFILLS
 from switchyard.orchestrator.react import react, tools_for
+from switchyard.orchestrator.program import Budget
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.tokens import count_messages
 from switchyard.orchestrator.tools import Tool
@@ -41,8 +42,13 @@ from switchyard.orchestrator.validation import TaskSpec, max_tokens_bound, max_t
 
 
 async def rag_answer(task: Task) -> None:
-    """Answer from passages retrieved for the question."""
-    warm_up = early_prefill(task)
+    """Answer from passages retrieved for the question.
+
+    Raises:
+        TaskRefusedEarly: at its start, before its retrieval and warm-up: its time left is below the
+            measured retrieval and model step (:meth:`Task.start_budget`).
+    """
+    warm_up = early_prefill(task, task.start_budget())
     try:
         if task.uses_memory:
             await asyncio.gather(retrieve(task), recall(task))
@@ -100,14 +106,14 @@ async def retrieve(task: Task) -> None:
         task.add_wait("retrieval", response.queue_wait_s)
 
 
-def early_prefill(task: Task) -> asyncio.Task[None] | None:
+def early_prefill(task: Task, budget: Budget) -> asyncio.Task[None] | None:
     """Start warming the dispatcher's prefix of ``task``'s prompt while its retrieval runs; None when not.
 
     The prefix is system prompt + question (:func:`prompts.static_prefix`), a true prefix of the prompt the
     answer sends once the passages are in. Sent when ``orchestrator.program.rag_early_prefill`` is on, the
     task recalls no memory (history would sit between the two, and the prompt goes as messages) and the
     dispatcher's engine shares prefixes (``ModelInfo.shares_prefixes``). It runs beside the workflow and never
-    delays or fails it (:meth:`Task.prefill`).
+    delays or fails it (:meth:`Task.prefill`). ``budget``: the task's at its start (:meth:`Task.start_budget`).
     """
     if not task.deps.config.orchestrator.program.rag_early_prefill or task.uses_memory:
         return None
@@ -121,7 +127,7 @@ def early_prefill(task: Task) -> asyncio.Task[None] | None:
         except Exception:  # noqa: BLE001 - the answer's own request reports a dispatcher down or a full queue
             EARLY_PREFILLS.labels("failed").inc()
             return
-        await task.prefill(prefix)
+        await task.prefill(prefix, budget)
 
     return asyncio.create_task(warm(), name=f"prefill-{task.spec.task_id}")
 
