@@ -55,9 +55,9 @@ def sched():
     return make_scheduler(SwitchyardConfig(), Engine(), policy="fair")
 
 
-def req(rid, *, agent="", tenant="", prio=2, arrival=0.0, **kw):
+def req(rid, *, agent="", tenant="", prio=2, arrival=0.0, max_tokens=8, **kw):
     return Request(request_id=rid, agent_id=agent, tenant_id=tenant, priority=PriorityClass.from_proto(prio), prompt_tokens=100,
-                   max_tokens=8, arrival=arrival, **kw)
+                   max_tokens=max_tokens, arrival=arrival, **kw)
 
 
 def test_a_tenant_that_received_more_waits_behind_one_that_received_less():
@@ -173,7 +173,7 @@ def test_expected_service_counts_a_long_decode_at_the_measured_step_time():
     from switchyard.dispatcher.scheduler.fair import OUTPUT_QUANTILE
 
     s = sched()
-    waiting = req("w", task_type=REACT_TASK_TYPE)
+    waiting = req("w", task_type=REACT_TASK_TYPE, max_tokens=1000)
     prefill = s.expected_service_s(waiting)
     assert prefill == pytest.approx(100 * 1e-4)  # nothing measured: its prefill only
     for n, tokens in enumerate([40] * 19 + [400]):  # a long answer among short tool calls
@@ -188,6 +188,34 @@ def test_expected_service_counts_a_long_decode_at_the_measured_step_time():
     assert s.expected_service_s(waiting) == pytest.approx(200 * 1e-4 + 300 * 0.02)
 
 
+def test_expected_decode_is_at_most_the_requests_own_max_tokens_and_warm_ups_are_not_learnt():
+    """A request cannot decode past its ``max_tokens``: its expected decode was its task type's P95 whatever
+    its own cap, so a short chat (max_tokens 8) behind long ones of its type was refused as needing their 400
+    tokens. A ``prefill_only`` warm-up's one token is no sample of its type's answers."""
+    s = sched()
+    for n in range(20):
+        done = req(f"d{n}", task_type="chat", max_tokens=400)
+        done.output_tokens = [1] * 400
+        s._learn(done)
+    for n in range(40):  # a rag_answer-like stream of warm-ups: one token each, not answers
+        warm = req(f"p{n}", task_type="chat", prefill_only=True, max_tokens=1)
+        warm.output_tokens = [1]
+        s._learn(warm)
+    s.update_from_output(StepBatch(decode=[req("x", task_type="chat")]), StepResult(seconds=0.02), now=1.0)
+    prefill = 100 * 1e-4
+    long = req("long", task_type="chat", max_tokens=1000)
+    assert s.expected_service_s(long) == pytest.approx(prefill + 400 * 0.02)  # warm-ups did not pull it down
+    short = req("short", task_type="chat")  # max_tokens 8
+    assert s.expected_service_s(short) == pytest.approx(prefill + 8 * 0.02)
+    assert s.expected_service_s(req("warm", task_type="chat", prefill_only=True, max_tokens=1)) == \
+        pytest.approx(prefill + 1 * 0.02)
+    # 1 s left: the short one makes it (0.17 s) and is admitted; the long one (8 s) is refused by name
+    accept(s, [req("short-ok", task_type="chat", task_time_left_s=1.0, arrival=1.0)], 1.0)
+    assert [r.request_id for r in s.waiting] == ["short-ok"]
+    with pytest.raises(CannotMeetDeadline, match="long-refused"):
+        s.add_request(req("long-refused", task_type="chat", max_tokens=1000, task_time_left_s=1.0, arrival=1.0), 1.0)
+
+
 def test_expected_decode_is_learnt_per_bounded_task_type():
     """A task type is the caller's free text: each new one made a table of 256 output counts of its own (memory
     growing with what callers send). Types outside the workflows share ``other``, as the expected scores do."""
@@ -200,7 +228,7 @@ def test_expected_decode_is_learnt_per_bounded_task_type():
         s._learn(done)
     assert len(s._outputs) == len(s._output_q) == 1
     s.update_from_output(StepBatch(decode=[req("x")]), StepResult(seconds=0.02), now=1.0)
-    waiting = req("w", task_type="yet-another")
+    waiting = req("w", task_type="yet-another", max_tokens=100)
     assert s.expected_service_s(waiting) == pytest.approx(100 * 1e-4 + 40 * 0.02)  # learnt under ``other``
     assert s.expected_service_s(req("r", task_type=TASK_TYPES[0])) == pytest.approx(100 * 1e-4)  # its own: none
 

@@ -116,7 +116,8 @@ class FairScheduler(PriorityScheduler):
     def expected_service_s(self, req: Request) -> float:
         """Seconds ``req`` is expected to need: the prefill of what it has not computed, plus its expected
         decode: the :data:`OUTPUT_QUANTILE` quantile of the output tokens of the last
-        :data:`OUTPUT_SAMPLES` finished requests of its task type (less what it has produced) x the
+        :data:`OUTPUT_SAMPLES` finished requests of its task type, at most its own ``max_tokens`` (it
+        cannot produce more; a ``prefill_only`` request's is 1), less what it has produced, x the
         measured seconds of one step with decodes (an exponential moving average,
         :data:`STEP_EMA_ALPHA`; each decode gets one token a step, so under a large batch a token takes
         longer). 0 for what is not measured yet (no finished request of the type, or an engine whose
@@ -125,10 +126,17 @@ class FairScheduler(PriorityScheduler):
         output = self._output_q.get(bounded(req.task_type, TASK_TYPES))
         if output is None or self._step_s <= 0:
             return prefill
+        if req.max_tokens > 0:
+            output = min(output, req.max_tokens)
         return prefill + max(0.0, output - len(req.output_tokens)) * self._step_s
 
     def _learn(self, req: Request) -> None:
+        """As the core's, and its output tokens join its task type's samples; a ``prefill_only`` request's
+        do not (its one token is no answer of its type: a rag_answer task's warm-up would halve the samples
+        its answers' decode is budgeted from)."""
         super()._learn(req)
+        if req.prefill_only:
+            return
         task_type = bounded(req.task_type, TASK_TYPES)
         outputs = self._outputs.get(task_type)
         if outputs is None:
