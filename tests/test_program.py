@@ -560,3 +560,35 @@ async def test_a_model_the_sim_dispatcher_does_not_serve_is_refused_before_the_t
         assert run.value.code() == grpc.StatusCode.NOT_FOUND and events == []  # nothing accepted
         served = await collect(stub, task_id="named", payload="hi", task_type="chat", model=info.model, max_tokens=4)
         assert served[-1].HasField("final")
+
+
+async def test_a_request_the_fair_dispatcher_refuses_early_is_counted_on_its_metrics():
+    """The fair policy's refusal of a request whose task cannot make its deadline (by name, DEADLINE_EXCEEDED)
+    was counted nowhere: not in the dispatcher's metrics, and not in the orchestrator's
+    switchyard_tasks_refused_early_total (its own refusals only), so an operator could not tell it from a
+    request that ran out of time. Counted by class in switchyard_requests_refused_early_total."""
+    from prometheus_client import REGISTRY
+
+    def refused(cls: str) -> float:
+        return REGISTRY.get_sample_value("switchyard_requests_refused_early_total", {"priority_class": cls}) or 0.0
+
+    service = DispatcherService(SwitchyardConfig().with_overrides(**FAST, **{"scheduler.policy": "fair"}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            before = {cls: refused(cls) for cls in ("core", "normal", "batch")}
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(agent_pb2.GenerateRequest(
+                        request_id="doomed:0", prompt="hi", max_tokens=4, priority=agent_pb2.CORE,
+                        task_time_left_s=1.0, expected_remaining_work_s=5.0)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "doomed:0 cannot meet its task's deadline" in err.value.details()
+            assert refused("core") == before["core"] + 1
+            assert refused("normal") == before["normal"] and refused("batch") == before["batch"]
+            chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                request_id="fits:0", prompt="hi", max_tokens=4, task_time_left_s=60.0, expected_remaining_work_s=5.0))]
+            assert chunks[-1].HasField("done") and refused("normal") == before["normal"]
+        finally:
+            await channel.close()

@@ -143,6 +143,12 @@ DEADLINES_EXCEEDED = Counter(
     "by priority class.",
     ["priority_class"],
 )
+REFUSED_EARLY = Counter(
+    "switchyard_requests_refused_early_total",
+    "Requests refused DEADLINE_EXCEEDED when they arrived because their task could no longer make its deadline "
+    "(the fair policy's negative slack: slack.CannotMeetDeadline), instead of being served late, by priority class.",
+    ["priority_class"],
+)
 RESUMES = Counter(
     "switchyard_resumes_total",
     "Sequences that came back: kind=preempted (re-admitted after preemption), tool_warm / tool_restored / "
@@ -192,6 +198,7 @@ TASK_MEMORY_PEAK_BYTES = Histogram(
 for _class in LABELS:  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
     DEADLINES_EXCEEDED.labels(_class)
+    REFUSED_EARLY.labels(_class)
 for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
     RESUMES.labels(_kind)
 
@@ -260,6 +267,7 @@ _LABELLED = (  # SchedulerCounters field -> the counter family its per-label cou
     ("admissions_refused", ADMISSIONS_REFUSED),
     ("preemptions", PREEMPTIONS),
     ("deadlines_exceeded", DEADLINES_EXCEEDED),
+    ("refused_early", REFUSED_EARLY),
     ("resumes", RESUMES),
     ("tool_wait_decisions", TOOL_WAIT_DECISIONS),
     ("tool_decisions", TOOL_WAIT_DECISIONS_BY_TOOL),  # keyed (tool, decision)

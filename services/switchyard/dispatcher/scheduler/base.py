@@ -105,7 +105,9 @@ class SchedulerCounters:
     ``switchyard_queue_rejected_total{queue="inference"}``), ``admissions_refused`` by reason (the
     admission rule's and the capacity's; ``switchyard_admissions_refused_total``), ``preemptions`` and
     ``deadlines_exceeded`` by the request's priority class (``switchyard_preemptions_total``,
-    ``switchyard_request_deadline_exceeded_total``), ``resumes`` by kind (preempted, tool_warm,
+    ``switchyard_request_deadline_exceeded_total``), ``refused_early`` by the request's priority class (the
+    ``fair`` policy's refusals of work that cannot make its task's deadline;
+    ``switchyard_requests_refused_early_total``), ``resumes`` by kind (preempted, tool_warm,
     tool_restored, tool_cold; ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
     swap, drop; ``switchyard_tool_wait_decisions_total``). Per tool, keyed ``(tool, label)`` (the tool
     a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
@@ -128,6 +130,7 @@ class SchedulerCounters:
     admissions_refused: Counter[str] = field(default_factory=Counter)
     preemptions: Counter[str] = field(default_factory=Counter)
     deadlines_exceeded: Counter[str] = field(default_factory=Counter)
+    refused_early: Counter[str] = field(default_factory=Counter)
     resumes: Counter[str] = field(default_factory=Counter)
     tool_wait_decisions: Counter[str] = field(default_factory=Counter)
     tool_decisions: "Counter[tuple[str, str]]" = field(default_factory=Counter)

@@ -22,7 +22,8 @@ Order of the waiting set (smallest key first), fixed when a request joins it::
 
 A request whose task can no longer make its deadline is refused when it
 arrives (:class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`,
-DEADLINE_EXCEEDED naming it and its slack) instead of being served late.
+DEADLINE_EXCEEDED naming it and its slack) instead of being served late, and
+counted by class in ``switchyard_requests_refused_early_total``.
 
 Attained service is charged from what the engine computed for each request
 (:meth:`FairScheduler.update_from_output`), for both engine kinds: a step
@@ -54,7 +55,7 @@ from switchyard.common.metrics import TASK_TYPES, bounded
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput, SchedulerOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
-from switchyard.dispatcher.scheduler.base import class_rank
+from switchyard.dispatcher.scheduler.base import class_name, class_rank
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
 from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
@@ -161,6 +162,7 @@ class FairScheduler(PriorityScheduler):
             try:
                 slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
             except slack_rule.CannotMeetDeadline:
+                self.counters.refused_early[class_name(req)] += 1  # switchyard_requests_refused_early_total
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn
                     self.forget_agent(req.agent_key)
                 raise
