@@ -138,6 +138,8 @@ def test_measured_returns_price_keep_and_time_the_swap():
     kept = decide(inputs(expected_wait_s=0.4, pressure=1.0, transfer_s=0.1, returns_s=short, cold_resume_weight=20.0),
                   grace_s=0.4)
     assert kept.decision is Decision.KEEP
+    # held to the returns' P95 (0.37 s), not the announced wait and as long again (0.8 s) the docstrings said
+    assert kept.revisit_at_s == pytest.approx(short[-1]) and kept.restore_at_s is None
     long = tuple(float(r) for r in range(10, 10 + 2 * MIN_RETURNS))
     i = inputs(expected_wait_s=20.0, pressure=1.0, returns_s=long, cold_resume_weight=20.0)
     swapped = decide(i, grace_s=20.0)

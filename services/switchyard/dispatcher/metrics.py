@@ -158,7 +158,7 @@ RESUMES = Counter(
 )
 TOOL_WAIT_EXPIRED = Counter(
     "switchyard_tool_wait_expired_total", "Parked agents whose prefix state left HBM when their time parked ran out (tool_wait_ttl_s, or a KEEP decision's "
-    "expected wait and as long again)."
+    "revisit time: the expected wait and as long again, or the P95 of the tool's measured returns)."
 )
 PARKED_EVICTED = Counter(
     "switchyard_parked_evicted_total",
@@ -236,7 +236,7 @@ TOOL_WAIT_PREFETCHES = Counter(
     "switchyard_tool_wait_prefetches_total",
     "Planned restores of swapped agents' KV, by tool and how the tool returned against the plan: early (the "
     "next turn came before the KV was back: restored at admission), on_time (back in HBM before the turn, "
-    "the turn by the tool's revisit time, expected wait + grace), late (back, and still unclaimed in HBM at "
+    "the turn by the tool's revisit time: expected wait + grace, or the P95 of its measured returns), late (back, and still unclaimed in HBM at "
     "the revisit time).",
     ["tool", "tool_return"],
 )

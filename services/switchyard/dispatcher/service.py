@@ -263,7 +263,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in
         ``switchyard_tool_wait_decisions_total{decision}`` and, per tool,
         ``switchyard_tool_wait_decisions_by_tool_total{tool,decision}``): KEEP holds the parked KV in HBM
-        for the expected wait and as long again; SWAP copies it to the DRAM tier now and restores it
+        for the expected wait and as long again (with the tool's returns measured, until their P95); SWAP copies it to the DRAM tier now and restores it
         ahead of the tool's return; DROP releases it. The decision is the agent's parked step's: the
         announcement's priority (the orchestrator's view) is checked, not read, the parked request carries
         its own; ``tool`` labels the per-tool figures (decisions, warm and cold resumes, prefetch timings).

@@ -812,10 +812,13 @@ class SchedulerCore:
         The choice is :func:`switchyard.dispatcher.scheduler.tool_wait.decide`'s, on the KV's bytes and
         tokens, the KV budget's use (running reservations and parked state), the DRAM tier's transfer
         seconds and the engine's recompute seconds (:class:`~switchyard.dispatcher.tiers.MemoryTiers`).
-        KEEP holds the state ``expected_wait_s`` plus as long again (a late tool's residual wait); then
-        the TTL's usual expiry moves it out. SWAP copies it to DRAM at once (a copy that cannot be made
-        drops it) and plans its restore: due ``restore_at_s`` after now (``expected_wait_s - transfer -
-        margin``), handed to the loop by the decision at that time (``SchedulerOutput.prefetch``,
+        KEEP holds the state until the decision's revisit time (``expected_wait_s`` plus as long again, a
+        late tool's residual wait; with the tool's returns measured, their P95:
+        :attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.revisit_at_s`); then the TTL's
+        usual expiry moves it out. SWAP copies it to DRAM at once (a copy that cannot be made drops it)
+        and plans its restore: due ``restore_at_s`` after now (``expected_wait_s - transfer - margin``;
+        with the tool's returns measured, where the cost model lands it, or none ahead of the turn),
+        handed to the loop by the decision at that time (``SchedulerOutput.prefetch``,
         :meth:`on_idle`), so it is back in HBM ``margin`` ahead of the tool's expected return; an agent
         back earlier has its copy restored at its admission. DROP releases it; the next step recomputes
         the prefix. Counted in ``switchyard_tool_wait_decisions_total{decision}`` and, by ``tool``'s bounded

@@ -116,10 +116,12 @@ after as long again as it has run, at least the announced wait
 (:func:`residual_wait_s`), and a call running :data:`ABANDONED_RATIO` times
 its announced wait is taken as abandoned (its agent gone) and left out.
 
-KEEP holds the KV ``wait + grace`` (the grace is as long again as the wait:
+KEEP holds the KV until the revisit time: ``wait + grace`` while fewer than
+:data:`MIN_RETURNS` returns are measured (the grace is as long again as the wait:
 :func:`residual_wait_s`, the mean residual life of a heavy-tailed, Pareto-like
-duration grows in proportion to its age); then the parking TTL's expiry moves
-it out.
+duration grows in proportion to its age), else the measured returns' P95
+(:data:`REVISIT_QUANTILE`, at least a round trip); then the parking TTL's expiry
+moves it out.
 """
 
 from __future__ import annotations
@@ -244,9 +246,14 @@ class ToolWaitDecision:
 
     decision: Decision
     restore_at_s: float | None
-    """SWAP: when the restore starts (``wait - transfer - margin``, at least ``transfer``); else None."""
+    """SWAP: when the restore starts, at least ``transfer`` (the copy out has ended): ``wait - transfer -
+    margin`` while fewer than :data:`MIN_RETURNS` returns are measured, else ``landing - transfer - margin``
+    (:func:`restore_landing_s`'s landing). None for KEEP and DROP, and for a SWAP whose cheapest plan is no
+    restore ahead of the turn (the turn restores at admission)."""
     revisit_at_s: float
-    """When a tool still running is decided again (``wait + grace``)."""
+    """When a tool still running counts as late, and a kept or landed KV stops being protected from eviction
+    for waiting work: ``wait + grace`` while fewer than :data:`MIN_RETURNS` returns are measured, else their
+    :data:`REVISIT_QUANTILE` quantile (at least a round trip, and at least a planned restore's landing)."""
     costs: ToolWaitCosts
     transfer_s: float = 0.0
     """One-way HBM<->DRAM copy seconds of the KV (``ToolWaitInputs.transfer_s``)."""
@@ -434,7 +441,7 @@ class ToolWaitPlan:
     started_at: float
     expected_return_at: float
     revisit_at: float
-    """When the tool counts as late (``started_at + revisit_at_s``: wait + grace)."""
+    """When the tool counts as late (``started_at + revisit_at_s``: :attr:`ToolWaitDecision.revisit_at_s`)."""
     restore_at: float | None = None
     """SWAP: when the restore is due (``started_at + restore_at_s``)."""
     transfer_s: float = 0.0
