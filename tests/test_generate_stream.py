@@ -28,6 +28,7 @@ from switchyard.dispatcher.processor import COUNT_IN_THREAD_BYTES
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import generate_stream
 from switchyard.orchestrator.clients import InferenceClient
+from switchyard.orchestrator.program import Budget
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.validation import TaskSpec
 from fast_sim import FAST
@@ -444,6 +445,20 @@ async def test_inference_client_deadline_is_a_switchyard_error_deadline_exceeded
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert f"127.0.0.1:{srv.port}" in str(err.value)
         await wait_until(lambda: held(service) == 0, "the dispatcher lets go")
+        await client.close()
+
+
+async def test_a_step_sent_at_its_tasks_deadline_is_late_not_without_a_deadline() -> None:
+    """0 s left on the wire reads "not given": a step whose task had no time left went to the fair policy as a
+    request without a deadline, and was served. It goes with the least time left there is, and is refused by
+    name as one that cannot make its deadline."""
+    async with dispatcher(**{"scheduler.policy": "fair"}) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        with pytest.raises(SwitchyardError) as err:
+            async for _ in client.generate(spec("late", 8), 0, prompt=PROMPT, timeout_s=30,
+                                           budget=Budget(time_left_s=0.0, this_step_s=0.0, remaining_after_s=0.0)):
+                pass
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in str(err.value)
         await client.close()
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
@@ -239,7 +240,8 @@ class InferenceClient:
                    for t in tools],
             resume=resume,
             tenant_id=spec.tenant_id,
-            task_time_left_s=budget.time_left_s if budget is not None else 0.0,
+            # 0 on the wire is "not given": a task already at its deadline sends the least time left there is
+            task_time_left_s=max(budget.time_left_s, sys.float_info.min) if budget is not None else 0.0,
             expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
             prefill_only=prefill_only,
         )
