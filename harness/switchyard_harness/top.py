@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchyard_harness import json_output
 from switchyard.common.cli_text import parser_for
 from switchyard.common.priority import LABELS
+from switchyard.gateway.metrics import STREAM_ENDINGS
 
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
 CLASSES = LABELS
@@ -266,7 +267,7 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
     ``tiers`` (bytes per tier gauge, once the dispatcher exports any), ``upstream`` (a stream engine's model
     server, once the dispatcher has called one: limit, knee, in_flight, stream_endings in the window by
-    ending, circuits not closed as model -> {state: endpoints in it}; None before),
+    ending (each of the gateway's four: done_marker, finish_reason, error, cut), circuits not closed as model -> {state: endpoints in it}; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
@@ -415,7 +416,7 @@ def _upstream(d: Window | FleetWindow) -> dict[str, Any] | None:
         "knee": d.gauge("switchyard_upstream_concurrency_knee") or None,
         "in_flight": d.gauge("switchyard_upstream_in_flight"),
         "stream_endings": {e: d.increase("switchyard_upstream_stream_endings_total", ending=e) or 0.0
-                           for e in ("done_marker", "finish_reason", "cut")},
+                           for e in STREAM_ENDINGS},
         "circuits": circuits,
     }
 

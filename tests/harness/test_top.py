@@ -169,18 +169,33 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
                                                            circuit="open")), at=2.0)
     up = snapshot({"dispatcher": after}, {"dispatcher": before})["upstream"]
     assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
-                  "stream_endings": {"done_marker": 15, "finish_reason": 5, "cut": 1}}
+                  "stream_endings": {"done_marker": 15, "finish_reason": 5, "error": 0, "cut": 1}}
     console = Console(width=120, record=True)
     console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
     text = console.export_text()
     assert "upstream  in flight 20 of limit 24.5   knee 22   circuits: sim-7b open" in text
-    assert "finish_reason 5, cut 1" in text and "engine  busy" not in text
+    assert "finish_reason 5, error 0, cut 1" in text and "engine  busy" not in text
     # a step engine (no upstream call made) keeps its engine line
     assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)})["upstream"] is None
     # a pool: the gauge counts endpoints, two of three open (top read "all closed": it looked for a value of 1)
     pool = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25}, circuit="open", endpoints=2)),
                   at=2.0)
     assert snapshot({"dispatcher": pool}, {"dispatcher": before})["upstream"]["circuits"] == {"sim-7b": {"open": 2}}
+
+
+def test_top_shows_streams_that_ended_with_an_error_inside_them() -> None:
+    """The gateway counts four stream endings; top showed three and left out ``error`` (an error object inside
+    the stream, as vLLM sends when a request fails mid-answer), so a server failing streams that way read as
+    healthy."""
+    from rich.console import Console
+
+    before = Scrape("dispatcher", "u", parse(_upstream_text(10, {"finish_reason": 10})), at=1.0)
+    after = Scrape("dispatcher", "u", parse(_upstream_text(17, {"finish_reason": 12, "error": 5})), at=2.0)
+    snap = snapshot({"dispatcher": after}, {"dispatcher": before})
+    assert snap["upstream"]["stream_endings"] == {"done_marker": 0, "finish_reason": 2, "error": 5, "cut": 0}
+    console = Console(width=120, record=True)
+    console.print(render(snap, "flags"))
+    assert "stream endings: done_marker 0, finish_reason 2, error 5, cut 0" in console.export_text()
 
 
 @pytest.fixture
