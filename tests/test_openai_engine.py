@@ -286,3 +286,26 @@ async def test_a_generate_naming_no_model_is_served_by_the_fallback_when_the_def
             await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(
                 request_id="named", prompt=PROMPT, max_tokens=4, model="claude-sonnet-4-5"))
     assert named.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_engine_busy_ratio_and_seconds_are_exported_in_front_of_a_model_server(clean_proxy_env):
+    """In front of a model server the busy ratio is the share of the upstream's concurrency limit the streams
+    held (docs/engines.md); the compute score read it, but the stream loop never wrote
+    ``switchyard_engine_busy_ratio`` nor ``switchyard_engine_busy_seconds_total``: both stayed 0 under load
+    (the locust watch file, the Grafana dashboard and the roofline efficiency read them)."""
+    from prometheus_client import REGISTRY
+
+    from switchyard.dispatcher import metrics
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    metrics.ENGINE_BUSY_RATIO.set(0)
+    before = sample("switchyard_engine_busy_seconds_total")
+    with start_sim(faults={"*": Fault(slow_ms=250)}) as server:  # a stream of ~10 items: ~2.5 s, > a window (1 s)
+        chunks = await generate_over_grpc(server.base_url, agent_pb2.GenerateRequest(
+            request_id="busy1", prompt=PROMPT, max_tokens=32))
+    assert chunks[-1].WhichOneof("chunk") == "done"
+    # one stream under a limit of 4 (initial_limit) for about a second: a quarter of it busy
+    assert sample("switchyard_engine_busy_seconds_total") - before > 0.1
+    assert 0 < sample("switchyard_engine_busy_ratio") <= 1

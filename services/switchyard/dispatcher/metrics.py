@@ -64,7 +64,9 @@ STREAM_MESSAGE_CHUNKS = Histogram(
     buckets=_BATCH_BUCKETS,
 )
 ENGINE_BUSY_RATIO = Gauge(
-    "switchyard_engine_busy_ratio", "Fraction of wall time the engine spent in prefill or decode (0-1)."
+    "switchyard_engine_busy_ratio",
+    "Fraction of wall time the engine spent in prefill or decode (0-1); in front of a model server (the openai "
+    "engine), the share of the upstream's concurrency limit its streams held.",
 )
 TTFT = Histogram(
     "switchyard_ttft_seconds", "Generate received to first token (or tool call) produced, by priority class.",
@@ -75,7 +77,9 @@ INTER_TOKEN_LATENCY = Histogram(
     ["priority_class"], buckets=_ITL_BUCKETS,
 )
 ENGINE_BUSY_SECONDS = Counter(
-    "switchyard_engine_busy_seconds", "Seconds the engine spent in prefill or decode (the busy ratio's numerator)."
+    "switchyard_engine_busy_seconds",
+    "Seconds the engine spent in prefill or decode (the busy ratio's numerator); in front of a model server, "
+    "seconds of the upstream's concurrency limit in use.",
 )
 GENERATED_TOKENS = Counter("switchyard_generated_tokens", "Output tokens the engine produced.")
 DECODE_BOUND = Gauge(

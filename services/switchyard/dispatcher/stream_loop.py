@@ -137,6 +137,7 @@ class StreamLoop(LoopBase):
                 if self._closing:
                     return
                 await self._wait(BUSY_WINDOW_S)
+                self._update_busy()  # idle: let the busy ratio fall
                 scheduler.on_idle(time.monotonic())  # an idle upstream's score must not go stale
                 self._publish_stats()
                 continue
@@ -148,6 +149,7 @@ class StreamLoop(LoopBase):
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
+            self._update_busy()  # the share of the limit the streams held (engine.busy_seconds), as a step loop's
 
     def _prefilled(self, wave: int, req: Request) -> None:
         """``req`` of admission ``wave`` got its first token or ended (either counts once)."""
