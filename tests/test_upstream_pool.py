@@ -426,6 +426,24 @@ async def test_an_endpoint_whose_circuit_is_open_is_not_picked_while_another_is_
             assert gauge("switchyard_upstream_concurrency_knee") == 4.0  # the endpoints up only, as the limit
 
 
+async def test_the_last_endpoint_down_says_no_endpoint_is_left(clean_proxy_env, caplog):
+    """The log line of an endpoint going down said its calls went to the other endpoints also when it was the
+    last one up, where every call then fails UNAVAILABLE."""
+    import logging
+
+    with replicas(2) as servers:
+        async with GatewayClient(pool_config([s.base_url for s in servers], scrape_interval_s=60.0)) as client:
+            first, second = client.pool.endpoints.values()
+            with caplog.at_level(logging.WARNING, logger="switchyard.gateway.pool"):
+                client.pool.mark_down(first, "killed")
+                client.pool.mark_down(second, "killed")
+    lines = [r.getMessage() for r in caplog.records if r.name == "switchyard.gateway.pool"]
+    assert len(lines) == 2, lines
+    assert first.url in lines[0] and "its calls go to the other endpoints" in lines[0]
+    assert second.url in lines[1] and "other endpoints" not in lines[1]
+    assert "no endpoint of model_gateway.pool is up: calls fail UNAVAILABLE" in lines[1]
+
+
 async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_streams_held(monkeypatch) -> None:
     """The openai engine's busy seconds were always 0: its compute score and busy ratio read 0 with 60 streams
     in flight, and the model-server overlay's autoscaler read a signal that could never rise."""

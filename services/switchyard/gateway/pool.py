@@ -386,7 +386,11 @@ class EndpointPool:
         if not self.pooled:
             return
         if endpoint.up:
-            log.warning("upstream endpoint %s is down (%s); its calls go to the other endpoints", endpoint.url, why)
+            if any(e.up for e in self.endpoints.values() if e is not endpoint):
+                log.warning("upstream endpoint %s is down (%s); its calls go to the other endpoints", endpoint.url, why)
+            else:
+                log.warning("upstream endpoint %s is down (%s); no endpoint of model_gateway.pool is up: calls fail "
+                            "UNAVAILABLE until one answers its /metrics again", endpoint.url, why)
         endpoint.up = False
         ENDPOINT_UP.labels(endpoint.name).set(0)
         self.publish_totals()
