@@ -402,9 +402,9 @@ def windows_of(current: dict[str, Scrape], previous: dict[str, Scrape]) -> dict[
 
 def _upstream(d: Window | FleetWindow) -> dict[str, Any] | None:
     """The dispatcher's model server as its ``openai`` engine meets it (see :func:`snapshot`); None while no
-    upstream call was made (a step engine, or none yet)."""
+    upstream call was made (a step engine, or none yet): none has ended and none is in flight."""
     calls = matching(d.current.samples, "switchyard_gateway_requests_total")
-    if not any(calls.values()):
+    if not any(calls.values()) and not d.gauge("switchyard_upstream_in_flight"):
         return None
     circuits: dict[str, dict[str, int]] = {}  # the gauge counts endpoints per state (a pool: several)
     for (name, labels), value in d.current.samples.items():

@@ -175,8 +175,9 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     text = console.export_text()
     assert "upstream  in flight 20 of limit 24.5   knee 22   circuits: sim-7b open" in text
     assert "finish_reason 5, error 0, cut 1" in text and "engine  busy" not in text
-    # a step engine (no upstream call made) keeps its engine line
-    assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)})["upstream"] is None
+    # a step engine (no upstream call made, none in flight) keeps its engine line
+    idle = _upstream_text(0, {}).replace("switchyard_upstream_in_flight 20.0", "switchyard_upstream_in_flight 0.0")
+    assert snapshot({"dispatcher": Scrape("dispatcher", "u", parse(idle), at=1.0)})["upstream"] is None
     # a pool: the gauge counts endpoints, two of three open (top read "all closed": it looked for a value of 1)
     pool = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25}, circuit="open", endpoints=2)),
                   at=2.0)
@@ -196,6 +197,15 @@ def test_top_shows_streams_that_ended_with_an_error_inside_them() -> None:
     console = Console(width=120, record=True)
     console.print(render(snap, "flags"))
     assert "stream endings: done_marker 0, finish_reason 2, error 5, cut 0" in console.export_text()
+
+
+def test_the_upstream_shows_while_its_first_streams_are_in_flight() -> None:
+    """A request is counted in ``switchyard_gateway_requests_total`` when it ends: while a fresh dispatcher's
+    first streams ran (long answers), top showed the engine line instead of the upstream's, with no stream, no
+    limit and no circuit in view."""
+    first = Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)  # the gauges: 20 streams in flight
+    up = snapshot({"dispatcher": first})["upstream"]
+    assert up is not None and up["in_flight"] == 20 and up["limit"] == 24.5
 
 
 @pytest.fixture
