@@ -251,6 +251,21 @@ def test_a_server_set_by_environment_alone_passes_and_aliases_it_lacks_are_warni
     assert "all checks passed, 2 warning(s)" in out
 
 
+def test_a_fallback_model_the_server_lacks_says_how_to_have_no_fallback(clean_proxy_env, monkeypatch, capsys):
+    """A server of one model (transformers serve, llama.cpp) with the shipped fallback_model: the fix read
+    "pick one of: <the default model>", a fallback that is the model that just failed; the way out is no
+    fallback, which the fix did not name."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(models=["acme/served-8b"]) as server:
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", server.base_url)
+        monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "acme/served-8b")
+        monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+        code, out = run_doctor(capsys, "--no-probe")
+    assert code == 1, out
+    assert re.search(r"FAIL +model gpt-4o-mini +fallback_model: 'gpt-4o-mini' is not listed by /models", out), out
+    assert "SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none" in out
+
+
 def test_a_server_that_takes_the_connection_and_never_answers_is_named_hung_not_down(clean_proxy_env, monkeypatch,
                                                                                      capsys):
     monkeypatch.setenv(KEY_ENV, TEST_KEY)

@@ -171,6 +171,8 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
         near = model_names.nearest(model, known)
         fix = f"use {near!r} (in the request, {source} or model_gateway.model_map)" if near else (
             f"pick one of: {', '.join(known[:10]) or '(none listed)'}")
+        if source == "fallback_model":  # a server of one model has no other to fall back on
+            fix += ", or no fallback: model_gateway.fallback_model \"\" (SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none)"
         if source.startswith("model_map["):  # only the requests naming the alias fail: a warning
             alias = source.removeprefix("model_map[").removesuffix("]")
             checks.append(Check(f"model {model}", True, f"{source}: {model!r} is not listed by /models; a request "
