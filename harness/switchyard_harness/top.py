@@ -267,7 +267,8 @@ def snapshot(current: dict[str, Scrape], previous: dict[str, Scrape] | None = No
     preemptions, ttft_p50_s, ttft_p95_s, ttft_count), ``tasks_in_flight``,
     ``tiers`` (bytes per tier gauge, once the dispatcher exports any), ``upstream`` (a stream engine's model
     server, once the dispatcher has called one: limit, knee, in_flight, stream_endings in the window by
-    ending (each of the gateway's four: done_marker, finish_reason, error, cut), circuits not closed as model -> {state: endpoints in it}; None before),
+    ending (each of the gateway's four: done_marker, finish_reason, error, cut), endpoints (a pool's
+    endpoints, None without a pool) and endpoints_down (their names, sorted), circuits not closed as model -> {state: endpoints in it}; None before),
     ``dram`` (the DRAM tier's Redis as the orchestrator sees it: up,
     outages, degraded_operations; None without an orchestrator scrape).
     """
@@ -407,11 +408,16 @@ def _upstream(d: Window | FleetWindow) -> dict[str, Any] | None:
     if not any(calls.values()) and not d.gauge("switchyard_upstream_in_flight"):
         return None
     circuits: dict[str, dict[str, int]] = {}  # the gauge counts endpoints per state (a pool: several)
+    endpoints: dict[str, bool] = {}  # a pool's endpoints (model_gateway.pool), each up or down; none for base_url
     for (name, labels), value in d.current.samples.items():
         label = dict(labels)
         if name == "switchyard_gateway_circuit_state" and value >= 1 and label["state"] != "closed":
             circuits.setdefault(label["model"], {})[label["state"]] = int(value)
+        elif name == "switchyard_gateway_endpoint_up":
+            endpoints[label["endpoint"]] = endpoints.get(label["endpoint"], False) or value >= 1
     return {
+        "endpoints": len(endpoints) or None,
+        "endpoints_down": sorted(e for e, up in endpoints.items() if not up),
         "limit": d.gauge("switchyard_upstream_concurrency_limit"),
         "knee": d.gauge("switchyard_upstream_concurrency_knee") or None,
         "in_flight": d.gauge("switchyard_upstream_in_flight"),
@@ -426,8 +432,13 @@ def _upstream_line(up: dict[str, Any]) -> str:
     circuits = ", ".join(f"{m} {state}" + (f" x{n}" if n > 1 else "")
                          for m, states in sorted(up["circuits"].items())
                          for state, n in sorted(states.items())) or "all closed"
+    pool = ""
+    if up.get("endpoints"):
+        down = up["endpoints_down"]
+        pool = (f"   endpoints up {up['endpoints'] - len(down)} of {up['endpoints']}"
+                + (f" (down: {', '.join(down)})" if down else ""))
     return (f"upstream  in flight {_n(up['in_flight'])} of limit {_n(up['limit'], 1)}   knee {_n(up['knee'])}   "
-            f"circuits: {circuits}\n          stream endings: {endings}\n")
+            f"circuits: {circuits}{pool}\n          stream endings: {endings}\n")
 
 
 # --------------------------------------------------------------------------- drawing

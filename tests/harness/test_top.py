@@ -169,6 +169,7 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
                                                            circuit="open")), at=2.0)
     up = snapshot({"dispatcher": after}, {"dispatcher": before})["upstream"]
     assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
+                  "endpoints": None, "endpoints_down": [],
                   "stream_endings": {"done_marker": 15, "finish_reason": 5, "error": 0, "cut": 1}}
     console = Console(width=120, record=True)
     console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
@@ -206,6 +207,23 @@ def test_the_upstream_shows_while_its_first_streams_are_in_flight() -> None:
     first = Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)  # the gauges: 20 streams in flight
     up = snapshot({"dispatcher": first})["upstream"]
     assert up is not None and up["in_flight"] == 20 and up["limit"] == 24.5
+
+
+def test_a_pool_endpoint_that_is_down_shows_in_the_upstream_line() -> None:
+    """One of a pool's two model servers killed: its circuits stay closed (no call reaches it), so top read
+    "circuits: all closed" and showed nothing of the endpoint the dispatcher had marked down."""
+    from rich.console import Console
+
+    registry = CollectorRegistry()
+    up = Gauge("switchyard_gateway_endpoint_up", "", ["endpoint"], registry=registry)
+    up.labels("10.0.0.7:8000").set(1)
+    up.labels("10.0.0.8:8000").set(0)
+    text = _upstream_text(12, {"finish_reason": 12}) + generate_latest(registry).decode()
+    snap = snapshot({"dispatcher": Scrape("dispatcher", "u", parse(text), at=1.0)})
+    assert snap["upstream"]["endpoints"] == 2 and snap["upstream"]["endpoints_down"] == ["10.0.0.8:8000"]
+    console = Console(width=160, record=True)
+    console.print(render(snap, "flags"))
+    assert "circuits: all closed   endpoints up 1 of 2 (down: 10.0.0.8:8000)" in console.export_text()
 
 
 @pytest.fixture
