@@ -309,3 +309,24 @@ async def test_the_engine_busy_ratio_and_seconds_are_exported_in_front_of_a_mode
     # one stream under a limit of 4 (initial_limit) for about a second: a quarter of it busy
     assert sample("switchyard_engine_busy_seconds_total") - before > 0.1
     assert 0 < sample("switchyard_engine_busy_ratio") <= 1
+
+
+async def test_a_turn_answered_with_a_tool_call_counts_its_time_to_first_token(sim_openai):
+    """``switchyard_ttft_seconds`` is the time to the first token or tool call (the step loop's measure); the
+    stream loop observed it on a token text only, so a react_loop turn that answers with a tool call (no text)
+    was never counted: every tool-call turn was missing from the TTFT quantiles and the SLO alerts."""
+    from prometheus_client import REGISTRY
+
+    def ttft_count(cls: str) -> float:
+        return REGISTRY.get_sample_value("switchyard_ttft_seconds_count", {"priority_class": cls}) or 0.0
+
+    tool = agent_pb2.ToolSpec(name="search_docs", description="search",
+                              parameters_json=json.dumps({"type": "object",
+                                                          "properties": {"query": {"type": "string"}}}))
+    before = ttft_count("core")
+    chunks = await generate_over_grpc(sim_openai.base_url, agent_pb2.GenerateRequest(
+        request_id="tool-ttft:0", messages=[agent_pb2.ChatMessage(role="user", content="what is a list")],
+        tools=[tool], max_tokens=64, priority=agent_pb2.CORE))
+    kinds = [c.WhichOneof("chunk") for c in chunks]
+    assert "tool_call" in kinds and "token" not in kinds, kinds
+    assert ttft_count("core") - before == 1
