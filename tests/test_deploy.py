@@ -378,6 +378,35 @@ def test_every_container_is_guaranteed_with_whole_cpus(checkout, overlay):
         assert re.fullmatch(r"[1-9]\d*", str(resources["limits"]["cpu"])), f"{where}: cpu must be whole CPUs"
 
 
+def _pods(objs: list[dict]):
+    """(workload, pod spec) of every Deployment and StatefulSet."""
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield obj, obj["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_exclusive_cpu_request_is_whole_physical_cores(checkout, overlay):
+    """node/kubelet-config.yaml's static CPU manager with ``full-pcpus-only`` admits a Guaranteed container's
+    whole-CPU request only in whole physical cores: an odd count on a node with two SMT threads per core
+    (x86 servers) fails admission with SMTAlignmentError, so the pod never starts."""
+    (kubelet,) = _docs(K8S / "node" / "kubelet-config.yaml")
+    assert kubelet["cpuManagerPolicy"] == "static"
+    assert kubelet["cpuManagerPolicyOptions"]["full-pcpus-only"] == "true"
+    threads_per_core = 2
+    for obj, pod in _pods(kustomize(checkout / overlay)):
+        containers = pod["containers"]
+        guaranteed = all(
+            c.get("resources", {}).get("requests") == c.get("resources", {}).get("limits")
+            and {"cpu", "memory"} <= set(c["resources"].get("limits", {})) for c in containers)
+        for container in containers:
+            cpu = str(container.get("resources", {}).get("limits", {}).get("cpu", ""))
+            if guaranteed and re.fullmatch(r"\d+", cpu):
+                assert int(cpu) % threads_per_core == 0, (
+                    f"{obj['kind']} {obj['metadata']['name']}/{container['name']}: cpu {cpu} is not whole physical "
+                    f"cores ({threads_per_core} threads each): SMTAlignmentError under full-pcpus-only")
+
+
 def test_dispatcher_requests_a_gpu(base):
     resources = _container(base, "dispatcher")["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
