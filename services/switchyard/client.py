@@ -143,8 +143,9 @@ def main(argv: list[str]) -> int:
                         help="core, normal (default) or batch, any case")
     parser.add_argument("--max-tokens", type=_max_tokens, default=0,
                         help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
-    parser.add_argument("--model", default="")
-    parser.add_argument("--task-id", default="")
+    parser.add_argument("--model", default="",
+                        help="model alias or id (default: the engine's own; model_gateway.default_model on the openai engine)")
+    parser.add_argument("--task-id", default="", help="the task's id (default: one the orchestrator makes)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event")
     parser.add_argument("--token-env", default="SWITCHYARD_AUTH_TOKEN",
