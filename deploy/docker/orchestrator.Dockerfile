@@ -36,6 +36,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     SWITCHYARD_HOST=0.0.0.0
 WORKDIR /app
 USER 10001:10001
-# gRPC, Prometheus metrics
+# gRPC, Prometheus metrics, the HTTP face
 EXPOSE 50051 9101 8080
 ENTRYPOINT ["switchyard", "serve", "orchestrator"]
