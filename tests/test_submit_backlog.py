@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import grpc
@@ -50,11 +51,11 @@ class CountingDownstream(Downstream):
 
 
 @contextlib.asynccontextmanager
-async def backlog_stack(store: Path, **overrides):
+async def backlog_stack(store: Path, down: Downstream | None = None, **overrides):
     """(gRPC stub, httpx client on the HTTP face, downstream) of one orchestrator with its task store at
-    ``store``; the downstream's gate is closed."""
+    ``store``, in front of ``down`` (a :class:`CountingDownstream` by default); the downstream's gate is closed."""
     base = load_config("config", service="orchestrator")
-    down = CountingDownstream()
+    down = down if down is not None else CountingDownstream()
     down.gate = asyncio.Event()
     async with running([down], base.server) as downstream:
         addr = f"127.0.0.1:{downstream.port}"
@@ -313,3 +314,43 @@ async def test_an_outcome_the_store_refused_is_written_again_until_it_takes_it(t
         assert (await reader.get("kept")).state == agent_pb2.SUCCEEDED  # after the stop too
     finally:
         await reader.close()
+
+
+class ToolThenGate(Downstream):
+    """react_loop's first model step answers a tool call at once; the step after the tool's result waits on
+    the gate: a running task that has consumed one model step (its done chunk: compute score 0.5, KV 1000 B)."""
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        self.requests.append(request)
+        if any(m.role == "tool" for m in request.messages):
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(request.request_id)
+                raise
+        else:
+            yield agent_pb2.GenerateChunk(tool_call=agent_pb2.ToolCall(
+                call_id="c1", name="search_docs", arguments_json=json.dumps({"query": "with statement"})))
+        yield agent_pb2.GenerateChunk(done=agent_pb2.GenerateDone(
+            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=1, total_tokens=11),
+            compute_score_used=0.5, memory_peak_bytes=1000, model="fake"))
+
+
+async def test_a_task_cancelled_after_a_model_step_reports_what_it_consumed(tmp_path):
+    """compute_score_used and memory_peak_bytes came only from a finished task's answer: a running task read 0,
+    and so did one cancelled (or failed) after its model steps had consumed the dispatcher's compute."""
+    async with backlog_stack(tmp_path / "tasks.sqlite3", ToolThenGate()) as (stub, client, down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="r1", payload="hello", task_type="react_loop"))
+        await until(lambda: len(down.requests) == 2)  # the step after the tool waits: one step consumed
+        running = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="r1"))
+        assert running.state == agent_pb2.RUNNING
+        assert (running.compute_score_used, running.memory_peak_bytes) == (0.5, 1000)
+        cancelled = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="r1"))
+        assert cancelled.state == agent_pb2.FAILED and cancelled.error.startswith("CANCELLED")
+        assert (cancelled.compute_score_used, cancelled.memory_peak_bytes) == (0.5, 1000)
+        assert not cancelled.HasField("result")  # no answer: only what it consumed
+        assert cancelled.timings.stage_s["infer"] > 0 and cancelled.timings.total_s > 0
+        stored = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="r1"))  # the store's record
+        assert (stored.compute_score_used, stored.memory_peak_bytes, stored.HasField("result")) == (0.5, 1000, False)
+        answer = (await client.get("/api/v1/tasks/r1")).json()
+        assert (answer["state"], answer["compute_score_used"], answer["result"]) == ("failed", 0.5, None)

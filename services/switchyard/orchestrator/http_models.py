@@ -125,7 +125,8 @@ class TaskStatusResponse(BaseModel):
 
     task_id: str
     state: Literal["unspecified", "queued", "running", "finished", "failed"]
-    compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher.")
+    compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher: so far while "
+                                                   "running, in all once finished or failed.")
     memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
     memory_peak_bytes: int = Field(description="The same peak, bytes.")
     queue_position: int = Field(0, description="While queued: submitted tasks ahead of it in the orchestrator's "
@@ -133,7 +134,7 @@ class TaskStatusResponse(BaseModel):
     error: str = Field("", description="gRPC status name and message once failed (CANCELLED: ... when cancelled).")
     tenant_id: str = Field(DEFAULT_TENANT, description="The task's tenant: its bearer token's, else X-Tenant-Id, else default.")
     timings: TimingsModel
-    result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished.")
+    result: dict[str, Any] | None = Field(None, description="The final event (FinalEvent as JSON) once finished; none once failed.")
 
 
 class ErrorBody(BaseModel):

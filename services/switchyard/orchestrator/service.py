@@ -57,7 +57,14 @@ from switchyard.orchestrator.readiness import SERVING as READY
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
-from switchyard.orchestrator.taskstore import TaskRecord, TaskStore, TaskStoreUnavailable, fingerprint, make_task_store
+from switchyard.orchestrator.taskstore import (
+    TaskRecord,
+    TaskStore,
+    TaskStoreUnavailable,
+    fingerprint,
+    make_task_store,
+    task_status,
+)
 from switchyard.orchestrator.validation import TaskSpec, apply_edge_headers, edge_tenant, validate
 from switchyard.orchestrator.workflows import WORKFLOWS, check_question_fits
 
@@ -565,12 +572,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         running: asyncio.Future[None] | None = None
         executing = False
         t0 = time.monotonic()
+        task: Task | None = None
         try:
             if entry.cancelled or self._stopping:  # asked before this runner began
                 raise asyncio.CancelledError
             task = self._new_task(spec, lambda event: None, None)  # no reader: its status is read instead
             task.trace_id, t0 = entry.trace_id, task.t0
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
+            entry.task = task
             task.add_wait("submitted", t0 - entry.submitted_at)
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             executing = True  # _execute counts the task from here
@@ -586,8 +595,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
-            state, result = agent_pb2.FAILED, b""
             entry.timings.total_s = time.monotonic() - t0  # its waits and stages are in already (the task's own)
+            # what it consumed before it failed (a react_loop cancelled in its third turn used two)
+            state, result = agent_pb2.FAILED, task.consumed().SerializeToString() if task is not None else b""
         finally:
             self._submitted.stopped(entry)
             self._start_submitted()
@@ -620,15 +630,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     @staticmethod
     def _settle(live: Submitted, state: int, result: bytes, error: str) -> None:
-        """Set ``live.final``, the outcome this process answers until the store has it."""
-        status = agent_pb2.TaskStatus(task_id=live.spec.task_id, state=state, error=error, timings=live.timings,
-                                      tenant_id=live.tenant_id)
-        if result:
-            status.result.ParseFromString(result)
-            status.compute_score_used = status.result.compute_score_used
-            status.memory_peak_bytes = status.result.memory_peak_bytes
-            status.timings.CopyFrom(status.result.timings)
-        live.state, live.final = state, status
+        """Set ``live.final``, the outcome this process answers until the store has it (as the store will)."""
+        live.state, live.final = state, task_status(live.spec.task_id, state, error, live.tenant_id, live.timings,
+                                                    result)
 
     async def _record_finish(self, live: Submitted, state: int, result: bytes, error: str) -> None:
         """Write the outcome; while the store refuses (tenacity: 5 tries, backoff to 2 s), keep answering

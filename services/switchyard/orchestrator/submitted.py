@@ -25,6 +25,7 @@ from collections import deque
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
 from switchyard.orchestrator.metrics import SUBMITTED_TASKS
+from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.validation import TaskSpec
 
 _QUEUED = SUBMITTED_TASKS.labels("queued")
@@ -42,7 +43,7 @@ class Submitted:
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "state", "timings", "final", "runner",
-                 "started", "cancelled")
+                 "started", "cancelled", "task")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
         self.spec = spec
@@ -60,6 +61,8 @@ class Submitted:
         """Its runner has begun (from then on cancelling it means cancelling the runner)."""
         self.cancelled = False
         """CancelTask asked for it (the outcome names the caller, not a stopping orchestrator)."""
+        self.task: Task | None = None
+        """Its running state once its runner made it: what it has consumed so far is read from it."""
 
     @property
     def tenant_id(self) -> str:
@@ -69,9 +72,13 @@ class Submitted:
         """GetTaskStatus's answer from the live state; ``queue_position`` while QUEUED."""
         if self.final is not None:
             return self.final
-        return agent_pb2.TaskStatus(task_id=self.spec.task_id, state=self.state, timings=self.timings,
-                                    tenant_id=self.tenant_id,
-                                    queue_position=queue_position if self.state == agent_pb2.QUEUED else 0)
+        status = agent_pb2.TaskStatus(task_id=self.spec.task_id, state=self.state, timings=self.timings,
+                                      tenant_id=self.tenant_id,
+                                      queue_position=queue_position if self.state == agent_pb2.QUEUED else 0)
+        if self.task is not None:  # running: what it has consumed so far
+            status.compute_score_used = self.task.compute_score_used
+            status.memory_peak_bytes = self.task.memory_peak_bytes
+        return status
 
 
 class SubmittedTasks:

@@ -289,6 +289,13 @@ class Task:
 
     # ------------------------------------------------------------------ the end
 
+    def consumed(self) -> agent_pb2.FinalEvent:
+        """What the task has consumed so far, as a FinalEvent without its answer: usage, timings, compute score,
+        KV peak, trace id and model (a failed task's record keeps it; see ``taskstore.task_status``)."""
+        return agent_pb2.FinalEvent(task_id=self.spec.task_id, usage=self.usage, timings=self.timings,
+                                    compute_score_used=self.compute_score_used,
+                                    memory_peak_bytes=self.memory_peak_bytes, trace_id=self.trace_id, model=self.model)
+
     def final_event(self) -> agent_pb2.FinalEvent:
         """The task's final event: output, usage, timings (``total_s`` now), compute score, KV peak,
         trace id, model and the passages it could cite."""

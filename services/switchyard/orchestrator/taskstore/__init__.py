@@ -13,6 +13,7 @@ from switchyard.orchestrator.taskstore.base import (
     TaskStore,
     TaskStoreUnavailable,
     fingerprint,
+    task_status,
 )
 
 
@@ -28,4 +29,4 @@ def make_task_store(config: SwitchyardConfig) -> TaskStore:
     return SqliteTaskStore(store)
 
 
-__all__ = ["TaskRecord", "TaskStore", "TaskStoreUnavailable", "fingerprint", "make_task_store"]
+__all__ = ["TaskRecord", "TaskStore", "TaskStoreUnavailable", "fingerprint", "make_task_store", "task_status"]

@@ -114,16 +114,29 @@ class TaskRecord:
 
     def to_status(self) -> agent_pb2.TaskStatus:
         """GetTaskStatus's answer: state, result, error, compute_score_used, memory_peak_bytes, timings."""
-        status = agent_pb2.TaskStatus(task_id=self.task_id, state=self.state, error=self.error,
-                                      tenant_id=self.tenant_id or DEFAULT_TENANT)
+        timings = agent_pb2.Timings()
         if self.timings:
-            status.timings.ParseFromString(self.timings)
-        if self.result:
-            status.result.ParseFromString(self.result)
-            status.compute_score_used = status.result.compute_score_used
-            status.memory_peak_bytes = status.result.memory_peak_bytes
-            status.timings.CopyFrom(status.result.timings)
-        return status
+            timings.ParseFromString(self.timings)
+        return task_status(self.task_id, self.state, self.error, self.tenant_id, timings, self.result)
+
+
+def task_status(task_id: str, state: int, error: str, tenant_id: str, timings: agent_pb2.Timings,
+                result: bytes) -> agent_pb2.TaskStatus:
+    """A finished task's TaskStatus from what is recorded of it (the store's record, or the outcome an
+    orchestrator answers until the store has it). ``result`` is a serialized FinalEvent: a SUCCEEDED task's
+    answer, the status's ``result``; a FAILED task's holds only what it consumed before it failed (usage,
+    compute score, KV peak, timings), read into the status's compute_score_used and memory_peak_bytes, with no
+    ``result``. Empty: nothing recorded (a task that failed before it ran)."""
+    status = agent_pb2.TaskStatus(task_id=task_id, state=state, error=error, tenant_id=tenant_id or DEFAULT_TENANT,
+                                  timings=timings)
+    if result:
+        final = agent_pb2.FinalEvent.FromString(result)
+        status.compute_score_used = final.compute_score_used
+        status.memory_peak_bytes = final.memory_peak_bytes
+        status.timings.CopyFrom(final.timings)
+        if state == agent_pb2.SUCCEEDED:
+            status.result.CopyFrom(final)
+    return status
 
 
 @dataclass(frozen=True)
