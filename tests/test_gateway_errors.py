@@ -98,6 +98,14 @@ async def test_unknown_model_is_not_found_with_nearest_id(sim_openai):
     assert "'claude-sonnet-4.5'" in str(err) and "did you mean 'claude-sonnet-4-5'" in str(err)
 
 
+async def test_an_alias_mapped_to_an_unknown_id_is_not_found_naming_both(sim_openai):
+    # the caller sent "sonnet"; the message named only the id model_map sent it as, which the caller never wrote
+    cfg = gateway_config(sim_openai.base_url, fallback_model="", model_map={"sonnet": "claude-sonnet-4.5"})
+    err = await stream_error(cfg, ask("sonnet"))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert "model 'claude-sonnet-4.5' (the request's 'sonnet', through model_gateway.model_map)" in str(err)
+
+
 async def test_unknown_default_model_with_unknown_fallback_reports_both(sim_openai):
     cfg = gateway_config(sim_openai.base_url, default_model="claude-sonnet-4.5", fallback_model="gpt-4o-mini-x")
     err = await stream_error(cfg, ask())  # no model named: the configured default, then the fallback

@@ -563,7 +563,7 @@ class GatewayClient:
             optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
             refused = servers.refused_field(response.status_code, text, optional)
             if refused is None:
-                raise await self._status_error(response, text, endpoint, model, call.key)
+                raise await self._status_error(response, text, endpoint, model, call.key, request.model)
             dropped = self._refused.setdefault(endpoint.name, set())
             if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
                 continue
@@ -576,8 +576,10 @@ class GatewayClient:
             )
 
     async def _status_error(
-        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey
+        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, requested: str = ""
     ) -> GatewayError:
+        """The error of a non-2xx answer to a call of upstream id ``model`` (``requested``: the name the
+        request gave, which ``model_gateway.model_map`` mapped to it; a not-found names both)."""
         url = endpoint.chat_completions
         status = response.status_code
         if status in (400, 404, 422):
@@ -590,7 +592,7 @@ class GatewayClient:
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
-                                         served=known).naming(url)
+                                         served=known, requested=requested).naming(url)
                 if status == 404:
                     return EndpointNotFound(
                         f"upstream 404 for {url} although model {model!r} is listed; "

@@ -78,13 +78,14 @@ class ModelNotFound(GatewayError):
     ``GET /v1/models`` does not list it (``transformers serve``: "Server is pinned to ...").
 
     ``served``: the ids ``/v1/models`` lists (None when it could not be read); the message
-    names up to ten of them.
+    names up to ten of them. ``requested``: the name the request gave, when ``model_gateway.model_map``
+    mapped it to ``model`` (the message names both: the caller knows its own name).
     """
 
     code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, model: str, nearest: str | None, detail: str = "",
-                 served: list[str] | None = None) -> None:
+                 served: list[str] | None = None, requested: str = "") -> None:
         hint = (
             f"did you mean {nearest!r}? set it in the request or in model_gateway.model_map"
             if nearest
@@ -95,7 +96,8 @@ class ModelNotFound(GatewayError):
         if served is not None:
             shown = ", ".join(repr(m) for m in served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
             listed = f"; the server serves {shown or 'no model'}"
-        super().__init__(f"model {model!r} not found upstream{tail}{listed}; {hint}")
+        mapped = f" (the request's {requested!r}, through model_gateway.model_map)" if requested and requested != model else ""
+        super().__init__(f"model {model!r}{mapped} not found upstream{tail}{listed}; {hint}")
         self.model = model
         self.nearest = nearest
         self.served = served
