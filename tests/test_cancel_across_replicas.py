@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from test_submit_backlog import final_state, until
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
-from switchyard.common.server import running
+from switchyard.common.server import running, start_server
 from switchyard.orchestrator.service import OrchestratorService
 
 pytestmark = pytest.mark.no_gpu
@@ -101,3 +102,41 @@ async def test_a_cancel_the_holder_does_not_carry_out_is_unavailable_naming_it(t
         details = late.value.details()
         assert "slow-1" in details and "asked to cancel it" in details and "task_store.lease_s" in details
         assert (await holder.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="slow-1"))).state == agent_pb2.RUNNING
+
+
+async def test_a_cancel_asked_while_the_holder_stops_is_carried_out_by_it(tmp_path):
+    # A stopping holder gives its running tasks server.shutdown_grace_s to finish; its gRPC server is closed by then,
+    # so the task store is the only way a CancelTask reaches it. It stopped reading its cancel requests first: the
+    # task ran on through the grace (it may even succeed) and ended 'the orchestrator stopped', not cancelled.
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    down.gate = asyncio.Event()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        cfg = base.with_overrides(**{"orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+                                     "orchestrator.cpu_executor": "loop", "server.shutdown_grace_s": 8.0,
+                                     **store_settings("sqlite", tmp_path, None)})
+        holder_service = OrchestratorService(cfg)
+        holder_server = await start_server([holder_service], "127.0.0.1", 0, cfg.server)
+        stopping = None
+        try:
+            async with running([OrchestratorService(cfg)], cfg.server) as second:
+                channels = [open_channel(f"127.0.0.1:{srv.port}", cfg.server) for srv in (holder_server, second)]
+                holder, other = (agent_pb2_grpc.AgentServiceStub(c) for c in channels)
+                try:
+                    await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id="stop-1", payload="hi", task_type="chat"))
+                    await until(lambda: len(down.requests) == 1)
+                    stopping = asyncio.create_task(holder_server.stop(0.1))
+                    await until(lambda: holder_service._stopping)  # in its grace: the task runs on
+                    started = time.monotonic()
+                    status = await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="stop-1"))
+                    assert status.state == agent_pb2.FAILED
+                    assert status.error == "CANCELLED: cancelled by CancelTask while RUNNING"
+                    assert time.monotonic() - started < 4.0  # carried out at the next poll, not at the grace's end
+                    await until(lambda: "stop-1:0" in down.cancelled)
+                finally:
+                    for channel in channels:
+                        await channel.close()
+        finally:
+            down.gate.set()
+            await (stopping if stopping is not None else holder_server.stop(0.1))

@@ -265,12 +265,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     async def stop(self) -> None:
         """Stop: no submitted task starts any more; the running ones get ``server.shutdown_grace_s`` to finish,
         then are cancelled; each, and each still in the backlog, is recorded FAILED naming the stop (a task
-        queue's warm shutdown: what runs finishes, what waits does not start) before the store closes."""
+        queue's warm shutdown: what runs finishes, what waits does not start) before the store closes. Cancel
+        requests other replicas record are carried out until then (the gRPC server is closed by now: the store
+        is the one way a CancelTask reaches a task running through its grace)."""
         if self.readiness is not None:
             await self.readiness.stop()
-        if self._cancels is not None:
-            self._cancels.cancel()
-            await asyncio.gather(self._cancels, return_exceptions=True)
         self._stopping = True
         for entry in self._submitted.drain_backlog():
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
@@ -287,6 +286,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 entry.runner.cancel()
         if runners:  # each records its task as FAILED before the store closes
             await asyncio.wait(runners, timeout=5.0)
+        if self._cancels is not None:  # read until no task runs: the store is the one way to it once the server is closed
+            self._cancels.cancel()
+            await asyncio.gather(self._cancels, return_exceptions=True)
         if self._recording is not None:
             self._recording.cancel()
             await asyncio.gather(self._recording, return_exceptions=True)
