@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 from redis_fixtures import redis_db, redis_server  # noqa: F401
 
 from switchyard.api import agent_pb2
@@ -304,3 +305,23 @@ async def test_closing_the_sqlite_store_answers_every_write_it_holds(tmp_path, m
     failures = [w.exception() for w in done if w.exception() is not None]
     assert all(isinstance(exc, TaskStoreUnavailable) for exc in failures), {type(e) for e in failures}
     assert isinstance(late.exception(), TaskStoreUnavailable)
+
+
+async def test_cancel_requests_are_timed_apart_from_the_reads_and_updates(make_store):
+    # Every orchestrator takes its cancel requests every cancel_poll_s (0.25 s): timed as 'get', those polls, nearly
+    # all of them finding none, outnumbered GetTaskStatus's reads and set the read latency the histogram showed.
+    def count(op: str) -> float:
+        return REGISTRY.get_sample_value("switchyard_task_store_duration_seconds_count", {"operation": op}) or 0.0
+
+    a, b = await make_store(), await make_store()
+    await a.create("t-m1", "fp", "")
+    record = await b.get("t-m1")
+    before = {op: count(op) for op in ("get", "update", "request_cancel", "take_cancels")}
+    await b.request_cancel(record)
+    for _ in range(3):
+        await a.take_cancels()
+    after = {op: count(op) for op in before}
+    assert (after["get"], after["update"]) == (before["get"], before["update"])
+    assert (after["request_cancel"] - before["request_cancel"], after["take_cancels"] - before["take_cancels"]) == (1, 3)
+    for store in (a, b):
+        await store.close()

@@ -45,9 +45,11 @@ log = logging.getLogger(__name__)
 UNFINISHED = (agent_pb2.QUEUED, agent_pb2.RUNNING)
 FINISHED = (agent_pb2.SUCCEEDED, agent_pb2.FAILED)
 
-STORE_OPS = ("create", "get", "update", "delete")
+STORE_OPS = ("create", "get", "update", "delete", "request_cancel", "take_cancels")
 STORE_DURATION = Histogram(
-    "switchyard_task_store_duration_seconds", "Time of one task-store operation, by operation.", ["operation"],
+    "switchyard_task_store_duration_seconds",
+    "Time of one task-store operation, by operation (request_cancel: a cancel asked of another orchestrator; "
+    "take_cancels: an orchestrator's poll for the cancels asked of it, every cancel_poll_s).", ["operation"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 TASKS_ORPHANED = Counter(
@@ -320,12 +322,12 @@ class TaskStore(ABC):
     async def request_cancel(self, record: TaskRecord) -> None:
         """Ask ``record.owner``, another orchestrator, to cancel ``record``'s task: it takes the request within
         ``cancel_poll_s`` (:meth:`take_cancels`) and records the task's outcome, which :meth:`get` then reads."""
-        with STORE_DURATION.labels("update").time():
+        with STORE_DURATION.labels("request_cancel").time():
             await self._request_cancel(record.task_id, record.owner)
 
     async def take_cancels(self) -> list[str]:
         """The task ids other orchestrators asked this one to cancel since the last call, each once."""
-        with STORE_DURATION.labels("get").time():
+        with STORE_DURATION.labels("take_cancels").time():  # apart from "get": a poll, nearly always of none
             return await self._take_cancels()
 
     async def sweep(self, limit: int = 1000) -> int:
