@@ -140,3 +140,20 @@ async def test_a_cancel_asked_while_the_holder_stops_is_carried_out_by_it(tmp_pa
         finally:
             down.gate.set()
             await (stopping if stopping is not None else holder_server.stop(0.1))
+
+
+async def test_a_cancel_whose_caller_has_less_time_than_the_wait_is_answered_before_its_deadline(tmp_path):
+    # The asker waited lease_s plus two polls (10.5 s by default) whatever the caller's deadline: a caller with less
+    # heard a bare DEADLINE_EXCEEDED, nothing of the holder or of the request it left recorded.
+    async with two_replicas(store_settings("sqlite", tmp_path, None)) as (holder, other, down, holder_service):
+        holder_service._cancels.cancel()  # the holder does not act on it within the caller's time
+        await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id="short-1", payload="hello", task_type="chat"))
+        await until(lambda: len(down.requests) == 1)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="short-1"), timeout=1.5)
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE, late.value.details()
+        details = late.value.details()
+        assert "short-1" in details and "asked to cancel it" in details and "deadline" in details
+        assert "stays recorded" in details
+        assert time.monotonic() - started < 1.5

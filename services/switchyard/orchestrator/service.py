@@ -120,6 +120,9 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
+CANCEL_ANSWER_MARGIN_S = 0.1
+"""A CancelTask waiting on another orchestrator answers this long before its caller's deadline."""
+
 RECORD_AGAIN_S = 1.0
 """First wait before an outcome the task store refused is written again, seconds (then doubled)."""
 RECORD_AGAIN_MAX_S = 30.0
@@ -699,7 +702,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         Errors: INVALID_ARGUMENT naming task_id when empty; NOT_FOUND naming task_id when the store has no
         such task, or the caller's token names another tenant than the task's (as GetTaskStatus);
         UNAVAILABLE naming the task store, or naming the orchestrator that holds the task when it neither ended
-        it nor lost its lease within ``task_store.lease_s`` of the request.
+        it nor lost its lease within ``task_store.lease_s`` of the request (or, where the caller's deadline comes
+        sooner, just before it).
 
         Any replica answers: a task another orchestrator holds is cancelled by it, asked through the task store
         (:meth:`TaskStore.request_cancel`, taken every ``task_store.cancel_poll_s``), and answered once its
@@ -721,7 +725,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             if record is None or not self._visible_to_caller(record.tenant_id, context):
                 raise SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND)
             if not record.finished and record.owner != self.tasks.owner:
-                record = await self._cancel_elsewhere(record)
+                record = await self._cancel_elsewhere(record, context.time_remaining())
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
         return record.to_status()
@@ -755,25 +759,31 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return entry.final
         return None
 
-    async def _cancel_elsewhere(self, record: TaskRecord) -> TaskRecord:
+    async def _cancel_elsewhere(self, record: TaskRecord, caller_left_s: float | None) -> TaskRecord:
         """Ask ``record.owner`` to cancel the task through the store and wait for its outcome: the record once
         finished (by the owner's cancel, by its own end meanwhile, or as an orphan when the owner's lease ran
-        out). Raises UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls)."""
+        out). Raises UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls),
+        or, sooner, just before the caller's deadline (``caller_left_s``, None: none) so that it hears this."""
         store = self.config.orchestrator.task_store
         await self.tasks.request_cancel(record)
-        waited, pause = 0.0, min(0.02, store.cancel_poll_s)
+        started = time.monotonic()
         bound = store.lease_s + 2 * store.cancel_poll_s
-        while waited < bound:
-            await asyncio.sleep(pause)
-            waited += pause
+        by_caller = caller_left_s is not None and caller_left_s - CANCEL_ANSWER_MARGIN_S < bound
+        ends = started + (max(0.0, caller_left_s - CANCEL_ANSWER_MARGIN_S) if by_caller else bound)
+        pause = min(0.02, store.cancel_poll_s)
+        while (now := time.monotonic()) < ends:
+            await asyncio.sleep(min(pause, ends - now))
             pause = min(pause * 2, store.cancel_poll_s)
             current = await self.tasks.get(record.task_id)
             if current is None or current.finished:
                 return current if current is not None else record
+        waited = time.monotonic() - started
+        why = (f"has not ended it within {waited:.3g} s, the call's deadline" if by_caller else
+               f"has neither ended it nor lost its lease within {waited:.3g} s "
+               f"(orchestrator.task_store.lease_s = {store.lease_s:g})")
         raise SwitchyardError(
             f"task_id: task {shown(record.task_id)} is held by orchestrator {record.owner}, which was asked to "
-            f"cancel it and has neither ended it nor lost its lease within {bound:g} s "
-            "(orchestrator.task_store.lease_s); the request stays recorded: it cancels the task when it reads it",
+            f"cancel it and {why}; the request stays recorded: it cancels the task when it reads it",
             grpc.StatusCode.UNAVAILABLE)
 
     async def _carry_out_cancels(self) -> None:
