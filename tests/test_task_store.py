@@ -325,3 +325,12 @@ async def test_cancel_requests_are_timed_apart_from_the_reads_and_updates(make_s
     assert (after["request_cancel"] - before["request_cancel"], after["take_cancels"] - before["take_cancels"]) == (1, 3)
     for store in (a, b):
         await store.close()
+
+
+def test_a_cancel_poll_slower_than_the_lease_is_refused():
+    # A cancel request is dropped 3 * lease_s after it was made (Redis key expiry, SQLite purge), as a dead owner's
+    # is: an owner that polled less often than that lost every cancel asked of it, while the asker answered that
+    # the request stayed recorded. The poll must come within the lease.
+    with pytest.raises(ValueError, match="cancel_poll_s"):
+        TaskStoreConfig(lease_s=1.0, cancel_poll_s=5.0)
+    assert TaskStoreConfig(lease_s=1.0, cancel_poll_s=1.0).cancel_poll_s == 1.0

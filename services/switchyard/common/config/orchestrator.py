@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
@@ -176,8 +176,18 @@ class TaskStoreConfig(_Strict):
         0.25, gt=0, le=60,
         description="Seconds between an orchestrator's reads of the cancels other replicas recorded for its tasks: a "
         "CancelTask answered by a replica that does not hold the task is recorded in the store and carried out by "
-        "the holder within about this long.",
+        "the holder within about this long. At most lease_s: a request not taken within 3 x lease_s is dropped, "
+        "as a dead owner's is.",
     )
+
+    @model_validator(mode="after")
+    def _cancels_read_within_the_lease(self) -> "TaskStoreConfig":
+        if self.cancel_poll_s > self.lease_s:
+            raise ValueError(
+                f"cancel_poll_s ({self.cancel_poll_s:g}) must not exceed lease_s ({self.lease_s:g}): a cancel request "
+                "not taken within 3 x lease_s is dropped as a dead owner's"
+            )
+        return self
 
 
 class AffinityConfig(_Strict):
