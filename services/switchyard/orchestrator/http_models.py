@@ -126,7 +126,8 @@ class TaskStatusResponse(BaseModel):
     task_id: str
     state: Literal["unspecified", "queued", "running", "finished", "failed"]
     compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher: so far while "
-                                                   "running, in all once finished or failed.")
+                                                   "running (from the orchestrator that runs it; another replica "
+                                                   "reads 0 until it ends), in all once finished or failed.")
     memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
     memory_peak_bytes: int = Field(description="The same peak, bytes.")
     queue_position: int = Field(0, description="While queued: submitted tasks ahead of it in the orchestrator's "
