@@ -157,3 +157,26 @@ async def test_a_cancel_whose_caller_has_less_time_than_the_wait_is_answered_bef
         assert "short-1" in details and "asked to cancel it" in details and "deadline" in details
         assert "stays recorded" in details
         assert time.monotonic() - started < 1.5
+
+
+async def test_a_cancel_taken_while_its_task_is_being_submitted_is_not_lost(tmp_path):
+    # The holder records a task before it holds it (SubmitTask's create, then its backlog): a cancel request it took
+    # in between found no task held and was dropped, and the task ran on while the asker waited out the lease.
+    settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.task_store.lease_s": 2.0}
+    async with two_replicas(settings) as (holder, other, down, holder_service):
+        create, created = holder_service.tasks.create, asyncio.Event()
+
+        async def create_then_wait(*args, **kwargs):  # the holder's SubmitTask, stopped between its two steps
+            answer = await create(*args, **kwargs)
+            created.set()
+            await asyncio.sleep(0.8)  # a few polls take the request meanwhile
+            return answer
+
+        holder_service.tasks.create = create_then_wait
+        submit = asyncio.ensure_future(holder.SubmitTask(
+            agent_pb2.RunTaskRequest(task_id="new-1", payload="hello", task_type="chat")))
+        await created.wait()
+        status = await other.CancelTask(agent_pb2.CancelTaskRequest(task_id="new-1"))
+        await submit
+        assert status.state == agent_pb2.FAILED and status.error.startswith("CANCELLED: cancelled by CancelTask"), \
+            status

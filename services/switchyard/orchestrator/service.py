@@ -789,7 +789,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     async def _carry_out_cancels(self) -> None:
         """Every ``task_store.cancel_poll_s``: cancel the tasks other orchestrators asked this one to (a CancelTask
         answered by a replica that does not hold the task; see :meth:`_cancel_elsewhere`). A task no longer held
-        (finished and forgotten) needs nothing."""
+        (finished and forgotten) needs nothing; one not held yet, which the store says is this orchestrator's and
+        unfinished (a SubmitTask between its record and its backlog), is asked again, for the next poll."""
         interval = self.config.orchestrator.task_store.cancel_poll_s
         while True:
             await asyncio.sleep(interval)
@@ -804,6 +805,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 if isinstance(outcome, BaseException):
                     log.error("orchestrator: the cancel of task %s another orchestrator asked for failed: %r",
                               task_id, outcome)
+                elif outcome is None:
+                    await self._cancel_later(task_id)
+
+    async def _cancel_later(self, task_id: str) -> None:
+        """Record again a cancel request this orchestrator took for a task it does not hold yet (its record is
+        written, its backlog entry not yet made); a task finished or not its own needs nothing."""
+        try:
+            record = await self.tasks.get(task_id)
+            if record is not None and not record.finished and record.owner == self.tasks.owner:
+                await self.tasks.request_cancel(record)
+        except SwitchyardError as exc:
+            log.warning("orchestrator: the cancel of task %s another orchestrator asked for is lost: %s", task_id, exc)
 
     async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
         """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` SubmitTask would refuse (too long, or holding a
