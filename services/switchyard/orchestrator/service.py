@@ -724,7 +724,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             record = await self.tasks.get(task_id)
             if record is None or not self._visible_to_caller(record.tenant_id, context):
                 raise SwitchyardError(unknown, grpc.StatusCode.NOT_FOUND)
-            if not record.finished and record.owner != self.tasks.owner:
+            if not record.finished:  # another's, or this one's not yet in its backlog (SubmitTask between the two)
                 record = await self._cancel_elsewhere(record, context.time_remaining())
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
@@ -760,7 +760,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         return None
 
     async def _cancel_elsewhere(self, record: TaskRecord, caller_left_s: float | None) -> TaskRecord:
-        """Ask ``record.owner`` to cancel the task through the store and wait for its outcome: the record once
+        """Ask ``record.owner`` (another orchestrator, or this one for a task recorded but not yet held) to
+        cancel the task through the store and wait for its outcome: the record once
         finished (by the owner's cancel, by its own end meanwhile, or as an orphan when the owner's lease ran
         out). Raises UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls),
         or, sooner, just before the caller's deadline (``caller_left_s``, None: none) so that it hears this."""
