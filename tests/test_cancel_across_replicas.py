@@ -182,3 +182,31 @@ async def test_a_cancel_taken_while_its_task_is_being_submitted_is_not_lost(aske
         await submit
         assert status.state == agent_pb2.FAILED and status.error.startswith("CANCELLED: cancelled by CancelTask"), \
             status
+
+
+async def test_a_cancel_of_a_task_refused_while_it_waits_is_not_found(tmp_path):
+    # A task recorded, then refused (its backlog filled meanwhile: its record is deleted): the asker answered the
+    # record it had read before, QUEUED, for a task that no longer exists.
+    settings = {**store_settings("sqlite", tmp_path, None), "orchestrator.max_unfinished_submitted_tasks": 1}
+    async with two_replicas(settings) as (holder, other, down, holder_service):
+        create, created = holder_service.tasks.create, asyncio.Event()
+
+        async def create_then_wait(task_id, *args, **kwargs):
+            answer = await create(task_id, *args, **kwargs)
+            if task_id == "late-1":
+                created.set()
+                await asyncio.sleep(0.8)  # "first-1" takes the backlog's one place meanwhile
+            return answer
+
+        holder_service.tasks.create = create_then_wait
+        late = asyncio.ensure_future(holder.SubmitTask(
+            agent_pb2.RunTaskRequest(task_id="late-1", payload="hello", task_type="chat")))
+        await created.wait()
+        await holder.SubmitTask(agent_pb2.RunTaskRequest(task_id="first-1", payload="hello", task_type="chat"))
+        cancel = asyncio.ensure_future(other.CancelTask(agent_pb2.CancelTaskRequest(task_id="late-1")))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await late
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await cancel
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND and "late-1" in gone.value.details()

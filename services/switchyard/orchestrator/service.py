@@ -763,7 +763,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Ask ``record.owner`` (another orchestrator, or this one for a task recorded but not yet held) to
         cancel the task through the store and wait for its outcome: the record once
         finished (by the owner's cancel, by its own end meanwhile, or as an orphan when the owner's lease ran
-        out). Raises UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls),
+        out). Raises NOT_FOUND when the record is gone (the task was refused after it was recorded), and
+        UNAVAILABLE naming the owner when none of these came within ``lease_s`` (plus two polls),
         or, sooner, just before the caller's deadline (``caller_left_s``, None: none) so that it hears this."""
         store = self.config.orchestrator.task_store
         await self.tasks.request_cancel(record)
@@ -776,8 +777,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             await asyncio.sleep(min(pause, ends - now))
             pause = min(pause * 2, store.cancel_poll_s)
             current = await self.tasks.get(record.task_id)
-            if current is None or current.finished:
-                return current if current is not None else record
+            if current is None:  # refused after it was recorded (its backlog filled meanwhile): no such task
+                raise SwitchyardError(self._no_task(record.task_id), grpc.StatusCode.NOT_FOUND)
+            if current.finished:
+                return current
         waited = time.monotonic() - started
         why = (f"has not ended it within {waited:.3g} s, the call's deadline" if by_caller else
                f"has neither ended it nor lost its lease within {waited:.3g} s "
