@@ -120,8 +120,9 @@ async def _cpu_executor(kind: str, workers: int) -> Executor | None:
     return executor
 
 
-CANCEL_ANSWER_MARGIN_S = 0.1
-"""A CancelTask waiting on another orchestrator answers this long before its caller's deadline."""
+CANCEL_ANSWER_MARGIN_S = 0.25
+"""A CancelTask waiting on another orchestrator answers this long before its caller's deadline, seconds: room
+for the answer to reach the caller from a busy event loop."""
 
 RECORD_AGAIN_S = 1.0
 """First wait before an outcome the task store refused is written again, seconds (then doubled)."""
