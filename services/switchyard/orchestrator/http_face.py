@@ -236,7 +236,8 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
     def close_without_lingering(self) -> None:
         """Close the connection right after the answer being made now, without aiohttp's lingering read of
         the request's unread body (up to ``lingering_time``, 10 s): a client whose body stalled sends no
-        more, and lingering held its connection (and the face's slot) that long after the 408."""
+        more, and lingering held its connection (and the face's slot) that long after the 408; a body that is
+        not in its Content-Encoding cannot be read on, and lingering raised its decoding error once more."""
         self._lingering_time = 0.0  # this connection's: aiohttp then closes it once the answer is written
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -499,6 +500,10 @@ class HttpFace(Drains):
         except web.HTTPRequestEntityTooLarge:  # a chunked body, counted as it came
             raise self._too_large() from None
         except web_protocol.RequestPayloadError as exc:  # aiohttp decodes the body's Content-Encoding as it reads
+            # The rest of the body cannot be read either: aiohttp's lingering read of it after the 400 raised the
+            # same error again, logged as an unhandled exception with a traceback for every such request.
+            if isinstance(request.protocol, _JsonProtocolErrors):
+                request.protocol.close_without_lingering()
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "body: expected data in the coding its Content-Encoding "
                             f"names ({shown(request.headers.get('Content-Encoding', 'identity'))}): {exc}",
                             "orchestrator") from None
