@@ -713,6 +713,20 @@ async def test_a_body_that_stalls_short_of_its_content_length_gets_408_and_the_c
         assert down.requests == []
 
 
+async def test_a_chunked_body_that_stalls_gets_408_naming_its_last_chunk_not_a_length_it_never_gave():
+    """The 408 of a chunked body read 'expected its None bytes (Content-Length)'."""
+    async with http_stack(**{"orchestrator.http.body_read_timeout_s": 0.5}) as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        answer = await _raw(port, b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n7\r\n{\"agent\r\n")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith("body: expected its last chunk (Transfer-Encoding: chunked) within 0.5 s"), message
+        assert "None" not in message
+        assert down.requests == []
+
+
 async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_a_traceback(caplog):
     async with http_stack() as (client, _, down):
         port = httpx.URL(str(client.base_url)).port

@@ -493,8 +493,10 @@ class HttpFace(Drains):
         except TimeoutError:
             if isinstance(request.protocol, _JsonProtocolErrors):
                 request.protocol.close_without_lingering()
+            promised = (f"its {request.content_length} bytes (Content-Length)" if request.content_length is not None
+                        else "its last chunk (Transfer-Encoding: chunked)")  # a chunked body promises no length
             raise HttpAbort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"body: expected its {request.content_length} bytes (Content-Length) within "
+                            f"body: expected {promised} within "
                             f"{self.config.orchestrator.http.body_read_timeout_s:g} s "
                             "(orchestrator.http.body_read_timeout_s)", "orchestrator", status=408) from None
         except web.HTTPRequestEntityTooLarge:  # a chunked body, counted as it came
