@@ -404,6 +404,26 @@ def test_fragmentation_is_the_share_of_allocated_kv_holding_no_tokens() -> None:
     assert metric("switchyard_kv_fragmentation_ratio") == pytest.approx(0.25)
 
 
+def test_an_engine_gone_idle_reports_the_fragmentation_of_what_it_holds_now_not_its_last_busy_step() -> None:
+    """The ratio was computed only by schedule(): once the last request ended the loop called on_idle alone,
+    and the gauge read the last busy step's 1.0 (all reserved, nothing computed) for as long as it idled."""
+    engine = SimEngine(SwitchyardConfig().with_overrides(**{"sim.prefix_caching": False}))
+    sched = build(engine, None, **{"sim.prefix_caching": False})
+    req = request("gone", prompt_tokens=300, max_tokens=100)
+    accept(sched, [req], now=0.0)
+    sched.schedule(now=0.0)  # admitted (the ratio is read before admission)
+    sched.schedule(now=2.0)
+    publish(sched)
+    assert metric("switchyard_kv_fragmentation_ratio") == 1.0  # reserved, nothing computed yet
+    finish(sched, req, now=2.5)
+    sched.on_idle(now=2.6)  # within the second: the reading is not due yet
+    publish(sched)
+    assert metric("switchyard_kv_fragmentation_ratio") == 1.0
+    sched.on_idle(now=3.5)
+    publish(sched)
+    assert metric("switchyard_kv_fragmentation_ratio") == 0.0  # nothing allocated
+
+
 def test_defragmentation_runs_only_below_the_trigger_score_at_the_scan_interval() -> None:
     class CompactableKV(SimKV):
         compactions = 0

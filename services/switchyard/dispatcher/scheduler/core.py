@@ -391,9 +391,7 @@ class SchedulerCore:
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
             self.hbm_scan(now, out)
-        if now >= self._next_fragmentation:  # O(running): read about once a second, not every decision
-            self._next_fragmentation = now + FRAGMENTATION_INTERVAL_S
-            self._fragmentation = self.fragmentation_ratio()
+        self._refresh_fragmentation(now)
         # Due restores take the free room before admission, unless waiting work of a higher class is there
         # (its turn is expected about now: the room it takes its turn would take; the rest after admission).
         out.prefetch = self._prefetches(now, self.queue.peek() if self.queue else None)
@@ -565,8 +563,8 @@ class SchedulerCore:
         return expired
 
     def on_idle(self, now: float) -> list[Request]:
-        """What time alone changes while nothing is scheduled: the compute score is re-read (an idle
-        engine's score falls, and autoscalers must not read a stale load), parked agents whose
+        """What time alone changes while nothing is scheduled: the compute score and the KV fragmentation
+        ratio are re-read (an idle engine's score falls, and autoscalers must not read a stale load), parked agents whose
         ``tool_wait_ttl_s`` ran out give their KV back, and swapped agents whose restore is due are
         returned (as ``SchedulerOutput.prefetch``: the loop restores each, then calls :meth:`prefetched`)."""
         self._now = now
@@ -574,7 +572,17 @@ class SchedulerCore:
         self.parking.expire(now)
         if now >= self._next_hbm_scan:
             self.hbm_scan(now, SchedulerOutput())
+        self._refresh_fragmentation(now)  # the last busy reading stayed on the gauge of an idle engine
         return self._prefetches(now)
+
+    def _refresh_fragmentation(self, now: float) -> None:
+        """Recompute the KV fragmentation ratio (:meth:`fragmentation_ratio`, 0-1) that :meth:`make_stats`
+        reports, at most every :data:`FRAGMENTATION_INTERVAL_S` seconds (``now``: monotonic seconds): it is
+        O(running), so it is read about once a second, not at every decision; both :meth:`schedule` and
+        :meth:`on_idle` call it, so an engine gone idle reports its state now, not its last busy step's."""
+        if now >= self._next_fragmentation:
+            self._next_fragmentation = now + FRAGMENTATION_INTERVAL_S
+            self._fragmentation = self.fragmentation_ratio()
 
     def until_prefetch(self, timeout: float, now: float) -> float:
         """How long a loop that would wait ``timeout`` seconds from ``now`` may wait: ``timeout``, or less
