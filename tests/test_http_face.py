@@ -992,7 +992,9 @@ async def test_headers_that_are_not_utf8_or_say_two_things_are_refused_by_name_n
                            b"Authorization: Bearer tok-full-1\r\nContent-Type: application/json\r\n"
                            b"X-Agent-Id: ag\xe9nt\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert agent.startswith(b"HTTP/1.1 400"), agent[:300]
-        assert b"x-agent-id header: expected UTF-8 text (byte 0xE9 is not UTF-8)" in agent, agent
+        message = json.loads(agent.partition(b"\r\n\r\n")[2])["error"]["message"]
+        # the bytes as sent, the one escape of each: it read (got 'ag\\\\xe9nt'), quoted twice
+        assert message == "x-agent-id header: expected UTF-8 text (byte 0xE9 is not UTF-8) (got b'ag\\xe9nt')", message
         assert down.requests == []
 
 

@@ -59,14 +59,16 @@ def check_utf8(value: str, field: str) -> str:
     checks would have named a lone surrogate.
 
     Raises:
-        InvalidArgument: naming ``field``: the first byte that is not UTF-8, and the value with it as ``\\xNN``.
+        InvalidArgument: naming ``field``: the first byte that is not UTF-8, and the value as the bytes it came
+            as (at most 80 of them: ``b'caf\\xe9'``, each such byte once escaped; the text with the byte written
+            out as ``\\xNN`` was quoted again, and read ``'caf\\\\xe9'``).
     """
     from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
 
     byte = undecodable_byte(value)
     if byte is not None:
-        readable = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        raise InvalidArgument(field, f"UTF-8 text (byte 0x{byte:02X} is not UTF-8)", readable[:80])
+        raise InvalidArgument(field, f"UTF-8 text (byte 0x{byte:02X} is not UTF-8)",
+                              value.encode("utf-8", "surrogateescape")[:80])
     return value
 
 
