@@ -18,6 +18,7 @@ import grpc
 import httpx
 import jsonschema
 import pytest
+from prometheus_client import REGISTRY
 from test_orchestrator import Downstream
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -172,7 +173,7 @@ async def test_at_most_the_bound_run_the_backlog_is_served_by_class_then_arrival
 async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_removes_it_and_a_full_one_is_429(tmp_path):
     overrides = {"orchestrator.max_running_submitted_tasks": 1, "orchestrator.max_unfinished_submitted_tasks": 3}
     body = {"agent_id": "agent-1", "priority": "normal", "task_type": "chat", "max_tokens": 16}
-    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (_, client, down):
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, client, down):
         doc = (await client.get("/openapi.json")).json()
 
         def check(instance: dict, name: str) -> None:
@@ -200,8 +201,17 @@ async def test_http_submit_reports_the_backlog_place_status_reads_it_cancel_remo
         check(again.json(), "AcceptedResponse")
         assert (await client.get("/api/v1/tasks/c")).json()["queue_position"] == 0
         assert (await post("d")).status_code == 200  # a, c, d: the bound
+        refused = REGISTRY.get_sample_value("switchyard_queue_rejected_total", {"queue": "submitted", "reason": "full"})
+        assert refused is not None  # exported at 0 before the first refusal: rate() sees the first one
         full = await post("e")
         assert full.status_code == 429, full.text
+        with pytest.raises(grpc.aio.AioRpcError) as over:  # the gRPC edge's refusal is the same one
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="f", payload="q", agent_id="agent-1",
+                                                           task_type="chat"))
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # counted where the alert on refusing queues reads (it was counted nowhere)
+        assert REGISTRY.get_sample_value("switchyard_queue_rejected_total",
+                                         {"queue": "submitted", "reason": "full"}) == refused + 2
         known = await post("a")  # refused 429 too: a full backlog, for a request that adds nothing to it
         assert known.status_code == 200 and known.json()["task_id"] == "a", known.text
         assert full.json()["error"]["code"] == "RESOURCE_EXHAUSTED"

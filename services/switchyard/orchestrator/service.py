@@ -41,6 +41,7 @@ from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGua
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
+from switchyard.common.metrics import QUEUE_REJECTED
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
                                      TaskRefusedEarly, abort, status_for)
@@ -52,7 +53,7 @@ from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
 from switchyard.orchestrator.events import event_stream
-from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, TASK_DURATION, TASK_TTFT, TASKS
+from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, SUBMITTED_QUEUE, TASK_DURATION, TASK_TTFT, TASKS
 from switchyard.orchestrator.readiness import SERVING as READY
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
@@ -161,6 +162,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self.config = config
         self.tasks: TaskStore = make_task_store(config)
         self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)
+        QUEUE_REJECTED.labels(SUBMITTED_QUEUE, "full")  # at 0 before the first refusal: rate() sees the first
         self._stopping = False
         """Set by :meth:`stop`: no submitted task starts any more."""
         self._deps: Deps | None = None
@@ -552,6 +554,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                                   state=agent_pb2.QUEUED)
 
     def _backlog_full(self) -> SwitchyardError:
+        """The RESOURCE_EXHAUSTED answer to a SubmitTask refused by a full backlog (``limit`` unfinished tasks
+        held), counted as the refusal of a full queue: ``switchyard_queue_rejected_total{queue="submitted",
+        reason="full"}``, where the alert on refusing queues reads it (the refusal was counted nowhere, and a
+        stack refusing every submit raised no alert)."""
+        QUEUE_REJECTED.labels(SUBMITTED_QUEUE, "full").inc()
         limit = self.config.orchestrator.max_unfinished_submitted_tasks
         return SwitchyardError(
             f"orchestrator holds {limit} unfinished submitted tasks (orchestrator.max_unfinished_submitted_tasks); "
