@@ -472,6 +472,36 @@ def test_container_variables_override_host_and_task_store(monkeypatch):
         load_config(ROOT / "config", service="orchestrator")
 
 
+@pytest.mark.parametrize(("target", "problem"), [
+    ("host:99999", "port '99999' is not 1-65535"), ("retrieval", "'retrieval' has no port"),
+    ("127.0.0.1:", "no port"), (":50052", "':50052' has no host"), ("dns:///retrieval", "'retrieval' has no port"),
+    ("ipv4:127.0.0.1:5001,,127.0.0.1:5002", "lists an empty address"), ("a b:50052", "host 'a b' holds a space"),
+    ("[::1]", "has no port after its bracketed host"), ("127.0.0.1:0", "port '0' is not 1-65535"),
+])
+def test_a_downstream_target_no_channel_can_reach_is_refused_at_load_naming_its_key_or_variable(
+        config_dir, monkeypatch, target, problem):
+    """They loaded: the orchestrator reported ready and every task failed UNAVAILABLE naming the target."""
+    _write(config_dir, "switchyard.json", lambda d: d["orchestrator"].update(dispatcher_addr=target))
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_dir, service="orchestrator")
+    message = str(refused.value)
+    assert f"key 'orchestrator.dispatcher_addr' has value {target!r}" in message, message
+    assert "a port in 1-65535" in message and problem in message, message
+    for variable in ("SWITCHYARD_RETRIEVAL_ADDR", "SWITCHYARD_DISPATCHER_ADDR"):
+        with monkeypatch.context() as env:
+            env.setenv(variable, target)
+            with pytest.raises(ValueError, match=re.escape(f"{variable}={target!r}: expected a gRPC target")):
+                load_config(ROOT / "config", service="orchestrator")
+
+
+def test_every_form_of_downstream_target_the_services_use_loads(monkeypatch):
+    for target in ("127.0.0.1:50053", "localhost:50053", "[::1]:50053", "ipv4:127.0.0.1:5001,127.0.0.1:5002",
+                   "ipv6:[::1]:5001,[::1]:5002", "dns:///dispatcher:50053", "dns://10.0.0.10/dispatcher:50053",
+                   "unix:/run/dispatcher.sock", " dispatcher:50053 "):
+        monkeypatch.setenv("SWITCHYARD_DISPATCHER_ADDR", target)
+        assert load_config(ROOT / "config", service="orchestrator").orchestrator.dispatcher_addr == target.strip()
+
+
 def test_tls_auth_and_health_port_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("SWITCHYARD_TLS_DIR", "/etc/switchyard-tls/")
     monkeypatch.setenv("SWITCHYARD_TLS_CLIENT_AUTH", "true")

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
+from switchyard.common.grpc_target import grpc_target
+
 T = TypeVar("T")
 
 
@@ -55,10 +57,13 @@ SWITCHYARD_INDEX_DIR = EnvVar[str | None](
     "SWITCHYARD_INDEX_DIR", _optional, None, "Vector index folder; overrides retrieval.index_dir."
 )
 SWITCHYARD_RETRIEVAL_ADDR = EnvVar[str | None](
-    "SWITCHYARD_RETRIEVAL_ADDR", _optional, None, "host:port of retrieval; overrides orchestrator.retrieval_addr."
+    "SWITCHYARD_RETRIEVAL_ADDR", grpc_target, None,
+    "gRPC target of retrieval (host:port, dns:///name:port); overrides orchestrator.retrieval_addr."
 )
 SWITCHYARD_DISPATCHER_ADDR = EnvVar[str | None](
-    "SWITCHYARD_DISPATCHER_ADDR", _optional, None, "host:port of the dispatcher; overrides orchestrator.dispatcher_addr."
+    "SWITCHYARD_DISPATCHER_ADDR", grpc_target, None,
+    "gRPC target of the dispatcher (host:port, ipv4:host:port,host:port, dns:///name:port); overrides "
+    "orchestrator.dispatcher_addr."
 )
 def _host_port(raw: str) -> str:
     host, sep, port = raw.strip().rpartition(":")

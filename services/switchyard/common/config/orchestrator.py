@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
 from switchyard.common.config.server import _health_port, _metrics_port, _port
+from switchyard.common.grpc_target import EXPECTED_TARGET, grpc_target_problem
 
 
 class HttpFaceConfig(_Strict):
@@ -47,12 +48,22 @@ class OrchestratorConfig(_Strict):
     health_port: int | None = _health_port()
     retrieval_addr: str = Field(
         "127.0.0.1:50052", min_length=1,
-        description="gRPC target of retrieval, host:port or dns:///name:port (SWITCHYARD_RETRIEVAL_ADDR).",
+        description="gRPC target of retrieval, host:port or dns:///name:port (SWITCHYARD_RETRIEVAL_ADDR); a port "
+        "in 1-65535 is required.",
     )
     dispatcher_addr: str = Field(
         "127.0.0.1:50053", min_length=1,
-        description="gRPC target of the dispatcher, host:port or dns:///name:port (SWITCHYARD_DISPATCHER_ADDR).",
+        description="gRPC target of the dispatcher, host:port, ipv4:host:port,host:port (several replicas) or "
+        "dns:///name:port (SWITCHYARD_DISPATCHER_ADDR); a port in 1-65535 is required.",
     )
+
+    @field_validator("retrieval_addr", "dispatcher_addr")
+    @classmethod
+    def _reachable_target(cls, target: str) -> str:
+        if problem := grpc_target_problem(target):
+            raise ValueError(f"{EXPECTED_TARGET} ({problem})")
+        return target
+
     retrieval_timeout_ms: float = Field(
         7000, gt=0, le=3_600_000,
         description="Longest wait for one Retrieve call, retrieval's own queue wait included, milliseconds.",

@@ -1,0 +1,66 @@
+"""gRPC targets as the orchestrator's settings name its downstream services (``orchestrator.retrieval_addr``,
+``orchestrator.dispatcher_addr``, and the ``SWITCHYARD_RETRIEVAL_ADDR`` / ``SWITCHYARD_DISPATCHER_ADDR``
+variables): checked where they are read, so that a target no channel can reach is refused naming its key or
+variable, not accepted with the orchestrator reporting ready while every task failed UNAVAILABLE."""
+
+from __future__ import annotations
+
+EXPECTED_TARGET = ("a gRPC target with a host and a port in 1-65535: host:port, [v6]:port, "
+                   "ipv4:host:port,host:port or dns:///name:port")
+"""What a target must be, in an error message's words."""
+
+
+def _port_problem(port: str) -> str:
+    """What keeps ``port`` from being a TCP port a client can connect to (1-65535); "" when nothing does."""
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"port {port!r} is not 1-65535" if port else "no port"
+    return ""
+
+
+def _address_problem(address: str) -> str:
+    """What keeps ``address`` (``host:port`` or ``[v6]:port``) from naming a server; "" when nothing does."""
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep:
+            return f"{address!r} has no port after its bracketed host"
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            return f"{address!r} has no port"
+    if not host or any(c.isspace() for c in host):
+        return f"{address!r} has no host" if not host else f"host {host!r} holds a space"
+    return _port_problem(port)
+
+
+def grpc_target_problem(target: str) -> str:
+    """What keeps ``target`` from being a gRPC target the orchestrator can reach (``host:port``, ``[v6]:port``,
+    ``ipv4:a:p,b:p``, ``ipv6:[a]:p,...``, ``dns:///name:port``, ``dns://authority/name:port``, ``unix:path``);
+    "" when nothing does. A target without a port (gRPC would dial 443), with a port past 65535, or with no host
+    is named here, at load: it was accepted, the orchestrator reported ready, and every task failed UNAVAILABLE."""
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("unix", "unix-abstract"):
+        return "" if rest.strip("/") else f"{target!r} names no socket path"
+    if sep and scheme in ("ipv4", "ipv6"):
+        addresses = rest.split(",")
+        if not all(addresses):
+            return f"{target!r} lists an empty address"
+        return next((problem for a in addresses if (problem := _address_problem(a))), "")
+    if sep and scheme == "dns":
+        if rest.startswith("//"):  # dns://authority/name:port: the authority is the DNS server's, the name after it
+            authority, slash, rest = rest[2:].partition("/")
+            if not slash:
+                return f"{target!r} has no name after its authority (dns:///name:port)"
+        return _address_problem(rest)
+    return _address_problem(target)
+
+
+def grpc_target(raw: str) -> str:
+    """``raw``, a target from the environment, stripped (:data:`~switchyard.common.envs.EnvVar` parser).
+
+    Raises:
+        ValueError: what keeps it from naming a server (:func:`grpc_target_problem`).
+    """
+    target = raw.strip()
+    if problem := grpc_target_problem(target):
+        raise ValueError(f"expected {EXPECTED_TARGET} ({problem})")
+    return target
