@@ -121,6 +121,39 @@ async def test_the_tier_comes_back_after_an_outage(caplog):
         server.stop()
 
 
+async def test_an_idle_service_reports_an_outage_and_the_return_without_a_call(caplog):
+    """switchyard_dram_up moved only with calls: an idle service read 1 through a whole outage (no alert, no
+    log line), and once a call had found the outage, 0 after Redis was back until the next call."""
+    from switchyard.common.config import DramTierConfig
+
+    async def until_up(value: float) -> None:
+        for _ in range(200):
+            if _metric("switchyard_dram_up") == value:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"switchyard_dram_up never read {value}")
+
+    server = start_redis()
+    outage = RedisOutage(server)
+    client = DramClient(DramTierConfig(embedded=False, host=server.host, port=server.port, retry_interval_s=0.05,
+                                       op_timeout_s=0.2, connect_timeout_s=0.2))
+    try:
+        caplog.set_level(logging.WARNING, logger="switchyard.common.dram")
+        assert await client.start() and _metric("switchyard_dram_up") == 1
+        outages, degraded = _metric("switchyard_dram_outages_total"), _metric("switchyard_dram_degraded_operations_total")
+        outage.begin()
+        await until_up(0)  # no call made: the service's own ping found it
+        assert not client.up and _metric("switchyard_dram_outages_total") == outages + 1
+        assert any("DRAM tier unavailable" in r.getMessage() and "failed ping" in r.getMessage() for r in caplog.records)
+        outage.end()
+        await until_up(1)
+        assert client.up and any("DRAM tier back" in r.getMessage() for r in caplog.records)
+        assert _metric("switchyard_dram_degraded_operations_total") == degraded  # a ping is no work skipped
+    finally:
+        await client.close()
+        server.stop()
+
+
 def test_embedded_redis_refuses_a_port_where_a_redis_already_answers(redis_server):
     """It said only "set [dram] embedded = false to use it", which for another stack's embedded Redis leads to
     the next clash; it names that Redis's pid and folder and the way out (--free-ports)."""

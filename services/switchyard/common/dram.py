@@ -95,6 +95,7 @@ class DramClient:
         self._write_probe: asyncio.Lock = asyncio.Lock()
         self._skipped_writes = 0
         self._logged_refusals: set[tuple[str, str]] = set()
+        self._watch: asyncio.Task[None] | None = None
 
     @property
     def up(self) -> bool:
@@ -110,8 +111,29 @@ class DramClient:
         return self.config.key_prefix + ":".join(parts)
 
     async def start(self) -> bool:
-        """Ping once so that an outage at start-up is logged at once. Returns whether Redis answered."""
-        return await self.call(lambda r: r.ping(), False, "ping") is not False
+        """Ping once so that an outage at start-up is logged at once, then every ``retry_interval_s`` seconds
+        until :meth:`close` (a background task of the running event loop): ``switchyard_dram_up`` and the
+        outage's log lines follow Redis while no work calls it. Only calls had moved them, so an idle service
+        reported 1 through a whole outage, and 0 after Redis was back until its next call. Returns whether
+        Redis answered the first ping."""
+        answered = await self.call(lambda r: r.ping(), False, "ping") is not False
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_redis(), name=f"dram-watch-{self.address}")
+        return answered
+
+    async def _watch_redis(self) -> None:
+        """Ping Redis every ``retry_interval_s`` seconds; an outage found begins (or ends) as a call's would.
+        A ping is not the tier's work: it is never a degraded operation."""
+        while True:
+            await asyncio.sleep(self.config.retry_interval_s)
+            try:
+                await asyncio.wait_for(self.redis.ping(), self.config.op_timeout_s + self.config.connect_timeout_s)
+            except _OUTAGE_ERRORS as exc:
+                self._mark_down(exc, "ping")
+                continue
+            except RedisError:  # a refusal (a loading or busy server) is an answer: it is up
+                pass
+            self._mark_up()
 
     async def call(self, fn: Callable[[aioredis.Redis], Awaitable[T]], fallback: T, op: str = "call", *,
                    grows: bool = False) -> T:
@@ -215,6 +237,11 @@ class DramClient:
         DRAM_UP.set(1)
 
     async def close(self) -> None:
+        """Stop the pings (:meth:`start`) and close the connections."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         await self.redis.aclose()
 
 

@@ -72,7 +72,8 @@ class DramTierConfig(_Strict):
     )
     retry_interval_s: float = Field(
         2.0, gt=0, le=3600,
-        description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, seconds.",
+        description="While Redis is down, calls skip it (degrade at once) and one call tries again this often, "
+        "seconds; each service also pings it this often, so switchyard_dram_up follows it while no work calls it.",
     )
     renew_ttl_threshold: float = Field(
         1.0e6, ge=0,
