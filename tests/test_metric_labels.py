@@ -133,3 +133,47 @@ async def test_model_labels_are_the_upstream_ids_the_gateway_calls_each_counted_
                                      {"model": "claude-sonnet-4-5", "fallback_model": upstream}) == 0.0
     assert REGISTRY.get_sample_value("switchyard_gateway_fallbacks_total",
                                      {"model": "claude-sonnet-4-5", "fallback_model": "cheap"}) is None
+
+
+def test_every_labelled_histogram_of_the_services_starts_at_zero() -> None:
+    """A histogram's buckets and count are counters: with a known label set its series are there from the start,
+    so that a rate over them sees the first observation. The orchestrator's task duration and TTFT by task type,
+    its stage durations and the gateway's upstream TTFT by model appeared only with their first observation
+    (the queue-wait histogram started at 0 already)."""
+    import importlib
+    import pkgutil
+
+    import switchyard
+    from switchyard.common.config import ProgramConfig
+    from switchyard.common.metrics import TOOL_NAMES
+    from switchyard.gateway.client import GatewayClient
+    from switchyard.orchestrator.program import ToolDurations
+
+    for module in pkgutil.walk_packages(switchyard.__path__, "switchyard."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    GatewayClient(SwitchyardConfig().upstream)
+    ToolDurations(ProgramConfig(), TOOL_NAMES)  # the orchestrator's registered tools, as it builds them
+    missing = []
+    for family in REGISTRY.collect():
+        collector = REGISTRY._names_to_collectors.get(family.name + "_bucket")
+        if family.type != "histogram" or not family.name.startswith("switchyard_") or collector is None:
+            continue
+        if getattr(collector, "_labelnames", ()) and not any(s.name.endswith("_count") for s in family.samples):
+            missing.append(family.name)
+    assert missing == []
+    for task_type in ("rag_answer", "chat", "react_loop"):
+        assert REGISTRY.get_sample_value("switchyard_task_ttft_seconds_count", {"task_type": task_type}) is not None
+    assert REGISTRY.get_sample_value("switchyard_stage_duration_seconds_count", {"stage": "tool:search_docs"}) is not None
+
+
+def test_every_stage_the_workflows_run_is_a_known_stage_label() -> None:
+    """The stage names started at 0 (WORKFLOW_STAGES) are the ones the workflows run."""
+    import re
+    from pathlib import Path
+
+    from switchyard.orchestrator.metrics import WORKFLOW_STAGES
+
+    folder = Path(__file__).resolve().parent.parent / "services" / "switchyard" / "orchestrator"
+    run = {m for path in folder.glob("*.py") for m in re.findall(r'\.stage\("([a-z_]+)"', path.read_text())}
+    assert run and run <= set(WORKFLOW_STAGES), run - set(WORKFLOW_STAGES)

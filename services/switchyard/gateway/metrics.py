@@ -32,11 +32,13 @@ OUTCOMES = ("ok", *(code for code in STATUS_CODES if code != "OK"))
 
 
 def start_at_zero(models: Iterable[str], fallback_models: Iterable[str]) -> None:
-    """Start the gateway's request, retry and fallback counters at 0 for every model label in ``models``
-    (the configured models' labels and ``other``), falling back to each of ``fallback_models``' labels."""
+    """Start the gateway's request, retry and fallback counters and its TTFT histogram at 0 for every model
+    label in ``models`` (the configured models' labels and ``other``), falling back to each of
+    ``fallback_models``' labels."""
     fallbacks = set(fallback_models)
     for model in models:
         GATEWAY_RETRIES.labels(model)
+        GATEWAY_TTFT.labels(model)
         for outcome in OUTCOMES:
             GATEWAY_REQUESTS.labels(model, outcome)
         for fallback in fallbacks - {model}:

@@ -21,6 +21,10 @@ TASK_TTFT = Histogram(
 STAGE_DURATION = Histogram(
     "switchyard_stage_duration_seconds", "Duration of one stage of a task's workflow.", ["stage"], buckets=STAGE_BUCKETS
 )
+WORKFLOW_STAGES = ("retrieve", "recall", "render_prompt", "infer", "remember", "react")
+"""The stages the workflows run (``task.stage(name)`` in workflows.py and react.py), each a ``stage`` label of
+:data:`STAGE_DURATION` from the start; a tool call's stage is ``tool:<tool>``, labelled when the tools are known
+(program.py's ToolDurations)."""
 AGENTS_CONCURRENT = Gauge(
     "switchyard_agents_concurrent",
     "Tasks running and not yet finished: RunTask calls accepted, submitted tasks started (those waiting in the "
@@ -77,6 +81,11 @@ for _state in ("queued", "running"):
 for _task_type in TASK_TYPES:
     for _code in STATUS_CODES:
         TASKS.labels(_task_type, _code)
+    # a histogram's series are counters too: there from the start, so that a rate over them sees the first task
+    TASK_DURATION.labels(_task_type)
+    TASK_TTFT.labels(_task_type)
+for _stage in WORKFLOW_STAGES:
+    STAGE_DURATION.labels(_stage)
 for _tool in (*TOOL_NAMES, OTHER):
     for _outcome in ("ok", "error"):
         TOOL_CALLS.labels(_tool, _outcome)

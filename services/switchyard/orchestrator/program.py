@@ -49,6 +49,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from switchyard.common.config import ProgramConfig
 from switchyard.common.errors import TaskRefusedEarly
 from switchyard.common.metrics import OTHER, TASK_TYPES, bounded
+from switchyard.orchestrator.metrics import STAGE_DURATION
 
 TOOL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_KINDS = ("model", "tool", "retrieval")
@@ -96,6 +97,7 @@ class ToolDurations:
         self._estimates: dict[str, float] = {}
         for name in (*sorted(self.tools), OTHER):
             TOOL_DURATION.labels(name)
+            STAGE_DURATION.labels(f"tool:{name}")  # the tool call's stage (react.py), at 0 from the start too
             TOOL_WAIT_ESTIMATE.labels(name).set(self.cold_s)
 
     def label(self, tool: str) -> str:
