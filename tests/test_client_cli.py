@@ -29,3 +29,54 @@ async def test_its_own_timeout_running_out_is_named_with_the_flag_to_raise(capsy
     err = capsys.readouterr().err
     assert code == 1 and "DEADLINE_EXCEEDED" in err
     assert "this command's --timeout (0.3 s) ran out before the task ended; raise it" in err, err
+
+
+_ESC = "\x1b]0;owned\x07\x1b[2J"
+"""An OSC window title and a clear-screen: what a model's output (or a quoted document) can carry."""
+
+
+class _Hostile(agent_pb2_grpc.AgentServiceServicer):
+    async def RunTask(self, request, context):
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))
+        yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text=f"line one\n\tand{_ESC} two\x9b31m"))
+        yield agent_pb2.TaskEvent(tool_call=agent_pb2.ToolCallEvent(name=f"calc{_ESC}", arguments_json="{}"))
+        yield agent_pb2.TaskEvent(tool_result=agent_pb2.ToolResultEvent(name="calc", content=f"4{_ESC}", attempts=1))
+        yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id="t", passages=[
+            agent_pb2.Passage(title=f"with{_ESC}", source="x\rY", score=0.5)]))
+        await context.abort(grpc.StatusCode.INTERNAL, f"upstream said {_ESC}")
+
+
+async def test_control_characters_the_task_sends_back_never_reach_the_terminal(capsys):
+    """A token holding ESC reached the terminal as is: the model's output could retitle the window, clear the
+    screen or hide text. Each control character but a token's newline and tab is printed as \\xNN."""
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(_Hostile(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        code = await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "hello"])
+    finally:
+        await server.stop(None)
+    captured = capsys.readouterr()
+    assert code == 1
+    for stream in (captured.out, captured.err):
+        assert not any(c in stream for c in "\x1b\x07\x9b\r"), repr(stream)
+    assert "line one\n\tand\\x1b]0;owned\\x07\\x1b[2J two\\x9b31m" in captured.out, captured.out
+    assert "tool call   calc\\x1b]0;owned" in captured.out and "[1] with\\x1b]0;owned" in captured.out
+    assert "(x\\x0dY)" in captured.out
+    assert "upstream said \\x1b]0;owned\\x07" in captured.err, captured.err
+
+
+def test_doctor_prints_what_a_model_server_answered_without_its_control_characters():
+    """A check's detail quotes the server (the model ids it lists, its error text): printed as it came, a
+    server's ESC reached the operator's terminal."""
+    from switchyard.common.config import UpstreamConfig
+    from switchyard.gateway.doctor import Check, format_report
+
+    report = format_report(UpstreamConfig(), [
+        Check("models", False, f"the server lists evil{_ESC}", fix=f"set model{_ESC}"),
+        Check("stream", True, "a token in 0.1 s"),
+    ])
+    assert not any(c in report for c in "\x1b\x07"), repr(report)
+    assert "lists evil\\x1b]0;owned\\x07\\x1b[2J" in report and "fix: set model\\x1b]0;owned" in report
+    assert report.count("\n") == 4  # the report's own lines are kept: set-up, FAIL, fix, ok, summary

@@ -23,6 +23,7 @@ from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
 from switchyard.common.errors import InvalidArgument
+from switchyard.common.untrusted import terminal_safe
 from switchyard.orchestrator.http_models import message_dict
 from switchyard.orchestrator.validation import parse_priority
 
@@ -60,10 +61,11 @@ def _ms(seconds: float) -> str:
 
 
 class HumanPrinter:
-    """Prints events for a person; remembers whether the cursor sits after streamed tokens."""
+    """Prints events for a person; remembers whether the cursor sits after streamed tokens. Text that came
+    from the task is printed through :func:`terminal_safe`."""
 
-    def __init__(self, out=sys.stdout) -> None:
-        self.out = out
+    def __init__(self, out=None) -> None:
+        self.out = sys.stdout if out is None else out  # the stdout of now, not of the module's import
         self.in_text = False
 
     def _line(self, text: str) -> None:
@@ -80,20 +82,22 @@ class HumanPrinter:
             self._line(f"accepted  task {a.task_id}  queue position {a.queue_position}{trace}")
         elif kind == "stage":
             s = event.stage
-            self._line(f"  stage {s.name:<16} {_ms(s.duration_s):>10}   (at {_ms(s.start_s)})")
+            self._line(terminal_safe(f"  stage {s.name:<16} {_ms(s.duration_s):>10}   (at {_ms(s.start_s)})",
+                                     frozenset()))
         elif kind == "token":
             if not self.in_text:
                 self.out.write("\n")
-            self.out.write(event.token.text)
+            self.out.write(terminal_safe(event.token.text))
             self.in_text = True
         elif kind == "tool_call":
             c = event.tool_call
-            self._line(f"  tool call   {c.name}({c.arguments_json})")
+            self._line(terminal_safe(f"  tool call   {c.name}({c.arguments_json})", frozenset()))
         elif kind == "tool_result":
             r = event.tool_result
             first = r.content.splitlines()[0] if r.content else ""
             flag = " ERROR" if r.is_error else ""
-            self._line(f"  tool result {r.name}{flag} after {r.attempts} attempt(s): {first[:100]}")
+            self._line(terminal_safe(f"  tool result {r.name}{flag} after {r.attempts} attempt(s): {first[:100]}",
+                                     frozenset()))
         elif kind == "final":
             f = event.final
             t = f.timings
@@ -106,7 +110,8 @@ class HumanPrinter:
             self._line(f"queue waits: {waits}")
             self._line(f"compute score used {f.compute_score_used:.3f} score-seconds, memory peak {f.memory_peak_bytes} bytes")
             for i, p in enumerate(f.passages, 1):
-                self._line(f"  [{i}] {p.title}  ({p.source})  cosine {p.score:.3f}")  # in the ranking's order
+                self._line(terminal_safe(f"  [{i}] {p.title}  ({p.source})  cosine {p.score:.3f}",  # ranking's order
+                                         frozenset()))
             if f.trace_id:
                 self._line(f"trace id: {f.trace_id}")
         self.out.flush()
@@ -192,7 +197,7 @@ def main(argv: list[str]) -> int:
     try:
         asyncio.run(run_task(address, request, on_event, args.timeout, token, config.server))
     except grpc.aio.AioRpcError as err:
-        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"\nerror: {err.code().name}: {terminal_safe(err.details() or '')}", file=sys.stderr)
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _GRPC_DEADLINE.search(err.details() or ""):
             print(f"this command's --timeout ({args.timeout:g} s) ran out before the task ended; raise it for a "
                   "longer task (the task was cancelled with the call)", file=sys.stderr)

@@ -104,3 +104,17 @@ def check_seconds(value: float, field: str, zero_means: str = "", at_most: float
         raise InvalidArgument(field, f"a finite number of seconds, {bound}" + (f" (0: {zero_means})" if zero_means
                                                                                else ""), value)
     return value
+
+
+_KEPT_CONTROLS = frozenset("\n\t")
+
+
+def terminal_safe(text: str, keep: frozenset[str] = _KEPT_CONTROLS) -> str:
+    """``text`` with every control character (Unicode category Cc: C0, DEL, C1) but those in ``keep`` written
+    out as ``\\xNN``: what a task sends back (the model's tokens, tool calls and results, passage titles,
+    an upstream's error, a model server's answer to ``switchyard doctor``) is not the terminal's to obey. An ESC
+    in a token reached the terminal as is, so a model's output (or a document it quoted) could clear the screen,
+    retitle the window or hide text."""
+    if text.isprintable():  # the common case: nothing to escape (a control character is never printable)
+        return text
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in keep else c for c in text)

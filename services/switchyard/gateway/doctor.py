@@ -48,6 +48,7 @@ from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
 from switchyard.gateway.redact import redact
 from switchyard.common.cli_text import parser_for
+from switchyard.common.untrusted import terminal_safe
 
 
 @dataclass(frozen=True)
@@ -381,9 +382,10 @@ def format_report(cfg: UpstreamConfig, checks: list[Check], unused_engine: str =
     width = max((len(c.name) for c in checks), default=0)
     for check in checks:
         mark = "skip" if check.skipped else "warn" if check.warning else "ok  " if check.ok else "FAIL"
-        lines.append(f"{mark}  {check.name.ljust(width)}  {check.detail}")
+        # a detail quotes what the model server answered (its model ids, its error body): never the terminal's
+        lines.append(terminal_safe(f"{mark}  {check.name.ljust(width)}  {check.detail}", frozenset()))
         if (not check.ok or check.warning) and check.fix:
-            lines.append(f"      {' ' * width}  fix: {check.fix}")
+            lines.append(terminal_safe(f"      {' ' * width}  fix: {check.fix}", frozenset()))
     failed = sum(not c.ok for c in checks)
     skipped = sum(c.skipped for c in checks)
     warned = sum(c.warning for c in checks)
