@@ -115,6 +115,32 @@ async def collect(stub, **fields):
     return [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(**fields))]
 
 
+async def test_a_retrieval_that_does_not_answer_in_time_is_named_with_the_bound_it_ran_past():
+    """A stalled retrieval (SIGSTOPped, or a GC pause) failed the task with retrieval's hop and gRPC's bare
+    "Deadline Exceeded": the bound it ran past, orchestrator.retrieval_timeout_ms, was named nowhere."""
+    class Stalled(Downstream):
+        async def Retrieve(self, request, context):  # noqa: N802 - gRPC method name
+            self.queries.append(request.query)
+            await asyncio.sleep(5)
+            return agent_pb2.RetrieveResponse()
+
+    base = load_config("config", service="orchestrator")
+    down = Stalled()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base, **{"orchestrator.retrieval_timeout_ms": 200}) as cfg:
+            async with running([OrchestratorService(cfg)], cfg.server) as orch, \
+                    open_channel(f"127.0.0.1:{orch.port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await collect(agent_pb2_grpc.AgentServiceStub(channel),
+                                  payload="How does the with statement work?", task_type="rag_answer")
+        assert down.queries  # it was asked, and did not answer
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert failed.value.details().endswith(
+            "): no answer within 200 ms (orchestrator.retrieval_timeout_ms)"), failed.value.details()
+        assert failed.value.details().startswith("retrieval (127.0.0.1:"), failed.value.details()
+
+
 async def test_a_payload_past_the_retrieval_query_bound_is_cut_for_the_query_not_refused():
     async with stack() as (stub, down):
         events = await collect(stub, payload="How does with work? " + "x" * 20_000, task_type="rag_answer",

@@ -49,14 +49,20 @@ def reported_window(info: agent_pb2.ModelInfo, model: str) -> int:
     return info.context_windows.get(model) or (info.context_window_tokens if model == info.model else 0)
 
 
-def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError) -> SwitchyardError:
+def _downstream_error(service: str, address: str, err: grpc.aio.AioRpcError, waited: str = "") -> SwitchyardError:
     """The error to raise for a failed call to ``service``, naming the hop that failed.
 
     An answer from the service carries its origin (:data:`ORIGIN_KEY`): the service itself, or the
-    upstream model or proxy it relays. Without one, nothing answered: the service is unreachable.
+    upstream model or proxy it relays. Without one, nothing answered: the service is unreachable, or (a
+    DEADLINE_EXCEEDED) it did not answer within the call's own timeout, which ``waited`` names with its
+    setting (``"7000 ms (orchestrator.retrieval_timeout_ms)"``) where gRPC's words were a bare
+    "Deadline Exceeded".
     """
     origin = dict(err.trailing_metadata() or ()).get(ORIGIN_KEY, "")
-    return _hop_error(service, address, err.code(), err.details() or err.code().name, origin)
+    details = err.details() or err.code().name
+    if waited and not origin and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        details = f"no answer within {waited}"
+    return _hop_error(service, address, err.code(), details, origin)
 
 
 def _hop_error(service: str, address: str, code: grpc.StatusCode, details: str, origin: str) -> SwitchyardError:
@@ -103,7 +109,8 @@ class RetrievalClient:
 
         Raises:
             ServiceUnavailable: retrieval is down.
-            SwitchyardError: retrieval answered with an error (its code kept).
+            SwitchyardError: retrieval answered with an error (its code kept), or DEADLINE_EXCEEDED: no answer
+                within :attr:`timeout_s` (named with ``orchestrator.retrieval_timeout_ms``).
         """
         try:
             return await self._stub.Retrieve(
@@ -111,7 +118,9 @@ class RetrievalClient:
                 wait_for_ready=False
             )
         except grpc.aio.AioRpcError as err:
-            raise await _tls_named(_downstream_error("retrieval", self.address, err), self.address, self._tls) from None
+            waited = f"{self.timeout_s * 1000:g} ms (orchestrator.retrieval_timeout_ms)"
+            raise await _tls_named(_downstream_error("retrieval", self.address, err, waited), self.address,
+                                   self._tls) from None
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -303,7 +312,9 @@ class InferenceClient:
                     agent_pb2.DescribeModelRequest(), timeout=timeout_s)
                 self._model_info_at = time.monotonic()
             except grpc.aio.AioRpcError as err:
-                raise await _tls_named(_downstream_error("dispatcher", address, err), address, self._tls) from None
+                waited = f"{timeout_s:g} s (its DescribeModel, asked before the first task naming no model)"
+                raise await _tls_named(_downstream_error("dispatcher", address, err, waited), address,
+                                       self._tls) from None
         return self._model_info
 
     async def default_model(self, timeout_s: float = 5.0) -> str:
