@@ -259,6 +259,36 @@ def test_a_data_folder_held_by_a_live_owner_is_refused_and_a_dead_owner_s_server
         _kill_all([stale])
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--ready-timeout", "-1", "--ready-timeout: expected a finite number of seconds > 0, got -1.0"),  # gave up at once
+    ("--ready-timeout", "nan", "--ready-timeout: expected a finite number of seconds > 0, got nan"),  # waited forever
+    ("--data-dir", "FILE", "--data-dir: expected a folder this user can make or write, got "),  # a traceback
+    ("--data-dir", "FILE/sub", "--data-dir: expected a folder this user can make or write, got "),
+])
+def test_an_option_of_switchyard_up_it_cannot_use_is_refused_naming_it_before_anything_starts(
+        tmp_path: Path, capsys, option: str, value: str, message: str) -> None:
+    from switchyard.launcher import main as up_main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    with pytest.raises(SystemExit) as refused:
+        up_main(["--free-ports", "--data-dir", str(tmp_path / "data"), option, value.replace("FILE", str(a_file))])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
+
+
+def test_an_embedded_redis_folder_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for folder in (a_file, a_file / "sub"):  # memory_policy.toml [dram] embedded_data_dir, or --data-dir
+        with pytest.raises(EmbeddedRedisError, match=r"the Redis data folder .* cannot be made or written \((a file "
+                                                     r"is there|Not a directory)\): name a folder"):
+            EmbeddedRedis("127.0.0.1", 0, data_dir=folder).start()
+
+
 @pytest.mark.parametrize("appendfsync", ["always", "everysec"])
 def test_the_embedded_redis_keeps_its_data_across_a_restart_only_with_a_data_folder(
         tmp_path: Path, appendfsync: str) -> None:

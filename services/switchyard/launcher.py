@@ -47,6 +47,7 @@ reads the folder next (common/up_files.py)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -279,6 +280,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.dispatchers <= 64:
         parser.error(f"--dispatchers: expected 1 to 64, got {args.dispatchers}")
+    if not 0 < args.ready_timeout < math.inf:  # NaN fails it too: it waited forever; -1 gave up at once
+        parser.error(f"--ready-timeout: expected a finite number of seconds > 0, got {args.ready_timeout}")
+    if args.data_dir is not None:  # made now, before anything starts: a file there was a traceback
+        try:
+            Path(args.data_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = "a file is there" if Path(args.data_dir).is_file() else exc.strerror
+            parser.error(f"--data-dir: expected a folder this user can make or write, got {args.data_dir!r} ({why})")
     try:
         envs.SWITCHYARD_LOG_LEVEL.get()  # the services' logging level: refused here, before anything starts
         config = load_config(args.config_dir, service=ORDER)  # the sections the three read

@@ -226,8 +226,15 @@ class EmbeddedRedis:
     def _take_data_dir(self) -> None:
         """Lock the data folder for this process, and stop a server a dead owner left running on it."""
         assert self.data_dir is not None and self.binary is not None
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.data_dir / "owner.lock", "a+")
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(self.data_dir / "owner.lock", "a+")
+        except OSError as exc:  # a file where the folder goes, a read-only place: it was a traceback
+            why = "a file is there" if self.data_dir.is_file() else exc.strerror
+            raise EmbeddedRedisError(
+                f"the Redis data folder {self.data_dir} cannot be made or written ({why}): name a folder "
+                "this user can write (switchyard up --data-dir DIR, or memory_policy.toml [dram] embedded_data_dir)"
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
