@@ -386,6 +386,17 @@ async def wait_done(req: Request) -> None:
         await asyncio.sleep(0.005)
 
 
+def test_a_cold_folder_that_is_a_file_or_under_one_is_refused_naming_its_setting(tmp_path) -> None:
+    """The dispatcher failed to start with a bare "[Errno 20] Not a directory" naming no setting."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for path, why in ((a_file, "a file is there"), (a_file / "cold", "Not a directory")):
+        with pytest.raises(ValueError, match=rf"memory_policy.toml \[oss\] path '{path}': expected a folder this user "
+                                             rf"can read and write \({why}\)"):
+            ColdStore(str(path))
+    assert ColdStore(str(tmp_path / "not-yet")).local  # a folder not made yet is made at the first archive
+
+
 # --------------------------------------------------------------------------- fragmentation, defragmentation
 
 

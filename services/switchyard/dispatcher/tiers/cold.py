@@ -136,7 +136,8 @@ class ColdStore:
     Opening a local folder removes the temporary names of writers that are gone (:func:`remove_partial_writes`).
 
     Raises:
-        ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed.
+        ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed, or a local
+            path that is no folder this user can read (a file, a path under a file, no permission).
     """
 
     def __init__(self, path: str, key_prefix: str = "switchyard:",
@@ -155,7 +156,13 @@ class ColdStore:
         """Device bytes of the entries this process archived and has not taken back."""
         self._failing_since: float | None = None
         if self.local:
-            removed = remove_partial_writes(self.root)
+            try:
+                removed = remove_partial_writes(self.root)
+            except OSError as exc:  # a file where the folder goes, or one this user cannot read: it was a bare
+                # "[Errno 20] Not a directory" that named no setting, and the dispatcher did not start
+                why = "a file is there" if os.path.isfile(self.root) else exc.strerror
+                raise ValueError(f"memory_policy.toml [oss] path {path!r}: expected a folder this user can read and "
+                                 f"write ({why})") from None
             if removed:
                 log.warning("cold tier at %s: removed %d partial write(s) left by a process that stopped "
                             "while archiving", path, removed)
