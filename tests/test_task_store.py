@@ -334,3 +334,19 @@ def test_a_cancel_poll_slower_than_the_lease_is_refused():
     with pytest.raises(ValueError, match="cancel_poll_s"):
         TaskStoreConfig(lease_s=1.0, cancel_poll_s=5.0)
     assert TaskStoreConfig(lease_s=1.0, cancel_poll_s=1.0).cancel_poll_s == 1.0
+
+
+async def test_a_sqlite_path_whose_folder_cannot_be_made_is_named_by_its_setting(tmp_path):
+    """It read "[Errno 17] File exists: '...'" in the orchestrator's start failure, naming no setting."""
+    import pytest
+
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(a_file / "tasks.sqlite3")))
+    with pytest.raises(TaskStoreUnavailable) as refused:
+        await store.open()
+    message = str(refused.value)
+    assert "orchestrator.task_store.sqlite_path" in message and "(a file is there)" in message, message
+    assert str(a_file / "tasks.sqlite3") in message

@@ -167,7 +167,12 @@ class SqliteTaskStore(TaskStore):
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, connect)
             await asyncio.get_running_loop().run_in_executor(self._checkpointer, connect_checkpointer)
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:  # its folder cannot be made (a file there, no permission): a setting to change
+            why = "a file is there" if self.path.parent.is_file() else exc.strerror
+            raise TaskStoreUnavailable(self.name, (
+                f"orchestrator.task_store.sqlite_path (SWITCHYARD_TASK_STORE_SQLITE_PATH, switchyard up --data-dir) "
+                f"{str(self.path)!r}: expected a file in a folder this user can make or write ({why})")) from exc
+        except sqlite3.Error as exc:
             raise TaskStoreUnavailable(self.name, exc) from exc
 
     async def _close(self) -> None:
