@@ -62,3 +62,14 @@ def test_run_names_a_wrong_priority_as_given(capsys):
     with pytest.raises(SystemExit):
         cli_main(["run", "--priority", "urgent", "hello"])
     assert "argument --priority: expected core, normal or batch (got 'urgent')" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_file_it_cannot_write_before_the_service_starts(tmp_path, capsys):
+    """It bound its ports, started, and then failed with a bare "[Errno 20] Not a directory" naming no option."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["serve", "retrieval", "--port", "0", "--metrics-port", "0", "--port-file", str(a_file / "ports")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port-file: expected a path in a folder this user can write, got {str(a_file / 'ports')!r}" in err, err

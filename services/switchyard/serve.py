@@ -178,6 +178,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-port", type=int,
                         help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
+    if args.port_file is not None:  # checked before the service starts: it failed once serving, naming no option
+        folder = os.path.dirname(os.path.abspath(args.port_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--port-file: expected a path in a folder this user can write, got {args.port_file!r}")
     # A fatal signal (SIGSEGV, SIGBUS: a memory-mapped SQLite index whose file went away) prints every thread's
     # stack to stderr, the service's log, instead of a silent exit.
     faulthandler.enable()
