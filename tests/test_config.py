@@ -663,3 +663,26 @@ def test_a_number_that_is_not_finite_is_refused_as_such_not_by_a_bound(value):
     with pytest.raises(ConfigError, match="key 'scheduler.fairness_half_life_s' has value .*; expected: Input "
                                           "should be a finite number"):
         SwitchyardConfig().with_overrides(**{"scheduler.fairness_half_life_s": value})
+
+
+@pytest.mark.parametrize(("section", "edit", "message"), [
+    ("orchestrator", lambda d: d["orchestrator"]["http"].update(port=d["orchestrator"]["port"]),
+     "orchestrator.port and orchestrator.http.port are both 50051"),
+    ("retrieval", lambda d: d["retrieval"].update(metrics_port=d["retrieval"]["port"]),
+     "retrieval.port and retrieval.metrics_port are both 50052"),
+    ("dispatcher", lambda d: d["dispatcher"].update(health_port=d["dispatcher"]["metrics_port"]),
+     "dispatcher.metrics_port and dispatcher.health_port are both 9103"),
+])
+def test_two_listening_ports_of_one_service_set_alike_are_refused_at_load_naming_both(config_dir, section, edit, message):
+    """The second bind failed once the service had started, naming neither key ("metrics port
+    127.0.0.1:9102 for retrieval: Address already in use")."""
+    _write(config_dir, "switchyard.json", edit)
+    with pytest.raises(ConfigError, match=re.escape(message + ": expected a port of its own for each")):
+        load_config(config_dir, service=section)
+
+
+def test_free_ports_and_a_disabled_face_never_clash(config_dir):
+    _write(config_dir, "switchyard.json", lambda d: (d["retrieval"].update(port=0, metrics_port=0, health_port=0),
+                                                     d["orchestrator"]["http"].update(enabled=False, port=50051)))
+    config = load_config(config_dir)
+    assert (config.retrieval.port, config.retrieval.metrics_port) == (0, 0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from switchyard.common.config.base import _Strict
-from switchyard.common.config.server import _health_port, _metrics_port, _port
+from switchyard.common.config.server import _health_port, _metrics_port, _port, distinct_ports
 
 
 class DispatcherConfig(_Strict):
@@ -16,6 +16,13 @@ class DispatcherConfig(_Strict):
     port: int = _port(50053)
     metrics_port: int = _metrics_port(9103)
     health_port: int | None = _health_port()
+
+    @model_validator(mode="after")
+    def _ports_of_its_own(self) -> "DispatcherConfig":
+        distinct_ports("dispatcher", {"port": self.port, "metrics_port": self.metrics_port,
+                                      "health_port": self.health_port})
+        return self
+
     engine: Literal["sim", "openai", "torch"] = Field(
         "sim",
         description="Inference engine, a name (SWITCHYARD_ENGINE): sim reads the sim section, torch the torch "

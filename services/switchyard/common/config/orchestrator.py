@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
-from switchyard.common.config.server import _health_port, _metrics_port, _port
+from switchyard.common.config.server import _health_port, _metrics_port, _port, distinct_ports
 from switchyard.common.grpc_target import EXPECTED_TARGET, grpc_target_problem
 
 
@@ -46,6 +46,14 @@ class OrchestratorConfig(_Strict):
     port: int = _port(50051)
     metrics_port: int = _metrics_port(9101)
     health_port: int | None = _health_port()
+
+    @model_validator(mode="after")
+    def _ports_of_its_own(self) -> "OrchestratorConfig":
+        distinct_ports("orchestrator", {"port": self.port, "metrics_port": self.metrics_port,
+                                        "health_port": self.health_port,
+                                        "http.port": self.http.port if self.http.enabled else None})
+        return self
+
     retrieval_addr: str = Field(
         "127.0.0.1:50052", min_length=1,
         description="gRPC target of retrieval, host:port or dns:///name:port (SWITCHYARD_RETRIEVAL_ADDR); a port "

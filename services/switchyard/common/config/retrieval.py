@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from switchyard.common.config.base import _Strict
-from switchyard.common.config.server import _health_port, _metrics_port, _port
+from switchyard.common.config.server import _health_port, _metrics_port, _port, distinct_ports
 
 
 class RetrievalConfig(_Strict):
@@ -16,6 +16,13 @@ class RetrievalConfig(_Strict):
     port: int = _port(50052)
     metrics_port: int = _metrics_port(9102)
     health_port: int | None = _health_port()
+
+    @model_validator(mode="after")
+    def _ports_of_its_own(self) -> "RetrievalConfig":
+        distinct_ports("retrieval", {"port": self.port, "metrics_port": self.metrics_port,
+                                     "health_port": self.health_port})
+        return self
+
     index_dir: str = Field(
         "data/index", min_length=1, description="Folder of the vector index, a path (SWITCHYARD_INDEX_DIR)."
     )

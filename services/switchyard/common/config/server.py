@@ -131,3 +131,21 @@ def _health_port() -> Any:
 
 def _metrics_port(default: int) -> Any:
     return Field(default, ge=0, le=65535, description="TCP port of the Prometheus /metrics endpoint; 0 picks a free port.")
+
+
+def distinct_ports(section: str, ports: dict[str, int | None]) -> None:
+    """Refuse two of one service's listening ports (``ports``: key under ``section`` -> port; None: off, 0: a
+    free one, never a clash) set to the same number: the second bind failed once the service had started,
+    naming neither key (``metrics port 127.0.0.1:9102 for retrieval: Address already in use``).
+
+    Raises:
+        ValueError: naming both keys and the port.
+    """
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            raise ValueError(f"{section}.{seen[port]} and {section}.{key} are both {port}: expected a port of its own "
+                             "for each (0 picks a free one)")
+        seen[port] = key
