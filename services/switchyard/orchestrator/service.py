@@ -666,8 +666,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 log.error("task %s: %s, but the task store did not record it: %s; the orchestrator is stopping, "
                           "so the outcome is lost", task_id, agent_pb2.TaskState.Name(state), exc)
                 return
-            log.error("task %s: %s, but the task store did not record it: %s; this orchestrator answers it and "
-                      "writes it again until the store takes it", task_id, agent_pb2.TaskState.Name(state), exc)
+            log.warning("task %s: %s, but the task store did not record it: %s; this orchestrator answers it and "
+                        "writes it again until the store takes it", task_id, agent_pb2.TaskState.Name(state), exc)
             self._unrecorded[task_id] = (live, state, result, error)
             if self._recording is None or self._recording.done():
                 self._recording = asyncio.create_task(self._record_again(), name="record-outcomes-again")
