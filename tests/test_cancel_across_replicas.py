@@ -27,18 +27,29 @@ from switchyard.orchestrator.service import OrchestratorService
 pytestmark = pytest.mark.no_gpu
 
 
+def gated() -> Downstream:
+    """The fixed downstream with its gate closed: a task that reached Generate runs until the gate opens."""
+    down = Downstream()
+    down.gate = asyncio.Event()
+    return down
+
+
+def replica_config(base, downstream_port: int, **overrides):
+    """An orchestrator's config in front of the downstream on ``downstream_port``, then ``overrides``."""
+    addr = f"127.0.0.1:{downstream_port}"
+    return base.with_overrides(**{"orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+                                  "orchestrator.cpu_executor": "loop", **overrides})
+
+
 @contextlib.asynccontextmanager
 async def two_replicas(store_overrides: dict, **overrides):
     """(holder stub, other stub, downstream, holder service): two orchestrators on one task store; the
     downstream's gate closed."""
     base = load_config("config", service="orchestrator")
-    down = Downstream()
-    down.gate = asyncio.Event()
+    down = gated()
     async with running([down], base.server) as downstream:
-        addr = f"127.0.0.1:{downstream.port}"
-        cfg = base.with_overrides(**{"orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
-                                     "orchestrator.cpu_executor": "loop",
-                                     "orchestrator.max_running_submitted_tasks": 1, **store_overrides, **overrides})
+        cfg = replica_config(base, downstream.port, **{"orchestrator.max_running_submitted_tasks": 1,
+                                                       **store_overrides, **overrides})
         holder, other = OrchestratorService(cfg), OrchestratorService(cfg)
         async with running([holder], cfg.server) as first, running([other], cfg.server) as second:
             channels = [open_channel(f"127.0.0.1:{srv.port}", cfg.server) for srv in (first, second)]
@@ -108,13 +119,10 @@ async def test_a_cancel_asked_while_the_holder_stops_is_carried_out_by_it(tmp_pa
     # so the task store is the only way a CancelTask reaches it. It stopped reading its cancel requests first: the
     # task ran on through the grace (it may even succeed) and ended 'the orchestrator stopped', not cancelled.
     base = load_config("config", service="orchestrator")
-    down = Downstream()
-    down.gate = asyncio.Event()
+    down = gated()
     async with running([down], base.server) as downstream:
-        addr = f"127.0.0.1:{downstream.port}"
-        cfg = base.with_overrides(**{"orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
-                                     "orchestrator.cpu_executor": "loop", "server.shutdown_grace_s": 8.0,
-                                     **store_settings("sqlite", tmp_path, None)})
+        cfg = replica_config(base, downstream.port, **{"server.shutdown_grace_s": 8.0,
+                                                       **store_settings("sqlite", tmp_path, None)})
         holder_service = OrchestratorService(cfg)
         holder_server = await start_server([holder_service], "127.0.0.1", 0, cfg.server)
         stopping = None
