@@ -364,3 +364,18 @@ async def test_a_task_cancelled_after_a_model_step_reports_what_it_consumed(tmp_
         assert (stored.compute_score_used, stored.memory_peak_bytes, stored.HasField("result")) == (0.5, 1000, False)
         answer = (await client.get("/api/v1/tasks/r1")).json()
         assert (answer["state"], answer["compute_score_used"], answer["result"]) == ("failed", 0.5, None)
+
+
+@pytest.mark.parametrize("agent_id, shown", [("agent-\u202egnp.exe", "U+202E"), ("a\u2066b\u2069", "U+2066"),
+                                             ("x\u200fy", "U+200F")])
+async def test_an_id_with_a_bidirectional_control_is_refused_at_both_edges(tmp_path, agent_id, shown):
+    """A bidirectional control reorders what follows it as it is shown: 'agent-\u202egnp.exe' reads as
+    'agent-exe.png' in a log, a dashboard or a terminal (CVE-2021-42574). Ids are refused with one, naming it."""
+    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, client, _down):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-bidi", agent_id=agent_id, payload="hello",
+                                                           task_type="chat"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("agent_id: ") and shown in refused.value.details()
+        answer = await client.post("/api/v1/agent/submit", json={"agent_id": agent_id, "task_type": "chat"})
+        assert answer.status_code == 400 and shown in answer.json()["error"]["message"]

@@ -72,22 +72,29 @@ def check_utf8(value: str, field: str) -> str:
     return value
 
 
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+"""Unicode's Bidi_Control characters (PropList.txt; UAX #9): they reorder the text around them as it is shown,
+so an id holding one reads as another in a log, a dashboard or a terminal (CVE-2021-42574, "Trojan Source")."""
+
+
 def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
-    """An id (task, agent, model, request) is text that prints, at every edge that takes one: no control
-    characters (Unicode categories Cc: C0/C1 controls and DEL, and Cs: lone surrogates), and not only
-    whitespace unless empty (``blank_ok``: empty means "none").
+    """An id (task, agent, model, request) is text that prints as it is, at every edge that takes one: no control
+    characters (Unicode categories Cc: C0/C1 controls and DEL, and Cs: lone surrogates), none of the bidirectional
+    controls (:data:`BIDI_CONTROLS`), and not only whitespace unless empty (``blank_ok``: empty means "none").
 
     Raises:
-        InvalidArgument: naming ``field``.
+        InvalidArgument: naming ``field`` and the first such character.
     """
     from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
 
     if (value and not value.strip()) or (not value and not blank_ok):
         raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
-    if not value.isprintable() and any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
-        bad = next(c for c in value if unicodedata.category(c) in ("Cc", "Cs"))
-        raise InvalidArgument(field, f"an id of printable characters (no control characters; found U+{ord(bad):04X})",
-                              value[:80])
+    if not value.isprintable():  # every character refused below is one isprintable() refuses
+        bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs") or c in BIDI_CONTROLS), None)
+        if bad is not None:
+            kind = "bidirectional" if bad in BIDI_CONTROLS else "control"
+            raise InvalidArgument(field, f"an id of printable characters (no {kind} characters; found U+{ord(bad):04X})",
+                                  value[:80])
 
 
 def check_seconds(value: float, field: str, zero_means: str = "", at_most: float = math.inf) -> float:
