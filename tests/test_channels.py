@@ -158,3 +158,62 @@ async def test_goaways_for_the_connections_age_and_the_reconnects_are_counted_pe
     finally:
         await server.stop(0)
     assert CHANNEL_DISCONNECTS.labels("other")._value.get() >= 0  # every peer exported from 0
+
+
+STALLING_SERVER = """
+import asyncio, sys
+import grpc
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.config import ServerConfig
+from switchyard.common.server import server_options
+
+class Slow(agent_pb2_grpc.InferenceServiceServicer):
+    async def Generate(self, request, context):
+        for i in range(100_000):
+            yield agent_pb2.GenerateChunk(token=agent_pb2.TokenEvent(text="x", index=i))
+            await asyncio.sleep(0.2)
+
+async def main():
+    server = grpc.aio.server(options=server_options(ServerConfig()))
+    agent_pb2_grpc.add_InferenceServiceServicer_to_server(Slow(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+async def test_a_peer_stopped_mid_stream_fails_the_stream_unavailable_at_its_keepalive():
+    """A peer that stops answering without closing its connection (SIGSTOP, a hung host): the keepalive ping
+    goes unanswered and the stream fails UNAVAILABLE after keepalive_time_s + keepalive_timeout_s. grpc core
+    waited a minute or more for the ping's ack (its ping timeout, not the keepalive timeout), and the stream
+    hung: an orchestrator's tasks on a stopped dispatcher waited for their whole time limit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+
+    peer = subprocess.Popen([sys.executable, "-c", STALLING_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(peer.stdout.readline())
+        config = ServerConfig(keepalive_time_s=10, keepalive_timeout_s=2)
+        async with open_channel(f"127.0.0.1:{port}", config) as channel:
+            stream = agent_pb2_grpc.InferenceServiceStub(channel).Generate(agent_pb2.GenerateRequest(request_id="r"))
+            await stream.read()  # streaming: the peer is alive
+            os.kill(peer.pid, signal.SIGSTOP)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                # the bound only lets the old behaviour fail rather than hang: expected at about 12 s
+                await asyncio.wait_for(_read_to_end(stream), 45)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+async def _read_to_end(stream) -> None:
+    while await stream.read() is not grpc.aio.EOF:
+        pass

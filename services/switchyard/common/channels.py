@@ -71,6 +71,9 @@ def channel_options(config: ServerConfig | None = None) -> list[tuple[str, Any]]
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        # the ack wait grpc core applies to every ping, keepalive's included (its own default is a minute):
+        # without it a peer stopped mid-stream was not found within keepalive_time_s + keepalive_timeout_s
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.service_config", ROUND_ROBIN),

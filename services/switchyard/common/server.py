@@ -112,6 +112,10 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # pings every 10 s (common/channels.py pings no more often).
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        # grpc core waits this long for any ping's ack (its own default is a minute) whatever the keepalive
+        # timeout says: without it a peer stopped mid-stream (SIGSTOP, a hung host) was not found for a minute
+        # or more, its streams hanging (common/channels.py)
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         # Calls that arrived but that the server has not yet handed to a servicer. Past grpc core's
