@@ -179,8 +179,8 @@ async def run_phase(replicas: list[SpawnedSimOpenAI], policy: str, params: PoolP
         pool = client.pool
         pick = pool.pick
 
-        def recording_pick(key: str, tried: frozenset[str] = frozenset()):  # type: ignore[no-untyped-def]
-            endpoint, picked = pick(key, tried)
+        def recording_pick(key: str, tried: frozenset[str] = frozenset(), model: str = ""):  # type: ignore[no-untyped-def]
+            endpoint, picked = pick(key, tried, model)
             result.per_endpoint[endpoint.name] = result.per_endpoint.get(endpoint.name, 0) + 1
             result.picks += 1
             result.home_calls += picked.reason == "affinity"
