@@ -290,3 +290,19 @@ async def test_no_prefill_between_layers_without_a_step_in_flight_or_a_layer_bou
     assert await EngineDriver(one_layer).between_layers([core]) is None  # one layer: no boundary inside a step
     await step
     assert core.output_tokens == [] and core.needs_prefill  # no token: a newcomer of the next step
+
+
+def test_a_missing_engine_names_this_tree_extra_not_an_index_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project is not on PyPI (a package of its name there is another project)."""
+    from switchyard.dispatcher import engines
+
+    def missing() -> type:
+        import switchyard.dispatcher.engines.not_there  # noqa: F401 - a module that is not installed
+
+        raise AssertionError("unreachable")
+
+    monkeypatch.setitem(engines._ENGINES, "torch", missing)
+    with pytest.raises(engines.EngineUnavailable) as err:
+        make_engine(SwitchyardConfig().with_overrides(**{"dispatcher.engine": "torch"}))
+    assert "pip install -e '.[torch]'" in str(err.value)
+    assert "switchyard[" not in str(err.value)

@@ -560,7 +560,7 @@ def main(argv: list[str]) -> int:
         try:
             import rich  # noqa: F401
         except ImportError:
-            print("switchyard top: the live view needs rich: pip install 'switchyard[top]' "
+            print("switchyard top: the live view needs rich: pip install -e '.[top]' from the repository root "
                   "(or use --once --json)", file=sys.stderr)
             return 2
     with ThreadPoolExecutor(max_workers=max(1, len(endpoints))) as pool:

@@ -297,3 +297,16 @@ def test_in_a_pipe_each_frame_is_written_as_it_is_drawn(metrics_endpoint: str) -
     text = first + rest
     assert text.count("switchyard top") == 3  # the first frame and 2 refreshes, all of them
     assert text.count("engine  busy 25 %") == 3 and "last 1.5 s" in text
+
+
+def test_without_rich_the_live_view_says_how_to_install_this_tree_extra(monkeypatch, capsys) -> None:
+    """The project is not on PyPI (a package of its name there is another project): the hint installs
+    this tree's ``top`` extra, not ``switchyard[top]`` from the index."""
+    from switchyard_harness import top
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich raises ImportError
+    assert top.main(["--orchestrator", "127.0.0.1:1", "--retrieval", "127.0.0.1:1",
+                     "--dispatcher", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[top]'" in err
+    assert "switchyard[" not in err

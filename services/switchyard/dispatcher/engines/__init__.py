@@ -80,7 +80,7 @@ def make_engine(config: SwitchyardConfig) -> StepEngine | StreamEngine:
     except ModuleNotFoundError as exc:
         raise EngineUnavailable(
             f"{name} engine not installed (missing module {exc.name!r}); "
-            f"install the extra (pip install 'switchyard[{name if name == 'torch' else 'dispatcher'}]') "
+            f"install the extra (pip install -e '.[{name if name == 'torch' else 'dispatcher'}]' from the repository root) "
             f"or set dispatcher.engine / SWITCHYARD_ENGINE to 'sim'"
         ) from None
     return engine_class(config)
