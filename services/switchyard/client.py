@@ -147,7 +147,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--priority", default=agent_pb2.NORMAL, type=_priority,
                         help="core, normal (default) or batch, any case")
     parser.add_argument("--max-tokens", type=_max_tokens, default=0,
-                        help="completion tokens, 0 = the workflow's default (the server checks limits.max_tokens)")
+                        help="completion tokens of each model call (react_loop makes several), 0 = the workflow's default "
+                             "(the server checks limits.max_tokens)")
     parser.add_argument("--model", default="",
                         help="model alias or id (default: the engine's own; model_gateway.default_model on the openai engine)")
     parser.add_argument("--task-id", default="", help="the task's id (default: one the orchestrator makes)")

@@ -73,8 +73,9 @@ class TaskRequest(BaseModel):
     # what was sent), so every value out of range gets the gRPC edge's message, with one bound. The document
     # states the range a caller may send: from 0 to limits.max_tokens (:func:`openapi` fills the maximum in).
     max_tokens: int = Field(0, json_schema_extra={"minimum": 0},
-                            description="Completion tokens at most; 0: the default, tokens. At most the lesser of "
-                                        "limits.max_tokens and the model's context window less the prompt's tokens.")
+                            description="Completion tokens at most of each model call (react_loop makes up to "
+                                        "orchestrator.react.max_steps + 1); 0: the default, tokens. At most the lesser "
+                                        "of limits.max_tokens and the model's context window less the prompt's tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
     )
