@@ -330,3 +330,40 @@ async def test_a_turn_answered_with_a_tool_call_counts_its_time_to_first_token(s
     kinds = [c.WhichOneof("chunk") for c in chunks]
     assert "tool_call" in kinds and "token" not in kinds, kinds
     assert ttft_count("core") - before == 1
+
+
+async def test_generated_tokens_follow_the_servers_usage_where_a_chunk_carries_several():
+    """A server may send several tokens in one chunk (speculative decoding, vLLM's stream interval):
+    ``switchyard_generated_tokens`` counted one per chunk; the stream's usage says how many there were."""
+    from prometheus_client import REGISTRY
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+        body = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if usage is None else []}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    stream = (chunk({"role": "assistant", "content": "two words"}) + chunk({"content": " and two"})
+              + chunk({"content": " more"}, finish="stop")
+              + chunk({}, usage={"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}) + b"data: [DONE]\n\n")
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + stream)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    before = REGISTRY.get_sample_value("switchyard_generated_tokens_total") or 0.0
+    try:
+        chunks = await generate_over_grpc(
+            f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+            agent_pb2.GenerateRequest(request_id="packed:0", prompt=PROMPT, max_tokens=16, model="m"),
+            fallback_model="", default_model="m")
+    finally:
+        server.close()
+    assert chunks[-1].done.usage.completion_tokens == 6
+    assert REGISTRY.get_sample_value("switchyard_generated_tokens_total") - before == 6

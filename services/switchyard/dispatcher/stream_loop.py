@@ -182,7 +182,10 @@ class StreamLoop(LoopBase):
                     ended = seq.eos or seq.length_capped
                     outputs = scheduler.update_from_output(batch, StepResult({req.seq_id: seq}), now)
                     # TTFT (a token's or a tool call's) and inter-token latency: the step loop's rule
-                    if produced := record_output(req, *before):
+                    produced = record_output(req, *before)
+                    if seq.usage is not None:  # the server's own count: one chunk may carry several tokens
+                        produced += max(0, seq.usage.completion_tokens - len(req.output_tokens))
+                    if produced:
                         metrics.GENERATED_TOKENS.inc(produced)
                     self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
