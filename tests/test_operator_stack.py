@@ -258,8 +258,8 @@ def test_top_once_json_reads_the_stack_the_launcher_started(stack: UpStack, load
     snap = json.loads(out.stdout)
     assert {n: s["url"] for n, s in snap["services"].items()} == {n: stack.metrics_url(n) for n in SERVICES}
     assert all(s["up"] for s in snap["services"].values())
-    assert {q: v["capacity"] for q, v in snap["queues"].items()} == {
-        "orchestration": 2048, "retrieval": 1024, "inference": 512}
+    assert {q: v["capacity"] for q, v in snap["queues"].items()} == {  # submitted: the orchestrator's backlog bound
+        "orchestration": 2048, "retrieval": 1024, "inference": 512, "submitted": 10000}
     assert {c: v["ttft_count"] for c, v in snap["classes"].items()} == {c: TASKS_PER_CLASS for c in PRIORITIES}
     assert snap["batch"]["mean_size"] >= 1 and sum(snap["batch"]["flushes"].values()) >= 1
     assert 0 < snap["engine"]["roofline_efficiency"] <= 1

@@ -379,3 +379,22 @@ async def test_an_id_with_a_bidirectional_control_is_refused_at_both_edges(tmp_p
         assert refused.value.details().startswith("agent_id: ") and shown in refused.value.details()
         answer = await client.post("/api/v1/agent/submit", json={"agent_id": agent_id, "task_type": "chat"})
         assert answer.status_code == 400 and shown in answer.json()["error"]["message"]
+
+
+async def test_the_backlogs_fill_is_exported_as_every_queues_depth_and_capacity(tmp_path):
+    """The saturation rule and top read depth / capacity per queue; the backlog exported neither, so a stack
+    about to answer every submit 429 read as unsaturated until it did."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"queue": "submitted"})
+
+    overrides = {"orchestrator.max_running_submitted_tasks": 1, "orchestrator.max_unfinished_submitted_tasks": 4}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", **overrides) as (stub, _, down):
+        assert (sample("switchyard_queue_depth"), sample("switchyard_queue_capacity")) == (0, 4)
+        for task_id in ("f1", "f2", "f3"):
+            await submit(stub, task_id, agent_pb2.BATCH)
+        await until(lambda: len(down.requests) == 1)
+        assert sample("switchyard_queue_depth") == 3  # one running, two queued: what the bound counts
+        down.gate.set()
+        await until(lambda: sample("switchyard_queue_depth") == 0)

@@ -41,7 +41,7 @@ from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGua
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.common.metrics import QUEUE_REJECTED
+from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
                                      TaskRefusedEarly, abort, status_for)
@@ -163,6 +163,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self.tasks: TaskStore = make_task_store(config)
         self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)
         QUEUE_REJECTED.labels(SUBMITTED_QUEUE, "full")  # at 0 before the first refusal: rate() sees the first
+        # the backlog's fill as every queue's (the saturation rule and top read depth / capacity): the tasks held
+        # unfinished, read from the backlog itself, against the bound that refuses a submit
+        QUEUE_CAPACITY.labels(SUBMITTED_QUEUE).set(config.orchestrator.max_unfinished_submitted_tasks)
+        QUEUE_DEPTH.labels(SUBMITTED_QUEUE).set_function(self._submitted.__len__)
         self._stopping = False
         """Set by :meth:`stop`: no submitted task starts any more."""
         self._deps: Deps | None = None
