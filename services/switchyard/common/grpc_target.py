@@ -32,6 +32,27 @@ def _address_problem(address: str) -> str:
     return _port_problem(port)
 
 
+def static_addresses(target: str) -> list[str] | None:
+    """The addresses a target lists (``ipv4:a,b``, ``ipv6:[a]:p,...`` or ``host:port``); None for ``dns:``."""
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("ipv4", "ipv6"):
+        return [a for a in rest.split(",") if a]
+    if target.startswith("dns:"):
+        return None
+    return [target]
+
+
+def dns_name(target: str) -> str | None:
+    """The ``name:port`` a ``dns:///name:port`` or ``dns://authority/name:port`` target resolves (the
+    authority is the DNS server's); None when nothing follows the authority."""
+    rest = target[len("dns:"):]
+    if rest.startswith("//"):
+        _, slash, rest = rest[2:].partition("/")
+        if not slash:
+            return None
+    return rest
+
+
 def grpc_target_problem(target: str) -> str:
     """What keeps ``target`` from being a gRPC target the orchestrator can reach (``host:port``, ``[v6]:port``,
     ``ipv4:a:p,b:p``, ``ipv6:[a]:p,...``, ``dns:///name:port``, ``dns://authority/name:port``, ``unix:path``);
@@ -40,18 +61,15 @@ def grpc_target_problem(target: str) -> str:
     scheme, sep, rest = target.partition(":")
     if sep and scheme in ("unix", "unix-abstract"):
         return "" if rest.strip("/") else f"{target!r} names no socket path"
-    if sep and scheme in ("ipv4", "ipv6"):
-        addresses = rest.split(",")
-        if not all(addresses):
-            return f"{target!r} lists an empty address"
+    if sep and scheme in ("ipv4", "ipv6") and "" in rest.split(","):
+        return f"{target!r} lists an empty address"
+    addresses = static_addresses(target)
+    if addresses is not None:
         return next((problem for a in addresses if (problem := _address_problem(a))), "")
-    if sep and scheme == "dns":
-        if rest.startswith("//"):  # dns://authority/name:port: the authority is the DNS server's, the name after it
-            authority, slash, rest = rest[2:].partition("/")
-            if not slash:
-                return f"{target!r} has no name after its authority (dns:///name:port)"
-        return _address_problem(rest)
-    return _address_problem(target)
+    name = dns_name(target)
+    if name is None:
+        return f"{target!r} has no name after its authority (dns:///name:port)"
+    return _address_problem(name)
 
 
 def grpc_target(raw: str) -> str:

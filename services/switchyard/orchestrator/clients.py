@@ -28,7 +28,8 @@ from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
 from switchyard.orchestrator.metrics import DISPATCHER_RETRIES, TOOL_WAIT_HINTS
-from switchyard.orchestrator.replicas import ReplicaSet, static_addresses
+from switchyard.common.grpc_target import static_addresses
+from switchyard.orchestrator.replicas import ReplicaSet
 
 if TYPE_CHECKING:
     from switchyard.orchestrator.program import Budget

@@ -35,6 +35,7 @@ import grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import ServerConfig
 from switchyard.common.affinity import BoundedLoadRing
+from switchyard.common.grpc_target import dns_name, static_addresses
 from switchyard.common.tasks import settle
 
 log = logging.getLogger(__name__)
@@ -43,26 +44,13 @@ RETIRE_AFTER_S = 180.0
 """A channel to a replica that left is closed this long after (its running calls finish first)."""
 
 
-def static_addresses(target: str) -> list[str] | None:
-    """The addresses a target lists (``ipv4:a,b``, ``ipv6:[a]:p,...`` or ``host:port``); None for ``dns:``."""
-    scheme, sep, rest = target.partition(":")
-    if sep and scheme in ("ipv4", "ipv6"):
-        return [a for a in rest.split(",") if a]
-    if target.startswith("dns:"):
-        return None
-    return [target]
-
-
 def _dns_host_port(target: str) -> tuple[str, int]:
     """``dns:///name:port`` or ``dns://authority/name:port`` -> (name, port).
 
     Raises:
         ValueError: no port in the target.
     """
-    rest = target[len("dns:"):]
-    if rest.startswith("//"):
-        rest = rest[2:].split("/", 1)[1] if "/" in rest[2:] else ""
-    host, sep, port = rest.rpartition(":")
+    host, sep, port = (dns_name(target) or "").rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"dispatcher_addr {target!r}: expected dns:///NAME:PORT")
     return host.strip("[]"), int(port)
