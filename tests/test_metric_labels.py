@@ -93,10 +93,10 @@ def test_metric_names_follow_prometheus_conventions() -> None:
             assert family.documentation, f"{family.name}: no help text"
 
 
-def test_every_labelled_counter_of_the_services_starts_at_zero() -> None:
-    """Each ``switchyard_*`` counter with labels has its known series from the start (0), so that a rate over
-    them is defined before the first event: after importing every service module and building the gateway
-    client as the dispatcher does."""
+def labelled_families_without_series(kind: str, suffix: str, sample_suffix: str) -> list[str]:
+    """The ``switchyard_*`` metric families of ``kind`` with labels that have no ``sample_suffix`` series yet,
+    after importing every service module and building the gateway client as the dispatcher does (``suffix``:
+    the name a family's collector is registered under)."""
     import importlib
     import pkgutil
 
@@ -109,12 +109,19 @@ def test_every_labelled_counter_of_the_services_starts_at_zero() -> None:
     GatewayClient(SwitchyardConfig().upstream)
     missing = []
     for family in REGISTRY.collect():
-        collector = REGISTRY._names_to_collectors.get(family.name + "_total")
-        if family.type != "counter" or not family.name.startswith("switchyard_") or collector is None:
+        collector = REGISTRY._names_to_collectors.get(family.name + suffix)
+        if family.type != kind or not family.name.startswith("switchyard_") or collector is None:
             continue
-        if getattr(collector, "_labelnames", ()) and not any(s.name.endswith("_total") for s in family.samples):
+        if getattr(collector, "_labelnames", ()) and not any(s.name.endswith(sample_suffix) for s in family.samples):
             missing.append(family.name)
-    assert missing == []
+    return missing
+
+
+def test_every_labelled_counter_of_the_services_starts_at_zero() -> None:
+    """Each ``switchyard_*`` counter with labels has its known series from the start (0), so that a rate over
+    them is defined before the first event: after importing every service module and building the gateway
+    client as the dispatcher does."""
+    assert labelled_families_without_series("counter", "_total", "_total") == []
 
 
 async def test_model_labels_are_the_upstream_ids_the_gateway_calls_each_counted_from_zero() -> None:
@@ -140,28 +147,12 @@ def test_every_labelled_histogram_of_the_services_starts_at_zero() -> None:
     so that a rate over them sees the first observation. The orchestrator's task duration and TTFT by task type,
     its stage durations and the gateway's upstream TTFT by model appeared only with their first observation
     (the queue-wait histogram started at 0 already)."""
-    import importlib
-    import pkgutil
-
-    import switchyard
     from switchyard.common.config import ProgramConfig
     from switchyard.common.metrics import TOOL_NAMES
-    from switchyard.gateway.client import GatewayClient
     from switchyard.orchestrator.program import ToolDurations
 
-    for module in pkgutil.walk_packages(switchyard.__path__, "switchyard."):
-        if not module.name.endswith("__main__"):
-            importlib.import_module(module.name)
-    GatewayClient(SwitchyardConfig().upstream)
     ToolDurations(ProgramConfig(), TOOL_NAMES)  # the orchestrator's registered tools, as it builds them
-    missing = []
-    for family in REGISTRY.collect():
-        collector = REGISTRY._names_to_collectors.get(family.name + "_bucket")
-        if family.type != "histogram" or not family.name.startswith("switchyard_") or collector is None:
-            continue
-        if getattr(collector, "_labelnames", ()) and not any(s.name.endswith("_count") for s in family.samples):
-            missing.append(family.name)
-    assert missing == []
+    assert labelled_families_without_series("histogram", "_bucket", "_count") == []
     for task_type in ("rag_answer", "chat", "react_loop"):
         assert REGISTRY.get_sample_value("switchyard_task_ttft_seconds_count", {"task_type": task_type}) is not None
     assert REGISTRY.get_sample_value("switchyard_stage_duration_seconds_count", {"stage": "tool:search_docs"}) is not None
