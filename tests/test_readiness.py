@@ -214,6 +214,9 @@ def test_address_count_of_targets():
     assert address_count("127.0.0.1:50053") == 1
     assert address_count("ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003") == 3
     assert address_count("dns:///dispatcher.default.svc.cluster.local:50053") == 3
+    assert address_count("ipv6:[::1]:5001,[::1]:5002") == 2
+    # A unix: target is one socket, whose path may hold a comma (gRPC lists addresses for ipv4:/ipv6: only).
+    assert address_count("unix:/run/switchyard/dispatcher,a.sock") == 1
 
 
 def test_nothing_is_called_unready_before_the_first_round_has_ended():

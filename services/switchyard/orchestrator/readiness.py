@@ -38,6 +38,7 @@ from typing import Callable, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.common.grpc_target import static_addresses
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.orchestrator.replicas import ReplicaSet
 
@@ -77,13 +78,10 @@ def workflow_health_name(workflow: str) -> str:
 
 def address_count(target: str) -> int:
     """Addresses a gRPC target names: 2 for ``ipv4:127.0.0.1:1,127.0.0.1:2``; :data:`UNKNOWN_FAN_OUT` for a
-    name resolved by DNS (``dns:///dispatcher:50053``, a headless Service); 1 for ``host:port``."""
-    scheme, sep, rest = target.partition(":")
-    if sep and scheme in ("ipv4", "ipv6", "unix"):
-        return max(1, len([a for a in rest.split(",") if a]))
-    if target.startswith("dns:"):
-        return UNKNOWN_FAN_OUT
-    return 1
+    name resolved by DNS (``dns:///dispatcher:50053``, a headless Service); 1 for ``host:port`` and a
+    ``unix:`` socket (:func:`~switchyard.common.grpc_target.static_addresses` reads the target)."""
+    addresses = static_addresses(target)
+    return UNKNOWN_FAN_OUT if addresses is None else max(1, len(addresses))
 
 
 async def check(channel: grpc.aio.Channel, service: str, timeout_s: float, attempts: int) -> bool:
