@@ -489,6 +489,27 @@ def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core
     assert sched.schedule(now=2.0).preempted == []
 
 
+def test_a_full_admission_wave_preempts_nothing_at_a_decision_or_mid_step() -> None:
+    """The wave (``max_admitted_per_decision``) bounds what one decision admits; preempting frees no room in it.
+    A core request the wave left waiting waits for the next decision: it took a batch request's place, and the
+    decision admitted one past its wave (at a step boundary and mid-step alike)."""
+    for mid_step in (False, True):
+        sched = make_scheduler(max_admitted_per_decision=1, expected_score_initial=0)
+        batch = make_requests(3, BATCH)
+        for i, req in enumerate(batch):
+            accept(sched, [req], now=0.0)
+            assert sched.schedule(now=0.001 * (i + 1)).admitted == [req]
+        cores = make_requests(2, CORE, arrival=1.0)
+        for core in cores:
+            sched.add_request(core, now=1.0)
+        out = sched.admit_core(now=1.0) if mid_step else sched.schedule(now=1.0)
+        assert out.admitted == cores[:1] and out.preempted == [] and sched.preempting == []
+        assert sched.running == [*batch, cores[0]] and sched.waiting == cores[1:]
+        out = sched.schedule(now=1.1)  # the next decision's wave takes it, still preempting nothing
+        assert out.admitted == cores[1:] and out.preempted == [] and sched.preempting == []
+        assert all(req.preemptions == 0 for req in batch)
+
+
 def test_no_preemption_when_disabled_or_under_fifo() -> None:
     disabled = make_scheduler(running=1, preemption_enabled=False)
     fifo = make_scheduler(policy="fifo", running=1)

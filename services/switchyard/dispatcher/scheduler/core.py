@@ -435,8 +435,10 @@ class SchedulerCore:
         the step boundary) and join the waiting set in the policy's order. Then,
         from the head of that order and while the head is a core request, each
         is admitted as :meth:`schedule` admits (the policy's admission rule; its
-        KV reserved in the budget; it joins the running set). One that does not
-        fit (KV memory, or the admission rule) preempts at once, as it would at
+        KV reserved in the budget; it joins the running set), at most
+        ``max_admitted_per_decision`` of them (the admission wave: a wave that is
+        full ends the call, as preempting frees nothing it bounds). One that does not
+        fit (KV memory, or the compute score) preempts at once, as it would at
         the step boundary: the policy's victims (:meth:`_victim_candidates`,
         the fewest whose room lets it start) leave the running set now
         (``preempting``); they belong to the step in flight, so their KV stays
@@ -463,7 +465,7 @@ class SchedulerCore:
             self._expire(now, out)
         self._now = now
         projected = self.score
-        while self.queue:
+        while self.queue and not self.admission.wave_full(len(out.admitted)):  # no preemption makes the wave room
             req = self.queue.peek()
             if req.priority is not PriorityClass.CORE or req.swap_key:
                 break

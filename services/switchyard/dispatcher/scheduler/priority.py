@@ -34,8 +34,11 @@ has waited ``core_wait_before_preempt_ms`` since its arrival (default 0: at
 once), takes the slot of the lowest-priority running request (batch before
 normal; within a class the one latest in the waiting order), more of them
 while its KV does not fit what they free; a victim must be of a lower class
-than core: core never preempts core. It happens at a decision (after the
-admission pass) or, when the core request arrives while a step runs, at once:
+than core: core never preempts core. A core request preempts only for what
+preempting frees (KV memory, a running slot and its compute score), never past
+the admission wave: once ``max_admitted_per_decision`` requests were admitted in
+a decision, the rest wait for the next one and preempt nothing. It happens at a
+decision (after the admission pass) or, when the core request arrives while a step runs, at once:
 the victims leave the running set mid-step and the core request is prefilled
 at the step's next layer boundary (:meth:`SchedulerCore.admit_core`). The
 victim keeps the tokens it streamed and waits again at its original place; its
@@ -97,6 +100,8 @@ class PriorityScheduler(SchedulerCore):
             return
         due = [req for req in self.queue if self._may_preempt(req, now)]
         for req in due:
+            if self.admission.wave_full(len(out.admitted)):  # the wave bounds what preemption admits too
+                return
             victims = self._victims_for(req, out)
             if victims is None:
                 return
