@@ -16,15 +16,17 @@ first token (429) while other streams are in flight waits there again, up to
 
 Double buffering works as for a step engine: while the upstream streams the
 current batches, arrivals fill the active buffer; when the upstream can take
-more (a stream ended, or a batch got its first tokens), the buffer is swapped
+more (a stream ended, or an admission wave got its first tokens), the buffer is swapped
 and the whole buffer is admitted at once, as far as the limit allows. An idle
 upstream takes a request at once.
 
-``queues.inference.max_batches_in_prefill`` (the field's 4) counts flushed batches in
-prefill at once: batches sent whose members have not all produced a first
-token (or ended). It bounds the prefill burst sent ahead of the upstream's
-first answers, not the streams in flight: a batch that is decoding no longer
-counts, so a server that batches hundreds of requests is given hundreds. A
+``queues.inference.max_batches_in_prefill`` (the field's 4) counts admission
+waves in prefill at once: the requests one scheduling decision started (a
+flushed batch, part of one, or several: what the limit let through), sent
+upstream, whose members have not all produced a first token (or ended). It
+bounds the prefill burst sent ahead of the upstream's first answers, not the
+streams in flight: a wave that is decoding no longer counts, so a server that
+batches hundreds of requests is given hundreds. A
 CORE request is not held back by that bound: it is admitted on arrival when the
 limit has a slot for it (``scheduler.admit_core``).
 """
@@ -102,7 +104,7 @@ class StreamLoop(LoopBase):
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        """A CORE request arrived while ``max_batches_in_prefill`` batches are in prefill or the limit is taken: it
+        """A CORE request arrived while ``max_batches_in_prefill`` admission waves are in prefill or the limit is taken: it
         does not wait for a first token or a stream's end (or the time slice), it is admitted now if the limit has a
         slot for it, CORE's reserved ones included (``scheduler.admit_core``: from the head of the waiting order,
         preempting nothing)."""

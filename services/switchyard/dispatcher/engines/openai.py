@@ -8,7 +8,7 @@ retries, fallback and the error table. This module only translates a
 the gateway's events into the engine protocol's items. The stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) fans admitted requests out as concurrent calls, bounded by the
 upstream's concurrency limit (:attr:`OpenAIEngine.concurrency_limit`);
-``queues.inference.max_batches_in_prefill`` bounds only the batches sent that have no first token yet.
+``queues.inference.max_batches_in_prefill`` bounds only the admission waves sent that have no first token yet.
 """
 
 from __future__ import annotations
