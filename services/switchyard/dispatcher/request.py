@@ -374,9 +374,10 @@ class Request:
 
 @dataclass(eq=False)
 class FlushedBatch:
-    """One swap of the double buffer, shared by its members: ``left`` members have not ended yet."""
+    """One swap of the double buffer, shared by its members: ``left`` members have not ended yet, and it was
+    flushed at ``flushed_at`` (monotonic seconds); when the last ends, the batch's service time is reported
+    (``SchedulerCore.on_batch_done``, the adaptive flush's measurement)."""
 
-    number: int
     left: int
     flushed_at: float
 

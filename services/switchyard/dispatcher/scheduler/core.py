@@ -74,7 +74,6 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from typing import Any, Callable
@@ -236,7 +235,6 @@ class SchedulerCore:
         """Members of the step in flight preempted during it (``preempting``): out of the running set, their
         live KV (``req.kv_leaving_bytes``) held in the budget until that step ends, when they leave."""
         self._room_for: Request | None = None  # the waiting head parked state is evicted for (_make_room)
-        self._batch_numbers = itertools.count()
         self._queued = 0  # accepted, never admitted: what queues.inference.capacity bounds
         self._next_expiry = math.inf
         self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
@@ -349,7 +347,7 @@ class SchedulerCore:
     def _hand_over(self, batch: list[Request], reason: FlushReason, now: float) -> int:
         """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
         size = len(batch)
-        flushed = FlushedBatch(next(self._batch_numbers), size, now)
+        flushed = FlushedBatch(size, now)
         self.counters.flushes[reason.label] += 1
         # the report's own copy: ``batch`` is the double buffer's list, reused at its next swap, and the loop
         # may publish the report later than that (engine_loop.STATS_INTERVAL_S); the loop makes its span
