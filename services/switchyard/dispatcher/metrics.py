@@ -33,7 +33,10 @@ from switchyard.common.metrics import (
     TTFT_BUCKETS,
 )
 from switchyard.common.priority import LABELS
+from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE
 from switchyard.dispatcher.double_buffer import FlushReason
+from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
+from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 if TYPE_CHECKING:
@@ -133,7 +136,10 @@ ADMISSIONS_REFUSED = Counter(
     "for CORE are left, a NORMAL or BATCH head waits).",
     ["reason"],
 )
-for _reason in ("admission_wave", "compute_score", "kv_memory", "upstream_concurrency", "upstream_core_reserve"):
+REFUSAL_REASONS: tuple[str, ...] = (ADMISSION_WAVE, COMPUTE_SCORE, KV_MEMORY, UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE)
+"""Every value of ``switchyard_admissions_refused_total``'s ``reason``: the admission rule's
+(:mod:`.scheduler.admission`) and the capacities' (:mod:`.scheduler.capacity`), named where they are decided."""
+for _reason in REFUSAL_REASONS:
     ADMISSIONS_REFUSED.labels(_reason)
 PREEMPTIONS = Counter(
     "switchyard_preemptions_total",
