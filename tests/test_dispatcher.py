@@ -661,3 +661,33 @@ def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monke
     out = sched.schedule(time.monotonic())
     assert len(out.admitted) == min(4, limit.lower_class_ceiling) >= 2  # what the limit lets NORMAL fill
     assert not sched.counters.admissions_refused.get("compute_score")
+
+
+def test_a_scheduler_for_a_stream_engine_never_preempts_a_stream():
+    """An upstream's stream cannot be paused: a scheduler built for a stream engine preempts nothing, whoever drives
+    it (the stream loop, a bench, a test). It was the stream loop that switched preemption off, after the scheduler
+    was built: a scheduler driven without it sent a running stream back to the queue for CORE work (its stream went
+    on, its tokens then went nowhere, and its next admission streamed it a second time)."""
+    from switchyard.common.priority import PriorityClass
+    from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
+    from switchyard.dispatcher.request import Request, RequestStatus
+    from switchyard.dispatcher.scheduler import make_scheduler
+    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+
+    config = SwitchyardConfig().with_overrides(**{
+        "upstream.concurrency.initial_limit": 1, "upstream.concurrency.min_limit": 1,
+        "upstream.concurrency.max_limit": 1, "upstream.concurrency.core_reserved_slots": 0})
+    for policy in ("priority", "fair"):
+        sched = make_scheduler(config, EchoStreamEngine(), policy=policy,
+                               capacity=ConcurrencyCapacity(AdaptiveConcurrencyLimit(config.upstream.concurrency)))
+        assert not sched.preemption_enabled
+        batch = Request(request_id="b", prompt="hi", prompt_tokens=1, max_tokens=8, priority=PriorityClass.BATCH,
+                        arrival=0.0)
+        sched.add_request(batch, 0.0)
+        assert sched.schedule(0.0).admitted == [batch]
+        core = Request(request_id="c", prompt="hi", prompt_tokens=1, max_tokens=8, priority=PriorityClass.CORE,
+                       arrival=1.0)
+        sched.add_request(core, 1.0)
+        for out in (sched.schedule(1.0), sched.admit_core(1.0)):
+            assert out.preempted == [] and out.admitted == []
+        assert batch.status is RequestStatus.RUNNING and sched.preempting == [] and sched.waiting == [core]

@@ -72,7 +72,6 @@ class StreamLoop(LoopBase):
         super().__init__(config, engine, scheduler)
         if not isinstance(scheduler.capacity, ConcurrencyCapacity):
             raise ValueError("scheduler: a stream engine's scheduler needs a ConcurrencyCapacity")
-        scheduler.preemption_enabled = False  # an upstream stream cannot be paused
         self.capacity = scheduler.capacity
         self.limit: ConcurrencyLimit = scheduler.capacity.limit
         self.max_prefilling = config.queues.inference.max_batches_in_prefill

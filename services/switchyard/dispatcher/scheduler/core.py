@@ -197,16 +197,16 @@ class SchedulerCore:
         """A stream engine's upstream ends each stream at ``max_tokens`` (see :func:`.update.check_stop`)."""
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
         self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
+        streams = isinstance(engine, StreamEngine)
         # A stream engine's GPU is its model server's: the adaptive concurrency limit is the one limit on it, so
         # no compute score (NVML here reads whatever this host runs) may hold admission below that limit.
-        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine,
-                                                      nvml=False if isinstance(engine, StreamEngine) else None)
+        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine, nvml=False if streams else None)
         self.counters = SchedulerCounters()
         """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
         self._reported = SchedulerCounters()  # the counters at the last make_stats
         self._events = SchedulerEvents()  # observed since the last make_stats
         self.admission = Admission(self.config, self.counters.admissions_refused,
-                                   by_score=not isinstance(engine, StreamEngine))
+                                   by_score=not streams)
         self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
                                     self.counters)
@@ -240,8 +240,9 @@ class SchedulerCore:
         self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
-        self.preemption_enabled = self.config.preemption_enabled
-        """Off for stream engines: an upstream stream cannot be paused."""
+        self.preemption_enabled = self.config.preemption_enabled and not streams
+        """``scheduler.preemption_enabled``, and never for a stream engine: an upstream's stream cannot be paused
+        (decided here, with the engine, whoever drives this scheduler)."""
         self._next_hbm_scan = 0.0
         self._next_fragmentation = 0.0
         self._fragmentation = 0.0  # the fragmentation ratio last computed
