@@ -120,3 +120,41 @@ def test_a_report_made_after_two_flushes_holds_each_batchs_own_members() -> None
     flushed = sched.make_stats().events.flushed
     assert [[req.request_id for req in f.members] for f in flushed] == [[r.request_id for r in b] for b in batches]
     assert [f.at for f in flushed] == [0.0, 1.0, 2.0]
+
+
+def _scheduler_uses(source: str) -> set[str]:
+    """The attributes ``source`` reads or calls on a scheduler: ``scheduler.X`` or ``<anything>.scheduler.X``, but
+    ``config.scheduler`` (the config section of that name)."""
+    used: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "scheduler":
+            used.add(node.attr)
+        elif isinstance(owner, ast.Attribute) and owner.attr == "scheduler":
+            config = owner.value
+            if not ((isinstance(config, ast.Name) and config.id == "config")
+                    or (isinstance(config, ast.Attribute) and config.attr == "config")):
+                used.add(node.attr)
+    return used
+
+
+def test_the_scheduler_interface_declares_what_the_loops_and_the_service_use() -> None:
+    """``Scheduler`` is the one interface: every attribute the engine loops, the service and the processor use on
+    their scheduler is declared there, so a policy written against it runs in the dispatcher (it listed the turn's
+    calls only, while the loops also called admit_core, on_idle, on_oom, tool_wait, prefetched and read the
+    double buffer, the tiers and the monitor)."""
+    from switchyard.dispatcher.scheduler.base import Scheduler
+
+    assert _scheduler_uses("scheduler.schedule(1)\nself.scheduler.intake.closed\nconfig.scheduler.x\n"
+                           "self.config.scheduler.y\n") == {"schedule", "intake"}
+    declared = {name for name in vars(Scheduler) if not name.startswith("_")} | set(Scheduler.__annotations__)
+    dispatcher = PACKAGE.parent
+    used: dict[str, set[str]] = {}
+    for path in sorted(dispatcher.glob("*.py")):
+        for name in _scheduler_uses(path.read_text(encoding="utf-8")):
+            used.setdefault(name, set()).add(path.name)
+    assert {"schedule", "admit_core", "intake"} <= set(used)  # the scan sees the loops
+    missing = {name: sorted(where) for name, where in used.items() if name not in declared}
+    assert not missing, f"used on the scheduler but not declared on Scheduler: {missing}"

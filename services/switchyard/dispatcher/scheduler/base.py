@@ -29,7 +29,14 @@ Beside the turn: :meth:`Scheduler.add_request` (a Generate arrived; refused at
 once when the queue is full), :meth:`Scheduler.finish_requests` (the caller went
 away, the engine failed), :meth:`Scheduler.requeue` (an upstream refused a
 running request for load before its first token), :meth:`Scheduler.make_stats` (what the loop publishes
-to the metrics after each decision). Every call that ends requests returns
+to the metrics after each decision), :meth:`Scheduler.flush` (the flush-interval timer),
+:meth:`Scheduler.admit_core` (core work mid-step), :meth:`Scheduler.on_idle` (time passing with
+nothing scheduled), :meth:`Scheduler.on_oom` (a step ran out of device memory),
+:meth:`Scheduler.tool_wait` and :meth:`Scheduler.prefetched` (an agent's tool wait and its planned
+restore), :meth:`Scheduler.close` and :meth:`Scheduler.shutdown` (drain and stop). :class:`Scheduler`
+declares every call and attribute the loops and the service use (``tests/test_scheduler_purity.py``
+checks it); a policy implements it by subclassing
+:class:`~switchyard.dispatcher.scheduler.core.SchedulerCore`. Every call that ends requests returns
 their outputs; nothing inside the scheduler writes to a stream, starts a timer,
 touches asyncio, records a metric or makes a span: the loop owns time (the
 double buffer's flush-interval timer included: :attr:`Scheduler.flush_deadline`)
@@ -59,11 +66,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from switchyard.common.priority import LABELS
-from switchyard.dispatcher.double_buffer import FlushReason
+from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput
 
 if TYPE_CHECKING:
+    from typing import Callable
+
     from switchyard.dispatcher.engines.base import StepBatch, StepResult
+    from switchyard.dispatcher.scheduler.capacity import Capacity
+    from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
+    from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
+    from switchyard.dispatcher.tiers import MemoryTiers
 
 __all__ = ["REACT_TASK_TYPE", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
            "SchedulerOutput", "SchedulerStats", "class_rank", "should_park"]
@@ -331,3 +344,91 @@ class Scheduler(Protocol):
     def flush_deadline(self) -> float | None:
         """When the double buffer must be flushed (reason ``interval``), monotonic seconds; None: empty.
         The loop's timer calls ``flush`` then."""
+
+    def flush(self, reason: FlushReason, now: float) -> int:
+        """Swap the double buffer (``reason``: the loop's timer gives ``INTERVAL``); its whole active list joins
+        the waiting set. Returns how many requests it moved."""
+
+    def close(self) -> None:
+        """Refuse new requests from now on (draining: :meth:`add_request` raises ``DispatcherClosed``); what is
+        buffered joins at the next decision. ``intake.closed`` is the one drain flag the loops and the processor
+        read."""
+
+    def admit_core(self, now: float) -> SchedulerOutput:
+        """While a step runs: take the core requests out of the double buffer and admit the head of the waiting
+        order while it is core work (preempting for it where the policy may, at most
+        ``max_admitted_per_decision`` of them).
+
+        Returns:
+            ``admitted`` (each needs its prefill, at the step's next layer boundary) and the ``outputs`` of the
+            requests that ended.
+        """
+
+    def on_idle(self, now: float) -> list[Request]:
+        """Nothing is scheduled: re-read the compute score and the KV fragmentation ratio, release parked agents
+        whose TTL ran out. Returns the swapped agents' parked steps whose planned restore is due (the loop
+        restores each, then calls :meth:`prefetched`)."""
+
+    def on_oom(self, reqs: list[Request], now: float, error: BaseException) -> SchedulerOutput:
+        """A step over ``reqs`` failed with a real out-of-memory error: preempt them (a second time fails one,
+        RESOURCE_EXHAUSTED) and run the HBM scan. Returns the preempted, the failed (``expired``) and the
+        outputs."""
+
+    def until_prefetch(self, timeout: float, now: float) -> float:
+        """How long a loop that would wait ``timeout`` seconds may wait: less when a planned restore falls due
+        sooner (seconds, >= 0)."""
+
+    def prefetched(self, req: Request, restored: int, now: float) -> bool:
+        """A planned restore into the parked step ``req`` ended with ``restored`` tokens loaded (0: a miss);
+        True when it landed (``req`` parked again, warm)."""
+
+    def tool_wait(self, agent_key: str, expected_wait_s: float, now: float,
+                  tool: str = "other") -> "ToolWaitDecision | None":
+        """An agent's tool call on ``tool`` starts: keep, swap or drop its parked KV now; None when the agent has
+        no parked step here.
+
+        Raises:
+            ValueError: ``expected_wait_s`` < 0.
+        """
+
+    def shutdown(self) -> None:
+        """Release what the scheduler holds outside the process (NVML); the loop calls it once, at its end."""
+
+    @property
+    def preempting(self) -> list[Request]:
+        """Requests preempted during the step in flight: out of the running set, their KV held until it ends."""
+
+    @property
+    def core_waiting(self) -> bool:
+        """A core request waits for admission (the step loop ends its decode slice at the next step)."""
+
+    @property
+    def core_pending(self) -> bool:
+        """A core request is buffered or waits for admission."""
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest own deadline among the requests held, monotonic seconds (inf: none); may be earlier than
+        the true one, never later (the loop waits no longer than it)."""
+
+    intake: DoubleBuffer[Request]
+    """The double buffer (the loops read ``closed``, the drain flag, and ``active_size``, requests buffered)."""
+
+    tiers: "MemoryTiers"
+    """The memory tiers the scheduler moves KV between; the step loop runs their transfers, scans and close."""
+
+    monitor: "ComputeScoreMonitor"
+    """The compute-score source (the loop makes the ``switchyard_compute_score`` gauge re-sample it at scrape
+    time)."""
+
+    capacity: "Capacity"
+    """The running set's limit (a stream engine's: a ``ConcurrencyCapacity`` over the upstream's limit)."""
+
+    preemption_enabled: bool
+    """Whether core work may preempt running work (``scheduler.preemption_enabled``; never on a stream engine)."""
+
+    on_arrival: "Callable[[float], None] | None"
+    """Called with each accepted request's arrival (monotonic seconds): the adaptive flush's arrival count."""
+
+    on_batch_done: "Callable[[float], None] | None"
+    """Called with a flushed batch's service time, seconds: the adaptive flush's measurement."""
