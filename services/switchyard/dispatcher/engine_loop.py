@@ -9,8 +9,9 @@ owns every request, and the engine owns the model. Each turn:
    step (``out.restore``; a miss means the prefill recomputes it), after the
    prefill of the core requests admitted with them: a restore never waits in
    front of core work, and neither does a preempted victim's copy to DRAM,
-   which runs in the background (its bytes held in the KV budget until it
-   ends);
+   which runs in the background (the KV budget frees the victim's reservation
+   at once, :mod:`switchyard.dispatcher.tiers`; a victim preempted mid-step
+   keeps its live bytes held until the step in flight ends);
 2. the admitted requests join the running set in mixed steps (their
    prefill rides along with one decode token of every running request:
    chunked-prefill scheduling, as in vLLM V1 and Sarathi-Serve), at most
