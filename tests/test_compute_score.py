@@ -164,3 +164,30 @@ def test_gauge_is_read_at_scrape_time_not_when_the_scheduler_last_ran():
     nvml.gpu = 100
     m._next_read = float("-inf")
     assert REGISTRY.get_sample_value("switchyard_compute_score") == 0, "a closed monitor is no longer read"
+
+
+def test_a_monitor_told_to_skip_nvml_says_so_at_info_and_a_failing_nvml_warns(caplog):
+    """A stream engine's dispatcher (and the benches) build the monitor without NVML on purpose: its GPU is its model
+    server's. That was logged as a WARNING, 'GPU utilisation not readable (NVML not used (no GPU expected))', at
+    every openai dispatcher's first decision; an NVML that fails is what deserves one."""
+    import logging
+
+    config = SwitchyardConfig().scheduler
+    with caplog.at_level(logging.INFO, logger="switchyard.dispatcher.scheduler.compute_score"):
+        skipped = ComputeScoreMonitor(config, nvml=False)
+        skipped.read(1.0)
+    assert skipped.gpu_available is False
+    [record] = caplog.records
+    assert record.levelno == logging.INFO and "NVML not used" in record.getMessage()
+
+    class FailingNvml(FakeGpmNvml):
+        def nvmlInit(self):
+            raise self.NVMLError("Driver Not Loaded")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="switchyard.dispatcher.scheduler.compute_score"):
+        failing = ComputeScoreMonitor(config, nvml=FailingNvml(0, 0, 0))
+        failing.read(1.0)
+    assert failing.gpu_available is False
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "Driver Not Loaded" in caplog.records[0].getMessage()

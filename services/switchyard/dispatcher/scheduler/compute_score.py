@@ -24,7 +24,8 @@ engine stands in for the GPU. An engine that models its own activity (the
 three readings (``score_without_nvml: engine_model``, the default; ``busy_ratio``
 uses the busy ratio alone); any other engine gives only its busy ratio for ``cuda_util``,
 bandwidth then counts 0 and the tensor estimate applies. The monitor says so
-once in the log and reports ``gpu_available`` False (``switchyard_gpu_available``
+once in the log (a WARNING when NVML failed, INFO when it was built without
+NVML, as a stream engine's is) and reports ``gpu_available`` False (``switchyard_gpu_available``
 0). An NVML error never propagates: the monitor switches to the fallback for good.
 
 The monitor records no metric: the step loop publishes its readings
@@ -321,7 +322,7 @@ class ComputeScoreMonitor:
 
     def _read_nvml(self) -> UtilSample | None:
         if self._reader is None:
-            self._fall_back("NVML not used (no GPU expected)")
+            self._fall_back("NVML not used (no GPU expected)", expected=True)
             return None
         try:
             gpu, memory = self._reader.read()
@@ -339,12 +340,15 @@ class ComputeScoreMonitor:
         return UtilSample(min(100.0, max(0.0, gpu)), min(100.0, max(0.0, memory)),
                           min(100.0, max(0.0, tensor)), "nvml_gpm")
 
-    def _fall_back(self, reason: str) -> None:
+    def _fall_back(self, reason: str, expected: bool = False) -> None:
+        """The compute score comes from the engine from now on, said once: a WARNING when NVML failed, INFO when
+        ``expected`` (the monitor was built without NVML: a stream engine's GPU is its model server's)."""
         if self.gpu_available is False:
             return
         self.gpu_available = False
         source = "its modelled utilisation" if self._activity.modelled else "its busy ratio"
-        log.warning("GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
+        log.log(logging.INFO if expected else logging.WARNING,
+                "GPU utilisation not readable (%s); the compute score comes from the engine: %s", reason, source)
 
     def close(self) -> None:
         """Release NVML and stop re-sampling at scrape time (the gauge keeps the last score); never raises."""
