@@ -1064,7 +1064,7 @@ class SchedulerCore:
 
         return min(candidates, key=value)
 
-    def _swap_out(self, req: Request, key: str, now: float, delays: int = 0) -> bool:
+    def _swap_out(self, req: Request, key: str, delays: int = 0) -> bool:
         """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it; True
         when it was copied.
 
@@ -1092,7 +1092,7 @@ class SchedulerCore:
         head = self._room_for
         delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
         key = self.tiers.agent_key(parked.agent_key)
-        if self._swap_out(parked, key, self._now, delays):
+        if self._swap_out(parked, key, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
         self.counters.hbm_evictions += 1  # dropped: its next step recomputes
@@ -1152,7 +1152,7 @@ class SchedulerCore:
     def _evict_running(self, victim: Request, now: float, out: SchedulerOutput, swap: bool = True,
                        delays: int = 0) -> bool:
         """``victim`` left the running set: its KV leaves HBM (see :meth:`_preempt_one`); True when swapped."""
-        swapped = swap and self._swap_out(victim, self.tiers.request_key(victim), now, delays)
+        swapped = swap and self._swap_out(victim, self.tiers.request_key(victim), delays)
         if not swapped:
             self.counters.hbm_evictions += 1  # dropped: its next prefill recomputes
         self._release(victim)
