@@ -160,6 +160,9 @@ async def test_a_model_the_engine_does_not_serve_is_not_found(dispatcher: Harnes
         ({"prompt": "   "}, "prompt"),
         ({"messages": [agent_pb2.ChatMessage(role="robot", content="hi")]}, "messages[0].role"),
         ({"tools": [agent_pb2.ToolSpec(name="x", parameters_json="[1")]}, "tools[0].parameters_json"),
+        # an agent's next step names its agent: without one, resume only put the request ahead of every new
+        # request of its class (the priority policy's order), a queue jump for any caller
+        ({"resume": True}, "resume"),
     ],
 )
 async def test_bad_requests_are_invalid_argument_naming_the_field(

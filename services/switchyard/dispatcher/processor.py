@@ -97,7 +97,7 @@ def to_request(
             max_tokens exceed the model's context window), ``prompt_tokens``,
             ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
             ``messages``, ``tools``, ``messages[i].role``, ``tools[i].parameters_json``, ``tenant_id``,
-            ``task_time_left_s`` or ``expected_remaining_work_s``.
+            ``task_time_left_s``, ``expected_remaining_work_s`` or ``resume`` (set without an ``agent_id``).
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
     limits = config.limits
@@ -119,6 +119,9 @@ def to_request(
     for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
                         ("model", request.model), ("task_type", request.task_type)):
         check_id(value, name, limits)
+    if request.resume and not request.agent_id:  # else a queue jump: resumed steps go ahead of their class
+        raise InvalidArgument("resume", "an agent_id beside it (resume marks an agent's next step, back from its "
+                              "tool call)", True)
     if only_model and request.model and request.model != engine_model:
         raise SwitchyardError(
             f"model {request.model!r} is not served here: this dispatcher's engine serves {engine_model!r} "
