@@ -10,9 +10,10 @@ There are two kinds, one per engine kind:
   admission, so a running request never runs out of memory mid-decode and is
   never preempted for memory. That is the reservation rule of Hugging Face
   TGI's router (``max_batch_total_tokens``: prompt plus ``max_new_tokens`` of
-  every request in the batch must fit). KV held for parked agents (waiting on
-  a tool) counts against the same budget; the scheduler releases the oldest
-  parked state first when a waiting request needs the room.
+  every request in the batch must fit). KV held beside the running set (parked
+  agents' prefixes, the prefix cache) counts against the same budget; the
+  scheduler moves it out, lowest value first, when a waiting request needs the
+  room (``SchedulerCore._make_room``).
 - :class:`ConcurrencyCapacity` (stream engines): the number of streams in
   flight to the upstream must stay under an adaptive concurrency limit
   (:mod:`switchyard.dispatcher.adaptive_limit`), kept at the upstream's knee,
@@ -77,7 +78,7 @@ class HeldBesideRunning:
     """KV bytes held beside the running set, read where they are kept: the parked agents' prefixes
     (``parking.kv_bytes``, :class:`~switchyard.dispatcher.scheduler.parking.ParkedAgents`) and the engine's
     prefix cache (``kv.prefix_cache_bytes()``, its :class:`~switchyard.dispatcher.engines.base.KVCacheManager`).
-    Called with no arguments, it returns that sum in bytes (what :class:`KvBudget`'s ``held_outside_running``
+    Called with no arguments, it returns that sum in bytes (what :class:`KvBudget`'s ``held_beside_running``
     expects)."""
 
     __slots__ = ("parking", "kv")
@@ -96,11 +97,11 @@ class KvBudget:
     Args:
         hbm: ``memory_policy.toml`` ``[hbm]`` (``capacity_ratio``).
         info: the engine's memory facts.
-        held_elsewhere: bytes held outside the running set that count against
-            the budget (the parked agents' KV), read at every check.
+        held_beside_running: bytes held beside the running set that count against the budget, read at every
+            check (:class:`HeldBesideRunning`: the parked agents' prefixes and the prefix cache).
         device_used: reads device memory in use, bytes (None: not readable,
             the modelled usage applies).
-        taken_over: bytes of a request's own among ``held_elsewhere`` (its agent's warm prefix being handed
+        taken_over: bytes of a request's own among ``held_beside_running`` (its agent's warm prefix being handed
             over to it, which becomes its own when it starts): they count against every request but that one.
 
     Raises:
@@ -110,7 +111,7 @@ class KvBudget:
     CLASS_REFUSALS: frozenset[str] = frozenset()
     """No KV refusal depends on the class: a request that does not fit blocks every class behind it."""
 
-    def __init__(self, hbm: HbmTierConfig, info: MemoryInfo, held_elsewhere: Any = lambda: 0,
+    def __init__(self, hbm: HbmTierConfig, info: MemoryInfo, held_beside_running: Any = lambda: 0,
                  device_used: Any = None, taken_over: Any = lambda req: 0) -> None:
         self.info = info
         self._device_used = device_used
@@ -123,7 +124,7 @@ class KvBudget:
             )
         self.reserved_bytes = 0
         """Bytes reserved by the running set."""
-        self._held_elsewhere = held_elsewhere
+        self._held_beside_running = held_beside_running
         self._taken_over = taken_over
         self.leaving_bytes = 0
         """KV bytes of requests preempted while a step they belong to is in flight: in use until it ends."""
@@ -135,12 +136,12 @@ class KvBudget:
     @property
     def free_bytes(self) -> int:
         """Budget left for new admissions now, after the running set, the parked agents and what is leaving."""
-        return self.budget_bytes - self.reserved_bytes - int(self._held_elsewhere()) - self.leaving_bytes
+        return self.budget_bytes - self.reserved_bytes - int(self._held_beside_running()) - self.leaving_bytes
 
     @property
     def held_bytes(self) -> int:
         """KV bytes held in HBM: the running set's reservations plus what is held beside it and what is leaving."""
-        return self.reserved_bytes + int(self._held_elsewhere()) + self.leaving_bytes
+        return self.reserved_bytes + int(self._held_beside_running()) + self.leaving_bytes
 
     def hold(self, nbytes: int) -> None:
         """``nbytes`` outside the running set and the parked agents are in use: a request that left the

@@ -210,14 +210,14 @@ class SchedulerCore:
         self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
         self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
                                     self.counters)
-        self._held_outside_running = HeldBesideRunning(self.parking, self.kv)
+        self._held_beside_running = HeldBesideRunning(self.parking, self.kv)
         """KV bytes held beside the running set (parked prefixes, the prefix cache), read by the KV budget."""
         self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
                                         self.counters.tool_prefetches)
         """Each agent's tool wait as decided at tool start, its restore plan, and the per-tool counts."""
         if capacity is None:
             info = self.kv.memory_info()
-            capacity = (KvBudget(config.memory.hbm, info, self._held_outside_running, self.kv.device_used_bytes,
+            capacity = (KvBudget(config.memory.hbm, info, self._held_beside_running, self.kv.device_used_bytes,
                                  taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
@@ -1273,7 +1273,7 @@ class SchedulerCore:
         section 2.3 and Fig. 2: 20-38 % of KV memory held token state there).
         """
         per_token = self.capacity.info.kv_bytes_per_token if isinstance(self.capacity, KvBudget) else 0
-        held = self._held_outside_running()
+        held = self._held_beside_running()
         allocated, live = held, held
         for req in self._running:
             allocated += max(req.kv_reserved_bytes, self._kv_bytes(req))
