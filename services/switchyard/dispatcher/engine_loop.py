@@ -195,7 +195,7 @@ class LoopBase:
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see
                 :meth:`SchedulerCore.add_request`.
-            CannotMeetDeadline: the ``fair`` policy's early refusal (:meth:`~switchyard.dispatcher.scheduler.fair.FairScheduler.add_request`).
+            CannotMeetDeadline: the ``fair`` policy's early refusal (:meth:`~switchyard.dispatcher.scheduler.fair.FairScheduler._refuse_early`).
         """
         try:
             self.scheduler.add_request(req, time.monotonic())

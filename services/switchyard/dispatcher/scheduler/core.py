@@ -314,13 +314,18 @@ class SchedulerCore:
     def add_request(self, req: Request, now: float) -> None:
         """Accept ``req`` into the double buffer, or refuse it at once.
 
+        Refusals in this order: draining, the policy's own (:meth:`_refuse_early`), the queue full, the engine
+        too small.
+
         Raises:
             DispatcherClosed: the dispatcher is draining (UNAVAILABLE).
+            CannotMeetDeadline: the ``fair`` policy: its task's slack is already negative (DEADLINE_EXCEEDED).
             QueueFullError: ``queues.inference.capacity`` requests already wait (RESOURCE_EXHAUSTED).
             InvalidArgument: ``req`` could never fit the engine (its KV exceeds the HBM budget).
         """
         if self.intake.closed:
             raise DispatcherClosed()
+        self._refuse_early(req, now)
         if self._queued >= self.queue_config.capacity:
             self.counters.queue_rejections["full"] += 1
             raise QueueFullError(QUEUE_NAME, self.queue_config.capacity)
@@ -906,6 +911,10 @@ class SchedulerCore:
     def make_queue(self) -> RequestQueue:
         """The policy's waiting queue (:mod:`.request_queue`: its ``order_key`` is the policy's order)."""
         raise NotImplementedError
+
+    def _refuse_early(self, req: Request, now: float) -> None:
+        """Refuse ``req`` at :meth:`add_request` for the policy's own reason, after the drain check (default:
+        never); raises the refusal (a :class:`~switchyard.common.errors.SwitchyardError`)."""
 
     def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         """None when the head ``req`` may start now, else the refusal reason: the policy's admission rule,

@@ -151,8 +151,9 @@ class FairScheduler(PriorityScheduler):
         left = None if req.task_time_left_s is None else req.task_time_left_s - max(0.0, now - req.arrival)
         return slack_rule.slack_s(left, req.expected_remaining_work_s, self.expected_service_s(req))
 
-    def add_request(self, req: Request, now: float) -> None:
-        """As :meth:`SchedulerCore.add_request`, refusing first a request that cannot make its deadline.
+    def _refuse_early(self, req: Request, now: float) -> None:
+        """Refuse a request that cannot make its deadline (:meth:`SchedulerCore.add_request` asks once the
+        dispatcher is known not to be draining: a draining one answers UNAVAILABLE, retried elsewhere).
 
         Raises:
             CannotMeetDeadline: its slack is already negative (DEADLINE_EXCEEDED).
@@ -166,7 +167,6 @@ class FairScheduler(PriorityScheduler):
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn
                     self.forget_agent(req.agent_key)
                 raise
-        super().add_request(req, now)
 
     def fair_key(self, req: Request, now: float) -> OrderKey:
         """``(class, not at risk, latest start if at risk, tenant's weighted service, session's service,
