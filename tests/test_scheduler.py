@@ -489,6 +489,34 @@ def test_victim_is_the_lowest_priority_running_task_and_core_never_preempts_core
     assert sched.schedule(now=2.0).preempted == []
 
 
+def test_a_request_buffered_while_admit_core_expires_others_keeps_its_queue_timeout() -> None:
+    """``queues.inference.timeout_ms`` is enforced from the earliest expiry of every never-admitted request, the
+    double buffer's included. admit_core (a core arrival mid-step) expired what was due and computed the next
+    expiry over the waiting set alone: a request still buffered then was forgotten, and timed out only at a later
+    request's expiry (here 0.1 s past its own)."""
+    config = SwitchyardConfig().with_overrides(**{"queues.inference.timeout_ms": 1000,
+                                                  "scheduler.core_wait_before_preempt_ms": 60_000,
+                                                  "scheduler.score_sample_interval_ms": 1})
+    engine = FakeEngine()
+    monitor = ComputeScoreMonitor(config.scheduler, busy_seconds=lambda: 0.0, nvml=FakeNvml())
+    sched = build_scheduler(config, engine, monitor=monitor, capacity=FixedSlots(1))
+    [running] = make_requests(1, BATCH, arrival=0.0)
+    accept(sched, [running], now=0.0)
+    assert sched.schedule(now=0.0).admitted == [running]
+    [old] = make_requests(1, NORMAL, arrival=0.1)
+    accept(sched, [old], now=0.1)
+    assert sched.schedule(now=0.1).admitted == []  # the one slot is taken: it waits, due at 1.1
+    [buffered] = make_requests(1, NORMAL, arrival=1.0)
+    sched.add_request(buffered, now=1.0)  # arrives during a step: buffered, due at 2.0
+    [core] = make_requests(1, CORE, arrival=1.2)
+    sched.add_request(core, now=1.2)
+    out = sched.admit_core(now=1.2)  # mid-step: the core request may not preempt yet; the old one is due
+    assert out.admitted == [] and old.is_finished and buffered.status is RequestStatus.BUFFERED
+    out = sched.schedule(now=2.1)  # the buffered request has waited 1.1 s of its 1.0
+    assert buffered in out.expired and buffered.is_finished
+    assert "queues.inference.timeout_ms" in str(buffered.error)
+
+
 def test_a_full_admission_wave_preempts_nothing_at_a_decision_or_mid_step() -> None:
     """The wave (``max_admitted_per_decision``) bounds what one decision admits; preempting frees no room in it.
     A core request the wave left waiting waits for the next decision: it took a batch request's place, and the

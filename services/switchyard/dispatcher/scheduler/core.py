@@ -1170,7 +1170,9 @@ class SchedulerCore:
         return swapped
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
-        """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``."""
+        """Fail every never-admitted waiting request older than ``queues.inference.timeout_ms``; the next expiry
+        is the earliest of the rest, buffered ones included (:meth:`admit_core` expires with the buffer
+        holding requests)."""
         deadline = self._timeout_s
         for req in self.queue.remove_where(lambda r: not r.reached_engine and now - r.arrival > deadline):
             self.counters.queue_rejections["timeout"] += 1
@@ -1178,7 +1180,8 @@ class SchedulerCore:
                 QUEUE_NAME, now - req.arrival, self.queue_config.timeout_ms, "admission to the engine"),
                 taken_out=True)
             out.expired.append(req)
-        self._next_expiry = min((r.arrival + deadline for r in self.queue if not r.reached_engine), default=math.inf)
+        self._next_expiry = min((r.arrival + deadline for r in (*self.queue, *self.intake) if not r.reached_engine),
+                                default=math.inf)
 
     def _batch_member_done(self, req: Request, now: float) -> None:
         batch, req.batch = req.batch, None
