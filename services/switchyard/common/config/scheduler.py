@@ -118,7 +118,10 @@ class SchedulerConfig(_Strict):
         0.2, gt=0, le=1, description="Weight of the latest finished task in the expected-score moving average, a fraction."
     )
     tool_wait_ttl_s: float = Field(
-        30, ge=0, le=3600, description="A react_loop agent waiting on a tool keeps its prefix state warm this long, seconds."
+        30, ge=0, le=3600,
+        description="A react_loop agent waiting on a tool keeps its prefix state warm this long, seconds, unless its "
+        "tool's announcement (ToolWait) decides otherwise: keep (warm until the decision's revisit time), swap or drop "
+        "(out of HBM at once).",
     )
     tool_wait_cold_resume_weight: float = Field(
         2.0, ge=0, le=10_000,
