@@ -47,7 +47,10 @@ class SchedulerConfig(_Strict):
     """The dispatcher's scheduler (dispatcher/scheduler/): ``scheduler_config.json``, the whole file."""
 
     time_slice_ms: float = Field(
-        20, gt=0, le=10_000, description="Decode steps run this long between re-evaluations, milliseconds."
+        20, gt=0, le=10_000,
+        description="Decode steps run this long between re-evaluations, milliseconds (a stream engine, which has no "
+        "steps: the longest wait between two scheduling decisions while its upstream's limit is taken). It also caps "
+        "the adaptive flush window (flush_interval_ms \"auto\"; min_interval_ms wins where larger)."
     )
     compute_score_weights: ComputeScoreWeights = Field(
         ComputeScoreWeights(), description="Weights of GPU, bandwidth and tensor utilisation in the compute score."
