@@ -52,13 +52,14 @@ exception: an agent's KV restored for its turn by a planned restore, or kept
 by its tool-wait decision, stays until its tool's revisit time
 (:mod:`.tool_wait`): that turn is due by then and needs the prefix.
 
-A policy (:mod:`.priority`, :mod:`.fifo`) subclasses :class:`SchedulerCore`
-and decides three things only: the order of the waiting set (its request
+A policy (:mod:`.priority`, :mod:`.fifo`, :mod:`.fair`) subclasses :class:`SchedulerCore`
+and decides four things only: the order of the waiting set (its request
 queue, :meth:`SchedulerCore.make_queue`: the queue's ``order_key``,
 :mod:`.request_queue`), whether the head may start
-(:meth:`SchedulerCore._admission_refusal`, memory aside), and what to preempt
+(:meth:`SchedulerCore._admission_refusal`, memory aside), what to preempt
 (:meth:`SchedulerCore._preempt` at a decision, :meth:`SchedulerCore._victim_candidates`
-mid-step).
+mid-step), and what it refuses at intake for its own reason
+(:meth:`SchedulerCore._refuse_early`: the fair policy's requests that cannot make their deadline).
 
 Capacity comes from the hardware (:mod:`.capacity`): the running set is bounded
 by the compute score and by KV memory within the HBM budget (step engines), or
