@@ -582,6 +582,9 @@ def test_model_server_overlay_points_the_openai_engine_at_localhost(served, tmp_
     assert "--served-model-name=$(SERVED_MODEL_NAME)" in model["args"]
     assert cfg.upstream.default_model == served_name and cfg.upstream.fallback_model == ""
     assert cfg.upstream.api_key_required is False
+    # the server schedules by priority, so the dispatcher sends each call's class in its field (core first)
+    assert "--scheduling-policy=priority" in model["args"]
+    assert cfg.upstream.forward_priority is True
     # no other pod reaches the model server: the dispatcher's ingress admits its gRPC and metrics ports only
     (policy,) = [p for p in served if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "dispatcher"]
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule.get("ports", [])}

@@ -140,6 +140,12 @@ SWITCHYARD_UPSTREAM_API_KEY_REQUIRED = EnvVar[bool | None](
     "model_gateway.api_key_required.",
 )
 
+SWITCHYARD_UPSTREAM_FORWARD_PRIORITY = EnvVar[bool | None](
+    "SWITCHYARD_UPSTREAM_FORWARD_PRIORITY", _flag, None,
+    "Send each call's priority class in the model server's own field (true) or not (false); overrides "
+    "model_gateway.forward_priority (a vLLM started with --scheduling-policy priority: true).",
+)
+
 
 def _port_number(raw: str) -> int:
     if not raw.strip().isdigit() or not 0 <= int(raw) < 65536:

@@ -188,6 +188,7 @@ ENV_KEYS: tuple[tuple[envs.EnvVar[Any], str, str], ...] = (
     (envs.SWITCHYARD_UPSTREAM_MODEL, "upstream", "default_model"),
     (envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL, "upstream", "fallback_model"),
     (envs.SWITCHYARD_UPSTREAM_API_KEY_REQUIRED, "upstream", "api_key_required"),
+    (envs.SWITCHYARD_UPSTREAM_FORWARD_PRIORITY, "upstream", "forward_priority"),
     (envs.SWITCHYARD_TLS_CLIENT_AUTH, "server", "tls.require_client_auth"),
     (envs.SWITCHYARD_TLS_SERVER_NAME, "server", "tls.server_name"),
     *((envs.SWITCHYARD_HEALTH_PORT, name, "health_port") for name in ("orchestrator", "retrieval", "dispatcher")),
