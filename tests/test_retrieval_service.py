@@ -159,7 +159,7 @@ async def test_stages_are_spans_with_the_queue_wait_timed_explicitly(pydoc_index
     assert set(spans) == {"retrieval.queue_wait", "retrieval.embed", "retrieval.search"}
     wait, embed, search = spans["retrieval.queue_wait"], spans["retrieval.embed"], spans["retrieval.search"]
     assert wait.start_time <= wait.end_time <= embed.start_time <= embed.end_time <= search.start_time
-    assert wait.attributes["queue"] == "retrieval"
+    assert wait.attributes["switchyard.queue"] == "retrieval"  # as the other services' queue waits
     assert search.attributes["retrieval.top_k"] == 4
 
 

@@ -156,6 +156,10 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
     for stage in ("retrieval.queue_wait", "retrieval.embed", "retrieval.search"):
         assert_under(one(task, stage, "retrieval"), retrieval_server, task)
 
+    # Each service's queue wait names its queue as the switchyard_queue_wait_seconds label does.
+    waits = {(s.service, s.attributes.get("switchyard.queue")) for s in task if s.name.endswith("queue_wait")}
+    assert waits == {("orchestrator", "orchestration"), ("retrieval", "retrieval"), ("dispatcher", "inference")}, waits
+
     # orchestrator infer -> the request's SERVER span in the dispatcher (another process; the request
     # travelled over GenerateStream with the infer span's traceparent) -> its stages
     # (rag_answer's early prefill, sent while retrieval ran, is a request of its own under a prefill span)
@@ -183,6 +187,9 @@ async def test_one_task_is_one_trace_across_three_processes(stack, receiver):
     assert batch.service == "dispatcher"
     assert batch.attributes["switchyard.batch_size"] == len(batch.links) >= 1
     assert batch.attributes["switchyard.flush_reason"] in FLUSH_REASON_LABELS
+    # the request's queue wait says the same, in the same words (not the proto enum's number)
+    assert queue_wait.attributes["switchyard.flush_reason"] == batch.attributes["switchyard.flush_reason"]
+    assert queue_wait.attributes["switchyard.batch_size"] == batch.attributes["switchyard.batch_size"]
 
     # Engine turns serve sequences of several tasks: each turn's span links to the requests it served,
     # and the engine's steps are its children, never traces of their own.

@@ -105,6 +105,22 @@ class StageTracer:
         return self._inner.start_span(name, *args, **kwargs)
 
 
+QUEUE_ATTRIBUTE = "switchyard.queue"
+"""The span attribute naming the queue a wait was spent in: the ``queue`` label of
+``switchyard_queue_wait_seconds`` (orchestration, retrieval, inference)."""
+
+
+def start_queue_wait_span(
+    tracer: StageTracer, name: str, queue: str, start_ns: int, context: Any = None,
+    attributes: dict[str, Any] | None = None,
+) -> trace.Span:
+    """The span of a wait in ``queue`` from ``start_ns`` (wall clock), under ``context`` (default: the
+    current span); the caller ends it when the wait ended. Every service's queue-wait span carries
+    :data:`QUEUE_ATTRIBUTE`, so one query finds the waits of every queue alike."""
+    return tracer.start_span(name, context, start_time=start_ns,
+                             attributes={QUEUE_ATTRIBUTE: queue, **(attributes or {})})
+
+
 def get_tracer(name: str) -> StageTracer:
     """The tracer for a module's stage spans (see :class:`StageTracer`)."""
     return StageTracer(name)

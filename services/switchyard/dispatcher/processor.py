@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -29,8 +30,10 @@ from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after
 from switchyard.common.priority import PriorityClass
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
+from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
+from switchyard.dispatcher.metrics import QUEUE_NAME
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
 from switchyard.dispatcher.scheduler.core import DispatcherClosed, loop_failure
@@ -376,14 +379,9 @@ class RequestProcessor:
     def _record_queue_wait(self, req: Request, wall_arrival_ns: int, parent: otel_context.Context) -> None:
         """A ``dispatcher.queue_wait`` span covering the wait before the engine took the request."""
         end_ns = wall_arrival_ns + int(req.queue_wait_s * 1e9)
-        qspan = tracer.start_span(
-            "dispatcher.queue_wait",
-            parent,
-            start_time=wall_arrival_ns,
-            attributes={
-                "switchyard.queue": "inference",
-                "switchyard.batch_size": req.batch_size,
-                "switchyard.flush_reason": req.flush_reason,
-            },
-        )
-        qspan.end(end_time=end_ns)
+        attributes: dict[str, Any] = {"switchyard.batch_size": req.batch_size}
+        if req.flush_reason != agent_pb2.FLUSH_REASON_UNSPECIFIED:  # the batch span's word, not the enum's number
+            attributes["switchyard.flush_reason"] = FlushReason(req.flush_reason).label
+        telemetry.start_queue_wait_span(
+            tracer, "dispatcher.queue_wait", QUEUE_NAME, wall_arrival_ns, parent, attributes
+        ).end(end_time=end_ns)

@@ -196,7 +196,8 @@ class Task:
         queue = self.deps.queue
         enqueued = time.time_ns()
         result, wait = await queue.submit(execute).result()
-        tracer.start_span("orchestration.queue_wait", start_time=enqueued).end(end_time=enqueued + int(wait * 1e9))
+        telemetry.start_queue_wait_span(tracer, "orchestration.queue_wait", queue.name, enqueued).end(
+            end_time=enqueued + int(wait * 1e9))
         self.add_wait(queue.name, wait)
         return result
 

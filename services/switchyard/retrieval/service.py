@@ -179,9 +179,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
     def _queue_wait_span(
         self, parent: otel_context.Context, start_ns: int, end_ns: int, exc: BaseException | None = None
     ) -> None:
-        span = tracer.start_span(
-            "retrieval.queue_wait", context=parent, start_time=start_ns, attributes={"queue": QUEUE_NAME}
-        )
+        span = telemetry.start_queue_wait_span(tracer, "retrieval.queue_wait", QUEUE_NAME, start_ns, parent)
         if exc is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
         span.end(end_time=end_ns)
