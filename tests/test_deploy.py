@@ -866,3 +866,31 @@ def test_service_monitor_scrapes_every_metrics_port(base):
     for service in selected:
         ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
         assert ports["metrics"] == PORTS[service["metadata"]["name"]][1]
+
+
+# Prometheus Operator puts these target labels on every series a ServiceMonitor scrapes.
+OPERATOR_TARGET_LABELS = {"namespace", "service", "pod", "container", "endpoint", "job", "instance"}
+
+
+def test_service_monitor_keeps_the_labels_the_metrics_carry_themselves():
+    """switchyard_serving{service} names the server that answers (the orchestrator serves two, orchestrator and
+    orchestrator-http). Without honorLabels the operator's `service` target label (the Service's name) took the
+    label's place and moved the metric's own to exported_service: both series read service="orchestrator", and
+    `sum by (service) (switchyard_serving)` (the dashboard's ready replicas) counted each orchestrator twice."""
+    import importlib
+    import pkgutil
+
+    from prometheus_client import REGISTRY
+
+    import switchyard
+
+    for module in pkgutil.walk_packages(switchyard.__path__, "switchyard."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    own = {label for name, collector in REGISTRY._names_to_collectors.items() if name.startswith("switchyard_")
+           for label in getattr(collector, "_labelnames", ())}
+    assert "service" in own & OPERATOR_TARGET_LABELS  # switchyard_serving, switchyard_service_info
+    (monitor,) = _docs(K8S / "monitoring" / "servicemonitor.yaml")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint.get("honorLabels") is True, (
+        f"the metrics carry {sorted(own & OPERATOR_TARGET_LABELS)} themselves: the ServiceMonitor must keep them")
