@@ -161,3 +161,22 @@ async def test_a_cancelled_call_is_counted_cancelled_not_ok(clean_proxy_env):
     finally:
         server.close()
     assert (count("ok"), count("CANCELLED")) == (before[0], before[1] + 1)
+
+
+async def test_the_call_span_names_the_server_it_called_as_opentelemetry_conventions_say(sim_openai):
+    """server.address held the whole base URL ('http://127.0.0.1:PORT/v1'), where OpenTelemetry's HTTP client
+    conventions put the host, with server.port and url.full beside it (as the gRPC client spans do)."""
+    from urllib.parse import urlsplit
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with GatewayClient(gateway_config(sim_openai.base_url), tracer=provider.get_tracer("test")) as client:
+        await collect(client, ask())
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "gateway.chat_completions"]
+    url = urlsplit(sim_openai.base_url)
+    assert (span.attributes["server.address"], span.attributes["server.port"]) == (url.hostname, url.port)
+    assert span.attributes["url.full"] == f"{sim_openai.base_url}/chat/completions"

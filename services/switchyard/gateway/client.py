@@ -398,7 +398,6 @@ class GatewayClient:
             kind=trace.SpanKind.CLIENT,
             attributes={
                 "gen_ai.request.model": self.models_for(request.model)[0],
-                "server.address": self.config.base_url,
                 "switchyard.request_id": request.request_id,
             },
         )
@@ -473,6 +472,7 @@ class GatewayClient:
                     f"{', '.join(sorted(pool.endpoints)) or 'none resolved'}); calls resume when one answers "
                     "its /metrics again"
                 ) from None
+            call.span.set_attributes(endpoint.span_attributes)  # the last attempt's: the endpoint that answered
             if pool.pooled:
                 call.span.set_attribute("switchyard.gateway.endpoint", endpoint.name)
                 call.span.set_attribute("switchyard.gateway.endpoint_pick", picked.reason)

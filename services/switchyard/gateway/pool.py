@@ -127,6 +127,14 @@ class Endpoint:
         25 us of the dispatcher's CPU per call)."""
         return httpx.URL(self.chat_completions)
 
+    @cached_property
+    def span_attributes(self) -> dict[str, str | int]:
+        """The server a call to this endpoint reaches, as OpenTelemetry's HTTP client conventions name it:
+        ``server.address`` (the host), ``server.port`` and ``url.full``."""
+        url = self.chat_completions_url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        return {"server.address": url.host, "server.port": port, "url.full": self.chat_completions}
+
     @property
     def in_flight(self) -> int:
         """Attempts in flight to this endpoint now: its limit's count, the one count of them (kept from
