@@ -68,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
 from switchyard.common.up_files import remove_stale
+from switchyard_harness.backlog import SETTLE_CONCURRENCY, SETTLE_DEADLINE_S, backlog_summary, outcome, task_path
 
 PRIORITIES = ("core", "normal", "batch")
 STREAMING_SHARE = 5
@@ -164,12 +165,6 @@ SUBMITTED: dict[str, None] = {}
 users'), in order; settled and emptied at the test's stop."""
 CUT_SUBMITS = [0]
 """Submits the stop cut before their answer came (their tasks, if accepted, are not known to cancel)."""
-SETTLE_CONCURRENCY = 32
-"""Cancel (or status) requests in flight at once while the backlog is settled."""
-SETTLE_DEADLINE_S = 60.0
-"""Seconds the settling may take in all; tasks not asked by then are reported as not asked."""
-CANCELLED_WHILE = "CANCELLED: cancelled by CancelTask while "
-"""How a cancelled task's error begins (then QUEUED or RUNNING: where the cancel found it)."""
 
 
 def _remember(answer) -> None:
@@ -192,15 +187,13 @@ def _remember(answer) -> None:
 def settle_backlog(host: str, task_ids: list[str], keep: bool, headers: dict[str, str] | None = None,
                    concurrency: int = SETTLE_CONCURRENCY, deadline_s: float = SETTLE_DEADLINE_S,
                    timeout_s: float = 10.0) -> dict[str, tuple[str, str]]:
-    """Cancel the tasks ``task_ids`` still queued or running at the HTTP face ``host`` (``POST
-    /api/v1/tasks/{task_id}/cancel``: a finished task is answered unchanged), or with ``keep`` only read their
-    states (``GET /api/v1/tasks/{task_id}``); ``concurrency`` requests at once, each within ``timeout_s`` seconds,
-    all within ``deadline_s``.
+    """Cancel the tasks ``task_ids`` still queued or running at the HTTP face ``host``, or with ``keep`` only read
+    their states (switchyard_harness.backlog, which reads each answer); ``concurrency`` requests at once, each
+    within ``timeout_s`` seconds, all within ``deadline_s``.
 
     Returns:
-        task_id -> (its state when asked: ``queued``, ``running``, ``finished``, ``failed``, or ``""`` when not
-        known; what became of it: ``cancelled``, ``kept``, ``done`` (it had ended), or ``error: ...`` naming why
-        it was not asked or not answered).
+        task_id -> :func:`switchyard_harness.backlog.outcome` (its state when asked, what became of it), or
+        ``("", "error: ...")`` for a task not asked in time or not answered.
     """
     import requests
     from gevent.pool import Pool
@@ -217,43 +210,17 @@ def settle_backlog(host: str, task_ids: list[str], keep: bool, headers: dict[str
     def settle(task_id: str) -> tuple[str, tuple[str, str]]:
         if time.monotonic() > ends:
             return task_id, ("", f"error: not asked within {deadline_s:g} s")
-        path = f"{base}/api/v1/tasks/{urllib.parse.quote(task_id, safe='')}"
+        path = task_path(base, task_id)
         try:
             reply = session.get(path, timeout=timeout_s) if keep else session.post(f"{path}/cancel", timeout=timeout_s)
         except requests.RequestException as exc:
             return task_id, ("", f"error: {exc}")
-        if reply.status_code != 200:
-            return task_id, ("", f"error: {reply.status_code} {reply.text[:200]}")
-        try:
-            status = reply.json()
-            state, error = str(status["state"]), str(status.get("error") or "")
-        except (ValueError, KeyError, TypeError):
-            return task_id, ("", f"error: not a task status: {reply.text[:200]}")
-        if keep:
-            return task_id, (state, "kept" if state in ("queued", "running") else "done")
-        if state == "failed" and error.startswith(CANCELLED_WHILE):
-            return task_id, (error[len(CANCELLED_WHILE):].split()[0].strip(",").lower(), "cancelled")
-        return task_id, (state, "done")
+        return task_id, outcome(reply.status_code, reply.text, keep)
 
     try:
         return dict(Pool(concurrency).imap_unordered(settle, task_ids))
     finally:
         session.close()
-
-
-def backlog_summary(outcomes: dict[str, tuple[str, str]], cut: int, keep: bool) -> str:
-    """One line on the backlog :func:`settle_backlog` settled (``outcomes``) and the ``cut`` submits."""
-    left = [state for state, outcome in outcomes.values() if outcome in ("cancelled", "kept")]
-    errors = [outcome for _, outcome in outcomes.values() if outcome.startswith("error")]
-    line = (f"backlog at the stop: {len(left)} of the {len(outcomes)} tasks the users submitted had not finished "
-            f"({left.count('queued')} queued, {left.count('running')} running): "
-            + ("kept (--keep-backlog), they run on" if keep else "cancelled (--keep-backlog keeps them)"))
-    if errors:
-        line += f"; {len(errors)} could not be {'read' if keep else 'cancelled'} (first: {errors[0][7:]})"
-    if cut:
-        line += (f"; {cut} submit(s) cut by the stop before their answer: their tasks, if accepted, are not known "
-                 "here")
-    return line
 
 
 def _write_backlog_csv(path: str, outcomes: dict[str, tuple[str, str]]) -> None:

@@ -72,3 +72,40 @@ def test_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys):
         http_bench.main(["--token-file", str(tmp_path / "missing")])
     assert exit_.value.code == 2
     assert f"--token-file {tmp_path / 'missing'}: cannot read it" in capsys.readouterr().err
+
+
+async def test_the_tasks_a_submit_phase_left_unfinished_are_cancelled_and_reported(tmp_path, capsys):
+    """Before: the submit phases' tasks (react_loop, 512 tokens: 2,000 of them at the reference rate) stayed in the
+    orchestrator's backlog, so the stream and profile phases of the same command ran beside them (SSE / gRPC 0.870
+    and profiling 0.590 at 3 to 7 tasks/s, against 0.937 and 0.946 at 137 to 146 tasks/s on a stack without them),
+    and they ran on for minutes after the command exited. Now each phase's unfinished tasks are cancelled after it
+    and reported; --keep-backlog leaves them running."""
+    import asyncio
+    import json
+
+    from registry_values import metric
+
+    async with http_stack(**{"orchestrator.max_running_submitted_tasks": 2}) as (client, stub, down):
+        down.gate = asyncio.Event()  # every model call waits: the submitted tasks stay running or queued
+        base = str(client.base_url).rstrip("/")
+        argv = ["--http", base, "--grpc", down.orchestrator_address, "--rps", "40", "-c", "4", "--duration", "0.25",
+                "--task-type", "chat", "--max-tokens", "16"]
+        out = tmp_path / "http.json"
+        assert await asyncio.to_thread(http_bench.main, [*argv, "--phases", "submit,grpc-submit", "-o", str(out)]) == 0
+        printed = capsys.readouterr().out
+        results = json.loads(out.read_text())
+        for phase, name in (("submit", "HTTP submit"), ("grpc-submit", "gRPC SubmitTask")):
+            counts = results[phase]["backlog"]
+            assert counts["submitted"] == 10 and counts["cancelled"] == counts["unfinished"] == 10, counts
+            assert counts["running"] == 2 and counts["queued"] == 8 and counts["errors"] == 0, counts
+            assert (f"backlog after {name}: 10 of the 10 tasks the phase submitted had not finished (8 queued, "
+                    "2 running): cancelled (--keep-backlog keeps them)") in printed, printed
+        for state in ("queued", "running"):
+            assert metric("switchyard_submitted_tasks", state=state) == 0
+        assert not down.requests or down.cancelled  # the running ones' model calls were cancelled too
+
+        assert await asyncio.to_thread(http_bench.main, [*argv, "--phases", "submit", "--keep-backlog"]) == 0
+        assert ("10 of the 10 tasks the phase submitted had not finished (8 queued, 2 running): kept "
+                "(--keep-backlog), they run on") in capsys.readouterr().out
+        assert metric("switchyard_submitted_tasks", state="queued") == 8
+        down.gate.set()

@@ -9,7 +9,12 @@ Three phases, each printing its numbers (``-o FILE`` also writes them as JSON):
   ``--max-tokens`` 512). Open loop: call *i* starts at ``i / rps`` or as soon as
   a worker is free. Latency P50/P95/P99 (ghz's nearest-rank rule) and errors by
   status. ``grpc-submit`` (not run by default) is the same over gRPC SubmitTask,
-  to tell the HTTP face's cost from the stack's.
+  to tell the HTTP face's cost from the stack's. After each submit phase the
+  tasks it submitted that have not finished (the react_loop tasks wait in the
+  orchestrator's backlog, minutes of work at the reference rate) are cancelled
+  (``POST /api/v1/tasks/{task_id}/cancel``) and one line reports them, so that
+  they load neither the phases after it nor the stack after the command exits;
+  ``--keep-backlog`` leaves them running.
 - ``stream``: RunTask to its final event, over HTTP (SSE, ``/api/v1/agent/run``)
   and over gRPC, taking turns (``--rounds`` of ``--stream-seconds`` each, the
   order alternating), each with ``--streams`` calls in flight (closed loop) and
@@ -29,9 +34,10 @@ the profile's request) sends ``Authorization: Bearer <token>``: the value of
 ``switchyard run`` sends it, or the contents of ``--token-file FILE``, which
 wins over the variable (switchyard.common.client_token).
 
-Exit status: 0; 1 when the stack cannot be reached, or when every call of a
+Exit status: 0; 1 when the stack cannot be reached, when every call of a
 phase (or of one kind in it) failed, each such named on stderr (a 401 with a
-word on the token); 2 for bad arguments.
+word on the token), or when some task of a submit phase's backlog could not be
+cancelled (load that goes on); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from switchyard_harness import json_output
+from switchyard_harness import backlog, json_output
 from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
@@ -65,6 +71,8 @@ class Calls:
     latencies: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    task_ids: list[str] = field(default_factory=list)
+    """The task_id of each accepted submit, in order (the submit phases)."""
 
     def fail(self, status: str) -> None:
         self.failures[status] = self.failures.get(status, 0) + 1
@@ -127,22 +135,24 @@ async def submit_phase(http: str, rps: float, concurrency: int, duration_s: floa
                         payload="Continue the agent's task: take its next step.",
                         priority=agent_pb2.Priority.Value(body["priority"].upper()))
                     try:
-                        await stub.SubmitTask(request, metadata=(("x-priority", body["priority"]), *auth),
-                                              timeout=30)
+                        reply = await stub.SubmitTask(request, metadata=(("x-priority", body["priority"]), *auth),
+                                                      timeout=30)
                     except grpc.aio.AioRpcError as exc:
                         calls.fail(exc.code().name)
                         continue
                     calls.latencies.append(time.perf_counter() - t0)
+                    calls.task_ids.append(reply.task_id)
                     continue
                 try:
                     async with session.post("/api/v1/agent/submit", json=body, headers=headers) as reply:
-                        await reply.read()
+                        text = await reply.read()
                         status = reply.status
                 except aiohttp.ClientError as exc:
                     calls.fail(type(exc).__name__)
                     continue
                 if status == 200:
                     calls.latencies.append(time.perf_counter() - t0)
+                    calls.task_ids.append(json.loads(text)["task_id"])
                 else:
                     calls.fail(str(status))
 
@@ -308,9 +318,17 @@ async def _main(args: Any) -> dict[str, Any]:
                                    over, args.token)
         results[phase] = {"offered_rps": args.rps, "concurrency": args.concurrency, **calls.summary()}
         s = results[phase]
-        print(f"{'HTTP submit' if phase == 'submit' else 'gRPC SubmitTask'}: {s['ok']} ok, {s['errors']} errors "
+        name = "HTTP submit" if phase == "submit" else "gRPC SubmitTask"
+        print(f"{name}: {s['ok']} ok, {s['errors']} errors "
               f"{s['failures'] or ''} in {s['wall_s']:.1f} s ({s['per_s']:.1f}/s, offered {args.rps:g}); "
               f"P50 {s['p50_ms']:.2f} ms, P95 {s['p95_ms']:.2f} ms, P99 {s['p99_ms']:.2f} ms", flush=True)
+        if calls.task_ids:
+            outcomes = await backlog.settle(http, calls.task_ids, args.keep_backlog, authorization(args.token))
+            results[phase]["backlog"] = backlog.backlog_counts(outcomes)
+            print(backlog.backlog_summary(outcomes, 0, args.keep_backlog, who="the phase",
+                                          when=f"after {name}"), flush=True)
+            if results[phase]["backlog"]["errors"] and not args.keep_backlog:
+                results["backlog_errors"] = results.get("backlog_errors", 0) + results[phase]["backlog"]["errors"]
     if "stream" in phases:
         out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds, args.token)
         sse, grpc_ = out["sse"].summary(), out["grpc"].summary()
@@ -349,6 +367,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="stream/profile: turns of each kind (default 2)")
     parser.add_argument("--profile-seconds", type=float, default=10.0, help="profile: seconds per turn (default 10)")
     parser.add_argument("-o", "--output", help="also write the numbers as JSON here")
+    parser.add_argument("--keep-backlog", action="store_true", help="leave the tasks a submit phase submitted and "
+                        "that had not finished running (default: they are cancelled after the phase, and reported)")
     add_token_options(parser)
     args = parser.parse_args(argv)
     unknown = set(args.phases.split(",")) - {"submit", "grpc-submit", "stream", "profile"}
@@ -386,4 +406,4 @@ def _all_failed(results: dict[str, Any], args: Any) -> int:
         print(f"switchyard bench http: the stack checks bearer tokens (orchestrator.auth): set {args.token_env} "
               "to one, or pass --token-file FILE" + (" (the token sent was refused)" if args.token else ""),
               file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or results.get("backlog_errors") else 0
