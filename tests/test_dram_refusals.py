@@ -101,3 +101,33 @@ async def test_a_write_refused_for_itself_does_not_stop_other_writes(caplog: pyt
         await client.close()
     finally:
         server.stop()
+
+
+async def test_a_call_past_its_bound_is_named_with_the_bound_not_a_bare_timeout_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Under load (the field's locust run) a call ran past op_timeout_s + connect_timeout_s (asyncio's timeout, which
+    has no message) and the outage read 'failed agent memory record: TimeoutError: .'. It names the bound now; any
+    other exception without a message is its class alone."""
+    import asyncio
+
+    server = start_redis()
+    try:
+        config = RedisDb(server.host, server.port, 0).dram_config.model_copy(
+            update={"op_timeout_s": 0.05, "connect_timeout_s": 0.05})
+        client = DramClient(config)
+
+        async def slow(redis_client):  # an operation that answers after its bound: a loop too busy to read it
+            await redis_client.ping()
+            await asyncio.sleep(5)
+
+        with caplog.at_level(logging.WARNING, logger="switchyard.common.dram"):
+            assert await client.call(slow, "fallback", "agent memory record") == "fallback"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and not client.up, warnings
+        assert ("failed agent memory record: no answer within 0.1 s (memory_policy.toml [dram] op_timeout_s + "
+                "connect_timeout_s). Work goes on without it") in warnings[0], warnings
+        assert describe_error(TimeoutError()) == "TimeoutError"
+        assert describe_error(ConnectionError(" ")) == "ConnectionError"
+        await client.close()
+    finally:
+        server.stop()

@@ -105,7 +105,9 @@ async def settle(http: str, task_ids: list[str], keep: bool, headers: dict[str, 
                 try:
                     async with (session.get(path) if keep else session.post(f"{path}/cancel")) as reply:
                         out[task_id] = outcome(reply.status, await reply.text(), keep)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except asyncio.TimeoutError:  # aiohttp's timeout carries no message
+                    out[task_id] = ("", f"error: no answer within {timeout_s:g} s")
+                except aiohttp.ClientError as exc:
                     out[task_id] = ("", f"error: {type(exc).__name__}: {exc}")
 
         await asyncio.gather(*(one(task_id) for task_id in reversed(task_ids)))  # newest first: the queued ones

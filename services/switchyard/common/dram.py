@@ -225,9 +225,17 @@ class DramClient:
             log.warning(
                 "DRAM tier unavailable: Redis at %s (db %d) failed %s: %s. Work goes on without it (agent memory "
                 "and KV swap degrade to recompute); retrying every %.1f s (memory_policy.toml [dram])",
-                self.address, self.config.db, op, describe_error(exc).rstrip("."),
+                self.address, self.config.db, op, self._describe_outage(exc).rstrip("."),
                 self.config.retry_interval_s,
             )
+
+    def _describe_outage(self, exc: BaseException) -> str:
+        """:func:`describe_error`, but the timeout of a whole call (asyncio's, with no message) names its bound."""
+        if isinstance(exc, TimeoutError) and not str(exc):
+            bound = self.config.op_timeout_s + self.config.connect_timeout_s
+            return (f"no answer within {bound:g} s (memory_policy.toml [dram] op_timeout_s + "
+                    "connect_timeout_s)")
+        return describe_error(exc)
 
     def _mark_up(self) -> None:
         if self._down_since is not None:
@@ -255,7 +263,7 @@ def _refuses_writes(exc: BaseException) -> bool:
 
 
 def describe_error(exc: BaseException, limit: int = 160) -> str:
-    """``<exception class>: <message>`` of ``exc`` (redis-py names the server's error code by the class,
+    """``<exception class>: <message>`` of ``exc`` (the class alone when it has no message; redis-py names the server's error code by the class,
     e.g. OutOfMemoryError for OOM), without the command's arguments, printable ASCII, at most ``limit`` characters.
 
     redis-py rewrites the error of a failed pipeline command as ``Command # N (<command and its arguments>)
@@ -265,5 +273,6 @@ def describe_error(exc: BaseException, limit: int = 160) -> str:
     if _PIPELINE_MARK in text:
         text = text.split(_PIPELINE_MARK, 1)[1].strip().removeprefix("(").removesuffix(")").rstrip(",")
         text = text.strip("'\"")
-    text = f"{type(exc).__name__}: " + "".join(ch if " " <= ch <= "~" else "?" for ch in text)
+    text = "".join(ch if " " <= ch <= "~" else "?" for ch in text)
+    text = f"{type(exc).__name__}: {text}" if text.strip() else type(exc).__name__  # no message: the class alone
     return text if len(text) <= limit else text[:limit - 3] + "..."
