@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -131,3 +132,26 @@ def test_a_saved_profile_is_read_back_by_switchyard_profile(up, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(tmp_path / "not.pprof")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "is not a pprof profile" in bad.stderr
+
+
+def test_completion_rate_cancels_the_tasks_it_left_unfinished(up):
+    """tools/completion_rate.py offers react_loop tasks faster than the stack completes them (docs/benchmarks.md: 40
+    a second for 150 s, 11 to 28 finished a second); the thousands it left queued ran on for minutes after it exited,
+    under whatever ran next. Now they are cancelled at its end and reported, as the locustfile's and bench http's."""
+    from switchyard.launcher import up_file
+
+    own = up_file().with_name(f"up-{up.proc.pid}.json")  # where a second stack on this machine writes its endpoints
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "completion_rate.py"), "--http", http_url(up), "--rps", "40",
+         "--seconds", "2", "--interval", "1"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env={**os.environ, "SWITCHYARD_UP_FILE": str(own if own.exists() else up_file())})
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = re.search(r"backlog at the end: (\d+) of the (\d+) tasks the run submitted had not finished "
+                        r"\((\d+) queued, (\d+) running\): cancelled \(--keep-backlog keeps them\)", run.stdout)
+    assert summary, run.stdout
+    assert int(summary[2]) == 80 and int(summary[1]) > 0, summary[0]  # 512 tokens a task: most cannot end in 2 s
+    with urllib.request.urlopen(up.metrics_url("orchestrator"), timeout=10) as reply:
+        text = reply.read().decode()
+    for state in ("queued", "running"):
+        assert f'switchyard_submitted_tasks{{state="{state}"}} 0.0' in text, state

@@ -6,7 +6,10 @@ one row: tasks finished per second (the orchestrator's ``switchyard_tasks_total`
 generated tokens per task and engine busy ratio (the dispatcher's counters), the orchestrator's RSS and
 backlog, and each service's CPU as cores and as milliseconds per finished task (``/proc/PID/stat`` of
 the service and its child processes, so the orchestrator's CPU-pool workers count). The last line sums
-the run after its first row.
+the run after its first row. At the end the tasks it submitted that have not finished (at the field's rate
+most of them: the stack completes fewer than it is offered) are cancelled and one line reports them, as the
+locustfile and ``switchyard bench http`` do (switchyard_harness.backlog), so no load goes on after it exits;
+``--keep-backlog`` leaves them running.
 
     switchyard up --free-ports        # in one shell; writes the up file
     python tools/completion_rate.py --http http://127.0.0.1:8080 --rps 40 --seconds 150
@@ -30,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from switchyard.launcher import up_file
+from switchyard_harness import backlog
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="seconds per row (default 10)")
     parser.add_argument("--task-type", default="react_loop")
     parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--keep-backlog", action="store_true", help="leave the submitted tasks that have not "
+                        "finished at the end running (default: they are cancelled, and reported)")
     args = parser.parse_args()
     services = json.loads(up_file().read_text())["services"]
     orchestrator, dispatcher = services["orchestrator"]["metrics_url"], services["dispatcher"]["metrics_url"]
@@ -94,6 +100,7 @@ def main() -> None:
 
     async def run() -> None:
         codes: dict[int, int] = {}
+        task_ids: list[str] = []
         async with aiohttp.ClientSession() as session:
             async def submit() -> None:
                 priority = random.choice(("core", "normal", "batch"))
@@ -101,8 +108,10 @@ def main() -> None:
                         "task_type": args.task_type, "max_tokens": args.max_tokens}
                 async with session.post(f"{args.http}/api/v1/agent/submit", json=body,
                                         headers={"X-Priority": priority}) as reply:
-                    await reply.read()
+                    text = await reply.read()
                     codes[reply.status] = codes.get(reply.status, 0) + 1
+                if reply.status == 200:
+                    task_ids.append(json.loads(text)["task_id"])
 
             started, sent, pending = time.monotonic(), 0, set()
             rows = [await asyncio.to_thread(snapshot)]
@@ -122,6 +131,10 @@ def main() -> None:
         print(f"answers by status: {codes}")
         if len(rows) > 2:
             print(row(rows[1], rows[-1], "after the first row:"))
+        outcomes = await backlog.settle(args.http, task_ids, args.keep_backlog)
+        print(backlog.backlog_summary(outcomes, 0, args.keep_backlog, who="the run", when="at the end"), flush=True)
+        if any(result.startswith("error") for _, result in outcomes.values()) and not args.keep_backlog:
+            raise SystemExit(1)  # load nobody asked for goes on
 
     asyncio.run(run())
 
