@@ -332,6 +332,13 @@ def read_watched(urls: str, timeout: float = 3.0) -> dict[str, float | str]:
     return out
 
 
+def until_next_row(started: float, now: float, interval: float) -> float:
+    """Seconds from ``now`` to the next row's slot, the rows due at ``started + k * interval`` (k = 1, 2, ...):
+    a fixed cadence, so the time a row takes to read its figures does not push every later row back (waiting
+    ``interval`` after each read put rows 5.0-5.7 s apart under load); a slot already passed is skipped."""
+    return interval - (now - started) % interval
+
+
 class Watch:
     """Writes a CSV row of the watched figures and locust's totals every ``interval`` seconds."""
 
@@ -357,9 +364,10 @@ class Watch:
         self.file.flush()
 
     def _loop(self) -> None:
+        started = time.monotonic()
         while True:
             self.row()
-            gevent.sleep(self.interval)
+            gevent.sleep(until_next_row(started, time.monotonic(), self.interval))
 
     def stop(self) -> None:
         self.greenlet.kill()

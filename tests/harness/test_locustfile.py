@@ -93,3 +93,13 @@ def test_the_watch_reads_the_dispatcher_of_the_stack_under_test_not_the_first_on
                            ("", "http://127.0.0.1:9103/metrics")):
         run = subprocess.run([sys.executable, "-c", probe, host], capture_output=True, text=True, env=env, timeout=120)
         assert run.stdout.strip() == expected, run.stdout + run.stderr
+
+
+def test_the_watch_writes_its_rows_on_a_fixed_cadence():
+    """Rows are due at start + k x interval: a read that took 0.7 s leaves 4.3 s to the next slot (waiting the
+    whole interval after each read drifted rows to 5.0-5.7 s apart under load, losing rows over a long run),
+    and a read longer than the interval skips the slot it missed instead of writing two rows at once."""
+    probe = ("import sys; sys.path.insert(0, 'locust'); import locustfile as f; "
+             "print([round(f.until_next_row(100.0, now, 5.0), 3) for now in (100.0, 100.7, 104.9, 105.2, 111.5)])")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "[5.0, 4.3, 0.1, 4.8, 3.5]", run.stdout + run.stderr
