@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sqlite3
 from pathlib import Path
 
 import grpc
@@ -250,6 +251,32 @@ async def test_a_stopping_orchestrator_records_what_ran_and_what_waited_as_faile
     assert ran.state == agent_pb2.FAILED and "stopped before the task finished" in ran.error
     assert waited.state == agent_pb2.FAILED and "stopped before the task started" in waited.error
     assert "resubmit" in waited.error
+
+
+async def test_a_submit_whose_caller_left_while_the_store_wrote_it_still_runs_and_its_retry_gets_it(tmp_path):
+    """A SubmitTask whose caller's deadline passed while the store wrote the record (another writer held the
+    SQLite file) was cancelled between the record and the backlog: the task stayed QUEUED with no backlog holding
+    it, for good, and the caller's identical retry was answered QUEUED for a task that never ran."""
+    store = tmp_path / "tasks.sqlite3"
+    async with backlog_stack(store) as (stub, _, down):
+        down.gate.set()
+        await submit(stub, "first", agent_pb2.NORMAL)
+        assert (await final_state(stub, "first")).state == agent_pb2.SUCCEEDED  # the stack serves
+        other_writer = sqlite3.connect(store, isolation_level=None, check_same_thread=False)
+        try:
+            other_writer.execute("BEGIN IMMEDIATE")  # the orchestrator's write waits for the lock (busy timeout)
+            with pytest.raises(grpc.aio.AioRpcError) as left:
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="late", payload="hello", task_type="chat"),
+                                      timeout=0.5)
+            assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.2)  # the handler is cancelled meanwhile; the write still waits on the lock
+            other_writer.execute("COMMIT")
+        finally:
+            other_writer.close()
+        again = await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="late", payload="hello", task_type="chat"))
+        assert again.task_id == "late"
+        assert (await final_state(stub, "late")).state == agent_pb2.SUCCEEDED
+        assert [r.request_id.split(":")[0] for r in down.requests] == ["first", "late"]
 
 
 async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_own_status(tmp_path):

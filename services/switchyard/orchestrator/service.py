@@ -502,7 +502,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         its FAILED status, read with GetTaskStatus.
 
         The same task_id with the same request answers the task already recorded (idempotent, any
-        orchestrator sharing the store); with a different request it is ALREADY_EXISTS naming task_id.
+        orchestrator sharing the store); with a different request it is ALREADY_EXISTS naming task_id. A task
+        recorded is placed in the backlog even where its caller left meanwhile (its deadline passed while the
+        store wrote): the retry that caller makes is answered that task, which runs.
         """
         self._record_metadata(request.metadata)
         try:
@@ -518,44 +520,64 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             fields = {**vars(spec), "metadata": dict(request.metadata)}
             if not request.task_id:
                 fields.pop("task_id")
-            trace_id = _trace_id()
-            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
-                                                      spec.tenant_id)
+            # Shielded: a caller that leaves (its deadline) once the store has the record must not leave a task
+            # recorded QUEUED that no backlog holds (it never ran, and its identical retry was answered QUEUED).
+            placing = settle(asyncio.create_task(self._record_submitted(spec, fields, _trace_id()),
+                                                 name=f"submit-{spec.task_id}"),
+                             expected=lambda e: isinstance(e, SwitchyardError))
+            record, accepted = await asyncio.shield(placing)
         except SwitchyardError as exc:
             await abort(context, exc, self.name)
+        if accepted is not None:
+            return accepted
+        owner = record.tenant_id or DEFAULT_TENANT
+        if owner != spec.tenant_id:
+            if not self._visible_to_caller(record.tenant_id, context):  # nothing said of it but that it is taken
+                await abort(context, SwitchyardError(
+                    f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a "
+                    "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS), self.name)
+            await abort(context, SwitchyardError(
+                f"task_id: {shown(spec.task_id)} already exists under tenant {owner!r}, and this request is tenant "
+                f"{spec.tenant_id!r}; send x-tenant-id: {owner} to get that task, or use a new task_id",
+                grpc.StatusCode.ALREADY_EXISTS), self.name)
+        if record.fingerprint != fingerprint(fields):
+            await abort(context, SwitchyardError(
+                f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
+                "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), self.name)
+        live = self._submitted.get(record.task_id)  # this process's state where it holds the task
+        state = live.to_status(0).state if live is not None else record.state
+        return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
+                                  trace_id=record.trace_id, state=state)
+
+    async def _record_submitted(self, spec: TaskSpec, fields: dict[str, object],
+                                trace_id: str) -> tuple[TaskRecord, agent_pb2.Accepted | None]:
+        """Record ``spec`` in the task store (QUEUED) and place it in the backlog; (the record, the answer),
+        the answer None where the store had the task_id already (the record is that task's). SubmitTask awaits
+        it shielded: once the record is written it is placed, refused (deleted) or failed whatever its caller
+        does.
+
+        Raises:
+            SwitchyardError: the store refused the record (UNAVAILABLE), or the backlog filled while it was
+                written (RESOURCE_EXHAUSTED; the record is deleted).
+        """
+        record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
+                                                  spec.tenant_id)
         if not created:
-            owner = record.tenant_id or DEFAULT_TENANT
-            if owner != spec.tenant_id:
-                if not self._visible_to_caller(record.tenant_id, context):  # nothing said of it but that it is taken
-                    await abort(context, SwitchyardError(
-                        f"task_id: {shown(spec.task_id)} is taken (task ids are one namespace across tenants); use a "
-                        "new task_id, or leave it empty for a random one", grpc.StatusCode.ALREADY_EXISTS), self.name)
-                await abort(context, SwitchyardError(
-                    f"task_id: {shown(spec.task_id)} already exists under tenant {owner!r}, and this request is tenant "
-                    f"{spec.tenant_id!r}; send x-tenant-id: {owner} to get that task, or use a new task_id",
-                    grpc.StatusCode.ALREADY_EXISTS), self.name)
-            if record.fingerprint != fingerprint(fields):
-                await abort(context, SwitchyardError(
-                    f"task_id: {shown(spec.task_id)} already exists with a different request; resubmit the identical "
-                    "request to get that task, or use a new task_id", grpc.StatusCode.ALREADY_EXISTS), self.name)
-            live = self._submitted.get(record.task_id)  # this process's state where it holds the task
-            state = live.to_status(0).state if live is not None else record.state
-            return agent_pb2.Accepted(task_id=record.task_id, queue_position=self._queue_position(record.task_id),
-                                      trace_id=record.trace_id, state=state)
+            return record, None
         if self._stopping:  # stop() began while the record was written: it will not start here
             _count_unrun(spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(Submitted(spec, trace_id, contextvars.copy_context()), agent_pb2.FAILED, b"",
                                       "CANCELLED: the orchestrator stopped before the task started; resubmit it "
                                       "under a new task_id")
-            return agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id, state=agent_pb2.FAILED)
-        if len(self._submitted) >= limit:  # others were admitted while the record was written (no await from here)
+            return record, agent_pb2.Accepted(task_id=spec.task_id, trace_id=trace_id, state=agent_pb2.FAILED)
+        if len(self._submitted) >= self.config.orchestrator.max_unfinished_submitted_tasks:
+            # others were admitted while the record was written (no await from here on)
             await self._delete_refused(spec.task_id)
-            exc = self._backlog_full()
-            await abort(context, exc, self.name)
+            raise self._backlog_full()
         position = self._submitted.add(Submitted(spec, trace_id, contextvars.copy_context()))
         self._start_submitted()
-        return agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id,
-                                  state=agent_pb2.QUEUED)
+        return record, agent_pb2.Accepted(task_id=spec.task_id, queue_position=position, trace_id=trace_id,
+                                          state=agent_pb2.QUEUED)
 
     def _backlog_full(self) -> SwitchyardError:
         """The RESOURCE_EXHAUSTED answer to a SubmitTask refused by a full backlog (``limit`` unfinished tasks
