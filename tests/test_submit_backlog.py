@@ -279,6 +279,38 @@ async def test_a_submit_whose_caller_left_while_the_store_wrote_it_still_runs_an
         assert [r.request_id.split(":")[0] for r in down.requests] == ["first", "late"]
 
 
+async def test_a_cancel_whose_caller_left_while_the_store_wrote_it_frees_the_tasks_place(tmp_path):
+    """A CancelTask of a queued task whose caller's deadline passed while the store wrote the outcome (another
+    writer held the SQLite file) was cancelled between the backlog and the record: the entry, out of the backlog,
+    was never forgotten, and held one of orchestrator.max_unfinished_submitted_tasks' places for good."""
+    from prometheus_client import REGISTRY
+
+    store = tmp_path / "tasks.sqlite3"
+    overrides = {"orchestrator.max_running_submitted_tasks": 1, "orchestrator.max_unfinished_submitted_tasks": 2}
+    async with backlog_stack(store, **overrides) as (stub, _, down):
+        await submit(stub, "runs", agent_pb2.NORMAL)
+        await until(lambda: len(down.requests) == 1)
+        await submit(stub, "waits", agent_pb2.NORMAL)
+        other_writer = sqlite3.connect(store, isolation_level=None, check_same_thread=False)
+        try:
+            other_writer.execute("BEGIN IMMEDIATE")  # the orchestrator's write waits for the lock (busy timeout)
+            with pytest.raises(grpc.aio.AioRpcError) as left:
+                await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="waits"), timeout=0.5)
+            assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.2)  # the handler is cancelled meanwhile; the write still waits on the lock
+            other_writer.execute("COMMIT")
+        finally:
+            other_writer.close()
+        cancelled = await final_state(stub, "waits")
+        assert cancelled.error == "CANCELLED: cancelled by CancelTask while QUEUED, before it started"
+        down.gate.set()
+        assert (await final_state(stub, "runs")).state == agent_pb2.SUCCEEDED
+        await until(lambda: REGISTRY.get_sample_value("switchyard_queue_depth", {"queue": "submitted"}) == 0)
+        for task_id in ("next-1", "next-2"):  # both places are free again
+            await submit(stub, task_id, agent_pb2.NORMAL)
+            assert (await final_state(stub, task_id)).state == agent_pb2.SUCCEEDED
+
+
 async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_own_status(tmp_path):
     """Errors quoted a caller's value whole: a 20,000-character task_type or task_id made status details past
     gRPC's 16 KiB metadata limit, and the caller got RESOURCE_EXHAUSTED ("received metadata size exceeds hard

@@ -773,14 +773,18 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     async def _cancel_held(self, task_id: str) -> agent_pb2.TaskStatus | None:
         """Cancel ``task_id`` if this orchestrator holds it and answer its status after it; None when it holds
         no such task. A queued task is taken out of the backlog, a running one cancelled and awaited until its
-        outcome is recorded, a finished one answered unchanged."""
+        outcome is recorded, a finished one answered unchanged. A queued task's outcome is recorded (and its
+        entry forgotten) whatever the caller does meanwhile: out of the backlog, nothing else would."""
         entry = self._submitted.remove_queued(task_id)
         if entry is not None:
             entry.cancelled = True
             entry.timings.total_s = 0.0
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
-            await self._record_finish(entry, agent_pb2.FAILED, b"",
-                                      "CANCELLED: cancelled by CancelTask while QUEUED, before it started")
+            # Shielded: a caller that left (its deadline) while the store wrote cut the write from the forget after
+            # it, and the entry held a place of orchestrator.max_unfinished_submitted_tasks for good.
+            await asyncio.shield(settle(asyncio.create_task(self._record_finish(
+                entry, agent_pb2.FAILED, b"", "CANCELLED: cancelled by CancelTask while QUEUED, before it started"),
+                name=f"record-cancel-{task_id}"), expected=lambda e: False))
             return entry.to_status()
         entry = self._submitted.get(task_id)
         if entry is not None and entry.final is None and entry.runner is not None:
