@@ -280,6 +280,33 @@ def test_an_option_of_switchyard_up_it_cannot_use_is_refused_naming_it_before_an
     assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
 
 
+@pytest.mark.parametrize(("section", "key", "value", "dispatchers", "message"), [
+    ("retrieval", "metrics_port", 9101, 1, "retrieval.metrics_port and orchestrator.metrics_port are both 9101"),
+    ("retrieval", "port", 50054, 2, "retrieval.port and dispatcher.port + 1 (--dispatchers 2) are both 50054"),
+    ("dispatcher", "metrics_port", 6379, 1,
+     "dispatcher.metrics_port and memory_policy.toml [dram] port (the embedded Redis) are both 6379"),
+])
+def test_two_services_of_switchyard_up_on_one_port_are_refused_naming_both_before_anything_starts(
+        tmp_path: Path, capsys, section: str, key: str, value: int, dispatchers: int, message: str) -> None:
+    # Each service's config refuses its own two ports on one number; switchyard up starts the three (and the
+    # DRAM tier's Redis) on one host, where retrieval's metrics port on the orchestrator's started retrieval and
+    # the dispatcher, then failed the orchestrator with 'metrics port 127.0.0.1:9101 for orchestrator: Address
+    # already in use', naming neither key.
+    from switchyard.launcher import main as up_main
+
+    config_dir = tmp_path / "config"
+    shutil.copytree(ROOT / "config", config_dir)
+    settings = json.loads((config_dir / "switchyard.json").read_text())
+    settings[section][key] = value
+    (config_dir / "switchyard.json").write_text(json.dumps(settings))
+    code = up_main(["--config-dir", str(config_dir), "--data-dir", str(tmp_path / "data"),
+                    "--dispatchers", str(dispatchers)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "--free-ports" in err, err
+    assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
+
+
 def test_an_embedded_redis_folder_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")

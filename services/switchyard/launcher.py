@@ -68,6 +68,7 @@ from switchyard.common import children, envs, up_files
 from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
+from switchyard.common.config.server import distinct_ports
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 from switchyard.serve import service_section
 
@@ -231,6 +232,25 @@ def _stop(services: list[Child], grace: float) -> None:
             child.proc.wait()
 
 
+def _listening_ports(config: SwitchyardConfig, dispatchers: int) -> dict[str, int | None]:
+    """Every port the stack ``switchyard up`` starts listens on without ``--free-ports``, by its key: each
+    service's port, metrics port and health port, the N dispatchers' ports (the configured ones plus 0, 1, ...
+    N-1), the HTTP face's and the embedded Redis's."""
+    ports: dict[str, int | None] = {}
+    for kind in ORDER:
+        section = service_section(config, kind)
+        for i in range(dispatchers if kind == "dispatcher" else 1):
+            extra = f" + {i} (--dispatchers {dispatchers})" if i else ""
+            ports[f"{kind}.port{extra}"] = section.port + i
+            ports[f"{kind}.metrics_port{extra}"] = section.metrics_port + i
+        ports[f"{kind}.health_port"] = section.health_port
+    if config.orchestrator.http.enabled:
+        ports["orchestrator.http.port"] = config.orchestrator.http.port
+    if config.memory.dram.embedded:
+        ports["memory_policy.toml [dram] port (the embedded Redis)"] = config.memory.dram.port
+    return ports
+
+
 def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | None = None) -> EmbeddedRedis | None:
     """The embedded DRAM-tier Redis, started; None when ``[dram] embedded`` is off or no binary exists.
 
@@ -305,6 +325,12 @@ def main(argv: list[str]) -> int:
             plan.append((name, kind, *ports))
     http = config.orchestrator.http
     http_port = (0 if args.free_ports else http.port) if http.enabled else None
+    if not args.free_ports:  # one host: a port two services share was found by the second bind, naming neither
+        try:
+            distinct_ports("", _listening_ports(config, args.dispatchers))
+        except ValueError as exc:
+            print(f"switchyard up: bad configuration: {exc}; or start the stack with --free-ports", file=sys.stderr)
+            return 2
 
     stopping = False
 

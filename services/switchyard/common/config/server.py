@@ -134,9 +134,11 @@ def _metrics_port(default: int) -> Any:
 
 
 def distinct_ports(section: str, ports: dict[str, int | None]) -> None:
-    """Refuse two of one service's listening ports (``ports``: key under ``section`` -> port; None: off, 0: a
-    free one, never a clash) set to the same number: the second bind failed once the service had started,
-    naming neither key (``metrics port 127.0.0.1:9102 for retrieval: Address already in use``).
+    """Refuse two listening ports of one host (``ports``: key under ``section``, or the whole key where
+    ``section`` is "", -> port; None: off, 0: a free one, never a clash) set to the same number: the second bind
+    failed once the first had started, naming neither key (``metrics port 127.0.0.1:9102 for retrieval: Address
+    already in use``). A service's own ports (its config section), and those of the services ``switchyard up``
+    starts on one host (launcher.py).
 
     Raises:
         ValueError: naming both keys and the port.
@@ -145,7 +147,8 @@ def distinct_ports(section: str, ports: dict[str, int | None]) -> None:
     for key, port in ports.items():
         if not port:
             continue
+        name = f"{section}.{key}" if section else key
         if port in seen:
-            raise ValueError(f"{section}.{seen[port]} and {section}.{key} are both {port}: expected a port of its own "
-                             "for each (0 picks a free one)")
-        seen[port] = key
+            raise ValueError(f"{seen[port]} and {name} are both {port}: expected a port of its own for each (0 picks "
+                             "a free one)")
+        seen[port] = name
