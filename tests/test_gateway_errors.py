@@ -113,6 +113,22 @@ async def test_unknown_default_model_with_unknown_fallback_reports_both(sim_open
     assert "claude-sonnet-4-5" in str(err) and "fallback model 'gpt-4o-mini-x' failed too" in str(err)
 
 
+async def test_a_fallback_not_found_names_no_request_mapping_it_never_had(clean_proxy_env):
+    # The fallback's id is the configuration's, not the request's: the note on its not-found read "model
+    # 'gpt-4o-mini-x' (the request's 'claude-sonnet-4-5', through model_gateway.model_map)", a mapping that never
+    # was. The request's own alias, mapped and not found, is still named (the test above).
+    with start_sim(faults={"claude-sonnet-4-5": Fault(status=503)}) as server:
+        cfg = gateway_config(server.base_url, fallback_model="gpt-4o-mini-x", max_retries=0)
+        err = await stream_error(cfg, ask("claude-sonnet-4-5"))
+    assert "fallback model 'gpt-4o-mini-x' failed too: model 'gpt-4o-mini-x' not found upstream" in str(err), err
+    assert "the request's" not in str(err)
+    with start_sim(faults={"claude-sonnet-4-5": Fault(status=503)}) as server:
+        cfg = gateway_config(server.base_url, fallback_model="fast", model_map={"fast": "gpt-4o-mini-x"},
+                             max_retries=0)
+        err = await stream_error(cfg, ask("claude-sonnet-4-5"))
+    assert "model 'gpt-4o-mini-x' (model_gateway.fallback_model 'fast', through model_gateway.model_map)" in str(err)
+
+
 async def test_wrong_base_url_path_is_not_found_naming_v1(sim_openai):
     err = await stream_error(gateway_config(sim_openai.base_url.removesuffix("/v1")))
     assert err.code == grpc.StatusCode.NOT_FOUND and "/v1" in str(err)

@@ -295,6 +295,22 @@ class GatewayClient:
                 windows.setdefault(alias, self._windows[target])
         return windows
 
+    def named_as(self, requested: str, model: str) -> str:
+        """Who named upstream id ``model`` (a call for client-facing ``requested``) by another name that
+        ``model_gateway.model_map`` mapped to it, and that name: ``"the request's 'sonnet'"``,
+        ``"model_gateway.default_model 'x'"`` or ``"model_gateway.fallback_model 'fast'"``; "" when ``model`` was
+        named as it is (an error names the id, and that name where the one who wrote it knows only the name)."""
+        cfg = self.config
+        chain = self.models_for(requested)
+        if model == chain[0]:
+            source, name = ("the request's", requested) if requested else ("model_gateway.default_model",
+                                                                            cfg.default_model)
+        elif model in chain[1:]:
+            source, name = "model_gateway.fallback_model", cfg.fallback_model
+        else:
+            return ""
+        return f"{source} {name!r}" if name and name != model else ""
+
     def reported_context_window(self, requested: str) -> int:
         """The context window, tokens, the upstream reported for the model client-facing ``requested`` maps to
         (:meth:`models_for`'s primary), from the last :meth:`list_models`; 0 when none was reported (or the
@@ -563,7 +579,8 @@ class GatewayClient:
             optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
             refused = servers.refused_field(response.status_code, text, optional)
             if refused is None:
-                raise await self._status_error(response, text, endpoint, model, call.key, request.model)
+                raise await self._status_error(response, text, endpoint, model, call.key,
+                                               self.named_as(request.model, model))
             dropped = self._refused.setdefault(endpoint.name, set())
             if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
                 continue
@@ -576,10 +593,10 @@ class GatewayClient:
             )
 
     async def _status_error(
-        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, requested: str = ""
+        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, named_as: str = ""
     ) -> GatewayError:
-        """The error of a non-2xx answer to a call of upstream id ``model`` (``requested``: the name the
-        request gave, which ``model_gateway.model_map`` mapped to it; a not-found names both)."""
+        """The error of a non-2xx answer to a call of upstream id ``model`` (``named_as``: who named it by another
+        name, which ``model_gateway.model_map`` mapped to it, :meth:`named_as`; a not-found names both)."""
         url = endpoint.chat_completions
         status = response.status_code
         if status in (400, 404, 422):
@@ -592,7 +609,7 @@ class GatewayClient:
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
-                                         served=known, requested=requested).naming(url)
+                                         served=known, named_as=named_as).naming(url)
                 if status == 404:
                     return EndpointNotFound(
                         f"upstream 404 for {url} although model {model!r} is listed; "

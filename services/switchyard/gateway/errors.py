@@ -78,14 +78,15 @@ class ModelNotFound(GatewayError):
     ``GET /v1/models`` does not list it (``transformers serve``: "Server is pinned to ...").
 
     ``served``: the ids ``/v1/models`` lists (None when it could not be read); the message
-    names up to ten of them. ``requested``: the name the request gave, when ``model_gateway.model_map``
-    mapped it to ``model`` (the message names both: the caller knows its own name).
+    names up to ten of them. ``named_as``: who named ``model`` by another name that ``model_gateway.model_map``
+    mapped to it, and that name (``"the request's 'sonnet'"``, ``"model_gateway.fallback_model 'fast'"``: the
+    message names both, as the one who wrote it knows it); "" when ``model`` was named as it is.
     """
 
     code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, model: str, nearest: str | None, detail: str = "",
-                 served: list[str] | None = None, requested: str = "") -> None:
+                 served: list[str] | None = None, named_as: str = "") -> None:
         hint = (
             f"did you mean {nearest!r}? set it in the request or in model_gateway.model_map"
             if nearest
@@ -96,7 +97,7 @@ class ModelNotFound(GatewayError):
         if served is not None:
             shown = ", ".join(repr(m) for m in served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
             listed = f"; the server serves {shown or 'no model'}"
-        mapped = f" (the request's {requested!r}, through model_gateway.model_map)" if requested and requested != model else ""
+        mapped = f" ({named_as}, through model_gateway.model_map)" if named_as else ""
         super().__init__(f"model {model!r}{mapped} not found upstream{tail}{listed}; {hint}")
         self.model = model
         self.nearest = nearest
