@@ -176,6 +176,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self._unrecorded: dict[str, tuple[Submitted, int, bytes, str]] = {}
         """Outcomes the task store refused (task id -> the entry and its outcome), written again by
         :meth:`_record_again` until it takes them, and once more at :meth:`stop`."""
+        self._undeleted: set[str] = set()
+        """Records of tasks refused after they were written (the backlog filled meanwhile) whose delete the store
+        refused, deleted again by :meth:`_record_again` as the outcomes are written (a record left QUEUED on a
+        live orchestrator that holds no such task is never swept: it read QUEUED for good)."""
         self._recording: asyncio.Task[None] | None = None
         self._cancels: asyncio.Task[None] | None = None
         """:meth:`_carry_out_cancels`, from :meth:`start` to :meth:`stop`."""
@@ -303,9 +307,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             self._recording.cancel()
             await asyncio.gather(self._recording, return_exceptions=True)
         self._closing_store = True
-        if self._unrecorded and await self._write_unrecorded():  # a last try before the store closes
-            log.error("%d task outcome(s) the task store refused are lost with this orchestrator: %s",
-                      len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:10]))
+        if (self._unrecorded or self._undeleted) and await self._write_unrecorded():  # a last try before it closes
+            if self._unrecorded:
+                log.error("%d task outcome(s) the task store refused are lost with this orchestrator: %s",
+                          len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:10]))
+            if self._undeleted:  # QUEUED records of a gone owner: the orphan sweep fails them
+                log.warning("%d refused task(s) keep their records, failed as orphans once this orchestrator's lease "
+                            "runs out: %s", len(self._undeleted), ", ".join(sorted(self._undeleted)[:10]))
         await self.tasks.close()
         deps, self._deps = self._deps, None
         if deps is not None:
@@ -646,10 +654,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         await self._record_finish(entry, state, result, error)
 
     async def _delete_refused(self, task_id: str) -> None:
+        """Delete the record of a task refused after it was written; where the store refuses, again later
+        (:meth:`_record_again`) until it takes it."""
         try:
             await self.tasks.delete(task_id)
         except SwitchyardError as exc:
-            log.warning("task %s: refused before it was queued, but its record stays: %s", task_id, exc)
+            log.warning("task %s: refused before it was queued, but the task store did not delete its record: %s; "
+                        "deleted again until the store takes it", task_id, exc)
+            self._undeleted.add(task_id)
+            self._write_again_later()
 
     def _visible_to_caller(self, tenant_id: str, context: grpc.aio.ServicerContext) -> bool:
         """Whether the caller may read a task of ``tenant_id``: always with auth off or a token that names no
@@ -695,13 +708,25 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             log.warning("task %s: %s, but the task store did not record it: %s; this orchestrator answers it and "
                         "writes it again until the store takes it", task_id, agent_pb2.TaskState.Name(state), exc)
             self._unrecorded[task_id] = (live, state, result, error)
-            if self._recording is None or self._recording.done():
-                self._recording = asyncio.create_task(self._record_again(), name="record-outcomes-again")
+            self._write_again_later()
             return
         self._submitted.forget(task_id)
 
+    def _write_again_later(self) -> None:
+        """Start :meth:`_record_again` unless it runs."""
+        if self._recording is None or self._recording.done():
+            self._recording = asyncio.create_task(self._record_again(), name="record-outcomes-again")
+
     async def _write_unrecorded(self) -> int:
-        """One try at each outcome the store refused; returns how many are still unrecorded."""
+        """One try at each outcome the store refused, and at each refused task's delete; returns how many are
+        still not written."""
+        for task_id in list(self._undeleted):
+            try:
+                await self.tasks.delete(task_id)
+            except SwitchyardError:
+                continue
+            self._undeleted.discard(task_id)
+            log.info("task %s: refused before it was queued, its record is deleted now", task_id)
         for task_id, (live, state, result, error) in list(self._unrecorded.items()):
             try:
                 await self.tasks.finish(task_id, state, result=result, error=error,
@@ -711,14 +736,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             del self._unrecorded[task_id]
             self._submitted.forget(task_id)
             log.info("task %s: its outcome (%s) is in the task store now", task_id, agent_pb2.TaskState.Name(state))
-        return len(self._unrecorded)
+        return len(self._unrecorded) + len(self._undeleted)
 
     async def _record_again(self) -> None:
         """Write the refused outcomes again, every :data:`RECORD_AGAIN_S` seconds doubled up to
         :data:`RECORD_AGAIN_MAX_S`, until the store has taken them all (a finished task must not read as lost
-        after this process stops: its store row says RUNNING until then)."""
+        after this process stops: its store row says RUNNING until then), and delete the refused tasks' records
+        the store kept."""
         wait = RECORD_AGAIN_S
-        while self._unrecorded:
+        while self._unrecorded or self._undeleted:
             await asyncio.sleep(wait)
             if await self._write_unrecorded():
                 wait = min(wait * 2, RECORD_AGAIN_MAX_S)
