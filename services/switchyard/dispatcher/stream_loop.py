@@ -185,7 +185,7 @@ class StreamLoop(LoopBase):
                     # TTFT (a token's or a tool call's) and inter-token latency: the step loop's rule
                     produced = record_output(req, *before)
                     if seq.usage is not None:  # the server's own count: one chunk may carry several tokens
-                        produced += max(0, seq.usage.completion_tokens - len(req.output_tokens))
+                        produced += seq.usage.completion_beyond(len(req.output_tokens))
                     if produced:
                         metrics.GENERATED_TOKENS.inc(produced)
                     self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token

@@ -264,6 +264,12 @@ class Usage:
     finish_reason: str | None = None
     model: str = ""
 
+    def completion_beyond(self, streamed: int) -> int:
+        """Completion tokens the server counted beyond the ``streamed`` token texts (one chunk may carry
+        several tokens: speculative decoding, a stream interval; a tool call's arguments come as no text);
+        0 when it counted fewer."""
+        return max(0, self.completion_tokens - streamed)
+
 
 StreamItem = Union[str, ToolCall, Usage]
 """What a stream engine yields: token texts, tool calls, and finally one Usage."""

@@ -208,7 +208,7 @@ def service_tokens(req: Request, result: StepResult) -> int:
     if seq is None:
         return 1
     if seq.usage is not None:
-        return max(0, seq.usage.prompt_tokens) + max(0, seq.usage.completion_tokens - len(req.output_tokens))
+        return max(0, seq.usage.prompt_tokens) + seq.usage.completion_beyond(len(req.output_tokens))
     if seq.texts:
         return len(seq.texts)
     return 0 if seq.tool_calls else 1
