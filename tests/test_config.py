@@ -477,6 +477,10 @@ def test_container_variables_override_host_and_task_store(monkeypatch):
     ("127.0.0.1:", "no port"), (":50052", "':50052' has no host"), ("dns:///retrieval", "'retrieval' has no port"),
     ("ipv4:127.0.0.1:5001,,127.0.0.1:5002", "lists an empty address"), ("a b:50052", "host 'a b' holds a space"),
     ("[::1]", "has no port after its bracketed host"), ("127.0.0.1:0", "port '0' is not 1-65535"),
+    # a URL's scheme: http://dispatcher:50053 loaded (host 'http://dispatcher') and gRPC read it as a DNS name;
+    # xds:///svc read "port '///svc' is not 1-65535"
+    ("http://dispatcher:50053", "scheme 'http:' is not one the orchestrator dials"),
+    ("xds:///dispatcher", "scheme 'xds:' is not one the orchestrator dials"),
 ])
 def test_a_downstream_target_no_channel_can_reach_is_refused_at_load_naming_its_key_or_variable(
         config_dir, monkeypatch, target, problem):

@@ -59,6 +59,9 @@ def grpc_target_problem(target: str) -> str:
     "" when nothing does. A target without a port (gRPC would dial 443), with a port past 65535, or with no host
     is named here, at load: it was accepted, the orchestrator reported ready, and every task failed UNAVAILABLE."""
     scheme, sep, rest = target.partition(":")
+    if sep and rest.startswith("//") and scheme not in ("dns", "unix"):
+        return (f"scheme {scheme + ':'!r} is not one the orchestrator dials (an http:// URL names an HTTP server, "
+                "and xds: needs a bootstrap the services do not set up)")
     if sep and scheme in ("unix", "unix-abstract"):
         return "" if rest.strip("/") else f"{target!r} names no socket path"
     if sep and scheme in ("ipv4", "ipv6") and "" in rest.split(","):
