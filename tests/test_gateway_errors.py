@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 
 import grpc
 import pytest
@@ -318,6 +319,58 @@ async def test_a_bad_status_line_is_unavailable_and_retried_on_both_transports(c
     async with raw_upstream(b"HELLO THIS IS NOT HTTP\r\n\r\n") as base:
         err = await stream_error(gateway_config(base, http_transport=transport, fallback_model="", max_retries=1))
     assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err) and base in str(err)
+
+
+@contextlib.asynccontextmanager
+async def hanging_up_upstream(how: str):
+    """A server on 127.0.0.1 that accepts each POST's connection, reads the request and ends the connection
+    before any status line: ``close`` (a FIN) or ``reset`` (an RST). A GET is answered 200 with no body (a
+    ``/metrics`` with no figures, so a pool's scrape keeps it up). Yields its base URL and the POSTs counted."""
+    posts = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        else:
+            posts.append(head)
+            if how == "reset":
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                          struct.pack("ii", 1, 0))
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", posts
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_a_connection_ended_before_the_headers_is_a_cut_call_not_an_unreachable_server(
+        clean_proxy_env, transport, how):
+    """A server that accepted the connection and closed or reset it before answering (a worker that crashed on
+    the request, an idle keep-alive connection closed as it was reused) was, on aiohttp, httpx-aiohttp's
+    ConnectTimeout: "upstream unavailable (ConnectTimeout: ServerDisconnectedError ...); start the model
+    server", and its endpoint was marked down in a pool, as if it could not be reached. httpx says
+    RemoteProtocolError / ReadError: a cut call, retried and failed over like one."""
+    async with hanging_up_upstream(how) as (base, posts):
+        err = await stream_error(gateway_config(base, http_transport=transport, fallback_model="", max_retries=1))
+        assert len(posts) == 2, "retried"
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err), str(err)
+    assert "Timeout" not in str(err) and "start the model server" not in str(err), str(err)
+    async with hanging_up_upstream(how) as (base, posts):
+        with start_sim() as server:
+            cfg = gateway_config(base, http_transport=transport, fallback_model="", default_model="sim-7b",
+                                 pool={"endpoints": [base, server.base_url], "scrape_interval_s": 60.0})
+            async with GatewayClient(cfg) as client:
+                for agent in range(8):
+                    events = [e async for e in client.stream_chat(ask(affinity_key=f"agent-{agent}"))]
+                    assert events[-1].finish_reason == "stop"
+                hanging_up = next(e for e in client.pool.endpoints.values() if e.url.startswith(base))
+                assert posts and hanging_up.up, "a server that answered the connection is not marked down"
 
 
 async def test_a_refusal_of_a_call_sent_without_a_key_says_the_server_wants_one(monkeypatch, clean_proxy_env):

@@ -9,7 +9,8 @@ as it does on httpx's own transport:
 
 - **Every aiohttp failure is an httpx error naming aiohttp's.** httpx-aiohttp
   maps connection, timeout and payload errors (their messages are given
-  aiohttp's type here, which the mapped httpx type may misname); the rest (``ClientResponseError`` for a bad
+  aiohttp's type here, and the httpx type httpcore raises for the same
+  failure where httpx-aiohttp's misnames it: :func:`_httpx_kind`); the rest (``ClientResponseError`` for a bad
   status line or an over-long header, any other ``aiohttp.ClientError``)
   would escape the gateway's error table as INTERNAL. They become
   ``httpx.RemoteProtocolError`` (what httpcore raises for the same input), so
@@ -47,10 +48,21 @@ def _as_httpx_errors() -> Iterator[None]:
         cause = exc.__cause__
         if not isinstance(cause, aiohttp.ClientError):
             raise
-        # httpx-aiohttp's mapping keeps aiohttp's message, not its type, which names what happened; and
-        # it maps a refused connection (ClientConnectorError) to ConnectTimeout, as httpcore does not
-        kind = httpx.ConnectError if isinstance(cause, aiohttp.ClientConnectorError) else type(exc)
-        raise kind(describe(cause)) from cause  # httpx attaches the request
+        raise _httpx_kind(exc, cause)(describe(cause)) from cause  # httpx attaches the request
+
+
+def _httpx_kind(exc: httpx.TransportError, cause: aiohttp.ClientError) -> type[httpx.TransportError]:
+    """The httpx error httpcore raises for what aiohttp raised as ``cause``. httpx-aiohttp maps every
+    ``ClientConnectionError`` that is not a timeout to ``ConnectTimeout``: a refused connection
+    (``ClientConnectorError``; httpcore: ``ConnectError``), and also a connection made and then closed
+    (``ServerDisconnectedError``, a server that closes before its headers; httpcore: ``RemoteProtocolError``)
+    or reset (``ClientOSError``; httpcore: ``ReadError``). Those two read as an endpoint that cannot be reached
+    (marked down in a pool, "start the model server") when it had answered the connection."""
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError
+    if isinstance(exc, httpx.ConnectTimeout) and not isinstance(cause, TimeoutError):
+        return httpx.RemoteProtocolError if isinstance(cause, aiohttp.ServerDisconnectedError) else httpx.ReadError
+    return type(exc)
 
 
 def describe(exc: aiohttp.ClientError) -> str:
