@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import time
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa:
 
 from switchyard.gateway.classify import error_for_status, retry_after_s
 from switchyard.gateway.client import GatewayClient
+from switchyard.gateway.cooldown import Cooldowns
 from switchyard.gateway.errors import BadUpstreamRequest, GatewayError, UpstreamRateLimited
 from switchyard.gateway.events import ChatRequest
 from switchyard.gateway.faults import Fault
@@ -164,3 +166,54 @@ async def test_a_short_wait_is_waited_out_by_later_calls_too(clean_proxy_env) ->
         assert server.state.counts[PRIMARY] == 2
         first, second = server.state.arrivals[PRIMARY]
         assert second - first >= 0.3
+
+
+def test_the_retry_waits_a_retry_after_out_by_the_cooldowns_clock_on_uvloop() -> None:
+    """uvloop rounds a delay to whole milliseconds (10.4 ms: 10) and times it from a millisecond clock, so
+    a retry that slept the 10.4 ms a 429 asked for woke, now and then, before time.monotonic() (the
+    cooldown's clock) had advanced as far, and was refused without being sent. Thirty calls: each must be
+    sent twice."""
+    import uvloop
+
+    config = gateway_config("http://127.0.0.1:1/v1", max_retries=1)
+
+    async def calls() -> list[float]:
+        gaps = []
+        for _ in range(30):
+            cooldowns, sent = Cooldowns(config), []
+
+            async def attempt(model: str) -> str:
+                async def once() -> str:
+                    sent.append(time.monotonic())
+                    if len(sent) == 1:
+                        raise _rate_limited(0.0104)
+                    return "ok"
+
+                return await cooldowns.call(model, once)
+
+            assert await with_retries("m", attempt, config) == "ok"
+            gaps.append(sent[1] - sent[0])
+        return gaps
+
+    assert min(uvloop.run(calls())) >= 0.0104
+
+
+@pytest.mark.parametrize("asked", [{"retry_after_ms": 250.49}, {"retry_after_date": 1}])
+def test_a_retry_after_a_wait_is_not_refused_by_the_wait_it_waited_out(clean_proxy_env, asked) -> None:
+    """The services run on uvloop, whose timers round a delay down to whole milliseconds and may fire before
+    time.monotonic() (the clock the model's cooldown keeps the wait by) has advanced as far: the retry that
+    had waited the asked 0.25049 s woke a fraction of a millisecond early, was refused without being sent
+    ("asked to wait 0.3 s ...; 0.0 s of it left, so the call was not sent"), and with max_retries 1 the call
+    failed although the server would have served it."""
+    import uvloop
+
+    async def call() -> str:
+        with start_sim(faults={PRIMARY: Fault(status=429, fail_first=1, **asked)}) as server:
+            config = gateway_config(server.base_url, max_retries=1, retry_after_max_s=30, fallback_model="")
+            async with GatewayClient(config) as client:
+                served = await _served_by(client)
+            assert server.state.counts[PRIMARY] == 2
+        return served
+
+    for _ in range(3):
+        assert uvloop.run(call()) == PRIMARY

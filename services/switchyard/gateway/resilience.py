@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -36,9 +37,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+async def sleep_out(seconds: float) -> None:
+    """Wait until ``time.monotonic()`` has advanced ``seconds``: the clock a model's cooldown keeps a
+    Retry-After by (:mod:`switchyard.gateway.cooldown`). ``asyncio.sleep`` on uvloop, which every service
+    runs on, rounds the delay to whole milliseconds from the loop's cached millisecond time, so it may
+    return up to a millisecond or two (more on a busy loop) before that clock has advanced as far: a retry
+    that waited out the asked wait was then refused for the fraction left."""
+    end = time.monotonic() + seconds
+    await asyncio.sleep(seconds)
+    while (left := end - time.monotonic()) > 0:
+        await asyncio.sleep(max(left, 0.001))
+
+
 async def with_retries(
     model: str, once: Callable[[str], Awaitable[T]], config: UpstreamConfig, deadline: float | None = None,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    sleep: Callable[[float], Awaitable[None]] = sleep_out,
 ) -> T:
     """``await once(model)``, retried up to ``config.max_retries`` times on retryable GatewayErrors.
 
