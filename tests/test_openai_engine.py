@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 
 import grpc
@@ -192,6 +193,25 @@ async def test_run_task_chat_on_the_openai_engine(sim_openai):
     assert final.usage.completion_tokens == token_count(tokens)
     body = sim_openai.state.requests[-1]
     assert body["model"] == "claude-sonnet-4-5" and body["priority"] == 0 and body["stream"] is True
+
+
+async def test_the_final_event_says_why_the_model_stopped_and_a_cut_answer_is_named_cut(sim_openai):
+    """The dispatcher's done chunk carried the upstream's finish_reason, and the task's final event dropped
+    it: an answer the model finished and one cut at max_tokens (finish_reason length) read the same, to
+    gRPC, HTTP and switchyard run alike."""
+    from switchyard.client import HumanPrinter
+
+    finished = await run_task(sim_openai.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"))
+    cut = await run_task(sim_openai.base_url, agent_pb2.RunTaskRequest(payload="hi", task_type="chat", max_tokens=2))
+    assert finished[-1].final.finish_reason == "stop" and cut[-1].final.finish_reason == "length"
+    assert cut[-1].final.usage.completion_tokens == 2
+    printed = {}
+    for name, events in (("finished", finished), ("cut", cut)):
+        out = io.StringIO()
+        HumanPrinter(out)(events[-1])
+        printed[name] = out.getvalue()
+    assert "finish stop" in printed["finished"] and "cut short" not in printed["finished"]
+    assert "finish length" in printed["cut"] and "output cut short" in printed["cut"]
 
 
 async def test_run_task_upstream_failure_reaches_the_caller_as_its_status(clean_proxy_env):

@@ -110,6 +110,14 @@ async def test_a_core_and_a_batch_task_are_both_served(clean_proxy_env, transfor
     assert answered(core, 8) and answered(batch, 8)
 
 
+async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_server):
+    """transformers serve ends a stream cut at max_tokens with finish_reason "length"; the task's final event
+    carries it (it was dropped at the orchestrator: a cut answer read as a finished one)."""
+    async with stack(transformers_server.base_url, transformers_server.model) as stub:
+        events = await run(stub, payload=WORDY, task_type="chat", max_tokens=4)
+    assert answered(events, 4) and events[-1].final.finish_reason == "length"
+
+
 @pytest.fixture(scope="module")
 def debug_transformers_server(tiny_llama_dir, tmp_path_factory):
     """A second stock ``transformers serve`` whose continuous-batching logger is set to DEBUG (by a

@@ -105,8 +105,12 @@ class HumanPrinter:
             waits = ", ".join(f"{q} {_ms(w)}" for q, w in sorted(t.queue_wait_s.items())) or "none"
             self._line(
                 f"final: {f.usage.prompt_tokens} prompt + {f.usage.completion_tokens} completion tokens; "
-                f"TTFT {_ms(t.ttft_s)}, total {_ms(t.total_s)}; model {f.model or '-'}"
+                f"TTFT {_ms(t.ttft_s)}, total {_ms(t.total_s)}; model {f.model or '-'}; "
+                f"finish {terminal_safe(f.finish_reason or '-')}"
             )
+            if f.finish_reason == "length":
+                self._line("output cut short: the model reached its token limit (finish_reason length); "
+                           "raise --max-tokens")
             self._line(f"queue waits: {waits}")
             self._line(f"compute score used {f.compute_score_used:.3f} score-seconds, memory peak {f.memory_peak_bytes} bytes")
             for i, p in enumerate(f.passages, 1):

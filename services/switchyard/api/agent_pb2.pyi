@@ -190,7 +190,7 @@ class ToolResultEvent(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ..., is_error: _Optional[bool] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class FinalEvent(_message.Message):
-    __slots__ = ("task_id", "output", "usage", "timings", "compute_score_used", "memory_peak_bytes", "trace_id", "model", "passages")
+    __slots__ = ("task_id", "output", "usage", "timings", "compute_score_used", "memory_peak_bytes", "trace_id", "model", "passages", "finish_reason")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class FinalEvent(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PASSAGES_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     output: str
     usage: TokenUsage
@@ -209,7 +210,8 @@ class FinalEvent(_message.Message):
     trace_id: str
     model: str
     passages: _containers.RepeatedCompositeFieldContainer[Passage]
-    def __init__(self, task_id: _Optional[str] = ..., output: _Optional[str] = ..., usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., passages: _Optional[_Iterable[_Union[Passage, _Mapping]]] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, task_id: _Optional[str] = ..., output: _Optional[str] = ..., usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., trace_id: _Optional[str] = ..., model: _Optional[str] = ..., passages: _Optional[_Iterable[_Union[Passage, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
     __slots__ = ("accepted", "stage", "token", "tool_call", "tool_result", "final")

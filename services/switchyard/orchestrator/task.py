@@ -124,6 +124,8 @@ class Task:
     memory_peak_bytes: int = 0
     model: str = ""
     """The model that answered, from the dispatcher's done chunk."""
+    finish_reason: str = ""
+    """Why the last model call ended (stop, length, tool_calls), from the dispatcher's done chunk."""
     generations: int = 0
 
     @property
@@ -261,6 +263,7 @@ class Task:
                 self.compute_score_used += done.compute_score_used
                 self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
                 self.model = done.model or self.model
+                self.finish_reason = done.finish_reason
         program.steps.observe(workflow, "model", time.monotonic() - started)
         return "".join(text), calls
 
@@ -308,7 +311,8 @@ class Task:
 
     def final_event(self) -> agent_pb2.FinalEvent:
         """The task's final event: output, usage, timings (``total_s`` now), compute score, KV peak,
-        trace id, model and the passages it could cite."""
+        trace id, model, the passages it could cite and why its last model call ended (``length``: the output
+        is cut short)."""
         self.timings.total_s = time.monotonic() - self.t0
         return agent_pb2.FinalEvent(
             task_id=self.spec.task_id,
@@ -320,6 +324,7 @@ class Task:
             trace_id=self.trace_id,
             model=self.model or self.spec.model or self.deps.inference.known_default_model,
             passages=self.passages,
+            finish_reason=self.finish_reason,
         )
 
 
