@@ -372,6 +372,25 @@ async def test_the_dispatchers_upstream_gauges_show_the_pools_totals_and_each_en
             assert gauge("switchyard_upstream_in_flight") == 0
 
 
+async def test_each_endpoints_limit_gauge_shows_the_streams_it_admits_and_they_sum_to_the_pools(clean_proxy_env):
+    """A 429 halves an endpoint's limit of 5 to 2.5: it admits 2 streams, and its gauge read 2.5, so the
+    endpoints' gauges summed to more than switchyard_upstream_concurrency_limit, the pool's admission limit
+    (7.5 beside 7)."""
+    with replicas(1) as healthy, run_in_thread(SimOpenAIOptions(latency=False, faults={"*": Fault(status=429)})) as bad:
+        config = pool_config([bad.base_url, *(s.base_url for s in healthy)])
+        config = config.model_copy(update={"concurrency": config.concurrency.model_copy(update={"initial_limit": 5})})
+        async with GatewayClient(config) as client:
+            for agent in range(20):  # until a call is homed on the one answering 429, then moved to the other
+                assert isinstance((await complete(client, ask(f"agent-{agent}")))[-1], Finished)
+                if bad.state.requests:
+                    break
+            endpoints = list(client.pool.endpoints.values())
+            assert sorted(e.limit.limit for e in endpoints) == [2.5, 5], "one 429 answered"
+            shown = [gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=e.name) for e in endpoints]
+            assert sorted(shown) == [2, 5]
+            assert sum(shown) == gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit
+
+
 async def test_the_circuit_gauge_counts_the_endpoints_in_each_state_and_a_joining_one_changes_no_other(
         clean_proxy_env):
     with replicas(2) as servers:

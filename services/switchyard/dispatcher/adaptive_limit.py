@@ -238,9 +238,15 @@ class AdaptiveConcurrencyLimit:
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
         None until the server reported a queue (:meth:`on_server_queue`)."""
-        limit_gauge.set(self.limit)
+        limit_gauge.set(self.streams)
         knee_gauge.set(0)
         in_flight_gauge.set(0)
+
+    @property
+    def streams(self) -> int:
+        """Streams the limit lets in flight now: ``int(limit)``, what admission goes by and its gauge shows (the
+        float's fraction is the rule's progress between whole streams, never a stream admitted)."""
+        return int(self.limit)
 
     # ------------------------------------------------------------------ admission
 
@@ -450,4 +456,4 @@ class AdaptiveConcurrencyLimit:
         if self.server_cap is not None:
             value = min(value, self.server_cap)
         self.limit = max(float(self.config.min_limit), min(float(self.config.max_limit), value))
-        self._limit_gauge.set(self.limit)
+        self._limit_gauge.set(self.streams)

@@ -88,7 +88,7 @@ ENDPOINT_IN_FLIGHT = Gauge(
 )
 ENDPOINT_LIMIT = Gauge(
     "switchyard_gateway_endpoint_concurrency_limit",
-    "The upstream endpoint's adaptive concurrency limit, streams.",
+    "Streams the upstream endpoint's adaptive concurrency limit admits now (the limit's whole part).",
     ["endpoint"],
 )
 ENDPOINT_KNEE = Gauge(

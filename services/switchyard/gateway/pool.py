@@ -145,7 +145,7 @@ class Endpoint:
     @property
     def limit_value(self) -> int:
         """Its concurrency limit now, streams."""
-        return int(self.limit.limit)
+        return self.limit.streams
 
     @property
     def ttft_s(self) -> float | None:
