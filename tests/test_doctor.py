@@ -165,6 +165,51 @@ def test_a_cut_stream_is_named_a_missing_end_marker(clean_proxy_env, monkeypatch
     assert "FAIL  stream probe" in out and "missing end marker" in out and "fix: the stream was cut" in out
 
 
+@pytest.mark.parametrize("fault, says, fix", [
+    ("stream_error", "the server failed the request inside its stream: upstream ", "look for it in the server's logs"),
+    ("cut_after", "connection cut: connection to ", "closed the connection before the answer ended"),
+    ("close_before_headers", "connection cut: connection to ", "closed the connection before the answer ended"),
+])
+def test_a_stream_the_server_failed_or_a_connection_cut_is_not_named_a_missing_end_marker(
+        clean_proxy_env, monkeypatch, capsys, fault, says, fix):
+    """An error object inside the stream and a connection closed mid-answer (or before its headers) were all
+    reported 'missing end marker' with the fix for a stream ended without one (a proxy's read timeout or
+    buffering)."""
+    import asyncio
+    import threading
+
+    from switchyard.gateway.faults import Fault
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    if fault == "close_before_headers":
+        loop = asyncio.new_event_loop()
+
+        async def hang_up(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET"):  # the model list: the probe is what hangs up
+                body = b'{"object": "list", "data": [{"id": "claude-sonnet-4-5"}, {"id": "gpt-4o-mini"}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+                await writer.drain()
+            writer.close()
+
+        server = loop.run_until_complete(asyncio.start_server(hang_up, "127.0.0.1", 0))
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        try:
+            code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1")
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            server.close()
+    else:
+        with start_sim(faults={"*": Fault(**{fault: 500 if fault == "stream_error" else 1})}) as sim:
+            code, out = run_doctor(capsys, "--base-url", sim.base_url)
+    assert code == 1
+    assert "FAIL  stream probe" in out and says in out and fix in out, out
+    assert "missing end marker" not in out and "fix: the stream was cut" not in out, out
+
+
 def test_a_refused_priority_field_is_named_with_its_fix(clean_proxy_env, monkeypatch, capsys, tmp_path):
     """transformers serve answers forward_priority's field with 422 "Unexpected fields in the request"."""
     monkeypatch.setenv(KEY_ENV, TEST_KEY)

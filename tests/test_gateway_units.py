@@ -229,9 +229,10 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
     ({"message": "slow down", "type": "rate_limit_exceeded"}, "UpstreamRateLimited",
      grpc.StatusCode.RESOURCE_EXHAUSTED),
     ({"message": "slow down", "code": 429}, "UpstreamRateLimited", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ({"message": "overloaded", "type": "server_error", "code": None}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
-    ({"message": "oops", "code": 500}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
-    ({"message": "odd", "code": True}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "overloaded", "type": "server_error", "code": None}, "UpstreamStreamError",
+     grpc.StatusCode.UNAVAILABLE),
+    ({"message": "oops", "code": 500}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
+    ({"message": "odd", "code": True}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
     ({"message": "bad key", "code": 401}, "UpstreamAuthError", grpc.StatusCode.UNAUTHENTICATED),
     ({"message": "no right", "code": 403}, "UpstreamAuthError", grpc.StatusCode.PERMISSION_DENIED),
     ({"message": "no such model", "code": 404}, "BadUpstreamRequest", grpc.StatusCode.NOT_FOUND),
@@ -241,7 +242,7 @@ def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status
     with pytest.raises(GatewayError) as caught:
         StreamDecoder("m").feed(json.dumps({"error": error}))
     assert type(caught.value).__name__ == kind and caught.value.code == code
-    assert caught.value.retryable == (kind in ("UpstreamRateLimited", "StreamBroken"))
+    assert caught.value.retryable == (kind in ("UpstreamRateLimited", "UpstreamStreamError"))
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 409, 413, 422, 429, 503])
@@ -268,7 +269,7 @@ def test_an_in_stream_error_and_the_same_status_as_an_answer_are_one_error(statu
      "BadUpstreamRequest", grpc.StatusCode.INVALID_ARGUMENT),
     ({"error": "Model is overloaded", "error_type": "overloaded"}, "UpstreamRateLimited",
      grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ({"error": "CUDA error", "error_type": "generation"}, "StreamBroken", grpc.StatusCode.UNAVAILABLE),
+    ({"error": "CUDA error", "error_type": "generation"}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
 ])
 def test_tgis_in_stream_error_is_classified_by_its_error_type(chunk, kind, code):
     with pytest.raises(GatewayError) as caught:

@@ -24,6 +24,7 @@ from switchyard.gateway.errors import (
     UpstreamAuthError,
     UpstreamRateLimited,
     UpstreamServerError,
+    UpstreamStreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
     snippet,
@@ -107,7 +108,7 @@ def error_for_status(
     if in_stream:
         where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
         if status is None or status == 408 or (status >= 500 and status != 503):
-            return StreamBroken(f"{where}{f' (status {status})' if status else ''}: {quoted}")
+            return UpstreamStreamError(f"{where}{f' (status {status})' if status else ''}: {quoted}")
         head = f"{where} (status {status}): {quoted}"
     else:
         head = f"upstream {status} from {url} (upstream said {quoted})"

@@ -11,7 +11,7 @@ How a stream ends (:attr:`StreamDecoder.ending`): ``data: [DONE]`` (``done_marke
 or, with no marker, a body that ends cleanly after a choice carried its
 ``finish_reason`` (``finish_reason``): Hugging Face's ``transformers serve`` sends
 no ``[DONE]``, and the OpenAI Python SDK accepts a stream that simply ends. A body
-that ends before any ``finish_reason`` and without the marker was cut (StreamBroken).
+that ends before any ``finish_reason`` and without the marker was cut (NoEndMarker, a StreamBroken).
 The streams of vLLM, SGLang, TGI, llama.cpp, Ollama, ``transformers serve`` and the
 OpenAI API are kept byte for byte under ``tests/data/upstream_streams/``.
 
@@ -44,7 +44,7 @@ from typing import Any
 
 from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
-from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError, snippet
+from switchyard.gateway.errors import GatewayError, NoEndMarker, StreamProtocolError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE, ERROR_EVENT
 from switchyard.gateway.events import Finished, StreamEvent, Token, ToolCallOut, Usage
@@ -317,13 +317,13 @@ class StreamDecoder:
         """Events due when the body ended cleanly.
 
         Raises:
-            StreamBroken: the body ended before any choice carried a ``finish_reason`` and
+            NoEndMarker: the body ended before any choice carried a ``finish_reason`` and
                 without ``data: [DONE]`` (a cut stream).
             StreamProtocolError: chunks came but none carried a choice ("reading choices").
         """
         if self.ending is None:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
-            raise StreamBroken(
+            raise NoEndMarker(
                 f"stream ended before any finish_reason and without 'data: [DONE]' (no end marker) after "
                 f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
             )

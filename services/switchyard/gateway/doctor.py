@@ -11,7 +11,8 @@ the addresses the stack dials (:func:`certificate_checks`); the server's flavour
 streamed one-token completion of the default model, sent as the engine sends it
 (priority class core, so a forwarded priority field goes too). The probe names what is
 wrong: a missing end marker (the stream ended before any ``finish_reason`` and without
-``data: [DONE]``: cut), a request field the server refused (400/422 naming it; the
+``data: [DONE]``: cut), a connection closed before the answer ended, an error the server
+sent inside the stream, a request field the server refused (400/422 naming it; the
 gateway drops it, but what it carried is lost), an unknown model with the ids the server
 serves.
 With a pool of replicas (``model_gateway.pool.endpoints``), the base URL, model,
@@ -42,7 +43,15 @@ from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConf
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError, ModelNotFound, StreamBroken, UpstreamTimeout, snippet
+from switchyard.gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoEndMarker,
+    StreamBroken,
+    UpstreamStreamError,
+    UpstreamTimeout,
+    snippet,
+)
 from switchyard.gateway.events import ChatRequest, Finished
 from switchyard.gateway.keys import ApiKey, load_api_key
 from switchyard.gateway.proxy import ProxyRoute, client_settings, configured_proxies, no_proxy, proxy_for
@@ -222,11 +231,23 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
                               priority=PriorityClass.CORE, request_id="switchyard-doctor")
         try:
             items = [event async for event in client.stream_chat(request)]
-        except StreamBroken as exc:
+        except NoEndMarker as exc:
             checks.append(Check(
                 "stream probe", False, f"missing end marker: {exc}",
                 "the stream was cut: look for a proxy or load balancer with a short read timeout or response "
                 "buffering between here and the server, and at the server's logs",
+            ))
+        except UpstreamStreamError as exc:
+            checks.append(Check(
+                "stream probe", False, f"the server failed the request inside its stream: {exc}",
+                "the server answered and then reported an error for this request (X-Request-Id "
+                f"{request.request_id}): look for it in the server's logs",
+            ))
+        except StreamBroken as exc:
+            checks.append(Check(
+                "stream probe", False, f"connection cut: {exc}",
+                "the server, or a proxy or load balancer between here and it, closed the connection before the "
+                "answer ended: look at the server's logs (a crash or restart) and at what sits between",
             ))
         except UpstreamTimeout as exc:
             checks.append(Check(

@@ -162,11 +162,21 @@ class UpstreamTimeout(GatewayError):
 
 
 class StreamBroken(GatewayError):
-    """The SSE stream was cut: the connection broke, or the body ended before any ``finish_reason``
-    and without ``data: [DONE]``."""
+    """The SSE stream was cut: the connection broke (this class), the body ended before any ``finish_reason``
+    and without ``data: [DONE]`` (:class:`NoEndMarker`), or the server ended it with an error that reads as a
+    broken stream (:class:`UpstreamStreamError`). All three are retried alike before the first token."""
 
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True
+
+
+class NoEndMarker(StreamBroken):
+    """The body ended cleanly before any choice carried a ``finish_reason`` and without ``data: [DONE]``."""
+
+
+class UpstreamStreamError(StreamBroken):
+    """The server sent an error object inside the stream (vLLM's failure mid-answer, an ``event: error``,
+    llama.cpp's ``error:`` line) with no status, a 408 or a 5xx other than 503: it failed the request itself."""
 
 
 class StreamProtocolError(GatewayError):
