@@ -284,6 +284,38 @@ async def test_a_killed_replica_fails_no_call_that_had_not_streamed_a_token(clea
             p.kill()
 
 
+async def test_calls_waiting_on_a_replica_marked_down_go_to_another_at_once(clean_proxy_env):
+    """A replica that stops answering (SIGSTOP: a hung host) holds the calls already sent to it. Once its
+    /metrics read fails the pool marks it down; the calls on it that had streamed nothing waited on regardless
+    for read_timeout_s (60 s by default) and, here, ran out of their callers' 10 s. They go to the other
+    replica now."""
+    import signal
+
+    procs = [spawn(["--max-running", "64"]) for _ in range(2)]
+    try:
+        cfg = pool_config([p.base_url for p in procs], scrape_interval_s=60.0, scrape_timeout_s=0.5)
+        async with GatewayClient(cfg) as client:
+            agents = [f"agent{i}" for i in range(8)]
+            await asyncio.gather(*(complete(client, ask(a)) for a in agents))
+            victim = procs[0]
+            victim_endpoint = client.pool.endpoints[endpoint_name(victim.base_url)]
+            on_victim = [a for a in agents if client.pool.picker.ring.placed[a] == victim_endpoint.name]
+            assert on_victim
+            victim.process.send_signal(signal.SIGSTOP)
+            calls = [asyncio.ensure_future(complete(client, dataclasses.replace(ask(a, 1), timeout_s=10.0)))
+                     for a in on_victim]
+            while victim_endpoint.in_flight < len(on_victim):  # each is sent to the stopped replica
+                await asyncio.sleep(0.01)
+            assert not await client.pool.scrape(victim_endpoint) and not victim_endpoint.up
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(r, list) and isinstance(r[-1], Finished) for r in results), results
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.process.send_signal(signal.SIGCONT)
+            p.kill()
+
+
 async def test_a_dns_name_is_an_endpoint_per_address_and_down_ones_are_skipped(clean_proxy_env):
     with replicas(1) as (server,):
         url = server.base_url.replace("127.0.0.1", "localhost")

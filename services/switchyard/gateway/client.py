@@ -56,6 +56,7 @@ from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
 from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import (
+    EndpointMarkedDown,
     EndpointNotFound,
     GatewayError,
     ModelCoolingDown,
@@ -625,6 +626,29 @@ class GatewayClient:
             return None
 
     async def _open_stream(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
+        """The stream of one attempt, open once its first item came. In a pool, an endpoint marked down meanwhile
+        (its ``/metrics`` read failed: a hung or stopped server) ends the wait at once with a retryable error, so
+        the call goes to another endpoint instead of waiting ``read_timeout_s`` on one known to be down."""
+        if not self.pool.pooled:
+            return await self._open_first(call, request, endpoint, model)
+        opening = asyncio.ensure_future(self._open_first(call, request, endpoint, model))
+        marked_down = asyncio.ensure_future(endpoint.down.wait())
+        try:
+            await asyncio.wait((opening, marked_down), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            marked_down.cancel()
+            if not opening.done():
+                opening.cancel()
+                await asyncio.gather(opening, return_exceptions=True)
+        if not opening.cancelled():
+            return opening.result()
+        raise EndpointMarkedDown(
+            f"upstream endpoint {endpoint.chat_completions} was marked down (its /metrics read failed) while this "
+            "call waited for its first item; sent to another endpoint"
+        )
+
+    async def _open_first(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
+        """Send one attempt and read its stream up to its first item (or its end)."""
         sent = time.monotonic()
         response = await self._send(call, request, endpoint, model)
         url = endpoint.chat_completions

@@ -145,6 +145,11 @@ class UpstreamUnavailable(GatewayError):
     fallback_ok = False
 
 
+class EndpointMarkedDown(UpstreamUnavailable):
+    """A pool's endpoint was marked down (its ``/metrics`` read failed) while a call on it waited for its first
+    item: the call goes to another endpoint."""
+
+
 class ProxyUnavailable(GatewayError):
     """The proxy named by HTTP_PROXY/HTTPS_PROXY did not answer ("local proxy failed")."""
 

@@ -113,8 +113,15 @@ class Endpoint:
     cooldowns: Cooldowns
     limit: AdaptiveConcurrencyLimit
     """Its adaptive limit, fed by the gateway with this endpoint's TTFTs, tokens, 429/503s and reported queue."""
-    up: bool = True
     load: ServerLoad = field(default_factory=ServerLoad)
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while it is marked down (:meth:`EndpointPool.mark_down`), cleared when a read finds it up: what
+    :attr:`up` reads, and what a call waiting on it for its first item waits on beside its answer."""
+
+    @property
+    def up(self) -> bool:
+        """Whether calls may pick it: no failed read or unreachable call since its last good read."""
+        return not self.down.is_set()
 
     @cached_property
     def chat_completions(self) -> str:
@@ -376,7 +383,7 @@ class EndpointPool:
         ENDPOINT_KV_USAGE.labels(endpoint.name).set(-1 if load.kv_cache_usage is None else load.kv_cache_usage)
         if not endpoint.up:
             log.info("upstream endpoint %s is up again", endpoint.url)
-        endpoint.up = True
+        endpoint.down.clear()
         ENDPOINT_UP.labels(endpoint.name).set(1)
         self.publish_totals()
         return True
@@ -390,7 +397,8 @@ class EndpointPool:
             await asyncio.sleep(self.config.pool.scrape_interval_s)
 
     def mark_down(self, endpoint: Endpoint, why: str) -> None:
-        """``endpoint`` could not be reached: no call picks it until a ``/metrics`` read succeeds (pools only)."""
+        """``endpoint`` could not be reached: no call picks it until a ``/metrics`` read succeeds, and the calls
+        on it that have streamed nothing yet are sent to another endpoint (pools only)."""
         if not self.pooled:
             return
         if endpoint.up:
@@ -399,7 +407,7 @@ class EndpointPool:
             else:
                 log.warning("upstream endpoint %s is down (%s); no endpoint of model_gateway.pool is up: calls fail "
                             "UNAVAILABLE until one answers its /metrics again", endpoint.url, why)
-        endpoint.up = False
+        endpoint.down.set()  # a call still waiting there for its first item goes to another endpoint
         ENDPOINT_UP.labels(endpoint.name).set(0)
         self.publish_totals()
 
