@@ -437,7 +437,7 @@ def _upstream_line(up: dict[str, Any]) -> str:
         down = up["endpoints_down"]
         pool = (f"   endpoints up {up['endpoints'] - len(down)} of {up['endpoints']}"
                 + (f" (down: {', '.join(down)})" if down else ""))
-    return (f"upstream  in flight {_n(up['in_flight'])} of limit {_n(up['limit'], 1)}   knee {_n(up['knee'])}   "
+    return (f"upstream  in flight {_n(up['in_flight'])} of limit {_n(up['limit'])}   knee {_n(up['knee'])}   "
             f"circuits: {circuits}{pool}\n          stream endings: {endings}\n")
 
 

@@ -147,7 +147,7 @@ def test_bad_arguments_name_the_flag(args: list[str], says: str) -> None:
 def _upstream_text(calls: int, endings: dict[str, int], circuit: str = "closed", endpoints: int = 1) -> str:
     registry = CollectorRegistry()
     Counter("switchyard_gateway_requests", "", ["model", "outcome"], registry=registry).labels("sim-7b", "ok").inc(calls)
-    Gauge("switchyard_upstream_concurrency_limit", "", registry=registry).set(24.5)
+    Gauge("switchyard_upstream_concurrency_limit", "", registry=registry).set(24.0)  # streams: the pool admits whole ones (PoolLimit.limit)
     Gauge("switchyard_upstream_concurrency_knee", "", registry=registry).set(22)
     Gauge("switchyard_upstream_in_flight", "", registry=registry).set(20)
     ended = Counter("switchyard_upstream_stream_endings", "", ["ending"], registry=registry)
@@ -168,13 +168,13 @@ def test_a_stream_engine_shows_its_upstream_instead_of_an_idle_engine() -> None:
     after = Scrape("dispatcher", "u", parse(_upstream_text(40, {"done_marker": 25, "finish_reason": 5, "cut": 1},
                                                            circuit="open")), at=2.0)
     up = snapshot({"dispatcher": after}, {"dispatcher": before})["upstream"]
-    assert up == {"limit": 24.5, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
+    assert up == {"limit": 24.0, "knee": 22, "in_flight": 20, "circuits": {"sim-7b": {"open": 1}},
                   "endpoints": None, "endpoints_down": [],
                   "stream_endings": {"done_marker": 15, "finish_reason": 5, "error": 0, "cut": 1}}
     console = Console(width=120, record=True)
     console.print(render(snapshot({"dispatcher": after}, {"dispatcher": before}), "flags"))
     text = console.export_text()
-    assert "upstream  in flight 20 of limit 24.5   knee 22   circuits: sim-7b open" in text
+    assert "upstream  in flight 20 of limit 24   knee 22   circuits: sim-7b open" in text
     assert "finish_reason 5, error 0, cut 1" in text and "engine  busy" not in text
     # a step engine (no upstream call made, none in flight) keeps its engine line
     idle = _upstream_text(0, {}).replace("switchyard_upstream_in_flight 20.0", "switchyard_upstream_in_flight 0.0")
@@ -206,7 +206,7 @@ def test_the_upstream_shows_while_its_first_streams_are_in_flight() -> None:
     limit and no circuit in view."""
     first = Scrape("dispatcher", "u", parse(_upstream_text(0, {})), at=1.0)  # the gauges: 20 streams in flight
     up = snapshot({"dispatcher": first})["upstream"]
-    assert up is not None and up["in_flight"] == 20 and up["limit"] == 24.5
+    assert up is not None and up["in_flight"] == 20 and up["limit"] == 24.0
 
 
 def test_a_pool_endpoint_that_is_down_shows_in_the_upstream_line() -> None:
