@@ -60,7 +60,6 @@ async def react(task: Task, tools: list[Tool]) -> str:
         for call in calls:
             await _observe(task, by_name, call, policy)
         task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
-        await task.count_conversation()  # the next turn sends the calls and their results too
     async with task.stage("infer", step=str(policy.max_steps)):
         text, _ = await task.generate(resume=policy.max_steps > 0)
     return text

@@ -30,7 +30,7 @@ from switchyard.api import agent_pb2
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.queues import WorkQueue
-from switchyard.orchestrator import prompts, tokens
+from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient
 from switchyard.orchestrator.metrics import CPU_POOL_RESTARTS, EARLY_PREFILLS, STAGE_DURATION
@@ -112,8 +112,6 @@ class Task:
     """The agent's recalled memory, oldest first."""
     prompt: prompts.RenderedPrompt | None = None
     prompt_tokens: int = 0
-    """Tokens of what :meth:`generate` sends (the prompt, or ``messages``): counted by render_prompt, again by
-    :meth:`count_conversation` when the conversation grew."""
     messages: list[agent_pb2.ChatMessage] = field(default_factory=list)
     """The conversation sent to the dispatcher; empty: the prompt goes as one text."""
     output: str = ""
@@ -204,13 +202,6 @@ class Task:
             end_time=enqueued + int(wait * 1e9))
         self.add_wait(queue.name, wait)
         return result
-
-    async def count_conversation(self) -> None:
-        """Count ``messages`` again after the conversation grew (a react round's tool calls and results), in one
-        CPU trip as render_prompt's count: ``prompt_tokens`` goes with every Generate call, and the dispatcher
-        admits by it, checks it against the context window and reports it as the turn's usage."""
-        pairs = [(m.role, m.content + "".join(c.name + c.arguments_json for c in m.tool_calls)) for m in self.messages]
-        self.prompt_tokens = await self.cpu(tokens.count_messages, pairs, size_chars=sum(len(c) for _, c in pairs))
 
     # ------------------------------------------------------------------ inference
 

@@ -86,8 +86,7 @@ class OrchestratorConfig(_Strict):
     default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
     cpu_executor: Literal["process", "thread", "loop"] = Field(
         "process",
-        description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip; a react_loop's "
-        "count after each round of tool calls, one more) runs, a name: a "
+        description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip) runs, a name: a "
         "process pool, a thread pool, or the event loop itself. See the README's architecture section for the "
         "measured trade-off.",
     )
