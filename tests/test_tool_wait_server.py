@@ -4,6 +4,7 @@ directly about a parked agent (keep for a short wait, move out for a very long o
 
 from __future__ import annotations
 
+import asyncio
 
 import grpc
 import pytest
@@ -274,3 +275,73 @@ async def test_a_malformed_announcement_is_refused_naming_its_field_by_generates
         await stub.ToolWait(agent_pb2.ToolWaitRequest(**request_fields))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field), err.value.details()
+
+
+class _ToolThatHangs(Downstream):
+    """The test downstream as retrieval only: its Retrieve (the search_docs tool) waits on ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.called = asyncio.Event(), asyncio.Event()
+
+    async def Retrieve(self, request, context):
+        self.called.set()
+        await self.gate.wait()
+        return await super().Retrieve(request, context)
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "past its deadline", "refused before its next step"])
+async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state_and_plan_released(
+        redis_db: RedisDb, ending: str):
+    """The orchestrator runs a react_loop task on the sim dispatcher (a real Redis as the DRAM tier); its
+    search_docs call hangs. The announcement swaps the agent's KV to DRAM and plans its restore ahead of
+    the tool's expected return (3 s). The task then ends during the wait: cancelled (CancelTask), past its
+    deadline (the caller's, 1.5 s), or refused early before its next step (a measured model step longer
+    than its time left). The dispatcher was never told: it restored the dead agent's KV into HBM at the
+    planned time and held it there until the tool's revisit time, its DRAM copy stayed, and its call
+    counted as a running one of search_docs. Now the orchestrator says the task ended (ToolWait with
+    task_ended) and the dispatcher releases the parked state, the DRAM copy and the plan at once."""
+    dispatcher = DispatcherService(SwitchyardConfig().with_overrides(
+        **redis_db.overrides, **{"batching.flush_interval_ms": 2}))
+    tool = _ToolThatHangs()
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([tool], base.server) as retr:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base,
+                                 **{"orchestrator.program.tool_wait_cold_estimate_s": 3.0}) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            async with running([orchestrator], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                scheduler, hints = dispatcher.loop.scheduler, _value(TOOL_WAIT_HINTS, outcome="ok")
+                request = agent_pb2.RunTaskRequest(task_id="t-ends", agent_id="agent-ends", task_type="react_loop",
+                                                   payload="How does the with statement work?")
+                if ending == "cancelled":  # a submitted task, cancelled by CancelTask
+                    await stub.SubmitTask(request)
+                else:
+                    run = asyncio.create_task(collect_events(stub, request, 1.5 if ending == "past its deadline" else 60))
+                await tool.called.wait()
+                await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "the tool's announcement")
+                plan = scheduler.tool_waits.get("agent-ends")
+                assert plan is not None and plan.decision.value == "swap" and plan.restore_at is not None
+                redis = redis_db.sync_client()
+                assert redis.exists(plan.key)  # the copy is in DRAM, its restore planned
+                if ending == "cancelled":
+                    await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t-ends"))
+                else:
+                    if ending == "refused before its next step":
+                        orchestrator._deps.program.steps.observe("react_loop", "model", 10_000.0)
+                        tool.gate.set()
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await run
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    assert ("refused early" in (err.value.details() or "")) == (ending != "past its deadline")
+                await _until(lambda: scheduler.tool_waits.get("agent-ends") is None, "the agent's plan ended")
+                await _until(lambda: not redis.exists(plan.key), "the DRAM copy dropped")
+                assert scheduler.parking.entry("agent-ends") is None and scheduler.parking.kv_bytes == 0
+                assert "agent-ends" not in scheduler.tool_waits._open.get("search_docs", {})
+                tool.gate.set()
+                await channel.close()
+
+
+async def collect_events(stub, request: agent_pb2.RunTaskRequest, timeout: float) -> list[agent_pb2.TaskEvent]:
+    return [e async for e in stub.RunTask(request, timeout=timeout)]

@@ -427,18 +427,20 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
-    __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority")
+    __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority", "task_ended")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TASK_ENDED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     tool: str
     expected_wait_s: float
     tenant_id: str
     priority: Priority
-    def __init__(self, agent_id: _Optional[str] = ..., tool: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., tenant_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    task_ended: bool
+    def __init__(self, agent_id: _Optional[str] = ..., tool: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., tenant_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_ended: _Optional[bool] = ...) -> None: ...
 
 class ToolWaitReply(_message.Message):
     __slots__ = ("decision", "restore_at_s")

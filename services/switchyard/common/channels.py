@@ -107,6 +107,15 @@ def deadline_scope(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+def beyond_deadline() -> contextvars.Context:
+    """A copy of the current context outside any :func:`deadline_scope`: for a task started now that must still
+    run once the scope's deadline has passed (telling a peer that the work it bounded ended); its calls are
+    bounded by their own timeouts only."""
+    context = contextvars.copy_context()
+    context.run(_DEADLINE.set, None)
+    return context
+
+
 def remaining_s() -> float | None:
     """Seconds left before the current :func:`deadline_scope`'s deadline (>= 0), or None outside one."""
     deadline = _DEADLINE.get()
@@ -259,6 +268,7 @@ def _credentials(config: ServerConfig | None) -> grpc.ChannelCredentials | None:
 
 
 __all__ = [
+    "beyond_deadline",
     "bounded_timeout",
     "channel_options",
     "deadline_scope",

@@ -221,6 +221,14 @@ class LoopBase:
             self._publish_stats()
             self._wake.set()
 
+    def forget_agent(self, agent_key: str) -> None:
+        """The agent's task ended during its tool wait: :meth:`SchedulerCore.forget_agent`, its report published."""
+        try:
+            self.scheduler.forget_agent(agent_key)
+        finally:
+            self._publish_stats()
+            self._wake.set()
+
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
         self._publish(self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,

@@ -251,9 +251,21 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
             check_priority(request.priority)
         except SwitchyardError as exc:
             await abort(context, exc, "dispatcher")
+        if request.task_ended:
+            self.end_tool_wait(agent_key(request.tenant_id, request.agent_id))
+            return agent_pb2.ToolWaitReply(decision=agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED)
         decision, restore_at_s = self.tool_wait(agent_key(request.tenant_id, request.agent_id), request.tool,
                                                 request.expected_wait_s)
         return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
+
+    def end_tool_wait(self, agent_key: str) -> None:
+        """The task of the agent ``agent_key`` names ended during its tool wait (``ToolWaitRequest.task_ended``:
+        cancelled, past its deadline, or refused before its next step): its parked state leaves HBM, its DRAM
+        copy is dropped and its tool-wait plan ends, now (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.forget_agent`);
+        nothing is restored for a turn that will not come. Nothing to do on a stream engine."""
+        loop = self.loop
+        if isinstance(loop, StepLoop):
+            loop.forget_agent(agent_key)
 
     def tool_wait(self, agent_key: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
         """What to do with the prefix state of the agent ``agent_key`` names (its tenant's and its id's,

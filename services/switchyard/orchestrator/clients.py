@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import sys
@@ -22,7 +23,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
-from switchyard.common.channels import open_channel
+from switchyard.common.channels import beyond_deadline, open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
@@ -340,7 +341,7 @@ class InferenceClient:
     def _stub_for(self, channel: grpc.aio.Channel) -> agent_pb2_grpc.InferenceServiceStub:
         return self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)
 
-    def announce_tool_wait(self, spec: TaskSpec, tool: str, expected_wait_s: float) -> None:
+    def announce_tool_wait(self, spec: TaskSpec, tool: str, expected_wait_s: float) -> asyncio.Task[None]:
         """Tell the agent's dispatcher (the replica its generations go to) that it now waits on ``tool`` for
         about ``expected_wait_s`` seconds: ``ToolWait``, fire-and-forget, never delaying the tool.
 
@@ -351,15 +352,40 @@ class InferenceClient:
         (KEEP, SWAP, DROP) and, for a swap, ``switchyard.tool_wait.restore_at_s`` (when the KV is planned
         back in HBM, seconds after the tool started); it is not acted on here, the dispatcher acts on it.
         Never raises.
+
+        Returns:
+            the announcement's background task (:meth:`end_tool_wait` sends its end after it).
         """
         request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
                                             expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
                                             priority=spec.priority)
-        hint = asyncio.create_task(self._tool_wait(self.affinity_key(spec), request), name=f"tool-wait-{spec.task_id}")
+        return self._hint(spec, request)
+
+    def end_tool_wait(self, spec: TaskSpec, tool: str, expected_wait_s: float,
+                      after: asyncio.Task[None] | None) -> None:
+        """The agent's task ended while it waited on ``tool`` (cancelled, past its deadline, refused before its
+        next step): ``ToolWait`` with ``task_ended``, after the announcement ``after`` where there was one (so
+        that the end never overtakes it), fire-and-forget under :attr:`hint_timeout_s` and counted as :meth:`announce_tool_wait`'s.
+        The dispatcher releases the agent's parked state, its DRAM copy and its tool-wait plan at once: no
+        restore runs for a turn that will not come. It runs beyond the task's deadline (a task past it ends
+        so). Never raises."""
+        request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
+                                            expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
+                                            priority=spec.priority, task_ended=True)
+        self._hint(spec, request, after, context=beyond_deadline())
+
+    def _hint(self, spec: TaskSpec, request: agent_pb2.ToolWaitRequest, after: asyncio.Task[None] | None = None,
+              context: contextvars.Context | None = None) -> asyncio.Task[None]:
+        hint = asyncio.create_task(self._tool_wait(self.affinity_key(spec), request, after),
+                                   name=f"tool-wait-{spec.task_id}", context=context)
         self._hints.add(hint)
         hint.add_done_callback(self._hints.discard)
+        return hint
 
-    async def _tool_wait(self, affinity_key: str | None, request: agent_pb2.ToolWaitRequest) -> None:
+    async def _tool_wait(self, affinity_key: str | None, request: agent_pb2.ToolWaitRequest,
+                         after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:
+            await asyncio.wait([after])  # the announcement first (it never raises)
         address = self.address
         try:
             async with asyncio.timeout(self.hint_timeout_s):
@@ -367,7 +393,7 @@ class InferenceClient:
                 reply = await self._stub_for(channel).ToolWait(request, timeout=self.hint_timeout_s)
             outcome, detail = "ok", agent_pb2.ToolWaitDecision.Name(reply.decision)
             span = trace.get_current_span()  # the tool's span: this task runs in the context it started in
-            if span.is_recording():  # a tool that already ended has closed its span
+            if span.is_recording() and not request.task_ended:  # a tool that already ended has closed its span
                 span.set_attribute("switchyard.tool_wait.decision", detail)
                 if reply.decision == agent_pb2.SWAP:
                     span.set_attribute("switchyard.tool_wait.restore_at_s", reply.restore_at_s)

@@ -14,10 +14,13 @@ times (orchestrator/program.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import ReactConfig
+from switchyard.common.errors import TaskRefusedEarly
 from switchyard.common.metrics import bounded
 from switchyard.orchestrator.metrics import TOOL_CALLS
 from switchyard.orchestrator.task import Task
@@ -41,8 +44,23 @@ def tools_for(task: Task) -> list[Tool]:
     return [search_docs_tool(search), CALCULATOR]
 
 
+@dataclass
+class _Waiting:
+    """A tool call announced to the agent's dispatcher (its parked step waits for the next turn)."""
+
+    tool: str
+    expected_wait_s: float
+    announcement: asyncio.Task[None]
+
+
 async def react(task: Task, tools: list[Tool]) -> str:
     """Think, call the tools the model asks for, observe; returns the answer.
+
+    A step that ends in tool calls is parked at the agent's dispatcher until the next step. A task that
+    ends before sending that step (cancelled or past its deadline during the tool round, or refused early
+    before the next step) tells the dispatcher, after the round's last announcement
+    (:meth:`~switchyard.orchestrator.clients.InferenceClient.end_tool_wait`): the agent's parked state and
+    plan are released there at once.
 
     Raises:
         ServiceUnavailable, SwitchyardError: a Generate call failed (tool failures never raise:
@@ -50,23 +68,48 @@ async def react(task: Task, tools: list[Tool]) -> str:
     """
     policy = task.deps.config.orchestrator.react
     by_name = {t.name: t for t in tools}
-    for step in range(policy.max_steps):
-        async with task.stage("infer", step=str(step)):
-            text, calls = await task.generate(tools, resume=step > 0)
-        if not calls:
-            return text
-        task.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
-        round_started = time.monotonic()
-        for call in calls:
-            await _observe(task, by_name, call, policy)
-        task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
-    async with task.stage("infer", step=str(policy.max_steps)):
-        text, _ = await task.generate(resume=policy.max_steps > 0)
-    return text
+    parked: list[_Waiting] | None = None  # a step parked at the dispatcher: its round's announced calls
+    last_call = agent_pb2.ToolCall()
+    try:
+        for step in range(policy.max_steps + 1):
+            offered = tools if step < policy.max_steps else []  # after max_steps rounds: one last answer, no tools
+            try:
+                async with task.stage("infer", step=str(step)):
+                    text, calls = await task.generate(offered, resume=step > 0)
+            except TaskRefusedEarly:  # refused before it was sent: nothing took the parked step over
+                raise
+            except BaseException:  # sent: its turn took the parked step over (or the dispatcher is gone)
+                parked = None
+                raise
+            if not calls or step == policy.max_steps:
+                return text
+            parked, last_call = [], calls[-1]
+            task.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
+            round_started = time.monotonic()
+            for call in calls:
+                await _observe(task, by_name, call, policy, parked)
+            task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
+        raise AssertionError("unreachable: the last step returns")
+    except (asyncio.CancelledError, TaskRefusedEarly):
+        if parked is not None:
+            _end_tool_wait(task, parked, bounded(last_call.name, by_name))
+        raise
 
 
-async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall, policy: ReactConfig) -> None:
-    """Run one tool call; its result joins the conversation (an error result too)."""
+def _end_tool_wait(task: Task, announced: list[_Waiting], label: str) -> None:
+    """The task ends with its agent's step parked: the dispatcher hears it, after the round's last announcement
+    (none: the step's last call, by its label, expected 0 s)."""
+    if announced:
+        last = announced[-1]
+        task.deps.inference.end_tool_wait(task.spec, last.tool, last.expected_wait_s, last.announcement)
+    else:
+        task.deps.inference.end_tool_wait(task.spec, label, 0.0, None)
+
+
+async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall, policy: ReactConfig,
+                   announced: list[_Waiting]) -> None:
+    """Run one tool call; its result joins the conversation (an error result too). Its announcement to the
+    dispatcher, made as it starts, is appended to ``announced`` (an unknown tool is not announced)."""
     task.emit(agent_pb2.TaskEvent(tool_call=agent_pb2.ToolCallEvent(
         call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)))
     tool_label = bounded(call.name, tools)  # a model may invent tool names: labels stay a bounded set
@@ -78,7 +121,9 @@ async def _observe(task: Task, tools: dict[str, Tool], call: agent_pb2.ToolCall,
             content, is_error, attempts = f"unknown tool {call.name!r}; available: {', '.join(tools)}", True, 0
         else:
             durations = task.deps.program.tools
-            task.deps.inference.announce_tool_wait(task.spec, call.name, durations.expected_s(call.name))
+            expected_s = durations.expected_s(call.name)
+            announced.append(_Waiting(call.name, expected_s,
+                                      task.deps.inference.announce_tool_wait(task.spec, call.name, expected_s)))
             started = time.monotonic()
             outcome = await call_tool(tool, call.arguments_json, policy)
             durations.observe(call.name, time.monotonic() - started)

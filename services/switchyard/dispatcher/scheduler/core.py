@@ -887,12 +887,14 @@ class SchedulerCore:
 
 
     def forget_agent(self, agent_key: str) -> None:
-        """``agent_key``'s task ended at this dispatcher between two steps (its next step refused by name, as
-        one that cannot make its deadline): its parked KV leaves HBM now instead of at the parking's TTL, and
-        its tool-wait plan ends (no restore for a turn that will not come, no running call left to skew its
-        tool's measured returns)."""
+        """``agent_key``'s task ended between two steps (its next step refused here by name, as one that cannot
+        make its deadline; or the orchestrator's word that it was cancelled, ran past its deadline or was
+        refused during its tool wait): its parked KV leaves HBM now instead of at the parking's TTL, its DRAM
+        copy is dropped, and its tool-wait plan ends (no restore for a turn that will not come, no running call
+        left to skew its tool's measured returns)."""
         self.parking.forget(agent_key)
         self.tool_waits.abandon(agent_key)
+        self.tiers.discard(self.tiers.agent_key(agent_key))
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set: the benches' and
