@@ -345,3 +345,36 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
 
 async def collect_events(stub, request: agent_pb2.RunTaskRequest, timeout: float) -> list[agent_pb2.TaskEvent]:
     return [e async for e in stub.RunTask(request, timeout=timeout)]
+
+
+async def test_a_swap_decided_for_a_prefix_cheaper_to_recompute_than_to_copy_twice_is_made_and_restored(
+        redis_db: RedisDb):
+    """The tool wait's cost model prices a swap as the copy beside compute and a drop as a recompute in front
+    of the turn (:func:`tool_wait.decide`), so it swaps a short prefix on an engine that prefills fast. The
+    copy then went through the eviction's own rule (two transfers against one recompute), which refused it:
+    the KV was dropped, while the reply said SWAP with a restore time, the swap was counted, and the next
+    step recomputed the prefix. The decision is now what is done: the copy is made and the turn restores it."""
+    service = DispatcherService(SwitchyardConfig().with_overrides(
+        **redis_db.overrides, **{"sim.prefill_per_token_ms": 0.001, "sim.prefill_overhead_ms": 0.5}))
+    async with running([service], service.config.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        stub = agent_pb2_grpc.InferenceServiceStub(channel)
+        tiers = service.loop.scheduler.tiers
+        first = await _park(stub, "fast-prefill-agent")
+        parked = service.loop.scheduler.parking.entry("fast-prefill-agent")
+        assert parked is not None
+        tokens, nbytes = parked.req.num_computed_tokens, parked.kv_bytes
+        assert not tiers.worth_swapping(tokens, nbytes)  # a round trip costs more than one recompute here
+        swaps, drops = _value(TOOL_WAIT_DECISIONS, decision="swap"), _value(TOOL_WAIT_DECISIONS, decision="drop")
+        restored = _value(RESUMES, kind="tool_restored")
+        reply = await stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="fast-prefill-agent", tool="search_docs",
+                                                              expected_wait_s=600.0))
+        assert reply.decision == agent_pb2.SWAP and reply.restore_at_s > 0
+        assert _value(TOOL_WAIT_DECISIONS, decision="swap") == swaps + 1
+        assert _value(TOOL_WAIT_DECISIONS, decision="drop") == drops
+        redis = redis_db.sync_client()
+        await _until(lambda: redis.exists(tiers.agent_key("fast-prefill-agent")), "the copy in DRAM")
+        chunks = [c async for c in stub.Generate(_resume_request("fast-prefill-agent", first))]
+        await channel.close()
+    assert chunks[-1].HasField("done")
+    assert _value(RESUMES, kind="tool_restored") == restored + 1  # restored from DRAM, not recomputed

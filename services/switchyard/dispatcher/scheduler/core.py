@@ -75,6 +75,7 @@ All times are ``time.monotonic()`` seconds, passed in as ``now``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Callable
@@ -830,8 +831,10 @@ class SchedulerCore:
         KEEP holds the state until the decision's revisit time (``expected_wait_s`` plus as long again, a
         late tool's residual wait; with the tool's returns measured, their P95:
         :attr:`~switchyard.dispatcher.scheduler.tool_wait.ToolWaitDecision.revisit_at_s`); then the TTL's
-        usual expiry moves it out. SWAP copies it to DRAM at once (a copy that cannot be made drops it)
-        and plans its restore: due ``restore_at_s`` after now (``expected_wait_s - transfer - margin``;
+        usual expiry moves it out. SWAP copies it to DRAM at once whenever a copy can be made (the decision
+        priced it against recomputing; the eviction's own swap rule is not asked again; a copy that cannot be
+        made drops the state, and the decision is then DROP, answered and counted as such) and plans its
+        restore: due ``restore_at_s`` after now (``expected_wait_s - transfer - margin``;
         with the tool's returns measured, where the cost model lands it, or none ahead of the turn),
         handed to the loop by the decision at that time (``SchedulerOutput.prefetch``,
         :meth:`on_idle`), so it is back in HBM ``margin`` ahead of the tool's expected return; an agent
@@ -873,8 +876,11 @@ class SchedulerCore:
             self.parking.keep_for(agent_key, now - entry.since + decision.revisit_at_s)
         elif decision.decision is Decision.SWAP:
             parked, nbytes = entry.req, entry.kv_bytes
-            if self.parking.move_out(agent_key, demote=True) and decision.restore_at_s is not None:
-                # a copy went to DRAM and its return is planned ahead of the turn
+            if not self.parking.move_out(agent_key, demote=True, copy=self._copy_decided):
+                # no copy could be made: the state was dropped, and that is what is answered and counted
+                decision = dataclasses.replace(decision, decision=Decision.DROP, restore_at_s=None)
+                plan.decision = Decision.DROP
+            elif decision.restore_at_s is not None:  # a copy went to DRAM and its return is planned ahead of the turn
                 plan.restore_at = now + decision.restore_at_s
                 plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_key), tokens, nbytes
         else:
@@ -1076,7 +1082,7 @@ class SchedulerCore:
 
         return min(candidates, key=value)
 
-    def _swap_out(self, req: Request, key: str, delays: int = 0) -> bool:
+    def _swap_out(self, req: Request, key: str, delays: int = 0, decided: bool = False) -> bool:
         """Copy ``req``'s KV state to DRAM under ``key`` when a swap is cheaper than recomputing it; True
         when it was copied.
 
@@ -1084,16 +1090,31 @@ class SchedulerCore:
         (:meth:`_copy_delays`); each adds the copy's one-way transfer time to the swap's cost
         (:meth:`~switchyard.dispatcher.tiers.MemoryTiers.worth_swapping`), so a victim whose move would
         delay core work is dropped instead when recomputing it is cheaper than that.
+        ``decided``: the swap was already priced against recomputing (a tool wait's SWAP, :func:`.tool_wait.decide`):
+        copied whenever a copy can be made.
         """
         tokens = req.num_computed_tokens
         nbytes = self._kv_bytes(req)
         copy_s = self.tiers.transfer_seconds(nbytes)
-        if not self.tiers.worth_swapping(tokens, nbytes, delays * copy_s):
+        if decided:
+            if tokens <= 0 or not self.tiers.can_swap():
+                return False
+        elif not self.tiers.worth_swapping(tokens, nbytes, delays * copy_s):
             return False
         if not self.tiers.swap_out(req, key, tokens):
             return False
         req.swap_key, req.swap_tokens = key, tokens
         return True
+
+    def _copy_decided(self, parked: Request) -> bool:
+        """A tool wait's SWAP: the parked agent's state goes to DRAM (under its agent's key) whenever a copy can
+        be made; the decision priced it against recomputing (:func:`.tool_wait.decide`, the one rule of a tool
+        wait's swap or drop). True when it was copied."""
+        if self._swap_out(parked, self.tiers.agent_key(parked.agent_key), decided=True):
+            parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
+            return True
+        self.counters.hbm_evictions += 1  # dropped: its next step recomputes
+        return False
 
     def _demote_parked(self, parked: Request) -> bool:
         """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key).

@@ -165,15 +165,15 @@ class ParkedAgents:
         entry.ttl_s = max(0.0, ttl_s)
         return True
 
-    def move_out(self, agent_key: str, demote: bool) -> bool:
-        """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and the
-        ``demote`` callback manages it), else dropped; True when a copy went to DRAM (False: dropped, or
-        not parked)."""
+    def move_out(self, agent_key: str, demote: bool, copy: Callable[[Request], bool] | None = None) -> bool:
+        """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and ``copy``,
+        default the ``demote`` callback, manages it), else dropped; True when a copy went to DRAM (False:
+        dropped, or not parked)."""
         entry = self._parked.pop(agent_key, None)
         if entry is None:
             return False
         tokens = entry.req.num_computed_tokens
-        in_dram = self._demote(entry.req) if demote else False
+        in_dram = (copy or self._demote)(entry.req) if demote else False
         self._release(entry.req)
         self._cold[agent_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
