@@ -12,7 +12,7 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig, load_config
-from switchyard.common.server import running
+from switchyard.common.server import running, start_server
 from switchyard.dispatcher.metrics import (
     RESUMES,
     TOOL_RESUMES,
@@ -28,7 +28,7 @@ from test_orchestrator import Downstream
 from test_program import _until, _value, collect
 from fast_sim import FAST
 from orchestrator_fixtures import orchestrator_config
-from redis_fixtures import RedisDb, redis_db, redis_server  # noqa: F401
+from redis_fixtures import RedisDb, free_port, redis_db, redis_server  # noqa: F401
 
 
 def _decisions() -> dict[str, float]:
@@ -378,3 +378,41 @@ async def test_a_swap_decided_for_a_prefix_cheaper_to_recompute_than_to_copy_twi
         await channel.close()
     assert chunks[-1].HasField("done")
     assert _value(RESUMES, kind="tool_restored") == restored + 1  # restored from DRAM, not recomputed
+
+
+async def test_a_dispatcher_restarted_during_a_tool_wait_serves_the_agents_next_step():
+    """The only dispatcher stops while a react_loop task's tool runs and a new one starts on its address
+    before the tool returns. The orchestrator's channel was then waiting out its reconnect backoff: the next
+    step, and both of its retries, failed at once UNAVAILABLE ("Connection refused; is it running") though a
+    dispatcher was serving there. A retry on the address already tried (no other replica) now waits for the
+    channel to connect again, within the reconnect backoff's bound and the task's time: the step runs on the
+    new dispatcher (its prefix recomputed there) and the task ends with its answer."""
+    tool = _ToolThatHangs()
+    base = load_config("config", service="orchestrator")
+    config = SwitchyardConfig().with_overrides(**FAST)
+    port = free_port()
+    first = await start_server([DispatcherService(config)], "127.0.0.1", port, config.server)
+    async with running([tool], base.server) as retr:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{port}", base) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            async with running([orchestrator], cfg.server) as orch:
+                channel = open_channel(f"127.0.0.1:{orch.port}")
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                run = asyncio.create_task(collect_events(stub, agent_pb2.RunTaskRequest(
+                    task_id="t-restart", agent_id="agent-restart", task_type="react_loop",
+                    payload="How does the with statement work?"), 60))
+                await tool.called.wait()
+                await first.stop(0.5)
+                to_dispatcher = orchestrator._deps.inference.channel
+                while (state := to_dispatcher.get_state(try_to_connect=True)) is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    await to_dispatcher.wait_for_state_change(state)  # it tried the closed port: backing off
+                second = DispatcherService(config)
+                restarted = await start_server([second], "127.0.0.1", port, config.server)
+                try:
+                    tool.gate.set()
+                    events = await run
+                finally:
+                    await restarted.stop(0.5)
+                await channel.close()
+    assert events[-1].HasField("final")
+    assert any(e.HasField("tool_result") for e in events)

@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
-from switchyard.common.channels import beyond_deadline, open_channel
+from switchyard.common.channels import MAX_RECONNECT_BACKOFF_MS, beyond_deadline, open_channel
 from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
@@ -133,6 +133,22 @@ class RetrievalClient:
         await self._channel.close()
 
 
+RECONNECT_WAIT_S = 1.25 * MAX_RECONNECT_BACKOFF_MS / 1000
+"""Longest wait for a channel to connect again before a call is retried on it: grpc core's reconnect backoff at
+its cap (``grpc.max_reconnect_backoff_ms``) with its jitter (+-20 %), so that one reconnection attempt falls in it."""
+
+
+async def _reconnected(channel: grpc.aio.Channel, timeout_s: float | None) -> float:
+    """Wait until ``channel`` is connected (READY), at most :data:`RECONNECT_WAIT_S` and ``timeout_s`` (the call's
+    time left); returns the seconds waited either way (the call then fails, or succeeds, on its own)."""
+    started = time.monotonic()
+    wait_s = RECONNECT_WAIT_S if timeout_s is None else min(RECONNECT_WAIT_S, max(0.0, timeout_s))
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(wait_s):
+            await channel.channel_ready()
+    return time.monotonic() - started
+
+
 class InferenceClient:
     """Generation on the dispatcher over one channel, or, for a target of several replicas, over each
     replica's own channel: an agent's replica for a call with an affinity key, the next in turn otherwise.
@@ -230,7 +246,9 @@ class InferenceClient:
         ``react_loop`` without one the task itself (its turns share the KV of one conversation).
         A call that fails UNAVAILABLE from the replica itself (unreachable, or draining) before its
         first chunk did nothing the caller saw: it is tried again on another replica, up to
-        :data:`MAX_ATTEMPTS` times. One that fails after chunks were streamed is not (they were
+        :data:`MAX_ATTEMPTS` times; with none other, again on the same one once its channel has connected
+        again (:func:`_reconnected`, waited for once per call: a dispatcher restarted while the task waited
+        on a tool is back, but the channel waits out its reconnect backoff, in which every call fails at once). One that fails after chunks were streamed is not (they were
         sent on): its error names the replica and how many chunks it had streamed.
 
         Raises:
@@ -258,8 +276,13 @@ class InferenceClient:
         )
         affinity_key = self.affinity_key(spec)
         tried: set[str] = set()
+        waited = False
         for attempt in range(self.MAX_ATTEMPTS):
             address, channel = await self._route(affinity_key, frozenset(tried))
+            if address in tried and not waited:  # no other replica: this one may be restarting (port closed a moment)
+                waited = True
+                spent = await _reconnected(channel, timeout_s)
+                timeout_s = None if timeout_s is None else max(0.0, timeout_s - spent)
             received = 0
             chunks = self._streams_for(channel).generate(request, timeout_s)
             replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
