@@ -7,7 +7,7 @@ import pytest
 
 from switchyard.common.priority import PriorityClass
 from switchyard.common.tenant import agent_key
-from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config import ConfigError, SwitchyardConfig
 from switchyard.dispatcher.engines.base import KVCacheManager, StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.request import Request, RequestStatus
 from switchyard.dispatcher.scheduler import make_scheduler
@@ -79,7 +79,7 @@ def test_classes_stay_strict_and_at_risk_work_goes_first_in_its_class():
 
 def test_the_at_risk_threshold_weights_and_half_life_come_from_the_scheduler_config():
     config = SwitchyardConfig().with_overrides(**{
-        "scheduler.at_risk_slack_s": 0.5, "scheduler.tenant_weights": {"gold": 4.0},
+        "scheduler.policy": "fair", "scheduler.at_risk_slack_s": 0.5, "scheduler.tenant_weights": {"gold": 4.0},
         "scheduler.fairness_half_life_s": 7.0})
     s = make_scheduler(config, Engine(), policy="fair")
     assert s.ledger.weight("gold") == 4.0 and s.ledger.weight("other") == 1.0
@@ -104,6 +104,21 @@ def test_tenant_weights_must_be_positive_and_name_well_formed_tenants(weights):
         SwitchyardConfig().with_overrides(**{"scheduler.tenant_weights": weights})
     assert "tenant_weights" in str(caught.value)
 
+
+@pytest.mark.parametrize("policy", ["priority", "fifo"])
+@pytest.mark.parametrize("key, value", [("tenant_weights", {"gold": 4.0}), ("fairness_half_life_s", 7.0),
+                                        ("at_risk_slack_s", 0.5)])
+def test_a_fair_policy_key_under_a_policy_that_does_not_read_it_is_refused_at_load_naming_both_keys(policy, key, value):
+    """Only the fair policy reads scheduler.tenant_weights, fairness_half_life_s and at_risk_slack_s; under the
+    shipped policy (priority) or fifo they loaded and did nothing: tenants were served as if no weights were set,
+    and nothing said so. At their defaults they load under any policy."""
+    with pytest.raises(ConfigError) as caught:
+        SwitchyardConfig().with_overrides(**{"scheduler.policy": policy, f"scheduler.{key}": value})
+    message = str(caught.value)
+    assert f"{key}: expected policy 'fair'" in message and f"got policy {policy!r}" in message
+    fair = SwitchyardConfig().with_overrides(**{"scheduler.policy": "fair", f"scheduler.{key}": value})
+    assert fair.scheduler.model_dump()[key] == value
+    assert SwitchyardConfig().with_overrides(**{"scheduler.policy": policy}).scheduler.policy == policy
 
 def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
     s = sched()

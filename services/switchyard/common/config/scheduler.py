@@ -93,19 +93,19 @@ class SchedulerConfig(_Strict):
         60, gt=0, le=86_400,
         description="fair policy: the attained service each tenant and each agent session is charged (prompt tokens "
         "prefilled, one per decoded token) halves every this many seconds, so old service weighs less than new, "
-        "seconds.",
+        "seconds. Set under another policy, refused at load.",
     )
     at_risk_slack_s: float = Field(
         5, ge=0, le=3600,
         description="fair policy: a waiting request whose slack (its task's time left minus its own expected "
         "service and the task's work expected after it) is below this is at risk and goes ahead of the rest of its "
-        "priority class, least slack first, seconds.",
+        "priority class, least slack first, seconds. Set under another policy, refused at load.",
     )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,
         description="fair policy: tenant id -> weight (> 0): a tenant's attained service is divided by its weight "
         "before tenants are compared, so a tenant of weight 2 is served about twice as much as one of weight 1 when "
-        "both wait; a tenant not named weighs 1.",
+        "both wait; a tenant not named weighs 1. Set under another policy, refused at load (none weighs tenants).",
     )
     aging_max_wait_ms: float = Field(
         5000,
@@ -166,3 +166,17 @@ class SchedulerConfig(_Strict):
             if not (math.isfinite(weight) and weight > 0):
                 raise ValueError(f"a finite weight > 0 for each tenant; {tenant!r} has {weight!r}")
         return weights
+
+    @model_validator(mode="after")
+    def _fair_keys_need_the_fair_policy(self) -> "SchedulerConfig":
+        """The keys only the fair policy reads (tenant_weights, fairness_half_life_s, at_risk_slack_s): set to
+        other than their default under another policy they would do nothing, silently."""
+        if self.policy == "fair":
+            return self
+        fields = type(self).model_fields
+        for name, value in (("tenant_weights", self.tenant_weights), ("fairness_half_life_s", self.fairness_half_life_s),
+                            ("at_risk_slack_s", self.at_risk_slack_s)):
+            if value != fields[name].get_default(call_default_factory=True):
+                raise ValueError(f"{name}: expected policy 'fair' (the only policy that reads it), got policy "
+                                 f"{self.policy!r}: set scheduler.policy to 'fair' or leave {name} at its default")
+        return self
