@@ -290,14 +290,16 @@ class _ToolThatHangs(Downstream):
         return await super().Retrieve(request, context)
 
 
-@pytest.mark.parametrize("ending", ["cancelled", "past its deadline", "refused before its next step"])
+@pytest.mark.parametrize("ending", ["cancelled", "past its deadline", "refused before its next step",
+                                    "its next step refused by the dispatcher"])
 async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state_and_plan_released(
         redis_db: RedisDb, ending: str):
     """The orchestrator runs a react_loop task on the sim dispatcher (a real Redis as the DRAM tier); its
     search_docs call hangs. The announcement swaps the agent's KV to DRAM and plans its restore ahead of
     the tool's expected return (3 s). The task then ends during the wait: cancelled (CancelTask), past its
-    deadline (the caller's, 1.5 s), or refused early before its next step (a measured model step longer
-    than its time left). The dispatcher was never told: it restored the dead agent's KV into HBM at the
+    deadline (the caller's, 1.5 s), refused early before its next step (a measured model step longer
+    than its time left), or its next step refused by the dispatcher (INVALID_ARGUMENT: the tool's result
+    took the prompt past what the dispatcher takes). The dispatcher was never told: it restored the dead agent's KV into HBM at the
     planned time and held it there until the tool's revisit time, its DRAM copy stayed, and its call
     counted as a running one of search_docs. Now the orchestrator says the task ended (ToolWait with
     task_ended) and the dispatcher releases the parked state, the DRAM copy and the plan at once."""
@@ -327,6 +329,13 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
                 assert redis.exists(plan.key)  # the copy is in DRAM, its restore planned
                 if ending == "cancelled":
                     await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t-ends"))
+                elif ending == "its next step refused by the dispatcher":
+                    tool.passages = [agent_pb2.Passage(text="with " * 100_000, score=0.9, source="t:with",
+                                                       title="with")]
+                    tool.gate.set()
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await run
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 else:
                     if ending == "refused before its next step":
                         orchestrator._deps.program.steps.observe("react_loop", "model", 10_000.0)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import ReactConfig
-from switchyard.common.errors import TaskRefusedEarly
 from switchyard.common.metrics import bounded
 from switchyard.orchestrator.metrics import TOOL_CALLS
 from switchyard.orchestrator.task import Task
@@ -56,11 +55,12 @@ class _Waiting:
 async def react(task: Task, tools: list[Tool]) -> str:
     """Think, call the tools the model asks for, observe; returns the answer.
 
-    A step that ends in tool calls is parked at the agent's dispatcher until the next step. A task that
-    ends before sending that step (cancelled or past its deadline during the tool round, or refused early
-    before the next step) tells the dispatcher, after the round's last announcement
-    (:meth:`~switchyard.orchestrator.clients.InferenceClient.end_tool_wait`): the agent's parked state and
-    plan are released there at once.
+    A step that ends in tool calls is parked at the agent's dispatcher until the next step takes it over. A
+    task that ends before one does (cancelled or past its deadline during the tool round, refused early
+    before the next step, or its next step refused or failed) tells the dispatcher, after the round's last
+    announcement (:meth:`~switchyard.orchestrator.clients.InferenceClient.end_tool_wait`): the agent's parked
+    state and plan are released there at once (where the next step had taken them over, nothing is left to
+    release).
 
     Raises:
         ServiceUnavailable, SwitchyardError: a Generate call failed (tool failures never raise:
@@ -73,14 +73,9 @@ async def react(task: Task, tools: list[Tool]) -> str:
     try:
         for step in range(policy.max_steps + 1):
             offered = tools if step < policy.max_steps else []  # after max_steps rounds: one last answer, no tools
-            try:
-                async with task.stage("infer", step=str(step)):
-                    text, calls = await task.generate(offered, resume=step > 0)
-            except TaskRefusedEarly:  # refused before it was sent: nothing took the parked step over
-                raise
-            except BaseException:  # sent: its turn took the parked step over (or the dispatcher is gone)
-                parked = None
-                raise
+            async with task.stage("infer", step=str(step)):
+                text, calls = await task.generate(offered, resume=step > 0)
+            parked = None  # the step ran: it took the parked one over
             if not calls or step == policy.max_steps:
                 return text
             parked, last_call = [], calls[-1]
@@ -90,7 +85,7 @@ async def react(task: Task, tools: list[Tool]) -> str:
                 await _observe(task, by_name, call, policy, parked)
             task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
         raise AssertionError("unreachable: the last step returns")
-    except (asyncio.CancelledError, TaskRefusedEarly):
+    except BaseException:  # the task ends here, with its agent's step perhaps still parked at the dispatcher
         if parked is not None:
             _end_tool_wait(task, parked, bounded(last_call.name, by_name))
         raise
