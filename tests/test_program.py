@@ -29,6 +29,7 @@ from switchyard.orchestrator.program import (
     TASKS_REFUSED_EARLY, TOOL_DURATION, TOOL_WAIT_ESTIMATE, Program, ToolDurations,
 )
 from switchyard.orchestrator.service import OrchestratorService
+from switchyard.orchestrator.tokens import count_added_messages, count_messages
 from test_orchestrator import Downstream
 from fast_sim import FAST
 from orchestrator_fixtures import orchestrator_config
@@ -592,3 +593,27 @@ async def test_a_request_the_fair_dispatcher_refuses_early_is_counted_on_its_met
             assert chunks[-1].HasField("done") and refused("normal") == before["normal"]
         finally:
             await channel.close()
+
+
+async def test_a_react_loop_step_after_a_tool_round_counts_the_conversation_it_sends():
+    """A react_loop step after a tool round sends the conversation so far: the first prompt, the model's tool
+    calls and the tools' results. Its prompt_tokens was the first prompt's count on every step, however much
+    the tools had returned: the dispatcher reserved KV, checked the context window and budgeted the step on a
+    prompt a fraction of its size, and refused a long result's step INVALID_ARGUMENT naming prompt_tokens
+    ("expected at least 3909 for a prompt of 500409 characters ... (got 94)"). Each step now counts what it
+    adds."""
+    down = Recording()
+    down.passages = [agent_pb2.Passage(text="The with statement wraps a block. " * 300, score=0.9, source="t:with",
+                                       title="with")]
+    async with stack(down) as (stub, down):
+        events = await collect(stub, task_id="long-result", payload="How does the with statement work?",
+                               task_type="react_loop")
+    assert events[-1].HasField("final")
+    steps = [r for r in down.requests if r.request_id.startswith("long-result:")]
+    assert len(steps) == 3  # search_docs, then calculator, then the answer
+    for before, after in zip(steps, steps[1:]):
+        grown = [(m.role, m.content + "".join(c.name + c.arguments_json for c in m.tool_calls))
+                 for m in after.messages[len(before.messages):]]
+        assert after.prompt_tokens == before.prompt_tokens + count_added_messages(grown)
+    assert steps[1].prompt_tokens > steps[0].prompt_tokens + 300 * 7  # the passage's tokens are in its count
+    assert steps[0].prompt_tokens == count_messages([(m.role, m.content) for m in steps[0].messages])

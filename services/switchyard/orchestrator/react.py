@@ -23,6 +23,7 @@ from switchyard.common.config import ReactConfig
 from switchyard.common.metrics import bounded
 from switchyard.orchestrator.metrics import TOOL_CALLS
 from switchyard.orchestrator.task import Task
+from switchyard.orchestrator.tokens import count_added_messages
 from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
 
 
@@ -79,11 +80,21 @@ async def react(task: Task, tools: list[Tool]) -> str:
             if not calls or step == policy.max_steps:
                 return text
             parked, last_call = [], calls[-1]
+            counted = len(task.messages)
             task.messages.append(agent_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls))
             round_started = time.monotonic()
             for call in calls:
                 await _observe(task, by_name, call, policy, parked)
             task.deps.program.steps.observe(task.spec.workflow, "tool", time.monotonic() - round_started)
+            added = [(m.role, m.content + "".join(c.name + c.arguments_json for c in m.tool_calls))
+                     for m in task.messages[counted:]]
+            # the next step's prompt is the conversation so far: its count grows by this round's messages (on the
+            # loop when short, as Task.cpu would run it, without its trip through the orchestration queue)
+            chars = sum(len(text) for _, text in added)
+            if chars <= task.deps.config.orchestrator.cpu_inline_max_chars:
+                task.prompt_tokens += count_added_messages(added)
+            else:
+                task.prompt_tokens += await task.cpu(count_added_messages, added, size_chars=chars)
         raise AssertionError("unreachable: the last step returns")
     except BaseException:  # the task ends here, with its agent's step perhaps still parked at the dispatcher
         if parked is not None:

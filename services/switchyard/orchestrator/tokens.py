@@ -36,3 +36,9 @@ def count_messages(messages: list[tuple[str, str]]) -> int:
     """
     encode = encoding().encode_ordinary
     return sum(3 + _role_tokens(role) + len(encode(content)) for role, content in messages) + 3
+
+
+def count_added_messages(messages: list[tuple[str, str]]) -> int:
+    """Tokens ``messages`` add to a chat prompt already counted by :func:`count_messages` (its reply priming
+    counted there once)."""
+    return count_messages(messages) - 3
