@@ -391,6 +391,10 @@ class Scheduler(Protocol):
             ValueError: ``expected_wait_s`` < 0.
         """
 
+    def forget_agent(self, agent_key: str) -> None:
+        """``agent_key``'s task ended between two steps (cancelled, past its deadline, refused): its parked KV,
+        its DRAM copy and its tool-wait plan are released now."""
+
     def shutdown(self) -> None:
         """Release what the scheduler holds outside the process (NVML); the loop calls it once, at its end."""
 
