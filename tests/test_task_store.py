@@ -265,12 +265,19 @@ async def test_the_sqlite_wal_starts_over_after_every_checkpoint_under_writes_th
     await store.open()
     result = b"r" * 2048
 
+    written: list[str] = []
+
     async def writer(w: int) -> None:
-        for i in range(150):
+        # 150 tasks each, and on until 6 checkpoints have ended: on a loaded machine the checkpoint thread may
+        # get no turn while 150 go by (0 checkpoints seen), which says nothing of the WAL's restarts
+        for i in range(3000):
+            if i >= 150 and len(checkpoints) >= 6:
+                return
             task_id = f"w{w}-{i}"
             await store.create(task_id, "fp", "")
             await store.mark_running(task_id)
             await store.finish(task_id, agent_pb2.SUCCEEDED, result=result)
+            written.append(task_id)
 
     await asyncio.gather(*(writer(w) for w in range(16)))
     with open(tmp_path / "tasks.sqlite3-wal", "rb") as wal:
@@ -281,7 +288,7 @@ async def test_the_sqlite_wal_starts_over_after_every_checkpoint_under_writes_th
     await store.close()
     reopened = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
     await reopened.open()
-    assert (await reopened.get("w15-149")).result == result
+    assert (await reopened.get(written[-1])).result == result
     await reopened.close()
 
 
