@@ -763,6 +763,38 @@ async def test_a_header_past_8_kb_is_431_in_the_json_error_shape_logged_without_
         assert down.requests == []
 
 
+@pytest.mark.parametrize("line, version", [
+    (b"GET /openapi.json HTTP/2.0", "HTTP/2.0"),  # read by the parser, served as 1.1: 'HTTP/2.0 200 OK'
+    (b"GET /openapi.json", "HTTP/0.9"),  # no version: HTTP/0.9's line, answered 200 with 1.1's headers
+    (b"GET /openapi.json HTTP/0.9", "HTTP/0.9"),
+    (b"GET /openapi.json HTTP/1.2", "HTTP/1.2"),  # refused by the parser: it read 400 "not well-formed"
+    (b"GET /openapi.json HTTP/3.0", "HTTP/3.0"),
+    (b"POST /api/v1/agent/submit HTTP/2.0", "HTTP/2.0"),  # never reaches the route: nothing submitted
+    (b"GET /api/v1/tasks/t-1 HTTP/2.0", "HTTP/2.0"),  # nor a token check (auth on: still 505, not 401)
+])
+async def test_a_request_line_of_a_version_other_than_http_1_0_or_1_1_is_505_and_its_connection_closed(
+        tmp_path, line, version):
+    path = tmp_path / "tokens"
+    path.write_text("tok-full-1\n")
+    auth = {"orchestrator.auth": {"enabled": True, "tokens_file": str(path), "tokens_env": ""}}
+    async with http_stack(**auth) as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        counted = durations("_OTHER", "", "505")
+        body = json.dumps(FIELD_BODY).encode()
+        answer = await _raw(port, line + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 505 "), answer[:300]
+        error = json.loads(rest)["error"]
+        assert error["code"] == "INVALID_ARGUMENT", error
+        assert error["message"] == f"version: expected HTTP/1.0 or HTTP/1.1 (HTTP/2 is not served on this port) (got {version})"
+        assert durations("_OTHER", "", "505") == counted + 1
+        assert down.requests == []
+        for ok in (b"HTTP/1.0", b"HTTP/1.1"):  # the versions served
+            served = await _raw(port, b"GET /openapi.json " + ok + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert served.startswith(ok + b" 200 "), served[:200]
+
+
 def durations(method: str, route: str, status: str) -> float:
     from prometheus_client import REGISTRY
 

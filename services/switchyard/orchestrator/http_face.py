@@ -27,9 +27,9 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
 or the face's own: 405 (a wrong method) and 501 (a method no route knows)
-(UNIMPLEMENTED), 413, 415 and 431 (a header line past 8190 bytes, or too many
-header fields; a request aiohttp's parser refuses otherwise is 400)
-(INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
+(UNIMPLEMENTED), 413, 415, 431 (a header line past 8190 bytes, or too many
+header fields), 505 (a version other than HTTP/1.0 and HTTP/1.1; a request aiohttp's
+parser refuses otherwise is 400) (INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
 408 (the body not whole within
 ``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes).
 The ``accepted`` event's ``state`` is the state's lower-case name, as a submit answers it.
@@ -52,9 +52,11 @@ from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 import grpc
-from aiohttp import HttpVersion11, web, web_protocol
+from aiohttp import HttpVersion10, HttpVersion11, web, web_protocol
 from aiohttp.helpers import parse_mimetype  # the Content-Type's parameters, a repeated one kept
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong, PayloadEncodingError
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, HttpProcessingError, LineTooLong, PayloadEncodingError
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD
 from pydantic import ValidationError
 
 from switchyard import __version__
@@ -227,11 +229,35 @@ MAX_FIELD_BYTES = 8190
 431 (:class:`_JsonProtocolErrors`)."""
 
 
+HTTP_VERSIONS = (HttpVersion10, HttpVersion11)
+"""The versions of HTTP the face speaks: a request line naming another is refused 505 (RFC 9110 section 15.6.6)."""
+VERSION_EXPECTED = "version: expected HTTP/1.0 or HTTP/1.1 (HTTP/2 is not served on this port)"
+
+
+class _UnsupportedVersion(BadHttpMessage):
+    """A request line of a version outside :data:`HTTP_VERSIONS` (HTTP/2.0, HTTP/0.9: aiohttp's parser reads
+    both, and its answer echoed the version, ``HTTP/2.0 200 OK`` in HTTP/1.1's framing)."""
+
+
 class _JsonProtocolErrors(web_protocol.RequestHandler):
     """aiohttp's connection handler, answering a request its parser refused (a header or request line past
-    :data:`MAX_FIELD_BYTES`, too many headers, a malformed request) in the face's JSON error shape:
-    INVALID_ARGUMENT, 431 for a line too long, else 400, with the parser's reason, logged as one line
-    without a traceback (a client's mistake, not the server's). Other errors are aiohttp's own."""
+    :data:`MAX_FIELD_BYTES`, too many headers, a malformed request, a version of HTTP other than 1.0 and 1.1)
+    in the face's JSON error shape: INVALID_ARGUMENT, 431 for a line too long, 505 for the version, else 400,
+    with the parser's reason, logged as one line without a traceback (a client's mistake, not the server's).
+    Other errors are aiohttp's own."""
+
+    def data_received(self, data: bytes) -> None:
+        """aiohttp's, with each request just parsed of a version outside :data:`HTTP_VERSIONS` turned into the
+        parser's refusal (:meth:`handle_error`) before any route, token check or ``Expect`` sees it."""
+        parsed = len(self._messages)  # aiohttp's queue of parsed requests: only appended to below
+        super().data_received(data)
+        for i in range(parsed, len(self._messages)):
+            message, _ = self._messages[i]
+            if isinstance(message, RawRequestMessage) and message.version not in HTTP_VERSIONS:
+                got = f"HTTP/{message.version.major}.{message.version.minor}"
+                refusal = _UnsupportedVersion(f"b'{message.method} {message.path} {got}'")
+                self._messages[i] = (web_protocol._ErrInfo(status=400, exc=refusal, message=refusal.message),
+                                     EMPTY_PAYLOAD)
 
     def close_without_lingering(self) -> None:
         """Close the connection right after the answer being made now, without aiohttp's lingering read of
@@ -250,6 +276,10 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                                    "send large values in the body")
         elif "too many headers" in str(exc.message).lower():  # RFC 6585 section 5: the fields together
             status, detail = 431, "headers: too many header fields; send large values in the body"
+        elif isinstance(exc, _UnsupportedVersion) or "invalid http version" in str(exc.message).lower():
+            # RFC 9110 section 15.6.6; the answer's status line is HTTP/1.0's, as for every request refused here
+            sent = _SENT_VERSION.search(str(exc.message))
+            status, detail = 505, f"{VERSION_EXPECTED} (got {sent.group(1) if sent else 'another'})"
         elif isinstance(exc, PayloadEncodingError):  # the parser decodes as it reads: a body not in its coding
             detail = f"body: expected data in the coding its Content-Encoding names ({exc.message})"
         elif isinstance(exc, BadHttpMethod) and _REQUEST_LINE.search(str(exc.message)):
@@ -266,6 +296,8 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
         return response
 
 
+_SENT_VERSION = re.compile(r" (HTTP/[^\s']{0,16})'")
+"""The version of a request line as the parser quotes it (``b'GET / HTTP/1.2'``)."""
 _REQUEST_LINE = re.compile(r"b'[!#$%&*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d\.\d'")
 """A request line as the parser quotes it (``b'FOO / HTTP/1.1'``): method, target, version. A line of another
 shape (``GARBAGE``) is a malformed request (400), not an unknown method (501)."""

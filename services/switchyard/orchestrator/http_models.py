@@ -346,8 +346,9 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "Switchyard AgentService over HTTP", "version": version,
                  "description": "Every path also answers 405 (UNIMPLEMENTED, with Allow) to a method it does not "
-                                "serve, and the face 501 (UNIMPLEMENTED) to a method no route knows (the connection "
-                                "is closed); both in the ErrorResponse shape. Bearer tokens (Authorization) are "
+                                "serve, and the face 501 (UNIMPLEMENTED) to a method no route knows and 505 "
+                                "(INVALID_ARGUMENT) to a version other than HTTP/1.0 and HTTP/1.1 (the connection "
+                                "is closed); all in the ErrorResponse shape. Bearer tokens (Authorization) are "
                                 "the bearer security scheme's."},
         "paths": {
             "/api/v1/agent/submit": {"post": {
