@@ -163,6 +163,9 @@ async def test_a_model_the_engine_does_not_serve_is_not_found(dispatcher: Harnes
         # an agent's next step names its agent: without one, resume only put the request ahead of every new
         # request of its class (the priority policy's order), a queue jump for any caller
         ({"resume": True}, "resume"),
+        # ids that read as other ids: the orchestrator's rule, for callers that reach the dispatcher directly
+        ({"request_id": "r\u200b1"}, "request_id"), ({"agent_id": "cafe\u0301"}, "agent_id"),
+        ({"model": "sim-7b\ufeff"}, "model"), ({"task_type": "chat\u2028x"}, "task_type"),
     ],
 )
 async def test_bad_requests_are_invalid_argument_naming_the_field(

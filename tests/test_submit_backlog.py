@@ -14,6 +14,7 @@ import contextlib
 import json
 import sqlite3
 from pathlib import Path
+from urllib.parse import quote
 
 import grpc
 import httpx
@@ -472,12 +473,20 @@ async def test_a_task_cancelled_after_a_model_step_reports_what_it_consumed(tmp_
         assert (answer["state"], answer["compute_score_used"], answer["result"]) == ("failed", 0.5, None)
 
 
-@pytest.mark.parametrize("agent_id, shown", [("agent-\u202egnp.exe", "U+202E"), ("a\u2066b\u2069", "U+2066"),
-                                             ("x\u200fy", "U+200F")])
-async def test_an_id_with_a_bidirectional_control_is_refused_at_both_edges(tmp_path, agent_id, shown):
+@pytest.mark.parametrize("agent_id, shown", [
+    ("agent-\u202egnp.exe", "U+202E"), ("a\u2066b\u2069", "U+2066"), ("x\u200fy", "U+200F"),
+    # the same kind, accepted until now: each reads as another id ('agent\u200b1' as 'agent1') where it is shown
+    ("agent\u200b1", "U+200B"), ("\ufeffagent", "U+FEFF"), ("a\u2060b", "U+2060"), ("soft\xadhyphen", "U+00AD"),
+    ("tag\U000e0041", "U+E0041"), ("line\u2028break", "U+2028"), ("para\u2029graph", "U+2029"),
+    ("no\xa0break", "U+00A0"), ("ideographic\u3000space", "U+3000"),
+    ("cafe\u0301", "NFC"),  # decomposed: reads as the composed 'café', another id
+])
+async def test_an_id_that_reads_as_another_is_refused_at_both_edges_naming_the_character(tmp_path, agent_id, shown):
     """A bidirectional control reorders what follows it as it is shown: 'agent-\u202egnp.exe' reads as
-    'agent-exe.png' in a log, a dashboard or a terminal (CVE-2021-42574). Ids are refused with one, naming it."""
-    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, client, _down):
+    'agent-exe.png' in a log, a dashboard or a terminal (CVE-2021-42574); an invisible character, a space that is
+    not U+0020 or a decomposed accent makes an id that reads as another. Ids are refused with one, naming it,
+    at submit and at a lookup alike."""
+    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, client, down):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-bidi", agent_id=agent_id, payload="hello",
                                                            task_type="chat"))
@@ -485,6 +494,13 @@ async def test_an_id_with_a_bidirectional_control_is_refused_at_both_edges(tmp_p
         assert refused.value.details().startswith("agent_id: ") and shown in refused.value.details()
         answer = await client.post("/api/v1/agent/submit", json={"agent_id": agent_id, "task_type": "chat"})
         assert answer.status_code == 400 and shown in answer.json()["error"]["message"]
+        with pytest.raises(grpc.aio.AioRpcError) as looked_up:
+            await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=agent_id))
+        assert looked_up.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert looked_up.value.details().startswith("task_id: ") and shown in looked_up.value.details()
+        answer = await client.get("/api/v1/tasks/" + quote(agent_id))
+        assert answer.status_code == 400 and shown in answer.json()["error"]["message"]
+        assert down.requests == []
 
 
 async def test_the_backlogs_fill_is_exported_as_every_queues_depth_and_capacity(tmp_path):

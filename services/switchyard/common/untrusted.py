@@ -77,24 +77,38 @@ BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u206
 so an id holding one reads as another in a log, a dashboard or a terminal (CVE-2021-42574, "Trojan Source")."""
 
 
+_UNSEEN = {"Cc": "control", "Cs": "control", "Cf": "invisible format", "Zl": "line separator",
+           "Zp": "paragraph separator", "Zs": "space other than U+0020"}
+"""The Unicode general categories of characters an id may not hold, by what they are called in the refusal:
+controls and lone surrogates, format characters (zero-width space, joiners, the byte order mark, soft hyphen,
+tag characters), the line and paragraph separators (a new line to a log reader), and the spaces that look like
+U+0020 or like nothing (no-break, thin, ideographic)."""
+
+
 def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
-    """An id (task, agent, model, request) is text that prints as it is, at every edge that takes one: no control
-    characters (Unicode categories Cc: C0/C1 controls and DEL, and Cs: lone surrogates), none of the bidirectional
-    controls (:data:`BIDI_CONTROLS`), and not only whitespace unless empty (``blank_ok``: empty means "none").
+    """An id (task, agent, model, request) is text that prints as it is, and so reads as only itself, at every
+    edge that takes one: no character of the categories of :data:`_UNSEEN` (controls, lone surrogates, invisible
+    format characters such as U+200B zero-width space, line and paragraph separators, spaces other than U+0020),
+    none of the bidirectional controls (:data:`BIDI_CONTROLS`), in Unicode's composed form (NFC: 'cafe' with
+    U+0301 reads as 'café', another id), and not only whitespace unless empty (``blank_ok``: empty means
+    "none"). 'agent\u200b1' read as 'agent1' and was another task's agent in a log, a dashboard or a query.
 
     Raises:
-        InvalidArgument: naming ``field`` and the first such character.
+        InvalidArgument: naming ``field`` and the first such character, or the form expected.
     """
     from switchyard.common.errors import InvalidArgument  # errors quotes values with shown(): no cycle at import
 
     if (value and not value.strip()) or (not value and not blank_ok):
         raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
     if not value.isprintable():  # every character refused below is one isprintable() refuses
-        bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs") or c in BIDI_CONTROLS), None)
-        if bad is not None:
-            kind = "bidirectional" if bad in BIDI_CONTROLS else "control"
-            raise InvalidArgument(field, f"an id of printable characters (no {kind} characters; found U+{ord(bad):04X})",
-                                  value[:80])
+        for c in value:
+            kind = "bidirectional" if c in BIDI_CONTROLS else _UNSEEN.get(unicodedata.category(c))
+            if kind is not None and c != " ":
+                raise InvalidArgument(field, f"an id of printable characters (no {kind} characters; found "
+                                      f"U+{ord(c):04X})", value[:80])
+    if not value.isascii() and not unicodedata.is_normalized("NFC", value):
+        raise InvalidArgument(field, "an id in Unicode's composed form, NFC (it reads as its NFC form "
+                              f"{unicodedata.normalize('NFC', value[:80])!r}, another id)", value[:80])
 
 
 def check_seconds(value: float, field: str, zero_means: str = "", at_most: float = math.inf) -> float:
