@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from typing import AsyncIterator
@@ -166,6 +167,20 @@ async def test_a_model_the_engine_does_not_serve_is_not_found(dispatcher: Harnes
         # ids that read as other ids: the orchestrator's rule, for callers that reach the dispatcher directly
         ({"request_id": "r\u200b1"}, "request_id"), ({"agent_id": "cafe\u0301"}, "agent_id"),
         ({"model": "sim-7b\ufeff"}, "model"), ({"task_type": "chat\u2028x"}, "task_type"),
+        # tools an OpenAI-compatible server refuses, or a model's call could not name alone: they were served
+        ({"tools": [agent_pb2.ToolSpec(name="search"), agent_pb2.ToolSpec(name="search")]}, "tools[1].name"),
+        ({"tools": [agent_pb2.ToolSpec(name="my tool")]}, "tools[0].name"),
+        ({"tools": [agent_pb2.ToolSpec(name="a\x00b")]}, "tools[0].name"),
+        ({"tools": [agent_pb2.ToolSpec(name="t" * 65)]}, "tools[0].name"),
+        ({"tools": [agent_pb2.ToolSpec(name="")]}, "tools[0].name"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"type": 5}')]}, "tools[0].parameters_json"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"type": "objectt"}')]}, "tools[0].parameters_json"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"type": "string"}')]}, "tools[0].parameters_json"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"properties": [1]}')]}, "tools[0].parameters_json"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"properties": {"q": {"pattern": "("}}}')]},
+         "tools[0].parameters_json"),
+        ({"tools": [agent_pb2.ToolSpec(name="s", parameters_json='{"properties": {"a": ' * 400 + "{}" + "}}" * 400)]},
+         "tools[0].parameters_json"),  # JSON that parses, a schema too deep for the check: named, not UNKNOWN
     ],
 )
 async def test_bad_requests_are_invalid_argument_naming_the_field(
@@ -175,6 +190,30 @@ async def test_bad_requests_are_invalid_argument_naming_the_field(
         await dispatcher.generate(**fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith(field)
+
+
+async def test_tools_a_model_server_takes_are_served(dispatcher: Harness) -> None:
+    """The tool checks refuse what OpenAI-compatible servers refuse, and nothing they take."""
+    tools = [agent_pb2.ToolSpec(name="search_docs", parameters_json=json.dumps({
+                 "type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}},
+                 "required": ["query"]})),
+             agent_pb2.ToolSpec(name="Calc-2", parameters_json=""),  # empty: any object ({})
+             agent_pb2.ToolSpec(name="t" * 64, parameters_json='{"properties": {"n": {"type": ["integer", "null"]}}}')]
+    chunks = await dispatcher.generate(tools=tools, max_tokens=3)
+    assert chunks[-1].done.finish_reason in ("stop", "length", "tool_calls")
+    message = await _refusal(dispatcher, tools=[agent_pb2.ToolSpec(name="a"), agent_pb2.ToolSpec(name="b"),
+                                                agent_pb2.ToolSpec(name="a")])
+    assert message.startswith("tools[2].name: expected a name no other tool has (tools[0] is also 'a')"), message
+    message = await _refusal(dispatcher, tools=[agent_pb2.ToolSpec(name="s", parameters_json='{"type": 5}')])
+    assert message.startswith("tools[0].parameters_json: expected a JSON Schema object (the tool's parameters, "
+                              "type object): at $.type,"), message
+
+
+async def _refusal(dispatcher: Harness, **fields: object) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dispatcher.generate(**fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return err.value.details() or ""
 
 
 # --------------------------------------------------------------------------- the inference queue

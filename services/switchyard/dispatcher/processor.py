@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from typing import Any
 
@@ -69,6 +70,38 @@ def check_id(value: str, name: str, limits: RequestLimitsConfig, *, required: bo
     untrusted.check_id_chars(value, name)
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_NAME_EXPECTED = "1 to 64 characters of A-Z a-z 0-9 _ - (the OpenAI function name's rule)"
+"""What a tool's name may be: OpenAI's function-calling rule, which OpenAI-compatible servers hold it to."""
+
+
+@functools.lru_cache(maxsize=256)
+def schema_problem(parameters_json: str) -> str | None:
+    """What is wrong with a tool's ``parameters_json``, said as what was expected, or None when it is a JSON
+    Schema (checked against the Draft 2020-12 metaschema, ``jsonschema``) of an object: what OpenAI-compatible
+    servers take as a function's parameters (OpenAI refuses a schema whose type is not ``object``). ``""`` is
+    ``{}``, any object. Cached: a react_loop agent offers the same few tools on every step, and a check costs
+    about half a millisecond."""
+    from jsonschema import Draft202012Validator, SchemaError  # the dispatcher's; the orchestrator never checks
+
+    expected = "a JSON Schema object (the tool's parameters, type object)"
+    try:
+        schema = untrusted.loads(parameters_json) if parameters_json else {}
+    except ValueError as exc:
+        return f"{expected}: not JSON ({exc})"
+    if not isinstance(schema, dict):
+        return expected
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return f"{expected}: at {exc.json_path}, {exc.message[:200]}"
+    except RecursionError:
+        return f"{expected}: nested too deeply to check"
+    if "type" in schema and schema["type"] != "object":
+        return f"{expected}: at $.type, {schema['type']!r} is not 'object'"
+    return None
+
+
 def check_priority(value: int) -> None:
     """``priority`` is a Priority (CORE, NORMAL, BATCH) or unset (NORMAL).
 
@@ -99,7 +132,8 @@ def to_request(
         InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
             max_tokens exceed the model's context window), ``prompt_tokens``,
             ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
-            ``messages``, ``tools``, ``messages[i].role``, ``tools[i].parameters_json``, ``tenant_id``,
+            ``messages``, ``tools``, ``messages[i].role``, ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
+            tool's), ``tools[i].parameters_json`` (:func:`schema_problem`), ``tenant_id``,
             ``task_time_left_s``, ``expected_remaining_work_s`` or ``resume`` (set without an ``agent_id``).
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
@@ -147,15 +181,17 @@ def to_request(
         calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in m.tool_calls)
         messages.append(Message(m.role, m.content, m.tool_call_id, m.name, calls))
     tools = []
+    named: dict[str, int] = {}
     for i, t in enumerate(request.tools):
-        if not t.name:
-            raise InvalidArgument(f"tools[{i}].name", "a non-empty tool name", t.name)
-        try:
-            schema = untrusted.loads(t.parameters_json) if t.parameters_json else {}
-        except ValueError:
-            schema = None
-        if not isinstance(schema, dict):
-            raise InvalidArgument(f"tools[{i}].parameters_json", "a JSON Schema object", t.parameters_json[:80])
+        if not TOOL_NAME.fullmatch(t.name):
+            raise InvalidArgument(f"tools[{i}].name", f"a tool name of {TOOL_NAME_EXPECTED}", t.name[:80])
+        if t.name in named:  # which of two same-named tools a model's call means is not the caller's to guess
+            raise InvalidArgument(f"tools[{i}].name", f"a name no other tool has (tools[{named[t.name]}] is "
+                                  f"also {t.name!r})", t.name)
+        named[t.name] = i
+        problem = schema_problem(t.parameters_json)
+        if problem is not None:
+            raise InvalidArgument(f"tools[{i}].parameters_json", problem, t.parameters_json[:80])
         tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
     prompt_tokens = request.prompt_tokens
     if prompt_tokens == 0:  # counted here, never below the floor a caller's own count is held to
