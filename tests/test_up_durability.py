@@ -280,31 +280,60 @@ def test_an_option_of_switchyard_up_it_cannot_use_is_refused_naming_it_before_an
     assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
 
 
-@pytest.mark.parametrize(("section", "key", "value", "dispatchers", "message"), [
-    ("retrieval", "metrics_port", 9101, 1, "retrieval.metrics_port and orchestrator.metrics_port are both 9101"),
-    ("retrieval", "port", 50054, 2, "retrieval.port and dispatcher.port + 1 (--dispatchers 2) are both 50054"),
-    ("dispatcher", "metrics_port", 6379, 1,
-     "dispatcher.metrics_port and memory_policy.toml [dram] port (the embedded Redis) are both 6379"),
+@pytest.mark.parametrize(("changes", "args", "message"), [
+    ({"dispatcher.port": "retrieval.port"}, (), "retrieval.port and dispatcher.port are both 51774"),
+    ({"orchestrator.http.port": "retrieval.metrics_port"}, (), "retrieval.metrics_port and orchestrator.http.port are "
+                                                               "both 51775"),
+    ({"dispatcher.metrics_port": 51770}, ("--dispatchers", "2"),  # its second replica's, on the orchestrator's
+     "dispatcher.metrics_port + 1 (dispatcher-2) and orchestrator.port are both 51771"),
+    ({"dispatcher.port": 65535}, ("--dispatchers", "2"),
+     "dispatcher.port + 1 (dispatcher-2) is 65536: expected a TCP port, 1 to 65535"),
+    ({"[dram] port": "orchestrator.metrics_port"}, (), "orchestrator.metrics_port and memory_policy.toml [dram] port "
+                                                       "are both 51772"),
+    ({"SWITCHYARD_HEALTH_PORT": "51790"}, ("--free-ports",),  # one variable, every service's health port
+     "retrieval.health_port and dispatcher.health_port are both 51790: expected a port of its own for each (0 picks "
+     "a free one) (SWITCHYARD_HEALTH_PORT sets the health_port of every service it starts)"),
 ])
 def test_two_services_of_switchyard_up_on_one_port_are_refused_naming_both_before_anything_starts(
-        tmp_path: Path, capsys, section: str, key: str, value: int, dispatchers: int, message: str) -> None:
-    # Each service's config refuses its own two ports on one number; switchyard up starts the three (and the
-    # DRAM tier's Redis) on one host, where retrieval's metrics port on the orchestrator's started retrieval and
-    # the dispatcher, then failed the orchestrator with 'metrics port 127.0.0.1:9101 for orchestrator: Address
-    # already in use', naming neither key.
+        tmp_path: Path, capsys, monkeypatch, changes: dict, args: tuple, message: str) -> None:
+    """Each service's own ports are checked at load; two services' (or a dispatcher replica's port + i) met only
+    at the second bind, once Redis and the first had started: 'could not bind 127.0.0.1:51774: is another process
+    using it?', the other process being the stack's own."""
+    import tomllib
+
     from switchyard.launcher import main as up_main
 
     config_dir = tmp_path / "config"
-    shutil.copytree(ROOT / "config", config_dir)
-    settings = json.loads((config_dir / "switchyard.json").read_text())
-    settings[section][key] = value
-    (config_dir / "switchyard.json").write_text(json.dumps(settings))
-    code = up_main(["--config-dir", str(config_dir), "--data-dir", str(tmp_path / "data"),
-                    "--dispatchers", str(dispatchers)])
-    assert code == 2
+    shutil.copytree(Path(__file__).resolve().parent.parent / "config", config_dir)
+    doc = json.loads((config_dir / "switchyard.json").read_text())
+    ports = {"orchestrator": (51771, 51772), "retrieval": (51774, 51775), "dispatcher": (51776, 51777)}
+    for section, (port, metrics_port) in ports.items():
+        doc[section]["port"], doc[section]["metrics_port"] = port, metrics_port
+    doc["orchestrator"]["http"]["port"] = 51773
+    policy = (config_dir / "memory_policy.toml").read_text().replace("port = 6379", "port = 51778")
+    for key, value in changes.items():
+        if key.startswith("SWITCHYARD_"):
+            monkeypatch.setenv(key, value)
+            continue
+        if isinstance(value, str):  # another key's port
+            section, leaf = value.split(".")
+            value = doc[section][leaf]
+        if key == "[dram] port":
+            policy = policy.replace("port = 51778", f"port = {value}")
+            continue
+        node = doc
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    (config_dir / "switchyard.json").write_text(json.dumps(doc))
+    (config_dir / "memory_policy.toml").write_text(policy)
+    assert tomllib.loads(policy)["dram"]["port"]  # still a valid file
+    data = tmp_path / "data"
+    assert up_main(["--config-dir", str(config_dir), "--data-dir", str(data), *args]) == 2
     err = capsys.readouterr().err
-    assert message in err and "--free-ports" in err, err
-    assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
+    assert f"switchyard up: bad configuration:\n{message}" in err, err
+    assert not (data / "redis.pid").exists()  # refused before the Redis started, or any service
 
 
 def test_an_embedded_redis_folder_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -> None:

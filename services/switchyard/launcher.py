@@ -14,7 +14,9 @@ dispatcher lives, as a deployment with replicas would.
 ``--dispatchers N`` starts N dispatcher processes; the orchestrator reaches
 them through one ``ipv4:host:a,host:b,...`` target and spreads calls over them
 (agent affinity, else in turn). Without ``--free-ports`` they listen on the
-configured dispatcher port and metrics port plus 0, 1, ... N-1.
+configured dispatcher port and metrics port plus 0, 1, ... N-1. Every port the
+stack would bind on the host is checked before anything starts: two set to one
+number (two services', or a replica's past another's) are refused naming both keys.
 
 Ports are bound by the process that serves them: with ``--free-ports`` each
 service is started on port 0, binds a free port itself and writes the ports it
@@ -68,7 +70,7 @@ from switchyard.common import children, envs, up_files
 from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
-from switchyard.common.config.server import distinct_ports
+from switchyard.common.config.server import port_clash
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 from switchyard.serve import service_section
 
@@ -201,6 +203,27 @@ def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConf
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _listening_ports(config: SwitchyardConfig, plan: list[tuple[str, str, int, int]], http_port: int | None,
+                     free_ports: bool) -> dict[str, int | None]:
+    """Every port the stack of ``plan`` ((name, kind, port, metrics port) per process) binds on this host, by what
+    sets it: each service's port and metrics port (a dispatcher replica's as ``dispatcher.port + i``), health
+    port (every replica binds its section's), the HTTP face's, the embedded Redis's. One service's own keys are
+    checked at load (:func:`~switchyard.common.config.server.distinct_ports`); two services', or a replica's
+    port past another's, met only at the second bind."""
+    ports: dict[str, int | None] = {}
+    for name, kind, port, metrics_port in plan:
+        replica = int(name.rsplit("-", 1)[1]) - 1 if name != kind else 0
+        shift = f" + {replica} ({name})" if replica else ""
+        ports[f"{kind}.port{shift}"] = port
+        ports[f"{kind}.metrics_port{shift}"] = metrics_port
+        ports[f"{kind}.health_port" + (f" ({name})" if replica else "")] = service_section(config, kind).health_port
+    ports["orchestrator.http.port"] = http_port
+    dram = config.memory.dram
+    if dram.embedded and not free_ports:
+        ports["memory_policy.toml [dram] port"] = dram.port
+    return ports
+
+
 def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_dir: str | None,
            port_file: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port", str(metrics_port),
@@ -230,25 +253,6 @@ def _stop(services: list[Child], grace: float) -> None:
             print(f"switchyard up: {child.name} did not stop within {grace + 5:.0f} s; killing it", file=sys.stderr)
             child.proc.kill()
             child.proc.wait()
-
-
-def _listening_ports(config: SwitchyardConfig, dispatchers: int) -> dict[str, int | None]:
-    """Every port the stack ``switchyard up`` starts listens on without ``--free-ports``, by its key: each
-    service's port, metrics port and health port, the N dispatchers' ports (the configured ones plus 0, 1, ...
-    N-1), the HTTP face's and the embedded Redis's."""
-    ports: dict[str, int | None] = {}
-    for kind in ORDER:
-        section = service_section(config, kind)
-        for i in range(dispatchers if kind == "dispatcher" else 1):
-            extra = f" + {i} (--dispatchers {dispatchers})" if i else ""
-            ports[f"{kind}.port{extra}"] = section.port + i
-            ports[f"{kind}.metrics_port{extra}"] = section.metrics_port + i
-        ports[f"{kind}.health_port"] = section.health_port
-    if config.orchestrator.http.enabled:
-        ports["orchestrator.http.port"] = config.orchestrator.http.port
-    if config.memory.dram.embedded:
-        ports["memory_policy.toml [dram] port (the embedded Redis)"] = config.memory.dram.port
-    return ports
 
 
 def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | None = None) -> EmbeddedRedis | None:
@@ -325,12 +329,12 @@ def main(argv: list[str]) -> int:
             plan.append((name, kind, *ports))
     http = config.orchestrator.http
     http_port = (0 if args.free_ports else http.port) if http.enabled else None
-    if not args.free_ports:  # one host: a port two services share was found by the second bind, naming neither
-        try:
-            distinct_ports("", _listening_ports(config, args.dispatchers))
-        except ValueError as exc:
-            print(f"switchyard up: bad configuration: {exc}; or start the stack with --free-ports", file=sys.stderr)
-            return 2
+    clash = port_clash(_listening_ports(config, plan, http_port, args.free_ports))
+    if clash is not None:  # refused before anything starts: the second bind failed as 'another process using it'
+        if "health_port" in clash and envs.SWITCHYARD_HEALTH_PORT.get() is not None:
+            clash += f" ({envs.SWITCHYARD_HEALTH_PORT.name} sets the health_port of every service it starts)"
+        print(f"switchyard up: bad configuration:\n{clash}", file=sys.stderr)
+        return 2
 
     stopping = False
 

@@ -134,21 +134,29 @@ def _metrics_port(default: int) -> Any:
 
 
 def distinct_ports(section: str, ports: dict[str, int | None]) -> None:
-    """Refuse two listening ports of one host (``ports``: key under ``section``, or the whole key where
-    ``section`` is "", -> port; None: off, 0: a free one, never a clash) set to the same number: the second bind
-    failed once the first had started, naming neither key (``metrics port 127.0.0.1:9102 for retrieval: Address
-    already in use``). A service's own ports (its config section), and those of the services ``switchyard up``
-    starts on one host (launcher.py).
+    """Refuse two of one service's listening ports (``ports``: key under ``section`` -> port; None: off, 0: a
+    free one, never a clash) set to the same number: the second bind failed once the service had started,
+    naming neither key (``metrics port 127.0.0.1:9102 for retrieval: Address already in use``).
 
     Raises:
-        ValueError: naming both keys and the port.
+        ValueError: naming both keys and the port (:func:`port_clash`).
     """
+    clash = port_clash({f"{section}.{key}": port for key, port in ports.items()})
+    if clash is not None:
+        raise ValueError(clash)
+
+
+def port_clash(ports: dict[str, int | None]) -> str | None:
+    """What is wrong with listening ports bound on one host (``ports``: what names each -> its number; None: off,
+    0: a free one, never a clash): two of the same number, naming both, or a number past 65535; None when each
+    has its own."""
     seen: dict[int, str] = {}
     for key, port in ports.items():
         if not port:
             continue
-        name = f"{section}.{key}" if section else key
+        if not 0 < port <= 65535:
+            return f"{key} is {port}: expected a TCP port, 1 to 65535 (0 picks a free one)"
         if port in seen:
-            raise ValueError(f"{seen[port]} and {name} are both {port}: expected a port of its own for each (0 picks "
-                             "a free one)")
-        seen[port] = name
+            return f"{seen[port]} and {key} are both {port}: expected a port of its own for each (0 picks a free one)"
+        seen[port] = key
+    return None
