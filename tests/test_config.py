@@ -530,6 +530,31 @@ def test_a_malformed_tls_or_health_variable_names_itself(monkeypatch, variable, 
         load_config(ROOT / "config", service="dispatcher")
 
 
+@pytest.mark.parametrize(("variables", "service", "message"), [
+    ({"SWITCHYARD_ENGINE": "openai", "SWITCHYARD_UPSTREAM_BASE_URL": "http://x:99999/v1"}, "dispatcher",
+     "environment variable SWITCHYARD_UPSTREAM_BASE_URL='http://x:99999/v1': key 'upstream.base_url' has value "
+     "'http://x:99999/v1'; expected: an http:// or https:// URL with a host and a port in 1-65535"),
+    ({"SWITCHYARD_HEALTH_PORT": "50053"}, "dispatcher",  # dispatcher.port's number
+     "environment variable SWITCHYARD_HEALTH_PORT='50053': section 'dispatcher': dispatcher.port and "
+     "dispatcher.health_port are both 50053"),
+    ({"SWITCHYARD_ENGINE": "openai", "SWITCHYARD_UPSTREAM_MODEL": "  "}, "dispatcher",
+     "environment variable SWITCHYARD_UPSTREAM_MODEL='  ': key 'upstream.default_model' has value '  '; "
+     "expected: a model id, not blank"),
+    ({"SWITCHYARD_TLS_DIR": "/etc/tls", "SWITCHYARD_HEALTH_PORT": "50051"}, "orchestrator",  # only the culprit named
+     "environment variable SWITCHYARD_HEALTH_PORT='50051': section 'orchestrator': orchestrator.port and "
+     "orchestrator.health_port are both 50051"),
+])
+def test_a_variable_whose_value_its_key_refuses_is_named_with_its_value(monkeypatch, variables, service, message):
+    """A value that passes the variable's own parser and fails its key's rules read 'overrides: key
+    'upstream.base_url' has value ...': nothing the operator wrote, and neither the variable nor where it was set."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as refused:
+        load_config(ROOT / "config", service=service)
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert "overrides" not in str(refused.value) and "SWITCHYARD_TLS_DIR" not in str(refused.value)
+
+
 def _where_model_sits(model):
     """(section name, keys inside the section's table) of every place ``model`` is read from."""
     from switchyard.common.config import SECTIONS

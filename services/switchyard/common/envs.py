@@ -38,6 +38,11 @@ class EnvVar(Generic[T]):
             raise ValueError(f"environment variable {self.name}={raw!r}: {exc}") from None
 
 
+def raw_value(name: str) -> str | None:
+    """The text of environment variable ``name`` as it is set (None: unset), for a message quoting it."""
+    return os.environ.get(name)
+
+
 def _engine(raw: str) -> str:
     value = raw.strip().lower()
     if value not in ("sim", "openai", "torch"):
