@@ -25,8 +25,10 @@ Layouts (Linux kernel documentation, Documentation/admin-guide/cgroup-v2.rst
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import sys
 import threading
 from pathlib import Path
 from socketserver import ThreadingMixIn
@@ -154,19 +156,63 @@ def register_process_collectors(registry: CollectorRegistry = REGISTRY) -> None:
         registry.register(CgroupCpuThrottlingCollector())
 
 
+MAX_CONNECTIONS = 16
+"""The most connections one metrics port serves at once (a scrape or two, a profile, a ``switchyard top``): one
+past it is answered 503 with Retry-After and closed. Each connection held a thread of the service's process for
+as long as its client kept it open, sending nothing: a client opening thousands took that many threads from the
+service (and its container's pids limit)."""
+IDLE_TIMEOUT_S = 10.0
+"""Longest wait for a metrics client's next bytes, seconds (the socket's timeout): a connection that sends no
+whole request within it is closed, its thread freed."""
+
+
 class _Silent(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout_s  # the socket's, for every read and write of this connection
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         """Log nothing (scrapes come every few seconds)."""
 
 
 def _server_class(host: str, port: int) -> tuple[type[WSGIServer], str]:
     """A thread-per-request WSGI server class for ``host``'s address family (IPv4 or IPv6), and the address
-    to bind; as prometheus_client's ``start_wsgi_server`` does it."""
+    to bind; as prometheus_client's ``start_wsgi_server`` does it. At most :data:`MAX_CONNECTIONS` at once
+    (one past it: 503), each closed after :data:`IDLE_TIMEOUT_S` without bytes from its client."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+    text = f"metrics port busy: {MAX_CONNECTIONS} connections open, the most it serves at once; retry\n".encode()
+    busy = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(text)) + text
 
     class Server(ThreadingMixIn, WSGIServer):
         daemon_threads = True
         address_family = family
+        idle_timeout_s = IDLE_TIMEOUT_S
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):  # refused on the accepting thread, which never waits on it
+                with contextlib.suppress(OSError):
+                    request.settimeout(0)
+                    request.send(busy)  # a few hundred bytes: the socket's buffer takes them at once
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            if isinstance(sys.exc_info()[1], TimeoutError):  # a client that went quiet: closed, not a traceback
+                return
+            super().handle_error(request, client_address)
 
     return Server, sockaddr[0]
 
