@@ -555,6 +555,22 @@ def test_a_variable_whose_value_its_key_refuses_is_named_with_its_value(monkeypa
     assert "overrides" not in str(refused.value) and "SWITCHYARD_TLS_DIR" not in str(refused.value)
 
 
+@pytest.mark.parametrize(("filename", "edit", "key"), [
+    ("switchyard.json", lambda t: t.replace('"port": 50051', '"port": 50051, "port": 50099', 1), "orchestrator.port"),
+    ("switchyard.json", lambda t: t.replace("{", '{"server": {}, ', 1), "server"),  # a whole table twice
+    ("queue.json", lambda t: t.replace('"timeout_ms":', '"timeout_ms": 1, "timeout_ms":', 1), ".timeout_ms"),
+])
+def test_a_json_config_key_given_twice_is_refused_naming_it(config_dir, filename, edit, key):
+    """It loaded, the last value silently winning: '"port": 50051, ... "port": 50099' served on 50099 (TOML's
+    parser refuses a key twice itself)."""
+    path = config_dir / filename
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_dir)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: key '") and f"{key}' is given twice; expected each key once" in message, message
+
+
 def _where_model_sits(model):
     """(section name, keys inside the section's table) of every place ``model`` is read from."""
     from switchyard.common.config import SECTIONS

@@ -32,6 +32,38 @@ def loads(text: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply to read") from None
 
 
+class _Pairs(list):  # type: ignore[type-arg]
+    """A JSON object's (key, value) pairs, in the order read (``json.loads``'s ``object_pairs_hook``)."""
+
+
+def duplicate_key(raw: str | bytes) -> str | None:
+    """The dotted path (``metadata.k``, ``orchestrator.port``, ``a[2].b``) of the first key that appears twice
+    in one object of the JSON document ``raw``, or None: ``json.loads`` keeps the last value of a key given
+    twice, and which one counts is not a parser's to decide (an HTTP body, a config file). ``raw`` is valid
+    JSON (parsed once already)."""
+    try:
+        return _first_twice(json.loads(raw, object_pairs_hook=_Pairs), "")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _first_twice(node: Any, path: str) -> str | None:
+    if isinstance(node, _Pairs):
+        seen: set[str] = set()
+        for key, value in node:
+            name = f"{path}.{key}" if path else key
+            if key in seen:
+                return name
+            seen.add(key)
+            if (found := _first_twice(value, name)) is not None:
+                return found
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            if (found := _first_twice(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:
     """``repr(value)`` for an error message, cut to ``limit`` characters of it, with the value's length
     when cut: a message quoting a caller's 20,000-character id whole went past gRPC's 16 KiB limit on

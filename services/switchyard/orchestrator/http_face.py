@@ -66,9 +66,9 @@ from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
-from switchyard.common.untrusted import shown
+from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, STATE_NAMES, TaskRequest,
-                                                  describe_error, duplicate_key, message_dict, openapi, status_json)
+                                                  describe_error, message_dict, openapi, status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)

@@ -218,32 +218,6 @@ def _got(value: Any) -> Any:
     return value if isinstance(value, str) else _AsJson(value)
 
 
-class _Twice(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _Twice(key)
-        seen[key] = value
-    return seen
-
-
-def duplicate_key(raw: bytes) -> str | None:
-    """The first key that appears twice in any one object of the JSON document ``raw`` (a nested object's key is
-    named alone), or None. ``raw`` is valid JSON (parsed once already)."""
-    try:
-        json.loads(raw, object_pairs_hook=_pairs)
-    except _Twice as twice:
-        return twice.key
-    except ValueError:
-        return None
-    return None
-
-
 def describe_error(exc: ValidationError, expected: Mapping[str, str] = EXPECTED) -> str:
     """Pydantic's errors of a :class:`TaskRequest` body as the gRPC edge words a bad field:
     ``field: expected ... (got value)`` (:class:`InvalidArgument`), one per error, joined by ``; ``, each

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from switchyard.common import envs
+from switchyard.common.untrusted import duplicate_key
 from switchyard.common.config.aggregate import SwitchyardConfig, _assemble
 from switchyard.common.config.base import ConfigError, _describe, did_you_mean
 from switchyard.common.config.gating import unread_section
@@ -134,6 +135,9 @@ def _parse(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper()}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level has value {raw!r}; expected: an object")
+    if path.suffix != ".toml" and (twice := duplicate_key(text)) is not None:  # TOML's parser refuses its own
+        raise ConfigError(f"{path}: key '{twice}' is given twice; expected each key once (a JSON parser keeps the "
+                          "last, unsaid)")
     return raw
 
 
