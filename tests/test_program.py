@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 import aiohttp
 import httpx
@@ -296,6 +295,37 @@ async def test_a_tenants_token_reads_only_its_own_tasks_status(monkeypatch):
                     assert response.status == 404
                 async with session.get(base + path, headers={"Authorization": "Bearer tok-acme"}) as response:
                     assert response.status == 200 and (await response.json())["task_id"] == "t-acme"
+
+
+async def test_a_lookup_by_task_id_refuses_an_x_tenant_id_submit_would_refuse(monkeypatch):
+    """GetTaskStatus and CancelTask by task_id never read the header: 'bad/tenant', or 'a' and 'b' at once,
+    answered the task (200 over HTTP) where SubmitTask and an agent's lookup answered 400; a tenant's token
+    with a header naming another tenant read the task where SubmitTask answered PERMISSION_DENIED."""
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-acme tenant=acme,tok-plain")
+    acme = (("authorization", "Bearer tok-acme"),)
+    plain = (("authorization", "Bearer tok-plain"),)
+    async with stack(http=True, **{"orchestrator.auth.enabled": True}) as (stub, down):
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="t-look", payload="hi", task_type="chat",
+                                                       max_tokens=4), metadata=acme)
+        for metadata, code in ((plain + (("x-tenant-id", "bad/tenant"),), grpc.StatusCode.INVALID_ARGUMENT),
+                               (plain + (("x-tenant-id", "a"), ("x-tenant-id", "b")), grpc.StatusCode.INVALID_ARGUMENT),
+                               (acme + (("x-tenant-id", "beta"),), grpc.StatusCode.PERMISSION_DENIED)):
+            for call, request in ((stub.GetTaskStatus, agent_pb2.GetTaskStatusRequest(task_id="t-look")),
+                                  (stub.CancelTask, agent_pb2.CancelTaskRequest(task_id="t-look"))):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(request, metadata=metadata)
+                assert refused.value.code() == code, refused.value.details()
+                assert "x-tenant-id" in refused.value.details()
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{down.http.port}/api/v1/tasks/t-look"
+            headers = [("Authorization", "Bearer tok-plain"), ("X-Tenant-Id", "a"), ("X-Tenant-Id", "b")]
+            async with session.get(url, headers=headers) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"].startswith("x-tenant-id header: expected one value")
+            async with session.post(url + "/cancel", headers=headers) as response:
+                assert response.status == 400
+        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="t-look"), metadata=acme)
+        assert status.task_id == "t-look" and status.state != agent_pb2.FAILED  # the refused cancels did nothing
 
 
 def test_token_lines_name_at_most_one_well_formed_tenant(tmp_path):

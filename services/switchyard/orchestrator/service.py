@@ -888,7 +888,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     async def _check_lookup_ids(self, context: grpc.aio.ServicerContext, task_id: str, agent_id: str = "") -> None:
         """INVALID_ARGUMENT for a ``task_id`` or ``agent_id`` SubmitTask would refuse (too long, or holding a
-        control character): no task has it, and the caller hears why, as at submit."""
+        control character): no task has it, and the caller hears why, as at submit. An ``x-tenant-id`` header
+        is refused as SubmitTask refuses it (malformed or sent twice with different values: INVALID_ARGUMENT;
+        another tenant than the bearer token's: PERMISSION_DENIED), whether or not the lookup reads it: a header
+        that says something wrong is refused, not ignored (a task_id lookup answered 200 beside 'bad/tenant')."""
         limits = self.config.limits
         for name, value, most, key in (("task_id", task_id, limits.max_task_id_chars, "max_task_id_chars"),
                                        ("agent_id", agent_id, limits.max_id_chars, "max_id_chars")):
@@ -898,6 +901,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 check_id_chars(value, name)
             except InvalidArgument as exc:
                 await abort(context, exc, self.name)
+        try:
+            edge_tenant(context.invocation_metadata(), self.bearer_tokens())
+        except SwitchyardError as exc:
+            await abort(context, exc, self.name)
 
     async def GetTaskStatus(
         self, request: agent_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
