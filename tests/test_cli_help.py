@@ -73,3 +73,25 @@ def test_serve_refuses_a_port_file_it_cannot_write_before_the_service_starts(tmp
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert f"--port-file: expected a path in a folder this user can write, got {str(a_file / 'ports')!r}" in err, err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--port", "70000"], "--port 70000: key 'retrieval.port' has value 70000; expected: Input should be less than or "
+                          "equal to 65535"),
+    (["--port", "51880", "--metrics-port", "51880"], "--port 51880 and --metrics-port 51880: section 'retrieval': "
+                                                     "retrieval.port and retrieval.metrics_port are both 51880"),
+    (["--metrics-port", "9102"], None),  # retrieval.port's own number in the file: a clash, named below
+])
+def test_serve_names_the_option_a_refused_port_came_from(capfd, args, message):
+    """The refusal read 'overrides: key 'retrieval.port' has value 70000': the option given was not named."""
+    if message is None:
+        from switchyard.common.config import load_config
+
+        port = load_config("config", service="retrieval").retrieval.port
+        args = ["--metrics-port", str(port)]
+        message = (f"--metrics-port {port}: section 'retrieval': retrieval.port and retrieval.metrics_port are both "
+                   f"{port}")
+    assert cli_main(["serve", "retrieval", *args]) == 2
+    err = capfd.readouterr().err
+    assert f"switchyard serve retrieval: bad configuration:\n{message}" in err, err
+    assert "overrides" not in err

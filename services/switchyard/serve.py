@@ -188,17 +188,16 @@ def main(argv: list[str]) -> int:
     try:
         setup_logging(args.name)  # a bad SWITCHYARD_LOG_LEVEL is refused here, as a bad override is below
         config = load_config(args.config_dir, service=args.name)  # only the sections it reads
-        overrides = {}
-        if args.port is not None:
-            overrides[f"{args.name}.port"] = args.port
-        if args.metrics_port is not None:
-            overrides[f"{args.name}.metrics_port"] = args.metrics_port
-        if args.http_port is not None:
-            if args.name != "orchestrator":
-                parser.error("--http-port: only the orchestrator has an HTTP face")
-            overrides["orchestrator.http.port"] = args.http_port
-        if overrides:
-            config = config.with_overrides(**overrides)
+        overrides, options = {}, {}
+        for option, key, value in (("--port", f"{args.name}.port", args.port),
+                                   ("--metrics-port", f"{args.name}.metrics_port", args.metrics_port),
+                                   ("--http-port", "orchestrator.http.port", args.http_port)):
+            if value is not None:
+                if option == "--http-port" and args.name != "orchestrator":
+                    parser.error("--http-port: only the orchestrator has an HTTP face")
+                overrides[key], options[key] = value, f"{option} {value}"
+        if overrides:  # a refusal names the option, as it was given
+            config = config.with_overrides_from(overrides, options, "command line")
     except (ConfigError, ValueError) as exc:
         print(f"switchyard serve {args.name}: bad configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -83,6 +84,27 @@ class SwitchyardConfig(_Strict):
         if problems:
             raise ConfigError("\n".join(problems))
         return _assemble(sections, self.config_dir, "overrides")
+
+
+    def with_overrides_from(self, values: Mapping[str, Any], sources: Mapping[str, str],
+                            fallback: str) -> "SwitchyardConfig":
+        """:meth:`with_overrides` of ``values`` set by the environment or the command line: a refusal names, on
+        each line, where the keys it names were set (``sources``: dotted key -> what set it, as it was set:
+        ``environment variable SWITCHYARD_X='v'``, ``--port 70000``), else ``fallback``, where it read
+        ``overrides:``, which the operator never wrote.
+
+        Raises:
+            ConfigError: as :meth:`with_overrides`.
+        """
+        try:
+            return self.with_overrides(**values)
+        except ConfigError as exc:
+            lines = []
+            for line in str(exc).splitlines():
+                named = dict.fromkeys(source for key, source in sources.items()
+                                      if key in values and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", line))
+                lines.append(f"{' and '.join(named) or fallback}: {line.removeprefix('overrides: ')}")
+            raise ConfigError("\n".join(lines)) from None
 
 
 # Checks across sections, each run when every section it names is held: (sections, check).

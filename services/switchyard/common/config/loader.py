@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -285,26 +284,15 @@ def load_config(config_dir: str | Path | None = None, service: str | tuple[str, 
     }
     config = _assemble(held, str(folder), str(folder / "switchyard.json"))
     overrides = _env_overrides(set(sections))
-    try:
-        return config.with_overrides(**overrides)
-    except ConfigError as exc:
-        raise ConfigError(_from_environment(str(exc), overrides)) from None
+    return config.with_overrides_from(overrides, _env_sources(), "environment")
 
 
-def _from_environment(message: str, overrides: dict[str, Any]) -> str:
-    """``message``, a refusal of the environment's ``overrides`` (``overrides: key 'upstream.base_url' has value
-    ...``), with each line naming the variables that set the keys it names, as they were set: the operator set
-    ``SWITCHYARD_UPSTREAM_BASE_URL``, not an override, and the line named neither it nor where the value came from.
-    """
-    variables = [(variable.name, [f"{section}.{key}"]) for variable, section, key in ENV_KEYS]
-    variables += [(name, [f"{section}.{key}" for section, key in keys]) for name, keys in ENV_SPREAD.items()]
-    lines = []
-    for line in message.splitlines():
-        named = [f"{name}={envs.raw_value(name)!r}" for name, keys in variables
-                 if any(key in overrides and re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", line) for key in keys)]
-        line = line.removeprefix("overrides: ")
-        lines.append(f"environment variable {' and '.join(named)}: {line}" if named else f"environment: {line}")
-    return "\n".join(lines)
+def _env_sources() -> dict[str, str]:
+    """Each key a variable of :data:`ENV_KEYS` or :data:`ENV_SPREAD` sets -> the variable as it is set
+    (``environment variable SWITCHYARD_UPSTREAM_BASE_URL='http://x:99999/v1'``), for a refusal to name."""
+    sources = {f"{section}.{key}": variable.name for variable, section, key in ENV_KEYS}
+    sources |= {f"{section}.{key}": name for name, keys in ENV_SPREAD.items() for section, key in keys}
+    return {key: f"environment variable {name}={envs.raw_value(name)!r}" for key, name in sources.items()}
 
 
 def _read_all(files: _Files, names: tuple[str, ...], notes: list[str]) -> tuple[dict[str, BaseModel], list[str]]:
