@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.client import main as run_main
@@ -80,3 +81,14 @@ def test_doctor_prints_what_a_model_server_answered_without_its_control_characte
     assert not any(c in report for c in "\x1b\x07"), repr(report)
     assert "lists evil\\x1b]0;owned\\x07\\x1b[2J" in report and "fix: set model\\x1b]0;owned" in report
     assert report.count("\n") == 4  # the report's own lines are kept: set-up, FAIL, fix, ok, summary
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:5x", "nohost"])
+def test_an_addr_with_no_port_a_client_can_dial_is_refused_naming_it(capsys, addr):
+    """--addr 127.0.0.1:99999 passed its check (up to five digits) and grpc dialled 127.0.0.1:34463: the port
+    modulo 65536, another server's perhaps."""
+    with pytest.raises(SystemExit) as refused:
+        run_main(["--addr", addr, "hello"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {addr!r}" in err, err

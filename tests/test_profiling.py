@@ -186,7 +186,7 @@ def test_the_event_loops_waiting_is_its_own_line_not_the_hottest_function():
                   "saved profile's file (got 'dispatchr'); did you mean 'dispatcher'?"),
     ("nosuch", "(got 'nosuch')"),
     ("nonexist.pprof", "(got 'nonexist.pprof' (no such profile file))"),
-    ("localhost:", "expected host:port or a URL (got 'localhost:')"),
+    ("localhost:", "expected host:port or a URL, a port in 1-65535 (got 'localhost:')"),
 ])
 def test_a_service_that_is_neither_a_name_nor_an_address_is_named(service, says):
     from switchyard_harness.cpu_profile import profile_url

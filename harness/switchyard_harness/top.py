@@ -130,10 +130,14 @@ def metrics_url(value: str) -> str:
         ValueError: neither (no port).
     """
     if "://" in value:
+        try:
+            urllib.parse.urlsplit(value).port  # a port past 65535 is refused here (urllib dialled it modulo 65536)
+        except ValueError as exc:
+            raise ValueError(f"expected host:port or a URL, a port in 1-65535 (got {value!r}: {exc})") from None
         return value if urllib.parse.urlparse(value).path not in ("", "/") else value.rstrip("/") + "/metrics"
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected host:port or a URL (got {value!r})")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port or a URL, a port in 1-65535 (got {value!r})")
     return f"http://{host}:{port}/metrics"
 
 

@@ -23,12 +23,12 @@ from switchyard.common.channels import open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
 from switchyard.common.errors import InvalidArgument
+from switchyard.common.grpc_target import address_problem
 from switchyard.common.untrusted import terminal_safe
 from switchyard.orchestrator.http_models import message_dict
 from switchyard.orchestrator.validation import parse_priority
 
 
-_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}$")
 _UNREACHABLE = re.compile(r"failed to connect to all addresses|connections to all backends failing|Connection refused")
 """grpc's words when the orchestrator itself does not answer (not a downstream's UNAVAILABLE it relays)."""
 _HTTP1 = re.compile(r"Trying to connect an http1\.x server")
@@ -165,8 +165,9 @@ def main(argv: list[str]) -> int:
     if not 0 < args.timeout < math.inf:  # NaN fails it too
         parser.error(f"--timeout: expected a finite number of seconds > 0, got {args.timeout}")
     address = args.addr
-    if address is not None and not _HOST_PORT.match(address):
-        parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, got {address!r}")
+    if address is not None and (problem := address_problem(address)):
+        parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {address!r} "
+                     f"({problem})")
     folder = config_folder(args.config_dir)
     if address is not None and args.config_dir is None and not folder.is_dir():
         # a client given its address needs the config only for TLS: the built-in defaults (plaintext)

@@ -327,6 +327,18 @@ def test_a_mistyped_subcommand_is_named_not_taken_for_a_target(capsys):
     assert "unknown subcommand 'retreival'" in err and "did you mean 'retrieval'?" in err and "host:port" in err
 
 
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:5x", "host:"])
+def test_a_target_with_no_port_a_client_can_dial_is_refused_naming_it(capsys, target):
+    """127.0.0.1:99999 was dialled as 127.0.0.1:34463 (grpc takes the port modulo 65536), another server's."""
+    from switchyard_harness.bench.cli import main as bench_main
+
+    with pytest.raises(SystemExit) as refused:
+        bench_main([target, "-n", "1", "-c", "1", "--procs", "1"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"target: expected the orchestrator's host:port, a port in 1-65535, got {target!r}" in err, err
+
+
 def test_an_unreachable_target_is_named(capsys, monkeypatch):
     import socket
 

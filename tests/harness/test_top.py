@@ -132,6 +132,9 @@ def test_metrics_url_takes_host_port_or_a_url() -> None:
     assert metrics_url("https://d.example/prom/metrics") == "https://d.example/prom/metrics"
     with pytest.raises(ValueError, match="host:port or a URL"):
         metrics_url("dispatcher")
+    for past in ("127.0.0.1:99999", "http://127.0.0.1:99999/metrics", "127.0.0.1:0"):  # dialled modulo 65536
+        with pytest.raises(ValueError, match="a port in 1-65535"):
+            metrics_url(past)
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -37,6 +37,7 @@ from switchyard_harness.bench.calldata import priority_name, request_for
 from switchyard.common.channels import open_channel
 from switchyard.common.children import die_with_parent
 from switchyard.common.config import ServerConfig, TlsConfig
+from switchyard.common.grpc_target import address_problem
 
 # One client process receives roughly this many stream messages per second on a
 # fully used core (grpc.aio + protobuf decode). Measured: 14,200 token events/s at
@@ -89,6 +90,9 @@ class LoadPlan:
         ))
 
     def __post_init__(self) -> None:
+        if problem := address_problem(self.host):
+            raise ValueError(f"target: expected the orchestrator's host:port, a port in 1-65535, got {self.host!r} "
+                             f"({problem})")
         if self.total < 1 and self.duration_s <= 0:
             raise ValueError(f"total must be >= 1 (got {self.total}) unless duration is set")
         if self.concurrency < 1:

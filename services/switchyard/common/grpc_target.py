@@ -17,8 +17,10 @@ def _port_problem(port: str) -> str:
     return ""
 
 
-def _address_problem(address: str) -> str:
-    """What keeps ``address`` (``host:port`` or ``[v6]:port``) from naming a server; "" when nothing does."""
+def address_problem(address: str) -> str:
+    """What keeps ``address`` (``host:port`` or ``[v6]:port``) from naming a server; "" when nothing does. Every
+    address a command takes is checked here: grpc dials a port past 65535 as the port modulo 65536
+    (127.0.0.1:99999 dialled 127.0.0.1:34463, another server's perhaps)."""
     if address.startswith("["):
         host, sep, port = address[1:].partition("]:")
         if not sep:
@@ -68,11 +70,11 @@ def grpc_target_problem(target: str) -> str:
         return f"{target!r} lists an empty address"
     addresses = static_addresses(target)
     if addresses is not None:
-        return next((problem for a in addresses if (problem := _address_problem(a))), "")
+        return next((problem for a in addresses if (problem := address_problem(a))), "")
     name = dns_name(target)
     if name is None:
         return f"{target!r} has no name after its authority (dns:///name:port)"
-    return _address_problem(name)
+    return address_problem(name)
 
 
 def grpc_target(raw: str) -> str:
