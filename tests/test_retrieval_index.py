@@ -57,6 +57,30 @@ def test_missing_index_names_the_folder_and_the_fix(tmp_path):
     assert str(tmp_path / "absent") in message and "switchyard index" in message
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda d: (d / "passages.jsonl").open("a").write('{"x":\n'),
+     r"passages.jsonl: line 21: expected a JSON object of text, title and source, strings \(Expecting value"),
+    (lambda d: (d / "passages.jsonl").write_text("[1, 2]\n"),
+     r"passages.jsonl: line 1: expected a JSON object of text, title and source, strings \(got '\[1, 2\]'\)"),
+    (lambda d: (d / "passages.jsonl").write_text('{"text": 5, "title": "t", "source": "s"}\n'),
+     r"passages.jsonl: line 1: .* \(a value is not a string\)"),
+    (lambda d: (d / "passages.jsonl").write_bytes(b'{"text": "caf\xe9", "title": "t", "source": "s"}\n'),
+     r"passages.jsonl: not UTF-8 text"),
+    (lambda d: (d / "index.faiss").write_bytes((d / "index.faiss").read_bytes()[:100]),
+     r"index.faiss: not a FAISS index faiss can read \(.*\); rebuild it with `switchyard index`"),
+])
+def test_a_file_of_the_index_that_cannot_be_read_is_named_with_its_line(tmp_path, damage, message):
+    """A line of passages.jsonl that was not JSON failed retrieval's start with 'Expecting value: line 2 column 1
+    (char 6)', naming neither the file nor its line; one not an object, with a TypeError; a FAISS file cut short
+    with faiss's C++ assertion."""
+    index, _ = _index()
+    index.save(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(IndexMismatchError, match=message) as refused:
+        load_index(tmp_path)
+    assert str(tmp_path) in str(refused.value) and "switchyard index" in str(refused.value)
+
+
 def test_inconsistent_files_are_rejected(tmp_path):
     index, _ = _index()
     index.save(tmp_path)

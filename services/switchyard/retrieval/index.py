@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from switchyard.common import untrusted
 from switchyard.common.errors import SwitchyardError
 from switchyard.retrieval.lexical import LexicalIndex, fuse
 
@@ -251,12 +252,54 @@ def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+_PASSAGE_KEYS = frozenset(("text", "title", "source"))
+"""The keys of a line of ``passages.jsonl`` (:class:`Passage`'s fields)."""
+
+
+def _read_passages(path: Path) -> list[Passage]:
+    """The passages of ``path`` (``passages.jsonl``), one JSON object a line.
+
+    Raises:
+        IndexMismatchError: naming the file and the line that is not a passage, or why the file cannot be read
+            (a line that was not JSON failed the start with 'Expecting value: line 2 column 1 (char 6)', naming
+            neither the file nor its line).
+    """
+    passages = []
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    fields = untrusted.loads(line.rstrip("\n"))
+                    if not isinstance(fields, dict) or set(fields) != _PASSAGE_KEYS:
+                        raise ValueError(f"got {untrusted.shown(line.strip(), 80)}")
+                    if not all(isinstance(value, str) for value in fields.values()):
+                        raise ValueError("a value is not a string")
+                except ValueError as exc:
+                    raise IndexMismatchError(
+                        f"{path}: line {number}: expected a JSON object of text, title and source, strings ({exc}); "
+                        "rebuild the index with `switchyard index`") from None
+                passages.append(Passage(**fields))
+    except UnicodeDecodeError as exc:
+        raise IndexMismatchError(f"{path}: not UTF-8 text ({exc}); rebuild the index with `switchyard index`") from None
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    return passages
+
+
+def _unreadable(path: Path, exc: OSError) -> IndexMismatchError:
+    return IndexMismatchError(f"{path}: cannot be read ({exc.strerror or exc}); expected a file of the index "
+                              "`switchyard index` writes")
+
+
 def load_index(folder: str | Path) -> VectorIndex:
     """Read an index folder written by :meth:`VectorIndex.save`.
 
     Raises:
         IndexNotFoundError: the folder or one of its files is missing.
-        IndexMismatchError: the files disagree with each other.
+        IndexMismatchError: the files disagree with each other, or one cannot be read as what it should hold
+            (naming it, and the line of ``passages.jsonl``).
     """
     root = Path(folder)
     missing = [name for name in (MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE) if not (root / name).is_file()]
@@ -266,12 +309,22 @@ def load_index(folder: str | Path) -> VectorIndex:
         manifest = Manifest.model_validate_json((root / MANIFEST_FILE).read_text(encoding="utf-8"))
     except ValueError as exc:
         raise IndexMismatchError(f"{root / MANIFEST_FILE}: not a valid manifest: {exc}") from None
-    with (root / PASSAGES_FILE).open(encoding="utf-8") as fh:
-        passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
-    index = faiss.read_index(str(root / INDEX_FILE))
+    except OSError as exc:
+        raise _unreadable(root / MANIFEST_FILE, exc) from None
+    passages = _read_passages(root / PASSAGES_FILE)
+    try:
+        index = faiss.read_index(str(root / INDEX_FILE))
+    except RuntimeError as exc:  # faiss's C++ exception: a file cut short, or not an index
+        reason = str(exc).splitlines()[0].rpartition("Error: ")[2] or str(exc).splitlines()[0]
+        raise IndexMismatchError(f"{root / INDEX_FILE}: not a FAISS index faiss can read ({reason[:200]}); rebuild "
+                                 "it with `switchyard index`") from None
     lexical = None
     if manifest.lexical == "bm25":
-        lexical = LexicalIndex.load(root, len(passages))
+        try:
+            lexical = LexicalIndex.load(root, len(passages))
+        except (OSError, ValueError) as exc:
+            raise IndexMismatchError(f"{root / 'bm25'}: not a BM25 index bm25s can read ({exc}); rebuild it with "
+                                     "`switchyard index`") from None
         if lexical is None:
             raise IndexMismatchError(f"{root}: the manifest lists a BM25 index but {root / 'bm25'} is missing; "
                                      "rebuild it with `switchyard index`")
