@@ -83,6 +83,21 @@ def test_no_token_configured_is_a_clear_start_up_error(tmp_path, monkeypatch):
         BearerAuthInterceptor(AuthConfig(enabled=True, tokens_file=str(tmp_path / "missing")))
 
 
+def test_tokens_that_are_not_utf8_are_refused_naming_their_source_never_their_bytes(tmp_path, monkeypatch):
+    """The orchestrator's start failed with "'utf-8' codec can't decode byte 0xff in position 11", naming neither
+    the file nor the line; a variable's byte failed it with a UnicodeEncodeError when the token was encoded."""
+    monkeypatch.delenv("SWITCHYARD_AUTH_TOKENS", raising=False)
+    path = tmp_path / "tokens"
+    path.write_bytes(b"tok-good-1\ntok-s\xffcret-2\n")
+    with pytest.raises(AuthConfigError) as caught:
+        BearerAuthInterceptor(AuthConfig(enabled=True, tokens_file=str(path)))
+    assert str(caught.value) == f"auth.tokens_file {path} line 2: expected UTF-8 text (a byte there is not UTF-8)"
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-s\udcffcret-2")  # a byte of the environment that is not UTF-8
+    with pytest.raises(AuthConfigError) as caught:
+        BearerAuthInterceptor(AuthConfig(enabled=True, tokens_env="SWITCHYARD_AUTH_TOKENS"))
+    assert str(caught.value) == "the variable SWITCHYARD_AUTH_TOKENS: expected UTF-8 text (a byte of it is not UTF-8)"
+
+
 async def test_health_checks_need_no_token(tokens):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -99,11 +99,18 @@ def load_tokens(config: AuthConfig) -> list[_Token]:
     tokens: list[_Token] = []
     if config.tokens_file:
         try:
-            text = Path(config.tokens_file).read_text(encoding="utf-8")
+            raw = Path(config.tokens_file).read_bytes()
+            text = raw.decode("utf-8")
         except OSError as exc:
             raise AuthConfigError(f"auth.tokens_file {config.tokens_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:  # the line, never its bytes: they are a token's
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise AuthConfigError(f"auth.tokens_file {config.tokens_file} line {line}: expected UTF-8 text (a byte "
+                                  "there is not UTF-8)") from None
         tokens += _parse(text.splitlines(), f"auth.tokens_file {config.tokens_file}")
     if config.tokens_env and (value := envs.read_secret(config.tokens_env)):
+        if undecodable_byte(value) is not None:  # kept by Python as a surrogate escape: a token no header can carry
+            raise AuthConfigError(f"the variable {config.tokens_env}: expected UTF-8 text (a byte of it is not UTF-8)")
         tokens += _parse(value.split(","), f"the variable {config.tokens_env}")
     if not tokens:
         raise AuthConfigError(
