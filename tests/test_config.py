@@ -571,6 +571,29 @@ def test_a_json_config_key_given_twice_is_refused_naming_it(config_dir, filename
     assert message.startswith(f"{path}: key '") and f"{key}' is given twice; expected each key once" in message, message
 
 
+def test_a_config_file_that_is_a_folder_or_cannot_be_read_is_named(config_dir, monkeypatch):
+    """A folder read 'file not found' beside the file's own name; a file this user cannot read stopped the
+    service with a PermissionError traceback from the loader, naming no key."""
+    (config_dir / "queue.json").unlink()
+    (config_dir / "queue.json").mkdir()
+    with pytest.raises(ConfigError, match=r"queue.json: a folder is there, not a file; expected it beside"):
+        load_config(config_dir)
+    (config_dir / "queue.json").rmdir()
+    shutil.copy(ROOT / "config" / "queue.json", config_dir / "queue.json")
+    real = Path.read_text
+
+    def no_permission(self, *args, **kwargs):  # the file system's answer to a user without read permission
+        if self.name == "queue.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_permission)
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_dir)
+    assert str(refused.value) == (f"{config_dir / 'queue.json'}: cannot be read (Permission denied); expected a file "
+                                  "this user can read")
+
+
 def _where_model_sits(model):
     """(section name, keys inside the section's table) of every place ``model`` is read from."""
     from switchyard.common.config import SECTIONS

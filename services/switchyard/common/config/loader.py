@@ -123,8 +123,9 @@ class _Files:
 
 def _parse(path: Path) -> dict[str, Any]:
     if not path.is_file():
+        found = "a folder is there, not a file" if path.is_dir() else "file not found"
         raise ConfigError(
-            f"{path}: file not found; expected it beside the other config files "
+            f"{path}: {found}; expected it beside the other config files "
             "(the repository's config/ folder has every file with its default values)"
         )
     try:
@@ -132,6 +133,9 @@ def _parse(path: Path) -> dict[str, Any]:
         raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper()}: {exc}") from None
+    except OSError as exc:  # no permission: it was a PermissionError traceback, not a refusal naming the file
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc}); expected a file this user can read") \
+            from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level has value {raw!r}; expected: an object")
     if path.suffix != ".toml" and (twice := duplicate_key(text)) is not None:  # TOML's parser refuses its own
