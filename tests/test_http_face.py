@@ -267,6 +267,32 @@ async def test_a_body_that_is_not_application_json_is_415_naming_the_expected_ty
         assert len(down.requests) <= 2  # the two accepted submits, once they run
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"x-custom, chunked", b"deflate,chunked"])
+async def test_a_transfer_coding_other_than_chunked_is_501_naming_it_and_nothing_is_submitted(coding):
+    """'Transfer-Encoding: gzip, chunked' was read as chunked with the gzip left undone, and its compressed bytes
+    refused as a body that is not JSON, 400 (RFC 9112 section 6.1: a transfer coding not understood is 501)."""
+    import gzip
+
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        body = gzip.compress(json.dumps({**FIELD_BODY, "task_type": "chat"}).encode())
+        for path in (b"/api/v1/agent/submit", b"/api/v1/agent/run"):
+            answer = await _raw(port, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nTransfer-Encoding: " + coding + b"\r\n\r\n"
+                                + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 501 "), answer[:300]
+            error = json.loads(rest)["error"]
+            assert error["code"] == "UNIMPLEMENTED"
+            assert error["message"] == ("Transfer-Encoding: expected chunked alone (the one transfer coding this face "
+                                        "reads; name a compressed body's coding in Content-Encoding) "
+                                        f"(got {coding.decode()!r})"), error
+        chunked = await _raw(port, b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             b"\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        assert chunked.startswith(b"HTTP/1.1 400 ") and b"task_type" in chunked  # chunked alone is read
+        assert down.requests == []
+
+
 async def test_a_body_is_read_in_the_coding_it_names_and_a_bad_or_unknown_coding_is_refused_by_name(caplog):
     """A gzip header over a plain body was a 500 with a traceback (aiohttp's decoding error escaped), an unknown
     coding was read as if it were JSON, and a bad deflate body was 'not a well-formed HTTP/1.1 request'. Then the

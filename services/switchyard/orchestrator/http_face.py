@@ -26,8 +26,8 @@ required, and ``agent_id`` in the body or as ``X-Agent-Id`` (http_models.py).
 
 Errors answer ``{"error": {"code", "message", "origin"}}`` with the HTTP status
 of the gRPC code (errors.HTTP_STATUS: 400, 401, 403, 404, 409, 429, 503, 504),
-or the face's own: 405 (a wrong method) and 501 (a method no route knows)
-(UNIMPLEMENTED), 413, 415, 431 (a header line past 8190 bytes, or too many
+or the face's own: 405 (a wrong method) and 501 (a method no route knows, a
+Transfer-Encoding other than chunked alone) (UNIMPLEMENTED), 413, 415, 431 (a header line past 8190 bytes, or too many
 header fields), 505 (a version other than HTTP/1.0 and HTTP/1.1; a request aiohttp's
 parser refuses otherwise is 400) (INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
 408 (the body not whole within
@@ -478,10 +478,19 @@ class HttpFace(Drains):
         return await self._expect(request, task_body=True)
 
     def _refusal_before_body(self, request: web.Request) -> HttpAbort | None:
-        """415 for a Content-Type other than application/json, or one naming a charset other than UTF-8 (JSON is
+        """501 for a Transfer-Encoding other than chunked alone (``gzip, chunked``: aiohttp's parser read the body
+        as chunked and left the gzip undone, and the compressed bytes were refused as bad JSON, 400), 415 for a
+        Content-Type other than application/json, or one naming a charset other than UTF-8 (JSON is
         UTF-8: RFC 8259 section 8.1; a Latin-1 body was read as UTF-8 and refused as bad JSON), 413 for a
         Content-Length past :attr:`body_max_bytes` (answered at once: aiohttp counts the bytes as they come, and a
         stalled client's 100 GB promise was a 408 after ``body_read_timeout_s``); None when the body may be read."""
+        transfer = [c.strip().lower() for value in request.headers.getall("Transfer-Encoding", ())
+                    for c in value.split(",") if c.strip()]
+        if transfer and transfer != ["chunked"]:  # RFC 9112 section 6.1: a transfer coding not understood is 501
+            return HttpAbort(grpc.StatusCode.UNIMPLEMENTED, "Transfer-Encoding: expected chunked alone (the one "
+                             "transfer coding this face reads; name a compressed body's coding in Content-Encoding) "
+                             f"(got {shown(', '.join(request.headers.getall('Transfer-Encoding')))})", "orchestrator",
+                             status=501)
         sent = shown(request.headers.get("Content-Type", "none"))
         if request.content_type != JSON:
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Content-Type: expected {JSON} (got {sent})",
