@@ -263,6 +263,10 @@ async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_sp
     ("agent_id", {"agent_id": "agent\x00one", "tool": "search_docs"}),  # Generate refuses this id: so must ToolWait
     ("tool", {"agent_id": "agent-1", "tool": "search\ndocs"}),
     ("tool", {"agent_id": "agent-1", "tool": "t" * 257}),
+    # no tool offered to Generate can have these names (tools[i].name's rule): they were taken
+    ("tool", {"agent_id": "agent-1", "tool": "search docs"}),
+    ("tool", {"agent_id": "agent-1", "tool": "t" * 65}),
+    ("tool", {"agent_id": "agent-1", "tool": "search_docs\u200b"}),
     ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": -1.0}),
     ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": 1.7e308}),  # a sum of +Inf
     ("expected_wait_s", {"agent_id": "agent-1", "tool": "search_docs", "expected_wait_s": 86_400.5}),  # past a day

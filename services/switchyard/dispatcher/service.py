@@ -42,7 +42,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
-from switchyard.common.errors import SwitchyardError, abort
+from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.server import Drains, HealthOwner, set_health
 from switchyard.common.tenant import agent_key, check_tenant
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
@@ -59,7 +59,8 @@ from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
-from switchyard.dispatcher.processor import MODELS_READ_WAIT_S, RequestProcessor, check_id, check_priority
+from switchyard.dispatcher.processor import (MODELS_READ_WAIT_S, TOOL_NAME, TOOL_NAME_EXPECTED, RequestProcessor,
+                                              check_id, check_priority)
 
 log = logging.getLogger(__name__)
 
@@ -236,15 +237,17 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
                        context: grpc.aio.ServicerContext) -> agent_pb2.ToolWaitReply:
         """An agent's tool call started: validate the announcement and answer :meth:`tool_wait`'s decision.
 
-        Ends INVALID_ARGUMENT naming the field: ``agent_id`` or ``tool`` empty, past
-        ``limits.max_id_chars`` or holding a control character (Generate's rule, :func:`.processor.check_id`),
+        Ends INVALID_ARGUMENT naming the field: ``agent_id`` empty, past ``limits.max_id_chars`` or holding a
+        control character (Generate's rule, :func:`.processor.check_id`), ``tool`` not a name a tool offered to
+        Generate may have (:data:`.processor.TOOL_NAME`),
         ``expected_wait_s`` not a finite number of seconds from 0 to :data:`MAX_EXPECTED_WAIT_S`, ``tenant_id``
         malformed, ``priority`` not a Priority.
         """
         limits = self.config.limits
         try:
-            for name, value in (("agent_id", request.agent_id), ("tool", request.tool)):
-                check_id(value, name, limits, required=True)
+            check_id(request.agent_id, "agent_id", limits, required=True)
+            if not TOOL_NAME.fullmatch(request.tool):  # one the model was offered: Generate's rule for tools[i].name
+                raise InvalidArgument("tool", f"a tool name of {TOOL_NAME_EXPECTED}", request.tool[:80])
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)
             if request.tenant_id:  # checked as Generate's; with the agent id it names the parked agent
                 check_tenant(request.tenant_id, "tenant_id")
