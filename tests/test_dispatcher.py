@@ -209,6 +209,32 @@ async def test_tools_a_model_server_takes_are_served(dispatcher: Harness) -> Non
                               "type object): at $.type,"), message
 
 
+async def test_the_tools_offered_and_the_messages_tool_calls_count_in_the_prompt() -> None:
+    """A model server renders the tools offered (names, descriptions, schemas) and the messages' tool calls into
+    the prompt, where they take KV as any prompt token does. They counted nowhere: a 2 MB tool description was
+    served, and a step offering tools of 2,000 words reserved the KV of its 2-word prompt."""
+    config = make_config(**{"limits.max_prompt_chars": 20_000})
+    async for dispatcher in serve(DispatcherService(config)):
+        described = [agent_pb2.ToolSpec(name="search", description="look it up " * 700)]  # 2,100 words
+        done = (await dispatcher.generate(prompt="hi", tools=described, max_tokens=2))[-1].done
+        assert done.usage.prompt_tokens >= 2100, done.usage
+        call = agent_pb2.ToolCall(call_id="c1", name="search", arguments_json=json.dumps({"q": "word " * 900}))
+        messages = [agent_pb2.ChatMessage(role="user", content="hi"),
+                    agent_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+                    agent_pb2.ChatMessage(role="tool", tool_call_id="c1", content="found")]
+        done = (await dispatcher.generate(prompt="", messages=messages, max_tokens=2))[-1].done
+        assert done.usage.prompt_tokens >= 900, done.usage
+        message = await _refusal(dispatcher, prompt="hi", tools=[agent_pb2.ToolSpec(name="s", description="x" * 20_000)])
+        assert message.startswith("tools: expected at most 20000 characters of prompt, tools included "
+                                  "(limits.max_prompt_chars)"), message
+        # the tools are named where the prompt alone fits; the prompt where it alone does not
+        message = await _refusal(dispatcher, prompt="p" * 19_000, tools=[agent_pb2.ToolSpec(name="s",
+                                                                                          description="x" * 2000)])
+        assert message.startswith("tools: expected at most 20000 characters"), message
+        message = await _refusal(dispatcher, prompt="p" * 21_000, tools=[agent_pb2.ToolSpec(name="s")])
+        assert message.startswith("prompt: expected at most 20000 characters"), message
+
+
 async def _refusal(dispatcher: Harness, **fields: object) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await dispatcher.generate(**fields)

@@ -119,7 +119,8 @@ def to_request(
     """Validate a GenerateRequest and build its :class:`Request`.
 
     ``max_tokens`` 0 means ``limits.default_max_tokens``; ``prompt_tokens``
-    0 means counted here (word pieces of the prompt or messages). ``engine_model``: the engine's model
+    0 means counted here (word pieces of the prompt or messages, their tool calls and the tools offered).
+    ``engine_model``: the engine's model
     (``engine.model``), the one a request naming none gets; ``only_model``: the
     engine serves it alone (a step engine: a request naming another is
     NOT_FOUND), else an upstream engine's gateway resolves the name. ``reported_window``: the context
@@ -169,11 +170,18 @@ def to_request(
                               f"{len(request.messages)} messages")
     if len(request.tools) > limits.max_tools:
         raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    # What the model reads: the prompt, the messages with their tool calls, and the tools offered (a server
+    # renders their names, descriptions and schemas into the prompt, and they take KV as any prompt token does)
+    tool_texts = [text for t in request.tools for text in (t.name, t.description, t.parameters_json) if text]
+    message_texts = [text for m in request.messages
+                     for text in (m.content, *(part for c in m.tool_calls for part in (c.name, c.arguments_json)))
+                     if text]
+    tool_chars = sum(map(len, tool_texts))
+    chars = len(request.prompt) + sum(map(len, message_texts)) + tool_chars
     if chars > limits.max_prompt_chars:
-        field = "prompt" if request.prompt else "messages"
-        raise InvalidArgument(field, f"at most {limits.max_prompt_chars} characters of prompt (limits.max_prompt_chars)",
-                              f"{chars} chars")
+        field = "tools" if chars - tool_chars <= limits.max_prompt_chars else "prompt" if request.prompt else "messages"
+        raise InvalidArgument(field, f"at most {limits.max_prompt_chars} characters of prompt, tools included "
+                              "(limits.max_prompt_chars)", f"{chars} chars")
     messages = []
     for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
@@ -195,8 +203,9 @@ def to_request(
         tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
     prompt_tokens = request.prompt_tokens
     if prompt_tokens == 0:  # counted here, never below the floor a caller's own count is held to
-        text = request.prompt if not messages else "\n".join(m.content for m in messages)
-        prompt_tokens = max(1, len(word_pieces(text)), -(-chars // MAX_CHARS_PER_TOKEN))
+        text = "\n".join([request.prompt] if not messages else message_texts)
+        pieces = len(word_pieces(text)) + sum(len(word_pieces(t)) for t in tool_texts)
+        prompt_tokens = max(1, pieces, -(-chars // MAX_CHARS_PER_TOKEN))
     elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
         raise InvalidArgument(
             "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "

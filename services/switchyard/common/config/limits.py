@@ -48,7 +48,9 @@ class RequestLimitsConfig(_Strict):
     )
     max_prompt_chars: int = Field(
         1_000_000, ge=1, le=100_000_000,
-        description="Longest prompt a Generate may carry (prompt plus message contents), characters.",
+        description="Longest prompt a Generate may carry, characters: the prompt, the messages' contents and tool "
+        "calls, and the tools offered (names, descriptions, parameter schemas), which a model server renders into "
+        "the prompt.",
     )
     max_task_id_chars: int = Field(128, ge=1, le=4096, description="Longest task_id, characters.")
     max_id_chars: int = Field(256, ge=1, le=4096, description="Longest agent_id, model or request_id, characters.")
