@@ -290,7 +290,7 @@ def test_an_option_of_switchyard_up_it_cannot_use_is_refused_naming_it_before_an
      "dispatcher.port + 1 (dispatcher-2) is 65536: expected a TCP port, 1 to 65535"),
     ({"[dram] port": "orchestrator.metrics_port"}, (), "orchestrator.metrics_port and memory_policy.toml [dram] port "
                                                        "are both 51772"),
-    ({"SWITCHYARD_HEALTH_PORT": "51790"}, ("--free-ports",),  # one variable, every service's health port
+    ({"SWITCHYARD_HEALTH_PORT": "51790"}, (),  # one variable, every service's health port (--free-ports frees it)
      "retrieval.health_port and dispatcher.health_port are both 51790: expected a port of its own for each (0 picks "
      "a free one) (SWITCHYARD_HEALTH_PORT sets the health_port of every service it starts)"),
 ])
@@ -334,6 +334,53 @@ def test_two_services_of_switchyard_up_on_one_port_are_refused_naming_both_befor
     err = capsys.readouterr().err
     assert f"switchyard up: bad configuration:\n{message}" in err, err
     assert not (data / "redis.pid").exists()  # refused before the Redis started, or any service
+
+
+@pytest.mark.parametrize(("settings", "dispatchers", "message"), [
+    ({"dispatcher": {"health_port": 18186}, "retrieval": {"health_port": 18187}}, 2,
+     "retrieval.health_port and dispatcher.health_port + 1 (dispatcher-2) are both 18187"),
+    ({"dispatcher": {"port": 0, "metrics_port": 0, "health_port": 0}, "retrieval": {"metrics_port": 9101}}, 3,
+     "retrieval.metrics_port and orchestrator.metrics_port are both 9101"),
+])
+def test_the_port_check_of_switchyard_up_takes_each_dispatcher_replica_s_ports_as_it_binds_them(
+        tmp_path: Path, capsys, settings: dict, dispatchers: int, message: str) -> None:
+    # Replica i of the dispatcher binds its configured health port + i, as its port and metrics port (it bound
+    # the first replica's, so the second failed 'could not bind the health port'); a port set to 0 is a free
+    # one for each replica (it was 0 + i: port 1, 2, ..., refused as 'dispatcher.port + 1 (--dispatchers 3) and
+    # dispatcher.metrics_port + 1 (--dispatchers 3) are both 1').
+    from switchyard.launcher import main as up_main
+
+    config_dir = tmp_path / "config"
+    shutil.copytree(ROOT / "config", config_dir)
+    config = json.loads((config_dir / "switchyard.json").read_text())
+    for section, values in settings.items():
+        config[section].update(values)
+    (config_dir / "switchyard.json").write_text(json.dumps(config))
+    code = up_main(["--config-dir", str(config_dir), "--data-dir", str(tmp_path / "data"),
+                    "--dispatchers", str(dispatchers)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
+
+
+def test_free_ports_frees_the_health_ports_of_every_service_and_dispatcher_replica(
+        pydoc_index_dir: Path, tmp_path: Path) -> None:
+    # SWITCHYARD_HEALTH_PORT sets the three services' health port (kubelet's plain-text probes under TLS); with
+    # --free-ports each service and each dispatcher replica bound that one port, so the second to start failed
+    # 'could not bind the health port 127.0.0.1:N' and the stack did not start.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+    stack = UpStack(pydoc_index_dir, env={"SWITCHYARD_HEALTH_PORT": str(health_port)},
+                    args=("--dispatchers", "2", "--data-dir", str(tmp_path / "data")))
+    try:
+        stack.wait_ready()
+        assert set(stack.endpoints()) >= {"dispatcher", "dispatcher-2", "retrieval", "orchestrator"}
+    finally:
+        assert stack.stop() == 0
 
 
 def test_an_embedded_redis_folder_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ dispatcher lives, as a deployment with replicas would.
 ``--dispatchers N`` starts N dispatcher processes; the orchestrator reaches
 them through one ``ipv4:host:a,host:b,...`` target and spreads calls over them
 (agent affinity, else in turn). Without ``--free-ports`` they listen on the
-configured dispatcher port and metrics port plus 0, 1, ... N-1. Every port the
-stack would bind on the host is checked before anything starts: two set to one
-number (two services', or a replica's past another's) are refused naming both keys.
+configured dispatcher port, metrics port and health port plus 0, 1, ... N-1 (a
+port set to 0, a free one, is a free one for each). Every port the stack would
+bind on the host is checked before anything starts: two set to one number (two
+services', or a replica's past another's) are refused naming both keys.
 
 Ports are bound by the process that serves them: with ``--free-ports`` each
 service is started on port 0, binds a free port itself and writes the ports it
@@ -203,20 +204,20 @@ def healthy(address: str, service: str, timeout: float = 1.0, config: ServerConf
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _listening_ports(config: SwitchyardConfig, plan: list[tuple[str, str, int, int]], http_port: int | None,
-                     free_ports: bool) -> dict[str, int | None]:
-    """Every port the stack of ``plan`` ((name, kind, port, metrics port) per process) binds on this host, by what
-    sets it: each service's port and metrics port (a dispatcher replica's as ``dispatcher.port + i``), health
-    port (every replica binds its section's), the HTTP face's, the embedded Redis's. One service's own keys are
-    checked at load (:func:`~switchyard.common.config.server.distinct_ports`); two services', or a replica's
+def _listening_ports(config: SwitchyardConfig, plan: list[tuple[str, str, int, int, int | None]],
+                     http_port: int | None, free_ports: bool) -> dict[str, int | None]:
+    """Every port the stack of ``plan`` ((name, kind, port, metrics port, health port) per process) binds on this
+    host, by what sets it: each service's port, metrics port and health port (a dispatcher replica's as
+    ``dispatcher.port + i``, :func:`_replica_port`), the HTTP face's, the embedded Redis's. One service's own keys
+    are checked at load (:func:`~switchyard.common.config.server.distinct_ports`); two services', or a replica's
     port past another's, met only at the second bind."""
     ports: dict[str, int | None] = {}
-    for name, kind, port, metrics_port in plan:
+    for name, kind, port, metrics_port, health_port in plan:
         replica = int(name.rsplit("-", 1)[1]) - 1 if name != kind else 0
         shift = f" + {replica} ({name})" if replica else ""
         ports[f"{kind}.port{shift}"] = port
         ports[f"{kind}.metrics_port{shift}"] = metrics_port
-        ports[f"{kind}.health_port" + (f" ({name})" if replica else "")] = service_section(config, kind).health_port
+        ports[f"{kind}.health_port{shift}"] = health_port
     ports["orchestrator.http.port"] = http_port
     dram = config.memory.dram
     if dram.embedded and not free_ports:
@@ -253,6 +254,15 @@ def _stop(services: list[Child], grace: float) -> None:
             print(f"switchyard up: {child.name} did not stop within {grace + 5:.0f} s; killing it", file=sys.stderr)
             child.proc.kill()
             child.proc.wait()
+
+
+def _replica_port(port: int | None, i: int, free_ports: bool = False) -> int | None:
+    """The port replica ``i`` (0: the first) of a service binds for a configured ``port``: ``port + i``; 0 (a
+    free one) and None (off) as they are, and 0 for every port that is on with ``--free-ports``."""
+    if port is None:
+        return None
+    return 0 if free_ports or not port else port + i
+
 
 
 def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | None = None) -> EmbeddedRedis | None:
@@ -319,14 +329,14 @@ def main(argv: list[str]) -> int:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)
         return 2
     host = config.server.host
-    # (name, kind, port, metrics port), in start order
-    plan: list[tuple[str, str, int, int]] = []
+    # (name, kind, port, metrics port, health port), in start order
+    plan: list[tuple[str, str, int, int, int | None]] = []
     for kind in ORDER:
         section = service_section(config, kind)
         for i in range(args.dispatchers if kind == "dispatcher" else 1):
             name = kind if i == 0 else f"{kind}-{i + 1}"
-            ports = (0, 0) if args.free_ports else (section.port + i, section.metrics_port + i)
-            plan.append((name, kind, *ports))
+            plan.append((name, kind, *(_replica_port(port, i, args.free_ports)
+                                      for port in (section.port, section.metrics_port, section.health_port))))
     http = config.orchestrator.http
     http_port = (0 if args.free_ports else http.port) if http.enabled else None
     clash = port_clash(_listening_ports(config, plan, http_port, args.free_ports))
@@ -371,10 +381,12 @@ def main(argv: list[str]) -> int:
                 # Several dispatchers: one multi-address target; the orchestrator spreads calls over its replicas.
                 env["SWITCHYARD_DISPATCHER_ADDR"] = (dispatchers[0] if len(dispatchers) == 1
                                                      else "ipv4:" + ",".join(dispatchers))
-            started = [(n, k, p, m) for n, k, p, m in plan if k in group]
-            for name, kind, port, metrics_port in started:
+            started = [(n, k, p, m, h) for n, k, p, m, h in plan if k in group]
+            for name, kind, port, metrics_port, health_port in started:
                 port_file = Path(port_files.name) / f"{name}.json"
                 extra = ("--http-port", str(http_port)) if kind == "orchestrator" and http_port is not None else ()
+                if health_port is not None:
+                    extra += ("--health-port", str(health_port))
                 proc = _spawn(kind, port, metrics_port, env, args.config_dir, port_file, extra)
                 services.append(Child(name, port, metrics_port, proc, kind, port_file))
             deadline = time.monotonic() + args.ready_timeout

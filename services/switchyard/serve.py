@@ -174,6 +174,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--port", type=int, help="gRPC port (0 = any free port); overrides the config")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (0 = any free port)")
+    parser.add_argument("--health-port", type=int,
+                        help="plain-text health-only port (0 = any free port); overrides <service>.health_port")
     parser.add_argument("--port-file", help="write the bound ports here as JSON once serving (for switchyard up)")
     parser.add_argument("--http-port", type=int,
                         help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
@@ -191,6 +193,7 @@ def main(argv: list[str]) -> int:
         overrides, options = {}, {}
         for option, key, value in (("--port", f"{args.name}.port", args.port),
                                    ("--metrics-port", f"{args.name}.metrics_port", args.metrics_port),
+                                   ("--health-port", f"{args.name}.health_port", args.health_port),
                                    ("--http-port", "orchestrator.http.port", args.http_port)):
             if value is not None:
                 if option == "--http-port" and args.name != "orchestrator":
