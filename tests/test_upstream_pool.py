@@ -316,6 +316,40 @@ async def test_calls_waiting_on_a_replica_marked_down_go_to_another_at_once(clea
             p.kill()
 
 
+async def test_an_endpoint_that_left_the_pool_gets_no_series_back_from_a_read_or_a_call_still_on_it(
+        clean_proxy_env):
+    """A re-resolve that drops an address removes its endpoint's series (switchyard_gateway_endpoint_up, ...).
+    A /metrics read begun before (the scrape loop reads the endpoints it listed) or a call still on it that
+    cannot connect wrote them again: switchyard_gateway_endpoint_up{endpoint=<a gone pod>} 0 for good, one more
+    label set for each address a rollout retired, and a dashboard showing a replica down that no longer is
+    one."""
+    from prometheus_client import REGISTRY
+
+    procs = [spawn(["--max-running", "8"]) for _ in range(2)]
+    try:
+        urls = [p.base_url for p in procs]
+        async with GatewayClient(pool_config(urls, scrape_interval_s=60.0)) as client:
+            await complete(client, ask("a"))
+            pool = client.pool
+            gone = pool.endpoints[endpoint_name(urls[0])]
+            pool._update(urls[1:])  # the resolve loop's step: the name no longer gives the first address
+            series = ("switchyard_gateway_endpoint_up", "switchyard_gateway_endpoint_server_waiting",
+                      "switchyard_gateway_endpoint_server_kv_cache_usage_ratio")
+            assert all(REGISTRY.get_sample_value(name, {"endpoint": gone.name}) is None for name in series)
+            assert await pool.scrape(gone)  # a read of the list taken before the endpoint left
+            procs[0].kill()
+            assert not await pool.scrape(gone)
+            pool.mark_down(gone, "ConnectError: a call still on it")  # what _send does for a call that was on it
+            left = {name: REGISTRY.get_sample_value(name, {"endpoint": gone.name}) for name in series}
+            assert set(left.values()) == {None}, left
+            kept = pool.endpoints[endpoint_name(urls[1])]
+            assert REGISTRY.get_sample_value("switchyard_gateway_endpoint_up", {"endpoint": kept.name}) == 1
+            assert isinstance((await complete(client, ask("b")))[-1], Finished)
+    finally:
+        for p in procs:
+            p.kill()
+
+
 async def test_a_dns_name_is_an_endpoint_per_address_and_down_ones_are_skipped(clean_proxy_env):
     with replicas(1) as (server,):
         url = server.base_url.replace("127.0.0.1", "localhost")

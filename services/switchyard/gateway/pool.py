@@ -367,6 +367,8 @@ class EndpointPool:
         except httpx.TransportError as exc:
             self.mark_down(endpoint, f"/metrics: {type(exc).__name__}: {exc}")
             return False
+        if not self.holds(endpoint):  # it left the pool during the read (a re-resolve): its series are gone
+            return True
         load = ServerLoad()
         if response.status_code == 200:
             try:
@@ -396,10 +398,18 @@ class EndpointPool:
                 await gone.http.aclose()
             await asyncio.sleep(self.config.pool.scrape_interval_s)
 
+    def holds(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint`` is one of the pool's now: False once a re-resolve dropped its address (a call
+        or a ``/metrics`` read begun before may still end on it)."""
+        return self.endpoints.get(endpoint.name) is endpoint
+
     def mark_down(self, endpoint: Endpoint, why: str) -> None:
         """``endpoint`` could not be reached: no call picks it until a ``/metrics`` read succeeds, and the calls
         on it that have streamed nothing yet are sent to another endpoint (pools only)."""
         if not self.pooled:
+            return
+        if not self.holds(endpoint):  # it left the pool (a re-resolve): its calls move on, its series stay gone
+            endpoint.down.set()
             return
         if endpoint.up:
             if any(e.up for e in self.endpoints.values() if e is not endpoint):
