@@ -248,12 +248,13 @@ def other_alerts() -> list[dict[str, Any]]:
         {
             "alert": "SwitchyardUpstreamFailing",
             "expr": (
-                # CANCELLED: the caller went away (its deadline, a cancelled task), which says nothing of the
-                # model; such calls count neither way, as the circuit breaker does not count them
-                # (gateway/cooldown.py).
-                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!~"ok|CANCELLED"}[5m]))\n'
+                # CANCELLED: the caller went away (its deadline, a cancelled task); INVALID_ARGUMENT: the upstream
+                # refused the request's own body (a prompt past the context window, a bad field: BadUpstreamRequest,
+                # which no other model is asked). Neither says anything of the model: such calls count neither
+                # way, as the circuit breaker does not count them (gateway/cooldown.py).
+                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!~"ok|CANCELLED|INVALID_ARGUMENT"}[5m]))\n'
                 "  /\n"
-                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!="CANCELLED"}[5m]))\n'
+                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!~"CANCELLED|INVALID_ARGUMENT"}[5m]))\n'
                 "> 0.5"
             ),
             "for": "10m",
@@ -264,7 +265,8 @@ def other_alerts() -> list[dict[str, Any]]:
                     "{{ $value | humanizePercentage }} of chat completions sent to {{ $labels.model }} have "
                     "failed for 10 minutes without its circuit staying open (failures interleaved with "
                     "successes, or model_gateway.cooldown disabled); switchyard_gateway_requests_total by outcome, "
-                    "calls their caller cancelled left out."
+                    "calls their caller cancelled and requests the upstream refused as malformed (INVALID_ARGUMENT) "
+                    "left out."
                 ),
             },
         },
