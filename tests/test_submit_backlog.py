@@ -359,6 +359,50 @@ async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_l
         assert (await final_state(stub, "late")).state == agent_pb2.SUCCEEDED
 
 
+async def test_the_identical_retry_of_a_refused_task_whose_record_the_store_kept_is_placed_and_runs(
+        tmp_path, monkeypatch):
+    """A task refused because the backlog filled while it was written, whose delete the store refused, keeps its
+    QUEUED record until the delete is tried again. The caller's identical retry meanwhile (the backlog has room
+    now) read that record as the task already submitted and was answered QUEUED, for a task no backlog held:
+    it never ran, and the later delete took the record away (NOT_FOUND). It is placed and runs now."""
+    from switchyard.orchestrator import service as service_module
+
+    monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 600.0)  # the refused delete is tried again only later
+    store = tmp_path / "tasks.sqlite3"
+    async with backlog_stack(store, **{"orchestrator.max_unfinished_submitted_tasks": 1}) as (stub, _, down):
+        orch = down.orchestrator
+        create, created, locked = orch.tasks.create, asyncio.Event(), asyncio.Event()
+
+        async def create_then_wait(task_id, *args, **kwargs):  # SubmitTask stopped between its record and backlog
+            answer = await create(task_id, *args, **kwargs)
+            if task_id == "late" and not created.is_set():
+                created.set()
+                await locked.wait()  # "first" took the backlog's one place, and another writer holds the file
+            return answer
+
+        orch.tasks.create = create_then_wait
+        late = asyncio.ensure_future(submit(stub, "late", agent_pb2.NORMAL))
+        await created.wait()
+        await submit(stub, "first", agent_pb2.NORMAL)
+        other_writer = sqlite3.connect(store, isolation_level=None, check_same_thread=False)
+        try:
+            other_writer.execute("BEGIN IMMEDIATE")  # the delete waits for the lock, past the busy timeout
+            locked.set()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await late
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            other_writer.execute("COMMIT")
+            other_writer.close()
+        down.gate.set()
+        assert (await final_state(stub, "first")).state == agent_pb2.SUCCEEDED
+        await until(lambda: not orch._submitted._tasks)
+        again = await submit(stub, "late", agent_pb2.NORMAL)  # the caller's retry, the record still there
+        assert again.state == agent_pb2.QUEUED
+        assert (await final_state(stub, "late")).state == agent_pb2.SUCCEEDED
+        assert [r.request_id.split(":")[0] for r in down.requests] == ["first", "late"]
+
+
 async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_own_status(tmp_path):
     """Errors quoted a caller's value whole: a 20,000-character task_type or task_id made status details past
     gRPC's 16 KiB metadata limit, and the caller got RESOURCE_EXHAUSTED ("received metadata size exceeds hard

@@ -178,8 +178,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         :meth:`_record_again` until it takes them, and once more at :meth:`stop`."""
         self._undeleted: set[str] = set()
         """Records of tasks refused after they were written (the backlog filled meanwhile) whose delete the store
-        refused, deleted again by :meth:`_record_again` as the outcomes are written (a record left QUEUED on a
-        live orchestrator that holds no such task is never swept: it read QUEUED for good)."""
+        refused, deleted again by :meth:`_record_again` as the outcomes are written, or at once by a submit of
+        the same task_id (a record left QUEUED on a live orchestrator that holds no such task is never swept: it
+        read QUEUED for good, and the identical retry was answered it)."""
         self._recording: asyncio.Task[None] | None = None
         self._cancels: asyncio.Task[None] | None = None
         """:meth:`_carry_out_cancels`, from :meth:`start` to :meth:`stop`."""
@@ -570,6 +571,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """
         record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
                                                   spec.tenant_id)
+        if not created and spec.task_id in self._undeleted:
+            # This orchestrator refused that task and the store kept its record (its delete is tried again
+            # later): the record is of no task. Taken away now, and this submit recorded anew; read as the task
+            # submitted, the caller's identical retry was answered QUEUED for a task no backlog held.
+            await self.tasks.delete(spec.task_id)
+            self._undeleted.discard(spec.task_id)
+            record, created = await self.tasks.create(spec.task_id, fingerprint(fields), trace_id, spec.agent_id,
+                                                      spec.tenant_id)
         if not created:
             return record, None
         if self._stopping:  # stop() began while the record was written: it will not start here
@@ -721,6 +730,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """One try at each outcome the store refused, and at each refused task's delete; returns how many are
         still not written."""
         for task_id in list(self._undeleted):
+            if task_id not in self._undeleted:  # an identical submit took it meanwhile (_record_submitted)
+                continue
             try:
                 await self.tasks.delete(task_id)
             except SwitchyardError:
