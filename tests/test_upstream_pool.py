@@ -306,7 +306,8 @@ async def test_calls_waiting_on_a_replica_marked_down_go_to_another_at_once(clea
                      for a in on_victim]
             while victim_endpoint.in_flight < len(on_victim):  # each is sent to the stopped replica
                 await asyncio.sleep(0.01)
-            assert not await client.pool.scrape(victim_endpoint) and not victim_endpoint.up
+            assert not await client.pool.scrape(victim_endpoint) and victim_endpoint.up  # one slow read: up
+            assert not await client.pool.scrape(victim_endpoint) and not victim_endpoint.up  # two in a row: down
             results = await asyncio.gather(*calls, return_exceptions=True)
             assert all(isinstance(r, list) and isinstance(r[-1], Finished) for r in results), results
     finally:
@@ -347,6 +348,44 @@ async def test_an_endpoint_that_left_the_pool_gets_no_series_back_from_a_read_or
             assert isinstance((await complete(client, ask("b")))[-1], Finished)
     finally:
         for p in procs:
+            p.kill()
+
+
+async def test_one_slow_metrics_read_leaves_a_replica_up_and_its_calls_where_they_are(clean_proxy_env):
+    """A busy server may answer one /metrics read late. One timed-out read marked the replica down: no call
+    picked it until the next good read, and every call on it that had streamed nothing was cancelled and sent
+    again elsewhere, its prefill lost and its load moved onto the others. It takes
+    pool.down_after_failed_reads (2) in a row now; a refused connection still marks it down at once."""
+    import signal
+
+    procs = [spawn(["--max-running", "64"]) for _ in range(2)]
+    try:
+        cfg = pool_config([p.base_url for p in procs], scrape_interval_s=60.0, scrape_timeout_s=0.5)
+        async with GatewayClient(cfg) as client:
+            slow = procs[0]
+            endpoint = client.pool.endpoints[endpoint_name(slow.base_url)]
+            agents = [f"agent{i}" for i in range(8)]
+            await asyncio.gather(*(complete(client, ask(a)) for a in agents))
+            on_slow = [a for a in agents if client.pool.picker.ring.placed[a] == endpoint.name]
+            assert on_slow
+            slow.process.send_signal(signal.SIGSTOP)
+            calls = [asyncio.ensure_future(complete(client, dataclasses.replace(ask(a, 1), timeout_s=30.0)))
+                     for a in on_slow]
+            while endpoint.in_flight < len(on_slow):
+                await asyncio.sleep(0.01)
+            assert not await client.pool.scrape(endpoint)  # timed out: the server is stopped for this read
+            slow.process.send_signal(signal.SIGCONT)
+            assert endpoint.up and endpoint.failed_reads == 1
+            results = await asyncio.gather(*calls)
+            assert all(isinstance(r[-1], Finished) for r in results), results
+            assert endpoint.in_flight == 0 and endpoint.up
+            assert await client.pool.scrape(endpoint) and endpoint.failed_reads == 0
+            slow.kill()  # nothing listens: the next read marks it down at once
+            assert not await client.pool.scrape(endpoint) and not endpoint.up
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.process.send_signal(signal.SIGCONT)
             p.kill()
 
 

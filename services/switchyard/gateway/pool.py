@@ -14,8 +14,9 @@ adaptive concurrency limit
 endpoint's TTFTs and 429/503 answers), its streams in flight, and what the
 server says of its own load (:mod:`switchyard.gateway.server_load`, read from
 its ``/metrics`` every ``scrape_interval_s``; one endpoint's until it shows it
-exports no queue depth). A read or a call that cannot connect marks a pool's
-endpoint down until a read succeeds. The dispatcher admits up to the sum of the
+exports no queue depth). A read or a call that cannot connect, or
+``pool.down_after_failed_reads`` reads in a row that time out or are cut, mark a
+pool's endpoint down until a read succeeds. The dispatcher admits up to the sum of the
 endpoints' limits (:class:`PoolLimit`): the one limit on the upstream, whatever
 its size.
 
@@ -114,6 +115,9 @@ class Endpoint:
     limit: AdaptiveConcurrencyLimit
     """Its adaptive limit, fed by the gateway with this endpoint's TTFTs, tokens, 429/503s and reported queue."""
     load: ServerLoad = field(default_factory=ServerLoad)
+    failed_reads: int = 0
+    """``/metrics`` reads in a row that timed out or were cut (0 after a good one): ``pool.down_after_failed_reads``
+    of them mark it down."""
     down: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while it is marked down (:meth:`EndpointPool.mark_down`), cleared when a read finds it up: what
     :attr:`up` reads, and what a call waiting on it for its first item waits on beside its answer."""
@@ -365,8 +369,13 @@ class EndpointPool:
         try:
             response = await endpoint.http.get(url, timeout=self.config.pool.scrape_timeout_s)
         except httpx.TransportError as exc:
-            self.mark_down(endpoint, f"/metrics: {type(exc).__name__}: {exc}")
+            endpoint.failed_reads += 1
+            if (isinstance(exc, httpx.ConnectError)  # nothing listens: down now
+                    or endpoint.failed_reads >= self.config.pool.down_after_failed_reads):
+                in_a_row = f" ({endpoint.failed_reads} reads in a row)" if endpoint.failed_reads > 1 else ""
+                self.mark_down(endpoint, f"/metrics: {type(exc).__name__}: {exc}{in_a_row}")
             return False
+        endpoint.failed_reads = 0
         if not self.holds(endpoint):  # it left the pool during the read (a re-resolve): its series are gone
             return True
         load = ServerLoad()

@@ -168,6 +168,12 @@ class UpstreamPoolConfig(_Strict):
         "refused there marks the endpoint down until a read succeeds).",
     )
     scrape_timeout_s: float = Field(1.0, gt=0, le=60, description="Longest wait for one /metrics read, seconds.")
+    down_after_failed_reads: int = Field(
+        2, ge=1, le=100,
+        description="Consecutive /metrics reads that time out or are cut that mark an endpoint down (no call "
+        "picks it, and the calls on it that have streamed nothing move to another): one slow read of a busy "
+        "server's /metrics is not a hung server. A refused connection marks it down at once.",
+    )
     metrics_path: str = Field(
         "/metrics", pattern=r"^/", description="Path of the Prometheus metrics under the server's root (the base URL "
         "without /v1), a path.",
