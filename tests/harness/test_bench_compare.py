@@ -113,3 +113,40 @@ async def test_a_stack_process_stops_when_its_parent_goes_and_serves_profiles_as
     finally:
         await child.stop()
     assert not child.config_file.exists()
+
+
+def test_the_scenarios_leave_the_configured_redis_and_task_store_alone(tmp_path, monkeypatch, capsys):
+    """A config whose [dram] and task store are another stack's (switchyard up's Redis on 127.0.0.1:6379 and
+    data/tasks.sqlite3, as the shipped config names them): the scenarios use neither. Before, each scenario's
+    services took them as configured, recorded the bench's agents' memory in that stack's Redis and leased its
+    task store (and, with no stack running, logged 'DRAM tier unavailable' for each scenario)."""
+    import shutil
+
+    import redis
+    from redis_fixtures import start_redis
+
+    monkeypatch.chdir(ROOT)
+    theirs = start_redis()  # the other stack's Redis
+    try:
+        config_dir = tmp_path / "config"
+        shutil.copytree(ROOT / "config", config_dir)
+        policy = config_dir / "memory_policy.toml"
+        policy.write_text(policy.read_text().replace("embedded = true", "embedded = false", 1)
+                          .replace("port = 6379", f"port = {theirs.port}", 1))
+        their_store = tmp_path / "theirs" / "tasks.sqlite3"
+        settings = config_dir / "switchyard.json"
+        settings.write_text(settings.read_text().replace('"data/tasks.sqlite3"', json.dumps(str(their_store)), 1))
+        out = tmp_path / "results"
+        argv = ["-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
+                "--scenarios", "B", "--retrieval", "off", "--client", "thread", "--stack", "in-process",
+                "--config-dir", str(config_dir), "--out", str(out)]
+        assert compare.main(argv) == 0
+        client = redis.Redis(host=theirs.host, port=theirs.port)
+        assert client.dbsize() == 0, sorted(client.keys())
+    finally:
+        theirs.stop()
+    assert not their_store.parent.exists()
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["meta"]["dram"].startswith("off")
+    assert summary["scenarios"][0]["count"] == 4 and summary["scenarios"][0]["errors"] == 0
+    assert "DRAM tier of the stacks: off" in capsys.readouterr().out

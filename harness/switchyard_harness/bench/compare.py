@@ -18,7 +18,9 @@ processes`` (the default) each service is a process of its own, as
 and the dispatcher's figures are read from its metrics; ``--stack in-process``
 runs all three on this process's event loop (quicker to start, for smoke runs;
 one interpreter lock then serialises the services' CPU work). Retrieval, which
-no scenario changes, is started once and shared. The load runs in a separate
+no scenario changes, is started once and shared. The stacks get a task store of their own (a
+temporary SQLite file) and the DRAM tier ``--dram`` names (off by default), never the configured
+``[dram]`` Redis and ``data/tasks.sqlite3``, which a stack that ``switchyard up`` runs may own. The load runs in a separate
 client process (see :mod:`switchyard_harness.bench.loadgen`) so it does not compete
 with the stack. Per scenario: engine busy ratio (engine busy seconds / wall), NVML GPU
 utilisation when a GPU is present, queue waits per queue (from the tasks' final
@@ -36,6 +38,7 @@ import dataclasses
 import logging
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,6 +51,7 @@ from switchyard_harness.bench import stack_process
 from switchyard_harness.bench.gpu import GpuSampler
 from switchyard_harness.bench.settings import parse_settings
 from switchyard_harness.bench.loadgen import LoadPlan, LoadResult, run_load
+from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier, own_tier_overrides
 from switchyard_harness.bench.stack_process import FixedSlots
 from switchyard_harness.bench.report import build_report, percentile
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
@@ -443,15 +447,14 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
     rows: list[dict[str, Any]] = []
     reports: dict[str, dict[str, Any]] = {}
     processes = args.stack == "processes"
-    async with shared_retrieval(base, needs_retrieval, processes) as retrieval_addr:
-        for scenario in scenarios:
-            t0 = time.monotonic()
-            print(f"[{scenario.key}] {scenario.label} ...", flush=True)
-            row, report = await run_scenario(scenario, base, plan, retrieval_addr, args.warmup, args.client, processes)
-            rows.append(row)
-            reports[scenario.key] = report
-            print(f"[{scenario.key}] done in {time.monotonic() - t0:.1f} s: {row['count']} calls, "
-                  f"{row['errors']} errors, P95 {_fmt(row['latency_s']['p95'], 1000, 0)} ms", flush=True)
+    with contextlib.ExitStack() as owned:
+        # The scenarios' own DRAM tier (--dram) and task store, then --set again (it wins): never the default
+        # 127.0.0.1:6379 and data/tasks.sqlite3, which a stack that switchyard up runs here owns.
+        tier, dram = _dram_tier(args.dram, base.memory.dram, owned)
+        store_dir = owned.enter_context(tempfile.TemporaryDirectory(prefix="bench-compare-tasks-"))
+        base = base.with_overrides(**{**own_tier_overrides(tier, store_dir), **parse_settings(args.settings)})
+        print(f"DRAM tier of the stacks: {dram}", flush=True)
+        await _run_scenarios(scenarios, base, plan, needs_retrieval, processes, args, rows, reports)
     meta = {
         "command": "switchyard bench compare " + " ".join(args.argv),
         "machine": machine_description(),
@@ -459,6 +462,7 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
         "plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "calldata"}
         | {"calldata_items": len(plan.calldata)},
         "retrieval": needs_retrieval,
+        "dram": dram,
         "stack": args.stack,
         "settings": parse_settings(args.settings),
     }
@@ -468,6 +472,21 @@ async def compare(args: argparse.Namespace, plan: LoadPlan, base: SwitchyardConf
     paths = write_outputs(out, rows, reports, meta)
     print("\nwritten: " + ", ".join(str(p) for p in paths[:3]) + f" and {len(paths) - 3} scenario reports")
     return rows
+
+
+async def _run_scenarios(scenarios: list[Scenario], base: SwitchyardConfig, plan: LoadPlan, needs_retrieval: bool,
+                         processes: bool, args: argparse.Namespace, rows: list[dict[str, Any]],
+                         reports: dict[str, dict[str, Any]]) -> None:
+    """Each scenario on a fresh stack, one after another (retrieval shared); appends to ``rows`` and ``reports``."""
+    async with shared_retrieval(base, needs_retrieval, processes) as retrieval_addr:
+        for scenario in scenarios:
+            t0 = time.monotonic()
+            print(f"[{scenario.key}] {scenario.label} ...", flush=True)
+            row, report = await run_scenario(scenario, base, plan, retrieval_addr, args.warmup, args.client, processes)
+            rows.append(row)
+            reports[scenario.key] = report
+            print(f"[{scenario.key}] done in {time.monotonic() - t0:.1f} s: {row['count']} calls, "
+                  f"{row['errors']} errors, P95 {_fmt(row['latency_s']['p95'], 1000, 0)} ms", flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -494,6 +513,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stack", choices=["processes", "in-process"], default="processes",
                         help="each service in its own process, as deployed (default), or all three on this "
                         "process's event loop (quicker to start)")
+    parser.add_argument("--dram", type=_dram_arg, default="off",
+                        help="the stacks' DRAM tier: off (default: no agent memory, no KV swap, nothing asks a "
+                        "Redis, as the earlier runs), embedded (a private redis-server) or HOST:PORT")
     parser.add_argument("--client", choices=["process", "thread"], default="process",
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
     args = parser.parse_args(argv)

@@ -66,6 +66,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from switchyard_harness import json_output
@@ -548,6 +549,19 @@ def _dram_tier(choice: str, base: DramTierConfig, stack: contextlib.ExitStack) -
             f"embedded redis-server at {server.address}"
     host, _, port_text = choice.rpartition(":")
     return base.model_copy(update={"embedded": False, "host": host, "port": int(port_text)}), f"Redis at {choice}"
+
+
+def own_tier_overrides(dram: DramTierConfig | None, store_dir: str) -> dict[str, Any]:
+    """Config overrides that give a benchmark's stack a DRAM tier and a task store of its own: the tier on
+    ``dram``'s Redis (None: no tier: no agent memory, no KV swap, nothing asks a Redis) and the task store's
+    SQLite file in ``store_dir``; never the default 127.0.0.1:6379 and data/tasks.sqlite3, which another
+    stack on this machine (``switchyard up``) may own."""
+    if dram is None:
+        tier: dict[str, Any] = {"memory.agent_memory.enabled": False, "memory.dram.kv_swap": False}
+    else:
+        tier = {"memory.dram.embedded": False, "memory.dram.host": dram.host, "memory.dram.port": dram.port}
+    return {**tier, "orchestrator.task_store.backend": "sqlite",
+            "orchestrator.task_store.sqlite_path": str(Path(store_dir) / "tasks.sqlite3")}
 
 
 def _dram_arg(text: str) -> str:

@@ -71,7 +71,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
-from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier
+from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier, own_tier_overrides
 
 SWEEP_STREAMS = (1, 2, 4, 8, 16, 32)
 TURN_STREAMS = (8, 32)
@@ -392,17 +392,11 @@ def stack_config(base: SwitchyardConfig, args: Any, base_url: str, model: str, d
     Raises:
         ConfigError: an override fails validation.
     """
-    if dram is None:
-        tier: dict[str, Any] = {"memory.agent_memory.enabled": False, "memory.dram.kv_swap": False}
-    else:
-        tier = {"memory.dram.embedded": False, "memory.dram.host": dram.host, "memory.dram.port": dram.port}
     return base.with_overrides(**{
         "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": model,
         "upstream.fallback_model": "", "upstream.api_key_required": bool(args.api_key_env),
         **({"upstream.api_key_env": args.api_key_env} if args.api_key_env else {}),
-        **tier,
-        "orchestrator.task_store.backend": "sqlite",
-        "orchestrator.task_store.sqlite_path": str(Path(store_dir) / "tasks.sqlite3"),
+        **own_tier_overrides(dram, store_dir),
         **args.overrides,
     })
 
