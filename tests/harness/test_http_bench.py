@@ -109,3 +109,20 @@ async def test_the_tasks_a_submit_phase_left_unfinished_are_cancelled_and_report
                 "(--keep-backlog), they run on") in capsys.readouterr().out
         assert metric("switchyard_submitted_tasks", state="queued") == 8
         down.gate.set()
+
+
+async def test_the_summary_lines_count_rounds_and_profiles_in_words(capsys):
+    """Before: a run with --rounds 1 printed '(16 streams, 1 rounds of 2 s each)' and its profile phase
+    '(1 rounds of 2 s; profiles of [19803] bytes)', a Python list."""
+    import asyncio
+
+    async with http_stack() as (client, _, down):
+        base = str(client.base_url).rstrip("/")
+        argv = ["--http", base, "--grpc", down.orchestrator_address, "--phases", "stream", "--streams", "2",
+                "--stream-seconds", "0.3", "--task-type", "chat", "--max-tokens", "16"]
+        assert await asyncio.to_thread(http_bench.main, [*argv, "--rounds", "1"]) == 0
+        assert "(2 streams, 1 round of 0.3 s)" in capsys.readouterr().out
+        assert await asyncio.to_thread(http_bench.main, [*argv, "--rounds", "2"]) == 0
+        assert "(2 streams, 2 rounds of 0.3 s each)" in capsys.readouterr().out
+    assert http_bench.profiles_text([19803]) == "a profile of 19803 bytes"
+    assert http_bench.profiles_text([19803, 20114]) == "profiles of 19803, 20114 bytes"

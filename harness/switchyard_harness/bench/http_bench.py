@@ -292,6 +292,18 @@ async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: flo
     return {**out, "profile_bytes": sizes}
 
 
+def rounds_text(rounds: int, seconds: float) -> str:
+    """'1 round of 2 s', '3 rounds of 2 s each': how long each kind of a phase ran."""
+    return f"1 round of {seconds:g} s" if rounds == 1 else f"{rounds} rounds of {seconds:g} s each"
+
+
+def profiles_text(sizes: list[int]) -> str:
+    """'a profile of 19803 bytes', 'profiles of 19803, 20114 bytes': the profiles a profile phase took."""
+    if len(sizes) == 1:
+        return f"a profile of {sizes[0]} bytes"
+    return f"profiles of {', '.join(str(size) for size in sizes)} bytes" if sizes else "no profile taken"
+
+
 def _endpoints(args: Any) -> tuple[str, str, str]:
     """HTTP base URL, gRPC address and the orchestrator's metrics URL (flags, else the up file, else defaults)."""
     from switchyard.common import up_files
@@ -337,8 +349,8 @@ async def _main(args: Any) -> dict[str, Any]:
         for name, s in (("SSE ", sse), ("gRPC", grpc_)):
             print(f"RunTask {name}: {s['per_s']:.1f} tasks/s ({s['ok']} ok, {s['errors']} errors), "
                   f"P50 {s['p50_ms']:.1f} ms, P95 {s['p95_ms']:.1f} ms", flush=True)
-        print(f"RunTask throughput SSE / gRPC = {ratio:.3f} ({args.streams} streams, {args.rounds} rounds of "
-              f"{args.stream_seconds:g} s each)", flush=True)
+        print(f"RunTask throughput SSE / gRPC = {ratio:.3f} ({args.streams} streams, "
+              f"{rounds_text(args.rounds, args.stream_seconds)})", flush=True)
     if "profile" in phases:
         out = await profile_phase(grpc_addr, metrics, args.streams, args.profile_seconds, args.rounds, args.token)
         with_, without = out["with"].summary(), out["without"].summary()
@@ -346,8 +358,8 @@ async def _main(args: Any) -> dict[str, Any]:
         results["profile"] = {"with": with_, "without": without, "with_over_without": round(ratio, 3),
                               "profile_bytes": out["profile_bytes"]}
         print(f"RunTask gRPC while profiling: {with_['per_s']:.1f} tasks/s, without: {without['per_s']:.1f} tasks/s; "
-              f"ratio {ratio:.3f} ({args.rounds} rounds of {args.profile_seconds:g} s; profiles of "
-              f"{out['profile_bytes']} bytes)", flush=True)
+              f"ratio {ratio:.3f} ({rounds_text(args.rounds, args.profile_seconds)}; "
+              f"{profiles_text(out['profile_bytes'])})", flush=True)
     return results
 
 
