@@ -126,3 +126,30 @@ async def test_the_summary_lines_count_rounds_and_profiles_in_words(capsys):
         assert "(2 streams, 2 rounds of 0.3 s each)" in capsys.readouterr().out
     assert http_bench.profiles_text([19803]) == "a profile of 19803 bytes"
     assert http_bench.profiles_text([19803, 20114]) == "profiles of 19803, 20114 bytes"
+
+
+async def test_a_run_with_no_endpoint_flags_measures_the_stack_the_up_file_names(tmp_path, monkeypatch):
+    """`switchyard up --free-ports` then `switchyard bench http`: the HTTP phases go to the HTTP face the up file
+    records, as the gRPC phases go to its orchestrator. Before, --http stayed http://127.0.0.1:8080 while --grpc
+    came from the up file: the submit phase failed (or measured another stack on 8080) beside the stream phase's
+    gRPC calls to the stack that was meant."""
+    import asyncio
+    import json
+    import os
+
+    async with http_stack() as (client, _, down):
+        base = str(client.base_url).rstrip("/")
+        up = tmp_path / "up.json"
+        up.write_text(json.dumps({"pid": os.getpid(), "services": {"orchestrator": {
+            "address": down.orchestrator_address, "metrics_url": "http://127.0.0.1:1/metrics", "pid": os.getpid(),
+            "http_port": int(base.rpartition(":")[2])}}}))
+        monkeypatch.setenv("SWITCHYARD_UP_FILE", str(up))
+        out = tmp_path / "http.json"
+        argv = ["--phases", "submit,stream", "--rps", "20", "-c", "2", "--duration", "0.25", "--streams", "2",
+                "--stream-seconds", "0.3", "--rounds", "1", "--task-type", "chat", "--max-tokens", "16",
+                "-o", str(out)]
+        assert await asyncio.to_thread(http_bench.main, argv) == 0
+    results = json.loads(out.read_text())
+    assert (results["http"], results["grpc"]) == (base, down.orchestrator_address)
+    assert results["submit"]["ok"] == 5 and results["submit"]["errors"] == 0, results["submit"]
+    assert results["stream"]["sse"]["ok"] and not results["stream"]["sse"]["errors"], results["stream"]

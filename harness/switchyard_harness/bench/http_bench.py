@@ -309,14 +309,16 @@ def _endpoints(args: Any) -> tuple[str, str, str]:
     from switchyard.common import up_files
     from switchyard.launcher import up_file
 
-    grpc_addr, metrics = "127.0.0.1:50051", "http://127.0.0.1:9101/metrics"
+    http, grpc_addr, metrics = "http://127.0.0.1:8080", "127.0.0.1:50051", "http://127.0.0.1:9101/metrics"
     up_files.remove_stale(up_file())  # a killed launcher's: its ports serve nothing
     try:
         recorded = json.loads(up_file().read_text())["services"]["orchestrator"]
         grpc_addr, metrics = recorded["address"], recorded["metrics_url"]
+        if "http_port" in recorded:  # the same stack's HTTP face (switchyard up --free-ports picks its port)
+            http = f"http://{grpc_addr.rpartition(':')[0]}:{int(recorded['http_port'])}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return args.http, args.grpc or grpc_addr, args.orchestrator_metrics or metrics
+    return args.http or http, args.grpc or grpc_addr, args.orchestrator_metrics or metrics
 
 
 async def _main(args: Any) -> dict[str, Any]:
@@ -365,7 +367,7 @@ async def _main(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard bench http", __doc__)
-    parser.add_argument("--http", default="http://127.0.0.1:8080", help="the HTTP face (default http://127.0.0.1:8080)")
+    parser.add_argument("--http", help="the HTTP face (default: the up file's, else http://127.0.0.1:8080)")
     parser.add_argument("--grpc", help="the orchestrator's gRPC address (default: the up file's, else 127.0.0.1:50051)")
     parser.add_argument("--orchestrator-metrics", help="the orchestrator's /metrics URL (default: the up file's)")
     parser.add_argument("--phases", default="submit,stream,profile", help="which phases, comma-separated")
