@@ -115,6 +115,31 @@ def test_cli_run_with_nothing_listening_says_so(capsys):
     assert "UNAVAILABLE" in err and f"nothing answers at 127.0.0.1:{port}" in err and "switchyard up" in err
 
 
+def test_cli_run_with_nothing_listening_names_the_stack_the_up_file_records(tmp_path, monkeypatch, capsys):
+    """After `switchyard up --free-ports`, `switchyard run` (config's 127.0.0.1:50051) said only 'nothing answers
+    ... is the stack running?' while the stack ran on the ports its up file records, which switchyard top and
+    switchyard profile read; it now names that orchestrator's address and the --addr to give."""
+    import os
+
+    from switchyard import client
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    up = tmp_path / "up.json"
+    up.write_text(json.dumps({"pid": os.getpid(), "services": {"orchestrator": {
+        "address": "127.0.0.1:45111", "metrics_url": "http://127.0.0.1:44329/metrics", "pid": os.getpid()}}}))
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", str(up))
+    assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1
+    err = capsys.readouterr().err
+    assert f"nothing answers at 127.0.0.1:{port}" in err
+    assert (f"the stack that switchyard up started serves its orchestrator at 127.0.0.1:45111 (its up file {up}): "
+            "switchyard run --addr 127.0.0.1:45111 ...") in err, err
+    up.write_text(json.dumps({"pid": os.getpid(), "services": {"orchestrator": {"address": f"127.0.0.1:{port}"}}}))
+    assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1
+    assert "the stack that switchyard up started" not in capsys.readouterr().err  # the address tried: nothing new
+
+
 def test_cli_run_given_its_address_runs_from_a_folder_without_config(tmp_path, monkeypatch, capsys):
     """From outside the repository, `switchyard run --addr` refused: "config folder not found"; a client given its
     address needs the config only for TLS, and says it uses the built-in (plaintext) defaults."""
