@@ -383,6 +383,31 @@ def test_free_ports_frees_the_health_ports_of_every_service_and_dispatcher_repli
         assert stack.stop() == 0
 
 
+def test_a_port_another_program_holds_is_refused_naming_its_key_and_free_ports_before_anything_starts(
+        tmp_path: Path, capsys) -> None:
+    # Before: Redis, retrieval and the dispatcher started, then the orchestrator failed with "[Errno 98] HTTP face
+    # 127.0.0.1:8080 (orchestrator.http.port): ... address already in use" and up with "orchestrator exited with
+    # status 1 during start-up (see its log above)", saying nothing of --free-ports.
+    import socket
+
+    from switchyard.launcher import main as up_main
+
+    config_dir = tmp_path / "config"
+    shutil.copytree(ROOT / "config", config_dir)
+    settings = json.loads((config_dir / "switchyard.json").read_text())
+    for section in ("orchestrator", "retrieval", "dispatcher"):  # 0: a free port, so only the one below is taken
+        settings[section]["port"] = settings[section]["metrics_port"] = 0
+    with socket.create_server(("127.0.0.1", 0)) as holder:  # another program on the HTTP face's port
+        settings["orchestrator"]["http"]["port"] = port = holder.getsockname()[1]
+        (config_dir / "switchyard.json").write_text(json.dumps(settings))
+        code = up_main(["--config-dir", str(config_dir), "--data-dir", str(tmp_path / "data")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"switchyard up: port {port} (orchestrator.http.port) on 127.0.0.1 is in use" in err, err
+    assert "start this stack with --free-ports" in err, err
+    assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
+
+
 def test_an_embedded_redis_folder_that_is_a_file_is_named_not_a_traceback(tmp_path: Path) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")

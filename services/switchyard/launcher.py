@@ -49,6 +49,7 @@ reads the folder next (common/up_files.py)::
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -264,6 +265,23 @@ def _replica_port(port: int | None, i: int, free_ports: bool = False) -> int | N
     return 0 if free_ports or not port else port + i
 
 
+def _taken_port(host: str, ports: dict[str, int | None]) -> str | None:
+    """The first of ``ports`` (key -> port; None or 0: none asked) that a listener on ``host`` already holds,
+    named with its key ('port 8080 (orchestrator.http.port) on 127.0.0.1 is in use'); None when each can be bound.
+    Checked before anything starts: a taken port was found by the service that bound it last, after Redis and the
+    services before it had started, and its log named the key but not what to do."""
+    for key, port in ports.items():
+        if not port:
+            continue
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            with socket.create_server((host, port), family=family):
+                pass
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} ({key}) on {host} is in use"
+    return None
+
 
 def _start_redis(config: SwitchyardConfig, free_ports: bool, data_dir: str | None = None) -> EmbeddedRedis | None:
     """The embedded DRAM-tier Redis, started; None when ``[dram] embedded`` is off or no binary exists.
@@ -339,12 +357,20 @@ def main(argv: list[str]) -> int:
                                       for port in (section.port, section.metrics_port, section.health_port))))
     http = config.orchestrator.http
     http_port = (0 if args.free_ports else http.port) if http.enabled else None
-    clash = port_clash(_listening_ports(config, plan, http_port, args.free_ports))
+    ports = _listening_ports(config, plan, http_port, args.free_ports)
+    clash = port_clash(ports)
     if clash is not None:  # refused before anything starts: the second bind failed as 'another process using it'
         if "health_port" in clash and envs.SWITCHYARD_HEALTH_PORT.get() is not None:
             clash += f" ({envs.SWITCHYARD_HEALTH_PORT.name} sets the health_port of every service it starts)"
         print(f"switchyard up: bad configuration:\n{clash}", file=sys.stderr)
         return 2
+    # the embedded Redis's port is checked by its own start, which names the stack holding it
+    taken = _taken_port(config.server.host, {k: p for k, p in ports.items() if not k.startswith("memory_policy")})
+    if taken is not None:
+        print(f"switchyard up: {taken}: another stack (`switchyard top` shows the one its up file names) or "
+              "another program listens there; start this stack with --free-ports, or set that key to a free "
+              "port (0 picks one)", file=sys.stderr)
+        return 1
 
     stopping = False
 
