@@ -10,7 +10,9 @@ dispatcher whose sim engine costs almost nothing (``--real-engine`` keeps the
 7B latency model, where the engine is the bottleneck instead),: with
 ``orchestrator.cpu_executor`` = loop, thread and process. A probe task sleeps 1 ms in a loop on the orchestrator's
 event loop and records how late it wakes (the lag every stream's next token
-would see). Prints tasks/s and lag percentiles per mode; asserts nothing.
+would see). Prints tasks/s and lag percentiles per mode; asserts nothing. The orchestrators have no
+DRAM tier and a task store in the run's temporary folder (never the configured Redis and
+``data/tasks.sqlite3``, which a stack that ``switchyard up`` runs here owns).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import uvloop
 
 from switchyard.common import envs
 from switchyard.common.config import load_config
+from switchyard_harness.bench.sched_bench import own_tier_overrides
 from switchyard.common.server import running
 from switchyard.common.children import dying_with_parent
 from switchyard.launcher import healthy
@@ -50,8 +53,11 @@ async def _probe(lags: list[float], stop: asyncio.Event, interval: float = 0.001
         lags.append(time.perf_counter() - start - interval)
 
 
-async def _run_mode(executor: str, dispatcher: str, args: argparse.Namespace) -> dict[str, float]:
+async def _run_mode(executor: str, dispatcher: str, args: argparse.Namespace, store_dir: str) -> dict[str, float]:
     cfg = load_config(args.config_dir).with_overrides(**{
+        # no DRAM tier and a task store in the run's folder: never the configured [dram] Redis and
+        # data/tasks.sqlite3, which a stack that switchyard up runs here owns
+        **own_tier_overrides(None, store_dir),
         "orchestrator.dispatcher_addr": dispatcher,
         "orchestrator.cpu_executor": executor,
         "limits.default_context_window_tokens": 200_000,
@@ -117,7 +123,7 @@ async def _main(args: argparse.Namespace) -> None:
         rows = []
         for label, executor in (("event loop", "loop"), (f"{workers} threads", "thread"),
                                 (f"{workers} processes", "process")):
-            rows.append((label, await _run_mode(executor, address, args)))
+            rows.append((label, await _run_mode(executor, address, args, tmp.name)))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
