@@ -46,6 +46,7 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 from typing import Any
 
 CHAT = {"task_id": "overhead-{{.RequestNumber}}", "payload": "summarize this doc", "task_type": "chat",
@@ -108,9 +109,11 @@ def _serve_bare(ports: Any, events: list[bytes]) -> None:
     uvloop.run(main())
 
 
-def _serve_stack(ports: Any, tracing: bool, names: tuple[str, ...], dispatcher_port: int = 0) -> None:
+def _serve_stack(ports: Any, tracing: bool, names: tuple[str, ...], store_dir: str, dispatcher_port: int = 0) -> None:
     """Serve the services ``names`` ("dispatcher", "orchestrator" or both) in this process; put the
-    port of the last one. The orchestrator calls the dispatcher here, or at ``dispatcher_port``."""
+    port of the last one. The orchestrator calls the dispatcher here, or at ``dispatcher_port``. No DRAM tier and
+    the task store in ``store_dir``: never the configured Redis and data/tasks.sqlite3, which a stack that
+    ``switchyard up`` runs here owns."""
     import asyncio
 
     import uvloop
@@ -119,12 +122,13 @@ def _serve_stack(ports: Any, tracing: bool, names: tuple[str, ...], dispatcher_p
     from switchyard.common.config import load_config
     from switchyard.common.server import start_server
     from switchyard.serve import make_service
+    from switchyard_harness.bench.sched_bench import own_tier_overrides
 
     if tracing:
         _install_tracing()
 
     async def main() -> None:
-        config = load_config(None).with_overrides(**ZERO_COST)
+        config = load_config(None).with_overrides(**ZERO_COST, **own_tier_overrides(None, store_dir))
         interceptors = telemetry.server_interceptors()
         port = dispatcher_port
         if "dispatcher" in names:
@@ -304,11 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
     tracing = args.tracing == "on"
     servers: list[_Server] = []
+    store = tempfile.TemporaryDirectory(prefix="pipeline-overhead-tasks-")
     try:
         if args.stack == "processes":
-            servers.append(_Server((_serve_stack, (tracing, ("dispatcher",))), (_serve_stack, (tracing, ("orchestrator",)))))
+            servers.append(_Server((_serve_stack, (tracing, ("dispatcher",), store.name)),
+                                   (_serve_stack, (tracing, ("orchestrator",), store.name))))
         else:
-            servers.append(_Server((_serve_stack, (tracing, ("dispatcher", "orchestrator")))))
+            servers.append(_Server((_serve_stack, (tracing, ("dispatcher", "orchestrator"), store.name))))
         events = servers[0].events
         servers.append(_Server((_serve_bare, (events,))))
         if args.stack == "processes":
@@ -323,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
+        store.cleanup()
     (stack, stack_cpu), (floor, floor_cpu), (relay, relay_cpu) = ((s.rate, s.cpu_per_call_s) for s in servers)
     print(f"bare grpc.aio floor: {floor:8.1f} calls/s ({len(events)} messages per call)")
     print(f"bare relay:          {relay:8.1f} calls/s (the same messages through a bare Generate stream)")
