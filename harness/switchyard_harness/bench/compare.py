@@ -539,7 +539,7 @@ def main(argv: list[str]) -> int:
     except KeyError as exc:
         print(f"switchyard bench compare: --set: no config section {exc}", file=sys.stderr)
         return 2
-    plan = resolve_plan(args, "127.0.0.1:0")
+    plan = resolve_plan(args, "127.0.0.1:50051")  # a stand-in: each scenario's run takes its own stack's address
     logging.basicConfig(level=logging.WARNING)
     import uvloop
 
