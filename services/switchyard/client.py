@@ -155,7 +155,7 @@ def _up_file_orchestrator() -> tuple[str, str] | None:
         address = json.loads(path.read_text())["services"]["orchestrator"]["address"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (str(path), address) if isinstance(address, str) and _HOST_PORT.match(address) else None
+    return (str(path), address) if isinstance(address, str) and not address_problem(address) else None
 
 
 def main(argv: list[str]) -> int:
