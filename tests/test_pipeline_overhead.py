@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from other_stack_config import other_stack_config
 
 pytestmark = pytest.mark.no_gpu
 
@@ -21,16 +19,7 @@ def test_a_run_leaves_the_configured_task_store_and_redis_alone(tmp_path):
     """Before: its orchestrator took the configured task store (data/tasks.sqlite3, a running switchyard up
     stack's) and DRAM tier (127.0.0.1:6379, that stack's Redis); now it has a task store in the run's temporary
     folder and no DRAM tier."""
-    with socket.socket() as sock:  # a port nothing listens on: the configured Redis, absent
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
-    config_dir = tmp_path / "config"
-    shutil.copytree(ROOT / "config", config_dir)
-    policy = config_dir / "memory_policy.toml"
-    policy.write_text(policy.read_text().replace("port = 6379", f"port = {dead}", 1))
-    their_store = tmp_path / "theirs" / "tasks.sqlite3"
-    settings = config_dir / "switchyard.json"
-    settings.write_text(settings.read_text().replace('"data/tasks.sqlite3"', json.dumps(str(their_store)), 1))
+    config_dir, their_store = other_stack_config(tmp_path)
     env = {**os.environ, "SWITCHYARD_CONFIG_DIR": str(config_dir),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "harness")])}
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "pipeline_overhead.py"), "--seconds", "0.4",

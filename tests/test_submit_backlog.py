@@ -312,19 +312,18 @@ async def test_a_cancel_whose_caller_left_while_the_store_wrote_it_frees_the_tas
             assert (await final_state(stub, task_id)).state == agent_pb2.SUCCEEDED
 
 
-async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_later(tmp_path):
-    """A task recorded, then refused because the backlog filled while it was written, has its record deleted (the
-    caller hears RESOURCE_EXHAUSTED, nothing recorded). Where the store refused the delete (another writer held the
-    SQLite file past its busy timeout), the record stayed QUEUED for good on a live orchestrator that held no such
-    task: GetTaskStatus answered QUEUED for a task that never runs, and its identical retry was answered that."""
-    store = tmp_path / "tasks.sqlite3"
+@contextlib.asynccontextmanager
+async def late_refused_with_its_record_kept(store: Path):
+    """(stub, the downstream): a stack whose backlog holds one task, where "late" was recorded, then refused
+    RESOURCE_EXHAUSTED ("first" took the backlog's one place meanwhile), and its record's delete refused (another
+    writer held the SQLite file past its busy timeout); the downstream's gate closed, "first" held at it."""
     async with backlog_stack(store, **{"orchestrator.max_unfinished_submitted_tasks": 1}) as (stub, _, down):
         orch = down.orchestrator
         create, created, locked = orch.tasks.create, asyncio.Event(), asyncio.Event()
 
         async def create_then_wait(task_id, *args, **kwargs):  # SubmitTask stopped between its record and backlog
             answer = await create(task_id, *args, **kwargs)
-            if task_id == "late":
+            if task_id == "late" and not created.is_set():
                 created.set()
                 await locked.wait()  # "first" took the backlog's one place, and another writer holds the file
             return answer
@@ -343,6 +342,17 @@ async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_l
         finally:
             other_writer.execute("COMMIT")
             other_writer.close()
+        yield stub, down
+
+
+async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_later(tmp_path):
+    """A task recorded, then refused because the backlog filled while it was written, has its record deleted (the
+    caller hears RESOURCE_EXHAUSTED, nothing recorded). Where the store refused the delete (another writer held the
+    SQLite file past its busy timeout), the record stayed QUEUED for good on a live orchestrator that held no such
+    task: GetTaskStatus answered QUEUED for a task that never runs, and its identical retry was answered that."""
+    store = tmp_path / "tasks.sqlite3"
+    async with late_refused_with_its_record_kept(store) as (stub, down):
+        orch = down.orchestrator
         for _ in range(1000):  # deleted once the store takes it: no such task, and a retry can be accepted
             try:
                 await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="late"))
@@ -369,31 +379,8 @@ async def test_the_identical_retry_of_a_refused_task_whose_record_the_store_kept
 
     monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 600.0)  # the refused delete is tried again only later
     store = tmp_path / "tasks.sqlite3"
-    async with backlog_stack(store, **{"orchestrator.max_unfinished_submitted_tasks": 1}) as (stub, _, down):
+    async with late_refused_with_its_record_kept(store) as (stub, down):
         orch = down.orchestrator
-        create, created, locked = orch.tasks.create, asyncio.Event(), asyncio.Event()
-
-        async def create_then_wait(task_id, *args, **kwargs):  # SubmitTask stopped between its record and backlog
-            answer = await create(task_id, *args, **kwargs)
-            if task_id == "late" and not created.is_set():
-                created.set()
-                await locked.wait()  # "first" took the backlog's one place, and another writer holds the file
-            return answer
-
-        orch.tasks.create = create_then_wait
-        late = asyncio.ensure_future(submit(stub, "late", agent_pb2.NORMAL))
-        await created.wait()
-        await submit(stub, "first", agent_pb2.NORMAL)
-        other_writer = sqlite3.connect(store, isolation_level=None, check_same_thread=False)
-        try:
-            other_writer.execute("BEGIN IMMEDIATE")  # the delete waits for the lock, past the busy timeout
-            locked.set()
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await late
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        finally:
-            other_writer.execute("COMMIT")
-            other_writer.close()
         down.gate.set()
         assert (await final_state(stub, "first")).state == agent_pb2.SUCCEEDED
         await until(lambda: not orch._submitted._tasks)

@@ -120,22 +120,14 @@ def test_the_scenarios_leave_the_configured_redis_and_task_store_alone(tmp_path,
     data/tasks.sqlite3, as the shipped config names them): the scenarios use neither. Before, each scenario's
     services took them as configured, recorded the bench's agents' memory in that stack's Redis and leased its
     task store (and, with no stack running, logged 'DRAM tier unavailable' for each scenario)."""
-    import shutil
-
     import redis
+    from other_stack_config import other_stack_config
     from redis_fixtures import start_redis
 
     monkeypatch.chdir(ROOT)
     theirs = start_redis()  # the other stack's Redis
     try:
-        config_dir = tmp_path / "config"
-        shutil.copytree(ROOT / "config", config_dir)
-        policy = config_dir / "memory_policy.toml"
-        policy.write_text(policy.read_text().replace("embedded = true", "embedded = false", 1)
-                          .replace("port = 6379", f"port = {theirs.port}", 1))
-        their_store = tmp_path / "theirs" / "tasks.sqlite3"
-        settings = config_dir / "switchyard.json"
-        settings.write_text(settings.read_text().replace('"data/tasks.sqlite3"', json.dumps(str(their_store)), 1))
+        config_dir, their_store = other_stack_config(tmp_path, redis_port=theirs.port)
         out = tmp_path / "results"
         argv = ["-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
                 "--scenarios", "B", "--retrieval", "off", "--client", "thread", "--stack", "in-process",

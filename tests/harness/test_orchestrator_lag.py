@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-import socket
 from pathlib import Path
 
 import pytest
+from other_stack_config import other_stack_config
 
 from switchyard_harness.bench import orchestrator_lag
 
@@ -21,16 +19,7 @@ def test_a_run_leaves_the_configured_task_store_and_redis_alone(tmp_path, monkey
     switchyard up stack's) and DRAM tier (logging 'DRAM tier unavailable: Redis at 127.0.0.1:6379' with no stack
     running); now they have a task store in the run's temporary folder and no DRAM tier."""
     monkeypatch.chdir(ROOT)
-    with socket.socket() as sock:  # a port nothing listens on: the configured Redis, absent
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
-    config_dir = tmp_path / "config"
-    shutil.copytree(ROOT / "config", config_dir)
-    policy = config_dir / "memory_policy.toml"
-    policy.write_text(policy.read_text().replace("port = 6379", f"port = {dead}", 1))
-    their_store = tmp_path / "theirs" / "tasks.sqlite3"
-    settings = config_dir / "switchyard.json"
-    settings.write_text(settings.read_text().replace('"data/tasks.sqlite3"', json.dumps(str(their_store)), 1))
+    config_dir, their_store = other_stack_config(tmp_path)
     assert orchestrator_lag.main(["--tasks", "16", "--concurrency", "4", "--words", "40",
                                   "--config-dir", str(config_dir)]) == 0
     out = capsys.readouterr()
