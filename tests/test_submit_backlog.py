@@ -313,10 +313,14 @@ async def test_a_cancel_whose_caller_left_while_the_store_wrote_it_frees_the_tas
 
 
 @contextlib.asynccontextmanager
-async def late_refused_with_its_record_kept(store: Path):
+async def late_refused_with_its_record_kept(store: Path, monkeypatch):
     """(stub, the downstream): a stack whose backlog holds one task, where "late" was recorded, then refused
     RESOURCE_EXHAUSTED ("first" took the backlog's one place meanwhile), and its record's delete refused (another
-    writer held the SQLite file past its busy timeout); the downstream's gate closed, "first" held at it."""
+    writer held the SQLite file past its busy timeout, 0.5 s here); the downstream's gate closed, "first" held
+    at it."""
+    from switchyard.orchestrator.taskstore import sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.5)
     async with backlog_stack(store, **{"orchestrator.max_unfinished_submitted_tasks": 1}) as (stub, _, down):
         orch = down.orchestrator
         create, created, locked = orch.tasks.create, asyncio.Event(), asyncio.Event()
@@ -345,13 +349,13 @@ async def late_refused_with_its_record_kept(store: Path):
         yield stub, down
 
 
-async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_later(tmp_path):
+async def test_a_refused_task_whose_record_the_store_did_not_delete_is_deleted_later(tmp_path, monkeypatch):
     """A task recorded, then refused because the backlog filled while it was written, has its record deleted (the
     caller hears RESOURCE_EXHAUSTED, nothing recorded). Where the store refused the delete (another writer held the
     SQLite file past its busy timeout), the record stayed QUEUED for good on a live orchestrator that held no such
     task: GetTaskStatus answered QUEUED for a task that never runs, and its identical retry was answered that."""
     store = tmp_path / "tasks.sqlite3"
-    async with late_refused_with_its_record_kept(store) as (stub, down):
+    async with late_refused_with_its_record_kept(store, monkeypatch) as (stub, down):
         orch = down.orchestrator
         for _ in range(1000):  # deleted once the store takes it: no such task, and a retry can be accepted
             try:
@@ -379,7 +383,7 @@ async def test_the_identical_retry_of_a_refused_task_whose_record_the_store_kept
 
     monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 600.0)  # the refused delete is tried again only later
     store = tmp_path / "tasks.sqlite3"
-    async with late_refused_with_its_record_kept(store) as (stub, down):
+    async with late_refused_with_its_record_kept(store, monkeypatch) as (stub, down):
         orch = down.orchestrator
         down.gate.set()
         assert (await final_state(stub, "first")).state == agent_pb2.SUCCEEDED

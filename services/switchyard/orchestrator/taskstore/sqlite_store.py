@@ -48,6 +48,9 @@ RESTART_WAL_PAGES = 10_000
 file keep each store's catch-up copy from being complete, and the WAL would grow without bound. RESTART waits for
 the write in progress and holds the next ones while it copies what the passive pass left, then the WAL starts
 over (sqlite.org/c3ref/wal_checkpoint_v2.html). A store alone on its file never gets there."""
+BUSY_TIMEOUT_S = 5.0
+"""How long a write waits for another connection's lock on the file (SQLite's busy timeout), seconds; then it
+fails, TaskStoreUnavailable, and the orchestrator writes it again later."""
 CHECKPOINT_INTERVAL_S = 1.0
 """Least seconds between two passive checkpoints (each copies the WAL's committed pages into the database file;
 at 500 writes a second one second of WAL is a few hundred pages, under SQLite's own 1000-page default)."""
@@ -147,7 +150,7 @@ class SqliteTaskStore(TaskStore):
     async def _open(self) -> None:
         def connect() -> None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
             db.execute("PRAGMA journal_mode = WAL")
             db.execute(f"PRAGMA synchronous = {self.config.sqlite_synchronous}")
             db.executescript(SCHEMA)
@@ -162,7 +165,7 @@ class SqliteTaskStore(TaskStore):
 
         def connect_checkpointer() -> None:
             self._checkpoint_db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                                  timeout=5.0)
+                                                  timeout=BUSY_TIMEOUT_S)
 
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, connect)
