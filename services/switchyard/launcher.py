@@ -73,6 +73,7 @@ from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.config.server import port_clash
+from switchyard.common.server import bind_error
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 from switchyard.serve import service_section
 
@@ -271,15 +272,8 @@ def _taken_port(host: str, ports: dict[str, int | None]) -> str | None:
     Checked before anything starts: a taken port was found by the service that bound it last, after Redis and the
     services before it had started, and its log named the key but not what to do."""
     for key, port in ports.items():
-        if not port:
-            continue
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-            with socket.create_server((host, port), family=family):
-                pass
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return f"port {port} ({key}) on {host} is in use"
+        if port and (exc := bind_error(host, port)) is not None and exc.errno == errno.EADDRINUSE:
+            return f"port {port} ({key}) on {host} is in use"
     return None
 
 

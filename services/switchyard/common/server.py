@@ -208,6 +208,22 @@ HOST_SETTING = "server.host (config/switchyard.json) or SWITCHYARD_HOST"
 """Where the address every service listens on is set: the settings a bind failure on the host names."""
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """What binding ``host:port`` now raises, as grpcio binds (SO_REUSEADDR, no SO_REUSEPORT): None when it can be
+    bound, ``socket.gaierror`` when the host name does not resolve, else the bind's OSError (``EADDRINUSE``:
+    another process listens there). ``host`` may be a bracketed IPv6 address (``[::1]``)."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # getaddrinfo takes it bare
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as exc:  # socket.gaierror too
+        return exc
+    return None
+
+
 def bind_failure(host: str, port: int, what: str = "", port_setting: str = "") -> str:
     """Why ``host:port`` could not be bound, in words naming the setting to change (grpcio says only "Failed to
     bind"): the host name does not resolve, is not an address of this machine, or the port is taken (the one
@@ -220,24 +236,17 @@ def bind_failure(host: str, port: int, what: str = "", port_setting: str = "") -
         port_setting: how to choose another port, in parentheses after the in-use hint.
     """
     address = f"{what}{host}:{port}"
-    try:
-        # an IPv6 address is written in brackets beside a port ([::1]); getaddrinfo takes it bare
-        name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
+    exc = bind_error(host, port)
+    if isinstance(exc, socket.gaierror):
         return (f"could not bind {address}: the host name {host!r} does not resolve ({exc.strerror}); set "
                 f"{HOST_SETTING} to a name or address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
-    try:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(sockaddr)
-    except OSError as exc:
+    if exc is not None:
         if exc.errno == errno.EADDRINUSE:
             return (f"could not bind {address}: is another process using it? Choose another port"
                     + (f" ({port_setting})" if port_setting else ""))
         if exc.errno == errno.EADDRNOTAVAIL:
-            return (f"could not bind {address}: {host!r} ({sockaddr[0]}) is not an address of this machine; set "
+            resolved = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0][4][0]
+            return (f"could not bind {address}: {host!r} ({resolved}) is not an address of this machine; set "
                     f"{HOST_SETTING} to one of its addresses, e.g. 127.0.0.1 or 0.0.0.0")
         return f"could not bind {address}: {exc.strerror or exc}"
     return f"could not bind {address}: grpcio refused it, and the address can be bound now (taken a moment ago?)"
