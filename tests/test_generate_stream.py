@@ -321,6 +321,26 @@ async def test_a_requests_first_output_is_not_held_for_the_flush_interval() -> N
         assert await stream.close() == grpc.StatusCode.OK
 
 
+async def test_a_requests_end_is_not_held_for_the_flush_interval() -> None:
+    # "a" streams with messages held for 1 s; "b" (10 tokens) runs beside it, a token of each a step. b's end
+    # must leave as soon as b's last step is done: by then a has received about b's 10 tokens more. Held, b's
+    # end would wait out the 1 s, and a's tokens of the whole hold (~50 steps) would arrive with it.
+    b_tokens = 10
+    async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 1000.0}) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("a", max_tokens=400))
+        await stream.until(lambda: len(stream.chunks["a"]) >= 3, "a streams")
+        a_before = token_count([c.token for c in stream.chunks["a"] if c.HasField("token")])
+        await stream.send(start("b", max_tokens=b_tokens))
+        await stream.until(lambda: stream.ended("b"), "b ends")
+        a_at_b_end = token_count([c.token for c in stream.chunks["a"] if c.HasField("token")])
+        assert summary(stream.chunks["b"])[1] == b_tokens
+        # b is admitted at a step boundary and its first token is never held: a few steps of slack
+        assert a_at_b_end - a_before <= b_tokens + 8, (a_before, a_at_b_end)
+        await stream.send(cancel=("a",))
+        assert await stream.close() == grpc.StatusCode.OK
+
+
 async def test_a_core_requests_tokens_are_not_held_beside_held_batch_ones() -> None:
     # 1 s holds: the BATCH request's tokens gather; the CORE request's leave as they come, about one a step
     async with dispatcher(**SLOW, **{"dispatcher.stream_flush_interval_ms": 1000.0}) as (_service, _srv, channel):

@@ -129,8 +129,9 @@ class GenerateSession:
     async def hold(self, seconds: float) -> None:
         """Let output gather for up to ``seconds`` before the next :meth:`replies`, while more than one
         request is open (a request alone is never held); cut short when a request's first output (its
-        TTFT), any output of a CORE request or a refusal becomes ready, or the session can end. NORMAL
-        and BATCH tokens after the first are what waits: at most ``seconds`` more inter-token latency."""
+        TTFT), its last (its end), any output of a CORE request or a refusal becomes ready, or the session
+        can end. NORMAL and BATCH tokens between the first and the last are what waits: at most ``seconds``
+        more inter-token latency, and no later an end."""
         if len(self._requests) < 2 or self._urgent:
             return
         handle = asyncio.get_running_loop().call_later(seconds, self._hold.notify)
@@ -256,8 +257,10 @@ class GenerateSession:
 
     def _output_ready(self, running: _Running) -> None:
         """``running``'s output moved: wake replies(), and cut a hold short when the output must not wait:
-        the request's first (its TTFT), or any of a CORE request's (its inter-token latency)."""
-        if running.state is RequestState.STARTED or running.core:
+        the request's first (its TTFT), its last (its end, which the caller's next step waits on), or any
+        of a CORE request's (its inter-token latency)."""
+        req = running.req
+        if running.state is RequestState.STARTED or running.core or (req is not None and req.is_finished):
             self._urgent_now()
         self._wake.notify()
 
