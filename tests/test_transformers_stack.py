@@ -190,3 +190,55 @@ def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server,
     (config / "queue.json").write_text(json.dumps(queue))
     code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out
     assert code == 1 and "FAIL  request field priority" in out and "Unexpected fields" not in out.split("FAIL")[0]
+
+
+def _requests_waiting(port: int) -> int:
+    """Connections to the server on ``port`` holding request bytes it has not read (Linux ``/proc/net/tcp``):
+    a stopped server reads nothing, so each request sent to it since it stopped is one of them."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port, state, rx_queue = int(fields[1].split(":")[1], 16), fields[3], int(fields[4].split(":")[1], 16)
+        if local_port == port and state != "0A" and rx_queue > 0:  # 0A: the listening socket
+            count += 1
+    return count
+
+
+async def test_a_retry_the_stalled_server_still_holds_the_first_attempt_of_is_served(clean_proxy_env,
+                                                                                   transformers_server):
+    """The server stalls past read_timeout_s before the first token (stopped: a pause, a swap storm): the first
+    attempt times out and the retry is sent while the server still holds the first. transformers serve keys a
+    request by its X-Request-Id; each attempt had the same one, and once the server ran again one of the two
+    got no more output (the retry failed 'timed out ... after 1 streamed item(s)') or took the other's tokens
+    too (202 tokens of a max_tokens 200 call). Each attempt has its own id: the retry streams its own answer."""
+    import os
+    import signal
+
+    from gateway_fixtures import gateway_config
+    from switchyard.common.priority import PriorityClass
+    from switchyard.gateway.client import GatewayClient
+    from switchyard.gateway.events import ChatRequest, Finished, Token
+
+    server = transformers_server
+    cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=1,
+                         read_timeout_s=2.0)
+    request = ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=64,
+                          priority=PriorityClass.NORMAL, agent_id="stalled", request_id="stalled-task:0")
+    async with GatewayClient(cfg) as client:
+        await _collect(client.stream_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1)))
+        await asyncio.gather(*client.pool._tasks)  # its one /metrics read done: no request but the call's waits
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            call = asyncio.ensure_future(_collect(client.stream_chat(request)))
+            while _requests_waiting(server.port) < 2 and not call.done():  # both attempts sent to it
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        events = await call
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+    assert len(tokens) == 64 and events[-1].usage.completion_tokens == 64
+
+
+async def _collect(events) -> list:
+    return [e async for e in events]

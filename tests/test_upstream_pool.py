@@ -248,6 +248,10 @@ async def test_a_failing_replica_is_left_for_another_before_the_first_token(clea
             assert bad_endpoint.limit.limit < client.config.concurrency.initial_limit, "503s backed its limit off"
     assert bad.state.requests, "some agents were homed on the failing replica"
     assert sum(len(s.state.requests) for s in healthy) == 12
+    # the request sent again on another replica is a request of its own: its X-Request-Id too
+    refused = {h["x-request-id"] for h in bad.state.headers}
+    served = {h["x-request-id"] for s in healthy for h in s.state.headers}
+    assert refused and not refused & served and {f"{r}-2" for r in refused} <= served
 
 
 async def test_a_killed_replica_fails_no_call_that_had_not_streamed_a_token(clean_proxy_env):

@@ -87,6 +87,7 @@ async def test_a_refused_field_is_dropped_logged_once_and_the_request_retried_wi
             assert client.refused_fields == {"priority"}
     assert any(isinstance(e, Token) for e in first) and any(isinstance(e, Token) for e in second)
     assert ["priority" in body for body in sim.state.requests] == [True, False, False]
+    assert [h["x-request-id"] for h in sim.state.headers] == ["r-1", "r-1-2", "r-1"]  # the resend is an attempt
     refusals = [r for r in caplog.records if "refused the request field 'priority'" in r.getMessage()]
     assert len(refusals) == 1 and "forward_priority" in refusals[0].getMessage()
 
@@ -123,15 +124,17 @@ def test_refused_field_messages_of_each_server(status, message, field):
 
 async def test_every_upstream_request_carries_agent_and_priority_headers_through_retries_and_fallback(
         clean_proxy_env):
-    """Each attempt carries them: retried 503s, the fallback model's call, every call."""
+    """Each attempt carries them: retried 503s, the fallback model's call, every call; each attempt's
+    X-Request-Id is its own (the request's id, then ``-2``, ``-3``...): a server keys its requests by it, and
+    a retry sent while it still held the attempt before had shared that attempt's id."""
     with start_sim(faults={"claude-sonnet-4-5": Fault(status=503), "gpt-4o-mini": Fault(status=503, fail_first=1)}) as sim:
         async with GatewayClient(gateway_config(sim.base_url, max_retries=1)) as client:
             await stream(client, ask("batch", agent="agent-42", request_id="req-9"))
             await stream(client, ask("core", agent="", request_id="req-10"))
     assert len(sim.state.headers) == 2 + 2 + 1 + 2  # primary twice, fallback twice then once; then the second call
     seen = [(h.get("x-agent-id"), h.get("x-priority"), h.get("x-request-id")) for h in sim.state.headers]
-    assert seen[:4] == [("agent-42", "batch", "req-9")] * 4
-    assert seen[4:] == [("req-10", "core", "req-10")] * 3  # no agent: the request is its own agent
+    assert seen[:4] == [("agent-42", "batch", r) for r in ("req-9", "req-9-2", "req-9-3", "req-9-4")]
+    assert seen[4:] == [("req-10", "core", r) for r in ("req-10", "req-10-2", "req-10-3")]  # no agent: its own
 
 
 @pytest.mark.parametrize("agent, request_id, sent_agent, sent_request_id", [

@@ -23,7 +23,8 @@
 - The key is read from ``model_gateway.api_key_env`` on every call and never
   appears in a log, span, message or metric.
 - Every chat request carries ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
-  ``X-Request-Id`` headers; with ``forward_priority`` the priority also goes in the
+  ``X-Request-Id`` headers (the request's id; ``<id>-<n>`` for the n-th HTTP request of one call,
+  :func:`attempt_request_id`); with ``forward_priority`` the priority also goes in the
   server's own field (:mod:`switchyard.gateway.servers`; the flavour is learnt per
   endpoint). An optional field an endpoint refuses (400/422 naming it) is dropped for
   that endpoint, logged once, and the request sent again without it: nothing had
@@ -109,6 +110,17 @@ def header_value(text: str) -> str:
     return "%20" * lead + inner + "%20" * (len(encoded) - len(inner) - lead)
 
 
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The ``X-Request-Id`` of a call's ``attempt``-th HTTP request (1, 2, ...): ``request_id`` for the first,
+    ``<request_id>-<attempt>`` for each later one (a retry, another endpoint, the fallback model, a refused field
+    resent), so the server's log names each and no two requests it may hold at once share an id. vLLM,
+    ``transformers serve`` and TGI key their requests by this header: vLLM answers a second request with a live
+    one's id 400 "Request id ... already running", and ``transformers serve`` streams nothing more to one of
+    the two, so a retry sent while the server still held the attempt it replaces hung or failed. A request id
+    ``<task_id>:<turn>`` ends in its turn's number, so no attempt's id is another request's."""
+    return request_id if attempt <= 1 else f"{request_id}-{attempt}"
+
+
 def _end(decoder: StreamDecoder) -> list[StreamEvent]:
     """``decoder.end()``, counting the stream's ending (done_marker, finish_reason or cut)."""
     try:
@@ -143,6 +155,8 @@ class _Call:
     request_id: str
     budget: str = ""
     """What set ``deadline``, for the error message."""
+    sent: int = 0
+    """HTTP requests sent so far for this call (retries, other endpoints, the fallback model, a field resent)."""
 
 
 @dataclass
@@ -534,7 +548,10 @@ class GatewayClient:
         return body
 
     @staticmethod
-    def _headers(token: str | None, *, stream: bool, request: ChatRequest | None = None) -> dict[str, str]:
+    def _headers(token: str | None, *, stream: bool, request: ChatRequest | None = None,
+                 attempt: int = 1) -> dict[str, str]:
+        """The headers of one HTTP request; with ``request``, its tags, the ``attempt``-th request of its call
+        (:func:`attempt_request_id`)."""
         headers = {"accept": "text/event-stream" if stream else "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
@@ -546,7 +563,7 @@ class GatewayClient:
             priority = request.priority if request.priority is not None else PriorityClass.NORMAL  # CORE is 0: no `or`
             headers["x-priority"] = priority.label
             if request.request_id:
-                headers["x-request-id"] = header_value(request.request_id)
+                headers["x-request-id"] = header_value(attempt_request_id(request.request_id, attempt))
         return headers
 
     async def _send(
@@ -560,8 +577,10 @@ class GatewayClient:
         url = endpoint.chat_completions
         while True:
             body = await self._body(request, endpoint, model)
+            call.sent += 1
             http_request = endpoint.http.build_request(
-                "POST", endpoint.chat_completions_url, json=body, headers=self._headers(call.token, stream=True, request=request),
+                "POST", endpoint.chat_completions_url, json=body,
+                headers=self._headers(call.token, stream=True, request=request, attempt=call.sent),
             )
             try:
                 response = await endpoint.http.send(http_request, stream=True)

@@ -241,7 +241,7 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
             checks.append(Check(
                 "stream probe", False, f"the server failed the request inside its stream: {exc}",
                 "the server answered and then reported an error for this request (X-Request-Id "
-                f"{request.request_id}): look for it in the server's logs",
+                f"{request.request_id}, {request.request_id}-2 ... for its retries): look for it in the server's logs",
             ))
         except StreamBroken as exc:
             checks.append(Check(
