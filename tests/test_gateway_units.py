@@ -190,8 +190,13 @@ async def test_sim_openai_fault_header_and_bad_requests(clean_proxy_env):
             injected = await http.post("chat/completions", json=body, headers={"x-sim-fault": "status=502"})
             bad_fault = await http.post("chat/completions", json=body, headers={"x-sim-fault": "nope"})
             no_messages = await http.post("chat/completions", json={"model": "gpt-4o-mini"})
+            # the model suffix's spec is checked as the header's ('no_done no_finish': a space, not a comma);
+            # it was a 500 'Internal Server Error', the reason only in the server's log
+            bad_suffix = await http.post("chat/completions", json={**body, "model": "gpt-4o-mini#no_done no_finish"})
     assert injected.status_code == 502 and injected.json()["error"]["code"] == "server_error"
     assert bad_fault.status_code == 400 and "unknown key 'nope'" in bad_fault.json()["error"]["message"]
+    assert bad_suffix.status_code == 400 and bad_suffix.json()["error"]["param"] == "model"
+    assert "unknown key 'no_done no_finish'" in bad_suffix.json()["error"]["message"]
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
 
 

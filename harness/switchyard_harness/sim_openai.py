@@ -360,7 +360,10 @@ class SimOpenAI:
             return JSONResponse({"detail": f"Unexpected fields in the request: {unexpected}"}, status_code=422)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
-        model, suffix = split_model(str(body.get("model") or ""))
+        try:
+            model, suffix = split_model(str(body.get("model") or ""))
+        except ValueError as exc:  # the MODEL#SPEC suffix: a 400 naming it, as a bad x-sim-fault header
+            return _error(400, str(exc), "invalid_fault", param="model")
         try:
             fault = self._fault_for(request, model, suffix)
         except ValueError as exc:
