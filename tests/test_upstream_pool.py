@@ -602,3 +602,28 @@ async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_st
             limit.release(PriorityClass.NORMAL)
         clock[0] += 10.0  # idle
         assert limit.busy_seconds == pytest.approx(16.0)
+
+
+async def test_a_call_cancelled_as_its_first_item_arrives_closes_the_stream_it_opened(clean_proxy_env):
+    """A pooled call waits for its attempt's first item beside the endpoint's down event. Cancelled (its caller's
+    deadline, a cancelled task) in the turn its attempt opened, after the stream's first item came and before the
+    wait returned, the opened stream was dropped unclosed: nobody read it, and the server went on generating
+    the whole answer for it. The stream is closed now, and the server stops (its client left)."""
+    from switchyard.common.config.engines import SimEngineConfig
+
+    with replicas(2, latency=True, sim=SimEngineConfig(decode_base_ms=300.0)) as servers:
+        cfg = pool_config([s.base_url for s in servers], scrape_interval_s=60.0)
+        async with GatewayClient(cfg) as client:
+            call = asyncio.ensure_future(complete(client, ask("agent-cancelled")))
+            opening = None
+            while opening is None:  # the attempt the call waits on, beside its endpoint's down event
+                await asyncio.sleep(0)
+                opening = next((t for t in asyncio.all_tasks()
+                                if t.get_coro().__qualname__ == "GatewayClient._open_first"), None)
+            opening.add_done_callback(lambda _: call.cancel())  # the caller leaves as the first item comes
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert not opening.cancelled() and opening.exception() is None  # it had opened the stream
+            while any(s.state.active_streams for s in servers):
+                await asyncio.sleep(0.01)
+    assert sum(s.state.streams_left_by_client for s in servers) == 1  # closed, not generated to its end

@@ -119,6 +119,8 @@ class SimOpenAIState:
     open_streams: int = 0
     """Streaming requests accepted and not yet finished (counted from acceptance, before the body starts)."""
     peak_open_streams: int = 0
+    streams_left_by_client: int = 0
+    """Streams whose client closed the connection before their end (the server stopped generating them)."""
     rejected_overload: int = 0
     """Requests answered 429 because ``max_streams`` streams were open."""
     running: int = 0
@@ -506,6 +508,9 @@ class SimOpenAI:
                               "choices": [], "usage": usage})
             if not fault.no_done:
                 yield encode(DONE)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: the server stops generating
+            self.state.streams_left_by_client += 1
+            raise
         finally:
             self.state.active_streams -= 1
             self.state.open_streams -= 1

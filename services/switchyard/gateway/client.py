@@ -654,6 +654,10 @@ class GatewayClient:
         marked_down = asyncio.ensure_future(endpoint.down.wait())
         try:
             await asyncio.wait((opening, marked_down), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller left (cancelled): a stream the attempt opened meanwhile is read by no one
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                await opening.result().response.aclose()
+            raise
         finally:
             marked_down.cancel()
             if not opening.done():
