@@ -533,7 +533,7 @@ def test_a_malformed_tls_or_health_variable_names_itself(monkeypatch, variable, 
 @pytest.mark.parametrize(("variables", "service", "message"), [
     ({"SWITCHYARD_ENGINE": "openai", "SWITCHYARD_UPSTREAM_BASE_URL": "http://x:99999/v1"}, "dispatcher",
      "environment variable SWITCHYARD_UPSTREAM_BASE_URL='http://x:99999/v1': key 'upstream.base_url' has value "
-     "'http://x:99999/v1'; expected: an http:// or https:// URL with a host and a port in 1-65535"),
+     "'http://x:99999/v1'; expected: an http:// or https:// URL with a host, a port in 1-65535 and no credentials"),
     ({"SWITCHYARD_HEALTH_PORT": "50053"}, "dispatcher",  # dispatcher.port's number
      "environment variable SWITCHYARD_HEALTH_PORT='50053': section 'dispatcher': dispatcher.port and "
      "dispatcher.health_port are both 50053"),
@@ -711,6 +711,38 @@ def test_a_gateway_url_that_names_no_server_is_refused_at_load(values, field):
     with pytest.raises(ValidationError) as caught:
         UpstreamConfig.model_validate(values)
     assert field in str(caught.value) and "port in 1-65535" in str(caught.value)
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"base_url": "http://alice:s3cret@127.0.0.1:8000/v1"}, "base_url"),
+    ({"base_url": "https://token@api.example.com/v1"}, "base_url"),
+    ({"pool": {"endpoints": ["http://127.0.0.1:8000/v1", "http://alice:s3cret@127.0.0.1:8001/v1"]}}, "endpoints"),
+    ({"pool": {"dns_url": "http://alice:s3cret@vllm:8000/v1"}}, "dns_url"),
+])
+def test_a_gateway_url_holding_credentials_is_refused_at_load(values, field):
+    """A base URL with user:password@ loaded; on the default transport (aiohttp) every call then failed with
+    'ValueError: Cannot combine AUTHORIZATION header with AUTH argument or credentials encoded in URL' (a
+    traceback out of switchyard doctor, INTERNAL from the dispatcher), and the URL, credentials included, was
+    named in errors, logs and the gateway span's url.full. The key goes in api_key_env, as a bearer token."""
+    from pydantic import ValidationError
+
+    from switchyard.common.config import UpstreamConfig
+
+    with pytest.raises(ValidationError) as caught:
+        UpstreamConfig.model_validate(values)
+    message = str(caught.value)
+    assert field in message and "no credentials" in message and "api_key_env" in message, message
+
+
+def test_doctor_refuses_a_base_url_holding_credentials_naming_the_option(capsys):
+    """It ended in aiohttp's ValueError traceback from the stream probe."""
+    from switchyard.gateway import doctor
+
+    with pytest.raises(SystemExit) as exited:
+        doctor.main(["--base-url", "http://alice:s3cret@127.0.0.1:1/v1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--base-url:" in err and "no credentials" in err and "Traceback" not in err, err
 
 
 def test_a_rule_on_a_table_valued_key_names_the_key_not_a_section(config_dir):

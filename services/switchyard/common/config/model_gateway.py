@@ -16,14 +16,24 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 
+URL_EXPECTED = "an http:// or https:// URL with a host, a port in 1-65535 and no credentials"
+"""What a model server's URL (``base_url``, ``pool.endpoints``, ``pool.dns_url``) must be, in a refusal's words."""
+
+
 def url_problem(url: str) -> str:
-    """What keeps ``url`` from naming a server (a port past 65535, a bracket left open, no host), as
-    ``urllib.parse`` finds it; "" when nothing does."""
+    """What keeps ``url`` from being a model server's address the gateway calls, as ``urllib.parse`` finds it (a
+    port past 65535, a bracket left open, no host), or credentials in it (``user:password@``): the gateway
+    authenticates with ``api_key_env``'s key as a bearer token, which they contradict (aiohttp, the default
+    transport, refused every call carrying both, a ValueError), and the URL is named in errors, logs and spans;
+    "" when nothing does."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - read for its check: ValueError past 65535
     except ValueError as exc:
         return str(exc)
+    if "@" in parts.netloc:
+        return ("it holds credentials (user:password@): give the key in model_gateway.api_key_env, sent as a "
+                "bearer token")
     return "" if parts.hostname else "no host"
 
 class CooldownConfig(_Strict):
@@ -207,7 +217,7 @@ class UpstreamPoolConfig(_Strict):
     def _urls(cls, value: list[str]) -> list[str]:
         for url in value:
             if not url.startswith(("http://", "https://")) or url_problem(url):
-                raise ValueError(f"expected http:// or https:// URLs with a host and a port in 1-65535, got {url!r}"
+                raise ValueError(f"expected {URL_EXPECTED} each, got {url!r}"
                                  + (f" ({url_problem(url)})" if url_problem(url) else ""))
         urls = [url.rstrip("/") for url in value]
         if len(set(urls)) != len(urls):
@@ -218,7 +228,7 @@ class UpstreamPoolConfig(_Strict):
     @classmethod
     def _dns_url(cls, value: str) -> str:
         if value and (not value.startswith(("http://", "https://")) or url_problem(value)):
-            raise ValueError("expected an http:// or https:// URL with a host and a port in 1-65535, or empty"
+            raise ValueError(f"expected {URL_EXPECTED}, or empty"
                              + (f" ({url_problem(value)})" if value and url_problem(value) else ""))
         return value.rstrip("/")
 
@@ -238,7 +248,11 @@ class UpstreamConfig(_Strict):
     """The OpenAI-compatible model server the ``openai`` engine streams from (switchyard.gateway):
     ``queue.json`` ``model_gateway``."""
 
-    base_url: str = Field("http://127.0.0.1:8400/v1", description="OpenAI-compatible base URL, ending in /v1.")
+    base_url: str = Field(
+        "http://127.0.0.1:8400/v1",
+        description="OpenAI-compatible base URL, ending in /v1; no credentials in it (user:password@): the key goes "
+        "in api_key_env.",
+    )
     api_key_env: str = Field("TAOTOKEN_API_KEY", description="Name of the environment variable holding the API key (a name, not the key).")
     default_model: str = Field("claude-sonnet-4-5", min_length=1, description="Model id used when a request names none.")
     fallback_model: str = Field(
@@ -325,7 +339,7 @@ class UpstreamConfig(_Strict):
             raise ValueError("expected an http:// or https:// URL")
         problem = url_problem(value)
         if problem:
-            raise ValueError(f"expected an http:// or https:// URL with a host and a port in 1-65535 ({problem})")
+            raise ValueError(f"expected {URL_EXPECTED} ({problem})")
         return value.rstrip("/")
 
     @field_validator("default_model", "fallback_model")
