@@ -250,11 +250,19 @@ def other_alerts() -> list[dict[str, Any]]:
             "expr": (
                 # CANCELLED: the caller went away (its deadline, a cancelled task); INVALID_ARGUMENT: the upstream
                 # refused the request's own body (a prompt past the context window, a bad field: BadUpstreamRequest,
-                # which no other model is asked). Neither says anything of the model: such calls count neither
-                # way, as the circuit breaker does not count them (gateway/cooldown.py).
-                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!~"ok|CANCELLED|INVALID_ARGUMENT"}[5m]))\n'
+                # which no other model is asked); NOT_FOUND of model "other" (no model the configuration names:
+                # gateway/models.model_label): the client named a model no server serves. None says anything of
+                # the model: such calls count neither way, as the circuit breaker does not count them
+                # (gateway/cooldown.py). NOT_FOUND of a configured model (one the upstream does not serve) counts.
+                "sum by (namespace, instance, model) (\n"
+                '  rate(switchyard_gateway_requests_total{outcome!~"ok|CANCELLED|INVALID_ARGUMENT|NOT_FOUND"}[5m])\n'
+                '  or rate(switchyard_gateway_requests_total{outcome="NOT_FOUND", model!="other"}[5m])\n'
+                ")\n"
                 "  /\n"
-                'sum by (namespace, instance, model) (rate(switchyard_gateway_requests_total{outcome!~"CANCELLED|INVALID_ARGUMENT"}[5m]))\n'
+                "sum by (namespace, instance, model) (\n"
+                '  rate(switchyard_gateway_requests_total{outcome!~"CANCELLED|INVALID_ARGUMENT|NOT_FOUND"}[5m])\n'
+                '  or rate(switchyard_gateway_requests_total{outcome="NOT_FOUND", model!="other"}[5m])\n'
+                ")\n"
                 "> 0.5"
             ),
             "for": "10m",
@@ -265,8 +273,8 @@ def other_alerts() -> list[dict[str, Any]]:
                     "{{ $value | humanizePercentage }} of chat completions sent to {{ $labels.model }} have "
                     "failed for 10 minutes without its circuit staying open (failures interleaved with "
                     "successes, or model_gateway.cooldown disabled); switchyard_gateway_requests_total by outcome, "
-                    "calls their caller cancelled and requests the upstream refused as malformed (INVALID_ARGUMENT) "
-                    "left out."
+                    "calls their caller cancelled, requests the upstream refused as malformed (INVALID_ARGUMENT) "
+                    "and requests naming a model no server serves (NOT_FOUND of model other) left out."
                 ),
             },
         },
