@@ -131,6 +131,27 @@ async def test_tools_offered_give_a_tool_call_chunk(dispatcher: Harness) -> None
     assert not [c for c in chunks if c.HasField("token")]
 
 
+def test_checking_large_tool_schemas_keeps_none_of_them() -> None:
+    """A tool's schema check is cached (the same few tools come with every step of an agent), and the cache kept
+    each schema it checked, whatever its size: 256 of them, up to limits.max_prompt_chars (1,000,000) each, so
+    callers offering tools with large distinct schemas held up to 256 MB of the dispatcher's memory for good."""
+    import json
+    import tracemalloc
+
+    from switchyard.dispatcher.processor import schema_problem
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):  # 40 distinct schemas of 200 KB each: 8 MB if kept
+            assert schema_problem(json.dumps({"type": "object", "description": f"{i} " + "x" * 200_000})) is None
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained < 1_000_000, retained
+    assert schema_problem('{"type": "object", "properties": {"q": {"type": "string"}}}') is None  # a small one: kept
+
+
 # --------------------------------------------------------------------------- bad requests
 
 

@@ -75,13 +75,28 @@ TOOL_NAME_EXPECTED = "1 to 64 characters of A-Z a-z 0-9 _ - (the OpenAI function
 """What a tool's name may be: OpenAI's function-calling rule, which OpenAI-compatible servers hold it to."""
 
 
-@functools.lru_cache(maxsize=256)
+SCHEMA_CACHE_MAX_CHARS = 16_384
+"""Longest ``parameters_json`` whose check :func:`schema_problem` keeps, characters: a tool's schema is a few hundred
+characters; keeping every one checked, up to ``limits.max_prompt_chars`` each, held up to 256 of them (256 MB)."""
+
+
 def schema_problem(parameters_json: str) -> str | None:
     """What is wrong with a tool's ``parameters_json``, said as what was expected, or None when it is a JSON
     Schema (checked against the Draft 2020-12 metaschema, ``jsonschema``) of an object: what OpenAI-compatible
     servers take as a function's parameters (OpenAI refuses a schema whose type is not ``object``). ``""`` is
-    ``{}``, any object. Cached: a react_loop agent offers the same few tools on every step, and a check costs
-    about half a millisecond."""
+    ``{}``, any object. Cached up to :data:`SCHEMA_CACHE_MAX_CHARS` characters: a react_loop agent offers the same
+    few tools on every step, and a check costs about half a millisecond."""
+    if len(parameters_json) <= SCHEMA_CACHE_MAX_CHARS:
+        return _cached_schema_problem(parameters_json)
+    return _schema_problem(parameters_json)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_schema_problem(parameters_json: str) -> str | None:
+    return _schema_problem(parameters_json)
+
+
+def _schema_problem(parameters_json: str) -> str | None:
     from jsonschema import Draft202012Validator, SchemaError  # the dispatcher's; the orchestrator never checks
 
     expected = "a JSON Schema object (the tool's parameters, type object)"
