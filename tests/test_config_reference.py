@@ -69,3 +69,29 @@ def test_the_variables_that_set_several_keys_set_the_keys_the_reference_names(mo
         set_keys = set(_env_overrides(set(SECTIONS)))
         monkeypatch.delenv(name)
         assert set_keys == {f"{section}.{key}" for section, key in ENV_SPREAD[name]}, name
+
+
+def test_a_write_or_check_path_that_is_no_file_is_refused_naming_it_never_a_traceback(tmp_path, capsys):
+    """A folder, a file where a folder should be, a missing or non-UTF-8 file: exit 2 (or 1, --check) naming
+    the option and what is there; --write to a folder and --check of a non-UTF-8 file were tracebacks, and a
+    missing file read 'differs'."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for args, code, words in (
+        (["--write", str(tmp_path)], 2, f"--write: expected a file this user can write, got '{tmp_path}' "
+                                        f"({tmp_path} is a directory)"),
+        (["--write", str(blocker / "x.md")], 2, f"({blocker} is not a folder)"),
+        (["--check", str(tmp_path)], 2, f"--check: expected the reference's file, got '{tmp_path}' (a directory)"),
+        (["--check", str(tmp_path / "missing.md")], 1, "missing.md does not exist; run: switchyard config "
+                                                        "reference --write"),
+    ):
+        try:
+            status = cli_main(["config", "reference", *args])
+        except SystemExit as exc:  # argparse's error: exit 2 with usage
+            status = exc.code
+        assert status == code, args
+        assert words in capsys.readouterr().err, args
+    binary = tmp_path / "binary.md"
+    binary.write_bytes(b"\xc7\x00" + render().encode())
+    assert cli_main(["config", "reference", "--check", str(binary)]) == 1
+    assert "binary.md cannot be read as UTF-8 text" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError
 from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
-from switchyard_harness import outputs
+from switchyard.common import outputs
 from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 

@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from switchyard_harness import json_output, outputs
+from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

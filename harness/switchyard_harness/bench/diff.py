@@ -30,7 +30,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.common.cli_text import parser_for
-from switchyard_harness import outputs
+from switchyard.common import outputs
 
 REQUIRED = ("count", "total", "average", "fastest", "slowest", "rps", "statusCodeDistribution", "latencyDistribution")
 """Keys every ghz JSON report carries (ghz runner/reporter.go ``Report``)."""

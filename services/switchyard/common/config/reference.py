@@ -27,6 +27,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from switchyard.common import outputs
 from switchyard.common.config.aggregate import SwitchyardConfig
 from switchyard.common.config.loader import ENV_KEYS, ENV_SPREAD, FORMER_NAMES, REMOVED_KEYS
 from switchyard.common.config.sections import FILES, SECTIONS, SERVICE_SECTIONS
@@ -163,14 +164,29 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--write", metavar="FILE", type=Path, help="write it to FILE instead of printing it")
     group.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when FILE differs from it")
     args = parser.parse_args(argv)
+    if args.write is not None and (problem := outputs.unwritable(args.write)):
+        ref.error(f"--write: expected a file this user can write, got '{args.write}' ({problem})")
+    if args.check is not None and args.check.is_dir():
+        ref.error(f"--check: expected the reference's file, got '{args.check}' (a directory)")
     text = render()
     if args.write is not None:
-        args.write.write_text(text, encoding="utf-8")
+        try:
+            outputs.write(args.write, text)
+        except OSError as exc:
+            print(f"switchyard config: --write {args.write}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         return 0
     if args.check is not None:
-        if not args.check.is_file() or args.check.read_text(encoding="utf-8") != text:
-            print(f"{args.check} differs from the generated reference; run: switchyard config reference "
-                  f"--write {args.check}", file=sys.stderr)
+        try:
+            current = args.check.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            current, why = None, "does not exist"
+        except (OSError, UnicodeDecodeError) as exc:
+            current, why = None, f"cannot be read as UTF-8 text ({getattr(exc, 'strerror', None) or exc})"
+        else:
+            why = "differs from the generated reference"
+        if current != text:
+            print(f"{args.check} {why}; run: switchyard config reference --write {args.check}", file=sys.stderr)
             return 1
         return 0
     sys.stdout.write(text)

@@ -1,4 +1,4 @@
-"""Files the harness's commands write (reports, plots, profiles): found writable before the work, not after it."""
+"""Files the commands write (references, indexes, reports, plots, profiles): found writable before the work, not after it."""
 
 from __future__ import annotations
 
