@@ -198,6 +198,21 @@ def test_chunk_tokens_above_the_model_window_is_refused_naming_the_key(tmp_path,
     assert "retrieval.chunk_tokens=512 is above the window of" in capsys.readouterr().err
 
 
+def test_an_out_that_is_no_folder_is_refused_before_the_work(tmp_path, capsys):
+    """--out naming a file, or a folder under one, is exit 2 naming --out and what is there, before anything is
+    embedded; it embedded every passage and then failed with a traceback (FileExistsError, NotADirectoryError)."""
+    (tmp_path / "a.md").write_text("# A\n\ntext\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "index"):
+        assert index_main([str(tmp_path / "a.md"), "--out", str(out), "--config-dir", str(CONFIG_DIR),
+                           "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out: expected a folder this user can make or write, got '{out}' ({blocker} is not a folder)" in err
+        assert "embedding" not in err
+    assert blocker.read_text() == "x"
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

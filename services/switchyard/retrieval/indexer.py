@@ -25,11 +25,12 @@ from typing import Sequence, TextIO
 import numpy as np
 from tqdm import tqdm
 
+from switchyard.common import outputs
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.chunking import Chunked, Document, chunk_for_model
 from switchyard.retrieval.documents import path_documents, pydoc_documents
 from switchyard.retrieval.embedder import ONNX_FILE, Embedder, export_onnx, load_embedder, set_threads
-from switchyard.retrieval.index import DEFAULT_CORPUS, Manifest, VectorIndex
+from switchyard.retrieval.index import DEFAULT_CORPUS, MANIFEST_FILE, Manifest, VectorIndex
 from switchyard.retrieval.lexical import LexicalIndex
 
 ENCODE_SLICE = 64
@@ -184,6 +185,10 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     if args.encoder_only:
         return _export_encoder_only(out, args.paths, started)
+    if problem := _unwritable_folder(out):  # found now, not after minutes of embedding
+        print(f"switchyard index: --out: expected a folder this user can make or write, got '{out}' ({problem})",
+              file=sys.stderr)
+        return 2
     try:
         manifest = build_index(args.paths, out, config, progress=not args.no_progress)
     except (FileNotFoundError, ValueError) as exc:
@@ -205,6 +210,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _unwritable_folder(out: Path) -> str:
+    """Why the index cannot be written into the folder ``out``; "" when it can (the folder is made now)."""
+    if problem := outputs.unwritable(out / MANIFEST_FILE):
+        return problem
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
 def _export_encoder_only(out: Path, paths: list[str], started: float) -> int:
     """``switchyard index --encoder-only``: the query encoder into the index in ``out``; 0, or 2 on bad input."""
     from switchyard.retrieval.index import IndexMismatchError, IndexNotFoundError, load_index
@@ -217,6 +233,10 @@ def _export_encoder_only(out: Path, paths: list[str], started: float) -> int:
         manifest = load_index(out).manifest
     except (IndexNotFoundError, IndexMismatchError) as exc:
         print(f"switchyard index: {exc}", file=sys.stderr)
+        return 2
+    if problem := outputs.unwritable(out / ONNX_FILE):
+        print(f"switchyard index: --out: expected a folder this user can write, got '{out}' ({problem})",
+              file=sys.stderr)
         return 2
     embedder = load_embedder()
     if manifest.model != embedder.name:
