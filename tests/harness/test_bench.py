@@ -196,6 +196,34 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path
         assert caught.value.code == 2 and "expected a file that can be written" in capsys.readouterr().err
 
 
+def test_every_benchmarks_output_path_that_cannot_be_written_is_refused_before_its_run(tmp_path, capsys):
+    """route, agents, pool, fault and compare: a folder where the file goes, or a file where a folder goes, is
+    exit 2 naming the option, before anything runs (route and agents ran, then failed with a traceback; pool,
+    fault and compare after minutes of load)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (tmp_path / "report.png").mkdir()  # where agents' PNG beside its --out report goes
+    for argv, words in (  # the quick ones first: before the fix, route failed with a traceback at once
+        (["route", "--replicas", "2", "--agents", "2", "--json", str(tmp_path)], f"--json: expected a file that "
+                                                                                 f"can be written ({tmp_path} is a directory)"),
+        (["route", "--replicas", "2", "--agents", "2", "--plot", str(blocker / "x.png")], f"--plot: expected a "
+                                                                                          f"file that can be written ({blocker} is not a folder)"),
+        (["agents", "--agents", "1", "--out", str(blocker / "x.json")], f"--out: expected a file that can be "
+                                                                        f"written ({blocker} is not a folder)"),
+        (["agents", "--agents", "1", "--out", str(tmp_path / "report.json")], "--out's PNG: expected a file that "
+                                                                              "can be written"),
+        (["pool", "--json", str(tmp_path)], "--json: expected a file that can be written"),
+        (["fault", "--json", str(tmp_path)], "--json: expected a file that can be written"),
+        (["compare", "--out", str(blocker)], f"--out: expected a folder that can be made or written ({blocker} is "
+                                             f"not a folder)"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            cli.main(argv)
+        assert caught.value.code == 2, argv
+        assert words in capsys.readouterr().err, argv
+    assert not (tmp_path / "report.json").exists() and blocker.read_text() == ""
+
+
 def test_a_plots_title_shows_metadata_keys_never_their_values():
     from switchyard_harness.bench.cli import shown_argv
 

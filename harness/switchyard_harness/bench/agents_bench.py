@@ -55,6 +55,7 @@ from typing import Any, Callable
 from prometheus_client import REGISTRY
 
 from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard_harness.bench.sched_bench import (
     CLASSES,
@@ -506,7 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (2: bad config or arguments)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.out and not (args.rag_prefill or args.policies):  # now, not after the run
+        outputs.refuse_unwritable(parser, ("--out", args.out), ("--out's PNG", Path(args.out).with_suffix(".png")))
     if args.rag_prefill:
         return _main_rag(args)
     if args.policies:

@@ -240,9 +240,7 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="PNG", help="also write a PNG: latency histogram, TTFT distribution, "
                         "throughput over time")
     args = parser.parse_args(argv)
-    for flag, path in (("-o/--output", args.output), ("--plot", args.plot)):  # found now, not after the run
-        if path and (problem := outputs.unwritable(path)):
-            parser.error(f"{flag}: expected a file that can be written ({problem})")
+    outputs.refuse_unwritable(parser, ("-o/--output", args.output), ("--plot", args.plot))  # now, not after the run
     plan = resolve_plan(args, args.host or args.target)
 
     from switchyard_harness.bench.loadgen import run_load

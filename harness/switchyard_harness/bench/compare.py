@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import REGISTRY
 
 from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard_harness.bench import stack_process
 from switchyard_harness.bench.gpu import GpuSampler
 from switchyard_harness.bench.settings import parse_settings
@@ -520,6 +521,8 @@ def main(argv: list[str]) -> int:
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
     args = parser.parse_args(argv)
     args.argv = argv
+    if problem := outputs.unwritable(Path(args.out) / "compare.json"):  # now, not after the run
+        parser.error(f"--out: expected a folder that can be made or written ({problem})")
     if args.data is None and args.data_file is None and args.config is None:
         args.data_file = "ghz/data/mixed.json"
     defaults = {"total": 300, "concurrency": 32, "rps": 30.0}

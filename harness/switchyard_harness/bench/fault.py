@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.launcher import UpProcess
@@ -221,6 +222,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--index-dir", help="retrieval index (default: the config's, data/index)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
+    outputs.refuse_unwritable(parser, ("--json", args.json))  # now, not after the run
     if args.dispatchers < 2:
         parser.error(f"--dispatchers: expected at least 2 (one is killed), got {args.dispatchers}")
     if not 0 < args.kill_at < args.duration:

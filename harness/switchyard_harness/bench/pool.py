@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
@@ -316,6 +317,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--json", type=Path, default=Path("bench-pool.json"), help="results (bench-pool.json)")
     args = parser.parse_args(argv)
+    outputs.refuse_unwritable(parser, ("--json", args.json))  # now, not after the run
     for name in ("agents", "groups", "turns", "rounds", "max_running", "kv_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected at least 1, got {getattr(args, name)}")

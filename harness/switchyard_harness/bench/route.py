@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard_harness import json_output
+from switchyard.common import outputs
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.sim import decode_seconds, prefill_seconds
 from switchyard.common.affinity import DEFAULT_BALANCE, DEFAULT_VNODES, BoundedLoadRing
@@ -641,6 +642,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, default=Path("bench-route.json"), help="results (bench-route.json)")
     parser.add_argument("--plot", type=Path, default=Path("bench-route.png"), help="figure (bench-route.png)")
     args = parser.parse_args(argv)
+    outputs.refuse_unwritable(parser, ("--json", args.json), ("--plot", args.plot))  # now, not after the run
     params = RouteParams(replicas=args.replicas, agents=args.agents, duration_s=args.duration, warmup_s=args.warmup,
                          balance=args.balance, vnodes=args.vnodes, routers=args.routers, dram_gb=args.dram_gb,
                          seed=args.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -54,3 +55,14 @@ def write(path: str | Path, data: str | bytes) -> None:
         if not existed:
             target.unlink(missing_ok=True)
         raise
+
+
+def refuse_unwritable(parser: argparse.ArgumentParser, *options: tuple[str, str | Path | None]) -> None:
+    """``parser.error`` (exit 2, with its usage) naming the first ``(flag, path)`` of ``options`` whose path no file
+    can be written at, and why (:func:`unwritable`); options left unset (None, "") are skipped.
+
+    Called right after parsing, so that a run of minutes is not lost to a path found wrong at its end.
+    """
+    for flag, path in options:
+        if path and (problem := unwritable(path)):
+            parser.error(f"{flag}: expected a file that can be written ({problem})")
