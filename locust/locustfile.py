@@ -66,6 +66,7 @@ import gevent
 from locust import HttpUser, between, events, task
 from prometheus_client.parser import text_string_to_metric_families
 
+from switchyard.common import outputs
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
 from switchyard.common.up_files import remove_stale
 from switchyard_harness.backlog import SETTLE_CONCURRENCY, SETTLE_DEADLINE_S, backlog_summary, outcome, task_path
@@ -390,6 +391,9 @@ def _options(environment, **_kwargs) -> None:
         sys.exit(2)
     AUTH_HEADERS.clear()
     AUTH_HEADERS.update(authorization(token))
+    if options is not None and (problem := outputs.unwritable(options.watch_csv)):  # before the load, not a
+        print(f"locustfile: --watch-csv: expected a file that can be written ({problem})", file=sys.stderr)  # traceback
+        sys.exit(2)
     if options is not None:
         AgentUser.weight = options.submit_weight
         StreamingRunTaskUser.weight = options.streaming_weight

@@ -68,6 +68,17 @@ def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
     assert "Traceback" not in run.stderr and not stats
 
 
+def test_a_watch_csv_where_no_file_can_be_written_stops_the_run_before_it_starts(tmp_path):
+    """--watch-csv naming a folder: exit 2 naming the option, no load; the run went on without its watch after
+    'Uncaught exception in event handler' and an IsADirectoryError traceback."""
+    (tmp_path / "folder").mkdir()
+    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--watch-csv", str(tmp_path / "folder"))
+    assert run.returncode == 2, run.stderr
+    assert f"locustfile: --watch-csv: expected a file that can be written ({tmp_path / 'folder'} is a directory)" \
+        in run.stderr
+    assert "Traceback" not in run.stderr and not stats
+
+
 def test_the_watch_reads_the_dispatcher_of_the_stack_under_test_not_the_first_one_up(tmp_path):
     """Two stacks: the second one's endpoints are in up-<pid>.json; the watch read the first's idle dispatcher."""
     import json
