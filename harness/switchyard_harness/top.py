@@ -170,15 +170,28 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             if not found and not flagged:
                 raise KeyError("the up file lists no service")
             source = f"up file {path}"
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             from switchyard.common.config import load_config
 
             config = load_config(args.config_dir)
             host = config.server.host
             found = {name: f"http://{host}:{getattr(config, name).metrics_port}/metrics" for name in SERVICES}
-            source = f"config ({path} not found)" if not any(p == path for p, _ in stale) else \
+            source = f"config ({path} {_unread_up_file(exc)})" if not any(p == path for p, _ in stale) else \
                 f"config ({path} removed: its switchyard up, pid {stale[0][1]}, is gone)"
     return {**found, **flagged}, source
+
+
+def _unread_up_file(exc: Exception) -> str:
+    """Why an up file gave no endpoints, in words: not found, a folder, unreadable, not JSON, or no services."""
+    if isinstance(exc, FileNotFoundError):
+        return "not found"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, not an up file"
+    if isinstance(exc, OSError):
+        return f"cannot be read ({exc.strerror or exc})"
+    if isinstance(exc, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return "is not an up file (not JSON)"
+    return "is not an up file (no services with their metrics_url)"
 
 
 # --------------------------------------------------------------------------- arithmetic

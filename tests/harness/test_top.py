@@ -120,6 +120,24 @@ def test_an_up_file_that_lists_no_service_is_no_crash(tmp_path, capsys) -> None:
     assert main(["--once", "--json", "--up-file", str(tmp_path / "up.json")]) in (0, 1)
 
 
+def test_an_up_file_that_gives_no_endpoints_is_named_with_why(tmp_path) -> None:
+    """The config's ports are used, and the header says why the up file gave none; a folder, a binary file and a
+    JSON file with no services read '(PATH not found)'."""
+    import argparse
+
+    from switchyard_harness.top import SERVICES, endpoints_from
+
+    (tmp_path / "binary.json").write_bytes(b"\xc7\x00\xff")
+    (tmp_path / "other.json").write_text('{"meta": {}}')
+    for name, why in (("absent.json", "not found"), (".", "is a directory, not an up file"),
+                      ("binary.json", "is not an up file (not JSON)"),
+                      ("other.json", "is not an up file (no services with their metrics_url)")):
+        path = tmp_path / name
+        args = argparse.Namespace(up_file=str(path), config_dir=None, **{s: None for s in SERVICES})
+        urls, source = endpoints_from(args)
+        assert source == f"config ({path} {why})" and set(urls) == set(SERVICES)
+
+
 def test_an_unreachable_service_is_reported_not_raised() -> None:
     snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
     assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}
