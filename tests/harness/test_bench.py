@@ -196,6 +196,40 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path
         assert caught.value.code == 2 and "expected a file that can be written" in capsys.readouterr().err
 
 
+def test_a_ghz_config_or_data_file_of_the_wrong_shape_is_refused_naming_the_key_never_a_traceback(tmp_path, capsys):
+    """Each key the plan reads must have its JSON type, and a file that cannot be read says why, under the flag
+    that named it: a list, null, [1], {}, a number for a path, Infinity, and a non-UTF-8 file were AttributeError,
+    TypeError, OverflowError and UnicodeDecodeError tracebacks; 1.5 calls ran as 1; -D's missing file named no
+    flag."""
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xc7\x00{}")
+    cases = [
+        ("[]", "--config {path}: expected a JSON object of ghz's keys, got list []"),
+        ('{"total": null}', "--config {path}: total: expected a whole number, got null"),
+        ('{"total": 1.5}', "--config {path}: total: expected a whole number, got 1.5"),
+        ('{"total": 1e999}', "--config {path}: total: expected a whole number, got Infinity"),
+        ('{"concurrency": true}', "--config {path}: concurrency: expected a whole number, got true"),
+        ('{"rps": {}}', "--config {path}: rps: expected a number, got {{}}"),
+        ('{"duration": null}', '--config {path}: duration: expected a duration such as "10s" or seconds, got null'),
+        ('{"data-file": 5}', "--config {path}: data-file: expected a file's path as a string, got 5"),
+        ('{"insecure": "x"}', '--config {path}: insecure: expected true or false, got "x"'),
+        ('{"data-file": "absent.json"}', "--config {path}: data-file: absent.json: cannot read it (No such file"),
+    ]
+    for i, (text, words) in enumerate(cases):
+        path = tmp_path / f"config-{i}.json"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as caught:  # no server at the target: refused before any call
+            cli.main(["run", "--config", str(path), "127.0.0.1:1"])
+        assert caught.value.code == 2 and words.format(path=path) in capsys.readouterr().err, text
+    for argv, words in ((["--config", str(binary)], f"--config {binary}: expected a ghz JSON config ('utf-8' codec"),
+                        (["--config", str(tmp_path)], f"--config {tmp_path}: cannot read it (Is a directory)"),
+                        (["-D", str(binary)], f"-D/--data-file: {binary}: expected UTF-8 JSON ('utf-8' codec"),
+                        (["-D", str(tmp_path / "absent")], f"-D/--data-file: {tmp_path / 'absent'}: cannot read it")):
+        with pytest.raises(SystemExit) as caught:
+            cli.main(["run", *argv, "127.0.0.1:1"])
+        assert caught.value.code == 2 and words in capsys.readouterr().err, argv
+
+
 def test_every_benchmarks_output_path_that_cannot_be_written_is_refused_before_its_run(tmp_path, capsys):
     """route, agents, pool, fault and compare: a folder where the file goes, or a file where a folder goes, is
     exit 2 naming the option, before anything runs (route and agents ran, then failed with a traceback; pool,

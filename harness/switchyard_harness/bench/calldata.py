@@ -54,9 +54,20 @@ def parse_calldata(data: Any, source: str = "data") -> list[dict[str, Any]]:
 
 
 def load_calldata_file(path: str | Path) -> list[dict[str, Any]]:
-    """Read a ghz data file. Raises CallDataError (see :func:`parse_calldata`) or OSError."""
+    """Read a ghz data file.
+
+    Raises:
+        CallDataError: the file cannot be read (missing, a folder, not UTF-8: the message names the path and why),
+            or its data is bad (see :func:`parse_calldata`).
+    """
     path = Path(path)
-    return parse_calldata(path.read_text(encoding="utf-8"), source=str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise CallDataError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CallDataError(f"{path}: expected UTF-8 JSON ({exc})") from None
+    return parse_calldata(text, source=str(path))
 
 
 def request_for(items: list[dict[str, Any]], number: int) -> agent_pb2.RunTaskRequest:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -129,6 +130,49 @@ def _tls(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, str]:
     return {"ca_file": pick("cacert"), "cert_file": pick("cert"), "key_file": pick("key"), "server_name": pick("cname")}
 
 
+_GHZ_CONFIG_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
+    "total": ("a whole number", (int,)),
+    "concurrency": ("a whole number", (int,)),
+    "rps": ("a number", (int, float)),
+    "duration": ("a duration such as \"10s\" or seconds", (str, int, float)),
+    "timeout": ("a duration such as \"20s\" or seconds", (str, int, float)),
+    "host": ("host:port as a string", (str,)),
+    "data-file": ("a file's path as a string", (str,)),
+    "insecure": ("true or false", (bool,)),
+    **{key: ("a file's path as a string", (str,)) for key in ("cacert", "cert", "key")},
+    "cname": ("a server name as a string", (str,)),
+    "name": ("a string", (str,)),
+    "call": ("a method's name as a string", (str,)),
+}
+"""The ghz config keys :func:`resolve_plan` reads (``data`` and ``metadata`` are checked where they are parsed),
+with what each must be; other ghz keys (``proto``, ``import-paths``, ...) are left as ghz documents them."""
+
+
+def ghz_config(path: Path) -> dict[str, Any]:
+    """A ghz JSON config file (``--config``), each key :func:`resolve_plan` reads of the JSON type it expects.
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8 JSON or not an object, or a key holds another type (the
+            message names the key, what was expected and the value).
+    """
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not UTF-8, not JSON
+        raise ValueError(f"expected a ghz JSON config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"expected a JSON object of ghz's keys, got {type(cfg).__name__} {json.dumps(cfg)[:80]}")
+    for key, (what, types) in _GHZ_CONFIG_TYPES.items():
+        value = cfg.get(key)
+        if value is None and key not in cfg:
+            continue
+        bad_number = isinstance(value, float) and not math.isfinite(value)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types) or bad_number:
+            raise ValueError(f"{key}: expected {what}, got {json.dumps(value, allow_nan=True)}")
+    return cfg
+
+
 def usage_error(message: str) -> NoReturn:
     """Print ``switchyard bench: message`` on stderr and exit 2, as argparse does for a bad flag."""
     print(f"switchyard bench: {message}", file=sys.stderr)
@@ -150,8 +194,8 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
     if args.config:
         path = Path(args.config)
         try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            cfg = ghz_config(path)
+        except ValueError as exc:
             usage_error(f"--config {path}: {exc}")
         base = path.parent
 
@@ -162,14 +206,20 @@ def resolve_plan(args: argparse.Namespace, host: str | None):
         if args.data is not None:
             items = parse_calldata(args.data, "--data")
         elif args.data_file is not None:
-            items = load_calldata_file(args.data_file)
+            try:
+                items = load_calldata_file(args.data_file)
+            except CallDataError as exc:
+                raise CallDataError(f"-D/--data-file: {exc}") from None
         elif "data" in cfg:
             items = parse_calldata(cfg["data"], f"{args.config}: data")
         elif "data-file" in cfg:
             data_path = Path(cfg["data-file"])
             if not data_path.exists() and (base / data_path).exists():
                 data_path = base / data_path
-            items = load_calldata_file(data_path)
+            try:
+                items = load_calldata_file(data_path)
+            except CallDataError as exc:
+                raise CallDataError(f"--config {args.config}: data-file: {exc}") from None
         else:
             items = parse_calldata({"task_id": "bench-{{.RequestNumber}}", "payload": "summarize this doc"})
     except (CallDataError, OSError) as exc:
