@@ -95,3 +95,32 @@ def test_serve_names_the_option_a_refused_port_came_from(capfd, args, message):
     err = capfd.readouterr().err
     assert f"switchyard serve retrieval: bad configuration:\n{message}" in err, err
     assert "overrides" not in err
+
+
+def test_ctrl_c_stops_a_command_with_status_130_and_no_traceback():
+    """SIGINT while `switchyard profile` waits on an endpoint that never answers: exit 130, nothing on stderr but
+    what the command said; bench run, bench http and profile printed a KeyboardInterrupt traceback."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "services"), str(root / "harness")])}
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes the connection, never answers
+        port = silent.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "profile", f"127.0.0.1:{port}",
+                                 "--seconds", "30"], cwd=root, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            silent.settimeout(60)
+            connection, _ = silent.accept()  # the command is now waiting on its answer
+            with connection:
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         # stdout to /dev/null, so that the interpreter's own flush at exit meets no closed pipe again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: the user stopped it; 128 + SIGINT, as a shell reports it, no traceback
+        return 130
 
 
 def _command(argv: list[str]) -> int:
