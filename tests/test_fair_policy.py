@@ -120,6 +120,20 @@ def test_a_fair_policy_key_under_a_policy_that_does_not_read_it_is_refused_at_lo
     assert fair.scheduler.model_dump()[key] == value
     assert SwitchyardConfig().with_overrides(**{"scheduler.policy": policy}).scheduler.policy == policy
 
+@pytest.mark.parametrize("policy", ["fair", "fifo"])
+def test_the_priority_policys_aging_under_a_policy_that_does_not_read_it_is_refused_at_load(policy):
+    """Only the priority policy's queue ages (scheduler.aging_max_wait_ms); the fair policy orders its classes
+    strictly and fifo by arrival. Set under either it loaded and did nothing: an operator who shortened aging so
+    that batch work under fair would not wait behind normal work read a config that said so, and nothing did."""
+    with pytest.raises(ConfigError) as caught:
+        SwitchyardConfig().with_overrides(**{"scheduler.policy": policy, "scheduler.aging_max_wait_ms": 1000})
+    message = str(caught.value)
+    assert "aging_max_wait_ms: expected policy 'priority'" in message and f"got policy {policy!r}" in message
+    priority = SwitchyardConfig().with_overrides(**{"scheduler.policy": "priority", "scheduler.aging_max_wait_ms": 1000})
+    assert priority.scheduler.aging_max_wait_ms == 1000
+    assert SwitchyardConfig().with_overrides(**{"scheduler.policy": policy}).scheduler.aging_max_wait_ms == 5000
+
+
 def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
     s = sched()
     with pytest.raises(CannotMeetDeadline) as caught:

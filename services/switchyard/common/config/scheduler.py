@@ -111,8 +111,9 @@ class SchedulerConfig(_Strict):
         5000,
         gt=0,
         le=3_600_000,
-        description="Aging, milliseconds: once a waiting task has waited this long more than newer work, no newer arrival "
-        "(of any class) is ordered ahead of it, so batch work never starves.",
+        description="priority policy: aging, milliseconds: once a waiting task has waited this long more than newer "
+        "work, no newer arrival (of any class) is ordered ahead of it, so batch work never starves. Set under another "
+        "policy, refused at load (fair orders its classes strictly, fifo by arrival).",
     )
     expected_score_initial: float = Field(
         10, ge=0, le=100, description="Compute score a task type is expected to add before any of it has finished, score (0-100)."
@@ -168,15 +169,25 @@ class SchedulerConfig(_Strict):
         return weights
 
     @model_validator(mode="after")
-    def _fair_keys_need_the_fair_policy(self) -> "SchedulerConfig":
-        """The keys only the fair policy reads (tenant_weights, fairness_half_life_s, at_risk_slack_s): set to
-        other than their default under another policy they would do nothing, silently."""
-        if self.policy == "fair":
-            return self
+    def _policy_keys_need_their_policy(self) -> "SchedulerConfig":
+        """The keys one policy alone reads (:data:`POLICY_ONLY_KEYS`): set to other than their default under
+        another policy they would do nothing, silently."""
         fields = type(self).model_fields
-        for name, value in (("tenant_weights", self.tenant_weights), ("fairness_half_life_s", self.fairness_half_life_s),
-                            ("at_risk_slack_s", self.at_risk_slack_s)):
-            if value != fields[name].get_default(call_default_factory=True):
-                raise ValueError(f"{name}: expected policy 'fair' (the only policy that reads it), got policy "
-                                 f"{self.policy!r}: set scheduler.policy to 'fair' or leave {name} at its default")
+        values = self.model_dump(include=set(POLICY_ONLY_KEYS))
+        for name, policy in POLICY_ONLY_KEYS.items():
+            if self.policy == policy:
+                continue
+            if values[name] != fields[name].get_default(call_default_factory=True):
+                raise ValueError(f"{name}: expected policy {policy!r} (the only policy that reads it), got policy "
+                                 f"{self.policy!r}: set scheduler.policy to {policy!r} or leave {name} at its default")
         return self
+
+
+POLICY_ONLY_KEYS: dict[str, str] = {
+    "tenant_weights": "fair",
+    "fairness_half_life_s": "fair",
+    "at_risk_slack_s": "fair",
+    "aging_max_wait_ms": "priority",
+}
+"""The scheduler keys one policy alone reads -> that policy (the fair policy's ledger and slack; the priority
+policy's aging queue: fair orders classes strictly, fifo by arrival). Set under another policy, refused at load."""
