@@ -17,7 +17,7 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.auth import AuthConfigError, load_tokens
 from switchyard.common.channels import open_channel
-from switchyard.common.config import AuthConfig, ProgramConfig, SwitchyardConfig, load_config
+from switchyard.common.config import AuthConfig, ConfigError, ProgramConfig, SwitchyardConfig, load_config
 from switchyard.common.server import running
 from switchyard.dispatcher.metrics import PREFIX_CACHE_BLOCKS
 from switchyard.dispatcher.service import DispatcherService
@@ -647,3 +647,16 @@ async def test_a_react_loop_step_after_a_tool_round_counts_the_conversation_it_s
         assert after.prompt_tokens == before.prompt_tokens + count_added_messages(grown)
     assert steps[1].prompt_tokens > steps[0].prompt_tokens + 300 * 7  # the passage's tokens are in its count
     assert steps[0].prompt_tokens == count_messages([(m.role, m.content) for m in steps[0].messages])
+
+
+def test_a_refusal_margin_with_early_refusal_off_is_refused_at_load_naming_both_keys():
+    """orchestrator.program.refuse_early_margin_s is read only by the early refusal; with refuse_early off it
+    loaded and did nothing. At its default (0) it loads either way."""
+    with pytest.raises(ConfigError) as caught:
+        SwitchyardConfig().with_overrides(**{"orchestrator.program.refuse_early": False,
+                                              "orchestrator.program.refuse_early_margin_s": 2.0})
+    assert "refuse_early_margin_s: expected refuse_early true" in str(caught.value)
+    assert "got refuse_early false" in str(caught.value)
+    on = SwitchyardConfig().with_overrides(**{"orchestrator.program.refuse_early_margin_s": 2.0})
+    assert on.orchestrator.program.refuse_early_margin_s == 2.0
+    assert not SwitchyardConfig().with_overrides(**{"orchestrator.program.refuse_early": False}).orchestrator.program.refuse_early

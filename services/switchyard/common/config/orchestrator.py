@@ -262,7 +262,17 @@ class ProgramConfig(_Strict):
         True, description="Refuse DEADLINE_EXCEEDED before a model step when the task's time left is below its "
         "expected work (this step and those after it) by more than refuse_early_margin_s.")
     refuse_early_margin_s: float = Field(
-        0.0, ge=0, le=86_400, description="Shortfall of time left against expected work tolerated, seconds.")
+        0.0, ge=0, le=86_400, description="Shortfall of time left against expected work tolerated, seconds. Read "
+        "only with refuse_early on: set with it off, refused at load.")
     rag_early_prefill: bool = Field(
         True, description="rag_answer: send system prompt + question as a prefill_only request while retrieval "
         "runs, when the dispatcher says its engine shares prefixes (ModelInfo.shares_prefixes).")
+
+    @model_validator(mode="after")
+    def _margin_needs_refuse_early(self) -> "ProgramConfig":
+        """refuse_early_margin_s is read only by the early refusal: set with refuse_early off it would do nothing,
+        silently."""
+        if not self.refuse_early and self.refuse_early_margin_s != 0.0:
+            raise ValueError("refuse_early_margin_s: expected refuse_early true (the only rule that reads it), got "
+                             "refuse_early false: set refuse_early to true or leave refuse_early_margin_s at 0")
+        return self
