@@ -353,6 +353,33 @@ def test_a_request_that_runs_between_two_score_samples_is_charged_the_activity_o
     assert req.compute_score_used == pytest.approx(busy * 0.04) and busy > 0
 
 
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_a_prefill_only_warm_up_teaches_admission_nothing_of_its_task_types_expected_score(policy) -> None:
+    """A rag_answer task's warm-up (``prefill_only``: its static prompt part, one token) is a burst of prefill,
+    no answer of its type. It was learnt as one: a warm-up alone on an idle engine taught rag_answer an expected
+    score near the prefill's, and admission then held the answers back behind one running decode (score + the
+    expected >= admission_score_limit): ``bench agents --rag-prefill --seed 11`` read answer TTFT P95 2.13 s
+    with the warm-ups against 0.63 s without. The warm-up's own score is still charged (compute_score_used)."""
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=False, engine=engine, policy=policy)
+    sched.schedule(now=0.0)  # the first sample
+    initial = sched.admission.expected.get("rag_answer")
+    [warm] = make_requests(1, task_type="rag_answer", max_tokens=1, prefill_only=True)
+    accept(sched, [warm], now=0.5)
+    sched.schedule(now=0.5)
+    assert warm.status is RequestStatus.RUNNING
+    engine.busy_seconds += 0.04  # busy the whole 40 ms it ran
+    finish(sched, warm, 0.54)
+    assert warm.compute_score_used > 0
+    assert sched.admission.expected.get("rag_answer") == initial
+    [answer] = make_requests(1, task_type="rag_answer")
+    accept(sched, [answer], now=1.0)
+    sched.schedule(now=1.0)
+    engine.busy_seconds += 0.04
+    finish(sched, answer, 1.04)
+    assert sched.admission.expected.get("rag_answer") != initial  # an answer is learnt
+
+
 # --------------------------------------------------------------------------- compute score and NVML
 
 

@@ -1255,8 +1255,11 @@ class SchedulerCore:
             self.parking.end_handover(parked)
 
     def _learn(self, req: Request) -> None:
+        """``req`` ended: its marginal score joins its task type's expected score (admission), its score used and
+        memory peak the task histograms. A ``prefill_only`` warm-up's score is no task of its type's (a burst of
+        prefill, one token): learnt, it held its type's answers back at admission behind one running decode."""
         observed = self.accounting.marginal_score(req)
-        if observed is not None:
+        if observed is not None and not req.prefill_only:
             self.admission.expected.learn(req.task_type, observed)
         self._events.task_compute_score_used.append(req.compute_score_used)
         self._events.task_memory_peak_bytes.append(req.memory_peak_bytes)
