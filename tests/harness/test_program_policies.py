@@ -57,6 +57,22 @@ def _scheduler(policy: str):
 def test_jain_index():
     assert jain([1, 1, 1, 1]) == pytest.approx(1.0)
     assert jain([1, 0.0001, 0.0001, 0.0001]) == pytest.approx(0.25, abs=0.01)
+    assert jain([1, 0, 0, 0]) == pytest.approx(0.25)  # one has all: 1/n (a zero was left out: 1.0)
+    assert jain([0, 0]) == 0.0 and jain([]) == 0.0
+
+
+def test_a_tenant_and_an_agent_that_completed_no_task_count_zero_in_jains_index():
+    """Jain's index is over every tenant (agent) of the workload; one whose every task was refused, or left
+    unfinished, has made no progress. It was left out: a policy that starved a tenant read as fairer."""
+    run = PolicyRun("fcfs", SMALL, SwitchyardConfig())
+    for agent in run.agents:
+        agent.isolated_s = 5.0
+        run._end_task(agent, agent.task_started + 10.0, refused=agent.tenant == "tenant-9")  # progress 0.5
+    row = summarize(run.result)
+    tenants = {a.tenant for a in run.agents}
+    assert row["jain_tenants"] == pytest.approx((len(tenants) - 1) / len(tenants), abs=1e-4)  # rounded to 4
+    starved = sum(1 for a in run.agents if a.tenant == "tenant-9")
+    assert starved and row["jain_agents"] == pytest.approx((len(run.agents) - starved) / len(run.agents), abs=1e-4)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

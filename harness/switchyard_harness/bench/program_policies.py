@@ -390,11 +390,12 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def jain(values: list[float]) -> float:
-    """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all equal, 1/n when one has all (Jain et al. 1984)."""
-    values = [v for v in values if v > 0]
-    if not values:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2) over every value, a zero included: 1 when all equal, 1/n
+    when one has all (Jain et al. 1984); 0 when none has any (or there are none)."""
+    squares = sum(v * v for v in values)
+    if squares <= 0:
         return 0.0
-    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+    return sum(values) ** 2 / (len(values) * squares)
 
 
 # --------------------------------------------------------------------------- one run
@@ -469,6 +470,9 @@ class PolicyRun:
         self.result = PolicyResult(policy, slo_s=self.config.slo.ttft.threshold_s)
         self.agents = self._agents()
         self._by_name = {a.name: a for a in self.agents}
+        for agent in self.agents:  # Jain's index is over every tenant and agent, one that completes nothing too
+            self.result.tenant_progress.setdefault(agent.tenant, [])
+            self.result.agent_progress.setdefault(agent.name, [])
         tools = [*TOOLS, NOISY_TOOL[0]]
         self.program = Program(self.config.orchestrator.program, tools, max(self.w.tool_calls[1], 1))
         """The orchestrator's measurements (tool durations, step times) and its remaining-work rule."""
@@ -730,8 +734,8 @@ def summarize(result: PolicyResult) -> dict[str, Any]:
     every = [v for values in result.completion.values() for v in values]
     resumes = sum(result.resumes.values())
     core = result.core_ttft
-    tenants = [sum(v) / len(v) for v in result.tenant_progress.values() if v]
-    agents = [sum(v) / len(v) for v in result.agent_progress.values() if v]
+    tenants = [sum(v) / len(v) if v else 0.0 for v in result.tenant_progress.values()]  # none completed: 0
+    agents = [sum(v) / len(v) if v else 0.0 for v in result.agent_progress.values()]
     return {
         "policy": result.policy,
         "scheduler": result.scheduler,
