@@ -625,6 +625,39 @@ async def test_a_request_the_fair_dispatcher_refuses_early_is_counted_on_its_met
             await channel.close()
 
 
+async def test_the_fair_dispatcher_counts_each_tenants_service_under_a_bounded_label():
+    """The fair policy orders tenants by the service it charged them, and nothing showed that service: an
+    operator whose quiet tenant complained could not read whether it was served its share beside a noisy one.
+    switchyard_tenant_service_tokens_total counts it per tenant, the tenants scheduler.tenant_weights names
+    and default under their own label (from 0 at start) and every other tenant as other."""
+    from prometheus_client import REGISTRY
+
+    def served(tenant: str) -> float | None:
+        return REGISTRY.get_sample_value("switchyard_tenant_service_tokens_total", {"tenant": tenant})
+
+    service = DispatcherService(SwitchyardConfig().with_overrides(
+        **FAST, **{"scheduler.policy": "fair", "scheduler.tenant_weights": {"acme-weighted": 2.0}}))
+    async with running([service], service.config.server) as srv:
+        before = {tenant: served(tenant) for tenant in ("acme-weighted", "default", "other")}
+        assert None not in before.values()  # every label of the config's set is there before any request
+        channel = open_channel(f"127.0.0.1:{srv.port}")
+        try:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            usage = {}
+            for tenant, label in (("acme-weighted", "acme-weighted"), ("zeta-unnamed", "other"), ("", "default")):
+                chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                    request_id=f"{label}:0", prompt=f"tell {label} about the with statement", max_tokens=4,
+                    tenant_id=tenant))]
+                done = chunks[-1].done
+                # its prompt prefilled, and one per decode step (the first token comes with the prefill)
+                usage[label] = done.usage.prompt_tokens + done.usage.completion_tokens - 1
+            await _until(lambda: all(served(label) == before[label] + usage[label] for label in usage),
+                         "each tenant's service counted")
+            assert served("zeta-unnamed") is None  # an unnamed tenant gets no series of its own
+        finally:
+            await channel.close()
+
+
 async def test_a_react_loop_step_after_a_tool_round_counts_the_conversation_it_sends():
     """A react_loop step after a tool round sends the conversation so far: the first prompt, the model's tool
     calls and the tools' results. Its prompt_tokens was the first prompt's count on every step, however much

@@ -166,6 +166,7 @@ class LoopBase:
     """
 
     def __init__(self, config: SwitchyardConfig, engine: StepEngine | StreamEngine, scheduler: SchedulerCore) -> None:
+        metrics.start_tenant_labels(config.scheduler.tenant_weights)
         self.config = config
         self.engine = engine
         self.scheduler = scheduler

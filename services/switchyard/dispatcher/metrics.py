@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -37,6 +37,7 @@ from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
+from switchyard.dispatcher.scheduler.fair import tenant_labels
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 if TYPE_CHECKING:
@@ -250,6 +251,22 @@ TOOL_WAIT_PREFETCHES = Counter(
     "the revisit time).",
     ["tool", "tool_return"],
 )
+TENANT_SERVICE = Counter(
+    "switchyard_tenant_service_tokens",
+    "Tokens of service the fair policy charged each tenant (prompt tokens prefilled, one per decoded token: its "
+    "attained service, not decayed; scheduler.policy fair only), by tenant: those scheduler.tenant_weights "
+    "names, default, and other for the rest.",
+    ["tenant"],
+)
+
+
+def start_tenant_labels(tenant_weights: Iterable[str]) -> None:
+    """Start ``switchyard_tenant_service_tokens_total`` at 0 for each of its label values under this config
+    (:func:`~switchyard.dispatcher.scheduler.fair.tenant_labels`, and ``other``)."""
+    for tenant in (*tenant_labels(tenant_weights), OTHER):
+        TENANT_SERVICE.labels(tenant)
+
+
 for _tool in TOOL_LABELS:
     for _decision in ("keep", "swap", "drop"):
         TOOL_WAIT_DECISIONS_BY_TOOL.labels(_tool, _decision)
@@ -283,6 +300,7 @@ _LABELLED = (  # SchedulerCounters field -> the counter family its per-label cou
     ("tool_decisions", TOOL_WAIT_DECISIONS_BY_TOOL),  # keyed (tool, decision)
     ("tool_resumes", TOOL_RESUMES),  # keyed (tool, resume)
     ("tool_prefetches", TOOL_WAIT_PREFETCHES),  # keyed (tool, timing)
+    ("tenant_service", TENANT_SERVICE),
 )
 _PLAIN = (  # SchedulerCounters field -> the counter it increases
     ("tool_wait_expired", TOOL_WAIT_EXPIRED),

@@ -126,7 +126,10 @@ class SchedulerCounters:
     a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
     decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / cold
     (``switchyard_tool_resumes_total``), ``tool_prefetches`` by the tool's return, early / on_time / late
-    (``switchyard_tool_wait_prefetches_total``; :mod:`.tool_wait`).
+    (``switchyard_tool_wait_prefetches_total``; :mod:`.tool_wait`). ``tenant_service``: the tokens of
+    service the ``fair`` policy charged each tenant (its attained service, not decayed), by the tenant's
+    label (:func:`.fair.tenant_labels`: the tenants ``scheduler.tenant_weights`` names, ``default``, and
+    ``other``; ``switchyard_tenant_service_tokens_total``).
 
     Plain counts: parked agents whose state left HBM at TTL expiry (``tool_wait_expired``) or to make
     room (``parked_evicted``); the HBM tier's lookups found (``hbm_hits``) and not found
@@ -149,6 +152,7 @@ class SchedulerCounters:
     tool_decisions: "Counter[tuple[str, str]]" = field(default_factory=Counter)
     tool_resumes: "Counter[tuple[str, str]]" = field(default_factory=Counter)
     tool_prefetches: "Counter[tuple[str, str]]" = field(default_factory=Counter)
+    tenant_service: Counter[str] = field(default_factory=Counter)
     tool_wait_expired: int = 0
     parked_evicted: int = 0
     hbm_hits: int = 0

@@ -47,11 +47,12 @@ Admission and preemption are the ``priority`` policy's.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any
+from collections import Counter, deque
+from typing import Any, Iterable
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.metrics import TASK_TYPES, bounded
+from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput, SchedulerOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
@@ -102,6 +103,8 @@ class FairScheduler(PriorityScheduler):
         (``scheduler.at_risk_slack_s``)."""
         self.ledger = FairnessLedger(policy.fairness_half_life_s, dict(policy.tenant_weights))
         """Attained service per tenant and session (``scheduler.fairness_half_life_s``, ``scheduler.tenant_weights``)."""
+        self.tenant_labels = tenant_labels(policy.tenant_weights)
+        """The tenants counted under their own label in ``switchyard_tenant_service_tokens_total``."""
         self._charged = False  # service was charged since the waiting queue's keys were last computed
         # keyed by the bounded task type (the expected scores' key, ``bounded(task_type, TASK_TYPES)``): a caller's
         # free-form task_type must not grow these tables
@@ -188,12 +191,22 @@ class FairScheduler(PriorityScheduler):
     def update_from_output(self, batch: StepBatch, result: StepResult, now: float) -> list[RequestOutput]:
         """:meth:`SchedulerCore.update_from_output`, after charging each of ``batch``'s requests the
         service the engine gave it (:meth:`service_tokens`)."""
-        if charge_service(self.ledger, batch, result, now):
+        charged = charge_service(self.ledger, batch, result, now)
+        if charged:
             self._charged = True
+            for tenant, tokens in charged.items():  # switchyard_tenant_service_tokens_total
+                self.counters.tenant_service[bounded(tenant, self.tenant_labels, empty=DEFAULT_TENANT)] += tokens
         if batch.decode and result.seconds > 0:  # one token per decode: the step time is a token's
             self._step_s = (result.seconds if self._step_s <= 0
                             else self._step_s + STEP_EMA_ALPHA * (result.seconds - self._step_s))
         return super().update_from_output(batch, result, now)
+
+
+def tenant_labels(tenant_weights: Iterable[str]) -> frozenset[str]:
+    """The tenant label values of ``switchyard_tenant_service_tokens_total`` besides ``other`` (every tenant not
+    named, a tenant called ``other`` with them): the default tenant and the tenants ``scheduler.tenant_weights``
+    names. Tenants are the callers' words; the label set stays bounded by the config."""
+    return frozenset(tenant_weights) | {DEFAULT_TENANT}
 
 
 def service_tokens(req: Request, result: StepResult) -> int:
@@ -214,19 +227,19 @@ def service_tokens(req: Request, result: StepResult) -> int:
     return 0 if seq.tool_calls else 1
 
 
-def charge_service(ledger: FairnessLedger, batch: StepBatch, result: StepResult, now: float) -> bool:
+def charge_service(ledger: FairnessLedger, batch: StepBatch, result: StepResult, now: float) -> Counter[str]:
     """Charge ``ledger`` the service ``result`` (the engine's step, or an upstream's stream item) gave each of
     ``batch``'s requests: their prefill tokens, and each decode entry's :func:`service_tokens`, to their agent
     session and tenant at ``now``. The one rule the fair policy and the benches' anchor ledgers share.
-    Returns whether anything was charged."""
-    charged = False
+    Returns the tokens charged, by tenant id (empty, false, when nothing was)."""
+    charged: Counter[str] = Counter()
     for req, tokens in batch.prefill:
         if tokens > 0:
             ledger.charge(req.agent_key, req.tenant_id, tokens, now)
-            charged = True
+            charged[req.tenant_id] += tokens
     for req in batch.decode:
         tokens = service_tokens(req, result)
         if tokens > 0:
             ledger.charge(req.agent_key, req.tenant_id, tokens, now)
-            charged = True
+            charged[req.tenant_id] += tokens
     return charged
