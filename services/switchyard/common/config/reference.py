@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             current = args.check.read_bytes().decode("utf-8")
         except FileNotFoundError:
             current, why = None, "does not exist"
-        except (OSError, UnicodeDecodeError) as exc:
-            current, why = None, f"cannot be read as UTF-8 text ({getattr(exc, 'strerror', None) or exc})"
+        except OSError as exc:
+            current, why = None, f"cannot be read ({exc.strerror or exc})"
+        except UnicodeDecodeError as exc:
+            current, why = None, f"cannot be read as UTF-8 text ({exc})"
         else:
             why = "differs from the generated reference"
         if current != text:
