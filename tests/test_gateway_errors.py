@@ -177,6 +177,34 @@ async def test_the_callers_deadline_bounds_the_upstream_call(clean_proxy_env):
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "the caller's deadline (0.2s left)" in str(err)
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["before-its-first-token", "mid-stream"])
+async def test_a_call_whose_callers_deadline_ran_out_counts_as_cancelled_not_as_the_models_failure(
+        clean_proxy_env, streamed):
+    """The caller's deadline passing is its caller giving up, as a cancel is: whether the gateway's own clock or
+    gRPC's cancel of the handler saw it first decided the outcome (DEADLINE_EXCEEDED or CANCELLED), and the
+    DEADLINE_EXCEEDED ones counted as the model failing in switchyard_gateway_requests_total, where
+    SwitchyardUpstreamFailing reads them (a run of tasks with short deadlines: 12 DEADLINE_EXCEEDED beside 6 ok,
+    'fails most calls'). The caller still hears DEADLINE_EXCEEDED; the gateway's own bound
+    (model_gateway.total_timeout_s: the model too slow) still counts DEADLINE_EXCEEDED."""
+    from prometheus_client import REGISTRY
+
+    def count(outcome: str) -> float:
+        return REGISTRY.get_sample_value("switchyard_gateway_requests_total",
+                                         {"model": "claude-sonnet-4-5", "outcome": outcome}) or 0.0
+
+    fault = Fault(slow_ms=400) if streamed else Fault(slow_ms=3000)  # a token each 0.4 s, or none within 3 s
+    with start_sim(faults={"*": fault}) as server:
+        before = count("CANCELLED"), count("DEADLINE_EXCEEDED")
+        request = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=50, timeout_s=1.0)
+        err = await stream_error(gateway_config(server.base_url, total_timeout_s=60, fallback_model=""), request)
+        assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "the caller's deadline" in str(err)
+        assert (count("CANCELLED"), count("DEADLINE_EXCEEDED")) == (before[0] + 1, before[1])
+        err = await stream_error(gateway_config(server.base_url, total_timeout_s=1.0, fallback_model=""),
+                                 ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=50))
+        assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "total_timeout_s" in str(err)
+        assert (count("CANCELLED"), count("DEADLINE_EXCEEDED")) == (before[0] + 1, before[1] + 1)
+
+
 # --------------------------------------------------------------------------- broken streams
 
 

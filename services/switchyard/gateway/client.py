@@ -157,6 +157,8 @@ class _Call:
     """What set ``deadline``, for the error message."""
     sent: int = 0
     """HTTP requests sent so far for this call (retries, other endpoints, the fallback model, a field resent)."""
+    callers_deadline: bool = False
+    """``deadline`` is the caller's (``ChatRequest.timeout_s``), not ``model_gateway.total_timeout_s``."""
 
 
 @dataclass
@@ -406,7 +408,9 @@ class GatewayClient:
                 await opened.response.aclose()
                 self.pool.finished(opened.endpoint, ended_with)
         except GatewayError as exc:
-            outcome = exc.code.name
+            # its caller's deadline ran out: the caller gave up, as a cancel does (which of the gateway's clock and
+            # gRPC's cancel of the call sees it first is a race), never the model failing the call
+            outcome = grpc.StatusCode.CANCELLED.name if exc.callers_deadline else exc.code.name
             self._fail_span(call.span, exc)
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away (cancelled, or stopped reading)
@@ -441,10 +445,11 @@ class GatewayClient:
             GATEWAY_REQUESTS.labels(self._label(self.models_for(request.model)[0]), exc.code.name).inc()
             raise
         budget_s, budget = self.config.total_timeout_s, f"model_gateway.total_timeout_s={self.config.total_timeout_s:g}s"
-        if request.timeout_s is not None and request.timeout_s < budget_s:
+        callers = request.timeout_s is not None and request.timeout_s < budget_s
+        if callers:
             budget_s, budget = request.timeout_s, f"the caller's deadline ({request.timeout_s:.3g}s left)"
         deadline = asyncio.get_running_loop().time() + budget_s
-        return _Call(key, token, deadline, span, request.request_id, budget)
+        return _Call(key, token, deadline, span, request.request_id, budget, callers)
 
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]]
@@ -713,6 +718,7 @@ class GatewayClient:
         err = UpstreamTimeout(f"model {model!r} did not complete within {call.budget} at {where}")
         err.code = grpc.StatusCode.DEADLINE_EXCEEDED
         err.retryable = False
+        err.callers_deadline = call.callers_deadline
         return err
 
     def _check_deadline(self, call: _Call, model: str) -> None:

@@ -40,6 +40,10 @@ class GatewayError(SwitchyardError):
     queues the request again (:meth:`OpenAIEngine.refused_for_load`)."""
     retry_after_s: float | None = None
     """Seconds the upstream asked to wait before a retry (Retry-After), when it said."""
+    callers_deadline = False
+    """The call ran out of its caller's time (``ChatRequest.timeout_s``), not the gateway's own bound: its caller
+    gave up, as a cancel does (``switchyard_gateway_requests_total`` counts it ``CANCELLED``; the caller hears
+    DEADLINE_EXCEEDED)."""
 
     def after_tokens(self, count: int) -> "GatewayError":
         """Mark that ``count`` items were already streamed: no retry, no fallback, message says so."""

@@ -10,7 +10,8 @@ from switchyard.common.metrics import STATUS_CODES
 
 GATEWAY_REQUESTS = Counter(
     "switchyard_gateway_requests_total",
-    "Chat completions sent upstream, by upstream model and outcome (ok or the gRPC status name).",
+    "Chat completions sent upstream, by upstream model and outcome (ok or the gRPC status name; CANCELLED: the "
+    "caller went away or its deadline ran out).",
     ["model", "outcome"],
 )
 GATEWAY_RETRIES = Counter(
