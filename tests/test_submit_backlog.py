@@ -394,6 +394,26 @@ async def test_the_identical_retry_of_a_refused_task_whose_record_the_store_kept
         assert [r.request_id.split(":")[0] for r in down.requests] == ["first", "late"]
 
 
+async def test_a_refused_task_whose_record_the_store_kept_is_no_task_to_the_orchestrator_that_refused_it(
+        tmp_path, monkeypatch):
+    """Until the store took the refused task's delete, the orchestrator that had answered its submit
+    RESOURCE_EXHAUSTED answered GetTaskStatus QUEUED for it, and CancelTask waited out the caller's whole deadline
+    to answer UNAVAILABLE: 'task 'late' is held by orchestrator <itself>, which was asked to cancel it and has not
+    ended it'. Both answer NOT_FOUND now, saying its submit was refused."""
+    from switchyard.orchestrator import service as service_module
+
+    monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 600.0)  # the refused delete is tried again only later
+    async with late_refused_with_its_record_kept(tmp_path / "tasks.sqlite3", monkeypatch) as (stub, down):
+        for call in (stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="late")),
+                     stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="late"), timeout=30)):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value.details()
+            assert refused.value.details().startswith("task_id: no task 'late' (its SubmitTask was refused")
+        down.gate.set()
+        assert (await final_state(stub, "first")).state == agent_pb2.SUCCEEDED
+
+
 async def test_a_long_value_from_a_caller_is_quoted_cut_and_every_call_gets_its_own_status(tmp_path):
     """Errors quoted a caller's value whole: a 20,000-character task_type or task_id made status details past
     gRPC's 16 KiB metadata limit, and the caller got RESOURCE_EXHAUSTED ("received metadata size exceeds hard

@@ -771,7 +771,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         unchanged (cancelling twice answers the first outcome).
 
         Errors: INVALID_ARGUMENT naming task_id when empty; NOT_FOUND naming task_id when the store has no
-        such task, or the caller's token names another tenant than the task's (as GetTaskStatus);
+        such task, the record is one of a task this orchestrator refused (its delete not yet taken by the store),
+        or the caller's token names another tenant than the task's (as GetTaskStatus);
         UNAVAILABLE naming the task store, or naming the orchestrator that holds the task when it neither ended
         it nor lost its lease within ``task_store.lease_s`` of the request (or, where the caller's deadline comes
         sooner, just before it).
@@ -791,6 +792,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         status = await self._cancel_held(task_id)
         if status is not None:
             return status
+        if task_id in self._undeleted:  # no task: nothing holds it, and nothing would end it
+            await abort(context, SwitchyardError(self._refused_task(task_id), grpc.StatusCode.NOT_FOUND), self.name)
         try:
             record = await self.tasks.get(task_id)
             if record is None or not self._visible_to_caller(record.tenant_id, context):
@@ -806,6 +809,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         retention = self.config.orchestrator.task_store.retention_s
         return (f"task_id: no task {shown(task_id)} (never submitted, or finished more than {retention:g} s ago: "
                 "orchestrator.task_store.retention_s)")
+
+    @staticmethod
+    def _refused_task(task_id: str) -> str:
+        """NOT_FOUND's words for a task_id this orchestrator refused after its record was written (the backlog
+        filled meanwhile) and whose record the store has not deleted yet (:meth:`_delete_refused`): no task."""
+        return (f"task_id: no task {shown(task_id)} (its SubmitTask was refused RESOURCE_EXHAUSTED, the backlog "
+                "full: orchestrator.max_unfinished_submitted_tasks; submit it again)")
 
     async def _cancel_held(self, task_id: str) -> agent_pb2.TaskStatus | None:
         """Cancel ``task_id`` if this orchestrator holds it and answer its status after it; None when it holds
@@ -926,7 +936,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         resolves it; two tenants' agents of one id are two agents). Given both, the task must be that agent's:
         another agent's task is NOT_FOUND, naming both.
 
-        A task waiting in this orchestrator's backlog is QUEUED with its ``queue_position`` there. A task that
+        A task waiting in this orchestrator's backlog is QUEUED with its ``queue_position`` there; a task_id whose
+        SubmitTask it refused after writing the record (the backlog filled meanwhile), kept until the store takes
+        its delete, is NOT_FOUND saying so. A task that
         was queued or running on an orchestrator that has since died is FAILED, naming it. A caller whose bearer
         token names a tenant sees only that tenant's tasks: another tenant's is NOT_FOUND, in the words of a task
         that does not exist (its existence is not told).
@@ -954,6 +966,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 f"agent_id: no task {shown(request.task_id)} of agent {shown(request.agent_id)} (the task_id names "
                 "another agent's task; give the task_id alone, or the agent_id alone for its latest task)",
                 grpc.StatusCode.NOT_FOUND), self.name)
+        if record is not None and request.task_id and record.task_id in self._undeleted:
+            await abort(context, SwitchyardError(self._refused_task(record.task_id), grpc.StatusCode.NOT_FOUND),
+                        self.name)
         if record is None:
             await abort(context, SwitchyardError(
                 self._no_task(request.task_id) if request.task_id else
