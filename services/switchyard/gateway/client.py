@@ -449,7 +449,7 @@ class GatewayClient:
         if callers:
             budget_s, budget = request.timeout_s, f"the caller's deadline ({request.timeout_s:.3g}s left)"
         deadline = asyncio.get_running_loop().time() + budget_s
-        return _Call(key, token, deadline, span, request.request_id, budget, callers)
+        return _Call(key, token, deadline, span, request.request_id, budget, callers_deadline=callers)
 
     async def _with_fallback(
         self, call: _Call, request: ChatRequest, once: Callable[[Endpoint, str], Awaitable[T]]
