@@ -172,6 +172,8 @@ async def test_a_model_the_engine_does_not_serve_is_not_found(dispatcher: Harnes
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"max_tokens": 4090}, "max_tokens"),  # prompt + max_tokens past sim-7b's 4096-token context window
         ({"agent_id": "a" * 300}, "agent_id"),
+        ({"task_id": "t" * 300}, "task_id"),
+        ({"task_id": "task\x00one"}, "task_id"),
         ({"prompt_tokens": 2**31 - 1, "max_tokens": 8}, "prompt_tokens"),  # the bad field is named, not max_tokens
         # nested past the JSON parser's recursion limit: INVALID_ARGUMENT, not UNKNOWN from a RecursionError
         ({"tools": [agent_pb2.ToolSpec(name="t", parameters_json='{"a":' * 1100 + "1" + "}" * 1100)]},

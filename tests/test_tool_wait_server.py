@@ -13,6 +13,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.server import running, start_server
+from switchyard.common.tenant import DEFAULT_TENANT, program_key
 from switchyard.dispatcher.metrics import (
     RESUMES,
     TOOL_RESUMES,
@@ -77,11 +78,11 @@ TOOLS = [agent_pb2.ToolSpec(name="search_docs", description="search", parameters
 QUESTION = agent_pb2.ChatMessage(role="user", content="How does the with statement work in Python?")
 
 
-async def _park(stub, agent_id: str) -> list[agent_pb2.GenerateChunk]:
-    """One react_loop step of ``agent_id`` that ends in a tool call (its agent's step parks)."""
+async def _park(stub, agent_id: str, task_id: str = "") -> list[agent_pb2.GenerateChunk]:
+    """One react_loop step of ``agent_id`` (of its task ``task_id``) that ends in a tool call (the step parks)."""
     chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
-        request_id=f"{agent_id}:0", agent_id=agent_id, task_type="react_loop", tools=TOOLS, max_tokens=64,
-        messages=[QUESTION]))]
+        request_id=f"{agent_id}:{task_id}:0", agent_id=agent_id, task_id=task_id, task_type="react_loop",
+        tools=TOOLS, max_tokens=64, messages=[QUESTION]))]
     assert chunks[-1].done.finish_reason == "tool_calls"
     return chunks
 
@@ -111,6 +112,34 @@ async def test_a_parked_agent_is_kept_for_a_short_wait_and_moved_out_for_a_very_
                                                           expected_wait_s=86_400.0))
     assert (again.decision, again.restore_at_s) == (agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0)
     assert sum(_decisions().values()) == sum(before.values()) + 2
+
+
+async def test_two_tasks_of_one_agent_keep_their_own_parked_state_decisions_and_end(dispatcher):
+    """One agent runs two react_loop tasks at once (the field's load test draws each task's agent from 1,000
+    ids). Keyed by the agent alone, the second task's step released the first's parked KV, a tool-wait
+    decision for one task moved the other's state, and one task's end released the other's."""
+    stub, service = dispatcher
+    scheduler = service.loop.scheduler
+    await _park(stub, "shared-agent", "task-a")
+    await _park(stub, "shared-agent", "task-b")
+    assert sorted(r.task_id for r in scheduler.parked) == ["task-a", "task-b"]  # both warm
+
+    def announce(task_id: str, wait_s: float, ended: bool = False) -> agent_pb2.ToolWaitReply:
+        return stub.ToolWait(agent_pb2.ToolWaitRequest(agent_id="shared-agent", task_id=task_id, tool="search_docs",
+                                                       expected_wait_s=wait_s, task_ended=ended))
+
+    assert (await announce("task-a", 86_400.0)).decision == agent_pb2.DROP  # a day: task-a's state leaves HBM
+    assert [r.task_id for r in scheduler.parked] == ["task-b"]
+    assert (await announce("task-b", 0.5)).decision == agent_pb2.KEEP
+    await announce("task-a", 0.5, ended=True)  # task-a ends during its wait: task-b's state stays
+    assert [r.task_id for r in scheduler.parked] == ["task-b"]
+    warm = scheduler.counters.resumes["tool_warm"]
+    chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+        request_id="shared-agent:task-b:1", agent_id="shared-agent", task_id="task-b", task_type="react_loop",
+        tools=TOOLS, max_tokens=8, resume=True, messages=[QUESTION, agent_pb2.ChatMessage(role="tool", content="x")]))]
+    assert chunks[-1].HasField("done") and scheduler.counters.resumes["tool_warm"] == warm + 1  # its own state
+    await announce("task-b", 0.5, ended=True)
+    assert scheduler.parked == [] and scheduler.parking.kv_bytes == 0
 
 
 async def test_a_tool_the_orchestrator_does_not_register_is_measured_under_its_name_and_counted_as_other(dispatcher):
@@ -240,7 +269,7 @@ async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_sp
     service = DispatcherService(SwitchyardConfig().with_overrides(**{"memory.dram.kv_swap": False}))
     async with running([service], service.config.server) as srv:
         channel = open_channel(f"127.0.0.1:{srv.port}")
-        await _park(agent_pb2_grpc.InferenceServiceStub(channel), "announced-agent")
+        await _park(agent_pb2_grpc.InferenceServiceStub(channel), "announced-agent", "announced-task")
         await channel.close()
         client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
         hints = _value(TOOL_WAIT_HINTS, outcome="ok")
@@ -261,6 +290,7 @@ async def test_the_orchestrator_records_the_dispatchers_decision_on_the_tools_sp
 @pytest.mark.parametrize("field, request_fields", [
     ("agent_id", {"agent_id": "", "tool": "search_docs"}),
     ("agent_id", {"agent_id": "agent\x00one", "tool": "search_docs"}),  # Generate refuses this id: so must ToolWait
+    ("task_id", {"agent_id": "agent-1", "task_id": "task\x00one", "tool": "search_docs"}),  # Generate's rule too
     ("tool", {"agent_id": "agent-1", "tool": "search\ndocs"}),
     ("tool", {"agent_id": "agent-1", "tool": "t" * 257}),
     # no tool offered to Generate can have these names (tools[i].name's rule): they were taken
@@ -327,7 +357,8 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
                     run = asyncio.create_task(collect_events(stub, request, 1.5 if ending == "past its deadline" else 60))
                 await tool.called.wait()
                 await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "the tool's announcement")
-                plan = scheduler.tool_waits.get("agent-ends")
+                waiting = program_key(DEFAULT_TENANT, "agent-ends", "t-ends")  # the task's key
+                plan = scheduler.tool_waits.get(waiting)
                 assert plan is not None and plan.decision.value == "swap" and plan.restore_at is not None
                 redis = redis_db.sync_client()
                 assert redis.exists(plan.key)  # the copy is in DRAM, its restore planned
@@ -348,10 +379,10 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
                         await run
                     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                     assert ("refused early" in (err.value.details() or "")) == (ending != "past its deadline")
-                await _until(lambda: scheduler.tool_waits.get("agent-ends") is None, "the agent's plan ended")
+                await _until(lambda: scheduler.tool_waits.get(waiting) is None, "the task's plan ended")
                 await _until(lambda: not redis.exists(plan.key), "the DRAM copy dropped")
-                assert scheduler.parking.entry("agent-ends") is None and scheduler.parking.kv_bytes == 0
-                assert "agent-ends" not in scheduler.tool_waits._open.get("search_docs", {})
+                assert scheduler.parking.entry(waiting) is None and scheduler.parking.kv_bytes == 0
+                assert waiting not in scheduler.tool_waits._open.get("search_docs", {})
                 tool.gate.set()
                 await channel.close()
 

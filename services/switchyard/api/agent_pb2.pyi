@@ -322,7 +322,7 @@ class ToolSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only")
+    __slots__ = ("request_id", "prompt", "messages", "prompt_tokens", "max_tokens", "model", "priority", "task_type", "agent_id", "tools", "resume", "tenant_id", "task_time_left_s", "expected_remaining_work_s", "prefill_only", "task_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class GenerateRequest(_message.Message):
     TASK_TIME_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_REMAINING_WORK_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -353,7 +354,8 @@ class GenerateRequest(_message.Message):
     task_time_left_s: float
     expected_remaining_work_s: float
     prefill_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
+    task_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_type: _Optional[str] = ..., agent_id: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., resume: _Optional[bool] = ..., tenant_id: _Optional[str] = ..., task_time_left_s: _Optional[float] = ..., expected_remaining_work_s: _Optional[float] = ..., prefill_only: _Optional[bool] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "name", "arguments_json")
@@ -427,20 +429,22 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
-    __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority", "task_ended")
+    __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority", "task_ended", "task_id")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TASK_ENDED_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     tool: str
     expected_wait_s: float
     tenant_id: str
     priority: Priority
     task_ended: bool
-    def __init__(self, agent_id: _Optional[str] = ..., tool: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., tenant_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_ended: _Optional[bool] = ...) -> None: ...
+    task_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., tool: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., tenant_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., task_ended: _Optional[bool] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class ToolWaitReply(_message.Message):
     __slots__ = ("decision", "restore_at_s")

@@ -27,6 +27,21 @@ AGENT_KEY_SEPARATOR = "\x1f"
 holds (agent ids refuse control characters, tenant ids take :data:`EXPECTED`), so keys never collide."""
 
 
+PROGRAM_KEY_SEPARATOR = "\x1e"
+"""Between an agent's key and its task's id in :func:`program_key` (a control character no id holds)."""
+
+
+def program_key(tenant: str, agent_id: str, task_id: str) -> str:
+    """The one key of one task (one program run) of agent ``agent_id`` of ``tenant``: what a dispatcher keeps a
+    task's parked prefix state, tool-wait plan, DRAM copy and warm-up prefix under, so that two tasks of one
+    agent running at once (the field's load test draws its agent ids from 1,000 for every task) never take or
+    release each other's. :func:`agent_key` when ``task_id`` is "" (a caller that names no task)."""
+    key = agent_key(tenant, agent_id)
+    if not key or not task_id:
+        return key
+    return f"{key}{PROGRAM_KEY_SEPARATOR}{task_id}"
+
+
 def agent_key(tenant: str, agent_id: str) -> str:
     """The one key of agent ``agent_id`` of ``tenant``: two tenants may each run an agent of the same id, and
     each has its own memory, parked KV, tool-wait plans and attained service. The default tenant's agents

@@ -147,7 +147,7 @@ def to_request(
     Raises:
         InvalidArgument: naming ``prompt``, ``max_tokens`` (also when prompt +
             max_tokens exceed the model's context window), ``prompt_tokens``,
-            ``priority``, ``request_id``, ``agent_id``, ``model``, ``task_type``,
+            ``priority``, ``request_id``, ``agent_id``, ``task_id``, ``model``, ``task_type``,
             ``messages``, ``tools``, ``messages[i].role``, ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
             tool's), ``tools[i].parameters_json`` (:func:`schema_problem`), ``tenant_id``,
             ``task_time_left_s``, ``expected_remaining_work_s`` or ``resume`` (set without an ``agent_id``).
@@ -170,7 +170,7 @@ def to_request(
         raise InvalidArgument("prompt_tokens", "0 (count here) or a positive count", request.prompt_tokens)
     check_priority(request.priority)
     for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
-                        ("model", request.model), ("task_type", request.task_type)):
+                        ("task_id", request.task_id), ("model", request.model), ("task_type", request.task_type)):
         check_id(value, name, limits)
     if request.resume and not request.agent_id:  # else a queue jump: resumed steps go ahead of their class
         raise InvalidArgument("resume", "an agent_id beside it (resume marks an agent's next step, back from its "
@@ -255,6 +255,7 @@ def to_request(
         model=model,  # the model it is served, resolved once here
         names_model=bool(request.model),
         agent_id=request.agent_id,
+        task_id=request.task_id,
         task_type=request.task_type,
         priority=PriorityClass.from_proto(request.priority),
         resume=request.resume,

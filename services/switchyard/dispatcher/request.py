@@ -36,7 +36,7 @@ from opentelemetry import trace
 
 from switchyard.api import agent_pb2
 from switchyard.common.priority import PriorityClass
-from switchyard.common.tenant import agent_key
+from switchyard.common.tenant import agent_key, program_key
 from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
@@ -179,6 +179,9 @@ class Request:
     """The upstream model id that answered (its Usage's ``model``: the fallback, where one served); "" until
     then, and on step engines. The done chunk names it, else :attr:`model`."""
     agent_id: str = ""
+    task_id: str = ""
+    """The task this request is a step of (``GenerateRequest.task_id``; "" when not given): with the agent, its
+    :attr:`program_key`."""
     task_type: str = ""
     priority: PriorityClass = PriorityClass.NORMAL
     """The request's priority class, the one type (:meth:`PriorityClass.from_proto` converts the proto's
@@ -302,6 +305,14 @@ class Request:
         the request has no agent. Read per engine step (the fair policy's charge), so kept once made: the
         tenant and the agent id are the request's from its start."""
         return agent_key(self.tenant_id, self.agent_id)
+
+    @property
+    def program_key(self) -> str:
+        """Its task's key (:func:`switchyard.common.tenant.program_key`: the agent's key and the task id): what
+        a task's own state is keyed by (its parked prefix state, tool-wait plan, DRAM copy, warm-up prefix), where
+        :attr:`agent_key` keys what the agent's tasks share (session fairness, upstream affinity). ""
+        when the request has no agent."""
+        return program_key(self.tenant_id, self.agent_id, self.task_id)
 
     @property
     def reached_engine(self) -> bool:

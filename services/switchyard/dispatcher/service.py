@@ -44,7 +44,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.server import Drains, HealthOwner, set_health
-from switchyard.common.tenant import agent_key, check_tenant
+from switchyard.common.tenant import check_tenant, program_key
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
@@ -238,7 +238,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         """An agent's tool call started: validate the announcement and answer :meth:`tool_wait`'s decision.
 
         Ends INVALID_ARGUMENT naming the field: ``agent_id`` empty, past ``limits.max_id_chars`` or holding a
-        control character (Generate's rule, :func:`.processor.check_id`), ``tool`` not a name a tool offered to
+        control character (Generate's rule, :func:`.processor.check_id`), ``task_id`` past the same limit or
+        holding one, ``tool`` not a name a tool offered to
         Generate may have (:data:`.processor.TOOL_NAME`),
         ``expected_wait_s`` not a finite number of seconds from 0 to :data:`MAX_EXPECTED_WAIT_S`, ``tenant_id``
         malformed, ``priority`` not a Priority.
@@ -246,6 +247,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         limits = self.config.limits
         try:
             check_id(request.agent_id, "agent_id", limits, required=True)
+            check_id(request.task_id, "task_id", limits)
             if not TOOL_NAME.fullmatch(request.tool):  # one the model was offered: Generate's rule for tools[i].name
                 raise InvalidArgument("tool", f"a tool name of {TOOL_NAME_EXPECTED}", request.tool[:80])
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)
@@ -254,15 +256,15 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
             check_priority(request.priority)
         except SwitchyardError as exc:
             await abort(context, exc, "dispatcher")
+        waiting = program_key(request.tenant_id, request.agent_id, request.task_id)  # the task that waits
         if request.task_ended:
-            self.end_tool_wait(agent_key(request.tenant_id, request.agent_id))
+            self.end_tool_wait(waiting)
             return agent_pb2.ToolWaitReply(decision=agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED)
-        decision, restore_at_s = self.tool_wait(agent_key(request.tenant_id, request.agent_id), request.tool,
-                                                request.expected_wait_s)
+        decision, restore_at_s = self.tool_wait(waiting, request.tool, request.expected_wait_s)
         return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
 
     def end_tool_wait(self, agent_key: str) -> None:
-        """The task of the agent ``agent_key`` names ended during its tool wait (``ToolWaitRequest.task_ended``:
+        """The task ``agent_key`` names (its program key, :func:`switchyard.common.tenant.program_key`) ended during its tool wait (``ToolWaitRequest.task_ended``:
         cancelled, past its deadline, or refused before its next step): its parked state leaves HBM, its DRAM
         copy is dropped and its tool-wait plan ends, now (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.forget_agent`);
         nothing is restored for a turn that will not come. Nothing to do on a stream engine."""
@@ -271,8 +273,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
             loop.forget_agent(agent_key)
 
     def tool_wait(self, agent_key: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
-        """What to do with the prefix state of the agent ``agent_key`` names (its tenant's and its id's,
-        :func:`switchyard.common.tenant.agent_key`) while it waits ``expected_wait_s`` seconds on ``tool``.
+        """What to do with the prefix state of the task ``agent_key`` names (its program key: its tenant's, its
+        agent's and its own id, :func:`switchyard.common.tenant.program_key`) while it waits ``expected_wait_s`` seconds on ``tool``.
 
         A step engine's scheduler decides at once
         (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.tool_wait`, counted in

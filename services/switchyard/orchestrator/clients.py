@@ -265,6 +265,7 @@ class InferenceClient:
             priority=spec.priority,
             task_type=spec.workflow,
             agent_id=spec.agent_id or spec.task_id,
+            task_id=spec.task_id,
             tools=[agent_pb2.ToolSpec(name=t.name, description=t.description, parameters_json=t.parameters_json)
                    for t in tools],
             resume=resume,
@@ -380,6 +381,7 @@ class InferenceClient:
             the announcement's background task (:meth:`end_tool_wait` sends its end after it).
         """
         request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
+                                            task_id=spec.task_id,
                                             expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
                                             priority=spec.priority)
         return self._hint(spec, request)
@@ -393,6 +395,7 @@ class InferenceClient:
         restore runs for a turn that will not come. It runs beyond the task's deadline (a task past it ends
         so). Never raises."""
         request = agent_pb2.ToolWaitRequest(agent_id=spec.agent_id or spec.task_id, tool=tool,
+                                            task_id=spec.task_id,
                                             expected_wait_s=expected_wait_s, tenant_id=spec.tenant_id,
                                             priority=spec.priority, task_ended=True)
         self._hint(spec, request, after, context=beyond_deadline())

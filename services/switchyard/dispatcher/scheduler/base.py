@@ -386,7 +386,7 @@ class Scheduler(Protocol):
         """A planned restore into the parked step ``req`` ended with ``restored`` tokens loaded (0: a miss);
         True when it landed (``req`` parked again, warm)."""
 
-    def tool_wait(self, agent_key: str, expected_wait_s: float, now: float,
+    def tool_wait(self, program_key: str, expected_wait_s: float, now: float,
                   tool: str = "other") -> "ToolWaitDecision | None":
         """An agent's tool call on ``tool`` starts: keep, swap or drop its parked KV now; None when the agent has
         no parked step here.
@@ -395,8 +395,8 @@ class Scheduler(Protocol):
             ValueError: ``expected_wait_s`` < 0.
         """
 
-    def forget_agent(self, agent_key: str) -> None:
-        """``agent_key``'s task ended between two steps (cancelled, past its deadline, refused): its parked KV,
+    def forget_agent(self, program_key: str) -> None:
+        """``program_key``'s task ended between two steps (cancelled, past its deadline, refused): its parked KV,
         its DRAM copy and its tool-wait plan are released now."""
 
     def shutdown(self) -> None:

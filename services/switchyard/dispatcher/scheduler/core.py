@@ -821,7 +821,7 @@ class SchedulerCore:
         out.finished = True
         self._outbox.append(out)
 
-    def tool_wait(self, agent_key: str, expected_wait_s: float, now: float,
+    def tool_wait(self, program_key: str, expected_wait_s: float, now: float,
                   tool: str = "other") -> ToolWaitDecision | None:
         """The agent's tool call on ``tool`` starts: keep its parked KV in HBM, swap it to DRAM, or drop it, now.
 
@@ -853,7 +853,7 @@ class SchedulerCore:
         if expected_wait_s < 0:
             raise ValueError(f"expected_wait_s: expected seconds >= 0, got {expected_wait_s!r}")
         self._announced = True
-        entry = self.parking.entry(agent_key)
+        entry = self.parking.entry(program_key)
         if entry is None:
             return None
         budget = self.capacity.budget_bytes if isinstance(self.capacity, KvBudget) else 0
@@ -870,21 +870,21 @@ class SchedulerCore:
             cold_resume_weight=self.config.tool_wait_cold_resume_weight),
             grace_s=expected_wait_s)
         self._now = now
-        plan = ToolWaitPlan(agent_key, tool, decision.decision, now, now + expected_wait_s,
+        plan = ToolWaitPlan(program_key, tool, decision.decision, now, now + expected_wait_s,
                             now + decision.revisit_at_s, transfer_s=decision.transfer_s)
         if decision.decision is Decision.KEEP:
-            self.parking.keep_for(agent_key, now - entry.since + decision.revisit_at_s)
+            self.parking.keep_for(program_key, now - entry.since + decision.revisit_at_s)
         elif decision.decision is Decision.SWAP:
             parked, nbytes = entry.req, entry.kv_bytes
-            if not self.parking.move_out(agent_key, demote=True, copy=self._copy_decided):
+            if not self.parking.move_out(program_key, demote=True, copy=self._copy_decided):
                 # no copy could be made: the state was dropped, and that is what is answered and counted
                 decision = dataclasses.replace(decision, decision=Decision.DROP, restore_at_s=None)
                 plan.decision = Decision.DROP
             elif decision.restore_at_s is not None:  # a copy went to DRAM and its return is planned ahead of the turn
                 plan.restore_at = now + decision.restore_at_s
-                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(agent_key), tokens, nbytes
+                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(program_key), tokens, nbytes
         else:
-            self.parking.move_out(agent_key, demote=False)
+            self.parking.move_out(program_key, demote=False)
             self.counters.hbm_evictions += 1
         self.counters.tool_wait_decisions[decision.decision.value] += 1
         self.tool_waits.add(plan)
@@ -892,15 +892,15 @@ class SchedulerCore:
         return decision
 
 
-    def forget_agent(self, agent_key: str) -> None:
-        """``agent_key``'s task ended between two steps (its next step refused here by name, as one that cannot
+    def forget_agent(self, program_key: str) -> None:
+        """``program_key``'s task ended between two steps (its next step refused here by name, as one that cannot
         make its deadline; or the orchestrator's word that it was cancelled, ran past its deadline or was
         refused during its tool wait): its parked KV leaves HBM now instead of at the parking's TTL, its DRAM
         copy is dropped, and its tool-wait plan ends (no restore for a turn that will not come, no running call
         left to skew its tool's measured returns)."""
-        self.parking.forget(agent_key)
-        self.tool_waits.abandon(agent_key)
-        self.tiers.discard(self.tiers.agent_key(agent_key))
+        self.parking.forget(program_key)
+        self.tool_waits.abandon(program_key)
+        self.tiers.discard(self.tiers.agent_key(program_key))
 
     def resume(self, req: Request, now: float) -> None:
         """Accept a react_loop agent's next step (``resume`` set) straight into the waiting set: the benches' and
@@ -995,7 +995,7 @@ class SchedulerCore:
         hold = self.config.tool_wait_announce_hold_s if self._announced else 0.0
 
         def value(entry: ParkedAgent) -> float:
-            until = self.tool_waits.protected_until(entry.req.agent_key, entry.req)
+            until = self.tool_waits.protected_until(entry.req.program_key, entry.req)
             if until is not None and now <= until:
                 return math.inf  # restored for its turn, expected by then: not evicted for waiting work
             if entry.ttl_s is None and now - entry.since < hold:
@@ -1052,7 +1052,7 @@ class SchedulerCore:
             waiting.handover_from = None
             waiting.num_computed_tokens = 0
             if self.parking.cool_handover(parked):
-                waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.agent_key), tokens
+                waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.program_key), tokens
             else:
                 waiting.recomputed_tokens += min(tokens, waiting.prompt_tokens)
 
@@ -1110,7 +1110,7 @@ class SchedulerCore:
         """A tool wait's SWAP: the parked agent's state goes to DRAM (under its agent's key) whenever a copy can
         be made; the decision priced it against recomputing (:func:`.tool_wait.decide`, the one rule of a tool
         wait's swap or drop). True when it was copied."""
-        if self._swap_out(parked, self.tiers.agent_key(parked.agent_key), decided=True):
+        if self._swap_out(parked, self.tiers.agent_key(parked.program_key), decided=True):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
         self.counters.hbm_evictions += 1  # dropped: its next step recomputes
@@ -1124,7 +1124,7 @@ class SchedulerCore:
         """
         head = self._room_for
         delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
-        key = self.tiers.agent_key(parked.agent_key)
+        key = self.tiers.agent_key(parked.program_key)
         if self._swap_out(parked, key, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
@@ -1223,8 +1223,8 @@ class SchedulerCore:
         return self.intake.deadline()
 
     def _resume_prefix(self, req: Request, now: float) -> None:
-        found = self.parking.take(req.agent_key, now)
-        self.tool_waits.on_turn(req.agent_key, now, found.warm)
+        found = self.parking.take(req.program_key, now)
+        self.tool_waits.on_turn(req.program_key, now, found.warm)
         if found.parked is not None:
             req.handover_from = found.parked
         if found.warm:
@@ -1235,7 +1235,7 @@ class SchedulerCore:
             self.counters.resumes["tool_warm"] += 1
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
-            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_key), found.prefix_tokens
+            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.program_key), found.prefix_tokens
             self.counters.hbm_misses += 1
             self.counters.resumes["tool_restored"] += 1
         else:
@@ -1246,7 +1246,7 @@ class SchedulerCore:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
                 # under the same key; swap_tokens 0 takes whatever the copy holds (a miss recomputes).
-                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.agent_key), 0
+                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.program_key), 0
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""

@@ -168,7 +168,7 @@ class FairScheduler(PriorityScheduler):
             except slack_rule.CannotMeetDeadline:
                 self.counters.refused_early[class_name(req)] += 1  # switchyard_requests_refused_early_total
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn
-                    self.forget_agent(req.agent_key)
+                    self.forget_agent(req.program_key)
                 raise
 
     def fair_key(self, req: Request, now: float) -> OrderKey:

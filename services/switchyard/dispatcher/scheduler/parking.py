@@ -57,7 +57,7 @@ class Resumed:
 
 
 class ParkedAgents:
-    """The parked agents, by ``agent_key``.
+    """The parked agents, by their task's ``program_key`` (``Request.program_key``: one agent may run several tasks).
 
     Args:
         ttl_s: seconds a parked agent's prefix state is kept (``tool_wait_ttl_s``).
@@ -85,11 +85,11 @@ class ParkedAgents:
 
     def park(self, req: Request, now: float) -> None:
         """Keep ``req``'s prefix state warm; an older parked step of the same agent is released."""
-        old = self._parked.pop(req.agent_key, None)
+        old = self._parked.pop(req.program_key, None)
         if old is not None and old.req is not req:
             self._release(old.req)
-        self._cold.pop(req.agent_key, None)
-        self._parked[req.agent_key] = ParkedAgent(req, now, int(self._kv_bytes(req)))
+        self._cold.pop(req.program_key, None)
+        self._parked[req.program_key] = ParkedAgent(req, now, int(self._kv_bytes(req)))
 
     def take(self, agent_key: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
