@@ -101,12 +101,13 @@ def test_rag_prefill_answers_take_their_static_part_from_the_prefix_cache(capsys
     assert set(report["ttft_p50_s"]) == {"without", "early"} and report["target_gain_s"] > 0
 
 
-@pytest.mark.parametrize("mode", [[], ["--policies", "fcfs"], ["--rag-prefill"]])
+@pytest.mark.parametrize("mode", [["--agents", "5", "--dram", "off"], ["--policies", "fcfs", "--dram", "off"],
+                                  ["--rag-prefill"]])
 def test_a_device_too_small_for_the_weights_is_a_usage_error_naming_hbm_gb(
         capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
     """--hbm-gb 1 leaves the modelled 7B's 13 GiB of weights no room: exit 2 with the scheduler's own reason,
     naming the flag, before anything runs (before: a ValueError traceback from inside the run)."""
-    assert agents_bench.main(["--hbm-gb", "1", "--agents", "5", "--seconds", "2", "--dram", "off", *mode]) == 2
+    assert agents_bench.main(["--hbm-gb", "1", "--seconds", "2", *mode]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("switchyard bench agents: --hbm-gb 1: memory_policy.toml [hbm] capacity_ratio")
     assert "leaves no room beside" in captured.err and captured.out == ""
@@ -157,3 +158,37 @@ def test_a_class_that_ran_no_task_shows_no_figure_not_zero(capsys: pytest.Captur
     assert agents_bench.main(["--agents", "10", "--seconds", "3", "--dram", "off", "--mix", "100/0/0", "--json"]) == 0
     per_class = json.loads(capsys.readouterr().out)["per_class_p95_s"]
     assert per_class["normal"] == {"ttft": None, "task_completion": None} and per_class["core"]["ttft"] > 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rag-prefill", "--stack"], "--stack: applies to --policies only, not to this run (--rag-prefill)"),
+    (["--stack", "--agents", "3"], "--stack: applies to --policies only, not to this run (the agents load"),
+    (["--policies", "fcfs", "--agents", "5"], "--agents: applies to the agents load"),
+    (["--policies", "fcfs", "--think", "0.1-0.2"], "--think: applies to the agents load"),
+    (["--rag-prefill", "--dram", "off"], "--dram: applies to the agents load (neither --policies nor --rag-prefill) "
+                                         "or --policies only, not to this run (--rag-prefill)"),
+    (["--rag-rate", "3"], "--rag-rate: applies to --rag-prefill only"),
+    (["--policies", "fcfs", "--retrieval-s", "0.5"], "--retrieval-s: applies to --rag-prefill only"),
+    (["--rag-prefill", "--policies", "fcfs"], "--rag-prefill and --policies: expected one of them"),
+    (["--policies", "fcfs", "--stack-engine", "openai"], "--stack-engine openai: applies with --stack only"),
+])
+def test_an_option_the_run_does_not_read_is_refused_naming_it(
+        capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    """Each run reads its own options; one given to another run did nothing and the run went on, silently:
+    --rag-prefill --stack printed the simulated clock's figures, --stack without --policies ran the agents load,
+    --stack-engine openai without --stack the simulated clock. Exit 2 naming the option, before anything runs."""
+    assert agents_bench.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("switchyard bench agents: ") and says in captured.err, captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("flag", ["--seconds", "--rag-rate", "--retrieval-s", "--load-scale", "--tool-time-scale",
+                                  "--hbm-gb", "--drain-limit"])
+def test_an_infinite_number_is_refused(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """--rag-prefill --rag-rate inf drew every arrival at time 0 and never reached the load window's end: the run
+    hung, growing without bound. Every number > 0 is finite too."""
+    with pytest.raises(SystemExit) as exit_:
+        agents_bench.main([flag, "inf"])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected a finite number > 0, got 'inf'" in capsys.readouterr().err

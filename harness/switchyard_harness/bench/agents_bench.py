@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import random
 import sys
 import time
@@ -437,8 +438,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 def _positive(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not (math.isfinite(value) and value > 0):  # inf: a load window or rate no run ends
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -476,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     policies = parser.add_argument_group(
         "scheduling policies", "--policies compares scheduling policies on one tenant workload instead "
-        "(switchyard_harness.bench.program_policies: every policy on the real scheduler); --agents and --out do not "
-        "apply there")
+        "(switchyard_harness.bench.program_policies: every policy on the real scheduler); --agents, --think and --out "
+        "do not apply there (refused), nor these options without it")
     policies.add_argument("--policies", help="comma-separated policies, or all: " + ", ".join(POLICY_NAMES))
     policies.add_argument("--tenant-agents", type=int, default=10, help="agents of each of the 9 quiet tenants (10)")
     policies.add_argument("--noisy-agents", type=int, default=100, help="agents of the noisy tenant, long tools (100)")
@@ -498,17 +499,57 @@ def build_parser() -> argparse.ArgumentParser:
                           "below 1 for a quicker run)")
     rag = parser.add_argument_group(
         "rag_answer early prefill", "--rag-prefill runs rag_answer tasks without and with the early prefill of their "
-        "static part instead (switchyard_harness.bench.rag_prefill); --seconds and --seed apply")
+        "static part instead (switchyard_harness.bench.rag_prefill); --seconds, --seed, --hbm-gb, --config-dir and "
+        "--json apply, the other options are refused")
     rag.add_argument("--rag-prefill", action="store_true", help="rag_answer TTFT with and without early prefill")
     rag.add_argument("--rag-rate", type=_positive, default=4.0, help="rag_answer tasks per second (4)")
     rag.add_argument("--retrieval-s", type=_positive, default=0.2, help="retrieval's median seconds (0.2)")
     return parser
 
 
+MODES = {"agents": "the agents load (neither --policies nor --rag-prefill)", "policies": "--policies",
+         "rag": "--rag-prefill"}
+"""The runs one ``bench agents`` makes, and how each is asked for."""
+APPLIES: dict[str, tuple[str, ...]] = {
+    "agents": ("agents",), "out": ("agents",), "think": ("agents",),
+    "mix": ("agents", "policies"), "prompt_tokens": ("agents", "policies"), "tool_calls": ("agents", "policies"),
+    "call_tokens": ("agents", "policies"), "result_tokens": ("agents", "policies"),
+    "answer_tokens": ("agents", "policies"), "drain_limit": ("agents", "policies"), "dram": ("agents", "policies"),
+    "tenant_agents": ("policies",), "noisy_agents": ("policies",), "load_scale": ("policies",),
+    "double_load": ("policies",), "stack": ("policies",), "stack_engine": ("policies",),
+    "tool_time_scale": ("policies",),
+    "rag_rate": ("rag",), "retrieval_s": ("rag",),
+}
+"""Each option that only some runs read -> those runs (--config-dir, --seconds, --seed, --hbm-gb and --json: all)."""
+
+
+def _misplaced(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """Why ``args`` asks for an option the run it makes does not read (set to other than its default), or two
+    runs at once; None when it does not. Such an option did nothing, silently: ``--rag-prefill --stack`` ran the
+    simulated clock, ``--stack`` without ``--policies`` the agents load."""
+    if args.rag_prefill and args.policies:
+        return "--rag-prefill and --policies: expected one of them (each is a run of its own)"
+    mode = "rag" if args.rag_prefill else "policies" if args.policies else "agents"
+    defaults = vars(parser.parse_args([]))  # as parsed: each default through its option's type
+    given = vars(args)
+    for dest, modes in APPLIES.items():
+        if mode not in modes and given[dest] != defaults[dest]:
+            wanted = " or ".join(MODES[m] for m in modes)
+            return f"--{dest.replace('_', '-')}: applies to {wanted} only, not to this run ({MODES[mode]})"
+    if args.stack_engine != defaults["stack_engine"] and not args.stack:
+        return (f"--stack-engine {args.stack_engine}: applies with --stack only (the simulated clock has no engine "
+                "to pick)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (2: bad config or arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = _misplaced(parser, args)
+    if problem is not None:
+        print(f"switchyard bench agents: {problem}", file=sys.stderr)
+        return 2
     if args.out and not (args.rag_prefill or args.policies):  # now, not after the run
         outputs.refuse_unwritable(parser, ("--out", args.out), ("--out's PNG", Path(args.out).with_suffix(".png")))
     if args.rag_prefill:
