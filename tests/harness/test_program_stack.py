@@ -59,7 +59,8 @@ def test_the_openai_engine_in_front_of_sim_openai_serves_the_same_workload(capsy
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["tasks_completed"] > 0 and row["unfinished_tasks"] == 0 and row["refused_early"] == 0, row
     assert sum(row["tool_wait_decisions"].values()) > 0, "no step ended in a tool call"
-    assert row["warm_resumes"] is None and row["hbm_idle_gb_s"] == 0, row
+    # not measured, shown as no figure (it read HBM idle 0 and 0 tokens recomputed, as if measured)
+    assert row["warm_resumes"] is None and row["hbm_idle_gb_s"] is None and row["recomputed_tokens"] is None, row
     assert row["throughput_tokens_per_s"] > 0 and row["generated_tokens"] > 0, row
 
 

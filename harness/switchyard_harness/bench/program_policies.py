@@ -345,8 +345,10 @@ class PolicyResult:
     tenant_progress: dict[str, list[float]] = field(default_factory=dict)
     agent_progress: dict[str, list[float]] = field(default_factory=dict)
     resumes: dict[str, int] = field(default_factory=lambda: {"warm": 0, "restored": 0, "recomputed": 0})
-    recomputed_tokens: int = 0
-    idle_byte_s: float = 0.0
+    recomputed_tokens: int | None = 0
+    idle_byte_s: float | None = 0.0
+    """Parked KV bytes x seconds (HBM held idle). This and ``recomputed_tokens``: None where not measured (an
+    upstream's stream engine: its KV is not seen here)."""
     generated: int = 0
     missed_deadline: int = 0
     refused_early: int = 0
@@ -762,7 +764,7 @@ def summarize(result: PolicyResult) -> dict[str, Any]:
         "preemptions": result.preemptions,
         "engine_busy_s": round(result.busy_s, 2),
         "restore_stall_s": None if result.stall_s is None else round(result.stall_s, 2),
-        "hbm_idle_gb_s": round(result.idle_byte_s / 1e9, 1),
+        "hbm_idle_gb_s": None if result.idle_byte_s is None else round(result.idle_byte_s / 1e9, 1),
         "missed_deadline": result.missed_deadline,
         "refused_early": result.refused_early,
         "tool_wait_decisions": dict(result.decisions),
@@ -809,6 +811,11 @@ def capacity_scale(workload: Workload, config: SwitchyardConfig, dram: DramTierC
     return held, sweep
 
 
+def _figure(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``; "-" where it was not measured (None), not a 0 that reads as measured."""
+    return "-" if value is None else format(value, spec)
+
+
 def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardConfig, *,
            at_double: list[dict[str, Any]] | None = None, held: float | None = None,
            sweep: list[dict[str, Any]] | None = None, clock: str = SIMULATED_CLOCK) -> str:
@@ -844,8 +851,8 @@ def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardCon
             f"{r['policy']:<15}{r['task_completion_p50_s']:>8.1f}{r['task_completion_p95_s']:>8.1f}{pc['core']:>7.1f}"
             f"{pc['normal']:>8.1f}{pc['batch']:>7.1f}{r['throughput_tokens_per_s']:>8.0f}"
             f"{(f'{100 * slo:.1f}%' if slo is not None else '-'):>9}{r['jain_tenants']:>9.3f}{r['jain_agents']:>9.3f}"
-            f"{(f'{100 * warm:.1f}' if warm is not None else '-'):>8}{r['recomputed_tokens']:>11}"
-            f"{r['hbm_idle_gb_s']:>14.0f}{r['missed_deadline']:>7}{r['refused_early']:>8}{r['slowdown_p95']:>11.2f}{r['unfinished_tasks']:>6}")
+            f"{(f'{100 * warm:.1f}' if warm is not None else '-'):>8}{_figure(r['recomputed_tokens'], 'd'):>11}"
+            f"{_figure(r['hbm_idle_gb_s'], '.0f'):>14}{r['missed_deadline']:>7}{r['refused_early']:>8}{r['slowdown_p95']:>11.2f}{r['unfinished_tasks']:>6}")
     by = {r["policy"]: r for r in rows}
     ours = by.get("switchyard")
     if ours:
@@ -868,7 +875,7 @@ def render(rows: list[dict[str, Any]], workload: Workload, config: SwitchyardCon
             lines.append(f"task completion P95 switchyard / best anchor ({best['policy']}): "
                          f"{ours['task_completion_p95_s'] / best['task_completion_p95_s']:.3f} (target <= 0.8)")
         ttl = by.get("continuum")
-        if ttl and ttl["hbm_idle_gb_s"]:
+        if ttl and ttl["hbm_idle_gb_s"] and ours["hbm_idle_gb_s"] is not None:
             lines.append(f"HBM held idle switchyard / fixed TTL (continuum): {ours['hbm_idle_gb_s'] / ttl['hbm_idle_gb_s']:.3f} "
                          f"(target <= 0.5), warm resumes {100 * (ours['warm_resumes'] or 0):.1f} % (target >= 90 %)")
         if fcfs:

@@ -338,6 +338,8 @@ class StackPolicyRun(PolicyRun):
             result.prefetch_returns[timing] += n
         served: dict[str, tuple[int, int]] = figures["served"]
         result.recomputed_tokens = sum(recomputed for recomputed, _ in served.values())
+        if self.engine != "sim":  # the upstream's KV is not seen: nothing parked or recomputed is measured here
+            result.idle_byte_s = result.recomputed_tokens = None
         for request_id, decision in self.steps:
             self._count_resume(decision, *served.get(request_id, (0, 0)))
 
