@@ -216,4 +216,5 @@ def test_switchyard_run_refuses_a_timeout_that_is_not_a_finite_positive_number(c
     with pytest.raises(SystemExit) as exited:
         run_main(["--addr", "127.0.0.1:1", "--timeout", value, "hello"])
     assert exited.value.code == 2
-    assert "--timeout: expected a finite number of seconds > 0" in capsys.readouterr().err
+    assert f"--timeout: expected seconds > 0, at most 1e+09 (gRPC's deadline overflows past it), got {float(value):g}" \
+        in capsys.readouterr().err

@@ -32,6 +32,42 @@ async def test_its_own_timeout_running_out_is_named_with_the_flag_to_raise(capsy
     assert "this command's --timeout (0.3 s) ran out before the task ended; raise it" in err, err
 
 
+class _Quick(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self) -> None:
+        self.time_left: list[float | None] = []
+
+    async def RunTask(self, request, context):
+        self.time_left.append(context.time_remaining())
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))
+        yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(finish_reason="stop"))
+
+
+async def test_a_timeout_past_what_a_grpc_deadline_holds_is_refused_before_the_call(capsys):
+    """gRPC's deadline overflows past about 7e9 s from now, and the call failed at once DEADLINE_EXCEEDED ('this
+    command's --timeout (1e+10 s) ran out'); at most MAX_CALL_TIMEOUT_S is taken, and serves."""
+    from switchyard.common.channels import MAX_CALL_TIMEOUT_S
+
+    servicer = _Quick()
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        code = await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--timeout",
+                                                  f"{MAX_CALL_TIMEOUT_S:g}", "hello"])
+        assert code == 0, capsys.readouterr().err
+        assert servicer.time_left[0] > 1e7  # a deadline went out (gRPC's wire form caps what the server sees)
+        for huge in ("1e10", "1e300"):
+            with pytest.raises(SystemExit) as caught:
+                await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--timeout", huge, "hello"])
+            assert caught.value.code == 2
+            assert f"--timeout: expected seconds > 0, at most 1e+09 (gRPC's deadline overflows past it), got " \
+                   f"{float(huge):g}" in capsys.readouterr().err
+    finally:
+        await server.stop(None)
+    assert len(servicer.time_left) == 1  # the refused ones never called
+
+
 _ESC = "\x1b]0;owned\x07\x1b[2J"
 """An OSC window title and a clear-screen: what a model's output (or a quoted document) can carry."""
 

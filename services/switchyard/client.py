@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import re
 import sys
 
@@ -19,7 +18,7 @@ import grpc
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
 from switchyard.common.client_token import TokenError, bearer_token
-from switchyard.common.channels import open_channel
+from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
 from switchyard.common.errors import InvalidArgument
@@ -178,8 +177,9 @@ def main(argv: list[str]) -> int:
                         help="variable holding the bearer token to send, when the orchestrator requires one "
                              "(default SWITCHYARD_AUTH_TOKEN; never given on the command line)")
     args = parser.parse_args(argv)
-    if not 0 < args.timeout < math.inf:  # NaN fails it too
-        parser.error(f"--timeout: expected a finite number of seconds > 0, got {args.timeout}")
+    if not 0 < args.timeout <= MAX_CALL_TIMEOUT_S:  # NaN fails it too; a larger one failed at once, DEADLINE_EXCEEDED
+        parser.error(f"--timeout: expected seconds > 0, at most {MAX_CALL_TIMEOUT_S:g} (gRPC's deadline overflows "
+                     f"past it), got {args.timeout:g}")
     address = args.addr
     if address is not None and (problem := address_problem(address)):
         parser.error(f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {address!r} "

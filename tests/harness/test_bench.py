@@ -358,6 +358,8 @@ def test_ghz_connection_flags_are_checked(capsys):
         (["run", "-m", "[1]"], "JSON object of strings"),
         (["run", "--insecure", "--cacert", "ca.pem"], "choose plain text or TLS"),
         (["run", "--timeout=-1"], "--timeout: expected a value >= 0 (0: no deadline per call), got -1"),
+        (["run", "--timeout=1e10"], "--timeout: expected at most 1e+09 s (gRPC's deadline overflows past it; 0: no "
+                                    "deadline per call), got 1e+10"),  # every call failed at once, DEADLINE_EXCEEDED
         (["run", "--rps=-2"], "--rps: expected a value >= 0"),
     ]:
         with pytest.raises(SystemExit) as exit_:

@@ -34,7 +34,7 @@ import grpc
 
 from switchyard.api import agent_pb2_grpc
 from switchyard_harness.bench.calldata import priority_name, request_for
-from switchyard.common.channels import open_channel
+from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
 from switchyard.common.children import die_with_parent
 from switchyard.common.config import ServerConfig, TlsConfig
 from switchyard.common.grpc_target import address_problem
@@ -102,6 +102,9 @@ class LoadPlan:
         for flag, value in (("--rps", self.rps), ("--duration", self.duration_s), ("--timeout", self.timeout_s)):
             if not value >= 0:  # NaN too
                 raise ValueError(f"{flag}: expected a value >= 0 (0: {_ZERO[flag]}), got {value:g}")
+        if self.timeout_s > MAX_CALL_TIMEOUT_S:  # every call failed at once, DEADLINE_EXCEEDED
+            raise ValueError(f"--timeout: expected at most {MAX_CALL_TIMEOUT_S:g} s (gRPC's deadline overflows past "
+                             f"it; 0: {_ZERO['--timeout']}), got {self.timeout_s:g}")
         if self.procs < 1:
             raise ValueError(f"procs must be >= 1, got {self.procs}")
 

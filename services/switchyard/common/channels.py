@@ -58,6 +58,12 @@ ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 """gRPC service config selecting the round_robin policy (gRFC A24 ``loadBalancingConfig``)."""
 
 
+MAX_CALL_TIMEOUT_S = 1e9
+"""Longest timeout a caller may give one gRPC call, seconds (about 31 years). gRPC holds a deadline as int64
+nanoseconds of its clock: past about 7e9 s from now it overflows, and the call fails at once with
+DEADLINE_EXCEEDED; the commands that take a timeout refuse one above this."""
+
+
 MAX_RECONNECT_BACKOFF_MS = 2000
 """Longest wait between reconnection attempts to one address (gRPC's default is 120 s)."""
 
