@@ -170,6 +170,11 @@ def test_sim_openai_cli_rejects_bad_flags(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         sim_openai.main(["--api-key-env", "SIM_KEY_UNSET"])
     assert "SIM_KEY_UNSET" in capsys.readouterr().err
+    for port in ("-1", "70000"):  # bind()'s OverflowError was a traceback
+        with pytest.raises(SystemExit) as caught:
+            sim_openai.main(["--port", port])
+        assert caught.value.code == 2
+        assert f"--port: expected 0 (any free port) to 65535, got {port}" in capsys.readouterr().err
 
 
 def test_sim_openai_names_a_bad_config_dir_and_exits_2_without_a_traceback(tmp_path, capsys):

@@ -701,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
         owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field), max_model_len=args.max_model_len,
         max_running=args.max_running, kv_tokens=args.kv_tokens, prefix_caching=not args.no_prefix_caching,
     )
+    if not 0 <= args.port <= 65535:  # bind() raised OverflowError, a traceback
+        parser.error(f"--port: expected 0 (any free port) to 65535, got {args.port}")
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
