@@ -48,3 +48,21 @@ def test_skewed_simulation_bounds_calls_in_flight():
     assert bounded.hit_rate > 0.4 and placed.hit_rate == 1.0
     with pytest.raises(ValueError, match="hot_share"):
         route.simulate_skew("in_flight_bound", route.SkewParams(hot_share=1.5))
+
+
+def test_values_out_of_range_are_refused_naming_the_flag_never_a_traceback(capsys, tmp_path) -> None:
+    """--balance nan/inf were ValueError and OverflowError tracebacks, --vnodes 0 the ring's ValueError past the
+    parser, --zipf nan random's; --duration inf simulated forever."""
+    outputs = ["--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+    for argv, words in (
+        (["--balance", "nan"], "balance: expected a finite number > 1, got nan"),
+        (["--balance", "inf"], "balance: expected a finite number > 1, got inf"),
+        (["--vnodes", "0"], "vnodes: expected at least 1, got 0"),
+        (["--duration", "inf"], "duration: expected a finite number of seconds > 0, got inf"),
+        (["--zipf", "nan"], "zipf_s: expected a finite exponent >= 0, got nan"),
+        (["--skew-rate", "inf"], "rate: expected a finite number of calls/s > 0, got inf"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            route.main(["--replicas", "4", "--agents", "10", *argv, *outputs])
+        assert caught.value.code == 2 and words in capsys.readouterr().err, argv
+    assert not (tmp_path / "r.json").exists()

@@ -48,3 +48,22 @@ def test_sched_bench_swaps_preempted_kv_through_redis_instead_of_recomputing(
 def test_sched_bench_rejects_a_bad_mix() -> None:
     with pytest.raises(SystemExit):
         sched_bench.main(["--mix", "20/80"])
+
+
+def test_sched_and_agents_refuse_a_load_that_never_ends_or_a_capacity_run_of_no_task(capsys) -> None:
+    """--seconds inf (or nan) simulated forever with no output; --calibration 0 divided by zero. Both are
+    refused as argparse refuses a bad flag, naming it, exit 2."""
+    from switchyard_harness.bench import agents_bench
+
+    for main, argv, words in (
+        (sched_bench.main, ["--seconds", "inf", "--dram", "off"], "argument --seconds: expected a finite number > 0, "
+                                                                  "got 'inf'"),
+        (sched_bench.main, ["--overload", "nan", "--dram", "off"], "argument --overload: expected a finite number"),
+        (sched_bench.main, ["--calibration", "0", "--dram", "off"], "argument --calibration: expected a whole "
+                                                                    "number >= 1, got '0'"),
+        (agents_bench.main, ["--seconds", "inf", "--dram", "off"], "argument --seconds: expected a finite number"),
+        (agents_bench.main, ["--hbm-gb", "nan", "--dram", "off"], "argument --hbm-gb: expected a finite number"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        assert caught.value.code == 2 and words in capsys.readouterr().err, argv

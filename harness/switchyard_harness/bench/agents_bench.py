@@ -64,6 +64,7 @@ from switchyard_harness.bench.sched_bench import (
     _dram_tier,
     _mix,
     _pair,
+    _positive,
     kv_store,
     percentile,
     quiet_score_log,
@@ -434,13 +435,6 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):  # inf: a load window or rate no run ends
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def _seconds_range(text: str) -> tuple[float, float]:

@@ -96,6 +96,14 @@ class RouteParams:
             raise ValueError(f"replicas: expected at least 2, got {self.replicas}")
         if self.agents < 1:
             raise ValueError(f"agents: expected at least 1, got {self.agents}")
+        if not 0 < self.duration_s < math.inf:  # inf simulated forever; nan read as no time at all
+            raise ValueError(f"duration: expected a finite number of seconds > 0, got {self.duration_s}")
+        if not 1 < self.balance < math.inf:  # nan and inf were ValueError and OverflowError tracebacks
+            raise ValueError(f"balance: expected a finite number > 1, got {self.balance}")
+        if self.vnodes < 1:  # BoundedLoadRing's ValueError, raised past the parser: a traceback
+            raise ValueError(f"vnodes: expected at least 1, got {self.vnodes}")
+        if not 0 < self.dram_gb < math.inf:
+            raise ValueError(f"dram_gb: expected a finite number of GB > 0, got {self.dram_gb}")
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"warmup_s: expected 0 <= warmup < duration ({self.duration_s}), got {self.warmup_s}")
         if self.routers < 1:
@@ -419,8 +427,10 @@ class SkewParams:
             raise ValueError(f"agents: expected at least 2, got {self.agents}")
         if not 0 <= self.hot_share < 1:
             raise ValueError(f"hot_share: expected a fraction in [0, 1), got {self.hot_share}")
-        if self.rate <= 0:
-            raise ValueError(f"rate: expected calls/s > 0, got {self.rate}")
+        if not 0 < self.rate < math.inf:  # nan simulated no call; inf none at all past the first
+            raise ValueError(f"rate: expected a finite number of calls/s > 0, got {self.rate}")
+        if not 0 <= self.zipf_s < math.inf:  # nan was "ValueError: Total of weights must be finite", a traceback
+            raise ValueError(f"zipf_s: expected a finite exponent >= 0, got {self.zipf_s}")
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"warmup_s: expected 0 <= warmup < duration ({self.duration_s}), got {self.warmup_s}")
 
@@ -649,8 +659,6 @@ def main(argv: list[str]) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
         params.check()
-        if args.balance <= 1:
-            raise ValueError(f"balance: expected > 1, got {args.balance}")
         unknown = [p for p in policies if p not in POLICIES]
         if unknown or not policies:
             raise ValueError(f"policies: expected some of {', '.join(POLICIES)}, got {args.policies!r}")

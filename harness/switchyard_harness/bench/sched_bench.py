@@ -488,9 +488,28 @@ def _mix(text: str) -> tuple[float, float, float]:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    """argparse type of a finite number > 0 (an infinite load window or rate simulated forever, no output).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or nan, inf or <= 0 (the message names the value).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type of a whole number >= 1 (0 tasks in the capacity run divided by zero)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
 
 
@@ -510,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)"
     )
     parser.add_argument("--output-tokens", type=_pair, default=(32, 160), help="output length range (default 32-160)")
-    parser.add_argument("--calibration", type=int, default=200, help="tasks in the capacity run (default 200)")
+    parser.add_argument("--calibration", type=_count, default=200, help="tasks in the capacity run (default 200)")
     parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
