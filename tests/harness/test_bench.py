@@ -357,10 +357,15 @@ def test_ghz_connection_flags_are_checked(capsys):
         (["run", "--cert", "c.pem", "--key", "k.pem"], "give --cacert too"),
         (["run", "-m", "[1]"], "JSON object of strings"),
         (["run", "--insecure", "--cacert", "ca.pem"], "choose plain text or TLS"),
-        (["run", "--timeout=-1"], "--timeout: expected a value >= 0 (0: no deadline per call), got -1"),
+        (["run", "--timeout=-1"], "--timeout: expected a finite value >= 0 (0: no deadline per call), got -1"),
         (["run", "--timeout=1e10"], "--timeout: expected at most 1e+09 s (gRPC's deadline overflows past it; 0: no "
                                     "deadline per call), got 1e+10"),  # every call failed at once, DEADLINE_EXCEEDED
-        (["run", "--rps=-2"], "--rps: expected a value >= 0"),
+        (["run", "--rps=-2"], "--rps: expected a finite value >= 0"),
+        (["run", "--rps=inf"], "--rps: expected a finite value >= 0 (0: unpaced), got inf"),  # an OverflowError
+        (["run", "--duration=1e999"], "--duration: expected a finite value >= 0"),
+        (["fault", "--duration=inf"], "--duration: expected a finite number of seconds > 0, got inf"),  # no end
+        (["fault", "--dispatchers=65"], "--dispatchers: expected 2 (one is killed) to 64, got 65"),
+        (["fault", "--concurrency=0"], "--concurrency: expected at least 1, got 0"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)

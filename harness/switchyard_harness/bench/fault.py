@@ -24,6 +24,7 @@ Needs the retrieval index (``make index``, or ``--index-dir``), as ``switchyard 
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import os
 import signal
@@ -223,8 +224,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
     outputs.refuse_unwritable(parser, ("--json", args.json))  # now, not after the run
-    if args.dispatchers < 2:
-        parser.error(f"--dispatchers: expected at least 2 (one is killed), got {args.dispatchers}")
+    if not 2 <= args.dispatchers <= 64:  # switchyard up's bound
+        parser.error(f"--dispatchers: expected 2 (one is killed) to 64, got {args.dispatchers}")
+    if not 0 < args.duration < math.inf:  # inf loaded forever; nan read as no load
+        parser.error(f"--duration: expected a finite number of seconds > 0, got {args.duration}")
+    for flag, value, least in (("--concurrency", args.concurrency, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--submit", args.submit, 0)):
+        if value < least:
+            parser.error(f"{flag}: expected at least {least}, got {value}")
     if not 0 < args.kill_at < args.duration:
         parser.error(f"--kill-at: expected between 0 and --duration ({args.duration}), got {args.kill_at}")
     stack = UpProcess(args.index_dir, args=("--dispatchers", str(args.dispatchers)))

@@ -100,8 +100,8 @@ class LoadPlan:
         if self.duration_s <= 0 and self.total < self.concurrency:
             raise ValueError(f"total ({self.total}) cannot be smaller than concurrency ({self.concurrency})")
         for flag, value in (("--rps", self.rps), ("--duration", self.duration_s), ("--timeout", self.timeout_s)):
-            if not value >= 0:  # NaN too
-                raise ValueError(f"{flag}: expected a value >= 0 (0: {_ZERO[flag]}), got {value:g}")
+            if not 0 <= value < math.inf:  # NaN too; --rps inf was an OverflowError traceback
+                raise ValueError(f"{flag}: expected a finite value >= 0 (0: {_ZERO[flag]}), got {value:g}")
         if self.timeout_s > MAX_CALL_TIMEOUT_S:  # every call failed at once, DEADLINE_EXCEEDED
             raise ValueError(f"--timeout: expected at most {MAX_CALL_TIMEOUT_S:g} s (gRPC's deadline overflows past "
                              f"it; 0: {_ZERO['--timeout']}), got {self.timeout_s:g}")
