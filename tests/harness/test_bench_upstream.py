@@ -109,6 +109,21 @@ def test_a_set_of_what_the_run_sets_itself_is_refused(item: str, capsys: pytest.
     assert caught.value.code == 2 and f"--set: {item.partition('=')[0]} is the run's own" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--phase-s", "nan"], "--phase-s: expected a finite number of seconds > 0, got nan"),
+    (["--phase-s", "inf"], "--phase-s: expected a finite number of seconds > 0, got inf"),
+    (["--settle-s", "nan"], "--settle-s: expected a finite number of seconds >= 0, got nan"),
+    (["--max-tokens", "0"], "--max-tokens: expected at least 1, got 0"),
+])
+def test_a_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, capsys) -> None:
+    """nan passed the old `<= 0` checks (and inf, a phase that never ended); the refusal named every flag at once."""
+    from switchyard_harness.bench import upstream
+
+    with pytest.raises(SystemExit) as caught:
+        upstream.main([*argv, "--config-dir", "config"])
+    assert caught.value.code == 2 and words in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_stack_gets_its_own_redis_and_takes_documented_set_keys(tmp_path) -> None:
     """A short run against sim-openai with --set model_gateway.concurrency.initial_limit=2 (before: refused,

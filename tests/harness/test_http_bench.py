@@ -74,6 +74,22 @@ def test_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys):
     assert f"--token-file {tmp_path / 'missing'}: cannot read it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--rps", "nan"], "--rps: expected a finite number of calls/s > 0, got nan"),
+    (["--rps", "inf"], "--rps: expected a finite number of calls/s > 0, got inf"),
+    (["--duration", "-1"], "--duration: expected a finite number of seconds > 0, got -1.0"),
+    (["--stream-seconds", "inf"], "--stream-seconds: expected a finite number of seconds > 0, got inf"),
+    (["--profile-seconds", "nan"], "--profile-seconds: expected a finite number of seconds >= 1, got nan"),
+    (["--streams", "0"], "--streams: expected at least 1, got 0"),
+])
+def test_a_rate_or_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, capsys):
+    """nan passed the old `<= 0` checks and --duration, --stream-seconds went unchecked (inf never ended); the
+    refusal named every flag at once and no value."""
+    with pytest.raises(SystemExit) as exit_:
+        http_bench.main(argv)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
 async def test_the_tasks_a_submit_phase_left_unfinished_are_cancelled_and_reported(tmp_path, capsys):
     """Before: the submit phases' tasks (react_loop, 512 tokens: 2,000 of them at the reference rate) stayed in the
     orchestrator's backlog, so the stream and profile phases of the same command ran beside them (SSE / gRPC 0.870

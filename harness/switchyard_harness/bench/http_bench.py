@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -388,8 +389,18 @@ def main(argv: list[str]) -> int:
     unknown = set(args.phases.split(",")) - {"submit", "grpc-submit", "stream", "profile"}
     if unknown:
         parser.error(f"--phases: expected submit, grpc-submit, stream and/or profile (got {', '.join(sorted(unknown))})")
-    if args.rps <= 0 or args.concurrency < 1 or args.streams < 1 or args.rounds < 1 or args.profile_seconds < 1:
-        parser.error("--rps, --concurrency, --streams and --rounds must be positive, --profile-seconds at least 1")
+    for flag, value, ok, what in (  # nan passed `<= 0`, and inf (or a negative time) never ended or never began
+        ("--rps", args.rps, 0 < args.rps < math.inf, "a finite number of calls/s > 0"),
+        ("--concurrency", args.concurrency, args.concurrency >= 1, "at least 1"),
+        ("--duration", args.duration, 0 < args.duration < math.inf, "a finite number of seconds > 0"),
+        ("--streams", args.streams, args.streams >= 1, "at least 1"),
+        ("--stream-seconds", args.stream_seconds, 0 < args.stream_seconds < math.inf, "a finite number of seconds > 0"),
+        ("--rounds", args.rounds, args.rounds >= 1, "at least 1"),
+        ("--profile-seconds", args.profile_seconds, 1 <= args.profile_seconds < math.inf,
+         "a finite number of seconds >= 1"),
+    ):
+        if not ok:
+            parser.error(f"{flag}: expected {what}, got {value}")
     try:
         args.token = bearer_token(args.token_file, args.token_env)
     except TokenError as exc:

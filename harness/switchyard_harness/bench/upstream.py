@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -554,8 +555,14 @@ def main(argv: list[str]) -> int:
                         "HOST:PORT of a Redis to use, or off (no agent memory, no KV swap)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
-    if args.phase_s <= 0 or args.rounds < 1 or args.settle_s < 0 or args.max_tokens < 1:
-        parser.error("--phase-s and --max-tokens must be > 0, --rounds >= 1, --settle-s >= 0")
+    for flag, value, ok, what in (  # nan passed `<= 0`, and inf never ended
+        ("--phase-s", args.phase_s, 0 < args.phase_s < math.inf, "a finite number of seconds > 0"),
+        ("--rounds", args.rounds, args.rounds >= 1, "at least 1"),
+        ("--settle-s", args.settle_s, 0 <= args.settle_s < math.inf, "a finite number of seconds >= 0"),
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+    ):
+        if not ok:
+            parser.error(f"{flag}: expected {what}, got {value}")
     try:
         args.overrides = parse_settings(args.set)
         base = load_config(args.config_dir)
