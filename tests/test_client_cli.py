@@ -35,9 +35,11 @@ async def test_its_own_timeout_running_out_is_named_with_the_flag_to_raise(capsy
 class _Quick(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self) -> None:
         self.time_left: list[float | None] = []
+        self.authorization: list[str] = []
 
     async def RunTask(self, request, context):
         self.time_left.append(context.time_remaining())
+        self.authorization.append(dict(context.invocation_metadata()).get("authorization", ""))
         yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))
         yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(finish_reason="stop"))
 
@@ -66,6 +68,27 @@ async def test_a_timeout_past_what_a_grpc_deadline_holds_is_refused_before_the_c
     finally:
         await server.stop(None)
     assert len(servicer.time_left) == 1  # the refused ones never called
+
+
+async def test_token_file_sends_the_files_token_over_the_variable(tmp_path, monkeypatch, capsys):
+    """switchyard run takes --token-file as profile, bench http and the locustfile do (the README said so; it
+    answered 'unrecognized arguments: --token-file')."""
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-from-variable")
+    (tmp_path / "token").write_text("tok-from-file\n")
+    servicer = _Quick()
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        for extra in ([], ["--token-file", str(tmp_path / "token")]):
+            assert await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", *extra, "hello"]) == 0
+        assert await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--token-file",
+                                                  str(tmp_path / "absent"), "hello"]) == 2
+    finally:
+        await server.stop(None)
+    assert servicer.authorization == ["Bearer tok-from-variable", "Bearer tok-from-file"]
+    assert f"--token-file {tmp_path / 'absent'}: cannot read it" in capsys.readouterr().err
 
 
 _ESC = "\x1b]0;owned\x07\x1b[2J"

@@ -17,7 +17,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, config_folder, load_config
-from switchyard.common.client_token import TokenError, bearer_token
+from switchyard.common.client_token import TokenError, add_token_options, bearer_token
 from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.common.cli_text import parser_for
@@ -173,9 +173,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task-id", default="", help="the task's id (default: one the orchestrator makes)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event")
-    parser.add_argument("--token-env", default="SWITCHYARD_AUTH_TOKEN",
-                        help="variable holding the bearer token to send, when the orchestrator requires one "
-                             "(default SWITCHYARD_AUTH_TOKEN; never given on the command line)")
+    add_token_options(parser)  # --token-file and --token-env, as profile, bench http and the locustfile take them
     args = parser.parse_args(argv)
     if not 0 < args.timeout <= MAX_CALL_TIMEOUT_S:  # NaN fails it too; a larger one failed at once, DEADLINE_EXCEEDED
         parser.error(f"--timeout: expected seconds > 0, at most {MAX_CALL_TIMEOUT_S:g} (gRPC's deadline overflows "
@@ -212,7 +210,7 @@ def main(argv: list[str]) -> int:
     else:
         on_event = HumanPrinter()
     try:
-        token = bearer_token(None, args.token_env)
+        token = bearer_token(args.token_file, args.token_env)
     except TokenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
