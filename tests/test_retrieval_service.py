@@ -213,6 +213,21 @@ def test_an_out_that_is_no_folder_is_refused_before_the_work(tmp_path, capsys):
     assert blocker.read_text() == "x"
 
 
+def test_a_binary_file_is_refused_naming_it_before_the_work(tmp_path, capsys):
+    """A PDF given by name, or a .txt of binary bytes in a folder, was indexed as passages of U+FFFD garbage."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\ntext\n")
+    (tmp_path / "docs" / "dump.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\x00")
+    for path, offset in ((tmp_path / "paper.pdf", 22), (tmp_path / "docs", 8)):
+        assert index_main([str(path), "--out", str(tmp_path / "index"), "--config-dir", str(CONFIG_DIR),
+                           "--no-progress"]) == 2
+        shown = path / "dump.txt" if path.is_dir() else path
+        assert f"{shown}: a binary file (a NUL byte at offset {offset}); expected text, Markdown or rst" \
+            in capsys.readouterr().err
+    assert not (tmp_path / "index" / "manifest.json").exists()
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -61,8 +61,13 @@ def file_document(path: Path) -> Document:
 
     Raises:
         OSError: the file cannot be read.
+        ValueError: the file holds a NUL byte: a binary file (a PDF, an image, an archive), whose bytes would be
+            indexed as garbage passages (the message names the file and the byte's offset).
     """
-    text = path.read_text(encoding="utf-8", errors="replace")
+    data = path.read_bytes()
+    if (nul := data.find(b"\0")) >= 0:
+        raise ValueError(f"{path}: a binary file (a NUL byte at offset {nul}); expected text, Markdown or rst")
+    text = data.decode("utf-8", errors="replace")
     title = first_heading(text) or path.name
     return Document(text=text, title=title, source=str(path), heading=title)
 
@@ -80,6 +85,8 @@ def path_documents(paths: Sequence[str | Path]) -> list[Document]:
 
     Raises:
         FileNotFoundError: a path does not exist.
+        ValueError: a file is binary (:func:`file_document`).
+        OSError: a file cannot be read.
     """
     docs = []
     for raw in paths:

@@ -131,7 +131,9 @@ def build_index(
 
     Raises:
         FileNotFoundError: a path does not exist.
-        ValueError: the paths hold no text to index, or ``retrieval.chunk_tokens`` exceeds the model's window.
+        OSError: a file cannot be read.
+        ValueError: a file is binary (a NUL byte), the paths hold no text to index, or ``retrieval.chunk_tokens``
+            exceeds the model's window.
     """
     settings = config.retrieval
     docs = path_documents(paths) if paths else pydoc_documents()
@@ -191,7 +193,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         manifest = build_index(args.paths, out, config, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a path missing or unreadable, a binary file, no text at all
         print(f"switchyard index: {exc}", file=sys.stderr)
         return 2
     elapsed = time.monotonic() - started
