@@ -160,6 +160,31 @@ async def test_upstream_down_is_unavailable_naming_address(clean_proxy_env):
     err = await stream_error(gateway_config(base, max_retries=1))
     assert err.code == grpc.StatusCode.UNAVAILABLE
     assert base in str(err) and "switchyard serve sim-openai" in str(err)
+    assert str(err).endswith("or fix model_gateway.base_url"), str(err)
+
+
+async def test_a_url_the_environment_set_is_the_one_its_fix_names(clean_proxy_env, monkeypatch, sim_openai):
+    """The README's model-server recipe sets the URL with SWITCHYARD_UPSTREAM_BASE_URL, which overrides
+    model_gateway.base_url: a server not started, or a URL without /v1, said 'fix model_gateway.base_url', a key
+    that changes nothing while the variable is set (doctor named the variable)."""
+    base = f"http://127.0.0.1:{closed_port()}/v1"
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", base)
+    down = await stream_error(gateway_config(base, max_retries=0))
+    assert down.code == grpc.StatusCode.UNAVAILABLE
+    assert "or fix SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)" in str(down), str(down)
+    root = sim_openai.base_url.removesuffix("/v1")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_BASE_URL", root)
+    no_v1 = await stream_error(gateway_config(root))
+    assert no_v1.code == grpc.StatusCode.NOT_FOUND
+    assert "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url) must be the OpenAI-compatible root" \
+        in str(no_v1), str(no_v1)
+
+
+async def test_a_pools_unreachable_endpoint_names_the_pools_list(clean_proxy_env):
+    bases = [f"http://127.0.0.1:{closed_port()}/v1" for _ in range(2)]
+    err = await stream_error(gateway_config(bases[0], max_retries=0, pool={"endpoints": bases}))
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert "model_gateway.pool.endpoints" in str(err) and "model_gateway.base_url" not in str(err), str(err)
 
 
 async def test_total_timeout_is_deadline_exceeded(clean_proxy_env):

@@ -14,7 +14,8 @@ from typing import Mapping
 import grpc
 import httpx
 
-from switchyard.common import untrusted
+from switchyard.common import envs, untrusted
+from switchyard.common.config import UpstreamConfig
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
     EndpointNotFound,
@@ -32,6 +33,23 @@ from switchyard.gateway.errors import (
 from switchyard.gateway.keys import ApiKey
 from switchyard.gateway.proxy import ProxyRoute
 from switchyard.gateway.redact import redact
+
+BASE_URL_KEY = "model_gateway.base_url"
+
+
+def url_key(cfg: UpstreamConfig) -> str:
+    """The config key (or the environment variable that overrides it) that names the upstream URLs ``cfg``
+    calls, for a fix to name: ``model_gateway.pool.endpoints``, ``model_gateway.pool.dns_url``,
+    ``SWITCHYARD_UPSTREAM_BASE_URL`` where it is set (it overrides ``model_gateway.base_url``), else
+    ``model_gateway.base_url``."""
+    if cfg.pool.endpoints:
+        return "model_gateway.pool.endpoints"
+    if cfg.pool.dns_url:
+        return "model_gateway.pool.dns_url"
+    if envs.SWITCHYARD_UPSTREAM_BASE_URL.get() is not None:
+        return f"SWITCHYARD_UPSTREAM_BASE_URL (it overrides {BASE_URL_KEY})"
+    return BASE_URL_KEY
+
 
 _EXPIRED = re.compile(r"(?i)expired")
 _MODEL_WORDS = re.compile(
@@ -90,7 +108,7 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
 
 def error_for_status(
     status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
-    in_stream: bool = False,
+    in_stream: bool = False, url_source: str = BASE_URL_KEY,
 ) -> GatewayError:
     """The error for an upstream's answer of ``status``: the one table of the gateway's errors by HTTP status.
 
@@ -101,7 +119,7 @@ def error_for_status(
     the endpoint's, and a 5xx other than 503, a 408 or an unknown status is a broken stream (retried before
     the first token); a 503 there refuses load as an answered one does.
     Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
-    never shows the key.
+    never shows the key; a 404 names ``url_source`` (:func:`url_key`), what set the URL.
     """
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
@@ -132,7 +150,7 @@ def error_for_status(
         return auth
     if status == 404 and not in_stream:
         return EndpointNotFound(
-            f"{head}; model_gateway.base_url must be the OpenAI-compatible root ending in /v1, e.g. "
+            f"{head}; {url_source} must be the OpenAI-compatible root ending in /v1, e.g. "
             "http://127.0.0.1:8000/v1"
         )
     retry_after = retry_after_s(headers)
@@ -157,8 +175,10 @@ def error_for_status(
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
 
 
-def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | None, key: ApiKey) -> GatewayError:
-    """The error for an httpx failure (no HTTP status): proxy, connect, timeout, cut connection."""
+def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | None, key: ApiKey,
+                        url_source: str = BASE_URL_KEY) -> GatewayError:
+    """The error for an httpx failure (no HTTP status): proxy, connect, timeout, cut connection. ``url_source``:
+    what names ``url`` in the set-up (:func:`url_key`), for the fix of a server that cannot be reached."""
     detail = redact(f"{type(exc).__name__}: {exc}".rstrip(": "), key.value)
     if isinstance(exc, httpx.ProxyError) or (
         proxy is not None and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
@@ -171,7 +191,7 @@ def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | N
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return UpstreamUnavailable(
             f"model gateway upstream unavailable at {url} ({detail}); start the model server "
-            "(e.g. `switchyard serve sim-openai`) or fix model_gateway.base_url"
+            f"(e.g. `switchyard serve sim-openai`) or fix {url_source}"
         )
     if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)):
         return UpstreamTimeout(

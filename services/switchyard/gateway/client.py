@@ -54,7 +54,13 @@ from switchyard.common import telemetry
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
 from switchyard.gateway import models as model_names
-from switchyard.gateway.classify import error_for_status, error_for_transport, is_model_not_found, upstream_message
+from switchyard.gateway.classify import (
+    error_for_status,
+    error_for_transport,
+    is_model_not_found,
+    upstream_message,
+    url_key,
+)
 from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import (
     EndpointMarkedDown,
@@ -190,6 +196,9 @@ class GatewayClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
+        self.url_source = url_key(config)
+        """What names the upstream URLs in the set-up (:func:`switchyard.gateway.classify.url_key`): the key a
+        fix of an unreachable or wrong URL names."""
         self._tracer = tracer or telemetry.get_tracer(__name__)
         limits = httpx.Limits(
             max_connections=config.max_connections,
@@ -283,9 +292,10 @@ class GatewayClient:
         try:
             response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
         except httpx.HTTPError as exc:
-            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=key) from None
+            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=key, url_source=self.url_source) from None
         if response.status_code >= 400:
-            raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key)
+            raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key,
+                                   url_source=self.url_source)
         try:
             body = response.json()
             ids = [str(item["id"]) for item in body["data"]]
@@ -396,7 +406,8 @@ class GatewayClient:
                 call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
             except httpx.HTTPError as exc:
                 url = opened.endpoint.chat_completions
-                error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
+                error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key,
+                                           url_source=self.url_source)
                 _count_cut(error)
                 ended_with = error.after_tokens(sent)
                 raise ended_with from None
@@ -592,7 +603,8 @@ class GatewayClient:
             except httpx.HTTPError as exc:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
-                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key) from None
+                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key,
+                                          url_source=self.url_source) from None
             if response.status_code < 400:
                 return response
             try:
@@ -638,9 +650,10 @@ class GatewayClient:
                 if status == 404:
                     return EndpointNotFound(
                         f"upstream 404 for {url} although model {model!r} is listed; "
-                        "model_gateway.base_url must be the OpenAI-compatible root ending in /v1"
+                        f"{self.url_source} must be the OpenAI-compatible root ending in /v1"
                     )
-        return error_for_status(status, text, response.headers, url=url, model=model, key=key)
+        return error_for_status(status, text, response.headers, url=url, model=model, key=key,
+                                url_source=self.url_source)
 
     async def _known_models(self, endpoint: Endpoint) -> list[str] | None:
         try:
@@ -699,7 +712,7 @@ class GatewayClient:
             return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()
-            error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key)
+            error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key, url_source=self.url_source)
             _count_cut(error)
             raise error from None
         except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream

@@ -41,7 +41,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
-from switchyard.gateway.classify import upstream_message
+from switchyard.gateway.classify import upstream_message, url_key
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
     GatewayError,
@@ -353,18 +353,6 @@ def endpoint_configs(cfg: UpstreamConfig) -> list[UpstreamConfig]:
     urls = list(cfg.pool.endpoints) or ([cfg.pool.dns_url] if cfg.pool.dns_url else [cfg.base_url])
     alone = cfg.pool.model_copy(update={"endpoints": [], "dns_url": ""})
     return [cfg.model_copy(update={"base_url": url.rstrip("/"), "pool": alone}) for url in urls]
-
-
-def url_key(cfg: UpstreamConfig) -> str:
-    """The config key (or the environment variable that overrides it) that names the URLs
-    :func:`endpoint_configs` gives, for a fix."""
-    if cfg.pool.endpoints:
-        return "model_gateway.pool.endpoints"
-    if cfg.pool.dns_url:
-        return "model_gateway.pool.dns_url"
-    if envs.SWITCHYARD_UPSTREAM_BASE_URL.get() is not None:
-        return "SWITCHYARD_UPSTREAM_BASE_URL (it overrides model_gateway.base_url)"
-    return "model_gateway.base_url"
 
 
 async def run_endpoint_checks(cfg: UpstreamConfig, *, models: Iterable[str] = (), probe: bool = True,
