@@ -43,6 +43,26 @@ def test_good_setup_passes_every_check(keyed_sim, capsys):
     assert TEST_KEY not in out
 
 
+def test_a_server_that_refuses_tools_is_a_warning_naming_react_loop(clean_proxy_env, monkeypatch, capsys):
+    """A react_loop call offers its tools; vLLM started without --enable-auto-tool-choice answers each 400
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'. Doctor passed such
+    a server (its probe offers none) and every react_loop task then failed INVALID_ARGUMENT."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(api_key=TEST_KEY, refuse_fields=frozenset({"tools"})) as server:
+        code, out = run_doctor(capsys, "--base-url", server.base_url, "--probe")
+        offered = [body for body in server.state.requests if "tools" in body]
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if line.startswith("warn  tools"))
+    assert "refused a request offering a tool" in line and "react_loop task" in line and "INVALID_ARGUMENT" in line
+    assert "--enable-auto-tool-choice" in out
+    assert len(offered) == 1 and "tool_choice" not in offered[0], "offered as the engine offers them"
+
+
+def test_a_server_that_takes_tools_passes_the_tools_check(keyed_sim, capsys):
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--probe")
+    assert code == 0 and re.search(r"^ok +tools +a request offering a tool is accepted", out, re.M), out
+
+
 def test_cli_routes_to_doctor(keyed_sim, capsys):
     assert cli_main(["doctor", "--config-dir", CONFIG, "--base-url", keyed_sim.base_url]) == 0
     assert "all checks passed" in capsys.readouterr().out

@@ -186,6 +186,7 @@ def test_doctor_against_transformers_serve(clean_proxy_env, transformers_server,
     assert code == 0, out
     assert "transformers (detected from GET /models)" in out
     assert "ended after its finish_reason without data: [DONE] (a finished stream)" in out
+    assert re.search(r"^ok +tools +a request offering a tool is accepted", out, re.M), out  # react_loop's calls
     queue["model_gateway"].update(forward_priority=True, server="vllm")
     (config / "queue.json").write_text(json.dumps(queue))
     code, out = doctor.main(["--config-dir", str(config)]), capsys.readouterr().out

@@ -14,7 +14,10 @@ wrong: a missing end marker (the stream ended before any ``finish_reason`` and w
 ``data: [DONE]``: cut), a connection closed before the answer ended, an error the server
 sent inside the stream, a request field the server refused (400/422 naming it; the
 gateway drops it, but what it carried is lost), an unknown model with the ids the server
-serves.
+serves. After a probe that streamed, one more one-token request offers a tool, as every
+react_loop call does: a server that refuses it (400/422: vLLM without
+``--enable-auto-tool-choice``, llama.cpp's server without ``--jinja``) is a warning, since
+every react_loop task then fails INVALID_ARGUMENT while chat and rag_answer are served.
 With a pool of replicas (``model_gateway.pool.endpoints``), the base URL, model,
 server and probe checks run against each endpoint (named in brackets), as the
 gateway calls them; ``pool.dns_url`` is checked as one base URL.
@@ -44,6 +47,7 @@ from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import upstream_message, url_key
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
+    BadUpstreamRequest,
     GatewayError,
     ModelNotFound,
     NoEndMarker,
@@ -200,6 +204,34 @@ _FIELD_FIXES = {
 }
 
 
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+}}
+"""The tool the tools probe offers, in the shape the openai engine sends a react_loop's tools."""
+
+_TOOLS_FIX = ("turn tool calling on in the server (vLLM: --enable-auto-tool-choice --tool-call-parser <the model's "
+              "parser>; llama.cpp server: --jinja), or send no react_loop tasks to this model")
+
+
+async def _tools_check(client: GatewayClient) -> Check:
+    """One one-token request offering a tool without ``tool_choice``, as the engine sends every react_loop call:
+    refused for its body (400/422, BadUpstreamRequest) is a warning naming what react_loop tasks will meet."""
+    request = ChatRequest(messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=1,
+                          tools=[_PROBE_TOOL], priority=PriorityClass.CORE, request_id="switchyard-doctor-tools")
+    try:
+        [event async for event in client.stream_chat(request)]
+    except BadUpstreamRequest as exc:
+        return Check("tools", True, f"the server refused a request offering a tool: {exc}; every react_loop task "
+                                    "(its calls offer its tools) will fail INVALID_ARGUMENT, chat and rag_answer "
+                                    "are served", _TOOLS_FIX, warning=True)
+    except GatewayError as exc:
+        return Check("tools", True, f"not checked: a request offering a tool failed ({exc.code.name}: {exc})",
+                     "see the message above", warning=True)
+    return Check("tools", True, "a request offering a tool is accepted (react_loop); whether the model calls it "
+                                "is the model's")
+
+
 def _probe_client(cfg: UpstreamConfig, timeout_s: float) -> GatewayClient:
     """A gateway client that tries the configured model once (no fallback, no retry): what it meets is told.
     Each of its waits is bounded by ``timeout_s`` (doctor's ``--timeout``, per network check), the whole probe
@@ -267,6 +299,7 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
                       "finish_reason": "ended after its finish_reason without data: [DONE] (a finished stream)"}.get(
                 finished.ending if finished else None, "ended")
             checks.append(Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s), {ending}"))
+            checks.append(await _tools_check(client))
         for name in sorted(client.refused_fields):
             checks.append(Check(
                 f"request field {name}", False,
