@@ -242,6 +242,19 @@ def test_a_refused_priority_field_is_named_with_its_fix(clean_proxy_env, monkeyp
     assert "model_gateway.forward_priority to false" in out
 
 
+def test_vllm_without_priority_scheduling_is_named_with_its_flag(clean_proxy_env, monkeypatch, capsys, tmp_path):
+    """vLLM without --scheduling-policy priority takes priority 0 (CORE's) and refuses any other inside its
+    stream: the probe was CORE's and passed, and every NORMAL and BATCH task failed INVALID_ARGUMENT."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with start_sim(owned_by="vllm", priority_scheduling=False) as server:
+        code, out = doctor.main(["--config-dir", config_with(tmp_path, forward_priority=True), "--timeout", "3",
+                                 "--base-url", server.base_url]), capsys.readouterr().out
+    assert code == 1, out
+    assert "ok    stream probe" in out  # served once the field was dropped
+    assert "FAIL  request field priority" in out and "Priority scheduling is not enabled" not in out.split("FAIL")[0]
+    assert "--scheduling-policy priority" in out
+
+
 def test_an_unknown_model_names_the_ids_the_server_serves(clean_proxy_env, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
     with start_sim(models=["served-a", "served-b"]) as server:

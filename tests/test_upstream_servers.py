@@ -105,6 +105,23 @@ async def test_a_field_refused_to_calls_in_flight_together_is_logged_once(clean_
     assert len(refusals) == 1
 
 
+async def test_vllm_without_priority_scheduling_drops_the_priority_and_serves_every_class(clean_proxy_env, caplog):
+    """vLLM started without --scheduling-policy priority takes priority 0 and answers any other with one error
+    inside its stream ("Got priority 1 but Priority scheduling is not enabled.", code 400): with
+    forward_priority on, every NORMAL and BATCH task failed INVALID_ARGUMENT (CORE is 0 on vLLM's scale, and
+    so was doctor's probe). The refusal drops the field for the endpoint, as an answered one does."""
+    caplog.set_level(logging.WARNING, logger="switchyard.gateway.client")
+    with start_sim(owned_by="vllm", priority_scheduling=False) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, forward_priority=True, max_retries=0,
+                                                fallback_model="")) as client:
+            results = [await stream(client, ask(cls, request_id=f"r-{cls}")) for cls in ("core", "batch", "normal")]
+            assert client.refused_fields == {"priority"}
+    assert all(any(isinstance(e, Token) for e in events) and isinstance(events[-1], Finished) for events in results)
+    assert [body.get("priority") for body in sim.state.requests] == [0, 2, None, None]
+    refusals = [r.getMessage() for r in caplog.records if "refused the request field 'priority'" in r.getMessage()]
+    assert len(refusals) == 1 and "--scheduling-policy priority" in refusals[0], refusals
+
+
 @pytest.mark.parametrize(("status", "message", "field"), [
     (422, "Unexpected fields in the request: {'priority'}", "priority"),  # transformers serve
     (400, "Unrecognized request argument supplied: priority", "priority"),  # OpenAI API
@@ -112,6 +129,9 @@ async def test_a_field_refused_to_calls_in_flight_together_is_logged_once(clean_
      "stream_options"),  # TGI (serde)
     (422, '{"detail":[{"type":"extra_forbidden","loc":["body","priority"],"msg":"Extra inputs are not permitted"}]}',
      "priority"),  # pydantic extra=forbid
+    (400, '{"error": {"message": "Got priority 2 but Priority scheduling is not enabled.", "type": '
+          '"BadRequestError", "param": null, "code": 400}}', "priority"),  # vLLM, inside its stream
+    (400, "Got lora_request None but LoRA is not enabled!", None),  # names no field sent
     (400, "This model's maximum context length is 4096 tokens", None),  # not a refused field
     (500, "Unexpected fields in the request: {'priority'}", None),  # only 400/422
 ])

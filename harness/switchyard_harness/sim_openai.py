@@ -91,6 +91,10 @@ class SimOpenAIOptions:
     refuse_fields: frozenset[str] = frozenset()
     """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
     answers fields it does not take (``priority``)."""
+    priority_scheduling: bool = True
+    """False: answer a request whose ``priority`` is not 0 as vLLM started without ``--scheduling-policy
+    priority`` does, with one in-stream error ("Got priority N but Priority scheduling is not enabled.", code
+    400) and ``data: [DONE]`` (a request that is not streamed: that 400)."""
     max_streams: int | None = None
     """Answer 429 (``Retry-After: 0``) to a streaming request while this many streams are open, as a
     rate-limited hosted API does; None: no limit."""
@@ -380,6 +384,13 @@ class SimOpenAI:
                           "model_not_found")
         if fault is not None and fault.status and (not fault.fail_first or count <= fault.fail_first):
             return _status_error(fault.status, model, fault.retry_headers(time.time()))
+        priority = body.get("priority", 0)
+        if not self.options.priority_scheduling and priority != 0:
+            error = {"error": {"message": f"Got priority {priority} but Priority scheduling is not enabled.",
+                               "type": "BadRequestError", "param": None, "code": 400}}
+            if not body.get("stream"):
+                return JSONResponse(error, status_code=400)
+            return StreamingResponse(iter([encode(error), encode(DONE)]), media_type="text/event-stream")
         fault = fault or Fault()
         messages = _messages(body["messages"])
         plan = StepPlan.parse(messages[-1].content)  # a benchmark's stated reply (bench agents --stack)
@@ -652,6 +663,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--refuse-field", action="append", default=[], metavar="FIELD",
                         help="answer 422 'Unexpected fields in the request' to a body with FIELD (repeatable), "
                              "as transformers serve answers 'priority'")
+    parser.add_argument("--no-priority-scheduling", action="store_true",
+                        help="answer a request whose priority is not 0 with vLLM's in-stream error 'Got priority N "
+                             "but Priority scheduling is not enabled.', as vLLM without --scheduling-policy priority")
     parser.add_argument("--max-running", type=int, metavar="N",
                         help="streams decoding at once; later ones wait (vllm:num_requests_waiting); default no limit")
     parser.add_argument("--kv-tokens", type=int, default=SimOpenAIOptions.kv_tokens, metavar="N",
@@ -700,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim,
         owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field), max_model_len=args.max_model_len,
         max_running=args.max_running, kv_tokens=args.kv_tokens, prefix_caching=not args.no_prefix_caching,
+        priority_scheduling=not args.no_priority_scheduling,
     )
     if not 0 <= args.port <= 65535:  # bind() raised OverflowError, a traceback
         parser.error(f"--port: expected 0 (any free port) to 65535, got {args.port}")

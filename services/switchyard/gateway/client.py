@@ -582,10 +582,32 @@ class GatewayClient:
                 headers["x-request-id"] = header_value(attempt_request_id(request.request_id, attempt))
         return headers
 
+    def _drop_refused(self, endpoint: Endpoint, status: int | None, text: str, body: dict[str, Any],
+                      call: _Call) -> bool:
+        """Whether a 400/422 (answered, or an error inside the stream before any item) refuses an optional field
+        ``body`` carried (``priority``, ``stream_options``: :func:`servers.refused_field`); if so that field is
+        never sent to ``endpoint`` again (logged the first time) and the caller sends the request again."""
+        optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
+        refused = servers.refused_field(status, text, optional) if status is not None else None
+        if refused is None:
+            return False
+        dropped = self._refused.setdefault(endpoint.name, set())
+        if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
+            return True
+        dropped.add(refused)
+        log.warning(
+            "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
+            endpoint.chat_completions, refused, status, snippet(redact(upstream_message(text), call.key.value)),
+            "; set model_gateway.forward_priority to false, name the server in model_gateway.server, or start "
+            "vLLM with --scheduling-policy priority" if refused == "priority" else "",
+        )
+        return True
+
     async def _send(
         self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str
-    ) -> httpx.Response:
-        """POST chat/completions to ``endpoint``; a non-2xx answer is read and raised as its error.
+    ) -> tuple[httpx.Response, dict[str, Any]]:
+        """POST chat/completions to ``endpoint``: its 2xx response and the body sent; a non-2xx answer is read
+        and raised as its error.
 
         An answer 400/422 refusing an optional field that was sent (``priority``,
         ``stream_options``) drops that field for this endpoint and sends the request again.
@@ -606,28 +628,16 @@ class GatewayClient:
                 raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key,
                                           url_source=self.url_source) from None
             if response.status_code < 400:
-                return response
+                return response, body
             try:
                 text = (await response.aread()).decode("utf-8", "replace")
             except httpx.HTTPError:
                 text = ""
             finally:
                 await response.aclose()
-            optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
-            refused = servers.refused_field(response.status_code, text, optional)
-            if refused is None:
+            if not self._drop_refused(endpoint, response.status_code, text, body, call):
                 raise await self._status_error(response, text, endpoint, model, call.key,
                                                self.named_as(request.model, model))
-            dropped = self._refused.setdefault(endpoint.name, set())
-            if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
-                continue
-            dropped.add(refused)
-            log.warning(
-                "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
-                url, refused, response.status_code, snippet(redact(upstream_message(text), call.key.value)),
-                "; set model_gateway.forward_priority to false or name the server in model_gateway.server"
-                if refused == "priority" else "",
-            )
 
     async def _status_error(
         self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, named_as: str = ""
@@ -689,9 +699,19 @@ class GatewayClient:
         )
 
     async def _open_first(self, call: _Call, request: ChatRequest, endpoint: Endpoint, model: str) -> _OpenStream:
-        """Send one attempt and read its stream up to its first item (or its end)."""
+        """Send one attempt and read its stream up to its first item (or its end). An error inside the stream
+        before any item that refuses an optional field (vLLM without ``--scheduling-policy priority`` answers a
+        priority other than 0 so) drops the field as an answered refusal does, and sends the request again."""
+        while True:
+            opened = await self._open_once(call, request, endpoint, model)
+            if opened is not None:
+                return opened
+
+    async def _open_once(self, call: _Call, request: ChatRequest, endpoint: Endpoint,
+                         model: str) -> _OpenStream | None:
+        """One request of :meth:`_open_first`; None: its stream refused an optional field, now dropped."""
         sent = time.monotonic()
-        response = await self._send(call, request, endpoint, model)
+        response, body = await self._send(call, request, endpoint, model)
         url = endpoint.chat_completions
         decoder = StreamDecoder(model, url=url, key=call.key)
         try:
@@ -715,9 +735,12 @@ class GatewayClient:
             error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key, url_source=self.url_source)
             _count_cut(error)
             raise error from None
-        except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream
+        except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream, or an error in it
             await response.aclose()
             _count_error(decoder)
+            if decoder.error_data is not None and self._drop_refused(endpoint, decoder.error_status,
+                                                                     decoder.error_data, body, call):
+                return None
             raise exc.naming(url) from None
         except BaseException:
             await response.aclose()

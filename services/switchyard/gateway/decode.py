@@ -222,6 +222,10 @@ class StreamDecoder:
         self._calls = ToolCallAssembler()
         self.failed = False
         """The stream carried an error object, or something that cannot be read (:attr:`ending` ``error``)."""
+        self.error_data: str | None = None
+        """The data of the error object the stream carried, as received; None while it carried none."""
+        self.error_status: int | None = None
+        """The HTTP status that error stands for (:func:`stream_error_status`; None where it names none)."""
 
     def feed(self, data: str, event: str = "") -> list[StreamEvent]:
         """Events carried by one ``data`` payload; ``event``: the SSE event's type.
@@ -291,7 +295,8 @@ class StreamDecoder:
         except ValueError:
             payload = data
         error = payload if isinstance(payload, dict) and "error" in payload else {"error": payload}
-        return error_for_status(stream_error_status(error), data, {}, url=self.url, model=self.model, key=self.key,
+        self.error_data, self.error_status = data, stream_error_status(error)
+        return error_for_status(self.error_status, data, {}, url=self.url, model=self.model, key=self.key,
                                 in_stream=True)
 
     def _whole_characters(self, text: str) -> str:

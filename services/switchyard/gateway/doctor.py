@@ -9,7 +9,8 @@ nearest listed id is suggested); with ``server.tls`` on, the certificates of
 the addresses the stack dials (:func:`certificate_checks`); the server's flavour
 (``model_gateway.server``, or what ``/models`` says); then, unless ``--no-probe``, one
 streamed one-token completion of the default model, sent as the engine sends it
-(priority class core, so a forwarded priority field goes too). The probe names what is
+(priority class normal, so a forwarded priority field goes too, with the value 1 on either
+polarity: vLLM without ``--scheduling-policy priority`` takes 0 only, CORE's on its scale). The probe names what is
 wrong: a missing end marker (the stream ended before any ``finish_reason`` and without
 ``data: [DONE]``: cut), a connection closed before the answer ended, an error the server
 sent inside the stream, a request field the server refused (400/422 naming it; the
@@ -199,7 +200,8 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
 
 _FIELD_FIXES = {
     "priority": "set model_gateway.forward_priority to false, or model_gateway.server to this server's flavour "
-                "(transformers, tgi, llama_cpp, ollama, openai send none); only vLLM and SGLang order by priority",
+                "(transformers, tgi, llama_cpp, ollama, openai send none); only vLLM and SGLang order by priority, "
+                "vLLM when started with --scheduling-policy priority",
     "stream_options": "set model_gateway.include_usage to false; token counts then come from the streamed items",
 }
 
@@ -260,7 +262,7 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
     checks: list[Check] = []
     async with _probe_client(cfg, timeout_s) as client:
         request = ChatRequest(messages=[{"role": "user", "content": "Say ok."}], max_tokens=1,
-                              priority=PriorityClass.CORE, request_id="switchyard-doctor")
+                              priority=PriorityClass.NORMAL, request_id="switchyard-doctor")
         try:
             items = [event async for event in client.stream_chat(request)]
         except NoEndMarker as exc:

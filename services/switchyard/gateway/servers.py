@@ -142,7 +142,8 @@ def priority_value(flavour: ServerFlavour, values: Mapping[str, int], priority_c
     return value if lower_first else max(values.values()) - value
 
 
-_REFUSAL = re.compile(r"(?i)unexpected|unrecognized|unknown|extra|not permitted|not allowed|unsupported|invalid")
+_REFUSAL = re.compile(
+    r"(?i)unexpected|unrecognized|unknown|extra|not permitted|not allowed|unsupported|invalid|not enabled")
 
 
 def refused_field(status: int, message: str, sent: tuple[str, ...]) -> str | None:
@@ -150,8 +151,10 @@ def refused_field(status: int, message: str, sent: tuple[str, ...]) -> str | Non
 
     Matches messages such as ``transformers serve``'s "Unexpected fields in the request:
     {'priority'}", OpenAI's "Unrecognized request argument supplied: priority", serde's
-    "unknown field `priority`" (TGI) and pydantic's ``extra_forbidden`` "Extra inputs are not
-    permitted" with ``loc: ["body", "priority"]``.
+    "unknown field `priority`" (TGI), pydantic's ``extra_forbidden`` "Extra inputs are not
+    permitted" with ``loc: ["body", "priority"]``, and vLLM's "Got priority 1 but Priority
+    scheduling is not enabled." (started without ``--scheduling-policy priority``: it takes
+    priority 0 only, and refuses any other inside its stream).
     """
     if status not in (400, 422) or not _REFUSAL.search(message):
         return None
