@@ -122,6 +122,36 @@ async def test_vllm_without_priority_scheduling_drops_the_priority_and_serves_ev
     assert len(refusals) == 1 and "--scheduling-policy priority" in refusals[0], refusals
 
 
+async def test_max_tokens_refused_for_max_completion_tokens_is_sent_under_that_name(clean_proxy_env, caplog):
+    """The OpenAI API answers max_tokens for its reasoning models (o1, o3, gpt-5) 400 "Unsupported parameter:
+    'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.": every call failed
+    INVALID_ARGUMENT. The endpoint gets the value as max_completion_tokens from then on, logged once; the cut
+    at max_tokens still holds."""
+    caplog.set_level(logging.WARNING, logger="switchyard.gateway.client")
+    with start_sim(max_completion_tokens_only=True) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, max_retries=0, fallback_model="")) as client:
+            first = await stream(client, ChatRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=2))
+            second = await stream(client, ChatRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=3))
+            assert client.refused_fields == set(), "nothing was lost: not a refused field"
+    assert first[-1].usage.completion_tokens == 2 and first[-1].finish_reason == "length"
+    assert second[-1].usage.completion_tokens == 3
+    sent = [(body.get("max_tokens"), body.get("max_completion_tokens")) for body in sim.state.requests]
+    assert sent == [(2, None), (None, 2), (None, 3)]
+    said = [r.getMessage() for r in caplog.records if "refused the request field 'max_tokens'" in r.getMessage()]
+    assert len(said) == 1 and "max_completion_tokens is sent instead" in said[0], said
+
+
+async def test_max_tokens_refused_for_its_value_is_the_requests_error(clean_proxy_env):
+    """A refusal naming max_tokens without naming its replacement is no rename: the replacement would be refused
+    too (a value out of range; here a server that takes neither)."""
+    with start_sim(refuse_fields=frozenset({"max_tokens"})) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, max_retries=0, fallback_model="")) as client:
+            with pytest.raises(GatewayError) as caught:
+                await stream(client, ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=10**6))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [body.get("max_tokens") for body in sim.state.requests] == [10**6]
+
+
 @pytest.mark.parametrize(("status", "message", "field"), [
     (422, "Unexpected fields in the request: {'priority'}", "priority"),  # transformers serve
     (400, "Unrecognized request argument supplied: priority", "priority"),  # OpenAI API

@@ -91,6 +91,9 @@ class SimOpenAIOptions:
     refuse_fields: frozenset[str] = frozenset()
     """Body fields answered with 422 "Unexpected fields in the request: {...}", as ``transformers serve``
     answers fields it does not take (``priority``)."""
+    max_completion_tokens_only: bool = False
+    """Answer a body with ``max_tokens`` 400 "Unsupported parameter: 'max_tokens' is not supported with this
+    model. Use 'max_completion_tokens' instead.", as the OpenAI API answers for its reasoning models."""
     priority_scheduling: bool = True
     """False: answer a request whose ``priority`` is not 0 as vLLM started without ``--scheduling-policy
     priority`` does, with one in-stream error ("Got priority N but Priority scheduling is not enabled.", code
@@ -364,6 +367,10 @@ class SimOpenAI:
         if isinstance(body, dict) and (unexpected := self.options.refuse_fields & set(body)):
             self.state.requests.append(body)
             return JSONResponse({"detail": f"Unexpected fields in the request: {unexpected}"}, status_code=422)
+        if isinstance(body, dict) and self.options.max_completion_tokens_only and "max_tokens" in body:
+            self.state.requests.append(body)
+            return _error(400, "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                               "'max_completion_tokens' instead.", "unsupported_parameter", param="max_tokens")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
         try:
@@ -663,6 +670,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--refuse-field", action="append", default=[], metavar="FIELD",
                         help="answer 422 'Unexpected fields in the request' to a body with FIELD (repeatable), "
                              "as transformers serve answers 'priority'")
+    parser.add_argument("--max-completion-tokens-only", action="store_true",
+                        help="answer a body with max_tokens 400 'Unsupported parameter: 'max_tokens' ... Use "
+                             "'max_completion_tokens' instead.', as the OpenAI API answers for o1, o3 and gpt-5")
     parser.add_argument("--no-priority-scheduling", action="store_true",
                         help="answer a request whose priority is not 0 with vLLM's in-stream error 'Got priority N "
                              "but Priority scheduling is not enabled.', as vLLM without --scheduling-policy priority")
@@ -714,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         models=args.models or list(DEFAULT_MODELS), api_key=api_key, faults=faults, latency=not args.no_latency, sim=sim,
         owned_by=args.owned_by, refuse_fields=frozenset(args.refuse_field), max_model_len=args.max_model_len,
         max_running=args.max_running, kv_tokens=args.kv_tokens, prefix_caching=not args.no_prefix_caching,
-        priority_scheduling=not args.no_priority_scheduling,
+        priority_scheduling=not args.no_priority_scheduling, max_completion_tokens_only=args.max_completion_tokens_only,
     )
     if not 0 <= args.port <= 65535:  # bind() raised OverflowError, a traceback
         parser.error(f"--port: expected 0 (any free port) to 65535, got {args.port}")

@@ -98,6 +98,11 @@ T = TypeVar("T")
 _OPTIONAL_FIELDS = ("priority", "stream_options")
 """Body fields a request works without: dropped for an endpoint that refuses them."""
 
+_RENAMED_FIELDS = {"max_tokens": "max_completion_tokens"}
+"""Body fields an endpoint may refuse naming the one to send instead: the OpenAI API answers ``max_tokens`` for
+its reasoning models (o1, o3, gpt-5) 400 "Unsupported parameter: 'max_tokens' is not supported with this model.
+Use 'max_completion_tokens' instead.", the name every OpenAI-compatible server also takes."""
+
 
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%") + " "
 
@@ -236,8 +241,9 @@ class GatewayClient:
 
     @property
     def refused_fields(self) -> set[str]:
-        """The optional body fields any endpoint refused."""
-        return set().union(*self._refused.values())
+        """The optional body fields any endpoint refused (dropped, what they carried lost; a field sent under
+        another name instead, :data:`_RENAMED_FIELDS`, loses nothing and is not one)."""
+        return set().union(*self._refused.values()) - set(_RENAMED_FIELDS)
 
     @property
     def concurrency_limit(self) -> PoolLimit:
@@ -560,7 +566,9 @@ class GatewayClient:
             if value is not None and flavour.priority_field:
                 body[flavour.priority_field] = value
         for name in self._refused.get(endpoint.name, ()):
-            body.pop(name, None)
+            value = body.pop(name, None)
+            if name in _RENAMED_FIELDS and value is not None:
+                body[_RENAMED_FIELDS[name]] = value
         return body
 
     @staticmethod
@@ -585,10 +593,13 @@ class GatewayClient:
     def _drop_refused(self, endpoint: Endpoint, status: int | None, text: str, body: dict[str, Any],
                       call: _Call) -> bool:
         """Whether a 400/422 (answered, or an error inside the stream before any item) refuses an optional field
-        ``body`` carried (``priority``, ``stream_options``: :func:`servers.refused_field`); if so that field is
-        never sent to ``endpoint`` again (logged the first time) and the caller sends the request again."""
-        optional = tuple(name for name in _OPTIONAL_FIELDS if name in body)
-        refused = servers.refused_field(status, text, optional) if status is not None else None
+        ``body`` carried (``priority``, ``stream_options``: :func:`servers.refused_field`), or one it names the
+        replacement of (:data:`_RENAMED_FIELDS`); if so that field is never sent to ``endpoint`` again (the
+        replacement is, with its value), logged the first time, and the caller sends the request again."""
+        sent = tuple(name for name in (*_OPTIONAL_FIELDS, *_RENAMED_FIELDS) if name in body)
+        refused = servers.refused_field(status, text, sent) if status is not None else None
+        if refused in _RENAMED_FIELDS and _RENAMED_FIELDS[refused] not in text:
+            refused = None  # refused for its value, say, not its name: the replacement would be refused too
         if refused is None:
             return False
         dropped = self._refused.setdefault(endpoint.name, set())
@@ -598,6 +609,7 @@ class GatewayClient:
         log.warning(
             "%s refused the request field %r (%d %s); it is no longer sent to this endpoint%s",
             endpoint.chat_completions, refused, status, snippet(redact(upstream_message(text), call.key.value)),
+            f", {_RENAMED_FIELDS[refused]} is sent instead" if refused in _RENAMED_FIELDS else
             "; set model_gateway.forward_priority to false, name the server in model_gateway.server, or start "
             "vLLM with --scheduling-policy priority" if refused == "priority" else "",
         )
