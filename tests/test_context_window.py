@@ -243,3 +243,26 @@ async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answ
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("could not list the upstream's models" in m and "requests fail until it answers" in m
                for m in warned), warned
+
+
+@pytest.mark.parametrize("order", ["long_first", "short_first"])
+async def test_a_pools_window_is_the_smallest_its_replicas_report(clean_proxy_env, order):
+    """Two vLLM replicas of one model, one at --max-model-len 32768 and one at 4096 (a rollout changing it): the
+    window was the first endpoint's alone (32768 when it came first), so a 9,000-token prompt was accepted and,
+    sent to the 4,096 replica, refused 400 there after the task was accepted (not sent to the other: a
+    request's own error). Every endpoint's model list is read; the window is the smallest."""
+    with start_sim(models=[MODEL], owned_by="vllm", max_model_len=32768) as long, \
+            start_sim(models=[MODEL], owned_by="vllm", max_model_len=4096) as short:
+        urls = [long.base_url, short.base_url] if order == "long_first" else [short.base_url, long.base_url]
+        cfg = config_for(urls[0]).with_overrides(**{"upstream.pool": {"endpoints": urls, "scrape_interval_s": 60.0}})
+        async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as server:
+            async with open_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                info = await stub.DescribeModel(agent_pb2.DescribeModelRequest())
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in stub.Generate(agent_pb2.GenerateRequest(
+                            request_id="long", prompt="tell me about lists", prompt_tokens=9000, max_tokens=8)):
+                        pass
+    assert info.context_window_tokens == 4096 and dict(info.context_windows)[MODEL] == 4096
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4096" in caught.value.details()
+    assert not long.state.requests and not short.state.requests, "refused at the edge, sent to no replica"

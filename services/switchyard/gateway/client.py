@@ -236,8 +236,9 @@ class GatewayClient:
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._refused: dict[str, set[str]] = {}
         """Optional body fields each endpoint refused (400/422 naming them); never sent to it again."""
-        self._windows: dict[str, int] = {}
-        """Context window per upstream model id, tokens, as a ``GET /v1/models`` reported it (vLLM's max_model_len)."""
+        self._windows: dict[str, dict[str, int]] = {}
+        """Per endpoint name, the context window per upstream model id, tokens, as its last ``GET /v1/models``
+        reported it (vLLM's max_model_len); :meth:`_pool_windows` is what callers get."""
 
     @property
     def refused_fields(self) -> set[str]:
@@ -310,22 +311,47 @@ class GatewayClient:
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"
             ) from None
-        for model in ids:
-            if window := servers.reported_context_window(body, model):
-                self._windows[model] = window
+        self._windows[endpoint.name] = {model: window for model in ids
+                                        if (window := servers.reported_context_window(body, model))}
         if endpoint.name not in self._flavours:
             name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
             self._flavours[endpoint.name] = servers.FLAVOURS[name]
             log.info("model server at %s: %s", endpoint.url, name)
         return ids
 
+    async def list_models_everywhere(self) -> list[str]:
+        """:meth:`list_models` of the first endpoint up (its ids returned, its errors raised), and of every other
+        endpoint of a pool (their failures logged): each endpoint's reported context windows are read, so that
+        :meth:`reported_context_window` is the smallest of them."""
+        ids = await self.list_models()
+        others = [e for name, e in self.pool.endpoints.items() if name not in self._windows]
+        for endpoint, outcome in zip(others, await asyncio.gather(*(self.list_models(e) for e in others),
+                                                                  return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                log.info("could not list the models of %s for its context windows: %s", endpoint.url, outcome)
+        return ids
+
+    def _pool_windows(self) -> dict[str, int]:
+        """The context window per upstream model id over the endpoints of the pool now, tokens: the smallest any
+        of them reported (a request within it fits on whichever endpoint it is sent to; one past it was
+        refused 400 by the smaller replica, after the task was accepted, and not sent to another)."""
+        windows: dict[str, int] = {}
+        for name, reported in self._windows.items():
+            if name not in self.pool.endpoints:
+                continue  # it left the pool
+            for model, window in reported.items():
+                windows[model] = min(window, windows.get(model, window))
+        return windows
+
     def reported_context_windows(self) -> dict[str, int]:
-        """Every client-facing model name with a window the upstream reported, tokens: the upstream ids the last
-        :meth:`list_models` saw one for, and each ``model_map`` alias of one (the alias's own name wins)."""
-        windows = dict(self._windows)
+        """Every client-facing model name with a window the upstream reported, tokens: the upstream ids the
+        endpoints' :meth:`list_models` saw one for (the smallest over a pool, :meth:`_pool_windows`), and each
+        ``model_map`` alias of one (the alias's own name wins)."""
+        reported = self._pool_windows()
+        windows = dict(reported)
         for alias, target in self.config.model_map.items():
-            if target in self._windows:
-                windows.setdefault(alias, self._windows[target])
+            if target in reported:
+                windows.setdefault(alias, reported[target])
         return windows
 
     def named_as(self, requested: str, model: str) -> str:
@@ -346,9 +372,10 @@ class GatewayClient:
 
     def reported_context_window(self, requested: str) -> int:
         """The context window, tokens, the upstream reported for the model client-facing ``requested`` maps to
-        (:meth:`models_for`'s primary), from the last :meth:`list_models`; 0 when none was reported (or the
-        models were not listed yet). Callers take it through ``limits.context_window(model, reported)``."""
-        return self._windows.get(self.models_for(requested)[0], 0)
+        (:meth:`models_for`'s primary), from the last :meth:`list_models` of each endpoint (over a pool, the
+        smallest they reported); 0 when none was reported (or the models were not listed yet). Callers take it
+        through ``limits.context_window(model, reported)``."""
+        return self._pool_windows().get(self.models_for(requested)[0], 0)
 
     async def server_flavour(self, endpoint: Endpoint | None = None) -> servers.ServerFlavour:
         """``endpoint``'s flavour (default: the first endpoint up): ``model_gateway.server``, or detected from its

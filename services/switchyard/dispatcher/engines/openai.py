@@ -193,7 +193,7 @@ class OpenAIEngine(StreamEngine):
         is up, and a model server may come up after it)."""
         self._described_at = time.monotonic()
         try:
-            ids = await self.client.list_models()
+            ids = await self.client.list_models_everywhere()
             self._described = True
         except GatewayError as exc:
             level = logging.WARNING if not self._reads_ended else logging.INFO
