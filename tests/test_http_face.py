@@ -207,6 +207,9 @@ async def test_every_max_tokens_refusal_states_one_bound_and_names_max_tokens_be
     async with http_stack() as (client, stub, down):
         doc = (await client.get("/openapi.json")).json()
         assert doc["components"]["schemas"]["TaskRequest"]["properties"]["max_tokens"]["maximum"] == 8192
+        # it read "0: the default, tokens.", the default's name lost
+        assert "0: the default, limits.default_max_tokens (at most half the model's context window)" in \
+            doc["components"]["schemas"]["TaskRequest"]["properties"]["max_tokens"]["description"]
         bounds = set()
         for max_tokens in (2**31, 10**6, 8193, 8192, 4095, -1, -2**31 - 1):
             reply = await client.post("/api/v1/agent/submit", json={**body, "max_tokens": max_tokens})

@@ -74,7 +74,8 @@ class TaskRequest(BaseModel):
     # states the range a caller may send: from 0 to limits.max_tokens (:func:`openapi` fills the maximum in).
     max_tokens: int = Field(0, json_schema_extra={"minimum": 0},
                             description="Completion tokens at most of each model call (react_loop makes up to "
-                                        "orchestrator.react.max_steps + 1); 0: the default, tokens. At most the lesser "
+                                        "orchestrator.react.max_steps + 1); 0: the default, limits.default_max_tokens "
+                                        "(at most half the model's context window). At most the lesser "
                                         "of limits.max_tokens and the model's context window less the prompt's tokens.")
     payload: str | None = Field(
         None, description="The question or instruction; absent: orchestrator.http.default_payload."
