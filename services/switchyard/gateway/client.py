@@ -235,7 +235,8 @@ class GatewayClient:
         self._flavours: dict[str, servers.ServerFlavour] = {}
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._refused: dict[str, set[str]] = {}
-        """Optional body fields each endpoint refused (400/422 naming them); never sent to it again."""
+        """Body fields each endpoint refused (400/422 naming them): never sent to it again, an optional one
+        dropped, a renamed one (:data:`_RENAMED_FIELDS`) sent under its other name."""
         self._windows: dict[str, dict[str, int]] = {}
         """Per endpoint name, the context window per upstream model id, tokens, as its last ``GET /v1/models``
         reported it (vLLM's max_model_len); :meth:`_pool_windows` is what callers get."""
