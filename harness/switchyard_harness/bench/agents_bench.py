@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import random
 import sys
 import time
