@@ -37,3 +37,19 @@ def test_the_default_index_meets_the_answer_quality_targets_on_the_labelled_ques
     assert hybrid[5] == "0"  # truncated passages
     assert float(hybrid[7]) >= 0.9 and float(hybrid[8]) >= 0.75, out
     assert float(hybrid[7]) > float(vectors[7])  # BM25 adds to the vectors
+
+
+def test_a_bad_query_file_fusion_constant_or_chunk_size_is_refused_naming_its_flag(tmp_path, capsys):
+    """--queries of a missing file said only "[Errno 2] No such file or directory: '0'"; --rrf-k nan passed the
+    '<= 0' check; --chunk-tokens above the model's window embedded the whole corpus truncated, for minutes, where
+    switchyard index refuses the same size."""
+    missing = tmp_path / "absent.jsonl"
+    assert quality_main(["--config-dir", str(CONFIG_DIR), "--queries", str(missing)]) == 2
+    assert f"--queries {missing}: cannot read it (No such file or directory)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        quality_main(["--config-dir", str(CONFIG_DIR), "--rrf-k", "60,nan"])
+    assert caught.value.code == 2 and "argument --rrf-k: expected comma-separated numbers > 0" in \
+        capsys.readouterr().err
+    assert quality_main(["--config-dir", str(CONFIG_DIR), "--chunk-tokens", "128,300", "--no-baseline"]) == 2
+    assert "--chunk-tokens 300 is above the window of sentence-transformers/all-MiniLM-L6-v2 (256 word pieces)" in \
+        capsys.readouterr().err

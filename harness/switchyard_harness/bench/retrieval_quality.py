@@ -29,6 +29,7 @@ With ``--index-dir`` it scores a built index instead.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import tempfile
@@ -200,8 +201,16 @@ def run(args: argparse.Namespace):
     config = load_config(args.config_dir)
     settings = config.retrieval
     rrf_k, candidates = settings.rrf_k, settings.hybrid_candidates
-    queries = load_queries(args.queries)
+    try:
+        queries = load_queries(args.queries)
+    except OSError as exc:  # "[Errno 2] No such file or directory: '0'" named no flag
+        raise ValueError(f"--queries {args.queries}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--queries {args.queries}: expected UTF-8 JSON lines ({exc})") from None
     embedder = load_embedder()
+    if too_long := [size for size in args.chunk_tokens or () if size > embedder.window]:  # as switchyard index
+        raise ValueError(f"--chunk-tokens {too_long[0]} is above the window of {embedder.name} ({embedder.window} "
+                         f"word pieces): passages would be truncated; expected at most {embedder.window}")
     with tempfile.TemporaryDirectory(prefix="switchyard-encoder-") as scratch:
         service_path = _service_path(embedder, settings, args.index_dir, scratch)
         if args.index_dir or args.no_baseline:
@@ -328,7 +337,7 @@ def _floats(text: str) -> list[float]:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or any(v <= 0 for v in values):
+    if not values or any(not 0 < v < math.inf for v in values):  # nan passed `<= 0`
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, e.g. 10,60; got {text!r}")
     return values
 
