@@ -130,6 +130,16 @@ def test_bad_toml_names_file(config_dir):
         load_config(config_dir)
 
 
+def test_a_file_saved_with_a_utf8_byte_order_mark_loads_as_without_it(config_dir):
+    """Some editors save UTF-8 with a leading BOM (RFC 8259 lets a parser ignore it): every file of the config
+    with one loads the same config; each was refused 'not valid JSON: Unexpected UTF-8 BOM (decode using
+    utf-8-sig)' or 'not valid TOML: Invalid statement'."""
+    plain = load_config(config_dir)
+    for path in config_dir.iterdir():
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_config(config_dir) == plain
+
+
 def test_weights_must_sum_to_one(config_dir):
     path = config_dir / "scheduler_config.json"
     data = json.loads(path.read_text())

@@ -129,7 +129,7 @@ def _parse(path: Path) -> dict[str, Any]:
             "(the repository's config/ folder has every file with its default values)"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM, as some editors save UTF-8, is no error
         raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.').upper()}: {exc}") from None
