@@ -194,6 +194,17 @@ async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_
         await server.stop(0)
 
 
+def test_a_tokens_file_saved_with_a_byte_order_mark_knows_its_first_token(tmp_path):
+    """An editor's UTF-8 BOM before the first token made it '\\ufefftok-...': that token was refused 'not valid'."""
+    from switchyard.common.auth import BearerTokens
+
+    path = tmp_path / "tokens"
+    path.write_bytes(b"\xef\xbb\xbf" + f"{TOKEN}\n{READER} agent.AgentService/GetTaskStatus\n".encode())
+    known = BearerTokens(AuthConfig(enabled=True, tokens_file=str(path), tokens_env=""))
+    assert known.check("/agent.AgentService/RunTask", f"Bearer {TOKEN}") is None
+    assert known.check("/agent.AgentService/GetTaskStatus", f"Bearer {READER}") is None
+
+
 @pytest.mark.parametrize("token, says", [
     ("tök", "ASCII characters"),  # grpc refused it as INTERNAL "Invalid metadata"
     ("t\udcf6k", "byte 0xF6 is not UTF-8"),  # a non-UTF-8 byte: a traceback before

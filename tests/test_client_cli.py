@@ -74,7 +74,7 @@ async def test_token_file_sends_the_files_token_over_the_variable(tmp_path, monk
     """switchyard run takes --token-file as profile, bench http and the locustfile do (the README said so; it
     answered 'unrecognized arguments: --token-file')."""
     monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-from-variable")
-    (tmp_path / "token").write_text("tok-from-file\n")
+    (tmp_path / "token").write_bytes(b"\xef\xbb\xbftok-from-file\n")  # an editor's BOM is no part of it
     servicer = _Quick()
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)

@@ -221,13 +221,21 @@ def test_a_ghz_config_or_data_file_of_the_wrong_shape_is_refused_naming_the_key_
         with pytest.raises(SystemExit) as caught:  # no server at the target: refused before any call
             cli.main(["run", "--config", str(path), "127.0.0.1:1"])
         assert caught.value.code == 2 and words.format(path=path) in capsys.readouterr().err, text
-    for argv, words in ((["--config", str(binary)], f"--config {binary}: expected a ghz JSON config ('utf-8' codec"),
+    bom = tmp_path / "bom.json"  # an editor's byte order mark is no error: the type check below is reached
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"total": null}')
+    for argv, words in ((["--config", str(bom)], f"--config {bom}: total: expected a whole number, got null"),
+                        (["--config", str(binary)], f"--config {binary}: expected a ghz JSON config ('utf-8' codec"),
                         (["--config", str(tmp_path)], f"--config {tmp_path}: cannot read it (Is a directory)"),
                         (["-D", str(binary)], f"-D/--data-file: {binary}: expected UTF-8 JSON ('utf-8' codec"),
                         (["-D", str(tmp_path / "absent")], f"-D/--data-file: {tmp_path / 'absent'}: cannot read it")):
         with pytest.raises(SystemExit) as caught:
             cli.main(["run", *argv, "127.0.0.1:1"])
         assert caught.value.code == 2 and words in capsys.readouterr().err, argv
+    from switchyard_harness.bench.calldata import load_calldata_file
+
+    data = tmp_path / "data.json"
+    data.write_bytes(b"\xef\xbb\xbf" + b'{"payload": "hi", "task_type": "chat"}')
+    assert load_calldata_file(data) == [{"payload": "hi", "task_type": "chat"}]
 
 
 def test_every_benchmarks_output_path_that_cannot_be_written_is_refused_before_its_run(tmp_path, capsys):

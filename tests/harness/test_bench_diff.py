@@ -142,3 +142,10 @@ def test_a_run_where_every_call_failed_shows_no_latency_not_zero():
     for key in ("average", "fastest", "slowest", "latency P50"):
         assert shown[key].after is None, key  # "-", as for its percentiles; a change of -82 ms it was
     assert shown["fastest"].before == before["fastest"] / 1e6
+
+
+def test_a_report_saved_with_a_byte_order_mark_is_read_as_without_it(tmp_path, capsys):
+    """An editor's UTF-8 BOM: the report was refused 'not JSON (Unexpected UTF-8 BOM ...)'."""
+    bom = tmp_path / "edited.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + (GHZ / "greeter_before.json").read_bytes())
+    assert diff.main([str(bom), str(GHZ / "greeter_after.json"), "--no-plot"]) == 0

@@ -43,6 +43,11 @@ def test_a_bad_query_file_fusion_constant_or_chunk_size_is_refused_naming_its_fl
     """--queries of a missing file said only "[Errno 2] No such file or directory: '0'"; --rrf-k nan passed the
     '<= 0' check; --chunk-tokens above the model's window embedded the whole corpus truncated, for minutes, where
     switchyard index refuses the same size."""
+    from switchyard.retrieval.quality import QUERIES_FILE, load_queries
+
+    edited = tmp_path / "edited.jsonl"  # an editor's UTF-8 BOM: the first line was 'not JSON'
+    edited.write_bytes(b"\xef\xbb\xbf" + QUERIES_FILE.read_bytes())
+    assert load_queries(edited) == load_queries()
     missing = tmp_path / "absent.jsonl"
     assert quality_main(["--config-dir", str(CONFIG_DIR), "--queries", str(missing)]) == 2
     assert f"--queries {missing}: cannot read it (No such file or directory)" in capsys.readouterr().err

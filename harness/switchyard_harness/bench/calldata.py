@@ -62,7 +62,7 @@ def load_calldata_file(path: str | Path) -> list[dict[str, Any]]:
     """
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")  # an editor's BOM is no error
     except OSError as exc:
         raise CallDataError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:

@@ -156,7 +156,7 @@ def ghz_config(path: Path) -> dict[str, Any]:
             message names the key, what was expected and the value).
     """
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
+        cfg = json.loads(path.read_bytes().decode("utf-8-sig"))  # an editor's BOM is no error
     except OSError as exc:
         raise ValueError(f"cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:  # not UTF-8, not JSON

@@ -128,7 +128,7 @@ def load(path: str | Path) -> dict[str, Any]:
             a value of the wrong type (a string where a number belongs: :func:`check`).
     """
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        report = json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except OSError as exc:
         raise ReportError(f"{path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:

@@ -100,7 +100,7 @@ def load_tokens(config: AuthConfig) -> list[_Token]:
     if config.tokens_file:
         try:
             raw = Path(config.tokens_file).read_bytes()
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a leading BOM, as some editors save UTF-8, is no token's
         except OSError as exc:
             raise AuthConfigError(f"auth.tokens_file {config.tokens_file}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:  # the line, never its bytes: they are a token's

@@ -61,7 +61,7 @@ def bearer_token(token_file: str | None, token_env: str = TOKEN_ENV) -> str | No
     """
     if token_file:
         try:
-            text = Path(token_file).read_text(encoding="utf-8")
+            text = Path(token_file).read_text(encoding="utf-8-sig")  # an editor's BOM is no part of it
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
             raise TokenError(f"--token-file {token_file}: cannot read it ({reason})") from None

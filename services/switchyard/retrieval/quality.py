@@ -74,7 +74,7 @@ def load_queries(path: str | Path | None = None) -> list[LabelledQuery]:
     source = Path(path) if path is not None else QUERIES_FILE
     queries: list[LabelledQuery] = []
     seen: set[str] = set()
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(source.read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{source}:{number}"
