@@ -280,6 +280,16 @@ def test_an_option_of_switchyard_up_it_cannot_use_is_refused_naming_it_before_an
     assert not (tmp_path / "data" / "redis.pid").exists()  # refused before the Redis started
 
 
+def test_a_ready_timeout_that_runs_out_names_the_option_to_raise(tmp_path: Path, capsys) -> None:
+    """A service still starting when --ready-timeout ran out: up said 'retrieval not healthy after 0 s' (0.01
+    rounded to none) and not which option to raise; it stops what it started, exit 1."""
+    from switchyard.launcher import main as up_main
+
+    assert up_main(["--free-ports", "--data-dir", str(tmp_path / "data"), "--ready-timeout", "0.01"]) == 1
+    err = capsys.readouterr().err
+    assert "not healthy after 0.01 s (--ready-timeout): raise it if the service was still starting" in err, err
+
+
 @pytest.mark.parametrize(("changes", "args", "message"), [
     ({"dispatcher.port": "retrieval.port"}, (), "retrieval.port and dispatcher.port are both 51774"),
     ({"orchestrator.http.port": "retrieval.metrics_port"}, (), "retrieval.metrics_port and orchestrator.http.port are "

@@ -423,7 +423,8 @@ def main(argv: list[str]) -> int:
                               "during start-up (see its log above)", file=sys.stderr)
                         return 1
                     if time.monotonic() > deadline:
-                        print(f"switchyard up: {child.name} not healthy after {args.ready_timeout:.0f} s",
+                        print(f"switchyard up: {child.name} not healthy after {args.ready_timeout:g} s "
+                              "(--ready-timeout): raise it if the service was still starting (see its log above)",
                               file=sys.stderr)
                         return 1
                     time.sleep(0.2)
