@@ -141,7 +141,7 @@ _GRPC_DEADLINE = re.compile(r"^(Stream removed \()?Deadline Exceeded\)?$")
 """grpc's own words for the caller's deadline: the server's message names its limit instead."""
 
 
-def _up_file_orchestrator() -> tuple[str, str] | None:
+def up_file_orchestrator() -> tuple[str, str] | None:
     """(the up file, its orchestrator's address) of the stack ``switchyard up`` runs, which ``switchyard top`` and
     ``switchyard profile`` read (``--free-ports`` gives it other ports than the config's); None when there is none
     (a killed launcher's file is removed, as they remove it)."""
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
         elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)
-            up_stack = _up_file_orchestrator()
+            up_stack = up_file_orchestrator()
             if up_stack is not None and up_stack[1] != address:
                 print(f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
                       f"{up_stack[0]}): switchyard run --addr {up_stack[1]} ...", file=sys.stderr)

@@ -430,6 +430,29 @@ def test_an_unreachable_target_is_named(capsys, monkeypatch):
     assert f"cannot reach the orchestrator at 127.0.0.1:{port} within 0.5 s" in capsys.readouterr().err
 
 
+def test_an_unreachable_target_names_the_orchestrator_of_the_stack_switchyard_up_started(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """After switchyard up --free-ports, bench run dialled the config's 127.0.0.1:50051 and said only 'cannot reach';
+    switchyard run names the up file's orchestrator there, and so does bench run now."""
+    import json
+    import os
+    import socket
+
+    from switchyard_harness.bench import loadgen
+    from switchyard_harness.bench.cli import main as bench_main
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    up = tmp_path / "up.json"  # a live launcher's (this process): not removed as stale
+    up.write_text(json.dumps({"pid": os.getpid(), "services": {"orchestrator": {"address": "127.0.0.1:45111"}}}))
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", str(up))
+    monkeypatch.setattr(loadgen, "CONNECT_TIMEOUT_S", 0.5)
+    assert bench_main([f"127.0.0.1:{port}", "-n", "2", "-c", "1", "--procs", "1"]) == 1
+    assert (f"the stack that switchyard up started serves its orchestrator at 127.0.0.1:45111 (its up file {up}): "
+            "switchyard bench run 127.0.0.1:45111 ...") in capsys.readouterr().err
+
+
 async def test_summary_groups_errors_of_one_kind_and_counts_tokens_of_successful_calls_only(agent_server):
     host, _ = agent_server
     late = {"task_id": "t-{{.RequestNumber}}", "payload": "late", "task_type": "chat", "priority": "NORMAL"}

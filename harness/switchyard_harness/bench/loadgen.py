@@ -210,9 +210,15 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT_S)
         except TimeoutError:
+            from switchyard.client import up_file_orchestrator
+
+            up_stack = up_file_orchestrator()  # switchyard up --free-ports: the stack's ports are not the config's
+            elsewhere = "" if up_stack is None or up_stack[1] == plan.host else (
+                f"; the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
+                f"{up_stack[0]}): switchyard bench run {up_stack[1]} ...")
             raise TimeoutError(
                 f"cannot reach the orchestrator at {plan.host} within {CONNECT_TIMEOUT_S:g} s: start it "
-                "(`switchyard up`) or pass its host:port"
+                f"(`switchyard up`) or pass its host:port{elsewhere}"
             ) from None
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         if barrier is not None:
