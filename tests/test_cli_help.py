@@ -73,6 +73,11 @@ def test_serve_refuses_a_port_file_it_cannot_write_before_the_service_starts(tmp
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert f"--port-file: expected a path in a folder this user can write, got {str(a_file / 'ports')!r}" in err, err
+    with pytest.raises(SystemExit) as refused:  # a folder at the path: it started, then failed renaming onto it
+        cli_main(["serve", "retrieval", "--port", "0", "--metrics-port", "0", "--port-file", str(tmp_path)])
+    assert refused.value.code == 2
+    assert f"--port-file: expected a path in a folder this user can write, got {str(tmp_path)!r} ({tmp_path} is a " \
+        "directory)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -17,6 +17,7 @@ from typing import Callable
 
 import uvloop
 
+from switchyard.common import outputs
 from switchyard.common.auth import TokenGuarded
 from switchyard.common.config import (ConfigError, DispatcherConfig, OrchestratorConfig, RetrievalConfig,
                                       SwitchyardConfig, load_config)
@@ -180,10 +181,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--http-port", type=int,
                         help="orchestrator: port of the HTTP face (0 = any free port); overrides orchestrator.http.port")
     args = parser.parse_args(argv)
-    if args.port_file is not None:  # checked before the service starts: it failed once serving, naming no option
-        folder = os.path.dirname(os.path.abspath(args.port_file))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"--port-file: expected a path in a folder this user can write, got {args.port_file!r}")
+    # checked before the service starts (a folder there too): it failed once serving, naming no option
+    if args.port_file is not None and (problem := outputs.unwritable(args.port_file)):
+        parser.error(f"--port-file: expected a path in a folder this user can write, got {args.port_file!r} "
+                     f"({problem})")
     # A fatal signal (SIGSEGV, SIGBUS: a memory-mapped SQLite index whose file went away) prints every thread's
     # stack to stderr, the service's log, instead of a silent exit.
     faulthandler.enable()
