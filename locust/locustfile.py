@@ -51,13 +51,10 @@ status 1.
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
-import os
 import random
 import sys
-import tempfile
 import time
 import urllib.parse
 from pathlib import Path
@@ -68,7 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.common import outputs
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
-from switchyard.common.up_files import remove_stale
+from switchyard.common.up_files import default_path, recorded_services, remove_stale
 from switchyard_harness.backlog import SETTLE_CONCURRENCY, SETTLE_DEADLINE_S, backlog_summary, outcome, task_path
 
 PRIORITIES = ("core", "normal", "batch")
@@ -284,15 +281,14 @@ def dispatcher_metrics_url(flag: str, host: str = "") -> tuple[str, str]:
     usual up file; else the default port. An up file whose launcher is gone (killed) is removed, not read."""
     if flag:
         return flag, "--switchyard-metrics"
-    default = Path(os.environ.get("SWITCHYARD_UP_FILE")
-                   or Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json")
+    default = default_path()
     port = urllib.parse.urlsplit(host).port if host else None
     for stale, pid in remove_stale(default):  # a killed launcher's: its ports serve nothing
         logging.getLogger("switchyard.locust").info("removed %s: its switchyard up (pid %d) is gone", stale, pid)
     candidates = [default, *sorted(default.parent.glob("up*.json"))]
     for path in dict.fromkeys(candidates):
         try:
-            services = json.loads(path.read_text())["services"]
+            services = recorded_services(path)
             if port is None or services["orchestrator"].get("http_port") == port:
                 replicas = [services[name]["metrics_url"] for name in services  # switchyard up --dispatchers N
                             if name == "dispatcher" or name.startswith("dispatcher-")]

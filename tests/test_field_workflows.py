@@ -138,7 +138,7 @@ def test_completion_rate_cancels_the_tasks_it_left_unfinished(up):
     """tools/completion_rate.py offers react_loop tasks faster than the stack completes them (docs/benchmarks.md: 40
     a second for 150 s, 11 to 28 finished a second); the thousands it left queued ran on for minutes after it exited,
     under whatever ran next. Now they are cancelled at its end and reported, as the locustfile's and bench http's."""
-    from switchyard.launcher import up_file
+    from switchyard.common.up_files import default_path as up_file
 
     own = up_file().with_name(f"up-{up.proc.pid}.json")  # where a second stack on this machine writes its endpoints
     run = subprocess.run(

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from switchyard.launcher import up_file
+from switchyard.common.up_files import default_path, recorded_services
 from switchyard_harness import backlog
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--keep-backlog", action="store_true", help="leave the submitted tasks that have not "
                         "finished at the end running (default: they are cancelled, and reported)")
     args = parser.parse_args()
-    services = json.loads(up_file().read_text())["services"]
+    services = recorded_services(default_path())
     orchestrator, dispatcher = services["orchestrator"]["metrics_url"], services["dispatcher"]["metrics_url"]
 
     def snapshot() -> dict:

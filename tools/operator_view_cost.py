@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from switchyard import top
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
-from switchyard.launcher import up_file
+from switchyard.common.up_files import default_path, recorded_services
 
 
 async def _tasks(address: str, per_class: int) -> None:
@@ -42,7 +41,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=5, help="RunTasks per priority class (default 5)")
     parser.add_argument("--frames", type=int, default=20, help="top frames to time (default 20)")
     args = parser.parse_args()
-    services = json.loads(up_file().read_text())["services"]
+    services = recorded_services(default_path())
     asyncio.run(_tasks(services["orchestrator"]["address"], args.tasks))
     endpoints = {name: s["metrics_url"] for name, s in services.items()}
     for name, url in endpoints.items():

@@ -19,7 +19,7 @@ drawn. Ctrl-C ends it. ``--once --json`` writes valid JSON: a figure that is not
 known (a gauge the service does not read, NaN in its metrics) is ``null``.
 
 Endpoints come from flags, else from the up file that ``switchyard up`` writes
-(``switchyard.launcher.up_file``; one a killed launcher left is removed, not read),
+(``switchyard.common.up_files.default_path``; one a killed launcher left is removed, not read),
 else from the configured metrics ports.
 
 Exit status: 0; 1 when ``--once`` could not reach a service (the JSON still
@@ -156,21 +156,20 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             except ValueError as exc:
                 raise ValueError(f"--{name}: {exc}") from None
     from switchyard.common import up_files
-    from switchyard.launcher import up_file
 
-    path = Path(args.up_file) if args.up_file else up_file()
+    path = Path(args.up_file) if args.up_file else up_files.default_path()
     found: dict[str, str] = {}
     source = "flags"
     stale = up_files.remove_stale(path)  # a killed launcher's: its ports serve nothing
     if len(flagged) < len(SERVICES):
         try:
-            recorded = json.loads(path.read_text())["services"]
+            recorded = up_files.recorded_services(path)
             found = {name: recorded[name]["metrics_url"] for name in recorded
                      if replica_of(name) in SERVICES and replica_of(name) not in flagged}
             if not found and not flagged:
                 raise KeyError("the up file lists no service")
             source = f"up file {path}"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             from switchyard.common.config import load_config
 
             config = load_config(args.config_dir)
@@ -189,7 +188,7 @@ def _unread_up_file(exc: Exception) -> str:
         return "is a directory, not an up file"
     if isinstance(exc, OSError):
         return f"cannot be read ({exc.strerror or exc})"
-    if isinstance(exc, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    if isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):
         return "is not an up file (not JSON)"
     return "is not an up file (no services with their metrics_url)"
 

@@ -146,13 +146,12 @@ def up_file_orchestrator() -> tuple[str, str] | None:
     ``switchyard profile`` read (``--free-ports`` gives it other ports than the config's); None when there is none
     (a killed launcher's file is removed, as they remove it)."""
     from switchyard.common import up_files
-    from switchyard.launcher import up_file
 
-    path = up_file()
+    path = up_files.default_path()
     up_files.remove_stale(path)
     try:
-        address = json.loads(path.read_text())["services"]["orchestrator"]["address"]
-    except (OSError, ValueError, KeyError, TypeError):
+        address = up_files.recorded_services(path)["orchestrator"]["address"]
+    except (OSError, ValueError, KeyError):
         return None
     return (str(path), address) if isinstance(address, str) and not address_problem(address) else None
 

@@ -39,7 +39,7 @@ parent-death signal, common/children.py), and the orchestrator's CPU-pool
 workers die with the orchestrator the same way.
 
 Once all are healthy it writes their endpoints to the up file
-(:func:`up_file`), which ``switchyard top`` reads, and removes it on exit; a
+(:func:`switchyard.common.up_files.default_path`), which ``switchyard top`` reads, and removes it on exit; a
 file left by a launcher that was killed (``kill -9``) is removed by whoever
 reads the folder next (common/up_files.py)::
 
@@ -124,14 +124,6 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def up_file() -> Path:
-    """The launcher's endpoints file: ``$SWITCHYARD_UP_FILE``, else ``<temp dir>/switchyard-<uid>/up.json``."""
-    configured = envs.SWITCHYARD_UP_FILE.get()
-    if configured:
-        return Path(configured)
-    return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
 
 
 def _cli_command() -> str:
@@ -387,9 +379,9 @@ def main(argv: list[str]) -> int:
         env[envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.name] = str(Path(args.data_dir) / "tasks.sqlite3")
     services: list[Child] = []
     grace = config.server.shutdown_grace_s
-    for stale, pid in up_files.remove_stale(up_file()):
+    for stale, pid in up_files.remove_stale(up_files.default_path()):
         print(f"switchyard up: removed {stale}: its switchyard up (pid {pid}) is gone", flush=True)
-    endpoints_file = _own_up_file(up_file())
+    endpoints_file = _own_up_file(up_files.default_path())
     port_files = tempfile.TemporaryDirectory(prefix="switchyard-up-")
     try:
         _write_up_file(endpoints_file, host, [])  # claimed now: a stack started before this one is healthy sees it

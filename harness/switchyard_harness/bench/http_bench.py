@@ -308,12 +308,12 @@ def profiles_text(sizes: list[int]) -> str:
 def _endpoints(args: Any) -> tuple[str, str, str]:
     """HTTP base URL, gRPC address and the orchestrator's metrics URL (flags, else the up file, else defaults)."""
     from switchyard.common import up_files
-    from switchyard.launcher import up_file
 
     http, grpc_addr, metrics = "http://127.0.0.1:8080", "127.0.0.1:50051", "http://127.0.0.1:9101/metrics"
-    up_files.remove_stale(up_file())  # a killed launcher's: its ports serve nothing
+    path = up_files.default_path()
+    up_files.remove_stale(path)  # a killed launcher's: its ports serve nothing
     try:
-        recorded = json.loads(up_file().read_text())["services"]["orchestrator"]
+        recorded = up_files.recorded_services(path)["orchestrator"]
         grpc_addr, metrics = recorded["address"], recorded["metrics_url"]
         if "http_port" in recorded:  # the same stack's HTTP face (switchyard up --free-ports picks its port)
             http = f"http://{grpc_addr.rpartition(':')[0]}:{int(recorded['http_port'])}"

@@ -15,13 +15,42 @@ Light on imports: the locustfile calls it under gevent, without gRPC.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
+from typing import Any
 
+from switchyard.common import envs
 from switchyard.common.children import pid_alive
 
 SECOND_STACK = re.compile(r"up-\d+\.json")
 """The name of a second stack's up file (``up-<launcher pid>.json``)."""
+
+
+def default_path() -> Path:
+    """The up file ``switchyard up`` writes and its readers read: ``$SWITCHYARD_UP_FILE``, else
+    ``<temp dir>/switchyard-<uid>/up.json`` (a second stack's is ``up-<pid>.json`` beside it)."""
+    configured = envs.SWITCHYARD_UP_FILE.get()
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"switchyard-{os.getuid()}" / "up.json"
+
+
+def recorded_services(path: Path) -> dict[str, dict[str, Any]]:
+    """The services an up file records, by name (``orchestrator``, ``dispatcher``, ``dispatcher-2``...): each
+    ``{"address": "host:port", "metrics_url": URL, "pid": int}``, the orchestrator's with ``http_port``.
+
+    Raises:
+        OSError: the file cannot be read (FileNotFoundError, IsADirectoryError...).
+        ValueError: it is not an up file: not UTF-8 JSON (UnicodeDecodeError, JSONDecodeError), or no
+            ``services`` object of objects in it.
+    """
+    data = json.loads(path.read_text(encoding="utf-8"))
+    services = data.get("services") if isinstance(data, dict) else None
+    if not isinstance(services, dict) or not services or not all(isinstance(s, dict) for s in services.values()):
+        raise ValueError(f"{path} records no services")
+    return services
 
 
 def launcher_pid(path: Path) -> int | None:
