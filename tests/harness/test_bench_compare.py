@@ -20,6 +20,9 @@ pytest.importorskip("switchyard.dispatcher.service", reason="the dispatcher serv
 pytestmark = pytest.mark.no_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
+QUICK_ORCHESTRATOR = ["--set", "orchestrator.cpu_executor=loop"]
+"""The scenarios' orchestrators do their CPU work on their event loop: a spawn pool costs seconds per stack
+(per scenario), and what these tests check is the comparison, not the orchestrator's executor."""
 
 
 def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
@@ -27,7 +30,7 @@ def test_compare_smoke_produces_every_scenario(tmp_path, monkeypatch, capsys):
     out = tmp_path / "results"
     argv = [
         "-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
-        "--retrieval", "off", "--client", "thread", "--stack", "in-process", "--out", str(out),
+        "--retrieval", "off", "--client", "thread", "--stack", "in-process", "--out", str(out), *QUICK_ORCHESTRATOR,
     ]
     assert compare.main(argv) == 0
 
@@ -52,7 +55,7 @@ def test_compare_runs_each_service_in_its_own_process_by_default(tmp_path, monke
     out = tmp_path / "results"
     argv = ["-D", "ghz/data/mixed.json", "-n", "6", "-c", "2", "--rps", "0", "--warmup", "1",
             "--scenarios", "A,B", "--client", "thread", "--set", f"retrieval.index_dir={pydoc_index_dir}",
-            "--out", str(out)]
+            "--out", str(out), *QUICK_ORCHESTRATOR]
     assert compare.main(argv) == 0
     summary = json.loads((out / "compare.json").read_text())
     assert summary["meta"]["stack"] == "processes" and summary["meta"]["retrieval"] is True
@@ -131,7 +134,7 @@ def test_the_scenarios_leave_the_configured_redis_and_task_store_alone(tmp_path,
         out = tmp_path / "results"
         argv = ["-D", "ghz/data/chat.json", "-n", "4", "-c", "2", "--rps", "0", "--warmup", "0",
                 "--scenarios", "B", "--retrieval", "off", "--client", "thread", "--stack", "in-process",
-                "--config-dir", str(config_dir), "--out", str(out)]
+                "--config-dir", str(config_dir), "--out", str(out), *QUICK_ORCHESTRATOR]
         assert compare.main(argv) == 0
         client = redis.Redis(host=theirs.host, port=theirs.port)
         assert client.dbsize() == 0, sorted(client.keys())
