@@ -59,7 +59,8 @@ def test_a_window_the_config_lists_wins_then_the_servers_then_the_default():
 def config_for(base_url: str) -> SwitchyardConfig:
     return load_config("config").with_overrides(**{
         "dispatcher.engine": "openai", "upstream.base_url": base_url, "upstream.default_model": MODEL,
-        "upstream.fallback_model": "", "upstream.api_key_required": False})
+        "upstream.fallback_model": "", "upstream.api_key_required": False,
+        "orchestrator.cpu_executor": "loop"})  # a spawn pool costs seconds per orchestrator; not tested here
 
 
 @contextlib.asynccontextmanager

@@ -171,7 +171,8 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
     async with contextlib.AsyncExitStack() as stack:
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=engine_for(base_url, **gateway))],
                                                        server))
-        overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
+        # CPU work on the event loop: a spawn pool costs seconds per stack, and no test here is of the executor
+        overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}", "orchestrator.cpu_executor": "loop"}
         if index_dir is not None:
             from switchyard.retrieval.service import RetrievalService
 

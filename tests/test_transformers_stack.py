@@ -41,7 +41,8 @@ async def stack(base_url: str, model: str, index_dir: Path | None = None, **gate
     cfg = load_config("config").with_overrides(**overrides)
     async with contextlib.AsyncExitStack() as stack:
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server))
-        orch_overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"}
+        # CPU work on the event loop: a spawn pool costs seconds per stack, and no test here is of the executor
+        orch_overrides = {"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}", "orchestrator.cpu_executor": "loop"}
         if index_dir is not None:
             rcfg = cfg.with_overrides(**{"retrieval.index_dir": str(index_dir)})
             retrieval = await stack.enter_async_context(running([RetrievalService(rcfg)], cfg.server))
