@@ -519,7 +519,7 @@ async def test_react_loop_calls_both_tools_and_streams_them():
 async def test_dispatcher_down_is_unavailable_naming_service():
     base = load_config("config")
     async with running([OrchestratorService(base.with_overrides(**{
-        "orchestrator.dispatcher_addr": "127.0.0.1:1",
+        "orchestrator.dispatcher_addr": "127.0.0.1:1", "orchestrator.cpu_executor": "loop",  # a pool costs seconds
     }))], base.server) as orch:
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -10,15 +10,21 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from switchyard.common.config import load_config
+from switchyard.common.config import SwitchyardConfig, load_config
 from switchyard.common.errors import ORIGIN_KEY
 from switchyard.common.server import running
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard.common.channels import open_channel, open_sync_channel
 
 
+def shipped_config() -> SwitchyardConfig:
+    """The shipped config, the orchestrator's CPU work on its event loop: a spawn pool costs seconds per
+    orchestrator, and these tests are of the servers' bootstrap (test_orchestrator tests the pool's)."""
+    return load_config("config").with_overrides(**{"orchestrator.cpu_executor": "loop"})
+
+
 async def test_health_and_reflection_describe_run_task():
-    cfg = load_config("config").with_overrides(**{  # nothing listens on port 1: no downstream service is up
+    cfg = shipped_config().with_overrides(**{  # nothing listens on port 1: no downstream service is up
         "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
     async with running([OrchestratorService(cfg)], cfg.server) as srv:
         address = f"127.0.0.1:{srv.port}"
@@ -46,7 +52,7 @@ async def test_a_port_in_use_is_a_named_error():
 
     import pytest
 
-    cfg = load_config("config").with_overrides(**{
+    cfg = shipped_config().with_overrides(**{
         "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -63,7 +69,7 @@ async def test_a_host_that_does_not_resolve_is_a_named_error_not_a_port_in_use()
     the name lookup, and the way out is the host setting."""
     import pytest
 
-    cfg = load_config("config").with_overrides(**{
+    cfg = shipped_config().with_overrides(**{
         "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
     with pytest.raises(RuntimeError) as caught:
         async with running([OrchestratorService(cfg)], cfg.server, host="not-a-host.invalid", port=0):
@@ -74,7 +80,7 @@ async def test_a_host_that_does_not_resolve_is_a_named_error_not_a_port_in_use()
 
 
 async def test_graceful_stop_flips_health_to_not_serving():
-    cfg = load_config("config")
+    cfg = shipped_config()
     async with running([OrchestratorService(cfg)], cfg.server) as srv:
         await srv.health.enter_graceful_shutdown()
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
@@ -125,7 +131,7 @@ async def test_connection_age_makes_clients_reconnect():
 
 
 async def test_health_list_reports_every_service_and_follows_shutdown():
-    cfg = load_config("config")
+    cfg = shipped_config()
     async with running([OrchestratorService(cfg)], cfg.server) as srv:
         async with open_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -149,7 +155,7 @@ async def test_a_request_that_does_not_parse_is_invalid_argument_naming_its_mess
     answers INVALID_ARGUMENT naming the message, with the origin trailer, and a well-formed call still works."""
     from switchyard.dispatcher.service import DispatcherService
 
-    cfg = load_config("config").with_overrides(**{
+    cfg = shipped_config().with_overrides(**{
         "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.dispatcher_addr": "127.0.0.1:1"})
     async with running([OrchestratorService(cfg)], cfg.server) as orch, \
             running([DispatcherService(cfg)], cfg.server) as disp:
