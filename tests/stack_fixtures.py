@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 from switchyard.launcher import UpProcess
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
+
+
+def loop_executor_config(folder: Path) -> Path:
+    """A copy of the shipped ``config/`` in ``folder``, its orchestrator's CPU work on the event loop
+    (``orchestrator.cpu_executor`` loop): for a stack whose test is not of the CPU pool, whose spawned
+    workers cost seconds of every start. Pass it as ``args=("--config-dir", str(...))``."""
+    config = folder / "config"
+    shutil.copytree(CONFIG_DIR, config)
+    path = config / "switchyard.json"
+    settings = json.loads(path.read_text())
+    settings["orchestrator"]["cpu_executor"] = "loop"
+    path.write_text(json.dumps(settings))
+    return config
 
 
 class UpStack(UpProcess):

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from stack_fixtures import UpStack
+from stack_fixtures import UpStack, loop_executor_config
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 
@@ -50,8 +50,9 @@ async def run_tasks(address: str, n: int, concurrency: int = 6) -> list[agent_pb
 
 
 @pytest.fixture(scope="module")
-def three(pydoc_index_dir):
-    stack = UpStack(pydoc_index_dir, args=("--dispatchers", "3"))
+def three(pydoc_index_dir, tmp_path_factory):
+    config = loop_executor_config(tmp_path_factory.mktemp("scale-out"))  # these test the dispatchers, not the pool
+    stack = UpStack(pydoc_index_dir, args=("--dispatchers", "3", "--config-dir", str(config)))
     stack.wait_ready()
     yield stack
     stack.stop()

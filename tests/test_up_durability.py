@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from stack_fixtures import UpStack
+from stack_fixtures import UpStack, loop_executor_config
 from test_orchestrator import Downstream
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -98,8 +98,9 @@ async def test_tasks_submitted_to_the_embedded_redis_are_all_answered_after_a_re
         pydoc_index_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "redis"
     env = {"SWITCHYARD_TASK_STORE": "redis"}
+    args = ("--data-dir", str(data), "--config-dir", str(loop_executor_config(tmp_path)))  # no CPU pool to start
     ids = [f"durable-{i}" for i in range(20)]
-    first = UpStack(pydoc_index_dir, env=env, args=("--data-dir", str(data)))
+    first = UpStack(pydoc_index_dir, env=env, args=args)
     try:
         first.wait_ready()
         await _submit(first.address("orchestrator"), ids)
@@ -109,7 +110,7 @@ async def test_tasks_submitted_to_the_embedded_redis_are_all_answered_after_a_re
     assert len(before) == 20
     assert (data / "appendonly.aof").stat().st_size > 0 and not (data / "redis.pid").exists()
 
-    second = UpStack(pydoc_index_dir, env=env, args=("--data-dir", str(data)))
+    second = UpStack(pydoc_index_dir, env=env, args=args)
     try:
         second.wait_ready()
         after = await _statuses(second.address("orchestrator"), ids)
@@ -155,7 +156,8 @@ def test_kill_9_of_the_embedded_redis_stops_the_stack_naming_it(pydoc_index_dir:
     """One stack, one fate (docs/architecture.md): the embedded Redis is one of the processes `switchyard up`
     started. Killed, it was neither restarted nor reported: the stack ran on, the orchestrator retrying the
     DRAM tier for ever."""
-    stack = UpStack(pydoc_index_dir, args=("--data-dir", str(tmp_path / "redis")))
+    stack = UpStack(pydoc_index_dir, args=("--data-dir", str(tmp_path / "redis"),  # no CPU pool to start
+                                            "--config-dir", str(loop_executor_config(tmp_path))))
     started: list[psutil.Process] = []
     try:
         stack.wait_ready()
@@ -385,7 +387,8 @@ def test_free_ports_frees_the_health_ports_of_every_service_and_dispatcher_repli
         s.bind(("127.0.0.1", 0))
         health_port = s.getsockname()[1]
     stack = UpStack(pydoc_index_dir, env={"SWITCHYARD_HEALTH_PORT": str(health_port)},
-                    args=("--dispatchers", "2", "--data-dir", str(tmp_path / "data")))
+                    args=("--dispatchers", "2", "--data-dir", str(tmp_path / "data"),
+                          "--config-dir", str(loop_executor_config(tmp_path))))  # no CPU pool to start
     try:
         stack.wait_ready()
         assert set(stack.endpoints()) >= {"dispatcher", "dispatcher-2", "retrieval", "orchestrator"}
