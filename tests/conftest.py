@@ -83,3 +83,23 @@ def transformers_server(tiny_llama_dir: Path):
 
     with TransformersServer(tiny_llama_dir) as server:
         yield server
+
+
+TELEMETRY_CHECK = "test_library_telemetry.py::test_onnxruntime_imported_by_switchyard_sends_no_telemetry"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def onnxruntime_telemetry_watch(request: pytest.FixtureRequest):
+    """tests/test_library_telemetry.py's witness and interpreter under test, started with the session when that
+    check is collected (else None): the check waits for the witness's first upload and as long again (about
+    20 s), a wait that then passes while the other tests run."""
+    if not any(item.nodeid.endswith(TELEMETRY_CHECK) for item in request.session.items):
+        yield None
+        return
+    from test_library_telemetry import TelemetryWatch
+
+    watch = TelemetryWatch()
+    try:
+        yield watch
+    finally:
+        watch.close()
