@@ -73,15 +73,27 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def transformers_server(tiny_llama_dir: Path):
+def transformers_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A real ``transformers serve --continuous-batching --device cpu`` on 127.0.0.1.
 
     One server for the session (it takes about 10 s to start); tests must not depend on
-    what other tests sent it before.
+    what other tests sent it before. Its continuous-batching logger is set to DEBUG (by a
+    ``sitecustomize`` on its PYTHONPATH; ``--log-level`` does not reach that logger), so that it
+    logs "Request <id> finished: ... decode_len = N" when a request ends by itself (max_tokens,
+    EOS); a request cancelled because its client went away is dropped from the batch without that
+    line (transformers ``continuous_batching/requests.py`` ``RequestStatus`` setter,
+    ``scheduler.py`` ``clear_cancelled_requests``). The request id is the X-Request-Id the gateway
+    sends. That logger's DEBUG lines are a few per request, not per step.
     """
+    import os
+
     from switchyard_harness.testing.transformers_serve import TransformersServer
 
-    with TransformersServer(tiny_llama_dir) as server:
+    site = tmp_path_factory.mktemp("cb-debug-logging")
+    (site / "sitecustomize.py").write_text(
+        "import logging\nlogging.getLogger('ContinuousBatchingLogger').setLevel(logging.DEBUG)\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    with TransformersServer(tiny_llama_dir, env={"PYTHONPATH": path}) as server:
         yield server
 
 

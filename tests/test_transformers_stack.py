@@ -119,34 +119,15 @@ async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_se
     assert answered(events, 4) and events[-1].final.finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def debug_transformers_server(tiny_llama_dir, tmp_path_factory):
-    """A second stock ``transformers serve`` whose continuous-batching logger is set to DEBUG (by a
-    ``sitecustomize`` on its PYTHONPATH; ``--log-level`` does not reach that logger). It then logs
-    "Request <id> finished: ... decode_len = N" when a request ends by itself (max_tokens, EOS);
-    a request cancelled because its client went away is dropped from the batch without that line
-    (transformers ``continuous_batching/requests.py`` ``RequestStatus`` setter, ``scheduler.py``
-    ``clear_cancelled_requests``). The request id is the X-Request-Id the gateway sends."""
-    import os
-
-    from switchyard_harness.testing.transformers_serve import TransformersServer
-
-    site = tmp_path_factory.mktemp("cb-debug-logging")
-    (site / "sitecustomize.py").write_text(
-        "import logging\nlogging.getLogger('ContinuousBatchingLogger').setLevel(logging.DEBUG)\n")
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    with TransformersServer(tiny_llama_dir, env={"PYTHONPATH": path}) as server:
-        yield server
-
-
-async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env, debug_transformers_server):
+async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env, transformers_server):
     """Task A (max_tokens N) is cancelled after its first token; task B (N + 32) then runs to its end.
 
     The server decodes A and B one token per step in the same batch, and A started first: had A kept
     generating, it would have finished at least 32 steps before B, logging "Request cancel-a:0 finished".
-    When B's finish is logged, A's is absent: the server stopped generating A.
+    When B's finish is logged, A's is absent: the server stopped generating A (the session's server logs
+    each request that ends by itself: tests/conftest.py).
     """
-    server = debug_transformers_server
+    server = transformers_server
     n = 200
     async with stack(server.base_url, server.model) as stub:
         call = stub.RunTask(agent_pb2.RunTaskRequest(task_id="cancel-a", payload=WORDY, task_type="chat",
