@@ -39,27 +39,27 @@ async def test_the_locustfile_sends_the_bearer_token_of_switchyard_auth_token_or
     env = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_AUTH_TOKEN"}
     async with http_stack(**auth) as (client, _, _down):
         host = str(client.base_url).rstrip("/")
-        (tmp_path / "none").mkdir()
-        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "none", env)
-        assert run.returncode == 1  # every request refused: 401
-        submit = stats["/api/v1/agent/submit"]
-        assert int(submit["Request Count"]) > 0 and submit["Failure Count"] == submit["Request Count"]
-
-        (tmp_path / "env").mkdir()
-        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "env",
-                                             {**env, "SWITCHYARD_AUTH_TOKEN": "tok-full-1"})
-        assert run.returncode == 0, run.stdout + run.stderr
-        for name in ("/api/v1/agent/submit", "/api/v1/agent/run (SSE)"):
-            assert int(stats[name]["Request Count"]) > 0 and int(stats[name]["Failure Count"]) == 0, stats[name]
-
         token_file = tmp_path / "token"
         token_file.write_text("tok-full-1\n")
-        (tmp_path / "file").mkdir()
-        run, stats = await asyncio.to_thread(run_locust, host, tmp_path / "file",
-                                             {**env, "SWITCHYARD_AUTH_TOKEN": "tok-wrong"}, "--token-file",
-                                             str(token_file))
-        assert run.returncode == 0, run.stdout + run.stderr  # the file wins over the variable
-        assert int(stats["/api/v1/agent/submit"]["Failure Count"]) == 0
+        for name in ("none", "env", "file"):
+            (tmp_path / name).mkdir()
+        # the three runs side by side (each its own process, stats and token): their run times overlap
+        (none, none_stats), (by_env, env_stats), (by_file, file_stats) = await asyncio.gather(
+            asyncio.to_thread(run_locust, host, tmp_path / "none", env),
+            asyncio.to_thread(run_locust, host, tmp_path / "env", {**env, "SWITCHYARD_AUTH_TOKEN": "tok-full-1"}),
+            asyncio.to_thread(run_locust, host, tmp_path / "file", {**env, "SWITCHYARD_AUTH_TOKEN": "tok-wrong"},
+                              "--token-file", str(token_file)))
+    assert none.returncode == 1  # every request refused: 401
+    submit = none_stats["/api/v1/agent/submit"]
+    assert int(submit["Request Count"]) > 0 and submit["Failure Count"] == submit["Request Count"]
+
+    assert by_env.returncode == 0, by_env.stdout + by_env.stderr
+    for name in ("/api/v1/agent/submit", "/api/v1/agent/run (SSE)"):
+        assert int(env_stats[name]["Request Count"]) > 0 and int(env_stats[name]["Failure Count"]) == 0, \
+            env_stats[name]
+
+    assert by_file.returncode == 0, by_file.stdout + by_file.stderr  # the file wins over the variable
+    assert int(file_stats["/api/v1/agent/submit"]["Failure Count"]) == 0
 
 
 def test_an_unreadable_token_file_stops_the_run_before_it_starts(tmp_path):
