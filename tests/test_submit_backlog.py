@@ -71,6 +71,9 @@ async def backlog_stack(store: Path, down: Downstream | None = None, **overrides
         face = HttpFace(orch, cfg, port=0)
         async with running([orch, face], cfg.server) as srv:
             channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+            # connected before the first call: gRPC shares subchannels between channels to one address, and one
+            # a finished test left to a server on this same port may still be backing off ("connection refused")
+            await asyncio.wait_for(channel.channel_ready(), 30)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
                 try:
                     yield agent_pb2_grpc.AgentServiceStub(channel), client, down
