@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 import grpc
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.client import main as run_main
+
+
+@contextlib.asynccontextmanager
+async def serving(servicer: agent_pb2_grpc.AgentServiceServicer) -> AsyncIterator[str]:
+    """``servicer`` on a real gRPC server on 127.0.0.1 port 0 for the body; yields its address for --addr."""
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
 
 
 class _Slow(agent_pb2_grpc.AgentServiceServicer):
@@ -19,14 +34,8 @@ class _Slow(agent_pb2_grpc.AgentServiceServicer):
 
 async def test_its_own_timeout_running_out_is_named_with_the_flag_to_raise(capsys):
     """grpc's bare "Deadline Exceeded" named nothing: the command's own --timeout had run out."""
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(_Slow(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        code = await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--timeout", "0.3", "hello"])
-    finally:
-        await server.stop(None)
+    async with serving(_Slow()) as addr:
+        code = await asyncio.to_thread(run_main, ["--addr", addr, "--timeout", "0.3", "hello"])
     err = capsys.readouterr().err
     assert code == 1 and "DEADLINE_EXCEEDED" in err
     assert "this command's --timeout (0.3 s) ran out before the task ended; raise it" in err, err
@@ -50,23 +59,16 @@ async def test_a_timeout_past_what_a_grpc_deadline_holds_is_refused_before_the_c
     from switchyard.common.channels import MAX_CALL_TIMEOUT_S
 
     servicer = _Quick()
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        code = await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--timeout",
-                                                  f"{MAX_CALL_TIMEOUT_S:g}", "hello"])
+    async with serving(servicer) as addr:
+        code = await asyncio.to_thread(run_main, ["--addr", addr, "--timeout", f"{MAX_CALL_TIMEOUT_S:g}", "hello"])
         assert code == 0, capsys.readouterr().err
         assert servicer.time_left[0] > 1e7  # a deadline went out (gRPC's wire form caps what the server sees)
         for huge in ("1e10", "1e300"):
             with pytest.raises(SystemExit) as caught:
-                await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--timeout", huge, "hello"])
+                await asyncio.to_thread(run_main, ["--addr", addr, "--timeout", huge, "hello"])
             assert caught.value.code == 2
             assert f"--timeout: expected seconds > 0, at most 1e+09 (gRPC's deadline overflows past it), got " \
                    f"{float(huge):g}" in capsys.readouterr().err
-    finally:
-        await server.stop(None)
     assert len(servicer.time_left) == 1  # the refused ones never called
 
 
@@ -76,17 +78,11 @@ async def test_token_file_sends_the_files_token_over_the_variable(tmp_path, monk
     monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-from-variable")
     (tmp_path / "token").write_bytes(b"\xef\xbb\xbftok-from-file\n")  # an editor's BOM is no part of it
     servicer = _Quick()
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with serving(servicer) as addr:
         for extra in ([], ["--token-file", str(tmp_path / "token")]):
-            assert await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", *extra, "hello"]) == 0
-        assert await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "--token-file",
-                                                  str(tmp_path / "absent"), "hello"]) == 2
-    finally:
-        await server.stop(None)
+            assert await asyncio.to_thread(run_main, ["--addr", addr, *extra, "hello"]) == 0
+        assert await asyncio.to_thread(run_main, ["--addr", addr, "--token-file", str(tmp_path / "absent"),
+                                                  "hello"]) == 2
     assert servicer.authorization == ["Bearer tok-from-variable", "Bearer tok-from-file"]
     assert f"--token-file {tmp_path / 'absent'}: cannot read it" in capsys.readouterr().err
 
@@ -109,14 +105,8 @@ class _Hostile(agent_pb2_grpc.AgentServiceServicer):
 async def test_control_characters_the_task_sends_back_never_reach_the_terminal(capsys):
     """A token holding ESC reached the terminal as is: the model's output could retitle the window, clear the
     screen or hide text. Each control character but a token's newline and tab is printed as \\xNN."""
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(_Hostile(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        code = await asyncio.to_thread(run_main, ["--addr", f"127.0.0.1:{port}", "hello"])
-    finally:
-        await server.stop(None)
+    async with serving(_Hostile()) as addr:
+        code = await asyncio.to_thread(run_main, ["--addr", addr, "hello"])
     captured = capsys.readouterr()
     assert code == 1
     for stream in (captured.out, captured.err):
