@@ -300,7 +300,7 @@ class GatewayClient:
         try:
             response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
         except httpx.HTTPError as exc:
-            raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=key, url_source=self.url_source) from None
+            raise self._transport_error(exc, url, key) from None
         if response.status_code >= 400:
             raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key,
                                    url_source=self.url_source)
@@ -440,8 +440,7 @@ class GatewayClient:
                 call.span.set_attribute("switchyard.gateway.stream_ending", opened.decoder.ending or "cut")
             except httpx.HTTPError as exc:
                 url = opened.endpoint.chat_completions
-                error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key,
-                                           url_source=self.url_source)
+                error = self._transport_error(exc, url, call.key)
                 _count_cut(error)
                 ended_with = error.after_tokens(sent)
                 raise ended_with from None
@@ -665,8 +664,7 @@ class GatewayClient:
             except httpx.HTTPError as exc:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
-                raise error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key,
-                                          url_source=self.url_source) from None
+                raise self._transport_error(exc, url, call.key) from None
             if response.status_code < 400:
                 return response, body
             try:
@@ -704,6 +702,11 @@ class GatewayClient:
                     )
         return error_for_status(status, text, response.headers, url=url, model=model, key=key,
                                 url_source=self.url_source)
+
+    def _transport_error(self, exc: httpx.HTTPError, url: str, key: ApiKey) -> GatewayError:
+        """:func:`error_for_transport` of a request to ``url``: through its proxy, if any, and naming what set the
+        URL (:attr:`url_source`) in the fix."""
+        return error_for_transport(exc, url=url, proxy=proxy_for(url), key=key, url_source=self.url_source)
 
     async def _known_models(self, endpoint: Endpoint) -> list[str] | None:
         try:
@@ -772,7 +775,7 @@ class GatewayClient:
             return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()
-            error = error_for_transport(exc, url=url, proxy=proxy_for(url), key=call.key, url_source=self.url_source)
+            error = self._transport_error(exc, url, call.key)
             _count_cut(error)
             raise error from None
         except GatewayError as exc:  # the decoder's: a cut, malformed or choiceless stream, or an error in it
