@@ -172,11 +172,11 @@ def test_due_restores_come_from_a_heap_earliest_first_and_replaced_plans_drop_ou
         plans.add(plan(agent, 0.0, 10.0, restore_at=at))
     plans.add(plan("mid", 1.0, 10.0, restore_at=8.0))  # its agent's new plan replaces the one due at 5
     assert plans.next_restore_at == 3.0
-    assert [p.agent_key for p in plans.due(6.0)] == ["early"]
+    assert [p.program_key for p in plans.due(6.0)] == ["early"]
     assert plans.next_restore_after(6.0) == 8.0
-    assert [p.agent_key for p in plans.due(8.5)] == ["early", "mid"]  # "early" found no room yet: still due
+    assert [p.program_key for p in plans.due(8.5)] == ["early", "mid"]  # "early" found no room yet: still due
     plans.started(plans.get("early"))
-    assert [p.agent_key for p in plans.due(9.5)] == ["mid", "late"]
+    assert [p.program_key for p in plans.due(9.5)] == ["mid", "late"]
     assert plans.next_restore_after(9.5) == float("inf")
 
 

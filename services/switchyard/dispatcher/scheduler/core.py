@@ -639,7 +639,7 @@ class SchedulerCore:
             if restored > 0:
                 self.kv.free(req)
             return False
-        current = self.tool_waits.get(plan.agent_key) is plan and self.parking.entry(plan.agent_key) is None
+        current = self.tool_waits.get(plan.program_key) is plan and self.parking.entry(plan.program_key) is None
         landed = restored > 0 and current and not plan.claimed
         self.tool_waits.finished(plan, landed)
         if not landed:
@@ -651,7 +651,7 @@ class SchedulerCore:
         req.num_computed_tokens = restored
         req.status = PARKED
         self.parking.park(req, now)
-        self.parking.keep_for(plan.agent_key, max(0.0, plan.revisit_at - now))
+        self.parking.keep_for(plan.program_key, max(0.0, plan.revisit_at - now))
         self.tiers.discard(key)
         self.counters.restored_tokens += restored
         return True

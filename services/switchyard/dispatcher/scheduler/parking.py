@@ -91,18 +91,18 @@ class ParkedAgents:
         self._cold.pop(req.program_key, None)
         self._parked[req.program_key] = ParkedAgent(req, now, int(self._kv_bytes(req)))
 
-    def take(self, agent_key: str, now: float) -> Resumed:
+    def take(self, program_key: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
 
         A warm agent leaves the parked set, no longer evicted or expired; its old request keeps the state,
         still counted in :attr:`kv_bytes`, until the new step starts running or leaves (:meth:`end_handover`).
         """
-        entry = self._parked.pop(agent_key, None)
+        entry = self._parked.pop(program_key, None)
         if entry is not None and now - entry.since > self._ttl(entry):
-            self._expire(agent_key, entry)
+            self._expire(program_key, entry)
             entry = None
         if entry is None:
-            tokens, in_dram = self._cold.pop(agent_key, (0, False))
+            tokens, in_dram = self._cold.pop(program_key, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
         self._handing_over[id(entry.req)] = entry
         return Resumed(True, entry.req.num_computed_tokens, entry.req)
@@ -153,38 +153,38 @@ class ParkedAgents:
         self._expire(agent, entry, evicted=True)
         return entry.req
 
-    def entry(self, agent_key: str) -> ParkedAgent | None:
+    def entry(self, program_key: str) -> ParkedAgent | None:
         """The agent's parked entry (None when it is not parked)."""
-        return self._parked.get(agent_key)
+        return self._parked.get(program_key)
 
-    def keep_for(self, agent_key: str, ttl_s: float) -> bool:
+    def keep_for(self, program_key: str, ttl_s: float) -> bool:
         """Keep the agent's state warm ``ttl_s`` seconds from when it parked (a tool-wait decision); True when parked."""
-        entry = self._parked.get(agent_key)
+        entry = self._parked.get(program_key)
         if entry is None:
             return False
         entry.ttl_s = max(0.0, ttl_s)
         return True
 
-    def move_out(self, agent_key: str, demote: bool, copy: Callable[[Request], bool] | None = None) -> bool:
+    def move_out(self, program_key: str, demote: bool, copy: Callable[[Request], bool] | None = None) -> bool:
         """Take the agent's state out of HBM now (a tool-wait decision): to DRAM when ``demote`` (and ``copy``,
         default the ``demote`` callback, manages it), else dropped; True when a copy went to DRAM (False:
         dropped, or not parked)."""
-        entry = self._parked.pop(agent_key, None)
+        entry = self._parked.pop(program_key, None)
         if entry is None:
             return False
         tokens = entry.req.num_computed_tokens
         in_dram = (copy or self._demote)(entry.req) if demote else False
         self._release(entry.req)
-        self._cold[agent_key] = (tokens, in_dram)
+        self._cold[program_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
         return in_dram
 
-    def forget(self, agent_key: str) -> bool:
+    def forget(self, program_key: str) -> bool:
         """The agent's task ended here (its next step was refused): its parked state is released, not kept
         or demoted for a turn that will not come, and its cold prefix forgotten; True when it was parked."""
-        self._cold.pop(agent_key, None)
-        entry = self._parked.pop(agent_key, None)
+        self._cold.pop(program_key, None)
+        entry = self._parked.pop(program_key, None)
         if entry is None:
             return False
         self._release(entry.req)
@@ -209,7 +209,7 @@ class ParkedAgents:
         return (sum(entry.kv_bytes for entry in self._parked.values())
                 + sum(entry.kv_bytes for entry in self._handing_over.values()))
 
-    def _expire(self, agent_key: str, entry: ParkedAgent, evicted: bool = False) -> None:
+    def _expire(self, program_key: str, entry: ParkedAgent, evicted: bool = False) -> None:
         tokens = entry.req.num_computed_tokens
         in_dram = self._demote(entry.req)
         self._release(entry.req)
@@ -217,7 +217,7 @@ class ParkedAgents:
             self.counters.parked_evicted += 1
         else:
             self.counters.tool_wait_expired += 1
-        self._cold[agent_key] = (tokens, in_dram)
+        self._cold[program_key] = (tokens, in_dram)
         while len(self._cold) > COLD_PREFIX_MEMORY:
             self._cold.popitem(last=False)
 

@@ -434,7 +434,8 @@ class ToolWaitPlan:
     restores or recomputes it at admission).
     """
 
-    agent_key: str
+    program_key: str
+    """The waiting task's key (``Request.program_key``: its tenant's, agent's and own id)."""
     tool: str
     """The tool's name as announced: the key its measured returns are kept under."""
     decision: Decision
@@ -557,31 +558,31 @@ class ToolWaitPlans:
 
     def add(self, plan: ToolWaitPlan) -> None:
         """``plan`` replaces any earlier plan of its agent; counted under its tool and decision."""
-        self._close(self._plans.pop(plan.agent_key, None))
-        self._plans[plan.agent_key] = plan
-        self._open.setdefault(plan.tool, {})[plan.agent_key] = plan
+        self._close(self._plans.pop(plan.program_key, None))
+        self._plans[plan.program_key] = plan
+        self._open.setdefault(plan.tool, {})[plan.program_key] = plan
         self.decisions[(plan.label, plan.decision.value)] += 1
         while len(self._plans) > MAX_PLANS:
             self._close(self._plans.popitem(last=False)[1])
         if plan.state == _PLANNED and plan.restore_at is not None:
             heapq.heappush(self._restores, (plan.restore_at, next(self._order), plan))
 
-    def get(self, agent_key: str) -> ToolWaitPlan | None:
-        return self._plans.get(agent_key)
+    def get(self, program_key: str) -> ToolWaitPlan | None:
+        return self._plans.get(program_key)
 
     def _close(self, plan: ToolWaitPlan | None) -> None:
         """``plan``'s call no longer runs (its turn came, or the plan was replaced or dropped)."""
         if plan is None:
             return
         running = self._open.get(plan.tool)
-        if running is not None and running.get(plan.agent_key) is plan:
-            del running[plan.agent_key]
+        if running is not None and running.get(plan.program_key) is plan:
+            del running[plan.program_key]
             if not running:
                 del self._open[plan.tool]
 
     def _pending(self, plan: ToolWaitPlan) -> bool:
         """``plan``'s restore is still to start: it is its agent's plan and planned."""
-        return plan.state == _PLANNED and plan.restore_at is not None and self._plans.get(plan.agent_key) is plan
+        return plan.state == _PLANNED and plan.restore_at is not None and self._plans.get(plan.program_key) is plan
 
     def _fall_due(self, now: float) -> None:
         """Move the plans due by ``now`` from the heap to the overdue list (stale heap entries dropped)."""
@@ -618,7 +619,7 @@ class ToolWaitPlans:
         landed = self._landed
         while landed and landed[0][0] < now:
             _, _, plan = heapq.heappop(landed)
-            if plan.state == _LANDED and not plan.counted_late and self._plans.get(plan.agent_key) is plan:
+            if plan.state == _LANDED and not plan.counted_late and self._plans.get(plan.program_key) is plan:
                 plan.counted_late = True
                 self.prefetches[(plan.label, "late")] += 1
         return list(self._overdue)
@@ -639,20 +640,20 @@ class ToolWaitPlans:
         if landed:
             heapq.heappush(self._landed, (plan.revisit_at, next(self._order), plan))
 
-    def abandon(self, agent_key: str) -> ToolWaitPlan | None:
+    def abandon(self, program_key: str) -> ToolWaitPlan | None:
         """The agent's task ended without its turn (its next step refused): its plan ends, counted nowhere
         and measured nowhere (a refused turn says nothing of the tool's return time), and its call stops
         counting as running. A restore in flight for it does not land (:meth:`SchedulerCore.prefetched`
         finds the plan gone). Returns the plan (None when it had none)."""
-        plan = self._plans.pop(agent_key, None)
+        plan = self._plans.pop(program_key, None)
         self._close(plan)
         return plan
 
-    def on_turn(self, agent_key: str, now: float, warm: bool) -> ToolWaitPlan | None:
+    def on_turn(self, program_key: str, now: float, warm: bool) -> ToolWaitPlan | None:
         """The agent's next turn arrived at ``now``, its prefix ``warm`` in HBM or not: its plan ends, the
         resume and (SWAP) the prefetch's timing are counted, and the tool's return is measured. Returns the
         plan (None when it had none)."""
-        plan = self._plans.pop(agent_key, None)
+        plan = self._plans.pop(program_key, None)
         if plan is None:
             return None
         self._close(plan)
@@ -676,11 +677,11 @@ class ToolWaitPlans:
                     plan.claimed = True
         return plan
 
-    def protected_until(self, agent_key: str, req: Request) -> float | None:
-        """When the protection of ``agent_key``'s restored KV (its parked step ``req``, landed by a planned
+    def protected_until(self, program_key: str, req: Request) -> float | None:
+        """When the protection of ``program_key``'s restored KV (its parked step ``req``, landed by a planned
         restore) from eviction for waiting work ends: its plan's revisit time (monotonic seconds); None when
         that step is not a landed restore of the agent's current plan."""
-        plan = self._plans.get(agent_key)
+        plan = self._plans.get(program_key)
         if plan is None:
             return None
         if plan.decision is Decision.KEEP or (plan.state == _LANDED and plan.req is req):
