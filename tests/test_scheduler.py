@@ -298,27 +298,67 @@ def test_idle_engine_admits_its_head_whatever_the_score() -> None:
     assert sched.schedule(now=0.0).admitted == reqs[:1]
 
 
-def test_expected_score_is_learned_from_finished_tasks() -> None:
-    nvml = FakeNvml(gpu=20, memory=10)  # score 6 when the task is admitted
+def test_expected_score_is_learned_from_tasks_admitted_beside_running_work() -> None:
+    nvml = FakeNvml(gpu=20, memory=10)  # score 6 while the engine is idle
     sched = make_scheduler(nvml=nvml, expected_score_initial=10, expected_score_ema_alpha=0.5, admission_score_limit=95)
-    [req] = make_requests(1, task_type="rag_answer")
-    accept(sched, [req], now=0.0)
+    [alone] = make_requests(1, task_type="rag_answer")
+    accept(sched, [alone], now=0.0)
     sched.schedule(now=0.0)
     nvml.gpu, nvml.memory = 50, 20  # score 38 while it runs
     sched.schedule(now=1.0)  # one second alone at score 38
-    finish(sched, req, 2.0)  # another second
-    assert req.compute_score_used == pytest.approx(76.0)
-    # it raised the score from 6 to 38: expected 10 -> 10 + 0.5 * (32 - 10)
-    assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0)
+    [beside] = make_requests(1, task_type="rag_answer")
+    accept(sched, [beside], now=1.0)
+    assert sched.schedule(now=1.0).admitted == [beside]
+    finish(sched, alone, 2.0)  # another second: admitted onto the idle engine, it taught nothing
+    assert alone.compute_score_used == pytest.approx(38.0 + 38.0 / 2)
+    assert sched.admission.expected.get("rag_answer") == 10
+
+    nvml.gpu, nvml.memory = 60, 25  # 12 + 5 + 28.8 = 45.8: NVML's sample at 2.0 describes the second before
+    sched.schedule(now=2.0)
+    finish(sched, beside, 3.0)
+    # it ran at 45.8 beside work that ran at 38 when it came: expected 10 -> 10 + 0.5 * (7.8 - 10)
+    assert sched.admission.expected.get("rag_answer") == pytest.approx(10 + 0.5 * (45.8 - 38 - 10))
     assert sched.admission.expected.get("chat") == 10
 
-    # two admitted together onto a busy engine that stays at 38 add nothing each
+    # two admitted together beside work, on an engine that stays at 45.8, add nothing each
+    learnt = sched.admission.expected.get("rag_answer")
+    [runner] = make_requests(1, task_type="chat")
+    accept(sched, [runner], now=3.0)
+    sched.schedule(now=3.0)  # onto the idle engine
     pair = make_requests(2, task_type="rag_answer")
-    accept(sched, pair, now=2.0)
-    assert sched.schedule(now=2.0).admitted == pair
+    accept(sched, pair, now=3.5)
+    assert sched.schedule(now=3.5).admitted == pair
     for req in pair:
-        finish(sched, req, 3.0)
-    assert sched.admission.expected.get("rag_answer") == pytest.approx(21.0 * 0.5 * 0.5)
+        finish(sched, req, 4.0)
+    assert sched.admission.expected.get("rag_answer") == pytest.approx(learnt * 0.5 * 0.5)
+
+
+def test_a_task_that_joins_one_decode_is_not_taught_the_decodes_score_and_the_next_is_admitted_beside_it() -> None:
+    """The score is a sample cached for ``score_sample_interval_ms`` (100), and the one a request admitted
+    beside running work was measured from was that sample: 0 when the engine had been idle before the work
+    now running started. A rag answer that joined one decode then taught its type the whole decode's
+    busy-ratio score (68 on the sim engine), and admission (score + expected >= ``admission_score_limit``,
+    80) held every later answer behind one running decode: ``bench agents --rag-prefill --seed 4`` read
+    answer TTFT P95 3.06 s, 0.13 s once the baseline is the running work's own last stretch."""
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=False, engine=engine, score_sample_interval_ms=100)
+    sched.schedule(now=0.0)  # the first sample
+    first, second, third = make_requests(3, task_type="rag_answer")
+    accept(sched, [first], now=0.5)
+    sched.schedule(now=0.5)  # samples the idle half second: score 0
+    engine.busy_seconds += 0.05  # busy from here on
+    accept(sched, [second], now=0.55)
+    assert sched.schedule(now=0.55).admitted == [second]
+    assert sched.score == 0.0  # the cached sample still says idle
+    engine.busy_seconds += 0.05
+    finish(sched, second, 0.6)
+    assert sched.admission.expected.get("rag_answer") < sched.admission.expected.initial
+    busy = weighted_score(UtilSample(100.0, 0.0, tensor_estimate(100.0), "busy_ratio"),
+                          SwitchyardConfig().scheduler.compute_score_weights)
+    engine.busy_seconds += 0.1
+    accept(sched, [third], now=0.7)
+    assert sched.schedule(now=0.7).admitted == [third]  # 68 busy + the expected stays under 80
+    assert sched.score == pytest.approx(busy) and busy + sched.admission.expected.initial < 80
 
 
 def test_compute_score_used_is_the_share_of_the_score() -> None:
@@ -364,6 +404,10 @@ def test_a_prefill_only_warm_up_teaches_admission_nothing_of_its_task_types_expe
     sched = make_scheduler(nvml=False, engine=engine, policy=policy)
     sched.schedule(now=0.0)  # the first sample
     initial = sched.admission.expected.get("rag_answer")
+    [decode] = make_requests(1, task_type="chat", max_tokens=1000)
+    accept(sched, [decode], now=0.4)
+    sched.schedule(now=0.4)  # one decode runs: what the warm-up and the answer join
+    engine.busy_seconds += 0.1
     [warm] = make_requests(1, task_type="rag_answer", max_tokens=1, prefill_only=True)
     accept(sched, [warm], now=0.5)
     sched.schedule(now=0.5)
@@ -372,6 +416,7 @@ def test_a_prefill_only_warm_up_teaches_admission_nothing_of_its_task_types_expe
     finish(sched, warm, 0.54)
     assert warm.compute_score_used > 0
     assert sched.admission.expected.get("rag_answer") == initial
+    engine.busy_seconds += 0.46
     [answer] = make_requests(1, task_type="rag_answer")
     accept(sched, [answer], now=1.0)
     sched.schedule(now=1.0)

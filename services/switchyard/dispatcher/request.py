@@ -267,6 +267,8 @@ class Request:
     """The compute score at its last admission (what it added is measured from there)."""
     admitted_together: int = 1
     """Requests admitted in the same decision as it (they share the score increase)."""
+    admitted_onto_idle: bool = False
+    """Its last admission was into an engine that ran nothing (the decision's head, admitted whatever the score)."""
     memory_peak_bytes: int = 0
     usage_prompt_tokens: int | None = None
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""

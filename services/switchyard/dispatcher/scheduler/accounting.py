@@ -13,7 +13,13 @@ score) is its marginal effect instead: the average score while it ran minus
 the score when it was admitted, split among the tasks admitted in the same
 decision (never below 0). A share would not do: on a lightly loaded engine
 each task's share is large, admission would then keep the load light, and the
-estimate would feed itself.
+estimate would feed itself. Only tasks admitted beside running work teach it
+(``admitted_onto_idle`` False): admission asks what one more task adds to an
+engine that runs something (onto an idle engine it admits the head whatever
+the score), and a task started on an idle engine measures the jump from idle
+to busy instead, most of the busy-ratio score at once (about 68 of 100 for one
+decode on the sim engine), which held every later task behind one running
+decode and fed itself the same way.
 
 ``memory_peak_bytes`` is the largest ``kv.kv_bytes(req)`` seen at a
 time-slice boundary, after a step, or when the request leaves the running set.
@@ -43,17 +49,25 @@ class Accounting:
     def __init__(self, kv_bytes: Callable[[Request], int], monitor: "ComputeScoreMonitor") -> None:
         self._kv_bytes = kv_bytes
         self._monitor = monitor
+        self.running_score = 0.0
+        """The compute score (0-100) over the running set's latest charged stretch (:meth:`charge`): what a
+        request admitted now is measured from. The monitor's cached sample, up to ``score_sample_interval_ms``
+        old, may still describe the idle interval before the running set started, which read a task that joined
+        one decode as adding the whole decode's score."""
 
-    def start(self, req: Request, now: float, score: float, admitted_together: int = 1) -> None:
+    def start(self, req: Request, now: float, score: float, admitted_together: int = 1,
+              onto_idle: bool = False) -> None:
         """``req`` takes a running slot at ``now``, when the compute score was ``score``.
 
         ``admitted_together``: tasks admitted in the same decision, which share
-        the score increase that follows.
+        the score increase that follows. ``onto_idle``: the engine ran nothing
+        before that decision (what ``req`` adds is then no marginal score).
         """
         req.charged_until = now
         req.charged_mark = self._monitor.activity()
         req.admitted_at_score = score
         req.admitted_together = max(1, admitted_together)
+        req.admitted_onto_idle = onto_idle
 
     def charge(self, reqs: list[Request], now: float) -> None:
         """Charge every running request in ``reqs`` up to ``now``, each stretch's score shared ``len(reqs)``
@@ -62,6 +76,8 @@ class Accounting:
         scores: dict[float, float] = {}  # the stretch's score, once per start (most share the last charge)
         for req in reqs:
             self._charge_one(req, len(reqs), now, mark, scores)
+        if scores:
+            self.running_score = scores[max(scores)]
 
     def stop(self, req: Request, n_running: int, now: float) -> None:
         """``req`` leaves the running set at ``now`` (finished, parked or preempted): charge its last stretch."""
@@ -70,9 +86,10 @@ class Accounting:
 
     @staticmethod
     def marginal_score(req: Request) -> float | None:
-        """Score (0-100) ``req`` added by running (see the module docstring), or None when it never ran."""
+        """Score (0-100) ``req`` added by running beside running work (see the module docstring), or None when
+        it never ran or its last admission was onto an idle engine."""
         seconds = req.running_seconds
-        if seconds <= 0 or req.admitted_at_score is None:
+        if seconds <= 0 or req.admitted_at_score is None or req.admitted_onto_idle:
             return None
         average = req.score_seconds / seconds
         return max(0.0, average - req.admitted_at_score) / req.admitted_together

@@ -401,6 +401,8 @@ class SchedulerCore:
         # Due restores take the free room before admission, unless waiting work of a higher class is there
         # (its turn is expected about now: the room it takes its turn would take; the rest after admission).
         out.prefetch = self._prefetches(now, self.queue.peek() if self.queue else None)
+        onto_idle = not self._running
+        baseline = score if onto_idle else self.accounting.running_score  # what admitted work is measured from
         projected = score
         wave = 0
         while self.queue:
@@ -427,7 +429,7 @@ class SchedulerCore:
         self._preempt(now, out)
         out.prefetch += self._prefetches(now)
         for req in out.admitted:
-            self.accounting.start(req, now, score, len(out.admitted))
+            self.accounting.start(req, now, baseline, len(out.admitted), onto_idle)
         out.running = list(self._running)
         out.outputs = self._drain()
         return out
@@ -482,7 +484,7 @@ class SchedulerCore:
             self._start(req, now, out)
             projected += self.admission.expected.get(req.task_type)
         for req in out.admitted:
-            self.accounting.start(req, now, self.score, len(out.admitted))
+            self.accounting.start(req, now, self.accounting.running_score, len(out.admitted))
         out.outputs = self._drain()
         return out
 
