@@ -75,12 +75,16 @@ re-samples the scheduler's monitor at scrape time once the loop has started.
 On the busy path (an accepted request, a decision, a step's result, the
 flush timer) it publishes at most once per :data:`STATS_INTERVAL_S`: a
 report skipped there is not lost, the next one carries its counts and
-events (the scheduler reports what it counted since the previous report),
-and the loop publishes whatever is pending before it waits (idle, or work
-that fits nowhere yet) and when it drains or stops. Refusals, aborts,
-failed steps and tool-wait decisions are published at once. So the
-counters stay exact, and while the loop steps without pause the gauges,
-histograms and batch spans trail the scheduler by at most the interval.
+events (the scheduler reports what it counted since the previous report).
+When the loop waits with nothing to do a pending report is published at
+once; when it waits with work held (work that fits nowhere yet, or the
+stream loop between its decisions) at once if it is due, else by a timer
+when it falls due; and whatever is pending when the loop drains or stops. Refusals, aborts, failed steps and tool-wait decisions are
+published at once. So the counters stay exact, and the gauges, histograms
+and batch spans trail the scheduler by at most the interval. (The stream
+loop waits after every decision, each stream's end waking it: publishing
+at each wait made a report per call, 4.4 % of its event loop's time in front
+of ``sim-openai`` at 8 streams, docs/benchmarks.md.)
 
 :class:`LoopBase` holds what the step loop and the stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the busy
@@ -177,6 +181,7 @@ class LoopBase:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._stats_due = 0.0  # monotonic: a throttled report may be published from then on
         self._stats_pending = False  # a throttled report was skipped: the next publish carries it
+        self._stats_timer: asyncio.TimerHandle | None = None  # publishes a pending report when it falls due
         self.failure: BaseException | None = None
         """What ended the loop's task with an exception (a bug in a decision), if anything did: every request the
         scheduler held then failed, and the dispatcher refuses new ones naming it (:meth:`_task_ended`)."""
@@ -262,9 +267,28 @@ class LoopBase:
             batch_spans(stats.events.flushed)
 
     def _publish_pending_stats(self) -> None:
-        """Publish the report a throttled call skipped, if any (before the loop waits, drains or stops)."""
+        """Publish the report a throttled call skipped, if any (when the loop drains or stops, or its due time
+        came: :meth:`_publish_when_due`)."""
+        self._stats_timer = None
         if self._stats_pending:
             self._publish_stats()
+
+    def _publish_when_due(self) -> None:
+        """The loop is about to wait: a pending report is published now if due or if the scheduler holds no work
+        (the report of what just ended), else when it falls due (a timer; a busy-path publish before then carries
+        it instead)."""
+        if not self._stats_pending:
+            return
+        delay = self._stats_due - time.monotonic()
+        if delay <= 0 or not self.scheduler.has_work:
+            self._publish_stats()
+        elif self._stats_timer is None:
+            self._stats_timer = asyncio.get_running_loop().call_later(delay, self._publish_pending_stats)
+
+    def _cancel_stats_timer(self) -> None:
+        if self._stats_timer is not None:
+            self._stats_timer.cancel()
+            self._stats_timer = None
 
     def start(self) -> None:
         """Start the loop task on the running event loop (idempotent); from then on the compute-score gauge
@@ -306,6 +330,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=False)
         self._cancel_flush_timer()
+        self._cancel_stats_timer()
         self._publish_pending_stats()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
@@ -320,6 +345,7 @@ class LoopBase:
         if self.failure is None:  # a failed loop ended what it held already; its scheduler's state is suspect
             self._cancel_all()
         self._cancel_flush_timer()
+        self._cancel_stats_timer()
         self.scheduler.shutdown()
         await self.scheduler.tiers.aclose()
 
@@ -391,7 +417,7 @@ class LoopBase:
         self._publish(self.scheduler.finish_requests(held, status, now, error))
 
     async def _wait(self, timeout: float | None) -> None:
-        self._publish_pending_stats()  # the loop pauses: what it reports is current while it waits
+        self._publish_when_due()  # the loop pauses: what it reports is current within STATS_INTERVAL_S
         self._wake.clear()
         if timeout is None:
             await self._wake.wait()
