@@ -259,6 +259,50 @@ async def test_the_tools_offered_and_the_messages_tool_calls_count_in_the_prompt
         assert message.startswith("prompt: expected at most 20000 characters"), message
 
 
+def _schema_of(chars: int) -> str:
+    """A valid tool schema of ``chars`` characters: an object's, with a string property per 100 characters."""
+    properties = {f"p{i}": {"type": "string", "description": "x" * 8} for i in range(chars // 100)}
+    schema = json.dumps({"type": "object", "properties": properties, "description": ""})
+    return schema[:-2] + "x" * (chars - len(schema)) + schema[-2:]
+
+
+async def test_a_tool_schema_past_its_size_limit_is_refused_before_it_is_checked(
+    dispatcher: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool's schema was checked against the JSON Schema metaschema whatever its size, at about 3 ms of the
+    dispatcher's CPU a KiB: a valid schema of about 1 MB (under limits.max_prompt_chars) took seconds to check,
+    and 128 tools sharing that megabyte cost the same. Each schema is bounded (limits.max_tool_schema_chars,
+    64 KiB) and all of a request's together (limits.max_tool_schemas_chars, 256 KiB), refused unchecked."""
+    from switchyard.dispatcher import processor
+
+    checked: list[int] = []
+    real = processor._schema_problem
+    monkeypatch.setattr(processor, "_schema_problem", lambda text: checked.append(len(text)) or real(text))
+    large = _schema_of(800_000)  # under limits.max_prompt_chars
+    message = await _refusal(dispatcher, tools=[agent_pb2.ToolSpec(name="s", parameters_json="{}"),
+                                                agent_pb2.ToolSpec(name="big", parameters_json=large)])
+    assert message == (f"tools[1].parameters_json: expected a schema of at most 65536 characters "
+                       f"(limits.max_tool_schema_chars) (got '{len(large)} chars')"), message
+    just_over = _schema_of(65_537)
+    message = await _refusal(dispatcher, tools=[agent_pb2.ToolSpec(name="s", parameters_json=just_over)])
+    assert message.startswith("tools[0].parameters_json: expected a schema of at most 65536 characters"), message
+    several = [agent_pb2.ToolSpec(name=f"t{i}", parameters_json=_schema_of(60_000)) for i in range(5)]
+    total = sum(len(t.parameters_json) for t in several)
+    message = await _refusal(dispatcher, tools=several)
+    assert message == (f"tools: expected parameter schemas of at most 262144 characters in all "
+                       f"(limits.max_tool_schemas_chars) (got '{total} chars')"), message
+    assert checked == []  # none of them was checked
+    # at the limits: checked (then refused for sim-7b's 4,096-token context window, which they overflow)
+    at_limits = [_schema_of(65_536), _schema_of(65_536), _schema_of(65_536), _schema_of(65_534), "{}"]
+    message = await _refusal(dispatcher, tools=[agent_pb2.ToolSpec(name=f"t{i}", parameters_json=schema)
+                                                for i, schema in enumerate(at_limits)])
+    assert message.startswith("prompt_tokens: expected fewer than the context window of sim-7b"), message
+    assert checked == [65_536, 65_536, 65_536, 65_534, 2]
+    real_size = [agent_pb2.ToolSpec(name="s", parameters_json=_schema_of(4096))]
+    chunks = await dispatcher.generate(prompt="hi", tools=real_size, max_tokens=2)  # a real tool's size: served
+    assert chunks[-1].done.finish_reason in ("stop", "length", "tool_calls")
+
+
 async def _refusal(dispatcher: Harness, **fields: object) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await dispatcher.generate(**fields)

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import re
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -77,7 +77,7 @@ TOOL_NAME_EXPECTED = "1 to 64 characters of A-Z a-z 0-9 _ - (the OpenAI function
 
 SCHEMA_CACHE_MAX_CHARS = 16_384
 """Longest ``parameters_json`` whose check :func:`schema_problem` keeps, characters: a tool's schema is a few hundred
-characters; keeping every one checked, up to ``limits.max_prompt_chars`` each, held up to 256 of them (256 MB)."""
+characters; keeping every one checked, up to ``limits.max_tool_schema_chars`` each, held up to 256 of them."""
 
 
 def schema_problem(parameters_json: str) -> str | None:
@@ -117,6 +117,27 @@ def _schema_problem(parameters_json: str) -> str | None:
     return None
 
 
+def check_tool_schema_sizes(tools: Iterable[agent_pb2.ToolSpec], limits: RequestLimitsConfig) -> None:
+    """Bound the tools' parameter schemas before any is checked (:func:`schema_problem`'s CPU time grows with a
+    schema's size, about 3 ms a KiB): each at most ``limits.max_tool_schema_chars`` characters, all of them
+    together at most ``limits.max_tool_schemas_chars``.
+
+    Raises:
+        InvalidArgument: naming ``tools[i].parameters_json`` (one schema too long) or ``tools`` (all of them),
+            the size and the limit.
+    """
+    total = 0
+    for i, t in enumerate(tools):
+        size = len(t.parameters_json)
+        if size > limits.max_tool_schema_chars:
+            raise InvalidArgument(f"tools[{i}].parameters_json", f"a schema of at most {limits.max_tool_schema_chars} "
+                                  "characters (limits.max_tool_schema_chars)", f"{size} chars")
+        total += size
+    if total > limits.max_tool_schemas_chars:
+        raise InvalidArgument("tools", f"parameter schemas of at most {limits.max_tool_schemas_chars} characters in "
+                              "all (limits.max_tool_schemas_chars)", f"{total} chars")
+
+
 def check_priority(value: int) -> None:
     """``priority`` is a Priority (CORE, NORMAL, BATCH) or unset (NORMAL).
 
@@ -149,7 +170,8 @@ def to_request(
             max_tokens exceed the model's context window), ``prompt_tokens``,
             ``priority``, ``request_id``, ``agent_id``, ``task_id``, ``model``, ``task_type``,
             ``messages``, ``tools``, ``messages[i].role``, ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
-            tool's), ``tools[i].parameters_json`` (:func:`schema_problem`), ``tenant_id``,
+            tool's), ``tools[i].parameters_json`` (:func:`schema_problem`; its size, and all of them together:
+            :func:`check_tool_schema_sizes`), ``tenant_id``,
             ``task_time_left_s``, ``expected_remaining_work_s`` or ``resume`` (set without an ``agent_id``).
         SwitchyardError: NOT_FOUND, a model this engine does not serve.
     """
@@ -185,6 +207,7 @@ def to_request(
                               f"{len(request.messages)} messages")
     if len(request.tools) > limits.max_tools:
         raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
+    check_tool_schema_sizes(request.tools, limits)
     # What the model reads: the prompt, the messages with their tool calls, and the tools offered (a server
     # renders their names, descriptions and schemas into the prompt, and they take KV as any prompt token does)
     tool_texts = [text for t in request.tools for text in (t.name, t.description, t.parameters_json) if text]

@@ -58,6 +58,19 @@ class RequestLimitsConfig(_Strict):
     max_metadata_bytes: int = Field(16_384, ge=0, le=100_000_000, description="Most metadata bytes (keys + values, UTF-8), bytes.")
     max_messages: int = Field(1024, ge=1, le=1_000_000, description="Most chat messages per Generate, messages.")
     max_tools: int = Field(128, ge=0, le=100_000, description="Most tools offered per Generate, tools.")
+    max_tool_schema_chars: int = Field(
+        65_536, ge=2, le=100_000_000,
+        description="Longest parameter schema (parameters_json) of one tool a Generate offers, characters; the "
+        "dispatcher answers a longer one INVALID_ARGUMENT naming tools[i].parameters_json before checking it "
+        "against the JSON Schema metaschema, a check whose CPU time grows with the schema (about 0.2 s for "
+        "64 KiB). A real tool's schema is a few hundred characters to a few KiB.",
+    )
+    max_tool_schemas_chars: int = Field(
+        262_144, ge=2, le=100_000_000,
+        description="Most characters of parameter schemas (parameters_json) all the tools of one Generate offer "
+        "together; the dispatcher answers more INVALID_ARGUMENT naming tools before checking any of them: each "
+        "schema within limits.max_tool_schema_chars, 128 of them would still cost seconds of CPU to check.",
+    )
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> "RequestLimitsConfig":
