@@ -802,6 +802,25 @@ def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monke
     assert not sched.counters.admissions_refused.get("compute_score")
 
 
+async def test_a_sim_dispatchers_compute_score_comes_from_its_model_not_the_hosts_gpu(monkeypatch):
+    """The sim engine models its own GPU; on a host with a real one, the sim dispatcher's compute score was NVML's
+    reading of that GPU (88 when busy with other work), holding admission behind whatever the host ran. NVML
+    reads a busy GPU here: the score stays the sim model's, and NVML is never read."""
+    from nvml_fixtures import FakeNvml
+
+    nvml = FakeNvml(gpu=100, memory=100)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    async for h in serve(DispatcherService(make_config(**{"scheduler.score_sample_interval_ms": 1}))):
+        monitor = h.service.scheduler.monitor
+        assert monitor.read(time.monotonic()) == 0  # idle: the busy host GPU is not the sim's
+        chunks = await h.generate(max_tokens=4)
+        assert chunks[-1].done.usage.completion_tokens == 4
+        time.sleep(0.002)  # a fresh sample interval, the engine idle again
+        assert monitor.read(time.monotonic()) < 50
+        assert monitor.sample.source == "engine_model"
+        assert monitor.gpu_available is False and nvml.reads == 0
+
+
 def test_a_scheduler_for_a_stream_engine_never_preempts_a_stream():
     """An upstream's stream cannot be paused: a scheduler built for a stream engine preempts nothing, whoever drives
     it (the stream loop, a bench, a test). It was the stream loop that switched preemption off, after the scheduler

@@ -214,6 +214,11 @@ class StepEngine(abc.ABC):
     models_activity: bool = False
     """``memory_busy_seconds`` and ``tensor_busy_seconds`` are modelled (the compute score's engine source)."""
 
+    runs_on_host_gpu: bool = True
+    """The engine computes on this host's GPU, so NVML's utilisation of it (``scheduler.nvml_device_index``) is
+    the engine's load and feeds the compute score. False: its GPU is modelled (the ``sim`` engine) or it computes
+    on the CPU; whatever NVML reads on this host is other work's, and the score comes from the engine itself."""
+
     enforces_max_tokens: bool = False
     """The engine ends each sequence at the request's ``max_tokens`` itself; the stop check then does not
     count it (:func:`~switchyard.dispatcher.scheduler.update.check_stop`). False: the scheduler counts."""
@@ -284,6 +289,8 @@ class StreamEngine(abc.ABC):
     """The upstream is given ``max_tokens`` and ends the stream itself (``Usage`` last): a request ends
     when its stream ends, with the upstream's finish reason."""
     models_activity = False
+    runs_on_host_gpu = False
+    """A stream engine's GPU is its model server's (:attr:`StepEngine.runs_on_host_gpu`)."""
     busy_seconds = 0.0
     memory_busy_seconds = 0.0
     tensor_busy_seconds = 0.0

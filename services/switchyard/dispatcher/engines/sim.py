@@ -481,6 +481,7 @@ class SimEngine(StepEngine):
     supports_layer_preemption = True
     supports_chunked_prefill = True
     models_activity = True
+    runs_on_host_gpu = False  # the GPU it simulates is its own model's: the host's GPU, if any, is not it
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.params = config.sim

@@ -313,6 +313,7 @@ class TorchEngine(StepEngine):
             torch.set_num_threads(self.params.threads)
         self.model_net: DecoderLM = build_model(self.params)
         self.device = self.model_net.embed.weight.device
+        self.runs_on_host_gpu = self.device.type == "cuda"  # on the CPU, a GPU NVML reads runs other work
         self.tokenizer = Tokenizer(self.params.vocab_size)
         self.model = self.params.model
         self.busy_seconds = 0.0

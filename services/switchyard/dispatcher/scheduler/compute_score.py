@@ -25,7 +25,9 @@ three readings (``score_without_nvml: engine_model``, the default; ``busy_ratio`
 uses the busy ratio alone); any other engine gives only its busy ratio for ``cuda_util``,
 bandwidth then counts 0 and the tensor estimate applies. The monitor says so
 once in the log (a WARNING when NVML failed, INFO when it was built without
-NVML, as a stream engine's is) and reports ``gpu_available`` False (``switchyard_gpu_available``
+NVML, as the monitor of an engine that does not compute on this host's GPU is:
+the sim engine, whose GPU is its model's, a stream engine, whose GPU is its
+model server's, and the torch engine on the CPU; ``runs_on_host_gpu``) and reports ``gpu_available`` False (``switchyard_gpu_available``
 0). An NVML error never propagates: the monitor switches to the fallback for good.
 
 The monitor records no metric: the step loop publishes its readings
@@ -254,7 +256,7 @@ class ComputeScoreMonitor:
             None counts the engine as idle. Ignored when ``engine`` is given.
         engine: the engine itself, for the fallback (see :class:`EngineActivity`).
         nvml: the pynvml module or a stand-in (tests); None imports pynvml;
-            ``False`` skips NVML (no GPU expected).
+            ``False`` skips NVML (the engine does not compute on this host's GPU).
     """
 
     def __init__(
@@ -322,7 +324,7 @@ class ComputeScoreMonitor:
 
     def _read_nvml(self) -> UtilSample | None:
         if self._reader is None:
-            self._fall_back("NVML not used (no GPU expected)", expected=True)
+            self._fall_back("NVML not used: the engine does not compute on this host's GPU", expected=True)
             return None
         try:
             gpu, memory = self._reader.read()

@@ -200,9 +200,11 @@ class SchedulerCore:
         self.tiers = tiers or MemoryTiers(config.memory, config.scheduler.priority_boost, self.kv)
         self._outbox: list[RequestOutput] = []  # requests ended since the last public call returned
         streams = isinstance(engine, StreamEngine)
-        # A stream engine's GPU is its model server's: the adaptive concurrency limit is the one limit on it, so
-        # no compute score (NVML here reads whatever this host runs) may hold admission below that limit.
-        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine, nvml=False if streams else None)
+        # NVML reads this host's GPU: the compute score reads it only for an engine that computes on it. The sim
+        # engine's GPU is its model's, a stream engine's its model server's (whose adaptive concurrency limit is
+        # the one limit on it): NVML here reads whatever else this host runs.
+        host_gpu = engine is None or engine.runs_on_host_gpu
+        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine, nvml=None if host_gpu else False)
         self.counters = SchedulerCounters()
         """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
         self._reported = SchedulerCounters()  # the counters at the last make_stats
