@@ -460,3 +460,54 @@ async def test_a_dispatcher_restarted_during_a_tool_wait_serves_the_agents_next_
                 await channel.close()
     assert events[-1].HasField("final")
     assert any(e.HasField("tool_result") for e in events)
+
+
+@pytest.mark.parametrize("how", ["RunTask", "SubmitTask"])
+async def test_an_orchestrator_stopped_during_a_tool_wait_tells_the_dispatcher_the_task_ended(how: str):
+    """The orchestrator stops (SIGTERM: its server's stop) while a react_loop task waits on its tool: after the
+    grace the task is cancelled, and its end is sent to the dispatcher (ToolWait with task_ended). That end was
+    a hint like the others, and the stop cancelled every hint in flight as it closed the dispatcher's client:
+    the dispatcher never heard it, and held the dead agent's parked KV and its tool-wait plan until the tool's
+    revisit time (unless the end happened to be answered before the client closed: a dispatcher a hop away,
+    answering in 0.3 s here, never got it). The stop now lets the ToolWait calls in flight finish, each within
+    its hint timeout, before it closes the client."""
+
+    class AnswersEndsSlowly(DispatcherService):
+        async def ToolWait(self, request, context):
+            if request.task_ended:
+                await asyncio.sleep(0.3)  # within the hint timeout (5 s here), as a remote dispatcher's answer
+            return await super().ToolWait(request, context)
+
+    dispatcher = AnswersEndsSlowly(SwitchyardConfig().with_overrides(**{**FAST, "memory.dram.kv_swap": False}))
+    tool = _ToolThatHangs()
+    base = load_config("config", service="orchestrator")
+    async with running([dispatcher], base.server) as disp, running([tool], base.server) as retr:
+        with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base,
+                                 **{"orchestrator.program.tool_wait_cold_estimate_s": 600.0,
+                                    "orchestrator.program.tool_wait_hint_timeout_ms": 5000}) as cfg:
+            orchestrator = OrchestratorService(cfg)
+            orch = await start_server([orchestrator], "127.0.0.1", 0, cfg.server)
+            channel = open_channel(f"127.0.0.1:{orch.port}")
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            scheduler, hints = dispatcher.loop.scheduler, _value(TOOL_WAIT_HINTS, outcome="ok")
+            request = agent_pb2.RunTaskRequest(task_id="t-stop", agent_id="agent-stop", task_type="react_loop",
+                                               payload="How does the with statement work?")
+            run = None
+            if how == "SubmitTask":
+                await stub.SubmitTask(request)
+            else:
+                run = asyncio.create_task(collect_events(stub, request, 60))
+            await tool.called.wait()
+            await _until(lambda: _value(TOOL_WAIT_HINTS, outcome="ok") > hints, "the tool's announcement")
+            waiting = program_key(DEFAULT_TENANT, "agent-stop", "t-stop")
+            assert scheduler.tool_waits.get(waiting) is not None  # a plan for the wait, the step parked
+            assert waiting in scheduler.tool_waits._open.get("search_docs", {})
+            await orch.stop(0.2)  # the task is cancelled after the grace
+            if run is not None:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await run
+            await channel.close()
+            assert scheduler.tool_waits.get(waiting) is None, "the dispatcher still holds the task's plan"
+            assert scheduler.parking.entry(waiting) is None and scheduler.parking.kv_bytes == 0
+            assert waiting not in scheduler.tool_waits._open.get("search_docs", {})
+            tool.gate.set()

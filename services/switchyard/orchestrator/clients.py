@@ -447,6 +447,12 @@ class InferenceClient:
         return self._channel
 
     async def close(self) -> None:
+        """Close the channels, after the ToolWait calls in flight: a stop ends the tasks it cancels with a
+        ``task_ended`` each (:meth:`end_tool_wait`), which the dispatcher needs to release their agents' parked
+        state and plans. Each is bounded by :attr:`hint_timeout_s` after its announcement (itself bounded so):
+        what is still in flight after twice that is cancelled."""
+        if self._hints:
+            await asyncio.wait(set(self._hints), timeout=2 * self.hint_timeout_s)
         for hint in self._hints:
             hint.cancel()
         await asyncio.gather(*self._hints, return_exceptions=True)
