@@ -110,7 +110,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
     parser.add_argument("--output", help="also write the profile (gzip'd pprof protobuf) to this file")
     add_token_options(parser)
-    parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: its usual place)")
+    parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: its usual place); one "
+                        "whose switchyard up is gone is said to be stale and left in place")
     parser.add_argument("--config-dir", help="config folder for the fallback ports (default: config/)")
     args = parser.parse_args(argv)
     if not 0 < args.seconds <= 3600:

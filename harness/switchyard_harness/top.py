@@ -20,7 +20,8 @@ known (a gauge the service does not read, NaN in its metrics) is ``null``.
 
 Endpoints come from flags, else from the up file that ``switchyard up`` writes
 (``switchyard.common.up_files.default_path``; one a killed launcher left is removed, not read),
-else from the configured metrics ports.
+or the one ``--up-file`` names (one a killed launcher left is said to be stale and not read, and
+left in place: a file the user names is never removed), else from the configured metrics ports.
 
 Exit status: 0; 1 when ``--once`` could not reach a service (the JSON still
 says which and why); 2 for bad arguments.
@@ -160,23 +161,29 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
     path = Path(args.up_file) if args.up_file else up_files.default_path()
     found: dict[str, str] = {}
     source = "flags"
-    stale = up_files.remove_stale(path)  # a killed launcher's: its ports serve nothing
+    if args.up_file:  # the user's file: a killed launcher's is said to be stale, never removed
+        gone = up_files.gone_launcher(path)
+        why_not_read = f"is stale: its switchyard up, pid {gone}, is gone; left in place" if gone is not None else ""
+    else:  # the shared up file: a killed launcher's is removed (its ports serve nothing)
+        stale = [pid for stale_path, pid in up_files.remove_stale(path) if stale_path == path]
+        why_not_read = f"removed: its switchyard up, pid {stale[0]}, is gone" if stale else ""
     if len(flagged) < len(SERVICES):
         try:
+            if why_not_read:
+                raise LookupError(why_not_read)
             recorded = up_files.recorded_services(path)
             found = {name: recorded[name]["metrics_url"] for name in recorded
                      if replica_of(name) in SERVICES and replica_of(name) not in flagged}
             if not found and not flagged:
                 raise KeyError("the up file lists no service")
             source = f"up file {path}"
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, LookupError) as exc:
             from switchyard.common.config import load_config
 
             config = load_config(args.config_dir)
             host = config.server.host
             found = {name: f"http://{host}:{getattr(config, name).metrics_port}/metrics" for name in SERVICES}
-            source = f"config ({path} {_unread_up_file(exc)})" if not any(p == path for p, _ in stale) else \
-                f"config ({path} removed: its switchyard up, pid {stale[0][1]}, is gone)"
+            source = f"config ({path} {why_not_read or _unread_up_file(exc)})"
     return {**found, **flagged}, source
 
 
@@ -552,7 +559,8 @@ def main(argv: list[str]) -> int:
     for name in SERVICES:
         parser.add_argument(f"--{name}", metavar="ADDR", help=f"{name} metrics endpoint: host:port or URL")
     parser.add_argument("--up-file", help="endpoints file written by switchyard up (default: $SWITCHYARD_UP_FILE "
-                        "or <temp dir>/switchyard-<uid>/up.json)")
+                        "or <temp dir>/switchyard-<uid>/up.json); one whose switchyard up is gone is said to be "
+                        "stale and left in place")
     parser.add_argument("--config-dir",
                         help="config folder for the fallback ports (default: $SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")

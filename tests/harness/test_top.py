@@ -138,6 +138,39 @@ def test_an_up_file_that_gives_no_endpoints_is_named_with_why(tmp_path) -> None:
         assert source == f"config ({path} {why})" and set(urls) == set(SERVICES)
 
 
+def test_a_stale_up_file_the_user_names_is_said_to_be_stale_and_never_removed(tmp_path, monkeypatch) -> None:
+    """`switchyard top --up-file X` (and `switchyard profile --up-file X`) removed X when its switchyard up was
+    gone, and every up-<pid>.json of a gone launcher in X's folder with it: a viewer deleted files the user
+    named. It now says X is stale and reads the config's ports, leaving the files as they are; the shared up file
+    ($SWITCHYARD_UP_FILE here) is still cleaned up by whoever reads it."""
+    import argparse
+    import json
+    import subprocess
+
+    from switchyard_harness.top import SERVICES, endpoints_from
+
+    done = subprocess.Popen(["true"])
+    done.wait()
+    dead = done.pid
+    named, beside = tmp_path / "mine.json", tmp_path / f"up-{dead}.json"
+    record = {"pid": dead, "services": {"orchestrator": {"address": "127.0.0.1:1",
+                                                         "metrics_url": "http://127.0.0.1:1/metrics", "pid": dead}}}
+    for path in (named, beside):
+        path.write_text(json.dumps(record))
+    shared = tmp_path / "shared" / "up.json"
+    shared.parent.mkdir()
+    shared.write_text(json.dumps(record))
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", str(shared))
+    args = argparse.Namespace(up_file=str(named), config_dir=None, **{s: None for s in SERVICES})
+    urls, source = endpoints_from(args)
+    assert source == f"config ({named} is stale: its switchyard up, pid {dead}, is gone; left in place)", source
+    assert urls["orchestrator"] != "http://127.0.0.1:1/metrics" and set(urls) == set(SERVICES)  # not read
+    assert named.exists() and beside.exists() and shared.exists()
+    urls, source = endpoints_from(argparse.Namespace(up_file=None, config_dir=None, **{s: None for s in SERVICES}))
+    assert source == f"config ({shared} removed: its switchyard up, pid {dead}, is gone)", source
+    assert not shared.exists() and named.exists() and beside.exists()
+
+
 def test_an_unreachable_service_is_reported_not_raised() -> None:
     snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
     assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}

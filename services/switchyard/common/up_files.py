@@ -6,8 +6,11 @@ switchyard.launcher) and removes it when it stops. A launcher killed with
 ``kill -9`` runs no clean-up, so its file stays, naming ports nothing serves:
 ``switchyard top`` and the locust watch file read a dead stack, and the next
 ``up`` found the folder holding a stack that is not there. Whoever reads the
-folder next (``switchyard up``, ``switchyard top``, the locustfile, ``switchyard
-bench http``) ignores such a file and removes it (:func:`remove_stale`).
+shared up file next (``switchyard up``, ``switchyard top``, ``switchyard run``
+and ``profile``, the locustfile, ``switchyard bench http``) ignores such a file
+and removes it (:func:`remove_stale`). A file the user names to a viewer
+(``switchyard top --up-file``, ``switchyard profile --up-file``) is the user's:
+it is never removed, only said to be stale (:func:`gone_launcher`).
 
 Light on imports: the locustfile calls it under gevent, without gRPC.
 """
@@ -63,9 +66,17 @@ def launcher_pid(path: Path) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
+def gone_launcher(path: Path) -> int | None:
+    """The ``pid`` a stale up file records, its launcher's, which is no live process any more; None when the file
+    cannot be read (absent, being replaced, not an up file) or its launcher lives. Removes nothing."""
+    pid = launcher_pid(path)
+    return None if pid is None or pid_alive(pid) else pid
+
+
 def remove_stale(path: Path) -> list[tuple[Path, int]]:
     """Remove ``path`` and the ``up-<pid>.json`` files in its folder whose launcher is gone (their ``pid`` is no
-    live process); a file that cannot be read, or whose launcher lives, is left as it is.
+    live process); a file that cannot be read, or whose launcher lives, is left as it is. For the shared up file
+    only (:func:`default_path`): a file the user named is theirs (:func:`gone_launcher` says it is stale).
 
     Returns:
         (path, launcher pid) of each file removed, for the caller to say so; a file another reader removed first
@@ -77,8 +88,8 @@ def remove_stale(path: Path) -> list[tuple[Path, int]]:
         beside = []
     removed: list[tuple[Path, int]] = []
     for candidate in dict.fromkeys([path, *beside]):
-        pid = launcher_pid(candidate)
-        if pid is None or pid_alive(pid):
+        pid = gone_launcher(candidate)
+        if pid is None:
             continue
         try:
             candidate.unlink()
