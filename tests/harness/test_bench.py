@@ -169,6 +169,72 @@ async def test_cli_run_writes_a_valid_report(agent_server, tmp_path):
     assert report["count"] == 6 and report["options"]["call"] == "agent.AgentService.RunTask"
 
 
+class FourThenHangs(agent_pb2_grpc.AgentServiceServicer):
+    """Answers the first four calls at once; every later one hangs until its caller cancels it."""
+
+    def __init__(self) -> None:
+        self.completed, self.hanging = 0, 0
+
+    async def RunTask(self, request, context):
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id=request.task_id))
+        if self.completed < 4:
+            self.completed += 1
+            yield agent_pb2.TaskEvent(token=agent_pb2.TokenEvent(text="w ", index=0))
+            yield agent_pb2.TaskEvent(final=agent_pb2.FinalEvent(task_id=request.task_id))
+            return
+        self.hanging += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.hanging -= 1
+
+
+@pytest.mark.parametrize(("procs", "group"), [("1", False), ("2", False), ("2", True)])
+async def test_an_interrupted_run_prints_and_writes_the_report_of_the_calls_that_completed(tmp_path, procs, group):
+    """ghz, interrupted (Ctrl-C), reports the calls that completed. `switchyard bench run` printed a
+    KeyboardInterrupt traceback and no report. It now prints the summary (saying it was interrupted), writes the
+    JSON report (endReason cancel, ghz's) with the completed calls alone, and exits 130; with several client
+    processes too, SIGINT sent to the command alone or, as Ctrl-C on a terminal sends it, to its process group."""
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    servicer = FourThenHangs()
+    service = AgentOnly()
+    service.servicer = servicer
+    out = tmp_path / "report.json"
+    async with running([service], ServerConfig()) as srv:
+        bench = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "switchyard.cli", "bench", "run", f"127.0.0.1:{srv.port}", "-n", "100", "-c", "2",
+            "--procs", procs, "-o", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=group)
+        try:
+            while servicer.completed < 4 or servicer.hanging < 2:  # four done, both workers' next calls in flight
+                assert bench.returncode is None
+                await asyncio.sleep(0.01)
+            if group:
+                os.killpg(bench.pid, signal.SIGINT)
+            else:
+                bench.send_signal(signal.SIGINT)
+            stdout, stderr = await asyncio.wait_for(bench.communicate(), 60)
+        finally:
+            if bench.returncode is None:
+                bench.kill()
+                await bench.wait()
+        while servicer.hanging:  # the calls in flight were cancelled
+            await asyncio.sleep(0.01)
+    assert bench.returncode == 130, stderr.decode()
+    assert "Traceback" not in stderr.decode(), stderr.decode()
+    assert "Interrupted:" in stdout.decode() and "Count:\t\t4" in stdout.decode(), stdout.decode()
+    assert "interrupted; the report covers the 4 calls that completed" in stderr.decode()
+    report = json.loads(out.read_text())
+    _validate(report)
+    assert report["endReason"] == "cancel" and report["count"] == 4
+    assert report["statusCodeDistribution"] == {"OK": 4}
+
+
 async def test_cli_run_takes_ghz_output_format_flags(agent_server, tmp_path, capsys):
     host, _ = agent_server
     out = tmp_path / "out.json"

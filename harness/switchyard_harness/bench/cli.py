@@ -5,6 +5,9 @@ Subcommands:
 - ``run`` (the default): the load generator; options mirror ghz's (``-n``, ``-c``,
   ``--rps``, ``--duration``, ``-d``/``--data``, ``-D``/``--data-file``,
   ``--config`` for a ghz JSON config file) and the report is ghz's JSON format.
+  Interrupted (Ctrl-C, SIGINT) once calls have started, it prints and writes the
+  report of the calls that completed, as ghz does (``endReason`` ``cancel``; the
+  summary says so), and exits 130.
 - ``compare``: scenarios A-D on one request set (see :mod:`switchyard_harness.bench.compare`).
 - ``sched``: the scheduling benchmark (``switchyard_harness.bench.sched_bench``).
 - ``isolation``: idle-dispatcher queue wait, and core TTFT under batch load
@@ -40,6 +43,8 @@ from switchyard.common.config.base import did_you_mean
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+INTERRUPTED = 130
+"""The exit status of a run stopped by SIGINT (Ctrl-C): 128 + the signal's number, as a shell reports it."""
 
 
 def parse_duration(text: str | float | int) -> float:
@@ -297,10 +302,14 @@ def _run(argv: list[str]) -> int:
     from switchyard_harness.bench.report import build_report, summary_text
 
     try:
-        load = run_load(plan)
+        load = run_load(plan, interruptible=True)
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"switchyard bench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("switchyard bench run: interrupted before any call started; no report", file=sys.stderr)
+        return INTERRUPTED
+    interrupted = load.end_reason == "cancel"  # Ctrl-C: the report of the calls that completed, as ghz's
     report = build_report(load, plan, name=args.name)
     rendered = {
         "summary": summary_text(report),
@@ -337,6 +346,10 @@ def _run(argv: list[str]) -> int:
             return 1
         if args.format is None:
             print(f"plot written to {args.plot}")
+    if interrupted:
+        print(f"switchyard bench run: interrupted; the report covers the {len(load.results)} calls that completed "
+              "(endReason cancel)", file=sys.stderr)
+        return INTERRUPTED
     return 0 if load.results else 1
 
 

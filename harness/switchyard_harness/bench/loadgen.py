@@ -10,7 +10,11 @@ Semantics follow ghz (https://ghz.sh/docs/options) so that results compare:
   the run lasts ``duration_s`` plus the calls still in flight then, whatever the
   pacing (a worker whose next call would be due past the deadline stops there);
 - ``timeout_s`` bounds each call; 0 means no deadline (ghz ``-t 0``);
-- a call's latency runs from the RPC start to the end of its stream.
+- a call's latency runs from the RPC start to the end of its stream;
+- interrupted (SIGINT, Ctrl-C) once calls have started, a run asked to be
+  interruptible stops: no call starts any more, the calls in flight are
+  cancelled and left out, and the result holds the calls that completed, its
+  end reason ``cancel`` (ghz's, whose report on Ctrl-C covers what completed).
 
 One Python process drives a few hundred streams per second before its own CPU
 becomes the bottleneck, so :func:`run_load` can split the plan over several
@@ -21,11 +25,13 @@ and reports the client's CPU seconds so a saturated client is visible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -133,7 +139,7 @@ class LoadResult:
     wall_s: float
     cpu_s: float
     procs: int
-    end_reason: str  # ghz StopReason: "normal" or "timeout" (duration reached)
+    end_reason: str  # ghz StopReason: "normal", "timeout" (duration reached) or "cancel" (interrupted)
 
     @property
     def cpu_saturation(self) -> float:
@@ -143,6 +149,9 @@ class LoadResult:
 
 CONNECT_TIMEOUT_S = 10.0
 """How long a load run waits for the target to accept a connection, seconds."""
+
+INTERRUPT_WAIT_S = 10.0
+"""How long an interrupted run of several client processes waits for their calls that completed, seconds."""
 
 
 def go_code_name(code: grpc.StatusCode) -> str:
@@ -196,12 +205,16 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
     return result
 
 
-async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any = None) -> LoadResult:
+async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any = None,
+                   interruptible: bool = False) -> LoadResult:
     """Run share ``part`` of ``parts`` of the plan in this process and event loop.
 
     Part ``k`` makes calls ``k, k + parts, k + 2*parts, ...`` with its share of
     the concurrency and rps, so the parts together make the plan's calls.
     ``barrier`` (a multiprocessing barrier) lines up the parts' start.
+    ``interruptible``: once the calls start, SIGINT stops the run (the calls in flight are cancelled and left out)
+    and the result, end reason ``cancel``, holds those that completed; only on the main thread, the one signals
+    reach (elsewhere it is ignored). A SIGINT before the calls start is the event loop's own (``KeyboardInterrupt``).
     """
     concurrency = plan.concurrency // parts + (1 if part < plan.concurrency % parts else 0)
     numbers = range(part, plan.total, parts)
@@ -255,22 +268,39 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
                     return
                 results.append(await _call(stub, number, plan))
 
-        await asyncio.gather(*(worker() for _ in range(max(concurrency, 1))))
+        interrupted = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        interruptible = interruptible and threading.current_thread() is threading.main_thread()
+        if interruptible:
+            loop.add_signal_handler(signal.SIGINT, interrupted.set)
+        try:
+            workers = asyncio.gather(*(worker() for _ in range(max(concurrency, 1))))
+            stopper = asyncio.ensure_future(interrupted.wait())
+            await asyncio.wait({workers, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not workers.done():  # interrupted: the calls in flight are cancelled, and not counted
+                workers.cancel()
+            await asyncio.gather(workers, stopper, return_exceptions=True)
+        finally:
+            if interruptible:
+                loop.remove_signal_handler(signal.SIGINT)
         wall = time.time() - wall0
         cpu = time.process_time() - cpu0
     results.sort(key=lambda r: r.number)
-    return LoadResult(results, wall, cpu, 1, "timeout" if timed_out else "normal")
+    reason = "cancel" if interrupted.is_set() else "timeout" if timed_out else "normal"
+    return LoadResult(results, wall, cpu, 1, reason)
 
 
 # --------------------------------------------------------------------------- several processes
 
 
-def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any, parent_pid: int) -> None:
+def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any, parent_pid: int,
+           interruptible: bool = False) -> None:
     die_with_parent(parent_pid, signal.SIGKILL)  # a killed bench leaves no client process behind
     try:
         import uvloop
 
-        res = uvloop.run(run_part(plan, part, parts, barrier))
+        res = uvloop.run(run_part(plan, part, parts, barrier, interruptible))
         out.put(("ok", part, [asdict(r) for r in res.results], res.wall_s, res.cpu_s, res.end_reason))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         if barrier is not None:
@@ -278,7 +308,7 @@ def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any, parent
         out.put(("error", part, f"{type(exc).__name__}: {exc}", 0.0, 0.0, ""))
 
 
-def run_load(plan: LoadPlan, in_process: bool | None = None) -> LoadResult:
+def run_load(plan: LoadPlan, in_process: bool | None = None, interruptible: bool = False) -> LoadResult:
     """Run the plan and return every call's result.
 
     Args:
@@ -286,10 +316,14 @@ def run_load(plan: LoadPlan, in_process: bool | None = None) -> LoadResult:
         in_process: run in this process (only with procs == 1; the default
             then). ``False`` forces a child process even for one part, which
             keeps the caller's event loop free to serve (``bench compare``).
+        interruptible: called on the main thread (a command's run): SIGINT (Ctrl-C) once the calls started
+            ends the run with the calls that completed, end reason ``cancel`` (:func:`run_part`); the client
+            processes are sent it too (Ctrl-C on a terminal reaches them anyway).
 
     Raises:
         RuntimeError: a client process failed (its error is in the message).
         ValueError: bad plan (see :class:`LoadPlan`).
+        KeyboardInterrupt: ``interruptible``, SIGINT before any call started (or a second one).
     """
     if in_process is None:
         in_process = plan.procs == 1
@@ -298,31 +332,46 @@ def run_load(plan: LoadPlan, in_process: bool | None = None) -> LoadResult:
             raise ValueError("in_process needs procs == 1")
         import uvloop
 
-        return uvloop.run(run_part(plan))
+        return uvloop.run(run_part(plan, interruptible=interruptible))
     parts = min(plan.procs, plan.concurrency)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(parts)
     out = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(plan, k, parts, barrier, out, os.getpid()), daemon=True) for k in range(parts)]
+    children = [ctx.Process(target=_child, args=(plan, k, parts, barrier, out, os.getpid(), interruptible),
+                            daemon=True) for k in range(parts)]
     for child in children:
         child.start()
     results: list[CallResult] = []
     walls, cpu, reasons, errors = [], 0.0, set(), []
     received = 0
+    interrupted_at: float | None = None  # monotonic time of the SIGINT that stopped the run
     try:
         while received < parts:
+            if interrupted_at is not None and time.monotonic() - interrupted_at > INTERRUPT_WAIT_S:
+                break  # a part that has not sent its calls by now sends none (the finally stops it)
             try:
                 status, part, payload, wall, cpu_s, reason = out.get(timeout=1.0)
             except queue_mod.Empty:
                 crashed = [c.exitcode for c in children if c.exitcode not in (None, 0)]
-                if crashed or not any(c.is_alive() for c in children):
+                if (interrupted_at is None and crashed) or not any(c.is_alive() for c in children):
+                    if interrupted_at is not None:  # the parts that had calls sent them; the rest stopped before
+                        break
                     raise RuntimeError(
                         f"client processes exited (codes {crashed}) with {parts - received} results missing"
                     ) from None
                 continue
+            except KeyboardInterrupt:
+                if not interruptible or interrupted_at is not None:
+                    raise
+                interrupted_at = time.monotonic()  # each client process stops and sends what completed
+                _interrupt(children)
+                continue
             received += 1
             if status == "error":
                 errors.append(f"client process {part}: {payload}")
+                if interruptible and payload.startswith("KeyboardInterrupt") and interrupted_at is None:
+                    interrupted_at = time.monotonic()  # Ctrl-C reached the client processes (their group) first
+                    _interrupt(children)
                 continue
             results.extend(CallResult(**r) for r in payload)
             walls.append(wall)
@@ -333,10 +382,22 @@ def run_load(plan: LoadPlan, in_process: bool | None = None) -> LoadResult:
             child.join(timeout=10)
             if child.is_alive():
                 child.kill()
-    if errors:
+    interrupted = interrupted_at is not None
+    if errors and not interrupted:  # interrupted, a part stopped before its calls started has nothing to report
         raise RuntimeError("; ".join(errors))
+    if interrupted and not walls:
+        raise KeyboardInterrupt  # interrupted before any part's calls started: nothing to report
     results.sort(key=lambda r: r.number)
-    return LoadResult(results, max(walls), cpu, parts, "timeout" if "timeout" in reasons else "normal")
+    reason = "cancel" if interrupted or "cancel" in reasons else "timeout" if "timeout" in reasons else "normal"
+    return LoadResult(results, max(walls), cpu, parts, reason)
+
+
+def _interrupt(children: list[Any]) -> None:
+    """SIGINT to each client process still running: it stops and sends the calls that completed."""
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGINT)
 
 
 def with_procs(plan: LoadPlan, procs: int | str) -> LoadPlan:

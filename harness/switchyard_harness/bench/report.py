@@ -222,6 +222,8 @@ def summary_text(report: dict[str, Any]) -> str:
     """A human summary in ghz's layout, followed by the streaming figures."""
     lines = [
         "Summary:",
+        *(["  Interrupted:\tthe run was stopped (Ctrl-C): these are the calls that completed; the calls in flight "
+           "were cancelled and are not counted"] if report["endReason"] == "cancel" else []),
         f"  Count:\t\t{report['count']}",
         f"  Total:\t\t{_ms(report['total'])}",
         f"  Slowest:\t\t{_ms(report['slowest'])}",
