@@ -627,3 +627,98 @@ async def test_a_call_cancelled_as_its_first_item_arrives_closes_the_stream_it_o
             while any(s.state.active_streams for s in servers):
                 await asyncio.sleep(0.01)
     assert sum(s.state.streams_left_by_client for s in servers) == 1  # closed, not generated to its end
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_an_endpoint_back_after_being_down_has_its_model_list_read_again(clean_proxy_env):
+    """Each endpoint's GET /v1/models was read once, at the start: a replica restarted with another
+    --max-model-len (32768, then 4096) kept its old list, and the pool's window stayed 32768, so a prompt the
+    restarted replica refuses was accepted. An endpoint that comes back after being down (its /metrics read
+    failed, then answers) has its list read again."""
+    long = SimOpenAIOptions(latency=False, models=["sim-7b"], owned_by="vllm", max_model_len=32768)
+    port = _free_port()
+    with run_in_thread(long) as steady:
+        first = run_in_thread(long, port=port)
+        restarted = first.__enter__()
+        urls = [steady.base_url, restarted.base_url]
+        client = GatewayClient(pool_config(urls))
+        try:
+            await client.list_models_everywhere()
+            await client.pool.start()
+            assert client.reported_context_window("sim-7b") == 32768
+            name = endpoint_name(restarted.base_url)
+            first.__exit__(None, None, None)
+            await _until(lambda: not client.pool.endpoints[name].up, "the stopped replica marked down")
+            short = dataclasses.replace(long, max_model_len=4096)
+            with run_in_thread(short, port=port):
+                await _until(lambda: client.pool.endpoints[name].up, "the restarted replica up again")
+                await _until(lambda: client.reported_context_window("sim-7b") == 4096,
+                             "the restarted replica's window read")
+        finally:
+            await client.aclose()
+
+
+async def test_a_not_found_from_an_endpoint_that_listed_the_model_reads_its_list_and_goes_to_another(
+        clean_proxy_env):
+    """A replica restarted serving another model, unnoticed (its /metrics never failed): the calls its
+    affinity sent there failed NOT_FOUND although the other replica serves the model. The NOT_FOUND of a model
+    the endpoint's list named reads its list again; the call goes to an endpoint whose list names the model,
+    and later calls of the model are not sent to the one that dropped it."""
+    options = SimOpenAIOptions(latency=False, models=["sim-7b"])
+    port = _free_port()
+    with run_in_thread(options) as steady:
+        first = run_in_thread(options, port=port)
+        restarted = first.__enter__()
+        urls = [steady.base_url, restarted.base_url]
+        client = GatewayClient(pool_config(urls, scrape_interval_s=60.0))
+        try:
+            await client.list_models_everywhere()
+            name = endpoint_name(restarted.base_url)
+            assert client.pool.endpoints[name].models == frozenset({"sim-7b"})
+            first.__exit__(None, None, None)
+            with run_in_thread(dataclasses.replace(options, models=["other-7b"]), port=port) as other:
+                for agent in range(12):  # some of them have the restarted replica as their home
+                    events = await complete(client, ask(f"agent{agent}"))
+                    assert isinstance(events[-1], Finished)
+                assert client.pool.endpoints[name].models == frozenset({"other-7b"})
+                assert len(other.state.requests) == 1  # the first one, answered 404; none after it
+        finally:
+            await client.aclose()
+
+
+async def test_a_lone_endpoint_back_after_a_failed_call_has_its_model_list_read_again(clean_proxy_env):
+    """``base_url`` alone (a pool of one, never marked down): the server restarted with another window; a call
+    cut by the stop (its keep-alive connection closed), then one the restarted server answers, reads its list
+    again. It kept the window of the server before the restart."""
+    from gateway_fixtures import gateway_config
+
+    long = SimOpenAIOptions(latency=False, models=["sim-7b"], owned_by="vllm", max_model_len=32768)
+    port = _free_port()
+    with run_in_thread(long, port=port) as server:
+        client = GatewayClient(gateway_config(server.base_url, default_model="sim-7b", fallback_model="",
+                                              max_retries=0))
+        await client.list_models_everywhere()
+        assert client.reported_context_window("sim-7b") == 32768
+    try:
+        with pytest.raises(GatewayError):
+            await complete(client, ask("lone"))
+        with run_in_thread(dataclasses.replace(long, max_model_len=4096), port=port):
+            assert isinstance((await complete(client, ask("lone", 1)))[-1], Finished)
+            await _until(lambda: client.reported_context_window("sim-7b") == 4096, "the restarted server's window")
+    finally:
+        await client.aclose()

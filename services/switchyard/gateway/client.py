@@ -240,6 +240,8 @@ class GatewayClient:
         self._windows: dict[str, dict[str, int]] = {}
         """Per endpoint name, the context window per upstream model id, tokens, as its last ``GET /v1/models``
         reported it (vLLM's max_model_len); :meth:`_pool_windows` is what callers get."""
+        self._relists: set[asyncio.Task[None]] = set()
+        self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
     @property
     def refused_fields(self) -> set[str]:
@@ -253,7 +255,10 @@ class GatewayClient:
         return self.pool.limit
 
     async def aclose(self) -> None:
-        """Close every endpoint's connection pool."""
+        """Close every endpoint's connection pool (and stop the reads of model lists under way)."""
+        for relist in self._relists:
+            relist.cancel()
+        await asyncio.gather(*self._relists, return_exceptions=True)
         await self.pool.aclose()
 
     async def __aenter__(self) -> "GatewayClient":
@@ -314,11 +319,34 @@ class GatewayClient:
             ) from None
         self._windows[endpoint.name] = {model: window for model in ids
                                         if (window := servers.reported_context_window(body, model))}
-        if endpoint.name not in self._flavours:
-            name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
+        endpoint.models = frozenset(ids)
+        name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
+        if self._flavours.get(endpoint.name) is not servers.FLAVOURS[name]:  # first read, or a server restarted
             self._flavours[endpoint.name] = servers.FLAVOURS[name]
             log.info("model server at %s: %s", endpoint.url, name)
         return ids
+
+    def _relist_soon(self, endpoint: Endpoint) -> None:
+        """Read ``endpoint``'s model list again in the background (:meth:`_relist`)."""
+        relist = asyncio.get_running_loop().create_task(self._relist(endpoint), name=f"relist-{endpoint.name}")
+        self._relists.add(relist)
+        relist.add_done_callback(self._relists.discard)
+
+    async def _relist(self, endpoint: Endpoint) -> None:
+        """``endpoint`` answers again after it could not be reached: its server may have been restarted with
+        another model or context window, so its ``GET /v1/models`` is read again (its ids, windows and
+        flavour). A read that fails leaves the list as it was, to be read at the next answer."""
+        models, windows = endpoint.models, self._windows.get(endpoint.name)
+        try:
+            await self.list_models(endpoint)
+        except GatewayError as exc:
+            endpoint.relist = True
+            log.info("could not read the model list of %s again, now that it answers: %s", endpoint.url, exc)
+            return
+        if (endpoint.models, self._windows.get(endpoint.name)) != (models, windows):
+            log.info("upstream endpoint %s lists %s now (context windows %s), back after it could not be reached",
+                     endpoint.url, ", ".join(map(repr, sorted(endpoint.models or ()))) or "no model",
+                     self._windows.get(endpoint.name) or "not reported")
 
     async def list_models_everywhere(self) -> list[str]:
         """:meth:`list_models` of the first endpoint up (its ids returned, its errors raised), and of every other
@@ -560,7 +588,12 @@ class GatewayClient:
                 result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model))
             except GatewayError as exc:
                 pool.finished(endpoint, exc)
-                if not (exc.retryable or isinstance(exc, ModelCoolingDown)) or not pool.pooled:
+                # a NOT_FOUND of a model this endpoint listed read its list again (_status_error): one that no
+                # longer names it (a replica restarted with another model) leaves the call to one that does
+                dropped = (isinstance(exc, ModelNotFound) and not pool.lists(endpoint, model)
+                           and any(pool.lists(e, model) for e in pool.endpoints.values()
+                                   if e is not endpoint and e.name not in tried))
+                if not (exc.retryable or isinstance(exc, ModelCoolingDown) or dropped) or not pool.pooled:
                     raise
                 tried.add(endpoint.name)
                 last = exc
@@ -662,6 +695,7 @@ class GatewayClient:
             try:
                 response = await endpoint.http.send(http_request, stream=True)
             except httpx.HTTPError as exc:
+                self.pool.lost(endpoint)
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
                 raise self._transport_error(exc, url, call.key) from None
@@ -690,7 +724,11 @@ class GatewayClient:
             said_model = is_model_not_found(status, text)
             names_model = bool(model) and model in upstream_message(text)
             if said_model or names_model or status == 404:
-                known = await self._known_models(endpoint)
+                listed = endpoint.models is not None and model in endpoint.models
+                known = await self._known_models(endpoint)  # read again: its list may be a server's before a restart
+                if listed and known is not None and model not in known:
+                    log.info("upstream endpoint %s no longer lists model %r (it lists %s now): restarted with "
+                             "another model?", endpoint.url, model, ", ".join(map(repr, known[:10])) or "none")
                 if said_model or (known is not None and model not in known):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
@@ -775,6 +813,7 @@ class GatewayClient:
             return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()
+            self.pool.lost(endpoint)
             error = self._transport_error(exc, url, call.key)
             _count_cut(error)
             raise error from None

@@ -121,6 +121,12 @@ class Endpoint:
     down: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while it is marked down (:meth:`EndpointPool.mark_down`), cleared when a read finds it up: what
     :attr:`up` reads, and what a call waiting on it for its first item waits on beside its answer."""
+    models: frozenset[str] | None = None
+    """The model ids its server's last ``GET /v1/models`` listed (None: not read yet)."""
+    relist: bool = False
+    """Its model list is to be read again: its server could not be reached, or cut a call, since the list was
+    read (it may have been restarted with another model, another context window), until the next read
+    succeeds."""
 
     @property
     def up(self) -> bool:
@@ -265,6 +271,9 @@ class EndpointPool:
         self._retired: list[Endpoint] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
+        self.on_answer: Callable[[Endpoint], None] | None = None
+        """Called when an endpoint whose model list is to be read again (:attr:`Endpoint.relist`) answers: a
+        ``/metrics`` read or a call's first item after it could not be reached. The gateway reads the list."""
         if not config.pool.dns_url:
             self._update(config.endpoint_urls)
 
@@ -378,6 +387,7 @@ class EndpointPool:
         endpoint.failed_reads = 0
         if not self.holds(endpoint):  # it left the pool during the read (a re-resolve): its series are gone
             return True
+        self._answered(endpoint)
         load = ServerLoad()
         if response.status_code == 200:
             try:
@@ -412,9 +422,25 @@ class EndpointPool:
         or a ``/metrics`` read begun before may still end on it)."""
         return self.endpoints.get(endpoint.name) is endpoint
 
+    def _answered(self, endpoint: Endpoint) -> None:
+        """``endpoint``'s server answered: its model list is read again (:attr:`on_answer`) if it could not be
+        reached since it was read."""
+        if endpoint.relist and self.on_answer is not None:
+            endpoint.relist = False  # the read sets it again if it fails
+            self.on_answer(endpoint)
+
+    @staticmethod
+    def lost(endpoint: Endpoint) -> None:
+        """A call to ``endpoint`` failed in transport (refused, or cut: a server restarting closes its
+        connections): its model list is read again once it answers, alone or in a pool (a restarted server may
+        serve another model, or another context window)."""
+        endpoint.relist = True
+
     def mark_down(self, endpoint: Endpoint, why: str) -> None:
         """``endpoint`` could not be reached: no call picks it until a ``/metrics`` read succeeds, and the calls
-        on it that have streamed nothing yet are sent to another endpoint (pools only)."""
+        on it that have streamed nothing yet are sent to another endpoint (pools only); its model list is read
+        again once it answers (:meth:`lost`)."""
+        self.lost(endpoint)
         if not self.pooled:
             return
         if not self.holds(endpoint):  # it left the pool (a re-resolve): its calls move on, its series stay gone
@@ -435,8 +461,9 @@ class EndpointPool:
     def pick(self, key: str, tried: frozenset[str] = frozenset(), model: str = "") -> tuple[Endpoint, Picked]:
         """The endpoint for one attempt of a call of ``model`` with affinity key ``key``; it counts as in flight
         until :meth:`finished`. An endpoint whose circuit for ``model`` refuses calls now (open, half-open with
-        its probes taken, or a Retry-After not yet passed) is left out while another is left (affinity would
-        otherwise send most calls there first, to be refused and moved on).
+        its probes taken, or a Retry-After not yet passed), or whose model list does not name ``model`` (a
+        replica restarted with another model), is left out while another is left (affinity would otherwise send
+        most calls there first, to be refused and moved on).
 
         Raises:
             LookupError: every endpoint is down or in ``tried``.
@@ -446,7 +473,8 @@ class EndpointPool:
             picked = Picked(endpoints[0].name, "load")
         else:
             now = time.monotonic()
-            refusing = frozenset(e.name for e in endpoints if model and e.cooldowns.refusing(model))
+            refusing = frozenset(e.name for e in endpoints if model and (e.cooldowns.refusing(model)
+                                                                        or not self.lists(e, model)))
             if any(e.name not in tried and e.name not in refusing for e in endpoints):
                 tried = tried | refusing
             picked = self.picker.pick(endpoints, key, now, tried)
@@ -454,6 +482,11 @@ class EndpointPool:
         endpoint = self.endpoints[picked.name]
         endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
         return endpoint, picked
+
+    @staticmethod
+    def lists(endpoint: Endpoint, model: str) -> bool:
+        """Whether ``endpoint``'s model list names ``model`` (True while its list has not been read)."""
+        return endpoint.models is None or model in endpoint.models
 
     def finished(self, endpoint: Endpoint, error: GatewayError | None = None) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended, with ``error`` or none; an error that says the
@@ -468,6 +501,7 @@ class EndpointPool:
         """``endpoint`` streamed its first item ``ttft_s`` seconds after the request was sent."""
         endpoint.limit.on_sample(ttft_s)
         self.publish_totals()
+        self._answered(endpoint)
 
     def on_tokens(self, endpoint: Endpoint, count: int) -> None:
         """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
