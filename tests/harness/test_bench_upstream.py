@@ -167,3 +167,64 @@ def test_the_stack_config_points_at_the_runs_own_redis_and_task_store(tmp_path) 
     assert config.upstream.concurrency.initial_limit == 2 and config.dispatcher.engine == "openai"
     off = stack_config(SwitchyardConfig(), args, "http://127.0.0.1:1/v1", "m", None, str(tmp_path))
     assert not off.memory.agent_memory.enabled and not off.memory.dram.kv_swap  # nothing asks a Redis
+
+
+_FAKE_SERVE = """
+import pathlib, sys
+from switchyard_harness.testing import transformers_serve as ts
+
+root, mark = sys.argv[1], pathlib.Path(sys.argv[2])
+ts.build_tiny_llama = lambda out_dir, **kw: pathlib.Path(out_dir)
+# a stand-in for transformers serve: an HTTP server whose /health answers 200
+ts.TransformersServer.command = lambda self: [sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                                              "--directory", root, str(self.port)]
+ts.TransformersServer._warm_up = lambda self: mark.write_text(str(self.proc.pid))
+from switchyard_harness.bench import upstream
+sys.exit(upstream.main(["--config-dir", "config", "--dram", "off", "--phase-s", "60", "--rounds", "1"]))
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_the_model_server_the_run_started_ends_with_the_run(tmp_path: Path, how: str) -> None:
+    """`switchyard bench upstream` starts `transformers serve` in a session of its own; killed (SIGTERM), the
+    run ended at once and left the server running. SIGTERM and Ctrl-C now stop the run, which stops the
+    server (exit status 143 and 130), and a run killed outright (SIGKILL) takes it along (the parent-death
+    signal, asked for from the thread that launched it: the main one)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from switchyard.common.children import pid_alive
+
+    (tmp_path / "health").write_text("ok")
+    mark = tmp_path / "server.pid"
+    repo = Path(__file__).resolve().parents[2]
+    bench = subprocess.Popen([sys.executable, "-c", _FAKE_SERVE, str(tmp_path), str(mark)], cwd=repo,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not mark.exists() or not mark.read_text():  # the server serves: the run goes on to its stack
+            assert bench.poll() is None, bench.communicate()
+            time.sleep(0.05)
+        server = int(mark.read_text())
+        assert pid_alive(server)
+        bench.send_signal(getattr(signal, how))
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    try:
+        if how != "SIGKILL":
+            assert not pid_alive(server), "the run ended and left its model server running"
+            assert bench.returncode == {"SIGTERM": 143, "SIGINT": 130}[how], err
+            assert "Traceback" not in err, err
+        for _ in range(200):  # SIGKILL: the kernel sends the server its parent-death signal
+            if not pid_alive(server):
+                break
+            time.sleep(0.05)
+        assert not pid_alive(server), "the run was killed and left its model server running"
+    finally:
+        if pid_alive(server):
+            os.kill(server, signal.SIGKILL)

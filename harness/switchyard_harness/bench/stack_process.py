@@ -75,7 +75,8 @@ class ServiceProcess:
 
 
 async def start(name: str, config: SwitchyardConfig, fixed_slots: int = 0) -> ServiceProcess:
-    """Start service ``name`` with ``config`` in a child process; returns once it serves.
+    """Start service ``name`` with ``config`` in a child process; returns once it serves. Cancelled meanwhile,
+    it ends the child before it goes on (it was left starting, to serve on, or die writing to a closed pipe).
 
     Raises:
         RuntimeError: the child exited or did not serve within :data:`START_TIMEOUT_S` (its
@@ -96,6 +97,12 @@ async def start(name: str, config: SwitchyardConfig, fixed_slots: int = 0) -> Se
         ready = json.loads(line) if line else None
     except (TimeoutError, json.JSONDecodeError):
         ready = None
+    except BaseException:  # the caller stopped (cancelled: SIGTERM, Ctrl-C) while it started: so does the child
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        config_file.unlink(missing_ok=True)
+        raise
     if not ready:
         if proc.returncode is None:
             proc.kill()

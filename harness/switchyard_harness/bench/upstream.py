@@ -47,7 +47,10 @@ Default upstream: ``transformers serve --continuous-batching --device cpu``
 serving a random-weight tiny Llama built offline
 (:mod:`switchyard_harness.testing.transformers_serve`); ``--base-url`` (and
 ``--model``) for any other OpenAI-compatible server. The default run takes about
-80 s plus start-up; ``--phase-s`` and ``--rounds`` run longer.
+80 s plus start-up; ``--phase-s`` and ``--rounds`` run longer. The ``transformers
+serve`` it starts ends with the run: at its end, on SIGTERM or Ctrl-C (the run
+stops, exit status 143 or 130), and when the run is killed (``kill -9``: the
+kernel's parent-death signal).
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ import asyncio
 import contextlib
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -298,11 +303,15 @@ async def upstream(base_url: str | None, model: str | None, kv_blocks: int) -> A
 
     with tempfile.TemporaryDirectory(prefix="bench-upstream-") as tmp:
         model_dir = build_tiny_llama(Path(tmp) / "tiny-llama")
-        server = await asyncio.to_thread(TransformersServer(model_dir, kv_blocks=kv_blocks).start)
+        server = TransformersServer(model_dir, kv_blocks=kv_blocks)
         try:
+            # launched here, on the event loop's (main) thread: the server then ends if this process is killed;
+            # only the wait for it to serve goes to a worker thread
+            server.launch()
+            await asyncio.to_thread(server.wait_ready)
             yield server.base_url, server.model
         finally:
-            await asyncio.to_thread(server.stop)
+            server.stop()  # here, not in a thread: a cancelled run (SIGTERM, Ctrl-C) still waits for it to end
 
 
 @contextlib.asynccontextmanager
@@ -326,7 +335,25 @@ async def switchyard_stack(config: SwitchyardConfig) -> AsyncIterator[tuple[str,
 
 
 async def measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
-    """Run every phase (see the module docstring); returns the phases and the figures."""
+    """Run every phase (see the module docstring); returns the phases and the figures. SIGTERM cancels the run
+    as Ctrl-C does (``asyncio.CancelledError`` then, ``KeyboardInterrupt`` for Ctrl-C): what it started, the
+    model server and the stack, is stopped on the way out. Without it, SIGTERM ended the process at once and
+    left the ``transformers serve`` it started running (in its own session, no signal of the caller's reaches
+    it)."""
+    loop = asyncio.get_running_loop()
+    run = asyncio.current_task()
+    assert run is not None
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        loop.add_signal_handler(signal.SIGTERM, run.cancel)
+    try:
+        return await _measure(args, base)
+    finally:
+        if on_main_thread:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
     phases: list[Phase] = []
     s = args.phase_s
     async with contextlib.AsyncExitStack() as stack:
@@ -579,6 +606,10 @@ def main(argv: list[str]) -> int:
 
     try:
         result = uvloop.run(measure(args, base))
+    except (asyncio.CancelledError, KeyboardInterrupt) as exc:  # SIGTERM, Ctrl-C: what it started is stopped
+        print("switchyard bench upstream: stopped; the model server and stack it started are stopped too",
+              file=sys.stderr)
+        return 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM)
     except ConfigError as exc:
         print(f"switchyard bench upstream: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ Command line (for benchmarks by hand)::
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -25,11 +26,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from switchyard.common import children
 
 # Llama chat markup kept minimal: the tokenizer is random-weight anyway, the template only
 # has to exist (``/v1/chat/completions`` refuses a tokenizer without one).
@@ -124,6 +128,14 @@ class TransformersServer:
     Use as a context manager; ``base_url`` ends in ``/v1`` (what ``model_gateway.base_url``
     takes). ``kv_blocks`` × ``block_size`` tokens is the whole paged KV cache.
 
+    The server runs in a session of its own (a Ctrl-C meant for the caller's terminal does not
+    reach it), so it is ended here: :meth:`stop` (the context's exit), at this process's normal
+    exit (``atexit``) where nothing stopped it, and, launched from the main thread, by the
+    kernel when this process dies however it dies (``kill -9`` included: the parent-death signal,
+    :mod:`switchyard.common.children`; from another thread that signal would come when that
+    thread ends, so it is not asked for there). :meth:`start` is :meth:`launch` then
+    :meth:`wait_ready`: a caller that waits in a worker thread launches on its own thread first.
+
     Raises:
         RuntimeError: the server exited or was not ready within ``start_timeout_s``; the
             message carries the tail of its output.
@@ -143,6 +155,8 @@ class TransformersServer:
         """Extra environment variables of the server process (e.g. PYTHONPATH to a logging set-up)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
+        self._lock = threading.Lock()  # launch and stop, from different threads
+        self._stopped = False
 
     @property
     def base_url(self) -> str:
@@ -165,15 +179,42 @@ class TransformersServer:
         ]
 
     def start(self) -> "TransformersServer":
+        """:meth:`launch` and :meth:`wait_ready`."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server process (not waiting for it to serve). Call it on the main thread, so that the
+        server ends if this process dies (see the class docstring).
+
+        Raises:
+            RuntimeError: :meth:`stop` ran first (the caller is stopping).
+        """
         import tempfile
 
-        fd, log = tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")
-        self._log_path = Path(log)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false", **self.env}
-        self.proc = subprocess.Popen(self.command(), stdout=fd, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        os.close(fd)
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("transformers serve: stopped before it was launched")
+            fd, log = tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")
+            self._log_path = Path(log)
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                   "TOKENIZERS_PARALLELISM": "false", **self.env}
+            try:
+                self.proc = subprocess.Popen(
+                    self.command(), stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    preexec_fn=children.dying_with_parent(signal.SIGTERM) if on_main_thread else None)
+            finally:
+                os.close(fd)
+            atexit.register(self.stop)
+
+    def wait_ready(self) -> "TransformersServer":
+        """Wait until the server serves (its ``/health``) and has streamed one request; safe in a worker thread.
+
+        Raises:
+            RuntimeError: it exited (stopped meanwhile too) or was not ready within ``start_timeout_s``.
+        """
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -204,6 +245,11 @@ class TransformersServer:
         return self._log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
+        """End the server (SIGTERM to its session, SIGKILL after 10 s); one not launched yet never will be.
+        Safe from any thread, more than once."""
+        with self._lock:
+            self._stopped = True
+        atexit.unregister(self.stop)
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
