@@ -206,7 +206,7 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
 
 
 async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any = None,
-                   interruptible: bool = False) -> LoadResult:
+                   interruptible: bool = False, client_process: bool = False) -> LoadResult:
     """Run share ``part`` of ``parts`` of the plan in this process and event loop.
 
     Part ``k`` makes calls ``k, k + parts, k + 2*parts, ...`` with its share of
@@ -215,6 +215,10 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
     ``interruptible``: once the calls start, SIGINT stops the run (the calls in flight are cancelled and left out)
     and the result, end reason ``cancel``, holds those that completed; only on the main thread, the one signals
     reach (elsewhere it is ignored). A SIGINT before the calls start is the event loop's own (``KeyboardInterrupt``).
+    ``client_process``: this is one of ``--procs N``'s client processes: from the end of its calls on it ignores
+    SIGINT. It may get two (the parent forwards Ctrl-C to it, and a terminal's Ctrl-C reaches the whole process
+    group), and a second one during the channel's close printed a KeyboardInterrupt traceback from gRPC's
+    shutdown; the parent bounds its wait for the process.
     """
     concurrency = plan.concurrency // parts + (1 if part < plan.concurrency % parts else 0)
     numbers = range(part, plan.total, parts)
@@ -284,6 +288,8 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
         finally:
             if interruptible:
                 loop.remove_signal_handler(signal.SIGINT)
+                if client_process:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
         wall = time.time() - wall0
         cpu = time.process_time() - cpu0
     results.sort(key=lambda r: r.number)
@@ -300,7 +306,7 @@ def _child(plan: LoadPlan, part: int, parts: int, barrier: Any, out: Any, parent
     try:
         import uvloop
 
-        res = uvloop.run(run_part(plan, part, parts, barrier, interruptible))
+        res = uvloop.run(run_part(plan, part, parts, barrier, interruptible, client_process=True))
         out.put(("ok", part, [asdict(r) for r in res.results], res.wall_s, res.cpu_s, res.end_reason))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         if barrier is not None:
