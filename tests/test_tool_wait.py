@@ -162,8 +162,31 @@ def test_returns_are_learned_per_tool_against_the_announced_wait():
         plans.add(plan(f"a{k}", 0.0, 10.0))
         plans.on_turn(f"a{k}", 8.0, warm=False)
     assert plans.return_times("t", 20.0) == ((16.0,), (1.0,))  # scaled to the new announcement: all the mass at 16 s
-    assert plans.return_times("t", 1.0).times == ()  # announced at a tenth: another regime, not measured
+    # announced at a tenth, with none announced alike: the tool's own durations, in seconds
+    assert plans.return_times("t", 1.0) == ((8.0,), (1.0,))
     assert plans.return_times("other-tool", 10.0).times == ()
+
+
+def test_calls_announced_on_a_cold_estimate_time_the_next_calls_by_their_seconds():
+    """A load's first calls are announced on the orchestrator's cold estimate (1 s) and take 15 s; the next
+    call is announced at their P75 (18 s), so none of the returns was announced alike. They still say how long
+    the tool takes: the new call is timed by their durations in seconds (it had been timed by the announced wait
+    alone: restored at 18 s, held to 36 s), and the calls of that first wave still running after 14 s count as
+    running (at 14x their 1 s announcement they had been taken as abandoned, and the returns measured were the
+    first wave's quick half)."""
+    plans = ToolWaitPlans()
+    for k in range(2 * MIN_RETURNS):
+        plans.add(ToolWaitPlan(f"a{k}", "batch_job", Decision.SWAP, 0.0, 1.0, 2.0))
+    for k in range(MIN_RETURNS):  # the quick half is back after 10-13.5 s
+        plans.on_turn(f"a{k}", 10.0 + 0.5 * k, warm=False)
+    returned_only = plans.return_times("batch_job", 18.0)
+    assert returned_only.times == tuple(10.0 + 0.5 * k for k in range(MIN_RETURNS))
+    with_running = plans.return_times("batch_job", 18.0, now=14.0)
+    assert sum(w for t, w in zip(*with_running) if t > 14.0) == pytest.approx(0.5)  # half of the wave still runs
+    i = inputs(expected_wait_s=18.0, pressure=1.0, returns_s=with_running.times, return_weights=with_running.weights)
+    assert decide(i, grace_s=18.0).revisit_at_s >= 28.0  # the running half: back after as long again (14 s)
+    # a call running ten times the longer of the two announcements is abandoned all the same
+    assert plans.return_times("batch_job", 18.0, now=200.0) == returned_only
 
 
 def test_due_restores_come_from_a_heap_earliest_first_and_replaced_plans_drop_out():

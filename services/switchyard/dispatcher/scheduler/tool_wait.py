@@ -691,25 +691,40 @@ class ToolWaitPlans:
     def return_times(self, tool: str, expected_wait_s: float, now: float | None = None) -> Returns:
         """``tool``'s return-time distribution scaled to a call announced at ``expected_wait_s`` (seconds
         after its start), from the calls announced within a factor of :data:`SIMILAR_ANNOUNCEMENT` of it
-        (a tool's first calls, announced at a cold estimate, or another tool under the same label, say
-        little of this one): the measured returns and, given ``now``, the calls still running (the
-        Kaplan-Meier estimate, :func:`kaplan_meier`: those running longer than the returns measured so far
-        are what a distribution of the returns alone leaves out; at most :data:`MAX_CENSORED`, the longest
-        running, each under :data:`ABANDONED_RATIO` times its announced wait). Empty while fewer than
-        :data:`MIN_RETURNS` such returns are measured."""
+        (each return's ratio to its own announcement, times this one's): the measured returns and, given
+        ``now``, the calls still running (the Kaplan-Meier estimate, :func:`kaplan_meier`: those running longer
+        than the returns measured so far are what a distribution of the returns alone leaves out; at most
+        :data:`MAX_CENSORED`, the longest running, each under :data:`ABANDONED_RATIO` times its announced
+        wait).
+
+        While fewer than :data:`MIN_RETURNS` were announced alike, every measured return counts by its duration
+        in seconds, and every call still running by its elapsed seconds (abandoned past
+        :data:`ABANDONED_RATIO` times the longer of its announcement and this one): a tool's first calls are
+        announced on the orchestrator's cold estimate, and the next ones on a quantile of those first returns,
+        so none of them was announced alike, yet their durations are the tool's (a 15 s batch job's first wave,
+        announced at 1 s, timed every call of its second wave by the announcement alone; and its calls still
+        running at 10x the 1 s counted as abandoned, so that the returns measured were its quick half). Empty
+        while fewer than :data:`MIN_RETURNS` returns are measured in all."""
         kept = self._returns.get(tool)
         if kept is None or expected_wait_s <= 0:
             return Returns()
         low, high = expected_wait_s / SIMILAR_ANNOUNCEMENT, expected_wait_s * SIMILAR_ANNOUNCEMENT
         returned = [ratio for announced, ratio in kept if low <= announced <= high]
-        if len(returned) < MIN_RETURNS:
-            return Returns()
+        similar = len(returned) >= MIN_RETURNS
+        if not similar:  # too few announced alike: the tool's own durations, in seconds, scaled to this call
+            if len(kept) < MIN_RETURNS:
+                return Returns()
+            returned = [announced * ratio / expected_wait_s for announced, ratio in kept]
         running: list[float] = []
         if now is not None:
             for plan in self._open.get(tool, {}).values():
                 announced = plan.expected_return_at - plan.started_at
-                if low <= announced <= high and 0 < (ratio := (now - plan.started_at) / announced) < ABANDONED_RATIO:
-                    running.append(ratio)
+                elapsed = now - plan.started_at
+                if similar:
+                    if low <= announced <= high and 0 < (ratio := elapsed / announced) < ABANDONED_RATIO:
+                        running.append(ratio)
+                elif 0 < elapsed < ABANDONED_RATIO * max(announced, expected_wait_s):  # not abandoned by either
+                    running.append(elapsed / expected_wait_s)
             if len(running) > MAX_CENSORED:
                 running = heapq.nlargest(MAX_CENSORED, running)
         times, weights = kaplan_meier(returned, running)
