@@ -245,3 +245,56 @@ def test_a_warm_prefix_is_not_moved_out_for_a_head_that_would_not_fit_anyway() -
     sched.add_request(back, 1.0)
     assert sched.schedule(1.0).admitted == []  # the head waits for the running request
     assert back.handover_from is small and back.recomputed_tokens == 0  # its prefix stays warm
+
+
+TURN = 0.51
+
+
+def _kept_agent_back_behind(head_priority: int, hold_s: float = 1.0) -> tuple[Any, Request, Request, Request]:
+    """Running work holds 3/10 of the KV budget; an agent's step (3/10) parked and its tool wait was decided KEEP
+    (a 10 ms tool, held to 20 ms); at 0.51 its next step arrives behind a head that fits only without the kept
+    prefix. Returns the scheduler, the parked step, the agent's next step and the head (both added at 0.51)."""
+    sched = build(None, **{"scheduler.tool_wait_ttl_s": 3600.0, "scheduler.tool_wait_turn_hold_s": hold_s})
+    room = sched.capacity.budget_bytes // sched.capacity.info.kv_bytes_per_token
+    running = request("running", NORMAL, prompt_tokens=room * 3 // 10, max_tokens=64)
+    sched.add_request(running, 0.0)
+    assert sched.schedule(0.0).admitted == [running]
+    kept = request("agent-step-1", BATCH, prompt_tokens=room * 3 // 10, max_tokens=64, task_type="react_loop",
+                   agent_id="a1")
+    kept.num_computed_tokens = kept.prompt_tokens
+    sched.parking.park(kept, now=0.5)
+    decided = sched.tool_wait(kept.program_key, 0.01, now=0.5, tool="search_docs")
+    assert decided is not None and decided.decision.value == "keep"
+    head = request("head", head_priority, prompt_tokens=room * 6 // 10, max_tokens=64, arrival=TURN)
+    back = request("agent-step-2", BATCH, prompt_tokens=kept.prompt_tokens + 100, max_tokens=64,
+                   task_type="react_loop", agent_id="a1", resume=True, arrival=TURN)
+    sched.add_request(head, TURN)
+    sched.add_request(back, TURN)
+    return sched, kept, back, head
+
+
+def test_a_prefix_kept_for_its_turn_waits_with_its_step_while_running_work_can_free_the_room() -> None:
+    """A prefix its tool-wait decision kept in HBM (or restored ahead) stays with its arrived step for
+    ``tool_wait_turn_hold_s`` while the head of another class than core waits for running work to end: moving it
+    made the warm resume the plan had held HBM for a cold one (61 of 565 resumes of `bench agents --policies
+    switchyard --load-scale 0.6 --seed 11`, warm at their turn and restored at admission). Past the hold it is
+    moved as before, so that a step waiting long behind the head does not hold the room the head waits for."""
+    sched, kept, back, head = _kept_agent_back_behind(NORMAL)
+    assert sched.schedule(TURN).admitted == []  # the head waits for the running request
+    assert back.handover_from is kept and back.recomputed_tokens == 0  # its prefix stays warm
+    assert sched.schedule(TURN + 0.5).admitted == [] and back.handover_from is kept
+    out = sched.schedule(TURN + 1.5)  # past the hold
+    assert head in out.admitted and back.handover_from is None
+    assert back.recomputed_tokens == kept.prompt_tokens  # no DRAM tier here: recomputed at its admission
+
+
+def test_a_kept_prefix_still_leaves_for_core_work_at_once() -> None:
+    sched, kept, back, head = _kept_agent_back_behind(CORE)
+    out = sched.schedule(TURN)
+    assert head in out.admitted and back.handover_from is None  # core's TTFT does not wait for a decode
+
+
+def test_a_kept_prefix_is_moved_when_no_hold_is_configured() -> None:
+    sched, kept, back, head = _kept_agent_back_behind(NORMAL, hold_s=0.0)
+    out = sched.schedule(TURN)
+    assert head in out.admitted and back.handover_from is None

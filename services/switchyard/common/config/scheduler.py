@@ -141,6 +141,15 @@ class SchedulerConfig(_Strict):
         "evicted to make room for waiting work, so that the decision is the announcement's and not the eviction's. "
         "Applies once this dispatcher has received an announcement (an orchestrator that announces); 0: no hold.",
     )
+    tool_wait_turn_hold_s: float = Field(
+        1.0, ge=0, le=60,
+        description="A react_loop agent's KV that its tool-wait decision kept in HBM, or restored ahead of the tool's "
+        "return, and whose next step has arrived and waits for admission: for this long after that step's arrival, "
+        "seconds, the prefix is not moved out of HBM to make room for a waiting request of another class than core "
+        "while running work is there to end and free room (the warm resume the plan held HBM for is not turned "
+        "into a cold one); past it, or for core work, or with nothing running, it is moved as any warm prefix "
+        "being handed over. 0: no hold.",
+    )
     score_sample_interval_ms: float = Field(
         100, gt=0, le=60_000, description="Read NVML (or the engine busy ratio) at most this often, milliseconds."
     )

@@ -50,7 +50,10 @@ first whatever its value (:meth:`SchedulerCore._make_room`); a core agent's
 parked state is valued higher, so it leaves last, but it leaves. One bounded
 exception: an agent's KV restored for its turn by a planned restore, or kept
 by its tool-wait decision, stays until its tool's revisit time
-(:mod:`.tool_wait`): that turn is due by then and needs the prefix.
+(:mod:`.tool_wait`): that turn is due by then and needs the prefix; once the turn
+has come, the prefix stays with its waiting step for ``tool_wait_turn_hold_s``
+against waiting work of another class than core while running work can free the
+room (:meth:`SchedulerCore._cool_handovers`).
 
 A policy (:mod:`.priority`, :mod:`.fifo`, :mod:`.fair`) subclasses :class:`SchedulerCore`
 and decides four things only: the order of the waiting set (its request
@@ -1044,8 +1047,18 @@ class SchedulerCore:
         leave HBM as an evicted parked agent's would; each such step then restores its prefix from DRAM (where
         it went) or recomputes it. Without it a head that fits only without them would wait for its deadline
         while the steps holding them wait behind it. Nothing is moved when moving them all would not let the
-        head start (it waits for running work to end, and the prefixes stay warm)."""
-        behind = [w for w in self.queue if w is not head and w.handover_from is not None]
+        head start (it waits for running work to end, and the prefixes stay warm).
+
+        A prefix its tool-wait decision held for the turn (kept, or restored ahead) is moved, for
+        ``scheduler.tool_wait_turn_hold_s`` after the turn (``Request.handover_held_until``), only for a core
+        head (its TTFT objective does not wait for a decode to end) or when no running work is there to end and
+        free room: moving it turns the warm resume the plan paid HBM for into a cold one, where a head of
+        another class waits only for running work to end. Past the hold it is moved as any other (a step that
+        waits that long behind the head holds idle HBM, and holds back the room the head waits for)."""
+        now = self._now
+        held_too = head.priority is PriorityClass.CORE or not (self._running or self._leaving)
+        behind = [w for w in self.queue if w is not head and w.handover_from is not None
+                  and (held_too or w.handover_held_until <= now)]
         if sum(self._taken_over(w) for w in behind) < self._shortfall(head):
             return
         for waiting in behind:
@@ -1053,7 +1066,7 @@ class SchedulerCore:
             if self._shortfall(head) <= 0 or parked is None:
                 return
             tokens = parked.num_computed_tokens
-            waiting.handover_from = None
+            waiting.handover_from, waiting.handover_held_until = None, 0.0
             waiting.num_computed_tokens = 0
             if self.parking.cool_handover(parked):
                 waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.program_key), tokens
@@ -1228,9 +1241,11 @@ class SchedulerCore:
 
     def _resume_prefix(self, req: Request, now: float) -> None:
         found = self.parking.take(req.program_key, now)
-        self.tool_waits.on_turn(req.program_key, now, found.warm)
+        plan = self.tool_waits.on_turn(req.program_key, now, found.warm)
         if found.parked is not None:
             req.handover_from = found.parked
+            if plan is not None:  # kept, or restored ahead, for this turn
+                req.handover_held_until = now + self.config.tool_wait_turn_hold_s
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
@@ -1254,7 +1269,7 @@ class SchedulerCore:
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
-        parked, req.handover_from = req.handover_from, None
+        parked, req.handover_from, req.handover_held_until = req.handover_from, None, 0.0
         if parked is not None:
             self.parking.end_handover(parked)
 
