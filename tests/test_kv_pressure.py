@@ -298,3 +298,19 @@ def test_a_kept_prefix_is_moved_when_no_hold_is_configured() -> None:
     sched, kept, back, head = _kept_agent_back_behind(NORMAL, hold_s=0.0)
     out = sched.schedule(TURN)
     assert head in out.admitted and back.handover_from is None
+
+
+def test_the_idle_price_floor_is_the_configured_one() -> None:
+    """``scheduler.tool_wait_idle_price_floor`` prices HBM held idle at low pressure: an agent's KV alone in an
+    empty budget is priced to keep at the floor, 4x as much at a floor of 1 as at 0.25."""
+    keep = {}
+    for floor in (0.25, 1.0):
+        sched = build(None, **{"scheduler.tool_wait_idle_price_floor": floor})
+        step = request("agent-step-1", BATCH, prompt_tokens=2_000, max_tokens=64, task_type="react_loop",
+                       agent_id="a1")
+        step.num_computed_tokens = step.prompt_tokens
+        sched.parking.park(step, now=0.0)
+        decided = sched.tool_wait(step.program_key, 1.0, now=0.0, tool="search_docs")
+        assert decided is not None
+        keep[floor] = decided.costs.keep
+    assert keep[1.0] == pytest.approx(4 * keep[0.25])

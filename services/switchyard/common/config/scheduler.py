@@ -134,6 +134,13 @@ class SchedulerConfig(_Strict):
         "seconds) and the turns that come back before it (this weight x one transfer each) cost least, over the "
         "tool's measured return times (dispatcher/scheduler/tool_wait.py restore_landing_s).",
     )
+    tool_wait_idle_price_floor: float = Field(
+        0.25, ge=0, le=1,
+        description="The least KV-budget pressure, a fraction 0..1, at which a tool-wait decision prices HBM held idle "
+        "(keeping an agent's KV through its tool, or holding a swapped one restored ahead until its turn): the hold "
+        "costs the KV's share of the budget x max(the pressure at the decision, this floor) a second "
+        "(dispatcher/scheduler/tool_wait.py). 1: HBM held idle is priced as at full pressure whatever the pressure.",
+    )
     tool_wait_announce_hold_s: float = Field(
         0.2, ge=0, le=10,
         description="A react_loop agent's step that ended in a tool call is parked undecided until its tool's "

@@ -874,7 +874,8 @@ class SchedulerCore:
             pressure=min(1.0, used / budget), transfer_s=self.tiers.transfer_seconds(entry.kv_bytes),
             recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap(),
             returns_s=returns.times, return_weights=returns.weights,
-            cold_resume_weight=self.config.tool_wait_cold_resume_weight),
+            cold_resume_weight=self.config.tool_wait_cold_resume_weight,
+            idle_price_floor=self.config.tool_wait_idle_price_floor),
             grace_s=expected_wait_s)
         self._now = now
         plan = ToolWaitPlan(program_key, tool, decision.decision, now, now + expected_wait_s,
