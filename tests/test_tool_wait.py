@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from switchyard.dispatcher.scheduler.tool_wait import (
@@ -279,3 +281,26 @@ def test_the_landing_prices_each_return_by_its_probability(weight):
         if cost < best_cost - 1e-12:
             best, best_cost = x, cost
     assert restore_landing_s(i) == (pytest.approx(best) if best is not None else None)
+
+
+def test_a_call_of_the_tool_running_past_the_revisit_time_cancels_a_restore_timed_by_the_announcement():
+    """With nothing measured a restore is timed by the announced wait. The first wave of a 15 s batch job is
+    announced on the orchestrator's 1 s cold estimate: its restores landed after 1 s and left HBM at the 2 s
+    revisit, 51 of 60 before their turn (bench agents --policies switchyard --load-scale 0.6 --seed 11). Once a
+    call of the tool has run past a new call's revisit time without a return, the announcement is evidently
+    short and no restore is timed by it (the turn restores at admission)."""
+    fresh = decide(inputs(expected_wait_s=1.0, outlasted_s=1.5), grace_s=1.0)
+    assert fresh.decision is Decision.SWAP and fresh.restore_at_s == pytest.approx(1.0 - 0.02 - 0.05)
+    outlasted = decide(inputs(expected_wait_s=1.0, outlasted_s=2.5), grace_s=1.0)
+    assert outlasted.decision is Decision.SWAP and outlasted.restore_at_s is None
+    assert outlasted.revisit_at_s == fresh.revisit_at_s == 2.0
+    long = tuple(float(r) for r in range(10, 10 + 2 * MIN_RETURNS))  # measured: the returns time it, not this
+    i = inputs(expected_wait_s=20.0, pressure=1.0, returns_s=long, cold_resume_weight=20.0)
+    assert decide(dataclasses.replace(i, outlasted_s=100.0), grace_s=20.0) == decide(i, grace_s=20.0)
+    plans = ToolWaitPlans()
+    assert plans.longest_running_s("batch_job", 5.0) == 0.0
+    plans.add(ToolWaitPlan("a", "batch_job", Decision.SWAP, 1.0, 2.0, 3.0))
+    plans.add(ToolWaitPlan("b", "batch_job", Decision.SWAP, 2.0, 3.0, 4.0))
+    assert plans.longest_running_s("batch_job", 5.0) == 4.0 and plans.longest_running_s("code", 5.0) == 0.0
+    plans.on_turn("a", 5.0, warm=False)
+    assert plans.longest_running_s("batch_job", 5.0) == 3.0

@@ -875,7 +875,8 @@ class SchedulerCore:
             recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap(),
             returns_s=returns.times, return_weights=returns.weights,
             cold_resume_weight=self.config.tool_wait_cold_resume_weight,
-            idle_price_floor=self.config.tool_wait_idle_price_floor),
+            idle_price_floor=self.config.tool_wait_idle_price_floor,
+            outlasted_s=0.0 if returns.times else self.tool_waits.longest_running_s(tool, now)),
             grace_s=expected_wait_s)
         self._now = now
         plan = ToolWaitPlan(program_key, tool, decision.decision, now, now + expected_wait_s,

@@ -51,7 +51,9 @@ weight says (``scheduler.tool_wait_cold_resume_weight``).
 A swap plans the KV's return ahead of the tool's expected return
 (:attr:`ToolWaitDecision.restore_at_s` = ``landing - transfer - margin``, the
 landing :func:`restore_landing_s`'s, or ``wait`` while fewer than
-:data:`MIN_RETURNS` are measured; never before the copy out has ended), so the
+:data:`MIN_RETURNS` are measured, unless a call of the same tool has already run
+past this one's revisit time, when none is timed by an announcement evidently short
+(:attr:`ToolWaitInputs.outlasted_s`); never before the copy out has ended), so the
 next turn finds it warm: the scheduler
 keeps each agent's plan (:class:`ToolWaitPlans`) and its decision at
 ``schedule(now)`` hands the restores that are due to the loop
@@ -198,12 +200,16 @@ class ToolWaitInputs:
     :meth:`ToolWaitPlans.return_times`); empty: each equally likely."""
     cold_resume_weight: float = 1.0
     """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``)."""
+    outlasted_s: float = 0.0
+    """How long the longest-running call of the same tool has run, seconds (0: none runs). With fewer than
+    :data:`MIN_RETURNS` returns measured, one running past this call's revisit time (``expected_wait_s + grace``)
+    says the announced wait is short: no restore is timed by it (:func:`decide`)."""
 
     def __post_init__(self) -> None:
         for name, value in (("expected_wait_s", self.expected_wait_s), ("transfer_s", self.transfer_s),
                             ("recompute_s", self.recompute_s), ("margin_s", self.margin_s),
                             ("copy_cost_weight", self.copy_cost_weight),
-                            ("cold_resume_weight", self.cold_resume_weight)):
+                            ("cold_resume_weight", self.cold_resume_weight), ("outlasted_s", self.outlasted_s)):
             if value < 0:
                 raise ValueError(f"{name}: expected >= 0, got {value!r}")
         if self.kv_bytes < 0:
@@ -311,7 +317,7 @@ def decide(inputs: ToolWaitInputs, grace_s: float = 0.0) -> ToolWaitDecision:
             if landing is not None:
                 restore_at = max(inputs.transfer_s, landing - inputs.transfer_s - inputs.margin_s)
                 revisit = max(revisit, restore_at + inputs.transfer_s)
-        else:
+        elif inputs.outlasted_s <= revisit:  # else a call of this tool already ran past this one's revisit time
             restore_at = max(inputs.transfer_s, inputs.expected_wait_s - inputs.transfer_s - inputs.margin_s)
     return ToolWaitDecision(decision, restore_at, revisit, priced, inputs.transfer_s)
 
@@ -729,6 +735,10 @@ class ToolWaitPlans:
                 running = heapq.nlargest(MAX_CENSORED, running)
         times, weights = kaplan_meier(returned, running)
         return Returns(tuple(t * expected_wait_s for t in times), weights)
+
+    def longest_running_s(self, tool: str, now: float) -> float:
+        """How long the longest-running open call of ``tool`` has run at ``now``, seconds (0: none runs)."""
+        return max((now - plan.started_at for plan in self._open.get(tool, {}).values()), default=0.0)
 
     def __len__(self) -> int:
         return len(self._plans)
