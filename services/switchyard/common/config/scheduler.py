@@ -128,18 +128,20 @@ class SchedulerConfig(_Strict):
         "(out of HBM at once).",
     )
     tool_wait_cold_resume_weight: float = Field(
-        2.0, ge=0, le=10_000,
+        5.0, ge=0, le=10_000,
         description="Engine-seconds one second of a cold resume's restore stall costs, a weight: a swapped agent's KV "
         "is timed back into HBM where the KV held idle until its turn (its share of the KV budget x pressure x "
         "seconds) and the turns that come back before it (this weight x one transfer each) cost least, over the "
         "tool's measured return times (dispatcher/scheduler/tool_wait.py restore_landing_s).",
     )
     tool_wait_idle_price_floor: float = Field(
-        0.25, ge=0, le=1,
+        0.75, ge=0, le=1,
         description="The least KV-budget pressure, a fraction 0..1, at which a tool-wait decision prices HBM held idle "
         "(keeping an agent's KV through its tool, or holding a swapped one restored ahead until its turn): the hold "
         "costs the KV's share of the budget x max(the pressure at the decision, this floor) a second "
-        "(dispatcher/scheduler/tool_wait.py). 1: HBM held idle is priced as at full pressure whatever the pressure.",
+        "(dispatcher/scheduler/tool_wait.py). The pressure at the decision says little of the pressure while a long "
+        "tool's KV is held seconds later: at 0.25 a drain's batch jobs, decided at 4-35 % pressure, were restored "
+        "ahead and held up to 13 s each. 1: HBM held idle is priced as at full pressure whatever the pressure.",
     )
     tool_wait_announce_hold_s: float = Field(
         0.2, ge=0, le=10,

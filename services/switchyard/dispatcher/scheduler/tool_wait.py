@@ -22,8 +22,9 @@ keep, then swap)::
   0..1). Held idle memory costs the work it keeps out: at full pressure,
   holding a share ``s`` of the budget for ``w`` seconds keeps about ``s x w``
   engine-seconds of other work waiting; at low pressure it costs little, but
-  never nothing (``idle_price_floor``): memory idle now is memory a burst
-  cannot have.
+  never nothing (``idle_price_floor``, ``scheduler.tool_wait_idle_price_floor``):
+  memory idle now is memory a burst cannot have, and the pressure at the
+  decision says little of the pressure while a long tool's KV is held later.
 - ``transfer``: one-way copy seconds. A swap copies out and back, on the copy
   engine beside compute: it is charged ``copy_cost_weight`` of its time
   (default 0.1: the link is shared with other swaps, not with the GPU's
@@ -191,6 +192,7 @@ class ToolWaitInputs:
     """Seconds the restore is planned to end ahead of the tool's expected return."""
     copy_cost_weight: float = 0.1
     idle_price_floor: float = 0.25
+    """The least pressure held idle memory is priced at (the scheduler passes ``scheduler.tool_wait_idle_price_floor``)."""
     returns_s: tuple[float, ...] = ()
     """The tool's measured return times for this wait, seconds after its start, ascending (the learned
     distribution: :meth:`ToolWaitPlans.return_times`); empty: too few measured, the restore is timed by
