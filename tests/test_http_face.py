@@ -21,7 +21,7 @@ from test_orchestrator import Downstream
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
-from switchyard.common.server import running
+from switchyard.common.server import running, start_server
 from switchyard.orchestrator.http_face import JSON, HttpFace
 from switchyard.orchestrator.service import OrchestratorService
 from orchestrator_fixtures import orchestrator_config
@@ -431,6 +431,47 @@ async def test_a_stream_that_fails_after_accepted_ends_with_an_error_event():
         error = events[-1][1]["error"]
         assert error["code"] == "DEADLINE_EXCEEDED" and "task_time_limit_s.chat" in error["message"]
         down.gate.set()
+
+
+async def test_a_stream_still_running_when_the_drain_ends_gets_an_error_naming_the_stop_on_both_faces():
+    """SIGTERM lets streams finish within server.shutdown_grace_s; one still running then is ended UNAVAILABLE
+    naming the stop, over gRPC and as an SSE ``error`` event. gRPC's own cancel read 'Cancelling all calls', and
+    the SSE stream was cut with no event (its chunked body unterminated)."""
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    down.gate = asyncio.Event()  # Generate never answers: both tasks are inside infer when the drain ends
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base) as cfg:
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            srv = await start_server([orch, face], "127.0.0.1", 0, cfg.server)
+            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+            try:
+                call = agent_pb2_grpc.AgentServiceStub(channel).RunTask(agent_pb2.RunTaskRequest(
+                    payload="What is with?", task_type="chat", agent_id="drain-grpc"))
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                    async with aconnect_sse(client, "POST", "/api/v1/agent/run",
+                                            json={**FIELD_BODY, "task_type": "chat"}) as source:
+                        events = source.aiter_sse()
+                        assert (await anext(events)).event == "accepted"
+                        while len(down.requests) < 2:
+                            await asyncio.sleep(0.01)
+                        stopping = asyncio.create_task(srv.stop(0.2))
+                        rest = [(e.event, json.loads(e.data)) async for e in events]
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        async for _ in call:
+                            pass
+                await stopping
+            finally:
+                await channel.close()
+                down.gate.set()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "orchestrator is stopping" in refused.value.details(), refused.value.details()
+    assert "server.shutdown_grace_s" in refused.value.details()
+    assert [kind for kind, _ in rest if kind != "stage"] == ["error"], rest
+    error = rest[-1][1]["error"]
+    assert error["code"] == "UNAVAILABLE" and error["message"] == refused.value.details(), error
 
 
 async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_body_wins():

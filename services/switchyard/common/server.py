@@ -62,6 +62,20 @@ class Drains(ABC):
         """Refuse new work from now on and end long-lived streams once their work is done."""
 
 
+class EndsStreams(ABC):
+    """A service that ends its own streams still running when the drain ends, each with a status naming the stop.
+    The server's cancel of what is left reads only 'Cancelling all calls', and a stream served on another face
+    (the orchestrator's HTTP face calls the servicer's RunTask) was cut with no word at all."""
+
+    @abstractmethod
+    async def end_streams(self, after_s: float) -> None:
+        """Let the streams in flight run up to ``after_s`` seconds, then end each one left with its error."""
+
+
+STREAM_END_MARGIN_S = 1.0
+"""How long after a service that :class:`EndsStreams` ended its streams the server cancels what is left."""
+
+
 class InterceptsCalls(ABC):
     """A service that puts interceptors of its own on its server (the orchestrator: authentication)."""
 
@@ -180,7 +194,15 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         for service in self.services:
             await begin_drain(service)
-        await self.server.stop(grace)
+        ending = [service.end_streams(grace) for service in self.services if isinstance(service, EndsStreams)]
+        if ending:  # those services end theirs at ``grace``, each with its status; the server's cancel comes after
+            stopping = asyncio.ensure_future(self.server.stop(grace + STREAM_END_MARGIN_S))
+            try:
+                await asyncio.gather(*ending)
+            finally:
+                await stopping
+        else:
+            await self.server.stop(grace)
         if self.health_server is not None:  # answered NOT_SERVING to probes while the calls drained
             await self.health_server.stop(None)
         log.info("%s: gRPC server stopped", names)

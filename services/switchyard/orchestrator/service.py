@@ -46,7 +46,7 @@ from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
                                      TaskRefusedEarly, abort, status_for)
 from switchyard.common.queues import WorkQueue
-from switchyard.common.server import Drains, HealthOwner, InterceptsCalls
+from switchyard.common.server import Drains, EndsStreams, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
 from switchyard.common.tenant import DEFAULT_TENANT, agent_key
 from switchyard.orchestrator import prompts, tokens
@@ -147,7 +147,8 @@ def _count_unrun(spec: TaskSpec, code: grpc.StatusCode) -> None:
     TASKS.labels(spec.workflow, code.name).inc()
 
 
-class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, Drains, TokenGuarded):
+class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, HealthOwner, Drains, EndsStreams,
+                          TokenGuarded):
     """AgentService servicer plus its queue, CPU pool, downstream clients and task store.
 
     Args:
@@ -169,6 +170,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         QUEUE_DEPTH.labels(SUBMITTED_QUEUE).set_function(self._submitted.__len__)
         self._stopping = False
         """Set by :meth:`stop`: no submitted task starts any more."""
+        self._streams: set[asyncio.Task[agent_pb2.FinalEvent]] = set()
+        """RunTask's tasks in flight, of both faces (the HTTP face streams the servicer's RunTask)."""
+        self._ended_by_stop: dict[asyncio.Task[agent_pb2.FinalEvent], SwitchyardError] = {}
+        """Tasks :meth:`end_streams` ended, and the error each one's stream ends with."""
         self._deps: Deps | None = None
         self._dram: DramClient | None = None
         self.readiness: Readiness | None = None
@@ -276,6 +281,27 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """SIGTERM: ``switchyard_serving`` stays at the 0 the server set (readiness may still find the downstream
         services ready while the calls in flight drain)."""
         self._draining = True
+
+    async def end_streams(self, after_s: float) -> None:
+        """The drain's end: RunTask streams still running ``after_s`` seconds (``server.shutdown_grace_s``) after
+        SIGTERM are ended UNAVAILABLE naming the stop, on both faces (an ``error`` event on the HTTP face's). The
+        gRPC server's own cancel, which came next, read 'Cancelling all calls', and cut an SSE stream with no event
+        and its chunked body unterminated."""
+        if self._streams:
+            await asyncio.wait(set(self._streams), timeout=after_s)
+        error = SwitchyardError(
+            f"orchestrator is stopping: the task was still running after server.shutdown_grace_s = {after_s:g} s "
+            "of draining and was ended; run it again (on another replica, or once this one is back)",
+            grpc.StatusCode.UNAVAILABLE)
+        ended = set()
+        for task in list(self._streams):
+            self._ended_by_stop[task] = error  # before the cancel: _execute counts the task UNAVAILABLE by it
+            if task.cancel():
+                ended.add(task)
+            else:
+                del self._ended_by_stop[task]
+        if ended:
+            await asyncio.wait(ended)
 
     async def stop(self) -> None:
         """Stop: no submitted task starts any more; the running ones get ``server.shutdown_grace_s`` to finish,
@@ -410,6 +436,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             code = status_for(exc)[0]
             if isinstance(exc, asyncio.CancelledError):  # the caller left, or its gRPC deadline (the task's) passed
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if _out_of_time(task) else grpc.StatusCode.CANCELLED
+                if asyncio.current_task() in self._ended_by_stop:  # or the drain ended it (end_streams)
+                    code = grpc.StatusCode.UNAVAILABLE
             raise
         finally:
             AGENTS_CONCURRENT.dec()
@@ -472,6 +500,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         task = asyncio.create_task(self._execute(self._new_task(spec, events.put, context)),
                                    name=f"task-{spec.task_id}")
         task.add_done_callback(lambda _: events.close())
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
         read = False
         # a BATCH task's tokens after the first gather for the flush interval and leave as one event
         hold_s = (self.config.orchestrator.batch_token_flush_interval_ms / 1000
@@ -483,7 +513,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 yield event
                 if hold_s and event.HasField("token"):
                     hold_until = clock() + hold_s
-            exc, read = task.exception(), True
+            ended = self._ended_by_stop.pop(task, None)  # the drain ended it (end_streams): its error, not a cancel
+            exc, read = (ended if ended is not None else task.exception()), True
         finally:
             if not task.done():
                 task.cancel()
