@@ -387,6 +387,26 @@ async def test_the_window_of_a_request_naming_no_model_is_the_dispatchers_models
             _ = load_config("config", service="orchestrator").dispatcher.engine
 
 
+async def test_what_the_dispatcher_serves_is_asked_again_once_its_answer_is_old(monkeypatch):
+    """A dispatcher replaced behind one address (a rolling update readiness never sees down) by a build serving
+    another model is known once the answer kept is MODEL_INFO_MAX_AGE_S old: it was kept for good."""
+    from switchyard.orchestrator import clients
+
+    async with stack(**{"limits.context_window_tokens": {"big-model": 100_000, "small-model": 64}}) as (stub, down):
+        down.model = "big-model"
+        events = await collect(stub, payload="what is a list?", task_type="chat", max_tokens=100)
+        assert events[-1].HasField("final") and down.described == 1
+        down.model = "small-model"  # the build behind the address now serves a 64-token window
+        monkeypatch.setattr(clients, "MODEL_INFO_MAX_AGE_S", 0.0)
+        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", max_tokens=100))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                raise AssertionError("an event was sent: the task was accepted")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context window of small-model, 64 tokens" in err.value.details()
+        assert down.described == 2
+
+
 async def test_full_orchestration_queue_rejects_naming_queue():
     overrides = {
         "queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 3000},

@@ -28,6 +28,7 @@ from switchyard.dispatcher.service import DispatcherService
 from switchyard.launcher import free_port, healthy
 from switchyard.orchestrator.readiness import address_count
 from switchyard.orchestrator.service import OrchestratorService
+from test_orchestrator import Downstream
 
 pytestmark = pytest.mark.no_gpu
 
@@ -100,6 +101,52 @@ async def test_not_serving_while_the_dispatcher_is_stopped_serving_once_it_is_ba
                                         dispatcher_cfg.server)
             await watch.until(SERVING)
             watch.call.cancel()
+    finally:
+        if second is not None:
+            await second.stop(0)
+
+
+class OneModel(Downstream):
+    """A dispatcher whose engine serves one model alone (as sim and torch do): another is NOT_FOUND at the edge."""
+
+    async def DescribeModel(self, request, context):
+        self.described += 1
+        return agent_pb2.ModelInfo(model=self.model, engine="sim", serves_only_model=True)
+
+
+async def test_a_dispatcher_back_with_another_model_is_asked_again_what_it_serves():
+    """A dispatcher restarted at its address with another engine or model (SWITCHYARD_ENGINE=openai, a new
+    model's rollout) is asked DescribeModel again once readiness finds it back: the orchestrator kept the first
+    answer, and refused the new model NOT_FOUND ('the dispatcher's engine serves old-model') while it validated
+    every request against the old model's context window."""
+    first_down, second_down = OneModel(), OneModel()
+    first_down.model, second_down.model = "old-model", "new-model"
+    cfg = SwitchyardConfig()
+    first = await start_server([first_down], "127.0.0.1", 0, cfg.server)
+    port = first.port
+    second = None
+    try:
+        async with orchestrator(orchestrator_config(f"127.0.0.1:{port}")) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            watch = HealthWatch(channel, "agent.AgentService")
+            await watch.until(SERVING)
+            events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"))]
+            assert events[-1].HasField("final") and first_down.described == 1
+
+            await first.stop(0)
+            await watch.until(NOT_SERVING)
+            second = await start_server([second_down], "127.0.0.1", port, cfg.server)
+            await watch.until(SERVING)
+            watch.call.cancel()
+            events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
+                payload="hi", task_type="chat", model="new-model"))]
+            assert events[-1].HasField("final") and second_down.described == 1
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat",
+                                                                     model="old-model")):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "serves 'new-model'" in refused.value.details(), refused.value.details()
     finally:
         if second is not None:
             await second.stop(0)

@@ -39,6 +39,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MODEL_INFO_MAX_AGE_S = 30.0
+"""Seconds a DescribeModel answer is kept before the next task asks again (a dispatcher replaced behind one
+address, a rolling update, by a build serving another model or window is known within this long); the
+answer before stands when the ask fails."""
+
+MODEL_INFO_REFRESH_TIMEOUT_S = 1.0
+"""Deadline of a DescribeModel asked again while an answer is kept (it delays the task that asks)."""
+
 MODEL_INFO_RETRY_S = 5.0
 """Seconds between asks of DescribeModel while an ``openai`` engine's upstream has reported no context window
 (one small RPC: a server that was down when the stack started has its window known at the edge within seconds
@@ -175,6 +183,7 @@ class InferenceClient:
         self._closing: set[asyncio.Future[None]] = set()
         self._model_info: agent_pb2.ModelInfo | None = None
         self._model_info_at = -math.inf
+        self._model_info_stale = False
         self.task_affinity: frozenset[str] = frozenset({"react_loop"})
         """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
         self._hints: set[asyncio.Task[None]] = set()
@@ -313,24 +322,32 @@ class InferenceClient:
                     replicas.finished(address)
                 await chunks.aclose()  # a request given up on is cancelled on the stream now
 
+    def dispatcher_back(self) -> None:
+        """The dispatcher came back after readiness found it gone (a restart, perhaps with another engine or
+        model): the next :meth:`model_info` asks DescribeModel again."""
+        self._model_info_stale = True
+
     async def model_info(self, timeout_s: float = 5.0) -> agent_pb2.ModelInfo:
         """What the dispatcher serves (asked once, then kept): the model a request naming none is served,
-        the engine, whether it shares prefixes, the context window its upstream reports. An ``openai`` engine
-        whose upstream reported no window yet (it was down, or reports none) is asked again at most every
-        :data:`MODEL_INFO_RETRY_S`, the answer kept before it standing when that fails.
+        the engine, whether it shares prefixes, the context window its upstream reports. Asked again by the
+        next task once the dispatcher came back (:meth:`dispatcher_back`) or the answer is
+        :data:`MODEL_INFO_MAX_AGE_S` old, and while an ``openai`` engine's upstream reported no window yet (it
+        was down, or reports none) at most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands
+        when that fails.
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
             SwitchyardError: the dispatcher answered with an error (its code kept).
         """
         info = self._model_info
-        if info is not None and info.engine == "openai" and not info.context_window_tokens \
-                and time.monotonic() - self._model_info_at >= MODEL_INFO_RETRY_S:
-            self._model_info_at = time.monotonic()
+        age = time.monotonic() - self._model_info_at
+        if info is not None and (self._model_info_stale or age >= MODEL_INFO_MAX_AGE_S or (
+                info.engine == "openai" and not info.context_window_tokens and age >= MODEL_INFO_RETRY_S)):
+            self._model_info_at, self._model_info_stale = time.monotonic(), False
             with contextlib.suppress(SwitchyardError, grpc.aio.AioRpcError):
                 address, channel = await self._route(None, frozenset())
                 self._model_info = await self._stub_for(channel).DescribeModel(
-                    agent_pb2.DescribeModelRequest(), timeout=timeout_s)
+                    agent_pb2.DescribeModelRequest(), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
             try:

@@ -112,6 +112,8 @@ class Readiness:
         default_workflow: the workflow whose status ``agent.AgentService`` takes.
         interval_s: seconds between rounds of checks.
         timeout_s: seconds one health Check may take.
+        replica_sets: the services whose replicas are known one by one, each checked on its own channel.
+        on_back: called with a service's name when a round finds it ready after one that did not.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class Readiness:
         interval_s: float,
         timeout_s: float,
         replica_sets: Mapping[str, ReplicaSet] | None = None,
+        on_back: Callable[[str], None] | None = None,
     ) -> None:
         self._set = set_status
         self._channels = channels
@@ -135,6 +138,9 @@ class Readiness:
         self._published: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._replica_sets = dict(replica_sets or {})
+        self._on_back = on_back
+        """Called with a service's name when a round finds it ready after one that found it not (it restarted,
+        perhaps as another build: the dispatcher's DescribeModel is asked again)."""
 
     async def _check_service(self, name: str) -> bool:
         """One service's readiness. With its replicas known (a :class:`ReplicaSet`), each replica is checked
@@ -180,6 +186,8 @@ class Readiness:
                 target = self._channels[name][1]
                 if ok:
                     log.info("readiness: %s at %s is ready", name, target)
+                    if self.checked and self._on_back is not None:
+                        self._on_back(name)
                 else:
                     log.warning("readiness: no ready %s at %s", name, target)
             self.ready[name] = ok

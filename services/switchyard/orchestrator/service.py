@@ -274,8 +274,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             orch.health_check_interval_s,
             orch.health_check_timeout_s,
             {"dispatcher": self._deps.inference.replicas} if self._deps.inference.replicas is not None else None,
+            on_back=self._downstream_back,
         )
         await self.readiness.start()
+
+    def _downstream_back(self, name: str) -> None:
+        """Readiness found ``name`` ready after not: a dispatcher back may be another build, serving another model
+        or window (its DescribeModel is asked again)."""
+        if name == "dispatcher" and self._deps is not None:
+            self._deps.inference.dispatcher_back()
 
     async def begin_drain(self) -> None:
         """SIGTERM: ``switchyard_serving`` stays at the 0 the server set (readiness may still find the downstream
