@@ -187,6 +187,23 @@ async def test_every_upstream_request_carries_agent_and_priority_headers_through
     assert seen[4:] == [("req-10", "core", r) for r in ("req-10", "req-10-2", "req-10-3")]  # no agent: its own
 
 
+async def test_two_calls_in_flight_under_one_request_id_go_upstream_under_two(clean_proxy_env):
+    """Two RunTasks under one task_id at once (the field's ghz command sends task_id bench-001 from 64 workers)
+    reach the engine under one request id when the orchestrator's stream to the dispatcher has rotated between
+    them; the second is sent under an id of its own (``<id>~<n>``), and the id is free again once the first
+    ends. ``transformers serve`` keys its paged KV cache by X-Request-Id: two live requests under one id killed
+    its batching worker ('CB worker is dead', IndexError), and vLLM refuses the second (400 already running)."""
+    with start_sim() as sim:
+        async with GatewayClient(gateway_config(sim.base_url)) as client:
+            first = client.stream_chat(ask("core", request_id="bench-001:0"))
+            assert isinstance(await anext(first), Token)  # the first call's request is in flight upstream
+            second = await stream(client, ask("core", request_id="bench-001:0"))
+            rest = [e async for e in first]
+            third = await stream(client, ask("core", request_id="bench-001:0"))
+    assert isinstance(second[-1], Finished) and isinstance(rest[-1], Finished) and isinstance(third[-1], Finished)
+    assert [h.get("x-request-id") for h in sim.state.headers] == ["bench-001:0", "bench-001:0~1", "bench-001:0"]
+
+
 @pytest.mark.parametrize("agent, request_id, sent_agent, sent_request_id", [
     ("agent-é", "tâche-1:0", "agent-%C3%A9", "t%C3%A2che-1:0"),
     ("\u200b", "日本:2", "%E2%80%8B", "%E6%97%A5%E6%9C%AC:2"),  # a zero-width space; CJK

@@ -23,7 +23,8 @@
 - The key is read from ``model_gateway.api_key_env`` on every call and never
   appears in a log, span, message or metric.
 - Every chat request carries ``X-Agent-Id``, ``X-Priority`` (core, normal, batch) and
-  ``X-Request-Id`` headers (the request's id; ``<id>-<n>`` for the n-th HTTP request of one call,
+  ``X-Request-Id`` headers (the request's id, ``<id>~<n>`` while another call in flight holds it,
+  :meth:`GatewayClient._claim_request_id`; ``<id>-<n>`` for the n-th HTTP request of one call,
   :func:`attempt_request_id`); with ``forward_priority`` the priority also goes in the
   server's own field (:mod:`switchyard.gateway.servers`; the flavour is learnt per
   endpoint). An optional field an endpoint refuses (400/422 naming it) is dropped for
@@ -37,6 +38,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from urllib.parse import quote
@@ -234,6 +237,9 @@ class GatewayClient:
                       [model_names.model_label(m, config) for m in self.models_for("")[1:]])
         self._flavours: dict[str, servers.ServerFlavour] = {}
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
+        self._live_request_ids: set[str] = set()
+        """Request ids of this client's calls in flight (:meth:`_claim_request_id`)."""
+        self._request_id_repeats = 0
         self._refused: dict[str, set[str]] = {}
         """Body fields each endpoint refused (400/422 naming them): never sent to it again, an optional one
         dropped, a renamed one (:data:`_RENAMED_FIELDS`) sent under its other name."""
@@ -425,13 +431,41 @@ class GatewayClient:
             self._flavours.setdefault(endpoint.name, servers.FLAVOURS["unknown"])
         return self._flavours[endpoint.name]
 
+    def _claim_request_id(self, request: ChatRequest) -> ChatRequest:
+        """``request`` under an id no call of this client has in flight: its own, or ``<id>~<n>`` while a call
+        holds that one (two tasks under one task_id at once, as the field's ghz command sends them, reach the
+        engine under one ``<task_id>:<turn>`` once the orchestrator's stream has rotated between them). Servers
+        key a request by its X-Request-Id: ``transformers serve``'s batching worker died of two live requests
+        under one id (IndexError in its paged cache; every request after it answered 503 'CB worker is dead'),
+        and vLLM refuses the second 400 'already running'."""
+        request_id = request.request_id
+        while request_id in self._live_request_ids:
+            self._request_id_repeats += 1
+            request_id = f"{request.request_id}~{self._request_id_repeats}"
+        if request_id != request.request_id:
+            request = dataclasses.replace(request, request_id=request_id)
+        if request_id:
+            self._live_request_ids.add(request_id)
+        return request
+
     async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
+        The request goes upstream under an id no call of this client has in flight (:meth:`_claim_request_id`).
 
         Raises:
             GatewayError: any row of the error table. Before the first item the
                 primary was retried and the fallback tried; after it, nothing was.
         """
+        request = self._claim_request_id(request)
+        try:
+            async with contextlib.aclosing(self._stream_chat(request)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._live_request_ids.discard(request.request_id)
+
+    async def _stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
+        """:meth:`stream_chat` of a request whose id is its own."""
         call = self._begin(request)
         started = time.monotonic()
         outcome = "ok"
