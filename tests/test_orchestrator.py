@@ -407,6 +407,33 @@ async def test_what_the_dispatcher_serves_is_asked_again_once_its_answer_is_old(
         assert down.described == 2
 
 
+async def test_two_tasks_under_one_task_id_at_once_reach_two_dispatchers_under_two_request_ids():
+    """The field's ghz command runs task_id bench-001 from every worker. Over two dispatcher replicas both calls
+    went out as ``bench-001:0``, one to each, and on to the model server behind them under one X-Request-Id,
+    which ``transformers serve`` died of (its batching worker; every later request 503 'CB worker is dead')."""
+    base = load_config("config", service="orchestrator")
+    downs = [Downstream(), Downstream()]
+    for down in downs:
+        down.gate = asyncio.Event()  # both calls stay in flight
+    async with running([downs[0]], base.server) as first, running([downs[1]], base.server) as second:
+        target = f"ipv4:127.0.0.1:{first.port},127.0.0.1:{second.port}"
+        with orchestrator_config(f"127.0.0.1:{first.port}", target, base) as cfg:
+            async with running([OrchestratorService(cfg)], cfg.server) as orch:
+                async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    runs = [asyncio.ensure_future(collect(stub, payload="hi", task_type="chat", task_id="bench-001"))
+                            for _ in range(2)]
+                    while sum(len(d.requests) for d in downs) < 2:
+                        await asyncio.sleep(0.01)
+                    for down in downs:
+                        down.gate.set()
+                    results = await asyncio.gather(*runs)
+    assert all(events[-1].HasField("final") for events in results)
+    assert [len(d.requests) for d in downs] == [1, 1], "the two calls went to one replica: the test shows nothing"
+    ids = [d.requests[0].request_id for d in downs]
+    assert sorted(ids) == ["bench-001:0", "bench-001:0~1"], ids
+
+
 async def test_full_orchestration_queue_rejects_naming_queue():
     overrides = {
         "queues.orchestration": {"capacity": 1, "workers": 1, "timeout_ms": 3000},

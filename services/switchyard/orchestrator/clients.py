@@ -184,6 +184,9 @@ class InferenceClient:
         self._model_info: agent_pb2.ModelInfo | None = None
         self._model_info_at = -math.inf
         self._model_info_stale = False
+        self._live_request_ids: set[str] = set()
+        """Request ids of this orchestrator's dispatcher calls in flight (:meth:`_claim_request_id`)."""
+        self._request_id_repeats = 0
         self.task_affinity: frozenset[str] = frozenset({"react_loop"})
         """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
         self._hints: set[asyncio.Task[None]] = set()
@@ -242,7 +245,8 @@ class InferenceClient:
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
-        The request carries the task's id (``request_id`` ``{task_id}:{turn}``), priority, type,
+        The request carries the task's id (``request_id`` ``{task_id}:{turn}``; ``~<n>`` after it while another
+        call of this orchestrator holds that id, :meth:`_claim_request_id`), priority, type,
         ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
         ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
         that follows a tool call. ``timeout_s`` bounds the call (the task's time left). The request
@@ -284,6 +288,31 @@ class InferenceClient:
             expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
             prefill_only=prefill_only,
         )
+        request.request_id = self._claim_request_id(request.request_id)
+        try:
+            async with contextlib.aclosing(self._send(request, spec, timeout_s)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._live_request_ids.discard(request.request_id)
+
+    def _claim_request_id(self, request_id: str) -> str:
+        """``request_id``, or ``<request_id>~<n>`` while another call of this orchestrator holds it: two tasks under
+        one task_id at once (the field's ghz command sends task_id bench-001 from every worker) on two dispatcher
+        replicas reached the model server behind them under one X-Request-Id, which ``transformers serve`` died of
+        (its batching worker: every later request 503 'CB worker is dead') and vLLM refuses (400 'already
+        running'). One replica's calls are kept apart by its gateway too (GatewayClient._claim_request_id)."""
+        claimed = request_id
+        while claimed in self._live_request_ids:
+            self._request_id_repeats += 1
+            claimed = f"{request_id}~{self._request_id_repeats}"
+        self._live_request_ids.add(claimed)
+        return claimed
+
+    async def _send(self, request: agent_pb2.GenerateRequest, spec: TaskSpec,
+                    timeout_s: float | None) -> AsyncIterator[agent_pb2.GenerateChunk]:
+        """:meth:`generate`'s call of ``request``, its id its own: to the replica its affinity picks, tried again
+        on another as :meth:`generate` says."""
         affinity_key = self.affinity_key(spec)
         tried: set[str] = set()
         waited = False
