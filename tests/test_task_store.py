@@ -357,3 +357,60 @@ async def test_a_sqlite_path_whose_folder_cannot_be_made_is_named_by_its_setting
     message = str(refused.value)
     assert "orchestrator.task_store.sqlite_path" in message and "(a file is there)" in message, message
     assert str(a_file / "tasks.sqlite3") in message
+
+
+async def test_a_task_store_outage_is_logged_once_when_it_begins_and_once_when_it_ends(tmp_path, caplog):
+    """The orchestrator's two pollers of the store (the cancel requests, every cancel_poll_s; the lease, every
+    lease_s / 3) each logged a warning at every failed try: a Redis down for an hour wrote some 14,000 lines
+    (one every cancel_poll_s where a try failed at once), where the DRAM tier's outage is one line each way."""
+    import asyncio
+    import logging
+
+    from orchestrator_fixtures import orchestrator_config
+    from switchyard.orchestrator.service import OrchestratorService
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    class Flaky(SqliteTaskStore):
+        """Refuses ``failing`` calls of each poller, then answers; ``polled`` is set after a few answers."""
+
+        def __init__(self, config: TaskStoreConfig, failing: int) -> None:
+            super().__init__(config)
+            self.failing = {"cancels": failing, "renew": failing}
+            self.answered = {"cancels": 0, "renew": 0}
+            self.polled = asyncio.Event()
+
+        def _turn(self, poller: str) -> None:
+            if self.failing[poller]:
+                self.failing[poller] -= 1
+                raise TaskStoreUnavailable("test", "down")
+            self.answered[poller] += 1
+            if min(self.answered.values()) >= 3:
+                self.polled.set()
+
+        async def take_cancels(self) -> list[str]:
+            self._turn("cancels")
+            return []
+
+        async def _renew(self, lease) -> None:
+            self._turn("renew")
+
+    with orchestrator_config("127.0.0.1:1", "127.0.0.1:1", **{
+            "orchestrator.task_store.cancel_poll_s": 0.01, "orchestrator.task_store.lease_s": 0.03}) as cfg:
+        service = OrchestratorService(cfg)
+        store = service.tasks = Flaky(cfg.orchestrator.task_store.model_copy(
+            update={"sqlite_path": str(tmp_path / "t.sqlite3")}), failing=20)
+        await store._open()
+        caplog.set_level(logging.INFO)
+        pollers = [asyncio.ensure_future(service._carry_out_cancels()), asyncio.ensure_future(store._maintain())]
+        try:
+            await asyncio.wait_for(store.polled.wait(), 60)
+        finally:
+            for poller in pollers:
+                poller.cancel()
+            await asyncio.gather(*pollers, return_exceptions=True)
+            await store._close()
+    cancels = [r.getMessage() for r in caplog.records if "cancel requests" in r.getMessage()]
+    leases = [r.getMessage() for r in caplog.records if "maintenance" in r.getMessage()]
+    assert len(cancels) == 2 and "failed" in cancels[0] and "again" in cancels[1], cancels
+    assert "after 20 failed tries" in cancels[1], cancels
+    assert len(leases) == 2 and "failed" in leases[0] and "again" in leases[1], leases

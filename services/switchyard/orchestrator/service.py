@@ -59,6 +59,7 @@ from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
 from switchyard.orchestrator.task import Deps, Task
 from switchyard.orchestrator.taskstore import (
+    OutageLog,
     TaskRecord,
     TaskStore,
     TaskStoreUnavailable,
@@ -919,13 +920,15 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         (finished and forgotten) needs nothing; one not held yet, which the store says is this orchestrator's and
         unfinished (a SubmitTask between its record and its backlog), is asked again, for the next poll."""
         interval = self.config.orchestrator.task_store.cancel_poll_s
+        outage = OutageLog(log, "orchestrator: reading the cancel requests other replicas recorded")
         while True:
             await asyncio.sleep(interval)
             try:
                 task_ids = await self.tasks.take_cancels()
             except SwitchyardError as exc:
-                log.warning("orchestrator: reading the cancel requests failed, retrying in %.2f s: %s", interval, exc)
+                outage.failed(exc, interval)
                 continue
+            outage.worked()
             outcomes = await asyncio.gather(*(self._cancel_held(task_id) for task_id in task_ids),
                                             return_exceptions=True)
             for task_id, outcome in zip(task_ids, outcomes):

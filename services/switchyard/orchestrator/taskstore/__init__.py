@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.orchestrator.taskstore.base import (
+    OutageLog,
     TaskRecord,
     TaskStore,
     TaskStoreUnavailable,
@@ -29,4 +30,4 @@ def make_task_store(config: SwitchyardConfig) -> TaskStore:
     return SqliteTaskStore(store)
 
 
-__all__ = ["TaskRecord", "TaskStore", "TaskStoreUnavailable", "fingerprint", "make_task_store", "task_status"]
+__all__ = ["OutageLog", "TaskRecord", "TaskStore", "TaskStoreUnavailable", "fingerprint", "make_task_store", "task_status"]

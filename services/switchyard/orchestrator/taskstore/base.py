@@ -60,6 +60,31 @@ for _op in STORE_OPS:
     STORE_DURATION.labels(_op)
 
 
+class OutageLog:
+    """A poller's failed tries logged as one outage: a warning at the first, one line when a try works again (how
+    many failed, over how long), nothing in between. Each try had logged its own warning: a store down for an hour
+    wrote thousands of lines (the cancel poller's one every cancel_poll_s, 0.25 s, where a try failed at once)."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._log = logger
+        self.what = what
+        self._since: float | None = None
+        self._failures = 0
+
+    def failed(self, exc: BaseException, retry_s: float) -> None:
+        self._failures += 1
+        if self._since is None:
+            self._since = time.monotonic()
+            self._log.warning("%s failed, retrying every %.3g s (logged again once it works): %s", self.what, retry_s,
+                              exc)
+
+    def worked(self) -> None:
+        if self._since is not None:
+            self._log.warning("%s works again after %d failed tries over %.1f s", self.what, self._failures,
+                              time.monotonic() - self._since)
+            self._since, self._failures = None, 0
+
+
 class TaskStoreUnavailable(SwitchyardError):
     """The task store cannot be read or written (UNAVAILABLE, naming the store)."""
 
@@ -252,6 +277,7 @@ class TaskStore(ABC):
     async def _maintain(self) -> None:
         interval = self.config.lease_s / 3
         last_sweep = last_purge = time.monotonic()
+        outage = OutageLog(log, "task store: maintenance (the lease, orphans, retention)")
         while True:
             await asyncio.sleep(interval)
             try:
@@ -264,7 +290,9 @@ class TaskStore(ABC):
                     last_purge = now
                     await self._purge(time.time())
             except TaskStoreUnavailable as exc:
-                log.warning("task store: maintenance failed, retrying in %.1f s: %s", interval, exc)
+                outage.failed(exc, interval)
+            else:
+                outage.worked()
 
     # ------------------------------------------------------------------ operations
 
