@@ -141,3 +141,60 @@ def test_an_addr_with_no_port_a_client_can_dial_is_refused_naming_it(capsys, add
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert f"--addr: expected host:port such as 127.0.0.1:50051, a port in 1-65535, got {addr!r}" in err, err
+
+
+class _Cut(agent_pb2_grpc.AgentServiceServicer):
+    """Streams ``accepted``, then waits for its connection to be cut (the orchestrator killed mid-stream)."""
+
+    def __init__(self) -> None:
+        self.accepted = asyncio.Event()
+
+    async def RunTask(self, request, context):
+        yield agent_pb2.TaskEvent(accepted=agent_pb2.Accepted(task_id="t"))
+        self.accepted.set()
+        await asyncio.sleep(30)
+
+
+@contextlib.asynccontextmanager
+async def cutting_proxy(target: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A TCP proxy to ``target`` on 127.0.0.1 port 0; setting the event aborts every connection it carries (RST),
+    as the death of the process behind it does."""
+    cut = asyncio.Event()
+    host, port = target.rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        pipes = [asyncio.ensure_future(pipe(reader, up_writer)), asyncio.ensure_future(pipe(up_reader, writer))]
+        await cut.wait()
+        for p in pipes:
+            p.cancel()
+        writer.transport.abort()
+        up_writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", cut
+    finally:
+        cut.set()
+        server.close()
+
+
+async def test_a_connection_cut_mid_stream_is_named_with_the_orchestrators_address(capsys):
+    """An orchestrator killed mid-stream read 'error: UNAVAILABLE: Stream removed (Socket closed)' and nothing
+    more: not whose socket, nor that the task's outcome is unknown."""
+    servicer = _Cut()
+    async with serving(servicer) as addr, cutting_proxy(addr) as (proxied, cut):
+        run = asyncio.ensure_future(asyncio.to_thread(run_main, ["--addr", proxied, "--timeout", "30", "hello"]))
+        await asyncio.wait_for(servicer.accepted.wait(), 30)
+        await asyncio.sleep(0.2)  # the accepted event on its way through the proxy
+        cut.set()
+        code = await asyncio.wait_for(run, 60)
+    err = capsys.readouterr().err
+    assert code == 1 and "UNAVAILABLE" in err, err
+    assert f"the connection to the orchestrator at {proxied} broke before the task ended" in err, err

@@ -30,6 +30,9 @@ from switchyard.orchestrator.validation import parse_priority
 
 _UNREACHABLE = re.compile(r"failed to connect to all addresses|connections to all backends failing|Connection refused")
 """grpc's words when the orchestrator itself does not answer (not a downstream's UNAVAILABLE it relays)."""
+_CUT = re.compile(r"Socket closed|Connection reset|Broken pipe")
+"""grpc's words when the connection to the orchestrator broke mid-call (its process stopped or was killed, or
+something between cut it), not a status the orchestrator sent."""
 _HTTP1 = re.compile(r"Trying to connect an http1\.x server")
 """grpc's words when an HTTP/1.x server answers where it expected a gRPC one."""
 _INT32_MAX = 2**31 - 1
@@ -231,6 +234,10 @@ def main(argv: list[str]) -> int:
             if up_stack is not None and up_stack[1] != address:
                 print(f"the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
                       f"{up_stack[0]}): switchyard run --addr {up_stack[1]} ...", file=sys.stderr)
+        elif err.code() == grpc.StatusCode.UNAVAILABLE and _CUT.search(err.details() or ""):
+            print(f"the connection to the orchestrator at {address} broke before the task ended (it stopped or was "
+                  "killed, or something between cut it); a RunTask ends with its call and leaves no record: run it "
+                  "again once the orchestrator answers", file=sys.stderr)
         if config.server.tls.enabled and looks_like_tls_failure(err.details() or ""):
             print(asyncio.run(explain(address, config.server.tls)), file=sys.stderr)
         return 1
