@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             while server.proc is not None and server.proc.poll() is None:
                 time.sleep(1)
+            # the server exited on its own (killed, crashed): say so, with its last words, before they are removed
+            status = server.proc.returncode if server.proc is not None else None
+            print(f"transformers serve exited with status {status} while serving; its log ends:\n{server.log_tail()}",
+                  file=sys.stderr, flush=True)
+            return 1
     return 0
 
 
