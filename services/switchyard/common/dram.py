@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Iterable, TypeVar
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
@@ -45,22 +47,50 @@ from switchyard.common.config import DramTierConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Registered through _DramSeries, not at import: a process that opens no DRAM tier exports none of them.
 DRAM_UP = Gauge(
-    "switchyard_dram_up", "1 while the DRAM tier's Redis answers; 0 while it is down and work goes on without it."
+    "switchyard_dram_up", "1 while the DRAM tier's Redis answers; 0 while it is down and work goes on without it.",
+    registry=None,
 )
 DRAM_OUTAGES = Counter(
-    "switchyard_dram_outages_total", "Times the DRAM tier's Redis stopped answering (each outage counted once)."
+    "switchyard_dram_outages_total", "Times the DRAM tier's Redis stopped answering (each outage counted once).",
+    registry=None,
 )
 DRAM_DEGRADED = Counter(
     "switchyard_dram_degraded_operations_total",
     "DRAM-tier operations skipped or failed because Redis was down or refused them; the work went on without the tier.",
+    registry=None,
 )
 
 DRAM_WRITE_REFUSALS = Counter(
     "switchyard_dram_write_refusals_total",
     "Times the DRAM tier's Redis began refusing writes (full at maxmemory with noeviction, read-only, cannot "
     "persist); each run of refusals counted once. Writes skip it meanwhile, one probe every retry_interval_s.",
+    registry=None,
 )
+
+
+class _DramSeries(Collector):
+    """The DRAM tier's series, exported once the process has opened the tier (a :class:`DramClient`): a dispatcher
+    whose engine keeps no KV state (openai) opens none, and exported ``switchyard_dram_up`` 0 from start to end,
+    Redis up, read as the tier down on the dashboard beside the orchestrator's 1."""
+
+    opened = False
+    """A :class:`DramClient` was made in this process."""
+
+    _metrics = (DRAM_UP, DRAM_OUTAGES, DRAM_DEGRADED, DRAM_WRITE_REFUSALS)
+
+    def describe(self) -> Iterable[Metric]:
+        for metric in self._metrics:
+            yield from metric.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        if _DramSeries.opened:
+            for metric in self._metrics:
+                yield from metric.collect()
+
+
+REGISTRY.register(_DramSeries())
 
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
@@ -75,6 +105,7 @@ class DramClient:
     """
 
     def __init__(self, config: DramTierConfig) -> None:
+        _DramSeries.opened = True
         self.config = config
         self.address = f"{config.host}:{config.port}"
         self.redis = aioredis.Redis(
