@@ -296,6 +296,20 @@ async def test_a_transfer_coding_other_than_chunked_is_501_naming_it_and_nothing
         assert down.requests == []
 
 
+async def test_the_501_of_a_transfer_coding_closes_the_connection_as_every_501_does():
+    """The README: '408, 431, 501, 505 and that 400 close the connection'. The 501 of a method no route knows did;
+    the 501 of 'Transfer-Encoding: gzip, chunked' kept the connection open and answered the next request on it."""
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        answer = await _raw(port, b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                            b"\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+                            b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 501 "), answer[:300]
+        assert answer.count(b"HTTP/1.1 ") == 1, answer  # the connection closed after the 501
+        assert b"connection: close" in answer.lower()
+        assert down.requests == []
+
+
 async def test_a_body_is_read_in_the_coding_it_names_and_a_bad_or_unknown_coding_is_refused_by_name(caplog):
     """A gzip header over a plain body was a 500 with a traceback (aiohttp's decoding error escaped), an unknown
     coding was read as if it were JSON, and a bad deflate body was 'not a well-formed HTTP/1.1 request'. Then the

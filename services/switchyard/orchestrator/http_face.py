@@ -169,13 +169,16 @@ def _path_id(request: web.Request, name: str) -> str:
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
     status = HTTP_STATUS.get(code, 500) if status is None else status
     headers: dict[str, str] = {}
-    if status == 408:  # the body never arrived whole: what is left of it cannot be told from the next request
+    if status in (408, 501):  # the body never arrived whole, or its coding is not read: the connection closes
         headers["Connection"] = "close"
     elif status == 401:  # RFC 9110 section 11.6.1: a 401 names its scheme; RFC 6750 section 3: Bearer
         headers["WWW-Authenticate"] = 'Bearer realm="switchyard"'
     elif status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
-    return web.json_response(error_body(code, message, origin), status=status, headers=headers or None)
+    response = web.json_response(error_body(code, message, origin), status=status, headers=headers or None)
+    if status in (408, 501):
+        response.force_close()
+    return response
 
 
 def _abort_answer(exc: HttpAbort) -> web.Response:
@@ -487,6 +490,8 @@ class HttpFace(Drains):
         transfer = [c.strip().lower() for value in request.headers.getall("Transfer-Encoding", ())
                     for c in value.split(",") if c.strip()]
         if transfer and transfer != ["chunked"]:  # RFC 9112 section 6.1: a transfer coding not understood is 501
+            if isinstance(request.protocol, _JsonProtocolErrors):  # closed after it, as every 501 of the face is
+                request.protocol.close_without_lingering()
             return HttpAbort(grpc.StatusCode.UNIMPLEMENTED, "Transfer-Encoding: expected chunked alone (the one "
                              "transfer coding this face reads; name a compressed body's coding in Content-Encoding) "
                              f"(got {shown(', '.join(request.headers.getall('Transfer-Encoding')))})", "orchestrator",
