@@ -517,6 +517,27 @@ async def test_agent_and_priority_headers_fill_what_the_body_leaves_out_and_the_
         assert empty.status_code == 200, empty.text
 
 
+async def test_spaces_around_an_agent_or_tenant_header_are_not_part_of_it_on_either_face():
+    """An HTTP parser drops the spaces around a header's value (RFC 9110 section 5.5); gRPC metadata kept them, so
+    'X-Agent-Id:  agent-7 ' was agent 'agent-7' over HTTP and ' agent-7 ' over gRPC: two agents, each with its own
+    memory and latest task, from one harness setting; ' acme' was refused over gRPC and tenant acme over HTTP."""
+    async with http_stack() as (client, stub, down):
+        port = httpx.URL(str(client.base_url)).port
+        body = json.dumps({"task_type": "chat", "payload": "hi"}).encode()
+        answer = await _raw(port, b"POST /api/v1/agent/submit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                            b"\r\nConnection: close\r\nX-Agent-Id:  agent-7 \r\nX-Tenant-Id:  acme \r\n"
+                            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+        http_task = json.loads(answer.partition(b"\r\n\r\n")[2])["task_id"]
+        over_grpc = await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                                          metadata=(("x-agent-id", " agent-7 "), ("x-tenant-id", " acme ")))
+        latest = await client.get("/api/v1/agent/agent-7/status", headers={"X-Tenant-Id": "acme"})
+        assert latest.status_code == 200 and latest.json()["task_id"] == over_grpc.task_id, latest.text
+        await finished(client, f"/api/v1/tasks/{over_grpc.task_id}")
+        await finished(client, f"/api/v1/tasks/{http_task}")
+        assert {(r.agent_id, r.tenant_id) for r in down.requests} == {("agent-7", "acme")}
+
+
 async def test_a_wrong_header_is_refused_even_where_the_body_wins_and_priority_takes_any_case_on_both():
     async with http_stack() as (client, stub, down):
         body = {"task_type": "chat", "payload": "hi", "agent_id": "a-1", "priority": "core"}

@@ -73,6 +73,13 @@ def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
     return values.pop() if values else None
 
 
+def _without_ows(value: str | None) -> str | None:
+    """A header's value without the spaces and tabs around it, as an HTTP parser reads it (RFC 9110 section 5.5:
+    they are not part of the value), so a header says the same over gRPC, whose metadata kept them, as over HTTP
+    (one harness setting, ``X-Agent-Id:  agent-7 ``, named two agents); one of spaces alone stays as sent, refused."""
+    return None if value is None else (value.strip(" \t") or value)
+
+
 def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None,
                        max_id_chars: int) -> None:
     """Fill ``agent_id`` and ``priority`` from the ``x-agent-id`` and ``x-priority`` headers (gRPC metadata, or
@@ -86,7 +93,7 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
             an empty one names nothing and is ignored); either sent twice with different values
             (:func:`edge_header`).
     """
-    agent = edge_header(metadata, AGENT_ID_HEADER)
+    agent = _without_ows(edge_header(metadata, AGENT_ID_HEADER, lambda value: value.strip(" \t") or value))
     if agent is not None:
         if len(agent) > max_id_chars:
             raise InvalidArgument(f"{AGENT_ID_HEADER} header", f"at most {max_id_chars} characters "
@@ -111,7 +118,7 @@ def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerToken
         SwitchyardError: PERMISSION_DENIED naming ``x-tenant-id``, a well-formed header naming another tenant
             than the bearer token's.
     """
-    header = edge_header(metadata, TENANT_HEADER) or ""
+    header = _without_ows(edge_header(metadata, TENANT_HEADER, lambda value: value.strip(" \t") or value)) or ""
     if header:
         check_tenant(header, f"{TENANT_HEADER} header")
     authorization = next((str(value) for key, value in metadata or () if key == "authorization"), None)
