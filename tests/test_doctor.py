@@ -95,6 +95,15 @@ def test_dead_base_url_fails_with_fix(clean_proxy_env, monkeypatch, capsys):
     assert code == 1 and "does not answer" in out and "switchyard serve sim-openai" in out
 
 
+def test_an_https_url_of_a_plain_http_server_says_to_use_http(keyed_sim, capsys):
+    """https:// in front of a server that speaks plain HTTP read '[SSL: WRONG_VERSION_NUMBER] wrong version number',
+    with the fix 'start the model server', which runs."""
+    url = keyed_sim.base_url.replace("http://", "https://", 1)
+    code, out = run_doctor(capsys, "--base-url", url, "--no-probe")
+    assert code == 1 and "FAIL  base url" in out, out
+    assert "answers plain HTTP, not TLS: use http:// in model_gateway.base_url" in out, out
+
+
 def test_wrong_path_fails_naming_v1(keyed_sim, capsys):
     code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url.removesuffix("/v1"))
     assert code == 1 and "answers 404" in out and "ending in /v1" in out

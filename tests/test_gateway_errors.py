@@ -163,6 +163,15 @@ async def test_upstream_down_is_unavailable_naming_address(clean_proxy_env):
     assert str(err).endswith("or fix model_gateway.base_url"), str(err)
 
 
+async def test_an_https_url_of_a_plain_http_server_says_to_use_http(sim_openai):
+    """A model server started without TLS behind an https:// base_url read 'start the model server', which runs."""
+    base = sim_openai.base_url.replace("http://", "https://", 1)
+    err = await stream_error(gateway_config(base, max_retries=0, fallback_model=""))
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert "answers plain HTTP, not TLS" in str(err) and str(err).endswith("use http:// in model_gateway.base_url")
+    assert "start the model server" not in str(err), str(err)
+
+
 async def test_a_url_the_environment_set_is_the_one_its_fix_names(clean_proxy_env, monkeypatch, sim_openai):
     """The README's model-server recipe sets the URL with SWITCHYARD_UPSTREAM_BASE_URL, which overrides
     model_gateway.base_url: a server not started, or a URL without /v1, said 'fix model_gateway.base_url', a key

@@ -175,6 +175,16 @@ def error_for_status(
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
 
 
+_NOT_TLS = re.compile(r"WRONG_VERSION_NUMBER|wrong version number|packet length too long|record layer failure")
+"""OpenSSL's words for a server that answered a TLS handshake in plain text."""
+
+
+def plain_http_behind_https(exc: BaseException, url: str) -> bool:
+    """``url`` is https:// and the server there answered the TLS handshake in plain HTTP (a model server started
+    without TLS): the fix is http://, not starting the server, which runs."""
+    return url.startswith("https://") and bool(_NOT_TLS.search(str(exc)))
+
+
 def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | None, key: ApiKey,
                         url_source: str = BASE_URL_KEY) -> GatewayError:
     """The error for an httpx failure (no HTTP status): proxy, connect, timeout, cut connection. ``url_source``:
@@ -187,6 +197,10 @@ def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | N
         return ProxyUnavailable(
             f"local proxy failed: {where} did not answer ({detail}) while calling {url}; start the proxy, fix "
             f"{proxy.variable if proxy else 'the proxy variable'}, or add the host to NO_PROXY"
+        )
+    if isinstance(exc, httpx.ConnectError) and plain_http_behind_https(exc, url):
+        return UpstreamUnavailable(
+            f"model gateway upstream at {url} answers plain HTTP, not TLS ({detail}); use http:// in {url_source}"
         )
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return UpstreamUnavailable(

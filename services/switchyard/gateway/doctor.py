@@ -45,7 +45,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
-from switchyard.gateway.classify import upstream_message, url_key
+from switchyard.gateway.classify import plain_http_behind_https, upstream_message, url_key
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
@@ -146,6 +146,9 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
                 f"the request went through {route.variable}={route.address}: start that proxy or add the host "
                 f"to NO_PROXY; else {fix}"
             )
+        elif plain_http_behind_https(exc, url):
+            return Check("base url", False, f"{url} answers plain HTTP, not TLS ({type(exc).__name__}: {exc})",
+                         f"the server there answers plain HTTP, not TLS: use http:// in {where}"), None
         return Check("base url", False, f"{url}{via} does not answer ({type(exc).__name__}: {exc})", fix), None
     said = snippet(redact(upstream_message(response.text), key.value))
     if response.status_code in (401, 403):
