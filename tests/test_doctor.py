@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 from pathlib import Path
@@ -102,6 +103,33 @@ def test_an_https_url_of_a_plain_http_server_says_to_use_http(keyed_sim, capsys)
     code, out = run_doctor(capsys, "--base-url", url, "--no-probe")
     assert code == 1 and "FAIL  base url" in out, out
     assert "answers plain HTTP, not TLS: use http:// in model_gateway.base_url" in out, out
+
+
+def test_a_base_url_at_a_port_that_speaks_no_http_says_so(clean_proxy_env, monkeypatch, capsys):
+    """A base URL at a gRPC port (a Switchyard service's) or a Redis read 'does not answer (RemoteProtocolError:
+    illegal request line)' with the fix 'start the model server': something runs there, and it is not one."""
+    import threading
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer_garbage() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # an HTTP/2 SETTINGS frame, as gRPC sends
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    try:
+        code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "--no-probe")
+    finally:
+        listener.close()
+    assert code == 1 and "FAIL  base url" in out, out
+    assert "something listens there but does not answer HTTP/1.1" in out, out
 
 
 def test_wrong_path_fails_naming_v1(keyed_sim, capsys):

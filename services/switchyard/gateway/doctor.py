@@ -146,6 +146,11 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
                 f"the request went through {route.variable}={route.address}: start that proxy or add the host "
                 f"to NO_PROXY; else {fix}"
             )
+        elif isinstance(exc, httpx.RemoteProtocolError):  # connected, and what came back was no HTTP/1.1 answer
+            return Check("base url", False, f"{url} does not answer ({type(exc).__name__}: {exc})",
+                         "something listens there but does not answer HTTP/1.1 (a gRPC port, such as a Switchyard "
+                         f"service's, or another protocol's): correct {where} to the model server's "
+                         "OpenAI-compatible root"), None
         elif plain_http_behind_https(exc, url):
             return Check("base url", False, f"{url} answers plain HTTP, not TLS ({type(exc).__name__}: {exc})",
                          f"the server there answers plain HTTP, not TLS: use http:// in {where}"), None
