@@ -73,7 +73,7 @@ from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.config.server import port_clash
-from switchyard.common.server import bind_error
+from switchyard.common.server import STREAM_END_MARGIN_S, bind_error
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 from switchyard.serve import service_section
 
@@ -231,6 +231,17 @@ def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_
     return subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=children.dying_with_parent(signal.SIGTERM))
 
 
+def stop_bound(kind: str, grace: float) -> float:
+    """Seconds a service of ``kind`` may take to stop after SIGTERM before ``switchyard up`` kills it. The
+    orchestrator's stop is two waits of ``grace`` (server.shutdown_grace_s) one after the other: its streams drain
+    (then are ended, :data:`~switchyard.common.server.STREAM_END_MARGIN_S` before the server's cancel), then its
+    running submitted tasks finish or are cancelled and recorded FAILED (up to 5 s more); it was killed at
+    ``grace + 5`` with both in flight, its tasks left to the orphan rule. The others drain once."""
+    if kind == "orchestrator":
+        return 2 * grace + STREAM_END_MARGIN_S + 10
+    return grace + 5
+
+
 def _stop(services: list[Child], grace: float) -> None:
     """SIGTERM the services front to back, each after the one before it exited.
 
@@ -242,10 +253,11 @@ def _stop(services: list[Child], grace: float) -> None:
         if child.proc.poll() is not None:
             continue
         child.proc.send_signal(signal.SIGTERM)
+        bound = stop_bound(child.kind, grace)
         try:
-            child.proc.wait(grace + 5)
+            child.proc.wait(bound)
         except subprocess.TimeoutExpired:
-            print(f"switchyard up: {child.name} did not stop within {grace + 5:.0f} s; killing it", file=sys.stderr)
+            print(f"switchyard up: {child.name} did not stop within {bound:.0f} s; killing it", file=sys.stderr)
             child.proc.kill()
             child.proc.wait()
 
