@@ -298,9 +298,25 @@ def test_a_call_of_the_tool_running_past_the_revisit_time_cancels_a_restore_time
     i = inputs(expected_wait_s=20.0, pressure=1.0, returns_s=long, cold_resume_weight=20.0)
     assert decide(dataclasses.replace(i, outlasted_s=100.0), grace_s=20.0) == decide(i, grace_s=20.0)
     plans = ToolWaitPlans()
-    assert plans.longest_running_s("batch_job", 5.0) == 0.0
+    assert plans.longest_running_s("batch_job", 5.0, 1.0) == 0.0
     plans.add(ToolWaitPlan("a", "batch_job", Decision.SWAP, 1.0, 2.0, 3.0))
     plans.add(ToolWaitPlan("b", "batch_job", Decision.SWAP, 2.0, 3.0, 4.0))
-    assert plans.longest_running_s("batch_job", 5.0) == 4.0 and plans.longest_running_s("code", 5.0) == 0.0
+    assert plans.longest_running_s("batch_job", 5.0, 1.0) == 4.0 and plans.longest_running_s("code", 5.0, 1.0) == 0.0
     plans.on_turn("a", 5.0, warm=False)
-    assert plans.longest_running_s("batch_job", 5.0) == 3.0
+    assert plans.longest_running_s("batch_job", 5.0, 1.0) == 3.0
+
+
+def test_an_abandoned_call_outlasts_no_announcement():
+    """A call whose agent never came back (its orchestrator gone before the task's end reached the dispatcher)
+    keeps its plan open until MAX_PLANS later ones. Counted as outlasting, it cancelled every restore its tool's
+    announcements timed while fewer than MIN_RETURNS returns were measured, for as long as the plan stayed;
+    past ABANDONED_RATIO times the longer of its announcement and the new one, it is abandoned, as the running
+    calls of :meth:`ToolWaitPlans.return_times` are."""
+    plans = ToolWaitPlans()
+    plans.add(ToolWaitPlan("gone", "batch_job", Decision.SWAP, 0.0, 1.0, 2.0))  # announced 1 s
+    assert plans.longest_running_s("batch_job", 5.0, 1.0) == 5.0  # still evidence: outlasts a 1 s announcement
+    assert plans.longest_running_s("batch_job", 600.0, 1.0) == 0.0  # abandoned long since
+    assert plans.longest_running_s("batch_job", 15.0, 2.0) == 15.0  # within 10x the new call's 2 s
+    fresh = decide(inputs(expected_wait_s=1.0, outlasted_s=plans.longest_running_s("batch_job", 600.0, 1.0)),
+                   grace_s=1.0)
+    assert fresh.decision is Decision.SWAP and fresh.restore_at_s is not None

@@ -876,7 +876,7 @@ class SchedulerCore:
             returns_s=returns.times, return_weights=returns.weights,
             cold_resume_weight=self.config.tool_wait_cold_resume_weight,
             idle_price_floor=self.config.tool_wait_idle_price_floor,
-            outlasted_s=0.0 if returns.times else self.tool_waits.longest_running_s(tool, now)),
+            outlasted_s=0.0 if returns.times else self.tool_waits.longest_running_s(tool, now, expected_wait_s)),
             grace_s=expected_wait_s)
         self._now = now
         plan = ToolWaitPlan(program_key, tool, decision.decision, now, now + expected_wait_s,

@@ -203,7 +203,8 @@ class ToolWaitInputs:
     cold_resume_weight: float = 1.0
     """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``)."""
     outlasted_s: float = 0.0
-    """How long the longest-running call of the same tool has run, seconds (0: none runs). With fewer than
+    """How long the longest-running call of the same tool has run, seconds (0: none runs; an abandoned one,
+    :meth:`ToolWaitPlans.longest_running_s`, does not count). With fewer than
     :data:`MIN_RETURNS` returns measured, one running past this call's revisit time (``expected_wait_s + grace``)
     says the announced wait is short: no restore is timed by it (:func:`decide`)."""
 
@@ -491,6 +492,12 @@ MAX_CENSORED = 1024
 returns do not show), so that a decision's cost stays bounded however many agents wait on one tool."""
 
 
+def _abandoned(plan: ToolWaitPlan, now: float, expected_wait_s: float) -> bool:
+    """``plan``'s call, still open at ``now``, has run :data:`ABANDONED_RATIO` times the longer of its own
+    announced wait and ``expected_wait_s`` (a new call's): no longer evidence of how long the tool takes."""
+    return now - plan.started_at >= ABANDONED_RATIO * max(plan.expected_return_at - plan.started_at, expected_wait_s)
+
+
 class Returns(NamedTuple):
     """A tool's return-time distribution for one call: ``times`` (seconds after its start, ascending) and
     the probability of each (``weights``, summing to 1); both empty while too few are measured."""
@@ -731,16 +738,21 @@ class ToolWaitPlans:
                 if similar:
                     if low <= announced <= high and 0 < (ratio := elapsed / announced) < ABANDONED_RATIO:
                         running.append(ratio)
-                elif 0 < elapsed < ABANDONED_RATIO * max(announced, expected_wait_s):  # not abandoned by either
+                elif 0 < elapsed and not _abandoned(plan, now, expected_wait_s):
                     running.append(elapsed / expected_wait_s)
             if len(running) > MAX_CENSORED:
                 running = heapq.nlargest(MAX_CENSORED, running)
         times, weights = kaplan_meier(returned, running)
         return Returns(tuple(t * expected_wait_s for t in times), weights)
 
-    def longest_running_s(self, tool: str, now: float) -> float:
-        """How long the longest-running open call of ``tool`` has run at ``now``, seconds (0: none runs)."""
-        return max((now - plan.started_at for plan in self._open.get(tool, {}).values()), default=0.0)
+    def longest_running_s(self, tool: str, now: float, expected_wait_s: float) -> float:
+        """How long the longest-running open call of ``tool`` has run at ``now``, seconds (0: none runs), for a
+        new call announced at ``expected_wait_s``; a call abandoned by :data:`ABANDONED_RATIO` times the longer
+        of its announcement and this one (as :meth:`return_times` counts running calls without returns announced
+        alike) is left out: an agent gone without its turn or its task's end keeps its plan open until
+        :data:`MAX_PLANS` later ones, and would otherwise outlast every announcement of its tool."""
+        return max((now - plan.started_at for plan in self._open.get(tool, {}).values()
+                    if not _abandoned(plan, now, expected_wait_s)), default=0.0)
 
     def __len__(self) -> int:
         return len(self._plans)
