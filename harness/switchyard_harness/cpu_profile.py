@@ -46,14 +46,18 @@ from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
 
 
 def profile_url(service: str, up_file: str | None, config_dir: str | None, seconds: float) -> str:
-    """The ``/debug/pprof/profile`` URL of ``service`` (a name, host:port or URL).
+    """The ``/debug/pprof/profile`` URL of ``service`` (a name, host:port or URL). A name whose endpoint comes
+    from the config's ports, not the up file, is said so on stderr with why (the up file stale, absent, ...).
 
     Raises:
         ValueError: ``service`` is neither a service name nor host:port or a URL.
     """
     if service in SERVICES:
         flags = argparse.Namespace(up_file=up_file, config_dir=config_dir, **{name: None for name in SERVICES})
-        url = endpoints_from(flags)[0][service]
+        endpoints, source = endpoints_from(flags)
+        url = endpoints[service]
+        if source.startswith("config"):  # the up file was not read: say why (a stale --up-file is left in place)
+            print(f"switchyard profile: the {service}'s endpoint from the {source}", file=sys.stderr)
     elif "://" not in service and ":" not in service:  # a word: a mistyped service name, not an address
         saved = " (no such profile file)" if "." in service or "/" in service else ""
         raise ValueError(f"expected one of {', '.join(SERVICES)}, a metrics endpoint host:port or URL, or a saved "

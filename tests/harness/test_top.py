@@ -171,6 +171,27 @@ def test_a_stale_up_file_the_user_names_is_said_to_be_stale_and_never_removed(tm
     assert not shared.exists() and named.exists() and beside.exists()
 
 
+def test_profile_says_a_stale_up_file_it_was_named_is_stale(tmp_path, monkeypatch, capsys) -> None:
+    """`switchyard profile --up-file X` with X stale profiled the config's port and said nothing of X (its help
+    says a stale file is said to be stale): it now says where the endpoint came from and why, and leaves X."""
+    import json
+    import subprocess
+
+    from switchyard_harness.cpu_profile import profile_url
+
+    done = subprocess.Popen(["true"])
+    done.wait()
+    named = tmp_path / "mine.json"
+    named.write_text(json.dumps({"pid": done.pid, "services": {"dispatcher": {
+        "address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:1/metrics", "pid": done.pid}}}))
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", str(tmp_path / "shared" / "up.json"))
+    url = profile_url("dispatcher", str(named), None, 1.0)
+    assert "127.0.0.1:1/" not in url and named.exists()
+    said = capsys.readouterr().err
+    assert said == (f"switchyard profile: the dispatcher's endpoint from the config ({named} is stale: its switchyard "
+                    f"up, pid {done.pid}, is gone; left in place)\n"), said
+
+
 def test_an_unreachable_service_is_reported_not_raised() -> None:
     snap = snapshot({"orchestrator": Scrape("orchestrator", "http://x/metrics", error="URLError: refused")})
     assert snap["services"] == {"orchestrator": {"url": "http://x/metrics", "up": False, "error": "URLError: refused"}}
