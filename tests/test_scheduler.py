@@ -361,6 +361,29 @@ def test_a_task_that_joins_one_decode_is_not_taught_the_decodes_score_and_the_ne
     assert sched.score == pytest.approx(busy) and busy + sched.admission.expected.initial < 80
 
 
+def test_a_second_decision_at_the_same_instant_keeps_the_running_works_score() -> None:
+    """What an admitted task is measured from is the running work's score over its last charged stretch. A
+    decision at the instant of the one before charges a stretch of no length, whose score is the monitor's cached
+    sample (still the idle interval before the running work started): it replaced that baseline, and a task
+    admitted then taught its type the running decode's whole busy-ratio score, as before the baseline existed."""
+    engine = FakeEngine()
+    sched = make_scheduler(nvml=False, engine=engine, score_sample_interval_ms=100)
+    sched.schedule(now=0.0)  # the first sample
+    first, second = make_requests(2, task_type="rag_answer")
+    accept(sched, [first], now=0.5)
+    sched.schedule(now=0.5)  # samples the idle half second: score 0; the decode starts
+    engine.busy_seconds += 0.05
+    sched.schedule(now=0.55)  # its first busy stretch is charged
+    busy = sched.accounting.running_score
+    assert busy > 50 and sched.score == 0.0  # the cached sample still says idle
+    accept(sched, [second], now=0.55)
+    assert sched.schedule(now=0.55).admitted == [second]  # the same instant: a stretch of no length
+    assert sched.accounting.running_score == busy
+    engine.busy_seconds += 0.05
+    finish(sched, second, 0.6)
+    assert sched.admission.expected.get("rag_answer") < sched.admission.expected.initial
+
+
 def test_compute_score_used_is_the_share_of_the_score() -> None:
     engine = FakeEngine()
     sched = make_scheduler(nvml=FakeNvml(gpu=50, memory=20), engine=engine)  # score 38

@@ -50,10 +50,10 @@ class Accounting:
         self._kv_bytes = kv_bytes
         self._monitor = monitor
         self.running_score = 0.0
-        """The compute score (0-100) over the running set's latest charged stretch (:meth:`charge`): what a
-        request admitted now is measured from. The monitor's cached sample, up to ``score_sample_interval_ms``
-        old, may still describe the idle interval before the running set started, which read a task that joined
-        one decode as adding the whole decode's score."""
+        """The compute score (0-100) over the running set's latest charged stretch longer than 0 s (:meth:`charge`):
+        what a request admitted now is measured from. The monitor's cached sample, up to
+        ``score_sample_interval_ms`` old, may still describe the idle interval before the running set started,
+        which read a task that joined one decode as adding the whole decode's score."""
 
     def start(self, req: Request, now: float, score: float, admitted_together: int = 1,
               onto_idle: bool = False) -> None:
@@ -76,8 +76,11 @@ class Accounting:
         scores: dict[float, float] = {}  # the stretch's score, once per start (most share the last charge)
         for req in reqs:
             self._charge_one(req, len(reqs), now, mark, scores)
-        if scores:
-            self.running_score = scores[max(scores)]
+        # a stretch of no length (a second decision at the same instant) measures nothing: its score is the
+        # monitor's cached sample, which may still describe the idle interval before the running set started
+        measured = [since for since in scores if since < now]
+        if measured:
+            self.running_score = scores[max(measured)]
 
     def stop(self, req: Request, n_running: int, now: float) -> None:
         """``req`` leaves the running set at ``now`` (finished, parked or preempted): charge its last stretch."""
