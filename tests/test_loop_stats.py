@@ -83,6 +83,25 @@ async def test_a_report_pending_while_work_is_held_waits_for_its_due_time_not_fo
     assert len(reports) == 3 and loop._stats_timer is None
 
 
+async def test_a_busy_path_report_that_carries_the_pending_one_cancels_its_timer(monkeypatch) -> None:
+    """The timer is for the report pending when the loop waited; a busy-path publish that falls due first carries
+    it. Left running, the timer then published whatever the busy path had skipped since, before that skip's own
+    due time: a second report within the interval."""
+    loop = _loop()
+    reports = _count_reports(monkeypatch)
+    clock = _frozen_clock(monkeypatch)
+    loop._publish_stats()
+    accept(loop.scheduler, [Request(request_id="held", prompt="x", prompt_tokens=4, max_tokens=4)],
+           now=time.monotonic())
+    loop._publish_stats(throttled=True)
+    loop._publish_when_due()
+    timer = loop._stats_timer
+    assert timer is not None and len(reports) == 1
+    clock.now += STATS_INTERVAL_S
+    loop._publish_stats(throttled=True)  # the busy path, due: it publishes the pending report
+    assert len(reports) == 2 and timer.cancelled() and loop._stats_timer is None
+
+
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)

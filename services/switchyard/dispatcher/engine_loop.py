@@ -261,6 +261,7 @@ class LoopBase:
             return
         self._stats_due = now + STATS_INTERVAL_S
         self._stats_pending = False
+        self._cancel_stats_timer()  # this report carries the one it waited to publish
         stats = self.scheduler.make_stats()
         metrics.publish_stats(stats)
         if stats.events.flushed:
@@ -275,8 +276,8 @@ class LoopBase:
 
     def _publish_when_due(self) -> None:
         """The loop is about to wait: a pending report is published now if due or if the scheduler holds no work
-        (the report of what just ended), else when it falls due (a timer; a busy-path publish before then carries
-        it instead)."""
+        (the report of what just ended), else when it falls due (a timer; any publish before then carries it
+        instead, and cancels the timer)."""
         if not self._stats_pending:
             return
         delay = self._stats_due - time.monotonic()
