@@ -307,7 +307,9 @@ def _run(argv: list[str]) -> int:
         print(f"switchyard bench: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("switchyard bench run: interrupted before any call started; no report", file=sys.stderr)
+        # run_load raises it for a SIGINT before the calls started, and for a second one while the run stops
+        print("switchyard bench run: interrupted before any call started, or a second time while stopping; no "
+              "report", file=sys.stderr)
         return INTERRUPTED
     interrupted = load.end_reason == "cancel"  # Ctrl-C: the report of the calls that completed, as ghz's
     report = build_report(load, plan, name=args.name)
