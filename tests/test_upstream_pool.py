@@ -722,3 +722,18 @@ async def test_a_lone_endpoint_back_after_a_failed_call_has_its_model_list_read_
             await _until(lambda: client.reported_context_window("sim-7b") == 4096, "the restarted server's window")
     finally:
         await client.aclose()
+
+
+async def test_an_endpoint_answering_once_the_client_closes_starts_no_read_of_its_model_list(clean_proxy_env):
+    """The gateway's close cancels the reads of model lists under way, then closes the pool; an endpoint that
+    answered in between (a /metrics read ending, a call's first item) started one more read, left to run on
+    the closed connection pool (an httpx RuntimeError in a task nobody awaited)."""
+    options = SimOpenAIOptions(latency=False, models=["sim-7b"])
+    with run_in_thread(options) as server:
+        client = GatewayClient(pool_config([server.base_url], scrape_interval_s=60.0))
+        await client.list_models_everywhere()
+        [endpoint] = client.pool.endpoints.values()
+        await client.aclose()
+        endpoint.relist = True  # it could not be reached since its list was read
+        client.pool.on_first_item(endpoint, 0.01)  # and answers now
+        assert endpoint.relist and not client._relists

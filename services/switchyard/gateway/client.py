@@ -261,7 +261,9 @@ class GatewayClient:
         return self.pool.limit
 
     async def aclose(self) -> None:
-        """Close every endpoint's connection pool (and stop the reads of model lists under way)."""
+        """Close every endpoint's connection pool (and stop the reads of model lists under way; an endpoint that
+        answers from now on starts none: it would read through a closed connection pool)."""
+        self.pool.on_answer = None
         for relist in self._relists:
             relist.cancel()
         await asyncio.gather(*self._relists, return_exceptions=True)
