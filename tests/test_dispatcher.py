@@ -815,9 +815,7 @@ async def test_a_sim_dispatchers_compute_score_comes_from_its_model_not_the_host
         assert monitor.read(time.monotonic()) == 0  # idle: the busy host GPU is not the sim's
         chunks = await h.generate(max_tokens=4)
         assert chunks[-1].done.usage.completion_tokens == 4
-        time.sleep(0.002)  # a fresh sample interval, the engine idle again
-        assert monitor.read(time.monotonic()) < 50
-        assert monitor.sample.source == "engine_model"
+        assert monitor.sample.source == "engine_model"  # what it read while it served: the sim's model
         assert monitor.gpu_available is False and nvml.reads == 0
 
 
