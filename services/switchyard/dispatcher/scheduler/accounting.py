@@ -10,8 +10,9 @@ tasks can be compared and billed.
 
 The score a task *added* (what admission learns as its type's expected
 score) is its marginal effect instead: the average score while it ran minus
-the score when it was admitted, split among the tasks admitted in the same
-decision (never below 0). A share would not do: on a lightly loaded engine
+the score when it was admitted (the running work's own score over its last
+charged stretch, :attr:`Accounting.running_score`), split among the tasks
+admitted in the same decision (never below 0). A share would not do: on a lightly loaded engine
 each task's share is large, admission would then keep the load light, and the
 estimate would feed itself. Only tasks admitted beside running work teach it
 (``admitted_onto_idle`` False): admission asks what one more task adds to an
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 
 
 class Accounting:
-    """Charges running requests for score and memory; everything it keeps is on the request
-    (``charged_until``, ``charged_mark``, ``running_seconds``, ``score_seconds``, ``admitted_at_score``,
-    ``admitted_together``, ``compute_score_used``, ``memory_peak_bytes``).
+    """Charges running requests for score and memory; what it keeps is on the request (``charged_until``,
+    ``charged_mark``, ``running_seconds``, ``score_seconds``, ``admitted_at_score``, ``admitted_together``,
+    ``admitted_onto_idle``, ``compute_score_used``, ``memory_peak_bytes``) but for the running set's latest
+    score (:attr:`running_score`).
 
     Args:
         kv_bytes: bytes of KV/prefix state the engine holds for a request now.

@@ -18,10 +18,12 @@ decodes wait behind at one step boundary, so a burst of arrivals joins the
 running set over a few steps.
 
 The expected score of a task type is an exponential moving average, over
-finished tasks of that type, of the score each added by running: the average
-score while it ran minus the score when it was admitted, split among the tasks
-admitted with it (:meth:`.accounting.Accounting.marginal_score`), starting
-from ``expected_score_initial``.
+finished tasks of that type admitted beside running work, of the score each
+added by running: the average score while it ran minus the running work's
+score over its last stretch before it joined, split among the tasks admitted
+with it (:meth:`.accounting.Accounting.marginal_score`; a task admitted onto an
+idle engine, or a ``prefill_only`` warm-up, teaches nothing), starting from
+``expected_score_initial``.
 """
 
 from __future__ import annotations
