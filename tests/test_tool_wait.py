@@ -18,8 +18,10 @@ GB = 1_000_000_000
 
 
 def inputs(**kw):
+    """A decision's inputs; the cost weights these tests were written for (not the config's defaults, which the
+    scheduler passes: ``scheduler.tool_wait_idle_price_floor``, ``scheduler.tool_wait_cold_resume_weight``)."""
     base = dict(expected_wait_s=5.0, kv_bytes=1 * GB, budget_bytes=60 * GB, pressure=0.5, transfer_s=0.02,
-                recompute_s=0.3)
+                recompute_s=0.3, idle_price_floor=0.25, cold_resume_weight=1.0)
     base.update(kw)
     return ToolWaitInputs(**base)
 

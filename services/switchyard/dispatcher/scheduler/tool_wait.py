@@ -186,13 +186,17 @@ class ToolWaitInputs:
     """One-way HBM<->DRAM copy seconds of these bytes (``MemoryTiers.transfer_seconds``)."""
     recompute_s: float
     """Engine seconds to recompute the prefix (``MemoryTiers.recompute_seconds``)."""
+    idle_price_floor: float
+    """The least pressure held idle memory is priced at (``scheduler.tool_wait_idle_price_floor``: the config's
+    default is the one default)."""
+    cold_resume_weight: float
+    """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``:
+    the config's default is the one default)."""
     can_swap: bool = True
     """A DRAM tier is there, reachable, and the engine can export its KV."""
     margin_s: float = 0.05
     """Seconds the restore is planned to end ahead of the tool's expected return."""
     copy_cost_weight: float = 0.1
-    idle_price_floor: float = 0.25
-    """The least pressure held idle memory is priced at (the scheduler passes ``scheduler.tool_wait_idle_price_floor``)."""
     returns_s: tuple[float, ...] = ()
     """The tool's measured return times for this wait, seconds after its start, ascending (the learned
     distribution: :meth:`ToolWaitPlans.return_times`); empty: too few measured, the restore is timed by
@@ -200,8 +204,6 @@ class ToolWaitInputs:
     return_weights: tuple[float, ...] = ()
     """The probability of each of ``returns_s`` (the same length, summing to 1: the Kaplan-Meier masses of
     :meth:`ToolWaitPlans.return_times`); empty: each equally likely."""
-    cold_resume_weight: float = 1.0
-    """Engine-seconds one second of a cold resume's restore stall costs (``scheduler.tool_wait_cold_resume_weight``)."""
     outlasted_s: float = 0.0
     """How long the longest-running call of the same tool has run, seconds (0: none runs; an abandoned one,
     :meth:`ToolWaitPlans.longest_running_s`, does not count). With fewer than
