@@ -153,7 +153,8 @@ class SchedulerConfig(_Strict):
     tool_wait_turn_hold_s: float = Field(
         1.0, ge=0, le=60,
         description="A react_loop agent's KV that its tool-wait decision kept in HBM, or restored ahead of the tool's "
-        "return, and whose next step has arrived and waits for admission: for this long after that step's arrival, "
+        "return, and whose next step has arrived and waits for admission: for this long after that step joined the "
+        "waiting queue (its flush from the double buffer, at most flush.flush_interval_ms after its arrival), "
         "seconds, the prefix is not moved out of HBM to make room for a waiting request of another class than core "
         "while running work is there to end and free room (the warm resume the plan held HBM for is not turned "
         "into a cold one); past it, or for core work, or with nothing running, it is moved as any warm prefix "
