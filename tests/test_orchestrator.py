@@ -370,16 +370,21 @@ async def test_limits_are_checked_before_accepted(fields, field, bound):
     assert err.value.details().startswith(field) and bound in err.value.details()
 
 
+async def _refused_over_small_models_window(stub) -> None:
+    """A chat task of 100 tokens is refused INVALID_ARGUMENT before any event: small-model's window is 64 tokens."""
+    call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", max_tokens=100))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            raise AssertionError("an event was sent: the task was accepted")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context window of small-model, 64 tokens" in err.value.details()
+
+
 async def test_the_window_of_a_request_naming_no_model_is_the_dispatchers_models():
     """The orchestrator holds no dispatcher settings: the model comes from DescribeModel, asked once."""
     async with stack(**{"limits.context_window_tokens": {"big-model": 100_000, "small-model": 64}}) as (stub, down):
         down.model = "small-model"
-        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", max_tokens=100))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                raise AssertionError("an event was sent: the task was accepted")
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "context window of small-model, 64 tokens" in err.value.details()
+        await _refused_over_small_models_window(stub)
         events = await collect(stub, payload="what is a list?", task_type="chat", max_tokens=8, model="big-model")
         assert events[-1].HasField("final")
         assert down.described == 1  # kept after the first answer
@@ -398,12 +403,7 @@ async def test_what_the_dispatcher_serves_is_asked_again_once_its_answer_is_old(
         assert events[-1].HasField("final") and down.described == 1
         down.model = "small-model"  # the build behind the address now serves a 64-token window
         monkeypatch.setattr(clients, "MODEL_INFO_MAX_AGE_S", 0.0)
-        call = stub.RunTask(agent_pb2.RunTaskRequest(payload="what is a list?", task_type="chat", max_tokens=100))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                raise AssertionError("an event was sent: the task was accepted")
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "context window of small-model, 64 tokens" in err.value.details()
+        await _refused_over_small_models_window(stub)
         assert down.described == 2
 
 

@@ -12,21 +12,9 @@ from switchyard_harness.testing import transformers_serve
 pytestmark = pytest.mark.no_gpu
 
 
-class _DiesAfterStart:
-    """A stand-in for :class:`TransformersServer` whose server process exits on its own once ready."""
-
-    def __init__(self, model_dir, *, port: int = 0, kv_blocks: int = 512, **_: object) -> None:
-        self.model_dir = model_dir
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def model(self) -> str:
-        return str(self.model_dir)
+class _DiesAfterStart(transformers_serve.TransformersServer):
+    """:class:`TransformersServer` (its settings, ``base_url`` and ``model``) whose server process exits on its own
+    once ready."""
 
     def log_tail(self, chars: int = 4000) -> str:
         return "CB worker is dead and cannot accept request r-1"
