@@ -268,11 +268,10 @@ class Request:
     score_seconds: float = 0.0
     """Compute score x seconds while it ran (not shared): its average score is this / ``running_seconds``."""
     admitted_at_score: float | None = None
-    """The compute score at its last admission (what it added is measured from there)."""
+    """The compute score at its last admission (what it added is measured from there); None before it first ran
+    and when that admission was onto an idle engine (what it added is then no marginal score)."""
     admitted_together: int = 1
     """Requests admitted in the same decision as it (they share the score increase)."""
-    admitted_onto_idle: bool = False
-    """Its last admission was into an engine that ran nothing (the decision's head, admitted whatever the score)."""
     memory_peak_bytes: int = 0
     usage_prompt_tokens: int | None = None
     """Prompt tokens reported by an upstream engine; overrides ``prompt_tokens`` in usage."""

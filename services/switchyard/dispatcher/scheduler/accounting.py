@@ -15,7 +15,7 @@ charged stretch, :attr:`Accounting.running_score`), split among the tasks
 admitted in the same decision (never below 0). A share would not do: on a lightly loaded engine
 each task's share is large, admission would then keep the load light, and the
 estimate would feed itself. Only tasks admitted beside running work teach it
-(``admitted_onto_idle`` False): admission asks what one more task adds to an
+(``admitted_at_score`` not None): admission asks what one more task adds to an
 engine that runs something (onto an idle engine it admits the head whatever
 the score), and a task started on an idle engine measures the jump from idle
 to busy instead, most of the busy-ratio score at once (about 68 of 100 for one
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 class Accounting:
     """Charges running requests for score and memory; what it keeps is on the request (``charged_until``,
     ``charged_mark``, ``running_seconds``, ``score_seconds``, ``admitted_at_score``, ``admitted_together``,
-    ``admitted_onto_idle``, ``compute_score_used``, ``memory_peak_bytes``) but for the running set's latest
+    ``compute_score_used``, ``memory_peak_bytes``) but for the running set's latest
     score (:attr:`running_score`).
 
     Args:
@@ -67,9 +67,8 @@ class Accounting:
         """
         req.charged_until = now
         req.charged_mark = self._monitor.activity()
-        req.admitted_at_score = score
+        req.admitted_at_score = None if onto_idle else score
         req.admitted_together = max(1, admitted_together)
-        req.admitted_onto_idle = onto_idle
 
     def charge(self, reqs: list[Request], now: float) -> None:
         """Charge every running request in ``reqs`` up to ``now``, each stretch's score shared ``len(reqs)``
@@ -94,7 +93,7 @@ class Accounting:
         """Score (0-100) ``req`` added by running beside running work (see the module docstring), or None when
         it never ran or its last admission was onto an idle engine."""
         seconds = req.running_seconds
-        if seconds <= 0 or req.admitted_at_score is None or req.admitted_onto_idle:
+        if seconds <= 0 or req.admitted_at_score is None:
             return None
         average = req.score_seconds / seconds
         return max(0.0, average - req.admitted_at_score) / req.admitted_together
