@@ -4,6 +4,8 @@ The walk of one RunTask ("One RunTask, stop by stop") names a module and functio
 that leaves the walk pointing at nothing fails here instead of going stale. Paths are relative to
 ``services/switchyard/`` and may be shortened to their tail (``engine_loop.py``); a shortened path that
 matches several files passes when one of them defines the name.
+
+The dispatcher's package docstring is the map of its modules: it names each one it holds.
 """
 
 from __future__ import annotations
@@ -66,3 +68,18 @@ def test_a_wrong_name_is_caught() -> None:
     assert _defines(tree, "SchedulerCore.add_request")
     assert not _defines(tree, "SchedulerCore.add")
     assert not _defines(tree, "Scheduler.park")
+
+
+def test_the_dispatcher_package_names_every_module_it_holds() -> None:
+    """The dispatcher's package docstring is the newcomer's map: every module and subpackage of it is named
+    there (``:mod:`.name```), and every module says in its own docstring what it owns."""
+    package = PACKAGE / "dispatcher"
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    named = set(re.findall(r":mod:`\.([a-z_]+)`", doc))
+    held = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    held |= {p.parent.name for p in package.glob("*/__init__.py")}
+    assert held - named == set(), f"dispatcher/__init__.py names no {sorted(held - named)}"
+    assert named - held == set(), f"dispatcher/__init__.py names {sorted(named - held)}, which it does not hold"
+    undocumented = [p.relative_to(ROOT).as_posix() for p in package.rglob("*.py")
+                    if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert undocumented == []
