@@ -1173,3 +1173,15 @@ async def test_a_path_id_with_a_percent_escape_that_is_not_utf8_is_400_naming_th
         assert named.status_code == 404, named.text
         utf8 = await client.get("/api/v1/agent/agent-%C3%A9/status")  # agent-é: a UTF-8 escape is fine
         assert utf8.status_code == 404 and "agent 'agent-é'" in utf8.json()["error"]["message"], utf8.text
+
+
+def test_every_task_state_has_one_http_name_which_the_answers_schema_lists():
+    """The HTTP names of the task states come from one table (http_models.STATE_NAMES): every TaskState the
+    proto knows has one, the answers' schemas enumerate exactly those, and a number the proto does not know
+    reads unspecified."""
+    from switchyard.orchestrator.http_models import STATE_NAMES, AcceptedResponse, TaskStatusResponse, state_name
+
+    assert set(STATE_NAMES) == set(agent_pb2.TaskState.values())
+    for model in (AcceptedResponse, TaskStatusResponse):
+        assert model.model_json_schema()["properties"]["state"]["enum"] == list(STATE_NAMES.values())
+    assert state_name(agent_pb2.SUCCEEDED) == "finished" and state_name(99) == "unspecified"

@@ -67,8 +67,9 @@ from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, h
 from switchyard.common.server import Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
-from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, STATE_NAMES, TaskRequest,
-                                                  describe_error, message_dict, openapi, status_json)
+from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, TaskRequest,
+                                                  describe_error, message_dict, openapi, state_name,
+                                                  status_json)
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
                 f'"count":{token.count}}}\n\n').encode()
     data = message_dict(event)[kind]  # the set member of the oneof, as message_dict writes it
     if kind == "accepted":  # the state's lower-case name, as /submit and the status routes answer it
-        data["state"] = STATE_NAMES.get(event.accepted.state, "unspecified")
+        data["state"] = state_name(event.accepted.state)
     return _sse(kind, data)
 
 
@@ -611,7 +612,7 @@ class HttpFace(Drains):
             accepted = await asyncio.shield(settle(submit))  # settle: a left client's answer is still read
             return web.json_response({"status": "accepted", "queue_position": accepted.queue_position,
                                       "task_id": accepted.task_id, "trace_id": accepted.trace_id,
-                                      "state": STATE_NAMES.get(accepted.state, "unspecified")})
+                                      "state": state_name(accepted.state)})
 
         return await self._call(call)
 

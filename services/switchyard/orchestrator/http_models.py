@@ -14,7 +14,7 @@ Task states use the names agent harnesses read: ``queued``, ``running``,
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, get_args
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
@@ -29,7 +29,10 @@ from switchyard.common.priority import LABELS, ClassLabel
 
 MIB = 1 << 20
 
-STATE_NAMES: dict[int, str] = {
+StateName = Literal["unspecified", "queued", "running", "finished", "failed"]
+"""A task state's name in HTTP answers, as a type for the answers' models (:data:`STATE_NAMES` is its one source)."""
+
+STATE_NAMES: dict[int, StateName] = {
     agent_pb2.TASK_STATE_UNSPECIFIED: "unspecified",
     agent_pb2.QUEUED: "queued",
     agent_pb2.RUNNING: "running",
@@ -37,6 +40,12 @@ STATE_NAMES: dict[int, str] = {
     agent_pb2.FAILED: "failed",
 }
 """TaskState -> the lower-case name in HTTP answers."""
+assert get_args(StateName) == tuple(STATE_NAMES.values()), "StateName lists STATE_NAMES' names, in its order"
+
+
+def state_name(state: int) -> StateName:
+    """A TaskState's name in HTTP answers (:data:`STATE_NAMES`); a number the proto does not name: unspecified."""
+    return STATE_NAMES.get(state, "unspecified")
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 """RunTaskRequest.max_tokens's wire type, int32."""
@@ -107,7 +116,7 @@ class AcceptedResponse(BaseModel):
                                             "(priority class, then arrival), tasks; 0: it started at once or is next.")
     task_id: str
     trace_id: str = Field("", description="W3C trace id (32 hex characters); empty with tracing off.")
-    state: Literal["unspecified", "queued", "running", "finished", "failed"] = Field(
+    state: StateName = Field(
         "queued", description="The task's state: queued for a task recorded now; for the identical body "
                               "resubmitted under its task_id, the recorded task's, which may be finished or failed "
                               "(cancelled): a finished task is not run again.")
@@ -126,7 +135,7 @@ class TaskStatusResponse(BaseModel):
     """Answer of a status read: TaskStatus with the state's lower-case name and the peak memory in MiB as well."""
 
     task_id: str
-    state: Literal["unspecified", "queued", "running", "finished", "failed"]
+    state: StateName
     compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher: so far while "
                                                    "running (from the orchestrator that runs it; another replica "
                                                    "reads 0 until it ends), in all once finished or failed.")
@@ -191,7 +200,7 @@ def status_json(status: agent_pb2.TaskStatus) -> dict[str, Any]:
     """TaskStatus -> :class:`TaskStatusResponse` data."""
     return {
         "task_id": status.task_id,
-        "state": STATE_NAMES.get(status.state, "unspecified"),
+        "state": state_name(status.state),
         "compute_score_used": status.compute_score_used,
         "memory_peak_mb": status.memory_peak_bytes / MIB,
         "memory_peak_bytes": status.memory_peak_bytes,
