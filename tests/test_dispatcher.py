@@ -847,3 +847,15 @@ def test_a_scheduler_for_a_stream_engine_never_preempts_a_stream():
         for out in (sched.schedule(1.0), sched.admit_core(1.0)):
             assert out.preempted == [] and out.admitted == []
         assert batch.status is RequestStatus.RUNNING and sched.preempting == [] and sched.waiting == [core]
+
+
+def test_a_request_built_without_max_tokens_or_tenant_has_the_generate_defaults() -> None:
+    """A Request built without max_tokens or tenant_id (a bench, a test) has what a Generate that sends neither
+    is given (processor.to_request): the config's limits.default_max_tokens and the default tenant, read from
+    their one source, not written again beside them."""
+    from switchyard.dispatcher.processor import to_request
+    from switchyard.dispatcher.request import Request
+
+    served = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hello"), SwitchyardConfig(), "sim-7b")
+    bare = Request("r", prompt="hello")
+    assert (bare.max_tokens, bare.tenant_id) == (served.max_tokens, served.tenant_id)

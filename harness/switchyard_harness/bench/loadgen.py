@@ -42,7 +42,7 @@ from switchyard.api import agent_pb2_grpc
 from switchyard_harness.bench.calldata import priority_name, request_for
 from switchyard.common.channels import MAX_CALL_TIMEOUT_S, open_channel
 from switchyard.common.children import die_with_parent
-from switchyard.common.config import ServerConfig, TlsConfig
+from switchyard.common.config import RequestLimitsConfig, ServerConfig, TlsConfig
 from switchyard.common.grpc_target import address_problem
 
 # One client process receives roughly this many stream messages per second on a
@@ -166,13 +166,15 @@ def go_code_name(code: grpc.StatusCode) -> str:
 def auto_procs(plan: LoadPlan, cpu_count: int | None = None) -> int:
     """Client processes for ``--procs auto``: enough that none passes MESSAGES_PER_PROC_S.
 
-    Expected messages per call = max_tokens of the call data (default 128) + 8
+    Expected messages per call = max_tokens of the call data (0 or none: ``limits.default_max_tokens``'s
+    default, what the stack sends for it) + 8
     non-token events. Unpaced runs use one process per 64 concurrent streams.
     Never more than the machine's cores nor the concurrency.
     """
     cores = cpu_count or os.cpu_count() or 1
     if plan.rps > 0:
-        tokens = max(int(item.get("max_tokens") or 128) for item in plan.calldata)
+        default = RequestLimitsConfig.model_fields["default_max_tokens"].default
+        tokens = max(int(item.get("max_tokens") or default) for item in plan.calldata)
         wanted = math.ceil(plan.rps * (tokens + 8) / MESSAGES_PER_PROC_S)
     else:
         wanted = math.ceil(plan.concurrency / 64)

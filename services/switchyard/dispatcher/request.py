@@ -35,8 +35,9 @@ from typing import Any
 from opentelemetry import trace
 
 from switchyard.api import agent_pb2
+from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.priority import PriorityClass
-from switchyard.common.tenant import agent_key, program_key
+from switchyard.common.tenant import DEFAULT_TENANT, agent_key, program_key
 from switchyard.dispatcher.output import OutputStream
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
@@ -167,7 +168,9 @@ class Request:
     messages: list[Message] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
     prompt_tokens: int = 0
-    max_tokens: int = 128
+    max_tokens: int = RequestLimitsConfig.model_fields["default_max_tokens"].default
+    """Completion tokens it may produce (the processor passes the Generate's, or ``limits.default_max_tokens``);
+    left out (a bench, a test), that setting's default, the one default."""
     model: str = ""
     """The client-facing model it is served: the Generate's, or the engine's when it names none (resolved
     once, by ``processor.to_request``); an upstream engine's gateway maps it to an upstream id."""
@@ -189,7 +192,7 @@ class Request:
     resume: bool = False
     """Set by a react_loop agent coming back from a tool call (warm prefix state)."""
     # --- the task's program, as its orchestrator sees it (GenerateRequest fields 12-15)
-    tenant_id: str = "default"
+    tenant_id: str = DEFAULT_TENANT
     task_time_left_s: float | None = None
     """Seconds its task had left when the request was sent; None: not given."""
     expected_remaining_work_s: float = 0.0
