@@ -149,3 +149,11 @@ def test_a_report_saved_with_a_byte_order_mark_is_read_as_without_it(tmp_path, c
     bom = tmp_path / "edited.json"
     bom.write_bytes(b"\xef\xbb\xbf" + (GHZ / "greeter_before.json").read_bytes())
     assert diff.main([str(bom), str(GHZ / "greeter_after.json"), "--no-plot"]) == 0
+
+
+def test_the_classes_are_listed_in_rank_order_then_any_other_by_name():
+    before = json.loads((GHZ / "greeter_before.json").read_text())
+    classes = {name: {"count": 1, "errors": 0} for name in ("zeta", "batch", "core", "alpha", "normal")}
+    report = {**before, "switchyard": {"byPriority": classes}}
+    listed = [r.name.removesuffix(" calls") for r in diff.rows(before, report) if r.name.endswith(" calls")]
+    assert listed == ["core", "normal", "batch", "alpha", "zeta"]

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.common.cli_text import parser_for
 from switchyard.common import outputs
+from switchyard.common.priority import LABELS
 
 REQUIRED = ("count", "total", "average", "fastest", "slowest", "rps", "statusCodeDistribution", "latencyDistribution")
 """Keys every ghz JSON report carries (ghz runner/reporter.go ``Report``)."""
@@ -179,7 +180,7 @@ def rows(before: dict[str, Any], after: dict[str, Any]) -> list[Row]:
     if "tokensPerSecond" in sb or "tokensPerSecond" in sa:
         out.append(Row("tokens/s", sb.get("tokensPerSecond"), sa.get("tokensPerSecond"), "tokens/s"))
     pb, pa = sb.get("byPriority") or {}, sa.get("byPriority") or {}
-    for cls in sorted(set(pb) | set(pa), key=lambda c: (("core", "normal", "batch", c).index(c), c)):
+    for cls in sorted(set(pb) | set(pa), key=lambda c: ((*LABELS, c).index(c), c)):  # classes in rank order
         gb, ga = pb.get(cls) or {}, pa.get(cls) or {}
         out.append(Row(f"{cls} calls", gb.get("count"), ga.get("count"), "count"))
         out.append(Row(f"{cls} errors", gb.get("errors"), ga.get("errors"), "count"))

@@ -331,7 +331,7 @@ class PolicyResult:
     """What one policy's run measured."""
 
     policy: str
-    completion: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: []})
+    completion: dict[int, list[float]] = field(default_factory=lambda: {cls.value: [] for cls in PriorityClass})
     isolated: list[float] = field(default_factory=list)
     """Each completed task's isolated time (its tools, and its steps alone on the engine), seconds."""
     slowdown: list[float] = field(default_factory=list)
@@ -745,8 +745,8 @@ def summarize(result: PolicyResult) -> dict[str, Any]:
         "tasks_completed": len(every),
         "task_completion_p50_s": round(percentile(every, 50), 3),
         "task_completion_p95_s": round(percentile(every, 95), 3),
-        "per_class_p95_s": {name: round(percentile(result.completion[rank], 95), 3)
-                            for rank, name in enumerate(("core", "normal", "batch"))},
+        "per_class_p95_s": {cls.label: round(percentile(result.completion[cls.value], 95), 3)
+                            for cls in PriorityClass},
         "isolated_p95_s": round(percentile(result.isolated, 95), 3),
         "per_tenant_p95_s": {tenant: round(percentile(v, 95), 3) for tenant, v in sorted(result.tenant_completion.items())},
         "ttft_p50_s": round(percentile(result.ttft, 50), 4),
