@@ -168,3 +168,16 @@ def test_every_stage_the_workflows_run_is_a_known_stage_label() -> None:
     folder = Path(__file__).resolve().parent.parent / "services" / "switchyard" / "orchestrator"
     run = {m for path in folder.glob("*.py") for m in re.findall(r'\.stage\("([a-z_]+)"', path.read_text())}
     assert run and run <= set(WORKFLOW_STAGES), run - set(WORKFLOW_STAGES)
+
+
+def test_the_tool_wait_label_sets_are_the_schedulers_own() -> None:
+    """The tool-wait counters start at 0 for exactly the labels the scheduler counts by: its decisions
+    (tool_wait.Decision), resume kinds (RESUME_KINDS) and prefetch timings (PREFETCH_TIMINGS)."""
+    import switchyard.dispatcher.metrics  # noqa: F401 - starts the label sets
+    from switchyard.dispatcher.scheduler.tool_wait import PREFETCH_TIMINGS, RESUME_KINDS, Decision
+
+    decisions = {d.value for d in Decision}
+    assert label_values("switchyard_tool_wait_decisions_total", "decision") == decisions
+    assert label_values("switchyard_tool_wait_decisions_by_tool_total", "decision") == decisions
+    assert label_values("switchyard_tool_resumes_total", "resume") == set(RESUME_KINDS)
+    assert label_values("switchyard_tool_wait_prefetches_total", "tool_return") == set(PREFETCH_TIMINGS)

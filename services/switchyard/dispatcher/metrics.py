@@ -38,6 +38,7 @@ from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
 from switchyard.dispatcher.scheduler.fair import tenant_labels
+from switchyard.dispatcher.scheduler.tool_wait import PREFETCH_TIMINGS, RESUME_KINDS, Decision
 from switchyard.dispatcher.tiers import metrics as tier_metrics
 
 if TYPE_CHECKING:
@@ -224,8 +225,8 @@ TOOL_WAIT_EXPECTED_SECONDS = Histogram(
     "Expected tool waits the orchestrator reported at tool start, seconds.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
-for _decision in ("keep", "swap", "drop"):
-    TOOL_WAIT_DECISIONS.labels(_decision)
+for _decision in Decision:
+    TOOL_WAIT_DECISIONS.labels(_decision.value)
 
 TOOL_LABELS: tuple[str, ...] = (*TOOL_NAMES, OTHER)
 """The ``tool`` label values of the per-tool tool-wait metrics (the orchestrator's registered tools, and
@@ -268,11 +269,11 @@ def start_tenant_labels(tenant_weights: Iterable[str]) -> None:
 
 
 for _tool in TOOL_LABELS:
-    for _decision in ("keep", "swap", "drop"):
-        TOOL_WAIT_DECISIONS_BY_TOOL.labels(_tool, _decision)
-    for _resume in ("warm", "cold"):
+    for _decision in Decision:
+        TOOL_WAIT_DECISIONS_BY_TOOL.labels(_tool, _decision.value)
+    for _resume in RESUME_KINDS:
         TOOL_RESUMES.labels(_tool, _resume)
-    for _timing in ("early", "on_time", "late"):
+    for _timing in PREFETCH_TIMINGS:
         TOOL_WAIT_PREFETCHES.labels(_tool, _timing)
 
 for _reason in FlushReason:
