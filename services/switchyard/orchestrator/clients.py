@@ -28,7 +28,7 @@ from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
-from switchyard.orchestrator.metrics import DISPATCHER_RETRIES, TOOL_WAIT_HINTS
+from switchyard.orchestrator.metrics import DISPATCHER_RETRIES, TOOL_WAIT_HINT_OUTCOMES, TOOL_WAIT_HINTS
 from switchyard.common.grpc_target import static_addresses
 from switchyard.orchestrator.replicas import ReplicaSet
 
@@ -475,8 +475,7 @@ class InferenceClient:
             outcome, detail = "deadline_exceeded", f"no answer within {self.hint_timeout_s * 1000:g} ms"
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            outcome = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded", grpc.StatusCode.UNAVAILABLE: "unavailable",
-                       grpc.StatusCode.UNIMPLEMENTED: "unimplemented"}.get(code, "error")
+            outcome = code.name.lower() if code.name.lower() in TOOL_WAIT_HINT_OUTCOMES else "error"
             detail = f"{code.name}: {err.details()}"
         except Exception as exc:  # noqa: BLE001 - a hint never fails its task
             outcome, detail = "error", repr(exc)

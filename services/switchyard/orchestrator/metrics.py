@@ -56,7 +56,10 @@ TOOL_WAIT_HINTS = Counter(
     "ToolWait), error.",
     ["outcome"],
 )
-for _outcome in ("ok", "deadline_exceeded", "unavailable", "unimplemented", "error"):
+TOOL_WAIT_HINT_OUTCOMES: tuple[str, ...] = ("ok", "deadline_exceeded", "unavailable", "unimplemented", "error")
+"""The ``outcome`` label of :data:`TOOL_WAIT_HINTS`: a gRPC code's lower-case name where it is one of them, else
+error."""
+for _outcome in TOOL_WAIT_HINT_OUTCOMES:
     TOOL_WAIT_HINTS.labels(_outcome)
 EARLY_PREFILLS = Counter(
     "switchyard_early_prefills_total",
