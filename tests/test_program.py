@@ -693,3 +693,22 @@ def test_a_refusal_margin_with_early_refusal_off_is_refused_at_load_naming_both_
     on = SwitchyardConfig().with_overrides(**{"orchestrator.program.refuse_early_margin_s": 2.0})
     assert on.orchestrator.program.refuse_early_margin_s == 2.0
     assert not SwitchyardConfig().with_overrides(**{"orchestrator.program.refuse_early": False}).orchestrator.program.refuse_early
+
+
+async def test_the_dispatcher_client_takes_its_hint_deadline_and_task_affinity_from_the_program_settings() -> None:
+    """The ToolWait deadline and the workflows routed by task id come from orchestrator.program, given to the
+    client when it is made; left out, the settings' own defaults (the client kept its own 0.25 s beside the
+    config's 250 ms, and the service wrote both into it after it was made)."""
+    from switchyard.orchestrator.clients import InferenceClient
+
+    server = SwitchyardConfig().server
+    tuned = InferenceClient("127.0.0.1:1", server, program=ProgramConfig(tool_wait_hint_timeout_ms=40,
+                                                                          rag_early_prefill=False))
+    default = InferenceClient("127.0.0.1:1", server)
+    try:
+        assert (tuned.hint_timeout_s, tuned.task_affinity) == (0.04, frozenset({"react_loop"}))
+        assert default.hint_timeout_s == ProgramConfig().tool_wait_hint_timeout_ms / 1000
+        assert default.task_affinity == frozenset({"react_loop", "rag_answer"})  # rag_early_prefill's default: on
+    finally:
+        await tuned.close()
+        await default.close()

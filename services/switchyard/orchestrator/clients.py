@@ -24,7 +24,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import MAX_RECONNECT_BACKOFF_MS, beyond_deadline, open_channel
-from switchyard.common.config import AffinityConfig, ServerConfig, TlsConfig
+from switchyard.common.config import AffinityConfig, ProgramConfig, ServerConfig, TlsConfig
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
@@ -168,12 +168,15 @@ class InferenceClient:
         address: the dispatcher target (``host:port``, ``ipv4:a,b``, ``dns:///name:port``).
         config: ``server`` (channel options).
         affinity: ``orchestrator.affinity``; disabled: every call takes the next replica in turn.
+        program: ``orchestrator.program``: the ToolWait announcements' deadline (``tool_wait_hint_timeout_ms``)
+            and whether rag_answer's calls share a replica (``rag_early_prefill``); None: its defaults.
     """
 
     MAX_ATTEMPTS = 3
     """Tries of one call that fails UNAVAILABLE before its first chunk, each on another replica."""
 
-    def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None) -> None:
+    def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None,
+                 program: ProgramConfig | None = None) -> None:
         self.address = address
         self._tls = config.tls
         self._channel = open_channel(address, config, peer="dispatcher")
@@ -187,12 +190,14 @@ class InferenceClient:
         self._live_request_ids: set[str] = set()
         """Request ids of this orchestrator's dispatcher calls in flight (:meth:`_claim_request_id`)."""
         self._request_id_repeats = 0
-        self.task_affinity: frozenset[str] = frozenset({"react_loop"})
+        program = program or ProgramConfig()
+        self.task_affinity: frozenset[str] = frozenset(  # rag_answer's warm-up and answer must reach one replica
+            {"react_loop", "rag_answer"} if program.rag_early_prefill else {"react_loop"})
         """Workflows whose calls without an agent are routed by their task id (:meth:`affinity_key`)."""
         self._hints: set[asyncio.Task[None]] = set()
         self._hint_logged: set[str] = set()
-        self.hint_timeout_s = 0.25
-        """Deadline of one ToolWait announcement (``orchestrator.program.tool_wait_hint_timeout_ms``)."""
+        self.hint_timeout_s = program.tool_wait_hint_timeout_ms / 1000
+        """Deadline of one ToolWait announcement (``orchestrator.program.tool_wait_hint_timeout_ms``), seconds."""
         addresses = static_addresses(address)
         self.replicas: ReplicaSet | None = None
         affinity = affinity or AffinityConfig()

@@ -235,13 +235,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             new_executor=lambda: _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.server, orch.retrieval_timeout_ms / 1000,
                                       cfg.limits.max_query_chars),
-            inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity, orch.program),
             memory=await self._agent_memory(),
         )
-        inference = self._deps.inference
-        inference.hint_timeout_s = orch.program.tool_wait_hint_timeout_ms / 1000
-        if orch.program.rag_early_prefill:  # the warm-up and the answer must reach the same replica
-            inference.task_affinity = inference.task_affinity | {"rag_answer"}
         log.info(
             "orchestrator: retrieval at %s, dispatcher at %s, inference_mode %s",
             orch.retrieval_addr, orch.dispatcher_addr, orch.inference_mode,
