@@ -317,3 +317,14 @@ def test_a_usage_with_null_counts_reads_them_as_zero_and_totals_itself():
     decoder.feed(chunk({"content": "hi"}, "stop", usage={"prompt_tokens": 4, "completion_tokens": 1,
                                                           "total_tokens": None}))
     assert decoder.end() == [Finished("stop", Usage(4, 1, 5), "m")]
+
+
+def test_live_request_ids_hand_out_each_id_once_while_its_call_is_in_flight():
+    from switchyard.common.request_ids import LiveRequestIds
+
+    ids = LiveRequestIds()
+    assert [ids.claim("bench-001:0") for _ in range(3)] == ["bench-001:0", "bench-001:0~1", "bench-001:0~2"]
+    ids.release("bench-001:0")
+    assert ids.claim("bench-001:0") == "bench-001:0"  # free again once its call ended
+    assert ids.claim("bench-001:0") == "bench-001:0~3"  # the repeats count on: never an id handed out before
+    assert ids.claim("") == ids.claim("") == ""  # no id: nothing held

@@ -56,6 +56,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import telemetry
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.errors import SERVER_FAULT_CODES
+from switchyard.common.request_ids import LiveRequestIds
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (
     error_for_status,
@@ -237,9 +238,8 @@ class GatewayClient:
                       [model_names.model_label(m, config) for m in self.models_for("")[1:]])
         self._flavours: dict[str, servers.ServerFlavour] = {}
         """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
-        self._live_request_ids: set[str] = set()
-        """Request ids of this client's calls in flight (:meth:`_claim_request_id`)."""
-        self._request_id_repeats = 0
+        self._request_ids = LiveRequestIds()
+        """Request ids of this client's calls in flight: no two go upstream under one."""
         self._refused: dict[str, set[str]] = {}
         """Body fields each endpoint refused (400/422 naming them): never sent to it again, an optional one
         dropped, a renamed one (:data:`_RENAMED_FIELDS`) sent under its other name."""
@@ -434,21 +434,11 @@ class GatewayClient:
         return self._flavours[endpoint.name]
 
     def _claim_request_id(self, request: ChatRequest) -> ChatRequest:
-        """``request`` under an id no call of this client has in flight: its own, or ``<id>~<n>`` while a call
-        holds that one (two tasks under one task_id at once, as the field's ghz command sends them, reach the
-        engine under one ``<task_id>:<turn>`` once the orchestrator's stream has rotated between them). Servers
-        key a request by its X-Request-Id: ``transformers serve``'s batching worker died of two live requests
-        under one id (IndexError in its paged cache; every request after it answered 503 'CB worker is dead'),
-        and vLLM refuses the second 400 'already running'."""
-        request_id = request.request_id
-        while request_id in self._live_request_ids:
-            self._request_id_repeats += 1
-            request_id = f"{request.request_id}~{self._request_id_repeats}"
-        if request_id != request.request_id:
-            request = dataclasses.replace(request, request_id=request_id)
-        if request_id:
-            self._live_request_ids.add(request_id)
-        return request
+        """``request`` under an id no call of this client has in flight (:class:`LiveRequestIds`): two tasks under
+        one task_id at once, as the field's ghz command sends them, reach the engine under one
+        ``<task_id>:<turn>`` once the orchestrator's stream has rotated between them."""
+        request_id = self._request_ids.claim(request.request_id)
+        return request if request_id == request.request_id else dataclasses.replace(request, request_id=request_id)
 
     async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
@@ -464,7 +454,7 @@ class GatewayClient:
                 async for event in events:
                     yield event
         finally:
-            self._live_request_ids.discard(request.request_id)
+            self._request_ids.release(request.request_id)
 
     async def _stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """:meth:`stream_chat` of a request whose id is its own."""

@@ -25,6 +25,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.errors import ORIGIN_KEY, ServiceUnavailable, SwitchyardError
 from switchyard.common.channels import MAX_RECONNECT_BACKOFF_MS, beyond_deadline, open_channel
 from switchyard.common.config import AffinityConfig, ProgramConfig, ServerConfig, TlsConfig
+from switchyard.common.request_ids import LiveRequestIds
 from switchyard.common.tasks import settle
 from switchyard.common.tls_check import explain, looks_like_tls_failure
 from switchyard.orchestrator.generate_stream import GenerateStreamClient, RequestFailed
@@ -187,9 +188,8 @@ class InferenceClient:
         self._model_info: agent_pb2.ModelInfo | None = None
         self._model_info_at = -math.inf
         self._model_info_stale = False
-        self._live_request_ids: set[str] = set()
-        """Request ids of this orchestrator's dispatcher calls in flight (:meth:`_claim_request_id`)."""
-        self._request_id_repeats = 0
+        self._request_ids = LiveRequestIds()
+        """Request ids of this orchestrator's dispatcher calls in flight: no two share one."""
         program = program or ProgramConfig()
         self.task_affinity: frozenset[str] = frozenset(  # rag_answer's warm-up and answer must reach one replica
             {"react_loop", "rag_answer"} if program.rag_early_prefill else {"react_loop"})
@@ -251,8 +251,8 @@ class InferenceClient:
         """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
         The request carries the task's id (``request_id`` ``{task_id}:{turn}``; ``~<n>`` after it while another
-        call of this orchestrator holds that id, :meth:`_claim_request_id`), priority, type,
-        ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
+        call of this orchestrator holds that id, :class:`~switchyard.common.request_ids.LiveRequestIds`), priority,
+        type, ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
         ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
         that follows a tool call. ``timeout_s`` bounds the call (the task's time left). The request
         carries the task's tenant, and ``budget``'s time left and expected work after this step
@@ -293,26 +293,15 @@ class InferenceClient:
             expected_remaining_work_s=budget.remaining_after_s if budget is not None else 0.0,
             prefill_only=prefill_only,
         )
-        request.request_id = self._claim_request_id(request.request_id)
+        # Two tasks under one task_id on two dispatcher replicas would reach the model server behind them under
+        # one X-Request-Id (one replica's calls are kept apart by its gateway's own LiveRequestIds too).
+        request.request_id = self._request_ids.claim(request.request_id)
         try:
             async with contextlib.aclosing(self._send(request, spec, timeout_s)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._live_request_ids.discard(request.request_id)
-
-    def _claim_request_id(self, request_id: str) -> str:
-        """``request_id``, or ``<request_id>~<n>`` while another call of this orchestrator holds it: two tasks under
-        one task_id at once (the field's ghz command sends task_id bench-001 from every worker) on two dispatcher
-        replicas reached the model server behind them under one X-Request-Id, which ``transformers serve`` died of
-        (its batching worker: every later request 503 'CB worker is dead') and vLLM refuses (400 'already
-        running'). One replica's calls are kept apart by its gateway too (GatewayClient._claim_request_id)."""
-        claimed = request_id
-        while claimed in self._live_request_ids:
-            self._request_id_repeats += 1
-            claimed = f"{request_id}~{self._request_id_repeats}"
-        self._live_request_ids.add(claimed)
-        return claimed
+            self._request_ids.release(request.request_id)
 
     async def _send(self, request: agent_pb2.GenerateRequest, spec: TaskSpec,
                     timeout_s: float | None) -> AsyncIterator[agent_pb2.GenerateChunk]:
