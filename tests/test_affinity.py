@@ -141,3 +141,10 @@ def test_keys_with_one_call_each_never_spill():
         replica, at_home = ring.route(agent, in_flight)
         assert at_home and replica == homes[agent]
         in_flight[replica] += 1
+
+
+def test_the_load_bound_has_one_default_for_replicas_and_endpoints():
+    from switchyard.common.affinity import DEFAULT_BALANCE
+    from switchyard.common.config import AffinityConfig, UpstreamPoolConfig
+
+    assert AffinityConfig().balance == UpstreamPoolConfig().balance == BoundedLoadRing().balance == DEFAULT_BALANCE

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from switchyard.common.affinity import DEFAULT_BALANCE
 from switchyard.common.config.base import _Strict
 from switchyard.common.priority import LABELS, ClassLabel
 
@@ -189,7 +190,7 @@ class UpstreamPoolConfig(_Strict):
         "without /v1), a path.",
     )
     balance: float = Field(
-        1.2, gt=1, le=10,
+        DEFAULT_BALANCE, gt=1, le=10,
         description="Bounded-load rule of the affinity scorer, a ratio: an endpoint keeps its agents' calls until it "
         "has more than this times the mean calls in flight, then the overflow goes to the next endpoint on the "
         "ring (switchyard.common.affinity).",

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from switchyard.common.affinity import DEFAULT_BALANCE
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
 from switchyard.common.config.server import _health_port, _metrics_port, _port, distinct_ports
@@ -217,7 +218,7 @@ class AffinityConfig(_Strict):
         "warm state (consistent hashing with bounded loads); off: round_robin per call.",
     )
     balance: float = Field(
-        1.2, gt=1, le=10,
+        DEFAULT_BALANCE, gt=1, le=10,
         description="Load bound, a ratio: no replica holds more than this times the mean number of active agents, "
         "nor (once its agents have more than one call each) more than this times the mean calls in flight; an "
         "agent's overflow goes to the next replica on the ring (Mirrokni, Thorup, Zadimoghaddam 2018).",
