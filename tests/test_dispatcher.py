@@ -859,3 +859,25 @@ def test_a_request_built_without_max_tokens_or_tenant_has_the_generate_defaults(
     served = to_request(agent_pb2.GenerateRequest(request_id="r", prompt="hello"), SwitchyardConfig(), "sim-7b")
     bare = Request("r", prompt="hello")
     assert (bare.max_tokens, bare.tenant_id) == (served.max_tokens, served.tenant_id)
+
+
+def test_an_id_is_refused_by_one_rule_at_the_orchestrator_and_the_dispatcher() -> None:
+    """Every edge that takes an id (RunTask's validation, the x-agent-id header, Generate, ToolWait, lookups)
+    refuses it by one rule, common.untrusted.check_id: the same words for the same id."""
+    from switchyard.common.errors import InvalidArgument
+    from switchyard.dispatcher.processor import to_request
+    from switchyard.orchestrator.validation import apply_edge_headers, validate
+
+    config = SwitchyardConfig()
+    long_id = "a" * (config.limits.max_id_chars + 1)
+    refusals = []
+    for refuse in (
+        lambda: validate(agent_pb2.RunTaskRequest(payload="p", agent_id=long_id), config, "sim-7b"),
+        lambda: apply_edge_headers(agent_pb2.RunTaskRequest(), [("x-agent-id", long_id)], config.limits.max_id_chars),
+        lambda: to_request(agent_pb2.GenerateRequest(request_id="r", prompt="p", agent_id=long_id), config, "sim-7b"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            refuse()
+        refusals.append(str(refused.value).removeprefix("x-agent-id header").removeprefix("agent_id"))
+    assert refusals == [f": expected at most {config.limits.max_id_chars} characters (limits.max_id_chars) "
+                        f"(got '{len(long_id)} chars')"] * 3

@@ -143,6 +143,22 @@ def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
                               f"{unicodedata.normalize('NFC', value[:80])!r}, another id)", value[:80])
 
 
+def check_id(value: str, field: str, most: int, setting: str = "max_id_chars", *, required: bool = False) -> None:
+    """An id field's rule at every edge that takes one (the orchestrator's RunTask, SubmitTask and lookups and
+    its x-agent-id header; the dispatcher's Generate and ToolWait): at most ``most`` characters, the ``limits``
+    setting named ``setting``; not empty where ``required``; and :func:`check_id_chars`.
+
+    Raises:
+        InvalidArgument: naming ``field`` and the bound it broke.
+    """
+    from switchyard.common.errors import InvalidArgument  # as check_id_chars: no cycle at import
+
+    if len(value) > most or (required and not value):
+        bound = f"1 to {most}" if required else f"at most {most}"
+        raise InvalidArgument(field, f"{bound} characters (limits.{setting})", f"{len(value)} chars")
+    check_id_chars(value, field)
+
+
 def check_seconds(value: float, field: str, zero_means: str = "", at_most: float = math.inf) -> float:
     """``value``, a caller's number of seconds: finite, 0 or more and at most ``at_most`` (NaN, infinities and
     negatives read as "no bound" where they were let through). ``zero_means``: what 0 stands for, in the message.

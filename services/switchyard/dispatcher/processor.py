@@ -56,20 +56,6 @@ MODELS_READ_WAIT_S = 1.0
 read is under way, a DescribeModel for any read (their callers' deadlines are a few seconds)."""
 
 
-def check_id(value: str, name: str, limits: RequestLimitsConfig, *, required: bool = False) -> None:
-    """The dispatcher's rule for an id field ``name`` (Generate's and ToolWait's alike): at most
-    ``limits.max_id_chars`` characters, none of them a control character (the orchestrator's rule,
-    :func:`switchyard.common.untrusted.check_id_chars`); ``required``: not empty.
-
-    Raises:
-        InvalidArgument: naming ``name``.
-    """
-    if len(value) > limits.max_id_chars or (required and not value):
-        most = f"1 to {limits.max_id_chars}" if required else f"at most {limits.max_id_chars}"
-        raise InvalidArgument(name, f"{most} characters (limits.max_id_chars)", f"{len(value)} chars")
-    untrusted.check_id_chars(value, name)
-
-
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_NAME_EXPECTED = "1 to 64 characters of A-Z a-z 0-9 _ - (the OpenAI function name's rule)"
 """What a tool's name may be: OpenAI's function-calling rule, which OpenAI-compatible servers hold it to."""
@@ -193,7 +179,7 @@ def to_request(
     check_priority(request.priority)
     for name, value in (("request_id", request.request_id), ("agent_id", request.agent_id),
                         ("task_id", request.task_id), ("model", request.model), ("task_type", request.task_type)):
-        check_id(value, name, limits)
+        untrusted.check_id(value, name, limits.max_id_chars)
     if request.resume and not request.agent_id:  # else a queue jump: resumed steps go ahead of their class
         raise InvalidArgument("resume", "an agent_id beside it (resume marks an agent's next step, back from its "
                               "tool call)", True)

@@ -60,7 +60,7 @@ from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
 from switchyard.dispatcher.processor import (MODELS_READ_WAIT_S, TOOL_NAME, TOOL_NAME_EXPECTED, RequestProcessor,
-                                              check_id, check_priority)
+                                              check_priority)
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         """An agent's tool call started: validate the announcement and answer :meth:`tool_wait`'s decision.
 
         Ends INVALID_ARGUMENT naming the field: ``agent_id`` empty, past ``limits.max_id_chars`` or holding a
-        control character (Generate's rule, :func:`.processor.check_id`), ``task_id`` past the same limit or
+        control character (every edge's rule for an id, :func:`switchyard.common.untrusted.check_id`), ``task_id`` past the same limit or
         holding one, ``tool`` not a name a tool offered to
         Generate may have (:data:`.processor.TOOL_NAME`),
         ``expected_wait_s`` not a finite number of seconds from 0 to :data:`MAX_EXPECTED_WAIT_S`, ``tenant_id``
@@ -246,8 +246,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         """
         limits = self.config.limits
         try:
-            check_id(request.agent_id, "agent_id", limits, required=True)
-            check_id(request.task_id, "task_id", limits)
+            untrusted.check_id(request.agent_id, "agent_id", limits.max_id_chars, required=True)
+            untrusted.check_id(request.task_id, "task_id", limits.max_id_chars)
             if not TOOL_NAME.fullmatch(request.tool):  # one the model was offered: Generate's rule for tools[i].name
                 raise InvalidArgument("tool", f"a tool name of {TOOL_NAME_EXPECTED}", request.tool[:80])
             untrusted.check_seconds(request.expected_wait_s, "expected_wait_s", at_most=MAX_EXPECTED_WAIT_S)

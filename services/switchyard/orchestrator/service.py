@@ -36,7 +36,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common import children
-from switchyard.common.untrusted import check_id_chars, shown
+from switchyard.common.untrusted import check_id, shown
 from switchyard.common.auth import BearerAuthInterceptor, BearerTokens, TokenGuarded
 from switchyard.common.channels import deadline_scope
 from switchyard.common.config import SwitchyardConfig
@@ -954,9 +954,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         for name, value, most, key in (("task_id", task_id, limits.max_task_id_chars, "max_task_id_chars"),
                                        ("agent_id", agent_id, limits.max_id_chars, "max_id_chars")):
             try:
-                if len(value) > most:
-                    raise InvalidArgument(name, f"at most {most} characters (limits.{key})", f"{len(value)} chars")
-                check_id_chars(value, name)
+                check_id(value, name, most, key)
             except InvalidArgument as exc:
                 await abort(context, exc, self.name)
         try:

@@ -29,7 +29,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import ContextWindow
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
-from switchyard.common.untrusted import check_id_chars, check_utf8, shown
+from switchyard.common.untrusted import check_id, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import PriorityClass
 
@@ -95,10 +95,7 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
     """
     agent = _without_ows(edge_header(metadata, AGENT_ID_HEADER, lambda value: value.strip(" \t") or value))
     if agent is not None:
-        if len(agent) > max_id_chars:
-            raise InvalidArgument(f"{AGENT_ID_HEADER} header", f"at most {max_id_chars} characters "
-                                  "(limits.max_id_chars)", f"{len(agent)} chars")
-        check_id_chars(agent, f"{AGENT_ID_HEADER} header")
+        check_id(agent, f"{AGENT_ID_HEADER} header", max_id_chars)
         if not request.agent_id:
             request.agent_id = agent
     priority_header = edge_header(metadata, PRIORITY_HEADER, lambda value: value.strip().lower())
@@ -171,15 +168,9 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     if len(request.payload) > limits.max_payload_chars:
         raise InvalidArgument("payload", f"at most {limits.max_payload_chars} characters (limits.max_payload_chars)",
                               f"{len(request.payload)} chars")
-    if len(request.task_id) > limits.max_task_id_chars:
-        raise InvalidArgument("task_id", f"at most {limits.max_task_id_chars} characters (limits.max_task_id_chars)",
-                              f"{len(request.task_id)} chars")
-    for name, value in (("agent_id", request.agent_id), ("model", request.model)):
-        if len(value) > limits.max_id_chars:
-            raise InvalidArgument(name, f"at most {limits.max_id_chars} characters (limits.max_id_chars)",
-                                  f"{len(value)} chars")
-    for name, value in (("task_id", request.task_id), ("agent_id", request.agent_id), ("model", request.model)):
-        check_id_chars(value, name)
+    check_id(request.task_id, "task_id", limits.max_task_id_chars, "max_task_id_chars")
+    check_id(request.agent_id, "agent_id", limits.max_id_chars)
+    check_id(request.model, "model", limits.max_id_chars)
     workflow = request.task_type or orch.default_task_type
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
