@@ -28,3 +28,22 @@ def test_a_request_carries_its_class_and_refuses_a_number():
     for number in (agent_pb2.CORE, 0, 42):
         with pytest.raises(TypeError, match="PriorityClass.from_proto"):
             Request("r", priority=number)
+
+
+def test_every_edge_refuses_a_priority_number_the_proto_does_not_name_in_the_same_words():
+    """RunTask's validation and Generate's (and ToolWait, through the same check) refuse an unknown
+    agent.Priority by one rule, common.priority.check_priority; they had one wording each."""
+    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.errors import InvalidArgument
+    from switchyard.dispatcher.processor import to_request
+    from switchyard.orchestrator.validation import validate
+
+    config = SwitchyardConfig()
+    refusals = []
+    for refuse in (lambda: validate(agent_pb2.RunTaskRequest(payload="p", priority=7), config, "sim-7b"),
+                   lambda: to_request(agent_pb2.GenerateRequest(request_id="r", prompt="p", priority=7), config,
+                                      "sim-7b")):
+        with pytest.raises(InvalidArgument) as refused:
+            refuse()
+        refusals.append(str(refused.value))
+    assert refusals == ["priority: expected CORE, NORMAL or BATCH (unset = NORMAL) (got 7)"] * 2

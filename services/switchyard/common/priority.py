@@ -11,6 +11,7 @@ import enum
 from typing import Literal, get_args
 
 from switchyard.api import agent_pb2
+from switchyard.common.errors import InvalidArgument
 
 
 class PriorityClass(enum.IntEnum):
@@ -49,3 +50,17 @@ ClassLabel = Literal["core", "normal", "batch"]
 """A class's label as a type, for config keys and the HTTP face's body: pydantic refuses any other value, naming
 these three."""
 assert get_args(ClassLabel) == LABELS, "ClassLabel lists PriorityClass's labels, most important first"
+
+
+def check_priority(value: int, field: str = "priority") -> None:
+    """``value`` is an ``agent.Priority``: CORE, NORMAL, BATCH, or unset (PRIORITY_UNSPECIFIED, read as NORMAL).
+    Every edge that takes one (RunTask and SubmitTask, Generate, ToolWait) refuses any other number by this.
+
+    Raises:
+        InvalidArgument: naming ``field``.
+    """
+    if value not in _PROTO_VALUES:
+        raise InvalidArgument(field, "CORE, NORMAL or BATCH (unset = NORMAL)", value)
+
+
+_PROTO_VALUES = frozenset(agent_pb2.Priority.values())

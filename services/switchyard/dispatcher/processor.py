@@ -29,7 +29,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after
-from switchyard.common.priority import PriorityClass
+from switchyard.common.priority import PriorityClass, check_priority
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engine_loop import LoopBase
@@ -122,16 +122,6 @@ def check_tool_schema_sizes(tools: Iterable[agent_pb2.ToolSpec], limits: Request
     if total > limits.max_tool_schemas_chars:
         raise InvalidArgument("tools", f"parameter schemas of at most {limits.max_tool_schemas_chars} characters in "
                               "all (limits.max_tool_schemas_chars)", f"{total} chars")
-
-
-def check_priority(value: int) -> None:
-    """``priority`` is a Priority (CORE, NORMAL, BATCH) or unset (NORMAL).
-
-    Raises:
-        InvalidArgument: naming ``priority``.
-    """
-    if value not in agent_pb2.Priority.values():
-        raise InvalidArgument("priority", "CORE, NORMAL, BATCH or unset", value)
 
 
 def to_request(

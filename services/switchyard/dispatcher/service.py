@@ -43,6 +43,7 @@ from switchyard.common import untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
+from switchyard.common.priority import check_priority
 from switchyard.common.server import Drains, HealthOwner, set_health
 from switchyard.common.tenant import check_tenant, program_key
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
@@ -59,8 +60,7 @@ from switchyard.dispatcher.scheduler.tool_wait import Decision
 from switchyard.dispatcher.stream_loop import StreamLoop
 from switchyard.dispatcher.tiers import ColdStore, KvStore, MemoryTiers
 from switchyard.dispatcher.generate_stream import GenerateSession
-from switchyard.dispatcher.processor import (MODELS_READ_WAIT_S, TOOL_NAME, TOOL_NAME_EXPECTED, RequestProcessor,
-                                              check_priority)
+from switchyard.dispatcher.processor import MODELS_READ_WAIT_S, TOOL_NAME, TOOL_NAME_EXPECTED, RequestProcessor
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,11 @@ from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.untrusted import check_id, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
-from switchyard.common.priority import PriorityClass
+from switchyard.common.priority import PriorityClass, check_priority
 
 if TYPE_CHECKING:
     from switchyard.common.auth import BearerTokens
 
-_PRIORITIES = frozenset(agent_pb2.Priority.values())
 AGENT_ID_HEADER = "x-agent-id"
 PRIORITY_HEADER = "x-priority"
 _PRIORITY_NAMES = {c.label: c.proto for c in PriorityClass}
@@ -174,8 +173,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     workflow = request.task_type or orch.default_task_type
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
-    if request.priority not in _PRIORITIES:
-        raise InvalidArgument("priority", "CORE, NORMAL or BATCH (unset = NORMAL)", request.priority)
+    check_priority(request.priority)
     if only_model and request.model and request.model != only_model:  # refused now, not after accepted
         raise SwitchyardError(f"model: {shown(request.model)} is not served here: the dispatcher's engine serves "
                               f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
