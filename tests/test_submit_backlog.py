@@ -578,3 +578,23 @@ async def test_the_backlogs_fill_is_exported_as_every_queues_depth_and_capacity(
         assert sample("switchyard_queue_depth") == 3  # one running, two queued: what the bound counts
         down.gate.set()
         await until(lambda: sample("switchyard_queue_depth") == 0)
+
+
+async def test_metadata_goes_on_the_span_of_a_task_not_of_a_refused_request_on_both_calls(tmp_path, monkeypatch):
+    """RunTask and SubmitTask record the allow-listed metadata on their span for a task they take; a refused
+    request is no task. SubmitTask recorded it before validation, so a refused submit's span carried it and a
+    refused RunTask's did not."""
+    recorded: list[dict[str, str]] = []
+    monkeypatch.setattr(OrchestratorService, "_record_metadata", lambda self, metadata: recorded.append(dict(metadata)))
+    async with backlog_stack(tmp_path / "tasks.sqlite3") as (stub, _, down):
+        refused = agent_pb2.RunTaskRequest(task_id="m0", payload="", task_type="chat", metadata={"user": "u0"})
+        with pytest.raises(grpc.aio.AioRpcError) as submit_refused:
+            await stub.SubmitTask(refused)
+        with pytest.raises(grpc.aio.AioRpcError) as run_refused:
+            async for _ in stub.RunTask(refused):
+                pass
+        assert submit_refused.value.code() == run_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert recorded == []
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="m1", payload="p", task_type="chat",
+                                                       metadata={"user": "u1"}))
+        assert recorded == [{"user": "u1"}]

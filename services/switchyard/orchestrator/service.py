@@ -550,11 +550,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         recorded is placed in the backlog even where its caller left meanwhile (its deadline passed while the
         store wrote): the retry that caller makes is answered that task, which runs.
         """
-        self._record_metadata(request.metadata)
         try:
             apply_edge_headers(request, context.invocation_metadata(), self.config.limits.max_id_chars)
             tenant = edge_tenant(context.invocation_metadata(), self.bearer_tokens())
             spec = await self._validate(request, tenant)
+            self._record_metadata(request.metadata)  # a task's, as RunTask records it: not a refused request's
             limit = self.config.orchestrator.max_unfinished_submitted_tasks
             if len(self._submitted) >= limit and not request.task_id:  # a task_id may name a task already recorded:
                 raise self._backlog_full()  # its answer adds nothing to the backlog (a new one is refused below)
