@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from switchyard.common.config import UpstreamConfig
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread
 
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY")

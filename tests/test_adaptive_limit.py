@@ -371,7 +371,7 @@ async def test_a_request_the_upstream_refuses_for_load_before_its_first_token_wa
 
 async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_env) -> None:
     from switchyard.dispatcher.stream_loop import MAX_REQUEUES
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     with start_sim(faults={"*": Fault(status=429)}) as upstream:
         service = _upstream_dispatcher(upstream.base_url, **NO_RETRY)
@@ -394,7 +394,7 @@ async def test_a_refusal_for_load_backs_the_limit_off_however_the_server_says_it
         fault, code, backs_off, clean_proxy_env) -> None:
     """One rule (``GatewayError.refuses_load``) for the endpoint's limit: an answered 429 or 503 and an error
     object with status 429 inside a 200 stream back it off alike; other failures do not."""
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     initial = 16
     with start_sim(faults={"*": Fault(**fault)}) as upstream:

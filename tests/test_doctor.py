@@ -204,7 +204,7 @@ def test_the_probe_runs_by_default_and_no_probe_skips_it(keyed_sim, capsys):
 def test_a_stream_without_done_after_its_finish_reason_passes(clean_proxy_env, monkeypatch, capsys):
     """`switchyard serve sim-openai --fault no_done`: transformers serve's ending is a finished stream."""
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     with start_sim(faults={"*": Fault(no_done=True)}) as server:
         code, out = run_doctor(capsys, "--base-url", server.base_url)
@@ -214,7 +214,7 @@ def test_a_stream_without_done_after_its_finish_reason_passes(clean_proxy_env, m
 
 def test_a_cut_stream_is_named_a_missing_end_marker(clean_proxy_env, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     with start_sim(faults={"*": Fault(no_finish=True)}) as server:
         code, out = run_doctor(capsys, "--base-url", server.base_url)
@@ -235,7 +235,7 @@ def test_a_stream_the_server_failed_or_a_connection_cut_is_not_named_a_missing_e
     import asyncio
     import threading
 
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
     if fault == "close_before_headers":
@@ -400,7 +400,7 @@ def test_a_server_that_takes_the_connection_and_never_answers_is_named_hung_not_
 def test_a_server_that_lists_its_models_but_never_streams_is_named_within_the_timeout(clean_proxy_env, monkeypatch,
                                                                                        capsys):
     """The probe waited the gateway's own read timeout (60 s) whatever --timeout said, and named no hang."""
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
 
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
     monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")

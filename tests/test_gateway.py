@@ -111,7 +111,7 @@ async def test_a_stream_its_caller_stops_reading_is_counted_cancelled_and_a_fini
     Finished event ended a complete call, which stays ok."""
     from gateway_fixtures import start_sim
 
-    from switchyard.gateway.faults import Fault
+    from switchyard_harness.faults import Fault
     from switchyard.gateway.metrics import GATEWAY_REQUESTS
 
     def count(outcome: str) -> float:

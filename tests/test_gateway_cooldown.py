@@ -12,7 +12,7 @@ from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.cooldown import Cooldowns
 from switchyard.gateway.errors import GatewayError, ModelCoolingDown, UpstreamRateLimited, UpstreamServerError
 from switchyard.gateway.events import ChatRequest, Finished
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.gateway.metrics import (
     CIRCUIT_STATES,
     CIRCUIT_TRANSITIONS,

@@ -14,7 +14,7 @@ from gateway_fixtures import TEST_KEY, clean_proxy_env, gateway_config, sim_open
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Token
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 
 KEY_ENV = "SWITCHYARD_TEST_API_KEY"
 

@@ -9,7 +9,7 @@ from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa:
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Finished, Token
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 
 PRIMARY, FALLBACK = "claude-sonnet-4-5", "gpt-4o-mini"
 FULL_ANSWER = "A short answer (the sim engine has no model) about: hello there."  # a chat: nothing retrieved

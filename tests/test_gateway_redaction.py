@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, generate_latest
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.gateway.keys import ApiKey
 from switchyard.gateway.redact import REDACTED, RedactingFilter, redact
 

@@ -15,7 +15,7 @@ from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.cooldown import Cooldowns
 from switchyard.gateway.errors import BadUpstreamRequest, GatewayError, UpstreamRateLimited
 from switchyard.gateway.events import ChatRequest
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.gateway.keys import ApiKey
 from switchyard.gateway.resilience import with_retries
 

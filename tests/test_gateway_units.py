@@ -14,7 +14,7 @@ from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
 from switchyard.gateway.events import Finished, Token, ToolCallOut, Usage
 from switchyard.gateway.keys import ApiKey
-from switchyard.gateway.faults import Fault, parse_fault, parse_flag, split_model
+from switchyard_harness.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
 from switchyard.gateway.proxy import ProxyRoute, proxy_for
 from switchyard.gateway.sse import iter_events

@@ -18,7 +18,7 @@ from switchyard.common.errors import SwitchyardError
 from switchyard.dispatcher.engines import StreamEngine, Usage, make_engine
 from switchyard.dispatcher.engines.openai import OpenAIEngine, chat_messages
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.common.channels import open_channel
 from token_events import token_count
 

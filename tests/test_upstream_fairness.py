@@ -21,7 +21,7 @@ from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.fair import service_tokens
 from switchyard.dispatcher.service import DispatcherService
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from test_program import _until
 
 pytestmark = pytest.mark.no_gpu

@@ -20,7 +20,7 @@ from switchyard.gateway.client import GatewayClient
 from switchyard.common.priority import PriorityClass
 from switchyard.gateway.errors import GatewayError, UpstreamServerError
 from switchyard.gateway.events import ChatRequest, Finished, Token
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.gateway.picker import EndpointPicker
 from switchyard.gateway.pool import PoolLimit, endpoint_name, prompt_key
 from switchyard.gateway.server_load import ServerLoad, parse_server_load

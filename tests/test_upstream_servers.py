@@ -16,7 +16,7 @@ from switchyard.gateway import servers
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Finished, Token
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 
 
 def ask(priority: str, agent: str = "agent-1", request_id: str = "r-1") -> ChatRequest:

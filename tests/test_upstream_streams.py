@@ -26,7 +26,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
-from switchyard.gateway.faults import Fault
+from switchyard_harness.faults import Fault
 from switchyard.gateway.metrics import STREAM_ENDINGS
 
 FIXTURES = pathlib.Path(__file__).parent / "data" / "upstream_streams"

@@ -19,7 +19,7 @@ and prompt blocks it has prefilled stay in an automatic prefix cache
 (:class:`~switchyard.dispatcher.engines.prefix_cache.PrefixCache`, vLLM's
 ``enable_prefix_caching``) of ``kv_tokens``: a prompt opening with cached
 blocks prefills only the rest. Failures are injected per
-request (see :mod:`switchyard.gateway.faults`), so gateways, this project's
+request (see :mod:`switchyard_harness.faults`), so gateways, this project's
 included, can be tested against every upstream failure with no model.
 
 Run: ``switchyard serve sim-openai [--port 8400] [--api-key-env VAR] [--fault SPEC]`` (``--port 0``: a free
@@ -57,7 +57,7 @@ from switchyard.common.config import SimEngineConfig
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
 from switchyard.dispatcher.request import Message, Tool, word_pieces
-from switchyard.gateway.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
+from switchyard_harness.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.sse import DONE, encode
 from switchyard_harness.testing.step_plan import StepPlan
 
