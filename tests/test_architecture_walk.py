@@ -5,7 +5,7 @@ that leaves the walk pointing at nothing fails here instead of going stale. Path
 ``services/switchyard/`` and may be shortened to their tail (``engine_loop.py``); a shortened path that
 matches several files passes when one of them defines the name.
 
-The dispatcher's package docstring is the map of its modules: it names each one it holds.
+The dispatcher's and the gateway's package docstrings are the maps of their modules: each names every one it holds.
 """
 
 from __future__ import annotations
@@ -70,16 +70,17 @@ def test_a_wrong_name_is_caught() -> None:
     assert not _defines(tree, "Scheduler.park")
 
 
-def test_the_dispatcher_package_names_every_module_it_holds() -> None:
-    """The dispatcher's package docstring is the newcomer's map: every module and subpackage of it is named
-    there (``:mod:`.name```), and every module says in its own docstring what it owns."""
-    package = PACKAGE / "dispatcher"
+@pytest.mark.parametrize("name", ["dispatcher", "gateway"])
+def test_a_package_docstring_names_every_module_it_holds(name: str) -> None:
+    """The dispatcher's and the gateway's package docstrings are the newcomer's map: every module and subpackage
+    of the package is named there (``:mod:`.name```), and every module says in its own docstring what it owns."""
+    package = PACKAGE / name
     doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
     named = set(re.findall(r":mod:`\.([a-z_]+)`", doc))
     held = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
     held |= {p.parent.name for p in package.glob("*/__init__.py")}
-    assert held - named == set(), f"dispatcher/__init__.py names no {sorted(held - named)}"
-    assert named - held == set(), f"dispatcher/__init__.py names {sorted(named - held)}, which it does not hold"
+    assert held - named == set(), f"{name}/__init__.py names no {sorted(held - named)}"
+    assert named - held == set(), f"{name}/__init__.py names {sorted(named - held)}, which it does not hold"
     undocumented = [p.relative_to(ROOT).as_posix() for p in package.rglob("*.py")
                     if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
     assert undocumented == []
