@@ -5,7 +5,7 @@ that leaves the walk pointing at nothing fails here instead of going stale. Path
 ``services/switchyard/`` and may be shortened to their tail (``engine_loop.py``); a shortened path that
 matches several files passes when one of them defines the name.
 
-The dispatcher's and the gateway's package docstrings are the maps of their modules: each names every one it holds.
+The services' package docstrings are the maps of their modules: each names every one it holds.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def test_a_wrong_name_is_caught() -> None:
     assert not _defines(tree, "Scheduler.park")
 
 
-@pytest.mark.parametrize("name", ["dispatcher", "gateway"])
+@pytest.mark.parametrize("name", ["dispatcher", "dispatcher/scheduler", "dispatcher/engines", "gateway", "orchestrator"])
 def test_a_package_docstring_names_every_module_it_holds(name: str) -> None:
-    """The dispatcher's and the gateway's package docstrings are the newcomer's map: every module and subpackage
-    of the package is named there (``:mod:`.name```), and every module says in its own docstring what it owns."""
+    """A service's package docstring is the newcomer's map: every module and subpackage of the package is named
+    there (``:mod:`.name```), and every module says in its own docstring what it owns."""
     package = PACKAGE / name
     doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
     named = set(re.findall(r":mod:`\.([a-z_]+)`", doc))

@@ -8,6 +8,11 @@
   OpenAI-compatible upstream (imported only when chosen).
 - ``torch``: ``switchyard.dispatcher.engines.torch.TorchEngine``, an
   in-process transformer (imported only when chosen).
+
+Modules: :mod:`.base`, the interfaces the dispatcher drives (step and stream engines, their KV cache
+managers); :mod:`.sim`, :mod:`.openai` and :mod:`.torch` (its model: :mod:`.torch_model`), the engines;
+:mod:`.prefix_cache`, the sim engine's automatic prefix cache; :mod:`.driver`, a step engine driven
+without a scheduler (the engine benchmark and tests).
 """
 
 from __future__ import annotations

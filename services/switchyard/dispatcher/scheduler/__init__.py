@@ -6,6 +6,17 @@ Public factory: :func:`make_scheduler`. Interface: :class:`Scheduler` (see
 score, preemption; :mod:`.priority`), :class:`FairScheduler` (classes, least
 slack for work at risk, then tenant and session fairness; :mod:`.fair`) and
 :class:`FifoScheduler` (arrival order; :mod:`.fifo`), chosen by ``scheduler_config.json`` ``policy``.
+
+What the policies share, each module owning one part of it:
+
+- :mod:`.core`: ``SchedulerCore``, the one request queue (intake, waiting, running, parked) and every
+  transition between them; :mod:`.request_queue`: the waiting queue in a policy's order;
+  :mod:`.update`: what an engine's report writes into a request, and the one stop check.
+- :mod:`.capacity`: what the engine can hold (KV memory, or the upstream's concurrency limit);
+  :mod:`.admission` and :mod:`.compute_score`: admission by compute score; :mod:`.accounting`: each task's
+  compute score used and KV peak.
+- :mod:`.parking` and :mod:`.tool_wait`: agents waiting on a tool, and whether their KV stays, swaps or drops;
+  :mod:`.slack` and :mod:`.fairness`: the fair policy's deadlines and attained service.
 """
 
 from __future__ import annotations
