@@ -351,6 +351,14 @@ def test_percentiles_follow_ghz_nearest_rank():
     assert latency_distribution([]) is None
 
 
+def test_every_bench_reports_its_percentiles_by_the_one_rule():
+    """The scheduler, policy and RAG benches kept two more nearest-rank percentiles beside the report's (ghz's
+    rule, the same for the P50, P95 and P99 they report); they use the report's."""
+    from switchyard_harness.bench import program_policies, rag_prefill, report, sched_bench
+
+    assert sched_bench.percentile is program_policies.percentile is rag_prefill.percentile is report.percentile
+
+
 def test_histogram_has_eleven_marks_from_fastest_to_slowest():
     values = sorted([0.010, 0.011, 0.012, 0.020, 0.030])
     buckets = histogram(values)

@@ -118,6 +118,7 @@ from switchyard_harness.bench.sched_bench import (
     run_slice,
     schedule_turn,
 )
+from switchyard_harness.bench.report import percentile
 from switchyard_harness.testing.step_plan import StepPlan
 
 POLICY_NAMES = ("fcfs", "priority", "llmd-las", "autellix-plas", "continuum", "switchyard")
@@ -381,14 +382,6 @@ class PolicyResult:
     scheduler: str = ""
     queue: str = ""
     """The core class and its waiting queue class that ran (what the tests check is the shipped code)."""
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (0 for none)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def jain(values: list[float]) -> float:

@@ -41,7 +41,8 @@ from switchyard.dispatcher.engines.sim import SimKV, prefill_seconds
 from switchyard.dispatcher.request import Request, word_pieces
 from switchyard.dispatcher.scheduler import ComputeScoreMonitor, make_scheduler
 from switchyard.dispatcher.tiers import MemoryTiers
-from switchyard_harness.bench.sched_bench import VirtualSimEngine, percentile, quiet_score_log, run_slice, schedule_turn
+from switchyard_harness.bench.report import percentile
+from switchyard_harness.bench.sched_bench import VirtualSimEngine, quiet_score_log, run_slice, schedule_turn
 
 RETRIEVAL_SIGMA = 0.4
 """Log-space spread of retrieval's duration (lognormal)."""

@@ -81,7 +81,8 @@ def _rfc3339(epoch_s: float, nanos: bool) -> str:
 
 
 def percentile(values: list[float], p: int) -> float:
-    """One ghz-rule percentile of unsorted ``values`` (0.0 when empty)."""
+    """One ghz-rule (nearest-rank) percentile ``p`` (0-100) of unsorted ``values`` (0.0 when empty): the one
+    percentile of every bench report, ghz's or the scheduler benches'."""
     if not values:
         return 0.0
     ordered = sorted(values)

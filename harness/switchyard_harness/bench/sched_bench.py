@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from switchyard_harness import json_output
+from switchyard_harness.bench.report import percentile
 from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfig, SwitchyardConfig, load_config
 from switchyard.dispatcher.double_buffer import FlushReason
@@ -93,15 +94,6 @@ VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("fifo", "fifo", {}),
 )
 """Columns of the report: (label, policy, config overrides)."""
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile ``p`` (0-100) of ``values``; 0.0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * p // 100))  # ceil(n * p / 100)
-    return ordered[int(min(rank, len(ordered))) - 1]
 
 
 # --------------------------------------------------------------------------- workload
