@@ -181,3 +181,18 @@ def test_the_tool_wait_label_sets_are_the_schedulers_own() -> None:
     assert label_values("switchyard_tool_wait_decisions_by_tool_total", "decision") == decisions
     assert label_values("switchyard_tool_resumes_total", "resume") == set(RESUME_KINDS)
     assert label_values("switchyard_tool_wait_prefetches_total", "tool_return") == set(PREFETCH_TIMINGS)
+
+
+def test_every_queue_counts_its_refusals_by_the_one_reason_set() -> None:
+    """The inference queue (the scheduler's) and the work queues (common/queues.py) start
+    switchyard_queue_rejected_total at 0 for the same reasons, common.metrics.QUEUE_REJECT_REASONS."""
+    from switchyard.common.config import QueueConfig
+    from switchyard.common.metrics import QUEUE_REJECT_REASONS
+    from switchyard.common.queues import WorkQueue
+    import switchyard.dispatcher.metrics  # noqa: F401 - starts the inference queue's
+
+    WorkQueue("label-check", QueueConfig(capacity=1, workers=1, timeout_ms=1000))
+    for queue in ("inference", "label-check"):
+        assert {reason for reason in QUEUE_REJECT_REASONS
+                if REGISTRY.get_sample_value("switchyard_queue_rejected_total",
+                                             {"queue": queue, "reason": reason}) is not None} == {"full", "timeout"}

@@ -50,6 +50,9 @@ QUEUE_WAIT = Histogram(
 QUEUE_REJECTED = Counter(
     "switchyard_queue_rejected_total", "Items rejected by a queue, by reason (full, timeout).", ["queue", "reason"]
 )
+QUEUE_REJECT_REASONS: tuple[str, ...] = ("full", "timeout")
+"""The ``reason`` label of :data:`QUEUE_REJECTED`: a full queue refused the item at once, or it waited past the
+queue's timeout; every queue's counter starts at 0 for each."""
 QUEUE_BUSY_WORKERS = Gauge("switchyard_queue_busy_workers", "Workers of a queue running an item.", ["queue"])
 QUEUE_CAPACITY = Gauge(
     "switchyard_queue_capacity",

@@ -16,7 +16,8 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 from switchyard.common.config import QueueConfig
 from switchyard.common.errors import QueueFullError, QueueTimeoutError
-from switchyard.common.metrics import QUEUE_BUSY_WORKERS, QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED, QUEUE_WAIT
+from switchyard.common.metrics import (QUEUE_BUSY_WORKERS, QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECT_REASONS,
+                                       QUEUE_REJECTED, QUEUE_WAIT)
 
 T = TypeVar("T")
 
@@ -49,7 +50,7 @@ class WorkQueue:
         QUEUE_DEPTH.labels(name).set(0)  # exported, at 0, before the first item
         QUEUE_BUSY_WORKERS.labels(name).set(0)
         QUEUE_WAIT.labels(name)  # the wait histogram exists (at 0) before the first item: rate() sees it grow
-        for reason in ("full", "timeout"):
+        for reason in QUEUE_REJECT_REASONS:
             QUEUE_REJECTED.labels(name, reason)
 
     @property

@@ -27,6 +27,7 @@ from switchyard.common.metrics import (
     OTHER,
     QUEUE_CAPACITY,
     QUEUE_DEPTH,
+    QUEUE_REJECT_REASONS,
     QUEUE_REJECTED,
     QUEUE_WAIT,
     TOOL_NAMES,
@@ -278,7 +279,7 @@ for _tool in TOOL_LABELS:
 
 for _reason in FlushReason:
     FLUSHES.labels(_reason.label)
-for _reason in ("full", "timeout"):
+for _reason in QUEUE_REJECT_REASONS:
     QUEUE_REJECTED.labels(QUEUE_NAME, _reason)
 QUEUE_DEPTH.labels(QUEUE_NAME).set(0)  # then published from make_stats by the loop
 QUEUE_WAIT_INFERENCE = QUEUE_WAIT.labels(QUEUE_NAME)
