@@ -41,3 +41,21 @@ def test_ghz_json_parses_unchanged():
     req = json_format.Parse('{"task_id":"bench-001","payload":"summarize this doc"}', agent_pb2.RunTaskRequest())
     assert req.task_id == "bench-001" and req.payload == "summarize this doc"
     assert req.priority == agent_pb2.PRIORITY_UNSPECIFIED
+
+
+def test_each_service_serves_the_grpc_service_the_one_table_names():
+    """common.server.GRPC_SERVICES names the proto's services, one per service; the servicers serve them, and
+    switchyard up, the orchestrator's readiness and the HTTP face read them there (each kept its own copy)."""
+    from switchyard.api import agent_pb2
+    from switchyard.common.server import GRPC_SERVICES
+    from switchyard.dispatcher.service import DispatcherService
+    from switchyard.orchestrator import http_face, readiness
+    from switchyard.orchestrator.service import OrchestratorService
+    from switchyard.retrieval.service import RetrievalService
+
+    assert sorted(GRPC_SERVICES.values()) == sorted(s.full_name for s in agent_pb2.DESCRIPTOR.services_by_name.values())
+    for name, servicer in (("orchestrator", OrchestratorService), ("retrieval", RetrievalService),
+                           ("dispatcher", DispatcherService)):
+        assert servicer.name == name and servicer.grpc_service_names == (GRPC_SERVICES[name],)
+    assert http_face.SERVICE == GRPC_SERVICES["orchestrator"]
+    assert readiness.HEALTH_NAMES == {"dispatcher": GRPC_SERVICES["dispatcher"], "retrieval": GRPC_SERVICES["retrieval"]}

@@ -49,13 +49,12 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
+from switchyard.common.server import GRPC_SERVICES
 from switchyard.launcher import healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_FLIGHT_GAUGES = ("switchyard_agents_concurrent", "switchyard_running_sequences", "switchyard_waiting_sequences",
                     "switchyard_queue_depth", "switchyard_queue_busy_workers")
-GRPC = {"orchestrator": "agent.AgentService", "retrieval": "agent.RetrievalService",
-        "dispatcher": "agent.InferenceService"}
 
 
 def free_port() -> int:
@@ -97,7 +96,7 @@ class Stack:
 
     def _wait(self, name: str, timeout: float = 300) -> None:
         end = time.monotonic() + timeout
-        while not healthy(f"127.0.0.1:{self.ports[name][0]}", GRPC[name]):
+        while not healthy(f"127.0.0.1:{self.ports[name][0]}", GRPC_SERVICES[name]):
             if self.procs[name].poll() is not None or time.monotonic() > end:
                 raise RuntimeError(f"{name} did not start; see {self.workdir / 'services.log'}")
             time.sleep(0.3)

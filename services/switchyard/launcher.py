@@ -73,16 +73,11 @@ from switchyard.common.channels import open_sync_channel
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, ServerConfig, SwitchyardConfig, load_config
 from switchyard.common.config.server import port_clash
-from switchyard.common.server import STREAM_END_MARGIN_S, bind_error
+from switchyard.common.server import GRPC_SERVICES, STREAM_END_MARGIN_S, bind_error
 from switchyard.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redis_server_binary
 from switchyard.serve import service_section
 
 ORDER = ("retrieval", "dispatcher", "orchestrator")
-GRPC_NAMES = {
-    "orchestrator": "agent.AgentService",
-    "retrieval": "agent.RetrievalService",
-    "dispatcher": "agent.InferenceService",
-}
 
 
 @dataclass
@@ -416,7 +411,7 @@ def main(argv: list[str]) -> int:
             deadline = time.monotonic() + args.ready_timeout
             for child in services[-len(started):]:
                 while not (child.read_ports()
-                           and healthy(f"{host}:{child.port}", GRPC_NAMES[child.kind], config=config.server)):
+                           and healthy(f"{host}:{child.port}", GRPC_SERVICES[child.kind], config=config.server)):
                     if stopping:
                         return 0
                     if (gone := _redis_exit(redis)) is not None:

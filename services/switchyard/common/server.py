@@ -31,6 +31,14 @@ from switchyard.common.metrics import SERVING
 
 log = logging.getLogger(__name__)
 
+GRPC_SERVICES: dict[str, str] = {
+    "orchestrator": "agent.AgentService",
+    "retrieval": "agent.RetrievalService",
+    "dispatcher": "agent.InferenceService",
+}
+"""Each service's gRPC service by the service's name: what it serves, and the health service name its readiness
+is asked by (``switchyard up``, the orchestrator's readiness of its downstreams, the pods' gRPC probes)."""
+
 
 class Service(Protocol):
     """What a Switchyard service gives the bootstrap.

@@ -44,7 +44,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.priority import check_priority
-from switchyard.common.server import Drains, HealthOwner, set_health
+from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner, set_health
 from switchyard.common.tenant import check_tenant, program_key
 from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
@@ -89,7 +89,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
     """
 
     name = "dispatcher"
-    grpc_service_names = ("agent.InferenceService",)
+    grpc_service_names = (GRPC_SERVICES["dispatcher"],)
 
     def __init__(
         self,

@@ -64,7 +64,7 @@ from switchyard.api import agent_pb2
 from switchyard.common import http_telemetry, telemetry
 from switchyard.common.config import SwitchyardConfig, TlsConfig
 from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, hop_of, status_for
-from switchyard.common.server import Drains
+from switchyard.common.server import GRPC_SERVICES, Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, TaskRequest,
@@ -74,7 +74,7 @@ from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
 
-SERVICE = "agent.AgentService"
+SERVICE = GRPC_SERVICES["orchestrator"]
 ROUTE_METHODS = {"submit": f"{SERVICE}/SubmitTask", "run": f"{SERVICE}/RunTask", "status": f"{SERVICE}/GetTaskStatus",
                  "cancel": f"{SERVICE}/CancelTask"}
 """The gRPC method each route stands for: what a bearer token restricted to methods must allow."""

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchyard.common.grpc_target import static_addresses
 from switchyard.common.metrics import TASK_TYPES
+from switchyard.common.server import GRPC_SERVICES
 from switchyard.orchestrator.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ CANNOT_RUN_WITHOUT: Mapping[str, tuple[str, ...]] = {
 ``search_docs`` tool, whose failure the model reads as the tool's observation (orchestrator/tools.py)."""
 assert set(CANNOT_RUN_WITHOUT) == set(TASK_TYPES)
 
-HEALTH_NAMES = {"dispatcher": "agent.InferenceService", "retrieval": "agent.RetrievalService"}
+HEALTH_NAMES = {name: GRPC_SERVICES[name] for name in ("dispatcher", "retrieval")}
 """The health service name each downstream sets SERVING when it is ready."""
 
 UNKNOWN_FAN_OUT = 3
@@ -174,7 +175,7 @@ class Readiness:
             workflow_health_name(w): SERVING if all(self.ready.get(s, False) for s in needs) else NOT_SERVING
             for w, needs in NEEDS.items()
         }
-        out["agent.AgentService"] = out[workflow_health_name(self._default)]
+        out[GRPC_SERVICES["orchestrator"]] = out[workflow_health_name(self._default)]
         return out
 
     async def check_once(self) -> dict[str, int]:

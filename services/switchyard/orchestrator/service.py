@@ -46,7 +46,7 @@ from switchyard.common.metrics import SERVING as SERVING_GAUGE
 from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
                                      TaskRefusedEarly, abort, status_for)
 from switchyard.common.queues import WorkQueue
-from switchyard.common.server import Drains, EndsStreams, HealthOwner, InterceptsCalls
+from switchyard.common.server import GRPC_SERVICES, Drains, EndsStreams, HealthOwner, InterceptsCalls
 from switchyard.common.tasks import settle
 from switchyard.common.tenant import DEFAULT_TENANT, agent_key
 from switchyard.orchestrator import prompts, tokens
@@ -158,7 +158,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
     """
 
     name = "orchestrator"
-    grpc_service_names = ("agent.AgentService",)
+    grpc_service_names = (GRPC_SERVICES["orchestrator"],)
 
     def __init__(self, config: SwitchyardConfig) -> None:
         self.config = config
@@ -258,7 +258,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
         async def set_status(name: str, status: int) -> None:
             await health.set(name, status)
-            if name == "agent.AgentService" and not self._draining:  # the probe's name: switchyard_serving's
+            if name == GRPC_SERVICES["orchestrator"] and not self._draining:  # the probe's name: switchyard_serving's
                 SERVING_GAUGE.labels(self.name).set(1 if status == READY else 0)
 
         self.readiness = Readiness(

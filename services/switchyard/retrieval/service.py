@@ -30,6 +30,7 @@ from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import InvalidArgument, SERVER_FAULT_CODES, abort, status_for
 from switchyard.common.queues import QueueTimeoutError, WorkQueue
+from switchyard.common.server import GRPC_SERVICES
 from switchyard.retrieval.embedder import MicroBatcher, OnnxEmbedder, QueryEncoder, load_query_encoder
 from switchyard.retrieval.index import IndexMismatchError, VectorIndex, load_index
 from switchyard.retrieval.metrics import EMBED_SECONDS, INDEX_PASSAGES, REQUESTS, SEARCH_SECONDS
@@ -57,7 +58,7 @@ class RetrievalService(agent_pb2_grpc.RetrievalServiceServicer):
     """
 
     name = "retrieval"
-    grpc_service_names = ("agent.RetrievalService",)
+    grpc_service_names = (GRPC_SERVICES["retrieval"],)
 
     def __init__(self, config: SwitchyardConfig, embedder: QueryEncoder | None = None) -> None:
         self.config = config
