@@ -87,8 +87,9 @@ at each wait made a report per call, 4.4 % of its event loop's time in front
 of ``sim-openai`` at 8 streams, docs/benchmarks.md.)
 
 :class:`LoopBase` holds what the step loop and the stream loop
-(:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the busy
-ratio, drain and stop.
+(:mod:`switchyard.dispatcher.stream_loop`) share: submit/abort, the
+tool-wait calls (``tool_wait``, ``forget_agent``), publishing the outputs
+and the reports, the flush timer, the busy ratio, drain and stop.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def record_output(req: Request, first: float | None, last: float | None, count: 
 
 
 class LoopBase:
-    """Submit, abort, drain and the busy ratio: what every engine loop offers the service.
+    """Submit, abort, the tool-wait calls, drain and the busy ratio: what every engine loop offers the service.
 
     Args:
         config: the whole config.
