@@ -65,10 +65,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from switchyard.common import outputs
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
+from switchyard.common.priority import LABELS
 from switchyard.common.up_files import default_path, recorded_services, remove_stale
 from switchyard_harness.backlog import SETTLE_CONCURRENCY, SETTLE_DEADLINE_S, backlog_summary, outcome, task_path
 
-PRIORITIES = ("core", "normal", "batch")
+PRIORITIES = LABELS
+"""The priority classes a user picks from, as the harness sends them (lower case)."""
 STREAMING_SHARE = 5
 """One user in this many is a StreamingRunTaskUser by default (weights 4 : 1)."""
 WATCHED = (
