@@ -75,6 +75,7 @@ import grpc
 from switchyard_harness import json_output
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
+from switchyard.common import envs
 from switchyard.common.cli_text import parser_for
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard_harness.bench.sched_bench import _dram_arg, _dram_tier, own_tier_overrides
@@ -365,9 +366,7 @@ async def _measure(args: Any, base: SwitchyardConfig) -> dict[str, Any]:
         config = stack_config(base, args, base_url, model, tier, store_dir)
         if not args.json:
             print(f"DRAM tier of the stack: {dram}", flush=True)
-        import os
-
-        key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+        key = (envs.read_secret(args.api_key_env) or "") if args.api_key_env else ""
         async with (switchyard_stack(config) as (host, metrics_urls), DirectClient(base_url, model, args.max_tokens, key)
                     as direct, ThroughClient(host, args.max_tokens) as through):
             sampler = LimitSampler(metrics_urls["dispatcher"])
