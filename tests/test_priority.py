@@ -47,3 +47,19 @@ def test_every_edge_refuses_a_priority_number_the_proto_does_not_name_in_the_sam
             refuse()
         refusals.append(str(refused.value))
     assert refusals == ["priority: expected CORE, NORMAL or BATCH (unset = NORMAL) (got 7)"] * 2
+
+
+def test_the_boosts_are_read_by_class_in_one_place():
+    """scheduler_config.json priority_boost is read by class through PriorityBoost.of: the priority policy's
+    head starts and the value score's weights (which read it by label through a model_dump, a fallback beside
+    it) agree for any boosts."""
+    from switchyard.common.config import PriorityBoost, SchedulerConfig, ValueScoreConfig
+    from switchyard.dispatcher.scheduler.priority import head_start
+    from switchyard.dispatcher.tiers.value import ValueScore
+
+    boost = PriorityBoost(core=7, normal=3, batch=2)
+    assert [boost.of(cls) for cls in PriorityClass] == [7, 3, 2]
+    value = ValueScore(ValueScoreConfig(), boost)
+    assert [value.weight(label) for label in LABELS] == [7, 3, 2] and value.weight("unknown") == 3
+    starts = head_start(SchedulerConfig(priority_boost=boost, aging_max_wait_ms=5000))
+    assert starts == pytest.approx((5.0, 1.0, 0.0))

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.base import _Strict
+from switchyard.common.priority import LABELS, PriorityClass
 from switchyard.common.tenant import EXPECTED as TENANT_EXPECTED
 from switchyard.common.tenant import TENANT_PATTERN
 
@@ -41,6 +42,14 @@ class PriorityBoost(_Strict):
         if not self.core >= self.normal >= self.batch:
             raise ValueError(f"expected core >= normal >= batch, got {self.core}, {self.normal}, {self.batch}")
         return self
+
+    def of(self, priority: PriorityClass) -> float:
+        """The boost of class ``priority``: the field its label names (the one reading of the boosts by class,
+        for the priority policy's aging and the value score's weights)."""
+        return (self.core, self.normal, self.batch)[priority]
+
+
+assert tuple(PriorityBoost.model_fields) == LABELS, "PriorityBoost's fields are the classes' labels, in rank order"
 
 
 class SchedulerConfig(_Strict):

@@ -55,6 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 from switchyard.common.config import SchedulerConfig, SwitchyardConfig
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
@@ -66,8 +67,7 @@ from switchyard.dispatcher.request import Request, SchedulerOutput
 def head_start(config: SchedulerConfig) -> tuple[float, ...]:
     """Seconds each class (core, normal, batch) is ordered ahead of its arrival: ``aging_max_wait_ms x
     (boost - boost_min) / (boost_max - boost_min)`` (see the module docstring)."""
-    boost = config.priority_boost
-    values = (boost.core, boost.normal, boost.batch)
+    values = tuple(config.priority_boost.of(cls) for cls in PriorityClass)
     low, high = min(values), max(values)
     aging_s = config.aging_max_wait_ms / 1000.0
     return tuple(aging_s * (value - low) / (high - low) if high > low else 0.0 for value in values)

@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from switchyard.common.config import PriorityBoost, ValueScoreConfig
+from switchyard.common.priority import LABELS, PriorityClass
 
 GIB = 2**30
 
@@ -61,8 +62,9 @@ class ValueScore:
     boost: PriorityBoost
 
     def weight(self, priority_class: str) -> float:
-        """The priority weight of ``priority_class`` (core, normal or batch)."""
-        return float(self.boost.model_dump().get(priority_class, self.boost.normal))
+        """The priority weight of ``priority_class`` (core, normal or batch; any other label: normal's)."""
+        rank = LABELS.index(priority_class) if priority_class in LABELS else PriorityClass.NORMAL
+        return float(self.boost.of(PriorityClass(rank)))
 
     def score(
         self, *, priority_class: str, hits: int, reuse_seconds: float, nbytes: int, idle_s: float, pinned: bool = False
