@@ -148,3 +148,15 @@ def test_the_load_bound_has_one_default_for_replicas_and_endpoints():
     from switchyard.common.config import AffinityConfig, UpstreamPoolConfig
 
     assert AffinityConfig().balance == UpstreamPoolConfig().balance == BoundedLoadRing().balance == DEFAULT_BALANCE
+
+
+def test_a_key_is_one_record_its_replica_and_last_use_together():
+    """A placed key's replica and its last use are one record: using it renews both, expiring or removing its
+    replica drops both, and the loads count what is placed."""
+    ring = BoundedLoadRing(["r1", "r2", "r3"])
+    homes = {key: ring.assign(key, now=float(i)) for i, key in enumerate("abcdef")}
+    assert ring.placed == homes and list(ring.placed) == list("abcdef")
+    assert ring.assign("a", now=10.0) == homes["a"] and list(ring.placed)[-1] == "a"  # used last: expires last
+    assert ring.expire(now=15.5, idle_s=10.0) == 5 and ring.placed == {"a": homes["a"]}
+    ring.remove(homes["a"])
+    assert ring.placed == {} and sum(ring.loads.values()) == 0

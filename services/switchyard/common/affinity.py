@@ -100,13 +100,17 @@ class BoundedLoadRing:
         self._owners: list[str] = []
         self.loads: dict[str, int] = {}
         """Keys placed on each replica."""
-        self.placed: OrderedDict[str, str] = OrderedDict()
-        """Key -> replica, least recently used first."""
-        self._last_used: dict[str, float] = {}
+        self._placed: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Key -> (its replica, when it was last used), least recently used first: the one record of a key."""
         for replica in replicas:
             self.add(replica)
 
     # ------------------------------------------------------------------ replicas
+
+    @property
+    def placed(self) -> dict[str, str]:
+        """Key -> its replica, least recently used first: a copy, for reports and tests."""
+        return {key: replica for key, (replica, _) in self._placed.items()}
 
     @property
     def replicas(self) -> list[str]:
@@ -129,7 +133,7 @@ class BoundedLoadRing:
         """Take ``replica`` off the ring; returns its keys, which are unplaced (their next ``assign`` places them)."""
         if replica not in self.loads:
             return []
-        moved = [key for key, where in self.placed.items() if where == replica]
+        moved = [key for key, (where, _) in self._placed.items() if where == replica]
         for key in moved:
             self._forget(key)
         del self.loads[replica]
@@ -140,7 +144,7 @@ class BoundedLoadRing:
 
     def capacity(self) -> int:
         """Most keys one replica may hold when one more is placed (:func:`bounded_capacity` of keys placed)."""
-        return bounded_capacity(len(self.placed), len(self.loads), self.balance)
+        return bounded_capacity(len(self._placed), len(self.loads), self.balance)
 
     def preferred(self, key: str) -> str:
         """The replica plain consistent hashing gives ``key`` (first point clockwise), loads ignored.
@@ -181,12 +185,12 @@ class BoundedLoadRing:
         Raises:
             LookupError: no replica on the ring, or all are excluded.
         """
-        where = self.placed.get(key)
-        if where is not None and where not in exclude:
-            self.placed.move_to_end(key)
-            self._last_used[key] = now
-            return where
-        if where is not None:
+        found = self._placed.get(key)
+        if found is not None and found[0] not in exclude:
+            self._placed[key] = (found[0], now)
+            self._placed.move_to_end(key)
+            return found[0]
+        if found is not None:
             self._forget(key)
         if not self._points:
             raise LookupError("no replica on the ring")
@@ -237,28 +241,26 @@ class BoundedLoadRing:
 
     def release(self, key: str) -> None:
         """``key`` is done (its session ended): it no longer counts on its replica."""
-        if key in self.placed:
+        if key in self._placed:
             self._forget(key)
 
     def expire(self, now: float, idle_s: float) -> int:
         """Release keys not used for ``idle_s`` seconds before ``now``; returns how many."""
         released = 0
-        while self.placed:
-            key = next(iter(self.placed))
-            if now - self._last_used.get(key, now) < idle_s:
+        while self._placed:
+            key, (_, last_used) = next(iter(self._placed.items()))
+            if now - last_used < idle_s:
                 break
             self._forget(key)
             released += 1
         return released
 
     def _place(self, key: str, replica: str, now: float) -> str:
-        self.placed[key] = replica
-        self._last_used[key] = now
+        self._placed[key] = (replica, now)
         self.loads[replica] += 1
         return replica
 
     def _forget(self, key: str) -> None:
-        replica = self.placed.pop(key)
-        self._last_used.pop(key, None)
+        replica, _ = self._placed.pop(key)
         if replica in self.loads:
             self.loads[replica] -= 1
