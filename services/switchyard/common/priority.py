@@ -46,6 +46,10 @@ _LABEL = {cls: cls.name.lower() for cls in PriorityClass}
 LABELS: tuple[str, ...] = tuple(c.label for c in PriorityClass)
 """Every class's label, most important first: the bounded label set of per-class metrics."""
 
+LABELS_EXPECTED = f"{', '.join(LABELS[:-1])} or {LABELS[-1]}"
+"""What a refusal of a class's name says was expected: core, normal or batch (the HTTP body's ``priority``, the
+x-priority header, ``switchyard run --priority``)."""
+
 ClassLabel = Literal["core", "normal", "batch"]
 """A class's label as a type, for config keys and the HTTP face's body: pydantic refuses any other value, naming
 these three."""

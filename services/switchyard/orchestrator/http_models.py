@@ -25,7 +25,7 @@ from switchyard.common.tenant import DEFAULT_TENANT, TENANT_PATTERN
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
-from switchyard.common.priority import LABELS, ClassLabel
+from switchyard.common.priority import LABELS, LABELS_EXPECTED, ClassLabel
 
 MIB = 1 << 20
 
@@ -96,7 +96,7 @@ class TaskRequest(BaseModel):
 
 EXPECTED: dict[str, str] = {
     "agent_id": "a non-empty string, the agent's id (or the X-Agent-Id header)",
-    "priority": "core, normal or batch",  # parse_priority's words: the gRPC edge's message for x-priority
+    "priority": LABELS_EXPECTED,  # parse_priority's words: the gRPC edge's message for x-priority
     "task_type": f"one of {', '.join(TASK_TYPES)}",
     "max_tokens": "an integer from 0 (the default) to the lesser of limits.max_tokens and the model's context window "
                   "less the prompt's tokens",

@@ -31,7 +31,7 @@ from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.untrusted import check_id, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
-from switchyard.common.priority import PriorityClass, check_priority
+from switchyard.common.priority import LABELS_EXPECTED, PriorityClass, check_priority
 
 if TYPE_CHECKING:
     from switchyard.common.auth import BearerTokens
@@ -50,7 +50,7 @@ def parse_priority(value: str, field: str) -> int:
     try:
         return _PRIORITY_NAMES[value.strip().lower()]
     except KeyError:
-        raise InvalidArgument(field, "core, normal or batch", value) from None
+        raise InvalidArgument(field, LABELS_EXPECTED, value) from None
 
 
 def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
