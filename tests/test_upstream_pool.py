@@ -673,6 +673,32 @@ async def test_an_endpoint_back_after_being_down_has_its_model_list_read_again(c
             await client.aclose()
 
 
+async def test_a_replica_that_leaves_the_pool_and_joins_again_has_its_model_list_read_again(clean_proxy_env):
+    """A DNS pool's replica leaves (the name no longer gives its address) and joins again under the same
+    host:port, restarted with another --max-model-len. What the gateway knew of it (its context windows, its
+    flavour, the fields it refused) was kept by endpoint name beside the pool, so it came back with its old
+    window, 32768, and ``list_models_everywhere`` skipped it as read. It belongs to the endpoint now: a
+    replica that joins again is read again, and the pool's window is the restarted one's."""
+    long = SimOpenAIOptions(latency=False, models=["sim-7b"], owned_by="vllm", max_model_len=32768)
+    port = _free_port()
+    with run_in_thread(long) as steady:
+        first = run_in_thread(long, port=port)
+        restarted = first.__enter__()
+        urls = [steady.base_url, restarted.base_url]
+        client = GatewayClient(pool_config(urls, scrape_interval_s=60.0))
+        try:
+            await client.list_models_everywhere()
+            assert client.reported_context_window("sim-7b") == 32768
+            client.pool._update(urls[:1])  # the resolve loop's step: the name no longer gives its address
+            first.__exit__(None, None, None)
+            with run_in_thread(dataclasses.replace(long, max_model_len=4096), port=port):
+                client.pool._update(urls)  # and gives it again
+                await client.list_models_everywhere()
+                assert client.reported_context_window("sim-7b") == 4096
+        finally:
+            await client.aclose()
+
+
 async def test_a_not_found_from_an_endpoint_that_listed_the_model_reads_its_list_and_goes_to_another(
         clean_proxy_env):
     """A replica restarted serving another model, unnoticed (its /metrics never failed): the calls its

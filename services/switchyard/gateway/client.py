@@ -236,24 +236,17 @@ class GatewayClient:
         """The endpoints and the picker (one endpoint: ``base_url``)."""
         start_at_zero({model_names.model_label(m, config) for m in model_names.configured_models(config)} | {OTHER},
                       [model_names.model_label(m, config) for m in self.models_for("")[1:]])
-        self._flavours: dict[str, servers.ServerFlavour] = {}
-        """Server flavour per endpoint name (``model_gateway.server``, or detected from its ``/v1/models``)."""
         self._request_ids = LiveRequestIds()
         """Request ids of this client's calls in flight: no two go upstream under one."""
-        self._refused: dict[str, set[str]] = {}
-        """Body fields each endpoint refused (400/422 naming them): never sent to it again, an optional one
-        dropped, a renamed one (:data:`_RENAMED_FIELDS`) sent under its other name."""
-        self._windows: dict[str, dict[str, int]] = {}
-        """Per endpoint name, the context window per upstream model id, tokens, as its last ``GET /v1/models``
-        reported it (vLLM's max_model_len); :meth:`_pool_windows` is what callers get."""
         self._relists: set[asyncio.Task[None]] = set()
         self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
     @property
     def refused_fields(self) -> set[str]:
-        """The optional body fields any endpoint refused (dropped, what they carried lost; a field sent under
-        another name instead, :data:`_RENAMED_FIELDS`, loses nothing and is not one)."""
-        return set().union(*self._refused.values()) - set(_RENAMED_FIELDS)
+        """The optional body fields any endpoint of the pool refused (:attr:`Endpoint.refused`: dropped, what they
+        carried lost; a field sent under another name instead, :data:`_RENAMED_FIELDS`, loses nothing and is not
+        one)."""
+        return set().union(*(e.refused for e in self.pool.endpoints.values())) - set(_RENAMED_FIELDS)
 
     @property
     def concurrency_limit(self) -> PoolLimit:
@@ -325,12 +318,11 @@ class GatewayClient:
                 f"GET {url} did not return OpenAI's model list ({{'data': [{{'id': ...}}]}}): "
                 f"received {snippet(redact(response.text, key.value))}"
             ) from None
-        self._windows[endpoint.name] = {model: window for model in ids
-                                        if (window := servers.reported_context_window(body, model))}
+        endpoint.windows = {model: window for model in ids if (window := servers.reported_context_window(body, model))}
         endpoint.models = frozenset(ids)
         name = self.config.server if self.config.server != "auto" else servers.detect(body, response.headers)
-        if self._flavours.get(endpoint.name) is not servers.FLAVOURS[name]:  # first read, or a server restarted
-            self._flavours[endpoint.name] = servers.FLAVOURS[name]
+        if endpoint.flavour is not servers.FLAVOURS[name]:  # first read, or a server restarted
+            endpoint.flavour = servers.FLAVOURS[name]
             log.info("model server at %s: %s", endpoint.url, name)
         return ids
 
@@ -344,24 +336,24 @@ class GatewayClient:
         """``endpoint`` answers again after it could not be reached: its server may have been restarted with
         another model or context window, so its ``GET /v1/models`` is read again (its ids, windows and
         flavour). A read that fails leaves the list as it was, to be read at the next answer."""
-        models, windows = endpoint.models, self._windows.get(endpoint.name)
+        models, windows = endpoint.models, endpoint.windows
         try:
             await self.list_models(endpoint)
         except GatewayError as exc:
             endpoint.relist = True
             log.info("could not read the model list of %s again, now that it answers: %s", endpoint.url, exc)
             return
-        if (endpoint.models, self._windows.get(endpoint.name)) != (models, windows):
+        if (endpoint.models, endpoint.windows) != (models, windows):
             log.info("upstream endpoint %s lists %s now (context windows %s), back after it could not be reached",
                      endpoint.url, ", ".join(map(repr, sorted(endpoint.models or ()))) or "no model",
-                     self._windows.get(endpoint.name) or "not reported")
+                     endpoint.windows or "not reported")
 
     async def list_models_everywhere(self) -> list[str]:
         """:meth:`list_models` of the first endpoint up (its ids returned, its errors raised), and of every other
         endpoint of a pool (their failures logged): each endpoint's reported context windows are read, so that
         :meth:`reported_context_window` is the smallest of them."""
         ids = await self.list_models()
-        others = [e for name, e in self.pool.endpoints.items() if name not in self._windows]
+        others = [e for e in self.pool.endpoints.values() if e.models is None]  # not read yet
         for endpoint, outcome in zip(others, await asyncio.gather(*(self.list_models(e) for e in others),
                                                                   return_exceptions=True)):
             if isinstance(outcome, BaseException):
@@ -373,10 +365,8 @@ class GatewayClient:
         of them reported (a request within it fits on whichever endpoint it is sent to; one past it was
         refused 400 by the smaller replica, after the task was accepted, and not sent to another)."""
         windows: dict[str, int] = {}
-        for name, reported in self._windows.items():
-            if name not in self.pool.endpoints:
-                continue  # it left the pool
-            for model, window in reported.items():
+        for endpoint in self.pool.endpoints.values():  # one that left the pool no longer counts
+            for model, window in (endpoint.windows or {}).items():
                 windows[model] = min(window, windows.get(model, window))
         return windows
 
@@ -425,13 +415,14 @@ class GatewayClient:
             endpoint = next((e for e in known if e.up), known[0] if known else None)
             if endpoint is None:
                 return servers.FLAVOURS["unknown"]
-        if endpoint.name not in self._flavours:
+        if endpoint.flavour is None:
             try:
                 await self.list_models(endpoint)
             except GatewayError as exc:
                 log.info("could not list models to detect the server flavour of %s: %s", endpoint.url, exc)
-            self._flavours.setdefault(endpoint.name, servers.FLAVOURS["unknown"])
-        return self._flavours[endpoint.name]
+            if endpoint.flavour is None:
+                endpoint.flavour = servers.FLAVOURS["unknown"]
+        return endpoint.flavour
 
     def _claim_request_id(self, request: ChatRequest) -> ChatRequest:
         """``request`` under an id no call of this client has in flight (:class:`LiveRequestIds`): two tasks under
@@ -651,7 +642,7 @@ class GatewayClient:
                                            cfg.priority_polarity)
             if value is not None and flavour.priority_field:
                 body[flavour.priority_field] = value
-        for name in self._refused.get(endpoint.name, ()):
+        for name in endpoint.refused:
             value = body.pop(name, None)
             if name in _RENAMED_FIELDS and value is not None:
                 body[_RENAMED_FIELDS[name]] = value
@@ -688,7 +679,7 @@ class GatewayClient:
             refused = None  # refused for its value, say, not its name: the replacement would be refused too
         if refused is None:
             return False
-        dropped = self._refused.setdefault(endpoint.name, set())
+        dropped = endpoint.refused
         if refused in dropped:  # the calls in flight before the first refusal are each refused too: said once
             return True
         dropped.add(refused)

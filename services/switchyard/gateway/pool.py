@@ -65,6 +65,7 @@ from switchyard.gateway.metrics import (
 )
 from switchyard.gateway.picker import REASONS, EndpointPicker, Picked
 from switchyard.gateway.server_load import ServerLoad, parse_server_load
+from switchyard.gateway.servers import ServerFlavour
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,14 @@ class Endpoint:
     """Its model list is to be read again: its server could not be reached, or cut a call, since the list was
     read (it may have been restarted with another model, another context window), until the next read
     succeeds."""
+    windows: dict[str, int] | None = None
+    """The context window per model id, tokens, as its last ``GET /v1/models`` reported it (vLLM's
+    max_model_len; a model it reported none for is absent; None: not read yet)."""
+    flavour: ServerFlavour | None = None
+    """Its server's flavour: ``model_gateway.server``, or detected from its ``GET /v1/models`` (None: not
+    known yet)."""
+    refused: set[str] = field(default_factory=set)
+    """Body fields its server refused (400/422 naming them): never sent to it again."""
 
     @property
     def up(self) -> bool:
