@@ -442,7 +442,8 @@ def main(argv: list[str]) -> int:
             lines.append(f"  {'http':<13} {'https' if config.server.tls.enabled else 'http'}://{host}:{orchestrator.http_port}"
                          "  the orchestrator's HTTP face (/api/v1/agent/submit, /openapi.json)")
         orch_port = orchestrator.port
-        extra = "" if orch_port == 50051 else f" --addr {host}:{orch_port}"
+        # `switchyard run` dials server.host:orchestrator.port of the config it reads (this one, by default)
+        extra = "" if orch_port == config.orchestrator.port else f" --addr {host}:{orch_port}"
         lines.append(f'Try: {_cli_command()} run{extra} "How does the with statement work?"   (Ctrl-C stops all)')
         print("\n".join(lines), flush=True)
         _write_up_file(endpoints_file, host, services)

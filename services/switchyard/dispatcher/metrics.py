@@ -37,6 +37,7 @@ from switchyard.common.priority import LABELS
 from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
+from switchyard.dispatcher.scheduler.base import SEQUENCE_RESUME_KINDS
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
 from switchyard.dispatcher.scheduler.fair import tenant_labels
 from switchyard.dispatcher.scheduler.tool_wait import PREFETCH_TIMINGS, RESUME_KINDS, Decision
@@ -212,7 +213,7 @@ for _class in LABELS:  # counters with a known label set start at 0
     PREEMPTIONS.labels(_class)
     DEADLINES_EXCEEDED.labels(_class)
     REFUSED_EARLY.labels(_class)
-for _kind in ("preempted", "tool_warm", "tool_restored", "tool_cold"):
+for _kind in SEQUENCE_RESUME_KINDS:
     RESUMES.labels(_kind)
 
 TOOL_WAIT_DECISIONS = Counter(

@@ -78,12 +78,18 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
     from switchyard.dispatcher.tiers import MemoryTiers
 
-__all__ = ["REACT_TASK_TYPE", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
+__all__ = ["REACT_TASK_TYPE", "SEQUENCE_RESUME_KINDS", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
            "SchedulerOutput", "SchedulerStats", "class_rank", "should_park"]
 
 
 REACT_TASK_TYPE = "react_loop"
 """The task type whose agents alternate GPU thinking and tool waits."""
+
+
+SEQUENCE_RESUME_KINDS: tuple[str, ...] = ("preempted", "tool_warm", "tool_restored", "tool_cold")
+"""How a sequence came back (:attr:`SchedulerCounters.resumes`, ``switchyard_resumes_total{kind}``): re-admitted
+after preemption, or a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM
+tier, or lost."""
 
 
 def class_rank(req: Request) -> int:
@@ -120,8 +126,8 @@ class SchedulerCounters:
     ``deadlines_exceeded`` by the request's priority class (``switchyard_preemptions_total``,
     ``switchyard_request_deadline_exceeded_total``), ``refused_early`` by the request's priority class (the
     ``fair`` policy's refusals of work that cannot make its task's deadline;
-    ``switchyard_requests_refused_early_total``), ``resumes`` by kind (preempted, tool_warm,
-    tool_restored, tool_cold; ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
+    ``switchyard_requests_refused_early_total``), ``resumes`` by kind (:data:`SEQUENCE_RESUME_KINDS`;
+    ``switchyard_resumes_total``), ``tool_wait_decisions`` by decision (keep,
     swap, drop; ``switchyard_tool_wait_decisions_total``). Per tool, keyed ``(tool, label)`` (the tool
     a bounded label: :data:`switchyard.common.metrics.TOOL_NAMES` or ``other``): ``tool_decisions`` by
     decision (``switchyard_tool_wait_decisions_by_tool_total``), ``tool_resumes`` by warm / cold
