@@ -46,12 +46,15 @@ class WorkQueue:
         self._items: asyncio.Queue[_Job] = asyncio.Queue(maxsize=config.capacity)
         self._workers: list[asyncio.Task[None]] = []
         self._busy = 0
+        # this queue's series, looked up once: an item's trip through the queue sets or observes five of them
         QUEUE_CAPACITY.labels(name).set(config.capacity)
-        QUEUE_DEPTH.labels(name).set(0)  # exported, at 0, before the first item
-        QUEUE_BUSY_WORKERS.labels(name).set(0)
-        QUEUE_WAIT.labels(name)  # the wait histogram exists (at 0) before the first item: rate() sees it grow
-        for reason in QUEUE_REJECT_REASONS:
-            QUEUE_REJECTED.labels(name, reason)
+        self._depth_gauge = QUEUE_DEPTH.labels(name)
+        self._depth_gauge.set(0)  # exported, at 0, before the first item
+        self._busy_gauge = QUEUE_BUSY_WORKERS.labels(name)
+        self._busy_gauge.set(0)
+        self._wait_histogram = QUEUE_WAIT.labels(name)  # exists (at 0) before the first item: rate() sees it grow
+        self.rejected = {reason: QUEUE_REJECTED.labels(name, reason) for reason in QUEUE_REJECT_REASONS}
+        """``switchyard_queue_rejected_total`` of this queue, per reason."""
 
     @property
     def depth(self) -> int:
@@ -94,9 +97,9 @@ class WorkQueue:
         try:
             self._items.put_nowait(job)
         except asyncio.QueueFull:
-            QUEUE_REJECTED.labels(self.name, "full").inc()
+            self.rejected["full"].inc()
             raise QueueFullError(self.name, self.config.capacity) from None
-        QUEUE_DEPTH.labels(self.name).set(self._items.qsize())
+        self._depth_gauge.set(self._items.qsize())
         return Ticket(self, job, position)
 
     def place(self) -> int:
@@ -108,7 +111,7 @@ class WorkQueue:
         """
         waiting = self._items.qsize()
         if waiting >= self.config.capacity:
-            QUEUE_REJECTED.labels(self.name, "full").inc()
+            self.rejected["full"].inc()
             raise QueueFullError(self.name, self.config.capacity)
         return waiting
 
@@ -125,14 +128,14 @@ class WorkQueue:
     async def _work(self) -> None:
         while True:
             job = await self._items.get()
-            QUEUE_DEPTH.labels(self.name).set(self._items.qsize())
+            self._depth_gauge.set(self._items.qsize())
             if job.abandoned or job.started.done():
                 continue
             wait = time.monotonic() - job.enqueued_at
-            QUEUE_WAIT.labels(self.name).observe(wait)
+            self._wait_histogram.observe(wait)
             job.started.set_result(wait)
             self._busy += 1
-            QUEUE_BUSY_WORKERS.labels(self.name).set(self._busy)
+            self._busy_gauge.set(self._busy)
             try:
                 job.task = asyncio.ensure_future(job.fn())
                 result = await asyncio.shield(job.task)
@@ -152,7 +155,7 @@ class WorkQueue:
                     job.done.set_result(result)
             finally:
                 self._busy -= 1
-                QUEUE_BUSY_WORKERS.labels(self.name).set(self._busy)
+                self._busy_gauge.set(self._busy)
 
 
 class Ticket(Generic[T]):
@@ -175,7 +178,7 @@ class Ticket(Generic[T]):
             wait = await asyncio.wait_for(asyncio.shield(job.started), timeout)
         except asyncio.TimeoutError:
             job.abandoned = True
-            QUEUE_REJECTED.labels(queue.name, "timeout").inc()
+            queue.rejected["timeout"].inc()
             raise QueueTimeoutError(queue.name, time.monotonic() - job.enqueued_at, queue.config.timeout_ms) from None
         except asyncio.CancelledError:
             job.abandoned = True
