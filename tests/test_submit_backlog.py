@@ -26,6 +26,7 @@ from test_orchestrator import Downstream
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
+from switchyard.common.errors import QueueFullError, abort
 from switchyard.common.server import running
 from switchyard.orchestrator.http_face import HttpFace
 from switchyard.orchestrator.metrics import SUBMITTED_TASKS
@@ -598,3 +599,56 @@ async def test_metadata_goes_on_the_span_of_a_task_not_of_a_refused_request_on_b
         await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="m1", payload="p", task_type="chat",
                                                        metadata={"user": "u1"}))
         assert recorded == [{"user": "u1"}]
+
+
+class FullQueueDownstream(CountingDownstream):
+    """The fixed downstream with an inference queue of ``capacity`` places: a Generate past them is refused at
+    once, RESOURCE_EXHAUSTED naming the queue, as the dispatcher refuses it."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.refused: list[str] = []  # the request ids refused, in order
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        if self.in_flight >= self.capacity:
+            self.refused.append(request.request_id)
+            await abort(context, QueueFullError("inference", self.capacity), "dispatcher")
+        async for chunk in super().Generate(request, context):
+            yield chunk
+
+
+async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backlog_and_runs(tmp_path):
+    overrides = {"orchestrator.max_running_submitted_tasks": 4, "orchestrator.max_unfinished_submitted_tasks": 8}
+    down = FullQueueDownstream(capacity=2)
+    async with backlog_stack(tmp_path / "tasks.sqlite3", down, **overrides) as (stub, _, down):
+        for task_id in ("t1", "t2", "t3", "t4"):
+            await submit(stub, task_id, agent_pb2.NORMAL)
+        # the two past the queue's places go back to the backlog (a submit in between may start them once more)
+        await until(lambda: (gauge("queued"), gauge("running")) == (2, 2))
+        assert {r.split(":")[0] for r in down.refused} == {"t3", "t4"}
+        assert (gauge("running"), down.in_flight) == (2, 2)
+        waiting = {t: await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=t)) for t in ("t3", "t4")}
+        assert all(s.state == agent_pb2.QUEUED and not s.error for s in waiting.values()), waiting
+        assert sorted(s.queue_position for s in waiting.values()) == [0, 1]
+
+        down.gate.set()
+        finals = {t: await final_state(stub, t) for t in ("t1", "t2", "t3", "t4")}
+        assert {t: (s.state, s.error) for t, s in finals.items()} == {
+            t: (agent_pb2.SUCCEEDED, "") for t in finals}
+        assert finals["t3"].result.output == "The answer."
+        assert finals["t3"].timings.queue_wait_s["submitted"] > 0
+        assert down.peak == 2
+        await until(lambda: gauge("running") == 0)
+        assert gauge("queued") == 0
+
+
+async def test_a_submitted_task_refused_by_a_full_queue_with_nothing_else_running_fails_naming_it(tmp_path):
+    overrides = {"orchestrator.max_running_submitted_tasks": 4}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=0),
+                             **overrides) as (stub, _, down):
+        await submit(stub, "alone", agent_pb2.NORMAL)
+        status = await final_state(stub, "alone")  # no other task's end would start it again
+        assert status.state == agent_pb2.FAILED
+        assert status.error.startswith("RESOURCE_EXHAUSTED: ") and "queues.inference.capacity" in status.error
+        assert down.refused == ["alone:0"]

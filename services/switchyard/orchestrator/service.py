@@ -359,14 +359,17 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     # ------------------------------------------------------------------ running a task
 
-    def _new_task(self, spec: TaskSpec, emit, context: grpc.aio.ServicerContext | None) -> Task:
-        """The task's state. Its deadline is its type's time limit or the caller's gRPC deadline,
-        whichever comes first (the orchestrator owns a task's lifetime)."""
+    def _new_task(self, spec: TaskSpec, emit, context: grpc.aio.ServicerContext | None,
+                  started_at: float | None = None) -> Task:
+        """The task's state. Its deadline is its type's time limit from ``started_at`` (monotonic seconds; now
+        when None) or the caller's gRPC deadline, whichever comes first (the orchestrator owns a task's
+        lifetime)."""
         assert self._deps is not None, "start() not called"
         orch = self.config.orchestrator
         now = time.monotonic()
         limit = orch.task_time_limit_s[spec.workflow]
-        deadline, source = now + limit, f"orchestrator.task_time_limit_s.{spec.workflow} = {limit:g}"
+        deadline = (now if started_at is None else started_at) + limit
+        source = f"orchestrator.task_time_limit_s.{spec.workflow} = {limit:g}"
         remaining = context.time_remaining() if context is not None else None
         if remaining is not None and now + remaining < deadline:
             deadline, source = now + remaining, "the caller's gRPC deadline"
@@ -657,17 +660,21 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     async def _run_submitted(self, entry: Submitted) -> None:
         """Run one submitted task (started from the backlog) and record its outcome. Its time limit counts
-        from now; the wait in the backlog is ``timings.queue_wait_s["submitted"]``."""
+        from its first start; the wait in the backlog is ``timings.queue_wait_s["submitted"]``. A run refused
+        for want of room goes back to the backlog instead (:meth:`_waits_again`)."""
         entry.started = True
         spec = entry.spec
         running: asyncio.Future[None] | None = None
-        executing = False
+        executing = waits_again = False
         t0 = time.monotonic()
+        if entry.first_started_at is None:
+            entry.first_started_at = t0
         task: Task | None = None
         try:
             if entry.cancelled or self._stopping:  # asked before this runner began
                 raise asyncio.CancelledError
-            task = self._new_task(spec, lambda event: None, None)  # no reader: its status is read instead
+            # no reader: its status is read instead
+            task = self._new_task(spec, lambda event: None, None, started_at=entry.first_started_at)
             task.trace_id, t0 = entry.trace_id, task.t0
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
             entry.task = task
@@ -677,6 +684,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             final = await self._execute(task)
             state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
         except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
+            waits_again = self._waits_again(entry, exc)
             if not executing:
                 _count_unrun(spec, grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
                              else status_for(exc)[0])
@@ -691,11 +699,35 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             state, result = agent_pb2.FAILED, task.consumed().SerializeToString() if task is not None else b""
         finally:
             self._submitted.stopped(entry)
-            self._start_submitted()
+            if waits_again:  # back in the backlog at once (no await between): the next running task to end starts it
+                self._submitted.wait_again(entry)
+            else:
+                self._start_submitted()
+        if waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
+            log.debug("task %s: %s; it waits again in the backlog, first of its class, and starts when another "
+                     "submitted task ends", spec.task_id, error)
+            return
         self._settle(entry, state, result, error)  # from here CancelTask no longer cancels it
         if running is not None:
             await asyncio.gather(running, return_exceptions=True)
         await self._record_finish(entry, state, result, error)
+
+    def _waits_again(self, entry: Submitted, exc: BaseException) -> bool:
+        """Whether a submitted task whose run ended with ``exc`` goes back to the backlog instead of failing.
+
+        So it does when the run was refused for want of room (RESOURCE_EXHAUSTED: a full queue here or
+        downstream, the model server's rate limit) while another submitted task runs here, whose end starts it
+        again, and within its time limit from its first start: an accepted task waits in the backlog, as in a
+        task queue, rather than failing with 'retry later' on a load its caller cannot see. Running it again
+        repeats nothing (its tools only read, and agent memory is written once a run succeeds). A task cancelled
+        or an orchestrator stopping fails as ever."""
+        if self._stopping or entry.cancelled or not isinstance(exc, Exception):
+            return False
+        if status_for(exc)[0] != grpc.StatusCode.RESOURCE_EXHAUSTED or self._submitted.running < 2:
+            return False
+        assert entry.first_started_at is not None
+        limit = self.config.orchestrator.task_time_limit_s[entry.spec.workflow]
+        return time.monotonic() - entry.first_started_at < limit
 
     async def _delete_refused(self, task_id: str) -> None:
         """Delete the record of a task refused after it was written; where the store refuses, again later

@@ -42,8 +42,8 @@ class Submitted:
             the submit's trace whenever it starts.
     """
 
-    __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "state", "timings", "final", "runner",
-                 "started", "cancelled", "task")
+    __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
+                 "final", "runner", "started", "cancelled", "task")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
         self.spec = spec
@@ -51,6 +51,9 @@ class Submitted:
         self.context = context
         self.priority = PriorityClass.from_proto(spec.priority)
         self.submitted_at = time.monotonic()
+        """When it entered the backlog last (its submit, or a refusal that sent it back)."""
+        self.first_started_at: float | None = None
+        """When it first left the backlog: its time limit counts from here, over every start."""
         self.state = agent_pb2.QUEUED
         self.timings = agent_pb2.Timings()
         self.final: agent_pb2.TaskStatus | None = None
@@ -151,6 +154,16 @@ class SubmittedTasks:
         assert entry.runner is not None
         self.running -= 1
         _RUNNING.dec()
+
+    def wait_again(self, entry: Submitted) -> None:
+        """Put a started task whose run was refused for want of room (its runner ended, :meth:`stopped` called)
+        back first in its class's backlog: it starts again before any task that waits behind it."""
+        assert entry.runner is not None and entry.final is None
+        entry.runner, entry.started, entry.task = None, False, None
+        entry.state = agent_pb2.QUEUED
+        entry.submitted_at = time.monotonic()
+        self._backlog[entry.priority.value].appendleft(entry.spec.task_id)
+        _QUEUED.inc()
 
     def remove_queued(self, task_id: str) -> Submitted | None:
         """Take ``task_id`` out of the backlog (it will not start); None when it is not queued here. The entry

@@ -118,8 +118,8 @@ class OrchestratorConfig(_Strict):
     )
     task_time_limit_s: dict[str, float] = Field(
         default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},
-        description="Longest a task of each type may run, seconds, from arrival (a submitted task: from its start, "
-        "leaving the backlog) to its final event; past it "
+        description="Longest a task of each type may run, seconds, from arrival (a submitted task: from its first "
+        "start, leaving the backlog, over every start) to its final event; past it "
         "the task ends DEADLINE_EXCEEDED and every downstream call it made is cancelled. A caller's earlier "
         "gRPC deadline wins. Bounds work whose caller is gone without cancelling (SubmitTask, a dropped call).",
     )
