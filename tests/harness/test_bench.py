@@ -17,7 +17,7 @@ from switchyard_harness.bench.calldata import CallDataError, parse_calldata, req
 from switchyard_harness.bench.ghz_schema import GHZ_REPORT_SCHEMA, SWITCHYARD_REPORT_SCHEMA
 from test_tls import pki  # noqa: F401 - fixture
 from switchyard_harness.bench.loadgen import LoadPlan, auto_procs, go_code_name, run_load, run_part
-from switchyard_harness.bench.report import build_report, histogram, latency_distribution, summary_text
+from switchyard_harness.bench.report import build_report, error_kind, histogram, latency_distribution, summary_text
 from switchyard.common.config import ServerConfig
 from switchyard.common.server import running
 
@@ -542,6 +542,15 @@ async def test_summary_groups_errors_of_one_kind_and_counts_tokens_of_successful
     text = summary_text(report)
     assert text.count("ran out of time") == 1 and "[10]\trpc error: code = DeadlineExceeded desc = task # ran" in text
     assert f"Tokens:\t{10 * TOKENS} " in text and "20 more streamed by calls that then failed" in text
+
+
+def test_an_id_is_one_kind_whatever_its_length():
+    """ghz/data/mixed.json's ``bench-{{.RequestNumber}}``: bench-8 and bench-43 are one id's two values."""
+    kinds = {error_kind(f"rpc error: code = DeadlineExceeded desc = task {task_id} ran out of time after {s} s")
+             for task_id, s in (("bench-8", "20"), ("bench-43", "20"), ("t-1", "0.4"), ("task-aa89e934daf4", "3"))}
+    assert kinds == {"rpc error: code = DeadlineExceeded desc = task # ran out of time after # s"}
+    assert error_kind("upstream 503 from http://127.0.0.1:8000/v1/chat/completions") == (
+        "upstream # from http://#:#/#/chat/completions")
 
 
 def test_the_switchyard_command_list_names_every_bench_subcommand():

@@ -91,14 +91,16 @@ def percentile(values: list[float], p: int) -> float:
     return ordered[max(di, 0)]
 
 
-_VARIABLE = re.compile(r"\b(?=[\w-]*\d)[\w-]{8,}\b|\d+(?:\.\d+)?")
-"""What differs between two errors of one kind: ids (8+ characters with a digit) and numbers."""
+_VARIABLE = re.compile(r"\b\d+(?:\.\d+)+\b|\b(?=[\w-]*\d)[\w-]+\b")
+"""What differs between two errors of one kind: numbers (``0.405``, ``127.0.0.1``) and ids, words with a digit
+of any length (``bench-8`` and ``bench-43`` are one id's two values)."""
 
 
 def error_kind(message: str) -> str:
     """``message`` with its ids and numbers replaced by ``#``: errors of one cause read alike.
 
-    ``"task task-aa89e934daf4 ran out of time after 0.405 s"`` -> ``"task # ran out of time after # s"``.
+    ``"task task-aa89e934daf4 ran out of time after 0.405 s"`` -> ``"task # ran out of time after # s"``, and
+    ``"task bench-8 ..."`` reads as ``"task bench-43 ..."`` does.
     """
     return _VARIABLE.sub("#", message)
 
