@@ -631,11 +631,14 @@ async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backl
         waiting = {t: await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id=t)) for t in ("t3", "t4")}
         assert all(s.state == agent_pb2.QUEUED and not s.error for s in waiting.values()), waiting
         assert sorted(s.queue_position for s in waiting.values()) == [0, 1]
+        cancelled = await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t4"))  # back in the backlog: taken out
+        assert cancelled.state == agent_pb2.FAILED and "while QUEUED" in cancelled.error
 
         down.gate.set()
-        finals = {t: await final_state(stub, t) for t in ("t1", "t2", "t3", "t4")}
+        finals = {t: await final_state(stub, t) for t in ("t1", "t2", "t3")}
         assert {t: (s.state, s.error) for t, s in finals.items()} == {
             t: (agent_pb2.SUCCEEDED, "") for t in finals}
+        assert (await final_state(stub, "t4")).error == cancelled.error
         assert finals["t3"].result.output == "The answer."
         assert finals["t3"].timings.queue_wait_s["submitted"] > 0
         assert down.peak == 2
