@@ -215,6 +215,26 @@ async def test_the_final_event_says_why_the_model_stopped_and_a_cut_answer_is_na
     assert "finish length" in printed["cut"] and "output cut short" in printed["cut"]
 
 
+async def test_an_answer_the_servers_content_filter_stopped_ends_content_filter_not_stop(clean_proxy_env):
+    """Azure OpenAI ends an answer its output filter stopped with finish_reason content_filter (one of OpenAI's
+    five): the dispatcher read every reason but stop, length and tool_calls as stop, so a withheld answer
+    read as one the model finished, to gRPC, HTTP and switchyard run alike."""
+    from switchyard.client import HumanPrinter
+    from test_upstream_streams import FIXTURES, load, replay_server
+
+    async with replay_server(load(FIXTURES / "azure_openai_content_filter.sse")) as (base, _):
+        chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="cf:0", prompt=PROMPT),
+                                          fallback_model="", max_retries=0)
+        events = await run_task(base, agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                                fallback_model="", max_retries=0)
+    assert chunks[-1].done.finish_reason == "content_filter"
+    final = events[-1].final
+    assert (final.output, final.finish_reason) == ("Here is how", "content_filter")
+    out = io.StringIO()
+    HumanPrinter(out)(events[-1])
+    assert "finish content_filter" in out.getvalue() and "content filter withheld the rest" in out.getvalue()
+
+
 async def test_run_task_upstream_failure_reaches_the_caller_as_its_status(clean_proxy_env):
     with start_sim(faults={"*": Fault(status=404)}) as server:
         with pytest.raises(grpc.aio.AioRpcError) as caught:

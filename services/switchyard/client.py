@@ -113,6 +113,9 @@ class HumanPrinter:
             if f.finish_reason == "length":
                 self._line("output cut short: the model reached its token limit (finish_reason length); "
                            "raise --max-tokens")
+            elif f.finish_reason == "content_filter":
+                self._line("output cut short: the model server's content filter withheld the rest of the answer "
+                           "(finish_reason content_filter)")
             self._line(f"queue waits: {waits}")
             self._line(f"compute score used {f.compute_score_used:.3f} score-seconds, memory peak {f.memory_peak_bytes} bytes")
             for i, p in enumerate(f.passages, 1):

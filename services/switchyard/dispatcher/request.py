@@ -40,8 +40,8 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common.tenant import DEFAULT_TENANT, agent_key, program_key
 from switchyard.dispatcher.output import OutputStream
 
-FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled")
-"""finish_reason values: OpenAI's stop/length/tool_calls, plus cancelled by the caller."""
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "cancelled")
+"""finish_reason values: OpenAI's stop/length/tool_calls/content_filter, plus cancelled by the caller."""
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +67,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_TOOL_CALLS = 8
     FINISHED_ABORTED = 9
     FINISHED_ERROR = 10
+    FINISHED_CONTENT_FILTERED = 11
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -79,9 +80,9 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def finished_with(reason: str) -> "RequestStatus":
-        """The finished status of an engine-reported finish reason: stop, length or tool_calls (OpenAI's former
-        function_call too; any other, a server's own word such as vLLM's abort or TGI's eos_token: stop). The
-        one normalisation of an upstream's finish reason."""
+        """The finished status of an engine-reported finish reason: stop, length, tool_calls or content_filter
+        (OpenAI's former function_call too; any other, a server's own word such as vLLM's abort or TGI's
+        eos_token: stop). The one normalisation of an upstream's finish reason."""
         return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
 
 
@@ -91,6 +92,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_TOOL_CALLS: "tool_calls",
     RequestStatus.FINISHED_ABORTED: "cancelled",
+    RequestStatus.FINISHED_CONTENT_FILTERED: "content_filter",
 }
 
 _STATUS_OF_REASON = {
@@ -98,6 +100,8 @@ _STATUS_OF_REASON = {
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
     "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
     "function_call": RequestStatus.FINISHED_TOOL_CALLS,  # OpenAI's former name for tool_calls
+    # OpenAI's and Azure OpenAI's: the server's content filter withheld the rest of the answer
+    "content_filter": RequestStatus.FINISHED_CONTENT_FILTERED,
 }
 
 _SEQ_IDS = itertools.count(1)
