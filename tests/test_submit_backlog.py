@@ -618,9 +618,16 @@ class FullQueueDownstream(CountingDownstream):
             yield chunk
 
 
+def refused_tasks() -> float:
+    """``switchyard_tasks_total{task_type="chat", code="RESOURCE_EXHAUSTED"}``: chat tasks ended refused."""
+    return REGISTRY.get_sample_value("switchyard_tasks_total",
+                                     {"task_type": "chat", "code": "RESOURCE_EXHAUSTED"}) or 0.0
+
+
 async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backlog_and_runs(tmp_path):
     overrides = {"orchestrator.max_running_submitted_tasks": 4, "orchestrator.max_unfinished_submitted_tasks": 8}
     down = FullQueueDownstream(capacity=2)
+    refused_before = refused_tasks()
     async with backlog_stack(tmp_path / "tasks.sqlite3", down, **overrides) as (stub, _, down):
         for task_id in ("t1", "t2", "t3", "t4"):
             await submit(stub, task_id, agent_pb2.NORMAL)
@@ -644,9 +651,11 @@ async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backl
         assert down.peak == 2
         await until(lambda: gauge("running") == 0)
         assert gauge("queued") == 0
+    assert refused_tasks() == refused_before  # a run sent back to the backlog is no task ended
 
 
 async def test_a_submitted_task_refused_by_a_full_queue_with_nothing_else_running_fails_naming_it(tmp_path):
+    refused_before = refused_tasks()
     overrides = {"orchestrator.max_running_submitted_tasks": 4}
     async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=0),
                              **overrides) as (stub, _, down):
@@ -655,3 +664,4 @@ async def test_a_submitted_task_refused_by_a_full_queue_with_nothing_else_runnin
         assert status.state == agent_pb2.FAILED
         assert status.error.startswith("RESOURCE_EXHAUSTED: ") and "queues.inference.capacity" in status.error
         assert down.refused == ["alone:0"]
+    assert refused_tasks() == refused_before + 1

@@ -426,10 +426,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 elapsed = time.monotonic() - task.t0
                 raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from exc
 
-    async def _execute(self, task: Task) -> agent_pb2.FinalEvent:
-        """Run the task; returns the final event (also emitted)."""
+    async def _execute(self, task: Task, submitted: Submitted | None = None) -> agent_pb2.FinalEvent:
+        """Run the task; returns the final event (also emitted). A submitted task's run (``submitted``) refused
+        for want of room goes back to the backlog (``submitted.waits_again``, :meth:`_waits_again`): no task
+        finished, none is counted."""
         AGENTS_CONCURRENT.inc()
         code = grpc.StatusCode.OK
+        waits_again = False
         workflow = task.spec.workflow
         try:
             await self._run(task)
@@ -445,10 +448,13 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if _out_of_time(task) else grpc.StatusCode.CANCELLED
                 if asyncio.current_task() in self._ended_by_stop:  # or the drain ended it (end_streams)
                     code = grpc.StatusCode.UNAVAILABLE
+            if submitted is not None:
+                waits_again = submitted.waits_again = self._waits_again(submitted, exc)
             raise
         finally:
             AGENTS_CONCURRENT.dec()
-            TASKS.labels(workflow, code.name).inc()
+            if not waits_again:
+                TASKS.labels(workflow, code.name).inc()
 
     async def _validate(self, request: agent_pb2.RunTaskRequest, tenant: str) -> TaskSpec:
         """:func:`validate` against what the dispatcher serves (asked once): the model a request naming none
@@ -665,7 +671,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         entry.started = True
         spec = entry.spec
         running: asyncio.Future[None] | None = None
-        executing = waits_again = False
+        executing = False
+        entry.waits_again = False
         t0 = time.monotonic()
         if entry.first_started_at is None:
             entry.first_started_at = t0
@@ -681,10 +688,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             task.add_wait("submitted", t0 - entry.submitted_at)
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             executing = True  # _execute counts the task from here
-            final = await self._execute(task)
+            final = await self._execute(task, entry)
             state, result, error = agent_pb2.SUCCEEDED, final.SerializeToString(), ""
         except BaseException as exc:  # noqa: BLE001 - recorded for GetTaskStatus
-            waits_again = self._waits_again(entry, exc)
             if not executing:
                 _count_unrun(spec, grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError)
                              else status_for(exc)[0])
@@ -699,11 +705,11 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             state, result = agent_pb2.FAILED, task.consumed().SerializeToString() if task is not None else b""
         finally:
             self._submitted.stopped(entry)
-            if waits_again:  # back in the backlog at once (no await between): the next running task to end starts it
+            if entry.waits_again:  # back in the backlog at once (no await between): the next task to end starts it
                 self._submitted.wait_again(entry)
             else:
                 self._start_submitted()
-        if waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
+        if entry.waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
             log.debug("task %s: %s; it waits again in the backlog, first of its class, and starts when another "
                      "submitted task ends", spec.task_id, error)
             return

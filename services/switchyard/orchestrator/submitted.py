@@ -43,7 +43,7 @@ class Submitted:
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
-                 "final", "runner", "started", "cancelled", "task")
+                 "final", "runner", "started", "cancelled", "task", "waits_again")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
         self.spec = spec
@@ -66,6 +66,8 @@ class Submitted:
         """CancelTask asked for it (the outcome names the caller, not a stopping orchestrator)."""
         self.task: Task | None = None
         """Its running state once its runner made it: what it has consumed so far is read from it."""
+        self.waits_again = False
+        """Its last run was refused for want of room and it goes back to the backlog (set as that run ends)."""
 
     @property
     def tenant_id(self) -> str:
