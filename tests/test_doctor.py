@@ -410,3 +410,67 @@ def test_a_server_that_lists_its_models_but_never_streams_is_named_within_the_ti
     assert code == 1, out
     assert "FAIL  stream probe" in out and "sent no answer within 0.5 s" in out, out
     assert "hung or overloaded" in out and "raise --timeout" in out
+
+
+@contextlib.contextmanager
+def stalling_server():
+    """A model server (http.server in a thread) that lists the shipped models and streams one token of every
+    answer, then nothing more until it is stopped; yields its base URL."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in (
+                "claude-sonnet-4-5", "gpt-4o-mini")]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "claude-sonnet-4-5",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}, "finish_reason": None}]}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+            stop.wait(60)
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_server_that_stalls_mid_answer_is_named_as_stalled_not_as_silent(clean_proxy_env, monkeypatch, capsys):
+    """The probe read 'the server took the request but sent no answer within 0.5 s' beside '(after 1 streamed
+    item(s)': the server had answered, and went silent before the answer's end."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    with stalling_server() as url:
+        code = doctor.main(["--config-dir", CONFIG, "--timeout", "0.5", "--base-url", url])
+        out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAIL  stream probe" in out and "sent no answer" not in out, out
+    assert "began its answer and then sent nothing for 0.5 s before the answer's end" in out, out
+    assert "stalled mid-answer" in out and "response buffering" in out

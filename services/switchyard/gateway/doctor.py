@@ -292,11 +292,20 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
                 "answer ended: look at the server's logs (a crash or restart) and at what sits between",
             ))
         except UpstreamTimeout as exc:
-            checks.append(Check(
-                "stream probe", False, f"the server took the request but sent no answer within {timeout_s:g} s: {exc}",
-                "the server is hung or overloaded, or slow to answer its first request (one that sizes its KV cache "
-                "then): check its logs, or raise --timeout",
-            ))
+            if exc.tokens_sent:  # it answered, then went silent before the answer's end
+                checks.append(Check(
+                    "stream probe", False, f"the server began its answer and then sent nothing for {timeout_s:g} s "
+                    f"before the answer's end: {exc}",
+                    "the server stalled mid-answer, or a proxy between here and it holds the rest of the stream "
+                    "back (response buffering): check the server's logs and what sits between, or raise --timeout",
+                ))
+            else:
+                checks.append(Check(
+                    "stream probe", False,
+                    f"the server took the request but sent no answer within {timeout_s:g} s: {exc}",
+                    "the server is hung or overloaded, or slow to answer its first request (one that sizes its KV "
+                    "cache then): check its logs, or raise --timeout",
+                ))
         except ModelNotFound as exc:
             served = ", ".join(exc.served or []) or "(none listed)"
             checks.append(Check("stream probe", False, f"unknown model: {exc}",
