@@ -711,7 +711,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 self._start_submitted()
         if entry.waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
             log.debug("task %s: %s; it waits again in the backlog, first of its class, and starts when another "
-                     "submitted task ends", spec.task_id, error)
+                      "submitted task ends", spec.task_id, error)
             return
         self._settle(entry, state, result, error)  # from here CancelTask no longer cancels it
         if running is not None:
