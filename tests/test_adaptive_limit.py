@@ -387,13 +387,16 @@ async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_
     ({"stream_error": 429}, grpc.StatusCode.RESOURCE_EXHAUSTED, True),  # TGI's "overloaded", vLLM's code 429
     ({"status": 503}, grpc.StatusCode.UNAVAILABLE, True),
     ({"stream_error": 503}, grpc.StatusCode.UNAVAILABLE, True),
+    ({"status": 529}, grpc.StatusCode.UNAVAILABLE, True),  # Anthropic's overloaded_error
+    ({"stream_error": 529}, grpc.StatusCode.UNAVAILABLE, True),
     ({"stream_error": 400}, grpc.StatusCode.INVALID_ARGUMENT, False),  # the request's fault, not the load
     ({"status": 500}, grpc.StatusCode.UNAVAILABLE, False),
-], ids=["429", "429-in-stream", "503", "503-in-stream", "400-in-stream", "500"])
+], ids=["429", "429-in-stream", "503", "503-in-stream", "529", "529-in-stream", "400-in-stream", "500"])
 async def test_a_refusal_for_load_backs_the_limit_off_however_the_server_says_it(
         fault, code, backs_off, clean_proxy_env) -> None:
-    """One rule (``GatewayError.refuses_load``) for the endpoint's limit: an answered 429 or 503 and an error
-    object with status 429 inside a 200 stream back it off alike; other failures do not."""
+    """One rule (``GatewayError.refuses_load``) for the endpoint's limit: an answered 429, 503 or 529 (Anthropic's
+    overloaded: a 500 had backed nothing off) and an error object with status 429 inside a 200 stream back it off
+    alike; other failures do not."""
     from switchyard_harness.faults import Fault
 
     initial = 16

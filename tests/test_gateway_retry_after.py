@@ -143,8 +143,10 @@ async def test_a_90s_wait_without_a_fallback_fails_before_the_first_token_naming
     assert first.tokens_sent == second.tokens_sent == 0
 
 
-async def test_a_503_asking_for_longer_than_the_call_has_left_fails_unavailable_at_once(clean_proxy_env) -> None:
-    with start_sim(faults={PRIMARY: Fault(status=503, retry_after=20)}) as server:
+@pytest.mark.parametrize("status", [503, 529])  # 529: Anthropic's overloaded_error, read as a server failure
+async def test_an_overloaded_answer_asking_for_longer_than_the_call_has_left_fails_unavailable_at_once(
+        clean_proxy_env, status) -> None:
+    with start_sim(faults={PRIMARY: Fault(status=status, retry_after=20)}) as server:
         config = gateway_config(server.base_url, max_retries=3, retry_after_max_s=30, fallback_model="",
                                 cooldown={"enabled": False})
         async with GatewayClient(config) as client:

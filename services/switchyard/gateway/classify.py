@@ -106,6 +106,12 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+OVERLOADED_STATUSES = frozenset({503, 529})
+"""The HTTP statuses, besides 429, of a server refusing a call for its load: 503 Service Unavailable (vLLM, TGI, an
+ingress with no free replica) and 529, Anthropic's ``overloaded_error`` (its API, and the OpenAI-compatible
+gateways in front of it that pass the status on)."""
+
+
 def error_for_status(
     status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
     in_stream: bool = False, url_source: str = BASE_URL_KEY,
@@ -116,8 +122,8 @@ def error_for_status(
     :func:`is_model_not_found`). An error object inside a 200 stream (``in_stream`` true; ``status`` from
     :func:`switchyard.gateway.decode.stream_error_status`, None where the chunk says none) is the same
     answer as its status would be, but for two rows: a 404 there is the request's (its model, say), not
-    the endpoint's, and a 5xx other than 503, a 408 or an unknown status is a broken stream (retried before
-    the first token); a 503 there refuses load as an answered one does.
+    the endpoint's, and a 5xx other than 503 and 529 (:data:`OVERLOADED_STATUSES`), a 408 or an unknown status
+    is a broken stream (retried before the first token); a 503 or 529 there refuses load as an answered one does.
     Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
     never shows the key; a 404 names ``url_source`` (:func:`url_key`), what set the URL.
     """
@@ -125,7 +131,7 @@ def error_for_status(
     quoted = snippet(said)
     if in_stream:
         where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
-        if status is None or status == 408 or (status >= 500 and status != 503):
+        if status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES):
             return UpstreamStreamError(f"{where}{f' (status {status})' if status else ''}: {quoted}")
         head = f"{where} (status {status}): {quoted}"
     else:
@@ -169,8 +175,9 @@ def error_for_status(
         return error
     if status is not None and status >= 500:
         error = UpstreamServerError(f"{head}: the model server failed for model {model!r}; retry later or check its logs")
-        if status == 503:  # Service Unavailable: overloaded (vLLM, TGI, an ingress with no free replica)
+        if status in OVERLOADED_STATUSES:  # overloaded: it refuses load, and may say when to come back
             error.retry_after_s, error.refuses_load = retry_after, True
+            error.overloaded_status = status
         return error
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
 

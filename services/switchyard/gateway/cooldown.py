@@ -331,7 +331,8 @@ class Cooldowns:
         if asked is None or asked <= 0 or isinstance(exc, UpstreamAskedToWait) or now + asked <= circuit.not_before:
             return
         circuit.not_before, circuit.asked_s, circuit.asked_code = now + asked, asked, exc.code
-        circuit.asked_status = "429" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "503"
+        circuit.asked_status = ("429" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                else str(exc.overloaded_status or 503))
         log.info("upstream model %r asked to wait %.1f s (Retry-After): no call to it before then", model, asked)
 
     async def call(self, model: str, once: Callable[[], Awaitable[T]]) -> T:

@@ -35,11 +35,13 @@ class GatewayError(SwitchyardError):
     fallback_ok = True
     tokens_sent = 0
     refuses_load = False
-    """The upstream refused the call for its load (a 429, or a 503 from a server that is overloaded): the one
+    """The upstream refused the call for its load (a 429, or a 503 or 529 from a server that is overloaded): the one
     rule by which the endpoint's limit backs off (:meth:`EndpointPool.finished`) and the dispatcher's stream loop
     queues the request again (:meth:`OpenAIEngine.refused_for_load`)."""
     retry_after_s: float | None = None
     """Seconds the upstream asked to wait before a retry (Retry-After), when it said."""
+    overloaded_status: int | None = None
+    """The status of a server's 'overloaded' answer (503, or Anthropic's 529: ``classify.OVERLOADED_STATUSES``)."""
     callers_deadline = False
     """The call ran out of its caller's time (``ChatRequest.timeout_s``), not the gateway's own bound: its caller
     gave up, as a cancel does (``switchyard_gateway_requests_total`` counts it ``CANCELLED``; the caller hears
@@ -135,7 +137,7 @@ class UpstreamRateLimited(GatewayError):
 
 
 class UpstreamServerError(GatewayError):
-    """5xx from the upstream (a 503 says it refuses load: ``refuses_load``)."""
+    """5xx from the upstream (a 503 or 529 says it refuses load: ``refuses_load``)."""
 
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True
@@ -185,7 +187,8 @@ class NoEndMarker(StreamBroken):
 
 class UpstreamStreamError(StreamBroken):
     """The server sent an error object inside the stream (vLLM's failure mid-answer, an ``event: error``,
-    llama.cpp's ``error:`` line) with no status, a 408 or a 5xx other than 503: it failed the request itself."""
+    llama.cpp's ``error:`` line) with no status, a 408 or a 5xx other than 503 and 529: it failed the request
+    itself."""
 
 
 class StreamProtocolError(GatewayError):

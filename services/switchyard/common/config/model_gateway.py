@@ -118,7 +118,8 @@ class AdaptiveConcurrencyConfig(_Strict):
         "always leaves at least one slot any class may take. CORE may start while fewer than min(this, limit // 4) "
         "CORE streams are in flight even when the limit is taken (by streams admitted before it came down).",
     )
-    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429 or 503, a fraction in (0, 1).")
+    backoff_ratio: float = Field(0.5, gt=0, lt=1, description="Factor the limit is multiplied by on a 429, 503 or "
+                                 "529 (overloaded), a fraction in (0, 1).")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AdaptiveConcurrencyConfig":
