@@ -90,6 +90,17 @@ def test_sampler_comes_from_the_environment():
         assert receiver.spans == []
 
 
+def test_the_start_line_names_the_sampler_as_the_sdk_describes_it():
+    """It read 'sampler <opentelemetry.sdk.trace.sampling.ParentBased object at 0x7f635cb39690>'."""
+    child = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + _CHILD
+    with OtlpReceiver() as receiver:
+        env = _child_env(receiver, OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1")
+        out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "sampler ParentBased{root:TraceIdRatioBased{0.1}" in out.stderr, out.stderr
+    assert " object at 0x" not in out.stderr
+
+
 @pytest.mark.parametrize(
     "env",
     [

@@ -191,7 +191,8 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         _install(provider)
         endpoint = read_standard("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or read_standard("OTEL_EXPORTER_OTLP_ENDPOINT")
-        log.info("tracing on: service.name=%s, OTLP gRPC to %s, sampler %s", name, endpoint, provider.sampler)
+        log.info("tracing on: service.name=%s, OTLP gRPC to %s, sampler %s", name, endpoint,
+                 provider.sampler.get_description())  # its repr is '<...ParentBased object at 0x...>
 
         done = threading.Event()
 
