@@ -465,3 +465,48 @@ async def test_a_body_cut_short_is_named_without_the_parsers_own_400(clean_proxy
     assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err), str(err)
     assert "the response ended before its body did (TransferEncodingError: Not enough data" in str(err), str(err)
     assert "400" not in str(err)
+
+
+@contextlib.asynccontextmanager
+async def chatless_server(lists_models: bool):
+    """An HTTP server on 127.0.0.1 that answers every POST (chat completions) 404 ``{"detail": "Not Found"}``, as a
+    server with no such route does, and ``GET /v1/models`` with model ``m`` listed (``lists_models``) or 404 too;
+    yields its base URL."""
+    import json
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                       if line.lower().startswith("content-length:")), 0)
+        await reader.readexactly(length)
+        if head.startswith("GET ") and lists_models:
+            status, body = "200 OK", {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        else:
+            status, body = "404 Not Found", {"detail": "Not Found"}
+        data = json.dumps(body).encode()
+        writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+                     "connection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+async def test_a_404_for_chat_completions_names_what_the_server_said_and_whether_its_root_is_right(clean_proxy_env):
+    """A server that lists the model at the root but has no chat completions route read 'although model 'm' is
+    listed; ... must be the OpenAI-compatible root ending in /v1', a root ending in /v1 already, and the server's
+    own words left out; where /models failed too it said 'is listed' all the same."""
+    async with chatless_server(lists_models=True) as base:
+        err = await stream_error(gateway_config(base, max_retries=0, fallback_model=""), ask("m"))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert f"upstream 404 for {base}/chat/completions (upstream said 'Not Found')" in str(err), err
+    assert f"although {base}/models lists model 'm': the server there serves no chat completions for it" in str(err)
+    async with chatless_server(lists_models=False) as base:
+        err = await stream_error(gateway_config(base, max_retries=0, fallback_model=""), ask("m"))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert "is listed" not in str(err) and f"{base}/models could not be read either" in str(err), err
+    assert "must be the OpenAI-compatible root ending in /v1" in str(err)

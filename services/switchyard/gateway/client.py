@@ -751,9 +751,16 @@ class GatewayClient:
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
                                          served=known, named_as=named_as).naming(url)
                 if status == 404:
+                    said = snippet(redact(upstream_message(text), key.value))
+                    if known is not None:  # the root's GET /models answers and lists it: the root is right
+                        return EndpointNotFound(
+                            f"upstream 404 for {url} (upstream said {said}), although {endpoint.url}/models lists "
+                            f"model {model!r}: the server there serves no chat completions for it (a completions-only "
+                            f"or embedding server?); point {self.url_source} at a server that serves /chat/completions"
+                        )
                     return EndpointNotFound(
-                        f"upstream 404 for {url} although model {model!r} is listed; "
-                        f"{self.url_source} must be the OpenAI-compatible root ending in /v1"
+                        f"upstream 404 for {url} (upstream said {said}), and {endpoint.url}/models could not be read "
+                        f"either; {self.url_source} must be the OpenAI-compatible root ending in /v1"
                     )
         return error_for_status(status, text, response.headers, url=url, model=model, key=key,
                                 url_source=self.url_source)

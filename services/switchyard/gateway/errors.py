@@ -111,7 +111,8 @@ class ModelNotFound(GatewayError):
 
 
 class EndpointNotFound(GatewayError):
-    """404 on a path: the base URL is likely wrong (missing or doubled /v1)."""
+    """404 on a path: the base URL is likely wrong (missing or doubled /v1), or the server there serves no chat
+    completions (it lists the model all the same)."""
 
     code = grpc.StatusCode.NOT_FOUND
     fallback_ok = False
