@@ -35,6 +35,22 @@ _CUT = re.compile(r"Socket closed|Connection reset|Broken pipe")
 something between cut it), not a status the orchestrator sent."""
 _HTTP1 = re.compile(r"Trying to connect an http1\.x server")
 """grpc's words when an HTTP/1.x server answers where it expected a gRPC one."""
+_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2")
+"""grpc's words when something answers that does not speak HTTP/2 (a metrics port, a Redis)."""
+
+
+def not_grpc_here(address: str, details: str, grpc_port: int | None = None) -> str | None:
+    """What a failed call's UNAVAILABLE ``details`` say answers at ``address`` when it is not a gRPC server, for
+    a person; None when they say no such thing (nothing answers, or a gRPC server answered). ``grpc_port``: the
+    orchestrator's gRPC port in the configuration (``orchestrator.port``), named where given."""
+    port = f"orchestrator.port ({grpc_port} here)" if grpc_port is not None else "orchestrator.port"
+    if _HTTP1.search(details):
+        return (f"an HTTP/1.x server answers at {address}, not gRPC: the orchestrator's HTTP face "
+                f"(orchestrator.http.port)? the orchestrator's gRPC port is {port}")
+    if _NOT_HTTP2.search(details):
+        return (f"something answers at {address} that is not a gRPC server (a metrics port, a Redis, another "
+                f"service?): the orchestrator's gRPC port is {port}")
+    return None
 _INT32_MAX = 2**31 - 1
 
 
@@ -226,10 +242,9 @@ def main(argv: list[str]) -> int:
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _GRPC_DEADLINE.search(err.details() or ""):
             print(f"this command's --timeout ({args.timeout:g} s) ran out before the task ended; raise it for a "
                   "longer task (the task was cancelled with the call)", file=sys.stderr)
-        if err.code() == grpc.StatusCode.UNAVAILABLE and _HTTP1.search(err.details() or ""):
-            print(f"an HTTP/1.x server answers at {address}, not gRPC: the orchestrator's HTTP face "
-                  "(orchestrator.http.port)? --addr takes its gRPC port (orchestrator.port, "
-                  f"{config.orchestrator.port} here)", file=sys.stderr)
+        elsewhere = not_grpc_here(address, err.details() or "", config.orchestrator.port)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and elsewhere is not None:
+            print(f"{elsewhere}; --addr takes that port", file=sys.stderr)
         elif err.code() == grpc.StatusCode.UNAVAILABLE and _UNREACHABLE.search(err.details() or ""):
             print(f"nothing answers at {address}: is the stack running (`make run` or `switchyard up`)? "
                   "--addr names another orchestrator", file=sys.stderr)

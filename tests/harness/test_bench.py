@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -559,3 +560,63 @@ def test_the_switchyard_command_list_names_every_bench_subcommand():
 
     bench_help = COMMANDS["bench"][1]
     assert all(name in bench_help.split(": ", 1)[1].split(", ") for name in SUBCOMMANDS), bench_help
+
+
+@contextlib.contextmanager
+def answering_with(reply: bytes):
+    """A TCP server on 127.0.0.1 (a thread) that answers every connection with ``reply`` once it has read a little,
+    then closes it, as a server of another protocol does with a gRPC client's preface; yields its port."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(1024)
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+@pytest.mark.parametrize("reply, says", [
+    (b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n", "an HTTP/1.x server answers at"),
+    (b"-ERR unknown command 'PRI', with args beginning with: \r\n", "that is not a gRPC server"),  # a Redis
+], ids=["http1", "redis"])
+def test_a_target_where_something_else_answers_says_what_answers(reply, says, capsys, monkeypatch):
+    """bench run pointed at the HTTP face's port (or a metrics port, a Redis) waited out its connect timeout and
+    said 'cannot reach the orchestrator ...: start it', though something answered there, as switchyard run did
+    for all but the HTTP face ('nothing answers')."""
+    from switchyard import client
+    from switchyard_harness.bench import loadgen
+    from switchyard_harness.bench.cli import main as bench_main
+
+    monkeypatch.setenv("SWITCHYARD_UP_FILE", "/nonexistent/up.json")
+    monkeypatch.setattr(loadgen, "CONNECT_TIMEOUT_S", 0.5)
+    with answering_with(reply) as port:
+        assert bench_main([f"127.0.0.1:{port}", "-n", "2", "-c", "1", "--procs", "1"]) == 1
+        bench_err = capsys.readouterr().err
+        assert client.main(["--addr", f"127.0.0.1:{port}", "--timeout", "5", "hello"]) == 1
+        run_err = capsys.readouterr().err
+    assert f"cannot reach the orchestrator at 127.0.0.1:{port}: " in bench_err and says in bench_err, bench_err
+    assert "start it" not in bench_err
+    assert says in run_err and "nothing answers" not in run_err, run_err
+    assert "the orchestrator's gRPC port is orchestrator.port (50051 here); --addr takes that port" in run_err

@@ -207,6 +207,18 @@ async def _call(stub: agent_pb2_grpc.AgentServiceStub, number: int, plan: LoadPl
     return result
 
 
+async def _not_grpc_here(channel: grpc.aio.Channel, host: str) -> str | None:
+    """What answers at ``host``, where ``channel`` found no gRPC server, when it is something else (an HTTP/1.x
+    server, a Redis): one call's error says (:func:`switchyard.client.not_grpc_here`); None where nothing answers."""
+    from switchyard.client import not_grpc_here
+
+    try:
+        await channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=CONNECT_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        return not_grpc_here(host, err.details() or "")
+    return None
+
+
 async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any = None,
                    interruptible: bool = False, client_process: bool = False) -> LoadResult:
     """Run share ``part`` of ``parts`` of the plan in this process and event loop.
@@ -235,6 +247,9 @@ async def run_part(plan: LoadPlan, part: int = 0, parts: int = 1, barrier: Any =
             elsewhere = "" if up_stack is None or up_stack[1] == plan.host else (
                 f"; the stack that switchyard up started serves its orchestrator at {up_stack[1]} (its up file "
                 f"{up_stack[0]}): switchyard bench run {up_stack[1]} ...")
+            answers = await _not_grpc_here(channel, plan.host)
+            if answers is not None:
+                raise TimeoutError(f"cannot reach the orchestrator at {plan.host}: {answers}{elsewhere}") from None
             raise TimeoutError(
                 f"cannot reach the orchestrator at {plan.host} within {CONNECT_TIMEOUT_S:g} s: start it "
                 f"(`switchyard up`) or pass its host:port{elsewhere}"
