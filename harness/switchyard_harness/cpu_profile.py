@@ -27,6 +27,7 @@ the service's ``server.cpu_profile_max_s``, which it answers 400).
 from __future__ import annotations
 
 import argparse
+import http.client
 import sys
 import urllib.error
 import urllib.parse
@@ -42,7 +43,7 @@ from switchyard.common.config.base import did_you_mean
 from switchyard.common.profiling import PATH, comments, read_pprof, top_functions
 from switchyard.common import outputs
 from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
-from switchyard_harness.top import SERVICES, endpoints_from, metrics_url
+from switchyard_harness.top import NOT_HTTP1, SERVICES, endpoints_from, metrics_url
 
 
 def profile_url(service: str, up_file: str | None, config_dir: str | None, seconds: float) -> str:
@@ -161,6 +162,10 @@ def main(argv: list[str]) -> int:
         print(f"switchyard profile: {url} answered {exc.code}: {exc.read().decode(errors='replace').strip()}{hint}",
               file=sys.stderr)
         return 2 if exc.code == 400 else 1  # 400: an argument the service refused (--seconds past its maximum)
+    except http.client.HTTPException as exc:
+        closed = "closed the connection without an answer; " if isinstance(exc, OSError) else ""  # RemoteDisconnected
+        print(f"switchyard profile: {url}: {closed}{NOT_HTTP1}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"switchyard profile: cannot reach {url}: {exc}; is the service running (switchyard up)?",
               file=sys.stderr)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -86,15 +87,28 @@ def parse(text: str) -> dict[Key, float]:
     }
 
 
+NOT_HTTP1 = ("something answers there that is not an HTTP/1.x server (a gRPC port? a Redis?): a service's "
+             "metrics are on its metrics_port (orchestrator 9101, retrieval 9102, dispatcher 9103 by default; "
+             "switchyard up prints each)")
+"""What a metrics reader says where the address answered, but not in HTTP/1.x (urllib's ``BadStatusLine``,
+whose text is the bytes that came, not shown: a gRPC server's answer is binary)."""
+
+
 def read(url: str, timeout: float = 10.0) -> dict[Key, float]:
     """Read the Prometheus endpoint ``url`` once and :func:`parse` it.
 
     Raises:
-        OSError: it could not be read (refused, timed out).
-        ValueError: it did not answer the Prometheus text format.
+        OSError: it could not be read (refused, timed out, closed without an answer).
+        ValueError: it did not answer the Prometheus text format, or did not answer HTTP/1.x
+            (:data:`NOT_HTTP1`).
     """
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return parse(response.read().decode())
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return parse(response.read().decode())
+    except http.client.HTTPException as exc:
+        if isinstance(exc, OSError):  # RemoteDisconnected: closed without an answer
+            raise
+        raise ValueError(NOT_HTTP1) from None
 
 
 def matching(samples: dict[Key, float], name: str, **labels: str) -> dict[Key, float]:

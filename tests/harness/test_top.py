@@ -385,3 +385,32 @@ def test_without_rich_the_live_view_says_how_to_install_this_tree_extra(monkeypa
     err = capsys.readouterr().err
     assert "pip install -e '.[top]'" in err
     assert "switchyard[" not in err
+
+
+def test_a_grpc_port_given_for_metrics_is_named_not_a_crash(capsys) -> None:
+    """`switchyard top --orchestrator HOST:GRPC_PORT` and `switchyard profile HOST:GRPC_PORT` (the port switchyard up
+    prints first, not its metrics port) ended in a traceback of http.client.BadStatusLine that printed the gRPC
+    server's binary answer to the terminal."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from switchyard_harness import cpu_profile
+    from switchyard_harness.top import NOT_HTTP1, main
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert main(["--once", "--json", "--orchestrator", f"127.0.0.1:{port}"]) in (0, 1)
+        snap = json.loads(capsys.readouterr().out)
+        assert cpu_profile.main([f"127.0.0.1:{port}", "--seconds", "1"]) == 1
+        said = capsys.readouterr().err
+    finally:
+        server.stop(None)
+    orchestrator = snap["services"]["orchestrator"]
+    assert orchestrator["up"] is False and orchestrator["error"] == f"ValueError: {NOT_HTTP1}", orchestrator
+    assert said.endswith(f"/debug/pprof/profile?seconds=1: {NOT_HTTP1}\n"), said
+    assert "\x00" not in said
