@@ -304,7 +304,10 @@ def read_watched(urls: str, timeout: float = 3.0) -> dict[str, float | str]:
     """The watched figures from one scrape of each dispatcher in ``urls`` (space-separated: the replicas of
     ``switchyard up --dispatchers N``): the OOM count summed over them, a ratio or the compute score their
     mean; empty values and an ``error`` naming each one that could not be read."""
+    import http.client
     import urllib.request
+
+    from switchyard_harness.top import NOT_HTTP1
 
     per_replica: list[dict[str, float]] = []
     errors: list[str] = []
@@ -312,14 +315,20 @@ def read_watched(urls: str, timeout: float = 3.0) -> dict[str, float | str]:
         try:
             with urllib.request.urlopen(url, timeout=timeout) as reply:
                 text = reply.read().decode()
+            sums: dict[str, float] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if not math.isnan(sample.value):  # NaN: not read (GPU utilisation without NVML), an empty cell
+                        sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
         except OSError as exc:
             errors.append(f"{url}: {exc}")
             continue
-        sums: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if not math.isnan(sample.value):  # NaN: not read (GPU utilisation without NVML), an empty cell
-                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+        except http.client.HTTPException:  # something not HTTP/1.x answered (a gRPC port): its bytes not shown
+            errors.append(f"{url}: {NOT_HTTP1}")
+            continue
+        except ValueError as exc:  # HTTP, but not the Prometheus text format
+            errors.append(f"{url}: not Prometheus metrics ({exc})")
+            continue
         per_replica.append(sums)
     out: dict[str, float | str] = {}
     for column, name in WATCHED:

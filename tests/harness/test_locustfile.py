@@ -115,3 +115,28 @@ def test_the_watch_writes_its_rows_on_a_fixed_cadence():
              "print([round(f.until_next_row(100.0, now, 5.0), 3) for now in (100.0, 100.7, 104.9, 105.2, 111.5)])")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "[5.0, 4.3, 0.1, 4.8, 3.5]", run.stdout + run.stderr
+
+
+def test_the_watch_names_a_metrics_address_where_grpc_answers_and_goes_on():
+    """--switchyard-metrics at a gRPC port: the watch's read raised http.client.BadStatusLine, which its loop did not
+    catch (OSError only), and the watch file stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from switchyard_harness.top import NOT_HTTP1
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        probe = ("import sys; sys.path.insert(0, 'locust'); import locustfile as f; "
+                 "print(f.read_watched(sys.argv[1])['error'])")
+        run = subprocess.run([sys.executable, "-c", probe, f"http://127.0.0.1:{port}/metrics"], capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        server.stop(None)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"http://127.0.0.1:{port}/metrics: {NOT_HTTP1}", run.stdout + run.stderr
