@@ -376,11 +376,11 @@ async def test_a_header_line_of_12000_bytes_is_served_on_both_transports(clean_p
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_bad_status_line_is_unavailable_and_retried_on_both_transports(clean_proxy_env, transport):
-    """What aiohttp's parser refuses (ClientResponseError) reads as httpx's RemoteProtocolError: a broken
-    connection, retried, not an INTERNAL engine failure."""
+    """What aiohttp's parser refuses (ClientResponseError) reads as httpx's RemoteProtocolError: UNAVAILABLE,
+    retried, not an INTERNAL engine failure; and named as an answer that is no HTTP/1.1, not a cut connection."""
     async with raw_upstream(b"HELLO THIS IS NOT HTTP\r\n\r\n") as base:
         err = await stream_error(gateway_config(base, http_transport=transport, fallback_model="", max_retries=1))
-    assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err) and base in str(err)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "answered, not in HTTP/1.1" in str(err) and base in str(err)
 
 
 @contextlib.asynccontextmanager
@@ -510,3 +510,23 @@ async def test_a_404_for_chat_completions_names_what_the_server_said_and_whether
     assert err.code == grpc.StatusCode.NOT_FOUND
     assert "is listed" not in str(err) and f"{base}/models could not be read either" in str(err), err
     assert "must be the OpenAI-compatible root ending in /v1" in str(err)
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+async def test_a_base_url_at_a_grpc_port_is_named_as_no_http_server_not_a_cut_stream(clean_proxy_env, transport):
+    """A base URL at a gRPC port (a Switchyard service's) read 'connection ... closed mid-response (RemoteProtocolError:
+    illegal request line); the upstream or a proxy cut it' at every call, as switchyard doctor no longer says."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        err = await stream_error(gateway_config(f"http://127.0.0.1:{port}/v1", max_retries=0, fallback_model="",
+                                                http_transport=transport), ask("m"))
+    finally:
+        await server.stop(None)
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert f"upstream at http://127.0.0.1:{port}/v1/chat/completions answered, not in HTTP/1.1" in str(err), err
+    assert "a gRPC port" in str(err) and "closed mid-response" not in str(err)

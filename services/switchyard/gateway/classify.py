@@ -219,9 +219,20 @@ def error_for_transport(exc: httpx.HTTPError, *, url: str, proxy: ProxyRoute | N
             f"upstream at {url} timed out ({type(exc).__name__}); raise model_gateway."
             f"{_timeout_key(exc)} or check the model server's load"
         )
+    if isinstance(exc, httpx.RemoteProtocolError) and _NOT_HTTP1_ANSWER.search(str(exc)):
+        return UpstreamUnavailable(
+            f"model gateway upstream at {url} answered, not in HTTP/1.1 ({detail[:160]}): something listens there "
+            "that is no HTTP server (a gRPC port, such as a Switchyard service's, or another protocol's); point "
+            f"{url_source} at the model server's OpenAI-compatible root"
+        )
     if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
         return StreamBroken(f"connection to {url} closed mid-response ({detail}); the upstream or a proxy cut it")
     return UpstreamUnavailable(f"request to {url} failed ({detail})")
+
+
+_NOT_HTTP1_ANSWER = re.compile(r"illegal request line|illegal status line|Bad status line|invalid HTTP version")
+"""The HTTP parsers' words (h11 for httpx, aiohttp's) for an answer whose first line is no HTTP status line: a gRPC
+server's SETTINGS frame, a Redis's error line."""
 
 
 def _timeout_key(exc: httpx.HTTPError) -> str:
