@@ -328,3 +328,32 @@ def test_live_request_ids_hand_out_each_id_once_while_its_call_is_in_flight():
     assert ids.claim("bench-001:0") == "bench-001:0"  # free again once its call ended
     assert ids.claim("bench-001:0") == "bench-001:0~3"  # the repeats count on: never an id handed out before
     assert ids.claim("") == ids.claim("") == ""  # no id: nothing held
+
+
+@pytest.mark.parametrize("raw, meant", [
+    ("stop", "stop"), ("length", "length"), ("tool_calls", "tool_calls"), ("content_filter", "content_filter"),
+    ("function_call", "tool_calls"),  # OpenAI's former name
+    ("eos_token", "stop"), ("stop_sequence", "stop"),  # TGI's own FinishReason
+    ("end_turn", "stop"), ("max_tokens", "length"), ("tool_use", "tool_calls"),  # Anthropic's, through a gateway
+    ("model_length", "length"), ("STOP", "stop"),  # Mistral's; a server writing it in capitals
+])
+def test_a_finish_reason_is_read_as_the_one_of_openais_it_means(raw, meant):
+    decoder = StreamDecoder("m")
+    events = decoder.feed(chunk({"content": "hi"}, raw)) + decoder.end()
+    assert events[-1].finish_reason == meant
+
+
+@pytest.mark.parametrize("raw, says", [
+    ("abort", "aborted the request"), ("error", "failed inside the server"), ("repetition", "kept repeating"),
+    ("cancelled", "cannot be told finished"), (7, "cannot be told finished"),
+])
+def test_a_finish_reason_of_an_answer_that_did_not_finish_is_an_error_naming_it(raw, says):
+    """vLLM ends an aborted request with finish_reason 'abort' (and 'error', 'repetition'): it read as stop, so an
+    answer cut by the server looked finished. Any word the gateway does not know is not taken for a finish."""
+    decoder = StreamDecoder("m", url="http://u/v1/chat/completions")
+    assert decoder.feed(chunk({"content": "The capital"})) == [Token("The capital")]
+    with pytest.raises(StreamBroken) as caught:
+        decoder.feed(chunk({}, raw))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.retryable
+    assert f"finish_reason {str(raw)!r}" in str(caught.value) and says in str(caught.value)
+    assert "http://u/v1/chat/completions" in str(caught.value) and decoder.ending == "error"

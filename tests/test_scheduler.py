@@ -950,10 +950,11 @@ async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> Non
 @pytest.mark.parametrize("reason, status", [
     ("stop", RequestStatus.FINISHED_STOPPED), ("length", RequestStatus.FINISHED_LENGTH_CAPPED),
     ("tool_calls", RequestStatus.FINISHED_TOOL_CALLS), ("function_call", RequestStatus.FINISHED_TOOL_CALLS),
-    ("eos_token", RequestStatus.FINISHED_STOPPED), ("abort", RequestStatus.FINISHED_STOPPED),
+    ("content_filter", RequestStatus.FINISHED_CONTENT_FILTERED),
 ])
 def test_an_upstreams_finish_reason_is_normalised_in_one_place(reason, status):
-    """The openai engine passes the server's word through; RequestStatus.finished_with is the one mapping."""
+    """The gateway reads a server's word as one of OpenAI's (``decode.FINISH_REASONS``; an answer that did not
+    finish, such as vLLM's abort, is an error there); RequestStatus.finished_with maps those to statuses."""
     assert RequestStatus.finished_with(reason) is status
 
 

@@ -81,8 +81,9 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def finished_with(reason: str) -> "RequestStatus":
         """The finished status of an engine-reported finish reason: stop, length, tool_calls or content_filter
-        (OpenAI's former function_call too; any other, a server's own word such as vLLM's abort or TGI's
-        eos_token: stop). The one normalisation of an upstream's finish reason."""
+        (OpenAI's former function_call too). An upstream's own word reaches here already read as one of these
+        (:data:`switchyard.gateway.decode.FINISH_REASONS`: TGI's eos_token is stop; vLLM's abort, error and
+        repetition, and a word not known, fail the call there); any other reads as stop."""
         return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
 
 

@@ -30,6 +30,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
   requested one: neither is checked;
 - an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI) or as an ``error`` event whose data
   is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
+- a ``finish_reason`` in another server's words (TGI's ``eos_token``, Anthropic's ``end_turn``): read as the one
+  of OpenAI's it means (:data:`FINISH_REASONS`); one of an answer that did not finish (vLLM's ``abort``) or one
+  not known is an error naming it (:func:`finish_reason_of`);
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -44,7 +47,7 @@ from typing import Any
 
 from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
-from switchyard.gateway.errors import GatewayError, NoEndMarker, StreamProtocolError, snippet
+from switchyard.gateway.errors import GatewayError, NoEndMarker, StreamProtocolError, UpstreamStreamError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE, ERROR_EVENT
 from switchyard.gateway.events import Finished, StreamEvent, Token, ToolCallOut, Usage
@@ -186,6 +189,50 @@ _ERROR_TYPE_STATUS = {
 ``overloaded`` (its ``error_type`` beside an ``error`` string; TGI answers ``overloaded`` with 429)."""
 
 
+FINISH_REASONS = {
+    "stop": "stop", "length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter",
+    "function_call": "tool_calls",
+    "eos_token": "stop", "stop_sequence": "stop", "end_turn": "stop",
+    "max_tokens": "length", "model_length": "length",
+    "tool_use": "tool_calls",
+}
+"""An upstream's ``finish_reason`` -> the one of OpenAI's four it means (the OpenAI API reference, "The chat
+completion chunk object": stop, length, tool_calls, content_filter, and the deprecated function_call, now
+tool_calls). Other servers' words for the same ends: Hugging Face TGI's ``eos_token`` and ``stop_sequence``
+(its own ``FinishReason``, which early releases of its OpenAI route sent as is); Anthropic's ``end_turn``,
+``stop_sequence``, ``max_tokens`` and ``tool_use`` (its ``stop_reason``, passed on by OpenAI-compatible gateways
+in front of it); Mistral's ``model_length`` (the model's context was reached). Matched without regard to case."""
+
+_FAILED_FINISH = {
+    "abort": "the server aborted the request before it finished (vLLM and SGLang: shut down, cancelled, or its "
+             "KV cache lost)",
+    "error": "the request failed inside the server (vLLM's engine, Mistral's API)",
+    "repetition": "the server stopped an answer that kept repeating itself (vLLM's repetition detection)",
+}
+"""Finish reasons of an answer that did not finish (vLLM's ``FINISH_REASON_STRINGS`` in
+``vllm/v1/engine/__init__.py``: stop, length, abort, error, repetition): each is an error naming it."""
+
+
+def finish_reason_of(raw: Any, *, url: str = "") -> str:
+    """The OpenAI finish reason an upstream's ``raw`` one means (:data:`FINISH_REASONS`).
+
+    Raises:
+        UpstreamStreamError: ``raw`` says the answer did not finish (vLLM's ``abort``, ``error``,
+            ``repetition``), or is none of the known words: an answer whose end is not known is not
+            reported as finished (a broken stream: retried before the first item, named after it).
+    """
+    word = raw.lower() if isinstance(raw, str) else None
+    if word in FINISH_REASONS:
+        return FINISH_REASONS[word]
+    where = f"upstream {url}" if url else "upstream"
+    if word in _FAILED_FINISH:
+        why = _FAILED_FINISH[word]
+    else:
+        why = ("none of OpenAI's (stop, length, tool_calls, content_filter) nor another server's word for one of "
+               "them, so the answer cannot be told finished; report it to have it mapped")
+    raise UpstreamStreamError(f"{where} ended the answer with finish_reason {snippet(str(raw))}: {why}")
+
+
 def stream_error_status(payload: dict[str, Any]) -> int | None:
     """The HTTP status an in-stream error chunk stands for: its ``error.code`` when that is one (vLLM sends
     ``{"error": {"message", "type": "BadRequestError", "code": 400}}``), else its type (``error.type``, or TGI's
@@ -283,7 +330,7 @@ class StreamDecoder:
             for call in delta.get("tool_calls") or []:
                 self._calls.add(call)
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
                 events.extend(self._calls.drain())
         return events
 
