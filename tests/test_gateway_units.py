@@ -357,3 +357,12 @@ def test_a_finish_reason_of_an_answer_that_did_not_finish_is_an_error_naming_it(
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.retryable
     assert f"finish_reason {str(raw)!r}" in str(caught.value) and says in str(caught.value)
     assert "http://u/v1/chat/completions" in str(caught.value) and decoder.ending == "error"
+
+
+def test_a_stream_of_no_choice_whose_usage_counts_tokens_is_still_an_error_naming_them():
+    """No choice but an empty answer's usage is an empty answer; tokens counted and never sent are lost ones."""
+    decoder = StreamDecoder("m")
+    decoder.feed(json.dumps({"model": "m", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}))
+    decoder.feed("[DONE]")
+    with pytest.raises(StreamProtocolError, match="reading choices.*counted 4 completion token"):
+        decoder.end()

@@ -408,3 +408,27 @@ async def test_generated_tokens_follow_the_servers_usage_where_a_chunk_carries_s
         server.close()
     assert chunks[-1].done.usage.completion_tokens == 6
     assert REGISTRY.get_sample_value("switchyard_generated_tokens_total") - before == 6
+
+
+def recorded_stream(*data: dict) -> "object":
+    """A replayable 200 stream of ``data`` payloads then ``data: [DONE]`` (test_upstream_streams' server)."""
+    from test_upstream_streams import Recorded
+
+    body = b"".join(b"data: " + json.dumps(d).encode() + b"\n\n" for d in data) + b"data: [DONE]\n\n"
+    return Recorded("inline", {"status": "HTTP/1.1 200 OK", "content-type": "text/event-stream",
+                               "framing": "chunked"}, body)
+
+
+async def test_an_empty_answer_sent_as_the_usage_chunk_alone_finishes_stop_with_no_output(clean_proxy_env):
+    """A server that generated nothing may send no choice at all, only the usage chunk (completion_tokens 0):
+    an empty answer, as legal as a finish chunk with no content. It failed INTERNAL "reading choices"."""
+    from test_upstream_streams import replay_server
+
+    usage_only = recorded_stream({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                                  "usage": {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}})
+    async with replay_server(usage_only) as (base, _):
+        chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="empty:0", prompt="hi", model="m"),
+                                          fallback_model="", default_model="m", max_retries=0)
+    assert [c.WhichOneof("chunk") for c in chunks] == ["done"]
+    done = chunks[-1].done
+    assert (done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens) == ("stop", 7, 0)

@@ -19,7 +19,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
 
 - chunks with ``choices: []`` or no ``choices`` at all and no usage (Azure's
   ``prompt_filter_results`` preamble): no events; a stream none of whose chunks
-  carries a choice is still an error ("reading choices");
+  carries a choice is an error ("reading choices"), unless its usage counts no completion token (an empty
+  answer, sent as the usage chunk alone: no finish_reason, which the dispatcher reads as stop);
 - tool calls whose ``index`` repeats with a new ``id`` (Ollama sends every call
   as index 0), or whose ``index`` is missing: a new id starts a new call;
 - ``function.arguments`` as a JSON string in pieces, or whole as a JSON object;
@@ -355,6 +356,13 @@ class StreamDecoder:
         return fix_surrogates(text)
 
     @property
+    def _empty_answer(self) -> bool:
+        """The stream carried no choice but the server's usage says it generated nothing: an empty answer, as
+        legal as one whose only choice finishes with no content (a server may send no choice for it and only
+        the usage chunk ``stream_options.include_usage`` asks for)."""
+        return self.usage is not None and self.usage.completion_tokens == 0
+
+    @property
     def ending(self) -> str | None:
         """How the stream ended so far: ``error`` (it carried an error object or could not be read),
         ``done_marker`` (``data: [DONE]`` came), ``finish_reason`` (no marker, but a choice finished), or None
@@ -371,7 +379,8 @@ class StreamDecoder:
         Raises:
             NoEndMarker: the body ended before any choice carried a ``finish_reason`` and
                 without ``data: [DONE]`` (a cut stream).
-            StreamProtocolError: chunks came but none carried a choice ("reading choices").
+            StreamProtocolError: chunks came but none carried a choice ("reading choices"), unless the server's
+                usage counts no completion token: an empty answer, finished with no finish_reason.
         """
         if self.ending is None:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
@@ -379,10 +388,12 @@ class StreamDecoder:
                 f"stream ended before any finish_reason and without 'data: [DONE]' (no end marker) after "
                 f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
             )
-        if self.chunks and not self.choices_seen:
+        if self.chunks and not self.choices_seen and not self._empty_answer:
             self.failed = True
+            counted = (f"; the server counted {self.usage.completion_tokens} completion token(s) that none carried"
+                       if self.usage is not None else "")
             raise StreamProtocolError(
-                f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice: "
+                f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice{counted}: "
                 f"last received {snippet(self.last)}"
             )
         tail: list[StreamEvent] = [Token(fix_surrogates(self._carry))] if self._carry else []
