@@ -12,7 +12,7 @@ from gateway_fixtures import clean_proxy_env  # noqa: F401
 from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
-from switchyard.gateway.events import Finished, Token, ToolCallOut, Usage
+from switchyard.gateway.events import Finished, Reasoning, Token, ToolCallOut, Usage
 from switchyard.gateway.keys import ApiKey
 from switchyard_harness.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
@@ -366,3 +366,16 @@ def test_a_stream_of_no_choice_whose_usage_counts_tokens_is_still_an_error_namin
     decoder.feed("[DONE]")
     with pytest.raises(StreamProtocolError, match="reading choices.*counted 4 completion token"):
         decoder.end()
+
+
+def test_reasoning_is_read_from_either_field_once_and_kept_apart_from_the_answer():
+    """A delta carrying the thinking in both fields (a server between the two names) is one text; a surrogate pair
+    split across reasoning deltas waits for its half as content's does, each field its own."""
+    decoder = StreamDecoder("m")
+    events = []
+    for delta in [{"reasoning_content": "Think", "reasoning": "Think"}, {"reasoning": " \ud83d"},
+                  {"content": "Ans\ud83d"}, {"reasoning": "\ude00"}, {"content": "\ude00"}]:
+        events += decoder.feed(json.dumps({"model": "m", "choices": [{"index": 0, "delta": delta}]}))
+    events += decoder.feed(chunk({}, "stop")) + decoder.end()
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "Think \U0001f600"
+    assert "".join(e.text for e in events if isinstance(e, Token)) == "Ans\U0001f600"

@@ -432,3 +432,26 @@ async def test_an_empty_answer_sent_as_the_usage_chunk_alone_finishes_stop_with_
     assert [c.WhichOneof("chunk") for c in chunks] == ["done"]
     done = chunks[-1].done
     assert (done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens) == ("stop", 7, 0)
+
+
+@pytest.mark.parametrize("fixture, output, finish", [
+    ("vllm_reasoning", "2 + 2 = 4.", "stop"),  # reasoning_content, then the answer
+    ("ollama_reasoning", "Hello!", "stop"),  # Ollama's 'reasoning'
+    ("vllm_reasoning_length", "", "length"),  # max_tokens spent thinking: no answer, and it says so
+])
+async def test_a_reasoning_models_answer_is_its_content_and_its_thinking_counts_as_output(clean_proxy_env, fixture,
+                                                                                          output, finish):
+    """vLLM with a reasoning parser streams the thinking as delta.reasoning_content (Ollama as delta.reasoning):
+    the gateway dropped it, so a model that spent its budget thinking answered an empty output, 'stop'-like, with
+    no token counted. The answer is the content; the thinking is output tokens (TTFT, the server's usage), not
+    streamed as answer text."""
+    from test_upstream_streams import FIXTURES, load, replay_server
+
+    recorded = load(FIXTURES / f"{fixture}.sse")
+    async with replay_server(recorded) as (base, _):
+        events = await run_task(base, agent_pb2.RunTaskRequest(payload="what is 2+2?", task_type="chat"),
+                                fallback_model="", max_retries=0)
+    final = events[-1].final
+    tokens = [e.token for e in events if e.HasField("token")]
+    assert (final.output, "".join(t.text for t in tokens), final.finish_reason) == (output, output, finish)
+    assert final.usage.completion_tokens == int(recorded.meta["expect-usage"].split()[1])

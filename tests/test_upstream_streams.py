@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 from switchyard.common.priority import PriorityClass
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
-from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+from switchyard.gateway.events import ChatRequest, Finished, Reasoning, Token, ToolCallOut
 from switchyard_harness.faults import Fault
 from switchyard.gateway.metrics import STREAM_ENDINGS
 
@@ -158,6 +158,7 @@ async def test_every_recorded_stream_is_read_as_its_server_meant_it(clean_proxy_
     finished = events[-1]
     assert isinstance(finished, Finished) and sum(isinstance(e, Finished) for e in events) == 1
     assert text == meta["expect-text"]
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == meta.get("expect-reasoning", "")
     assert finished.finish_reason == meta["expect-finish"]
     usage = meta["expect-usage"]
     if usage == "none":

@@ -42,7 +42,14 @@ import time
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase, record_output
-from switchyard.dispatcher.engines.base import SeqOutput, StepBatch, StepResult, StreamEngine, stream_item_output
+from switchyard.dispatcher.engines.base import (
+    Reasoning,
+    SeqOutput,
+    StepBatch,
+    StepResult,
+    StreamEngine,
+    stream_item_output,
+)
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, ToolCall
@@ -175,7 +182,7 @@ class StreamLoop(LoopBase):
                     if req.is_finished:
                         break
                     now = time.monotonic()
-                    if first and isinstance(item, (str, ToolCall)):
+                    if first and isinstance(item, (str, Reasoning, ToolCall)):  # its prefill is done
                         first = False
                         self._prefilled(wave, req)
                     before = (req.first_token_at, req.last_token_at, len(req.output_tokens))

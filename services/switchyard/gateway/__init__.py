@@ -23,6 +23,6 @@ Modules:
   :mod:`switchyard_harness.faults`.
 """
 
-from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut, Usage
+from switchyard.gateway.events import ChatRequest, Finished, Reasoning, Token, ToolCallOut, Usage
 
-__all__ = ["ChatRequest", "Finished", "Token", "ToolCallOut", "Usage"]
+__all__ = ["ChatRequest", "Finished", "Reasoning", "Token", "ToolCallOut", "Usage"]

@@ -94,7 +94,7 @@ from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events
 from switchyard.gateway.transport import UpstreamTransport
-from switchyard.gateway.events import ChatRequest, Finished, StreamEvent, Token
+from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent, Token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -432,7 +432,9 @@ class GatewayClient:
         return request if request_id == request.request_id else dataclasses.replace(request, request_id=request_id)
 
     async def stream_chat(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
-        """Stream one completion: :class:`Token` and :class:`ToolCallOut` items, then one :class:`Finished`.
+        """Stream one completion: :class:`Token`, :class:`Reasoning` and :class:`ToolCallOut` items, then one
+        :class:`Finished`. A reasoning model's thinking is an item like a token: the first one is the time to
+        first token, and after it nothing is retried.
         The request goes upstream under an id no call of this client has in flight (:meth:`_claim_request_id`).
 
         Raises:
@@ -454,6 +456,7 @@ class GatewayClient:
         outcome = "ok"
         model = ""
         sent = 0
+        thought = 0  # of which Reasoning events
         finished = False  # the Finished event went out: a close after it ends a complete call
         try:
             opened, model = await self._with_fallback(
@@ -463,8 +466,9 @@ class GatewayClient:
             try:
                 for event in opened.first:
                     sent += not isinstance(event, Finished)
+                    thought += isinstance(event, Reasoning)
                     finished = finished or isinstance(event, Finished)
-                    if isinstance(event, Token):
+                    if isinstance(event, (Token, Reasoning)):  # a reasoning token is the server's work too
                         self.pool.on_tokens(opened.endpoint, 1)
                     yield event
                 if not opened.ended:
@@ -474,8 +478,9 @@ class GatewayClient:
                         self._check_deadline(call, model)
                         for event in opened.decoder.feed(sse.data, sse.event):
                             sent += not isinstance(event, Finished)
+                            thought += isinstance(event, Reasoning)
                             finished = finished or isinstance(event, Finished)
-                            if isinstance(event, Token):
+                            if isinstance(event, (Token, Reasoning)):
                                 self.pool.on_tokens(opened.endpoint, 1)
                             yield event
                     for event in _end(opened.decoder):
@@ -511,6 +516,7 @@ class GatewayClient:
             raise
         finally:
             call.span.set_attribute("switchyard.gateway.items_streamed", sent)
+            call.span.set_attribute("switchyard.gateway.reasoning_items", thought)
             call.span.end()
             GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
 

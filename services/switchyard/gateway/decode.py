@@ -34,6 +34,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - a ``finish_reason`` in another server's words (TGI's ``eos_token``, Anthropic's ``end_turn``): read as the one
   of OpenAI's it means (:data:`FINISH_REASONS`); one of an answer that did not finish (vLLM's ``abort``) or one
   not known is an error naming it (:func:`finish_reason_of`);
+- a reasoning model's thinking in ``delta.reasoning_content`` or ``delta.reasoning``
+  (:data:`REASONING_FIELDS`): :class:`Reasoning` events, never answer text;
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -51,7 +53,7 @@ from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.errors import GatewayError, NoEndMarker, StreamProtocolError, UpstreamStreamError, snippet
 from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard.gateway.sse import DONE, ERROR_EVENT
-from switchyard.gateway.events import Finished, StreamEvent, Token, ToolCallOut, Usage
+from switchyard.gateway.events import Finished, Reasoning, StreamEvent, Token, ToolCallOut, Usage
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -248,8 +250,24 @@ def stream_error_status(payload: dict[str, Any]) -> int | None:
     return _ERROR_TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
 
 
+def _whole_characters(carry: str, text: str) -> tuple[str, str]:
+    """``text`` after ``carry`` (a high surrogate held from the last chunk), and the trailing high surrogate it
+    holds back in turn ("" when none)."""
+    text = carry + text
+    if "\ud800" <= text[-1] <= "\udbff":
+        return fix_surrogates(text[:-1]), text[-1]
+    return fix_surrogates(text), ""
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+"""The delta fields of a reasoning model's thinking, the first that holds text: ``reasoning_content`` (vLLM with
+``--reasoning-parser``, SGLang, llama.cpp's ``--reasoning-format deepseek``, DeepSeek's API) and ``reasoning``
+(vLLM since it renamed the field, Ollama, OpenRouter); a server sending both in one delta sends one text twice."""
+
+
 class StreamDecoder:
-    """Turns the ``data`` payloads of one stream into :class:`Token`, :class:`ToolCallOut`, :class:`Finished`.
+    """Turns the ``data`` payloads of one stream into :class:`Token`, :class:`Reasoning`, :class:`ToolCallOut`,
+    :class:`Finished`.
 
     Tool calls are emitted whole, when their choice finishes (or at the end).
     :meth:`end` checks that the stream finished (``[DONE]``, or a ``finish_reason``)
@@ -266,7 +284,7 @@ class StreamDecoder:
         self.usage: Usage | None = None
         self.last = ""
         self.choices_seen = 0
-        self._carry = ""  # a high surrogate waiting for its low half
+        self._carries = {"content": "", "reasoning": ""}  # a high surrogate waiting for its low half, per field
         self._calls = ToolCallAssembler()
         self.failed = False
         """The stream carried an error object, or something that cannot be read (:attr:`ending` ``error``)."""
@@ -323,9 +341,14 @@ class StreamDecoder:
                 )
             self.choices_seen += 1
             delta = choice.get("delta") or {}
+            thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "")
+            if thought:
+                thought, self._carries["reasoning"] = _whole_characters(self._carries["reasoning"], thought)
+                if thought:
+                    events.append(Reasoning(thought))
             text = delta.get("content")
             if isinstance(text, str) and text:
-                text = self._whole_characters(text)
+                text, self._carries["content"] = _whole_characters(self._carries["content"], text)
                 if text:
                     events.append(Token(text))
             for call in delta.get("tool_calls") or []:
@@ -347,13 +370,6 @@ class StreamDecoder:
         return error_for_status(self.error_status, data, {}, url=self.url, model=self.model, key=self.key,
                                 in_stream=True)
 
-    def _whole_characters(self, text: str) -> str:
-        """``text`` after any high surrogate held from the last chunk, holding back a trailing one."""
-        text = self._carry + text
-        self._carry = ""
-        if "\ud800" <= text[-1] <= "\udbff":
-            self._carry, text = text[-1], text[:-1]
-        return fix_surrogates(text)
 
     @property
     def _empty_answer(self) -> bool:
@@ -396,6 +412,8 @@ class StreamDecoder:
                 f"error reading choices: none of the {self.chunks} stream chunk(s) carried a choice{counted}: "
                 f"last received {snippet(self.last)}"
             )
-        tail: list[StreamEvent] = [Token(fix_surrogates(self._carry))] if self._carry else []
-        self._carry = ""
+        carried = self._carries
+        tail: list[StreamEvent] = [Reasoning(fix_surrogates(carried["reasoning"]))] if carried["reasoning"] else []
+        tail += [Token(fix_surrogates(carried["content"]))] if carried["content"] else []
+        self._carries = {"content": "", "reasoning": ""}
         return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model, self.ending)]

@@ -56,6 +56,15 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """A piece of a reasoning model's thinking, streamed before its answer (``delta.reasoning_content``, as vLLM
+    with a reasoning parser, SGLang, llama.cpp and DeepSeek's API send it, or ``delta.reasoning``, as newer vLLM,
+    Ollama and OpenRouter do): generated tokens, but not the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallOut:
     """A complete tool call, assembled from its deltas; ``arguments_json`` as sent upstream."""
 
@@ -78,4 +87,4 @@ class Finished:
     ending: str | None = field(default=None, compare=False)
 
 
-StreamEvent = Union[Token, ToolCallOut, Finished]
+StreamEvent = Union[Token, Reasoning, ToolCallOut, Finished]

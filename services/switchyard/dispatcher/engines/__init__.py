@@ -24,6 +24,7 @@ from switchyard.common.errors import SwitchyardError
 from switchyard.dispatcher.engines.base import (
     KVCacheManager,
     NullKVCacheManager,
+    Reasoning,
     SeqOutput,
     StepBatch,
     StepEngine,
@@ -33,7 +34,7 @@ from switchyard.dispatcher.engines.base import (
     Usage,
 )
 
-__all__ = ["KVCacheManager", "NullKVCacheManager", "SeqOutput", "StepBatch", "StepEngine", "StepResult", "StreamEngine",
+__all__ = ["KVCacheManager", "NullKVCacheManager", "Reasoning", "SeqOutput", "StepBatch", "StepEngine", "StepResult", "StreamEngine",
            "StreamItem", "Usage", "EngineUnavailable", "make_engine"]
 
 # engine name -> the function that imports its class; modules are imported lazily so the sim

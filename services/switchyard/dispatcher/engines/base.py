@@ -276,8 +276,17 @@ class Usage:
         return max(0, self.completion_tokens - streamed)
 
 
-StreamItem = Union[str, ToolCall, Usage]
-"""What a stream engine yields: token texts, tool calls, and finally one Usage."""
+@dataclass(frozen=True)
+class Reasoning:
+    """A stream item: a piece of a reasoning model's thinking (``delta.reasoning_content``), generated before its
+    answer. Its tokens count as the request's output (completion tokens, TTFT, KV prefix) but are not streamed to
+    the caller: the answer is the token texts."""
+
+    text: str
+
+
+StreamItem = Union[str, Reasoning, ToolCall, Usage]
+"""What a stream engine yields: token texts, reasoning, tool calls, and finally one Usage."""
 
 
 class StreamEngine(abc.ABC):
@@ -351,11 +360,14 @@ class StreamEngine(abc.ABC):
 
 
 def stream_item_output(item: StreamItem) -> SeqOutput:
-    """A stream engine's item as a :class:`SeqOutput` for ``update_from_output``: a token text, a tool
+    """A stream engine's item as a :class:`SeqOutput` for ``update_from_output``: a token text, reasoning (an
+    output token not streamed to the caller, as a step engine's tool-call argument tokens), a tool
     call, or the final :class:`Usage` (the end of the stream, with the upstream's finish reason when it
     reported one, else the stop check derives it: tool_calls when it made tool calls, else stop)."""
     if isinstance(item, str):
         return SeqOutput(texts=[item])
+    if isinstance(item, Reasoning):
+        return SeqOutput(texts=[item.text], visible=False)
     if isinstance(item, ToolCall):
         return SeqOutput(tool_calls=[item])
     return SeqOutput(eos=True, finish_reason=item.finish_reason, usage=item)

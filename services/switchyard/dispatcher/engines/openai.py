@@ -24,11 +24,11 @@ from opentelemetry.trace import Tracer
 
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
-from switchyard.dispatcher.engines.base import StreamEngine, StreamItem, Usage
+from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
-from switchyard.gateway.events import ChatRequest, Finished, Token, ToolCallOut
+from switchyard.gateway import events
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
 
@@ -91,13 +91,13 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def chat_request(req: Request) -> ChatRequest:
+def chat_request(req: Request) -> events.ChatRequest:
     """The gateway request for ``req``: messages, tools, max_tokens, model, priority class and agent.
 
     Raises:
         InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
     """
-    return ChatRequest(
+    return events.ChatRequest(
         messages=chat_messages(req.prompt, req.messages),
         model=req.model if req.names_model else "",  # "": the default, which may fall back (the gateway's rule)
         max_tokens=req.max_tokens or None,
@@ -209,7 +209,8 @@ class OpenAIEngine(StreamEngine):
             self._reads_ended += 1
 
     async def generate(self, req: Request) -> AsyncIterator[StreamItem]:
-        """Stream ``req``'s completion: token texts, ToolCalls, then one Usage.
+        """Stream ``req``'s completion: token texts, Reasoning (a reasoning model's thinking: output tokens, not
+        the answer), ToolCalls, then one Usage.
 
         Raises:
             InvalidArgument: bad tool schema in ``req``.
@@ -220,12 +221,15 @@ class OpenAIEngine(StreamEngine):
         request = chat_request(req)
         streamed = 0
         async for event in self.client.stream_chat(request):
-            if isinstance(event, Token):
+            if isinstance(event, events.Token):
                 streamed += 1
                 yield event.text
-            elif isinstance(event, ToolCallOut):
+            elif isinstance(event, events.Reasoning):
+                streamed += 1
+                yield Reasoning(event.text)
+            elif isinstance(event, events.ToolCallOut):
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
-            elif isinstance(event, Finished):
+            elif isinstance(event, events.Finished):
                 usage = event.usage
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
