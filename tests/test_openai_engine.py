@@ -455,3 +455,29 @@ async def test_a_reasoning_models_answer_is_its_content_and_its_thinking_counts_
     tokens = [e.token for e in events if e.HasField("token")]
     assert (final.output, "".join(t.text for t in tokens), final.finish_reason) == (output, output, finish)
     assert final.usage.completion_tokens == int(recorded.meta["expect-usage"].split()[1])
+
+
+@pytest.mark.parametrize("fixture", ["vllm_tool_calls", "ollama_tool_calls", "reasoning_without_usage"])
+async def test_without_the_servers_usage_the_completion_tokens_are_estimated_from_what_streamed(clean_proxy_env,
+                                                                                              fixture):
+    """A server that sends no usage (vLLM without include_usage, Ollama's tool calls): the completion tokens read 0
+    for an answer of tool calls only (and for one of reasoning, which was dropped). They are estimated: one per
+    streamed piece of text, answer or reasoning, and the word pieces of each tool call."""
+    from switchyard.dispatcher.request import word_pieces
+    from test_upstream_streams import FIXTURES, load, replay_server
+
+    if fixture == "reasoning_without_usage":
+        def piece(delta: dict, finish: str | None = None) -> dict:
+            return {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        recorded = recorded_stream(piece({"role": "assistant", "content": ""}), piece({"reasoning_content": "Two"}),
+                                   piece({"reasoning_content": " plus two."}), piece({"content": "4"}),
+                                   piece({}, "stop"))
+    else:
+        recorded = load(FIXTURES / f"{fixture}.sse")
+    async with replay_server(recorded) as (base, _):
+        chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="est:0", prompt=PROMPT, model="m"),
+                                          fallback_model="", default_model="m", max_retries=0)
+    calls = [c.tool_call for c in chunks if c.WhichOneof("chunk") == "tool_call"]
+    expected = 3 if not calls else sum(len(word_pieces(f"{c.name} {c.arguments_json}")) for c in calls)
+    assert chunks[-1].done.usage.completion_tokens == expected > 0

@@ -25,7 +25,7 @@ from opentelemetry.trace import Tracer
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
-from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway import events
@@ -212,6 +212,12 @@ class OpenAIEngine(StreamEngine):
         """Stream ``req``'s completion: token texts, Reasoning (a reasoning model's thinking: output tokens, not
         the answer), ToolCalls, then one Usage.
 
+        The Usage is the server's; where it reports none (no ``stream_options`` support, usage omitted) or a
+        count of 0, the completion tokens are an estimate: one per streamed text piece (answer or reasoning: a
+        server streams about one token a chunk) and, per tool call, the word pieces of its name and arguments
+        (:func:`~switchyard.dispatcher.request.word_pieces`, the dispatcher's count of a prompt; a call may come
+        whole in one chunk, as Ollama sends it); the prompt tokens are then the dispatcher's own count.
+
         Raises:
             InvalidArgument: bad tool schema in ``req``.
             switchyard.gateway.errors.GatewayError: the error-table row of the
@@ -228,13 +234,14 @@ class OpenAIEngine(StreamEngine):
                 streamed += 1
                 yield Reasoning(event.text)
             elif isinstance(event, events.ToolCallOut):
+                streamed += max(1, len(word_pieces(f"{event.name} {event.arguments_json}")))
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, events.Finished):
                 usage = event.usage
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
-                    finish_reason=event.finish_reason or None,  # the server's word (RequestStatus.finished_with)
+                    finish_reason=event.finish_reason or None,  # read as one of OpenAI's by the gateway
                     model=event.model,
                 )
 
