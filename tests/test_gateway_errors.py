@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import struct
 
@@ -70,17 +71,53 @@ async def test_upstream_401_names_variable_length_and_whitespace_never_the_key(m
     assert TEST_KEY not in message and "[redacted]" in message  # the server echoed it; redacted
 
 
-@pytest.mark.parametrize("status, code", [
-    (403, grpc.StatusCode.PERMISSION_DENIED),  # a known key without the right: gRPC's mapping of HTTP 403
-    (409, grpc.StatusCode.INVALID_ARGUMENT),  # the request's own fault, never a server failure retried
-    (418, grpc.StatusCode.INVALID_ARGUMENT),
-    (451, grpc.StatusCode.INVALID_ARGUMENT),
-    (408, grpc.StatusCode.UNAVAILABLE),  # the server timed the request out: retried, as a 5xx is
+@pytest.mark.parametrize("status, code, retried, says", [
+    (403, grpc.StatusCode.PERMISSION_DENIED, False, "refused"),  # gRPC's mapping of HTTP 403
+    (418, grpc.StatusCode.INVALID_ARGUMENT, False, "rejected"),
+    (451, grpc.StatusCode.INVALID_ARGUMENT, False, "rejected"),
+    (408, grpc.StatusCode.UNAVAILABLE, True, "upstream answered 408"),  # the server timed it out, as a 5xx
+    # the statuses that are not the request's fault, which all read INVALID_ARGUMENT (402, 409, 425 ...):
+    (402, grpc.StatusCode.FAILED_PRECONDITION, False, "no credit or quota left"),  # the account's
+    (405, grpc.StatusCode.NOT_FOUND, False, "takes no POST"),  # the base URL's
+    (407, grpc.StatusCode.UNAUTHENTICATED, False, "proxy between here and the model server"),
+    (409, grpc.StatusCode.ABORTED, True, "conflicts with a state of the server"),
+    (410, grpc.StatusCode.NOT_FOUND, False, "gone for good"),
+    (421, grpc.StatusCode.UNAVAILABLE, True, "over another connection"),
+    (424, grpc.StatusCode.UNAVAILABLE, True, "the model server failed"),
+    (425, grpc.StatusCode.UNAVAILABLE, True, "TLS handshake"),
+    (501, grpc.StatusCode.UNIMPLEMENTED, False, "does not implement"),
 ])
-async def test_each_upstream_status_maps_to_its_own_code(status, code, clean_proxy_env):
+async def test_each_upstream_status_maps_to_its_own_code(status, code, retried, says, clean_proxy_env):
+    """Only the request's own fault is INVALID_ARGUMENT, which blames the caller: a 402 (an account out of credit),
+    a 409 or a 425 (the server's state, asked to retry) read so, neither retried nor sent to the fallback."""
     with start_sim(faults={"*": Fault(status=status)}) as server:
         err = await stream_error(gateway_config(server.base_url, max_retries=0))
-    assert err.code == code and str(status) in str(err)
+    assert err.code == code and str(status) in str(err) and says in str(err)
+    assert err.retryable == retried and not err.refuses_load
+
+
+async def test_openais_429_insufficient_quota_is_the_accounts_not_a_rate_limit(clean_proxy_env):
+    """OpenAI answers an account out of credit 429 insufficient_quota: read as a rate limit, it was retried, the
+    adaptive limit backed off and a submitted task went back to the backlog, for a wait that fixes nothing."""
+    from switchyard.gateway.classify import error_for_status
+    from switchyard.gateway.decode import StreamDecoder
+    from switchyard.gateway.keys import ApiKey
+
+    body = json.dumps({"error": {"message": "You exceeded your current quota, please check your plan and billing "
+                                            "details.", "type": "insufficient_quota", "param": None,
+                                 "code": "insufficient_quota"}})
+    key = ApiKey("OPENAI_API_KEY", "sk-live-1")
+    answered = error_for_status(429, body, {}, url="https://api.openai.com/v1/chat/completions", model="gpt-4o",
+                                key=key)
+    with pytest.raises(GatewayError) as in_stream:
+        StreamDecoder("gpt-4o", key=key).feed(body)
+    for error in (answered, in_stream.value):
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and not error.refuses_load
+        assert not error.retryable and not error.fallback_ok and "OPENAI_API_KEY" in str(error)
+    plain = error_for_status(429, json.dumps({"error": {"message": "Rate limit reached", "type": "requests",
+                                                        "code": "rate_limit_exceeded"}}), {}, url="u", model="m",
+                             key=key)
+    assert plain.code == grpc.StatusCode.RESOURCE_EXHAUSTED and plain.refuses_load
 
 
 async def test_expired_oauth_token_says_reauthenticate_or_use_api_key(clean_proxy_env):

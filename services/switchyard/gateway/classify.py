@@ -20,10 +20,16 @@ from switchyard.gateway.errors import (
     BadUpstreamRequest,
     EndpointNotFound,
     GatewayError,
+    ProxyAuthRequired,
     ProxyUnavailable,
     StreamBroken,
     UpstreamAuthError,
+    UpstreamConflict,
+    UpstreamGone,
+    UpstreamNotImplemented,
+    UpstreamQuotaExhausted,
     UpstreamRateLimited,
+    UpstreamRetryLater,
     UpstreamServerError,
     UpstreamStreamError,
     UpstreamTimeout,
@@ -106,6 +112,11 @@ def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+_NO_QUOTA = re.compile(r"(?i)insufficient_quota|exceeded your current quota|insufficient (balance|credit)")
+"""A 429 that is no rate limit but an account out of credit: OpenAI's ``insufficient_quota`` ("You exceeded your
+current quota, please check your plan and billing details": its API reference, "Error codes"), in the words a
+provider answering 402 uses too (DeepSeek's "Insufficient Balance", OpenRouter's "insufficient credits")."""
+
 OVERLOADED_STATUSES = frozenset({503, 529})
 """The HTTP statuses, besides 429, of a server refusing a call for its load: 503 Service Unavailable (vLLM, TGI, an
 ingress with no free replica) and 529, Anthropic's ``overloaded_error`` (its API, and the OpenAI-compatible
@@ -126,6 +137,13 @@ def error_for_status(
     is a broken stream (retried before the first token); a 503 or 529 there refuses load as an answered one does.
     Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
     never shows the key; a 404 names ``url_source`` (:func:`url_key`), what set the URL.
+
+    The rows: 401 UNAUTHENTICATED, 403 PERMISSION_DENIED (the key); 402, and OpenAI's 429 ``insufficient_quota``,
+    FAILED_PRECONDITION (the account: :class:`UpstreamQuotaExhausted`); 404 and 405 NOT_FOUND (the base URL);
+    407 UNAUTHENTICATED (the proxy); 409 ABORTED, 421 and 425 UNAVAILABLE (retried); 410 NOT_FOUND; 429
+    RESOURCE_EXHAUSTED (a rate limit: refuses load); 501 UNIMPLEMENTED; 408, 424 and 5xx UNAVAILABLE (the
+    server's, retried; 503 and 529 refuse load); any other 4xx INVALID_ARGUMENT (the request's own fault, not
+    retried and no fallback).
     """
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
@@ -154,10 +172,44 @@ def error_for_status(
         if status == 403:  # a known key without the right: gRPC's own mapping of HTTP 403
             auth.code = grpc.StatusCode.PERMISSION_DENIED
         return auth
-    if status == 404 and not in_stream:
+    # Each status by what it says (RFC 9110, section 15, unless named): only the request's own fault is
+    # INVALID_ARGUMENT, which blames the caller; the account's, the set-up's and the server's are told apart.
+    if status == 402 or (status == 429 and _NO_QUOTA.search(body)):
+        # 402 Payment Required (section 15.5.3, reserved; DeepSeek and OpenRouter answer it for an account out of
+        # credit), and OpenAI's 429 insufficient_quota: a top-up fixes it, not a retry, nor a slower rate
+        whose = f"the key from {key.describe()}" if key.value else "the account this server bills"
+        return UpstreamQuotaExhausted(
+            f"{head}: the account behind {whose} has no credit or quota left for model {model!r}; add credit or "
+            f"raise its spending limit with the provider, or use another key in {key.env}; not retried"
+        )
+    if status == 407:  # Proxy Authentication Required (section 15.5.8): the proxy's, not the server's
+        return ProxyAuthRequired(
+            f"{head}: a proxy between here and the model server wants credentials; put them in the proxy "
+            "variable's URL (HTTPS_PROXY or HTTP_PROXY=http://user:password@host:port), or add the host to NO_PROXY"
+        )
+    if status in (404, 405) and not in_stream:  # 405 Method Not Allowed (15.5.6): that URL takes no POST
+        said_how = "" if status == 404 else ": the server there takes no POST at this path"
         return EndpointNotFound(
-            f"{head}; {url_source} must be the OpenAI-compatible root ending in /v1, e.g. "
+            f"{head}{said_how}; {url_source} must be the OpenAI-compatible root ending in /v1, e.g. "
             "http://127.0.0.1:8000/v1"
+        )
+    if status == 409:  # Conflict (15.5.10): the request met the server's state; gRPC's ABORTED, retried
+        return UpstreamConflict(
+            f"{head}: the request conflicts with a state of the server (a request id it still holds?); retried "
+            "under a request id of its own"
+        )
+    if status in (421, 425):
+        # 421 Misdirected Request (15.5.20: the client MAY retry over a different connection); 425 Too Early
+        # (RFC 8470, section 5.2: sent in TLS early data, to be retried once the handshake is complete)
+        why = "over another connection" if status == 421 else "once the connection's TLS handshake is complete"
+        return UpstreamRetryLater(f"{head}: the server asks for the request again, {why}; retried")
+    if status == 410:  # Gone (15.5.11): for good, a retired model or route
+        return UpstreamGone(f"{head}: what the request for model {model!r} named is gone for good (a retired "
+                            "model?); not retried")
+    if status == 501:  # Not Implemented (15.6.2): the server lacks what the request needs
+        return UpstreamNotImplemented(
+            f"{head}: the server does not implement what the request for model {model!r} needs (a feature it "
+            "serves only when started with it?); not retried"
         )
     retry_after = retry_after_s(headers)
     if status == 429:
@@ -168,12 +220,14 @@ def error_for_status(
         )
         error.retry_after_s = retry_after
         return error
-    if status is not None and 400 <= status < 500 and status != 408:  # the request's own fault (400, 413, 422, ...)
+    # the request's own fault (400, 413, 422, ...); 408 Request Timeout and 424 Failed Dependency (RFC 4918,
+    # section 11.4: Azure ML online endpoints answer it when the model behind them failed) are the server's
+    if status is not None and 400 <= status < 500 and status not in (408, 424):
         error = BadUpstreamRequest(f"{head}: the request for model {model!r} was rejected, not retried")
         if status == 404:  # in a stream: what the request named was not found
             error.code = grpc.StatusCode.NOT_FOUND
         return error
-    if status is not None and status >= 500:
+    if status is not None and (status >= 500 or status == 424):
         error = UpstreamServerError(f"{head}: the model server failed for model {model!r}; retry later or check its logs")
         if status in OVERLOADED_STATUSES:  # overloaded: it refuses load, and may say when to come back
             error.retry_after_s, error.refuses_load = retry_after, True

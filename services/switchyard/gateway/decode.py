@@ -184,10 +184,11 @@ _ERROR_TYPE_STATUS = {
     "badrequesterror": 400, "invalid_request_error": 400, "notfounderror": 404, "not_found_error": 404,
     "ratelimiterror": 429, "rate_limit_error": 429, "rate_limit_exceeded": 429,
     "authenticationerror": 401, "authentication_error": 401, "permissiondeniederror": 403,
-    "permission_error": 403, "validation": 400, "tokenizer": 400, "overloaded": 429,
+    "permission_error": 403, "validation": 400, "tokenizer": 400, "overloaded": 429, "insufficient_quota": 429,
 }
 """HTTP status of an in-stream error by its type where it carries no numeric ``code``: vLLM's
-``BadRequestError``, OpenAI's ``invalid_request_error`` and ``rate_limit_exceeded``, Anthropic's
+``BadRequestError``, OpenAI's ``invalid_request_error``, ``rate_limit_exceeded`` and ``insufficient_quota`` (its
+429 of an account out of credit), Anthropic's
 ``rate_limit_error`` and ``authentication_error`` (``error.type``); TGI's ``validation``, ``tokenizer`` and
 ``overloaded`` (its ``error_type`` beside an ``error`` string; TGI answers ``overloaded`` with 429)."""
 

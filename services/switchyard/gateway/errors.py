@@ -119,7 +119,8 @@ class EndpointNotFound(GatewayError):
 
 
 class BadUpstreamRequest(GatewayError):
-    """400/413/422: the upstream refused the request body; names the field when it says which.
+    """400/413/422 (and the other 4xx no row of :func:`~switchyard.gateway.classify.error_for_status` names): the
+    upstream refused the request body; names the field when it says which.
 
     The request's own fault (too long for the context window, a bad field): another
     model would refuse it too, or worse accept it silently, so it never falls back.
@@ -135,6 +136,55 @@ class UpstreamRateLimited(GatewayError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     retryable = True
     refuses_load = True
+
+
+class UpstreamQuotaExhausted(GatewayError):
+    """402 Payment Required, or OpenAI's 429 ``insufficient_quota``: the account behind the key has no credit or
+    quota left. FAILED_PRECONDITION (gRPC's code for "do not retry until the system state has been explicitly
+    fixed"), not RESOURCE_EXHAUSTED, which says retry later: a top-up fixes it, not waiting. Not retried, and no
+    fallback: the same key and account serve every model."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    fallback_ok = False
+
+
+class UpstreamConflict(GatewayError):
+    """409 Conflict: the request met the state of something the server holds (a request id still in flight, as a
+    server that keys requests by ``X-Request-Id`` may answer). ABORTED, gRPC's code for a conflict retried at a
+    higher level; retried here at once, since each attempt goes under its own request id."""
+
+    code = grpc.StatusCode.ABORTED
+    retryable = True
+
+
+class UpstreamRetryLater(GatewayError):
+    """421 Misdirected Request or 425 Too Early: the server asks for the same request again, over another
+    connection or once the connection's handshake is done. UNAVAILABLE, retried."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class UpstreamGone(GatewayError):
+    """410 Gone: what the request named (a retired model, a removed route) is gone for good. NOT_FOUND, not
+    retried; the fallback model may be served."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class UpstreamNotImplemented(GatewayError):
+    """501 Not Implemented: the server does not support what the request needs (a feature llama.cpp serves only
+    with a flag, say). UNIMPLEMENTED, not retried; the fallback model may support it."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class ProxyAuthRequired(GatewayError):
+    """407 Proxy Authentication Required: the proxy named by HTTP_PROXY/HTTPS_PROXY wants credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    origin = "proxy"
+    fallback_ok = False
 
 
 class UpstreamServerError(GatewayError):
