@@ -379,3 +379,9 @@ def test_reasoning_is_read_from_either_field_once_and_kept_apart_from_the_answer
     events += decoder.feed(chunk({}, "stop")) + decoder.end()
     assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "Think \U0001f600"
     assert "".join(e.text for e in events if isinstance(e, Token)) == "Ans\U0001f600"
+
+
+def test_a_fault_takes_a_word_where_it_names_one():
+    assert parse_fault("finish=abort,reasoning=2") == Fault(finish="abort", reasoning=2)
+    with pytest.raises(ValueError, match="finish=<word>"):
+        parse_fault("finish")

@@ -481,3 +481,21 @@ async def test_without_the_servers_usage_the_completion_tokens_are_estimated_fro
     calls = [c.tool_call for c in chunks if c.WhichOneof("chunk") == "tool_call"]
     expected = 3 if not calls else sum(len(word_pieces(f"{c.name} {c.arguments_json}")) for c in calls)
     assert chunks[-1].done.usage.completion_tokens == expected > 0
+
+
+async def test_sim_openai_stands_in_for_a_reasoning_server_and_its_finish_reasons(clean_proxy_env):
+    """``--fault reasoning=N`` and ``--fault finish=WORD`` let the fake upstream send what vLLM does with a reasoning
+    parser, and its abort: the thinking never reaches the answer but counts; an abort is an error naming it."""
+    request = agent_pb2.GenerateRequest(request_id="sim:0", prompt=PROMPT, max_tokens=64)
+    with start_sim() as server:
+        plain = await generate_over_grpc(server.base_url, request)
+    with start_sim(faults={"*": Fault(reasoning=3, finish="eos_token")}) as server:
+        thought = await generate_over_grpc(server.base_url, request)
+    texts = [[c.token.text for c in chunks if c.WhichOneof("chunk") == "token"] for chunks in (plain, thought)]
+    assert texts[0] == texts[1] and "thinking" not in "".join(texts[1])
+    assert thought[-1].done.usage.completion_tokens == plain[-1].done.usage.completion_tokens + 3
+    assert thought[-1].done.finish_reason == "stop"
+    with start_sim(faults={"*": Fault(finish="abort")}) as server:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await generate_over_grpc(server.base_url, request, max_retries=0, fallback_model="")
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "finish_reason 'abort'" in caught.value.details()

@@ -40,6 +40,10 @@ class Fault:
     - ``retry_after``: with ``status``, send ``Retry-After: N`` (delta-seconds).
     - ``retry_after_ms``: with ``status``, send ``retry-after-ms: N`` (milliseconds, as OpenAI does).
     - ``retry_after_date``: with ``status``, send ``Retry-After`` as the HTTP-date N seconds from now.
+    - ``finish``: end the answer with this ``finish_reason`` instead of its own (vLLM's ``abort``, TGI's
+      ``eos_token``).
+    - ``reasoning``: stream N pieces of thinking in ``delta.reasoning_content`` before the answer, as vLLM with a
+      reasoning parser does (counted in the usage's completion tokens).
     """
 
     status: int | None = None
@@ -57,6 +61,8 @@ class Fault:
     retry_after: float | None = None
     retry_after_ms: float | None = None
     retry_after_date: float | None = None
+    finish: str | None = None
+    reasoning: int = 0
 
     def retry_headers(self, now: float) -> dict[str, str]:
         """The Retry-After headers of this fault's status answer; ``now`` is ``time.time()``."""
@@ -70,7 +76,8 @@ class Fault:
         return headers
 
 
-_INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error"}
+_INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error", "reasoning"}
+_WORDS = {"finish"}
 
 
 def parse_fault(spec: str) -> Fault:
@@ -89,8 +96,11 @@ def parse_fault(spec: str) -> Fault:
         if key in _FLAGS:
             values[key] = raw.strip().lower() not in ("0", "false", "no") if sep else True
             continue
+        if key in _WORDS and sep and raw.strip():
+            values[key] = raw.strip()
+            continue
         if not sep:
-            raise ValueError(f"fault {item!r}: expected {key}=<number>")
+            raise ValueError(f"fault {item!r}: expected {key}=<{'word' if key in _WORDS else 'number'}>")
         try:
             values[key] = int(raw) if key in _INTS else float(raw)
         except ValueError:

@@ -500,6 +500,8 @@ class SimOpenAI:
                         yield encode({"error": {"object": "error", "message": f"injected stream_error "
                                                 f"{fault.stream_error}", "type": kind, "code": fault.stream_error}})
                         return
+                    for piece in range(fault.reasoning):  # a reasoning parser's thinking, before the answer
+                        yield chunk({"reasoning_content": f"{' ' if piece else ''}thinking-{piece + 1}"})
                     for sent, delta in enumerate(self._deltas(reply, tokens)):
                         kv += 1
                         self.state.kv_used_tokens += 1
@@ -518,10 +520,11 @@ class SimOpenAI:
                 raise _CutStream("cut before finish (injected)")
             if fault.no_finish:
                 return
-            yield chunk({}, finish)
+            yield chunk({}, fault.finish or finish)
             if body.get("stream_options", {}).get("include_usage"):
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                         "total_tokens": prompt_tokens + len(tokens)}
+                generated = len(tokens) + fault.reasoning
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                         "total_tokens": prompt_tokens + generated}
                 yield encode({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
                               "choices": [], "usage": usage})
             if not fault.no_done:
@@ -660,7 +663,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault", action="append", default=[], metavar="[MODEL=]SPEC",
                         help="inject a failure, e.g. status=503 | gpt-4o-mini=cut_after=3 | slow_ms=50 "
                              "(keys: status fail_first cut_after no_done no_finish malformed_after stream_error no_choices slow_ms "
-                             "mismatch "
+                             "mismatch finish reasoning "
                              f"expired echo_key); per request: header {FAULT_HEADER} or model suffix MODEL#SPEC")
     parser.add_argument("--no-latency", action="store_true", help="answer at once instead of at sim-engine speed")
     parser.add_argument("--owned-by", default="switchyard-sim", metavar="NAME",
