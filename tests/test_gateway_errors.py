@@ -501,7 +501,7 @@ async def test_a_body_cut_short_is_named_without_the_parsers_own_400(clean_proxy
         err = await stream_error(gateway_config(base, fallback_model="", max_retries=0))
     assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err), str(err)
     assert "the response ended before its body did (TransferEncodingError: Not enough data" in str(err), str(err)
-    assert "400" not in str(err)
+    assert "400" not in str(err).replace(base, "URL")  # the server's port may hold the digits (40003)
 
 
 @contextlib.asynccontextmanager
