@@ -645,32 +645,53 @@ async def _until(predicate, what: str) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
+@dataclass
+class ReplicaToRestart:
+    """The second replica of :func:`pool_with_a_replica_to_restart`: on a port of its own, stopped by
+    :meth:`stop` and started again there by the test (``run_in_thread(..., port=replica.port)``)."""
+
+    port: int
+    name: str
+    """Its endpoint name in the pool (``host:port``)."""
+    server: contextlib.AbstractContextManager[RunningSimOpenAI]
+
+    def stop(self) -> None:
+        self.server.__exit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
+async def pool_with_a_replica_to_restart(options: SimOpenAIOptions, **pool: Any):
+    """A GatewayClient over a pool of two sim-openai replicas serving ``options`` (``pool``: more
+    ``model_gateway.pool`` settings), each endpoint's model list read; yields the client and the second replica,
+    which the test stops and starts again. The client and the first replica close on exit."""
+    port = _free_port()
+    with run_in_thread(options) as steady:
+        server = run_in_thread(options, port=port)
+        restarted = server.__enter__()
+        replica = ReplicaToRestart(port, endpoint_name(restarted.base_url), server)
+        client = GatewayClient(pool_config([steady.base_url, restarted.base_url], **pool))
+        try:
+            await client.list_models_everywhere()
+            yield client, replica
+        finally:
+            await client.aclose()
+
+
 async def test_an_endpoint_back_after_being_down_has_its_model_list_read_again(clean_proxy_env):
     """Each endpoint's GET /v1/models was read once, at the start: a replica restarted with another
     --max-model-len (32768, then 4096) kept its old list, and the pool's window stayed 32768, so a prompt the
     restarted replica refuses was accepted. An endpoint that comes back after being down (its /metrics read
     failed, then answers) has its list read again."""
     long = SimOpenAIOptions(latency=False, models=["sim-7b"], owned_by="vllm", max_model_len=32768)
-    port = _free_port()
-    with run_in_thread(long) as steady:
-        first = run_in_thread(long, port=port)
-        restarted = first.__enter__()
-        urls = [steady.base_url, restarted.base_url]
-        client = GatewayClient(pool_config(urls))
-        try:
-            await client.list_models_everywhere()
-            await client.pool.start()
-            assert client.reported_context_window("sim-7b") == 32768
-            name = endpoint_name(restarted.base_url)
-            first.__exit__(None, None, None)
-            await _until(lambda: not client.pool.endpoints[name].up, "the stopped replica marked down")
-            short = dataclasses.replace(long, max_model_len=4096)
-            with run_in_thread(short, port=port):
-                await _until(lambda: client.pool.endpoints[name].up, "the restarted replica up again")
-                await _until(lambda: client.reported_context_window("sim-7b") == 4096,
-                             "the restarted replica's window read")
-        finally:
-            await client.aclose()
+    async with pool_with_a_replica_to_restart(long) as (client, replica):
+        await client.pool.start()
+        assert client.reported_context_window("sim-7b") == 32768
+        replica.stop()
+        await _until(lambda: not client.pool.endpoints[replica.name].up, "the stopped replica marked down")
+        with run_in_thread(dataclasses.replace(long, max_model_len=4096), port=replica.port):
+            await _until(lambda: client.pool.endpoints[replica.name].up, "the restarted replica up again")
+            await _until(lambda: client.reported_context_window("sim-7b") == 4096,
+                         "the restarted replica's window read")
 
 
 async def test_a_replica_that_leaves_the_pool_and_joins_again_has_its_model_list_read_again(clean_proxy_env):
@@ -680,23 +701,16 @@ async def test_a_replica_that_leaves_the_pool_and_joins_again_has_its_model_list
     window, 32768, and ``list_models_everywhere`` skipped it as read. It belongs to the endpoint now: a
     replica that joins again is read again, and the pool's window is the restarted one's."""
     long = SimOpenAIOptions(latency=False, models=["sim-7b"], owned_by="vllm", max_model_len=32768)
-    port = _free_port()
-    with run_in_thread(long) as steady:
-        first = run_in_thread(long, port=port)
-        restarted = first.__enter__()
-        urls = [steady.base_url, restarted.base_url]
-        client = GatewayClient(pool_config(urls, scrape_interval_s=60.0))
-        try:
+    async with pool_with_a_replica_to_restart(long, scrape_interval_s=60.0) as (client, replica):
+        urls = [endpoint.url for endpoint in client.pool.endpoints.values()]
+        assert client.reported_context_window("sim-7b") == 32768
+        others = [url for url in urls if endpoint_name(url) != replica.name]
+        client.pool._update(others)  # the resolve loop's step: the name no longer gives its address
+        replica.stop()
+        with run_in_thread(dataclasses.replace(long, max_model_len=4096), port=replica.port):
+            client.pool._update(urls)  # and gives it again
             await client.list_models_everywhere()
-            assert client.reported_context_window("sim-7b") == 32768
-            client.pool._update(urls[:1])  # the resolve loop's step: the name no longer gives its address
-            first.__exit__(None, None, None)
-            with run_in_thread(dataclasses.replace(long, max_model_len=4096), port=port):
-                client.pool._update(urls)  # and gives it again
-                await client.list_models_everywhere()
-                assert client.reported_context_window("sim-7b") == 4096
-        finally:
-            await client.aclose()
+            assert client.reported_context_window("sim-7b") == 4096
 
 
 async def test_a_not_found_from_an_endpoint_that_listed_the_model_reads_its_list_and_goes_to_another(
@@ -706,25 +720,15 @@ async def test_a_not_found_from_an_endpoint_that_listed_the_model_reads_its_list
     the endpoint's list named reads its list again; the call goes to an endpoint whose list names the model,
     and later calls of the model are not sent to the one that dropped it."""
     options = SimOpenAIOptions(latency=False, models=["sim-7b"])
-    port = _free_port()
-    with run_in_thread(options) as steady:
-        first = run_in_thread(options, port=port)
-        restarted = first.__enter__()
-        urls = [steady.base_url, restarted.base_url]
-        client = GatewayClient(pool_config(urls, scrape_interval_s=60.0))
-        try:
-            await client.list_models_everywhere()
-            name = endpoint_name(restarted.base_url)
-            assert client.pool.endpoints[name].models == frozenset({"sim-7b"})
-            first.__exit__(None, None, None)
-            with run_in_thread(dataclasses.replace(options, models=["other-7b"]), port=port) as other:
-                for agent in range(12):  # some of them have the restarted replica as their home
-                    events = await complete(client, ask(f"agent{agent}"))
-                    assert isinstance(events[-1], Finished)
-                assert client.pool.endpoints[name].models == frozenset({"other-7b"})
-                assert len(other.state.requests) == 1  # the first one, answered 404; none after it
-        finally:
-            await client.aclose()
+    async with pool_with_a_replica_to_restart(options, scrape_interval_s=60.0) as (client, replica):
+        assert client.pool.endpoints[replica.name].models == frozenset({"sim-7b"})
+        replica.stop()
+        with run_in_thread(dataclasses.replace(options, models=["other-7b"]), port=replica.port) as other:
+            for agent in range(12):  # some of them have the restarted replica as their home
+                events = await complete(client, ask(f"agent{agent}"))
+                assert isinstance(events[-1], Finished)
+            assert client.pool.endpoints[replica.name].models == frozenset({"other-7b"})
+            assert len(other.state.requests) == 1  # the first one, answered 404; none after it
 
 
 async def test_a_lone_endpoint_back_after_a_failed_call_has_its_model_list_read_again(clean_proxy_env):
