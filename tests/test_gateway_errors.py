@@ -384,6 +384,26 @@ SSE_ANSWER = (
 
 
 @contextlib.asynccontextmanager
+async def tcp_upstream(answer):
+    """A TCP server on 127.0.0.1 (port 0) that runs ``answer(reader, writer)`` on each connection, for answers no
+    HTTP server library would send; yields its base URL, ending in ``/v1``."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP request off ``reader``: its head returned, its body (``content-length``) read and dropped."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return head
+
+
+@contextlib.asynccontextmanager
 async def raw_upstream(head: bytes, body: bytes = b""):
     """A TCP server on 127.0.0.1 that answers every request with ``head`` then ``body``, and closes."""
 
@@ -393,11 +413,8 @@ async def raw_upstream(head: bytes, body: bytes = b""):
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
+    async with tcp_upstream(answer) as base:
+        yield base
 
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
@@ -439,11 +456,8 @@ async def hanging_up_upstream(how: str):
                                                           struct.pack("ii", 1, 0))
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", posts
-    finally:
-        server.close()
+    async with tcp_upstream(answer) as base:
+        yield base, posts
 
 
 @pytest.mark.parametrize("how", ["close", "reset"])
@@ -485,19 +499,14 @@ async def test_a_body_cut_short_is_named_without_the_parsers_own_400(clean_proxy
     """A server killed mid-stream: aiohttp's message quoted its parser's error with the parser's code 400
     ("<TransferEncodingError: 400, message=...>"), which read as an HTTP 400 no server sent."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        await reader.readexactly(length)
+        await read_request(reader)
         chunk = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                      + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         await writer.drain()
         writer.close()  # no terminating chunk: the body ends before it did
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    async with server:
+    async with tcp_upstream(handle) as base:
         err = await stream_error(gateway_config(base, fallback_model="", max_retries=0))
     assert err.code == grpc.StatusCode.UNAVAILABLE and "closed mid-response" in str(err), str(err)
     assert "the response ended before its body did (TransferEncodingError: Not enough data" in str(err), str(err)
@@ -512,11 +521,8 @@ async def chatless_server(lists_models: bool):
     import json
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-        length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
-                       if line.lower().startswith("content-length:")), 0)
-        await reader.readexactly(length)
-        if head.startswith("GET ") and lists_models:
+        head = await read_request(reader)
+        if head.startswith(b"GET ") and lists_models:
             status, body = "200 OK", {"object": "list", "data": [{"id": "m", "object": "model"}]}
         else:
             status, body = "404 Not Found", {"detail": "Not Found"}
@@ -526,11 +532,8 @@ async def chatless_server(lists_models: bool):
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
+    async with tcp_upstream(answer) as base:
+        yield base
 
 
 async def test_a_404_for_chat_completions_names_what_the_server_said_and_whether_its_root_is_right(clean_proxy_env):
