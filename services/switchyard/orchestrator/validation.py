@@ -72,11 +72,17 @@ def edge_header(metadata: Iterable[tuple[str, str]] | None, name: str,
     return values.pop() if values else None
 
 
-def _without_ows(value: str | None) -> str | None:
+def _without_ows(value: str) -> str:
     """A header's value without the spaces and tabs around it, as an HTTP parser reads it (RFC 9110 section 5.5:
     they are not part of the value), so a header says the same over gRPC, whose metadata kept them, as over HTTP
     (one harness setting, ``X-Agent-Id:  agent-7 ``, named two agents); one of spaces alone stays as sent, refused."""
-    return None if value is None else (value.strip(" \t") or value)
+    return value.strip(" \t") or value
+
+
+def _edge_header_without_ows(metadata: Iterable[tuple[str, str]] | None, name: str) -> str | None:
+    """:func:`edge_header` ``name``'s one value :func:`_without_ows`, two values that differ only by it agreeing."""
+    value = edge_header(metadata, name, _without_ows)
+    return None if value is None else _without_ows(value)
 
 
 def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tuple[str, str]] | None,
@@ -92,7 +98,7 @@ def apply_edge_headers(request: agent_pb2.RunTaskRequest, metadata: Iterable[tup
             an empty one names nothing and is ignored); either sent twice with different values
             (:func:`edge_header`).
     """
-    agent = _without_ows(edge_header(metadata, AGENT_ID_HEADER, lambda value: value.strip(" \t") or value))
+    agent = _edge_header_without_ows(metadata, AGENT_ID_HEADER)
     if agent is not None:
         check_id(agent, f"{AGENT_ID_HEADER} header", max_id_chars)
         if not request.agent_id:
@@ -114,7 +120,7 @@ def edge_tenant(metadata: Iterable[tuple[str, str]] | None, tokens: "BearerToken
         SwitchyardError: PERMISSION_DENIED naming ``x-tenant-id``, a well-formed header naming another tenant
             than the bearer token's.
     """
-    header = _without_ows(edge_header(metadata, TENANT_HEADER, lambda value: value.strip(" \t") or value)) or ""
+    header = _edge_header_without_ows(metadata, TENANT_HEADER) or ""
     if header:
         check_tenant(header, f"{TENANT_HEADER} header")
     authorization = next((str(value) for key, value in metadata or () if key == "authorization"), None)
