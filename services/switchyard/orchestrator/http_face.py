@@ -170,14 +170,15 @@ def _path_id(request: web.Request, name: str) -> str:
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
     status = HTTP_STATUS.get(code, 500) if status is None else status
     headers: dict[str, str] = {}
-    if status in (408, 501):  # the body never arrived whole, or its coding is not read: the connection closes
+    closes = status in (408, 501)  # the body never arrived whole, or its coding is not read: the connection closes
+    if closes:
         headers["Connection"] = "close"
     elif status == 401:  # RFC 9110 section 11.6.1: a 401 names its scheme; RFC 6750 section 3: Bearer
         headers["WWW-Authenticate"] = 'Bearer realm="switchyard"'
     elif status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     response = web.json_response(error_body(code, message, origin), status=status, headers=headers or None)
-    if status in (408, 501):
+    if closes:
         response.force_close()
     return response
 
