@@ -731,9 +731,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             return False
         if status_for(exc)[0] != grpc.StatusCode.RESOURCE_EXHAUSTED or self._submitted.running < 2:
             return False
-        assert entry.first_started_at is not None
-        limit = self.config.orchestrator.task_time_limit_s[entry.spec.workflow]
-        return time.monotonic() - entry.first_started_at < limit
+        assert entry.task is not None  # its deadline: the time limit from its first start (:meth:`_new_task`)
+        return time.monotonic() < entry.task.deadline_s
 
     async def _delete_refused(self, task_id: str) -> None:
         """Delete the record of a task refused after it was written; where the store refuses, again later
