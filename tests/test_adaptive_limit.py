@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import statistics
 from typing import Callable
 
@@ -94,6 +95,50 @@ def test_limit_settles_at_the_knee_under_steady_load_and_does_not_run_away(knee:
     assert max(settled) <= 2 * limit.knee + limit.reserve + 2  # its probes: twice its knee estimate at most
     assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_knee") == limit.knee
 
+
+
+def noisy(server: Server, spread: float, seed: int) -> Server:
+    """``server`` with each window's throughput scaled by a normal draw of mean 1 and deviation ``spread``
+    (seeded): the window-to-window spread of a server sharing a small machine's CPU with the stack."""
+    rng = random.Random(seed)
+
+    def serve(streams: int) -> tuple[float, float]:
+        tokens_per_s, ttft = server(streams)
+        return tokens_per_s * max(0.0, rng.gauss(1.0, spread)), ttft
+
+    return serve
+
+
+def flat_then_falling(knee: int, plateau: float = 1000.0) -> Server:
+    """A server on a small CPU: throughput flat from ``knee`` streams, falling to 60 % from 60 to 80 streams
+    (in front of transformers serve on two cores: flat from 4 to 39 streams, lower at 62-77)."""
+
+    def serve(streams: int) -> tuple[float, float]:
+        falling = 1 - 0.4 * min(1.0, max(0, streams - 60) / 20)
+        return plateau * min(streams, knee) / knee * falling, 0.01 * max(1.0, streams / knee)
+
+    return serve
+
+
+@pytest.mark.parametrize("spread", [0.1, 0.2])
+@pytest.mark.parametrize(("name", "knee"), [("linear", 8), ("linear", 24), ("flat_then_falling", 6)])
+def test_windows_that_vary_by_ten_or_twenty_percent_do_not_walk_the_limit_away(name: str, knee: int,
+                                                                                   spread: float) -> None:
+    """In front of transformers serve the limit ran to 82-88 with a knee of 4-8: the plateau was the highest
+    level's throughput, so one lucky window a little higher raised it, the knee moved up to that window's
+    level, and nothing searched below the knee again. Now a level counts once measured twice, the plateau is
+    the mean of the levels from the knee up, and a probe measures below the knee once per memory_s."""
+    server = knee_server(knee) if name == "linear" else flat_then_falling(knee)
+    held = []
+    for seed in range(10):
+        limit = make_limit(initial_limit=4, max_limit=128)
+        trace: list[tuple[float, int]] = []
+        drive(limit, noisy(server, spread, seed), offered=100, windows=400, trace=trace)  # 200 s
+        held.append(statistics.median(value for value, _ in trace[len(trace) // 2:]))
+    bound = 1.5 * knee + 2 + 1  # the issue's +-50 %, with the CORE headroom and one stream of rounding on top
+    assert 0.5 * knee <= min(held) and statistics.median(held) <= bound, sorted(held)
+    if spread <= 0.1:
+        assert max(held) <= bound, sorted(held)  # every seed, where the spread is 10 %
 
 @pytest.mark.parametrize("offered", [10, 32])
 def test_a_load_smaller_than_twice_the_knee_holds_the_limit_near_the_knee_not_at_its_probe(offered: int) -> None:
@@ -220,7 +265,7 @@ def test_gauges_are_arguments_so_each_endpoint_can_have_its_own() -> None:
                                  knee_gauge=knee_gauge.labels("a"), in_flight_gauge=in_flight.labels("a"))
     drive(a, knee_server(8), offered=64, windows=60)
     assert REGISTRY.get_sample_value("test_endpoint_knee", {"endpoint": "a"}) == a.knee
-    assert REGISTRY.get_sample_value("test_endpoint_limit", {"endpoint": "a"}) == a.limit
+    assert REGISTRY.get_sample_value("test_endpoint_limit", {"endpoint": "a"}) == a.streams
 
 
 def test_bounds_are_checked_and_the_pool_must_hold_the_ceiling() -> None:
@@ -507,14 +552,14 @@ def test_levels_passed_saturated_on_the_probes_way_up_do_not_hold_the_limit_at_i
 
 def test_a_server_that_queues_caps_the_limit_at_what_it_runs_plus_one_ready():
     """Two sim-openai --max-running 2 in a pool, 24 BATCH streams: each endpoint's limit sat at 6 and 9 with 3
-    and 5 requests waiting inside the servers, where the priority order cannot reach (the knee found on the
-    probe's way up is never searched downwards). The server's reported queue caps the limit at the streams
+    and 5 requests waiting inside the servers, where the priority order cannot reach (the throughput rule
+    searches below its knee only once per memory_s). The server's reported queue caps the limit at the streams
     it runs plus one ready to start; a read that finds less waiting while the limit is used raises the cap by
     one, and nothing the throughput rule does takes the limit past it."""
     from switchyard.dispatcher.adaptive_limit import SERVER_QUEUE_ALLOWED
 
     limit = make_limit(initial_limit=4, max_limit=1024)
-    drive(limit, knee_server(2), offered=24, windows=6)  # a few windows of probing: past the knee
+    drive(limit, knee_server(64), offered=24, windows=6)  # a few windows of probing a server that was faster
     for _ in range(int(limit.limit) - limit.in_flight):
         limit.acquire(BATCH, 3.0)
     assert limit.in_flight > 2 + SERVER_QUEUE_ALLOWED
@@ -527,11 +572,11 @@ def test_a_server_that_queues_caps_the_limit_at_what_it_runs_plus_one_ready():
     # no more waiting than one ready to start, the limit used: one more (the one waiting may be another
     # client's request, which must not hold the cap at its floor)
     limit.on_server_queue(SERVER_QUEUE_ALLOWED)
-    assert limit.limit == limit.server_cap == 3 + SERVER_QUEUE_ALLOWED
+    assert limit.server_cap == 3 + SERVER_QUEUE_ALLOWED and limit.limit <= limit.server_cap
     while limit.in_flight < int(limit.limit):
         limit.acquire(BATCH, 20.0)
     limit.on_server_queue(0)  # the server got faster (runs all it is sent, none waiting): one more
-    assert limit.limit == limit.server_cap == 4 + SERVER_QUEUE_ALLOWED
+    assert limit.server_cap == 4 + SERVER_QUEUE_ALLOWED and limit.limit <= limit.server_cap
     for _ in range(3):
         limit.release(BATCH, 20.0)
     limit.on_server_queue(0)  # not used: the cap stays

@@ -16,14 +16,20 @@ received per second ``X``, and the mean TTFT of the streams that got their
 first token in it. By Little's law ``X / c`` is one stream's token rate, the
 inverse of its inter-token latency, so ``X`` against ``c`` is the inter-token
 latency against streams in flight, and its flat top is the server's throughput
-plateau. Each window updates the *level* ``round(c)``: an EWMA of its ``X`` and
-TTFT, stamped with the time; a level not measured for ``memory_s`` is forgotten
-(the server, or what it is asked, may have changed).
+plateau. Each window updates the *level* ``round(c)``: the mean of its first windows'
+``X`` and TTFT, then an EWMA, stamped with the time; a level not measured for
+``memory_s`` is forgotten (the server, or what it is asked, may have changed).
 
-**The knee** over the levels remembered: the throughput envelope
-``E(c) = max X(c' <= c)``, the plateau ``P = E(highest level)``, and
-``knee = lowest c with E(c) >= knee_fraction x P`` (exported as
-``switchyard_upstream_concurrency_knee``). The knee is *confirmed* when a level
+**The knee** over the levels remembered and measured in at least two windows
+(all levels while none is, at start-up: one window of a shared machine's CPU
+is 10-20 % off): the throughput envelope ``E(c) = max X(c' <= c)``, and
+``knee = lowest c with E(c) >= knee_fraction x P(c)``, where the plateau
+``P(c)`` is the mean throughput of the levels from ``c`` up (exported as
+``switchyard_upstream_concurrency_knee``). A mean, not the highest level: the
+highest of many noisy levels is a lucky window (the winner's curse), and a
+plateau set by it moved the knee up to that window's level, window after
+window, until the limit ran to 82-88 streams in front of a server whose
+throughput was flat from 4. The knee is *confirmed* when a level
 at least ``2 x knee`` (and one stream more) was measured, or a level above the
 knee that is as much as the load offers (measured while fewer streams were
 wanted than the limit allowed: no probe can go higher; a saturated window in
@@ -33,26 +39,32 @@ were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
 only a little higher would confirm a knee that is not one: on a linear curve
 25 % more streams give 25 % more throughput, within a noisy machine's spread).
 
-**The rule**, once per window (``limit`` is the current limit, ``reserve`` the
-CORE headroom below):
+**The rule**, once per window (``limit`` is the current limit; the limit "at"
+a concurrency ``c`` is the least one under which NORMAL and BATCH fill ``c``,
+the CORE headroom below on top):
 
 - *saturated* (the limit is used: mean in flight at least 90 % of what NORMAL
   and BATCH may fill, and at least half the limit) and the knee not confirmed:
   probe upwards, before any knee is known by ``sqrt(limit)`` (the growth term
-  of Netflix concurrency-limits' ``Gradient2Limit``), then just far enough for
-  NORMAL and BATCH to fill the level that would confirm the knee (``2 x
-  knee``, so the limit doubles while throughput keeps rising, as TCP slow
-  start does), holding there until it is measured;
-- knee confirmed: ``target = knee + reserve`` and
-  ``limit += smoothing x (target - limit)``, never upwards unless saturated;
-  a knee confirmed by the load alone with no level measured above it (a
-  load of one stream at a time: its only level is its knee) says nothing of
-  the server's knee, so it counts as at least ``initial_limit``, the limit
-  with nothing measured;
-  the doubling probes find the knee within a factor of two, on the safe side
-  for throughput: the first level measured to reach the fraction is held, and
-  no level below it is searched (a search downwards follows single noisy
-  windows down when other work shares the server's CPU);
+  of Netflix concurrency-limits' ``Gradient2Limit``), then to the limit at the
+  level that would confirm the knee (``2 x knee``, so the limit doubles while
+  throughput keeps rising, as TCP slow start does), holding there until it is
+  measured;
+- knee confirmed, saturated, and no level below the knee remembered: probe
+  downwards, to the limit at ``0.7 x knee``, holding there until a level below
+  the knee is measured (BBR's ProbeRTT drains the same way to see whether less
+  in flight does as well; Cardwell et al., "BBR: Congestion-Based Congestion
+  Control", ACM Queue 14(5), 2016). Without it the knee could only move up: the
+  levels below it age out while the limit holds at it, and a knee above the
+  server's was never found too high again. Once per ``memory_s``, at most one
+  window's throughput at 0.7 of the knee is what it costs;
+- knee confirmed: after a probe, the limit goes back to the limit at the knee
+  at once; else ``limit += smoothing x (at the knee - limit)``, never upwards
+  unless saturated; a knee confirmed by the load alone with no level measured
+  above it (a load of one stream at a time: its only level is its knee) says
+  nothing of the server's knee, so it counts as at least ``initial_limit``,
+  the limit with nothing measured. The probes find the knee within a factor
+  of two upwards and of ``1 / 0.7`` downwards;
 - not saturated (app-limited, fewer in flight than half the limit, a test):
   the limit never grows;
 - the window's TTFT above ``ttft_tolerance`` x the TTFT remembered at the same level
@@ -72,8 +84,8 @@ each endpoint of a pool, and for the one endpoint while its server reports one;
 :meth:`on_server_queue`):
 a server that reports requests waiting inside it while streams of this limit are
 in flight runs fewer at once than it was sent, so the limit is past its knee
-whatever the throughput curve says (the knee found on a probe's way up is never
-searched downwards). The limit is then capped at the streams it runs plus one
+whatever the throughput curve says (sooner than the downward probe, which runs
+once per ``memory_s``). The limit is then capped at the streams it runs plus one
 ready to start (in flight minus waiting plus ``SERVER_QUEUE_ALLOWED``, at least
 ``min_limit``); the cap rises by one stream at a read that finds no more than that
 waiting while the limit is used (another client's request in the server's queue
@@ -151,6 +163,12 @@ SERVER_QUEUE_ALLOWED = 1
 stream ready to start the moment a running one ends, so that the server does not idle for the dispatcher's
 round trip (capping at the running streams alone cost 23 % of calls/s in front of two ``sim-openai
 --max-running 2``); one waiting request is all a CORE stream can find ahead of it there."""
+PROBE_WINDOWS = 2
+"""A level counts in the knee once measured in this many windows (one window may be 10-20 % off); a probe holds
+until its level has."""
+DOWN_PROBE = 0.7
+"""The downward probe measures ``DOWN_PROBE x knee`` streams: below the knee's 90 % point on a linear curve
+(so a knee that is right stays), above half of it (so a knee too high comes down by at most 1 / 0.7)."""
 BRAKE_FLOOR = 0.5
 """The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
 
@@ -234,6 +252,7 @@ class AdaptiveConcurrencyLimit:
         self._ttft_sum = 0.0
         self._ttft_n = 0
         self._window_ttfts = 0  # TTFT samples in the window being applied
+        self._probing = False  # the limit is at a probe's level (up or down), not at the knee
         self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
@@ -382,11 +401,13 @@ class AdaptiveConcurrencyLimit:
                     and self._window_ttfts >= BRAKE_MIN_SAMPLES and ttft_s > self.config.ttft_tolerance * level.ttft_s):
                 braked = True
                 self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
-            level.tokens_per_s += LEVEL_ALPHA * (tokens_per_s - level.tokens_per_s)
-            if ttft_s is not None:
-                level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + LEVEL_ALPHA * (ttft_s - level.ttft_s)
-            level.seen_at = now
             level.windows += 1
+            # the mean of the first windows, then an EWMA: a level's first window must not weigh 70 % of it
+            alpha = max(LEVEL_ALPHA, 1 / level.windows)
+            level.tokens_per_s += alpha * (tokens_per_s - level.tokens_per_s)
+            if ttft_s is not None:
+                level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + alpha * (ttft_s - level.ttft_s)
+            level.seen_at = now
         level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
         if saturated and refused:
             # The load now wants more than the limit lets through: a level up to the limit, marked as all that a
@@ -402,6 +423,7 @@ class AdaptiveConcurrencyLimit:
             return
         if not confirmed:
             if saturated:
+                self._probing = True
                 self._set(max(self.limit, self._probe_goal()))
             return
         assert self.knee is not None
@@ -412,16 +434,37 @@ class AdaptiveConcurrencyLimit:
             # start-up. Not taken below the start-up limit (a limit of 1 would queue the next burst, CORE
             # too, behind one stream until the probes climb back).
             knee = max(knee, float(self.config.initial_limit))
-        target = self.limit + self.config.smoothing * (knee + self.reserve - self.limit)
+        if saturated and knee >= 2 * self.config.min_limit and self._unsupported_below(knee):
+            self._probing = True
+            self._set(min(self.limit, self._limit_for(math.floor(DOWN_PROBE * knee))))
+            return
+        goal = self._limit_for(knee)
+        if self._probing:  # a probe's level was measured: back to the knee at once
+            self._probing = False
+            self._set(goal)
+            return
+        target = self.limit + self.config.smoothing * (goal - self.limit)
         if target < self.limit or saturated:
             self._set(target)
+
+    def _limit_for(self, streams: float) -> int:
+        """The least limit under which NORMAL and BATCH may fill ``streams`` (rounded up), its CORE headroom on
+        top."""
+        limit = math.ceil(streams)
+        while limit - core_reserve(limit, self.config.core_reserved_slots) < math.ceil(streams):
+            limit += 1
+        return limit
+
+    def _unsupported_below(self, knee: float) -> bool:
+        """True when no level below ``knee`` measured in at least PROBE_WINDOWS windows is remembered."""
+        return not any(key < knee and level.windows >= PROBE_WINDOWS for key, level in self.levels.items())
 
     def _probe_goal(self) -> float:
         """Where an upward probe takes the limit: ``limit + sqrt(limit)`` before any knee is known, else
         just far enough that NORMAL and BATCH can fill the level that would confirm the knee."""
         if self.knee is None:
             return self.limit + math.sqrt(self.limit)
-        return math.ceil(max(self.knee + 1, CONFIRM_RATIO * self.knee)) + self.reserve
+        return self._limit_for(max(self.knee + 1, CONFIRM_RATIO * self.knee))
 
     def _estimate(self, now: float) -> bool:
         """Forget stale levels, recompute the knee and plateau; True when the knee is confirmed."""
@@ -431,13 +474,19 @@ class AdaptiveConcurrencyLimit:
             self.knee = self.plateau_tokens_per_s = None
             self._knee_gauge.set(0)
             return False
-        keys = sorted(self.levels)
+        settled = sorted(key for key, level in self.levels.items() if level.windows >= PROBE_WINDOWS)
+        keys = settled or sorted(self.levels)
         envelope, best = [], 0.0
         for key in keys:
             best = max(best, self.levels[key].tokens_per_s)
             envelope.append(best)
-        plateau = envelope[-1]
-        knee = next(key for key, value in zip(keys, envelope) if value >= self.config.knee_fraction * plateau)
+        knee, plateau = keys[-1], envelope[-1]
+        for i, key in enumerate(keys):
+            above = [self.levels[k] for k in keys[i:]]
+            mean = sum(level.tokens_per_s for level in above) / len(above)
+            if envelope[i] >= self.config.knee_fraction * mean:
+                knee, plateau = key, mean
+                break
         self.knee, self.plateau_tokens_per_s = float(knee), plateau
         self._knee_gauge.set(knee)
         # Confirmed by a level twice as high, or by the highest levels the load reaches: when fewer streams

@@ -104,7 +104,7 @@ class AdaptiveConcurrencyConfig(_Strict):
     knee_fraction: float = Field(
         0.9, gt=0, lt=1,
         description="The knee is the lowest concurrency whose measured throughput reaches this fraction of the "
-        "highest measured (the plateau), a fraction in (0, 1).",
+        "plateau (the mean throughput of the concurrencies measured from it up), a fraction in (0, 1).",
     )
     memory_s: float = Field(
         30.0, gt=0, le=3600,
