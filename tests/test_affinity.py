@@ -96,6 +96,17 @@ async def test_dns_target_resolves_to_replicas():
         await replicas.close()
 
 
+
+async def test_a_name_resolves_to_each_replica_once_v6_in_brackets():
+    """The dispatcher replicas and the model server pool resolve their names with one helper
+    (common/dns.py): an address the resolver answers for more than one socket type is one replica."""
+    from switchyard.common.dns import resolve_addresses
+
+    addresses = await resolve_addresses("localhost", 50999)
+    assert addresses == sorted(set(addresses)) and addresses
+    assert set(addresses) <= {"127.0.0.1:50999", "[::1]:50999"}
+    assert await resolve_addresses("127.0.0.1", 80) == ["127.0.0.1:80"]
+
 def test_a_hot_key_spills_its_overflow_to_the_next_replica_and_comes_home():
     replicas = REPLICAS[:3]
     ring = BoundedLoadRing(replicas, balance=1.25)

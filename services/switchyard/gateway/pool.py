@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,6 +43,7 @@ import httpx
 
 from switchyard.common.affinity import hash64
 from switchyard.common.config import UpstreamConfig
+from switchyard.common.dns import resolve_addresses
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_limit import (
     UPSTREAM_IN_FLIGHT,
@@ -326,17 +326,12 @@ class EndpointPool:
         parts = urlsplit(url)
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = await resolve_addresses(host, port)
         except OSError as exc:
             log.warning("resolving %s failed (%s); keeping %d endpoint(s)", url, exc, len(self.endpoints))
             return
-        urls = []
-        for info in infos:
-            address = info[4][0]
-            netloc = f"[{address}]:{port}" if info[0] == socket.AF_INET6 else f"{address}:{port}"
-            urls.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
-        if urls:
-            self._update(sorted(set(urls)))
+        if addresses:
+            self._update([urlunsplit((parts.scheme, netloc, parts.path, "", "")) for netloc in addresses])
 
     async def start(self) -> None:
         """Resolve a DNS pool once (waiting for it) and start the background reads; for one endpoint, only the

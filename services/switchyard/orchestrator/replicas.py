@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import grpc
 
 from switchyard.common.channels import open_channel
-from switchyard.common.config import ServerConfig
 from switchyard.common.affinity import BoundedLoadRing
+from switchyard.common.config import ServerConfig
+from switchyard.common.dns import resolve_addresses
 from switchyard.common.grpc_target import dns_name, static_addresses
 from switchyard.common.tasks import settle
 
@@ -98,12 +98,10 @@ class ReplicaSet:
     async def _resolve(self) -> None:
         host, port = _dns_host_port(self.target)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = await resolve_addresses(host, port)
         except OSError as exc:
             log.warning("resolving %s failed (%s); keeping %d replica(s)", self.target, exc, len(self.channels))
             return
-        addresses = [f"[{info[4][0]}]:{info[4][1]}" if info[0] == socket.AF_INET6 else f"{info[4][0]}:{info[4][1]}"
-                     for info in infos]
         if addresses:
             self._update(addresses)
 
