@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import statistics
-from typing import Callable
 
 import grpc
 import pytest
@@ -28,57 +26,19 @@ from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
 from switchyard.dispatcher.service import DispatcherService
+from switchyard_harness.testing.limit_drive import (
+    WINDOW_S,
+    drive,
+    flat_then_falling,
+    knee_server,
+    make_limit,
+    noisy,
+)
 from switchyard_harness.testing.scheduling import accept, publish
 
 pytestmark = pytest.mark.no_gpu
 
 CORE, NORMAL, BATCH = PriorityClass.CORE, PriorityClass.NORMAL, PriorityClass.BATCH
-WINDOW_S = 0.5
-
-Server = Callable[[int], tuple[float, float]]
-"""Streams in flight -> (tokens per second, TTFT seconds) of a synthetic upstream."""
-
-
-def knee_server(knee: int, plateau: float = 1000.0, ttft_s: float = 0.01) -> Server:
-    """A continuous-batching server: throughput rises linearly to ``knee`` streams, then stays flat;
-    TTFT is flat up to the knee, then grows with the streams queued inside the server."""
-
-    def serve(streams: int) -> tuple[float, float]:
-        return plateau * min(streams, knee) / knee, ttft_s * max(1.0, streams / knee)
-
-    return serve
-
-
-def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows: int, t: float = 0.0,
-          trace: list[tuple[float, int]] | None = None) -> float:
-    """Run ``windows`` windows of ``offered`` BATCH streams against ``server`` through ``limit``.
-
-    Each window: in flight is set to what the limit lets BATCH take (at most ``offered``; a stream
-    left waiting asks :meth:`refusal`, as the scheduler does), the server's TTFT and tokens are
-    reported at its clock. Returns the time after the last window;
-    ``trace`` gets (limit, in flight) after each window.
-    """
-    for _ in range(windows):
-        limit.on_tokens(0, t)  # the window clock ticks here: each window is [t, t + WINDOW_S)
-        want = min(offered, limit.lower_class_ceiling)
-        while limit.in_flight < want:
-            limit.acquire(BATCH, t)
-        while limit.in_flight > want:
-            limit.release(BATCH, t)
-        if offered > want:  # the scheduler's head waits: the capacity asks the limit and is refused
-            assert limit.refusal(BATCH) is not None
-        tokens_per_s, ttft = server(limit.in_flight)
-        for k in range(4):  # four streams got their first token in this window
-            limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)
-        limit.on_tokens(int(tokens_per_s * WINDOW_S), t + WINDOW_S / 2)
-        t += WINDOW_S
-        if trace is not None:
-            trace.append((limit.limit, limit.in_flight))
-    return t
-
-
-def make_limit(**fields: float) -> AdaptiveConcurrencyLimit:
-    return AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(**{"window_s": WINDOW_S, **fields}))
 
 
 # --------------------------------------------------------------------------- the knee rule
@@ -95,29 +55,6 @@ def test_limit_settles_at_the_knee_under_steady_load_and_does_not_run_away(knee:
     assert max(settled) <= 2 * limit.knee + limit.reserve + 2  # its probes: twice its knee estimate at most
     assert REGISTRY.get_sample_value("switchyard_upstream_concurrency_knee") == limit.knee
 
-
-
-def noisy(server: Server, spread: float, seed: int) -> Server:
-    """``server`` with each window's throughput scaled by a normal draw of mean 1 and deviation ``spread``
-    (seeded): the window-to-window spread of a server sharing a small machine's CPU with the stack."""
-    rng = random.Random(seed)
-
-    def serve(streams: int) -> tuple[float, float]:
-        tokens_per_s, ttft = server(streams)
-        return tokens_per_s * max(0.0, rng.gauss(1.0, spread)), ttft
-
-    return serve
-
-
-def flat_then_falling(knee: int, plateau: float = 1000.0) -> Server:
-    """A server on a small CPU: throughput flat from ``knee`` streams, falling to 60 % from 60 to 80 streams
-    (in front of transformers serve on two cores: flat from 4 to 39 streams, lower at 62-77)."""
-
-    def serve(streams: int) -> tuple[float, float]:
-        falling = 1 - 0.4 * min(1.0, max(0, streams - 60) / 20)
-        return plateau * min(streams, knee) / knee * falling, 0.01 * max(1.0, streams / knee)
-
-    return serve
 
 
 @pytest.mark.parametrize("spread", [0.1, 0.2])
