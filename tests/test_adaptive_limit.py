@@ -77,6 +77,38 @@ def test_windows_that_vary_by_ten_or_twenty_percent_do_not_walk_the_limit_away(n
     if spread <= 0.1:
         assert max(held) <= bound, sorted(held)  # every seed, where the spread is 10 %
 
+
+def test_a_window_in_which_the_streams_ramped_updates_no_level() -> None:
+    """In `switchyard bench upstream` the phase after one CORE stream at a time starts 32 BATCH streams at once:
+    the first window has 26 in flight, most still in their prefill, and a fraction of the tokens; in one run the
+    knee estimate fell from 26 to 7 there and the limit to 9 (BATCH 0.41 of the server's plateau). A window whose
+    mean is far from what it opened with measured a ramp, not a level."""
+    limit = make_limit(initial_limit=32, max_limit=64)
+    t = 0.0
+    for _ in range(6):
+        t += WINDOW_S
+        limit.observe_window(26.0, 1000.0, 0.04, t, opened_with=26)
+    assert limit.levels[26].tokens_per_s == pytest.approx(1000.0)
+    t += WINDOW_S
+    limit.observe_window(26.0, 200.0, 0.04, t, opened_with=1)  # the ramp: 1 -> 26, first tokens still to come
+    assert limit.levels[26].tokens_per_s == pytest.approx(1000.0) and limit.levels[26].windows == 6
+    limit.observe_window(13.0, 500.0, 0.04, t, opened_with=30)  # a ramp down: no level 13 either
+    assert 13 not in limit.levels
+    t += WINDOW_S
+    limit.observe_window(26.0, 200.0, 0.04, t, opened_with=25)  # in flight steady: the server really is slower
+    assert limit.levels[26].tokens_per_s < 1000.0 and limit.levels[26].windows == 7
+
+
+def test_the_downward_probe_stops_at_the_start_up_limit() -> None:
+    """A server flat from one stream: each downward probe finds the level below as good, and without a floor
+    the probes walked the limit down to 1-2 on a few noisy windows (in bench upstream, 8 -> 5 -> 3 -> 2 within
+    2 s, through a stack whose own CPU flattened the curve). A knee below ``initial_limit`` is for the TTFT
+    brake, the server's queue or a 429 to find."""
+    limit = make_limit(initial_limit=4, max_limit=64)
+    trace: list[tuple[float, int]] = []
+    drive(limit, noisy(knee_server(1), 0.2, seed=3), offered=64, windows=200, trace=trace)
+    assert min(value for value, _ in trace[20:]) >= 4, trace
+
 @pytest.mark.parametrize("offered", [10, 32])
 def test_a_load_smaller_than_twice_the_knee_holds_the_limit_near_the_knee_not_at_its_probe(offered: int) -> None:
     limit = make_limit(initial_limit=4)

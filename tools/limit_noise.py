@@ -28,10 +28,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="runs per server and spread (default 10)")
     parser.add_argument("--offered", type=int, default=100, help="BATCH streams offered (default 100)")
     parser.add_argument("--windows", type=int, default=400, help="windows of 0.5 s per run (default 400)")
+    parser.add_argument("--spreads", type=float, nargs="+", default=[0.0, 0.1, 0.2],
+                        help="window-to-window spreads of throughput, fractions (default 0 0.1 0.2)")
     args = parser.parse_args()
     print(f"{'server':<30} {'spread':>6} {'knee':>5}  limit held, per seed (median over the second half)")
     for name, (server, knee) in SERVERS.items():
-        for spread in (0.0, 0.1, 0.2):
+        for spread in args.spreads:
             held = []
             for seed in range(args.seeds):
                 limit = make_limit(initial_limit=4, max_limit=128)

@@ -19,6 +19,10 @@ latency against streams in flight, and its flat top is the server's throughput
 plateau. Each window updates the *level* ``round(c)``: the mean of its first windows'
 ``X`` and TTFT, then an EWMA, stamped with the time; a level not measured for
 ``memory_s`` is forgotten (the server, or what it is asked, may have changed).
+A window whose ``c`` is more than a quarter away from the streams in flight
+when it opened measured a ramp (a burst starting, a probe, the limit coming
+down), not a level: the streams it added were still in their prefill, and it
+updates no level.
 
 **The knee** over the levels remembered and measured in at least two windows
 (all levels while none is, at start-up: one window of a shared machine's CPU
@@ -51,7 +55,9 @@ the CORE headroom below on top):
   throughput keeps rising, as TCP slow start does), holding there until it is
   measured;
 - knee confirmed, saturated, and no level below the knee remembered: probe
-  downwards, to the limit at ``0.7 x knee``, holding there until a level below
+  downwards, to the limit at ``0.7 x knee`` (never below ``initial_limit``: a
+  knee lower than that is the TTFT brake's, the server queue's or a 429's to
+  find, not a few noisy windows'), holding there until a level below
   the knee is measured (BBR's ProbeRTT drains the same way to see whether less
   in flight does as well; Cardwell et al., "BBR: Congestion-Based Congestion
   Control", ACM Queue 14(5), 2016). Without it the knee could only move up: the
@@ -146,8 +152,9 @@ UPSTREAM_CORE_RESERVE = "upstream_core_reserve"
 
 SHORT_ALPHA = 0.1
 """Weight of a new TTFT sample in :attr:`AdaptiveConcurrencyLimit.short_s` (about the last 10)."""
-LEVEL_ALPHA = 0.3
-"""Weight of a new window in a level's throughput and TTFT EWMA (about the last 3 windows)."""
+LEVEL_ALPHA = 0.1
+"""Weight of a new window in a level's throughput and TTFT EWMA (about the last 10 windows: one window on a shared
+CPU is 10-20 % off, and a level held at the knee must not drift by a few unlucky windows below a probe's)."""
 CONFIRM_RATIO = 2.0
 """A knee is confirmed once a level this many times higher (and one stream more) was measured."""
 TOP_BAND = 0.85
@@ -163,6 +170,9 @@ SERVER_QUEUE_ALLOWED = 1
 stream ready to start the moment a running one ends, so that the server does not idle for the dispatcher's
 round trip (capping at the running streams alone cost 23 % of calls/s in front of two ``sim-openai
 --max-running 2``); one waiting request is all a CORE stream can find ahead of it there."""
+RAMP_FRACTION = 0.25
+"""A window whose mean in flight is more than this fraction (and one stream) away from the streams in flight when
+it opened measured a ramp, not a level (:meth:`AdaptiveConcurrencyLimit.observe_window`)."""
 PROBE_WINDOWS = 2
 """A level counts in the knee once measured in this many windows (one window may be 10-20 % off); a probe holds
 until its level has."""
@@ -252,6 +262,7 @@ class AdaptiveConcurrencyLimit:
         self._ttft_sum = 0.0
         self._ttft_n = 0
         self._window_ttfts = 0  # TTFT samples in the window being applied
+        self._opened_with = 0  # streams in flight when the window being measured opened
         self._probing = False  # the limit is at a probe's level (up or down), not at the knee
         self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
         self.server_cap: float | None = None
@@ -371,13 +382,14 @@ class AdaptiveConcurrencyLimit:
         ttft = self._ttft_sum / self._ttft_n if self._ttft_n else None
         self._window_ttfts = self._ttft_n
         refused, self._refused = self._refused, False
+        opened_with, self._opened_with = self._opened_with, self.in_flight
         self._window_start, self._area, self._tokens, self._ttft_sum, self._ttft_n = now, 0.0, 0, 0.0, 0
         if mean < 0.5 or tokens == 0:
             return  # idle: nothing learnt
-        self.observe_window(mean, tokens / span, ttft, now, refused=refused)
+        self.observe_window(mean, tokens / span, ttft, now, refused=refused, opened_with=opened_with)
 
     def observe_window(self, mean_in_flight: float, tokens_per_s: float, ttft_s: float | None, now: float, *,
-                       refused: bool = False) -> None:
+                       refused: bool = False, opened_with: int | None = None) -> None:
         """Apply one window's measurement (see the module docstring); called by the window clock.
 
         Args:
@@ -386,21 +398,29 @@ class AdaptiveConcurrencyLimit:
             ttft_s: mean TTFT of the streams whose first token came in the window, seconds (None: none did).
             now: end of the window, monotonic seconds.
             refused: :meth:`refusal` refused a stream in the window (more were wanted than the limit let through).
+            opened_with: streams in flight when the window opened (None: as many as its mean). A window whose
+                mean is more than :data:`RAMP_FRACTION` (and one stream) away from it measured a ramp, not a
+                level: the streams it added were still in their prefill, the ones it lost had ended. It updates
+                no level; the TTFT brake and the rule still read it.
         """
         level_key = max(1, round(mean_in_flight))
         level = self.levels.get(level_key)
         if level is not None and now - level.seen_at > self.config.memory_s:
             level = None
+        ramp = opened_with is not None and abs(mean_in_flight - opened_with) > max(1.0, RAMP_FRACTION * mean_in_flight)
         braked = False
         saturated = (mean_in_flight >= SATURATED_FILL * self.lower_class_ceiling
                      and mean_in_flight >= self.limit / 2 and self.in_flight >= self.limit / 2)
-        if level is None:
+        if (level is not None and ttft_s is not None and level.ttft_s is not None
+                and level.windows >= BRAKE_MIN_WINDOWS and self._window_ttfts >= BRAKE_MIN_SAMPLES
+                and ttft_s > self.config.ttft_tolerance * level.ttft_s):
+            braked = True
+            self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
+        if ramp:
+            level = None
+        elif level is None:
             level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
         else:
-            if (ttft_s is not None and level.ttft_s is not None and level.windows >= BRAKE_MIN_WINDOWS
-                    and self._window_ttfts >= BRAKE_MIN_SAMPLES and ttft_s > self.config.ttft_tolerance * level.ttft_s):
-                braked = True
-                self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
             level.windows += 1
             # the mean of the first windows, then an EWMA: a level's first window must not weigh 70 % of it
             alpha = max(LEVEL_ALPHA, 1 / level.windows)
@@ -408,7 +428,8 @@ class AdaptiveConcurrencyLimit:
             if ttft_s is not None:
                 level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + alpha * (ttft_s - level.ttft_s)
             level.seen_at = now
-        level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
+        if level is not None:
+            level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
         if saturated and refused:
             # The load now wants more than the limit lets through: a level up to the limit, marked as all that a
             # lighter load offered, no longer is (it would confirm a knee the load now asks past). Up to the
@@ -434,9 +455,10 @@ class AdaptiveConcurrencyLimit:
             # start-up. Not taken below the start-up limit (a limit of 1 would queue the next burst, CORE
             # too, behind one stream until the probes climb back).
             knee = max(knee, float(self.config.initial_limit))
-        if saturated and knee >= 2 * self.config.min_limit and self._unsupported_below(knee):
+        below = max(math.floor(DOWN_PROBE * knee), self.config.initial_limit, self.config.min_limit)
+        if saturated and below < knee and self._unsupported_below(knee):
             self._probing = True
-            self._set(min(self.limit, self._limit_for(math.floor(DOWN_PROBE * knee))))
+            self._set(min(self.limit, self._limit_for(below)))
             return
         goal = self._limit_for(knee)
         if self._probing:  # a probe's level was measured: back to the knee at once
