@@ -414,7 +414,7 @@ class AdaptiveConcurrencyLimit:
         if (level is not None and ttft_s is not None and level.ttft_s is not None
                 and level.windows >= BRAKE_MIN_WINDOWS and self._window_ttfts >= BRAKE_MIN_SAMPLES
                 and ttft_s > self.config.ttft_tolerance * level.ttft_s):
-            braked = True
+            braked, self._probing = True, False  # a probe's way back to the knee would undo the brake
             self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
         if ramp:
             level = None
@@ -422,7 +422,7 @@ class AdaptiveConcurrencyLimit:
             level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
         else:
             level.windows += 1
-            # the mean of the first windows, then an EWMA: a level's first window must not weigh 70 % of it
+            # the mean of the first windows, then an EWMA: a level's first window must not weigh 90 % of it
             alpha = max(LEVEL_ALPHA, 1 / level.windows)
             level.tokens_per_s += alpha * (tokens_per_s - level.tokens_per_s)
             if ttft_s is not None:
