@@ -156,6 +156,23 @@ def test_a_load_of_one_stream_at_a_time_from_the_start_does_not_take_the_limit_d
     assert limit.refusal(NORMAL) is None and limit.reserve == 1
 
 
+@pytest.mark.parametrize("bursts", [1, 20])
+def test_a_burst_then_a_lull_of_one_stream_does_not_take_the_limit_down_to_one(bursts: int) -> None:
+    """One window of a burst (the limit probes up, each level measured once) then one stream at a time: the
+    lull's level is the only one measured twice, so it was the knee, confirmed by the load; the levels the
+    burst measured once above it hid that nothing counted past it, and the return from the probe took the
+    limit to 1. Bursts of one window kept it there, the burst's 64 streams let through one at a time in front
+    of a server whose knee is 12."""
+    limit = make_limit(initial_limit=4)
+    t = 0.0
+    for _ in range(bursts):
+        t = drive(limit, knee_server(12), offered=64, windows=1, t=t)
+        t = drive(limit, knee_server(12), offered=1, windows=3, t=t)
+        assert limit.limit >= 4, limit.limit  # initial_limit: a light load's knee says nothing of the server's
+    limit.acquire(BATCH, t)  # one long BATCH stream
+    assert limit.refusal(CORE) is None and limit.refusal(NORMAL) is None
+
+
 def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     limit = make_limit(initial_limit=32)
     t = 0.0

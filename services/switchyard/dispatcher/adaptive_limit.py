@@ -66,8 +66,9 @@ the CORE headroom below on top):
   window's throughput at 0.7 of the knee is what it costs;
 - knee confirmed: after a probe, the limit goes back to the limit at the knee
   at once; else ``limit += smoothing x (at the knee - limit)``, never upwards
-  unless saturated; a knee confirmed by the load alone with no level measured
-  above it (a load of one stream at a time: its only level is its knee) says
+  unless saturated; a knee confirmed by the load alone with no level counted
+  above it (a load of one stream at a time: its only level is its knee; a level
+  a burst measured once does not count) says
   nothing of the server's knee, so it counts as at least ``initial_limit``,
   the limit with nothing measured. The probes find the knee within a factor
   of two upwards and of ``1 / 0.7`` downwards;
@@ -265,6 +266,7 @@ class AdaptiveConcurrencyLimit:
         self._opened_with = 0  # streams in flight when the window being measured opened
         self._probing = False  # the limit is at a probe's level (up or down), not at the knee
         self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
+        self._counted_top = 0  # the highest level the knee estimate counted (streams; 0 before the first)
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
         None until the server reported a queue (:meth:`on_server_queue`)."""
@@ -449,11 +451,13 @@ class AdaptiveConcurrencyLimit:
             return
         assert self.knee is not None
         knee = self.knee
-        if knee >= max(self.levels):
-            # Confirmed by the load alone with nothing measured past the knee (one stream at a time, say):
+        if knee >= self._counted_top:
+            # Confirmed by the load alone with nothing counted past the knee (one stream at a time, say):
             # the load offers no more, which says nothing of where the server's throughput flattens, as at
             # start-up. Not taken below the start-up limit (a limit of 1 would queue the next burst, CORE
-            # too, behind one stream until the probes climb back).
+            # too, behind one stream until the probes climb back). Counted, not merely measured: the levels
+            # a one-window burst measured once above a lull's level do not count in the knee, and they had
+            # let the return from the burst's probe take the limit to the lull's one stream.
             knee = max(knee, float(self.config.initial_limit))
         below = max(math.floor(DOWN_PROBE * knee), self.config.initial_limit, self.config.min_limit)
         if saturated and below < knee and self._unsupported_below(knee):
@@ -503,6 +507,7 @@ class AdaptiveConcurrencyLimit:
             best = max(best, self.levels[key].tokens_per_s)
             envelope.append(best)
         knee, plateau = keys[-1], envelope[-1]
+        self._counted_top = keys[-1]
         for i, key in enumerate(keys):
             above = [self.levels[k] for k in keys[i:]]
             mean = sum(level.tokens_per_s for level in above) / len(above)
