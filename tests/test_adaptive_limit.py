@@ -243,6 +243,37 @@ def test_a_429_with_others_in_flight_drops_the_limit_to_them_at_once() -> None:
     assert limit.limit == 1
 
 
+@pytest.mark.parametrize(("knee", "takes"), [(8, 20), (16, 10)])
+def test_a_server_that_refuses_past_some_streams_is_not_probed_past_them_every_window(knee: int, takes: int) -> None:
+    """A server that answers 429 to more than ``takes`` streams: the knee, measured at most there, could never
+    be confirmed by a level twice as high, so every window probed up to that level, and the server refused
+    the streams past ``takes`` (each one requeued, CORE too) window after window, forever. The refusal is
+    as high as a probe can measure: it confirms the knee, and the limit holds (then probes down) below it."""
+    limit = make_limit(initial_limit=4)
+    t, refused_windows, held = 0.0, 0, []
+    for window in range(400):  # 200 s
+        limit.on_tokens(0, t)  # closes the last window
+        while limit.in_flight:  # each stream lasts one window
+            limit.release(BATCH, t)
+        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
+            limit.acquire(BATCH, t)
+        refused = limit.in_flight > takes
+        while limit.in_flight > takes:  # the server refuses it: the stream ends, and goes back to the queue
+            limit.on_overload(t)
+            limit.release(BATCH, t)
+        tokens_per_s, ttft = knee_server(knee)(limit.in_flight)
+        for k in range(4):
+            limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)
+        limit.on_tokens(int(tokens_per_s * WINDOW_S), t + WINDOW_S / 2)
+        t += WINDOW_S
+        if window >= 200:
+            refused_windows += refused
+            held.append(limit.limit)
+    # one probe into the refusals per memory_s (30 s: 60 windows) at most, not one every window
+    assert refused_windows <= 200 / 60 + 1, refused_windows
+    assert statistics.median(held) <= min(takes, 1.5 * knee + limit.reserve + 1), sorted(held)
+
+
 def test_gauges_are_arguments_so_each_endpoint_can_have_its_own() -> None:
     limit_gauge = Gauge("test_endpoint_limit", "limit", ["endpoint"])
     knee_gauge = Gauge("test_endpoint_knee", "knee", ["endpoint"])

@@ -38,7 +38,11 @@ at least ``2 x knee`` (and one stream more) was measured, or a level above the
 knee that is as much as the load offers (measured while fewer streams were
 wanted than the limit allowed: no probe can go higher; a saturated window in
 which the limit refused streams with that many or more in flight clears the
-mark, since the load then offers more): twice the streams
+mark, since the load then offers more), or when the server refused a stream
+for load (429/503) with others in flight at or below the level that would
+confirm it (no probe can measure past what the server takes; remembered for
+``memory_s``, as a level is: before, every window probed up to the refusals,
+and the server refused the streams past them window after window): twice the streams
 were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
 only a little higher would confirm a knee that is not one: on a linear curve
 25 % more streams give 25 % more throughput, within a noisy machine's spread).
@@ -267,6 +271,10 @@ class AdaptiveConcurrencyLimit:
         self._probing = False  # the limit is at a probe's level (up or down), not at the knee
         self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
         self._counted_top = 0  # the highest level the knee estimate counted (streams; 0 before the first)
+        self.refused_at: tuple[int, float] | None = None
+        """(streams in flight, the refused one included, monotonic seconds) when the server last refused a stream
+        for load with others in flight (:meth:`on_overload`): no level from there up can be measured; forgotten
+        after ``memory_s`` like a level."""
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
         None until the server reported a queue (:meth:`on_server_queue`)."""
@@ -343,6 +351,8 @@ class AdaptiveConcurrencyLimit:
         it backs off by ``backoff_ratio`` once per TTFT."""
         if self.in_flight > 1:
             self._set(min(self.limit, self.in_flight - 1))
+            fresh = self.refused_at is not None and now - self.refused_at[1] <= self.config.memory_s
+            self.refused_at = (min(self.in_flight, self.refused_at[0]) if fresh else self.in_flight, now)
         ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
         window = max(ttfts) if ttfts else 0.1
         if now - self._last_backoff < window:
@@ -526,7 +536,12 @@ class AdaptiveConcurrencyLimit:
         # the highest level, which is what the mark is about.
         top = [self.levels[key] for key in keys if key >= TOP_BAND * keys[-1]]
         by_load = top[-1].demand_limited and sum(level.windows for level in top if level.demand_limited) >= 2
-        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load
+        # Or by the server: it refused streams below the level that would confirm the knee, so no probe can
+        # measure that level (a probe there only has streams refused, window after window).
+        if self.refused_at is not None and now - self.refused_at[1] > self.config.memory_s:
+            self.refused_at = None
+        by_server = self.refused_at is not None and self.refused_at[0] <= max(knee + 1, CONFIRM_RATIO * knee)
+        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load or by_server
 
     def _set(self, value: float) -> None:
         if self.server_cap is not None:
