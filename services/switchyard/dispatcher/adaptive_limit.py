@@ -18,7 +18,8 @@ inverse of its inter-token latency, so ``X`` against ``c`` is the inter-token
 latency against streams in flight, and its flat top is the server's throughput
 plateau. Each window updates the *level* ``round(c)``: the mean of its first windows'
 ``X`` and TTFT, then an EWMA, stamped with the time; a level not measured for
-``memory_s`` is forgotten (the server, or what it is asked, may have changed).
+``memory_s`` is forgotten (the server, or what it is asked, may have changed;
+``memory_s`` holds at least six windows, see the config's ``MEMORY_WINDOWS``).
 A window whose ``c`` is more than a quarter away from the streams in flight
 when it opened measured a ramp (a burst starting, a probe, the limit coming
 down), not a level: the streams it added were still in their prefill, and it

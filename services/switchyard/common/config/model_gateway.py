@@ -73,6 +73,13 @@ class CooldownConfig(_Strict):
     )
 
 
+MEMORY_WINDOWS = 6
+"""``memory_s`` must hold at least this many windows of ``window_s``: a level is measured in two windows before it
+counts (switchyard.dispatcher.adaptive_limit.PROBE_WINDOWS), and the knee's level must outlast two at the knee, two
+at the probe above it and two at the probe below; with fewer the knee's level was forgotten while the probe above it
+was measured, and the limit ran away (142-386 streams in front of a server whose knee is 8)."""
+
+
 class AdaptiveConcurrencyConfig(_Strict):
     """Adaptive limit on streams in flight to the upstream (switchyard.dispatcher.adaptive_limit)."""
 
@@ -109,7 +116,8 @@ class AdaptiveConcurrencyConfig(_Strict):
     memory_s: float = Field(
         30.0, gt=0, le=3600,
         description="How long one concurrency level's throughput and TTFT count after it was last measured, "
-        "seconds; levels above the knee age out and are measured again by probing.",
+        "seconds; levels above the knee age out and are measured again by probing. At least 6 x window_s (a "
+        "level must outlast two windows at the knee, at the probe above it and at the probe below).",
     )
     core_reserved_slots: int = Field(
         2, ge=0, le=100_000,
@@ -127,6 +135,11 @@ class AdaptiveConcurrencyConfig(_Strict):
             raise ValueError(
                 f"expected min_limit <= initial_limit <= max_limit, got {self.min_limit}, "
                 f"{self.initial_limit}, {self.max_limit}"
+            )
+        if self.memory_s < MEMORY_WINDOWS * self.window_s:
+            raise ValueError(
+                f"expected memory_s >= {MEMORY_WINDOWS} x window_s (a level must outlast the probes around it), "
+                f"got memory_s {self.memory_s} with window_s {self.window_s}"
             )
         return self
 
