@@ -294,6 +294,20 @@ def test_bounds_are_checked_and_the_pool_must_hold_the_ceiling() -> None:
         SwitchyardConfig().with_overrides(**{"upstream.max_connections": 8})
 
 
+@pytest.mark.parametrize("knee_fraction", [0.5, 0.6, 2 / 3])
+def test_a_knee_fraction_that_would_confirm_any_level_of_a_linear_curve_is_refused(knee_fraction: float) -> None:
+    """On a linear curve a level ``c`` gives ``c`` and the level ``2c`` that confirms it gives ``2c``: their mean is
+    ``1.5c``, so a knee_fraction at or under 2/3 confirms every level as the knee. The limit then went to 1 stream
+    in front of servers whose knee is 8 or 24 (the down probe found each level below "a knee" too), and stayed."""
+    with pytest.raises(ConfigError, match="knee_fraction"):
+        SwitchyardConfig().with_overrides(**{"upstream.concurrency": {"knee_fraction": knee_fraction}})
+    # the least fraction accepted finds a knee near its own point of a linear curve
+    limit = make_limit(initial_limit=4, knee_fraction=0.7)
+    trace: list[tuple[float, int]] = []
+    drive(limit, knee_server(24), offered=100, windows=400, trace=trace)
+    assert 0.5 * 24 <= statistics.median(value for value, _ in trace[200:]) <= 24 + limit.reserve
+
+
 @pytest.mark.parametrize("window_s, memory_s", [(15.0, 30.0), (0.5, 1.0), (10.0, 30.0)])
 def test_a_memory_shorter_than_six_windows_is_refused(window_s: float, memory_s: float) -> None:
     """A level must be remembered across two windows at the knee, two at the probe above it and two at the

@@ -109,9 +109,11 @@ class AdaptiveConcurrencyConfig(_Strict):
         "flight over it), seconds; the limit moves once per window.",
     )
     knee_fraction: float = Field(
-        0.9, gt=0, lt=1,
+        0.9, ge=0.7, lt=1,
         description="The knee is the lowest concurrency whose measured throughput reaches this fraction of the "
-        "plateau (the mean throughput of the concurrencies measured from it up), a fraction in (0, 1).",
+        "plateau (the mean throughput of the concurrencies measured from it up), a fraction in [0.7, 1): at 2/3 "
+        "or less a level and the one twice as high that confirms it reach it on any linear curve, and the limit "
+        "went to 1 stream in front of any server.",
     )
     memory_s: float = Field(
         30.0, gt=0, le=3600,
