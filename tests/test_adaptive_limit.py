@@ -500,6 +500,38 @@ async def test_a_refusal_for_load_backs_the_limit_off_however_the_server_says_it
     assert (service.limit.limit < initial) == backs_off, service.limit.limit
 
 
+async def test_an_upstream_that_refuses_past_four_streams_is_not_sent_a_fifth_window_after_window(clean_proxy_env):
+    """sim-openai answering 429 past 4 open streams, 16 BATCH callers: the limit's knee could never be confirmed
+    by a level twice as high (the server refuses it), so every window probed up to 8 and more and the server
+    refused the streams past 4, all run long. The refusal confirms the knee: after the first refusals, none."""
+    with start_sim(max_streams=4, latency=True) as upstream:
+        service = _upstream_dispatcher(upstream.base_url, **{
+            "upstream.max_retries": 8, "upstream.retry_backoff_initial_s": 0.01, "upstream.retry_backoff_max_s": 0.05})
+        srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+        try:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                loop = asyncio.get_running_loop()
+                half, stop = loop.time() + 3.0, loop.time() + 6.0
+                refused_by_half: list[int] = []
+
+                async def caller(i: int) -> None:
+                    while loop.time() < stop:
+                        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                            prompt=f"tell me about lists {i}", max_tokens=16, priority=agent_pb2.BATCH), timeout=60)]
+                        assert chunks[-1].HasField("done")
+
+                async def mark() -> None:
+                    await asyncio.sleep(max(0.0, half - loop.time()))
+                    refused_by_half.append(upstream.state.rejected_overload)
+
+                await asyncio.gather(mark(), *(caller(i) for i in range(16)))
+        finally:
+            await srv.stop(1.0)
+    assert refused_by_half[0] > 0  # it found the server's four
+    assert upstream.state.rejected_overload - refused_by_half[0] <= 2, (refused_by_half, upstream.state.rejected_overload)
+
+
 # --------------------------------------------------------------------------- a real continuous-batching server
 
 
