@@ -173,6 +173,20 @@ def test_a_burst_then_a_lull_of_one_stream_does_not_take_the_limit_down_to_one(b
     assert limit.refusal(CORE) is None and limit.refusal(NORMAL) is None
 
 
+@pytest.mark.parametrize(("knee", "initial", "ceiling"), [(8, 32, 32), (4, 16, 16), (8, 4, 12), (8, 4, 20)])
+def test_a_max_limit_below_twice_the_knee_estimate_does_not_pin_the_limit_at_max_limit(knee: int, initial: int,
+                                                                                       ceiling: int) -> None:
+    """A knee is confirmed by a level twice as high; with max_limit below the limit at that level no probe could
+    measure it, so the knee was never confirmed, never probed below, and the limit sat at max_limit: 32 streams
+    (initial_limit = max_limit = 32) or 20 in front of a server whose throughput is flat from 8. max_limit is as
+    high as a probe can go: it confirms the knee as the server's refusal does."""
+    limit = make_limit(initial_limit=initial, max_limit=ceiling)
+    trace: list[tuple[float, int]] = []
+    drive(limit, knee_server(knee), offered=64, windows=400, trace=trace)  # 200 s
+    held = statistics.median(value for value, _ in trace[200:])
+    assert 0.5 * knee <= held <= 1.5 * knee + limit.reserve + 1, held
+
+
 def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     limit = make_limit(initial_limit=32)
     t = 0.0

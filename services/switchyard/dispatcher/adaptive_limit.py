@@ -43,7 +43,11 @@ mark, since the load then offers more), or when the server refused a stream
 for load (429/503) with others in flight at or below the level that would
 confirm it (no probe can measure past what the server takes; remembered for
 ``memory_s``, as a level is: before, every window probed up to the refusals,
-and the server refused the streams past them window after window): twice the streams
+and the server refused the streams past them window after window), or when
+``max_limit`` is below the limit at that level and the highest level it lets
+NORMAL and BATCH fill was measured (before, the knee was never confirmed, never
+probed below, and the limit sat at ``max_limit``: 32 in front of a server flat
+from 8): twice the streams
 were seen to buy no more than ``1 / knee_fraction`` as much throughput (a level
 only a little higher would confirm a knee that is not one: on a linear curve
 25 % more streams give 25 % more throughput, within a noisy machine's spread).
@@ -272,6 +276,7 @@ class AdaptiveConcurrencyLimit:
         self._probing = False  # the limit is at a probe's level (up or down), not at the knee
         self._refused = False  # a stream was refused in the window: more were wanted than the limit let through
         self._counted_top = 0  # the highest level the knee estimate counted (streams; 0 before the first)
+        self._by_ceiling = False  # the knee is confirmed by a ceiling no probe can pass (a refusal, max_limit)
         self.refused_at: tuple[int, float] | None = None
         """(streams in flight, the refused one included, monotonic seconds) when the server last refused a stream
         for load with others in flight (:meth:`on_overload`): no level from there up can be measured; forgotten
@@ -462,7 +467,7 @@ class AdaptiveConcurrencyLimit:
             return
         assert self.knee is not None
         knee = self.knee
-        if knee >= self._counted_top:
+        if knee >= self._counted_top and not self._by_ceiling:
             # Confirmed by the load alone with nothing counted past the knee (one stream at a time, say):
             # the load offers no more, which says nothing of where the server's throughput flattens, as at
             # start-up. Not taken below the start-up limit (a limit of 1 would queue the next burst, CORE
@@ -537,12 +542,18 @@ class AdaptiveConcurrencyLimit:
         # the highest level, which is what the mark is about.
         top = [self.levels[key] for key in keys if key >= TOP_BAND * keys[-1]]
         by_load = top[-1].demand_limited and sum(level.windows for level in top if level.demand_limited) >= 2
-        # Or by the server: it refused streams below the level that would confirm the knee, so no probe can
-        # measure that level (a probe there only has streams refused, window after window).
+        # Or by a ceiling no probe can pass: the server refused streams below the level that would confirm the
+        # knee (a probe there only has streams refused, window after window), or max_limit is below the limit at
+        # that level (the knee was never confirmed, never probed below, and the limit sat at max_limit).
+        confirming = max(knee + 1, CONFIRM_RATIO * knee)
         if self.refused_at is not None and now - self.refused_at[1] > self.config.memory_s:
             self.refused_at = None
-        by_server = self.refused_at is not None and self.refused_at[0] <= max(knee + 1, CONFIRM_RATIO * knee)
-        return keys[-1] >= max(knee + 1, CONFIRM_RATIO * knee) or by_load or by_server
+        by_server = self.refused_at is not None and self.refused_at[0] <= confirming
+        ceiling = self.config.max_limit
+        by_bound = (self._limit_for(confirming) > ceiling
+                    and keys[-1] + 1 >= ceiling - core_reserve(ceiling, self.config.core_reserved_slots))
+        self._by_ceiling = by_server or by_bound
+        return keys[-1] >= confirming or by_load or self._by_ceiling
 
     def _set(self, value: float) -> None:
         if self.server_cap is not None:
