@@ -187,6 +187,33 @@ def test_a_max_limit_below_twice_the_knee_estimate_does_not_pin_the_limit_at_max
     assert 0.5 * knee <= held <= 1.5 * knee + limit.reserve + 1, held
 
 
+@pytest.mark.parametrize("stream_windows", [60, 90])
+def test_streams_as_long_as_memory_s_do_not_walk_the_limit_up(stream_windows: int) -> None:
+    """Streams of 30-45 s (memory_s 30 s; a long answer on a slow server): after each probe the limit came down,
+    but the streams admitted under the probe stayed in flight for a stream's life, so the windows measured the
+    probe's level while the knee's level aged out; the probe's level became the knee, the next probe doubled it,
+    and the limit walked up to the load (41 for 64 streams offered, 106 with a max of 128) in front of a server
+    flat from 8. The levels no longer age while more streams are in flight than the limit lets in."""
+    limit = make_limit(initial_limit=4, max_limit=128)
+    ends: list[float] = []  # when each stream in flight ends
+    t, step, held = 0.0, WINDOW_S / 5, []
+    for i in range(1200 * 5):  # 600 s in steps of a fifth of a window
+        for end in [e for e in ends if e <= t]:
+            ends.remove(end)
+            limit.release(BATCH, t)
+        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
+            limit.acquire(BATCH, t)
+            ends.append(t + stream_windows * WINDOW_S)
+        tokens_per_s, ttft = knee_server(8)(limit.in_flight)
+        limit.on_sample(ttft, t + step / 2)
+        limit.on_tokens(int(tokens_per_s * step), t + step / 2)
+        t += step
+        if i >= 600 * 5 and i % 5 == 0:
+            held.append(limit.limit)
+    assert statistics.median(held) <= 1.5 * 8 + limit.reserve + 1, statistics.median(held)
+    assert max(held) <= 2 * 12 + limit.reserve + 2, max(held)  # a probe above a knee of 12 at most
+
+
 def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     limit = make_limit(initial_limit=32)
     t = 0.0

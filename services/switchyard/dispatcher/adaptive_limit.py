@@ -23,7 +23,11 @@ plateau. Each window updates the *level* ``round(c)``: the mean of its first win
 A window whose ``c`` is more than a quarter away from the streams in flight
 when it opened measured a ramp (a burst starting, a probe, the limit coming
 down), not a level: the streams it added were still in their prefill, and it
-updates no level.
+updates no level. Levels do not age in a window whose level is above the limit
+(streams admitted under a higher limit still draining: no level under it can
+be measured until they end; with streams as long as ``memory_s`` the knee's
+level aged out while a probe's streams drained, and the limit walked up probe
+after probe).
 
 **The knee** over the levels remembered and measured in at least two windows
 (all levels while none is, at start-up: one window of a shared machine's CPU
@@ -422,6 +426,14 @@ class AdaptiveConcurrencyLimit:
                 no level; the TTFT brake and the rule still read it.
         """
         level_key = max(1, round(mean_in_flight))
+        if level_key > self.streams:
+            # More in flight than the limit lets in now: streams admitted under a higher limit (a probe's, before
+            # a brake or a 429) that have not ended. No level at or under the limit can be measured until they
+            # do, so none ages meanwhile: with streams as long as memory_s, the knee's level aged out while the
+            # probe's was measured, became the knee, and the limit walked up probe after probe.
+            for key, other in self.levels.items():
+                if key != level_key:
+                    other.seen_at = min(now, other.seen_at + self.config.window_s)
         level = self.levels.get(level_key)
         if level is not None and now - level.seen_at > self.config.memory_s:
             level = None
