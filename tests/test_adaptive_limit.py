@@ -315,6 +315,36 @@ def test_a_server_that_refuses_past_some_streams_is_not_probed_past_them_every_w
     assert statistics.median(held) <= min(takes, 1.5 * knee + limit.reserve + 1), sorted(held)
 
 
+def test_a_core_stream_beside_batch_is_not_the_one_a_server_that_refuses_past_four_streams_refuses() -> None:
+    """A server that answers 429 past 4 streams, BATCH filling the limit and now and then one CORE stream: the
+    limit came back to the knee plus its CORE headroom, past the 4 the server takes, so each CORE stream taken
+    into the reserved slot was the fifth and was refused (and halved the limit). The streams the server was
+    seen to refuse cap the limit, for memory_s, and the CORE headroom comes out of what it takes."""
+    limit = make_limit(initial_limit=4, smoothing=1.0)  # at the knee at once, not ever closer to it
+    t, core_refused = 0.0, 0
+    for window in range(400):  # 200 s
+        limit.on_tokens(0, t)  # closes the last window
+        while limit.in_flight:  # each stream lasts one window
+            limit.release(BATCH if limit.in_flight > limit.core_in_flight else CORE, t)
+        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
+            limit.acquire(BATCH, t)
+        core = window % 4 == 0 and limit.refusal(CORE) is None
+        if core:
+            limit.acquire(CORE, t)
+        while limit.in_flight > 4:  # the server refuses the last one sent: the stream ends, and is requeued
+            limit.on_overload(t)
+            cls = CORE if core and limit.core_in_flight else BATCH
+            core_refused += window >= 200 and cls is CORE
+            limit.release(cls, t)
+            core = False
+        tokens_per_s, ttft = knee_server(16)(limit.in_flight)
+        for k in range(4):
+            limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)
+        limit.on_tokens(int(tokens_per_s * WINDOW_S), t + WINDOW_S / 2)
+        t += WINDOW_S
+    assert core_refused <= 200 / 60 + 1, core_refused  # one probe past the refusals per memory_s at most
+
+
 def test_gauges_are_arguments_so_each_endpoint_can_have_its_own() -> None:
     limit_gauge = Gauge("test_endpoint_limit", "limit", ["endpoint"])
     knee_gauge = Gauge("test_endpoint_knee", "knee", ["endpoint"])

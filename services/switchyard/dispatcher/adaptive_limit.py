@@ -96,7 +96,11 @@ the CORE headroom below on top):
 - a 429 or 503: the limit drops at once to the other streams in flight, if
   any (the server took those), and (AIMD's multiplicative decrease) ``limit *=
   backoff_ratio``, at most once per remembered TTFT, so one burst of refusals
-  counts once.
+  counts once. For ``memory_s`` after a refusal with others in flight the limit
+  stays under the streams then in flight (the CORE headroom comes out of what
+  the server takes: above it, each CORE stream taken into a reserved slot was
+  the one refused), and a knee with nothing counted above it counts as what the
+  server takes.
 
 **The server's own queue** (vLLM's and SGLang's ``num_requests_waiting``, TGI's
 and llama.cpp's likewise, read from the server's ``/metrics`` by the gateway: for
@@ -283,8 +287,8 @@ class AdaptiveConcurrencyLimit:
         self._by_ceiling = False  # the knee is confirmed by a ceiling no probe can pass (a refusal, max_limit)
         self.refused_at: tuple[int, float] | None = None
         """(streams in flight, the refused one included, monotonic seconds) when the server last refused a stream
-        for load with others in flight (:meth:`on_overload`): no level from there up can be measured; forgotten
-        after ``memory_s`` like a level."""
+        for load with others in flight (:meth:`on_overload`): no level from there up can be measured, and the limit
+        stays under it; forgotten after ``memory_s`` like a level."""
         self.server_cap: float | None = None
         """Streams the server was last seen to run at once (in flight minus its own queue), the limit's cap;
         None until the server reported a queue (:meth:`on_server_queue`)."""
@@ -487,6 +491,10 @@ class AdaptiveConcurrencyLimit:
             # a one-window burst measured once above a lull's level do not count in the knee, and they had
             # let the return from the burst's probe take the limit to the lull's one stream.
             knee = max(knee, float(self.config.initial_limit))
+        elif knee >= self._counted_top and self.refused_at is not None:
+            # Confirmed by the server's refusal with nothing counted past the knee: throughput may rise up to
+            # what the server takes (the CORE headroom kept NORMAL and BATCH from measuring its last stream).
+            knee = max(knee, float(self.refused_at[0] - 1))
         below = max(math.floor(DOWN_PROBE * knee), self.config.initial_limit, self.config.min_limit)
         if saturated and below < knee and self._unsupported_below(knee):
             self._probing = True
@@ -570,5 +578,7 @@ class AdaptiveConcurrencyLimit:
     def _set(self, value: float) -> None:
         if self.server_cap is not None:
             value = min(value, self.server_cap)
+        if self.refused_at is not None:  # no more than the server was seen to take, CORE's headroom out of it
+            value = min(value, self.refused_at[0] - 1)
         self.limit = max(float(self.config.min_limit), min(float(self.config.max_limit), value))
         self._limit_gauge.set(self.streams)
