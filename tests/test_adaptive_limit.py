@@ -603,6 +603,40 @@ async def test_an_upstream_that_refuses_past_four_streams_is_not_sent_a_fifth_wi
     assert upstream.state.rejected_overload - refused_by_half[0] <= 2, (refused_by_half, upstream.state.rejected_overload)
 
 
+async def test_core_beside_batch_is_not_refused_by_an_upstream_that_takes_four_streams(clean_proxy_env):
+    """sim-openai answering 429 past 4 open streams, 12 BATCH callers and one CORE caller, no gateway retry: the
+    limit came back to 5 (the knee plus CORE's slot), so the fifth stream, the CORE one taken into the reserved
+    slot as often as not, was refused and went back to the queue. The limit now stays under what the server
+    took, CORE's slot among them: after the first refusals, none."""
+    with start_sim(max_streams=4, latency=True) as upstream:
+        # smoothing 1: the limit at the knee at once, not ever closer to it (a fraction below a whole stream)
+        service = _upstream_dispatcher(upstream.base_url, **NO_RETRY, **{"upstream.concurrency": {"smoothing": 1.0}})
+        srv = await start_server([service], "127.0.0.1", 0, service.config.server)
+        try:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                loop = asyncio.get_running_loop()
+                half, stop = loop.time() + 3.0, loop.time() + 6.0
+                refused_by_half: list[int] = []
+
+                async def caller(i: int, priority: int) -> None:
+                    while loop.time() < stop:
+                        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(
+                            prompt=f"tell me about lists {i}", max_tokens=16, priority=priority), timeout=60)]
+                        assert chunks[-1].HasField("done")
+
+                async def mark() -> None:
+                    await asyncio.sleep(max(0.0, half - loop.time()))
+                    refused_by_half.append(upstream.state.rejected_overload)
+
+                await asyncio.gather(mark(), caller(99, agent_pb2.CORE),
+                                     *(caller(i, agent_pb2.BATCH) for i in range(12)))
+        finally:
+            await srv.stop(1.0)
+    assert upstream.state.rejected_overload - refused_by_half[0] <= 1, (refused_by_half, upstream.state.rejected_overload)
+    assert service.limit is not None and service.limit.limit <= 4
+
+
 # --------------------------------------------------------------------------- a real continuous-batching server
 
 
