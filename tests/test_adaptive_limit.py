@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY, Gauge
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import AdaptiveConcurrencyConfig, ConfigError, SwitchyardConfig, load_config
+from switchyard.common.config.model_gateway import MEMORY_WINDOWS
 from switchyard.common.priority import PriorityClass
 from switchyard.common.server import start_server
 from switchyard.dispatcher.adaptive_limit import (
@@ -379,16 +380,16 @@ def test_a_knee_fraction_that_would_confirm_any_level_of_a_linear_curve_is_refus
     assert 0.5 * 24 <= statistics.median(value for value, _ in trace[200:]) <= 24 + limit.reserve
 
 
-@pytest.mark.parametrize("window_s, memory_s", [(15.0, 30.0), (0.5, 1.0), (10.0, 30.0)])
-def test_a_memory_shorter_than_six_windows_is_refused(window_s: float, memory_s: float) -> None:
-    """A level must be remembered across two windows at the knee, two at the probe above it and two at the
-    probe below: with window_s 15 and the default memory_s 30, the knee's level was forgotten while the probe
+@pytest.mark.parametrize("window_s, memory_s", [(15.0, 30.0), (0.5, 1.0), (10.0, 30.0), (0.5, 4.5)])
+def test_a_memory_shorter_than_ten_windows_is_refused(window_s: float, memory_s: float) -> None:
+    """A level must be remembered across two windows at the knee and two (and a ramp) at each probe around
+    it: with window_s 15 and the default memory_s 30, the knee's level was forgotten while the probe
     above it was measured, the probe's level became the knee, and the limit ran to 142-386 streams in front of
     a server whose knee is 8."""
     with pytest.raises(ConfigError, match="memory_s"):
         SwitchyardConfig().with_overrides(**{"upstream.concurrency": {"window_s": window_s, "memory_s": memory_s}})
     # the least memory accepted holds the limit near the knee
-    limit = make_limit(initial_limit=4, window_s=WINDOW_S, memory_s=6 * WINDOW_S)
+    limit = make_limit(initial_limit=4, window_s=WINDOW_S, memory_s=MEMORY_WINDOWS * WINDOW_S)
     trace: list[tuple[float, int]] = []
     drive(limit, knee_server(8), offered=200, windows=400, trace=trace)
     assert statistics.median(value for value, _ in trace[200:]) <= 1.5 * 8 + limit.reserve + 1

@@ -19,7 +19,7 @@ latency against streams in flight, and its flat top is the server's throughput
 plateau. Each window updates the *level* ``round(c)``: the mean of its first windows'
 ``X`` and TTFT, then an EWMA, stamped with the time; a level not measured for
 ``memory_s`` is forgotten (the server, or what it is asked, may have changed;
-``memory_s`` holds at least six windows, see the config's ``MEMORY_WINDOWS``).
+``memory_s`` holds at least ten windows, see the config's ``MEMORY_WINDOWS``).
 A window whose ``c`` is more than a quarter away from the streams in flight
 when it opened measured a ramp (a burst starting, a probe, the limit coming
 down), not a level: the streams it added were still in their prefill, and it
@@ -68,9 +68,10 @@ the CORE headroom below on top):
   throughput keeps rising, as TCP slow start does), holding there until it is
   measured;
 - knee confirmed, saturated, and no level below the knee remembered: probe
-  downwards, to the limit at ``0.7 x knee`` (never below ``initial_limit``: a
-  knee lower than that is the TTFT brake's, the server queue's or a 429's to
-  find, not a few noisy windows'), holding there until a level below
+  downwards, to the limit at ``0.7 x knee`` (never below 4 streams, or
+  ``initial_limit`` where lower: a knee lower than that is the TTFT brake's,
+  the server queue's or a 429's to find, not a few noisy windows'), holding
+  there until a level below
   the knee is measured (BBR's ProbeRTT drains the same way to see whether less
   in flight does as well; Cardwell et al., "BBR: Congestion-Based Congestion
   Control", ACM Queue 14(5), 2016). Without it the knee could only move up: the
@@ -197,6 +198,11 @@ until its level has."""
 DOWN_PROBE = 0.7
 """The downward probe measures ``DOWN_PROBE x knee`` streams: below the knee's 90 % point on a linear curve
 (so a knee that is right stays), above half of it (so a knee too high comes down by at most 1 / 0.7)."""
+DOWN_PROBE_FLOOR = 4
+"""The downward probe goes no lower than this many streams (or ``initial_limit`` where that is lower, or
+``min_limit`` where that is higher): a continuous-batching server batches at least a few, and on a few noisy
+windows the probes walked the limit from 8 to 2 within two seconds through a stack whose own CPU flattened the
+curve. A knee lower than that is the TTFT brake's, the server queue's or a 429's to find."""
 BRAKE_FLOOR = 0.5
 """The TTFT brake shrinks the limit by at most this factor per window (Gradient2Limit's floor)."""
 
@@ -495,7 +501,8 @@ class AdaptiveConcurrencyLimit:
             # Confirmed by the server's refusal with nothing counted past the knee: throughput may rise up to
             # what the server takes (the CORE headroom kept NORMAL and BATCH from measuring its last stream).
             knee = max(knee, float(self.refused_at[0] - 1))
-        below = max(math.floor(DOWN_PROBE * knee), self.config.initial_limit, self.config.min_limit)
+        floor = max(self.config.min_limit, min(self.config.initial_limit, DOWN_PROBE_FLOOR))
+        below = max(math.floor(DOWN_PROBE * knee), floor)
         if saturated and below < knee and self._unsupported_below(knee):
             self._probing = True
             self._set(min(self.limit, self._limit_for(below)))

@@ -73,11 +73,12 @@ class CooldownConfig(_Strict):
     )
 
 
-MEMORY_WINDOWS = 6
+MEMORY_WINDOWS = 10
 """``memory_s`` must hold at least this many windows of ``window_s``: a level is measured in two windows before it
-counts (switchyard.dispatcher.adaptive_limit.PROBE_WINDOWS), and the knee's level must outlast two at the knee, two
-at the probe above it and two at the probe below; with fewer the knee's level was forgotten while the probe above it
-was measured, and the limit ran away (142-386 streams in front of a server whose knee is 8)."""
+counts (switchyard.dispatcher.adaptive_limit.PROBE_WINDOWS), a window in which the streams ramped counts for none,
+and the knee's level must outlast two at the knee and a ramp and two at each probe around it; with fewer the knee's
+level was forgotten while the probe above it was measured, and the limit ran away (142-386 streams in front of a
+server whose knee is 8; at 6 windows, 17 for a knee of 8, at 8 windows 9: 10 leaves a margin)."""
 
 
 class AdaptiveConcurrencyConfig(_Strict):
