@@ -371,14 +371,19 @@ class AdaptiveConcurrencyLimit:
         it backs off by ``backoff_ratio`` once per TTFT."""
         if self.in_flight > 1:
             self._set(min(self.limit, self.in_flight - 1))
-            fresh = self.refused_at is not None and now - self.refused_at[1] <= self.config.memory_s
-            self.refused_at = (min(self.in_flight, self.refused_at[0]) if fresh else self.in_flight, now)
+            self._forget_stale_refusal(now)
+            self.refused_at = (min(self.in_flight, self.refused_at[0]) if self.refused_at else self.in_flight, now)
         ttfts = [level.ttft_s for level in self.levels.values() if level.ttft_s]
         window = max(ttfts) if ttfts else 0.1
         if now - self._last_backoff < window:
             return
         self._last_backoff = now
         self._set(self.limit * self.config.backoff_ratio)
+
+    def _forget_stale_refusal(self, now: float) -> None:
+        """Forget :attr:`refused_at` once it is older than ``memory_s`` at ``now``, as a level is forgotten."""
+        if self.refused_at is not None and now - self.refused_at[1] > self.config.memory_s:
+            self.refused_at = None
 
     def on_server_queue(self, waiting: int) -> None:
         """The server reports ``waiting`` requests queued inside it (not running), read now: more than
@@ -573,8 +578,7 @@ class AdaptiveConcurrencyLimit:
         # knee (a probe there only has streams refused, window after window), or max_limit is below the limit at
         # that level (the knee was never confirmed, never probed below, and the limit sat at max_limit).
         confirming = max(knee + 1, CONFIRM_RATIO * knee)
-        if self.refused_at is not None and now - self.refused_at[1] > self.config.memory_s:
-            self.refused_at = None
+        self._forget_stale_refusal(now)
         by_server = self.refused_at is not None and self.refused_at[0] <= confirming
         ceiling = self.config.max_limit
         by_bound = (self._limit_for(confirming) > ceiling
