@@ -221,7 +221,10 @@ async def test_agents_spread_over_the_pool_and_each_stays_on_its_replica(clean_p
                 results = await asyncio.gather(*(complete(client, ask(a, turn)) for a in agents))
                 assert all(isinstance(r[-1], Finished) for r in results)
             assert isinstance(client.concurrency_limit, PoolLimit)
-            assert client.concurrency_limit.limit == 3 * client.config.concurrency.initial_limit
+            # three endpoints at the start-up limit of 4 (each: 3 for NORMAL and BATCH, 1 held for CORE): the
+            # pool admits their three ceilings and one headroom, not three headrooms
+            assert client.concurrency_limit.limit == 3 * 3 + 1
+            assert client.concurrency_limit.reserve == 1
     seen = agents_by_server(servers)
     assert set(seen) == set(agents)
     assert all(len(where) == 1 for where in seen.values()), seen
@@ -423,7 +426,7 @@ async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_
             "upstream.fallback_model": "", "upstream.pool.endpoints": urls})
         service = DispatcherService(cfg, engine=make_engine(cfg))
         assert isinstance(service.limit, PoolLimit)
-        assert service.limit.limit == 3 * cfg.upstream.concurrency.initial_limit
+        assert service.limit.limit == 3 * 3 + 1  # three ceilings of 3 at the start-up limit of 4, one headroom
         async with running([service], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = agent_pb2_grpc.InferenceServiceStub(channel)
@@ -471,7 +474,8 @@ async def test_the_dispatchers_upstream_gauges_show_the_pools_totals_and_each_en
             pool.publish_totals()
             assert gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=first.name) == 9
             assert gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=second.name) == 5
-            assert gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit == 14
+            # NORMAL and BATCH fill 7 of the first's 9 and 4 of the second's 5; one CORE headroom (2) on top
+            assert gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit == 7 + 4 + 2
             picked, _ = pool.pick("agent-a")
             client.concurrency_limit.acquire(PriorityClass.NORMAL)
             assert gauge("switchyard_gateway_endpoint_in_flight", endpoint=picked.name) == 1
@@ -481,10 +485,9 @@ async def test_the_dispatchers_upstream_gauges_show_the_pools_totals_and_each_en
             assert gauge("switchyard_upstream_in_flight") == 0
 
 
-async def test_each_endpoints_limit_gauge_shows_the_streams_it_admits_and_they_sum_to_the_pools(clean_proxy_env):
-    """A 429 halves an endpoint's limit of 5 to 2.5: it admits 2 streams, and its gauge read 2.5, so the
-    endpoints' gauges summed to more than switchyard_upstream_concurrency_limit, the pool's admission limit
-    (7.5 beside 7)."""
+async def test_each_endpoints_limit_gauge_shows_the_streams_it_admits(clean_proxy_env):
+    """A 429 halves an endpoint's limit of 5 to 2.5: it admits 2 streams, and its gauge read 2.5. The pool admits
+    what NORMAL and BATCH may fill on each (2 and 4) and one CORE headroom (1): 7."""
     with replicas(1) as healthy, run_in_thread(SimOpenAIOptions(latency=False, faults={"*": Fault(status=429)})) as bad:
         config = pool_config([bad.base_url, *(s.base_url for s in healthy)])
         config = config.model_copy(update={"concurrency": config.concurrency.model_copy(update={"initial_limit": 5})})
@@ -497,7 +500,31 @@ async def test_each_endpoints_limit_gauge_shows_the_streams_it_admits_and_they_s
             assert sorted(e.limit.limit for e in endpoints) == [2.5, 5], "one 429 answered"
             shown = [gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=e.name) for e in endpoints]
             assert sorted(shown) == [2, 5]
-            assert sum(shown) == gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit
+            assert gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit == 2 + 4 + 1
+
+
+async def test_an_endpoint_no_call_may_be_placed_on_leaves_the_admission_limit(clean_proxy_env):
+    """An endpoint that asked for 30 s without calls (429, Retry-After) stays up, and the picker places nothing
+    on it: its share of the admission limit had stayed counted, and every stream it admitted went to the other
+    endpoint, past that one's limit (14 NORMAL streams on an endpoint whose limit was 8)."""
+    with replicas(1) as healthy, run_in_thread(SimOpenAIOptions(
+            latency=False, faults={"*": Fault(status=429, retry_after=30)})) as bad:
+        config = pool_config([bad.base_url, *(s.base_url for s in healthy)])
+        async with GatewayClient(config) as client:
+            both = client.concurrency_limit.limit
+            for agent in range(20):  # until a call is homed on the one answering 429, then moved to the other
+                assert isinstance((await complete(client, ask(f"agent-{agent}")))[-1], Finished)
+                if bad.state.requests:
+                    break
+            waiting, serving = client.pool.endpoints.values()
+            assert waiting.up and not client.pool.accepts(waiting, "sim-7b")
+            assert client.concurrency_limit.counted() == [serving]
+            assert client.concurrency_limit.limit == serving.limit.limit < both
+            for _ in range(int(serving.limit.limit) - serving.limit.reserve):
+                assert client.concurrency_limit.refusal(PriorityClass.NORMAL) is None
+                client.concurrency_limit.acquire(PriorityClass.NORMAL)
+            assert client.concurrency_limit.refusal(PriorityClass.NORMAL) is not None
+            assert client.concurrency_limit.refusal(PriorityClass.CORE) is None
 
 
 async def test_the_circuit_gauge_counts_the_endpoints_in_each_state_and_a_joining_one_changes_no_other(

@@ -213,18 +213,18 @@ def core_reserve(limit: float, core_reserved_slots: int) -> int:
 
 
 def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_flight: int,
-                core_reserved_slots: int) -> str | None:
+                reserve: int) -> str | None:
     """The admission rule with CORE headroom (see the module docstring): None when a stream of class
-    ``priority`` may start with ``in_flight`` streams (``core_in_flight`` of them CORE) under ``limit``,
-    else :data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`. One endpoint's limit and a pool's
-    sum of them apply it alike."""
+    ``priority`` may start with ``in_flight`` streams (``core_in_flight`` of them CORE) under ``limit``, of
+    which ``reserve`` slots are held back for CORE, else :data:`UPSTREAM_CONCURRENCY` or
+    :data:`UPSTREAM_CORE_RESERVE`. One endpoint's limit (its :attr:`AdaptiveConcurrencyLimit.reserve`) and a
+    pool's sum of them (:class:`switchyard.gateway.pool.PoolLimit`, one reserve for the pool) apply it alike."""
     whole = int(limit)
     if priority is PriorityClass.CORE:
-        reserve = core_reserve(limit, core_reserved_slots)
         return None if in_flight < whole or core_in_flight < reserve else UPSTREAM_CONCURRENCY
     if in_flight >= whole:
         return UPSTREAM_CONCURRENCY
-    hold = max(0, core_reserve(limit, core_reserved_slots) - core_in_flight)
+    hold = max(0, reserve - core_in_flight)
     return UPSTREAM_CORE_RESERVE if in_flight >= whole - hold else None
 
 
@@ -323,8 +323,7 @@ class AdaptiveConcurrencyLimit:
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start now, else the refusal reason
         (:data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`, a metric label)."""
-        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
-                             self.config.core_reserved_slots)
+        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight, self.reserve)
         if reason is not None:
             self._refused = True
         return reason

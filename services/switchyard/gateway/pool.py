@@ -52,6 +52,7 @@ from switchyard.dispatcher.adaptive_limit import (
     AdaptiveConcurrencyLimit,
     refusal_for,
 )
+from switchyard.gateway import models as model_names
 from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import (
@@ -180,14 +181,21 @@ class Endpoint:
 
 
 class PoolLimit:
-    """The dispatcher's admission limit over a pool: the sum of its endpoints' adaptive limits (those up; all of
-    them when none is, so that calls reach the gateway and fail naming the endpoints).
+    """The dispatcher's admission limit over a pool: what its endpoints' adaptive limits let NORMAL and BATCH
+    fill, summed, with one CORE headroom on top (:attr:`reserve`), over the endpoints a call of the default
+    model may be placed on now (:meth:`counted`).
 
     The dispatcher's :class:`~switchyard.dispatcher.scheduler.capacity.ConcurrencyLimit` (``limit``,
-    ``in_flight``, ``refusal``, ``acquire``, ``release``), the CORE headroom applied to the sum
-    (``refusal_for``); samples, tokens and overload answers are taken per endpoint by the gateway, which knows
-    the endpoint. A refusal tells each endpoint's limit that more streams were wanted than it let through (the
-    load, not the limit, is what a window measured otherwise: :meth:`AdaptiveConcurrencyLimit.note_refused`).
+    ``in_flight``, ``refusal``, ``acquire``, ``release``); samples, tokens and overload answers are taken per
+    endpoint by the gateway, which knows the endpoint. A refusal tells each endpoint's limit that more streams
+    were wanted than it let through (the load, not the limit, is what a window measured otherwise:
+    :meth:`AdaptiveConcurrencyLimit.note_refused`).
+
+    One headroom, not one per endpoint: each endpoint's limit is its knee with its own CORE headroom on top,
+    and summing those let NORMAL and BATCH fill all but one of them (four endpoints with a knee of 8 each,
+    limits of 10: 38 streams, 9.5 per endpoint, past every knee). An endpoint the picker would not place a call
+    on (its circuit open, a Retry-After not passed, its model list without the model) is left out of the sum
+    too: counted, its share was admitted and sent to the others, past their limits.
 
     The dispatcher's gauges (``switchyard_upstream_concurrency_limit``, ``_knee``, ``_in_flight``) show the
     pool's totals, written here and by :meth:`EndpointPool.publish_totals`; each endpoint's limit writes its own
@@ -224,21 +232,31 @@ class PoolLimit:
         self._busy = (busy + (now - since) * share, now, min(1.0, in_flight / self.limit) if in_flight else 0.0)
 
     def counted(self) -> list[Endpoint]:
-        """The endpoints whose limits the pool's sums take: those up; all of them when none is (so that calls
-        reach the gateway and fail naming the endpoints)."""
+        """The endpoints whose limits the pool's sums take: those a call of the default model may be placed on
+        now (:meth:`EndpointPool.accepts`); else those up; else all of them (so that calls reach the gateway and
+        fail naming the endpoints)."""
         endpoints = list(self.pool.endpoints.values())
-        return [e for e in endpoints if e.up] or endpoints
+        up = [e for e in endpoints if e.up]
+        model = self.pool.admission_model
+        return [e for e in up if self.pool.accepts(e, model)] or up or endpoints
+
+    @property
+    def reserve(self) -> int:
+        """Slots held back for CORE over the pool: the largest of the counted endpoints' own headrooms (one
+        endpoint's: its own), never their sum."""
+        return max(e.limit.reserve for e in self.counted())
 
     @property
     def limit(self) -> float:
-        """Streams the dispatcher may have in flight over the pool now."""
-        total = sum(e.limit_value for e in self.counted())
+        """Streams the dispatcher may have in flight over the pool now: the counted endpoints' NORMAL and BATCH
+        ceilings summed, plus :attr:`reserve` (one endpoint: its own limit)."""
+        counted = self.counted()
+        total = sum(e.limit.lower_class_ceiling for e in counted) + max(e.limit.reserve for e in counted)
         return float(max(total, self.pool.config.concurrency.min_limit))
 
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start over the pool now, else the reason."""
-        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight,
-                             self.pool.config.concurrency.core_reserved_slots)
+        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight, self.reserve)
         if reason is not None:
             for endpoint in self.counted():  # the endpoints whose limits made the sum that refused
                 endpoint.limit.note_refused()
@@ -275,6 +293,9 @@ class EndpointPool:
         self.picker = EndpointPicker(config.pool)
         self.circuit_gauges = CircuitGauges(config)
         """``switchyard_gateway_circuit_state`` over the endpoints (each endpoint's circuits join it)."""
+        self.admission_model = model_names.resolve(config.default_model, config.model_map, config.default_model)
+        """The upstream model id whose endpoints the admission limit counts (:meth:`PoolLimit.counted`): the
+        default model's. A call naming another model is admitted under the same limit."""
         self.limit = PoolLimit(self)
         """The dispatcher's admission limit: the sum of the endpoints' (one endpoint: its own)."""
         self._retired: list[Endpoint] = []
@@ -477,8 +498,7 @@ class EndpointPool:
             picked = Picked(endpoints[0].name, "load")
         else:
             now = time.monotonic()
-            refusing = frozenset(e.name for e in endpoints if model and (e.cooldowns.refusing(model)
-                                                                        or not self.lists(e, model)))
+            refusing = frozenset(e.name for e in endpoints if not self.accepts(e, model))
             if any(e.name not in tried and e.name not in refusing for e in endpoints):
                 tried = tried | refusing
             picked = self.picker.pick(endpoints, key, now, tried)
@@ -486,6 +506,13 @@ class EndpointPool:
         endpoint = self.endpoints[picked.name]
         endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
         return endpoint, picked
+
+    def accepts(self, endpoint: Endpoint, model: str) -> bool:
+        """Whether a call of ``model`` may be placed on ``endpoint`` now, up or not: its circuit for ``model``
+        does not refuse calls (open, half-open with its probes taken, a Retry-After not passed) and its model
+        list names ``model``. The one rule of both the picker (:meth:`pick`) and the admission limit
+        (:meth:`PoolLimit.counted`). True for every endpoint when ``model`` is empty."""
+        return not model or (not endpoint.cooldowns.refusing(model) and self.lists(endpoint, model))
 
     @staticmethod
     def lists(endpoint: Endpoint, model: str) -> bool:

@@ -87,7 +87,7 @@ class AdaptiveConcurrencyConfig(_Strict):
     min_limit: int = Field(1, ge=1, le=100_000, description="Floor of the limit, streams (in a pool, of each "
                            "endpoint's limit and of the dispatcher's total).")
     max_limit: int = Field(1024, ge=1, le=100_000, description="Ceiling of the limit, streams (in a pool, of each "
-                           "endpoint's; the dispatcher admits up to their sum).")
+                           "endpoint's; the dispatcher admits what NORMAL and BATCH may fill on each, summed, and one CORE headroom).")
     initial_limit: int = Field(
         4, ge=1, le=100_000,
         description="Limit at start-up, streams; the limit climbs from here, measuring throughput at each level "
