@@ -17,6 +17,7 @@ import pytest
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import ServiceUnavailable
 from switchyard.common.server import RunningServer, running, start_server
 from switchyard.dispatcher.processor import RequestProcessor
 from switchyard.dispatcher.service import DispatcherService
@@ -173,3 +174,48 @@ async def test_a_hot_agent_spills_past_the_in_flight_bound_and_uninvolved_agents
     by_agent = replicas_by_agent(served)
     assert len(by_agent["hot"]) >= 2, "the hot agent's overflow spilled"
     assert sum(1 for agent in others if by_agent[agent] == {home[agent]}) >= 9, by_agent
+
+
+class Refusing(Recording):
+    """A dispatcher that records each request's time left, then refuses it UNAVAILABLE (as a draining one does)."""
+
+    def __init__(self, config: SwitchyardConfig, label: str, seen: list[tuple[str, float, float | None]]) -> None:
+        super().__init__(config, label, [])
+        refuse = label == "d0"
+
+        async def open_request(request, timeout_s, span):
+            seen.append((label, request.task_time_left_s, timeout_s))
+            if refuse:
+                raise ServiceUnavailable("dispatcher", label, "draining")
+            return await RecordingProcessor.open_request(self.processor, request, timeout_s, span)
+
+        self.processor.open_request = open_request
+
+
+async def test_a_call_tried_again_on_another_replica_carries_the_time_left_then_not_when_first_sent():
+    """The second attempt carried the first's task_time_left_s and gRPC deadline: its dispatcher ordered it by
+    slack the task no longer had, and it could run past the task's deadline by the first attempt's time."""
+    seen: list[tuple[str, float, float | None]] = []
+    dispatcher_cfg = SwitchyardConfig().with_overrides(**FAST)
+    servers = [await start_server([Refusing(dispatcher_cfg, f"d{i}", seen)], "127.0.0.1", 0, dispatcher_cfg.server)
+               for i in range(2)]
+    cfg = SwitchyardConfig().with_overrides(**{
+        "orchestrator.dispatcher_addr": "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers),
+        "orchestrator.retrieval_addr": "127.0.0.1:1", "orchestrator.default_task_type": "chat",
+        "orchestrator.cpu_executor": "loop",
+    })
+    try:
+        async with running([OrchestratorService(cfg)], cfg.server) as orch:
+            async with open_channel(f"127.0.0.1:{orch.port}") as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                for i in range(8):  # until an agent homed on d0 was moved to d1
+                    final = await chat(stub, f"agent-{i}", 0)
+                    assert final.finish_reason in ("stop", "length")
+                    if [label for label, _, _ in seen][-2:] == ["d0", "d1"]:
+                        break
+    finally:
+        for srv in servers:
+            await srv.stop(0)
+    (_, first_left, first_timeout), (_, second_left, second_timeout) = seen[-2:]
+    assert 0 < second_left < first_left
+    assert first_timeout is not None and second_timeout is not None and 0 < second_timeout < first_timeout

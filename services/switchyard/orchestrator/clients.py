@@ -147,15 +147,18 @@ RECONNECT_WAIT_S = 1.25 * MAX_RECONNECT_BACKOFF_MS / 1000
 its cap (``grpc.max_reconnect_backoff_ms``) with its jitter (+-20 %), so that one reconnection attempt falls in it."""
 
 
-async def _reconnected(channel: grpc.aio.Channel, timeout_s: float | None) -> float:
+def _left(seconds: float | None, since: float) -> float | None:
+    """What is left of ``seconds`` counted from ``since`` (monotonic), never below 0; None stays None."""
+    return None if seconds is None else max(0.0, seconds - (time.monotonic() - since))
+
+
+async def _reconnected(channel: grpc.aio.Channel, timeout_s: float | None) -> None:
     """Wait until ``channel`` is connected (READY), at most :data:`RECONNECT_WAIT_S` and ``timeout_s`` (the call's
-    time left); returns the seconds waited either way (the call then fails, or succeeds, on its own)."""
-    started = time.monotonic()
+    time left); the call then fails, or succeeds, on its own."""
     wait_s = RECONNECT_WAIT_S if timeout_s is None else min(RECONNECT_WAIT_S, max(0.0, timeout_s))
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(wait_s):
             await channel.channel_ready()
-    return time.monotonic() - started
 
 
 class InferenceClient:
@@ -306,18 +309,23 @@ class InferenceClient:
     async def _send(self, request: agent_pb2.GenerateRequest, spec: TaskSpec,
                     timeout_s: float | None) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """:meth:`generate`'s call of ``request``, its id its own: to the replica its affinity picks, tried again
-        on another as :meth:`generate` says."""
+        on another as :meth:`generate` says. Each attempt carries the time left when it is sent, as its gRPC
+        deadline and as ``task_time_left_s``: one attempt's time (a wait for a replica to reconnect, a replica
+        that refused) is gone for the next, whose dispatcher would otherwise order it by slack it no longer has
+        and let it run past the task's deadline."""
         affinity_key = self.affinity_key(spec)
         tried: set[str] = set()
         waited = False
+        sent_at, time_left_s = time.monotonic(), request.task_time_left_s
         for attempt in range(self.MAX_ATTEMPTS):
             address, channel = await self._route(affinity_key, frozenset(tried))
             if address in tried and not waited:  # no other replica: this one may be restarting (port closed a moment)
                 waited = True
-                spent = await _reconnected(channel, timeout_s)
-                timeout_s = None if timeout_s is None else max(0.0, timeout_s - spent)
+                await _reconnected(channel, _left(timeout_s, sent_at))
+            if attempt and time_left_s:  # 0 on the wire is "not given": at its deadline, the least time left there is
+                request.task_time_left_s = max(_left(time_left_s, sent_at), sys.float_info.min)
             received = 0
-            chunks = self._streams_for(channel).generate(request, timeout_s)
+            chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at))
             replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
             if replicas is not None:
                 replicas.started(address)  # counts against the replica's bound until the call ends
