@@ -949,13 +949,20 @@ async def test_requests_that_reuse_a_callers_request_id_are_each_served() -> Non
 
 @pytest.mark.parametrize("reason, status", [
     ("stop", RequestStatus.FINISHED_STOPPED), ("length", RequestStatus.FINISHED_LENGTH_CAPPED),
-    ("tool_calls", RequestStatus.FINISHED_TOOL_CALLS), ("function_call", RequestStatus.FINISHED_TOOL_CALLS),
-    ("content_filter", RequestStatus.FINISHED_CONTENT_FILTERED),
+    ("tool_calls", RequestStatus.FINISHED_TOOL_CALLS), ("content_filter", RequestStatus.FINISHED_CONTENT_FILTERED),
 ])
 def test_an_upstreams_finish_reason_is_normalised_in_one_place(reason, status):
     """The gateway reads a server's word as one of OpenAI's (``decode.FINISH_REASONS``; an answer that did not
-    finish, such as vLLM's abort, is an error there); RequestStatus.finished_with maps those to statuses."""
+    finish, such as vLLM's abort, is an error there); RequestStatus.finished_with maps those four to statuses."""
     assert RequestStatus.finished_with(reason) is status
+
+
+@pytest.mark.parametrize("word", ["function_call", "eos_token", "abort", "", "STOP"])
+def test_a_finish_reason_the_gateway_did_not_read_is_an_error_not_a_stop(word):
+    """Words other than OpenAI's four read as stop: an engine that skipped the gateway's one table
+    (function_call was mapped in a second one) would have ended answers as finished that were not."""
+    with pytest.raises(ValueError, match="finish_reason: expected one of"):
+        RequestStatus.finished_with(word)
 
 
 def test_the_waiting_gauges_agree_buffered_requests_counted_by_class_too() -> None:

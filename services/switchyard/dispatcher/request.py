@@ -80,11 +80,20 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def finished_with(reason: str) -> "RequestStatus":
-        """The finished status of an engine-reported finish reason: stop, length, tool_calls or content_filter
-        (OpenAI's former function_call too). An upstream's own word reaches here already read as one of these
-        (:data:`switchyard.gateway.decode.FINISH_REASONS`: TGI's eos_token is stop; vLLM's abort, error and
-        repetition, and a word not known, fail the call there); any other reads as stop."""
-        return _STATUS_OF_REASON.get(reason, RequestStatus.FINISHED_STOPPED)
+        """The finished status of an engine-reported finish reason: one of OpenAI's stop, length, tool_calls
+        or content_filter. An upstream's own word reaches here already read as one of these by the one table of
+        them (:data:`switchyard.gateway.decode.FINISH_REASONS`: TGI's eos_token is stop, OpenAI's former
+        function_call is tool_calls; vLLM's abort, error and repetition, and a word not known, fail the call
+        there).
+
+        Raises:
+            ValueError: ``reason`` is none of the four (an engine's defect: reading it as stop would hide it).
+        """
+        try:
+            return _STATUS_OF_REASON[reason]
+        except KeyError:
+            raise ValueError(f"finish_reason: expected one of {sorted(_STATUS_OF_REASON)} (got {reason!r}); an "
+                             "upstream's own words are read by switchyard.gateway.decode.FINISH_REASONS") from None
 
 
 _FINISH_REASON = {
@@ -100,7 +109,6 @@ _STATUS_OF_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
     "tool_calls": RequestStatus.FINISHED_TOOL_CALLS,
-    "function_call": RequestStatus.FINISHED_TOOL_CALLS,  # OpenAI's former name for tool_calls
     # OpenAI's and Azure OpenAI's: the server's content filter withheld the rest of the answer
     "content_filter": RequestStatus.FINISHED_CONTENT_FILTERED,
 }
