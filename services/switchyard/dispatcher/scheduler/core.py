@@ -500,20 +500,10 @@ class SchedulerCore:
         Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
-        candidates = self._victim_candidates(req, out)
-        if not candidates:
-            return False
         budget = isinstance(self.capacity, KvBudget)
-        need = self._need(req) - self._taken_over(req)  # a prefix it takes over is its own already
-        room = self._free_bytes()
-        chosen: list[Request] = []
-        for victim in candidates:  # at least one: its slot (a capacity that counts no bytes)
-            chosen.append(victim)
-            if budget:
-                room += victim.kv_reserved_bytes - self._kv_bytes(victim)
-            if room >= need:
-                break
-        else:
+        chosen = self._fewest_victims(req, self._victim_candidates(req, out),
+                                      lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim) if budget else 0)
+        if chosen is None:
             return False
         for victim in chosen:
             held = self._kv_bytes(victim)
@@ -526,6 +516,23 @@ class SchedulerCore:
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True
+
+    def _fewest_victims(self, req: Request, candidates: list[Request],
+                        freed: Callable[[Request], int]) -> list[Request] | None:
+        """The first of ``candidates`` (first victim first) whose preemption lets ``req`` fit: at least one (its
+        slot, for a capacity that counts no bytes), more while the bytes ``freed(victim)`` leaves free now do not
+        cover ``req``'s shortfall; None when all of them do not. The one rule of both preemptions: at a decision
+        (the policy's ``_preempt``: a victim's whole reservation leaves) and mid-step (:meth:`_preempt_mid_step`:
+        its live KV stays held until the step ends)."""
+        shortfall = self._shortfall(req)  # a prefix it takes over is its own already
+        chosen: list[Request] = []
+        room = 0
+        for victim in candidates:
+            chosen.append(victim)
+            room += freed(victim)
+            if room >= shortfall:
+                return chosen
+        return None
 
     def _end_preemptions(self, now: float, out: SchedulerOutput) -> None:
         """The step the ``preempting`` requests belonged to has ended: each that finished in it ends (or

@@ -128,23 +128,8 @@ class PriorityScheduler(SchedulerCore):
         return sorted(self._below_core(out), key=self._victim_order, reverse=True)
 
     def _victims_for(self, req: Request, out: SchedulerOutput) -> list[Request] | None:
-        """The fewest lowest-priority running requests whose slots and KV let ``req`` start; None if none do.
-
-        At least one victim (its slot in the compute score), more while ``req``'s
-        KV reservation does not fit what they free.
-        """
-        chosen: list[Request] = []
-        freed = 0
-        shortfall = self._shortfall(req)
-        while True:
-            victim = self._victim(out, chosen)
-            if victim is None:
-                return None
-            chosen.append(victim)
-            freed += victim.kv_reserved_bytes
-            if freed >= shortfall:
-                return chosen
-
-    def _victim(self, out: SchedulerOutput, exclude: list[Request] = ()) -> Request | None:  # type: ignore[assignment]
-        """The first victim (:meth:`_victim_order`) among :meth:`_below_core`; None when there is none."""
-        return max(self._below_core(out, exclude), key=self._victim_order, default=None)
+        """The fewest lowest-priority running requests whose slots and KV let ``req`` start; None if none do:
+        :meth:`SchedulerCore._fewest_victims` over :meth:`_below_core` in :meth:`_victim_order`, each victim's
+        whole reservation freed (at a decision no step is in flight)."""
+        candidates = sorted(self._below_core(out), key=self._victim_order, reverse=True)
+        return self._fewest_victims(req, candidates, lambda victim: victim.kv_reserved_bytes)
