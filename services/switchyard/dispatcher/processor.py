@@ -130,8 +130,8 @@ def to_request(
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
-    ``max_tokens`` 0 means ``limits.default_max_tokens``; ``prompt_tokens``
-    0 means counted here (word pieces of the prompt or messages, their tool calls and the tools offered).
+    ``max_tokens`` 0 means ``limits.default_for(window)`` (``default_max_tokens``, at most half the window);
+    ``prompt_tokens`` 0 means counted here (word pieces of the prompt or messages, their tool calls and the tools offered).
     ``engine_model``: the engine's model
     (``engine.model``), the one a request naming none gets; ``only_model``: the
     engine serves it alone (a step engine: a request naming another is

@@ -182,8 +182,9 @@ class Request:
     tools: list[Tool] = field(default_factory=list)
     prompt_tokens: int = 0
     max_tokens: int = RequestLimitsConfig.model_fields["default_max_tokens"].default
-    """Completion tokens it may produce (the processor passes the Generate's, or ``limits.default_max_tokens``);
-    left out (a bench, a test), that setting's default, the one default."""
+    """Completion tokens it may produce (the processor passes the Generate's, or ``limits.default_for(window)``:
+    ``default_max_tokens``, at most half the model's context window); left out (a bench, a test), that setting's
+    class default, not the configured value."""
     model: str = ""
     """The client-facing model it is served: the Generate's, or the engine's when it names none (resolved
     once, by ``processor.to_request``); an upstream engine's gateway maps it to an upstream id."""
