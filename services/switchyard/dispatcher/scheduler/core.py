@@ -59,7 +59,7 @@ A policy (:mod:`.priority`, :mod:`.fifo`, :mod:`.fair`) subclasses :class:`Sched
 and decides four things only: the order of the waiting set (its request
 queue, :meth:`SchedulerCore.make_queue`: the queue's ``order_key``,
 :mod:`.request_queue`), whether the head may start
-(:meth:`SchedulerCore._admission_refusal`, memory aside), what to preempt
+(:meth:`SchedulerCore._policy_refusal`, memory aside), what to preempt
 (:meth:`SchedulerCore._preempt` at a decision, :meth:`SchedulerCore._victim_candidates`
 mid-step), and what it refuses at intake for its own reason
 (:meth:`SchedulerCore._refuse_early`: the fair policy's requests that cannot make their deadline).
@@ -355,9 +355,9 @@ class SchedulerCore:
         """Swap the double buffer: its whole active list joins the waiting set. Returns how many."""
         if not self.intake.active_size:
             return 0
-        return self._hand_over(self.intake.swap(), reason, now)
+        return self._join_waiting(self.intake.swap(), reason, now)
 
-    def _hand_over(self, batch: list[Request], reason: FlushReason, now: float) -> int:
+    def _join_waiting(self, batch: list[Request], reason: FlushReason, now: float) -> int:
         """``batch`` left the double buffer for ``reason``: it joins the waiting set as one flushed batch."""
         size = len(batch)
         flushed = FlushedBatch(size, now)
@@ -412,7 +412,7 @@ class SchedulerCore:
         wave = 0
         while self.queue:
             req = self.queue.peek()
-            reason = self._refusal(req, projected, wave)
+            reason = self._refusal_making_room(req, projected, wave)
             if reason is not None and reason in self.capacity.CLASS_REFUSALS:
                 core = self._waiting_core_behind(req, projected, wave)
                 if core is not None:  # CORE may take the slots held back from the head's class
@@ -473,7 +473,7 @@ class SchedulerCore:
         out = SchedulerOutput()
         taken = self.intake.take(lambda req: req.priority is PriorityClass.CORE)
         if taken:
-            self._hand_over(taken, FlushReason.PREEMPT, now)
+            self._join_waiting(taken, FlushReason.PREEMPT, now)
         if now >= self._next_expiry:
             self._expire(now, out)
         self._now = now
@@ -482,7 +482,7 @@ class SchedulerCore:
             req = self.queue.peek()
             if req.priority is not PriorityClass.CORE or req.swap_key:
                 break
-            if ((self._admission_refusal(req, projected, len(out.admitted)) is not None
+            if ((self._policy_refusal(req, projected, len(out.admitted)) is not None
                     or self.capacity.refusal(req) is not None) and not self._preempt_mid_step(req, now, out)):
                 break
             self.queue.pop()
@@ -941,13 +941,13 @@ class SchedulerCore:
         """Refuse ``req`` at :meth:`add_request` for the policy's own reason, after the drain check (default:
         never); raises the refusal (a :class:`~switchyard.common.errors.SwitchyardError`)."""
 
-    def _refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+    def _refusal_making_room(self, req: Request, projected_score: float, wave: int) -> str | None:
         """None when the head ``req`` may start now, else the refusal reason: the policy's admission rule,
         then KV memory (evicting what :meth:`_make_room` may to make it fit).
 
         ``wave``: requests admitted earlier in this decision.
         """
-        reason = self._admission_refusal(req, projected_score, wave)
+        reason = self._policy_refusal(req, projected_score, wave)
         if reason is not None:
             return reason
         return self._make_room(req)
@@ -964,10 +964,10 @@ class SchedulerCore:
             return None
         for req in self.queue:
             if req.priority is PriorityClass.CORE:
-                return req if self._refusal(req, projected_score, wave) is None else None
+                return req if self._refusal_making_room(req, projected_score, wave) is None else None
         return None
 
-    def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+    def _policy_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         """The policy's admission rule alone (memory aside): None when ``req`` may start, else the reason.
 
         Default: the compute score and the admission wave (:class:`.admission.Admission`).

@@ -29,5 +29,5 @@ class FifoScheduler(SchedulerCore):
         """Arrival order (:class:`~.request_queue.FcfsQueue`)."""
         return FcfsQueue()
 
-    def _admission_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
+    def _policy_refusal(self, req: Request, projected_score: float, wave: int) -> str | None:
         return ADMISSION_WAVE if self.admission.wave_full(wave) else None  # the wave's one owner: Admission
