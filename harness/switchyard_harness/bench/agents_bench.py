@@ -279,7 +279,7 @@ async def run_agents(args: argparse.Namespace, config: SwitchyardConfig,
     counters["busy_seconds"] = engine.busy_seconds
     counters["generated_tokens"] = engine.generated
     counters["largest_batch"] = engine.largest_batch
-    counters["budget_bytes"] = sched.capacity.budget_bytes if isinstance(sched.capacity, KvBudget) else 0
+    counters["budget_bytes"] = sched.kv_budget.budget_bytes if sched.kv_budget is not None else 0
     return result, counters
 
 

@@ -227,6 +227,9 @@ class SchedulerCore:
             capacity = (KvBudget(config.memory.hbm, info, self._held_beside_running, self.kv.device_used_bytes,
                                  taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
+        self.kv_budget: KvBudget | None = capacity if isinstance(capacity, KvBudget) else None
+        """The capacity as a KV budget in bytes, None for one that counts no bytes (an upstream's concurrency
+        limit, an engine that reports no memory): what the memory management below prices and holds."""
         flush = config.batching
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
@@ -500,7 +503,7 @@ class SchedulerCore:
         Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
-        budget = isinstance(self.capacity, KvBudget)
+        budget = self.kv_budget is not None
         chosen = self._fewest_victims(req, self._victim_candidates(req, out),
                                       lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim) if budget else 0)
         if chosen is None:
@@ -512,7 +515,7 @@ class SchedulerCore:
             self._leaving.append(victim)
             if budget:
                 victim.kv_leaving_bytes = held
-                self.capacity.hold(held)  # type: ignore[union-attr]
+                self.kv_budget.hold(held)  # type: ignore[union-attr]
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True
@@ -547,8 +550,8 @@ class SchedulerCore:
 
     def _end_leaving(self, req: Request) -> None:
         """The step ``req`` was preempted during has ended (or ``req`` ended): its live KV leaves the budget."""
-        if isinstance(self.capacity, KvBudget):
-            self.capacity.end_hold(req.kv_leaving_bytes)
+        if self.kv_budget is not None:
+            self.kv_budget.end_hold(req.kv_leaving_bytes)
         req.kv_leaving_bytes = 0
 
     def expire_deadlines(self, now: float) -> list[Request]:
@@ -623,7 +626,7 @@ class SchedulerCore:
         due = self.tool_waits.due(now)
         if not due:
             return []
-        budget = self.capacity if isinstance(self.capacity, KvBudget) else None
+        budget = self.kv_budget
         started = []
         for plan in due:
             req = plan.req
@@ -647,8 +650,8 @@ class SchedulerCore:
         released and the DRAM copy is left for that turn's own restore."""
         plan = self.tool_waits.in_flight(req)
         key, req.swap_key, req.swap_tokens = req.swap_key, "", 0
-        if plan is not None and isinstance(self.capacity, KvBudget):
-            self.capacity.end_hold(plan.kv_bytes)  # held since its restore started (_prefetches)
+        if plan is not None and self.kv_budget is not None:
+            self.kv_budget.end_hold(plan.kv_bytes)  # held since its restore started (_prefetches)
         if plan is None:
             if restored > 0:
                 self.kv.free(req)
@@ -686,8 +689,7 @@ class SchedulerCore:
         self._next_hbm_scan = now + self.memory.scan.hbm_scan_interval_s
         self.counters.hbm_scans += 1
         limit = self.memory.hbm.emergency_evict_ratio
-        if isinstance(self.capacity, KvBudget) and (ratio := self.capacity.usage_ratio()) >= limit:
-            budget = self.capacity
+        if (budget := self.kv_budget) is not None and (ratio := budget.usage_ratio()) >= limit:
             excess = int((ratio - limit) * budget.info.device_bytes) + 1
             log.warning("HBM usage %.3f >= emergency_evict_ratio %.3f: evicting %d bytes of the lowest-value KV state",
                         ratio, limit, excess)
@@ -870,10 +872,10 @@ class SchedulerCore:
         entry = self.parking.entry(program_key)
         if entry is None:
             return None
-        budget = self.capacity.budget_bytes if isinstance(self.capacity, KvBudget) else 0
+        budget = self.kv_budget.budget_bytes if self.kv_budget is not None else 0
         if budget <= 0:  # no HBM budget to price (an upstream engine): the server keeps its own cache
             budget = max(1, entry.kv_bytes)
-        used = (self.capacity.reserved_bytes if isinstance(self.capacity, KvBudget) else 0) + self.parking.kv_bytes
+        used = (self.kv_budget.reserved_bytes if self.kv_budget is not None else 0) + self.parking.kv_bytes
         tokens = entry.req.num_computed_tokens
         returns = self.tool_waits.return_times(tool, expected_wait_s, now)
         decision = decide(ToolWaitInputs(
@@ -1004,7 +1006,7 @@ class SchedulerCore:
         value (a core agent's included). Parked state goes to DRAM where a swap is cheaper
         (:meth:`_demote_parked`), else it is dropped. None when ``req`` fits now, else the capacity's refusal."""
         reason = self.capacity.refusal(req)
-        if reason is None or not isinstance(self.capacity, KvBudget):  # parked state holds none of another capacity
+        if reason is None or self.kv_budget is None:  # parked state holds none of another capacity
             return reason
         now = self._now
 
@@ -1035,17 +1037,15 @@ class SchedulerCore:
 
     def _need(self, req: Request) -> int:
         """KV bytes ``req`` reserves while running (0 for a capacity that does not count bytes)."""
-        return self.capacity.need(req) if isinstance(self.capacity, KvBudget) else 0
+        return self.kv_budget.need(req) if self.kv_budget is not None else 0
 
     def _free_bytes(self) -> int:
         """KV bytes free for admission now (0 for a capacity that does not count bytes)."""
-        return self.capacity.free_bytes if isinstance(self.capacity, KvBudget) else 0
+        return self.kv_budget.free_bytes if self.kv_budget is not None else 0
 
     def _shortfall(self, req: Request) -> int:
         """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
-        if not isinstance(self.capacity, KvBudget):
-            return 0
-        return self.capacity.shortfall(req)
+        return self.kv_budget.shortfall(req) if self.kv_budget is not None else 0
 
     def _taken_over(self, req: Request) -> int:
         """Bytes of the warm prefix ``req`` takes over from its agent's parked step when it starts."""
@@ -1325,8 +1325,8 @@ class SchedulerCore:
             stats.running[class_name(s)] += 1
         for s in (*self.queue, *self.intake):  # waiting for admission, as num_waiting counts: buffered ones too
             stats.waiting[class_name(s)] += 1
-        if isinstance(self.capacity, KvBudget):
-            stats.hbm_held_bytes = self.capacity.held_bytes
+        if self.kv_budget is not None:
+            stats.hbm_held_bytes = self.kv_budget.held_bytes
         return stats
 
     def fragmentation_ratio(self) -> float:
@@ -1339,7 +1339,7 @@ class SchedulerCore:
         (reserved slots and internal fragmentation; Kwon et al., SOSP 2023,
         section 2.3 and Fig. 2: 20-38 % of KV memory held token state there).
         """
-        per_token = self.capacity.info.kv_bytes_per_token if isinstance(self.capacity, KvBudget) else 0
+        per_token = self.kv_budget.info.kv_bytes_per_token if self.kv_budget is not None else 0
         held = self._held_beside_running()
         allocated, live = held, held
         for req in self._running:
