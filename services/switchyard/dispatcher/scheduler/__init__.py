@@ -10,7 +10,9 @@ slack for work at risk, then tenant and session fairness; :mod:`.fair`) and
 What the policies share, each module owning one part of it:
 
 - :mod:`.core`: ``SchedulerCore``, the one request queue (intake, waiting, running, parked) and every
-  transition between them; :mod:`.request_queue`: the waiting queue in a policy's order;
+  transition between them; :mod:`.kv_memory`: its base ``KvMemory``, what happens to a request's KV while it
+  does not run (tool waits, planned restores, hand-over, room for waiting work, the HBM scan);
+  :mod:`.request_queue`: the waiting queue in a policy's order;
   :mod:`.update`: what an engine's report writes into a request, and the one stop check.
 - :mod:`.capacity`: what the engine can hold (KV memory, or the upstream's concurrency limit);
   :mod:`.admission` and :mod:`.compute_score`: admission by compute score; :mod:`.accounting`: each task's
