@@ -36,6 +36,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
   not known is an error naming it (:func:`finish_reason_of`);
 - a reasoning model's thinking in ``delta.reasoning_content`` or ``delta.reasoning``
   (:data:`REASONING_FIELDS`): :class:`Reasoning` events, never answer text;
+- ``delta.content`` as a list of typed parts (Mistral's Magistral models: ``thinking`` parts, then ``text``
+  parts; :func:`content_parts`): the text parts are answer text, the thinking parts :class:`Reasoning`
+  (read as a string only, they were dropped: an empty answer finishing ``stop``);
 - a character outside the BMP sent as a JSON surrogate pair split across two
   chunks (``"\\ud83d"`` then ``"\\ude00"``): the high half waits for the low one;
   a lone half becomes U+FFFD rather than failing the stream.
@@ -266,6 +269,30 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 (vLLM since it renamed the field, Ollama, OpenRouter); a server sending both in one delta sends one text twice."""
 
 
+def content_parts(content: Any) -> tuple[str, str]:
+    """The answer text and the thinking a ``content`` holds: a string is text; a list of typed parts (Mistral's
+    Magistral models stream ``delta.content`` as ``[{"type": "thinking", "thinking": [{"type": "text", "text":
+    ...}]}]`` and ``[{"type": "text", "text": ...}]``; OpenAI's content-part shape) holds text in its ``text``
+    parts and thinking in its ``thinking`` parts (a string, or a list of text parts). Other parts (an image, a
+    reference) and anything else hold neither."""
+    if isinstance(content, str):
+        return content, ""
+    if not isinstance(content, list):
+        return "", ""
+    text: list[str] = []
+    thinking: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            text.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") == "thinking":
+            inner = part.get("thinking")
+            thought, more = content_parts(inner if isinstance(inner, (str, list)) else "")
+            thinking.append(thought + more)
+    return "".join(text), "".join(thinking)
+
+
 class StreamDecoder:
     """Turns the ``data`` payloads of one stream into :class:`Token`, :class:`Reasoning`, :class:`ToolCallOut`,
     :class:`Finished`.
@@ -342,13 +369,13 @@ class StreamDecoder:
                 )
             self.choices_seen += 1
             delta = choice.get("delta") or {}
-            thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "")
+            text, thinking = content_parts(delta.get("content"))
+            thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "") + thinking
             if thought:
                 thought, self._carries["reasoning"] = _whole_characters(self._carries["reasoning"], thought)
                 if thought:
                     events.append(Reasoning(thought))
-            text = delta.get("content")
-            if isinstance(text, str) and text:
+            if text:
                 text, self._carries["content"] = _whole_characters(self._carries["content"], text)
                 if text:
                     events.append(Token(text))
