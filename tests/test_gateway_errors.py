@@ -417,6 +417,25 @@ async def raw_upstream(head: bytes, body: bytes = b""):
         yield base
 
 
+@pytest.mark.parametrize("error, code", [
+    ({"message": "This model's maximum context length is 4096 tokens", "type": "BadRequestError", "code": 400},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ({"message": "Rate limit reached", "type": "rate_limit_exceeded"}, grpc.StatusCode.RESOURCE_EXHAUSTED),
+], ids=["400", "429"])
+async def test_a_200_json_error_body_to_a_stream_request_is_the_error_it_carries(clean_proxy_env, error, code):
+    """A server or gateway that fails a stream request before streaming may answer 200 with its JSON error body. It
+    read as 'answered application/json ... ignores stream', INTERNAL whatever the error said: a prompt too long was
+    a Switchyard fault, a rate limit retried as nothing. A 200 JSON answer that is no error stays that error."""
+    import json
+
+    data = json.dumps({"error": error}).encode()
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % len(data))
+    async with raw_upstream(head, data) as base:
+        err = await stream_error(gateway_config(base, fallback_model="", max_retries=0))
+    assert err.code == code and error["message"] in str(err) and base in str(err), str(err)
+
+
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_header_line_of_12000_bytes_is_served_on_both_transports(clean_proxy_env, transport):
     """aiohttp refuses header lines over 8,190 bytes by default; httpx (h11) takes them, so the gateway must too."""

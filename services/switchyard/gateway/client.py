@@ -829,6 +829,8 @@ class GatewayClient:
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.lower():
                 text = (await response.aread()).decode("utf-8", "replace")
+                if (answered := decoder.answered_error(text)) is not None:
+                    raise answered
                 raise StreamProtocolError(
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"

@@ -386,6 +386,21 @@ class StreamDecoder:
                 events.extend(self._calls.drain())
         return events
 
+    def answered_error(self, body: str) -> GatewayError | None:
+        """The error a whole non-SSE ``body`` answering a stream request carries, classified as one inside the
+        stream (:meth:`feed`: by its code or type); None when it is no error object (an object with ``error``
+        and no ``choices``). A server or gateway that fails a request before streaming may answer 200 with its
+        JSON error body; read as "not a stream", its status (a prompt too long, a rate limit, an overload) was
+        lost and every such answer was INTERNAL."""
+        try:
+            payload = untrusted.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(payload, dict) or "error" not in payload or "choices" in payload:
+            return None
+        self.failed = True
+        return self._error(body)
+
     def _error(self, data: str) -> GatewayError:
         """The error an in-stream error's ``data`` stands for: an object with ``error`` (OpenAI's, vLLM's), or
         the error object itself (llama.cpp's ``error:`` field), or text; classified by its status."""
