@@ -256,3 +256,56 @@ async def test_an_event_stream_is_utf8_whatever_its_charset_and_a_leading_bom_is
             events = [e async for e in client.stream_chat(ask())]
     assert "".join(e.text for e in events if isinstance(e, Token)) == "héllo"
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
+
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("answer", [
+    b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',  # an empty answer: no first item
+], ids=["text", "empty"])
+async def test_a_stream_ends_at_done_though_the_server_holds_the_body_open(clean_proxy_env, transport, answer):
+    """``data: [DONE]`` ends the stream. The gateway read on for the body's end, so a server or proxy holding the
+    response open after it failed a whole answer with a read timeout after its tokens. The body's end is still
+    read (in the background), so that the connection serves the next calls."""
+    release = asyncio.Event()
+    posted_on: list[int] = []  # the connection each call came on
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not head.startswith(b"POST "):  # the gateway's read of the server's /metrics
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                continue
+            posted_on.append(id(writer))
+            body = answer + b"data: [DONE]\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+            await release.wait()  # the body's end only once the call has ended
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        cfg = gateway_config(base, http_transport=transport, fallback_model="", max_retries=0, read_timeout_s=5.0)
+        async with GatewayClient(cfg) as client:
+            for _ in range(3):
+                events = [e async for e in client.stream_chat(ask())]
+                release.set()
+                assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
+                assert "".join(e.text for e in events if isinstance(e, Token)) == ("hi" if b"hi" in answer else "")
+                while client._drains:  # the body's end, read in the background
+                    await asyncio.gather(*client._drains)
+                release.clear()
+    finally:
+        server.close()
+    assert len(posted_on) == 3 and len(set(posted_on)) < 3  # a connection served a later call

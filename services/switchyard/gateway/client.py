@@ -239,6 +239,8 @@ class GatewayClient:
         self._request_ids = LiveRequestIds()
         """Request ids of this client's calls in flight: no two go upstream under one."""
         self._relists: set[asyncio.Task[None]] = set()
+        self._drains: set[asyncio.Task[None]] = set()
+        """Reads of bodies whose stream ended at ``[DONE]`` before the body did (:meth:`_finish_body`)."""
         self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
     @property
@@ -257,9 +259,9 @@ class GatewayClient:
         """Close every endpoint's connection pool (and stop the reads of model lists under way; an endpoint that
         answers from now on starts none: it would read through a closed connection pool)."""
         self.pool.on_answer = None
-        for relist in self._relists:
-            relist.cancel()
-        await asyncio.gather(*self._relists, return_exceptions=True)
+        for task in (*self._relists, *self._drains):
+            task.cancel()
+        await asyncio.gather(*self._relists, *self._drains, return_exceptions=True)
         await self.pool.aclose()
 
     async def __aenter__(self) -> "GatewayClient":
@@ -473,8 +475,6 @@ class GatewayClient:
                     yield event
                 if not opened.ended:
                     async for sse in opened.events:
-                        if opened.decoder.done:
-                            break  # [DONE] ends the stream: nothing after it is read
                         self._check_deadline(call, model)
                         for event in opened.decoder.feed(sse.data, sse.event):
                             sent += not isinstance(event, Finished)
@@ -483,6 +483,11 @@ class GatewayClient:
                             if isinstance(event, (Token, Reasoning)):
                                 self.pool.on_tokens(opened.endpoint, 1)
                             yield event
+                        if opened.decoder.done:
+                            # [DONE] ends the stream: nothing after it is read, nor the body's end waited for (a
+                            # server or proxy holding the response open after it turned a whole answer into a
+                            # read timeout after its tokens)
+                            break
                     for event in _end(opened.decoder):
                         finished = finished or isinstance(event, Finished)
                         yield event
@@ -499,7 +504,10 @@ class GatewayClient:
                 ended_with = exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
                 raise ended_with
             finally:
-                await opened.response.aclose()
+                if opened.decoder.done and ended_with is None:
+                    self._finish_body(opened)
+                else:
+                    await opened.response.aclose()
                 self.pool.finished(opened.endpoint, ended_with)
         except GatewayError as exc:
             # its caller's deadline ran out: the caller gave up, as a cancel does (which of the gateway's clock and
@@ -519,6 +527,28 @@ class GatewayClient:
             call.span.set_attribute("switchyard.gateway.reasoning_items", thought)
             call.span.end()
             GATEWAY_REQUESTS.labels(self._label(model or self.models_for(request.model)[0]), outcome).inc()
+
+    def _finish_body(self, opened: _OpenStream) -> None:
+        """Read what is left of a body whose stream ended at ``data: [DONE]``, in the background, then close it.
+
+        The answer is whole at ``[DONE]``: the call ends there, not when the body does (a server or proxy that
+        held the response open after it turned a whole answer into a read timeout after its tokens). The rest
+        (most servers send the body's end right after) is read so that the connection is kept for the next call,
+        within ``read_timeout_s``; what it holds is not read as the stream, and a failure there fails nothing."""
+
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(self.config.read_timeout_s):
+                    async for _ in opened.events:
+                        pass
+            except (httpx.HTTPError, TimeoutError):
+                pass
+            finally:
+                await opened.response.aclose()
+
+        task = asyncio.get_running_loop().create_task(drain(), name=f"drain-{opened.endpoint.name}")
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     # ------------------------------------------------------------------ attempts
 
@@ -839,6 +869,8 @@ class GatewayClient:
             first: list[StreamEvent] = []
             async for sse in events:
                 first.extend(decoder.feed(sse.data, sse.event))
+                if decoder.done:  # [DONE] ends the stream: the body's own end is not waited for
+                    break
                 if first:
                     self.pool.on_first_item(endpoint, time.monotonic() - sent)
                     return _OpenStream(response, events, decoder, first, False, endpoint)
