@@ -436,6 +436,35 @@ async def test_a_200_json_error_body_to_a_stream_request_is_the_error_it_carries
     assert err.code == code and error["message"] in str(err) and base in str(err), str(err)
 
 
+@pytest.mark.parametrize("status, moved_to", [
+    ("301 Moved Permanently", "https://models.example/v1"),
+    ("307 Temporary Redirect", "/v2"),  # relative: resolved against the URL asked
+], ids=["https", "relative"])
+async def test_a_redirect_names_where_it_points_and_is_not_followed(clean_proxy_env, status, moved_to):
+    """An http:// URL of a server that redirects to https://, or a path it moved: the redirect was read as the
+    answer, INTERNAL "asked ... for a stream but it answered text/html", where it pointed never named (and the
+    model list read "did not return OpenAI's model list"). It is the base URL's fault, NOT_FOUND, naming the root
+    to set; it is not followed (the key would go to a URL the set-up did not name)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        path = (await read_request(reader)).split(b" ", 2)[1].decode()  # /v1/chat/completions, /v1/models
+        writer.write(f"HTTP/1.1 {status}\r\nlocation: {moved_to}{path.removeprefix('/v1')}\r\ncontent-length: 0"
+                     "\r\nconnection: close\r\n\r\n".encode())
+        await writer.drain()
+        writer.close()
+
+    async with tcp_upstream(answer) as base:
+        cfg = gateway_config(base, fallback_model="", max_retries=0)
+        err = await stream_error(cfg)
+        async with GatewayClient(cfg) as client:
+            with pytest.raises(GatewayError) as listing:
+                await client.list_models()
+    root = moved_to if moved_to.startswith("https") else base.removesuffix("/v1") + moved_to
+    for error in (err, listing.value):
+        assert error.code == grpc.StatusCode.NOT_FOUND, str(error)
+        assert f"set model_gateway.base_url to '{root}'" in str(error), str(error)
+
+
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_header_line_of_12000_bytes_is_served_on_both_transports(clean_proxy_env, transport):
     """aiohttp refuses header lines over 8,190 bytes by default; httpx (h11) takes them, so the gateway must too."""

@@ -10,6 +10,7 @@ import email.utils
 import re
 import time
 from typing import Mapping
+from urllib.parse import urljoin
 
 import grpc
 import httpx
@@ -145,6 +146,8 @@ def error_for_status(
     server's, retried; 503 and 529 refuse load); any other 4xx INVALID_ARGUMENT (the request's own fault, not
     retried and no fallback).
     """
+    if status is not None and 300 <= status < 400 and not in_stream:
+        return redirect_error(status, headers, url=url, url_source=url_source)
     said = redact(upstream_message(body), key.value)
     quoted = snippet(said)
     if in_stream:
@@ -234,6 +237,31 @@ def error_for_status(
             error.overloaded_status = status
         return error
     return UpstreamServerError(f"upstream answered {status} for {url}: {quoted}")
+
+
+def redirected_root(location: str, url: str) -> str:
+    """The root a redirect of a request for ``url`` points at: its ``location`` (resolved against ``url`` where it
+    is relative) without the path ``url`` asked for below the root (``/chat/completions``, ``/models``), else
+    ``location`` itself."""
+    location = urljoin(url, location)
+    for path in ("/chat/completions", "/models"):
+        if url.endswith(path) and location.rstrip("/").endswith(path):
+            return location.rstrip("/")[: -len(path)]
+    return location
+
+
+def redirect_error(status: int, headers: Mapping[str, str], *, url: str, url_source: str = BASE_URL_KEY) -> GatewayError:
+    """The error of a redirect (3xx) answering a request for ``url``: the URL in the set-up is not where the
+    server serves (an ``http://`` URL of a server that redirects to ``https://``, a path it moved); the gateway
+    follows no redirect (the key would go where the set-up did not send it), and names where to point
+    ``url_source`` instead. NOT_FOUND, as the base URL's other faults: not retried, no fallback. A redirect read
+    as an answer failed INTERNAL "asked for a stream but it answered text/html", the new URL not named."""
+    location = (headers.get("location") or "").strip()
+    where = (f"redirects to {snippet(urljoin(url, location))}; set {url_source} to "
+             f"{snippet(redirected_root(location, url))}"
+             if location else f"redirects, naming no location; correct {url_source}")
+    return EndpointNotFound(f"upstream {status} from {url}: the server {where} (redirects are not followed: the "
+                            "key would go to a URL the set-up did not name)")
 
 
 _NOT_TLS = re.compile(r"WRONG_VERSION_NUMBER|wrong version number|packet length too long|record layer failure")

@@ -309,7 +309,7 @@ class GatewayClient:
             response = await endpoint.http.get("models", headers=self._headers(token, stream=False))
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, url, key) from None
-        if response.status_code >= 400:
+        if response.status_code >= 300:  # a redirect too: not followed (error_for_status names where it points)
             raise error_for_status(response.status_code, response.text, response.headers, url=url, model="", key=key,
                                    url_source=self.url_source)
         try:
@@ -752,7 +752,7 @@ class GatewayClient:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) and not proxy_for(url):
                     self.pool.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
                 raise self._transport_error(exc, url, call.key) from None
-            if response.status_code < 400:
+            if response.status_code < 300:  # a redirect is not followed: error_for_status names where it points
                 return response, body
             try:
                 text = (await response.aread()).decode("utf-8", "replace")

@@ -45,7 +45,7 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
-from switchyard.gateway.classify import plain_http_behind_https, upstream_message, url_key
+from switchyard.gateway.classify import plain_http_behind_https, redirected_root, upstream_message, url_key
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
@@ -160,6 +160,13 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
         return Check(
             "base url", False, f"{url} answers but refuses the key: {response.status_code} {said}",
             f"check that {key.env} holds a valid key for this server; re-authenticate if it is an OAuth token",
+        ), None
+    if 300 <= response.status_code < 400:
+        location = response.headers.get("location", "")
+        return Check(
+            "base url", False, f"{url} answers {response.status_code}, a redirect to {snippet(location) or 'nowhere'}",
+            f"set {url_key} to {snippet(redirected_root(location, url))} (redirects are not followed: the key would go "
+            "to a URL the set-up did not name)" if location else f"correct {url_key}",
         ), None
     if response.status_code == 404:
         return Check(
