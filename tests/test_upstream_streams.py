@@ -309,3 +309,23 @@ async def test_a_stream_ends_at_done_though_the_server_holds_the_body_open(clean
     finally:
         server.close()
     assert len(posted_on) == 3 and len(set(posted_on)) < 3  # a connection served a later call
+
+
+@pytest.mark.parametrize("body, code, says", [
+    (b'{"error": {"message": "prompt is too long", "type": "invalid_request_error", "code": 400}}',
+     grpc.StatusCode.INVALID_ARGUMENT, "'prompt is too long'"),
+    (b"<html><body>502 Bad Gateway</body></html>\n", grpc.StatusCode.UNAVAILABLE,
+     "the body held no server-sent event but '<html><body>502 Bad Gateway</body></html>'"),
+], ids=["json_error", "html"])
+async def test_an_event_stream_holding_no_event_names_what_it_held(clean_proxy_env, body, code, says):
+    """A 200 labelled text/event-stream whose body is a whole JSON error (no ``data:`` line) or a proxy's page read
+    as a stream cut after 0 chunks: the server's words were lost, and a prompt too long was retried as a cut.
+    The JSON error is the error it carries; other text is named."""
+    recorded = Recorded("synthetic", {"status": "HTTP/1.1 200 OK", "content-type": "text/event-stream",
+                                      "framing": "chunked"}, body)
+    async with replay_server(recorded) as (base, seen):
+        async with GatewayClient(gateway_config(base, fallback_model="", max_retries=0)) as client:
+            with pytest.raises(GatewayError) as caught:
+                async for _ in client.stream_chat(ask()):
+                    pass
+    assert caught.value.code == code and says in str(caught.value), str(caught.value)

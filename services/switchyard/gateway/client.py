@@ -865,7 +865,8 @@ class GatewayClient:
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
                     f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
                 )
-            events = iter_events(response)
+            stray: list[str] = []  # what the body held that is no event (read while none came)
+            events = iter_events(response, stray)
             first: list[StreamEvent] = []
             async for sse in events:
                 first.extend(decoder.feed(sse.data, sse.event))
@@ -874,6 +875,10 @@ class GatewayClient:
                 if first:
                     self.pool.on_first_item(endpoint, time.monotonic() - sent)
                     return _OpenStream(response, events, decoder, first, False, endpoint)
+            if not decoder.chunks and not decoder.done and stray:
+                decoder.stray = redact("\n".join(stray), call.key.value)
+                if (answered := decoder.answered_error(decoder.stray)) is not None:
+                    raise answered
             return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:
             await response.aclose()

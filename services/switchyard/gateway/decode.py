@@ -320,6 +320,9 @@ class StreamDecoder:
         """The data of the error object the stream carried, as received; None while it carried none."""
         self.error_status: int | None = None
         """The HTTP status that error stands for (:func:`stream_error_status`; None where it names none)."""
+        self.stray = ""
+        """What a body that carried no event held instead (lines that are no field of the SSE format: a whole
+        JSON error, a proxy's HTML page), named by :meth:`end`; "" when none."""
 
     def feed(self, data: str, event: str = "") -> list[StreamEvent]:
         """Events carried by one ``data`` payload; ``event``: the SSE event's type.
@@ -443,6 +446,8 @@ class StreamDecoder:
         """
         if self.ending is None:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
+            if self.stray and not self.chunks:
+                last = f"; the body held no server-sent event but {snippet(self.stray)}"
             raise NoEndMarker(
                 f"stream ended before any finish_reason and without 'data: [DONE]' (no end marker) after "
                 f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
