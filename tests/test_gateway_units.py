@@ -336,6 +336,8 @@ def test_live_request_ids_hand_out_each_id_once_while_its_call_is_in_flight():
     ("eos_token", "stop"), ("stop_sequence", "stop"),  # TGI's own FinishReason
     ("end_turn", "stop"), ("max_tokens", "length"), ("tool_use", "tool_calls"),  # Anthropic's, through a gateway
     ("model_length", "length"), ("STOP", "stop"),  # Mistral's; a server writing it in capitals
+    ("refusal", "content_filter"), ("model_context_window_exceeded", "length"),  # Anthropic's other two ends
+    ("guardrail_intervened", "content_filter"), ("content_filtered", "content_filter"),  # Bedrock's Converse
 ])
 def test_a_finish_reason_is_read_as_the_one_of_openais_it_means(raw, meant):
     decoder = StreamDecoder("m")

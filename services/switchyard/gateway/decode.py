@@ -200,15 +200,20 @@ FINISH_REASONS = {
     "stop": "stop", "length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter",
     "function_call": "tool_calls",
     "eos_token": "stop", "stop_sequence": "stop", "end_turn": "stop",
-    "max_tokens": "length", "model_length": "length",
+    "max_tokens": "length", "model_length": "length", "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
+    "refusal": "content_filter", "guardrail_intervened": "content_filter", "content_filtered": "content_filter",
 }
 """An upstream's ``finish_reason`` -> the one of OpenAI's four it means (the OpenAI API reference, "The chat
 completion chunk object": stop, length, tool_calls, content_filter, and the deprecated function_call, now
 tool_calls). Other servers' words for the same ends: Hugging Face TGI's ``eos_token`` and ``stop_sequence``
 (its own ``FinishReason``, which early releases of its OpenAI route sent as is); Anthropic's ``end_turn``,
-``stop_sequence``, ``max_tokens`` and ``tool_use`` (its ``stop_reason``, passed on by OpenAI-compatible gateways
-in front of it); Mistral's ``model_length`` (the model's context was reached). Matched without regard to case."""
+``stop_sequence``, ``max_tokens``, ``tool_use``, ``refusal`` (the model declined: its classifiers stopped it) and
+``model_context_window_exceeded`` (the answer filled the context: truncated) (its ``stop_reason``, passed on by
+OpenAI-compatible gateways in front of it; read as errors, they failed answers that had ended, after their
+tokens); Amazon Bedrock's ``guardrail_intervened`` and ``content_filtered`` (its Converse ``stopReason``, the others
+being Anthropic's words); Mistral's ``model_length`` (the model's context was reached). Anthropic's ``pause_turn``
+(a turn paused, to be continued) is no end. Matched without regard to case."""
 
 _FAILED_FINISH = {
     "abort": "the server aborted the request before it finished (vLLM and SGLang: shut down, cancelled, or its "
