@@ -42,7 +42,7 @@ async def iter_events(response: httpx.Response, stray: list[str] | None = None) 
     As the format says, an event cut off before its empty line is not dispatched:
     a stream whose ``data: [DONE]`` has no empty line after it ended early.
     The body is decoded as UTF-8 (a charset parameter is not read), a leading byte order mark dropped.
-    ``stray`` gathers the lines that are no field of the format (ignored, as it says), up to
+    ``stray`` gathers the lines that are no field of the format (ignored, as it says) until the first event, up to
     :data:`STRAY_CHARS`: what a body labelled ``text/event-stream`` held instead of events (a server's whole JSON
     error, a proxy's HTML page), for the caller to name.
 
@@ -56,22 +56,24 @@ async def iter_events(response: httpx.Response, stray: list[str] | None = None) 
     lines, fields = SSELineDecoder(), SSEDecoder()
     async for text in response.aiter_text():
         for line in lines.decode(text):
-            _keep_stray(stray, line)
+            if stray is not None:
+                _keep_stray(stray, line)
             if (event := _event(fields, line)) is not None:
+                stray = None  # the body holds events: what else it holds is ignored, as the format says
                 yield event
     for line in lines.flush():
-        _keep_stray(stray, line)
+        if stray is not None:
+            _keep_stray(stray, line)
         if (event := _event(fields, line)) is not None:
             yield event
 
 
-def _keep_stray(stray: list[str] | None, line: str) -> None:
+def _keep_stray(stray: list[str], line: str) -> None:
     """Add ``line`` to ``stray`` when it is no field of the format (nor a comment, nor an event's end)."""
-    if stray is None or not line or line.startswith(":") or line.partition(":")[0] in _FIELDS:
+    if not line or line.startswith((":", _ERROR_FIELD)) or line.partition(":")[0] in _FIELDS:
         return
-    if line.startswith(_ERROR_FIELD) or sum(map(len, stray)) >= STRAY_CHARS:
-        return
-    stray.append(line)
+    if sum(map(len, stray)) < STRAY_CHARS:
+        stray.append(line)
 
 
 def _event(fields: SSEDecoder, line: str) -> ServerSentEvent | None:
