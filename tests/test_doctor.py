@@ -474,3 +474,51 @@ def test_a_server_that_stalls_mid_answer_is_named_as_stalled_not_as_silent(clean
     assert "FAIL  stream probe" in out and "sent no answer" not in out, out
     assert "began its answer and then sent nothing for 0.5 s before the answer's end" in out, out
     assert "stalled mid-answer" in out and "response buffering" in out
+
+
+def test_a_server_that_lists_no_models_but_streams_is_served_with_a_warning(clean_proxy_env, monkeypatch, capsys):
+    """A model server without GET /v1/models (TGI before 2.3, a gateway that lists none) serves the engine's calls;
+    doctor failed its base url ('answers 404 ... must be the root ending in /v1') and skipped the probe that would
+    have shown it streams. The probe decides: it streams, so the base url is a warning (no ids or window to
+    check); a wrong root fails the probe too (test_wrong_path_fails_naming_v1)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b'{"detail":"Not Found"}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = (b'data: {"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"length"}]}\n\n'
+                    b"data: [DONE]\n\n")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{server.server_address[1]}/v1")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert code == 0, out
+    assert "the server lists no models, but it streams chat completions" in out, out
+    assert "stream probe" in out and "FAIL" not in out, out

@@ -3,7 +3,8 @@
 Checks, in order: proxy variables (each set proxy accepts a TCP connection;
 every NO_PROXY entry parses);
 the API key (present, non-empty, no whitespace); the base URL (``GET /models``
-answers, and accepts the key); the model ids (default, fallback and every
+answers, and accepts the key; one answering 404 or 405 there, a server with no model list such as TGI before
+2.3, is still probed, and passes with a warning if the probe streams); the model ids (default, fallback and every
 ``model_map`` target, plus ``--model`` names, are listed by ``/models``; the
 nearest listed id is suggested); with ``server.tls`` on, the certificates of
 the addresses the stack dials (:func:`certificate_checks`); the server's flavour
@@ -81,6 +82,9 @@ class Check:
     fix: str = ""
     skipped: bool = False
     warning: bool = False
+    no_model_list: bool = False
+    """A base url check only: ``GET /models`` answered 404 (or 405), so the stream probe decides whether the URL is
+    a model server's root that serves no model list (TGI before 2.3, some gateways) or a wrong one."""
 
 
 async def _proxy_answers(route: ProxyRoute, timeout_s: float) -> Check:
@@ -168,10 +172,11 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
             f"set {url_key} to {snippet(redirected_root(location, url))} (redirects are not followed: the key would go "
             "to a URL the set-up did not name)" if location else f"correct {url_key}",
         ), None
-    if response.status_code == 404:
+    if response.status_code in (404, 405):
         return Check(
-            "base url", False, f"{url} answers 404",
+            "base url", False, f"{url} answers {response.status_code}",
             f"{url_key} must be the OpenAI-compatible root ending in /v1, e.g. http://127.0.0.1:8000/v1",
+            no_model_list=True,
         ), None
     if response.status_code >= 400:
         return Check("base url", False, f"{url} answers {response.status_code}: {said}",
@@ -356,10 +361,19 @@ async def run_checks(
     if probe:
         if not key_check.ok:
             checks.append(_skipped_probe("the api key check failed; fix the key first"))
-        elif known is None:
+        elif known is None and not url_check.no_model_list:
             checks.append(_skipped_probe("the base url check failed; the server must answer GET /models first"))
         else:
-            checks.extend(await _probe(cfg, timeout_s))
+            probed = await _probe(cfg, timeout_s)
+            if known is None and probed[0].ok:
+                # a server with chat completions and no model list (TGI before 2.3, a gateway that lists none):
+                # served, as the engine serves it, though nothing can be checked against its list
+                checks[checks.index(url_check)] = Check(
+                    "base url", True, f"{url_check.detail}: the server lists no models, but it streams chat "
+                    "completions (the stream probe below); the model ids cannot be checked and no context window "
+                    "is reported", "set limits.context_window_tokens for its model if the default is not its "
+                    "window", warning=True)
+            checks.extend(probed)
     return checks
 
 
