@@ -220,7 +220,8 @@ async def test_a_request_naming_another_model_is_checked_against_that_models_rep
 async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answer_is_a_warning_at_start(
         clean_proxy_env, caplog):
     """`switchyard up` reports the stack healthy whatever the model server does (it may come up later); the
-    dispatcher's log said why every request would fail only at INFO."""
+    dispatcher's log said why every request would fail only at INFO. A server that answers with no model list
+    (404) was said to fail every request until it answered, though it answers and serves them."""
     import logging
     import socket
 
@@ -244,6 +245,16 @@ async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answ
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("could not list the upstream's models" in m and "requests fail until it answers" in m
                for m in warned), warned
+    # a server that answers but has no GET /models (TGI before 2.3): its requests are served, not "fail until it
+    # answers" (it answers)
+    caplog.clear()
+    with start_sim() as sim:
+        engine = make_engine(config_for(sim.base_url + "/no-model-list"))
+        await engine.describe_upstream()
+        await engine.aclose()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("upstream 404" in m and "requests are sent all the same" in m for m in warned), warned
+    assert not any("requests fail until it answers" in m for m in warned), warned
 
 
 @pytest.mark.parametrize("order", ["long_first", "short_first"])

@@ -27,7 +27,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
 from switchyard.gateway.client import GatewayClient
-from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.errors import EndpointNotFound, GatewayError
 from switchyard.gateway import events
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
@@ -197,6 +197,12 @@ class OpenAIEngine(StreamEngine):
             self._described = True
         except GatewayError as exc:
             level = logging.WARNING if not self._reads_ended else logging.INFO
+            if isinstance(exc, EndpointNotFound):  # it answered: GET /models is no route there (404, 405, 3xx)
+                log.log(level, "could not list the upstream's models: %s; requests are sent all the same (a server "
+                        "with no model list, such as TGI before 2.3, serves them; a wrong URL fails them NOT_FOUND), "
+                        "context windows unknown (limits.context_window_tokens); `switchyard doctor` probes which",
+                        exc)
+                return
             log.log(level, "could not list the upstream's models: %s; requests fail until it answers (context "
                     "windows unknown meanwhile; `switchyard doctor` checks the set-up)", exc)
         else:
