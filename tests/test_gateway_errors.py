@@ -465,6 +465,38 @@ async def test_a_redirect_names_where_it_points_and_is_not_followed(clean_proxy_
         assert f"set model_gateway.base_url to '{root}'" in str(error), str(error)
 
 
+async def test_a_model_named_without_its_latest_tag_is_one_ollama_serves(clean_proxy_env):
+    """Ollama lists ``llama3:latest`` and serves ``llama3`` as it. Read as unlisted, its 400 for a model that takes
+    no tools (naming the model) was NOT_FOUND 'unknown model', and doctor failed the model: the server serves
+    it, so the 400 is the request's (INVALID_ARGUMENT) and doctor passes it."""
+    import json
+
+    from switchyard.gateway import doctor
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await read_request(reader)
+        if head.startswith(b"GET "):
+            status, body = "200 OK", {"object": "list", "data": [
+                {"id": "llama3:latest", "object": "model", "created": 1, "owned_by": "library"}]}
+        else:  # Ollama's OpenAI-compatible error (openai/openai.go NewError)
+            status, body = "400 Bad Request", {"error": {
+                "message": "registry.ollama.ai/library/llama3:latest does not support tools", "type": "api_error",
+                "param": None, "code": None}}
+        data = json.dumps(body).encode()
+        writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+                     "connection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        writer.close()
+
+    async with tcp_upstream(answer) as base:
+        cfg = gateway_config(base, default_model="llama3", fallback_model="", max_retries=0)
+        err = await stream_error(cfg, ask("llama3"))
+        checks = await doctor.run_checks(cfg, probe=False)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "does not support tools" in str(err), str(err)
+    model_check = next(c for c in checks if c.name == "model llama3")
+    assert model_check.ok and not model_check.warning, model_check
+
+
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_header_line_of_12000_bytes_is_served_on_both_transports(clean_proxy_env, transport):
     """aiohttp refuses header lines over 8,190 bytes by default; httpx (h11) takes them, so the gateway must too."""

@@ -777,12 +777,12 @@ class GatewayClient:
             said_model = is_model_not_found(status, text)
             names_model = bool(model) and model in upstream_message(text)
             if said_model or names_model or status == 404:
-                listed = endpoint.models is not None and model in endpoint.models
+                listed = endpoint.models is not None and model_names.listed(model, endpoint.models)
                 known = await self._known_models(endpoint)  # read again: its list may be a server's before a restart
-                if listed and known is not None and model not in known:
+                if listed and known is not None and not model_names.listed(model, known):
                     log.info("upstream endpoint %s no longer lists model %r (it lists %s now): restarted with "
                              "another model?", endpoint.url, model, ", ".join(map(repr, known[:10])) or "none")
-                if said_model or (known is not None and model not in known):
+                if said_model or (known is not None and not model_names.listed(model, known)):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
                                          served=known, named_as=named_as).naming(url)

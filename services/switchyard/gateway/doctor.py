@@ -200,7 +200,7 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
         wanted.setdefault(model_names.resolve(name, cfg.model_map, cfg.default_model), f"--model {name}")
     checks = []
     for model, source in wanted.items():
-        if model in known:
+        if model_names.listed(model, known):
             checks.append(Check(f"model {model}", True, f"{source}: listed by /models"))
             continue
         near = model_names.nearest(model, known)

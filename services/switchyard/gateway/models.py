@@ -41,6 +41,18 @@ def nearest(model: str, known: Iterable[str]) -> str | None:
     return folded[match[0]] if match else None
 
 
+def listed(model: str, ids: Iterable[str]) -> bool:
+    """Whether a server listing ``ids`` (its ``GET /v1/models``) serves ``model``: listed as it is, or, named
+    without a tag, under the tag ``latest``. Ollama names its models ``name:tag``, lists ``llama3:latest`` and
+    serves ``llama3`` as that one: read as unlisted, such a name failed ``switchyard doctor``, was warned about
+    at start ("requests fail NOT_FOUND") and turned any 400 naming it (a model that takes no tools) into
+    NOT_FOUND, though the server served it."""
+    if not model:
+        return False
+    ids = ids if isinstance(ids, (set, frozenset)) else set(ids)
+    return model in ids or (":" not in model.rsplit("/", 1)[-1] and f"{model}:latest" in ids)
+
+
 def configured_models(config: Any) -> set[str]:
     """The upstream model ids ``model_gateway`` names: default and fallback through ``model_map`` (as a request's
     model goes), and every ``model_map`` target. A ``model_map`` name is never one: it is sent as its target."""

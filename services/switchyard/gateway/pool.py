@@ -54,6 +54,7 @@ from switchyard.dispatcher.adaptive_limit import (
 )
 from switchyard.gateway import models as model_names
 from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
+from switchyard.gateway import models as model_names
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import (
     ENDPOINT_IN_FLIGHT,
@@ -517,7 +518,7 @@ class EndpointPool:
     @staticmethod
     def lists(endpoint: Endpoint, model: str) -> bool:
         """Whether ``endpoint``'s model list names ``model`` (True while its list has not been read)."""
-        return endpoint.models is None or model in endpoint.models
+        return endpoint.models is None or model_names.listed(model, endpoint.models)
 
     def finished(self, endpoint: Endpoint, error: GatewayError | None = None) -> None:
         """A call :meth:`pick` placed on ``endpoint`` ended, with ``error`` or none; an error that says the

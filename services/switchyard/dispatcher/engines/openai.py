@@ -29,6 +29,7 @@ from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import EndpointNotFound, GatewayError
 from switchyard.gateway import events
+from switchyard.gateway import models as model_names
 from switchyard.gateway.keys import load_api_key, require_usable
 from switchyard.gateway.redact import install_log_redaction
 
@@ -207,7 +208,7 @@ class OpenAIEngine(StreamEngine):
                     "windows unknown meanwhile; `switchyard doctor` checks the set-up)", exc)
         else:
             served = self.client.models_for(self.model)[0]
-            if ids and served not in ids:
+            if ids and not model_names.listed(served, ids):
                 log.warning("the upstream does not list model %r, which a request naming no model is served (it "
                             "lists %s): such requests fail NOT_FOUND; set model_gateway.default_model "
                             "(SWITCHYARD_UPSTREAM_MODEL) to one it serves", served, ", ".join(map(repr, ids[:10])))
