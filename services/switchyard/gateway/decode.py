@@ -26,7 +26,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - ``function.arguments`` as a JSON string in pieces, or whole as a JSON object;
 - ``content: null`` (llama.cpp's role chunk), ``delta: null``, a role-only first chunk,
   the last content in the finish chunk (TGI, Ollama), ``usage`` in the finish chunk
-  (``transformers serve``, llama.cpp) or in a usage-only chunk after it, or nowhere;
+  (``transformers serve``, llama.cpp), in its choice (Moonshot's Kimi API: ``choices[0].usage``; read only
+  beside it, the server's counts were lost for estimates) or in a usage-only chunk after it, or nowhere;
   an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
   requested one: neither is checked;
 - an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI) or as an ``error`` event whose data
@@ -376,6 +377,8 @@ class StreamDecoder:
                     f"received {snippet(data)}"
                 )
             self.choices_seen += 1
+            if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
+                self.usage = _usage(choice["usage"]) or self.usage
             delta = choice.get("delta") or {}
             text, thinking = content_parts(delta.get("content"))
             thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "") + thinking
