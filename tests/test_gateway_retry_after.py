@@ -13,7 +13,7 @@ from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa:
 from switchyard.gateway.classify import error_for_status, retry_after_s
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.cooldown import Cooldowns
-from switchyard.gateway.errors import BadUpstreamRequest, GatewayError, UpstreamRateLimited
+from switchyard.gateway.errors import BadUpstreamRequest, GatewayError, UpstreamRateLimited, UpstreamServerError
 from switchyard.gateway.events import ChatRequest
 from switchyard_harness.faults import Fault
 from switchyard.gateway.keys import ApiKey
@@ -219,3 +219,33 @@ def test_a_retry_after_a_wait_is_not_refused_by_the_wait_it_waited_out(clean_pro
 
     for _ in range(3):
         assert uvloop.run(call()) == PRIMARY
+
+
+async def test_a_first_failure_unlike_the_last_is_named_beside_it() -> None:
+    """transformers serve: a request past its KV cache kills its batching worker (an error string in the stream),
+    and every retry then answers 503 "CB worker is dead": the call failed naming the 503 alone, the real cause
+    hidden behind the retries."""
+    config = gateway_config("http://127.0.0.1:1/v1", max_retries=2, retry_backoff_initial_s=0.01,
+                            retry_backoff_max_s=0.02)
+    attempts = iter([UpstreamServerError("upstream error inside the stream: KV cache too small"),
+                     UpstreamServerError("HTTP 503: CB worker is dead"),
+                     UpstreamServerError("HTTP 503: CB worker is dead")])
+
+    async def once(model: str) -> str:
+        raise next(attempts)
+
+    async def no_wait(seconds: float) -> None:
+        pass
+
+    with pytest.raises(UpstreamServerError) as failed:
+        await with_retries("m", once, config, sleep=no_wait)
+    assert str(failed.value) == ("HTTP 503: CB worker is dead; the first attempt failed otherwise: upstream error "
+                                 "inside the stream: KV cache too small")
+    alike = iter([UpstreamServerError("HTTP 503: busy") for _ in range(3)])
+
+    async def same(model: str) -> str:
+        raise next(alike)
+
+    with pytest.raises(UpstreamServerError) as failed:
+        await with_retries("m", same, config, sleep=no_wait)
+    assert str(failed.value) == "HTTP 503: busy"  # nothing to add where every attempt said the same

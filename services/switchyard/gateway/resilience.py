@@ -65,7 +65,10 @@ async def with_retries(
         GatewayError: the last attempt's error, or the first non-retryable one,
             or the one whose Retry-After is longer than ``retry_after_max_s`` or
             would outlast the deadline (its status kept: RESOURCE_EXHAUSTED for a
-            429, UNAVAILABLE for a 503).
+            429, UNAVAILABLE for a 503). Where the first attempt failed otherwise, its error is noted in the
+            message: a server whose first failure broke it (``transformers serve``'s batching worker, killed by
+            a request past its KV cache, then answers every call 503 "CB worker is dead") had its real cause
+            hidden behind the retries' 503.
     """
     try:
         return await once(model)
@@ -73,6 +76,7 @@ async def with_retries(
         if not exc.retryable or config.max_retries == 0:
             raise
         first_failure: GatewayError | None = exc
+        first_message = str(exc)
     backoff = wait_exponential_jitter(
         multiplier=config.retry_backoff_initial_s, max=config.retry_backoff_max_s,
         jitter=config.retry_backoff_initial_s,
@@ -122,7 +126,12 @@ async def with_retries(
             raise failure
         return await once(model)
 
-    return await retrying(attempt)
+    try:
+        return await retrying(attempt)
+    except GatewayError as last:
+        if str(last) != first_message and not str(last).startswith(first_message):
+            raise last.with_note(f"the first attempt failed otherwise: {first_message}") from None
+        raise
 
 
 async def with_fallback(
