@@ -441,51 +441,74 @@ class AdaptiveConcurrencyLimit:
         """
         level_key = max(1, round(mean_in_flight))
         if level_key > self.streams:
-            # More in flight than the limit lets in now: streams admitted under a higher limit (a probe's, before
-            # a brake or a 429) that have not ended. No level at or under the limit can be measured until they
-            # do, so none ages meanwhile: with streams as long as memory_s, the knee's level aged out while the
-            # probe's was measured, became the knee, and the limit walked up probe after probe.
-            for key, other in self.levels.items():
-                if key != level_key:
-                    other.seen_at = min(now, other.seen_at + self.config.window_s)
+            self._hold_ages(level_key, now)
         level = self.levels.get(level_key)
         if level is not None and now - level.seen_at > self.config.memory_s:
             level = None
         ramp = opened_with is not None and abs(mean_in_flight - opened_with) > max(1.0, RAMP_FRACTION * mean_in_flight)
-        braked = False
         saturated = (mean_in_flight >= SATURATED_FILL * self.lower_class_ceiling
                      and mean_in_flight >= self.limit / 2 and self.in_flight >= self.limit / 2)
-        if (level is not None and ttft_s is not None and level.ttft_s is not None
-                and level.windows >= BRAKE_MIN_WINDOWS and self._window_ttfts >= BRAKE_MIN_SAMPLES
-                and ttft_s > self.config.ttft_tolerance * level.ttft_s):
-            braked, self._probing = True, False  # a probe's way back to the knee would undo the brake
-            self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
-        if ramp:
-            level = None
-        elif level is None:
-            level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
-        else:
-            level.windows += 1
-            # the mean of the first windows, then an EWMA: a level's first window must not weigh 90 % of it
-            alpha = max(LEVEL_ALPHA, 1 / level.windows)
-            level.tokens_per_s += alpha * (tokens_per_s - level.tokens_per_s)
-            if ttft_s is not None:
-                level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + alpha * (ttft_s - level.ttft_s)
-            level.seen_at = now
-        if level is not None:
+        braked = self._brake(level, ttft_s)
+        if not ramp:
+            level = self._record(level, level_key, tokens_per_s, ttft_s, now)
             level.demand_limited = level.demand_limited or not saturated  # kept while the level is remembered
         if saturated and refused:
-            # The load now wants more than the limit lets through: a level up to the limit, marked as all that a
-            # lighter load offered, no longer is (it would confirm a knee the load now asks past). Up to the
-            # limit, not only to what is in flight: NORMAL and BATCH fill the limit less its CORE headroom, so a
-            # level between the two can be measured again only by a probe, which the mark would forbid.
-            reach = max(level_key, int(self.limit))
-            for key, other in self.levels.items():
-                if key <= reach:
-                    other.demand_limited = False
+            self._offered_more(level_key)
         confirmed = self._estimate(now)
-        if braked:
-            return
+        if not braked:
+            self._decide(confirmed, saturated)
+
+    def _hold_ages(self, level_key: int, now: float) -> None:
+        """A window measured at ``level_key``, more in flight than the limit lets in now: streams admitted under a
+        higher limit (a probe's, before a brake or a 429) that have not ended. No level at or under the limit can
+        be measured until they do, so none ages meanwhile: with streams as long as memory_s, the knee's level aged
+        out while the probe's was measured, became the knee, and the limit walked up probe after probe."""
+        for key, other in self.levels.items():
+            if key != level_key:
+                other.seen_at = min(now, other.seen_at + self.config.window_s)
+
+    def _brake(self, level: Level | None, ttft_s: float | None) -> bool:
+        """The TTFT brake: the window's TTFT above ``ttft_tolerance`` x the TTFT remembered at its level (measured
+        in at least BRAKE_MIN_WINDOWS windows, the window's mean over at least BRAKE_MIN_SAMPLES TTFTs) shrinks the
+        limit by the gradient, at most by BRAKE_FLOOR, and ends a probe. True when it braked."""
+        if (level is None or ttft_s is None or level.ttft_s is None or level.windows < BRAKE_MIN_WINDOWS
+                or self._window_ttfts < BRAKE_MIN_SAMPLES or ttft_s <= self.config.ttft_tolerance * level.ttft_s):
+            return False
+        self._probing = False  # a probe's way back to the knee would undo the brake
+        self._set(self.limit * max(BRAKE_FLOOR, self.config.ttft_tolerance * level.ttft_s / ttft_s))
+        return True
+
+    def _record(self, level: Level | None, level_key: int, tokens_per_s: float, ttft_s: float | None,
+                now: float) -> Level:
+        """Fold one window's throughput and TTFT into the level ``level_key`` (``level``: it as remembered, None
+        when new or forgotten): the mean of its first windows, then an EWMA."""
+        if level is None:
+            level = self.levels[level_key] = Level(tokens_per_s, ttft_s, now)
+            return level
+        level.windows += 1
+        # the mean of the first windows, then an EWMA: a level's first window must not weigh 90 % of it
+        alpha = max(LEVEL_ALPHA, 1 / level.windows)
+        level.tokens_per_s += alpha * (tokens_per_s - level.tokens_per_s)
+        if ttft_s is not None:
+            level.ttft_s = ttft_s if level.ttft_s is None else level.ttft_s + alpha * (ttft_s - level.ttft_s)
+        level.seen_at = now
+        return level
+
+    def _offered_more(self, level_key: int) -> None:
+        """A saturated window in which the limit refused streams: the load now wants more than the limit lets
+        through, so a level up to the limit, marked as all that a lighter load offered, no longer is (it would
+        confirm a knee the load now asks past). Up to the limit, not only to what is in flight: NORMAL and BATCH
+        fill the limit less its CORE headroom, so a level between the two can be measured again only by a probe,
+        which the mark would forbid."""
+        reach = max(level_key, int(self.limit))
+        for key, other in self.levels.items():
+            if key <= reach:
+                other.demand_limited = False
+
+    def _decide(self, confirmed: bool, saturated: bool) -> None:
+        """The rule, once per window that did not brake (the module docstring): probe upwards while the knee is
+        not confirmed; else probe downwards where nothing below the knee is remembered; else back to the knee at
+        once after a probe, or a step of ``smoothing`` towards it (upwards only while saturated)."""
         if not confirmed:
             if saturated:
                 self._probing = True
