@@ -153,6 +153,47 @@ def to_request(
     """
     limits = config.limits
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
+    _check_fields(request, limits, engine_model, only_model)
+    chars, message_texts, tool_texts = _prompt_chars(request, limits)
+    messages = _messages(request)
+    tools = _tools(request)
+    prompt_tokens = request.prompt_tokens
+    if prompt_tokens == 0:  # counted here, never below the floor a caller's own count is held to
+        text = "\n".join([request.prompt] if not messages else message_texts)
+        pieces = len(word_pieces(text)) + sum(len(word_pieces(t)) for t in tool_texts)
+        prompt_tokens = max(1, pieces, -(-chars // MAX_CHARS_PER_TOKEN))
+    elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
+        raise InvalidArgument(
+            "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "
+            f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
+            prompt_tokens,
+        )
+    model = engine_model if only_model else request.model or engine_model
+    max_tokens = _max_tokens_in_window(request, limits, model, prompt_tokens, reported_window)
+    return Request(
+        request_id=request.request_id,  # never empty here: a session's start refuses one, Generate gives one
+        prompt=request.prompt,
+        messages=messages,
+        tools=tools,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        model=model,  # the model it is served, resolved once here
+        names_model=bool(request.model),
+        agent_id=request.agent_id,
+        task_id=request.task_id,
+        task_type=request.task_type,
+        priority=PriorityClass.from_proto(request.priority),
+        resume=request.resume,
+        tenant_id=tenant,
+        task_time_left_s=request.task_time_left_s or None,
+        expected_remaining_work_s=request.expected_remaining_work_s,
+        prefill_only=request.prefill_only,
+    )
+
+
+def _check_fields(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfig, engine_model: str,
+                  only_model: bool) -> None:
+    """:func:`to_request`'s checks of the request's own fields, each against its limit (raises as it says)."""
     for name, seconds in (("task_time_left_s", request.task_time_left_s),
                           ("expected_remaining_work_s", request.expected_remaining_work_s)):
         untrusted.check_seconds(seconds, name, "not given")
@@ -184,8 +225,18 @@ def to_request(
     if len(request.tools) > limits.max_tools:
         raise InvalidArgument("tools", f"at most {limits.max_tools} tools (limits.max_tools)", f"{len(request.tools)} tools")
     check_tool_schema_sizes(request.tools, limits)
-    # What the model reads: the prompt, the messages with their tool calls, and the tools offered (a server
-    # renders their names, descriptions and schemas into the prompt, and they take KV as any prompt token does)
+
+
+def _prompt_chars(request: agent_pb2.GenerateRequest,
+                  limits: RequestLimitsConfig) -> tuple[int, list[str], list[str]]:
+    """What the model reads: the prompt, the messages with their tool calls, and the tools offered (a server
+    renders their names, descriptions and schemas into the prompt, and they take KV as any prompt token does).
+    Returns (characters in all, the messages' texts, the tools' texts).
+
+    Raises:
+        InvalidArgument: past ``limits.max_prompt_chars``, naming ``tools`` where they pass it, else ``prompt``
+            or ``messages``.
+    """
     tool_texts = [text for t in request.tools for text in (t.name, t.description, t.parameters_json) if text]
     message_texts = [text for m in request.messages
                      for text in (m.content, *(part for c in m.tool_calls for part in (c.name, c.arguments_json)))
@@ -196,12 +247,23 @@ def to_request(
         field = "tools" if chars - tool_chars <= limits.max_prompt_chars else "prompt" if request.prompt else "messages"
         raise InvalidArgument(field, f"at most {limits.max_prompt_chars} characters of prompt, tools included "
                               "(limits.max_prompt_chars)", f"{chars} chars")
+    return chars, message_texts, tool_texts
+
+
+def _messages(request: agent_pb2.GenerateRequest) -> list[Message]:
+    """The request's messages; raises InvalidArgument naming ``messages[i].role`` for a role not known."""
     messages = []
     for i, m in enumerate(request.messages):
         if m.role not in _ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"one of {', '.join(_ROLES)}", m.role)
         calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in m.tool_calls)
         messages.append(Message(m.role, m.content, m.tool_call_id, m.name, calls))
+    return messages
+
+
+def _tools(request: agent_pb2.GenerateRequest) -> list[Tool]:
+    """The tools offered; raises InvalidArgument naming ``tools[i].name`` (not :data:`TOOL_NAME`'s, or another
+    tool's) or ``tools[i].parameters_json`` (:func:`schema_problem`)."""
     tools = []
     named: dict[str, int] = {}
     for i, t in enumerate(request.tools):
@@ -215,18 +277,17 @@ def to_request(
         if problem is not None:
             raise InvalidArgument(f"tools[{i}].parameters_json", problem, t.parameters_json[:80])
         tools.append(Tool(t.name, t.description, t.parameters_json or "{}"))
-    prompt_tokens = request.prompt_tokens
-    if prompt_tokens == 0:  # counted here, never below the floor a caller's own count is held to
-        text = "\n".join([request.prompt] if not messages else message_texts)
-        pieces = len(word_pieces(text)) + sum(len(word_pieces(t)) for t in tool_texts)
-        prompt_tokens = max(1, pieces, -(-chars // MAX_CHARS_PER_TOKEN))
-    elif prompt_tokens < chars // MAX_CHARS_PER_TOKEN:
-        raise InvalidArgument(
-            "prompt_tokens", f"at least {chars // MAX_CHARS_PER_TOKEN} for a prompt of {chars} characters "
-            f"(no tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters a token), or 0 to count here",
-            prompt_tokens,
-        )
-    model = engine_model if only_model else request.model or engine_model
+    return tools
+
+
+def _max_tokens_in_window(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfig, model: str,
+                          prompt_tokens: int, reported_window: int) -> int:
+    """The completion tokens the request may produce in ``model``'s context window: its own ``max_tokens``, or
+    ``limits.default_for(window)`` for 0.
+
+    Raises:
+        InvalidArgument: ``prompt_tokens`` fill the window, or ``max_tokens`` does not fit beside them.
+    """
     window, source = limits.context_window(model, reported_window)
     if prompt_tokens >= window:
         raise InvalidArgument(
@@ -244,25 +305,7 @@ def to_request(
                                            "most half the window)"),
             max_tokens,
         )
-    return Request(
-        request_id=request.request_id,  # never empty here: a session's start refuses one, Generate gives one
-        prompt=request.prompt,
-        messages=messages,
-        tools=tools,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        model=model,  # the model it is served, resolved once here
-        names_model=bool(request.model),
-        agent_id=request.agent_id,
-        task_id=request.task_id,
-        task_type=request.task_type,
-        priority=PriorityClass.from_proto(request.priority),
-        resume=request.resume,
-        tenant_id=tenant,
-        task_time_left_s=request.task_time_left_s or None,
-        expected_remaining_work_s=request.expected_remaining_work_s,
-        prefill_only=request.prefill_only,
-    )
+    return max_tokens
 
 
 def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
