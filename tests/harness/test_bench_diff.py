@@ -151,6 +151,16 @@ def test_a_report_saved_with_a_byte_order_mark_is_read_as_without_it(tmp_path, c
     assert diff.main([str(bom), str(GHZ / "greeter_after.json"), "--no-plot"]) == 0
 
 
+def test_a_report_not_in_utf8_is_named_and_one_in_utf16_is_read(tmp_path, capsys):
+    """A stray byte ended in a traceback of UnicodeDecodeError; PowerShell's `ghz ... > r.json` writes UTF-16."""
+    text = (GHZ / "greeter_before.json").read_text()
+    (tmp_path / "utf16.json").write_bytes(text.encode("utf-16"))
+    assert diff.main([str(tmp_path / "utf16.json"), str(GHZ / "greeter_after.json"), "--no-plot"]) == 0
+    (tmp_path / "latin1.json").write_bytes(text.replace("{", '{"note": "caf\xe9", ', 1).encode("latin-1"))
+    assert diff.main([str(tmp_path / "latin1.json"), str(GHZ / "greeter_after.json"), "--no-plot"]) == 2
+    assert f"{tmp_path / 'latin1.json'}: not JSON: expected UTF-8 text (byte 0xE9 at offset" in capsys.readouterr().err
+
+
 def test_the_classes_are_listed_in_rank_order_then_any_other_by_name():
     before = json.loads((GHZ / "greeter_before.json").read_text())
     classes = {name: {"count": 1, "errors": 0} for name in ("zeta", "batch", "core", "alpha", "normal")}

@@ -125,15 +125,20 @@ def load(path: str | Path) -> dict[str, Any]:
     """A ghz JSON report from ``path``.
 
     Raises:
-        ReportError: unreadable, not JSON, missing one of :data:`REQUIRED`, or a key this command reads holds
+        ReportError: unreadable, not JSON (or not UTF-8), missing one of :data:`REQUIRED`, or a key this command reads holds
             a value of the wrong type (a string where a number belongs: :func:`check`).
     """
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+        # Bytes, so that json finds the encoding as RFC 8259 allows it: UTF-8 with or without a BOM, and the
+        # UTF-16 with a BOM that PowerShell's `ghz ... > report.json` writes.
+        report = json.loads(Path(path).read_bytes())
     except OSError as exc:
         raise ReportError(f"{path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: not JSON: expected UTF-8 text (byte 0x{exc.object[exc.start]:02X} at offset "
+                          f"{exc.start} is not {exc.encoding})") from None
     if not isinstance(report, dict):
         raise ReportError(f"{path}: expected a ghz JSON report (an object), got {type(report).__name__}")
     missing = [key for key in REQUIRED if key not in report]
