@@ -23,15 +23,17 @@ URL_EXPECTED = "an http:// or https:// URL with a host, a port in 1-65535 and no
 
 def url_problem(url: str) -> str:
     """What keeps ``url`` from being a model server's address the gateway calls, as ``urllib.parse`` finds it (a
-    port past 65535, a bracket left open, no host), or credentials in it (``user:password@``): the gateway
+    port past 65535 or 0, a bracket left open, no host), or credentials in it (``user:password@``): the gateway
     authenticates with ``api_key_env``'s key as a bearer token, which they contradict (aiohttp, the default
     transport, refused every call carrying both, a ValueError), and the URL is named in errors, logs and spans;
     "" when nothing does."""
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - read for its check: ValueError past 65535
+        port = parts.port  # ValueError past 65535
     except ValueError as exc:
         return str(exc)
+    if port == 0:  # a port to listen on (any free one), never one to connect to: every call was refused
+        return "port 0 names no server"
     if "@" in parts.netloc:
         return ("it holds credentials (user:password@): give the key in model_gateway.api_key_env, sent as a "
                 "bearer token")
