@@ -94,6 +94,22 @@ def test_cross_field_check_quotes_values(config_dir):
         load_config(config_dir)
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    ({"default_task_type": "rag"},  # loaded; every task naming no task type was then refused INVALID_ARGUMENT
+     "key 'orchestrator.default_task_type' has value 'rag'; expected: one of rag_answer, chat, react_loop"),
+    ({"react": {"tool_backoff_initial_ms": 5000}},  # loaded; every retry waited the 1000 ms of the max, unsaid
+     "section 'orchestrator.react': tool_backoff_max_ms (1000) must not be below tool_backoff_initial_ms (5000)"),
+])
+def test_an_orchestrator_value_it_could_not_use_is_refused_at_load(config_dir, change, says):
+    path = config_dir / "switchyard.json"
+    data = json.loads(path.read_text())
+    data["orchestrator"].update(change)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        load_config(config_dir)
+    assert says in str(err.value), str(err.value)
+
+
 def test_former_key_name_loads_with_a_warning_naming_the_new_one(config_dir, caplog):
     path = config_dir / "scheduler_config.json"
     data = json.loads(path.read_text())

@@ -84,7 +84,7 @@ class OrchestratorConfig(_Strict):
         "for several), and any other event (a tool call, the final event) cuts the wait short. The first token "
         "is never held; CORE and NORMAL tasks' tokens leave as they come. 0: BATCH's too.",
     )
-    default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type.")
+    default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type: rag_answer, chat or react_loop.")
     cpu_executor: Literal["process", "thread", "loop"] = Field(
         "process",
         description="Where a task's CPU work (rendering its prompt and counting its tokens, one trip) runs, a name: a "
@@ -126,6 +126,16 @@ class OrchestratorConfig(_Strict):
     task_store: "TaskStoreConfig" = Field(
         default_factory=lambda: TaskStoreConfig(), description="Where SubmitTask tasks are recorded (SWITCHYARD_TASK_STORE)."
     )
+
+    @field_validator("default_task_type")
+    @classmethod
+    def _a_task_type(cls, value: str) -> str:
+        """Refused at load: it loaded, and every task naming no task type was refused INVALID_ARGUMENT."""
+        from switchyard.common.metrics import TASK_TYPES
+
+        if value not in TASK_TYPES:
+            raise ValueError(f"one of {', '.join(TASK_TYPES)}")
+        return value
 
     @field_validator("task_time_limit_s")
     @classmethod
@@ -245,6 +255,15 @@ class ReactConfig(_Strict):
     tool_timeout_ms: float = Field(
         2000, gt=0, le=600_000, description="Per-attempt timeout of one tool call, milliseconds."
     )
+
+    @model_validator(mode="after")
+    def _backoff_pair(self) -> "ReactConfig":
+        """A longest delay below the first made every delay the longest, the first unsaid (as model_gateway's
+        retry_backoff pair, refused the same way)."""
+        if self.tool_backoff_max_ms < self.tool_backoff_initial_ms:
+            raise ValueError(f"tool_backoff_max_ms ({self.tool_backoff_max_ms:g}) must not be below "
+                             f"tool_backoff_initial_ms ({self.tool_backoff_initial_ms:g})")
+        return self
 
 
 class ProgramConfig(_Strict):
