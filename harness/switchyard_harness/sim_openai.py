@@ -173,6 +173,64 @@ def _status_error(status: int, model: str, headers: dict[str, str] | None = None
                         headers=headers)
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's type in OpenAI's words ("expected an integer, but got a string instead")."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _body_problem(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field of a chat completions body that an OpenAI-compatible server refuses 400, as (param,
+    message in the OpenAI API's words), or None. A body of the wrong shape was a 500 (a traceback in the
+    server's log, and mid-stream for ``stream_options``), and a max_tokens of -1 or "3" was served as no
+    limit at all: a gateway under test that sent either passed here and failed at every real server."""
+    def typed(param: str, value: Any, expected: str, ok: bool) -> tuple[str, str] | None:
+        return None if ok else (param, f"Invalid type for '{param}': expected {expected}, but got {_kind(value)} "
+                                       "instead.")
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages", "messages: expected a non-empty list"
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            return typed(where, message, "an object", False)
+        if problem := typed(f"{where}.role", message.get("role"), "a string", isinstance(message.get("role"), str)):
+            return problem
+        content = message.get("content")
+        if problem := typed(f"{where}.content", content, "a string or an array of content parts",
+                            content is None or isinstance(content, (str, list))):
+            return problem
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                return typed(f"{where}.content[{j}]", part, "a content part (an object whose text is a string)",
+                             False)
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = body.get(param)
+        if value is None:
+            continue
+        if problem := typed(param, value, "an integer", type(value) is int):
+            return problem
+        if value < 1:
+            return param, (f"Invalid '{param}': integer below minimum value. Expected a value >= 1, but got "
+                           f"{value} instead.")
+    checks = (("model", "a string", str), ("stream", "a boolean", bool), ("stream_options", "an object", dict),
+              ("tools", "an array", list), ("priority", "an integer", int))
+    for param, expected, kind in checks:
+        value = body.get(param)
+        right = type(value) is kind  # a boolean is no integer here, as in JSON
+        if value is not None and (problem := typed(param, value, expected, right)):
+            return problem
+    for i, tool in enumerate(body.get("tools") or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return typed(f"tools[{i}]", tool, "a function tool ({\"type\": \"function\", \"function\": {\"name\": "
+                         "...}})", False)
+    return None
+
+
 def _messages(raw: list[dict[str, Any]]) -> list[Message]:
     out = []
     for item in raw:
@@ -371,8 +429,13 @@ class SimOpenAI:
             self.state.requests.append(body)
             return _error(400, "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
                                "'max_completion_tokens' instead.", "unsupported_parameter", param="max_tokens")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-            return _error(400, "messages: expected a non-empty list", "invalid_value", param="messages")
+        if not isinstance(body, dict):
+            return _error(400, f"Invalid type for the request body: expected an object, but got {_kind(body)} "
+                               "instead.", "invalid_type")
+        if (problem := _body_problem(body)) is not None:
+            param, message = problem
+            return _error(400, message, "invalid_value" if message.startswith(("Invalid '", "messages:"))
+                          else "invalid_type", param=param)
         try:
             model, suffix = split_model(str(body.get("model") or ""))
         except ValueError as exc:  # the MODEL#SPEC suffix: a 400 naming it, as a bad x-sim-fault header
