@@ -130,6 +130,10 @@ def test_fault_specs():
         parse_fault("bogus=1")
     with pytest.raises(ValueError, match="expected status=<number>"):
         parse_fault("status=abc")
+    for spec, expected in (("status=999", "an HTTP error status, 400 to 599"), ("status=200", "400 to 599"),
+                           ("cut_after=-1", "a finite number >= 0"), ("slow_ms=nan", "a finite number >= 0")):
+        with pytest.raises(ValueError, match=expected):  # 999 dropped the connection unanswered; -1 was no fault
+            parse_fault(spec)
 
 
 def test_nearest_model_and_model_map():

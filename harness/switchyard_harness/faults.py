@@ -10,6 +10,7 @@ server's ``--fault [MODEL=]SPEC`` flags (per model, or for all models).
 from __future__ import annotations
 
 import email.utils
+import math
 from dataclasses import dataclass, fields
 
 FAULT_HEADER = "x-sim-fault"
@@ -78,13 +79,15 @@ class Fault:
 
 _INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error", "reasoning"}
 _WORDS = {"finish"}
+_STATUSES = {"status", "stream_error"}
 
 
 def parse_fault(spec: str) -> Fault:
     """Parse ``"status=503,fail_first=1"``-style specs.
 
     Raises:
-        ValueError: an unknown key or a value that is not a number, naming both.
+        ValueError: an unknown key, a value that is not a number, a negative or infinite one, or a status outside
+            400-599, naming both.
     """
     known = {f.name for f in fields(Fault)}
     values: dict[str, object] = {}
@@ -102,9 +105,15 @@ def parse_fault(spec: str) -> Fault:
         if not sep:
             raise ValueError(f"fault {item!r}: expected {key}=<{'word' if key in _WORDS else 'number'}>")
         try:
-            values[key] = int(raw) if key in _INTS else float(raw)
+            value = values[key] = int(raw) if key in _INTS else float(raw)
         except ValueError:
             raise ValueError(f"fault {item!r}: expected {key}=<number>, got {raw!r}") from None
+        # status=999 closed the connection with no answer (the HTTP server knows no such status line), status=200
+        # answered an error body as a success, and a negative count or delay was taken as none at all
+        if key in _STATUSES and not 400 <= value <= 599:
+            raise ValueError(f"fault {item!r}: expected {key}=<an HTTP error status, 400 to 599>, got {raw.strip()!r}")
+        if not 0 <= value < math.inf:
+            raise ValueError(f"fault {item!r}: expected {key}=<a finite number >= 0>, got {raw.strip()!r}")
     return Fault(**values)  # type: ignore[arg-type]
 
 

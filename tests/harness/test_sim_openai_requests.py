@@ -14,9 +14,9 @@ from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-def post(base_url: str, body: object) -> tuple[int, dict]:
+def post(base_url: str, body: object, **headers: str) -> tuple[int, dict]:
     request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, json.loads(reply.read())
@@ -53,3 +53,10 @@ def test_a_body_that_is_no_object_is_400_and_a_good_one_is_served(sim):
     assert status == 400 and "expected an object, but got an array" in reply["error"]["message"], reply
     status, reply = post(sim.base_url, {"model": "sim-7b", "messages": HELLO, "max_tokens": 2, "priority": 0})
     assert status == 200 and reply["choices"][0]["finish_reason"] == "length", reply
+
+
+def test_a_fault_status_no_http_server_sends_is_400_naming_it(sim):
+    """x-sim-fault: status=999 closed the connection unanswered (KeyError in the HTTP server's status lines)."""
+    status, reply = post(sim.base_url, {"model": "sim-7b", "messages": HELLO}, **{"x-sim-fault": "status=999"})
+    assert status == 400 and reply["error"]["param"] == "x-sim-fault", reply
+    assert "expected status=<an HTTP error status, 400 to 599>, got '999'" in reply["error"]["message"], reply
