@@ -57,7 +57,7 @@ from switchyard.common.config import SimEngineConfig
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
 from switchyard.dispatcher.request import Message, Tool, word_pieces
-from switchyard_harness.faults import FAULT_HEADER, Fault, parse_fault, parse_flag, split_model
+from switchyard_harness.faults import FAULT_HEADER, MODEL_SUFFIX, Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.sse import DONE, encode
 from switchyard_harness.testing.step_plan import StepPlan
 
@@ -784,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running: expected at least 1, got {args.max_running}")
     if args.kv_tokens < 1:
         parser.error(f"--kv-tokens: expected at least 1, got {args.kv_tokens}")
+    for model in args.models or ():  # '' was served as a model no request can name; 'a#b' read as a#<fault>
+        if not model.strip() or MODEL_SUFFIX in model:
+            parser.error(f"--model: expected a model id, not blank and without '{MODEL_SUFFIX}' (which starts a "
+                         f"fault suffix, MODEL{MODEL_SUFFIX}SPEC), got {model!r}")
     if args.max_model_len and args.max_model_len < 16:
         parser.error(f"--max-model-len: expected 0 (none listed) or at least 16 tokens, got {args.max_model_len}")
     options = SimOpenAIOptions(

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from switchyard_harness import sim_openai
 from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -60,3 +61,12 @@ def test_a_fault_status_no_http_server_sends_is_400_naming_it(sim):
     status, reply = post(sim.base_url, {"model": "sim-7b", "messages": HELLO}, **{"x-sim-fault": "status=999"})
     assert status == 400 and reply["error"]["param"] == "x-sim-fault", reply
     assert "expected status=<an HTTP error status, 400 to 599>, got '999'" in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("model", ["", "gpt#4"])
+def test_a_model_id_no_request_can_name_is_refused_at_start(model, capsys):
+    """--model '' served a model no request names; --model gpt#4 one whose name reads as gpt with fault '4'."""
+    with pytest.raises(SystemExit) as caught:
+        sim_openai.main(["--host", "256.0.0.1", "--model", model])  # an address it cannot bind: no server starts
+    assert caught.value.code == 2
+    assert "--model: expected a model id, not blank and without '#'" in capsys.readouterr().err
