@@ -192,3 +192,18 @@ def test_an_infinite_number_is_refused(capsys: pytest.CaptureFixture[str], flag:
         agents_bench.main([flag, "inf"])
     assert exit_.value.code == 2
     assert f"argument {flag}: expected a finite number > 0, got 'inf'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, flag, value, says", [
+    ("sched", "--prompt-tokens", "-1", "expected LOW-HIGH with 1 <= LOW <= HIGH, got '-1'"),  # "invalid _pair value"
+    ("agents", "--tool-calls", "a-b", "expected LOW-HIGH with 1 <= LOW <= HIGH, got 'a-b'"),
+    ("agents", "--think", "1-inf", "expected LOW-HIGH seconds with 0 <= LOW <= HIGH, finite, got '1-inf'"),  # hung
+])
+def test_a_range_that_is_no_range_is_refused_naming_the_option(
+        capsys: pytest.CaptureFixture[str], command: str, flag: str, value: str, says: str) -> None:
+    from switchyard_harness.bench import sched_bench
+
+    with pytest.raises(SystemExit) as exit_:
+        (agents_bench.main if command == "agents" else sched_bench.main)([flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import random
 import sys
 import time
@@ -442,8 +443,8 @@ def _seconds_range(text: str) -> tuple[float, float]:
         values = (float(low), float(high or low))
     except ValueError:
         values = (-1.0, -1.0)
-    if not 0 <= values[0] <= values[1]:
-        raise argparse.ArgumentTypeError(f"expected LOW-HIGH seconds with 0 <= LOW <= HIGH, got {text!r}")
+    if not 0 <= values[0] <= values[1] < math.inf:  # inf: tool calls that never return, a run that never ends
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH seconds with 0 <= LOW <= HIGH, finite, got {text!r}")
     return values
 
 

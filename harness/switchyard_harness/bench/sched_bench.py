@@ -453,7 +453,10 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def _pair(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
-    values = (int(low), int(high or low))
+    try:  # '-1', 'a' or '1.5' raised ValueError, which argparse printed as "invalid _pair value: '-1'"
+        values = (int(low), int(high or low))
+    except ValueError:
+        values = (0, 0)
     if not 1 <= values[0] <= values[1]:
         raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
     return values
