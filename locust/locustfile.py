@@ -386,6 +386,21 @@ class Watch:
 _watch: list[Watch] = []
 
 
+def option_problem(options) -> str:
+    """What is wrong with the numeric options, naming the option; "" when nothing is. ``--watch-interval nan``
+    put the watch's gevent.sleep(nan) in the hub and the run never ended, SIGTERM included; 0 ended the watch in
+    a ZeroDivisionError traceback after its first row, and a negative one read /metrics nonstop. A negative
+    weight ran no user of its class, and both weights 0 ran no user at all: 0 requests, exit 0."""
+    if not 0.1 <= options.watch_interval < math.inf:
+        return f"--watch-interval: expected a finite number of seconds >= 0.1, got {options.watch_interval:g}"
+    for flag, weight in (("--submit-weight", options.submit_weight), ("--streaming-weight", options.streaming_weight)):
+        if weight < 0:
+            return f"{flag}: expected a weight >= 0 (0: no user of its class), got {weight}"
+    if options.submit_weight == options.streaming_weight == 0:
+        return "--submit-weight and --streaming-weight: expected one of them above 0 (both 0 run no user)"
+    return ""
+
+
 @events.init.add_listener
 def _options(environment, **_kwargs) -> None:
     """The user mix (``--submit-weight``, ``--streaming-weight``) and the bearer token, from the options."""
@@ -400,6 +415,9 @@ def _options(environment, **_kwargs) -> None:
     AUTH_HEADERS.update(authorization(token))
     if options is not None and (problem := outputs.unwritable(options.watch_csv)):  # before the load, not a
         print(f"locustfile: --watch-csv: expected a file that can be written ({problem})", file=sys.stderr)  # traceback
+        sys.exit(2)
+    if options is not None and (problem := option_problem(options)):  # before the load
+        print(f"locustfile: {problem}", file=sys.stderr)
         sys.exit(2)
     if options is not None:
         AgentUser.weight = options.submit_weight

@@ -117,6 +117,25 @@ def test_the_watch_writes_its_rows_on_a_fixed_cadence():
     assert run.stdout.strip() == "[5.0, 4.3, 0.1, 4.8, 3.5]", run.stdout + run.stderr
 
 
+def test_a_watch_interval_or_weights_that_cannot_run_are_refused_naming_the_option():
+    """--watch-interval nan hung the run past its --run-time and past SIGTERM (gevent.sleep(nan) in the hub), 0
+    ended the watch in a ZeroDivisionError traceback, -1 read /metrics nonstop; weights both 0 ran no user and
+    exited 0. The init listener exits 2 with what option_problem says, before any load."""
+    cases = {"nan, 1, 1": "--watch-interval: expected a finite number of seconds >= 0.1, got nan",
+             "0.0, 1, 1": "--watch-interval: expected a finite number of seconds >= 0.1, got 0",
+             "5.0, -1, 1": "--submit-weight: expected a weight >= 0 (0: no user of its class), got -1",
+             "5.0, 0, 0": "--submit-weight and --streaming-weight: expected one of them above 0 (both 0 run no user)",
+             "5.0, 0, 1": ""}
+    probe = ("import sys, types; sys.path.insert(0, 'locust'); import locustfile as f\n"
+             "for case in sys.argv[1:]:\n"
+             "    interval, submit, streaming = case.split(', ')\n"
+             "    print(f.option_problem(types.SimpleNamespace(watch_interval=float(interval), "
+             "submit_weight=int(submit), streaming_weight=int(streaming))))")
+    run = subprocess.run([sys.executable, "-c", probe, *cases], capture_output=True, text=True, timeout=120,
+                         cwd=LOCUSTFILE.parents[1])
+    assert run.stdout.split("\n")[:-1] == list(cases.values()), run.stdout + run.stderr
+
+
 def test_the_watch_names_a_metrics_address_where_grpc_answers_and_goes_on():
     """--switchyard-metrics at a gRPC port: the watch's read raised http.client.BadStatusLine, which its loop did not
     catch (OSError only), and the watch file stopped."""
