@@ -220,6 +220,16 @@ def test_switchyard_run_refuses_a_token_no_call_can_carry_naming_the_variable(mo
     assert "--token-env: variable SWITCHYARD_AUTH_TOKEN" in err and says in err and token not in err
 
 
+def test_switchyard_run_names_a_token_file_that_is_not_utf8_never_its_bytes(tmp_path, capsys):
+    """It said 'cannot read it (UnicodeDecodeError)', as if the file were missing or unreadable."""
+    from switchyard.client import main as run_main
+
+    (tmp_path / "token").write_bytes(b"t\xf6k\n")
+    assert run_main(["--addr", "127.0.0.1:1", "--token-file", str(tmp_path / "token"), "hello"]) == 2
+    assert f"--token-file {tmp_path / 'token'}: expected UTF-8 text (a byte of it is not UTF-8)" \
+        in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
 def test_switchyard_run_refuses_a_timeout_that_is_not_a_finite_positive_number(capsys, value):
     from switchyard.client import main as run_main

@@ -62,8 +62,10 @@ def bearer_token(token_file: str | None, token_env: str = TOKEN_ENV) -> str | No
     if token_file:
         try:
             text = Path(token_file).read_text(encoding="utf-8-sig")  # an editor's BOM is no part of it
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        except UnicodeDecodeError:  # it read "cannot read it (UnicodeDecodeError)"; as auth.tokens_file's: no bytes
+            raise TokenError(f"--token-file {token_file}: expected UTF-8 text (a byte of it is not UTF-8)") from None
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
             raise TokenError(f"--token-file {token_file}: cannot read it ({reason})") from None
         return _one_token(text, f"--token-file {token_file}")
     value = envs.read_secret(token_env) if token_env else None
