@@ -29,3 +29,17 @@ def test_a_run_leaves_the_configured_task_store_and_redis_alone(tmp_path):
     assert "pipeline / floor:" in run.stdout, run.stdout
     assert not their_store.parent.exists()
     assert "DRAM tier unavailable" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("tool", "argv", "says"), [
+    ("pipeline_overhead.py", ["--seconds", "nan"], "--seconds: expected a finite number of seconds > 0, got nan"),
+    ("tracing_overhead.py", ["--calls", "0"], "--calls: expected a count >= 1, got 0"),  # StatisticsError
+    ("task_store_bench.py", ["--concurrency", "0"], "--concurrency: expected a count >= 1, got 0"),  # a hang
+])
+def test_a_measuring_tool_refuses_a_count_or_duration_it_cannot_run_naming_it(tool, argv, says):
+    """The README's measuring tools: nan seconds was a traceback naming --duration (the load plan's flag), a
+    zero count a StatisticsError or IndexError traceback, or a run that never ended."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "harness")])}
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / tool), *argv], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 2 and f"{tool}: error: {says}" in run.stderr, run.stderr[-2000:]

@@ -43,6 +43,7 @@ environment sets another) and a batch processor whose exporter drops the spans.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -305,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                         "and as switchyard bench compare runs them (and the bare relay's two servers likewise); "
                         "one-process: both in one (default processes)")
     args = parser.parse_args(argv)
+    # nan or -1 ended in a traceback naming --duration (the load plan's own flag) and -0.2; 0 ran the load plan's
+    # default call count instead and printed it as a measurement; --rounds 0 measured nothing
+    if not 0 < args.seconds < math.inf:
+        parser.error(f"--seconds: expected a finite number of seconds > 0, got {args.seconds:g}")
+    for flag, value in (("--concurrency", args.concurrency), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag}: expected a count >= 1, got {value}")
     os.environ.setdefault("OTEL_SDK_DISABLED", "false")
     tracing = args.tracing == "on"
     servers: list[_Server] = []

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args(argv)
+    for flag, value in (("--tasks", args.tasks), ("--concurrency", args.concurrency)):  # 0: IndexError; a hang
+        if value < 1:
+            parser.error(f"{flag}: expected a count >= 1, got {value}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

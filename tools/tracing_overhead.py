@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="gRPC calls per round and variant (default 200)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the best is kept (default 5)")
     args = parser.parse_args(argv)
+    for flag, value in (("--calls", args.calls), ("--rounds", args.rounds)):  # 0: a traceback of StatisticsError
+        if value < 1:
+            parser.error(f"{flag}: expected a count >= 1, got {value}")
     if isinstance(trace.get_tracer_provider(), TracerProvider):
         raise SystemExit("an SDK tracer provider is installed; run this without OTEL_* set-up")
     provider = telemetry.make_tracer_provider()
