@@ -26,3 +26,11 @@ def test_a_run_leaves_the_configured_task_store_and_redis_alone(tmp_path, monkey
     assert "orchestrator CPU steps: 16 chat tasks" in out.out
     assert not their_store.parent.exists()
     assert not [r.getMessage() for r in caplog.records if "DRAM tier" in r.getMessage()]
+
+
+@pytest.mark.parametrize("flag", ["--tasks", "--concurrency", "--words"])
+def test_a_count_below_one_is_refused_before_anything_starts(capsys, flag):
+    """--tasks 0 started the dispatcher and each orchestrator to end in 'the load generator failed'; --words 0 ran."""
+    with pytest.raises(SystemExit) as exit_:
+        orchestrator_lag.main([flag, "0"])
+    assert exit_.value.code == 2 and f"{flag}: expected a count >= 1, got 0" in capsys.readouterr().err

@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-engine", action="store_true",
                         help="keep the sim engine's 7B latency model (default: near-zero cost, so CPU steps dominate)")
     args = parser.parse_args(argv)
+    # --tasks 0 or -1 started a dispatcher and three orchestrators to end in "the load generator failed"; --words
+    # 0 or -5 measured one-word payloads, reported as "~0-word payloads"
+    for flag, value in (("--tasks", args.tasks), ("--concurrency", args.concurrency), ("--words", args.words)):
+        if value < 1:
+            parser.error(f"{flag}: expected a count >= 1, got {value}")
     uvloop.run(_main(args))
     return 0
 
