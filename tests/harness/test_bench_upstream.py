@@ -114,6 +114,7 @@ def test_a_set_of_what_the_run_sets_itself_is_refused(item: str, capsys: pytest.
     (["--phase-s", "inf"], "--phase-s: expected a finite number of seconds > 0, got inf"),
     (["--settle-s", "nan"], "--settle-s: expected a finite number of seconds >= 0, got nan"),
     (["--max-tokens", "0"], "--max-tokens: expected at least 1, got 0"),
+    (["--kv-blocks", "0"], "--kv-blocks: expected at least 1, got 0"),  # a server with no KV: every call failed
 ])
 def test_a_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, capsys) -> None:
     """nan passed the old `<= 0` checks (and inf, a phase that never ended); the refusal named every flag at once."""

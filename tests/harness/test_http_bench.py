@@ -81,6 +81,7 @@ def test_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys):
     (["--stream-seconds", "inf"], "--stream-seconds: expected a finite number of seconds > 0, got inf"),
     (["--profile-seconds", "nan"], "--profile-seconds: expected a finite number of seconds >= 1, got nan"),
     (["--streams", "0"], "--streams: expected at least 1, got 0"),
+    (["--max-tokens", "-1"], "--max-tokens: expected at least 0 (0: the stack's default), got -1"),  # ran to 400s
 ])
 def test_a_rate_or_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, capsys):
     """nan passed the old `<= 0` checks and --duration, --stream-seconds went unchecked (inf never ended); the

@@ -396,6 +396,8 @@ def main(argv: list[str]) -> int:
         ("--streams", args.streams, args.streams >= 1, "at least 1"),
         ("--stream-seconds", args.stream_seconds, 0 < args.stream_seconds < math.inf, "a finite number of seconds > 0"),
         ("--rounds", args.rounds, args.rounds >= 1, "at least 1"),
+        # -1 ran the whole phase to print 2000 errors {'400': 2000}: each submit refused for its max_tokens
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 0, "at least 0 (0: the stack's default)"),
         ("--profile-seconds", args.profile_seconds, 1 <= args.profile_seconds < math.inf,
          "a finite number of seconds >= 1"),
     ):

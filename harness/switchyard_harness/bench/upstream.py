@@ -586,6 +586,8 @@ def main(argv: list[str]) -> int:
         ("--rounds", args.rounds, args.rounds >= 1, "at least 1"),
         ("--settle-s", args.settle_s, 0 <= args.settle_s < math.inf, "a finite number of seconds >= 0"),
         ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+        # 0 started a transformers serve with no KV cache, and every call of the run failed
+        ("--kv-blocks", args.kv_blocks, args.kv_blocks >= 1, "at least 1"),
     ):
         if not ok:
             parser.error(f"{flag}: expected {what}, got {value}")
