@@ -75,6 +75,14 @@ def test_unknown_scenario_is_refused():
     assert [s.key for s in compare.pick_scenarios("d,a")] == ["A", "D"]
 
 
+def test_a_negative_warmup_is_refused_before_any_stack_starts(tmp_path, capsys):
+    """--warmup -1 started the first scenario's stack and ended in a ValueError traceback, 'total must be >= 1'."""
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(["--warmup", "-1", "--scenarios", "A", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--warmup: expected a count of calls >= 0 (0: none), got -1" in capsys.readouterr().err
+
+
 def test_settings_parse_as_json_or_text():
     assert compare.parse_settings(["scheduler.policy=fifo", "batching.max_batch_size=16"]) == {
         "scheduler.policy": "fifo",

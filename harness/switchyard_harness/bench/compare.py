@@ -521,6 +521,8 @@ def main(argv: list[str]) -> int:
                         help="load generator in a child process (default) or a thread (quick smoke runs)")
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.warmup < 0:  # -1 started the first scenario's stack and ended in a ValueError traceback ("total must be
+        parser.error(f"--warmup: expected a count of calls >= 0 (0: none), got {args.warmup}")  # >= 1 (got -1)")
     if problem := outputs.unwritable(Path(args.out) / "compare.json"):  # now, not after the run
         parser.error(f"--out: expected a folder that can be made or written ({problem})")
     if args.data is None and args.data_file is None and args.config is None:
