@@ -657,15 +657,22 @@ async def test_the_accepted_event_carries_the_states_lower_case_name_as_submit_d
 
 
 async def test_the_openapi_document_lists_the_headers_and_statuses_each_route_answers():
-    """The status route honours X-Tenant-Id, and every route answers 417 and 431, but the document said
-    neither; 501 (a method no route knows) is answered by the face, not by an operation."""
+    """The status routes honour X-Tenant-Id, submit and run answer 404 for a model not served, and every route
+    answers 417 and 431, but the document said none of it; 501 (a method no route knows) is answered by the face,
+    not by an operation."""
     async with http_stack() as (client, _, _down):
         doc = (await client.get("/openapi.json")).json()
         paths = doc["paths"]
         names = lambda op: {p["name"] for p in op.get("parameters", ()) if p["in"] == "header"}  # noqa: E731
         for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
             assert names(paths[path]["post"]) == {"X-Agent-Id", "X-Priority", "X-Tenant-Id"}
-        assert names(paths["/api/v1/agent/{agent_id}/status"]["get"]) == {"X-Tenant-Id"}
+        for path in ("/api/v1/agent/{agent_id}/status", "/api/v1/tasks/{task_id}"):  # the tasks routes read it
+            assert names(paths[path]["get"]) == {"X-Tenant-Id"}, path  # too (400, 403), and said nothing of it
+        assert names(paths["/api/v1/tasks/{task_id}/cancel"]["post"]) == {"X-Tenant-Id"}
+        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):  # a model not served: 404, undocumented there
+            assert "NOT_FOUND" in paths[path]["post"]["responses"]["404"]["description"], path
+        bad_tenant = await client.get("/api/v1/tasks/t", headers={"X-Tenant-Id": "a b"})
+        assert bad_tenant.status_code == 400 and "x-tenant-id" in bad_tenant.text, bad_tenant.text
         for path, item in paths.items():
             for method, op in item.items():
                 assert {"417", "431"} <= set(op["responses"]), (path, method)

@@ -317,6 +317,8 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
         tenant_header,
     ]
     body_errors = {
+        "404": json_body(ErrorResponse, "NOT_FOUND: the body's model is not served here (the message names the "
+                                        "models that are)"),
         "413": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is larger than the face reads (the message "
                                         "gives the limit, from limits.max_payload_chars)"),
         "408": json_body(ErrorResponse, "DEADLINE_EXCEEDED: the body did not arrive whole within "
@@ -360,14 +362,16 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
             }},
             "/api/v1/tasks/{task_id}": {"get": {
                 "summary": "GetTaskStatus of one task",
-                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                               tenant_header],
                 "responses": status_answers,
             }},
             "/api/v1/tasks/{task_id}/cancel": {"post": {
                 "summary": "CancelTask: a queued task never starts, a running one is stopped; either ends failed "
                            "with error CANCELLED. Answers the status after it (a finished task's unchanged). Any "
                            "replica answers: a task another orchestrator holds is cancelled by that one",
-                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                               tenant_header],
                 "responses": status_answers,
             }},
         },
