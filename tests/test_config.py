@@ -725,6 +725,7 @@ def test_a_rule_across_a_sections_keys_names_them_without_dumping_the_section(tm
 @pytest.mark.parametrize("values, field", [
     ({"base_url": "http://127.0.0.1:99999/v1"}, "base_url"),  # doctor and the dispatcher tracebacked on these
     ({"base_url": "http://127.0.0.1:0/v1"}, "base_url"),  # loaded, and every call was refused
+    ({"base_url": "http://vllm server:8000/v1"}, "base_url"),  # loaded, and every call failed to resolve it
     ({"pool": {"endpoints": ["http://127.0.0.1:8000/v1", "http://127.0.0.1:0/v1"]}}, "endpoints"),
     ({"base_url": "http://[::1/v1"}, "base_url"),
     ({"base_url": "http:///v1"}, "base_url"),

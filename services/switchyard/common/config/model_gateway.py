@@ -34,6 +34,8 @@ def url_problem(url: str) -> str:
         return str(exc)
     if port == 0:  # a port to listen on (any free one), never one to connect to: every call was refused
         return "port 0 names no server"
+    if any(ch.isspace() for ch in parts.netloc):  # 'http://a b/v1' loaded, and every call failed to resolve 'a b'
+        return "a space in the host"
     if "@" in parts.netloc:
         return ("it holds credentials (user:password@): give the key in model_gateway.api_key_env, sent as a "
                 "bearer token")
