@@ -488,6 +488,18 @@ def test_former_and_new_key_together_is_an_error(config_dir):
         load_config(config_dir, service="orchestrator")
 
 
+def test_a_host_or_model_variable_is_read_without_its_surrounding_spaces(monkeypatch):
+    """A ConfigMap key made from a file ends in its newline: the model went upstream as 'qwen\\n' (every call
+    NOT_FOUND) and the host ' 0.0.0.0' did not resolve, while every other variable's value was stripped."""
+    monkeypatch.setenv("SWITCHYARD_HOST", " 0.0.0.0\n")
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "openai")
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "qwen2.5-7b-instruct\n")
+    monkeypatch.setenv("SWITCHYARD_TLS_SERVER_NAME", "dispatcher ")
+    cfg = load_config(ROOT / "config", service="dispatcher")
+    assert cfg.server.host == "0.0.0.0" and cfg.upstream.default_model == "qwen2.5-7b-instruct"
+    assert cfg.server.tls.server_name == "dispatcher"
+
+
 def test_container_variables_override_host_and_task_store(monkeypatch):
     monkeypatch.setenv("SWITCHYARD_HOST", "0.0.0.0")
     monkeypatch.setenv("SWITCHYARD_TASK_STORE", "redis")

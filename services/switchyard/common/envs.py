@@ -54,6 +54,14 @@ def _optional(raw: str) -> str | None:
     return raw or None
 
 
+def _name(raw: str) -> str:
+    """A host name or a model id, which hold no surrounding spaces: those of the value (a ConfigMap key made from a
+    file ends in its newline) are dropped, as every other variable's parser drops them. A model 'm\\n' went
+    upstream as is and every call was NOT_FOUND; a host ' 0.0.0.0' did not resolve. A value of spaces alone is
+    kept, for its key to refuse naming it."""
+    return raw.strip() or raw
+
+
 SWITCHYARD_CONFIG_DIR = EnvVar("SWITCHYARD_CONFIG_DIR", str, "config", "Folder holding the config files.")
 SWITCHYARD_ENGINE = EnvVar[str | None](
     "SWITCHYARD_ENGINE", _engine, None, "Inference engine (sim, openai, torch); overrides dispatcher.engine."
@@ -83,7 +91,7 @@ SWITCHYARD_DRAM_ADDR = EnvVar[str | None](
     "for the Redis it starts).",
 )
 SWITCHYARD_HOST = EnvVar[str | None](
-    "SWITCHYARD_HOST", _optional, None,
+    "SWITCHYARD_HOST", _name, None,
     "Interface every service listens on (0.0.0.0 in a container); overrides server.host.",
 )
 
@@ -106,7 +114,7 @@ SWITCHYARD_UPSTREAM_BASE_URL = EnvVar[str | None](
     "dispatcher's pod: http://127.0.0.1:8000/v1).",
 )
 SWITCHYARD_UPSTREAM_MODEL = EnvVar[str | None](
-    "SWITCHYARD_UPSTREAM_MODEL", _optional, None,
+    "SWITCHYARD_UPSTREAM_MODEL", _name, None,
     "Model id the model server serves; overrides model_gateway.default_model.",
 )
 SWITCHYARD_UPSTREAM_FALLBACK_MODEL = EnvVar[str | None](
@@ -167,7 +175,7 @@ SWITCHYARD_TLS_CLIENT_AUTH = EnvVar[bool | None](
     "SWITCHYARD_TLS_CLIENT_AUTH", _flag, None, "mTLS on (true) or off (false); overrides server.tls.require_client_auth."
 )
 SWITCHYARD_TLS_SERVER_NAME = EnvVar[str | None](
-    "SWITCHYARD_TLS_SERVER_NAME", _optional, None,
+    "SWITCHYARD_TLS_SERVER_NAME", _name, None,
     "Name checked in the peers' certificates when connecting by IP address; overrides server.tls.server_name.",
 )
 SWITCHYARD_AUTH_TOKENS_FILE = EnvVar[str | None](
