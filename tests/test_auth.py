@@ -194,6 +194,21 @@ async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_
         await server.stop(0)
 
 
+def test_exempt_methods_are_named_as_a_token_files_methods_are(monkeypatch):
+    """'/grpc.health.v1.Health/Check', gRPC's own spelling, loaded and exempted nothing (every probe refused
+    UNAUTHENTICATED); 'service/*', which a token's methods take, exempted nothing either."""
+    from pydantic import ValidationError
+
+    from switchyard.common.auth import BearerTokens
+
+    with pytest.raises(ValidationError, match=r"methods as service/method .* got \['/grpc.health.v1.Health/Check'\]"):
+        AuthConfig(enabled=True, exempt_methods=["/grpc.health.v1.Health/Check"])
+    monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-1")
+    known = BearerTokens(AuthConfig(enabled=True, exempt_methods=["grpc.health.v1.Health/*"]))
+    assert known.check("/grpc.health.v1.Health/Watch", None) is None
+    assert known.check("/agent.AgentService/RunTask", None) is not None
+
+
 def test_a_tokens_file_saved_with_a_byte_order_mark_knows_its_first_token(tmp_path):
     """An editor's UTF-8 BOM before the first token made it '\\ufefftok-...': that token was refused 'not valid'."""
     from switchyard.common.auth import BearerTokens

@@ -142,7 +142,8 @@ class BearerTokens:
         of which two different ones are refused as malformed: which one counts is not a proxy's order to
         decide) may call ``method`` (``agent.AgentService/RunTask``); else the refusal's (code, message),
         counted in ``switchyard_auth_failures_total``. Exempt methods always pass."""
-        if method.lstrip("/") in self.exempt:
+        name = method.lstrip("/")
+        if name in self.exempt or f"{name.partition('/')[0]}/*" in self.exempt:  # service/*, as a token's methods
             return None
         refused = self._refusal(method, authorization)
         if refused is None:

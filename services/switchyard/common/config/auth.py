@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from switchyard.common.config.base import _Strict
 
@@ -20,6 +20,18 @@ class AuthConfig(_Strict):
     exempt_methods: list[str] = Field(
         default_factory=lambda: ["grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch",
                                  "grpc.health.v1.Health/List"],
-        description="Methods callable without a token (service/method): probes by default. Add "
+        description="Methods callable without a token (service/method, or service/* for all of a service's, as "
+        "a token file names them): probes by default. Add "
         "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo for grpcurl without a token.",
     )
+
+    @field_validator("exempt_methods")
+    @classmethod
+    def _method_names(cls, methods: list[str]) -> list[str]:
+        """As a token file's methods are checked: '/grpc.health.v1.Health/Check' (gRPC's own spelling, with its
+        slash) loaded and exempted nothing, so every probe was refused UNAUTHENTICATED."""
+        bad = [m for m in methods if m.count("/") != 1 or m.startswith("/") or m.endswith("/")]
+        if bad:
+            raise ValueError(f"methods as service/method (grpc.health.v1.Health/Check, no leading '/') or "
+                             f"service/*, got {bad}")
+        return methods
