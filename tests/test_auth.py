@@ -194,15 +194,18 @@ async def test_a_refused_call_of_any_kind_is_answered_at_once_without_a_message_
         await server.stop(0)
 
 
-def test_exempt_methods_are_named_as_a_token_files_methods_are(monkeypatch):
+def test_exempt_methods_and_tokens_env_are_named_as_their_siblings_are(monkeypatch):
     """'/grpc.health.v1.Health/Check', gRPC's own spelling, loaded and exempted nothing (every probe refused
-    UNAUTHENTICATED); 'service/*', which a token's methods take, exempted nothing either."""
+    UNAUTHENTICATED); 'service/*', which a token's methods take, exempted nothing either; a tokens_env that names
+    no variable loaded (model_gateway.api_key_env's check refuses it)."""
     from pydantic import ValidationError
 
     from switchyard.common.auth import BearerTokens
 
     with pytest.raises(ValidationError, match=r"methods as service/method .* got \['/grpc.health.v1.Health/Check'\]"):
         AuthConfig(enabled=True, exempt_methods=["/grpc.health.v1.Health/Check"])
+    with pytest.raises(ValidationError, match="an environment variable name such as SWITCHYARD_AUTH_TOKENS"):
+        AuthConfig(enabled=True, tokens_env="$SWITCHYARD_AUTH_TOKENS")  # beside a tokens_file: its tokens left out
     monkeypatch.setenv("SWITCHYARD_AUTH_TOKENS", "tok-1")
     known = BearerTokens(AuthConfig(enabled=True, exempt_methods=["grpc.health.v1.Health/*"]))
     assert known.check("/grpc.health.v1.Health/Watch", None) is None

@@ -25,6 +25,17 @@ class AuthConfig(_Strict):
         "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo for grpcurl without a token.",
     )
 
+    @field_validator("tokens_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        """As model_gateway.api_key_env's: 'AUTH TOKENS' or '$SWITCHYARD_AUTH_TOKENS' loaded, and beside a
+        tokens_file the variable's tokens were left out, unsaid (every caller holding one refused)."""
+        from switchyard.common.config.model_gateway import _ENV_NAME
+
+        if value and not _ENV_NAME.match(value):
+            raise ValueError("an environment variable name such as SWITCHYARD_AUTH_TOKENS, or empty (none)")
+        return value
+
     @field_validator("exempt_methods")
     @classmethod
     def _method_names(cls, methods: list[str]) -> list[str]:
