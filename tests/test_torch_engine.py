@@ -435,6 +435,22 @@ async def test_no_prefill_between_layers_without_a_forward_in_flight():
     assert core.output_tokens == [] and engine.kv.kv_bytes(core) == 0
 
 
+def test_a_device_it_cannot_run_on_is_named_with_its_key():
+    """'gpu' and 'cuda:x' loaded and failed the dispatcher's start in torch's words ("Expected one of cpu, cuda,
+    ... device type at start of device string: gpu"), and cuda on a host without it as "Torch not compiled with
+    CUDA enabled": none named torch.device."""
+    from pydantic import ValidationError
+
+    from switchyard.common.config import TorchEngineConfig
+    from switchyard.dispatcher.engines.torch_model import resolve_device
+
+    for name in ("gpu", "cuda:x"):
+        with pytest.raises(ValidationError, match="auto, cpu, cuda or cuda:N"):
+            TorchEngineConfig(device=name)
+    with pytest.raises(ValueError, match=r"torch.device 'cuda:999': this host has \d+ CUDA device\(s\)"):
+        resolve_device("cuda:999")
+
+
 def test_make_engine_builds_the_torch_engine():
     config = tiny_config().with_overrides(**{"dispatcher.engine": "torch"})
     engine = make_engine(config)

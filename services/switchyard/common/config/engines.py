@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from switchyard.common.config.base import _Strict
 
@@ -76,6 +77,14 @@ class TorchEngineConfig(_Strict):
     )
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op CPU threads, threads; 0 = torch's default.")
     checkpoint: str = Field("", description="Path of a checkpoint saved by this engine; empty: dummy random weights.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        """'gpu' or 'cuda:x' loaded, and the dispatcher's start failed in torch's words, naming no key."""
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError("auto, cpu, cuda or cuda:N (a torch device this engine runs on)")
+        return value
 
     @model_validator(mode="after")
     def _heads(self) -> "TorchEngineConfig":

@@ -347,10 +347,21 @@ def extend_in_chunks(model: DecoderLM, batch: list[ExtendInput], chunk_tokens: i
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu; other names as torch.device."""
+    """``auto`` -> cuda when available, else cpu; other names as torch.device.
+
+    Raises:
+        ValueError: ``cuda`` or ``cuda:N`` where this host has no such CUDA device, naming ``torch.device`` (the
+            dispatcher's start failed with "Torch not compiled with CUDA enabled", naming no key).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(f"torch.device {name!r}: this host has {count} CUDA device(s) torch can use; set "
+                             "torch.device (switchyard.json) to auto or cpu, or a cuda:N it has")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
