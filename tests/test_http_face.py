@@ -132,6 +132,21 @@ async def test_a_bad_body_is_400_naming_the_field(body, field):
         assert down.requests == []
 
 
+async def test_a_body_not_in_utf8_is_400_saying_so():
+    """A stray byte read 'invalid unicode code point at line 1 column 15', a UTF-16 body 'expected value at line 1
+    column 1': neither said the body is not UTF-8, as an X-Agent-Id header's byte is told."""
+    text = '{"agent_id":"a","task_type":"chat","payload":"caf\u00e9"}'
+    async with http_stack() as (client, _, down):
+        for raw, says in ((text.encode("latin-1"), "byte 0xE9 at offset 49 is not UTF-8"),
+                          (text.encode("utf-16"), "this body is UTF-16")):
+            reply = await client.post("/api/v1/agent/submit", content=raw, headers={"Content-Type": JSON})
+            assert reply.status_code == 400, reply.text
+            message = reply.json()["error"]["message"]
+            assert message.startswith("body: expected JSON in UTF-8 (RFC 8259 section 8.1): ") and says in message, \
+                message
+        assert down.requests == []
+
+
 async def test_a_body_naming_a_key_twice_is_400_naming_it_as_a_header_sent_twice_is():
     """'"priority":"core","priority":"batch"' ran the task as batch: the last value won, unsaid."""
     async with http_stack() as (client, _, down):

@@ -587,6 +587,14 @@ class HttpFace(Drains):
         try:
             body = TaskRequest.model_validate_json(raw)
         except ValidationError as exc:
+            if any(error["type"] == "json_invalid" for error in exc.errors(include_url=False)):
+                try:  # read only when the parse failed: the parser's words for a byte that is no UTF-8 were
+                    raw.decode("utf-8")  # "invalid unicode code point", for UTF-16 "expected value at line 1"
+                except UnicodeDecodeError as bad:
+                    utf16 = raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+                    return str(InvalidArgument("body", "JSON in UTF-8 (RFC 8259 section 8.1): " + (
+                        "this body is UTF-16 (it starts with UTF-16's byte order mark)" if utf16 else
+                        f"byte 0x{raw[bad.start]:02X} at offset {bad.start} is not UTF-8")))
             return describe_error(exc, self._expected)
         if (twice := duplicate_key(raw)) is not None:
             return str(InvalidArgument(twice, "one value (the key appears more than once in its object)"))
