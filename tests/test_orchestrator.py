@@ -289,7 +289,10 @@ async def test_a_question_of_more_bytes_than_the_budget_that_fits_in_tokens_is_a
 
 
 async def test_a_prompt_over_the_window_with_its_passages_fails_at_render_naming_payload():
-    """What the edge cannot know (the passages retrieved) is still checked where the prompt is rendered."""
+    """What the edge cannot know (the passages retrieved) is still checked where the prompt is rendered. The
+    question fits, but with its best-ranked passage it fills the window whatever max_tokens: the refusal names
+    that least prompt, and quotes the payload's own size (it quoted the passage's tokens as the payload's:
+    "payload: ... (got '4188 tokens')" for a short question)."""
     question = "word " * 30
     bare = tokens.count_messages(prompts.bare("rag_answer", question).messages())
     passage = prompts.Snippet("with", "The with statement wraps a block.")  # what Downstream.Retrieve returns
@@ -299,8 +302,10 @@ async def test_a_prompt_over_the_window_with_its_passages_fails_at_render_naming
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith("payload")
-    assert f"context window of sim-7b is {window} tokens" in err.value.details()
+    details = err.value.details()
+    assert details.startswith("payload: expected a task whose least prompt (the question with the best-ranked "
+                              f"passage) fits the context window of sim-7b, {window} tokens"), details
+    assert details.endswith(f"(got '{len(question)} characters')"), details
 
 
 async def test_passages_that_do_not_fit_the_window_are_left_out_lowest_ranked_first():

@@ -247,8 +247,14 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         if count > budget:
             extras = {"rag_answer": "the question with the best-ranked passage",
                       "react_loop": "the question with the tools' descriptions"}.get(spec.workflow)
-            if extras is None or window.tokens - count < 1:  # the payload's own fault
+            if extras is None:  # the payload's own fault
                 raise prompt_over_window(model, window, spec.max_tokens, count)
+            if window.tokens - count < 1:  # no max_tokens makes room: the question with its least extra is too long
+                raise InvalidArgument(
+                    "payload", f"a task whose least prompt ({extras}) fits the context window of {model}, "
+                    f"{window.tokens} tokens ({window.source}), with room for max_tokens; that prompt is {count} "
+                    "tokens, the question's own included (a shorter question, or a model with a larger window)",
+                    f"{len(spec.payload)} characters")
             # The question alone fits beside max_tokens (check_question_fits): what does not is max_tokens beside
             # the least prompt the workflow can send, so the answer names max_tokens, not the payload.
             raise InvalidArgument(
