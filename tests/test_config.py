@@ -775,6 +775,26 @@ def test_a_gateway_url_holding_credentials_is_refused_at_load(values, field):
     assert field in message and "no credentials" in message and "api_key_env" in message, message
 
 
+@pytest.mark.parametrize("values, field", [
+    ({"base_url": "https://x.openai.azure.com/openai/deployments/d?api-version=2024-02-01"}, "base_url"),
+    ({"base_url": "http://127.0.0.1:8000/v1?"}, "base_url"),
+    ({"base_url": "http://127.0.0.1:8000/v1#top"}, "base_url"),
+    ({"pool": {"endpoints": ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1?key=x"]}}, "endpoints"),
+    ({"pool": {"dns_url": "http://vllm:8000/v1?x=1"}}, "dns_url"),
+])
+def test_a_gateway_url_with_a_query_is_refused_at_load_naming_azures_v1_api(values, field):
+    """Azure OpenAI's deployment URL (?api-version=...) loaded, and every call went to
+    '...?api-version=2024-02-01/chat/completions': the gateway appends its paths and carries no query."""
+    from pydantic import ValidationError
+
+    from switchyard.common.config import UpstreamConfig
+
+    with pytest.raises(ValidationError) as caught:
+        UpstreamConfig.model_validate(values)
+    message = str(caught.value)
+    assert field in message and "a query or fragment" in message and "/openai/v1" in message, message
+
+
 def test_doctor_refuses_a_base_url_holding_credentials_naming_the_option(capsys):
     """It ended in aiohttp's ValueError traceback from the stream probe."""
     from switchyard.gateway import doctor

@@ -39,6 +39,11 @@ def url_problem(url: str) -> str:
     if "@" in parts.netloc:
         return ("it holds credentials (user:password@): give the key in model_gateway.api_key_env, sent as a "
                 "bearer token")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        # Azure OpenAI's deployment URLs carry ?api-version=...: the gateway appends /chat/completions and /models
+        # to the path, and every call went to '...?api-version=2024-02-01/chat/completions'
+        return ("a query or fragment ('?...', '#...'): the gateway appends /chat/completions and /models to the "
+                "URL's path and carries no query; for Azure OpenAI use its v1 API, https://NAME.openai.azure.com/openai/v1")
     return "" if parts.hostname else "no host"
 
 class CooldownConfig(_Strict):
