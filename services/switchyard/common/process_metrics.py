@@ -226,8 +226,15 @@ def _routes(metrics: Callable[..., Any], profile: Callable[..., Any] | None) -> 
             return profile(environ, start_response)
         if path in METRICS_PATHS:
             if environ.get("REQUEST_METHOD") == "HEAD":  # RFC 9110 section 9.3.2: GET's headers, no body
-                # (prometheus_client answers HEAD 405); wsgiref still writes the body a handler returns
-                list(metrics({**environ, "REQUEST_METHOD": "GET"}, start_response))
+                # (prometheus_client answers HEAD 405); wsgiref still writes the body a handler returns, and
+                # sets Content-Length from it where none is given: 0, not the GET's length (RFC 9110 8.6)
+                answered: list[tuple[str, list[tuple[str, str]]]] = []
+                body = b"".join(metrics({**environ, "REQUEST_METHOD": "GET"},
+                                        lambda status, headers, *exc: answered.append((status, headers))))
+                status, headers = answered[0]
+                if not any(name.lower() == "content-length" for name, _ in headers):
+                    headers = [*headers, ("Content-Length", str(len(body)))]
+                start_response(status, headers)
                 return [b""]
             return metrics(environ, start_response)
         # prometheus_client serves the metrics at any path: a request meant for the HTTP face (or a typo)
