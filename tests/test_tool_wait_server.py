@@ -484,7 +484,9 @@ async def test_an_orchestrator_stopped_during_a_tool_wait_tells_the_dispatcher_t
     async with running([dispatcher], base.server) as disp, running([tool], base.server) as retr:
         with orchestrator_config(f"127.0.0.1:{retr.port}", f"127.0.0.1:{disp.port}", base,
                                  **{"orchestrator.program.tool_wait_cold_estimate_s": 600.0,
-                                    "orchestrator.program.tool_wait_hint_timeout_ms": 5000}) as cfg:
+                                    "orchestrator.program.tool_wait_hint_timeout_ms": 5000,
+                                    # a submitted task's grace, as the stream's below (else config's, seconds)
+                                    "server.shutdown_grace_s": 0.2}) as cfg:
             orchestrator = OrchestratorService(cfg)
             orch = await start_server([orchestrator], "127.0.0.1", 0, cfg.server)
             channel = open_channel(f"127.0.0.1:{orch.port}")
