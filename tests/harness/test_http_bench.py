@@ -11,6 +11,10 @@ from test_http_face import http_stack
 
 pytestmark = pytest.mark.no_gpu
 
+WARMUP_S = 0.1
+"""The stream phases' warm-up here (1 s by default, each kind, each run): what they count is the measured rounds'."""
+WARMUP = str(WARMUP_S)
+
 
 async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
     async with http_stack() as (client, _, down):
@@ -22,7 +26,8 @@ async def test_bench_http_counts_every_submit_and_stream_of_a_short_run():
         over_grpc = await http_bench.submit_phase(base, rps=40, concurrency=4, duration_s=0.25, task_type="chat",
                                                   max_tokens=16, grpc_addr=down.orchestrator_address)
         assert len(over_grpc.latencies) == 10 and not over_grpc.failures
-        streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1)
+        streams = await http_bench.stream_phase(base, down.orchestrator_address, streams=2, seconds=0.3, rounds=1,
+                                                warmup_s=WARMUP_S)
         for kind in ("sse", "grpc"):
             assert streams[kind].latencies and not streams[kind].failures, (kind, streams[kind].failures)
 
@@ -50,7 +55,8 @@ async def test_an_auth_on_stack_takes_the_token_and_every_call_failing_is_exit_1
 
         monkeypatch.setenv("SWITCHYARD_AUTH_TOKEN", "tok-full-1")
         out = tmp_path / "http.json"
-        both = ["--phases", "submit,grpc-submit,stream", "--streams", "2", "--stream-seconds", "0.3", "--rounds", "1"]
+        both = ["--phases", "submit,grpc-submit,stream", "--streams", "2", "--stream-seconds", "0.3", "--rounds", "1",
+                "--warmup-s", WARMUP]
         assert await asyncio.to_thread(http_bench.main, [*argv, *both, "-o", str(out)]) == 0, capsys.readouterr()
         import json
 
@@ -82,6 +88,7 @@ def test_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys):
     (["--profile-seconds", "nan"], "--profile-seconds: expected a finite number of seconds >= 1, got nan"),
     (["--streams", "0"], "--streams: expected at least 1, got 0"),
     (["--max-tokens", "-1"], "--max-tokens: expected at least 0 (0: the stack's default), got -1"),  # ran to 400s
+    (["--warmup-s", "nan"], "--warmup-s: expected a finite number of seconds >= 0, got nan"),
 ])
 def test_a_rate_or_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, capsys):
     """nan passed the old `<= 0` checks and --duration, --stream-seconds went unchecked (inf never ended); the
@@ -136,7 +143,7 @@ async def test_the_summary_lines_count_rounds_and_profiles_in_words(capsys):
     async with http_stack() as (client, _, down):
         base = str(client.base_url).rstrip("/")
         argv = ["--http", base, "--grpc", down.orchestrator_address, "--phases", "stream", "--streams", "2",
-                "--stream-seconds", "0.3", "--task-type", "chat", "--max-tokens", "16"]
+                "--stream-seconds", "0.3", "--task-type", "chat", "--max-tokens", "16", "--warmup-s", WARMUP]
         assert await asyncio.to_thread(http_bench.main, [*argv, "--rounds", "1"]) == 0
         assert "(2 streams, 1 round of 0.3 s)" in capsys.readouterr().out
         assert await asyncio.to_thread(http_bench.main, [*argv, "--rounds", "2"]) == 0
@@ -164,7 +171,7 @@ async def test_a_run_with_no_endpoint_flags_measures_the_stack_the_up_file_names
         out = tmp_path / "http.json"
         argv = ["--phases", "submit,stream", "--rps", "20", "-c", "2", "--duration", "0.25", "--streams", "2",
                 "--stream-seconds", "0.3", "--rounds", "1", "--task-type", "chat", "--max-tokens", "16",
-                "-o", str(out)]
+                "--warmup-s", WARMUP, "-o", str(out)]
         assert await asyncio.to_thread(http_bench.main, argv) == 0
     results = json.loads(out.read_text())
     assert (results["http"], results["grpc"]) == (base, down.orchestrator_address)

@@ -230,9 +230,9 @@ def grpc_call(stub: Any, token: str | None = None) -> Callable[[], Awaitable[str
 
 
 async def stream_phase(http: str, grpc_addr: str, streams: int, seconds: float, rounds: int,
-                       token: str | None = None) -> dict[str, Calls]:
-    """SSE and gRPC RunTask, taking turns; the calls of each, summed over rounds (``token`` as
-    :func:`submit_phase`'s)."""
+                       token: str | None = None, warmup_s: float = 1.0) -> dict[str, Calls]:
+    """SSE and gRPC RunTask, taking turns, each kind first ``warmup_s`` seconds unmeasured; the calls of each,
+    summed over rounds (``token`` as :func:`submit_phase`'s)."""
     import aiohttp
 
     from switchyard.api import agent_pb2_grpc
@@ -244,7 +244,7 @@ async def stream_phase(http: str, grpc_addr: str, streams: int, seconds: float, 
             open_channel(grpc_addr) as channel:
         kinds = {"sse": sse_call(session), "grpc": grpc_call(agent_pb2_grpc.AgentServiceStub(channel), token)}
         for kind in kinds:  # warm-up: connections, the dispatcher's first batch
-            await closed_loop(kinds[kind], streams, 1.0)
+            await closed_loop(kinds[kind], streams, warmup_s)
         for r in range(rounds):
             for kind in (("sse", "grpc") if r % 2 == 0 else ("grpc", "sse")):
                 calls = await closed_loop(kinds[kind], streams, seconds)
@@ -262,9 +262,9 @@ def profile_url(metrics: str, seconds: float) -> str:
 
 
 async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: float, rounds: int,
-                        token: str | None = None) -> dict[str, Any]:
-    """gRPC RunTask throughput with and without a profile of the orchestrator running, taking turns (``token``
-    sent with every call and the profile's request)."""
+                        token: str | None = None, warmup_s: float = 1.0) -> dict[str, Any]:
+    """gRPC RunTask throughput with and without a profile of the orchestrator running, taking turns after
+    ``warmup_s`` seconds unmeasured (``token`` sent with every call and the profile's request)."""
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.channels import open_channel
 
@@ -272,7 +272,7 @@ async def profile_phase(grpc_addr: str, metrics: str, streams: int, seconds: flo
     sizes: list[int] = []
     async with open_channel(grpc_addr) as channel:
         one = grpc_call(agent_pb2_grpc.AgentServiceStub(channel), token)
-        await closed_loop(one, streams, 1.0)
+        await closed_loop(one, streams, warmup_s)
         for r in range(rounds):
             for kind in (("without", "with") if r % 2 == 0 else ("with", "without")):
                 fetch = None
@@ -345,7 +345,8 @@ async def _main(args: Any) -> dict[str, Any]:
             if results[phase]["backlog"]["errors"] and not args.keep_backlog:
                 results["backlog_errors"] = results.get("backlog_errors", 0) + results[phase]["backlog"]["errors"]
     if "stream" in phases:
-        out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds, args.token)
+        out = await stream_phase(http, grpc_addr, args.streams, args.stream_seconds, args.rounds, args.token,
+                                 args.warmup_s)
         sse, grpc_ = out["sse"].summary(), out["grpc"].summary()
         ratio = sse["per_s"] / grpc_["per_s"] if grpc_["per_s"] else 0.0
         results["stream"] = {"streams": args.streams, "sse": sse, "grpc": grpc_, "sse_over_grpc": round(ratio, 3)}
@@ -355,7 +356,8 @@ async def _main(args: Any) -> dict[str, Any]:
         print(f"RunTask throughput SSE / gRPC = {ratio:.3f} ({args.streams} streams, "
               f"{rounds_text(args.rounds, args.stream_seconds)})", flush=True)
     if "profile" in phases:
-        out = await profile_phase(grpc_addr, metrics, args.streams, args.profile_seconds, args.rounds, args.token)
+        out = await profile_phase(grpc_addr, metrics, args.streams, args.profile_seconds, args.rounds, args.token,
+                                  args.warmup_s)
         with_, without = out["with"].summary(), out["without"].summary()
         ratio = with_["per_s"] / without["per_s"] if without["per_s"] else 0.0
         results["profile"] = {"with": with_, "without": without, "with_over_without": round(ratio, 3),
@@ -381,6 +383,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream-seconds", type=float, default=5.0, help="stream: seconds per turn (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="stream/profile: turns of each kind (default 2)")
     parser.add_argument("--profile-seconds", type=float, default=10.0, help="profile: seconds per turn (default 10)")
+    parser.add_argument("--warmup-s", type=float, default=1.0, help="stream/profile: seconds of unmeasured calls of "
+                        "each kind before the rounds (connections, the dispatcher's first batch; default 1, 0: none)")
     parser.add_argument("-o", "--output", help="also write the numbers as JSON here")
     parser.add_argument("--keep-backlog", action="store_true", help="leave the tasks a submit phase submitted and "
                         "that had not finished running (default: they are cancelled after the phase, and reported)")
@@ -400,6 +404,7 @@ def main(argv: list[str]) -> int:
         ("--max-tokens", args.max_tokens, args.max_tokens >= 0, "at least 0 (0: the stack's default)"),
         ("--profile-seconds", args.profile_seconds, 1 <= args.profile_seconds < math.inf,
          "a finite number of seconds >= 1"),
+        ("--warmup-s", args.warmup_s, 0 <= args.warmup_s < math.inf, "a finite number of seconds >= 0"),
     ):
         if not ok:
             parser.error(f"{flag}: expected {what}, got {value}")
