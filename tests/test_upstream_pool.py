@@ -102,8 +102,9 @@ async def test_sim_openai_metrics_count_waiting_streams_kv_and_prefix_hits(clean
             assert server.state.prefix_hit_tokens == 0
             await complete(client, ask("a", 1, system=long_system))
             assert server.state.prefix_hit_tokens >= 180, "the shared opening blocks were cached"
+            # one running (12 tokens x 40 ms: ~0.5 s, long past the other two's arrival), two waiting behind it
             slow = ChatRequest(messages=[{"role": "user", "content": "slow " * 50}], model="sim-7b#slow_ms=40",
-                               max_tokens=40)
+                               max_tokens=12)
             streams = [asyncio.create_task(complete(client, slow)) for _ in range(3)]
             for _ in range(500):
                 if server.state.waiting == 2:
