@@ -49,7 +49,8 @@ class _Handler(socketserver.StreamRequestHandler):
 
 def start_refusing_proxy() -> RefusingProxy:
     proxy = RefusingProxy()
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    # a 10 ms poll: shutdown() waits for the next one (0.5 s by default, at the end of each test that uses it)
+    threading.Thread(target=proxy.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     return proxy
 
 
