@@ -148,7 +148,7 @@ def test_a_clean_policies_run_logs_no_dram_outage(capsys: pytest.CaptureFixture[
     import logging
 
     with caplog.at_level(logging.WARNING):
-        assert agents_bench.main(["--policies", "fcfs", "--seconds", "5", "--seed", "11", "--json"]) == 0
+        assert agents_bench.main(["--policies", "fcfs", "--seconds", "2", "--seed", "11", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["policy"] == "fcfs"
     dram = [r.getMessage() for r in caplog.records if r.name.startswith("switchyard.common.dram")]
     assert dram == [], dram
