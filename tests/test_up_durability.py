@@ -142,7 +142,9 @@ async def test_kill_9_of_the_launcher_leaves_no_process_and_the_next_start_succe
     finally:
         _kill_all(started)
         stack.stop()
-    again = UpStack(pydoc_index_dir, args=("--data-dir", str(data)))  # same folder: no "already answers" refusal
+    # same folder: no "already answers" refusal (no CPU pool this time: the first start's is what was killed)
+    again = UpStack(pydoc_index_dir,
+                    args=("--data-dir", str(data), "--config-dir", str(loop_executor_config(tmp_path))))
     try:
         again.wait_ready()
     finally:
