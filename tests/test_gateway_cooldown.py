@@ -35,8 +35,8 @@ def ask() -> ChatRequest:
     return ChatRequest(messages=[{"role": "user", "content": "hello there"}])
 
 
-async def served_by(client: GatewayClient) -> str:
-    events = [e async for e in client.stream_chat(ask())]
+async def served_by(client: GatewayClient, request: ChatRequest | None = None) -> str:
+    events = [e async for e in client.stream_chat(request or ask())]
     assert isinstance(events[-1], Finished)
     return events[-1].model
 
@@ -226,7 +226,9 @@ async def test_half_open_through_the_client_sends_one_probe_the_rest_go_to_the_f
         async with GatewayClient(gateway_config(server.base_url, **cooldown(cooldown_s=0.2))) as client:
             assert [await served_by(client) for _ in range(2)] == [FALLBACK, FALLBACK]
             await asyncio.sleep(0.3)  # past the cooldown: half-open
-            served = await asyncio.gather(*(served_by(client) for _ in range(10)))
+            # the probe takes 0.3 s an item (3 items), so the other nine are asked while it is in flight
+            short = ChatRequest(messages=[{"role": "user", "content": "hello there"}], max_tokens=3)
+            served = await asyncio.gather(*(served_by(client, short) for _ in range(10)))
         assert served.count(PRIMARY) == 1 and served.count(FALLBACK) == 9
         assert server.state.counts[PRIMARY] == 3  # two failures, then exactly one probe
 
