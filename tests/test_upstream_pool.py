@@ -24,7 +24,7 @@ from switchyard_harness.faults import Fault
 from switchyard.gateway.picker import EndpointPicker
 from switchyard.gateway.pool import PoolLimit, endpoint_name, prompt_key
 from switchyard.gateway.server_load import ServerLoad, parse_server_load
-from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, run_in_thread, spawn
+from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, SpawnedSimOpenAI, run_in_thread, spawn
 
 from gateway_fixtures import clean_proxy_env  # noqa: F401
 
@@ -45,6 +45,21 @@ def replicas(n: int = 3, **options: Any) -> Iterator[list[RunningSimOpenAI]]:
     options.setdefault("latency", False)
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(run_in_thread(SimOpenAIOptions(**options))) for _ in range(n)]
+
+
+def spawn_replicas(n: int, args: list[str]) -> list[SpawnedSimOpenAI]:
+    """``n`` sim-openai processes (``switchyard serve sim-openai ARGS``), started side by side: each start is an
+    interpreter's, and one after another they cost ``n`` of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as starting:
+        futures = [starting.submit(spawn, args) for _ in range(n)]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < n:  # one did not start: the others are not left running
+        for proc in started:
+            proc.kill()
+        next(f for f in futures if f.exception() is not None).result()
+    return started
 
 
 def ask(agent: str, turn: int = 0, system: str = "You are terse.", **extra: Any) -> ChatRequest:
@@ -259,7 +274,7 @@ async def test_a_failing_replica_is_left_for_another_before_the_first_token(clea
 
 
 async def test_a_killed_replica_fails_no_call_that_had_not_streamed_a_token(clean_proxy_env):
-    procs = [spawn(["--max-running", "64"]) for _ in range(3)]
+    procs = spawn_replicas(3, ["--max-running", "64"])
     try:
         cfg = pool_config([p.base_url for p in procs], scrape_interval_s=5.0)
         async with GatewayClient(cfg) as client:
@@ -299,7 +314,7 @@ async def test_calls_waiting_on_a_replica_marked_down_go_to_another_at_once(clea
     replica now."""
     import signal
 
-    procs = [spawn(["--max-running", "64"]) for _ in range(2)]
+    procs = spawn_replicas(2, ["--max-running", "64"])
     try:
         cfg = pool_config([p.base_url for p in procs], scrape_interval_s=60.0, scrape_timeout_s=0.5)
         async with GatewayClient(cfg) as client:
@@ -334,7 +349,7 @@ async def test_an_endpoint_that_left_the_pool_gets_no_series_back_from_a_read_or
     one."""
     from prometheus_client import REGISTRY
 
-    procs = [spawn(["--max-running", "8"]) for _ in range(2)]
+    procs = spawn_replicas(2, ["--max-running", "8"])
     try:
         urls = [p.base_url for p in procs]
         async with GatewayClient(pool_config(urls, scrape_interval_s=60.0)) as client:
@@ -366,7 +381,7 @@ async def test_one_slow_metrics_read_leaves_a_replica_up_and_its_calls_where_the
     pool.down_after_failed_reads (2) in a row now; a refused connection still marks it down at once."""
     import signal
 
-    procs = [spawn(["--max-running", "64"]) for _ in range(2)]
+    procs = spawn_replicas(2, ["--max-running", "64"])
     try:
         cfg = pool_config([p.base_url for p in procs], scrape_interval_s=60.0, scrape_timeout_s=0.5)
         async with GatewayClient(cfg) as client:
