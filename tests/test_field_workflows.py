@@ -65,7 +65,7 @@ def test_the_locustfile_runs_headless_without_a_failure_and_writes_the_watched_f
     watch = tmp_path / "watch.csv"
     run = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(ROOT / "locust" / "locustfile.py"), "--headless",
-         "--users", "10", "--spawn-rate", "10", "--run-time", "6s", "--host", http_url(up),
+         "--users", "10", "--spawn-rate", "10", "--run-time", "4s", "--host", http_url(up),
          "--csv", str(tmp_path / "run"), "--watch-csv", str(watch), "--watch-interval", "1",
          "--switchyard-metrics", up.metrics_url("dispatcher"), "--only-summary"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
