@@ -460,6 +460,7 @@ async def test_an_outcome_the_store_refused_is_written_again_until_it_takes_it(t
     from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
 
     monkeypatch.setattr(service_module, "RECORD_AGAIN_S", 0.05 if store_back == "while running" else 3600.0)
+    monkeypatch.setattr(service_module, "RECORD_TRY_WAIT_S", 0.005)  # its five tries in 0.08 s, not 1.5 s
     store = tmp_path / "tasks.sqlite3"
     refusing = True
     async with backlog_stack(store) as (stub, _, down):

@@ -126,6 +126,9 @@ CANCEL_ANSWER_MARGIN_S = 0.25
 """A CancelTask waiting on another orchestrator answers this long before its caller's deadline, seconds: room
 for the answer to reach the caller from a busy event loop."""
 
+RECORD_TRY_WAIT_S = 0.1
+"""First wait between two tries of an outcome's write while the task store refuses it, seconds (then doubled, up to
+2 s; five tries)."""
 RECORD_AGAIN_S = 1.0
 """First wait before an outcome the task store refused is written again, seconds (then doubled)."""
 RECORD_AGAIN_MAX_S = 30.0
@@ -775,7 +778,7 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             self._settle(live, state, result, error)
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.1, max=2.0),
+                stop=stop_after_attempt(5), wait=wait_exponential(multiplier=RECORD_TRY_WAIT_S, max=2.0),
                 retry=retry_if_exception_type(TaskStoreUnavailable), reraise=True,
             ):
                 with attempt:
