@@ -123,7 +123,10 @@ async def test_connection_age_makes_clients_reconnect():
             await call(b"", timeout=10)
             await call(b"", timeout=10)
             assert peers[0] == peers[1], "one connection while it is young"
-            await asyncio.sleep(2.5)  # past the age, jitter (+10 %) and the GOAWAY round trip
+            # until the GOAWAY for the age (1 s, +10 % jitter) has taken the connection out of READY (the bound,
+            # 10 s, is on a hang, not a speed)
+            while (state := channel.get_state()) == grpc.ChannelConnectivity.READY:
+                await asyncio.wait_for(channel.wait_for_state_change(state), 10)
             await call(b"", timeout=10)
             assert peers[2] != peers[0], "the aged connection was replaced"
     finally:
