@@ -190,12 +190,13 @@ def _orchestrator_config(tmp_path: Path) -> Path:
 
 async def test_kill_9_of_an_orchestrator_leaves_no_cpu_worker_or_resource_tracker(tmp_path: Path) -> None:
     config_dir = _orchestrator_config(tmp_path)
-    left = []
     async with running([Downstream()], load_config(config_dir).server) as downstream:
         address = f"127.0.0.1:{downstream.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(SWITCHYARD_RETRIEVAL_ADDR=address, SWITCHYARD_DISPATCHER_ADDR=address)
-        for attempt in range(3):
+
+        async def kill_one(attempt: int) -> list[str]:
+            """Start an orchestrator with its CPU pool, kill -9 it once it serves: what is left of what it started."""
             port_file = tmp_path / f"ports-{attempt}.json"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "switchyard.cli", "serve", "orchestrator", "--config-dir", str(config_dir),
@@ -213,13 +214,21 @@ async def test_kill_9_of_an_orchestrator_leaves_no_cpu_worker_or_resource_tracke
                 cmdlines = [" ".join(p.cmdline()) for p in started]
                 assert sum("resource_tracker" in c for c in cmdlines) == 1 and len(started) == 3, cmdlines
                 proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                left += _survivors(started)
+                await asyncio.to_thread(proc.wait)
+                return await asyncio.to_thread(_survivors, started)
             finally:
                 _kill_all(started)
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
+                    await asyncio.to_thread(proc.wait)
+
+        # three orchestrators side by side (their starts, each an interpreter and its spawned pool, overlap);
+        # each is killed on its own once it serves, and every one of them ends before the test does
+        outcomes = await asyncio.gather(*(kill_one(attempt) for attempt in range(3)), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    left = [survivor for outcome in outcomes for survivor in outcome]
     print(f"\nprocesses left after 3 x kill -9 of an orchestrator: {len(left)}")
     assert left == []
 
