@@ -237,10 +237,10 @@ async def test_agents_spread_over_the_pool_and_each_stays_on_its_replica(clean_p
                 results = await asyncio.gather(*(complete(client, ask(a, turn)) for a in agents))
                 assert all(isinstance(r[-1], Finished) for r in results)
             assert isinstance(client.concurrency_limit, PoolLimit)
-            # three endpoints at the start-up limit of 4 (each: 3 for NORMAL and BATCH, 1 held for CORE): the
-            # pool admits their three ceilings and one headroom, not three headrooms
-            assert client.concurrency_limit.limit == 3 * 3 + 1
-            assert client.concurrency_limit.reserve == 1
+            # three endpoints at the start-up limit of 4 (each: 3 for NORMAL and BATCH, 1 held for CORE): NORMAL and
+            # BATCH fill their three ceilings, and the pool holds one headroom of its 12 slots (2), not three
+            assert client.concurrency_limit.limit == 3 * 3 + 2
+            assert client.concurrency_limit.reserve == 2
     seen = agents_by_server(servers)
     assert set(seen) == set(agents)
     assert all(len(where) == 1 for where in seen.values()), seen
@@ -442,7 +442,7 @@ async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_
             "upstream.fallback_model": "", "upstream.pool.endpoints": urls})
         service = DispatcherService(cfg, engine=make_engine(cfg))
         assert isinstance(service.limit, PoolLimit)
-        assert service.limit.limit == 3 * 3 + 1  # three ceilings of 3 at the start-up limit of 4, one headroom
+        assert service.limit.limit == 3 * 3 + 2  # three ceilings of 3 at the start-up limit of 4, one headroom of 2
         async with running([service], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = agent_pb2_grpc.InferenceServiceStub(channel)
@@ -810,3 +810,36 @@ async def test_an_endpoint_answering_once_the_client_closes_starts_no_read_of_it
         endpoint.relist = True  # it could not be reached since its list was read
         client.pool.on_first_item(endpoint, 0.01)  # and answers now
         assert endpoint.relist and not client._relists
+
+
+async def test_endpoints_under_four_streams_hold_the_pools_core_headroom_together():
+    """Four endpoints at 3 streams each hold none back each (a server taking 3 is not sent 4); summing their
+    ceilings with the largest headroom of one (0) let NORMAL fill all 12 slots and refused CORE, as the pool's
+    limits came down after 429s, when CORE needs them most. Together they hold 2, as one endpoint of 12 would."""
+    urls = [f"http://127.0.0.1:{9 + i}/v1" for i in range(4)]
+    async with GatewayClient(pool_config(urls)) as client:
+        for endpoint in client.pool.endpoints.values():
+            endpoint.limit.limit = 3.0
+        limit = client.concurrency_limit
+        assert (limit.limit, limit.reserve) == (12, 2)
+        for _ in range(10):
+            assert limit.refusal(PriorityClass.NORMAL) is None
+            limit.acquire(PriorityClass.NORMAL)
+        assert limit.refusal(PriorityClass.NORMAL) is not None and limit.refusal(PriorityClass.CORE) is None
+
+
+async def test_streams_still_on_an_endpoint_left_out_keep_their_slots_not_the_others():
+    """An endpoint left out of the sum (here its model list no longer names the model) still had 7 streams running,
+    counted against the other endpoint's 8: NORMAL was refused while that one had none in flight."""
+    urls = [f"http://127.0.0.1:{9 + i}/v1" for i in range(2)]
+    async with GatewayClient(pool_config(urls)) as client:
+        left, other = client.pool.endpoints.values()
+        for endpoint in (left, other):
+            endpoint.limit.limit = 8.0
+        limit = client.concurrency_limit
+        for _ in range(7):
+            left.limit.acquire(PriorityClass.NORMAL)
+            limit.acquire(PriorityClass.NORMAL)
+        left.models = {"another-model"}
+        assert limit.counted() == [other]
+        assert limit.limit == 8 + 7 and limit.refusal(PriorityClass.NORMAL) is None

@@ -50,11 +50,11 @@ from switchyard.dispatcher.adaptive_limit import (
     UPSTREAM_KNEE,
     UPSTREAM_LIMIT,
     AdaptiveConcurrencyLimit,
+    core_reserve,
     refusal_for,
 )
 from switchyard.gateway import models as model_names
 from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
-from switchyard.gateway import models as model_names
 from switchyard.gateway.errors import GatewayError
 from switchyard.gateway.metrics import (
     ENDPOINT_IN_FLIGHT,
@@ -241,23 +241,42 @@ class PoolLimit:
         model = self.pool.admission_model
         return [e for e in up if self.pool.accepts(e, model)] or up or endpoints
 
+    def _sums(self) -> tuple[float, int]:
+        """(:attr:`limit`, :attr:`reserve`), from one reading of the endpoints.
+
+        NORMAL and BATCH fill at most the counted endpoints' own ceilings (each endpoint's knee); the CORE headroom
+        ``R`` is one for the pool: the largest of the endpoints' own, or the headroom of their limits taken
+        together where that is more (endpoints under 4 streams hold none back each: four at 3 hold 2 of their 12
+        slots, as one endpoint of 12 would); and the pool never admits more than the endpoints' limits summed, so
+        where the headroom does not fit on top of the ceilings it comes out of them."""
+        counted = self.counted()
+        whole = sum(e.limit.streams for e in counted)
+        ceilings = sum(e.limit.lower_class_ceiling for e in counted)
+        reserve = max(max(e.limit.reserve for e in counted),
+                      core_reserve(whole, self.pool.config.concurrency.core_reserved_slots))
+        # The streams still on an endpoint left out (its circuit opened, a Retry-After came) keep their slots: counted
+        # against the others' limits, they left endpoints with room idle while they ran.
+        left_out = sum(e.in_flight for e in self.pool.endpoints.values() if e not in counted)
+        limit = min(whole, ceilings + reserve) + left_out
+        return float(max(limit, self.pool.config.concurrency.min_limit)), reserve
+
     @property
     def reserve(self) -> int:
-        """Slots held back for CORE over the pool: the largest of the counted endpoints' own headrooms (one
-        endpoint's: its own), never their sum."""
-        return max(e.limit.reserve for e in self.counted())
+        """Slots held back for CORE over the pool (:meth:`_sums`): one headroom, never the endpoints' sum of them
+        (one endpoint's: its own)."""
+        return self._sums()[1]
 
     @property
     def limit(self) -> float:
-        """Streams the dispatcher may have in flight over the pool now: the counted endpoints' NORMAL and BATCH
-        ceilings summed, plus :attr:`reserve` (one endpoint: its own limit)."""
-        counted = self.counted()
-        total = sum(e.limit.lower_class_ceiling for e in counted) + max(e.limit.reserve for e in counted)
-        return float(max(total, self.pool.config.concurrency.min_limit))
+        """Streams the dispatcher may have in flight over the pool now (:meth:`_sums`): the counted endpoints'
+        NORMAL and BATCH ceilings summed plus :attr:`reserve`, at most their limits summed, plus the streams still
+        in flight on the endpoints left out (one endpoint: its own limit)."""
+        return self._sums()[0]
 
     def refusal(self, priority: PriorityClass) -> str | None:
         """None when a stream of class ``priority`` may start over the pool now, else the reason."""
-        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight, self.reserve)
+        limit, reserve = self._sums()
+        reason = refusal_for(priority, limit, self.in_flight, self.core_in_flight, reserve)
         if reason is not None:
             for endpoint in self.counted():  # the endpoints whose limits made the sum that refused
                 endpoint.limit.note_refused()
