@@ -311,6 +311,53 @@ async def test_a_stream_ends_at_done_though_the_server_holds_the_body_open(clean
     assert len(posted_on) == 3 and len(set(posted_on)) < 3  # a connection served a later call
 
 
+async def test_a_body_held_open_after_done_is_closed_with_its_connection_not_held(clean_proxy_env, monkeypatch):
+    """The rest of a body after ``[DONE]`` was read for up to read_timeout_s (60 s): against a server or proxy
+    holding it open, connections no longer counted in flight piled up to max_connections. It is read for
+    DRAIN_AFTER_DONE_S, then closed with its connection; the next call comes on another."""
+    from switchyard.gateway import client as gateway_client
+    monkeypatch.setattr(gateway_client, "DRAIN_AFTER_DONE_S", 0.05)
+    never = asyncio.Event()
+    posted_on: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not head.startswith(b"POST "):
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                continue
+            posted_on.append(id(writer))
+            body = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+            reading = asyncio.ensure_future(reader.read(1))  # the client closing the connection ends the wait
+            await asyncio.wait([reading, asyncio.ensure_future(never.wait())], return_when=asyncio.FIRST_COMPLETED)
+            break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        cfg = gateway_config(base, fallback_model="", max_retries=0, read_timeout_s=60.0)
+        async with GatewayClient(cfg) as client:
+            for _ in range(2):
+                events = [e async for e in client.stream_chat(ask())]
+                assert isinstance(events[-1], Finished)
+                while client._drains:  # ends after DRAIN_AFTER_DONE_S, not read_timeout_s
+                    await asyncio.wait_for(asyncio.gather(*client._drains), timeout=30)
+    finally:
+        never.set()
+        server.close()
+    assert len(posted_on) == 2 and len(set(posted_on)) == 2  # the held connection was closed, not kept
+
+
 @pytest.mark.parametrize("body, code, says", [
     (b'{"error": {"message": "prompt is too long", "type": "invalid_request_error", "code": 400}}',
      grpc.StatusCode.INVALID_ARGUMENT, "'prompt is too long'"),

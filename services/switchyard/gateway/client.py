@@ -108,6 +108,12 @@ its reasoning models (o1, o3, gpt-5) 400 "Unsupported parameter: 'max_tokens' is
 Use 'max_completion_tokens' instead.", the name every OpenAI-compatible server also takes."""
 
 
+DRAIN_AFTER_DONE_S = 1.0
+"""How long the rest of a body is read after its ``data: [DONE]`` (:meth:`GatewayClient._finish_body`), seconds: a
+server ends its body right after the marker, and a proxy or server that holds it open longer has its connection
+closed rather than held (a connection held for ``read_timeout_s`` per call, no longer counted in flight, would
+reach ``max_connections`` at about 17 calls/s an endpoint)."""
+
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%") + " "
 
 
@@ -240,6 +246,7 @@ class GatewayClient:
         """Request ids of this client's calls in flight: no two go upstream under one."""
         self._relists: set[asyncio.Task[None]] = set()
         self._drains: set[asyncio.Task[None]] = set()
+        self._closed = False  # aclose began: a body whose stream ended is closed, not drained
         """Reads of bodies whose stream ended at ``[DONE]`` before the body did (:meth:`_finish_body`)."""
         self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
@@ -259,6 +266,7 @@ class GatewayClient:
         """Close every endpoint's connection pool (and stop the reads of model lists under way; an endpoint that
         answers from now on starts none: it would read through a closed connection pool)."""
         self.pool.on_answer = None
+        self._closed = True
         for task in (*self._relists, *self._drains):
             task.cancel()
         await asyncio.gather(*self._relists, *self._drains, return_exceptions=True)
@@ -534,17 +542,22 @@ class GatewayClient:
         The answer is whole at ``[DONE]``: the call ends there, not when the body does (a server or proxy that
         held the response open after it turned a whole answer into a read timeout after its tokens). The rest
         (most servers send the body's end right after) is read so that the connection is kept for the next call,
-        within ``read_timeout_s``; what it holds is not read as the stream, and a failure there fails nothing."""
+        within :data:`DRAIN_AFTER_DONE_S`: a body held open longer is closed with its connection (held for the
+        whole ``read_timeout_s``, such bodies piled up connections no longer counted in flight, to the pool's
+        ``max_connections``). What it holds is not read as the stream, and a failure there fails nothing. A
+        client closing (:meth:`aclose`) closes the body at once."""
 
         async def drain() -> None:
             try:
-                async with asyncio.timeout(self.config.read_timeout_s):
-                    async for _ in opened.events:
-                        pass
-            except (httpx.HTTPError, TimeoutError):
+                if not self._closed:  # a client closing closes the body at once: its drains were cancelled
+                    async with asyncio.timeout(DRAIN_AFTER_DONE_S):
+                        async for _ in opened.events:
+                            pass
+            except Exception:  # noqa: BLE001 - the answer is whole: whatever the rest of the body does fails nothing
                 pass
             finally:
-                await opened.response.aclose()
+                with contextlib.suppress(Exception):
+                    await opened.response.aclose()
 
         task = asyncio.get_running_loop().create_task(drain(), name=f"drain-{opened.endpoint.name}")
         self._drains.add(task)
