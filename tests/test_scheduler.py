@@ -977,3 +977,14 @@ def test_the_waiting_gauges_agree_buffered_requests_counted_by_class_too() -> No
     sched.flush(FlushReason.STEP, 0.0)
     stats = sched.make_stats()
     assert stats.num_waiting == 3 and stats.waiting == {"core": 1, "normal": 0, "batch": 2}
+
+
+def test_the_kv_budget_follows_a_capacity_replaced_after_the_scheduler_was_built() -> None:
+    """A bench replaces capacity with fixed slots after building the scheduler (bench compare's no-batching run):
+    a budget kept from construction went on pricing tool waits and holding restores against bytes no longer
+    counted."""
+    config = SwitchyardConfig()
+    sched = build_scheduler(config, SimEngine(config))
+    assert isinstance(sched.kv_budget, KvBudget)
+    sched.capacity = FixedSlots(4)
+    assert sched.kv_budget is None

@@ -221,9 +221,6 @@ class SchedulerCore(KvMemory):
             capacity = (KvBudget(config.memory.hbm, info, self._held_beside_running, self.kv.device_used_bytes,
                                  taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
-        self.kv_budget: KvBudget | None = capacity if isinstance(capacity, KvBudget) else None
-        """The capacity as a KV budget in bytes, None for one that counts no bytes (an upstream's concurrency
-        limit, an engine that reports no memory): what the memory management below prices and holds."""
         flush = config.batching
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
@@ -255,6 +252,13 @@ class SchedulerCore(KvMemory):
         self._announced = False  # a tool-wait announcement has come: undecided parked steps are held for theirs
 
     # ------------------------------------------------------------------ views
+
+    @property
+    def kv_budget(self) -> KvBudget | None:
+        """The capacity as a KV budget in bytes, None for one that counts no bytes (an upstream's concurrency
+        limit, an engine that reports no memory, fixed slots): what the memory management prices and holds. Read
+        from ``capacity`` each time: a bench replaces it after the scheduler is built."""
+        return self.capacity if isinstance(self.capacity, KvBudget) else None
 
     @property
     def waiting(self) -> list[Request]:

@@ -63,7 +63,7 @@ class KvMemory:
     memory: Any
     kv: KVCacheManager
     capacity: Capacity
-    kv_budget: KvBudget | None
+    kv_budget: KvBudget | None  # a property of the core, read from capacity
     parking: ParkedAgents
     tiers: MemoryTiers
     tool_waits: ToolWaitPlans
