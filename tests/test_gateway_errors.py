@@ -429,11 +429,13 @@ async def test_a_200_json_error_body_to_a_stream_request_is_the_error_it_carries
     import json
 
     data = json.dumps({"error": error}).encode()
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % len(data))
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\nretry-after: 7\r\n"
+            b"connection: close\r\n\r\n" % len(data))
     async with raw_upstream(head, data) as base:
         err = await stream_error(gateway_config(base, fallback_model="", max_retries=0))
     assert err.code == code and error["message"] in str(err) and base in str(err), str(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the wait the response asks for is kept (it was read from {})
+        assert err.retry_after_s == 7.0
 
 
 @pytest.mark.parametrize("status, moved_to", [

@@ -872,7 +872,7 @@ class GatewayClient:
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.lower():
                 text = (await response.aread()).decode("utf-8", "replace")
-                if (answered := decoder.answered_error(text)) is not None:
+                if (answered := decoder.answered_error(text, response.headers)) is not None:
                     raise answered
                 raise StreamProtocolError(
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
@@ -890,7 +890,7 @@ class GatewayClient:
                     return _OpenStream(response, events, decoder, first, False, endpoint)
             if not decoder.chunks and not decoder.done and stray:
                 decoder.stray = redact("\n".join(stray), call.key.value)
-                if (answered := decoder.answered_error(decoder.stray)) is not None:
+                if (answered := decoder.answered_error(decoder.stray, response.headers)) is not None:
                     raise answered
             return _OpenStream(response, events, decoder, _end(decoder), True, endpoint)
         except httpx.HTTPError as exc:

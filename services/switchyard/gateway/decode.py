@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from switchyard.common import untrusted
 from switchyard.gateway.classify import error_for_status
@@ -397,12 +397,13 @@ class StreamDecoder:
                 events.extend(self._calls.drain())
         return events
 
-    def answered_error(self, body: str) -> GatewayError | None:
+    def answered_error(self, body: str, headers: Mapping[str, str] | None = None) -> GatewayError | None:
         """The error a whole non-SSE ``body`` answering a stream request carries, classified as one inside the
         stream (:meth:`feed`: by its code or type); None when it is no error object (an object with ``error``
         and no ``choices``). A server or gateway that fails a request before streaming may answer 200 with its
         JSON error body; read as "not a stream", its status (a prompt too long, a rate limit, an overload) was
-        lost and every such answer was INTERNAL."""
+        lost and every such answer was INTERNAL. ``headers``: the response's, for the wait a 429 or 503 asks
+        (Retry-After)."""
         try:
             payload = untrusted.loads(body)
         except ValueError:
@@ -410,9 +411,9 @@ class StreamDecoder:
         if not isinstance(payload, dict) or "error" not in payload or "choices" in payload:
             return None
         self.failed = True
-        return self._error(body)
+        return self._error(body, headers or {})
 
-    def _error(self, data: str) -> GatewayError:
+    def _error(self, data: str, headers: Mapping[str, str] | None = None) -> GatewayError:
         """The error an in-stream error's ``data`` stands for: an object with ``error`` (OpenAI's, vLLM's), or
         the error object itself (llama.cpp's ``error:`` field), or text; classified by its status."""
         try:
@@ -421,7 +422,7 @@ class StreamDecoder:
             payload = data
         error = payload if isinstance(payload, dict) and "error" in payload else {"error": payload}
         self.error_data, self.error_status = data, stream_error_status(error)
-        return error_for_status(self.error_status, data, {}, url=self.url, model=self.model, key=self.key,
+        return error_for_status(self.error_status, data, headers or {}, url=self.url, model=self.model, key=self.key,
                                 in_stream=True)
 
 

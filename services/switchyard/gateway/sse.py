@@ -54,26 +54,28 @@ async def iter_events(response: httpx.Response, stray: list[str] | None = None) 
     # line's field '\ufeffdata', an unknown field, and lost the first chunk.
     response.encoding = "utf-8-sig"
     lines, fields = SSELineDecoder(), SSEDecoder()
+    kept = 0  # characters in stray
     async for text in response.aiter_text():
         for line in lines.decode(text):
             if stray is not None:
-                _keep_stray(stray, line)
+                kept = _keep_stray(stray, line, kept)
             if (event := _event(fields, line)) is not None:
                 stray = None  # the body holds events: what else it holds is ignored, as the format says
                 yield event
     for line in lines.flush():
         if stray is not None:
-            _keep_stray(stray, line)
+            kept = _keep_stray(stray, line, kept)
         if (event := _event(fields, line)) is not None:
             yield event
 
 
-def _keep_stray(stray: list[str], line: str) -> None:
-    """Add ``line`` to ``stray`` when it is no field of the format (nor a comment, nor an event's end)."""
-    if not line or line.startswith((":", _ERROR_FIELD)) or line.partition(":")[0] in _FIELDS:
-        return
-    if sum(map(len, stray)) < STRAY_CHARS:
-        stray.append(line)
+def _keep_stray(stray: list[str], line: str, kept: int) -> int:
+    """Add ``line`` to ``stray`` (holding ``kept`` characters) when it is no field of the format (nor a comment,
+    nor an event's end) and :data:`STRAY_CHARS` are not kept yet; returns the characters kept."""
+    if not line or line.startswith((":", _ERROR_FIELD)) or line.partition(":")[0] in _FIELDS or kept >= STRAY_CHARS:
+        return kept
+    stray.append(line)
+    return kept + len(line)
 
 
 def _event(fields: SSEDecoder, line: str) -> ServerSentEvent | None:
