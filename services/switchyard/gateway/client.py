@@ -246,8 +246,8 @@ class GatewayClient:
         """Request ids of this client's calls in flight: no two go upstream under one."""
         self._relists: set[asyncio.Task[None]] = set()
         self._drains: set[asyncio.Task[None]] = set()
-        self._closed = False  # aclose began: a body whose stream ended is closed, not drained
         """Reads of bodies whose stream ended at ``[DONE]`` before the body did (:meth:`_finish_body`)."""
+        self._closed = False  # aclose began: a body whose stream ended is closed, not drained
         self.pool.on_answer = self._relist_soon  # an endpoint back after it could not be reached: read again
 
     @property

@@ -129,7 +129,7 @@ async def with_retries(
     try:
         return await retrying(attempt)
     except GatewayError as last:
-        if str(last) != first_message and not str(last).startswith(first_message):
+        if not str(last).startswith(first_message):  # the first's own error (noted or not): nothing to add
             raise last.with_note(f"the first attempt failed otherwise: {first_message}") from None
         raise
 
