@@ -128,8 +128,9 @@ class AdaptiveConcurrencyConfig(_Strict):
     memory_s: float = Field(
         30.0, gt=0, le=3600,
         description="How long one concurrency level's throughput and TTFT count after it was last measured, "
-        "seconds; levels above the knee age out and are measured again by probing. At least 6 x window_s (a "
-        "level must outlast two windows at the knee, at the probe above it and at the probe below).",
+        "seconds; levels above the knee age out and are measured again by probing. At least "
+        f"{MEMORY_WINDOWS} x window_s (a level must outlast two windows at the knee, a ramp, and two at each probe "
+        "around it).",
     )
     core_reserved_slots: int = Field(
         2, ge=0, le=100_000,
