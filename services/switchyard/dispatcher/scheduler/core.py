@@ -501,9 +501,10 @@ class SchedulerCore(KvMemory):
         Each victim's reservation is freed; its live KV (``kv.kv_bytes``, kept as ``req.kv_leaving_bytes``) stays held until the step in
         flight ends (:meth:`_end_preemptions`), so a victim adds only its reserved-but-unused bytes now.
         """
-        budget = self.kv_budget is not None
+        budget = self.kv_budget
         chosen = self._fewest_victims(req, self._victim_candidates(req, out),
-                                      lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim) if budget else 0)
+                                      lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim)
+                                      if budget is not None else 0)
         if chosen is None:
             return False
         for victim in chosen:
@@ -511,9 +512,9 @@ class SchedulerCore(KvMemory):
             self._stop(victim, now)
             victim.status = PREEMPTING
             self._leaving.append(victim)
-            if budget:
+            if budget is not None:
                 victim.kv_leaving_bytes = held
-                self.kv_budget.hold(held)  # type: ignore[union-attr]
+                budget.hold(held)
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True

@@ -121,15 +121,18 @@ class PriorityScheduler(SchedulerCore):
         the aging order is the arrival order: every member has the same head start)."""
         return class_rank(req), req.arrival
 
+    def _in_victim_order(self, out: SchedulerOutput) -> list[Request]:
+        """:meth:`_below_core`, first victim first (:meth:`_victim_order`)."""
+        return sorted(self._below_core(out), key=self._victim_order, reverse=True)
+
     def _victim_candidates(self, req: Request, out: SchedulerOutput) -> list[Request]:
         """Lower-class running work, lowest priority first, when ``req`` is core work that may preempt now."""
         if not self._may_preempt(req, self._now):
             return []
-        return sorted(self._below_core(out), key=self._victim_order, reverse=True)
+        return self._in_victim_order(out)
 
     def _victims_for(self, req: Request, out: SchedulerOutput) -> list[Request] | None:
         """The fewest lowest-priority running requests whose slots and KV let ``req`` start; None if none do:
-        :meth:`SchedulerCore._fewest_victims` over :meth:`_below_core` in :meth:`_victim_order`, each victim's
-        whole reservation freed (at a decision no step is in flight)."""
-        candidates = sorted(self._below_core(out), key=self._victim_order, reverse=True)
-        return self._fewest_victims(req, candidates, lambda victim: victim.kv_reserved_bytes)
+        :meth:`SchedulerCore._fewest_victims` over :meth:`_in_victim_order`, each victim's whole reservation
+        freed (at a decision no step is in flight; the caller checked :meth:`_may_preempt`)."""
+        return self._fewest_victims(req, self._in_victim_order(out), lambda victim: victim.kv_reserved_bytes)
