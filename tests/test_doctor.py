@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from gateway_fixtures import TEST_KEY, clean_proxy_env, start_sim  # noqa: F401
@@ -412,30 +416,48 @@ def test_a_server_that_lists_its_models_but_never_streams_is_named_within_the_ti
     assert "hung or overloaded" in out and "raise --timeout" in out
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """An http.server handler that logs nothing, with :meth:`reply` for a whole answer."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def reply(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 (http.server in a thread); yields its base URL (``.../v1``)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    # a 10 ms poll: shutdown() waits for the next one (0.5 s by default)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 @contextlib.contextmanager
 def stalling_server():
     """A model server (http.server in a thread) that lists the shipped models and streams one token of every
     answer, then nothing more until it is stopped; yields its base URL."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     stop = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):  # quiet
-            pass
-
+    class Handler(QuietHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            body = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in (
-                "claude-sonnet-4-5", "gpt-4o-mini")]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(200, "application/json", json.dumps({"object": "list", "data": [
+                {"id": m, "object": "model"} for m in ("claude-sonnet-4-5", "gpt-4o-mini")]}).encode())
 
         def do_POST(self):  # noqa: N802 - http.server's name
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -449,18 +471,11 @@ def stalling_server():
             stop.wait(60)
             self.close_connection = True
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    # a 10 ms poll: shutdown() waits for the next one (0.5 s by default)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        stop.set()
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(Handler) as url:
+        try:
+            yield url
+        finally:
+            stop.set()
 
 
 def test_a_server_that_stalls_mid_answer_is_named_as_stalled_not_as_silent(clean_proxy_env, monkeypatch, capsys):
@@ -482,44 +497,20 @@ def test_a_server_that_lists_no_models_but_streams_is_served_with_a_warning(clea
     doctor failed its base url ('answers 404 ... must be the root ending in /v1') and skipped the probe that would
     have shown it streams. The probe decides: it streams, so the base url is a warning (no ids or window to
     check); a wrong root fails the probe too (test_wrong_path_fails_naming_v1)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):  # quiet
-            pass
-
+    class Handler(QuietHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            body = b'{"detail":"Not Found"}'
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(404, "application/json", b'{"detail":"Not Found"}')
 
         def do_POST(self):  # noqa: N802 - http.server's name
             self.rfile.read(int(self.headers["Content-Length"]))
-            body = (b'data: {"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"length"}]}\n\n'
-                    b"data: [DONE]\n\n")
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(200, "text/event-stream",
+                       b'data: {"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"length"}]}\n\n'
+                       b"data: [DONE]\n\n")
 
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{server.server_address[1]}/v1")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(Handler) as url:
+        code, out = run_doctor(capsys, "--base-url", url)
     assert code == 0, out
     assert "the server lists no models, but it streams chat completions" in out, out
     assert "stream probe" in out and "FAIL" not in out, out

@@ -403,6 +403,15 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head
 
 
+async def answer_json(writer: asyncio.StreamWriter, status: str, body: object) -> None:
+    """Answer ``status`` (e.g. ``"404 Not Found"``) with ``body`` as JSON, then close the connection."""
+    data = json.dumps(body).encode()
+    writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+                 "connection: close\r\n\r\n".encode() + data)
+    await writer.drain()
+    writer.close()
+
+
 @contextlib.asynccontextmanager
 async def raw_upstream(head: bytes, body: bytes = b""):
     """A TCP server on 127.0.0.1 that answers every request with ``head`` then ``body``, and closes."""
@@ -426,8 +435,6 @@ async def test_a_200_json_error_body_to_a_stream_request_is_the_error_it_carries
     """A server or gateway that fails a stream request before streaming may answer 200 with its JSON error body. It
     read as 'answered application/json ... ignores stream', INTERNAL whatever the error said: a prompt too long was
     a Switchyard fault, a rate limit retried as nothing. A 200 JSON answer that is no error stays that error."""
-    import json
-
     data = json.dumps({"error": error}).encode()
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\nretry-after: 7\r\n"
             b"connection: close\r\n\r\n" % len(data))
@@ -471,8 +478,6 @@ async def test_a_model_named_without_its_latest_tag_is_one_ollama_serves(clean_p
     """Ollama lists ``llama3:latest`` and serves ``llama3`` as it. Read as unlisted, its 400 for a model that takes
     no tools (naming the model) was NOT_FOUND 'unknown model', and doctor failed the model: the server serves
     it, so the 400 is the request's (INVALID_ARGUMENT) and doctor passes it."""
-    import json
-
     from switchyard.gateway import doctor
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -484,11 +489,7 @@ async def test_a_model_named_without_its_latest_tag_is_one_ollama_serves(clean_p
             status, body = "400 Bad Request", {"error": {
                 "message": "registry.ollama.ai/library/llama3:latest does not support tools", "type": "api_error",
                 "param": None, "code": None}}
-        data = json.dumps(body).encode()
-        writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
-                     "connection: close\r\n\r\n".encode() + data)
-        await writer.drain()
-        writer.close()
+        await answer_json(writer, status, body)
 
     async with tcp_upstream(answer) as base:
         cfg = gateway_config(base, default_model="llama3", fallback_model="", max_retries=0)
@@ -600,7 +601,6 @@ async def chatless_server(lists_models: bool):
     """An HTTP server on 127.0.0.1 that answers every POST (chat completions) 404 ``{"detail": "Not Found"}``, as a
     server with no such route does, and ``GET /v1/models`` with model ``m`` listed (``lists_models``) or 404 too;
     yields its base URL."""
-    import json
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await read_request(reader)
@@ -608,11 +608,7 @@ async def chatless_server(lists_models: bool):
             status, body = "200 OK", {"object": "list", "data": [{"id": "m", "object": "model"}]}
         else:
             status, body = "404 Not Found", {"detail": "Not Found"}
-        data = json.dumps(body).encode()
-        writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
-                     "connection: close\r\n\r\n".encode() + data)
-        await writer.drain()
-        writer.close()
+        await answer_json(writer, status, body)
 
     async with tcp_upstream(answer) as base:
         yield base
