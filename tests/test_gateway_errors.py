@@ -286,9 +286,8 @@ async def test_a_call_whose_callers_deadline_ran_out_counts_as_cancelled_not_as_
         (Fault(no_finish=True), grpc.StatusCode.UNAVAILABLE, "before any finish_reason and without 'data: [DONE]'"),
         (Fault(malformed_after=0), grpc.StatusCode.INTERNAL, "not JSON"),
         (Fault(no_choices=True), grpc.StatusCode.INTERNAL, "reading choices"),
-        (Fault(mismatch=True), grpc.StatusCode.INTERNAL, "stream=true) but it answered application/json"),
     ],
-    ids=["truncated", "no-finish-no-done", "malformed-chunk", "no-choices", "flag-mismatch"],
+    ids=["truncated", "no-finish-no-done", "malformed-chunk", "no-choices"],
 )
 async def test_broken_stream_names_what_was_received(clean_proxy_env, fault, code, says):
     with start_sim(faults={"*": fault}) as server:
@@ -299,8 +298,8 @@ async def test_broken_stream_names_what_was_received(clean_proxy_env, fault, cod
 
 @pytest.mark.parametrize("fault", [
     Fault(cut_after=0), Fault(no_finish=True), Fault(malformed_after=2), Fault(no_choices=True),
-    Fault(mismatch=True), Fault(status=429), Fault(status=400), Fault(status=503), Fault(expired=True),
-], ids=["cut", "no-finish", "malformed", "no-choices", "mismatch", "429", "400", "503", "expired"])
+    Fault(status=429), Fault(status=400), Fault(status=503), Fault(expired=True),
+], ids=["cut", "no-finish", "malformed", "no-choices", "429", "400", "503", "expired"])
 async def test_every_upstream_failure_names_the_upstream_that_answered(clean_proxy_env, fault):
     """With a pool of replicas the message is how a user tells which one failed: every status error and
     every stream the decoder refuses names the URL (before, 429, 400, an expired token, a stream without

@@ -483,6 +483,24 @@ async def test_without_the_servers_usage_the_completion_tokens_are_estimated_fro
     assert chunks[-1].done.usage.completion_tokens == expected > 0
 
 
+async def test_a_whole_answer_without_usage_counts_the_word_pieces_of_its_text(clean_proxy_env):
+    """An answer that came whole (a chat completion answering the stream request) is one piece of text: counted
+    one per piece, a 9-word answer without the server's usage read as 1 completion token."""
+    from switchyard.dispatcher.request import word_pieces
+    from test_upstream_streams import Recorded, replay_server
+
+    text = "The with statement wraps a block in a context manager."
+    body = {"id": "c", "object": "chat.completion", "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+    whole = Recorded("inline", {"status": "HTTP/1.1 200 OK", "content-type": "application/json", "framing": "close"},
+                     json.dumps(body).encode())
+    async with replay_server(whole) as (base, _):
+        chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="whole:0", prompt=PROMPT, model="m"),
+                                          fallback_model="", default_model="m", max_retries=0)
+    assert "".join(c.token.text for c in chunks if c.WhichOneof("chunk") == "token") == text
+    assert chunks[-1].done.usage.completion_tokens == len(word_pieces(text)) > 1
+
+
 async def test_sim_openai_stands_in_for_a_reasoning_server_and_its_finish_reasons(clean_proxy_env):
     """``--fault reasoning=N`` and ``--fault finish=WORD`` let the fake upstream send what vLLM does with a reasoning
     parser, and its abort: the thinking never reaches the answer but counts; an abort is an error naming it."""

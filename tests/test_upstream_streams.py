@@ -195,6 +195,23 @@ async def test_sim_openai_without_done_is_a_finished_stream_and_without_finish_a
     assert (ending_count("finish_reason"), ending_count("cut")) == (before[0] + 1, before[1] + 1)
 
 
+async def test_a_whole_completion_answering_a_stream_request_is_the_answer_not_an_error(clean_proxy_env):
+    """``--fault mismatch``: sim-openai answers ``stream: true`` with its whole chat completion as JSON, as a
+    server that does not stream some requests, or a caching proxy, does. Read as "not a stream" it was INTERNAL
+    and sent to the fallback model; the answer is all there: its text, finish reason and usage, counted as a
+    ``whole_answer`` ending, once, with nothing sent again."""
+    before = ending_count("whole_answer")
+    with start_sim(faults={"*": Fault(mismatch=True)}) as server:
+        async with GatewayClient(gateway_config(server.base_url)) as client:
+            events = [e async for e in client.stream_chat(ask())]
+        assert sum(server.state.counts.values()) == 1
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.finish_reason == "stop" and finished.ending == "whole_answer"
+    assert "".join(e.text for e in events if isinstance(e, Token)).startswith("A short answer")
+    assert finished.usage is not None and finished.usage.completion_tokens > 0
+    assert ending_count("whole_answer") == before + 1
+
+
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 async def test_a_cookie_the_server_sets_is_sent_back_on_the_next_call(clean_proxy_env, transport):
     """Both transports keep the cookies an endpoint sets (a hosted API's load balancer) and send them on its next

@@ -35,7 +35,8 @@ class Fault:
       ``code`` (vLLM's shape: ``{"error": {"message", "type", "code"}}``) and end the body.
     - ``no_choices``: send chunks without a ``choices`` list.
     - ``slow_ms``: extra delay before each streamed item, milliseconds.
-    - ``mismatch``: answer JSON when a stream was asked, SSE when JSON was asked.
+    - ``mismatch``: answer the whole chat completion as JSON when a stream was asked (a server or proxy that
+      ignores ``stream``), SSE when JSON was asked.
     - ``expired``: answer 401 saying the OAuth token expired.
     - ``echo_key``: on 401, echo the presented bearer token in the body (as some proxies do).
     - ``retry_after``: with ``status``, send ``Retry-After: N`` (delta-seconds).

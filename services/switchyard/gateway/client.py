@@ -31,8 +31,9 @@
   that endpoint, logged once, and the request sent again without it: nothing had
   streamed yet.
 - A stream is finished by ``data: [DONE]`` or, without it, by a clean end after a
-  ``finish_reason`` (:mod:`switchyard.gateway.decode`); each ending is counted in
-  ``switchyard_upstream_stream_endings_total``.
+  ``finish_reason`` (:mod:`switchyard.gateway.decode`); a whole chat completion answering
+  the stream request (a server or proxy that ignores ``stream``) is a finished answer too.
+  Each ending is counted in ``switchyard_upstream_stream_endings_total``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,12 @@ def _end(decoder: StreamDecoder) -> list[StreamEvent]:
         raise
     UPSTREAM_STREAM_ENDINGS.labels(decoder.ending or "cut").inc()
     return events
+
+
+async def _no_events() -> AsyncIterator[ServerSentEvent]:
+    """The events left of an answer read whole (:meth:`StreamDecoder.whole_answer`): none."""
+    return
+    yield
 
 
 def _count_error(decoder: StreamDecoder) -> None:
@@ -874,9 +881,14 @@ class GatewayClient:
                 text = (await response.aread()).decode("utf-8", "replace")
                 if (answered := decoder.answered_error(text, response.headers)) is not None:
                     raise answered
+                if (whole := decoder.whole_answer(text)) is not None:
+                    UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
+                    self.pool.on_first_item(endpoint, time.monotonic() - sent)
+                    return _OpenStream(response, _no_events(), decoder, whole, True, endpoint)
+                decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
                 raise StreamProtocolError(
-                    f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'}: "
-                    f"received {snippet(redact(text, call.key.value))}; the server or a proxy ignores 'stream'"
+                    f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'} "
+                    f"that is neither a stream nor a chat completion: received {snippet(redact(text, call.key.value))}"
                 )
             stray: list[str] = []  # what the body held that is no event (read while none came)
             events = iter_events(response, stray)

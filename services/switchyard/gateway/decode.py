@@ -30,6 +30,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
   beside it, the server's counts were lost for estimates) or in a usage-only chunk after it, or nowhere;
   an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
   requested one: neither is checked;
+- no stream at all but the whole chat completion (``choices[].message``), as ``application/json``: a server that
+  ignores ``stream`` for some requests, or a caching proxy (:meth:`StreamDecoder.whole_answer`, ending
+  ``whole_answer``);
 - an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI) or as an ``error`` event whose data
   is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
 - a ``finish_reason`` in another server's words (TGI's ``eos_token``, Anthropic's ``end_turn``): read as the one
@@ -326,6 +329,8 @@ class StreamDecoder:
         """The data of the error object the stream carried, as received; None while it carried none."""
         self.error_status: int | None = None
         """The HTTP status that error stands for (:func:`stream_error_status`; None where it names none)."""
+        self.whole = False
+        """The answer came as one chat completion, not a stream (:meth:`whole_answer`)."""
         self.stray = ""
         """What a body that carried no event held instead (lines that are no field of the SSE format: a whole
         JSON error, a proxy's HTML page), named by :meth:`end`; "" when none."""
@@ -358,6 +363,10 @@ class StreamDecoder:
         chunk = _loads(data, "stream chunk")
         if "error" in chunk and "choices" not in chunk:
             raise self._error(data)
+        return self._chunk(chunk, data)
+
+    def _chunk(self, chunk: dict[str, Any], data: str) -> list[StreamEvent]:
+        """The events of one chunk (``data``: as received, named by an error)."""
         self.chunks += 1
         self.model = chunk.get("model") or self.model
         self.usage = _usage(chunk.get("usage")) or self.usage
@@ -396,6 +405,37 @@ class StreamDecoder:
                 self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
                 events.extend(self._calls.drain())
         return events
+
+    def whole_answer(self, body: str) -> list[StreamEvent] | None:
+        """The events of a whole chat completion answering a stream request, ending with :class:`Finished`
+        (:attr:`ending` ``whole_answer``); None when ``body`` is no chat completion (a JSON object whose first
+        choice carries a ``message`` object).
+
+        A server that cannot stream a request (some do not for tool calls), or a caching proxy between, may
+        answer ``stream: true`` with the whole completion as ``application/json``, as it would answer without
+        it (OpenAI API reference, "The chat completion object": ``choices[].message`` where a chunk has
+        ``choices[].delta``). The answer is all there: it is read as one chunk whose delta is the message.
+        Read as "not a stream", every such answer failed.
+
+        Raises:
+            StreamProtocolError, GatewayError: as :meth:`feed`, for the chunk the message makes.
+        """
+        try:
+            payload = untrusted.loads(body)
+        except ValueError:
+            return None
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
+                or not isinstance(choices[0].get("message"), dict):
+            return None
+        self.whole = True
+        self.last = body
+        chunk = {**payload, "choices": [{**choices[0], "delta": choices[0]["message"]}]}
+        try:
+            return [*self._chunk(chunk, body), *self.end()]
+        except GatewayError:
+            self.failed = True
+            raise
 
     def answered_error(self, body: str, headers: Mapping[str, str] | None = None) -> GatewayError | None:
         """The error a whole non-SSE ``body`` answering a stream request carries, classified as one inside the
@@ -436,10 +476,13 @@ class StreamDecoder:
     @property
     def ending(self) -> str | None:
         """How the stream ended so far: ``error`` (it carried an error object or could not be read),
-        ``done_marker`` (``data: [DONE]`` came), ``finish_reason`` (no marker, but a choice finished), or None
-        (neither: a body ending now was cut)."""
+        ``whole_answer`` (no stream: one whole chat completion, :meth:`whole_answer`), ``done_marker``
+        (``data: [DONE]`` came), ``finish_reason`` (no marker, but a choice finished), or None (none of these: a
+        body ending now was cut)."""
         if self.failed:
             return "error"
+        if self.whole:
+            return "whole_answer"
         if self.done:
             return "done_marker"
         return "finish_reason" if self.finish_reason else None

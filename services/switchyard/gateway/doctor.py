@@ -327,7 +327,9 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
         else:
             finished = items[-1] if items and isinstance(items[-1], Finished) else None
             ending = {"done_marker": "ended by data: [DONE]",
-                      "finish_reason": "ended after its finish_reason without data: [DONE] (a finished stream)"}.get(
+                      "finish_reason": "ended after its finish_reason without data: [DONE] (a finished stream)",
+                      "whole_answer": "answered with the whole completion as JSON, not a stream (the server or a "
+                                      "proxy ignores stream=true: no token arrives before the last)"}.get(
                 finished.ending if finished else None, "ended")
             checks.append(Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s), {ending}"))
             checks.append(await _tools_check(client))

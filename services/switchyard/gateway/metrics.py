@@ -62,14 +62,16 @@ GATEWAY_CIRCUIT_TRANSITIONS = Counter(
     ["model", "from_state", "to_state"],
 )
 
-STREAM_ENDINGS = ("done_marker", "finish_reason", "error", "cut")
+STREAM_ENDINGS = ("done_marker", "finish_reason", "whole_answer", "error", "cut")
 """How an upstream stream ended: ``data: [DONE]``; a clean end after a ``finish_reason`` with no marker
-(``transformers serve``); an error object inside the stream, or a chunk that cannot be read; or cut (the
+(``transformers serve``); no stream but the whole chat completion as JSON (a server or proxy ignoring
+``stream``); an error object inside the stream, or a chunk that cannot be read; or cut (the
 connection broke, or the body ended before any ``finish_reason``)."""
 UPSTREAM_STREAM_ENDINGS = Counter(
     "switchyard_upstream_stream_endings_total",
     "Upstream completion streams by how they ended: done_marker (data: [DONE]), finish_reason (the body ended "
-    "after a choice's finish_reason, without the marker), error (an error object inside the stream, or a chunk "
+    "after a choice's finish_reason, without the marker), whole_answer (the whole chat completion as JSON, no "
+    "stream), error (an error object inside the stream, or a chunk "
     "that cannot be read) or cut (connection broken, or ended before any finish_reason).",
     ["ending"],
 )

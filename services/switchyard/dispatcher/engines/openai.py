@@ -223,7 +223,9 @@ class OpenAIEngine(StreamEngine):
         count of 0, the completion tokens are an estimate: one per streamed text piece (answer or reasoning: a
         server streams about one token a chunk) and, per tool call, the word pieces of its name and arguments
         (:func:`~switchyard.dispatcher.request.word_pieces`, the dispatcher's count of a prompt; a call may come
-        whole in one chunk, as Ollama sends it); the prompt tokens are then the dispatcher's own count.
+        whole in one chunk, as Ollama sends it); an answer that came whole, not streamed (the gateway's
+        ``whole_answer`` ending), counts the word pieces of its text instead. The prompt tokens are then the
+        dispatcher's own count.
 
         Raises:
             InvalidArgument: bad tool schema in ``req``.
@@ -233,18 +235,23 @@ class OpenAIEngine(StreamEngine):
         """
         request = chat_request(req)
         streamed = 0
+        texts: list[str] = []  # counted in word pieces only for an answer that came whole
         async for event in self.client.stream_chat(request):
             if isinstance(event, events.Token):
                 streamed += 1
+                texts.append(event.text)
                 yield event.text
             elif isinstance(event, events.Reasoning):
                 streamed += 1
+                texts.append(event.text)
                 yield Reasoning(event.text)
             elif isinstance(event, events.ToolCallOut):
                 streamed += max(1, len(word_pieces(f"{event.name} {event.arguments_json}")))
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, events.Finished):
                 usage = event.usage
+                if event.ending == "whole_answer" and not (usage and usage.completion_tokens):
+                    streamed += sum(len(word_pieces(text)) for text in texts) - len(texts)
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
