@@ -111,6 +111,46 @@ async def test_a_core_and_a_batch_task_are_both_served(clean_proxy_env, transfor
     assert answered(core, 8) and answered(batch, 8)
 
 
+async def test_a_core_task_sent_after_waiting_batch_tasks_reaches_the_server_before_them(clean_proxy_env,
+                                                                                         transformers_server):
+    """Priority in front of a first-come-first-served server: the dispatcher holds the upstream at its limit (here
+    pinned to one stream) and orders what waits beyond it. A BATCH task holds the one stream; two BATCH tasks and
+    then a CORE task wait in the dispatcher. When the slot frees, the CORE task goes to the server first, then the
+    BATCH ones in their order: the server's log of requests that finished says so. Passed to the server at once,
+    as before admission at the limit, the server ran them in their order of arrival, the CORE one last."""
+    from prometheus_client import REGISTRY
+
+    server = transformers_server
+    limits = {"concurrency.max_limit": 1, "concurrency.initial_limit": 1}
+    async with stack(server.base_url, server.model, **limits) as stub:
+        holder = stub.RunTask(agent_pb2.RunTaskRequest(task_id="order-a", payload=WORDY, task_type="chat",
+                                                       max_tokens=2000, priority=agent_pb2.BATCH))
+        async for event in holder:
+            if event.HasField("token"):
+                break
+        waiting = []
+        for task_id, priority in (("order-b", agent_pb2.BATCH), ("order-c", agent_pb2.BATCH),
+                                  ("order-d", agent_pb2.CORE)):
+            waiting.append(asyncio.ensure_future(run(stub, task_id=task_id, payload=WORDY, task_type="chat",
+                                                     max_tokens=4, priority=priority)))
+            for _ in range(3000):  # in the dispatcher's queue, in this order, while the holder streams on
+                if (REGISTRY.get_sample_value("switchyard_waiting_sequences") or 0) >= len(waiting):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail(f"{task_id} never waited in the dispatcher: {server.log_tail()}")
+        holder.cancel()
+        for events in await asyncio.gather(*waiting):
+            answered(events, 4)
+    finished = re.compile(r"Request (order-\w):0 finished")
+    for _ in range(200):  # the log line may trail the last chunk by a moment
+        order = finished.findall(server.log_tail(200_000))
+        if len(order) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert order == ["order-d", "order-b", "order-c"], server.log_tail()
+
+
 async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_server):
     """transformers serve ends a stream cut at max_tokens with finish_reason "length"; the task's final event
     carries it (it was dropped at the orchestrator: a cut answer read as a finished one)."""
