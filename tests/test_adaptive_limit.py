@@ -25,13 +25,14 @@ from switchyard.dispatcher.adaptive_limit import (
 )
 from switchyard.dispatcher.request import Request
 from switchyard.dispatcher.scheduler import make_scheduler
-from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, StreamSlots
 from switchyard.dispatcher.service import DispatcherService
 from switchyard_harness.testing.limit_drive import (
     WINDOW_S,
     drive,
     flat_then_falling,
     knee_server,
+    PoolOfOne,
     make_limit,
     noisy,
 )
@@ -150,11 +151,12 @@ def test_a_load_of_one_stream_at_a_time_from_the_start_does_not_take_the_limit_d
     for the probes to climb back (seen in front of transformers serve: 156 ms of queue wait against 13 ms
     of TTFT)."""
     limit = make_limit(initial_limit=4)
+    one = PoolOfOne(limit)
     t = drive(limit, knee_server(12), offered=1, windows=200)  # 100 s: past memory_s
     assert limit.knee == 1 and limit.limit == 4  # the load's level is measured; the limit is not taken to it
-    limit.acquire(BATCH, t)  # one long BATCH stream
-    assert limit.refusal(CORE) is None  # a CORE task beside it starts at once
-    assert limit.refusal(NORMAL) is None and limit.reserve == 1
+    one.acquire(BATCH, t)  # one long BATCH stream
+    assert one.refusal(CORE) is None  # a CORE task beside it starts at once
+    assert one.refusal(NORMAL) is None and limit.reserve == 1
 
 
 @pytest.mark.parametrize("bursts", [1, 20])
@@ -165,13 +167,14 @@ def test_a_burst_then_a_lull_of_one_stream_does_not_take_the_limit_down_to_one(b
     limit to 1. Bursts of one window kept it there, the burst's 64 streams let through one at a time in front
     of a server whose knee is 12."""
     limit = make_limit(initial_limit=4)
+    one = PoolOfOne(limit)
     t = 0.0
     for _ in range(bursts):
         t = drive(limit, knee_server(12), offered=64, windows=1, t=t)
         t = drive(limit, knee_server(12), offered=1, windows=3, t=t)
         assert limit.limit >= 4, limit.limit  # initial_limit: a light load's knee says nothing of the server's
-    limit.acquire(BATCH, t)  # one long BATCH stream
-    assert limit.refusal(CORE) is None and limit.refusal(NORMAL) is None
+    one.acquire(BATCH, t)  # one long BATCH stream
+    assert one.refusal(CORE) is None and one.refusal(NORMAL) is None
 
 
 @pytest.mark.parametrize(("knee", "initial", "ceiling"), [(8, 32, 32), (4, 16, 16), (8, 4, 12), (8, 4, 20)])
@@ -196,14 +199,15 @@ def test_streams_as_long_as_memory_s_do_not_walk_the_limit_up(stream_windows: in
     and the limit walked up to the load (41 for 64 streams offered, 106 with a max of 128) in front of a server
     flat from 8. The levels no longer age while more streams are in flight than the limit lets in."""
     limit = make_limit(initial_limit=4, max_limit=128)
+    one = PoolOfOne(limit)
     ends: list[float] = []  # when each stream in flight ends
     t, step, held = 0.0, WINDOW_S / 5, []
     for i in range(1200 * 5):  # 600 s in steps of a fifth of a window
         for end in [e for e in ends if e <= t]:
             ends.remove(end)
-            limit.release(BATCH, t)
-        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
-            limit.acquire(BATCH, t)
+            one.release(BATCH, t)
+        while limit.in_flight < 64 and one.refusal(BATCH) is None:
+            one.acquire(BATCH, t)
             ends.append(t + stream_windows * WINDOW_S)
         tokens_per_s, ttft = knee_server(8)(limit.in_flight)
         limit.on_sample(ttft, t + step / 2)
@@ -221,9 +225,9 @@ def test_limit_never_grows_with_less_than_half_in_flight() -> None:
     for window in range(300):
         in_flight = max(0, math.ceil(limit.limit / 2) - 1 - window % 4)  # always fewer than half the limit
         while limit.in_flight < in_flight:
-            limit.acquire(BATCH, t)
+            limit.started(t)
         while limit.in_flight > in_flight:
-            limit.release(BATCH, t)
+            limit.ended(t)
         before = limit.limit
         # throughput that keeps rising and a TTFT that keeps falling: everything a rule could read as "grow"
         limit.on_sample(0.05 / (1 + window), t + 0.1)
@@ -236,7 +240,7 @@ def test_limit_never_grows_with_less_than_half_in_flight() -> None:
 def test_the_issue_s_case_four_of_thirty_two_in_flight_does_not_grow_the_limit() -> None:
     limit = make_limit(initial_limit=32)
     for _ in range(4):
-        limit.acquire(BATCH, 0.0)
+        limit.started(0.0)
     limit.on_sample(0.05, 0.1)
     limit.on_tokens(200, 0.2)
     limit.on_tokens(0, 0.6)
@@ -275,12 +279,12 @@ def test_overload_halves_the_limit_once_per_ttft_window_down_to_the_floor() -> N
 def test_a_429_with_others_in_flight_drops_the_limit_to_them_at_once() -> None:
     limit = make_limit(initial_limit=32, min_limit=1, backoff_ratio=0.9)
     for _ in range(12):
-        limit.acquire(BATCH, 1.0)
+        limit.started(1.0)
     limit.on_overload(now=1.0)  # the twelfth was refused: the server took eleven, then the burst's backoff
     assert limit.limit == pytest.approx(11 * 0.9)
-    limit.release(BATCH, 1.0)
+    limit.ended(1.0)
     for _ in range(9):
-        limit.release(BATCH, 1.0)
+        limit.ended(1.0)
     limit.on_overload(now=1.01)  # two in flight, one refused: within the same burst, no second backoff
     assert limit.limit == 1
 
@@ -292,17 +296,18 @@ def test_a_server_that_refuses_past_some_streams_is_not_probed_past_them_every_w
     the streams past ``takes`` (each one requeued, CORE too) window after window, forever. The refusal is
     as high as a probe can measure: it confirms the knee, and the limit holds (then probes down) below it."""
     limit = make_limit(initial_limit=4)
+    one = PoolOfOne(limit)
     t, refused_windows, held = 0.0, 0, []
     for window in range(400):  # 200 s
         limit.on_tokens(0, t)  # closes the last window
         while limit.in_flight:  # each stream lasts one window
-            limit.release(BATCH, t)
-        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
-            limit.acquire(BATCH, t)
+            one.release(BATCH, t)
+        while limit.in_flight < 64 and one.refusal(BATCH) is None:
+            one.acquire(BATCH, t)
         refused = limit.in_flight > takes
         while limit.in_flight > takes:  # the server refuses it: the stream ends, and goes back to the queue
             limit.on_overload(t)
-            limit.release(BATCH, t)
+            one.release(BATCH, t)
         tokens_per_s, ttft = knee_server(knee)(limit.in_flight)
         for k in range(4):
             limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)
@@ -322,21 +327,22 @@ def test_a_core_stream_beside_batch_is_not_the_one_a_server_that_refuses_past_fo
     into the reserved slot was the fifth and was refused (and halved the limit). The streams the server was
     seen to refuse cap the limit, for memory_s, and the CORE headroom comes out of what it takes."""
     limit = make_limit(initial_limit=4, smoothing=1.0)  # at the knee at once, not ever closer to it
+    one = PoolOfOne(limit)
     t, core_refused = 0.0, 0
     for window in range(400):  # 200 s
         limit.on_tokens(0, t)  # closes the last window
         while limit.in_flight:  # each stream lasts one window
-            limit.release(BATCH if limit.in_flight > limit.core_in_flight else CORE, t)
-        while limit.in_flight < 64 and limit.refusal(BATCH) is None:
-            limit.acquire(BATCH, t)
-        core = window % 4 == 0 and limit.refusal(CORE) is None
+            one.release(BATCH if limit.in_flight > one.core_in_flight else CORE, t)
+        while limit.in_flight < 64 and one.refusal(BATCH) is None:
+            one.acquire(BATCH, t)
+        core = window % 4 == 0 and one.refusal(CORE) is None
         if core:
-            limit.acquire(CORE, t)
+            one.acquire(CORE, t)
         while limit.in_flight > 4:  # the server refuses the last one sent: the stream ends, and is requeued
             limit.on_overload(t)
-            cls = CORE if core and limit.core_in_flight else BATCH
+            cls = CORE if core and one.core_in_flight else BATCH
             core_refused += window >= 200 and cls is CORE
-            limit.release(cls, t)
+            one.release(cls, t)
             core = False
         tokens_per_s, ttft = knee_server(16)(limit.in_flight)
         for k in range(4):
@@ -400,37 +406,39 @@ def test_a_memory_shorter_than_ten_windows_is_refused(window_s: float, memory_s:
 
 def test_core_reserve_holds_slots_back_from_lower_classes_until_core_uses_them() -> None:
     limit = make_limit(initial_limit=8, min_limit=8, max_limit=8, core_reserved_slots=2)
+    one = PoolOfOne(limit)
     assert limit.reserve == 2 and limit.lower_class_ceiling == 6
     for _ in range(6):
-        assert limit.refusal(BATCH) is None
-        limit.acquire(BATCH)
-    assert limit.refusal(BATCH) == UPSTREAM_CORE_RESERVE
-    assert limit.refusal(NORMAL) == UPSTREAM_CORE_RESERVE
-    assert limit.refusal(CORE) is None
-    limit.acquire(CORE)
-    assert limit.refusal(BATCH) == UPSTREAM_CORE_RESERVE  # one held slot left for CORE
-    limit.acquire(CORE)
-    assert limit.refusal(CORE) == UPSTREAM_CONCURRENCY
-    limit.release(CORE)
-    limit.release(CORE)
-    limit.release(BATCH)
-    assert limit.refusal(BATCH) is None
+        assert one.refusal(BATCH) is None
+        one.acquire(BATCH)
+    assert one.refusal(BATCH) == UPSTREAM_CORE_RESERVE
+    assert one.refusal(NORMAL) == UPSTREAM_CORE_RESERVE
+    assert one.refusal(CORE) is None
+    one.acquire(CORE)
+    assert one.refusal(BATCH) == UPSTREAM_CORE_RESERVE  # one held slot left for CORE
+    one.acquire(CORE)
+    assert one.refusal(CORE) == UPSTREAM_CONCURRENCY
+    one.release(CORE)
+    one.release(CORE)
+    one.release(BATCH)
+    assert one.refusal(BATCH) is None
 
 
 def test_core_keeps_its_reserved_slots_when_the_limit_came_down_below_the_lower_classes_in_flight() -> None:
     """After a 429 or the TTFT brake took the limit below the BATCH streams admitted under it, a CORE request
     waited in the dispatcher's queue until enough of them ended (seconds, in front of transformers serve)."""
     limit = make_limit(initial_limit=8, min_limit=1, max_limit=64, core_reserved_slots=2)
+    one = PoolOfOne(limit)
     for _ in range(12):  # admitted under an earlier, higher limit
-        limit.acquire(BATCH)
-    assert limit.refusal(BATCH) == UPSTREAM_CONCURRENCY
-    assert limit.refusal(CORE) is None
-    limit.acquire(CORE)
-    assert limit.refusal(CORE) is None
-    limit.acquire(CORE)
-    assert limit.refusal(CORE) == UPSTREAM_CONCURRENCY  # its reserved slots taken: CORE waits for the limit too
+        one.acquire(BATCH)
+    assert one.refusal(BATCH) == UPSTREAM_CONCURRENCY
+    assert one.refusal(CORE) is None
+    one.acquire(CORE)
+    assert one.refusal(CORE) is None
+    one.acquire(CORE)
+    assert one.refusal(CORE) == UPSTREAM_CONCURRENCY  # its reserved slots taken: CORE waits for the limit too
     for slots, limit_value in ((0, 8), (2, 3)):  # none reserved (a limit under 4 reserves none): the limit alone
-        small = make_limit(initial_limit=limit_value, min_limit=1, max_limit=64, core_reserved_slots=slots)
+        small = PoolOfOne(make_limit(initial_limit=limit_value, min_limit=1, max_limit=64, core_reserved_slots=slots))
         for _ in range(limit_value):
             small.acquire(BATCH)
         assert small.refusal(CORE) == UPSTREAM_CONCURRENCY
@@ -452,7 +460,7 @@ def _request(rid: str, priority: int, arrival: float) -> Request:
 def test_a_core_request_behind_a_held_back_batch_head_takes_a_reserved_slot(policy: str) -> None:
     config = SwitchyardConfig().with_overrides(**{"dispatcher.engine": "openai"})
     limit = make_limit(initial_limit=8, min_limit=8, max_limit=8, core_reserved_slots=2)
-    scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(limit))
+    scheduler = make_scheduler(config, None, policy=policy, capacity=ConcurrencyCapacity(StreamSlots(limit)))
     scheduler.preemption_enabled = False
     # BATCH that arrived 10 s before (ahead of CORE in either policy's order), then one CORE
     accept(scheduler, [_request(f"b{i}", agent_pb2.BATCH, arrival=90 + i * 0.001) for i in range(10)], now=100.0)
@@ -733,24 +741,24 @@ def test_a_server_that_queues_caps_the_limit_at_what_it_runs_plus_one_ready():
     limit = make_limit(initial_limit=4, max_limit=1024)
     drive(limit, knee_server(64), offered=24, windows=6)  # a few windows of probing a server that was faster
     for _ in range(int(limit.limit) - limit.in_flight):
-        limit.acquire(BATCH, 3.0)
+        limit.started(3.0)
     assert limit.in_flight > 2 + SERVER_QUEUE_ALLOWED
     limit.on_server_queue(limit.in_flight - 2)  # the server runs 2; the rest wait inside it
     assert limit.limit == limit.server_cap == 2 + SERVER_QUEUE_ALLOWED
     drive(limit, knee_server(2), offered=24, windows=20, t=3.0)  # the throughput rule probes: held at the cap
     assert limit.limit <= 2 + SERVER_QUEUE_ALLOWED
     while limit.in_flight < int(limit.limit):
-        limit.acquire(BATCH, 20.0)
+        limit.started(20.0)
     # no more waiting than one ready to start, the limit used: one more (the one waiting may be another
     # client's request, which must not hold the cap at its floor)
     limit.on_server_queue(SERVER_QUEUE_ALLOWED)
     assert limit.server_cap == 3 + SERVER_QUEUE_ALLOWED and limit.limit <= limit.server_cap
     while limit.in_flight < int(limit.limit):
-        limit.acquire(BATCH, 20.0)
+        limit.started(20.0)
     limit.on_server_queue(0)  # the server got faster (runs all it is sent, none waiting): one more
     assert limit.server_cap == 4 + SERVER_QUEUE_ALLOWED and limit.limit <= limit.server_cap
     for _ in range(3):
-        limit.release(BATCH, 20.0)
+        limit.ended(20.0)
     limit.on_server_queue(0)  # not used: the cap stays
     assert limit.server_cap == 4 + SERVER_QUEUE_ALLOWED
 

@@ -609,7 +609,7 @@ class EchoStreamEngine(StreamEngine):
     """A StreamEngine that streams the prompt's words back, counting concurrent streams."""
 
     model = "echo-1"
-    concurrency_limit = None  # the dispatcher keeps the limit
+    stream_slots = None  # the dispatcher keeps the limit
 
     def __init__(self) -> None:
         self.active = 0
@@ -778,7 +778,7 @@ def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monke
     from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
     from switchyard.dispatcher.request import Request
     from switchyard.dispatcher.scheduler import make_scheduler
-    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, StreamSlots
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpu=100, memory=100))
 
@@ -791,7 +791,7 @@ def test_a_stream_engines_admission_is_bounded_by_the_upstream_limit_alone(monke
 
     config = SwitchyardConfig().with_overrides(**{"scheduler.score_sample_interval_ms": 1})
     limit = AdaptiveConcurrencyLimit(config.upstream.concurrency)
-    sched = make_scheduler(config, AlwaysBusy(), capacity=ConcurrencyCapacity(limit))
+    sched = make_scheduler(config, AlwaysBusy(), capacity=ConcurrencyCapacity(StreamSlots(limit)))
     sched.schedule(time.monotonic())
     time.sleep(0.01)
     assert sched.monitor.read(time.monotonic()) > 50  # the engine's busy ratio: the score is high
@@ -828,14 +828,14 @@ def test_a_scheduler_for_a_stream_engine_never_preempts_a_stream():
     from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
     from switchyard.dispatcher.request import Request, RequestStatus
     from switchyard.dispatcher.scheduler import make_scheduler
-    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity
+    from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, StreamSlots
 
     config = SwitchyardConfig().with_overrides(**{
         "upstream.concurrency.initial_limit": 1, "upstream.concurrency.min_limit": 1,
         "upstream.concurrency.max_limit": 1, "upstream.concurrency.core_reserved_slots": 0})
     for policy in ("priority", "fair"):
         sched = make_scheduler(config, EchoStreamEngine(), policy=policy,
-                               capacity=ConcurrencyCapacity(AdaptiveConcurrencyLimit(config.upstream.concurrency)))
+                               capacity=ConcurrencyCapacity(StreamSlots(AdaptiveConcurrencyLimit(config.upstream.concurrency))))
         assert not sched.preemption_enabled
         batch = Request(request_id="b", prompt="hi", prompt_tokens=1, max_tokens=8, priority=PriorityClass.BATCH,
                         arrival=0.0)

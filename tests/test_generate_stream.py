@@ -732,7 +732,7 @@ class _HeldStreamEngine(StreamEngine):
     10 ms: a server that is slow to answer one request while others stream."""
 
     model = "held-1"
-    concurrency_limit = None  # the dispatcher keeps the limit
+    stream_slots = None  # the dispatcher keeps the limit
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
@@ -845,8 +845,9 @@ async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_st
         held = [f"held-{i}" for i in range(10)]
         await stream.send(*(start(rid, priority=agent_pb2.BATCH) for rid in held))
         await wait_until(lambda: service.limit.in_flight == 10, "the BATCH streams admitted (the lower classes' 10)")
-        service.limit.on_overload(time.monotonic())  # to the 9 others in flight, then halved
-        assert int(service.limit.limit) == 4 < service.limit.in_flight
+        assert service.limit is not None
+        service.limit.source.on_overload(time.monotonic())  # no stream measured on it: halved, to 6
+        assert int(service.limit.limit) == 6 < service.limit.in_flight
         began = time.monotonic()
         await stream.send(start("core", priority=agent_pb2.CORE, max_tokens=3))
         await stream.until(lambda: stream.done("core"), "the CORE request done", timeout=HANG_BOUND_S)

@@ -22,6 +22,7 @@ from switchyard.gateway.errors import GatewayError, UpstreamServerError
 from switchyard.gateway.events import ChatRequest, Finished, Token
 from switchyard_harness.faults import Fault
 from switchyard.gateway.picker import EndpointPicker
+from switchyard.dispatcher.scheduler.capacity import StreamSlots
 from switchyard.gateway.pool import PoolLimit, endpoint_name, prompt_key
 from switchyard.gateway.server_load import ServerLoad, parse_server_load
 from switchyard_harness.sim_openai import RunningSimOpenAI, SimOpenAIOptions, SpawnedSimOpenAI, run_in_thread, spawn
@@ -441,7 +442,7 @@ async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_
             "dispatcher.engine": "openai", "upstream.api_key_required": False, "upstream.default_model": "sim-7b",
             "upstream.fallback_model": "", "upstream.pool.endpoints": urls})
         service = DispatcherService(cfg, engine=make_engine(cfg))
-        assert isinstance(service.limit, PoolLimit)
+        assert service.limit is not None and isinstance(service.limit.source, PoolLimit)
         assert service.limit.limit == 3 * 3 + 2  # three ceilings of 3 at the start-up limit of 4, one headroom of 2
         async with running([service], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
@@ -492,12 +493,13 @@ async def test_the_dispatchers_upstream_gauges_show_the_pools_totals_and_each_en
             assert gauge("switchyard_gateway_endpoint_concurrency_limit", endpoint=second.name) == 5
             # NORMAL and BATCH fill 7 of the first's 9 and 4 of the second's 5; one CORE headroom (2) on top
             assert gauge("switchyard_upstream_concurrency_limit") == client.concurrency_limit.limit == 7 + 4 + 2
+            slots = StreamSlots(client.concurrency_limit)
             picked, _ = pool.pick("agent-a")
-            client.concurrency_limit.acquire(PriorityClass.NORMAL)
+            slots.acquire(PriorityClass.NORMAL)
             assert gauge("switchyard_gateway_endpoint_in_flight", endpoint=picked.name) == 1
             assert gauge("switchyard_upstream_in_flight") == 1
             pool.finished(picked)
-            client.concurrency_limit.release(PriorityClass.NORMAL)
+            slots.release(PriorityClass.NORMAL)
             assert gauge("switchyard_upstream_in_flight") == 0
 
 
@@ -536,11 +538,12 @@ async def test_an_endpoint_no_call_may_be_placed_on_leaves_the_admission_limit(c
             assert waiting.up and not client.pool.accepts(waiting, "sim-7b")
             assert client.concurrency_limit.counted() == [serving]
             assert client.concurrency_limit.limit == serving.limit.limit < both
+            slots = StreamSlots(client.concurrency_limit)
             for _ in range(int(serving.limit.limit) - serving.limit.reserve):
-                assert client.concurrency_limit.refusal(PriorityClass.NORMAL) is None
-                client.concurrency_limit.acquire(PriorityClass.NORMAL)
-            assert client.concurrency_limit.refusal(PriorityClass.NORMAL) is not None
-            assert client.concurrency_limit.refusal(PriorityClass.CORE) is None
+                assert slots.refusal(PriorityClass.NORMAL) is None
+                slots.acquire(PriorityClass.NORMAL)
+            assert slots.refusal(PriorityClass.NORMAL) is not None
+            assert slots.refusal(PriorityClass.CORE) is None
 
 
 async def test_the_circuit_gauge_counts_the_endpoints_in_each_state_and_a_joining_one_changes_no_other(
@@ -627,7 +630,7 @@ async def test_the_openai_engines_busy_seconds_are_the_share_of_the_limit_its_st
         "concurrency": UpstreamConfig().concurrency.model_copy(update={"min_limit": 4, "initial_limit": 4,
                                                                          "max_limit": 4})})
     async with GatewayClient(config) as client:
-        limit = client.concurrency_limit
+        limit = StreamSlots(client.concurrency_limit)
         assert limit.limit == 4 and limit.busy_seconds == 0.0
         limit.acquire(PriorityClass.NORMAL)
         limit.acquire(PriorityClass.NORMAL)
@@ -822,10 +825,11 @@ async def test_endpoints_under_four_streams_hold_the_pools_core_headroom_togethe
             endpoint.limit.limit = 3.0
         limit = client.concurrency_limit
         assert (limit.limit, limit.reserve) == (12, 2)
+        slots = StreamSlots(limit)
         for _ in range(10):
-            assert limit.refusal(PriorityClass.NORMAL) is None
-            limit.acquire(PriorityClass.NORMAL)
-        assert limit.refusal(PriorityClass.NORMAL) is not None and limit.refusal(PriorityClass.CORE) is None
+            assert slots.refusal(PriorityClass.NORMAL) is None
+            slots.acquire(PriorityClass.NORMAL)
+        assert slots.refusal(PriorityClass.NORMAL) is not None and slots.refusal(PriorityClass.CORE) is None
 
 
 async def test_streams_still_on_an_endpoint_left_out_keep_their_slots_not_the_others():
@@ -837,9 +841,10 @@ async def test_streams_still_on_an_endpoint_left_out_keep_their_slots_not_the_ot
         for endpoint in (left, other):
             endpoint.limit.limit = 8.0
         limit = client.concurrency_limit
+        slots = StreamSlots(limit)
         for _ in range(7):
-            left.limit.acquire(PriorityClass.NORMAL)
-            limit.acquire(PriorityClass.NORMAL)
+            left.limit.started()
+            slots.acquire(PriorityClass.NORMAL)
         left.models = {"another-model"}
         assert limit.counted() == [other]
-        assert limit.limit == 8 + 7 and limit.refusal(PriorityClass.NORMAL) is None
+        assert limit.limit == 8 + 7 and slots.refusal(PriorityClass.NORMAL) is None

@@ -12,7 +12,8 @@ from typing import Callable
 
 from switchyard.common.config import AdaptiveConcurrencyConfig
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
+from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit, refusal_for
+from switchyard.dispatcher.scheduler.capacity import StreamSlots
 
 WINDOW_S = 0.5
 """The windows' length, seconds (``model_gateway.concurrency.window_s`` of the shipped config)."""
@@ -54,6 +55,30 @@ def noisy(server: Server, spread: float, seed: int) -> Server:
     return serve
 
 
+class PoolOfOne:
+    """What the dispatcher does with one endpoint's limit, without the gateway: it admits under it (the one
+    admission, :class:`StreamSlots`) and sends each admitted stream to it (the limit counts what it measures)."""
+
+    def __init__(self, limit: AdaptiveConcurrencyLimit) -> None:
+        self.limit = limit
+        self.slots = StreamSlots(limit)
+
+    @property
+    def core_in_flight(self) -> int:
+        return self.slots.core_in_flight
+
+    def refusal(self, priority: PriorityClass) -> str | None:
+        return self.slots.refusal(priority)
+
+    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
+        self.slots.acquire(priority)
+        self.limit.started(now)
+
+    def release(self, priority: PriorityClass, now: float | None = None) -> None:
+        self.slots.release(priority)
+        self.limit.ended(now)
+
+
 def make_limit(**fields: float) -> AdaptiveConcurrencyLimit:
     """A limit with ``window_s`` :data:`WINDOW_S` and ``fields`` over the config's defaults."""
     return AdaptiveConcurrencyLimit(AdaptiveConcurrencyConfig(**{"window_s": WINDOW_S, **fields}))
@@ -64,7 +89,8 @@ def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows
     """Run ``windows`` windows of ``offered`` BATCH streams against ``server`` through ``limit``.
 
     Each window: in flight is set to what the limit lets BATCH take (at most ``offered``; a stream
-    left waiting asks :meth:`~AdaptiveConcurrencyLimit.refusal`, as the scheduler does), the server's TTFT and
+    left waiting is refused under the limit, :meth:`~AdaptiveConcurrencyLimit.note_refused`, as the
+    dispatcher's admission refuses it), the server's TTFT and
     tokens are reported at its clock. Returns the time after the last window (seconds);
     ``trace`` gets (limit, in flight) after each window.
     """
@@ -72,11 +98,12 @@ def drive(limit: AdaptiveConcurrencyLimit, server: Server, offered: int, windows
         limit.on_tokens(0, t)  # the window clock ticks here: each window is [t, t + WINDOW_S)
         want = min(offered, limit.lower_class_ceiling)
         while limit.in_flight < want:
-            limit.acquire(PriorityClass.BATCH, t)
+            limit.started(t)
         while limit.in_flight > want:
-            limit.release(PriorityClass.BATCH, t)
-        if offered > want:  # the scheduler's head waits: the capacity asks the limit and is refused
-            assert limit.refusal(PriorityClass.BATCH) is not None
+            limit.ended(t)
+        if offered > want:  # the scheduler's head waits: the admission is refused under the limit
+            assert refusal_for(PriorityClass.BATCH, limit.limit, limit.in_flight, 0, limit.reserve) is not None
+            limit.note_refused()
         tokens_per_s, ttft = server(limit.in_flight)
         for k in range(4):  # four streams got their first token in this window
             limit.on_sample(ttft, t + WINDOW_S * (k + 1) / 10)

@@ -134,6 +134,10 @@ reserve - core_in_flight)``, CORE while ``in_flight < limit`` or while fewer tha
 limit has come down below the lower-class streams admitted under it (a CORE request
 waited seconds for BATCH streams to end there). A limit under 4 reserves none: a
 server that takes 2 streams is not sent 4 (its 429s would requeue CORE until it failed).
+The rule is :func:`refusal_for`; the limit only says what it is (``limit``, ``reserve``). The
+dispatcher applies it over the streams it admitted
+(:class:`switchyard.dispatcher.scheduler.capacity.StreamSlots`, their one count), against a
+pool's sum of these limits (:class:`switchyard.gateway.pool.PoolLimit`).
 
 Bounds: ``[min_limit, max_limit]`` from ``queue.json``
 ``model_gateway.concurrency``. The class is self-contained (one instance per
@@ -217,8 +221,9 @@ def refusal_for(priority: PriorityClass, limit: float, in_flight: int, core_in_f
     """The admission rule with CORE headroom (see the module docstring): None when a stream of class
     ``priority`` may start with ``in_flight`` streams (``core_in_flight`` of them CORE) under ``limit``, of
     which ``reserve`` slots are held back for CORE, else :data:`UPSTREAM_CONCURRENCY` or
-    :data:`UPSTREAM_CORE_RESERVE`. One endpoint's limit (its :attr:`AdaptiveConcurrencyLimit.reserve`) and a
-    pool's sum of them (:class:`switchyard.gateway.pool.PoolLimit`, one reserve for the pool) apply it alike."""
+    :data:`UPSTREAM_CORE_RESERVE`. Applied by one owner, the dispatcher's
+    :class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`, under a pool's sum of the endpoints' limits
+    (:class:`switchyard.gateway.pool.PoolLimit`, one reserve for the pool) or one limit's own."""
     whole = int(limit)
     if priority is PriorityClass.CORE:
         return None if in_flight < whole or core_in_flight < reserve else UPSTREAM_CONCURRENCY
@@ -251,12 +256,13 @@ class AdaptiveConcurrencyLimit:
             module's unlabeled gauges; a pool of endpoints passes labeled children).
         clock: monotonic seconds, read when a caller passes no ``now``.
 
-    Interface: :meth:`refusal` (may a stream of this class start now?),
-    :meth:`acquire` / :meth:`release` (a stream started / ended),
-    :meth:`on_sample` (a TTFT), :meth:`on_tokens` (tokens received),
-    :meth:`on_overload` (a 429/503). ``limit`` is a float; ``int(limit)`` streams
-    may be in flight. ``knee`` is the estimate in streams, None until measured.
-    All methods run on one event loop; none blocks.
+    Interface: :meth:`admission_limit` (the limit and CORE's reserve, for an admission that
+    counts its own streams: :class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`),
+    :meth:`note_refused` (that admission refused a stream), :meth:`started` / :meth:`ended`
+    (a stream was sent / ended), :meth:`on_sample` (a TTFT), :meth:`on_tokens` (tokens
+    received), :meth:`on_overload` (a 429/503), :meth:`on_server_queue`. ``limit`` is a
+    float; ``int(limit)`` streams may be in flight. ``knee`` is the estimate in streams, None
+    until measured. It admits nothing itself. All methods run on one event loop; none blocks.
     """
 
     def __init__(self, config: AdaptiveConcurrencyConfig, *, limit_gauge: Any = UPSTREAM_LIMIT,
@@ -265,9 +271,8 @@ class AdaptiveConcurrencyLimit:
         self.config = config
         self.limit = float(config.initial_limit)
         self.in_flight = 0
-        """Streams in flight now (kept by :meth:`acquire` / :meth:`release`)."""
-        self.core_in_flight = 0
-        """CORE streams among them."""
+        """Streams in flight to this upstream now, what its windows measure (kept by :meth:`started` /
+        :meth:`ended`)."""
         self.knee: float | None = None
         """Estimated knee, streams; None until a window was measured."""
         self.plateau_tokens_per_s: float | None = None
@@ -320,33 +325,26 @@ class AdaptiveConcurrencyLimit:
         """Streams NORMAL and BATCH may fill while no CORE stream is in flight: ``int(limit) - reserve``."""
         return int(self.limit) - self.reserve
 
-    def refusal(self, priority: PriorityClass) -> str | None:
-        """None when a stream of class ``priority`` may start now, else the refusal reason
-        (:data:`UPSTREAM_CONCURRENCY` or :data:`UPSTREAM_CORE_RESERVE`, a metric label)."""
-        reason = refusal_for(priority, self.limit, self.in_flight, self.core_in_flight, self.reserve)
-        if reason is not None:
-            self._refused = True
-        return reason
+    def admission_limit(self) -> tuple[float, int]:
+        """(:attr:`limit`, :attr:`reserve`): this limit as the source of an admission
+        (:class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`, which counts the streams it admits)."""
+        return self.limit, self.reserve
 
     def note_refused(self) -> None:
-        """A stream was refused by a limit over this one (a pool's sum, :class:`switchyard.gateway.pool.PoolLimit`):
-        the window being measured wanted more streams than were let through, as when :meth:`refusal` refuses."""
+        """A stream was refused under this limit (or a pool's sum of it, :class:`switchyard.gateway.pool.PoolLimit`):
+        the window being measured wanted more streams than were let through."""
         self._refused = True
 
-    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
-        """A stream of class ``priority`` was sent to the upstream at ``now`` (monotonic seconds)."""
+    def started(self, now: float | None = None) -> None:
+        """A stream (one attempt of a call) was sent to the upstream at ``now`` (monotonic seconds)."""
         self._advance(self._clock() if now is None else now)
         self.in_flight += 1
-        if priority is PriorityClass.CORE:
-            self.core_in_flight += 1
         self._in_flight_gauge.set(self.in_flight)
 
-    def release(self, priority: PriorityClass, now: float | None = None) -> None:
-        """A stream of class ``priority`` ended at ``now`` (finished, failed or cancelled)."""
+    def ended(self, now: float | None = None) -> None:
+        """A stream sent to the upstream ended at ``now`` (finished, failed or cancelled)."""
         self._advance(self._clock() if now is None else now)
         self.in_flight = max(0, self.in_flight - 1)
-        if priority is PriorityClass.CORE:
-            self.core_in_flight = max(0, self.core_in_flight - 1)
         self._in_flight_gauge.set(self.in_flight)
 
     # ------------------------------------------------------------------ measurements
@@ -433,7 +431,8 @@ class AdaptiveConcurrencyLimit:
             tokens_per_s: tokens received per second over the window.
             ttft_s: mean TTFT of the streams whose first token came in the window, seconds (None: none did).
             now: end of the window, monotonic seconds.
-            refused: :meth:`refusal` refused a stream in the window (more were wanted than the limit let through).
+            refused: a stream was refused under this limit in the window (:meth:`note_refused`: more were wanted
+                than the limit let through).
             opened_with: streams in flight when the window opened (None: as many as its mean). A window whose
                 mean is more than :data:`RAMP_FRACTION` (and one stream) away from it measured a ramp, not a
                 level: the streams it added were still in their prefill, the ones it lost had ended. It updates

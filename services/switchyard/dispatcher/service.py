@@ -53,7 +53,7 @@ from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
 from switchyard.dispatcher.engines import StepEngine, StreamEngine, make_engine
 from switchyard.dispatcher.metrics import STREAM_MESSAGE_CHUNKS
 from switchyard.dispatcher.scheduler import make_scheduler
-from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, StreamSlots
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.scheduler.request_queue import RequestQueue
 from switchyard.dispatcher.scheduler.tool_wait import Decision
@@ -105,14 +105,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self.adaptive: AdaptiveFlush | None = (
             AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
         )
-        self.limit: ConcurrencyLimit | None = None
-        """The one limit on streams in flight to a stream engine's upstream: the engine's own (the openai
-        engine's gateway keeps one per endpoint and admits up to their sum), else a fixed one (see
-        ``StreamEngine.concurrency_limit``); None for a step engine."""
+        self.limit: StreamSlots | None = None
+        """The streams in flight to a stream engine's upstream and the one limit they are admitted under: the
+        engine's own (the openai engine's gateway keeps one limit per endpoint and admits up to their sum), else
+        one that nothing measures (see ``StreamEngine.stream_slots``); None for a step engine."""
         capacity = None
         if not self.stepping:
-            own = self.engine.concurrency_limit  # type: ignore[union-attr]
-            self.limit = own if own is not None else AdaptiveConcurrencyLimit(config.upstream.concurrency)
+            own = self.engine.stream_slots  # type: ignore[union-attr]
+            self.limit = own if own is not None else StreamSlots(AdaptiveConcurrencyLimit(config.upstream.concurrency))
             capacity = ConcurrencyCapacity(self.limit)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram

@@ -3,7 +3,7 @@
 An upstream (vLLM, SGLang, TGI, a hosted API) does its own batching; what the
 dispatcher controls is how much it sends. Each admitted request is one
 streamed call. The running set is bounded by the engine's concurrency limit
-(``StreamEngine.concurrency_limit``: for the ``openai`` engine the gateway's
+(``StreamEngine.stream_slots``: for the ``openai`` engine under the gateway's
 :class:`~switchyard.gateway.pool.PoolLimit`, the sum of one adaptive limit per
 upstream endpoint, :mod:`switchyard.dispatcher.adaptive_limit`, each kept at its
 server's knee from the TTFTs, tokens and 429/503 answers the gateway measures on
@@ -50,7 +50,7 @@ from switchyard.dispatcher.engines.base import (
     StreamEngine,
     stream_item_output,
 )
-from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, ConcurrencyLimit
+from switchyard.dispatcher.scheduler.capacity import ConcurrencyCapacity, StreamSlots
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, ToolCall
 
@@ -71,8 +71,8 @@ class StreamLoop(LoopBase):
     Args:
         config: the whole config (``queues.inference.max_batches_in_prefill``, ``scheduler.time_slice_ms``).
         engine: the stream engine.
-        scheduler: a scheduler built with a ``ConcurrencyCapacity``, whose ``limit`` (the engine's, which
-            measures itself) is the one limit the loop reads.
+        scheduler: a scheduler built with a ``ConcurrencyCapacity``, whose ``slots`` (the engine's, whose limit
+            measures itself) are the one count and limit the loop reads.
     """
 
     def __init__(self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore) -> None:
@@ -80,7 +80,7 @@ class StreamLoop(LoopBase):
         if not isinstance(scheduler.capacity, ConcurrencyCapacity):
             raise ValueError("scheduler: a stream engine's scheduler needs a ConcurrencyCapacity")
         self.capacity = scheduler.capacity
-        self.limit: ConcurrencyLimit = scheduler.capacity.limit
+        self.slots: StreamSlots = scheduler.capacity.slots
         self.max_prefilling = config.queues.inference.max_batches_in_prefill
         self.time_slice_s = config.scheduler.time_slice_ms / 1000
         self._prefilling: dict[int, set[int]] = {}
@@ -103,7 +103,7 @@ class StreamLoop(LoopBase):
         super()._publish(outputs, stats, throttled)
 
     def _can_take(self) -> bool:
-        return len(self._prefilling) < self.max_prefilling and self.capacity.in_flight < int(self.limit.limit)
+        return len(self._prefilling) < self.max_prefilling and self.slots.in_flight < int(self.slots.limit)
 
     def _on_arrival(self) -> None:
         if self._closing or self._can_take():
@@ -207,7 +207,7 @@ class StreamLoop(LoopBase):
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
             if req.is_finished:
                 pass  # ended meanwhile (its deadline, found by another stream's item): answered already
-            elif (first and engine.refused_for_load(exc) and self.limit.in_flight > 1
+            elif (first and engine.refused_for_load(exc) and self.slots.in_flight > 1
                     and req.preemptions < MAX_REQUEUES):
                 scheduler.requeue(req, time.monotonic())  # the upstream is full: wait here, under the limit
             else:

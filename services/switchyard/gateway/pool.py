@@ -18,7 +18,9 @@ exports no queue depth). A read or a call that cannot connect, or
 ``pool.down_after_failed_reads`` reads in a row that time out or are cut, mark a
 pool's endpoint down until a read succeeds. The dispatcher admits up to the sum of the
 endpoints' limits (:class:`PoolLimit`): the one limit on the upstream, whatever
-its size.
+its size; it counts the streams it admitted itself
+(:class:`switchyard.dispatcher.scheduler.capacity.StreamSlots`), each endpoint its
+attempts.
 
 Each attempt of a call asks :class:`switchyard.gateway.picker.EndpointPicker`
 for an endpoint; a call that fails there before its first token (a refused
@@ -44,14 +46,11 @@ import httpx
 from switchyard.common.affinity import hash64
 from switchyard.common.config import UpstreamConfig
 from switchyard.common.dns import resolve_addresses
-from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.adaptive_limit import (
-    UPSTREAM_IN_FLIGHT,
     UPSTREAM_KNEE,
     UPSTREAM_LIMIT,
     AdaptiveConcurrencyLimit,
     core_reserve,
-    refusal_for,
 )
 from switchyard.gateway import models as model_names
 from switchyard.gateway.cooldown import CircuitGauges, Cooldowns
@@ -166,8 +165,9 @@ class Endpoint:
     @property
     def in_flight(self) -> int:
         """Attempts in flight to this endpoint now: its limit's count, the one count of them (kept from
-        :meth:`EndpointPool.pick` to :meth:`EndpointPool.finished`). Not the pool's streams
-        (:attr:`PoolLimit.in_flight`): a stream between two attempts (the gateway's backoff) is on no endpoint."""
+        :meth:`EndpointPool.pick` to :meth:`EndpointPool.finished`). Not the dispatcher's streams
+        (:class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`): a stream between two attempts (the
+        gateway's backoff) is on no endpoint."""
         return self.limit.in_flight
 
     @property
@@ -182,14 +182,17 @@ class Endpoint:
 
 
 class PoolLimit:
-    """The dispatcher's admission limit over a pool: what its endpoints' adaptive limits let NORMAL and BATCH
+    """The dispatcher's concurrency limit over a pool: what its endpoints' adaptive limits let NORMAL and BATCH
     fill, summed, with one CORE headroom on top (:attr:`reserve`), over the endpoints a call of the default
     model may be placed on now (:meth:`counted`).
 
-    The dispatcher's :class:`~switchyard.dispatcher.scheduler.capacity.ConcurrencyLimit` (``limit``,
-    ``in_flight``, ``refusal``, ``acquire``, ``release``); samples, tokens and overload answers are taken per
-    endpoint by the gateway, which knows the endpoint. A refusal tells each endpoint's limit that more streams
-    were wanted than it let through (the load, not the limit, is what a window measured otherwise:
+    The limit source of the dispatcher's admission
+    (:class:`~switchyard.dispatcher.scheduler.capacity.ConcurrencyLimit`: :meth:`admission_limit`,
+    :meth:`note_refused`); the streams admitted are counted there
+    (:class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`), each endpoint's attempts by its own limit
+    (:attr:`Endpoint.in_flight`). Samples, tokens and overload answers are taken per endpoint by the gateway,
+    which knows the endpoint. A refusal tells each endpoint's limit that more streams were wanted than it let
+    through (the load, not the limit, is what a window measured otherwise:
     :meth:`AdaptiveConcurrencyLimit.note_refused`).
 
     One headroom, not one per endpoint: each endpoint's limit is its knee with its own CORE headroom on top,
@@ -198,39 +201,13 @@ class PoolLimit:
     on (its circuit open, a Retry-After not passed, its model list without the model) is left out of the sum
     too: counted, its share was admitted and sent to the others, past their limits.
 
-    The dispatcher's gauges (``switchyard_upstream_concurrency_limit``, ``_knee``, ``_in_flight``) show the
-    pool's totals, written here and by :meth:`EndpointPool.publish_totals`; each endpoint's limit writes its own
-    series of the ``switchyard_gateway_endpoint_*`` gauges.
+    The dispatcher's gauges ``switchyard_upstream_concurrency_limit`` and ``_knee`` show the pool's totals
+    (:meth:`EndpointPool.publish_totals`); each endpoint's limit writes its own series of the
+    ``switchyard_gateway_endpoint_*`` gauges.
     """
 
     def __init__(self, pool: "EndpointPool") -> None:
         self.pool = pool
-        self.in_flight = 0
-        """Streams the dispatcher has admitted over the pool: its scheduler's running set, counted as the
-        scheduler admits (``capacity.take``, :meth:`acquire`) and ends (``capacity.give``, :meth:`release`) each;
-        what admission reads. Each endpoint counts its own attempts (:attr:`Endpoint.in_flight`), which a
-        stream between two attempts is not one of."""
-        self.core_in_flight = 0
-        """CORE streams among them."""
-        self._busy = (0.0, time.monotonic(), 0.0)  # seconds busy until then, then, share of the limit held since
-        UPSTREAM_IN_FLIGHT.set(0)
-
-    @property
-    def busy_seconds(self) -> float:
-        """Cumulative seconds of the limit in use: the integral of ``min(1, in_flight / limit)`` over time (the
-        ``openai`` engine's busy seconds; its busy ratio, and so its compute score, is the share of the upstream's
-        knee its streams held, what an autoscaler should read for a model server it does not see). The share is
-        taken when a stream starts or ends, so the total never goes back when the limit moves in between; a scrape
-        thread reads the one tuple it is kept in."""
-        busy, since, share = self._busy
-        return busy + (time.monotonic() - since) * share
-
-    def _accrue(self, in_flight: int) -> None:
-        """A stream started or ended, leaving ``in_flight``: close the interval at the old share, open one at
-        the new."""
-        now = time.monotonic()
-        busy, since, share = self._busy
-        self._busy = (busy + (now - since) * share, now, min(1.0, in_flight / self.limit) if in_flight else 0.0)
 
     def counted(self) -> list[Endpoint]:
         """The endpoints whose limits the pool's sums take: those a call of the default model may be placed on
@@ -241,7 +218,7 @@ class PoolLimit:
         model = self.pool.admission_model
         return [e for e in up if self.pool.accepts(e, model)] or up or endpoints
 
-    def _sums(self) -> tuple[float, int]:
+    def admission_limit(self) -> tuple[float, int]:
         """(:attr:`limit`, :attr:`reserve`), from one reading of the endpoints.
 
         NORMAL and BATCH fill at most the counted endpoints' own ceilings (each endpoint's knee); the CORE headroom
@@ -262,39 +239,21 @@ class PoolLimit:
 
     @property
     def reserve(self) -> int:
-        """Slots held back for CORE over the pool (:meth:`_sums`): one headroom, never the endpoints' sum of them
-        (one endpoint's: its own)."""
-        return self._sums()[1]
+        """Slots held back for CORE over the pool (:meth:`admission_limit`): one headroom, never the endpoints'
+        sum of them (one endpoint's: its own)."""
+        return self.admission_limit()[1]
 
     @property
     def limit(self) -> float:
-        """Streams the dispatcher may have in flight over the pool now (:meth:`_sums`): the counted endpoints'
-        NORMAL and BATCH ceilings summed plus :attr:`reserve`, at most their limits summed, plus the streams still
-        in flight on the endpoints left out (one endpoint: its own limit)."""
-        return self._sums()[0]
+        """Streams the dispatcher may have in flight over the pool now (:meth:`admission_limit`): the counted
+        endpoints' NORMAL and BATCH ceilings summed plus :attr:`reserve`, at most their limits summed, plus the
+        streams still in flight on the endpoints left out (one endpoint: its own limit)."""
+        return self.admission_limit()[0]
 
-    def refusal(self, priority: PriorityClass) -> str | None:
-        """None when a stream of class ``priority`` may start over the pool now, else the reason."""
-        limit, reserve = self._sums()
-        reason = refusal_for(priority, limit, self.in_flight, self.core_in_flight, reserve)
-        if reason is not None:
-            for endpoint in self.counted():  # the endpoints whose limits made the sum that refused
-                endpoint.limit.note_refused()
-        return reason
-
-    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
-        self.in_flight += 1
-        self._accrue(self.in_flight)
-        self.core_in_flight += priority is PriorityClass.CORE
-        UPSTREAM_IN_FLIGHT.set(self.in_flight)
-
-    def release(self, priority: PriorityClass, now: float | None = None) -> None:
-        self.in_flight = max(0, self.in_flight - 1)
-        self._accrue(self.in_flight)
-        if priority is PriorityClass.CORE:
-            self.core_in_flight = max(0, self.core_in_flight - 1)
-        UPSTREAM_IN_FLIGHT.set(self.in_flight)
-
+    def note_refused(self) -> None:
+        """The dispatcher refused a stream under this limit: each endpoint whose limit made the sum is told."""
+        for endpoint in self.counted():
+            endpoint.limit.note_refused()
 
 
 class EndpointPool:
@@ -524,7 +483,7 @@ class EndpointPool:
             picked = self.picker.pick(endpoints, key, now, tried)
             ENDPOINT_PICKS.labels(picked.reason).inc()
         endpoint = self.endpoints[picked.name]
-        endpoint.limit.acquire(PriorityClass.NORMAL)  # one endpoint's share; CORE headroom is the pool's
+        endpoint.limit.started()
         return endpoint, picked
 
     def accepts(self, endpoint: Endpoint, model: str) -> bool:
@@ -545,7 +504,7 @@ class EndpointPool:
         backs its limit off first, while the call still counts in flight."""
         if error is not None and error.refuses_load:
             endpoint.limit.on_overload(time.monotonic())
-        endpoint.limit.release(PriorityClass.NORMAL)
+        endpoint.limit.ended()
         self.publish_totals()
 
     def on_first_item(self, endpoint: Endpoint, ttft_s: float) -> None:

@@ -303,10 +303,11 @@ class StreamEngine(abc.ABC):
     busy_seconds = 0.0
     memory_busy_seconds = 0.0
     tensor_busy_seconds = 0.0
-    concurrency_limit: Any = None
-    """The limit on streams in flight to the engine's upstream, which the engine keeps and measures itself
-    (the ``openai`` engine: :class:`switchyard.gateway.pool.PoolLimit`, one adaptive limit per endpoint, fed by
-    the gateway). None: an engine that measures nothing; the dispatcher bounds it by an
+    stream_slots: Any = None
+    """The streams in flight to the engine's upstream and the limit they are admitted under
+    (:class:`~switchyard.dispatcher.scheduler.capacity.StreamSlots`), which the engine measures itself (the
+    ``openai`` engine: over :class:`switchyard.gateway.pool.PoolLimit`, one adaptive limit per endpoint, fed by
+    the gateway). None: an engine that measures nothing; the dispatcher admits its streams under an
     :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` of ``model_gateway.concurrency``
     that nothing feeds (it stays at ``initial_limit``)."""
 

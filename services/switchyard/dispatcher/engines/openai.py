@@ -7,7 +7,7 @@ retries, fallback and the error table. This module only translates a
 :class:`~switchyard.dispatcher.request.Request` into an OpenAI request and
 the gateway's events into the engine protocol's items. The stream loop
 (:mod:`switchyard.dispatcher.stream_loop`) fans admitted requests out as concurrent calls, bounded by the
-upstream's concurrency limit (:attr:`OpenAIEngine.concurrency_limit`);
+upstream's concurrency limit (:attr:`OpenAIEngine.stream_slots`);
 ``queues.inference.max_batches_in_prefill`` bounds only the admission waves sent that have no first token yet.
 """
 
@@ -26,6 +26,7 @@ from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.scheduler.capacity import StreamSlots
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import EndpointNotFound, GatewayError
 from switchyard.gateway import events
@@ -126,6 +127,10 @@ class OpenAIEngine(StreamEngine):
         # whitespace (a pasted trailing newline), is a set-up error.
         require_usable(load_api_key(self.config.api_key_env), required=self.config.api_key_required)
         self.client = GatewayClient(self.config, tracer=tracer)
+        self.stream_slots = StreamSlots(self.client.concurrency_limit)
+        """The streams the dispatcher admits to the upstream, under the sum of the endpoints' adaptive limits
+        (:class:`switchyard.gateway.pool.PoolLimit`; ``base_url`` alone is a pool of one), each fed by the
+        gateway with its endpoint's TTFTs, tokens, 429/503 answers and reported queue."""
         self._described = False
         self._describing: asyncio.Task[None] | None = None
         self._reads_ended = 0
@@ -135,17 +140,10 @@ class OpenAIEngine(StreamEngine):
         install_log_redaction(envs.read_secret(self.config.api_key_env))
 
     @property
-    def concurrency_limit(self) -> Any:
-        """The dispatcher's admission limit: the sum of the endpoints' adaptive limits
-        (:class:`switchyard.gateway.pool.PoolLimit`; ``base_url`` alone is a pool of one), each fed by the
-        gateway with its endpoint's TTFTs, tokens, 429/503 answers and reported queue."""
-        return self.client.concurrency_limit
-
-    @property
     def busy_seconds(self) -> float:  # type: ignore[override]
-        """Seconds of the upstream's concurrency limit in use (:attr:`PoolLimit.busy_seconds`): the busy ratio the
+        """Seconds of the upstream's concurrency limit in use (:attr:`StreamSlots.busy_seconds`): the busy ratio the
         compute score reads without NVML is the share of the server's knee the streams held."""
-        return self.client.concurrency_limit.busy_seconds
+        return self.stream_slots.busy_seconds
 
     def reported_context_window(self, model: str) -> int:
         """The window the upstream's ``GET /v1/models`` reported for ``model`` (vLLM's ``max_model_len``), once

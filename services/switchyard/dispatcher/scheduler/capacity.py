@@ -15,9 +15,11 @@ There are two kinds, one per engine kind:
   scheduler moves it out, lowest value first, when a waiting request needs the
   room (``SchedulerCore._make_room``).
 - :class:`ConcurrencyCapacity` (stream engines): the number of streams in
-  flight to the upstream must stay under an adaptive concurrency limit
-  (:mod:`switchyard.dispatcher.adaptive_limit`), kept at the upstream's knee,
-  with a few slots NORMAL and BATCH may not take while CORE does not use them.
+  flight to the upstream (:class:`StreamSlots`, their one count) must stay under
+  the engine's concurrency limit (:class:`ConcurrencyLimit`: the gateway's pool of
+  adaptive limits, :mod:`switchyard.dispatcher.adaptive_limit`, each kept at its
+  server's knee), with a few slots NORMAL and BATCH may not take while CORE does
+  not use them.
 
 Device memory comes from the engine (:meth:`memory_info`): NVML's total on a
 GPU, the modelled 80 GB H100 for the sim engine. Memory *in use*
@@ -28,12 +30,13 @@ has one (NVML's ``used`` on a GPU), else the modelled weights plus KV held.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from switchyard.common.config import HbmTierConfig
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.adaptive_limit import UPSTREAM_CORE_RESERVE
+from switchyard.dispatcher.adaptive_limit import UPSTREAM_CORE_RESERVE, UPSTREAM_IN_FLIGHT, refusal_for
 from switchyard.dispatcher.request import Request
 
 KV_MEMORY = "kv_memory"
@@ -71,7 +74,8 @@ class Capacity(Protocol):
 
     def give(self, req: Request) -> None:
         """``req`` left the running set: called once for each :meth:`take` (the scheduler's ``_stop``, beside the
-        running set's ``remove``, which fails first for a request not in it)."""
+        running set's ``remove``, which fails first for a request not in it). A capacity whose unit outlives the
+        request's place (:class:`ConcurrencyCapacity`: an upstream call still closing) gives it back itself."""
 
 
 class HeldBesideRunning:
@@ -207,34 +211,99 @@ class Unbounded:
 
 
 class ConcurrencyLimit(Protocol):
-    """A limit on streams in flight to an upstream, as the dispatcher uses it: the stream engine's own (the
-    gateway's :class:`~switchyard.gateway.pool.PoolLimit`, which measures its endpoints itself), or an
-    :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` for an engine that brings none."""
+    """Where the limit on streams in flight to an upstream comes from: the stream engine's own (the gateway's
+    :class:`~switchyard.gateway.pool.PoolLimit`, over one adaptive limit per endpoint, which the gateway measures),
+    or an :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` for an engine that brings none.
+    It says how many streams may be in flight and how many of them are CORE's; it counts none
+    (:class:`StreamSlots` does)."""
+
+    def admission_limit(self) -> tuple[float, int]:
+        """(streams that may be in flight now, ``int()`` of it; slots of them held back for CORE), read once."""
+
+    def note_refused(self) -> None:
+        """A stream was refused under this limit: more were wanted than it let through (what its windows measure)."""
+
+
+class StreamSlots:
+    """The streams the dispatcher admitted to its upstream, CORE among them, and the one admission rule over
+    them (:func:`~switchyard.dispatcher.adaptive_limit.refusal_for`): the one owner of "may another stream go
+    upstream now", whatever the engine.
+
+    A slot is taken when the scheduler admits a request (:meth:`acquire`, through :class:`ConcurrencyCapacity`)
+    and given back when the request leaves the running set (:meth:`release`).
+
+    Args:
+        source: the :class:`ConcurrencyLimit` (the limit and CORE's reserve).
+        in_flight_gauge: where the streams in flight are published (``switchyard_upstream_in_flight``).
+    """
+
+    def __init__(self, source: ConcurrencyLimit, in_flight_gauge: Any = UPSTREAM_IN_FLIGHT) -> None:
+        self.source = source
+        self.in_flight = 0
+        """Streams admitted whose upstream call has not ended."""
+        self.core_in_flight = 0
+        """CORE streams among them."""
+        self._gauge = in_flight_gauge
+        self._busy = (0.0, time.monotonic(), 0.0)  # seconds busy until then, then, share of the limit held since
+        in_flight_gauge.set(0)
 
     @property
     def limit(self) -> float:
         """Streams that may be in flight now (``int(limit)`` of them)."""
+        return self.source.admission_limit()[0]
 
     @property
-    def in_flight(self) -> int:
-        """Streams in flight now."""
+    def busy_seconds(self) -> float:
+        """Cumulative seconds of the limit in use: the integral of ``min(1, in_flight / limit)`` over time (a stream
+        engine's busy seconds; its busy ratio, and so its compute score, is the share of the upstream's limit its
+        streams held, what an autoscaler should read for a model server it does not see). The share is taken when
+        a stream starts or ends, so the total never goes back when the limit moves in between; a scrape thread
+        reads the one tuple it is kept in."""
+        busy, since, share = self._busy
+        return busy + (time.monotonic() - since) * share
+
+    def admits(self, priority: PriorityClass) -> bool:
+        """Whether a stream of class ``priority`` may start now (the rule alone: nothing is noted)."""
+        limit, reserve = self.source.admission_limit()
+        return refusal_for(priority, limit, self.in_flight, self.core_in_flight, reserve) is None
 
     def refusal(self, priority: PriorityClass) -> str | None:
-        """None when a stream of class ``priority`` may start now, else the refusal reason (a metric label)."""
+        """None when a stream of class ``priority`` may start now, else the reason (:data:`UPSTREAM_CONCURRENCY`
+        or :data:`UPSTREAM_CORE_RESERVE`), which the source is told of (:meth:`ConcurrencyLimit.note_refused`)."""
+        limit, reserve = self.source.admission_limit()
+        reason = refusal_for(priority, limit, self.in_flight, self.core_in_flight, reserve)
+        if reason is not None:
+            self.source.note_refused()
+        return reason
 
-    def acquire(self, priority: PriorityClass, now: float | None = None) -> None:
-        """A stream of class ``priority`` started."""
+    def acquire(self, priority: PriorityClass) -> None:
+        """A stream of class ``priority`` was admitted."""
+        self.in_flight += 1
+        self.core_in_flight += priority is PriorityClass.CORE
+        self._changed()
 
-    def release(self, priority: PriorityClass, now: float | None = None) -> None:
-        """A stream of class ``priority`` ended."""
+    def release(self, priority: PriorityClass) -> None:
+        """The upstream call of a stream of class ``priority`` ended."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if priority is PriorityClass.CORE:
+            self.core_in_flight = max(0, self.core_in_flight - 1)
+        self._changed()
+
+    def _changed(self) -> None:
+        """A stream started or ended: close the busy interval at the old share, open one at the new."""
+        now = time.monotonic()
+        busy, since, share = self._busy
+        held = min(1.0, self.in_flight / self.limit) if self.in_flight else 0.0
+        self._busy = (busy + (now - since) * share, now, held)
+        self._gauge.set(self.in_flight)
 
 
 class ConcurrencyCapacity:
-    """Admission by an adaptive limit on streams in flight, with slots held back for CORE.
+    """The scheduler's capacity for a stream engine: admission by :class:`StreamSlots`, with slots held back
+    for CORE.
 
     Args:
-        limit: the :class:`ConcurrencyLimit`: its ``refusal(priority)``, ``acquire(priority)`` and
-            ``release(priority)``.
+        slots: the engine's :class:`StreamSlots`.
 
     Refusal reasons: ``upstream_concurrency`` (the limit is reached) and
     ``upstream_core_reserve`` (only the slots held back for CORE are left; a NORMAL or
@@ -244,22 +313,22 @@ class ConcurrencyCapacity:
     CLASS_REFUSALS = frozenset({UPSTREAM_CORE_RESERVE})
     """Refusals that depend on the request's class: a higher class behind the refused head may still start."""
 
-    def __init__(self, limit: ConcurrencyLimit) -> None:
-        self.limit = limit
+    def __init__(self, slots: StreamSlots) -> None:
+        self.slots = slots
 
     @property
     def in_flight(self) -> int:
         """Streams in flight to the upstream."""
-        return self.limit.in_flight
+        return self.slots.in_flight
 
     def refusal(self, req: Request) -> str | None:
-        return self.limit.refusal(req.priority)
+        return self.slots.refusal(req.priority)
 
     def never_fits(self, req: Request) -> str | None:
         return None
 
     def take(self, req: Request) -> None:
-        self.limit.acquire(req.priority)
+        self.slots.acquire(req.priority)
 
     def give(self, req: Request) -> None:
-        self.limit.release(req.priority)
+        self.slots.release(req.priority)
