@@ -799,3 +799,34 @@ async def test_one_endpoint_reporting_its_queue_keeps_the_dispatchers_limit_at_w
                 await asyncio.gather(watch(), *(caller(i) for i in range(16)))
     assert endpoint_limit(service).server_cap is not None  # the server's queue was read
     assert statistics.median(limits) <= 2 + SERVER_QUEUE_ALLOWED + 1, limits
+
+
+async def test_a_stream_the_caller_left_keeps_its_slot_until_its_upstream_call_ends(clean_proxy_env) -> None:
+    """A request aborted (its caller gone) while its stream ran gave its slot back to the dispatcher's count at
+    once, while its call, cancelled but not yet ended, still counted on its endpoint: the pool's count was 0 with
+    one stream on the endpoint, and the next admission sent a stream to an endpoint already at its limit. The slot
+    is now given back where the call ends, after its endpoint's: the dispatcher never counts fewer streams than
+    its endpoints."""
+    with start_sim(latency=True) as upstream:
+        service = _upstream_dispatcher(upstream.base_url, **{
+            "upstream.concurrency": {"initial_limit": 1, "min_limit": 1, "max_limit": 1}})
+        await service.start()
+        try:
+            slots, endpoints = service.limit, list(service.engine.client.pool.endpoints.values())
+            assert slots is not None
+
+            def on_endpoints() -> int:
+                return sum(e.in_flight for e in endpoints)
+
+            req = Request(request_id="left", prompt="what is a list?", prompt_tokens=5, max_tokens=400)
+            service.loop.submit(req)
+            while not req.output_tokens:
+                await asyncio.sleep(0.005)
+            assert slots.in_flight == on_endpoints() == 1
+            service.loop.abort(req)  # its call is cancelled; it ends at its next turn
+            assert on_endpoints() == 1 and slots.in_flight == 1
+            while req.upstream_call is not None:
+                await asyncio.sleep(0.005)
+            assert slots.in_flight == on_endpoints() == 0
+        finally:
+            await service.stop()

@@ -132,6 +132,9 @@ class StreamLoop(LoopBase):
             req.upstream_call = call
 
     def _stream_ended(self, req: Request, wave: int, call: asyncio.Task[None]) -> None:
+        """``req``'s upstream call ``call`` is done (ended, failed or cancelled, even before its first step): its
+        slot is given back here, the one release point, after its endpoint's (the gateway's ``finally``)."""
+        self.capacity.call_ended(req)
         self._prefilled(wave, req)
         if req.upstream_call is call:
             req.upstream_call = None

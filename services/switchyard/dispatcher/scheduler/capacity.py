@@ -230,7 +230,11 @@ class StreamSlots:
     upstream now", whatever the engine.
 
     A slot is taken when the scheduler admits a request (:meth:`acquire`, through :class:`ConcurrencyCapacity`)
-    and given back when the request leaves the running set (:meth:`release`).
+    and given back when the request's upstream call has ended (:meth:`release`, from the stream loop), not when
+    the request leaves the running set: a call ended by the scheduler (a deadline, a cancel, another stream's
+    item finding it over) still runs until its cancel is delivered and its response is closed, and the endpoint
+    it is on counts it until then (:meth:`switchyard.gateway.pool.EndpointPool.finished`). So the streams on the
+    endpoints never outnumber the slots taken here, and a slot given back here is free on its endpoint too.
 
     Args:
         source: the :class:`ConcurrencyLimit` (the limit and CORE's reserve).
@@ -308,6 +312,9 @@ class ConcurrencyCapacity:
     Refusal reasons: ``upstream_concurrency`` (the limit is reached) and
     ``upstream_core_reserve`` (only the slots held back for CORE are left; a NORMAL or
     BATCH request waits while a CORE one may start: :attr:`CLASS_REFUSALS`).
+
+    :meth:`take` takes the request's slot; :meth:`give` gives none back: the slot is the upstream call's, given
+    back when that call ends (:meth:`call_ended`, the stream loop's one release point; :class:`StreamSlots`).
     """
 
     CLASS_REFUSALS = frozenset({UPSTREAM_CORE_RESERVE})
@@ -331,4 +338,8 @@ class ConcurrencyCapacity:
         self.slots.acquire(req.priority)
 
     def give(self, req: Request) -> None:
+        """``req`` left the running set; its upstream call may still run, and keeps its slot (:meth:`call_ended`)."""
+
+    def call_ended(self, req: Request) -> None:
+        """``req``'s upstream call ended (its task is done): its slot is free, on the pool and on its endpoint."""
         self.slots.release(req.priority)
