@@ -688,6 +688,58 @@ async def test_a_stream_aborted_in_the_turn_that_admitted_it_leaves_no_batch_in_
         await service.stop()
 
 
+async def test_a_normal_arrival_while_only_cores_reserved_slots_are_left_wakes_no_decision() -> None:
+    """Six NORMAL streams fill what a limit of 8 lets the lower classes fill (2 held back for CORE): each NORMAL
+    arrival after them woke the stream loop, whose decision refused it for CORE's reserve (a decision that
+    admits nothing, one per arrival). A CORE arrival still starts at once in a reserved slot, with NORMAL work
+    waiting ahead of it, and a NORMAL one starts when a stream ends."""
+    from switchyard.common.priority import PriorityClass
+    from switchyard.dispatcher.adaptive_limit import UPSTREAM_CORE_RESERVE
+    from switchyard.dispatcher.request import Request, RequestStatus
+
+    release = asyncio.Event()
+
+    class Held(EchoStreamEngine):
+        async def generate(self, req):  # type: ignore[no-untyped-def]
+            if req.request_id.startswith("held"):
+                await release.wait()
+            async for item in super().generate(req):
+                yield item
+
+    config = make_config(**{"scheduler.time_slice_ms": 10_000, "queues.inference.max_batches_in_prefill": 64,
+                            "upstream.concurrency": {"min_limit": 8, "initial_limit": 8, "max_limit": 8,
+                                                     "core_reserved_slots": 2}})
+    service = DispatcherService(config, engine=Held())
+    await service.start()
+    try:
+        loop, refused = service.loop, service.scheduler.counters.admissions_refused
+
+        def submit(rid: str, priority: PriorityClass = PriorityClass.NORMAL) -> Request:
+            req = Request(request_id=rid, prompt="one two", prompt_tokens=2, max_tokens=2, priority=priority)
+            loop.submit(req)
+            return req
+
+        async def running(req: Request) -> None:
+            while req.status is not RequestStatus.RUNNING:
+                await asyncio.sleep(0.002)
+
+        held = [submit(f"held-{i}") for i in range(6)]
+        await asyncio.wait_for(asyncio.gather(*(running(req) for req in held)), 5.0)
+        before = refused.get(UPSTREAM_CORE_RESERVE, 0)
+        waiting = []
+        for i in range(5):  # one at a time: each arrival woke a decision that refused it
+            waiting.append(submit(f"normal-{i}"))
+            await asyncio.sleep(0.01)
+        assert refused.get(UPSTREAM_CORE_RESERVE, 0) == before, "a decision was woken to refuse them"
+        assert not any(req.reached_engine for req in waiting)
+        core = submit("core", PriorityClass.CORE)
+        await asyncio.wait_for(running(core), 5.0)  # a reserved slot, without a stream's end or the time slice
+        release.set()  # the held streams end: the NORMAL ones start
+        await asyncio.wait_for(asyncio.gather(*(running(req) for req in waiting)), 5.0)
+    finally:
+        await service.stop()
+
+
 async def test_a_batch_in_prefill_counts_its_members_not_their_ids() -> None:
     """Two requests of one admission wave under the same caller's id (ids are the caller's: two Generate calls
     may share one): the first one's first token left the wave with no member "in prefill", its id taken for

@@ -40,6 +40,7 @@ import itertools
 import time
 
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.engine_loop import BUSY_WINDOW_S, LoopBase, record_output
 from switchyard.dispatcher.engines.base import (
@@ -103,19 +104,30 @@ class StreamLoop(LoopBase):
         super()._publish(outputs, stats, throttled)
 
     def _can_take(self) -> bool:
+        """A decision now could start a stream: an admission wave may go into prefill and the limit has a slot,
+        of any class (CORE's reserved ones included: a CORE request waiting behind a held-back head takes one)."""
         return len(self._prefilling) < self.max_prefilling and self.slots.in_flight < int(self.slots.limit)
 
+    def _takes_lower_class(self) -> bool:
+        """A NORMAL or BATCH arrival could start now: an admission wave may go into prefill and the limit has a
+        slot that is not held back for CORE. While only CORE's are left, such an arrival wakes no decision (it
+        would refuse it, ``upstream_core_reserve``): it waits for a stream's end, a wave's first tokens or the
+        time slice, as under a full limit."""
+        return len(self._prefilling) < self.max_prefilling and self.slots.admits(PriorityClass.BATCH)
+
     def _on_arrival(self) -> None:
-        if self._closing or self._can_take():
+        if self._closing or self._takes_lower_class():
             self._wake.set()
 
     def _on_core_arrival(self) -> None:
-        """A CORE request arrived while ``max_batches_in_prefill`` admission waves are in prefill or the limit is taken: it
-        does not wait for a first token or a stream's end (or the time slice), it is admitted now if the limit has a
-        slot for it, CORE's reserved ones included (``scheduler.admit_core``: from the head of the waiting order,
-        preempting nothing)."""
+        """A CORE request arrived. Where the limit has a slot and a wave may go into prefill, a decision takes it
+        (one that also takes CORE past a lower-class head held back for the reserve): the loop is woken. Else,
+        while ``max_batches_in_prefill`` admission waves are in prefill, it does not wait for a first token or a
+        stream's end (or the time slice): it is admitted now if the limit has a slot for it, CORE's reserved ones
+        included (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
         if self._closing or self._can_take():
-            return  # the loop takes it at its next decision (woken by _on_arrival)
+            self._wake.set()  # the loop takes it at its next decision
+            return
         decision = self.scheduler.admit_core(time.monotonic())
         self._publish(decision.outputs)
         if decision.admitted:
