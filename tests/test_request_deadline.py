@@ -79,7 +79,7 @@ async def until_ended(call: grpc.aio.StreamStreamCall, request_ids: set[str]) ->
 
 def kv_held(service: DispatcherService) -> int:
     budget = service.scheduler.capacity
-    return budget.reserved_bytes + budget.leaving_bytes  # type: ignore[attr-defined]
+    return budget.reserved_bytes + budget.leaving_bytes + budget.restoring_bytes  # type: ignore[attr-defined]
 
 
 async def test_a_running_stream_request_past_its_timeout_fails_deadline_exceeded_and_frees_its_kv() -> None:

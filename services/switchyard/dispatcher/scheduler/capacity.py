@@ -131,7 +131,12 @@ class KvBudget:
         self._held_beside_running = held_beside_running
         self._taken_over = taken_over
         self.leaving_bytes = 0
-        """KV bytes of requests preempted while a step they belong to is in flight: in use until it ends."""
+        """Live KV bytes of requests preempted while a step they belong to is in flight (``preempting``): in use
+        until it ends (:meth:`hold_leaving`, :meth:`end_leaving`; each request's own in ``req.kv_leaving_bytes``)."""
+        self.restoring_bytes = 0
+        """KV bytes of planned restores in flight (a swapped agent's parked step coming back from DRAM ahead of
+        its tool's return): in use from the restore's start until it lands or misses (:meth:`hold_restore`,
+        :meth:`end_restore`; each restore's own in its plan's ``kv_bytes``)."""
 
     def need(self, req: Request) -> int:
         """Bytes ``req`` reserves while it runs: ``(prompt_tokens + max_tokens) x kv_bytes_per_token``."""
@@ -139,23 +144,31 @@ class KvBudget:
 
     @property
     def free_bytes(self) -> int:
-        """Budget left for new admissions now, after the running set, the parked agents and what is leaving."""
-        return self.budget_bytes - self.reserved_bytes - int(self._held_beside_running()) - self.leaving_bytes
+        """Budget left for new admissions now: the budget less :attr:`held_bytes`."""
+        return self.budget_bytes - self.held_bytes
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes held in HBM: the running set's reservations plus what is held beside it and what is leaving."""
-        return self.reserved_bytes + int(self._held_beside_running()) + self.leaving_bytes
+        """KV bytes held in HBM, each holder once: the running set's reservations, what is held beside it (parked
+        agents' prefixes, the prefix cache), the live KV of the requests leaving a step in flight, and the planned
+        restores in flight."""
+        return self.reserved_bytes + int(self._held_beside_running()) + self.leaving_bytes + self.restoring_bytes
 
-    def hold(self, nbytes: int) -> None:
-        """``nbytes`` outside the running set and the parked agents are in use: a request that left the
-        running set and belongs to the step in flight (preempted mid-step; :meth:`end_hold` when that step
-        ended and its KV left), or a planned restore in flight (until it lands or misses)."""
+    def hold_leaving(self, nbytes: int) -> None:
+        """A request preempted mid-step keeps ``nbytes`` of live KV in use until the step in flight ends."""
         self.leaving_bytes += max(0, nbytes)
 
-    def end_hold(self, nbytes: int) -> None:
-        """End one :meth:`hold` of ``nbytes``."""
+    def end_leaving(self, nbytes: int) -> None:
+        """The step a request preempted mid-step belonged to ended (or it did): its ``nbytes`` left."""
         self.leaving_bytes -= max(0, nbytes)
+
+    def hold_restore(self, nbytes: int) -> None:
+        """A planned restore of ``nbytes`` started: they are in use until it lands or misses."""
+        self.restoring_bytes += max(0, nbytes)
+
+    def end_restore(self, nbytes: int) -> None:
+        """A planned restore of ``nbytes`` landed (its step parked again, counted by the parking) or missed."""
+        self.restoring_bytes -= max(0, nbytes)
 
     def usage_ratio(self) -> float:
         """Device memory in use / device memory (0-1): read from the device where possible, else

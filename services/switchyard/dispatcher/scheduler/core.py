@@ -514,7 +514,7 @@ class SchedulerCore(KvMemory):
             self._leaving.append(victim)
             if budget is not None:
                 victim.kv_leaving_bytes = held
-                budget.hold(held)
+                budget.hold_leaving(held)
         if self.capacity.refusal(req) is not None:  # a capacity whose room the victims' bytes do not measure
             return False
         return True
@@ -550,7 +550,7 @@ class SchedulerCore(KvMemory):
     def _end_leaving(self, req: Request) -> None:
         """The step ``req`` was preempted during has ended (or ``req`` ended): its live KV leaves the budget."""
         if self.kv_budget is not None:
-            self.kv_budget.end_hold(req.kv_leaving_bytes)
+            self.kv_budget.end_leaving(req.kv_leaving_bytes)
         req.kv_leaving_bytes = 0
 
     def expire_deadlines(self, now: float) -> list[Request]:

@@ -187,7 +187,7 @@ class KvMemory:
             if budget is not None:
                 if plan.kv_bytes > budget.free_bytes:
                     continue
-                budget.hold(plan.kv_bytes)
+                budget.hold_restore(plan.kv_bytes)
             req.swap_key, req.swap_tokens = plan.key, plan.tokens
             self.tool_waits.started(plan)
             started.append(req)
@@ -202,7 +202,7 @@ class KvMemory:
         plan = self.tool_waits.in_flight(req)
         key, req.swap_key, req.swap_tokens = req.swap_key, "", 0
         if plan is not None and self.kv_budget is not None:
-            self.kv_budget.end_hold(plan.kv_bytes)  # held since its restore started (_prefetches)
+            self.kv_budget.end_restore(plan.kv_bytes)  # held since its restore started (_prefetches)
         if plan is None:
             if restored > 0:
                 self.kv.free(req)
