@@ -290,6 +290,39 @@ def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     assert cache.data.shape[3] == 8 and engine.kv.compact([req]) == 0
 
 
+async def test_a_parked_steps_compacted_kv_leaves_the_kv_budget():
+    """The parking kept each parked step's bytes as read when it parked, beside the engine's own count of them.
+    Compaction cuts a parked step's cache tensor to its valid blocks, and the engine frees those bytes; the
+    parking went on counting them in the KV budget until the agent came back or expired, refusing admissions
+    for memory the device had back. The parking now reads the engine's count (``kv.kv_bytes``), the one owner."""
+    from switchyard.dispatcher.scheduler import make_scheduler
+    from switchyard.dispatcher.scheduler.base import SchedulerOutput
+
+    engine = make()
+    sched = make_scheduler(tiny_config(), engine)
+    question = Message("user", "<question>what does the with statement do?</question>")
+    tools = [Tool("search_docs", "", '{"type": "object"}')]
+    think = counted(engine, Request(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
+                                    task_type="react_loop", max_tokens=64))
+    accept(sched, [think], now=0.0)
+    sched.schedule(now=0.0)
+    await run_through(sched, engine, think)
+    assert sched.parked == [think]
+    budget = sched.kv_budget
+    assert budget is not None
+    cache = think.engine_state.cache
+    cache.reserve(cache.data.shape[3] + 64)  # parked with an allocation past its valid blocks
+    sched.parking.park(think, 0.5)
+    held, before = budget.held_bytes, engine.kv.kv_bytes(think)
+    assert sched.parking.kv_bytes == before
+    sched.score = 0.0  # an idle GPU: the HBM scan compacts
+    sched.hbm_scan(1.0, SchedulerOutput())
+    freed = before - engine.kv.kv_bytes(think)
+    assert freed > 0 and sched.counters.defrag_freed_bytes == freed
+    assert sched.parking.kv_bytes == engine.kv.kv_bytes(think)
+    assert budget.held_bytes == held - freed
+
+
 # --------------------------------------------------------------------------- limits
 
 

@@ -18,7 +18,7 @@ released at the next decision.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from switchyard.dispatcher.request import Request
@@ -34,9 +34,16 @@ class ParkedAgent:
 
     req: Request
     since: float
-    kv_bytes: int
+    bytes_of: Callable[[Request], int] = field(repr=False)
+    """The engine's count of a request's KV bytes (``kv.kv_bytes``): the one owner of them."""
     ttl_s: float | None = None
     """This agent's own time-to-live, set by its tool-wait decision (None: the parking's ``ttl_s``)."""
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the engine holds for its step now, read from the engine (compaction may have cut them since it
+        parked; a copy kept here went on counting the bytes freed)."""
+        return int(self.bytes_of(self.req))
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ class ParkedAgents:
         if old is not None and old.req is not req:
             self._release(old.req)
         self._cold.pop(req.program_key, None)
-        self._parked[req.program_key] = ParkedAgent(req, now, int(self._kv_bytes(req)))
+        self._parked[req.program_key] = ParkedAgent(req, now, self._kv_bytes)
 
     def take(self, program_key: str, now: float) -> Resumed:
         """The agent is back: hand over (warm) or report lost (cold) its prefix state.
