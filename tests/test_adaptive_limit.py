@@ -521,7 +521,7 @@ async def test_dispatcher_backs_off_an_upstream_that_answers_429_above_its_concu
     # nothing lost: retried, then served
     assert all(isinstance(r, agent_pb2.GenerateChunk) and r.HasField("done") for r in results), results
     assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 4
-    assert service.limit is not None and service.limit.limit < 32  # it learned the upstream takes less
+    assert service.stream_slots is not None and service.stream_slots.limit < 32  # it learned the upstream takes less
 
 
 async def test_a_request_the_upstream_refuses_for_load_before_its_first_token_waits_again_in_the_queue(
@@ -537,7 +537,7 @@ async def test_a_request_the_upstream_refuses_for_load_before_its_first_token_wa
     assert upstream.state.rejected_overload > 0 and upstream.state.peak_open_streams <= 2
     requeued = REGISTRY.get_sample_value("switchyard_preemptions_total", {"priority_class": "normal"}) - before
     assert requeued > 0
-    assert service.limit is not None and service.limit.limit < 16
+    assert service.stream_slots is not None and service.stream_slots.limit < 16
 
 
 async def test_a_lone_request_refused_for_load_gets_the_429_at_once(clean_proxy_env) -> None:
@@ -576,8 +576,8 @@ async def test_a_refusal_for_load_backs_the_limit_off_however_the_server_says_it
             "upstream.concurrency": {"initial_limit": initial, "min_limit": 1, "max_limit": 64}})
         [result] = await _generate_all(service, 1)
     assert isinstance(result, grpc.aio.AioRpcError) and result.code() == code, result
-    assert service.limit is not None
-    assert (service.limit.limit < initial) == backs_off, service.limit.limit
+    assert service.stream_slots is not None
+    assert (service.stream_slots.limit < initial) == backs_off, service.stream_slots.limit
 
 
 async def _refusals_at_three_and_six_seconds(service: DispatcherService, upstream, priorities: list[int]) -> tuple[int, int]:
@@ -631,7 +631,7 @@ async def test_core_beside_batch_is_not_refused_by_an_upstream_that_takes_four_s
         by_half, total = await _refusals_at_three_and_six_seconds(
             service, upstream, [agent_pb2.CORE] + [agent_pb2.BATCH] * 12)
     assert total - by_half <= 1, (by_half, total)
-    assert service.limit is not None and service.limit.limit <= 4
+    assert service.stream_slots is not None and service.stream_slots.limit <= 4
 
 
 # --------------------------------------------------------------------------- a real continuous-batching server
@@ -639,10 +639,10 @@ async def test_core_beside_batch_is_not_refused_by_an_upstream_that_takes_four_s
 
 def endpoint_limit(service: DispatcherService) -> AdaptiveConcurrencyLimit:
     """The adaptive limit of an openai-engine dispatcher's one upstream endpoint (a pool of one: the dispatcher's
-    limit, ``service.limit``, is their sum)."""
+    limit, ``service.stream_slots``, is their sum)."""
     (endpoint,) = service.engine.client.pool.endpoints.values()  # type: ignore[attr-defined]
     # the pool admits whole streams: its limit is the endpoint's, floored (a backoff or the brake leaves 5.5)
-    assert service.limit is not None and service.limit.limit == max(int(endpoint.limit.limit),
+    assert service.stream_slots is not None and service.stream_slots.limit == max(int(endpoint.limit.limit),
                                                                      endpoint.limit.config.min_limit)
     return endpoint.limit
 
@@ -673,8 +673,8 @@ async def test_limit_in_front_of_transformers_serve_finds_a_knee_and_does_not_ru
                         priority=agent_pb2.BATCH)
                     chunks = [c async for c in stub.Generate(request, timeout=120)]
                     assert chunks[-1].HasField("done") and any(c.HasField("token") for c in chunks)
-                    assert service.limit is not None
-                    limits.append(service.limit.limit)
+                    assert service.stream_slots is not None
+                    limits.append(service.stream_slots.limit)
                     if (knee := endpoint_limit(service).knee) is not None:
                         knees.append(knee)
                     last = chunks
@@ -793,7 +793,7 @@ async def test_one_endpoint_reporting_its_queue_keeps_the_dispatchers_limit_at_w
                 async def watch() -> None:
                     await asyncio.sleep(3.0)
                     while asyncio.get_running_loop().time() < stop:
-                        limits.append(service.limit.limit)
+                        limits.append(service.stream_slots.limit)
                         await asyncio.sleep(0.2)
 
                 await asyncio.gather(watch(), *(caller(i) for i in range(16)))
@@ -812,7 +812,7 @@ async def test_a_stream_the_caller_left_keeps_its_slot_until_its_upstream_call_e
             "upstream.concurrency": {"initial_limit": 1, "min_limit": 1, "max_limit": 1}})
         await service.start()
         try:
-            slots, endpoints = service.limit, list(service.engine.client.pool.endpoints.values())
+            slots, endpoints = service.stream_slots, list(service.engine.client.pool.endpoints.values())
             assert slots is not None
 
             def on_endpoints() -> int:

@@ -844,10 +844,10 @@ async def test_a_core_request_starts_at_once_in_its_reserved_slot_while_batch_st
         stream = RawStream(channel)
         held = [f"held-{i}" for i in range(10)]
         await stream.send(*(start(rid, priority=agent_pb2.BATCH) for rid in held))
-        await wait_until(lambda: service.limit.in_flight == 10, "the BATCH streams admitted (the lower classes' 10)")
-        assert service.limit is not None
-        service.limit.source.on_overload(time.monotonic())  # no stream measured on it: halved, to 6
-        assert int(service.limit.limit) == 6 < service.limit.in_flight
+        await wait_until(lambda: service.stream_slots.in_flight == 10, "the BATCH streams admitted (the lower classes' 10)")
+        assert service.stream_slots is not None
+        service.stream_slots.source.on_overload(time.monotonic())  # no stream measured on it: halved, to 6
+        assert int(service.stream_slots.limit) == 6 < service.stream_slots.in_flight
         began = time.monotonic()
         await stream.send(start("core", priority=agent_pb2.CORE, max_tokens=3))
         await stream.until(lambda: stream.done("core"), "the CORE request done", timeout=HANG_BOUND_S)

@@ -442,8 +442,8 @@ async def test_the_dispatcher_admits_up_to_the_sum_of_the_endpoint_limits(clean_
             "dispatcher.engine": "openai", "upstream.api_key_required": False, "upstream.default_model": "sim-7b",
             "upstream.fallback_model": "", "upstream.pool.endpoints": urls})
         service = DispatcherService(cfg, engine=make_engine(cfg))
-        assert service.limit is not None and isinstance(service.limit.source, PoolLimit)
-        assert service.limit.limit == 3 * 3 + 2  # three ceilings of 3 at the start-up limit of 4, one headroom of 2
+        assert service.stream_slots is not None and isinstance(service.stream_slots.source, PoolLimit)
+        assert service.stream_slots.limit == 3 * 3 + 2  # three ceilings of 3 at the start-up limit of 4, one headroom of 2
         async with running([service], cfg.server) as server:
             async with open_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = agent_pb2_grpc.InferenceServiceStub(channel)

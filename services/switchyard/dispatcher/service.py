@@ -105,15 +105,16 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self.adaptive: AdaptiveFlush | None = (
             AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
         )
-        self.limit: StreamSlots | None = None
+        self.stream_slots: StreamSlots | None = None
         """The streams in flight to a stream engine's upstream and the one limit they are admitted under: the
         engine's own (the openai engine's gateway keeps one limit per endpoint and admits up to their sum), else
         one that nothing measures (see ``StreamEngine.stream_slots``); None for a step engine."""
         capacity = None
         if not self.stepping:
             own = self.engine.stream_slots  # type: ignore[union-attr]
-            self.limit = own if own is not None else StreamSlots(AdaptiveConcurrencyLimit(config.upstream.concurrency))
-            capacity = ConcurrencyCapacity(self.limit)
+            self.stream_slots = (own if own is not None
+                                 else StreamSlots(AdaptiveConcurrencyLimit(config.upstream.concurrency)))
+            capacity = ConcurrencyCapacity(self.stream_slots)
         # KV state swapped out of HBM waits in Redis ([dram]); an engine with nothing to swap needs none.
         dram = config.memory.dram
         store = (KvStore(DramClient(dram), dram.kv_ttl_s)
