@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.tiers import MemoryTiers
 
 __all__ = ["REACT_TASK_TYPE", "SEQUENCE_RESUME_KINDS", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
-           "SchedulerOutput", "SchedulerStats", "class_rank", "should_park"]
+           "SchedulerOutput", "SchedulerStats", "should_park"]
 
 
 REACT_TASK_TYPE = "react_loop"
@@ -90,16 +90,6 @@ SEQUENCE_RESUME_KINDS: tuple[str, ...] = ("preempted", "tool_warm", "tool_restor
 """How a sequence came back (:attr:`SchedulerCounters.resumes`, ``switchyard_resumes_total{kind}``): re-admitted
 after preemption, or a react_loop agent back from a tool call with its prefix state warm in HBM, in the DRAM
 tier, or lost."""
-
-
-def class_rank(req: Request) -> int:
-    """0 for core, 1 for normal, 2 for batch (unset priority counts as normal)."""
-    return int(req.priority)
-
-
-def class_name(req: Request) -> str:
-    """core, normal or batch."""
-    return req.priority.label
 
 
 def should_park(req: Request) -> bool:

@@ -103,7 +103,6 @@ from switchyard.dispatcher.scheduler.base import (
     SchedulerCounters,
     SchedulerEvents,
     SchedulerStats,
-    class_name,
     should_park,
 )
 from switchyard.dispatcher.engines.base import (
@@ -583,7 +582,7 @@ class SchedulerCore(KvMemory):
                      else "waiting for admission" if not req.reached_engine else "before its first token")
             self._end(req, now, RequestStatus.FINISHED_ERROR,
                       RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
-            self.counters.deadlines_exceeded[class_name(req)] += 1
+            self.counters.deadlines_exceeded[req.priority.label] += 1
         return expired
 
     def on_idle(self, now: float) -> list[Request]:
@@ -847,7 +846,7 @@ class SchedulerCore(KvMemory):
         """``req``, out of the running set, waits again at its original place: a preemption."""
         req.mark_preempted()
         self._enqueue(req, now)
-        self.counters.preemptions[class_name(req)] += 1
+        self.counters.preemptions[req.priority.label] += 1
 
     def _stop(self, req: Request, now: float) -> None:
         self.accounting.stop(req, len(self._running), now)
@@ -942,9 +941,9 @@ class SchedulerCore(KvMemory):
                                counters=counted.since(self._reported), events=events)
         self._reported = counted
         for s in self._running:
-            stats.running[class_name(s)] += 1
+            stats.running[s.priority.label] += 1
         for s in (*self.queue, *self.intake):  # waiting for admission, as num_waiting counts: buffered ones too
-            stats.waiting[class_name(s)] += 1
+            stats.waiting[s.priority.label] += 1
         if self.kv_budget is not None:
             stats.hbm_held_bytes = self.kv_budget.held_bytes
         return stats

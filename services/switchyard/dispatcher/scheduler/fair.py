@@ -56,7 +56,6 @@ from switchyard.common.tenant import DEFAULT_TENANT
 from switchyard.dispatcher.engines.base import StepBatch, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput, SchedulerOutput
 from switchyard.dispatcher.scheduler import slack as slack_rule
-from switchyard.dispatcher.scheduler.base import class_name, class_rank
 from switchyard.dispatcher.scheduler.fairness import FairnessLedger
 from switchyard.dispatcher.scheduler.priority import PriorityScheduler
 from switchyard.dispatcher.scheduler.request_queue import OrderKey, RequestQueue
@@ -166,7 +165,7 @@ class FairScheduler(PriorityScheduler):
             try:
                 slack_rule.check(req.request_id, left, req.expected_remaining_work_s, self.expected_service_s(req))
             except slack_rule.CannotMeetDeadline:
-                self.counters.refused_early[class_name(req)] += 1  # switchyard_requests_refused_early_total
+                self.counters.refused_early[req.priority.label] += 1  # switchyard_requests_refused_early_total
                 if req.resume and req.agent_key:  # its task ends here: nothing is kept for its next turn
                     self.forget_agent(req.program_key)
                 raise
@@ -177,7 +176,7 @@ class FairScheduler(PriorityScheduler):
         slack = self.slack(req, now)
         urgent = slack < self.at_risk_slack_s
         tenant, session, arrival = self.ledger.order_key(req.agent_key, req.tenant_id, req.arrival, now)
-        return (float(class_rank(req)), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
+        return (float(req.priority), 0.0 if urgent else 1.0, now + slack if urgent else 0.0, tenant, session,
                 arrival)
 
     def schedule(self, now: float) -> SchedulerOutput:

@@ -29,7 +29,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.parking import ParkedAgent
 from switchyard.dispatcher.scheduler.tool_wait import (
     Decision,
@@ -182,7 +181,7 @@ class KvMemory:
         for plan in due:
             req = plan.req
             assert req is not None
-            if head is not None and class_rank(req) > class_rank(head):
+            if head is not None and req.priority > head.priority:
                 continue
             if budget is not None:
                 if plan.kv_bytes > budget.free_bytes:
@@ -414,7 +413,7 @@ class KvMemory:
         request would wait for the copy: the swap-or-recompute choice counts it.
         """
         head = self._room_for
-        delays = self._copy_delays() if head is not None and class_rank(head) < class_rank(parked) else 0
+        delays = self._copy_delays() if head is not None and head.priority < parked.priority else 0
         key = self.tiers.agent_key(parked.program_key)
         if self._swap_out(parked, key, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key

@@ -56,7 +56,6 @@ from typing import Any
 
 from switchyard.common.config import SchedulerConfig, SwitchyardConfig
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.scheduler.base import class_rank
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
 from switchyard.dispatcher.scheduler.core import SchedulerCore
 from switchyard.dispatcher.scheduler.request_queue import PriorityAgingQueue, RequestQueue
@@ -92,7 +91,7 @@ class PriorityScheduler(SchedulerCore):
         return PriorityAgingQueue(head_start(self.config))
 
     def _may_preempt(self, req: Request, now: float) -> bool:
-        return (self.preemption_enabled and class_rank(req) == 0
+        return (self.preemption_enabled and req.priority is PriorityClass.CORE
                 and now - req.arrival >= self.wait_before_preempt_s)
 
     def _preempt(self, now: float, out: SchedulerOutput) -> None:
@@ -113,13 +112,13 @@ class PriorityScheduler(SchedulerCore):
     def _below_core(self, out: SchedulerOutput, exclude: list[Request] = ()) -> list[Request]:  # type: ignore[assignment]
         """Running work below core, not admitted in this decision nor in ``exclude``: what core work may preempt."""
         fresh = set(out.admitted) | set(exclude)
-        return [req for req in self._running if class_rank(req) > 0 and req not in fresh]
+        return [req for req in self._running if req.priority is not PriorityClass.CORE and req not in fresh]
 
     @staticmethod
     def _victim_order(req: Request) -> tuple[int, float]:
         """The larger, the sooner preempted: the lowest class first, then the latest arrival (inside one class
         the aging order is the arrival order: every member has the same head start)."""
-        return class_rank(req), req.arrival
+        return req.priority, req.arrival
 
     def _in_victim_order(self, out: SchedulerOutput) -> list[Request]:
         """:meth:`_below_core`, first victim first (:meth:`_victim_order`)."""
