@@ -89,15 +89,13 @@ class StreamLoop(LoopBase):
         ``request_id``, which two requests of one wave may share)."""
         self._waves = itertools.count()
 
-    def abort(self, req: Request) -> None:
-        _cancel_upstream_call(req)
-        super().abort(req)
-
     def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
         """Publish as every loop does, and end the upstream call of each request that finished while its
-        stream still ran: wherever its end was decided (its deadline found past by the time slice's decision,
-        or by another stream's item reaching ``update_from_output``), its stream stops with it, and with it
-        the endpoint's count of it. A stream's own end is its task's to close (the current task)."""
+        stream still ran: wherever its end was decided (its caller gone, :meth:`abort`; its deadline found past
+        by the time slice's decision, or by another stream's item reaching ``update_from_output``), its stream
+        stops with it, and with it the endpoint's count of it (then the slot's, :meth:`_stream_ended`). A
+        stream's own end is its task's to close (the current task). The one place a call is cancelled (a
+        shutdown ends every request through here too)."""
         for out in outputs:  # called per streamed token: only a finished output asks for the current task
             if out.finished and (call := out.req.upstream_call) is not None and call is not asyncio.current_task():
                 call.cancel()
@@ -228,9 +226,3 @@ class StreamLoop(LoopBase):
             else:
                 self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
                                                         time.monotonic(), exc))
-
-
-def _cancel_upstream_call(req: Request) -> None:
-    """End ``req``'s upstream stream, if one is in flight (its task's done callback takes it out of its wave)."""
-    if req.upstream_call is not None:
-        req.upstream_call.cancel()
