@@ -8,7 +8,8 @@ streamed call. The running set is bounded by the engine's concurrency limit
 upstream endpoint, :mod:`switchyard.dispatcher.adaptive_limit`, each kept at its
 server's knee from the TTFTs, tokens and 429/503 answers the gateway measures on
 it, one endpoint being a pool of one), not by a fixed count; this loop feeds it
-nothing, it only admits under it. What the limit does not let through waits in the scheduler's queue, in
+nothing: it admits under it, and gives a stream's slot back when its upstream call
+has ended (not when the scheduler ended the request: a cancelled call still closes). What the limit does not let through waits in the scheduler's queue, in
 the policy's order, CORE first, and CORE may take the slots the limit holds
 back from NORMAL and BATCH. A request the upstream refuses for load before its
 first token (429) while other streams are in flight waits there again, up to
