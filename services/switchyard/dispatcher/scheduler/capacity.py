@@ -227,8 +227,8 @@ class ConcurrencyLimit(Protocol):
     """Where the limit on streams in flight to an upstream comes from: the stream engine's own (the gateway's
     :class:`~switchyard.gateway.pool.PoolLimit`, over one adaptive limit per endpoint, which the gateway measures),
     or an :class:`~switchyard.dispatcher.adaptive_limit.AdaptiveConcurrencyLimit` for an engine that brings none.
-    It says how many streams may be in flight and how many of them are CORE's; it counts none
-    (:class:`StreamSlots` does)."""
+    It says how many streams may be in flight and how many of those slots are held back for CORE; it counts no
+    stream (:class:`StreamSlots` does)."""
 
     def admission_limit(self) -> tuple[float, int]:
         """(streams that may be in flight now, ``int()`` of it; slots of them held back for CORE), read once."""
