@@ -9,7 +9,8 @@ upstream endpoint, :mod:`switchyard.dispatcher.adaptive_limit`, each kept at its
 server's knee from the TTFTs, tokens and 429/503 answers the gateway measures on
 it, one endpoint being a pool of one), not by a fixed count; this loop feeds it
 nothing: it admits under it, and gives a stream's slot back when its upstream call
-has ended (not when the scheduler ended the request: a cancelled call still closes). What the limit does not let through waits in the scheduler's queue, in
+has ended (not when the scheduler ended the request: a cancelled call still closes).
+What the limit does not let through waits in the scheduler's queue, in
 the policy's order, CORE first, and CORE may take the slots the limit holds
 back from NORMAL and BATCH. A request the upstream refuses for load before its
 first token (429) while other streams are in flight waits there again, up to
@@ -120,10 +121,11 @@ class StreamLoop(LoopBase):
 
     def _on_core_arrival(self) -> None:
         """A CORE request arrived. Where the limit has a slot and a wave may go into prefill, a decision takes it
-        (one that also takes CORE past a lower-class head held back for the reserve): the loop is woken. Else,
-        while ``max_batches_in_prefill`` admission waves are in prefill, it does not wait for a first token or a
-        stream's end (or the time slice): it is admitted now if the limit has a slot for it, CORE's reserved ones
-        included (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
+        (one that also takes CORE past a lower-class head held back for the reserve): the loop is woken. Else
+        (``max_batches_in_prefill`` admission waves in prefill, or the limit taken) it does not wait for a first
+        token or a stream's end (or the time slice): it is admitted now if it has a slot, CORE's reserved ones
+        included, which stay its own when the limit came down below the lower-class streams
+        (``scheduler.admit_core``: from the head of the waiting order, preempting nothing)."""
         if self._closing or self._can_take():
             self._wake.set()  # the loop takes it at its next decision
             return
