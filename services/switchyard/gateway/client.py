@@ -519,11 +519,13 @@ class GatewayClient:
                 ended_with = exc.naming(opened.endpoint.chat_completions).after_tokens(sent)
                 raise ended_with
             finally:
-                if opened.decoder.done and ended_with is None:
-                    self._finish_body(opened)
-                else:
-                    await opened.response.aclose()
-                self.pool.finished(opened.endpoint, ended_with)
+                try:
+                    if opened.decoder.done and ended_with is None:
+                        self._finish_body(opened)
+                    else:
+                        await opened.response.aclose()
+                finally:  # a cancel arriving while the response closes must not keep the endpoint's slot
+                    self.pool.finished(opened.endpoint, ended_with)
         except GatewayError as exc:
             # its caller's deadline ran out: the caller gave up, as a cancel does (which of the gateway's clock and
             # gRPC's cancel of the call sees it first is a race), never the model failing the call
