@@ -36,7 +36,8 @@ The ``accepted`` event's ``state`` is the state's lower-case name, as a submit a
 A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
 tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
-names as in agent.proto).
+names as in agent.proto). A stream quiet for ``orchestrator.http.sse_keepalive_s`` while its task waits gets
+a comment line (``:``, :class:`_KeepAlive`), so a client's or proxy's read timeout does not cut it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import json
 import logging
 import re
 import ssl
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 from urllib.parse import unquote_to_bytes
 
 import grpc
@@ -203,6 +204,72 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
     if kind == "accepted":  # the state's lower-case name, as /submit and the status routes answer it
         data["state"] = state_name(event.accepted.state)
     return _sse(kind, data)
+
+
+KEEPALIVE = b":\n\n"
+"""An SSE comment line (and the blank line that ends it): every SSE parser skips it (WHATWG HTML, 9.2.6)."""
+
+
+class _KeepAlive:
+    """The writes of one SSE stream, with :data:`KEEPALIVE` written whenever the stream has been quiet for
+    ``every_s`` while its handler waits for the task's next event (:meth:`waiting`): a stream whose task waits
+    (in a queue, on a tool, through a long prefill) sends bytes, so a client or proxy with a read timeout
+    (httpx's default 5 s, nginx's ``proxy_read_timeout`` 60 s) does not cut it, as gRPC's own keepalive pings
+    keep a RunTask call. One timer per stream, rearmed each ``every_s``; nothing per event but a clock read."""
+
+    def __init__(self, response: web.StreamResponse, every_s: float) -> None:
+        self._response = response
+        self._every_s = every_s
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._idle = False
+        self._writing: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(every_s, self._tick)
+
+    def _tick(self) -> None:
+        quiet_s = self._loop.time() - self._last
+        if quiet_s >= self._every_s and self._idle and (self._writing is None or self._writing.done()):
+            self._writing = self._loop.create_task(self._response.write(KEEPALIVE))
+            self._writing.add_done_callback(_ignore_a_left_client)
+            self._last, quiet_s = self._loop.time(), 0.0
+        self._timer = self._loop.call_later(max(self._every_s - quiet_s, 0.0), self._tick)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The handler waits for the task's next event: a keepalive may be written meanwhile."""
+        self._idle = True
+        try:
+            yield
+        finally:
+            self._idle = False
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` once any keepalive being written is out (one writer at a time)."""
+        if self._writing is not None:
+            await self._writing
+            self._writing = None
+        await self._response.write(data)
+        self._last = self._loop.time()
+
+    async def stop(self) -> None:
+        """No more keepalives; one being written is let finish (or, where the client left, cancelled)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            if not writing.done():
+                writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
+                await writing
+
+
+def _ignore_a_left_client(task: "asyncio.Task[None]") -> None:
+    """Read a keepalive write's outcome: a client that left is the handler's to notice, not an error to log."""
+    if not task.cancelled():
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, ConnectionResetError):
+            log.warning("HTTP face: an SSE keepalive failed: %r", exc)
 
 
 def tls_context(tls: TlsConfig) -> ssl.SSLContext | None:
@@ -672,14 +739,19 @@ class HttpFace(Drains):
                                                    "X-Accel-Buffering": "no"})
             await response.prepare(request)
             event: agent_pb2.TaskEvent | None = first
+            quiet = _KeepAlive(response, self.config.orchestrator.http.sse_keepalive_s)
             try:
                 try:
                     while event is not None:
-                        await response.write(event_bytes(event))
-                        event = await anext(events, None)
+                        await quiet.write(event_bytes(event))
+                        with quiet.waiting():
+                            event = await anext(events, None)
                 except HttpAbort as exc:
-                    await response.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
+                    await quiet.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
+                await quiet.stop()
                 await response.write_eof()
             except ConnectionResetError:  # the client left (aiohttp's ClientConnectionResetError is one): not ours
                 pass
+            finally:
+                await quiet.stop()
             return response

@@ -348,7 +348,8 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
             }},
             "/api/v1/agent/run": {"post": {
                 "summary": "RunTask as Server-Sent Events: one event per TaskEvent (accepted, stage, token, "
-                           "tool_call, tool_result), then final, or an error event",
+                           "tool_call, tool_result), then final, or an error event; a comment line (':') whenever the stream "
+                           "has been quiet for orchestrator.http.sse_keepalive_s while its task waits",
                 "parameters": headers,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": {"description": "The event stream", "content": {"text/event-stream": {

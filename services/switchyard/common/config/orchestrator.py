@@ -39,6 +39,13 @@ class HttpFaceConfig(_Strict):
         "whose head is not whole by then, is closed (aiohttp's own server default is an hour, and a client could "
         "hold connections that long sending nothing; 75 s is nginx's keepalive_timeout and aiohttp's run_app).",
     )
+    sse_keepalive_s: float = Field(
+        4.0, gt=0, le=300,
+        description="An SSE stream (POST /api/v1/agent/run) quiet this long, seconds, while its task waits (a "
+        "queue, a tool, a long prefill) gets a comment line (':'), which SSE parsers skip, so a client or proxy "
+        "with a read timeout does not cut a task that is still running: httpx's default is 5 s, nginx's "
+        "proxy_read_timeout 60 s.",
+    )
 
 
 class OrchestratorConfig(_Strict):
