@@ -61,3 +61,65 @@ async def test_aiohttps_client_reads_a_quiet_stream_within_its_read_timeout():
                          if line.startswith(b"event: ")]
         await releasing
         assert kinds[0] == "accepted" and kinds[-1] == "final", kinds
+
+
+async def _event_source(client: httpx.AsyncClient, body: dict, stop_after: str | None = None,
+                        reconnections: int = 3) -> tuple[list[tuple[str, str]], list[int]]:
+    """An EventSource-style consumer (WHATWG HTML 9.2, as requests-sse and browsers' fetch-based EventSource
+    libraries implement it) over httpx-sse: it reads events, keeps the last ``id``, and whenever the stream ends
+    (read whole, or left after the ``stop_after`` event) connects again with ``Last-Event-ID``, re-sending its
+    POST, until an answer other than 200 fails the connection. Returns the (event, id) pairs read and the
+    statuses of the connections."""
+    events: list[tuple[str, str]] = []
+    statuses: list[int] = []
+    last_id = ""
+    for _ in range(1 + reconnections):
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        async with aconnect_sse(client, "POST", "/api/v1/agent/run", json=body, headers=headers) as source:
+            statuses.append(source.response.status_code)
+            if source.response.status_code != 200:
+                return events, statuses  # WHATWG: any other status fails the connection; no reconnection
+            async for event in source.aiter_sse():
+                last_id = event.id or last_id
+                events.append((event.event, event.id))
+                if event.event == stop_after:
+                    break
+    return events, statuses
+
+
+async def test_an_event_source_reconnecting_after_the_final_event_does_not_run_the_task_again():
+    """requests-sse's EventSource (method="POST") reading 60 events ran the same task 4 times: a stream had no
+    ids, so each reconnection after a final event was a new POST, run again every reconnection time without end.
+    Each event now has an id; the reconnection's Last-Event-ID names the stream's last event, and 204 stops it."""
+    async with http_stack() as (client, _, down):
+        events, statuses = await _event_source(client, CHAT)
+        assert statuses == [200, 204], statuses
+        assert [kind for kind, _ in events].count("accepted") == 1 and events[-1][0] == "final"
+        assert len(down.requests) == 1
+        task_id = events[0][1].rsplit(":", 1)[0]
+        assert [i for _, i in events] == [f"{task_id}:{n}" for n in range(len(events) - 1)] + [
+            f"{task_id}:{len(events) - 1}:end"]
+
+
+async def test_an_event_source_that_lost_its_stream_is_told_the_task_was_cancelled_not_given_a_second_run():
+    async with http_stack() as (client, _, down):
+        down.gate = asyncio.Event()  # the task is inside infer when the connection is lost
+        events, statuses = await _event_source(client, CHAT, stop_after="accepted")
+        down.gate.set()
+        assert statuses == [200, 409] and [kind for kind, _ in events] == ["accepted"], (statuses, events)
+        assert len(down.requests) <= 1  # not run again (the first may or may not have reached the model)
+        reply = await client.post("/api/v1/agent/run", json=CHAT, headers={"Last-Event-ID": events[0][1]})
+        error = reply.json()["error"]
+        assert reply.status_code == 409 and error["code"] == "ABORTED" and "Last-Event-ID" in error["message"]
+
+
+async def test_a_stream_that_fails_after_it_began_ends_with_an_error_event_marked_last():
+    limits = {"chat": 0.5, "rag_answer": 180.0, "react_loop": 600.0}
+    async with http_stack(**{"orchestrator.task_time_limit_s": limits}) as (client, _, down):
+        down.gate = asyncio.Event()  # the model never answers: the task's time limit ends it after accepted
+        async with aconnect_sse(client, "POST", "/api/v1/agent/run", json=CHAT) as source:
+            events = [(event.event, event.id) async for event in source.aiter_sse()]
+        down.gate.set()
+        assert events[0][0] == "accepted" and events[-1][0] == "error", events
+        assert events[-1][1].endswith(":end") and not any(i.endswith(":end") for _, i in events[:-1]), events
+        assert len({i.rsplit(":", 2)[0] for _, i in events}) == 1  # one task's ids

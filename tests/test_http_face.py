@@ -679,8 +679,8 @@ async def test_the_openapi_document_lists_the_headers_and_statuses_each_route_an
         doc = (await client.get("/openapi.json")).json()
         paths = doc["paths"]
         names = lambda op: {p["name"] for p in op.get("parameters", ()) if p["in"] == "header"}  # noqa: E731
-        for path in ("/api/v1/agent/submit", "/api/v1/agent/run"):
-            assert names(paths[path]["post"]) == {"X-Agent-Id", "X-Priority", "X-Tenant-Id"}
+        for path, own in (("/api/v1/agent/submit", set()), ("/api/v1/agent/run", {"Last-Event-ID"})):
+            assert names(paths[path]["post"]) == {"X-Agent-Id", "X-Priority", "X-Tenant-Id", *own}
         for path in ("/api/v1/agent/{agent_id}/status", "/api/v1/tasks/{task_id}"):  # the tasks routes read it
             assert names(paths[path]["get"]) == {"X-Tenant-Id"}, path  # too (400, 403), and said nothing of it
         assert names(paths["/api/v1/tasks/{task_id}/cancel"]["post"]) == {"X-Tenant-Id"}

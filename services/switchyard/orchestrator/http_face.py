@@ -37,7 +37,10 @@ A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
 tool_call, tool_result, final, error) and ``data:`` the event as JSON (field
 names as in agent.proto). A stream quiet for ``orchestrator.http.sse_keepalive_s`` while its task waits gets
-a comment line (``:``, :class:`_KeepAlive`), so a client's or proxy's read timeout does not cut it.
+a comment line (``:``, :class:`_KeepAlive`), so a client's or proxy's read timeout does not cut it. Each event
+has an ``id`` (``<task_id>:<n>``, ``:end`` added on the last); a request carrying ``Last-Event-ID`` (an
+EventSource-style client reconnecting) is answered 204 where that id ended its stream, else 409 (ABORTED): the
+task is not run again, and a stream is not resumed (:func:`reconnection`).
 """
 
 from __future__ import annotations
@@ -204,6 +207,34 @@ def event_bytes(event: agent_pb2.TaskEvent) -> bytes:
     if kind == "accepted":  # the state's lower-case name, as /submit and the status routes answer it
         data["state"] = state_name(event.accepted.state)
     return _sse(kind, data)
+
+
+LAST_EVENT_ID = "Last-Event-ID"
+"""The header an EventSource-style client reconnecting sends: the ``id`` of the last event it read (WHATWG HTML,
+9.2.4). Such a client reconnects whenever a stream ends, the whole stream read included, and re-sends its POST."""
+END_MARK = ":end"
+"""The end of the ``id`` of a stream's last event (``final``, or the ``error`` that ends it)."""
+
+
+def event_id(task_id: str, n: int, last: bool) -> bytes:
+    """The ``id`` field of the ``n``-th event of task ``task_id``'s stream (0: accepted), marked with
+    :data:`END_MARK` on the stream's last one: a client that reconnects after it read the whole stream, and one
+    that lost the stream part way, are told apart by the id alone (:func:`reconnection`), with no state kept."""
+    return f"id: {task_id}:{n}{END_MARK if last else ''}\n".encode()
+
+
+def reconnection(last_id: str) -> web.Response:
+    """The answer to a RunTask request that carries ``Last-Event-ID``: 204 No Content, which tells an
+    EventSource-style client to stop reconnecting (WHATWG HTML, 9.2.3), where that id ends a stream read whole;
+    else 409 ABORTED: a stream is not resumed, because a RunTask whose connection closes is cancelled (its events
+    are not kept). Before, the reconnection re-sent the POST, and the face ran the task again, every reconnection
+    time, without end."""
+    if last_id.endswith(END_MARK):
+        return web.Response(status=204)
+    return _error(grpc.StatusCode.ABORTED, f"{LAST_EVENT_ID}: a RunTask stream is not resumed (got "
+                  f"{shown(last_id)}): its task was cancelled when its connection closed. POST without "
+                  f"{LAST_EVENT_ID} to run the task again, or submit it (POST /api/v1/agent/submit) and read "
+                  "GET /api/v1/tasks/{task_id}, which outlive a connection")
 
 
 KEEPALIVE = b":\n\n"
@@ -722,7 +753,12 @@ class HttpFace(Drains):
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         """RunTask as Server-Sent Events. An error before the first event (validation, a full queue) is a
-        JSON error answer with its HTTP status; after it, an ``error`` event ends the stream."""
+        JSON error answer with its HTTP status; after it, an ``error`` event ends the stream. Each event has an
+        ``id`` (:func:`event_id`); a request with ``Last-Event-ID`` is an EventSource-style client reconnecting,
+        answered by :func:`reconnection` without running the task again."""
+        last_id = request.headers.get(LAST_EVENT_ID, "")
+        if last_id:
+            return reconnection(last_id)
         try:
             task, call = await self._task_request(request)
         except HttpAbort as exc:
@@ -740,14 +776,18 @@ class HttpFace(Drains):
             await response.prepare(request)
             event: agent_pb2.TaskEvent | None = first
             quiet = _KeepAlive(response, self.config.orchestrator.http.sse_keepalive_s)
+            task_id, sent = first.accepted.task_id, 0
             try:
                 try:
                     while event is not None:
-                        await quiet.write(event_bytes(event))
+                        last = event.HasField("final")  # RunTask's last event: the stream ends after it
+                        await quiet.write(event_id(task_id, sent, last) + event_bytes(event))
+                        sent += 1
                         with quiet.waiting():
                             event = await anext(events, None)
                 except HttpAbort as exc:
-                    await quiet.write(_sse("error", error_body(exc.code, exc.details, exc.origin)))
+                    await quiet.write(event_id(task_id, sent, True)
+                                      + _sse("error", error_body(exc.code, exc.details, exc.origin)))
                 await quiet.stop()
                 await response.write_eof()
             except ConnectionResetError:  # the client left (aiohttp's ClientConnectionResetError is one): not ours

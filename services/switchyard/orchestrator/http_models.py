@@ -350,10 +350,21 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
                 "summary": "RunTask as Server-Sent Events: one event per TaskEvent (accepted, stage, token, "
                            "tool_call, tool_result), then final, or an error event; a comment line (':') whenever the stream "
                            "has been quiet for orchestrator.http.sse_keepalive_s while its task waits",
-                "parameters": headers,
+                "parameters": [*headers, {
+                    "name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+                    "description": "Sent by an EventSource-style client reconnecting: the id of the last event it "
+                                   "read. A stream is not resumed and the task is not run again: 204 where the id "
+                                   "ended the stream (its final or error event), else 409."}],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
-                "responses": {"200": {"description": "The event stream", "content": {"text/event-stream": {
-                    "schema": {"type": "string"}}}}, **errors, **body_errors, **face_errors},
+                "responses": {"200": {"description": "The event stream; each event's id is <task_id>:<n>, with "
+                                                     ":end added on the last (final or error)",
+                                      "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                              "204": {"description": "Last-Event-ID named the last event of a stream: it was read "
+                                                     "whole, and an EventSource-style client stops reconnecting"},
+                              "409": json_body(ErrorResponse, "ABORTED: Last-Event-ID named an event within a "
+                                               "stream: its task was cancelled when its connection closed, and "
+                                               "a stream is not resumed (POST without it to run the task again)"),
+                              **errors, **body_errors, **face_errors},
             }},
             "/api/v1/agent/{agent_id}/status": {"get": {
                 "summary": "GetTaskStatus of the task the agent submitted last (the agent of the caller's tenant)",
