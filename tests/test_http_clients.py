@@ -5,6 +5,7 @@ the real gRPC server, the fixed downstream of test_orchestrator.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import httpx
@@ -123,3 +124,52 @@ async def test_a_stream_that_fails_after_it_began_ends_with_an_error_event_marke
         assert events[0][0] == "accepted" and events[-1][0] == "error", events
         assert events[-1][1].endswith(":end") and not any(i.endswith(":end") for _, i in events[:-1]), events
         assert len({i.rsplit(":", 2)[0] for _, i in events}) == 1  # one task's ids
+
+
+async def test_a_client_that_leaves_a_quiet_stream_after_its_keepalives_cancels_its_task():
+    """The keepalive writes while the task waits: a client that leaves then (between two keepalives, or with one
+    being written) cancels the task and its Generate, as a cancelled gRPC RunTask does, and no gauge of work in
+    flight stays above 0."""
+    from prometheus_client import REGISTRY
+
+    async with http_stack(**{"orchestrator.http.sse_keepalive_s": 0.02}) as (client, _, down):
+        down.gate = asyncio.Event()
+        async with client.stream("POST", "/api/v1/agent/run", json=CHAT) as reply:
+            comments = 0
+            async for line in reply.aiter_lines():
+                comments += line == ":"
+                if comments == 3:
+                    break
+        for _ in range(500):
+            if down.cancelled and REGISTRY.get_sample_value("switchyard_agents_concurrent") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert down.cancelled == [down.requests[0].request_id]
+        assert REGISTRY.get_sample_value("switchyard_agents_concurrent") == 0
+        down.gate.set()
+
+
+async def test_a_grpc_client_given_the_http_port_is_told_505_not_a_malformed_request():
+    """HTTP/2 with prior knowledge (a gRPC client or grpcurl given the HTTP face's port, curl
+    --http2-prior-knowledge) was answered 400 'not a well-formed HTTP/1.1 request (Pause on PRI/Upgrade ...)':
+    the parser's words for the HTTP/2 preface. It is 505, the version the face does not speak, as the OpenAPI
+    document says of every other version."""
+    import grpc
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+
+    async with http_stack() as (client, _, down):
+        port = httpx.URL(str(client.base_url)).port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))  # + empty SETTINGS
+        answer = await asyncio.wait_for(reader.read(), timeout=10)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 505 "), answer[:300]
+        assert "HTTP/2" in json.loads(body)["error"]["message"] and "gRPC" in json.loads(body)["error"]["message"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await agent_pb2_grpc.AgentServiceStub(channel).SubmitTask(
+                    agent_pb2.RunTaskRequest(task_type="chat", agent_id="a"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "HTTP status 505" in refused.value.details()
+        assert down.requests == []

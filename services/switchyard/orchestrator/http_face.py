@@ -383,6 +383,10 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
             # RFC 9110 section 15.6.6; the answer's status line is HTTP/1.0's, as for every request refused here
             sent = _SENT_VERSION.search(str(exc.message))
             status, detail = 505, f"{VERSION_EXPECTED} (got {sent.group(1) if sent else 'another'})"
+        elif H2_PREFACE_REFUSED in str(exc.message):
+            # HTTP/2 with prior knowledge (curl --http2-prior-knowledge, a gRPC client given this port): llhttp
+            # stops at its preface, 'PRI * HTTP/2.0', and its words read as a malformed HTTP/1.1 request (400)
+            status, detail = 505, f"{VERSION_EXPECTED} (got HTTP/2.0; gRPC is served on the orchestrator's port)"
         elif isinstance(exc, PayloadEncodingError):  # the parser decodes as it reads: a body not in its coding
             detail = f"body: expected data in the coding its Content-Encoding names ({exc.message})"
         elif isinstance(exc, BadHttpMethod) and _REQUEST_LINE.search(str(exc.message)):
@@ -399,6 +403,9 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
         return response
 
 
+H2_PREFACE_REFUSED = "Pause on PRI/Upgrade"
+"""How aiohttp's C parser (llhttp) refuses the HTTP/2 connection preface, ``PRI * HTTP/2.0``: the one request
+line it stops at rather than reading its version (aiohttp's Python parser reads it as version 2.0)."""
 _SENT_VERSION = re.compile(r" (HTTP/[^\s']{0,16})'")
 """The version of a request line as the parser quotes it (``b'GET / HTTP/1.2'``)."""
 _REQUEST_LINE = re.compile(r"b'[!#$%&*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/\d\.\d'")
