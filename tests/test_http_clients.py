@@ -173,3 +173,52 @@ async def test_a_grpc_client_given_the_http_port_is_told_505_not_a_malformed_req
                     agent_pb2.RunTaskRequest(task_type="chat", agent_id="a"), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "HTTP status 505" in refused.value.details()
         assert down.requests == []
+
+
+def test_every_id_the_documents_pattern_refuses_the_servers_rule_refuses_too():
+    """The pattern is the id rule (untrusted.check_id_chars) as far as a regular expression says it: it may let
+    through what the rule refuses (rarer format characters, NFC), never refuse what the rule takes."""
+    import re
+
+    from switchyard.common.errors import InvalidArgument
+    from switchyard.common.untrusted import ID_PATTERN, check_id_chars
+
+    pattern = re.compile(ID_PATTERN)
+    refused = 0
+    for code in [*range(0xD800), *range(0xE000, 0x10000), *range(0x10000, 0x110000, 97), 0xE0001, 0xE007F]:
+        value = "a" + chr(code) + "b"
+        if pattern.search(value) is None:
+            refused += 1
+            with pytest.raises(InvalidArgument):
+                check_id_chars(value, "id")
+    assert refused > 60 and pattern.search("   ") is None and pattern.search("") is not None
+    with pytest.raises(InvalidArgument):
+        check_id_chars("   ", "id")
+
+
+async def test_an_id_the_openapi_document_calls_valid_is_not_refused_as_malformed():
+    """schemathesis, run on /openapi.json, sent ids the document's ``{"type": "string"}`` took ('\\t),øü$Y',
+    'Up÷Ñ£9B\\x8d\\x8c') and the face refused 400: a schema-driven client could not tell a valid id. The document
+    now bounds every id (length, pattern); what it takes, the face does not refuse as malformed."""
+    import jsonschema
+
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        paths, body = doc["paths"], doc["components"]["schemas"]["TaskRequest"]["properties"]
+        schemas = {"agent": paths["/api/v1/agent/{agent_id}/status"]["get"]["parameters"][0]["schema"],
+                   "task": paths["/api/v1/tasks/{task_id}"]["get"]["parameters"][0]["schema"],
+                   "cancel": paths["/api/v1/tasks/{task_id}/cancel"]["post"]["parameters"][0]["schema"]}
+        assert body["agent_id"]["maxLength"] == 256 and body["task_id"]["maxLength"] == 128
+        for sent in ("\t),øü$Y", "ô\x13:6", "Up÷Ñ£9B\x8d\x8c", "a\u200bb", "   ", "x" * 300):
+            for name, schema in schemas.items():
+                with pytest.raises(jsonschema.ValidationError):
+                    jsonschema.validate(sent, schema)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(sent, body["agent_id"])
+        for valid in ("agent é 1", "t-1", "工作-7", "a" * 128):
+            for name, schema in schemas.items():
+                jsonschema.validate(valid, schema)
+            path = {"agent": f"/api/v1/agent/{valid}/status", "task": f"/api/v1/tasks/{valid}"}
+            for name, url in path.items():
+                reply = await client.get(url)
+                assert reply.status_code == 404, (valid, reply.text)  # not found, not malformed

@@ -117,6 +117,15 @@ tag characters), the line and paragraph separators (a new line to a log reader),
 U+0020 or like nothing (no-break, thin, ideographic)."""
 
 
+ID_PATTERN = (r"^(?! +$)[^\x00-\x1f\x7f-\xa0\xad\u061c\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064\u2066-\u206f"
+              r"\u3000\ufeff\ufff9-\ufffb]*$")
+""":func:`check_id_chars` as far as a regular expression that ECMA-262 (JSON Schema's, OpenAPI's) and Python both
+read can say it: not spaces alone, and none of the controls (C0, DEL, C1), the spaces other than U+0020, the
+line and paragraph separators, and the common invisible format and bidirectional characters. What it does not
+say (the rarer format characters, lone surrogates, NFC) the function still refuses; every string it refuses,
+the function refuses too (test_http_clients.py)."""
+
+
 def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
     """An id (task, agent, model, request) is text that prints as it is, and so reads as only itself, at every
     edge that takes one: no character of the categories of :data:`_UNSEEN` (controls, lone surrogates, invisible

@@ -454,7 +454,7 @@ class HttpFace(Drains):
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         limits = config.limits
-        self._openapi = json.dumps(openapi(__version__, limits.max_tokens)).encode()
+        self._openapi = json.dumps(openapi(__version__, limits.max_tokens, limits.max_id_chars, limits.max_task_id_chars)).encode()
         self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, {limits.default_max_tokens}, "
                           f"at most half the model's context window) to the lesser of limits.max_tokens "
                           f"({limits.max_tokens}) and the model's context window less the prompt's tokens"}

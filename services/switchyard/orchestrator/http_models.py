@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.json_schema import models_json_schema
 
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_PATTERN
+from switchyard.common.untrusted import ID_PATTERN
 from switchyard.api import agent_pb2
 from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import TASK_TYPES
@@ -269,15 +270,35 @@ def _json_type(value: Any) -> str:
     return f"a JSON {names.get(type(value), type(value).__name__)}"
 
 
-def openapi(version: str, max_tokens: int) -> dict[str, Any]:
+def id_schema(most: int, setting: str, required: bool = False) -> dict[str, Any]:
+    """The JSON schema of an id of at most ``most`` characters (``limits.<setting>``): the id rule
+    (untrusted.check_id_chars) as far as :data:`ID_PATTERN` says it. Without it, a schema-driven client
+    (schemathesis) sent ids the document called valid, with a tab or U+008D, and was refused 400."""
+    return {"type": "string", **({"minLength": 1} if required else {}), "maxLength": most, "pattern": ID_PATTERN,
+            "description": f"An id: at most {most} characters (limits.{setting}), printable (no control, "
+                           "invisible format or bidirectional characters, no space other than U+0020), in NFC, "
+                           "not spaces alone."}
+
+
+def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars: int) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the HTTP face, its schemas generated from the models above; ``max_tokens``:
     the face's ``limits.max_tokens``, the most a body's max_tokens may be (the model's context window less the
-    prompt may allow less, which no schema can say)."""
+    prompt may allow less, which no schema can say); ``max_id_chars`` and ``max_task_id_chars``: the longest
+    agent_id or model, and task_id (:func:`id_schema`)."""
     models = [TaskRequest, AcceptedResponse, TaskStatusResponse, ErrorResponse]
     _, defs = models_json_schema([(m, "serialization" if m is not TaskRequest else "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs.get("$defs", {})
-    schemas["TaskRequest"]["properties"]["max_tokens"]["maximum"] = max_tokens
+    fields = schemas["TaskRequest"]["properties"]
+    fields["max_tokens"]["maximum"] = max_tokens
+    for name, most, setting in (("agent_id", max_id_chars, "max_id_chars"), ("model", max_id_chars, "max_id_chars"),
+                                ("task_id", max_task_id_chars, "max_task_id_chars")):
+        rule = id_schema(most, setting)
+        fields[name] = {**fields[name], **rule, "description": f"{fields[name]['description']} {rule['description']}"}
+    agent_path = {"name": "agent_id", "in": "path", "required": True,
+                  "schema": id_schema(max_id_chars, "max_id_chars", required=True)}
+    task_path = {"name": "task_id", "in": "path", "required": True,
+                 "schema": id_schema(max_task_id_chars, "max_task_id_chars", required=True)}
 
     def ref(model: type[BaseModel]) -> dict[str, str]:
         return {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -306,7 +327,8 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
         "description": "The task's tenant where the bearer token names none (a token's tenant wins; a header "
                        "naming another is 403); absent or empty: default. Sent twice with different values: 400."}
     headers = [
-        {"name": "X-Agent-Id", "in": "header", "required": False, "schema": {"type": "string"},
+        {"name": "X-Agent-Id", "in": "header", "required": False,
+         "schema": {"type": "string", "maxLength": max_id_chars, "pattern": f"^$|{ID_PATTERN}"},
          "description": "The agent, where the body's agent_id is empty (the body wins); one of the two is required. "
                         "Checked even where the body wins (limits.max_id_chars, printable); empty: ignored; sent "
                         "twice with different values: 400."},
@@ -368,22 +390,19 @@ def openapi(version: str, max_tokens: int) -> dict[str, Any]:
             }},
             "/api/v1/agent/{agent_id}/status": {"get": {
                 "summary": "GetTaskStatus of the task the agent submitted last (the agent of the caller's tenant)",
-                "parameters": [{"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}},
-                               tenant_header],
+                "parameters": [agent_path, tenant_header],
                 "responses": status_answers,
             }},
             "/api/v1/tasks/{task_id}": {"get": {
                 "summary": "GetTaskStatus of one task",
-                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}},
-                               tenant_header],
+                "parameters": [task_path, tenant_header],
                 "responses": status_answers,
             }},
             "/api/v1/tasks/{task_id}/cancel": {"post": {
                 "summary": "CancelTask: a queued task never starts, a running one is stopped; either ends failed "
                            "with error CANCELLED. Answers the status after it (a finished task's unchanged). Any "
                            "replica answers: a task another orchestrator holds is cancelled by that one",
-                "parameters": [{"name": "task_id", "in": "path", "required": True, "schema": {"type": "string"}},
-                               tenant_header],
+                "parameters": [task_path, tenant_header],
                 "responses": status_answers,
             }},
         },
