@@ -222,3 +222,22 @@ async def test_an_id_the_openapi_document_calls_valid_is_not_refused_as_malforme
             for name, url in path.items():
                 reply = await client.get(url)
                 assert reply.status_code == 404, (valid, reply.text)  # not found, not malformed
+
+
+async def test_each_event_of_a_stream_is_what_the_openapi_document_says_an_event_is():
+    """schemathesis reads a text/event-stream schema as each event's (OpenAPI 3.2's itemSchema): the document's
+    ``{"type": "string"}`` failed every event ('SSE event violates schema')."""
+    import jsonschema
+
+    async with http_stack() as (client, _, _down):
+        doc = (await client.get("/openapi.json")).json()
+        schema = doc["paths"]["/api/v1/agent/run"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        async with aconnect_sse(client, "POST", "/api/v1/agent/run", json=CHAT) as source:
+            events = [{"event": e.event, "id": e.id, "data": e.data} async for e in source.aiter_sse()]
+        assert events[-1]["event"] == "final"
+        for event in events:
+            jsonschema.validate(event, schema)
+            assert isinstance(json.loads(event["data"]), dict)
+        reply = await client.get("/api/v1/tasks/nope", headers={"X-Tenant-Id": ""})  # empty: the default tenant
+        jsonschema.validate("", doc["paths"]["/api/v1/tasks/{task_id}"]["get"]["parameters"][1]["schema"])
+        assert reply.status_code == 404, reply.text

@@ -270,6 +270,25 @@ def _json_type(value: Any) -> str:
     return f"a JSON {names.get(type(value), type(value).__name__)}"
 
 
+SSE_EVENT: dict[str, Any] = {
+    "type": "object", "required": ["event", "data", "id"],
+    "description": "One event of the stream, as an SSE parser reads it (the schema of each event, as OpenAPI 3.2's "
+                   "itemSchema says it and schema-driven tools read a text/event-stream schema): its kind, its id "
+                   "and its data, one JSON object (the TaskEvent's member of that kind, field names as in "
+                   "agent.proto; an error event's is ErrorResponse). Comment lines (':', while the task waits) "
+                   "are no event.",
+    "properties": {
+        "event": {"type": "string",
+                  "enum": ["accepted", "stage", "token", "tool_call", "tool_result", "final", "error"]},
+        "id": {"type": "string", "pattern": r"^.+:[0-9]+(:end)?$",
+               "description": "<task_id>:<n>, n from 0; ':end' added on the stream's last event (final or error)"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+    },
+}
+"""The schema of each event of ``POST /api/v1/agent/run``'s stream (http_face.py writes them). A ``{"type":
+"string"}`` for the stream read to schemathesis as the schema of each event, and every event violated it."""
+
+
 def id_schema(most: int, setting: str, required: bool = False) -> dict[str, Any]:
     """The JSON schema of an id of at most ``most`` characters (``limits.<setting>``): the id rule
     (untrusted.check_id_chars) as far as :data:`ID_PATTERN` says it. Without it, a schema-driven client
@@ -323,7 +342,7 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
     }
     tenant_header = {
         "name": "X-Tenant-Id", "in": "header", "required": False,
-        "schema": {"type": "string", "pattern": f"^{TENANT_PATTERN.pattern}$"},
+        "schema": {"type": "string", "pattern": f"^$|^{TENANT_PATTERN.pattern}$"},  # empty: default, as absent
         "description": "The task's tenant where the bearer token names none (a token's tenant wins; a header "
                        "naming another is 403); absent or empty: default. Sent twice with different values: 400."}
     headers = [
@@ -380,7 +399,7 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref(TaskRequest)}}},
                 "responses": {"200": {"description": "The event stream; each event's id is <task_id>:<n>, with "
                                                      ":end added on the last (final or error)",
-                                      "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                      "content": {"text/event-stream": {"schema": SSE_EVENT}}},
                               "204": {"description": "Last-Event-ID named the last event of a stream: it was read "
                                                      "whole, and an EventSource-style client stops reconnecting"},
                               "409": json_body(ErrorResponse, "ABORTED: Last-Event-ID named an event within a "
