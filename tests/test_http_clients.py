@@ -241,3 +241,57 @@ async def test_each_event_of_a_stream_is_what_the_openapi_document_says_an_event
         reply = await client.get("/api/v1/tasks/nope", headers={"X-Tenant-Id": ""})  # empty: the default tenant
         jsonschema.validate("", doc["paths"]["/api/v1/tasks/{task_id}"]["get"]["parameters"][1]["schema"])
         assert reply.status_code == 404, reply.text
+
+
+async def test_an_http_load_balancer_reads_readiness_from_readyz_as_grpc_health_answers_it():
+    """An HTTP load balancer or probe (an ALB or GCE target group, nginx's upstream check, a compose healthcheck
+    with curl) cannot ask grpc.health.v1, and the HTTP face answered 404 on every path it might ask. /healthz
+    answers liveness, /readyz readiness as the orchestrator's gRPC health name agent.AgentService does: 503
+    naming the service that did not answer while the default workflow cannot run."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from test_orchestrator import Downstream
+
+    from switchyard.common.channels import open_channel
+    from switchyard.common.config import load_config
+    from switchyard.common.server import running
+    from switchyard.orchestrator.http_face import HttpFace
+    from switchyard.orchestrator.service import OrchestratorService
+    from orchestrator_fixtures import orchestrator_config
+
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(addr, addr, base, **{"orchestrator.health_check_interval_s": 0.05}) as cfg:
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            async with running([orch, face], cfg.server) as srv, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=10) as client:
+                health = health_pb2_grpc.HealthStub(channel := open_channel(f"127.0.0.1:{srv.port}", cfg.server))
+
+                async def grpc_says() -> int:
+                    return (await health.Check(health_pb2.HealthCheckRequest(service="agent.AgentService"))).status
+
+                async def settled(code: int, status: int) -> httpx.Response:
+                    for _ in range(500):
+                        reply = await client.get("/readyz")
+                        if reply.status_code == code and await grpc_says() == status:
+                            return reply
+                        await asyncio.sleep(0.02)
+                    raise AssertionError(f"/readyz never answered {code}: {reply.text}")
+
+                assert (await client.get("/healthz")).json() == {"status": "serving"}
+                assert (await settled(200, health_pb2.HealthCheckResponse.SERVING)).json() == {"status": "serving"}
+                for name in down.grpc_service_names:  # the dispatcher and retrieval stop answering SERVING
+                    await downstream.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                refused = await settled(503, health_pb2.HealthCheckResponse.NOT_SERVING)
+                error = refused.json()["error"]
+                assert error["code"] == "UNAVAILABLE" and addr in error["message"], error
+                assert refused.headers["Retry-After"] == "1"
+                assert (await client.get("/healthz")).status_code == 200  # alive, not ready
+                head = await client.head("/readyz")
+                assert head.status_code == 503 and head.content == b""
+                for name in down.grpc_service_names:
+                    await downstream.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                await settled(200, health_pb2.HealthCheckResponse.SERVING)
+                await channel.close()

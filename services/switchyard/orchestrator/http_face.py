@@ -6,6 +6,7 @@
     GET  /api/v1/tasks/{task_id}         GetTaskStatus
     POST /api/v1/tasks/{task_id}/cancel  CancelTask     -> the task's status after it
     GET  /openapi.json                   the OpenAPI document (generated from http_models.py)
+    GET  /healthz, /readyz               liveness, and readiness as gRPC health's agent.AgentService (503 naming why)
 
 One path per request: each handler calls the servicer's own method
 (:class:`OrchestratorService`) with an :class:`HttpCall` standing for the gRPC
@@ -87,7 +88,8 @@ TASK_BODY_ROUTES = frozenset({"submit", "run"})
 """The routes whose body is a task request (:meth:`HttpFace._task_request`)."""
 ROUTES = {"submit": ("POST", "/api/v1/agent/submit"), "run": ("POST", "/api/v1/agent/run"),
           "status": ("GET", "/api/v1/agent/{agent_id}/status"), "task_status": ("GET", "/api/v1/tasks/{task_id}"),
-          "cancel": ("POST", "/api/v1/tasks/{task_id}/cancel"), "openapi": ("GET", "/openapi.json")}
+          "cancel": ("POST", "/api/v1/tasks/{task_id}/cancel"), "openapi": ("GET", "/openapi.json"),
+          "healthz": ("GET", "/healthz"), "readyz": ("GET", "/readyz")}
 """Route name -> (method, route template): the routes :meth:`HttpFace.app` serves, and the ``http_route``
 label values of ``http_server_request_duration_seconds``."""
 
@@ -480,7 +482,8 @@ class HttpFace(Drains):
                                             traced=lambda: provider is not None or telemetry.tracing_enabled())
         app = web.Application(middlewares=[measure, self._authenticate], client_max_size=self.body_max_bytes)
         handlers = {"submit": self.submit, "run": self.run, "status": self.agent_status,
-                    "task_status": self.task_status, "cancel": self.cancel, "openapi": self.openapi}
+                    "task_status": self.task_status, "cancel": self.cancel, "openapi": self.openapi,
+                    "healthz": self.healthz, "readyz": self.readyz}
         for name, (method, path) in ROUTES.items():
             expect = self._expect_task_body if name in TASK_BODY_ROUTES else self._expect
             if method == "GET":  # and HEAD, wherever GET is served (RFC 9110 section 9.3.2)
@@ -532,7 +535,7 @@ class HttpFace(Drains):
     @web.middleware
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Bearer tokens as on the gRPC edge; the OpenAPI document and unknown paths need none."""
+        """Bearer tokens as on the gRPC edge; the OpenAPI document, the probes and unknown paths need none."""
         refused = self._auth_refusal(request)
         if refused is not None:
             return refused
@@ -757,6 +760,19 @@ class HttpFace(Drains):
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type=JSON)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness for an HTTP probe or load balancer: 200 while the process serves (gRPC health's ``""``)."""
+        return web.json_response({"status": "serving"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness for an HTTP probe or load balancer (which cannot ask grpc.health.v1): 200 while the
+        orchestrator takes tasks of its default type, else 503 (UNAVAILABLE, with Retry-After) naming why
+        (:meth:`OrchestratorService.not_ready`), as its gRPC health name ``agent.AgentService`` answers."""
+        problem = self.service.not_ready()
+        if problem is not None:
+            return _error(grpc.StatusCode.UNAVAILABLE, f"ready: {problem}")
+        return web.json_response({"status": "serving"})
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         """RunTask as Server-Sent Events. An error before the first event (validation, a full queue) is a

@@ -366,6 +366,8 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
                          "orchestrator.http.body_read_timeout_s (the connection is closed)"),
         "415": json_body(ErrorResponse, "INVALID_ARGUMENT: the body is not Content-Type application/json"),
     }
+    probe_ok = {"description": "Serving", "content": {"application/json": {"schema": {
+        "type": "object", "required": ["status"], "properties": {"status": {"const": "serving"}}}}}}
     status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),
                       "404": json_body(ErrorResponse, "NOT_FOUND: no such task (or past retention)"),
                       **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}, **face_errors}
@@ -423,6 +425,22 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
                            "replica answers: a task another orchestrator holds is cancelled by that one",
                 "parameters": [task_path, tenant_header],
                 "responses": status_answers,
+            }},
+            "/healthz": {"get": {
+                "summary": "Liveness, for an HTTP probe or load balancer: 200 while the process serves (gRPC "
+                           "health's overall status)",
+                "security": [],
+                "responses": {"200": probe_ok, **face_errors},
+            }},
+            "/readyz": {"get": {
+                "summary": "Readiness, for an HTTP probe or load balancer: 200 while the orchestrator takes tasks of "
+                           "its default type, as gRPC health's agent.AgentService answers SERVING",
+                "security": [],
+                "responses": {"200": probe_ok,
+                              "503": json_body(ErrorResponse, "UNAVAILABLE: not ready, naming why (a downstream "
+                                                              "service that did not answer its health check, a "
+                                                              "drain, the start); Retry-After"),
+                              **face_errors},
             }},
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {

@@ -284,6 +284,21 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if name == "dispatcher" and self._deps is not None:
             self._deps.inference.dispatcher_back()
 
+    def not_ready(self) -> str | None:
+        """Why the orchestrator does not take tasks of its default type now, as its health name
+        ``agent.AgentService`` answers NOT_SERVING (a service it needs did not answer its last health check), or
+        it is draining or not yet checking; None when it does. The HTTP face's ``/readyz`` answers it."""
+        if self._draining:
+            return "the orchestrator is draining (SIGTERM); send to another replica"
+        if self.readiness is None:
+            return "the orchestrator is starting: its downstream services' health is not checked yet"
+        unready = self.readiness.unready(self.config.orchestrator.default_task_type)
+        if unready:
+            service, target = unready[0]
+            return (f"{service} at {target} did not answer its last health check (within "
+                    f"orchestrator.health_check_timeout_s = {self.config.orchestrator.health_check_timeout_s:g} s)")
+        return None
+
     async def begin_drain(self) -> None:
         """SIGTERM: ``switchyard_serving`` stays at the 0 the server set (readiness may still find the downstream
         services ready while the calls in flight drain)."""
