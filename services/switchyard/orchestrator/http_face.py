@@ -53,7 +53,7 @@ import json
 import logging
 import re
 import ssl
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 import grpc
@@ -254,7 +254,7 @@ KEEPALIVE = b":\n\n"
 
 class _KeepAlive:
     """The writes of one SSE stream, with :data:`KEEPALIVE` written whenever the stream has been quiet for
-    ``every_s`` while its handler waits for the task's next event (:meth:`waiting`): a stream whose task waits
+    ``every_s`` while its handler waits for the task's next event (:meth:`next_event`): a stream whose task waits
     (in a queue, on a tool, through a long prefill) sends bytes, so a client or proxy with a read timeout
     (httpx's default 5 s, nginx's ``proxy_read_timeout`` 60 s) does not cut it, as gRPC's own keepalive pings
     keep a RunTask call. One timer per stream, rearmed each ``every_s``; nothing per event but a clock read."""
@@ -276,12 +276,11 @@ class _KeepAlive:
             self._last, quiet_s = self._loop.time(), 0.0
         self._timer = self._loop.call_later(max(self._every_s - quiet_s, 0.0), self._tick)
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """The handler waits for the task's next event: a keepalive may be written meanwhile."""
+    async def next_event(self, events: AsyncIterator[agent_pb2.TaskEvent]) -> agent_pb2.TaskEvent | None:
+        """The task's next event, None after the last; a keepalive may be written while it is waited for."""
         self._idle = True
         try:
-            yield
+            return await anext(events, None)
         finally:
             self._idle = False
 
@@ -815,8 +814,7 @@ class HttpFace(Drains):
                         last = event.HasField("final")  # RunTask's last event: the stream ends after it
                         await quiet.write(event_id(head, sent, last) + event_bytes(event))
                         sent += 1
-                        with quiet.waiting():
-                            event = await anext(events, None)
+                        event = await quiet.next_event(events)
                 except HttpAbort as exc:
                     await quiet.write(event_id(head, sent, True)
                                       + _sse("error", error_body(exc.code, exc.details, exc.origin)))
