@@ -243,7 +243,8 @@ def reconnection(last_id: str) -> web.Response:
     if last_id.endswith(END_MARK):
         return web.Response(status=204)
     return _error(grpc.StatusCode.ABORTED, f"{LAST_EVENT_ID}: a RunTask stream is not resumed (got "
-                  f"{shown(last_id)}): its task was cancelled when its connection closed. POST without "
+                  f"{shown(last_id)}, not its last event): a RunTask is cancelled when its connection closes, "
+                  "and its events are not kept. POST without "
                   f"{LAST_EVENT_ID} to run the task again, or submit it (POST /api/v1/agent/submit) and read "
                   "GET /api/v1/tasks/{task_id}, which outlive a connection")
 
@@ -464,7 +465,8 @@ class HttpFace(Drains):
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         limits = config.limits
-        self._openapi = json.dumps(openapi(__version__, limits.max_tokens, limits.max_id_chars, limits.max_task_id_chars)).encode()
+        self._openapi = json.dumps(openapi(__version__, limits.max_tokens, limits.max_id_chars,
+                                           limits.max_task_id_chars)).encode()
         self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, {limits.default_max_tokens}, "
                           f"at most half the model's context window) to the lesser of limits.max_tokens "
                           f"({limits.max_tokens}) and the model's context window less the prompt's tokens"}
