@@ -227,3 +227,26 @@ def test_a_file_that_is_not_a_profile_is_named_not_a_traceback(tmp_path, kind):
     run = subprocess.run([sys.executable, "-m", "switchyard.cli", "profile", str(saved)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 1 and "is not a pprof profile" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+async def test_a_profile_whose_caller_went_away_is_stopped_and_frees_the_slot():
+    """`go tool pprof` interrupted, curl -m 1, a client's timeout: the profile ran its whole window (up to
+    server.cpu_profile_max_s) with the profiler's cost on the service's loop, and every other caller was answered
+    409 until it ended. As Go's net/http/pprof does, a profile whose caller closed its connection stops, and the
+    next one is served."""
+    import time
+
+    import httpx
+
+    async with profiled_service() as base:
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):  # the caller gives up after half a second of a 60 s window
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=0.5)) as client:
+                await client.get(f"{base}/debug/pprof/profile?seconds=60")
+        for _ in range(200):
+            status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=0.2")
+            if status != 409:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 200 and gzip.decompress(body), body[:200]
+        assert time.monotonic() - started < 60  # within the abandoned window: it was stopped, not run out

@@ -174,6 +174,13 @@ class _Silent(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
         """Log nothing (scrapes come every few seconds)."""
 
+    def get_environ(self) -> dict[str, Any]:
+        """wsgiref's environ, with the request's socket (profiling.CONNECTION_KEY): a profile whose caller
+        closed it is stopped (profiling.caller_gone)."""
+        from switchyard.common.profiling import CONNECTION_KEY
+
+        return {**super().get_environ(), CONNECTION_KEY: self.connection}
+
 
 def _server_class(host: str, port: int) -> tuple[type[WSGIServer], str]:
     """A thread-per-request WSGI server class for ``host``'s address family (IPv4 or IPv6), and the address

@@ -13,7 +13,8 @@ together with the process's CPU seconds.
 
 Nothing runs while no profile is asked for: the profiler and the GC callback
 are installed for the window only, one profile at a time (a second request
-meanwhile answers 409).
+meanwhile answers 409); a profile whose caller closed its connection stops
+there, as Go's net/http/pprof does.
 
 Who may ask (``server.cpu_profile``): ``loopback`` (default) serves it when the
 metrics port listens on a loopback address, and on other addresses only where
@@ -26,15 +27,18 @@ where auth is on); ``off`` never.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import gzip
 import ipaddress
 import resource
 import re
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 
 from pyinstrument import Profiler
@@ -53,13 +57,20 @@ SECONDS_PATTERN = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 """What ``seconds`` may be: a plain decimal number."""
 
 
+GONE_POLL_S = 0.25
+"""How often a profile being recorded asks whether its caller is still there, seconds."""
+
+
+class ProfileAbandoned(RuntimeError):
+    """The caller of a profile went away while it was recorded: the profile was stopped, and nobody reads it."""
+
+
 class ProfileBusy(RuntimeError):
     """A profile is already being recorded in this process; ``retry_after_s``: seconds until its window ends."""
 
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"a CPU profile is already being recorded in this process; its window ends in "
-                         f"{retry_after_s:.0f} s: retry then (a profile runs its whole window even when its "
-                         "caller went away)")
+                         f"{retry_after_s:.0f} s: retry then")
         self.retry_after_s = retry_after_s
 
 
@@ -160,24 +171,30 @@ class LoopProfiler:
         self._lock = threading.Lock()
         self._ends_at = 0.0  # monotonic seconds: when the profile being recorded ends
 
-    async def _record(self, seconds: float) -> tuple[Any, GcPauses, float]:
+    async def _record(self, seconds: float, stop: asyncio.Event) -> tuple[Any, GcPauses, float]:
         profiler = Profiler(interval=INTERVAL_S, async_mode="disabled")
         pauses = GcPauses()
         cpu = _cpu_s()
         gc.callbacks.append(pauses)
         profiler.start()  # on the loop's thread: setstatprofile hooks this thread
         try:
-            await asyncio.sleep(seconds)
+            with contextlib.suppress(TimeoutError):  # the window's end; ``stop``: its caller went away
+                await asyncio.wait_for(stop.wait(), seconds)
         finally:
             session = profiler.stop()
             gc.callbacks.remove(pauses)
         return session, pauses, _cpu_s() - cpu
 
-    def profile(self, seconds: float) -> bytes:
+    def profile(self, seconds: float, gone: Callable[[], bool] = lambda: False) -> bytes:
         """Record ``seconds`` of the loop's thread; returns the gzip'd pprof Profile. Blocks the calling thread.
+        ``gone``: whether the caller went away, asked every :data:`GONE_POLL_S` (as Go's net/http/pprof ends a
+        profile whose request's context is done): the profiler's cost on the loop (a tenth to two fifths of its
+        throughput, docs/benchmarks.md) ends with it, and the one profile slot is free again. It held both to the
+        window's end, up to ``server.cpu_profile_max_s`` (300 s), with every other caller answered 409.
 
         Raises:
             ProfileBusy: another profile is being recorded.
+            ProfileAbandoned: ``gone`` said the caller went away; the profile was stopped.
             TimeoutError: the loop did not finish the window within ``seconds`` + 60 s (it is blocked).
         """
         if not self._lock.acquire(blocking=False):
@@ -185,8 +202,20 @@ class LoopProfiler:
         try:
             self._ends_at = time.monotonic() + seconds
             started = time.time()
-            future = asyncio.run_coroutine_threadsafe(self._record(seconds), self.loop)
-            session, pauses, cpu_s = future.result(timeout=seconds + 60)
+            stop = asyncio.Event()
+            future = asyncio.run_coroutine_threadsafe(self._record(seconds, stop), self.loop)
+            give_up = time.monotonic() + seconds + 60
+            while True:
+                try:
+                    session, pauses, cpu_s = future.result(timeout=GONE_POLL_S)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > give_up:
+                        raise
+                    if gone():
+                        self.loop.call_soon_threadsafe(stop.set)
+                        future.result(timeout=60)  # the profiler is off the loop before the slot is free
+                        raise ProfileAbandoned("the caller went away; the profile was stopped") from None
             comments = [f"gc_pause_ns={pauses.pause_ns}", f"gc_collections={pauses.collections}",
                         f"process_cpu_s={cpu_s:.6f}", f"sampler=pyinstrument interval_s={INTERVAL_S}",
                         "thread=event loop"]
@@ -194,6 +223,24 @@ class LoopProfiler:
             return gzip.compress(profile.SerializeToString())
         finally:
             self._lock.release()
+
+
+CONNECTION_KEY = "switchyard.connection"
+"""The WSGI environ key under which the metrics server (process_metrics.py) passes a request's socket."""
+
+
+def caller_gone(environ: dict[str, Any]) -> bool:
+    """Whether the client of this WSGI request closed its connection: its socket reads as ended (readable, and
+    a peek finds no byte). Bytes it sent after its request (a pipelined one) are left for the server to read.
+    False where the server passed no socket."""
+    connection = environ.get(CONNECTION_KEY)
+    if connection is None:
+        return False
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # reset by its peer
+        return True
 
 
 def is_loopback(host: str) -> bool:
@@ -256,7 +303,9 @@ class ProfileEndpoint:
             return answer("400 Bad Request", f"seconds: expected one plain decimal number in (0, {self.max_s:g}] "
                           f"(server.cpu_profile_max_s; {DEFAULT_SECONDS} when left out), got {shown!r}\n".encode())
         try:
-            data = self.profiler.profile(seconds)
+            data = self.profiler.profile(seconds, lambda: caller_gone(environ))
+        except ProfileAbandoned:
+            return answer("499 Client Closed Request", b"")  # nobody reads it: nginx's word for the case
         except ProfileBusy as exc:
             return answer("409 Conflict", f"{exc}\n".encode(),
                           headers=(("Retry-After", str(max(1, round(exc.retry_after_s)))),))
