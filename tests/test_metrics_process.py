@@ -227,3 +227,47 @@ def test_metrics_port_in_use_names_the_port():
             start_metrics_server(port, "dispatcher")
     finally:
         stop_metrics_servers()
+
+
+@pytest.mark.parametrize("accept", [
+    None,  # curl, a browser
+    "text/plain;version=0.0.4;q=1,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
+    "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,"
+    "*/*;q=0.2",  # Prometheus 3's scrape
+    "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",  # Prometheus 2's
+])
+def test_every_services_metrics_parse_with_the_parser_of_the_format_served(accept):
+    """Every metric the three services register, served as Prometheus asks for them, read back by
+    prometheus_client's own parser of the format the Content-Type names (OpenMetrics when asked): a metric that
+    one of the two parsers refuses fails a scrape, and with it every figure the services export."""
+    import gzip
+
+    import switchyard.common.http_telemetry  # noqa: F401 - registers the services' metrics in this process
+    import switchyard.dispatcher.metrics  # noqa: F401
+    import switchyard.gateway.metrics  # noqa: F401
+    import switchyard.orchestrator.metrics  # noqa: F401
+    import switchyard.retrieval.metrics  # noqa: F401
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    switchyard.common.http_telemetry.observe_refused(431)  # a labelled histogram with samples
+    try:
+        port = start_metrics_server(0, "orchestrator")
+        headers = {"Accept-Encoding": "gzip", **({"Accept": accept} if accept else {})}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body, content_type = response.read(), response.headers["Content-Type"]
+            if response.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+    finally:
+        stop_metrics_servers()
+    text = body.decode()
+    if accept and accept.startswith("application/openmetrics-text"):
+        assert content_type.startswith("application/openmetrics-text; version=1.0.0"), content_type
+        assert text.endswith("# EOF\n")
+        samples = {s.name for f in openmetrics_families(text) for s in f.samples}
+    else:
+        assert content_type.startswith("text/plain; version=0.0.4"), content_type
+        samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {"switchyard_agents_concurrent", "switchyard_running_sequences", "switchyard_service_info",
+            "switchyard_event_loop_lag_seconds_count", "http_server_request_duration_seconds_bucket"} <= samples, sorted(samples)[:20]
