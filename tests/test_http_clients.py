@@ -31,9 +31,9 @@ async def test_a_quiet_stream_is_kept_for_a_client_with_a_read_timeout():
     nginx's proxy_read_timeout is 60 s) cut a stream whose task was still running: ReadTimeout, and the task
     cancelled. A comment line every orchestrator.http.sse_keepalive_s keeps it; SSE parsers skip it."""
     async with http_stack(**{"orchestrator.http.sse_keepalive_s": 0.05}) as (client, _, down):
-        client.timeout = httpx.Timeout(30, read=0.5)
+        client.timeout = httpx.Timeout(30, read=1.0)
         down.gate = asyncio.Event()
-        releasing = asyncio.create_task(_release_after(down, 1.5))  # three read timeouts of quiet
+        releasing = asyncio.create_task(_release_after(down, 2.0))  # two read timeouts of quiet
         async with aconnect_sse(client, "POST", "/api/v1/agent/run", json=CHAT) as source:
             kinds = [event.event async for event in source.aiter_sse()]
         await releasing
@@ -53,8 +53,8 @@ async def test_a_quiet_stream_is_kept_for_a_client_with_a_read_timeout():
 async def test_aiohttps_client_reads_a_quiet_stream_within_its_read_timeout():
     async with http_stack(**{"orchestrator.http.sse_keepalive_s": 0.05}) as (client, _, down):
         down.gate = asyncio.Event()
-        releasing = asyncio.create_task(_release_after(down, 1.5))
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=0.5)
+        releasing = asyncio.create_task(_release_after(down, 2.0))
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=1.0)
         async with aiohttp.ClientSession(str(client.base_url), timeout=timeout) as session:
             async with session.post("/api/v1/agent/run", json=CHAT) as reply:
                 assert reply.status == 200 and reply.content_type == "text/event-stream"
