@@ -4,8 +4,8 @@ Each file under ``tests/data/upstream_streams/`` holds one server's response bod
 that server writes it (its source is named in the file's ``#`` header: vLLM, SGLang, TGI,
 llama.cpp, Ollama, ``transformers serve``, the OpenAI API, and the framings around them:
 CRLF, ``: ping`` comments, ``data:`` without a space, HTTP/1.0 close-delimited bodies, cut
-streams). A TCP server on 127.0.0.1 answers the gateway's real request with the file's
-status line, Content-Type and framing, then the body; the gateway's real client parses it,
+streams; and LiteLLM's proxy in front of them). A TCP server on 127.0.0.1 answers the gateway's
+real request with the file's status line, Content-Type, ``header NAME`` lines and framing, then the body; the gateway's real client parses it,
 on both HTTP transports.
 """
 
@@ -97,7 +97,9 @@ async def replay_server(recorded: Recorded):
         length = int(headers.get("content-length", "0"))
         seen.headers.append(headers)
         seen.bodies.append(json.loads(await reader.readexactly(length)) if length else {})
-        out = [status + b"\r\ncontent-type: " + recorded.meta["content-type"].encode() + b"\r\n"]
+        sent = "".join(f"{key.removeprefix('header ')}: {value}\r\n" for key, value in recorded.meta.items()
+                       if key.startswith("header "))
+        out = [status + b"\r\ncontent-type: " + recorded.meta["content-type"].encode() + b"\r\n" + sent.encode()]
         if framing == "close":
             writer.write(out[0] + b"\r\n" + recorded.body)
         else:
@@ -151,7 +153,9 @@ async def test_every_recorded_stream_is_read_as_its_server_meant_it(clean_proxy_
                     async for _ in client.stream_chat(ask()):
                         pass
                 assert caught.value.code == getattr(grpc.StatusCode, code) and says in str(caught.value)
-                assert ending_count(ending) == before + 1
+                assert caught.value.retry_after_s == (float(meta["expect-retry-after"])
+                                                      if "expect-retry-after" in meta else None)
+                assert ending_count(ending) == before + (ending != "none")  # none: no stream was opened
                 return
             events = [e async for e in client.stream_chat(ask())]
     text = "".join(e.text for e in events if isinstance(e, Token))
