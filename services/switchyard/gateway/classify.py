@@ -84,20 +84,37 @@ def is_model_not_found(status: int, body: str) -> bool:
     return status in (400, 404, 422) and bool(_MODEL_WORDS.search(body))
 
 
+RELAYED_HEADER_PREFIXES = ("", "llm_provider-")
+"""Where a wait is named: under its own name (the server's, or the proxy's own), else under the prefix of a proxy
+that relays the headers of the server behind it only under a prefix of its own. LiteLLM's proxy answers a 429 or
+503 with the provider's (or its router's) ``retry-after`` as ``llm_provider-retry-after`` and no ``Retry-After``
+(``litellm_core_utils/core_helpers.py``): read under its own name only, the wait was lost."""
+
+
 def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
     """Seconds the upstream asked to wait, from ``retry-after-ms`` or ``Retry-After``; None when it did not say.
 
     ``Retry-After`` is delta-seconds or an HTTP-date (RFC 9110, section 10.2.3);
     ``retry-after-ms`` (milliseconds) is what OpenAI and Azure OpenAI send
     beside it. ``now`` is the wall clock (``time.time()``) for an HTTP-date.
+    Each is read under its own name first, then as a proxy relays it (:data:`RELAYED_HEADER_PREFIXES`).
     """
-    raw_ms = headers.get("retry-after-ms")
+    for prefix in RELAYED_HEADER_PREFIXES:
+        wait = _wait_named(headers, prefix, now)
+        if wait is not None:
+            return wait
+    return None
+
+
+def _wait_named(headers: Mapping[str, str], prefix: str, now: float | None) -> float | None:
+    """The wait ``prefix + "retry-after-ms"`` or ``prefix + "retry-after"`` names; None when neither does."""
+    raw_ms = headers.get(f"{prefix}retry-after-ms")
     if raw_ms:
         try:
             return max(0.0, float(raw_ms) / 1000)
         except ValueError:
             pass
-    raw = (headers.get("retry-after") or "").strip()
+    raw = (headers.get(f"{prefix}retry-after") or "").strip()
     if not raw:
         return None
     try:
