@@ -13,7 +13,7 @@ from switchyard.gateway.classify import error_for_status
 from switchyard.gateway.decode import StreamDecoder
 from switchyard.gateway.errors import GatewayError, StreamBroken, StreamProtocolError
 from switchyard.gateway.events import Finished, Reasoning, Token, ToolCallOut, Usage
-from switchyard.gateway.keys import ApiKey
+from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard_harness.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
 from switchyard.gateway.proxy import ProxyRoute, proxy_for
@@ -257,6 +257,36 @@ def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status
         StreamDecoder("m").feed(json.dumps({"error": error}))
     assert type(caught.value).__name__ == kind and caught.value.code == code
     assert caught.value.retryable == (kind in ("UpstreamRateLimited", "UpstreamStreamError"))
+
+
+@pytest.mark.parametrize("error", [
+    # LiteLLM's proxy relaying vLLM's in-stream 400 (tests/data/upstream_streams/litellm_stream_error_context.sse)
+    {"message": "litellm.APIConnectionError: APIConnectionError: OpenAIException - The decoder prompt (length 8193) "
+                "is longer than the maximum model length of 8192.", "type": None, "param": None, "code": "500"},
+    {"message": "This model's maximum context length is 4096 tokens.", "code": "context_length_exceeded"},  # no status
+    {"message": "the request exceeds the available context size, try increasing it", "code": 500},  # llama.cpp
+    {"message": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 `inputs` "
+                "tokens and 200 `max_new_tokens`", "code": 502},  # TGI's words behind a proxy
+    {"message": "prompt is too long: 210000 tokens > 200000 maximum", "type": "api_error"},  # Anthropic's words
+], ids=["litellm_vllm", "openai_code", "llama_cpp_500", "tgi_502", "anthropic_words"])
+def test_a_request_too_long_for_the_context_is_its_own_fault_whatever_status_it_came_with(error):
+    """A proxy relays a prompt too long for the model as a 500 inside the stream (LiteLLM: every in-stream error is
+    "code": "500"): read by its status, it was a broken stream, retried and sent to the fallback model. It is the
+    request's fault: INVALID_ARGUMENT, not retried, no fallback, saying what to shorten."""
+    with pytest.raises(GatewayError) as caught:
+        StreamDecoder("m").feed(json.dumps({"error": error}))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT, str(caught.value)
+    assert not caught.value.retryable and not caught.value.fallback_ok
+    assert "does not fit model 'm''s context window" in str(caught.value)
+
+
+@pytest.mark.parametrize("status, code", [(500, grpc.StatusCode.INVALID_ARGUMENT), (503, grpc.StatusCode.UNAVAILABLE),
+                                          (429, grpc.StatusCode.RESOURCE_EXHAUSTED)])
+def test_an_answered_status_says_too_long_only_where_it_refuses_or_fails_the_request(status, code):
+    """A 500 whose body says the prompt is too long is the request's fault; a 503 or 429 saying it still refuses load."""
+    body = json.dumps({"error": {"message": "This model's maximum context length is 4096 tokens"}})
+    err = error_for_status(status, body, {}, url="http://h/v1/chat/completions", model="m", key=NO_KEY)
+    assert err.code == code
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 409, 413, 422, 429, 503])

@@ -141,6 +141,23 @@ ingress with no free replica) and 529, Anthropic's ``overloaded_error`` (its API
 gateways in front of it that pass the status on)."""
 
 
+_TOO_LONG = re.compile(
+    r"(?i)context_length_exceeded|context ?window ?exceeded|exceed_context_size|maximum context length"
+    r"|longer than the (maximum model length|model's context length)|exceeds the available context size"
+    r"|prompt is too long|tokens \+ `?max_new_tokens`? must be <="
+)
+"""A server's words for a request that does not fit the model's context window: OpenAI's and vLLM's "This model's
+maximum context length is N tokens" (``context_length_exceeded``), vLLM's "The decoder prompt (length N) is
+longer than the maximum model length of M", SGLang's "longer than the model's context length", llama.cpp's
+"exceeds the available context size" (``exceed_context_size_error``), TGI's "`inputs` tokens + `max_new_tokens`
+must be <= N", Anthropic's "prompt is too long", and LiteLLM's ``ContextWindowExceededError``."""
+
+
+def too_long_for_context(body: str) -> bool:
+    """``body`` (an error body or message) says the request does not fit the model's context window."""
+    return bool(_TOO_LONG.search(body))
+
+
 def error_for_status(
     status: int | None, body: str, headers: Mapping[str, str], *, url: str, model: str, key: ApiKey,
     in_stream: bool = False, url_source: str = BASE_URL_KEY,
@@ -161,7 +178,9 @@ def error_for_status(
     407 UNAUTHENTICATED (the proxy); 409 ABORTED, 421 and 425 UNAVAILABLE (retried); 410 NOT_FOUND; 429
     RESOURCE_EXHAUSTED (a rate limit: refuses load); 501 UNIMPLEMENTED; 408, 424 and 5xx UNAVAILABLE (the
     server's, retried; 503 and 529 refuse load); any other 4xx INVALID_ARGUMENT (the request's own fault, not
-    retried and no fallback).
+    retried and no fallback). A request too long for the model's context window (:func:`too_long_for_context`) is
+    INVALID_ARGUMENT under any of the statuses a server or proxy fails it with (no status, 400, 408, 413, 422, 424,
+    a 5xx other than 501, 503 and 529): LiteLLM's proxy relays vLLM's in-stream 400 for it as "code": "500".
     """
     if status is not None and 300 <= status < 400 and not in_stream:
         return redirect_error(status, headers, url=url, url_source=url_source)
@@ -169,11 +188,20 @@ def error_for_status(
     quoted = snippet(said)
     if in_stream:
         where = f"upstream {url} sent an error inside the stream" if url else "upstream sent an error inside the stream"
-        if status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES):
-            return UpstreamStreamError(f"{where}{f' (status {status})' if status else ''}: {quoted}")
-        head = f"{where} (status {status}): {quoted}"
+        head = f"{where}{f' (status {status})' if status else ''}: {quoted}"
     else:
         head = f"upstream {status} from {url} (upstream said {quoted})"
+    refused_or_failed = status is None or status in (400, 408, 413, 422, 424) or (
+        status >= 500 and status not in (501, *OVERLOADED_STATUSES))
+    if refused_or_failed and too_long_for_context(body):
+        # the request's own fault whatever status it came with: LiteLLM's proxy relays every error inside a stream
+        # as "code": "500" (a broken stream, retried and sent to the fallback model); a 5xx proxy page says so too
+        return BadUpstreamRequest(
+            f"{head}: the request does not fit model {model!r}'s context window; shorten the prompt or lower "
+            "max_tokens; not retried"
+        )
+    if in_stream and (status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES)):
+        return UpstreamStreamError(head)
     if status in (401, 403):
         challenge = headers.get("www-authenticate", "")
         if _EXPIRED.search(said) or _EXPIRED.search(challenge):
