@@ -79,6 +79,25 @@ def upstream_message(body: str) -> str:
     return body.strip()
 
 
+def upstream_error_type(body: str) -> str:
+    """The ``error.type`` of an OpenAI-style error body; "" when it has none."""
+    try:
+        payload = untrusted.loads(body)
+    except ValueError:
+        return ""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    kind = err.get("type") if isinstance(err, dict) else None
+    return kind if isinstance(kind, str) else ""
+
+
+KEY_REFUSED_TYPES = {
+    "no_db_connection": "LiteLLM's proxy runs without the database it looks up keys other than its master key in",
+}
+"""Error types a proxy refuses a key with under a status other than 401 (LiteLLM answers 400 ``no_db_connection``
+to a key other than its master key while it runs without a database: ``proxy/auth/user_api_key_auth.py``), and
+what each means. Read by its 400, it was the request's fault ("rejected, not retried"), the key never named."""
+
+
 def is_model_not_found(status: int, body: str) -> bool:
     """True for a 404 (or 400/422, as some servers answer) whose body says the model is unknown."""
     return status in (400, 404, 422) and bool(_MODEL_WORDS.search(body))
@@ -173,7 +192,7 @@ def error_for_status(
     Every message names ``url`` where it is known (with a pool of replicas, which one answered) and
     never shows the key; a 404 names ``url_source`` (:func:`url_key`), what set the URL.
 
-    The rows: 401 UNAUTHENTICATED, 403 PERMISSION_DENIED (the key); 402, and OpenAI's 429 ``insufficient_quota``,
+    The rows: 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, a 400 of :data:`KEY_REFUSED_TYPES` UNAUTHENTICATED (the key); 402, and OpenAI's 429 ``insufficient_quota``,
     FAILED_PRECONDITION (the account: :class:`UpstreamQuotaExhausted`); 404 and 405 NOT_FOUND (the base URL);
     407 UNAUTHENTICATED (the proxy); 409 ABORTED, 421 and 425 UNAVAILABLE (retried); 410 NOT_FOUND; 429
     RESOURCE_EXHAUSTED (a rate limit: refuses load); 501 UNIMPLEMENTED; 408, 424 and 5xx UNAVAILABLE (the
@@ -202,6 +221,13 @@ def error_for_status(
         )
     if in_stream and (status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES)):
         return UpstreamStreamError(head)
+    refused_key = KEY_REFUSED_TYPES.get(upstream_error_type(body)) if status == 400 else None
+    if refused_key:
+        return UpstreamAuthError(
+            f"{head}: {refused_key}, and the key from {key.describe()} is not its master key; set {key.env} to it "
+            "(general_settings.master_key, or LITELLM_MASTER_KEY where it runs), or connect the proxy's database for "
+            "its virtual keys"
+        )
     if status in (401, 403):
         challenge = headers.get("www-authenticate", "")
         if _EXPIRED.search(said) or _EXPIRED.search(challenge):
