@@ -514,3 +514,21 @@ def test_a_server_that_lists_no_models_but_streams_is_served_with_a_warning(clea
     assert code == 0, out
     assert "the server lists no models, but it streams chat completions" in out, out
     assert "stream probe" in out and "FAIL" not in out, out
+
+
+def test_a_proxy_refusing_the_key_under_400_is_named_a_key_refusal_with_its_fix(clean_proxy_env, monkeypatch, capsys):
+    """LiteLLM's proxy run without a database answers every key but its master key 400 'No connected db.'
+    (tests/data/upstream_streams/litellm_key_without_db.sse), on GET /models too: doctor said only "answers 400 ...
+    check the model server's logs". It is the key's refusal, with the fix: the master key, or the proxy's database."""
+    recorded = (Path(__file__).parent / "data" / "upstream_streams" / "litellm_key_without_db.sse").read_bytes()
+    body = recorded.split(b"---\n", 1)[1]
+
+    class Handler(QuietHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.reply(400, "application/json", body)
+
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    with serving(Handler) as base_url:
+        code, out = run_doctor(capsys, "--base-url", base_url)
+    assert code == 1 and "refuses the key: 400 'No connected db.'" in out, out
+    assert f"fix: set {KEY_ENV} to its master key" in out and TEST_KEY not in out

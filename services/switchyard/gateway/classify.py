@@ -91,11 +91,22 @@ def upstream_error_type(body: str) -> str:
 
 
 KEY_REFUSED_TYPES = {
-    "no_db_connection": "LiteLLM's proxy runs without the database it looks up keys other than its master key in",
+    "no_db_connection": (
+        "LiteLLM's proxy runs without the database it looks up keys other than its master key in",
+        "set {env} to its master key (general_settings.master_key, or LITELLM_MASTER_KEY where it runs), or "
+        "connect the proxy's database for its virtual keys",
+    ),
 }
 """Error types a proxy refuses a key with under a status other than 401 (LiteLLM answers 400 ``no_db_connection``
 to a key other than its master key while it runs without a database: ``proxy/auth/user_api_key_auth.py``), and
-what each means. Read by its 400, it was the request's fault ("rejected, not retried"), the key never named."""
+what each means and its fix. Read by its 400, it was the request's fault ("rejected, not retried"), the key never
+named."""
+
+
+def key_refused_as(status: int | None, body: str) -> tuple[str, str] | None:
+    """What a refusal of the key under a 400 (:data:`KEY_REFUSED_TYPES`) means and its fix (``{env}`` for the key's
+    variable); None for any other answer."""
+    return KEY_REFUSED_TYPES.get(upstream_error_type(body)) if status == 400 else None
 
 
 def is_model_not_found(status: int, body: str) -> bool:
@@ -221,13 +232,11 @@ def error_for_status(
         )
     if in_stream and (status is None or status == 408 or (status >= 500 and status not in OVERLOADED_STATUSES)):
         return UpstreamStreamError(head)
-    refused_key = KEY_REFUSED_TYPES.get(upstream_error_type(body)) if status == 400 else None
+    refused_key = key_refused_as(status, body)
     if refused_key:
-        return UpstreamAuthError(
-            f"{head}: {refused_key}, and the key from {key.describe()} is not its master key; set {key.env} to it "
-            "(general_settings.master_key, or LITELLM_MASTER_KEY where it runs), or connect the proxy's database for "
-            "its virtual keys"
-        )
+        meaning, fix = refused_key
+        return UpstreamAuthError(f"{head}: {meaning}, and refused the key from {key.describe()}; "
+                                 f"{fix.format(env=key.env)}")
     if status in (401, 403):
         challenge = headers.get("www-authenticate", "")
         if _EXPIRED.search(said) or _EXPIRED.search(challenge):

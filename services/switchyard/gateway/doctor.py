@@ -46,7 +46,13 @@ from switchyard.common.priority import PriorityClass
 from switchyard.common import envs, tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
-from switchyard.gateway.classify import plain_http_behind_https, redirected_root, upstream_message, url_key
+from switchyard.gateway.classify import (
+    key_refused_as,
+    plain_http_behind_https,
+    redirected_root,
+    upstream_message,
+    url_key,
+)
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import (
     BadUpstreamRequest,
@@ -160,9 +166,12 @@ async def _list_models(cfg: UpstreamConfig, key: ApiKey, timeout_s: float,
                          f"the server there answers plain HTTP, not TLS: use http:// in {where}"), None
         return Check("base url", False, f"{url}{via} does not answer ({type(exc).__name__}: {exc})", fix), None
     said = snippet(redact(upstream_message(response.text), key.value))
-    if response.status_code in (401, 403):
+    refused_key = key_refused_as(response.status_code, response.text)
+    if response.status_code in (401, 403) or refused_key:
         return Check(
-            "base url", False, f"{url} answers but refuses the key: {response.status_code} {said}",
+            "base url", False, f"{url} answers but refuses the key: {response.status_code} {said}"
+            f"{f' ({refused_key[0]})' if refused_key else ''}",
+            refused_key[1].format(env=key.env) if refused_key else
             f"check that {key.env} holds a valid key for this server; re-authenticate if it is an OAuth token",
         ), None
     if 300 <= response.status_code < 400:
