@@ -33,7 +33,9 @@ from pathlib import Path
 import aiohttp
 
 from switchyard.common.up_files import default_path, recorded_services
+from switchyard.common.metrics import TASK_TYPES
 from switchyard_harness import backlog
+from switchyard_harness.arg_types import http_url, max_tokens, positive
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -69,12 +71,12 @@ def scrape(url: str, name: str, contains: str = "") -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--http", required=True, help="the HTTP face, e.g. http://127.0.0.1:8080")
-    parser.add_argument("--rps", type=float, default=40.0, help="submits offered per second (default 40)")
-    parser.add_argument("--seconds", type=float, default=150.0, help="how long (default 150)")
-    parser.add_argument("--interval", type=float, default=10.0, help="seconds per row (default 10)")
-    parser.add_argument("--task-type", default="react_loop")
-    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--http", type=http_url, required=True, help="the HTTP face, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--rps", type=positive, default=40.0, help="submits offered per second (default 40)")
+    parser.add_argument("--seconds", type=positive, default=150.0, help="how long (default 150)")
+    parser.add_argument("--interval", type=positive, default=10.0, help="seconds per row (default 10)")
+    parser.add_argument("--task-type", choices=TASK_TYPES, default="react_loop")
+    parser.add_argument("--max-tokens", type=max_tokens, default=512, help="max_tokens of each task (default 512)")
     parser.add_argument("--keep-backlog", action="store_true", help="leave the submitted tasks that have not "
                         "finished at the end running (default: they are cancelled, and reported)")
     args = parser.parse_args()

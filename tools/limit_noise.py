@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from switchyard_harness.arg_types import count, fraction
 from switchyard_harness.testing.limit_drive import drive, flat_then_falling, knee_server, make_limit, noisy
 
 SERVERS = {
@@ -25,10 +26,10 @@ SERVERS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=10, help="runs per server and spread (default 10)")
-    parser.add_argument("--offered", type=int, default=100, help="BATCH streams offered (default 100)")
-    parser.add_argument("--windows", type=int, default=400, help="windows of 0.5 s per run (default 400)")
-    parser.add_argument("--spreads", type=float, nargs="+", default=[0.0, 0.1, 0.2],
+    parser.add_argument("--seeds", type=count, default=10, help="runs per server and spread (default 10)")
+    parser.add_argument("--offered", type=count, default=100, help="BATCH streams offered (default 100)")
+    parser.add_argument("--windows", type=count, default=400, help="windows of 0.5 s per run (default 400)")
+    parser.add_argument("--spreads", type=fraction, nargs="+", default=[0.0, 0.1, 0.2],
                         help="window-to-window spreads of throughput, fractions (default 0 0.1 0.2)")
     args = parser.parse_args()
     print(f"{'server':<30} {'spread':>6} {'knee':>5}  limit held, per seed (median over the second half)")

@@ -18,10 +18,11 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from switchyard import top
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.up_files import default_path, recorded_services
+from switchyard_harness import top
+from switchyard_harness.arg_types import count
 
 
 async def _tasks(address: str, per_class: int) -> None:
@@ -38,8 +39,8 @@ async def _tasks(address: str, per_class: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, default=5, help="RunTasks per priority class (default 5)")
-    parser.add_argument("--frames", type=int, default=20, help="top frames to time (default 20)")
+    parser.add_argument("--tasks", type=count, default=5, help="RunTasks per priority class (default 5)")
+    parser.add_argument("--frames", type=count, default=20, help="top frames to time (default 20)")
     args = parser.parse_args()
     services = recorded_services(default_path())
     asyncio.run(_tasks(services["orchestrator"]["address"], args.tasks))

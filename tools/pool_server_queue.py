@@ -27,6 +27,7 @@ from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.dispatcher.engines import make_engine
 from switchyard.dispatcher.service import DispatcherService
+from switchyard_harness.arg_types import count, positive
 from switchyard_harness.sim_openai import SimOpenAIOptions, run_in_thread
 
 FIGURES = ("concurrency_limit", "in_flight", "server_waiting")
@@ -79,9 +80,9 @@ async def run(seconds: float, streams: int, max_running: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--streams", type=int, default=24)
-    parser.add_argument("--max-running", type=int, default=2)
+    parser.add_argument("--seconds", type=positive, default=30.0, help="load window, seconds (default 30)")
+    parser.add_argument("--streams", type=count, default=24, help="BATCH streams at once (default 24)")
+    parser.add_argument("--max-running", type=count, default=2, help="sequences each replica runs at once (default 2)")
     args = parser.parse_args()
     asyncio.run(run(args.seconds, args.streams, args.max_running))
 

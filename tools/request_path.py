@@ -535,11 +535,13 @@ def print_reports(reports: Sequence[PathReport], show_path: bool, out: Any = sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from switchyard_harness.arg_types import count, max_tokens
+
     parser = argparse.ArgumentParser(prog="tools/request_path.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--task-types", default="chat,rag_answer,react_loop",
                         help="comma-separated task types, recorded in this order (default: all three)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each task (default 8)")
-    parser.add_argument("--repeat", type=int, default=3, help="recorded tasks of each type (default 3)")
+    parser.add_argument("--max-tokens", type=max_tokens, default=8, help="max_tokens of each task (default 8)")
+    parser.add_argument("--repeat", type=count, default=3, help="recorded tasks of each type (default 3)")
     parser.add_argument("--index-dir", help="an index for retrieval (default: one built from --docs)")
     parser.add_argument("--docs", nargs="*", default=[str(REPO / "README.md")],
                         help="files to index when no --index-dir is given (default: README.md)")

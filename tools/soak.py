@@ -51,6 +51,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.server import GRPC_SERVICES
 from switchyard.launcher import healthy
+from switchyard_harness.arg_types import count, positive
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_FLIGHT_GAUGES = ("switchyard_agents_concurrent", "switchyard_running_sequences", "switchyard_waiting_sequences",
@@ -220,8 +221,8 @@ async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--minutes", type=positive, default=10.0, help="load window, minutes (default 10)")
+    parser.add_argument("--concurrency", type=count, default=24, help="calls at once (default 24)")
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="switchyard-soak-"))

@@ -56,6 +56,7 @@ from typing import Any, Callable
 from prometheus_client import REGISTRY
 
 from switchyard_harness import json_output
+from switchyard_harness.arg_types import positive
 from switchyard.common import outputs
 from switchyard.common.config import ConfigError, DramTierConfig, SwitchyardConfig, load_config
 from switchyard_harness.bench.sched_bench import (
@@ -64,7 +65,6 @@ from switchyard_harness.bench.sched_bench import (
     _dram_tier,
     _mix,
     _pair,
-    _positive,
     kv_store,
     percentile,
     quiet_score_log,
@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard bench agents", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--agents", type=int, default=100, help="agents (default 100)")
-    parser.add_argument("--seconds", type=_positive, default=30.0, help="load window, simulated seconds (default 30)")
+    parser.add_argument("--seconds", type=positive, default=30.0, help="load window, simulated seconds (default 30)")
     parser.add_argument("--mix", type=_mix, default=(20.0, 50.0, 30.0),
                         help="core/normal/batch percent of the tasks, summing to 100 (20/50/30)")
     parser.add_argument("--think", type=_seconds_range, default=(0.1, 0.5), help="tool time, seconds (0.1-0.5)")
@@ -461,8 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--call-tokens", type=_pair, default=(20, 60), help="tokens of one tool call (20-60)")
     parser.add_argument("--result-tokens", type=_pair, default=(100, 400), help="tokens of one tool result (100-400)")
     parser.add_argument("--answer-tokens", type=_pair, default=(64, 512), help="tokens of a task's answer (64-512)")
-    parser.add_argument("--hbm-gb", type=_positive, help="device memory of the modelled GPU, GB (default sim.hbm_gb, 80)")
-    parser.add_argument("--drain-limit", type=_positive,
+    parser.add_argument("--hbm-gb", type=positive, help="device memory of the modelled GPU, GB (default sim.hbm_gb, 80)")
+    parser.add_argument("--drain-limit", type=positive,
                         help="stop at this many load windows (default 4; with --policies 10)")
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
                         help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--policies", help="comma-separated policies, or all: " + ", ".join(POLICY_NAMES))
     policies.add_argument("--tenant-agents", type=int, default=10, help="agents of each of the 9 quiet tenants (10)")
     policies.add_argument("--noisy-agents", type=int, default=100, help="agents of the noisy tenant, long tools (100)")
-    policies.add_argument("--load-scale", type=_positive,
+    policies.add_argument("--load-scale", type=positive,
                           help="multiplies every tenant's agents (default: the load fcfs can hold, found by a sweep "
                           "on the simulated clock: the smallest scale at which fcfs's throughput peaks)")
     policies.add_argument("--double-load", action="store_true",
@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--stack-engine", choices=STACK_ENGINES, default="sim",
                           help="--stack: the dispatcher's engine: sim (default), or openai in front of a sim-openai "
                           "process the run starts (the upstream's batching and prefix cache, upstream admission)")
-    policies.add_argument("--tool-time-scale", type=_positive, default=1.0,
+    policies.add_argument("--tool-time-scale", type=positive, default=1.0,
                           help="multiplies every tool's drawn duration (default 1: the stated distribution; "
                           "below 1 for a quicker run)")
     rag = parser.add_argument_group(
@@ -496,8 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
         "static part instead (switchyard_harness.bench.rag_prefill); --seconds, --seed, --hbm-gb, --config-dir and "
         "--json apply, the other options are refused")
     rag.add_argument("--rag-prefill", action="store_true", help="rag_answer TTFT with and without early prefill")
-    rag.add_argument("--rag-rate", type=_positive, default=4.0, help="rag_answer tasks per second (4)")
-    rag.add_argument("--retrieval-s", type=_positive, default=0.2, help="retrieval's median seconds (0.2)")
+    rag.add_argument("--rag-rate", type=positive, default=4.0, help="rag_answer tasks per second (4)")
+    rag.add_argument("--retrieval-s", type=positive, default=0.2, help="retrieval's median seconds (0.2)")
     return parser
 
 

@@ -54,9 +54,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from switchyard_harness import backlog, json_output
+from switchyard_harness.arg_types import grpc_address, http_url
 from switchyard.common.client_token import TokenError, add_token_options, authorization, bearer_token
 from switchyard_harness.bench.report import percentile
 from switchyard.common.cli_text import parser_for
+from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import LABELS
 
 PRIORITIES = LABELS
@@ -370,14 +372,14 @@ async def _main(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard bench http", __doc__)
-    parser.add_argument("--http", help="the HTTP face (default: the up file's, else http://127.0.0.1:8080)")
-    parser.add_argument("--grpc", help="the orchestrator's gRPC address (default: the up file's, else 127.0.0.1:50051)")
-    parser.add_argument("--orchestrator-metrics", help="the orchestrator's /metrics URL (default: the up file's)")
+    parser.add_argument("--http", type=http_url, help="the HTTP face (default: the up file's, else http://127.0.0.1:8080)")
+    parser.add_argument("--grpc", type=grpc_address, help="the orchestrator's gRPC address (default: the up file's, else 127.0.0.1:50051)")
+    parser.add_argument("--orchestrator-metrics", type=http_url, help="the orchestrator's /metrics URL (default: the up file's)")
     parser.add_argument("--phases", default="submit,stream,profile", help="which phases, comma-separated")
     parser.add_argument("--rps", type=float, default=200.0, help="submit: offered calls per second (default 200)")
     parser.add_argument("-c", "--concurrency", type=int, default=64, help="submit: workers (default 64)")
     parser.add_argument("--duration", type=float, default=10.0, help="submit: seconds (default 10)")
-    parser.add_argument("--task-type", default="react_loop", help="submit: task_type of the body (default react_loop)")
+    parser.add_argument("--task-type", choices=TASK_TYPES, default="react_loop", help="submit: task_type of the body (default react_loop)")
     parser.add_argument("--max-tokens", type=int, default=512, help="submit: max_tokens of the body (default 512)")
     parser.add_argument("--streams", type=int, default=16, help="stream/profile: calls in flight (default 16)")
     parser.add_argument("--stream-seconds", type=float, default=5.0, help="stream: seconds per turn (default 5)")

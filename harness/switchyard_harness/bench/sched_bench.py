@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from switchyard_harness import json_output
+from switchyard_harness.arg_types import count, positive
 from switchyard_harness.bench.report import percentile
 from switchyard.common.priority import PriorityClass
 from switchyard.common.config import ConfigError, DramTierConfig, SimEngineConfig, SwitchyardConfig, load_config
@@ -482,40 +483,14 @@ def _mix(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
-def _positive(text: str) -> float:
-    """argparse type of a finite number > 0 (an infinite load window or rate simulated forever, no output).
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, or nan, inf or <= 0 (the message names the value).
-    """
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    """argparse type of a whole number >= 1 (0 tasks in the capacity run divided by zero)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchyard bench sched",
         description="Priority scheduler vs FIFO under overload, on the sim latency model and a simulated clock.",
     )
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
-    parser.add_argument("--overload", type=_positive, default=2.0, help="offered load / capacity (default 2)")
-    parser.add_argument("--seconds", type=_positive, default=20.0, help="load window, simulated seconds (default 20)")
+    parser.add_argument("--overload", type=positive, default=2.0, help="offered load / capacity (default 2)")
+    parser.add_argument("--seconds", type=positive, default=20.0, help="load window, simulated seconds (default 20)")
     parser.add_argument(
         "--mix", type=_mix, default=(20.0, 50.0, 30.0),
         help="core/normal/batch percent of the tasks, summing to 100 (default 20/50/30)"
@@ -524,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=_pair, default=(200, 1200), help="prompt length range (default 200-1200)"
     )
     parser.add_argument("--output-tokens", type=_pair, default=(32, 160), help="output length range (default 32-160)")
-    parser.add_argument("--calibration", type=_count, default=200, help="tasks in the capacity run (default 200)")
-    parser.add_argument("--drain-limit", type=_positive, default=6.0, help="stop at this many load windows (default 6)")
+    parser.add_argument("--calibration", type=count, default=200, help="tasks in the capacity run (default 200)")
+    parser.add_argument("--drain-limit", type=positive, default=6.0, help="stop at this many load windows (default 6)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dram", type=_dram_arg, default="embedded",
                         help="DRAM tier: embedded (a private redis-server, default), HOST:PORT, or off")
