@@ -49,6 +49,7 @@ import grpc
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
+from switchyard.common.children import dying_with_parent
 from switchyard.common.server import GRPC_SERVICES
 from switchyard.launcher import healthy
 from switchyard_harness.arg_types import count, positive
@@ -92,7 +93,7 @@ class Stack:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port",
              str(metrics), "--config-dir", str(self.config_dir)],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=dying_with_parent(signal.SIGTERM),
         )
 
     def _wait(self, name: str, timeout: float = 300) -> None:
@@ -105,7 +106,8 @@ class Stack:
     def start(self) -> None:
         self.procs["upstream"] = subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli", "serve", "sim-openai", "--port", str(self.upstream_port),
-             "--config-dir", str(self.config_dir)], env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+             "--config-dir", str(self.config_dir)], env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=dying_with_parent(signal.SIGTERM))
         for name in ("retrieval", "dispatcher", "orchestrator"):
             self._start(name)
         for name in ("retrieval", "dispatcher", "orchestrator"):

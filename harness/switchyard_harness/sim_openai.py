@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +53,7 @@ from starlette.routing import Route
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from switchyard.common import envs
+from switchyard.common import children, envs
 from switchyard.common.config import SimEngineConfig
 from switchyard.dispatcher.engines.prefix_cache import PrefixCache
 from switchyard.dispatcher.engines.sim import decode_seconds, plan_reply, prefill_seconds
@@ -744,7 +745,8 @@ def spawn(args: list[str] = (), host: str = "127.0.0.1", timeout_s: float = 30.0
     """
     command = [sys.executable, "-m", "switchyard_harness.sim_openai", "--host", host, "--port", "0", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=children.dying_with_parent(signal.SIGTERM))  # it served on, orphaned
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     line = ""

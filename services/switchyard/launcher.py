@@ -501,6 +501,9 @@ class UpProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
+            # SIGTERM when the caller ends however it ends (a benchmark killed): the stack drains and stops;
+            # it served on, orphaned, with its Redis and ports held
+            preexec_fn=children.dying_with_parent(signal.SIGTERM),
         )
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -192,7 +192,6 @@ class TransformersServer:
         """
         import tempfile
 
-        on_main_thread = threading.current_thread() is threading.main_thread()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("transformers serve: stopped before it was launched")
@@ -203,7 +202,7 @@ class TransformersServer:
             try:
                 self.proc = subprocess.Popen(
                     self.command(), stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                    preexec_fn=children.dying_with_parent(signal.SIGTERM) if on_main_thread else None)
+                    preexec_fn=children.dying_with_parent(signal.SIGTERM))
             finally:
                 os.close(fd)
             atexit.register(self.stop)

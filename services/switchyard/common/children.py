@@ -30,6 +30,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
@@ -67,8 +68,10 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
 
 
 def dying_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get ``sig`` when this process ends; None where unsupported."""
-    if _prctl is None:
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process ends; None where unsupported, and
+    None when called off the main thread: the kernel would send ``sig`` as that thread ends, stopping the
+    child early (such a child is left to its starter's own stop)."""
+    if _prctl is None or threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
 
