@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 
@@ -12,8 +11,9 @@ def unwritable(path: str | Path) -> str:
 
     A directory there, a file where a folder on its way should be, a folder this user cannot write in, or a
     file system that refuses a new file (``/proc``): the last found by opening the file for appending (and
-    removing it again when it was not there before). A folder missing on the way is no problem: the writer
-    makes it.
+    removing it again when it was not there before). A folder missing on the way is no problem where the writer
+    can make it: found by making the first one (and removing it again). ``os.access`` said yes to ``/proc``
+    (and to every folder for root), so ``--plot /proc/x/y.png`` was found wrong only after the run.
     """
     target = Path(path)
     if target.is_dir():
@@ -24,7 +24,15 @@ def unwritable(path: str | Path) -> str:
     if not existing.is_dir():
         return f"{existing} is not a folder"
     if not target.parent.exists():
-        return "" if os.access(existing, os.W_OK) else f"no permission to write in {existing}"
+        first_missing = target.parent
+        while first_missing.parent != existing:
+            first_missing = first_missing.parent
+        try:
+            first_missing.mkdir()
+        except OSError as exc:
+            return f"cannot make the folder {first_missing} ({exc.strerror or exc})"
+        first_missing.rmdir()
+        return ""
     existed = target.exists()
     try:
         with open(target, "ab"):
