@@ -50,6 +50,7 @@ status 1.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import logging
 import math
@@ -67,6 +68,7 @@ from switchyard.common import outputs
 from switchyard.common.client_token import TOKEN_ENV, TokenError, authorization, bearer_token
 from switchyard.common.priority import LABELS
 from switchyard.common.up_files import default_path, recorded_services, remove_stale
+from switchyard_harness.arg_types import http_url
 from switchyard_harness.backlog import SETTLE_CONCURRENCY, SETTLE_DEADLINE_S, backlog_summary, outcome, task_path
 
 PRIORITIES = LABELS
@@ -413,6 +415,12 @@ def _options(environment, **_kwargs) -> None:
         sys.exit(2)
     AUTH_HEADERS.clear()
     AUTH_HEADERS.update(authorization(token))
+    if environment.host:  # before the load: 'nohost' was a MissingSchema traceback per request, each counted as a
+        try:  # submit "cut by the stop"; 'http://h:8080/' sent every request to //api/v1/..., 404
+            environment.host = http_url(environment.host)
+        except argparse.ArgumentTypeError as exc:
+            print(f"locustfile: --host: {exc}", file=sys.stderr)
+            sys.exit(2)
     if options is not None and (problem := outputs.unwritable(options.watch_csv)):  # before the load, not a
         print(f"locustfile: --watch-csv: expected a file that can be written ({problem})", file=sys.stderr)  # traceback
         sys.exit(2)

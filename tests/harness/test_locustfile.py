@@ -79,6 +79,35 @@ def test_a_watch_csv_where_no_file_can_be_written_stops_the_run_before_it_starts
     assert "Traceback" not in run.stderr and not stats
 
 
+def test_a_watch_csv_in_a_folder_that_cannot_be_made_stops_the_run_before_it_starts(tmp_path):
+    """/proc/x/watch.csv: os.access said the missing folder could be made in /proc; the run began, the watch
+    failed in a FileNotFoundError traceback ('Uncaught exception in event handler'), exit 2 after the load."""
+    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--watch-csv", "/proc/x/watch.csv")
+    assert run.returncode == 2, run.stderr
+    assert "locustfile: --watch-csv: expected a file that can be written (cannot make the folder /proc/x" in run.stderr
+    assert "Traceback" not in run.stderr and not stats
+
+
+def test_a_host_that_is_not_an_http_url_stops_the_run_before_it_starts(tmp_path):
+    """--host nohost: each request was a MissingSchema traceback, and the stop reported them as submits 'cut by
+    the stop before their answer'."""
+    run, stats = run_locust("nohost", tmp_path, dict(os.environ))
+    assert run.returncode == 2, run.stderr
+    assert "locustfile: --host: expected an http:// or https:// URL" in run.stderr and "'nohost'" in run.stderr
+    assert "Traceback" not in run.stderr and not stats
+
+
+async def test_a_host_with_a_trailing_slash_reaches_the_routes(tmp_path):
+    """--host http://h:8080/ sent every request to //api/v1/agent/submit: 404 each, the whole run failed."""
+    async with http_stack() as (client, _, _down):
+        host = str(client.base_url).rstrip("/") + "/"
+        run, stats = await asyncio.to_thread(run_locust, host, tmp_path, dict(os.environ))
+    assert run.returncode == 0, run.stdout + run.stderr
+    submit = stats["/api/v1/agent/submit"]
+    assert int(submit["Request Count"]) > 0 and int(submit["Failure Count"]) == 0, submit
+    assert not any(name.startswith("//") for name in stats)
+
+
 def test_the_watch_reads_the_dispatcher_of_the_stack_under_test_not_the_first_one_up(tmp_path):
     """Two stacks: the second one's endpoints are in up-<pid>.json; the watch read the first's idle dispatcher."""
     import json
