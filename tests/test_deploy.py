@@ -585,6 +585,10 @@ def test_model_server_overlay_points_the_openai_engine_at_localhost(served, tmp_
     # the server schedules by priority, so the dispatcher sends each call's class in its field (core first)
     assert "--scheduling-policy=priority" in model["args"]
     assert cfg.upstream.forward_priority is True
+    # react_loop offers tools (tool_choice "auto"): vLLM without both flags answered each call 400, so every
+    # react_loop task failed INVALID_ARGUMENT; Qwen2.5's tool calls are hermes-formatted
+    assert "--enable-auto-tool-choice" in model["args"]
+    assert _env(model)["MODEL"].startswith("Qwen/Qwen2.5-") and "--tool-call-parser=hermes" in model["args"]
     # no other pod reaches the model server: the dispatcher's ingress admits its gRPC and metrics ports only
     (policy,) = [p for p in served if p["kind"] == "NetworkPolicy" and p["metadata"]["name"] == "dispatcher"]
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule.get("ports", [])}
