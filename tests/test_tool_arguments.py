@@ -30,6 +30,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(
     ("soak.py", ["--concurrency", "0"], "argument --concurrency: expected a whole number >= 1, got '0'"),  # a hang
     ("upstream_soak.py", ["--calls", "0"], "argument --calls: expected a whole number >= 1, got '0'"),  # traceback
     ("upstream_soak.py", ["--max-tokens", "-1"], "argument --max-tokens: expected a whole number of tokens >= 0"),
+    ("upstream_soak.py", ["--base-url", "nohost"], "argument --base-url: expected an http:// or https:// URL"),
     ("pool_server_queue.py", ["--streams", "0"], "argument --streams: expected a whole number >= 1, got '0'"),
     ("limit_noise.py", ["--windows", "0"], "argument --windows: expected a whole number >= 1, got '0'"),
     ("limit_noise.py", ["--spreads", "0", "-1"], "argument --spreads: expected a fraction in [0, 1), got '-1'"),

@@ -125,6 +125,32 @@ def test_a_time_out_of_range_is_refused_naming_its_flag_and_value(argv, words, c
     assert caught.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_a_base_url_that_is_not_an_http_url_is_refused_naming_it(capsys) -> None:
+    """--base-url nohost: an httpx UnsupportedProtocol traceback, exit 1."""
+    from switchyard_harness.bench import upstream
+
+    with pytest.raises(SystemExit) as caught:
+        upstream.main(["--base-url", "nohost", "--config-dir", "config"])
+    assert caught.value.code == 2
+    assert "argument --base-url: expected an http:// or https:// URL" in capsys.readouterr().err
+
+
+def test_a_base_url_whose_models_cannot_be_listed_is_named_with_what_to_do(capsys) -> None:
+    """Nothing listening, or a server without GET /models: an httpx traceback (ConnectError, or a KeyError on
+    the 404's JSON) before anything was measured."""
+    import socket
+
+    from switchyard_harness.bench import upstream
+
+    with socket.socket() as unused:  # bound, never listening: connections to it are refused
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}/v1"
+        assert upstream.main(["--base-url", url + "/", "--phase-s", "1", "--config-dir", "config"]) == 1
+    err = capsys.readouterr().err
+    assert f"--base-url {url}: its models could not be listed (GET /models ConnectError" in err, err
+    assert "name the model with --model" in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_the_stack_gets_its_own_redis_and_takes_documented_set_keys(tmp_path) -> None:
     """A short run against sim-openai with --set model_gateway.concurrency.initial_limit=2 (before: refused,

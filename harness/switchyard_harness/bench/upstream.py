@@ -73,6 +73,7 @@ from typing import Any
 import grpc
 
 from switchyard_harness import json_output
+from switchyard_harness.arg_types import http_url
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard.common import envs
@@ -296,8 +297,15 @@ async def upstream(base_url: str | None, model: str | None, kv_blocks: int) -> A
         if not model:
             import httpx
 
-            listed = httpx.get(base_url.rstrip("/") + "/models", timeout=10).json()
-            model = listed["data"][0]["id"]
+            try:
+                answer = httpx.get(base_url + "/models", timeout=10)
+                answer.raise_for_status()
+                model = answer.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:  # was a traceback
+                why = (f"answered {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError)
+                       else f"{type(exc).__name__}: {exc}")
+                raise RuntimeError(f"--base-url {base_url}: its models could not be listed (GET /models {why}); "
+                                   "start the server there, or name the model with --model") from None
         yield base_url, model
         return
     from switchyard_harness.testing.transformers_serve import TransformersServer, build_tiny_llama
@@ -561,7 +569,7 @@ def main(argv: list[str]) -> int:
     from switchyard_harness.bench.settings import documented_names, parse_settings, resolve_key
 
     parser = parser_for("switchyard bench upstream", __doc__)
-    parser.add_argument("--base-url", help="an OpenAI-compatible server ending in /v1 (default: start transformers "
+    parser.add_argument("--base-url", type=http_url, help="an OpenAI-compatible server ending in /v1 (default: start transformers "
                         "serve with a tiny random-weight Llama)")
     parser.add_argument("--model", help="model id to request (default: the first of the server's /v1/models)")
     parser.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
