@@ -421,6 +421,12 @@ def _options(environment, **_kwargs) -> None:
         except argparse.ArgumentTypeError as exc:
             print(f"locustfile: --host: {exc}", file=sys.stderr)
             sys.exit(2)
+    for url in (getattr(options, "switchyard_metrics", "") or "").split():  # before the load: 'nohost' was read
+        try:  # every row as "not Prometheus metrics (unknown url type)"
+            http_url(url)
+        except argparse.ArgumentTypeError as exc:
+            print(f"locustfile: --switchyard-metrics: {exc}", file=sys.stderr)
+            sys.exit(2)
     if options is not None and (problem := outputs.unwritable(options.watch_csv)):  # before the load, not a
         print(f"locustfile: --watch-csv: expected a file that can be written ({problem})", file=sys.stderr)  # traceback
         sys.exit(2)

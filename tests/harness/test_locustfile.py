@@ -97,6 +97,15 @@ def test_a_host_that_is_not_an_http_url_stops_the_run_before_it_starts(tmp_path)
     assert "Traceback" not in run.stderr and not stats
 
 
+def test_a_switchyard_metrics_that_is_not_an_http_url_stops_the_run_before_it_starts(tmp_path):
+    """--switchyard-metrics nohost: the run went on, each watch row's error 'not Prometheus metrics (unknown url
+    type)'."""
+    run, stats = run_locust("http://127.0.0.1:1", tmp_path, dict(os.environ), "--switchyard-metrics", "nohost")
+    assert run.returncode == 2, run.stderr
+    assert "locustfile: --switchyard-metrics: expected an http:// or https:// URL" in run.stderr
+    assert "Traceback" not in run.stderr and not stats
+
+
 async def test_a_host_with_a_trailing_slash_reaches_the_routes(tmp_path):
     """--host http://h:8080/ sent every request to //api/v1/agent/submit: 404 each, the whole run failed."""
     async with http_stack() as (client, _, _down):
