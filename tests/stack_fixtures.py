@@ -52,7 +52,7 @@ class UpStack(UpProcess):
         raise AssertionError(f"no embedded Redis printed:\n{''.join(self.lines)}")
 
     def wait_ready(self, timeout: float = 240) -> None:
-        if not self.ready.wait(timeout):
+        if not self.started(timeout):
             self.stop()
             raise AssertionError("switchyard up did not become healthy:\n" + "".join(self.lines))
 

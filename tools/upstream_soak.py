@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model server: {base_url} serving {model}", flush=True)
         cfg = gateway_config(work / "config", base_url, model)
         stack = UpProcess(args.index_dir, env={"SWITCHYARD_ENGINE": "openai", "SWITCHYARD_CONFIG_DIR": str(cfg)})
-        if not stack.ready.wait(300):
+        if not stack.started(300):
             print("switchyard up did not become healthy:\n" + "".join(stack.lines), file=sys.stderr)
             return 1
         points = stack.endpoints()

@@ -508,6 +508,7 @@ class UpProcess:
         self.lines: list[str] = []
         self.ready = threading.Event()
         """Set once every service answered its health check ("Try: ... run" printed)."""
+        self._settled = threading.Event()  # ready, or the launcher's output ended (it exited)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -516,6 +517,15 @@ class UpProcess:
             self.lines.append(line)
             if line.startswith("Try: ") and " run " in line:
                 self.ready.set()
+                self._settled.set()
+        self._settled.set()
+
+    def started(self, timeout: float) -> bool:
+        """Wait until every service is healthy (True), or until ``switchyard up`` ended first or ``timeout``
+        passed (False; :attr:`lines` say why). ``ready.wait(timeout)`` alone waited out the whole timeout after a
+        launcher that had exited at start-up: ``bench fault --index-dir`` naming no index sat silent 300 s."""
+        self._settled.wait(timeout)
+        return self.ready.is_set()
 
     def endpoints(self) -> dict[str, tuple[str, str, int]]:
         """Service name -> (address, metrics URL, pid), as printed (``dispatcher-1`` ... with --dispatchers)."""

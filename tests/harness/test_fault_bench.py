@@ -22,3 +22,14 @@ async def test_sigkill_under_load_retries_unstarted_calls_names_the_replica_and_
     assert report.failed_after_tokens == report.failed_after_tokens_naming_victim, "a cut stream names its replica"
     assert report.submitted == 20 and report.submitted_lost == 0, report.submitted_errors
     assert report.submitted_succeeded + report.submitted_failed == 20
+
+
+def test_a_stack_that_ends_at_start_up_is_reported_at_once_with_its_log(tmp_path, capsys):
+    """--index-dir naming no index: retrieval fails to start and switchyard up exits 1 at once, but the run sat
+    silent for its whole 300 s wait for health (UpProcess.ready), then printed the log. Now it reports as soon
+    as the launcher ends (UpProcess.started): the wait is cut by the exit, well inside pytest's 300 s."""
+    from switchyard_harness.bench import fault
+
+    assert fault.main(["--index-dir", str(tmp_path / "no-index"), "--duration", "5", "--kill-at", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "the stack did not become healthy" in err and "no vector index in" in err, err

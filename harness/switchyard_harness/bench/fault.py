@@ -236,7 +236,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--kill-at: expected between 0 and --duration ({args.duration}), got {args.kill_at}")
     stack = UpProcess(args.index_dir, args=("--dispatchers", str(args.dispatchers)))
     try:
-        if not stack.ready.wait(300):
+        if not stack.started(300):
             print("switchyard bench fault: the stack did not become healthy:\n" + "".join(stack.lines), file=sys.stderr)
             return 1
         endpoints = stack.endpoints()
