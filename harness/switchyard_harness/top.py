@@ -198,6 +198,8 @@ def endpoints_from(args: argparse.Namespace) -> tuple[dict[str, str], str]:
             host = config.server.host
             found = {name: f"http://{host}:{getattr(config, name).metrics_port}/metrics" for name in SERVICES}
             source = f"config ({path} {why_not_read or _unread_up_file(exc)})"
+        if flagged:  # the header said 'up file' alone for `--dispatcher X`: X's endpoint named nowhere
+            source = f"{', '.join(f'--{name}' for name in flagged)}, the rest from {source}"
     return {**found, **flagged}, source
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -136,6 +137,25 @@ def test_an_up_file_that_gives_no_endpoints_is_named_with_why(tmp_path) -> None:
         args = argparse.Namespace(up_file=str(path), config_dir=None, **{s: None for s in SERVICES})
         urls, source = endpoints_from(args)
         assert source == f"config ({path} {why})" and set(urls) == set(SERVICES)
+
+
+def test_a_header_names_the_flags_beside_the_up_file_the_rest_came_from(tmp_path) -> None:
+    """`switchyard top --dispatcher X` read X, and the header said 'endpoints from up file PATH' alone."""
+    import argparse
+    import json
+
+    from switchyard_harness.top import SERVICES, endpoints_from
+
+    path = tmp_path / "up.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "services": {
+        name: {"address": "127.0.0.1:1", "metrics_url": f"http://127.0.0.1:{i + 1}/metrics", "pid": os.getpid()}
+        for i, name in enumerate(SERVICES)}}))
+    flags = {s: None for s in SERVICES} | {"dispatcher": "127.0.0.1:9"}
+    urls, source = endpoints_from(argparse.Namespace(up_file=str(path), config_dir=None, **flags))
+    assert source == f"--dispatcher, the rest from up file {path}", source
+    assert urls["dispatcher"] == "http://127.0.0.1:9/metrics"
+    everything = {s: "127.0.0.1:9" for s in SERVICES}
+    assert endpoints_from(argparse.Namespace(up_file=str(path), config_dir=None, **everything))[1] == "flags"
 
 
 def test_a_stale_up_file_the_user_names_is_said_to_be_stale_and_never_removed(tmp_path, monkeypatch) -> None:
