@@ -4,6 +4,7 @@ own report code; every printed number is the report's own."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,14 @@ def test_the_classes_are_listed_in_rank_order_then_any_other_by_name():
     report = {**before, "switchyard": {"byPriority": classes}}
     listed = [r.name.removesuffix(" calls") for r in diff.rows(before, report) if r.name.endswith(" calls")]
     assert listed == ["core", "normal", "batch", "alpha", "zeta"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_bench_diff_refuses_a_plot_path_before_printing_the_comparison(tmp_path, capsys):
+    """It printed the whole comparison, then 'could not write the plot (No such file or directory)', exit 0."""
+    with pytest.raises(SystemExit) as caught:
+        diff.main([str(GHZ / "greeter_before.json"), str(GHZ / "greeter_after.json"), "--plot", "/proc/x/d.png"])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert "--plot: expected a PNG file that can be written (cannot make the folder /proc/x" in captured.err
+    assert "latency P95" not in captured.out

@@ -21,7 +21,7 @@ from switchyard_harness.bench import http_bench
 
 pytestmark = pytest.mark.no_gpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT / "harness")])}
 
 
