@@ -95,3 +95,12 @@ def grpc_address(text: str) -> str:
         return grpc_target(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port(text: str) -> int:
+    """A TCP port a server binds, 0 (a free one) to 65535: ``--port 70000`` printed a server 'ready' at ``:70000``,
+    an address no client can dial."""
+    value = _whole(text)
+    if value is None or not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 0 (a free one) to 65535, got {text!r}")
+    return value

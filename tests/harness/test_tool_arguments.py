@@ -55,6 +55,21 @@ def test_operator_view_cost_imports_top_from_the_harness():
     assert run.returncode == 0 and "--frames" in run.stdout, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("module", "argv", "says"), [
+    ("switchyard_harness.testing.transformers_serve", ["--model-dir", "unused", "--port", "70000"],
+     "argument --port: expected a TCP port, 0 (a free one) to 65535, got '70000'"),  # 'ready' at :70000
+    ("switchyard_harness.testing.transformers_serve", ["--model-dir", "unused", "--kv-blocks", "0"],
+     "argument --kv-blocks: expected a whole number >= 1, got '0'"),  # a server with no KV cache
+    ("switchyard_harness.bench.retrieval_batcher", ["--queries", "0"],
+     "argument --queries: expected a whole number >= 1, got '0'"),  # a StatisticsError traceback
+])
+def test_a_harness_main_refuses_a_flag_it_cannot_run_naming_it(module, argv, says, tmp_path):
+    run = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120,
+                         env=ENV, cwd=tmp_path)
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "unused").exists()  # refused before the model was built
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--http", "nohost"], "argument --http: expected an http:// or https:// URL"),  # a yarl traceback
     (["--http", "http://127.0.0.1:99999"], "argument --http: expected an http:// or https:// URL"),
@@ -78,6 +93,8 @@ def test_bench_http_refuses_an_address_or_task_type_it_cannot_use(argv, says, ca
     (arg_types.http_url, "http://127.0.0.1:8080/", "http://127.0.0.1:8080"),
     (arg_types.http_url, "https://gateway.example", "https://gateway.example"),
     (arg_types.grpc_address, "127.0.0.1:50051", "127.0.0.1:50051"),
+    (arg_types.port, "0", 0),
+    (arg_types.port, "65535", 65535),
 ])
 def test_each_type_takes_what_its_flag_means(parse, text, value):
     assert parse(text) == value
@@ -89,7 +106,7 @@ def test_each_type_takes_what_its_flag_means(parse, text, value):
     (arg_types.fraction, "1"), (arg_types.fraction, "-0.1"),
     (arg_types.count, "0"), (arg_types.count, "1.5"), (arg_types.max_tokens, "-1"),
     (arg_types.http_url, "localhost:8080"), (arg_types.http_url, "ftp://h:21"), (arg_types.http_url, "http://h:0"),
-    (arg_types.grpc_address, "host"),
+    (arg_types.grpc_address, "host"), (arg_types.port, "70000"), (arg_types.port, "-1"),
 ])
 def test_each_type_refuses_what_its_flag_cannot_mean_quoting_it(parse, text):
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text).replace("(", r"\(").replace(".", r"\.")

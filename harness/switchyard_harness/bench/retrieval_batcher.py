@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 
+from switchyard_harness.arg_types import count
 from switchyard.common.config import ConfigError, SwitchyardConfig, load_config
 from switchyard.retrieval.index import IndexNotFoundError
 from switchyard.retrieval.service import RetrievalService
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     parser = parser_for("python -m switchyard_harness.bench.retrieval_batcher", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: SWITCHYARD_CONFIG_DIR or config/)")
     parser.add_argument("--index-dir", help="index folder (default: retrieval.index_dir)")
-    parser.add_argument("--queries", type=int, default=96, help="concurrent Retrieve calls per run (default 96)")
+    parser.add_argument("--queries", type=count, default=96, help="concurrent Retrieve calls per run (default 96)")
     parser.add_argument(
         "--batch-sizes", default="1,32", help="comma-separated embed_batch_size values to compare (default 1,32)"
     )

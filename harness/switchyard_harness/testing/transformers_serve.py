@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from switchyard.common import children
+from switchyard_harness.arg_types import count, port
 
 # Llama chat markup kept minimal: the tokenizer is random-weight anyway, the template only
 # has to exist (``/v1/chat/completions`` refuses a tokenizer without one).
@@ -276,8 +277,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, required=True, help="where to build (or find) the tiny Llama")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--kv-blocks", type=int, default=512, help="paged KV cache blocks (32 tokens each)")
+    parser.add_argument("--port", type=port, default=8000, help="default 8000; 0: a free one")
+    parser.add_argument("--kv-blocks", type=count, default=512, help="paged KV cache blocks (32 tokens each)")
     args = parser.parse_args(argv)
     build_tiny_llama(args.model_dir)
     # SIGTERM stops the server too (it runs in its own session, so it would outlive this process).
