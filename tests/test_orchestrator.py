@@ -352,6 +352,24 @@ async def test_a_window_too_small_for_even_the_best_passage_names_the_least_prom
     assert details.endswith("(got 8)"), details
 
 
+async def test_that_refusal_of_a_default_max_tokens_says_it_was_the_default_not_a_number_sent():
+    """max_tokens left 0 (the default, 128): the refusal said '(got 128)', a number the caller never sent."""
+    question = "word " * 30
+    texts = [f"Passage {i}: " + "the with statement wraps a block " * 6 for i in range(4)]
+    one = tokens.count_messages(prompts.render("rag_answer", question, [prompts.Snippet("p0", texts[0])]).messages())
+    window = one + 100  # the question fits beside the default answer (check_question_fits); with a passage it does not
+    async with stack(**{"limits.context_window_tokens": {"sim-7b": window}}) as (stub, down):
+        down.passages = [agent_pb2.Passage(text=t, score=1.0 - i / 10, source=f"s:{i}", title=f"p{i}")
+                         for i, t in enumerate(texts)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub, payload=question, task_type="rag_answer")
+    details = err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("max_tokens: expected at most 100: the least prompt this task can send"), details
+    default = load_config("config", service="orchestrator").limits.default_for(window)
+    assert details.endswith(f"(got 0, which asks for the default, {default}: send a max_tokens that fits)"), details
+
+
 @pytest.mark.parametrize(
     ("fields", "field", "bound"),
     [

@@ -149,6 +149,8 @@ class TaskSpec:
     agent_id: str
     tenant_id: str = DEFAULT_TENANT
     """Who the task is served for (:func:`edge_tenant`)."""
+    max_tokens_asked: int = 0
+    """``max_tokens`` as the request sent it: 0 when ``max_tokens`` is the default (a refusal says so)."""
 
 
 def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,
@@ -196,6 +198,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         model=request.model,
         agent_id=request.agent_id,
         tenant_id=tenant_id,
+        max_tokens_asked=request.max_tokens,
     )
 
 

@@ -257,11 +257,14 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
                     f"{len(spec.payload)} characters")
             # The question alone fits beside max_tokens (check_question_fits): what does not is max_tokens beside
             # the least prompt the workflow can send, so the answer names max_tokens, not the payload.
+            # A request that left max_tokens 0 was told '(got 128)': a number it never sent.
+            got = ("" if spec.max_tokens_asked else
+                   f" (got 0, which asks for the default, {spec.max_tokens}: send a max_tokens that fits)")
             raise InvalidArgument(
                 "max_tokens",
                 f"at most {window.tokens - count}: the least prompt this task can send ({extras}) is {count} "
-                f"tokens and the context window of {model} is {window.tokens} tokens ({window.source})",
-                spec.max_tokens,
+                f"tokens and the context window of {model} is {window.tokens} tokens ({window.source}){got}",
+                spec.max_tokens if spec.max_tokens_asked else None,
             )
         task.prompt, task.prompt_tokens = prompt, count
         if spec.workflow == "react_loop" or prompt.history:  # history needs its roles: send messages
