@@ -9,6 +9,7 @@ the react_loop tool loop and downstream failures.
 from __future__ import annotations
 
 import asyncio
+import re
 import contextlib
 import json
 from types import SimpleNamespace
@@ -584,6 +585,29 @@ async def test_react_loop_calls_both_tools_and_streams_them():
     assert events[-1].final.output == "The answer."
     assert events[-1].final.compute_score_used == pytest.approx(1.5)
     assert [p.title for p in events[-1].final.passages] == ["with"]  # what search_docs returned
+
+
+async def test_a_react_loop_whose_tool_result_fills_the_context_window_cuts_it_and_answers():
+    """A search whose result (5,000 words) is longer than the model's window (sim-7b: 4096 tokens): the next step
+    asked max_tokens beside a prompt past the window, and the dispatcher refused it INVALID_ARGUMENT naming
+    prompt_tokens, a field the caller never chose, after the tool had run. The result is cut to leave the task's
+    max_tokens, marked where it was cut, and the next step answers, offered no tools."""
+    async with stack() as (stub, down):
+        down.passages = [agent_pb2.Passage(text=" ".join(["word"] * 5000), score=0.9, source="t:long", title="long")]
+        events = await collect(stub, payload="What does with do, and what is 12*(3+4)?", task_type="react_loop",
+                               max_tokens=300)
+    assert events[-1].final.output == "The answer."
+    window = 4096  # limits.context_window_tokens of sim-7b
+    assert [r.max_tokens for r in down.requests] == [300, 300]
+    assert all(r.prompt_tokens + r.max_tokens <= window for r in down.requests), [
+        (r.prompt_tokens, r.max_tokens) for r in down.requests]
+    assert down.requests[1].prompt_tokens > window - 400  # cut only as far as the answer needs
+    tool = next(m for m in down.requests[1].messages if m.role == "tool")
+    assert re.search(r"\[\d+ tokens of this result cut: the conversation reached the model's context window\]$",
+                     tool.content), tool.content[-200:]
+    assert not down.requests[1].tools  # the last step: no second round of tools could fit
+    full = next(e.tool_result for e in events if e.HasField("tool_result"))
+    assert "tokens of this result cut" not in full.content  # the caller sees what the tool returned
 
 
 async def test_dispatcher_down_is_unavailable_naming_service():

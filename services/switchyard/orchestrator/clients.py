@@ -250,12 +250,14 @@ class InferenceClient:
         timeout_s: float | None = None,
         budget: Budget | None = None,
         prefill_only: bool = False,
+        max_tokens: int | None = None,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
         The request carries the task's id (``request_id`` ``{task_id}:{turn}``; ``~<n>`` after it while another
         call of this orchestrator holds that id, :class:`~switchyard.common.request_ids.LiveRequestIds`), priority,
-        type, ``max_tokens`` and model; the prompt as ``prompt`` text or as ``messages``, its
+        type, ``max_tokens`` (the task's, or this call's ``max_tokens``) and model; the prompt as ``prompt`` text or
+        as ``messages``, its
         ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
         that follows a tool call. ``timeout_s`` bounds the call (the task's time left). The request
         carries the task's tenant, and ``budget``'s time left and expected work after this step
@@ -281,7 +283,7 @@ class InferenceClient:
             prompt=prompt,
             messages=messages,
             prompt_tokens=prompt_tokens,
-            max_tokens=spec.max_tokens,
+            max_tokens=spec.max_tokens if max_tokens is None else max_tokens,
             model=spec.model,
             priority=spec.priority,
             task_type=spec.workflow,

@@ -5,6 +5,14 @@ Each think is an ``infer`` stage (attribute ``step``); each tool call a
 The loop ends when the model answers without calling a tool, or after
 ``max_steps`` rounds with one last answer offered no tools.
 
+The conversation grows by each round's tool results inside the model's context
+window: a round whose results would leave less than the task's ``max_tokens`` for the
+next answer has its longest results cut to fit, each marked where it was cut
+(:data:`CUT_MARK`), and the next step is the last: offered no tools, it answers with
+what it has. Uncut, a step past the window was refused by the dispatcher (and by the
+model server) INVALID_ARGUMENT naming ``prompt_tokens`` or ``max_tokens``, fields the
+caller never chose, and the task failed after its tools had run.
+
 A tool call that starts is announced to the agent's dispatcher (``ToolWait``:
 which agent waits, on which tool, for how long it is expected to take), and
 each call's duration feeds that tool's estimate; each round's tool time, each
@@ -22,8 +30,11 @@ from switchyard.api import agent_pb2
 from switchyard.common.config import ReactConfig
 from switchyard.common.metrics import bounded
 from switchyard.orchestrator.metrics import TOOL_CALLS
+from opentelemetry import trace
+
+from switchyard.common.config.limits import ContextWindow
 from switchyard.orchestrator.task import Task
-from switchyard.orchestrator.tokens import count_added_messages
+from switchyard.orchestrator.tokens import count_added_messages, count_tokens, encoding
 from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
 
 
@@ -71,13 +82,17 @@ async def react(task: Task, tools: list[Tool]) -> str:
     by_name = {t.name: t for t in tools}
     parked: list[_Waiting] | None = None  # a step parked at the dispatcher: its round's announced calls
     last_call = agent_pb2.ToolCall()
+    window = task.context_window()
+    full = False  # a round's results were cut to the window: the next step answers with what it has
     try:
         for step in range(policy.max_steps + 1):
-            offered = tools if step < policy.max_steps else []  # after max_steps rounds: one last answer, no tools
+            last = step == policy.max_steps or full  # one last answer, offered no tools
+            room = window.tokens - task.prompt_tokens  # max_tokens, but where a round's tool calls alone filled it
             async with task.stage("infer", step=str(step)):
-                text, calls = await task.generate(offered, resume=step > 0)
+                text, calls = await task.generate([] if last else tools, resume=step > 0,
+                                                  max_tokens=max(1, min(task.spec.max_tokens, room)))
             parked = None  # the step ran: it took the parked one over
-            if not calls or step == policy.max_steps:
+            if not calls or last:
                 return text
             parked, last_call = [], calls[-1]
             counted = len(task.messages)
@@ -95,11 +110,45 @@ async def react(task: Task, tools: list[Tool]) -> str:
                 task.prompt_tokens += count_added_messages(added)
             else:
                 task.prompt_tokens += await task.cpu(count_added_messages, added, size_chars=chars)
+            full = _fit_round(task, task.messages[counted:], window)
         raise AssertionError("unreachable: the last step returns")
     except BaseException:  # the task ends here, with its agent's step perhaps still parked at the dispatcher
         if parked is not None:
             _end_tool_wait(task, parked, bounded(last_call.name, by_name))
         raise
+
+
+CUT_MARK = "\n[{} tokens of this result cut: the conversation reached the model's context window]"
+"""What ends a tool result cut to the context window (:func:`_fit_round`): the model reads that it is partial."""
+
+
+def _fit_round(task: Task, added: list[agent_pb2.ChatMessage], window: ContextWindow) -> bool:
+    """Cut this round's tool results (in ``added``, part of ``task.messages``), the longest first, until the
+    conversation leaves the task's ``max_tokens`` of ``window`` for the next answer, as the prompt the task
+    started with did (:func:`switchyard.orchestrator.workflows.render_prompt`); ``task.prompt_tokens`` follows.
+    True when the round left less than that before (the next step is then the last: another round's results could
+    not fit). A round whose results cannot be cut far enough (its tool calls alone fill the window) leaves the
+    next step what is left."""
+    excess = task.spec.max_tokens - (window.tokens - task.prompt_tokens)
+    if excess <= 0:
+        return False
+    encode, cut_any = encoding().encode_ordinary, False
+    for message in sorted((m for m in added if m.role == "tool"), key=lambda m: len(m.content), reverse=True):
+        if excess <= 0:
+            break
+        tokens = encode(message.content)
+        dropped = min(len(tokens), excess + count_tokens(CUT_MARK.format(len(tokens))))
+        content = encoding().decode(tokens[:len(tokens) - dropped]) + CUT_MARK.format(dropped)
+        saved = len(tokens) - count_tokens(content)
+        if saved <= 0:
+            continue  # a result shorter than the mark: cutting it would grow it
+        message.content, cut_any = content, True
+        task.prompt_tokens -= saved
+        excess -= saved
+    if cut_any:
+        trace.get_current_span().add_event("tool results cut to the context window", {
+            "switchyard.context_window_tokens": window.tokens, "switchyard.prompt_tokens": task.prompt_tokens})
+    return True
 
 
 def _end_tool_wait(task: Task, announced: list[_Waiting], label: str) -> None:

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config.limits import ContextWindow
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
@@ -146,6 +147,12 @@ class Task:
         waits = self.timings.queue_wait_s
         waits[queue] = waits.get(queue, 0.0) + seconds
 
+    def context_window(self) -> ContextWindow:
+        """The context window of the model this task's calls go to (its own, or the dispatcher's default model):
+        ``limits.context_window`` of it, with the window its model server reports."""
+        model = self.spec.model or self.deps.inference.known_default_model
+        return self.deps.config.limits.context_window(model, self.deps.inference.reported_context_window(model))
+
     def remaining(self) -> float:
         """Seconds left before the task's deadline (at least 1 ms, so a call started now fails by itself)."""
         return max(0.001, self.deadline_s - time.monotonic())
@@ -205,11 +212,14 @@ class Task:
 
     # ------------------------------------------------------------------ inference
 
-    async def generate(self, tools: Sequence[Tool] = (), resume: bool = False) -> tuple[str, list[agent_pb2.ToolCall]]:
+    async def generate(self, tools: Sequence[Tool] = (), resume: bool = False,
+                       max_tokens: int | None = None) -> tuple[str, list[agent_pb2.ToolCall]]:
         """One Generate call on the dispatcher, its tokens sent on to the caller as they arrive.
 
         Sends the prompt as text, or ``messages`` when the task has them; ``tools`` are offered to the
-        model; ``resume`` marks a react_loop turn after a tool call (its prefix may be warm). The
+        model; ``resume`` marks a react_loop turn after a tool call (its prefix may be warm); ``max_tokens``:
+        this call's, where it is not the task's (a react_loop step in what its conversation left of the
+        window). The
         request carries the step's budget (time left, expected work after it: :meth:`Program.budget`);
         the step's time is measured (``model`` steps of the task type) when it succeeds.
 
@@ -231,7 +241,7 @@ class Task:
             self.spec, turn,
             prompt=self.prompt.text if self.prompt is not None and not self.messages else "",
             messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
-            timeout_s=self.remaining(), budget=budget,
+            timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens,
         )
         async for chunk in stream:
             kind = chunk.WhichOneof("chunk")

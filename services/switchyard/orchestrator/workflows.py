@@ -219,7 +219,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         InvalidArgument: naming ``payload``, when the prompt alone is over the window.
         QueueFullError, QueueTimeoutError: the orchestration queue refused or timed out the trip.
     """
-    spec, limits = task.spec, task.deps.config.limits
+    spec = task.spec
     async with task.stage("render_prompt"):
         passages = [prompts.Snippet(p.title, p.text) for p in task.passages]
         tool_texts = [prompts.Snippet(t.name, t.description) for t in tools]
@@ -229,8 +229,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         prompt, count, without_history = await task.cpu(
             render_and_count, spec.workflow, spec.payload, passages, tool_texts, history, size_chars=size)
         model = spec.model or task.deps.inference.known_default_model
-        reported = task.deps.inference.reported_context_window(model)
-        window = limits.context_window(model, reported)
+        window = task.context_window()
         budget = window.tokens - spec.max_tokens
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
