@@ -21,7 +21,7 @@ import httpx
 import jsonschema
 import pytest
 from prometheus_client import REGISTRY
-from test_orchestrator import Downstream
+from test_orchestrator import Downstream, collect
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -655,14 +655,35 @@ async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backl
     assert refused_tasks() == refused_before  # a run sent back to the backlog is no task ended
 
 
-async def test_a_submitted_task_refused_by_a_full_queue_with_nothing_else_running_fails_naming_it(tmp_path):
+async def test_a_submitted_task_refused_with_nothing_else_running_starts_again_until_its_time_limit(tmp_path):
+    """No other submitted task runs whose end would start it again: it starts again after a pause that doubles
+    (0.05, 0.1, 0.2, 0.4 s), and fails naming the queue once the next pause would pass its time limit (1 s)."""
     refused_before = refused_tasks()
-    overrides = {"orchestrator.max_running_submitted_tasks": 4}
+    overrides = {"orchestrator.max_running_submitted_tasks": 4, "orchestrator.task_time_limit_s": {"chat": 1.0, "rag_answer": 1.0, "react_loop": 1.0}}
     async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=0),
                              **overrides) as (stub, _, down):
         await submit(stub, "alone", agent_pb2.NORMAL)
-        status = await final_state(stub, "alone")  # no other task's end would start it again
+        status = await final_state(stub, "alone")
         assert status.state == agent_pb2.FAILED
         assert status.error.startswith("RESOURCE_EXHAUSTED: ") and "queues.inference.capacity" in status.error
-        assert down.refused == ["alone:0"]
-    assert refused_tasks() == refused_before + 1
+        assert len(down.refused) >= 3 and set(down.refused) == {"alone:0"}, down.refused
+    assert refused_tasks() == refused_before + 1  # its one end, not each refusal
+
+
+async def test_a_submitted_task_refused_while_run_task_calls_fill_the_queue_runs_once_they_end(tmp_path):
+    """The inference queue's one place held by a RunTask call, and no other submitted task running: the submitted
+    task failed RESOURCE_EXHAUSTED "queue full", although its caller chose SubmitTask to leave the waiting to the
+    gateway (3 of 6 submits failed so beside RunTask load). It waits in the backlog and runs once the call ends."""
+    overrides = {"orchestrator.max_running_submitted_tasks": 4}
+    async with backlog_stack(tmp_path / "tasks.sqlite3", FullQueueDownstream(capacity=1),
+                             **overrides) as (stub, _, down):
+        holder = asyncio.ensure_future(collect(stub, task_id="held", payload="p", task_type="chat"))
+        await until(lambda: down.in_flight == 1)
+        await submit(stub, "beside", agent_pb2.NORMAL)
+        await until(lambda: len(down.refused) >= 2)  # refused, started again after a pause, refused again
+        status = await stub.GetTaskStatus(agent_pb2.GetTaskStatusRequest(task_id="beside"))
+        assert status.state in (agent_pb2.QUEUED, agent_pb2.RUNNING) and not status.error, status
+        down.gate.set()
+        assert (await holder)[-1].HasField("final")
+        done = await final_state(stub, "beside")
+    assert (done.state, done.error, done.result.output) == (agent_pb2.SUCCEEDED, "", "The answer.")

@@ -134,6 +134,10 @@ RECORD_AGAIN_S = 1.0
 RECORD_AGAIN_MAX_S = 30.0
 """Longest wait between two writes of the refused outcomes, seconds."""
 
+ALONE_RESTART_S = (0.05, 1.0)
+"""Pause before a submitted task refused for want of room, with no other submitted task running here whose end
+would start it again, starts again: the first, seconds, doubling per such refusal in a row up to the second
+(:meth:`OrchestratorService._waits_again`)."""
 DEADLINE_RACE_S = 0.05
 """A downstream DEADLINE_EXCEEDED within this many seconds of the task's deadline is the task's own running out
 (its calls' gRPC deadlines are its time left), reported as such: :class:`TaskDeadlineExceeded`."""
@@ -167,6 +171,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self.config = config
         self.tasks: TaskStore = make_task_store(config)
         self._submitted = SubmittedTasks(config.orchestrator.max_running_submitted_tasks)
+        self._restarts: set[asyncio.TimerHandle] = set()
+        """Timers that start the backlog again after a refusal with nothing else running (:meth:`_start_later`)."""
         QUEUE_REJECTED.labels(SUBMITTED_QUEUE, "full")  # at 0 before the first refusal: rate() sees the first
         # the backlog's fill as every queue's (the saturation rule and top read depth / capacity): the tasks held
         # unfinished, read from the backlog itself, against the bound that refuses a submit
@@ -334,6 +340,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if self.readiness is not None:
             await self.readiness.stop()
         self._stopping = True
+        for handle in self._restarts:
+            handle.cancel()
+        self._restarts.clear()
         for entry in self._submitted.drain_backlog():
             _count_unrun(entry.spec, grpc.StatusCode.CANCELLED)
             await self._record_finish(entry, agent_pb2.FAILED, b"", "CANCELLED: the orchestrator stopped before the "
@@ -725,6 +734,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             self._submitted.stopped(entry)
             if entry.waits_again:  # back in the backlog at once (no await between): the next task to end starts it
                 self._submitted.wait_again(entry)
+                if entry.refused_alone:  # none is running to end: a timer does
+                    self._start_later(self._alone_pause(entry))
             else:
                 self._start_submitted()
         if entry.waits_again:  # its RUNNING record's write (``running``) is left to finish on its own
@@ -740,17 +751,39 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         """Whether a submitted task whose run ended with ``exc`` goes back to the backlog instead of failing.
 
         So it does when the run was refused for want of room (RESOURCE_EXHAUSTED: a full queue here or
-        downstream, the model server's rate limit) while another submitted task runs here, whose end starts it
-        again, and within its time limit from its first start: an accepted task waits in the backlog, as in a
-        task queue, rather than failing with 'retry later' on a load its caller cannot see. Running it again
-        repeats nothing (its tools only read, and agent memory is written once a run succeeds). A task cancelled
-        or an orchestrator stopping fails as ever."""
+        downstream, the model server's rate limit) within its time limit from its first start: an accepted task
+        waits in the backlog, as in a task queue, rather than failing with 'retry later' on a load its caller
+        cannot see. Another submitted task's end starts it again; with none running here (the queue held by
+        RunTask calls, or another orchestrator's work), it starts again after a pause
+        (:data:`ALONE_RESTART_S`, doubling per such refusal in a row), and fails naming the refusal once that
+        pause would pass its time limit. Running it again repeats nothing (its tools only read, and agent
+        memory is written once a run succeeds). A task cancelled or an orchestrator stopping fails as ever."""
         if self._stopping or entry.cancelled or not isinstance(exc, Exception):
             return False
-        if status_for(exc)[0] != grpc.StatusCode.RESOURCE_EXHAUSTED or self._submitted.running < 2:
+        if status_for(exc)[0] != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return False
         assert entry.task is not None  # its deadline: the time limit from its first start (:meth:`_new_task`)
-        return time.monotonic() < entry.task.deadline_s
+        if self._submitted.running >= 2:  # another's end starts it
+            entry.refused_alone = 0
+            return time.monotonic() < entry.task.deadline_s
+        entry.refused_alone += 1
+        return time.monotonic() + self._alone_pause(entry) < entry.task.deadline_s
+
+    @staticmethod
+    def _alone_pause(entry: Submitted) -> float:
+        """Seconds before a task refused for want of room with no other submitted task running starts again."""
+        first, most = ALONE_RESTART_S
+        return min(most, first * 2 ** (entry.refused_alone - 1))
+
+    def _start_later(self, delay_s: float) -> None:
+        """Start backlog tasks (:meth:`_start_submitted`) in ``delay_s`` seconds; cancelled when the
+        orchestrator stops."""
+        def fire() -> None:
+            self._restarts.discard(handle)
+            self._start_submitted()
+
+        handle = asyncio.get_running_loop().call_later(delay_s, fire)
+        self._restarts.add(handle)
 
     async def _delete_refused(self, task_id: str) -> None:
         """Delete the record of a task refused after it was written; where the store refuses, again later

@@ -43,7 +43,7 @@ class Submitted:
     """
 
     __slots__ = ("spec", "trace_id", "context", "priority", "submitted_at", "first_started_at", "state", "timings",
-                 "final", "runner", "started", "cancelled", "task", "waits_again")
+                 "final", "runner", "started", "cancelled", "task", "waits_again", "refused_alone")
 
     def __init__(self, spec: TaskSpec, trace_id: str, context: contextvars.Context) -> None:
         self.spec = spec
@@ -68,6 +68,9 @@ class Submitted:
         """Its running state once its runner made it: what it has consumed so far is read from it."""
         self.waits_again = False
         """Its last run was refused for want of room and it goes back to the backlog (set as that run ends)."""
+        self.refused_alone = 0
+        """Runs refused for want of room in a row while no other submitted task ran here (each starts again after
+        a pause that doubles: ``service.ALONE_RESTART_S``); 0 after any other end."""
 
     @property
     def tenant_id(self) -> str:
