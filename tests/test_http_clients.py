@@ -295,3 +295,56 @@ async def test_an_http_load_balancer_reads_readiness_from_readyz_as_grpc_health_
                     await downstream.health.set(name, health_pb2.HealthCheckResponse.SERVING)
                 await settled(200, health_pb2.HealthCheckResponse.SERVING)
                 await channel.close()
+
+
+async def test_the_keepalive_timer_waits_a_period_while_a_write_waits_for_a_slow_reader():
+    """A client that reads slower than the stream is written (the socket's buffers full: an event's write waits for
+    the client to read) leaves the stream quiet past orchestrator.http.sse_keepalive_s while no keepalive may be
+    written. The timer re-armed itself with no delay then, and ran on every turn of the event loop until the
+    write went out: the orchestrator's loop spun for every such client. It checks again a period later."""
+    from aiohttp import web
+
+    from switchyard.orchestrator.http_face import _KeepAlive
+
+    every_s, ticks = 0.02, 0
+    measured: asyncio.Future[tuple[int, float, bool]] = asyncio.get_running_loop().create_future()
+
+    class Counted(_KeepAlive):
+        def _tick(self) -> None:
+            nonlocal ticks
+            ticks += 1
+            super()._tick()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        nonlocal ticks
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        quiet = Counted(response, every_s)
+        writing = asyncio.create_task(quiet.write(b"data: x\n\n" * 2_000_000))  # 18 MB: past every socket buffer
+        try:
+            await asyncio.sleep(5 * every_s)  # the stream is quiet past the period while the write waits
+            loop = asyncio.get_running_loop()
+            ticks, started = 0, loop.time()
+            await asyncio.sleep(10 * every_s)
+            measured.set_result((ticks, loop.time() - started, writing.done()))
+        finally:
+            writing.cancel()
+            await quiet.stop()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/run", stream)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")  # and never read the answer
+        ticks_seen, elapsed_s, written = await asyncio.wait_for(measured, 30)
+    finally:
+        writer.close()
+        await runner.cleanup()
+    assert not written, "the write was not held back by the reader: nothing measured"
+    assert ticks_seen <= elapsed_s / every_s + 3, f"{ticks_seen} timer runs in {elapsed_s:.2f} s"

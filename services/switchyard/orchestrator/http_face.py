@@ -275,7 +275,10 @@ class _KeepAlive:
             self._writing = self._loop.create_task(self._response.write(KEEPALIVE))
             self._writing.add_done_callback(_ignore_a_left_client)
             self._last, quiet_s = self._loop.time(), 0.0
-        self._timer = self._loop.call_later(max(self._every_s - quiet_s, 0.0), self._tick)
+        # quiet for a period and still no keepalive (an event's or a keepalive's write waits for a slow reader):
+        # ask again a period later, not at once (re-armed with no delay, the timer ran every turn of the loop)
+        wait_s = self._every_s - quiet_s
+        self._timer = self._loop.call_later(wait_s if wait_s > 0 else self._every_s, self._tick)
 
     async def next_event(self, events: AsyncIterator[agent_pb2.TaskEvent]) -> agent_pb2.TaskEvent | None:
         """The task's next event, None after the last; a keepalive may be written while it is waited for."""
