@@ -348,3 +348,44 @@ async def test_the_keepalive_timer_waits_a_period_while_a_write_waits_for_a_slow
         await runner.cleanup()
     assert not written, "the write was not held back by the reader: nothing measured"
     assert ticks_seen <= elapsed_s / every_s + 3, f"{ticks_seen} timer runs in {elapsed_s:.2f} s"
+
+
+@pytest.mark.parametrize("default_task_type", ["react_loop", "rag_answer", "chat"])
+async def test_readyz_answers_what_grpc_health_answers_for_every_default_workflow(default_task_type):
+    """/readyz and the gRPC health name agent.AgentService are one rule: with retrieval not answering SERVING, an
+    orchestrator whose default workflow is react_loop was NOT_SERVING over gRPC (its readiness needs retrieval)
+    and 200 on /readyz (which read the rule for refusing a task at once, which does not): an HTTP load balancer
+    sent tasks to the replica a gRPC probe had taken out."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from test_orchestrator import Downstream
+
+    from switchyard.common.channels import open_channel
+    from switchyard.common.config import load_config
+    from switchyard.common.server import running
+    from switchyard.orchestrator.http_face import HttpFace
+    from switchyard.orchestrator.service import OrchestratorService
+    from orchestrator_fixtures import orchestrator_config
+
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    async with running([down], base.server) as downstream:
+        addr = f"127.0.0.1:{downstream.port}"
+        await downstream.health.set("agent.RetrievalService", health_pb2.HealthCheckResponse.NOT_SERVING)
+        with orchestrator_config(addr, addr, base, **{"orchestrator.health_check_interval_s": 0.05,
+                                                      "orchestrator.default_task_type": default_task_type}) as cfg:
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            async with running([orch, face], cfg.server) as srv, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=10) as client:
+                channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+                try:
+                    grpc_says = (await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="agent.AgentService"))).status
+                    reply = await client.get("/readyz")
+                finally:
+                    await channel.close()
+    serving = grpc_says == health_pb2.HealthCheckResponse.SERVING
+    assert serving == (default_task_type == "chat")  # rag_answer and react_loop need retrieval (readiness.NEEDS)
+    assert reply.status_code == (200 if serving else 503), (default_task_type, reply.text)
+    if not serving:
+        assert "retrieval" in reply.json()["error"]["message"], reply.text

@@ -169,12 +169,17 @@ class Readiness:
         return [(name, self._channels[name][1]) for name in CANNOT_RUN_WITHOUT[workflow]
                 if name in self._channels and not self.ready.get(name, False)]
 
+    def not_serving(self, workflow: str) -> list[tuple[str, str]]:
+        """The downstream services ``workflow`` needs (:data:`NEEDS`) that the last round did not find ready, with
+        their targets: the one rule of its health status (``workflow.<name>``, and ``agent.AgentService`` for the
+        default workflow: :meth:`statuses`), which the HTTP face's ``/readyz`` answers too. Before the first round
+        has ended every one (the statuses published then are NOT_SERVING)."""
+        return [(name, self._channels[name][1] if name in self._channels else "") for name in NEEDS[workflow]
+                if not (self.checked and self.ready.get(name, False))]
+
     def statuses(self) -> dict[str, int]:
-        """Health service name -> SERVING / NOT_SERVING under the current :attr:`ready`."""
-        out = {
-            workflow_health_name(w): SERVING if all(self.ready.get(s, False) for s in needs) else NOT_SERVING
-            for w, needs in NEEDS.items()
-        }
+        """Health service name -> SERVING / NOT_SERVING under the current :attr:`ready` (:meth:`not_serving`)."""
+        out = {workflow_health_name(w): NOT_SERVING if self.not_serving(w) else SERVING for w in NEEDS}
         out[GRPC_SERVICES["orchestrator"]] = out[workflow_health_name(self._default)]
         return out
 

@@ -296,9 +296,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         it is draining or not yet checking; None when it does. The HTTP face's ``/readyz`` answers it."""
         if self._draining:
             return "the orchestrator is draining (SIGTERM); send to another replica"
-        if self.readiness is None:
+        if self.readiness is None or not self.readiness.checked:
             return "the orchestrator is starting: its downstream services' health is not checked yet"
-        unready = self.readiness.unready(self.config.orchestrator.default_task_type)
+        unready = self.readiness.not_serving(self.config.orchestrator.default_task_type)
         if unready:
             service, target = unready[0]
             return (f"{service} at {target} did not answer its last health check (within "
