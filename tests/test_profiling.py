@@ -250,3 +250,26 @@ async def test_a_profile_whose_caller_went_away_is_stopped_and_frees_the_slot():
             await asyncio.sleep(0.1)
         assert status == 200 and gzip.decompress(body), body[:200]
         assert time.monotonic() - started < 60  # within the abandoned window: it was stopped, not run out
+
+
+async def test_a_profile_is_served_in_a_process_holding_more_than_1024_descriptors():
+    """A service with many connections (gRPC streams, an upstream pool's connections) holds descriptors past 1024,
+    and the profile's check for a caller that went away used select(), which cannot take them: ValueError, the
+    caller answered 500 after a quarter of a second while the profile ran its whole window on the loop, its
+    slot given back (a second profile could start beside it)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}: no descriptor past 1024 can be opened")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the metrics server's socket gets a high one
+    try:
+        async with profiled_service() as base:
+            status, body = await asyncio.to_thread(fetch, f"{base}/debug/pprof/profile?seconds=0.5")
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert status == 200 and gzip.decompress(body), body[:200]

@@ -33,7 +33,7 @@ import gzip
 import ipaddress
 import resource
 import re
-import select
+import selectors
 import socket
 import threading
 import time
@@ -237,7 +237,9 @@ def caller_gone(environ: dict[str, Any]) -> bool:
     if connection is None:
         return False
     try:
-        readable, _, _ = select.select([connection], [], [], 0)
+        with selectors.DefaultSelector() as selector:  # not select(): a descriptor past 1024 is a ValueError there
+            selector.register(connection, selectors.EVENT_READ)
+            readable = selector.select(0)
         return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
     except OSError:  # reset by its peer
         return True
