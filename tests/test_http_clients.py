@@ -389,3 +389,46 @@ async def test_readyz_answers_what_grpc_health_answers_for_every_default_workflo
     assert reply.status_code == (200 if serving else 503), (default_task_type, reply.text)
     if not serving:
         assert "retrieval" in reply.json()["error"]["message"], reply.text
+
+
+async def test_readyz_is_not_ready_while_the_first_health_round_runs():
+    """The HTTP face serves before the orchestrator's first round of downstream health checks has ended (a
+    dispatcher that does not answer holds that round for orchestrator.health_check_timeout_s). Every gRPC health
+    name is NOT_SERVING then; /readyz answered 200."""
+    from test_orchestrator import Downstream
+
+    from switchyard.common.config import load_config
+    from switchyard.common.server import running
+    from switchyard.orchestrator.http_face import HttpFace
+    from switchyard.orchestrator.service import OrchestratorService
+    from orchestrator_fixtures import orchestrator_config
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # a dispatcher that accepts and never answers (SIGSTOP'd): its Check times out
+        writer.close()
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    silent_addr = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    base = load_config("config", service="orchestrator")
+    down = Downstream()
+    async with running([down], base.server) as downstream:
+        retrieval = f"127.0.0.1:{downstream.port}"
+        with orchestrator_config(retrieval, silent_addr, base, **{"orchestrator.default_task_type": "chat",
+                                                                  "orchestrator.health_check_timeout_s": 3.0}) as cfg:
+            orch = OrchestratorService(cfg)
+            face = HttpFace(orch, cfg, port=0)
+            serving = running([orch, face], cfg.server)
+            starting = asyncio.create_task(serving.__aenter__())
+            try:
+                while face.port == 0 or orch.readiness is None:  # the face serves; the first round runs
+                    assert not starting.done(), starting
+                    await asyncio.sleep(0.01)
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=10) as client:
+                    reply = await client.get("/readyz")
+                first_round_ran = not starting.done()
+            finally:
+                await starting
+                await serving.__aexit__(None, None, None)
+    silent.close()
+    assert first_round_ran, "the first round ended before /readyz was asked: nothing measured"
+    assert reply.status_code == 503 and "starting" in reply.json()["error"]["message"], reply.text
