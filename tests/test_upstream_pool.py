@@ -848,3 +848,32 @@ async def test_streams_still_on_an_endpoint_left_out_keep_their_slots_not_the_ot
         left.models = {"another-model"}
         assert limit.counted() == [other]
         assert limit.limit == 8 + 7 and slots.refusal(PriorityClass.NORMAL) is None
+
+
+async def test_a_dns_pool_that_resolves_no_endpoint_fails_its_calls_naming_that(clean_proxy_env):
+    """A headless Service with no ready model-server pod yet resolves to no address. The pool's admission limit
+    took the largest of no endpoints' reserves (ValueError, max() of an empty sequence) at the dispatcher's first
+    admission: the request was not answered with what is wrong. The pool admits under min_limit, and the call
+    fails at the gateway naming the pool's endpoints, none resolved (PoolLimit.counted's own intent)."""
+    import grpc
+
+    from switchyard.api import agent_pb2, agent_pb2_grpc
+    from switchyard.common.channels import open_channel
+    from switchyard.common.server import running
+    from switchyard.dispatcher.engines import make_engine
+    from switchyard.dispatcher.service import DispatcherService
+
+    cfg = load_config("config").with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.api_key_required": False, "upstream.default_model": "sim-7b",
+        "upstream.fallback_model": "", "upstream.pool.dns_url": "http://model-server.invalid:8000/v1"})
+    service = DispatcherService(cfg, engine=make_engine(cfg))
+    assert service.stream_slots is not None and service.stream_slots.limit >= 1
+    async with running([service], cfg.server) as server:
+        async with open_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = agent_pb2_grpc.InferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="no-endpoint", prompt="hi",
+                                                                       max_tokens=4), timeout=60):
+                    pass
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+    assert "none resolved" in failed.value.details(), failed.value.details()

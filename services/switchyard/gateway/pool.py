@@ -229,7 +229,7 @@ class PoolLimit:
         counted = self.counted()
         whole = sum(e.limit.streams for e in counted)
         ceilings = sum(e.limit.lower_class_ceiling for e in counted)
-        reserve = max(max(e.limit.reserve for e in counted),
+        reserve = max(max((e.limit.reserve for e in counted), default=0),  # none: a DNS pool that resolved none
                       core_reserve(whole, self.pool.config.concurrency.core_reserved_slots))
         # The streams still on an endpoint left out (its circuit opened, a Retry-After came) keep their slots: counted
         # against the others' limits, they left endpoints with room idle while they ran.
