@@ -208,6 +208,9 @@ async def test_a_whole_completion_answering_a_stream_request_is_the_answer_not_a
     with start_sim(faults={"*": Fault(mismatch=True)}) as server:
         async with GatewayClient(gateway_config(server.base_url)) as client:
             events = [e async for e in client.stream_chat(ask())]
+            # the wait was the whole answer's: not sampled as a time to first token, which brakes the limit
+            limit = next(iter(client.pool.endpoints.values())).limit
+            assert limit.short_s is None
         assert sum(server.state.counts.values()) == 1
     finished = events[-1]
     assert isinstance(finished, Finished) and finished.finish_reason == "stop" and finished.ending == "whole_answer"

@@ -199,6 +199,8 @@ class _OpenStream:
     first: list[StreamEvent]
     ended: bool
     endpoint: Endpoint
+    counted: bool = False
+    """Its tokens were counted for the endpoint's limit already (a whole answer: :meth:`EndpointPool.on_whole_answer`)."""
 
 
 class GatewayClient:
@@ -485,7 +487,7 @@ class GatewayClient:
                     sent += not isinstance(event, Finished)
                     thought += isinstance(event, Reasoning)
                     finished = finished or isinstance(event, Finished)
-                    if isinstance(event, (Token, Reasoning)):  # a reasoning token is the server's work too
+                    if isinstance(event, (Token, Reasoning)) and not opened.counted:  # the server's work too
                         self.pool.on_tokens(opened.endpoint, 1)
                     yield event
                 if not opened.ended:
@@ -885,8 +887,10 @@ class GatewayClient:
                     raise answered
                 if (whole := decoder.whole_answer(text)) is not None:
                     UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
-                    self.pool.on_first_item(endpoint, time.monotonic() - sent)
-                    return _OpenStream(response, _no_events(), decoder, whole, True, endpoint)
+                    pieces = sum(isinstance(e, (Token, Reasoning)) for e in whole)
+                    usage = decoder.usage
+                    self.pool.on_whole_answer(endpoint, usage.completion_tokens if usage is not None else pieces)
+                    return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
                 decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
                 raise StreamProtocolError(
                     f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'} "

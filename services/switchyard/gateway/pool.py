@@ -513,6 +513,14 @@ class EndpointPool:
         self.publish_totals()
         self._answered(endpoint)
 
+    def on_whole_answer(self, endpoint: Endpoint, tokens: int) -> None:
+        """``endpoint`` answered a stream request with the whole completion, ``tokens`` of it: it answers, and its
+        limit counts the tokens; no time to first token is sampled (the wait was the whole answer's, not a
+        prefill's, and would brake the limit as a TTFT rising)."""
+        endpoint.limit.on_tokens(tokens)
+        self.publish_totals()
+        self._answered(endpoint)
+
     def on_tokens(self, endpoint: Endpoint, count: int) -> None:
         """``endpoint`` streamed ``count`` tokens (its limit measures its throughput from them)."""
         endpoint.limit.on_tokens(count)
