@@ -233,15 +233,17 @@ class OpenAIEngine(StreamEngine):
         """
         request = chat_request(req)
         streamed = 0
-        texts: list[str] = []  # counted in word pieces only for an answer that came whole
+        texts: list[str] = []  # counted in word pieces only for an answer that came whole: its text and thinking
         async for event in self.client.stream_chat(request):
             if isinstance(event, events.Token):
                 streamed += 1
-                texts.append(event.text)
+                if streamed <= 2:  # a whole answer is one piece of text and one of thinking: none kept past them
+                    texts.append(event.text)
                 yield event.text
             elif isinstance(event, events.Reasoning):
                 streamed += 1
-                texts.append(event.text)
+                if streamed <= 2:
+                    texts.append(event.text)
                 yield Reasoning(event.text)
             elif isinstance(event, events.ToolCallOut):
                 streamed += max(1, len(word_pieces(f"{event.name} {event.arguments_json}")))
