@@ -297,7 +297,8 @@ class _KeepAlive:
         self._last = self._loop.time()
 
     async def stop(self) -> None:
-        """No more keepalives; one being written is let finish (or, where the client left, cancelled)."""
+        """No more keepalives; one still being written is cancelled and waited for (its outcome is read by its
+        done callback). A cancel of the handler meanwhile is not swallowed."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -305,8 +306,7 @@ class _KeepAlive:
             writing, self._writing = self._writing, None
             if not writing.done():
                 writing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
-                await writing
+            await asyncio.wait([writing])
 
 
 def _ignore_a_left_client(task: "asyncio.Task[None]") -> None:
