@@ -290,24 +290,32 @@ def test_compaction_shrinks_cache_tensors_to_their_valid_blocks():
     assert cache.data.shape[3] == 8 and engine.kv.compact([req]) == 0
 
 
-async def test_a_parked_steps_compacted_kv_leaves_the_kv_budget():
-    """The parking kept each parked step's bytes as read when it parked, beside the engine's own count of them.
-    Compaction cuts a parked step's cache tensor to its valid blocks, and the engine frees those bytes; the
-    parking went on counting them in the KV budget until the agent came back or expired, refusing admissions
-    for memory the device had back. The parking now reads the engine's count (``kv.kv_bytes``), the one owner."""
+async def parked_think(prefix: str):
+    """(engine, scheduler, question, tools, think): a react_loop agent's first step on the torch engine, run to
+    its tool call and parked (``<prefix>-think`` of agent ``<prefix>-agent``)."""
     from switchyard.dispatcher.scheduler import make_scheduler
-    from switchyard.dispatcher.scheduler.base import SchedulerOutput
 
     engine = make()
     sched = make_scheduler(tiny_config(), engine)
     question = Message("user", "<question>what does the with statement do?</question>")
     tools = [Tool("search_docs", "", '{"type": "object"}')]
-    think = counted(engine, Request(request_id="t-think", messages=[question], tools=tools, agent_id="t-agent",
-                                    task_type="react_loop", max_tokens=64))
+    think = counted(engine, Request(request_id=f"{prefix}-think", messages=[question], tools=tools,
+                                    agent_id=f"{prefix}-agent", task_type="react_loop", max_tokens=64))
     accept(sched, [think], now=0.0)
     sched.schedule(now=0.0)
     await run_through(sched, engine, think)
     assert sched.parked == [think]
+    return engine, sched, question, tools, think
+
+
+async def test_a_parked_steps_compacted_kv_leaves_the_kv_budget():
+    """The parking kept each parked step's bytes as read when it parked, beside the engine's own count of them.
+    Compaction cuts a parked step's cache tensor to its valid blocks, and the engine frees those bytes; the
+    parking went on counting them in the KV budget until the agent came back or expired, refusing admissions
+    for memory the device had back. The parking now reads the engine's count (``kv.kv_bytes``), the one owner."""
+    from switchyard.dispatcher.scheduler.base import SchedulerOutput
+
+    engine, sched, _, _, think = await parked_think("t")
     budget = sched.kv_budget
     assert budget is not None
     cache = think.engine_state.cache
@@ -378,18 +386,7 @@ async def test_after_a_tool_result_the_answer_streams_as_text():
 
 
 async def test_a_warm_prefix_the_engine_no_longer_holds_is_recomputed_and_counted():
-    from switchyard.dispatcher.scheduler import make_scheduler
-
-    engine = make()
-    sched = make_scheduler(tiny_config(), engine)
-    question = Message("user", "<question>what does the with statement do?</question>")
-    tools = [Tool("search_docs", "", '{"type": "object"}')]
-    think = counted(engine, Request(request_id="w-think", messages=[question], tools=tools, agent_id="w-agent",
-                                    task_type="react_loop", max_tokens=64))
-    accept(sched, [think], now=0.0)
-    sched.schedule(now=0.0)
-    await run_through(sched, engine, think)
-    assert sched.parked == [think]
+    engine, sched, question, tools, think = await parked_think("w")
     think.engine_state.cache = None  # the parked step's cache is gone from the engine (the parking says it is warm)
     call = think.tool_calls[0]
     follow = [question, Message("assistant", "", tool_calls=(call,)),
