@@ -337,8 +337,10 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
     planned time and held it there until the tool's revisit time, its DRAM copy stayed, and its call
     counted as a running one of search_docs. Now the orchestrator says the task ended (ToolWait with
     task_ended) and the dispatcher releases the parked state, the DRAM copy and the plan at once."""
+    # a dispatcher taking prompts of 10,000 characters: the next step refused (the orchestrator keeps the
+    # conversation inside the model's window in tokens, not inside another replica's character bound)
     dispatcher = DispatcherService(SwitchyardConfig().with_overrides(
-        **redis_db.overrides, **{"batching.flush_interval_ms": 2}))
+        **redis_db.overrides, **{"batching.flush_interval_ms": 2, "limits.max_prompt_chars": 10_000}))
     tool = _ToolThatHangs()
     base = load_config("config", service="orchestrator")
     async with running([dispatcher], base.server) as disp, running([tool], base.server) as retr:
@@ -365,8 +367,8 @@ async def test_a_task_that_ends_during_its_tool_wait_has_its_agents_parked_state
                 if ending == "cancelled":
                     await stub.CancelTask(agent_pb2.CancelTaskRequest(task_id="t-ends"))
                 elif ending == "its next step refused by the dispatcher":
-                    tool.passages = [agent_pb2.Passage(text="with " * 100_000, score=0.9, source="t:with",
-                                                       title="with")]
+                    tool.passages = [agent_pb2.Passage(text="with " * 3_000, score=0.9, source="t:with",
+                                                       title="with")]  # about 3,000 tokens: inside the window
                     tool.gate.set()
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await run
