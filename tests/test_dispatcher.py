@@ -634,6 +634,21 @@ class EchoStreamEngine(StreamEngine):
         self.closed = True
 
 
+class GatedEchoEngine(EchoStreamEngine):
+    """:class:`EchoStreamEngine` whose streams of the requests ``gated`` picks wait for ``release`` before their
+    first item."""
+
+    def __init__(self, release: asyncio.Event, gated) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.release, self.gated = release, gated
+
+    async def generate(self, req):  # type: ignore[no-untyped-def]
+        if self.gated(req):
+            await self.release.wait()
+        async for item in super().generate(req):
+            yield item
+
+
 async def test_stream_engine_fans_out_past_batches_in_prefill_up_to_the_concurrency_limit() -> None:
     # workers counts batches in prefill, not streams: 2 workers still give the upstream 3 streams,
     # and the adaptive limit (held at 3 here) is what bounds the streams in flight.
@@ -698,18 +713,11 @@ async def test_a_normal_arrival_while_only_cores_reserved_slots_are_left_wakes_n
     from switchyard.dispatcher.request import Request, RequestStatus
 
     release = asyncio.Event()
-
-    class Held(EchoStreamEngine):
-        async def generate(self, req):  # type: ignore[no-untyped-def]
-            if req.request_id.startswith("held"):
-                await release.wait()
-            async for item in super().generate(req):
-                yield item
-
     config = make_config(**{"scheduler.time_slice_ms": 10_000, "queues.inference.max_batches_in_prefill": 64,
                             "upstream.concurrency": {"min_limit": 8, "initial_limit": 8, "max_limit": 8,
                                                      "core_reserved_slots": 2}})
-    service = DispatcherService(config, engine=Held())
+    held_ones = GatedEchoEngine(release, lambda req: req.request_id.startswith("held"))
+    service = DispatcherService(config, engine=held_ones)
     await service.start()
     try:
         loop, refused = service.loop, service.scheduler.counters.admissions_refused
@@ -748,16 +756,9 @@ async def test_a_batch_in_prefill_counts_its_members_not_their_ids() -> None:
     from switchyard.dispatcher.request import Request, RequestStatus
 
     release = asyncio.Event()
-
-    class StallsOne(EchoStreamEngine):
-        async def generate(self, req):  # type: ignore[no-untyped-def]
-            if req.prompt.startswith("stall"):
-                await release.wait()
-            async for item in super().generate(req):
-                yield item
-
     config = make_config(**{"queues.inference.max_batches_in_prefill": 1, "scheduler.time_slice_ms": 10_000})
-    service = DispatcherService(config, engine=StallsOne())
+    stalls_one = GatedEchoEngine(release, lambda req: req.prompt.startswith("stall"))
+    service = DispatcherService(config, engine=stalls_one)
     await service.start()
     try:
         loop = service.loop
