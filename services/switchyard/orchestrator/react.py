@@ -26,13 +26,13 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from switchyard.api import agent_pb2
-from switchyard.common.config import ReactConfig
-from switchyard.common.metrics import bounded
-from switchyard.orchestrator.metrics import TOOL_CALLS
 from opentelemetry import trace
 
+from switchyard.api import agent_pb2
+from switchyard.common.config import ReactConfig
 from switchyard.common.config.limits import ContextWindow
+from switchyard.common.metrics import bounded
+from switchyard.orchestrator.metrics import TOOL_CALLS
 from switchyard.orchestrator.task import Task
 from switchyard.orchestrator.tokens import count_added_messages, count_tokens, encoding
 from switchyard.orchestrator.tools import CALCULATOR, Tool, call_tool, search_docs_tool
@@ -132,13 +132,13 @@ def _fit_round(task: Task, added: list[agent_pb2.ChatMessage], window: ContextWi
     excess = task.spec.max_tokens - (window.tokens - task.prompt_tokens)
     if excess <= 0:
         return False
-    encode, cut_any = encoding().encode_ordinary, False
+    cl100k, cut_any = encoding(), False
     for message in sorted((m for m in added if m.role == "tool"), key=lambda m: len(m.content), reverse=True):
         if excess <= 0:
             break
-        tokens = encode(message.content)
+        tokens = cl100k.encode_ordinary(message.content)
         dropped = min(len(tokens), excess + count_tokens(CUT_MARK.format(len(tokens))))
-        content = encoding().decode(tokens[:len(tokens) - dropped]) + CUT_MARK.format(dropped)
+        content = cl100k.decode(tokens[:len(tokens) - dropped]) + CUT_MARK.format(dropped)
         saved = len(tokens) - count_tokens(content)
         if saved <= 0:
             continue  # a result shorter than the mark: cutting it would grow it
