@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import grpc
 import pytest
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
@@ -59,3 +60,32 @@ async def test_react_loop_calls_search_docs_and_calculator(pydoc_index_dir):
     assert "= 84" in results["calculator"].content
     final = events[-1].final
     assert final.output and final.compute_score_used >= 0 and final.memory_peak_bytes > 0
+
+
+@pytest.mark.parametrize("max_tokens", [3, 1])
+async def test_a_react_step_that_spends_max_tokens_inside_its_tool_call_fails_naming_max_tokens(
+        pydoc_index_dir, max_tokens):
+    """The sim engine generates a tool call as hidden tokens (its arguments) and hands the call over at its end. Cut
+    at max_tokens before that end, the step made no call and showed no text, and the task ended "finished" with an
+    empty answer and finish_reason length. It fails INVALID_ARGUMENT naming max_tokens, as a cut call does in
+    front of a model server (tests/test_openai_engine.py)."""
+    events = []
+    async with three_services(pydoc_index_dir) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for event in stub.RunTask(agent_pb2.RunTaskRequest(
+                    payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=max_tokens)):
+                events.append(event)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details()
+    assert details.startswith("max_tokens: expected room for a react_loop step's whole tool call or answer: step 0 "
+                              f"generated all {max_tokens} tokens it was allowed and it had made neither"), details
+    assert not [e for e in events if e.HasField("tool_call") or e.HasField("final")]
+
+
+async def test_a_react_loop_with_room_for_its_calls_still_answers(pydoc_index_dir):
+    """The sibling of the cut: the same question with room for its calls is answered."""
+    async with three_services(pydoc_index_dir) as stub:
+        events = [e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
+            payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=64))]
+    assert [e.tool_call.name for e in events if e.HasField("tool_call")] == ["search_docs", "calculator"]
+    assert "84" in events[-1].final.output and events[-1].final.finish_reason == "stop"

@@ -160,7 +160,9 @@ async def test_dispatcher_generate_carries_the_upstream_status(clean_proxy_env):
 # --------------------------------------------------------------------------- RunTask end to end
 
 
-async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=None, **gateway: object) -> list:
+async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=None, into: list | None = None,
+                   **gateway: object) -> list:
+    """The task's events; ``into``, where given, holds those that came before an error the call raised."""
     from switchyard.api import agent_pb2_grpc
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
@@ -180,8 +182,11 @@ async def run_task(base_url: str, request: agent_pb2.RunTaskRequest, index_dir=N
             retrieval = await stack.enter_async_context(running([RetrievalService(cfg)], server))
             overrides["orchestrator.retrieval_addr"] = f"127.0.0.1:{retrieval.port}"
         orch = await stack.enter_async_context(running([OrchestratorService(cfg.with_overrides(**overrides))], server))
+        events = [] if into is None else into
         async with open_channel(f"127.0.0.1:{orch.port}") as channel:
-            return [e async for e in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request)]
+            async for event in agent_pb2_grpc.AgentServiceStub(channel).RunTask(request):
+                events.append(event)
+            return events
 
 
 async def test_run_task_chat_on_the_openai_engine(sim_openai):
@@ -255,6 +260,28 @@ async def test_run_task_react_loop_tool_calls_through_the_openai_engine(sim_open
     assert "84" in events[-1].final.output
     tool_turns = [m for body in sim_openai.state.requests for m in body["messages"] if m["role"] == "tool"]
     assert tool_turns and all(m["tool_call_id"] for m in tool_turns)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [3, 1])
+async def test_a_react_step_cut_inside_its_tool_call_fails_naming_max_tokens_and_the_call_is_not_run(
+        sim_openai, pydoc_index_dir, max_tokens):
+    """A server cut at max_tokens sends the tool call it had generated so far, its arguments incomplete, with
+    finish_reason length. The call is not run (half an argument is another action: a query cut to its first word),
+    and the task fails INVALID_ARGUMENT naming max_tokens rather than ending "finished" with an empty answer.
+    At 1 token the call has its name and no argument yet."""
+    events: list = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await run_task(sim_openai.base_url, agent_pb2.RunTaskRequest(
+            payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=max_tokens), index_dir=pydoc_index_dir,
+            into=events)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details()
+    assert details.startswith("max_tokens: expected room for a react_loop step's whole tool call or answer"), details
+    assert "call of search_docs was cut, its arguments incomplete, and not run" in details and \
+        f"(got {max_tokens})" in details, details
+    assert not [e for e in events if e.HasField("tool_call") or e.HasField("tool_result") or e.HasField("final")]
+    assert len(sim_openai.state.requests) == 1  # no second step
 
 
 def test_unusable_key_stops_the_engine_at_start_naming_the_variable(monkeypatch):

@@ -488,8 +488,11 @@ class SimOpenAI:
     # ------------------------------------------------------------------ bodies
 
     def _limit(self, body: dict[str, Any], tokens: list[str], finish: str) -> tuple[list[str], str]:
+        """The reply cut to the body's ``max_tokens``, finish_reason ``length``: an answer or a tool call alike (a
+        server sends the call it had generated so far, its arguments incomplete: :func:`_sent_calls`)."""
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-        if isinstance(max_tokens, int) and max_tokens > 0 and len(tokens) > max_tokens and finish == "stop":
+        if isinstance(max_tokens, int) and max_tokens > 0 and len(tokens) > max_tokens and finish in (
+                "stop", "tool_calls"):
             return tokens[:max_tokens], "length"
         return tokens, finish
 
@@ -510,8 +513,8 @@ class SimOpenAI:
         message: dict[str, Any] = {"role": "assistant", "content": None if reply.tool_calls else "".join(tokens)}
         if reply.tool_calls:
             message["tool_calls"] = [
-                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-                for c in reply.tool_calls
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": "".join(pieces)}}
+                for c, pieces in _sent_calls(reply, tokens, finish)
             ]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
@@ -521,15 +524,15 @@ class SimOpenAI:
                       "total_tokens": prompt_tokens + len(tokens)},
         }
 
-    def _deltas(self, reply: Any, tokens: list[str]) -> Iterator[dict[str, Any]]:
+    def _deltas(self, reply: Any, tokens: list[str], finish: str) -> Iterator[dict[str, Any]]:
         if not reply.tool_calls:
             for text in tokens:
                 yield {"content": text}
             return
-        for index, call in enumerate(reply.tool_calls):
+        for index, (call, pieces) in enumerate(_sent_calls(reply, tokens, finish)):
             yield {"tool_calls": [{"index": index, "id": call.call_id, "type": "function",
                                    "function": {"name": call.name, "arguments": ""}}]}
-            for piece in word_pieces(call.arguments_json):
+            for piece in pieces:
                 yield {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
 
     async def _stream(
@@ -566,7 +569,7 @@ class SimOpenAI:
                         return
                     for piece in range(fault.reasoning):  # a reasoning parser's thinking, before the answer
                         yield chunk({"reasoning_content": f"{' ' if piece else ''}thinking-{piece + 1}"})
-                    for sent, delta in enumerate(self._deltas(reply, tokens)):
+                    for sent, delta in enumerate(self._deltas(reply, tokens, finish)):
                         kv += 1
                         self.state.kv_used_tokens += 1
                         if fault.cut_after is not None and sent >= fault.cut_after:
@@ -599,6 +602,22 @@ class SimOpenAI:
         finally:
             self.state.active_streams -= 1
             self.state.open_streams -= 1
+
+
+def _sent_calls(reply: Any, tokens: list[str], finish: str) -> list[tuple[Any, list[str]]]:
+    """A reply's tool calls as sent, each with its arguments' word pieces: whole, or, cut at ``max_tokens``
+    (``finish`` ``length``), as far as ``len(tokens)`` pieces reach over the calls in order (a call not begun is
+    not sent)."""
+    left = len(tokens) if finish == "length" else None
+    sent = []
+    for call in reply.tool_calls:
+        pieces = word_pieces(call.arguments_json)
+        if left is not None:
+            if left <= 0:
+                break
+            pieces, left = pieces[:left], left - len(pieces)
+        sent.append((call, pieces))
+    return sent
 
 
 class _CutConnections:

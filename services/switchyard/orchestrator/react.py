@@ -3,7 +3,10 @@
 Each think is an ``infer`` stage (attribute ``step``); each tool call a
 ``tool:<name>`` stage between its ``tool_call`` and ``tool_result`` events.
 The loop ends when the model answers without calling a tool, or after
-``max_steps`` rounds with one last answer offered no tools.
+``max_steps`` rounds with one last answer offered no tools. A step offered tools that
+reaches its ``max_tokens`` inside a tool call (or before any answer) fails the task
+INVALID_ARGUMENT naming ``max_tokens``: the cut call's arguments are incomplete, and it
+is not run. (It used to end the task "finished" with an empty answer.)
 
 The conversation grows by each round's tool results inside the model's context
 window: a round whose results would leave less than the task's ``max_tokens`` for the
@@ -31,6 +34,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common.config import ReactConfig
 from switchyard.common.config.limits import ContextWindow
+from switchyard.common.errors import InvalidArgument
 from switchyard.common.metrics import bounded
 from switchyard.orchestrator.metrics import TOOL_CALLS
 from switchyard.orchestrator.task import Task
@@ -77,6 +81,8 @@ async def react(task: Task, tools: list[Tool]) -> str:
     Raises:
         ServiceUnavailable, SwitchyardError: a Generate call failed (tool failures never raise:
             the model observes them).
+        InvalidArgument: a step offered tools reached its ``max_tokens`` in a tool call, or before any answer
+            (``max_tokens`` named; the cut call is not run).
     """
     policy = task.deps.config.orchestrator.react
     by_name = {t.name: t for t in tools}
@@ -88,10 +94,12 @@ async def react(task: Task, tools: list[Tool]) -> str:
         for step in range(policy.max_steps + 1):
             last = step == policy.max_steps or full  # one last answer, offered no tools
             room = window.tokens - task.prompt_tokens  # max_tokens, but where a round's tool calls alone filled it
+            max_tokens = max(1, min(task.spec.max_tokens, room))
             async with task.stage("infer", step=str(step)):
-                text, calls = await task.generate([] if last else tools, resume=step > 0,
-                                                  max_tokens=max(1, min(task.spec.max_tokens, room)))
+                text, calls = await task.generate([] if last else tools, resume=step > 0, max_tokens=max_tokens)
             parked = None  # the step ran: it took the parked one over
+            if not last and task.finish_reason == "length" and (calls or not text):
+                raise _cut_step(task, step, calls, max_tokens, window)
             if not calls or last:
                 return text
             parked, last_call = [], calls[-1]
@@ -116,6 +124,20 @@ async def react(task: Task, tools: list[Tool]) -> str:
         if parked is not None:
             _end_tool_wait(task, parked, bounded(last_call.name, by_name))
         raise
+
+
+def _cut_step(task: Task, step: int, calls: list[agent_pb2.ToolCall], max_tokens: int,
+              window: ContextWindow) -> InvalidArgument:
+    """The error of a step offered tools that reached its ``max_tokens`` before a whole tool call or any answer:
+    a call cut there has incomplete arguments (a server sends what it generated, finish_reason ``length``), and
+    running it would act on half an argument; a step with neither gives the task no answer. Neither is run or
+    returned as the task's answer (INVALID_ARGUMENT naming ``max_tokens``, the caller's fix)."""
+    what = (f"its call of {', '.join(c.name or 'a tool' for c in calls)} was cut, its arguments incomplete, and "
+            "not run" if calls else "it had made neither a whole tool call nor any answer")
+    room = "" if max_tokens >= task.spec.max_tokens else (
+        f"; the conversation left only {max_tokens} tokens of the model's {window.tokens}-token context window")
+    return InvalidArgument("max_tokens", f"room for a react_loop step's whole tool call or answer: step {step} "
+                           f"generated all {max_tokens} tokens it was allowed and {what}{room}", task.spec.max_tokens)
 
 
 CUT_MARK = "\n[{} tokens of this result cut: the conversation reached the model's context window]"
