@@ -488,8 +488,9 @@ async def test_a_reasoning_models_answer_is_its_content_and_its_thinking_counts_
 async def test_without_the_servers_usage_the_completion_tokens_are_estimated_from_what_streamed(clean_proxy_env,
                                                                                               fixture):
     """A server that sends no usage (vLLM without include_usage, Ollama's tool calls): the completion tokens read 0
-    for an answer of tool calls only (and for one of reasoning, which was dropped). They are estimated: one per
-    streamed piece of text, answer or reasoning, and the word pieces of each tool call."""
+    for an answer of tool calls only (and for one of reasoning, which was dropped). They are estimated: the word
+    pieces of each streamed piece of text, answer or reasoning (" plus two." in one chunk counts 2), and of each
+    tool call."""
     from switchyard.dispatcher.request import word_pieces
     from test_upstream_streams import FIXTURES, load, replay_server
 
@@ -506,7 +507,7 @@ async def test_without_the_servers_usage_the_completion_tokens_are_estimated_fro
         chunks = await generate_over_grpc(base, agent_pb2.GenerateRequest(request_id="est:0", prompt=PROMPT, model="m"),
                                           fallback_model="", default_model="m", max_retries=0)
     calls = [c.tool_call for c in chunks if c.WhichOneof("chunk") == "tool_call"]
-    expected = 3 if not calls else sum(len(word_pieces(f"{c.name} {c.arguments_json}")) for c in calls)
+    expected = 4 if not calls else sum(len(word_pieces(f"{c.name} {c.arguments_json}")) for c in calls)
     assert chunks[-1].done.usage.completion_tokens == expected > 0
 
 

@@ -95,7 +95,7 @@ from switchyard.gateway.redact import redact
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events
 from switchyard.gateway.transport import UpstreamTransport
-from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent, Token
+from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent, estimated_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -487,8 +487,8 @@ class GatewayClient:
                     sent += not isinstance(event, Finished)
                     thought += isinstance(event, Reasoning)
                     finished = finished or isinstance(event, Finished)
-                    if isinstance(event, (Token, Reasoning)) and not opened.counted:  # the server's work too
-                        self.pool.on_tokens(opened.endpoint, 1)
+                    if not opened.counted and (tokens := estimated_tokens(event)):  # the server's work too
+                        self.pool.on_tokens(opened.endpoint, tokens)
                     yield event
                 if not opened.ended:
                     async for sse in opened.events:
@@ -497,8 +497,8 @@ class GatewayClient:
                             sent += not isinstance(event, Finished)
                             thought += isinstance(event, Reasoning)
                             finished = finished or isinstance(event, Finished)
-                            if isinstance(event, (Token, Reasoning)):
-                                self.pool.on_tokens(opened.endpoint, 1)
+                            if tokens := estimated_tokens(event):
+                                self.pool.on_tokens(opened.endpoint, tokens)
                             yield event
                         if opened.decoder.done:
                             # [DONE] ends the stream: nothing after it is read, nor the body's end waited for (a
@@ -887,9 +887,9 @@ class GatewayClient:
                     raise answered
                 if (whole := decoder.whole_answer(text)) is not None:
                     UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
-                    pieces = sum(isinstance(e, (Token, Reasoning)) for e in whole)
                     usage = decoder.usage
-                    self.pool.on_whole_answer(endpoint, usage.completion_tokens if usage is not None else pieces)
+                    self.pool.on_whole_answer(endpoint, usage.completion_tokens if usage and usage.completion_tokens
+                                              else sum(estimated_tokens(e) for e in whole))
                     return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
                 decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
                 raise StreamProtocolError(

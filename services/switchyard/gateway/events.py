@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from switchyard.common.priority import PriorityClass
+from switchyard.dispatcher.request import word_pieces
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,16 @@ class Finished:
 
 
 StreamEvent = Union[Token, Reasoning, ToolCallOut, Finished]
+
+
+def estimated_tokens(event: StreamEvent) -> int:
+    """The completion tokens ``event`` counts as where the server reports no usage (or a count of 0): the word
+    pieces of a piece of text or thinking (about one a chunk as servers stream; a whole answer read in one piece
+    counts its words) or of a tool call's name and arguments, at least 1 each; 0 for :class:`Finished`. Word
+    pieces: :func:`switchyard.dispatcher.request.word_pieces`, the dispatcher's own count of a prompt (about
+    0.75 a BPE token for English). The one estimate of both the dispatcher's usage and an endpoint's limit."""
+    if isinstance(event, (Token, Reasoning)):
+        return max(1, len(word_pieces(event.text)))
+    if isinstance(event, ToolCallOut):
+        return max(1, len(word_pieces(f"{event.name} {event.arguments_json}")))
+    return 0

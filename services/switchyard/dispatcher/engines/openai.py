@@ -25,7 +25,7 @@ from opentelemetry.trace import Tracer
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
-from switchyard.dispatcher.request import Message, Request, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.dispatcher.scheduler.capacity import StreamSlots
 from switchyard.gateway.client import GatewayClient
 from switchyard.gateway.errors import EndpointNotFound, GatewayError
@@ -218,12 +218,10 @@ class OpenAIEngine(StreamEngine):
         the answer), ToolCalls, then one Usage.
 
         The Usage is the server's; where it reports none (no ``stream_options`` support, usage omitted) or a
-        count of 0, the completion tokens are an estimate: one per streamed text piece (answer or reasoning: a
-        server streams about one token a chunk) and, per tool call, the word pieces of its name and arguments
-        (:func:`~switchyard.dispatcher.request.word_pieces`, the dispatcher's count of a prompt; a call may come
-        whole in one chunk, as Ollama sends it); an answer that came whole, not streamed (the gateway's
-        ``whole_answer`` ending), counts the word pieces of its text instead. The prompt tokens are then the
-        dispatcher's own count.
+        count of 0, the completion tokens are the gateway's estimate of what came
+        (:func:`~switchyard.gateway.events.estimated_tokens`: word pieces of each piece of text, thinking and tool
+        call; an answer that came whole, not streamed, counts its words), and the prompt tokens the dispatcher's
+        own count.
 
         Raises:
             InvalidArgument: bad tool schema in ``req``.
@@ -232,29 +230,20 @@ class OpenAIEngine(StreamEngine):
                 fallback model happen inside, before the first item only.
         """
         request = chat_request(req)
-        streamed = 0
-        texts: list[str] = []  # counted in word pieces only for an answer that came whole: its text and thinking
+        estimated = 0  # the completion tokens, where the server counts none
         async for event in self.client.stream_chat(request):
+            estimated += events.estimated_tokens(event)
             if isinstance(event, events.Token):
-                streamed += 1
-                if streamed <= 2:  # a whole answer is one piece of text and one of thinking: none kept past them
-                    texts.append(event.text)
                 yield event.text
             elif isinstance(event, events.Reasoning):
-                streamed += 1
-                if streamed <= 2:
-                    texts.append(event.text)
                 yield Reasoning(event.text)
             elif isinstance(event, events.ToolCallOut):
-                streamed += max(1, len(word_pieces(f"{event.name} {event.arguments_json}")))
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, events.Finished):
                 usage = event.usage
-                if event.ending == "whole_answer" and not (usage and usage.completion_tokens):
-                    streamed += sum(len(word_pieces(text)) for text in texts) - len(texts)
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
-                    completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else streamed,
+                    completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else estimated,
                     finish_reason=event.finish_reason or None,  # read as one of OpenAI's by the gateway
                     model=event.model,
                 )
