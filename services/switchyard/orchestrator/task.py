@@ -147,10 +147,15 @@ class Task:
         waits = self.timings.queue_wait_s
         waits[queue] = waits.get(queue, 0.0) + seconds
 
+    @property
+    def target_model(self) -> str:
+        """The model this task's calls go to: its own, or the dispatcher's default model ("" while unknown)."""
+        return self.spec.model or self.deps.inference.known_default_model
+
     def context_window(self) -> ContextWindow:
-        """The context window of the model this task's calls go to (its own, or the dispatcher's default model):
-        ``limits.context_window`` of it, with the window its model server reports."""
-        model = self.spec.model or self.deps.inference.known_default_model
+        """The context window of :attr:`target_model`: ``limits.context_window`` of it, with the window its
+        model server reports."""
+        model = self.target_model
         return self.deps.config.limits.context_window(model, self.deps.inference.reported_context_window(model))
 
     def remaining(self) -> float:
@@ -323,7 +328,7 @@ class Task:
             compute_score_used=self.compute_score_used,
             memory_peak_bytes=self.memory_peak_bytes,
             trace_id=self.trace_id,
-            model=self.model or self.spec.model or self.deps.inference.known_default_model,
+            model=self.model or self.target_model,
             passages=self.passages,
             finish_reason=self.finish_reason,
         )

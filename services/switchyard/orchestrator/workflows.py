@@ -228,8 +228,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
             + sum(len(t.text) + len(t.title) for t in tool_texts) + sum(len(r) + len(c) for r, c in history)
         prompt, count, without_history = await task.cpu(
             render_and_count, spec.workflow, spec.payload, passages, tool_texts, history, size_chars=size)
-        model = spec.model or task.deps.inference.known_default_model
-        window = task.context_window()
+        model, window = task.target_model, task.context_window()
         budget = window.tokens - spec.max_tokens
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
