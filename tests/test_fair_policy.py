@@ -288,5 +288,5 @@ def test_two_tenants_agents_of_one_id_never_share_a_parked_step_or_a_tool_wait()
     zeta = req("zeta-turn", agent="agent-1", tenant="zeta", arrival=0.7, task_type=REACT_TASK_TYPE, resume=True)
     accept(s, [zeta], 0.7)
     s.schedule(0.7)
-    assert zeta.handover_from is None and s.parking.entry(agent_key("acme", "agent-1")).req is acme
+    assert s.parking.handover(zeta) is None and s.parking.entry(agent_key("acme", "agent-1")).req is acme
     assert s.tool_wait(agent_key("acme", "agent-1"), 0.01, now=0.8).decision.value == "keep"

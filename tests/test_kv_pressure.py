@@ -181,6 +181,12 @@ async def test_a_long_prompt_is_prefilled_over_steps_under_the_token_budget() ->
     assert mixed_step_seconds(engine.params, 512, 2) < mixed_step_seconds(engine.params, 1200, 2)
 
 
+def handed_over(sched: Any, step: Request) -> Request | None:
+    """The parked step whose warm prefix ``step`` is taking over (None: none), as the parking records it."""
+    handover = sched.parking.handover(step)
+    return handover.parked if handover is not None else None
+
+
 def _parked_agent_back() -> tuple[Any, Request, Request]:
     """A scheduler with one agent's step parked warm, holding 60 % of the KV budget, and that agent's next step
     (resuming, not yet added)."""
@@ -211,7 +217,7 @@ def test_a_warm_prefix_being_handed_over_to_its_agents_next_step_still_counts_in
     # the chat, first in the order, fits only without the prefix: it left HBM for the chat, and the agent's
     # step recomputes it when its turn comes (the sim engine has no DRAM tier here), not after the chat's deadline
     assert [r.request_id for r in out.admitted] == ["chat"]
-    assert resumed.handover_from is None and resumed.num_computed_tokens == 0
+    assert handed_over(sched, resumed) is None and resumed.num_computed_tokens == 0
     assert resumed.recomputed_tokens == parked.prompt_tokens and sched.parking.kv_bytes == 0
 
 
@@ -244,7 +250,7 @@ def test_a_warm_prefix_is_not_moved_out_for_a_head_that_would_not_fit_anyway() -
     sched.add_request(head, 1.0)
     sched.add_request(back, 1.0)
     assert sched.schedule(1.0).admitted == []  # the head waits for the running request
-    assert back.handover_from is small and back.recomputed_tokens == 0  # its prefix stays warm
+    assert handed_over(sched, back) is small and back.recomputed_tokens == 0  # its prefix stays warm
 
 
 TURN = 0.51
@@ -281,23 +287,23 @@ def test_a_prefix_kept_for_its_turn_waits_with_its_step_while_running_work_can_f
     moved as before, so that a step waiting long behind the head does not hold the room the head waits for."""
     sched, kept, back, head = _kept_agent_back_behind(NORMAL)
     assert sched.schedule(TURN).admitted == []  # the head waits for the running request
-    assert back.handover_from is kept and back.recomputed_tokens == 0  # its prefix stays warm
-    assert sched.schedule(TURN + 0.5).admitted == [] and back.handover_from is kept
+    assert handed_over(sched, back) is kept and back.recomputed_tokens == 0  # its prefix stays warm
+    assert sched.schedule(TURN + 0.5).admitted == [] and handed_over(sched, back) is kept
     out = sched.schedule(TURN + 1.5)  # past the hold
-    assert head in out.admitted and back.handover_from is None
+    assert head in out.admitted and handed_over(sched, back) is None
     assert back.recomputed_tokens == kept.prompt_tokens  # no DRAM tier here: recomputed at its admission
 
 
 def test_a_kept_prefix_still_leaves_for_core_work_at_once() -> None:
     sched, kept, back, head = _kept_agent_back_behind(CORE)
     out = sched.schedule(TURN)
-    assert head in out.admitted and back.handover_from is None  # core's TTFT does not wait for a decode
+    assert head in out.admitted and handed_over(sched, back) is None  # core's TTFT does not wait for a decode
 
 
 def test_a_kept_prefix_is_moved_when_no_hold_is_configured() -> None:
     sched, kept, back, head = _kept_agent_back_behind(NORMAL, hold_s=0.0)
     out = sched.schedule(TURN)
-    assert head in out.admitted and back.handover_from is None
+    assert head in out.admitted and handed_over(sched, back) is None
 
 
 def test_the_idle_price_floor_is_the_configured_one() -> None:

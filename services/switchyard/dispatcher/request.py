@@ -239,12 +239,6 @@ class Request:
     """The flush that brought it to the scheduler, until it ends (its batch's service time)."""
     kv_leaving_bytes: int = 0
     """``PREEMPTING``: its live KV bytes, held in the HBM budget until the step in flight ends."""
-    handover_from: "Request | None" = field(default=None, repr=False)
-    """A resumed react_loop step: its agent's parked step, whose warm prefix it takes over at admission."""
-    handover_held_until: float = 0.0
-    """Until when (monotonic seconds) ``handover_from``'s prefix, held in HBM for this turn by its tool-wait
-    decision (kept, or restored ahead of the tool's return), is moved out only for core work or a head with no
-    running work to wait for (``scheduler.tool_wait_turn_hold_s`` after the turn; 0: not held)."""
     num_computed_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0

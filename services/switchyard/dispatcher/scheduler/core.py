@@ -822,9 +822,9 @@ class SchedulerCore(KvMemory):
             self._queued -= 1
         else:  # a request that reached the engine waits again only after a preemption
             self.counters.resumes["preempted"] += 1
-        parked = req.handover_from
-        if parked is not None:  # its agent's parked step holds the warm prefix: take it over
-            shared = self.kv.share_prefix(parked, req)
+        handover = self.parking.handover(req)
+        if handover is not None:  # its agent's parked step holds the warm prefix: take it over
+            shared = self.kv.share_prefix(handover.parked, req)
             if shared != req.num_computed_tokens:  # an engine whose requests hold their own caches
                 if not shared:  # nothing copied: the prefix is recomputed
                     req.recomputed_tokens += min(req.num_computed_tokens, req.prompt_tokens)

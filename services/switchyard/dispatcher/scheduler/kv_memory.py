@@ -313,7 +313,8 @@ class KvMemory:
 
     def _taken_over(self, req: Request) -> int:
         """Bytes of the warm prefix ``req`` takes over from its agent's parked step when it starts."""
-        return self.parking.handover_bytes(req.handover_from) if req.handover_from is not None else 0
+        handover = self.parking.handover(req)
+        return handover.kv_bytes if handover is not None else 0
 
     def _cool_handovers(self, head: Request) -> None:
         """The last resort of :meth:`_make_room`: warm prefixes being handed over to steps waiting behind ``head``
@@ -323,25 +324,24 @@ class KvMemory:
         head start (it waits for running work to end, and the prefixes stay warm).
 
         A prefix its tool-wait decision held for the turn (kept, or restored ahead) is moved, for
-        ``scheduler.tool_wait_turn_hold_s`` after the turn (``Request.handover_held_until``), only for a core
+        ``scheduler.tool_wait_turn_hold_s`` after the turn (:attr:`.parking.Handover.held_until`), only for a core
         head (its TTFT objective does not wait for a decode to end) or when no running work is there to end and
         free room: moving it turns the warm resume the plan paid HBM for into a cold one, where a head of
         another class waits only for running work to end. Past the hold it is moved as any other (a step that
         waits that long behind the head holds idle HBM, and holds back the room the head waits for)."""
         now = self._now
         held_too = head.priority is PriorityClass.CORE or not (self._running or self._leaving)
-        behind = [w for w in self.queue if w is not head and w.handover_from is not None
-                  and (held_too or w.handover_held_until <= now)]
+        behind = [w for w in self.queue if w is not head and (handover := self.parking.handover(w)) is not None
+                  and (held_too or handover.held_until <= now)]
         if sum(self._taken_over(w) for w in behind) < self._shortfall(head):
             return
         for waiting in behind:
-            parked = waiting.handover_from
-            if self._shortfall(head) <= 0 or parked is None:
+            handover = self.parking.handover(waiting)
+            if self._shortfall(head) <= 0 or handover is None:
                 return
-            tokens = parked.num_computed_tokens
-            waiting.handover_from, waiting.handover_held_until = None, 0.0
+            tokens = handover.parked.num_computed_tokens
             waiting.num_computed_tokens = 0
-            if self.parking.cool_handover(parked):
+            if self.parking.cool_handover(waiting):
                 waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.program_key), tokens
             else:
                 waiting.recomputed_tokens += min(tokens, waiting.prompt_tokens)
@@ -422,12 +422,10 @@ class KvMemory:
         return False
 
     def _resume_prefix(self, req: Request, now: float) -> None:
-        found = self.parking.take(req.program_key, now)
+        found = self.parking.take(req.program_key, now, req)
         plan = self.tool_waits.on_turn(req.program_key, now, found.warm)
-        if found.parked is not None:
-            req.handover_from = found.parked
-            if plan is not None:  # kept, or restored ahead, for this turn
-                req.handover_held_until = now + self.config.tool_wait_turn_hold_s
+        if found.warm and plan is not None:  # kept, or restored ahead, for this turn
+            self.parking.hold_handover(req, now + self.config.tool_wait_turn_hold_s)
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))
@@ -443,7 +441,7 @@ class KvMemory:
             self.counters.hbm_misses += 1
             req.recomputed_tokens += min(found.prefix_tokens, req.prompt_tokens)
             self.counters.resumes["tool_cold"] += 1
-            if found.parked is None and not found.prefix_tokens and self.tiers.store is not None:
+            if not found.prefix_tokens and self.tiers.store is not None:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
                 # under the same key; swap_tokens 0 takes whatever the copy holds (a miss recomputes).
@@ -451,6 +449,4 @@ class KvMemory:
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""
-        parked, req.handover_from, req.handover_held_until = req.handover_from, None, 0.0
-        if parked is not None:
-            self.parking.end_handover(parked)
+        self.parking.end_handover(req)

@@ -50,17 +50,37 @@ class ParkedAgent:
 class Resumed:
     """How a resuming agent's prefix state was found.
 
-    ``warm``: the state was still held in HBM; ``prefix_tokens``: the prefix
-    it covers (warm, or in DRAM) or that must be recomputed (cold, 0 when
-    unknown); ``parked``: the agent's parked request (warm only), still
-    holding the state: the caller releases it once the new request has taken
-    over; ``in_dram``: not warm, but a copy went to the DRAM tier.
+    ``warm``: the state was still held in HBM, now being handed over to the resuming step (:class:`Handover`);
+    ``prefix_tokens``: the prefix it covers (warm, or in DRAM) or that must be recomputed (cold, 0 when
+    unknown); ``in_dram``: not warm, but a copy went to the DRAM tier.
     """
 
     warm: bool
     prefix_tokens: int
-    parked: Request | None = None
     in_dram: bool = False
+
+
+@dataclass
+class Handover:
+    """A warm parked step being handed over to its agent's next step (:meth:`ParkedAgents.take`): the parked
+    step keeps its KV, counted in :attr:`ParkedAgents.kv_bytes`, until the new step starts running or leaves
+    (:meth:`ParkedAgents.end_handover`), or the state is moved out for room (:meth:`ParkedAgents.cool_handover`)."""
+
+    entry: ParkedAgent
+    held_until: float = 0.0
+    """Until when (monotonic seconds) the prefix, held in HBM for this turn by its tool-wait decision (kept, or
+    restored ahead of the tool's return), is moved out only for core work or a head with no running work to
+    wait for (``scheduler.tool_wait_turn_hold_s`` after the turn; 0: not held)."""
+
+    @property
+    def parked(self) -> Request:
+        """The parked step whose warm prefix is handed over."""
+        return self.entry.req
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the parked step's state holds, read from the engine."""
+        return self.entry.kv_bytes
 
 
 class ParkedAgents:
@@ -84,9 +104,10 @@ class ParkedAgents:
         self._kv_bytes = kv_bytes
         self._demote = demote
         self._parked: OrderedDict[str, ParkedAgent] = OrderedDict()
-        self._handing_over: dict[int, ParkedAgent] = {}
-        """Warm steps a resuming step has taken over (:meth:`take`), by ``id`` of the parked request: they hold their
-        KV, counted in :attr:`kv_bytes`, until the new step starts or leaves (:meth:`end_handover`)."""
+        self._handovers: dict[Request, Handover] = {}
+        """Warm parked steps being handed over (:meth:`take`), by the resuming step that takes them over: the one
+        record of the link; the parked step holds its KV, counted in :attr:`kv_bytes`, until the resuming step
+        starts or leaves (:meth:`end_handover`)."""
         self._cold: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         self.counters = counters if counters is not None else SchedulerCounters()
 
@@ -98,11 +119,11 @@ class ParkedAgents:
         self._cold.pop(req.program_key, None)
         self._parked[req.program_key] = ParkedAgent(req, now, self._kv_bytes)
 
-    def take(self, program_key: str, now: float) -> Resumed:
-        """The agent is back: hand over (warm) or report lost (cold) its prefix state.
+    def take(self, program_key: str, now: float, taker: Request) -> Resumed:
+        """The agent is back with its next step ``taker``: hand its prefix state over (warm) or report it lost (cold).
 
         A warm agent leaves the parked set, no longer evicted or expired; its old request keeps the state,
-        still counted in :attr:`kv_bytes`, until the new step starts running or leaves (:meth:`end_handover`).
+        still counted in :attr:`kv_bytes`, until ``taker`` starts running or leaves (:meth:`end_handover`).
         """
         entry = self._parked.pop(program_key, None)
         if entry is not None and now - entry.since > self._ttl(entry):
@@ -111,30 +132,35 @@ class ParkedAgents:
         if entry is None:
             tokens, in_dram = self._cold.pop(program_key, (0, False))
             return Resumed(False, tokens, in_dram=in_dram)
-        self._handing_over[id(entry.req)] = entry
-        return Resumed(True, entry.req.num_computed_tokens, entry.req)
+        self._handovers[taker] = Handover(entry)
+        return Resumed(True, entry.req.num_computed_tokens)
 
-    def handover_bytes(self, parked: Request) -> int:
-        """Bytes ``parked``'s state holds while being handed over to its agent's next step (0: not handed over)."""
-        entry = self._handing_over.get(id(parked))
-        return entry.kv_bytes if entry is not None else 0
+    def handover(self, taker: Request) -> Handover | None:
+        """The warm prefix being handed over to ``taker`` (None: none)."""
+        return self._handovers.get(taker)
 
-    def cool_handover(self, parked: Request) -> bool:
-        """``parked``'s state, being handed over, leaves HBM to make room (to DRAM where the ``demote`` callback
-        copies it, else dropped; counted as evicted); True when a copy went to DRAM."""
-        entry = self._handing_over.pop(id(parked), None)
-        if entry is None:
+    def hold_handover(self, taker: Request, until: float) -> None:
+        """The prefix handed over to ``taker`` was held for this turn by its tool-wait decision: keep it for the
+        turn until ``until`` (monotonic seconds; :attr:`Handover.held_until`)."""
+        self._handovers[taker].held_until = until
+
+    def cool_handover(self, taker: Request) -> bool:
+        """The state being handed over to ``taker`` leaves HBM to make room (to DRAM where the ``demote`` callback
+        copies it, else dropped; counted as evicted); True when a copy went to DRAM. ``taker`` then has none."""
+        handover = self._handovers.pop(taker, None)
+        if handover is None:
             return False
-        in_dram = self._demote(parked)
-        self._release(parked)
+        in_dram = self._demote(handover.parked)
+        self._release(handover.parked)
         self.counters.parked_evicted += 1
         return in_dram
 
-    def end_handover(self, parked: Request) -> None:
-        """The step that took ``parked``'s warm state over (:meth:`take`) started, the state now its own, or left:
-        release ``parked``."""
-        if self._handing_over.pop(id(parked), None) is not None:
-            self._release(parked)
+    def end_handover(self, taker: Request) -> None:
+        """``taker``, which took a warm state over (:meth:`take`), started, the state now its own, or left:
+        release the parked step that held it (nothing when ``taker`` took none over)."""
+        handover = self._handovers.pop(taker, None)
+        if handover is not None:
+            self._release(handover.parked)
 
     def expire(self, now: float) -> list[Request]:
         """Release every agent parked longer than the TTL; returns their requests."""
@@ -214,7 +240,7 @@ class ParkedAgents:
     def kv_bytes(self) -> int:
         """Bytes of prefix state held for parked agents, those being handed over to their next step included."""
         return (sum(entry.kv_bytes for entry in self._parked.values())
-                + sum(entry.kv_bytes for entry in self._handing_over.values()))
+                + sum(handover.kv_bytes for handover in self._handovers.values()))
 
     def _expire(self, program_key: str, entry: ParkedAgent, evicted: bool = False) -> None:
         tokens = entry.req.num_computed_tokens
