@@ -214,8 +214,8 @@ class LoopBase:
             self._on_core_arrival()
         self._publish_stats(throttled=True)
 
-    def tool_wait(self, agent_key: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
-        """An agent's tool call on ``tool`` (its name; counted under a bounded label) starts: the scheduler's tool-wait
+    def tool_wait(self, program_key: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
+        """The task ``program_key`` names (:attr:`Request.program_key`): its tool call on ``tool`` (its name; counted under a bounded label) starts: the scheduler's tool-wait
         decision now (:meth:`SchedulerCore.tool_wait`: keep, swap or drop its parked KV), its report
         published; a swap's planned restore wakes the loop when it is due.
 
@@ -223,15 +223,15 @@ class LoopBase:
             ValueError: ``expected_wait_s`` < 0.
         """
         try:
-            return self.scheduler.tool_wait(agent_key, expected_wait_s, time.monotonic(), tool=tool)
+            return self.scheduler.tool_wait(program_key, expected_wait_s, time.monotonic(), tool=tool)
         finally:
             self._publish_stats()
             self._wake.set()
 
-    def forget_agent(self, agent_key: str) -> None:
-        """The agent's task ended during its tool wait: :meth:`SchedulerCore.forget_agent`, its report published."""
+    def forget_agent(self, program_key: str) -> None:
+        """The task ``program_key`` names ended during its tool wait: :meth:`SchedulerCore.forget_agent`, its report published."""
         try:
-            self.scheduler.forget_agent(agent_key)
+            self.scheduler.forget_agent(program_key)
         finally:
             self._publish_stats()
             self._wake.set()

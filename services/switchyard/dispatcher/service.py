@@ -264,17 +264,17 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         decision, restore_at_s = self.tool_wait(waiting, request.tool, request.expected_wait_s)
         return agent_pb2.ToolWaitReply(decision=decision, restore_at_s=restore_at_s)
 
-    def end_tool_wait(self, agent_key: str) -> None:
-        """The task ``agent_key`` names (its program key, :func:`switchyard.common.tenant.program_key`) ended during its tool wait (``ToolWaitRequest.task_ended``:
+    def end_tool_wait(self, program_key: str) -> None:
+        """The task ``program_key`` names (:func:`switchyard.common.tenant.program_key`) ended during its tool wait (``ToolWaitRequest.task_ended``:
         cancelled, past its deadline, or refused before its next step): its parked state leaves HBM, its DRAM
         copy is dropped and its tool-wait plan ends, now (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.forget_agent`);
         nothing is restored for a turn that will not come. Nothing to do on a stream engine."""
         loop = self.loop
         if isinstance(loop, StepLoop):
-            loop.forget_agent(agent_key)
+            loop.forget_agent(program_key)
 
-    def tool_wait(self, agent_key: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
-        """What to do with the prefix state of the task ``agent_key`` names (its program key: its tenant's, its
+    def tool_wait(self, program_key: str, tool: str, expected_wait_s: float) -> tuple[int, float]:
+        """What to do with the prefix state of the task ``program_key`` names (its key: its tenant's, its
         agent's and its own id, :func:`switchyard.common.tenant.program_key`) while it waits ``expected_wait_s`` seconds on ``tool``.
 
         A step engine's scheduler decides at once
@@ -306,7 +306,7 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         loop = self.loop
         if not isinstance(loop, StepLoop):  # a stream engine (or not started): no KV held here
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
-        decided = loop.tool_wait(agent_key, expected_wait_s, tool)
+        decided = loop.tool_wait(program_key, expected_wait_s, tool)
         if decided is None:
             return agent_pb2.TOOL_WAIT_DECISION_UNSPECIFIED, 0.0
         if decided.decision is Decision.SWAP:
