@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import get_args
 
 import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env, gateway_config, start_sim  # noqa: F401
 
+from switchyard.common.config.model_gateway import UpstreamConfig
 from switchyard.common.priority import PriorityClass
 from switchyard.api import agent_pb2
 from switchyard.gateway import servers
@@ -55,6 +57,14 @@ async def test_servers_without_a_priority_get_no_priority_field(clean_proxy_env,
             await stream(client, ask("core"))
     assert "priority" not in sim.state.requests[0]
     assert sim.state.headers[0]["x-priority"] == "core"  # the header still carries it
+
+
+def test_every_server_the_config_accepts_has_its_flavour() -> None:
+    """``model_gateway.server`` is checked against the config's list, and the gateway looks the name up in
+    ``FLAVOURS``: a name in one list only is a KeyError at the first request (a third copy of the names, in
+    ``servers``, had gone out of use)."""
+    accepted = set(get_args(UpstreamConfig.model_fields["server"].annotation))
+    assert accepted - {"auto"} == set(servers.FLAVOURS) - {"unknown"}
 
 
 @pytest.mark.parametrize(("body", "headers", "flavour"), [

@@ -43,7 +43,7 @@ import httpx
 from pydantic import ValidationError
 
 from switchyard.common.priority import PriorityClass
-from switchyard.common import envs, tls_check
+from switchyard.common import tls_check
 from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConfig, load_config
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (

@@ -35,10 +35,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SERVER_NAMES = ("auto", "vllm", "sglang", "tgi", "llama_cpp", "transformers", "ollama", "openai")
-"""Values of ``model_gateway.server``."""
-
-
 @dataclass(frozen=True)
 class ServerFlavour:
     """What a model server does with a request priority.
@@ -62,6 +58,7 @@ FLAVOURS: dict[str, ServerFlavour] = {
     "openai": ServerFlavour("openai", None),
     "unknown": ServerFlavour("unknown", "priority", lower_first=True),
 }
+"""Each server ``model_gateway.server`` may name (but ``auto``, which :func:`detect` resolves), and ``unknown``."""
 
 # owned_by values each server writes into GET /v1/models (lower-cased).
 _OWNERS = {

@@ -299,14 +299,6 @@ class KvMemory:
             self._room_for = None
         return self.capacity.refusal(req)
 
-    def _need(self, req: Request) -> int:
-        """KV bytes ``req`` reserves while running (0 for a capacity that does not count bytes)."""
-        return self.kv_budget.need(req) if self.kv_budget is not None else 0
-
-    def _free_bytes(self) -> int:
-        """KV bytes free for admission now (0 for a capacity that does not count bytes)."""
-        return self.kv_budget.free_bytes if self.kv_budget is not None else 0
-
     def _shortfall(self, req: Request) -> int:
         """Bytes that must leave HBM before ``req`` fits (0 for a capacity that does not count bytes)."""
         return self.kv_budget.shortfall(req) if self.kv_budget is not None else 0
