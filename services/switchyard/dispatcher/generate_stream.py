@@ -70,13 +70,12 @@ class _Running(StreamedRequest):
     """One request of a session: its protocol state, its engine request once opened, and its
     ``dispatcher.generate`` span."""
 
-    __slots__ = ("req", "span", "core")
+    __slots__ = ("req", "span")
 
     def __init__(self, request_id: str, span: trace.Span) -> None:
         super().__init__(request_id)
         self.req: Request | None = None  # None while it is validated and counted
         self.span = span
-        self.core = False  # a CORE request: its output is never held (GenerateSession.hold)
 
 
 class GenerateSession:
@@ -247,7 +246,6 @@ class GenerateSession:
                 self._wake.notify()
             return
         running.req = req
-        running.core = req.priority is PriorityClass.CORE
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
             return
@@ -260,7 +258,8 @@ class GenerateSession:
         the request's first (its TTFT), its last (its end, which the caller's next step waits on), or any
         of a CORE request's (its inter-token latency)."""
         req = running.req
-        if running.state is RequestState.STARTED or running.core or (req is not None and req.is_finished):
+        if running.state is RequestState.STARTED or (req is not None and (req.priority is PriorityClass.CORE
+                                                                          or req.is_finished)):
             self._urgent_now()
         self._wake.notify()
 
