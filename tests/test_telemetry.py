@@ -435,7 +435,7 @@ def test_only_sampled_requests_are_linked():
         r = Request(request_id="r", prompt="p", prompt_tokens=1, max_tokens=1)
         if sampled is not None:
             flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT)
-            r.span_context = trace.SpanContext(0xABC, 0x10 + int(sampled), False, flags)
+            r.span = trace.NonRecordingSpan(trace.SpanContext(0xABC, 0x10 + int(sampled), False, flags))
         return r
 
     links = request_links([req(True), req(False), req(None)])

@@ -397,7 +397,6 @@ class RequestProcessor:
         span.set_attribute("gen_ai.request.model", req.model)
         span.set_attribute("gen_ai.usage.input_tokens", req.prompt_tokens)
         span.set_attribute("switchyard.priority", req.priority.label)
-        req.span_context = span.get_span_context()
         req.span = span
         if timeout_s is not None:
             req.deadline = deadline_after(timeout_s)

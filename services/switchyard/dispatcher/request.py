@@ -256,10 +256,10 @@ class Request:
     admitted_at: float | None = None
     """When the policy last admitted it into the running set."""
     span: Any = field(default=None, repr=False, compare=False)
-    """The request's ``dispatcher.generate`` span: preemptions are recorded on it as events."""
+    """The request's ``dispatcher.generate`` span: preemptions are recorded on it as events, and the spans that
+    serve several requests link to its context (:func:`request_links`)."""
 
     # --- flush and timing info
-    flushed_at: float | None = None
     batch_size: int = 0
     flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
     queue_wait_s: float = 0.0
@@ -301,8 +301,6 @@ class Request:
     """The stream loop's ``asyncio.Task`` streaming this request from an upstream engine, while it streams
     (written by :class:`~switchyard.dispatcher.stream_loop.StreamLoop` alone; None on step engines)."""
 
-    span_context: Any = None
-    """opentelemetry SpanContext of the request span, linked from its batch span."""
     output: OutputStream = field(default_factory=OutputStream, repr=False)
     """Where its tokens, tool calls and end go to the Generate handler (written only through the methods below)."""
 
@@ -469,4 +467,5 @@ def request_links(reqs: "list[Request]") -> list[trace.Link]:
     Such a span has no single parent; the links tie it to each task's trace. Only sampled requests
     are linked (an unsampled one's span is never exported). Empty with tracing off.
     """
-    return [trace.Link(s.span_context) for s in reqs if s.span_context is not None and s.span_context.trace_flags.sampled]
+    contexts = [s.span.get_span_context() for s in reqs if s.span is not None]
+    return [trace.Link(context) for context in contexts if context.trace_flags.sampled]

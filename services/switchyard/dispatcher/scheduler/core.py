@@ -366,7 +366,6 @@ class SchedulerCore(KvMemory):
         # may publish the report later than that (engine_loop.STATS_INTERVAL_S); the loop makes its span
         self._events.flushed.append(BatchFlush(list(batch), reason, now))
         for req in batch:
-            req.flushed_at = now
             req.batch_size = size
             req.flush_reason = int(reason)
             req.batch = flushed
