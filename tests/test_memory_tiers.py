@@ -172,8 +172,8 @@ async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) 
 
     sched.on_idle(now=5.0)  # the tool took longer than the TTL: the prefix leaves HBM for DRAM
     assert sched.parked == [] and think.num_computed_tokens == 0
-    await sched.tiers._writes[sched.tiers.agent_key("agent-t")]
-    assert int(await client.hget(sched.tiers.agent_key("agent-t"), "tokens")) == prefix
+    await sched.tiers._writes[sched.tiers.parked_key("agent-t")]
+    assert int(await client.hget(sched.tiers.parked_key("agent-t"), "tokens")) == prefix
 
     publish(sched)
     restored = metric("switchyard_resumes_total", kind="tool_restored")
@@ -492,7 +492,7 @@ async def test_dispatcher_over_grpc_parks_an_agent_in_redis_and_resumes_it_from_
         ), timeout=30)]
         call = [c.tool_call for c in first if c.HasField("tool_call")][0]
         assert first[-1].done.finish_reason == "tool_calls"
-        key = service.tiers.agent_key("e2e-agent")
+        key = service.tiers.parked_key("e2e-agent")
         for _ in range(400):  # the idle engine's next tick expires the TTL and writes the copy
             if await client.exists(key):
                 break
@@ -543,8 +543,8 @@ async def test_an_agent_spilled_to_another_dispatcher_restores_its_prefix_from_t
             request_id="spill-1", agent_id="spill-agent", task_type="react_loop", messages=[question], tools=tools,
         ), timeout=30)]
         call = [c.tool_call for c in first if c.HasField("tool_call")][0]
-        key = home.tiers.agent_key("spill-agent")
-        assert key == spill.tiers.agent_key("spill-agent")
+        key = home.tiers.parked_key("spill-agent")
+        assert key == spill.tiers.parked_key("spill-agent")
         for _ in range(400):  # the home's idle tick expires the TTL and writes the copy
             if await client.exists(key):
                 break

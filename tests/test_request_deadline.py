@@ -174,7 +174,7 @@ def test_a_resumed_step_that_never_ran_ends_alike_however_it_ends(ends_by, in_dr
     sched = make_scheduler(config, SimEngine(config))
     discarded: list[str] = []
     sched.tiers.discard = discarded.append  # the DRAM tier's delete, recorded (no Redis here)
-    sched.tiers.agent_key = lambda agent: f"kv:agent:{agent}"
+    sched.tiers.parked_key = lambda key: f"kv:agent:{key}"
     sched.parking._cold["agent-1"] = (300, in_dram)  # the agent's last step left HBM during its tool call
     now = 1000.0
     req = Request(request_id="t:1", prompt="x", prompt_tokens=400, max_tokens=16, agent_id="agent-1",

@@ -60,7 +60,7 @@ async def swapped(db: RedisDb, agent: str, **overrides: Any) -> tuple[Any, Reque
     decided = sched.tool_wait(agent, WAIT_S, now=STARTED, tool=TOOL)
     assert decided is not None and decided.decision is Decision.SWAP
     assert sched.parked == []  # out of HBM, copied to DRAM
-    await sched.tiers._writes[sched.tiers.agent_key(agent)]
+    await sched.tiers._writes[sched.tiers.parked_key(agent)]
     return sched, think, prefix, decided
 
 

@@ -419,7 +419,7 @@ async def test_a_swap_decided_for_a_prefix_cheaper_to_recompute_than_to_copy_twi
         assert _value(TOOL_WAIT_DECISIONS, decision="swap") == swaps + 1
         assert _value(TOOL_WAIT_DECISIONS, decision="drop") == drops
         redis = redis_db.sync_client()
-        await _until(lambda: redis.exists(tiers.agent_key("fast-prefill-agent")), "the copy in DRAM")
+        await _until(lambda: redis.exists(tiers.parked_key("fast-prefill-agent")), "the copy in DRAM")
         chunks = [c async for c in stub.Generate(_resume_request("fast-prefill-agent", first))]
         await channel.close()
     assert chunks[-1].HasField("done")

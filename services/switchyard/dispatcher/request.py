@@ -1,6 +1,7 @@
-"""The state of one Generate request inside the dispatcher, and what the scheduler decides each step.
+"""The state of one generation request inside the dispatcher, and what the scheduler decides each step.
 
-A :class:`Request` is created by the service when a Generate arrives, handed to
+A :class:`Request` is built by the request processor when a GenerateStream start (or a Generate call,
+a stream of one) arrives (:func:`~switchyard.dispatcher.processor.to_request`), handed to
 the scheduler (its double buffer, then its waiting set), admitted (and maybe
 preempted and resumed) by the scheduling policy, and stepped by the engine.
 The engine reads it and returns what a step produced
@@ -9,7 +10,8 @@ writes that into the request (``update_from_output``: tokens, computed prefix,
 the one stop check, its :class:`RequestStatus`) and hands back a
 :class:`RequestOutput` per request; the step loop pushes those to the
 request's :class:`~switchyard.dispatcher.output.OutputStream` (``request.output``),
-which the Generate handler streams to its caller.
+which the session that carries the request
+(:class:`~switchyard.dispatcher.generate_stream.GenerateSession`) sends to its caller.
 
 Token bookkeeping follows vLLM's ``num_computed_tokens`` convention: the
 prefix whose KV state is held by the engine. After any step it equals
@@ -226,7 +228,7 @@ class Request:
     """Every generated token text, streamed or not (tool-call arguments are not streamed as text)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
     error: BaseException | None = field(default=None, repr=False)
-    """Why it ended with ``FINISHED_ERROR`` (raised to the Generate caller)."""
+    """Why it ended with ``FINISHED_ERROR`` (its session sends it to the caller as the request's error)."""
 
     # --- engine / scheduler state
     status: RequestStatus = RequestStatus.NEW
@@ -302,7 +304,7 @@ class Request:
     (written by :class:`~switchyard.dispatcher.stream_loop.StreamLoop` alone; None on step engines)."""
 
     output: OutputStream = field(default_factory=OutputStream, repr=False)
-    """Where its tokens, tool calls and end go to the Generate handler (written only through the methods below)."""
+    """Where its tokens, tool calls and end go to its session (written only through :meth:`RequestOutput.publish`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, PriorityClass):
@@ -314,8 +316,8 @@ class Request:
     @functools.cached_property
     def agent_key(self) -> str:
         """The agent's key, its tenant's and its id's (:func:`switchyard.common.tenant.agent_key`): what the
-        dispatcher's agent state (parking, tool-wait plans, the DRAM copy of its prefix, session fairness,
-        the upstream's affinity) is keyed by, so that two tenants' agents of one id never share it. "" when
+        state the agent's tasks share (session fairness, the upstream's affinity) is keyed by, so that two
+        tenants' agents of one id never share it; a task's own state is keyed by :attr:`program_key`. "" when
         the request has no agent. Read per engine step (the fair policy's charge), so kept once made: the
         tenant and the agent id are the request's from its start."""
         return agent_key(self.tenant_id, self.agent_id)

@@ -140,7 +140,7 @@ class KvMemory:
                 plan.decision = Decision.DROP
             elif decision.restore_at_s is not None:  # a copy went to DRAM and its return is planned ahead of the turn
                 plan.restore_at = now + decision.restore_at_s
-                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.agent_key(program_key), tokens, nbytes
+                plan.req, plan.key, plan.tokens, plan.kv_bytes = parked, self.tiers.parked_key(program_key), tokens, nbytes
         else:
             self.parking.move_out(program_key, demote=False)
             self.counters.hbm_evictions += 1
@@ -157,7 +157,7 @@ class KvMemory:
         left to skew its tool's measured returns)."""
         self.parking.forget(program_key)
         self.tool_waits.abandon(program_key)
-        self.tiers.discard(self.tiers.agent_key(program_key))
+        self.tiers.discard(self.tiers.parked_key(program_key))
 
     def until_prefetch(self, timeout: float, now: float) -> float:
         """How long a loop that would wait ``timeout`` seconds from ``now`` may wait: ``timeout``, or less
@@ -334,7 +334,7 @@ class KvMemory:
             tokens = handover.parked.num_computed_tokens
             waiting.num_computed_tokens = 0
             if self.parking.cool_handover(waiting):
-                waiting.swap_key, waiting.swap_tokens = self.tiers.agent_key(waiting.program_key), tokens
+                waiting.swap_key, waiting.swap_tokens = self.tiers.parked_key(waiting.program_key), tokens
             else:
                 waiting.recomputed_tokens += min(tokens, waiting.prompt_tokens)
 
@@ -392,7 +392,7 @@ class KvMemory:
         """A tool wait's SWAP: the parked agent's state goes to DRAM (under its agent's key) whenever a copy can
         be made; the decision priced it against recomputing (:func:`.tool_wait.decide`, the one rule of a tool
         wait's swap or drop). True when it was copied."""
-        if self._swap_out(parked, self.tiers.agent_key(parked.program_key), decided=True):
+        if self._swap_out(parked, self.tiers.parked_key(parked.program_key), decided=True):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
         self.counters.hbm_evictions += 1  # dropped: its next step recomputes
@@ -406,7 +406,7 @@ class KvMemory:
         """
         head = self._room_for
         delays = self._copy_delays() if head is not None and head.priority < parked.priority else 0
-        key = self.tiers.agent_key(parked.program_key)
+        key = self.tiers.parked_key(parked.program_key)
         if self._swap_out(parked, key, delays):
             parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
             return True
@@ -426,7 +426,7 @@ class KvMemory:
             self.counters.resumes["tool_warm"] += 1
         elif found.in_dram and found.prefix_tokens:
             # Its prefix went to DRAM: brought back at admission (a miss there recomputes it).
-            req.swap_key, req.swap_tokens = self.tiers.agent_key(req.program_key), found.prefix_tokens
+            req.swap_key, req.swap_tokens = self.tiers.parked_key(req.program_key), found.prefix_tokens
             self.counters.hbm_misses += 1
             self.counters.resumes["tool_restored"] += 1
         else:
@@ -437,7 +437,7 @@ class KvMemory:
                 # No record here: the agent's last step ran on another replica (affinity spilled it). The
                 # DRAM tier is shared and keyed by agent, so a copy that replica parked there is found
                 # under the same key; swap_tokens 0 takes whatever the copy holds (a miss recomputes).
-                req.swap_key, req.swap_tokens = self.tiers.agent_key(req.program_key), 0
+                req.swap_key, req.swap_tokens = self.tiers.parked_key(req.program_key), 0
 
     def _end_handover(self, req: Request) -> None:
         """``req`` started (its prefix state is now its own) or left: release its agent's parked step."""

@@ -92,9 +92,11 @@ class MemoryTiers:
         """DRAM key of a preempted request's KV state ("" without a DRAM tier)."""
         return self.store.key("seq", req.request_id) if self.store is not None else ""
 
-    def agent_key(self, agent_id: str) -> str:
-        """DRAM key of a parked agent's prefix state ("" without a DRAM tier)."""
-        return self.store.key("agent", agent_id) if self.store is not None else ""
+    def parked_key(self, program_key: str) -> str:
+        """DRAM key of a parked step's prefix state, by its task's ``program_key`` (``Request.program_key``, what
+        the parking and the tool-wait plans are keyed by; the stored key keeps its ``agent`` kind): the same on
+        every replica that shares the store ("" without a DRAM tier)."""
+        return self.store.key("agent", program_key) if self.store is not None else ""
 
     # ------------------------------------------------------------------ pricing
 
