@@ -13,6 +13,11 @@ it (``demote``), else it is dropped and the next step recomputes the prefix.
 Expiry is checked at every scheduling decision, before admission, so expired
 state is always gone before new work is admitted; on an idle engine it is
 released at the next decision.
+
+When the agent's next step arrives and finds its state warm (:meth:`ParkedAgents.take`), the parked step is
+handed over to it (:class:`Handover`): out of the parked set, still holding its KV (counted in
+:attr:`ParkedAgents.kv_bytes`) until the new step starts or leaves. The parking is the one record of that link,
+keyed by the new step (:meth:`ParkedAgents.handover`); the scheduler keeps none of its own.
 """
 
 from __future__ import annotations
