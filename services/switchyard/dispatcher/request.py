@@ -232,7 +232,9 @@ class Request:
 
     # --- engine / scheduler state
     status: RequestStatus = RequestStatus.NEW
-    """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only."""
+    """Where the scheduler holds it (:class:`RequestStatus`); written by the scheduler only, but for a
+    ``prefill_only`` request the processor finishes at once, which never reaches the scheduler (and the engine
+    tests' and bench's :class:`~switchyard.dispatcher.engines.driver.EngineDriver`, which stands in for it)."""
     num_prefilled_tokens: int = 0
     """Prompt (and recomputed) tokens the engine computed for it: with the output tokens, its attained service."""
     kv_reserved_bytes: int = 0

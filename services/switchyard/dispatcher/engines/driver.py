@@ -12,7 +12,7 @@ import time
 
 from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus
-from switchyard.dispatcher.scheduler.update import apply_output
+from switchyard.dispatcher.scheduler.update import apply_output, compose_batch
 
 
 class EngineDriver:
@@ -43,8 +43,6 @@ class EngineDriver:
 
     def batch(self, prefill: list[Request], decode: list[Request], budget: int | None = None) -> StepBatch:
         """The step batch the scheduler composes (:func:`switchyard.dispatcher.scheduler.update.compose_batch`)."""
-        from switchyard.dispatcher.scheduler.update import compose_batch
-
         self._start(prefill + decode)
         return compose_batch(self.engine.kv, [s for s in prefill if not s.is_finished],
                              [s for s in decode if not s.is_finished], budget)
