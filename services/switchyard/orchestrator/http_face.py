@@ -57,7 +57,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 import grpc
-from aiohttp import HttpVersion10, HttpVersion11, web, web_protocol
+from aiohttp import ClientConnectionResetError, HttpVersion10, HttpVersion11, web, web_protocol
 from aiohttp.helpers import parse_mimetype  # the Content-Type's parameters, a repeated one kept
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, HttpProcessingError, LineTooLong, PayloadEncodingError
 from aiohttp.http_parser import RawRequestMessage
@@ -75,6 +75,7 @@ from switchyard.common.untrusted import duplicate_key, shown
 from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, TaskRequest,
                                                   describe_error, message_dict, openapi, state_name,
                                                   status_json)
+from switchyard.orchestrator.metrics import CLIENT_WRITE_TIMEOUTS
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
 
 log = logging.getLogger(__name__)
@@ -376,6 +377,35 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                 self._messages[i] = (web_protocol._ErrInfo(status=400, exc=refusal, message=refusal.message),
                                      EMPTY_PAYLOAD)
 
+    write_timeout_s: float = 30.0
+    """The longest one write may wait for the client to take bytes, seconds (``orchestrator.http.write_timeout_s``;
+    set by :class:`_JsonErrorServer` on each connection)."""
+
+    async def _drain_helper(self) -> None:
+        """aiohttp's wait for room in the socket's buffers, bounded by :attr:`write_timeout_s`: every write of the
+        face past 64 KiB unsent waits here (an SSE event, a keepalive, a JSON body, the end of a stream). A client
+        that stops reading without closing held the handler, its RunTask stream and the task without end once its
+        buffers filled. Past the bound the connection is aborted (its unsent bytes dropped, as they would never
+        leave), counted, and the write raises ConnectionResetError, the error of a client that left: the stream
+        ends and its task is cancelled as on a disconnect.
+
+        Raises:
+            ClientConnectionResetError: the client took no bytes for :attr:`write_timeout_s`, or is gone.
+        """
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await super()._drain_helper()
+        except TimeoutError:
+            self._drain_waiter = None  # cancelled with the wait; the transport's end wakes nothing now
+            CLIENT_WRITE_TIMEOUTS.labels("http").inc()
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            log.warning("HTTP face: the client %s took no bytes for %g s (orchestrator.http.write_timeout_s): its "
+                        "connection is closed", peer, self.write_timeout_s)
+            if self.transport is not None:
+                self.transport.abort()
+            raise ClientConnectionResetError(
+                f"the client took no bytes for {self.write_timeout_s:g} s (orchestrator.http.write_timeout_s)") from None
+
     def close_without_lingering(self) -> None:
         """Close the connection right after the answer being made now, without aiohttp's lingering read of
         the request's unread body (up to ``lingering_time``, 10 s): a client whose body stalled sends no
@@ -430,17 +460,27 @@ shape (``GARBAGE``) is a malformed request (400), not an unknown method (501).""
 class _JsonErrorServer(web.Server):
     """aiohttp's server, its connections handled by :class:`_JsonProtocolErrors`."""
 
+    write_timeout_s: float = 30.0
+    """Each connection's :attr:`_JsonProtocolErrors.write_timeout_s` (set by :class:`_Runner`)."""
+
     def __call__(self) -> web_protocol.RequestHandler:
-        return _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+        handler = _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+        handler.write_timeout_s = self.write_timeout_s
+        return handler
 
 
 class _Runner(web.AppRunner):
     """An AppRunner whose server is a :class:`_JsonErrorServer` (the application's own server, its class
-    changed: the same handler, request factory and settings)."""
+    changed: the same handler, request factory and settings), its writes bounded by ``write_timeout_s``."""
+
+    def __init__(self, app: web.Application, *, write_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._write_timeout_s = write_timeout_s
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer
+        server.write_timeout_s = self._write_timeout_s
         return server
 
 
@@ -514,7 +554,8 @@ class HttpFace(Drains):
         host = self.config.server.host
         # handler_cancellation: a client that leaves cancels its handler (aiohttp's default since 3.9 is to
         # let it run), so RunTask's task is cancelled as a gRPC call's is when its caller goes.
-        self._runner = _Runner(self.app(), access_log=None, handler_cancellation=True,
+        self._runner = _Runner(self.app(), write_timeout_s=self.config.orchestrator.http.write_timeout_s,
+                               access_log=None, handler_cancellation=True,
                                keepalive_timeout=self.config.orchestrator.http.keepalive_timeout_s,
                                shutdown_timeout=self.config.server.shutdown_grace_s, max_field_size=MAX_FIELD_BYTES,
                                max_line_size=MAX_FIELD_BYTES)

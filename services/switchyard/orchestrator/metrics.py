@@ -80,6 +80,17 @@ SUBMITTED_TASKS = Gauge(
     "orchestrator.max_running_submitted_tasks) or running.",
     ["state"],
 )
+CLIENT_WRITE_TIMEOUTS = Counter(
+    "switchyard_client_write_timeouts_total",
+    "Answers cut because their client took no bytes for the write timeout (a client that stopped reading without "
+    "closing), by edge: http (orchestrator.http.write_timeout_s: the connection closed, a RunTask stream's task "
+    "cancelled) or grpc (orchestrator.grpc_stream_write_timeout_s: a RunTask call ended, its task cancelled).",
+    ["edge"],
+)
+EDGES = ("http", "grpc")
+"""The ``edge`` label of :data:`CLIENT_WRITE_TIMEOUTS`."""
+for _edge in EDGES:
+    CLIENT_WRITE_TIMEOUTS.labels(_edge)
 for _state in ("queued", "running"):
     SUBMITTED_TASKS.labels(_state)
 for _task_type in TASK_TYPES:

@@ -21,6 +21,7 @@ on the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import multiprocessing
@@ -53,7 +54,8 @@ from switchyard.orchestrator import prompts, tokens
 from switchyard.orchestrator.agent_memory import AgentMemory
 from switchyard.orchestrator.clients import InferenceClient, RetrievalClient, reported_window
 from switchyard.orchestrator.events import event_stream
-from switchyard.orchestrator.metrics import AGENTS_CONCURRENT, SUBMITTED_QUEUE, TASK_DURATION, TASK_TTFT, TASKS
+from switchyard.orchestrator.metrics import (AGENTS_CONCURRENT, CLIENT_WRITE_TIMEOUTS, SUBMITTED_QUEUE, TASK_DURATION,
+                                             TASK_TTFT, TASKS)
 from switchyard.orchestrator.readiness import SERVING as READY
 from switchyard.orchestrator.readiness import Readiness
 from switchyard.orchestrator.submitted import Submitted, SubmittedTasks
@@ -227,7 +229,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         return self._tokens
 
     def register(self, server: grpc.aio.Server) -> None:
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)
+        """AgentService on ``server``: this servicer's methods, RunTask's writes bounded (:class:`GrpcEdge`)."""
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(GrpcEdge(self), server)
 
     async def start(self) -> None:
         cfg = self.config
@@ -1099,3 +1102,60 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 "orchestrator.task_store.retention_s)", grpc.StatusCode.NOT_FOUND), self.name)
         live = self._submitted.get(record.task_id)
         return live.to_status(self._queue_position(record.task_id)) if live is not None else record.to_status()
+
+
+class GrpcEdge(agent_pb2_grpc.AgentServiceServicer):
+    """AgentService as the gRPC server serves it: the servicer's own methods, with each RunTask event's write
+    bounded by ``orchestrator.grpc_stream_write_timeout_s``.
+
+    grpc's write of an event waits while the caller's HTTP/2 flow-control window is full: a caller that stops
+    reading without cancelling (and without a deadline) held the call, and the events unsent, without end (its
+    task went on to its end meanwhile, its tokens gathered unread). Past the bound the call's status is sent,
+    DEADLINE_EXCEEDED naming the key (it leaves after the events already written, which such a caller reads
+    first), and the write is cancelled, which closes the stream as a caller's cancel does: RunTask's task is
+    cancelled. One timer per event, armed while grpc writes it (the HTTP face bounds its own writes:
+    ``orchestrator.http.write_timeout_s``).
+    """
+
+    def __init__(self, service: OrchestratorService) -> None:
+        self._service = service
+        self._ending: set[asyncio.Task[None]] = set()
+        """The status sends of stalled calls, held until done (the loop keeps only weak references to tasks)."""
+        self.SubmitTask = service.SubmitTask
+        self.GetTaskStatus = service.GetTaskStatus
+        self.CancelTask = service.CancelTask
+
+    async def RunTask(self, request: agent_pb2.RunTaskRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.TaskEvent]:
+        """:meth:`OrchestratorService.RunTask`'s events, each write bounded (see the class)."""
+        timeout_s = self._service.config.orchestrator.grpc_stream_write_timeout_s
+        loop = asyncio.get_running_loop()
+        call = asyncio.current_task()  # grpc writes each event in the call's task, the one iterating this
+        assert call is not None
+
+        def stalled() -> None:
+            CLIENT_WRITE_TIMEOUTS.labels("grpc").inc()
+            log.warning("RunTask: the caller %s took no event for %g s (orchestrator.grpc_stream_write_timeout_s): "
+                        "its task is cancelled", context.peer(), timeout_s)
+            # the status first (its batch is begun at once, before the cancel below reaches the call's task)
+            ending = loop.create_task(_end_stalled(context, timeout_s))
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
+            call.cancel()
+
+        async with contextlib.aclosing(self._service.RunTask(request, context)) as events:
+            async for event in events:
+                timer = loop.call_later(timeout_s, stalled)
+                try:
+                    yield event
+                finally:
+                    timer.cancel()
+
+
+async def _end_stalled(context: grpc.aio.ServicerContext, timeout_s: float) -> None:
+    """Send a stalled RunTask call's status (its ``abort`` raises once the status is under way: that is the end)."""
+    with contextlib.suppress(grpc.aio.AbortError, grpc.aio.UsageError):
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"RunTask: the caller took no event for {timeout_s:g} s (the call's flow-control window "
+                            "stayed full; orchestrator.grpc_stream_write_timeout_s): the task is cancelled")
+

@@ -39,6 +39,13 @@ class HttpFaceConfig(_Strict):
         "whose head is not whole by then, is closed (aiohttp's own server default is an hour, and a client could "
         "hold connections that long sending nothing; 75 s is nginx's keepalive_timeout and aiohttp's run_app).",
     )
+    write_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Longest one write of an answer (an SSE event or keepalive, a JSON body) may wait for the client "
+        "to take bytes, seconds, once the socket's buffers are full; past it the connection is closed, and a "
+        "POST /api/v1/agent/run stream's task is cancelled as when its client leaves (a client that stops reading "
+        "without closing holds no handler and no task), counted in switchyard_client_write_timeouts_total{edge=\"http\"}.",
+    )
     sse_keepalive_s: float = Field(
         4.0, gt=0, le=300,
         description="An SSE stream (POST /api/v1/agent/run) quiet this long, seconds, while its task waits (a "
@@ -122,6 +129,14 @@ class OrchestratorConfig(_Strict):
         default_factory=lambda: ["user", "session_id", "tenant"],
         description="Metadata keys (names) recorded on the task's span as switchyard.metadata.<key> "
         "(values cut to 256 characters); other keys are accepted within limits.max_metadata_* and not used.",
+    )
+    grpc_stream_write_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Longest a RunTask event may wait for a gRPC caller to take it, seconds, once the call's HTTP/2 "
+        "flow-control window is full (a caller that stops reading without cancelling); past it the task is cancelled "
+        "and the call ends DEADLINE_EXCEEDED naming this key, which such a caller reads after the events it left "
+        "unread; counted in switchyard_client_write_timeouts_total{edge=\"grpc\"}. The orchestrator's HTTP face "
+        "bounds its writes by orchestrator.http.write_timeout_s.",
     )
     task_time_limit_s: dict[str, float] = Field(
         default_factory=lambda: {"chat": 120.0, "rag_answer": 180.0, "react_loop": 600.0},

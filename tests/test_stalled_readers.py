@@ -1,0 +1,107 @@
+"""Clients that stop reading without closing: a RunTask stream's writes wait for them, and were not bounded. Over
+HTTP (a raw socket that reads the first bytes of an SSE stream, then nothing) and over gRPC (a stub that reads the
+first event, then nothing), against the real servers on 127.0.0.1 port 0 and the fixed downstream of
+test_orchestrator.py, its answer long enough to fill the sockets' buffers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+from test_http_face import FIELD_BODY, http_stack
+
+from switchyard.api import agent_pb2
+
+pytestmark = pytest.mark.no_gpu
+
+LONG_ANSWER = ["x" * 32768] * 3000
+"""96 MiB of tokens: past every buffer between the orchestrator and its client (a socket's send buffer grows to
+4 MiB), and far longer than the tests run, so the task is still running when its writes stall."""
+
+
+def _write_timeouts(edge: str) -> float:
+    return REGISTRY.get_sample_value("switchyard_client_write_timeouts_total", {"edge": edge}) or 0.0
+
+
+def _tasks_ended(code: str) -> float:
+    return REGISTRY.get_sample_value("switchyard_tasks_total", {"task_type": "chat", "code": code}) or 0.0
+
+
+async def _until(condition, what: str) -> None:
+    for _ in range(1200):  # a bound on the wait only, never on how soon: 60 s
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_an_sse_client_that_stops_reading_is_cut_and_its_task_cancelled():
+    """A client of POST /api/v1/agent/run that read the first bytes and then nothing (its socket open) held the
+    handler, the stream and the task: once the buffers filled, the write waited without end, and so did every
+    keepalive. Each write now waits orchestrator.http.write_timeout_s at most; then the connection is aborted and
+    the task cancelled, as when a client leaves."""
+    async with http_stack(**{"orchestrator.http.write_timeout_s": 0.5}) as (client, _, down):
+        down.words, down.token_gap_s = LONG_ANSWER, 0.002
+        cut, cancelled = _write_timeouts("http"), _tasks_ended("CANCELLED")
+        loop = asyncio.get_running_loop()
+        body = json.dumps({**FIELD_BODY, "task_type": "chat"}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the stall comes sooner
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", client.base_url.port))
+            await loop.sock_sendall(sock, b"POST /api/v1/agent/run HTTP/1.1\r\nHost: face\r\nContent-Type: "
+                                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            head = await loop.sock_recv(sock, 1024)  # the answer's first bytes; then the client reads no more
+            assert head.startswith(b"HTTP/1.1 200 OK"), head
+            await _until(lambda: _write_timeouts("http") > cut, "the stalled write was cut")
+            await _until(lambda: _tasks_ended("CANCELLED") > cancelled, "the task was cancelled")
+            read = head
+            with contextlib.suppress(ConnectionResetError):  # the face's unsent bytes are dropped: the stream
+                while chunk := await loop.sock_recv(sock, 1 << 20):  # ends where the kernel's buffers end
+                    read += chunk
+            assert b"event: token" in read and b"event: final" not in read
+        # the face serves on
+        reply = await client.get("/healthz")
+        assert reply.status_code == 200
+
+
+async def test_a_grpc_caller_that_stops_reading_has_its_task_cancelled_and_reads_why_after_its_events():
+    """The same over gRPC: a RunTask caller that read the first event, then nothing (no deadline, no cancel), held
+    the call and its unsent events without end once its flow-control window filled. Each write now waits
+    orchestrator.grpc_stream_write_timeout_s at most; then the task is cancelled and the status is sent after the
+    events already written, naming the key."""
+    async with http_stack(**{"orchestrator.grpc_stream_write_timeout_s": 0.5}) as (_, stub, down):
+        down.words, down.token_gap_s = LONG_ANSWER, 0.002
+        cut, cancelled = _write_timeouts("grpc"), _tasks_ended("CANCELLED")
+        call = stub.RunTask(agent_pb2.RunTaskRequest(agent_id="stalled", task_type="chat", payload="hi"))
+        assert (await call.read()).HasField("accepted")
+        await _until(lambda: _write_timeouts("grpc") > cut, "the stalled write was cut")
+        await _until(lambda: _tasks_ended("CANCELLED") > cancelled, "the task was cancelled")
+        kinds = []
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while (event := await call.read()) is not grpc.aio.EOF:
+                kinds.append(event.WhichOneof("event"))
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "orchestrator.grpc_stream_write_timeout_s" in ended.value.details()
+        assert "token" in kinds and "final" not in kinds
+
+
+async def test_a_grpc_caller_that_reads_slowly_but_steadily_reads_the_whole_stream():
+    """The bound is on a write that waits, not on a stream's length: a caller that pauses, then reads on, within
+    the bound, reads every event to the final one."""
+    async with http_stack(**{"orchestrator.grpc_stream_write_timeout_s": 30.0}) as (_, stub, down):
+        down.words = ["x" * 32768] * 200  # 6 MiB: the caller's window fills while it pauses
+        call = stub.RunTask(agent_pb2.RunTaskRequest(agent_id="slow", task_type="chat", payload="hi"))
+        assert (await call.read()).HasField("accepted")
+        while not down.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # a pause, far within the bound
+        kinds = []
+        while (event := await call.read()) is not grpc.aio.EOF:
+            kinds.append(event.WhichOneof("event"))
+        assert kinds[-1] == "final", kinds[-3:]
