@@ -177,7 +177,10 @@ def _path_id(request: web.Request, name: str) -> str:
 def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", status: int | None = None) -> web.Response:
     status = HTTP_STATUS.get(code, 500) if status is None else status
     headers: dict[str, str] = {}
-    closes = status in (408, 501)  # the body never arrived whole, or its coding is not read: the connection closes
+    # 408, 501: the body never arrived whole, or its coding is not read, and 413: a body the face will not read
+    # (aiohttp still reads and drops what comes of it for up to 10 s, so the client can read this answer before
+    # the close): the connection closes, and says so, so a client sends no further request on it
+    closes = status in (408, 413, 501)
     if closes:
         headers["Connection"] = "close"
     elif status == 401:  # RFC 9110 section 11.6.1: a 401 names its scheme; RFC 6750 section 3: Bearer
@@ -188,6 +191,15 @@ def _error(code: grpc.StatusCode, message: str, origin: str = "orchestrator", st
     if closes:
         response.force_close()
     return response
+
+
+def _code_of_status(status: int) -> grpc.StatusCode:
+    """The gRPC code of an error answer aiohttp made with an HTTP status: the code errors.HTTP_STATUS maps to that
+    status (the first, where several do), else INVALID_ARGUMENT for a 4xx and INTERNAL for a 5xx."""
+    for code, mapped in HTTP_STATUS.items():
+        if mapped == status:
+            return code
+    return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
 
 
 def _abort_answer(exc: HttpAbort) -> web.Response:
@@ -416,7 +428,16 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError) or status != 400:
-            return super().handle_error(request, status, exc, message)
+            # A handler's fault (500) or a TimeoutError out of one (504): aiohttp logs it (with its traceback)
+            # and refuses once an answer began; its own answer was text/plain or HTML, outside the error family.
+            super().handle_error(request, status, exc, message)
+            code, detail = ((grpc.StatusCode.DEADLINE_EXCEEDED, "request: the face's handler ran out of time")
+                            if status == 504 else
+                            (grpc.StatusCode.INTERNAL, "request: the HTTP face failed answering it (logged on the "
+                             "server); retry, or report it with the time"))
+            response = web.json_response(error_body(code, detail), status=status, headers={"Connection": "close"})
+            response.force_close()
+            return response
         code = grpc.StatusCode.INVALID_ARGUMENT
         if isinstance(exc, LineTooLong) or "too long" in str(exc.message).lower():
             status, detail = 431, (f"headers: a header line (or the request line) is past {MAX_FIELD_BYTES} bytes; "
@@ -442,8 +463,10 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
         # The parser's reason quotes the request's bytes (a header, perhaps a token): the log names its kind only.
         log.warning("HTTP face: refused a request from %s: %d (%s)", request.remote, status, type(exc).__name__)
         http_telemetry.observe_refused(status)  # no route, no middleware: the parser refused it
-        response = web.json_response(error_body(code, detail), status=status)
-        response.force_close()  # the rest of the connection's bytes cannot be trusted to start a request
+        # the rest of the connection's bytes cannot be trusted to start a request: closed, and said so (the answer
+        # is HTTP/1.0's, no request line having been read, where a close is the default; a client reads it anyway)
+        response = web.json_response(error_body(code, detail), status=status, headers={"Connection": "close"})
+        response.force_close()
         return response
 
 
@@ -602,6 +625,11 @@ class HttpFace(Drains):
             return web.json_response(error_body(grpc.StatusCode.UNIMPLEMENTED,
                                                 f"method: {request.method} {shown(request.path)} expected {allowed}"),
                                      status=405, headers={"Allow": allowed})
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            # any other answer aiohttp makes as an exception (its body text/plain): the face's error shape
+            return _error(_code_of_status(exc.status), f"request: {exc.reason}", status=exc.status)
 
     # ------------------------------------------------------------------ handlers
 
