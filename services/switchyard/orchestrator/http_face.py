@@ -32,7 +32,14 @@ Transfer-Encoding other than chunked alone) (UNIMPLEMENTED), 413, 415, 431 (a he
 header fields), 505 (a version other than HTTP/1.0 and HTTP/1.1; a request aiohttp's
 parser refuses otherwise is 400) (INVALID_ARGUMENT), 417 (an Expect other than 100-continue, FAILED_PRECONDITION),
 408 (the body not whole within
-``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes).
+``orchestrator.http.body_read_timeout_s``, DEADLINE_EXCEEDED; the connection closes); a fault of the face is 500
+(INTERNAL) and a TimeoutError out of a handler 504, in the same shape (:meth:`_JsonProtocolErrors.handle_error`).
+408, 413, 501 and the parser's refusals close the connection.
+
+Each write waits at most ``orchestrator.http.write_timeout_s`` for a client to take bytes
+(:meth:`_JsonProtocolErrors._drain_helper`): past it the connection is aborted, and a RunTask stream's task
+cancelled as on a disconnect. ``orchestrator.http.cors_allowed_origins`` (empty: off) lists the origins whose
+browser pages may call the face: aiohttp-cors answers their preflights and marks the answers to them.
 The ``accepted`` event's ``state`` is the state's lower-case name, as a submit answers it.
 A stream that fails after its first event ends with an ``error`` event of the
 same body. Each SSE event is ``event: <kind>`` (accepted, stage, token,
@@ -56,6 +63,7 @@ import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
+import aiohttp_cors
 import grpc
 from aiohttp import ClientConnectionResetError, HttpVersion10, HttpVersion11, web, web_protocol
 from aiohttp.helpers import parse_mimetype  # the Content-Type's parameters, a repeated one kept
@@ -72,8 +80,8 @@ from switchyard.common.errors import HTTP_STATUS, ORIGIN_KEY, InvalidArgument, h
 from switchyard.common.server import GRPC_SERVICES, Drains
 from switchyard.common.tasks import settle
 from switchyard.common.untrusted import duplicate_key, shown
-from switchyard.orchestrator.http_models import (EXPECTED, INT32_MAX, INT32_MIN, TaskRequest,
-                                                  describe_error, message_dict, openapi, state_name,
+from switchyard.orchestrator.http_models import (CORS_REQUEST_HEADERS, EXPECTED, INT32_MAX, INT32_MIN,
+                                                  TaskRequest, describe_error, message_dict, openapi, state_name,
                                                   status_json)
 from switchyard.orchestrator.metrics import CLIENT_WRITE_TIMEOUTS
 from switchyard.orchestrator.validation import AGENT_ID_HEADER, parse_priority
@@ -415,8 +423,8 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
                         "connection is closed", peer, self.write_timeout_s)
             if self.transport is not None:
                 self.transport.abort()
-            raise ClientConnectionResetError(
-                f"the client took no bytes for {self.write_timeout_s:g} s (orchestrator.http.write_timeout_s)") from None
+            raise ClientConnectionResetError(f"the client took no bytes for {self.write_timeout_s:g} s "
+                                             "(orchestrator.http.write_timeout_s)") from None
 
     def close_without_lingering(self) -> None:
         """Close the connection right after the answer being made now, without aiohttp's lingering read of
@@ -507,6 +515,21 @@ class _Runner(web.AppRunner):
         return server
 
 
+CORS_EXPOSED_HEADERS = ("Retry-After", "WWW-Authenticate", "Allow")
+"""The answer headers such a page may read beyond the CORS-safelisted ones (Content-Type among them)."""
+CORS_MAX_AGE_S = 600
+"""How long a browser may keep a preflight's answer, seconds (Access-Control-Max-Age; Chromium caps it at 7200)."""
+
+
+async def _vary_on_origin(request: web.Request, response: web.StreamResponse) -> None:
+    """``Vary: Origin`` on an answer that names its caller's origin in Access-Control-Allow-Origin (aiohttp-cors
+    echoes the origin and leaves Vary alone): a shared cache must not hand it to a page of another origin (Fetch
+    standard, section 3.2.5)."""
+    if "Access-Control-Allow-Origin" in response.headers:
+        vary = response.headers.get("Vary")
+        response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+
+
 class HttpFace(Drains):
     """The HTTP face of ``service``, run by the server bootstrap beside its gRPC server (a Service:
     started after it, drained and stopped before it).
@@ -532,7 +555,8 @@ class HttpFace(Drains):
         self._site: web.TCPSite | None = None
         limits = config.limits
         self._openapi = json.dumps(openapi(__version__, limits.max_tokens, limits.max_id_chars,
-                                           limits.max_task_id_chars)).encode()
+                                           limits.max_task_id_chars,
+                                           cors=bool(config.orchestrator.http.cors_allowed_origins))).encode()
         self._expected = {**EXPECTED, "max_tokens": f"an integer from 0 (the default, {limits.default_max_tokens}, "
                           f"at most half the model's context window) to the lesser of limits.max_tokens "
                           f"({limits.max_tokens}) and the model's context window less the prompt's tokens"}
@@ -566,6 +590,14 @@ class HttpFace(Drains):
                 app.router.add_get(path, handlers[name], name=name, expect_handler=expect)
             else:
                 app.router.add_route(method, path, handlers[name], name=name, expect_handler=expect)
+        origins = self.config.orchestrator.http.cors_allowed_origins
+        if origins:  # aiohttp-cors: a preflight route on each path, and its headers on each answer to an origin listed
+            options = aiohttp_cors.ResourceOptions(allow_headers=CORS_REQUEST_HEADERS,
+                                                   expose_headers=CORS_EXPOSED_HEADERS, max_age=CORS_MAX_AGE_S)
+            cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
+            for route in list(app.router.routes()):
+                cors.add(route)
+            app.on_response_prepare.append(_vary_on_origin)
         return app
 
     async def start(self) -> None:
@@ -628,8 +660,10 @@ class HttpFace(Drains):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            # any other answer aiohttp makes as an exception (its body text/plain): the face's error shape
-            return _error(_code_of_status(exc.status), f"request: {exc.reason}", status=exc.status)
+            # any other answer made as an exception (its body text/plain; aiohttp-cors's refused preflight, 403,
+            # among them): the face's error shape, with its words where it has its own
+            said = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
+            return _error(_code_of_status(exc.status), f"request: {said}", status=exc.status)
 
     # ------------------------------------------------------------------ handlers
 
@@ -638,6 +672,8 @@ class HttpFace(Drains):
         it may go on (auth off, a good token, or a route that needs none)."""
         tokens = self.service.bearer_tokens()
         route = request.match_info.route.name
+        if request.method == "OPTIONS":  # a CORS preflight, which runs nothing: a browser sends it with no token
+            return None
         if tokens is not None and route in ("submit", "run", "status", "task_status", "cancel"):
             method = ROUTE_METHODS["status" if route == "task_status" else route]
             refused = tokens.check(method, request.headers.getall("Authorization", None))

@@ -299,11 +299,14 @@ def id_schema(most: int, setting: str, required: bool = False) -> dict[str, Any]
                            "not spaces alone."}
 
 
-def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars: int) -> dict[str, Any]:
+def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars: int,
+            cors: bool = False) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the HTTP face, its schemas generated from the models above; ``max_tokens``:
     the face's ``limits.max_tokens``, the most a body's max_tokens may be (the model's context window less the
     prompt may allow less, which no schema can say); ``max_id_chars`` and ``max_task_id_chars``: the longest
-    agent_id or model, and task_id (:func:`id_schema`)."""
+    agent_id or model, and task_id (:func:`id_schema`); ``cors``: the face answers CORS preflights
+    (``orchestrator.http.cors_allowed_origins`` lists origins), an ``options`` operation on every path. Every
+    route the face serves is an operation here, HEAD beside each GET."""
     models = [TaskRequest, AcceptedResponse, TaskStatusResponse, ErrorResponse]
     _, defs = models_json_schema([(m, "serialization" if m is not TaskRequest else "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
@@ -371,7 +374,7 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
     status_answers = {"200": json_body(TaskStatusResponse, "The task's status"),
                       "404": json_body(ErrorResponse, "NOT_FOUND: no such task (or past retention)"),
                       **{k: v for k, v in errors.items() if k in ("400", "401", "403", "503")}, **face_errors}
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "Switchyard AgentService over HTTP", "version": version,
                  "description": "Every path also answers 405 (UNIMPLEMENTED, with Allow) to a method it does not "
@@ -450,4 +453,64 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
         # a bearer token, or none (OpenAPI 3.1 section 4.8.30: an empty requirement makes it optional): the
         # document is the same whether auth is on or off, so a generated client can send the token
         "security": [{"bearer": []}, {}],
+    }
+    document["paths"]["/openapi.json"] = {"get": {
+        "summary": "This document (OpenAPI 3.1)",
+        "security": [],
+        "responses": {"200": {"description": "The OpenAPI document", "content": {"application/json": {
+            "schema": {"type": "object", "required": ["openapi", "paths"]}}}}, **face_errors},
+    }}
+    for operations in document["paths"].values():
+        if "get" in operations:  # RFC 9110 section 9.3.2: HEAD wherever GET, its status and headers, no body
+            get = operations["get"]
+            operations["head"] = {
+                "summary": f"As GET, with no body: {get['summary']}",
+                **{key: get[key] for key in ("parameters", "security") if key in get},
+                "responses": {status: {"description": answer["description"]}
+                              for status, answer in get["responses"].items()},
+            }
+        if cors:
+            in_path = {p["name"]: p for operation in operations.values() for p in operation.get("parameters", ())
+                       if p["in"] == "path"}
+            operations["options"] = _preflight(sorted(method.upper() for method in operations), list(in_path.values()),
+                                               face_errors)
+    return document
+
+
+CORS_REQUEST_HEADERS = ("Authorization", "Content-Type", "X-Agent-Id", "X-Priority", "X-Tenant-Id", "Last-Event-ID",
+                        "traceparent", "tracestate")
+"""The request headers a browser page of an allowed origin may send (a preflight naming another is 403): the
+bearer token, the body's type, the edge headers, an EventSource-style client's ``Last-Event-ID``, and the W3C
+trace context a page's OpenTelemetry sends."""
+
+
+def _preflight(methods: list[str], in_path: list[dict[str, Any]], face_errors: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` operation of a path where the face answers CORS preflights (a browser's, before a page of
+    another origin calls ``methods``); ``in_path``: the path's parameters."""
+    error = {"description": "PERMISSION_DENIED: the Origin is not in orchestrator.http.cors_allowed_origins, or the "
+                            "method or a header asked for is not taken here (the message says which); no CORS "
+                            "headers, so the browser refuses the call",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    return {
+        "summary": f"CORS preflight of a browser page before it calls {', '.join(methods)} here; runs nothing",
+        "security": [],  # a browser sends a preflight with no credentials
+        "parameters": [
+            *in_path,
+            {"name": "Origin", "in": "header", "required": True, "schema": {"type": "string"},
+             "description": "The page's origin: one of orchestrator.http.cors_allowed_origins (or any, where it "
+                            "lists '*')."},
+            {"name": "Access-Control-Request-Method", "in": "header", "required": True,
+             "schema": {"type": "string", "enum": methods}},
+            {"name": "Access-Control-Request-Headers", "in": "header", "required": False,
+             "schema": {"type": "string"},
+             "description": f"Comma-separated, among {', '.join(CORS_REQUEST_HEADERS)}."},
+        ],
+        "responses": {
+            "200": {"description": "Allowed: the call may follow", "headers": {
+                name: {"schema": {"type": "string"}} for name in (
+                    "Access-Control-Allow-Origin", "Access-Control-Allow-Methods", "Access-Control-Allow-Headers",
+                    "Access-Control-Max-Age", "Vary")}},
+            "403": error,
+            **face_errors,
+        },
     }

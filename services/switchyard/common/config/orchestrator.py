@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -11,6 +12,11 @@ from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
 from switchyard.common.config.server import _health_port, _metrics_port, _port, distinct_ports
 from switchyard.common.grpc_target import EXPECTED_TARGET, grpc_target_problem
+
+
+_ORIGIN = re.compile(r"https?://([a-z0-9.\-]+|\[[0-9a-f:.]+\])(:[0-9]{1,5})?")
+"""An origin as a browser sends it in ``Origin`` (RFC 6454 section 6.1): scheme, host (a name in lower case, or an
+IPv6 address in brackets) and an optional port; no path."""
 
 
 class HttpFaceConfig(_Strict):
@@ -44,8 +50,28 @@ class HttpFaceConfig(_Strict):
         description="Longest one write of an answer (an SSE event or keepalive, a JSON body) may wait for the client "
         "to take bytes, seconds, once the socket's buffers are full; past it the connection is closed, and a "
         "POST /api/v1/agent/run stream's task is cancelled as when its client leaves (a client that stops reading "
-        "without closing holds no handler and no task), counted in switchyard_client_write_timeouts_total{edge=\"http\"}.",
+        "without closing holds no handler and no task), counted in "
+        "switchyard_client_write_timeouts_total{edge=\"http\"}.",
     )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins whose browser pages may call the face (CORS), each scheme://host[:port] as a browser "
+        "sends it in Origin (https://dash.example.com), or '*' for any: a preflight (OPTIONS) from one is answered "
+        "with the methods and headers its route takes, and every answer to one carries Access-Control-Allow-Origin "
+        "(credentials are bearer tokens in Authorization, never cookies). Empty: no CORS headers, and OPTIONS is 405.",
+    )
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """Refused at load: an origin a browser never sends (a path, a trailing slash, upper case) matched no
+        request, and the dashboard it was meant for was refused without a word of why."""
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"each an origin as a browser sends it, scheme://host[:port] in lower case with no "
+                                 f"path or trailing slash (https://dash.example.com), or '*' (got {origin!r})")
+        return origins
+
     sse_keepalive_s: float = Field(
         4.0, gt=0, le=300,
         description="An SSE stream (POST /api/v1/agent/run) quiet this long, seconds, while its task waits (a "
