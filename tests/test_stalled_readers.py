@@ -70,6 +70,60 @@ async def test_an_sse_client_that_stops_reading_is_cut_and_its_task_cancelled():
         assert reply.status_code == 200
 
 
+async def test_an_sse_client_that_pauses_within_the_bound_reads_the_whole_stream():
+    """The bound is on one write that waits, not on a stream's length: a reader that pauses (its buffers fill)
+    and reads on within orchestrator.http.write_timeout_s reads every event to the final one."""
+    async with http_stack(**{"orchestrator.http.write_timeout_s": 30.0}) as (client, _, down):
+        down.words = ["x" * 32768] * 200  # 6 MiB: the buffers fill while the reader pauses
+        cut = _write_timeouts("http")
+        loop = asyncio.get_running_loop()
+        body = json.dumps({**FIELD_BODY, "task_type": "chat"}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", client.base_url.port))
+            await loop.sock_sendall(sock, b"POST /api/v1/agent/run HTTP/1.1\r\nHost: face\r\nContent-Type: "
+                                          b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                    % (len(body), body))
+            read = await loop.sock_recv(sock, 1024)
+            while not down.requests:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # a pause, far within the bound
+            while chunk := await loop.sock_recv(sock, 1 << 20):
+                read += chunk
+        assert b"event: final" in read and _write_timeouts("http") == cut
+
+
+async def test_a_client_that_stops_reading_a_large_json_answer_is_cut_too():
+    """The bound is on every write of the face, not on SSE alone: a status answer of megabytes (a finished task's
+    result) to a client that reads nothing held its connection; it is aborted after the same wait."""
+    async with http_stack(**{"orchestrator.http.write_timeout_s": 0.5}) as (client, _, down):
+        down.words = ["x" * 32768] * 300  # a result of 9 MiB: past the sockets' buffers
+        accepted = (await client.post("/api/v1/agent/submit", json={**FIELD_BODY, "task_type": "chat"})).json()
+        for _ in range(1200):
+            if (await client.get(f"/api/v1/tasks/{accepted['task_id']}")).json()["state"] == "finished":
+                break
+            await asyncio.sleep(0.05)
+        cut = _write_timeouts("http")
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", client.base_url.port))
+            await loop.sock_sendall(sock, b"GET /api/v1/tasks/%s HTTP/1.1\r\nHost: face\r\n\r\n"
+                                    % accepted["task_id"].encode())
+            await _until(lambda: _write_timeouts("http") > cut, "the stalled write was cut")
+            read = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await loop.sock_recv(sock, 1 << 20):
+                    read += chunk
+            head, _, body = read.partition(b"\r\n\r\n")
+            promised = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                if line.lower().startswith(b"content-length:")))
+            assert head.startswith(b"HTTP/1.1 200") and len(body) < promised  # cut short, then closed
+        assert (await client.get("/healthz")).status_code == 200
+
+
 async def test_a_grpc_caller_that_stops_reading_has_its_task_cancelled_and_reads_why_after_its_events():
     """The same over gRPC: a RunTask caller that read the first event, then nothing (no deadline, no cancel), held
     the call and its unsent events without end once its flow-control window filled. Each write now waits
