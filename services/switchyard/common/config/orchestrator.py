@@ -159,7 +159,8 @@ class OrchestratorConfig(_Strict):
     grpc_stream_write_timeout_s: float = Field(
         30.0, gt=0, le=3600,
         description="Longest a RunTask event may wait for a gRPC caller to take it, seconds, once the call's HTTP/2 "
-        "flow-control window is full (a caller that stops reading without cancelling); past it the task is cancelled "
+        "flow-control window is full (a caller that stops reading without cancelling); past it (checked every quarter "
+        "of it) the task is cancelled "
         "and the call ends DEADLINE_EXCEEDED naming this key, which such a caller reads after the events it left "
         "unread; counted in switchyard_client_write_timeouts_total{edge=\"grpc\"}. The orchestrator's HTTP face "
         "bounds its writes by orchestrator.http.write_timeout_s.",
