@@ -9,11 +9,12 @@ import asyncio
 import contextlib
 import json
 import socket
+import ssl
 
 import grpc
 import pytest
 from prometheus_client import REGISTRY
-from test_http_face import FIELD_BODY, http_stack
+from test_http_face import FIELD_BODY, http_stack, pki  # noqa: F401 - pki: a fixture
 
 from switchyard.api import agent_pb2
 
@@ -68,6 +69,30 @@ async def test_an_sse_client_that_stops_reading_is_cut_and_its_task_cancelled():
         # the face serves on
         reply = await client.get("/healthz")
         assert reply.status_code == 200
+
+
+async def test_an_sse_client_over_tls_that_stops_reading_is_cut_as_well(pki):
+    """The same over TLS (server.tls): the TLS layer's buffer fills and pauses the face's writes as the socket's
+    does, and the bound cuts them the same way."""
+    verify = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    tls = {"enabled": True, "require_client_auth": False, "cert_file": str(pki / "cert.pem"),
+           "key_file": str(pki / "key.pem"), "ca_file": str(pki / "ca.pem")}
+    async with http_stack({"verify": verify}, **{"server.tls": tls, "orchestrator.http.write_timeout_s": 0.5}) as (
+            client, _, down):
+        down.words, down.token_gap_s = LONG_ANSWER, 0.002
+        cut, cancelled = _write_timeouts("http"), _tasks_ended("CANCELLED")
+        body = json.dumps({**FIELD_BODY, "task_type": "chat"}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", client.base_url.port))
+        reader, writer = await asyncio.open_connection(sock=sock, ssl=verify, server_hostname="127.0.0.1")
+        writer.write(b"POST /api/v1/agent/run HTTP/1.1\r\nHost: face\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200 OK")  # then the client reads no more
+        await _until(lambda: _write_timeouts("http") > cut, "the stalled write was cut")
+        await _until(lambda: _tasks_ended("CANCELLED") > cancelled, "the task was cancelled")
+        writer.transport.abort()
+        assert (await client.get("/healthz")).status_code == 200
 
 
 async def test_an_sse_client_that_pauses_within_the_bound_reads_the_whole_stream():
