@@ -7,6 +7,7 @@
     POST /api/v1/tasks/{task_id}/cancel  CancelTask     -> the task's status after it
     GET  /openapi.json                   the OpenAPI document (generated from http_models.py)
     GET  /healthz, /readyz               liveness, and readiness as gRPC health's agent.AgentService (503 naming why)
+    OPTIONS <each path>                  a CORS preflight, where orchestrator.http.cors_allowed_origins lists origins
 
 One path per request: each handler calls the servicer's own method
 (:class:`OrchestratorService`) with an :class:`HttpCall` standing for the gRPC
