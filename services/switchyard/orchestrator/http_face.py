@@ -413,19 +413,23 @@ class _JsonProtocolErrors(web_protocol.RequestHandler):
         Raises:
             ClientConnectionResetError: the client took no bytes for :attr:`write_timeout_s`, or is gone.
         """
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await super()._drain_helper()
-        except TimeoutError:
-            self._drain_waiter = None  # cancelled with the wait; the transport's end wakes nothing now
+        if self.transport is None or not self._paused:
+            return await super()._drain_helper()  # gone: raises; room: returns
+        waiter = self._drain_waiter  # aiohttp's future, set when the transport has room again (or is lost)
+        if waiter is None:
+            waiter = self._drain_waiter = self._loop.create_future()
+        # asyncio.wait, not a timeout around aiohttp's await: the waiter is one future for every writer waiting,
+        # and a timeout would cancel it under them all
+        done, _ = await asyncio.wait([waiter], timeout=self.write_timeout_s)
+        if done:
+            return waiter.result()  # ConnectionError where the connection was lost meanwhile
+        if self.transport is not None:
             CLIENT_WRITE_TIMEOUTS.labels("http").inc()
-            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
             log.warning("HTTP face: the client %s took no bytes for %g s (orchestrator.http.write_timeout_s): its "
-                        "connection is closed", peer, self.write_timeout_s)
-            if self.transport is not None:
-                self.transport.abort()
-            raise ClientConnectionResetError(f"the client took no bytes for {self.write_timeout_s:g} s "
-                                             "(orchestrator.http.write_timeout_s)") from None
+                        "connection is closed", self.transport.get_extra_info("peername"), self.write_timeout_s)
+            self.transport.abort()  # its end wakes every other writer waiting, whose writes then fail as this one
+        raise ClientConnectionResetError(f"the client took no bytes for {self.write_timeout_s:g} s "
+                                         "(orchestrator.http.write_timeout_s)")
 
     def close_without_lingering(self) -> None:
         """Close the connection right after the answer being made now, without aiohttp's lingering read of
