@@ -184,3 +184,17 @@ async def test_a_grpc_caller_that_reads_slowly_but_steadily_reads_the_whole_stre
         while (event := await call.read()) is not grpc.aio.EOF:
             kinds.append(event.WhichOneof("event"))
         assert kinds[-1] == "final", kinds[-3:]
+
+
+def test_the_grpc_edge_serves_every_agent_service_method():
+    """The server serves AgentService through GrpcEdge, which lists the servicer's methods it passes on: a method
+    added to the proto and not to GrpcEdge would be served as grpc's UNIMPLEMENTED stub, silently."""
+    from types import SimpleNamespace
+
+    from switchyard.orchestrator.service import GrpcEdge
+
+    names = [m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods]
+    service = SimpleNamespace(**{name: object() for name in names})
+    edge = GrpcEdge(service)
+    served = {name for name in names if name in vars(edge) or name in vars(GrpcEdge)}
+    assert served == set(names), f"not passed on by GrpcEdge: {sorted(set(names) - served)}"
