@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
 from typing import AsyncIterator
@@ -77,10 +78,12 @@ async def wait_until(predicate, what: str) -> None:  # type: ignore[no-untyped-d
     raise AssertionError(f"never happened: {what}")
 
 
-def start(request_id: str, timeout_s: float = 0.0, **fields: object) -> agent_pb2.StreamedGenerate:
+def start(request_id: str, timeout_s: float = 0.0, token_hold_s: float = 0.0,
+          **fields: object) -> agent_pb2.StreamedGenerate:
     fields.setdefault("prompt", PROMPT)
     return agent_pb2.StreamedGenerate(
-        request=agent_pb2.GenerateRequest(request_id=request_id, **fields), timeout_s=timeout_s)
+        request=agent_pb2.GenerateRequest(request_id=request_id, **fields), timeout_s=timeout_s,
+        token_hold_s=token_hold_s)
 
 
 class RawStream:
@@ -353,6 +356,151 @@ async def test_a_core_requests_tokens_are_not_held_beside_held_batch_ones() -> N
         await stream.send(cancel=("batch",))
         assert await stream.close() == grpc.StatusCode.OK
 
+# --------------------------------------------------------------------------- a request's token hold (token_hold_s)
+
+LONG_HOLD_S = 10.0  # the longest hold: what a test shows held waits for its end, not for this
+
+
+def tokens_of(stream: RawStream, request_id: str) -> int:
+    return token_count([c.token for c in stream.chunks[request_id] if c.HasField("token")])
+
+
+async def test_a_batch_requests_tokens_after_its_first_wait_out_its_token_hold_but_never_its_first_or_end() -> None:
+    # "clock" (NORMAL, no hold) streams a token a step (~20 ms) beside "b" (BATCH, held 10 s, 30 tokens, ~0.6 s):
+    # b sends its first token alone, then nothing until its end, which carries the other 29 merged and its done,
+    # and is not held: the clock has received about b's 30 tokens meanwhile (held, ~500, and the clock's 400
+    # would have ended first). The clock keeps about a message a step, NORMAL's rule.
+    b_tokens = 30
+    async with dispatcher(**SLOW) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("clock", max_tokens=400))
+        await stream.until(lambda: len(stream.chunks["clock"]) >= 3, "the clock streams")
+        clock_before, clock_chunks_before = tokens_of(stream, "clock"), len(stream.chunks["clock"])
+        await stream.send(start("b", max_tokens=b_tokens, priority=agent_pb2.BATCH, token_hold_s=LONG_HOLD_S))
+        await stream.until(lambda: stream.ended("b"), "b ends")
+        assert not stream.ended("clock")
+        clock_ticks = tokens_of(stream, "clock") - clock_before
+        assert clock_ticks <= b_tokens + 8, clock_ticks
+        assert len(stream.chunks["clock"]) - clock_chunks_before >= clock_ticks // 2  # not held beside b
+        assert [c.WhichOneof("chunk") for c in stream.chunks["b"]] == ["token", "token", "done"]
+        first, rest, _done = stream.chunks["b"]
+        assert (first.token.index, first.token.count or 1) == (0, 1)
+        assert (rest.token.index, rest.token.count) == (1, b_tokens - 1)
+        await stream.send(cancel=("clock",))
+        assert await stream.close() == grpc.StatusCode.OK
+
+        # what b's caller reads is what it reads unheld
+        unheld = RawStream(channel)
+        await unheld.send(start("b", max_tokens=b_tokens, priority=agent_pb2.BATCH))
+        await unheld.until(lambda: unheld.ended("b"), "b ends")
+        assert await unheld.close() == grpc.StatusCode.OK
+        assert len(unheld.chunks["b"]) > 3
+        assert summary(stream.chunks["b"]) == summary(unheld.chunks["b"])
+
+
+async def test_held_tokens_leave_in_fewer_messages_than_tokens_and_a_request_alone_is_held_too() -> None:
+    # the hop's point: a BATCH stream's tokens leave about as often as its caller shows them. Alone on its
+    # stream (where NORMAL's rule never holds), 40 tokens held 10 s leave in 2 messages: the first, the rest
+    async with dispatcher(**SLOW) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("b", max_tokens=40, priority=agent_pb2.BATCH, token_hold_s=LONG_HOLD_S))
+        await stream.until(lambda: stream.ended("b"), "b ends")
+        assert await stream.close() == grpc.StatusCode.OK
+        assert summary(stream.chunks["b"])[1] == 40
+        assert stream.messages == 2, stream.messages
+
+
+async def test_a_core_request_beside_a_held_batch_one_leaves_as_it_comes() -> None:
+    async with dispatcher(**SLOW) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("batch", max_tokens=400, priority=agent_pb2.BATCH, token_hold_s=LONG_HOLD_S))
+        await stream.until(lambda: stream.chunks["batch"], "batch's first token")
+        await stream.send(start("core", max_tokens=20, priority=agent_pb2.CORE))
+        await stream.until(lambda: stream.ended("core"), "core ends")
+        assert summary(stream.chunks["core"])[1] == 20
+        assert len(stream.chunks["core"]) >= 12, [c.token.count for c in stream.chunks["core"]]
+        assert len(stream.chunks["batch"]) == 1  # its tokens do not ride along on core's messages
+        await stream.send(cancel=("batch",))
+        assert await stream.close() == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("priority, hold_s, expected", [
+    (agent_pb2.CORE, 0.05, "0 on a CORE request"),
+    (agent_pb2.BATCH, -0.05, "from 0 to 10"),
+    (agent_pb2.BATCH, float("nan"), "from 0 to 10"),
+    (agent_pb2.BATCH, float("inf"), "from 0 to 10"),
+    (agent_pb2.NORMAL, 10.5, "from 0 to 10"),
+])
+async def test_a_bad_token_hold_refuses_its_request_alone_naming_the_field(priority, hold_s, expected) -> None:
+    async with dispatcher(**MEDIUM) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("bad", max_tokens=5, priority=priority, token_hold_s=hold_s))
+        await stream.send(start("good", max_tokens=5, priority=agent_pb2.NORMAL, token_hold_s=0.05))
+        await stream.until(lambda: stream.ended("bad") and stream.ended("good"), "both end")
+        [error] = stream.errors["bad"]
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and error.origin == "dispatcher"
+        assert error.details.startswith("token_hold_s: expected ") and expected in error.details, error.details
+        assert summary(stream.chunks["good"])[1] == 5
+        assert await stream.close() == grpc.StatusCode.OK
+        assert held(service) == 0
+
+
+class _ToolCallStreamEngine(StreamEngine):
+    """A stream engine: "clock" streams a token every 10 ms; "tool" streams 5 tokens, a tool call, then waits for
+    :attr:`release` before 5 tokens more (a model server that streams a call mid-answer)."""
+
+    model = "tool-1"
+    stream_slots = None
+
+    def __init__(self) -> None:
+        self.called = asyncio.Event()  # "tool" yielded its call
+        self.release = asyncio.Event()
+
+    async def generate(self, req):  # type: ignore[no-untyped-def]
+        from switchyard.dispatcher.engines.base import Usage
+        from switchyard.dispatcher.request import ToolCall
+
+        if req.request_id == "tool":
+            for i in range(5):
+                await asyncio.sleep(0.01)
+                yield f"a{i} "
+            yield ToolCall(call_id="c1", name="search_docs", arguments_json="{}")
+            self.called.set()
+            await self.release.wait()
+            for i in range(5):
+                yield f"b{i} "
+            yield Usage(prompt_tokens=3, completion_tokens=10)
+            return
+        for i in range(req.max_tokens):
+            await asyncio.sleep(0.01)
+            yield f"w{i} "
+        yield Usage(prompt_tokens=3, completion_tokens=req.max_tokens)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_held_requests_tool_call_is_not_held() -> None:
+    # the call leaves as it comes, with the tokens held before it: the clock (a token every 10 ms) has sent only a
+    # few tokens more in between (held, it would wait out the 10 s hold: ~1000)
+    engine = _ToolCallStreamEngine()
+    async with dispatcher(engine) as (_service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("clock", max_tokens=3000))
+        await stream.send(start("tool", max_tokens=20, priority=agent_pb2.BATCH, token_hold_s=LONG_HOLD_S))
+        await asyncio.wait_for(engine.called.wait(), 30)
+        clock_at_call = tokens_of(stream, "clock")
+        await stream.until(lambda: any(c.HasField("tool_call") for c in stream.chunks["tool"]), "the tool call")
+        assert tokens_of(stream, "clock") - clock_at_call <= 30
+        assert [(c.WhichOneof("chunk"), c.token.count or 1) for c in stream.chunks["tool"]] == [
+            ("token", 1), ("token", 4), ("tool_call", 1)]
+        engine.release.set()
+        await stream.until(lambda: stream.ended("tool"), "tool ends")
+        assert [c.WhichOneof("chunk") for c in stream.chunks["tool"][3:]] == ["token", "done"]
+        assert "".join(c.token.text for c in stream.chunks["tool"]) == "a0 a1 a2 a3 a4 b0 b1 b2 b3 b4 "
+        await stream.send(cancel=("clock",))
+        assert await stream.close() == grpc.StatusCode.OK
+
 
 async def test_drain_finishes_running_requests_refuses_new_ones_and_ends_the_stream() -> None:
     async with dispatcher(**MEDIUM) as (service, srv, channel):
@@ -465,6 +613,26 @@ async def test_inference_client_deadline_is_a_switchyard_error_deadline_exceeded
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert f"127.0.0.1:{srv.port}" in str(err.value)
         await wait_until(lambda: held(service) == 0, "the dispatcher lets go")
+        await client.close()
+
+
+async def test_inference_client_carries_a_batch_tasks_token_hold_and_no_other_classes() -> None:
+    """The orchestrator's one reading of ``orchestrator.batch_token_flush_interval_ms`` (``token_hold_s``) goes with
+    a BATCH task's call: held 10 s, its tokens after the first leave the dispatcher with its end, one chunk; CORE
+    and NORMAL calls carry none (a CORE call carrying one would be refused) and stream a chunk a step."""
+    orchestrator = make_config(**{"orchestrator.batch_token_flush_interval_ms": 10_000.0}).orchestrator
+    async with dispatcher(**SLOW) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server,
+                                 token_hold_s=orchestrator.token_hold_s)
+        got = {}
+        for priority in (agent_pb2.CORE, agent_pb2.NORMAL, agent_pb2.BATCH):
+            task = dataclasses.replace(spec(f"t{priority}", 30), priority=priority)
+            got[priority] = [c async for c in client.generate(task, 0, prompt=PROMPT, timeout_s=30)]
+        assert [c.WhichOneof("chunk") for c in got[agent_pb2.BATCH]] == ["token", "token", "done"]
+        assert got[agent_pb2.BATCH][0].token.count in (0, 1)
+        assert len(got[agent_pb2.CORE]) > 10 and len(got[agent_pb2.NORMAL]) > 10
+        assert summary(got[agent_pb2.CORE])[:2] == summary(got[agent_pb2.NORMAL])[:2] == \
+            summary(got[agent_pb2.BATCH])[:2]
         await client.close()
 
 

@@ -89,3 +89,44 @@ async def test_a_react_loop_with_room_for_its_calls_still_answers(pydoc_index_di
             payload="What is 12*(3+4)?", task_type="react_loop", max_tokens=64))]
     assert [e.tool_call.name for e in events if e.HasField("tool_call")] == ["search_docs", "calculator"]
     assert "84" in events[-1].final.output and events[-1].final.finish_reason == "stop"
+
+
+def _what_it_says(events: list[agent_pb2.TaskEvent]) -> tuple:
+    """What a task's events say, however its tokens were grouped into events: the text and token count, the other
+    events in order (stages by name, tool calls and results by content), the answer and its usage."""
+    tokens = [e.token for e in events if e.HasField("token")]
+    others = []
+    for e in events:
+        kind = e.WhichOneof("event")
+        if kind == "stage":
+            others.append(("stage", e.stage.name))
+        elif kind == "tool_call":
+            others.append(("tool_call", e.tool_call.name, e.tool_call.arguments_json))
+        elif kind == "tool_result":
+            others.append(("tool_result", e.tool_result.name, e.tool_result.content, e.tool_result.is_error))
+        elif kind in ("accepted", "final"):
+            others.append((kind,))
+    final = events[-1].final
+    return ("".join(t.text for t in tokens), token_count(tokens), others, final.output,
+            final.usage.completion_tokens, final.usage.prompt_tokens)
+
+
+@pytest.mark.parametrize("task_type, payload", [
+    ("rag_answer", "How does the with statement work?"),
+    ("react_loop", "What does the with statement do, and what is 12*(3+4)?"),
+])
+async def test_a_batch_tasks_events_say_the_same_whatever_its_token_hold(pydoc_index_dir, task_type, payload):
+    """A BATCH task's model calls carry its RunTask merge interval to the dispatcher (GenerateStream's
+    token_hold_s), which holds the calls' tokens as long: the caller reads the same with no interval and with a
+    10 s one (first tokens, tool calls and ends never wait it out), in fewer token events."""
+    runs = []
+    for interval_ms in (0.0, 10_000.0):
+        async with three_services(pydoc_index_dir, **{"orchestrator.batch_token_flush_interval_ms": interval_ms}) \
+                as stub:
+            runs.append([e async for e in stub.RunTask(agent_pb2.RunTaskRequest(
+                task_id="t-batch", payload=payload, task_type=task_type, priority=agent_pb2.BATCH))])
+    unheld, held = runs
+    assert held[-1].HasField("final") and _what_it_says(held) == _what_it_says(unheld)
+    assert (next(e.token for e in held if e.HasField("token")).count or 1) == 1  # the first token is never held
+    steps = sum(1 for e in held if e.HasField("stage") and e.stage.name == "infer") or 1
+    assert len([e for e in held if e.HasField("token")]) <= 2 * steps < len([e for e in unheld if e.HasField("token")])

@@ -14,12 +14,12 @@ def test_the_listener_hears_every_push_and_a_reader_that_keeps_up_gets_every_tok
     stream = OutputStream()
     got = []
     heard = []
-    stream.listener = lambda: heard.append(len(got))
+    stream.listener = lambda item: heard.append((len(got), type(item).__name__))
     for i, text in enumerate(["a ", "b ", "c "]):
         stream.token(text, i)
         got.extend(coalesce(stream.drain()))  # the reader takes each token before the next is pushed
     stream.done("stop")
-    assert heard == [0, 1, 2, 3]
+    assert heard == [(0, "StreamToken"), (1, "StreamToken"), (2, "StreamToken"), (3, "StreamDone")]
     assert got == [StreamToken("a ", 0), StreamToken("b ", 1), StreamToken("c ", 2)]
     assert stream.pending() and coalesce(stream.drain()) == [StreamDone("stop")] and not stream.pending()
 

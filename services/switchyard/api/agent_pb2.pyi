@@ -455,7 +455,7 @@ class ToolWaitReply(_message.Message):
     def __init__(self, decision: _Optional[_Union[ToolWaitDecision, str]] = ..., restore_at_s: _Optional[float] = ...) -> None: ...
 
 class StreamedGenerate(_message.Message):
-    __slots__ = ("request", "timeout_s", "trace_context")
+    __slots__ = ("request", "timeout_s", "trace_context", "token_hold_s")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -466,10 +466,12 @@ class StreamedGenerate(_message.Message):
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HOLD_S_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     timeout_s: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    token_hold_s: float
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., token_hold_s: _Optional[float] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("start", "cancel")

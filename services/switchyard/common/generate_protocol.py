@@ -17,6 +17,9 @@ lives here:
   ``grpc-timeout``). Both ends hold the request to ``time.monotonic()`` + it:
   the caller fails the request DEADLINE_EXCEEDED and cancels it there; the
   dispatcher's scheduler and upstream engines bound it by the same deadline;
+- **the token hold** (:func:`decode_token_hold`): ``token_hold_s`` is how long
+  the caller merges the request's tokens anyway (a BATCH task's RunTask
+  interval); the dispatcher may hold its tokens after the first that long;
 - **the size rule** (:func:`entry_bytes`, :func:`pack`, :func:`too_large`):
   both messages (``GenerateStreamRequest``, ``GenerateStreamResponse``) are
   repeated fields only, so a message is as large as the sum of its entries,
@@ -131,6 +134,24 @@ def decode_timeout(timeout_s: float) -> float | None:
         InvalidArgument: negative or NaN (they read as "no deadline"; ``Generate`` refuses NaN time left).
     """
     return untrusted.check_seconds(timeout_s, "timeout_s", "no deadline") or None
+
+
+MAX_TOKEN_HOLD_S = 10.0
+"""The longest ``StreamedGenerate.token_hold_s``, seconds (``orchestrator.batch_token_flush_interval_ms``'s bound)."""
+
+
+def decode_token_hold(token_hold_s: float, priority: int) -> float:
+    """The hold a ``StreamedGenerate.token_hold_s`` asks for, seconds (0: none), for a request of ``priority``
+    (an ``agent.Priority``).
+
+    Raises:
+        InvalidArgument: naming ``token_hold_s``: negative, NaN, infinite or over :data:`MAX_TOKEN_HOLD_S`; or not
+            0 on a CORE request, whose output is never held.
+    """
+    untrusted.check_seconds(token_hold_s, "token_hold_s", "the stream's own rule", at_most=MAX_TOKEN_HOLD_S)
+    if token_hold_s and priority == agent_pb2.CORE:
+        raise InvalidArgument("token_hold_s", "0 on a CORE request (its output is never held)", token_hold_s)
+    return token_hold_s
 
 
 def deadline_exceeded() -> RequestFailed:

@@ -16,6 +16,14 @@ bidirectional stream, as Triton's ``ModelStreamInfer`` does:
   in one go, so a step's tokens leave in one message, as vLLM's engine core
   sends its outputs per step rather than per request.
 
+A request whose start carries ``token_hold_s`` (the orchestrator's BATCH
+calls: the interval its RunTask stream merges that task's tokens by) has its
+tokens after the first held up to that long: its caller shows them no sooner,
+so they leave the dispatcher about as often as the caller shows them, not once
+per ``dispatcher.stream_flush_interval_ms``. Its first token, tool calls, last
+output (done or error) are never held; a message still leaves as soon as any
+request's output is due (:meth:`GenerateSession.hold`).
+
 Each request's chunks are exactly those Generate would stream for it, in
 order; a request that fails ends with a :class:`~agent_pb2.StreamedError`
 carrying the status Generate would end with and its origin. A request the
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
@@ -52,10 +61,11 @@ from switchyard.common.generate_protocol import (
     StreamedRequest,
     check_stream_request_id,
     decode_timeout,
+    decode_token_hold,
     encode_error,
 )
 from switchyard.common.priority import PriorityClass
-from switchyard.dispatcher.output import coalesce
+from switchyard.dispatcher.output import OutputItem, StreamToken, coalesce
 from switchyard.dispatcher.processor import RequestProcessor, request_span
 
 if TYPE_CHECKING:
@@ -65,17 +75,23 @@ log = logging.getLogger(__name__)
 
 _CANCELLED_CODE = grpc.StatusCode.CANCELLED.value[0]
 
+HOLD_SLACK_S = 0.001
+"""Held tokens due within this many seconds leave with the message going now, rather than wake the stream again."""
+
 
 class _Running(StreamedRequest):
-    """One request of a session: its protocol state, its engine request once opened, and its
-    ``dispatcher.generate`` span."""
+    """One request of a session: its protocol state, its engine request once opened, its
+    ``dispatcher.generate`` span, and its token hold (its start's ``token_hold_s``)."""
 
-    __slots__ = ("req", "span")
+    __slots__ = ("req", "span", "hold_s", "held_until", "due")
 
     def __init__(self, request_id: str, span: trace.Span) -> None:
         super().__init__(request_id)
         self.req: Request | None = None  # None while it is validated and counted
         self.span = span
+        self.hold_s = 0.0  # its tokens after the first wait up to this long, seconds (0: not held)
+        self.held_until = 0.0  # loop time: its tokens wait until then (its last chunks left + hold_s)
+        self.due = False  # its output waiting must leave now, hold or not (a first output, a tool call, an end)
 
 
 class GenerateSession:
@@ -88,6 +104,11 @@ class GenerateSession:
     together merged. While the handler writes, more output comes, so the next
     replies carry it all: under load a message per engine step, not per token
     per request.
+
+    A request with a token hold (its start's ``token_hold_s``) sends its tokens
+    at most once per hold: :meth:`replies` leaves them waiting until the hold
+    is over (a timer wakes it then), unless something of the request is due
+    now (its first output, a tool call, its end).
 
     One map holds the requests (request id -> :class:`_Running`, its
     :class:`~switchyard.common.generate_protocol.RequestState`); a request
@@ -104,6 +125,9 @@ class GenerateSession:
         self._urgent = False  # output that must not wait is ready (a first output, a refusal)
         self._intake_open = True
         self._intake_error: Exception | None = None
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None  # wakes replies() when the first held tokens are due
+        self._timer_at = math.inf
 
     # ------------------------------------------------------------------ the handler's side
 
@@ -130,7 +154,8 @@ class GenerateSession:
         request is open (a request alone is never held); cut short when a request's first output (its
         TTFT), its last (its end), any output of a CORE request or a refusal becomes ready, or the session
         can end. NORMAL and BATCH tokens between the first and the last are what waits: at most ``seconds``
-        more inter-token latency, and no later an end."""
+        more inter-token latency, and no later an end. A request with a token hold waits its own hold
+        besides (:meth:`replies` takes its tokens once that is over)."""
         if len(self._requests) < 2 or self._urgent:
             return
         handle = asyncio.get_running_loop().call_later(seconds, self._hold.notify)
@@ -144,10 +169,18 @@ class GenerateSession:
         self._urgent = False
         processor = self._processor
         ended: list[_Running] = []
+        now = self._loop.time()
+        next_due = math.inf  # when the first tokens held back here are due
         for running in self._requests.values():
             req = running.req
             if req is None or not req.output.pending():
                 continue
+            if running.hold_s:
+                if not running.due and running.held_until - now > HOLD_SLACK_S:
+                    next_due = min(next_due, running.held_until)
+                    continue
+                running.due = False
+                running.held_until = now + running.hold_s
             request_id = running.request_id
             for item in coalesce(req.output.drain()):
                 try:
@@ -168,10 +201,28 @@ class GenerateSession:
                 ended.append(running)
         for running in ended:
             self._release(running)
+        if next_due != math.inf:
+            self._wake_at(next_due)
         return chunks
+
+    def _wake_at(self, when: float) -> None:
+        """Wake :meth:`replies` at loop time ``when`` (held tokens are due), unless it is woken sooner."""
+        if when >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._timer_fired)
+
+    def _timer_fired(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self._wake.notify()
 
     def close(self) -> None:
         """The call ends: cancel what it still carries (each aborted, its place and KV freed)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         for running in list(self._requests.values()):
             self.cancel(running.request_id)
 
@@ -189,7 +240,8 @@ class GenerateSession:
         try:
             async for message in request_iterator:
                 for start in message.start:
-                    await self.start(start.request, start.timeout_s, dict(start.trace_context), streamed=True)
+                    await self.start(start.request, start.timeout_s, dict(start.trace_context), streamed=True,
+                                     token_hold_s=start.token_hold_s)
                 for request_id in message.cancel:
                     self.cancel(request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the call with it
@@ -204,12 +256,14 @@ class GenerateSession:
         self._wake.notify()
 
     async def start(self, request: agent_pb2.GenerateRequest, timeout_s: float | None,
-                    trace_context: dict[str, str] | None, streamed: bool = False) -> None:
+                    trace_context: dict[str, str] | None, streamed: bool = False, token_hold_s: float = 0.0) -> None:
         """Start ``request`` with ``timeout_s`` seconds left (None: no deadline); a refusal is its error chunk.
 
         ``trace_context``: the W3C carrier of a stream's start (its span is then the request's server
-        span); None for Generate, whose span is a child of the call's own. ``streamed``: ``timeout_s`` is
-        the start's wire value (:func:`decode_timeout`; a bad one refuses this request alone).
+        span); None for Generate, whose span is a child of the call's own. ``streamed``: ``timeout_s`` and
+        ``token_hold_s`` (how long its tokens after the first may wait, seconds; 0: the stream's own rule)
+        are the start's wire values (:func:`decode_timeout`, :func:`decode_token_hold`; a bad one refuses
+        this request alone, INVALID_ARGUMENT naming the field).
         """
         request_id = request.request_id
         if trace_context is None:
@@ -224,6 +278,7 @@ class GenerateSession:
             self._requests[request_id] = running
             if streamed:
                 timeout_s = decode_timeout(timeout_s)
+                running.hold_s = decode_token_hold(token_hold_s, request.priority)
             req = await self._processor.open_request(request, timeout_s, span)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the stream's others
             if not isinstance(exc, SwitchyardError):
@@ -249,18 +304,27 @@ class GenerateSession:
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
             return
-        req.output.listener = lambda: self._output_ready(running)
+        req.output.listener = lambda item: self._output_ready(running, item)
         if req.output.pending():
-            self._output_ready(running)
+            self._output_ready(running, None)
 
-    def _output_ready(self, running: _Running) -> None:
-        """``running``'s output moved: wake replies(), and cut a hold short when the output must not wait:
-        the request's first (its TTFT), its last (its end, which the caller's next step waits on), or any
-        of a CORE request's (its inter-token latency)."""
+    def _output_ready(self, running: _Running, item: OutputItem | None) -> None:
+        """``running``'s output moved (``item`` pushed; None: output pushed before the session listened): wake
+        replies(), and cut a hold short when the output must not wait: the request's first (its TTFT), its
+        last (its end, which the caller's next step waits on), or any of a CORE request's (its inter-token
+        latency). A token of a request with a token hold wakes nothing before that hold is over (a timer
+        does then); its tool call ends the hold."""
         req = running.req
         if running.state is RequestState.STARTED or (req is not None and (req.priority is PriorityClass.CORE
                                                                           or req.is_finished)):
+            running.due = True
             self._urgent_now()
+        elif running.hold_s and not running.due:
+            if not isinstance(item, StreamToken):
+                running.due = True
+            elif running.held_until - self._loop.time() > HOLD_SLACK_S:
+                self._wake_at(running.held_until)
+                return
         self._wake.notify()
 
     def _urgent_now(self) -> None:

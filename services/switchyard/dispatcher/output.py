@@ -14,7 +14,7 @@ state, and a per-request ``RequestOutputCollector`` carries outputs to the
 A stream carries, in order: :class:`StreamToken` and :class:`StreamToolCall`
 items, then exactly one :class:`StreamDone` or :class:`StreamError`. The reader
 takes what is waiting with :meth:`OutputStream.drain` when :attr:`~OutputStream.listener`
-says something came; tokens waiting together are merged by :func:`coalesce`
+says something came (and what); tokens waiting together are merged by :func:`coalesce`
 (the one rule, :func:`switchyard.common.coalescing.merge_tokens`): a reader that
 falls behind the engine catches up with one message, not one per token, and a
 reader that keeps up sees every token alone, with no added wait.
@@ -78,20 +78,20 @@ class OutputStream:
     """One request's items on their way to its caller: an unbounded FIFO, one writer, one reader.
 
     Writes never block (the engine loop must not wait on a slow caller). The
-    reader sets :attr:`listener`, called after every push, and takes the items
-    with :meth:`drain`. Used from the event loop's thread only.
+    reader sets :attr:`listener`, called after every push with the item pushed,
+    and takes the items with :meth:`drain`. Used from the event loop's thread only.
     """
 
     __slots__ = ("_items", "listener")
 
     def __init__(self) -> None:
         self._items: list[OutputItem] = []
-        self.listener: Callable[[], None] | None = None
+        self.listener: Callable[[OutputItem], None] | None = None
 
     def _put(self, item: OutputItem) -> None:
         self._items.append(item)
         if self.listener is not None:
-            self.listener()
+            self.listener(item)
 
     def token(self, text: str, index: int) -> None:
         """Push one completion token (``index``: its 0-based position in the completion)."""

@@ -341,7 +341,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         (:func:`switchyard.common.generate_protocol.pack`), and while the stream carries more than one
         request, at most one reply per ``dispatcher.stream_flush_interval_ms``: what becomes ready within
         it leaves together, except a request's first output (its TTFT is never held), a CORE request's
-        output and refusals (:meth:`GenerateSession.hold`).
+        output and refusals (:meth:`GenerateSession.hold`). A request whose start carries ``token_hold_s``
+        (a BATCH task's call) sends its tokens after the first at most once per that hold.
         """
         session = GenerateSession(self.processor)
         self._sessions.add(session)

@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import grpc
 from opentelemetry import trace
@@ -174,14 +174,18 @@ class InferenceClient:
         affinity: ``orchestrator.affinity``; disabled: every call takes the next replica in turn.
         program: ``orchestrator.program``: the ToolWait announcements' deadline (``tool_wait_hint_timeout_ms``)
             and whether rag_answer's calls share a replica (``rag_early_prefill``); None: its defaults.
+        token_hold_s: how long a task of a priority (an ``agent.Priority``) has its tokens held on its own stream,
+            seconds (:meth:`~switchyard.common.config.OrchestratorConfig.token_hold_s`): each call of the task
+            carries it, and the dispatcher holds the call's tokens no longer. None: no call carries a hold.
     """
 
     MAX_ATTEMPTS = 3
     """Tries of one call that fails UNAVAILABLE before its first chunk, each on another replica."""
 
     def __init__(self, address: str, config: ServerConfig, affinity: AffinityConfig | None = None,
-                 program: ProgramConfig | None = None) -> None:
+                 program: ProgramConfig | None = None, token_hold_s: Callable[[int], float] | None = None) -> None:
         self.address = address
+        self._token_hold_s = token_hold_s
         self._tls = config.tls
         self._channel = open_channel(address, config, peer="dispatcher")
         self._max_message_bytes = config.max_message_bytes
@@ -261,7 +265,8 @@ class InferenceClient:
         ``prompt_tokens`` as counted here; the ``tools`` offered to the model; ``resume`` for a turn
         that follows a tool call. ``timeout_s`` bounds the call (the task's time left). The request
         carries the task's tenant, and ``budget``'s time left and expected work after this step
-        (orchestrator/program.py). ``prefill_only``: a warm-up of the prompt's prefix state
+        (orchestrator/program.py); its start carries the task's token hold (``token_hold_s``: a BATCH task's
+        tokens are merged on its own stream anyway). ``prefill_only``: a warm-up of the prompt's prefix state
         (``request_id`` ``{task_id}:prefill``), no tokens expected.
 
         The call goes to the replica holding the agent's warm state (see
@@ -319,6 +324,7 @@ class InferenceClient:
         tried: set[str] = set()
         waited = False
         sent_at, time_left_s = time.monotonic(), request.task_time_left_s
+        token_hold_s = self._token_hold_s(spec.priority) if self._token_hold_s is not None else 0.0
         for attempt in range(self.MAX_ATTEMPTS):
             address, channel = await self._route(affinity_key, frozenset(tried))
             if address in tried and not waited:  # no other replica: this one may be restarting (port closed a moment)
@@ -327,7 +333,7 @@ class InferenceClient:
             if attempt and time_left_s:  # 0 on the wire is "not given": at its deadline, the least time left there is
                 request.task_time_left_s = max(_left(time_left_s, sent_at), sys.float_info.min)
             received = 0
-            chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at))
+            chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at), token_hold_s)
             replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
             if replicas is not None:
                 replicas.started(address)  # counts against the replica's bound until the call ends

@@ -302,12 +302,15 @@ class GenerateStreamClient:
         return stream
 
     async def generate(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, token_hold_s: float = 0.0
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """The chunks of ``request`` (``request_id`` set), as Generate streams them.
 
         Args:
             timeout_s: the request's time left, seconds; None for no deadline.
+            token_hold_s: how long the dispatcher may hold its tokens after the first, seconds (the caller
+                merges them over that long anyway); 0: the stream's own rule. Never set on a CORE request
+                (refused INVALID_ARGUMENT).
 
         Raises:
             RequestFailed: the dispatcher ended the request with an error, the stream broke
@@ -327,7 +330,8 @@ class GenerateStreamClient:
             wired.request_id = f"{request.request_id}~{self._repeats}"
             request = wired
         pending = stream.start(agent_pb2.StreamedGenerate(
-            request=request, timeout_s=encode_timeout(timeout_s), trace_context=carrier), timeout_s)
+            request=request, timeout_s=encode_timeout(timeout_s), trace_context=carrier, token_hold_s=token_hold_s),
+            timeout_s)
         try:
             while True:
                 try:

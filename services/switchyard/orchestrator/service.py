@@ -247,7 +247,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             new_executor=lambda: _cpu_executor(orch.cpu_executor, orch.cpu_workers),
             retrieval=RetrievalClient(orch.retrieval_addr, cfg.server, orch.retrieval_timeout_ms / 1000,
                                       cfg.limits.max_query_chars),
-            inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity, orch.program),
+            inference=InferenceClient(orch.dispatcher_addr, cfg.server, orch.affinity, orch.program,
+                                      token_hold_s=orch.token_hold_s),
             memory=await self._agent_memory(),
         )
         log.info(
@@ -546,9 +547,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         self._streams.add(task)
         task.add_done_callback(self._streams.discard)
         read = False
-        # a BATCH task's tokens after the first gather for the flush interval and leave as one event
-        hold_s = (self.config.orchestrator.batch_token_flush_interval_ms / 1000
-                  if spec.priority == agent_pb2.BATCH else 0.0)
+        # a BATCH task's tokens after the first gather for the flush interval and leave as one event (its model
+        # calls carry the same hold to the dispatcher: InferenceClient)
+        hold_s = self.config.orchestrator.token_hold_s(spec.priority)
         clock = asyncio.get_running_loop().time
         hold_until: float | None = None
         try:

@@ -33,6 +33,8 @@ class DispatcherConfig(_Strict):
         description="Shortest time between two messages of one GenerateStream while it carries more than one "
         "request, ms: output that becomes ready within it leaves together in the next message (one write and "
         "one read for many requests' tokens instead of one each). A request alone on its stream, a request's first "
-        "and last output and a CORE request's output are never held. "
+        "and last output and a CORE request's output are never held. A request whose caller merges its tokens "
+        "anyway (a BATCH task's call: its start's token_hold_s, orchestrator.batch_token_flush_interval_ms) "
+        "sends them at most once per that interval instead. "
         "0: each message leaves as soon as the last one was written.",
     )

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from switchyard.api import agent_pb2
 from switchyard.common.affinity import DEFAULT_BALANCE
 from switchyard.common.config.auth import AuthConfig
 from switchyard.common.config.base import _Strict
@@ -122,7 +123,9 @@ class OrchestratorConfig(_Strict):
         description="Shortest time between two token events of a BATCH task's stream (RunTask, and the HTTP "
         "face's Server-Sent Events), ms: the tokens that arrive within it leave merged in one event (one write "
         "for several), and any other event (a tool call, the final event) cuts the wait short. The first token "
-        "is never held; CORE and NORMAL tasks' tokens leave as they come. 0: BATCH's too.",
+        "is never held; CORE and NORMAL tasks' tokens leave as they come. 0: BATCH's too. The task's model calls "
+        "carry it to the dispatcher (GenerateStream's token_hold_s), which then sends their tokens at most once "
+        "per interval too.",
     )
     default_task_type: str = Field("rag_answer", description="Workflow of a task that names none, a task type: rag_answer, chat or react_loop.")
     cpu_executor: Literal["process", "thread", "loop"] = Field(
@@ -223,6 +226,14 @@ class OrchestratorConfig(_Strict):
         description="Seconds one downstream health Check may take before that replica counts as not ready "
         "(a stopped process answers nothing).",
     )
+
+    def token_hold_s(self, priority: int) -> float:
+        """How long a task of ``priority`` (an ``agent.Priority``) has its tokens after its first held, seconds:
+        ``batch_token_flush_interval_ms`` for BATCH, else 0. The one reading of that key: RunTask (and the HTTP
+        face's SSE) merges the task's token events by it, and each of the task's model calls carries it to the
+        dispatcher (``StreamedGenerate.token_hold_s``), which then holds the call's tokens no longer than this
+        either: the two hops cannot disagree, whatever the dispatcher's own config says."""
+        return self.batch_token_flush_interval_ms / 1000 if priority == agent_pb2.BATCH else 0.0
 
 
 class TaskStoreConfig(_Strict):
