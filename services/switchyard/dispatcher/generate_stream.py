@@ -179,8 +179,8 @@ class GenerateSession:
                 if not running.due and running.held_until - now > HOLD_SLACK_S:
                     next_due = min(next_due, running.held_until)
                     continue
-                running.due = False
                 running.held_until = now + running.hold_s
+            running.due = False
             request_id = running.request_id
             for item in coalesce(req.output.drain()):
                 try:
