@@ -163,6 +163,50 @@ async def test_half_open_admits_exactly_the_configured_probes_and_refuses_the_re
     assert cooldowns.state(PRIMARY) == "closed"
 
 
+@pytest.mark.parametrize("outcome", ["served", "failed", "said_nothing"])
+async def test_a_call_with_nowhere_else_to_go_waits_for_the_probes_outcome(outcome) -> None:
+    """Half-open, one probe out: a call waiting for the probes (no fallback left, no other endpoint) is sent once
+    the probe succeeds, refused as while open once it fails, and takes the probe's place when it tells nothing.
+    Refused at once, such calls failed UNAVAILABLE in front of a transformers serve back from a stall."""
+    clock = Clock()
+    cooldowns = breaker(clock, half_open_probes=1)
+    await open_circuit(cooldowns, PRIMARY)
+    clock.now += 10.5  # past the cooldown
+    release = asyncio.Event()
+    sent = []
+
+    async def probe() -> str:
+        await release.wait()
+        if outcome == "failed":
+            raise failure()
+        if outcome == "said_nothing":
+            raise UpstreamRateLimited("429 (test)")
+        return "ok"
+
+    async def waiter(n: int) -> str:
+        sent.append(n)
+        return "ok"
+
+    first = asyncio.ensure_future(cooldowns.call(PRIMARY, probe))
+    await asyncio.sleep(0)
+    waiting = [asyncio.ensure_future(cooldowns.call(PRIMARY, lambda n=n: waiter(n), wait_for_probes=True))
+               for n in range(3)]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiting) and sent == []  # neither refused nor sent while the probe runs
+    release.set()
+    outcomes = await asyncio.gather(first, *waiting, return_exceptions=True)
+    if outcome == "served":
+        assert outcomes == ["ok"] * 4 and sorted(sent) == [0, 1, 2]
+        assert cooldowns.state(PRIMARY) == "closed"
+    elif outcome == "failed":
+        assert isinstance(outcomes[0], UpstreamServerError) and sent == []
+        assert all(isinstance(o, ModelCoolingDown) and "skipped for" in str(o) for o in outcomes[1:])
+        assert cooldowns.state(PRIMARY) == "open"
+    else:  # the first waiter became the probe, and its success closed the circuit for the others
+        assert isinstance(outcomes[0], UpstreamRateLimited) and outcomes[1:] == ["ok"] * 3
+        assert cooldowns.state(PRIMARY) == "closed"
+
+
 async def test_one_failing_probe_reopens_and_a_late_probe_of_that_period_changes_nothing() -> None:
     clock = Clock()
     cooldowns = breaker(clock, half_open_probes=2)

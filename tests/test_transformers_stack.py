@@ -22,6 +22,7 @@ from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.dispatcher.engines import make_engine
+from switchyard.gateway.errors import GatewayError
 
 pytestmark = pytest.mark.slow
 
@@ -261,6 +262,45 @@ async def test_a_retry_the_stalled_server_still_holds_the_first_attempt_of_is_se
     tokens = [e for e in events if isinstance(e, Token)]
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
     assert len(tokens) == 64 and events[-1].usage.completion_tokens == 64
+
+
+async def test_calls_beside_the_probe_of_a_server_back_from_a_stall_are_served(clean_proxy_env, transformers_server):
+    """The server stalls (stopped), a call times out and opens the circuit; once the server runs again and the open
+    period is over, three calls arrive at once with no fallback model: one is the half-open probe, and the other
+    two wait for its outcome and are served. They were refused UNAVAILABLE ("half-open with its 1 probe(s) in
+    flight") while the probe beside them was served, the server back."""
+    import os
+    import signal
+
+    from gateway_fixtures import gateway_config
+    from switchyard.gateway.client import GatewayClient
+    from switchyard.gateway.events import ChatRequest, Finished
+
+    server = transformers_server
+    cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=0,
+                         read_timeout_s=1.0, cooldown={"enabled": True, "failures": 1, "first_cooldown_s": 0.5,
+                                                       "cooldown_s": 0.5, "half_open_probes": 1})
+
+    def short() -> ChatRequest:
+        return ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=8)
+
+    async with GatewayClient(cfg) as client:
+        await _collect(client.stream_chat(short()))
+        await asyncio.gather(*client.pool._tasks)  # its one /metrics read done
+        endpoint = next(iter(client.pool.endpoints.values()))
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(GatewayError, match="timed out"):
+                await _collect(client.stream_chat(short()))
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert endpoint.cooldowns.state(server.model) == "open"
+        while endpoint.cooldowns.refusing(server.model):  # the open period (0.5 s) ends; no call meanwhile
+            await asyncio.sleep(0.05)
+        answers = await asyncio.gather(*(_collect(client.stream_chat(short())) for _ in range(3)),
+                                       return_exceptions=True)
+    assert all(isinstance(a, list) and isinstance(a[-1], Finished) for a in answers), answers
+    assert endpoint.cooldowns.state(server.model) == "closed"
 
 
 async def _collect(events) -> list:

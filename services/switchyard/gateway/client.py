@@ -646,6 +646,9 @@ class GatewayClient:
             key = request.affinity_key or prompt_key(request.messages, self.config.pool.prefix_chars)
         tried: set[str] = set()
         last: GatewayError | None = None
+        # no fallback model after this one: a half-open circuit with its probes out is waited on, not a refusal
+        # (the picker gives an endpoint whose circuit refuses only when no other untried one takes the call)
+        last_model = model == self.models_for(request.model)[-1]
         while True:
             try:
                 endpoint, picked = pool.pick(key, frozenset(tried), model)
@@ -662,7 +665,8 @@ class GatewayClient:
                 call.span.set_attribute("switchyard.gateway.endpoint", endpoint.name)
                 call.span.set_attribute("switchyard.gateway.endpoint_pick", picked.reason)
             try:
-                result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model))
+                result = await endpoint.cooldowns.call(model, lambda: once(endpoint, model),
+                                                       wait_for_probes=last_model)
             except GatewayError as exc:
                 pool.finished(endpoint, exc)
                 # a NOT_FOUND of a model this endpoint listed read its list again (_status_error): one that no

@@ -16,7 +16,11 @@ with :class:`~switchyard.gateway.errors.ModelCoolingDown` (UNAVAILABLE, fallback
 allowed), so the fallback model serves them without paying the dead model's
 timeouts and retries first. After the cooldown the circuit is *half-open*: it
 admits exactly ``half_open_probes`` calls at once (the probes); every other
-call is refused at once as while open. A probe's failure opens the circuit
+call is refused at once as while open, except a call with nowhere else to go
+(no fallback model left to try, no other endpoint that takes it), which waits
+for the probes' outcome within its own deadline: sent once they succeed,
+refused when one fails (refused at once, such calls failed although the server
+was back and the probe beside them was served). A probe's failure opens the circuit
 again; once ``half_open_probes`` probes have succeeded it closes. A probe that
 ends without telling (a 429, the request's own fault, a cancelled call) frees
 its place for the next probe and counts neither way.
@@ -124,6 +128,9 @@ class _Circuit:
     checks_from: float = float("-inf")
     """No health check before this time: a probe admitted on a health check's word failed (the server answers
     its model list but not its calls), so the open period alone decides until it ends."""
+    verdict: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced by a fresh one) when a half-open probe ends or the state moves: what a call waiting for
+    the probes' outcome (:meth:`Cooldowns.call` with ``wait_for_probes``) waits on."""
 
 
 def open_period_s(cfg: CooldownConfig, opens: int) -> float:
@@ -235,8 +242,15 @@ class Cooldowns:
                       and m not in self._checks]:
             del self._circuits[model]
 
+    @staticmethod
+    def _decided(circuit: _Circuit) -> None:
+        """Wake the calls waiting for the probes' outcome (a probe ended, or the state moved)."""
+        circuit.verdict.set()
+        circuit.verdict = asyncio.Event()
+
     def _move(self, model: str, circuit: _Circuit, to: str) -> None:
         before, circuit.state = circuit.state, to
+        self._decided(circuit)
         label = model_names.model_label(model, self.config)
         self.gauges.publish(label)
         GATEWAY_CIRCUIT_TRANSITIONS.labels(label, before, to).inc()
@@ -335,8 +349,15 @@ class Cooldowns:
                                 else str(exc.overloaded_status or 503))
         log.info("upstream model %r asked to wait %.1f s (Retry-After): no call to it before then", model, asked)
 
-    async def call(self, model: str, once: Callable[[], Awaitable[T]]) -> T:
+    async def call(self, model: str, once: Callable[[], Awaitable[T]], *, wait_for_probes: bool = False) -> T:
         """``await once()`` unless ``model`` asked for a wait that has not passed or its circuit refuses.
+
+        ``wait_for_probes``: a call that finds the circuit half-open with every probe place taken waits for the
+        probes' outcome instead of being refused at once (the caller's deadline bounds the wait, a probe's own
+        timeouts bound it too): it is sent once they succeed (the circuit closed), takes the place of a probe
+        that ended telling nothing, and is refused as while open when one fails. For a call with nowhere else to
+        go (no fallback model left, no other endpoint): refused at once, it failed UNAVAILABLE although the
+        server had come back, while the one probe let through was being served.
 
         Raises:
             UpstreamAskedToWait: the wait the model asked for has not passed (its status, retryable after
@@ -350,7 +371,18 @@ class Cooldowns:
         if now < circuit.not_before:
             raise self._asked_to_wait(model, circuit, now)
         enabled = self.config.cooldown.enabled
-        probe = self._admit(model, circuit, now) if enabled else None
+        probe = None
+        while enabled:
+            try:
+                probe = self._admit(model, circuit, now)
+                break
+            except ModelCoolingDown:
+                if not (wait_for_probes and circuit.state == HALF_OPEN):
+                    raise
+            await circuit.verdict.wait()
+            now = self._clock()
+            if now < circuit.not_before:  # a probe's answer asked for a wait meanwhile
+                raise self._asked_to_wait(model, circuit, now)
         try:
             result = await once()
         except BaseException as exc:
@@ -372,6 +404,7 @@ class Cooldowns:
             if probe not in circuit.probes:
                 return  # a probe of an earlier half-open period, already decided
             circuit.probes.discard(probe)
+            self._decided(circuit)  # a place is free, or the state moves below (which wakes them again)
             if failed:
                 self._move(model, circuit, OPEN)
             elif told:

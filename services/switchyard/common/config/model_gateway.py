@@ -71,8 +71,9 @@ class CooldownConfig(_Strict):
     half_open_probes: int = Field(
         1, ge=1, le=1000,
         description="Trial requests a half-open circuit admits at once, requests; every other request is refused at "
-        "once until they end. The circuit closes when this many have succeeded and opens again on the first "
-        "that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
+        "once until they end (goes to the fallback model or another endpoint), except one with nowhere else to "
+        "go, which waits for their outcome within its deadline. The circuit closes when this many have "
+        "succeeded and opens again on the first that fails (resilience4j's permittedNumberOfCallsInHalfOpenState).",
     )
     health_check_interval_s: float = Field(
         1.0, gt=0, le=3600,
