@@ -350,6 +350,36 @@ async def test_an_open_circuit_half_opens_once_its_endpoint_answers_again() -> N
     assert await cooldowns.call(PRIMARY, ok) == "ok" and cooldowns.state(PRIMARY) == "closed"  # 1.1 s, not 30
 
 
+async def test_an_open_circuit_is_checked_in_the_background_with_no_call_arriving() -> None:
+    """While open, the endpoint's health is read without any call starting the read: its first answer half-opens
+    the circuit, so the first call after a server's return is its probe, not a refusal. Closing the breaker
+    stops the checks of a circuit still open."""
+    clock = Clock()
+    answers = [False, True]
+
+    async def health() -> bool:
+        clock.now += 1.0  # each read ends past the interval: the next one may start
+        return answers.pop(0) if answers else False
+
+    cooldowns = breaker(clock, first_cooldown_s=30.0, health_check_interval_s=0.01)
+    cooldowns.health_check = health
+    await open_circuit(cooldowns, PRIMARY)
+    for _ in range(1000):
+        if cooldowns.state(PRIMARY) != "open":
+            break
+        await asyncio.sleep(0.01)
+    assert cooldowns.state(PRIMARY) == "half_open" and not answers
+
+    async def fail() -> None:
+        raise failure()
+
+    with pytest.raises(UpstreamServerError):
+        await cooldowns.call(PRIMARY, fail)  # the probe fails: open again, checked no more this period
+    assert cooldowns.state(PRIMARY) == "open"
+    await cooldowns.aclose()
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith(("circuit-watch", "health-check"))]
+
+
 async def test_a_restarted_server_is_served_within_the_health_check_interval(clean_proxy_env):
     """A real sim-openai stopped (the circuit opens for 30 s) and started again on the same port: the gateway
     serves again within about health_check_interval_s of its return."""

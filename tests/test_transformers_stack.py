@@ -303,5 +303,47 @@ async def test_calls_beside_the_probe_of_a_server_back_from_a_stall_are_served(c
     assert endpoint.cooldowns.state(server.model) == "closed"
 
 
+async def test_the_first_calls_after_a_stalled_server_runs_again_are_served(clean_proxy_env, transformers_server):
+    """The server stalls (stopped) and a call times out: the circuit opens for 60 s. Once the server runs again,
+    with no call arriving, its health check half-opens the circuit, and the first three calls sent are served.
+    The check started only on a refused call: the calls arriving first after the server's return were refused
+    "cooling down ... skipped for N s more, or until it answers again", the server back."""
+    import os
+    import signal
+
+    from gateway_fixtures import gateway_config
+    from switchyard.gateway.client import GatewayClient
+    from switchyard.gateway.events import ChatRequest, Finished
+
+    server = transformers_server
+    cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=0,
+                         read_timeout_s=1.0, cooldown={"enabled": True, "failures": 1, "first_cooldown_s": 60.0,
+                                                       "cooldown_s": 60.0, "health_check_interval_s": 0.2})
+
+    def short() -> ChatRequest:
+        return ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=8)
+
+    async with GatewayClient(cfg) as client:
+        await _collect(client.stream_chat(short()))
+        await asyncio.gather(*client.pool._tasks)  # its one /metrics read done
+        endpoint = next(iter(client.pool.endpoints.values()))
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(GatewayError, match="timed out"):
+                await _collect(client.stream_chat(short()))
+            assert endpoint.cooldowns.state(server.model) == "open"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        for _ in range(600):  # checked every 0.2 s: half-open once one answers (60 s open period otherwise)
+            if endpoint.cooldowns.state(server.model) != "open":
+                break
+            await asyncio.sleep(0.05)
+        assert endpoint.cooldowns.state(server.model) == "half_open"
+        answers = await asyncio.gather(*(_collect(client.stream_chat(short())) for _ in range(3)),
+                                       return_exceptions=True)
+    assert all(isinstance(a, list) and isinstance(a[-1], Finished) for a in answers), answers
+    assert endpoint.cooldowns.state(server.model) == "closed"
+
+
 async def _collect(events) -> list:
     return [e async for e in events]

@@ -5,10 +5,11 @@ times in a row is *open* for ``first_cooldown_s``, doubled at each reopening
 (a probe failed) up to ``cooldown_s`` and started over once it closes
 (resilience4j's exponential wait in the open state): a model server that stays
 down is tried ever less often. While open, the endpoint's ``GET /models`` is read
-at most every ``health_check_interval_s`` (an active health check beside the breaker's
-passive one, as Envoy runs both); an answer half-opens the circuit at once, so a
-server back after a restart is served within seconds however long the open
-period has grown. A probe admitted on a health check's word that fails (the
+every ``health_check_interval_s``, in the background and on a refused call, never
+more often (an active health check beside the breaker's passive one, as Envoy runs
+both); an answer half-opens the circuit at once, so a server back after a restart
+is served within about that interval however long the open period has grown, with no
+call refused first to start the check. A probe admitted on a health check's word that fails (the
 server lists its models but fails its calls) stops the checks until that open
 period ends, so such a server is probed at the doubling periods, not every second.
 While open its requests are refused at once
@@ -65,6 +66,7 @@ are let go, so callers naming ever new model ids cannot grow the table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -198,6 +200,8 @@ class Cooldowns:
         """True when the endpoint answers (its ``GET /models``): read while a circuit is open, at most every
         ``health_check_interval_s``; True half-opens it at once. None: the open period alone decides."""
         self._checks: dict[str, asyncio.Task[None]] = {}
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        """Per open circuit, the background task that starts its health checks (:meth:`_watching`)."""
         self._circuits: dict[str, _Circuit] = {}
         self._next_call = 0
         self.gauges = gauges if gauges is not None else CircuitGauges(config)
@@ -259,6 +263,7 @@ class Cooldowns:
             circuit.opens += 1
             period = open_period_s(cfg, circuit.opens)
             circuit.open_until = self._clock() + period
+            self._watch(model, circuit)
             if circuit.by_health:  # its model list answered, its calls did not: no more checks this period
                 circuit.checks_from = circuit.open_until
             circuit.by_health = False
@@ -305,6 +310,38 @@ class Cooldowns:
             f"upstream model {model!r} is cooling down after {cfg.failures} failures in a row at "
             f"{self.config.base_url}{cause}; {left}"
         )
+
+    def _watch(self, model: str, circuit: _Circuit) -> None:
+        """Start :meth:`_watching` ``circuit``, which has just opened, unless it is watched already or there is
+        no health check (or no running loop)."""
+        if self.health_check is None or model in self._watches:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._watching(model, circuit), name=f"circuit-watch-{model}")
+        self._watches[model] = task
+        task.add_done_callback(lambda done: self._watches.pop(model, None) if self._watches.get(model) is done
+                               else None)
+
+    async def _watching(self, model: str, circuit: _Circuit) -> None:
+        """While ``circuit`` is open and its period not over, start a health check every
+        ``health_check_interval_s`` (:meth:`_check_health`, whose rules apply), so that a server back half-opens it
+        at once, calls arriving or not. Started only by a refused call, the check came after that call, which
+        failed with the server back (and so did every call arriving before the check's answer)."""
+        interval = self.config.cooldown.health_check_interval_s
+        while circuit.state == OPEN and self._clock() < circuit.open_until:
+            self._check_health(model, circuit, self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(circuit.verdict.wait(), interval)  # the state moved: look again at once
+
+    async def aclose(self) -> None:
+        """Stop the health checks and their watches under way (the endpoint's connections are closing)."""
+        tasks = [*self._watches.values(), *self._checks.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _check_health(self, model: str, circuit: _Circuit, now: float) -> None:
         """Start a health check of the endpoint (:attr:`health_check`) unless one runs or one started within

@@ -418,6 +418,7 @@ class EndpointPool:
             await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())), return_exceptions=True)
             for gone in [e for e in self._retired if e.in_flight == 0]:
                 self._retired.remove(gone)
+                await gone.cooldowns.aclose()
                 await gone.http.aclose()
             await asyncio.sleep(self.config.pool.scrape_interval_s)
 
@@ -538,4 +539,5 @@ class EndpointPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         for endpoint in [*self.endpoints.values(), *self._retired]:
+            await endpoint.cooldowns.aclose()
             await endpoint.http.aclose()

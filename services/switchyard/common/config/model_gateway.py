@@ -77,9 +77,10 @@ class CooldownConfig(_Strict):
     )
     health_check_interval_s: float = Field(
         1.0, gt=0, le=3600,
-        description="While a circuit is open, its endpoint's GET /models is read at most this often, seconds (on a "
-        "refused call); an answer (any status below 500) half-opens the circuit at once, so a model server back "
-        "after a restart is served within about this long however far the open period has doubled.",
+        description="While a circuit is open, its endpoint's GET /models is read this often, seconds (in the "
+        "background, and on a refused call, never more often); an answer (any status below 500) half-opens the "
+        "circuit at once, so a model server back after a restart is served within about this long however far "
+        "the open period has doubled, with no call refused first.",
     )
 
 
