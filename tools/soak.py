@@ -91,9 +91,9 @@ class Stack:
     def _start(self, name: str) -> None:
         port, metrics = self.ports[name]
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port), "--metrics-port",
-             str(metrics), "--config-dir", str(self.config_dir)],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=dying_with_parent(signal.SIGTERM),
+            dying_with_parent([sys.executable, "-m", "switchyard.cli", "serve", name, "--port", str(port),
+                               "--metrics-port", str(metrics), "--config-dir", str(self.config_dir)], signal.SIGTERM),
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )
 
     def _wait(self, name: str, timeout: float = 300) -> None:
@@ -105,9 +105,9 @@ class Stack:
 
     def start(self) -> None:
         self.procs["upstream"] = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "serve", "sim-openai", "--port", str(self.upstream_port),
-             "--config-dir", str(self.config_dir)], env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-            preexec_fn=dying_with_parent(signal.SIGTERM))
+            dying_with_parent([sys.executable, "-m", "switchyard.cli", "serve", "sim-openai", "--port",
+                               str(self.upstream_port), "--config-dir", str(self.config_dir)], signal.SIGTERM),
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         for name in ("retrieval", "dispatcher", "orchestrator"):
             self._start(name)
         for name in ("retrieval", "dispatcher", "orchestrator"):

@@ -763,9 +763,9 @@ def spawn(args: list[str] = (), host: str = "127.0.0.1", timeout_s: float = 30.0
         RuntimeError: it exited or printed no address within ``timeout_s`` (its output is in the message).
     """
     command = [sys.executable, "-m", "switchyard_harness.sim_openai", "--host", host, "--port", "0", *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                               preexec_fn=children.dying_with_parent(signal.SIGTERM))  # it served on, orphaned
+    process = subprocess.Popen(children.dying_with_parent(command, signal.SIGTERM),  # it served on, orphaned
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     line = ""

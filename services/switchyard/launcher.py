@@ -223,7 +223,7 @@ def _spawn(name: str, port: int, metrics_port: int, env: dict[str, str], config_
     # Its own process group: a terminal's Ctrl-C reaches only this launcher, which
     # then stops the services in order (see _stop) instead of all at once.
     # SIGTERM (a drain) when the launcher ends, however it ends.
-    return subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=children.dying_with_parent(signal.SIGTERM))
+    return subprocess.Popen(children.dying_with_parent(cmd, signal.SIGTERM), env=env, process_group=0)
 
 
 def stop_bound(kind: str, grace: float) -> float:
@@ -499,11 +499,11 @@ class UpProcess:
             self._data = tempfile.TemporaryDirectory(prefix="switchyard-up-data-")
             args = (*args, "--data-dir", self._data.name)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
             # SIGTERM when the caller ends however it ends (a benchmark killed): the stack drains and stops;
             # it served on, orphaned, with its Redis and ports held
-            preexec_fn=children.dying_with_parent(signal.SIGTERM),
+            children.dying_with_parent([sys.executable, "-m", "switchyard.cli", "up", "--free-ports", *args],
+                                       signal.SIGTERM),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -111,8 +111,8 @@ async def _main(args: argparse.Namespace) -> None:
     config_dir = args.config_dir if args.real_engine else _fast_engine_config(args.config_dir, Path(tmp.name) / "c")
     if config_dir:
         cmd += ["--config-dir", config_dir]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, SWITCHYARD_ENGINE="sim"), stderr=subprocess.DEVNULL,
-                            preexec_fn=dying_with_parent(signal.SIGTERM))
+    proc = subprocess.Popen(dying_with_parent(cmd, signal.SIGTERM), env=dict(os.environ, SWITCHYARD_ENGINE="sim"),
+                            stderr=subprocess.DEVNULL)
     try:
         while not port_file.exists() or not healthy(
                 address := f"127.0.0.1:{json.loads(port_file.read_text())['port']}", "agent.InferenceService"):

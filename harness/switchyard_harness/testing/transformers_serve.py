@@ -202,8 +202,8 @@ class TransformersServer:
                    "TOKENIZERS_PARALLELISM": "false", **self.env}
             try:
                 self.proc = subprocess.Popen(
-                    self.command(), stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                    preexec_fn=children.dying_with_parent(signal.SIGTERM))
+                    children.dying_with_parent(self.command(), signal.SIGTERM), stdout=fd,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
             finally:
                 os.close(fd)
             atexit.register(self.stop)

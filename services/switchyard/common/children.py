@@ -8,9 +8,10 @@ upon subsequent termination of the parent thread"; it is kept across execve).
 
 Two uses:
 
-- :func:`dying_with_parent` returns a ``preexec_fn`` for :class:`subprocess.Popen`
-  (it runs in the child between fork and exec, so it is set before the program
-  starts and cannot be lost);
+- :func:`dying_with_parent` returns the command for :class:`subprocess.Popen`
+  behind a stub that asks for the signal and then execs it (set before the
+  program starts, so it cannot be lost; no ``preexec_fn``, which crashed
+  children forked beside busy gRPC threads);
 - :func:`die_with_parent` is called by a Python child itself (a pool initializer).
 
 Both close the race where the parent dies before the call: the child then
@@ -31,7 +32,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 PR_SET_PDEATHSIG = 1
 """From <linux/prctl.h>."""
@@ -67,18 +68,32 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-def dying_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get ``sig`` when this process ends; None where unsupported, and
-    None when called off the main thread: the kernel would send ``sig`` as that thread ends, stopping the
-    child early (such a child is left to its starter's own stop)."""
+_STUB = (
+    "import ctypes, os, signal, sys\n"
+    "sig, parent = int(sys.argv[1]), int(sys.argv[2])\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) == 0 and os.getppid() != parent:\n"
+    "    os.kill(os.getpid(), sig)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+"""What :func:`dying_with_parent` runs before the command, in the child: ``prctl(PR_SET_PDEATHSIG)``, the
+parent check of :func:`die_with_parent`, then ``execvp`` of the command (same pid; the signal is kept)."""
+
+
+def dying_with_parent(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """``command`` as a :class:`subprocess.Popen` argument list whose process gets ``sig`` when this process
+    ends: a Python stub (``-I -S``: no site, no environment) asks for the signal, then execs ``command`` in
+    the same process. ``command`` itself where unsupported, and when called off the main thread: the kernel
+    would send ``sig`` as that thread ends, stopping the child early (such a child is left to its starter's
+    own stop).
+
+    Not a ``preexec_fn``: Python code run between fork and exec runs the interpreter's at-fork hooks in the
+    child, and gRPC's, in a process whose gRPC threads were busy, crashed the child with SIGSEGV before its
+    program started (2 to 3 children in 20 started beside a running gRPC server; a model server restarted by
+    a test, a Redis started by a service)."""
+    command = list(command)
     if _prctl is None or threading.current_thread() is not threading.main_thread():
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        die_with_parent(parent, sig)
-
-    return preexec
+        return command
+    return [sys.executable, "-I", "-S", "-c", _STUB, str(int(sig)), str(os.getpid()), *command]
 
 
 def pid_alive(pid: int) -> bool:

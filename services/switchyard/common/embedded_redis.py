@@ -189,8 +189,8 @@ class EmbeddedRedis:
         # Its own process group: a terminal's Ctrl-C reaches the launcher, which stops this server last.
         # SIGTERM when the process that started it ends, however it ends.
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, process_group=0,
-            cwd=self.folder, preexec_fn=children.dying_with_parent(signal.SIGTERM),
+            children.dying_with_parent(cmd, signal.SIGTERM), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, process_group=0, cwd=self.folder,
         )
         deadline = time.monotonic() + ready_timeout
         while not (self.proc.poll() is None and ping(self.host, self.port) and self._answers_as_ours()):
