@@ -424,6 +424,39 @@ async def test_a_rag_answer_task_that_cannot_make_its_deadline_is_refused_before
         assert 0 < warm[0].task_time_left_s <= 200
 
 
+async def test_a_short_answer_is_not_refused_on_the_measured_time_of_long_ones():
+    """A model step's time grows with the tokens it makes: a chat asking 5 tokens was refused DEADLINE_EXCEEDED
+    with 0.5 s left because the mean chat step, taken over earlier 3,000-token answers, was 0.57 s (in front of
+    a real model server, where a 3-token step takes 60 ms). A measured step counts at most the share of its
+    time that the step about to start could take (its max_tokens of the tokens the measured one made), for each
+    workflow (chat, rag_answer's model step after its retrieval); a step asking as many tokens is still refused."""
+    for task_type in ("chat", "rag_answer"):
+        async with stack() as (stub, down):
+            program = down.orchestrator._deps.program
+            program.steps.observe(task_type, "model", 100.0, 1000)  # a 1,000-token answer took 100 s
+            events = await collect(stub, task_id=f"short-{task_type}", payload="with?", task_type=task_type,
+                                   max_tokens=5, timeout=30)
+            assert events[-1].HasField("final")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, task_id=f"long-{task_type}", payload="with?", task_type=task_type,
+                              max_tokens=1000, timeout=30)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"task long-{task_type} refused early" in err.value.details()  # (the short one's step counted too)
+
+
+def test_each_measured_model_step_counts_its_completion_tokens():
+    program = Program(ProgramConfig(), ["calculator"], max_steps=2)
+    program.steps.observe("react_loop", "model", 10.0, 100)
+    program.steps.observe("react_loop", "model", 2.0, 4)
+    program.steps.observe("react_loop", "model", 1.0, 0)  # no completion token counted: its time as it is
+    program.steps.observe("react_loop", "tool", 0.5)
+    assert program.steps.mean("react_loop", "model") == pytest.approx(13.0 / 3)
+    assert program.steps.mean("react_loop", "model", max_tokens=10) == pytest.approx((1.0 + 2.0 + 1.0) / 3)
+    assert program.steps.mean("react_loop", "model", max_tokens=100) == pytest.approx(13.0 / 3)
+    program.steps.observe_turns(3)
+    assert program.remaining_after("react_loop", 0, max_tokens=10) == pytest.approx(2 * (4.0 / 3 + 0.5))
+
+
 def test_react_work_left_follows_the_mean_steps_capped_by_max_steps():
     program = Program(ProgramConfig(), ["calculator"], max_steps=2)
     program.steps.observe("react_loop", "model", 1.0)

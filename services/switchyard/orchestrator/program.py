@@ -14,7 +14,12 @@ bounded window of recent samples (a ``collections.deque``; quantiles by
 - :class:`StepTimes`: the mean time of each step kind (``model``: one Generate;
   ``tool``: one react round's tool calls; ``retrieval``: one Retrieve) per task
   type, and the mean model steps a react_loop task takes. Exported as
-  ``switchyard_step_time_estimate_seconds{task_type,kind}``.
+  ``switchyard_step_time_estimate_seconds{task_type,kind}``. A model step's time
+  grows with the tokens it makes, so each is kept with its completion tokens, and
+  the expected time of a step asking ``max_tokens`` counts of a measured step that
+  made more at most the share ``max_tokens / tokens`` of its time (an estimate from
+  below: the step's fixed part, its prefill, is scaled too): a 5-token answer is not
+  expected to take as long as the 3,000-token answers measured before it.
 
 **The deadline rule** (:meth:`Program.budget`). Before each model step the
 orchestrator computes the task's time left (its deadline: the task type's time
@@ -130,21 +135,31 @@ class StepTimes:
 
     def __init__(self, samples_kept: int) -> None:
         self._kept = samples_kept
-        self._times: dict[tuple[str, str], deque[float]] = {}
+        self._times: dict[tuple[str, str], deque[tuple[float, int]]] = {}
         self._turns: deque[int] = deque(maxlen=samples_kept)
 
-    def observe(self, task_type: str, kind: str, seconds: float) -> None:
-        """A ``kind`` step (:data:`STEP_KINDS`) of a ``task_type`` task took ``seconds``."""
+    def observe(self, task_type: str, kind: str, seconds: float, tokens: int = 0) -> None:
+        """A ``kind`` step (:data:`STEP_KINDS`) of a ``task_type`` task took ``seconds``; ``tokens``: the
+        completion tokens a model step made (0: not counted, the step's time is taken whole by :meth:`mean`)."""
         window = self._times.get((task_type, kind))
         if window is None:
             window = self._times[(task_type, kind)] = deque(maxlen=self._kept)
-        window.append(seconds)
+        window.append((seconds, tokens))
         STEP_TIME_ESTIMATE.labels(bounded(task_type, TASK_TYPES), bounded(kind, STEP_KINDS)).set(self.mean(task_type, kind))
 
-    def mean(self, task_type: str, kind: str) -> float:
-        """Mean seconds of the recent ``kind`` steps of ``task_type`` tasks; 0 before the first."""
+    def mean(self, task_type: str, kind: str, max_tokens: int | None = None) -> float:
+        """Mean seconds of the recent ``kind`` steps of ``task_type`` tasks; 0 before the first.
+
+        ``max_tokens``: the completion tokens the step to come may make at most; a measured step that made more
+        (``tokens``) counts ``seconds * max_tokens / tokens`` (see the module docstring). None: every step whole.
+        """
         window = self._times.get((task_type, kind))
-        return sum(window) / len(window) if window else 0.0
+        if not window:
+            return 0.0
+        if max_tokens is None:
+            return sum(seconds for seconds, _ in window) / len(window)
+        return sum(seconds * max_tokens / tokens if tokens > max_tokens else seconds
+                   for seconds, tokens in window) / len(window)
 
     def observe_turns(self, model_steps: int) -> None:
         """A react_loop task finished after ``model_steps`` model steps."""
@@ -187,31 +202,36 @@ class Program:
         self.steps = StepTimes(config.step_time_samples_kept)
         self.max_steps = max_steps
 
-    def remaining_after(self, task_type: str, model_steps_done: int, prefill: bool = False) -> float:
+    def remaining_after(self, task_type: str, model_steps_done: int, prefill: bool = False,
+                        max_tokens: int | None = None) -> float:
         """Expected seconds of work after the model step about to start, ``model_steps_done`` having run.
 
         react_loop: ``min(mean model steps per task, max_steps + 1) - (model_steps_done + 1)`` more steps
         (none before any task finished), each after one tool round: steps x (mean model step + mean tool round).
         rag_answer and chat have one model step: nothing after it. ``prefill``: the step is a prefill-only
-        warm-up sent before retrieval, followed by retrieval and the one model step.
+        warm-up sent before retrieval, followed by retrieval and the one model step. ``max_tokens``: the
+        completion tokens each model step to come may make (:meth:`StepTimes.mean`).
         """
         steps = self.steps
         if prefill:
-            return steps.mean(task_type, "retrieval") + steps.mean(task_type, "model")
+            return steps.mean(task_type, "retrieval") + steps.mean(task_type, "model", max_tokens)
         if task_type != "react_loop":
             return 0.0
         turns = steps.mean_turns()
         if turns is None:
             return 0.0
         left = max(0.0, min(turns, self.max_steps + 1) - (model_steps_done + 1))
-        return left * (steps.mean(task_type, "model") + steps.mean(task_type, "tool"))
+        return left * (steps.mean(task_type, "model", max_tokens) + steps.mean(task_type, "tool"))
 
     def budget(self, task_id: str, task_type: str, deadline_s: float, model_steps_done: int,
-               prefill: bool = False) -> Budget:
+               prefill: bool = False, max_tokens: int | None = None) -> Budget:
         """The budget of the model step about to start; refuses a task that cannot make its deadline.
 
         Args:
             deadline_s: the task's deadline, a ``time.monotonic()`` instant.
+            max_tokens: the completion tokens the step (and each one after it) may make at most; a measured
+                step that made more counts the share of its time these could take (:meth:`StepTimes.mean`).
+                None: measured steps count whole.
             prefill: the step is rag_answer's prefill-only warm-up, sent at the task's start beside its
                 retrieval: it is no model step of its own (0 s), and the retrieval and the one model step
                 follow it (:meth:`remaining_after`). The rule is checked there, before the retrieval runs,
@@ -222,8 +242,8 @@ class Program:
                 expected work (see the module docstring); counted in ``switchyard_tasks_refused_early_total``.
         """
         budget = Budget(max(0.0, deadline_s - time.monotonic()),
-                        0.0 if prefill else self.steps.mean(task_type, "model"),
-                        self.remaining_after(task_type, model_steps_done, prefill=prefill))
+                        0.0 if prefill else self.steps.mean(task_type, "model", max_tokens),
+                        self.remaining_after(task_type, model_steps_done, prefill=prefill, max_tokens=max_tokens))
         config = self.config
         if config.refuse_early and budget.slack_s < -config.refuse_early_margin_s:
             TASKS_REFUSED_EARLY.labels(bounded(task_type, TASK_TYPES)).inc()

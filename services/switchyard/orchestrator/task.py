@@ -236,8 +236,9 @@ class Task:
             ServiceUnavailable, SwitchyardError: see :meth:`InferenceClient.generate`.
         """
         program, workflow = self.deps.program, self.spec.workflow
-        budget = program.budget(self.spec.task_id, workflow, self.deadline_s, self.generations)
-        started = time.monotonic()
+        budget = program.budget(self.spec.task_id, workflow, self.deadline_s, self.generations,
+                                max_tokens=self.spec.max_tokens if max_tokens is None else max_tokens)
+        started, made = time.monotonic(), 0
         turn, self.generations = self.generations, self.generations + 1
         text: list[str] = []
         calls: list[agent_pb2.ToolCall] = []
@@ -264,13 +265,14 @@ class Task:
                 done = chunk.done
                 self.usage.prompt_tokens += done.usage.prompt_tokens
                 self.usage.completion_tokens += done.usage.completion_tokens
+                made = done.usage.completion_tokens
                 self.usage.total_tokens += done.usage.total_tokens
                 self.add_wait("inference", done.queue_wait_s)
                 self.compute_score_used += done.compute_score_used
                 self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
                 self.model = done.model or self.model
                 self.finish_reason = done.finish_reason
-        program.steps.observe(workflow, "model", time.monotonic() - started)
+        program.steps.observe(workflow, "model", time.monotonic() - started, made)
         return "".join(text), calls
 
     def start_budget(self) -> Budget:
@@ -282,7 +284,7 @@ class Task:
                 any of it runs.
         """
         return self.deps.program.budget(self.spec.task_id, self.spec.workflow, self.deadline_s, self.generations,
-                                        prefill=True)
+                                        prefill=True, max_tokens=self.spec.max_tokens)
 
     async def prefill(self, prefix: str, budget: Budget) -> None:
         """Warm the dispatcher's prefix state with ``prefix`` (a true prefix of the prompt to come): one
