@@ -223,10 +223,35 @@ def test_a_metrics_port_serves_a_bounded_number_of_connections_and_closes_idle_o
 def test_metrics_port_in_use_names_the_port():
     try:
         port = start_metrics_server(0, "dispatcher")
-        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port} for dispatcher"):
+        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port} for dispatcher: is another process using "
+                                          r"it\? Choose another port \(dispatcher.metrics_port"):
             start_metrics_server(port, "dispatcher")
     finally:
         stop_metrics_servers()
+
+
+def test_serve_with_its_metrics_port_taken_says_so_and_nothing_else():
+    """`switchyard serve dispatcher --metrics-port P` with P taken logged "[Errno 98] metrics port ... Address already
+    in use" (no key, no way out, unlike a taken gRPC port) and then a traceback: "Exception ignored in
+    Server.__del__ ... RuntimeError: Event loop is closed" (its gRPC server, started before the metrics port, was
+    never stopped). The metrics port is bound first now: nothing else to undo."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "SWITCHYARD_DRAM_ADDR": "127.0.0.1:1"}  # no Redis wanted: the start fails before
+        done = subprocess.run([sys.executable, "-m", "switchyard.cli", "serve", "dispatcher", "--port", "0",
+                               "--metrics-port", str(port)], capture_output=True, text=True, timeout=120, env=env)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said
+    assert (f"dispatcher failed to start: [Errno 98] could not bind the metrics port 127.0.0.1:{port} for dispatcher: "
+            "is another process using it? Choose another port (dispatcher.metrics_port") in said, said
+    assert "Traceback" not in said and "Exception ignored" not in said, said
 
 
 @pytest.mark.parametrize("accept", [

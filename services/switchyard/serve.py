@@ -139,12 +139,14 @@ async def serve(name: str, config: SwitchyardConfig, port_file: str | None = Non
     try:
         service = make_service(name, config)
         faces = _faces(name, service, config)
+        # The metrics port first: bound after the gRPC server had started, a taken one left that server to be
+        # collected after the loop closed ("Exception ignored ... Event loop is closed" under the refusal).
+        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
+                                                            profile=profile_endpoint(service, config))
         srv = await start_server(
             faces, config.server.host, section.port, config.server,
             interceptors=telemetry.server_interceptors(), health_port=section.health_port,
         )
-        metrics_port = process_metrics.start_metrics_server(section.metrics_port, name, config.server.host,
-                                                            profile=profile_endpoint(service, config))
         lag_monitor = process_metrics.start_loop_lag_monitor()
         freeze_startup_heap()
         log.info("%s ready on %s:%d (metrics on port %d)", name, config.server.host, srv.port, metrics_port)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import sys
@@ -276,7 +277,7 @@ def start_metrics_server(port: int, service: str, host: str = "127.0.0.1", profi
         The bound port.
 
     Raises:
-        OSError: the port is in use (the message names host and port).
+        OSError: the port could not be bound (the message names host, port and, when it is in use, the key).
     """
     register_process_collectors()
     SERVICE_INFO.info({"service": service, "version": __version__})
@@ -284,7 +285,11 @@ def start_metrics_server(port: int, service: str, host: str = "127.0.0.1", profi
         server_class, address = _server_class(host, port)
         server = make_server(address, port, _routes(make_wsgi_app(REGISTRY), profile), server_class, handler_class=_Silent)
     except OSError as exc:
-        raise OSError(exc.errno, f"metrics port {host}:{port} for {service}: {exc.strerror}") from exc
+        why = exc.strerror
+        if exc.errno == errno.EADDRINUSE:  # the gRPC port's words (server.bind_failure), naming this port's key
+            why = (f"is another process using it? Choose another port ({service}.metrics_port in "
+                   "config/switchyard.json, or `switchyard up --free-ports`)")
+        raise OSError(exc.errno, f"could not bind the metrics port {host}:{port} for {service}: {why}") from exc
     threading.Thread(target=server.serve_forever, name=f"{service}-metrics", daemon=True).start()
     _servers.append(server)
     bound = int(server.server_port)
