@@ -397,6 +397,16 @@ def test_a_cold_folder_that_is_a_file_or_under_one_is_refused_naming_its_setting
     assert ColdStore(str(tmp_path / "not-yet")).local  # a folder not made yet is made at the first archive
 
 
+def test_a_cold_store_whose_server_cannot_be_reached_is_refused_naming_its_setting() -> None:
+    """``[oss] path = "ftp://host/cold"`` with the host unknown or not answering: fsspec's FTP backend connects when
+    the store is opened, and the dispatcher failed to start with a bare "[Errno -2] Name or service not known"
+    (or "[Errno 111] Connection refused") naming neither the setting nor the URL."""
+    path = "ftp://127.0.0.1:1/cold"  # nothing listens on port 1
+    with pytest.raises(ValueError, match=rf"memory_policy.toml \[oss\] path '{path}': expected a store that can be "
+                                         r"opened \(ConnectionRefusedError: .*Connection refused\)"):
+        ColdStore(path)
+
+
 # --------------------------------------------------------------------------- fragmentation, defragmentation
 
 

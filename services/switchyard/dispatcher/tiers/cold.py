@@ -136,7 +136,8 @@ class ColdStore:
     Opening a local folder removes the temporary names of writers that are gone (:func:`remove_partial_writes`).
 
     Raises:
-        ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed, or a local
+        ValueError: ``path`` names a protocol fsspec does not know, or whose package is not installed, a store
+            whose backend connects when opened and cannot (an FTP host unknown or not answering), or a local
             path that is no folder this user can read (a file, a path under a file, no permission).
     """
 
@@ -149,6 +150,10 @@ class ColdStore:
             self.fs, self.root = fsspec.core.url_to_fs(path, **(storage_options or {}))
         except (ImportError, ValueError) as exc:
             raise ValueError(f"memory_policy.toml [oss] path {path!r}: {exc}") from None
+        except OSError as exc:  # a backend that connects when opened (ftp://): a bare "[Errno -2] Name or service
+            # not known" or "Connection refused" named no setting, and the dispatcher did not start
+            raise ValueError(f"memory_policy.toml [oss] path {path!r}: expected a store that can be opened "
+                             f"({type(exc).__name__}: {exc})") from None
         self.path = path
         self.key_prefix = key_prefix + "kv:"
         self.local = isinstance(self.fs, LocalFileSystem)
