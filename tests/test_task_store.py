@@ -359,6 +359,27 @@ async def test_a_sqlite_path_whose_folder_cannot_be_made_is_named_by_its_setting
     assert str(a_file / "tasks.sqlite3") in message
 
 
+@pytest.mark.parametrize("what", ["folder", "not a database"])
+async def test_a_sqlite_path_that_is_no_database_file_is_named_by_its_setting(tmp_path, what):
+    """SWITCHYARD_TASK_STORE_SQLITE_PATH=/tmp (a folder) stopped the orchestrator with "task store unavailable
+    (sqlite /tmp): unable to open database file", and a file that is not a database with "file is not a
+    database": neither named the setting, as a folder that cannot be made does."""
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    path = tmp_path / "tasks.sqlite3"
+    if what == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"not an SQLite file, some notes " * 100)
+    store = SqliteTaskStore(TaskStoreConfig(sqlite_path=str(path)))
+    with pytest.raises(TaskStoreUnavailable) as refused:
+        await store.open()
+    message = str(refused.value)
+    assert "orchestrator.task_store.sqlite_path (SWITCHYARD_TASK_STORE_SQLITE_PATH" in message, message
+    assert f"{str(path)!r}: expected an SQLite database file this user can write, or no file yet" in message, message
+    assert ("(a folder is there)" if what == "folder" else "(file is not a database)") in message, message
+
+
 async def test_a_task_store_outage_is_logged_once_when_it_begins_and_once_when_it_ends(tmp_path, caplog):
     """The orchestrator's two pollers of the store (the cancel requests, every cancel_poll_s; the lease, every
     lease_s / 3) each logged a warning at every failed try: a Redis down for an hour wrote some 14,000 lines

@@ -175,8 +175,12 @@ class SqliteTaskStore(TaskStore):
             raise TaskStoreUnavailable(self.name, (
                 f"orchestrator.task_store.sqlite_path (SWITCHYARD_TASK_STORE_SQLITE_PATH, switchyard up --data-dir) "
                 f"{str(self.path)!r}: expected a file in a folder this user can make or write ({why})")) from exc
-        except sqlite3.Error as exc:
-            raise TaskStoreUnavailable(self.name, exc) from exc
+        except sqlite3.Error as exc:  # a folder at the path, a file that is no database, one this user cannot write
+            why = "a folder is there" if self.path.is_dir() else str(exc)
+            raise TaskStoreUnavailable(self.name, (
+                f"orchestrator.task_store.sqlite_path (SWITCHYARD_TASK_STORE_SQLITE_PATH, switchyard up --data-dir) "
+                f"{str(self.path)!r}: expected an SQLite database file this user can write, or no file yet "
+                f"({why})")) from exc
 
     async def _close(self) -> None:
         def close() -> None:
