@@ -87,6 +87,34 @@ def test_tls_config_names_what_is_missing(tmp_path):
         config.read()
 
 
+@pytest.mark.parametrize("variable", ["SWITCHYARD_TLS_DIR", "SWITCHYARD_AUTH_TOKENS_FILE"])
+def test_a_file_a_variable_named_that_cannot_be_read_names_the_variable(tmp_path, monkeypatch, variable):
+    """SWITCHYARD_TLS_DIR (or SWITCHYARD_AUTH_TOKENS_FILE) naming a Secret that was not mounted stopped the service
+    with "tls.cert_file /x/tls.crt: No such file or directory" (or "auth.tokens_file /x: ..."): a key the operator
+    never wrote in a file, and no word of the variable that set it, as a value refused at load names it."""
+    from switchyard.common.auth import AuthConfigError, load_tokens
+    from switchyard.common.config import load_config
+
+    missing = tmp_path / "not-mounted"
+    monkeypatch.setenv(variable, str(missing))
+    config = load_config("config", service="orchestrator")
+    if variable == "SWITCHYARD_TLS_DIR":
+        with pytest.raises(ConfigError) as refused:
+            config.server.tls.read()
+        assert str(refused.value) == (
+            f"tls.cert_file {missing}/tls.crt (set by environment variable SWITCHYARD_TLS_DIR={str(missing)!r}): "
+            "No such file or directory; expected a PEM file this user can read")
+    else:
+        with pytest.raises(AuthConfigError) as refused:
+            load_tokens(config.orchestrator.auth)
+        assert str(refused.value) == (
+            f"auth.tokens_file {missing} (set by environment variable SWITCHYARD_AUTH_TOKENS_FILE={str(missing)!r}): "
+            "No such file or directory; expected a file this user can read, a token a line")
+    monkeypatch.delenv(variable)  # set in the file, not by a variable: nothing said of one
+    with pytest.raises(ConfigError, match=r"^tls.cert_file [^(]*nope.pem: No such file"):
+        TlsConfig(enabled=True, cert_file=str(tmp_path / "nope.pem"), key_file="k", ca_file="c").read()
+
+
 async def test_a_server_without_its_certificate_says_so(pki):
     config = ServerConfig(tls=TlsConfig(enabled=True, ca_file=str(pki / "ca.pem")))
     with pytest.raises(ConfigError, match="a server needs cert_file and key_file"):

@@ -102,7 +102,11 @@ def load_tokens(config: AuthConfig) -> list[_Token]:
             raw = Path(config.tokens_file).read_bytes()
             text = raw.decode("utf-8-sig")  # a leading BOM, as some editors save UTF-8, is no token's
         except OSError as exc:
-            raise AuthConfigError(f"auth.tokens_file {config.tokens_file}: {exc.strerror or exc}") from None
+            from switchyard.common.config.loader import set_by_environment
+
+            raise AuthConfigError(
+                f"auth.tokens_file {config.tokens_file}{set_by_environment('orchestrator', 'auth.tokens_file')}: "
+                f"{exc.strerror or exc}; expected a file this user can read, a token a line") from None
         except UnicodeDecodeError as exc:  # the line, never its bytes: they are a token's
             line = raw.count(b"\n", 0, exc.start) + 1
             raise AuthConfigError(f"auth.tokens_file {config.tokens_file} line {line}: expected UTF-8 text (a byte "

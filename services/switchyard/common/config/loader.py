@@ -299,6 +299,18 @@ def _env_sources() -> dict[str, str]:
     return {key: f"environment variable {name}={envs.raw_value(name)!r}" for key, name in sources.items()}
 
 
+def set_by_environment(section: str, key: str) -> str:
+    """`` (set by environment variable NAME='value')`` where a variable of :data:`ENV_KEYS` or :data:`ENV_SPREAD`
+    sets ``section``'s ``key`` now, else empty: for a refusal found after loading (a file the key names cannot be
+    read) to name the variable the operator set, as a refusal at load does."""
+    names = [variable.name for variable, s, k in ENV_KEYS if (s, k) == (section, key)]
+    names += [name for name, keys in ENV_SPREAD.items() if (section, key) in keys]
+    for name in names:
+        if raw := envs.raw_value(name):
+            return f" (set by environment variable {name}={raw!r})"
+    return ""
+
+
 def _read_all(files: _Files, names: tuple[str, ...], notes: list[str]) -> tuple[dict[str, BaseModel], list[str]]:
     sections: dict[str, BaseModel] = {}
     problems: list[str] = []

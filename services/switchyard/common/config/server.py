@@ -56,7 +56,10 @@ class TlsConfig(_Strict):
             try:
                 out.append(Path(path).read_bytes())
             except OSError as exc:
-                raise ConfigError(f"tls.{name} {path}: {exc.strerror or exc}") from None
+                from switchyard.common.config.loader import set_by_environment  # the loader imports this module
+
+                raise ConfigError(f"tls.{name} {path}{set_by_environment('server', f'tls.{name}')}: "
+                                  f"{exc.strerror or exc}; expected a PEM file this user can read") from None
         assert out[2] is not None
         return out[0], out[1], out[2]
 
