@@ -94,6 +94,22 @@ def test_unknown_model_suggests_nearest(keyed_sim, capsys):
     assert "FAIL  model claude-sonnet-4.5" in out and "fix: use 'claude-sonnet-4-5'" in out
 
 
+def test_a_default_model_a_variable_set_is_fixed_in_that_variable(keyed_sim, monkeypatch, capsys):
+    """SWITCHYARD_UPSTREAM_MODEL naming an id the server does not serve: the fixes said to set
+    model_gateway.default_model, which the variable overrides, so a fix made there changed nothing."""
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "claude-sonnet-4.5")
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url)
+    assert code == 1, out
+    assert ("fix: use 'claude-sonnet-4-5' (in the request, SWITCHYARD_UPSTREAM_MODEL (it overrides "
+            "model_gateway.default_model) or model_gateway.model_map)") in out, out
+    assert "fix: set SWITCHYARD_UPSTREAM_MODEL (it overrides model_gateway.default_model) (or model_gateway.model_map)" \
+        " to one of: " in out, out
+    assert "set model_gateway.default_model" not in out, out
+    monkeypatch.delenv("SWITCHYARD_UPSTREAM_MODEL")  # the file's own default_model: the key is the fix
+    code, out = run_doctor(capsys, "--base-url", keyed_sim.base_url, "--model", "claude-sonnet-4.5")
+    assert "SWITCHYARD_UPSTREAM_MODEL" not in out, out
+
+
 def test_dead_base_url_fails_with_fix(clean_proxy_env, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
     code, out = run_doctor(capsys, "--base-url", f"http://127.0.0.1:{closed_port()}/v1")

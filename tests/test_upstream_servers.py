@@ -261,3 +261,20 @@ async def test_an_unknown_model_is_not_found_naming_the_ids_served(clean_proxy_e
                 await stream(client, ChatRequest(messages=[{"role": "user", "content": "hi"}], model="other-model"))
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
     assert "the server serves 'served-a', 'served-b'" in str(caught.value)
+
+
+async def test_an_unknown_default_model_names_the_setting_that_named_it(clean_proxy_env, monkeypatch):
+    """A task that leaves ``model`` empty calls the default model: with SWITCHYARD_UPSTREAM_MODEL naming an id the
+    server does not serve, every such task failed NOT_FOUND saying "set it in the request or in
+    model_gateway.model_map", naming neither the variable that chose the model nor the key it overrides."""
+    monkeypatch.setenv("SWITCHYARD_UPSTREAM_MODEL", "served-c")
+    with start_sim(models=["served-a", "served-b"]) as sim:
+        async with GatewayClient(gateway_config(sim.base_url, default_model="served-c", fallback_model="")) as client:
+            with pytest.raises(GatewayError) as caught:
+                await stream(client, ChatRequest(messages=[{"role": "user", "content": "hi"}], model=""))
+            with pytest.raises(GatewayError) as named:  # the request named it: the request is the fix
+                await stream(client, ChatRequest(messages=[{"role": "user", "content": "hi"}], model="served-d"))
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert ("set it in SWITCHYARD_UPSTREAM_MODEL (it overrides model_gateway.default_model) (or name it in the "
+            "request)") in str(caught.value), str(caught.value)
+    assert "set it in the request or in model_gateway.model_map" in str(named.value), str(named.value)

@@ -58,6 +58,18 @@ def url_key(cfg: UpstreamConfig) -> str:
     return BASE_URL_KEY
 
 
+def model_key(field: str) -> str:
+    """The setting that names the upstream model of ``field`` (``default_model`` or ``fallback_model``), for a fix
+    to name: ``SWITCHYARD_UPSTREAM_MODEL (it overrides model_gateway.default_model)`` where that variable is set
+    (SWITCHYARD_UPSTREAM_FALLBACK_MODEL for the fallback: a fix in the file alone changes nothing there), else
+    ``model_gateway.<field>``."""
+    variable = {"default_model": envs.SWITCHYARD_UPSTREAM_MODEL,
+                "fallback_model": envs.SWITCHYARD_UPSTREAM_FALLBACK_MODEL}[field]
+    if envs.raw_value(variable.name):
+        return f"{variable.name} (it overrides model_gateway.{field})"
+    return f"model_gateway.{field}"
+
+
 _EXPIRED = re.compile(r"(?i)expired")
 _MODEL_WORDS = re.compile(
     r"(?i)model[_ ]not[_ ]found|\bmodel\b.*(does not exist|not found|unknown|no such)|unknown model"

@@ -63,6 +63,7 @@ from switchyard.gateway.classify import (
     error_for_status,
     error_for_transport,
     is_model_not_found,
+    model_key,
     upstream_message,
     url_key,
 )
@@ -415,6 +416,16 @@ class GatewayClient:
         else:
             return ""
         return f"{source} {name!r}" if name and name != model else ""
+
+    def model_setting(self, requested: str, model: str) -> str:
+        """The setting that named upstream id ``model`` for a call for client-facing ``requested``, where the
+        request did not: the default model's (the request left ``model`` empty) or the fallback's, as
+        :func:`~switchyard.gateway.classify.model_key` names it (the variable where one overrides the key);
+        "" when the request named it."""
+        chain = self.models_for(requested)
+        if model == chain[0]:
+            return "" if requested else model_key("default_model")
+        return model_key("fallback_model") if model in chain[1:] else ""
 
     def reported_context_window(self, requested: str) -> int:
         """The context window, tokens, the upstream reported for the model client-facing ``requested`` maps to
@@ -790,13 +801,16 @@ class GatewayClient:
                 await response.aclose()
             if not self._drop_refused(endpoint, response.status_code, text, body, call):
                 raise await self._status_error(response, text, endpoint, model, call.key,
-                                               self.named_as(request.model, model))
+                                               self.named_as(request.model, model),
+                                               self.model_setting(request.model, model))
 
     async def _status_error(
-        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, named_as: str = ""
+        self, response: httpx.Response, text: str, endpoint: Endpoint, model: str, key: ApiKey, named_as: str = "",
+        setting: str = "",
     ) -> GatewayError:
         """The error of a non-2xx answer to a call of upstream id ``model`` (``named_as``: who named it by another
-        name, which ``model_gateway.model_map`` mapped to it, :meth:`named_as`; a not-found names both)."""
+        name, which ``model_gateway.model_map`` mapped to it, :meth:`named_as`; a not-found names both; ``setting``:
+        the setting that named it, :meth:`model_setting`, which a not-found's fix names)."""
         url = endpoint.chat_completions
         status = response.status_code
         if status in (400, 404, 422):
@@ -813,7 +827,7 @@ class GatewayClient:
                 if said_model or (known is not None and not model_names.listed(model, known)):
                     detail = snippet(redact(upstream_message(text), key.value))
                     return ModelNotFound(model, model_names.nearest(model, known or []), detail,
-                                         served=known, named_as=named_as).naming(url)
+                                         served=known, named_as=named_as, setting=setting).naming(url)
                 if status == 404:
                     said = snippet(redact(upstream_message(text), key.value))
                     if known is not None:  # the root's GET /models answers and lists it: the root is right

@@ -48,6 +48,7 @@ from switchyard.common.config import ConfigError, SwitchyardConfig, UpstreamConf
 from switchyard.gateway import models as model_names
 from switchyard.gateway.classify import (
     key_refused_as,
+    model_key,
     plain_http_behind_https,
     redirected_root,
     upstream_message,
@@ -213,7 +214,8 @@ def _model_checks(cfg: UpstreamConfig, known: list[str], extra: Iterable[str]) -
             checks.append(Check(f"model {model}", True, f"{source}: listed by /models"))
             continue
         near = model_names.nearest(model, known)
-        fix = f"use {near!r} (in the request, {source} or model_gateway.model_map)" if near else (
+        setting = model_key(source) if source in ("default_model", "fallback_model") else source
+        fix = f"use {near!r} (in the request, {setting} or model_gateway.model_map)" if near else (
             f"pick one of: {', '.join(known[:10]) or '(none listed)'}")
         if source == "fallback_model":  # a server of one model has no other to fall back on
             fix += ", or no fallback: model_gateway.fallback_model \"\" (SWITCHYARD_UPSTREAM_FALLBACK_MODEL=none)"
@@ -330,7 +332,8 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
         except ModelNotFound as exc:
             served = ", ".join(exc.served or []) or "(none listed)"
             checks.append(Check("stream probe", False, f"unknown model: {exc}",
-                                f"set model_gateway.default_model (or model_map) to one of: {served}"))
+                                f"set {model_key('default_model')} (or model_gateway.model_map) to one of: "
+                                f"{served}"))
         except GatewayError as exc:
             checks.append(Check("stream probe", False, f"{exc.code.name}: {exc}", "see the message above"))
         else:

@@ -83,7 +83,9 @@ class ModelNotFound(GatewayError):
     """The upstream does not serve the model id: a 404, or a 400/422 naming the model while
     ``GET /v1/models`` does not list it (``transformers serve``: "Server is pinned to ...").
 
-    ``served``: the ids ``/v1/models`` lists (None when it could not be read); the message
+    ``setting``: the setting that named ``model`` where the request did not (``model_gateway.default_model``, or
+    the variable that overrides it: :func:`~switchyard.gateway.classify.model_key`), for the fix to name; "" when
+    the request named it. ``served``: the ids ``/v1/models`` lists (None when it could not be read); the message
     names up to ten of them. ``named_as``: who named ``model`` by another name that ``model_gateway.model_map``
     mapped to it, and that name (``"the request's 'sonnet'"``, ``"model_gateway.fallback_model 'fast'"``: the
     message names both, as the one who wrote it knows it); "" when ``model`` was named as it is.
@@ -92,11 +94,13 @@ class ModelNotFound(GatewayError):
     code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, model: str, nearest: str | None, detail: str = "",
-                 served: list[str] | None = None, named_as: str = "") -> None:
+                 served: list[str] | None = None, named_as: str = "", setting: str = "") -> None:
+        where = f"{setting} (or name it in the request)" if setting else "the request or in model_gateway.model_map"
         hint = (
-            f"did you mean {nearest!r}? set it in the request or in model_gateway.model_map"
+            f"did you mean {nearest!r}? set it in {where}"
             if nearest
             else "list the ids with GET /v1/models (switchyard doctor does) and use one of them"
+            + (f" in {setting}" if setting else "")
         )
         tail = f" (upstream said {detail})" if detail else ""
         listed = ""
