@@ -1,6 +1,7 @@
 """The vector index: save/load round trip, cosine search, clear errors for a missing or broken index."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -68,6 +69,16 @@ def test_missing_index_names_the_folder_and_the_fix(tmp_path):
      r"passages.jsonl: not UTF-8 text"),
     (lambda d: (d / "index.faiss").write_bytes((d / "index.faiss").read_bytes()[:100]),
      r"index.faiss: not a FAISS index faiss can read \(.*\); rebuild it with `switchyard index`"),
+    # the manifest's own refusals were pydantic's dump ("1 validation error for Manifest ... For further
+    # information visit https://errors.pydantic.dev/...") with no way out, and a dims disagreement named no file
+    (lambda d: (d / "manifest.json").write_text("{bad\n"),
+     r"manifest.json: not a valid manifest \(Invalid JSON: key must be a string at line 1 column 2\); rebuild the "
+     r"index with `switchyard index`$"),
+    (lambda d: (d / "manifest.json").write_text(
+        (d / "manifest.json").read_text().replace('"count": ', '"count": "many", "x": ')),
+     r"manifest.json: not a valid manifest \(count: Input should be a valid integer"),
+    (lambda d: (d / "manifest.json").write_text(re.sub(r'"dims": \d+', '"dims": 768', (d / "manifest.json").read_text())),
+     r": index vectors have \d+ dims, manifest says 768; rebuild it with `switchyard index`"),
 ])
 def test_a_file_of_the_index_that_cannot_be_read_is_named_with_its_line(tmp_path, damage, message):
     """A line of passages.jsonl that was not JSON failed retrieval's start with 'Expecting value: line 2 column 1
@@ -79,6 +90,7 @@ def test_a_file_of_the_index_that_cannot_be_read_is_named_with_its_line(tmp_path
     with pytest.raises(IndexMismatchError, match=message) as refused:
         load_index(tmp_path)
     assert str(tmp_path) in str(refused.value) and "switchyard index" in str(refused.value)
+    assert "errors.pydantic.dev" not in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def test_inconsistent_files_are_rejected(tmp_path):

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import faiss
 import grpc
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from switchyard.common import untrusted
 from switchyard.common.errors import SwitchyardError
@@ -122,9 +122,11 @@ class VectorIndex:
                 f"of {manifest.count}; rebuild it with `switchyard index`"
             )
         if index.d != manifest.dims:
-            raise IndexMismatchError(f"index vectors have {index.d} dims, manifest says {manifest.dims}")
+            raise IndexMismatchError(f"index vectors have {index.d} dims, manifest says {manifest.dims}; rebuild it "
+                                     "with `switchyard index`")
         if lexical is not None and len(lexical) != len(passages):
-            raise IndexMismatchError(f"BM25 index holds {len(lexical)} passages, the vector index {len(passages)}")
+            raise IndexMismatchError(f"BM25 index holds {len(lexical)} passages, the vector index {len(passages)}; "
+                                     "rebuild it with `switchyard index`")
         self.manifest = manifest
         self.passages = passages
         self.index = index
@@ -307,8 +309,14 @@ def load_index(folder: str | Path) -> VectorIndex:
         raise IndexNotFoundError(root, missing)
     try:
         manifest = Manifest.model_validate_json((root / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except ValidationError as exc:  # one line, the first problem: pydantic's own dump ends in a link to its docs
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise IndexMismatchError(f"{root / MANIFEST_FILE}: not a valid manifest ({where + ': ' if where else ''}"
+                                 f"{first['msg']}); rebuild the index with `switchyard index`") from None
     except ValueError as exc:
-        raise IndexMismatchError(f"{root / MANIFEST_FILE}: not a valid manifest: {exc}") from None
+        raise IndexMismatchError(f"{root / MANIFEST_FILE}: not a valid manifest ({exc}); rebuild the index with "
+                                 "`switchyard index`") from None
     except OSError as exc:
         raise _unreadable(root / MANIFEST_FILE, exc) from None
     passages = _read_passages(root / PASSAGES_FILE)
@@ -328,4 +336,7 @@ def load_index(folder: str | Path) -> VectorIndex:
         if lexical is None:
             raise IndexMismatchError(f"{root}: the manifest lists a BM25 index but {root / 'bm25'} is missing; "
                                      "rebuild it with `switchyard index`")
-    return VectorIndex(manifest, passages, index, lexical)
+    try:
+        return VectorIndex(manifest, passages, index, lexical)
+    except IndexMismatchError as exc:  # the files disagree: the folder they are in
+        raise IndexMismatchError(f"{root}: {exc}") from None
