@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -378,6 +379,31 @@ async def test_a_sqlite_path_that_is_no_database_file_is_named_by_its_setting(tm
     assert "orchestrator.task_store.sqlite_path (SWITCHYARD_TASK_STORE_SQLITE_PATH" in message, message
     assert f"{str(path)!r}: expected an SQLite database file this user can write, or no file yet" in message, message
     assert ("(a folder is there)" if what == "folder" else "(file is not a database)") in message, message
+
+
+async def test_a_redis_task_store_that_does_not_answer_at_start_names_its_settings(monkeypatch):
+    """SWITCHYARD_TASK_STORE=redis with no Redis at SWITCHYARD_DRAM_ADDR stopped the orchestrator with "task store
+    unavailable (redis 127.0.0.1:1 db 0): ConnectionError: Error 111 connecting to 127.0.0.1:1. Connection refused.":
+    the address, but neither the setting that named it nor the way back to SQLite."""
+    import socket
+
+    from switchyard.common.config import load_config
+    from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once closed
+    monkeypatch.setenv("SWITCHYARD_DRAM_ADDR", f"127.0.0.1:{port}")
+    config = load_config("config", service="orchestrator")
+    store = RedisTaskStore(config.orchestrator.task_store, config.memory.dram)
+    with pytest.raises(TaskStoreUnavailable) as refused:
+        await store.open()
+    message = str(refused.value)
+    assert (f"task store unavailable (redis 127.0.0.1:{port} db 0): expected a Redis answering at memory_policy.toml "
+            f"[dram] host:port (set by environment variable SWITCHYARD_DRAM_ADDR='127.0.0.1:{port}') (") in message, message
+    assert 'orchestrator.task_store.backend "sqlite" (SWITCHYARD_TASK_STORE=sqlite)' in message, message
+    with contextlib.suppress(Exception):
+        await store.close()
 
 
 async def test_a_task_store_outage_is_logged_once_when_it_begins_and_once_when_it_ends(tmp_path, caplog):

@@ -145,7 +145,15 @@ class RedisTaskStore(TaskStore):
             raise TaskStoreUnavailable(self.name, describe_error(exc)) from exc
 
     async def _open(self) -> None:
-        await self._do(self.redis.ping())
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:  # at start: the setting to change, not only the address that failed
+            from switchyard.common.config.loader import set_by_environment
+
+            raise TaskStoreUnavailable(self.name, (
+                f"expected a Redis answering at memory_policy.toml [dram] host:port"
+                f"{set_by_environment('memory.dram', 'host')} ({describe_error(exc)}); start it, or store tasks in "
+                f"SQLite: orchestrator.task_store.backend \"sqlite\" (SWITCHYARD_TASK_STORE=sqlite)")) from exc
 
     async def _close(self) -> None:
         await self.redis.aclose()
