@@ -362,8 +362,8 @@ async def test_a_sqlite_path_whose_folder_cannot_be_made_is_named_by_its_setting
 
 @pytest.mark.parametrize("what", ["folder", "not a database"])
 async def test_a_sqlite_path_that_is_no_database_file_is_named_by_its_setting(tmp_path, what):
-    """SWITCHYARD_TASK_STORE_SQLITE_PATH=/tmp (a folder) stopped the orchestrator with "task store unavailable
-    (sqlite /tmp): unable to open database file", and a file that is not a database with "file is not a
+    """SWITCHYARD_TASK_STORE_SQLITE_PATH=/var/lib (a folder) stopped the orchestrator with "task store unavailable
+    (sqlite /var/lib): unable to open database file", and a file that is not a database with "file is not a
     database": neither named the setting, as a folder that cannot be made does."""
     from switchyard.orchestrator.taskstore.base import TaskStoreUnavailable
 
