@@ -471,13 +471,21 @@ class _ToolCallStreamEngine(StreamEngine):
                 yield f"b{i} "
             yield Usage(prompt_tokens=3, completion_tokens=10)
             return
-        for i in range(req.max_tokens):
-            await asyncio.sleep(0.01)
-            yield f"w{i} "
-        yield Usage(prompt_tokens=3, completion_tokens=req.max_tokens)
+        async for item in _tokens_every_10_ms(req):
+            yield item
 
     async def aclose(self) -> None:
         pass
+
+
+async def _tokens_every_10_ms(req):  # type: ignore[no-untyped-def]
+    """A test stream engine's plain answer: ``max_tokens`` tokens 10 ms apart, then its usage."""
+    from switchyard.dispatcher.engines.base import Usage
+
+    for i in range(req.max_tokens):
+        await asyncio.sleep(0.01)
+        yield f"w{i} "
+    yield Usage(prompt_tokens=3, completion_tokens=req.max_tokens)
 
 
 async def test_a_held_requests_tool_call_is_not_held() -> None:
@@ -906,18 +914,14 @@ class _HeldStreamEngine(StreamEngine):
         self.cancelled: list[str] = []
 
     async def generate(self, req):  # type: ignore[no-untyped-def]
-        from switchyard.dispatcher.engines.base import Usage
-
         if req.request_id.startswith("held"):
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
                 self.cancelled.append(req.request_id)
                 raise
-        for i in range(req.max_tokens):
-            await asyncio.sleep(0.01)
-            yield f"w{i} "
-        yield Usage(prompt_tokens=3, completion_tokens=req.max_tokens)
+        async for item in _tokens_every_10_ms(req):
+            yield item
 
     async def aclose(self) -> None:
         pass

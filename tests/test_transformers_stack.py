@@ -23,6 +23,7 @@ from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.dispatcher.engines import make_engine
 from switchyard.gateway.errors import GatewayError
+from switchyard.gateway.events import ChatRequest, Finished
 
 pytestmark = pytest.mark.slow
 
@@ -241,7 +242,7 @@ async def test_a_retry_the_stalled_server_still_holds_the_first_attempt_of_is_se
     from gateway_fixtures import gateway_config
     from switchyard.common.priority import PriorityClass
     from switchyard.gateway.client import GatewayClient
-    from switchyard.gateway.events import ChatRequest, Finished, Token
+    from switchyard.gateway.events import Token
 
     server = transformers_server
     cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=1,
@@ -269,38 +270,14 @@ async def test_calls_beside_the_probe_of_a_server_back_from_a_stall_are_served(c
     period is over, three calls arrive at once with no fallback model: one is the half-open probe, and the other
     two wait for its outcome and are served. They were refused UNAVAILABLE ("half-open with its 1 probe(s) in
     flight") while the probe beside them was served, the server back."""
-    import os
-    import signal
-
-    from gateway_fixtures import gateway_config
-    from switchyard.gateway.client import GatewayClient
-    from switchyard.gateway.events import ChatRequest, Finished
-
-    server = transformers_server
-    cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=0,
-                         read_timeout_s=1.0, cooldown={"enabled": True, "failures": 1, "first_cooldown_s": 0.5,
-                                                       "cooldown_s": 0.5, "half_open_probes": 1})
-
-    def short() -> ChatRequest:
-        return ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=8)
-
-    async with GatewayClient(cfg) as client:
-        await _collect(client.stream_chat(short()))
-        await asyncio.gather(*client.pool._tasks)  # its one /metrics read done
-        endpoint = next(iter(client.pool.endpoints.values()))
-        os.kill(server.proc.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(GatewayError, match="timed out"):
-                await _collect(client.stream_chat(short()))
-        finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        assert endpoint.cooldowns.state(server.model) == "open"
-        while endpoint.cooldowns.refusing(server.model):  # the open period (0.5 s) ends; no call meanwhile
+    cooldown = {"enabled": True, "failures": 1, "first_cooldown_s": 0.5, "cooldown_s": 0.5, "half_open_probes": 1}
+    async with _stalled_once(transformers_server, cooldown) as (client, endpoint, model):
+        while endpoint.cooldowns.refusing(model):  # the open period (0.5 s) ends; no call meanwhile
             await asyncio.sleep(0.05)
-        answers = await asyncio.gather(*(_collect(client.stream_chat(short())) for _ in range(3)),
+        answers = await asyncio.gather(*(_collect(client.stream_chat(_short())) for _ in range(3)),
                                        return_exceptions=True)
     assert all(isinstance(a, list) and isinstance(a[-1], Finished) for a in answers), answers
-    assert endpoint.cooldowns.state(server.model) == "closed"
+    assert endpoint.cooldowns.state(model) == "closed"
 
 
 async def test_the_first_calls_after_a_stalled_server_runs_again_are_served(clean_proxy_env, transformers_server):
@@ -308,41 +285,49 @@ async def test_the_first_calls_after_a_stalled_server_runs_again_are_served(clea
     with no call arriving, its health check half-opens the circuit, and the first three calls sent are served.
     The check started only on a refused call: the calls arriving first after the server's return were refused
     "cooling down ... skipped for N s more, or until it answers again", the server back."""
+    cooldown = {"enabled": True, "failures": 1, "first_cooldown_s": 60.0, "cooldown_s": 60.0,
+                "health_check_interval_s": 0.2}
+    async with _stalled_once(transformers_server, cooldown) as (client, endpoint, model):
+        for _ in range(600):  # checked every 0.2 s: half-open once one answers (60 s open period otherwise)
+            if endpoint.cooldowns.state(model) != "open":
+                break
+            await asyncio.sleep(0.05)
+        assert endpoint.cooldowns.state(model) == "half_open"
+        answers = await asyncio.gather(*(_collect(client.stream_chat(_short())) for _ in range(3)),
+                                       return_exceptions=True)
+    assert all(isinstance(a, list) and isinstance(a[-1], Finished) for a in answers), answers
+    assert endpoint.cooldowns.state(model) == "closed"
+
+
+def _short() -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=8)
+
+
+@contextlib.asynccontextmanager
+async def _stalled_once(server, cooldown: dict):
+    """A gateway client in front of ``server`` (no fallback, no retry, 1 s read timeout, ``cooldown``) whose one call
+    timed out while the server was stopped (SIGSTOP): the circuit opened. Yields (client, its endpoint, the
+    model) once the server runs again (SIGCONT)."""
     import os
     import signal
 
     from gateway_fixtures import gateway_config
     from switchyard.gateway.client import GatewayClient
-    from switchyard.gateway.events import ChatRequest, Finished
 
-    server = transformers_server
     cfg = gateway_config(server.base_url, default_model=server.model, fallback_model="", max_retries=0,
-                         read_timeout_s=1.0, cooldown={"enabled": True, "failures": 1, "first_cooldown_s": 60.0,
-                                                       "cooldown_s": 60.0, "health_check_interval_s": 0.2})
-
-    def short() -> ChatRequest:
-        return ChatRequest(messages=[{"role": "user", "content": WORDY}], max_tokens=8)
-
+                         read_timeout_s=1.0, cooldown=cooldown)
     async with GatewayClient(cfg) as client:
-        await _collect(client.stream_chat(short()))
+        await _collect(client.stream_chat(_short()))
         await asyncio.gather(*client.pool._tasks)  # its one /metrics read done
         endpoint = next(iter(client.pool.endpoints.values()))
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             with pytest.raises(GatewayError, match="timed out"):
-                await _collect(client.stream_chat(short()))
+                await _collect(client.stream_chat(_short()))
             assert endpoint.cooldowns.state(server.model) == "open"
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
-        for _ in range(600):  # checked every 0.2 s: half-open once one answers (60 s open period otherwise)
-            if endpoint.cooldowns.state(server.model) != "open":
-                break
-            await asyncio.sleep(0.05)
-        assert endpoint.cooldowns.state(server.model) == "half_open"
-        answers = await asyncio.gather(*(_collect(client.stream_chat(short())) for _ in range(3)),
-                                       return_exceptions=True)
-    assert all(isinstance(a, list) and isinstance(a[-1], Finished) for a in answers), answers
-    assert endpoint.cooldowns.state(server.model) == "closed"
+        yield client, endpoint, server.model
 
 
 async def _collect(events) -> list:
