@@ -102,7 +102,11 @@ async def test_a_preflight_needs_no_bearer_token_and_a_refused_call_is_readable_
 
 
 @pytest.mark.parametrize("origin", ["https://Dash.example.com", "https://dash.example.com/", "dash.example.com",
-                                    "https://dash.example.com/app", ""])
+                                    "https://dash.example.com/app", "",
+                                    # a browser leaves a scheme's default port out of Origin, writes a port without
+                                    # leading zeros, and has none past 65535: such an entry matched no request
+                                    "https://dash.example.com:443", "http://dash.example.com:80",
+                                    "https://dash.example.com:08443", "https://dash.example.com:70000"])
 def test_an_origin_no_browser_sends_is_refused_at_load_naming_the_key(origin):
     with pytest.raises(Exception) as refused:
         load_config("config", service="orchestrator").with_overrides(

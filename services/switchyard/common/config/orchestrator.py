@@ -15,9 +15,16 @@ from switchyard.common.config.server import _health_port, _metrics_port, _port, 
 from switchyard.common.grpc_target import EXPECTED_TARGET, grpc_target_problem
 
 
-_ORIGIN = re.compile(r"https?://([a-z0-9.\-]+|\[[0-9a-f:.]+\])(:[0-9]{1,5})?")
+_ORIGIN = re.compile(r"(https?)://([a-z0-9.\-]+|\[[0-9a-f:.]+\])(?::([1-9][0-9]{0,4}))?")
 """An origin as a browser sends it in ``Origin`` (RFC 6454 section 6.1): scheme, host (a name in lower case, or an
-IPv6 address in brackets) and an optional port; no path."""
+IPv6 address in brackets) and an optional port (no leading zero; :func:`_browser_port` says which); no path."""
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _browser_port(scheme: str, port: str | None) -> bool:
+    """Whether a browser's ``Origin`` can carry ``port`` (None: none) for ``scheme``: one up to 65535 and not the
+    scheme's default, which its origin leaves out (the URL standard's serialization)."""
+    return port is None or int(port) <= 65535 and int(port) != _DEFAULT_PORTS[scheme]
 
 
 class HttpFaceConfig(_Strict):
@@ -65,12 +72,15 @@ class HttpFaceConfig(_Strict):
     @field_validator("cors_allowed_origins")
     @classmethod
     def _origins(cls, origins: list[str]) -> list[str]:
-        """Refused at load: an origin a browser never sends (a path, a trailing slash, upper case) matched no
-        request, and the dashboard it was meant for was refused without a word of why."""
+        """Refused at load: an origin a browser never sends (a path, a trailing slash, upper case, the scheme's
+        default port, a port with a leading zero or past 65535) matched no request, and the dashboard it was meant
+        for was refused without a word of why."""
         for origin in origins:
-            if origin != "*" and not _ORIGIN.fullmatch(origin):
+            matched = _ORIGIN.fullmatch(origin) if origin != "*" else None
+            if origin != "*" and not (matched and _browser_port(matched[1], matched[3])):
                 raise ValueError(f"each an origin as a browser sends it, scheme://host[:port] in lower case with no "
-                                 f"path or trailing slash (https://dash.example.com), or '*' (got {origin!r})")
+                                 f"path or trailing slash and no default port (https://dash.example.com), or '*' "
+                                 f"(got {origin!r})")
         return origins
 
     sse_keepalive_s: float = Field(
