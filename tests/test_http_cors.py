@@ -112,3 +112,20 @@ def test_an_origin_no_browser_sends_is_refused_at_load_naming_the_key(origin):
         load_config("config", service="orchestrator").with_overrides(
             **{"orchestrator.http.cors_allowed_origins": [origin]})
     assert "orchestrator.http.cors_allowed_origins" in str(refused.value) and "scheme://host" in str(refused.value)
+
+
+async def test_a_page_may_send_a_compressed_body_the_face_reads():
+    """The face reads a body in a Content-Encoding (gzip, deflate, br); a page that compresses its body (a
+    CompressionStream) names that header in its preflight, which was refused 403 ('headers are not allowed')."""
+    import gzip
+    import json
+
+    async with http_stack(**ALLOWED) as (client, _, down):
+        preflight = await client.options("/api/v1/agent/submit", headers=_preflight(
+            DASHBOARD, "POST", "content-type,content-encoding"))
+        assert preflight.status_code == 200, preflight.text
+        assert "content-encoding" in preflight.headers["Access-Control-Allow-Headers"].lower()
+        sent = await client.post("/api/v1/agent/submit", content=gzip.compress(json.dumps(CHAT).encode()),
+                                 headers={"Origin": DASHBOARD, "Content-Type": "application/json",
+                                          "Content-Encoding": "gzip"})
+        assert sent.status_code == 200 and sent.headers["Access-Control-Allow-Origin"] == DASHBOARD, sent.text

@@ -477,11 +477,11 @@ def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars:
     return document
 
 
-CORS_REQUEST_HEADERS = ("Authorization", "Content-Type", "X-Agent-Id", "X-Priority", "X-Tenant-Id", "Last-Event-ID",
-                        "traceparent", "tracestate")
+CORS_REQUEST_HEADERS = ("Authorization", "Content-Type", "Content-Encoding", "X-Agent-Id", "X-Priority", "X-Tenant-Id",
+                        "Last-Event-ID", "traceparent", "tracestate")
 """The request headers a browser page of an allowed origin may send (a preflight naming another is 403): the
-bearer token, the body's type, the edge headers, an EventSource-style client's ``Last-Event-ID``, and the W3C
-trace context a page's OpenTelemetry sends."""
+bearer token, the body's type and coding (a compressed body, which the face reads), the edge headers, an
+EventSource-style client's ``Last-Event-ID``, and the W3C trace context a page's OpenTelemetry sends."""
 
 
 def _preflight(methods: list[str], in_path: list[dict[str, Any]], face_errors: dict[str, Any]) -> dict[str, Any]:
