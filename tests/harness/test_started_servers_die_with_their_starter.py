@@ -128,3 +128,14 @@ async def test_children_started_beside_a_running_grpc_server_start():
     finally:
         await server.stop(None)
     assert codes == [0] * 30
+
+
+@pytest.mark.skipif(not children.SUPPORTED, reason="no parent-death signal here: the command runs as it is")
+def test_the_stub_hands_its_command_the_signal_dispositions_popen_would():
+    """Popen restores the signals Python ignores (SIGPIPE, SIGXFSZ) before it execs a command (restore_signals);
+    the stub is a Python whose own start ignores them again, and an ignored signal stays ignored across execve:
+    a command behind it ran with SIGPIPE ignored (a writer to a closed pipe got EPIPE for ever instead of ending)."""
+    command = ["grep", "^SigIgn:", "/proc/self/status"]
+    direct = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    behind = subprocess.run(children.dying_with_parent(command), capture_output=True, text=True, check=True).stdout
+    assert behind == direct, (behind, direct)

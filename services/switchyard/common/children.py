@@ -39,7 +39,7 @@ PR_SET_PDEATHSIG = 1
 
 _prctl: Callable[..., int] | None = None
 if sys.platform.startswith("linux"):
-    try:  # resolved once here, in the parent: the preexec_fn then only calls it (no dlopen after fork)
+    try:  # resolved once here: die_with_parent (a Python child's own call) and SUPPORTED read it
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
         _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         _prctl.restype = ctypes.c_int
@@ -73,10 +73,15 @@ _STUB = (
     "sig, parent = int(sys.argv[1]), int(sys.argv[2])\n"
     "if ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) == 0 and os.getppid() != parent:\n"
     "    os.kill(os.getpid(), sig)\n"
+    "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
     "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 """What :func:`dying_with_parent` runs before the command, in the child: ``prctl(PR_SET_PDEATHSIG)``, the
-parent check of :func:`die_with_parent`, then ``execvp`` of the command (same pid; the signal is kept)."""
+parent check of :func:`die_with_parent`, the signals this Python's start ignored (SIGPIPE, SIGXFSZ) set back to
+their defaults, as :class:`subprocess.Popen` does for a command it execs (``restore_signals``; an ignored
+signal stays ignored across execve), then ``execvp`` of the command (same pid; the parent-death signal is
+kept)."""
 
 
 def dying_with_parent(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
