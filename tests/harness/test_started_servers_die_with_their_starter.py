@@ -139,3 +139,15 @@ def test_the_stub_hands_its_command_the_signal_dispositions_popen_would():
     direct = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     behind = subprocess.run(children.dying_with_parent(command), capture_output=True, text=True, check=True).stdout
     assert behind == direct, (behind, direct)
+
+
+@pytest.mark.skipif(not children.SUPPORTED, reason="no parent-death signal here: the command is returned as it is")
+def test_a_command_that_is_no_executable_is_refused_here_as_popen_refuses_it(tmp_path):
+    """Behind the stub, a missing or non-executable program failed in the child (exit status 1, nothing said), where
+    Popen raises FileNotFoundError in the starter, which the embedded Redis names."""
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    for program in (str(tmp_path / "missing"), str(script)):
+        with pytest.raises(FileNotFoundError) as caught:
+            children.dying_with_parent([program, "--port", "0"])
+        assert caught.value.filename == program

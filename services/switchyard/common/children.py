@@ -28,7 +28,9 @@ writer of a temporary file) still runs.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -94,10 +96,17 @@ def dying_with_parent(command: Sequence[str], sig: int = signal.SIGTERM) -> list
     Not a ``preexec_fn``: Python code run between fork and exec runs the interpreter's at-fork hooks in the
     child, and gRPC's, in a process whose gRPC threads were busy, crashed the child with SIGSEGV before its
     program started (2 to 3 children in 20 started beside a running gRPC server; a model server restarted by
-    a test, a Redis started by a service)."""
+    a test, a Redis started by a service).
+
+    Raises:
+        FileNotFoundError: ``command[0]`` is no executable file (as :class:`subprocess.Popen` raises it, in this
+            process; the stub's exec would fail in the child, exit status 1, with nothing said here).
+    """
     command = list(command)
     if _prctl is None or threading.current_thread() is not threading.main_thread():
         return command
+    if command and shutil.which(command[0]) is None:  # as Popen would, here rather than in the stub's exec
+        raise FileNotFoundError(errno.ENOENT, "no such executable file", command[0])
     return [sys.executable, "-I", "-S", "-c", _STUB, str(int(sig)), str(os.getpid()), *command]
 
 
