@@ -220,7 +220,7 @@ async def test_a_bad_request_is_invalid_argument_naming_the_field_and_the_others
         assert held(service) == 0
 
 
-async def test_a_cancelled_request_is_freed_and_gets_nothing_more() -> None:
+async def test_a_cancelled_request_is_freed_and_answered_with_what_it_consumed_then_nothing_more() -> None:
     async with dispatcher(**SLOW) as (service, _srv, channel):
         stream = RawStream(channel)
         await stream.send(start("long", max_tokens=500), start("short", max_tokens=15))
@@ -228,14 +228,22 @@ async def test_a_cancelled_request_is_freed_and_gets_nothing_more() -> None:
         assert service.scheduler.num_running == 2
         await stream.send(cancel=("long",))
         await wait_until(lambda: service.scheduler.num_running == 1, "long is freed")
-        await stream.send(start("after", max_tokens=5))  # read after the cancel: its chunks come after
-        await stream.until(lambda: stream.chunks["after"], "after streams")  # whatever was sent before it
+        await stream.until(lambda: stream.ended("long"), "the cancel is answered")
         got = len(stream.chunks["long"])
+        done = stream.chunks["long"][-1].done  # its last chunk: what it consumed until the cancel
+        assert done.finish_reason == "cancelled" and "long" not in stream.errors
+        assert done.compute_score_used > 0 and done.memory_peak_bytes > 0
+        streamed = token_count([c.token for c in stream.chunks["long"] if c.HasField("token")])
+        assert streamed <= done.usage.completion_tokens < 500  # tokens made after the last one sent count too
+        assert done.usage.prompt_tokens > 0
+        await stream.send(start("after", max_tokens=5))  # read after the cancel: its chunks come after
         await stream.until(lambda: stream.ended("short") and stream.ended("after"), "short and after end")
-        assert len(stream.chunks["long"]) == got and not stream.ended("long") and "long" not in stream.errors
+        assert len(stream.chunks["long"]) == got  # nothing after its answer
         assert summary(stream.chunks["short"])[4] == 15
         await stream.send(cancel=("long", "never-started"))  # cancelling what is not running: nothing happens
         assert await stream.close() == grpc.StatusCode.OK
+        assert len(stream.chunks["long"]) == got and not stream.chunks["never-started"]
+        assert not stream.errors
         assert held(service) == 0 and service.scheduler.capacity.reserved_bytes == 0  # type: ignore[attr-defined]
 
 
@@ -252,8 +260,13 @@ async def test_a_cancel_in_the_message_of_its_start_frees_it_large_or_small() ->
         assert summary(stream.chunks["kept"])[4] == 6
         assert not stream.errors
         assert await stream.close() == grpc.StatusCode.OK
-        for rid in ("large", "small", "large2"):
-            assert not stream.ended(rid)
+        for rid in ("large", "small"):  # cancelled before the engine took them: answered, nothing consumed
+            assert [c.WhichOneof("chunk") for c in stream.chunks[rid]] == ["done"]
+            done = stream.chunks[rid][0].done
+            assert done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+            assert done.compute_score_used == 0 and done.memory_peak_bytes == 0
+        # large2 may have run a step before its cancel came: answered all the same, with what it consumed
+        assert stream.chunks["large2"][-1].done.finish_reason == "cancelled"
 
 
 async def test_cancelling_the_call_frees_every_request_it_carried() -> None:
@@ -700,13 +713,15 @@ async def test_rotation_keeps_every_request_right_and_ends_the_old_streams(monke
         assert held(service) == 0
 
 
-async def test_a_task_cancelled_mid_generation_cancels_its_request() -> None:
+async def test_a_task_cancelled_mid_generation_cancels_its_request_and_learns_what_it_consumed() -> None:
     async with dispatcher(**SLOW) as (service, srv, _channel):
         client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
         first = asyncio.Event()
+        answers: list[agent_pb2.GenerateDone] = []
 
         async def run() -> None:
-            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=30):
+            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=30,
+                                           on_cancelled=answers.append):
                 first.set()
 
         task = asyncio.create_task(run())
@@ -715,7 +730,10 @@ async def test_a_task_cancelled_mid_generation_cancels_its_request() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_until(lambda: held(service) == 0, "the request is freed")
+        assert held(service) == 0  # the cancel was read (its answer came): the request is freed
+        [done] = answers  # handed over before the cancellation went on
+        assert done.finish_reason == "cancelled" and 0 < done.usage.completion_tokens < 500
+        assert done.compute_score_used > 0 and done.memory_peak_bytes > 0
         chunks = [c async for c in client.generate(spec("t2", 3), 0, prompt=PROMPT, timeout_s=30)]
         assert chunks[-1].done.usage.completion_tokens == 3  # the stream carries on
         await client.close()

@@ -10,7 +10,14 @@ lives here:
   ``started`` (its start was sent or taken) -> ``streaming`` (a chunk of it
   went by) -> one of ``done`` (its done chunk), ``failed`` (its error) or
   ``cancelled`` (its caller gave up, or the stream ended under it). Nothing is
-  sent or delivered for a request once it is in one of the last three;
+  delivered to a request's caller once it is in one of the last three. The
+  dispatcher sends every start exactly one last chunk, done or error; a
+  cancel makes it come at once: the request is aborted and answered with its
+  done chunk as it stands (``finish_reason`` ``cancelled``: its tokens,
+  compute score and KV peak until then), or its error when it was refused
+  meanwhile. The caller's side keeps a cancelled request in its map until that
+  answer (what it sent before may still come, and is dropped) and hands the
+  answer's done to whoever counts what the request consumed;
 - **the deadline** (:func:`deadline_after`, :func:`encode_timeout`,
   :func:`decode_timeout`, :func:`deadline_exceeded`): ``timeout_s`` is the
   caller's time left in seconds, 0 on the wire for none (Generate's

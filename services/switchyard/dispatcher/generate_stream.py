@@ -27,8 +27,16 @@ request's output is due (:meth:`GenerateSession.hold`).
 Each request's chunks are exactly those Generate would stream for it, in
 order; a request that fails ends with a :class:`~agent_pb2.StreamedError`
 carrying the status Generate would end with and its origin. A request the
-caller cancels is aborted (its place and KV freed) and nothing more is sent
-for it. When the stream ends, whatever it still carries is aborted, as a
+caller cancels is aborted (its engine work stops, its place and KV are freed)
+and answered with one last chunk, its done chunk as it stands then: what it
+consumed (its tokens, ``compute_score_used``, ``memory_peak_bytes``),
+``finish_reason`` ``cancelled`` (or the reason it had finished with, when
+its end crossed the cancel); one cancelled before its engine took it carries
+zeros. A request refused while its cancel was on the way answers its error
+instead. Nothing is sent for it after that chunk, and a cancel of an id not
+running answers nothing: every start gets exactly one last chunk (done or
+error), which the caller's side waits for to count what a cancelled step
+used. When the stream ends, whatever it still carries is aborted, as a
 Generate call whose caller went away.
 
 ``Generate`` runs its one request through the same session
@@ -66,7 +74,7 @@ from switchyard.common.generate_protocol import (
 )
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.output import OutputItem, StreamToken, coalesce
-from switchyard.dispatcher.processor import RequestProcessor, request_span
+from switchyard.dispatcher.processor import RequestProcessor, done_chunk, request_span
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.request import Request
@@ -293,16 +301,16 @@ class GenerateSession:
                 # the id gets ends both (the first is aborted; else it went on generating for nobody)
                 existing.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 self._release(existing)
-            if running.end(RequestState.FAILED):  # else cancelled meanwhile: nothing more is sent for it
+            # its last chunk, also when it was cancelled meanwhile (the error answers the cancel: nothing ran)
+            if running.end(RequestState.FAILED) or running.state is RequestState.CANCELLED:
                 span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 span.end()
-                self._unsent.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
-                self._urgent_now()
-                self._wake.notify()
+                self._send_now(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
             return
         running.req = req
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
             self._abort(req)
+            self._answer_cancel(running, req)
             return
         req.output.listener = lambda item: self._output_ready(running, item)
         if req.output.pending():
@@ -332,12 +340,31 @@ class GenerateSession:
         self._hold.notify()
 
     def cancel(self, request_id: str) -> None:
-        """The caller gave up on ``request_id``: abort it; nothing more is sent for it. Nothing happens
-        when it is not running."""
+        """The caller gave up on ``request_id``: abort it (its engine work stops now, its place and KV are freed)
+        and answer with its done chunk as it stands (:meth:`_answer_cancel`); nothing else is sent for it.
+        Nothing happens when it is not running. One still being validated is answered once that ends
+        (:meth:`start`)."""
         running = self._requests.get(request_id)
         if running is not None and running.end(RequestState.CANCELLED):
             running.span.set_attribute("rpc.grpc.status_code", _CANCELLED_CODE)
             self._release(running)
+            if running.req is not None:
+                self._answer_cancel(running, running.req)
+
+    def _answer_cancel(self, running: _Running, req: Request) -> None:
+        """Send ``req``'s done chunk, aborted: what it consumed until its cancel (its usage, compute score and
+        KV peak, all charged by the scheduler as it ended; zeros for one the engine never took), finish reason
+        ``cancelled`` (or the one it finished with before the cancel came). Its output still waiting is
+        dropped: the caller wants none of it."""
+        req.output.drain()
+        self._send_now(agent_pb2.StreamedChunk(request_id=running.request_id,
+                                               chunk=done_chunk(req, req.answered_by or req.model)))
+
+    def _send_now(self, chunk: agent_pb2.StreamedChunk) -> None:
+        """Queue ``chunk`` for the next :meth:`replies`, a hold cut short: a request's last chunk."""
+        self._unsent.append(chunk)
+        self._urgent_now()
+        self._wake.notify()
 
     # ------------------------------------------------------------------ both
 

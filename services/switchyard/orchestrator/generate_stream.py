@@ -17,7 +17,12 @@ channel and carries every request over it (the protocol both ends follow:
   deadline the request is cancelled and fails DEADLINE_EXCEEDED, as a call
   whose ``grpc-timeout`` ran out;
 - a request whose caller goes away (the task was cancelled) is cancelled on
-  the stream, so the dispatcher frees its place and KV at once;
+  the stream, so the dispatcher stops it and frees its place and KV at once;
+  the dispatcher answers the cancel with the request's done chunk as it
+  stands (``finish_reason`` ``cancelled``: what it consumed until then), which
+  the cancelled caller waits for, up to :data:`CANCEL_ANSWER_WAIT_S`, and
+  hands to its ``on_cancelled`` (a task counts its step's usage, compute
+  score and KV peak by it);
 - when the stream breaks (the dispatcher died, the connection was lost), every
   request it carried fails with the stream's status, as their calls would
   have, and the next request opens a new stream.
@@ -35,7 +40,7 @@ import asyncio
 import contextvars
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import propagate
@@ -62,6 +67,11 @@ __all__ = ["GenerateStreamClient", "RequestFailed", "STREAM_MAX_AGE_S"]
 STREAM_MAX_AGE_S = 1.0
 """Seconds a stream takes new requests before the next one is opened (see the module docstring)."""
 
+CANCEL_ANSWER_WAIT_S = 0.5
+"""Seconds a request cancelled by its caller waits, at most, for the dispatcher's answer to the cancel (its done
+chunk: what it consumed); the answer takes one round trip. Past it (a dispatcher that stopped answering), what
+the caller knew is all it reports. A stream that breaks ends the wait at once."""
+
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """A message's size limit when none is given: gRPC's default for what a server receives, bytes."""
 
@@ -72,13 +82,21 @@ class _Request(StreamedRequest):
     """One request on a stream, this side: its protocol state, its deadline, and its chunks on their way
     from the reader task to its caller (a FIFO with one waiter)."""
 
-    __slots__ = ("deadline", "items", "waiter")
+    __slots__ = ("deadline", "items", "waiter", "answer")
 
     def __init__(self, request_id: str, timeout_s: float | None) -> None:
         super().__init__(request_id)
         self.deadline = deadline_after(timeout_s)
         self.items: deque[agent_pb2.GenerateChunk | RequestFailed] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        self.answer: asyncio.Future[agent_pb2.GenerateDone | None] | None = None
+        """Cancelled on the wire: the dispatcher's answer to the cancel, its done (None: an error, or the stream
+        broke); None until then."""
+
+    def answered(self, done: agent_pb2.GenerateDone | None) -> None:
+        """The last word on this cancelled request came: its done chunk's, or None (an error, the stream broke)."""
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result(done)
 
     def put(self, item: agent_pb2.GenerateChunk | RequestFailed) -> None:
         self.items.append(item)
@@ -120,9 +138,11 @@ class _Stream:
 
     One map holds the requests (request id -> :class:`_Request`, its
     :class:`~switchyard.common.generate_protocol.RequestState`): a request leaves
-    it once done or failed; one cancelled here stays, so that the chunks the
-    dispatcher sent before it read the cancel are dropped, and a new request
-    under its id starts on another stream.
+    it once done or failed; one cancelled here stays until the dispatcher's
+    answer to the cancel (its last chunk), so that the chunks the dispatcher
+    sent before it read the cancel are dropped, the answer reaches its caller
+    (:meth:`cancel`), and a new request under its id meanwhile goes under an id
+    of its own.
     """
 
     def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub, max_message_bytes: int) -> None:
@@ -160,17 +180,23 @@ class _Stream:
         self._notify()
         return request
 
-    def cancel(self, request: _Request) -> None:
+    def cancel(self, request: _Request) -> asyncio.Future[agent_pb2.GenerateDone | None] | None:
         """The caller gave up on ``request``: nothing more is delivered for it; the dispatcher is told
-        unless the stream is gone or the start was not sent yet (then it is not sent at all)."""
+        unless the stream is gone or the start was not sent yet (then it is not sent at all, and it leaves
+        the map). Returns the future of the dispatcher's answer (:attr:`_Request.answer`) when one will come;
+        None when the request had ended, or never reached the dispatcher (nothing consumed)."""
         if not request.end(RequestState.CANCELLED) or self.requests.get(request.request_id) is not request:
-            return
+            return None
         queued = next((q for q in self._starts if q[0].request.request_id == request.request_id), None)
+        answer = None
         if queued is not None:
             self._starts.remove(queued)
+            del self.requests[request.request_id]
         elif not self.broken:
             self._cancels.append(request.request_id)
+            answer = request.answer = asyncio.get_running_loop().create_future()
         self._notify()
+        return answer
 
     def retire(self) -> None:
         self.retired = True
@@ -231,8 +257,17 @@ class _Stream:
                 requests = self.requests
                 for streamed in message.chunks:
                     request = requests.get(streamed.request_id)
-                    if request is None or request.state is RequestState.CANCELLED:
-                        continue  # cancelled by its caller
+                    if request is None:
+                        continue
+                    if request.state is RequestState.CANCELLED:  # by its caller: only its last chunk matters
+                        if streamed.HasField("error"):
+                            request.answered(None)
+                        elif streamed.chunk.HasField("done"):
+                            request.answered(streamed.chunk.done)
+                        else:
+                            continue
+                        del requests[streamed.request_id]
+                        continue
                     if streamed.HasField("error"):
                         request.fail(decode_error(streamed.error))
                     else:
@@ -258,6 +293,7 @@ class _Stream:
         self._writer.cancel()
         for request in self.requests.values():
             request.fail(failure)
+            request.answered(None)  # a cancelled one's answer will not come
         self.requests.clear()
 
     @property
@@ -268,6 +304,15 @@ class _Stream:
     async def close(self) -> None:
         self._call.cancel()
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+
+async def _counted(answer: asyncio.Future[agent_pb2.GenerateDone | None],
+                   on_cancelled: Callable[[agent_pb2.GenerateDone], None]) -> None:
+    """Hand the answer to a cancel to ``on_cancelled`` once it comes, within :data:`CANCEL_ANSWER_WAIT_S`."""
+    await asyncio.wait((answer,), timeout=CANCEL_ANSWER_WAIT_S)
+    done = answer.result() if answer.done() else None
+    if done is not None:
+        on_cancelled(done)
 
 
 class GenerateStreamClient:
@@ -302,7 +347,8 @@ class GenerateStreamClient:
         return stream
 
     async def generate(
-        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, token_hold_s: float = 0.0
+        self, request: agent_pb2.GenerateRequest, timeout_s: float | None, token_hold_s: float = 0.0,
+        on_cancelled: Callable[[agent_pb2.GenerateDone], None] | None = None,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """The chunks of ``request`` (``request_id`` set), as Generate streams them.
 
@@ -311,6 +357,12 @@ class GenerateStreamClient:
             token_hold_s: how long the dispatcher may hold its tokens after the first, seconds (the caller
                 merges them over that long anyway); 0: the stream's own rule. Never set on a CORE request
                 (refused INVALID_ARGUMENT).
+            on_cancelled: when the caller is cancelled (``asyncio.CancelledError`` while it waits for a chunk)
+                and the request was running at the dispatcher, it is called with the dispatcher's answer to
+                the cancel (the request's done: what it consumed until then, ``finish_reason`` ``cancelled``),
+                waited for up to :data:`CANCEL_ANSWER_WAIT_S`; not called when none came by then, when the
+                stream broke, or when the request never reached the dispatcher. The cancellation goes on
+                after it.
 
         Raises:
             RequestFailed: the dispatcher ended the request with an error, the stream broke
@@ -343,8 +395,13 @@ class GenerateStreamClient:
                 yield item
                 if item.HasField("done"):
                     return
+        except asyncio.CancelledError:
+            answer = stream.cancel(pending)
+            if answer is not None and on_cancelled is not None:
+                await _counted(answer, on_cancelled)
+            raise
         finally:
-            stream.cancel(pending)  # nothing when it ended (done or failed)
+            stream.cancel(pending)  # nothing when it ended (done, failed, or cancelled above)
 
     async def close(self) -> None:
         """Cancel the open streams (what they carry fails CANCELLED)."""

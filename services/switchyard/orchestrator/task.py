@@ -247,7 +247,7 @@ class Task:
             self.spec, turn,
             prompt=self.prompt.text if self.prompt is not None and not self.messages else "",
             messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
-            timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens,
+            timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens, on_cancelled=self.count_step,
         )
         async for chunk in stream:
             kind = chunk.WhichOneof("chunk")
@@ -262,18 +262,24 @@ class Task:
             elif kind == "tool_call":
                 calls.append(chunk.tool_call)
             elif kind == "done":
-                done = chunk.done
-                self.usage.prompt_tokens += done.usage.prompt_tokens
-                self.usage.completion_tokens += done.usage.completion_tokens
-                made = done.usage.completion_tokens
-                self.usage.total_tokens += done.usage.total_tokens
-                self.add_wait("inference", done.queue_wait_s)
-                self.compute_score_used += done.compute_score_used
-                self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
-                self.model = done.model or self.model
-                self.finish_reason = done.finish_reason
+                made = chunk.done.usage.completion_tokens
+                self.count_step(chunk.done)
         program.steps.observe(workflow, "model", time.monotonic() - started, made)
         return "".join(text), calls
+
+    def count_step(self, done: agent_pb2.GenerateDone) -> None:
+        """Count one model step's done in the task: its usage, inference queue wait, compute score (summed), KV
+        peak (the largest), model and finish reason. The one way a step is counted: a step that finished, and
+        one cancelled while it ran (the dispatcher's answer to the cancel, ``finish_reason`` ``cancelled``:
+        what it consumed until then; :meth:`InferenceClient.generate`'s ``on_cancelled``)."""
+        self.usage.prompt_tokens += done.usage.prompt_tokens
+        self.usage.completion_tokens += done.usage.completion_tokens
+        self.usage.total_tokens += done.usage.total_tokens
+        self.add_wait("inference", done.queue_wait_s)
+        self.compute_score_used += done.compute_score_used
+        self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
+        self.model = done.model or self.model
+        self.finish_reason = done.finish_reason
 
     def start_budget(self) -> Budget:
         """The budget of a rag_answer task at its start, before its retrieval (and the prefill-only warm-up
@@ -296,9 +302,10 @@ class Task:
         try:
             with tracer.start_as_current_span("prefill", attributes={"switchyard.stage": "prefill"}):
                 async for chunk in self.deps.inference.generate(
-                        self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True):
+                        self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True,
+                        on_cancelled=self._count_prefill):
                     if chunk.WhichOneof("chunk") == "done":
-                        self.compute_score_used += chunk.done.compute_score_used
+                        self._count_prefill(chunk.done)
         except asyncio.CancelledError:
             EARLY_PREFILLS.labels("cancelled").inc()
             raise
@@ -307,6 +314,11 @@ class Task:
             log.debug("task %s: early prefill failed: %s", self.spec.task_id, exc)
             return
         EARLY_PREFILLS.labels("ok").inc()
+
+    def _count_prefill(self, done: agent_pb2.GenerateDone) -> None:
+        """Count a warm-up's done (finished, or its answer to a cancel): its compute score only (its prompt is
+        the answer's, counted with the answer)."""
+        self.compute_score_used += done.compute_score_used
 
     # ------------------------------------------------------------------ the end
 
