@@ -3,7 +3,10 @@
 :class:`GenerateStreamFromGenerate` runs the servicer's own ``Generate`` for
 each request a GenerateStream starts, with a context that answers
 ``time_remaining()`` from the request's ``timeout_s`` and turns ``abort`` into
-the request's error; a cancel from the caller cancels that request's task.
+the request's error; a cancel from the caller cancels that request's task and
+is answered, as the dispatcher answers it, with the request's done chunk
+(``finish_reason`` cancelled; what it consumed: the servicer's
+:meth:`GenerateStreamFromGenerate.cancelled_done`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ class _RequestContext:
 class GenerateStreamFromGenerate:
     """Mixin: ``GenerateStream`` served by the class's ``Generate``, a task per request."""
 
+    answers_cancels = True
+    """Whether a cancel is answered (False: as a dispatcher that stopped answering, none comes)."""
+
+    def cancelled_done(self, request: agent_pb2.GenerateRequest, tokens: int) -> agent_pb2.GenerateDone:
+        """The answer to a cancel of ``request`` after it streamed ``tokens`` tokens (what the dispatcher
+        charges it: here a fixed compute score and KV peak once a token came, zeros before)."""
+        return agent_pb2.GenerateDone(
+            usage=agent_pb2.TokenUsage(prompt_tokens=10, completion_tokens=tokens, total_tokens=10 + tokens),
+            compute_score_used=0.25 if tokens else 0.0, memory_peak_bytes=700 if tokens else 0,
+            finish_reason="cancelled", model="fake")
+
     async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC method name
         lock = asyncio.Lock()
         tasks: dict[str, asyncio.Task] = {}
@@ -47,16 +61,26 @@ class GenerateStreamFromGenerate:
             async with lock:
                 await context.write(agent_pb2.GenerateStreamResponse(chunks=[streamed]))
 
+        cancelled: set[str] = set()
+
         async def run(start: agent_pb2.StreamedGenerate) -> None:
             request_id = start.request.request_id
+            tokens = 0
             try:
                 async for chunk in self.Generate(start.request, _RequestContext(start.timeout_s)):
+                    tokens += chunk.HasField("token")
                     await send(agent_pb2.StreamedChunk(request_id=request_id, chunk=chunk))
+            except asyncio.CancelledError:
+                if request_id in cancelled and self.answers_cancels:  # by the caller's cancel: answered
+                    done = self.cancelled_done(start.request, tokens)
+                    await send(agent_pb2.StreamedChunk(request_id=request_id, chunk=agent_pb2.GenerateChunk(done=done)))
+                raise
             except _Aborted as exc:
                 await send(agent_pb2.StreamedChunk(request_id=request_id, error=agent_pb2.StreamedError(
                     code=exc.code.value[0], details=exc.details, origin=exc.origin)))
             finally:
                 tasks.pop(request_id, None)
+                cancelled.discard(request_id)
 
         try:
             async for message in request_iterator:
@@ -65,6 +89,7 @@ class GenerateStreamFromGenerate:
                 for request_id in message.cancel:
                     task = tasks.get(request_id)
                     if task is not None:
+                        cancelled.add(request_id)
                         task.cancel()
             await asyncio.gather(*list(tasks.values()), return_exceptions=True)
         finally:

@@ -545,3 +545,38 @@ async def test_sim_openai_stands_in_for_a_reasoning_server_and_its_finish_reason
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await generate_over_grpc(server.base_url, request, max_retries=0, fallback_model="")
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "finish_reason 'abort'" in caught.value.details()
+
+
+async def test_a_request_cancelled_mid_stream_is_answered_with_the_compute_score_charged(clean_proxy_env, monkeypatch):
+    """The upstream's usage never comes for a stream cut short: the answer to the cancel carries the compute score
+    the dispatcher charged and the tokens that streamed, finish_reason cancelled (a cancelled task counts it)."""
+    from switchyard.common.server import running
+    from switchyard.dispatcher.service import DispatcherService
+    from switchyard.orchestrator import generate_stream
+    from switchyard.orchestrator.generate_stream import GenerateStreamClient
+
+    monkeypatch.setattr(generate_stream, "CANCEL_ANSWER_WAIT_S", 60.0)  # behaviour, not speed
+    with start_sim(faults={"*": Fault(slow_ms=50)}) as server:
+        engine = engine_for(server.base_url)
+        cfg = load_config("config")
+        async with running([DispatcherService(cfg, engine=engine)], cfg.server) as disp:
+            async with open_channel(f"127.0.0.1:{disp.port}") as channel:
+                client = GenerateStreamClient(channel)
+                answers: list[agent_pb2.GenerateDone] = []
+                first = asyncio.Event()
+
+                async def generate() -> None:
+                    request = agent_pb2.GenerateRequest(request_id="cut:0", prompt=PROMPT, max_tokens=64)
+                    async for chunk in client.generate(request, 30, on_cancelled=answers.append):
+                        if chunk.HasField("token"):
+                            first.set()
+
+                task = asyncio.create_task(generate())
+                await asyncio.wait_for(first.wait(), 30)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await client.close()
+    [done] = answers
+    assert done.finish_reason == "cancelled" and done.usage.completion_tokens >= 1
+    assert done.compute_score_used > 0
