@@ -86,7 +86,9 @@ class AgentServiceServicer:
 
     def CancelTask(self, request, context):
         """Cancels a submitted task: one still QUEUED never starts, one RUNNING is stopped
-        (its downstream calls cancelled); either ends FAILED with error "CANCELLED: ...".
+        (its downstream calls cancelled; the model step it was in is counted in its
+        compute_score_used and memory_peak_bytes, as the dispatcher answers the cancel);
+        either ends FAILED with error "CANCELLED: ...".
         Answers the task's status after it; a task already finished is answered unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -139,7 +139,9 @@ class TaskStatusResponse(BaseModel):
     state: StateName
     compute_score_used: float = Field(description="Compute score x seconds the task consumed on the dispatcher: so far while "
                                                    "running (from the orchestrator that runs it; another replica "
-                                                   "reads 0 until it ends), in all once finished or failed.")
+                                                   "reads 0 until it ends), in all once finished or failed (a "
+                                                   "cancelled task's until the cancel, the step it cut "
+                                                   "included; 0 when cancelled while queued).")
     memory_peak_mb: float = Field(description="Peak KV/prefix-state memory held for the task, MiB (2^20 bytes).")
     memory_peak_bytes: int = Field(description="The same peak, bytes.")
     queue_position: int = Field(0, description="While queued: submitted tasks ahead of it in the orchestrator's "
