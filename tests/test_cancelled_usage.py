@@ -177,10 +177,10 @@ async def test_a_react_loop_cancelled_during_its_tool_call_keeps_its_earlier_ste
     assert (cancelled.compute_score_used, cancelled.memory_peak_bytes) == (0.5, 1000)  # the first step's done
 
 
-async def test_a_dispatcher_that_does_not_answer_the_cancel_leaves_what_was_known(tmp_path):
+async def test_a_dispatcher_that_does_not_answer_the_cancel_leaves_what_was_known(tmp_path, monkeypatch):
     """No answer (a dispatcher stopped, or one of an older protocol): the cancel ends after its bounded wait and
     the status reports what the orchestrator knew."""
-    generate_stream.CANCEL_ANSWER_WAIT_S = 0.05  # the fixture's patch restores it
+    monkeypatch.setattr(generate_stream, "CANCEL_ANSWER_WAIT_S", 0.05)
     down = Unanswering()
     down.words, down.token_gap_s = ["w"] * 400, 0.01
     async with fake_stack(tmp_path / "tasks.sqlite3", down) as stub:

@@ -338,7 +338,8 @@ class InferenceClient:
             if attempt and time_left_s:  # 0 on the wire is "not given": at its deadline, the least time left there is
                 request.task_time_left_s = max(_left(time_left_s, sent_at), sys.float_info.min)
             received = 0
-            chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at), token_hold_s, on_cancelled)
+            chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at), token_hold_s,
+                                                         on_cancelled)
             replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
             if replicas is not None:
                 replicas.started(address)  # counts against the replica's bound until the call ends
