@@ -402,11 +402,13 @@ class GenerateDone(_message.Message):
     def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens", "context_windows")
+    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens", "context_windows", "models")
     class ContextWindowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -420,13 +422,15 @@ class ModelInfo(_message.Message):
     SERVES_ONLY_MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     shares_prefixes: bool
     serves_only_model: bool
     context_window_tokens: int
     context_windows: _containers.ScalarMap[str, int]
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
     __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority", "task_ended", "task_id")

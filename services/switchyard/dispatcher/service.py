@@ -215,18 +215,25 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         (a step engine's), and the context window the upstream reports for it (an ``openai`` engine in front
         of vLLM or SGLang: ``max_model_len``; 0 otherwise): callers check a request's model, and its prompt +
         max_tokens against that model's context window (``limits.context_window(model, reported)``), before
-        accepting it. The upstream's models are read at most :data:`MODELS_READ_WAIT_S` here (a down upstream
-        reports nothing; the next call asks again)."""
+        accepting it; and every model name a request may give (``models``: the step engine's one model, or the
+        ids the upstream lists and their ``model_map`` aliases; empty while no list was read). The upstream's
+        models are read at most :data:`MODELS_READ_WAIT_S` here (a down upstream reports nothing; the next call
+        asks again), and read again first when ``request.model`` is not in the list read before
+        (:meth:`StreamEngine.read_again_for`)."""
         served = self.engine.model  # what a request naming none is served (the processor's own rule)
-        reported, windows = 0, {}
+        reported, windows, names = 0, {}, [served]
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(engine.describe_upstream(), MODELS_READ_WAIT_S)
+                reading = engine.read_again_for(request.model)
+                if reading is not None:
+                    await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
             reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
+            names = engine.served_names()
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
                                    shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,
-                                   context_window_tokens=reported, context_windows=windows)
+                                   context_window_tokens=reported, context_windows=windows, models=names)
 
     @property
     def shares_prefixes(self) -> bool:

@@ -380,6 +380,17 @@ class GatewayClient:
                 log.info("could not list the models of %s for its context windows: %s", endpoint.url, outcome)
         return ids
 
+    def served_names(self) -> list[str]:
+        """Every client-facing model name a request may give (:func:`~switchyard.gateway.models.served_names` of the
+        ids the endpoints' :meth:`list_models` read, over a pool their union, and ``model_map``), sorted; empty while
+        any endpoint of the pool has not been read (a down one may serve a name no other lists): not known, a
+        request naming any model is sent and the upstream decides."""
+        endpoints = list(self.pool.endpoints.values())
+        if not endpoints or any(e.models is None for e in endpoints):
+            return []
+        ids = frozenset().union(*(e.models or () for e in endpoints))
+        return model_names.served_names(ids, self.config.model_map) if ids else []
+
     def _pool_windows(self) -> dict[str, int]:
         """The context window per upstream model id over the endpoints of the pool now, tokens: the smallest any
         of them reported (a request within it fits on whichever endpoint it is sent to; one past it was

@@ -53,6 +53,16 @@ def listed(model: str, ids: Iterable[str]) -> bool:
     return model in ids or (":" not in model.rsplit("/", 1)[-1] and f"{model}:latest" in ids)
 
 
+def served_names(ids: Iterable[str], model_map: Mapping[str, str]) -> list[str]:
+    """Every client-facing name a request may give for a server listing ``ids``, sorted: each name whose upstream id
+    (:func:`resolve` through ``model_map``) the server serves (:func:`listed`): the ids themselves (an id that
+    ``model_map`` sends elsewhere only if that target is served), an Ollama ``name:latest`` also as ``name``, and
+    each ``model_map`` alias of a served id. ``served_names(["m"], {"alias": "m", "gone": "x"}) == ["alias", "m"]``."""
+    ids = frozenset(ids)
+    names = set(ids) | {i.removesuffix(":latest") for i in ids} | set(model_map)
+    return sorted(n for n in names if n and listed(resolve(n, model_map, ""), ids))
+
+
 def configured_models(config: Any) -> set[str]:
     """The upstream model ids ``model_gateway`` names: default and fallback through ``model_map`` (as a request's
     model goes), and every ``model_map`` target. A ``model_map`` name is never one: it is sent as its target."""

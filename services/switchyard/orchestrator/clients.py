@@ -372,13 +372,15 @@ class InferenceClient:
         model): the next :meth:`model_info` asks DescribeModel again."""
         self._model_info_stale = True
 
-    async def model_info(self, timeout_s: float = 5.0) -> agent_pb2.ModelInfo:
+    async def model_info(self, timeout_s: float = 5.0, model: str = "") -> agent_pb2.ModelInfo:
         """What the dispatcher serves (asked once, then kept): the model a request naming none is served,
-        the engine, whether it shares prefixes, the context window its upstream reports. Asked again by the
+        the engine, whether it shares prefixes, the context window its upstream reports, the model names a
+        request may give (``models``; empty: not known). Asked again by the
         next task once the dispatcher came back (:meth:`dispatcher_back`) or the answer is
-        :data:`MODEL_INFO_MAX_AGE_S` old, and while an ``openai`` engine's upstream reported no window yet (it
-        was down, or reports none) at most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands
-        when that fails.
+        :data:`MODEL_INFO_MAX_AGE_S` old, and while an ``openai`` engine's upstream reported no window or
+        model list yet (it was down, or reports none), or a task names ``model``, one the answer kept does not
+        list (the dispatcher then reads its upstream's list again: a model just loaded there is served), at
+        most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands when that fails.
 
         Raises:
             ServiceUnavailable: the dispatcher is down, naming its address.
@@ -386,18 +388,20 @@ class InferenceClient:
         """
         info = self._model_info
         age = time.monotonic() - self._model_info_at
+        unknown_model = bool(model) and info is not None and bool(info.models) and model not in info.models
+        unread = info is not None and info.engine == "openai" and not (info.context_window_tokens and info.models)
         if info is not None and (self._model_info_stale or age >= MODEL_INFO_MAX_AGE_S or (
-                info.engine == "openai" and not info.context_window_tokens and age >= MODEL_INFO_RETRY_S)):
+                (unread or unknown_model) and age >= MODEL_INFO_RETRY_S)):
             self._model_info_at, self._model_info_stale = time.monotonic(), False
             with contextlib.suppress(SwitchyardError, grpc.aio.AioRpcError):
                 address, channel = await self._route(None, frozenset())
                 self._model_info = await self._stub_for(channel).DescribeModel(
-                    agent_pb2.DescribeModelRequest(), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
+                    agent_pb2.DescribeModelRequest(model=model), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
             try:
                 self._model_info = await self._stub_for(channel).DescribeModel(
-                    agent_pb2.DescribeModelRequest(), timeout=timeout_s)
+                    agent_pb2.DescribeModelRequest(model=model), timeout=timeout_s)
                 self._model_info_at = time.monotonic()
             except grpc.aio.AioRpcError as err:
                 waited = f"{timeout_s:g} s (its DescribeModel, asked before the first task naming no model)"

@@ -489,14 +489,16 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
 
     async def _validate(self, request: agent_pb2.RunTaskRequest, tenant: str) -> TaskSpec:
         """:func:`validate` against what the dispatcher serves (asked once): the model a request naming none
-        is served, and the only one a step engine serves (another is NOT_FOUND before the task is accepted);
+        is served, and the model names it serves (a step engine's one, or those its upstream lists: another is
+        NOT_FOUND before the task is accepted; an upstream whose list was not read refuses none);
         and a max_tokens out of range, or a question too long for the model's context window beside it, is
         refused here, not after acceptance (:func:`check_question_fits`)."""
         assert self._deps is not None, "start() not called"
-        info = await self._deps.inference.model_info()
+        info = await self._deps.inference.model_info(model=request.model)
         reported = reported_window(info, request.model or info.model)
-        spec = validate(request, self.config, info.model, tenant, only_model=info.model if info.serves_only_model else "",
-                        reported_window=reported)
+        # a dispatcher of an earlier build lists no models: its step engine's one model is what serves_only_model said
+        served = list(info.models) or ([info.model] if info.serves_only_model else [])
+        spec = validate(request, self.config, info.model, tenant, served=served, reported_window=reported)
         model = spec.model or info.model
         await check_question_fits(spec, model, self.config.limits.context_window(model, reported), self.config.limits,
                                   request.max_tokens)

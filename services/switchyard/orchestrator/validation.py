@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
@@ -32,6 +32,7 @@ from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.untrusted import check_id, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import LABELS_EXPECTED, PriorityClass, check_priority
+from switchyard.gateway.models import nearest
 
 if TYPE_CHECKING:
     from switchyard.common.auth import BearerTokens
@@ -154,10 +155,11 @@ class TaskSpec:
 
 
 def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, default_model: str,
-             tenant_id: str = DEFAULT_TENANT, only_model: str = "", reported_window: int = 0) -> TaskSpec:
+             tenant_id: str = DEFAULT_TENANT, served: Sequence[str] = (), reported_window: int = 0) -> TaskSpec:
     """Check a request against ``limits`` and fill defaults; ``default_model`` is the dispatcher's,
-    for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found; ``only_model`` the one
-    model the dispatcher's engine serves, when it serves one alone (a step engine), else "";
+    for a request naming none; ``tenant_id`` the tenant :func:`edge_tenant` found; ``served`` every model name
+    the dispatcher serves (``ModelInfo.models``: a step engine's one model, or the ids its upstream lists and
+    their ``model_map`` aliases), empty when not known (any name is then accepted and the upstream decides);
     ``reported_window`` the context window the upstream reports for the request's model (0: none).
 
     ``max_tokens`` is taken as sent (0: the default for the model's window); its range depends on the prompt's
@@ -167,7 +169,8 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     Raises:
         InvalidArgument: naming the field and what was expected (payload, task_id, agent_id, model,
             task_type, priority, metadata).
-        SwitchyardError: NOT_FOUND, ``model`` names another model than ``only_model``.
+        SwitchyardError: NOT_FOUND, ``model`` names a model not in ``served`` (the message names it, the names
+            served and the nearest of them).
     """
     orch, limits = config.orchestrator, config.limits
     if not request.payload.strip():
@@ -182,9 +185,8 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
     if workflow not in TASK_TYPES:
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
     check_priority(request.priority)
-    if only_model and request.model and request.model != only_model:  # refused now, not after accepted
-        raise SwitchyardError(f"model: {shown(request.model)} is not served here: the dispatcher's engine serves "
-                              f"{only_model!r} (leave model empty for it)", grpc.StatusCode.NOT_FOUND)
+    if served and request.model and request.model not in served:  # refused now, not after accepted
+        raise model_not_served(request.model, served, default_model)
     model = request.model or default_model
     window = limits.context_window(model, reported_window)
     default = limits.default_for(window.tokens)
@@ -200,6 +202,16 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         tenant_id=tenant_id,
         max_tokens_asked=request.max_tokens,
     )
+
+
+def model_not_served(model: str, served: Sequence[str], default_model: str) -> SwitchyardError:
+    """NOT_FOUND for a request naming ``model``, which is not one of ``served`` (``ModelInfo.models``): it names the
+    model, the names served (the first 10) and the nearest of them, and that an empty model is ``default_model``."""
+    names = ", ".join(map(repr, served[:10])) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+    near = nearest(model, served)
+    hint = f"; did you mean {near!r}?" if near else ""
+    return SwitchyardError(f"model: {shown(model)} is not served here: the dispatcher serves {names}{hint} (leave "
+                           f"model empty for {default_model!r})", grpc.StatusCode.NOT_FOUND)
 
 
 def max_tokens_bound(limits: Any, window: ContextWindow, prompt_tokens: int) -> int:

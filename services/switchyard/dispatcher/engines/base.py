@@ -335,6 +335,16 @@ class StreamEngine(abc.ABC):
         callers that check requests naming other models than the default); empty by default."""
         return {}
 
+    def served_names(self) -> list[str]:
+        """Every model name a request may give, as the upstream's model list says (its ids and the aliases of
+        one); empty when not known (no list read, and by default): any name is sent and the upstream decides."""
+        return []
+
+    def read_again_for(self, model: str) -> Any:
+        """Start a new read of the upstream's model list when ``model`` is not in :meth:`served_names` (the server
+        may have loaded it since); returns the read under way, or None (nothing to read, and by default)."""
+        return None
+
     def start_describing(self) -> Any:
         """Start reading what the upstream reports of its models (its ``GET /v1/models``) in the background;
         nothing by default."""

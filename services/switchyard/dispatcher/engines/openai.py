@@ -158,6 +158,23 @@ class OpenAIEngine(StreamEngine):
         """The windows of every model the upstream's ``GET /v1/models`` reported one for, and their aliases."""
         return self.client.reported_context_windows()
 
+    def served_names(self) -> list[str]:
+        """Every model name a request may give (:meth:`GatewayClient.served_names`: the listed ids and each
+        ``model_map`` alias of one); empty until the list of every endpoint has been read."""
+        return self.client.served_names()
+
+    def read_again_for(self, model: str) -> asyncio.Task[None] | None:
+        """Read the upstream's model list again (:meth:`start_describing`) when it was read, does not name ``model``,
+        and the last read is :data:`DESCRIBE_RETRY_S` old: a model loaded on the server since is then served,
+        not refused by the list of before; a client naming unknown models costs the server one read per
+        :data:`DESCRIBE_RETRY_S`. Returns the read under way, or None."""
+        names = self.served_names()
+        if not model or not names or model in names:
+            return None
+        if time.monotonic() - self._described_at >= DESCRIBE_RETRY_S:
+            self._described = False
+        return self.start_describing()
+
     def start_describing(self) -> asyncio.Task[None] | None:
         """Start the read of the upstream's model list in the background unless it has been read or a read is
         under way; returns the read under way (None: read already, or no running loop). The engine's one owner

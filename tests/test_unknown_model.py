@@ -1,0 +1,124 @@
+"""A request naming a model the dispatcher does not serve is refused NOT_FOUND before it is accepted, by one rule
+for every engine: a step engine's one model, or the ids an ``openai`` engine's upstream lists (and each
+``model_map`` alias of one). In front of an upstream it was accepted (HTTP 200, SubmitTask) and failed NOT_FOUND
+afterwards. An upstream whose list was not read refuses nothing: the call decides, as before."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import grpc
+import httpx
+import pytest
+from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
+
+from switchyard.api import agent_pb2, agent_pb2_grpc
+from switchyard.common.channels import open_channel
+from switchyard.common.config import SwitchyardConfig, load_config
+from switchyard.common.server import running
+from switchyard.dispatcher.engines import make_engine
+from switchyard.dispatcher.service import DispatcherService
+from switchyard.orchestrator.http_face import HttpFace
+from switchyard.orchestrator.service import OrchestratorService
+
+MODEL = "acme/served-8b"
+OTHER = "acme/other-8b"
+UNKNOWN = "acme/not-served-70b"
+
+
+def config_for(engine: str, base_url: str = "", **upstream: object) -> SwitchyardConfig:
+    overrides: dict[str, object] = {"dispatcher.engine": engine, "orchestrator.cpu_executor": "loop"}
+    if engine == "openai":
+        overrides.update({"upstream.base_url": base_url, "upstream.default_model": MODEL,
+                          "upstream.fallback_model": "", "upstream.api_key_required": False})
+        overrides.update({f"upstream.{k}": v for k, v in upstream.items()})
+    return load_config("config").with_overrides(**overrides)
+
+
+@contextlib.asynccontextmanager
+async def stack(cfg: SwitchyardConfig):
+    """(gRPC AgentService stub, httpx client on the HTTP face) of an orchestrator before a dispatcher of ``cfg``."""
+    async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as disp:
+        orch_cfg = cfg.with_overrides(**{"orchestrator.dispatcher_addr": f"127.0.0.1:{disp.port}"})
+        orch = OrchestratorService(orch_cfg)
+        face = HttpFace(orch, orch_cfg, port=0)
+        async with running([orch, face], cfg.server) as srv:
+            async with open_channel(f"127.0.0.1:{srv.port}") as channel, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
+                yield agent_pb2_grpc.AgentServiceStub(channel), client
+
+
+async def refused(stub, client, model: str) -> str:
+    """The NOT_FOUND details of SubmitTask naming ``model``, after checking the HTTP face answers 404 too."""
+    reply = await client.post("/api/v1/agent/submit", json={"agent_id": "a1", "payload": "hi", "task_type": "chat", "model": model})
+    assert reply.status_code == 404, reply.text
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model=model))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    assert model in reply.json()["error"]["message"], reply.text
+    return caught.value.details()
+
+
+async def accepted(stub, model: str) -> None:
+    reply = await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model=model))
+    assert reply.task_id
+
+
+@pytest.mark.parametrize("engine", ["sim", "openai"])
+async def test_a_model_not_served_is_refused_before_accepted_by_either_engine(clean_proxy_env, engine):
+    with start_sim(models=[MODEL, OTHER]) as sim:
+        cfg = config_for(engine, sim.base_url)
+        async with stack(cfg) as (stub, client):
+            details = await refused(stub, client, UNKNOWN)
+        if engine == "openai":
+            assert sim.state.requests == []  # nothing reached the upstream
+    assert UNKNOWN in details and "is not served here" in details
+    if engine == "openai":
+        assert f"the dispatcher serves {OTHER!r}, {MODEL!r}" in details, details
+    else:
+        assert "the dispatcher serves 'sim" in details, details
+
+
+async def test_a_served_id_a_model_map_alias_of_one_and_the_fallback_are_accepted(clean_proxy_env):
+    with start_sim(models=[MODEL, OTHER, "llama3:latest"]) as sim:
+        cfg = config_for("openai", sim.base_url, fallback_model=OTHER,
+                         model_map={"short": OTHER, "gone": "acme/unloaded"})
+        async with stack(cfg) as (stub, client):
+            for model in (MODEL, OTHER, "short", "llama3", "llama3:latest"):
+                await accepted(stub, model)
+            details = await refused(stub, client, "gone")  # an alias of a model the server does not list
+    assert "'gone'" in details and "'short'" in details
+
+
+async def test_an_upstream_whose_list_cannot_be_read_refuses_no_model(clean_proxy_env):
+    """Nothing answers at the upstream's address: every model is accepted, and the call decides."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with stack(config_for("openai", f"http://127.0.0.1:{port}/v1")) as (stub, _):
+        await accepted(stub, UNKNOWN)
+
+
+async def test_a_model_loaded_after_the_list_was_read_is_not_refused(clean_proxy_env, monkeypatch):
+    """The server loads another model: a name not in the list read before has the list read again (at most every
+    DESCRIBE_RETRY_S at the dispatcher, MODEL_INFO_RETRY_S at the orchestrator) before it is refused."""
+    from switchyard.dispatcher.engines import openai as openai_engine
+    from switchyard.orchestrator import clients
+
+    with start_sim(models=[MODEL]) as sim:
+        async with stack(config_for("openai", sim.base_url)) as (stub, client):
+            await refused(stub, client, OTHER)
+            sim.sim.options.models.append(OTHER)  # loaded now; the lists read so far do not name it
+            await refused(stub, client, OTHER)  # within the retry intervals: the list read before stands
+            monkeypatch.setattr(openai_engine, "DESCRIBE_RETRY_S", 0.0)
+            monkeypatch.setattr(clients, "MODEL_INFO_RETRY_S", 0.0)
+            await accepted(stub, OTHER)
+
+
+def test_served_names_follow_the_gateways_resolution():
+    from switchyard.gateway.models import served_names
+
+    assert served_names(["m", "llama3:latest"], {"alias": "m", "gone": "x", "m2": "m"}) == [
+        "alias", "llama3", "llama3:latest", "m", "m2"]
+    assert served_names(["m", "n"], {"n": "x"}) == ["m"]  # n is sent as x, which the server does not list
