@@ -23,8 +23,9 @@ Endpoints come from flags, else from the up file that ``switchyard up`` writes
 or the one ``--up-file`` names (one a killed launcher left is said to be stale and not read, and
 left in place: a file the user names is never removed), else from the configured metrics ports.
 
-Exit status: 0; 1 when ``--once`` could not reach a service (the JSON still
-says which and why); 2 for bad arguments.
+Exit status: 0 when ``--once`` read every service; 1 when it could not reach one or more (every one down
+included): a line on stderr names each service down and why, and the JSON says so too (``up``, ``error``);
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -610,7 +611,11 @@ def main(argv: list[str]) -> int:
                 print(json_output.dumps(snap, indent=2))
             else:
                 _console().print(render(snap, source))
-            return 0 if all(s["up"] for s in snap["services"].values()) else 1
+            down = {name: s["error"] for name, s in snap["services"].items() if not s["up"]}
+            if down:  # on stderr: a script reading the JSON, or the view, on stdout still learns which, and why
+                print(f"switchyard top: {len(down)} of {len(snap['services'])} services down: "
+                      + "; ".join(f"{name} ({error})" for name, error in down.items()), file=sys.stderr)
+            return 1 if down else 0
 
         console = _console()
         current = scrape_all(endpoints, pool)

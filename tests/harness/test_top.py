@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -119,6 +120,23 @@ def test_an_up_file_that_lists_no_service_is_no_crash(tmp_path, capsys) -> None:
     from switchyard_harness.top import main
 
     assert main(["--once", "--json", "--up-file", str(tmp_path / "up.json")]) in (0, 1)
+
+
+def test_once_exits_1_naming_every_service_down_when_none_answers(tmp_path) -> None:
+    """Every service down (nothing listens at any endpoint): ``--once`` exits non-zero, with and without
+    ``--json``, and stderr names each one down, so that a script can rely on the exit status."""
+    ports = []
+    for _ in range(3):  # three ports nothing listens on (bound, then closed)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    flags = [f"--{name}=127.0.0.1:{port}" for name, port in zip(("orchestrator", "retrieval", "dispatcher"), ports)]
+    for extra in (["--json"], []):
+        out = subprocess.run([sys.executable, "-m", "switchyard.cli", "top", "--once", *extra, *flags],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert out.returncode == 1, (extra, out.returncode, out.stderr)
+        assert "switchyard top: 3 of 3 services down: orchestrator (" in out.stderr, out.stderr
+        assert "retrieval (" in out.stderr and "dispatcher (" in out.stderr, out.stderr
 
 
 def test_an_up_file_that_gives_no_endpoints_is_named_with_why(tmp_path) -> None:
