@@ -303,6 +303,24 @@ def test_a_ready_timeout_that_runs_out_names_the_option_to_raise(tmp_path: Path,
     assert "not healthy after 0.01 s (--ready-timeout): raise it if the service was still starting" in err, err
 
 
+def test_an_address_variable_switchyard_up_sets_itself_is_said_not_to_be_used(tmp_path: Path, capsys,
+                                                                            monkeypatch) -> None:
+    """SWITCHYARD_DISPATCHER_ADDR (a dispatcher of the user's elsewhere) and SWITCHYARD_RETRIEVAL_ADDR were dropped
+    without a word: up wires the orchestrator to the services it starts. One line each says so, at start (here
+    the stack is refused right after, for a port clash, so that nothing starts)."""
+    from switchyard.launcher import main as up_main
+
+    monkeypatch.setenv("SWITCHYARD_DISPATCHER_ADDR", "10.0.0.7:50053")
+    monkeypatch.setenv("SWITCHYARD_RETRIEVAL_ADDR", "10.0.0.8:50052")
+    monkeypatch.setenv("SWITCHYARD_HEALTH_PORT", "51790")  # every service's health port: refused before any start
+    assert up_main(["--data-dir", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    for variable, value, service in (("SWITCHYARD_DISPATCHER_ADDR", "10.0.0.7:50053", "dispatcher"),
+                                     ("SWITCHYARD_RETRIEVAL_ADDR", "10.0.0.8:50052", "retrieval")):
+        assert (f"switchyard up: {variable}={value} is not used: up starts its own {service} and wires the services "
+                "to it (to use that address, start the services with `switchyard serve` instead)") in err, err
+
+
 @pytest.mark.parametrize(("changes", "args", "message"), [
     ({"dispatcher.port": "retrieval.port"}, (), "retrieval.port and dispatcher.port are both 51774"),
     ({"orchestrator.http.port": "retrieval.metrics_port"}, (), "retrieval.metrics_port and orchestrator.http.port are "

@@ -33,6 +33,11 @@ task store is on it (``orchestrator.task_store.backend = redis``), every second
 otherwise: with the task store on it, every task that SubmitTask accepted is
 answered after a restart of ``switchyard up``.
 
+``SWITCHYARD_RETRIEVAL_ADDR`` and ``SWITCHYARD_DISPATCHER_ADDR`` (and ``SWITCHYARD_DRAM_ADDR`` where the
+embedded Redis starts) are set by the launcher for the services it starts: a value the user set is not used,
+and a line on stderr at start says so, naming the variable (``switchyard serve`` each service to point one at
+another address).
+
 Every process the launcher starts dies with it, ``kill -9`` of the launcher
 included: each gets SIGTERM from the kernel when the launcher ends (Linux's
 parent-death signal, common/children.py), and the orchestrator's CPU-pool
@@ -311,6 +316,16 @@ def _redis_exit(redis: EmbeddedRedis | None) -> str | None:
             f"status {redis.proc.returncode}")
 
 
+def _say_wired(variable: str, started: str) -> None:
+    """One line on stderr when the user set ``variable``, an address that ``switchyard up`` sets itself for the
+    ``started`` service it starts: the user's value is not used (the services are wired to each other)."""
+    value = os.environ.get(variable, "")
+    if value:
+        print(f"switchyard up: {variable}={value} is not used: up starts its own {started} and wires the services "
+              f"to it (to use that address, start the services with `switchyard serve` instead)", file=sys.stderr,
+              flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = parser_for("switchyard up", __doc__)
     parser.add_argument("--config-dir", help="config folder (default: $SWITCHYARD_CONFIG_DIR or config/)")
@@ -339,6 +354,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)
         return 2
+    for variable, started in ((envs.SWITCHYARD_RETRIEVAL_ADDR, "retrieval"),
+                              (envs.SWITCHYARD_DISPATCHER_ADDR, "dispatcher")):
+        _say_wired(variable.name, started)
     host = config.server.host
     # (name, kind, port, metrics port, health port), in start order
     plan: list[tuple[str, str, int, int, int | None]] = []
@@ -381,6 +399,7 @@ def main(argv: list[str]) -> int:
         print(f"switchyard up: the DRAM tier's Redis did not start: {exc}", file=sys.stderr)
         return 1
     if redis is not None:
+        _say_wired(envs.SWITCHYARD_DRAM_ADDR.name, "DRAM tier's Redis (memory_policy.toml [dram] embedded = true)")
         env["SWITCHYARD_DRAM_ADDR"] = redis.address
     if args.data_dir and not envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.get():  # the stack's stored state, all of it
         env[envs.SWITCHYARD_TASK_STORE_SQLITE_PATH.name] = str(Path(args.data_dir) / "tasks.sqlite3")
