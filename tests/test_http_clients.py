@@ -196,6 +196,52 @@ def test_every_id_the_documents_pattern_refuses_the_servers_rule_refuses_too():
         check_id_chars("   ", "id")
 
 
+@pytest.mark.parametrize("sent", [" t1", "t1 ", " t1 ", "t1  "])
+async def test_an_id_with_a_space_at_its_start_or_end_is_refused_naming_the_field_at_every_edge(sent):
+    """A body's task_id or agent_id ' t1 ' was taken as it was, over HTTP and gRPC, while the same in a header
+    reached the task as 't1' (HTTP and gRPC strip a header value's surrounding whitespace): two ids for one name.
+    Every id field refuses it now, INVALID_ARGUMENT (HTTP 400) naming the field, and the OpenAPI document's id
+    pattern says so; an id with a space inside is still an id, and a header's framing whitespace is still not
+    part of its value."""
+    import re
+
+    import grpc
+    import jsonschema
+
+    from switchyard.api import agent_pb2
+    from switchyard.common.errors import InvalidArgument
+    from switchyard.common.untrusted import ID_PATTERN, check_id_chars
+
+    assert re.search(ID_PATTERN, sent) is None and re.search(ID_PATTERN, "t 1") is not None
+    with pytest.raises(InvalidArgument):
+        check_id_chars(sent, "id")
+    async with http_stack() as (client, stub, down):
+        for field in ("task_id", "agent_id"):
+            body = {**FIELD_BODY, "agent_id": "a1", field: sent}
+            reply = await client.post("/api/v1/agent/submit", json=body)
+            assert reply.status_code == 400, reply.text
+            message = reply.json()["error"]["message"]
+            assert message.startswith(f"{field}: expected an id of printable characters with no space at its start "
+                                      "or end"), message
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat",
+                                                               **{"agent_id": "a1", field: sent}))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(f"{field}: expected an id of printable characters with no "
+                                                      "space"), refused.value.details()
+        lookup = await client.get(f"/api/v1/tasks/{sent.replace(' ', '%20')}")
+        assert lookup.status_code == 400 and "task_id" in lookup.text, lookup.text
+        # a header's surrounding whitespace is framing, not the id's: the task's agent is 'a1'
+        accepted = await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat"),
+                                         metadata=(("x-agent-id", f" a1{sent.strip()} "),))
+        status = await client.get(f"/api/v1/agent/a1{sent.strip()}/status")
+        assert status.status_code == 200 and status.json()["task_id"] == accepted.task_id, status.text
+        schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]["TaskRequest"]["properties"]
+        for field in ("task_id", "agent_id"):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(sent, schemas[field])
+
+
 async def test_an_id_the_openapi_document_calls_valid_is_not_refused_as_malformed():
     """schemathesis, run on /openapi.json, sent ids the document's ``{"type": "string"}`` took ('\\t),øü$Y',
     'Up÷Ñ£9B\\x8d\\x8c') and the face refused 400: a schema-driven client could not tell a valid id. The document

@@ -117,10 +117,10 @@ tag characters), the line and paragraph separators (a new line to a log reader),
 U+0020 or like nothing (no-break, thin, ideographic)."""
 
 
-ID_PATTERN = (r"^(?! +$)[^\x00-\x1f\x7f-\xa0\xad\u061c\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064\u2066-\u206f"
+ID_PATTERN = (r"^(?! )(?!.* $)[^\x00-\x1f\x7f-\xa0\xad\u061c\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064\u2066-\u206f"
               r"\u3000\ufeff\ufff9-\ufffb]*$")
 """:func:`check_id_chars` as far as a regular expression that ECMA-262 (JSON Schema's, OpenAPI's) and Python both
-read can say it: not spaces alone, and none of the controls (C0, DEL, C1), the spaces other than U+0020, the
+read can say it: no space at its start or end (spaces alone included), and none of the controls (C0, DEL, C1), the spaces other than U+0020, the
 line and paragraph separators, and the common invisible format and bidirectional characters. What it does not
 say (the rarer format characters, lone surrogates, NFC) the function still refuses; every string it refuses,
 the function refuses too (test_http_clients.py)."""
@@ -131,8 +131,10 @@ def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
     edge that takes one: no character of the categories of :data:`_UNSEEN` (controls, lone surrogates, invisible
     format characters such as U+200B zero-width space, line and paragraph separators, spaces other than U+0020),
     none of the bidirectional controls (:data:`BIDI_CONTROLS`), in Unicode's composed form (NFC: 'cafe' with
-    U+0301 reads as 'café', another id), and not only whitespace unless empty (``blank_ok``: empty means
-    "none"). 'agent\u200b1' read as 'agent1' and was another task's agent in a log, a dashboard or a query.
+    U+0301 reads as 'café', another id), not only whitespace unless empty (``blank_ok``: empty means
+    "none"), and no space at its start or end: 'agent\u200b1' read as 'agent1' and was another task's agent in a
+    log, a dashboard or a query, and ' t1' was another id than the 't1' a header (whose surrounding whitespace
+    HTTP and gRPC strip) names. Refused, never stripped: the caller's id is the one it will look the task up by.
 
     Raises:
         InvalidArgument: naming ``field`` and the first such character, or the form expected.
@@ -141,6 +143,9 @@ def check_id_chars(value: str, field: str, blank_ok: bool = True) -> None:
 
     if (value and not value.strip()) or (not value and not blank_ok):
         raise InvalidArgument(field, "an id of printable characters, not blank", value[:80])
+    if value != value.strip(" "):
+        raise InvalidArgument(field, "an id of printable characters with no space at its start or end (the "
+                              "OpenAPI document's id pattern)", value[:80])
     if not value.isprintable():  # every character refused below is one isprintable() refuses
         for c in value:
             kind = "bidirectional" if c in BIDI_CONTROLS else _UNSEEN.get(unicodedata.category(c))

@@ -298,7 +298,8 @@ def id_schema(most: int, setting: str, required: bool = False) -> dict[str, Any]
     return {"type": "string", **({"minLength": 1} if required else {}), "maxLength": most, "pattern": ID_PATTERN,
             "description": f"An id: at most {most} characters (limits.{setting}), printable (no control, "
                            "invisible format or bidirectional characters, no space other than U+0020), in NFC, "
-                           "not spaces alone."}
+                           "no space at its start or end (refused, not stripped: a header's surrounding whitespace "
+                           "is HTTP's and not the id's)."}
 
 
 def openapi(version: str, max_tokens: int, max_id_chars: int, max_task_id_chars: int,
