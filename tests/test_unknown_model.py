@@ -80,6 +80,29 @@ async def test_a_model_not_served_is_refused_before_accepted_by_either_engine(cl
         assert "the dispatcher serves 'sim" in details, details
 
 
+@pytest.mark.parametrize("engine", ["sim", "openai"])
+async def test_the_dispatchers_generate_refuses_it_before_queueing_in_the_same_words(clean_proxy_env, engine):
+    """A caller of the dispatcher itself (the orchestrator racing a list change, a direct client) meets the same
+    rule: the openai engine queued the request and relayed the upstream's 404 after."""
+    with start_sim(models=[MODEL, OTHER]) as sim:
+        cfg = config_for(engine, sim.base_url)
+        async with running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server) as disp:
+            async with open_channel(f"127.0.0.1:{disp.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="r1", prompt="hi",
+                                                                           model=UNKNOWN, max_tokens=4)):
+                        pass
+                if engine == "openai":  # a served one still goes through
+                    async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="r2", prompt="hi",
+                                                                           model=OTHER, max_tokens=4)):
+                        pass
+                    assert [body["model"] for body in sim.state.requests] == [OTHER]
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert caught.value.details().startswith(f"model: {UNKNOWN!r} is not served here: the dispatcher serves "), \
+        caught.value.details()
+
+
 async def test_a_served_id_a_model_map_alias_of_one_and_the_fallback_are_accepted(clean_proxy_env):
     with start_sim(models=[MODEL, OTHER, "llama3:latest"]) as sim:
         cfg = config_for("openai", sim.base_url, fallback_model=OTHER,

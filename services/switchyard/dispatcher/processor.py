@@ -14,10 +14,11 @@ back into the servicer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import grpc
 from opentelemetry import context as otel_context
@@ -38,6 +39,7 @@ from switchyard.dispatcher.metrics import QUEUE_NAME
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
 from switchyard.dispatcher.scheduler.core import DispatcherClosed, loop_failure
+from switchyard.gateway.models import not_served
 
 tracer = telemetry.get_tracer("switchyard.dispatcher.service")  # the request spans' scope, as before this module
 
@@ -126,7 +128,7 @@ def check_tool_schema_sizes(tools: Iterable[agent_pb2.ToolSpec], limits: Request
 
 def to_request(
     request: agent_pb2.GenerateRequest, config: SwitchyardConfig, engine_model: str, *, only_model: bool = False,
-    reported_window: int = 0,
+    reported_window: int = 0, served: Sequence[str] = (),
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
@@ -135,7 +137,9 @@ def to_request(
     ``engine_model``: the engine's model
     (``engine.model``), the one a request naming none gets; ``only_model``: the
     engine serves it alone (a step engine: a request naming another is
-    NOT_FOUND), else an upstream engine's gateway resolves the name. ``reported_window``: the context
+    NOT_FOUND), else an upstream engine's gateway resolves the name; ``served``: every model name a request may
+    give (a stream engine's :meth:`~StreamEngine.served_names`; empty: not known, any is sent), another is
+    NOT_FOUND in the orchestrator's words (:func:`~switchyard.gateway.models.not_served`). ``reported_window``: the context
     window the upstream reports for the request's model (0: none; a window
     ``limits.context_window_tokens`` lists wins). Limits come from ``limits`` (the
     orchestrator checks the same ones before a task is accepted; this check
@@ -153,7 +157,7 @@ def to_request(
     """
     limits = config.limits
     tenant = check_tenant(request.tenant_id, "tenant_id") if request.tenant_id else DEFAULT_TENANT
-    _check_fields(request, limits, engine_model, only_model)
+    _check_fields(request, limits, engine_model, [engine_model] if only_model else served)
     chars, message_texts, tool_texts = _prompt_chars(request, limits)
     messages = _messages(request)
     tools = _tools(request)
@@ -192,7 +196,7 @@ def to_request(
 
 
 def _check_fields(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfig, engine_model: str,
-                  only_model: bool) -> None:
+                  served: Sequence[str]) -> None:
     """:func:`to_request`'s checks of the request's own fields, each against its limit (raises as it says)."""
     for name, seconds in (("task_time_left_s", request.task_time_left_s),
                           ("expected_remaining_work_s", request.expected_remaining_work_s)):
@@ -214,11 +218,8 @@ def _check_fields(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfi
     if request.resume and not request.agent_id:  # else a queue jump: resumed steps go ahead of their class
         raise InvalidArgument("resume", "an agent_id beside it (resume marks an agent's next step, back from its "
                               "tool call)", True)
-    if only_model and request.model and request.model != engine_model:
-        raise SwitchyardError(
-            f"model {request.model!r} is not served here: this dispatcher's engine serves {engine_model!r} "
-            "(leave model empty for it)", grpc.StatusCode.NOT_FOUND,
-        )
+    if served and request.model and request.model not in served:  # refused before it is queued
+        raise not_served(request.model, served, engine_model)
     if len(request.messages) > limits.max_messages:
         raise InvalidArgument("messages", f"at most {limits.max_messages} messages (limits.max_messages)",
                               f"{len(request.messages)} messages")
@@ -384,12 +385,16 @@ class RequestProcessor:
                 (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
                 (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
-        reported = 0
+        reported, served = 0, []
         if not self.stepping:
             await self.engine.first_read_ended(MODELS_READ_WAIT_S)
-            reported = self.engine.reported_context_window(request.model)
+            reading = self.engine.read_again_for(request.model)  # a model loaded since the last read is served
+            if reading is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
+            reported, served = self.engine.reported_context_window(request.model), self.engine.served_names()
         build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
-                                  reported_window=reported)
+                                  reported_window=reported, served=served)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
             req = await asyncio.to_thread(build)
         else:

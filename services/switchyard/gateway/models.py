@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
+
+import grpc
+
+from switchyard.common.errors import SwitchyardError
 
 _PUNCT = re.compile(r"[._:/\s]+")
 
@@ -61,6 +65,20 @@ def served_names(ids: Iterable[str], model_map: Mapping[str, str]) -> list[str]:
     ids = frozenset(ids)
     names = set(ids) | {i.removesuffix(":latest") for i in ids} | set(model_map)
     return sorted(n for n in names if n and listed(resolve(n, model_map, ""), ids))
+
+
+def not_served(model: str, served: Sequence[str], default_model: str) -> SwitchyardError:
+    """NOT_FOUND for a request naming ``model``, which is not one of ``served`` (the dispatcher's ``ModelInfo.models``:
+    a step engine's one model, or :func:`served_names` of its upstream), in the words every edge refuses it with
+    (the orchestrator's submit, the dispatcher's Generate): the model, the names served (the first 10), the nearest
+    of them, and that an empty model is ``default_model``."""
+    from switchyard.common.untrusted import shown
+
+    names = ", ".join(map(repr, served[:10])) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+    near = nearest(model, served)
+    hint = f"; did you mean {near!r}?" if near else ""
+    return SwitchyardError(f"model: {shown(model)} is not served here: the dispatcher serves {names}{hint} (leave "
+                           f"model empty for {default_model!r})", grpc.StatusCode.NOT_FOUND)
 
 
 def configured_models(config: Any) -> set[str]:

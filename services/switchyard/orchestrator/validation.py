@@ -32,7 +32,7 @@ from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
 from switchyard.common.untrusted import check_id, check_utf8, shown
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import LABELS_EXPECTED, PriorityClass, check_priority
-from switchyard.gateway.models import nearest
+from switchyard.gateway.models import not_served
 
 if TYPE_CHECKING:
     from switchyard.common.auth import BearerTokens
@@ -186,7 +186,7 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         raise InvalidArgument("task_type", f"one of {', '.join(TASK_TYPES)} (empty = {orch.default_task_type})", workflow)
     check_priority(request.priority)
     if served and request.model and request.model not in served:  # refused now, not after accepted
-        raise model_not_served(request.model, served, default_model)
+        raise not_served(request.model, served, default_model)
     model = request.model or default_model
     window = limits.context_window(model, reported_window)
     default = limits.default_for(window.tokens)
@@ -202,16 +202,6 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
         tenant_id=tenant_id,
         max_tokens_asked=request.max_tokens,
     )
-
-
-def model_not_served(model: str, served: Sequence[str], default_model: str) -> SwitchyardError:
-    """NOT_FOUND for a request naming ``model``, which is not one of ``served`` (``ModelInfo.models``): it names the
-    model, the names served (the first 10) and the nearest of them, and that an empty model is ``default_model``."""
-    names = ", ".join(map(repr, served[:10])) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
-    near = nearest(model, served)
-    hint = f"; did you mean {near!r}?" if near else ""
-    return SwitchyardError(f"model: {shown(model)} is not served here: the dispatcher serves {names}{hint} (leave "
-                           f"model empty for {default_model!r})", grpc.StatusCode.NOT_FOUND)
 
 
 def max_tokens_bound(limits: Any, window: ContextWindow, prompt_tokens: int) -> int:
