@@ -96,12 +96,22 @@ async def test_forward_priority_against_a_server_without_one(clean_proxy_env, tr
 
 async def test_a_model_the_server_does_not_serve_is_not_found_naming_what_it_serves(clean_proxy_env,
                                                                                     transformers_server):
+    """Refused before accepted, from the server's GET /v1/models (no event, no call): it was accepted and failed
+    NOT_FOUND after, from the server's 400 "Server is pinned to ...", where the sim engine refused it at once."""
+    events: list = []
     async with stack(transformers_server.base_url, transformers_server.model) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await run(stub, payload="hi", task_type="chat", max_tokens=4, model="gpt-4o")
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    details = caught.value.details()
-    assert "Server is pinned to" in details and f"the server serves {transformers_server.model!r}" in details
+            async for event in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", max_tokens=4,
+                                                                     model="gpt-4o")):
+                events.append(event)
+        with pytest.raises(grpc.aio.AioRpcError) as submitted:
+            await stub.SubmitTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", model="gpt-4o"))
+    assert events == []  # not even accepted
+    for refused in (caught.value, submitted.value):
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        details = refused.details()
+        assert "'gpt-4o' is not served here: the dispatcher serves " in details, details
+        assert repr(transformers_server.model) in details, details
 
 
 async def test_a_core_and_a_batch_task_are_both_served(clean_proxy_env, transformers_server):

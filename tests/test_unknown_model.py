@@ -114,6 +114,18 @@ async def test_a_served_id_a_model_map_alias_of_one_and_the_fallback_are_accepte
     assert "'gone'" in details and "'short'" in details
 
 
+async def test_the_configured_default_and_fallback_are_accepted_though_the_server_does_not_list_them(
+        clean_proxy_env):
+    """A server that serves a model it does not list (llama.cpp's server answers any name) keeps serving the names
+    the set-up chose; whether it serves them is the call's to decide (and doctor's, and the start's warning)."""
+    with start_sim(models=[OTHER]) as sim:
+        cfg = config_for("openai", sim.base_url, fallback_model="fast", model_map={"fast": "acme/fast-1b"})
+        async with stack(cfg) as (stub, client):
+            for model in (MODEL, "fast", "acme/fast-1b", OTHER):
+                await accepted(stub, model)
+            await refused(stub, client, UNKNOWN)
+
+
 async def test_an_upstream_whose_list_cannot_be_read_refuses_no_model(clean_proxy_env):
     """Nothing answers at the upstream's address: every model is accepted, and the call decides."""
     with socket.socket() as sock:

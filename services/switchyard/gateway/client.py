@@ -384,12 +384,19 @@ class GatewayClient:
         """Every client-facing model name a request may give (:func:`~switchyard.gateway.models.served_names` of the
         ids the endpoints' :meth:`list_models` read, over a pool their union, and ``model_map``), sorted; empty while
         any endpoint of the pool has not been read (a down one may serve a name no other lists): not known, a
-        request naming any model is sent and the upstream decides."""
+        request naming any model is sent and the upstream decides. The default and fallback models (and their
+        aliases) are always among them: the set-up named them, and a server that serves a model it does not list
+        (llama.cpp's answers any name) is the call's to decide; one the server does not serve is a warning at the
+        dispatcher's start and a failure of ``switchyard doctor``."""
         endpoints = list(self.pool.endpoints.values())
         if not endpoints or any(e.models is None for e in endpoints):
             return []
         ids = frozenset().union(*(e.models or () for e in endpoints))
-        return model_names.served_names(ids, self.config.model_map) if ids else []
+        if not ids:
+            return []
+        cfg = self.config
+        configured = {model_names.resolve(m, cfg.model_map, "") for m in (cfg.default_model, cfg.fallback_model) if m}
+        return model_names.served_names(ids | configured, cfg.model_map)
 
     def _pool_windows(self) -> dict[str, int]:
         """The context window per upstream model id over the endpoints of the pool now, tokens: the smallest any
