@@ -494,7 +494,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         and a max_tokens out of range, or a question too long for the model's context window beside it, is
         refused here, not after acceptance (:func:`check_question_fits`)."""
         assert self._deps is not None, "start() not called"
-        info = await self._deps.inference.model_info(model=request.model)
+        named = request.model if len(request.model) <= self.config.limits.max_id_chars else ""  # validate names it
+        info = await self._deps.inference.model_info(model=named)
         reported = reported_window(info, request.model or info.model)
         # a dispatcher of an earlier build lists no models: its step engine's one model is what serves_only_model said
         served = list(info.models) or ([info.model] if info.serves_only_model else [])
