@@ -29,7 +29,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import ContextWindow
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.tenant import DEFAULT_TENANT, TENANT_HEADER, check_tenant
-from switchyard.common.untrusted import check_id, check_utf8, shown
+from switchyard.common.untrusted import check_id, check_utf8
 from switchyard.common.metrics import TASK_TYPES
 from switchyard.common.priority import LABELS_EXPECTED, PriorityClass, check_priority
 from switchyard.gateway.models import not_served
