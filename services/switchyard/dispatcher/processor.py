@@ -392,7 +392,8 @@ class RequestProcessor:
             if reading is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
-            reported, served = self.engine.reported_context_window(request.model), self.engine.served_names()
+            reported = self.engine.reported_context_window(request.model)
+            served = self.engine.served_names() if request.model else []  # a request naming none is never refused
         build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
                                   reported_window=reported, served=served)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
