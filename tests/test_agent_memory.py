@@ -74,6 +74,22 @@ async def test_memory_that_would_overflow_the_context_window_is_left_out(redis_d
     assert REGISTRY.get_sample_value("switchyard_agent_memory_recalls_total", {"outcome": "dropped"}) >= 1
 
 
+@pytest.mark.parametrize("ratio", [1.0, 2.5])
+async def test_memory_is_left_out_where_the_servers_count_of_the_prompt_would_overflow_the_window(redis_db, ratio):
+    """The dispatcher measured the model server counting ``ratio`` of its tokens per token of the orchestrator's
+    count: memory that fits the window as counted here, but not as the server counts, is left out."""
+    overrides = {f"memory.{k}": v for k, v in _dram(redis_db).items()}
+    overrides.update({"limits.context_window_tokens": {"sim-7b": 800}})
+    async with stack(**overrides) as (stub, down):
+        down.prompt_token_ratios = {"sim-7b": ratio}
+        agent = f"ratio-{ratio}"
+        await collect(stub, payload="word " * 150, task_type="chat", agent_id=agent, max_tokens=100)
+        events = await collect(stub, payload="word " * 150, task_type="chat", agent_id=agent, max_tokens=100)
+    assert events[-1].HasField("final")
+    recalled = [m.content for m in down.requests[-1].messages if m.role == "user"][:-1]
+    assert recalled == ([] if ratio > 1 else ["word " * 150])  # ~320 tokens with it: 800 of the server's at 2.5
+
+
 async def test_a_redis_outage_degrades_logs_once_and_tasks_still_succeed(caplog):
     server = start_redis()
     outage = RedisOutage(server)

@@ -51,9 +51,9 @@ def test_the_window_is_read_from_the_model_list_where_the_server_reports_one(bod
 def test_a_window_the_config_lists_wins_then_the_servers_then_the_default():
     limits = SwitchyardConfig().with_overrides(**{"limits.context_window_tokens": {"listed": 1000},
                                                   "limits.default_context_window_tokens": 8192}).limits
-    assert limits.context_window("listed", reported=131072) == (1000, "limits.context_window_tokens")
-    assert limits.context_window("other", reported=131072) == (131072, "as its model server reports it")
-    assert limits.context_window("other") == (8192, "limits.default_context_window_tokens")
+    assert limits.context_window("listed", reported=131072) == (1000, "limits.context_window_tokens", 1.0)
+    assert limits.context_window("other", reported=131072) == (131072, "as its model server reports it", 1.0)
+    assert limits.context_window("other") == (8192, "limits.default_context_window_tokens", 1.0)
 
 
 def config_for(base_url: str) -> SwitchyardConfig:

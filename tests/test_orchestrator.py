@@ -12,6 +12,7 @@ import asyncio
 import re
 import contextlib
 import json
+import math
 from types import SimpleNamespace
 
 import grpc
@@ -45,6 +46,7 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
         self.deadlines: list[float | None] = []  # time_remaining() each request had on arrival
         self.model = "sim-7b"  # what DescribeModel says the engine serves to a request naming no model
         self.described = 0
+        self.prompt_token_ratios: dict[str, float] = {}  # what DescribeModel says the engine measured per model
         self.words = ["The", " answer", "."]  # the tokens of an answer
         self.token_gap_s = 0.0  # time before each token
         self.passages = [agent_pb2.Passage(text="The with statement wraps a block.", score=0.9, source="t:with",
@@ -66,7 +68,7 @@ class Downstream(GenerateStreamFromGenerate, agent_pb2_grpc.RetrievalServiceServ
 
     async def DescribeModel(self, request, context):
         self.described += 1
-        return agent_pb2.ModelInfo(model=self.model, engine="sim")
+        return agent_pb2.ModelInfo(model=self.model, engine="sim", prompt_token_ratios=self.prompt_token_ratios)
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -587,21 +589,24 @@ async def test_react_loop_calls_both_tools_and_streams_them():
     assert [p.title for p in events[-1].final.passages] == ["with"]  # what search_docs returned
 
 
-async def test_a_react_loop_whose_tool_result_fills_the_context_window_cuts_it_and_answers():
+@pytest.mark.parametrize("ratio", [1.0, 1.8])
+async def test_a_react_loop_whose_tool_result_fills_the_context_window_cuts_it_and_answers(ratio):
     """A search whose result (5,000 words) is longer than the model's window (sim-7b: 4096 tokens): the next step
     asked max_tokens beside a prompt past the window, and the dispatcher refused it INVALID_ARGUMENT naming
     prompt_tokens, a field the caller never chose, after the tool had run. The result is cut to leave the task's
-    max_tokens, marked where it was cut, and the next step answers, offered no tools."""
+    max_tokens, marked where it was cut, and the next step answers, offered no tools. Where the dispatcher
+    measured the model server counting ``ratio`` tokens per token counted here, the cut is to the server's count."""
     async with stack() as (stub, down):
+        down.prompt_token_ratios = {"sim-7b": ratio}
         down.passages = [agent_pb2.Passage(text=" ".join(["word"] * 5000), score=0.9, source="t:long", title="long")]
         events = await collect(stub, payload="What does with do, and what is 12*(3+4)?", task_type="react_loop",
                                max_tokens=300)
     assert events[-1].final.output == "The answer."
     window = 4096  # limits.context_window_tokens of sim-7b
     assert [r.max_tokens for r in down.requests] == [300, 300]
-    assert all(r.prompt_tokens + r.max_tokens <= window for r in down.requests), [
+    assert all(math.ceil(r.prompt_tokens * ratio) + r.max_tokens <= window for r in down.requests), [
         (r.prompt_tokens, r.max_tokens) for r in down.requests]
-    assert down.requests[1].prompt_tokens > window - 400  # cut only as far as the answer needs
+    assert down.requests[1].prompt_tokens * ratio > window - 400  # cut only as far as the answer needs
     tool = next(m for m in down.requests[1].messages if m.role == "tool")
     assert re.search(r"\[\d+ tokens of this result cut: the conversation reached the model's context window\]$",
                      tool.content), tool.content[-200:]

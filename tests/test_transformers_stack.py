@@ -29,8 +29,10 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.asynccontextmanager
-async def stack(base_url: str, model: str, index_dir: Path | None = None, **gateway: object):
-    """Dispatcher (openai engine on ``base_url``), retrieval (with ``index_dir``) and orchestrator; yields a stub."""
+async def stack(base_url: str, model: str, index_dir: Path | None = None, limits: dict | None = None,
+                **gateway: object):
+    """Dispatcher (openai engine on ``base_url``), retrieval (with ``index_dir``) and orchestrator, with the
+    ``limits`` overrides given (``{"default_context_window_tokens": 4096}``); yields a stub."""
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
     from switchyard.orchestrator.service import OrchestratorService
@@ -40,6 +42,7 @@ async def stack(base_url: str, model: str, index_dir: Path | None = None, **gate
                  "upstream.fallback_model": "", "upstream.api_key_required": False,
                  "upstream.retry_backoff_initial_s": 0.01, "upstream.retry_backoff_max_s": 0.02}
     overrides.update({f"upstream.{k}": v for k, v in gateway.items()})
+    overrides.update({f"limits.{k}": v for k, v in (limits or {}).items()})
     cfg = load_config("config").with_overrides(**overrides)
     async with contextlib.AsyncExitStack() as stack:
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server))
@@ -169,6 +172,36 @@ async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_se
     async with stack(transformers_server.base_url, transformers_server.model) as stub:
         events = await run(stub, payload=WORDY, task_type="chat", max_tokens=4)
     assert answered(events, 4) and events[-1].final.finish_reason == "length"
+
+
+async def test_a_prompt_the_servers_tokenizer_counts_past_its_window_is_caught_by_switchyard(clean_proxy_env,
+                                                                                        transformers_server):
+    """The tiny Llama's BPE counts ``"word " * n`` as about twice the tokens of Switchyard's cl100k count. After one
+    call the dispatcher has measured that (the server's usage.prompt_tokens beside the count sent), and the
+    orchestrator checks prompts against the model's 4,096 positions in the server's tokens: a prompt that fits
+    as cl100k counts it but not as the server does is refused by Switchyard, naming the payload (it went to the
+    server and failed there), a max_tokens that does not fit beside a prompt is named, and one that fits is
+    served."""
+    limits = {"default_context_window_tokens": 4096}  # the tiny Llama's max_position_embeddings; none reported
+    async with stack(transformers_server.base_url, transformers_server.model, limits=limits) as stub:
+        events = await run(stub, task_id="ratio-learn", payload="word " * 400, task_type="chat", max_tokens=2)
+        served = events[-1].final.usage.prompt_tokens
+        assert served > 2 * 400  # the server's count: what the window must hold
+
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # 3,000 cl100k tokens: about 6,000 of the server's
+            await run(stub, task_id="ratio-past", payload="word " * 3000, task_type="chat", max_tokens=2)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        message = refused.value.details()
+        assert message.startswith("payload: expected a prompt of at most ")
+        assert "of the model server's" in message and "tokens per token of Switchyard's count" in message
+
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # fits beside the default, not beside 1,000 more
+            await run(stub, task_id="ratio-max", payload="word " * 1700, task_type="chat", max_tokens=1000)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("max_tokens: expected 0 (the default, 128) to ")
+
+        events = await run(stub, task_id="ratio-fits", payload="word " * 1500, task_type="chat", max_tokens=2)
+        assert 2 * 1500 < events[-1].final.usage.prompt_tokens <= 4096 - 2
 
 
 async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env, transformers_server):

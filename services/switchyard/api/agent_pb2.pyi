@@ -378,7 +378,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, token: _Optional[_Union[TokenEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("usage", "queue_wait_s", "ttft_s", "compute_score_used", "memory_peak_bytes", "batch_size", "flush_reason", "model", "preemptions", "finish_reason")
+    __slots__ = ("usage", "queue_wait_s", "ttft_s", "compute_score_used", "memory_peak_bytes", "batch_size", "flush_reason", "model", "preemptions", "finish_reason", "prompt_token_ratio")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,7 @@ class GenerateDone(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_RATIO_FIELD_NUMBER: _ClassVar[int]
     usage: TokenUsage
     queue_wait_s: float
     ttft_s: float
@@ -399,7 +400,8 @@ class GenerateDone(_message.Message):
     model: str
     preemptions: int
     finish_reason: str
-    def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    prompt_token_ratio: float
+    def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_token_ratio: _Optional[float] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model",)
@@ -408,7 +410,7 @@ class DescribeModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens", "context_windows", "models")
+    __slots__ = ("model", "engine", "shares_prefixes", "serves_only_model", "context_window_tokens", "context_windows", "models", "prompt_token_ratios")
     class ContextWindowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +418,13 @@ class ModelInfo(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PromptTokenRatiosEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SHARES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +432,7 @@ class ModelInfo(_message.Message):
     CONTEXT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_RATIOS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     shares_prefixes: bool
@@ -430,7 +440,8 @@ class ModelInfo(_message.Message):
     context_window_tokens: int
     context_windows: _containers.ScalarMap[str, int]
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_token_ratios: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., shares_prefixes: _Optional[bool] = ..., serves_only_model: _Optional[bool] = ..., context_window_tokens: _Optional[int] = ..., context_windows: _Optional[_Mapping[str, int]] = ..., models: _Optional[_Iterable[str]] = ..., prompt_token_ratios: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ToolWaitRequest(_message.Message):
     __slots__ = ("agent_id", "tool", "expected_wait_s", "tenant_id", "priority", "task_ended", "task_id")

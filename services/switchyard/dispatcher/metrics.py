@@ -89,6 +89,13 @@ ENGINE_BUSY_SECONDS = Counter(
     "seconds of the upstream's concurrency limit in use.",
 )
 GENERATED_TOKENS = Counter("switchyard_generated_tokens", "Output tokens the engine produced.")
+PROMPT_TOKEN_RATIO = Gauge(
+    "switchyard_prompt_token_ratio",
+    "The model server's prompt tokens per token of Switchyard's count (cl100k_base), per model an openai engine "
+    "measured it for on its recent calls (a high quantile; 1 until measured): window checks scale a prompt's "
+    "count by it. Models: those the upstream answered with usage (at most 64).",
+    ["model"],
+)
 DECODE_BOUND = Gauge(
     "switchyard_engine_decode_bound_tokens_per_second",
     "The engine model's decode bound at flush.max_batch_size sequences, tokens per second (the roofline: "

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from switchyard.api import agent_pb2
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.config.limits import RequestLimitsConfig
+from switchyard.common.config.limits import ContextWindow, RequestLimitsConfig
 from switchyard.common.errors import InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after
 from switchyard.common.priority import PriorityClass, check_priority
@@ -128,7 +128,7 @@ def check_tool_schema_sizes(tools: Iterable[agent_pb2.ToolSpec], limits: Request
 
 def to_request(
     request: agent_pb2.GenerateRequest, config: SwitchyardConfig, engine_model: str, *, only_model: bool = False,
-    reported_window: int = 0, served: Sequence[str] = (),
+    reported_window: int = 0, served: Sequence[str] = (), prompt_token_ratio: float = 1.0,
 ) -> Request:
     """Validate a GenerateRequest and build its :class:`Request`.
 
@@ -141,7 +141,9 @@ def to_request(
     give (a stream engine's :meth:`~StreamEngine.served_names`; empty: not known, any is sent), another is
     NOT_FOUND in the orchestrator's words (:func:`~switchyard.gateway.models.not_served`). ``reported_window``: the context
     window the upstream reports for the request's model (0: none; a window
-    ``limits.context_window_tokens`` lists wins). Limits come from ``limits`` (the
+    ``limits.context_window_tokens`` lists wins). ``prompt_token_ratio``: the model server's prompt tokens per
+    counted one for that model, as an upstream engine measured it (1: none measured); the prompt's count is
+    scaled by it before the window check (:meth:`ContextWindow.model_tokens`). Limits come from ``limits`` (the
     orchestrator checks the same ones before a task is accepted; this check
     serves callers that reach the dispatcher directly).
 
@@ -173,13 +175,15 @@ def to_request(
             prompt_tokens,
         )
     model = engine_model if only_model else request.model or engine_model
-    max_tokens = _max_tokens_in_window(request, limits, model, prompt_tokens, reported_window)
+    window = limits.context_window(model, reported_window, prompt_token_ratio)
+    max_tokens = _max_tokens_in_window(request, limits, model, prompt_tokens, window)
     return Request(
         request_id=request.request_id,  # never empty here: a session's start refuses one, Generate gives one
         prompt=request.prompt,
         messages=messages,
         tools=tools,
         prompt_tokens=prompt_tokens,
+        prompt_tokens_sent=request.prompt_tokens > 0,
         max_tokens=max_tokens,
         model=model,  # the model it is served, resolved once here
         names_model=bool(request.model),
@@ -282,28 +286,30 @@ def _tools(request: agent_pb2.GenerateRequest) -> list[Tool]:
 
 
 def _max_tokens_in_window(request: agent_pb2.GenerateRequest, limits: RequestLimitsConfig, model: str,
-                          prompt_tokens: int, reported_window: int) -> int:
-    """The completion tokens the request may produce in ``model``'s context window: its own ``max_tokens``, or
-    ``limits.default_for(window)`` for 0.
+                          prompt_tokens: int, window: ContextWindow) -> int:
+    """The completion tokens the request may produce in ``model``'s context ``window``: its own ``max_tokens``,
+    or ``limits.default_for(window)`` for 0. The prompt is taken as the model server counts it: ``prompt_tokens``
+    scaled by the window's measured ratio (:meth:`ContextWindow.model_tokens`), so a prompt the server would
+    find too long is refused here, in these words, rather than failed (or cut) by the server.
 
     Raises:
         InvalidArgument: ``prompt_tokens`` fill the window, or ``max_tokens`` does not fit beside them.
     """
-    window, source = limits.context_window(model, reported_window)
-    if prompt_tokens >= window:
+    served = window.model_tokens(prompt_tokens)
+    if served >= window.tokens:
         raise InvalidArgument(
-            "prompt_tokens", f"fewer than the context window of {model}, {window} tokens ({source})",
+            "prompt_tokens", f"fewer than the context window of {model}, {window.described()}"
+            + ("" if served == prompt_tokens else f"; its server counts this prompt about {served} tokens"),
             prompt_tokens,
         )
-    max_tokens = request.max_tokens or limits.default_for(window)
-    if prompt_tokens + max_tokens > window:
+    max_tokens = request.max_tokens or limits.default_for(window.tokens)
+    if served + max_tokens > window.tokens:
         raise InvalidArgument(
             "max_tokens",
-            f"prompt_tokens + max_tokens within the context window of {model}, {window} tokens "
-            f"({source}); the prompt is {prompt_tokens} tokens, so at most "
-            f"{window - prompt_tokens}" + ("" if request.max_tokens else
-                                           f" (0 asks for the default, {max_tokens}: limits.default_max_tokens, at "
-                                           "most half the window)"),
+            f"prompt_tokens + max_tokens within the context window of {model}, {window.described()}; the prompt "
+            f"is {window.counted(prompt_tokens)}, so at most {window.left(prompt_tokens)}"
+            + ("" if request.max_tokens else f" (0 asks for the default, {max_tokens}: limits.default_max_tokens, "
+                                             "at most half the window)"),
             max_tokens,
         )
     return max_tokens
@@ -327,6 +333,7 @@ def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
             model=model,
             preemptions=req.preemptions,
             finish_reason=req.finish_reason or "",
+            prompt_token_ratio=req.prompt_token_ratio,
         )
     )
 
@@ -385,7 +392,7 @@ class RequestProcessor:
                 (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
                 (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
-        reported, served = 0, []
+        reported, served, ratio = 0, [], 1.0
         if not self.stepping:
             await self.engine.first_read_ended(MODELS_READ_WAIT_S)
             reading = self.engine.read_again_for(request.model)  # a model loaded since the last read is served
@@ -394,8 +401,9 @@ class RequestProcessor:
                     await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
             reported = self.engine.reported_context_window(request.model)
             served = self.engine.served_names() if request.model else []  # a request naming none is never refused
+            ratio = self.engine.prompt_token_ratio(request.model or self.engine.model)
         build = functools.partial(to_request, request, self.config, self.engine.model, only_model=self.stepping,
-                                  reported_window=reported, served=served)
+                                  reported_window=reported, served=served, prompt_token_ratio=ratio)
         if request.ByteSize() > COUNT_IN_THREAD_BYTES:  # counting a long prompt must not stall the streams
             req = await asyncio.to_thread(build)
         else:

@@ -183,6 +183,13 @@ class Request:
     messages: list[Message] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
     prompt_tokens: int = 0
+    prompt_tokens_sent: bool = False
+    """Whether ``prompt_tokens`` is the caller's count (the orchestrator's cl100k count), not the processor's:
+    an upstream engine learns the server's tokens per counted token only from those
+    (:class:`~switchyard.dispatcher.engines.token_ratio.PromptTokenRatios`)."""
+    prompt_token_ratio: float = 0.0
+    """The model server's prompt tokens per counted one for :attr:`model` after this call, as the engine
+    measures it (``GenerateDone.prompt_token_ratio``); 0: none measured."""
     max_tokens: int = RequestLimitsConfig.model_fields["default_max_tokens"].default
     """Completion tokens it may produce (the processor passes the Generate's, or ``limits.default_for(window)``:
     ``default_max_tokens``, at most half the model's context window); left out (a bench, a test), that setting's

@@ -215,13 +215,14 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         (a step engine's), and the context window the upstream reports for it (an ``openai`` engine in front
         of vLLM or SGLang: ``max_model_len``; 0 otherwise): callers check a request's model, and its prompt +
         max_tokens against that model's context window (``limits.context_window(model, reported)``), before
-        accepting it; and every model name a request may give (``models``: the step engine's one model, or the
-        ids the upstream lists and their ``model_map`` aliases; empty while no list was read). The upstream's
-        models are read at most :data:`MODELS_READ_WAIT_S` here (a down upstream reports nothing; the next call
-        asks again), and read again first when ``request.model`` is not in the list read before
-        (:meth:`StreamEngine.read_again_for`)."""
+        accepting it, the prompt's count scaled by the server's prompt tokens per counted one that the engine
+        measured for the model (``prompt_token_ratios``; none measured: absent); and every model name a request
+        may give (``models``: the step engine's one model, or the ids the upstream lists and their ``model_map``
+        aliases; empty while no list was read). The upstream's models are read at most :data:`MODELS_READ_WAIT_S`
+        here (a down upstream reports nothing; the next call asks again), and read again first when
+        ``request.model`` is not in the list read before (:meth:`StreamEngine.read_again_for`)."""
         served = self.engine.model  # what a request naming none is served (the processor's own rule)
-        reported, windows, names = 0, {}, [served]
+        reported, windows, names, ratios = 0, {}, [served], {}
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
             with contextlib.suppress(TimeoutError):
@@ -231,9 +232,11 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
                     await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
             reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
             names = engine.served_names()
+            ratios = engine.prompt_token_ratios()
         return agent_pb2.ModelInfo(model=served, engine=self.config.dispatcher.engine,
                                    shares_prefixes=self.shares_prefixes, serves_only_model=self.stepping,
-                                   context_window_tokens=reported, context_windows=windows, models=names)
+                                   context_window_tokens=reported, context_windows=windows, models=names,
+                                   prompt_token_ratios=ratios)
 
     @property
     def shares_prefixes(self) -> bool:

@@ -195,6 +195,10 @@ class InferenceClient:
         self._model_info: agent_pb2.ModelInfo | None = None
         self._model_info_at = -math.inf
         self._model_info_stale = False
+        self._prompt_token_ratios: dict[str, float] = {}
+        """Per model, the dispatcher's measured ratio of the model server's prompt tokens to the count sent
+        (``ModelInfo.prompt_token_ratios``, then each ``GenerateDone.prompt_token_ratio``): the models the
+        dispatcher measured, a bounded set."""
         self._request_ids = LiveRequestIds()
         """Request ids of this orchestrator's dispatcher calls in flight: no two share one."""
         program = program or ProgramConfig()
@@ -346,6 +350,9 @@ class InferenceClient:
             try:
                 async for chunk in chunks:
                     received += 1
+                    if chunk.HasField("done") and chunk.done.prompt_token_ratio > 0:  # the dispatcher's newest
+                        self._prompt_token_ratios[spec.model or self.known_default_model] = \
+                            chunk.done.prompt_token_ratio
                     yield chunk
                 return
             except RequestFailed as err:
@@ -397,11 +404,13 @@ class InferenceClient:
                 address, channel = await self._route(None, frozenset())
                 self._model_info = await self._stub_for(channel).DescribeModel(
                     agent_pb2.DescribeModelRequest(model=model), timeout=min(timeout_s, MODEL_INFO_REFRESH_TIMEOUT_S))
+                self._prompt_token_ratios.update(self._model_info.prompt_token_ratios)
         if self._model_info is None:
             address, channel = await self._route(None, frozenset())
             try:
                 self._model_info = await self._stub_for(channel).DescribeModel(
                     agent_pb2.DescribeModelRequest(model=model), timeout=timeout_s)
+                self._prompt_token_ratios.update(self._model_info.prompt_token_ratios)
                 self._model_info_at = time.monotonic()
             except grpc.aio.AioRpcError as err:
                 waited = f"{timeout_s:g} s (its DescribeModel, asked before the first task naming no model)"
@@ -427,6 +436,14 @@ class InferenceClient:
         for the dispatcher's default model), once :meth:`model_info` has been asked; else 0. Taken through
         ``limits.context_window(model, reported)``."""
         return reported_window(self._model_info, model) if self._model_info is not None else 0
+
+    def prompt_token_ratio(self, model: str) -> float:
+        """The model server's prompt tokens per token of this orchestrator's count for ``model``, as the
+        dispatcher measured it (its DescribeModel, then each generation's ``GenerateDone``); 1.0 where none was
+        measured. Taken through ``limits.context_window(model, reported, ratio)``: the dispatcher owns the
+        measure (it alone sees the server's usage beside the count sent), the orchestrator the check that
+        refuses or cuts a prompt (it alone can leave memory out, trim passages, cut tool results)."""
+        return self._prompt_token_ratios.get(model, 1.0)
 
     def _stub_for(self, channel: grpc.aio.Channel) -> agent_pb2_grpc.InferenceServiceStub:
         return self._stub if channel is self._channel else agent_pb2_grpc.InferenceServiceStub(channel)

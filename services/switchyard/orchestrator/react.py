@@ -88,12 +88,12 @@ async def react(task: Task, tools: list[Tool]) -> str:
     by_name = {t.name: t for t in tools}
     parked: list[_Waiting] | None = None  # a step parked at the dispatcher: its round's announced calls
     last_call = agent_pb2.ToolCall()
-    window = task.context_window()
     full = False  # a round's results were cut to the window: the next step answers with what it has
     try:
         for step in range(policy.max_steps + 1):
+            window = task.context_window()  # each step: with the server's token ratio as last measured
             last = step == policy.max_steps or full  # one last answer, offered no tools
-            room = window.tokens - task.prompt_tokens  # max_tokens, but where a round's tool calls alone filled it
+            room = window.left(task.prompt_tokens)  # max_tokens, but where a round's tool calls alone filled it
             max_tokens = max(1, min(task.spec.max_tokens, room))
             async with task.stage("infer", step=str(step)):
                 text, calls = await task.generate([] if last else tools, resume=step > 0, max_tokens=max_tokens)
@@ -151,7 +151,7 @@ def _fit_round(task: Task, added: list[agent_pb2.ChatMessage], window: ContextWi
     True when the round left less than that before (the next step is then the last: another round's results could
     not fit). A round whose results cannot be cut far enough (its tool calls alone fill the window) leaves the
     next step what is left."""
-    excess = task.spec.max_tokens - (window.tokens - task.prompt_tokens)
+    excess = task.prompt_tokens - window.room(task.spec.max_tokens)  # in this orchestrator's count (cl100k)
     if excess <= 0:
         return False
     cl100k, cut_any = encoding(), False

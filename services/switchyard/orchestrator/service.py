@@ -501,8 +501,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         served = list(info.models) or ([info.model] if info.serves_only_model else [])
         spec = validate(request, self.config, info.model, tenant, served=served, reported_window=reported)
         model = spec.model or info.model
-        await check_question_fits(spec, model, self.config.limits.context_window(model, reported), self.config.limits,
-                                  request.max_tokens)
+        window = self.config.limits.context_window(model, reported, self._deps.inference.prompt_token_ratio(model))
+        await check_question_fits(spec, model, window, self.config.limits, request.max_tokens)
         return spec
 
     def _check_ready(self, workflow: str) -> None:

@@ -154,9 +154,12 @@ class Task:
 
     def context_window(self) -> ContextWindow:
         """The context window of :attr:`target_model`: ``limits.context_window`` of it, with the window its
-        model server reports."""
-        model = self.target_model
-        return self.deps.config.limits.context_window(model, self.deps.inference.reported_context_window(model))
+        model server reports and the ratio of the server's prompt tokens to this orchestrator's count the
+        dispatcher measured (:meth:`InferenceClient.prompt_token_ratio`): every check of the task's prompt
+        against it measures the prompt in the server's tokens."""
+        model, inference = self.target_model, self.deps.inference
+        return self.deps.config.limits.context_window(model, inference.reported_context_window(model),
+                                                      inference.prompt_token_ratio(model))
 
     def remaining(self) -> float:
         """Seconds left before the task's deadline (at least 1 ms, so a call started now fails by itself)."""

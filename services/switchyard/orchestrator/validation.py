@@ -206,9 +206,9 @@ def validate(request: agent_pb2.RunTaskRequest, config: SwitchyardConfig, defaul
 
 def max_tokens_bound(limits: Any, window: ContextWindow, prompt_tokens: int) -> int:
     """The largest ``max_tokens`` a task may ask for beside a prompt of ``prompt_tokens`` tokens: the lesser of
-    ``limits.max_tokens`` and the model's context window (``window.tokens``) less the prompt, tokens (0 at
-    least)."""
-    return max(0, min(limits.max_tokens, window.tokens - prompt_tokens))
+    ``limits.max_tokens`` and the model's context window (``window.tokens``) less the prompt as the model
+    server counts it (:meth:`ContextWindow.left`), tokens (0 at least)."""
+    return max(0, min(limits.max_tokens, window.left(prompt_tokens)))
 
 
 def max_tokens_refusal(value: int, limits: Any, model: str, window: ContextWindow,
@@ -219,7 +219,7 @@ def max_tokens_refusal(value: int, limits: Any, model: str, window: ContextWindo
         "max_tokens",
         f"0 (the default, {limits.default_for(window.tokens)}) to {max_tokens_bound(limits, window, prompt_tokens)}: "
         f"the lesser of limits.max_tokens ({limits.max_tokens}) and the context window of {model}, "
-        f"{window.tokens} tokens ({window.source}), less the prompt's {prompt_tokens} tokens",
+        f"{window.described()}, less the prompt's {window.counted(prompt_tokens)}",
         value,
     )
 

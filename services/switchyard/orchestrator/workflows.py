@@ -168,9 +168,9 @@ def prompt_over_window(model: str, window: ContextWindow, max_tokens: int, count
         takes = f"max_tokens takes at least {max_tokens} (the default; {asked} asked)"
     return InvalidArgument(
         "payload",
-        f"a prompt of at most {window.tokens - max_tokens} tokens: the context window of {model} is "
-        f"{window.tokens} tokens ({window.source}) and {takes}",
-        f"{count} tokens",
+        f"a prompt of at most {window.room(max_tokens)} tokens: the context window of {model} is "
+        f"{window.described()} and {takes}",
+        window.counted(count),
     )
 
 
@@ -179,7 +179,9 @@ async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow,
     """Refuse, before the task is accepted, a ``max_tokens`` out of range or a question whose prompt cannot fit
     ``window`` beside it however little is retrieved or recalled (:func:`prompts.bare`: the least prompt of that
     question); otherwise the task would be accepted and fail at :func:`render_prompt`. ``asked``: the
-    request's max_tokens as sent (0: the default, ``spec.max_tokens``).
+    request's max_tokens as sent (0: the default, ``spec.max_tokens``). Prompt tokens are this orchestrator's
+    count taken at ``window.ratio``, the model server's tokens per counted one as the dispatcher measured it
+    (:meth:`ContextWindow.room`, :meth:`ContextWindow.left`), as in :func:`render_prompt`.
 
     One rule: ``max_tokens`` from 0 to the lesser of ``limits.max_tokens`` and the window less the prompt's
     tokens (:func:`validation.max_tokens_bound`). A max_tokens negative or past ``limits.max_tokens`` is
@@ -195,7 +197,7 @@ async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow,
             (:func:`validation.max_tokens_refusal`, the bound stated).
     """
     in_range = 0 <= asked <= limits.max_tokens
-    budget = window.tokens - spec.max_tokens
+    budget = window.room(spec.max_tokens)
     messages = prompts.bare(spec.workflow, spec.payload).messages()
     if in_range and sum(3 + len(role) + len(content.encode()) for role, content in messages) + 3 <= budget:
         return  # count_messages's own sum, each token taken as one byte or more
@@ -203,7 +205,7 @@ async def check_question_fits(spec: TaskSpec, model: str, window: ContextWindow,
     if not in_range:  # negative, or past limits.max_tokens: wrong whatever the prompt, and named as such
         raise max_tokens_refusal(asked, limits, model, window, count)
     least = min(spec.max_tokens, limits.default_for(window.tokens))
-    if count > window.tokens - least:  # no room even for the least answer: the question is too long
+    if count > window.room(least):  # no room even for the least answer: the question is too long
         raise prompt_over_window(model, window, least, count, spec.max_tokens if asked else None)
     if not 0 <= asked <= max_tokens_bound(limits, window, count):
         raise max_tokens_refusal(asked, limits, model, window, count)
@@ -229,7 +231,7 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
         prompt, count, without_history = await task.cpu(
             render_and_count, spec.workflow, spec.payload, passages, tool_texts, history, size_chars=size)
         model, window = task.target_model, task.context_window()
-        budget = window.tokens - spec.max_tokens
+        budget = window.room(spec.max_tokens)  # the prompt's tokens as counted here, the server's ratio applied
         if count > budget and without_history <= budget:  # memory must never fail a task: leave it out
             AGENT_MEMORY_RECALLS.labels("dropped").inc()
             prompt, count = replace(prompt, history=()), without_history
@@ -247,11 +249,11 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
                       "react_loop": "the question with the tools' descriptions"}.get(spec.workflow)
             if extras is None:  # the payload's own fault
                 raise prompt_over_window(model, window, spec.max_tokens, count)
-            if window.tokens - count < 1:  # no max_tokens makes room: the question with its least extra is too long
+            if window.left(count) < 1:  # no max_tokens makes room: the question with its least extra is too long
                 raise InvalidArgument(
                     "payload", f"a task whose least prompt ({extras}) fits the context window of {model}, "
-                    f"{window.tokens} tokens ({window.source}), with room for max_tokens; that prompt is {count} "
-                    "tokens, the question's own included (a shorter question, or a model with a larger window)",
+                    f"{window.described()}, with room for max_tokens; that prompt is {window.counted(count)}, "
+                    "the question's own included (a shorter question, or a model with a larger window)",
                     f"{len(spec.payload)} characters")
             # The question alone fits beside max_tokens (check_question_fits): what does not is max_tokens beside
             # the least prompt the workflow can send, so the answer names max_tokens, not the payload.
@@ -260,8 +262,8 @@ async def render_prompt(task: Task, tools: Sequence[Tool] = ()) -> None:
                    f" (got 0, which asks for the default, {spec.max_tokens}: send a max_tokens that fits)")
             raise InvalidArgument(
                 "max_tokens",
-                f"at most {window.tokens - count}: the least prompt this task can send ({extras}) is {count} "
-                f"tokens and the context window of {model} is {window.tokens} tokens ({window.source}){got}",
+                f"at most {window.left(count)}: the least prompt this task can send ({extras}) is "
+                f"{window.counted(count)} and the context window of {model} is {window.described()}{got}",
                 spec.max_tokens if spec.max_tokens_asked else None,
             )
         task.prompt, task.prompt_tokens = prompt, count

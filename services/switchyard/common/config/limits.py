@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from pydantic import Field, field_validator, model_validator
@@ -10,11 +11,43 @@ from switchyard.common.config.base import _Strict
 
 
 class ContextWindow(NamedTuple):
-    """A model's context window (``tokens``) and where it was taken from (``source``, for an error message:
-    the config key, or the model server's report)."""
+    """A model's context window (``tokens``, the model server's tokens) and where it was taken from
+    (``source``, for an error message: the config key, or the model server's report), with ``ratio``: the model
+    server's prompt tokens per token of Switchyard's count, as the dispatcher measured it for that model on its
+    recent calls (1.0: none measured; :mod:`switchyard.dispatcher.engines.token_ratio`). Every check of a prompt
+    against the window goes through :meth:`model_tokens`, :meth:`room` or :meth:`left`, so a prompt is measured
+    in the server's tokens wherever it is checked."""
 
     tokens: int
     source: str
+    ratio: float = 1.0
+
+    def model_tokens(self, counted: int) -> int:
+        """The model server's tokens of a prompt Switchyard counted ``counted`` tokens (its count scaled by
+        :attr:`ratio`, rounded up)."""
+        return counted if self.ratio == 1.0 else math.ceil(counted * self.ratio)
+
+    def room(self, completion: int) -> int:
+        """The most tokens of Switchyard's count a prompt may have beside ``completion`` completion tokens
+        (negative: none fits)."""
+        return self.tokens - completion if self.ratio == 1.0 else math.floor((self.tokens - completion) / self.ratio)
+
+    def left(self, counted: int) -> int:
+        """Completion tokens left beside a prompt Switchyard counted ``counted`` tokens (negative: the prompt
+        alone is past the window)."""
+        return self.tokens - self.model_tokens(counted)
+
+    def counted(self, counted: int) -> str:
+        """A prompt's size for a message: ``"N tokens"``, with the server's tokens where they differ."""
+        served = self.model_tokens(counted)
+        return f"{counted} tokens" if served == counted else f"{counted} tokens (about {served} of the model server's)"
+
+    def described(self) -> str:
+        """The window for a message: ``"W tokens (source)"``, with the ratio where one was measured."""
+        if self.ratio == 1.0:
+            return f"{self.tokens} tokens ({self.source})"
+        return (f"{self.tokens} tokens ({self.source}), its server counting {self.ratio:.2f} tokens per token of "
+                "Switchyard's count (measured on its recent calls)")
 
 
 class RequestLimitsConfig(_Strict):
@@ -93,13 +126,16 @@ class RequestLimitsConfig(_Strict):
         model's window refused every call that named none), at least 1."""
         return max(1, min(self.default_max_tokens, window_tokens // 2))
 
-    def context_window(self, model: str, reported: int = 0) -> ContextWindow:
+    def context_window(self, model: str, reported: int = 0, ratio: float = 1.0) -> ContextWindow:
         """Context window of ``model``: the one ``context_window_tokens`` lists for it (the operator's word
         wins); else ``reported``, what its model server reports (> 0: vLLM's and SGLang's ``max_model_len`` in
-        ``GET /v1/models``, read by the gateway); else ``default_context_window_tokens``; with its source."""
+        ``GET /v1/models``, read by the gateway); else ``default_context_window_tokens``; with its source, and
+        ``ratio``, the server's prompt tokens per counted one the dispatcher measured (1.0: none; a ratio not
+        positive and finite is taken as 1.0)."""
+        ratio = ratio if math.isfinite(ratio) and ratio > 0 else 1.0
         listed = self.context_window_tokens.get(model)
         if listed is not None:
-            return ContextWindow(listed, "limits.context_window_tokens")
+            return ContextWindow(listed, "limits.context_window_tokens", ratio)
         if reported > 0:
-            return ContextWindow(reported, "as its model server reports it")
-        return ContextWindow(self.default_context_window_tokens, "limits.default_context_window_tokens")
+            return ContextWindow(reported, "as its model server reports it", ratio)
+        return ContextWindow(self.default_context_window_tokens, "limits.default_context_window_tokens", ratio)

@@ -11,7 +11,8 @@
 
 Modules: :mod:`.base`, the interfaces the dispatcher drives (step and stream engines, their KV cache
 managers); :mod:`.sim`, :mod:`.openai` and :mod:`.torch` (its model: :mod:`.torch_model`), the engines;
-:mod:`.prefix_cache`, the sim engine's automatic prefix cache; :mod:`.driver`, a step engine driven
+:mod:`.prefix_cache`, the sim engine's automatic prefix cache; :mod:`.token_ratio`, the model server's prompt
+tokens per counted one, learnt per model by the ``openai`` engine; :mod:`.driver`, a step engine driven
 without a scheduler (the engine benchmark and tests).
 """
 

@@ -345,6 +345,17 @@ class StreamEngine(abc.ABC):
         may have loaded it since); returns the read under way, or None (nothing to read, and by default)."""
         return None
 
+    def prompt_token_ratio(self, model: str) -> float:
+        """The upstream's prompt tokens per token of the caller's count for ``model`` (a client-facing id), as
+        measured on its recent calls (:class:`~switchyard.dispatcher.engines.token_ratio.PromptTokenRatios`);
+        1.0 where none was measured, and by default. The window checks scale a prompt's count by it
+        (``limits.context_window(model, reported, ratio)``)."""
+        return 1.0
+
+    def prompt_token_ratios(self) -> dict[str, float]:
+        """Every model a ratio was measured for (:meth:`prompt_token_ratio`'s); empty by default."""
+        return {}
+
     def start_describing(self) -> Any:
         """Start reading what the upstream reports of its models (its ``GET /v1/models``) in the background;
         nothing by default."""

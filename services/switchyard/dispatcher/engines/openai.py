@@ -25,6 +25,8 @@ from opentelemetry.trace import Tracer
 from switchyard.common import envs, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.base import Reasoning, StreamEngine, StreamItem, Usage
+from switchyard.dispatcher.engines.token_ratio import PromptTokenRatios
+from switchyard.dispatcher.metrics import PROMPT_TOKEN_RATIO
 from switchyard.dispatcher.request import Message, Request, Tool, ToolCall
 from switchyard.dispatcher.scheduler.capacity import StreamSlots
 from switchyard.gateway.client import GatewayClient
@@ -131,6 +133,10 @@ class OpenAIEngine(StreamEngine):
         """The streams the dispatcher admits to the upstream, under the sum of the endpoints' adaptive limits
         (:class:`switchyard.gateway.pool.PoolLimit`; ``base_url`` alone is a pool of one), each fed by the
         gateway with its endpoint's TTFTs, tokens, 429/503 answers and reported queue."""
+        self.token_ratios = PromptTokenRatios()
+        """Per model, the server's ``usage.prompt_tokens`` per token of the count the caller sent: learnt here,
+        the one place that sees both, on every call whose usage the server reported."""
+        PROMPT_TOKEN_RATIO.labels(self.model).set(1.0)  # none measured yet: the count taken as it is
         self._described = False
         self._describing: asyncio.Task[None] | None = None
         self._reads_ended = 0
@@ -174,6 +180,22 @@ class OpenAIEngine(StreamEngine):
         if time.monotonic() - self._described_at >= DESCRIBE_RETRY_S:
             self._described = False
         return self.start_describing()
+
+    def prompt_token_ratio(self, model: str) -> float:
+        return self.token_ratios.ratio(model or self.model)
+
+    def prompt_token_ratios(self) -> dict[str, float]:
+        return self.token_ratios.ratios()
+
+    def _learn_prompt_tokens(self, req: Request, served: int) -> None:
+        """Learn ``req.model``'s ratio from the server's ``served`` prompt tokens, where the caller counted the
+        prompt (``req.prompt_tokens_sent``: the orchestrator's cl100k count; the processor's own word-piece
+        count is another measure, not learnt from); the request carries the estimate back to its caller."""
+        if req.prompt_tokens_sent and served > 0:
+            learnt = self.token_ratios.observe(req.model, req.prompt_tokens, served)
+            if learnt is not None:
+                PROMPT_TOKEN_RATIO.labels(req.model).set(learnt)
+        req.prompt_token_ratio = self.token_ratios.ratios().get(req.model, 0.0)
 
     def start_describing(self) -> asyncio.Task[None] | None:
         """Start the read of the upstream's model list in the background unless it has been read or a read is
@@ -238,7 +260,7 @@ class OpenAIEngine(StreamEngine):
         count of 0, the completion tokens are the gateway's estimate of what came
         (:func:`~switchyard.gateway.events.estimated_tokens`: word pieces of each piece of text, thinking and tool
         call; an answer that came whole, not streamed, counts its words), and the prompt tokens the dispatcher's
-        own count.
+        own count. A usage the server reported teaches the model's prompt-token ratio (:attr:`token_ratios`).
 
         Raises:
             InvalidArgument: bad tool schema in ``req``.
@@ -258,6 +280,7 @@ class OpenAIEngine(StreamEngine):
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, events.Finished):
                 usage = event.usage
+                self._learn_prompt_tokens(req, usage.prompt_tokens if usage else 0)
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else estimated,

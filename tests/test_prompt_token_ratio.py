@@ -1,0 +1,109 @@
+"""The model server's prompt tokens per token of Switchyard's count: learnt per model by the dispatcher's
+``openai`` engine (:class:`PromptTokenRatios`), applied to every window check through :class:`ContextWindow`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from switchyard.api import agent_pb2
+from switchyard.common.config import SwitchyardConfig
+from switchyard.common.config.limits import ContextWindow
+from switchyard.common.errors import InvalidArgument
+from switchyard.dispatcher.engines.token_ratio import MIN_PROMPT_TOKENS, PromptTokenRatios
+from switchyard.dispatcher.processor import to_request
+
+
+def test_a_model_never_measured_takes_its_count_as_it_is():
+    ratios = PromptTokenRatios()
+    assert ratios.ratio("m") == 1.0
+    assert ratios.ratios() == {}
+
+
+def test_one_call_teaches_its_ratio_and_each_model_keeps_its_own():
+    ratios = PromptTokenRatios()
+    assert ratios.observe("llama", 5003, 10042) == pytest.approx(10042 / 5003)
+    assert ratios.observe("gpt", 1000, 1000) == 1.0
+    assert ratios.ratio("llama") == pytest.approx(2.007, abs=1e-3)
+    assert ratios.ratio("gpt") == 1.0
+    assert ratios.ratio("other") == 1.0
+
+
+def test_the_estimate_is_a_high_quantile_of_recent_calls_not_one_odd_call():
+    ratios = PromptTokenRatios(window_calls=20, quantile=0.9)
+    for _ in range(18):
+        ratios.observe("m", 100, 120)
+    ratios.observe("m", 100, 200)  # two odd calls of 20: above the 90th percentile's rank
+    ratios.observe("m", 100, 300)
+    assert ratios.ratio("m") == pytest.approx(1.2)
+    ratios.observe("m", 100, 250)  # a third: the 18th of 20 ranked now
+    assert ratios.ratio("m") == pytest.approx(2.0)
+
+
+def test_a_server_that_counts_fewer_is_measured_below_one():
+    ratios = PromptTokenRatios()
+    ratios.observe("m", 1000, 800)
+    assert ratios.ratio("m") == pytest.approx(0.8)
+
+
+def test_memory_is_bounded_and_follows_a_model_replaced_behind_its_name():
+    ratios = PromptTokenRatios(window_calls=8)
+    for _ in range(100):
+        ratios.observe("m", 100, 300)
+    for _ in range(8):  # a window of calls later, the old model's ratios are gone
+        ratios.observe("m", 100, 110)
+    assert ratios.ratio("m") == pytest.approx(1.1)
+
+
+def test_calls_that_teach_nothing_are_not_learnt_from():
+    ratios = PromptTokenRatios(max_models=2)
+    assert ratios.observe("m", MIN_PROMPT_TOKENS - 1, 300) is None  # the chat template's overhead swamps it
+    assert ratios.observe("m", 0, 300) is None
+    assert ratios.observe("m", 100, 0) is None  # no usage reported
+    assert ratios.observe("", 100, 300) is None
+    assert ratios.ratios() == {}
+    ratios.observe("a", 100, 200)
+    ratios.observe("b", 100, 200)
+    assert ratios.observe("c", 100, 200) is None  # past max_models: a bounded label set
+    assert set(ratios.ratios()) == {"a", "b"}
+    assert ratios.observe("a", 100, 150) is not None  # a model kept goes on learning
+
+
+@pytest.mark.parametrize("bad", [{"window_calls": 0}, {"quantile": 0.0}, {"quantile": 1.5}, {"max_models": 0}])
+def test_a_bad_setting_is_refused_naming_what_was_expected(bad):
+    with pytest.raises(ValueError, match="expected window_calls >= 1"):
+        PromptTokenRatios(**bad)
+
+
+def test_the_window_measures_a_prompt_in_the_servers_tokens():
+    window = ContextWindow(4096, "limits.context_window_tokens", 2.0)
+    assert window.model_tokens(1000) == 2000
+    assert window.room(96) == 2000  # (4096 - 96) / 2 of Switchyard's tokens beside 96 completion tokens
+    assert window.left(2000) == 96
+    assert window.model_tokens(window.room(96)) + 96 <= 4096 < window.model_tokens(window.room(96) + 1) + 96
+    assert window.counted(1000) == "1000 tokens (about 2000 of the model server's)"
+    assert "2.00 tokens per token of Switchyard's count" in window.described()
+    plain = ContextWindow(4096, "limits.context_window_tokens")
+    assert (plain.model_tokens(1000), plain.room(96), plain.left(1000)) == (1000, 4000, 3096)
+    assert plain.counted(1000) == "1000 tokens" and plain.described() == "4096 tokens (limits.context_window_tokens)"
+
+
+@pytest.mark.parametrize("ratio", [0.0, -1.0, math.nan, math.inf])
+def test_a_ratio_not_positive_and_finite_is_taken_as_one(ratio):
+    assert SwitchyardConfig().limits.context_window("m", 0, ratio).ratio == 1.0
+
+
+def test_the_dispatcher_refuses_a_prompt_its_server_would_count_past_the_window():
+    config = SwitchyardConfig().with_overrides(**{"limits.context_window_tokens": {"m": 4096}})
+    request = agent_pb2.GenerateRequest(request_id="r", prompt="word " * 3000, prompt_tokens=3000, max_tokens=64,
+                                        model="m")
+    assert to_request(request, config, "m").prompt_tokens_sent  # fits as counted: 3000 + 64 <= 4096
+    with pytest.raises(InvalidArgument) as refused:
+        to_request(request, config, "m", prompt_token_ratio=2.0)
+    assert refused.value.field == "prompt_tokens"
+    assert "its server counts this prompt about 6000 tokens (got 3000)" in str(refused.value)
+    request.prompt_tokens, request.max_tokens = 2000, 128  # 4000 of the server's and 128: max_tokens does not fit
+    with pytest.raises(InvalidArgument) as refused:
+        to_request(request, config, "m", prompt_token_ratio=2.0)
+    assert refused.value.field == "max_tokens" and "so at most 96" in str(refused.value)
