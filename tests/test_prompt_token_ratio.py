@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
+from gateway_fixtures import clean_proxy_env  # noqa: F401
 
 from switchyard.api import agent_pb2
 from switchyard.common.config import SwitchyardConfig
@@ -33,11 +35,11 @@ def test_one_call_teaches_its_ratio_and_each_model_keeps_its_own():
 def test_the_estimate_is_a_high_quantile_of_recent_calls_not_one_odd_call():
     ratios = PromptTokenRatios(window_calls=20, quantile=0.9)
     for _ in range(18):
-        ratios.observe("m", 100, 120)
-    ratios.observe("m", 100, 200)  # two odd calls of 20: above the 90th percentile's rank
-    ratios.observe("m", 100, 300)
+        ratios.observe("m", 1000, 1200)
+    ratios.observe("m", 1000, 2000)  # two odd calls of 20: above the 90th percentile's rank
+    ratios.observe("m", 1000, 3000)
     assert ratios.ratio("m") == pytest.approx(1.2)
-    ratios.observe("m", 100, 250)  # a third: the 18th of 20 ranked now
+    ratios.observe("m", 1000, 2500)  # a third: the 18th of 20 ranked now
     assert ratios.ratio("m") == pytest.approx(2.0)
 
 
@@ -50,9 +52,9 @@ def test_a_server_that_counts_fewer_is_measured_below_one():
 def test_memory_is_bounded_and_follows_a_model_replaced_behind_its_name():
     ratios = PromptTokenRatios(window_calls=8)
     for _ in range(100):
-        ratios.observe("m", 100, 300)
+        ratios.observe("m", 1000, 3000)
     for _ in range(8):  # a window of calls later, the old model's ratios are gone
-        ratios.observe("m", 100, 110)
+        ratios.observe("m", 1000, 1100)
     assert ratios.ratio("m") == pytest.approx(1.1)
 
 
@@ -60,14 +62,14 @@ def test_calls_that_teach_nothing_are_not_learnt_from():
     ratios = PromptTokenRatios(max_models=2)
     assert ratios.observe("m", MIN_PROMPT_TOKENS - 1, 300) is None  # the chat template's overhead swamps it
     assert ratios.observe("m", 0, 300) is None
-    assert ratios.observe("m", 100, 0) is None  # no usage reported
-    assert ratios.observe("", 100, 300) is None
+    assert ratios.observe("m", 1000, 0) is None  # no usage reported
+    assert ratios.observe("", 1000, 3000) is None
     assert ratios.ratios() == {}
-    ratios.observe("a", 100, 200)
-    ratios.observe("b", 100, 200)
-    assert ratios.observe("c", 100, 200) is None  # past max_models: a bounded label set
+    ratios.observe("a", 1000, 2000)
+    ratios.observe("b", 1000, 2000)
+    assert ratios.observe("c", 1000, 2000) is None  # past max_models: a bounded label set
     assert set(ratios.ratios()) == {"a", "b"}
-    assert ratios.observe("a", 100, 150) is not None  # a model kept goes on learning
+    assert ratios.observe("a", 1000, 1500) is not None  # a model kept goes on learning
 
 
 @pytest.mark.parametrize("bad", [{"window_calls": 0}, {"quantile": 0.0}, {"quantile": 1.5}, {"max_models": 0}])
@@ -107,3 +109,38 @@ def test_the_dispatcher_refuses_a_prompt_its_server_would_count_past_the_window(
     with pytest.raises(InvalidArgument) as refused:
         to_request(request, config, "m", prompt_token_ratio=2.0)
     assert refused.value.field == "max_tokens" and "so at most 96" in str(refused.value)
+
+
+async def test_the_dispatcher_learns_from_the_servers_usage_beside_the_callers_count_and_reports_it(clean_proxy_env):
+    """A real dispatcher in front of the sim OpenAI server (2,048-token window): a Generate whose prompt the
+    dispatcher counted itself teaches nothing (its word pieces are not the orchestrator's count); one that sent
+    its count teaches the server's usage.prompt_tokens per counted token, which DescribeModel, the done chunk and
+    the gauge report, and which the dispatcher's admission then applies: a prompt whose count fits but whose
+    server count would not is refused naming prompt_tokens, and the server never sees it."""
+    from prometheus_client import REGISTRY
+    from test_context_window import MODEL, dispatcher_before
+
+    prompt = "word " * 600
+    async with dispatcher_before(2048) as (_, _, stub, sim):
+        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(request_id="own", prompt=prompt,
+                                                                          max_tokens=2))]
+        assert chunks[-1].done.prompt_token_ratio == 0  # counted here: nothing measured
+        assert not (await stub.DescribeModel(agent_pb2.DescribeModelRequest())).prompt_token_ratios
+        counted = 300  # as if a tokenizer packed two words a token: the server counts more
+        chunks = [c async for c in stub.Generate(agent_pb2.GenerateRequest(request_id="sent", prompt=prompt,
+                                                                          prompt_tokens=counted, max_tokens=2))]
+        ratio = chunks[-1].done.usage.prompt_tokens / counted
+        assert ratio > 1 and chunks[-1].done.prompt_token_ratio == pytest.approx(ratio)
+        described = await stub.DescribeModel(agent_pb2.DescribeModelRequest())
+        assert dict(described.prompt_token_ratios) == pytest.approx({MODEL: ratio})
+        assert REGISTRY.get_sample_value("switchyard_prompt_token_ratio", {"model": MODEL}) == pytest.approx(ratio)
+        sent = len(sim.state.requests)
+        assert 1900 * ratio > 2048  # 1,900 + 100 fit 2,048 as counted; the server's count of 1,900 does not
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id="past", prompt=prompt,
+                                                                    prompt_tokens=1900, max_tokens=100)):
+                pass
+        assert len(sim.state.requests) == sent
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("prompt_tokens: expected fewer than the context window"), \
+        refused.value.details()
