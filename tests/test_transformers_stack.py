@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from gateway_fixtures import clean_proxy_env  # noqa: F401
+from redis_fixtures import redis_db, redis_server  # noqa: F401
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -29,10 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.asynccontextmanager
-async def stack(base_url: str, model: str, index_dir: Path | None = None, limits: dict | None = None,
+async def stack(base_url: str, model: str, index_dir: Path | None = None, overrides: dict | None = None,
                 **gateway: object):
     """Dispatcher (openai engine on ``base_url``), retrieval (with ``index_dir``) and orchestrator, with the
-    ``limits`` overrides given (``{"default_context_window_tokens": 4096}``); yields a stub."""
+    config ``overrides`` given (``{"limits.default_context_window_tokens": 4096}``); yields a stub."""
+    extra = overrides or {}
     from switchyard.common.server import running
     from switchyard.dispatcher.service import DispatcherService
     from switchyard.orchestrator.service import OrchestratorService
@@ -42,7 +44,7 @@ async def stack(base_url: str, model: str, index_dir: Path | None = None, limits
                  "upstream.fallback_model": "", "upstream.api_key_required": False,
                  "upstream.retry_backoff_initial_s": 0.01, "upstream.retry_backoff_max_s": 0.02}
     overrides.update({f"upstream.{k}": v for k, v in gateway.items()})
-    overrides.update({f"limits.{k}": v for k, v in (limits or {}).items()})
+    overrides.update(extra)
     cfg = load_config("config").with_overrides(**overrides)
     async with contextlib.AsyncExitStack() as stack:
         disp = await stack.enter_async_context(running([DispatcherService(cfg, engine=make_engine(cfg))], cfg.server))
@@ -174,6 +176,10 @@ async def test_a_task_cut_at_max_tokens_says_so(clean_proxy_env, transformers_se
     assert answered(events, 4) and events[-1].final.finish_reason == "length"
 
 
+TINY_WINDOW = {"limits.default_context_window_tokens": 4096}
+"""The tiny Llama's max_position_embeddings (transformers serve reports no window)."""
+
+
 async def test_a_prompt_the_servers_tokenizer_counts_past_its_window_is_caught_by_switchyard(clean_proxy_env,
                                                                                         transformers_server):
     """The tiny Llama's BPE counts ``"word " * n`` as about twice the tokens of Switchyard's cl100k count. After one
@@ -182,8 +188,7 @@ async def test_a_prompt_the_servers_tokenizer_counts_past_its_window_is_caught_b
     as cl100k counts it but not as the server does is refused by Switchyard, naming the payload (it went to the
     server and failed there), a max_tokens that does not fit beside a prompt is named, and one that fits is
     served."""
-    limits = {"default_context_window_tokens": 4096}  # the tiny Llama's max_position_embeddings; none reported
-    async with stack(transformers_server.base_url, transformers_server.model, limits=limits) as stub:
+    async with stack(transformers_server.base_url, transformers_server.model, overrides=TINY_WINDOW) as stub:
         events = await run(stub, task_id="ratio-learn", payload="word " * 400, task_type="chat", max_tokens=2)
         served = events[-1].final.usage.prompt_tokens
         assert served > 2 * 400  # the server's count: what the window must hold
@@ -202,6 +207,23 @@ async def test_a_prompt_the_servers_tokenizer_counts_past_its_window_is_caught_b
 
         events = await run(stub, task_id="ratio-fits", payload="word " * 1500, task_type="chat", max_tokens=2)
         assert 2 * 1500 < events[-1].final.usage.prompt_tokens <= 4096 - 2
+
+
+async def test_an_agents_memory_the_server_would_count_past_its_window_is_left_out(clean_proxy_env,
+                                                                               transformers_server, redis_db):
+    """An agent's second task recalls its first (its payload cut to memory's 4,000 characters): about 2,350
+    tokens as cl100k counts them, fitting 4,096 beside max_tokens, about 4,650 as the tiny Llama counts them.
+    With the ratio measured on the first task, memory is left out and the task is served within the model's
+    positions (it was sent whole, past them)."""
+    overrides = {**TINY_WINDOW, **redis_db.overrides}
+    async with stack(transformers_server.base_url, transformers_server.model, overrides=overrides) as stub:
+        first = await run(stub, task_id="mem-1", payload="word " * 1500, task_type="chat", agent_id="tf-mem",
+                          max_tokens=2)
+        assert 2 * 1500 < first[-1].final.usage.prompt_tokens <= 4096 - 2
+        second = await run(stub, task_id="mem-2", payload="word " * 1500, task_type="chat", agent_id="tf-mem",
+                           max_tokens=2)
+    assert "recall" in {e.stage.name for e in second if e.HasField("stage")}
+    assert first[-1].final.usage.prompt_tokens == second[-1].final.usage.prompt_tokens  # served without memory
 
 
 async def test_a_cancelled_run_task_cancels_the_upstream_request(clean_proxy_env, transformers_server):
