@@ -144,3 +144,22 @@ async def test_the_dispatcher_learns_from_the_servers_usage_beside_the_callers_c
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("prompt_tokens: expected fewer than the context window"), \
         refused.value.details()
+
+
+def test_a_call_the_fallback_model_answered_teaches_nothing_of_the_model_asked(clean_proxy_env):
+    """``model_gateway.fallback_model`` served the call: its tokenizer is not the requested model's."""
+    from switchyard.dispatcher.engines.openai import OpenAIEngine
+    from switchyard.dispatcher.request import Request
+
+    config = SwitchyardConfig().with_overrides(**{
+        "dispatcher.engine": "openai", "upstream.base_url": "http://127.0.0.1:9/v1", "upstream.default_model": "big",
+        "upstream.fallback_model": "small", "upstream.api_key_required": False})
+    engine = OpenAIEngine(config)
+    call = Request(request_id="r", prompt="p", prompt_tokens=1000, prompt_tokens_sent=True, model="big")
+    engine._learn_prompt_tokens(call, 3000, "small")
+    assert engine.prompt_token_ratios() == {} and call.prompt_token_ratio == 0.0
+    engine._learn_prompt_tokens(call, 2000, "big")
+    assert engine.prompt_token_ratio("big") == 2.0 and call.prompt_token_ratio == 2.0
+    counted_here = Request(request_id="r", prompt="p", prompt_tokens=1000, model="big")  # the dispatcher's count
+    engine._learn_prompt_tokens(counted_here, 5000, "big")
+    assert engine.prompt_token_ratio("big") == 2.0 and counted_here.prompt_token_ratio == 2.0

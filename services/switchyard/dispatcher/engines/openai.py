@@ -187,11 +187,14 @@ class OpenAIEngine(StreamEngine):
     def prompt_token_ratios(self) -> dict[str, float]:
         return self.token_ratios.ratios()
 
-    def _learn_prompt_tokens(self, req: Request, served: int) -> None:
+    def _learn_prompt_tokens(self, req: Request, served: int, answered: str) -> None:
         """Learn ``req.model``'s ratio from the server's ``served`` prompt tokens, where the caller counted the
         prompt (``req.prompt_tokens_sent``: the orchestrator's cl100k count; the processor's own word-piece
-        count is another measure, not learnt from); the request carries the estimate back to its caller."""
-        if req.prompt_tokens_sent and served > 0:
+        count is another measure, not learnt from) and the model that ``answered`` (the upstream id the stream
+        names) is not the fallback (``model_gateway.fallback_model``: another model, perhaps another
+        tokenizer); the request carries the estimate back to its caller."""
+        primary, *fallback = self.client.models_for(req.model)
+        if req.prompt_tokens_sent and served > 0 and not (answered in fallback and answered != primary):
             learnt = self.token_ratios.observe(req.model, req.prompt_tokens, served)
             if learnt is not None:
                 PROMPT_TOKEN_RATIO.labels(req.model).set(learnt)
@@ -280,7 +283,7 @@ class OpenAIEngine(StreamEngine):
                 yield ToolCall(event.call_id, event.name, event.arguments_json)
             elif isinstance(event, events.Finished):
                 usage = event.usage
-                self._learn_prompt_tokens(req, usage.prompt_tokens if usage else 0)
+                self._learn_prompt_tokens(req, usage.prompt_tokens if usage else 0, event.model)
                 yield Usage(
                     prompt_tokens=usage.prompt_tokens if usage and usage.prompt_tokens else req.prompt_tokens,
                     completion_tokens=usage.completion_tokens if usage and usage.completion_tokens else estimated,
