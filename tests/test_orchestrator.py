@@ -311,25 +311,30 @@ async def test_a_prompt_over_the_window_with_its_passages_fails_at_render_naming
     assert details.endswith(f"(got '{len(question)} characters')"), details
 
 
-async def test_passages_that_do_not_fit_the_window_are_left_out_lowest_ranked_first():
+@pytest.mark.parametrize("ratio", [1.0, 1.5])
+async def test_passages_that_do_not_fit_the_window_are_left_out_lowest_ranked_first(ratio):
     """In front of a server with a small window, a rag_answer whose passages do not all fit beside max_tokens
     was accepted and failed at render: the best-ranked passages that fit are sent instead (and the final event
-    lists those), down to one."""
+    lists those), down to one. Where the dispatcher measured the server counting ``ratio`` tokens per token
+    counted here, they are fitted to the server's count."""
     question = "word " * 30
     texts = [f"Passage {i}: " + "the with statement wraps a block " * 6 for i in range(6)]
     snippets = [prompts.Snippet(f"p{i}", t) for i, t in enumerate(texts)]
     two = tokens.count_messages(prompts.render("rag_answer", question, snippets[:2]).messages())
     three = tokens.count_messages(prompts.render("rag_answer", question, snippets[:3]).messages())
     assert three > two
-    window = two + 8  # two passages fit beside max_tokens 8, three do not
+    window = math.ceil(two * ratio) + 8  # two passages fit beside max_tokens 8, three do not
+    assert math.ceil(three * ratio) + 8 > window
     async with stack(**{"limits.context_window_tokens": {"sim-7b": window}}) as (stub, down):
+        down.prompt_token_ratios = {"sim-7b": ratio}
         down.passages = [agent_pb2.Passage(text=t, score=1.0 - i / 10, source=f"s:{i}", title=f"p{i}")
                          for i, t in enumerate(texts)]
         events = await collect(stub, payload=question, task_type="rag_answer", max_tokens=8)
     final = events[-1].final
     assert [p.title for p in final.passages] == ["p0", "p1"]
     sent = down.requests[0]
-    assert "Passage 1:" in sent.prompt and "Passage 2:" not in sent.prompt and sent.prompt_tokens <= window - 8
+    assert "Passage 1:" in sent.prompt and "Passage 2:" not in sent.prompt
+    assert math.ceil(sent.prompt_tokens * ratio) <= window - 8
 
 
 async def test_a_window_too_small_for_even_the_best_passage_names_the_least_prompt_it_could_send():
