@@ -21,7 +21,7 @@ import httpx
 import pytest
 from fast_sim import FAST
 from test_orchestrator import Downstream
-from test_submit_backlog import final_state, until
+from test_submit_backlog import face_stack, final_state, until
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
@@ -29,7 +29,6 @@ from switchyard.common.config import load_config
 from switchyard.common.server import running
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import generate_stream
-from switchyard.orchestrator.http_face import HttpFace
 from switchyard.orchestrator.service import OrchestratorService
 
 pytestmark = pytest.mark.no_gpu
@@ -50,20 +49,8 @@ async def sim_stack(store: Path, **overrides: object) -> AsyncIterator[
     base = load_config("config")
     dispatcher = DispatcherService(base.with_overrides(**{**SLOW, "dispatcher.engine": "sim"}))
     async with running([dispatcher], base.server) as disp:
-        addr = f"127.0.0.1:{disp.port}"
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
-            "orchestrator.task_store.sqlite_path": str(store), "orchestrator.cpu_executor": "loop", **overrides})
-        orch = OrchestratorService(cfg)
-        face = HttpFace(orch, cfg, port=0)
-        async with running([orch, face], cfg.server) as srv:
-            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
-            await asyncio.wait_for(channel.channel_ready(), 30)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
-                try:
-                    yield agent_pb2_grpc.AgentServiceStub(channel), client, dispatcher
-                finally:
-                    await channel.close()
+        async with face_stack(base, f"127.0.0.1:{disp.port}", store, **overrides) as (stub, client, _):
+            yield stub, client, dispatcher
 
 
 def generated(dispatcher: DispatcherService) -> int:

@@ -62,25 +62,35 @@ async def backlog_stack(store: Path, down: Downstream | None = None, **overrides
     down = down if down is not None else CountingDownstream()
     down.gate = asyncio.Event()
     async with running([down], base.server) as downstream:
-        addr = f"127.0.0.1:{downstream.port}"
-        cfg = base.with_overrides(**{
-            "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
-            "orchestrator.task_store.sqlite_path": str(store), "orchestrator.cpu_executor": "loop", **overrides,
-        })
-        orch = OrchestratorService(cfg)
-        down.orchestrator = orch  # for a test that reaches its task store
-        face = HttpFace(orch, cfg, port=0)
-        async with running([orch, face], cfg.server) as srv:
-            channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+        async with face_stack(base, f"127.0.0.1:{downstream.port}", store, **overrides) as (stub, client, orch):
+            down.orchestrator = orch  # for a test that reaches its task store
+            try:
+                yield stub, client, down
+            finally:
+                down.gate.set()
+
+
+@contextlib.asynccontextmanager
+async def face_stack(base, addr: str, store: Path, **overrides):
+    """(gRPC stub, httpx client on the HTTP face, the OrchestratorService) of one orchestrator on 127.0.0.1 port 0
+    with its HTTP face, in front of ``addr`` (retrieval and dispatcher), its task store at ``store``; ``base``: the
+    config, ``overrides`` on it."""
+    cfg = base.with_overrides(**{
+        "orchestrator.retrieval_addr": addr, "orchestrator.dispatcher_addr": addr,
+        "orchestrator.task_store.sqlite_path": str(store), "orchestrator.cpu_executor": "loop", **overrides,
+    })
+    orch = OrchestratorService(cfg)
+    face = HttpFace(orch, cfg, port=0)
+    async with running([orch, face], cfg.server) as srv:
+        channel = open_channel(f"127.0.0.1:{srv.port}", cfg.server)
+        try:
             # connected before the first call: gRPC shares subchannels between channels to one address, and one
             # a finished test left to a server on this same port may still be backing off ("connection refused")
             await asyncio.wait_for(channel.channel_ready(), 30)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{face.port}", timeout=30) as client:
-                try:
-                    yield agent_pb2_grpc.AgentServiceStub(channel), client, down
-                finally:
-                    down.gate.set()
-                    await channel.close()
+                yield agent_pb2_grpc.AgentServiceStub(channel), client, orch
+        finally:
+            await channel.close()
 
 
 def gauge(state: str) -> float:
