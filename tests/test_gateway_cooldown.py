@@ -380,6 +380,28 @@ async def test_an_open_circuit_is_checked_in_the_background_with_no_call_arrivin
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith(("circuit-watch", "health-check"))]
 
 
+async def test_the_background_check_waits_one_interval_after_the_circuit_opens() -> None:
+    """A server that lists its models while one of them fails (its own 503): the background check read its health
+    as the circuit opened, half-opened it at once, and the failing model was tried again with no open period
+    (test_a_failing_model_is_skipped_for_its_cooldown failed by that race). The first check comes one
+    health_check_interval_s after the opening."""
+    clock = Clock()
+    checks = 0
+
+    async def health() -> bool:
+        nonlocal checks
+        checks += 1
+        return True
+
+    cooldowns = breaker(clock, first_cooldown_s=30.0, health_check_interval_s=60.0)
+    cooldowns.health_check = health
+    await open_circuit(cooldowns, PRIMARY)
+    for _ in range(20):  # the watch's turns on the loop
+        await asyncio.sleep(0)
+    assert checks == 0 and cooldowns.state(PRIMARY) == "open"
+    await cooldowns.aclose()
+
+
 async def test_a_restarted_server_is_served_within_the_health_check_interval(clean_proxy_env):
     """A real sim-openai stopped (the circuit opens for 30 s) and started again on the same port: the gateway
     serves again within about health_check_interval_s of its return."""

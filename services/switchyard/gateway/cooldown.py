@@ -327,14 +327,19 @@ class Cooldowns:
 
     async def _watching(self, model: str, circuit: _Circuit) -> None:
         """While ``circuit`` is open and its period not over, start a health check every
-        ``health_check_interval_s`` (:meth:`_check_health`, whose rules apply), so that a server back half-opens it
-        at once, calls arriving or not. Started only by a refused call, the check came after that call, which
+        ``health_check_interval_s``, the first one interval after it opened (:meth:`_check_health`, whose rules
+        apply), so that a server back half-opens it within about that interval, calls arriving or not. Started only by a refused call, the check came after that call, which
         failed with the server back (and so did every call arriving before the check's answer)."""
         interval = self.config.cooldown.health_check_interval_s
-        while circuit.state == OPEN and self._clock() < circuit.open_until:
-            self._check_health(model, circuit, self._clock())
+        while True:
+            # the first check one interval after the circuit opened, not at once: a server that lists its models
+            # while one of them fails (a 503 of its own) would be half-opened by it as it opened, and the model
+            # tried again at once rather than skipped for its open period
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(circuit.verdict.wait(), interval)  # the state moved: look again at once
+            if circuit.state != OPEN or self._clock() >= circuit.open_until:
+                return
+            self._check_health(model, circuit, self._clock())
 
     async def aclose(self) -> None:
         """Stop the health checks and their watches under way (the endpoint's connections are closing)."""
