@@ -385,21 +385,23 @@ async def test_the_background_check_waits_one_interval_after_the_circuit_opens()
     as the circuit opened, half-opened it at once, and the failing model was tried again with no open period
     (test_a_failing_model_is_skipped_for_its_cooldown failed by that race). The first check comes one
     health_check_interval_s after the opening."""
-    clock = Clock()
-    checks = 0
-
-    async def health() -> bool:
-        nonlocal checks
-        checks += 1
-        return True
-
-    cooldowns = breaker(clock, first_cooldown_s=30.0, health_check_interval_s=60.0)
-    cooldowns.health_check = health
+    cooldowns = breaker(Clock(), first_cooldown_s=30.0, health_check_interval_s=60.0)
+    checks: list[float] = []
+    cooldowns.health_check = answering_health(checks)
     await open_circuit(cooldowns, PRIMARY)
     for _ in range(20):  # the watch's turns on the loop
         await asyncio.sleep(0)
-    assert checks == 0 and cooldowns.state(PRIMARY) == "open"
+    assert not checks and cooldowns.state(PRIMARY) == "open"
     await cooldowns.aclose()
+
+
+def answering_health(checks: list[float], clock: Clock | None = None):  # type: ignore[no-untyped-def]
+    """A health check that answers (True), noting each read in ``checks`` (``clock``'s time, or 0)."""
+    async def health() -> bool:
+        checks.append(clock.now if clock is not None else 0.0)
+        return True
+
+    return health
 
 
 async def test_a_restarted_server_is_served_within_the_health_check_interval(clean_proxy_env):
@@ -436,18 +438,13 @@ async def test_a_server_that_lists_its_models_but_fails_its_calls_is_not_probed_
     failed, 39 times in 40 s. A probe admitted on a check's word that fails stops the checks until that
     open period ends."""
     clock = Clock()
-    checks = 0
-
-    async def health() -> bool:
-        nonlocal checks
-        checks += 1
-        return True
+    checks: list[float] = []
 
     async def fail() -> None:
         raise failure()
 
     cooldowns = breaker(clock, first_cooldown_s=8.0, health_check_interval_s=1.0)  # cooldown_s 10
-    cooldowns.health_check = health
+    cooldowns.health_check = answering_health(checks, clock)
     await open_circuit(cooldowns, PRIMARY)
     with pytest.raises(ModelCoolingDown):
         await cooldowns.call(PRIMARY, fail)  # starts a check: it answers
@@ -465,7 +462,7 @@ async def test_a_server_that_lists_its_models_but_fails_its_calls_is_not_probed_
         except UpstreamServerError:
             probes += 1
         await asyncio.sleep(0)
-    assert checks == 1 and probes == 0 and cooldowns.state(PRIMARY) == "open"
+    assert len(checks) == 1 and probes == 0 and cooldowns.state(PRIMARY) == "open"
 
 
 async def test_callers_naming_ever_new_models_cannot_grow_the_circuit_table() -> None:
