@@ -198,7 +198,7 @@ class OpenAIEngine(StreamEngine):
             learnt = self.token_ratios.observe(req.model, req.prompt_tokens, served)
             if learnt is not None:
                 PROMPT_TOKEN_RATIO.labels(req.model).set(learnt)
-        req.prompt_token_ratio = self.token_ratios.ratios().get(req.model, 0.0)
+        req.prompt_token_ratio = self.token_ratios.ratio(req.model, unmeasured=0.0)
 
     def start_describing(self) -> asyncio.Task[None] | None:
         """Start the read of the upstream's model list in the background unless it has been read or a read is

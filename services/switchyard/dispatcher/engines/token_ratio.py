@@ -73,9 +73,9 @@ class PromptTokenRatios:
         self._estimates[model] = estimate
         return estimate
 
-    def ratio(self, model: str) -> float:
-        """The estimate for ``model``: server tokens per counted token; 1.0 where none was measured."""
-        return self._estimates.get(model, 1.0)
+    def ratio(self, model: str, unmeasured: float = 1.0) -> float:
+        """The estimate for ``model``: server tokens per counted token; ``unmeasured`` where none was measured."""
+        return self._estimates.get(model, unmeasured)
 
     def ratios(self) -> dict[str, float]:
         """Every model measured, with its estimate (a copy)."""
