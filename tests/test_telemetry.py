@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from switchyard.common import telemetry
+from switchyard.common import envs, telemetry
 from switchyard.common.channels import open_channel
 from switchyard.common.errors import SERVER_FAULT_CODES, InvalidArgument, ServiceUnavailable, SwitchyardError
 from switchyard.common.queues import QueueFullError, QueueTimeoutError
@@ -23,14 +23,7 @@ from otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.no_gpu
 
-OTEL_VARS = (
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_SDK_DISABLED",
-    "OTEL_TRACES_EXPORTER",
-    "OTEL_SERVICE_NAME",
-    "OTEL_TRACES_SAMPLER",
-)
+OTEL_VARS = tuple(name for name in envs.STANDARD_VARIABLES if name.startswith("OTEL_"))
 
 
 @pytest.fixture
@@ -127,6 +120,65 @@ def test_tracing_off_installs_nothing(clean_otel_env, env):
 def test_endpoint_turns_tracing_on(clean_otel_env):
     clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4317")
     assert telemetry.tracing_configured()
+
+
+BAD_OTEL_VALUES = [
+    # (variable, value, the expectation the refusal states); the SDK's own answer in the comment
+    ("OTEL_TRACES_SAMPLER", "bogus", "expected one of always_on,"),  # a warning, then every trace sampled
+    ("OTEL_TRACES_SAMPLER_ARG", "5", "a number from 0 to 1"),  # a warning, then a ratio of 1.0
+    ("OTEL_TRACES_SAMPLER_ARG", "abc", "a number from 0 to 1"),  # the same
+    ("OTEL_TRACES_EXPORTER", "zipkin", "expected 'otlp' or 'none'"),  # OTLP exported anyway
+    ("OTEL_TRACES_EXPORTER", "otlp,console", "expected 'otlp' or 'none'"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", "expected 'grpc'"),  # gRPC to an HTTP port, nothing arrives
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", "expected 'grpc'"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", "expected a number of seconds > 0"),  # a traceback from the exporter
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1", "expected a number of seconds > 0"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "expected 'gzip', 'deflate' or 'none'"),  # a traceback too
+    ("OTEL_EXPORTER_OTLP_INSECURE", "yes", "expected 'true' or 'false'"),  # read as false: TLS to a plain port
+    ("OTEL_SDK_DISABLED", "yes", "expected 'true' or 'false'"),  # read as false: tracing stays on
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "not-a-url", "expected http://host:port"),  # a DNS name 'not-a-url'
+    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://", "a URL with no host"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), BAD_OTEL_VALUES, ids=[f"{n}={v}" for n, v, _ in BAD_OTEL_VALUES])
+def test_a_bad_otel_value_is_refused_naming_the_variable(clean_otel_env, name, value, expected):
+    clean_otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    clean_otel_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    clean_otel_env.setenv(name, value)
+    with pytest.raises(ValueError) as refused:
+        telemetry.check_tracing_environment()
+    assert f"environment variable {name}={value!r}: " in str(refused.value)
+    assert expected in str(refused.value)
+    with pytest.raises(ValueError):
+        telemetry.setup_tracing("orchestrator")
+    assert not telemetry.tracing_enabled()
+
+
+@pytest.mark.parametrize("env", [
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"},
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://otel.example:4317", "OTEL_EXPORTER_OTLP_INSECURE": "FALSE"},
+    {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://[::1]:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+    {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"},
+    {"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "ignored by this sampler"},
+    {"OTEL_TRACES_EXPORTER": "OTLP", "OTEL_SDK_DISABLED": "False", "OTEL_EXPORTER_OTLP_TIMEOUT": "2.5",
+     "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"},
+], ids=str)
+def test_the_values_the_sdk_takes_pass_the_check(clean_otel_env, env):
+    for name, value in env.items():
+        clean_otel_env.setenv(name, value)
+    telemetry.check_tracing_environment()
+
+
+@pytest.mark.parametrize("command", [("up", "--free-ports"), ("serve", "retrieval", "--port", "0")], ids=" ".join)
+def test_a_bad_otel_value_stops_the_services_before_anything_starts(command):
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("OTEL_")}
+    run = subprocess.run([sys.executable, "-m", "switchyard.cli", *command], capture_output=True, text=True,
+                         timeout=60, env={**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "bad configuration:\nenvironment variable OTEL_EXPORTER_OTLP_PROTOCOL='http/protobuf': expected 'grpc'" \
+        in run.stderr
+    assert "Traceback" not in run.stderr and "ready on" not in run.stderr
 
 
 # --------------------------------------------------------------------------- propagation and status over real gRPC

@@ -348,8 +348,11 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             why = "a file is there" if Path(args.data_dir).is_file() else exc.strerror
             parser.error(f"--data-dir: expected a folder this user can make or write, got {args.data_dir!r} ({why})")
+    from switchyard.common.telemetry import check_tracing_environment
+
     try:
         envs.SWITCHYARD_LOG_LEVEL.get()  # the services' logging level: refused here, before anything starts
+        check_tracing_environment()  # the OTEL_* variables the three services inherit
         config = load_config(args.config_dir, service=ORDER)  # the sections the three read
     except (ConfigError, ValueError) as exc:
         print(f"switchyard up: bad configuration:\n{exc}", file=sys.stderr)

@@ -190,8 +190,11 @@ def main(argv: list[str]) -> int:
     # A fatal signal (SIGSEGV, SIGBUS: a memory-mapped SQLite index whose file went away) prints every thread's
     # stack to stderr, the service's log, instead of a silent exit.
     faulthandler.enable()
+    from switchyard.common.telemetry import check_tracing_environment
+
     try:
         setup_logging(args.name)  # a bad SWITCHYARD_LOG_LEVEL is refused here, as a bad override is below
+        check_tracing_environment()  # a bad OTEL_* value: refused here, not warned about once serving
         config = load_config(args.config_dir, service=args.name)  # only the sections it reads
         overrides, options = {}, {}
         for option, key, value in (("--port", f"{args.name}.port", args.port),

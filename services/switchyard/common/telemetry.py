@@ -14,6 +14,10 @@ Configured only from the standard ``OTEL_*`` environment variables (see
 - ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``: read by the SDK
   (default ``parentbased_always_on``).
 
+A value the SDK would ignore with a warning (an unknown sampler, a ratio out of
+0-1, an exporter or protocol other than OTLP over gRPC) or crash on is refused
+at start-up by name (:func:`check_tracing_environment`).
+
 Tracing off installs nothing: no tracer provider (``trace.get_tracer`` hands
 out the API's no-op tracer), no interceptors, no exporter thread.
 
@@ -35,7 +39,9 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import threading
+import urllib.parse
 from typing import Any, Callable
 
 import grpc
@@ -47,7 +53,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from switchyard import __version__
 from switchyard.common import grpc_tracing
-from switchyard.common.envs import read_standard
+from switchyard.common.envs import read_standard, read_standard_named
 from switchyard.common.errors import SERVER_FAULT_CODES, status_for
 
 log = logging.getLogger(__name__)
@@ -126,6 +132,80 @@ def get_tracer(name: str) -> StageTracer:
     return StageTracer(name)
 
 
+# OpenTelemetry SDK configuration spec, "General SDK Configuration": the samplers every SDK knows by name
+# (the Python SDK's too); the jaeger_remote and xray ones it does not build.
+_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+             "parentbased_traceidratio")
+_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+_BOOLEANS = ("true", "false")
+
+
+def _check_endpoint(value: str) -> str | None:
+    """Why ``value`` is not an OTLP gRPC endpoint (``http[s]://host[:port]`` or ``host:port``), or None."""
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme in ("http", "https"):
+        return None if parsed.hostname else "a URL with no host"
+    host, _, port = value.rpartition(":")
+    if host and port.isdigit() and "/" not in value:
+        return None  # host:port, which the gRPC exporter takes as its target
+    return "expected http://host:port, https://host:port or host:port (OTLP over gRPC; Jaeger listens on 4317)"
+
+
+def check_tracing_environment() -> None:
+    """Refuse ``OTEL_*`` values the SDK would ignore, warn about or crash on, before anything starts.
+
+    The SDK's own answer to a bad value is a warning and a default that is not what was asked: an
+    unknown sampler, or a ratio of ``abc`` or ``5``, samples every trace; ``OTEL_TRACES_EXPORTER=zipkin``
+    or ``OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`` still exports OTLP over gRPC, to a port that does
+    not speak it; ``OTEL_EXPORTER_OTLP_TIMEOUT=abc`` is a traceback from the exporter. Checked only
+    as Switchyard uses them: OTLP over gRPC is the one exporter.
+
+    Raises:
+        ValueError: naming the variable, its value and what is expected.
+    """
+    def read(name: str) -> tuple[str, str] | None:
+        found = read_standard_named(name)
+        return (found[0], found[1].strip()) if found else None
+
+    def refuse(found: tuple[str, str], expected: str) -> None:
+        raise ValueError(f"environment variable {found[0]}={found[1]!r}: {expected}")
+
+    for name in ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"):
+        if (found := read(name)) and found[1].lower() not in _BOOLEANS:
+            refuse(found, "expected 'true' or 'false'")
+    if (found := read("OTEL_TRACES_EXPORTER")) and not {part.strip().lower() for part in found[1].split(",")} <= {
+            "otlp", "none"}:
+        refuse(found, "expected 'otlp' or 'none' (Switchyard exports spans over OTLP only: Jaeger receives it, "
+                      "an OpenTelemetry Collector forwards it to any other backend)")
+    for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        if (found := read(name)) and found[1].lower() != "grpc":
+            refuse(found, "expected 'grpc' (Switchyard's exporter speaks OTLP over gRPC, port 4317 by default)")
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        if (found := read(name)) and (problem := _check_endpoint(found[1])):
+            refuse(found, problem)
+    for name in ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"):
+        if found := read(name):
+            try:
+                ok = 0 < float(found[1]) < math.inf
+            except ValueError:
+                ok = False
+            if not ok:
+                refuse(found, "expected a number of seconds > 0 (the exporter's wait for each export)")
+    for name in ("OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"):
+        if (found := read(name)) and found[1].lower() not in ("gzip", "deflate", "none"):
+            refuse(found, "expected 'gzip', 'deflate' or 'none'")
+    sampler = read("OTEL_TRACES_SAMPLER")
+    if sampler and sampler[1].lower() not in _SAMPLERS:
+        refuse(sampler, f"expected one of {', '.join(_SAMPLERS)}")
+    if (found := read("OTEL_TRACES_SAMPLER_ARG")) and sampler and sampler[1].lower() in _RATIO_SAMPLERS:
+        try:
+            ok = 0.0 <= float(found[1]) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            refuse(found, f"expected the share of traces {sampler[1]} samples, a number from 0 to 1")
+
+
 def tracing_configured() -> bool:
     """Whether the environment asks for tracing: an OTLP endpoint is set and the SDK is not disabled."""
     if (read_standard("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
@@ -172,11 +252,15 @@ def setup_tracing(service_name: str) -> Callable[[], None]:
     Returns:
         ``shutdown()``: flushes pending spans and stops the exporter; safe to
         call more than once. A no-op when tracing is off.
+
+    Raises:
+        ValueError: a bad ``OTEL_*`` value (:func:`check_tracing_environment`).
     """
     global _shutdown
     with _lock:
         if _shutdown is not None:
             return _shutdown
+        check_tracing_environment()
         if not tracing_configured():
             log.debug("tracing off: no OTEL_EXPORTER_OTLP_ENDPOINT, or OTEL_SDK_DISABLED=true")
             return _noop
