@@ -31,7 +31,7 @@ def feed_steady(ctl: AdaptiveFlush, rate_per_s: float, seconds: float, start: fl
     t = start
     for i in range(int(rate_per_s * seconds)):
         t = start + i * step
-        ctl.on_arrival(t)
+        ctl.record_arrival(t)
     return t
 
 
@@ -58,7 +58,7 @@ def test_p95_budget_caps_the_window():
     ctl = make_controller(p95_budget_ms=1000)
     now = feed_steady(ctl, rate_per_s=10, seconds=1.0)
     for _ in range(20):
-        ctl.on_batch_done(0.95)
+        ctl.record_batch_service(0.95)
     assert ctl.service_p95() == pytest.approx(0.95)
     assert ctl.window(now) == pytest.approx(0.05)
 
@@ -66,15 +66,15 @@ def test_p95_budget_caps_the_window():
 def test_service_beyond_budget_falls_back_to_the_shortest_window():
     ctl = make_controller(p95_budget_ms=500)
     now = feed_steady(ctl, rate_per_s=200, seconds=1.0)
-    ctl.on_batch_done(0.8)
+    ctl.record_batch_service(0.8)
     assert ctl.window(now) == pytest.approx(0.001)
 
 
 def test_p95_ignores_a_rare_slow_batch():
     ctl = make_controller(p95_budget_ms=1000)
     for _ in range(59):
-        ctl.on_batch_done(0.2)
-    ctl.on_batch_done(5.0)
+        ctl.record_batch_service(0.2)
+    ctl.record_batch_service(5.0)
     assert ctl.service_p95() == pytest.approx(0.2)
 
 
@@ -128,7 +128,7 @@ def test_poisson_arrivals_track_the_mean_rate():
     t = 0.0
     for _ in range(3000):
         t += rng.expovariate(500)
-        ctl.on_arrival(t)
+        ctl.record_arrival(t)
     assert ctl.arrival_rate(t) == pytest.approx(500, rel=0.2)
     assert ctl.window(t) == pytest.approx(32 / 500, rel=0.25)
 
@@ -143,9 +143,9 @@ def test_window_always_within_bounds(gaps, services, batch):
     t = 0.0
     for gap in gaps:
         t += gap
-        ctl.on_arrival(t)
+        ctl.record_arrival(t)
     for s in services:
-        ctl.on_batch_done(s)
+        ctl.record_batch_service(s)
     assert 0.002 <= ctl.window(t) <= 0.050
 
 
@@ -157,7 +157,7 @@ def test_controller_is_the_interval_callable():
 def test_bad_service_time_is_rejected():
     ctl = make_controller()
     with pytest.raises(ValueError, match="service_s"):
-        ctl.on_batch_done(-1.0)
+        ctl.record_batch_service(-1.0)
 
 
 def test_config_accepts_auto_and_rejects_other_words():

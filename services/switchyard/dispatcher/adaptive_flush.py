@@ -84,13 +84,13 @@ class AdaptiveFlush:
 
     # ------------------------------------------------------------------ observations
 
-    def on_arrival(self, now: float | None = None) -> None:
+    def record_arrival(self, now: float | None = None) -> None:
         """Record one request entering the buffer at ``now`` (monotonic seconds)."""
         now = time.monotonic() if now is None else now
         self._arrivals.append(now)
         self._trim(now)
 
-    def on_batch_done(self, service_s: float) -> None:
+    def record_batch_service(self, service_s: float) -> None:
         """Record a batch's service time: flush -> the engine finished it, in seconds.
 
         Raises:

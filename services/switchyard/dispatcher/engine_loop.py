@@ -195,9 +195,11 @@ class LoopBase:
 
     def submit(self, req: Request) -> None:
         """Hand ``req`` to the scheduler; its output stream then carries what it generates. Once the
-        scheduler has accepted it, the loop arms its flush timer and wakes (:meth:`_arrived`), and takes
-        core work mid-step where it can (:meth:`_on_core_arrival`): the loop decides; the scheduler calls
-        nothing of the loop back (only the adaptive flush's arrival count, where one is set).
+        scheduler has accepted it, the loop arms its flush timer (:meth:`_arm_flush_timer`), wakes where it
+        would act on the new work (:meth:`_wake_for_intake`), and for a CORE request admits it ahead of the
+        next decision where it can (:meth:`_admit_core_early`): the loop decides; the scheduler calls nothing
+        of the loop back (only the adaptive flush's arrival count, ``SchedulerCore.record_arrival``, where one
+        is set).
 
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see
@@ -209,9 +211,10 @@ class LoopBase:
         except BaseException:  # a refusal is counted, and published at once
             self._publish_stats()
             raise
-        self._arrived()
+        self._arm_flush_timer()
+        self._wake_for_intake()
         if req.priority is PriorityClass.CORE:
-            self._on_core_arrival()
+            self._admit_core_early()
         self._publish_stats(throttled=True)
 
     def tool_wait(self, program_key: str, expected_wait_s: float, tool: str = "other") -> "ToolWaitDecision | None":
@@ -238,14 +241,18 @@ class LoopBase:
 
     def abort(self, req: Request) -> None:
         """The caller went away: end ``req`` now (``cancelled``) and free its place and KV. Idempotent."""
-        self._publish(self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
+        self._apply_outputs(self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
                                                      time.monotonic()))
         self._wake.set()
 
-    def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
-        """Push the scheduler's per-request outputs to the requests' output streams (the one writer but for the
-        processor's answer to a ``prefill_only`` request with nothing to prefill for, :class:`Request`), then
-        (``stats``) its state to the metrics (:meth:`_publish_stats`, ``throttled`` on the busy path)."""
+    def _apply_outputs(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
+        """Apply the scheduler's per-request outputs, the one path every output takes: the engine work of each
+        request that finished stops (:meth:`_cancel_finished_calls`: an upstream call still streaming), each
+        output is pushed to its request's output stream (:meth:`RequestOutput.publish`; the one writer but for
+        the processor's answer to a ``prefill_only`` request with nothing to prefill for, :class:`Request`),
+        then (``stats``) the scheduler's report goes to the metrics (:meth:`_publish_stats`, ``throttled`` on
+        the busy path)."""
+        self._cancel_finished_calls(outputs)
         for out in outputs:
             out.publish()
         if stats:
@@ -366,16 +373,18 @@ class LoopBase:
     async def _end_helpers(self, cancel: bool) -> None:
         """The loop task has ended: end (``cancel``) or wait for the tasks a subclass started beside it."""
 
-    def _on_arrival(self) -> None:
+    def _wake_for_intake(self) -> None:
+        """The intake gained work (an accepted request, a flush by interval): wake the loop where its next
+        decision would act on it (default: always)."""
         self._wake.set()
 
-    def _on_core_arrival(self) -> None:
-        """A core request was accepted (:meth:`submit`): a loop that can take core work mid-step does."""
+    def _admit_core_early(self) -> None:
+        """CORE work waits (accepted by :meth:`submit`, or pending when a step starts): a loop that can admit it
+        before its next decision does (default: none can)."""
 
-    def _arrived(self) -> None:
-        """The scheduler accepted a request: arm the flush-interval timer, then :meth:`_on_arrival`."""
-        self._arm_flush_timer()
-        self._on_arrival()
+    def _cancel_finished_calls(self, outputs: list[RequestOutput]) -> None:
+        """End the engine work still under way for each request of ``outputs`` that finished (default: none;
+        a step engine's request runs only inside a step)."""
 
     def _arm_flush_timer(self) -> None:
         """Flush by INTERVAL when the first buffered request has waited ``flush_interval_ms``
@@ -401,7 +410,7 @@ class LoopBase:
             return
         self.scheduler.flush(FlushReason.INTERVAL, now)
         self._publish_stats(throttled=True)
-        self._on_arrival()
+        self._wake_for_intake()
 
     def _cancel_flush_timer(self) -> None:
         if self._flush_timer is not None:
@@ -416,7 +425,7 @@ class LoopBase:
         now = time.monotonic()
         self.scheduler.flush(FlushReason.DRAIN, now)
         held = [*self.scheduler.running, *self.scheduler.preempting, *self.scheduler.waiting]
-        self._publish(self.scheduler.finish_requests(held, status, now, error))
+        self._apply_outputs(self.scheduler.finish_requests(held, status, now, error))
 
     async def _wait(self, timeout: float | None) -> None:
         self._publish_when_due()  # the loop pauses: what it reports is current within STATS_INTERVAL_S
@@ -473,11 +482,13 @@ class StepLoop(LoopBase):
         self._preempt_task: asyncio.Task[None] | None = None
         self._prefetches: set[asyncio.Task[None]] = set()  # planned restores of swapped agents' KV in flight
 
-    def _on_arrival(self) -> None:
+    def _wake_for_intake(self) -> None:
         if self._idle or self._closing:  # a busy loop swaps the buffer at its next step boundary
             self._wake.set()
 
-    def _on_core_arrival(self) -> None:
+    def _admit_core_early(self) -> None:
+        """While a step that core work may join is in flight (or the loop only sleeps a restore's transfer),
+        start the one task that admits core work and prefills it at a layer boundary (:meth:`_preempt_step`)."""
         if ((self._preemptible or self._transferring) and self._preempt_task is None and not self._closing):
             self._preempt_task = asyncio.create_task(self._preempt_step(), name="dispatcher-core-preemption")
 
@@ -488,7 +499,7 @@ class StepLoop(LoopBase):
         try:
             while (self._preemptible or self._transferring) and not self._closing:
                 decision = self.scheduler.admit_core(time.monotonic())
-                self._publish(decision.outputs, throttled=True)
+                self._apply_outputs(decision.outputs, throttled=True)
                 admitted = decision.admitted
                 if not admitted:
                     return
@@ -562,7 +573,7 @@ class StepLoop(LoopBase):
             now = time.monotonic()
             out = scheduler.schedule(now)
             self._joined = False
-            self._publish(out.outputs, throttled=True)
+            self._apply_outputs(out.outputs, throttled=True)
             self._prefetch(out.prefetch)
             running = [s for s in out.running if s.status is RequestStatus.RUNNING]
             if not running:
@@ -595,7 +606,7 @@ class StepLoop(LoopBase):
             # A transfer leaves the compute idle: core work arriving meanwhile is prefilled at once.
             self._transferring = self.layer_preemption
             if self._transferring and self.scheduler.core_pending:
-                self._on_core_arrival()
+                self._admit_core_early()
             try:
                 await asyncio.sleep(owed)
             finally:
@@ -688,7 +699,7 @@ class StepLoop(LoopBase):
         before = self._before(reqs)
         self._preemptible = preemptible and self.layer_preemption
         if self._preemptible and self.scheduler.core_pending:  # core work came while nothing could take it
-            self._on_core_arrival()
+            self._admit_core_early()
         try:
             await self._call(self.engine.execute_model, batch)
         finally:
@@ -707,15 +718,15 @@ class StepLoop(LoopBase):
             now = time.monotonic()
             if is_out_of_memory(exc):
                 out = scheduler.on_oom(batch.requests, now, exc)
-                self._publish(out.outputs)
+                self._apply_outputs(out.outputs)
             else:
                 log.exception("engine step failed for %d requests", len(batch.requests))
-                self._publish(scheduler.finish_requests(batch.requests,
+                self._apply_outputs(scheduler.finish_requests(batch.requests,
                                                         RequestStatus.FINISHED_ERROR, now, exc))
             return None
         if result is None:
             return False
-        self._publish(scheduler.update_from_output(batch, result, time.monotonic()), throttled=True)
+        self._apply_outputs(scheduler.update_from_output(batch, result, time.monotonic()), throttled=True)
         return result
 
     @staticmethod

@@ -127,8 +127,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
             queue=queue,
         )
         if self.adaptive is not None:
-            self.scheduler.on_arrival = self.adaptive.on_arrival
-            self.scheduler.on_batch_done = self.adaptive.on_batch_done
+            self.scheduler.record_arrival = self.adaptive.record_arrival
+            self.scheduler.record_batch_service = self.adaptive.record_batch_service
         self.processor = RequestProcessor(config, self.engine)
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""

@@ -91,17 +91,16 @@ class StreamLoop(LoopBase):
         ``request_id``, which two requests of one wave may share)."""
         self._waves = itertools.count()
 
-    def _publish(self, outputs: list[RequestOutput], stats: bool = True, throttled: bool = False) -> None:
-        """Publish as every loop does, and end the upstream call of each request that finished while its
-        stream still ran: wherever its end was decided (its caller gone, :meth:`abort`; its deadline found past
-        by the time slice's decision, or by another stream's item reaching ``update_from_output``), its stream
-        stops with it, and with it the endpoint's count of it (then the slot's, :meth:`_stream_ended`). A
-        stream's own end is its task's to close (the current task). The one place a call is cancelled (a
-        shutdown ends every request through here too)."""
+    def _cancel_finished_calls(self, outputs: list[RequestOutput]) -> None:
+        """Cancel the upstream call of each request of ``outputs`` that finished while its stream still ran:
+        wherever its end was decided (its caller gone, :meth:`abort`; its deadline found past by the time
+        slice's decision, or by another stream's item reaching ``update_from_output``), its stream stops with
+        it, and with it the endpoint's count of it (then the slot's, :meth:`_stream_ended`). A stream's own end
+        is its task's to close (the current task). The one place a call is cancelled: every output passes here
+        (:meth:`_apply_outputs`), a shutdown's included."""
         for out in outputs:  # called per streamed token: only a finished output asks for the current task
             if out.finished and (call := out.req.upstream_call) is not None and call is not asyncio.current_task():
                 call.cancel()
-        super()._publish(outputs, stats, throttled)
 
     def _can_take(self) -> bool:
         """A decision now could start a stream: an admission wave may go into prefill and the limit has a slot,
@@ -115,11 +114,11 @@ class StreamLoop(LoopBase):
         time slice, as under a full limit."""
         return len(self._prefilling) < self.max_prefilling and self.slots.admits(PriorityClass.BATCH)
 
-    def _on_arrival(self) -> None:
+    def _wake_for_intake(self) -> None:
         if self._closing or self._takes_lower_class():
             self._wake.set()
 
-    def _on_core_arrival(self) -> None:
+    def _admit_core_early(self) -> None:
         """A CORE request arrived. Where the limit has a slot and a wave may go into prefill, a decision takes it
         (one that also takes CORE past a lower-class head held back for the reserve): the loop is woken. Else
         (``max_batches_in_prefill`` admission waves in prefill, or the limit taken) it does not wait for a first
@@ -130,7 +129,7 @@ class StreamLoop(LoopBase):
             self._wake.set()  # the loop takes it at its next decision
             return
         decision = self.scheduler.admit_core(time.monotonic())
-        self._publish(decision.outputs)
+        self._apply_outputs(decision.outputs)
         if decision.admitted:
             self._start_wave(decision.admitted)
 
@@ -169,7 +168,7 @@ class StreamLoop(LoopBase):
             if self._can_take() or now - last >= self.time_slice_s:
                 last = now
                 out = scheduler.schedule(now)
-                self._publish(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
+                self._apply_outputs(out.outputs, throttled=True)  # its report at most every STATS_INTERVAL_S
                 if out.admitted:
                     self._start_wave(out.admitted)
             await self._wait(self.time_slice_s)
@@ -211,13 +210,13 @@ class StreamLoop(LoopBase):
                         produced += seq.usage.completion_beyond(len(req.output_tokens))
                     if produced:
                         metrics.GENERATED_TOKENS.inc(produced)
-                    self._publish(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
+                    self._apply_outputs(outputs, stats=any(out.finished for out in outputs), throttled=True)  # not per token
             if not req.is_finished and not ended:  # the stream ended without a Usage: end-of-sequence
                 seq = SeqOutput(eos=True)
-                self._publish(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
+                self._apply_outputs(scheduler.update_from_output(batch, StepResult({req.seq_id: seq}),
                                                            time.monotonic()))
         except asyncio.CancelledError:
-            self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
+            self._apply_outputs(scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED,
                                                     time.monotonic()))
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the caller's stream
@@ -227,5 +226,5 @@ class StreamLoop(LoopBase):
                     and req.preemptions < MAX_REQUEUES):
                 scheduler.requeue(req, time.monotonic())  # the upstream is full: wait here, under the limit
             else:
-                self._publish(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
+                self._apply_outputs(scheduler.finish_requests([req], RequestStatus.FINISHED_ERROR,
                                                         time.monotonic(), exc))

@@ -431,8 +431,8 @@ class Scheduler(Protocol):
     preemption_enabled: bool
     """Whether core work may preempt running work (``scheduler.preemption_enabled``; never on a stream engine)."""
 
-    on_arrival: "Callable[[float], None] | None"
+    record_arrival: "Callable[[float], None] | None"
     """Called with each accepted request's arrival (monotonic seconds): the adaptive flush's arrival count."""
 
-    on_batch_done: "Callable[[float], None] | None"
+    record_batch_service: "Callable[[float], None] | None"
     """Called with a flushed batch's service time, seconds: the adaptive flush's measurement."""

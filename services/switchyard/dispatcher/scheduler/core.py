@@ -224,10 +224,13 @@ class SchedulerCore(KvMemory):
         if flush_interval_s is None:
             flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
-        self.on_arrival: Callable[[float], None] | None = None
-        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds)."""
-        self.on_batch_done: Callable[[float], None] | None = None
-        """Called with a flushed batch's service time (flush -> its last member ended), seconds."""
+        self.record_arrival: Callable[[float], None] | None = None
+        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds).
+        The adaptive flush's arrival count (:meth:`AdaptiveFlush.record_arrival`), set by the service; never the
+        loop's wake-up (the loop wakes itself once :meth:`add_request` returns)."""
+        self.record_batch_service: Callable[[float], None] | None = None
+        """Called with a flushed batch's service time (flush -> its last member ended), seconds: the adaptive
+        flush's measurement (:meth:`AdaptiveFlush.record_batch_service`), set by the service."""
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
         """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
@@ -346,8 +349,8 @@ class SchedulerCore(KvMemory):
         if req.deadline is not None:
             self._next_deadline = min(self._next_deadline, req.deadline)
         full = self.intake.put(req, now)
-        if self.on_arrival is not None:
-            self.on_arrival(now)
+        if self.record_arrival is not None:
+            self.record_arrival(now)
         if full:
             self.flush(FlushReason.SIZE, now)
 
@@ -890,8 +893,8 @@ class SchedulerCore(KvMemory):
         if batch is None:
             return
         batch.left -= 1
-        if batch.left <= 0 and self.on_batch_done is not None:
-            self.on_batch_done(max(0.0, now - batch.flushed_at))
+        if batch.left <= 0 and self.record_batch_service is not None:
+            self.record_batch_service(max(0.0, now - batch.flushed_at))
 
     @property
     def flush_deadline(self) -> float | None:
