@@ -358,7 +358,7 @@ class GenerateSession:
         dropped: the caller wants none of it."""
         req.output.drain()
         self._send_now(agent_pb2.StreamedChunk(request_id=running.request_id,
-                                               chunk=done_chunk(req, req.answered_by or req.model)))
+                                               chunk=done_chunk(req)))
 
     def _send_now(self, chunk: agent_pb2.StreamedChunk) -> None:
         """Queue ``chunk`` for the next :meth:`replies`, a hold cut short: a request's last chunk."""

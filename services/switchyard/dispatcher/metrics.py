@@ -37,7 +37,7 @@ from switchyard.common.priority import LABELS
 from switchyard.dispatcher.adaptive_limit import UPSTREAM_CONCURRENCY, UPSTREAM_CORE_RESERVE
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.scheduler.admission import ADMISSION_WAVE, COMPUTE_SCORE
-from switchyard.dispatcher.scheduler.base import SEQUENCE_RESUME_KINDS
+from switchyard.dispatcher.scheduler.base import QUEUE_NAME, SEQUENCE_RESUME_KINDS
 from switchyard.dispatcher.scheduler.capacity import KV_MEMORY
 from switchyard.dispatcher.scheduler.fair import tenant_labels
 from switchyard.dispatcher.scheduler.tool_wait import PREFETCH_TIMINGS, RESUME_KINDS, Decision
@@ -46,9 +46,6 @@ from switchyard.dispatcher.tiers import metrics as tier_metrics
 if TYPE_CHECKING:
     from switchyard.dispatcher.scheduler.base import SchedulerStats
     from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
-
-QUEUE_NAME = "inference"
-"""The ``queue`` label of the scheduler's queue in the shared ``switchyard_queue_*`` metrics."""
 
 # Batch sizes: powers of two up to the largest flush.max_batch_size worth plotting.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

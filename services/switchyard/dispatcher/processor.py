@@ -35,9 +35,9 @@ from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engine_loop import LoopBase
 from switchyard.dispatcher.engines import StepEngine, StreamEngine
-from switchyard.dispatcher.metrics import QUEUE_NAME
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
+from switchyard.dispatcher.scheduler.base import QUEUE_NAME
 from switchyard.dispatcher.scheduler.core import DispatcherClosed, loop_failure
 from switchyard.gateway.models import not_served
 
@@ -315,8 +315,9 @@ def _max_tokens_in_window(request: agent_pb2.GenerateRequest, limits: RequestLim
     return max_tokens
 
 
-def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
-    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting)."""
+def done_chunk(req: Request) -> agent_pb2.GenerateChunk:
+    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting), its ``model`` the one that
+    answered (an upstream's fallback model, ``req.answered_by``), else the one it was served (``req.model``)."""
     prompt, completion = req.usage_prompt(), 0 if req.prefill_only else req.completion_tokens()
     ttft = (req.first_token_at - req.arrival) if req.first_token_at is not None else 0.0
     return agent_pb2.GenerateChunk(
@@ -330,7 +331,7 @@ def done_chunk(req: Request, model: str) -> agent_pb2.GenerateChunk:
             memory_peak_bytes=req.memory_peak_bytes,
             batch_size=req.batch_size,
             flush_reason=req.flush_reason,
-            model=model,
+            model=req.answered_by or req.model,
             preemptions=req.preemptions,
             finish_reason=req.finish_reason or "",
             prompt_token_ratio=req.prompt_token_ratio,
@@ -448,7 +449,7 @@ class RequestProcessor:
                 tool_call=agent_pb2.ToolCall(call_id=call.call_id, name=call.name, arguments_json=call.arguments_json)
             )
         if isinstance(item, StreamDone):
-            return done_chunk(req, req.answered_by or req.model)
+            return done_chunk(req)
         error = item.error
         if isinstance(error, SwitchyardError):
             raise error

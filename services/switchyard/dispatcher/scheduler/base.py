@@ -78,8 +78,14 @@ if TYPE_CHECKING:
     from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
     from switchyard.dispatcher.tiers import MemoryTiers
 
-__all__ = ["REACT_TASK_TYPE", "SEQUENCE_RESUME_KINDS", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
+__all__ = ["QUEUE_NAME", "REACT_TASK_TYPE", "SEQUENCE_RESUME_KINDS", "BatchFlush", "Scheduler", "SchedulerCounters", "SchedulerEvents",
            "SchedulerOutput", "SchedulerStats", "should_park"]
+
+
+QUEUE_NAME = "inference"
+"""The scheduler's queue's name: in its refusals (:class:`~switchyard.common.errors.QueueFullError`,
+:class:`~switchyard.common.errors.QueueTimeoutError`), its queue-wait span and the ``queue`` label of the shared
+``switchyard_queue_*`` metrics."""
 
 
 REACT_TASK_TYPE = "react_loop"

@@ -99,6 +99,7 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
 from switchyard.dispatcher.scheduler.base import (
+    QUEUE_NAME,
     BatchFlush,
     SchedulerCounters,
     SchedulerEvents,
@@ -128,7 +129,6 @@ from switchyard.dispatcher.request import (
 )
 from switchyard.dispatcher.tiers import MemoryTiers
 
-QUEUE_NAME = "inference"
 log = logging.getLogger(__name__)
 
 FRAGMENTATION_INTERVAL_S = 1.0
