@@ -689,7 +689,7 @@ async def test_a_stream_aborted_in_the_turn_that_admitted_it_leaves_no_batch_in_
             loop.abort(req)  # its stream task was created, and has not run a step
             await asyncio.sleep(0.01)
             assert req.status is RequestStatus.FINISHED_ABORTED and req.upstream_call is None
-            assert loop._prefilling == {} and loop.capacity.in_flight == 0
+            assert loop._prefilling == {} and loop.slots.in_flight == 0
         late = Request(request_id="late", prompt="a b", prompt_tokens=2, max_tokens=2)
         loop.submit(late)
 

@@ -275,8 +275,6 @@ class AdaptiveConcurrencyLimit:
         :meth:`ended`)."""
         self.knee: float | None = None
         """Estimated knee, streams; None until a window was measured."""
-        self.plateau_tokens_per_s: float | None = None
-        """Highest throughput remembered, tokens per second."""
         self.short_s: float | None = None
         """Recent TTFT, seconds: a fast EWMA of the samples (about the last 10); None before the first."""
         self.levels: dict[int, Level] = {}
@@ -562,11 +560,11 @@ class AdaptiveConcurrencyLimit:
         return self._limit_for(max(self.knee + 1, CONFIRM_RATIO * self.knee))
 
     def _estimate(self, now: float) -> bool:
-        """Forget stale levels, recompute the knee and plateau; True when the knee is confirmed."""
+        """Forget stale levels, recompute the knee; True when the knee is confirmed."""
         for key in [k for k, level in self.levels.items() if now - level.seen_at > self.config.memory_s]:
             del self.levels[key]
         if not self.levels:
-            self.knee = self.plateau_tokens_per_s = None
+            self.knee = None
             self._knee_gauge.set(0)
             return False
         settled = sorted(key for key, level in self.levels.items() if level.windows >= PROBE_WINDOWS)
@@ -575,15 +573,15 @@ class AdaptiveConcurrencyLimit:
         for key in keys:
             best = max(best, self.levels[key].tokens_per_s)
             envelope.append(best)
-        knee, plateau = keys[-1], envelope[-1]
+        knee = keys[-1]
         self._counted_top = keys[-1]
         for i, key in enumerate(keys):
             above = [self.levels[k] for k in keys[i:]]
             mean = sum(level.tokens_per_s for level in above) / len(above)
             if envelope[i] >= self.config.knee_fraction * mean:
-                knee, plateau = key, mean
+                knee = key
                 break
-        self.knee, self.plateau_tokens_per_s = float(knee), plateau
+        self.knee = float(knee)
         self._knee_gauge.set(knee)
         # Confirmed by a level twice as high, or by the highest levels the load reaches: when fewer streams
         # were wanted there than the limit allowed, no probe can measure higher. The levels within

@@ -23,7 +23,8 @@ When the buffer is swapped, and why (:class:`FlushReason`):
 The buffer itself is plain bookkeeping: it runs on the event loop thread, so a
 swap is atomic without a lock. Its owner
 (:class:`switchyard.dispatcher.scheduler.core.SchedulerCore`) decides when to
-swap and arms the interval timer from :meth:`DoubleBuffer.deadline`. Items
+swap; the engine loop, which owns every timer, arms the interval timer from
+:meth:`DoubleBuffer.deadline` (``SchedulerCore.flush_deadline``). Items
 leave in exactly the order they were put: nothing is lost, duplicated or
 reordered by a swap (nor by :meth:`DoubleBuffer.take`, which keeps the order
 of what it takes and of what it leaves).
@@ -94,9 +95,6 @@ class DoubleBuffer(Generic[T]):
     def active_size(self) -> int:
         """Items in the active (filling) list."""
         return len(self._lists[self._active])
-
-    def __len__(self) -> int:
-        return self.active_size
 
     def __iter__(self) -> Iterator[T]:
         """The items of the active list, in put order (read them, do not hold on to the iterator)."""

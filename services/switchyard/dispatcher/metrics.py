@@ -8,7 +8,7 @@ scale that ``scheduler_config.json``'s thresholds use, so dashboards and the HPA
 target (60) read the same numbers as the config.
 
 The scheduler (:mod:`switchyard.dispatcher.scheduler`) records no metric: it
-counts and observes as plain data, and the step loop publishes what
+counts and observes as plain data, and the engine loop (step or stream) publishes what
 ``make_stats()`` reports (:func:`publish_stats`): its gauges, the increase of its
 counters, its observations. The memory tiers' own metrics are
 :mod:`switchyard.dispatcher.tiers.metrics` (the HBM tier's counters among them,
@@ -326,7 +326,7 @@ _PLAIN = (  # SchedulerCounters field -> the counter it increases
 
 
 def publish_stats(stats: "SchedulerStats") -> None:
-    """Publish one :meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats` report (the step loop
+    """Publish one :meth:`~switchyard.dispatcher.scheduler.base.Scheduler.make_stats` report (the engine loop
     calls it after each scheduler call that changes what it reports).
 
     Gauges are set to the state reported: running and waiting requests by priority class and in all, the
@@ -404,7 +404,7 @@ def publish_compute_score_at_scrape(monitor: "ComputeScoreMonitor") -> None:
 
     The gauge is process-wide (one dispatcher per process in production). Once ``monitor`` is closed it
     shows the monitor's last score until the next :func:`publish_stats`, which then shows the reports'
-    scores again. The step loop calls this when it starts; schedulers stepped on a simulated clock are
+    scores again. The engine loop calls this when it starts; schedulers stepped on a simulated clock are
     never re-sampled on the wall clock.
     """
     global _scraped

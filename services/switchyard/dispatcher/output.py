@@ -2,7 +2,7 @@
 
 A :class:`~switchyard.dispatcher.request.Request` is request state: the
 scheduler writes it from each engine step's result (engines only read it).
-Each request owns one :class:`OutputStream`; the step loop pushes onto it the
+Each request owns one :class:`OutputStream`; the engine loop (step or stream) pushes onto it the
 outputs the scheduler reports after each step
 (:meth:`~switchyard.dispatcher.request.RequestOutput.publish`: tokens, tool
 calls, then ``done`` or ``error``) and the session that carries the request

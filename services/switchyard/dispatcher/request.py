@@ -8,7 +8,7 @@ The engine reads it and returns what a step produced
 (:class:`~switchyard.dispatcher.engines.base.StepResult`); the scheduler alone
 writes that into the request (``update_from_output``: tokens, computed prefix,
 the one stop check, its :class:`RequestStatus`) and hands back a
-:class:`RequestOutput` per request; the step loop pushes those to the
+:class:`RequestOutput` per request; the engine loop pushes those to the
 request's :class:`~switchyard.dispatcher.output.OutputStream` (``request.output``),
 which the session that carries the request
 (:class:`~switchyard.dispatcher.generate_stream.GenerateSession`) sends to its caller.
@@ -166,7 +166,7 @@ class Request:
     """One Generate request: its input, scheduling state, generated output and accounting.
 
     It carries its :class:`~switchyard.dispatcher.output.OutputStream` (``output``),
-    written only by the step loop from the scheduler's :class:`RequestOutput`s,
+    written only by the engine loop (step or stream) from the scheduler's :class:`RequestOutput`s,
     so what the caller receives always agrees with the request's state. One request
     never reaches the loop: a ``prefill_only`` one on an engine that shares no
     prefixes is answered done at once by the processor (``open_request``), which
@@ -420,7 +420,7 @@ class FlushedBatch:
 
 @dataclass
 class RequestOutput:
-    """What one request produced since the scheduler last reported on it: the step loop pushes it to
+    """What one request produced since the scheduler last reported on it: the engine loop pushes it to
     ``req.output`` (visible tokens with their index, tool calls, then its end when ``finished``)."""
 
     req: Request
@@ -457,7 +457,7 @@ class SchedulerOutput:
     ``restore``: admitted requests whose KV state has a copy in the DRAM tier
     (``swap_key``): the step loop brings it back before their next step.
     ``outputs``: requests that ended in this decision (expired, past their
-    deadline): the step loop publishes them. ``prefetch``: swapped agents'
+    deadline): the engine loop publishes them. ``prefetch``: swapped agents'
     parked steps whose planned restore is due (their ``swap_key``): the step
     loop loads each copy back in the background and hands it to
     ``SchedulerCore.prefetched``.

@@ -38,10 +38,6 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self._blocks: OrderedDict[int, None] = OrderedDict()
-        self.hits = 0
-        """Blocks found in the cache so far."""
-        self.lookups = 0
-        """Blocks looked up so far."""
 
     def keys(self, tokens: Iterable[str]) -> list[int]:
         """The chained keys of the full blocks of ``tokens`` (token texts), in prompt order."""
@@ -62,8 +58,6 @@ class PrefixCache:
                 break
             self._blocks.move_to_end(key)
             found += 1
-        self.hits += found
-        self.lookups += len(keys)
         return found
 
     def insert(self, keys: list[int]) -> None:

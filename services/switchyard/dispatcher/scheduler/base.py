@@ -1,4 +1,4 @@
-"""The scheduler's one interface: a state machine the step loop drives, one call at a time.
+"""The scheduler's one interface: a state machine the engine loop drives, one call at a time.
 
 Shape after vLLM's v1 scheduler interface (``vllm/v1/core/sched/interface.py``)
 and its engine core's step (``vllm/v1/engine/core.py`` ``step()``:
@@ -110,7 +110,7 @@ def should_park(req: Request) -> bool:
 
 @dataclass
 class SchedulerCounters:
-    """What the scheduler has counted, as plain numbers: each field only grows. The step loop publishes
+    """What the scheduler has counted, as plain numbers: each field only grows. The engine loop publishes
     the increase between two reports as the Prometheus counter named beside it
     (:func:`switchyard.dispatcher.metrics.publish_stats`).
 
@@ -170,7 +170,7 @@ class SchedulerCounters:
 
     def copy(self) -> "SchedulerCounters":
         """An independent copy (the per-label counts copied too)."""
-        out = SchedulerCounters.__new__(SchedulerCounters)  # the step loop reports every step: kept cheap
+        out = SchedulerCounters.__new__(SchedulerCounters)  # the engine loop reports up to every 50 ms: kept cheap
         vars(out).update({name: _copied(value) for name, value in vars(self).items()})
         return out
 
@@ -203,7 +203,7 @@ def _grown(now: "Counter[str]", before: "Counter[str]") -> "Counter[str]":
 @dataclass
 class BatchFlush:
     """One swap of the double buffer: its members in order, why it was flushed, and when (monotonic
-    seconds). The step loop makes the ``dispatcher.batch`` span from it."""
+    seconds). The engine loop makes the ``dispatcher.batch`` span from it."""
 
     members: list[Request]
     reason: FlushReason
@@ -273,7 +273,7 @@ class SchedulerStats:
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """A scheduling policy behind the step loop (see the module docstring for the call order)."""
+    """A scheduling policy behind the engine loop (see the module docstring for the call order)."""
 
     name: str
     """Policy name: ``priority``, ``fifo`` or ``fair`` (``scheduler.policy``)."""
@@ -425,7 +425,7 @@ class Scheduler(Protocol):
     """The double buffer (the loops read ``closed``, the drain flag, and ``active_size``, requests buffered)."""
 
     tiers: "MemoryTiers"
-    """The memory tiers the scheduler moves KV between; the step loop runs their transfers, scans and close."""
+    """The memory tiers the scheduler moves KV between; the step loop runs their transfers and scans, either loop closes them."""
 
     monitor: "ComputeScoreMonitor"
     """The compute-score source (the loop makes the ``switchyard_compute_score`` gauge re-sample it at scrape

@@ -336,11 +336,6 @@ class ConcurrencyCapacity:
     def __init__(self, slots: StreamSlots) -> None:
         self.slots = slots
 
-    @property
-    def in_flight(self) -> int:
-        """Streams in flight to the upstream."""
-        return self.slots.in_flight
-
     def refusal(self, req: Request) -> str | None:
         return self.slots.refusal(req.priority)
 

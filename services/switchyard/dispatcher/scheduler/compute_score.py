@@ -30,7 +30,7 @@ the sim engine, whose GPU is its model's, a stream engine, whose GPU is its
 model server's, and the torch engine on the CPU; ``runs_on_host_gpu``) and reports ``gpu_available`` False (``switchyard_gpu_available``
 0). An NVML error never propagates: the monitor switches to the fallback for good.
 
-The monitor records no metric: the step loop publishes its readings
+The monitor records no metric: the engine loop publishes its readings
 (:func:`switchyard.dispatcher.metrics.publish_stats`), and makes the gauge
 ``switchyard_compute_score`` call :meth:`ComputeScoreMonitor.scrape` at scrape
 time (:func:`switchyard.dispatcher.metrics.publish_compute_score_at_scrape`):

@@ -28,8 +28,8 @@ This class is the only place that
 - writes what the engine produced into its requests and ends them, for every
   engine (:meth:`SchedulerCore.update_from_output`: the one stop check,
   :func:`.update.check_stop`); every request that ends is handed back as a
-  :class:`~switchyard.dispatcher.request.RequestOutput` for the step loop to
-  publish;
+  :class:`~switchyard.dispatcher.request.RequestOutput` for the engine loop
+  to publish;
 - frees KV state (``kv.free``, the engine's
   :class:`~switchyard.dispatcher.engines.base.KVCacheManager`): on finish,
   preemption, parking expiry and agent hand-over;
@@ -504,12 +504,12 @@ class SchedulerCore(KvMemory):
         """
         budget = self.kv_budget
         chosen = self._fewest_victims(req, self._victim_candidates(req, out),
-                                      lambda victim: victim.kv_reserved_bytes - self._kv_bytes(victim)
+                                      lambda victim: victim.kv_reserved_bytes - self.kv.kv_bytes(victim)
                                       if budget is not None else 0)
         if chosen is None:
             return False
         for victim in chosen:
-            held = self._kv_bytes(victim)
+            held = self.kv.kv_bytes(victim)
             self._stop(victim, now)
             victim.status = PREEMPTING
             self._leaving.append(victim)
@@ -652,7 +652,7 @@ class SchedulerCore(KvMemory):
         their own deadline end too (:meth:`expire_deadlines`, so a deadline is answered within one step).
 
         Returns:
-            one output per request that produced something or ended, in ``batch`` order; the step loop
+            one output per request that produced something or ended, in ``batch`` order; the engine loop
             publishes them.
         """
         prefilled = {id(req) for req, _ in batch.prefill}
@@ -715,7 +715,7 @@ class SchedulerCore(KvMemory):
         elif state is WAITING and not taken_out:
             self.queue.remove(req)
         elif state is RequestStatus.BUFFERED:
-            self._remove_buffered(req)
+            self.intake.remove(req)
         if not req.reached_engine:
             self._queued -= 1
         self._end_handover(req)
@@ -808,9 +808,6 @@ class SchedulerCore(KvMemory):
     def _enqueue(self, req: Request, now: float) -> None:
         req.status = WAITING
         self.queue.add(req, now)
-
-    def _remove_buffered(self, req: Request) -> None:
-        self.intake.remove(req)
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
         first = not req.reached_engine
@@ -913,9 +910,6 @@ class SchedulerCore(KvMemory):
         self._events.task_compute_score_used.append(req.compute_score_used)
         self._events.task_memory_peak_bytes.append(req.memory_peak_bytes)
 
-    def _kv_bytes(self, req: Request) -> int:
-        return self.kv.kv_bytes(req)
-
     def _release(self, req: Request) -> None:
         """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""
         if req.status is PARKED:
@@ -925,7 +919,7 @@ class SchedulerCore(KvMemory):
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state now, and what it counted and observed since the previous call
-        (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`). The step loop is its one caller: it
+        (:class:`~switchyard.dispatcher.scheduler.base.SchedulerStats`). The engine loop is its one caller: it
         publishes every report (a report not published loses its counts and events to the metrics, not to
         :attr:`counters`)."""
         counted = self.counters.copy()
@@ -964,6 +958,6 @@ class SchedulerCore(KvMemory):
         held = self._held_beside_running()
         allocated, live = held, held
         for req in self._running:
-            allocated += max(req.kv_reserved_bytes, self._kv_bytes(req))
+            allocated += max(req.kv_reserved_bytes, self.kv.kv_bytes(req))
             live += req.num_computed_tokens * per_token
         return max(0.0, 1.0 - live / allocated) if allocated else 0.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.scheduler.parking import ParkedAgent
@@ -40,7 +40,7 @@ from switchyard.dispatcher.scheduler.tool_wait import (
 from switchyard.dispatcher.request import Request, RequestStatus, SchedulerOutput
 
 if TYPE_CHECKING:
-    from switchyard.common.config import SwitchyardConfig
+    from switchyard.common.config import MemoryTiersConfig, SchedulerConfig
     from switchyard.dispatcher.engines.base import KVCacheManager
     from switchyard.dispatcher.scheduler.base import SchedulerCounters, SchedulerEvents
     from switchyard.dispatcher.scheduler.capacity import Capacity, KvBudget
@@ -58,8 +58,8 @@ class KvMemory:
     """The memory half of :class:`~switchyard.dispatcher.scheduler.core.SchedulerCore` (see the module
     docstring); the core's attributes it reads are declared here, set by the core's ``__init__``."""
 
-    config: SwitchyardConfig
-    memory: Any
+    config: SchedulerConfig  # the core's ``config.scheduler``
+    memory: MemoryTiersConfig  # the core's ``config.memory``
     kv: KVCacheManager
     capacity: Capacity
     kv_budget: KvBudget | None  # a property of the core, read from capacity
@@ -254,7 +254,7 @@ class KvMemory:
                 victim = self._lowest_value_running(now, out)
                 if victim is None:
                     break
-                freed += max(victim.kv_reserved_bytes, self._kv_bytes(victim))
+                freed += max(victim.kv_reserved_bytes, self.kv.kv_bytes(victim))
                 self._preempt_one(victim, now, out)
         if self.score < self.memory.hbm.defrag_below_score:
             freed = self.kv.compact([*self._running, *self._leaving, *self.parking.requests, *self.queue])
@@ -360,7 +360,7 @@ class KvMemory:
 
         def value(req: Request) -> float:
             idle = now - (req.last_token_at or req.admitted_at or now)
-            return self.tiers.score(req, tokens=req.num_computed_tokens, nbytes=self._kv_bytes(req), idle_s=idle)
+            return self.tiers.score(req, tokens=req.num_computed_tokens, nbytes=self.kv.kv_bytes(req), idle_s=idle)
 
         return min(candidates, key=value)
 
@@ -376,7 +376,7 @@ class KvMemory:
         copied whenever a copy can be made.
         """
         tokens = req.num_computed_tokens
-        nbytes = self._kv_bytes(req)
+        nbytes = self.kv.kv_bytes(req)
         copy_s = self.tiers.transfer_seconds(nbytes)
         if decided:
             if tokens <= 0 or not self.tiers.can_swap():

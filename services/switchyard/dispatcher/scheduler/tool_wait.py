@@ -165,10 +165,6 @@ class Decision(str, enum.Enum):
     DROP = "drop"
 
 
-DECISIONS: tuple[str, ...] = tuple(d.value for d in Decision)
-"""Every decision's label value."""
-
-
 @dataclass(frozen=True)
 class ToolWaitInputs:
     """What the decision reads (seconds, bytes, fractions).
