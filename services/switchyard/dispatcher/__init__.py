@@ -14,8 +14,9 @@ it hands to whom):
   admission by compute score and KV memory, preemption.
 - :mod:`.double_buffer`: the scheduler's intake, swapped at step boundaries;
   :mod:`.adaptive_flush` can drive its interval bound.
-- :mod:`.engine_loop`: the step loop (prefill, decode, hand finished requests
-  back); :mod:`.stream_loop`: the same for upstream engines, under the engine's
+- :mod:`.engine_loop`: ``LoopBase``, what both engine loops share (submit, abort, every output's one path
+  to its stream, the flush timer, the scheduler's reports, drain), and the step loop (prefill, decode, hand
+  finished requests back); :mod:`.stream_loop`: the same for upstream engines, under the engine's
   concurrency limit (:mod:`.adaptive_limit`, one per upstream endpoint).
 - :mod:`.engines`: ``sim`` (latency model), ``openai`` (upstream gateway),
   ``torch``; :func:`switchyard.dispatcher.engines.make_engine` picks one.

@@ -1,4 +1,6 @@
-"""The step loop: the one loop that applies the scheduler's decisions to a step engine.
+"""The engine loops' shared base (:class:`LoopBase`) and the step loop (:class:`StepLoop`), the one loop that
+applies the scheduler's decisions to a step engine (the stream loop, for upstream engines, is
+:mod:`switchyard.dispatcher.stream_loop`).
 
 It computes nothing about queues: the scheduler (:mod:`switchyard.dispatcher.scheduler`)
 owns every request, and the engine owns the model. Each turn:
@@ -352,7 +354,7 @@ class LoopBase:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._end_helpers(cancel=True)
         if self.failure is None:  # a failed loop ended what it held already; its scheduler's state is suspect
-            self._cancel_all()
+            self._end_all(RequestStatus.FINISHED_ABORTED)
         self._cancel_flush_timer()
         self._cancel_stats_timer()
         self.scheduler.shutdown()
@@ -416,9 +418,6 @@ class LoopBase:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-
-    def _cancel_all(self) -> None:
-        self._end_all(RequestStatus.FINISHED_ABORTED)
 
     def _end_all(self, status: RequestStatus, error: BaseException | None = None) -> None:
         """End every request the scheduler holds, buffered, waiting, preempting or running, with ``status``."""
