@@ -100,7 +100,7 @@ def test_the_window_a_new_buffer_gets_does_not_depend_on_how_full_the_last_one_w
         "batching.flush_interval_ms": "auto", "batching.max_batch_size": 32, "batching.max_interval_ms": 200,
         "scheduler.time_slice_ms": 1000})
     service = DispatcherService(config)
-    scheduler, adaptive = service.scheduler, service.adaptive
+    scheduler, adaptive = service.scheduler, service.scheduler.adaptive_flush
     assert adaptive is not None
     now = time.monotonic()  # the double buffer asks the window with the clock's now
     for i in range(31):  # 100 requests a second fill the first buffer with 31
@@ -193,8 +193,9 @@ def test_only_an_arrival_the_buffer_takes_is_counted_by_the_adaptive_interval():
     config = SwitchyardConfig().with_overrides(**{"batching.flush_interval_ms": "auto",
                                                   "queues.inference.capacity": 1})
     service = DispatcherService(config)
-    assert service.adaptive is not None
-    arrivals = service.adaptive._arrivals
+    adaptive = service.scheduler.adaptive_flush
+    assert adaptive is not None
+    arrivals = adaptive._arrivals
     service.scheduler.add_request(Request(request_id="a", prompt="hi", prompt_tokens=1, max_tokens=1), 1.0)
     assert len(arrivals) == 1
     with pytest.raises(QueueFullError):

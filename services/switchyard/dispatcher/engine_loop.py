@@ -200,8 +200,7 @@ class LoopBase:
         scheduler has accepted it, the loop arms its flush timer (:meth:`_arm_flush_timer`), wakes where it
         would act on the new work (:meth:`_wake_for_intake`), and for a CORE request admits it ahead of the
         next decision where it can (:meth:`_admit_core_early`): the loop decides; the scheduler calls nothing
-        of the loop back (only the adaptive flush's arrival count, ``SchedulerCore.record_arrival``, where one
-        is set).
+        of the loop back (it tells its adaptive flush of the arrival, where it has one).
 
         Raises:
             DispatcherClosed, QueueFullError, InvalidArgument: see

@@ -412,7 +412,7 @@ class Request:
 class FlushedBatch:
     """One swap of the double buffer, shared by its members: ``left`` members have not ended yet, and it was
     flushed at ``flushed_at`` (monotonic seconds); when the last ends, the batch's service time is reported
-    (``SchedulerCore.record_batch_service``, the adaptive flush's measurement)."""
+    (to ``SchedulerCore.adaptive_flush``, its measurement)."""
 
     left: int
     flushed_at: float

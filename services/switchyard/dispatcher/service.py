@@ -102,9 +102,8 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self.engine = engine if engine is not None else make_engine(config)
         self.stepping = isinstance(self.engine, StepEngine)
         flush = config.batching
-        self.adaptive: AdaptiveFlush | None = (
-            AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000) if flush.adaptive else None
-        )
+        adaptive_flush = (AdaptiveFlush(flush, engine_step_s=config.scheduler.time_slice_ms / 1000)
+                          if flush.adaptive else None)
         self.stream_slots: StreamSlots | None = None
         """The streams in flight to a stream engine's upstream and the one limit they are admitted under: the
         engine's own (the openai engine's gateway keeps one limit per endpoint and admits up to their sum), else
@@ -123,12 +122,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         cold = ColdStore(oss.path, dram.key_prefix, oss.storage_options) if store is not None else None  # [oss]
         self.tiers = MemoryTiers(config.memory, config.scheduler.priority_boost, self.engine.kv, store, cold)
         self.scheduler: SchedulerCore = make_scheduler(
-            config, self.engine, policy=policy, capacity=capacity, flush_interval_s=self.adaptive, tiers=self.tiers,
+            config, self.engine, policy=policy, capacity=capacity, adaptive_flush=adaptive_flush, tiers=self.tiers,
             queue=queue,
         )
-        if self.adaptive is not None:
-            self.scheduler.record_arrival = self.adaptive.record_arrival
-            self.scheduler.record_batch_service = self.adaptive.record_batch_service
         self.processor = RequestProcessor(config, self.engine)
         """Each request of the sessions, in and out (:mod:`switchyard.dispatcher.processor`); it holds the
         engine loop and the draining flag the sessions read."""

@@ -23,9 +23,10 @@ What the policies share, each module owning one part of it:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from switchyard.common.config import SchedulerConfig, SwitchyardConfig
+from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.scheduler.base import Scheduler, SchedulerOutput, should_park
 from switchyard.dispatcher.scheduler.capacity import Capacity
 from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
@@ -62,7 +63,7 @@ def make_scheduler(
     policy: str | None = None,
     monitor: ComputeScoreMonitor | None = None,
     capacity: Capacity | None = None,
-    flush_interval_s: float | Callable[[], float] | None = None,
+    adaptive_flush: AdaptiveFlush | None = None,
     tiers: Any = None,
     queue: RequestQueue | None = None,
 ) -> SchedulerCore:
@@ -75,7 +76,8 @@ def make_scheduler(
         policy: ``"priority"``, ``"fair"`` or ``"fifo"``; overrides the config.
         monitor: compute-score source (tests pass one built on a fake NVML).
         capacity: the running set's limit (default: the engine's KV budget).
-        flush_interval_s: the double buffer's interval (default: ``flush.flush_interval_ms``).
+        adaptive_flush: the flush-interval controller where ``batching.flush_interval_ms`` is ``"auto"`` (default
+            None: the fixed interval, ``min_interval_ms`` for ``"auto"``).
         tiers: the memory tiers (:class:`switchyard.dispatcher.tiers.MemoryTiers`); default
             one without a DRAM store (evicted KV is recomputed).
         queue: the waiting queue (:class:`.request_queue.RequestQueue`; default the policy's): another
@@ -88,5 +90,5 @@ def make_scheduler(
     name = policy or whole.scheduler.policy
     if name not in POLICIES:
         raise ValueError(f"scheduler policy: expected one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](whole, engine, monitor, capacity=capacity, flush_interval_s=flush_interval_s, tiers=tiers,
+    return POLICIES[name](whole, engine, monitor, capacity=capacity, adaptive_flush=adaptive_flush, tiers=tiers,
                           queue=queue)

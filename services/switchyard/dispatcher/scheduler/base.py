@@ -70,8 +70,6 @@ from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, SchedulerOutput
 
 if TYPE_CHECKING:
-    from typing import Callable
-
     from switchyard.dispatcher.engines.base import StepBatch, StepResult
     from switchyard.dispatcher.scheduler.capacity import Capacity
     from switchyard.dispatcher.scheduler.compute_score import ComputeScoreMonitor
@@ -436,9 +434,3 @@ class Scheduler(Protocol):
 
     preemption_enabled: bool
     """Whether core work may preempt running work (``scheduler.preemption_enabled``; never on a stream engine)."""
-
-    record_arrival: "Callable[[float], None] | None"
-    """Called with each accepted request's arrival (monotonic seconds): the adaptive flush's arrival count."""
-
-    record_batch_service: "Callable[[float], None] | None"
-    """Called with a flushed batch's service time, seconds: the adaptive flush's measurement."""

@@ -95,6 +95,7 @@ from switchyard.common.errors import (
     SwitchyardError,
 )
 from switchyard.common.priority import PriorityClass
+from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.scheduler.accounting import Accounting
 from switchyard.dispatcher.scheduler.admission import Admission
@@ -165,9 +166,9 @@ class SchedulerCore(KvMemory):
             reading NVML, falling back to the engine's own activity.
         capacity: the running set's limit; default :class:`KvBudget` from the
             engine's memory facts (:class:`Unbounded` when it has none).
-        flush_interval_s: the double buffer's interval (seconds, or a callable
-            such as :class:`~switchyard.dispatcher.adaptive_flush.AdaptiveFlush`);
-            default ``flush.flush_interval_ms``.
+        adaptive_flush: the flush-interval controller (``batching.flush_interval_ms`` ``"auto"``): the double
+            buffer's interval, told of each accepted arrival and each flushed batch's service time; None: the
+            fixed ``flush_interval_ms`` (``min_interval_ms`` where the setting is ``"auto"``).
         tiers: the memory tiers (swap to DRAM); default one without a DRAM
             store: evicted state is recomputed.
         queue: the waiting queue (:class:`.request_queue.RequestQueue`: its ``order_key`` orders the
@@ -182,7 +183,7 @@ class SchedulerCore(KvMemory):
         engine: Any = None,
         monitor: ComputeScoreMonitor | None = None,
         capacity: Capacity | None = None,
-        flush_interval_s: float | Callable[[], float] | None = None,
+        adaptive_flush: AdaptiveFlush | None = None,
         tiers: MemoryTiers | None = None,
         queue: RequestQueue | None = None,
     ) -> None:
@@ -221,16 +222,15 @@ class SchedulerCore(KvMemory):
                                  taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
         flush = config.batching
-        if flush_interval_s is None:
-            flush_interval_s = float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000
-        self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, flush_interval_s)
-        self.record_arrival: Callable[[float], None] | None = None
-        """Called with each request the double buffer took (not one refused): its arrival (monotonic seconds).
-        The adaptive flush's arrival count (:meth:`AdaptiveFlush.record_arrival`), set by the service; never the
-        loop's wake-up (the loop wakes itself once :meth:`add_request` returns)."""
-        self.record_batch_service: Callable[[float], None] | None = None
-        """Called with a flushed batch's service time (flush -> its last member ended), seconds: the adaptive
-        flush's measurement (:meth:`AdaptiveFlush.record_batch_service`), set by the service."""
+        self.adaptive_flush = adaptive_flush
+        """The flush-interval controller, or None (a fixed interval): its window is the double buffer's interval,
+        and it hears of each request the buffer took (:meth:`AdaptiveFlush.record_arrival`, never the loop's
+        wake-up: the loop wakes itself once :meth:`add_request` returns) and of each flushed batch's service time
+        (:meth:`AdaptiveFlush.record_batch_service`)."""
+        interval: float | AdaptiveFlush = (
+            adaptive_flush if adaptive_flush is not None
+            else float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000)
+        self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, interval)
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
         """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
@@ -269,6 +269,7 @@ class SchedulerCore(KvMemory):
 
     @property
     def running(self) -> list[Request]:
+        """The running set, in step order (a copy)."""
         return list(self._running)
 
     @property
@@ -278,14 +279,19 @@ class SchedulerCore(KvMemory):
 
     @property
     def parked(self) -> list[Request]:
+        """The last step of each agent task waiting on a tool with its prefix state in HBM, oldest first
+        (:mod:`.parking`)."""
         return self.parking.requests
 
     @property
     def parked_kv_bytes(self) -> int:
+        """Bytes of KV the parked steps hold in HBM, those being handed over to their agent's next step included,
+        read from the engine (``kv.kv_bytes``) each time."""
         return self.parking.kv_bytes
 
     @property
     def num_running(self) -> int:
+        """Requests in the running set."""
         return len(self._running)
 
     @property
@@ -349,8 +355,8 @@ class SchedulerCore(KvMemory):
         if req.deadline is not None:
             self._next_deadline = min(self._next_deadline, req.deadline)
         full = self.intake.put(req, now)
-        if self.record_arrival is not None:
-            self.record_arrival(now)
+        if self.adaptive_flush is not None:
+            self.adaptive_flush.record_arrival(now)
         if full:
             self.flush(FlushReason.SIZE, now)
 
@@ -890,8 +896,8 @@ class SchedulerCore(KvMemory):
         if batch is None:
             return
         batch.left -= 1
-        if batch.left <= 0 and self.record_batch_service is not None:
-            self.record_batch_service(max(0.0, now - batch.flushed_at))
+        if batch.left <= 0 and self.adaptive_flush is not None:
+            self.adaptive_flush.record_batch_service(max(0.0, now - batch.flushed_at))
 
     @property
     def flush_deadline(self) -> float | None:
