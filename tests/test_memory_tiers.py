@@ -157,6 +157,39 @@ async def test_preempted_kv_goes_to_redis_and_comes_back_instead_of_being_recomp
     await sched.tiers.aclose()
 
 
+async def test_two_preempted_requests_sharing_a_caller_id_each_get_their_own_copy_back(redis_db: RedisDb) -> None:
+    """A caller's ``request_id`` is not unique (two callers, or one reusing an id): the DRAM copy of a preempted
+    request was keyed by it, so a second request of that id preempted meanwhile replaced the first's copy (its
+    write cancelled), the first took the second's copy back and deleted it, and the second recomputed. A copy is
+    keyed by the request itself (``seq_id``, under an id of this dispatcher's own)."""
+    engine = SimEngine(SwitchyardConfig())
+    store = kv_store(redis_db)
+    sched = build(engine, store, running=2, **{"scheduler.core_wait_before_preempt_ms": 0})
+    first, second = request("dup", BATCH, prompt_tokens=800), request("dup", BATCH, prompt_tokens=300)
+    assert sched.tiers.request_key(first) != sched.tiers.request_key(second)
+    accept(sched, [first, second], now=0.0)
+    out = sched.schedule(now=0.0)
+    assert out.admitted == [first, second]
+    await step(sched, engine, prefill=out.admitted)
+    await step(sched, engine, decode=[first, second])
+    held = {id(first): first.num_computed_tokens, id(second): second.num_computed_tokens}
+    assert held[id(first)] != held[id(second)]
+
+    cores = [request(f"core-{i}", CORE, arrival=0.1, prompt_tokens=20, max_tokens=2) for i in range(2)]
+    accept(sched, cores, now=0.1)
+    out = sched.schedule(now=0.2)
+    assert sorted(map(id, out.preempted)) == sorted([id(first), id(second)])
+    assert first.swap_key and second.swap_key and first.swap_key != second.swap_key
+    for core in cores:
+        await run_to_end(sched, engine, core, now=0.3)
+    out = sched.schedule(now=0.4)
+    assert sorted(map(id, out.restore)) == sorted([id(first), id(second)])
+    for req in out.restore:
+        assert await sched.tiers.restore(req) == held[id(req)]
+        assert req.recomputed_tokens == 0
+    await sched.tiers.aclose()
+
+
 async def test_a_parked_agent_past_its_ttl_resumes_from_dram(redis_db: RedisDb) -> None:
     engine = SimEngine(SwitchyardConfig())
     client = redis_db.client()

@@ -164,7 +164,9 @@ def record_output(req: Request, first: float | None, last: float | None, count: 
 
 
 class LoopBase:
-    """Submit, abort, the tool-wait calls, drain and the busy ratio: what every engine loop offers the service.
+    """Submit, abort, the tool-wait calls, drain and the busy ratio: what every engine loop offers the service;
+    and what both loops do alike: every scheduler output takes one path to its request's stream
+    (:meth:`_apply_outputs`), the flush and report timers, the scheduler's reports to the metrics.
 
     Args:
         config: the whole config.

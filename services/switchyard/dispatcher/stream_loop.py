@@ -76,6 +76,9 @@ class StreamLoop(LoopBase):
         engine: the stream engine.
         scheduler: a scheduler built with a ``ConcurrencyCapacity``, whose ``slots`` (the engine's, whose limit
             measures itself) are the one count and limit the loop reads.
+
+    Raises:
+        ValueError: ``scheduler``'s capacity is not a ``ConcurrencyCapacity``.
     """
 
     def __init__(self, config: SwitchyardConfig, engine: StreamEngine, scheduler: SchedulerCore) -> None:

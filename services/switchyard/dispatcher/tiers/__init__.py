@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 from switchyard.common import telemetry
@@ -87,10 +88,15 @@ class MemoryTiers:
         self._owed_s = 0.0
         self._scan_task: asyncio.Task[None] | None = None
         self.models_transfers = self.kv.models_transfers
+        self._instance = uuid.uuid4().hex[:12]
+        """This dispatcher's own id in the keys of its preempted requests' copies (:meth:`request_key`): replicas
+        may share the DRAM tier, and each counts ``Request.seq_id`` from 1."""
 
     def request_key(self, req: Request) -> str:
-        """DRAM key of a preempted request's KV state ("" without a DRAM tier)."""
-        return self.store.key("seq", req.request_id) if self.store is not None else ""
+        """DRAM key of a preempted request's KV state ("" without a DRAM tier): the request's own
+        (``seq_id``, under this dispatcher's id), never its caller's ``request_id``, which two requests held at
+        once may share (their copies then replaced each other's)."""
+        return self.store.key("seq", f"{self._instance}-{req.seq_id}") if self.store is not None else ""
 
     def parked_key(self, program_key: str) -> str:
         """DRAM key of a parked step's prefix state, by its task's ``program_key`` (``Request.program_key``, what
