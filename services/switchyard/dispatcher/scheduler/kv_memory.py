@@ -389,31 +389,38 @@ class KvMemory:
         return True
 
     def _copy_decided(self, parked: Request) -> bool:
-        """A tool wait's SWAP: the parked agent's state goes to DRAM (under its agent's key) whenever a copy can
+        """A tool wait's SWAP: the parked agent's state goes to DRAM (under its task's key) whenever a copy can
         be made; the decision priced it against recomputing (:func:`.tool_wait.decide`, the one rule of a tool
         wait's swap or drop). True when it was copied."""
-        if self._swap_out(parked, self.tiers.parked_key(parked.program_key), decided=True):
-            parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
-            return True
-        self.counters.hbm_evictions += 1  # dropped: its next step recomputes
-        return False
+        return self._copy_parked(parked, decided=True)
 
     def _demote_parked(self, parked: Request) -> bool:
-        """A parked agent's state leaves HBM: True when a copy went to DRAM (under its agent's key).
+        """A parked agent's state leaves HBM: True when a copy went to DRAM (under its task's key).
 
         When it leaves to make room for a waiting request of a higher class (:meth:`_make_room`), that
         request would wait for the copy: the swap-or-recompute choice counts it.
         """
         head = self._room_for
         delays = self._copy_delays() if head is not None and head.priority < parked.priority else 0
-        key = self.tiers.parked_key(parked.program_key)
-        if self._swap_out(parked, key, delays):
-            parked.swap_key, parked.swap_tokens = "", 0  # the agent's next step finds the copy by its key
+        return self._copy_parked(parked, delays=delays)
+
+    def _copy_parked(self, parked: Request, delays: int = 0, decided: bool = False) -> bool:
+        """Copy the parked step's state to DRAM under its task's key (:meth:`_swap_out`, ``delays`` and
+        ``decided`` as there); True when copied. The copy is found by that key (the agent's next step, or a
+        planned restore), not by the parked step's own ``swap_key``; a state not copied is counted as
+        dropped (``hbm_evictions``): its next step recomputes."""
+        if self._swap_out(parked, self.tiers.parked_key(parked.program_key), delays, decided=decided):
+            parked.swap_key, parked.swap_tokens = "", 0
             return True
-        self.counters.hbm_evictions += 1  # dropped: its next step recomputes
+        self.counters.hbm_evictions += 1
         return False
 
     def _resume_prefix(self, req: Request, now: float) -> None:
+        """``req``, an agent task's next step (``resume``), joins the waiting set: it takes over its parked
+        step's warm prefix (``num_computed_tokens``; the parking records the hand-over), or is pointed at its
+        DRAM copy (``swap_key``, restored at its admission; ``swap_tokens`` 0: a copy another replica parked,
+        whatever it holds), or recomputes its prefix (``recomputed_tokens``); counted as a warm, restored or
+        cold resume, and its tool-wait plan learns that its turn came (:meth:`.tool_wait.ToolWaitPlans.on_turn`)."""
         found = self.parking.take(req.program_key, now, req)
         plan = self.tool_waits.on_turn(req.program_key, now, found.warm)
         if found.warm and plan is not None:  # kept, or restored ahead, for this turn
