@@ -13,13 +13,15 @@ from typing import AsyncIterator
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard.common.channels import open_channel
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import ServiceUnavailable
+from switchyard.common.errors import ORIGIN_KEY, DispatcherNotServing
 from switchyard.common.server import RunningServer, running, start_server
-from switchyard.dispatcher.processor import RequestProcessor
+from switchyard.dispatcher.processor import NOT_STARTED, RequestProcessor
+from switchyard.dispatcher.scheduler.core import SHUTTING_DOWN
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator.service import OrchestratorService
 from fast_sim import FAST
@@ -145,6 +147,39 @@ async def test_a_replica_dying_mid_stream_fails_unavailable_naming_it():
     assert "stream cut after" in err.value.details(), err.value.details()
 
 
+@pytest.mark.parametrize("state", ["stopped", "draining"])
+async def test_a_replica_that_serves_no_request_refuses_by_name_and_its_calls_go_to_another(state):
+    """A dispatcher whose engine loop is gone (stopped, or not started yet) and one that drains refuse alike:
+    DispatcherNotServing, UNAVAILABLE from the dispatcher itself, naming why and what to do; the orchestrator
+    tries each such call on another replica, and every task ends well. The two states were refused by two
+    errors built in two places, in two wordings."""
+    async with fleet(2) as (servers, served, (stub, _started)):
+        d0: DispatcherService = servers[0].services[0]  # type: ignore[assignment]
+        if state == "stopped":
+            await d0.stop()  # its gRPC server still answers: the window between the loop's end and the server's
+        else:
+            await d0.begin_drain()
+        async with open_channel(f"127.0.0.1:{servers[0].port}") as channel:
+            call = agent_pb2_grpc.InferenceServiceStub(channel).Generate(
+                agent_pb2.GenerateRequest(request_id="direct", prompt="say hello", max_tokens=4))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+        reason = NOT_STARTED if state == "stopped" else SHUTTING_DOWN
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == str(DispatcherNotServing(reason))
+        assert "retry on another replica" in refused.value.details()
+        assert dict(refused.value.trailing_metadata() or ())[ORIGIN_KEY] == "dispatcher"
+        # (a draining replica's stream may also end before it reads a start: UNAVAILABLE, retried the same way)
+        retried = REGISTRY.get_sample_value("switchyard_dispatcher_retries_total") or 0.0
+        for i in range(32):  # until an agent homed on d0 was tried there first (each is, with chance 1/2)
+            final = await chat(stub, f"agent-{i}", 0)
+            assert final.finish_reason in ("stop", "length") and final.output
+            if (REGISTRY.get_sample_value("switchyard_dispatcher_retries_total") or 0.0) > retried:
+                break
+        else:
+            raise AssertionError(f"no call was tried on d0 first: {served}")
+
+
 async def test_a_hot_agent_spills_past_the_in_flight_bound_and_uninvolved_agents_stay_home():
     # one agent sends 60 % of 30 concurrent calls; each call decodes 32 modelled 10 ms steps, so they overlap
     orchestrators: list[OrchestratorService] = []
@@ -186,7 +221,7 @@ class Refusing(Recording):
         async def open_request(request, timeout_s, span):
             seen.append((label, request.task_time_left_s, timeout_s))
             if refuse:
-                raise ServiceUnavailable("dispatcher", label, "draining")
+                raise DispatcherNotServing(SHUTTING_DOWN)
             return await RecordingProcessor.open_request(self.processor, request, timeout_s, span)
 
         self.processor.open_request = open_request

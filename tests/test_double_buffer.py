@@ -9,12 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from switchyard.common.config import SwitchyardConfig
-from switchyard.common.errors import QueueFullError
+from switchyard.common.errors import DispatcherNotServing, QueueFullError
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.double_buffer import DoubleBuffer, FlushReason
 from switchyard.dispatcher.engines.sim import SimEngine
 from switchyard.dispatcher.scheduler import make_scheduler
-from switchyard.dispatcher.scheduler.core import DispatcherClosed
 from switchyard.dispatcher.request import Request, RequestStatus
 
 pytestmark = pytest.mark.no_gpu
@@ -141,7 +140,7 @@ def test_full_queue_refuses_at_once_and_closed_dispatcher_refuses_too() -> None:
     assert s.num_queued == 0
     s.add_request(req("d"), now=0.0)
     s.close()
-    with pytest.raises(DispatcherClosed):
+    with pytest.raises(DispatcherNotServing, match="shutting down"):
         s.add_request(req("e"), now=0.0)
     assert s.schedule(now=0.0).admitted[0].flush_reason == FlushReason.DRAIN
 

@@ -144,15 +144,15 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_by_name():
 
 
 def test_a_draining_dispatcher_refuses_unavailable_before_judging_a_deadline():
-    """A closed (draining) scheduler refuses UNAVAILABLE (DispatcherClosed, retried on another replica) before any
+    """A closed (draining) scheduler refuses UNAVAILABLE (DispatcherNotServing, retried on another replica) before any
     policy's own refusal, as SchedulerCore.add_request orders them. The fair policy judged the slack first: a
     closed scheduler answered a request its estimate found late with DEADLINE_EXCEEDED and counted an early
     refusal."""
-    from switchyard.dispatcher.scheduler.core import DispatcherClosed
+    from switchyard.common.errors import DispatcherNotServing
 
     s = sched()
     s.close()
-    with pytest.raises(DispatcherClosed) as caught:
+    with pytest.raises(DispatcherNotServing) as caught:
         s.add_request(req("too-late", task_time_left_s=1.0, expected_remaining_work_s=5.0), 0.0)
     assert caught.value.code is grpc.StatusCode.UNAVAILABLE
     assert not s.counters.refused_early

@@ -60,6 +60,19 @@ class ServiceUnavailable(SwitchyardError):
         super().__init__(f"{service} service unavailable at {address}{tail}; is it running (switchyard up)?")
 
 
+class DispatcherNotServing(SwitchyardError):
+    """The dispatcher itself serves no request now (UNAVAILABLE, its own answer, so its origin is ``dispatcher``):
+    ``reason`` says why (not started yet or stopped; shutting down, draining; its engine loop failed). A request
+    it refuses did nothing, so the orchestrator tries it on another replica (``InferenceClient.generate``);
+    one it held when its engine loop failed ends with it too."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"dispatcher not serving: {reason}; retry on another replica, or on this one shortly")
+        self.reason = reason
+
+
 class TaskDeadlineExceeded(SwitchyardError):
     """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED)."""
 

@@ -106,11 +106,12 @@ from opentelemetry import context as otel_context
 from switchyard.common.priority import PriorityClass
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
+from switchyard.common.errors import DispatcherNotServing
 from switchyard.dispatcher import metrics
 from switchyard.dispatcher.double_buffer import FlushReason
 from switchyard.dispatcher.engines.base import StepBatch, StepEngine, StepResult, StreamEngine
 from switchyard.dispatcher.scheduler.base import BatchFlush
-from switchyard.dispatcher.scheduler.core import DispatcherClosed, SchedulerCore, loop_failure
+from switchyard.dispatcher.scheduler.core import SchedulerCore, loop_failure
 from switchyard.dispatcher.scheduler.tool_wait import ToolWaitDecision
 from switchyard.dispatcher.request import Request, RequestOutput, RequestStatus, request_links
 
@@ -205,7 +206,7 @@ class LoopBase:
         of the loop back (it tells its adaptive flush of the arrival, where it has one).
 
         Raises:
-            DispatcherClosed, QueueFullError, InvalidArgument: see
+            DispatcherNotServing, QueueFullError, InvalidArgument: see
                 :meth:`SchedulerCore.add_request`.
             CannotMeetDeadline: the ``fair`` policy's early refusal (:meth:`~switchyard.dispatcher.scheduler.fair.FairScheduler._refuse_early`).
         """
@@ -313,16 +314,17 @@ class LoopBase:
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """The loop's task ended. Having returned (a drain) or been cancelled (a stop) is the plan; an exception
         is a bug in a decision, after which no request would be answered again: log it, close the intake (new
-        requests are refused UNAVAILABLE naming it, :class:`DispatcherClosed`), fail every request the scheduler
+        requests are refused UNAVAILABLE naming it, :class:`DispatcherNotServing`), fail every request the scheduler
         holds with the same error, and tell :attr:`on_failure`."""
         if task.cancelled() or (exc := task.exception()) is None:
             return
         self.failure = exc
         log.critical("dispatcher: the engine loop failed; the requests it held fail, new ones are refused",
                      exc_info=exc)
-        self.scheduler.close()
+        reason = loop_failure(exc)
+        self.scheduler.close(reason)
         try:
-            self._end_all(RequestStatus.FINISHED_ERROR, DispatcherClosed(loop_failure(exc)))
+            self._end_all(RequestStatus.FINISHED_ERROR, DispatcherNotServing(reason))
         except Exception:  # noqa: BLE001 - the scheduler's state is what failed: its requests may not all end
             log.exception("dispatcher: ending the requests held after the engine loop failed")
         if self.on_failure is not None:

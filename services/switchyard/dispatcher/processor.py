@@ -28,7 +28,7 @@ from switchyard.api import agent_pb2
 from switchyard.common import telemetry, untrusted
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import ContextWindow, RequestLimitsConfig
-from switchyard.common.errors import InvalidArgument, SwitchyardError
+from switchyard.common.errors import DispatcherNotServing, InvalidArgument, SwitchyardError
 from switchyard.common.generate_protocol import deadline_after
 from switchyard.common.priority import PriorityClass, check_priority
 from switchyard.common.tenant import DEFAULT_TENANT, check_tenant
@@ -38,7 +38,6 @@ from switchyard.dispatcher.engines import StepEngine, StreamEngine
 from switchyard.dispatcher.output import OutputItem, StreamDone, StreamToken, StreamToolCall
 from switchyard.dispatcher.request import Message, Request, RequestOutput, RequestStatus, Tool, ToolCall, word_pieces
 from switchyard.dispatcher.scheduler.base import QUEUE_NAME
-from switchyard.dispatcher.scheduler.core import DispatcherClosed, loop_failure
 from switchyard.gateway.models import not_served
 
 tracer = telemetry.get_tracer("switchyard.dispatcher.service")  # the request spans' scope, as before this module
@@ -52,6 +51,9 @@ MAX_CHARS_PER_TOKEN = 128
 
 COUNT_IN_THREAD_BYTES = 256 * 1024
 """Requests larger than this are validated and counted off the event loop."""
+
+NOT_STARTED = "it has not started yet, or has stopped"
+"""Why a dispatcher with no engine loop refuses requests (:class:`~switchyard.common.errors.DispatcherNotServing`)."""
 
 MODELS_READ_WAIT_S = 1.0
 """Longest a request waits for the upstream's model list (its context windows): a Generate while the first
@@ -368,8 +370,22 @@ class RequestProcessor:
     @property
     def draining(self) -> bool:
         """The dispatcher drains: its scheduler's intake is closed (the one flag; :meth:`DispatcherService.begin_drain`
-        closes it), and new requests are refused ``DispatcherClosed``."""
+        closes it), and new requests are refused ``DispatcherNotServing`` (:meth:`serving_loop`)."""
         return self.loop is not None and self.loop.scheduler.intake.closed
+
+    def serving_loop(self) -> LoopBase:
+        """The engine loop, when it takes requests.
+
+        Raises:
+            DispatcherNotServing: UNAVAILABLE, naming why: :data:`NOT_STARTED` (no loop), else why its scheduler's
+                intake is closed (:meth:`~switchyard.dispatcher.scheduler.core.SchedulerCore.check_open`: shutting
+                down, or the loop failed).
+        """
+        loop = self.loop
+        if loop is None:
+            raise DispatcherNotServing(NOT_STARTED)
+        loop.scheduler.check_open()
+        return loop
 
     @property
     def shares_prefixes(self) -> bool:
@@ -389,7 +405,7 @@ class RequestProcessor:
 
         Raises:
             SwitchyardError: the request is invalid (INVALID_ARGUMENT, NOT_FOUND), the
-                dispatcher is not started or draining (UNAVAILABLE), the queue is full
+                dispatcher serves no request now (UNAVAILABLE, :meth:`serving_loop`), the queue is full
                 (RESOURCE_EXHAUSTED), or, under the ``fair`` policy, its task cannot meet its deadline
                 (DEADLINE_EXCEEDED, :class:`~switchyard.dispatcher.scheduler.slack.CannotMeetDeadline`).
         """
@@ -415,14 +431,7 @@ class RequestProcessor:
         req.span = span
         if timeout_s is not None:
             req.deadline = deadline_after(timeout_s)
-        loop = self.loop
-        if loop is None:
-            raise SwitchyardError("dispatcher is not serving (starting, or stopped); retry shortly or on another replica",
-                                  grpc.StatusCode.UNAVAILABLE)
-        if loop.failure is not None:
-            raise DispatcherClosed(loop_failure(loop.failure))
-        if self.draining:  # refused before its prefill_only shortcut, which would not reach the scheduler
-            raise DispatcherClosed()
+        loop = self.serving_loop()  # refused before its prefill_only shortcut, which would not reach the scheduler
         if req.prefill_only:
             if not self.shares_prefixes:  # nothing later could reuse its prefix: done, no tokens
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -283,7 +283,7 @@ class Scheduler(Protocol):
         work of its class, and reuses its agent's warm prefix state when the TTL has not run out.
 
         Raises:
-            DispatcherClosed: draining (UNAVAILABLE).
+            DispatcherNotServing: closed (:meth:`close`; UNAVAILABLE).
             QueueFullError: ``queues.inference.capacity`` requests wait already (RESOURCE_EXHAUSTED).
             InvalidArgument: it could never fit the engine (``max_tokens``).
             CannotMeetDeadline: the ``fair`` policy: its task's slack is already negative (DEADLINE_EXCEEDED).
@@ -353,10 +353,14 @@ class Scheduler(Protocol):
         """Swap the double buffer (``reason``: the loop's timer gives ``INTERVAL``); its whole active list joins
         the waiting set. Returns how many requests it moved."""
 
-    def close(self) -> None:
-        """Refuse new requests from now on (draining: :meth:`add_request` raises ``DispatcherClosed``); what is
-        buffered joins at the next decision. ``intake.closed`` is the one drain flag the loops and the processor
-        read."""
+    def close(self, reason: str | None = None) -> None:
+        """Refuse new requests from now on (draining, or ``reason``: :meth:`add_request` raises
+        ``DispatcherNotServing`` naming it); what is buffered joins at the next decision. ``intake.closed`` is
+        the one drain flag the loops and the processor read."""
+
+    def check_open(self) -> None:
+        """Refuse when the intake is closed: raises ``DispatcherNotServing`` (UNAVAILABLE) naming why
+        (:meth:`close`'s reason)."""
 
     def admit_core(self, now: float) -> SchedulerOutput:
         """While a step runs: take the core requests out of the double buffer and admit the head of the waiting

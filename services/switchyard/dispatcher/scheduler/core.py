@@ -88,6 +88,7 @@ import grpc
 
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.errors import (
+    DispatcherNotServing,
     InvalidArgument,
     QueueFullError,
     QueueTimeoutError,
@@ -141,17 +142,15 @@ PREEMPTING = RequestStatus.PREEMPTING
 PARKED = RequestStatus.PARKED
 
 
-class DispatcherClosed(SwitchyardError):
-    """The dispatcher takes no more requests (UNAVAILABLE): it drains for shutdown, or ``reason`` (its engine loop
-    failed: :func:`loop_failure`); retry on another replica."""
-
-    def __init__(self, reason: str = "dispatcher is shutting down") -> None:
-        super().__init__(f"{reason}; retry on another replica", grpc.StatusCode.UNAVAILABLE)
+SHUTTING_DOWN = "it is shutting down (draining what it accepted)"
+"""Why a dispatcher whose intake :meth:`SchedulerCore.close` closed with no reason refuses requests
+(:class:`~switchyard.common.errors.DispatcherNotServing`)."""
 
 
 def loop_failure(exc: BaseException) -> str:
-    """The reason a dispatcher whose engine loop ended with ``exc`` gives for refusing and failing requests."""
-    return f"the dispatcher's engine loop failed ({type(exc).__name__}: {exc})"
+    """Why a dispatcher whose engine loop ended with ``exc`` refuses new requests and fails those it held (the
+    reason its scheduler is closed with, :class:`~switchyard.common.errors.DispatcherNotServing`)."""
+    return f"its engine loop failed ({type(exc).__name__}: {exc})"
 
 
 class SchedulerCore(KvMemory):
@@ -231,6 +230,7 @@ class SchedulerCore(KvMemory):
             adaptive_flush if adaptive_flush is not None
             else float(flush.flush_interval_ms) / 1000 if not flush.adaptive else flush.min_interval_ms / 1000)
         self.intake: DoubleBuffer[Request] = DoubleBuffer(flush.max_batch_size, interval)
+        self._closed_because = SHUTTING_DOWN  # why the intake is closed, once it is (close's reason)
         self.queue: RequestQueue = queue if queue is not None else self.make_queue()
         """The waiting requests in the policy's order (:mod:`.request_queue`)."""
         self._running: list[Request] = []
@@ -334,13 +334,12 @@ class SchedulerCore(KvMemory):
         too small.
 
         Raises:
-            DispatcherClosed: the dispatcher is draining (UNAVAILABLE).
+            DispatcherNotServing: the intake is closed (:meth:`check_open`; UNAVAILABLE).
             CannotMeetDeadline: the ``fair`` policy: its task's slack is already negative (DEADLINE_EXCEEDED).
             QueueFullError: ``queues.inference.capacity`` requests already wait (RESOURCE_EXHAUSTED).
             InvalidArgument: ``req`` could never fit the engine (its KV exceeds the HBM budget).
         """
-        if self.intake.closed:
-            raise DispatcherClosed()
+        self.check_open()
         self._refuse_early(req, now)
         if self._queued >= self.queue_config.capacity:
             self.counters.queue_rejections["full"] += 1
@@ -383,9 +382,24 @@ class SchedulerCore(KvMemory):
             self._enqueue(req, now)
         return size
 
-    def close(self) -> None:
-        """Refuse new requests (draining); what is buffered is flushed at the next decision (DRAIN)."""
+    def close(self, reason: str | None = None) -> None:
+        """Refuse new requests from now on (:meth:`check_open`); what is buffered is flushed at the next decision
+        (DRAIN). ``reason``: why, as the refusals say it (None: :data:`SHUTTING_DOWN`, or the reason given
+        before); a reason given replaces the one before (an engine loop that fails during a drain is what
+        the refusals then name)."""
+        if reason is not None:
+            self._closed_because = reason
         self.intake.close()
+
+    def check_open(self) -> None:
+        """Refuse when the intake is closed (``intake.closed``, the one drain flag): the scheduler's own
+        :meth:`add_request`, and the processor for a request that will not reach it.
+
+        Raises:
+            DispatcherNotServing: naming why it closed (:meth:`close`'s reason; UNAVAILABLE).
+        """
+        if self.intake.closed:
+            raise DispatcherNotServing(self._closed_because)
 
     # ------------------------------------------------------------------ decisions
 
