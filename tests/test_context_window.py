@@ -230,7 +230,7 @@ async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answ
         cfg = config_for(sim.base_url)
         engine = make_engine(cfg)
         async with running([DispatcherService(cfg, engine=engine)], cfg.server):
-            await engine.first_read_ended(5.0)  # the read its start began
+            await engine.await_model_list("", 5.0)  # the read its start began
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any(f"does not list model {MODEL!r}" in r.getMessage() and repr(OTHER) in r.getMessage()
                and "SWITCHYARD_UPSTREAM_MODEL" in r.getMessage() for r in warned), [r.getMessage() for r in warned]
@@ -241,7 +241,7 @@ async def test_an_upstream_that_does_not_list_the_default_model_or_does_not_answ
     cfg = config_for(f"http://127.0.0.1:{port}/v1")
     engine = make_engine(cfg)
     async with running([DispatcherService(cfg, engine=engine)], cfg.server):
-        await engine.first_read_ended(5.0)
+        await engine.await_model_list("", 5.0)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("could not list the upstream's models" in m and "requests fail until it answers" in m
                for m in warned), warned

@@ -151,6 +151,42 @@ async def test_a_model_loaded_after_the_list_was_read_is_not_refused(clean_proxy
             await accepted(stub, OTHER)
 
 
+@pytest.mark.parametrize("call", ["Generate", "DescribeModel"])
+async def test_each_of_the_dispatchers_checks_reads_the_list_again_for_a_model_loaded_since(clean_proxy_env,
+                                                                                          monkeypatch, call):
+    """A request's check (Generate) and DescribeModel each read the upstream's list again for a name it did not
+    list, at most every DESCRIBE_RETRY_S, through one function (StreamEngine.await_model_list); each had a copy of
+    that read, with different first waits and a wait of its own for each read."""
+    from switchyard.dispatcher.engines import openai as openai_engine
+
+    async def ask(stub) -> bool:
+        """Whether ``call`` finds OTHER served."""
+        if call == "DescribeModel":
+            return OTHER in (await stub.DescribeModel(agent_pb2.DescribeModelRequest(model=OTHER))).models
+        try:
+            async for _ in stub.Generate(agent_pb2.GenerateRequest(request_id=f"r{len(sim.state.requests)}",
+                                                                   prompt="hi", model=OTHER, max_tokens=4)):
+                pass
+        except grpc.aio.AioRpcError as refused:
+            assert refused.code() == grpc.StatusCode.NOT_FOUND, refused.details()
+            return False
+        return True
+
+    with start_sim(models=[MODEL]) as sim:
+        cfg = config_for("openai", sim.base_url)
+        engine = make_engine(cfg)
+        async with running([DispatcherService(cfg, engine=engine)], cfg.server) as disp:
+            await engine.await_model_list("", 5.0)  # the read the dispatcher's start began
+            async with open_channel(f"127.0.0.1:{disp.port}") as channel:
+                stub = agent_pb2_grpc.InferenceServiceStub(channel)
+                assert not await ask(stub)
+                sim.sim.options.models.append(OTHER)  # loaded now; the list read so far does not name it
+                assert not await ask(stub)  # within DESCRIBE_RETRY_S: the list read before stands
+                monkeypatch.setattr(openai_engine, "DESCRIBE_RETRY_S", 0.0)
+                assert await ask(stub)
+    assert [body["model"] for body in sim.state.requests] == ([OTHER] if call == "Generate" else [])
+
+
 def test_served_names_follow_the_gateways_resolution():
     from switchyard.gateway.models import served_names
 

@@ -14,7 +14,6 @@ back into the servicer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import re
 import time
@@ -56,8 +55,11 @@ NOT_STARTED = "it has not started yet, or has stopped"
 """Why a dispatcher with no engine loop refuses requests (:class:`~switchyard.common.errors.DispatcherNotServing`)."""
 
 MODELS_READ_WAIT_S = 1.0
-"""Longest a request waits for the upstream's model list (its context windows): a Generate while the first
-read is under way, a DescribeModel for any read (their callers' deadlines are a few seconds)."""
+"""Longest a request and a DescribeModel wait for the upstream's model list, seconds, in all
+(:meth:`StreamEngine.await_model_list`: the first read, or DescribeModel's read of an unread list, and then a
+read again for a model the list does not name): their callers' deadlines are a few seconds (the orchestrator
+asks DescribeModel again with 1 s, ``MODEL_INFO_REFRESH_TIMEOUT_S``). Each of the two waits had this bound of
+its own, so a call could wait twice as long."""
 
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -411,11 +413,7 @@ class RequestProcessor:
         """
         reported, served, ratio = 0, [], 1.0
         if not self.stepping:
-            await self.engine.first_read_ended(MODELS_READ_WAIT_S)
-            reading = self.engine.read_again_for(request.model)  # a model loaded since the last read is served
-            if reading is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
+            await self.engine.await_model_list(request.model, MODELS_READ_WAIT_S)
             reported = self.engine.reported_context_window(request.model)
             served = self.engine.served_names() if request.model else []  # a request naming none is never refused
             ratio = self.engine.prompt_token_ratio(request.model or self.engine.model)

@@ -31,7 +31,6 @@ finishes at once, no tokens, on an engine that shares no prefixes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import AsyncIterator
 
@@ -214,18 +213,15 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         accepting it, the prompt's count scaled by the server's prompt tokens per counted one that the engine
         measured for the model (``prompt_token_ratios``; none measured: absent); and every model name a request
         may give (``models``: the step engine's one model, or the ids the upstream lists and their ``model_map``
-        aliases; empty while no list was read). The upstream's models are read at most :data:`MODELS_READ_WAIT_S`
-        here (a down upstream reports nothing; the next call asks again), and read again first when
-        ``request.model`` is not in the list read before (:meth:`StreamEngine.read_again_for`)."""
+        aliases; empty while no list was read). The upstream's models are waited for at most
+        :data:`MODELS_READ_WAIT_S` in all (:meth:`StreamEngine.await_model_list`, ``read_unread``: a list not read
+        yet is read now, so a down upstream reports nothing and the next call asks again; a list that does not
+        name ``request.model`` is read again first)."""
         served = self.engine.model  # what a request naming none is served (the processor's own rule)
         reported, windows, names, ratios = 0, {}, [served], {}
         if not self.stepping:
             engine: StreamEngine = self.engine  # type: ignore[assignment]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(engine.describe_upstream(), MODELS_READ_WAIT_S)
-                reading = engine.read_again_for(request.model)
-                if reading is not None:
-                    await asyncio.wait_for(asyncio.shield(reading), MODELS_READ_WAIT_S)
+            await engine.await_model_list(request.model, MODELS_READ_WAIT_S, read_unread=True)
             reported, windows = engine.reported_context_window(""), engine.reported_context_windows()
             names = engine.served_names()
             ratios = engine.prompt_token_ratios()

@@ -340,11 +340,6 @@ class StreamEngine(abc.ABC):
         one); empty when not known (no list read, and by default): any name is sent and the upstream decides."""
         return []
 
-    def read_again_for(self, model: str) -> Any:
-        """Start a new read of the upstream's model list when ``model`` is not in :meth:`served_names` (the server
-        may have loaded it since); returns the read under way, or None (nothing to read, and by default)."""
-        return None
-
     def prompt_token_ratio(self, model: str) -> float:
         """The upstream's prompt tokens per token of the caller's count for ``model`` (a client-facing id), as
         measured on its recent calls (:class:`~switchyard.dispatcher.engines.token_ratio.PromptTokenRatios`);
@@ -361,15 +356,20 @@ class StreamEngine(abc.ABC):
         nothing by default."""
         return None
 
-    async def describe_upstream(self) -> None:
-        """Read what the upstream reports of its models (its ``GET /v1/models``) and wait for it; nothing by
-        default. Never raises: an upstream that cannot be read reports nothing."""
+    async def await_model_list(self, model: str, wait_s: float, *, read_unread: bool = False) -> None:
+        """Wait, at most ``wait_s`` seconds in all, until the upstream's model list can say whether ``model`` (a
+        client-facing name; "" the default) is served, and what window it has: the one owner of "is this model
+        served, reading the list again if not", which a request's check (``RequestProcessor.open_request``) and
+        ``DescribeModel`` both call.
 
-    async def first_read_ended(self, timeout_s: float) -> None:
-        """Wait, at most ``timeout_s`` seconds, for the first read of the upstream's models when it is still
-        under way (the dispatcher's start begins it), so that a request arriving before the list answered is
-        checked against the window the server reports; returns at once once any read has ended (a down
-        upstream then costs a request nothing). Nothing by default. Never raises."""
+        First the list as it stands: the read under way while no read has ended yet (the dispatcher's start
+        began it), so that a request arriving before the list answered is checked against what the server
+        reports; with ``read_unread`` (DescribeModel: its caller asks for the windows, and paces its asks), a
+        list not read yet (the upstream was down) is read now and waited for; without it, once any read has
+        ended, a down upstream costs a request nothing. Then, when the list does not name ``model``, it is read
+        again (a model the server loaded since is served, not refused by the list of before), at most as often
+        as the engine allows. Reads go on past the wait; the next caller finds them. Nothing by default. Never
+        raises."""
 
     def refused_for_load(self, exc: BaseException) -> bool:
         """True when ``exc``, raised by :meth:`generate` before its first item, says the upstream refused the

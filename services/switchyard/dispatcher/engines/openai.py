@@ -169,7 +169,7 @@ class OpenAIEngine(StreamEngine):
         ``model_map`` alias of one); empty until the list of every endpoint has been read."""
         return self.client.served_names()
 
-    def read_again_for(self, model: str) -> asyncio.Task[None] | None:
+    def _read_again_for(self, model: str) -> asyncio.Task[None] | None:
         """Read the upstream's model list again (:meth:`start_describing`) when it was read, does not name ``model``,
         and the last read is :data:`DESCRIBE_RETRY_S` old: a model loaded on the server since is then served,
         not refused by the list of before; a client naming unknown models costs the server one read per
@@ -220,12 +220,20 @@ class OpenAIEngine(StreamEngine):
         if reading is not None:
             await asyncio.shield(reading)  # a caller's timeout does not cancel the read others wait for
 
-    async def first_read_ended(self, timeout_s: float) -> None:
-        reading = self._describing
-        if self._reads_ended or reading is None or reading.done():
-            return
+    async def await_model_list(self, model: str, wait_s: float, *, read_unread: bool = False) -> None:
+        """:meth:`StreamEngine.await_model_list`: the first read under way (or, ``read_unread``, a read now while
+        the list is unread: :meth:`describe_upstream`), then a read again while the list does not name ``model``
+        (:meth:`_read_again_for`, at most every :data:`DESCRIBE_RETRY_S`); ``wait_s`` bounds both together."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(reading), timeout_s)
+            async with asyncio.timeout(wait_s):
+                first = self._describing
+                if read_unread:
+                    await self.describe_upstream()
+                elif not self._reads_ended and first is not None and not first.done():
+                    await asyncio.shield(first)  # a caller's timeout does not cancel the read others wait for
+                again = self._read_again_for(model)
+                if again is not None:
+                    await asyncio.shield(again)
 
     async def _list_models(self) -> None:
         """Read the upstream's model list. What stands in the way of every request is a WARNING, once: the
