@@ -596,7 +596,7 @@ async def test_an_engine_without_the_capability_keeps_the_step_boundary() -> Non
     engine = StepsOnly(make_config(**LONG_STEP))
     assert isinstance(engine, StepEngine) and not engine.supports_layer_preemption
     service = DispatcherService(make_config(**LONG_STEP), engine=engine)
-    assert service.scheduler.config.core_preemption == "layer"
+    assert service.scheduler.scheduler_config.core_preemption == "layer"
     events, core, batch = await core_during_a_step(service)
     assert events.index(("core", 0)) > events.index(("batch", 1))
     assert every_token(batch, 4) and every_token(core, 2)

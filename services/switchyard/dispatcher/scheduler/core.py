@@ -186,7 +186,8 @@ class SchedulerCore(KvMemory):
         tiers: MemoryTiers | None = None,
         queue: RequestQueue | None = None,
     ) -> None:
-        self.config = config.scheduler
+        self.scheduler_config = config.scheduler
+        """The ``scheduler`` section alone (``scheduler_config.json``), not the whole config."""
         self.memory = config.memory
         self.queue_config = config.queues.inference
         self.engine = engine
@@ -200,16 +201,17 @@ class SchedulerCore(KvMemory):
         # engine's GPU is its model's, a stream engine's its model server's (whose adaptive concurrency limit is
         # the one limit on it): NVML here reads whatever else this host runs.
         host_gpu = engine is None or engine.runs_on_host_gpu
-        self.monitor = monitor or ComputeScoreMonitor(self.config, engine=engine, nvml=None if host_gpu else False)
+        self.monitor = monitor or ComputeScoreMonitor(self.scheduler_config, engine=engine,
+                                                      nvml=None if host_gpu else False)
         self.counters = SchedulerCounters()
         """What this scheduler has counted since it was built (:class:`.base.SchedulerCounters`)."""
         self._reported = SchedulerCounters()  # the counters at the last make_stats
         self._events = SchedulerEvents()  # observed since the last make_stats
-        self.admission = Admission(self.config, self.counters.admissions_refused,
+        self.admission = Admission(self.scheduler_config, self.counters.admissions_refused,
                                    by_score=not streams)
         self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
-        self.parking = ParkedAgents(self.config.tool_wait_ttl_s, self._release, self.kv.kv_bytes, self._demote_parked,
-                                    self.counters)
+        self.parking = ParkedAgents(self.scheduler_config.tool_wait_ttl_s, self._release, self.kv.kv_bytes,
+                                    self._demote_parked, self.counters)
         self._held_beside_running = HeldBesideRunning(self.parking, self.kv)
         """KV bytes held beside the running set (parked prefixes, the prefix cache), read by the KV budget."""
         self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
@@ -243,7 +245,7 @@ class SchedulerCore(KvMemory):
         self._next_deadline = math.inf  # the earliest own deadline among the requests held (an upper bound)
         self.score = 0.0
         """Compute score (0-100) read at the last decision."""
-        self.preemption_enabled = self.config.preemption_enabled and not streams
+        self.preemption_enabled = self.scheduler_config.preemption_enabled and not streams
         """``scheduler.preemption_enabled``, and never for a stream engine: an upstream's stream cannot be paused
         (decided here, with the engine, whoever drives this scheduler)."""
         self._next_hbm_scan = 0.0

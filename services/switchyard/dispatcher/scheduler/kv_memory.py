@@ -58,7 +58,7 @@ class KvMemory:
     """The memory half of :class:`~switchyard.dispatcher.scheduler.core.SchedulerCore` (see the module
     docstring); the core's attributes it reads are declared here, set by the core's ``__init__``."""
 
-    config: SchedulerConfig  # the core's ``config.scheduler``
+    scheduler_config: SchedulerConfig  # the core's ``config.scheduler``
     memory: MemoryTiersConfig  # the core's ``config.memory``
     kv: KVCacheManager
     capacity: Capacity
@@ -123,8 +123,8 @@ class KvMemory:
             pressure=min(1.0, used / budget), transfer_s=self.tiers.transfer_seconds(entry.kv_bytes),
             recompute_s=self.tiers.recompute_seconds(tokens), can_swap=self.tiers.can_swap(),
             returns_s=returns.times, return_weights=returns.weights,
-            cold_resume_weight=self.config.tool_wait_cold_resume_weight,
-            idle_price_floor=self.config.tool_wait_idle_price_floor,
+            cold_resume_weight=self.scheduler_config.tool_wait_cold_resume_weight,
+            idle_price_floor=self.scheduler_config.tool_wait_idle_price_floor,
             outlasted_s=0.0 if returns.times else self.tool_waits.longest_running_s(tool, now, expected_wait_s)),
             grace_s=expected_wait_s)
         self._now = now
@@ -274,7 +274,7 @@ class KvMemory:
             return reason
         now = self._now
 
-        hold = self.config.tool_wait_announce_hold_s if self._announced else 0.0
+        hold = self.scheduler_config.tool_wait_announce_hold_s if self._announced else 0.0
 
         def value(entry: ParkedAgent) -> float:
             until = self.tool_waits.protected_until(entry.req.program_key, entry.req)
@@ -424,7 +424,7 @@ class KvMemory:
         found = self.parking.take(req.program_key, now, req)
         plan = self.tool_waits.on_turn(req.program_key, now, found.warm)
         if found.warm and plan is not None:  # kept, or restored ahead, for this turn
-            self.parking.hold_handover(req, now + self.config.tool_wait_turn_hold_s)
+            self.parking.hold_handover(req, now + self.scheduler_config.tool_wait_turn_hold_s)
         if found.warm:
             # The new step repeats the parked prefix: keep it, compute only the rest (at least one token).
             req.num_computed_tokens = max(0, min(found.prefix_tokens, req.prompt_tokens - 1))

@@ -83,12 +83,12 @@ class PriorityScheduler(SchedulerCore):
     def __init__(self, config: SwitchyardConfig, engine: Any = None, monitor: ComputeScoreMonitor | None = None,
                  **kwargs: Any) -> None:
         super().__init__(config, engine, monitor, **kwargs)
-        self.wait_before_preempt_s = self.config.core_wait_before_preempt_ms / 1000.0
+        self.wait_before_preempt_s = self.scheduler_config.core_wait_before_preempt_ms / 1000.0
         """Seconds a core request that does not fit waits for room before it preempts."""
 
     def make_queue(self) -> RequestQueue:
         """:class:`~.request_queue.PriorityAgingQueue` with each class's head start (see the module docstring)."""
-        return PriorityAgingQueue(head_start(self.config))
+        return PriorityAgingQueue(head_start(self.scheduler_config))
 
     def _may_preempt(self, req: Request, now: float) -> bool:
         return (self.preemption_enabled and req.priority is PriorityClass.CORE
