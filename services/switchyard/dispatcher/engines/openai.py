@@ -123,12 +123,12 @@ class OpenAIEngine(StreamEngine):
     """
 
     def __init__(self, config: SwitchyardConfig, *, tracer: Tracer | None = None) -> None:
-        self.config = config.upstream
-        self.model = self.config.default_model
+        upstream = config.upstream  # the gateway client keeps it (client.config); the engine reads it here only
+        self.model = upstream.default_model
         # Fail at start-up, not on the first task: a missing key, or one with
         # whitespace (a pasted trailing newline), is a set-up error.
-        require_usable(load_api_key(self.config.api_key_env), required=self.config.api_key_required)
-        self.client = GatewayClient(self.config, tracer=tracer)
+        require_usable(load_api_key(upstream.api_key_env), required=upstream.api_key_required)
+        self.client = GatewayClient(upstream, tracer=tracer)
         self.stream_slots = StreamSlots(self.client.concurrency_limit)
         """The streams the dispatcher admits to the upstream, under the sum of the endpoints' adaptive limits
         (:class:`switchyard.gateway.pool.PoolLimit`; ``base_url`` alone is a pool of one), each fed by the
@@ -143,7 +143,7 @@ class OpenAIEngine(StreamEngine):
         self._described_at = -math.inf
         # Defence in depth: messages are redacted where they are built; this
         # also scrubs the key from any log line that reaches a root handler.
-        install_log_redaction(envs.read_secret(self.config.api_key_env))
+        install_log_redaction(envs.read_secret(upstream.api_key_env))
 
     @property
     def busy_seconds(self) -> float:  # type: ignore[override]

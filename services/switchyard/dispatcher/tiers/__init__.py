@@ -76,7 +76,7 @@ class MemoryTiers:
 
     def __init__(self, memory: MemoryTiersConfig, boost: PriorityBoost, kv: KVCacheManager | None,
                  store: KvStore | None = None, cold: ColdStore | None = None) -> None:
-        self.config = memory
+        self.memory = memory
         self.kv: KVCacheManager = kv if kv is not None else NullKVCacheManager()
         self.store = store
         self.cold = cold
@@ -112,12 +112,12 @@ class MemoryTiers:
 
     def transfer_seconds(self, nbytes: int) -> float:
         """One-way seconds to move ``nbytes`` between HBM and DRAM: bytes / bandwidth + fixed latency."""
-        dram = self.config.dram
+        dram = self.memory.dram
         return nbytes / (dram.transfer_gb_per_s * 1e9) + dram.transfer_latency_ms / 1000
 
     def can_swap(self) -> bool:
         """A DRAM tier is configured, reachable (not within an outage's retry window) and the engine can export."""
-        if self.store is None or not self.config.dram.kv_swap or not self.store.available():
+        if self.store is None or not self.memory.dram.kv_swap or not self.store.available():
             return False
         if not self.kv.can_export():
             return False
@@ -302,7 +302,7 @@ class MemoryTiers:
         """
         if self.store is None or not self.store.available():
             return 0, 0
-        dram, archive_after = self.config.dram, self.config.oss.archive_after_s
+        dram, archive_after = self.memory.dram, self.memory.oss.archive_after_s
         hot = moved = 0
         archiving = self.cold is not None  # off for the rest of the scan after a failed archive (the tier backs off)
         now = time.time() if now is None else now
@@ -337,7 +337,7 @@ class MemoryTiers:
 
         async def every() -> None:
             while True:
-                await asyncio.sleep(self.config.scan.dram_scan_interval_s)
+                await asyncio.sleep(self.memory.scan.dram_scan_interval_s)
                 try:
                     await self.scan_dram()
                 except Exception:  # noqa: BLE001 - a scan must never end the loop
