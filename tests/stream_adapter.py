@@ -6,7 +6,9 @@ each request a GenerateStream starts, with a context that answers
 the request's error; a cancel from the caller cancels that request's task and
 is answered, as the dispatcher answers it, with the request's done chunk
 (``finish_reason`` cancelled; what it consumed: the servicer's
-:meth:`GenerateStreamFromGenerate.cancelled_done`).
+:meth:`GenerateStreamFromGenerate.cancelled_done`). An abort after the request
+ran carries what it consumed when the servicer says
+(:meth:`GenerateStreamFromGenerate.failed_consumed`), as the dispatcher's error does.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class GenerateStreamFromGenerate:
             compute_score_used=0.25 if tokens else 0.0, memory_peak_bytes=700 if tokens else 0,
             finish_reason="cancelled", model="fake")
 
+    def failed_consumed(self, request: agent_pb2.GenerateRequest, tokens: int) -> agent_pb2.GenerateDone | None:
+        """What ``request`` consumed when its Generate aborted after ``tokens`` tokens (``StreamedError.consumed``);
+        None: nothing said (a refusal, or a dispatcher of an earlier build)."""
+        return None
+
     async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC method name
         lock = asyncio.Lock()
         tasks: dict[str, asyncio.Task] = {}
@@ -77,7 +84,8 @@ class GenerateStreamFromGenerate:
                 raise
             except _Aborted as exc:
                 await send(agent_pb2.StreamedChunk(request_id=request_id, error=agent_pb2.StreamedError(
-                    code=exc.code.value[0], details=exc.details, origin=exc.origin)))
+                    code=exc.code.value[0], details=exc.details, origin=exc.origin,
+                    consumed=self.failed_consumed(start.request, tokens))))
             finally:
                 tasks.pop(request_id, None)
                 cancelled.discard(request_id)

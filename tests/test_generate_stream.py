@@ -721,7 +721,7 @@ async def test_a_task_cancelled_mid_generation_cancels_its_request_and_learns_wh
 
         async def run() -> None:
             async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=30,
-                                           on_cancelled=answers.append):
+                                           on_consumed=answers.append):
                 first.set()
 
         task = asyncio.create_task(run())

@@ -567,7 +567,7 @@ async def test_a_request_cancelled_mid_stream_is_answered_with_the_compute_score
 
                 async def generate() -> None:
                     request = agent_pb2.GenerateRequest(request_id="cut:0", prompt=PROMPT, max_tokens=64)
-                    async for chunk in client.generate(request, 30, on_cancelled=answers.append):
+                    async for chunk in client.generate(request, 30, on_consumed=answers.append):
                         if chunk.HasField("token"):
                             first.set()
 

@@ -378,7 +378,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, token: _Optional[_Union[TokenEvent, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("usage", "queue_wait_s", "ttft_s", "compute_score_used", "memory_peak_bytes", "batch_size", "flush_reason", "model", "preemptions", "finish_reason", "prompt_token_ratio")
+    __slots__ = ("usage", "queue_wait_s", "ttft_s", "compute_score_used", "memory_peak_bytes", "batch_size", "flush_reason", "model", "preemptions", "finish_reason", "prompt_token_ratio", "waited_on")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,7 @@ class GenerateDone(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    WAITED_ON_FIELD_NUMBER: _ClassVar[int]
     usage: TokenUsage
     queue_wait_s: float
     ttft_s: float
@@ -401,7 +402,8 @@ class GenerateDone(_message.Message):
     preemptions: int
     finish_reason: str
     prompt_token_ratio: float
-    def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_token_ratio: _Optional[float] = ...) -> None: ...
+    waited_on: str
+    def __init__(self, usage: _Optional[_Union[TokenUsage, _Mapping]] = ..., queue_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., compute_score_used: _Optional[float] = ..., memory_peak_bytes: _Optional[int] = ..., batch_size: _Optional[int] = ..., flush_reason: _Optional[_Union[FlushReason, str]] = ..., model: _Optional[str] = ..., preemptions: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_token_ratio: _Optional[float] = ..., waited_on: _Optional[str] = ...) -> None: ...
 
 class DescribeModelRequest(_message.Message):
     __slots__ = ("model",)
@@ -497,14 +499,16 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[StreamedGenerate, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamedError(_message.Message):
-    __slots__ = ("code", "details", "origin")
+    __slots__ = ("code", "details", "origin", "consumed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
     origin: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
+    consumed: GenerateDone
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., origin: _Optional[str] = ..., consumed: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
 
 class StreamedChunk(_message.Message):
     __slots__ = ("request_id", "chunk", "error")

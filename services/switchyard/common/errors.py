@@ -74,12 +74,15 @@ class DispatcherNotServing(SwitchyardError):
 
 
 class TaskDeadlineExceeded(SwitchyardError):
-    """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED)."""
+    """A task ran out of time: its own time limit or its caller's gRPC deadline (DEADLINE_EXCEEDED). ``waited_on``:
+    what its model step was waiting on as it was cut short, as the dispatcher said (``GenerateDone.waited_on``:
+    "the model server at http://host:port (model m) for 4 s"); "" when not known."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-    def __init__(self, task_id: str, limit_s: float, source: str) -> None:
-        super().__init__(f"task {task_id} ran out of time after {limit_s:.3g} s ({source}); "
+    def __init__(self, task_id: str, limit_s: float, source: str, waited_on: str = "") -> None:
+        waiting = f" waiting for {waited_on}" if waited_on else ""
+        super().__init__(f"task {task_id} ran out of time after {limit_s:.3g} s ({source}){waiting}; "
                          "every step it started was cancelled")
         self.task_id = task_id
 
@@ -171,12 +174,14 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: str) -> None:
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, service: str,
+                trailing: tuple[tuple[str, str | bytes], ...] = ()) -> None:
     """End the RPC with ``exc``'s status, naming its hop (``exc.origin``, else ``service``) in the
-    trailing metadata under :data:`ORIGIN_KEY`. Always raises (``grpc.aio.AbortError``)."""
+    trailing metadata under :data:`ORIGIN_KEY`, beside ``trailing`` (more trailers: a key ending ``-bin`` carries
+    bytes). Always raises (``grpc.aio.AbortError``)."""
     code, details = status_for(exc)
     origin = hop_of(exc, service)
-    await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin),))
+    await context.abort(code, details, trailing_metadata=((ORIGIN_KEY, origin), *trailing))
 
 
 def hop_of(exc: BaseException, service: str) -> str:

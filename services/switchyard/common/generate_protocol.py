@@ -15,9 +15,13 @@ lives here:
   cancel makes it come at once: the request is aborted and answered with its
   done chunk as it stands (``finish_reason`` ``cancelled``: its tokens,
   compute score and KV peak until then), or its error when it was refused
-  meanwhile. The caller's side keeps a cancelled request in its map until that
-  answer (what it sent before may still come, and is dropped) and hands the
-  answer's done to whoever counts what the request consumed;
+  meanwhile. A request that fails after it became one (its deadline, its
+  upstream, its engine) carries what it consumed with its error
+  (``StreamedError.consumed``, the done chunk it would have sent). The caller's
+  side keeps a cancelled request in its map until that answer (what it sent
+  before may still come, and is dropped), for at most a bounded wait, and hands
+  what a request that did not finish consumed (a cancel's answer, an error's
+  ``consumed``) to whoever counts it, once;
 - **the deadline** (:func:`deadline_after`, :func:`encode_timeout`,
   :func:`decode_timeout`, :func:`deadline_exceeded`): ``timeout_s`` is the
   caller's time left in seconds, 0 on the wire for none (Generate's
@@ -39,8 +43,10 @@ lives here:
   a request that fails ends with a ``StreamedError`` holding the gRPC status it
   would end a Generate call with, and its origin (the hop that answered:
   ``dispatcher``, or the upstream model it relays; Generate's
-  :data:`~switchyard.common.errors.ORIGIN_KEY` trailer). On the caller's side
-  an origin of "" means nothing answered (the stream itself broke);
+  :data:`~switchyard.common.errors.ORIGIN_KEY` trailer), and what the request
+  consumed until then (``consumed``; Generate's :data:`CONSUMED_KEY` trailer).
+  On the caller's side an origin of "" means nothing answered (the stream
+  itself broke);
 - **request ids** (:func:`check_stream_request_id`, :func:`new_request_id`):
   on a stream an id is required and unique among the stream's running
   requests (a start reusing a running id is refused INVALID_ARGUMENT under
@@ -68,6 +74,10 @@ T = TypeVar("T")
 
 DISPATCHER_ORIGIN = "dispatcher"
 """The origin of an error the dispatcher raised itself."""
+
+CONSUMED_KEY = "switchyard-consumed-bin"
+"""Trailer of a Generate call that failed after its request ran: what it consumed, a serialized ``GenerateDone``
+(``StreamedError.consumed`` of a GenerateStream request)."""
 
 
 # --------------------------------------------------------------------------- one request's states
@@ -218,27 +228,33 @@ class RequestFailed(SwitchyardError):
         details: the status message.
         origin: the hop that answered (:data:`~switchyard.common.errors.ORIGIN_KEY`): ``dispatcher``,
             or the upstream model it relays; "" when nothing answered (the stream itself broke).
+        consumed: what the request consumed until it failed (``StreamedError.consumed``: usage, compute score,
+            KV peak, what it waited on); None when the dispatcher sent none (it never ran, or nothing answered).
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str, origin: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, origin: str,
+                 consumed: agent_pb2.GenerateDone | None = None) -> None:
         super().__init__(details, code)
         self.details = details
         self.origin = origin
+        self.consumed = consumed
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def encode_error(exc: SwitchyardError) -> agent_pb2.StreamedError:
-    """The ``StreamedError`` that ends a request failing with ``exc``: its status, and its origin
-    (``exc.origin``, else :data:`DISPATCHER_ORIGIN`)."""
+def encode_error(exc: SwitchyardError, consumed: agent_pb2.GenerateDone | None = None) -> agent_pb2.StreamedError:
+    """The ``StreamedError`` that ends a request failing with ``exc``: its status, its origin (``exc.origin``,
+    else :data:`DISPATCHER_ORIGIN`), and ``consumed``: what the request used until then (None: it never ran)."""
     code, details = status_for(exc)
-    return agent_pb2.StreamedError(code=code.value[0], details=details, origin=exc.origin or DISPATCHER_ORIGIN)
+    return agent_pb2.StreamedError(code=code.value[0], details=details, origin=exc.origin or DISPATCHER_ORIGIN,
+                                   consumed=consumed)
 
 
 def decode_error(error: agent_pb2.StreamedError) -> RequestFailed:
-    """The failure a ``StreamedError`` stands for (an unknown code is UNKNOWN)."""
-    return RequestFailed(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.details, error.origin)
+    """The failure a ``StreamedError`` stands for (an unknown code is UNKNOWN), with what it consumed."""
+    return RequestFailed(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.details, error.origin,
+                         error.consumed if error.HasField("consumed") else None)
 
 
 # --------------------------------------------------------------------------- request ids

@@ -26,7 +26,11 @@ request's output is due (:meth:`GenerateSession.hold`).
 
 Each request's chunks are exactly those Generate would stream for it, in
 order; a request that fails ends with a :class:`~agent_pb2.StreamedError`
-carrying the status Generate would end with and its origin. A request the
+carrying the status Generate would end with, its origin, and what it consumed
+until then (``consumed``: the done chunk it would have sent, with what it was
+waiting on; unset for a start refused before it became a request), so that a
+step its deadline, its upstream or its engine ended is counted as a cancelled
+one is. A request the
 caller cancels is aborted (its engine work stops, its place and KV are freed)
 and answered with one last chunk, its done chunk as it stands then: what it
 consumed (its tokens, ``compute_score_used``, ``memory_peak_bytes``),
@@ -42,7 +46,8 @@ Generate call whose caller went away.
 ``Generate`` runs its one request through the same session
 (:meth:`switchyard.dispatcher.service.DispatcherService.Generate`)
 and streams its chunks as ``GenerateChunk`` messages; its error ends the call
-with the same status and origin trailer. The protocol both ends follow
+with the same status, the origin trailer and what it consumed
+(:data:`~switchyard.common.generate_protocol.CONSUMED_KEY`). The protocol both ends follow
 (states, deadline, size, errors, ids) is :mod:`switchyard.common.generate_protocol`.
 
 The stream ends OK once the caller has half-closed it and its requests are
@@ -74,7 +79,7 @@ from switchyard.common.generate_protocol import (
 )
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.output import OutputItem, StreamToken, coalesce
-from switchyard.dispatcher.processor import RequestProcessor, done_chunk, request_span
+from switchyard.dispatcher.processor import RequestProcessor, consumed, request_span
 
 if TYPE_CHECKING:
     from switchyard.dispatcher.request import Request
@@ -193,8 +198,9 @@ class GenerateSession:
             for item in coalesce(req.output.drain()):
                 try:
                     chunk = processor.chunk(req, item)
-                except SwitchyardError as exc:
-                    chunks.append(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
+                except SwitchyardError as exc:  # it ran (or waited): what it used goes with the error
+                    chunks.append(agent_pb2.StreamedChunk(request_id=request_id,
+                                                          error=encode_error(exc, consumed(req))))
                     running.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                     running.end(RequestState.FAILED)
                     break
@@ -296,16 +302,20 @@ class GenerateSession:
                                       grpc.StatusCode.INTERNAL)
             if self._requests.get(request_id) is running:  # not the request already running under this id
                 del self._requests[request_id]
+            used = None  # this start never became a request: nothing it consumed
             if existing is not None and existing.end(RequestState.FAILED):
                 # a second start under a running id: the caller cannot tell the two apart, so the one error chunk
-                # the id gets ends both (the first is aborted; else it went on generating for nobody)
+                # the id gets ends both (the first is aborted, and what it used goes with the error; else it went
+                # on generating for nobody)
                 existing.span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 self._release(existing)
+                if existing.req is not None:
+                    used = consumed(existing.req)
             # its last chunk, also when it was cancelled meanwhile (the error answers the cancel: nothing ran)
             if running.end(RequestState.FAILED) or running.state is RequestState.CANCELLED:
                 span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
                 span.end()
-                self._send_now(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc)))
+                self._send_now(agent_pb2.StreamedChunk(request_id=request_id, error=encode_error(exc, used)))
             return
         running.req = req
         if running.state is RequestState.CANCELLED:  # cancelled while it was being counted
@@ -358,7 +368,7 @@ class GenerateSession:
         dropped: the caller wants none of it."""
         req.output.drain()
         self._send_now(agent_pb2.StreamedChunk(request_id=running.request_id,
-                                               chunk=done_chunk(req)))
+                                               chunk=agent_pb2.GenerateChunk(done=consumed(req))))
 
     def _send_now(self, chunk: agent_pb2.StreamedChunk) -> None:
         """Queue ``chunk`` for the next :meth:`replies`, a hold cut short: a request's last chunk."""

@@ -319,10 +319,21 @@ def _max_tokens_in_window(request: agent_pb2.GenerateRequest, limits: RequestLim
     return max_tokens
 
 
+def consumed(req: Request) -> agent_pb2.GenerateDone:
+    """What ``req`` consumed until now, as its done chunk says it: the ``consumed`` of its error
+    (``StreamedError.consumed``; Generate's ``switchyard-consumed-bin`` trailer), and the answer to its cancel."""
+    return done_chunk(req).done
+
+
 def done_chunk(req: Request) -> agent_pb2.GenerateChunk:
-    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting), its ``model`` the one that
-    answered (an upstream's fallback model, ``req.answered_by``), else the one it was served (``req.model``)."""
-    prompt, completion = req.usage_prompt(), 0 if req.prefill_only else req.completion_tokens()
+    """The closing chunk of ``req``'s stream (usage, timings in seconds, accounting; what it waited on when it ended
+    unfinished, ``Request.waited_on``), its ``model`` the one that answered (an upstream's fallback model,
+    ``req.answered_by``), else the one it was served (``req.model``). One cut short before the engine took it
+    (cancelled or failed while buffered or waiting) used nothing: its usage, compute score and KV peak are 0."""
+    cut_before_engine = not req.reached_engine and req.status in (RequestStatus.FINISHED_ABORTED,
+                                                                  RequestStatus.FINISHED_ERROR)
+    prompt = 0 if cut_before_engine else req.usage_prompt()
+    completion = 0 if req.prefill_only else req.completion_tokens()
     ttft = (req.first_token_at - req.arrival) if req.first_token_at is not None else 0.0
     return agent_pb2.GenerateChunk(
         done=agent_pb2.GenerateDone(
@@ -339,6 +350,7 @@ def done_chunk(req: Request) -> agent_pb2.GenerateChunk:
             preemptions=req.preemptions,
             finish_reason=req.finish_reason or "",
             prompt_token_ratio=req.prompt_token_ratio,
+            waited_on=req.waited_on,
         )
     )
 

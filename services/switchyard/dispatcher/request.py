@@ -251,6 +251,10 @@ class Request:
     kv_leaving_bytes: int = 0
     """``PREEMPTING``: its live KV bytes, held in the HBM budget until the step in flight ends."""
     num_computed_tokens: int = 0
+    step_kv_bytes: int = 0
+    """KV bytes the engine step in flight allocated for it (its computed prefix and the tokens that step computes),
+    from the step's composition until its result (``SchedulerCore.compose_batch``); 0 between steps. A prefill's
+    prompt is held while it is computed: a request cancelled mid-prefill held it (its ``memory_peak_bytes``)."""
     preemptions: int = 0
     recomputed_tokens: int = 0
     restored_tokens: int = 0
@@ -311,6 +315,15 @@ class Request:
     upstream_call: Any = field(default=None, repr=False)
     """The stream loop's ``asyncio.Task`` streaming this request from an upstream engine, while it streams
     (written by :class:`~switchyard.dispatcher.stream_loop.StreamLoop` alone; None on step engines)."""
+    upstream: str = ""
+    """What an upstream engine's call of it was last sent to, for messages: ``the model server at <URL> (model
+    <id>)``, the URL without credentials (written by the engine as each HTTP request goes out, :meth:`sent_upstream`);
+    "" on step engines and before its call."""
+    upstream_sent_at: float | None = None
+    """When that HTTP request went out (monotonic seconds); None before."""
+    waited_on: str = ""
+    """What it was waiting on when it ended unfinished (cancelled, failed), and how long (:meth:`waiting_on`, set as
+    it ends): ``GenerateDone.waited_on``; "" while it runs, when it finished, or when it waited on nothing."""
 
     output: OutputStream = field(default_factory=OutputStream, repr=False)
     """Where its tokens, tool calls and end go to its session (written only through :meth:`RequestOutput.publish`)."""
@@ -388,6 +401,25 @@ class Request:
 
     def usage_prompt(self) -> int:
         return self.usage_prompt_tokens if self.usage_prompt_tokens is not None else self.prompt_tokens
+
+    def sent_upstream(self, upstream: str) -> None:
+        """An upstream engine sent its call to ``upstream`` now (:attr:`upstream`; a retry or the fallback model
+        sends it again)."""
+        self.upstream = upstream
+        self.upstream_sent_at = time.monotonic()
+
+    def waiting_on(self, now: float) -> str:
+        """What it waits on at ``now`` (monotonic seconds), for the words of its end: admission to the engine
+        (buffered or waiting, never admitted: since it arrived), its upstream's answer (an upstream engine's call:
+        since the call was sent or its last token came, whichever is later), or "" (it generates on the dispatcher's
+        own engine, or waits again after a preemption)."""
+        if not self.reached_engine:
+            return f"admission to the engine (inference queue) for {max(0.0, now - self.arrival):.3g} s"
+        if self.upstream and self.upstream_sent_at is not None and self.status in (
+                RequestStatus.RUNNING, RequestStatus.PREEMPTING):
+            since = max(self.upstream_sent_at, self.last_token_at or self.upstream_sent_at)
+            return f"{self.upstream} for {max(0.0, now - since):.3g} s"
+        return ""
 
     # ------------------------------------------------------------------ written by the scheduler
 

@@ -45,7 +45,7 @@ from switchyard.common.errors import InvalidArgument, SwitchyardError, abort
 from switchyard.common.priority import check_priority
 from switchyard.common.server import GRPC_SERVICES, Drains, HealthOwner, set_health
 from switchyard.common.tenant import check_tenant, program_key
-from switchyard.common.generate_protocol import decode_error, entry_bytes, new_request_id, pack
+from switchyard.common.generate_protocol import CONSUMED_KEY, decode_error, entry_bytes, new_request_id, pack
 from switchyard.dispatcher.adaptive_flush import AdaptiveFlush
 from switchyard.dispatcher.adaptive_limit import AdaptiveConcurrencyLimit
 from switchyard.dispatcher.engine_loop import LoopBase, StepLoop
@@ -319,7 +319,9 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
         self, request: agent_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream one completion: a session of one request (the path of a GenerateStream start), its chunks
-        as they are, its error as the call's status with the origin trailer. See the module docstring."""
+        as they are, its error as the call's status with the origin trailer and, once its request ran, what it
+        consumed (:data:`~switchyard.common.generate_protocol.CONSUMED_KEY`: a serialized ``GenerateDone``). See
+        the module docstring."""
         if not request.request_id:
             request.request_id = new_request_id()  # Generate's id is optional; a session's is not
         session = GenerateSession(self.processor)
@@ -329,7 +331,10 @@ class DispatcherService(agent_pb2_grpc.InferenceServiceServicer, Drains, HealthO
             while (replies := await session.replies()) is not None:
                 for streamed in replies:
                     if streamed.HasField("error"):
-                        await abort(context, decode_error(streamed.error), self.name)
+                        error = streamed.error  # what its request consumed, if it ran, in a trailer beside its origin
+                        used = (((CONSUMED_KEY, error.consumed.SerializeToString()),)
+                                if error.HasField("consumed") else ())
+                        await abort(context, decode_error(error), self.name, used)
                     yield streamed.chunk
         finally:
             session.close()  # the caller went away: free its place and KV

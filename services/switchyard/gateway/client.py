@@ -92,7 +92,7 @@ from switchyard.gateway.metrics import (
 )
 from switchyard.gateway.pool import Endpoint, EndpointPool, PoolLimit, prompt_key
 from switchyard.gateway.proxy import client_settings, proxy_for
-from switchyard.gateway.redact import redact
+from switchyard.gateway.redact import redact, safe_url
 from switchyard.gateway.resilience import with_fallback
 from switchyard.gateway.sse import iter_events
 from switchyard.gateway.transport import UpstreamTransport
@@ -798,6 +798,8 @@ class GatewayClient:
         while True:
             body = await self._body(request, endpoint, model)
             call.sent += 1
+            if request.on_sent is not None:
+                request.on_sent(endpoint.url, model)
             http_request = endpoint.http.build_request(
                 "POST", endpoint.chat_completions_url, json=body,
                 headers=self._headers(call.token, stream=True, request=request, attempt=call.sent),
@@ -968,7 +970,7 @@ class GatewayClient:
 
     def _deadline_error(self, model: str, call: _Call) -> UpstreamTimeout:
         where = (f"the {len(self.pool.endpoints)} endpoints of model_gateway.pool" if self.pool.pooled
-                 else self.config.base_url)
+                 else safe_url(self.config.base_url))
         err = UpstreamTimeout(f"model {model!r} did not complete within {call.budget} at {where}")
         err.code = grpc.StatusCode.DEADLINE_EXCEEDED
         err.retryable = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from switchyard.common.priority import PriorityClass
 from switchyard.dispatcher.request import word_pieces
@@ -38,6 +38,10 @@ class ChatRequest:
     affinity_key: str = ""
     """Whose warm state the call continues (the agent id): with a pool of endpoints, its calls go to one endpoint
     while its load allows; empty: a hash of the prompt's opening text is the key."""
+    on_sent: Callable[[str, str], None] | None = field(default=None, compare=False, repr=False)
+    """Called as each HTTP request of the call goes out (a retry, another endpoint, the fallback model: each
+    again) with the endpoint's base URL (as configured: it may hold credentials) and the upstream model id sent:
+    what the caller waits on from then (the dispatcher names it when the call's deadline or cancel ends it)."""
 
 
 @dataclass(frozen=True)

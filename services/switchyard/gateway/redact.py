@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "[redacted]"
 
@@ -34,6 +35,14 @@ def redact(text: str, *secrets: str | None) -> str:
     for pattern in _PATTERNS:
         text = pattern.sub(lambda m: (m.group(1) if m.re.groups else "") + REDACTED, text)
     return text
+
+
+def safe_url(url: str) -> str:
+    """``url`` fit for a message: without its user and password (``http://user:key@host``), query and fragment
+    (``?api-key=...``), where credentials ride in a URL; scheme, host, port and path kept."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]  # the host[:port] after any userinfo
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class RedactingFilter(logging.Filter):

@@ -259,7 +259,7 @@ class InferenceClient:
         budget: Budget | None = None,
         prefill_only: bool = False,
         max_tokens: int | None = None,
-        on_cancelled: Callable[[agent_pb2.GenerateDone], None] | None = None,
+        on_consumed: Callable[[agent_pb2.GenerateDone], None] | None = None,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """Stream the chunks of one generation: turn ``turn`` (0, 1, ...) of the task ``spec``.
 
@@ -272,10 +272,11 @@ class InferenceClient:
         carries the task's tenant, and ``budget``'s time left and expected work after this step
         (orchestrator/program.py); its start carries the task's token hold (``token_hold_s``: a BATCH task's
         tokens are merged on its own stream anyway). ``prefill_only``: a warm-up of the prompt's prefix state
-        (``request_id`` ``{task_id}:prefill``), no tokens expected. ``on_cancelled``: called with what the
-        request consumed when the caller is cancelled while it runs (the dispatcher's answer to the cancel, a
-        done chunk with ``finish_reason`` ``cancelled``; :meth:`GenerateStreamClient.generate`), before the
-        cancellation goes on.
+        (``request_id`` ``{task_id}:prefill``), no tokens expected. ``on_consumed``: called once with what the
+        request consumed when it did not finish: the caller was cancelled or its time ran out while it ran (the
+        dispatcher's answer to the cancel, a done chunk with ``finish_reason`` ``cancelled``), or the dispatcher
+        failed it after it ran (its error's ``consumed``); :meth:`GenerateStreamClient.generate`. It is called
+        before the cancellation or the error goes on, once per attempt that ran.
 
         The call goes to the replica holding the agent's warm state (see
         :mod:`switchyard.orchestrator.replicas`): the agent is ``spec.agent_id``, or for a
@@ -315,14 +316,14 @@ class InferenceClient:
         # one X-Request-Id (one replica's calls are kept apart by its gateway's own LiveRequestIds too).
         request.request_id = self._request_ids.claim(request.request_id)
         try:
-            async with contextlib.aclosing(self._send(request, spec, timeout_s, on_cancelled)) as chunks:
+            async with contextlib.aclosing(self._send(request, spec, timeout_s, on_consumed)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
             self._request_ids.release(request.request_id)
 
     async def _send(self, request: agent_pb2.GenerateRequest, spec: TaskSpec, timeout_s: float | None,
-                    on_cancelled: Callable[[agent_pb2.GenerateDone], None] | None
+                    on_consumed: Callable[[agent_pb2.GenerateDone], None] | None
                     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """:meth:`generate`'s call of ``request``, its id its own: to the replica its affinity picks, tried again
         on another as :meth:`generate` says. Each attempt carries the time left when it is sent, as its gRPC
@@ -343,7 +344,7 @@ class InferenceClient:
                 request.task_time_left_s = max(_left(time_left_s, sent_at), sys.float_info.min)
             received = 0
             chunks = self._streams_for(channel).generate(request, _left(timeout_s, sent_at), token_hold_s,
-                                                         on_cancelled)
+                                                         on_consumed)
             replicas = self.replicas if self.replicas is not None and address in self.replicas.channels else None
             if replicas is not None:
                 replicas.started(address)  # counts against the replica's bound until the call ends

@@ -15,14 +15,23 @@ channel and carries every request over it (the protocol both ends follow:
 - a request's deadline (the task's time left) is kept here, and sent along so
   that the dispatcher's scheduler and upstream engines see it too; at the
   deadline the request is cancelled and fails DEADLINE_EXCEEDED, as a call
-  whose ``grpc-timeout`` ran out;
+  whose ``grpc-timeout`` ran out, once the answer to its cancel came (below);
 - a request whose caller goes away (the task was cancelled) is cancelled on
   the stream, so the dispatcher stops it and frees its place and KV at once;
   the dispatcher answers the cancel with the request's done chunk as it
-  stands (``finish_reason`` ``cancelled``: what it consumed until then), which
-  the cancelled caller waits for, up to :data:`CANCEL_ANSWER_WAIT_S`, and
-  hands to its ``on_cancelled`` (a task counts its step's usage, compute
-  score and KV peak by it);
+  stands (``finish_reason`` ``cancelled``: what it consumed until then), or
+  with its error when it failed meanwhile (its ``consumed``), which the
+  caller waits for, up to :data:`CANCEL_ANSWER_WAIT_S` (a cancellation that
+  comes meanwhile waits for it too), and hands to its ``on_consumed`` (a task
+  counts its step's usage, compute score and KV peak by it);
+- a request the dispatcher fails after it ran (its own deadline, its upstream,
+  its engine) carries what it consumed with its error (``StreamedError.consumed``):
+  it goes to the same ``on_consumed`` before the failure is raised. Every step
+  that did not finish is counted by that one call, once;
+- a cancelled request whose answer does not come within
+  :data:`CANCEL_ANSWER_WAIT_S` (a dispatcher that stopped answering) leaves the
+  stream's map then, not when the stream ends: what comes for it later is
+  dropped, and its id is not reused on that stream;
 - when the stream breaks (the dispatcher died, the connection was lost), every
   request it carried fails with the stream's status, as their calls would
   have, and the next request opens a new stream.
@@ -68,9 +77,10 @@ STREAM_MAX_AGE_S = 1.0
 """Seconds a stream takes new requests before the next one is opened (see the module docstring)."""
 
 CANCEL_ANSWER_WAIT_S = 0.5
-"""Seconds a request cancelled by its caller waits, at most, for the dispatcher's answer to the cancel (its done
-chunk: what it consumed); the answer takes one round trip. Past it (a dispatcher that stopped answering), what
-the caller knew is all it reports. A stream that breaks ends the wait at once."""
+"""Seconds a request cancelled by its caller (or at its deadline) waits, at most, for the dispatcher's answer to the
+cancel (its done chunk, or its error's ``consumed``: what it consumed); the answer takes one round trip. Past it (a
+dispatcher that stopped answering), what the caller knew is all it reports, and the request leaves its stream's map.
+A stream that breaks ends the wait at once."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """A message's size limit when none is given: gRPC's default for what a server receives, bytes."""
@@ -94,7 +104,8 @@ class _Request(StreamedRequest):
         broke); None until then."""
 
     def answered(self, done: agent_pb2.GenerateDone | None) -> None:
-        """The last word on this cancelled request came: its done chunk's, or None (an error, the stream broke)."""
+        """The last word on this cancelled request came: its done chunk's or its error's ``consumed``, or None (an
+        error with none, the stream broke, no answer within :data:`CANCEL_ANSWER_WAIT_S`)."""
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(done)
 
@@ -142,12 +153,18 @@ class _Stream:
     answer to the cancel (its last chunk), so that the chunks the dispatcher
     sent before it read the cancel are dropped, the answer reaches its caller
     (:meth:`cancel`), and a new request under its id meanwhile goes under an id
-    of its own.
+    of its own; at most :data:`CANCEL_ANSWER_WAIT_S`, after which it leaves
+    unanswered (:meth:`_unanswered`), its id kept in :attr:`unanswered` while
+    the stream takes new requests (the dispatcher may still run it under that id).
     """
 
     def __init__(self, stub: agent_pb2_grpc.InferenceServiceStub, max_message_bytes: int) -> None:
         self.opened_at = time.monotonic()
         self.requests: dict[str, _Request] = {}
+        self.unanswered: set[str] = set()
+        """Ids of cancelled requests that left :attr:`requests` unanswered (:meth:`_unanswered`): a new request
+        under one goes under an id of its own, as under a live id. Emptied when the stream retires (it takes no
+        new requests then): at most the ids of the requests it took."""
         self.retired = False  # takes no new requests; half-closed once the last one ended
         self.broken = False
         self._max_message_bytes = max_message_bytes
@@ -194,12 +211,32 @@ class _Stream:
             del self.requests[request.request_id]
         elif not self.broken:
             self._cancels.append(request.request_id)
-            answer = request.answer = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            answer = request.answer = loop.create_future()
+            loop.call_later(CANCEL_ANSWER_WAIT_S, self._unanswered, request)
         self._notify()
         return answer
 
+    def _unanswered(self, request: _Request) -> None:
+        """:data:`CANCEL_ANSWER_WAIT_S` after ``request``'s cancel was sent: unanswered by then (a dispatcher that
+        stopped answering), it leaves the map now rather than when the stream ends, and its answer is None. Its id
+        stays in :attr:`unanswered` while the stream takes new requests. Nothing once it was answered."""
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+            if not self.retired:
+                self.unanswered.add(request.request_id)
+            if self._ended():
+                self._notify()  # the writer half-closes
+        request.answered(None)
+
+    def holds(self, request_id: str) -> bool:
+        """``request_id`` is live on this stream (running, cancelled and not answered yet, or left unanswered): a
+        new request under it goes under an id of its own."""
+        return request_id in self.requests or request_id in self.unanswered
+
     def retire(self) -> None:
         self.retired = True
+        self.unanswered.clear()  # no new request comes to this stream: nothing to keep apart
         self._notify()
 
     def _notify(self) -> None:
@@ -260,8 +297,8 @@ class _Stream:
                     if request is None:
                         continue
                     if request.state is RequestState.CANCELLED:  # by its caller: only its last chunk matters
-                        if streamed.HasField("error"):
-                            request.answered(None)
+                        if streamed.HasField("error"):  # it failed meanwhile: what it used came with the error
+                            request.answered(streamed.error.consumed if streamed.error.HasField("consumed") else None)
                         elif streamed.chunk.HasField("done"):
                             request.answered(streamed.chunk.done)
                         else:
@@ -307,12 +344,23 @@ class _Stream:
 
 
 async def _counted(answer: asyncio.Future[agent_pb2.GenerateDone | None],
-                   on_cancelled: Callable[[agent_pb2.GenerateDone], None]) -> None:
-    """Hand the answer to a cancel to ``on_cancelled`` once it comes, within :data:`CANCEL_ANSWER_WAIT_S`."""
-    await asyncio.wait((answer,), timeout=CANCEL_ANSWER_WAIT_S)
-    done = answer.result() if answer.done() else None
+                   on_consumed: Callable[[agent_pb2.GenerateDone], None]) -> None:
+    """Hand the answer to a cancel to ``on_consumed`` once it comes, within :data:`CANCEL_ANSWER_WAIT_S` (the
+    stream answers None by then, :meth:`_Stream._unanswered`). A cancellation of the caller meanwhile (its task's
+    time limit, a second cancel) waits for it too, and is raised after: a step's usage is not lost to it."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + CANCEL_ANSWER_WAIT_S
+    cancelled: asyncio.CancelledError | None = None
+    while not answer.done() and (left := until - loop.time()) > 0:
+        try:
+            await asyncio.wait((answer,), timeout=left)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    done = answer.result() if answer.done() and not answer.cancelled() else None
     if done is not None:
-        on_cancelled(done)
+        on_consumed(done)
+    if cancelled is not None:
+        raise cancelled
 
 
 class GenerateStreamClient:
@@ -348,7 +396,7 @@ class GenerateStreamClient:
 
     async def generate(
         self, request: agent_pb2.GenerateRequest, timeout_s: float | None, token_hold_s: float = 0.0,
-        on_cancelled: Callable[[agent_pb2.GenerateDone], None] | None = None,
+        on_consumed: Callable[[agent_pb2.GenerateDone], None] | None = None,
     ) -> AsyncIterator[agent_pb2.GenerateChunk]:
         """The chunks of ``request`` (``request_id`` set), as Generate streams them.
 
@@ -357,12 +405,15 @@ class GenerateStreamClient:
             token_hold_s: how long the dispatcher may hold its tokens after the first, seconds (the caller
                 merges them over that long anyway); 0: the stream's own rule. Never set on a CORE request
                 (refused INVALID_ARGUMENT).
-            on_cancelled: when the caller is cancelled (``asyncio.CancelledError`` while it waits for a chunk)
-                and the request was running at the dispatcher, it is called with the dispatcher's answer to
-                the cancel (the request's done: what it consumed until then, ``finish_reason`` ``cancelled``),
-                waited for up to :data:`CANCEL_ANSWER_WAIT_S`; not called when none came by then, when the
-                stream broke, or when the request never reached the dispatcher. The cancellation goes on
-                after it.
+            on_consumed: called once, with what the request consumed, when it did not finish: the caller was
+                cancelled (``asyncio.CancelledError`` while it waits for a chunk) or ``timeout_s`` ran out while
+                it ran at the dispatcher (the dispatcher's answer to the cancel: its done as it stood,
+                ``finish_reason`` ``cancelled``, or the ``consumed`` of the error it failed with meanwhile; waited
+                for up to :data:`CANCEL_ANSWER_WAIT_S`, then the cancellation or the DEADLINE_EXCEEDED goes on),
+                or the dispatcher failed it after it ran (its error's ``consumed``, before the error is raised).
+                Not called when no answer came in time, when the stream broke, or when the request never reached
+                the dispatcher or was refused there (nothing consumed). A finished request's done is the
+                caller's to count (its last chunk).
 
         Raises:
             RequestFailed: the dispatcher ended the request with an error, the stream broke
@@ -371,7 +422,7 @@ class GenerateStreamClient:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # nothing while tracing is off
         stream = self._stream_for()
-        if request.request_id in stream.requests:
+        if stream.holds(request.request_id):
             # The id is live on this stream: a caller running one task_id twice at once (the reference load
             # does), or a request cancelled here whose chunks may still be on the way (the dispatcher sends until
             # it reads the cancel, and reads a message's starts before its cancels). It goes on the wire under
@@ -388,17 +439,22 @@ class GenerateStreamClient:
             while True:
                 try:
                     item = await pending.get()
-                except TimeoutError:
+                except TimeoutError:  # its deadline here: cancelled there, what it used counted, then it fails
+                    answer = stream.cancel(pending)
+                    if answer is not None and on_consumed is not None:
+                        await _counted(answer, on_consumed)
                     raise deadline_exceeded() from None
                 if isinstance(item, RequestFailed):
+                    if item.consumed is not None and on_consumed is not None:
+                        on_consumed(item.consumed)
                     raise item
                 yield item
                 if item.HasField("done"):
                     return
         except asyncio.CancelledError:
             answer = stream.cancel(pending)
-            if answer is not None and on_cancelled is not None:
-                await _counted(answer, on_cancelled)
+            if answer is not None and on_consumed is not None:
+                await _counted(answer, on_consumed)
             raise
         finally:
             stream.cancel(pending)  # nothing when it ended (done, failed, or cancelled above)

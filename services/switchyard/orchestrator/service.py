@@ -44,7 +44,7 @@ from switchyard.common.config import SwitchyardConfig
 from switchyard.common.dram import DramClient
 from switchyard.common.metrics import QUEUE_CAPACITY, QUEUE_DEPTH, QUEUE_REJECTED
 from switchyard.common.metrics import SERVING as SERVING_GAUGE
-from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError, TaskDeadlineExceeded,
+from switchyard.common.errors import (InvalidArgument, ServiceUnavailable, SwitchyardError,
                                      TaskRefusedEarly, abort, status_for)
 from switchyard.common.queues import WorkQueue
 from switchyard.common.server import GRPC_SERVICES, Drains, EndsStreams, HealthOwner, InterceptsCalls
@@ -446,16 +446,14 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             except TimeoutError:
                 if not limit.expired():
                     raise  # a stage's own timeout, reported by that stage
-                elapsed = time.monotonic() - task.t0
-                raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from None
+                raise task.out_of_time() from None
             except SwitchyardError as exc:
                 # A downstream call's gRPC deadline is the task's time left: it may fire a moment before the
                 # task's own timer does, as the hop's bare "Deadline Exceeded". The task ran out of time.
                 if (exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or isinstance(exc, TaskRefusedEarly)
                         or not _out_of_time(task)):
                     raise  # not a deadline, or the task's own refusal, which names why
-                elapsed = time.monotonic() - task.t0
-                raise TaskDeadlineExceeded(task.spec.task_id, elapsed, task.deadline_source) from exc
+                raise task.out_of_time() from exc
 
     async def _execute(self, task: Task, submitted: Submitted | None = None) -> agent_pb2.FinalEvent:
         """Run the task; returns the final event (also emitted). A submitted task's run (``submitted``) refused

@@ -30,6 +30,7 @@ from switchyard.api import agent_pb2
 from switchyard.common import telemetry
 from switchyard.common.config import SwitchyardConfig
 from switchyard.common.config.limits import ContextWindow
+from switchyard.common.errors import TaskDeadlineExceeded
 from switchyard.common.queues import WorkQueue
 from switchyard.orchestrator import prompts
 from switchyard.orchestrator.agent_memory import AgentMemory, MemoryMessage
@@ -125,6 +126,10 @@ class Task:
     """The model that answered, from the dispatcher's done chunk."""
     finish_reason: str = ""
     """Why the last model call ended (stop, length, tool_calls), from the dispatcher's done chunk."""
+    waited_on: str = ""
+    """What its last model step waited on as it was cut short (cancelled, failed, past its deadline), from the
+    dispatcher's answer (``GenerateDone.waited_on``: "the model server at http://host:port (model m) for 4 s"); ""
+    when it was not, or waited on nothing. A task that runs out of time names it (:meth:`out_of_time`)."""
     generations: int = 0
 
     @property
@@ -250,7 +255,7 @@ class Task:
             self.spec, turn,
             prompt=self.prompt.text if self.prompt is not None and not self.messages else "",
             messages=self.messages, prompt_tokens=self.prompt_tokens, tools=tools, resume=resume,
-            timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens, on_cancelled=self.count_step,
+            timeout_s=self.remaining(), budget=budget, max_tokens=max_tokens, on_consumed=self.count_step,
         )
         async for chunk in stream:
             kind = chunk.WhichOneof("chunk")
@@ -272,9 +277,10 @@ class Task:
 
     def count_step(self, done: agent_pb2.GenerateDone) -> None:
         """Count one model step's done in the task: its usage, inference queue wait, compute score (summed), KV
-        peak (the largest), model and finish reason. The one way a step is counted: a step that finished, and
-        one cancelled while it ran (the dispatcher's answer to the cancel, ``finish_reason`` ``cancelled``:
-        what it consumed until then; :meth:`InferenceClient.generate`'s ``on_cancelled``)."""
+        peak (the largest), model, finish reason and what it waited on when cut short. The one way a step is
+        counted: a step that finished, and one that did not (:meth:`InferenceClient.generate`'s ``on_consumed``:
+        the dispatcher's answer to its cancel, ``finish_reason`` ``cancelled``, or the ``consumed`` of the error
+        it failed with: what it consumed until then)."""
         self.usage.prompt_tokens += done.usage.prompt_tokens
         self.usage.completion_tokens += done.usage.completion_tokens
         self.usage.total_tokens += done.usage.total_tokens
@@ -283,6 +289,7 @@ class Task:
         self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
         self.model = done.model or self.model
         self.finish_reason = done.finish_reason
+        self.waited_on = done.waited_on
 
     def start_budget(self) -> Budget:
         """The budget of a rag_answer task at its start, before its retrieval (and the prefill-only warm-up
@@ -306,7 +313,7 @@ class Task:
             with tracer.start_as_current_span("prefill", attributes={"switchyard.stage": "prefill"}):
                 async for chunk in self.deps.inference.generate(
                         self.spec, 0, prompt=prefix, timeout_s=self.remaining(), budget=budget, prefill_only=True,
-                        on_cancelled=self._count_prefill):
+                        on_consumed=self._count_prefill):
                     if chunk.WhichOneof("chunk") == "done":
                         self._count_prefill(chunk.done)
         except asyncio.CancelledError:
@@ -319,11 +326,18 @@ class Task:
         EARLY_PREFILLS.labels("ok").inc()
 
     def _count_prefill(self, done: agent_pb2.GenerateDone) -> None:
-        """Count a warm-up's done (finished, or its answer to a cancel): its compute score only (its prompt is
-        the answer's, counted with the answer)."""
+        """Count a warm-up's done (finished, its answer to a cancel, or its error's ``consumed``): its compute
+        score and KV peak only (its prompt is the answer's, counted with the answer)."""
         self.compute_score_used += done.compute_score_used
+        self.memory_peak_bytes = max(self.memory_peak_bytes, done.memory_peak_bytes)
 
     # ------------------------------------------------------------------ the end
+
+    def out_of_time(self) -> TaskDeadlineExceeded:
+        """The error of this task running out of time now: how long it ran, what set its deadline, and what its
+        model step was waiting on as it was cut short (:attr:`waited_on`, when the dispatcher said)."""
+        return TaskDeadlineExceeded(self.spec.task_id, time.monotonic() - self.t0, self.deadline_source,
+                                    self.waited_on)
 
     def consumed(self) -> agent_pb2.FinalEvent:
         """What the task has consumed so far, as a FinalEvent without its answer: usage, timings, compute score,

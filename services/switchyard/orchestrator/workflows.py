@@ -58,7 +58,10 @@ async def rag_answer(task: Task) -> None:
         await infer(task)
     finally:
         if warm_up is not None and not warm_up.done():
-            warm_up.cancel()  # the answer is out: warming its prefix serves nothing now
+            warm_up.cancel()  # the answer is out (or the task ends): warming its prefix serves nothing now
+            # ... and what the warm-up used is counted before the task's outcome is recorded: its cancel's answer
+            # comes within one round trip (at most CANCEL_ANSWER_WAIT_S; it never raises)
+            await asyncio.wait((warm_up,))
     await remember(task)
 
 

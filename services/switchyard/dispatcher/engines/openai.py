@@ -34,7 +34,8 @@ from switchyard.gateway.errors import EndpointNotFound, GatewayError
 from switchyard.gateway import events
 from switchyard.gateway import models as model_names
 from switchyard.gateway.keys import load_api_key, require_usable
-from switchyard.gateway.redact import install_log_redaction
+from switchyard.gateway.pool import server_root
+from switchyard.gateway.redact import install_log_redaction, safe_url
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def _assistant_before(out: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def chat_request(req: Request) -> events.ChatRequest:
-    """The gateway request for ``req``: messages, tools, max_tokens, model, priority class and agent.
+    """The gateway request for ``req``: messages, tools, max_tokens, model, priority class and agent; each HTTP
+    request of it that goes out is noted on ``req`` (:meth:`Request.sent_upstream`: what it then waits on).
 
     Raises:
         InvalidArgument: a tool's ``parameters_json`` is not a JSON object.
@@ -111,7 +113,15 @@ def chat_request(req: Request) -> events.ChatRequest:
         request_id=req.request_id,
         timeout_s=None if req.deadline is None else max(0.0, req.deadline - time.monotonic()),
         affinity_key=req.agent_key,
+        on_sent=lambda url, model: req.sent_upstream(upstream_words(url, model)),
     )
+
+
+def upstream_words(url: str, model: str) -> str:
+    """How a message names the model server a call waits on: ``the model server at http://host:port (model m)``,
+    from an endpoint's base URL (its ``/v1`` left out, and any credentials, query or fragment: :func:`safe_url`)
+    and the upstream model id sent."""
+    return f"the model server at {safe_url(server_root(url))} (model {model})"
 
 
 class OpenAIEngine(StreamEngine):

@@ -22,8 +22,12 @@ to busy instead, most of the busy-ratio score at once (about 68 of 100 for one
 decode on the sim engine), which held every later task behind one running
 decode and fed itself the same way.
 
-``memory_peak_bytes`` is the largest ``kv.kv_bytes(req)`` seen at a
-time-slice boundary, after a step, or when the request leaves the running set.
+``memory_peak_bytes`` is the largest KV held for the request seen at a
+time-slice boundary, after a step, or when the request leaves the running set:
+the engine's ``kv.kv_bytes(req)``, or, while a step runs, what that step
+allocated for it when more (``Request.step_kv_bytes``: a prompt being
+prefilled is held before the engine's count has it, so a request cancelled
+mid-prefill reports the KV its prefill held, not 0).
 What is accounted lives on the :class:`~switchyard.dispatcher.request.Request`.
 """
 

@@ -140,6 +140,8 @@ RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
 PREEMPTING = RequestStatus.PREEMPTING
 PARKED = RequestStatus.PARKED
+_UNFINISHED = frozenset({RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+"""Ends that cut a request short: what it waited on then is kept (``Request.waited_on``)."""
 
 
 SHUTTING_DOWN = "it is shutting down (draining what it accepted)"
@@ -209,7 +211,7 @@ class SchedulerCore(KvMemory):
         self._events = SchedulerEvents()  # observed since the last make_stats
         self.admission = Admission(self.scheduler_config, self.counters.admissions_refused,
                                    by_score=not streams)
-        self.accounting = Accounting(self.kv.kv_bytes, self.monitor)
+        self.accounting = Accounting(self._kv_bytes, self.monitor)  # a step's allocation counts as it runs
         self.parking = ParkedAgents(self.scheduler_config.tool_wait_ttl_s, self._release, self.kv.kv_bytes,
                                     self._demote_parked, self.counters)
         self._held_beside_running = HeldBesideRunning(self.parking, self.kv)
@@ -217,8 +219,10 @@ class SchedulerCore(KvMemory):
         self.tool_waits = ToolWaitPlans(self.counters.tool_decisions, self.counters.tool_resumes,
                                         self.counters.tool_prefetches)
         """Each agent's tool wait as decided at tool start, its restore plan, and the per-tool counts."""
+        info = self.kv.memory_info()
+        self._kv_bytes_per_token = info.kv_bytes_per_token if info is not None else 0
+        """KV bytes one token of one request needs (0: the engine holds no KV here): what a step allocates."""
         if capacity is None:
-            info = self.kv.memory_info()
             capacity = (KvBudget(config.memory.hbm, info, self._held_beside_running, self.kv.device_used_bytes,
                                  taken_over=self._taken_over) if info else Unbounded())
         self.capacity = capacity
@@ -604,6 +608,9 @@ class SchedulerCore(KvMemory):
         for req in expired:
             where = (f"after {len(req.output_tokens)} tokens" if req.output_tokens
                      else "waiting for admission" if not req.reached_engine else "before its first token")
+            waiting = req.waiting_on(now)
+            if waiting and req.reached_engine:  # what it waited on: its upstream (the queue's wait is said above)
+                where = f"{where}, waiting for {waiting}"
             self._end(req, now, RequestStatus.FINISHED_ERROR,
                       RequestDeadlineExceeded(req.request_id, req.deadline - req.arrival, where))  # type: ignore[operator]
             self.counters.deadlines_exceeded[req.priority.label] += 1
@@ -679,6 +686,7 @@ class SchedulerCore(KvMemory):
         """
         prefilled = {id(req) for req, _ in batch.prefill}
         for req in batch.requests:
+            req.step_kv_bytes = 0  # the step ended: what it holds now is the engine's to say (kv.kv_bytes)
             seq = result.outputs.get(req.seq_id)
             if seq is None or req.status not in (RUNNING, PREEMPTING):
                 continue
@@ -693,8 +701,18 @@ class SchedulerCore(KvMemory):
 
     def compose_batch(self, prefill: list[Request], decode: list[Request], budget: int | None = None) -> StepBatch:
         """One engine step over ``prefill`` and ``decode`` (:func:`.update.compose_batch`: prefix-cache hits,
-        then the prompt tokens each prefill computes, chunked under ``budget`` when given)."""
-        return compose_batch(self.kv, prefill, decode, budget)
+        then the prompt tokens each prefill computes, chunked under ``budget`` when given). Each member's
+        ``step_kv_bytes`` is the KV the step allocates for it (its prefix after the step, its computed tokens
+        and those the step computes), held from now until the step's result comes (:meth:`update_from_output`):
+        a request cancelled, failed or preempted while the step runs has held it (:meth:`_kv_bytes`)."""
+        batch = compose_batch(self.kv, prefill, decode, budget)
+        per_token = self._kv_bytes_per_token
+        if per_token:
+            for req, tokens in batch.prefill:
+                req.step_kv_bytes = (req.num_computed_tokens + tokens) * per_token
+            for req in batch.decode:
+                req.step_kv_bytes = (req.num_computed_tokens + 1) * per_token
+        return batch
 
     def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
@@ -725,6 +743,8 @@ class SchedulerCore(KvMemory):
         state = req.status
         if state is RequestStatus.NEW or req.is_finished:  # a parked step is finished: its parking releases it
             return
+        if status in _UNFINISHED:  # what it waited on as it was cut short, for its caller's words (GenerateDone)
+            req.waited_on = req.waiting_on(now)
         req.status = status
         if error is not None:
             req.error = error
@@ -932,12 +952,19 @@ class SchedulerCore(KvMemory):
         self._events.task_compute_score_used.append(req.compute_score_used)
         self._events.task_memory_peak_bytes.append(req.memory_peak_bytes)
 
+    def _kv_bytes(self, req: Request) -> int:
+        """KV bytes held for ``req`` now: the engine's count, or what the step in flight allocated for it when more
+        (``req.step_kv_bytes``: a prefill's prompt is held while it is computed, before the engine's count has
+        it)."""
+        return max(self.kv.kv_bytes(req), req.step_kv_bytes)
+
     def _release(self, req: Request) -> None:
         """Free ``req``'s KV (a parked step leaving its parking ends as tool_calls)."""
         if req.status is PARKED:
             req.status = RequestStatus.FINISHED_TOOL_CALLS
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.step_kv_bytes = 0
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state now, and what it counted and observed since the previous call
