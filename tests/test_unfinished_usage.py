@@ -44,8 +44,8 @@ from switchyard_harness.faults import Fault
 
 pytestmark = pytest.mark.no_gpu
 
-SLOW = {**FAST, "sim.decode_base_ms": 300.0}  # a step every ~0.3 s: the sim's answer (a dozen tokens) outlasts a
-# deadline of 1.5 s
+SLOW = {**FAST, "sim.decode_base_ms": 500.0}  # a step every ~0.5 s: the sim's answer (a dozen tokens) outlasts a
+# deadline of 3 s, which leaves a loaded machine seconds for the first tokens
 PROMPT = "Explain the with statement."
 MODEL = "claude-sonnet-4-5"  # what sim-openai serves a request naming none
 
@@ -93,7 +93,7 @@ async def test_a_step_its_dispatchers_deadline_ends_carries_what_it_used_with_it
     async with sim_dispatcher() as (_, channel):
         call = agent_pb2_grpc.InferenceServiceStub(channel).GenerateStream()
         await call.write(agent_pb2.GenerateStreamRequest(start=[
-            agent_pb2.StreamedGenerate(request=request("d:0"), timeout_s=1.5)]))
+            agent_pb2.StreamedGenerate(request=request("d:0"), timeout_s=3.0)]))
         tokens, error = 0, None
         async for message in call:
             for streamed in message.chunks:
@@ -162,7 +162,7 @@ async def test_a_request_past_its_deadline_on_the_stream_is_counted_once():
         answers: list[agent_pb2.GenerateDone] = []
         tokens = 0
         with pytest.raises(RequestFailed) as failed:
-            async for chunk in client.generate(request("t:0"), 1.5, on_consumed=answers.append):
+            async for chunk in client.generate(request("t:0"), 3.0, on_consumed=answers.append):
                 tokens += chunk.HasField("token") and max(1, chunk.token.count)
         await client.close()
     assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -273,7 +273,7 @@ async def test_a_task_on_a_hung_model_server_names_it_when_its_time_runs_out(tmp
     with start_sim(faults={"*": Fault(slow_ms=600_000)}) as server:
         async with openai_dispatcher(server.base_url) as (_, port):
             base = load_config("config")
-            limits = {"chat": 1.5, "rag_answer": 180.0, "react_loop": 600.0}
+            limits = {"chat": 3.0, "rag_answer": 180.0, "react_loop": 600.0}
             async with face_stack(base, f"127.0.0.1:{port}", tmp_path / "tasks.sqlite3",
                                   **{"orchestrator.task_time_limit_s": limits}) as (stub, _client, _orch):
                 await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="h1", payload="hello", task_type="chat"))

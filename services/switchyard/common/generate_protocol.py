@@ -51,9 +51,10 @@ lives here:
   on a stream an id is required and unique among the stream's running
   requests (a start reusing a running id is refused INVALID_ARGUMENT under
   that id, and the running request goes on); Generate's is optional, one is
-  made when it is empty. The caller starts an id its stream still knows
-  (running, or cancelled there: chunks sent before the cancel may still come)
-  on a new stream.
+  made when it is empty. The caller sends a request under an id its stream
+  still knows (running, or cancelled there: chunks sent before the cancel may
+  still come, and one whose cancel went unanswered may still run) under an id
+  of its own (the orchestrator's: ``<id>~<n>``).
 """
 
 from __future__ import annotations
