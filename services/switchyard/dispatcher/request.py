@@ -252,9 +252,10 @@ class Request:
     """``PREEMPTING``: its live KV bytes, held in the HBM budget until the step in flight ends."""
     num_computed_tokens: int = 0
     step_kv_bytes: int = 0
-    """KV bytes the engine step in flight allocated for it (its computed prefix and the tokens that step computes),
-    from the step's composition until its result (``SchedulerCore.compose_batch``); 0 between steps. A prefill's
-    prompt is held while it is computed: a request cancelled mid-prefill held it (its ``memory_peak_bytes``)."""
+    """KV bytes the prefill step in flight allocated for it (its computed prefix and the prompt tokens that step
+    computes), from the step's composition until its result (``SchedulerCore.compose_batch``); 0 between steps and in
+    decode steps (one token more, within the engine's own count). A prefill's prompt is held while it is computed: a
+    request cancelled mid-prefill held it (its ``memory_peak_bytes``)."""
     preemptions: int = 0
     recomputed_tokens: int = 0
     restored_tokens: int = 0

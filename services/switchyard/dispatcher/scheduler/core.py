@@ -684,9 +684,11 @@ class SchedulerCore(KvMemory):
             one output per request that produced something or ended, in ``batch`` order; the engine loop
             publishes them.
         """
-        prefilled = {id(req) for req, _ in batch.prefill}
-        for req in batch.requests:
+        prefilled = set()
+        for req, _ in batch.prefill:
+            prefilled.add(id(req))
             req.step_kv_bytes = 0  # the step ended: what it holds now is the engine's to say (kv.kv_bytes)
+        for req in batch.requests:
             seq = result.outputs.get(req.seq_id)
             if seq is None or req.status not in (RUNNING, PREEMPTING):
                 continue
@@ -701,17 +703,15 @@ class SchedulerCore(KvMemory):
 
     def compose_batch(self, prefill: list[Request], decode: list[Request], budget: int | None = None) -> StepBatch:
         """One engine step over ``prefill`` and ``decode`` (:func:`.update.compose_batch`: prefix-cache hits,
-        then the prompt tokens each prefill computes, chunked under ``budget`` when given). Each member's
-        ``step_kv_bytes`` is the KV the step allocates for it (its prefix after the step, its computed tokens
-        and those the step computes), held from now until the step's result comes (:meth:`update_from_output`):
-        a request cancelled, failed or preempted while the step runs has held it (:meth:`_kv_bytes`)."""
+        then the prompt tokens each prefill computes, chunked under ``budget`` when given). Each
+        prefill's ``step_kv_bytes`` is the KV the step allocates for it (its prefix after the step, its computed
+        tokens and those the step computes), held from now until the step's result comes (:meth:`update_from_output`):
+        a request cancelled, failed or preempted while its prefill runs has held it (:meth:`_kv_bytes`)."""
         batch = compose_batch(self.kv, prefill, decode, budget)
         per_token = self._kv_bytes_per_token
-        if per_token:
+        if per_token:  # a decode's one token more is the engine's count within a step: prefills only (few a step)
             for req, tokens in batch.prefill:
                 req.step_kv_bytes = (req.num_computed_tokens + tokens) * per_token
-            for req in batch.decode:
-                req.step_kv_bytes = (req.num_computed_tokens + 1) * per_token
         return batch
 
     def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
