@@ -34,13 +34,18 @@ from switchyard.common.channels import open_channel
 from switchyard.common.config import load_config
 from switchyard.common.generate_protocol import CONSUMED_KEY, RequestFailed
 from switchyard.common.server import running
+from switchyard.common.config import SwitchyardConfig
 from switchyard.dispatcher.engines.openai import upstream_words
+from switchyard.dispatcher.engines.sim import SimEngine
+from switchyard.dispatcher.request import Request
+from switchyard.dispatcher.scheduler import make_scheduler
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.gateway.redact import safe_url
 from switchyard.orchestrator import generate_stream
 from switchyard.orchestrator.generate_stream import GenerateStreamClient
 from switchyard.orchestrator.service import OrchestratorService
 from switchyard_harness.faults import Fault
+from switchyard_harness.testing.scheduling import accept
 
 pytestmark = pytest.mark.no_gpu
 
@@ -282,6 +287,48 @@ async def test_a_task_on_a_hung_model_server_names_it_when_its_time_runs_out(tmp
     assert f" waiting for the model server at http://127.0.0.1:{server.port} (model {MODEL}) for " in status.error, \
         status.error
     assert status.compute_score_used > 0  # the step it was cut short in is counted too
+
+
+async def test_the_dispatchers_deadline_error_names_the_model_server_it_waited_on(clean_proxy_env):
+    """A caller that does not cancel at its deadline, in front of a hung server: the dispatcher's own DEADLINE_EXCEEDED
+    names the server and model (the gateway's words for its call's deadline, or the scheduler's with what the request
+    waited on, whichever ends it first), and its consumed says what it waited on and how long."""
+    with start_sim(faults={"*": Fault(slow_ms=600_000)}) as server:
+        async with openai_dispatcher(server.base_url) as (_, port):
+            async with open_channel(f"127.0.0.1:{port}") as channel:
+                call = agent_pb2_grpc.InferenceServiceStub(channel).GenerateStream()
+                await call.write(agent_pb2.GenerateStreamRequest(start=[
+                    agent_pb2.StreamedGenerate(request=request("hd:0", 64), timeout_s=2.0)]))
+                error = None
+                while error is None:
+                    message = await call.read()
+                    error = next((c.error for c in message.chunks if c.HasField("error")), None)
+                call.cancel()
+    where = f"waiting for the model server at http://127.0.0.1:{server.port} (model {MODEL}) for "
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert f"127.0.0.1:{server.port}" in error.details and MODEL in error.details, error.details
+    assert ("waiting for " + error.consumed.waited_on).startswith(where), error.consumed.waited_on
+
+
+def test_a_request_its_deadline_ends_keeps_what_it_waited_on_and_its_error_says_it():
+    """The scheduler's own end of a request past its deadline (a step engine's, or an upstream engine's between the
+    gateway's checks): running on an upstream call, its error and its waited_on name the server and how long since
+    the call was sent or its last token came; never admitted, the queue it waited in."""
+    engine = SimEngine(SwitchyardConfig())
+    sched = make_scheduler(SwitchyardConfig(), engine)
+    streaming = Request("up", prompt="x", prompt_tokens=10, max_tokens=50, arrival=0.0, deadline=2.0)
+    accept(sched, [streaming], 0.0)
+    assert sched.schedule(now=0.0).admitted == [streaming]
+    streaming.upstream, streaming.upstream_sent_at = "the model server at http://10.0.0.5:8000 (model m)", 0.25
+    streaming.last_token_at = 0.5  # its last token came then: the wait is since
+    queued = Request("q", prompt="x", prompt_tokens=10, max_tokens=5, arrival=1.0, deadline=2.0)
+    sched.add_request(queued, now=1.0)
+    assert sched.expire_deadlines(now=2.0) == [queued, streaming]
+    assert streaming.waited_on == "the model server at http://10.0.0.5:8000 (model m) for 1.5 s"
+    assert "before its first token, waiting for the model server at http://10.0.0.5:8000 (model m) for 1.5 s;" in \
+        str(streaming.error)
+    assert queued.waited_on == "admission to the engine (inference queue) for 1 s"
+    assert "waiting for admission;" in str(queued.error)  # said once
 
 
 def test_the_model_server_is_named_without_credentials_query_or_fragment():
