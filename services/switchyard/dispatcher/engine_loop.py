@@ -726,7 +726,8 @@ class StepLoop(LoopBase):
                 self._apply_outputs(scheduler.finish_requests(batch.requests,
                                                         RequestStatus.FINISHED_ERROR, now, exc))
             return None
-        if result is None:
+        if result is None:  # nothing computed (no layer boundary came): its prefills allocated nothing
+            scheduler.step_not_run(batch)
             return False
         self._apply_outputs(scheduler.update_from_output(batch, result, time.monotonic()), throttled=True)
         return result

@@ -312,6 +312,10 @@ class Scheduler(Protocol):
             one output per request that produced something or ended, in ``batch`` order.
         """
 
+    def step_not_run(self, batch: "StepBatch") -> None:
+        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first):
+        what its composition recorded as allocated for its prefills (``Request.step_kv_bytes``) is let go."""
+
     def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
         """End ``reqs`` with ``status`` wherever they are (``req.status`` names the place); idempotent.

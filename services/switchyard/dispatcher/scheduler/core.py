@@ -714,6 +714,12 @@ class SchedulerCore(KvMemory):
                 req.step_kv_bytes = (req.num_computed_tokens + tokens) * per_token
         return batch
 
+    def step_not_run(self, batch: StepBatch) -> None:
+        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first):
+        its prefills hold no allocation of it (``step_kv_bytes`` back to 0; their next step's composition sets it)."""
+        for req, _ in batch.prefill:
+            req.step_kv_bytes = 0
+
     def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,
                         error: BaseException | None = None) -> list[RequestOutput]:
         """End ``reqs`` with ``status`` (``FINISHED_ABORTED``: the caller went away; ``FINISHED_ERROR`` with
