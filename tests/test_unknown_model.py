@@ -187,6 +187,27 @@ async def test_each_of_the_dispatchers_checks_reads_the_list_again_for_a_model_l
     assert [body["model"] for body in sim.state.requests] == ([OTHER] if call == "Generate" else [])
 
 
+async def test_a_model_server_restarted_with_another_model_has_it_served_at_once(clean_proxy_env):
+    """The server comes back serving another model: the first call to the old one ends NOT_FOUND, its message naming
+    what the server serves now (the dispatcher read the list again for it), and the orchestrator asks the dispatcher
+    again on that NOT_FOUND: the new model is accepted at once. It was refused for up to MODEL_INFO_RETRY_S more,
+    its message naming the models of before as the dispatcher's."""
+    with start_sim(models=[MODEL]) as sim:
+        async with stack(config_for("openai", sim.base_url)) as (stub, client):
+            await refused(stub, client, OTHER)
+            sim.sim.options.models[:] = [OTHER]  # restarted with another model
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.RunTask(agent_pb2.RunTaskRequest(payload="hi", task_type="chat", max_tokens=4)):
+                    pass
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+            assert f"model {MODEL!r} not found upstream" in caught.value.details()
+            assert f"the server serves {OTHER!r}" in caught.value.details()
+            await accepted(stub, OTHER)
+            reply = await client.post("/api/v1/agent/submit", json={"agent_id": "a1", "payload": "hi",
+                                                                     "task_type": "chat", "model": OTHER})
+            assert reply.status_code == 200, reply.text
+
+
 def test_served_names_follow_the_gateways_resolution():
     from switchyard.gateway.models import served_names
 

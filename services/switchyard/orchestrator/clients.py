@@ -357,6 +357,10 @@ class InferenceClient:
                     yield chunk
                 return
             except RequestFailed as err:
+                if err.code == grpc.StatusCode.NOT_FOUND:
+                    # the model was not served there after all (a server restarted with another model): the
+                    # dispatcher read its upstream's list again for it, and the answer kept here is the list before
+                    self._model_info_stale = True
                 # No origin: nothing answered (the replica is gone); origin dispatcher: it refused (draining).
                 # An error relayed from the upstream model is not the replica's: another would meet it too.
                 replica_fault = err.origin in ("", "dispatcher")
@@ -385,7 +389,10 @@ class InferenceClient:
         the engine, whether it shares prefixes, the context window its upstream reports, the model names a
         request may give (``models``; empty: not known). Asked again by the
         next task once the dispatcher came back (:meth:`dispatcher_back`) or the answer is
-        :data:`MODEL_INFO_MAX_AGE_S` old, and while an ``openai`` engine's upstream reported no window or
+        :data:`MODEL_INFO_MAX_AGE_S` old, or a call ended NOT_FOUND (the upstream no longer serves a model it
+        listed: a server restarted with another one, whose new list the dispatcher read for that answer; the list
+        kept here refused the new model's name for up to :data:`MODEL_INFO_RETRY_S` more, naming the models of
+        before as served), and while an ``openai`` engine's upstream reported no window or
         model list yet (it was down, or reports none), or a task names ``model``, one the answer kept does not
         list (the dispatcher then reads its upstream's list again: a model just loaded there is served), at
         most every :data:`MODEL_INFO_RETRY_S`; the answer kept before stands when that fails.
