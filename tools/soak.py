@@ -7,23 +7,32 @@ against ``switchyard serve sim-openai`` (a real HTTP upstream on 127.0.0.1),
 then runs RunTask calls from ``--concurrency`` workers, each task one of:
 
 - chat or rag_answer that should succeed;
-- an upstream 5xx (the task's model carries a sim-openai fault suffix:
-  ``claude-sonnet-4-5#status=503``), served by the fallback model;
-- an upstream stream cut after 3 items (``#cut_after=3``): a named error;
+- an upstream 5xx (the task names :data:`FLAKY_MODEL`, a model sim-openai lists and
+  answers 503: ``--fault flaky-503=status=503``), served by the fallback model;
+- an upstream stream cut after 3 items (the task names :data:`CUT_MODEL`,
+  ``--fault cut-after-3=cut_after=3``): a named error;
 - a client cancel after the first token.
+
+The faults are models the upstream lists: a name it does not list (the ``MODEL#SPEC``
+suffix sim-openai also reads) is refused NOT_FOUND before it is accepted, so a soak
+naming them exercised no fault at all and still passed.
 
 Half-way through, the dispatcher is killed (``kill -9``) and started again on
 its port. At the end it prints, and writes to ``--out``:
 
-- tasks by outcome; **unaccounted**: a call that ended with neither a final
-  event nor an error with a code and details (or a CANCELLED the client did
-  not ask for) — must be 0;
+- tasks by outcome, with the first error message of each kind's; **unaccounted**: a call that
+  ended with neither a final event nor an error with a code and details (or a
+  CANCELLED the client did not ask for) — must be 0;
+- **unexpected**: an error of a code no kind should end with (all but UNAVAILABLE:
+  the cut streams and the tasks the dispatcher restart caught) — must be 0;
+- **kinds not exercised**: a kind that never ended as it is meant to (an upstream 5xx
+  never served by the fallback, no stream cut, no cancel) — must be none;
 - each service's RSS after the warm-up (the first fifth) and at the end —
   growth must stay under 10 %;
 - every in-flight gauge (running/waiting sequences, concurrent agents, queue
   depth, busy workers) once the load stops — must be 0.
 
-Exit status 0 when all three hold, 1 otherwise.
+Exit status 0 when all five hold, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -106,7 +115,9 @@ class Stack:
     def start(self) -> None:
         self.procs["upstream"] = subprocess.Popen(
             dying_with_parent([sys.executable, "-m", "switchyard.cli", "serve", "sim-openai", "--port",
-                               str(self.upstream_port), "--config-dir", str(self.config_dir)], signal.SIGTERM),
+                               str(self.upstream_port), "--config-dir", str(self.config_dir),
+                               *(f"--model={m}" for m in UPSTREAM_MODELS),
+                               *(f"--fault={f}" for f in UPSTREAM_FAULTS)], signal.SIGTERM),
             env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         for name in ("retrieval", "dispatcher", "orchestrator"):
             self._start(name)
@@ -149,17 +160,27 @@ class Stack:
 
 
 KINDS = (("ok_chat", 0.45), ("ok_rag", 0.15), ("upstream_5xx", 0.15), ("stream_cut", 0.1), ("client_cancel", 0.15))
+MEANT = {"ok_chat": "final", "ok_rag": "final", "upstream_5xx": "final", "stream_cut": "error:UNAVAILABLE",
+         "client_cancel": "cancelled"}
+"""How each kind is meant to end; a kind that never did was not exercised."""
+EXPECTED_ERRORS = frozenset({"error:UNAVAILABLE"})
+"""The error outcomes a kind may end with: the cut streams, and the tasks caught by the dispatcher's restart."""
+FLAKY_MODEL = "flaky-503"
+CUT_MODEL = "cut-after-3"
+UPSTREAM_MODELS = ("claude-sonnet-4-5", "gpt-4o-mini", "sim-7b", FLAKY_MODEL, CUT_MODEL)
+UPSTREAM_FAULTS = (f"{FLAKY_MODEL}=status=503", f"{CUT_MODEL}=cut_after=3")
 
 
 def request_for(kind: str, number: int) -> agent_pb2.RunTaskRequest:
-    model = {"upstream_5xx": "claude-sonnet-4-5#status=503", "stream_cut": "claude-sonnet-4-5#cut_after=3"}.get(kind, "")
+    model = {"upstream_5xx": FLAKY_MODEL, "stream_cut": CUT_MODEL}.get(kind, "")
     return agent_pb2.RunTaskRequest(
         task_id=f"soak-{number}", payload="Explain how the with statement works.", model=model, max_tokens=64,
         task_type="rag_answer" if kind == "ok_rag" else "chat")
 
 
-async def one(stub, kind: str, number: int) -> str:
-    """The outcome: final, error:<CODE>, cancelled (by us), or unaccounted."""
+async def one(stub, kind: str, number: int, examples: dict[str, str]) -> str:
+    """The outcome: final, error:<CODE>, cancelled (by us), or unaccounted; the first error message of each kind's
+    outcome goes into ``examples``."""
     call = stub.RunTask(request_for(kind, number), timeout=60)
     try:
         async for event in call:
@@ -170,13 +191,15 @@ async def one(stub, kind: str, number: int) -> str:
                 return "cancelled"
         return "unaccounted"  # the stream ended without a final event or an error
     except grpc.aio.AioRpcError as err:
-        if err.code() == grpc.StatusCode.CANCELLED or not err.details():
-            return "unaccounted"  # a CANCELLED we did not ask for, or an error that names nothing
-        return f"error:{err.code().name}"
+        outcome = ("unaccounted" if err.code() == grpc.StatusCode.CANCELLED or not err.details()
+                   else f"error:{err.code().name}")  # unaccounted: a CANCELLED we did not ask for, or a nameless error
+        examples.setdefault(f"{kind} {outcome}", f"{err.code().name}: {err.details()}"[:400])
+        return outcome
 
 
-async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter, dict, dict, dict]:
+async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter, dict, dict, dict, dict]:
     outcomes: Counter = Counter()
+    examples: dict[str, str] = {}
     failed_at: list[float] = []  # when tasks that should have succeeded failed (the restart's outage)
     restart: dict[str, float] = {}
     by_kind: dict[str, Counter] = {k: Counter() for k, _ in KINDS}
@@ -192,7 +215,7 @@ async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter,
         async def worker() -> None:
             while time.monotonic() < end:
                 kind = random.choices(kinds, weights)[0]
-                outcome = await one(stub, kind, next(numbers))
+                outcome = await one(stub, kind, next(numbers), examples)
                 if outcome.startswith("error") and kind != "stream_cut":
                     failed_at.append(time.monotonic())
                 outcomes[outcome] += 1
@@ -218,7 +241,7 @@ async def load(stack: Stack, seconds: float, concurrency: int) -> tuple[Counter,
         "failed_tasks_elsewhere": len(failed_at) - len(near),
         "last_failure_after_serving_s": round(max(near) - restart["serving"], 2) if near else None,
     }
-    return outcomes, by_kind, rss, outage
+    return outcomes, by_kind, rss, outage, examples
 
 
 def main() -> int:
@@ -231,19 +254,23 @@ def main() -> int:
     stack = Stack(workdir)
     try:
         stack.start()
-        outcomes, by_kind, rss, outage = asyncio.run(load(stack, args.minutes * 60, args.concurrency))
+        outcomes, by_kind, rss, outage, examples = asyncio.run(load(stack, args.minutes * 60, args.concurrency))
         time.sleep(3)
         gauges = stack.gauges()
     finally:
         stack.stop()
     growth = {name: (rss["end"][name] - rss["warm"][name]) / rss["warm"][name] for name in rss["warm"]}
     left = {k: v for k, v in gauges.items() if v != 0}
+    unexpected = {o: n for o, n in outcomes.items() if o.startswith("error:") and o not in EXPECTED_ERRORS}
+    not_exercised = sorted(kind for kind, meant in MEANT.items() if not by_kind[kind][meant])
     report = {
         "minutes": args.minutes, "concurrency": args.concurrency, "tasks": sum(outcomes.values()),
         "outcomes": dict(outcomes), "by_kind": {k: dict(v) for k, v in by_kind.items()},
+        "examples": examples, "unexpected_errors": unexpected, "kinds_not_exercised": not_exercised,
         "restart": outage, "rss_mib": rss, "rss_growth": {k: round(v, 4) for k, v in growth.items()},
         "in_flight_gauges_not_zero": left, "in_flight_gauges_checked": len(gauges),
-        "ok": outcomes["unaccounted"] == 0 and all(g < 0.10 for g in growth.values()) and not left,
+        "ok": (outcomes["unaccounted"] == 0 and not unexpected and not not_exercised
+               and all(g < 0.10 for g in growth.values()) and not left),
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
