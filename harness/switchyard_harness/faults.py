@@ -3,8 +3,12 @@
 A fault spec is comma-separated ``key=value`` items and bare flags, e.g.
 ``status=503,fail_first=2`` or ``cut_after=3``. It reaches the server three ways
 (first match wins): the request header ``x-sim-fault``; a model-name suffix
-``MODEL#SPEC`` (so a gRPC caller can pick a fault through ``model``); the
-server's ``--fault [MODEL=]SPEC`` flags (per model, or for all models).
+``MODEL#SPEC`` (a caller of the server or of the gateway picks a fault through
+``model``); the server's ``--fault [MODEL=]SPEC`` flags (per model, or for all
+models). Through Switchyard's stack a task's ``model`` must be one the upstream
+lists (a suffixed name is refused NOT_FOUND before it is accepted): list a model
+for the fault (``--model flaky --fault flaky=status=503``) and name it, as
+``tools/soak.py`` does.
 """
 
 from __future__ import annotations
