@@ -659,6 +659,7 @@ async def test_a_submitted_task_refused_by_a_full_queue_waits_again_in_the_backl
         assert (await final_state(stub, "t4")).error == cancelled.error
         assert finals["t3"].result.output == "The answer."
         assert finals["t3"].timings.queue_wait_s["submitted"] > 0
+        assert finals["t3"].timings.total_s >= sum(finals["t3"].timings.stage_s.values())  # over both runs
         assert down.peak == 2
         await until(lambda: gauge("running") == 0)
         assert gauge("queued") == 0
@@ -677,6 +678,9 @@ async def test_a_submitted_task_refused_with_nothing_else_running_starts_again_u
         assert status.state == agent_pb2.FAILED
         assert status.error.startswith("RESOURCE_EXHAUSTED: ") and "queues.inference.capacity" in status.error
         assert len(down.refused) >= 3 and set(down.refused) == {"alone:0"}, down.refused
+        # its timings span every run, from its first start: they read the last run alone (3 ms for a task that
+        # tried for 5 s), less than the stages of its runs added up
+        assert status.timings.total_s >= sum(status.timings.stage_s.values()) > 0, status.timings
     assert refused_tasks() == refused_before + 1  # its one end, not each refusal
 
 

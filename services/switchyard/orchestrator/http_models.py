@@ -127,8 +127,10 @@ class TimingsModel(BaseModel):
     """Wall-clock timings of a task, seconds."""
 
     queue_wait_s: dict[str, float] = Field(default_factory=dict, description="Wait per queue, seconds.")
-    ttft_s: float = Field(0.0, description="Accepted -> first token, seconds.")
-    total_s: float = Field(0.0, description="Accepted -> final event, seconds.")
+    ttft_s: float = Field(0.0, description="Accepted -> first token, seconds (a submitted task: from its first start, "
+                                           "over every run).")
+    total_s: float = Field(0.0, description="Accepted -> final event, seconds (a submitted task: from its first start, "
+                                            "over every run).")
     stage_s: dict[str, float] = Field(default_factory=dict, description="Seconds per workflow stage.")
 
 

@@ -394,7 +394,9 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                   started_at: float | None = None) -> Task:
         """The task's state. Its deadline is its type's time limit from ``started_at`` (monotonic seconds; now
         when None) or the caller's gRPC deadline, whichever comes first (the orchestrator owns a task's
-        lifetime)."""
+        lifetime); ``started_at`` is its ``t0`` too, what its timings count from (a submitted task started
+        again after a refusal: ``total_s`` and ``ttft_s`` from its first start, over every run, as its time
+        limit; from the last run's start they read 3 ms for a task that tried for 5 s)."""
         assert self._deps is not None, "start() not called"
         orch = self.config.orchestrator
         now = time.monotonic()
@@ -405,7 +407,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
         if remaining is not None and now + remaining < deadline:
             deadline, source = now + remaining, "the caller's gRPC deadline"
         return Task(spec=spec, deps=self._deps, emit=emit, deadline_s=deadline, deadline_source=source,
-                    inline=orch.inference_mode == "inline", trace_id=_trace_id(), t0=now)
+                    inline=orch.inference_mode == "inline", trace_id=_trace_id(),
+                    t0=now if started_at is None else started_at)
 
     def _record_metadata(self, metadata: Mapping[str, str]) -> None:
         """The allow-listed metadata (``orchestrator.metadata_span_keys``) as attributes of the RPC's span."""
@@ -714,10 +717,10 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
                 raise asyncio.CancelledError
             # no reader: its status is read instead
             task = self._new_task(spec, lambda event: None, None, started_at=entry.first_started_at)
-            task.trace_id, t0 = entry.trace_id, task.t0
+            task.trace_id = entry.trace_id
             task.timings = entry.timings  # one Timings: its status shows the task's waits and stages as they come
             entry.task = task
-            task.add_wait("submitted", t0 - entry.submitted_at)
+            task.add_wait("submitted", t0 - entry.submitted_at)  # this run's wait in the backlog
             running = settle(asyncio.create_task(self._record_running(spec.task_id)), expected=lambda e: False)
             executing = True  # _execute counts the task from here
             final = await self._execute(task, entry)
@@ -732,7 +735,8 @@ class OrchestratorService(agent_pb2_grpc.AgentServiceServicer, InterceptsCalls, 
             else:
                 code, details = status_for(exc)
                 error = f"{code.name}: {details}"
-            entry.timings.total_s = time.monotonic() - t0  # its waits and stages are in already (the task's own)
+            # from its first start, over every run (its waits and stages are in already: the task's own)
+            entry.timings.total_s = time.monotonic() - entry.first_started_at
             # what it consumed before it failed (a react_loop cancelled in its third turn used two)
             state, result = agent_pb2.FAILED, task.consumed().SerializeToString() if task is not None else b""
         finally:
