@@ -795,6 +795,29 @@ def test_a_gateway_url_with_a_query_is_refused_at_load_naming_azures_v1_api(valu
     assert field in message and "a query or fragment" in message and "/openai/v1" in message, message
 
 
+@pytest.mark.parametrize("values, field, root", [
+    ({"base_url": "http://127.0.0.1:8000/v1/chat/completions"}, "base_url", "http://127.0.0.1:8000/v1"),
+    ({"base_url": "https://api.openai.com/v1/chat/completions/"}, "base_url", "https://api.openai.com/v1"),
+    ({"base_url": "http://127.0.0.1:8080/v1/completions"}, "base_url", "http://127.0.0.1:8080/v1"),
+    ({"base_url": "http://127.0.0.1:8000/v1/models"}, "base_url", "http://127.0.0.1:8000/v1"),
+    ({"pool": {"endpoints": ["http://a:8000/v1", "http://b:8000/v1/chat/completions"]}}, "endpoints", "http://b:8000/v1"),
+    ({"pool": {"dns_url": "http://vllm:8000/v1/chat/completions"}}, "dns_url", "http://vllm:8000/v1"),
+])
+def test_a_gateway_url_ending_in_an_endpoint_is_refused_at_load_naming_its_root(values, field, root):
+    """The server's chat completions URL given for its root loaded, the stack came up healthy, and every call went
+    to '.../v1/chat/completions/chat/completions' and failed NOT_FOUND."""
+    from pydantic import ValidationError
+
+    from switchyard.common.config import UpstreamConfig
+
+    with pytest.raises(ValidationError) as caught:
+        UpstreamConfig.model_validate(values)
+    message = str(caught.value)
+    assert field in message and "an endpoint the gateway appends itself" in message, message
+    assert f"give the API's root, {root})" in message, message
+    assert UpstreamConfig.model_validate({"base_url": root}).base_url == root  # the root it names loads
+
+
 def test_doctor_refuses_a_base_url_holding_credentials_naming_the_option(capsys):
     """It ended in aiohttp's ValueError traceback from the stream probe."""
     from switchyard.gateway import doctor

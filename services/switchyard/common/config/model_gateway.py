@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -44,7 +44,19 @@ def url_problem(url: str) -> str:
         # to the path, and every call went to '...?api-version=2024-02-01/chat/completions'
         return ("a query or fragment ('?...', '#...'): the gateway appends /chat/completions and /models to the "
                 "URL's path and carries no query; for Azure OpenAI use its v1 API, https://NAME.openai.azure.com/openai/v1")
+    path = parts.path.rstrip("/")
+    for endpoint in ENDPOINT_PATHS:
+        if path.endswith(endpoint):
+            # the server's endpoint pasted for its root: every call went to '.../v1/chat/completions/chat/completions'
+            # and failed NOT_FOUND, with the stack reported healthy
+            root = urlunsplit(parts._replace(path=path[:-len(endpoint)]))
+            return (f"it ends in {endpoint}, an endpoint the gateway appends itself (it calls /chat/completions and "
+                    f"/models under the URL): give the API's root, {root}")
     return "" if parts.hostname else "no host"
+
+
+ENDPOINT_PATHS = ("/chat/completions", "/completions", "/models")
+"""Paths under an OpenAI-compatible root that a base URL must not end in: the gateway appends them itself."""
 
 class CooldownConfig(_Strict):
     """Circuit breaker per upstream model (LiteLLM's "cooldowns"): a model that keeps failing is
