@@ -1,9 +1,13 @@
-"""A cancelled task's status reports what it consumed: the compute score and KV peak of its step cut short.
+"""A cancelled or failed task's status reports what it consumed: the compute score and KV peak of its step cut short.
 
 A model step's usage used to reach the orchestrator only in the step's done chunk, which never came after a
 cancel: a task that held 16.6 MB of KV for 2 s read ``compute_score_used`` 0 and ``memory_peak_mb`` 0. The
 dispatcher now answers a cancel with the request's done chunk as it stands (``finish_reason`` cancelled), and
-the orchestrator counts it before it records the task's outcome.
+the orchestrator counts it before it records the task's outcome. The same held for a step that failed while it
+ran, the cancel's siblings: one past the task's time limit (5 s streaming from a model server, then
+``compute_score_used`` 0 while the same task cancelled at 3.5 s read 17.6) and one the model server cut after
+its first tokens. A failed request's error now carries what it consumed, and a deadline cancels and counts as a
+cancel does.
 
 Real servers on 127.0.0.1 port 0: a dispatcher on the sim engine, an orchestrator with its SQLite task store
 and its HTTP face; the fixed downstream of test_orchestrator.py where a case needs a downstream that does
@@ -20,6 +24,7 @@ from typing import AsyncIterator
 import httpx
 import pytest
 from fast_sim import FAST
+from gateway_fixtures import clean_proxy_env, start_sim  # noqa: F401
 from test_orchestrator import Downstream
 from test_submit_backlog import face_stack, final_state, until
 
@@ -30,6 +35,7 @@ from switchyard.common.server import running
 from switchyard.dispatcher.service import DispatcherService
 from switchyard.orchestrator import generate_stream
 from switchyard.orchestrator.service import OrchestratorService
+from switchyard_harness.faults import Fault
 
 pytestmark = pytest.mark.no_gpu
 
@@ -113,6 +119,49 @@ async def test_a_task_cancelled_while_queued_reports_nothing_consumed(tmp_path):
     assert cancel.json()["error"] == "CANCELLED: cancelled by CancelTask while QUEUED, before it started"
     assert cancel.json()["compute_score_used"] == 0 and cancel.json()["memory_peak_mb"] == 0
     assert grpc_status.compute_score_used == 0 and grpc_status.memory_peak_bytes == 0
+
+
+async def test_a_task_whose_model_server_cut_its_step_reports_what_the_step_consumed(tmp_path, clean_proxy_env):
+    """The openai engine in front of a model server that closes the stream after three tokens: the task fails
+    UNAVAILABLE (no retry after a token), and the compute score and inference wait of that step are in its status."""
+    from test_openai_engine import engine_for
+
+    with start_sim(faults={"*": Fault(cut_after=3, slow_ms=20)}) as server:
+        base = load_config("config")
+        engine = engine_for(server.base_url)
+        async with running([DispatcherService(base, engine=engine)], base.server) as disp:
+            async with face_stack(base, f"127.0.0.1:{disp.port}", tmp_path / "tasks.sqlite3") as (stub, client, _):
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="cut", payload="Explain the with statement.",
+                                                               task_type="chat", max_tokens=64))
+                status = await final_state(stub, "cut")
+                answer = (await client.get("/api/v1/tasks/cut")).json()
+    assert status.state == agent_pb2.FAILED and status.error.startswith("UNAVAILABLE: ")
+    assert "closed mid-response" in status.error and "after 3 streamed item(s)" in status.error
+    assert status.compute_score_used > 0 and answer["compute_score_used"] == status.compute_score_used
+    assert status.timings.queue_wait_s["inference"] > 0  # the step's own accounting came with it
+
+
+async def test_a_task_past_its_time_limit_in_front_of_a_slow_model_server_reports_what_its_step_consumed(
+        tmp_path, clean_proxy_env):
+    """The reported repro: a model server streaming a token every 0.3 s, a chat limited to 2 s. The step ends at
+    the deadline wherever it is met first (the dispatcher's scheduler, the orchestrator's request, the task: a
+    race, read 0.0 through ``switchyard up`` where either of the first two won); each way its compute score is
+    counted (test_generate_stream.py holds the first two apart)."""
+    from test_openai_engine import engine_for
+
+    limits = {"chat": 2.0, "rag_answer": 180.0, "react_loop": 600.0}
+    with start_sim(faults={"*": Fault(slow_ms=300)}) as server:
+        base = load_config("config")
+        engine = engine_for(server.base_url)
+        async with running([DispatcherService(base, engine=engine)], base.server) as disp:
+            async with face_stack(base, f"127.0.0.1:{disp.port}", tmp_path / "tasks.sqlite3",
+                                  **{"orchestrator.task_time_limit_s": limits}) as (stub, _client, _):
+                await stub.SubmitTask(agent_pb2.RunTaskRequest(task_id="slow", payload="Explain the with statement.",
+                                                               task_type="chat", max_tokens=64))
+                status = await final_state(stub, "slow")
+    assert status.state == agent_pb2.FAILED and status.error.startswith("DEADLINE_EXCEEDED: task slow ran out of time")
+    assert status.compute_score_used > 0
+    assert status.timings.queue_wait_s["inference"] > 0
 
 
 class ToolWaits(Downstream):

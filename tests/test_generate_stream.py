@@ -614,6 +614,46 @@ async def test_client_deadline_is_deadline_exceeded_and_the_dispatcher_lets_go()
         await client.close()
 
 
+async def test_a_request_past_its_deadline_at_the_dispatcher_ends_with_what_it_consumed() -> None:
+    """The dispatcher's own deadline ends a running request DEADLINE_EXCEEDED; its error carries what the step
+    consumed until then (its done as it stood), as a cancel's answer does. The error used to carry nothing: a task
+    cut by its time limit read compute_score_used 0 after seconds on the engine."""
+    async with dispatcher(**SLOW) as (service, _srv, channel):
+        stream = RawStream(channel)
+        await stream.send(start("late", timeout_s=2.0, max_tokens=500))  # ~10 s of decode: the deadline ends it
+        await stream.until(lambda: stream.ended("late"), "the deadline ends it")
+        [error] = stream.errors["late"]
+        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and error.origin == "dispatcher"
+        assert error.HasField("consumed")
+        streamed = token_count([c.token for c in stream.chunks["late"] if c.HasField("token")])
+        assert 0 < streamed <= error.consumed.usage.completion_tokens < 500
+        assert error.consumed.compute_score_used > 0 and error.consumed.memory_peak_bytes > 0
+        assert error.consumed.usage.prompt_tokens > 0 and error.consumed.finish_reason == ""
+        await stream.send(start("refused", max_tokens=10**6))  # a start refused consumed nothing: none is sent
+        await stream.until(lambda: stream.ended("refused"), "the refusal")
+        assert not stream.errors["refused"][0].HasField("consumed")
+        assert await stream.close() == grpc.StatusCode.OK
+        assert held(service) == 0
+
+
+async def test_a_request_past_its_deadline_hands_what_it_consumed_to_its_caller_once() -> None:
+    """Whichever side's timer ends it (the caller's, which cancels it and counts the answer, or the dispatcher's,
+    whose error carries it), the caller is handed what the step consumed, once, then DEADLINE_EXCEEDED."""
+    async with dispatcher(**SLOW) as (service, srv, _channel):
+        client = InferenceClient(f"127.0.0.1:{srv.port}", service.config.server)
+        answers: list[agent_pb2.GenerateDone] = []
+        with pytest.raises(SwitchyardError) as err:
+            async for _ in client.generate(spec("t", 500), 0, prompt=PROMPT, timeout_s=2.0,
+                                           on_consumed=answers.append):
+                pass
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        [done] = answers
+        assert 0 < done.usage.completion_tokens < 500
+        assert done.compute_score_used > 0 and done.memory_peak_bytes > 0
+        await wait_until(lambda: held(service) == 0, "the dispatcher lets go")
+        await client.close()
+
+
 async def test_one_id_running_twice_at_once_shares_the_stream_under_an_id_of_its_own() -> None:
     """A caller that reuses a task_id (the reference load sends every call as task bench-001) starts the same
     request id while it runs: the repeat goes on the open stream under a suffixed id, not on a new stream."""
