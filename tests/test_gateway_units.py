@@ -105,6 +105,23 @@ def test_an_error_event_is_an_error_whatever_its_data_holds():
         StreamDecoder("m").feed('{"error": {"message": "slow down", "type": "rate_limit_error"}}', "error")
 
 
+def test_an_error_beside_or_inside_a_choice_is_the_error_it_carries_not_a_failed_finish():
+    """OpenRouter sends an error after tokens as a chunk with 'error' at its top level (or, in its schema, in the
+    choice) and a choice finishing 'error': read by the choice alone it failed "inside the server" with the
+    upstream's message lost, and a 429 or 400 there read as a broken stream. A null error beside choices is none."""
+    top = StreamDecoder("m")
+    assert top.feed(chunk({"content": "hi"}, error=None)) == [Token("hi")]
+    with pytest.raises(GatewayError, match="'Provider disconnected unexpectedly'") as caught:
+        top.feed(chunk({"content": ""}, "error", error={"code": "server_error",
+                                                         "message": "Provider disconnected unexpectedly"}))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE and top.ending == "error"
+    inside = json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "error",
+                                      "error": {"code": 429, "message": "Rate limit exceeded upstream"}}]})
+    with pytest.raises(GatewayError, match="status 429.*'Rate limit exceeded upstream'") as caught:
+        StreamDecoder("m").feed(inside)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")

@@ -33,7 +33,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - no stream at all but the whole chat completion (``choices[].message``), as ``application/json``: a server that
   ignores ``stream`` for some requests, or a caching proxy (:meth:`StreamDecoder.whole_answer`, ending
   ``whole_answer``);
-- an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI) or as an ``error`` event whose data
+- an error inside a 200 stream as an object with ``error`` (vLLM, OpenAI; OpenRouter's beside a choice finishing
+  ``error``, or inside that choice: :func:`carries_error`) or as an ``error`` event whose data
   is the bare error object (llama.cpp's ``error:`` field, :mod:`switchyard.gateway.sse`): classified by its status;
 - a ``finish_reason`` in another server's words (TGI's ``eos_token``, Anthropic's ``end_turn``): read as the one
   of OpenAI's it means (:data:`FINISH_REASONS`); one of an answer that did not finish (vLLM's ``abort``) or one
@@ -249,6 +250,16 @@ def finish_reason_of(raw: Any, *, url: str = "") -> str:
     raise UpstreamStreamError(f"{where} ended the answer with finish_reason {snippet(str(raw))}: {why}")
 
 
+def carries_error(payload: dict[str, Any]) -> bool:
+    """Whether a chunk (or a whole body) is an upstream's error object: it has ``error`` and no ``choices`` (vLLM's,
+    OpenAI's, LiteLLM's ``{"error": {...}}``), or an ``error`` that is not empty beside its ``choices``: OpenRouter
+    sends an error after tokens as a chunk of the stream with ``error`` at its top level and one choice whose
+    ``finish_reason`` is ``error`` (its API reference, "Streaming": "Handling errors during streaming"). Read by
+    its choice, the upstream's words were lost: an answer that failed "inside the server" with no word of what
+    failed."""
+    return ("error" in payload and "choices" not in payload) or payload.get("error") not in (None, "", {}, [])
+
+
 def stream_error_status(payload: dict[str, Any]) -> int | None:
     """The HTTP status an in-stream error chunk stands for: its ``error.code`` when that is one (vLLM sends
     ``{"error": {"message", "type": "BadRequestError", "code": 400}}``), else its type (``error.type``, or TGI's
@@ -361,7 +372,7 @@ class StreamDecoder:
         if event == ERROR_EVENT:
             raise self._error(data)
         chunk = _loads(data, "stream chunk")
-        if "error" in chunk and "choices" not in chunk:
+        if carries_error(chunk):
             raise self._error(data)
         return self._chunk(chunk, data)
 
@@ -386,6 +397,8 @@ class StreamDecoder:
                     f"received {snippet(data)}"
                 )
             self.choices_seen += 1
+            if choice.get("error"):  # OpenRouter's schema: a choice may carry its own error object
+                raise self._error(json.dumps({"error": choice["error"]}))
             if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
                 self.usage = _usage(choice["usage"]) or self.usage
             delta = choice.get("delta") or {}
@@ -448,7 +461,7 @@ class StreamDecoder:
             payload = untrusted.loads(body)
         except ValueError:
             return None
-        if not isinstance(payload, dict) or "error" not in payload or "choices" in payload:
+        if not isinstance(payload, dict) or not carries_error(payload):
             return None
         self.failed = True
         return self._error(body, headers or {})
