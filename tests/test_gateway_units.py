@@ -385,6 +385,7 @@ def test_live_request_ids_hand_out_each_id_once_while_its_call_is_in_flight():
     ("stop", "stop"), ("length", "length"), ("tool_calls", "tool_calls"), ("content_filter", "content_filter"),
     ("function_call", "tool_calls"),  # OpenAI's former name
     ("eos_token", "stop"), ("stop_sequence", "stop"),  # TGI's own FinishReason
+    ("eos", "stop"),  # Together AI's
     ("end_turn", "stop"), ("max_tokens", "length"), ("tool_use", "tool_calls"),  # Anthropic's, through a gateway
     ("model_length", "length"), ("STOP", "stop"),  # Mistral's; a server writing it in capitals
     ("refusal", "content_filter"), ("model_context_window_exceeded", "length"),  # Anthropic's other two ends
@@ -398,6 +399,7 @@ def test_a_finish_reason_is_read_as_the_one_of_openais_it_means(raw, meant):
 
 @pytest.mark.parametrize("raw, says", [
     ("abort", "aborted the request"), ("error", "failed inside the server"), ("repetition", "kept repeating"),
+    ("insufficient_system_resource", "for want of capacity"),  # DeepSeek's API
     ("cancelled", "cannot be told finished"), (7, "cannot be told finished"),
 ])
 def test_a_finish_reason_of_an_answer_that_did_not_finish_is_an_error_naming_it(raw, says):

@@ -204,7 +204,7 @@ _ERROR_TYPE_STATUS = {
 FINISH_REASONS = {
     "stop": "stop", "length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter",
     "function_call": "tool_calls",
-    "eos_token": "stop", "stop_sequence": "stop", "end_turn": "stop",
+    "eos_token": "stop", "eos": "stop", "stop_sequence": "stop", "end_turn": "stop",
     "max_tokens": "length", "model_length": "length", "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
     "refusal": "content_filter", "guardrail_intervened": "content_filter", "content_filtered": "content_filter",
@@ -212,7 +212,8 @@ FINISH_REASONS = {
 """An upstream's ``finish_reason`` -> the one of OpenAI's four it means (the OpenAI API reference, "The chat
 completion chunk object": stop, length, tool_calls, content_filter, and the deprecated function_call, now
 tool_calls). Other servers' words for the same ends: Hugging Face TGI's ``eos_token`` and ``stop_sequence``
-(its own ``FinishReason``, which early releases of its OpenAI route sent as is); Anthropic's ``end_turn``,
+(its own ``FinishReason``, which early releases of its OpenAI route sent as is); Together AI's ``eos`` (the model's
+end-of-sequence token, sent for most of its open models where OpenAI says stop); Anthropic's ``end_turn``,
 ``stop_sequence``, ``max_tokens``, ``tool_use``, ``refusal`` (the model declined: its classifiers stopped it) and
 ``model_context_window_exceeded`` (the answer filled the context: truncated) (its ``stop_reason``, passed on by
 OpenAI-compatible gateways in front of it; read as errors, they failed answers that had ended, after their
@@ -225,9 +226,12 @@ _FAILED_FINISH = {
              "KV cache lost)",
     "error": "the request failed inside the server (vLLM's engine, Mistral's API)",
     "repetition": "the server stopped an answer that kept repeating itself (vLLM's repetition detection)",
+    "insufficient_system_resource": "the server interrupted the answer for want of capacity (DeepSeek's API: its "
+                                    "inference system ran short of resources); retry later or on another model",
 }
 """Finish reasons of an answer that did not finish (vLLM's ``FINISH_REASON_STRINGS`` in
-``vllm/v1/engine/__init__.py``: stop, length, abort, error, repetition): each is an error naming it."""
+``vllm/v1/engine/__init__.py``: stop, length, abort, error, repetition; DeepSeek's API's
+``insufficient_system_resource``): each is an error naming it."""
 
 
 def finish_reason_of(raw: Any, *, url: str = "") -> str:
