@@ -122,6 +122,15 @@ def test_an_error_beside_or_inside_a_choice_is_the_error_it_carries_not_a_failed
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_a_refusal_is_the_answer_streamed_or_whole():
+    """The OpenAI API sends a model's refusal (Structured Outputs) in 'refusal' with content null, in a stream's
+    deltas and in a whole completion's message: it was dropped, an empty 'stop' answer that said nothing."""
+    whole = StreamDecoder("m").whole_answer(json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None, "refusal": "I can't help with that."}}]}))
+    assert whole is not None and whole[0] == Token("I can't help with that.") and whole[-1].finish_reason == "stop"
+    assert StreamDecoder("m").feed(chunk({"content": "hi", "refusal": None})) == [Token("hi")]
+
+
 def test_a_finish_reason_ends_a_stream_without_done_and_done_ends_one_without_finish_reason():
     """transformers serve ends with a finish chunk carrying usage and no [DONE]: finished, not cut."""
     no_marker = StreamDecoder("m")

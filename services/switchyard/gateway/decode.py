@@ -39,6 +39,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - a ``finish_reason`` in another server's words (TGI's ``eos_token``, Anthropic's ``end_turn``): read as the one
   of OpenAI's it means (:data:`FINISH_REASONS`); one of an answer that did not finish (vLLM's ``abort``) or one
   not known is an error naming it (:func:`finish_reason_of`);
+- a refusal in ``delta.refusal`` (the OpenAI API's, with ``content: null``, when a model declines a request
+  under Structured Outputs): the model's answer, read as answer text (dropped, it ended an empty ``stop`` answer
+  that said nothing of why);
 - a reasoning model's thinking in ``delta.reasoning_content`` or ``delta.reasoning``
   (:data:`REASONING_FIELDS`): :class:`Reasoning` events, never answer text;
 - ``delta.content`` as a list of typed parts (Mistral's Magistral models: ``thinking`` parts, then ``text``
@@ -407,6 +410,8 @@ class StreamDecoder:
                 self.usage = _usage(choice["usage"]) or self.usage
             delta = choice.get("delta") or {}
             text, thinking = content_parts(delta.get("content"))
+            if isinstance(refusal := delta.get("refusal"), str):  # the model's answer when it declines: its words
+                text += refusal
             thought = next((t for k in REASONING_FIELDS if isinstance(t := delta.get(k), str) and t), "") + thinking
             if thought:
                 thought, self._carries["reasoning"] = _whole_characters(self._carries["reasoning"], thought)
