@@ -232,6 +232,24 @@ def test_a_stream_without_done_after_its_finish_reason_passes(clean_proxy_env, m
     assert "ended after its finish_reason without data: [DONE] (a finished stream)" in out
 
 
+@pytest.mark.parametrize("stream_type, named", [("application/x-ndjson", "Content-Type 'application/x-ndjson'"),
+                                                 ("none", "no Content-Type")])
+def test_a_stream_labelled_other_than_event_stream_passes_with_a_warning_naming_the_label(
+        clean_proxy_env, monkeypatch, capsys, stream_type, named):
+    """`switchyard serve sim-openai --fault stream_type=application/x-ndjson` (LitServe's label): the stream is
+    served, as its body is events; the label is named with its fix, and the exit code stays 0."""
+    monkeypatch.setenv(KEY_ENV, TEST_KEY)
+    from switchyard_harness.faults import Fault
+
+    with start_sim(faults={"*": Fault(stream_type=stream_type)}) as server:
+        code, out = run_doctor(capsys, "--base-url", server.base_url)
+    assert code == 0, out
+    assert "ended by data: [DONE]" in out
+    line = next(line for line in out.splitlines() if "stream content type" in line)
+    assert f"the server labels its stream {named}, not text/event-stream" in line, out
+    assert "send Content-Type: text/event-stream" in out
+
+
 def test_a_cut_stream_is_named_a_missing_end_marker(clean_proxy_env, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, TEST_KEY)
     from switchyard_harness.faults import Fault

@@ -17,7 +17,7 @@ from switchyard.gateway.keys import NO_KEY, ApiKey
 from switchyard_harness.faults import Fault, parse_fault, parse_flag, split_model
 from switchyard.gateway.models import nearest, resolve
 from switchyard.gateway.proxy import ProxyRoute, proxy_for
-from switchyard.gateway.sse import iter_events
+from switchyard.gateway.sse import iter_events, opening, opens_as_events
 
 
 def sse_response(body: str) -> httpx.Response:
@@ -33,14 +33,34 @@ def sse_response(body: str) -> httpx.Response:
     ("event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n", ['{"error": {"message": "overloaded"}}']),
 ])
 async def test_sse_follows_the_whatwg_event_stream_format(body, expected):
-    assert [e.data async for e in iter_events(sse_response(body))] == expected
+    assert [e.data async for e in iter_events(sse_response(body).aiter_bytes())] == expected
+
+
+@pytest.mark.parametrize("head, events", [
+    (b"data: {", True), (b"data:{", True), (b": ping\n\n", True), (b"event: message\n", True),
+    (b"id: 1\n", True), (b"retry: 3000\n", True), (b"error: {", True),  # every field, a comment, llama.cpp's
+    (b"\xef\xbb\xbf\r\n\ndata: x", True),  # a byte order mark and blank lines first
+    (b'{"choices": [', False), (b'{"error": {', False), (b"<html>", False), (b"OK", False), (b"", False),
+    (b"  data: x", False), (b"dat", False),  # a field name after spaces is no field; a body of three bytes
+])
+def test_a_body_opens_as_an_event_stream_by_its_first_line(head, events):
+    assert opens_as_events(head) is events
+
+
+async def test_opening_reads_enough_to_tell_and_gives_the_whole_body_back():
+    async def pieces():
+        for piece in (b"\xef\xbb\xbf", b"\n", b"da", b"ta: x\n", b"\ndata: [DONE]\n\n"):
+            yield piece
+    head, body = await opening(pieces())
+    assert head == b"\xef\xbb\xbf\ndata: x\n" and opens_as_events(head)
+    assert [e.data async for e in iter_events(body)] == ["x", "[DONE]"]
 
 
 async def test_llama_cpp_s_error_field_is_an_error_event_of_its_data():
     """llama.cpp writes a streamed error as 'error: {...}', a field the format ignores: it was dropped, and the
     'data: [DONE]' after it ended an empty stream as a success."""
     body = 'error: {"code":400,"message":"too long"}\n\ndata: [DONE]\n\n'
-    events = [(e.event, e.data) async for e in iter_events(sse_response(body))]
+    events = [(e.event, e.data) async for e in iter_events(sse_response(body).aiter_bytes())]
     assert events == [("error", '{"code":400,"message":"too long"}'), ("message", "[DONE]")]
 
 
@@ -447,5 +467,6 @@ def test_reasoning_is_read_from_either_field_once_and_kept_apart_from_the_answer
 
 def test_a_fault_takes_a_word_where_it_names_one():
     assert parse_fault("finish=abort,reasoning=2") == Fault(finish="abort", reasoning=2)
+    assert parse_fault("stream_type=application/x-ndjson") == Fault(stream_type="application/x-ndjson")
     with pytest.raises(ValueError, match="finish=<word>"):
         parse_fault("finish")

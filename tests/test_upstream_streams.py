@@ -99,7 +99,9 @@ async def replay_server(recorded: Recorded):
         seen.bodies.append(json.loads(await reader.readexactly(length)) if length else {})
         sent = "".join(f"{key.removeprefix('header ')}: {value}\r\n" for key, value in recorded.meta.items()
                        if key.startswith("header "))
-        out = [status + b"\r\ncontent-type: " + recorded.meta["content-type"].encode() + b"\r\n" + sent.encode()]
+        labelled = recorded.meta["content-type"]  # "": no Content-Type header at all
+        out = [status + b"\r\n" + (b"content-type: " + labelled.encode() + b"\r\n" if labelled else b"")
+               + sent.encode()]
         if framing == "close":
             writer.write(out[0] + b"\r\n" + recorded.body)
         else:
@@ -281,6 +283,32 @@ async def test_an_event_stream_is_utf8_whatever_its_charset_and_a_leading_bom_is
     assert "".join(e.text for e in events if isinstance(e, Token)) == "héllo"
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
 
+
+
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("content_type", ["", "application/json", "text/plain; charset=utf-8",
+                                          "application/octet-stream"], ids=["none", "json", "text", "octet"])
+async def test_an_event_stream_under_another_label_is_read_as_the_stream_it_is(clean_proxy_env, transport, content_type,
+                                                                                caplog):
+    """The body decides, not its label: a stream request answered with events under no Content-Type (a proxy
+    dropped it), ``application/json`` (Microsoft's Foundry Local), ``text/plain`` or ``application/octet-stream``
+    failed INTERNAL "neither a stream nor a chat completion" quoting the very stream, which the OpenAI SDK reads
+    whatever its label. It is read as the stream (a byte order mark and a comment first), and the label is kept
+    on the endpoint and logged once, for ``switchyard doctor`` to name. LitServe's ``application/x-ndjson``:
+    litserve_ndjson.sse."""
+    body = b"\xef\xbb\xbf: keep-alive\r\n\r\n" + SSE_UTF8_BODY
+    recorded = Recorded("synthetic", {"status": "HTTP/1.1 200 OK", "content-type": content_type,
+                                      "framing": "chunked"}, body)
+    async with replay_server(recorded) as (base, _):
+        async with GatewayClient(gateway_config(base, http_transport=transport, fallback_model="",
+                                                max_retries=0)) as client:
+            for _ in range(2):
+                events = [e async for e in client.stream_chat(ask())]
+                assert "".join(e.text for e in events if isinstance(e, Token)) == "héllo"
+                assert isinstance(events[-1], Finished) and events[-1].ending == "done_marker"
+            assert [e.stream_label for e in client.pool.endpoints.values()] == [content_type]
+    noted = [r.getMessage() for r in caplog.records if "not text/event-stream" in r.getMessage()]
+    assert len(noted) == 1 and (repr(content_type) if content_type else "no Content-Type") in noted[0]
 
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])

@@ -50,6 +50,8 @@ class Fault:
       ``eos_token``).
     - ``reasoning``: stream N pieces of thinking in ``delta.reasoning_content`` before the answer, as vLLM with a
       reasoning parser does (counted in the usage's completion tokens).
+    - ``stream_type``: label the stream with this Content-Type instead of ``text/event-stream`` (``none``: no
+      Content-Type header), as LitServe's OpenAI spec sent ``application/x-ndjson``.
     """
 
     status: int | None = None
@@ -69,6 +71,7 @@ class Fault:
     retry_after_date: float | None = None
     finish: str | None = None
     reasoning: int = 0
+    stream_type: str = "text/event-stream"
 
     def retry_headers(self, now: float) -> dict[str, str]:
         """The Retry-After headers of this fault's status answer; ``now`` is ``time.time()``."""
@@ -83,7 +86,7 @@ class Fault:
 
 
 _INTS = {"status", "fail_first", "cut_after", "malformed_after", "stream_error", "reasoning"}
-_WORDS = {"finish"}
+_WORDS = {"finish", "stream_type"}
 _STATUSES = {"status", "stream_error"}
 
 

@@ -481,7 +481,8 @@ class SimOpenAI:
             self.state.open_streams += 1
             self.state.peak_open_streams = max(self.state.peak_open_streams, self.state.open_streams)
             return StreamingResponse(
-                self._stream(body, model, reply, prompt_tokens, fault, messages), media_type="text/event-stream"
+                self._stream(body, model, reply, prompt_tokens, fault, messages),
+                media_type=None if fault.stream_type == "none" else fault.stream_type,
             )
         return JSONResponse(await self._completion(body, model, reply, prompt_tokens, messages))
 

@@ -94,7 +94,7 @@ from switchyard.gateway.pool import Endpoint, EndpointPool, PoolLimit, prompt_ke
 from switchyard.gateway.proxy import client_settings, proxy_for
 from switchyard.gateway.redact import redact, safe_url
 from switchyard.gateway.resilience import with_fallback
-from switchyard.gateway.sse import iter_events
+from switchyard.gateway.sse import iter_events, opening, opens_as_events
 from switchyard.gateway.transport import UpstreamTransport
 from switchyard.gateway.events import ChatRequest, Finished, Reasoning, StreamEvent, estimated_tokens
 
@@ -863,6 +863,20 @@ class GatewayClient:
         return error_for_status(status, text, response.headers, url=url, model=model, key=key,
                                 url_source=self.url_source)
 
+    @staticmethod
+    def _note_label(endpoint: Endpoint, content_type: str) -> None:
+        """``endpoint`` answered a stream request with an event stream labelled ``content_type``, not
+        ``text/event-stream``: it is read as the stream it is, and the label is kept
+        (:attr:`Endpoint.stream_label`, which ``switchyard doctor`` names) and logged when it first comes."""
+        if endpoint.stream_label == content_type:
+            return
+        endpoint.stream_label = content_type
+        log.warning(
+            "%s streams under %s, not text/event-stream; read as the event stream its body is, as the OpenAI SDK "
+            "reads it, but a client that checks the type (a browser's EventSource, some SDKs) refuses it",
+            endpoint.chat_completions, f"Content-Type {content_type!r}" if content_type else "no Content-Type",
+        )
+
     def _transport_error(self, exc: httpx.HTTPError, url: str, key: ApiKey) -> GatewayError:
         """:func:`error_for_transport` of a request to ``url``: through its proxy, if any, and naming what set the
         URL (:attr:`url_source`) in the fix."""
@@ -919,23 +933,30 @@ class GatewayClient:
         decoder = StreamDecoder(model, url=url, key=call.key)
         try:
             content_type = response.headers.get("content-type", "")
-            if "text/event-stream" not in content_type.lower():
-                text = (await response.aread()).decode("utf-8", "replace")
-                if (answered := decoder.answered_error(text, response.headers)) is not None:
-                    raise answered
-                if (whole := decoder.whole_answer(text)) is not None:
-                    UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
-                    usage = decoder.usage
-                    self.pool.on_whole_answer(endpoint, usage.completion_tokens if usage and usage.completion_tokens
-                                              else sum(estimated_tokens(e) for e in whole))
-                    return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
-                decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
-                raise StreamProtocolError(
-                    f"asked {url} for a stream (stream=true) but it answered {content_type or 'no content-type'} "
-                    f"that is neither a stream nor a chat completion: received {snippet(redact(text, call.key.value))}"
-                )
+            chunks = response.aiter_bytes()
+            if "text/event-stream" not in content_type.lower():  # the body decides: a stream under another label
+                head, chunks = await opening(chunks)
+                if opens_as_events(head):
+                    self._note_label(endpoint, content_type)
+                else:
+                    text = b"".join([chunk async for chunk in chunks]).decode("utf-8", "replace")  # head first
+                    if (answered := decoder.answered_error(text, response.headers)) is not None:
+                        raise answered
+                    if (whole := decoder.whole_answer(text)) is not None:
+                        UPSTREAM_STREAM_ENDINGS.labels(decoder.ending).inc()
+                        usage = decoder.usage
+                        self.pool.on_whole_answer(endpoint, usage.completion_tokens
+                                                  if usage and usage.completion_tokens
+                                                  else sum(estimated_tokens(e) for e in whole))
+                        return _OpenStream(response, _no_events(), decoder, whole, True, endpoint, counted=True)
+                    decoder.failed = True  # a body that cannot be read: counted as the stream's error ending
+                    raise StreamProtocolError(
+                        f"asked {url} for a stream (stream=true) but it answered "
+                        f"{content_type or 'no content-type'} that is neither a stream nor a chat completion: "
+                        f"received {snippet(redact(text, call.key.value))}"
+                    )
             stray: list[str] = []  # what the body held that is no event (read while none came)
-            events = iter_events(response, stray)
+            events = iter_events(chunks, stray)
             first: list[StreamEvent] = []
             async for sse in events:
                 first.extend(decoder.feed(sse.data, sse.event))

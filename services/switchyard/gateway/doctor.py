@@ -16,7 +16,8 @@ wrong: a missing end marker (the stream ended before any ``finish_reason`` and w
 ``data: [DONE]``: cut), a connection closed before the answer ended, an error the server
 sent inside the stream, a request field the server refused (400/422 naming it; the
 gateway drops it, but what it carried is lost), an unknown model with the ids the server
-serves. After a probe that streamed, one more one-token request offers a tool, as every
+serves; a stream the server labels other than ``text/event-stream`` (served: the body decides) is a warning
+naming the label. After a probe that streamed, one more one-token request offers a tool, as every
 react_loop call does: a server that refuses it (400/422: vLLM without
 ``--enable-auto-tool-choice``, llama.cpp's server without ``--jinja``) is a warning, since
 every react_loop task then fails INVALID_ARGUMENT while chat and rag_answer are served.
@@ -247,6 +248,11 @@ _TOOLS_FIX = ("turn tool calling on in the server (vLLM: --enable-auto-tool-choi
               "parser>; llama.cpp server: --jinja), or send no react_loop tasks to this model")
 
 
+_LABEL_FIX = ("have the server, or the proxy in front of it, send Content-Type: text/event-stream with a streamed "
+              "answer (LitServe's OpenAI spec did from its fix of application/x-ndjson; a proxy: pass the server's "
+              "header on)")
+
+
 async def _tools_check(client: GatewayClient) -> Check:
     """One one-token request offering a tool without ``tool_choice``, as the engine sends every react_loop call:
     refused for its body (400/422, BadUpstreamRequest) is a warning naming what react_loop tasks will meet."""
@@ -345,6 +351,15 @@ async def _probe(cfg: UpstreamConfig, timeout_s: float) -> list[Check]:
                 finished.ending if finished else None, "ended")
             checks.append(Check("stream probe", True, f"{cfg.default_model}: streamed {len(items)} item(s), {ending}"))
             checks.append(await _tools_check(client))
+        for endpoint in client.pool.endpoints.values():
+            if endpoint.stream_label is not None:
+                label = f"Content-Type {endpoint.stream_label!r}" if endpoint.stream_label else "no Content-Type"
+                checks.append(Check(
+                    "stream content type", True,
+                    f"the server labels its stream {label}, not text/event-stream; the gateway reads it as the event "
+                    "stream its body is (as the OpenAI SDK does), but a client that checks the type (a browser's "
+                    "EventSource, some SDKs) refuses it", _LABEL_FIX, warning=True,
+                ))
         for name in sorted(client.refused_fields):
             checks.append(Check(
                 f"request field {name}", False,

@@ -137,6 +137,10 @@ class Endpoint:
     known yet)."""
     refused: set[str] = field(default_factory=set)
     """Body fields its server refused (400/422 naming them): never sent to it again."""
+    stream_label: str | None = None
+    """The Content-Type its last event stream came under when that was not ``text/event-stream`` ("": none); None
+    while every stream came labelled so (read as events by their body all the same:
+    :func:`switchyard.gateway.sse.opens_as_events`)."""
 
     @property
     def up(self) -> bool:

@@ -10,16 +10,19 @@ order mark is ignored. And one server's variation: llama.cpp writes a streamed
 error as an ``error:`` field (``server_sent_event(sink, "error", ...)``), a
 field the format ignores; it is read as an ``error`` event of that data.
 A completion stream is read once, so ``id`` and ``retry`` (reconnection) have
-no use here. The media type is checked by the caller (the gateway client names
-the URL and what came instead).
+no use here. The media type is the caller's to read, and it is not what decides:
+a body that opens as an event stream is one under any label
+(:func:`opens_as_events`), as the OpenAI Python SDK reads every answer to a
+stream request, whatever its Content-Type.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from typing import Any, AsyncIterator
 
-import httpx
 from httpx_sse import ServerSentEvent
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder  # the format's rules; EventSource has no hook for a field
 
@@ -35,8 +38,46 @@ STRAY_CHARS = 2_000
 _FIELDS = frozenset({"data", "event", "id", "retry"})
 
 
-async def iter_events(response: httpx.Response, stray: list[str] | None = None) -> AsyncIterator[ServerSentEvent]:
-    """Yield each event of ``response`` (``text/event-stream``) that carries data.
+_BOM = codecs.BOM_UTF8
+_OPENING = re.compile(rb"(?:data|event|id|retry|error)?:")
+"""How an event stream's first line opens: a field of the format (or llama.cpp's ``error``) and its colon, or a
+comment's colon."""
+OPENING_BYTES = len(b"retry:")
+"""How much of a body, past a byte order mark and blank lines, :func:`opens_as_events` reads to tell, bytes."""
+
+
+async def opening(chunks: AsyncIterator[bytes]) -> tuple[bytes, AsyncIterator[bytes]]:
+    """The first bytes of a body (at least :data:`OPENING_BYTES` past a byte order mark and blank lines, unless it
+    is shorter), and the whole body again, those bytes first, for whoever reads it next."""
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if len(head.removeprefix(_BOM).lstrip(b"\r\n")) >= OPENING_BYTES:
+            break
+    return head, _chained(head, chunks)
+
+
+async def _chained(head: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if head:
+        yield head
+    async for chunk in chunks:
+        yield chunk
+
+
+def opens_as_events(head: bytes) -> bool:
+    """Whether a body whose first bytes are ``head`` (:func:`opening`) is an event stream: past one byte order mark
+    and blank lines, its first line is a field of the format (``data:``, ``event:``, ``id:``, ``retry:``, or
+    llama.cpp's ``error:``) or a ``:`` comment. A JSON body opens with ``{``, a proxy's page with ``<``.
+
+    Servers label their streams otherwise: LitServe's OpenAI spec sends ``application/x-ndjson``, Microsoft's
+    Foundry Local ``application/json``, a proxy may drop the header; the OpenAI Python SDK reads the answer to a
+    stream request as events whatever its Content-Type, so each of them works with it."""
+    return _OPENING.match(head.removeprefix(_BOM).lstrip(b"\r\n")) is not None
+
+
+async def iter_events(chunks: AsyncIterator[bytes], stray: list[str] | None = None) -> AsyncIterator[ServerSentEvent]:
+    """Yield each event of a body, its bytes in ``chunks`` (``response.aiter_bytes()``, or :func:`opening`'s), that
+    carries data.
 
     Events without data (a bare ``event:``, ``id:`` or ``retry:``) are skipped.
     As the format says, an event cut off before its empty line is not dispatched:
@@ -51,18 +92,18 @@ async def iter_events(response: httpx.Response, stray: list[str] | None = None) 
     """
     # "Event streams are always decoded as UTF-8", "one leading U+FEFF BYTE ORDER MARK character must be
     # ignored" (WHATWG HTML, 9.2.5): httpx would decode by the charset and keep the BOM, which made the first
-    # line's field '\ufeffdata', an unknown field, and lost the first chunk.
-    response.encoding = "utf-8-sig"
+    # line's field '\ufeffdata', an unknown field, and lost the first chunk. A byte that is no UTF-8 is U+FFFD.
+    text_of = codecs.getincrementaldecoder("utf-8-sig")("replace")
     lines, fields = SSELineDecoder(), SSEDecoder()
     kept = 0  # characters in stray
-    async for text in response.aiter_text():
-        for line in lines.decode(text):
+    async for chunk in chunks:
+        for line in lines.decode(text_of.decode(chunk)):
             if stray is not None:
                 kept = _keep_stray(stray, line, kept)
             if (event := _event(fields, line)) is not None:
                 stray = None  # the body holds events: what else it holds is ignored, as the format says
                 yield event
-    for line in lines.flush():
+    for line in [*lines.decode(text_of.decode(b"", final=True)), *lines.flush()]:
         if stray is not None:
             kept = _keep_stray(stray, line, kept)
         if (event := _event(fields, line)) is not None:
