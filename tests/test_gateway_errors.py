@@ -425,6 +425,44 @@ async def raw_upstream(head: bytes, body: bytes = b""):
         yield base
 
 
+CLOUDFLARE_524 = (
+    b'<!DOCTYPE html>\n<!--[if lt IE 7]> <html class="no-js ie6 oldie" lang="en-US"> <![endif]-->\n'
+    b'<!--[if gt IE 8]><!--> <html class="no-js" lang="en-US"> <!--<![endif]-->\n<head>\n'
+    b"<title>api.example.com | 524: A timeout occurred</title>\n<meta charset=\"UTF-8\" />\n"
+    b"<script>(function(){window._cf_chl_opt={};})();</script>\n</head>\n<body><div id=\"cf-wrapper\">"
+    b"<h1>A timeout occurred</h1><p>Error code 524</p></div></body>\n</html>\n"
+)
+
+
+@pytest.mark.parametrize("status, content_type, body, code, said", [
+    # FastAPI's request validation answer (transformers serve, LitServe): what each entry says of which field,
+    # never the request it echoes back in 'input'
+    ("422 Unprocessable Entity", "application/json",
+     json.dumps({"detail": [{"type": "missing", "loc": ["body", "messages", 0, "content"], "msg": "Field required",
+                             "input": {"role": "user", "name": "the caller's own prompt"}}]}).encode(),
+     grpc.StatusCode.INVALID_ARGUMENT, "'body.messages.0.content: Field required'"),
+    ("502 Bad Gateway", "text/html", b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+     b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx/1.25.3</center>\r\n</body>\r\n</html>\r\n",
+     grpc.StatusCode.UNAVAILABLE, "'502 Bad Gateway (an HTML page)'"),  # nginx in front of a stopped server
+    ("524 Origin Time-out", "text/html; charset=UTF-8", CLOUDFLARE_524, grpc.StatusCode.UNAVAILABLE,
+     "'api.example.com | 524: A timeout occurred (an HTML page)'"),  # Cloudflare in front of a slow one
+    ("413 Request Entity Too Large", "text/html", b"<html><body><h1>413 Request Entity Too Large</h1>"
+     b"<p>nginx</p></body></html>", grpc.StatusCode.INVALID_ARGUMENT,
+     "'413 Request Entity Too Large nginx (an HTML page)'"),  # no title: the page's text
+], ids=["fastapi_422", "nginx_502", "cloudflare_524", "untitled_413"])
+async def test_an_error_body_is_named_by_what_it_says_not_its_markup(clean_proxy_env, status, content_type, body,
+                                                                     code, said):
+    """A proxy's HTML page was quoted as markup ('<!DOCTYPE html>\\n<!--[if lt IE 7]> <html class=...' named nothing
+    of a Cloudflare timeout), and FastAPI's validation list as a Python repr that quoted the request back; each is
+    named by its words: the page's title (else its text), the field and what is wrong with it."""
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode()
+    async with raw_upstream(head, body) as base:
+        err = await stream_error(gateway_config(base, max_retries=0, fallback_model=""), ask("tiny-llama"))
+    assert err.code == code and f"(upstream said {said})" in str(err), str(err)
+    assert "prompt" not in str(err) and "<" not in str(err).split("upstream said", 1)[1]
+
+
 @pytest.mark.parametrize("error, code", [
     ({"message": "This model's maximum context length is 4096 tokens", "type": "BadRequestError", "code": 400},
      grpc.StatusCode.INVALID_ARGUMENT),

@@ -7,9 +7,10 @@ upstream that echoes the key cannot leak it.
 from __future__ import annotations
 
 import email.utils
+import html
 import re
 import time
-from typing import Mapping
+from typing import Any, Mapping
 from urllib.parse import urljoin
 
 import grpc
@@ -77,18 +78,44 @@ _MODEL_WORDS = re.compile(
 )
 
 
+_PAGE = re.compile(r"(?is)\A\s*(?:<!doctype\s+html|<html|<head|<body)")
+_TITLE = re.compile(r"(?is)<title[^>]*>(.*?)</title>")
+_TAG_OR_HIDDEN = re.compile(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]*>")
+
+
 def upstream_message(body: str) -> str:
-    """The ``error.message`` of an OpenAI-style error body, else the body itself."""
+    """What an error body says: the ``error.message`` of an OpenAI-style body (or its ``error`` text, a top-level
+    ``message``, FastAPI's ``detail`` text); FastAPI's request validation list (``{"detail": [{"loc": [...], "msg":
+    ...}]}``, as ``transformers serve`` and other FastAPI servers answer 422) as ``body.field: msg`` per entry,
+    never its ``input`` (the request echoed back); an HTML page (a proxy's, a load balancer's) as its title, else
+    its text; else the body itself."""
     try:
         payload = untrusted.loads(body)
     except ValueError:
-        return body.strip()
+        return _page_text(body) if _PAGE.match(body) else body.strip()
     if isinstance(payload, dict):
         err = payload.get("error", payload.get("detail", payload))
         if isinstance(err, dict):
             return str(err.get("message") or err.get("code") or err)
+        if isinstance(err, list) and err and all(isinstance(e, dict) and "msg" in e for e in err):
+            return "; ".join(_validation_entry(e) for e in err)
         return str(err)
     return body.strip()
+
+
+def _validation_entry(entry: dict[str, Any]) -> str:
+    """One entry of FastAPI's (pydantic's) validation list: ``body.messages.0.content: Field required``."""
+    loc = entry.get("loc")
+    where = ".".join(map(str, loc)) if isinstance(loc, list) else ""
+    return f"{where}: {entry['msg']}" if where else str(entry["msg"])
+
+
+def _page_text(body: str) -> str:
+    """An HTML page's title (nginx's "502 Bad Gateway", Cloudflare's "... | 524: A timeout occurred"), else its
+    visible text, whitespace folded, then "(an HTML page)"."""
+    title = _TITLE.search(body)
+    text = title.group(1) if title and title.group(1).strip() else _TAG_OR_HIDDEN.sub(" ", body)
+    return f"{' '.join(html.unescape(text).split())} (an HTML page)"
 
 
 def upstream_error_type(body: str) -> str:
