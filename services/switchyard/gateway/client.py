@@ -965,7 +965,7 @@ class GatewayClient:
                 if first:
                     self.pool.on_first_item(endpoint, time.monotonic() - sent)
                     return _OpenStream(response, events, decoder, first, False, endpoint)
-            if not decoder.chunks and not decoder.done and stray:
+            if not decoder.chunks and stray:  # no chunk came (a [DONE] may have): what came instead is named
                 decoder.stray = redact("\n".join(stray), call.key.value)
                 if (answered := decoder.answered_error(decoder.stray, response.headers)) is not None:
                     raise answered

@@ -516,7 +516,9 @@ class StreamDecoder:
             NoEndMarker: the body ended before any choice carried a ``finish_reason`` and
                 without ``data: [DONE]`` (a cut stream).
             StreamProtocolError: chunks came but none carried a choice ("reading choices"), unless the server's
-                usage counts no completion token: an empty answer, finished with no finish_reason.
+                usage counts no completion token: an empty answer, finished with no finish_reason; or none came,
+                only lines that are no field of the format (:attr:`stray`), before ``data: [DONE]`` (read as an empty
+                answer, a server's whole reply in another format was dropped).
         """
         if self.ending is None:
             last = f"; last chunk: {snippet(self.last)}" if self.last else ""
@@ -525,6 +527,13 @@ class StreamDecoder:
             raise NoEndMarker(
                 f"stream ended before any finish_reason and without 'data: [DONE]' (no end marker) after "
                 f"{self.chunks} chunk(s){last}; the upstream or a proxy between cut the response"
+            )
+        if self.done and self.stray and not self.chunks:
+            self.failed = True
+            raise StreamProtocolError(
+                f"the body held no server-sent event but {snippet(self.stray)}, then 'data: [DONE]': no chunk of "
+                "OpenAI's stream (each a 'data:' line) came, so the answer is not known; the server streams "
+                "another format (lines of JSON without 'data:'), or a proxy rewrote the response"
             )
         if self.chunks and not self.choices_seen and not self._empty_answer:
             self.failed = True
