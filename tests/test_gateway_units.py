@@ -142,6 +142,33 @@ def test_an_error_beside_or_inside_a_choice_is_the_error_it_carries_not_a_failed
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_calls_without_index_or_id_are_told_apart_by_their_names_and_a_stop_that_called_tools_is_tool_calls():
+    """Gemini's OpenAI-compatible API sends each call whole with no index and an id of "" (several in one delta, or
+    in a whole completion's message) and finishes with 'stop': two calls read as one (named by the last, its
+    arguments two objects run together), and the answer as finished rather than waiting on its tools. A delta with
+    provider metadata alone (its thought_signature) is no call; pieces without a name still join the latest."""
+    two = [{"id": "", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+           {"id": "", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]
+    decoder = StreamDecoder("m")
+    events = decoder.feed(chunk({"tool_calls": [{"extra_content": {"google": {"thought_signature": "x"}}}]}))
+    events += decoder.feed(chunk({"role": "assistant", "tool_calls": two}, "stop")) + decoder.end()
+    assert [(e.name, e.arguments_json) for e in events if isinstance(e, ToolCallOut)] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}')]
+    assert events[-1].finish_reason == "tool_calls"
+    whole = StreamDecoder("m").whole_answer(json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None, "tool_calls": two}}]}))
+    assert whole is not None and [e.name for e in whole if isinstance(e, ToolCallOut)] == ["get_weather", "get_time"]
+    assert whole[-1].finish_reason == "tool_calls"
+    pieces = StreamDecoder("m")  # a call in pieces with no index: the pieces name no function, so they join it
+    for delta in ({"id": "c1", "function": {"name": "f", "arguments": '{"a"'}}, {"function": {"arguments": ": 1}"}}):
+        pieces.feed(chunk({"tool_calls": [delta]}))
+    calls = [e for e in pieces.feed(chunk({}, "length")) if isinstance(e, ToolCallOut)]
+    assert [(c.name, c.arguments_json) for c in calls] == [("f", '{"a": 1}')]
+    assert pieces.finish_reason == "length"  # a cut call stays cut
+    text_only = StreamDecoder("m")
+    assert text_only.feed(chunk({"content": "hi"}, "stop")) == [Token("hi")] and text_only.finish_reason == "stop"
+
+
 def test_a_refusal_is_the_answer_streamed_or_whole():
     """The OpenAI API sends a model's refusal (Structured Outputs) in 'refusal' with content null, in a stream's
     deltas and in a whole completion's message: it was dropped, an empty 'stop' answer that said nothing."""

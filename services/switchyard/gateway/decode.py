@@ -95,7 +95,10 @@ class ToolCallAssembler:
     A delta belongs to the call at its ``index``, unless it carries an ``id``
     other than that call's: then it starts a new call (Ollama repeats index 0
     for every call). Without an ``index`` it belongs to the call with its
-    ``id``, else to the latest call.
+    ``id``, else to the latest call, unless it names a function and the latest call has its name already: then
+    it starts a new one (Gemini's OpenAI-compatible API sends each call whole with no ``index`` and an ``id`` of
+    ``""``, several in one delta; read as one call, two calls were one, named by the last, its arguments two JSON
+    objects run together).
     """
 
     def __init__(self) -> None:
@@ -108,19 +111,26 @@ class ToolCallAssembler:
             raise StreamProtocolError(f"tool_calls delta is not an object: received {snippet(json.dumps(delta))}")
         call_id = str(delta.get("id") or "")
         index = _index(delta)
+        fn = delta.get("function") or {}
+        if not isinstance(fn, dict):
+            raise StreamProtocolError(f"tool_calls delta has a 'function' that is not an object: received "
+                                      f"{snippet(json.dumps(delta))}")
         if index is not None:
             call = self._by_index.get(index)
         elif call_id:
             call = next((c for c in self._calls if c.call_id == call_id), None)
         else:
             call = self._calls[-1] if self._calls else None
+            if call is not None and call.name and fn.get("name"):
+                call = None  # a whole call of its own, not a piece of the latest
+        if call is None and not call_id and not fn:
+            return  # no call and nothing of one: provider metadata alone (Gemini's extra_content thought_signature)
         if call is None or (call_id and call.call_id and call_id != call.call_id):
             call = _PartialCall()
             self._calls.append(call)
             if index is not None:
                 self._by_index[index] = call
         call.call_id = call_id or call.call_id
-        fn = delta.get("function") or {}
         call.name = fn.get("name") or call.name
         arguments = fn.get("arguments")
         if isinstance(arguments, (dict, list)):  # some servers send the arguments as a JSON object
@@ -341,6 +351,8 @@ class StreamDecoder:
         self.choices_seen = 0
         self._carries = {"content": "", "reasoning": ""}  # a high surrogate waiting for its low half, per field
         self._calls = ToolCallAssembler()
+        self.called = False
+        """A tool call came (:meth:`_drain_calls`)."""
         self.failed = False
         """The stream carried an error object, or something that cannot be read (:attr:`ending` ``error``)."""
         self.error_data: str | None = None
@@ -425,8 +437,19 @@ class StreamDecoder:
                 self._calls.add(call)
             if choice.get("finish_reason"):
                 self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
-                events.extend(self._calls.drain())
+                events.extend(self._drain_calls())
         return events
+
+    def _drain_calls(self) -> list[StreamEvent]:
+        """The tool calls gathered so far; once any came, a ``stop`` finish (or none, at ``[DONE]``) is
+        ``tool_calls``: Gemini's OpenAI-compatible API ends an answer that calls tools with ``stop``, as the OpenAI
+        API does for a function named in ``tool_choice`` and SGLang for some models. Read as ``stop``, the calls
+        went out but the answer read as finished, so a react_loop agent waiting on its tools was not parked."""
+        calls = self._calls.drain()
+        self.called = self.called or bool(calls)
+        if self.called and self.finish_reason in (None, "stop"):
+            self.finish_reason = "tool_calls"
+        return list(calls)
 
     def whole_answer(self, body: str) -> list[StreamEvent] | None:
         """The events of a whole chat completion answering a stream request, ending with :class:`Finished`
@@ -547,4 +570,4 @@ class StreamDecoder:
         tail: list[StreamEvent] = [Reasoning(fix_surrogates(carried["reasoning"]))] if carried["reasoning"] else []
         tail += [Token(fix_surrogates(carried["content"]))] if carried["content"] else []
         self._carries = {"content": "", "reasoning": ""}
-        return [*tail, *self._calls.drain(), Finished(self.finish_reason, self.usage, self.model, self.ending)]
+        return [*tail, *self._drain_calls(), Finished(self.finish_reason, self.usage, self.model, self.ending)]
