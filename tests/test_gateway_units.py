@@ -111,6 +111,27 @@ def test_decoder_errors_name_what_was_received():
         StreamDecoder("m").feed('{"error": {"message": "overloaded"}}')
 
 
+@pytest.mark.parametrize("payload, says", [
+    ({"choices": [{"index": 0, "delta": "hi", "finish_reason": "stop"}]}, "has a 'delta' that is not an object"),
+    ({"choices": [{"index": 0, "delta": ["hi"]}]}, "has a 'delta' that is not an object"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]},
+     "has a 'function' that is not an object"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": 5}}]}}]},
+     "has a function name that is not a string"),
+])
+def test_a_chunk_field_of_the_wrong_type_is_a_protocol_error_naming_it(payload, says):
+    """A delta, a tool call's function or its name of the wrong type escaped the gateway's error table as an
+    AttributeError or TypeError (INTERNAL with Python's words, no chunk named)."""
+    with pytest.raises(StreamProtocolError, match=says):
+        StreamDecoder("m").feed(json.dumps(payload))
+
+
+def test_a_model_that_is_no_name_is_not_taken():
+    decoder = StreamDecoder("m")
+    decoder.feed(json.dumps({"model": 5, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}]}))
+    assert decoder.end()[-1].model == "m"
+
+
 def test_an_error_event_is_an_error_whatever_its_data_holds():
     """The data of an 'error' event is the error: a bare object (llama.cpp's code, message, type), one with
     'error', or text. A bare object without 'choices' was read as a choiceless chunk and, after a token, ignored."""

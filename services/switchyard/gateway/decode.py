@@ -131,7 +131,11 @@ class ToolCallAssembler:
             if index is not None:
                 self._by_index[index] = call
         call.call_id = call_id or call.call_id
-        call.name = fn.get("name") or call.name
+        name = fn.get("name")
+        if name is not None and not isinstance(name, str):
+            raise StreamProtocolError(f"tool_calls delta has a function name that is not a string: received "
+                                      f"{snippet(json.dumps(delta))}")
+        call.name = name or call.name
         arguments = fn.get("arguments")
         if isinstance(arguments, (dict, list)):  # some servers send the arguments as a JSON object
             call.arguments.append(json.dumps(arguments))
@@ -398,7 +402,8 @@ class StreamDecoder:
     def _chunk(self, chunk: dict[str, Any], data: str) -> list[StreamEvent]:
         """The events of one chunk (``data``: as received, named by an error)."""
         self.chunks += 1
-        self.model = chunk.get("model") or self.model
+        if isinstance(model := chunk.get("model"), str) and model:  # a model that is no name is not taken
+            self.model = model
         self.usage = _usage(chunk.get("usage")) or self.usage
         choices = chunk.get("choices")
         if choices is None:
@@ -421,6 +426,11 @@ class StreamDecoder:
             if "usage" in choice:  # Moonshot (Kimi) sends its usage in the finish chunk's choice, not beside it
                 self.usage = _usage(choice["usage"]) or self.usage
             delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise StreamProtocolError(
+                    f"error reading choices: stream chunk {self.chunks} has a 'delta' that is not an object: "
+                    f"received {snippet(data)}"
+                )
             text, thinking = content_parts(delta.get("content"))
             if isinstance(refusal := delta.get("refusal"), str):  # the model's answer when it declines: its words
                 text += refusal
