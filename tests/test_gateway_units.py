@@ -190,6 +190,18 @@ def test_calls_without_index_or_id_are_told_apart_by_their_names_and_a_stop_that
     assert text_only.feed(chunk({"content": "hi"}, "stop")) == [Token("hi")] and text_only.finish_reason == "stop"
 
 
+def test_the_former_function_call_is_a_tool_call():
+    """The OpenAI API's former single call streams as delta.function_call (its name, then its arguments in pieces)
+    and finishes 'function_call': the finish was read as tool_calls, but the call itself was dropped."""
+    decoder = StreamDecoder("m")
+    for delta in ({"role": "assistant", "content": None, "function_call": {"name": "calc", "arguments": ""}},
+                  {"function_call": {"arguments": '{"expression":'}}, {"function_call": {"arguments": ' "1+1"}'}}):
+        assert decoder.feed(chunk(delta)) == []
+    events = decoder.feed(chunk({}, "function_call")) + decoder.end()
+    assert events == [ToolCallOut("call_0", "calc", '{"expression": "1+1"}'),
+                      Finished("tool_calls", None, "m", "finish_reason")]
+
+
 def test_a_refusal_is_the_answer_streamed_or_whole():
     """The OpenAI API sends a model's refusal (Structured Outputs) in 'refusal' with content null, in a stream's
     deltas and in a whole completion's message: it was dropped, an empty 'stop' answer that said nothing."""

@@ -22,7 +22,9 @@ Shapes seen in the wild that are decoded too (each is a test case):
   carries a choice is an error ("reading choices"), unless its usage counts no completion token (an empty
   answer, sent as the usage chunk alone: no finish_reason, which the dispatcher reads as stop);
 - tool calls whose ``index`` repeats with a new ``id`` (Ollama sends every call
-  as index 0), or whose ``index`` is missing: a new id starts a new call;
+  as index 0), or whose ``index`` is missing: a new id starts a new call, or with no id a new function name;
+- the OpenAI API's former ``delta.function_call`` (``name``, then ``arguments`` in pieces; ``finish_reason``
+  ``function_call``): one tool call (read as the finish alone, its call was dropped);
 - ``function.arguments`` as a JSON string in pieces, or whole as a JSON object;
 - ``content: null`` (llama.cpp's role chunk), ``delta: null``, a role-only first chunk,
   the last content in the finish chunk (TGI, Ollama), ``usage`` in the finish chunk
@@ -445,6 +447,8 @@ class StreamDecoder:
                     events.append(Token(text))
             for call in delta.get("tool_calls") or []:
                 self._calls.add(call)
+            if delta.get("function_call") is not None:  # the former single call (finish_reason function_call)
+                self._calls.add({"function": delta["function_call"]})
             if choice.get("finish_reason"):
                 self.finish_reason = finish_reason_of(choice["finish_reason"], url=self.url)
                 events.extend(self._drain_calls())
