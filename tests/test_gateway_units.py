@@ -357,12 +357,18 @@ def test_stream_shapes_seen_in_the_wild_decode(case):
     ({"message": "no right", "code": 403}, "UpstreamAuthError", grpc.StatusCode.PERMISSION_DENIED),
     ({"message": "no such model", "code": 404}, "BadUpstreamRequest", grpc.StatusCode.NOT_FOUND),
     ({"message": "bad key", "type": "authentication_error"}, "UpstreamAuthError", grpc.StatusCode.UNAUTHENTICATED),
+    # Anthropic's error event ({"type": "error", "error": {"type", "message"}}) through a gateway: by its type
+    ({"type": "overloaded_error", "message": "Overloaded"}, "UpstreamServerError", grpc.StatusCode.UNAVAILABLE),
+    ({"type": "api_error", "message": "Internal server error"}, "UpstreamStreamError", grpc.StatusCode.UNAVAILABLE),
+    ({"type": "billing_error", "message": "credit balance too low"}, "UpstreamQuotaExhausted",
+     grpc.StatusCode.FAILED_PRECONDITION),
 ])
 def test_an_error_inside_the_stream_is_classified_as_the_same_answer_as_a_status(error, kind, code):
     with pytest.raises(GatewayError) as caught:
         StreamDecoder("m").feed(json.dumps({"error": error}))
     assert type(caught.value).__name__ == kind and caught.value.code == code
-    assert caught.value.retryable == (kind in ("UpstreamRateLimited", "UpstreamStreamError"))
+    assert caught.value.retryable == (kind in ("UpstreamRateLimited", "UpstreamStreamError", "UpstreamServerError"))
+    assert caught.value.refuses_load == (kind in ("UpstreamRateLimited", "UpstreamServerError"))  # a 429, a 529
 
 
 @pytest.mark.parametrize("error", [

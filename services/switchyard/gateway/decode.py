@@ -212,11 +212,14 @@ _ERROR_TYPE_STATUS = {
     "ratelimiterror": 429, "rate_limit_error": 429, "rate_limit_exceeded": 429,
     "authenticationerror": 401, "authentication_error": 401, "permissiondeniederror": 403,
     "permission_error": 403, "validation": 400, "tokenizer": 400, "overloaded": 429, "insufficient_quota": 429,
+    "overloaded_error": 529, "api_error": 500, "request_too_large": 413, "billing_error": 402,
 }
 """HTTP status of an in-stream error by its type where it carries no numeric ``code``: vLLM's
 ``BadRequestError``, OpenAI's ``invalid_request_error``, ``rate_limit_exceeded`` and ``insufficient_quota`` (its
 429 of an account out of credit), Anthropic's
-``rate_limit_error`` and ``authentication_error`` (``error.type``); TGI's ``validation``, ``tokenizer`` and
+``rate_limit_error``, ``authentication_error``, ``overloaded_error`` (its 529: the service short of capacity, which
+refuses load as an answered 529 does, not a broken stream), ``api_error`` (500), ``request_too_large`` (413) and
+``billing_error`` (402) (``error.type``, its error event's ``{"type": "error", "error": {...}}``); TGI's ``validation``, ``tokenizer`` and
 ``overloaded`` (its ``error_type`` beside an ``error`` string; TGI answers ``overloaded`` with 429)."""
 
 
