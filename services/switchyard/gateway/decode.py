@@ -29,7 +29,8 @@ Shapes seen in the wild that are decoded too (each is a test case):
 - ``content: null`` (llama.cpp's role chunk), ``delta: null``, a role-only first chunk,
   the last content in the finish chunk (TGI, Ollama), ``usage`` in the finish chunk
   (``transformers serve``, llama.cpp), in its choice (Moonshot's Kimi API: ``choices[0].usage``; read only
-  beside it, the server's counts were lost for estimates) or in a usage-only chunk after it, or nowhere;
+  beside it, the server's counts were lost for estimates), in Groq's ``x_groq.usage`` of the finish chunk, or in a
+  usage-only chunk after it, or nowhere;
   an ``id`` that changes (TGI's usage chunk has ``id: ""``) and a ``model`` other than the
   requested one: neither is checked;
 - no stream at all but the whole chat completion (``choices[].message``), as ``application/json``: a server that
@@ -409,6 +410,8 @@ class StreamDecoder:
         self.chunks += 1
         if isinstance(model := chunk.get("model"), str) and model:  # a model that is no name is not taken
             self.model = model
+        if isinstance(groq := chunk.get("x_groq"), dict):  # Groq's usage, in its extension of the finish chunk
+            self.usage = _usage(groq.get("usage")) or self.usage
         self.usage = _usage(chunk.get("usage")) or self.usage
         choices = chunk.get("choices")
         if choices is None:
