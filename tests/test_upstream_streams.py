@@ -2,7 +2,8 @@
 
 Each file under ``tests/data/upstream_streams/`` holds one server's response body exactly as
 that server writes it (its source is named in the file's ``#`` header: vLLM, SGLang, TGI,
-llama.cpp, Ollama, ``transformers serve``, the OpenAI API, and the framings around them:
+llama.cpp, Ollama, ``transformers serve``, the OpenAI API; hosted APIs and other servers in their own words:
+OpenRouter, Together AI, DeepSeek, Groq, Gemini, LitServe; and the framings around them:
 CRLF, ``: ping`` comments, ``data:`` without a space, HTTP/1.0 close-delimited bodies, cut
 streams; and LiteLLM's proxy in front of them). A TCP server on 127.0.0.1 answers the gateway's
 real request with the file's status line, Content-Type, ``header NAME`` lines and framing, then the body; the gateway's real client parses it,

@@ -13,7 +13,8 @@ or, with no marker, a body that ends cleanly after a choice carried its
 no ``[DONE]``, and the OpenAI Python SDK accepts a stream that simply ends. A body
 that ends before any ``finish_reason`` and without the marker was cut (NoEndMarker, a StreamBroken).
 The streams of vLLM, SGLang, TGI, llama.cpp, Ollama, ``transformers serve`` and the
-OpenAI API are kept byte for byte under ``tests/data/upstream_streams/``.
+OpenAI API, and of hosted APIs and servers whose words differ (OpenRouter, Together AI, DeepSeek, Groq, Gemini,
+LitServe), are kept byte for byte under ``tests/data/upstream_streams/``, each naming its source.
 
 Shapes seen in the wild that are decoded too (each is a test case):
 
