@@ -152,6 +152,7 @@ def test_an_error_beside_or_inside_a_choice_is_the_error_it_carries_not_a_failed
     upstream's message lost, and a 429 or 400 there read as a broken stream. A null error beside choices is none."""
     top = StreamDecoder("m")
     assert top.feed(chunk({"content": "hi"}, error=None)) == [Token("hi")]
+    assert top.feed(chunk({"content": "!"}, error=False)) == [Token("!")]  # a flag saying there is none
     with pytest.raises(GatewayError, match="'Provider disconnected unexpectedly'") as caught:
         top.feed(chunk({"content": ""}, "error", error={"code": "server_error",
                                                          "message": "Provider disconnected unexpectedly"}))

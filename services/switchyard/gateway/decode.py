@@ -280,12 +280,12 @@ def finish_reason_of(raw: Any, *, url: str = "") -> str:
 
 def carries_error(payload: dict[str, Any]) -> bool:
     """Whether a chunk (or a whole body) is an upstream's error object: it has ``error`` and no ``choices`` (vLLM's,
-    OpenAI's, LiteLLM's ``{"error": {...}}``), or an ``error`` that is not empty beside its ``choices``: OpenRouter
-    sends an error after tokens as a chunk of the stream with ``error`` at its top level and one choice whose
-    ``finish_reason`` is ``error`` (its API reference, "Streaming": "Handling errors during streaming"). Read by
-    its choice, the upstream's words were lost: an answer that failed "inside the server" with no word of what
-    failed."""
-    return ("error" in payload and "choices" not in payload) or payload.get("error") not in (None, "", {}, [])
+    OpenAI's, LiteLLM's ``{"error": {...}}``), or an ``error`` beside its ``choices`` that is not empty (nor null,
+    false or 0): OpenRouter sends an error after tokens as a chunk of the stream with ``error`` at its top level
+    and one choice whose ``finish_reason`` is ``error`` (its API reference, "Streaming": "Handling errors during
+    streaming"). Read by its choice, the upstream's words were lost: an answer that failed "inside the server"
+    with no word of what failed."""
+    return ("error" in payload and "choices" not in payload) or bool(payload.get("error"))
 
 
 def stream_error_status(payload: dict[str, Any]) -> int | None:
