@@ -175,6 +175,56 @@ async def test_a_request_past_its_deadline_on_the_stream_is_counted_once():
     assert done.compute_score_used > 0 and done.memory_peak_bytes > 0
 
 
+@contextlib.asynccontextmanager
+async def ends_with(ending: str) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a dispatcher whose request ends with ``ending``: "done" (the sim engine, a short answer), or
+    "failed" (an engine error after its tokens, saying what the step used: :class:`FailsAfterTokens`)."""
+    if ending == "done":
+        async with sim_dispatcher(**{"sim.decode_base_ms": FAST["sim.decode_base_ms"]}) as (_, channel):
+            yield channel
+        return
+    down = FailsAfterTokens()
+    down.words = ["a", "b"]
+    base = load_config("config", service="orchestrator")
+    async with running([down], base.server) as srv:
+        async with open_channel(f"127.0.0.1:{srv.port}") as channel:
+            yield channel
+
+
+@pytest.mark.parametrize("ending", ["done", "failed"])
+async def test_a_caller_cancelled_as_its_steps_last_item_arrives_counts_what_the_step_used(monkeypatch, ending):
+    """A task's time limit that fires as its step's done (or its error, with what it used) arrives: the caller's
+    wake-up was due, the cancellation is raised in its place, and the request had ended (no cancel to answer).
+    That last item, never read, was counted nowhere; it reaches ``on_consumed`` now. The moment is made exact by
+    cancelling the caller as the stream hands its last item over (on a shared machine it is a race)."""
+    consumer: asyncio.Task[None] | None = None
+    put = generate_stream._Request.put
+
+    def put_then_cancel(self, item):  # the caller's cancellation comes as its last item does
+        put(self, item)
+        if isinstance(item, RequestFailed) or item.HasField("done"):
+            consumer.cancel()
+
+    monkeypatch.setattr(generate_stream._Request, "put", put_then_cancel)
+    answers: list[agent_pb2.GenerateDone] = []
+    read: list[agent_pb2.GenerateChunk] = []
+    async with ends_with(ending) as channel:
+        client = GenerateStreamClient(channel)
+
+        async def consume() -> None:
+            async for chunk in client.generate(request(f"{ending}:0", max_tokens=3), 60.0,
+                                               on_consumed=answers.append):
+                read.append(chunk)
+
+        consumer = asyncio.create_task(consume())
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await client.close()
+    assert not any(chunk.HasField("done") for chunk in read)  # the caller never read its end
+    [used] = answers
+    assert used.usage.prompt_tokens > 0 and used.compute_score_used > 0 and used.memory_peak_bytes > 0
+
+
 async def test_an_upstream_cut_mid_stream_answers_what_the_step_used_and_what_it_waited_on(clean_proxy_env):
     """The openai engine's upstream cuts the stream after three tokens: over GenerateStream the error's consumed
     reaches ``on_consumed``; over Generate it comes in the switchyard-consumed-bin trailer."""

@@ -109,6 +109,17 @@ class _Request(StreamedRequest):
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(done)
 
+    def unread_end(self) -> agent_pb2.GenerateDone | None:
+        """What this request consumed, when its last item came but its caller has not read it (the caller was
+        cancelled as it came: its wake-up was due, the cancellation came first): the done chunk's, or the failure's
+        ``consumed``; None when no such item waits."""
+        if not self.items:
+            return None
+        last = self.items[-1]
+        if isinstance(last, RequestFailed):
+            return last.consumed
+        return last.done if last.HasField("done") else None
+
     def put(self, item: agent_pb2.GenerateChunk | RequestFailed) -> None:
         self.items.append(item)
         if self.waiter is not None and not self.waiter.done():
@@ -413,7 +424,9 @@ class GenerateStreamClient:
                 or the dispatcher failed it after it ran (its error's ``consumed``, before the error is raised).
                 Not called when no answer came in time, when the stream broke, or when the request never reached
                 the dispatcher or was refused there (nothing consumed). A finished request's done is the
-                caller's to count (its last chunk).
+                caller's to count (its last chunk), unless the caller is cancelled before it reads it (the
+                cancellation came as the done did): the done goes to ``on_consumed`` then, as a failure's
+                ``consumed`` unread at that moment does.
 
         Raises:
             RequestFailed: the dispatcher ended the request with an error, the stream broke
@@ -453,8 +466,13 @@ class GenerateStreamClient:
                     return
         except asyncio.CancelledError:
             answer = stream.cancel(pending)
-            if answer is not None and on_consumed is not None:
-                await _counted(answer, on_consumed)
+            if on_consumed is not None:
+                if answer is not None:
+                    await _counted(answer, on_consumed)
+                elif (unread := pending.unread_end()) is not None:
+                    # it had ended, its last item in but unread: a cancellation that came as that item woke the
+                    # caller (a task's time limit firing as its step's done arrives) is raised in place of the item
+                    on_consumed(unread)
             raise
         finally:
             stream.cancel(pending)  # nothing when it ended (done, failed, or cancelled above)
