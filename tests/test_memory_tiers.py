@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from nvml_fixtures import FakeNvml
 from registry_values import metric
@@ -412,6 +413,29 @@ async def test_a_real_out_of_memory_step_is_counted_and_the_tasks_go_on() -> Non
     assert first.finish_reason in ("stop", "length") and second.finish_reason in ("stop", "length")
     assert first.preemptions == 1 and second.preemptions == 1  # preempted, retried, not failed
     assert [t.index for t in streamed(first)] == list(range(len(first.output_tokens))), "a token was lost or repeated"
+
+
+async def test_a_prefill_that_runs_out_of_memory_reports_no_kv_held() -> None:
+    """A prefill's allocation counts while its step runs (``Request.step_kv_bytes``); a step that ran out of device
+    memory allocated nothing, and its request, failed RESOURCE_EXHAUSTED at the second such step, held no KV: its
+    ``memory_peak_bytes`` is 0, not the prompt's allocation the device refused."""
+    class OutOfMemoryError(RuntimeError):
+        """Stand-in for torch.cuda.OutOfMemoryError (no GPU here); matched by name."""
+
+    class NoRoomGpu(SimEngine):
+        async def execute_model(self, batch: StepBatch) -> StepResult:
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    config = SwitchyardConfig()
+    engine = NoRoomGpu(config)
+    loop = StepLoop(config, engine, build(engine, None))
+    loop.start()
+    req = request("oom-prefill", max_tokens=5, prompt_tokens=500, arrival=time.monotonic())
+    loop.submit(req)
+    await asyncio.wait_for(wait_done(req), 10)
+    await loop.drain()
+    assert req.status is RequestStatus.FINISHED_ERROR and req.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert req.oom_retries == 2 and req.memory_peak_bytes == 0
 
 
 async def wait_done(req: Request) -> None:

@@ -719,6 +719,7 @@ class StepLoop(LoopBase):
         except Exception as exc:  # noqa: BLE001 - every member of the step gets the error
             now = time.monotonic()
             if is_out_of_memory(exc):
+                scheduler.step_not_run(batch)  # the device refused its allocation: its prefills held none of it
                 out = scheduler.on_oom(batch.requests, now, exc)
                 self._apply_outputs(out.outputs)
             else:

@@ -313,7 +313,8 @@ class Scheduler(Protocol):
         """
 
     def step_not_run(self, batch: "StepBatch") -> None:
-        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first):
+        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first, a
+        step that ran out of device memory):
         what its composition recorded as allocated for its prefills (``Request.step_kv_bytes``) is let go."""
 
     def finish_requests(self, reqs: list[Request], status: RequestStatus, now: float,

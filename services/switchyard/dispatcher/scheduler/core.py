@@ -715,7 +715,8 @@ class SchedulerCore(KvMemory):
         return batch
 
     def step_not_run(self, batch: StepBatch) -> None:
-        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first):
+        """``batch`` was composed but computed nothing (a layer-boundary prefill whose step in flight ended first,
+        a step that ran out of device memory: its allocation was refused):
         its prefills hold no allocation of it (``step_kv_bytes`` back to 0; their next step's composition sets it)."""
         for req, _ in batch.prefill:
             req.step_kv_bytes = 0
