@@ -35,7 +35,7 @@ from switchyard_harness.bench.calldata import parse_calldata  # noqa: E402
 from switchyard_harness.bench.loadgen import LoadPlan, run_load  # noqa: E402
 from switchyard_harness.bench.report import build_report, summary_text  # noqa: E402
 from switchyard.launcher import UpProcess  # noqa: E402
-from switchyard_harness.arg_types import count, http_url, max_tokens, positive  # noqa: E402
+from switchyard_harness.arg_types import count, max_tokens, model_server_url, positive  # noqa: E402
 from switchyard_harness.testing.transformers_serve import TransformersServer, build_tiny_llama  # noqa: E402
 
 TASKS = ("chat", "rag_answer", "react_loop")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=max_tokens, default=16, help="max_tokens of each task (default 16)")
     parser.add_argument("--timeout", type=positive, default=60.0, help="deadline per call, seconds (default 60)")
     parser.add_argument("--index-dir", help="retrieval index for rag_answer (default: the config's data/index)")
-    parser.add_argument("--base-url", type=http_url, help="an OpenAI-compatible server already running (default: start "
+    parser.add_argument("--base-url", type=model_server_url, help="an OpenAI-compatible server already running (default: start "
                         "transformers serve with the tiny Llama)")
     parser.add_argument("--model", help="the model id --base-url serves")
     parser.add_argument("--model-dir", type=Path, help="where to build (or find) the tiny Llama")

@@ -13,6 +13,7 @@ import argparse
 import math
 from urllib.parse import urlsplit
 
+from switchyard.common.config.model_gateway import url_problem
 from switchyard.common.grpc_target import grpc_target
 
 
@@ -86,6 +87,19 @@ def http_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL with a host and a port in 1-65535, "
                                          f"such as http://127.0.0.1:8080, got {text!r}")
     return url.rstrip("/")
+
+
+def model_server_url(text: str) -> str:
+    """An OpenAI-compatible server's API root (``http://host:port/v1``), held to the rule ``model_gateway.base_url``
+    is (:func:`switchyard.common.config.model_gateway.url_problem`): the chat completions URL pasted for the root
+    (``.../v1/chat/completions``) was taken, then its ``/models`` could not be listed and its calls went to
+    ``.../chat/completions/chat/completions``."""
+    url = http_url(text)
+    problem = url_problem(url)
+    if problem:
+        raise argparse.ArgumentTypeError(f"expected an OpenAI-compatible server's root, such as "
+                                         f"http://127.0.0.1:8000/v1, got {text!r}: {problem}")
+    return url
 
 
 def grpc_address(text: str) -> str:

@@ -92,6 +92,7 @@ def test_bench_http_refuses_an_address_or_task_type_it_cannot_use(argv, says, ca
     (arg_types.max_tokens, "0", 0),
     (arg_types.http_url, "http://127.0.0.1:8080/", "http://127.0.0.1:8080"),
     (arg_types.http_url, "https://gateway.example", "https://gateway.example"),
+    (arg_types.model_server_url, "http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/v1"),
     (arg_types.grpc_address, "127.0.0.1:50051", "127.0.0.1:50051"),
     (arg_types.port, "0", 0),
     (arg_types.port, "65535", 65535),
@@ -107,6 +108,8 @@ def test_each_type_takes_what_its_flag_means(parse, text, value):
     (arg_types.count, "0"), (arg_types.count, "1.5"), (arg_types.max_tokens, "-1"),
     (arg_types.http_url, "localhost:8080"), (arg_types.http_url, "ftp://h:21"), (arg_types.http_url, "http://h:0"),
     (arg_types.grpc_address, "host"), (arg_types.port, "70000"), (arg_types.port, "-1"),
+    (arg_types.model_server_url, "http://h:8000/v1/chat/completions"), (arg_types.model_server_url, "http://h/v1/models"),
+    (arg_types.model_server_url, "http://u:key@h:8000/v1"), (arg_types.model_server_url, "h:8000"),
 ])
 def test_each_type_refuses_what_its_flag_cannot_mean_quoting_it(parse, text):
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text).replace("(", r"\(").replace(".", r"\.")

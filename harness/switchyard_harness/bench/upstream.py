@@ -73,7 +73,7 @@ from typing import Any
 import grpc
 
 from switchyard_harness import json_output
-from switchyard_harness.arg_types import http_url
+from switchyard_harness.arg_types import model_server_url
 from switchyard.api import agent_pb2, agent_pb2_grpc
 from switchyard_harness.bench.report import percentile
 from switchyard.common import envs
@@ -569,7 +569,7 @@ def main(argv: list[str]) -> int:
     from switchyard_harness.bench.settings import documented_names, parse_settings, resolve_key
 
     parser = parser_for("switchyard bench upstream", __doc__)
-    parser.add_argument("--base-url", type=http_url, help="an OpenAI-compatible server ending in /v1 (default: start transformers "
+    parser.add_argument("--base-url", type=model_server_url, help="an OpenAI-compatible server ending in /v1 (default: start transformers "
                         "serve with a tiny random-weight Llama)")
     parser.add_argument("--model", help="model id to request (default: the first of the server's /v1/models)")
     parser.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
