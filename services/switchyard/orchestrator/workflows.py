@@ -116,7 +116,9 @@ def early_prefill(task: Task, budget: Budget) -> asyncio.Task[None] | None:
     answer sends once the passages are in. Sent when ``orchestrator.program.rag_early_prefill`` is on, the
     task recalls no memory (history would sit between the two, and the prompt goes as messages) and the
     dispatcher's engine shares prefixes (``ModelInfo.shares_prefixes``). It runs beside the workflow and never
-    delays or fails it (:meth:`Task.prefill`). ``budget``: the task's at its start (:meth:`Task.start_budget`).
+    fails it (:meth:`Task.prefill`); one still running when the answer is out is cancelled, and the task ends once
+    the dispatcher's answer to that cancel is counted (:func:`rag_answer`: one round trip, at most
+    ``generate_stream.CANCEL_ANSWER_WAIT_S``). ``budget``: the task's at its start (:meth:`Task.start_budget`).
     """
     if not task.deps.config.orchestrator.program.rag_early_prefill or task.uses_memory:
         return None
