@@ -380,6 +380,31 @@ def test_a_request_its_deadline_ends_keeps_what_it_waited_on_and_its_error_says_
     assert "waiting for admission;" in str(queued.error)  # said once
 
 
+def test_a_request_that_never_left_the_queue_reports_its_wait_there():
+    """A request past its deadline, or cancelled, before its admission waited all its life in the inference queue:
+    what it consumed (its error's ``consumed``, its cancel's answer) says so in ``queue_wait_s``, which its task adds
+    to its ``inference`` wait. It said 0 s (the wait was set only at admission): a task that ran out of time queued
+    behind others read no inference wait at all."""
+    from switchyard.dispatcher.processor import consumed
+    from switchyard.dispatcher.request import RequestStatus
+
+    engine = SimEngine(SwitchyardConfig())
+    sched = make_scheduler(SwitchyardConfig(), engine)
+    expired = Request("late", prompt="x", prompt_tokens=10, max_tokens=5, arrival=1.0, deadline=3.5)
+    cancelled = Request("gone", prompt="x", prompt_tokens=10, max_tokens=5, arrival=1.5)
+    sched.add_request(expired, now=1.0)
+    sched.add_request(cancelled, now=1.5)
+    sched.finish_requests([cancelled], RequestStatus.FINISHED_ABORTED, now=2.0)
+    assert sched.expire_deadlines(now=4.0) == [expired]
+    assert consumed(expired).queue_wait_s == 3.0 and consumed(cancelled).queue_wait_s == 0.5
+    assert consumed(expired).usage.prompt_tokens == 0  # nothing ran: the wait is all it used
+    admitted = Request("ran", prompt="x", prompt_tokens=10, max_tokens=5, arrival=5.0)
+    accept(sched, [admitted], 5.0)
+    assert sched.schedule(now=5.25).admitted == [admitted]
+    sched.finish_requests([admitted], RequestStatus.FINISHED_ABORTED, now=9.0)
+    assert consumed(admitted).queue_wait_s == 0.25  # until its admission, not its end
+
+
 def test_the_model_server_is_named_without_credentials_query_or_fragment():
     """The config refuses credentials and a query in model_gateway.base_url; the words a message names a server by
     leave them out all the same (an endpoint's URL may come from elsewhere: DNS, an older config)."""

@@ -279,7 +279,8 @@ class Request:
     batch_size: int = 0
     flush_reason: int = agent_pb2.FLUSH_REASON_UNSPECIFIED
     queue_wait_s: float = 0.0
-    """Wait in the inference queue (double buffer and waiting set), until its first admission."""
+    """Wait in the inference queue (double buffer and waiting set), seconds: until its first admission, or until it
+    ended when it never was (cancelled, past its deadline or failed while it waited)."""
     first_token_at: float | None = None
     last_token_at: float | None = None
 

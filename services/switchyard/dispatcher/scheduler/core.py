@@ -767,6 +767,7 @@ class SchedulerCore(KvMemory):
             self.intake.remove(req)
         if not req.reached_engine:
             self._queued -= 1
+            req.queue_wait_s = max(0.0, now - req.arrival)  # all its life: what its done (or error's consumed) says
         self._end_handover(req)
         self._batch_member_done(req, now)
         if req.swap_key:  # a DRAM copy it will not come back for
