@@ -225,6 +225,39 @@ async def test_a_caller_cancelled_as_its_steps_last_item_arrives_counts_what_the
     assert used.usage.prompt_tokens > 0 and used.compute_score_used > 0 and used.memory_peak_bytes > 0
 
 
+@pytest.mark.parametrize("ending", ["done", "failed"])
+async def test_a_callers_deadline_that_fires_as_its_steps_last_item_arrives_hands_over_that_item(monkeypatch, ending):
+    """The caller's deadline timer fires, then the step's last item lands before the caller wakes: the request had
+    ended (no cancel to send, none to answer), and the caller raised DEADLINE_EXCEEDED with that item unread, the
+    step counted nowhere. The item is the caller's now: a done is read as the step's end, a failure is raised with
+    what it used handed to ``on_consumed``. The moment is made exact by firing the timer's wake-up as the stream
+    hands the last item over (on a shared machine it is a race)."""
+    put = generate_stream._Request.put
+
+    def expire_then_put(self, item):  # the deadline's timer fired first, in the same turn of the loop
+        if (isinstance(item, RequestFailed) or item.HasField("done")) and self.waiter is not None:
+            generate_stream._expire(self.waiter)
+        put(self, item)
+
+    monkeypatch.setattr(generate_stream._Request, "put", expire_then_put)
+    answers: list[agent_pb2.GenerateDone] = []
+    read: list[agent_pb2.GenerateChunk] = []
+    async with ends_with(ending) as channel:
+        client = GenerateStreamClient(channel)
+        failure = contextlib.nullcontext() if ending == "done" else pytest.raises(RequestFailed)
+        with failure as failed:
+            async for chunk in client.generate(request(f"{ending}:0", max_tokens=3), 60.0,
+                                               on_consumed=answers.append):
+                read.append(chunk)
+        await client.close()
+    if ending == "done":
+        assert read[-1].HasField("done") and answers == []  # read as its end: the caller counts it
+        return
+    assert failed.value.code == grpc.StatusCode.INTERNAL  # its own error, not a deadline
+    [used] = answers
+    assert (used.compute_score_used, used.memory_peak_bytes) == (0.75, 900)
+
+
 async def test_an_upstream_cut_mid_stream_answers_what_the_step_used_and_what_it_waited_on(clean_proxy_env):
     """The openai engine's upstream cuts the stream after three tokens: over GenerateStream the error's consumed
     reaches ``on_consumed``; over Generate it comes in the switchyard-consumed-bin trailer."""

@@ -131,7 +131,8 @@ class _Request(StreamedRequest):
             self.put(failure)
 
     async def get(self) -> agent_pb2.GenerateChunk | RequestFailed:
-        """The next item; TimeoutError at the request's deadline when none came by then."""
+        """The next item; TimeoutError at the request's deadline when none came by then (an item that came as the
+        deadline timer fired, before the caller woke, is the next item: the request had ended, or had more)."""
         while not self.items:
             loop = asyncio.get_running_loop()
             self.waiter = waiter = loop.create_future()
@@ -143,6 +144,9 @@ class _Request(StreamedRequest):
                 timer = loop.call_later(left, _expire, waiter)
             try:
                 await waiter
+            except TimeoutError:
+                if not self.items:
+                    raise
             finally:
                 self.waiter = None
                 if timer is not None:
